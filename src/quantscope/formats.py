@@ -1,0 +1,183 @@
+"""Number formats: what values a quantized element can hold, and rounding onto them.
+
+Two kinds cover every element type quantscope knows:
+
+* :class:`IntFormat` -- integers of 2 to 16 bits, signed or unsigned, optionally
+  narrow (``qmin = -qmax``).
+* :class:`FloatFormat` -- small IEEE-like floats (fp8 e4m3fn / e5m2, fp6, fp4),
+  with subnormals, saturating at the largest finite value.
+
+Both round to the nearest representable value with ties to even (``torch.round``
+is half-to-even) and saturate at the format's range keeping the sign. All
+arithmetic is float32; the results are float32 tensors holding representable
+values (quantization *codes* for integers, values for floats).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "IntFormat",
+    "FloatFormat",
+    "Format",
+    "INT2", "INT3", "INT4", "INT8", "INT16", "UINT4", "UINT8",
+    "FP8_E4M3", "FP8_E5M2", "FP6_E3M2", "FP6_E2M3", "FP4_E2M1",
+    "FORMATS",
+    "get_format",
+]
+
+
+@dataclass(frozen=True)
+class IntFormat:
+    """A ``bits``-wide integer; ``narrow`` drops the most negative code (``qmin = -qmax``)."""
+
+    bits: int
+    signed: bool = True
+    narrow: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.bits, int) or not 2 <= self.bits <= 16:
+            raise ValueError(f"IntFormat.bits must be an integer from 2 to 16, got {self.bits!r}")
+        if self.narrow and not self.signed:
+            raise ValueError("IntFormat.narrow applies to signed formats only (got signed=False)")
+
+    is_float = False
+
+    @property
+    def qmin(self) -> int:
+        if not self.signed:
+            return 0
+        return -(2 ** (self.bits - 1)) + (1 if self.narrow else 0)
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1 if self.signed else 2**self.bits - 1
+
+    @property
+    def max(self) -> float:
+        """Largest magnitude on the positive side, in code units."""
+        return float(self.qmax)
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest power of two below ``max`` (MX / BFP shared-exponent rule)."""
+        return self.bits - 2 if self.signed else self.bits - 1
+
+    @property
+    def mbits(self) -> int:
+        """Fraction bits below the leading one at full scale (amax rounding in the MX 'even' mode)."""
+        return self.emax
+
+    @property
+    def name(self) -> str:
+        return f"{'' if self.signed else 'u'}int{self.bits}{'_narrow' if self.narrow else ''}"
+
+    def round(self, x: torch.Tensor, qmin: float | None = None, qmax: float | None = None):
+        """Round half-to-even and clamp to ``[qmin, qmax]`` (the format's range by default)."""
+        lo = self.qmin if qmin is None else qmin
+        hi = self.qmax if qmax is None else qmax
+        return torch.round(x).clamp_(lo, hi)
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A small float with ``ebits`` exponent and ``mbits`` mantissa bits.
+
+    ``max`` is the largest finite value (it encodes the format's NaN / inf
+    convention: e4m3fn has no inf and gives up one mantissa code to NaN, so its
+    max is 448 rather than 480). Below ``2 ** min_exp`` values are subnormal:
+    spaced ``2 ** (min_exp - mbits)`` apart down to zero.
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    max: float
+    torch_dtype: torch.dtype | None = None
+
+    is_float = True
+    signed = True
+
+    @property
+    def bias(self) -> int:
+        return 2 ** (self.ebits - 1) - 1
+
+    @property
+    def min_exp(self) -> int:
+        """Exponent of the smallest normal value."""
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        return math.floor(math.log2(self.max))
+
+    @property
+    def qmin(self) -> float:
+        return -self.max
+
+    @property
+    def qmax(self) -> float:
+        return self.max
+
+    def round(self, x: torch.Tensor, qmin: float | None = None, qmax: float | None = None):
+        """Round float32 ``x`` to the nearest representable value, ties to even, saturating.
+
+        The spacing of representable values around ``x`` is ``2 ** (e - mbits)``
+        with ``e`` the exponent of ``x`` (at least ``min_exp``: subnormals).
+        Dividing and multiplying by a power of two is exact, so the only
+        rounding is ``torch.round`` (half to even), which is what the IEEE
+        default does. Rounding up may carry into the next binade, which is
+        representable; the clamp then saturates at ``max``.
+        """
+        x = x.float()
+        _, e = torch.frexp(x)  # x = m * 2**e with 0.5 <= |m| < 1, so the exponent is e - 1
+        e = (e - 1).clamp_(min=self.min_exp)
+        step = torch.ldexp(torch.ones_like(x), e - self.mbits)
+        q = torch.round(x / step).mul_(step)
+        return q.clamp_(-self.max if qmin is None else qmin, self.max if qmax is None else qmax)
+
+
+Format = IntFormat | FloatFormat
+
+INT2 = IntFormat(2)
+INT3 = IntFormat(3)
+INT4 = IntFormat(4)
+INT8 = IntFormat(8)
+INT16 = IntFormat(16)
+UINT4 = IntFormat(4, signed=False)
+UINT8 = IntFormat(8, signed=False)
+
+FP8_E4M3 = FloatFormat("fp8_e4m3", 4, 3, 448.0, torch.float8_e4m3fn)
+FP8_E5M2 = FloatFormat("fp8_e5m2", 5, 2, 57344.0, torch.float8_e5m2)
+FP6_E3M2 = FloatFormat("fp6_e3m2", 3, 2, 28.0)
+FP6_E2M3 = FloatFormat("fp6_e2m3", 2, 3, 7.5)
+FP4_E2M1 = FloatFormat("fp4_e2m1", 2, 1, 6.0)
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (INT2, INT3, INT4, INT8, INT16, UINT4, UINT8,
+              FP8_E4M3, FP8_E5M2, FP6_E3M2, FP6_E2M3, FP4_E2M1)
+}
+_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "e5m2": "fp8_e5m2",
+            "fp4": "fp4_e2m1", "e2m1": "fp4_e2m1", "e3m2": "fp6_e3m2", "e2m3": "fp6_e2m3"}
+
+
+def get_format(name: str | Format) -> Format:
+    """A format by name: ``int8``, ``uint4``, ``int5``, ``int8_narrow``, ``fp8_e4m3``, ``fp4`` ..."""
+    if isinstance(name, (IntFormat, FloatFormat)):
+        return name
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if key in FORMATS:
+        return FORMATS[key]
+    base, narrow = (key[: -len("_narrow")], True) if key.endswith("_narrow") else (key, False)
+    for prefix, signed in (("uint", False), ("int", True)):
+        if base.startswith(prefix) and base[len(prefix):].isdigit():
+            return IntFormat(int(base[len(prefix):]), signed=signed, narrow=narrow)
+    raise ValueError(
+        f"format: unknown name {name!r}; expected intN / uintN (N = 2..16, optional '_narrow') "
+        f"or one of {sorted(k for k in FORMATS if k.startswith('fp'))}"
+    )

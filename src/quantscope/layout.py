@@ -1,0 +1,303 @@
+"""Layouts: the only code in quantscope that knows about shapes.
+
+Every granularity is a 2-D view of the tensor, ``[units, elements]``: one row
+per set of values that share a scale. Statistics, searches and qparam
+formulas are then plain per-row math, vectorized over all units.
+
+=================================  =========================  ===================
+layout                             units                      qparam shape
+=================================  =========================  ===================
+``Tensor()``                       1                          ``(1,)``
+``Channel(axis=0)``                channels                   1 everywhere but axis
+``Group(size, axis=-1, g_idx)``    groups of every row        ``(*rest, n_groups)``
+``Token()``                        all dims but the last      ``(*leading, 1)``
+``Block(size, axis=-1)``           blocks, zero-padded        ``(*rest, n_blocks)``
+``Tile(rows, cols)``               tiles of the last 2 dims   ``(*leading, r_tiles, c_tiles)``
+=================================  =========================  ===================
+
+The per-unit results are ordered so that ``values.reshape(qparam_shape)`` is
+the qparam tensor, and ``to_shape(to_units(x), x.shape) == x`` for every layout.
+
+A group size that does not divide the axis is an error, because group
+quantization (GPTQ / AWQ checkpoints, compressed-tensors) defines groups to
+tile the axis exactly and a ragged last group has no agreed scale position.
+Blocks and tiles are padded with zeros instead, as MX / NVFP4 and
+block-wise fp8 define: zero is always representable, so padding never moves a
+range or adds error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Layout", "Tensor", "Channel", "Group", "Token", "Block", "Tile", "parse_layout"]
+
+
+def _axis(axis: int, shape: tuple[int, ...], who: str) -> int:
+    nd = len(shape)
+    if not -nd <= axis < nd:
+        raise ValueError(
+            f"{who}: axis {axis} is out of range for a tensor of shape {tuple(shape)} "
+            f"(expected -{nd} <= axis < {nd})")
+    return axis % nd
+
+
+class Layout:
+    """Maps a tensor to ``[units, elements]`` and back."""
+
+    def to_units(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_shape(self, units: torch.Tensor, shape) -> torch.Tensor:
+        raise NotImplementedError
+
+    def qparam_shape(self, shape) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def num_units(self, shape) -> int:
+        return math.prod(self.qparam_shape(shape))
+
+    def check(self, shape) -> None:
+        """Raise ``ValueError`` naming layout and shape if the tensor cannot take this layout."""
+        self.qparam_shape(tuple(shape))
+
+    @property
+    def pads(self) -> bool:
+        """Whether units may carry zero padding beyond the tensor's values."""
+        return False
+
+
+@dataclass(frozen=True)
+class Tensor(Layout):
+    """One scale for the whole tensor."""
+
+    def to_units(self, x):
+        return x.reshape(1, -1)
+
+    def to_shape(self, units, shape):
+        return units.reshape(shape)
+
+    def qparam_shape(self, shape):
+        return (1,)
+
+
+@dataclass(frozen=True)
+class Channel(Layout):
+    """One scale per index of ``axis`` (output channels of a Linear / Conv weight by default)."""
+
+    axis: int = 0
+
+    def to_units(self, x):
+        a = _axis(self.axis, x.shape, "Channel")
+        return x.movedim(a, 0).reshape(x.shape[a], -1)
+
+    def to_shape(self, units, shape):
+        a = _axis(self.axis, shape, "Channel")
+        moved = (shape[a], *shape[:a], *shape[a + 1:])
+        return units.reshape(moved).movedim(0, a)
+
+    def qparam_shape(self, shape):
+        if len(shape) == 0:
+            raise ValueError("Channel: a 0-d tensor has no channels")
+        a = _axis(self.axis, shape, "Channel")
+        return tuple(n if i == a else 1 for i, n in enumerate(shape))
+
+
+@dataclass(frozen=True)
+class Token(Layout):
+    """One scale per token: every index of all dims but the last (dynamic activations)."""
+
+    def to_units(self, x):
+        return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+
+    def to_shape(self, units, shape):
+        return units.reshape(shape)
+
+    def qparam_shape(self, shape):
+        return (*shape[:-1], 1) if len(shape) else (1,)
+
+
+class _Segments(Layout):
+    """Shared logic of Group and Block: consecutive runs of ``size`` along ``axis``."""
+
+    size: int
+    axis: int
+    _pad: bool = False
+    _name: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.size, int) or self.size <= 0:
+            raise ValueError(f"{self._name}: size must be a positive integer, got {self.size!r}")
+
+    def _geometry(self, shape):
+        if len(shape) == 0:
+            raise ValueError(f"{self._name}: a 0-d tensor cannot be split into {self._name.lower()}s")
+        a = _axis(self.axis, shape, self._name)
+        n = shape[a]
+        if not self._pad and n % self.size:
+            raise ValueError(
+                f"{self._name}: size {self.size} does not divide {n}, the size of axis {self.axis} "
+                f"of a tensor of shape {tuple(shape)}")
+        return a, n, -(-n // self.size)
+
+    def qparam_shape(self, shape):
+        a, _, count = self._geometry(shape)
+        return (*shape[:a], *shape[a + 1:], count)
+
+    def _columns(self, x):  # permutation hook for activation order
+        return x
+
+    def _uncolumns(self, x):
+        return x
+
+    def to_units(self, x):
+        a, n, count = self._geometry(x.shape)
+        x = self._columns(x.movedim(a, -1))
+        pad = count * self.size - n
+        if pad:
+            x = torch.nn.functional.pad(x, (0, pad))
+        return x.reshape(-1, self.size)
+
+    def to_shape(self, units, shape):
+        a, n, count = self._geometry(shape)
+        moved = (*shape[:a], *shape[a + 1:])
+        x = units.reshape(*moved, count * self.size)[..., :n]
+        return self._uncolumns(x).movedim(-1, a)
+
+    @property
+    def pads(self):
+        return self._pad
+
+
+@dataclass(frozen=True)
+class Group(_Segments):
+    """Groups of ``size`` consecutive values along ``axis`` (last by default).
+
+    ``g_idx`` (activation order, as GPTQ and compressed-tensors' ``actorder``
+    use it) gives the group of every column: columns are permuted by the stable
+    ``argsort(g_idx)`` before grouping and permuted back afterwards. Each group
+    must hold exactly ``size`` columns.
+    """
+
+    size: int
+    axis: int = -1
+    g_idx: torch.Tensor | None = field(default=None, compare=False, hash=False)
+    _name = "Group"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.g_idx is not None:
+            g = torch.as_tensor(self.g_idx)
+            if g.dim() != 1 or g.dtype.is_floating_point or g.is_complex():
+                raise ValueError(f"Group: g_idx must be a 1-D integer tensor, got {g.dtype} "
+                                 f"of shape {tuple(g.shape)}")
+            counts = torch.bincount(g.long().cpu(), minlength=1)
+            if g.numel() % self.size or (g.numel() and (g.min() < 0 or (counts != self.size).any())):
+                raise ValueError(
+                    f"Group: g_idx must put exactly size={self.size} columns in each group "
+                    f"0..{g.numel() // self.size - 1}; got group counts {counts.tolist()[:8]}...")
+            perm = torch.argsort(g.long(), stable=True)
+            object.__setattr__(self, "g_idx", g)
+            object.__setattr__(self, "_perm", perm)
+            object.__setattr__(self, "_inverse", torch.argsort(perm))
+
+    def _geometry(self, shape):
+        geometry = super()._geometry(shape)
+        if self.g_idx is not None and self.g_idx.numel() != geometry[1]:
+            raise ValueError(
+                f"Group: g_idx has {self.g_idx.numel()} entries but axis {self.axis} of a tensor "
+                f"of shape {tuple(shape)} has {geometry[1]}")
+        return geometry
+
+    def _columns(self, x):
+        return x if self.g_idx is None else x.index_select(-1, self._perm.to(x.device))
+
+    def _uncolumns(self, x):
+        return x if self.g_idx is None else x.index_select(-1, self._inverse.to(x.device))
+
+
+@dataclass(frozen=True)
+class Block(_Segments):
+    """Blocks of ``size`` along ``axis`` for MX (32), NVFP4 (16) and BFP (8); the tail is zero-padded."""
+
+    size: int = 32
+    axis: int = -1
+    _pad = True
+    _name = "Block"
+
+
+@dataclass(frozen=True)
+class Tile(Layout):
+    """``rows x cols`` tiles of the last two dims (block-wise fp8 weights use 128 x 128).
+
+    Edges are zero-padded. Leading dims, if any, each get their own tiles.
+    """
+
+    rows: int = 128
+    cols: int = 128
+
+    def __post_init__(self):
+        for name in ("rows", "cols"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Tile: {name} must be a positive integer, got {v!r}")
+
+    def _geometry(self, shape):
+        if len(shape) < 2:
+            raise ValueError(f"Tile: needs a tensor of at least 2 dims, got shape {tuple(shape)}")
+        r, c = shape[-2:]
+        return r, c, -(-r // self.rows), -(-c // self.cols)
+
+    def qparam_shape(self, shape):
+        _, _, rt, ct = self._geometry(shape)
+        return (*shape[:-2], rt, ct)
+
+    def to_units(self, x):
+        r, c, rt, ct = self._geometry(x.shape)
+        pr, pc = rt * self.rows - r, ct * self.cols - c
+        if pr or pc:
+            x = torch.nn.functional.pad(x, (0, pc, 0, pr))
+        x = x.reshape(-1, rt, self.rows, ct, self.cols).transpose(2, 3)
+        return x.reshape(-1, self.rows * self.cols)
+
+    def to_shape(self, units, shape):
+        r, c, rt, ct = self._geometry(shape)
+        x = units.reshape(-1, rt, ct, self.rows, self.cols).transpose(2, 3)
+        x = x.reshape(*shape[:-2], rt * self.rows, ct * self.cols)
+        return x[..., :r, :c]
+
+    @property
+    def pads(self):
+        return True
+
+
+def parse_layout(value: str | Layout) -> Layout:
+    """``"tensor"``, ``"channel"``, ``"channel:1"``, ``"group:128"``, ``"token"``, ``"block:32"``,
+    ``"tile:128x128"`` or a layout (``"group:SIZE:AXIS"`` for another axis)."""
+    if isinstance(value, Layout):
+        return value
+    name, _, arg = str(value).lower().partition(":")
+    try:
+        if name == "tensor":
+            return Tensor()
+        if name == "channel":
+            return Channel(int(arg) if arg else 0)
+        if name == "token":
+            return Token()
+        if name in ("group", "block"):
+            size, _, axis = arg.partition(":")
+            kind = Group if name == "group" else Block
+            return kind(int(size) if size else 32, int(axis) if axis else -1)
+        if name == "tile":
+            r, _, c = arg.partition("x")
+            return Tile(int(r), int(c or r)) if arg else Tile()
+    except ValueError as e:
+        if str(e).startswith(("Group", "Block", "Tile", "Channel")):
+            raise
+        raise ValueError(f"layout: cannot read {value!r}: {e}") from None
+    raise ValueError(
+        f"layout: unknown {value!r}; expected tensor, channel[:axis], group:SIZE, token, "
+        f"block[:SIZE] or tile[:RxC]")

@@ -1,0 +1,106 @@
+"""Quantization parameters from a range: the one place every scale formula lives.
+
+Given per-unit ``lo <= hi`` (any shape; results keep it), :func:`qparams_from_range`
+returns the scale, zero point and (NVFP4) global scale of a :class:`QuantSpec`:
+
+* The range is first widened to include zero, so zero is always exact.
+* Symmetric: ``scale = amax / ((qmax - qmin) / 2)`` with ``amax = max(-lo, hi)``:
+  int8 divides by 127.5 (by 127 with a narrow range), float formats by their max
+  (448 for e4m3, 6 for e2m1). Zero point 0, or mid-range for unsigned formats
+  (128 for uint8, as torch.ao's quint8).
+* Asymmetric: ``scale = (hi - lo) / (qmax - qmin)``,
+  ``zero_point = clamp(round(qmin - lo / scale), qmin, qmax)``, rounded half to even.
+* The scale is then stored in its encoding (:mod:`~quantscope.scales`) and kept at
+  least ``eps``; the zero point is computed from the stored scale.
+* MX (E8M0): ``2 ** k`` per the encoding's mode. NVFP4: a global scale from the
+  tensor's amax and e4m3 block scales ``amax_block / format_max * global``; the
+  scale that runs is ``block_scale / global_scale``.
+
+Nothing here returns NaN or inf: an all-zero unit gets the smallest scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .scales import e8m0_scale, encode_scale, nvfp4_global_scale
+from .spec import QuantSpec
+
+__all__ = ["QParams", "qparams_from_range"]
+
+
+@dataclass
+class QParams:
+    """Scale, zero point and optional global scale, shaped per the spec's layout.
+
+    ``scale`` is float32 (for NVFP4 it holds the e4m3 block scales); ``zero_point``
+    is int32; ``global_scale`` is a float32 tensor of shape ``(1,)`` or None.
+    The scale that multiplies a code is :attr:`effective_scale`.
+    """
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def effective_scale(self) -> torch.Tensor:
+        if self.global_scale is None:
+            return self.scale
+        return self.scale / self.global_scale
+
+    def to(self, *args, **kwargs) -> QParams:
+        gs = None if self.global_scale is None else self.global_scale.to(*args, **kwargs)
+        return QParams(self.scale.to(*args, **kwargs), self.zero_point.to(*args, **kwargs), gs)
+
+    def reshape(self, *shape) -> QParams:
+        return QParams(self.scale.reshape(*shape), self.zero_point.reshape(*shape),
+                       self.global_scale)
+
+    def __iter__(self):  # ``scale, zero_point = qparams`` as the references return them
+        return iter((self.scale, self.zero_point))
+
+
+def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
+                       global_amax: torch.Tensor | None = None) -> QParams:
+    """Scale and zero point for per-unit ranges ``[lo, hi]`` under ``spec``.
+
+    ``global_amax`` is NVFP4's whole-tensor absolute maximum; by default the
+    largest ``max(|lo|, |hi|)`` over the units given (all blocks of one tensor).
+    """
+    lo = torch.as_tensor(lo, dtype=torch.float32)
+    hi = torch.as_tensor(hi, dtype=torch.float32, device=lo.device)
+    if lo.shape != hi.shape:
+        raise ValueError(f"qparams_from_range: lo and hi must have one shape, got "
+                         f"{tuple(lo.shape)} and {tuple(hi.shape)}")
+    if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
+    lo = lo.clamp(max=0)
+    hi = hi.clamp(min=0)
+    fmt, enc = spec.format, spec.scale
+    qmin, qmax = float(spec.qmin), float(spec.qmax)
+    amax = torch.maximum(-lo, hi)
+    zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)
+
+    if enc.kind == "e8m0":
+        return QParams(e8m0_scale(amax, fmt, enc.mode), zero)
+    if enc.kind == "fp8_e4m3":
+        if global_amax is None:
+            global_amax = amax.max() if amax.numel() else amax.new_zeros(())
+        gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
+        block = encode_scale(amax / fmt.max * gs, enc)
+        block = torch.where(block > 0, block, torch.full_like(block, spec.min_scale))
+        return QParams(block, zero, gs.to(lo.device))
+
+    if spec.symmetric:
+        scale = amax / ((qmax - qmin) / 2)
+    else:
+        scale = (hi - lo) / (qmax - qmin)
+    scale = encode_scale(scale.clamp(min=spec.min_scale), enc)
+    if spec.symmetric:
+        if fmt.signed:
+            return QParams(scale, zero)
+        return QParams(scale, torch.full_like(zero, int(qmin + qmax + 1) // 2))
+    zp = torch.round(qmin - lo / scale).clamp_(qmin, qmax)
+    return QParams(scale, zp.to(torch.int32))

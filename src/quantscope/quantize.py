@@ -1,0 +1,93 @@
+"""quantize / dequantize / fake_quantize for every format and layout.
+
+``q = round(clamp(x / scale + zero_point, qmin, qmax))`` (half to even; float
+formats round to their nearest value and saturate) and ``x' = (q - zero_point) * scale``,
+computed in float32 on the layout's ``[units, elements]`` view, whatever the
+input dtype; results come back in the tensor's shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .qparams import QParams
+from .spec import QuantSpec
+
+__all__ = ["quantize", "dequantize", "fake_quantize", "quantize_units", "dequantize_units",
+           "fake_quantize_units"]
+
+
+def _per_unit(qparams: QParams, spec: QuantSpec, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    units = spec.layout.num_units(shape)
+    scale = qparams.effective_scale
+    if scale.numel() != units or qparams.zero_point.numel() != units:
+        raise ValueError(
+            f"qparams: scale has {scale.numel()} values and zero_point "
+            f"{qparams.zero_point.numel()}, but {spec.layout} on a tensor of shape "
+            f"{tuple(shape)} has {units} units")
+    return scale.reshape(units, 1).float(), qparams.zero_point.reshape(units, 1).float()
+
+
+def quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                   spec: QuantSpec) -> torch.Tensor:
+    """Codes of float32 ``u [U, E]`` with per-unit ``scale``, ``zero_point`` (``[U, 1]`` or broadcastable)."""
+    if spec.is_float:
+        return spec.format.round(u / scale)
+    return spec.format.round(u / scale + zero_point, spec.qmin, spec.qmax)
+
+
+def dequantize_units(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor):
+    return (q - zero_point) * scale
+
+
+def fake_quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                        spec: QuantSpec) -> torch.Tensor:
+    """``dequantize(quantize(u))`` on a units view: what the searches score candidates with."""
+    return dequantize_units(quantize_units(u, scale, zero_point, spec), scale, zero_point)
+
+
+def _check_input(x: torch.Tensor, who: str):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{who}: x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{who}: x must be a floating-point tensor, got {x.dtype}")
+
+
+def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
+    """Quantization codes of ``x`` as float32, shaped like ``x``.
+
+    Integer formats give integer-valued codes in ``[qmin, qmax]``; float formats
+    give their representable values (cast them with ``.to(torch.float8_e4m3fn)``
+    to store fp8).
+    """
+    _check_input(x, "quantize")
+    scale, zp = _per_unit(qparams, spec, x.shape)
+    u = spec.layout.to_units(x.float())
+    return spec.layout.to_shape(quantize_units(u, scale, zp, spec), x.shape)
+
+
+def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of codes ``q`` (as returned by :func:`quantize`), in ``dtype``."""
+    scale, zp = _per_unit(qparams, spec, q.shape)
+    u = spec.layout.to_units(q.float())
+    return spec.layout.to_shape(dequantize_units(u, scale, zp), q.shape).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
+                  ste: bool = False) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in ``x``'s dtype (QDQ).
+
+    With ``ste=True`` the result carries a straight-through gradient for
+    quantization-aware training: ``d out / d x`` is 1 where ``x`` lies inside the
+    quantizer's range and 0 where it was clipped (as ``torch.ao``'s FakeQuantize).
+    """
+    _check_input(x, "fake_quantize")
+    scale, zp = _per_unit(qparams, spec, x.shape)
+    u = spec.layout.to_units(x.detach().float())
+    out = spec.layout.to_shape(fake_quantize_units(u, scale, zp, spec), x.shape).to(x.dtype)
+    if not ste:
+        return out
+    t = u / scale + (0 if spec.is_float else zp)
+    inside = spec.layout.to_shape((t >= spec.qmin) & (t <= spec.qmax), x.shape)
+    return out + (x - x.detach()) * inside

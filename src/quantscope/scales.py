@@ -1,0 +1,163 @@
+"""Scale encodings: the number format a scale itself is stored in.
+
+A raw scale is a float32 ``amax / format_max``. Hardware and checkpoints store
+it in a narrower form, and the quantizer that runs uses that stored value, so
+qparams are computed through the encoding, never around it:
+
+=============  ==============================================================
+``fp32``       as computed (the default)
+``fp16``       rounded to float16 / bfloat16 (nearest, ties to even)
+``bf16``
+``pow2``       ``2 ** round|floor|ceil(log2 s)`` (Quark's power-of-two scales)
+``e8m0``       MX shared exponent ``2 ** k``, ``k`` in [-127, 127], from the
+               block amax by one of four modes (below)
+``fp8_e4m3``   NVFP4 block scale: e4m3 under a per-tensor fp32 global scale
+=============  ==============================================================
+
+E8M0 modes, with ``emax`` the element format's largest exponent
+(``floor(log2(format_max))``: 8 for e4m3, 2 for e2m1, 6 for int8 codes):
+
+* ``floor`` (OCP MX v1.0): ``k = floor(log2 amax) - emax``; values above the
+  element max saturate.
+* ``ceil``: ``k = ceil(log2 amax) - emax``; never saturates, may waste a bit.
+* ``even``: round ``amax`` to the element's precision first (half away from
+  zero, as Microsoft's microxcaling and Quark do), then ``floor``: the
+  exponent moves up exactly when the largest element would round past the
+  binade. For int8 elements this is BFP16's overflow check.
+* ``rceil`` (cuBLAS / NVIDIA): ``k = ceil(log2(amax / format_max))``: the
+  smallest power of two that keeps every element unclipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import FP8_E4M3, FloatFormat, Format
+
+__all__ = ["ScaleEncoding", "encode_scale", "e8m0_scale", "nvfp4_global_scale", "E8M0_MODES",
+           "POW2_MODES", "SCALE_KINDS"]
+
+SCALE_KINDS = ("fp32", "fp16", "bf16", "pow2", "e8m0", "fp8_e4m3")
+POW2_MODES = ("round", "floor", "ceil")
+E8M0_MODES = ("floor", "ceil", "even", "rceil")
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ScaleEncoding:
+    """How scales are stored: ``kind`` from :data:`SCALE_KINDS`, ``mode`` for pow2 / e8m0."""
+
+    kind: str = "fp32"
+    mode: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in SCALE_KINDS:
+            raise ValueError(f"scale: unknown kind {self.kind!r}; expected one of {SCALE_KINDS}")
+        allowed = {"pow2": POW2_MODES, "e8m0": E8M0_MODES}.get(self.kind, (None,))
+        mode = self.mode if self.mode is not None else allowed[0]
+        if mode not in allowed:
+            raise ValueError(
+                f"scale: mode {self.mode!r} is not valid for kind {self.kind!r}; expected one of "
+                f"{allowed}")
+        object.__setattr__(self, "mode", mode)
+
+    @property
+    def is_block(self) -> bool:
+        """E8M0 and fp8 block scales belong to block formats (MX, NVFP4, BFP)."""
+        return self.kind in ("e8m0", "fp8_e4m3")
+
+    @property
+    def has_global_scale(self) -> bool:
+        return self.kind == "fp8_e4m3"
+
+    @property
+    def default_eps(self) -> float:
+        """Smallest scale allowed: float32's eps, or fp8's for fp8 block scales."""
+        if self.kind == "fp8_e4m3":
+            return float(torch.finfo(torch.float8_e4m3fn).eps)
+        return float(torch.finfo(torch.float32).eps)
+
+    def __str__(self) -> str:
+        return self.kind if self.mode is None else f"{self.kind}:{self.mode}"
+
+    @classmethod
+    def parse(cls, value: str | ScaleEncoding) -> ScaleEncoding:
+        """``"fp32"``, ``"pow2:floor"``, ``"e8m0:rceil"`` or an encoding."""
+        if isinstance(value, ScaleEncoding):
+            return value
+        kind, _, mode = str(value).lower().partition(":")
+        return cls(kind, mode or None)
+
+
+def _exp2(k: torch.Tensor) -> torch.Tensor:
+    """Exact ``2 ** k`` for integer-valued ``k`` (float32 result)."""
+    return torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.to(torch.int32))
+
+
+def _floor_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ``floor(log2 x)`` for positive finite float32 x (via the exponent field)."""
+    return torch.frexp(x)[1] - 1
+
+
+def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    mantissa, e = torch.frexp(x)
+    return torch.where(mantissa == 0.5, e - 1, e)
+
+
+def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
+    """Round positive float32 scales to what ``encoding`` stores (fp32 / fp16 / bf16 / pow2 / fp8).
+
+    E8M0 needs the block amax and the element format: use :func:`e8m0_scale`.
+    """
+    kind = encoding.kind
+    if kind in _DTYPES:
+        return scale.to(_DTYPES[kind]).float()
+    if kind == "pow2":
+        if encoding.mode == "round":
+            return _exp2(torch.round(torch.log2(scale)))
+        return _exp2(_floor_log2(scale) if encoding.mode == "floor" else _ceil_log2(scale))
+    if kind == "fp8_e4m3":
+        return FP8_E4M3.round(scale)
+    raise ValueError(f"scale: encode_scale does not take {kind!r}; E8M0 scales come from e8m0_scale")
+
+
+def _round_to_precision(x: torch.Tensor, mbits: int) -> torch.Tensor:
+    """Round positive x to ``mbits`` fraction bits, half away from zero (microxcaling's rule)."""
+    step = _exp2(_floor_log2(x) - mbits)
+    return torch.floor(x / step + 0.5) * step
+
+
+def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Tensor:
+    """The E8M0 shared scale ``2 ** k`` of blocks with absolute maximum ``amax``.
+
+    An all-zero block (``amax == 0``) gets the smallest scale, ``2 ** -127``.
+    """
+    amax = amax.float()
+    tiny = amax <= 0
+    safe = torch.where(tiny, torch.ones_like(amax), amax)
+    if mode == "floor":
+        k = _floor_log2(safe) - fmt.emax
+    elif mode == "ceil":
+        k = _ceil_log2(safe) - fmt.emax
+    elif mode == "even":
+        k = _floor_log2(_round_to_precision(safe, fmt.mbits)) - fmt.emax
+    elif mode == "rceil":
+        k = _ceil_log2(safe / fmt.max)
+    else:
+        raise ValueError(f"scale: unknown e8m0 mode {mode!r}; expected one of {E8M0_MODES}")
+    k = torch.where(tiny, torch.full_like(k, -127), k).clamp_(-127, 127)
+    return _exp2(k)
+
+
+def nvfp4_global_scale(amax: torch.Tensor, fmt: Format, block_format: FloatFormat = FP8_E4M3):
+    """NVFP4's fp32 global scale ``block_max * format_max / amax`` (1 where amax is 0 or not finite).
+
+    It maps the tensor's absolute maximum onto the largest block scale times the
+    largest element, so block scales ``amax_block / format_max * global`` fill
+    the fp8 range.
+    """
+    amax = amax.float()
+    gs = (block_format.max * fmt.max) / amax
+    return torch.where(torch.isfinite(gs) & (amax > 0), gs, torch.ones_like(gs))

@@ -1,0 +1,123 @@
+"""QuantSpec: everything that defines a quantizer, validated once, at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .formats import Format, FloatFormat, IntFormat, get_format
+from .layout import Block, Layout, parse_layout
+from .scales import ScaleEncoding
+
+__all__ = ["QuantSpec"]
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A quantization scheme: element format, layout, symmetry and scale encoding.
+
+    Args:
+        format: an :class:`~quantscope.formats.IntFormat` / :class:`FloatFormat` or its
+            name (``"int8"``, ``"uint4"``, ``"fp8_e4m3"``, ``"fp4"``...).
+        layout: a :mod:`~quantscope.layout` object or its name (``"channel"``, ``"group:128"``).
+        symmetric: zero point fixed at 0 (mid-range for unsigned formats) if True;
+            otherwise an integer zero point from the range. Float formats are symmetric.
+        scale: how scales are stored (``"fp32"``, ``"pow2:round"``, ``"e8m0:floor"``,
+            ``"fp8_e4m3"`` for NVFP4); see :mod:`~quantscope.scales`.
+        eps: smallest scale; default float32's eps (fp8's eps for fp8 block scales).
+        quant_min, quant_max: a narrower integer code range than the format's
+            (torch.ao's ``reduce_range`` or custom ranges).
+    """
+
+    format: Format | str = "int8"
+    layout: Layout | str = "tensor"
+    symmetric: bool = True
+    scale: ScaleEncoding | str = "fp32"
+    eps: float | None = None
+    quant_min: int | None = None
+    quant_max: int | None = None
+
+    def __post_init__(self):
+        fmt = get_format(self.format)
+        layout = parse_layout(self.layout)
+        scale = ScaleEncoding.parse(self.scale)
+        object.__setattr__(self, "format", fmt)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "scale", scale)
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"QuantSpec.symmetric must be True or False, got {self.symmetric!r}")
+        if isinstance(fmt, FloatFormat) and not self.symmetric:
+            raise ValueError(
+                f"QuantSpec.symmetric: {fmt.name} is a float format and is symmetric only; "
+                f"use symmetric=True or an integer format")
+        if scale.is_block and not isinstance(layout, Block):
+            raise ValueError(
+                f"QuantSpec.layout: scale {scale} is a block scale (MX / NVFP4 / BFP) and needs a "
+                f"Block layout, got {layout}")
+        if scale.is_block and not self.symmetric:
+            raise ValueError(f"QuantSpec.symmetric: block scale {scale} is symmetric only")
+        if scale.has_global_scale and not isinstance(fmt, FloatFormat):
+            raise ValueError(
+                f"QuantSpec.format: fp8 block scales with a global scale (NVFP4) take a float "
+                f"element format, got {fmt.name}")
+        if self.eps is not None and not (isinstance(self.eps, (int, float)) and self.eps > 0):
+            raise ValueError(f"QuantSpec.eps must be a positive number, got {self.eps!r}")
+        if self.quant_min is not None or self.quant_max is not None:
+            if not isinstance(fmt, IntFormat):
+                raise ValueError(
+                    f"QuantSpec.quant_min/quant_max apply to integer formats only, got {fmt.name}")
+            lo, hi = self.qmin, self.qmax
+            if not (fmt.qmin <= lo < hi <= fmt.qmax) or int(lo) != lo or int(hi) != hi:
+                raise ValueError(
+                    f"QuantSpec.quant_min/quant_max: need integers with {fmt.qmin} <= quant_min "
+                    f"< quant_max <= {fmt.qmax} for {fmt.name}, got [{lo}, {hi}]")
+
+    @property
+    def qmin(self) -> float:
+        return self.format.qmin if self.quant_min is None else self.quant_min
+
+    @property
+    def qmax(self) -> float:
+        return self.format.qmax if self.quant_max is None else self.quant_max
+
+    @property
+    def min_scale(self) -> float:
+        return self.scale.default_eps if self.eps is None else float(self.eps)
+
+    @property
+    def is_float(self) -> bool:
+        return self.format.is_float
+
+    def replace(self, **changes) -> QuantSpec:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def __str__(self) -> str:
+        parts = [self.format.name, _layout_name(self.layout),
+                 "sym" if self.symmetric else "asym"]
+        if self.scale.kind != "fp32":
+            parts.append(f"scale={self.scale}")
+        if self.quant_min is not None or self.quant_max is not None:
+            parts.append(f"range=[{self.qmin},{self.qmax}]")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        """A JSON-able description (``QuantSpec.from_dict`` reads it back; g_idx is not kept)."""
+        return {"format": self.format.name, "layout": _layout_name(self.layout),
+                "symmetric": self.symmetric, "scale": str(self.scale), "eps": self.eps,
+                "quant_min": self.quant_min, "quant_max": self.quant_max}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantSpec:
+        return cls(**d)
+
+
+def _layout_name(layout: Layout) -> str:
+    name = type(layout).__name__.lower()
+    if name == "channel":
+        return f"channel:{layout.axis}"
+    if name in ("group", "block"):
+        return f"{name}:{layout.size}" + (f":{layout.axis}" if layout.axis != -1 else "")
+    if name == "tile":
+        return f"tile:{layout.rows}x{layout.cols}"
+    return name
+
