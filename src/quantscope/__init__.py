@@ -3,6 +3,7 @@
 from . import formats, layout, presets, scales
 from .formats import FloatFormat, IntFormat, get_format
 from .layout import Block, Channel, Group, Tensor, Tile, Token
+from .observers import Observer, get_observer, list_observers
 from .qparams import QParams, qparams_from_range
 from .quantize import dequantize, fake_quantize, quantize
 from .scales import ScaleEncoding
@@ -14,5 +15,6 @@ __all__ = [
     "QuantSpec", "QParams", "qparams_from_range", "quantize", "dequantize", "fake_quantize",
     "IntFormat", "FloatFormat", "get_format", "ScaleEncoding",
     "Tensor", "Channel", "Group", "Token", "Block", "Tile",
+    "Observer", "get_observer", "list_observers",
     "formats", "layout", "presets", "scales",
 ]
