@@ -1,0 +1,15 @@
+"""Observers: ``torch.nn.Module`` s that watch tensors and compute qparams."""
+
+from .base import Observer
+from .minmax import (
+    MemorylessMinMaxObserver,
+    MinMaxStateObserver,
+    MovingAverageMinMaxObserver,
+    PlaceholderObserver,
+    StaticMinMaxObserver,
+)
+from .registry import get_observer, list_observers, observer_class, register
+
+__all__ = ["Observer", "MinMaxStateObserver", "MemorylessMinMaxObserver",
+           "StaticMinMaxObserver", "MovingAverageMinMaxObserver", "PlaceholderObserver",
+           "get_observer", "list_observers", "observer_class", "register"]

@@ -1,0 +1,195 @@
+"""The observer base: a ``torch.nn.Module`` that watches tensors and yields qparams.
+
+``forward(x)`` validates ``x``, maps it to the spec layout's ``[units, elements]``
+view in float32, takes the per-unit min / max (the one pass every family needs)
+and hands all three to :meth:`Observer._observe`. It returns ``x`` itself, so an
+observer can sit in a forward hook or inside a model.
+
+``calculate_qparams()`` asks :meth:`Observer.calculate_range` for per-unit
+``(lo, hi)`` and turns it into :class:`~quantscope.QParams` shaped for the
+layout of the last observed tensor.
+
+Rules every subclass keeps:
+
+* State lives in registered buffers, so ``state_dict()`` saves it, ``.to()``
+  moves it and ``torch.distributed`` can reduce it. Buffers whose size depends
+  on the data start empty and are resized on first use and on load.
+* No host synchronisation in ``forward``: no ``.item()``, no Python branch on a
+  tensor value. Non-finite input is therefore *recorded* in forward (from the
+  per-unit min / max, which NaN and inf reach) and reported by
+  ``calculate_qparams`` as a ``ValueError`` naming the observer. With
+  ``non_finite="ignore"`` NaN / inf are replaced by zero before anything is
+  recorded (zero is always inside the range), counted, and a warning says how
+  many were ignored, as torch.ao and TensorRT do.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..qparams import QParams, qparams_from_range
+from ..spec import QuantSpec
+from ..stats.minmax import unit_minmax
+
+__all__ = ["Observer", "NON_FINITE_MODES"]
+
+NON_FINITE_MODES = ("error", "ignore")
+
+
+class Observer(nn.Module):
+    """Base class of every quantscope observer.
+
+    Args:
+        spec: the quantization scheme (default: int8 per-tensor symmetric).
+        non_finite: ``"error"`` (default) or ``"ignore"``; see the module doc.
+    """
+
+    #: registry name of the class (set by :func:`~quantscope.observers.registry.register`)
+    name: str = "observer"
+    #: whether the per-unit state accumulates over calls (then the unit count must not change)
+    accumulates: bool = True
+
+    def __init__(self, spec: QuantSpec | None = None, *, non_finite: str = "error"):
+        super().__init__()
+        if spec is None:
+            spec = QuantSpec()
+        if not isinstance(spec, QuantSpec):
+            raise TypeError(f"{type(self).__name__}: spec must be a QuantSpec, got "
+                            f"{type(spec).__name__}")
+        if non_finite not in NON_FINITE_MODES:
+            raise ValueError(f"{type(self).__name__}: non_finite must be one of "
+                             f"{NON_FINITE_MODES}, got {non_finite!r}")
+        self.spec = spec
+        self.non_finite = non_finite
+        self.register_buffer("observed_tokens", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("observed_shape", torch.zeros(0, dtype=torch.int64))
+        self.register_buffer("non_finite_count", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("seen_non_finite", torch.zeros((), dtype=torch.bool))
+        self._last_shape: tuple[int, ...] | None = None
+
+    # ------------------------------------------------------------------ observing
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self._who()}: expected a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{self._who()}: expected a floating-point tensor, got {x.dtype}")
+        if x.numel() == 0:
+            return x
+        layout = self.spec.layout
+        try:
+            layout.check(x.shape)
+        except ValueError as e:
+            raise ValueError(f"{self._who()}: {e}") from None
+        units = layout.to_units(x.detach().float())
+        if self.accumulates and self._last_shape is not None:
+            before = layout.num_units(self._last_shape)
+            if before != units.shape[0]:
+                raise ValueError(
+                    f"{self._who()}: {layout} gave {units.shape[0]} units for shape "
+                    f"{tuple(x.shape)}, but {before} before; a {self.name} observer keeps "
+                    f"per-unit state, so the unit count must not change (use a memoryless "
+                    f"observer for dynamic per-token ranges)")
+        if self.non_finite == "ignore":
+            bad = ~torch.isfinite(units)
+            self.non_finite_count += bad.sum()
+            units = units.masked_fill(bad, 0.0)
+        lo, hi = unit_minmax(units)
+        if self.non_finite == "error":
+            self.seen_non_finite |= ~(torch.isfinite(lo).all() & torch.isfinite(hi).all())
+        self._observe(units, lo, hi)
+        self.observed_tokens += x.numel() // x.shape[-1] if x.dim() else 1
+        self._set_shape(x.shape)
+        return x
+
+    def _set_shape(self, shape):
+        # a Python mirror of the buffer, so forward never reads a device tensor back
+        shape = tuple(shape)
+        if shape != self._last_shape:
+            self._last_shape = shape
+            self.observed_shape = torch.tensor(shape, dtype=torch.int64,
+                                               device=self.observed_shape.device)
+
+    def _observe(self, units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """Update the statistics from float32 ``units [U, E]`` and its per-unit ``lo``, ``hi``."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- computing
+    def calculate_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-unit ``(lo, hi)`` the qparams are computed from (``[U]`` tensors)."""
+        raise NotImplementedError
+
+    def global_amax(self) -> torch.Tensor | None:
+        """Whole-tensor absolute maximum for formats with a global scale (NVFP4); None: derive."""
+        return None
+
+    def calculate_qparams(self) -> QParams:
+        """Scale and zero point (and NVFP4 global scale) shaped for the last observed tensor."""
+        self.check_ready()
+        lo, hi = self.calculate_range()
+        qp = qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax())
+        return qp.reshape(self.spec.layout.qparam_shape(self.shape))
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        """Shape of the last observed tensor (None before the first)."""
+        return self._last_shape
+
+    @property
+    def has_observed(self) -> bool:
+        return self._last_shape is not None
+
+    def check_ready(self) -> None:
+        """Raise ``ValueError`` if nothing was observed or NaN / inf was seen (mode ``error``)."""
+        if not self.has_observed:
+            raise ValueError(f"{self._who()}: calculate_qparams() called before any tensor was "
+                             f"observed; call the observer on calibration data first")
+        if bool(self.seen_non_finite):
+            raise ValueError(
+                f"{self._who()}: observed NaN or inf values; fix the input or construct the "
+                f"observer with non_finite='ignore' to skip them")
+        count = int(self.non_finite_count)
+        if count:
+            warnings.warn(f"{self._who()}: ignored {count} NaN / inf values", stacklevel=3)
+
+    def reset(self) -> None:
+        """Forget everything observed."""
+        for name, buf in self.named_buffers(recurse=False):
+            if name in self._sized_buffers() or name == "observed_shape":
+                setattr(self, name, buf.new_zeros((0,) * max(buf.dim(), 1)))
+            else:
+                buf.zero_()
+        self._last_shape = None
+
+    # ------------------------------------------------------------------ helpers
+    def _sized_buffers(self) -> tuple[str, ...]:
+        """Buffers whose shape follows the data (resized on first use and on load)."""
+        return ()
+
+    def _resize(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Make buffer ``name`` the shape and device of ``like`` (zero-filled) and return it."""
+        buf = getattr(self, name)
+        if buf.shape != like.shape:
+            buf = torch.zeros_like(like, dtype=buf.dtype)
+            setattr(self, name, buf)
+        return buf
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # sized buffers take the saved shape before the copy, so a fresh observer loads any state
+        for name in (*self._sized_buffers(), "observed_shape"):
+            key = prefix + name
+            if key in state_dict and getattr(self, name).shape != state_dict[key].shape:
+                old = getattr(self, name)
+                setattr(self, name, torch.empty_like(state_dict[key], dtype=old.dtype,
+                                                     device=old.device))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        seen = int(self.observed_tokens) > 0
+        self._last_shape = tuple(self.observed_shape.tolist()) if seen else None
+
+    def _who(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.spec})"
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec}"

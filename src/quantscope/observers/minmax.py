@@ -1,0 +1,106 @@
+"""The min-max family: the range is what was seen, over one call, all calls, or an EMA."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Observer
+from .registry import register
+
+__all__ = ["MinMaxStateObserver", "MemorylessMinMaxObserver", "StaticMinMaxObserver",
+           "MovingAverageMinMaxObserver", "PlaceholderObserver"]
+
+
+class MinMaxStateObserver(Observer):
+    """An observer whose state is a per-unit ``min_vals`` / ``max_vals`` pair.
+
+    Subclasses say how a batch's per-unit ``lo`` / ``hi`` update the state
+    (:meth:`_update`); the range is the state itself.
+    """
+
+    def __init__(self, spec=None, **kwargs):
+        super().__init__(spec, **kwargs)
+        self.register_buffer("min_vals", torch.zeros(0))
+        self.register_buffer("max_vals", torch.zeros(0))
+
+    def _sized_buffers(self):
+        return ("min_vals", "max_vals")
+
+    def _observe(self, units, lo, hi):
+        if self.min_vals.shape != lo.shape:  # first call (shape, not value: no host sync)
+            self.min_vals = lo.clone()
+            self.max_vals = hi.clone()
+        else:
+            self._update(lo, hi)
+
+    def _update(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def calculate_range(self):
+        return self.min_vals, self.max_vals
+
+
+@register("memoryless_minmax")
+class MemorylessMinMaxObserver(MinMaxStateObserver):
+    """The range of the last tensor observed (weights; dynamic per-token activations)."""
+
+    accumulates = False
+
+    def _observe(self, units, lo, hi):
+        self.min_vals, self.max_vals = lo, hi
+
+
+@register("static_minmax")
+class StaticMinMaxObserver(MinMaxStateObserver):
+    """The running min and max over every tensor observed."""
+
+    def _update(self, lo, hi):
+        torch.minimum(self.min_vals, lo, out=self.min_vals)
+        torch.maximum(self.max_vals, hi, out=self.max_vals)
+
+
+@register("minmax", "moving_average_minmax")
+class MovingAverageMinMaxObserver(MinMaxStateObserver):
+    """Exponential moving average of each batch's min and max (llm-compressor's ``minmax``).
+
+    ``state += averaging_constant * (batch - state)``; the first batch
+    initialises. The zero that qparams add to the range is not averaged in.
+    """
+
+    def __init__(self, spec=None, *, averaging_constant: float = 0.01, **kwargs):
+        super().__init__(spec, **kwargs)
+        if not 0 < averaging_constant <= 1:
+            raise ValueError(f"{type(self).__name__}: averaging_constant must be in (0, 1], "
+                             f"got {averaging_constant!r}")
+        self.averaging_constant = float(averaging_constant)
+
+    def _update(self, lo, hi):
+        self.min_vals.lerp_(lo, self.averaging_constant)
+        self.max_vals.lerp_(hi, self.averaging_constant)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, averaging_constant={self.averaging_constant}"
+
+
+@register("placeholder")
+class PlaceholderObserver(Observer):
+    """For fp16 / bf16 casts: no range. qparams are scale 1, zero point 0 per unit."""
+
+    accumulates = False
+
+    def _observe(self, units, lo, hi):
+        pass
+
+    def calculate_range(self):
+        n = self.spec.layout.num_units(self.shape)
+        dev = self.observed_tokens.device
+        return torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+
+    def calculate_qparams(self):
+        self.check_ready()
+        shape = self.spec.layout.qparam_shape(self.shape)
+        from ..qparams import QParams
+
+        dev = self.observed_tokens.device
+        return QParams(torch.ones(shape, device=dev), torch.zeros(shape, dtype=torch.int32,
+                                                                  device=dev))

@@ -1,0 +1,82 @@
+"""The observer registry: names users know, mapped to classes.
+
+Native names follow llm-compressor (``minmax``, ``static_minmax``, ``mse`` ...).
+Classes that keep another toolkit's name and constructor live in
+:mod:`quantscope.compat` and register with a prefix (``"torch.ao:MinMaxObserver"``,
+``"quark:PerBlockMXObserver"``), since the same short name means different
+things in different toolkits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+__all__ = ["register", "get_observer", "list_observers", "observer_class"]
+
+_REGISTRY: dict[str, type] = {}
+_COMPAT_MODULES = ("llmcompressor", "quark", "horizon", "torch_ao")
+
+
+def register(*names: str) -> Callable[[type], type]:
+    """Class decorator: register under ``names`` (the first is the class's ``name``)."""
+
+    def wrap(cls):
+        for n in names:
+            if n.lower() in _REGISTRY and _REGISTRY[n.lower()] is not cls:
+                raise ValueError(f"register: observer name {n!r} is taken by "
+                                 f"{_REGISTRY[n.lower()].__name__}")
+            _REGISTRY[n.lower()] = cls
+        if "name" not in cls.__dict__:
+            cls.name = names[0]
+        return cls
+
+    return wrap
+
+
+def _load_all():
+    # importing the modules runs their @register decorators
+    import importlib
+
+    from .. import observers  # noqa: F401
+
+    for mod in _COMPAT_MODULES:
+        try:
+            importlib.import_module(f"quantscope.compat.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name != f"quantscope.compat.{mod}":
+                raise
+
+
+def observer_class(name: str) -> type:
+    """The class registered under ``name`` (case-insensitive)."""
+    _load_all()
+    try:
+        return _REGISTRY[name.lower()]
+    except KeyError:
+        raise ValueError(f"get_observer: unknown observer {name!r}; known: "
+                         f"{', '.join(list_observers())}") from None
+
+
+def get_observer(name: str, spec=None, **options):
+    """An observer by registry name.
+
+    Native observers take ``(spec, **options)``. Prefixed compat names
+    (``"torch.ao:MinMaxObserver"``) take their toolkit's own keyword arguments in
+    ``options``, and ``spec`` must be None.
+    """
+    cls = observer_class(name)
+    if ":" in name:
+        if spec is not None:
+            raise ValueError(f"get_observer: {name!r} is a compat class configured by its own "
+                             f"arguments; pass them as keywords, not spec")
+        return cls(**options)
+    return cls(spec, **options)
+
+
+def list_observers(prefix: str | None = None) -> list[str]:
+    """All registered names, sorted; ``prefix="torch.ao"`` keeps one toolkit's."""
+    _load_all()
+    names = sorted(_REGISTRY)
+    if prefix is not None:
+        names = [n for n in names if n.startswith(prefix.lower() + ":")]
+    return names
