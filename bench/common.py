@@ -1,0 +1,81 @@
+"""Side-by-side timing: interleaved runs, medians, ratios (these machines are noisy)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+__all__ = ["compare", "Table", "median_time"]
+
+
+def median_time(fn: Callable[[], object], repeat: int = 7, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def compare(fns: dict[str, Callable[[], object]], repeat: int = 7, warmup: int = 2,
+            min_time: float = 0.0) -> dict[str, float]:
+    """Median seconds of each function, measured interleaved (A B C A B C ...) after a warm-up.
+
+    Interleaving puts every contender under the same background load; ``min_time``
+    repeats a call in a loop until one sample takes at least that long.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    loops = {}
+    for name, fn in fns.items():
+        n, t0 = 1, time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        while dt * n < min_time and n < 10_000:
+            n *= 2
+        loops[name] = n
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            n = loops[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+class Table:
+    """A plain-text / markdown table printed as rows arrive."""
+
+    def __init__(self, title: str, columns: list[str]):
+        self.title, self.columns, self.rows = title, columns, []
+
+    def add(self, *values):
+        self.rows.append([_fmt(v) for v in values])
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
+                 "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        return "\n".join(lines) + "\n"
+
+    def print(self):
+        print(self.markdown(), flush=True)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 100 or abs(v) < 0.01:
+            return f"{v:.3g}"
+        return f"{v:.3f}"
+    return str(v)
+
