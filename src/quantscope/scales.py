@@ -8,7 +8,8 @@ qparams are computed through the encoding, never around it:
 ``fp32``       as computed (the default)
 ``fp16``       rounded to float16 / bfloat16 (nearest, ties to even)
 ``bf16``
-``pow2``       ``2 ** round|floor|ceil(log2 s)`` (Quark's power-of-two scales)
+``pow2``       ``2 ** round|floor|ceil(log2 s)`` (Quark's power-of-two scales;
+               ``round`` is exact: up iff the mantissa is at least sqrt 2)
 ``e8m0``       MX shared exponent ``2 ** k``, ``k`` in [-127, 127], from the
                block amax by one of four modes (below)
 ``fp8_e4m3``   NVFP4 block scale: e4m3 under a per-tensor fp32 global scale
@@ -36,8 +37,15 @@ import torch
 
 from .formats import FP8_E4M3, FloatFormat, Format
 
-__all__ = ["ScaleEncoding", "encode_scale", "e8m0_scale", "nvfp4_global_scale", "E8M0_MODES",
-           "POW2_MODES", "SCALE_KINDS"]
+__all__ = [
+    "E8M0_MODES",
+    "POW2_MODES",
+    "SCALE_KINDS",
+    "ScaleEncoding",
+    "e8m0_scale",
+    "encode_scale",
+    "nvfp4_global_scale",
+]
 
 SCALE_KINDS = ("fp32", "fp16", "bf16", "pow2", "e8m0", "fp8_e4m3")
 POW2_MODES = ("round", "floor", "ceil")
@@ -106,18 +114,32 @@ def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
     return torch.where(mantissa == 0.5, e - 1, e)
 
 
+_SQRT2_F32 = 1.41421353816986083984375  # float32(sqrt 2) < sqrt 2 < its float32 successor
+
+
 def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
     """Round positive float32 scales to what ``encoding`` stores (fp32 / fp16 / bf16 / pow2 / fp8).
 
-    E8M0 needs the block amax and the element format: use :func:`e8m0_scale`.
+    Positive finite scales stay positive and finite: fp16 / bf16 / pow2 saturate
+    at their largest value and stop at their smallest positive one instead of
+    overflowing to inf or flushing to 0. E8M0 needs the block amax and the
+    element format: use :func:`e8m0_scale`.
     """
     kind = encoding.kind
     if kind in _DTYPES:
-        return scale.to(_DTYPES[kind]).float()
+        info = torch.finfo(_DTYPES[kind])
+        tiny = info.smallest_normal * info.eps  # smallest subnormal
+        return scale.float().clamp(tiny, info.max).to(_DTYPES[kind]).float()
     if kind == "pow2":
         if encoding.mode == "round":
-            return _exp2(torch.round(torch.log2(scale)))
-        return _exp2(_floor_log2(scale) if encoding.mode == "floor" else _ceil_log2(scale))
+            # exact round(log2 s): up iff the mantissa is >= sqrt 2 (float32 log2 is not exact)
+            m, e = torch.frexp(scale.float())
+            k = torch.where(m * 2 > _SQRT2_F32, e, e - 1)
+        elif encoding.mode == "floor":
+            k = _floor_log2(scale)
+        else:
+            k = _ceil_log2(scale)
+        return _exp2(k.clamp_(-149, 127))
     if kind == "fp8_e4m3":
         return FP8_E4M3.round(scale)
     raise ValueError(f"scale: encode_scale does not take {kind!r}; E8M0 scales come from e8m0_scale")

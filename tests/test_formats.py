@@ -1,0 +1,180 @@
+"""Number formats, checked exhaustively against their bit-level definitions and torch's casts."""
+
+import math
+
+import pytest
+import torch
+
+from quantscope.formats import (
+    FORMATS,
+    FP4_E2M1,
+    FP6_E2M3,
+    FP6_E3M2,
+    FP8_E4M3,
+    FP8_E5M2,
+    FloatFormat,
+    IntFormat,
+    get_format,
+)
+
+FLOATS = [FP8_E4M3, FP8_E5M2, FP6_E3M2, FP6_E2M3, FP4_E2M1]
+# codes that are not finite numbers: e4m3fn gives exponent=all-ones/mantissa=all-ones to NaN
+# (no inf); e5m2 is IEEE (exponent all-ones is inf/NaN); the fp6/fp4 MX formats use every code.
+NON_FINITE = {"fp8_e4m3": lambda e, m, f: e == 2**f.ebits - 1 and m == 2**f.mbits - 1,
+              "fp8_e5m2": lambda e, m, f: e == 2**f.ebits - 1}
+EXPECTED_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "fp6_e3m2": 28.0, "fp6_e2m3": 7.5,
+                "fp4_e2m1": 6.0}
+
+
+def value_table(f: FloatFormat):
+    """Every finite non-negative value with the parity of its mantissa field, from the bit fields.
+
+    Independent of FloatFormat.round: sign / exponent / mantissa with bias 2**(ebits-1) - 1,
+    exponent field 0 is subnormal (0.m * 2**(1 - bias)).
+    """
+    bias = 2 ** (f.ebits - 1) - 1
+    out = {}
+    for e in range(2**f.ebits):
+        for m in range(2**f.mbits):
+            if NON_FINITE.get(f.name, lambda *a: False)(e, m, f):
+                continue
+            if e == 0:
+                v = m / 2**f.mbits * 2.0 ** (1 - bias)
+            else:
+                v = (1 + m / 2**f.mbits) * 2.0 ** (e - bias)
+            out[v] = m % 2 == 0
+    values = sorted(out)
+    return values, [out[v] for v in values]
+
+
+def all_bits_as_float32(dtype):
+    """Every bit pattern of a 16-bit float dtype, as float32 (NaN and inf included)."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).float()
+
+
+@pytest.mark.parametrize("f", FLOATS, ids=lambda f: f.name)
+def test_table_max_and_every_value_maps_to_itself(f):
+    values, _ = value_table(f)
+    assert max(values) == EXPECTED_MAX[f.name] == f.max
+    assert f.emax == math.floor(math.log2(f.max))
+    t = torch.tensor(values)
+    full = torch.cat([t, -t])
+    for fn in (f.round, f.round_generic):
+        assert torch.equal(fn(full), full)
+    # signed zero survives
+    assert torch.signbit(f.round(torch.tensor([-0.0]))).item()
+
+
+@pytest.mark.parametrize("f", FLOATS, ids=lambda f: f.name)
+def test_midpoints_round_to_even_mantissa_and_neighbours_to_nearest(f):
+    values, even = value_table(f)
+    lo, hi = torch.tensor(values[:-1]), torch.tensor(values[1:])
+    mid = (lo + hi) / 2  # exact in float32: at most 2 more bits than the format
+    expect = torch.where(torch.tensor(even[:-1]), lo, hi)
+    # exactly one of the two neighbours has an even mantissa
+    assert (torch.tensor(even[:-1]) != torch.tensor(even[1:])).all()
+    below = torch.nextafter(mid, lo)
+    above = torch.nextafter(mid, hi)
+    for fn in (f.round, f.round_generic):
+        assert torch.equal(fn(mid), expect)
+        assert torch.equal(fn(-mid), -expect)
+        assert torch.equal(fn(below), lo)
+        assert torch.equal(fn(above), hi)
+
+
+@pytest.mark.parametrize("f", FLOATS, ids=lambda f: f.name)
+def test_beyond_max_saturates_with_sign(f):
+    x = torch.tensor([f.max * 1.0001, f.max * 1.5, f.max * 2, 3e38, float("inf")])
+    for fn in (f.round, f.round_generic):
+        assert torch.equal(fn(x), torch.full_like(x, f.max))
+        assert torch.equal(fn(-x), torch.full_like(x, -f.max))
+    assert torch.isnan(f.round(torch.tensor([float("nan")]))).all()
+
+
+@pytest.mark.parametrize("f", FLOATS, ids=lambda f: f.name)
+def test_every_bf16_and_fp16_value_rounds_to_the_nearest_table_value(f):
+    """Brute force on 2 x 65536 inputs: nearest table value, ties to the even mantissa."""
+    values, even = value_table(f)
+    table = torch.tensor(values, dtype=torch.float64)
+    parity = torch.tensor(even)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = all_bits_as_float32(dtype)
+        x = x[torch.isfinite(x)]
+        a = x.double().abs().clamp(max=f.max)
+        d = (a[:, None] - table[None, :]).abs()
+        best = d.min(1, keepdim=True).values
+        # among the (at most two) nearest, prefer the even mantissa
+        candidates = (d == best) & (parity[None, :] | ((d == best).sum(1, keepdim=True) == 1))
+        expect = (table[candidates.float().argmax(1)] * torch.sign(x.double())).float()
+        got = f.round(x)
+        assert torch.equal(got.abs(), expect.abs())
+        assert torch.equal(torch.signbit(got), torch.signbit(x))
+        assert torch.equal(f.round_generic(x), got)
+
+
+@pytest.mark.parametrize("f", [FP8_E4M3, FP8_E5M2], ids=lambda f: f.name)
+def test_fp8_equals_torch_cast_within_range(f):
+    g = torch.Generator().manual_seed(0)
+    values, _ = value_table(f)
+    t = torch.tensor(values)
+    x = torch.cat([
+        all_bits_as_float32(torch.bfloat16), all_bits_as_float32(torch.float16),
+        (t[:-1] + t[1:]) / 2,
+        torch.randn(100_000, generator=g) * f.max / 4,
+        torch.randn(100_000, generator=g) * 2.0 ** f.min_exp,  # subnormals
+    ])
+    x = x[torch.isfinite(x) & (x.abs() <= f.max)]
+    x = torch.cat([x, -x])
+    ref = x.to(f.torch_dtype).float()
+    assert torch.equal(f.round_generic(x), ref)
+    assert torch.equal(f.round(x), ref)
+
+
+@pytest.mark.parametrize("f", FLOATS, ids=lambda f: f.name)
+def test_fast_and_generic_paths_agree_on_random_float32(f):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(50_000, generator=g) * torch.exp2(torch.randint(-20, 20, (50_000,), generator=g))
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-45, 3e38])])
+    assert torch.equal(f.round(x), f.round_generic(x))
+
+
+@pytest.mark.parametrize("bits", range(2, 17))
+@pytest.mark.parametrize("signed,narrow", [(True, False), (True, True), (False, False)])
+def test_int_ranges_and_half_to_even(bits, signed, narrow):
+    f = IntFormat(bits, signed, narrow)
+    if signed:
+        assert (f.qmin, f.qmax) == (-(2 ** (bits - 1)) + narrow, 2 ** (bits - 1) - 1)
+    else:
+        assert (f.qmin, f.qmax) == (0, 2**bits - 1)
+    assert f.max == f.qmax and 2**f.emax <= f.max < 2 ** (f.emax + 1)
+    codes = torch.arange(f.qmin, f.qmax + 1, dtype=torch.float32)
+    assert torch.equal(f.round(codes), codes)
+    halves = codes[:-1] + 0.5
+    expect = torch.where(codes[:-1] % 2 == 0, codes[:-1], codes[1:])
+    assert torch.equal(f.round(halves), expect)
+    assert torch.equal(f.round(torch.nextafter(halves, codes[1:])), codes[1:])
+    out = f.round(torch.tensor([f.qmin - 0.6, f.qmax + 0.6, -1e30, 1e30]))
+    assert out.tolist() == [f.qmin, f.qmax, f.qmin, f.qmax]
+    assert f.round(torch.tensor([5.4]), 2, 3).tolist() == [3.0]
+    assert get_format(f.name) == f
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"bits": 1}, "bits"), ({"bits": 17}, "bits"), ({"bits": 8.0}, "bits"),
+    ({"bits": 8, "signed": False, "narrow": True}, "narrow"),
+])
+def test_int_format_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        IntFormat(**kwargs)
+
+
+def test_get_format_names_and_aliases():
+    for name, f in FORMATS.items():
+        assert get_format(name) is f and get_format(f) is f
+    assert get_format("fp8") is FP8_E4M3 and get_format("E2M1") is FP4_E2M1
+    assert get_format("e3m2") is FP6_E3M2 and get_format("e2m3") is FP6_E2M3
+    assert get_format("int5") == IntFormat(5) and get_format("uint3") == IntFormat(3, False)
+    assert get_format("int4_narrow").qmin == -7
+    for bad in ("int1", "int17", "fp7", "float"):
+        with pytest.raises(ValueError, match="format"):
+            get_format(bad)
