@@ -10,6 +10,15 @@ from .minmax import (
 )
 from .registry import get_observer, list_observers, observer_class, register
 
-__all__ = ["Observer", "MinMaxStateObserver", "MemorylessMinMaxObserver",
-           "StaticMinMaxObserver", "MovingAverageMinMaxObserver", "PlaceholderObserver",
-           "get_observer", "list_observers", "observer_class", "register"]
+__all__ = [
+    "MemorylessMinMaxObserver",
+    "MinMaxStateObserver",
+    "MovingAverageMinMaxObserver",
+    "Observer",
+    "PlaceholderObserver",
+    "StaticMinMaxObserver",
+    "get_observer",
+    "list_observers",
+    "observer_class",
+    "register",
+]

@@ -34,7 +34,7 @@ from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 
-__all__ = ["Observer", "NON_FINITE_MODES"]
+__all__ = ["NON_FINITE_MODES", "Observer"]
 
 NON_FINITE_MODES = ("error", "ignore")
 
@@ -77,6 +77,8 @@ class Observer(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"{self._who()}: expected a floating-point tensor, got {x.dtype}")
         if x.numel() == 0:
+            if self.sync_every_step:  # still take part in the step's collectives
+                self._step_empty()
             return x
         layout = self.spec.layout
         try:
@@ -97,6 +99,10 @@ class Observer(nn.Module):
             self.non_finite_count += bad.sum()
             units = units.masked_fill(bad, 0.0)
         lo, hi = unit_minmax(units)
+        if self.sync_every_step:  # exchange the step's statistic with the other ranks
+            from ..distributed import step_sync
+
+            units, lo, hi = step_sync(self, units, lo, hi, self.sync_group)
         if self.non_finite == "error":
             self.seen_non_finite |= ~(torch.isfinite(lo).all() & torch.isfinite(hi).all())
         self._observe(units, lo, hi)
@@ -126,7 +132,15 @@ class Observer(nn.Module):
         return None
 
     def calculate_qparams(self) -> QParams:
-        """Scale and zero point (and NVFP4 global scale) shaped for the last observed tensor."""
+        """Scale and zero point (and NVFP4 global scale) shaped for the last observed tensor.
+
+        Compat classes override this to return their toolkit's values; :meth:`qparams`
+        always returns the native :class:`~quantscope.QParams`.
+        """
+        return self.qparams()
+
+    def qparams(self) -> QParams:
+        """The native :class:`~quantscope.QParams`, shaped for the last observed tensor."""
         self.check_ready()
         lo, hi = self.calculate_range()
         qp = qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax())
@@ -162,6 +176,37 @@ class Observer(nn.Module):
             else:
                 buf.zero_()
         self._last_shape = None
+
+    # -------------------------------------------------------------- distributed
+    #: exchange every call's statistic across processes before the update (exact moving
+    #: averages; puts collectives in forward); see :mod:`quantscope.distributed`
+    sync_every_step: bool = False
+    #: process group of the step exchange (None: the default group)
+    sync_group = None
+
+    def _sync_plan(self):
+        """How the state reduces across processes: ``{buffer: MIN | MAX | SUM | AVG}`` (from
+        :mod:`quantscope.distributed`) and ``CustomSync`` items; the base's counters and
+        flags are synced by :mod:`quantscope.distributed` itself."""
+        raise NotImplementedError
+
+    def sync(self, group=None) -> Observer:
+        """Make the state the same on every rank (no-op outside ``torch.distributed``)."""
+        from ..distributed import sync_observers
+
+        sync_observers([self], group)
+        return self
+
+    def _step_empty(self, group=None) -> None:
+        # a rank without data for this step still takes part in the step exchange
+        from ..distributed import step_sync
+
+        out = step_sync(self, None, None, None, group or self.sync_group)
+        if out is not None:
+            units, lo, hi = out
+            if self.non_finite == "error":
+                self.seen_non_finite |= ~(torch.isfinite(lo).all() & torch.isfinite(hi).all())
+            self._observe(units, lo, hi)
 
     # ------------------------------------------------------------------ helpers
     def _sized_buffers(self) -> tuple[str, ...]:

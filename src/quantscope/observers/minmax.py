@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from ..qparams import QParams
 from .base import Observer
 from .registry import register
 
-__all__ = ["MinMaxStateObserver", "MemorylessMinMaxObserver", "StaticMinMaxObserver",
-           "MovingAverageMinMaxObserver", "PlaceholderObserver"]
+__all__ = [
+    "MemorylessMinMaxObserver",
+    "MinMaxStateObserver",
+    "MovingAverageMinMaxObserver",
+    "PlaceholderObserver",
+    "StaticMinMaxObserver",
+]
 
 
 class MinMaxStateObserver(Observer):
@@ -25,6 +31,14 @@ class MinMaxStateObserver(Observer):
 
     def _sized_buffers(self):
         return ("min_vals", "max_vals")
+
+    #: the step statistic is the per-unit min / max (quantscope.distributed step sync)
+    step_stat = "minmax"
+
+    def _sync_plan(self):
+        from ..distributed import MAX, MIN
+
+        return {"min_vals": MIN, "max_vals": MAX}
 
     def _observe(self, units, lo, hi):
         if self.min_vals.shape != lo.shape:  # first call (shape, not value: no host sync)
@@ -78,6 +92,12 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
         self.min_vals.lerp_(lo, self.averaging_constant)
         self.max_vals.lerp_(hi, self.averaging_constant)
 
+    def _sync_plan(self):
+        # approximate unless sync_every_step (then exact): see quantscope.distributed
+        from ..distributed import AVG
+
+        return {"min_vals": AVG, "max_vals": AVG}
+
     def extra_repr(self):
         return f"{super().extra_repr()}, averaging_constant={self.averaging_constant}"
 
@@ -91,16 +111,17 @@ class PlaceholderObserver(Observer):
     def _observe(self, units, lo, hi):
         pass
 
+    def _sync_plan(self):
+        return {}
+
     def calculate_range(self):
         n = self.spec.layout.num_units(self.shape)
         dev = self.observed_tokens.device
         return torch.zeros(n, device=dev), torch.zeros(n, device=dev)
 
-    def calculate_qparams(self):
+    def qparams(self):
         self.check_ready()
         shape = self.spec.layout.qparam_shape(self.shape)
-        from ..qparams import QParams
-
         dev = self.observed_tokens.device
-        return QParams(torch.ones(shape, device=dev), torch.zeros(shape, dtype=torch.int32,
-                                                                  device=dev))
+        return QParams(torch.ones(shape, device=dev),
+                       torch.zeros(shape, dtype=torch.int32, device=dev))

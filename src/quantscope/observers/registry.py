@@ -9,11 +9,12 @@ things in different toolkits.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-__all__ = ["register", "get_observer", "list_observers", "observer_class"]
+__all__ = ["get_observer", "list_observers", "observer_class", "register"]
 
-_REGISTRY: dict[str, type] = {}
+_REGISTRY: dict[str, type] = {}  # lower-case name -> class
+_DISPLAY: dict[str, str] = {}  # lower-case name -> the name as registered
 _COMPAT_MODULES = ("llmcompressor", "quark", "horizon", "torch_ao")
 
 
@@ -26,6 +27,7 @@ def register(*names: str) -> Callable[[type], type]:
                 raise ValueError(f"register: observer name {n!r} is taken by "
                                  f"{_REGISTRY[n.lower()].__name__}")
             _REGISTRY[n.lower()] = cls
+            _DISPLAY[n.lower()] = n
         if "name" not in cls.__dict__:
             cls.name = names[0]
         return cls
@@ -74,9 +76,9 @@ def get_observer(name: str, spec=None, **options):
 
 
 def list_observers(prefix: str | None = None) -> list[str]:
-    """All registered names, sorted; ``prefix="torch.ao"`` keeps one toolkit's."""
+    """All registered names as registered, sorted; ``prefix="torch.ao"`` keeps one toolkit's."""
     _load_all()
-    names = sorted(_REGISTRY)
+    keys = sorted(_REGISTRY)
     if prefix is not None:
-        names = [n for n in names if n.startswith(prefix.lower() + ":")]
-    return names
+        keys = [k for k in keys if k.startswith(prefix.lower().rstrip(":") + ":")]
+    return [_DISPLAY[k] for k in keys]

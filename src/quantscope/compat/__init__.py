@@ -1,0 +1,49 @@
+"""Other toolkits' observer classes, with their own names and signatures.
+
+Each module holds thin adapters over the native observers: a toolkit's
+configuration (llm-compressor's ``QuantizationArgs``, Quark's ``QTensorConfig``,
+Horizon's and torch.ao's keywords) is translated into a :class:`~quantscope.QuantSpec`
+by ONE function per toolkit, a mixin class per toolkit turns the native
+:class:`~quantscope.QParams` into the toolkit's return values, and each class is
+``class Name(ToolkitMixin, NativeObserver)``. They register with a prefix
+(``"llmcompressor:minmax"``, ``"quark:PerBlockMXObserver"``,
+``"horizon:MinMaxObserver"``, ``"torch.ao:PerChannelMinMaxObserver"``).
+
+=====================  ===============================  ==========================
+module                 translation function             mixin
+=====================  ===============================  ==========================
+``llmcompressor``      ``llmcompressor_spec(args)``     ``LLMCompressorObserver``
+``quark``              ``quark_spec(qspec)``            ``QuarkObserver``
+``horizon``            ``horizon_spec(**kwargs)``       ``HorizonObserver``
+``torch_ao``           ``torch_ao_spec(**kwargs)``      ``TorchAOObserver``
+=====================  ===============================  ==========================
+
+A new compat class for another native observer (MSE, histogram ...) is::
+
+    @register("torch.ao:HistogramObserver")
+    class HistogramObserver(TorchAOObserver, NativeHistogramObserver):
+        def __init__(self, bins=2048, dtype=torch.quint8, ..., **kwargs):
+            super().__init__(dtype=dtype, ..., bins=bins)   # unknown keywords go to the native class
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["enum_name", "field"]
+
+
+def field(config, name: str, default=None):
+    """``config.name`` or ``config[name]``: configs are duck-typed (objects or dicts)."""
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def enum_name(value) -> str | None:
+    """Lower-case name of an enum member or string (``QuantizationStrategy.GROUP`` -> ``"group"``)."""
+    if value is None:
+        return None
+    if isinstance(value, enum.Enum):
+        value = value.value if isinstance(value.value, str) else value.name
+    return str(value).lower()

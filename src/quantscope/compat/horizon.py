@@ -1,0 +1,126 @@
+"""Horizon plugin (observer_v2) observers, with their names, keyword signatures and qparams.
+
+Horizon is symmetric only: ``scale = max(-lo, hi) / ((quant_max - quant_min) / 2)``
+(torch.ao's symmetric rule; qint8 divides by 127.5), zero point 0.
+``ch_axis=-1`` means per tensor, any other axis per channel. ``is_sync_quantize``
+all-reduces every batch's min (MIN) and max (MAX) across processes before the
+statistics are updated. ``calculate_qparams()`` returns ``(scale, zero_point)``:
+float32 scale and int64 zero point of shape ``(1,)`` per tensor, ``(C,)`` per channel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..layout import Channel, Tensor
+from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
+from ..observers.registry import register
+from ..spec import QuantSpec
+
+__all__ = [
+    "HorizonObserver",
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "MovingAveragePerChannelMinMaxObserver",
+    "horizon_spec",
+]
+
+_FORMATS = {"qint8": "int8", "qint16": "int16", "qint4": "int4", "qint32": None}
+_SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return str(dtype).lower()
+
+
+def horizon_spec(dtype="qint8", qscheme=torch.per_tensor_symmetric, ch_axis=-1, quant_min=None,
+                 quant_max=None) -> QuantSpec:
+    """The :class:`QuantSpec` of Horizon observer keywords (the one translation)."""
+    name = _dtype_name(dtype)
+    if _FORMATS.get(name) is None:
+        supported = [k for k, v in _FORMATS.items() if v]
+        raise ValueError(f"horizon: dtype must be one of {supported}, got {dtype!r}")
+    if qscheme not in _SYMMETRIC:
+        raise ValueError(f"horizon: observers are symmetric only; qscheme must be one of "
+                         f"{list(_SYMMETRIC)}, got {qscheme!r}")
+    if (quant_min is None) != (quant_max is None):
+        raise ValueError(f"horizon: give both quant_min and quant_max, got {quant_min!r} and "
+                         f"{quant_max!r}")
+    layout = Tensor() if ch_axis is None or ch_axis == -1 else Channel(ch_axis)
+    return QuantSpec(_FORMATS[name], layout, symmetric=True, quant_min=quant_min,
+                     quant_max=quant_max)
+
+
+class HorizonObserver:
+    """Mixin (put it before the native class): Horizon keywords in, Horizon qparams out.
+
+    Keywords it does not know go to the native observer's constructor.
+    """
+
+    def __init__(self, *, ch_axis=-1, dtype="qint8", qscheme=torch.per_tensor_symmetric,
+                 quant_min=None, quant_max=None, is_sync_quantize=False, factory_kwargs=None,
+                 **native):
+        spec = horizon_spec(dtype, qscheme, ch_axis, quant_min, quant_max)
+        super().__init__(spec, **native)
+        self.ch_axis, self.dtype, self.qscheme = ch_axis, dtype, qscheme
+        self.quant_min, self.quant_max = int(spec.qmin), int(spec.qmax)
+        self.is_sync_quantize = bool(is_sync_quantize)
+        device = (factory_kwargs or {}).get("device")
+        if device is not None:
+            self.to(device)
+
+    def _observe(self, units, lo, hi):
+        if self.is_sync_quantize and dist.is_available() and dist.is_initialized():
+            lo, hi = lo.clone(), hi.clone()
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        super()._observe(units, lo, hi)
+
+    def calculate_qparams(self):
+        qp = self.qparams()
+        return qp.scale.reshape(-1), qp.zero_point.reshape(-1).to(torch.int64)
+
+    def reset_min_max_vals(self) -> None:
+        self.reset()
+
+
+@register("horizon:MinMaxObserver")
+class MinMaxObserver(HorizonObserver, _NativeEMA):
+    """Horizon's MinMaxObserver: an EMA (c = 0.01) of the min / max, per tensor or per channel."""
+
+    def __init__(self, averaging_constant=0.01, ch_axis=-1, dtype="qint8",
+                 qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
+                 is_sync_quantize=False, factory_kwargs=None, **kwargs):
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
+                         quant_max=quant_max, is_sync_quantize=is_sync_quantize,
+                         factory_kwargs=factory_kwargs, averaging_constant=averaging_constant,
+                         **kwargs)
+
+
+@register("horizon:MovingAverageMinMaxObserver")
+class MovingAverageMinMaxObserver(HorizonObserver, _NativeEMA):
+    """Horizon's per-tensor EMA min / max observer."""
+
+    def __init__(self, averaging_constant=0.01, dtype="qint8",
+                 qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
+                 is_sync_quantize=False, factory_kwargs=None, **kwargs):
+        super().__init__(ch_axis=-1, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
+                         quant_max=quant_max, is_sync_quantize=is_sync_quantize,
+                         factory_kwargs=factory_kwargs, averaging_constant=averaging_constant,
+                         **kwargs)
+
+
+@register("horizon:MovingAveragePerChannelMinMaxObserver")
+class MovingAveragePerChannelMinMaxObserver(HorizonObserver, _NativeEMA):
+    """Horizon's per-channel EMA min / max observer (``ch_axis`` 0 by default)."""
+
+    def __init__(self, averaging_constant=0.01, ch_axis=0, dtype="qint8",
+                 qscheme=torch.per_channel_symmetric, quant_min=None, quant_max=None,
+                 is_sync_quantize=False, factory_kwargs=None, **kwargs):
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
+                         quant_max=quant_max, is_sync_quantize=is_sync_quantize,
+                         factory_kwargs=factory_kwargs, averaging_constant=averaging_constant,
+                         **kwargs)

@@ -1,0 +1,197 @@
+"""llm-compressor's observers, with their registry names, signatures and return values.
+
+``args`` is a compressed-tensors ``QuantizationArgs`` or a dict with its fields
+(num_bits, type, symmetric, strategy, group_size, block_structure, dynamic,
+actorder, scale_dtype, observer_kwargs). :func:`llmcompressor_spec` is the one
+translation into a :class:`~quantscope.QuantSpec`:
+
+==============  =================================================================
+strategy        layout
+==============  =================================================================
+tensor          ``Tensor()``
+channel         ``Channel(0)`` for weights (rows), ``Channel(-1)`` for activations
+group           ``Group(group_size, g_idx)`` (g_idx from the call or ``module.weight_g_idx``);
+                MX when float, group 32 and ``scale_dtype`` uint8 (E8M0 'even')
+tensor_group    ``Block(group_size)`` with fp8 block scales under a global scale (NVFP4)
+block           ``Tile(*block_structure)``
+token           ``Token()``
+attn_head       ``Channel(1)`` of ``[batch, heads, seq, head_dim]``
+==============  =================================================================
+
+Calling an observer observes the tensor and returns ``(scale, zero_point)`` as
+llm-compressor's observers did; ``get_qparams()`` returns the newer dict with
+``global_scale``. Known difference: compressed-tensors' MXFP8 rounds the block
+amax with fp4's mantissa width before taking the exponent; quantscope uses the
+element format's own (e4m3: 3 bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Block, Channel, Group, Tensor, Tile, Token
+from ..observers.minmax import MemorylessMinMaxObserver as _NativeMemoryless
+from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
+from ..observers.minmax import StaticMinMaxObserver as _NativeStatic
+from ..observers.registry import observer_class, register
+from ..spec import QuantSpec
+from . import enum_name, field
+
+__all__ = [
+    "LLMCompressorObserver",
+    "MemorylessMinMaxObserver",
+    "MinMaxObserver",
+    "Observer",
+    "StaticMinMaxObserver",
+    "llmcompressor_spec",
+]
+
+_FLOATS = {8: "fp8_e4m3", 6: "fp6_e2m3", 4: "fp4_e2m1"}
+_SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+                 "float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def _block_structure(value):
+    if isinstance(value, str):  # older compressed-tensors: "128x128"
+        value = [int(v) for v in value.lower().split("x")]
+    if value is None or len(value) != 2:
+        raise ValueError(f"llmcompressor: strategy block needs block_structure [rows, cols], "
+                         f"got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | None = None
+                       ) -> QuantSpec:
+    """The :class:`QuantSpec` of a ``QuantizationArgs`` (or dict) for ``base_name`` (the one translation)."""
+    bits = int(field(args, "num_bits", 8))
+    kind = enum_name(field(args, "type")) or "int"
+    symmetric = field(args, "symmetric", True)
+    symmetric = True if symmetric is None else bool(symmetric)
+    group_size = field(args, "group_size")
+    strategy = enum_name(field(args, "strategy"))
+    if strategy is None:  # compressed-tensors' default: group if a group size is given
+        strategy = "group" if group_size not in (None, -1) else "tensor"
+    scale_dtype = field(args, "scale_dtype")
+    if kind == "float":
+        if bits not in _FLOATS:
+            raise ValueError(f"llmcompressor: float num_bits must be one of {list(_FLOATS)}, "
+                             f"got {bits}")
+        fmt = _FLOATS[bits]
+    elif kind == "int":
+        fmt = f"int{bits}"
+    else:
+        raise ValueError(f"llmcompressor: type must be 'int' or 'float', got {kind!r}")
+    scale = "fp32"
+    if strategy == "tensor":
+        layout = Tensor()
+    elif strategy == "channel":
+        layout = Channel(0 if base_name == "weight" else -1)
+    elif strategy in ("group", "tensor_group"):
+        if not group_size or group_size < 1:
+            raise ValueError(f"llmcompressor: strategy {strategy} needs a positive group_size, "
+                             f"got {group_size!r}")
+        mx = (kind == "float" and group_size == 32 and scale_dtype in (torch.uint8, "uint8")
+              and strategy == "group")
+        if strategy == "tensor_group":
+            layout, scale = Block(group_size), "fp8_e4m3"
+        elif mx:
+            layout, scale = Block(group_size), "e8m0:even"
+        else:
+            layout = Group(group_size, -1, g_idx)
+    elif strategy == "block":
+        layout = Tile(*_block_structure(field(args, "block_structure")))
+    elif strategy == "token":
+        layout = Token()
+    elif strategy == "attn_head":
+        layout = Channel(1)
+    else:
+        raise ValueError(f"llmcompressor: unknown strategy {strategy!r}; expected tensor, "
+                         f"channel, group, tensor_group, block, token or attn_head")
+    if scale == "fp32" and scale_dtype is not None:
+        key = scale_dtype if isinstance(scale_dtype, torch.dtype) else str(scale_dtype)
+        key = key.removeprefix("torch.") if isinstance(key, str) else key
+        if key in (torch.float8_e4m3fn, "float8_e4m3fn"):
+            raise ValueError("llmcompressor: fp8 scales need strategy tensor_group (NVFP4)")
+        scale = _SCALE_DTYPES.get(key, "fp32")
+    return QuantSpec(fmt, layout, symmetric=symmetric, scale=scale)
+
+
+class Observer:
+    """llm-compressor's observer base (a mixin: put it before the native class).
+
+    ``(base_name, args, module=None, **observer_kwargs)``; keywords named in
+    :attr:`native_options` (from ``args.observer_kwargs`` or the call) go to the
+    native observer.
+    """
+
+    #: observer_kwargs forwarded to the native observer's constructor
+    native_options: tuple[str, ...] = ()
+
+    def __init__(self, base_name: str, args, module: torch.nn.Module | None = None,
+                 **observer_kwargs):
+        kwargs = dict(field(args, "observer_kwargs") or {})
+        kwargs.update(observer_kwargs)
+        g_idx = None
+        if module is not None and enum_name(field(args, "strategy")) == "group":
+            g_idx = getattr(module, f"{base_name}_g_idx", None)
+        spec = llmcompressor_spec(args, base_name, g_idx)
+        super().__init__(spec, **{k: kwargs[k] for k in self.native_options if k in kwargs})
+        self.base_name, self.args, self.observer_kwargs = base_name, args, kwargs
+        self.module = None if module is None else [module]  # not a submodule
+
+    @classmethod
+    def load_from_registry(cls, name: str, **kwargs):
+        """The class registered as ``"llmcompressor:" + name``, constructed with ``kwargs``."""
+        return observer_class(f"llmcompressor:{name}")(**kwargs)
+
+    @property
+    def is_weight_obs(self) -> bool:
+        return self.base_name == "weight"
+
+    @torch.no_grad()
+    def forward(self, observed: torch.Tensor, g_idx: torch.Tensor | None = None,
+                global_scale: torch.Tensor | None = None):
+        """Observe ``observed`` and return ``(scale, zero_point)`` for it."""
+        if g_idx is not None and isinstance(self.spec.layout, Group):
+            self.spec = self.spec.replace(layout=Group(self.spec.layout.size, -1, g_idx))
+        if global_scale is not None:
+            raise NotImplementedError("llmcompressor: pass NVFP4 tensors whole; the global "
+                                      "scale is derived from the observed absmax")
+        super().forward(observed)
+        if not self.has_observed:  # empty tensor
+            return None
+        qp = self.qparams()
+        return qp.scale, qp.zero_point
+
+    def get_qparams(self) -> dict:
+        """``{"scale", "zero_point", "global_scale"}`` from the statistics (the newer API)."""
+        qp = self.qparams()
+        return {"scale": qp.scale, "zero_point": qp.zero_point, "global_scale": qp.global_scale}
+
+    def get_global_scale(self, observed: torch.Tensor | None = None) -> torch.Tensor | None:
+        """NVFP4's global scale (observing ``observed`` first if given); None for other strategies."""
+        if observed is not None:
+            super().forward(observed)
+        if not self.spec.scale.has_global_scale:
+            return None
+        return self.qparams().global_scale
+
+
+LLMCompressorObserver = Observer
+
+
+@register("llmcompressor:memoryless_minmax")
+class MemorylessMinMaxObserver(Observer, _NativeMemoryless):
+    """The min / max of the last observed value."""
+
+
+@register("llmcompressor:static_minmax")
+class StaticMinMaxObserver(Observer, _NativeStatic):
+    """The min / max of all observed values."""
+
+
+@register("llmcompressor:minmax")
+class MinMaxObserver(Observer, _NativeEMA):
+    """Moving average of min / max (``averaging_constant`` from observer_kwargs, default 0.01)."""
+
+    native_options = ("averaging_constant",)

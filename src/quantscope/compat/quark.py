@@ -1,0 +1,221 @@
+"""AMD Quark's observers, with their names, ``(qspec, device=None)`` signature and qparams.
+
+``qspec`` is Quark's ``QTensorConfig`` or a dict / object with its fields: dtype,
+qscheme (per_tensor / per_channel / per_group), ch_axis, group_size, symmetric,
+round_method, scale_type, scale_format (float32 / e8m0 / e4m3),
+scale_calculation_mode (even / floor / ceil), mx_element_dtype, is_dynamic.
+Enums or their string values both work.
+
+Quark returns ``(scale, zero_point)``: the scale in its ``scale_type`` dtype
+(float32 unless float16 / bfloat16 is asked), shaped ``(1,)`` per tensor, ``(C,)``
+per channel, ``(rows, groups)`` per group / block; the zero point int32 for
+integers, a float zero tensor for float and block formats.
+
+Known differences: ``round_method`` other than half_even is not supported; BFP16
+uses the native 'even' E8M0 rule, which bumps the exponent when the block's largest
+magnitude rounds to 128 on either sign (Quark checks positive overflow only, and
+keeps doubling its running amax across calls).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Block, Channel, Group, Tensor
+from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
+from ..observers.minmax import PlaceholderObserver as _NativePlaceholder
+from ..observers.registry import register
+from ..spec import QuantSpec
+from . import enum_name, field
+
+__all__ = [
+    "PerBlockBFPObserver",
+    "PerBlockMXObserver",
+    "PerChannelMinMaxObserver",
+    "PerGroupMinMaxObserver",
+    "PerTensorMinMaxObserver",
+    "PlaceholderObserver",
+    "QuarkObserver",
+    "UniformScalingObserver",
+    "quark_spec",
+]
+
+_INT = {"int2", "int3", "int4", "int8", "int16", "uint4", "uint8"}
+_FLOAT = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp6_e3m2": "fp6_e3m2",
+          "fp6_e2m3": "fp6_e2m3", "fp4": "fp4_e2m1"}
+_CAST = {"float16", "bfloat16"}
+_SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def quark_spec(qspec) -> QuantSpec:
+    """The :class:`QuantSpec` of a Quark ``QTensorConfig`` (object or dict; the one translation).
+
+    Casts (float16 / bfloat16) give an fp32 per-tensor spec: they need no range.
+    """
+    dtype = enum_name(field(qspec, "dtype"))
+    qscheme = enum_name(field(qspec, "qscheme")) or "per_tensor"
+    ch_axis = field(qspec, "ch_axis")
+    group_size = field(qspec, "group_size")
+    symmetric = field(qspec, "symmetric")
+    symmetric = True if symmetric is None else bool(symmetric)
+    scale_format = enum_name(field(qspec, "scale_format")) or "float32"
+    mode = enum_name(field(qspec, "scale_calculation_mode")) or "even"
+    round_method = enum_name(field(qspec, "round_method"))
+    if round_method not in (None, "half_even", "8"):
+        raise ValueError(f"quark: round_method {round_method!r} is not supported; "
+                         f"quantscope rounds half to even")
+    if dtype in _CAST:
+        return QuantSpec("int8", Tensor())
+    if dtype == "bfp16":
+        return QuantSpec("int8_narrow", Block(group_size or 8, -1 if ch_axis is None else ch_axis),
+                         scale="e8m0:even")
+    if dtype == "mx":
+        element = enum_name(field(qspec, "mx_element_dtype"))
+        if element not in _FLOAT and element != "int8":
+            raise ValueError(f"quark: mx_element_dtype must be one of {[*_FLOAT, 'int8']}, "
+                             f"got {element!r}")
+        fmt = "int8_narrow" if element == "int8" else _FLOAT[element]
+        return QuantSpec(fmt, Block(group_size or 32, -1 if ch_axis is None else ch_axis),
+                         scale=f"e8m0:{mode}")
+    if dtype in _FLOAT:
+        fmt = _FLOAT[dtype]
+    elif dtype in _INT:
+        fmt = dtype
+    else:
+        raise ValueError(f"quark: dtype {dtype!r} is not supported; expected one of "
+                         f"{sorted(_INT | set(_FLOAT) | _CAST | {'mx', 'bfp16'})}")
+    if scale_format in ("e8m0", "e4m3"):  # block scales: MX via per_group, two-level fp8 (NVFP4)
+        if qscheme != "per_group" or not group_size:
+            raise ValueError(f"quark: scale_format {scale_format!r} needs qscheme per_group "
+                             f"with a group_size, got {qscheme!r}, group_size={group_size!r}")
+        scale = f"e8m0:{mode}" if scale_format == "e8m0" else "fp8_e4m3"
+        return QuantSpec(fmt, Block(group_size, -1 if ch_axis is None else ch_axis),
+                         scale=scale)
+    if scale_format != "float32":
+        raise ValueError(f"quark: scale_format must be float32, e8m0 or e4m3, got "
+                         f"{scale_format!r}")
+    if qscheme == "per_tensor":
+        layout = Tensor()
+    elif qscheme == "per_channel":
+        layout = Channel(0 if ch_axis is None else ch_axis)
+    elif qscheme == "per_group":
+        if not group_size:
+            raise ValueError("quark: qscheme per_group needs a group_size")
+        layout = Group(group_size, -1 if ch_axis is None else ch_axis)
+    else:
+        raise ValueError(f"quark: qscheme must be per_tensor, per_channel or per_group, got "
+                         f"{qscheme!r}")
+    return QuantSpec(fmt, layout, symmetric=symmetric if dtype in _INT else True)
+
+
+class QuarkObserver:
+    """Mixin (put it before the native class): a Quark qspec in, Quark's qparams out.
+
+    Keywords after ``device`` go to the native observer's constructor.
+    """
+
+    def __init__(self, qspec, device: torch.device | None = None, **native):
+        super().__init__(quark_spec(qspec), **native)
+        self.qspec = qspec
+        self.dtype = field(qspec, "dtype")
+        self.is_dynamic = bool(field(qspec, "is_dynamic"))
+        self.scale_format = enum_name(field(qspec, "scale_format"))
+        self.scale_calculation_mode = enum_name(field(qspec, "scale_calculation_mode"))
+        scale_type = enum_name(field(qspec, "scale_type"))
+        self.scale_torch_dtype = _SCALE_DTYPES.get(scale_type, torch.float32)
+        if device is not None:
+            self.to(device)
+
+    @property
+    def _num_observed_tokens(self) -> int:
+        return int(self.observed_tokens)
+
+    def _calculate_qparams(self):
+        qp = self.qparams()
+        scale, zp = qp.effective_scale, qp.zero_point
+        lay = self.spec.layout
+        if isinstance(lay, Tensor | Channel):
+            scale, zp = scale.reshape(-1), zp.reshape(-1)
+        else:  # groups / blocks: (rows, groups per row)
+            scale, zp = scale.reshape(-1, scale.shape[-1]), zp.reshape(-1, zp.shape[-1])
+        if self.spec.is_float or self.spec.scale.is_block:
+            zp = torch.zeros_like(scale)
+        return scale.to(self.scale_torch_dtype), zp
+
+    def calculate_qparams(self, min_val: torch.Tensor | None = None,
+                          max_val: torch.Tensor | None = None):
+        """Quark's ``calculate_qparams()``; with ``(min_val, max_val)`` it prices a given range."""
+        if min_val is None and max_val is None:
+            return self._calculate_qparams()
+        from ..qparams import qparams_from_range
+
+        qp = qparams_from_range(min_val.float(), max_val.float(), self.spec)
+        zp = torch.zeros_like(qp.scale) if self.spec.is_float else qp.zero_point
+        return qp.effective_scale.to(self.scale_torch_dtype), zp
+
+    def reset_state(self) -> None:
+        self.reset()
+
+    def reset_min_max_vals(self) -> None:
+        self.reset()
+
+
+class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
+    """Running min / max, or the last call's with ``is_dynamic`` (Quark keeps both in one class)."""
+
+    @property
+    def accumulates(self):
+        return not self.is_dynamic
+
+    def _observe(self, units, lo, hi):
+        if self.is_dynamic:
+            MemorylessMinMaxObserver._observe(self, units, lo, hi)
+        else:
+            StaticMinMaxObserver._observe(self, units, lo, hi)
+
+    @property
+    def min_val(self):
+        return self.min_vals
+
+    @property
+    def max_val(self):
+        return self.max_vals
+
+
+@register("quark:PlaceholderObserver")
+class PlaceholderObserver(QuarkObserver, _NativePlaceholder):
+    """For float16 / bfloat16 casts: passes tensors through, no qparams."""
+
+    def _calculate_qparams(self):
+        return None
+
+
+@register("quark:UniformScalingObserver")
+class UniformScalingObserver(_DynamicOrStatic):
+    """Quark's base of uniform int / fp8 scaling: min / max over the spec's layout."""
+
+
+@register("quark:PerTensorMinMaxObserver")
+class PerTensorMinMaxObserver(_DynamicOrStatic):
+    """Running (static) or last (dynamic) per-tensor min / max."""
+
+
+@register("quark:PerChannelMinMaxObserver")
+class PerChannelMinMaxObserver(_DynamicOrStatic):
+    """Running (static) or last (dynamic) min / max per channel along ``ch_axis``."""
+
+
+@register("quark:PerGroupMinMaxObserver")
+class PerGroupMinMaxObserver(_DynamicOrStatic):
+    """Min / max per group of ``group_size`` along ``ch_axis``."""
+
+
+@register("quark:PerBlockMXObserver")
+class PerBlockMXObserver(_DynamicOrStatic):
+    """MX: per-block absmax, E8M0 shared scale by ``scale_calculation_mode`` (even by default)."""
+
+
+@register("quark:PerBlockBFPObserver")
+class PerBlockBFPObserver(_DynamicOrStatic):
+    """BFP16: blocks of 8, shared exponent with the overflow check ('even' E8M0, int8 codes)."""
+

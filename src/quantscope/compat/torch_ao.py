@@ -1,0 +1,164 @@
+"""torch.ao.quantization's observers, with its names, signatures and qparams.
+
+``calculate_qparams()`` returns ``(scale, zero_point)`` as torch.ao does: float32
+scale and int64 zero point of shape ``(1,)`` per tensor, ``(C,)`` per channel;
+quint8 gets zero point 128 when symmetric; ``reduce_range`` drops one bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Channel, Tensor
+from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
+from ..observers.minmax import StaticMinMaxObserver
+from ..observers.registry import register
+from ..spec import QuantSpec
+
+__all__ = [
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "MovingAveragePerChannelMinMaxObserver",
+    "PerChannelMinMaxObserver",
+    "TorchAOObserver",
+    "torch_ao_spec",
+]
+
+EPS = torch.finfo(torch.float32).eps
+_FORMATS = {torch.qint8: "int8", torch.quint8: "uint8", torch.int8: "int8", torch.uint8: "uint8",
+            torch.quint4x2: "uint4", torch.int16: "int16", torch.uint16: "uint16"}
+_SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
+_PER_CHANNEL = (torch.per_channel_symmetric, torch.per_channel_affine)
+_SUPPORTED = (*_SYMMETRIC, torch.per_tensor_affine, torch.per_channel_affine)
+
+
+def torch_ao_spec(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=False,
+                  quant_min=None, quant_max=None, eps=EPS, ch_axis=0) -> QuantSpec:
+    """The :class:`QuantSpec` of torch.ao observer arguments (the one translation)."""
+    if dtype not in _FORMATS:
+        raise ValueError(f"torch.ao: dtype must be one of {list(_FORMATS)}, got {dtype!r}")
+    if qscheme not in _SUPPORTED:
+        raise ValueError(f"torch.ao: qscheme must be one of {list(_SUPPORTED)}, got {qscheme!r}")
+    fmt = _FORMATS[dtype]
+    if reduce_range and fmt.startswith("u") and qscheme in _SYMMETRIC:
+        raise NotImplementedError("torch.ao: cannot reduce range for symmetric quantization "
+                                  "of an unsigned dtype")
+    if quant_min is None and quant_max is None:
+        if reduce_range:  # one bit less: qint8 [-64, 63], quint8 [0, 127]
+            bits = int(fmt.lstrip("uint"))
+            if fmt.startswith("u"):
+                quant_min, quant_max = 0, 2 ** (bits - 1) - 1
+            else:
+                quant_min, quant_max = -(2 ** (bits - 2)), 2 ** (bits - 2) - 1
+    elif quant_min is None or quant_max is None:
+        raise ValueError(f"torch.ao: give both quant_min and quant_max, got {quant_min!r} and "
+                         f"{quant_max!r}")
+    layout = Channel(ch_axis) if qscheme in _PER_CHANNEL else Tensor()
+    return QuantSpec(fmt, layout, symmetric=qscheme in _SYMMETRIC, eps=float(eps),
+                     quant_min=quant_min, quant_max=quant_max)
+
+
+class TorchAOObserver:
+    """Mixin (put it before the native class): torch.ao keywords in, torch.ao qparams out.
+
+    Keywords it does not know go to the native observer's constructor.
+    """
+
+    def __init__(self, *, dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=False,
+                 quant_min=None, quant_max=None, factory_kwargs=None, eps=EPS, is_dynamic=False,
+                 ch_axis=0, **native):
+        if is_dynamic:
+            raise NotImplementedError(f"{type(self).__name__}: is_dynamic is not supported")
+        spec = torch_ao_spec(dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis)
+        super().__init__(spec, **native)
+        self.dtype, self.qscheme, self.reduce_range = dtype, qscheme, reduce_range
+        self.quant_min, self.quant_max = int(spec.qmin), int(spec.qmax)
+        self.ch_axis = ch_axis
+        self.is_dynamic = is_dynamic
+        device = (factory_kwargs or {}).get("device")
+        if device is not None:
+            self.to(device)
+
+    def calculate_qparams(self):
+        qp = self.qparams()  # torch.ao: int64 zero points when symmetric, int32 when affine
+        zp_dtype = torch.int64 if self.spec.symmetric else torch.int32
+        return qp.scale.reshape(-1), qp.zero_point.reshape(-1).to(zp_dtype)
+
+    @property
+    def min_val(self) -> torch.Tensor:
+        return self._range_view(0)
+
+    @property
+    def max_val(self) -> torch.Tensor:
+        return self._range_view(1)
+
+    def _range_view(self, i):
+        if not self.has_observed:  # torch.ao's initial state
+            return torch.tensor(float("inf") if i == 0 else float("-inf"))
+        v = self.calculate_range()[i]
+        return v.reshape(()) if isinstance(self.spec.layout, Tensor) else v
+
+    def reset_min_max_vals(self) -> None:
+        self.reset()
+
+
+@register("torch.ao:MinMaxObserver")
+class MinMaxObserver(TorchAOObserver, StaticMinMaxObserver):
+    """Running min / max per tensor (torch.ao.quantization.MinMaxObserver)."""
+
+    def __init__(self, dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=False,
+                 quant_min=None, quant_max=None, factory_kwargs=None, eps=EPS, is_dynamic=False,
+                 **kwargs):
+        if qscheme in _PER_CHANNEL:
+            raise NotImplementedError(f"{type(self).__name__}: per-channel qscheme {qscheme}; "
+                                      f"use PerChannelMinMaxObserver")
+        super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
+                         quant_min=quant_min, quant_max=quant_max, factory_kwargs=factory_kwargs,
+                         eps=eps, is_dynamic=is_dynamic, **kwargs)
+
+
+@register("torch.ao:MovingAverageMinMaxObserver")
+class MovingAverageMinMaxObserver(TorchAOObserver, _NativeEMA):
+    """EMA of the per-tensor min / max, c = 0.01 (torch.ao's MovingAverageMinMaxObserver)."""
+
+    def __init__(self, averaging_constant=0.01, dtype=torch.quint8,
+                 qscheme=torch.per_tensor_affine, reduce_range=False, quant_min=None,
+                 quant_max=None, eps=EPS, is_dynamic=False, **kwargs):
+        if qscheme in _PER_CHANNEL:
+            raise NotImplementedError(f"{type(self).__name__}: per-channel qscheme {qscheme}; "
+                                      f"use MovingAveragePerChannelMinMaxObserver")
+        super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
+                         quant_min=quant_min, quant_max=quant_max, eps=eps,
+                         is_dynamic=is_dynamic, averaging_constant=averaging_constant, **kwargs)
+
+
+@register("torch.ao:PerChannelMinMaxObserver")
+class PerChannelMinMaxObserver(TorchAOObserver, StaticMinMaxObserver):
+    """Running min / max per channel along ``ch_axis`` (torch.ao's PerChannelMinMaxObserver)."""
+
+    def __init__(self, ch_axis=0, dtype=torch.quint8, qscheme=torch.per_channel_affine,
+                 reduce_range=False, quant_min=None, quant_max=None, factory_kwargs=None,
+                 eps=EPS, is_dynamic=False, **kwargs):
+        if qscheme not in _PER_CHANNEL:
+            raise NotImplementedError(f"{type(self).__name__}: needs a per-channel qscheme, "
+                                      f"got {qscheme}")
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme,
+                         reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max,
+                         factory_kwargs=factory_kwargs, eps=eps, is_dynamic=is_dynamic, **kwargs)
+
+
+@register("torch.ao:MovingAveragePerChannelMinMaxObserver")
+class MovingAveragePerChannelMinMaxObserver(TorchAOObserver, _NativeEMA):
+    """EMA of the per-channel min / max (torch.ao's MovingAveragePerChannelMinMaxObserver)."""
+
+    def __init__(self, averaging_constant=0.01, ch_axis=0, dtype=torch.quint8,
+                 qscheme=torch.per_channel_affine, reduce_range=False, quant_min=None,
+                 quant_max=None, eps=EPS, is_dynamic=False, **kwargs):
+        if qscheme not in _PER_CHANNEL:
+            raise NotImplementedError(f"{type(self).__name__}: needs a per-channel qscheme, "
+                                      f"got {qscheme}")
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme,
+                         reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max,
+                         eps=eps, is_dynamic=is_dynamic, averaging_constant=averaging_constant,
+                         **kwargs)
+
