@@ -145,10 +145,16 @@ def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
     raise ValueError(f"scale: encode_scale does not take {kind!r}; E8M0 scales come from e8m0_scale")
 
 
-def _round_to_precision(x: torch.Tensor, mbits: int) -> torch.Tensor:
-    """Round positive x to ``mbits`` fraction bits, half away from zero (microxcaling's rule)."""
-    step = _exp2(_floor_log2(x) - mbits)
-    return torch.floor(x / step + 0.5) * step
+def _floor_log2_rounded(x: torch.Tensor, mbits: int) -> torch.Tensor:
+    """``floor(log2(x rounded to mbits fraction bits, half away from zero))`` for positive x.
+
+    microxcaling's / Quark's / torchao's 'even' rule: the exponent moves up exactly when
+    the mantissa rounds to 2. Computed on the mantissa, so amax near float32's max
+    cannot overflow to inf.
+    """
+    mantissa, e = torch.frexp(x)  # x = mantissa * 2**e, mantissa in [0.5, 1)
+    carry = torch.floor(torch.ldexp(mantissa, torch.tensor(mbits + 1)) + 0.5) >= 2 ** (mbits + 1)
+    return e - 1 + carry.to(e.dtype)
 
 
 def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Tensor:
@@ -164,7 +170,7 @@ def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Te
     elif mode == "ceil":
         k = _ceil_log2(safe) - fmt.emax
     elif mode == "even":
-        k = _floor_log2(_round_to_precision(safe, fmt.mbits)) - fmt.emax
+        k = _floor_log2_rounded(safe, fmt.mbits) - fmt.emax
     elif mode == "rceil":
         k = _ceil_log2(safe / fmt.max)
     else:
