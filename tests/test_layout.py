@@ -1,0 +1,166 @@
+"""Layouts: to_units / to_shape round trip (property test), qparam shapes, unit contents, errors."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantscope.layout import Block, Channel, Group, Tensor, Tile, Token, parse_layout
+
+
+@st.composite
+def tensor_and_layout(draw):
+    ndim = draw(st.integers(1, 4))
+    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
+    kind = draw(st.sampled_from(["tensor", "channel", "group", "group_gidx", "token", "block",
+                                 "tile"] if ndim >= 2 else
+                                ["tensor", "channel", "group", "group_gidx", "token", "block"]))
+    axis = draw(st.integers(-ndim, ndim - 1))
+    n = shape[axis]
+    if kind == "tensor":
+        layout = Tensor()
+    elif kind == "channel":
+        layout = Channel(axis)
+    elif kind == "token":
+        layout = Token()
+    elif kind.startswith("group"):
+        size = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+        g_idx = None
+        if kind == "group_gidx":
+            perm = draw(st.permutations(range(n)))
+            g_idx = (torch.tensor(perm) // size).to(torch.int32)  # shuffled, `size` per group
+        layout = Group(size, axis, g_idx)
+    elif kind == "block":
+        layout = Block(draw(st.integers(1, 9)), axis)
+    else:
+        layout = Tile(draw(st.integers(1, 5)), draw(st.integers(1, 5)))
+    # distinct integer values: sums are exact, so unit contents can be fingerprinted
+    x = torch.randperm(math.prod(shape), generator=torch.Generator().manual_seed(
+        draw(st.integers(0, 2**16)))).float().add_(1).reshape(shape)
+    return x, layout
+
+
+def expected_qparam_shape(layout, shape):
+    nd = len(shape)
+    if isinstance(layout, Tensor):
+        return (1,)
+    if isinstance(layout, Channel):
+        a = layout.axis % nd
+        return tuple(n if i == a else 1 for i, n in enumerate(shape))
+    if isinstance(layout, Token):
+        return (*shape[:-1], 1)
+    if isinstance(layout, (Group, Block)):
+        a = layout.axis % nd
+        rest = shape[:a] + shape[a + 1:]
+        return (*rest, -(-shape[a] // layout.size))
+    return (*shape[:-2], -(-shape[-2] // layout.rows), -(-shape[-1] // layout.cols))
+
+
+def reference_unit_sums(x, layout):
+    """Per-unit sums computed directly from the tensor, in qparam shape (independent of to_units)."""
+    nd = x.dim()
+    if isinstance(layout, Tensor):
+        return x.sum().reshape(1)
+    if isinstance(layout, Channel):
+        a = layout.axis % nd
+        others = [d for d in range(nd) if d != a]
+        return x.sum(dim=others, keepdim=True) if others else x.clone()  # dim=[] sums all
+    if isinstance(layout, Token):
+        return x.sum(-1, keepdim=True)
+    if isinstance(layout, (Group, Block)):
+        m = x.movedim(layout.axis % nd, -1)
+        n = m.shape[-1]
+        if isinstance(layout, Group) and layout.g_idx is not None:
+            group_of = layout.g_idx.long()
+        else:
+            group_of = torch.arange(n) // layout.size
+        count = -(-n // layout.size)
+        out = torch.zeros(*m.shape[:-1], count)
+        return out.index_add_(-1, group_of, m)
+    r, c = x.shape[-2:]
+    rows = torch.arange(r) // layout.rows
+    cols = torch.arange(c) // layout.cols
+    rt, ct = -(-r // layout.rows), -(-c // layout.cols)
+    out = torch.zeros(*x.shape[:-2], rt, c).index_add_(-2, rows, x)
+    return torch.zeros(*x.shape[:-2], rt, ct).index_add_(-1, cols, out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tensor_and_layout())
+def test_round_trip_shapes_and_unit_contents(case):
+    x, layout = case
+    units = layout.to_units(x)
+    shape = tuple(x.shape)
+    qshape = layout.qparam_shape(shape)
+    assert qshape == expected_qparam_shape(layout, shape)
+    assert units.dim() == 2 and units.shape[0] == layout.num_units(shape) == math.prod(qshape)
+    assert torch.equal(layout.to_shape(units, x.shape), x)
+    # row i of the units view is the unit at flat position i of the qparam tensor
+    assert torch.equal(units.sum(1).reshape(qshape), reference_unit_sums(x, layout))
+    # padding is zeros and only where the layout pads
+    assert units.numel() >= x.numel()
+    if not layout.pads:
+        assert units.numel() == x.numel()
+    assert units.sum() == x.sum()
+    # a per-unit value broadcast back lands on its own elements
+    ids = torch.arange(units.shape[0], dtype=torch.float32)[:, None].expand_as(units)
+    back = layout.to_shape(ids, x.shape)
+    assert torch.equal(layout.to_units(back)[units != 0], ids[units != 0])
+
+
+def test_group_gidx_is_a_column_permutation():
+    """g_idx: columns with the same group id share a unit, in column order (stable argsort)."""
+    g_idx = torch.tensor([1, 0, 1, 0, 2, 2])
+    x = torch.arange(12.0).reshape(2, 6)
+    u = Group(2, g_idx=g_idx).to_units(x)
+    assert u.tolist() == [[1, 3], [0, 2], [4, 5], [7, 9], [6, 8], [10, 11]]
+    assert Group(2, g_idx=g_idx) == Group(2)  # g_idx does not enter equality / hashing
+
+
+def test_block_and_tile_pad_with_zeros():
+    x = torch.arange(1.0, 6.0)
+    assert Block(4).to_units(x).tolist() == [[1, 2, 3, 4], [5, 0, 0, 0]]
+    t = Tile(2, 2).to_units(torch.arange(1.0, 10.0).reshape(3, 3))
+    assert t.tolist() == [[1, 2, 4, 5], [3, 0, 6, 0], [7, 8, 0, 0], [9, 0, 0, 0]]
+    assert Block(4).pads and Tile().pads and not Group(4).pads
+
+
+@pytest.mark.parametrize("make,shape,match", [
+    (lambda: Group(0), None, "Group: size"),
+    (lambda: Group(-4), None, "Group: size"),
+    (lambda: Block(0), None, "Block: size"),
+    (lambda: Group(2.5), None, "Group: size"),
+    (lambda: Tile(0, 4), None, "Tile: rows"),
+    (lambda: Tile(4, -1), None, "Tile: cols"),
+    (lambda: Group(3), (4, 8), "Group: size 3 does not divide 8"),
+    (lambda: Channel(2), (4, 8), "Channel: axis 2 is out of range"),
+    (lambda: Channel(-3), (4, 8), "Channel: axis -3"),
+    (lambda: Group(4, axis=5), (4, 8), "Group: axis 5"),
+    (lambda: Block(4, axis=-3), (4, 8), "Block: axis -3"),
+    (lambda: Tile(2, 2), (8,), "Tile: needs a tensor of at least 2 dims"),
+    (lambda: Channel(0), (), "Channel: a 0-d"),
+    (lambda: Group(2, g_idx=torch.tensor([0, 0, 1])), None, "Group: g_idx"),
+    (lambda: Group(2, g_idx=torch.tensor([0, 0, 0, 1])), None, "Group: g_idx must put exactly"),
+    (lambda: Group(2, g_idx=torch.tensor([0.0, 0.0])), None, "Group: g_idx must be a 1-D integer"),
+    (lambda: Group(2, g_idx=torch.tensor([0, 0, 1, 1])), (3, 8), "Group: g_idx has 4 entries"),
+])
+def test_errors_name_the_argument(make, shape, match):
+    with pytest.raises(ValueError, match=match):
+        layout = make()
+        layout.check(shape)
+
+
+def test_parse_layout():
+    assert parse_layout("tensor") == Tensor() and parse_layout("token") == Token()
+    assert parse_layout("channel") == Channel(0) and parse_layout("channel:1") == Channel(1)
+    assert parse_layout("group:128") == Group(128) and parse_layout("group:64:0") == Group(64, 0)
+    assert parse_layout("block") == Block(32) and parse_layout("block:16") == Block(16)
+    assert parse_layout("tile:128x64") == Tile(128, 64) and parse_layout("tile") == Tile(128, 128)
+    layout = Channel(1)
+    assert parse_layout(layout) is layout
+    for bad, match in (("rows", "layout: unknown"), ("group:x", "layout: cannot read"),
+                       ("group:0", "Group: size")):
+        with pytest.raises(ValueError, match=match):
+            parse_layout(bad)
