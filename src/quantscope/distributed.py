@@ -1,0 +1,423 @@
+"""Statistics sync across processes on ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+Data-parallel calibration gives each process different batches; before
+qparams are computed the observers must agree. Every observer declares how its
+state reduces in :meth:`Observer._sync_plan` (``{buffer name: MIN | MAX | SUM | AVG}``,
+or a :class:`CustomSync` such as a histogram that first agrees on a common grid);
+:func:`sync_observers` then syncs any number of observers in a handful of
+collectives:
+
+1. one ``all_gather`` of a small fixed-length int64 header per rank (whether the
+   observer saw data, whether it saw NaN / inf, the state shapes), so that a rank
+   with no batches learns the shapes and fills its state with the identity of each
+   reduction (+inf for MIN, -inf for MAX, 0 for SUM), and every rank reaches the
+   same decision (including the same error) without a further exchange;
+2. one ``all_reduce`` of the grid parameters of every custom sync (histograms), if any;
+3. one ``all_reduce`` per (reduction, dtype) bucket: buffers are flattened and
+   concatenated; MIN is folded into MAX by negation (exact), AVG into SUM.
+
+Exactness. MIN / MAX / SUM states (static min-max, histogram counts, token counts)
+after sync equal, bitwise, those of one process that saw every batch: min and
+max are exact in any order and histogram counts are int64. Moving averages are
+order-dependent, so two modes:
+
+* default, approximate (as llm-compressor's DDP sync): AVG of the final per-rank
+  averages, over the ranks that saw data. Cheap, one collective, no sync in forward.
+* ``observer.sync_every_step = True``: exact. At every call the observers of all
+  ranks exchange the step's statistic before updating their state, so the result
+  equals, bitwise, one process that observed at each step the concatenation (along
+  the batch) of every rank's batch of that step. Min-max observers exchange only the
+  per-unit min / max (2 small collectives per call); every other observer gathers the
+  step's units from all ranks (moves the activations). This puts collectives inside
+  ``forward``: every rank must call every step-synced observer the same number of
+  times in the same order; a rank without data for a step calls it with an empty
+  tensor (``observer(x[:0])``) or :func:`empty_step`. After the last step
+  :func:`sync_observers` only adds up the counters of step-synced observers.
+
+NaN / inf. The "seen non-finite" flag travels in the header (MAX), so after a sync
+every rank raises the same ``ValueError`` from ``calculate_qparams`` instead of one
+rank raising while the others wait in a collective.
+
+Outside an initialised process group (or with one process) every function here is
+a no-op, so code written for ``torchrun`` also runs in a single process.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "AVG",
+    "MAX",
+    "MIN",
+    "SUM",
+    "CustomSync",
+    "Op",
+    "SyncStats",
+    "assign_by_size",
+    "empty_step",
+    "gather_qparams",
+    "is_distributed",
+    "last_stats",
+    "rank",
+    "shard",
+    "step_sync",
+    "sync_observers",
+    "world_size",
+]
+
+_MAXD = 8  # dims recorded per shape in the header
+
+
+class Op(enum.Enum):
+    """How a state buffer reduces across processes."""
+
+    MIN = "min"
+    MAX = "max"
+    SUM = "sum"
+    AVG = "avg"  # mean over the ranks that saw data (approximate mode of moving averages)
+
+
+MIN, MAX, SUM, AVG = Op.MIN, Op.MAX, Op.SUM, Op.AVG
+
+
+class CustomSync:
+    """A state that needs agreement before it can be summed (histograms).
+
+    Protocol, called in this order on every rank:
+
+    * ``grid(obs, observed) -> float64 [G]``: parameters all ranks must agree on,
+      reduced with MAX (encode a MIN as a negated value). ``G`` must be the same on
+      every rank, given the agreed state shapes; a rank that saw nothing
+      (``observed`` False) returns the MAX identity (``-inf``).
+    * ``rebin(obs, grid) -> {buffer: Op}``: move the local state exactly onto the agreed
+      grid (a rank that saw nothing allocates an empty state on it) and return the
+      buffers that now reduce plainly (counts: SUM).
+    """
+
+    def grid(self, obs, observed: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rebin(self, obs, grid: torch.Tensor) -> dict[str, Op]:
+        raise NotImplementedError
+
+
+@dataclass
+class SyncStats:
+    """What the last :func:`sync_observers` call moved (for benchmarks)."""
+
+    collectives: int = 0
+    bytes: int = 0  # payload bytes sent per rank (all_gather: own contribution)
+
+
+_STATS = SyncStats()
+
+
+def last_stats() -> SyncStats:
+    """Collectives and payload bytes of the last :func:`sync_observers` on this rank."""
+    return SyncStats(_STATS.collectives, _STATS.bytes)
+
+
+# ----------------------------------------------------------------------------- basics
+def is_distributed(group=None) -> bool:
+    """True inside an initialised process group of more than one process."""
+    return (dist.is_available() and dist.is_initialized()
+            and dist.get_world_size(group) > 1)
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def shard(items: Sequence, group=None) -> list:
+    """This rank's share of ``items``: every ``world``-th item from index ``rank``.
+
+    Round-robin, so ranks differ by at most one item and step ``t`` of all ranks
+    together holds items ``t * world .. t * world + world - 1`` (the global batch of
+    the step-synced mode).
+    """
+    return list(items)[rank(group)::world_size(group)]
+
+
+def _device(group):
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(t: torch.Tensor, op, group):
+    _STATS.collectives += 1
+    _STATS.bytes += t.numel() * t.element_size()
+    dist.all_reduce(t, op=op, group=group)
+
+
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    _STATS.collectives += 1
+    _STATS.bytes += t.numel() * t.element_size()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return torch.stack(out)
+
+
+def _identity(op: Op, dtype: torch.dtype):
+    if op is SUM or op is AVG:
+        return 0
+    if dtype == torch.bool:
+        return op is MIN
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    if dtype.is_floating_point:
+        return float("inf") if op is MIN else float("-inf")
+    return info.max if op is MIN else info.min
+
+
+def _plan(obs) -> list:
+    """The observer's declared plan as ``[(name, Op) | CustomSync]``."""
+    try:
+        plan = obs._sync_plan()
+    except NotImplementedError:
+        raise NotImplementedError(
+            f"{type(obs).__name__}: the observer does not declare how its state syncs "
+            f"across processes; implement _sync_plan() returning {{buffer: MIN|MAX|SUM|AVG}}"
+        ) from None
+    items = list(plan.items()) if isinstance(plan, dict) else list(plan)
+    for it in items:
+        if not (isinstance(it, CustomSync)
+                or (isinstance(it, tuple) and len(it) == 2 and isinstance(it[1], Op))):
+            raise TypeError(f"{type(obs).__name__}._sync_plan(): expected (buffer, Op) pairs "
+                            f"or CustomSync objects, got {it!r}")
+    return items
+
+
+def _encode_shape(shape) -> list[int]:
+    shape = tuple(shape)
+    if len(shape) > _MAXD:
+        raise ValueError(f"sync: state of {len(shape)} dims; at most {_MAXD} are supported")
+    return [len(shape), *shape, *([0] * (_MAXD - len(shape)))]
+
+
+def _decode_shape(row) -> tuple[int, ...]:
+    n = int(row[0])
+    return tuple(int(v) for v in row[1:1 + n])
+
+
+# ------------------------------------------------------------------------ full sync
+def sync_observers(observers: Iterable, group=None) -> None:
+    """Make the state of ``observers`` the same on every rank, as if one process saw it all.
+
+    Every rank must call it with the same observers, in the same order (e.g.
+    ``session.observers()`` of the same model and recipe). Collectives: one
+    ``all_gather`` of headers, one ``all_reduce`` of histogram grids if there are
+    histograms, and one ``all_reduce`` per (reduction, dtype) bucket (usually 2-4).
+    """
+    observers = list(observers)
+    _STATS.collectives = 0
+    _STATS.bytes = 0
+    if not observers or not is_distributed(group):
+        return
+    dev = _device(group)
+    me = dist.get_rank(group)
+    plans = [_plan(o) for o in observers]
+
+    # 1. headers: [has_observed, seen_non_finite, step_synced, last shape, shape per buffer item]
+    rows = []
+    for obs, plan in zip(observers, plans):
+        seen = obs.has_observed
+        rows += [int(seen), int(bool(obs.seen_non_finite)), int(obs.sync_every_step)]
+        rows += _encode_shape(obs.shape if seen else ())
+        for it in plan:
+            if not isinstance(it, CustomSync):
+                rows += _encode_shape(getattr(obs, it[0]).shape if seen else ())
+    header = torch.tensor(rows, dtype=torch.int64, device=dev)
+    allh = _all_gather(header, group).cpu()  # [world, L]
+
+    # 2. decisions from the headers: identical on every rank, so errors are too
+    pos = 0
+    work = []  # (obs, plan, observed_locally, n_observed)
+    for obs, plan in zip(observers, plans):
+        seen_r = allh[:, pos]
+        nonfinite = bool(allh[:, pos + 1].any())
+        step_synced = bool(allh[:, pos + 2].any())
+        if bool(allh[:, pos + 2].any()) != bool(allh[:, pos + 2].all()):
+            raise ValueError(f"sync: {obs._who()} has sync_every_step set on some ranks only")
+        last = int(torch.nonzero(seen_r).max()) if bool(seen_r.any()) else -1
+        shape = _decode_shape(allh[last, pos + 3:]) if last >= 0 else None
+        pos += 3 + 1 + _MAXD
+        shapes = {}
+        for it in plan:
+            if isinstance(it, CustomSync):
+                continue
+            block = allh[:, pos:pos + 1 + _MAXD][seen_r.bool()]
+            pos += 1 + _MAXD
+            if len(block) and not bool((block == block[0]).all()):
+                got = [_decode_shape(b) for b in block]
+                raise ValueError(
+                    f"sync: {obs._who()} has state {it[0]!r} of different shapes on different "
+                    f"ranks ({got}); the layout must give the same units on every rank")
+            if len(block):
+                shapes[it[0]] = _decode_shape(block[0])
+        n_seen = int(seen_r.sum())
+        if nonfinite:
+            obs.seen_non_finite.fill_(True)
+        if n_seen == 0:
+            continue
+        observed = bool(seen_r[me])
+        if not observed and not step_synced:  # agreed shapes, filled with the identity
+            for name, op in (it for it in plan if not isinstance(it, CustomSync)):
+                buf = getattr(obs, name)
+                setattr(obs, name, torch.full(shapes[name], _identity(op, buf.dtype),
+                                              dtype=buf.dtype, device=buf.device))
+        obs._set_shape(shape)
+        work.append((obs, plan, observed, n_seen, step_synced))
+
+    # 3. custom syncs (histograms): agree on the grid, re-bin exactly
+    customs = [(obs, it, observed) for obs, plan, observed, _, step in work if not step
+               for it in plan if isinstance(it, CustomSync)]
+    extra: dict[int, list] = {}
+    if customs:
+        grids = [it.grid(obs, observed).to(torch.float64).reshape(-1)
+                 for obs, it, observed in customs]
+        flat = torch.cat(grids).to(dev)
+        _all_reduce(flat, dist.ReduceOp.MAX, group)
+        for (obs, it, _), g in zip(customs, flat.cpu().split([len(g) for g in grids])):
+            extra.setdefault(id(obs), []).extend(it.rebin(obs, g).items())
+
+    # 4. buckets: (reduction, dtype) -> [(obs, name, op, n_seen, observed)]
+    buckets: dict[tuple, list] = {}
+
+    def add(obs, name, op, n_seen, observed):
+        buf = getattr(obs, name)
+        red = dist.ReduceOp.SUM if op in (SUM, AVG) else dist.ReduceOp.MAX
+        dtype = torch.uint8 if buf.dtype == torch.bool else buf.dtype
+        buckets.setdefault((red, dtype), []).append((obs, name, op, n_seen, observed))
+
+    for obs, plan, observed, n_seen, step in work:
+        add(obs, "observed_tokens", SUM, n_seen, observed)
+        add(obs, "non_finite_count", SUM, n_seen, observed)
+        if step:  # the state is already global after every step
+            continue
+        for it in plan:
+            if not isinstance(it, CustomSync):
+                add(obs, *it, n_seen, observed)
+        for name, op in extra.get(id(obs), ()):
+            add(obs, name, op, n_seen, observed)
+
+    for (red, dtype), entries in buckets.items():
+        parts = []
+        for obs, name, op, n_seen, observed in entries:
+            v = getattr(obs, name).detach().reshape(-1).to(dtype)
+            if op is MIN:
+                v = -v
+            elif op is AVG and not observed:
+                v = torch.zeros_like(v)
+            parts.append(v)
+        flat = torch.cat(parts).to(dev)
+        _all_reduce(flat, red, group)
+        flat = flat.to(parts[0].device) if len(parts) else flat
+        for (obs, name, op, n_seen, _), v in zip(entries,
+                                                  flat.split([p.numel() for p in parts])):
+            if op is MIN:
+                v = -v
+            elif op is AVG:
+                v = v / n_seen
+            buf = getattr(obs, name)
+            buf.copy_(v.reshape(buf.shape).to(buf.dtype))
+
+
+# ------------------------------------------------------------------------ step sync
+def step_sync(obs, units, lo, hi, group=None):
+    """Exchange one step's statistic of ``obs`` (called by ``Observer.forward`` in
+    ``sync_every_step`` mode); ``units`` None: this rank has no data this step.
+
+    Returns the global ``(units, lo, hi)`` of the step, or None when no rank had data.
+    Min-max observers (``step_stat = "minmax"``) exchange only ``lo`` / ``hi``; the
+    others gather the units, concatenated along the elements in rank order.
+    """
+    if not is_distributed(group):
+        return None if units is None else (units, lo, hi)
+    dev = _device(group)
+    has = units is not None
+    U = units.shape[0] if has else 0
+    E = units.shape[1] if has else 0
+    bad = bool(has) and not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all())
+    if getattr(obs, "step_stat", None) == "minmax":
+        h = torch.tensor([U, int(has), int(bad)], dtype=torch.int64, device=dev)
+        _all_reduce(h, dist.ReduceOp.MAX, group)
+        U, any_has, any_bad = (int(v) for v in h)
+        if not any_has:
+            return None
+        v = (torch.cat([-lo, hi]) if has else torch.full((2 * U,), float("-inf"))).to(dev)
+        _all_reduce(v, dist.ReduceOp.MAX, group)
+        ref = lo if has else obs.observed_tokens
+        glo, ghi = (-v[:U]).to(ref.device), v[U:].to(ref.device)
+        if any_bad:
+            glo = glo + float("nan")
+        return (units if has else glo.reshape(U, 1)), glo, ghi
+    h = _all_gather(torch.tensor([U, E, int(has)], dtype=torch.int64, device=dev), group).cpu()
+    if not bool(h[:, 2].any()):
+        return None
+    Us = h[:, 0][h[:, 2].bool()]
+    if not bool((Us == Us[0]).all()):
+        raise ValueError(f"sync: {obs._who()} got {Us.tolist()} units on different ranks in one "
+                         f"step; sync_every_step needs the same units on every rank")
+    U, Emax = int(Us[0]), int(h[:, 1].max())
+    pad = torch.zeros(U, Emax, device=dev)
+    if has:
+        pad[:, :E] = units.to(dev)
+    allu = _all_gather(pad, group)
+    ref = units if has else obs.observed_tokens
+    g = torch.cat([allu[r, :, :int(h[r, 1])] for r in range(len(h)) if int(h[r, 2])], dim=1)
+    g = g.to(ref.device)
+    from .stats.minmax import unit_minmax
+
+    glo, ghi = unit_minmax(g)
+    return g, glo, ghi
+
+
+def empty_step(observers, group=None) -> None:
+    """Take part in the step collectives of step-synced ``observers`` without data."""
+    for obs in observers:
+        if obs.sync_every_step:
+            obs._step_empty(group)
+
+
+# --------------------------------------------------------------------------- weights
+def assign_by_size(sizes: dict[str, int], world: int | None = None, group=None) -> dict[str, int]:
+    """Assign each named item to a rank, balancing the total size (largest first, to the
+    least loaded rank; ties by name and lowest rank, so every rank computes the same)."""
+    world = world_size(group) if world is None else world
+    heap = [(0, r) for r in range(world)]
+    out = {}
+    for name, size in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        load, r = heapq.heappop(heap)
+        out[name] = r
+        heapq.heappush(heap, (load + int(size), r))
+    return out
+
+
+def gather_qparams(local: dict, group=None) -> dict:
+    """Every rank's ``{name: QParams}`` merged on every rank (one object all_gather).
+
+    Weight observation split across ranks (:func:`assign_by_size`): each rank computes
+    the qparams of its share, this shares them. The qparams are small (one value per
+    unit), so a pickled all_gather costs little next to the search itself.
+    """
+    if not is_distributed(group):
+        return dict(local)
+    moved = {k: v.to("cpu") for k, v in local.items()}
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, moved, group=group)
+    merged = {}
+    for part in out:
+        merged.update(part)
+    return merged

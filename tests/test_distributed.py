@@ -1,0 +1,313 @@
+"""quantscope.distributed: statistics sync across processes on gloo (CPU, loopback).
+
+Process spawns cost seconds each, so every spawn runs many scenarios: each rank
+builds the same global batches from a seed, observes its shard, syncs, and records
+its qparams beside the qparams of a single process that saw all the batches
+(computed locally on every rank, no communication). The parent asserts.
+
+Exactness asserted: bitwise for min / max states (static, memoryless, EMA with
+sync_every_step) and histogram counts; the approximate AVG mode of moving averages
+is checked against its definition (mean of the per-rank averages), to 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import quantscope
+from quantscope import distributed as qd
+from quantscope.layout import Channel, Tensor
+from quantscope.spec import QuantSpec
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT = 60  # seconds for a whole spawn; collectives time out after 20 s
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def _batches(n, seed=0, shape=(3, 5, 8)):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x = torch.randn(shape, generator=g) * (1 + i)
+        x[..., i % shape[-1]] += 4.0 * (-1) ** i  # an outlier channel that moves
+        out.append(x)
+    return out
+
+
+def _specs():
+    return {
+        "tensor_sym": QuantSpec(),
+        "channel_asym": QuantSpec(layout=Channel(-1), symmetric=False),
+    }
+
+
+def _families():
+    """Observer names that exist now, with options; later families are added as they land."""
+    fams = {"static_minmax": {}, "memoryless_minmax": {}, "minmax": {"averaging_constant": 0.3}}
+    have = set(quantscope.list_observers())
+    for name, opts in [("mse", {}), ("memoryless_mse", {}), ("percentile", {}),
+                       ("entropy", {}), ("histogram", {}), ("histogram_mse", {}), ("mix", {})]:
+        if name in have:
+            fams[name] = opts
+    return fams
+
+
+def _qp(obs):
+    qp = obs.calculate_qparams()
+    return {"scale": qp.scale.clone(), "zp": qp.zero_point.clone(), "tokens": obs.observed_tokens}
+
+
+def _record(obs):
+    try:
+        return _qp(obs)
+    except ValueError as e:
+        return {"error": str(e)}
+
+
+# --------------------------------------------------------------------------- worker
+def _scenarios(r, w):
+    out = {}
+    fams = _families()
+    for n_batches in (w + 2, 1):  # ranks with different counts; ranks with no batches
+        batches = _batches(n_batches, seed=n_batches)
+        mine = qd.shard(batches)
+        for sname, spec in _specs().items():
+            for fam, opts in fams.items():
+                key = f"{fam}/{sname}/b{n_batches}"
+                obs = quantscope.get_observer(fam, spec, **opts)
+                for x in mine:
+                    obs(x)
+                obs.sync()
+                got = _record(obs)
+                if fam == "memoryless_minmax":  # by definition: the ranks' last tensors together
+                    lasts = [qd.shard(batches)[-1] for _ in ()] or [
+                        batches[i::w][-1] for i in range(w) if batches[i::w]]
+                    ref = quantscope.get_observer(fam, spec, **opts)
+                    ref(torch.cat(lasts))
+                elif fam == "minmax":  # AVG mode, by definition: mean of the per-rank EMAs
+                    ref = None
+                    lo, hi = [], []
+                    for i in range(w):
+                        part = batches[i::w]
+                        if part:
+                            o = quantscope.get_observer(fam, spec, **opts)
+                            for x in part:
+                                o(x)
+                            lo.append(o.min_vals)
+                            hi.append(o.max_vals)
+                    ref_range = (sum(lo) / len(lo), sum(hi) / len(hi))
+                    out[key + "/range"] = {"got": obs.calculate_range(), "ref": ref_range}
+                else:
+                    ref = quantscope.get_observer(fam, spec, **opts)
+                    for x in batches:
+                        ref(x)
+                if ref is not None:
+                    out[key] = {"got": got, "ref": _record(ref)}
+
+                # exact step-synced mode: one process observing each step's concatenation
+                if fam in ("static_minmax", "memoryless_minmax"):
+                    continue
+                obs = quantscope.get_observer(fam, spec, **opts)
+                obs.sync_every_step = True
+                ref = quantscope.get_observer(fam, spec, **opts)
+                steps = -(-n_batches // w)
+                for t in range(steps):
+                    idx = t * w + r
+                    x = batches[idx] if idx < n_batches else batches[0][:0]
+                    obs(x)
+                    ref(torch.cat(batches[t * w:(t + 1) * w]))
+                obs.sync()
+                out[key + "/step"] = {"got": _record(obs), "ref": _record(ref)}
+
+    # many observers in one sync: a handful of collectives
+    many = [quantscope.get_observer("static_minmax", QuantSpec(layout=Channel(-1)))
+            for _ in range(20)]
+    for o in many:
+        for x in qd.shard(_batches(w + 1, seed=7)):
+            o(x)
+    qd.sync_observers(many)
+    out["many"] = {"stats": qd.last_stats()}
+
+    # NaN on one rank: the same error on every rank, no hang
+    obs = quantscope.get_observer("static_minmax", QuantSpec())
+    x = _batches(1, seed=3)[0]
+    if r == w - 1:
+        x = x.clone()
+        x[0, 0, 0] = float("nan")
+    obs(x)
+    obs.sync()
+    out["nan"] = _record(obs)
+    obs = quantscope.get_observer("minmax", QuantSpec())
+    obs.sync_every_step = True
+    obs(x)
+    obs.sync()
+    out["nan_step"] = _record(obs)
+
+    # weights split by size: each rank observes its share, qparams are shared
+    g = torch.Generator().manual_seed(11)
+    weights = {f"layer{i}": torch.randn(4 + 3 * i, 16, generator=g) for i in range(7)}
+    owner = qd.assign_by_size({k: v.numel() for k, v in weights.items()})
+    local = {}
+    for name, wt in weights.items():
+        if owner[name] == r:
+            o = quantscope.get_observer("memoryless_minmax", QuantSpec(layout=Channel(0)))
+            o(wt)
+            local[name] = o.calculate_qparams()
+    merged = qd.gather_qparams(local)
+    ref = {}
+    for name, wt in weights.items():
+        o = quantscope.get_observer("memoryless_minmax", QuantSpec(layout=Channel(0)))
+        o(wt)
+        ref[name] = o.calculate_qparams()
+    out["weights"] = {"got": {k: v.scale for k, v in merged.items()},
+                      "ref": {k: v.scale for k, v in ref.items()}, "owner": owner}
+    return out
+
+
+def _worker(r, w, port, tmp):
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r,
+                                world_size=w, timeout=datetime.timedelta(seconds=20))
+        out = _scenarios(r, w)
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- any failure goes back to the parent
+        out = {"crash": traceback.format_exc()}
+    torch.save(out, os.path.join(tmp, f"rank{r}.pt"))
+
+
+def _spawn(w):
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.spawn(_worker, args=(w, _port(), tmp), nprocs=w, join=False)
+        deadline = TIMEOUT
+        import time
+
+        t0 = time.time()
+        while not ctx.join(timeout=1):
+            if time.time() - t0 > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise AssertionError(f"{w} processes did not finish in {deadline} s (hang?)")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
+                for r in range(w)]
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def results(request):
+    res = _spawn(request.param)
+    for r, out in enumerate(res):
+        assert "crash" not in out, f"rank {r}:\n{out['crash']}"
+    return request.param, res
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (a, b)
+    elif isinstance(a, (tuple, list)):
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def test_qparams_equal_single_process(results):
+    w, res = results
+    keys = [k for k in res[0] if "/" in k and not k.endswith("/range")]
+    assert len(keys) >= 12
+    for k in keys:
+        for r in range(w):
+            entry = res[r][k]
+            assert str(entry["got"]) == str(res[0][k]["got"]), (k, r)  # every rank agrees
+            assert "error" not in entry["got"], (k, entry["got"])
+            if k.startswith("memoryless"):  # the reference saw only the last tensors
+                entry = {s: {f: v for f, v in e.items() if f != "tokens"}
+                         for s, e in entry.items()}
+            try:
+                _same(entry["got"], entry["ref"])  # bitwise, token counts included
+            except AssertionError as e:
+                raise AssertionError(f"{k} rank {r}: {e}") from None
+
+
+def test_moving_average_avg_mode_is_mean_of_rank_averages(results):
+    w, res = results
+    keys = [k for k in res[0] if k.endswith("/range")]
+    assert keys
+    for k in keys:
+        for r in range(w):
+            (glo, ghi), (rlo, rhi) = res[r][k]["got"], res[r][k]["ref"]
+            torch.testing.assert_close(glo, rlo, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(ghi, rhi, rtol=1e-6, atol=1e-7)
+
+
+def test_many_observers_few_collectives(results):
+    _, res = results
+    s = res[0]["many"]["stats"]
+    # header all_gather + one MAX bucket (float32 min/max) + one SUM bucket (int64 counters)
+    assert s.collectives == 3
+    assert s.bytes > 20 * 2 * 8 * 4
+
+
+def test_nan_on_one_rank_same_error_everywhere(results):
+    w, res = results
+    for key in ("nan", "nan_step"):
+        msgs = [res[r][key].get("error") for r in range(w)]
+        assert all(m is not None and "NaN" in m for m in msgs), msgs
+        assert len(set(msgs)) == 1
+
+
+def test_weight_split_balanced_and_shared(results):
+    w, res = results
+    for r in range(w):
+        _same(res[r]["weights"]["got"], res[r]["weights"]["ref"])
+    owner = res[0]["weights"]["owner"]
+    assert set(owner.values()) == set(range(w))
+
+
+# ------------------------------------------------------------------ single process
+def test_no_process_group_is_a_no_op():
+    obs = quantscope.get_observer("static_minmax", QuantSpec())
+    x = torch.randn(4, 8)
+    obs(x)
+    before = obs.calculate_qparams()
+    obs.sync()
+    qd.sync_observers([obs])
+    after = obs.calculate_qparams()
+    assert torch.equal(before.scale, after.scale)
+    assert qd.shard(list(range(5))) == [0, 1, 2, 3, 4]
+
+
+def test_assign_by_size_balances():
+    sizes = {f"w{i}": s for i, s in enumerate([100, 90, 50, 40, 30, 20, 10, 5])}
+    owner = qd.assign_by_size(sizes, world=3)
+    loads = [sum(sizes[k] for k, v in owner.items() if v == r) for r in range(3)]
+    assert max(loads) - min(loads) <= max(sizes.values()) // 2
+    assert owner == qd.assign_by_size(dict(reversed(list(sizes.items()))), world=3)
+
+
+def test_undeclared_observer_errors():
+    class Bare(quantscope.Observer):
+        def _observe(self, units, lo, hi):
+            pass
+
+    with pytest.raises(NotImplementedError, match="_sync_plan"):
+        qd._plan(Bare(QuantSpec(layout=Tensor())))
