@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Layout", "Tensor", "Channel", "Group", "Token", "Block", "Tile", "parse_layout"]
+__all__ = ["Block", "Channel", "Group", "Layout", "Tensor", "Tile", "Token", "parse_layout"]
 
 
 def _axis(axis: int, shape: tuple[int, ...], who: str) -> int:

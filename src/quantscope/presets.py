@@ -5,9 +5,24 @@ from __future__ import annotations
 from .layout import Block, Channel, Group, Tensor, Token
 from .spec import QuantSpec
 
-__all__ = ["INT8_PER_TENSOR", "INT8_PER_CHANNEL", "INT8_PER_TOKEN", "INT4_GROUP128",
-           "INT4_GROUP128_ASYM", "FP8_PER_TENSOR", "FP8_PER_CHANNEL", "MXFP8", "MXFP6_E2M3",
-           "MXFP6_E3M2", "MXFP4", "MXINT8", "NVFP4", "BFP16", "PRESETS", "get"]
+__all__ = [
+    "BFP16",
+    "FP8_PER_CHANNEL",
+    "FP8_PER_TENSOR",
+    "INT4_GROUP128",
+    "INT4_GROUP128_ASYM",
+    "INT8_PER_CHANNEL",
+    "INT8_PER_TENSOR",
+    "INT8_PER_TOKEN",
+    "MXFP4",
+    "MXFP6_E2M3",
+    "MXFP6_E3M2",
+    "MXFP8",
+    "MXINT8",
+    "NVFP4",
+    "PRESETS",
+    "get",
+]
 
 INT8_PER_TENSOR = QuantSpec("int8", Tensor())
 INT8_PER_CHANNEL = QuantSpec("int8", Channel(0))

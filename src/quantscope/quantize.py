@@ -13,8 +13,14 @@ import torch
 from .qparams import QParams
 from .spec import QuantSpec
 
-__all__ = ["quantize", "dequantize", "fake_quantize", "quantize_units", "dequantize_units",
-           "fake_quantize_units"]
+__all__ = [
+    "dequantize",
+    "dequantize_units",
+    "fake_quantize",
+    "fake_quantize_units",
+    "quantize",
+    "quantize_units",
+]
 
 
 def _per_unit(qparams: QParams, spec: QuantSpec, shape) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .formats import Format, FloatFormat, IntFormat, get_format
+from .formats import FloatFormat, Format, IntFormat, get_format
 from .layout import Block, Layout, parse_layout
 from .scales import ScaleEncoding
 
@@ -44,7 +44,8 @@ class QuantSpec:
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "scale", scale)
         if not isinstance(self.symmetric, bool):
-            raise ValueError(f"QuantSpec.symmetric must be True or False, got {self.symmetric!r}")
+            raise ValueError(  # noqa: TRY004 (issue 2: every invalid field is a ValueError)
+                f"QuantSpec.symmetric must be True or False, got {self.symmetric!r}")
         if isinstance(fmt, FloatFormat) and not self.symmetric:
             raise ValueError(
                 f"QuantSpec.symmetric: {fmt.name} is a float format and is symmetric only; "
@@ -53,6 +54,10 @@ class QuantSpec:
             raise ValueError(
                 f"QuantSpec.layout: scale {scale} is a block scale (MX / NVFP4 / BFP) and needs a "
                 f"Block layout, got {layout}")
+        if scale.is_block and not fmt.signed:
+            raise ValueError(
+                f"QuantSpec.format: block scale {scale} needs a signed element format "
+                f"(codes symmetric around 0), got {fmt.name}")
         if scale.is_block and not self.symmetric:
             raise ValueError(f"QuantSpec.symmetric: block scale {scale} is symmetric only")
         if scale.has_global_scale and not isinstance(fmt, FloatFormat):

@@ -1,0 +1,92 @@
+"""QuantSpec validation and the presets."""
+
+import pytest
+import torch
+
+from quantscope import QuantSpec, presets
+from quantscope.formats import FP4_E2M1, INT4, INT8, IntFormat
+from quantscope.layout import Block, Channel, Group, Tensor, Token
+from quantscope.scales import ScaleEncoding
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"format": "fp4", "symmetric": False}, r"QuantSpec\.symmetric: fp4_e2m1 is a float format"),
+    ({"format": "fp8_e4m3", "symmetric": False}, r"QuantSpec\.symmetric"),
+    ({"layout": "group:-3"}, "Group: size must be a positive integer"),
+    ({"layout": "group:0"}, "Group: size must be a positive integer"),
+    ({"format": "int1"}, "format 'int1'.*bits must be an integer from 2 to 16"),
+    ({"format": "int17"}, "format 'int17'.*bits"),
+    ({"format": "fp5"}, "format: unknown name 'fp5'"),
+    ({"format": "fp4", "layout": "group:32", "scale": "e8m0"}, r"QuantSpec\.layout: .*needs a Block"),
+    ({"format": "fp4", "layout": "tensor", "scale": "fp8_e4m3"}, r"QuantSpec\.layout"),
+    ({"format": "int8", "layout": "block:32", "scale": "fp8_e4m3"}, r"QuantSpec\.format: fp8 block"),
+    ({"format": "uint8", "layout": "block:32", "scale": "e8m0"}, r"QuantSpec\.format: block scale"),
+    ({"format": "int8", "layout": "block:32", "scale": "e8m0", "symmetric": False},
+     r"QuantSpec\.symmetric: block scale"),
+    ({"quant_min": -129}, r"QuantSpec\.quant_min/quant_max: need integers with -128 <= quant_min"),
+    ({"quant_max": 128}, r"QuantSpec\.quant_min/quant_max"),
+    ({"quant_min": 5, "quant_max": 5}, r"quant_min\s+< quant_max"),
+    ({"format": "uint4", "quant_min": -1}, r"QuantSpec\.quant_min/quant_max.*uint4"),
+    ({"quant_min": -10.5}, r"QuantSpec\.quant_min/quant_max: need integers"),
+    ({"format": "fp8", "quant_max": 100}, r"integer formats only"),
+    ({"eps": 0.0}, r"QuantSpec\.eps must be a positive number"),
+    ({"eps": -1e-3}, r"QuantSpec\.eps"),
+    ({"eps": "small"}, r"QuantSpec\.eps"),
+    ({"symmetric": 1}, r"QuantSpec\.symmetric must be True or False"),
+    ({"scale": "fp64"}, r"scale: unknown kind 'fp64'"),
+    ({"scale": "pow2:even"}, r"scale: mode 'even' is not valid for kind 'pow2'"),
+    ({"layout": "cube"}, r"layout: unknown 'cube'"),
+])
+def test_invalid_specs_raise_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantSpec(**kwargs)
+
+
+def test_axis_out_of_range_is_reported_when_the_layout_meets_a_tensor():
+    spec = QuantSpec("int8", Channel(3))
+    with pytest.raises(ValueError, match="Channel: axis 3 is out of range"):
+        spec.layout.check((4, 8))
+
+
+def test_defaults_and_normalisation():
+    s = QuantSpec()
+    assert s.format == INT8 and s.layout == Tensor() and s.symmetric
+    assert s.scale == ScaleEncoding("fp32") and s.min_scale == torch.finfo(torch.float32).eps
+    assert (s.qmin, s.qmax) == (-128, 127) and not s.is_float
+    s = QuantSpec("int8", "channel:1", False, "pow2:floor", 1e-6, -64, 63)
+    assert s.layout == Channel(1) and s.scale == ScaleEncoding("pow2", "floor")
+    assert (s.qmin, s.qmax, s.min_scale) == (-64, 63, 1e-6)
+    assert QuantSpec("fp4", "block:16", scale="fp8_e4m3").min_scale == 0.125
+    assert QuantSpec("fp8").is_float and QuantSpec("int4_narrow").qmin == -7
+
+
+def test_replace_validates_and_dict_round_trip():
+    s = presets.INT4_GROUP128_ASYM
+    assert s.replace(symmetric=True) == presets.INT4_GROUP128
+    with pytest.raises(ValueError, match="QuantSpec.symmetric"):
+        presets.NVFP4.replace(symmetric=False)
+    for spec in set(presets.PRESETS.values()) | {QuantSpec("int8", "channel:1", False, "pow2",
+                                                           1e-6, -64, 63)}:
+        assert QuantSpec.from_dict(spec.to_dict()) == spec
+    assert str(presets.INT4_GROUP128_ASYM) == "int4 group:128 asym"
+    assert str(presets.MXFP4) == "fp4_e2m1 block:32 sym scale=e8m0:floor"
+
+
+def test_presets():
+    p = presets
+    assert p.INT8_PER_CHANNEL == QuantSpec("int8", Channel(0))
+    assert p.INT8_PER_TOKEN.layout == Token() and p.INT8_PER_TENSOR.layout == Tensor()
+    assert p.INT4_GROUP128.format == INT4 and p.INT4_GROUP128.layout == Group(128)
+    assert not p.INT4_GROUP128_ASYM.symmetric
+    assert p.FP8_PER_TENSOR.format.name == "fp8_e4m3" and p.FP8_PER_CHANNEL.layout == Channel(0)
+    for spec, name in ((p.MXFP8, "fp8_e4m3"), (p.MXFP6_E2M3, "fp6_e2m3"),
+                       (p.MXFP6_E3M2, "fp6_e3m2"), (p.MXFP4, "fp4_e2m1")):
+        assert spec.format.name == name and spec.layout == Block(32)
+        assert spec.scale == ScaleEncoding("e8m0", "floor")
+    assert p.MXINT8.format == IntFormat(8, narrow=True) and p.MXINT8.layout == Block(32)
+    assert p.NVFP4.format == FP4_E2M1 and p.NVFP4.layout == Block(16)
+    assert p.NVFP4.scale == ScaleEncoding("fp8_e4m3")
+    assert p.BFP16.layout == Block(8) and p.BFP16.scale == ScaleEncoding("e8m0", "even")
+    assert p.get("MXFP4") is p.MXFP4 and p.get("int4-g128") is p.INT4_GROUP128
+    with pytest.raises(ValueError, match="preset: unknown 'int3'"):
+        p.get("int3")
