@@ -97,8 +97,7 @@ def _scenarios(r, w):
                 obs.sync()
                 got = _record(obs)
                 if fam == "memoryless_minmax":  # by definition: the ranks' last tensors together
-                    lasts = [qd.shard(batches)[-1] for _ in ()] or [
-                        batches[i::w][-1] for i in range(w) if batches[i::w]]
+                    lasts = [batches[i::w][-1] for i in range(w) if batches[i::w]]
                     ref = quantscope.get_observer(fam, spec, **opts)
                     ref(torch.cat(lasts))
                 elif fam == "minmax":  # AVG mode, by definition: mean of the per-rank EMAs
@@ -135,6 +134,30 @@ def _scenarios(r, w):
                     ref(torch.cat(batches[t * w:(t + 1) * w]))
                 obs.sync()
                 out[key + "/step"] = {"got": _record(obs), "ref": _record(ref)}
+
+    # the seeds' flags: Horizon is_sync_quantize (per-batch MIN / MAX before the EMA) and
+    # llm-compressor's sync_activation_stats (static MIN / MAX, minmax AVG)
+    from quantscope.compat import horizon, llmcompressor
+
+    batches = _batches(w + 1, seed=5)
+    steps = -(-len(batches) // w)
+    hz = horizon.MovingAveragePerChannelMinMaxObserver(ch_axis=2, is_sync_quantize=True,
+                                                       averaging_constant=0.2)
+    hz_ref = horizon.MovingAveragePerChannelMinMaxObserver(ch_axis=2, averaging_constant=0.2)
+    for t in range(steps):
+        idx = t * w + r
+        hz(batches[idx] if idx < len(batches) else batches[0][:0])
+        hz_ref(torch.cat(batches[t * w:(t + 1) * w]))
+    out["horizon"] = {"got": hz.calculate_qparams(), "ref": hz_ref.calculate_qparams()}
+    args = {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}
+    lc = llmcompressor.StaticMinMaxObserver("input", args)
+    lc_ref = llmcompressor.StaticMinMaxObserver("input", args)
+    for x in batches:
+        lc_ref(x.reshape(-1, 8))
+    for x in qd.shard(batches):
+        lc(x.reshape(-1, 8))
+    assert lc.sync_activation_stats() == []
+    out["llmcompressor"] = {"got": lc.get_qparams(), "ref": lc_ref.get_qparams()}
 
     # many observers in one sync: a handful of collectives
     many = [quantscope.get_observer("static_minmax", QuantSpec(layout=Channel(-1)))
@@ -273,6 +296,13 @@ def test_nan_on_one_rank_same_error_everywhere(results):
         msgs = [res[r][key].get("error") for r in range(w)]
         assert all(m is not None and "NaN" in m for m in msgs), msgs
         assert len(set(msgs)) == 1
+
+
+def test_seed_flags(results):
+    w, res = results
+    for r in range(w):
+        _same(res[r]["horizon"]["got"], res[r]["horizon"]["ref"])
+        _same(res[r]["llmcompressor"]["got"], res[r]["llmcompressor"]["ref"])
 
 
 def test_weight_split_balanced_and_shared(results):

@@ -11,7 +11,6 @@ float32 scale and int64 zero point of shape ``(1,)`` per tensor, ``(C,)`` per ch
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..layout import Channel, Tensor
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
@@ -68,18 +67,17 @@ class HorizonObserver:
         self.ch_axis, self.dtype, self.qscheme = ch_axis, dtype, qscheme
         self.quant_min, self.quant_max = int(spec.qmin), int(spec.qmax)
         self.is_sync_quantize = bool(is_sync_quantize)
+        # every batch's min / max is all-reduced (MIN / MAX) before the EMA update, through
+        # quantscope.distributed's step sync: a rank without data this step calls the
+        # observer with an empty tensor instead of leaving the others waiting
+        self.sync_every_step = self.is_sync_quantize
         device = (factory_kwargs or {}).get("device")
         if device is not None:
             self.to(device)
 
-    def _observe(self, units, lo, hi):
-        if self.is_sync_quantize and dist.is_available() and dist.is_initialized():
-            lo, hi = lo.clone(), hi.clone()
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        super()._observe(units, lo, hi)
-
     def calculate_qparams(self):
+        if self.is_sync_quantize:  # counters and shape (a rank that saw nothing gets them)
+            self.sync()
         qp = self.qparams()
         return qp.scale.reshape(-1), qp.zero_point.reshape(-1).to(torch.int64)
 

@@ -168,6 +168,16 @@ class Observer:
         qp = self.qparams()
         return {"scale": qp.scale, "zero_point": qp.zero_point, "global_scale": qp.global_scale}
 
+    def sync_activation_stats(self) -> list:
+        """All-reduce the statistics across DDP ranks as llm-compressor declares them
+        (``_act_sync_dict``: static MIN / MAX, moving averages AVG, memoryless nothing).
+
+        Synchronous (through :mod:`quantscope.distributed`, which also brings a rank
+        that saw no data into line); returns an empty list of pending handles.
+        """
+        self.sync()
+        return []
+
     def get_global_scale(self, observed: torch.Tensor | None = None) -> torch.Tensor | None:
         """NVFP4's global scale (observing ``observed`` first if given); None for other strategies."""
         if observed is not None:
@@ -183,6 +193,9 @@ LLMCompressorObserver = Observer
 @register("llmcompressor:memoryless_minmax")
 class MemorylessMinMaxObserver(Observer, _NativeMemoryless):
     """The min / max of the last observed value."""
+
+    def _sync_plan(self):  # llm-compressor's _act_sync_dict is empty: nothing is reduced
+        return {}
 
 
 @register("llmcompressor:static_minmax")
