@@ -81,6 +81,39 @@ def _record(obs):
         return {"error": str(e)}
 
 
+class _HistObserver(quantscope.Observer):
+    """A bare per-unit histogram observer on stats.histogram (checks the counts' sync
+    directly, whatever estimator sits on top)."""
+
+    def __init__(self, spec=None, bins=64, absolute=False):
+        super().__init__(spec)
+        from quantscope.stats import histogram as H
+
+        self.bins, self.absolute = bins, absolute
+        for n, v in zip(("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi"),
+                        H.empty_state(0, bins)):
+            self.register_buffer(n, v)
+
+    def _sync_plan(self):
+        return [qd.HistogramSync(absolute=self.absolute)]
+
+    def _observe(self, units, lo, hi):
+        from quantscope.stats import histogram as H
+
+        if self.hist_counts.shape[0] != units.shape[0]:
+            for n, v in zip(("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi"),
+                            H.empty_state(units.shape[0], self.bins)):
+                setattr(self, n, v)
+        st = H.update(H.HistState(self.hist_counts, self.hist_exp, self.hist_first,
+                                  self.hist_lo, self.hist_hi), units, lo, hi, self.absolute)
+        (self.hist_counts, self.hist_exp, self.hist_first, self.hist_lo,
+         self.hist_hi) = st
+
+    def state(self):
+        return {n: getattr(self, n).clone() for n in
+                ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")}
+
+
 # --------------------------------------------------------------------------- worker
 def _scenarios(r, w):
     out = {}
@@ -134,6 +167,22 @@ def _scenarios(r, w):
                     ref(torch.cat(batches[t * w:(t + 1) * w]))
                 obs.sync()
                 out[key + "/step"] = {"got": _record(obs), "ref": _record(ref)}
+
+    # histogram counts: bitwise equal to one process, signed and |x|, with empty ranks
+    for n_batches in (w + 2, 1):
+        batches = _batches(n_batches, seed=20 + n_batches)
+        for sname, spec in _specs().items():
+            for absolute in (False, True):
+                obs, ref = _HistObserver(spec, absolute=absolute), _HistObserver(spec,
+                                                                                  absolute=absolute)
+                for x in qd.shard(batches):
+                    obs(x)
+                for x in batches:
+                    ref(x)
+                obs.sync()
+                out[f"hist/{sname}/{absolute}/b{n_batches}"] = {
+                    "got": {**obs.state(), "tokens": obs.observed_tokens},
+                    "ref": {**ref.state(), "tokens": ref.observed_tokens}}
 
     # the seeds' flags: Horizon is_sync_quantize (per-batch MIN / MAX before the EMA) and
     # llm-compressor's sync_activation_stats (static MIN / MAX, minmax AVG)

@@ -58,6 +58,7 @@ __all__ = [
     "MIN",
     "SUM",
     "CustomSync",
+    "HistogramSync",
     "Op",
     "SyncStats",
     "assign_by_size",
@@ -92,16 +93,21 @@ class CustomSync:
 
     Protocol, called in this order on every rank:
 
-    * ``grid(obs, observed) -> float64 [G]``: parameters all ranks must agree on,
-      reduced with MAX (encode a MIN as a negated value). ``G`` must be the same on
-      every rank, given the agreed state shapes; a rank that saw nothing
-      (``observed`` False) returns the MAX identity (``-inf``).
+    * ``names``: the buffers it owns; their shapes travel in the header.
+    * ``empty(obs, shapes)``: on a rank that saw nothing, allocate the empty state of the
+      agreed ``shapes`` (``{name: shape}``).
+    * ``grid(obs) -> float64 [G]``: parameters all ranks must agree on, reduced with MAX
+      (encode a MIN as a negated value); an empty state gives the MAX identity (``-inf``).
     * ``rebin(obs, grid) -> {buffer: Op}``: move the local state exactly onto the agreed
-      grid (a rank that saw nothing allocates an empty state on it) and return the
-      buffers that now reduce plainly (counts: SUM).
+      grid and return the buffers that now reduce plainly (counts: SUM).
     """
 
-    def grid(self, obs, observed: bool) -> torch.Tensor:
+    names: tuple[str, ...] = ()
+
+    def empty(self, obs, shapes: dict) -> None:
+        raise NotImplementedError
+
+    def grid(self, obs) -> torch.Tensor:
         raise NotImplementedError
 
     def rebin(self, obs, grid: torch.Tensor) -> dict[str, Op]:
@@ -199,6 +205,14 @@ def _plan(obs) -> list:
     return items
 
 
+def _names(plan) -> list[str]:
+    """Every buffer a plan touches, in plan order (their shapes go in the header)."""
+    out = []
+    for it in plan:
+        out += list(it.names) if isinstance(it, CustomSync) else [it[0]]
+    return out
+
+
 def _encode_shape(shape) -> list[int]:
     shape = tuple(shape)
     if len(shape) > _MAXD:
@@ -235,9 +249,8 @@ def sync_observers(observers: Iterable, group=None) -> None:
         seen = obs.has_observed
         rows += [int(seen), int(bool(obs.seen_non_finite)), int(obs.sync_every_step)]
         rows += _encode_shape(obs.shape if seen else ())
-        for it in plan:
-            if not isinstance(it, CustomSync):
-                rows += _encode_shape(getattr(obs, it[0]).shape if seen else ())
+        for name in _names(plan):
+            rows += _encode_shape(getattr(obs, name).shape if seen else ())
     header = torch.tensor(rows, dtype=torch.int64, device=dev)
     allh = _all_gather(header, group).cpu()  # [world, L]
 
@@ -254,18 +267,16 @@ def sync_observers(observers: Iterable, group=None) -> None:
         shape = _decode_shape(allh[last, pos + 3:]) if last >= 0 else None
         pos += 3 + 1 + _MAXD
         shapes = {}
-        for it in plan:
-            if isinstance(it, CustomSync):
-                continue
+        for name in _names(plan):
             block = allh[:, pos:pos + 1 + _MAXD][seen_r.bool()]
             pos += 1 + _MAXD
             if len(block) and not bool((block == block[0]).all()):
                 got = [_decode_shape(b) for b in block]
                 raise ValueError(
-                    f"sync: {obs._who()} has state {it[0]!r} of different shapes on different "
+                    f"sync: {obs._who()} has state {name!r} of different shapes on different "
                     f"ranks ({got}); the layout must give the same units on every rank")
             if len(block):
-                shapes[it[0]] = _decode_shape(block[0])
+                shapes[name] = _decode_shape(block[0])
         n_seen = int(seen_r.sum())
         if nonfinite:
             obs.seen_non_finite.fill_(True)
@@ -273,23 +284,25 @@ def sync_observers(observers: Iterable, group=None) -> None:
             continue
         observed = bool(seen_r[me])
         if not observed and not step_synced:  # agreed shapes, filled with the identity
-            for name, op in (it for it in plan if not isinstance(it, CustomSync)):
-                buf = getattr(obs, name)
-                setattr(obs, name, torch.full(shapes[name], _identity(op, buf.dtype),
-                                              dtype=buf.dtype, device=buf.device))
+            for it in plan:
+                if isinstance(it, CustomSync):
+                    it.empty(obs, shapes)
+                    continue
+                buf = getattr(obs, it[0])
+                setattr(obs, it[0], torch.full(shapes[it[0]], _identity(it[1], buf.dtype),
+                                               dtype=buf.dtype, device=buf.device))
         obs._set_shape(shape)
         work.append((obs, plan, observed, n_seen, step_synced))
 
     # 3. custom syncs (histograms): agree on the grid, re-bin exactly
-    customs = [(obs, it, observed) for obs, plan, observed, _, step in work if not step
+    customs = [(obs, it) for obs, plan, _, _, step in work if not step
                for it in plan if isinstance(it, CustomSync)]
     extra: dict[int, list] = {}
     if customs:
-        grids = [it.grid(obs, observed).to(torch.float64).reshape(-1)
-                 for obs, it, observed in customs]
+        grids = [it.grid(obs).to(torch.float64).reshape(-1) for obs, it in customs]
         flat = torch.cat(grids).to(dev)
         _all_reduce(flat, dist.ReduceOp.MAX, group)
-        for (obs, it, _), g in zip(customs, flat.cpu().split([len(g) for g in grids])):
+        for (obs, it), g in zip(customs, flat.split([len(g) for g in grids])):
             extra.setdefault(id(obs), []).extend(it.rebin(obs, g).items())
 
     # 4. buckets: (reduction, dtype) -> [(obs, name, op, n_seen, observed)]
@@ -332,6 +345,57 @@ def sync_observers(observers: Iterable, group=None) -> None:
                 v = v / n_seen
             buf = getattr(obs, name)
             buf.copy_(v.reshape(buf.shape).to(buf.dtype))
+
+
+# ------------------------------------------------------------------------ histograms
+class HistogramSync(CustomSync):
+    """Exact sync of a :mod:`quantscope.stats.histogram` state kept in five buffers.
+
+    The ranks agree on the union range (``lo`` MIN, ``hi`` MAX) and the largest bin
+    exponent in one MAX all-reduce; each rank then re-bins its counts exactly onto the
+    grid :func:`~quantscope.stats.histogram.merge` would choose for the union (power-of-two
+    bin merges), and the counts are summed. The result equals, bitwise, the histogram
+    of one process that saw every batch.
+
+    ``names``: the buffers holding ``HistState(counts, exp, first, lo, hi)``.
+    """
+
+    def __init__(self, counts="hist_counts", exp="hist_exp", first="hist_first",
+                 lo="hist_lo", hi="hist_hi", absolute: bool = False):
+        self.names = (counts, exp, first, lo, hi)
+        self.absolute = bool(absolute)
+
+    def _state(self, obs):
+        from .stats.histogram import HistState
+
+        return HistState(*(getattr(obs, n) for n in self.names))
+
+    def _set(self, obs, state) -> None:
+        for n, v in zip(self.names, state):
+            setattr(obs, n, v)
+
+    def empty(self, obs, shapes):
+        from .stats.histogram import empty_state
+
+        units, bins = shapes[self.names[0]]
+        self._set(obs, empty_state(units, bins, device=getattr(obs, self.names[0]).device))
+
+    def grid(self, obs):
+        st = self._state(obs)
+        return torch.cat([-st.lo.double(), st.hi.double(), st.exp.double()])
+
+    def rebin(self, obs, grid):
+        from .stats.histogram import grid_exponent, grid_first, rebin
+
+        st = self._state(obs)
+        U, bins = st.counts.shape
+        g = grid.to(st.counts.device)
+        lo, hi = (-g[:U]).float(), g[U:2 * U].float()
+        e = torch.maximum(g[2 * U:].long(), grid_exponent(lo, hi, bins))
+        first = grid_first(lo, e, self.absolute)
+        counts = rebin(st.counts, st.exp, st.first, e, first)
+        self._set(obs, (counts, e, first, lo, hi))
+        return {self.names[0]: SUM}
 
 
 # ------------------------------------------------------------------------ step sync
