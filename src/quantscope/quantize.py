@@ -86,7 +86,9 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
 
     With ``ste=True`` the result carries a straight-through gradient for
     quantization-aware training: ``d out / d x`` is 1 where ``x`` lies inside the
-    quantizer's range and 0 where it was clipped (as ``torch.ao``'s FakeQuantize).
+    quantizer's range and 0 where it was clipped. For integers "inside" means the
+    rounded code is in ``[qmin, qmax]``, exactly ``torch.ao``'s FakeQuantize mask;
+    for float formats ``|x / scale| <= max``.
     """
     _check_input(x, "fake_quantize")
     scale, zp = _per_unit(qparams, spec, x.shape)
@@ -94,6 +96,6 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     out = spec.layout.to_shape(fake_quantize_units(u, scale, zp, spec), x.shape).to(x.dtype)
     if not ste:
         return out
-    t = u / scale + (0 if spec.is_float else zp)
+    t = u / scale if spec.is_float else torch.round(u / scale + zp)
     inside = spec.layout.to_shape((t >= spec.qmin) & (t <= spec.qmax), x.shape)
     return out + (x - x.detach()) * inside

@@ -1,0 +1,170 @@
+"""qparams_from_range: reference values from the formulas, invariants, and never NaN / inf."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantscope import QParams, QuantSpec, fake_quantize, presets, qparams_from_range
+from quantscope.formats import FP4_E2M1, FP8_E4M3
+from quantscope.scales import e8m0_scale
+
+ONES = torch.ones(5)
+FLOAT32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+def qp_of(x, spec):
+    """qparams of one tensor through its layout (what an observer does)."""
+    u = spec.layout.to_units(x.float())
+    lo, hi = u.min(1).values, u.max(1).values
+    return qparams_from_range(lo, hi, spec).reshape(spec.layout.qparam_shape(x.shape))
+
+
+@pytest.mark.parametrize("spec,scale,zp", [
+    (QuantSpec("int8"), 1 / 127.5, 0),                       # compressed-tensors' own test values
+    (QuantSpec("int8", symmetric=False), 1 / 255, -128),
+    (QuantSpec("int8_narrow"), 1 / 127, 0),
+    (QuantSpec("int4"), 1 / 7.5, 0),
+    (QuantSpec("int4", symmetric=False), 1 / 15, -8),
+    (QuantSpec("uint8"), 1 / 127.5, 128),                    # torch.ao quint8 symmetric
+    (QuantSpec("uint8", symmetric=False), 1 / 255, 0),
+    (QuantSpec("int8", quant_min=-64, quant_max=63), 1 / 63.5, 0),  # torch.ao reduce_range
+    (QuantSpec("fp8_e4m3"), 1 / 448, 0),
+    (QuantSpec("fp8_e5m2"), 1 / 57344, 0),
+    (QuantSpec("fp6_e3m2"), 1 / 28, 0),
+    (QuantSpec("fp6_e2m3"), 1 / 7.5, 0),
+    (QuantSpec("fp4"), 1 / 6, 0),
+])
+def test_reference_values_for_ones(spec, scale, zp):
+    q = qparams_from_range(ONES.min().reshape(1), ONES.max().reshape(1), spec)
+    assert q.scale.dtype == torch.float32 and q.zero_point.dtype == torch.int32
+    assert q.scale.shape == (1,) and q.global_scale is None
+    assert q.scale.item() == pytest.approx(scale, rel=1e-7) and q.zero_point.item() == zp
+
+
+def test_asymmetric_formula():
+    lo, hi = torch.tensor([-3.0, -1.0, 0.5, -2.0]), torch.tensor([1.0, 3.0, 2.0, -0.5])
+    q = qparams_from_range(lo, hi, QuantSpec("int8", symmetric=False))
+    lo0, hi0 = lo.clamp(max=0), hi.clamp(min=0)  # the range always includes zero
+    scale = (hi0 - lo0) / 255
+    assert torch.equal(q.scale, scale)
+    assert torch.equal(q.zero_point, torch.round(-128 - lo0 / scale).clamp(-128, 127).int())
+    assert q.zero_point.tolist() == [63, -64, -128, 127]  # -128 + 191.25, -128 + 63.75, ...
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_zero_is_exact_and_all_zero_units_are_finite(name):
+    spec = presets.get(name)
+    x = torch.randn(4, 256)
+    x[1] = 0  # an all-zero row: all-zero units for every layout
+    q = qp_of(x, spec)
+    s = q.effective_scale
+    assert torch.isfinite(s).all() and (s > 0).all()
+    assert (q.zero_point >= spec.qmin).all() and (q.zero_point <= spec.qmax).all()
+    out = fake_quantize(x, q, spec)
+    assert torch.isfinite(out).all()
+    assert (out[1] == 0).all() and (out[x == 0] == 0).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(presets.PRESETS) + ["pow2", "fp16", "bf16", "uint4-asym"]),
+       st.lists(st.tuples(FLOAT32, FLOAT32),
+                min_size=1, max_size=6))
+def test_never_nan_or_inf(name, pairs):
+    spec = {"pow2": QuantSpec("int8", scale="pow2"), "fp16": QuantSpec("int4", scale="fp16"),
+            "bf16": QuantSpec("int8", symmetric=False, scale="bf16"),
+            "uint4-asym": QuantSpec("uint4", symmetric=False)}.get(name) or presets.get(name)
+    lo = torch.tensor([min(a, b) for a, b in pairs])
+    hi = torch.tensor([max(a, b) for a, b in pairs])
+    q = qparams_from_range(lo, hi, spec)
+    s = q.effective_scale
+    assert torch.isfinite(s).all() and (s > 0).all(), (lo, hi, s)
+    assert (q.zero_point >= spec.qmin).all() and (q.zero_point <= spec.qmax).all()
+
+
+def test_symmetric_scale_maps_amax_onto_half_the_range():
+    g = torch.Generator().manual_seed(0)
+    lo, hi = -torch.rand(100, generator=g) * 10, torch.rand(100, generator=g) * 10
+    amax = torch.maximum(-lo, hi)
+    for spec, div in ((QuantSpec("int8"), 127.5), (QuantSpec("int4_narrow"), 7.0),
+                      (QuantSpec("int2"), 1.5), (QuantSpec("fp8"), 448.0)):
+        assert torch.equal(qparams_from_range(lo, hi, spec).scale, amax / div)
+
+
+@pytest.mark.parametrize("enc", ["pow2:round", "pow2:floor", "pow2:ceil", "fp16", "bf16"])
+def test_scale_is_stored_in_its_encoding_and_zero_point_uses_the_stored_scale(enc):
+    g = torch.Generator().manual_seed(1)
+    lo, hi = -torch.rand(200, generator=g) * 5, torch.rand(200, generator=g) * 5
+    spec = QuantSpec("int8", symmetric=False, scale=enc)
+    q = qparams_from_range(lo, hi, spec)
+    if enc.startswith("pow2"):
+        assert (torch.frexp(q.scale)[0] == 0.5).all()
+        raw = (hi - lo) / 255
+        assert {"pow2:floor": (q.scale <= raw), "pow2:ceil": (q.scale >= raw),
+                "pow2:round": (q.scale / raw).sub(1).abs() <= 0.5}[enc].all()
+    else:
+        dtype = torch.float16 if enc == "fp16" else torch.bfloat16
+        assert torch.equal(q.scale.to(dtype).float(), q.scale)
+    assert torch.equal(q.zero_point, torch.round(-128 - lo / q.scale).clamp(-128, 127).int())
+
+
+def test_eps_is_the_smallest_scale():
+    spec = QuantSpec("int8", eps=1e-3)
+    q = qparams_from_range(torch.tensor([0.0, -1e-6, -1.0]), torch.tensor([0.0, 1e-6, 1.0]), spec)
+    assert q.scale.tolist() == pytest.approx([1e-3, 1e-3, 1 / 127.5])
+
+
+@pytest.mark.parametrize("spec", [presets.MXFP8, presets.MXFP4, presets.MXFP6_E3M2, presets.MXINT8,
+                                  presets.BFP16, presets.MXFP4.replace(scale="e8m0:rceil")],
+                         ids=str)
+def test_mx_scales_come_from_e8m0(spec):
+    g = torch.Generator().manual_seed(2)
+    lo, hi = -torch.rand(64, generator=g) * 3, torch.rand(64, generator=g) * 3
+    q = qparams_from_range(lo, hi, spec)
+    assert torch.equal(q.scale, e8m0_scale(torch.maximum(-lo, hi), spec.format, spec.scale.mode))
+    assert (q.zero_point == 0).all() and q.global_scale is None
+
+
+def test_mxint8_and_bfp16_codes_are_the_int8_mantissas():
+    """MXINT8: scale 2**(floor(log2 amax) - 6); BFP16 bumps it when the top code would be 128."""
+    amax = torch.tensor([1.0, 1.5, 1.99, 1.9999, 3.0])
+    q = qparams_from_range(-amax, amax, presets.MXINT8)
+    assert torch.equal(q.scale, torch.exp2(torch.floor(torch.log2(amax)) - 6))
+    b = qparams_from_range(-amax, amax, presets.BFP16)
+    bumped = torch.round(amax / q.scale) >= 128
+    assert torch.equal(b.scale, q.scale * torch.where(bumped, 2.0, 1.0))
+    assert bumped.tolist() == [False, False, False, True, False]
+
+
+def test_nvfp4_global_and_block_scales():
+    g = torch.Generator().manual_seed(3)
+    amax = torch.rand(64, generator=g) * 4
+    amax[5] = 0
+    q = qparams_from_range(-amax, amax, presets.NVFP4)
+    gs = 448 * 6 / amax.max()
+    assert q.global_scale.shape == (1,) and q.global_scale.item() == pytest.approx(gs.item(), rel=1e-7)
+    block = (amax / 6 * q.global_scale).to(torch.float8_e4m3fn).float()
+    block = torch.where(block > 0, block, torch.full_like(block, 0.125))
+    assert torch.equal(q.scale, block)
+    assert torch.equal(q.effective_scale, q.scale / q.global_scale)
+    # the block holding the tensor's amax gets the largest e4m3 scale
+    assert q.scale.max() == FP8_E4M3.max
+    # an explicit global amax (the observer's running maximum) is used as given
+    q2 = qparams_from_range(-amax, amax, presets.NVFP4, global_amax=torch.tensor(8.0))
+    assert q2.global_scale.item() == 448 * 6 / 8
+    assert FP4_E2M1.max == 6
+
+
+def test_errors_and_qparams_helpers():
+    with pytest.raises(ValueError, match="lo and hi must have one shape"):
+        qparams_from_range(torch.zeros(3), torch.zeros(4), QuantSpec())
+    with pytest.raises(ValueError, match="must be finite"):
+        qparams_from_range(torch.tensor([float("nan")]), torch.zeros(1), QuantSpec())
+    with pytest.raises(ValueError, match="must be finite"):
+        qparams_from_range(torch.zeros(1), torch.tensor([float("inf")]), QuantSpec())
+    q = qparams_from_range(-torch.ones(2, 3), torch.ones(2, 3), QuantSpec())
+    assert q.scale.shape == (2, 3) and q.reshape(6).scale.shape == (6,)
+    scale, zp = q
+    assert scale is q.scale and zp is q.zero_point
+    assert q.to(torch.float64).scale.dtype == torch.float64
+    assert isinstance(q, QParams) and q.effective_scale is q.scale

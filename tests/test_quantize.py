@@ -1,0 +1,204 @@
+"""quantize / dequantize / fake_quantize: every preset and layout, dtypes, STE, errors.
+
+The reference here broadcasts the qparams against the tensor in its own shape (what a
+kernel consuming the checkpoint does), independently of the layouts' units view.
+"""
+
+import pytest
+import torch
+
+from quantscope import QuantSpec, dequantize, fake_quantize, presets, qparams_from_range, quantize
+from quantscope.layout import Block, Channel, Group, Tensor, Tile, Token
+from quantscope.quantize import fake_quantize_units
+
+SPECS = {name: presets.get(name) for name in sorted(presets.PRESETS)}
+SPECS.update({
+    "int8-ch1-asym": QuantSpec("int8", Channel(1), symmetric=False),
+    "uint4-g32-asym": QuantSpec("uint4", Group(32), symmetric=False),
+    "int2-g16": QuantSpec("int2", Group(16)),
+    "int8-tile": QuantSpec("int8", Tile(16, 24)),
+    "fp8-tile": QuantSpec("fp8_e4m3", Tile(128, 128)),
+    "fp8-e5m2-token": QuantSpec("fp8_e5m2", Token()),
+    "fp6-e3m2-ch": QuantSpec("fp6_e3m2", Channel(0)),
+    "int8-pow2": QuantSpec("int8", Channel(0), scale="pow2:round"),
+    "int4-g64-axis0": QuantSpec("int4", Group(64, axis=0)),
+    "int16": QuantSpec("int16", symmetric=False),
+    "mxfp4-rceil": QuantSpec("fp4", Block(32), scale="e8m0:rceil"),
+    "int8-reduce-range": QuantSpec("int8", quant_min=-64, quant_max=63),
+})
+
+
+def observe(x, spec):
+    u = spec.layout.to_units(x.float())
+    return qparams_from_range(u.min(1).values, u.max(1).values, spec).reshape(
+        spec.layout.qparam_shape(x.shape))
+
+
+def broadcast_view(x, layout):
+    """x reshaped so that the qparams broadcast against it, and the inverse."""
+    if isinstance(layout, (Tensor, Channel, Token)):
+        return x, lambda y: y
+    if isinstance(layout, (Group, Block)):
+        a = layout.axis % x.dim()
+        m = x.movedim(a, -1)
+        n = m.shape[-1]
+        pad = -n % layout.size
+        m = torch.nn.functional.pad(m, (0, pad)).unflatten(-1, (-1, layout.size))
+        return m, lambda y: y.flatten(-2)[..., :n].movedim(-1, a)
+    r, c = x.shape[-2:]
+    rows, cols = layout.rows, layout.cols
+    p = torch.nn.functional.pad(x, (0, -c % cols, 0, -r % rows))
+    v = p.unflatten(-1, (-1, cols)).unflatten(-3, (-1, rows))  # (..., rt, rows, ct, cols)
+    return v, lambda y: y.flatten(-2).flatten(-3, -2)[..., :r, :c]
+
+
+def reference_fake_quant(x, q, spec):
+    v, back = broadcast_view(x.float(), spec.layout)
+    s = q.effective_scale
+    zp = q.zero_point.float()
+    if isinstance(spec.layout, (Group, Block)):
+        s, zp = s[..., None], zp[..., None]
+    elif isinstance(spec.layout, Tile):
+        s, zp = s[..., :, None, :, None], zp[..., :, None, :, None]
+    if spec.is_float:
+        codes = spec.format.round_generic(v / s)
+    else:
+        codes = torch.clamp(torch.round(v / s + zp), spec.qmin, spec.qmax)
+    return back((codes - zp) * s), back(codes)
+
+
+def shape_for(spec):
+    if isinstance(spec.layout, Tile):
+        return (3, 200, 100)
+    if isinstance(spec.layout, Group) and spec.layout.axis == 0:
+        return (128, 48)
+    return (2, 16, 256) if isinstance(spec.layout, Token) else (48, 256)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_spec_matches_the_broadcast_reference(name):
+    spec = SPECS[name]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape_for(spec), generator=g) * torch.exp2(
+        torch.randint(-3, 4, shape_for(spec)[:-1] + (1,), generator=g).float())
+    x.view(-1)[::97] *= 20  # outliers, so that ranges and clipping matter
+    q = observe(x, spec)
+    assert q.scale.shape == spec.layout.qparam_shape(x.shape)
+    codes = quantize(x, q, spec)
+    out = fake_quantize(x, q, spec)
+    ref_out, ref_codes = reference_fake_quant(x, q, spec)
+    assert torch.equal(codes, ref_codes)
+    assert torch.equal(out, ref_out)
+    assert torch.equal(dequantize(codes, q, spec), out)
+    assert (codes >= spec.qmin).all() and (codes <= spec.qmax).all()
+    assert torch.equal(spec.format.round(codes) if spec.is_float else codes.round(), codes)
+    # a second pass is a fixed point (every dequantized value is on the grid)
+    assert torch.equal(fake_quantize(out, q, spec), out)
+    # error is at most half a step for signed symmetric max-abs ranges (they never clip); a
+    # rounded zero point (asymmetric, unsigned) may clip one end by up to half a step more
+    if spec.scale.kind == "fp32" and not spec.is_float and spec.quant_min is None:
+        bound = 0.5 if spec.symmetric and spec.format.signed else 1.0
+        assert ((out - x).abs() <= bound * 1.0001 * scale_like(q, spec, x)).all()
+
+
+def scale_like(q, spec, x):
+    """The effective scale of every element, in x's shape."""
+    ones = torch.ones_like(x)
+    v, back = broadcast_view(ones, spec.layout)
+    s = q.effective_scale
+    if isinstance(spec.layout, (Group, Block)):
+        s = s[..., None]
+    elif isinstance(spec.layout, Tile):
+        s = s[..., :, None, :, None]
+    return back(v * s)
+
+
+def test_group_gidx_equals_grouping_permuted_columns():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 64, generator=g)
+    perm = torch.randperm(64, generator=g)
+    g_idx = torch.empty(64, dtype=torch.int64)
+    g_idx[perm] = torch.arange(64) // 16  # columns perm[0:16] form group 0, ...
+    spec = QuantSpec("int4", Group(16, g_idx=g_idx), symmetric=False)
+    plain = QuantSpec("int4", Group(16), symmetric=False)
+    q = observe(x, spec)
+    q_plain = observe(x[:, perm], plain)
+    assert torch.equal(q.scale, q_plain.scale) and torch.equal(q.zero_point, q_plain.zero_point)
+    expect = torch.empty_like(x)
+    expect[:, perm] = fake_quantize(x[:, perm], q_plain, plain)
+    assert torch.equal(fake_quantize(x, q, spec), expect)
+
+
+@pytest.mark.parametrize("name", ["int8-channel", "int4-g128-asym", "fp8", "mxfp4", "nvfp4",
+                                  "bfp16", "int8-token"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_equal_float32_of_the_same_values(name, dtype):
+    spec = SPECS[name]
+    x = (torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    q, q32 = observe(x, spec), observe(x.float(), spec)
+    assert torch.equal(q.scale, q32.scale) and torch.equal(q.zero_point, q32.zero_point)
+    out = fake_quantize(x, q, spec)
+    assert out.dtype == dtype
+    assert torch.equal(out, fake_quantize(x.float(), q, spec).to(dtype))
+    assert torch.equal(quantize(x, q, spec), quantize(x.float(), q, spec))
+    assert dequantize(quantize(x, q, spec), q, spec, dtype=dtype).dtype == dtype
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8", symmetric=False), QuantSpec("int4", Group(8)),
+                                  presets.FP8_PER_CHANNEL, presets.MXFP4], ids=str)
+def test_ste_gradient_is_one_inside_and_zero_where_clipped(spec):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=g)
+    q = observe(x, spec)
+    xs = (x * 1.5).requires_grad_()  # calibrated on x: the larger values now clip
+    out = fake_quantize(xs, q, spec, ste=True)
+    assert torch.equal(out.detach(), fake_quantize(xs.detach(), q, spec))
+    out.sum().backward()
+    s = scale_like(q, spec, x)
+    if spec.is_float:
+        clipped = (xs.detach() / s).abs() > spec.format.max
+    else:
+        zp = scale_like(q.__class__(q.zero_point.float(), q.zero_point), spec, x)
+        t = torch.round(xs.detach() / s + zp)
+        clipped = (t < spec.qmin) | (t > spec.qmax)
+    assert clipped.any() and (~clipped).any()
+    assert torch.equal(xs.grad, (~clipped).float())
+    assert not fake_quantize(xs, q, spec).requires_grad
+
+
+def test_ste_matches_torch_ao_fake_quantize_gradient():
+    x = torch.linspace(-3, 3, 1001).requires_grad_()
+    spec = QuantSpec("int8", symmetric=False)
+    q = qparams_from_range(torch.tensor([-1.0]), torch.tensor([2.0]), spec)
+    fake_quantize(x, q, spec, ste=True).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    ref = torch.fake_quantize_per_tensor_affine(x2, q.scale, q.zero_point, -128, 127)
+    ref.sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    # values: torch.ao multiplies by 1 / scale where we divide, so a code can differ by one
+    # where x / scale lands on a rounding tie
+    diff = (fake_quantize(x.detach(), q, spec) - ref.detach()).abs()
+    assert (diff <= q.scale * 1.0001).all() and (diff > 1e-6).sum() <= 5
+
+
+def test_units_helper_is_the_same_math():
+    spec = presets.INT4_GROUP128_ASYM
+    x = torch.randn(4, 256)
+    q = observe(x, spec)
+    u = spec.layout.to_units(x)
+    out = fake_quantize_units(u, q.scale.reshape(-1, 1), q.zero_point.reshape(-1, 1).float(), spec)
+    assert torch.equal(spec.layout.to_shape(out, x.shape), fake_quantize(x, q, spec))
+
+
+def test_errors():
+    spec = presets.INT8_PER_CHANNEL
+    x = torch.randn(4, 8)
+    q = observe(x, spec)
+    with pytest.raises(ValueError, match="qparams: scale has 4 values.*has 5 units"):
+        fake_quantize(torch.randn(5, 8), q, spec)
+    with pytest.raises(TypeError, match="fake_quantize: x must be a floating-point tensor"):
+        fake_quantize(torch.ones(4, 8, dtype=torch.int32), q, spec)
+    with pytest.raises(TypeError, match="quantize: x must be a torch.Tensor"):
+        quantize([1.0, 2.0], q, spec)
+    with pytest.raises(ValueError, match="Group: size 128 does not divide 100"):
+        fake_quantize(torch.randn(4, 100), q, presets.INT4_GROUP128)
