@@ -232,6 +232,18 @@ def _scenarios(r, w):
     obs.sync()
     out["nan_step"] = _record(obs)
 
+    # calibration helpers: a failure on one rank raises on every rank; counts; samples
+    try:
+        with qd.all_or_none("observing"):
+            if r == w - 1:
+                raise ValueError("boom")
+        out["all_or_none"] = None
+    except (ValueError, RuntimeError) as e:
+        out["all_or_none"] = f"{type(e).__name__}: {e}"
+    out["all_sum"] = qd.all_sum(r + 1)
+    rows = [torch.full((2 + r, 3), float(r))] if r else []
+    out["samples"] = qd.gather_samples(rows, limit=4)
+
     # weights split by size: each rank observes its share, qparams are shared
     g = torch.Generator().manual_seed(11)
     weights = {f"layer{i}": torch.randn(4 + 3 * i, 16, generator=g) for i in range(7)}
@@ -390,3 +402,17 @@ def test_undeclared_observer_errors():
 
     with pytest.raises(NotImplementedError, match="_sync_plan"):
         qd._plan(Bare(QuantSpec(layout=Tensor())))
+
+
+def test_calibration_helpers(results):
+    w, res = results
+    for r in range(w):
+        msg = res[r]["all_or_none"]
+        if r == w - 1:
+            assert msg == "ValueError: boom"
+        else:
+            assert msg.startswith("RuntimeError") and f"[{w - 1}]" in msg, msg
+        assert res[r]["all_sum"] == w * (w + 1) // 2
+        (got,) = res[r]["samples"]
+        want = torch.cat([torch.full((2 + i, 3), float(i)) for i in range(1, w)])[:4]
+        assert torch.equal(got, want)

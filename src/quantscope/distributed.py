@@ -44,8 +44,10 @@ a no-op, so code written for ``torchrun`` also runs in a single process.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -61,15 +63,21 @@ __all__ = [
     "HistogramSync",
     "Op",
     "SyncStats",
+    "all_or_none",
+    "all_sum",
     "assign_by_size",
     "empty_step",
+    "gather_failures",
     "gather_qparams",
+    "gather_samples",
     "is_distributed",
+    "is_main",
     "last_stats",
     "rank",
     "shard",
     "step_sync",
     "sync_observers",
+    "weight_owners",
     "world_size",
 ]
 
@@ -145,14 +153,58 @@ def world_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def shard(items: Sequence, group=None) -> list:
+def shard(items: Iterable, group=None):
     """This rank's share of ``items``: every ``world``-th item from index ``rank``.
 
     Round-robin, so ranks differ by at most one item and step ``t`` of all ranks
     together holds items ``t * world .. t * world + world - 1`` (the global batch of
-    the step-synced mode).
+    the step-synced mode). A sequence gives a list; any other iterable is read lazily.
     """
-    return list(items)[rank(group)::world_size(group)]
+    r, w = rank(group), world_size(group)
+    if isinstance(items, Sequence):
+        return list(items)[r::w]
+    return itertools.islice(items, r, None, w)
+
+
+def is_main(group=None) -> bool:
+    """True on the rank that writes files and prints (rank 0, or no process group)."""
+    return rank(group) == 0
+
+
+def all_sum(value: int, group=None) -> int:
+    """``value`` summed over the ranks (e.g. the number of calibration batches)."""
+    if not is_distributed(group):
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_device(group))
+    dist.all_reduce(t, group=group)
+    return int(t)
+
+
+@contextlib.contextmanager
+def all_or_none(what: str = "a step", group=None):
+    """Run a local step so that if it raises on any rank, it raises on every rank.
+
+    Without this, a rank that fails (bad input, a layer that cannot take a spec)
+    leaves the others waiting in their next collective until the timeout. After the
+    block every rank exchanges one flag: the failing rank re-raises its own error,
+    the others raise ``RuntimeError`` naming the failing ranks.
+    """
+    err = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- re-raised below, after the ranks agree
+        err = e
+    if not is_distributed(group):
+        if err is not None:
+            raise err
+        return
+    flags = _all_gather(torch.tensor([int(err is not None)], dtype=torch.int64,
+                                     device=_device(group)), group).reshape(-1).cpu()
+    if err is not None:
+        raise err
+    if bool(flags.any()):
+        bad = torch.nonzero(flags).reshape(-1).tolist()
+        raise RuntimeError(f"distributed: {what} failed on rank(s) {bad}; see their error")
 
 
 def _device(group):
@@ -484,4 +536,45 @@ def gather_qparams(local: dict, group=None) -> dict:
     merged = {}
     for part in out:
         merged.update(part)
+    return merged
+
+
+def weight_owners(model: torch.nn.Module, group=None) -> dict[str, int]:
+    """``{module name: rank}`` for every module with a ``weight``, balanced by weight size.
+
+    The same on every rank (depends only on the model). Each rank observes the weights
+    it owns; :func:`sync_observers` then gives every rank the owner's state exactly (a
+    state observed on one rank only reduces to that rank's values).
+    """
+    sizes = {name: m.weight.numel() for name, m in model.named_modules()
+             if isinstance(getattr(m, "weight", None), torch.Tensor)}
+    return assign_by_size(sizes, group=group)
+
+
+def gather_samples(samples: list, limit: int, group=None) -> list:
+    """Every rank's sampled activation rows (a list of ``[rows, width]`` tensors),
+    concatenated in rank order and cut to ``limit`` rows, on every rank."""
+    if not is_distributed(group):
+        return samples
+    local = torch.cat(samples).cpu() if samples else None
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, local, group=group)
+    parts = [p for p in out if p is not None]
+    if not parts:
+        return []
+    dev = samples[0].device if samples else torch.device("cpu")
+    return [torch.cat(parts)[:limit].to(dev)]
+
+
+def gather_failures(local: dict, group=None) -> dict:
+    """Union over the ranks of ``{key: {observer key: error}}``, so that every rank drops
+    the same candidates (a weight candidate may fail on its owner rank only)."""
+    if not is_distributed(group):
+        return local
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, local, group=group)
+    merged: dict = {}
+    for part in out:
+        for k, v in part.items():
+            merged.setdefault(k, {}).update(v)
     return merged
