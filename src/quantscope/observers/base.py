@@ -230,8 +230,11 @@ class Observer(nn.Module):
                 setattr(self, name, torch.empty_like(state_dict[key], dtype=old.dtype,
                                                      device=old.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        seen = int(self.observed_tokens) > 0
-        self._last_shape = tuple(self.observed_shape.tolist()) if seen else None
+        # the Python mirror of the shape comes from the saved tensors (readable even when
+        # this observer lives on the meta device); a state without them leaves it alone
+        tokens, shape = (state_dict.get(prefix + k) for k in ("observed_tokens", "observed_shape"))
+        if tokens is not None and shape is not None and not tokens.is_meta and not shape.is_meta:
+            self._last_shape = tuple(shape.tolist()) if int(tokens) > 0 else None
 
     def _who(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.spec})"
