@@ -160,13 +160,27 @@ class Observer:
         super().forward(observed)
         if not self.has_observed:  # empty tensor
             return None
-        qp = self.qparams()
-        return qp.scale, qp.zero_point
+        qp = self.get_qparams()
+        return qp["scale"], qp["zero_point"]
 
     def get_qparams(self) -> dict:
-        """``{"scale", "zero_point", "global_scale"}`` from the statistics (the newer API)."""
+        """``{"scale", "zero_point", "global_scale"}`` from the statistics (the newer API).
+
+        The zero point comes in compressed-tensors' ``zp_dtype`` (int8 for int8 / int4,
+        float8_e4m3fn for float formats, unless ``args.zp_dtype`` says otherwise).
+        """
         qp = self.qparams()
-        return {"scale": qp.scale, "zero_point": qp.zero_point, "global_scale": qp.global_scale}
+        return {"scale": qp.scale, "zero_point": qp.zero_point.to(self._zp_dtype()),
+                "global_scale": qp.global_scale}
+
+    def _zp_dtype(self) -> torch.dtype:
+        dtype = field(self.args, "zp_dtype")
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if self.spec.is_float:
+            return torch.float8_e4m3fn
+        bits = self.spec.format.bits
+        return torch.int8 if bits <= 8 else torch.int16 if bits <= 16 else torch.int32
 
     def sync_activation_stats(self) -> list:
         """All-reduce the statistics across DDP ranks as llm-compressor declares them
@@ -208,3 +222,8 @@ class MinMaxObserver(Observer, _NativeEMA):
     """Moving average of min / max (``averaging_constant`` from observer_kwargs, default 0.01)."""
 
     native_options = ("averaging_constant",)
+
+    def _ema_(self, state, batch):
+        # llm-compressor's lerp: old * (1 - c) + new * c, rounded as it rounds
+        c = self.averaging_constant
+        state.mul_(1.0 - c).add_(batch * c)

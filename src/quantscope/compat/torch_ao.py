@@ -53,6 +53,8 @@ def torch_ao_spec(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_ra
     elif quant_min is None or quant_max is None:
         raise ValueError(f"torch.ao: give both quant_min and quant_max, got {quant_min!r} and "
                          f"{quant_max!r}")
+    elif reduce_range:  # torch.ao halves a custom range too
+        quant_min, quant_max = quant_min // 2, quant_max // 2
     layout = Channel(ch_axis) if qscheme in _PER_CHANNEL else Tensor()
     return QuantSpec(fmt, layout, symmetric=qscheme in _SYMMETRIC, eps=float(eps),
                      quant_min=quant_min, quant_max=quant_max)
@@ -75,6 +77,7 @@ class TorchAOObserver:
         self.quant_min, self.quant_max = int(spec.qmin), int(spec.qmax)
         self.ch_axis = ch_axis
         self.is_dynamic = is_dynamic
+        self.has_customized_qrange = quant_min is not None or quant_max is not None
         device = (factory_kwargs or {}).get("device")
         if device is not None:
             self.to(device)
@@ -82,7 +85,10 @@ class TorchAOObserver:
     def calculate_qparams(self):
         qp = self.qparams()  # torch.ao: int64 zero points when symmetric, int32 when affine
         zp_dtype = torch.int64 if self.spec.symmetric else torch.int32
-        return qp.scale.reshape(-1), qp.zero_point.reshape(-1).to(zp_dtype)
+        zp = qp.zero_point.reshape(-1).to(zp_dtype)
+        if self.spec.symmetric and not self.spec.format.signed and self.has_customized_qrange:
+            zp.fill_((self.quant_min + self.quant_max) // 2)  # torch.ao's rule for custom ranges
+        return qp.scale.reshape(-1), zp
 
     @property
     def min_val(self) -> torch.Tensor:

@@ -77,7 +77,8 @@ class StaticMinMaxObserver(MinMaxStateObserver):
 class MovingAverageMinMaxObserver(MinMaxStateObserver):
     """Exponential moving average of each batch's min and max (llm-compressor's ``minmax``).
 
-    ``state += averaging_constant * (batch - state)``; the first batch
+    ``state += averaging_constant * (batch - state)``, as two rounded float32 ops
+    (torch.ao's expression, so its EMA observers agree bitwise); the first batch
     initialises. The zero that qparams add to the range is not averaged in.
     """
 
@@ -89,8 +90,12 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
         self.averaging_constant = float(averaging_constant)
 
     def _update(self, lo, hi):
-        self.min_vals.lerp_(lo, self.averaging_constant)
-        self.max_vals.lerp_(hi, self.averaging_constant)
+        self._ema_(self.min_vals, lo)
+        self._ema_(self.max_vals, hi)
+
+    def _ema_(self, state: torch.Tensor, batch: torch.Tensor) -> None:
+        """``state += c * (batch - state)`` in place (a compat class may round it its way)."""
+        state.add_(batch.sub(state).mul_(self.averaging_constant))
 
     def _sync_plan(self):
         # approximate unless sync_every_step (then exact): see quantscope.distributed

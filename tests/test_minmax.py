@@ -1,0 +1,319 @@
+"""The min-max family on every layout and block format, against formulas computed here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import quantscope
+from quantscope import Block, Channel, Group, QParams, QuantSpec, Tensor, Tile, Token, presets
+from quantscope.qparams import qparams_from_range
+from quantscope.stats import minmax as stats
+
+FAMILIES = {"memoryless_minmax": {}, "static_minmax": {}, "minmax": {"averaging_constant": 0.25}}
+
+
+def observe(name, spec, xs, **kw):
+    obs = quantscope.get_observer(name, spec, **{**FAMILIES.get(name, {}), **kw})
+    for x in xs:
+        obs(x)
+    return obs
+
+
+def rand(*shape, seed=0, scale=1.0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ------------------------------------------------- llm-compressor's published sequences
+SEQ = [torch.tensor([0.0, 0.0]), torch.tensor([-3.0, 1.0]), torch.tensor([-1.0, 3.0])]
+
+
+@pytest.mark.parametrize("name,kw,mins,maxs", [
+    ("memoryless_minmax", {}, [0, -3, -1], [0, 1, 3]),
+    ("static_minmax", {}, [0, -3, -3], [0, 1, 3]),
+    ("minmax", {"averaging_constant": 0.1}, [0, -0.3, -0.37], [0, 0.1, 0.39]),
+])
+def test_llmcompressor_published_sequences(name, kw, mins, maxs):
+    obs = quantscope.get_observer(name, QuantSpec(), **kw)
+    for x, lo, hi in zip(SEQ, mins, maxs):
+        obs(x)
+        assert obs.min_vals.item() == pytest.approx(lo, abs=1e-6)
+        assert obs.max_vals.item() == pytest.approx(hi, abs=1e-6)
+
+
+def test_ema_default_constant_and_first_call():
+    obs = quantscope.get_observer("minmax", QuantSpec())
+    assert obs.averaging_constant == 0.01
+    obs(torch.tensor([-2.0, 4.0]))  # the first call initialises
+    assert obs.min_vals.tolist() == [-2.0] and obs.max_vals.tolist() == [4.0]
+    obs(torch.tensor([2.0, 3.0]))  # the zero qparams add is not averaged in: min moves to 2
+    assert obs.min_vals.item() == pytest.approx(-2 + 0.01 * 4)
+
+
+@pytest.mark.parametrize("symmetric,scale,zp", [(True, 1 / 127.5, 0), (False, 1 / 255, -128)])
+def test_llmcompressor_reference_qparams(symmetric, scale, zp):
+    obs = observe("memoryless_minmax", QuantSpec("int8", symmetric=symmetric), [torch.ones(5)])
+    qp = obs.calculate_qparams()
+    assert qp.scale.item() == pytest.approx(scale, rel=1e-7) and qp.zero_point.item() == zp
+
+
+# ---------------------------------------------------------------- every layout
+def ref_units_minmax(x, layout):
+    """Per-unit min / max by explicit reshapes (independent of layout.to_units)."""
+    if isinstance(layout, Tensor):
+        return x.min().reshape(1), x.max().reshape(1)
+    if isinstance(layout, Channel):
+        m = x.movedim(layout.axis, 0).reshape(x.shape[layout.axis], -1)
+        return m.min(1).values, m.max(1).values
+    if isinstance(layout, Token):
+        m = x.reshape(-1, x.shape[-1])
+        return m.min(1).values, m.max(1).values
+    if isinstance(layout, Group):
+        m = x.movedim(layout.axis, -1)
+        if layout.g_idx is not None:  # group k holds the columns with g_idx == k
+            cols = [torch.nonzero(layout.g_idx == k).flatten()
+                    for k in range(int(layout.g_idx.max()) + 1)]
+            m = torch.stack([m[..., c] for c in cols], -2)
+        else:
+            m = m.reshape(*m.shape[:-1], -1, layout.size)
+        return m.amin(-1).reshape(-1), m.amax(-1).reshape(-1)
+    if isinstance(layout, Block):
+        m = x.movedim(layout.axis, -1)
+        n = m.shape[-1]
+        nb = math.ceil(n / layout.size)
+        lo, hi = [], []
+        for b in range(nb):  # a reference may loop: blocks that end early include zero padding
+            blk = m[..., b * layout.size:(b + 1) * layout.size]
+            pad = blk.shape[-1] < layout.size
+            lo.append(blk.amin(-1).clamp(max=0) if pad else blk.amin(-1))
+            hi.append(blk.amax(-1).clamp(min=0) if pad else blk.amax(-1))
+        return torch.stack(lo, -1).reshape(-1), torch.stack(hi, -1).reshape(-1)
+    if isinstance(layout, Tile):
+        R, C = x.shape[-2:]
+        lead = x.reshape(-1, R, C)
+        lo, hi = [], []
+        for t in lead:
+            for i in range(0, R, layout.rows):
+                for j in range(0, C, layout.cols):
+                    blk = t[i:i + layout.rows, j:j + layout.cols]
+                    pad = blk.shape != (layout.rows, layout.cols)
+                    lo.append(blk.min().clamp(max=0) if pad else blk.min())
+                    hi.append(blk.max().clamp(min=0) if pad else blk.max())
+        return torch.stack(lo), torch.stack(hi)
+    raise AssertionError(layout)
+
+
+G_IDX = torch.tensor([1, 0, 2, 1, 0, 2, 2, 0, 1, 1, 0, 2])  # 3 groups of 4 (activation order)
+LAYOUTS = [
+    (Tensor(), (5, 7)),
+    (Channel(0), (6, 10)),
+    (Channel(1), (3, 5, 4)),
+    (Channel(-1), (2, 3, 6)),
+    (Group(4), (3, 12)),
+    (Group(4, axis=0), (8, 5)),
+    (Group(4, g_idx=G_IDX), (5, 12)),
+    (Token(), (2, 3, 8)),
+    (Block(8), (4, 20)),  # padded last block
+    (Block(4, axis=0), (10, 3)),
+    (Tile(3, 4), (7, 10)),  # padded edge tiles
+    (Tile(2, 2), (2, 4, 6)),  # leading dim
+]
+
+
+@pytest.mark.parametrize("layout,shape", LAYOUTS, ids=[str(ly) for ly, _ in LAYOUTS])
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_every_layout_every_family(name, layout, shape, symmetric):
+    xs = [rand(*shape, seed=s, scale=s + 1) + 0.5 * s for s in range(3)]
+    spec = QuantSpec("int8", layout, symmetric=symmetric)
+    obs = observe(name, spec, xs)
+    c = FAMILIES[name].get("averaging_constant")
+    lo, hi = ref_units_minmax(xs[0], layout)
+    for x in xs[1:]:
+        l2, h2 = ref_units_minmax(x, layout)
+        if name == "memoryless_minmax":
+            lo, hi = l2, h2
+        elif name == "static_minmax":
+            lo, hi = torch.minimum(lo, l2), torch.maximum(hi, h2)
+        else:
+            lo, hi = lo + c * (l2 - lo), hi + c * (h2 - hi)
+    assert torch.equal(obs.min_vals, lo) and torch.equal(obs.max_vals, hi)
+    qp = obs.calculate_qparams()
+    ref = qparams_from_range(lo, hi, spec).reshape(layout.qparam_shape(shape))
+    assert torch.equal(qp.scale, ref.scale) and torch.equal(qp.zero_point, ref.zero_point)
+    # and the qparams broadcast against the tensor where they should
+    if not isinstance(layout, (Group, Block, Tile)):
+        torch.broadcast_shapes(qp.scale.shape, shape)
+
+
+def test_asymmetric_int_formula_and_range_includes_zero():
+    x = torch.tensor([[1.0, 3.0], [-4.0, -2.0], [-1.0, 2.0]])
+    qp = observe("memoryless_minmax", QuantSpec("uint8", Channel(0), symmetric=False),
+                 [x]).calculate_qparams()
+    # rows: [0, 3] (zero added), [-4, 0], [-1, 2]
+    assert torch.allclose(qp.scale.flatten(), torch.tensor([3 / 255, 4 / 255, 3 / 255]))
+    assert qp.zero_point.flatten().tolist() == [0, 255, round(1 / (3 / 255))]
+
+
+def test_symmetric_unsigned_zero_point_is_mid_range():
+    qp = observe("static_minmax", QuantSpec("uint8"), [rand(4, 4)]).calculate_qparams()
+    assert qp.zero_point.item() == 128
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.integers(0, 2 ** 16))
+@settings(max_examples=25, deadline=None)
+def test_static_equals_memoryless_of_the_concatenation(rows, seed):
+    xs = [rand(r, 3, 5, seed=seed + i) for i, r in enumerate(rows)]
+    spec = QuantSpec("int4", Channel(1), symmetric=False)
+    a = observe("static_minmax", spec, xs).calculate_qparams()
+    b = observe("memoryless_minmax", spec, [torch.cat(xs)]).calculate_qparams()
+    assert torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
+
+
+# ------------------------------------------------------------------ block formats
+def float_pow2(k):
+    return torch.tensor([2.0 ** int(v) for v in k.flatten()]).reshape(k.shape)
+
+
+@pytest.mark.parametrize("fmt,emax", [("fp4_e2m1", 2), ("fp6_e2m3", 2), ("fp6_e3m2", 4),
+                                      ("fp8_e4m3", 8), ("fp8_e5m2", 15)])
+@pytest.mark.parametrize("mode", ["floor", "ceil", "even", "rceil"])
+def test_mx_scales_every_mode(fmt, emax, mode):
+    x = rand(4, 96, seed=3, scale=5.0)
+    x[0, :32] = 0.0  # an all-zero block
+    x[1, 0] = 1.75 * 2.0 ** 3  # mantissa at fp4's rounding threshold
+    x[1, 32] = 2.0 ** -3  # an exact power of two
+    spec = QuantSpec(fmt, Block(32), scale=f"e8m0:{mode}")
+    qp = observe("memoryless_minmax", spec, [x]).calculate_qparams()
+    amax = x.abs().reshape(4, 3, 32).amax(-1).double()
+    fmax = spec.format.max
+    mbits = spec.format.mbits
+    safe = amax.clamp(min=1e-300)
+    if mode == "floor":
+        k = torch.floor(torch.log2(safe)) - emax
+    elif mode == "ceil":
+        k = torch.ceil(torch.log2(safe)) - emax
+    elif mode == "rceil":
+        k = torch.ceil(torch.log2(safe / fmax))
+    else:  # round amax to the element's mantissa (half away), then floor
+        e = torch.floor(torch.log2(safe))
+        step = 2.0 ** (e - mbits)
+        k = torch.floor(torch.log2(torch.floor(safe / step + 0.5) * step)) - emax
+    k = torch.where(amax == 0, torch.full_like(k, -127), k).clamp(-127, 127)
+    assert qp.scale.shape == (4, 3)
+    assert torch.equal(qp.scale.double(), float_pow2(k)), (mode, qp.scale, float_pow2(k))
+    assert qp.global_scale is None and not qp.zero_point.any()
+
+
+def test_mx_static_keeps_the_running_block_max():
+    xs = [rand(2, 64, seed=s, scale=s + 1) for s in range(3)]
+    qs = observe("static_minmax", presets.MXFP8, xs).calculate_qparams()
+    qm = observe("memoryless_minmax", presets.MXFP8, [torch.cat(xs)]).calculate_qparams()
+    amax = torch.stack([x.abs().reshape(2, 2, 32).amax(-1) for x in xs]).amax(0)
+    ref = QParams(*observe("memoryless_minmax", presets.MXFP8,
+                           [amax.repeat_interleave(32, -1)]).calculate_qparams())
+    assert torch.equal(qs.scale, ref.scale)
+    assert qm.scale.shape == (6, 2)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_nvfp4_global_scale_from_whole_tensor_absmax(name):
+    x = rand(8, 64, seed=1, scale=2.0)
+    x[3, 5] = -37.0  # the tensor absmax is a negative value
+    qp = observe(name, presets.NVFP4, [x]).calculate_qparams()
+    gs = 448.0 * 6.0 / x.abs().max()
+    assert qp.global_scale.shape == (1,) and torch.equal(qp.global_scale, gs.reshape(1))
+    block_amax = x.abs().reshape(8, 4, 16).amax(-1)
+    ref = (block_amax / 6.0 * gs).to(torch.float8_e4m3fn).float()
+    assert torch.equal(qp.scale, ref)
+    assert torch.allclose(qp.effective_scale, ref / gs)
+
+
+def test_nvfp4_static_global_scale_follows_running_absmax():
+    xs = [rand(4, 32, seed=s, scale=1 + 3 * s) for s in range(3)]
+    qp = observe("static_minmax", presets.NVFP4, xs).calculate_qparams()
+    absmax = torch.stack([x.abs().max() for x in xs]).max()
+    assert torch.equal(qp.global_scale, (448.0 * 6.0 / absmax).reshape(1))
+
+
+def test_bfp16_shared_exponent_with_overflow_check():
+    x = rand(3, 24, seed=2, scale=3.0)
+    x[0, :8] = torch.tensor([127.4, 1, 2, 3, -4, 5, 6, 7]) / 64  # rounds to 127: no bump
+    x[0, 8:16] = torch.tensor([127.6, 1, 2, 3, -4, 5, 6, 7]) / 64  # rounds to 128: bump
+    x[1, :8] = 0.0
+    qp = observe("memoryless_minmax", presets.BFP16, [x]).calculate_qparams()
+    amax = x.abs().reshape(3, 3, 8).amax(-1).double()
+    k = torch.floor(torch.log2(amax.clamp(min=1e-300))) - 6
+    bump = torch.round(amax / 2.0 ** k) >= 128  # Quark's overflow check
+    k = torch.where(amax == 0, torch.full_like(k, -127), k + bump.double())
+    assert torch.equal(qp.scale.double(), float_pow2(k))
+    assert bump[0, 1] and not bump[0, 0]
+    q = quantscope.quantize(x, qp, presets.BFP16)
+    assert q.abs().max() <= 127
+
+
+def test_tile_fp8_block_scales():
+    x = rand(200, 260, seed=4)
+    spec = QuantSpec("fp8_e4m3", Tile(128, 128))
+    qp = observe("memoryless_minmax", spec, [x]).calculate_qparams()
+    assert qp.scale.shape == (2, 3)
+    assert torch.equal(qp.scale[1, 2], x[128:, 256:].abs().max() / 448.0)
+
+
+# -------------------------------------------------------------------- placeholder
+def test_placeholder_has_unit_scales():
+    obs = quantscope.get_observer("placeholder", QuantSpec("int8", Channel(0)))
+    obs(rand(5, 3))
+    qp = obs.calculate_qparams()
+    assert qp.scale.shape == (5, 1) and torch.equal(qp.scale, torch.ones(5, 1))
+    assert not qp.zero_point.any()
+    with pytest.raises(ValueError, match="before any"):
+        quantscope.get_observer("placeholder").calculate_qparams()
+
+
+# ------------------------------------------------------------- the min / max kernel
+@given(st.integers(2, 300), st.integers(1, 700), st.integers(0, 2 ** 16), st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_kernel_equals_torch(U, E, seed, specials):
+    u = rand(U, E, seed=seed, scale=100.0)
+    if specials:
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, u.numel(), (6,), generator=g)
+        vals = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e38])
+        u.view(-1)[idx] = vals
+    lo, hi = stats.unit_minmax(u)
+    rlo, rhi = stats.torch_unit_minmax(u)
+    assert torch.equal(lo, rlo) or torch.allclose(lo, rlo, equal_nan=True, atol=0, rtol=0)
+    assert torch.allclose(hi, rhi, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("E", [1, 7, 8, 15, 16, 17, 32, 100, 4096])
+def test_kernel_on_large_inputs(E, monkeypatch):
+    monkeypatch.setattr(stats, "KERNEL_MIN_NUMEL", 0)
+    u = rand(max(2, (1 << 17) // E), E, seed=E)
+    u[1, E // 2] = float("nan")
+    lo, hi = stats.unit_minmax(u)
+    rlo, rhi = stats.torch_unit_minmax(u)
+    assert torch.allclose(lo, rlo, equal_nan=True, atol=0, rtol=0)
+    assert torch.allclose(hi, rhi, equal_nan=True, atol=0, rtol=0)
+    assert lo[1].isnan() and hi[1].isnan()
+
+
+def test_kernel_is_built_here():
+    # the project machines have a C compiler: the fast path must not silently fall back
+    import shutil
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    assert stats.kernel_available()
+
+
+def test_non_contiguous_and_other_dtypes_fall_back():
+    u = rand(300, 400).t()  # not contiguous
+    assert torch.equal(stats.unit_minmax(u)[0], u.amin(1))
+    d = rand(300, 400).double()
+    assert stats.unit_minmax(d)[1].dtype == torch.float64
