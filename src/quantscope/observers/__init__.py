@@ -1,6 +1,14 @@
 """Observers: ``torch.nn.Module`` s that watch tensors and compute qparams."""
 
 from .base import Observer
+from .histogram import (
+    EntropyObserver,
+    HistogramMSEObserver,
+    HistogramObserverBase,
+    L2HistogramObserver,
+    MixObserver,
+    PercentileObserver,
+)
 from .minmax import (
     MemorylessMinMaxObserver,
     MinMaxStateObserver,
@@ -11,6 +19,12 @@ from .minmax import (
 from .registry import get_observer, list_observers, observer_class, register
 
 __all__ = [
+    "EntropyObserver",
+    "HistogramMSEObserver",
+    "HistogramObserverBase",
+    "L2HistogramObserver",
+    "MixObserver",
+    "PercentileObserver",
     "MemorylessMinMaxObserver",
     "MinMaxStateObserver",
     "MovingAverageMinMaxObserver",

@@ -1,0 +1,35 @@
+"""Estimators: pure functions from data (or per-unit statistics) to per-unit ranges."""
+
+from .entropy import entropy_amax, entropy_divergences, entropy_range
+from .error import histogram_error
+from .histogram_mse import histogram_mse_range
+from .l2 import l2_range
+from .mix import mix_range
+from .mse import (
+    SearchResult,
+    dense_search,
+    linear_search,
+    mse_search,
+    pow2_search,
+    range_error,
+    shrink_factors,
+)
+from .percentile import percentile_range
+
+__all__ = [
+    "entropy_amax",
+    "entropy_divergences",
+    "entropy_range",
+    "histogram_error",
+    "histogram_mse_range",
+    "l2_range",
+    "mix_range",
+    "percentile_range",
+    "SearchResult",
+    "dense_search",
+    "linear_search",
+    "mse_search",
+    "pow2_search",
+    "range_error",
+    "shrink_factors",
+]

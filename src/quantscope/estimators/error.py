@@ -1,0 +1,45 @@
+"""Quantization error of candidate ranges on a histogram: the one scoring function that
+``histogram_mse`` and ``mix`` share.
+
+Every bin stands for its count of values at its centre, as ModelOpt and Quark
+score: ``error = sum_i count_i * (fake_quant(c_i) - c_i) ** 2``. The scale of a
+candidate comes from :func:`quantscope.qparams_from_range` (so scale encodings
+and zero points are those that run).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..qparams import qparams_from_range
+from ..quantize import fake_quantize_units
+from ..spec import QuantSpec
+from ..stats.histogram import Hist
+
+__all__ = ["ELEMENT_BUDGET", "histogram_error"]
+
+#: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
+ELEMENT_BUDGET = 1 << 22
+
+
+def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor,
+                    spec: QuantSpec) -> torch.Tensor:
+    """Squared error ``[U, C]`` of quantizing each unit's histogram with each candidate
+    range ``(lo[u, c], hi[u, c])``, computed in chunks of candidates."""
+    if lo.dim() != 2 or lo.shape != hi.shape or lo.shape[0] != hist.counts.shape[0]:
+        raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
+                         f"{hist.counts.shape[0]} units, got {tuple(lo.shape)} and "
+                         f"{tuple(hi.shape)}")
+    qp = qparams_from_range(lo, hi, spec)
+    scale = qp.effective_scale.float()
+    zp = qp.zero_point.float()
+    centers = hist.centers()[:, None, :]  # [U, 1, B]
+    counts = hist.counts.double()[:, None, :]
+    U, C = lo.shape
+    step = max(1, ELEMENT_BUDGET // max(1, U * hist.bins))
+    out = []
+    for c in range(0, C, step):
+        s, z = scale[:, c:c + step, None], zp[:, c:c + step, None]
+        d = fake_quantize_units(centers, s, z, spec) - centers
+        out.append((d.double().square_() * counts).sum(-1))
+    return torch.cat(out, dim=1)

@@ -1,0 +1,221 @@
+"""torch.ao ``HistogramObserver``'s non-linear L2 parameter search, same result, vectorized.
+
+torch.ao (``_non_linear_param_search``) walks quantile bounds ``alpha`` up and
+``beta`` down by ``1e-5`` per iteration (up to 1e5 Python iterations); each one
+finds the bins ``l``, ``r`` at the next quantiles, moves the side that trims more
+bins (``l - start > end - r``; the end otherwise), and, when the bins changed,
+prices the new range with an L2 model of the error (uniform density in each
+bin, ``dst_nbins`` output bins); it stops at the first range whose error is
+larger than the previous one.
+
+The walk does not depend on the errors except for where it stops, so it is
+computed without the loop:
+
+* ``A(a)`` / ``B(b)``: the bins at the ``a``-th / ``b``-th quantile step (searchsorted
+  of ``float32(alpha * total)`` in the float32 cumulative counts, as torch compares);
+* the side chosen depends only on the two gains ``dA(a) = A(a+1) - A(a)`` and
+  ``dB(b) = B(b) - B(b+1)`` -- a greedy merge of two sequences, which equals the
+  ordinary merge of their prefix minima, i.e. positions from one ``searchsorted``;
+* once the alpha gain is 0 the alpha side never moves again and the end walks
+  down through every bin the beta quantiles reach (found per bin, by inverting the
+  beta sequence); the two bounds meeting ("crossing") ends the walk in one step;
+* the walk stops where ``alpha >= beta`` (the same float64 accumulations as torch).
+
+The errors of all ranges on the path are then evaluated with torch's float32
+operations, in the same order, chunk by chunk, and the first increase picks the
+range. Per-tensor results equal torch.ao's bitwise (tested); every unit of a
+per-channel histogram gets the same search.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from ..stats.histogram import Hist
+
+__all__ = ["l2_norms", "l2_path", "l2_range"]
+
+_STEP = 1e-5
+_BUDGET = 1 << 22
+
+
+@functools.lru_cache(maxsize=1)
+def _quantile_steps() -> tuple[torch.Tensor, torch.Tensor]:
+    # alpha_k = alpha_{k-1} + 1e-5 and beta_k = beta_{k-1} - 1e-5 in float64, as torch's loop
+    n = int(1 / _STEP) + 3
+    a = np.full(n, _STEP)
+    a[0] = 0.0
+    b = np.full(n, -_STEP)
+    b[0] = 1.0
+    return torch.from_numpy(np.cumsum(a)), torch.from_numpy(np.cumsum(b))
+
+
+def _thr(level: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``float32(level * total)``: torch compares a float32 cumsum with the float64 product."""
+    return (level * total).float()
+
+
+def _count_beta_ge(c: torch.Tensor, total: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """For float32 values ``c [U, N]``: how many quantile steps ``b`` have
+    ``float32(beta_b * total) >= c`` (a prefix, since the thresholds decrease)."""
+    K = beta.numel()
+    approx = torch.searchsorted(-beta, -(c.double() / total[:, None]), right=True)
+    base = (approx - 3).clamp(min=0)
+    count = base.clone()
+    for d in range(7):  # exact check of the few steps around the estimate
+        k = base + d
+        ok = k < K
+        t = _thr(beta[k.clamp(max=K - 1)], total[:, None])
+        count += (ok & (t >= c)).long()
+    return count
+
+
+def l2_path(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ranges torch.ao's search visits: ``(start [U, J], end [U, J], valid [U, J])`` in
+    visiting order (each a change of range that torch prices)."""
+    U, Bn = counts.shape
+    dev = counts.device
+    alpha, beta = (t.to(dev) for t in _quantile_steps())
+    hist = counts.float()
+    total = hist.sum(1).double()  # torch: torch.sum(histogram).item()
+    csum = torch.cumsum(hist, dim=1)
+    L = Bn + 2
+    ks = torch.arange(L, device=dev)
+    A = torch.searchsorted(csum, _thr(alpha[ks][None, :], total[:, None]), right=False)
+    Bv = torch.searchsorted(csum, _thr(beta[ks][None, :], total[:, None]), right=True) - 1
+    A[:, 0] = 0
+    Bv[:, 0] = Bn - 1
+    dA = A[:, 1:] - A[:, :-1]  # [U, L - 1]
+    dB = Bv[:, :-1] - Bv[:, 1:]
+    ar = torch.arange(L - 1, device=dev)
+    a_max = torch.where(dA == 0, ar, L).amin(1)  # first zero gain
+    b_max = torch.where(dB == 0, ar, L).amin(1)
+    in_a = ar[None, :] < a_max[:, None]
+    in_b = ar[None, :] < b_max[:, None]
+    big = torch.iinfo(torch.int64).max // 4
+    xs = torch.where(in_a, torch.cummin(dA, 1).values, -1)  # keys of the alpha steps
+    ys = torch.where(in_b, torch.cummin(dB, 1).values, -1)
+    # phase 1: merge (ties: beta first). alpha step a lands after every beta step with key >= its
+    nb = torch.searchsorted(torch.where(in_b, -ys, big), torch.where(in_a, -xs, big), right=True)
+    nb = torch.minimum(nb, b_max[:, None])
+    L1 = 2 * (L - 1)
+    is_alpha = torch.zeros(U, L1 + 1, dtype=torch.long, device=dev)
+    pos_a = torch.where(in_a, ar[None, :] + nb, L1)
+    is_alpha.scatter_(1, pos_a, 1)
+    is_alpha = is_alpha[:, :L1]
+    k = torch.arange(L1, device=dev)
+    n1 = (a_max + b_max)[:, None]
+    a_bef = torch.cumsum(is_alpha, 1) - is_alpha
+    b_bef = k[None, :] - a_bef
+    a_bef = a_bef.clamp(max=L - 2)
+    b_bef = b_bef.clamp(min=0, max=L - 2)
+    s0 = A.gather(1, a_bef)
+    e0 = Bv.gather(1, b_bef)
+    l_un = A.gather(1, a_bef + 1)
+    r_un = Bv.gather(1, b_bef + 1)
+    in_phase = k[None, :] < n1
+    runs = alpha[a_bef] < beta[b_bef]  # torch's `while alpha < beta`
+    cross = (l_un > e0) | (r_un < s0)
+    l_cl = torch.minimum(e0, l_un)
+    r_cl = torch.maximum(s0, r_un)
+    go_a = torch.where(cross, (l_cl - s0) > (e0 - r_cl), is_alpha.bool())
+    start1 = torch.where(go_a, l_cl, s0)
+    end1 = torch.where(go_a, e0, r_cl)
+    # a step runs if every earlier step ran without crossing; it changes the range if it moves
+    stop_ev = (in_phase & (~runs | cross)).long()
+    stopped = torch.cumsum(stop_ev, 1) - stop_ev
+    valid1 = in_phase & runs & (stopped == 0) & ((start1 != s0) | (end1 != e0))
+    ended = stop_ev.bool().any(1)  # the walk ended inside phase 1
+    # phase 2: alpha stuck at a_max; the end walks down through the bins the beta steps reach
+    s2 = A.gather(1, a_max.clamp(max=L - 1)[:, None])[:, 0]
+    e2 = Bv.gather(1, b_max.clamp(max=L - 1)[:, None])[:, 0]
+    b_end = (beta[None, :] > alpha[a_max.clamp(max=alpha.numel() - 1)][:, None]).sum(1)
+    bins = torch.arange(Bn, device=dev)
+    nxt = csum.gather(1, (bins + 1).clamp(max=Bn - 1)[None, :].expand(U, -1))
+    first_b = _count_beta_ge(nxt, total, beta)  # first step with B(b) <= i
+    first_b = torch.where(bins[None, :] + 1 < Bn, first_b, 0)
+    prev = torch.cat([first_b[:, :1] * 0 + big, first_b[:, :-1]], 1)  # first step with B <= i-1
+    reach = (first_b < prev) | (bins[None, :] == s2[:, None])
+    reach &= (first_b <= b_end[:, None]) & (first_b > b_max[:, None])
+    reach &= (bins[None, :] >= s2[:, None]) & (bins[None, :] < e2[:, None])
+    reach &= ~ended[:, None]
+    end2 = bins.flip(0)[None, :].expand(U, -1)  # descending
+    valid2 = reach.flip(1)
+    start2 = s2[:, None].expand(U, Bn)
+    start = torch.cat([start1, start2], 1)
+    end = torch.cat([end1, end2], 1)
+    valid = torch.cat([valid1, valid2], 1)
+    # compact: visited ranges first, in order
+    order = torch.argsort((~valid).long(), dim=1, stable=True)
+    return start.gather(1, order), end.gather(1, order), valid.gather(1, order)
+
+
+def l2_norms(hist: Hist, start: torch.Tensor, end: torch.Tensor,
+             dst_nbins: int = 256) -> torch.Tensor:
+    """torch.ao's ``_compute_quantization_error(start, end)`` for ranges ``[U, J]``, with the
+    same float32 operations in the same order (so the same values, bit for bit)."""
+    _U, Bn = hist.counts.shape
+    dev = hist.counts.device
+    counts = hist.counts.float()
+    bw64 = (hist.hi.double() - hist.lo.double()) / Bn  # (max.item() - min.item()) / bins
+    dbw64 = bw64[:, None] * (end - start + 1).double() / dst_nbins
+    bw = bw64.float()[:, None, None]
+    dbw = dbw64.float()[..., None]
+    half = (dbw64 / 2).float()[..., None]
+    nhalf = (-dbw64 / 2).float()[..., None]
+    src = torch.arange(Bn, device=dev)
+    src_begin = (src[None, None, :] - start[..., None]).float() * bw
+    src_end = src_begin + bw
+    dob = torch.clamp(torch.div(src_begin, dbw, rounding_mode="floor"), 0, dst_nbins - 1)
+    dob_c = (dob + 0.5) * dbw
+    doe = torch.clamp(torch.div(src_end, dbw, rounding_mode="floor"), 0, dst_nbins - 1)
+    density = (counts[:, None, :] / bw)
+
+    def get_norm(db, de):
+        return density * ((de * de * de - db * db * db) / 3)
+
+    norm = torch.zeros_like(src_begin)
+    norm += get_norm(src_begin - dob_c, torch.ones_like(src_begin) * half)
+    norm += (doe - dob - 1) * get_norm(nhalf, half)
+    doe_c = doe * dbw + half
+    norm += get_norm(nhalf, src_end - doe_c)
+    out = norm.sum(-1).double()
+    return torch.where(dbw64 == 0, torch.zeros_like(out), out)
+
+
+def l2_range(hist: Hist, dst_nbins: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-unit ``(new_min, new_max)`` of torch.ao's non-linear search on ``hist`` (its
+    ``min_val`` / ``max_val`` are ``hist.lo`` / ``hist.hi``)."""
+    U, Bn = hist.counts.shape
+    dev = hist.counts.device
+    start, end, valid = l2_path(hist.counts)
+    J = int(valid.sum(1).max()) if valid.numel() else 0
+    best_s = torch.zeros(U, dtype=torch.long, device=dev)
+    best_e = torch.full((U,), Bn - 1, dtype=torch.long, device=dev)
+    prev = torch.full((U,), float("inf"), dtype=torch.float64, device=dev)
+    done = torch.zeros(U, dtype=torch.bool, device=dev)
+    cap = max(1, _BUDGET // max(1, U * Bn))
+    j0, step = 0, min(8, cap)
+    while j0 < J:  # growing chunks of ranges (the walk usually stops early) until all stopped
+        s, e, v = start[:, j0:j0 + step], end[:, j0:j0 + step], valid[:, j0:j0 + step]
+        j0, step = j0 + step, min(2 * step, cap)
+        norms = l2_norms(hist, s, e, dst_nbins)
+        before = torch.cat([prev[:, None], norms[:, :-1]], 1)
+        worse = (norms > before) & v
+        # torch: accept while norm <= previous norm; the first increase stops the walk
+        first_bad = torch.where(worse, torch.arange(s.shape[1], device=dev), s.shape[1]).amin(1)
+        accept = v & (torch.arange(s.shape[1], device=dev)[None, :] < first_bad[:, None])
+        accept &= ~done[:, None]
+        last = torch.where(accept, torch.arange(s.shape[1], device=dev), -1).amax(1)
+        got = last >= 0
+        best_s = torch.where(got, s.gather(1, last.clamp(min=0)[:, None])[:, 0], best_s)
+        best_e = torch.where(got, e.gather(1, last.clamp(min=0)[:, None])[:, 0], best_e)
+        prev = torch.where(got, norms.gather(1, last.clamp(min=0)[:, None])[:, 0], prev)
+        done |= (first_bad < s.shape[1]) | (~v).any(1)
+        if bool(done.all()):
+            break
+    bin_width = (hist.hi - hist.lo) / Bn
+    return hist.lo + bin_width * best_s, hist.lo + bin_width * (best_e + 1)

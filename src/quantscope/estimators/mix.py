@@ -1,0 +1,60 @@
+"""Mix: per unit, the candidate range with the lowest quantization error on the histogram.
+
+Candidates (Horizon's MixObserver tries the percentiles; quantscope adds the
+other estimators): the percentiles 99.9, 99.99, 99.999 and 99.9999, the
+min / max, the histogram-MSE range and the entropy (KL) range. All are scored by the
+one scoring function, :func:`~quantscope.estimators.error.histogram_error`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import QuantSpec
+from ..stats.histogram import Hist
+from .entropy import entropy_range
+from .error import histogram_error
+from .histogram_mse import histogram_mse_range, occupied_range
+from .percentile import percentile_range
+
+__all__ = ["MIX_CANDIDATES", "MIX_PERCENTILES", "mix_range"]
+
+MIX_PERCENTILES = (99.9, 99.99, 99.999, 99.9999)
+MIX_CANDIDATES = ("percentile", "minmax", "mse", "entropy")
+
+
+def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
+              hi: torch.Tensor | None = None, percentiles=MIX_PERCENTILES,
+              candidates=MIX_CANDIDATES, convention: str = "center",
+              start_bin: int = 128, return_choice: bool = False):
+    """Per-unit ``(lo, hi)`` of the best candidate; ``lo``, ``hi`` are the data's min / max
+    (default: the occupied bins' edges). With ``return_choice`` also the index ``[U]``
+    of the winner in the candidate list (percentiles first, then the others in order)."""
+    unknown = set(candidates) - set(MIX_CANDIDATES)
+    if unknown or not candidates:
+        raise ValueError(f"mix: candidates must be a non-empty subset of {MIX_CANDIDATES}, "
+                         f"got {candidates!r}")
+    if lo is None or hi is None:
+        lo, hi = occupied_range(hist)
+    los, his = [], []
+    if "percentile" in candidates and len(percentiles):
+        plo, phi = percentile_range(hist, list(percentiles), symmetric=spec.symmetric,
+                                    convention=convention)
+        los.append(plo)
+        his.append(phi)
+    one = []
+    if "minmax" in candidates:
+        one.append((lo, hi))
+    if "mse" in candidates:
+        one.append(histogram_mse_range(hist, spec, start_bin=start_bin))
+    if "entropy" in candidates:
+        one.append(entropy_range(hist, start_bin=start_bin))
+    for a, b in one:
+        los.append(a[:, None])
+        his.append(b[:, None])
+    clo = torch.maximum(torch.cat(los, 1), lo[:, None])
+    chi = torch.minimum(torch.cat(his, 1), hi[:, None])
+    err = histogram_error(hist, clo, chi, spec)
+    best = err.argmin(1, keepdim=True)
+    out = clo.gather(1, best)[:, 0], chi.gather(1, best)[:, 0]
+    return (*out, best[:, 0]) if return_choice else out

@@ -1,0 +1,353 @@
+"""Histogram observers: percentile, histogram MSE, entropy (KL), torch.ao's L2 search, mix.
+
+Each keeps a per-unit streaming histogram (:mod:`quantscope.stats.histogram`) for
+any layout and hands it to its estimator (:mod:`quantscope.estimators`) when the
+range is asked for. Two ways to combine batches:
+
+* default: accumulate one histogram over every batch (exact: int64 counts on a
+  power-of-two grid, independent of batch order, mergeable across processes);
+  estimate once, at ``calculate_qparams``;
+* ``averaging_constant=c`` (Horizon's mode): every ``update_interval`` batches,
+  estimate the range on the histogram of those batches, then
+  ``range += c * (estimate - range)`` (the first estimate initialises) and start a
+  new histogram. This runs the estimator inside ``forward``.
+
+Symmetric specs histogram ``|x|`` (the estimators' reference form), asymmetric ones
+the signed values; ``histogram`` (torch.ao's search) always histograms signed values.
+Ranges are clipped to the data's min / max.
+
+``grid="first"`` is for the compat classes: the first batch is binned as torch.ao /
+Quark bin it (``torch.histc`` over its min / max, or ``[0, max |x|]``); later batches
+inside that range are added on the same grid, so results equal the reference's.
+The first batch that leaves the range moves the counts once to the native grid
+(each old bin to the bin of its centre: the only approximate step) and the
+histogram is exact from then on. This mode reads the range on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import CustomSync
+from ..estimators.entropy import entropy_range
+from ..estimators.histogram_mse import histogram_mse_range
+from ..estimators.l2 import l2_range
+from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
+from ..estimators.percentile import CONVENTIONS, percentile_range
+from ..formats import IntFormat
+from ..stats import histogram as H
+from .base import Observer
+from .registry import register
+
+__all__ = [
+    "EntropyObserver",
+    "HistogramMSEObserver",
+    "HistogramObserverBase",
+    "L2HistogramObserver",
+    "MixObserver",
+    "PercentileObserver",
+]
+
+_STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
+
+
+class _HistogramSync(CustomSync):
+    """CustomSync of a histogram (see :mod:`quantscope.distributed`): agree on the grid of
+    the union (MAX of exponents and of ``-lo`` / ``hi``), move counts exactly, SUM them."""
+
+    def grid(self, obs, observed):
+        U = obs.spec.layout.num_units(obs.shape)
+        if not observed or obs.hist_counts.shape[0] != U:
+            return torch.full((3 * U,), float("-inf"), dtype=torch.float64)
+        return torch.cat([obs.hist_exp.double(), -obs.hist_lo.double(),
+                          obs.hist_hi.double()]).cpu()
+
+    def rebin(self, obs, grid):
+        from ..distributed import SUM
+
+        U = obs.spec.layout.num_units(obs.shape)
+        dev = obs.hist_counts.device
+        e, nlo, hi = grid.to(dev).split(U)
+        lo, hi = (-nlo).float(), hi.float()
+        if obs.hist_counts.shape[0] != U:  # this rank saw nothing: an empty state
+            obs._set_state(H.empty_state(U, obs.bins, dev))
+        if obs._linear:
+            raise NotImplementedError(f"{obs._who()}: grid='first' histograms do not sync; "
+                                      f"use the native grid")
+        state = obs._state()
+        e = torch.maximum(e.long(), H.grid_exponent(lo, hi, obs.bins))
+        first = H.grid_first(lo, e, obs._absolute)
+        counts = H.rebin(state.counts, state.exp, state.first, e, first)
+        obs._set_state(H.HistState(counts, e, first, lo, hi))
+        return {"hist_counts": SUM}
+
+
+class HistogramObserverBase(Observer):
+    """Base of the histogram observers: keeps the histogram, asks :meth:`_estimate` for ranges.
+
+    Args:
+        spec: the quantization scheme (any layout).
+        bins: bins per unit (fixed memory: ``units x bins`` int64).
+        averaging_constant: None (accumulate, default) or Horizon's EMA of ranges.
+        update_interval: batches per estimate in the EMA mode.
+        grid: ``"pow2"`` (native, exact) or ``"first"`` (reference binning of the first batch).
+        skip_zeros: do not count exact zeros (Quark's percentile observer).
+    """
+
+    #: histogram of |x| rather than x (None: |x| for symmetric specs)
+    absolute: bool | None = None
+
+    def __init__(self, spec=None, *, bins: int = 2048, averaging_constant: float | None = None,
+                 update_interval: int = 1, grid: str = "pow2", skip_zeros: bool = False,
+                 **kwargs):
+        super().__init__(spec, **kwargs)
+        if not isinstance(bins, int) or bins < 16:
+            raise ValueError(f"{type(self).__name__}: bins must be an integer >= 16, got {bins!r}")
+        if averaging_constant is not None and not 0 < averaging_constant <= 1:
+            raise ValueError(f"{type(self).__name__}: averaging_constant must be None or in "
+                             f"(0, 1], got {averaging_constant!r}")
+        if not isinstance(update_interval, int) or update_interval < 1:
+            raise ValueError(f"{type(self).__name__}: update_interval must be a positive "
+                             f"integer, got {update_interval!r}")
+        if grid not in ("pow2", "first"):
+            raise ValueError(f"{type(self).__name__}: grid must be 'pow2' or 'first', got "
+                             f"{grid!r}")
+        self.bins = bins
+        self.averaging_constant = averaging_constant
+        self.update_interval = update_interval
+        self.grid = grid
+        self.skip_zeros = bool(skip_zeros)
+        self._absolute = self.spec.symmetric if self.absolute is None else self.absolute
+        for name, dtype in (("hist_counts", torch.int64), ("hist_exp", torch.int64),
+                            ("hist_first", torch.int64), ("hist_lo", torch.float32),
+                            ("hist_hi", torch.float32), ("min_vals", torch.float32),
+                            ("max_vals", torch.float32), ("ema_lo", torch.float32),
+                            ("ema_hi", torch.float32)):
+            self.register_buffer(name, torch.zeros(0, dtype=dtype))
+        self.register_buffer("linear_grid", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("pending", torch.zeros((), dtype=torch.int64))
+
+    def _sized_buffers(self):
+        return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi")
+
+    @property
+    def _linear(self) -> bool:
+        return bool(self.linear_grid)
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> H.HistState:
+        return H.HistState(*(getattr(self, n) for n in _STATE))
+
+    def _set_state(self, state: H.HistState) -> None:
+        for n, v in zip(_STATE, state):
+            setattr(self, n, v)
+
+    def histogram(self) -> H.Hist:
+        """The histogram observed so far (since the last estimate in the EMA mode)."""
+        if self._linear:
+            return H.Hist(self.hist_counts, self.hist_lo, self.hist_hi, self._absolute)
+        return H.view(self._state(), self._absolute)
+
+    def _observe(self, units, lo, hi):
+        U = units.shape[0]
+        if self.min_vals.shape[0] != U:
+            self.min_vals, self.max_vals = lo.clone(), hi.clone()
+            self._set_state(H.empty_state(U, self.bins, units.device))
+            self.linear_grid.fill_(self.grid == "first")
+        else:
+            torch.minimum(self.min_vals, lo, out=self.min_vals)
+            torch.maximum(self.max_vals, hi, out=self.max_vals)
+        if self.hist_counts.shape[0] != U:  # after an EMA step reset
+            self._set_state(H.empty_state(U, self.bins, units.device))
+        if self._linear:
+            self._observe_linear(units, lo, hi)
+        else:
+            self._set_state(H.update(self._state(), units, lo, hi, self._absolute))
+            if self.skip_zeros:
+                self._drop_zeros(units, -self.hist_first)
+        if self.averaging_constant is not None:
+            self.pending += 1
+            if int(self.pending) % self.update_interval == 0:
+                self._ema_step()
+
+    def _observe_linear(self, units, lo, hi):
+        if self._absolute:
+            lo, hi = torch.zeros_like(hi), torch.maximum(lo.abs(), hi.abs())
+            units = units.abs()
+        if bool(torch.isinf(self.hist_lo).all()):  # first batch: its own min / max
+            self.hist_lo, self.hist_hi = lo.clone(), hi.clone()
+        elif bool(((lo < self.hist_lo) | (hi > self.hist_hi)).any()):
+            self._leave_linear(lo, hi)
+            self._set_state(H.update(self._state(), units, lo, hi, self._absolute))
+            if self.skip_zeros:
+                self._drop_zeros(units, -self.hist_first)
+            return
+        self.hist_counts += H.linear_counts(units, self.hist_lo, self.hist_hi, self.bins)
+        if self.skip_zeros:
+            span = self.hist_hi - self.hist_lo
+            zb = ((0 - self.hist_lo) * self.bins / span).trunc().clamp(0, self.bins - 1)
+            self._drop_zeros(units, zb.long())
+
+    def _leave_linear(self, lo, hi):
+        # one approximate step: each first-grid bin moves to the native bin of its centre
+        h = self.histogram()
+        glo = torch.minimum(torch.minimum(h.lo, lo), torch.zeros_like(lo))
+        ghi = torch.maximum(torch.maximum(h.hi, hi), torch.zeros_like(hi))
+        e = H.grid_exponent(glo, ghi, self.bins)
+        first = H.grid_first(glo, e, self._absolute)
+        idx = torch.floor(h.centers() * H.pow2(-e)[:, None]).long() - first[:, None]
+        counts = torch.zeros_like(h.counts).scatter_add_(1, idx.clamp(0, self.bins - 1), h.counts)
+        self._set_state(H.HistState(counts, e, first, glo, ghi))
+        self.linear_grid.fill_(False)
+
+    def _drop_zeros(self, units, zero_bin):
+        zeros = (units == 0).sum(1)
+        self.hist_counts.scatter_add_(1, zero_bin.clamp(0, self.bins - 1)[:, None],
+                                      -zeros[:, None])
+
+    def _ema_step(self):
+        lo, hi = self._clip(*self._estimate(self.histogram()))
+        if self.ema_lo.shape != lo.shape:
+            self.ema_lo, self.ema_hi = lo.clone(), hi.clone()
+        else:
+            self.ema_lo.lerp_(lo, self.averaging_constant)
+            self.ema_hi.lerp_(hi, self.averaging_constant)
+        self._set_state(H.empty_state(lo.shape[0], self.bins, lo.device))
+        self.linear_grid.fill_(self.grid == "first")
+        self.pending.zero_()
+
+    # --------------------------------------------------------------- ranges
+    def _clip(self, lo, hi):
+        return torch.maximum(lo, self.min_vals), torch.minimum(hi, self.max_vals)
+
+    def calculate_range(self):
+        if self.averaging_constant is None:
+            return self._clip(*self._estimate(self.histogram()))
+        if int(self.pending) or self.ema_lo.numel() == 0:  # batches since the last estimate
+            self._ema_step()
+        return self.ema_lo, self.ema_hi
+
+    def _estimate(self, hist: H.Hist) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _sync_plan(self):
+        from ..distributed import AVG, MAX, MIN
+
+        if self.averaging_constant is not None:
+            return [("min_vals", MIN), ("max_vals", MAX), ("ema_lo", AVG), ("ema_hi", AVG)]
+        return [("min_vals", MIN), ("max_vals", MAX), _HistogramSync()]
+
+    def reset(self):
+        super().reset()
+        self.linear_grid.fill_(False)
+
+    def extra_repr(self):
+        extra = f", averaging_constant={self.averaging_constant}" \
+            if self.averaging_constant is not None else ""
+        return f"{super().extra_repr()}, bins={self.bins}{extra}"
+
+
+@register("percentile")
+class PercentileObserver(HistogramObserverBase):
+    """The ``percentile`` (99.99) of ``|x|`` (symmetric) or of both tails (asymmetric).
+
+    ``convention``: ``"center"`` (default, Horizon), ``"lower"`` (Quark, ModelOpt) or
+    ``"upper"``; see :mod:`quantscope.estimators.percentile`.
+    """
+
+    def __init__(self, spec=None, *, percentile: float = 99.99, convention: str = "center",
+                 **kwargs):
+        super().__init__(spec, **kwargs)
+        if not 0 < percentile <= 100:
+            raise ValueError(f"{type(self).__name__}: percentile must be in (0, 100], got "
+                             f"{percentile!r}")
+        if convention not in CONVENTIONS:
+            raise ValueError(f"{type(self).__name__}: convention must be one of "
+                             f"{sorted(CONVENTIONS)}, got {convention!r}")
+        self.percentile, self.convention = float(percentile), convention
+
+    def _estimate(self, hist):
+        return percentile_range(hist, self.percentile, symmetric=self.spec.symmetric,
+                                convention=self.convention)
+
+
+@register("histogram_mse")
+class HistogramMSEObserver(HistogramObserverBase):
+    """Clip at the bin centre (from ``start_bin``, every ``stride``) with the least squared
+    quantization error of the histogram (ModelOpt / Quark)."""
+
+    def __init__(self, spec=None, *, start_bin: int = 128, stride: int = 1, **kwargs):
+        super().__init__(spec, **kwargs)
+        self.start_bin, self.stride = start_bin, stride
+
+    def _estimate(self, hist):
+        return histogram_mse_range(hist, self.spec, start_bin=self.start_bin, stride=self.stride)
+
+
+def _kl_bits(spec):
+    fmt = spec.format
+    if isinstance(fmt, IntFormat):
+        return fmt.bits, not fmt.signed
+    return 8, False  # TensorRT's default for other formats
+
+
+@register("entropy", "kl")
+class EntropyObserver(HistogramObserverBase):
+    """TensorRT's entropy calibration: the ``|x|`` threshold minimising KL(P || Q).
+
+    ``num_bits`` (default: the integer format's bits, else 8), ``start_bin`` 128,
+    ``stride`` 1, ``smooth`` (Horizon: 9), ``copy_zero_bin`` (TensorRT's ``h[0] = h[1]``).
+    """
+
+    absolute = True
+
+    def __init__(self, spec=None, *, start_bin: int = 128, stride: int = 1, smooth: int = 1,
+                 num_bits: int | None = None, copy_zero_bin: bool = True, **kwargs):
+        super().__init__(spec, **kwargs)
+        bits, unsigned = _kl_bits(self.spec)
+        self.num_bits = bits if num_bits is None else num_bits
+        self.unsigned = unsigned
+        self.start_bin, self.stride, self.smooth = start_bin, stride, smooth
+        self.copy_zero_bin = copy_zero_bin
+
+    def _estimate(self, hist):
+        return entropy_range(hist, num_bits=self.num_bits, unsigned=self.unsigned,
+                             start_bin=self.start_bin, stride=self.stride, smooth=self.smooth,
+                             copy_zero_bin=self.copy_zero_bin)
+
+
+@register("histogram", "l2_histogram")
+class L2HistogramObserver(HistogramObserverBase):
+    """torch.ao ``HistogramObserver``'s non-linear L2 search, per unit, on a signed histogram."""
+
+    absolute = False
+
+    def __init__(self, spec=None, *, dst_nbins: int | None = None, **kwargs):
+        super().__init__(spec, **kwargs)
+        fmt = self.spec.format
+        self.dst_nbins = dst_nbins or (2 ** fmt.bits if isinstance(fmt, IntFormat) else 256)
+
+    def _estimate(self, hist):
+        return l2_range(hist, self.dst_nbins)
+
+    def _clip(self, lo, hi):
+        if self.grid == "first":  # torch.ao does not clip (its range ends at the data anyway)
+            return lo, hi
+        return super()._clip(lo, hi)
+
+
+@register("mix")
+class MixObserver(HistogramObserverBase):
+    """Per unit, the best of percentiles 99.9 .. 99.9999, min / max, histogram MSE and
+    entropy by quantization error on the histogram (Horizon's MixObserver, extended)."""
+
+    def __init__(self, spec=None, *, percentiles=MIX_PERCENTILES, candidates=MIX_CANDIDATES,
+                 convention: str = "center", start_bin: int = 128, **kwargs):
+        super().__init__(spec, **kwargs)
+        self.percentiles, self.candidates = tuple(percentiles), tuple(candidates)
+        self.convention, self.start_bin = convention, start_bin
+
+    def _estimate(self, hist):
+        return mix_range(hist, self.spec, lo=self.min_vals, hi=self.max_vals,
+                         percentiles=self.percentiles, candidates=self.candidates,
+                         convention=self.convention, start_bin=self.start_bin)

@@ -1,0 +1,264 @@
+"""Per-unit streaming histograms with exact merges.
+
+Every histogram observer keeps, per unit, ``bins`` int64 counts on a grid of
+bin width ``w = 2 ** e`` aligned to multiples of ``w`` (bin ``i`` of a unit holds
+``[(first + i) w, (first + i + 1) w)``). Because the grid is aligned to a shared
+origin (zero) and widths are powers of two:
+
+* a value's bin is ``floor(x * 2 ** -e)``, exact in float32 (multiplying by a power
+  of two is exact), so it never depends on the batch the value came in;
+* when the range grows, bins merge by ``2 ** m`` (integer floor division of the
+  absolute bin index): exact, no interpolation;
+* ``e`` is the smallest exponent whose grid holds the unit's range and zero in
+  ``bins`` bins (and at least ``exponent(amax) - 22``, so bin indices stay
+  below ``2 ** 23``); it depends only on the range seen, so the same data in any
+  batch order, or split across processes and merged, gives the same counts.
+
+Memory is fixed: ``bins`` counts per unit; the range occupies between half and
+all of them. ``absolute=True`` histograms ``|x|`` from zero (``first = 0``).
+
+:class:`Hist` is the read-only view estimators take: counts, the left edge of bin
+0 and the right edge of the last bin per unit (bin width ``(hi - lo) / bins``).
+The same view describes a reference grid (torch.ao / Quark: ``bins`` bins
+between the first batch's min and max), so the estimators serve both;
+:func:`linear_counts` bins values exactly as ``torch.histc`` does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "E_MAX",
+    "E_MIN",
+    "Hist",
+    "HistState",
+    "add_values",
+    "empty_state",
+    "fold_abs",
+    "grid_exponent",
+    "grid_first",
+    "linear_counts",
+    "merge",
+    "pow2",
+    "rebin",
+    "update",
+    "view",
+]
+
+E_MIN, E_MAX = -126, 126  # 2**e and 2**-e both normal float32
+_MAG_BITS = 22  # bin indices stay below 2**23: exact in float32 and int32
+
+
+class Hist(NamedTuple):
+    """A histogram as estimators see it: ``counts [U, B]`` int64, bin 0 starts at ``lo [U]``,
+    the last bin ends at ``hi [U]``; ``absolute`` if it counts ``|x|``."""
+
+    counts: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    absolute: bool = False
+
+    @property
+    def bins(self) -> int:
+        return self.counts.shape[-1]
+
+    @property
+    def width(self) -> torch.Tensor:
+        """Bin width per unit ``[U]`` (float32, as torch.ao computes it)."""
+        return (self.hi - self.lo) / self.bins
+
+    def edges(self) -> torch.Tensor:
+        """Left edges of every bin and the right edge of the last, ``[U, B + 1]``."""
+        i = torch.arange(self.bins + 1, device=self.lo.device, dtype=torch.float32)
+        return self.lo[:, None] + i * self.width[:, None]
+
+    def centers(self) -> torch.Tensor:
+        """Bin centres ``[U, B]``."""
+        i = torch.arange(self.bins, device=self.lo.device, dtype=torch.float32) + 0.5
+        return self.lo[:, None] + i * self.width[:, None]
+
+
+class HistState(NamedTuple):
+    """The streaming state: ``counts [U, B]`` int64, exponent ``exp [U]`` int64, absolute
+    index ``first [U]`` int64 of bin 0, and the running ``lo``, ``hi`` of the data [U]."""
+
+    counts: torch.Tensor
+    exp: torch.Tensor
+    first: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exactly ``2.0 ** e`` as float32 for integer ``e`` in ``[-126, 127]`` (from the bits)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _fits(lo, hi, e, bins):
+    inv = pow2(-e)
+    return (torch.floor(hi * inv) - torch.floor(lo * inv) + 1) <= bins
+
+
+def grid_exponent(lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
+    """Smallest ``e`` (int64 ``[U]``) whose aligned grid of width ``2 ** e`` covers ``[lo, hi]``
+    in ``bins`` bins; never below ``exponent(amax) - 22``, clamped to ``[E_MIN, E_MAX]``.
+
+    Monotone in the interval, so the exponent of a union is that of the data it holds,
+    whatever the order the data came in.
+    """
+    lo, hi = lo.float(), hi.float()
+    span = hi.double() - lo.double()
+    guess = torch.ceil(torch.log2(span / (bins - 1))).nan_to_num(nan=0.0, posinf=E_MAX,
+                                                                  neginf=E_MIN)
+    guess = guess.clamp(E_MIN, E_MAX).long()
+    e = torch.full_like(guess, E_MAX)
+    for d in (1, 0, -1, -2):  # exact test around the estimate; keep the smallest that fits
+        cand = (guess + d).clamp(E_MIN, E_MAX)
+        e = torch.where(_fits(lo, hi, cand, bins), torch.minimum(e, cand), e)
+    amax = torch.maximum(lo.abs(), hi.abs())
+    mag = torch.frexp(amax).exponent.long() - 1 - _MAG_BITS
+    return torch.maximum(e, mag).clamp(E_MIN, E_MAX)
+
+
+def grid_first(lo: torch.Tensor, e: torch.Tensor, absolute: bool) -> torch.Tensor:
+    """Absolute index of bin 0: the bin of ``lo`` (0 for ``|x|`` histograms)."""
+    if absolute:
+        return torch.zeros_like(e)
+    return torch.floor(lo.float() * pow2(-e)).long()
+
+
+def rebin(counts: torch.Tensor, exp: torch.Tensor, first: torch.Tensor,
+          new_exp: torch.Tensor, new_first: torch.Tensor) -> torch.Tensor:
+    """``counts`` moved exactly onto the coarser (or equal) grid ``(new_exp, new_first)``.
+
+    Bin ``first + i`` at width ``2 ** exp`` lies inside bin ``floor((first + i) / 2 ** m)``
+    at width ``2 ** (exp + m)``: each old bin goes whole into one new bin. Needs
+    ``new_exp >= exp`` and the old data inside the new grid (empty bins may fall
+    outside; they are dropped).
+    """
+    _U, B = counts.shape
+    m = (new_exp - exp).clamp(0, 62)
+    absolute = first[:, None] + torch.arange(B, device=counts.device)
+    idx = torch.div(absolute, (1 << m)[:, None], rounding_mode="floor") - new_first[:, None]
+    idx = idx.clamp_(0, B - 1)
+    return torch.zeros_like(counts).scatter_add_(1, idx, counts)
+
+
+def add_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
+               first: torch.Tensor) -> torch.Tensor:
+    """Add every value of ``units [U, E]`` (already ``|x|`` for absolute histograms) to
+    ``counts`` (in place) on the grid ``(exp, first)``; values off the grid are clamped
+    into the end bins (the caller sizes the grid so that none are)."""
+    U, B = counts.shape
+    inv = pow2(-exp)
+    if U == 1:  # one unit: 1-D ops are much faster than the row-wise ones
+        idx = torch.floor(units.reshape(-1) * inv).sub_(first.float()).clamp_(0, B - 1).long()
+        counts.view(-1).index_add_(0, idx, torch.ones(1, dtype=counts.dtype,
+                                                      device=counts.device).expand(idx.numel()))
+        return counts
+    idx = torch.floor(units * inv[:, None]).sub_(first.float()[:, None]).clamp_(0, B - 1).long()
+    counts.scatter_add_(1, idx, torch.ones(1, 1, dtype=counts.dtype,
+                                           device=counts.device).expand_as(idx))
+    return counts
+
+
+def empty_state(units: int, bins: int, device=None) -> HistState:
+    """A state that has seen nothing (exponent ``E_MIN``, empty range)."""
+    z = torch.zeros(units, dtype=torch.int64, device=device)
+    return HistState(torch.zeros(units, bins, dtype=torch.int64, device=device),
+                     torch.full_like(z, E_MIN), z.clone(),
+                     torch.full((units,), float("inf"), device=device),
+                     torch.full((units,), float("-inf"), device=device))
+
+
+def _regrid(state: HistState, lo, hi, bins, absolute) -> HistState:
+    lo = torch.minimum(state.lo, lo)
+    hi = torch.maximum(state.hi, hi)
+    e = torch.maximum(state.exp, grid_exponent(lo, hi, bins))
+    first = grid_first(lo, e, absolute)
+    counts = rebin(state.counts, state.exp, state.first, e, first)
+    return HistState(counts, e, first, lo, hi)
+
+
+def update(state: HistState, units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+           absolute: bool = False) -> HistState:
+    """The state after observing ``units [U, E]`` whose per-unit min / max are ``lo``, ``hi``.
+
+    No host synchronisation: the grid change is tensor math.
+    """
+    if absolute:
+        hi = torch.maximum(lo.abs(), hi.abs())
+        lo = torch.zeros_like(hi)
+        units = units.abs()
+    else:  # the grid always holds zero (every quantization range does): |x| folds exactly
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    state = _regrid(state, lo.float(), hi.float(), state.counts.shape[1], absolute)
+    add_values(state.counts, units, state.exp, state.first)
+    return state
+
+
+def merge(a: HistState, b: HistState, absolute: bool = False) -> HistState:
+    """Exact merge: both re-binned onto the common grid of the union, counts added.
+
+    ``merge(a, b)`` equals, bitwise, the state of one observer that saw both data sets.
+    """
+    bins = a.counts.shape[1]
+    if b.counts.shape != a.counts.shape:
+        raise ValueError(f"merge: histograms of shapes {tuple(a.counts.shape)} and "
+                         f"{tuple(b.counts.shape)} cannot merge")
+    lo = torch.minimum(a.lo, b.lo)
+    hi = torch.maximum(a.hi, b.hi)
+    e = torch.maximum(torch.maximum(a.exp, b.exp), grid_exponent(lo, hi, bins))
+    first = grid_first(lo, e, absolute)
+    counts = rebin(a.counts, a.exp, a.first, e, first) + rebin(b.counts, b.exp, b.first, e, first)
+    return HistState(counts, e, first, lo, hi)
+
+
+def view(state: HistState, absolute: bool = False) -> Hist:
+    """The estimator view of a state: edges ``first * w`` and ``(first + B) * w`` (exact)."""
+    w = pow2(state.exp)
+    bins = state.counts.shape[1]
+    return Hist(state.counts, state.first.float() * w, (state.first + bins).float() * w, absolute)
+
+
+def linear_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  bins: int) -> torch.Tensor:
+    """``torch.histc(u, bins, min=lo, max=hi)`` of every row, as int64 counts ``[U, bins]``.
+
+    The same float32 arithmetic as ATen's histc kernel, ``trunc((x - lo) * bins / (hi - lo))``,
+    the right edge inclusive and values outside ``[lo, hi]`` dropped, so the bins
+    match torch's exactly; int64 counts do not saturate at ``2 ** 24``.
+    """
+    U = units.shape[0]
+    lo, hi = lo.float().clone(), hi.float().clone()
+    same = lo == hi  # histc widens an empty range by one on each side
+    lo = torch.where(same, lo - 1, lo)
+    hi = torch.where(same, hi + 1, hi)
+    pos = ((units - lo[:, None]) * bins / (hi - lo)[:, None]).trunc_()
+    inside = (units >= lo[:, None]) & (units <= hi[:, None])
+    pos = pos.clamp_(0, bins - 1).long()
+    pos = torch.where(inside, pos + torch.arange(U, device=units.device)[:, None] * bins,
+                      U * bins)
+    return torch.bincount(pos.reshape(-1), minlength=U * bins + 1)[:-1].reshape(U, bins)
+
+
+def fold_abs(hist: Hist) -> Hist:
+    """The ``|x|`` histogram of a signed one on a grid aligned to zero (exact up to values on
+    a bin edge of the negative side, which land one bin lower).
+
+    Needs ``lo = first * w`` with integer ``first`` (the native grid). Returns ``B`` bins
+    from zero, of the same width.
+    """
+    if hist.absolute:
+        return hist
+    _U, B = hist.counts.shape
+    w = hist.width
+    first = torch.round(hist.lo / w).long()
+    k = first[:, None] + torch.arange(B, device=hist.counts.device)  # absolute bin index
+    idx = torch.where(k >= 0, k, -k - 1).clamp_(0, B - 1)
+    counts = torch.zeros_like(hist.counts).scatter_add_(1, idx, hist.counts)
+    zero = torch.zeros_like(hist.lo)
+    return Hist(counts, zero, w * B, True)
