@@ -13,15 +13,21 @@ from __future__ import annotations
 import torch
 
 from ..layout import Channel, Tensor
+from ..observers.histogram import EntropyObserver
+from ..observers.histogram import MixObserver as _NativeMix
+from ..observers.histogram import PercentileObserver as _NativePercentile
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
 from ..observers.registry import register
 from ..spec import QuantSpec
 
 __all__ = [
     "HorizonObserver",
+    "KLObserver",
     "MinMaxObserver",
+    "MixObserver",
     "MovingAverageMinMaxObserver",
     "MovingAveragePerChannelMinMaxObserver",
+    "PercentileObserver",
     "horizon_spec",
 ]
 
@@ -122,3 +128,51 @@ class MovingAveragePerChannelMinMaxObserver(HorizonObserver, _NativeEMA):
                          quant_max=quant_max, is_sync_quantize=is_sync_quantize,
                          factory_kwargs=factory_kwargs, averaging_constant=averaging_constant,
                          **kwargs)
+
+
+# ----------------------------------------------------------------------------- histograms
+@register("horizon:KLObserver")
+class KLObserver(HorizonObserver, EntropyObserver):
+    """Horizon's KLObserver: a ``bins``-bin ``|x|`` histogram accumulated over
+    ``update_interval`` batches, KL threshold (start bin 128, divergences smoothed over 9
+    candidates), then an EMA of the thresholds."""
+
+    def __init__(self, bins=512, update_interval=1, averaging_constant=0.01, ch_axis=-1,
+                 dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
+                 quant_max=None, is_sync_quantize=False, factory_kwargs=None, **kwargs):
+        kwargs.setdefault("smooth", 9)
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
+                         quant_max=quant_max, is_sync_quantize=is_sync_quantize,
+                         factory_kwargs=factory_kwargs, bins=bins,
+                         update_interval=update_interval,
+                         averaging_constant=averaging_constant, **kwargs)
+
+
+@register("horizon:PercentileObserver")
+class PercentileObserver(HorizonObserver, _NativePercentile):
+    """Horizon's PercentileObserver: each batch's ``|x|`` histogram (``bins``), the bin centre
+    ``(i + 0.5) w`` at ``percentile``, then an EMA."""
+
+    def __init__(self, percentile=99.99, bins=2048, averaging_constant=0.01, ch_axis=-1,
+                 dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
+                 quant_max=None, is_sync_quantize=False, factory_kwargs=None, **kwargs):
+        kwargs.setdefault("convention", "center")
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
+                         quant_max=quant_max, is_sync_quantize=is_sync_quantize,
+                         factory_kwargs=factory_kwargs, percentile=percentile, bins=bins,
+                         averaging_constant=averaging_constant, **kwargs)
+
+
+@register("horizon:MixObserver")
+class MixObserver(HorizonObserver, _NativeMix):
+    """Horizon's MixObserver: per batch, the percentile among 99.9 .. 99.9999 with the least
+    quantization error, then an EMA (``candidates`` adds quantscope's others)."""
+
+    def __init__(self, averaging_constant=0.01, bins=2048, ch_axis=-1, dtype="qint8",
+                 qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
+                 is_sync_quantize=False, factory_kwargs=None, **kwargs):
+        kwargs.setdefault("candidates", ("percentile",))
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
+                         quant_max=quant_max, is_sync_quantize=is_sync_quantize,
+                         factory_kwargs=factory_kwargs, bins=bins,
+                         averaging_constant=averaging_constant, **kwargs)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 
 from ..layout import Channel, Tensor
+from ..observers.histogram import L2HistogramObserver
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
 from ..observers.minmax import StaticMinMaxObserver
 from ..observers.registry import register
 from ..spec import QuantSpec
 
 __all__ = [
+    "HistogramObserver",
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "MovingAveragePerChannelMinMaxObserver",
@@ -168,3 +170,42 @@ class MovingAveragePerChannelMinMaxObserver(TorchAOObserver, _NativeEMA):
                          eps=eps, is_dynamic=is_dynamic, averaging_constant=averaging_constant,
                          **kwargs)
 
+
+
+@register("torch.ao:HistogramObserver")
+class HistogramObserver(TorchAOObserver, L2HistogramObserver):
+    """torch.ao's HistogramObserver: per-tensor histogram and the non-linear L2 search.
+
+    The first batch is binned as torch bins it (``histc`` over its min / max) and
+    batches inside that range are added on the same grid, so qparams equal torch.ao's
+    exactly; the search is torch's, vectorized (:mod:`quantscope.estimators.l2`). When a
+    batch grows the range, the counts move once to quantscope's exact power-of-two grid
+    (torch.ao instead re-bins approximately at every growth). Counts are int64.
+    """
+
+    def __init__(self, bins=2048, dtype=torch.quint8, qscheme=torch.per_tensor_affine,
+                 reduce_range=False, quant_min=None, quant_max=None, factory_kwargs=None,
+                 eps=EPS, is_dynamic=False, **kwargs):
+        if qscheme in _PER_CHANNEL:
+            raise NotImplementedError(f"{type(self).__name__}: qscheme only supports "
+                                      f"per_tensor_symmetric and per_tensor_affine, got {qscheme}")
+        kwargs.setdefault("grid", "first")
+        kwargs.setdefault("dst_nbins", 2 ** torch.iinfo(dtype).bits)
+        super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
+                         quant_min=quant_min, quant_max=quant_max, factory_kwargs=factory_kwargs,
+                         eps=eps, is_dynamic=is_dynamic, bins=bins, **kwargs)
+
+    @property
+    def histogram(self) -> torch.Tensor:
+        """The counts as torch.ao holds them (float32 ``[bins]``)."""
+        if not self.has_observed:
+            return torch.zeros(self.bins)
+        return self.current_histogram().counts[0].float()
+
+    @property
+    def min_val(self) -> torch.Tensor:
+        return self.min_vals.reshape(()) if self.has_observed else torch.tensor(float("inf"))
+
+    @property
+    def max_val(self) -> torch.Tensor:
+        return self.max_vals.reshape(()) if self.has_observed else torch.tensor(float("-inf"))

@@ -17,18 +17,18 @@ from .mse import (
 from .percentile import percentile_range
 
 __all__ = [
+    "SearchResult",
+    "dense_search",
     "entropy_amax",
     "entropy_divergences",
     "entropy_range",
     "histogram_error",
     "histogram_mse_range",
     "l2_range",
-    "mix_range",
-    "percentile_range",
-    "SearchResult",
-    "dense_search",
     "linear_search",
+    "mix_range",
     "mse_search",
+    "percentile_range",
     "pow2_search",
     "range_error",
     "shrink_factors",

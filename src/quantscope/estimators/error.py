@@ -22,10 +22,11 @@ __all__ = ["ELEMENT_BUDGET", "histogram_error"]
 ELEMENT_BUDGET = 1 << 22
 
 
-def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor,
-                    spec: QuantSpec) -> torch.Tensor:
+def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
+                    centers: torch.Tensor | None = None) -> torch.Tensor:
     """Squared error ``[U, C]`` of quantizing each unit's histogram with each candidate
-    range ``(lo[u, c], hi[u, c])``, computed in chunks of candidates."""
+    range ``(lo[u, c], hi[u, c])``, computed in chunks of candidates. ``centers [U, B]``
+    overrides the bin centres (a reference's own float rounding of its edges)."""
     if lo.dim() != 2 or lo.shape != hi.shape or lo.shape[0] != hist.counts.shape[0]:
         raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
                          f"{hist.counts.shape[0]} units, got {tuple(lo.shape)} and "
@@ -33,7 +34,7 @@ def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor,
     qp = qparams_from_range(lo, hi, spec)
     scale = qp.effective_scale.float()
     zp = qp.zero_point.float()
-    centers = hist.centers()[:, None, :]  # [U, 1, B]
+    centers = (hist.centers() if centers is None else centers.float())[:, None, :]  # [U, 1, B]
     counts = hist.counts.double()[:, None, :]
     U, C = lo.shape
     step = max(1, ELEMENT_BUDGET // max(1, U * hist.bins))

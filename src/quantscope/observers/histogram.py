@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed import CustomSync
+from ..distributed import HistogramSync
 from ..estimators.entropy import entropy_range
 from ..estimators.histogram_mse import histogram_mse_range
 from ..estimators.l2 import l2_range
@@ -49,37 +49,6 @@ __all__ = [
 ]
 
 _STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
-
-
-class _HistogramSync(CustomSync):
-    """CustomSync of a histogram (see :mod:`quantscope.distributed`): agree on the grid of
-    the union (MAX of exponents and of ``-lo`` / ``hi``), move counts exactly, SUM them."""
-
-    def grid(self, obs, observed):
-        U = obs.spec.layout.num_units(obs.shape)
-        if not observed or obs.hist_counts.shape[0] != U:
-            return torch.full((3 * U,), float("-inf"), dtype=torch.float64)
-        return torch.cat([obs.hist_exp.double(), -obs.hist_lo.double(),
-                          obs.hist_hi.double()]).cpu()
-
-    def rebin(self, obs, grid):
-        from ..distributed import SUM
-
-        U = obs.spec.layout.num_units(obs.shape)
-        dev = obs.hist_counts.device
-        e, nlo, hi = grid.to(dev).split(U)
-        lo, hi = (-nlo).float(), hi.float()
-        if obs.hist_counts.shape[0] != U:  # this rank saw nothing: an empty state
-            obs._set_state(H.empty_state(U, obs.bins, dev))
-        if obs._linear:
-            raise NotImplementedError(f"{obs._who()}: grid='first' histograms do not sync; "
-                                      f"use the native grid")
-        state = obs._state()
-        e = torch.maximum(e.long(), H.grid_exponent(lo, hi, obs.bins))
-        first = H.grid_first(lo, e, obs._absolute)
-        counts = H.rebin(state.counts, state.exp, state.first, e, first)
-        obs._set_state(H.HistState(counts, e, first, lo, hi))
-        return {"hist_counts": SUM}
 
 
 class HistogramObserverBase(Observer):
@@ -142,7 +111,7 @@ class HistogramObserverBase(Observer):
         for n, v in zip(_STATE, state):
             setattr(self, n, v)
 
-    def histogram(self) -> H.Hist:
+    def current_histogram(self) -> H.Hist:
         """The histogram observed so far (since the last estimate in the EMA mode)."""
         if self._linear:
             return H.Hist(self.hist_counts, self.hist_lo, self.hist_hi, self._absolute)
@@ -190,7 +159,7 @@ class HistogramObserverBase(Observer):
 
     def _leave_linear(self, lo, hi):
         # one approximate step: each first-grid bin moves to the native bin of its centre
-        h = self.histogram()
+        h = self.current_histogram()
         glo = torch.minimum(torch.minimum(h.lo, lo), torch.zeros_like(lo))
         ghi = torch.maximum(torch.maximum(h.hi, hi), torch.zeros_like(hi))
         e = H.grid_exponent(glo, ghi, self.bins)
@@ -206,7 +175,7 @@ class HistogramObserverBase(Observer):
                                       -zeros[:, None])
 
     def _ema_step(self):
-        lo, hi = self._clip(*self._estimate(self.histogram()))
+        lo, hi = self._clip(*self._estimate(self.current_histogram()))
         if self.ema_lo.shape != lo.shape:
             self.ema_lo, self.ema_hi = lo.clone(), hi.clone()
         else:
@@ -218,11 +187,14 @@ class HistogramObserverBase(Observer):
 
     # --------------------------------------------------------------- ranges
     def _clip(self, lo, hi):
+        if self.spec.symmetric:  # the range that matters is max |x|, on either side
+            amax = torch.maximum(-self.min_vals, self.max_vals)
+            return torch.maximum(lo, -amax), torch.minimum(hi, amax)
         return torch.maximum(lo, self.min_vals), torch.minimum(hi, self.max_vals)
 
     def calculate_range(self):
         if self.averaging_constant is None:
-            return self._clip(*self._estimate(self.histogram()))
+            return self._clip(*self._estimate(self.current_histogram()))
         if int(self.pending) or self.ema_lo.numel() == 0:  # batches since the last estimate
             self._ema_step()
         return self.ema_lo, self.ema_hi
@@ -233,9 +205,13 @@ class HistogramObserverBase(Observer):
     def _sync_plan(self):
         from ..distributed import AVG, MAX, MIN
 
-        if self.averaging_constant is not None:
+        if self.averaging_constant is not None:  # exact with sync_every_step, else AVG
             return [("min_vals", MIN), ("max_vals", MAX), ("ema_lo", AVG), ("ema_hi", AVG)]
-        return [("min_vals", MIN), ("max_vals", MAX), _HistogramSync()]
+        if self.grid == "first":  # a config, the same on every rank: no rank waits
+            raise NotImplementedError(f"{self._who()}: grid='first' histograms (the reference "
+                                      f"binning) do not sync exactly; use the native grid")
+        # agree on the union's power-of-two grid, re-bin exactly, SUM the counts
+        return [("min_vals", MIN), ("max_vals", MAX), HistogramSync(*_STATE, self._absolute)]
 
     def reset(self):
         super().reset()
