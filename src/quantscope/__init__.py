@@ -1,6 +1,7 @@
 """quantscope: quantization observers for PyTorch, every family, format and granularity."""
 
 from . import formats, layout, presets, scales
+from . import calibrate  # a callable package: quantscope.calibrate(model, batches, recipe)
 from .formats import FloatFormat, IntFormat, get_format
 from .layout import Block, Channel, Group, Tensor, Tile, Token
 from .observers import Observer, get_observer, list_observers
@@ -16,5 +17,5 @@ __all__ = [
     "IntFormat", "FloatFormat", "get_format", "ScaleEncoding",
     "Tensor", "Channel", "Group", "Token", "Block", "Tile",
     "Observer", "get_observer", "list_observers",
-    "formats", "layout", "presets", "scales",
+    "formats", "layout", "presets", "scales", "calibrate",
 ]

@@ -1,0 +1,38 @@
+"""Model-level calibration: recipes, the calibration pass, QDQ, reports, plots, save / load."""
+
+from .apply import QDQHandle, apply, qdq_tensor
+from .io import load, save
+from .recipe import PRESETS, ROLES, Recipe, Role, Rule, preset
+from .report import Report
+from .result import Calibration, RoleState
+from .session import calibrate, calibrate_many
+
+__all__ = [
+    "PRESETS",
+    "ROLES",
+    "Calibration",
+    "QDQHandle",
+    "Recipe",
+    "Report",
+    "Role",
+    "RoleState",
+    "Rule",
+    "apply",
+    "calibrate",
+    "calibrate_many",
+    "load",
+    "preset",
+    "qdq_tensor",
+    "save",
+]
+
+
+class _CallableModule(type(__import__("sys"))):
+    """``quantscope.calibrate(model, batches, recipe)`` calls :func:`calibrate` while
+    ``quantscope.calibrate.load`` etc. stay reachable: the package itself is callable."""
+
+    def __call__(self, model, batches, recipe="w8a8", **kwargs):
+        return calibrate(model, batches, recipe, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

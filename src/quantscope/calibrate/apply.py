@@ -1,0 +1,154 @@
+"""Apply calibrated qparams to a model as fake quantization (QDQ), reversibly.
+
+Weights are replaced in place by ``fake_quantize(weight)`` (the same Parameter
+object, so tied or shared references stay valid); activations are
+fake-quantized by forward hooks. :meth:`QDQHandle.remove` removes the hooks and
+copies the saved float weights back, bit for bit.
+
+:func:`runtime_qparams` is the one place that decides the qparams a role uses on
+a given tensor: the calibrated ones (static), ones computed from the tensor
+itself (``dynamic=True``), or run-time block scales under a calibrated global
+scale (``dynamic="local"``, NVFP4 activations). QDQ, the report and ``auto``
+all go through it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..observers.registry import get_observer
+from ..qparams import QParams, qparams_from_range
+from ..quantize import fake_quantize
+from ..stats.minmax import unit_minmax
+from .result import RoleState
+
+__all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "runtime_qparams"]
+
+_ATTR = "_quantscope_qdq"
+
+
+def runtime_qparams(x: torch.Tensor, state: RoleState) -> QParams:
+    """The qparams ``state`` quantizes ``x`` with."""
+    spec = state.spec
+    if state.dynamic is False:
+        return state.qparams
+    if state.dynamic == "local":
+        lo, hi = unit_minmax(spec.layout.to_units(x.detach().float()))
+        qp = qparams_from_range(lo, hi, spec, global_amax=state.global_amax.to(x.device))
+        return qp.reshape(spec.layout.qparam_shape(x.shape))
+    obs = get_observer(state.observer, spec, **dict(state.options)).to(x.device)
+    obs(x.detach())
+    return obs.calculate_qparams()
+
+
+def qdq_tensor(x: torch.Tensor, state: RoleState) -> torch.Tensor:
+    """``x`` fake-quantized as ``state`` says, in ``x``'s dtype."""
+    return fake_quantize(x, runtime_qparams(x, state), state.spec)
+
+
+def clip_edges(qparams: QParams, spec, units: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-unit ``[U, 1]`` smallest and largest values the quantizer represents."""
+    scale = qparams.effective_scale.reshape(units, 1).float()
+    zp = qparams.zero_point.reshape(units, 1).float()
+    return (spec.qmin - zp) * scale, (spec.qmax - zp) * scale
+
+
+class QDQHandle:
+    """What :func:`apply` did to a model; :meth:`remove` undoes it exactly.
+
+    Also a context manager: ``with calib.apply(model): ...``.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._hooks: list = []
+        self._weights: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.active = True
+
+    def remove(self) -> None:
+        """Remove the activation hooks and restore the float weights (idempotent)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        with torch.no_grad():
+            for param, original in reversed(self._weights):
+                param.copy_(original)
+        self._weights.clear()
+        if getattr(self.model, _ATTR, None) is self:
+            delattr(self.model, _ATTR)
+        self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+def _input_hook(state):
+    def hook(module, args, kwargs):
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        return (qdq_tensor(args[0], state), *args[1:]), kwargs
+    return hook
+
+
+def _output_hook(state):
+    def hook(module, args, output):
+        if isinstance(output, torch.Tensor):
+            return qdq_tensor(output, state)
+        return None
+    return hook
+
+
+def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandle:
+    """Fake-quantize ``model`` with ``{layer: {role: RoleState}}``; returns the undo handle.
+
+    Raises ``ValueError`` naming the layer if the model lacks a module or a weight
+    has another shape than the one calibrated; nothing is left applied then.
+    """
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("apply: this model already has quantscope QDQ applied; call remove() "
+                         "on the handle first")
+    handle = QDQHandle(model)
+    try:
+        for name, roles in states.items():
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"apply: the model has no module {name!r} (calibrated on "
+                                 f"another model?)") from None
+            for role, state in roles.items():
+                if role == "weight":
+                    w = module.weight
+                    if state.shape is not None and tuple(w.shape) != tuple(state.shape):
+                        raise ValueError(
+                            f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
+                            f"calibrated with shape {tuple(state.shape)}")
+                    with torch.no_grad():
+                        original = w.detach().clone()
+                        qdq = qdq_tensor(w.detach(), state.to(w.device))
+                        handle._weights.append((w, original))
+                        w.copy_(qdq)
+                elif role == "input":
+                    handle._hooks.append(module.register_forward_pre_hook(
+                        _input_hook(state.to(_device(module))), with_kwargs=True))
+                elif role == "output":
+                    handle._hooks.append(module.register_forward_hook(
+                        _output_hook(state.to(_device(module)))))
+                else:
+                    raise ValueError(f"apply: unknown role {role!r} for {name!r}")
+    except BaseException:
+        handle.remove()
+        raise
+    setattr(model, _ATTR, handle)
+    return handle
+
+
+def _device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")

@@ -1,0 +1,130 @@
+"""Plots (matplotlib, the optional ``plot`` extra), written as PNG.
+
+* :func:`plot_histogram`: one layer's activation histogram on a log scale, with
+  each observer's clipping range (the smallest and largest values its quantizer
+  represents) marked.
+* :func:`plot_sqnr`: SQNR per layer for each observer, one panel per recipe and role.
+
+Both read the JSON report of a comparison (``report.json``), so ``quantscope plot``
+redraws them without the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["pick_layer", "plot_histogram", "plot_sqnr"]
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install 'quantscope[plot]'") from None
+    return plt
+
+
+def _short(layer: str) -> str:
+    return (layer.replace("encoder.layer.", "L").replace("attention.self.", "")
+            .replace("attention.output.dense", "attn.out").replace("intermediate.dense", "ffn.up")
+            .replace("output.dense", "ffn.down"))
+
+
+def pick_layer(report: dict, role: str = "input") -> str | None:
+    """The layer whose SQNR differs most between observers (where the choice matters most)."""
+    spread = {}
+    for run in report["runs"].values():
+        for r in run["layers"]:
+            if r["role"] == role and r["sqnr_db"] is not None and not r["dynamic"]:
+                spread.setdefault(r["layer"], []).append(r["sqnr_db"])
+    if not spread:
+        return None
+    return max(spread, key=lambda k: max(spread[k]) - min(spread[k]))
+
+
+def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
+                   recipe: str | None = None) -> str:
+    """Histogram of ``layer``'s ``role`` activations with each run's clipping range; PNG."""
+    plt = _plt()
+    hist = report.get("histograms", {}).get(f"{layer}/{role}")
+    if hist is None:
+        known = sorted({k.rsplit("/", 1)[0] for k in report.get("histograms", {})})
+        raise ValueError(f"plot: no {role} histogram for layer {layer!r}; layers with one: "
+                         f"{known}")
+    counts = hist["counts"]
+    n = len(counts)
+    width = (hist["hi"] - hist["lo"]) / n
+    centers = [hist["lo"] + (k + 0.5) * width for k in range(n)]
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=100)
+    ax.bar(centers, [max(c, 0.8) if c else 0 for c in counts], width=width, color="0.55",
+           log=True, label="activations (sample)")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if recipe is None:  # recipes often share activation specs: one recipe's lines suffice
+        recipe = next(iter(report["runs"].values())).get("recipe")
+    k = 0
+    xs = [hist["lo"], hist["hi"]]
+    for label, run in report["runs"].items():
+        if recipe is not None and run.get("recipe") != recipe:
+            continue
+        row = next((r for r in run["layers"] if r["layer"] == layer and r["role"] == role), None)
+        if row is None or row["dynamic"] is True:
+            continue
+        c = colors[k % len(colors)]
+        style = ("-", "--", ":", "-.")[(k // len(colors)) % 4]
+        name = run.get("observer", label)
+        if row["requested"] == "auto":
+            name += f" (chose {row['observer']})"
+        ax.axvline(row["clip_lo"], color=c, ls=style, lw=1.4, label=name)
+        ax.axvline(row["clip_hi"], color=c, ls=style, lw=1.4)
+        xs += [row["clip_lo"], row["clip_hi"]]
+        k += 1
+    pad = 0.03 * (max(xs) - min(xs))
+    ax.set_xlim(min(xs) - pad, max(xs) + pad)
+    ax.set_xlabel("value")
+    ax.set_ylabel("count (log)")
+    ax.set_title(f"{recipe or ''} {_short(layer)} {role}: clipping range per observer",
+                 fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_sqnr(report: dict, path: str) -> str:
+    """SQNR per layer for each observer: one panel per (recipe, role); PNG."""
+    plt = _plt()
+    panels = {}
+    for label, run in report["runs"].items():
+        for r in run["layers"]:
+            panels.setdefault((run.get("recipe", ""), r["role"]), {}).setdefault(
+                run.get("observer", label), []).append(r)
+    order = list(dict.fromkeys(k[0] for k in panels))  # recipes in the report's order
+    keys = sorted(panels, key=lambda k: (order.index(k[0]), {"weight": 0, "input": 1}.get(k[1], 2)))
+    cols = len({k[1] for k in keys})
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.2 * rows), dpi=100,
+                             squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        layers = None
+        for obs, rr in panels[key].items():
+            layers = [r["layer"] for r in rr]
+            ys = [r["sqnr_db"] if r["sqnr_db"] is not None else float("nan") for r in rr]
+            ax.plot(range(len(ys)), ys, marker=".", lw=1, label=obs)
+        ax.set_title(f"{key[0]} {key[1]}", fontsize=10)
+        ax.set_ylabel("SQNR dB")
+        step = max(1, len(layers) // 12)
+        ax.set_xticks(range(0, len(layers), step))
+        ax.set_xticklabels([_short(n) for n in layers[::step]], rotation=60, fontsize=6,
+                           ha="right")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

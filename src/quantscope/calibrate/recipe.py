@@ -1,0 +1,268 @@
+"""Recipes: which modules get which spec and observer, for each role.
+
+A :class:`Recipe` is a list of :class:`Rule` s. A rule names its modules by
+``targets`` (a module class name such as ``"Linear"``, a glob on the module's
+name such as ``"encoder.layer.*.attention.*"``, or a regular expression on the
+name prefixed ``"re:"``, as llm-compressor writes them) and gives a
+:class:`Role` for each tensor it quantizes: ``weight``, ``input`` (the
+activation entering the module) and ``output`` (the one leaving it). The first
+rule that matches a module wins; ``ignore`` (same syntax) removes modules.
+
+Observer names are registry names (:func:`quantscope.list_observers`) or
+``"auto"``: per layer, the candidate whose range gives the lowest quantization
+error on that layer's data. Weights are observed once, so a weight role maps an
+observer name to its memoryless variant where one exists (``minmax`` ->
+``memoryless_minmax``, ``mse`` -> ``memoryless_mse``), as llm-compressor does.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from .. import presets
+from ..layout import Tensor
+from ..spec import QuantSpec
+
+__all__ = [
+    "AUTO",
+    "DEFAULT_CANDIDATES",
+    "PRESETS",
+    "ROLES",
+    "Recipe",
+    "Role",
+    "Rule",
+    "preset",
+    "resolve_observer",
+]
+
+ROLES = ("weight", "input", "output")
+AUTO = "auto"
+#: what ``observer="auto"`` chooses from (those registered; weights take memoryless variants)
+DEFAULT_CANDIDATES = ("minmax", "mse", "percentile", "entropy", "mix", "histogram_mse")
+DYNAMIC_MODES = (False, True, "local")
+
+
+@dataclass(frozen=True)
+class Role:
+    """How one tensor of a module is quantized.
+
+    Args:
+        spec: the quantization scheme.
+        observer: a registry name or ``"auto"``.
+        dynamic: False (static qparams from calibration), True (qparams computed
+            from each tensor at run time, as llm-compressor's ``dynamic=True``:
+            no calibration) or ``"local"`` (NVFP4 activations: the global scale is
+            calibrated, block scales are computed at run time).
+        options: keyword options for the observer (``{"averaging_constant": 0.1}``).
+    """
+
+    spec: QuantSpec
+    observer: str = "minmax"
+    dynamic: bool | str = False
+    options: tuple = ()
+
+    def __post_init__(self):
+        if not isinstance(self.spec, QuantSpec):
+            raise TypeError(f"Role.spec must be a QuantSpec, got {type(self.spec).__name__}")
+        if not isinstance(self.observer, str) or not self.observer:
+            raise ValueError(f"Role.observer must be an observer name, got {self.observer!r}")
+        if self.dynamic not in DYNAMIC_MODES:
+            raise ValueError(f"Role.dynamic must be one of {DYNAMIC_MODES}, got {self.dynamic!r}")
+        if isinstance(self.options, dict):
+            object.__setattr__(self, "options", tuple(sorted(self.options.items())))
+
+    @property
+    def needs_data(self) -> bool:
+        """Whether calibration data is needed (static or ``local`` activations)."""
+        return self.dynamic is not True
+
+    def to_dict(self) -> dict:
+        return {"spec": self.spec.to_dict(), "observer": self.observer, "dynamic": self.dynamic,
+                "options": dict(self.options)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Role:
+        return cls(QuantSpec.from_dict(d["spec"]), d["observer"], d["dynamic"],
+                   tuple(sorted(d.get("options", {}).items())))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules matched by ``targets`` and the roles they quantize (None: left in float)."""
+
+    targets: tuple[str, ...] = ("Linear",)
+    weight: Role | None = None
+    input: Role | None = None
+    output: Role | None = None
+
+    def __post_init__(self):
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", (self.targets,))
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if not self.targets:
+            raise ValueError("Rule.targets must name at least one module type or name pattern")
+        if self.weight is None and self.input is None and self.output is None:
+            raise ValueError(f"Rule {self.targets}: give at least one of weight, input, output")
+
+    def roles(self) -> dict[str, Role]:
+        return {r: getattr(self, r) for r in ROLES if getattr(self, r) is not None}
+
+    def to_dict(self) -> dict:
+        return {"targets": list(self.targets),
+                **{r: (None if v is None else v.to_dict())
+                   for r, v in ((r, getattr(self, r)) for r in ROLES)}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Rule:
+        return cls(tuple(d["targets"]),
+                   **{r: (None if d.get(r) is None else Role.from_dict(d[r])) for r in ROLES})
+
+
+def _matches(pattern: str, name: str, module: nn.Module) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    cls = type(module)
+    if pattern in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+        return True
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Rules (first match wins) and an ignore list; ``name`` labels reports."""
+
+    rules: tuple[Rule, ...]
+    ignore: tuple[str, ...] = ()
+    name: str = "custom"
+
+    def __post_init__(self):
+        if isinstance(self.rules, Rule):
+            object.__setattr__(self, "rules", (self.rules,))
+        object.__setattr__(self, "rules", tuple(self.rules))
+        if isinstance(self.ignore, str):
+            object.__setattr__(self, "ignore", (self.ignore,))
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        if not self.rules:
+            raise ValueError("Recipe.rules: a recipe needs at least one rule")
+        for r in self.rules:
+            if not isinstance(r, Rule):
+                raise TypeError(f"Recipe.rules must hold Rule objects, got {type(r).__name__}")
+
+    def match(self, model: nn.Module) -> dict[str, tuple[nn.Module, dict[str, Role]]]:
+        """``{module name: (module, {role: Role})}`` for every module a rule takes.
+
+        Raises ``ValueError`` naming the targets if nothing matches.
+        """
+        found = {}
+        for name, module in model.named_modules():
+            if not name or any(_matches(p, name, module) for p in self.ignore):
+                continue
+            for rule in self.rules:
+                if any(_matches(t, name, module) for t in rule.targets):
+                    roles = rule.roles()
+                    if "weight" in roles and not isinstance(
+                            getattr(module, "weight", None), nn.Parameter):
+                        raise ValueError(
+                            f"recipe {self.name!r}: module {name!r} ({type(module).__name__}) "
+                            f"matches {rule.targets} with a weight role but has no weight "
+                            f"parameter")
+                    found[name] = (module, roles)
+                    break
+        if not found:
+            kinds = sorted({type(m).__name__ for _, m in model.named_modules()})
+            targets = [t for r in self.rules for t in r.targets]
+            raise ValueError(
+                f"recipe {self.name!r}: no module matches targets {targets}"
+                f"{f' (ignore {list(self.ignore)})' if self.ignore else ''}; the model's module "
+                f"types are {kinds}")
+        return found
+
+    def with_observer(self, observer: str, **options) -> Recipe:
+        """A copy whose calibrated roles (not dynamic ones) use ``observer``."""
+        def swap(role):
+            if role is None or role.dynamic is True:
+                return role
+            return replace(role, observer=observer, options=tuple(sorted(options.items())))
+        rules = tuple(replace(r, **{k: swap(getattr(r, k)) for k in ROLES}) for r in self.rules)
+        return replace(self, rules=rules, name=self.name)
+
+    @property
+    def needs_data(self) -> bool:
+        return any(role.needs_data for r in self.rules for k, role in r.roles().items()
+                   if k != "weight")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "ignore": list(self.ignore),
+                "rules": [r.to_dict() for r in self.rules]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Recipe:
+        return cls(tuple(Rule.from_dict(r) for r in d["rules"]), tuple(d.get("ignore", ())),
+                   d.get("name", "custom"))
+
+
+def resolve_observer(name: str, role: str) -> str:
+    """The registry name a role runs: weights take the memoryless variant where one exists."""
+    from ..observers.registry import observer_class
+
+    if role == "weight" and name != AUTO and not name.startswith("memoryless_"):
+        try:
+            observer_class(f"memoryless_{name}")
+            return f"memoryless_{name}"
+        except ValueError:
+            pass
+    return name
+
+
+_INT8_ACT = QuantSpec("int8", Tensor())
+_INT8_TOKEN = QuantSpec("int8", presets.INT8_PER_TOKEN.layout)
+_FP8_ACT = QuantSpec("fp8_e4m3", Tensor())
+
+
+def _w8a8(obs):
+    return Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, obs),
+                input=Role(_INT8_ACT, obs))
+
+
+#: preset name -> function of the observer name giving the Rule for Linear layers
+PRESETS = {
+    # int8 per-channel weights, static int8 per-tensor activations
+    "w8a8": _w8a8,
+    # int8 per-channel weights, int8 per-token activations computed at run time
+    "w8a8-dynamic": lambda obs: Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, obs),
+                                     input=Role(_INT8_TOKEN, "memoryless_minmax", True)),
+    # int4 symmetric groups of 128 along the input dim; activations stay in float
+    "w4a16": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128, obs)),
+    # int4 g128 weights, static int8 per-tensor activations
+    "w4a8": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128, obs),
+                             input=Role(_INT8_ACT, obs)),
+    # fp8 e4m3 per-channel weights, static fp8 per-tensor activations
+    "fp8": lambda obs: Rule(("Linear",), weight=Role(presets.FP8_PER_CHANNEL, obs),
+                            input=Role(_FP8_ACT, obs)),
+    # MXFP4 weights and activations: E8M0 block scales, activation blocks at run time
+    "mxfp4": lambda obs: Rule(("Linear",), weight=Role(presets.MXFP4, obs),
+                              input=Role(presets.MXFP4, "memoryless_minmax", True)),
+    # NVFP4: weights with e4m3 block scales under a global scale; activations with a
+    # calibrated global scale and run-time block scales (llm-compressor's dynamic="local")
+    "nvfp4": lambda obs: Rule(("Linear",), weight=Role(presets.NVFP4, obs),
+                              input=Role(presets.NVFP4, obs, "local")),
+}
+
+
+def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
+           **options) -> Recipe:
+    """A preset recipe by name (:data:`PRESETS`) for modules ``targets`` minus ``ignore``."""
+    if isinstance(name, Recipe):
+        return name
+    key = str(name).lower()
+    if key not in PRESETS:
+        raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    rule = replace(PRESETS[key](observer), targets=tuple([targets] if isinstance(targets, str)
+                                                         else targets))
+    recipe = Recipe((rule,), tuple([ignore] if isinstance(ignore, str) else ignore), key)
+    return recipe.with_observer(observer, **options) if options else recipe
+

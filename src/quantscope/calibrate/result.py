@@ -1,0 +1,80 @@
+"""What calibration produces: per layer and role, the qparams and how they were chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..qparams import QParams
+from ..spec import QuantSpec
+
+__all__ = ["Calibration", "RoleState"]
+
+
+@dataclass
+class RoleState:
+    """The calibrated quantizer of one tensor (a layer's weight, input or output).
+
+    ``qparams`` is None for ``dynamic=True`` (computed at run time);
+    ``global_amax`` is set for ``dynamic="local"``. ``observer`` is the observer that
+    made the range (for ``auto``, the one chosen; ``requested`` says ``"auto"``).
+    ``lo`` / ``hi`` are its per-unit range; ``shape`` the calibrated weight shape.
+    """
+
+    spec: QuantSpec
+    observer: str
+    requested: str
+    dynamic: bool | str = False
+    options: tuple = ()
+    qparams: QParams | None = None
+    global_amax: torch.Tensor | None = None
+    lo: torch.Tensor | None = None
+    hi: torch.Tensor | None = None
+    shape: tuple[int, ...] | None = None
+
+    def to(self, device) -> RoleState:
+        mv = (lambda t: None if t is None else t.to(device))
+        return replace(self, qparams=None if self.qparams is None else self.qparams.to(device),
+                       global_amax=mv(self.global_amax), lo=mv(self.lo), hi=mv(self.hi))
+
+
+@dataclass
+class Calibration:
+    """The result of :func:`quantscope.calibrate` for one recipe.
+
+    ``states[layer][role]`` is a :class:`RoleState`; ``stats`` the report rows
+    (computed on the float weights and the activation samples at calibration time);
+    ``histograms[(layer, role)]`` activation histograms for plots.
+    """
+
+    recipe: object
+    states: dict[str, dict[str, RoleState]]
+    label: str = ""
+    stats: list = field(default_factory=list)
+    histograms: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    def apply(self, model):
+        """Fake-quantize ``model`` (QDQ); returns a handle whose ``remove()`` undoes it."""
+        from .apply import apply
+
+        return apply(model, self.states)
+
+    def report(self, metrics: dict | None = None):
+        """The :class:`~quantscope.calibrate.report.Report` of this calibration."""
+        from .report import Report
+
+        return Report(self.label or self.recipe.name, self.recipe.name, self.stats,
+                      dict(metrics or {}), self.info)
+
+    def save(self, path):
+        """qparams to ``path/qparams.safetensors`` and specs to ``path/quantscope.json``."""
+        from .io import save
+
+        return save(self, path)
+
+    def __repr__(self):
+        n = sum(len(r) for r in self.states.values())
+        return (f"Calibration({self.label or self.recipe.name!r}, {len(self.states)} layers, "
+                f"{n} quantized tensors)")

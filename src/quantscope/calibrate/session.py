@@ -1,0 +1,397 @@
+"""Calibration: observe a model's weights once and its activations over the batches.
+
+:func:`calibrate` runs one recipe; :func:`calibrate_many` runs several in **one**
+pass over the data: the observers of all recipes are attached together, and a
+recipe that asks for the same (layer, role, spec, observer) as another shares
+its observer. ``observer="auto"`` observes every candidate and keeps, per layer
+and role, the one whose qparams give the lowest squared error on that layer's
+data (the weight itself; for activations, a sample of the calibration
+activations kept for the purpose).
+
+Hooks are removed in a ``finally``, whatever happens; the model's train / eval
+mode is restored; forwards run under ``torch.inference_mode``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..layout import Channel, Tensor
+from ..observers.registry import get_observer, observer_class
+from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, resolve_observer
+from .report import tensor_stats
+from .result import Calibration, RoleState
+
+__all__ = ["calibrate", "calibrate_many"]
+
+
+@dataclass
+class _Slot:
+    """One observed tensor of one layer: its observers, keyed by (name, spec, options)."""
+
+    layer: str
+    role: str
+    module: nn.Module
+    observers: dict = field(default_factory=dict)
+    sample: list = field(default_factory=list)
+    sampled: int = 0
+    needs_sample: bool = False
+    failed: dict = field(default_factory=dict)
+
+
+def _as_recipe(recipe, observer) -> Recipe:
+    if isinstance(recipe, str):
+        recipe = preset(recipe, observer or "minmax")
+    elif not isinstance(recipe, Recipe):
+        raise TypeError(f"calibrate: recipe must be a preset name or a Recipe, got "
+                        f"{type(recipe).__name__}")
+    elif observer is not None:
+        recipe = recipe.with_observer(observer)
+    return recipe
+
+
+def _candidates(role: str, candidates) -> list[str]:
+    explicit = candidates is not None
+    names = list(DEFAULT_CANDIDATES if candidates is None else candidates)
+    out = []
+    for n in names:
+        if n == AUTO:
+            continue
+        try:
+            observer_class(resolve_observer(n, role))
+        except ValueError:
+            if explicit:
+                raise
+            continue
+        out.append(resolve_observer(n, role))
+    if not out:
+        raise ValueError(f"calibrate: observer 'auto' has no candidate observers for {role} "
+                         f"(asked for {names})")
+    return list(dict.fromkeys(out))
+
+
+def _check_static_layout(layer: str, role: str, spec) -> None:
+    lay = spec.layout
+    if isinstance(lay, Tensor) or (isinstance(lay, Channel) and lay.axis == -1):
+        return
+    raise ValueError(
+        f"calibrate: layer {layer!r} {role}: static activation qparams need a layout whose "
+        f"units do not depend on the batch (tensor, or channel:-1), got {spec}; use "
+        f"dynamic=True for per-token or block activations")
+
+
+def _activation_width(module: nn.Module, role: str):
+    attr = "in_features" if role == "input" else "out_features"
+    return getattr(module, attr, None)
+
+
+def _observer_key(name, role_cfg: Role):
+    return (name, role_cfg.spec, role_cfg.options)
+
+
+def _make_observer(slot: _Slot, key, for_auto: bool):
+    if key in slot.observers or key in slot.failed:
+        return
+    name, spec, options = key
+    try:
+        obs = get_observer(name, spec, **dict(options))
+        if slot.role == "weight":
+            w = slot.module.weight.detach()
+            obs.to(w.device)
+            with torch.inference_mode():
+                obs(w)
+    except (ValueError, TypeError) as e:
+        if not for_auto:
+            raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer {name!r} "
+                             f"with {spec}: {e}") from None
+        slot.failed[key] = str(e)  # auto drops a candidate that cannot take this spec
+        return
+    slot.observers[key] = obs
+
+
+def _plan(model, recipes, candidates):
+    slots: dict[tuple[str, str], _Slot] = {}
+    plans = {}
+    for label, recipe in recipes.items():
+        plan = {}
+        for layer, (module, roles) in recipe.match(model).items():
+            for role, cfg in roles.items():
+                spec = cfg.spec
+                if role == "weight":
+                    shape = tuple(module.weight.shape)
+                    try:
+                        spec.layout.check(shape)
+                    except ValueError as e:
+                        raise ValueError(f"calibrate: layer {layer!r} weight of shape {shape} "
+                                         f"cannot take {spec}: {e}") from None
+                else:
+                    if cfg.dynamic is False:
+                        _check_static_layout(layer, role, spec)
+                    width = _activation_width(module, role)
+                    if width is not None:
+                        try:
+                            spec.layout.check((1, width))
+                        except ValueError as e:
+                            raise ValueError(f"calibrate: layer {layer!r} {role} of width {width} "
+                                             f"cannot take {spec}: {e}") from None
+                slot = slots.setdefault((layer, role), _Slot(layer, role, module))
+                if role != "weight":
+                    slot.needs_sample = True
+                names = []
+                if cfg.dynamic is not True:
+                    if cfg.observer == AUTO:
+                        names = _candidates(role, candidates)
+                    else:
+                        names = [resolve_observer(cfg.observer, role)]
+                for n in names:
+                    _make_observer(slot, _observer_key(n, cfg), cfg.observer == AUTO)
+                plan[(layer, role)] = (cfg, names)
+        plans[label] = plan
+    return slots, plans
+
+
+def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator):
+    def observe(x):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return
+        for slot in slots:
+            for (name, _, _), obs in slot.observers.items():
+                if obs.observed_tokens.device != x.device:
+                    obs.to(x.device)
+                try:
+                    obs(x)
+                except ValueError as e:
+                    raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer "
+                                     f"{name!r}: {e}") from None
+            if slot.needs_sample and slot.sampled < limit:
+                rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+                take = min(rows.shape[0], per_batch, limit - slot.sampled)
+                idx = torch.randperm(rows.shape[0], generator=gen)[:take].to(rows.device)
+                slot.sample.append(rows.index_select(0, idx).clone())
+                slot.sampled += take
+
+    def pre(module, args):
+        if args:
+            observe(args[0])
+
+    def post(module, args, output):
+        observe(output)
+
+    return pre, post
+
+
+def _run(model, batches, slots, sample_tokens, progress, seed):
+    """Forward every batch with observing hooks; returns the number of batches."""
+    by_module: dict[int, dict[str, list[_Slot]]] = {}
+    for slot in slots.values():
+        if slot.role == "weight" or not (slot.observers or slot.needs_sample):
+            continue
+        by_module.setdefault(id(slot.module), {"module": slot.module, "input": [], "output": []})
+        by_module[id(slot.module)][slot.role].append(slot)
+    if not by_module:
+        return 0
+    total = len(batches) if hasattr(batches, "__len__") else None
+    per_batch = math.ceil(sample_tokens / total) if total else max(1, sample_tokens // 8)
+    gen = torch.Generator().manual_seed(seed)
+    handles = []
+    was_training = model.training
+    n = 0
+    try:
+        for entry in by_module.values():
+            module = entry["module"]
+            if entry["input"]:
+                pre, _ = _hook(entry["input"], per_batch, sample_tokens, gen)
+                handles.append(module.register_forward_pre_hook(pre))
+            if entry["output"]:
+                _, post = _hook(entry["output"], per_batch, sample_tokens, gen)
+                handles.append(module.register_forward_hook(post))
+        model.eval()
+        it = batches
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+
+                it = tqdm(batches, total=total, desc="calibrating", unit="batch", leave=False)
+            except ImportError:
+                pass
+        with torch.inference_mode():
+            for batch in it:
+                _forward(model, batch)
+                n += 1
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return n
+
+
+def _forward(model, batch):
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _range_of(obs):
+    lo, hi = obs.calculate_range()
+    return lo.detach().clone(), hi.detach().clone()
+
+
+def _state_from(obs, cfg: Role, requested: str, shape) -> RoleState:
+    lo, hi = _range_of(obs)
+    if cfg.dynamic == "local":
+        gam = obs.global_amax()
+        if gam is None:
+            gam = torch.maximum(-lo.min().clamp(max=0), hi.max().clamp(min=0))
+        return RoleState(cfg.spec, obs.name, requested, "local", cfg.options,
+                         global_amax=gam.detach().clone().reshape(()), lo=lo, hi=hi)
+    qp = obs.calculate_qparams()
+    qp.scale, qp.zero_point = qp.scale.clone(), qp.zero_point.clone()
+    if qp.global_scale is not None:
+        qp.global_scale = qp.global_scale.clone()
+    return RoleState(cfg.spec, obs.name, requested, False, cfg.options, qparams=qp, lo=lo, hi=hi,
+                     shape=shape)
+
+
+def _finish(slots, plans, recipes):
+    """Build each recipe's states and report rows; ``auto`` picks by squared error."""
+    cache = {}
+    data = {}
+    for key, slot in slots.items():
+        if slot.role == "weight":
+            data[key] = slot.module.weight.detach()
+        elif slot.sample:
+            data[key] = torch.cat(slot.sample)
+
+    def stats_of(key, skey, state):
+        if skey not in cache:
+            x = data.get(key)
+            cache[skey] = None if x is None else tensor_stats(x, state)
+        return cache[skey]
+
+    results = {}
+    for label, plan in plans.items():
+        states, rows = {}, []
+        for (layer, role), (cfg, names) in plan.items():
+            slot = slots[(layer, role)]
+            shape = tuple(slot.module.weight.shape) if role == "weight" else None
+            if cfg.dynamic is True:
+                state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
+                st = stats_of((layer, role), (layer, role, "dynamic", cfg), state)
+            else:
+                best = None
+                for n in names:
+                    okey = _observer_key(n, cfg)
+                    if okey not in slot.observers:
+                        continue
+                    obs = slot.observers[okey]
+                    if not obs.has_observed:
+                        raise ValueError(
+                            f"calibrate: layer {layer!r} {role} was never called during "
+                            f"calibration (is the module used by the model's forward?)")
+                    cand = _state_from(obs, cfg, cfg.observer, shape)
+                    st = stats_of((layer, role), (layer, role, okey, cfg.dynamic), cand)
+                    if best is None or (st is not None and st["noise"] < best[1]["noise"]):
+                        best = (cand, st)
+                if best is None:
+                    raise ValueError(f"calibrate: layer {layer!r} {role}: no candidate observer "
+                                     f"could take {cfg.spec}: {slot.failed}")
+                state, st = best
+            states.setdefault(layer, {})[role] = state
+            if st is not None:
+                rows.append(_row(layer, role, state, st))
+        results[label] = (states, rows)
+    hists = {key: _histogram(x) for key, x in data.items() if key[1] != "weight"}
+    return results, hists
+
+
+def _row(layer, role, state: RoleState, st: dict) -> dict:
+    if state.lo is not None:
+        lo, hi = float(state.lo.min()), float(state.hi.max())
+    else:
+        lo, hi = st["min"], st["max"]
+    return {"layer": layer, "role": role, "observer": state.observer,
+            "requested": state.requested, "spec": str(state.spec),
+            "dynamic": state.dynamic, "sqnr_db": st["sqnr_db"], "clipped": st["clipped"],
+            "lo": lo, "hi": hi, "clip_lo": st["clip_lo"], "clip_hi": st["clip_hi"],
+            "units": st["units"], "numel": st["numel"]}
+
+
+def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
+    x = x.detach().float().flatten()
+    lo, hi = float(x.min()), float(x.max())
+    if hi <= lo:
+        hi = lo + 1.0
+    counts = torch.histc(x, bins, lo, hi)
+    return {"lo": lo, "hi": hi, "counts": [int(c) for c in counts.tolist()]}
+
+
+def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
+                   sample_tokens: int = 4096, progress: bool = True,
+                   seed: int = 0) -> dict[str, Calibration]:
+    """Calibrate several recipes in one pass over ``batches``.
+
+    Args:
+        model: any ``nn.Module``.
+        batches: an iterable of model inputs: a dict (``model(**b)``), a tuple / list
+            (``model(*b)``) or a tensor (``model(b)``).
+        recipes: ``{label: recipe}`` or a list of recipes (labelled by name); a recipe
+            is a :class:`Recipe` or a preset name.
+        candidates: the observers ``auto`` chooses from (default: those of
+            :data:`~quantscope.calibrate.recipe.DEFAULT_CANDIDATES` that are registered).
+        sample_tokens: activation rows kept per layer for ``auto`` and the report.
+        progress: show a tqdm progress bar over the batches.
+        seed: seeds the choice of sampled rows.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(sample_tokens, int) or sample_tokens < 1:
+        raise ValueError(f"calibrate: sample_tokens must be a positive integer, got "
+                         f"{sample_tokens!r}")
+    if isinstance(recipes, (str, Recipe)):
+        recipes = [recipes]
+    if not isinstance(recipes, dict):
+        recipes = [_as_recipe(r, None) for r in recipes]
+        recipes = {r.name: r for r in recipes}
+    else:
+        recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
+    if not recipes:
+        raise ValueError("calibrate: no recipe given")
+    t0 = time.perf_counter()
+    slots, plans = _plan(model, recipes, candidates)
+    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
+                     for s in slots.values())
+    if batches is None:
+        batches = []
+    n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
+    if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
+        raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
+                         "statically, which needs at least one calibration batch")
+    with torch.no_grad():
+        results, hists = _finish(slots, plans, recipes)
+    seconds = time.perf_counter() - t0
+    out = {}
+    for label, recipe in recipes.items():
+        states, rows = results[label]
+        info = {"batches": n, "calibration_seconds": round(seconds, 3)}
+        out[label] = Calibration(recipe, states, label, rows, hists, info)
+    return out
+
+
+def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,
+              **kwargs) -> Calibration:
+    """Calibrate ``model`` on ``batches`` with ``recipe``; returns a :class:`Calibration`.
+
+    ``recipe`` is a preset name (``w8a8``, ``w8a8-dynamic``, ``w4a16``, ``w4a8``,
+    ``fp8``, ``mxfp4``, ``nvfp4``) or a :class:`Recipe`; ``observer`` (a registry
+    name or ``"auto"``) replaces the recipe's observers. Other keywords as
+    :func:`calibrate_many`. Apply the result with ``calibration.apply(model)``.
+    """
+    r = _as_recipe(recipe, observer)
+    return calibrate_many(model, batches, {r.name: r}, **kwargs)[r.name]
