@@ -121,6 +121,19 @@ class CustomSync:
     def rebin(self, obs, grid: torch.Tensor) -> dict[str, Op]:
         raise NotImplementedError
 
+    # Batching: customs with equal ``batch_key`` (the same on every rank) are handled by
+    # one ``grid_many`` / ``rebin_many`` call; the defaults loop over the items.
+    def batch_key(self, obs):
+        return id(self)
+
+    @classmethod
+    def grid_many(cls, pairs) -> list[torch.Tensor]:
+        return [it.grid(obs) for obs, it in pairs]
+
+    @classmethod
+    def rebin_many(cls, pairs, grids) -> list[dict[str, Op]]:
+        return [it.rebin(obs, g) for (obs, it), g in zip(pairs, grids)]
+
 
 @dataclass
 class SyncStats:
@@ -273,8 +286,7 @@ def _encode_shape(shape) -> list[int]:
 
 
 def _decode_shape(row) -> tuple[int, ...]:
-    n = int(row[0])
-    return tuple(int(v) for v in row[1:1 + n])
+    return tuple(int(v) for v in row[1:1 + int(row[0])])
 
 
 # ------------------------------------------------------------------------ full sync
@@ -307,29 +319,31 @@ def sync_observers(observers: Iterable, group=None) -> None:
     allh = _all_gather(header, group).cpu()  # [world, L]
 
     # 2. decisions from the headers: identical on every rank, so errors are too
+    allh = allh.tolist()  # plain Python from here: cheap per-observer decisions
     pos = 0
-    work = []  # (obs, plan, observed_locally, n_observed)
+    work = []  # (obs, plan, observed_locally, n_observed, step_synced)
     for obs, plan in zip(observers, plans):
-        seen_r = allh[:, pos]
-        nonfinite = bool(allh[:, pos + 1].any())
-        step_synced = bool(allh[:, pos + 2].any())
-        if bool(allh[:, pos + 2].any()) != bool(allh[:, pos + 2].all()):
+        seen_r = [row[pos] for row in allh]
+        nonfinite = any(row[pos + 1] for row in allh)
+        steps = [row[pos + 2] for row in allh]
+        step_synced = any(steps)
+        if step_synced and not all(steps):
             raise ValueError(f"sync: {obs._who()} has sync_every_step set on some ranks only")
-        last = int(torch.nonzero(seen_r).max()) if bool(seen_r.any()) else -1
-        shape = _decode_shape(allh[last, pos + 3:]) if last >= 0 else None
+        seen_ranks = [r for r, v in enumerate(seen_r) if v]
+        shape = _decode_shape(allh[seen_ranks[-1]][pos + 3:]) if seen_ranks else None
         pos += 3 + 1 + _MAXD
         shapes = {}
         for name in _names(plan):
-            block = allh[:, pos:pos + 1 + _MAXD][seen_r.bool()]
+            block = [allh[r][pos:pos + 1 + _MAXD] for r in seen_ranks]
             pos += 1 + _MAXD
-            if len(block) and not bool((block == block[0]).all()):
+            if any(b != block[0] for b in block):
                 got = [_decode_shape(b) for b in block]
                 raise ValueError(
                     f"sync: {obs._who()} has state {name!r} of different shapes on different "
                     f"ranks ({got}); the layout must give the same units on every rank")
-            if len(block):
+            if block:
                 shapes[name] = _decode_shape(block[0])
-        n_seen = int(seen_r.sum())
+        n_seen = len(seen_ranks)
         if nonfinite:
             obs.seen_non_finite.fill_(True)
         if n_seen == 0:
@@ -347,15 +361,23 @@ def sync_observers(observers: Iterable, group=None) -> None:
         work.append((obs, plan, observed, n_seen, step_synced))
 
     # 3. custom syncs (histograms): agree on the grid, re-bin exactly
-    customs = [(obs, it) for obs, plan, _, _, step in work if not step
-               for it in plan if isinstance(it, CustomSync)]
+    groups: dict = {}  # same-kind customs are handled together (one batched re-bin)
+    for obs, plan, _, _, step in work:
+        for it in plan:
+            if isinstance(it, CustomSync) and not step:
+                groups.setdefault(it.batch_key(obs), []).append((obs, it))
     extra: dict[int, list] = {}
-    if customs:
-        grids = [it.grid(obs).to(torch.float64).reshape(-1) for obs, it in customs]
-        flat = torch.cat(grids).to(dev)
+    if groups:
+        grids = [[g.to(torch.float64).reshape(-1) for g in type(pairs[0][1]).grid_many(pairs)]
+                 for pairs in groups.values()]
+        sizes = [len(g) for gl in grids for g in gl]
+        flat = torch.cat([g for gl in grids for g in gl]).to(dev)
         _all_reduce(flat, dist.ReduceOp.MAX, group)
-        for (obs, it), g in zip(customs, flat.split([len(g) for g in grids])):
-            extra.setdefault(id(obs), []).extend(it.rebin(obs, g).items())
+        parts = iter(flat.split(sizes))
+        for pairs, gl in zip(groups.values(), grids):
+            done = type(pairs[0][1]).rebin_many(pairs, [next(parts) for _ in gl])
+            for (obs, _), ops in zip(pairs, done):
+                extra.setdefault(id(obs), []).extend(ops.items())
 
     # 4. buckets: (reduction, dtype) -> [(obs, name, op, n_seen, observed)]
     buckets: dict[tuple, list] = {}
@@ -437,17 +459,51 @@ class HistogramSync(CustomSync):
         return torch.cat([-st.lo.double(), st.hi.double(), st.exp.double()])
 
     def rebin(self, obs, grid):
+        return self.rebin_many([(obs, self)], [grid])[0]
+
+    def batch_key(self, obs):
+        c = getattr(obs, self.names[0])
+        return (HistogramSync, c.shape[1], self.absolute, c.device, c.dtype)
+
+    @classmethod
+    def grid_many(cls, pairs):
+        # one [-lo, hi, exp] vector over the units of every histogram of the group
+        sts = [it._state(obs) for obs, it in pairs]
+        return [torch.cat([-torch.cat([st.lo for st in sts]).double(),
+                           torch.cat([st.hi for st in sts]).double(),
+                           torch.cat([st.exp for st in sts]).double()])]
+
+    @classmethod
+    def rebin_many(cls, pairs, grids):
         from .stats.histogram import grid_exponent, grid_first, rebin
 
-        st = self._state(obs)
-        U, bins = st.counts.shape
-        g = grid.to(st.counts.device)
+        sts = [it._state(obs) for obs, it in pairs]
+        units = [st.counts.shape[0] for st in sts]
+        U, bins = sum(units), sts[0].counts.shape[1]
+        g = grids[0].to(sts[0].counts.device)
         lo, hi = (-g[:U]).float(), g[U:2 * U].float()
         e = torch.maximum(g[2 * U:].long(), grid_exponent(lo, hi, bins))
-        first = grid_first(lo, e, self.absolute)
-        counts = rebin(st.counts, st.exp, st.first, e, first)
-        self._set(obs, (counts, e, first, lo, hi))
-        return {self.names[0]: SUM}
+        first = grid_first(lo, e, pairs[0][1].absolute)
+        old_e = torch.cat([st.exp for st in sts])
+        old_first = torch.cat([st.first for st in sts])
+        # only units whose grid moves are re-binned (none, once the ranks agree)
+        moved = torch.nonzero((e != old_e) | (first != old_first)).reshape(-1)
+        start = 0
+        out = []
+        for (obs, it), st, n in zip(pairs, sts, units):
+            rows = moved[(moved >= start) & (moved < start + n)]
+            counts = st.counts
+            if rows.numel():
+                local = rows - start
+                counts = counts.clone()
+                counts[local] = rebin(st.counts[local], old_e[rows], old_first[rows], e[rows],
+                                      first[rows])
+            sl = slice(start, start + n)
+            it._set(obs, (counts, e[sl].clone(), first[sl].clone(), lo[sl].clone(),
+                          hi[sl].clone()))
+            out.append({it.names[0]: SUM})
+            start += n
+        return out
 
 
 # ------------------------------------------------------------------------ step sync

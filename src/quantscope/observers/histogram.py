@@ -101,7 +101,8 @@ class HistogramObserverBase(Observer):
 
     @property
     def _linear(self) -> bool:
-        return bool(self.linear_grid)
+        # the native grid never reads the flag (no host sync in forward)
+        return self.grid == "first" and bool(self.linear_grid)
 
     # ------------------------------------------------------------------ state
     def _state(self) -> H.HistState:

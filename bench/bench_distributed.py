@@ -1,0 +1,219 @@
+"""Statistics sync across processes: cost of a full sync, and calibration on 1 vs 2 processes.
+
+1. Sync of a session where the input of every Linear layer of all-MiniLM-L6-v2 is
+   observed by a histogram observer (per tensor, 2048 bins; per channel, 256 bins),
+   on 2 gloo processes over loopback (launched with torchrun): median time of
+   ``sync_observers`` (bucketed: one header all_gather, one grid all_reduce, one
+   all_reduce per bucket) against syncing the observers one by one, the number of
+   collectives and the payload bytes each rank sends. Floor: one all_reduce of the
+   counts alone (the bytes that must move).
+2. The demo calibration (w8a8, MiniLM on the Lee background corpus) on 1 and on 2
+   processes (``calibrate(..., distributed=True)``): wall time of the calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from common import Table
+
+
+def _hist_observer(spec, bins):
+    """A registered histogram observer if one exists, else a bare per-unit histogram."""
+    import quantscope
+    from quantscope import distributed as qd
+    from quantscope.stats import histogram as H
+
+    for name in ("percentile", "histogram", "entropy"):
+        if name in quantscope.list_observers():
+            try:
+                return quantscope.get_observer(name, spec, bins=bins), name
+            except TypeError:
+                return quantscope.get_observer(name, spec), name
+
+    names = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
+
+    class Hist(quantscope.Observer):
+        def __init__(self):
+            super().__init__(spec)
+            for n, v in zip(names, H.empty_state(0, bins)):
+                self.register_buffer(n, v)
+
+        def _sync_plan(self):
+            return [qd.HistogramSync()]
+
+        def _observe(self, units, lo, hi):
+            if self.hist_counts.shape[0] != units.shape[0]:
+                for n, v in zip(names, H.empty_state(units.shape[0], bins)):
+                    setattr(self, n, v)
+            st = H.update(H.HistState(*(getattr(self, n) for n in names)), units, lo, hi)
+            for n, v in zip(names, st):
+                setattr(self, n, v)
+
+    return Hist(), "stats.histogram"
+
+
+def _median(fn, repeat, setup=None):
+    times = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def _sync_case(label, spec, bins, linears, g) -> dict:
+    import torch.distributed as dist
+
+    from quantscope import distributed as qd
+
+    r = dist.get_rank()
+    observers = []
+    for _, m in linears:
+        obs, kind = _hist_observer(spec, bins)
+        x = torch.randn(4, 64, m.in_features, generator=g) * (1 + r)
+        x[..., 0] *= 20  # an outlier channel: ranks see different ranges
+        obs(x)
+        observers.append(obs)
+    saved = [{k: v.clone() for k, v in o.state_dict().items()} for o in observers]
+
+    def restore():  # every timed sync starts from the unsynced local states
+        for o, sd in zip(observers, saved):
+            o.load_state_dict(sd)
+        dist.barrier()
+
+    qd.sync_observers(observers)
+    st = qd.last_stats()
+    t_bucketed = _median(lambda: qd.sync_observers(observers), 5, restore)
+    t_each = _median(lambda: [qd.sync_observers([o]) for o in observers], 3, restore)
+    n_each = 0
+    for o in observers:
+        qd.sync_observers([o])
+        n_each += qd.last_stats().collectives
+    counts = torch.cat([o.hist_counts.reshape(-1) for o in observers])
+    dist.barrier()
+    floor = _median(lambda: dist.all_reduce(counts.clone()), 5)
+    return {"case": label, "observer": kind, "observers": len(observers),
+            "collectives": st.collectives, "bytes": st.bytes,
+            "bucketed_ms": t_bucketed * 1e3, "one_by_one_ms": t_each * 1e3,
+            "one_by_one_collectives": n_each, "floor_ms": floor * 1e3}
+
+
+def worker_sync() -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    from quantscope.layout import Channel
+    from quantscope.models import load_model
+    from quantscope.spec import QuantSpec
+
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    model, _ = load_model()
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    g = torch.Generator().manual_seed(r)
+    rows = [_sync_case(label, spec, bins, linears, g)
+            for label, spec, bins in (("per-tensor, 2048 bins", QuantSpec(), 2048),
+                                      ("per-channel, 256 bins", QuantSpec(layout=Channel(-1)),
+                                       256))]
+    if r == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+    dist.destroy_process_group()
+
+
+def worker_calibrate() -> None:
+    import torch.distributed as dist
+
+    from quantscope import distributed as qd
+    from quantscope.calibrate import calibrate
+    from quantscope.data import lee_background
+    from quantscope.models import load_model, token_batches
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    model, tok = load_model()
+    batches = token_batches(tok, lee_background()[:64], max_length=128, batch_size=8)
+    t = time.perf_counter()
+    calibrate(model, batches, "w8a8", observer="minmax", progress=False,
+              distributed=world > 1)
+    dt = time.perf_counter() - t
+    if qd.is_main():
+        print("RESULT " + json.dumps({"world": world, "seconds": dt}), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _launch(mode: str, nproc: int) -> object:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_port()), __file__, mode]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent / "src"))
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{mode} on {nproc} processes failed:\n{p.stdout[-2000:]}\n"
+                       f"{p.stderr[-4000:]}")
+
+
+def _port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def main() -> None:
+    rows = _launch("sync", 2)
+    t = Table("full sync of MiniLM's Linear inputs, histogram observers, 2 gloo processes",
+              ["case", "observer", "observers", "collectives", "KiB sent / rank",
+               "bucketed ms", "one by one ms (collectives)", "ratio", "floor ms (counts only)"])
+    for row in rows:
+        t.add(row["case"], row["observer"], row["observers"], row["collectives"],
+              f"{row['bytes'] / 1024:.0f}", f"{row['bucketed_ms']:.1f}",
+              f"{row['one_by_one_ms']:.1f} ({row['one_by_one_collectives']})",
+              f"{row['one_by_one_ms'] / row['bucketed_ms']:.1f}x", f"{row['floor_ms']:.1f}")
+    t.print()
+    import inspect
+
+    try:
+        from quantscope.calibrate import calibrate_many
+    except ImportError as e:
+        print(f"demo calibration 1 vs 2 processes: skipped ({e})\n")
+        return
+    if "distributed" not in inspect.signature(calibrate_many).parameters:
+        print("demo calibration 1 vs 2 processes: skipped (calibrate has no distributed "
+              "option yet)\n")
+        return
+    res = [_launch("calibrate", n) for n in (1, 2)]
+    t = Table("demo calibration (w8a8 minmax, MiniLM, 64 Lee documents, 8 batches)",
+              ["processes", "seconds", "speed-up"])
+    for r in res:
+        t.add(r["world"], f"{r['seconds']:.2f}", f"{res[0]['seconds'] / r['seconds']:.2f}x")
+    t.print()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "sync":
+        worker_sync()
+    elif len(sys.argv) > 1 and sys.argv[1] == "calibrate":
+        worker_calibrate()
+    else:
+        main()
