@@ -1,0 +1,412 @@
+"""Range choice by error search: the MSE grid searches, vectorized over units.
+
+A search tries candidate ranges ``(lo * f_lo, hi * f_hi)`` for a list of
+factors, scores each by the quantization error of the quantizer it defines, and
+keeps the best per unit. Every candidate goes through
+:func:`~quantscope.qparams.qparams_from_range` (the one place scales are
+computed), so an encoded scale (E8M0, fp8 under NVFP4's global scale, power of
+two, fp16) is scored as it will run, not as a float32 idealisation.
+
+Work is tiled ``[candidates, units, elements]``: each tile is one batched tensor
+expression, tiles are bounded by ``chunk_elems`` elements (peak extra memory a
+few tiles, within 2x the input for large inputs), and the only Python loops run
+over tiles and over the candidates of a chunk on ``[U]`` vectors, never over
+units, groups or blocks.
+
+Selection rules (all evaluated on ``[U]`` vectors, candidate by candidate):
+
+* ``per_unit_patience=True`` (native): a unit stops after ``patience``
+  consecutive candidates that did not improve it; candidates whose encoded
+  qparams equal the previous candidate's do not count (an E8M0 or fp8 scale is
+  flat over many factors, and a plateau is not evidence the search is done).
+* ``per_unit_patience=False`` (llm-compressor): the search stops after
+  ``patience`` consecutive candidates that improved no unit at all.
+* ``tie="first"`` keeps the earliest best (strict ``<``); ``"last"`` the latest (``<=``, Horizon).
+
+Native searches start from the min-max range (``f = 1``) as the incumbent, so
+their error never exceeds min-max's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats import IntFormat
+from ..qparams import qparams_from_range
+from ..quantize import fake_quantize_units
+from ..spec import QuantSpec
+from ..stats.minmax import unit_minmax
+
+__all__ = ["SearchResult", "mse_search", "range_error", "dense_search", "linear_search",
+           "pow2_search", "shrink_factors", "DEFAULT_CHUNK_ELEMS"]
+
+#: elements of one [candidates, units, elements] tile: ~4 MB per temporary, cache-friendly
+DEFAULT_CHUNK_ELEMS = 1 << 20
+_MIN_CHUNK_ELEMS = 1 << 16
+
+
+class SearchResult(tuple):
+    """``(lo, hi)`` of the chosen ranges, with the search's by-products as attributes.
+
+    ``error`` is each unit's error at its chosen range (the search's own measure);
+    ``global_amax`` the NVFP4 global amax the ranges were chosen under (None
+    otherwise); ``index`` the chosen candidate per unit.
+    """
+
+    def __new__(cls, lo, hi, error=None, global_amax=None, index=None):
+        self = super().__new__(cls, (lo, hi))
+        self.lo, self.hi, self.error, self.global_amax, self.index = (
+            lo, hi, error, global_amax, index)
+        return self
+
+
+def shrink_factors(maxshrink: float = 0.2, grid: float = 100, expand: float = 1.0) -> list[float]:
+    """llm-compressor's candidates ``p = 1 - i / grid`` for ``i < int(maxshrink * grid)``.
+
+    The range searched is ``(lo * expand) * p``; ``expand`` is applied to the base range.
+    """
+    if not (isinstance(grid, (int, float)) and grid > 0):
+        raise ValueError(f"mse_search: grid must be a positive number, got {grid!r}")
+    if not (isinstance(maxshrink, (int, float)) and 0 < maxshrink <= 1):
+        raise ValueError(f"mse_search: maxshrink must be in (0, 1], got {maxshrink!r}")
+    steps = int(maxshrink * grid)
+    if steps < 1:
+        raise ValueError(f"mse_search: maxshrink * grid = {maxshrink * grid} gives no candidate; "
+                         f"need at least 1")
+    return [1 - i / grid for i in range(steps)]
+
+
+# ----------------------------------------------------------------------------- error kernels
+def _norm_sum(d: torch.Tensor, norm: float) -> torch.Tensor:
+    """``sum(|d| ** norm)`` over the last dim (one pass, no temporary)."""
+    return torch.linalg.vector_norm(d, ord=norm, dim=-1).pow_(norm)
+
+
+def _tile_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: QuantSpec,
+                norm: float, exact: bool) -> torch.Tensor:
+    """Error of ``x [Ut, E]`` under ``scale``, ``zp`` ``[Cc, Ut]`` (effective scale): ``[Cc, Ut]``.
+
+    ``exact``: llm-compressor's arithmetic, ``sum(|fake_quant(x) - x| ** norm)``.
+    Otherwise integer formats use the rounding identity
+    ``fake_quant(x) - x = (clamp(round(t)) - t) * scale`` with ``t = x / scale + zp``,
+    which scores the same quantizer with three fewer passes over the tile.
+    """
+    s3, z3 = scale.unsqueeze(-1), zp.unsqueeze(-1)
+    if exact or not isinstance(spec.format, IntFormat):
+        d = fake_quantize_units(x, s3, z3, spec).sub_(x)
+        if exact:
+            return d.abs_().pow_(norm).sum(-1)
+        return _norm_sum(d, norm)
+    t = x / s3
+    if not (spec.symmetric and spec.format.signed):
+        t.add_(z3)
+    d = torch.round(t).clamp_(spec.qmin, spec.qmax).sub_(t)
+    del t
+    return _norm_sum(d, norm) * scale.abs().pow(norm)
+
+
+def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
+    """Errors ``[Cc, U]`` of candidate ranges ``lo_c, hi_c [Cc, U]``, tiled; also the qparams."""
+    qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax)
+    scale = qp.effective_scale.expand_as(lo_c)
+    zp = qp.zero_point.float()
+    cc = lo_c.shape[0]
+    n_units, n_elems = units.shape
+    if n_elems <= chunk_elems:  # tiles of whole units: [candidates, units, E]
+        cstep = max(1, min(cc, chunk_elems // n_elems))
+        ustep = max(1, chunk_elems // (n_elems * cstep))
+        if cstep >= cc and ustep >= n_units:
+            err = _tile_error(units, scale, zp, spec, norm, exact)
+        else:
+            err = torch.cat([torch.cat([
+                _tile_error(units[a:a + ustep], scale[c:c + cstep, a:a + ustep],
+                            zp[c:c + cstep, a:a + ustep], spec, norm, exact)
+                for a in range(0, n_units, ustep)], dim=1) for c in range(0, cc, cstep)])
+    else:  # units larger than a tile (per-tensor): element slices, partial sums added
+        err = scale.new_zeros(cc, n_units)
+        for u in range(n_units):
+            for c in range(cc):
+                for a in range(0, n_elems, chunk_elems):
+                    err[c:c + 1, u:u + 1] += _tile_error(
+                        units[u:u + 1, a:a + chunk_elems], scale[c:c + 1, u:u + 1],
+                        zp[c:c + 1, u:u + 1], spec, norm, exact)
+    return err, qp.scale.expand_as(lo_c), zp
+
+
+# ----------------------------------------------------------------------------- the search
+def _check(units, lo, hi, spec, norm):
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"mse_search: spec must be a QuantSpec, got {type(spec).__name__}")
+    if not isinstance(units, torch.Tensor) or units.dim() != 2:
+        raise ValueError(f"mse_search: units must be a 2-D [units, elements] tensor, got "
+                         f"{getattr(units, 'shape', type(units).__name__)}")
+    if not (isinstance(norm, (int, float)) and norm > 0):
+        raise ValueError(f"mse_search: norm must be a positive number, got {norm!r}")
+    units = units.float()
+    if lo is None or hi is None:
+        lo, hi = unit_minmax(units)
+    lo = torch.as_tensor(lo, dtype=torch.float32, device=units.device).reshape(-1)
+    hi = torch.as_tensor(hi, dtype=torch.float32, device=units.device).reshape(-1)
+    if lo.numel() != units.shape[0] or hi.numel() != units.shape[0]:
+        raise ValueError(f"mse_search: lo and hi need one value per unit ({units.shape[0]}), "
+                         f"got {lo.numel()} and {hi.numel()}")
+    return units, lo, hi
+
+
+def _default_global_amax(lo, hi, spec, global_amax):
+    if not spec.scale.has_global_scale:
+        return None
+    if global_amax is None:
+        return torch.maximum(-lo, hi).max().clamp(min=0).reshape(())
+    return torch.as_tensor(global_amax, dtype=torch.float32, device=lo.device).reshape(())
+
+
+def _search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, exact,
+            incumbent, global_amax, chunk_elems, chunk_candidates, early_stop):
+    """Core: pick, per unit, the best of candidates ``(lo * f_lo[i], hi * f_hi[i])``.
+
+    ``incumbent``: a ``(lo, hi)`` scored first as the best so far (index -1).
+    """
+    dev = units.device
+    n_units = units.shape[0]
+    total = len(f_lo)
+    f_lo = torch.tensor(f_lo, dtype=torch.float32, device=dev)
+    f_hi = torch.tensor(f_hi, dtype=torch.float32, device=dev)
+    prev = None
+    if incumbent is not None:  # the min-max range: native searches never do worse than it
+        best_lo, best_hi = incumbent[0].clone(), incumbent[1].clone()
+        err, sc, zp = _errors(units, best_lo[None], best_hi[None], spec, norm, exact,
+                              global_amax, chunk_elems)
+        best_err, prev = err[0], (sc[0], zp[0])
+    else:  # llm-compressor: the first candidate always wins
+        best_err = torch.full((n_units,), torch.finfo(torch.float32).max, device=dev)
+        best_lo, best_hi = lo * f_lo[0], hi * f_hi[0]
+    best_idx = torch.full((n_units,), -1, dtype=torch.int64, device=dev)
+    stale = torch.zeros(n_units, dtype=torch.int64, device=dev)
+    stopped = torch.zeros(n_units, dtype=torch.bool, device=dev)
+    g_stale = torch.zeros((), dtype=torch.int64, device=dev)
+    g_stopped = torch.zeros((), dtype=torch.bool, device=dev)
+    cc = chunk_candidates or max(1, min(total, 32 if total <= 32 else 16))
+    for start in range(0, total, cc):
+        fl, fh = f_lo[start:start + cc], f_hi[start:start + cc]
+        lo_c, hi_c = lo[None] * fl[:, None], hi[None] * fh[:, None]
+        err, sc, zp = _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems)
+        for j in range(lo_c.shape[0]):
+            e = err[j]
+            if per_unit:
+                active = ~stopped
+            else:
+                active = ~g_stopped.expand(n_units)
+            better = active & ((e <= best_err) if tie == "last" else (e < best_err))
+            best_err = torch.where(better, e, best_err)
+            best_idx = torch.where(better, start + j, best_idx)
+            best_lo = torch.where(better, lo_c[j], best_lo)
+            best_hi = torch.where(better, hi_c[j], best_hi)
+            if patience is None:
+                continue
+            if per_unit:
+                counts = active & ~better
+                if prev is not None:  # a plateau of equal encoded qparams is not evidence
+                    counts &= (sc[j] != prev[0]) | (zp[j] != prev[1])
+                stale = torch.where(better, 0, stale + counts.long())
+                stopped |= stale >= patience
+                prev = (sc[j], zp[j])
+            else:
+                g_stale = torch.where(better.any(), 0, g_stale + (~g_stopped).long())
+                g_stopped |= g_stale >= patience
+        if early_stop and patience is not None and start + cc < total:
+            done = stopped.all() if per_unit else g_stopped
+            if bool(done):  # one host sync per chunk, on CPU only
+                break
+    return best_lo, best_hi, best_err, best_idx
+
+
+def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
+               spec: QuantSpec, *, maxshrink: float = 0.2, grid: float = 100, norm: float = 2.0,
+               patience: int | None = 5, expand: float = 1.0, per_unit_patience: bool = True,
+               encoding_aware: bool = True, independent_ends: bool = False,
+               ends_grid: int | None = None, global_amax: torch.Tensor | None = None,
+               global_grid: int | None = None, factors: list[float] | None = None,
+               tie: str = "first", compat: str | None = None,
+               chunk_elems: int | None = None, chunk_candidates: int | None = None,
+               early_stop: bool | None = None) -> SearchResult:
+    """Per-unit range minimizing ``sum(|fake_quant(x) - x| ** norm)`` over shrink candidates.
+
+    Args:
+        units: float ``[U, E]`` (a layout's units view); ``lo``, ``hi``: its per-unit
+            min / max (None: computed).
+        spec: the quantizer; candidates are scored as it runs.
+        maxshrink, grid, expand: candidates ``(lo * expand) * p``, ``p = 1 - i / grid``,
+            ``i < int(maxshrink * grid)`` (llm-compressor's grid); ``factors`` replaces it.
+        norm: error exponent (2: MSE; llm-compressor's default is 2.4).
+        patience: stop after this many non-improving candidates (None: try all).
+        per_unit_patience: per-unit stopping (True) or llm-compressor's global rule.
+        encoding_aware: score candidates with the spec's scale encoding (True) or with
+            float32 scales (False: what llm-compressor does for NVFP4).
+        independent_ends: asymmetric specs try every ``(f_lo, f_hi)`` pair of a small
+            2-D grid (``ends_grid`` factors per end, default all of the 1-D grid).
+        global_amax: NVFP4's whole-tensor amax (default: from ``lo``, ``hi``).
+        global_grid: NVFP4: also try global amax ``* 2 ** (k / global_grid)`` for
+            ``k < global_grid`` and keep the best total (default 4 native, 1 compat).
+        tie: ``"first"`` or ``"last"`` best candidate.
+        compat: ``"llmcompressor"``: their exact search (global patience, their error sum,
+            no min-max incumbent, fp32 scales without the global scale for NVFP4).
+        chunk_elems: elements per ``[candidates, units, elements]`` tile.
+        early_stop: break once every unit stopped (default: on CPU; elsewhere the same
+            answer is computed without a host sync).
+
+    Returns:
+        :class:`SearchResult` ``(lo, hi)`` with ``.error``, ``.global_amax``, ``.index``.
+    """
+    units, lo, hi = _check(units, lo, hi, spec, norm)
+    if compat not in (None, "llmcompressor"):
+        raise ValueError(f"mse_search: compat must be None or 'llmcompressor', got {compat!r}")
+    if tie not in ("first", "last"):
+        raise ValueError(f"mse_search: tie must be 'first' or 'last', got {tie!r}")
+    if patience is not None and (not isinstance(patience, int) or patience < 1):
+        raise ValueError(f"mse_search: patience must be a positive integer or None, "
+                         f"got {patience!r}")
+    if not (isinstance(expand, (int, float)) and expand >= 1.0):
+        raise ValueError(f"mse_search: expand must be a number >= 1.0, got {expand!r}")
+    exact = compat == "llmcompressor"
+    if exact:
+        per_unit_patience, encoding_aware, independent_ends = False, False, False
+        if spec.scale.has_global_scale:  # they search NVFP4 without the fp8 rounding and global
+            encoding_aware = False
+    if factors is None:
+        factors = shrink_factors(maxshrink, grid, expand)
+    else:
+        factors = [float(f) for f in factors]
+        if not factors or min(factors) <= 0:
+            raise ValueError(f"mse_search: factors must be positive numbers, got {factors!r}")
+    if expand != 1.0:
+        lo, hi = lo * expand, hi * expand  # llm-compressor's order: (lo * expand) * p
+        base_lo, base_hi = lo / expand, hi / expand
+    else:
+        base_lo, base_hi = lo, hi
+    search_spec = spec if encoding_aware else _blind(spec)
+    if chunk_elems is None:
+        chunk_elems = min(DEFAULT_CHUNK_ELEMS, max(units.numel() // 2, _MIN_CHUNK_ELEMS))
+    if early_stop is None:
+        early_stop = units.device.type == "cpu"
+    if independent_ends and not spec.symmetric:
+        ends = factors if ends_grid is None else factors[:: max(1, len(factors) // ends_grid)]
+        f_lo = [a for a in ends for _ in ends]
+        f_hi = [b for _ in ends for b in ends]
+        patience_used = None  # a 2-D grid has no order to be patient along
+    else:
+        f_lo = f_hi = factors
+        patience_used = patience
+    ga0 = _default_global_amax(base_lo, base_hi, spec, global_amax)
+    if spec.scale.has_global_scale and not encoding_aware:
+        gas = [None]
+    elif ga0 is not None:
+        g = 4 if global_grid is None else int(global_grid)
+        if g < 1:
+            raise ValueError(f"mse_search: global_grid must be >= 1, got {global_grid!r}")
+        gas = [ga0 * 2 ** (k / g) for k in range(g)]
+    else:
+        gas = [None]
+    kw = dict(norm=float(norm), patience=patience_used, per_unit=per_unit_patience, tie=tie,
+              exact=exact, chunk_elems=int(chunk_elems), chunk_candidates=chunk_candidates,
+              early_stop=early_stop, incumbent=None if exact else (base_lo, base_hi))
+    best = None
+    for ga in gas:
+        res = _search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)
+        total = res[2].sum()
+        if best is None or bool(total < best[0]):
+            best = (total, res, ga)
+    _, (blo, bhi, berr, bidx), ga = best
+    if ga is None and not exact:
+        ga = ga0  # a blind NVFP4 search still runs under the observed global amax
+    return SearchResult(blo, bhi, berr, ga, bidx)
+
+
+def _blind(spec: QuantSpec) -> QuantSpec:
+    """The spec with float32 scales: what an encoding-blind search scores."""
+    if spec.scale.kind == "fp32":
+        return spec
+    return spec.replace(scale="fp32")
+
+
+# ----------------------------------------------------------------------------- the others
+def range_error(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
+                norm: float = 2, *, global_amax: torch.Tensor | None = None,
+                chunk_elems: int | None = None) -> torch.Tensor:
+    """Per-unit ``sum(|fake_quant(x) - x| ** norm)`` of the quantizer of ranges ``lo, hi``.
+
+    The quantizer is exactly what ``qparams_from_range(lo, hi, spec, global_amax)``
+    gives and ``fake_quantize_units`` runs (NVFP4: the global amax defaults to
+    the largest of ``|lo|, |hi|``).
+    """
+    units, lo, hi = _check(units, lo, hi, spec, norm)
+    if chunk_elems is None:
+        chunk_elems = min(DEFAULT_CHUNK_ELEMS, max(units.numel() // 2, _MIN_CHUNK_ELEMS))
+    qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)
+    scale = qp.effective_scale.expand_as(lo)[None]
+    zp = qp.zero_point.float()[None]
+    n_units, n_elems = units.shape
+    err = lo.new_zeros(n_units)
+    if n_elems <= chunk_elems:
+        step = max(1, chunk_elems // n_elems)
+        for a in range(0, n_units, step):
+            x = units[a:a + step]
+            d = fake_quantize_units(x, scale[0, a:a + step, None], zp[0, a:a + step, None],
+                                    spec).sub_(x)
+            err[a:a + step] = _norm_sum(d, float(norm))
+    else:
+        for a in range(0, n_elems, chunk_elems):
+            x = units[:, a:a + chunk_elems]
+            d = fake_quantize_units(x, scale[0, :, None], zp[0, :, None], spec).sub_(x)
+            err += _norm_sum(d, float(norm))
+    return err
+
+
+def dense_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
+                 spec: QuantSpec, *, candidates: int = 1000, expand: float = 1.0,
+                 norm: float = 2.0, global_amax: torch.Tensor | None = None,
+                 chunk_elems: int | None = None) -> SearchResult:
+    """The optimality reference: every factor ``expand * (1 - i / candidates)``, no early stop.
+
+    The best range per unit on a dense grid from ``expand`` times the min-max
+    range down to nearly zero (the min-max range included), scored as the spec
+    runs; benchmarks and tests report other searches' error relative to it.
+    """
+    if not isinstance(candidates, int) or candidates < 1:
+        raise ValueError(f"dense_search: candidates must be a positive integer, got {candidates!r}")
+    return mse_search(units, lo, hi, spec, factors=[1 - i / candidates for i in range(candidates)],
+                      expand=expand, norm=norm, patience=None, global_amax=global_amax,
+                      global_grid=1, chunk_elems=chunk_elems)
+
+
+def linear_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
+                  spec: QuantSpec, *, stride: int = 1, norm: float = 2.0,
+                  chunk_elems: int | None = None) -> SearchResult:
+    """Horizon's MSE search: ``amax * (1 - 0.01 i)`` for ``i`` in ``range(0, 95, stride)``.
+
+    Symmetric ranges ``(-c, c)`` around zero, L2 error, the last minimum wins.
+    """
+    if not isinstance(stride, int) or not 1 <= stride <= 94:
+        raise ValueError(f"linear_search: stride must be an integer in 1..94, got {stride!r}")
+    units, lo, hi = _check(units, lo, hi, spec, norm)
+    amax = torch.maximum(-lo, hi).clamp(min=0)
+    return mse_search(units, -amax, amax, spec, factors=[1 - 0.01 * i for i in range(0, 95, stride)],
+                      norm=norm, patience=None, tie="last", global_grid=1,
+                      chunk_elems=chunk_elems)
+
+
+def pow2_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
+                spec: QuantSpec, *, span: int = 2, norm: float = 2.0,
+                chunk_elems: int | None = None) -> SearchResult:
+    """Quark's power-of-two min-MSE: the min-max scale's exponent ``pos - span .. pos + span``.
+
+    Scaling the range by ``2 ** k`` moves a power-of-two scale by exactly ``k``
+    binades, so the candidates are the factors ``4, 2, 1, 1/2, 1/4`` (span 2), the
+    first minimum winning as in Quark (which tries the largest scale first).
+    """
+    if not isinstance(span, int) or span < 0:
+        raise ValueError(f"pow2_search: span must be a non-negative integer, got {span!r}")
+    return mse_search(units, lo, hi, spec, factors=[math.ldexp(1.0, -k) for k in range(-span, span + 1)],
+                      norm=norm, patience=None, global_grid=1, chunk_elems=chunk_elems)
