@@ -136,6 +136,8 @@ def test_fast_and_generic_paths_agree_on_random_float32(f):
     x = torch.randn(50_000, generator=g) * torch.exp2(torch.randint(-20, 20, (50_000,), generator=g))
     x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-45, 3e38])])
     assert torch.equal(f.round(x), f.round_generic(x))
+    strided = x[:40_000].reshape(200, 200).t()[::3]  # non-contiguous views take the same path
+    assert torch.equal(f.round_generic(strided), f.round_generic(strided.contiguous()))
 
 
 @pytest.mark.parametrize("bits", range(2, 17))
