@@ -18,15 +18,23 @@ qparams are computed through the encoding, never around it:
 E8M0 modes, with ``emax`` the element format's largest exponent
 (``floor(log2(format_max))``: 8 for e4m3, 2 for e2m1, 6 for int8 codes):
 
-* ``floor`` (OCP MX v1.0): ``k = floor(log2 amax) - emax``; values above the
-  element max saturate.
-* ``ceil``: ``k = ceil(log2 amax) - emax``; never saturates, may waste a bit.
-* ``even``: round ``amax`` to the element's precision first (half away from
-  zero, as Microsoft's microxcaling and Quark do), then ``floor``: the
-  exponent moves up exactly when the largest element would round past the
-  binade. For int8 elements this is BFP16's overflow check.
-* ``rceil`` (cuBLAS / NVIDIA): ``k = ceil(log2(amax / format_max))``: the
-  smallest power of two that keeps every element unclipped.
+* ``floor`` (OCP MX v1.0; torchao ``FLOOR``, Quark ``floor``):
+  ``k = floor(log2 amax) - emax``; values above the element max saturate.
+* ``ceil`` (torchao ``CEIL``, Quark ``ceil``): ``k = ceil(log2 amax) - emax``; never
+  saturates, may waste a bit.
+* ``even`` (torchao ``EVEN``, Quark's default ``even``, microxcaling): round ``amax`` to the
+  element's mantissa width, half up, first, then ``floor``: the exponent moves up exactly
+  when the largest element would round past the binade. For int8 codes this is BFP16's
+  overflow check. compressed-tensors' MX scales are this rule with the fp4 mantissa
+  (1 bit) for every element type, so they equal ours for MXFP4 only.
+* ``rceil`` (cuBLAS / NVIDIA, torchao ``RCEIL``; Quark has no such mode, whatever
+  REFERENCES.md says): ``k = ceil(log2(amax / format_max))``, the smallest power of two that
+  keeps every element unclipped. Computed exactly; torchao's eager path takes a float32
+  ``log2`` and lands one binade low when ``amax / max`` lies within a rounding above a
+  power of two.
+
+All four are tested against their definitions and bitwise against torchao's ``to_mx``
+(tests/test_scales.py, tests/test_peers_core.py).
 """
 
 from __future__ import annotations
