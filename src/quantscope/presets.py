@@ -41,7 +41,10 @@ MXINT8 = QuantSpec("int8_narrow", Block(32), scale="e8m0:floor")
 # NVFP4: blocks of 16, e4m3 block scales under an fp32 per-tensor global scale.
 NVFP4 = QuantSpec("fp4_e2m1", Block(16), scale="fp8_e4m3")
 # BFP16 (Quark): blocks of 8, shared exponent floor(log2 amax) - 6, 8-bit signed mantissas;
-# the exponent moves up when the largest mantissa would round to 128 ('even').
+# the exponent moves up when the largest mantissa would round to 128 ('even'). Symmetric
+# mantissas in [-127, 127]: Quark keeps two's complement [-128, 127] and checks only the
+# positive side, so a block whose largest magnitude is negative and rounds to -128 keeps
+# Quark's exponent (code -128) where ours moves up.
 BFP16 = QuantSpec("int8_narrow", Block(8), scale="e8m0:even")
 
 PRESETS: dict[str, QuantSpec] = {
