@@ -168,12 +168,15 @@ class QuarkObserver:
 class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
     """Running min / max, or the last call's with ``is_dynamic`` (Quark keeps both in one class)."""
 
+    #: Quark's per-group observer overwrites on every call, dynamic or not
+    always_memoryless = False
+
     @property
     def accumulates(self):
-        return not self.is_dynamic
+        return not (self.is_dynamic or self.always_memoryless)
 
     def _observe(self, units, lo, hi):
-        if self.is_dynamic:
+        if not self.accumulates:
             MemorylessMinMaxObserver._observe(self, units, lo, hi)
         else:
             StaticMinMaxObserver._observe(self, units, lo, hi)
@@ -212,7 +215,9 @@ class PerChannelMinMaxObserver(_DynamicOrStatic):
 
 @register("quark:PerGroupMinMaxObserver")
 class PerGroupMinMaxObserver(_DynamicOrStatic):
-    """Min / max per group of ``group_size`` along ``ch_axis``."""
+    """Min / max per group of ``group_size`` along ``ch_axis``, of the last call (as Quark's)."""
+
+    always_memoryless = True
 
 
 @register("quark:PerBlockMXObserver")
