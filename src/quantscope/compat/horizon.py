@@ -17,12 +17,14 @@ from ..observers.histogram import EntropyObserver
 from ..observers.histogram import MixObserver as _NativeMix
 from ..observers.histogram import PercentileObserver as _NativePercentile
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
+from ..observers.mse import LinearMSEObserver as _NativeLinearMSE
 from ..observers.registry import register
 from ..spec import QuantSpec
 
 __all__ = [
     "HorizonObserver",
     "KLObserver",
+    "MSEObserver",
     "MinMaxObserver",
     "MixObserver",
     "MovingAverageMinMaxObserver",
@@ -175,4 +177,18 @@ class MixObserver(HorizonObserver, _NativeMix):
         super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
                          quant_max=quant_max, is_sync_quantize=is_sync_quantize,
                          factory_kwargs=factory_kwargs, bins=bins,
+                         averaging_constant=averaging_constant, **kwargs)
+
+
+@register("horizon:MSEObserver")
+class MSEObserver(HorizonObserver, _NativeLinearMSE):
+    """Horizon's MSEObserver: candidates ``amax * (1 - 0.01 i)``, i in range(0, 95, stride),
+    L2 error, the last minimum, then an EMA (c = 0.01) of the chosen range."""
+
+    def __init__(self, stride=1, averaging_constant=0.01, ch_axis=-1, dtype="qint8",
+                 qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
+                 is_sync_quantize=False, factory_kwargs=None, **kwargs):
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
+                         quant_max=quant_max, is_sync_quantize=is_sync_quantize,
+                         factory_kwargs=factory_kwargs, stride=stride,
                          averaging_constant=averaging_constant, **kwargs)

@@ -33,14 +33,20 @@ from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..observers.minmax import MemorylessMinMaxObserver as _NativeMemoryless
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
 from ..observers.minmax import StaticMinMaxObserver as _NativeStatic
+from ..observers.mse import MemorylessMSEObserver as _NativeMemorylessMSE
+from ..observers.mse import MovingAverageMSEObserver as _NativeMSE
+from ..observers.mse import NVFP4ExpandedMSEObserver as _NativeNVFP4MSE
 from ..observers.registry import observer_class, register
 from ..spec import QuantSpec
 from . import enum_name, field
 
 __all__ = [
     "LLMCompressorObserver",
+    "MemorylessMSEObserver",
     "MemorylessMinMaxObserver",
     "MinMaxObserver",
+    "MovingAverageMSEObserver",
+    "NVFP4ExpandedMSEObserver",
     "Observer",
     "StaticMinMaxObserver",
     "llmcompressor_spec",
@@ -227,3 +233,40 @@ class MinMaxObserver(Observer, _NativeEMA):
         # llm-compressor's lerp: old * (1 - c) + new * c, rounded as it rounds
         c = self.averaging_constant
         state.mul_(1.0 - c).add_(batch * c)
+
+
+_MSE_OPTIONS = ("maxshrink", "patience", "grid", "norm", "expand")
+
+
+@register("llmcompressor:memoryless_mse")
+class MemorylessMSEObserver(Observer, _NativeMemorylessMSE):
+    """llm-compressor's MSE grid search, exactly (global patience, norm 2.4, their error sum).
+
+    observer_kwargs maxshrink, patience, grid, norm, expand as theirs; their CUDA-only
+    ``triton_error_buffer`` is accepted and ignored (the eager search is what runs on CPU).
+    """
+
+    compat_default = "llmcompressor"
+    native_options = _MSE_OPTIONS
+
+    def _sync_plan(self):  # their _act_sync_dict is empty
+        return {}
+
+
+@register("llmcompressor:mse")
+class MovingAverageMSEObserver(Observer, _NativeMSE):
+    """llm-compressor's ``mse``: the exact search, then their lerp (``averaging_constant`` 0.01)."""
+
+    compat_default = "llmcompressor"
+    native_options = (*_MSE_OPTIONS, "averaging_constant")
+
+
+@register("llmcompressor:nvfp4_expanded_mse")
+class NVFP4ExpandedMSEObserver(Observer, _NativeNVFP4MSE):
+    """llm-compressor's ``nvfp4_expanded_mse`` (expand 1.8, grid 200, patience 1000), exactly."""
+
+    compat_default = "llmcompressor"
+    native_options = _MSE_OPTIONS
+
+    def _sync_plan(self):
+        return {}

@@ -39,8 +39,16 @@ from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 
-__all__ = ["SearchResult", "mse_search", "range_error", "dense_search", "linear_search",
-           "pow2_search", "shrink_factors", "DEFAULT_CHUNK_ELEMS"]
+__all__ = [
+    "DEFAULT_CHUNK_ELEMS",
+    "SearchResult",
+    "dense_search",
+    "linear_search",
+    "mse_search",
+    "pow2_search",
+    "range_error",
+    "shrink_factors",
+]
 
 #: elements of one [candidates, units, elements] tile: ~4 MB per temporary, cache-friendly
 DEFAULT_CHUNK_ELEMS = 1 << 20
@@ -309,9 +317,9 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         gas = [ga0 * 2 ** (k / g) for k in range(g)]
     else:
         gas = [None]
-    kw = dict(norm=float(norm), patience=patience_used, per_unit=per_unit_patience, tie=tie,
-              exact=exact, chunk_elems=int(chunk_elems), chunk_candidates=chunk_candidates,
-              early_stop=early_stop, incumbent=None if exact else (base_lo, base_hi))
+    kw = {"norm": float(norm), "patience": patience_used, "per_unit": per_unit_patience, "tie": tie,
+              "exact": exact, "chunk_elems": int(chunk_elems), "chunk_candidates": chunk_candidates,
+              "early_stop": early_stop, "incumbent": None if exact else (base_lo, base_hi)}
     best = None
     for ga in gas:
         res = _search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)

@@ -16,6 +16,13 @@ from .minmax import (
     PlaceholderObserver,
     StaticMinMaxObserver,
 )
+from .mse import (
+    LinearMSEObserver,
+    MemorylessMSEObserver,
+    MovingAverageMSEObserver,
+    NVFP4ExpandedMSEObserver,
+    Pow2MSEObserver,
+)
 from .registry import get_observer, list_observers, observer_class, register
 
 __all__ = [
@@ -23,13 +30,18 @@ __all__ = [
     "HistogramMSEObserver",
     "HistogramObserverBase",
     "L2HistogramObserver",
+    "LinearMSEObserver",
+    "MemorylessMSEObserver",
     "MemorylessMinMaxObserver",
     "MinMaxStateObserver",
     "MixObserver",
     "MovingAverageMinMaxObserver",
+    "MovingAverageMSEObserver",
+    "NVFP4ExpandedMSEObserver",
     "Observer",
     "PercentileObserver",
     "PlaceholderObserver",
+    "Pow2MSEObserver",
     "StaticMinMaxObserver",
     "get_observer",
     "list_observers",
