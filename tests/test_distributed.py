@@ -131,11 +131,12 @@ def _scenarios(r, w):
                     obs(x)
                 obs.sync()
                 got = _record(obs)
+                avg = any(isinstance(it, tuple) and it[1] is qd.AVG for it in qd._plan(obs))
                 if fam == "memoryless_minmax":  # by definition: the ranks' last tensors together
                     lasts = [batches[i::w][-1] for i in range(w) if batches[i::w]]
                     ref = quantscope.get_observer(fam, spec, **opts)
                     ref(torch.cat(lasts))
-                elif fam == "minmax":  # AVG mode, by definition: mean of the per-rank EMAs
+                elif avg:  # moving averages, default mode: the mean of the per-rank states
                     ref = None
                     lo, hi = [], []
                     for i in range(w):
@@ -144,8 +145,8 @@ def _scenarios(r, w):
                             o = quantscope.get_observer(fam, spec, **opts)
                             for x in part:
                                 o(x)
-                            lo.append(o.min_vals)
-                            hi.append(o.max_vals)
+                            lo.append(o.calculate_range()[0])
+                            hi.append(o.calculate_range()[1])
                     ref_range = (sum(lo) / len(lo), sum(hi) / len(hi))
                     out[key + "/range"] = {"got": obs.calculate_range(), "ref": ref_range}
                 else:
@@ -156,7 +157,7 @@ def _scenarios(r, w):
                     out[key] = {"got": got, "ref": _record(ref)}
 
                 # exact step-synced mode: one process observing each step's concatenation
-                if fam in ("static_minmax", "memoryless_minmax"):
+                if fam == "static_minmax":
                     continue
                 obs = quantscope.get_observer(fam, spec, **opts)
                 obs.sync_every_step = True
@@ -244,7 +245,28 @@ def _scenarios(r, w):
         out["all_or_none"] = f"{type(e).__name__}: {e}"
     out["all_sum"] = qd.all_sum(r + 1)
     rows = [torch.full((2 + r, 3), float(r))] if r else []
-    out["samples"] = qd.gather_samples(rows, limit=4)
+    out["samples"] = qd.gather_samples({"a": rows, "none": []}, limit=4)
+
+    # calibrate(..., distributed=True): shards, weight split, sync == one process on all
+    from quantscope.calibrate import calibrate
+
+    torch.manual_seed(0)  # the same model on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    batches = _batches(w + 2, seed=9, shape=(2, 3, 8))
+
+    def qps(c):
+        return {f"{layer}/{role}": st.qparams.scale for layer, roles in c.states.items()
+                for role, st in roles.items()}
+
+    for name in ("static_minmax", "percentile"):
+        got = calibrate(model, batches, "w8a8", observer=name, progress=False, distributed=True)
+        ref = calibrate(model, batches, "w8a8", observer=name, progress=False)
+        out[f"calib/{name}"] = {"got": qps(got), "ref": qps(ref)}
+    got = calibrate(model, batches, "w8a8", observer="auto", progress=False, distributed=True)
+    out["calib_auto"] = {"got": qps(got), "observers": {
+        f"{layer}/{role}": st.observer for layer, roles in got.states.items()
+        for role, st in roles.items()}, "processes": got.info.get("processes")}
 
     # weights split by size: each rank observes its share, qparams are shared
     g = torch.Generator().manual_seed(11)
@@ -335,7 +357,7 @@ def test_qparams_equal_single_process(results):
                 raise AssertionError(f"{k} rank {r}: {e}") from None
 
 
-def test_moving_average_avg_mode_is_mean_of_rank_averages(results):
+def test_avg_mode_is_mean_of_rank_states(results):
     w, res = results
     keys = [k for k in res[0] if k.endswith("/range")]
     assert keys
@@ -416,6 +438,16 @@ def test_calibration_helpers(results):
         else:
             assert msg.startswith("RuntimeError") and f"[{w - 1}]" in msg, msg
         assert res[r]["all_sum"] == w * (w + 1) // 2
-        (got,) = res[r]["samples"]
+        (got,) = res[r]["samples"]["a"]
+        assert res[r]["samples"]["none"] == []
         want = torch.cat([torch.full((2 + i, 3), float(i)) for i in range(1, w)])[:4]
         assert torch.equal(got, want)
+
+
+def test_calibrate_distributed_same_on_every_rank(results):
+    w, res = results
+    assert res[0]["calib_auto"]["processes"] == w
+    assert len(res[0]["calib/static_minmax"]["got"]) == 6  # 3 layers x (weight, input)
+    for r in range(w):
+        _same(res[r]["calib_auto"]["got"], res[0]["calib_auto"]["got"])
+        assert res[r]["calib_auto"]["observers"] == res[0]["calib_auto"]["observers"]

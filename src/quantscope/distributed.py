@@ -48,6 +48,7 @@ import contextlib
 import enum
 import heapq
 import itertools
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ __all__ = [
     "gather_failures",
     "gather_qparams",
     "gather_samples",
+    "init_from_env",
     "is_distributed",
     "is_main",
     "last_stats",
@@ -177,6 +179,24 @@ def shard(items: Iterable, group=None):
     if isinstance(items, Sequence):
         return list(items)[r::w]
     return itertools.islice(items, r, None, w)
+
+
+def init_from_env(backend: str | None = None) -> bool:
+    """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment).
+
+    Backend: NCCL when CUDA is available (each process on ``cuda:LOCAL_RANK``), else gloo.
+    Returns whether this process is now one of several; a no-op without torchrun.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return is_distributed()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return True
 
 
 def is_main(group=None) -> bool:
@@ -345,7 +365,7 @@ def sync_observers(observers: Iterable, group=None) -> None:
                 shapes[name] = _decode_shape(block[0])
         n_seen = len(seen_ranks)
         if nonfinite:
-            obs.seen_non_finite.fill_(True)
+            obs.seen_non_finite = torch.ones_like(obs.seen_non_finite)
         if n_seen == 0:
             continue
         observed = bool(seen_r[me])
@@ -417,8 +437,9 @@ def sync_observers(observers: Iterable, group=None) -> None:
                 v = -v
             elif op is AVG:
                 v = v / n_seen
-            buf = getattr(obs, name)
-            buf.copy_(v.reshape(buf.shape).to(buf.dtype))
+            buf = getattr(obs, name)  # a new tensor, not copy_: buffers may be inference tensors
+            setattr(obs, name, v.reshape(buf.shape).to(device=buf.device, dtype=buf.dtype,
+                                                        copy=True))
 
 
 # ------------------------------------------------------------------------ histograms
@@ -607,19 +628,20 @@ def weight_owners(model: torch.nn.Module, group=None) -> dict[str, int]:
     return assign_by_size(sizes, group=group)
 
 
-def gather_samples(samples: list, limit: int, group=None) -> list:
-    """Every rank's sampled activation rows (a list of ``[rows, width]`` tensors),
-    concatenated in rank order and cut to ``limit`` rows, on every rank."""
+def gather_samples(samples: dict, limit: int, group=None) -> dict:
+    """``{key: [row tensors]}`` of every rank, merged on every rank in one object all_gather:
+    per key, the rows of rank 0, then rank 1 ..., cut to ``limit`` rows."""
     if not is_distributed(group):
         return samples
-    local = torch.cat(samples).cpu() if samples else None
+    local = {k: torch.cat(v).cpu() for k, v in samples.items() if v}
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, local, group=group)
-    parts = [p for p in out if p is not None]
-    if not parts:
-        return []
-    dev = samples[0].device if samples else torch.device("cpu")
-    return [torch.cat(parts)[:limit].to(dev)]
+    merged = {}
+    for k, v in samples.items():
+        parts = [p[k] for p in out if k in p]
+        dev = v[0].device if v else torch.device("cpu")
+        merged[k] = [torch.cat(parts)[:limit].to(dev)] if parts else []
+    return merged
 
 
 def gather_failures(local: dict, group=None) -> dict:

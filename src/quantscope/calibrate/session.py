@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import distributed as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
-from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, resolve_observer
+from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
 from .result import Calibration, RoleState
 
@@ -63,12 +64,12 @@ def _candidates(role: str, candidates) -> list[str]:
         if n == AUTO:
             continue
         try:
-            observer_class(resolve_observer(n, role))
+            observer_class(n)
         except ValueError:
             if explicit:
                 raise
             continue
-        out.append(resolve_observer(n, role))
+        out.append(weight_observer(n) if role == "weight" else n)
     if not out:
         raise ValueError(f"calibrate: observer 'auto' has no candidate observers for {role} "
                          f"(asked for {names})")
@@ -94,13 +95,14 @@ def _observer_key(name, role_cfg: Role):
     return (name, role_cfg.spec, role_cfg.options)
 
 
-def _make_observer(slot: _Slot, key, for_auto: bool):
+def _make_observer(slot: _Slot, key, for_auto: bool, owns=None):
     if key in slot.observers or key in slot.failed:
         return
     name, spec, options = key
     try:
         obs = get_observer(name, spec, **dict(options))
-        if slot.role == "weight":
+        # distributed: only the owner rank observes a weight (the others get its state)
+        if slot.role == "weight" and (owns is None or owns(slot.layer)):
             w = slot.module.weight.detach()
             obs.to(w.device)
             with torch.inference_mode():
@@ -114,7 +116,7 @@ def _make_observer(slot: _Slot, key, for_auto: bool):
     slot.observers[key] = obs
 
 
-def _plan(model, recipes, candidates):
+def _plan(model, recipes, candidates, owns=None):
     slots: dict[tuple[str, str], _Slot] = {}
     plans = {}
     for label, recipe in recipes.items():
@@ -147,9 +149,9 @@ def _plan(model, recipes, candidates):
                     if cfg.observer == AUTO:
                         names = _candidates(role, candidates)
                     else:
-                        names = [resolve_observer(cfg.observer, role)]
+                        names = [cfg.observer]
                 for n in names:
-                    _make_observer(slot, _observer_key(n, cfg), cfg.observer == AUTO)
+                    _make_observer(slot, _observer_key(n, cfg), cfg.observer == AUTO, owns)
                 plan[(layer, role)] = (cfg, names)
         plans[label] = plan
     return slots, plans
@@ -334,7 +336,8 @@ def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
 
 def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    sample_tokens: int = 4096, progress: bool = True,
-                   seed: int = 0) -> dict[str, Calibration]:
+                   seed: int = 0, distributed: bool = False,
+                   group=None) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -348,6 +351,11 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         sample_tokens: activation rows kept per layer for ``auto`` and the report.
         progress: show a tqdm progress bar over the batches.
         seed: seeds the choice of sampled rows.
+        distributed: inside a ``torch.distributed`` process group (e.g. under ``torchrun``),
+            calibrate data-parallel: each rank takes every ``world``-th batch and a share of
+            the weights, statistics are synced before qparams, every rank returns the same
+            result (write files from rank 0 only). A no-op in a single process.
+        group: the process group (default: the default group).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -364,12 +372,19 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     if not recipes:
         raise ValueError("calibrate: no recipe given")
     t0 = time.perf_counter()
+    if batches is None:
+        batches = []
+    if distributed and qd.is_distributed(group):
+        return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
+                                      progress, seed, group, t0)
     slots, plans = _plan(model, recipes, candidates)
     needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                      for s in slots.values())
-    if batches is None:
-        batches = []
     n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
+    return _conclude(slots, plans, recipes, n, needs_data, t0)
+
+
+def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
@@ -380,8 +395,50 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     for label, recipe in recipes.items():
         states, rows = results[label]
         info = {"batches": n, "calibration_seconds": round(seconds, 3)}
+        if processes > 1:
+            info["processes"] = processes
         out[label] = Calibration(recipe, states, label, rows, hists, info)
     return out
+
+
+def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, progress, seed,
+                           group, t0):
+    """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
+
+    Batches are sharded round-robin; each weight is observed by one rank (balanced by
+    size) and its state shared; after the local forwards, the activation observers are
+    synced (exact for min / max and histograms, AVG for moving averages: see
+    :mod:`quantscope.distributed`) and the sampled rows gathered, so ``auto`` and the
+    report decide on the same data everywhere. Local steps run under
+    :func:`~quantscope.distributed.all_or_none`: an error on one rank raises on all.
+    """
+    world = qd.world_size(group)
+    owners = qd.weight_owners(model, group)
+    me = qd.rank(group)
+    with qd.all_or_none("planning", group):
+        slots, plans = _plan(model, recipes, candidates, owns=lambda l: owners.get(l, me) == me)
+    failed = qd.gather_failures({k: s.failed for k, s in slots.items() if s.role == "weight"},
+                                group)
+    for k, f in failed.items():  # a candidate that failed on its owner is dropped everywhere
+        slots[k].failed.update(f)
+        for key in f:
+            slots[k].observers.pop(key, None)
+    qd.sync_observers([o for s in slots.values() if s.role == "weight"
+                       for o in s.observers.values()], group)
+    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
+                     for s in slots.values())
+    n = 0
+    if needs_data:
+        with qd.all_or_none("calibration", group):
+            n = _run(model, qd.shard(batches, group), slots, -(-sample_tokens // world),
+                     progress and qd.is_main(group), seed + me)
+        n = qd.all_sum(n, group)
+        acts = {k: s for k, s in slots.items() if s.role != "weight"}
+        qd.sync_observers([o for s in acts.values() for o in s.observers.values()], group)
+        merged = qd.gather_samples({k: s.sample for k, s in acts.items()}, sample_tokens, group)
+        for k, rows in merged.items():
+            acts[k].sample = rows
+    return _conclude(slots, plans, recipes, n, needs_data, t0, world)
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,
