@@ -1,0 +1,167 @@
+"""The per-unit streaming histogram: exact bins, exact merges in any order, int64 counts."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import quantscope as qs
+from quantscope.stats import histogram as H
+
+
+def _observe(batches, bins, absolute):
+    state = H.empty_state(batches[0].shape[0], bins)
+    for u in batches:
+        lo, hi = u.aminmax(dim=1)
+        state = H.update(state, u, lo, hi, absolute)
+    return state
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), units=st.integers(1, 4), n=st.integers(1, 4),
+       bins=st.sampled_from([16, 64, 2048]), absolute=st.booleans())
+def test_any_batch_order_and_merge_equal_one_batch(seed, units, n, bins, absolute):
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, generator=g) * 100
+    batches = [torch.randn(units, int(torch.randint(1, 50, (1,), generator=g)), generator=g)
+               * s + torch.randn(1, generator=g) for s in scales]
+    one = _observe([torch.cat(batches, 1)], bins, absolute)
+    for perm in itertools.islice(itertools.permutations(range(n)), 6):
+        assert _same(_observe([batches[i] for i in perm], bins, absolute), one)
+    k = max(1, n // 2)  # two "processes", merged
+    second = _observe(batches[k:], bins, absolute) if batches[k:] else H.empty_state(units, bins)
+    merged = H.merge(_observe(batches[:k], bins, absolute), second, absolute)
+    assert _same(merged, one)
+    assert torch.equal(one.counts.sum(1), torch.full((units,), sum(b.shape[1] for b in batches)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), bins=st.sampled_from([16, 256, 2048]))
+def test_bins_are_floor_of_x_over_width_and_the_grid_is_the_smallest(seed, bins):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(3, 200, generator=g) * torch.tensor([[1e-3], [1.0], [1e4]])
+    u[1, :5] = 0.0
+    s = _observe([u], bins, False)
+    w = 2.0 ** s.exp.double()
+    idx = torch.floor(u.double() / w[:, None]).long() - s.first[:, None]
+    ref = torch.zeros_like(s.counts).scatter_add_(1, idx, torch.ones_like(idx))
+    assert torch.equal(ref, s.counts)
+    # the range (with zero) fits, and would not fit in bins of half the width
+    lo, hi = u.min(1).values.clamp(max=0).double(), u.max(1).values.clamp(min=0).double()
+    span = torch.floor(hi / w) - torch.floor(lo / w) + 1
+    half = torch.floor(hi / (w / 2)) - torch.floor(lo / (w / 2)) + 1
+    assert bool((span <= bins).all()) and bool((half > bins).all())
+
+
+def test_rebin_is_exact_and_equals_direct_binning_on_the_coarser_grid():
+    u = torch.randn(2, 1000) * 3
+    s = _observe([u], 256, False)
+    e2 = s.exp + 3
+    f2 = H.grid_first(s.lo, e2, False)
+    direct = torch.zeros_like(s.counts)
+    H.add_values(direct, u, e2, f2)
+    assert torch.equal(H.rebin(s.counts, s.exp, s.first, e2, f2), direct)
+
+
+def test_int64_counts_go_past_2_pow_24():
+    obs = qs.get_observer("percentile", qs.QuantSpec())
+    x = torch.full((1 << 20,), 0.5)
+    x[0] = 1.0
+    for _ in range(17):
+        obs(x)
+    c = obs.current_histogram().counts
+    assert c.dtype == torch.int64
+    assert int(c.max()) == 17 * ((1 << 20) - 1) > 2**24  # float32 would stop at 2 ** 24
+    assert int(c.sum()) == 17 << 20
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), bins=st.sampled_from([16, 100, 2048]),
+       n=st.sampled_from([1, 7, 1000]))
+def test_linear_counts_equal_torch_histc(seed, bins, n):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 10
+    x[: n // 3] = torch.round(x[: n // 3])  # values on edges
+    lo, hi = x.min(), x.max()
+    got = H.linear_counts(x[None], lo.reshape(1), hi.reshape(1), bins)[0]
+    assert torch.equal(got.float(), torch.histc(x, bins, lo.item(), hi.item()))
+    if lo == hi:  # histc then bins over the data's own range, which is this one
+        return
+    # a narrower grid drops values outside it, as histc does
+    got = H.linear_counts(x[None], (lo / 2).reshape(1), (hi / 2).reshape(1), bins)[0]
+    assert torch.equal(got.float(), torch.histc(x, bins, (lo / 2).item(), (hi / 2).item()))
+
+
+def test_fold_abs_matches_an_abs_histogram_off_the_edges():
+    u = torch.randn(3, 5000) * 4 + 0.3
+    signed = H.view(_observe([u], 512, False))
+    e = _observe([u], 512, False).exp
+    folded = H.fold_abs(signed)
+    w = 2.0 ** e.double()
+    ref = torch.zeros_like(folded.counts)
+    ref.scatter_add_(1, torch.floor(u.abs().double() / w[:, None]).long().clamp(max=511),
+                     torch.ones_like(u, dtype=torch.long))
+    assert torch.equal(folded.counts, ref)  # no value sits exactly on an edge here
+    assert torch.equal(folded.lo, torch.zeros(3))
+
+
+@pytest.mark.parametrize("name", ["percentile", "histogram_mse", "entropy", "histogram", "mix"])
+def test_state_dict_round_trip_and_reset(name):
+    spec = qs.QuantSpec("int8", "channel:1", symmetric=name != "histogram")
+    x = torch.randn(64, 8) * torch.arange(1, 9)
+    a = qs.get_observer(name, spec)
+    a(x)
+    b = qs.get_observer(name, spec)
+    b.load_state_dict(a.state_dict())
+    qa, qb = a.calculate_qparams(), b.calculate_qparams()
+    assert torch.equal(qa.scale, qb.scale) and torch.equal(qa.zero_point, qb.zero_point)
+    b(x * 2)  # keeps observing from the loaded state
+    a(x * 2)
+    assert torch.equal(a.calculate_qparams().scale, b.calculate_qparams().scale)
+    a.reset()
+    assert not a.has_observed
+    a(x)
+    assert a.current_histogram().counts.sum() == x.numel()
+
+
+def test_observer_forward_has_no_host_sync_on_the_native_grid():
+    obs = qs.get_observer("entropy", qs.QuantSpec("int8", "channel:0"))
+    x = torch.randn(4, 100)
+    obs(x)
+    with torch.autograd.profiler.profile() as prof:
+        obs(x * 3)
+    names = {e.name for e in prof.function_events}
+    assert not names & {"aten::item", "aten::_local_scalar_dense"}
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="bins"):
+        qs.get_observer("percentile", qs.QuantSpec(), bins=4)
+    with pytest.raises(ValueError, match="averaging_constant"):
+        qs.get_observer("percentile", qs.QuantSpec(), averaging_constant=2.0)
+    with pytest.raises(ValueError, match="grid"):
+        qs.get_observer("mix", qs.QuantSpec(), grid="linear")
+    with pytest.raises(ValueError, match="percentile"):
+        qs.get_observer("percentile", qs.QuantSpec(), percentile=0)
+    with pytest.raises(ValueError, match="convention"):
+        qs.get_observer("percentile", qs.QuantSpec(), convention="middle")
+    with pytest.raises(ValueError, match="merge"):
+        H.merge(H.empty_state(1, 16), H.empty_state(2, 16))
+
+
+def test_numpy_reference_of_the_grid_exponent():
+    # 2 ** e with e the smallest exponent whose aligned grid holds [lo, hi] in `bins` bins
+    for lo, hi, bins in [(-1.0, 1.0, 16), (0.0, 100.0, 2048), (-3.5, 0.0, 64), (0.0, 0.0, 16)]:
+        e = int(H.grid_exponent(torch.tensor([lo]), torch.tensor([hi]), bins))
+        amax = max(abs(lo), abs(hi))
+        floor_mag = np.frexp(amax)[1] - 1 - 22  # frexp(0) has exponent 0
+        ok = [k for k in range(-126, 127)
+              if np.floor(hi / 2.0**k) - np.floor(lo / 2.0**k) + 1 <= bins and k >= floor_mag]
+        assert e == ok[0]

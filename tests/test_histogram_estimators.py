@@ -1,0 +1,315 @@
+"""Histogram estimators against their definitions, torch.ao, and a slow TensorRT loop."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.ao.quantization import HistogramObserver as TorchHistogramObserver
+
+import quantscope as qs
+from quantscope.compat.torch_ao import HistogramObserver
+from quantscope.estimators import (
+    entropy_amax,
+    entropy_divergences,
+    histogram_error,
+    histogram_mse_range,
+    l2_range,
+    mix_range,
+    percentile_range,
+)
+from quantscope.quantize import fake_quantize_units
+from quantscope.stats.histogram import Hist
+
+
+# ------------------------------------------------------------------ torch.ao's L2 search
+def _torch_hist(x, bins):
+    o = TorchHistogramObserver(bins=bins)
+    o(x)
+    return o
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.sampled_from([20, 3000]),
+       bins=st.sampled_from([64, 256, 2048]), outliers=st.booleans(), positive=st.booleans())
+def test_l2_search_equals_torch_ao_on_the_same_histogram(seed, n, bins, outliers, positive):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    if outliers:
+        x[: max(1, n // 500)] *= 40
+    if positive:
+        x = x.abs()
+    o = _torch_hist(x, bins)
+    ref_lo, ref_hi = o._non_linear_param_search()
+    h = Hist(o.histogram.round().long()[None], o.min_val.reshape(1), o.max_val.reshape(1))
+    lo, hi = l2_range(h)
+    assert torch.equal(lo, ref_lo.reshape(1)) and torch.equal(hi, ref_hi.reshape(1))
+
+
+def test_l2_search_per_unit_equals_torch_ao_row_by_row():
+    torch.manual_seed(0)
+    rows = [torch.randn(2000) * s for s in (0.1, 1.0, 5.0)] + [torch.rand(300), torch.randn(7)]
+    rows[1][:3] = 50.0
+    obs = [_torch_hist(r, 256) for r in rows]
+    h = Hist(torch.stack([o.histogram.round().long() for o in obs]),
+             torch.stack([o.min_val for o in obs]), torch.stack([o.max_val for o in obs]))
+    lo, hi = l2_range(h)
+    for i, o in enumerate(obs):
+        rlo, rhi = o._non_linear_param_search()
+        assert torch.equal(lo[i], rlo) and torch.equal(hi[i], rhi)
+
+
+@pytest.mark.parametrize("kw", [{}, {"qscheme": torch.per_tensor_symmetric, "dtype": torch.qint8},
+                                {"bins": 256}, {"reduce_range": True},
+                                {"quant_min": 0, "quant_max": 15}])
+def test_torch_ao_histogram_observer_same_qparams_when_the_range_does_not_grow(kw):
+    torch.manual_seed(1)
+    ref, ours = TorchHistogramObserver(**kw), HistogramObserver(**kw)
+    x = torch.randn(32, 384)
+    x[:, 7] *= 25
+    for b in (x, x * 0.5, x.clamp(-2, 3), x[:3]):
+        ref(b)
+        ours(b)
+    assert torch.equal(ref.histogram, ours.histogram)
+    (rs, rz), (s, z) = ref.calculate_qparams(), ours.calculate_qparams()
+    assert torch.equal(rs, s) and torch.equal(rz.long(), z.long())
+    assert torch.equal(ref.min_val, ours.min_val) and torch.equal(ref.max_val, ours.max_val)
+
+
+def test_torch_ao_histogram_observer_keeps_counting_exactly_when_the_range_grows():
+    torch.manual_seed(2)
+    ours = HistogramObserver()
+    x = torch.randn(10000)
+    ours(x)
+    ours(x * 3)  # leaves the first grid: native exact grid from here on
+    assert int(ours.histogram.sum()) == 20000
+    s, _z = ours.calculate_qparams()
+    ref = TorchHistogramObserver()
+    ref(x)
+    ref(x * 3)
+    rs, _ = ref.calculate_qparams()
+    assert abs(float(s) / float(rs) - 1) < 0.1  # torch re-bins approximately; close, not equal
+
+
+# ------------------------------------------------------------------ entropy (TensorRT)
+def _trt_loop(hist, num_bits=8, start_bin=128, stride=1):
+    """TensorRT's _compute_amax_entropy steps, literally (numpy, scipy's entropy)."""
+    bins = hist.astype(np.float64).copy()
+    bins[0] = bins[1]
+    nbins = 1 << (num_bits - 1)
+    divergences = []
+    for i in range(start_bin, len(bins) + 1, stride):
+        new_density_counts = np.zeros(nbins, dtype=np.float64)
+        space = np.linspace(0, i, num=nbins + 1)
+        digitized_space = np.digitize(range(i), space) - 1
+        digitized_space[bins[:i] == 0] = -1
+        for idx, digitized in enumerate(digitized_space):
+            if digitized != -1:
+                new_density_counts[digitized] += bins[idx]
+        counter = Counter(digitized_space)
+        for key, val in counter.items():
+            if key != -1:
+                new_density_counts[key] = new_density_counts[key] / val
+        new_density = np.zeros(i, dtype=np.float64)
+        for idx, digitized in enumerate(digitized_space):
+            if digitized != -1:
+                new_density[idx] = new_density_counts[digitized]
+        reference_density = np.array(bins[:len(digitized_space)])
+        reference_density[-1] += np.sum(bins[i:])
+        p = reference_density / reference_density.sum()
+        q = new_density / new_density.sum()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(p > 0, np.where(q > 0, p * np.log(p / q), np.inf), 0.0)
+        divergences.append(terms.sum())
+    divergences = np.array(divergences)
+    last_argmin = len(divergences) - 1 - np.argmin(divergences[::-1])
+    return divergences, last_argmin * stride + start_bin
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(140, 260), sparse=st.booleans(),
+       stride=st.sampled_from([1, 3]), bits=st.sampled_from([6, 8]))
+def test_kl_equals_a_direct_tensorrt_loop(seed, n, sparse, stride, bits):
+    rng = np.random.default_rng(seed)
+    hist = np.round(rng.exponential(1.0, n) * np.exp(-np.arange(n) / 40) * 1000)
+    if sparse:
+        hist[rng.random(n) < 0.3] = 0
+    hist[-1] = max(hist[-1], 1)
+    start = 1 << (bits - 1)
+    ref_div, ref_i = _trt_loop(hist, bits, start, stride)
+    div, _cand = entropy_divergences(torch.from_numpy(hist).long()[None], num_bits=bits,
+                                    start_bin=start, stride=stride)
+    div = div[0].numpy()
+    assert np.array_equal(np.isinf(div), np.isinf(ref_div))
+    fin = np.isfinite(ref_div)
+    np.testing.assert_allclose(div[fin], ref_div[fin], rtol=1e-9, atol=1e-12)
+    amax = entropy_amax(Hist(torch.from_numpy(hist).long()[None], torch.zeros(1),
+                             torch.tensor([float(n)]), True),
+                        num_bits=bits, start_bin=start, stride=stride)
+    i = int(amax.round())  # width 1: amax = edges[i] = i
+    # same pick, or a tie within rounding
+    assert i == ref_i or abs(ref_div[(i - start) // stride] - ref_div.min()) < 1e-12
+
+
+def test_entropy_per_channel_equals_per_tensor_channel_by_channel():
+    torch.manual_seed(3)
+    x = torch.randn(4000, 6) * torch.tensor([0.1, 1, 3, 10, 0.5, 2])
+    x[:5, 2] = 80
+    spec_c = qs.QuantSpec("int8", "channel:1")
+    per_c = qs.get_observer("entropy", spec_c)
+    per_c(x)
+    lo, hi = per_c.calculate_range()
+    for c in range(6):
+        o = qs.get_observer("entropy", qs.QuantSpec())
+        o(x[:, c].contiguous())
+        l1, h1 = o.calculate_range()
+        assert torch.equal(l1[0], lo[c]) and torch.equal(h1[0], hi[c])
+
+
+# ------------------------------------------------------------------ percentile
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), p=st.sampled_from([50.0, 99.0, 99.9, 99.99, 100.0]),
+       conv=st.sampled_from(["lower", "center", "upper"]))
+def test_percentile_conventions_match_their_definitions(seed, p, conv):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 50, (3, 64))
+    counts[:, rng.integers(0, 64)] += 1
+    lo = torch.tensor([-2.0, 0.0, 1.5])
+    hi = torch.tensor([2.0, 8.0, 3.5])
+    h = Hist(torch.from_numpy(counts), lo, hi, True)
+    amax = percentile_range(h, p, symmetric=True, convention=conv)[1]
+    w = (hi - lo) / 64
+    for u in range(3):
+        cdf = np.cumsum(counts[u]) / counts[u].sum()
+        i = min(int(np.searchsorted(cdf, p / 100 - 1e-15)), 63)  # first bin with cdf >= p
+        off = {"lower": 0.0, "center": 0.5, "upper": 1.0}[conv]
+        assert float(amax[u]) == pytest.approx(float(lo[u] + (i + off) * w[u]), rel=1e-6)
+        if conv == "lower":  # ModelOpt's / TensorRT's literal formula
+            edges = np.linspace(float(lo[u]), float(hi[u]), 65)
+            j = min(int(np.searchsorted(cdf, p / 100)), 64)
+            if abs(cdf[j - 1] - p / 100) > 1e-12 if j else True:
+                assert float(amax[u]) == pytest.approx(edges[j], rel=1e-5)
+
+
+def test_asymmetric_percentile_clips_half_the_excluded_mass_on_each_side():
+    counts = torch.zeros(1, 100, dtype=torch.long)
+    counts[0, 0] = 1  # one low outlier
+    counts[0, 10:90] = 100
+    counts[0, 99] = 1  # one high outlier
+    h = Hist(counts, torch.tensor([-50.0]), torch.tensor([50.0]))
+    lo, hi = percentile_range(h, 99.9, symmetric=False, convention="lower")
+    # 0.05 % of 8002 = 4 values per tail: both outliers are clipped, the bulk kept
+    assert float(lo) == -40.0 + 1.0 and float(hi) == 39.0
+    lo, hi = percentile_range(h, 100.0, symmetric=False, convention="upper")
+    assert float(lo) == -50.0 and float(hi) == 50.0
+
+
+# ------------------------------------------------------------------ histogram MSE and mix
+def _direct_error(h, lo, hi, spec):
+    c = h.centers()
+    out = []
+    for a, b in zip(lo.reshape(-1).tolist(), hi.reshape(-1).tolist()):
+        qp = qs.qparams_from_range(torch.tensor([a]), torch.tensor([b]), spec)
+        fq = fake_quantize_units(c, qp.scale[:, None], qp.zero_point[:, None].float(), spec)
+        out.append(float(((fq - c).double() ** 2 * h.counts.double()).sum()))
+    return out
+
+
+@pytest.mark.parametrize("fmt,sym", [("int8", True), ("int8", False), ("fp8_e4m3", True),
+                                     ("int4", True)])
+def test_histogram_mse_picks_the_least_error_candidate(fmt, sym):
+    torch.manual_seed(4)
+    x = torch.randn(1, 20000) * 2 + (0 if sym else 1)
+    x[0, :4] = 60
+    spec = qs.QuantSpec(fmt, symmetric=sym)
+    o = qs.get_observer("percentile", spec, bins=512)
+    o(x)
+    h = o.current_histogram()
+    lo, hi = histogram_mse_range(h, spec, start_bin=128, stride=7, refine=None)
+    hh = h if not sym else Hist(*qs.stats.histogram.fold_abs(h))
+    j = torch.arange(128, 512, 7)
+    amax = (j + 0.5) * h.width
+    if sym:
+        clo, chi = -amax, amax
+    else:
+        from quantscope.estimators.histogram_mse import occupied_range
+
+        olo, ohi = occupied_range(h)
+        clo, chi = torch.maximum(-amax, olo), torch.minimum(amax, ohi)
+    errs = _direct_error(hh, clo, chi, spec)
+    best = int(np.argmin(errs))  # first minimum, as ModelOpt / Quark
+    assert float(hi) == pytest.approx(float(chi[best]), rel=1e-6)
+    assert float(lo) == pytest.approx(float(clo[best]), rel=1e-6)
+    got = histogram_error(hh, clo[None], chi[None], spec)[0]
+    np.testing.assert_allclose(got.numpy(), errs, rtol=1e-9)
+
+
+def test_mix_keeps_the_least_error_candidate_per_unit():
+    torch.manual_seed(5)
+    x = torch.randn(3, 30000) * torch.tensor([[1.0], [3.0], [0.2]])
+    x[0, :3] = 50
+    spec = qs.QuantSpec("int8", "channel:0", symmetric=False)
+    o = qs.get_observer("mix", spec)
+    o(x)
+    h = o.current_histogram()
+    lo, hi, choice = mix_range(h, spec, lo=o.min_vals, hi=o.max_vals, return_choice=True)
+    cands = [percentile_range(h, p, symmetric=False) for p in (99.9, 99.99, 99.999, 99.9999)]
+    cands += [(o.min_vals, o.max_vals), histogram_mse_range(h, spec)]
+    from quantscope.estimators import entropy_range
+
+    cands.append(entropy_range(h))
+    clo = torch.stack([torch.maximum(c[0], o.min_vals) for c in cands], 1)
+    chi = torch.stack([torch.minimum(c[1], o.max_vals) for c in cands], 1)
+    err = histogram_error(h, clo, chi, spec)
+    assert torch.equal(err.argmin(1), choice)
+    assert torch.equal(hi, chi.gather(1, choice[:, None])[:, 0])
+    assert torch.equal(lo, clo.gather(1, choice[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("name", ["percentile", "histogram_mse", "histogram", "mix"])
+def test_per_channel_equals_per_tensor_channel_by_channel(name):
+    torch.manual_seed(6)
+    x = torch.randn(5, 3000) * torch.tensor([[0.3], [1.0], [4.0], [0.01], [2.0]])
+    x[2, :4] = -70
+    for sym in (True, False):
+        per_c = qs.get_observer(name, qs.QuantSpec("int8", "channel:0", symmetric=sym))
+        per_c(x)
+        per_c(x[:, :1000] * 0.5)
+        lo, hi = per_c.calculate_range()
+        for c in range(5):
+            o = qs.get_observer(name, qs.QuantSpec("int8", symmetric=sym))
+            o(x[c])
+            o(x[c, :1000] * 0.5)
+            l1, h1 = o.calculate_range()
+            assert torch.equal(l1[0], lo[c]) and torch.equal(h1[0], hi[c]), (name, sym, c)
+
+
+def test_averaging_constant_is_an_ema_of_per_batch_estimates():
+    torch.manual_seed(7)
+    batches = [torch.randn(4000) * s for s in (1.0, 2.0, 0.5)]
+    ema = qs.get_observer("percentile", qs.QuantSpec(), averaging_constant=0.1)
+    ref = None
+    for b in batches:
+        ema(b)
+        one = qs.get_observer("percentile", qs.QuantSpec())
+        one(b)
+        r = one.calculate_range()[1]
+        ref = r.clone() if ref is None else ref + 0.1 * (r - ref)
+    assert torch.allclose(ema.calculate_range()[1], ref, rtol=1e-6)
+    # update_interval: one estimate per two batches
+    two = qs.get_observer("entropy", qs.QuantSpec(), averaging_constant=0.5, update_interval=2)
+    for b in batches[:2]:
+        two(b)
+    one = qs.get_observer("entropy", qs.QuantSpec())
+    for b in batches[:2]:
+        one(b)
+    assert torch.equal(two.calculate_range()[1], one.calculate_range()[1])
+
+
+def test_registry_names():
+    names = qs.list_observers()
+    for n in ("percentile", "histogram_mse", "entropy", "kl", "histogram", "mix"):
+        assert n in names
+    assert type(qs.get_observer("kl", qs.QuantSpec())).__name__ == "EntropyObserver"
