@@ -123,7 +123,10 @@ def _device(name: str) -> str:
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    from .distributed import is_main
+
+    if is_main():  # under torchrun only rank 0 speaks
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _check_positive(args, *names):
@@ -148,8 +151,10 @@ def _setup(args):
     calib = docs[::step][: args.calib_docs]
     batches = models.token_batches(tok, calib, args.max_length, args.batch_size, device)
     lee, pairs = data.lee_documents(), data.lee_pairs()
-    ref = models.embed(model, tok, lee, args.eval_max_length)
-    fp32 = {"lee_r": models.lee_correlation(ref, pairs), "cosine": 1.0}
+    ref = fp32 = None
+    if getattr(args, "rank", 0) == 0:  # only rank 0 evaluates (under torchrun)
+        ref = models.embed(model, tok, lee, args.eval_max_length)
+        fp32 = {"lee_r": models.lee_correlation(ref, pairs), "cosine": 1.0}
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     setup = {"model": str(args.model or models.default_model_path()), "device": device,
              "calib_docs": len(calib), "calib_tokens": tokens, "max_length": args.max_length,
@@ -157,7 +162,8 @@ def _setup(args):
              "eval_max_length": args.eval_max_length, "load_seconds":
              round(time.perf_counter() - t0, 2)}
     _say(f"model {setup['model']} on {device}; calibration: {len(calib)} documents "
-         f"({tokens} tokens, <= {args.max_length} each); fp32 Lee r = {fp32['lee_r']:.4f}")
+         f"({tokens} tokens, <= {args.max_length} each); fp32 Lee r = "
+         f"{fp32['lee_r'] if fp32 else float('nan'):.4f}")
     return model, tok, batches, lee, pairs, ref, fp32, setup
 
 
@@ -182,7 +188,10 @@ def cmd_calibrate(args) -> int:
     model, tok, batches, lee, pairs, ref, fp32, setup = _setup(args)
     recipe = preset(args.recipe, args.observer, ignore=args.ignore)
     calib = calibrate(model, batches, recipe, sample_tokens=args.sample_tokens,
-                      progress=not args.no_progress, seed=args.seed)
+                      progress=not args.no_progress, seed=args.seed,
+                      distributed=getattr(args, "world", 1) > 1)
+    if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
+        return 0
     t = time.perf_counter()
     metrics = _evaluate(model, tok, calib, lee, pairs, ref, args.eval_max_length)
     metrics = {"lee_r": metrics["lee_r"], "lee_r_fp32": fp32["lee_r"],
@@ -251,7 +260,9 @@ def cmd_compare(args) -> int:
     t = time.perf_counter()
     calibs = calibrate_many(model, batches, plan, candidates=candidates,
                             sample_tokens=args.sample_tokens, progress=not args.no_progress,
-                            seed=args.seed)
+                            seed=args.seed, distributed=getattr(args, "world", 1) > 1)
+    if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
+        return 0
     calib_seconds = time.perf_counter() - t
     t = time.perf_counter()
     runs, histograms = {}, {}
@@ -366,11 +377,22 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from . import distributed as qd
+
+    # under torchrun (WORLD_SIZE > 1): join the process group; calibration is data-parallel
+    joined = args.command in ("calibrate", "compare") and qd.init_from_env()
+    args.rank, args.world = qd.rank(), qd.world_size()
     try:
         return COMMANDS[args.command](args)
     except (FileNotFoundError, ValueError, ImportError) as e:
-        print(f"quantscope {args.command}: error: {e}", file=sys.stderr)
+        print(f"quantscope {args.command}: error{f' (rank {args.rank})' if joined else ''}: "
+              f"{e}", file=sys.stderr)
         return 1
+    finally:
+        if joined:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
