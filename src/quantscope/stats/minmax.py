@@ -4,7 +4,7 @@ torch reduces a whole tensor (``torch.aminmax(x)``) in one vectorized read, but
 per-row reductions are slower: ``torch.aminmax(u, dim=1)`` is not vectorized
 (6-9x the whole-tensor time on CPU) and ``amin`` + ``amax`` read the data twice.
 On CPU, for large contiguous float32 units, :func:`unit_minmax` therefore runs
-a small C kernel (one read, both extremes, NaN propagated, OpenMP over units),
+a small C kernel (one read, both extremes, NaN propagated, threads over units),
 compiled on first use with the system C compiler into a cache directory and
 loaded through ctypes. Without a compiler, on other devices, for small inputs,
 or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give identical results
@@ -34,9 +34,7 @@ KERNEL_MIN_NUMEL = 1 << 16
 _SOURCE = r"""
 #include <stdint.h>
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <pthread.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -89,19 +87,34 @@ static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, f
     }
 }
 
+typedef struct { const float *x; int64_t E, u0, u1; float *lo, *hi; } job_t;
+
+static void *run(void *p) {
+    job_t *j = (job_t *)p;
+    rows(j->x, j->E, j->u0, j->u1, j->lo, j->hi);
+    return NULL;
+}
+
+/* Plain threads, joined before returning: an OpenMP pool would keep spinning after the
+   call and slow down torch's own (separate) thread pool. */
 void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, int threads) {
-    #pragma omp parallel num_threads(threads)
-    {
-        int t = 0, n = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num(); n = omp_get_num_threads();
-#endif
-        int64_t u0 = U * t / n, u1 = U * (t + 1) / n;
-        rows(x, E, u0, u1, lo, hi);
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    pthread_t tid[64];
+    job_t jobs[64];
+    int started[64] = {0};
+    for (int t = 0; t < threads; ++t) {
+        jobs[t] = (job_t){x, E, U * t / threads, U * (t + 1) / threads, lo, hi};
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
+    }
+    run(&jobs[0]);
+    for (int t = 1; t < threads; ++t) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else run(&jobs[t]);  /* could not start a thread: do its share here */
     }
 }
 """
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
+_FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu99"]
 
 _lib = None
 _lib_tried = False
