@@ -86,11 +86,15 @@ class IntFormat:
     def name(self) -> str:
         return f"{'' if self.signed else 'u'}int{self.bits}{'_narrow' if self.narrow else ''}"
 
-    def round(self, x: torch.Tensor, qmin: float | None = None, qmax: float | None = None):
-        """Round half-to-even and clamp to ``[qmin, qmax]`` (the format's range by default)."""
+    def round(self, x: torch.Tensor, qmin: float | None = None, qmax: float | None = None, *,
+              inplace: bool = False):
+        """Round half-to-even and clamp to ``[qmin, qmax]`` (the format's range by default).
+
+        ``inplace=True`` overwrites ``x`` (a float tensor the caller owns) and returns it.
+        """
         lo = self.qmin if qmin is None else qmin
         hi = self.qmax if qmax is None else qmax
-        return torch.round(x).clamp_(lo, hi)
+        return (x.round_() if inplace else torch.round(x)).clamp_(lo, hi)
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ class FloatFormat:
         biased = (x.view(torch.int32) >> 23) & 0xFF  # float32 exponent field (sign dropped)
         biased = biased.clamp_(min=self.min_exp + 127).sub_(self.mbits)
         step = (biased << 23).view(torch.float32)  # 2 ** (e - mbits), a normal float32
-        q = torch.round(x / step).mul_(step)
+        q = (x / step).round_().mul_(step)
         return q.clamp_(-self.max if qmin is None else qmin, self.max if qmax is None else qmax)
 
 

@@ -34,12 +34,19 @@ def _per_unit(qparams: QParams, spec: QuantSpec, shape) -> tuple[torch.Tensor, t
     return scale.reshape(units, 1).float(), qparams.zero_point.reshape(units, 1).float()
 
 
+def _fits(t: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``other`` broadcasts into ``t`` in place (its shape does not grow ``t``)."""
+    return torch.broadcast_shapes(t.shape, getattr(other, "shape", ())) == t.shape
+
+
 def quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                    spec: QuantSpec) -> torch.Tensor:
     """Codes of float32 ``u [U, E]`` with per-unit ``scale``, ``zero_point`` (``[U, 1]`` or broadcastable)."""
+    t = u / scale  # a fresh tensor: the steps below work in place on it
     if spec.is_float:
-        return spec.format.round(u / scale)
-    return spec.format.round(u / scale + zero_point, spec.qmin, spec.qmax)
+        return spec.format.round(t)
+    t = t.add_(zero_point) if _fits(t, zero_point) else t + zero_point
+    return spec.format.round(t, spec.qmin, spec.qmax, inplace=True)
 
 
 def dequantize_units(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor):
@@ -48,8 +55,17 @@ def dequantize_units(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Ten
 
 def fake_quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                         spec: QuantSpec) -> torch.Tensor:
-    """``dequantize(quantize(u))`` on a units view: what the searches score candidates with."""
-    return dequantize_units(quantize_units(u, scale, zero_point, spec), scale, zero_point)
+    """``dequantize(quantize(u))`` on a units view: what the searches score candidates with.
+
+    One output allocation (plus the float rounding's temporaries): the codes are
+    dequantized in place.
+    """
+    q = quantize_units(u, scale, zero_point, spec)
+    if spec.is_float:  # zero point 0
+        return q.mul_(scale) if _fits(q, scale) else q * scale
+    if _fits(q, zero_point) and _fits(q, scale):
+        return q.sub_(zero_point).mul_(scale)
+    return dequantize_units(q, scale, zero_point)
 
 
 def _check_input(x: torch.Tensor, who: str):
