@@ -317,3 +317,29 @@ def test_non_contiguous_and_other_dtypes_fall_back():
     assert torch.equal(stats.unit_minmax(u)[0], u.amin(1))
     d = rand(300, 400).double()
     assert stats.unit_minmax(d)[1].dtype == torch.float64
+
+
+@pytest.mark.parametrize("layout,shape", [
+    (Channel(-1), (16, 64, 96)), (Channel(1), (8, 48, 256)), (Channel(2), (4, 8, 40, 64)),
+    (Channel(1), (300, 400)), (Tile(32, 32), (2, 128, 256)), (Tile(16, 64), (256, 512)),
+], ids=str)
+def test_layout_minmax_equals_the_units_path(layout, shape):
+    x = rand(*shape, seed=7)
+    x.view(-1)[1234] = float("nan")
+    x.view(-1)[999] = float("inf")
+    fast = stats.layout_minmax(x, layout)
+    if fast is None:
+        pytest.skip("no compiled kernel")
+    ref = stats.torch_unit_minmax(layout.to_units(x))
+    for a, b in zip(fast, ref):
+        assert a.shape == b.shape and torch.allclose(a, b, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_observers_agree_with_and_without_the_direct_path(name, monkeypatch):
+    spec = QuantSpec("int8", Channel(-1), symmetric=False)
+    xs = [rand(8, 32, 300, seed=s) for s in range(3)]
+    fast = observe(name, spec, xs).calculate_qparams()
+    monkeypatch.setattr(quantscope.observers.base, "layout_minmax", lambda x, layout: None)
+    slow = observe(name, spec, xs).calculate_qparams()
+    assert torch.equal(fast.scale, slow.scale) and torch.equal(fast.zero_point, slow.zero_point)

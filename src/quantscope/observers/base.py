@@ -32,7 +32,7 @@ from torch import nn
 
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
-from ..stats.minmax import unit_minmax
+from ..stats.minmax import layout_minmax, unit_minmax
 
 __all__ = ["NON_FINITE_MODES", "Observer"]
 
@@ -51,6 +51,9 @@ class Observer(nn.Module):
     name: str = "observer"
     #: whether the per-unit state accumulates over calls (then the unit count must not change)
     accumulates: bool = True
+    #: whether :meth:`_observe` reads ``units``; False (min-max family) lets forward take the
+    #: per-unit min / max straight from the tensor and pass ``units=None``
+    needs_units: bool = True
 
     def __init__(self, spec: QuantSpec | None = None, *, non_finite: str = "error"):
         super().__init__()
@@ -85,12 +88,17 @@ class Observer(nn.Module):
             layout.check(x.shape)
         except ValueError as e:
             raise ValueError(f"{self._who()}: {e}") from None
-        units = layout.to_units(x.detach().float())
+        x32 = x.detach().float()
+        fast = None
+        if not self.needs_units and self.non_finite == "error":
+            fast = layout_minmax(x32, layout)  # min / max straight from x, no units copy
+        units = layout.to_units(x32) if fast is None else None
+        count = units.shape[0] if fast is None else fast[0].shape[0]
         if self.accumulates and self._last_shape is not None:
             before = layout.num_units(self._last_shape)
-            if before != units.shape[0]:
+            if before != count:
                 raise ValueError(
-                    f"{self._who()}: {layout} gave {units.shape[0]} units for shape "
+                    f"{self._who()}: {layout} gave {count} units for shape "
                     f"{tuple(x.shape)}, but {before} before; a {self.name} observer keeps "
                     f"per-unit state, so the unit count must not change (use a memoryless "
                     f"observer for dynamic per-token ranges)")
@@ -98,7 +106,7 @@ class Observer(nn.Module):
             bad = ~torch.isfinite(units)
             self.non_finite_count += bad.sum()
             units = units.masked_fill(bad, 0.0)
-        lo, hi = unit_minmax(units)
+        lo, hi = unit_minmax(units) if fast is None else fast
         if self.sync_every_step:  # exchange the step's statistic with the other ranks
             from ..distributed import step_sync
 
@@ -126,7 +134,11 @@ class Observer(nn.Module):
                                                device=self.observed_shape.device)
 
     def _observe(self, units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        """Update the statistics from float32 ``units [U, E]`` and its per-unit ``lo``, ``hi``."""
+        """Update the statistics from float32 ``units [U, E]`` and its per-unit ``lo``, ``hi``.
+
+        ``units`` is None when the class sets ``needs_units = False`` and the layout has a
+        direct min / max path (:func:`~quantscope.stats.minmax.layout_minmax`).
+        """
         raise NotImplementedError
 
     # --------------------------------------------------------------- computing

@@ -24,6 +24,8 @@ class MinMaxStateObserver(Observer):
     (:meth:`_update`); the range is the state itself.
     """
 
+    needs_units = False
+
     def __init__(self, spec=None, **kwargs):
         super().__init__(spec, **kwargs)
         self.register_buffer("min_vals", torch.zeros(0))

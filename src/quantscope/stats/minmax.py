@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -26,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["kernel_available", "torch_unit_minmax", "unit_minmax"]
+__all__ = ["column_minmax", "kernel_available", "layout_minmax", "torch_unit_minmax",
+           "unit_minmax"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -84,6 +86,74 @@ static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, f
         }
         lo[u] = bad ? NAN : lo_;
         hi[u] = bad ? NAN : hi_;
+    }
+}
+
+/* Column min / max of rows [r0, r1) of a contiguous [R, C] float32 matrix into lo / hi / nan
+   (length C, initialised by the caller): vertical, so every load is a full vector. */
+static void cols(const float *x, int64_t C, int64_t r0, int64_t r1, float *lo, float *hi,
+                 int32_t *nan) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *row = x + r * C;
+        int64_t c = 0;
+#ifdef __AVX2__
+        for (; c + 8 <= C; c += 8) {
+            __m256 v = _mm256_loadu_ps(row + c);
+            _mm256_storeu_ps(lo + c, _mm256_min_ps(_mm256_loadu_ps(lo + c), v));
+            _mm256_storeu_ps(hi + c, _mm256_max_ps(_mm256_loadu_ps(hi + c), v));
+            __m256i u = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            __m256i n = _mm256_loadu_si256((const __m256i *)(nan + c));
+            _mm256_storeu_si256((__m256i *)(nan + c), _mm256_or_si256(n, u));
+        }
+#endif
+        for (; c < C; ++c) {
+            float v = row[c];
+            lo[c] = v < lo[c] ? v : lo[c];
+            hi[c] = v > hi[c] ? v : hi[c];
+            nan[c] |= v != v;
+        }
+    }
+}
+
+typedef struct { const float *x; int64_t C, r0, r1; float *lo, *hi; int32_t *nan; } cjob_t;
+
+static void *crun(void *p) {
+    cjob_t *j = (cjob_t *)p;
+    cols(j->x, j->C, j->r0, j->r1, j->lo, j->hi, j->nan);
+    return NULL;
+}
+
+/* Per-column min / max of [R, C]; work (threads x 3C floats) is scratch from the caller. */
+void qs_col_minmax(const float *x, int64_t R, int64_t C, float *lo, float *hi, float *work,
+                   int threads) {
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    pthread_t tid[64];
+    cjob_t jobs[64];
+    int started[64] = {0};
+    for (int t = 0; t < threads; ++t) {
+        float *l = work + (int64_t)t * 3 * C, *h = l + C;
+        int32_t *n = (int32_t *)(h + C);
+        for (int64_t c = 0; c < C; ++c) { l[c] = INFINITY; h[c] = -INFINITY; n[c] = 0; }
+        jobs[t] = (cjob_t){x, C, R * t / threads, R * (t + 1) / threads, l, h, n};
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, crun, &jobs[t]) == 0;
+    }
+    crun(&jobs[0]);
+    for (int t = 1; t < threads; ++t) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else crun(&jobs[t]);
+    }
+    for (int64_t c = 0; c < C; ++c) {
+        float l = INFINITY, h = -INFINITY;
+        int bad = 0;
+        for (int t = 0; t < threads; ++t) {
+            float lt = jobs[t].lo[c], ht = jobs[t].hi[c];
+            l = lt < l ? lt : l;
+            h = ht > h ? ht : h;
+            bad |= jobs[t].nan[c];
+        }
+        lo[c] = bad ? NAN : l;
+        hi[c] = bad ? NAN : h;
     }
 }
 
@@ -148,6 +218,10 @@ def _build() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_int]
+    fn = lib.qs_col_minmax
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -181,14 +255,15 @@ def torch_unit_minmax(units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.aminmax(units, dim=1)
 
 
+def _use_kernel(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+            and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad)
+
+
 def unit_minmax(units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max of every row of ``units [U, E]`` as two ``[U]`` tensors (NaN propagates)."""
     U, E = units.shape
-    if (units.device.type != "cpu" or units.dtype != torch.float32 or U < 2
-            or units.numel() < KERNEL_MIN_NUMEL or not units.is_contiguous()
-            or units.requires_grad):
-        return torch_unit_minmax(units)
-    lib = _kernel()
+    lib = _kernel() if U >= 2 and _use_kernel(units) else None
     if lib is None:
         return torch_unit_minmax(units)
     lo = torch.empty(U, dtype=torch.float32)
@@ -196,3 +271,57 @@ def unit_minmax(units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     threads = max(1, min(torch.get_num_threads(), U))
     lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), threads)
     return lo, hi
+
+
+def column_minmax(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of every column of ``m [R, C]`` as two ``[C]`` tensors (NaN propagates)."""
+    R, C = m.shape
+    lib = _kernel() if R >= 2 and _use_kernel(m) else None
+    if lib is None:
+        return torch.aminmax(m, dim=0) if R else (m.new_full((C,), float("inf")),
+                                                  m.new_full((C,), float("-inf")))
+    lo = torch.empty(C, dtype=torch.float32)
+    hi = torch.empty(C, dtype=torch.float32)
+    threads = max(1, min(torch.get_num_threads(), R))
+    work = torch.empty(threads * 3 * C, dtype=torch.float32)
+    lib.qs_col_minmax(m.data_ptr(), R, C, lo.data_ptr(), hi.data_ptr(), work.data_ptr(), threads)
+    return lo, hi
+
+
+def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-unit ``(lo, hi)`` of float32 ``x`` under ``layout`` without building its units.
+
+    For layouts whose units are not a row view of ``x`` (a channel axis other than the
+    first, tiles): reductions over reshapes of ``x`` itself, in the units' order
+    (``layout.to_units`` order; tests check both agree). None: no such path here (padded
+    tiles, permuted groups ...), build the units instead.
+    """
+    from ..layout import Channel, Tile
+
+    if not _use_kernel(x) or _kernel() is None:
+        return None
+    shape = x.shape
+    if isinstance(layout, Channel) and x.dim() >= 2:
+        a = layout.axis % x.dim()
+        A, C = math.prod(shape[:a]), shape[a]
+        B = math.prod(shape[a + 1:])
+        if A == 1:  # units are rows already
+            return None
+        if B == 1:  # the last axis: one vertical pass
+            return column_minmax(x.view(A, C))
+        if B >= 16:  # rows of B, then the (small) [A, C] result over A
+            lo, hi = unit_minmax(x.view(A * C, B))
+            return lo.view(A, C).amin(0), hi.view(A, C).amax(0)  # amin / amax keep NaN
+        return None
+    if isinstance(layout, Tile) and x.dim() >= 2:
+        R, C = shape[-2:]
+        if R % layout.rows or C % layout.cols or layout.cols < 16:
+            return None  # padded edges: the units carry zeros
+        L = math.prod(shape[:-2])
+        rt, ct = R // layout.rows, C // layout.cols
+        lo, hi = unit_minmax(x.view(L * R * ct, layout.cols))  # every tile row segment
+        lo = lo.view(L * rt, layout.rows, ct).amin(1)
+        hi = hi.view(L * rt, layout.rows, ct).amax(1)
+        return lo.reshape(-1), hi.reshape(-1)
+    return None
+
