@@ -19,6 +19,7 @@ the peer's time over quantscope's for the same work (observe, and observe + qpar
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -103,7 +104,11 @@ def ct_observer(ct, fields, base, x):
     return observe, observe_qparams
 
 
-def main(repeat: int = 9) -> None:
+def main(repeat: int = 9, threads: int | None = None) -> None:
+    """Print the table; ``threads`` (or env QUANTSCOPE_BENCH_THREADS) sets torch's threads."""
+    threads = threads or int(os.environ.get("QUANTSCOPE_BENCH_THREADS", "0") or 0)
+    if threads:
+        torch.set_num_threads(threads)
     ct = _ct()
     lc_name = "llm-compressor" if ct and ct[3] is not None else "llm-compressor (CT path)"
     print(f"compiled min/max kernel: {kernel_available()}; threads {torch.get_num_threads()}; "

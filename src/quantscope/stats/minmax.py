@@ -41,9 +41,54 @@ _SOURCE = r"""
 #include <immintrin.h>
 #endif
 
+#ifdef __AVX2__
+/* One vector holding the 8 horizontal reductions of v0..v7 (lane i: reduction of vi). */
+#define HREDUCE8(OP, v0, v1, v2, v3, v4, v5, v6, v7, out) do {                          \
+    __m256 a01 = OP(_mm256_unpacklo_ps(v0, v1), _mm256_unpackhi_ps(v0, v1));            \
+    __m256 a23 = OP(_mm256_unpacklo_ps(v2, v3), _mm256_unpackhi_ps(v2, v3));            \
+    __m256 a45 = OP(_mm256_unpacklo_ps(v4, v5), _mm256_unpackhi_ps(v4, v5));            \
+    __m256 a67 = OP(_mm256_unpacklo_ps(v6, v7), _mm256_unpackhi_ps(v6, v7));            \
+    __m256 b03 = OP(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE)); \
+    __m256 b47 = OP(_mm256_shuffle_ps(a45, a67, 0x44), _mm256_shuffle_ps(a45, a67, 0xEE)); \
+    out = OP(_mm256_permute2f128_ps(b03, b47, 0x20), _mm256_permute2f128_ps(b03, b47, 0x31)); \
+} while (0)
+
+/* Short rows (E a multiple of 8, up to 64: MX / NVFP4 / BFP blocks, small groups), 8 rows
+   at a time: each row folds to one vector, then 8 rows reduce together by shuffles. */
+static int64_t rows8(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi) {
+    int64_t u = u0;
+    const __m256 qnan = _mm256_set1_ps(NAN);
+    for (; u + 8 <= u1; u += 8) {
+        __m256 l[8], h[8], n[8];
+        for (int k = 0; k < 8; ++k) {
+            const float *r = x + (u + k) * E;
+            __m256 v = _mm256_loadu_ps(r);
+            __m256 lk = v, hk = v, nk = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+            for (int64_t j = 8; j < E; j += 8) {
+                v = _mm256_loadu_ps(r + j);
+                lk = _mm256_min_ps(lk, v);
+                hk = _mm256_max_ps(hk, v);
+                nk = _mm256_or_ps(nk, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            }
+            l[k] = lk; h[k] = hk; n[k] = nk;
+        }
+        __m256 L, H, N;
+        HREDUCE8(_mm256_min_ps, l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], L);
+        HREDUCE8(_mm256_max_ps, h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], H);
+        HREDUCE8(_mm256_or_ps, n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], N);
+        _mm256_storeu_ps(lo + u, _mm256_blendv_ps(L, qnan, N));
+        _mm256_storeu_ps(hi + u, _mm256_blendv_ps(H, qnan, N));
+    }
+    return u;
+}
+#endif
+
 /* Min / max of rows [u0, u1) of a contiguous [U, E] float32 matrix; NaN propagates
    (tracked in a separate mask: the min / max instructions drop NaN). */
 static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi) {
+#ifdef __AVX2__
+    if (E % 8 == 0 && E <= 64) u0 = rows8(x, E, u0, u1, lo, hi);  /* the tail: below */
+#endif
     for (int64_t u = u0; u < u1; ++u) {
         const float *r = x + u * E;
         float lo_ = INFINITY, hi_ = -INFINITY;
