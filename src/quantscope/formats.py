@@ -140,7 +140,7 @@ class FloatFormat:
     def round(self, x: torch.Tensor, qmin: float | None = None, qmax: float | None = None):
         """Round float32 ``x`` to the nearest representable value, ties to even, saturating.
 
-        fp8 formats clamp, then use torch's own float8 cast (about 4x faster than the
+        fp8 formats clamp, then use torch's own float8 cast (about 2x faster than the
         generic path, and bit-identical to it: tests/test_formats.py proves it on every
         bfloat16 and float16 value); the others use :meth:`round_generic`. Custom
         ``qmin`` / ``qmax`` always take the generic path (round, then clamp).
