@@ -10,7 +10,8 @@ Each case times, interleaved on the same tensor (bench/common.compare):
 * llm-compressor: its memoryless min-max observer as 0.14 implements it (flatten for
   calibration, ``torch.amin`` / ``torch.amax`` over dims (0, -1), then compressed-tensors'
   ``calculate_qparams``, with ``generate_gparam`` for NVFP4); the installed
-  llm-compressor observer itself when it is importable;
+  llm-compressor observer itself when it is importable; per token, compressed-tensors'
+  dynamic path (``compute_dynamic_scales_and_zp``: amin / amax over the last dim);
 * the floor: ``torch.aminmax(x)`` over the whole tensor, one read of the same data.
 
 ``vs floor`` is quantscope's observe time over the floor (goal: <= 1.5); ``peer / qs`` is
@@ -75,6 +76,12 @@ def ct_observer(ct, fields, base, x):
     """llm-compressor 0.14's memoryless min-max observer: (observe, observe + qparams)."""
     QuantizationArgs, calculate_qparams, generate_gparam, LCObserver = ct
     args = QuantizationArgs(**fields)
+    strategy = args.strategy.value if hasattr(args.strategy, "value") else args.strategy
+    if strategy == "token":  # dynamic per-token: compressed-tensors' compute_dynamic_scales_and_zp
+        def observe_token():
+            return torch.amin(x, dim=-1, keepdim=True), torch.amax(x, dim=-1, keepdim=True)
+
+        return observe_token, lambda: calculate_qparams(*observe_token(), args)
     if LCObserver is not None:  # the real one
         def observe():
             obs = LCObserver.load_from_registry("memoryless_minmax", base_name=base,
@@ -83,13 +90,10 @@ def ct_observer(ct, fields, base, x):
             return obs
 
         return observe, lambda: observe().get_qparams()
-    strategy = args.strategy.value if hasattr(args.strategy, "value") else args.strategy
     if strategy == "channel":
         flat = x.unsqueeze(-2).unsqueeze(0)
-    elif strategy in ("group", "tensor_group"):
+    else:  # group, tensor_group
         flat = x.unflatten(-1, (-1, args.group_size)).unsqueeze(0)
-    else:  # token: as is
-        flat = x
 
     def observe():
         return torch.amin(flat, dim=(0, -1)), torch.amax(flat, dim=(0, -1))
