@@ -116,9 +116,9 @@ def test_fold_abs_matches_an_abs_histogram_off_the_edges():
 def test_state_dict_round_trip_and_reset(name):
     spec = qs.QuantSpec("int8", "channel:1", symmetric=name != "histogram")
     x = torch.randn(64, 8) * torch.arange(1, 9)
-    a = qs.get_observer(name, spec)
+    a = qs.get_observer(name, spec, bins=256)
     a(x)
-    b = qs.get_observer(name, spec)
+    b = qs.get_observer(name, spec, bins=256)
     b.load_state_dict(a.state_dict())
     qa, qb = a.calculate_qparams(), b.calculate_qparams()
     assert torch.equal(qa.scale, qb.scale) and torch.equal(qa.zero_point, qb.zero_point)

@@ -251,7 +251,7 @@ def test_mix_keeps_the_least_error_candidate_per_unit():
     x = torch.randn(3, 30000) * torch.tensor([[1.0], [3.0], [0.2]])
     x[0, :3] = 50
     spec = qs.QuantSpec("int8", "channel:0", symmetric=False)
-    o = qs.get_observer("mix", spec)
+    o = qs.get_observer("mix", spec, bins=512)
     o(x)
     h = o.current_histogram()
     lo, hi, choice = mix_range(h, spec, lo=o.min_vals, hi=o.max_vals, return_choice=True)
@@ -260,6 +260,9 @@ def test_mix_keeps_the_least_error_candidate_per_unit():
     from quantscope.estimators import entropy_range
 
     cands.append(entropy_range(h))
+    from quantscope.estimators.l2 import polish_range
+
+    cands.append(polish_range(h, *l2_range(h, 256), spec))
     clo = torch.stack([torch.maximum(c[0], o.min_vals) for c in cands], 1)
     chi = torch.stack([torch.minimum(c[1], o.max_vals) for c in cands], 1)
     err = histogram_error(h, clo, chi, spec)
@@ -274,12 +277,12 @@ def test_per_channel_equals_per_tensor_channel_by_channel(name):
     x = torch.randn(5, 3000) * torch.tensor([[0.3], [1.0], [4.0], [0.01], [2.0]])
     x[2, :4] = -70
     for sym in (True, False):
-        per_c = qs.get_observer(name, qs.QuantSpec("int8", "channel:0", symmetric=sym))
+        per_c = qs.get_observer(name, qs.QuantSpec("int8", "channel:0", symmetric=sym), bins=256)
         per_c(x)
         per_c(x[:, :1000] * 0.5)
         lo, hi = per_c.calculate_range()
         for c in range(5):
-            o = qs.get_observer(name, qs.QuantSpec("int8", symmetric=sym))
+            o = qs.get_observer(name, qs.QuantSpec("int8", symmetric=sym), bins=256)
             o(x[c])
             o(x[c, :1000] * 0.5)
             l1, h1 = o.calculate_range()

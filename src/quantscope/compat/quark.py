@@ -367,6 +367,7 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
                  reduce_range: bool = False, upsample_rate: int = 384, **native):
         native.setdefault("grid", "first")
         native.setdefault("dst_nbins", 256)  # 2 ** iinfo(qint8 / quint8 / quint4x2).bits
+        native.setdefault("polish", 0)
         super().__init__(qspec, device, bins=bins, **native)
         if not isinstance(self.spec.layout, Tensor):
             raise ValueError("PerTensorHistogramObserverPro only supports per_tensor")  # noqa: TRY004

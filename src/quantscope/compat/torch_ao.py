@@ -190,6 +190,7 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
             raise NotImplementedError(f"{type(self).__name__}: qscheme only supports "
                                       f"per_tensor_symmetric and per_tensor_affine, got {qscheme}")
         kwargs.setdefault("grid", "first")
+        kwargs.setdefault("polish", 0)
         kwargs.setdefault("dst_nbins", 2 ** torch.iinfo(dtype).bits)
         super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
                          quant_min=quant_min, quant_max=quant_max, factory_kwargs=factory_kwargs,

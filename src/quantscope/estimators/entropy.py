@@ -85,10 +85,8 @@ def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bo
         c_at = cs[u:u + step][:, idx].reshape(-1, C, nq + 1)
         n_at = nz[u:u + step][:, idx].reshape(-1, C, nq + 1)
         G = c_at[..., 1:] - c_at[..., :-1]
-        n = n_at[..., 1:] - n_at[..., :-1]
-        term = torch.where(G > 0, G * torch.log(G.clamp(min=1e-300) / n.clamp(min=1)),
-                           torch.zeros_like(G))
-        cross[u:u + step] = term.sum(-1)
+        n = (n_at[..., 1:] - n_at[..., :-1]).clamp_(min=1)
+        cross[u:u + step] = torch.xlogy(G, G / n).sum(-1)  # G log(G / n), 0 where G = 0
         gl = last_g[None, :, None].expand(G.shape[0], C, 1)
         q_last[u:u + step] = (G.gather(2, gl) / n.gather(2, gl).clamp(min=1))[..., 0]
     out_term = torch.where(si > 0, si * torch.log(q_last.clamp(min=1e-300)), torch.zeros_like(si))

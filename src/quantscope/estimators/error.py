@@ -23,10 +23,12 @@ ELEMENT_BUDGET = 1 << 22
 
 
 def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
-                    centers: torch.Tensor | None = None) -> torch.Tensor:
+                    centers: torch.Tensor | None = None, points: int = 1) -> torch.Tensor:
     """Squared error ``[U, C]`` of quantizing each unit's histogram with each candidate
     range ``(lo[u, c], hi[u, c])``, computed in chunks of candidates. ``centers [U, B]``
-    overrides the bin centres (a reference's own float rounding of its edges)."""
+    overrides the bin centres (a reference's own float rounding of its edges). ``points > 1``
+    spreads each bin's count evenly over that many points inside it (uniform density in
+    the bin, as torch.ao's L2 model assumes) instead of its centre."""
     if lo.dim() != 2 or lo.shape != hi.shape or lo.shape[0] != hist.counts.shape[0]:
         raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
                          f"{hist.counts.shape[0]} units, got {tuple(lo.shape)} and "
@@ -36,8 +38,12 @@ def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantS
     zp = qp.zero_point.float()
     centers = (hist.centers() if centers is None else centers.float())[:, None, :]  # [U, 1, B]
     counts = hist.counts.double()[:, None, :]
+    if points > 1:  # sub-points at (i + (k + 0.5) / points) w
+        off = (torch.arange(points, device=centers.device) + 0.5) / points - 0.5
+        centers = (centers[..., None] + off * hist.width[:, None, None, None]).flatten(-2)
+        counts = (counts[..., None] / points).expand(*counts.shape, points).flatten(-2)
     U, C = lo.shape
-    step = max(1, ELEMENT_BUDGET // max(1, U * hist.bins))
+    step = max(1, ELEMENT_BUDGET // max(1, U * centers.shape[-1]))
     out = []
     for c in range(0, C, step):
         s, z = scale[:, c:c + step, None], zp[:, c:c + step, None]

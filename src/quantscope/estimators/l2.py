@@ -36,7 +36,7 @@ import torch
 
 from ..stats.histogram import Hist
 
-__all__ = ["l2_norms", "l2_path", "l2_range"]
+__all__ = ["l2_norms", "l2_path", "l2_range", "polish_range"]
 
 _STEP = 1e-5
 _BUDGET = 1 << 22
@@ -219,3 +219,25 @@ def l2_range(hist: Hist, dst_nbins: int = 256) -> tuple[torch.Tensor, torch.Tens
             break
     bin_width = (hist.hi - hist.lo) / Bn
     return hist.lo + bin_width * best_s, hist.lo + bin_width * (best_e + 1)
+
+
+def polish_range(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec, radius: int = 8,
+                 points: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best range by quantization error (:func:`~quantscope.estimators.error.histogram_error`)
+    among ``lo``, ``hi`` each moved by up to ``radius`` bins (``(2 radius + 1) ** 2``
+    candidates, the given range among them, so never worse on the histogram); ``points``
+    per bin model the values spread inside it."""
+    from .error import histogram_error
+
+    w = hist.width[:, None]
+    d = torch.arange(-radius, radius + 1, device=lo.device, dtype=torch.float32)
+    n = d.numel()
+    dl, dh = d[:, None].expand(n, n).reshape(-1), d[None, :].expand(n, n).reshape(-1)
+    clo = lo[:, None] + dl[None, :] * w  # [U, (2r+1)^2]
+    chi = hi[:, None] + dh[None, :] * w
+    clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)
+    err = histogram_error(hist, clo, chi, spec, points=points)
+    centre = (2 * radius + 1) * radius + radius  # the unmoved range: kept on ties
+    err[:, centre] = torch.minimum(err[:, centre], err.amin(1))
+    k = err.argmin(1, keepdim=True)
+    return clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]

@@ -2,7 +2,8 @@
 
 Candidates (Horizon's MixObserver tries the percentiles; quantscope adds the
 other estimators): the percentiles 99.9, 99.99, 99.999 and 99.9999, the
-min / max, the histogram-MSE range and the entropy (KL) range. All are scored by the
+min / max, the histogram-MSE range, the entropy (KL) range and torch.ao's L2 search
+(polished, as the ``histogram`` observer). All are scored by the
 one scoring function, :func:`~quantscope.estimators.error.histogram_error`.
 """
 
@@ -10,17 +11,19 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import IntFormat
 from ..spec import QuantSpec
 from ..stats.histogram import Hist
 from .entropy import entropy_range
 from .error import histogram_error
 from .histogram_mse import histogram_mse_range, occupied_range
+from .l2 import l2_range, polish_range
 from .percentile import percentile_range
 
 __all__ = ["MIX_CANDIDATES", "MIX_PERCENTILES", "mix_range"]
 
 MIX_PERCENTILES = (99.9, 99.99, 99.999, 99.9999)
-MIX_CANDIDATES = ("percentile", "minmax", "mse", "entropy")
+MIX_CANDIDATES = ("percentile", "minmax", "mse", "entropy", "l2")
 
 
 def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
@@ -49,6 +52,10 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
         one.append(histogram_mse_range(hist, spec, start_bin=start_bin))
     if "entropy" in candidates:
         one.append(entropy_range(hist, start_bin=start_bin))
+    if "l2" in candidates:
+        fmt = spec.format
+        dst = 2 ** fmt.bits if isinstance(fmt, IntFormat) else 256
+        one.append(polish_range(hist, *l2_range(hist, dst), spec))
     for a, b in one:
         los.append(a[:, None])
         his.append(b[:, None])

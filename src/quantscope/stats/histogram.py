@@ -147,22 +147,36 @@ def rebin(counts: torch.Tensor, exp: torch.Tensor, first: torch.Tensor,
     return torch.zeros_like(counts).scatter_add_(1, idx, counts)
 
 
+_CHUNK = 1 << 18  # elements per pass: temporaries stay in cache and are reused, not page-faulted
+
+
 def add_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
-               first: torch.Tensor) -> torch.Tensor:
-    """Add every value of ``units [U, E]`` (already ``|x|`` for absolute histograms) to
-    ``counts`` (in place) on the grid ``(exp, first)``; values off the grid are clamped
-    into the end bins (the caller sizes the grid so that none are)."""
+               first: torch.Tensor, absolute: bool = False) -> torch.Tensor:
+    """Add every value of ``units [U, E]`` (``|x|`` of them if ``absolute``) to ``counts``
+    (in place) on the grid ``(exp, first)``; values off the grid are clamped into the end
+    bins (the caller sizes the grid so that none are)."""
     U, B = counts.shape
     inv = pow2(-exp)
     if U == 1:  # one unit: 1-D ops are much faster than the row-wise ones
-        idx = torch.floor(units.reshape(-1) * inv).sub_(first.float()).clamp_(0, B - 1).long()
-        counts.view(-1).index_add_(0, idx, torch.ones(1, dtype=counts.dtype,
-                                                      device=counts.device).expand(idx.numel()))
+        flat, f = units.reshape(-1), first.float()
+        one = torch.ones(1, dtype=counts.dtype, device=counts.device)
+        for s in range(0, flat.numel(), _CHUNK):
+            idx = _bin(flat[s:s + _CHUNK] * inv, f, B, absolute)
+            counts.view(-1).index_add_(0, idx, one.expand(idx.numel()))
         return counts
-    idx = torch.floor(units * inv[:, None]).sub_(first.float()[:, None]).clamp_(0, B - 1).long()
-    counts.scatter_add_(1, idx, torch.ones(1, 1, dtype=counts.dtype,
-                                           device=counts.device).expand_as(idx))
+    cols = max(1, _CHUNK // U)
+    f, inv = first.float()[:, None], inv[:, None]
+    one = torch.ones(1, 1, dtype=counts.dtype, device=counts.device)
+    for s in range(0, units.shape[1], cols):
+        idx = _bin(units[:, s:s + cols] * inv, f, B, absolute).long()
+        counts.scatter_add_(1, idx, one.expand_as(idx))
     return counts
+
+
+def _bin(t, first, bins, absolute):
+    if absolute:
+        t.abs_()  # |x| * 2**-e == |x * 2**-e|: exact, and no extra copy of the data
+    return t.floor_().sub_(first).clamp_(0, bins - 1).to(torch.int32)
 
 
 def empty_state(units: int, bins: int, device=None) -> HistState:
@@ -192,11 +206,10 @@ def update(state: HistState, units: torch.Tensor, lo: torch.Tensor, hi: torch.Te
     if absolute:
         hi = torch.maximum(lo.abs(), hi.abs())
         lo = torch.zeros_like(hi)
-        units = units.abs()
     else:  # the grid always holds zero (every quantization range does): |x| folds exactly
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     state = _regrid(state, lo.float(), hi.float(), state.counts.shape[1], absolute)
-    add_values(state.counts, units, state.exp, state.first)
+    add_values(state.counts, units, state.exp, state.first, absolute)
     return state
 
 
