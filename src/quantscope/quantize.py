@@ -44,7 +44,7 @@ def quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     """Codes of float32 ``u [U, E]`` with per-unit ``scale``, ``zero_point`` (``[U, 1]`` or broadcastable)."""
     t = u / scale  # a fresh tensor: the steps below work in place on it
     if spec.is_float:
-        return spec.format.round(t)
+        return spec.format.round(t, inplace=True)
     t = t.add_(zero_point) if _fits(t, zero_point) else t + zero_point
     return spec.format.round(t, spec.qmin, spec.qmax, inplace=True)
 
