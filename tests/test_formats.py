@@ -180,3 +180,13 @@ def test_get_format_names_and_aliases():
     for bad in ("int1", "int17", "fp7", "float"):
         with pytest.raises(ValueError, match="format"):
             get_format(bad)
+
+
+@pytest.mark.parametrize("f", [*FLOATS, IntFormat(4), IntFormat(8, False)], ids=lambda f: f.name)
+def test_inplace_rounding_gives_the_same_values(f):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(2)) * 50
+    expect = f.round(x)
+    y = x.clone()
+    assert torch.equal(f.round(y, inplace=True), expect)
+    if not f.is_float:  # integers round y itself
+        assert torch.equal(y, expect)
