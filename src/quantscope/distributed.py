@@ -629,18 +629,44 @@ def weight_owners(model: torch.nn.Module, group=None) -> dict[str, int]:
 
 
 def gather_samples(samples: dict, limit: int, group=None) -> dict:
-    """``{key: [row tensors]}`` of every rank, merged on every rank in one object all_gather:
-    per key, the rows of rank 0, then rank 1 ..., cut to ``limit`` rows."""
+    """``{key: [row tensors]}`` of every rank, merged on every rank: per key, the rows of
+    rank 0, then rank 1 ..., cut to ``limit`` rows. Every rank passes the same keys.
+
+    Two tensor all_gathers (row counts and widths, then one flat float32 payload per rank),
+    not pickled objects: activation samples are tens of MB and pickling them dominates.
+    """
     if not is_distributed(group):
         return samples
-    local = {k: torch.cat(v).cpu() for k, v in samples.items() if v}
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, local, group=group)
+    dev = _device(group)
+    keys = list(samples)
+    local = [torch.cat(samples[k]) if samples[k] else None for k in keys]
+    head = torch.tensor([[0, 0] if t is None else [t.shape[0], t[0].numel()] for t in local],
+                        dtype=torch.int64, device=dev).reshape(-1)
+    heads = _all_gather(head, group).cpu().reshape(-1, len(keys), 2).tolist()  # [W, K, 2]
+    sizes = [sum(n * w for n, w in h) for h in heads]
+    payload = torch.zeros(max(sizes), dtype=torch.float32, device=dev)
+    if sizes[dist.get_rank(group)]:
+        flat = torch.cat([t.reshape(-1).float() for t in local if t is not None])
+        payload[:flat.numel()] = flat.to(dev)
+    allp = _all_gather(payload, group)
     merged = {}
-    for k, v in samples.items():
-        parts = [p[k] for p in out if k in p]
-        dev = v[0].device if v else torch.device("cpu")
-        merged[k] = [torch.cat(parts)[:limit].to(dev)] if parts else []
+    offsets = [0] * len(heads)
+    for i, k in enumerate(keys):
+        parts = []
+        for r, h in enumerate(heads):
+            n, w = h[i]
+            if n:
+                parts.append(allp[r, offsets[r]:offsets[r] + n * w].reshape(n, w))
+                offsets[r] += n * w
+        like = local[i]
+        if parts:
+            rows = torch.cat(parts)[:limit]
+            if like is not None:
+                rows = rows.to(device=like.device, dtype=like.dtype).reshape(-1,
+                                                                            *like.shape[1:])
+            merged[k] = [rows.clone()]
+        else:
+            merged[k] = []
     return merged
 
 

@@ -408,8 +408,9 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
     size) and its state shared; after the local forwards, the activation observers are
     synced (exact for min / max and histograms, AVG for moving averages: see
-    :mod:`quantscope.distributed`) and the sampled rows gathered, so ``auto`` and the
-    report decide on the same data everywhere. Local steps run under
+    :mod:`quantscope.distributed`). With ``auto`` the sampled rows are gathered so every
+    rank decides on the same data; otherwise the report rows (activation SQNR, clipping)
+    come from rank 0's own sample and are empty on the other ranks. Local steps run under
     :func:`~quantscope.distributed.all_or_none`: an error on one rank raises on all.
     """
     world = qd.world_size(group)
@@ -427,17 +428,26 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
                        for o in s.observers.values()], group)
     needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                      for s in slots.values())
+    # 'auto' decides on the sampled rows, so every rank needs the same sample: gather it;
+    # otherwise the sample only feeds the report, which rank 0 makes from its own rows
+    auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())
     n = 0
     if needs_data:
         with qd.all_or_none("calibration", group):
-            n = _run(model, qd.shard(batches, group), slots, -(-sample_tokens // world),
+            n = _run(model, qd.shard(batches, group), slots,
+                     -(-sample_tokens // world) if auto else sample_tokens,
                      progress and qd.is_main(group), seed + me)
         n = qd.all_sum(n, group)
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
         qd.sync_observers([o for s in acts.values() for o in s.observers.values()], group)
-        merged = qd.gather_samples({k: s.sample for k, s in acts.items()}, sample_tokens, group)
-        for k, rows in merged.items():
-            acts[k].sample = rows
+        if auto:
+            merged = qd.gather_samples({k: s.sample for k, s in acts.items()}, sample_tokens,
+                                       group)
+            for k, rows in merged.items():
+                acts[k].sample = rows
+        elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
+            for s in acts.values():
+                s.sample = []
     return _conclude(slots, plans, recipes, n, needs_data, t0, world)
 
 
