@@ -168,3 +168,12 @@ def test_errors_and_qparams_helpers():
     assert scale is q.scale and zp is q.zero_point
     assert q.to(torch.float64).scale.dtype == torch.float64
     assert isinstance(q, QParams) and q.effective_scale is q.scale
+
+
+def test_asymmetric_range_near_float32_max_keeps_its_scale():
+    """hi - lo overflows float32: the scale is then computed as hi / n - lo / n."""
+    lo, hi = torch.tensor([-3.4e38, -1.0]), torch.tensor([3.4e38, 1.0])
+    q = qparams_from_range(lo, hi, QuantSpec("int8", symmetric=False))
+    assert torch.isfinite(q.scale).all()
+    assert q.scale[0] == hi[0] / 255 - lo[0] / 255 and q.scale[1] == 2 / 255
+    assert torch.equal(q.zero_point, torch.round(-128 - lo / q.scale).int())

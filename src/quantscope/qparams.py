@@ -97,6 +97,8 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
         scale = amax / ((qmax - qmin) / 2)
     else:
         scale = (hi - lo) / (qmax - qmin)
+        # hi - lo overflows float32 only for ranges near its max: divide first there
+        scale = torch.where(torch.isfinite(scale), scale, hi / (qmax - qmin) - lo / (qmax - qmin))
     scale = encode_scale(scale.clamp(min=spec.min_scale), enc)
     if spec.symmetric:
         if fmt.signed:
