@@ -31,8 +31,8 @@ def _common(p: argparse.ArgumentParser, out_default: str) -> None:
     g.add_argument("--calib-file", metavar="PATH", default=None,
                    help="calibration text, one document per line (default: gensim's "
                         "lee_background.cor, 300 news documents)")
-    g.add_argument("--calib-docs", type=int, default=64, metavar="N",
-                   help="documents taken evenly from the calibration text (default: 64)")
+    g.add_argument("--calib-docs", type=int, default=32, metavar="N",
+                   help="documents taken evenly from the calibration text (default: 32)")
     g.add_argument("--max-length", type=int, default=128, metavar="T",
                    help="calibration tokens per document, truncated (default: 128)")
     g.add_argument("--batch-size", type=int, default=8,
@@ -44,8 +44,8 @@ def _common(p: argparse.ArgumentParser, out_default: str) -> None:
                    help="modules left in float: class names, name globs or re:regex "
                         f"(default: {' '.join(DEFAULT_IGNORE)}; the pooler is unused by "
                         "mean-pooled embeddings)")
-    g.add_argument("--sample-tokens", type=int, default=4096,
-                   help="activation rows kept per layer for 'auto' and the report (default 4096)")
+    g.add_argument("--sample-tokens", type=int, default=2048,
+                   help="activation rows kept per layer for 'auto' and the report (default 2048)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default=out_default, metavar="DIR",
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="PATH", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--eval-max-length", type=int, default=256)
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON line")
 
     sub.add_parser("formats", help="the synthetic format table (quantscope.demo)",
                    description="Print the synthetic table of formats and observers.")
@@ -149,7 +150,8 @@ def _setup(args):
     docs = data.read_corpus(args.calib_file) if args.calib_file else data.lee_background()
     step = max(1, len(docs) // args.calib_docs)
     calib = docs[::step][: args.calib_docs]
-    batches = models.token_batches(tok, calib, args.max_length, args.batch_size, device)
+    batches = models.token_batches(tok, calib, args.max_length, args.batch_size, device,
+                                    args.seed)
     lee, pairs = data.lee_documents(), data.lee_pairs()
     ref = fp32 = None
     if getattr(args, "rank", 0) == 0:  # only rank 0 evaluates (under torchrun)
@@ -349,10 +351,14 @@ def cmd_evaluate(args) -> int:
     lee, pairs = data.lee_documents(), data.lee_pairs()
     ref = models.embed(model, tok, lee, args.eval_max_length)
     m = _evaluate(model, tok, calib, lee, pairs, ref, args.eval_max_length)
+    fp32 = models.lee_correlation(ref, pairs)
+    if args.json:
+        print(json.dumps({"lee_r": m["lee_r"], "lee_r_fp32": fp32, "cosine": m["cosine"]}))
+        return 0
     from .calibrate.report import print_table
 
     print_table(["qparams", "Lee r", "fp32 Lee r", "cosine vs fp32"],
-                [[args.qparams, m["lee_r"], models.lee_correlation(ref, pairs), m["cosine"]]])
+                [[args.qparams, f"{m['lee_r']:.4f}", f"{fp32:.4f}", f"{m['cosine']:.4f}"]])
     return 0
 
 

@@ -58,11 +58,13 @@ def load_model(path=None, device="cpu", dtype=None):
 
 
 def token_batches(tokenizer, docs: list[str], max_length: int, batch_size: int = 1,
-                  device="cpu") -> list[dict]:
+                  device="cpu", seed: int = 0) -> list[dict]:
     """Tokenized batches of ``docs`` (truncated to ``max_length`` tokens).
 
-    Documents are grouped by length so a batch holds little padding: padding
-    tokens' activations would otherwise enter the calibration statistics.
+    Documents are grouped by length so a batch holds little padding (padding
+    tokens' activations would otherwise enter the calibration statistics); the
+    batches are then put in a seeded random order, so that a moving-average
+    observer does not see short documents first and long ones last.
     """
     order = sorted(range(len(docs)), key=lambda k: len(docs[k]))
     out = []
@@ -71,7 +73,8 @@ def token_batches(tokenizer, docs: list[str], max_length: int, batch_size: int =
         enc = tokenizer(chunk, padding=True, truncation=True, max_length=max_length,
                         return_tensors="pt")
         out.append({k: v.to(device) for k, v in enc.items()})
-    return out
+    perm = torch.randperm(len(out), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [out[k] for k in perm]
 
 
 def embed(model, tokenizer, docs: list[str], max_length: int = 256,

@@ -10,9 +10,10 @@ rule that matches a module wins; ``ignore`` (same syntax) removes modules.
 
 Observer names are registry names (:func:`quantscope.list_observers`) or
 ``"auto"``: per layer, the candidate whose range gives the lowest quantization
-error on that layer's data. Weights are observed once, so a weight role maps an
-observer name to its memoryless variant where one exists (``minmax`` ->
-``memoryless_minmax``, ``mse`` -> ``memoryless_mse``), as llm-compressor does.
+error on that layer's data. Weights are observed once, so a recipe built from an
+observer name gives weights its memoryless variant (``minmax`` ->
+``memoryless_minmax``, ``mse`` -> ``memoryless_mse``, as llm-compressor does) and
+histogram observers' weights min-max (:func:`weight_observer`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = [
     "Role",
     "Rule",
     "preset",
-    "resolve_observer",
+    "weight_observer",
 ]
 
 ROLES = ("weight", "input", "output")
@@ -182,12 +183,16 @@ class Recipe:
         return found
 
     def with_observer(self, observer: str, **options) -> Recipe:
-        """A copy whose calibrated roles (not dynamic ones) use ``observer``."""
-        def swap(role):
+        """A copy whose calibrated roles (not dynamic ones) use ``observer``
+        (weights: :func:`weight_observer` of it); ``options`` go to that observer."""
+        def swap(role, kind):
             if role is None or role.dynamic is True:
                 return role
-            return replace(role, observer=observer, options=tuple(sorted(options.items())))
-        rules = tuple(replace(r, **{k: swap(getattr(r, k)) for k in ROLES}) for r in self.rules)
+            name = weight_observer(observer) if kind == "weight" else observer
+            opts = () if name != observer else tuple(sorted(options.items()))
+            return replace(role, observer=name, options=opts)
+        rules = tuple(replace(r, **{k: swap(getattr(r, k), k) for k in ROLES})
+                      for r in self.rules)
         return replace(self, rules=rules, name=self.name)
 
     @property
@@ -205,16 +210,28 @@ class Recipe:
                    d.get("name", "custom"))
 
 
-def resolve_observer(name: str, role: str) -> str:
-    """The registry name a role runs: weights take the memoryless variant where one exists."""
+def weight_observer(name: str) -> str:
+    """The observer a weight role runs when a recipe is built from observer ``name``.
+
+    Weights are observed once: a name with a memoryless variant uses it (``minmax`` ->
+    ``memoryless_minmax``, ``mse`` -> ``memoryless_mse``). Histogram observers
+    (percentile, entropy, mix, ...) are activation calibrators -- TensorRT and Horizon
+    pair them with max calibration of weights -- so their weights use
+    ``memoryless_minmax``. ``auto`` stays ``auto``. A :class:`Role` written by hand runs
+    the observer it names.
+    """
     from ..observers.registry import observer_class
 
-    if role == "weight" and name != AUTO and not name.startswith("memoryless_"):
-        try:
-            observer_class(f"memoryless_{name}")
-            return f"memoryless_{name}"
-        except ValueError:
-            pass
+    if name == AUTO or name.startswith("memoryless_"):
+        return name
+    try:
+        observer_class(f"memoryless_{name}")
+        return f"memoryless_{name}"
+    except ValueError:
+        pass
+    cls = observer_class(name)
+    if hasattr(cls, "current_histogram"):  # the histogram family
+        return "memoryless_minmax"
     return name
 
 
@@ -264,5 +281,5 @@ def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
     rule = replace(PRESETS[key](observer), targets=tuple([targets] if isinstance(targets, str)
                                                          else targets))
     recipe = Recipe((rule,), tuple([ignore] if isinstance(ignore, str) else ignore), key)
-    return recipe.with_observer(observer, **options) if options else recipe
+    return recipe.with_observer(observer, **options)
 

@@ -335,7 +335,7 @@ def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
 
 
 def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
-                   sample_tokens: int = 4096, progress: bool = True,
+                   sample_tokens: int = 2048, progress: bool = True,
                    seed: int = 0, distributed: bool = False,
                    group=None) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.

@@ -1,0 +1,338 @@
+"""Model-level calibration on a small model built here: hooks, QDQ, report, save / load, errors."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import quantscope
+from quantscope import QuantSpec, fake_quantize, qparams_from_range
+from quantscope.calibrate import (
+    PRESETS,
+    Recipe,
+    Role,
+    Rule,
+    calibrate,
+    calibrate_many,
+    load,
+    preset,
+)
+from quantscope.layout import Channel, Group, Tensor, Token
+
+
+class Tiny(nn.Module):
+    def __init__(self, d=128, h=256):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.act = nn.GELU()
+        self.down = nn.Linear(h, d)
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        return self.head(self.down(self.act(self.up(x))))
+
+
+def make(seed=0, d=128, h=256):
+    torch.manual_seed(seed)
+    m = Tiny(d, h).eval()
+    batches = []
+    for _ in range(4):
+        x = torch.randn(2, 6, d)
+        x[..., 3] *= 20  # an outlier channel, as real activations have
+        batches.append(x)
+    return m, batches
+
+
+def no_hooks(model):
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same_state(model, snap):
+    sd = model.state_dict()
+    return sd.keys() == snap.keys() and all(torch.equal(sd[k], snap[k]) for k in snap)
+
+
+# ------------------------------------------------------------------------- calibration
+def test_package_is_callable_and_a_namespace():
+    m, b = make()
+    c = quantscope.calibrate(m, b, "w8a8", progress=False)
+    assert set(c.states) == {"up", "down", "head"}
+    assert quantscope.calibrate.load is load
+
+
+def test_hooks_removed_and_model_untouched():
+    m, b = make()
+    snap = snapshot(m)
+    m.train()
+    calibrate(m, b, "w8a8", progress=False)
+    assert no_hooks(m) and same_state(m, snap)
+    assert m.training  # mode restored
+
+
+def test_hooks_removed_when_a_batch_fails():
+    m, b = make()
+    bad = b[:2] + [torch.randn(2, 6, 7)]  # wrong width: Linear raises mid-pass
+    with pytest.raises(RuntimeError):
+        calibrate(m, bad, "w8a8", progress=False)
+    assert no_hooks(m)
+
+
+def test_static_minmax_qparams_equal_direct_formula():
+    m, b = make()
+    c = calibrate(m, b, "w8a8", observer="static_minmax", progress=False)
+    w = m.up.weight
+    wspec, aspec = PRESETS["w8a8"]("x").weight.spec, PRESETS["w8a8"]("x").input.spec
+    wq = qparams_from_range(w.amin(1), w.amax(1), wspec)
+    st = c.states["up"]["weight"]
+    assert st.observer == "static_minmax"  # observed once: the same as memoryless
+    mm = calibrate(m, b, "w8a8", observer="minmax", progress=False).states["up"]
+    assert mm["weight"].observer == "memoryless_minmax"  # weights take the memoryless variant
+    assert mm["input"].observer == "minmax"
+    assert torch.equal(st.qparams.scale.flatten(), wq.scale)
+    x = torch.cat(b)
+    aq = qparams_from_range(x.min().reshape(1), x.max().reshape(1), aspec)
+    assert torch.equal(c.states["up"]["input"].qparams.scale.flatten(), aq.scale)
+
+
+def test_qdq_output_equals_direct_computation_and_is_reversible():
+    m, b = make()
+    c = calibrate(m, b, "w8a8", observer="static_minmax", progress=False)
+    x = b[0]
+    snap = snapshot(m)
+    ref = m(x)
+
+    def fq_linear(layer, inp):
+        st = c.states[layer]["weight"], c.states[layer]["input"]
+        lin = getattr(m, layer)
+        wq = fake_quantize(lin.weight, st[0].qparams, st[0].spec)
+        return nn.functional.linear(fake_quantize(inp, st[1].qparams, st[1].spec), wq, lin.bias)
+
+    with torch.no_grad():
+        expect = fq_linear("head", fq_linear("down", m.act(fq_linear("up", x))))
+    with c.apply(m) as handle:
+        assert handle.active
+        got = m(x)
+        with pytest.raises(ValueError, match="already has quantscope QDQ"):
+            c.apply(m)
+    assert torch.equal(got, expect)
+    assert not torch.equal(got, ref)
+    assert no_hooks(m) and same_state(m, snap)
+    assert torch.equal(m(x), ref)
+
+
+def test_dynamic_per_token_qdq():
+    m, b = make()
+    c = calibrate(m, b, "w8a8-dynamic", progress=False)
+    st = c.states["up"]["input"]
+    assert st.dynamic is True and st.qparams is None
+    x = b[1]
+    spec = QuantSpec("int8", Token())
+    qp = qparams_from_range(x.amin(-1), x.amax(-1), spec).reshape(2, 6, 1)
+    w = c.states["up"]["weight"]
+    expect = nn.functional.linear(fake_quantize(x, qp, spec),
+                                  fake_quantize(m.up.weight, w.qparams, w.spec), m.up.bias)
+    captured = {}
+    with c.apply(m):
+        h = m.up.register_forward_hook(lambda mod, a, out: captured.setdefault("up", out))
+        with torch.no_grad():
+            m(x)
+        h.remove()
+    assert torch.equal(captured["up"], expect)
+
+
+def test_weights_need_no_data():
+    m, _ = make()
+    c = calibrate(m, [], "w4a16", progress=False)
+    assert set(c.states["up"]) == {"weight"}
+    assert c.info["batches"] == 0
+
+
+def test_calibrate_many_shares_one_pass_and_matches_single_runs():
+    m, b = make()
+    many = calibrate_many(m, b, {"a": preset("w8a8", "minmax"), "b": preset("w4a8", "minmax"),
+                                 "c": preset("w8a8", "static_minmax")}, progress=False)
+    for label, (name, obs) in {"a": ("w8a8", "minmax"), "b": ("w4a8", "minmax"),
+                               "c": ("w8a8", "static_minmax")}.items():
+        one = calibrate(m, b, name, observer=obs, progress=False)
+        for layer, roles in one.states.items():
+            for role, st in roles.items():
+                assert torch.equal(st.qparams.scale, many[label].states[layer][role].qparams.scale)
+    assert many["a"].info["batches"] == len(b)
+
+
+def test_auto_picks_the_lowest_error_candidate():
+    m, b = make()
+    cands = ["minmax", "static_minmax"] + [o for o in ("mse", "percentile", "entropy")
+                                           if o in quantscope.list_observers()]
+    plan = {o: preset("w4a8", o) for o in cands}
+    plan["auto"] = preset("w4a8", "auto")
+    runs = calibrate_many(m, b, plan, candidates=cands, sample_tokens=10_000, progress=False)
+    rows = {(r["layer"], r["role"]): r for r in runs["auto"].stats}
+    for key, row in rows.items():
+        best = max(next(r for r in runs[o].stats if (r["layer"], r["role"]) == key)["sqnr_db"]
+                   for o in cands)
+        assert row["sqnr_db"] == best
+        assert row["requested"] == "auto"
+
+
+# ------------------------------------------------------------------------------ report
+def test_report_values_equal_direct_computation():
+    m, b = make()
+    c = calibrate(m, b, "w8a8", observer="static_minmax", sample_tokens=10_000,
+                  progress=False)  # keeps every activation row: stats over all of them
+    rows = {(r["layer"], r["role"]): r for r in c.report().rows}
+    for layer in ("up", "down"):
+        st = c.states[layer]["weight"]
+        w = getattr(m, layer).weight.detach()
+        err = fake_quantize(w, st.qparams, st.spec) - w
+        sqnr = 10 * math.log10(float(w.square().sum()) / float(err.square().sum()))
+        assert rows[(layer, "weight")]["sqnr_db"] == pytest.approx(sqnr, rel=1e-6)
+        scale = st.qparams.scale  # [out, 1]
+        clipped = ((w < -128 * scale) | (w > 127 * scale)).float().mean()
+        assert rows[(layer, "weight")]["clipped"] == pytest.approx(float(clipped))
+        assert rows[(layer, "weight")]["lo"] == pytest.approx(float(w.min()))
+    x = torch.cat(b)
+    st = c.states["up"]["input"]
+    err = fake_quantize(x, st.qparams, st.spec) - x
+    r = rows[("up", "input")]
+    assert r["sqnr_db"] == pytest.approx(10 * math.log10(float(x.square().sum())
+                                                         / float(err.square().sum())), rel=1e-5)
+    assert r["clipped"] == pytest.approx(float((x > 127 * st.qparams.scale).float().mean()))
+    assert r["numel"] == x.numel()
+    summary = c.report().summary
+    assert summary["weight"]["layers"] == 3
+    assert summary["input"]["mean_sqnr_db"] == pytest.approx(
+        sum(rows[(n, "input")]["sqnr_db"] for n in ("up", "down", "head")) / 3)
+
+
+def test_report_markdown_and_json(tmp_path):
+    import json
+
+    m, b = make()
+    rep = calibrate(m, b, "w8a8", progress=False).report({"accuracy": 0.5})
+    rep.to_json(tmp_path / "r.json")
+    rep.to_markdown(tmp_path / "r.md")
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert len(d["layers"]) == 6 and d["metrics"]["accuracy"] == 0.5
+    assert "| up | weight |" in (tmp_path / "r.md").read_text()
+
+
+# -------------------------------------------------------------------------- save / load
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_save_load_round_trip_exact(tmp_path, name):
+    m, b = make()
+    c = calibrate(m, b, name, progress=False)
+    c.save(tmp_path / "q")
+    back = load(tmp_path / "q")
+    x = b[2]
+    with c.apply(m):
+        a = m(x)
+    with back.apply(m):
+        y = m(x)
+    assert torch.equal(a, y)
+    for layer, roles in c.states.items():
+        for role, st in roles.items():
+            other = back.states[layer][role]
+            assert other.spec == st.spec and other.dynamic == st.dynamic
+            if st.qparams is not None:
+                assert torch.equal(other.qparams.scale, st.qparams.scale)
+                assert torch.equal(other.qparams.zero_point, st.qparams.zero_point)
+    assert back.recipe == c.recipe
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(tmp_path / "nothing")
+
+
+def test_apply_to_another_model_fails_cleanly():
+    m, b = make()
+    c = calibrate(m, b, "w8a8", progress=False)
+    other, _ = make(seed=1)
+    other.head = nn.Linear(128, 9)  # up and down get applied before head fails: all undone
+    snap = snapshot(other)
+    with pytest.raises(ValueError, match=r"head.weight has shape \(9, 128\)"):
+        c.apply(other)
+    assert no_hooks(other) and same_state(other, snap)
+
+
+# ----------------------------------------------------------------------------- recipes
+def test_recipe_targets_ignore_and_regex():
+    m, b = make()
+    r = preset("w8a8", ignore=["head"])
+    assert set(r.match(m)) == {"up", "down"}
+    custom = Recipe((Rule(("re:(up|down)",), weight=Role(QuantSpec("int8", Channel(0)),
+                                                         "minmax")),
+                     Rule(("Linear",), input=Role(QuantSpec("int8", Tensor()), "minmax"))))
+    c = calibrate(m, b, custom, progress=False)
+    assert set(c.states["up"]) == {"weight"} and set(c.states["head"]) == {"input"}
+    assert Recipe.from_dict(custom.to_dict()) == custom
+
+
+# --------------------------------------------------------------------------- bad input
+def test_recipe_matching_nothing():
+    m, b = make()
+    with pytest.raises(ValueError, match=r"no module matches targets \['Conv2d'\]"):
+        calibrate(m, b, preset("w8a8", targets=["Conv2d"]), progress=False)
+    assert no_hooks(m)
+
+
+def test_empty_calibration_data():
+    m, _ = make()
+    with pytest.raises(ValueError, match="batches is empty"):
+        calibrate(m, [], "w8a8", progress=False)
+    assert no_hooks(m)
+    with pytest.raises(ValueError, match="batches is empty"):
+        calibrate(m, iter(()), "w4a8", progress=False)
+    assert no_hooks(m)
+
+
+def test_group_size_that_does_not_divide():
+    m, b = make(d=96, h=256)
+    with pytest.raises(ValueError, match=r"layer 'up' weight of shape \(256, 96\).*does not "
+                                         r"divide 96"):
+        calibrate(m, b, "w4a16", progress=False)
+    assert no_hooks(m)
+
+
+def test_other_bad_input():
+    m, b = make()
+    with pytest.raises(ValueError, match="unknown preset 'w3a3'"):
+        calibrate(m, b, "w3a3", progress=False)
+    with pytest.raises(ValueError, match="unknown observer 'nope'"):
+        calibrate(m, b, "w8a8", observer="nope", progress=False)
+    token = Recipe(Rule(("Linear",), input=Role(QuantSpec("int8", Token()), "minmax")))
+    with pytest.raises(ValueError, match="static activation qparams need"):
+        calibrate(m, b, token, progress=False)
+    group = Recipe(Rule(("Linear",), input=Role(QuantSpec("int4", Group(64)), "minmax", True)))
+    with pytest.raises(ValueError, match="layer 'head' input of width 128|layer 'up'"):
+        calibrate(m, b, Recipe(Rule(("Linear",), weight=Role(QuantSpec("int4", Group(48)),
+                                                              "minmax"))), progress=False)
+    assert calibrate(m, b, group, progress=False).states["up"]["input"].dynamic is True
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        calibrate("model", b, "w8a8")
+    assert no_hooks(m)
+
+
+def test_observer_error_during_pass_names_layer_and_leaves_no_hooks():
+    m, b = make()
+    bad = [b[0], torch.full((2, 6, 128), float("nan"))]
+    with pytest.raises(ValueError, match="NaN"):
+        calibrate(m, bad, "w8a8", progress=False)
+    assert no_hooks(m)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda():
+    m, b = make()
+    m = m.cuda()
+    b = [x.cuda() for x in b]
+    c = calibrate(m, b, "w8a8", observer="auto", progress=False)
+    with c.apply(m):
+        y = m(b[0])
+    assert y.is_cuda and no_hooks(m)
