@@ -6,6 +6,8 @@ kernel consuming the checkpoint does), independently of the layouts' units view.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from quantscope import QuantSpec, dequantize, fake_quantize, presets, qparams_from_range, quantize
 from quantscope.layout import Block, Channel, Group, Tensor, Tile, Token
@@ -202,3 +204,51 @@ def test_errors():
         quantize([1.0, 2.0], q, spec)
     with pytest.raises(ValueError, match="Group: size 128 does not divide 100"):
         fake_quantize(torch.randn(4, 100), q, presets.INT4_GROUP128)
+
+
+
+
+@st.composite
+def spec_and_tensor(draw):
+    fmt = draw(st.sampled_from(["int2", "int3", "int4", "int8", "int16", "uint4", "uint8",
+                                "int8_narrow", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3",
+                                "fp4"]))
+    is_float = fmt.startswith("fp")
+    kind = draw(st.sampled_from(["tensor", "channel", "group", "token", "block", "tile"]))
+    rows, cols = draw(st.integers(1, 9)), draw(st.sampled_from([8, 16, 24, 40]))
+    layout = {"tensor": Tensor(), "channel": Channel(draw(st.integers(0, 1))),
+              "group": Group(8), "token": Token(), "block": Block(draw(st.sampled_from([4, 16, 32]))),
+              "tile": Tile(draw(st.integers(1, 4)), draw(st.sampled_from([3, 8])))}[kind]
+    scales = ["fp32", "fp16", "bf16", "pow2:round", "pow2:floor", "pow2:ceil"]
+    signed = not fmt.startswith("u")
+    if kind == "block" and signed:
+        scales += ["e8m0:floor", "e8m0:ceil", "e8m0:even", "e8m0:rceil"]
+        if is_float:
+            scales.append("fp8_e4m3")
+    scale = draw(st.sampled_from(scales))
+    symmetric = True if is_float or scale.startswith(("e8m0", "fp8")) else draw(st.booleans())
+    spec = QuantSpec(fmt, layout, symmetric, scale)
+    mag = draw(st.sampled_from([1e-3, 1.0, 1e3]))
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    x = x * mag
+    if draw(st.booleans()):
+        x[0] = 0  # an all-zero row
+    return spec, x
+
+
+@settings(max_examples=150, deadline=None)
+@given(spec_and_tensor())
+def test_any_valid_spec_quantizes_consistently(case):
+    spec, x = case
+    q = observe(x, spec)
+    s = q.effective_scale
+    assert torch.isfinite(s).all() and (s > 0).all()
+    codes = quantize(x, q, spec)
+    out = fake_quantize(x, q, spec)
+    assert torch.isfinite(out).all()
+    assert (codes >= spec.qmin).all() and (codes <= spec.qmax).all()
+    assert torch.equal(dequantize(codes, q, spec), out)
+    assert torch.equal(fake_quantize(out, q, spec), out)  # the grid is a fixed point
+    assert (out[x == 0] == 0).all()  # zero is exact
+    ref, _ = reference_fake_quant(x, q, spec)  # the broadcast reference
+    assert torch.equal(out, ref)
