@@ -206,8 +206,6 @@ def test_errors():
         fake_quantize(torch.randn(4, 100), q, presets.INT4_GROUP128)
 
 
-
-
 @st.composite
 def spec_and_tensor(draw):
     fmt = draw(st.sampled_from(["int2", "int3", "int4", "int8", "int16", "uint4", "uint8",
