@@ -35,7 +35,7 @@ from ..stats.histogram import Hist, fold_abs
 
 __all__ = ["entropy_amax", "entropy_divergences", "entropy_range"]
 
-_BUDGET = 1 << 22
+_BUDGET = 1 << 18
 
 
 def _xlogx(x):

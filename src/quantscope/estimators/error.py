@@ -19,7 +19,7 @@ from ..stats.histogram import Hist
 __all__ = ["ELEMENT_BUDGET", "histogram_error"]
 
 #: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
-ELEMENT_BUDGET = 1 << 22
+ELEMENT_BUDGET = 1 << 18
 
 
 def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,

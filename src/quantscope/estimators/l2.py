@@ -39,7 +39,7 @@ from ..stats.histogram import Hist
 __all__ = ["l2_norms", "l2_path", "l2_range", "polish_range"]
 
 _STEP = 1e-5
-_BUDGET = 1 << 22
+_BUDGET = 1 << 19
 
 
 @functools.lru_cache(maxsize=1)
