@@ -117,19 +117,19 @@ class _HistObserver(quantscope.Observer):
 
 
 # --------------------------------------------------------------------------- worker
-def _scenarios(r, w):
+def _scenarios(r, w, group=None):
     out = {}
     fams = _families()
     for n_batches in (w + 2, 1):  # ranks with different counts; ranks with no batches
         batches = _batches(n_batches, seed=n_batches)
-        mine = qd.shard(batches)
+        mine = qd.shard(batches, group)
         for sname, spec in _specs().items():
             for fam, opts in fams.items():
                 key = f"{fam}/{sname}/b{n_batches}"
                 obs = quantscope.get_observer(fam, spec, **opts)
                 for x in mine:
                     obs(x)
-                obs.sync()
+                obs.sync(group)
                 got = _record(obs)
                 avg = any(isinstance(it, tuple) and it[1] is qd.AVG for it in qd._plan(obs))
                 if fam == "memoryless_minmax":  # by definition: the ranks' last tensors together
@@ -160,7 +160,7 @@ def _scenarios(r, w):
                 if fam == "static_minmax":
                     continue
                 obs = quantscope.get_observer(fam, spec, **opts)
-                obs.sync_every_step = True
+                obs.sync_every_step, obs.sync_group = True, group
                 ref = quantscope.get_observer(fam, spec, **opts)
                 steps = -(-n_batches // w)
                 for t in range(steps):
@@ -178,11 +178,11 @@ def _scenarios(r, w):
             for absolute in (False, True):
                 obs, ref = _HistObserver(spec, absolute=absolute), _HistObserver(spec,
                                                                                   absolute=absolute)
-                for x in qd.shard(batches):
+                for x in qd.shard(batches, group):
                     obs(x)
                 for x in batches:
                     ref(x)
-                obs.sync()
+                obs.sync(group)
                 out[f"hist/{sname}/{absolute}/b{n_batches}"] = {
                     "got": {**obs.state(), "tokens": obs.observed_tokens},
                     "ref": {**ref.state(), "tokens": ref.observed_tokens}}
@@ -195,6 +195,7 @@ def _scenarios(r, w):
     steps = -(-len(batches) // w)
     hz = horizon.MovingAveragePerChannelMinMaxObserver(ch_axis=2, is_sync_quantize=True,
                                                        averaging_constant=0.2)
+    hz.sync_group = group
     hz_ref = horizon.MovingAveragePerChannelMinMaxObserver(ch_axis=2, averaging_constant=0.2)
     for t in range(steps):
         idx = t * w + r
@@ -203,10 +204,11 @@ def _scenarios(r, w):
     out["horizon"] = {"got": hz.calculate_qparams(), "ref": hz_ref.calculate_qparams()}
     args = {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}
     lc = llmcompressor.StaticMinMaxObserver("input", args)
+    lc.sync_group = group
     lc_ref = llmcompressor.StaticMinMaxObserver("input", args)
     for x in batches:
         lc_ref(x.reshape(-1, 8))
-    for x in qd.shard(batches):
+    for x in qd.shard(batches, group):
         lc(x.reshape(-1, 8))
     assert lc.sync_activation_stats() == []
     out["llmcompressor"] = {"got": lc.get_qparams(), "ref": lc_ref.get_qparams()}
@@ -215,9 +217,9 @@ def _scenarios(r, w):
     many = [quantscope.get_observer("static_minmax", QuantSpec(layout=Channel(-1)))
             for _ in range(20)]
     for o in many:
-        for x in qd.shard(_batches(w + 1, seed=7)):
+        for x in qd.shard(_batches(w + 1, seed=7), group):
             o(x)
-    qd.sync_observers(many)
+    qd.sync_observers(many, group)
     out["many"] = {"stats": qd.last_stats()}
 
     # NaN on one rank: the same error on every rank, no hang
@@ -227,25 +229,25 @@ def _scenarios(r, w):
         x = x.clone()
         x[0, 0, 0] = float("nan")
     obs(x)
-    obs.sync()
+    obs.sync(group)
     out["nan"] = _record(obs)
     obs = quantscope.get_observer("minmax", QuantSpec())
-    obs.sync_every_step = True
+    obs.sync_every_step, obs.sync_group = True, group
     obs(x)
     obs.sync()
     out["nan_step"] = _record(obs)
 
     # calibration helpers: a failure on one rank raises on every rank; counts; samples
     try:
-        with qd.all_or_none("observing"):
+        with qd.all_or_none("observing", group):
             if r == w - 1:
                 raise ValueError("boom")
         out["all_or_none"] = None
     except (ValueError, RuntimeError) as e:
         out["all_or_none"] = f"{type(e).__name__}: {e}"
-    out["all_sum"] = qd.all_sum(r + 1)
+    out["all_sum"] = qd.all_sum(r + 1, group)
     rows = [torch.full((2 + r, 3), float(r))] if r else []
-    out["samples"] = qd.gather_samples({"a": rows, "none": []}, limit=4)
+    out["samples"] = qd.gather_samples({"a": rows, "none": []}, limit=4, group=group)
 
     # calibrate(..., distributed=True): shards, weight split, sync == one process on all
     from quantscope.calibrate import calibrate
@@ -260,10 +262,12 @@ def _scenarios(r, w):
                 for role, st in roles.items()}
 
     for name in ("static_minmax", "percentile"):
-        got = calibrate(model, batches, "w8a8", observer=name, progress=False, distributed=True)
+        got = calibrate(model, batches, "w8a8", observer=name, progress=False, distributed=True,
+                        group=group)
         ref = calibrate(model, batches, "w8a8", observer=name, progress=False)
         out[f"calib/{name}"] = {"got": qps(got), "ref": qps(ref)}
-    got = calibrate(model, batches, "w8a8", observer="auto", progress=False, distributed=True)
+    got = calibrate(model, batches, "w8a8", observer="auto", progress=False, distributed=True,
+                    group=group, candidates=["static_minmax", "percentile", "memoryless_mse"])
     out["calib_auto"] = {"got": qps(got), "observers": {
         f"{layer}/{role}": st.observer for layer, roles in got.states.items()
         for role, st in roles.items()}, "processes": got.info.get("processes")}
@@ -271,14 +275,14 @@ def _scenarios(r, w):
     # weights split by size: each rank observes its share, qparams are shared
     g = torch.Generator().manual_seed(11)
     weights = {f"layer{i}": torch.randn(4 + 3 * i, 16, generator=g) for i in range(7)}
-    owner = qd.assign_by_size({k: v.numel() for k, v in weights.items()})
+    owner = qd.assign_by_size({k: v.numel() for k, v in weights.items()}, group=group)
     local = {}
     for name, wt in weights.items():
         if owner[name] == r:
             o = quantscope.get_observer("memoryless_minmax", QuantSpec(layout=Channel(0)))
             o(wt)
             local[name] = o.calculate_qparams()
-    merged = qd.gather_qparams(local)
+    merged = qd.gather_qparams(local, group)
     ref = {}
     for name, wt in weights.items():
         o = quantscope.get_observer("memoryless_minmax", QuantSpec(layout=Channel(0)))
@@ -290,39 +294,51 @@ def _scenarios(r, w):
 
 
 def _worker(r, w, port, tmp):
-    torch.set_num_threads(1)  # 2-3 processes on 2 cores: no oversubscription
+    """World ``w`` (3): the 2-process scenarios on the subgroup of ranks 0 and 1 first
+    (one spawn, since starting a process and importing torch costs seconds), then the
+    3-process scenarios on the whole group."""
+    torch.set_num_threads(1)  # 3 processes on 2 cores: no oversubscription
+    out = {}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r,
-                                world_size=w, timeout=datetime.timedelta(seconds=20))
-        out = _scenarios(r, w)
+                                world_size=w, timeout=datetime.timedelta(seconds=60))
+        pair = dist.new_group([0, 1])
+        if r < 2:
+            out[2] = _scenarios(r, 2, pair)
+        out[w] = _scenarios(r, w)
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- any failure goes back to the parent
-        out = {"crash": traceback.format_exc()}
+        out["crash"] = traceback.format_exc()
     torch.save(out, os.path.join(tmp, f"rank{r}.pt"))
 
 
 def _spawn(w):
+    import time
+
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.spawn(_worker, args=(w, _port(), tmp), nprocs=w, join=False)
-        deadline = TIMEOUT
-        import time
-
         t0 = time.time()
         while not ctx.join(timeout=1):
-            if time.time() - t0 > deadline:
+            if time.time() - t0 > TIMEOUT:
                 for p in ctx.processes:
                     p.kill()
-                raise AssertionError(f"{w} processes did not finish in {deadline} s (hang?)")
+                raise AssertionError(f"{w} processes did not finish in {TIMEOUT} s (hang?)")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
                 for r in range(w)]
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def results(request):
-    res = _spawn(request.param)
+@pytest.fixture(scope="module")
+def spawned():
+    res = _spawn(3)
     for r, out in enumerate(res):
         assert "crash" not in out, f"rank {r}:\n{out['crash']}"
-    return request.param, res
+    return res
+
+
+@pytest.fixture(params=[2, 3])
+def results(request, spawned):
+    w = request.param
+    return w, [spawned[r][w] for r in range(w)]
 
 
 def _same(a, b):

@@ -106,7 +106,7 @@ class Observer(nn.Module):
             bad = ~torch.isfinite(units)
             self.non_finite_count += bad.sum()
             units = units.masked_fill(bad, 0.0)
-        lo, hi = unit_minmax(units) if fast is None else fast
+        lo, hi = unit_minmax(units, self._minmax_out(count)) if fast is None else fast
         if self.sync_every_step:  # exchange the step's statistic with the other ranks
             from ..distributed import step_sync
 
@@ -117,6 +117,12 @@ class Observer(nn.Module):
         self.observed_tokens += x.numel() // x.shape[-1] if x.dim() else 1
         self._set_shape(x.shape)
         return x
+
+    def _minmax_out(self, count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Two ``[count]`` tensors forward may write this call's per-unit min / max into
+        (reused memory is much faster than fresh pages); None: new tensors. Only for
+        classes that do not keep references to an earlier call's ``lo`` / ``hi``."""
+        return None
 
     def _record_non_finite(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
         # NaN / inf reach a unit's min or max, and the smallest min / largest max then hold
@@ -210,10 +216,11 @@ class Observer(nn.Module):
         raise NotImplementedError
 
     def sync(self, group=None) -> Observer:
-        """Make the state the same on every rank (no-op outside ``torch.distributed``)."""
+        """Make the state the same on every rank of ``group`` (default: :attr:`sync_group`,
+        else the default group); a no-op outside ``torch.distributed``."""
         from ..distributed import sync_observers
 
-        sync_observers([self], group)
+        sync_observers([self], self.sync_group if group is None else group)
         return self
 
     def _step_empty(self, group=None) -> None:
