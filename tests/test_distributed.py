@@ -202,6 +202,14 @@ def _scenarios(r, w, group=None):
         hz(batches[idx] if idx < len(batches) else batches[0][:0])
         hz_ref(torch.cat(batches[t * w:(t + 1) * w]))
     out["horizon"] = {"got": hz.calculate_qparams(), "ref": hz_ref.calculate_qparams()}
+    hp = horizon.PercentileObserver(bins=128, averaging_constant=0.3, is_sync_quantize=True)
+    hp.sync_group = group
+    hp_ref = horizon.PercentileObserver(bins=128, averaging_constant=0.3)
+    for t in range(steps):  # per-batch percentile of the global batch, then the EMA
+        idx = t * w + r
+        hp(batches[idx] if idx < len(batches) else batches[0][:0])
+        hp_ref(torch.cat(batches[t * w:(t + 1) * w]))
+    out["horizon_percentile"] = {"got": hp.calculate_qparams(), "ref": hp_ref.calculate_qparams()}
     args = {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}
     lc = llmcompressor.StaticMinMaxObserver("input", args)
     lc.sync_group = group
@@ -404,6 +412,7 @@ def test_seed_flags(results):
     w, res = results
     for r in range(w):
         _same(res[r]["horizon"]["got"], res[r]["horizon"]["ref"])
+        _same(res[r]["horizon_percentile"]["got"], res[r]["horizon_percentile"]["ref"])
         _same(res[r]["llmcompressor"]["got"], res[r]["llmcompressor"]["ref"])
 
 
