@@ -232,7 +232,7 @@ class MinMaxObserver(Observer, _NativeEMA):
     def _ema_(self, state, batch):
         # llm-compressor's lerp: old * (1 - c) + new * c, rounded as it rounds
         c = self.averaging_constant
-        state.mul_(1.0 - c).add_(batch * c)
+        state.mul_(1.0 - c).add_(batch.mul_(c))
 
 
 _MSE_OPTIONS = ("maxshrink", "patience", "grid", "norm", "expand")

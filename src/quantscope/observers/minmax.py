@@ -34,6 +34,15 @@ class MinMaxStateObserver(Observer):
     def _sized_buffers(self):
         return ("min_vals", "max_vals")
 
+    def _minmax_out(self, count):
+        # a scratch pair reused across calls: the state is updated from it, never aliases it
+        scratch = getattr(self, "_scratch", None)
+        dev = self.min_vals.device
+        if scratch is None or scratch[0].shape != (count,) or scratch[0].device != dev:
+            scratch = self._scratch = (torch.empty(count, device=dev),
+                                       torch.empty(count, device=dev))
+        return scratch
+
     #: the step statistic is the per-unit min / max (quantscope.distributed step sync)
     step_stat = "minmax"
 
@@ -62,8 +71,13 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
 
     accumulates = False
 
+    def _minmax_out(self, count):
+        # the new min / max go straight into the state (in place, like the other families)
+        return self.min_vals, self.max_vals
+
     def _observe(self, units, lo, hi):
-        self.min_vals, self.max_vals = lo, hi
+        if lo is not self.min_vals:
+            self.min_vals, self.max_vals = lo, hi
 
 
 @register("static_minmax")
@@ -96,8 +110,11 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
         self._ema_(self.max_vals, hi)
 
     def _ema_(self, state: torch.Tensor, batch: torch.Tensor) -> None:
-        """``state += c * (batch - state)`` in place (a compat class may round it its way)."""
-        state.add_(batch.sub(state).mul_(self.averaging_constant))
+        """``state += c * (batch - state)`` in place (a compat class may round it its way).
+
+        ``batch`` is this call's temporary and may be overwritten (no fresh allocation).
+        """
+        state.add_(batch.sub_(state).mul_(self.averaging_constant))
 
     def _sync_plan(self):
         # approximate unless sync_every_step (then exact): see quantscope.distributed

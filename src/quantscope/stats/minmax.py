@@ -42,24 +42,28 @@ _SOURCE = r"""
 #endif
 
 #ifdef __AVX2__
-/* One vector holding the 8 horizontal reductions of v0..v7 (lane i: reduction of vi). */
-#define HREDUCE8(OP, v0, v1, v2, v3, v4, v5, v6, v7, out) do {                          \
+/* The 8 horizontal reductions of v0..v7 as two 4-lane vectors (lane i of lo4: vi, of hi4:
+   v(4+i)); 128-bit halves at the last level (cross-lane permutes are slow on some cores). */
+#define HREDUCE8(OP, OP4, v0, v1, v2, v3, v4, v5, v6, v7, lo4, hi4) do {                \
     __m256 a01 = OP(_mm256_unpacklo_ps(v0, v1), _mm256_unpackhi_ps(v0, v1));            \
     __m256 a23 = OP(_mm256_unpacklo_ps(v2, v3), _mm256_unpackhi_ps(v2, v3));            \
     __m256 a45 = OP(_mm256_unpacklo_ps(v4, v5), _mm256_unpackhi_ps(v4, v5));            \
     __m256 a67 = OP(_mm256_unpacklo_ps(v6, v7), _mm256_unpackhi_ps(v6, v7));            \
     __m256 b03 = OP(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE)); \
     __m256 b47 = OP(_mm256_shuffle_ps(a45, a67, 0x44), _mm256_shuffle_ps(a45, a67, 0xEE)); \
-    out = OP(_mm256_permute2f128_ps(b03, b47, 0x20), _mm256_permute2f128_ps(b03, b47, 0x31)); \
+    lo4 = OP4(_mm256_castps256_ps128(b03), _mm256_extractf128_ps(b03, 1));              \
+    hi4 = OP4(_mm256_castps256_ps128(b47), _mm256_extractf128_ps(b47, 1));              \
 } while (0)
 
 /* Short rows (E a multiple of 8, up to 64: MX / NVFP4 / BFP blocks, small groups), 8 rows
-   at a time: each row folds to one vector, then 8 rows reduce together by shuffles. */
+   at a time: each row folds to one vector, then 8 rows reduce together by shuffles. NaN is
+   tracked per row but only reduced when one of the 8 rows has it. */
 static int64_t rows8(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi) {
     int64_t u = u0;
-    const __m256 qnan = _mm256_set1_ps(NAN);
+    const __m128 qnan = _mm_set1_ps(NAN);
     for (; u + 8 <= u1; u += 8) {
         __m256 l[8], h[8], n[8];
+        __m256 any = _mm256_setzero_ps();
         for (int k = 0; k < 8; ++k) {
             const float *r = x + (u + k) * E;
             __m256 v = _mm256_loadu_ps(r);
@@ -71,13 +75,19 @@ static int64_t rows8(const float *x, int64_t E, int64_t u0, int64_t u1, float *l
                 nk = _mm256_or_ps(nk, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
             }
             l[k] = lk; h[k] = hk; n[k] = nk;
+            any = _mm256_or_ps(any, nk);
         }
-        __m256 L, H, N;
-        HREDUCE8(_mm256_min_ps, l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], L);
-        HREDUCE8(_mm256_max_ps, h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], H);
-        HREDUCE8(_mm256_or_ps, n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], N);
-        _mm256_storeu_ps(lo + u, _mm256_blendv_ps(L, qnan, N));
-        _mm256_storeu_ps(hi + u, _mm256_blendv_ps(H, qnan, N));
+        __m128 L0, L1, H0, H1;
+        HREDUCE8(_mm256_min_ps, _mm_min_ps, l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], L0, L1);
+        HREDUCE8(_mm256_max_ps, _mm_max_ps, h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], H0, H1);
+        if (_mm256_movemask_ps(any)) {  /* rare: some row has NaN */
+            __m128 N0, N1;
+            HREDUCE8(_mm256_or_ps, _mm_or_ps, n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], N0, N1);
+            L0 = _mm_blendv_ps(L0, qnan, N0); L1 = _mm_blendv_ps(L1, qnan, N1);
+            H0 = _mm_blendv_ps(H0, qnan, N0); H1 = _mm_blendv_ps(H1, qnan, N1);
+        }
+        _mm_storeu_ps(lo + u, L0); _mm_storeu_ps(lo + u + 4, L1);
+        _mm_storeu_ps(hi + u, H0); _mm_storeu_ps(hi + u + 4, H1);
     }
     return u;
 }
@@ -292,12 +302,19 @@ def kernel_available() -> bool:
     return _kernel() is not None
 
 
-def torch_unit_minmax(units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_unit_minmax(units: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of :func:`unit_minmax` (any device, any float dtype)."""
     if units.shape[0] == 1:  # a full reduction is much faster than one along a dim
         lo, hi = torch.aminmax(units)
-        return lo.reshape(1), hi.reshape(1)
-    return torch.aminmax(units, dim=1)
+        if out is None:
+            return lo.reshape(1), hi.reshape(1)
+        out[0].copy_(lo.reshape(1))
+        out[1].copy_(hi.reshape(1))
+        return out
+    if out is None:
+        return torch.aminmax(units, dim=1)
+    torch.aminmax(units, dim=1, out=out)
+    return out
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
@@ -305,14 +322,23 @@ def _use_kernel(x: torch.Tensor) -> bool:
             and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad)
 
 
-def unit_minmax(units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of every row of ``units [U, E]`` as two ``[U]`` tensors (NaN propagates)."""
+def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of every row of ``units [U, E]`` as two ``[U]`` tensors (NaN propagates).
+
+    ``out``: two ``[U]`` tensors to write into (observers pass their previous ones: fresh
+    multi-megabyte outputs cost page faults that, for blocks of 8 or 16, take longer than
+    the reduction itself).
+    """
     U, E = units.shape
+    if out is not None and not all(o.shape == (U,) and o.dtype == units.dtype
+                                   and o.device == units.device and o.is_contiguous()
+                                   for o in out):
+        out = None
     lib = _kernel() if U >= 2 and _use_kernel(units) else None
     if lib is None:
-        return torch_unit_minmax(units)
-    lo = torch.empty(U, dtype=torch.float32)
-    hi = torch.empty(U, dtype=torch.float32)
+        return torch_unit_minmax(units, out)
+    lo, hi = out if out is not None else (torch.empty(U), torch.empty(U))
     threads = max(1, min(torch.get_num_threads(), U))
     lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), threads)
     return lo, hi
