@@ -17,6 +17,15 @@ returns the scale, zero point and (NVFP4) global scale of a :class:`QuantSpec`:
   scale that runs is ``block_scale / global_scale``.
 
 Nothing here returns NaN or inf: an all-zero unit gets the smallest scale.
+
+Against the peers (tests/test_peers_core.py): compressed-tensors' ``calculate_qparams``
+gives bitwise the same scales and zero points (int, fp8, fp6, fp4, NVFP4, its MX = our
+``e8m0:even``), except that it *replaces* a zero scale by eps where we clamp every scale
+below eps (so a tiny but non-zero range differs) and gives NaN zero points for an
+all-zero asymmetric range. torch.ao's ``_calculate_qparams``: bitwise the same scales;
+its zero point ``qmin - round(lo / scale)`` equals ours except where ``lo / scale`` is a
+tie with odd ``qmin``, or within float32 rounding of a tie. Symmetric unsigned ranges
+narrower than the format take the upper midpoint here, torch.ao the lower one.
 """
 
 from __future__ import annotations
