@@ -167,9 +167,10 @@ class FloatFormat:
         (inf included; NaN stays NaN).
         """
         x = x.float()
-        biased = (x.view(torch.int32) >> 23) & 0xFF  # float32 exponent field (sign dropped)
-        biased = biased.clamp_(min=self.min_exp + 127).sub_(self.mbits)
-        step = (biased << 23).view(torch.float32)  # 2 ** (e - mbits), a normal float32
+        # float32 exponent field, in place (sign and mantissa bits dropped): 2 ** e
+        field = x.view(torch.int32) & 0x7F800000
+        field.clamp_(min=(self.min_exp + 127) << 23).sub_(self.mbits << 23)
+        step = field.view(torch.float32)  # 2 ** (e - mbits), a normal float32
         q = (x / step).round_().mul_(step)
         return q.clamp_(-self.max if qmin is None else qmin, self.max if qmax is None else qmax)
 
