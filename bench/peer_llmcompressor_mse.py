@@ -1,13 +1,14 @@
-"""Run llm-compressor's MSE observer on a saved tensor, in the peer's own venv (bench-only).
+"""Run llm-compressor's MSE observers on saved tensors, in the peer's own venv (bench / test only).
 
-    /work/benchenv/bin/python bench/peer_llmcompressor_mse.py IN.pt OUT.pt SPEC.json
+    /work/benchenv/bin/python bench/peer_llmcompressor_mse.py IN.pt OUT.pt CASES.json
 
-SPEC: {"observer": "memoryless_mse", "num_bits": 4, "type": "int", "symmetric": true,
-       "strategy": "channel", "group_size": null, "block_structure": null,
-       "observer_kwargs": {}, "repeat": 3, "time": true}
-Writes {"min_vals", "max_vals", "scale", "zero_point", "global_scale", "seconds"} to OUT
-(seconds: median of ``repeat`` timed runs of observe + get_qparams, a fresh observer each).
-Run as a child process so the caller can also read its peak RSS.
+IN.pt: ``{name: tensor}``. CASES.json: a list of
+``{"tensor": name, "observer": "memoryless_mse", "num_bits": 4, "type": "int",
+"symmetric": true, "strategy": "channel", "group_size": null, "block_structure": null,
+"observer_kwargs": {}, "repeat": 0}``. OUT.pt: a list of
+``{"min_vals", "max_vals", "scale", "zero_point", "global_scale", "seconds"}`` (seconds: the
+median of ``repeat`` timed runs of observe + get_qparams with a fresh observer each; None
+when repeat is 0). Run it as a child process so the caller can read its peak RSS too.
 """
 
 import json
@@ -18,36 +19,42 @@ import time
 import torch
 
 
-def main(inp, out, spec_path):
+def run_case(x, case):
     from compressed_tensors.quantization.quant_args import QuantizationArgs
     from llmcompressor.observers import Observer
 
-    spec = json.load(open(spec_path))
-    x = torch.load(inp)
-    args = QuantizationArgs(num_bits=spec["num_bits"], type=spec.get("type", "int"),
-                            symmetric=spec["symmetric"], strategy=spec["strategy"],
-                            group_size=spec.get("group_size"),
-                            block_structure=spec.get("block_structure"),
-                            observer=spec["observer"])
+    args = QuantizationArgs(num_bits=case["num_bits"], type=case.get("type", "int"),
+                            symmetric=case.get("symmetric", True), strategy=case["strategy"],
+                            group_size=case.get("group_size"),
+                            block_structure=case.get("block_structure"),
+                            scale_dtype=(getattr(torch, case["scale_dtype"])
+                                         if case.get("scale_dtype") else None),
+                            observer=case["observer"])
 
-    def run():
-        obs = Observer.load_from_registry(spec["observer"], base_name="weight", args=args.model_copy(deep=True),
-                                          **spec.get("observer_kwargs", {}))
+    def once():
+        obs = Observer.load_from_registry(case["observer"], base_name="weight",
+                                          args=args.model_copy(deep=True),
+                                          **case.get("observer_kwargs", {}))
         obs(x)
         stats = {"min_vals": obs.min_vals.clone(), "max_vals": obs.max_vals.clone()}
-        qp = obs.get_qparams()
-        return stats, qp
+        return stats, obs.get_qparams()
 
-    stats, qp = run()
+    stats, qp = once()
     times = []
-    if spec.get("time", True):
-        for _ in range(spec.get("repeat", 3)):
-            t = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t)
-    torch.save({**stats, "scale": qp["scale"], "zero_point": qp["zero_point"],
-                "global_scale": qp.get("global_scale"),
-                "seconds": statistics.median(times) if times else None}, out)
+    for _ in range(case.get("repeat", 0)):
+        t = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t)
+    return {**stats, "scale": qp["scale"], "zero_point": qp["zero_point"],
+            "global_scale": qp.get("global_scale"),
+            "seconds": statistics.median(times) if times else None}
+
+
+def main(inp, out, cases_path):
+    tensors = torch.load(inp)
+    with open(cases_path) as f:
+        cases = json.load(f)
+    torch.save([run_case(tensors[c["tensor"]], c) for c in cases], out)
 
 
 if __name__ == "__main__":

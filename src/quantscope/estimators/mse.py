@@ -171,64 +171,122 @@ def _default_global_amax(lo, hi, spec, global_amax):
     return torch.as_tensor(global_amax, dtype=torch.float32, device=lo.device).reshape(())
 
 
+class _State:
+    """Per-unit search state; :meth:`step` applies one candidate to all units or a subset."""
+
+    def __init__(self, best_lo, best_hi, best_err, prev):
+        dev, n = best_lo.device, best_lo.shape[0]
+        self.lo, self.hi, self.err = best_lo, best_hi, best_err
+        self.idx = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.stale = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.stopped = torch.zeros(n, dtype=torch.bool, device=dev)  # the unit's own rule
+        self.g_stale = torch.zeros((), dtype=torch.int64, device=dev)
+        self.g_stopped = torch.zeros((), dtype=torch.bool, device=dev)  # the global rule
+        self.prev = prev  # qparams of the previous candidate (plateau detection)
+
+    def step(self, i, e, lo, hi, sc, zp, *, patience, per_unit, tie, use_global, sub=None):
+        """Candidate ``i`` with errors ``e`` (of units ``sub``, all if None)."""
+        def get(t):
+            return t if sub is None else t[sub]
+
+        def put(name, value):
+            if sub is None:
+                setattr(self, name, value)
+            else:
+                getattr(self, name)[sub] = value
+
+        best_err, stale, stopped = get(self.err), get(self.stale), get(self.stopped)
+        if patience is None:
+            active = torch.ones_like(stopped)
+        elif per_unit and use_global:  # a unit stops when it AND the global rule have stopped
+            active = ~(stopped & self.g_stopped)
+        elif per_unit:
+            active = ~stopped
+        else:
+            active = ~self.g_stopped.expand_as(stopped)
+        better = active & ((e <= best_err) if tie == "last" else (e < best_err))
+        put("err", torch.where(better, e, best_err))
+        put("idx", torch.where(better, i, get(self.idx)))
+        put("lo", torch.where(better, lo, get(self.lo)))
+        put("hi", torch.where(better, hi, get(self.hi)))
+        if patience is None:
+            return
+        if per_unit:
+            counts = active & ~better
+            if self.prev is not None:  # a plateau of equal encoded qparams is not evidence
+                p_sc, p_zp = get(self.prev[0]), get(self.prev[1])
+                counts &= (sc != p_sc) | (zp != p_zp)
+            stale = torch.where(better, 0, stale + counts.long())
+            put("stale", stale)
+            put("stopped", stopped | (stale >= patience))
+            if self.prev is None:
+                self.prev = (sc.clone(), zp.clone()) if sub is None else None
+            elif sub is None:
+                self.prev = (sc, zp)
+            else:
+                self.prev[0][sub], self.prev[1][sub] = sc, zp
+        if use_global:
+            self.g_stale = torch.where(better.any(), 0, self.g_stale + (~self.g_stopped).long())
+            self.g_stopped |= self.g_stale >= patience
+
+    def done(self, per_unit, use_global):
+        if per_unit and use_global:
+            return self.g_stopped & self.stopped.all()
+        return self.stopped.all() if per_unit else self.g_stopped
+
+
 def _search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, exact,
-            incumbent, global_amax, chunk_elems, chunk_candidates, early_stop):
+            incumbent, global_amax, chunk_elems, chunk_candidates, early_stop, extend=()):
     """Core: pick, per unit, the best of candidates ``(lo * f_lo[i], hi * f_hi[i])``.
 
     ``incumbent``: a ``(lo, hi)`` scored first as the best so far (index -1).
+    ``extend``: further factors tried, after the grid, by the units still improving
+    (per-unit patience only; on CPU only those units are computed).
     """
     dev = units.device
     n_units = units.shape[0]
     total = len(f_lo)
     f_lo = torch.tensor(f_lo, dtype=torch.float32, device=dev)
     f_hi = torch.tensor(f_hi, dtype=torch.float32, device=dev)
-    prev = None
     if incumbent is not None:  # the min-max range: native searches never do worse than it
         best_lo, best_hi = incumbent[0].clone(), incumbent[1].clone()
         err, sc, zp = _errors(units, best_lo[None], best_hi[None], spec, norm, exact,
                               global_amax, chunk_elems)
-        best_err, prev = err[0], (sc[0], zp[0])
+        st = _State(best_lo, best_hi, err[0], (sc[0].clone(), zp[0].clone()))
     else:  # llm-compressor: the first candidate always wins
-        best_err = torch.full((n_units,), torch.finfo(torch.float32).max, device=dev)
-        best_lo, best_hi = lo * f_lo[0], hi * f_hi[0]
-    best_idx = torch.full((n_units,), -1, dtype=torch.int64, device=dev)
-    stale = torch.zeros(n_units, dtype=torch.int64, device=dev)
-    stopped = torch.zeros(n_units, dtype=torch.bool, device=dev)
-    g_stale = torch.zeros((), dtype=torch.int64, device=dev)
-    g_stopped = torch.zeros((), dtype=torch.bool, device=dev)
+        st = _State(lo * f_lo[0], hi * f_hi[0],
+                    torch.full((n_units,), torch.finfo(torch.float32).max, device=dev), None)
+    # native per-unit patience never stops a unit before llm-compressor's global rule would
+    use_global = patience is not None and (not per_unit or not exact)
+    rule = {"patience": patience, "per_unit": per_unit, "tie": tie, "use_global": use_global}
     cc = chunk_candidates or max(1, min(total, 32 if total <= 32 else 16))
     for start in range(0, total, cc):
         fl, fh = f_lo[start:start + cc], f_hi[start:start + cc]
         lo_c, hi_c = lo[None] * fl[:, None], hi[None] * fh[:, None]
         err, sc, zp = _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems)
         for j in range(lo_c.shape[0]):
-            e = err[j]
-            if per_unit:
-                active = ~stopped
-            else:
-                active = ~g_stopped.expand(n_units)
-            better = active & ((e <= best_err) if tie == "last" else (e < best_err))
-            best_err = torch.where(better, e, best_err)
-            best_idx = torch.where(better, start + j, best_idx)
-            best_lo = torch.where(better, lo_c[j], best_lo)
-            best_hi = torch.where(better, hi_c[j], best_hi)
-            if patience is None:
-                continue
-            if per_unit:
-                counts = active & ~better
-                if prev is not None:  # a plateau of equal encoded qparams is not evidence
-                    counts &= (sc[j] != prev[0]) | (zp[j] != prev[1])
-                stale = torch.where(better, 0, stale + counts.long())
-                stopped |= stale >= patience
-                prev = (sc[j], zp[j])
-            else:
-                g_stale = torch.where(better.any(), 0, g_stale + (~g_stopped).long())
-                g_stopped |= g_stale >= patience
+            st.step(start + j, err[j], lo_c[j], hi_c[j], sc[j], zp[j], **rule)
         if early_stop and patience is not None and start + cc < total:
-            done = stopped.all() if per_unit else g_stopped
-            if bool(done):  # one host sync per chunk, on CPU only
+            if bool(st.done(per_unit, use_global)):  # one host sync per chunk, on CPU only
                 break
-    return best_lo, best_hi, best_err, best_idx
+    if extend and per_unit and patience is not None:
+        ext = torch.tensor(extend, dtype=torch.float32, device=dev)
+        rule["use_global"] = False  # the global rule's grid has ended
+        for start in range(0, len(extend), cc):
+            if early_stop:
+                sub = (~st.stopped).nonzero().squeeze(1)
+                if sub.numel() == 0:
+                    break
+            else:
+                sub = torch.arange(n_units, device=dev)
+            f = ext[start:start + cc, None]
+            lo_c, hi_c = lo[sub][None] * f, hi[sub][None] * f
+            err, sc, zp = _errors(units[sub], lo_c, hi_c, spec, norm, exact, global_amax,
+                                  chunk_elems)
+            for j in range(lo_c.shape[0]):
+                st.step(total + start + j, err[j], lo_c[j], hi_c[j], sc[j], zp[j], sub=sub,
+                        **rule)
+    return st.lo, st.hi, st.err, st.idx
 
 
 def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
@@ -238,8 +296,9 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
                ends_grid: int | None = None, global_amax: torch.Tensor | None = None,
                global_grid: int | None = None, factors: list[float] | None = None,
                tie: str = "first", compat: str | None = None,
-               chunk_elems: int | None = None, chunk_candidates: int | None = None,
-               early_stop: bool | None = None) -> SearchResult:
+               extend_to: float | None = 0.5, chunk_elems: int | None = None,
+               chunk_candidates: int | None = None, early_stop: bool | None = None
+               ) -> SearchResult:
     """Per-unit range minimizing ``sum(|fake_quant(x) - x| ** norm)`` over shrink candidates.
 
     Args:
@@ -259,6 +318,10 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         global_grid: NVFP4: also try global amax ``* 2 ** (k / global_grid)`` for
             ``k < global_grid`` and keep the best total (default 4 native, 1 compat).
         tie: ``"first"`` or ``"last"`` best candidate.
+        extend_to: with per-unit patience, units still improving at the end of the grid
+            go on along it (``p = 1 - i / grid``) down to ``p = 1 - extend_to`` until they
+            stop improving (None: the grid only). llm-compressor's 20-step grid ends at
+            0.81x, short of the int4 optimum of Gaussian-like rows (about 0.75x).
         compat: ``"llmcompressor"``: their exact search (global patience, their error sum,
             no min-max incumbent, fp32 scales without the global scale for NVFP4).
         chunk_elems: elements per ``[candidates, units, elements]`` tile.
@@ -281,10 +344,17 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
     exact = compat == "llmcompressor"
     if exact:
         per_unit_patience, encoding_aware, independent_ends = False, False, False
+        extend_to = None
         if spec.scale.has_global_scale:  # they search NVFP4 without the fp8 rounding and global
             encoding_aware = False
+    extend = []
     if factors is None:
         factors = shrink_factors(maxshrink, grid, expand)
+        if extend_to is not None and per_unit_patience and patience is not None:
+            if not (isinstance(extend_to, (int, float)) and 0 < extend_to < 1):
+                raise ValueError(f"mse_search: extend_to must be in (0, 1) or None, "
+                                 f"got {extend_to!r}")
+            extend = [1 - i / grid for i in range(len(factors), int(extend_to * grid))]
     else:
         factors = [float(f) for f in factors]
         if not factors or min(factors) <= 0:
@@ -304,6 +374,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         f_lo = [a for a in ends for _ in ends]
         f_hi = [b for _ in ends for b in ends]
         patience_used = None  # a 2-D grid has no order to be patient along
+        extend = []
     else:
         f_lo = f_hi = factors
         patience_used = patience
@@ -319,7 +390,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         gas = [None]
     kw = {"norm": float(norm), "patience": patience_used, "per_unit": per_unit_patience, "tie": tie,
               "exact": exact, "chunk_elems": int(chunk_elems), "chunk_candidates": chunk_candidates,
-              "early_stop": early_stop, "incumbent": None if exact else (base_lo, base_hi)}
+              "early_stop": early_stop, "incumbent": None if exact else (base_lo, base_hi),
+              "extend": extend}
     best = None
     for ga in gas:
         res = _search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)
