@@ -266,9 +266,10 @@ def _search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, e
         err, sc, zp = _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems)
         for j in range(lo_c.shape[0]):
             st.step(start + j, err[j], lo_c[j], hi_c[j], sc[j], zp[j], **rule)
-        if early_stop and patience is not None and start + cc < total:
-            if bool(st.done(per_unit, use_global)):  # one host sync per chunk, on CPU only
-                break
+        # one host sync per chunk, on CPU only
+        if early_stop and patience is not None and start + cc < total and \
+                bool(st.done(per_unit, use_global)):
+            break
     if extend and per_unit and patience is not None:
         ext = torch.tensor(extend, dtype=torch.float32, device=dev)
         rule["use_global"] = False  # the global rule's grid has ended
