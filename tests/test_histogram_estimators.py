@@ -260,9 +260,9 @@ def test_mix_keeps_the_least_error_candidate_per_unit():
     from quantscope.estimators import entropy_range
 
     cands.append(entropy_range(h))
-    from quantscope.estimators.l2 import polish_range
+    from quantscope.estimators.l2 import l2_polished_range
 
-    cands.append(polish_range(h, *l2_range(h, 256), spec))
+    cands.append(l2_polished_range(h, spec, 256, bounds=(o.min_vals, o.max_vals)))
     clo = torch.stack([torch.maximum(c[0], o.min_vals) for c in cands], 1)
     chi = torch.stack([torch.minimum(c[1], o.max_vals) for c in cands], 1)
     err = histogram_error(h, clo, chi, spec)
@@ -316,3 +316,27 @@ def test_registry_names():
     for n in ("percentile", "histogram_mse", "entropy", "kl", "histogram", "mix"):
         assert n in names
     assert type(qs.get_observer("kl", qs.QuantSpec())).__name__ == "EntropyObserver"
+
+
+def test_polish_never_raises_the_histogram_error_and_stays_in_bounds():
+    from quantscope.estimators.l2 import l2_polished_range, polish_range
+
+    torch.manual_seed(8)
+    x = torch.randn(4, 5000) * torch.tensor([[1.0], [0.1], [5.0], [2.0]]) + 0.5
+    x[1, :3] = 9.0
+    spec = qs.QuantSpec("uint8", "channel:0", symmetric=False)
+    o = qs.get_observer("histogram", spec, bins=256, polish=0)
+    o(x)
+    h = o.current_histogram()
+    lo, hi = l2_range(h)
+    assert torch.equal(torch.stack(o.calculate_range()), torch.stack((lo, hi)).clamp(
+        o.min_vals, o.max_vals))  # polish=0: torch.ao's search, clipped to the data
+    b = (o.min_vals, o.max_vals)
+    plo, phi = polish_range(h, lo, hi, spec, 32, bounds=b)
+    before = histogram_error(h, lo.clamp(min=b[0])[:, None], hi.clamp(max=b[1])[:, None], spec,
+                             points=4)
+    after = histogram_error(h, plo[:, None], phi[:, None], spec, points=4)
+    assert bool((after <= before).all())
+    assert bool((plo >= b[0]).all() and (phi <= b[1]).all())
+    lo2, hi2 = l2_polished_range(h, spec, 256, bounds=b)
+    assert bool((lo2 >= b[0]).all() and (hi2 <= b[1]).all())

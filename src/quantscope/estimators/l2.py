@@ -36,7 +36,7 @@ import torch
 
 from ..stats.histogram import Hist
 
-__all__ = ["l2_norms", "l2_path", "l2_range", "polish_range"]
+__all__ = ["l2_norms", "l2_path", "l2_polished_range", "l2_range", "polish_range"]
 
 _STEP = 1e-5
 _BUDGET = 1 << 19
@@ -221,23 +221,45 @@ def l2_range(hist: Hist, dst_nbins: int = 256) -> tuple[torch.Tensor, torch.Tens
     return hist.lo + bin_width * best_s, hist.lo + bin_width * (best_e + 1)
 
 
-def polish_range(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec, radius: int = 8,
-                 points: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best range by quantization error (:func:`~quantscope.estimators.error.histogram_error`)
-    among ``lo``, ``hi`` each moved by up to ``radius`` bins (``(2 radius + 1) ** 2``
-    candidates, the given range among them, so never worse on the histogram); ``points``
-    per bin model the values spread inside it."""
+def polish_range(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec, radius: int = 48,
+                 points: int = 4, steps: int = 4, passes: int = 2, bounds=None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower the quantization error on the histogram
+    (:func:`~quantscope.estimators.error.histogram_error`, ``points`` per bin modelling the
+    values spread inside it) by moving ``lo`` then ``hi`` (``passes`` rounds), each over
+    ``+-radius`` bins in ``1 / steps`` bin steps. The current range is a candidate of every
+    move, so the error never grows. ``bounds = (lo_min, hi_max)`` keeps the ends inside
+    (the data's range)."""
     from .error import histogram_error
 
+    if bounds is not None:
+        lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
     w = hist.width[:, None]
-    d = torch.arange(-radius, radius + 1, device=lo.device, dtype=torch.float32)
-    n = d.numel()
-    dl, dh = d[:, None].expand(n, n).reshape(-1), d[None, :].expand(n, n).reshape(-1)
-    clo = lo[:, None] + dl[None, :] * w  # [U, (2r+1)^2]
-    chi = hi[:, None] + dh[None, :] * w
-    clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)
-    err = histogram_error(hist, clo, chi, spec, points=points)
-    centre = (2 * radius + 1) * radius + radius  # the unmoved range: kept on ties
-    err[:, centre] = torch.minimum(err[:, centre], err.amin(1))
-    k = err.argmin(1, keepdim=True)
-    return clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
+    d = torch.arange(-radius * steps, radius * steps + 1, device=lo.device,
+                     dtype=torch.float32) / steps
+    mid = radius * steps
+    for _ in range(passes):
+        for side in (0, 1):
+            clo = lo[:, None] + (d * w if side == 0 else 0 * d)
+            chi = hi[:, None] + (d * w if side == 1 else 0 * d)
+            clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)
+            if bounds is not None:
+                clo = torch.maximum(clo, bounds[0][:, None])
+                chi = torch.minimum(chi, bounds[1][:, None])
+            err = histogram_error(hist, clo, chi, spec, points=points)
+            k = err.argmin(1, keepdim=True)
+            k = torch.where(err.gather(1, k) < err[:, mid:mid + 1], k, mid)  # ties: stay
+            lo, hi = clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
+    return lo, hi
+
+
+def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.ao's search (:func:`l2_range`), then :func:`polish_range` over ``+-radius`` whole
+    bins and again over ``+-8`` quarter bins: the native ``histogram`` estimator."""
+    lo, hi = l2_range(hist, dst_nbins)
+    if radius:
+        lo, hi = polish_range(hist, lo, hi, spec, radius, points=2, steps=1, passes=1,
+                              bounds=bounds)
+        lo, hi = polish_range(hist, lo, hi, spec, 8, points=4, steps=4, passes=1, bounds=bounds)
+    return lo, hi

@@ -17,7 +17,7 @@ from ..stats.histogram import Hist
 from .entropy import entropy_range
 from .error import histogram_error
 from .histogram_mse import histogram_mse_range, occupied_range
-from .l2 import l2_range, polish_range
+from .l2 import l2_polished_range
 from .percentile import percentile_range
 
 __all__ = ["MIX_CANDIDATES", "MIX_PERCENTILES", "mix_range"]
@@ -55,7 +55,7 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
     if "l2" in candidates:
         fmt = spec.format
         dst = 2 ** fmt.bits if isinstance(fmt, IntFormat) else 256
-        one.append(polish_range(hist, *l2_range(hist, dst), spec))
+        one.append(l2_polished_range(hist, spec, dst, bounds=(lo, hi)))
     for a, b in one:
         los.append(a[:, None])
         his.append(b[:, None])

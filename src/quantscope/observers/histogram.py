@@ -31,7 +31,7 @@ import torch
 from ..distributed import HistogramSync
 from ..estimators.entropy import entropy_range
 from ..estimators.histogram_mse import histogram_mse_range
-from ..estimators.l2 import l2_range, polish_range
+from ..estimators.l2 import l2_polished_range
 from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
 from ..estimators.percentile import CONVENTIONS, percentile_range
 from ..formats import IntFormat
@@ -297,14 +297,16 @@ class EntropyObserver(HistogramObserverBase):
 class L2HistogramObserver(HistogramObserverBase):
     """torch.ao ``HistogramObserver``'s non-linear L2 search, per unit, on a signed histogram.
 
-    ``polish`` (native default 8; 0 in the torch.ao compat class) then moves each end by up
-    to that many bins where the quantization error on the histogram drops: on quantscope's
+    ``polish`` (native default 256; 0 in the torch.ao compat class) then moves each end by
+    up to that many bins where the quantization error on the histogram drops (whole bins,
+    then quarter bins within 8): on quantscope's
     grid the search alone can land a bin or two from torch's choice on its own grid.
     """
 
     absolute = False
 
-    def __init__(self, spec=None, *, dst_nbins: int | None = None, polish: int = 8, **kwargs):
+    def __init__(self, spec=None, *, dst_nbins: int | None = None, polish: int = 256,
+                 **kwargs):
         super().__init__(spec, **kwargs)
         fmt = self.spec.format
         self.dst_nbins = dst_nbins or (2 ** fmt.bits if isinstance(fmt, IntFormat) else 256)
@@ -314,10 +316,9 @@ class L2HistogramObserver(HistogramObserverBase):
         self.polish = polish
 
     def _estimate(self, hist):
-        lo, hi = l2_range(hist, self.dst_nbins)
-        if self.polish:
-            lo, hi = polish_range(hist, lo, hi, self.spec, self.polish)
-        return lo, hi
+        bounds = self._clip(torch.full_like(hist.lo, -float("inf")),
+                            torch.full_like(hist.hi, float("inf")))
+        return l2_polished_range(hist, self.spec, self.dst_nbins, self.polish, bounds)
 
     def _clip(self, lo, hi):
         if self.grid == "first":  # torch.ao does not clip (its range ends at the data anyway)
