@@ -31,8 +31,13 @@ test: venv
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
 	exit $$rc
 
+# the synthetic format table (quantscope.demo), then the model demo: observers compared on
+# all-MiniLM-L6-v2 (calibrated on gensim's Lee background corpus, scored on the Lee
+# similarity pairs); table printed, report and plots written under runs/demo
+DEMO_OBSERVERS ?= minmax,mse,percentile,entropy,mix,auto
 demo: venv
-	$(PY) -m quantscope.demo
+	$(PY) -m quantscope.demo --formats
+	$(PY) -m quantscope compare --recipes w8a8,w4a8 --observers $(DEMO_OBSERVERS) --out runs/demo
 
 bench: venv
 	$(PY) bench/run.py

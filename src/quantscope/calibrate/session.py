@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -240,25 +240,21 @@ def _forward(model, batch):
     return model(batch)
 
 
-def _range_of(obs):
-    lo, hi = obs.calculate_range()
-    return lo.detach().clone(), hi.detach().clone()
-
-
-def _state_from(obs, cfg: Role, requested: str, shape) -> RoleState:
-    lo, hi = _range_of(obs)
+def _state_from(obs, cfg: Role, shape) -> RoleState:
+    """The RoleState of one observer: one range estimate gives both range and qparams."""
+    lo, hi, qp = obs.range_and_qparams()
+    lo, hi = lo.detach().clone(), hi.detach().clone()
     if cfg.dynamic == "local":
         gam = obs.global_amax()
         if gam is None:
             gam = torch.maximum(-lo.min().clamp(max=0), hi.max().clamp(min=0))
-        return RoleState(cfg.spec, obs.name, requested, "local", cfg.options,
+        return RoleState(cfg.spec, obs.name, cfg.observer, "local", cfg.options,
                          global_amax=gam.detach().clone().reshape(()), lo=lo, hi=hi)
-    qp = obs.calculate_qparams()
     qp.scale, qp.zero_point = qp.scale.clone(), qp.zero_point.clone()
     if qp.global_scale is not None:
         qp.global_scale = qp.global_scale.clone()
-    return RoleState(cfg.spec, obs.name, requested, False, cfg.options, qparams=qp, lo=lo, hi=hi,
-                     shape=shape)
+    return RoleState(cfg.spec, obs.name, cfg.observer, False, cfg.options, qparams=qp, lo=lo,
+                     hi=hi, shape=shape)
 
 
 def _finish(slots, plans, recipes):
@@ -276,6 +272,13 @@ def _finish(slots, plans, recipes):
             x = data.get(key)
             cache[skey] = None if x is None else tensor_stats(x, state)
         return cache[skey]
+
+    made = {}  # one state per observer, shared by every recipe (and auto) that uses it
+
+    def state_of(obs, cfg, skey, shape):
+        if skey not in made:
+            made[skey] = _state_from(obs, cfg, shape)
+        return replace(made[skey], requested=cfg.observer)
 
     results = {}
     for label, plan in plans.items():
@@ -297,8 +300,9 @@ def _finish(slots, plans, recipes):
                         raise ValueError(
                             f"calibrate: layer {layer!r} {role} was never called during "
                             f"calibration (is the module used by the model's forward?)")
-                    cand = _state_from(obs, cfg, cfg.observer, shape)
-                    st = stats_of((layer, role), (layer, role, okey, cfg.dynamic), cand)
+                    skey = (layer, role, okey, cfg.dynamic)
+                    cand = state_of(obs, cfg, skey, shape)
+                    st = stats_of((layer, role), skey, cand)
                     if best is None or (st is not None and st["noise"] < best[1]["noise"]):
                         best = (cand, st)
                 if best is None:

@@ -166,10 +166,15 @@ class Observer(nn.Module):
 
     def qparams(self) -> QParams:
         """The native :class:`~quantscope.QParams`, shaped for the last observed tensor."""
+        return self.range_and_qparams()[2]
+
+    def range_and_qparams(self) -> tuple[torch.Tensor, torch.Tensor, QParams]:
+        """``(lo, hi, qparams)`` from one range estimate (a search or histogram estimator
+        runs once; model calibration reports the range beside the qparams)."""
         self.check_ready()
         lo, hi = self.calculate_range()
         qp = qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax())
-        return qp.reshape(self.spec.layout.qparam_shape(self.shape))
+        return lo, hi, qp.reshape(self.spec.layout.qparam_shape(self.shape))
 
     @property
     def shape(self) -> tuple[int, ...] | None:
