@@ -1,0 +1,132 @@
+"""Compat histogram classes: Quark's functions against a literal port of Quark's code,
+Horizon's smoothing against its definition, the registry names."""
+
+import numpy as np
+import pytest
+import torch
+
+import quantscope as qs
+from quantscope.compat import horizon as hz
+from quantscope.compat import quark as qk
+from quantscope.estimators.entropy import _smooth
+
+
+def _quark_percentile(histogram, bin_edges, percentile, symmetric):
+    """Quark 0.13 PerTensorPercentileObserver.get_min_max_by_percentile, as written."""
+    hist_total = histogram.sum()
+    cumulative_dist = torch.cumsum(histogram / hist_total, dim=0)
+    last_idx = cumulative_dist.numel() - 1
+    if symmetric is False:
+        target_pct_one_side = (100.0 - percentile) / 200.0
+        upper_matches = (cumulative_dist >= target_pct_one_side).nonzero()
+        upper_idx = upper_matches.min().item() if upper_matches.numel() > 0 else last_idx
+        max_value = bin_edges[upper_idx]
+        lower_matches = (cumulative_dist <= (1 - target_pct_one_side)).nonzero()
+        lower_idx = lower_matches.min().item() if lower_matches.numel() > 0 else 0
+        min_value = bin_edges[lower_idx]
+    else:
+        target_pct = min(percentile / 100.0, cumulative_dist[-1].item())
+        upper_matches = (cumulative_dist >= target_pct).nonzero()
+        upper_idx = upper_matches.min().item() if upper_matches.numel() > 0 else last_idx
+        max_value = bin_edges[upper_idx]
+        min_value = torch.tensor(0.0)
+    return min_value, max_value
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("p", [99.0, 99.99, 99.99999999])
+def test_quark_percentile_function_equals_quarks_code(symmetric, p):
+    g = torch.Generator().manual_seed(int(p * 100) + symmetric)
+    hist = torch.randint(0, 1000, (4200,), generator=g).float() * (torch.rand(4200, generator=g)
+                                                                   < 0.3)
+    edges = torch.linspace(0.0, 7.5, 4201)
+    obs = qk.PerTensorPercentileObserver({"dtype": "int8", "symmetric": symmetric})
+    mn, mx = obs.get_min_max_by_percentile(hist, edges, p)
+    rmn, rmx = _quark_percentile(hist, edges, p, symmetric)
+    assert float(mn) == float(rmn) and float(mx) == float(rmx)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "uint8", "fp8_e4m3"])
+def test_quark_mse_function_equals_a_loop_of_its_steps(fmt):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g).abs() * 3
+    hist = torch.histc(x, 2048, 0, float(x.max()))
+    edges = torch.linspace(0, float(x.max()), 2049)
+    obs = qk.PerTensorMSEObserver({"dtype": fmt, "symmetric": True})
+    _, amax = obs.get_min_max_by_mse(hist, edges, stride=3, start_bin=1800)
+    centers = (edges[1:] + edges[:-1]) / 2
+    mses = []
+    for i in range(1800, 2048, 3):  # Quark's loop: candidate (0, centre_i), error * count
+        qp = qs.qparams_from_range(torch.zeros(1), centers[i].reshape(1), obs.spec)
+        q = qs.fake_quantize(centers, qp, qs.QuantSpec(obs.spec.format, symmetric=True))
+        mses.append(float(((q - centers).double() ** 2 * hist.double()).mean()))
+    assert float(amax) == float(centers[1800 + 3 * int(np.argmin(mses))])
+
+
+def test_quark_observers_record_quarks_histogram_on_the_first_batch():
+    torch.manual_seed(1)
+    x = torch.randn(64, 256)
+    x[:, 3] *= 20
+    for sym in (True, False):
+        obs = qk.PerTensorHistogramObserver({"dtype": "int8", "symmetric": sym})
+        obs(x)
+        obs(x * 0.5)
+        y = x.abs() if sym else x
+        lo, hi = (0.0, float(y.max())) if sym else (float(y.min()), float(y.max()))
+        ref = torch.histc(y, 2048, lo, hi) + torch.histc(y * 0.5, 2048, lo, hi)
+        assert torch.equal(obs.calib_hist, ref)
+        assert torch.allclose(obs.calib_bin_edges, torch.linspace(lo, hi, 2049), atol=1e-5)
+    skip = qk.PerTensorPercentileObserver({"dtype": "int8", "symmetric": True})
+    z = x.clone()
+    z[:10] = 0
+    skip(z)
+    assert int(skip.calib_hist.sum()) == int((z != 0).sum())  # Quark skips zeros
+
+
+def test_horizon_smoothing_is_a_centred_mean_over_valid_candidates():
+    g = torch.Generator().manual_seed(2)
+    kl = torch.rand(2, 40, generator=g, dtype=torch.float64)
+    kl[0, 30:] = float("nan")  # candidates past the data
+    kl[1, 5] = float("inf")
+    out = _smooth(kl, 9)
+    for u in range(2):
+        valid = [i for i in range(40) if not np.isnan(float(kl[u, i]))]
+        for i in valid:
+            win = [float(kl[u, j]) for j in range(max(0, i - 4), min(40, i + 5)) if j in valid]
+            ref = float("inf") if any(np.isinf(win)) else sum(win) / len(win)
+            assert float(out[u, i]) == pytest.approx(ref, rel=1e-12)
+
+
+def test_horizon_observers_are_emas_of_per_interval_estimates():
+    torch.manual_seed(3)
+    batches = [torch.randn(32, 64) * s for s in (1.0, 3.0, 2.0, 0.5)]
+    obs = hz.KLObserver(update_interval=2, averaging_constant=0.5)
+    ref = None
+    for k in range(0, 4, 2):
+        one = qs.get_observer("entropy", qs.QuantSpec(), bins=512, smooth=9)
+        for b in batches[k:k + 2]:
+            one(b)
+            obs(b)
+        r = one.calculate_range()[1]
+        ref = r.clone() if ref is None else ref + 0.5 * (r - ref)
+    s, zp = obs.calculate_qparams()
+    expect = qs.qparams_from_range(-ref, ref, qs.QuantSpec()).scale
+    assert torch.allclose(s, expect.reshape(-1), rtol=1e-6) and int(zp) == 0
+    for cls in (hz.PercentileObserver, hz.MixObserver):
+        o = cls(ch_axis=1, qscheme=torch.per_channel_symmetric)
+        for b in batches:
+            o(b)
+        s, zp = o.calculate_qparams()
+        assert s.shape == (64,) and bool((s > 0).all()) and zp.dtype == torch.int64
+
+
+def test_registry_names_of_the_compat_classes():
+    names = {n.lower() for n in qs.list_observers()}
+    for n in ("torch.ao:HistogramObserver", "quark:PerTensorHistogramObserver",
+              "quark:PerTensorHistogramObserverPro", "quark:PerTensorPercentileObserver",
+              "quark:PerTensorMSEObserver", "horizon:KLObserver", "horizon:PercentileObserver",
+              "horizon:MixObserver"):
+        assert n.lower() in names
+    o = qs.get_observer("torch.ao:HistogramObserver", bins=256)
+    o(torch.randn(100))
+    assert o.calculate_qparams()[0].shape == (1,)
