@@ -269,6 +269,21 @@ def _scenarios(r, w, group=None):
         return {f"{layer}/{role}": st.qparams.scale for layer, roles in c.states.items()
                 for role, st in roles.items()}
 
+    weights = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    calls = []
+    forward = quantscope.Observer.forward
+
+    def counting(self, x):  # counts weight observations on this rank
+        calls.append(x.data_ptr() in weights)
+        return forward(self, x)
+
+    quantscope.Observer.forward = counting
+    try:
+        calibrate(model, batches, "w8a8", observer="static_minmax", progress=False,
+                  distributed=True, group=group)
+    finally:
+        quantscope.Observer.forward = forward
+    out["weight_calls"] = sum(calls)
     for name in ("static_minmax", "percentile"):
         got = calibrate(model, batches, "w8a8", observer=name, progress=False, distributed=True,
                         group=group)
@@ -471,6 +486,8 @@ def test_calibration_helpers(results):
 
 def test_calibrate_distributed_same_on_every_rank(results):
     w, res = results
+    calls = [res[r]["weight_calls"] for r in range(w)]  # 3 Linear weights, split by size
+    assert sum(calls) == 3 and min(calls) >= 1, calls
     assert res[0]["calib_auto"]["processes"] == w
     assert len(res[0]["calib/static_minmax"]["got"]) == 6  # 3 layers x (weight, input)
     for r in range(w):

@@ -616,15 +616,18 @@ def gather_qparams(local: dict, group=None) -> dict:
     return merged
 
 
-def weight_owners(model: torch.nn.Module, group=None) -> dict[str, int]:
-    """``{module name: rank}`` for every module with a ``weight``, balanced by weight size.
+def weight_owners(model: torch.nn.Module, names=None, group=None) -> dict[str, int]:
+    """``{module name: rank}`` for the modules with a ``weight`` (only those in ``names``, if
+    given: the layers actually quantized), balanced by weight size.
 
     The same on every rank (depends only on the model). Each rank observes the weights
     it owns; :func:`sync_observers` then gives every rank the owner's state exactly (a
     state observed on one rank only reduces to that rank's values).
     """
+    keep = None if names is None else set(names)
     sizes = {name: m.weight.numel() for name, m in model.named_modules()
-             if isinstance(getattr(m, "weight", None), torch.Tensor)}
+             if isinstance(getattr(m, "weight", None), torch.Tensor)
+             and (keep is None or name in keep)}
     return assign_by_size(sizes, group=group)
 
 

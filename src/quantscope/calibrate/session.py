@@ -418,7 +418,9 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
     :func:`~quantscope.distributed.all_or_none`: an error on one rank raises on all.
     """
     world = qd.world_size(group)
-    owners = qd.weight_owners(model, group)
+    quantized = {layer for r in recipes.values()
+                 for layer, (_, roles) in r.match(model).items() if "weight" in roles}
+    owners = qd.weight_owners(model, quantized, group)
     me = qd.rank(group)
     with qd.all_or_none("planning", group):
         slots, plans = _plan(model, recipes, candidates, owns=lambda l: owners.get(l, me) == me)
