@@ -2,9 +2,10 @@
 
 Interleaved on the same 2048 x 4096 float32 weight (bench/common.compare), same qparams:
 
-* rounding: quantscope's fp8 fast path (clamp + torch's float8 cast) against its generic
-  bit-level path (``FloatFormat.round_generic``, used for fp6 / fp4); fp4 against
-  compressed-tensors' ``cast_to_fp4`` (the CPU path of its fake quantization);
+* rounding: quantscope's ``FloatFormat.round`` (bit-level, from the format's definition)
+  against torch's own float8 casts (clamp + cast + cast back to float32, what compressed-
+  tensors and torchao run for fp8), and fp4 against compressed-tensors' ``cast_to_fp4``
+  (the CPU path of its fake quantization);
 * fake_quantize: quantscope against compressed-tensors ``fake_quantize`` for int8
   per-channel, int4 group 128, fp8 per-channel, fp4 group 16 and NVFP4; MXFP8 / MXFP4
   against torchao ``MXTensor.to_mx(...).dequantize()`` (which also computes the scales, so
@@ -66,19 +67,20 @@ def main() -> None:
         return (w * floor_c).round_().mul_(floor_c)
 
     t = Table(f"element rounding, {ROWS}x{COLS} float32 (ms)",
-              ["op", "quantscope", "generic path", "peer", "peer / qs"])
+              ["op", "quantscope", "peer", "peer / qs"])
     x8 = w * 100
     for f in (FP8_E4M3, FP8_E5M2):
-        r = compare({"fast": lambda f=f: f.round(x8), "generic": lambda f=f: f.round_generic(x8)},
+        r = compare({"qs": lambda f=f: f.round(x8),
+                     "cast": lambda f=f: x8.clamp(-f.max, f.max).to(f.torch_dtype).float()},
                     repeat=5)
-        t.add(f"{f.name} round", r["fast"] * 1e3, r["generic"] * 1e3, "-", "-")
+        t.add(f"{f.name} round vs torch cast", r["qs"] * 1e3, r["cast"] * 1e3, r["cast"] / r["qs"])
     x4 = w * 3
     fns = {"qs": lambda: FP4_E2M1.round(x4)}
     if cast_to_fp4 is not None:
         fns["ct"] = lambda: cast_to_fp4(x4.clone())
     r = compare(fns, repeat=5)
-    t.add("fp4_e2m1 round (CT cast_to_fp4)", r["qs"] * 1e3, r["qs"] * 1e3,
-          r.get("ct", float("nan")) * 1e3, r.get("ct", float("nan")) / r["qs"])
+    t.add("fp4_e2m1 round vs CT cast_to_fp4", r["qs"] * 1e3, r.get("ct", float("nan")) * 1e3,
+          r.get("ct", float("nan")) / r["qs"])
     t.print()
 
     t = Table(f"fake_quantize, {ROWS}x{COLS} float32 (ms)",

@@ -63,7 +63,7 @@ def reference_fake_quant(x, q, spec):
     elif isinstance(spec.layout, Tile):
         s, zp = s[..., :, None, :, None], zp[..., :, None, :, None]
     if spec.is_float:
-        codes = spec.format.round_generic(v / s)
+        codes = spec.format.round(v / s)
     else:
         codes = torch.clamp(torch.round(v / s + zp), spec.qmin, spec.qmax)
     return back((codes - zp) * s), back(codes)
