@@ -355,3 +355,16 @@ def test_observers_agree_with_and_without_the_direct_path(name, monkeypatch):
     monkeypatch.setattr(quantscope.observers.base, "layout_minmax", lambda x, layout: None)
     slow = observe(name, spec, xs).calculate_qparams()
     assert torch.equal(fast.scale, slow.scale) and torch.equal(fast.zero_point, slow.zero_point)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("layout", [Group(32), Channel(0), Channel(-1), Block(16)], ids=str)
+def test_non_finite_detected_on_the_kernel_path(bad, layout):
+    x = rand(256, 512, seed=5)  # large enough for the compiled kernel
+    x[200, 17] = bad
+    obs = observe("static_minmax", QuantSpec("int8", layout) if not isinstance(layout, Block)
+                  else presets.NVFP4, [rand(256, 512, seed=6), x])
+    with pytest.raises(ValueError, match="NaN or inf"):
+        obs.calculate_qparams()
+    clean = observe("static_minmax", QuantSpec("int8", Group(32)), [rand(256, 512, seed=6)])
+    clean.calculate_qparams()

@@ -106,13 +106,19 @@ class Observer(nn.Module):
             bad = ~torch.isfinite(units)
             self.non_finite_count += bad.sum()
             units = units.masked_fill(bad, 0.0)
-        lo, hi = unit_minmax(units, self._minmax_out(count)) if fast is None else fast
+        ends = None  # smallest min and largest max, for the non-finite check
+        if fast is None:
+            ends = torch.empty(2, device=units.device)
+            lo, hi = unit_minmax(units, self._minmax_out(count), ends)
+        else:
+            lo, hi = fast
         if self.sync_every_step:  # exchange the step's statistic with the other ranks
             from ..distributed import step_sync
 
             units, lo, hi = step_sync(self, units, lo, hi, self.sync_group)
+            ends = None
         if self.non_finite == "error":
-            self._record_non_finite(lo, hi)
+            self._record_non_finite(lo, hi, ends)
         self._observe(units, lo, hi)
         self.observed_tokens += x.numel() // x.shape[-1] if x.dim() else 1
         self._set_shape(x.shape)
@@ -124,11 +130,13 @@ class Observer(nn.Module):
         classes that do not keep references to an earlier call's ``lo`` / ``hi``."""
         return None
 
-    def _record_non_finite(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    def _record_non_finite(self, lo: torch.Tensor, hi: torch.Tensor,
+                           ends: torch.Tensor | None = None) -> None:
         # NaN / inf reach a unit's min or max, and the smallest min / largest max then hold
         # them (NaN propagates; an all-(+inf) unit has min +inf, an all-(-inf) one max -inf):
-        # two full reductions, much cheaper than isfinite over every unit
-        ends = torch.stack((lo.amin(), hi.amax()))
+        # two values to test (``ends``, when unit_minmax already found them)
+        if ends is None:
+            ends = torch.stack((lo.amin(), hi.amax()))
         self.seen_non_finite |= ~torch.isfinite(ends).all()
 
     def _set_shape(self, shape):

@@ -212,24 +212,34 @@ void qs_col_minmax(const float *x, int64_t R, int64_t C, float *lo, float *hi, f
     }
 }
 
-typedef struct { const float *x; int64_t E, u0, u1; float *lo, *hi; } job_t;
+typedef struct { const float *x; int64_t E, u0, u1; float *lo, *hi; float ends[2]; } job_t;
 
 static void *run(void *p) {
     job_t *j = (job_t *)p;
     rows(j->x, j->E, j->u0, j->u1, j->lo, j->hi);
+    /* the smallest min and largest max of this share, NaN kept (the non-finite check) */
+    float l = INFINITY, h = -INFINITY;
+    for (int64_t u = j->u0; u < j->u1; ++u) {
+        float a = j->lo[u], b = j->hi[u];
+        l = (a < l || a != a) && l == l ? a : l;
+        h = (b > h || b != b) && h == h ? b : h;
+    }
+    j->ends[0] = l;
+    j->ends[1] = h;
     return NULL;
 }
 
 /* Plain threads, joined before returning: an OpenMP pool would keep spinning after the
    call and slow down torch's own (separate) thread pool. */
-void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, int threads) {
+void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, float *ends,
+                    int threads) {
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
     pthread_t tid[64];
     job_t jobs[64];
     int started[64] = {0};
     for (int t = 0; t < threads; ++t) {
-        jobs[t] = (job_t){x, E, U * t / threads, U * (t + 1) / threads, lo, hi};
+        jobs[t] = (job_t){x, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0}};
         if (t > 0) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
     }
     run(&jobs[0]);
@@ -237,6 +247,14 @@ void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, 
         if (started[t]) pthread_join(tid[t], NULL);
         else run(&jobs[t]);  /* could not start a thread: do its share here */
     }
+    float l = jobs[0].ends[0], h = jobs[0].ends[1];
+    for (int t = 1; t < threads; ++t) {
+        float a = jobs[t].ends[0], b = jobs[t].ends[1];
+        l = (a < l || a != a) && l == l ? a : l;
+        h = (b > h || b != b) && h == h ? b : h;
+    }
+    ends[0] = l;
+    ends[1] = h;
 }
 """
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu99"]
@@ -272,7 +290,7 @@ def _build() -> ctypes.CDLL | None:
     fn = lib.qs_unit_minmax
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn = lib.qs_col_minmax
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -322,13 +340,15 @@ def _use_kernel(x: torch.Tensor) -> bool:
             and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad)
 
 
-def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max of every row of ``units [U, E]`` as two ``[U]`` tensors (NaN propagates).
 
     ``out``: two ``[U]`` tensors to write into (observers pass their previous ones: fresh
     multi-megabyte outputs cost page faults that, for blocks of 8 or 16, take longer than
-    the reduction itself).
+    the reduction itself). ``ends``: a ``(2,)`` float32 tensor that receives the smallest
+    min and the largest max (NaN if any), which the non-finite check needs; the kernel
+    gets them in the same pass.
     """
     U, E = units.shape
     if out is not None and not all(o.shape == (U,) and o.dtype == units.dtype
@@ -336,11 +356,17 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
                                    for o in out):
         out = None
     lib = _kernel() if U >= 2 and _use_kernel(units) else None
-    if lib is None:
-        return torch_unit_minmax(units, out)
+    if lib is None or (ends is not None and (ends.shape != (2,) or ends.dtype != torch.float32
+                                             or ends.device.type != "cpu")):
+        lo, hi = torch_unit_minmax(units, out)
+        if ends is not None:
+            ends.copy_(torch.stack((lo.amin(), hi.amax())))
+        return lo, hi
     lo, hi = out if out is not None else (torch.empty(U), torch.empty(U))
+    scratch = ends if ends is not None else torch.empty(2)
     threads = max(1, min(torch.get_num_threads(), U))
-    lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), threads)
+    lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), scratch.data_ptr(),
+                       threads)
     return lo, hi
 
 
