@@ -493,3 +493,48 @@ def test_calibrate_distributed_same_on_every_rank(results):
     for r in range(w):
         _same(res[r]["calib_auto"]["got"], res[0]["calib_auto"]["got"])
         assert res[r]["calib_auto"]["observers"] == res[0]["calib_auto"]["observers"]
+
+
+@pytest.mark.slow
+def test_torchrun_cli_matches_one_process(tmp_path):
+    """``torchrun --nproc-per-node 2 -m quantscope calibrate`` on a tiny BERT (MiniLM's
+    tokenizer): rank 0 alone writes, and the qparams equal those of one process."""
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.torch")
+    from quantscope.models import default_model_path
+
+    try:
+        src = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    from transformers import BertConfig, BertModel
+
+    model_dir = tmp_path / "tiny"
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(model_dir)
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / f, model_dir / f)
+    args = ["calibrate", "--model", str(model_dir), "--recipe", "w8a8", "--observer",
+            "percentile", "--calib-docs", "8", "--max-length", "32", "--eval-max-length", "32",
+            "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_port()), "-m", "quantscope",
+           *args, "--out", str(tmp_path / "run2")]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT,
+                       check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("w8a8/percentile: summary") == 1  # printed by rank 0 only
+    from quantscope.cli import main
+
+    assert main([*args, "--out", str(tmp_path / "run1")]) == 0  # one process, here
+    runs = {n: safetensors.load_file(str(tmp_path / f"run{n}" / "qparams" /
+                                         "qparams.safetensors")) for n in (1, 2)}
+    assert runs[1].keys() == runs[2].keys() and len(runs[1]) > 0
+    for k in runs[1]:
+        assert torch.equal(runs[1][k], runs[2][k]), k

@@ -46,6 +46,9 @@ def _common(p: argparse.ArgumentParser, out_default: str) -> None:
                         "mean-pooled embeddings)")
     g.add_argument("--sample-tokens", type=int, default=2048,
                    help="activation rows kept per layer for 'auto' and the report (default 2048)")
+    g.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="torch CPU threads (default: torch's choice). On a busy machine 1 is "
+                        "often fastest: spinning OpenMP threads slow small ops 10x or more")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default=out_default, metavar="DIR",
@@ -144,6 +147,10 @@ def _setup(args):
 
     _check_positive(args, "calib_docs", "max_length", "batch_size", "eval_max_length",
                     "sample_tokens")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     device = _device(args.device)
     model, tok = models.load_model(args.model, device)
@@ -383,21 +390,22 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # under torchrun (WORLD_SIZE > 1): join the process group; calibration is data-parallel
+    import torch.distributed as dist
+
     from . import distributed as qd
 
-    # under torchrun (WORLD_SIZE > 1): join the process group; calibration is data-parallel
-    joined = args.command in ("calibrate", "compare") and qd.init_from_env()
+    had_group = dist.is_available() and dist.is_initialized()  # a caller's group stays up
+    joined = args.command in ("calibrate", "compare") and qd.init_from_env() and not had_group
     args.rank, args.world = qd.rank(), qd.world_size()
     try:
         return COMMANDS[args.command](args)
     except (FileNotFoundError, ValueError, ImportError) as e:
-        print(f"quantscope {args.command}: error{f' (rank {args.rank})' if joined else ''}: "
+        print(f"quantscope {args.command}: error{f' (rank {args.rank})' if args.world > 1 else ''}: "
               f"{e}", file=sys.stderr)
         return 1
     finally:
         if joined:
-            import torch.distributed as dist
-
             dist.destroy_process_group()
 
 
