@@ -151,9 +151,9 @@ class FloatFormat:
         tensor the caller owns) and returns it.
 
         For fp8 this equals torch's float8 casts bit for bit (tests/test_formats.py, every
-        bfloat16 and float16 input) and is faster on CPU than clamp + cast + cast back
-        (4x for e4m3, whose cast back to float32 is slow; on par for e5m2), so there is no
-        separate cast path.
+        bfloat16 and float16 input) and is on par with clamp + cast + cast back on CPU
+        (measured interleaved: e4m3 up to 1.4x faster, e5m2 up to 1.4x slower), and it
+        works in place, so one path serves every format.
         """
         x = x.float()
         # float32 exponent field, computed before x may be overwritten: 2 ** e
