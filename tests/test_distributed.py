@@ -230,6 +230,14 @@ def _scenarios(r, w, group=None):
     qd.sync_observers(many, group)
     out["many"] = {"stats": qd.last_stats()}
 
+    # different observers on different ranks: the same error everywhere, no hang
+    extra = [quantscope.get_observer("static_minmax", QuantSpec())] * (r == 0)
+    try:
+        qd.sync_observers(many[:2] + extra, group)
+        out["mismatch"] = None
+    except ValueError as e:
+        out["mismatch"] = str(e)
+
     # NaN on one rank: the same error on every rank, no hang
     obs = quantscope.get_observer("static_minmax", QuantSpec())
     x = _batches(1, seed=3)[0]
@@ -410,9 +418,15 @@ def test_avg_mode_is_mean_of_rank_states(results):
 def test_many_observers_few_collectives(results):
     _, res = results
     s = res[0]["many"]["stats"]
-    # header all_gather + one MAX bucket (float32 min/max) + one SUM bucket (int64 counters)
-    assert s.collectives == 3
+    # plan check + header all_gather + one MAX bucket (float32 min/max) + one SUM bucket
+    assert s.collectives == 4
     assert s.bytes > 20 * 2 * 8 * 4
+
+
+def test_different_observers_same_error_everywhere(results):
+    w, res = results
+    msgs = [res[r]["mismatch"] for r in range(w)]
+    assert all(m is not None and "different observers" in m for m in msgs), msgs
 
 
 def test_nan_on_one_rank_same_error_everywhere(results):

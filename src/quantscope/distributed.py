@@ -7,6 +7,7 @@ or a :class:`CustomSync` such as a histogram that first agrees on a common grid)
 :func:`sync_observers` then syncs any number of observers in a handful of
 collectives:
 
+0. one tiny ``all_reduce`` checking that every rank syncs the same observers;
 1. one ``all_gather`` of a small fixed-length int64 header per rank (whether the
    observer saw data, whether it saw NaN / inf, the state shapes), so that a rank
    with no batches learns the shapes and fills its state with the identity of each
@@ -49,6 +50,7 @@ import enum
 import heapq
 import itertools
 import os
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -309,14 +311,28 @@ def _decode_shape(row) -> tuple[int, ...]:
     return tuple(int(v) for v in row[1:1 + int(row[0])])
 
 
+def _check_same_plans(observers, plans, dev, group) -> None:
+    """One tiny all_reduce: every rank must sync the same observers with the same plans
+    (else the header all_gather would mismatch); a difference raises on every rank."""
+    text = repr([(type(o).__name__, _names(p)) for o, p in zip(observers, plans)])
+    sig = zlib.crc32(text.encode())
+    t = torch.tensor([len(observers), -len(observers), sig, -sig], dtype=torch.int64,
+                     device=dev)
+    _all_reduce(t, dist.ReduceOp.MAX, group)
+    if int(t[0]) != -int(t[1]) or int(t[2]) != -int(t[3]):
+        raise ValueError(f"sync: the ranks sync different observers ({len(observers)} here, "
+                         f"between {-int(t[1])} and {int(t[0])} on the ranks) or different "
+                         f"state; every rank must pass the same observers in the same order")
+
+
 # ------------------------------------------------------------------------ full sync
 def sync_observers(observers: Iterable, group=None) -> None:
     """Make the state of ``observers`` the same on every rank, as if one process saw it all.
 
     Every rank must call it with the same observers, in the same order (e.g.
-    ``session.observers()`` of the same model and recipe). Collectives: one
-    ``all_gather`` of headers, one ``all_reduce`` of histogram grids if there are
-    histograms, and one ``all_reduce`` per (reduction, dtype) bucket (usually 2-4).
+    ``session.observers()`` of the same model and recipe). Collectives: a tiny check that
+    they do, one ``all_gather`` of headers, one ``all_reduce`` of histogram grids if there
+    are histograms, and one ``all_reduce`` per (reduction, dtype) bucket (usually 2-3).
     """
     observers = list(observers)
     _STATS.collectives = 0
@@ -326,6 +342,7 @@ def sync_observers(observers: Iterable, group=None) -> None:
     dev = _device(group)
     me = dist.get_rank(group)
     plans = [_plan(o) for o in observers]
+    _check_same_plans(observers, plans, dev, group)
 
     # 1. headers: [has_observed, seen_non_finite, step_synced, last shape, shape per buffer item]
     rows = []
