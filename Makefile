@@ -33,11 +33,13 @@ test: venv
 
 # the synthetic format table (quantscope.demo), then the model demo: observers compared on
 # all-MiniLM-L6-v2 (calibrated on gensim's Lee background corpus, scored on the Lee
-# similarity pairs); table printed, report and plots written under runs/demo
+# similarity pairs); table printed, report and plots written under runs/demo. One torch
+# thread: on a shared 2-core machine spinning OpenMP threads cost more than they give
 DEMO_OBSERVERS ?= minmax,mse,percentile,entropy,mix,auto
 demo: venv
 	$(PY) -m quantscope.demo --formats
-	$(PY) -m quantscope compare --recipes w8a8,w4a8 --observers $(DEMO_OBSERVERS) --out runs/demo
+	$(PY) -m quantscope compare --recipes w8a8,w4a8 --observers $(DEMO_OBSERVERS) --threads 1 \
+		--out runs/demo
 
 bench: venv
 	$(PY) bench/run.py

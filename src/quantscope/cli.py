@@ -291,7 +291,9 @@ def cmd_compare(args) -> int:
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     headers, rows = compare_rows(report)
-    title = (f"quantscope compare: {os.path.basename(setup['model'].rstrip('/'))}, "
+    name = "all-MiniLM-L6-v2" if args.model is None else os.path.basename(
+        setup["model"].rstrip("/"))
+    title = (f"quantscope compare: {name}, "
              f"{setup['calib_docs']} calibration docs ({setup['calib_tokens']} tokens), "
              f"Lee similarity over {setup['eval_pairs']} pairs")
     print_table(headers, rows, title)
