@@ -336,3 +336,21 @@ def test_cuda():
     with c.apply(m):
         y = m(b[0])
     assert y.is_cuda and no_hooks(m)
+
+
+def test_output_role_and_asymmetric_activations():
+    m, b = make()
+    spec = QuantSpec("uint8", Tensor(), symmetric=False)
+    recipe = Recipe(Rule(("up",), output=Role(spec, "static_minmax")))
+    c = calibrate(m, b, recipe, progress=False)
+    outs = torch.cat([m.up(x) for x in b]).detach()
+    qp = qparams_from_range(outs.min().reshape(1), outs.max().reshape(1), spec)
+    st = c.states["up"]["output"]
+    assert torch.equal(st.qparams.scale.flatten(), qp.scale)
+    assert torch.equal(st.qparams.zero_point.flatten(), qp.zero_point)
+    x = b[0]
+    with torch.no_grad():
+        expect = m.head(m.down(m.act(fake_quantize(m.up(x), st.qparams, spec))))
+        with c.apply(m):
+            assert torch.equal(m(x), expect)
+    assert no_hooks(m)

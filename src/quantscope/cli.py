@@ -275,7 +275,15 @@ def cmd_compare(args) -> int:
     calib_seconds = time.perf_counter() - t
     t = time.perf_counter()
     runs, histograms = {}, {}
-    for label, calib in calibs.items():
+    items = calibs.items()
+    if not args.no_progress:
+        try:
+            from tqdm.auto import tqdm
+
+            items = tqdm(items, desc="evaluating", unit="config", leave=False)
+        except ImportError:
+            pass
+    for label, calib in items:
         m = _evaluate(model, tok, calib, lee, pairs, ref, args.eval_max_length)
         d = calib.report(m).to_dict()
         d["recipe"], d["observer"] = label.split("/", 1)
