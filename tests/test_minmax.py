@@ -368,3 +368,31 @@ def test_non_finite_detected_on_the_kernel_path(bad, layout):
         obs.calculate_qparams()
     clean = observe("static_minmax", QuantSpec("int8", Group(32)), [rand(256, 512, seed=6)])
     clean.calculate_qparams()
+
+
+@pytest.mark.parametrize("name,kind", [("static_minmax", "min"), ("minmax", "ema"),
+                                       ("llmcompressor:minmax", "ema_lerp")])
+def test_fused_state_update_equals_torch(name, kind, monkeypatch):
+    """The kernel's fused static / EMA update rounds exactly as update_state's torch ops."""
+    xs = [rand(64, 2048, seed=s, scale=s + 1) for s in range(4)]  # kernel-sized
+    xs[2][3, 5] = float("nan")
+
+    def run():
+        if name.startswith("llmcompressor"):
+            obs = quantscope.get_observer(name, base_name="weight", args={
+                "strategy": "channel", "observer_kwargs": {"averaging_constant": 0.3}})
+        else:
+            obs = quantscope.get_observer(name, QuantSpec("int8", Channel(0)),
+                                          **({"averaging_constant": 0.3} if kind != "min" else {}))
+        for x in xs:
+            quantscope.observers.base.Observer.forward(obs, x)
+        return obs.min_vals.clone(), obs.max_vals.clone()
+
+    fused = run()
+    monkeypatch.setattr(stats, "_use_kernel", lambda x: False)  # torch path throughout
+    ref = run()
+    for a, b in zip(fused, ref):
+        assert torch.allclose(a, b, equal_nan=True, atol=0, rtol=0)
+    assert fused[0][3].isnan()
+    with pytest.raises(ValueError, match="update_state"):
+        stats.update_state("median", 0.0, *fused, *fused)

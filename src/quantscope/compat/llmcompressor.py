@@ -228,11 +228,7 @@ class MinMaxObserver(Observer, _NativeEMA):
     """Moving average of min / max (``averaging_constant`` from observer_kwargs, default 0.01)."""
 
     native_options = ("averaging_constant",)
-
-    def _ema_(self, state, batch):
-        # llm-compressor's lerp: old * (1 - c) + new * c, rounded as it rounds
-        c = self.averaging_constant
-        state.mul_(1.0 - c).add_(batch.mul_(c))
+    state_update = "ema_lerp"  # llm-compressor's lerp: old * (1 - c) + new * c, its rounding
 
 
 _MSE_OPTIONS = ("maxshrink", "patience", "grid", "norm", "expand")

@@ -109,7 +109,7 @@ class Observer(nn.Module):
         ends = None  # smallest min and largest max, for the non-finite check
         if fast is None:
             ends = torch.empty(2, device=units.device)
-            lo, hi = unit_minmax(units, self._minmax_out(count), ends)
+            lo, hi = self._unit_minmax(units, count, ends)
         else:
             lo, hi = fast
         if self.sync_every_step:  # exchange the step's statistic with the other ranks
@@ -123,6 +123,10 @@ class Observer(nn.Module):
         self.observed_tokens += x.numel() // x.shape[-1] if x.dim() else 1
         self._set_shape(x.shape)
         return x
+
+    def _unit_minmax(self, units: torch.Tensor, count: int, ends: torch.Tensor):
+        """This call's per-unit ``(lo, hi)`` (a class may fuse its state update in here)."""
+        return unit_minmax(units, self._minmax_out(count), ends)
 
     def _minmax_out(self, count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Two ``[count]`` tensors forward may write this call's per-unit min / max into

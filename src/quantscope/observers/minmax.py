@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..qparams import QParams
+from ..stats.minmax import unit_minmax, update_state
 from .base import Observer
 from .registry import register
 
@@ -51,15 +52,34 @@ class MinMaxStateObserver(Observer):
 
         return {"min_vals": MIN, "max_vals": MAX}
 
+    #: the state update (``quantscope.stats.minmax.update_state`` kind) :meth:`_update` does;
+    #: forward fuses it into the min / max pass when set
+    state_update: str | None = None
+    _fused = False
+
+    def _unit_minmax(self, units, count, ends):
+        kind = self.state_update
+        if (kind is None or not self.accumulates or self.sync_every_step
+                or self.min_vals.shape != (count,)
+                or self.min_vals.device != units.device):
+            return super()._unit_minmax(units, count, ends)
+        c = getattr(self, "averaging_constant", 0.0)
+        self._fused = True  # _observe: the state is already updated
+        return unit_minmax(units, self._minmax_out(count), ends,
+                           (kind, c, self.min_vals, self.max_vals))
+
     def _observe(self, units, lo, hi):
-        if self.min_vals.shape != lo.shape:  # first call (shape, not value: no host sync)
+        if self._fused:
+            self._fused = False
+        elif self.min_vals.shape != lo.shape:  # first call (shape, not value: no host sync)
             self.min_vals = lo.clone()
             self.max_vals = hi.clone()
         else:
             self._update(lo, hi)
 
     def _update(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        raise NotImplementedError
+        update_state(self.state_update, getattr(self, "averaging_constant", 0.0),
+                     self.min_vals, self.max_vals, lo, hi)
 
     def calculate_range(self):
         return self.min_vals, self.max_vals
@@ -84,9 +104,7 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
 class StaticMinMaxObserver(MinMaxStateObserver):
     """The running min and max over every tensor observed."""
 
-    def _update(self, lo, hi):
-        torch.minimum(self.min_vals, lo, out=self.min_vals)
-        torch.maximum(self.max_vals, hi, out=self.max_vals)
+    state_update = "min"
 
 
 @register("minmax", "moving_average_minmax")
@@ -105,16 +123,8 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
                              f"got {averaging_constant!r}")
         self.averaging_constant = float(averaging_constant)
 
-    def _update(self, lo, hi):
-        self._ema_(self.min_vals, lo)
-        self._ema_(self.max_vals, hi)
-
-    def _ema_(self, state: torch.Tensor, batch: torch.Tensor) -> None:
-        """``state += c * (batch - state)`` in place (a compat class may round it its way).
-
-        ``batch`` is this call's temporary and may be overwritten (no fresh allocation).
-        """
-        state.add_(batch.sub_(state).mul_(self.averaging_constant))
+    #: ``state += c * (batch - state)``, torch.ao's rounding (compat classes may pick another)
+    state_update = "ema"
 
     def _sync_plan(self):
         # approximate unless sync_every_step (then exact): see quantscope.distributed

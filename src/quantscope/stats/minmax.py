@@ -212,11 +212,32 @@ void qs_col_minmax(const float *x, int64_t R, int64_t C, float *lo, float *hi, f
     }
 }
 
-typedef struct { const float *x; int64_t E, u0, u1; float *lo, *hi; float ends[2]; } job_t;
+typedef struct {
+    const float *x; int64_t E, u0, u1; float *lo, *hi; float ends[2];
+    int mode; float c, omc; float *slo, *shi;
+} job_t;
+
+/* The state updates of the accumulating min-max observers, fused into the same pass, each
+   rounded as the torch ops of quantscope.stats.minmax.update_state round (no contraction:
+   built with -ffp-contract=off). 1: running min / max (NaN kept, as torch.minimum);
+   2: s + c * (b - s) (torch.ao); 3: s * (1 - c) + b * c (llm-compressor's lerp). */
+static float upd(int mode, float s, float b, float c, float omc, int is_min) {
+    if (mode == 1) {
+        if (s != s || b != b) return s != s ? s : b;
+        return is_min ? (b < s ? b : s) : (b > s ? b : s);
+    }
+    if (mode == 2) { float d = b - s; d = d * c; return s + d; }
+    { float a = s * omc; float t = b * c; return a + t; }
+}
 
 static void *run(void *p) {
     job_t *j = (job_t *)p;
     rows(j->x, j->E, j->u0, j->u1, j->lo, j->hi);
+    if (j->mode)
+        for (int64_t u = j->u0; u < j->u1; ++u) {
+            j->slo[u] = upd(j->mode, j->slo[u], j->lo[u], j->c, j->omc, 1);
+            j->shi[u] = upd(j->mode, j->shi[u], j->hi[u], j->c, j->omc, 0);
+        }
     /* the smallest min and largest max of this share, NaN kept (the non-finite check) */
     float l = INFINITY, h = -INFINITY;
     for (int64_t u = j->u0; u < j->u1; ++u) {
@@ -232,14 +253,15 @@ static void *run(void *p) {
 /* Plain threads, joined before returning: an OpenMP pool would keep spinning after the
    call and slow down torch's own (separate) thread pool. */
 void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, float *ends,
-                    int threads) {
+                    int threads, int mode, double c, float *slo, float *shi) {
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
     pthread_t tid[64];
     job_t jobs[64];
     int started[64] = {0};
     for (int t = 0; t < threads; ++t) {
-        jobs[t] = (job_t){x, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0}};
+        jobs[t] = (job_t){x, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0},
+                          mode, (float)c, (float)(1.0 - c), slo, shi};
         if (t > 0) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
     }
     run(&jobs[0]);
@@ -257,7 +279,8 @@ void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, 
     ends[1] = h;
 }
 """
-_FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu99"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
+          "-std=gnu99"]
 
 _lib = None
 _lib_tried = False
@@ -290,7 +313,8 @@ def _build() -> ctypes.CDLL | None:
     fn = lib.qs_unit_minmax
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p]
     fn = lib.qs_col_minmax
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -340,15 +364,43 @@ def _use_kernel(x: torch.Tensor) -> bool:
             and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad)
 
 
+#: state updates :func:`unit_minmax` can fuse into its pass (see :func:`update_state`)
+UPDATES = {"min": 1, "ema": 2, "ema_lerp": 3}
+
+
+def update_state(kind: str, c: float, state_lo: torch.Tensor, state_hi: torch.Tensor,
+                 lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """Update per-unit min / max state in place from a batch's ``lo`` / ``hi`` (overwritten).
+
+    ``"min"``: running min / max; ``"ema"``: ``s + c * (b - s)`` (torch.ao's expression);
+    ``"ema_lerp"``: ``s * (1 - c) + b * c`` (llm-compressor's). The compiled kernel fuses
+    the same updates into its pass, rounded identically (tests compare them bitwise).
+    """
+    if kind == "min":
+        torch.minimum(state_lo, lo, out=state_lo)
+        torch.maximum(state_hi, hi, out=state_hi)
+    elif kind == "ema":
+        state_lo.add_(lo.sub_(state_lo).mul_(c))
+        state_hi.add_(hi.sub_(state_hi).mul_(c))
+    elif kind == "ema_lerp":
+        state_lo.mul_(1.0 - c).add_(lo.mul_(c))
+        state_hi.mul_(1.0 - c).add_(hi.mul_(c))
+    else:
+        raise ValueError(f"update_state: unknown kind {kind!r}; expected one of {list(UPDATES)}")
+
+
 def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ends: torch.Tensor | None = None, update: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max of every row of ``units [U, E]`` as two ``[U]`` tensors (NaN propagates).
 
     ``out``: two ``[U]`` tensors to write into (observers pass their previous ones: fresh
     multi-megabyte outputs cost page faults that, for blocks of 8 or 16, take longer than
     the reduction itself). ``ends``: a ``(2,)`` float32 tensor that receives the smallest
     min and the largest max (NaN if any), which the non-finite check needs; the kernel
-    gets them in the same pass.
+    gets them in the same pass. ``update``: ``(kind, c, state_lo, state_hi)``, a state
+    update (:func:`update_state`) applied after the min / max are taken, in the same pass
+    on the kernel path; the returned ``lo`` / ``hi`` are then scratch.
     """
     U, E = units.shape
     if out is not None and not all(o.shape == (U,) and o.dtype == units.dtype
@@ -356,17 +408,24 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
                                    for o in out):
         out = None
     lib = _kernel() if U >= 2 and _use_kernel(units) else None
-    if lib is None or (ends is not None and (ends.shape != (2,) or ends.dtype != torch.float32
-                                             or ends.device.type != "cpu")):
+    fusable = update is None or all(t.shape == (U,) and t.dtype == torch.float32 and
+                                    t.device.type == "cpu" and t.is_contiguous()
+                                    for t in update[2:])
+    if lib is None or not fusable or (ends is not None and (
+            ends.shape != (2,) or ends.dtype != torch.float32 or ends.device.type != "cpu")):
         lo, hi = torch_unit_minmax(units, out)
         if ends is not None:
             ends.copy_(torch.stack((lo.amin(), hi.amax())))
+        if update is not None:
+            update_state(update[0], update[1], update[2], update[3], lo, hi)
         return lo, hi
     lo, hi = out if out is not None else (torch.empty(U), torch.empty(U))
     scratch = ends if ends is not None else torch.empty(2)
     threads = max(1, min(torch.get_num_threads(), U))
+    mode, c, slo, shi = (0, 0.0, 0, 0) if update is None else (
+        UPDATES[update[0]], float(update[1]), update[2].data_ptr(), update[3].data_ptr())
     lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), scratch.data_ptr(),
-                       threads)
+                       threads, mode, c, slo, shi)
     return lo, hi
 
 
