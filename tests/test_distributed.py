@@ -165,8 +165,12 @@ def _scenarios(r, w, group=None):
                 steps = -(-n_batches // w)
                 for t in range(steps):
                     idx = t * w + r
-                    x = batches[idx] if idx < n_batches else batches[0][:0]
-                    obs(x)
+                    if idx < n_batches:
+                        obs(batches[idx])
+                    elif sname == "tensor_sym":  # no data this step: both ways take part
+                        qd.empty_step([obs], group)
+                    else:
+                        obs(batches[0][:0])
                     ref(torch.cat(batches[t * w:(t + 1) * w]))
                 obs.sync()
                 out[key + "/step"] = {"got": _record(obs), "ref": _record(ref)}
