@@ -8,10 +8,11 @@ IN.pt: ``{name: tensor}``. CASES.json: a list of
 "observer_kwargs": {}, "repeat": 0}``. OUT.pt: a list of
 ``{"min_vals", "max_vals", "scale", "zero_point", "global_scale", "seconds"}`` (seconds: the
 median of ``repeat`` timed runs of observe + get_qparams with a fresh observer each; None
-when repeat is 0). Run it as a child process so the caller can read its peak RSS too.
+when repeat is 0; peak_rss_growth_kb: how much the first run raised the peak RSS). Run it as a child process so the caller can read its peak RSS too.
 """
 
 import json
+import resource
 import statistics
 import sys
 import time
@@ -39,7 +40,9 @@ def run_case(x, case):
         stats = {"min_vals": obs.min_vals.clone(), "max_vals": obs.max_vals.clone()}
         return stats, obs.get_qparams()
 
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     stats, qp = once()
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
     for _ in range(case.get("repeat", 0)):
         t = time.perf_counter()
@@ -47,7 +50,8 @@ def run_case(x, case):
         times.append(time.perf_counter() - t)
     return {**stats, "scale": qp["scale"], "zero_point": qp["zero_point"],
             "global_scale": qp.get("global_scale"),
-            "seconds": statistics.median(times) if times else None}
+            "seconds": statistics.median(times) if times else None,
+            "peak_rss_growth_kb": rss1 - rss0}
 
 
 def main(inp, out, cases_path):

@@ -447,9 +447,10 @@ def range_error(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Q
 
 def dense_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
                  spec: QuantSpec, *, candidates: int = 1000, expand: float = 1.0,
-                 norm: float = 2.0, global_amax: torch.Tensor | None = None,
+                 min_factor: float = 0.0, norm: float = 2.0, global_amax: torch.Tensor | None = None,
                  chunk_elems: int | None = None) -> SearchResult:
-    """The optimality reference: every factor ``expand * (1 - i / candidates)``, no early stop.
+    """The optimality reference: ``candidates`` factors evenly from ``expand`` down to
+    ``min_factor`` (``expand * (1 - i / candidates)`` by default), no early stop.
 
     The best range per unit on a dense grid from ``expand`` times the min-max
     range down to nearly zero (the min-max range included), scored as the spec
@@ -457,7 +458,11 @@ def dense_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor 
     """
     if not isinstance(candidates, int) or candidates < 1:
         raise ValueError(f"dense_search: candidates must be a positive integer, got {candidates!r}")
-    return mse_search(units, lo, hi, spec, factors=[1 - i / candidates for i in range(candidates)],
+    if not 0 <= min_factor < 1:
+        raise ValueError(f"dense_search: min_factor must be in [0, 1), got {min_factor!r}")
+    span = 1 - min_factor
+    return mse_search(units, lo, hi, spec,
+                      factors=[1 - span * i / candidates for i in range(candidates)],
                       expand=expand, norm=norm, patience=None, global_amax=global_amax,
                       global_grid=1, chunk_elems=chunk_elems)
 
