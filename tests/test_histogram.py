@@ -131,8 +131,9 @@ def test_state_dict_round_trip_and_reset(name):
     assert a.current_histogram().counts.sum() == x.numel()
 
 
-def test_observer_forward_has_no_host_sync_on_the_native_grid():
-    obs = qs.get_observer("entropy", qs.QuantSpec("int8", "channel:0"))
+@pytest.mark.parametrize("name", ["percentile", "histogram_mse", "entropy", "histogram", "mix"])
+def test_observer_forward_has_no_host_sync_on_the_native_grid(name):
+    obs = qs.get_observer(name, qs.QuantSpec("int8", "channel:0", symmetric=name != "mix"))
     x = torch.randn(4, 100)
     obs(x)
     with torch.autograd.profiler.profile() as prof:
