@@ -36,11 +36,19 @@ def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantS
     qp = qparams_from_range(lo, hi, spec)
     scale = qp.effective_scale.float()
     zp = qp.zero_point.float()
-    centers = (hist.centers() if centers is None else centers.float())[:, None, :]  # [U, 1, B]
-    counts = hist.counts.double()[:, None, :]
+    centers = hist.centers() if centers is None else centers.float()
+    counts = hist.counts
+    nz = counts > 0
+    m = int(nz.sum(1).max()) if counts.numel() else 0
+    if m < counts.shape[1]:  # score only occupied bins (empty ones add nothing): [U, m]
+        keep = torch.sort((~nz).to(torch.int8), dim=1, stable=True).indices[:, :m]
+        centers, counts = centers.gather(1, keep), counts.gather(1, keep)
+    width = hist.width
+    centers = centers[:, None, :]  # [U, 1, B]
+    counts = counts.double()[:, None, :]
     if points > 1:  # sub-points at (i + (k + 0.5) / points) w
         off = (torch.arange(points, device=centers.device) + 0.5) / points - 0.5
-        centers = (centers[..., None] + off * hist.width[:, None, None, None]).flatten(-2)
+        centers = (centers[..., None] + off * width[:, None, None, None]).flatten(-2)
         counts = (counts[..., None] / points).expand(*counts.shape, points).flatten(-2)
     U, C = lo.shape
     step = max(1, ELEMENT_BUDGET // max(1, U * centers.shape[-1]))
