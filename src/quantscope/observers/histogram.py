@@ -14,7 +14,7 @@ range is asked for. Two ways to combine batches:
 
 Symmetric specs histogram ``|x|`` (the estimators' reference form), asymmetric ones
 the signed values; ``histogram`` (torch.ao's search) always histograms signed values.
-Ranges are clipped to the data's min / max.
+Ranges are clipped to the data's min / max (symmetric specs: to +-max |x|).
 
 ``grid="first"`` is for the compat classes: the first batch is binned as torch.ao /
 Quark bin it (``torch.histc`` over its min / max, or ``[0, max |x|]``); later batches
