@@ -165,19 +165,46 @@ def test_calibrate_many_shares_one_pass_and_matches_single_runs():
     assert many["a"].info["batches"] == len(b)
 
 
-def test_auto_picks_the_lowest_error_candidate():
+CANDS = ["minmax", "static_minmax", "mse", "percentile", "entropy"]
+
+
+def _auto_runs(metric):
     m, b = make()
-    cands = ["minmax", "static_minmax"] + [o for o in ("mse", "percentile", "entropy")
-                                           if o in quantscope.list_observers()]
+    cands = [o for o in CANDS if o in quantscope.list_observers()]
     plan = {o: preset("w4a8", o) for o in cands}
     plan["auto"] = preset("w4a8", "auto")
-    runs = calibrate_many(m, b, plan, candidates=cands, sample_tokens=10_000, progress=False)
+    runs = calibrate_many(m, b, plan, candidates=cands, sample_tokens=10_000, progress=False,
+                          auto_metric=metric)
+    return m, b, cands, runs
+
+
+def test_auto_tensor_metric_picks_the_highest_sqnr():
+    _, _, cands, runs = _auto_runs("tensor")
     rows = {(r["layer"], r["role"]): r for r in runs["auto"].stats}
     for key, row in rows.items():
         best = max(next(r for r in runs[o].stats if (r["layer"], r["role"]) == key)["sqnr_db"]
                    for o in cands)
         assert row["sqnr_db"] == best
         assert row["requested"] == "auto"
+
+
+def test_auto_output_metric_picks_the_lowest_layer_output_error():
+    m, b, cands, runs = _auto_runs("output")
+    x = torch.cat(b).reshape(-1, 128)  # every input row of 'up' (sample_tokens keeps all)
+    w = m.up.weight.detach()
+
+    def out_err(obs, role):
+        st = runs[obs].states["up"][role]
+        if role == "input":
+            return float(((fake_quantize(x, st.qparams, st.spec) - x) @ w.T).square().sum())
+        return float((x @ (fake_quantize(w, st.qparams, st.spec) - w).T).square().sum())
+
+    for role in ("weight", "input"):
+        errs = {o: out_err(o, role) for o in cands}
+        chosen = runs["auto"].states["up"][role]
+        best = min(errs.values())
+        assert out_err("auto", role) == pytest.approx(best, rel=1e-5)
+        assert chosen.requested == "auto" and chosen.observer != "auto"
 
 
 # ------------------------------------------------------------------------------ report

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--observers", default=DEFAULT_OBSERVERS,
                    help=f"comma-separated observer names; 'auto' chooses per layer among the "
                         f"others (default: {DEFAULT_OBSERVERS})")
+    p.add_argument("--auto-metric", default="tensor", choices=["tensor", "output"],
+                   help="what 'auto' minimises per layer: the quantized tensor's own error "
+                        "(default), or the error it causes in the layer's output x W^T")
     p.add_argument("--plot-layer", default=None, metavar="NAME",
                    help="layer of the histogram plot (default: where observers differ most)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -269,7 +272,8 @@ def cmd_compare(args) -> int:
     t = time.perf_counter()
     calibs = calibrate_many(model, batches, plan, candidates=candidates,
                             sample_tokens=args.sample_tokens, progress=not args.no_progress,
-                            seed=args.seed, distributed=getattr(args, "world", 1) > 1)
+                            seed=args.seed, distributed=getattr(args, "world", 1) > 1,
+                            auto_metric=args.auto_metric)
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
         return 0
     calib_seconds = time.perf_counter() - t

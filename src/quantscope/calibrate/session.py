@@ -5,8 +5,9 @@ pass over the data: the observers of all recipes are attached together, and a
 recipe that asks for the same (layer, role, spec, observer) as another shares
 its observer. ``observer="auto"`` observes every candidate and keeps, per layer
 and role, the one whose qparams give the lowest squared error on that layer's
-data (the weight itself; for activations, a sample of the calibration
-activations kept for the purpose).
+data: the weight itself, or a sample of the calibration activations kept for the
+purpose (``auto_metric="tensor"``, the default); or the lowest error in the
+layer's output ``x W^T`` on the sampled inputs (``"output"``).
 
 Hooks are removed in a ``finally``, whatever happens; the model's train / eval
 mode is restored; forwards run under ``torch.inference_mode``.
@@ -24,6 +25,7 @@ from torch import nn
 from .. import distributed as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
+from .apply import qdq_tensor
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
 from .result import Calibration, RoleState
@@ -257,7 +259,7 @@ def _state_from(obs, cfg: Role, shape) -> RoleState:
                      hi=hi, shape=shape)
 
 
-def _finish(slots, plans, recipes):
+def _finish(slots, plans, recipes, auto_metric="tensor"):
     """Build each recipe's states and report rows; ``auto`` picks by squared error."""
     cache = {}
     data = {}
@@ -274,6 +276,28 @@ def _finish(slots, plans, recipes):
         return cache[skey]
 
     made = {}  # one state per observer, shared by every recipe (and auto) that uses it
+    errors = {}
+
+    def auto_error(layer, role, skey, state, st):
+        """What ``auto`` minimises: the squared error this role's quantization causes in the
+        layer's output ``x W^T`` (metric "output", for 2-D weights with an input sample), or
+        in the tensor itself (metric "tensor", and the fallback)."""
+        if skey in errors:
+            return errors[skey]
+        err = None if st is None else st["noise"]
+        module = slots[(layer, role)].module
+        w = getattr(module, "weight", None)
+        x = data.get((layer, "input"))
+        if (auto_metric == "output" and role in ("weight", "input") and w is not None
+                and w.dim() == 2 and x is not None and x.shape[-1] == w.shape[1]):
+            w, x = w.detach().float(), x.float()
+            if role == "input":
+                e = (qdq_tensor(x, state).float() - x) @ w.T
+            else:
+                e = x @ (qdq_tensor(w, state).float() - w).T
+            err = float(e.square().sum())
+        errors[skey] = err
+        return err
 
     def state_of(obs, cfg, skey, shape):
         if skey not in made:
@@ -303,12 +327,13 @@ def _finish(slots, plans, recipes):
                     skey = (layer, role, okey, cfg.dynamic)
                     cand = state_of(obs, cfg, skey, shape)
                     st = stats_of((layer, role), skey, cand)
-                    if best is None or (st is not None and st["noise"] < best[1]["noise"]):
-                        best = (cand, st)
+                    err = auto_error(layer, role, skey, cand, st) if len(names) > 1 else None
+                    if best is None or (err is not None and (best[2] is None or err < best[2])):
+                        best = (cand, st, err)
                 if best is None:
                     raise ValueError(f"calibrate: layer {layer!r} {role}: no candidate observer "
                                      f"could take {cfg.spec}: {slot.failed}")
-                state, st = best
+                state, st, _ = best
             states.setdefault(layer, {})[role] = state
             if st is not None:
                 rows.append(_row(layer, role, state, st))
@@ -340,8 +365,8 @@ def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
 
 def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    sample_tokens: int = 2048, progress: bool = True,
-                   seed: int = 0, distributed: bool = False,
-                   group=None) -> dict[str, Calibration]:
+                   seed: int = 0, distributed: bool = False, group=None,
+                   auto_metric: str = "tensor") -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -355,6 +380,11 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         sample_tokens: activation rows kept per layer for ``auto`` and the report.
         progress: show a tqdm progress bar over the batches.
         seed: seeds the choice of sampled rows.
+        auto_metric: what ``auto`` minimises per layer: ``"tensor"`` (default) the squared
+            error of the quantized tensor itself (the report's SQNR), or ``"output"`` the
+            error a role's quantization causes in the layer's output ``x W^T`` on the sampled
+            inputs (2-D weights; otherwise the tensor's own error). On MiniLM neither
+            predicts the end-to-end result well (see the README).
         distributed: inside a ``torch.distributed`` process group (e.g. under ``torchrun``),
             calibrate data-parallel: each rank takes every ``world``-th batch and a share of
             the weights, statistics are synced before qparams, every rank returns the same
@@ -375,25 +405,28 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
     if not recipes:
         raise ValueError("calibrate: no recipe given")
+    if auto_metric not in ("output", "tensor"):
+        raise ValueError(f"calibrate: auto_metric must be 'output' or 'tensor', got "
+                         f"{auto_metric!r}")
     t0 = time.perf_counter()
     if batches is None:
         batches = []
     if distributed and qd.is_distributed(group):
         return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
-                                      progress, seed, group, t0)
+                                      progress, seed, group, t0, auto_metric)
     slots, plans = _plan(model, recipes, candidates)
     needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                      for s in slots.values())
     n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
-    return _conclude(slots, plans, recipes, n, needs_data, t0)
+    return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric)
 
 
-def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1):
+def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor"):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
-        results, hists = _finish(slots, plans, recipes)
+        results, hists = _finish(slots, plans, recipes, auto_metric)
     seconds = time.perf_counter() - t0
     out = {}
     for label, recipe in recipes.items():
@@ -406,7 +439,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1):
 
 
 def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, progress, seed,
-                           group, t0):
+                           group, t0, auto_metric="tensor"):
     """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
 
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
@@ -454,7 +487,7 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
         elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
             for s in acts.values():
                 s.sample = []
-    return _conclude(slots, plans, recipes, n, needs_data, t0, world)
+    return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric)
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,
