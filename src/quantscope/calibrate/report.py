@@ -176,7 +176,7 @@ class Report:
     def to_markdown(self, path=None) -> str:
         parts = [f"# quantscope report: {self.label}", ""]
         if self.metrics:
-            parts += [markdown_table(list(self.metrics), [list(self.metrics.values())]), ""]
+            parts += [markdown_table(list(self.metrics), [self._metric_cells()]), ""]
         parts += ["## Summary", "", markdown_table(self.SUMMARY_HEADERS, self.summary_rows()),
                   "", "## Layers", "", markdown_table(LAYER_HEADERS, _layer_rows(self.rows)), ""]
         text = "\n".join(parts)
@@ -190,5 +190,8 @@ class Report:
             print_table(LAYER_HEADERS, _layer_rows(self.rows), f"{self.label}: layers", file)
         print_table(self.SUMMARY_HEADERS, self.summary_rows(), f"{self.label}: summary", file)
         if self.metrics:
-            print_table(list(self.metrics), [list(self.metrics.values())],
-                        f"{self.label}: metrics", file)
+            print_table(list(self.metrics), [self._metric_cells()], f"{self.label}: metrics",
+                        file)
+
+    def _metric_cells(self) -> list[str]:
+        return [f"{v:.4f}" if isinstance(v, float) else str(v) for v in self.metrics.values()]
