@@ -7,8 +7,9 @@ is timed in this process before and after it (medians), so both see similar load
 two are not interleaved call by call. Errors are total squared errors of the quantizer that
 runs; llm-compressor's ranges are scored by quantscope (its compat mode reproduces them
 bitwise, see tests/test_mse.py). The dense reference tries 100 factors from 1.0 down to 0.6
-(step 0.004) without early stop. Peak memory: the growth of a child process's peak RSS
-during one search, next to the size of the input.
+(step 0.004) without early stop. Peak memory: a child process's peak RSS during the
+searches minus its RSS before them (tensors mmap-loaded from safetensors), next to the
+input size.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 from common import Table
+from safetensors.torch import save_file
 
 from quantscope.estimators import dense_search, mse_search, range_error
 from quantscope.layout import Channel, Group
@@ -82,13 +84,13 @@ def run_peer(tensors, spec_name, repeat):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        torch.save(tensors, tmp / "in.pt")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "in.safetensors"))
         cases = [{"tensor": k, "observer": "memoryless_mse", "repeat": repeat, **lc_args(spec_name)}
                  for k in tensors]
         (tmp / "cases.json").write_text(json.dumps(cases))
         proc = subprocess.run([str(PEER_PY), str(HERE / "peer_llmcompressor_mse.py"),
-                               str(tmp / "in.pt"), str(tmp / "out.pt"), str(tmp / "cases.json")],
-                              check=False, capture_output=True, text=True,
+                               str(tmp / "in.safetensors"), str(tmp / "out.pt"),
+                               str(tmp / "cases.json")], check=False, capture_output=True, text=True,
                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
         if proc.returncode != 0:
             print(f"(llm-compressor unavailable: {proc.stderr.strip().splitlines()[-1]})")
@@ -103,15 +105,17 @@ def run_peer(tensors, spec_name, repeat):
 
 _CHILD = r"""
 import resource, sys, torch
+from safetensors.torch import load_file
 sys.path.insert(0, {src!r})
 from quantscope.observers import get_observer
 from quantscope.spec import QuantSpec
 from quantscope.layout import Channel, Group
-tensors = torch.load({path!r})
+tensors = load_file({path!r})
 spec = {spec}
 w0 = next(iter(tensors.values()))
 get_observer("memoryless_mse", spec)(w0[:8].clone() if w0.shape[0] >= 8 else w0)  # warm
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+total = sum(float(w.sum()) for w in tensors.values())  # page the inputs in
+before = int(open("/proc/self/statm").read().split()[1]) * (resource.getpagesize() // 1024)
 for w in tensors.values():
     o = get_observer("memoryless_mse", spec); o(w); o.qparams()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
@@ -122,8 +126,8 @@ def peak_ours_kb(tensors, spec_name):
     spec = ("QuantSpec('int4', Channel(0))" if spec_name == "channel"
             else "QuantSpec('int4', Group(128))")
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "in.pt")
-        torch.save(tensors, path)
+        path = str(Path(tmp) / "in.safetensors")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
         code = _CHILD.format(src=str(HERE.parent / "src"), path=path, spec=spec)
         out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                              text=True)

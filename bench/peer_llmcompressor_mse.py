@@ -8,7 +8,7 @@ IN.pt: ``{name: tensor}``. CASES.json: a list of
 "observer_kwargs": {}, "repeat": 0}``. OUT.pt: a list of
 ``{"min_vals", "max_vals", "scale", "zero_point", "global_scale", "seconds"}`` (seconds: the
 median of ``repeat`` timed runs of observe + get_qparams with a fresh observer each; None
-when repeat is 0; peak_rss_growth_kb: how much the first run raised the peak RSS). Run it as a child process so the caller can read its peak RSS too.
+when repeat is 0; peak_rss_growth_kb: peak RSS during the first run minus the RSS before it). Run it as a child process so the caller can read its peak RSS too.
 """
 
 import json
@@ -18,6 +18,11 @@ import sys
 import time
 
 import torch
+
+
+def _current_rss_kb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * (resource.getpagesize() // 1024)
 
 
 def run_case(x, case):
@@ -40,7 +45,8 @@ def run_case(x, case):
         stats = {"min_vals": obs.min_vals.clone(), "max_vals": obs.max_vals.clone()}
         return stats, obs.get_qparams()
 
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    float(x.sum())  # page the input in
+    rss0 = _current_rss_kb()
     stats, qp = once()
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
@@ -55,7 +61,12 @@ def run_case(x, case):
 
 
 def main(inp, out, cases_path):
-    tensors = torch.load(inp)
+    if inp.endswith(".safetensors"):  # mmap-backed: loading does not raise the peak RSS
+        from safetensors.torch import load_file
+
+        tensors = load_file(inp)
+    else:
+        tensors = torch.load(inp)
     with open(cases_path) as f:
         cases = json.load(f)
     torch.save([run_case(tensors[c["tensor"]], c) for c in cases], out)

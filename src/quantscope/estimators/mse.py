@@ -274,16 +274,17 @@ def _search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, e
         ext = torch.tensor(extend, dtype=torch.float32, device=dev)
         rule["use_global"] = False  # the global rule's grid has ended
         for start in range(0, len(extend), cc):
+            sub = None
             if early_stop:
-                sub = (~st.stopped).nonzero().squeeze(1)
-                if sub.numel() == 0:
+                keep = (~st.stopped).nonzero().squeeze(1)
+                if keep.numel() == 0:
                     break
-            else:
-                sub = torch.arange(n_units, device=dev)
+                if keep.numel() * 2 <= n_units:  # gather only a minority (bounded copy)
+                    sub = keep
             f = ext[start:start + cc, None]
-            lo_c, hi_c = lo[sub][None] * f, hi[sub][None] * f
-            err, sc, zp = _errors(units[sub], lo_c, hi_c, spec, norm, exact, global_amax,
-                                  chunk_elems)
+            x, l0, h0 = (units, lo, hi) if sub is None else (units[sub], lo[sub], hi[sub])
+            lo_c, hi_c = l0[None] * f, h0[None] * f
+            err, sc, zp = _errors(x, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems)
             for j in range(lo_c.shape[0]):
                 st.step(total + start + j, err[j], lo_c[j], hi_c[j], sc[j], zp[j], sub=sub,
                         **rule)
