@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
 
-import numpy as np
 import torch
 from torch.ao.quantization import HistogramObserver as TorchHistogramObserver
 
 import quantscope as qs
 from quantscope.estimators import entropy_amax
+from quantscope.estimators.entropy import tensorrt_entropy_loop
 from quantscope.stats.histogram import Hist
 
 try:
@@ -44,37 +43,8 @@ def synthetic_batches(n=8):
     return [torch.randn(64, 128, 384, generator=g) * scale * (1 + 0.1 * i) for i in range(n)]
 
 
-def trt_entropy_loop(hist, num_bits=8, start_bin=128, stride=1):
-    """TensorRT's ``_compute_amax_entropy`` steps, as written (numpy; returns the bin)."""
-    bins = hist.astype(np.float64).copy()
-    bins[0] = bins[1]
-    nbins = 1 << (num_bits - 1)
-    divergences = []
-    for i in range(start_bin, len(bins) + 1, stride):
-        new_density_counts = np.zeros(nbins, dtype=np.float64)
-        space = np.linspace(0, i, num=nbins + 1)
-        digitized_space = np.digitize(range(i), space) - 1
-        digitized_space[bins[:i] == 0] = -1
-        for idx, digitized in enumerate(digitized_space):
-            if digitized != -1:
-                new_density_counts[digitized] += bins[idx]
-        counter = Counter(digitized_space)
-        for key, val in counter.items():
-            if key != -1:
-                new_density_counts[key] = new_density_counts[key] / val
-        new_density = np.zeros(i, dtype=np.float64)
-        for idx, digitized in enumerate(digitized_space):
-            if digitized != -1:
-                new_density[idx] = new_density_counts[digitized]
-        reference_density = np.array(bins[:len(digitized_space)])
-        reference_density[-1] += np.sum(bins[i:])
-        p = reference_density / reference_density.sum()
-        q = new_density / new_density.sum()
-        with np.errstate(divide="ignore", invalid="ignore"):
-            divergences.append(np.where(p > 0, np.where(q > 0, p * np.log(p / q), np.inf),
-                                        0.0).sum())
-    divergences = np.array(divergences)
-    return len(divergences) - 1 - int(np.argmin(divergences[::-1])) + start_bin
+def trt_entropy_loop(hist):
+    return tensorrt_entropy_loop(hist)[1]
 
 
 def speed(batches):

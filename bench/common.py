@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
-import torch
-
-__all__ = ["compare", "Table", "median_time"]
+__all__ = ["Table", "compare", "median_time"]
 
 
 def median_time(fn: Callable[[], object], repeat: int = 7, warmup: int = 2) -> float:

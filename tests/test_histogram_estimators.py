@@ -1,7 +1,5 @@
 """Histogram estimators against their definitions, torch.ao, and a slow TensorRT loop."""
 
-from collections import Counter
-
 import numpy as np
 import pytest
 import torch
@@ -20,6 +18,7 @@ from quantscope.estimators import (
     mix_range,
     percentile_range,
 )
+from quantscope.estimators.entropy import tensorrt_entropy_loop
 from quantscope.quantize import fake_quantize_units
 from quantscope.stats.histogram import Hist
 
@@ -94,38 +93,6 @@ def test_torch_ao_histogram_observer_keeps_counting_exactly_when_the_range_grows
 
 
 # ------------------------------------------------------------------ entropy (TensorRT)
-def _trt_loop(hist, num_bits=8, start_bin=128, stride=1):
-    """TensorRT's _compute_amax_entropy steps, literally (numpy, scipy's entropy)."""
-    bins = hist.astype(np.float64).copy()
-    bins[0] = bins[1]
-    nbins = 1 << (num_bits - 1)
-    divergences = []
-    for i in range(start_bin, len(bins) + 1, stride):
-        new_density_counts = np.zeros(nbins, dtype=np.float64)
-        space = np.linspace(0, i, num=nbins + 1)
-        digitized_space = np.digitize(range(i), space) - 1
-        digitized_space[bins[:i] == 0] = -1
-        for idx, digitized in enumerate(digitized_space):
-            if digitized != -1:
-                new_density_counts[digitized] += bins[idx]
-        counter = Counter(digitized_space)
-        for key, val in counter.items():
-            if key != -1:
-                new_density_counts[key] = new_density_counts[key] / val
-        new_density = np.zeros(i, dtype=np.float64)
-        for idx, digitized in enumerate(digitized_space):
-            if digitized != -1:
-                new_density[idx] = new_density_counts[digitized]
-        reference_density = np.array(bins[:len(digitized_space)])
-        reference_density[-1] += np.sum(bins[i:])
-        p = reference_density / reference_density.sum()
-        q = new_density / new_density.sum()
-        with np.errstate(divide="ignore", invalid="ignore"):
-            terms = np.where(p > 0, np.where(q > 0, p * np.log(p / q), np.inf), 0.0)
-        divergences.append(terms.sum())
-    divergences = np.array(divergences)
-    last_argmin = len(divergences) - 1 - np.argmin(divergences[::-1])
-    return divergences, last_argmin * stride + start_bin
 
 
 @settings(max_examples=15, deadline=None)
@@ -138,7 +105,7 @@ def test_kl_equals_a_direct_tensorrt_loop(seed, n, sparse, stride, bits):
         hist[rng.random(n) < 0.3] = 0
     hist[-1] = max(hist[-1], 1)
     start = 1 << (bits - 1)
-    ref_div, ref_i = _trt_loop(hist, bits, start, stride)
+    ref_div, ref_i = tensorrt_entropy_loop(hist, bits, start, stride)
     div, _cand = entropy_divergences(torch.from_numpy(hist).long()[None], num_bits=bits,
                                     start_bin=start, stride=stride)
     div = div[0].numpy()

@@ -1,7 +1,12 @@
 """quantscope: quantization observers for PyTorch, every family, format and granularity."""
 
-from . import formats, layout, presets, scales
-from . import calibrate  # a callable package: quantscope.calibrate(model, batches, recipe)
+from . import (
+    calibrate,  # a callable package: quantscope.calibrate(model, batches, recipe)
+    formats,
+    layout,
+    presets,
+    scales,
+)
 from .formats import FloatFormat, IntFormat, get_format
 from .layout import Block, Channel, Group, Tensor, Tile, Token
 from .observers import Observer, get_observer, list_observers
@@ -13,9 +18,28 @@ from .spec import QuantSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "QuantSpec", "QParams", "qparams_from_range", "quantize", "dequantize", "fake_quantize",
-    "IntFormat", "FloatFormat", "get_format", "ScaleEncoding",
-    "Tensor", "Channel", "Group", "Token", "Block", "Tile",
-    "Observer", "get_observer", "list_observers",
-    "formats", "layout", "presets", "scales", "calibrate",
+    "Block",
+    "Channel",
+    "FloatFormat",
+    "Group",
+    "IntFormat",
+    "Observer",
+    "QParams",
+    "QuantSpec",
+    "ScaleEncoding",
+    "Tensor",
+    "Tile",
+    "Token",
+    "calibrate",
+    "dequantize",
+    "fake_quantize",
+    "formats",
+    "get_format",
+    "get_observer",
+    "layout",
+    "list_observers",
+    "presets",
+    "qparams_from_range",
+    "quantize",
+    "scales",
 ]
