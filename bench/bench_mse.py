@@ -7,9 +7,8 @@ is timed in this process before and after it (medians), so both see similar load
 two are not interleaved call by call. Errors are total squared errors of the quantizer that
 runs; llm-compressor's ranges are scored by quantscope (its compat mode reproduces them
 bitwise, see tests/test_mse.py). The dense reference tries 100 factors from 1.0 down to 0.6
-(step 0.004) without early stop. Peak memory: a child process's peak RSS during the
-searches minus its RSS before them (tensors mmap-loaded from safetensors), next to the
-input size.
+(step 0.004) without early stop. Peak memory: the peak RSS of a child process that runs
+the searches minus that of one that only imports, loads and pages in the same tensors.
 """
 
 from __future__ import annotations
@@ -96,11 +95,17 @@ def run_peer(tensors, spec_name, repeat):
             print(f"(llm-compressor unavailable: {proc.stderr.strip().splitlines()[-1]})")
             return None
         res = torch.load(tmp / "out.pt")
+        # peak RSS of the peer child minus that of a child that only loads and imports
+        (tmp / "none.json").write_text(json.dumps([{"tensor": k, "observer": "none"}
+                                                   for k in tensors]))
+        subprocess.run([str(PEER_PY), str(HERE / "peer_llmcompressor_mse.py"),
+                        str(tmp / "in.safetensors"), str(tmp / "none.pt"), str(tmp / "none.json")],
+                       check=True, capture_output=True)
+        base = torch.load(tmp / "none.pt")[-1]["maxrss_kb"]
     ranges = {k: (r["min_vals"].reshape(-1), r["max_vals"].reshape(-1))
               for k, r in zip(tensors, res)}
     seconds = sum(r["seconds"] for r in res)
-    peak = max(r["peak_rss_growth_kb"] for r in res)
-    return ranges, seconds, peak
+    return ranges, seconds, res[-1]["maxrss_kb"] - base
 
 
 _CHILD = r"""
@@ -112,26 +117,30 @@ from quantscope.spec import QuantSpec
 from quantscope.layout import Channel, Group
 tensors = load_file({path!r})
 spec = {spec}
-w0 = next(iter(tensors.values()))
-get_observer("memoryless_mse", spec)(w0[:8].clone() if w0.shape[0] >= 8 else w0)  # warm
 total = sum(float(w.sum()) for w in tensors.values())  # page the inputs in
-before = int(open("/proc/self/statm").read().split()[1]) * (resource.getpagesize() // 1024)
-for w in tensors.values():
-    o = get_observer("memoryless_mse", spec); o(w); o.qparams()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+w0 = next(iter(tensors.values()))
+get_observer("memoryless_mse", spec)(w0[:8].clone())  # imports, kernels
+if {run}:
+    for w in tensors.values():
+        o = get_observer("memoryless_mse", spec); o(w); o.qparams()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
 def peak_ours_kb(tensors, spec_name):
+    """Peak RSS of a child that searches minus that of one that only loads (kB)."""
     spec = ("QuantSpec('int4', Channel(0))" if spec_name == "channel"
             else "QuantSpec('int4', Group(128))")
+    peaks = []
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "in.safetensors")
         save_file({k: v.contiguous() for k, v in tensors.items()}, path)
-        code = _CHILD.format(src=str(HERE.parent / "src"), path=path, spec=spec)
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                             text=True)
-    return int(out.stdout.strip().splitlines()[-1])
+        for run in (False, True):
+            code = _CHILD.format(src=str(HERE.parent / "src"), path=path, spec=spec, run=run)
+            out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                 text=True)
+            peaks.append(int(out.stdout.strip().splitlines()[-1]))
+    return peaks[1] - peaks[0]
 
 
 def total_error(tensors, spec, ranges):
