@@ -279,6 +279,16 @@ class Observer(nn.Module):
         if tokens is not None and shape is not None and not tokens.is_meta and not shape.is_meta:
             self._last_shape = tuple(shape.tolist()) if int(tokens) > 0 else None
 
+    def _averaging_constant(self, c: float | None, *, optional: bool = False) -> float | None:
+        """Validate an EMA constant (``None`` allowed where the moving average is optional)."""
+        if c is None and optional:
+            return None
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
+            allowed = "None or in (0, 1]" if optional else "in (0, 1]"
+            raise ValueError(f"{type(self).__name__}: averaging_constant must be {allowed}, "
+                             f"got {c!r}")
+        return float(c)
+
     def _who(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.spec})"
 

@@ -72,9 +72,7 @@ class HistogramObserverBase(Observer):
         super().__init__(spec, **kwargs)
         if not isinstance(bins, int) or bins < 16:
             raise ValueError(f"{type(self).__name__}: bins must be an integer >= 16, got {bins!r}")
-        if averaging_constant is not None and not 0 < averaging_constant <= 1:
-            raise ValueError(f"{type(self).__name__}: averaging_constant must be None or in "
-                             f"(0, 1], got {averaging_constant!r}")
+        averaging_constant = self._averaging_constant(averaging_constant, optional=True)
         if not isinstance(update_interval, int) or update_interval < 1:
             raise ValueError(f"{type(self).__name__}: update_interval must be a positive "
                              f"integer, got {update_interval!r}")

@@ -118,10 +118,7 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
 
     def __init__(self, spec=None, *, averaging_constant: float = 0.01, **kwargs):
         super().__init__(spec, **kwargs)
-        if not 0 < averaging_constant <= 1:
-            raise ValueError(f"{type(self).__name__}: averaging_constant must be in (0, 1], "
-                             f"got {averaging_constant!r}")
-        self.averaging_constant = float(averaging_constant)
+        self.averaging_constant = self._averaging_constant(averaging_constant)
 
     #: ``state += c * (batch - state)``, torch.ao's rounding (compat classes may pick another)
     state_update = "ema"

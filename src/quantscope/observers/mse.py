@@ -141,10 +141,7 @@ class MovingAverageMSEObserver(MemorylessMSEObserver):
 
     def __init__(self, spec=None, *, averaging_constant: float = 0.01, **kwargs):
         super().__init__(spec, **kwargs)
-        if not 0 < averaging_constant <= 1:
-            raise ValueError(f"{type(self).__name__}: averaging_constant must be in (0, 1], "
-                             f"got {averaging_constant!r}")
-        self.averaging_constant = float(averaging_constant)
+        self.averaging_constant = self._averaging_constant(averaging_constant)
 
     def _store(self, lo, hi, ga):
         if self.min_vals.shape != lo.shape:  # first call (shape, not value: no host sync)
