@@ -41,11 +41,6 @@ def _offset(convention: str) -> float:
                          f"got {convention!r}") from None
 
 
-def _check(percentile):
-    if not 0 < percentile <= 100:
-        raise ValueError(f"percentile: percentile must be in (0, 100], got {percentile!r}")
-
-
 def percentile_value(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor,
                      fraction, convention: str = "center") -> torch.Tensor:
     """Per unit, the value (by ``convention``) of the first bin whose cumulative count reaches
