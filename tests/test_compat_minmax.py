@@ -111,8 +111,11 @@ def test_torch_ao_bf16_input_and_signature_errors():
     with pytest.raises(NotImplementedError):
         torch_ao.MinMaxObserver(dtype=torch.quint8, qscheme=torch.per_tensor_symmetric,
                                 reduce_range=True)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="use PerChannelMinMaxObserver"):
         torch_ao.MinMaxObserver(qscheme=torch.per_channel_affine)
+    for cls in (torch_ao.PerChannelMinMaxObserver, torch_ao.MovingAveragePerChannelMinMaxObserver):
+        with pytest.raises(NotImplementedError, match="per-channel qscheme"):
+            cls(qscheme=torch.per_tensor_affine)
     with pytest.raises(ValueError, match="dtype"):
         torch_ao.MinMaxObserver(dtype=torch.float16)
 

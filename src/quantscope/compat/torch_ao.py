@@ -68,11 +68,23 @@ class TorchAOObserver:
     Keywords it does not know go to the native observer's constructor.
     """
 
+    #: True: per-channel qschemes only; False: per-tensor only (torch.ao splits its classes so)
+    per_channel: bool | None = None
+    #: the torch.ao class to use instead when a per-tensor class is given a per-channel qscheme
+    per_channel_class: str | None = None
+
     def __init__(self, *, dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=False,
                  quant_min=None, quant_max=None, factory_kwargs=None, eps=EPS, is_dynamic=False,
                  ch_axis=0, **native):
+        name = type(self).__name__
+        if self.per_channel is False and qscheme in _PER_CHANNEL:
+            use = f"; use {self.per_channel_class}" if self.per_channel_class else ""
+            raise NotImplementedError(f"{name}: qscheme must be per_tensor_symmetric or "
+                                      f"per_tensor_affine, got {qscheme}{use}")
+        if self.per_channel and qscheme not in _PER_CHANNEL:
+            raise NotImplementedError(f"{name}: needs a per-channel qscheme, got {qscheme}")
         if is_dynamic:
-            raise NotImplementedError(f"{type(self).__name__}: is_dynamic is not supported")
+            raise NotImplementedError(f"{name}: is_dynamic is not supported")
         spec = torch_ao_spec(dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis)
         super().__init__(spec, **native)
         self.dtype, self.qscheme, self.reduce_range = dtype, qscheme, reduce_range
@@ -114,12 +126,11 @@ class TorchAOObserver:
 class MinMaxObserver(TorchAOObserver, StaticMinMaxObserver):
     """Running min / max per tensor (torch.ao.quantization.MinMaxObserver)."""
 
+    per_channel, per_channel_class = False, "PerChannelMinMaxObserver"
+
     def __init__(self, dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=False,
                  quant_min=None, quant_max=None, factory_kwargs=None, eps=EPS, is_dynamic=False,
                  **kwargs):
-        if qscheme in _PER_CHANNEL:
-            raise NotImplementedError(f"{type(self).__name__}: per-channel qscheme {qscheme}; "
-                                      f"use PerChannelMinMaxObserver")
         super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
                          quant_min=quant_min, quant_max=quant_max, factory_kwargs=factory_kwargs,
                          eps=eps, is_dynamic=is_dynamic, **kwargs)
@@ -129,12 +140,11 @@ class MinMaxObserver(TorchAOObserver, StaticMinMaxObserver):
 class MovingAverageMinMaxObserver(TorchAOObserver, _NativeEMA):
     """EMA of the per-tensor min / max, c = 0.01 (torch.ao's MovingAverageMinMaxObserver)."""
 
+    per_channel, per_channel_class = False, "MovingAveragePerChannelMinMaxObserver"
+
     def __init__(self, averaging_constant=0.01, dtype=torch.quint8,
                  qscheme=torch.per_tensor_affine, reduce_range=False, quant_min=None,
                  quant_max=None, eps=EPS, is_dynamic=False, **kwargs):
-        if qscheme in _PER_CHANNEL:
-            raise NotImplementedError(f"{type(self).__name__}: per-channel qscheme {qscheme}; "
-                                      f"use MovingAveragePerChannelMinMaxObserver")
         super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
                          quant_min=quant_min, quant_max=quant_max, eps=eps,
                          is_dynamic=is_dynamic, averaging_constant=averaging_constant, **kwargs)
@@ -144,12 +154,11 @@ class MovingAverageMinMaxObserver(TorchAOObserver, _NativeEMA):
 class PerChannelMinMaxObserver(TorchAOObserver, StaticMinMaxObserver):
     """Running min / max per channel along ``ch_axis`` (torch.ao's PerChannelMinMaxObserver)."""
 
+    per_channel = True
+
     def __init__(self, ch_axis=0, dtype=torch.quint8, qscheme=torch.per_channel_affine,
                  reduce_range=False, quant_min=None, quant_max=None, factory_kwargs=None,
                  eps=EPS, is_dynamic=False, **kwargs):
-        if qscheme not in _PER_CHANNEL:
-            raise NotImplementedError(f"{type(self).__name__}: needs a per-channel qscheme, "
-                                      f"got {qscheme}")
         super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme,
                          reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max,
                          factory_kwargs=factory_kwargs, eps=eps, is_dynamic=is_dynamic, **kwargs)
@@ -159,17 +168,15 @@ class PerChannelMinMaxObserver(TorchAOObserver, StaticMinMaxObserver):
 class MovingAveragePerChannelMinMaxObserver(TorchAOObserver, _NativeEMA):
     """EMA of the per-channel min / max (torch.ao's MovingAveragePerChannelMinMaxObserver)."""
 
+    per_channel = True
+
     def __init__(self, averaging_constant=0.01, ch_axis=0, dtype=torch.quint8,
                  qscheme=torch.per_channel_affine, reduce_range=False, quant_min=None,
                  quant_max=None, eps=EPS, is_dynamic=False, **kwargs):
-        if qscheme not in _PER_CHANNEL:
-            raise NotImplementedError(f"{type(self).__name__}: needs a per-channel qscheme, "
-                                      f"got {qscheme}")
         super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme,
                          reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max,
                          eps=eps, is_dynamic=is_dynamic, averaging_constant=averaging_constant,
                          **kwargs)
-
 
 
 @register("torch.ao:HistogramObserver")
@@ -183,12 +190,11 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
     (torch.ao instead re-bins approximately at every growth). Counts are int64.
     """
 
+    per_channel = False
+
     def __init__(self, bins=2048, dtype=torch.quint8, qscheme=torch.per_tensor_affine,
                  reduce_range=False, quant_min=None, quant_max=None, factory_kwargs=None,
                  eps=EPS, is_dynamic=False, **kwargs):
-        if qscheme in _PER_CHANNEL:
-            raise NotImplementedError(f"{type(self).__name__}: qscheme only supports "
-                                      f"per_tensor_symmetric and per_tensor_affine, got {qscheme}")
         kwargs.setdefault("grid", "first")
         kwargs.setdefault("polish", 0)
         kwargs.setdefault("dst_nbins", 2 ** torch.iinfo(dtype).bits)
