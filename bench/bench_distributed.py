@@ -31,38 +31,10 @@ from common import Table
 
 
 def _hist_observer(spec, bins):
-    """A registered histogram observer if one exists, else a bare per-unit histogram."""
+    """The registered percentile observer: a per-unit histogram that syncs its counts."""
     import quantscope
-    from quantscope import distributed as qd
-    from quantscope.stats import histogram as H
 
-    for name in ("percentile", "histogram", "entropy"):
-        if name in quantscope.list_observers():
-            try:
-                return quantscope.get_observer(name, spec, bins=bins), name
-            except TypeError:
-                return quantscope.get_observer(name, spec), name
-
-    names = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
-
-    class Hist(quantscope.Observer):
-        def __init__(self):
-            super().__init__(spec)
-            for n, v in zip(names, H.empty_state(0, bins)):
-                self.register_buffer(n, v)
-
-        def _sync_plan(self):
-            return [qd.HistogramSync()]
-
-        def _observe(self, units, lo, hi):
-            if self.hist_counts.shape[0] != units.shape[0]:
-                for n, v in zip(names, H.empty_state(units.shape[0], bins)):
-                    setattr(self, n, v)
-            st = H.update(H.HistState(*(getattr(self, n) for n in names)), units, lo, hi)
-            for n, v in zip(names, st):
-                setattr(self, n, v)
-
-    return Hist(), "stats.histogram"
+    return quantscope.get_observer("percentile", spec, bins=bins), "percentile"
 
 
 def _median(fn, repeat, setup=None):
@@ -207,17 +179,6 @@ def main() -> None:
               f"{row['one_by_one_ms']:.1f} ({row['one_by_one_collectives']})",
               f"{row['one_by_one_ms'] / row['bucketed_ms']:.1f}x", f"{row['floor_ms']:.1f}")
     t.print()
-    import inspect
-
-    try:
-        from quantscope.calibrate import calibrate_many
-    except ImportError as e:
-        print(f"demo calibration 1 vs 2 processes: skipped ({e})\n")
-        return
-    if "distributed" not in inspect.signature(calibrate_many).parameters:
-        print("demo calibration 1 vs 2 processes: skipped (calibrate has no distributed "
-              "option yet)\n")
-        return
     res = {n: _launch("calibrate", n) for n in (1, 2)}
     load = os.getloadavg()[0]
     t = Table(f"demo calibration, MiniLM, 64 Lee documents in 8 batches, one thread per "
