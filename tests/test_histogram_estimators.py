@@ -276,6 +276,19 @@ def test_averaging_constant_is_an_ema_of_per_batch_estimates():
     for b in batches[:2]:
         one(b)
     assert torch.equal(two.calculate_range()[1], one.calculate_range()[1])
+    # the batch count towards the next estimate survives save / load (and reset clears it)
+    saved = qs.get_observer("entropy", qs.QuantSpec(), averaging_constant=0.5, update_interval=2)
+    saved(batches[0])
+    loaded = qs.get_observer("entropy", qs.QuantSpec(), averaging_constant=0.5, update_interval=2)
+    loaded.load_state_dict(saved.state_dict())
+    for b in batches[1:]:
+        loaded(b)
+    two(batches[2])
+    assert torch.equal(loaded.calculate_range()[1], two.calculate_range()[1])
+    saved.reset()
+    for b in batches:
+        saved(b)
+    assert torch.equal(saved.calculate_range()[1], two.calculate_range()[1])
 
 
 def test_registry_names():

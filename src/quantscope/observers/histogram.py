@@ -93,6 +93,7 @@ class HistogramObserverBase(Observer):
             self.register_buffer(name, torch.zeros(0, dtype=dtype))
         self.register_buffer("linear_grid", torch.zeros((), dtype=torch.bool))
         self.register_buffer("pending", torch.zeros((), dtype=torch.int64))
+        self._pending = 0  # a Python mirror of ``pending``: forward never reads it back
 
     def _sized_buffers(self):
         return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi")
@@ -135,7 +136,8 @@ class HistogramObserverBase(Observer):
                 self._drop_zeros(units, -self.hist_first)
         if self.averaging_constant is not None:
             self.pending += 1
-            if int(self.pending) % self.update_interval == 0:
+            self._pending += 1
+            if self._pending % self.update_interval == 0:
                 self._ema_step()
 
     def _observe_linear(self, units, lo, hi):
@@ -183,6 +185,7 @@ class HistogramObserverBase(Observer):
         self._set_state(H.empty_state(lo.shape[0], self.bins, lo.device))
         self.linear_grid.fill_(self.grid == "first")
         self.pending.zero_()
+        self._pending = 0
 
     # --------------------------------------------------------------- ranges
     def _clip(self, lo, hi):
@@ -194,7 +197,7 @@ class HistogramObserverBase(Observer):
     def calculate_range(self):
         if self.averaging_constant is None:
             return self._clip(*self._estimate(self.current_histogram()))
-        if int(self.pending) or self.ema_lo.numel() == 0:  # batches since the last estimate
+        if self._pending or self.ema_lo.numel() == 0:  # batches since the last estimate
             self._ema_step()
         return self.ema_lo, self.ema_hi
 
@@ -215,6 +218,13 @@ class HistogramObserverBase(Observer):
     def reset(self):
         super().reset()
         self.linear_grid.fill_(False)
+        self._pending = 0
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        pending = state_dict.get(prefix + "pending")
+        if pending is not None and not pending.is_meta:
+            self._pending = int(pending)
 
     def extra_repr(self):
         extra = f", averaging_constant={self.averaging_constant}" \
