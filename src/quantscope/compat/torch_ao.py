@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import get_format
 from ..layout import Channel, Tensor
 from ..observers.histogram import L2HistogramObserver
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
@@ -47,7 +48,7 @@ def torch_ao_spec(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_ra
                                   "of an unsigned dtype")
     if quant_min is None and quant_max is None:
         if reduce_range:  # one bit less: qint8 [-64, 63], quint8 [0, 127]
-            bits = int(fmt.lstrip("uint"))
+            bits = get_format(fmt).bits
             if fmt.startswith("u"):
                 quant_min, quant_max = 0, 2 ** (bits - 1) - 1
             else:
