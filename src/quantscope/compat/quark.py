@@ -26,6 +26,7 @@ from ..observers.histogram import HistogramObserverBase, L2HistogramObserver
 from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
 from ..observers.minmax import PlaceholderObserver as _NativePlaceholder
 from ..observers.registry import register
+from ..qparams import qparams_from_range
 from ..spec import QuantSpec
 from . import enum_name, field
 
@@ -152,8 +153,6 @@ class QuarkObserver:
         """Quark's ``calculate_qparams()``; with ``(min_val, max_val)`` it prices a given range."""
         if min_val is None and max_val is None:
             return self._calculate_qparams()
-        from ..qparams import qparams_from_range
-
         qp = qparams_from_range(min_val.float(), max_val.float(), self.spec)
         zp = torch.zeros_like(qp.scale) if self.spec.is_float else qp.zero_point
         return qp.effective_scale.to(self.scale_torch_dtype), zp
