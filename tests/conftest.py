@@ -7,7 +7,27 @@ OpenMP's spinning threads slow small tensor ops 10-100x. One torch thread per wo
 
 import os
 
+import pytest
 import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+_SYNCS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def forbid_host_sync(monkeypatch):
+    """Make every Python-level device-to-host read raise while active."""
+
+    def guard(name):
+        def raise_(*a, **k):
+            raise AssertionError(f"host sync: Tensor.{name} called in forward")
+        return raise_
+
+    def arm():
+        for n in _SYNCS:
+            monkeypatch.setattr(torch.Tensor, n, guard(n))
+
+    return arm

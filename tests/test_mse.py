@@ -478,3 +478,21 @@ def test_against_installed_llmcompressor_minilm(peer_results):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("name", ["memoryless_mse", "mse"])
+@pytest.mark.parametrize("spec", [QuantSpec("int4", "group:16"), QuantSpec("int8", "channel"),
+                                  QuantSpec("fp4_e2m1", "block:16", scale="fp8_e4m3")],
+                         ids=["int4-g16", "int8-channel", "nvfp4"])
+def test_search_in_forward_has_no_host_sync(name, spec, forbid_host_sync):
+    # the search runs inside forward. Off the CPU it must stay on the device (early stopping,
+    # which reads a flag back once per chunk, is on for CPU only, where reading back is free):
+    # on the meta device any data-dependent read fails in torch itself.
+    obs = get_observer(name, spec).to("meta")
+    for i in range(2):
+        obs(torch.randn(64, 128, generator=torch.Generator().manual_seed(i)).to("meta"))
+    # and with early stopping off, no Python-level read-back on the CPU either
+    units = spec.layout.to_units(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)))
+    lo, hi = units.amin(1), units.amax(1)
+    forbid_host_sync()
+    mse_mod.mse_search(units, lo, hi, spec, early_stop=False)

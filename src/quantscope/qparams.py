@@ -72,18 +72,24 @@ class QParams:
 
 
 def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
-                       global_amax: torch.Tensor | None = None) -> QParams:
+                       global_amax: torch.Tensor | None = None,
+                       check_finite: bool = True) -> QParams:
     """Scale and zero point for per-unit ranges ``[lo, hi]`` under ``spec``.
 
     ``global_amax`` is NVFP4's whole-tensor absolute maximum; by default the
     largest ``max(|lo|, |hi|)`` over the units given (all blocks of one tensor).
+
+    A NaN / inf range raises ``ValueError``. That check reads a flag back from the
+    device; code on a hot path whose ranges come from data already checked
+    upstream (a search inside an observer's forward, which records non-finite input
+    itself; run-time dynamic quantization) passes ``check_finite=False``.
     """
     lo = torch.as_tensor(lo, dtype=torch.float32)
     hi = torch.as_tensor(hi, dtype=torch.float32, device=lo.device)
     if lo.shape != hi.shape:
         raise ValueError(f"qparams_from_range: lo and hi must have one shape, got "
                          f"{tuple(lo.shape)} and {tuple(hi.shape)}")
-    if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+    if check_finite and not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
         raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
     lo = lo.clamp(max=0)
     hi = hi.clamp(min=0)

@@ -35,7 +35,9 @@ def runtime_qparams(x: torch.Tensor, state: RoleState) -> QParams:
         return state.qparams
     if state.dynamic == "local":
         lo, hi = unit_minmax(spec.layout.to_units(x.detach().float()))
-        qp = qparams_from_range(lo, hi, spec, global_amax=state.global_amax.to(x.device))
+        # run-time quantization on every forward: no read-back (NaN input stays NaN output)
+        qp = qparams_from_range(lo, hi, spec, global_amax=state.global_amax.to(x.device),
+                                check_finite=False)
         return qp.reshape(spec.layout.qparam_shape(x.shape))
     obs = get_observer(state.observer, spec, **dict(state.options)).to(x.device)
     obs(x.detach())

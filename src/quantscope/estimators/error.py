@@ -33,7 +33,8 @@ def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantS
         raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
                          f"{hist.counts.shape[0]} units, got {tuple(lo.shape)} and "
                          f"{tuple(hi.shape)}")
-    qp = qparams_from_range(lo, hi, spec)
+    # candidate ranges come from finite histogram edges: no device read-back per chunk
+    qp = qparams_from_range(lo, hi, spec, check_finite=False)
     scale = qp.effective_scale.float()
     zp = qp.zero_point.float()
     centers = hist.centers() if centers is None else centers.float()

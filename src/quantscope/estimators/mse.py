@@ -117,7 +117,8 @@ def _tile_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: Qu
 
 def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
     """Errors ``[Cc, U]`` of candidate ranges ``lo_c, hi_c [Cc, U]``, tiled; also the qparams."""
-    qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax)
+    # candidates derive from the observer's checked min / max: no device read-back per chunk
+    qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax, check_finite=False)
     scale = qp.effective_scale.expand_as(lo_c)
     zp = qp.zero_point.float()
     cc = lo_c.shape[0]
@@ -394,13 +395,18 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
               "exact": exact, "chunk_elems": int(chunk_elems), "chunk_candidates": chunk_candidates,
               "early_stop": early_stop, "incumbent": None if exact else (base_lo, base_hi),
               "extend": extend}
-    best = None
-    for ga in gas:
-        res = _search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)
-        total = res[2].sum()
-        if best is None or bool(total < best[0]):
-            best = (total, res, ga)
-    _, (blo, bhi, berr, bidx), ga = best
+    results = [_search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)
+               for ga in gas]
+    # pick the global scale with the lowest total error by indexing, not by a Python branch
+    # on a tensor value (no device read-back); argmin keeps the first of equal totals
+    k = torch.stack([r[2].sum() for r in results]).argmin().reshape(1)
+
+    def pick(parts):
+        return torch.stack(parts).index_select(0, k).squeeze(0)
+
+    blo, bhi, berr, bidx = (pick(parts) for parts in zip(*results))
+    ga = gas[0] if gas[0] is None else pick(
+        [torch.as_tensor(g, dtype=torch.float32, device=units.device) for g in gas])
     if ga is None and not exact:
         ga = ga0  # a blind NVFP4 search still runs under the observed global amax
     return SearchResult(blo, bhi, berr, ga, bidx)
