@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from common import Table
+from common import Table, median_time
 
 
 def _hist_observer(spec, bins):
@@ -35,17 +35,6 @@ def _hist_observer(spec, bins):
     import quantscope
 
     return quantscope.get_observer("percentile", spec, bins=bins), "percentile"
-
-
-def _median(fn, repeat, setup=None):
-    times = []
-    for _ in range(repeat):
-        if setup is not None:
-            setup()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
 
 
 def _sync_case(label, spec, bins, linears, g) -> dict:
@@ -70,15 +59,15 @@ def _sync_case(label, spec, bins, linears, g) -> dict:
 
     qd.sync_observers(observers)
     st = qd.last_stats()
-    t_bucketed = _median(lambda: qd.sync_observers(observers), 5, restore)
-    t_each = _median(lambda: [qd.sync_observers([o]) for o in observers], 3, restore)
+    t_bucketed = median_time(lambda: qd.sync_observers(observers), 5, 0, restore)
+    t_each = median_time(lambda: [qd.sync_observers([o]) for o in observers], 3, 0, restore)
     n_each = 0
     for o in observers:
         qd.sync_observers([o])
         n_each += qd.last_stats().collectives
     counts = torch.cat([o.hist_counts.reshape(-1) for o in observers])
     dist.barrier()
-    floor = _median(lambda: dist.all_reduce(counts.clone()), 5)
+    floor = median_time(lambda: dist.all_reduce(counts.clone()), 5, 0)
     return {"case": label, "observer": kind, "observers": len(observers),
             "collectives": st.collectives, "bytes": st.bytes,
             "bucketed_ms": t_bucketed * 1e3, "one_by_one_ms": t_each * 1e3,
