@@ -188,10 +188,14 @@ def empty_state(units: int, bins: int, device=None) -> HistState:
                      torch.full((units,), float("-inf"), device=device))
 
 
-def _regrid(state: HistState, lo, hi, bins, absolute) -> HistState:
+def _regrid(state: HistState, lo, hi, bins, absolute, exp=None) -> HistState:
+    """``state`` re-binned onto the grid of its range joined with ``[lo, hi]`` (and at least
+    exponent ``exp``, another histogram's, for a merge)."""
     lo = torch.minimum(state.lo, lo)
     hi = torch.maximum(state.hi, hi)
     e = torch.maximum(state.exp, grid_exponent(lo, hi, bins))
+    if exp is not None:
+        e = torch.maximum(e, exp)
     first = grid_first(lo, e, absolute)
     counts = rebin(state.counts, state.exp, state.first, e, first)
     return HistState(counts, e, first, lo, hi)
@@ -222,12 +226,8 @@ def merge(a: HistState, b: HistState, absolute: bool = False) -> HistState:
     if b.counts.shape != a.counts.shape:
         raise ValueError(f"merge: histograms of shapes {tuple(a.counts.shape)} and "
                          f"{tuple(b.counts.shape)} cannot merge")
-    lo = torch.minimum(a.lo, b.lo)
-    hi = torch.maximum(a.hi, b.hi)
-    e = torch.maximum(torch.maximum(a.exp, b.exp), grid_exponent(lo, hi, bins))
-    first = grid_first(lo, e, absolute)
-    counts = rebin(a.counts, a.exp, a.first, e, first) + rebin(b.counts, b.exp, b.first, e, first)
-    return HistState(counts, e, first, lo, hi)
+    s = _regrid(a, b.lo, b.hi, bins, absolute, b.exp)
+    return s._replace(counts=s.counts + rebin(b.counts, b.exp, b.first, s.exp, s.first))
 
 
 def view(state: HistState, absolute: bool = False) -> Hist:
