@@ -26,10 +26,12 @@ import time
 import torch
 
 from . import presets
+from .calibrate.report import sqnr_db
 from .layout import Block, Channel, Group, Tile
 from .qparams import qparams_from_range
 from .quantize import fake_quantize
 from .spec import QuantSpec
+from .stats.minmax import unit_minmax
 
 __all__ = ["SCHEMES", "demo_tensors", "format_table", "main", "scheme_error"]
 
@@ -78,12 +80,10 @@ def demo_tensors(seed: int = 0, rows: int = ROWS, cols: int = COLS) -> dict[str,
 
 def scheme_error(x: torch.Tensor, spec: QuantSpec) -> tuple[float, float]:
     """(SQNR dB, MSE) of min-max fake quantization of ``x`` under ``spec``."""
-    units = spec.layout.to_units(x)
-    q = qparams_from_range(units.amin(1), units.amax(1), spec)
+    q = qparams_from_range(*unit_minmax(spec.layout.to_units(x)), spec)
     q = q.reshape(spec.layout.qparam_shape(x.shape))
-    err = (fake_quantize(x, q, spec) - x).double().square().sum()
-    sqnr = 10 * math.log10(x.double().square().sum() / err) if err > 0 else math.inf
-    return sqnr, float(err) / x.numel()
+    err = float((fake_quantize(x, q, spec) - x).double().square().sum())
+    return sqnr_db(float(x.double().square().sum()), err), err / x.numel()
 
 
 def bits_per_element(spec: QuantSpec, shape) -> float:
