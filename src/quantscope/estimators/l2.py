@@ -34,9 +34,11 @@ import functools
 import numpy as np
 import torch
 
+from ..formats import IntFormat
 from ..stats.histogram import Hist
 
-__all__ = ["l2_norms", "l2_path", "l2_polished_range", "l2_range", "polish_range"]
+__all__ = ["default_dst_nbins", "l2_norms", "l2_path", "l2_polished_range", "l2_range",
+           "polish_range"]
 
 _STEP = 1e-5
 _BUDGET = 1 << 19
@@ -251,6 +253,12 @@ def polish_range(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec, radius: i
             k = torch.where(err.gather(1, k) < err[:, mid:mid + 1], k, mid)  # ties: stay
             lo, hi = clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
     return lo, hi
+
+
+def default_dst_nbins(spec) -> int:
+    """torch.ao's ``dst_nbins`` for a spec: ``2 ** bits`` of an integer format, else 256."""
+    fmt = spec.format
+    return 2 ** fmt.bits if isinstance(fmt, IntFormat) else 256
 
 
 def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import IntFormat
 from ..spec import QuantSpec
 from ..stats.histogram import Hist
 from .entropy import entropy_range
 from .error import histogram_error
 from .histogram_mse import histogram_mse_range, occupied_range
-from .l2 import l2_polished_range
+from .l2 import default_dst_nbins, l2_polished_range
 from .percentile import percentile_range
 
 __all__ = ["MIX_CANDIDATES", "MIX_PERCENTILES", "mix_range"]
@@ -54,9 +53,7 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
     if "entropy" in candidates:
         one.append(entropy_range(hist, start_bin=start_bin))
     if "l2" in candidates:
-        fmt = spec.format
-        dst = 2 ** fmt.bits if isinstance(fmt, IntFormat) else 256
-        one.append(l2_polished_range(hist, spec, dst, bounds=(lo, hi)))
+        one.append(l2_polished_range(hist, spec, default_dst_nbins(spec), bounds=(lo, hi)))
     for a, b in one:
         los.append(a[:, None])
         his.append(b[:, None])

@@ -31,7 +31,7 @@ import torch
 from ..distributed import HistogramSync
 from ..estimators.entropy import entropy_range
 from ..estimators.histogram_mse import histogram_mse_range
-from ..estimators.l2 import l2_polished_range
+from ..estimators.l2 import default_dst_nbins, l2_polished_range
 from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
 from ..estimators.percentile import CONVENTIONS, percentile_range
 from ..formats import IntFormat
@@ -316,8 +316,7 @@ class L2HistogramObserver(HistogramObserverBase):
     def __init__(self, spec=None, *, dst_nbins: int | None = None, polish: int = 256,
                  **kwargs):
         super().__init__(spec, **kwargs)
-        fmt = self.spec.format
-        self.dst_nbins = dst_nbins or (2 ** fmt.bits if isinstance(fmt, IntFormat) else 256)
+        self.dst_nbins = dst_nbins or default_dst_nbins(self.spec)
         if not isinstance(polish, int) or polish < 0:
             raise ValueError(f"{type(self).__name__}: polish must be a non-negative integer, "
                              f"got {polish!r}")
