@@ -384,13 +384,9 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_formats(args) -> int:
-    try:
-        from .demo import format_table
-    except ImportError:
-        raise SystemExit("quantscope formats: quantscope.demo.format_table is not available")
-    out = format_table()
-    if isinstance(out, str):
-        print(out)
+    from .demo import format_table
+
+    print(format_table())
     return 0
 
 
