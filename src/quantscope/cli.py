@@ -278,7 +278,7 @@ def cmd_compare(args) -> int:
         return 0
     calib_seconds = time.perf_counter() - t
     t = time.perf_counter()
-    runs, histograms = {}, {}
+    runs = {}
     items = calibs.items()
     if not args.no_progress:
         try:
@@ -292,7 +292,7 @@ def cmd_compare(args) -> int:
         d = calib.report(m).to_dict()
         d["recipe"], d["observer"] = label.split("/", 1)
         runs[label] = d
-        histograms = calib.histograms
+    histograms = next(iter(calibs.values())).histograms  # one pass: every recipe shares them
     eval_seconds = time.perf_counter() - t
     report = {"setup": setup, "fp32": fp32, "candidates": candidates,
               "timings": {"calibration_seconds": round(calib_seconds, 2),
