@@ -29,6 +29,7 @@ from typing import ClassVar
 import torch
 
 from ..estimators.mse import linear_search, mse_search, pow2_search
+from ..stats.minmax import ema_
 from .base import Observer
 from .registry import register
 
@@ -153,11 +154,9 @@ class MovingAverageMSEObserver(MemorylessMSEObserver):
             self._ema_(self.global_amax_val, ga)
 
     def _ema_(self, state: torch.Tensor, batch: torch.Tensor) -> None:
-        c = self.averaging_constant
-        if self.compat == "llmcompressor":  # their lerp: old * (1 - c) + new * c
-            state.mul_(1.0 - c).add_(batch * c)
-        else:  # the min-max family's rounding (torch.ao's expression)
-            state.add_(batch.sub(state).mul_(c))
+        # llm-compressor's lerp in compat mode, else the min-max family's rounding (torch.ao's)
+        kind = "ema_lerp" if self.compat == "llmcompressor" else "ema"
+        ema_(kind, self.averaging_constant, state, batch.clone())
 
     def extra_repr(self):
         return f"{super().extra_repr()}, averaging_constant={self.averaging_constant}"

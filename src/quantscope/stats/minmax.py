@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["column_minmax", "kernel_available", "layout_minmax", "torch_unit_minmax",
+__all__ = ["column_minmax", "ema_", "kernel_available", "layout_minmax", "torch_unit_minmax",
            "unit_minmax"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
@@ -379,14 +379,23 @@ def update_state(kind: str, c: float, state_lo: torch.Tensor, state_hi: torch.Te
     if kind == "min":
         torch.minimum(state_lo, lo, out=state_lo)
         torch.maximum(state_hi, hi, out=state_hi)
-    elif kind == "ema":
-        state_lo.add_(lo.sub_(state_lo).mul_(c))
-        state_hi.add_(hi.sub_(state_hi).mul_(c))
-    elif kind == "ema_lerp":
-        state_lo.mul_(1.0 - c).add_(lo.mul_(c))
-        state_hi.mul_(1.0 - c).add_(hi.mul_(c))
+    elif kind in ("ema", "ema_lerp"):
+        ema_(kind, c, state_lo, lo)
+        ema_(kind, c, state_hi, hi)
     else:
         raise ValueError(f"update_state: unknown kind {kind!r}; expected one of {list(UPDATES)}")
+
+
+def ema_(kind: str, c: float, state: torch.Tensor, batch: torch.Tensor) -> None:
+    """One moving-average step of ``state`` towards ``batch`` (overwritten), in place:
+    ``"ema"`` ``s + c * (b - s)`` or ``"ema_lerp"`` ``s * (1 - c) + b * c``, rounded as
+    :func:`update_state` (and the kernel) round them."""
+    if kind == "ema":
+        state.add_(batch.sub_(state).mul_(c))
+    elif kind == "ema_lerp":
+        state.mul_(1.0 - c).add_(batch.mul_(c))
+    else:
+        raise ValueError(f"ema_: unknown kind {kind!r}; expected 'ema' or 'ema_lerp'")
 
 
 def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
