@@ -493,8 +493,7 @@ class HistogramSync(CustomSync):
         self._set(obs, empty_state(units, bins, device=getattr(obs, self.names[0]).device))
 
     def grid(self, obs):
-        st = self._state(obs)
-        return torch.cat([-st.lo.double(), st.hi.double(), st.exp.double()])
+        return self.grid_many([(obs, self)])[0]
 
     def rebin(self, obs, grid):
         return self.rebin_many([(obs, self)], [grid])[0]
