@@ -447,7 +447,7 @@ def sync_observers(observers: Iterable, group=None) -> None:
             parts.append(v)
         flat = torch.cat(parts).to(dev)
         _all_reduce(flat, red, group)
-        flat = flat.to(parts[0].device) if len(parts) else flat
+        flat = flat.to(parts[0].device)  # a bucket holds at least one entry
         for (obs, name, op, n_seen, _), v in zip(entries,
                                                   flat.split([p.numel() for p in parts])):
             if op is MIN:
