@@ -176,7 +176,7 @@ def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator):
                 rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
                 take = min(rows.shape[0], per_batch, limit - slot.sampled)
                 idx = torch.randperm(rows.shape[0], generator=gen)[:take].to(rows.device)
-                slot.sample.append(rows.index_select(0, idx).clone())
+                slot.sample.append(rows.index_select(0, idx))  # index_select copies already
                 slot.sampled += take
 
     def pre(module, args):
