@@ -219,8 +219,8 @@ def l2_range(hist: Hist, dst_nbins: int = 256) -> tuple[torch.Tensor, torch.Tens
         done |= (first_bad < s.shape[1]) | (~v).any(1)
         if bool(done.all()):
             break
-    bin_width = (hist.hi - hist.lo) / Bn
-    return hist.lo + bin_width * best_s, hist.lo + bin_width * (best_e + 1)
+    w = hist.width
+    return hist.lo + w * best_s, hist.lo + w * (best_e + 1)
 
 
 def polish_range(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec, radius: int = 48,
