@@ -268,9 +268,9 @@ def _identity(op: Op, dtype: torch.dtype):
         return 0
     if dtype == torch.bool:
         return op is MIN
-    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
     if dtype.is_floating_point:
         return float("inf") if op is MIN else float("-inf")
+    info = torch.iinfo(dtype)
     return info.max if op is MIN else info.min
 
 
