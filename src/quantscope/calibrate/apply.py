@@ -19,7 +19,7 @@ from torch import nn
 
 from ..observers.registry import get_observer
 from ..qparams import QParams, qparams_from_range
-from ..quantize import fake_quantize
+from ..quantize import dequantize_units, fake_quantize
 from ..stats.minmax import unit_minmax
 from .result import RoleState
 
@@ -53,7 +53,7 @@ def clip_edges(qparams: QParams, spec, units: int) -> tuple[torch.Tensor, torch.
     """Per-unit ``[U, 1]`` smallest and largest values the quantizer represents."""
     scale = qparams.effective_scale.reshape(units, 1).float()
     zp = qparams.zero_point.reshape(units, 1).float()
-    return (spec.qmin - zp) * scale, (spec.qmax - zp) * scale
+    return dequantize_units(spec.qmin, scale, zp), dequantize_units(spec.qmax, scale, zp)
 
 
 class QDQHandle:
