@@ -5,8 +5,7 @@ per-row reductions are slower: ``torch.aminmax(u, dim=1)`` is not vectorized
 (6-9x the whole-tensor time on CPU) and ``amin`` + ``amax`` read the data twice.
 On CPU, for large contiguous float32 units, :func:`unit_minmax` therefore runs
 a small C kernel (one read, both extremes, NaN propagated, threads over units),
-compiled on first use with the system C compiler into a cache directory and
-loaded through ctypes. Without a compiler, on other devices, for small inputs,
+compiled on first use by :mod:`quantscope.native`. Without a compiler, on other devices, for small inputs,
 or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give identical results
 (tests compare them bitwise).
 """
@@ -14,18 +13,11 @@ or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give identical results
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
+
+from .. import native
 
 __all__ = ["column_minmax", "ema_", "kernel_available", "layout_minmax", "torch_unit_minmax",
            "unit_minmax"]
@@ -279,64 +271,17 @@ void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, 
     ends[1] = h;
 }
 """
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
-          "-std=gnu99"]
-
-_lib = None
-_lib_tried = False
-_lock = threading.Lock()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("QUANTSCOPE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "quantscope")
-    return Path(root)
-
-
-def _build() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None or sys.platform == "win32":
-        return None
-    key = hashlib.sha256("\n".join([_SOURCE, *_FLAGS, cc, platform.machine(),
-                                    platform.node()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"unit_minmax-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src = Path(tmp) / "unit_minmax.c"
-            src.write_text(_SOURCE)
-            out = Path(tmp) / target.name
-            subprocess.run([cc, *_FLAGS, str(src), "-o", str(out)], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(out, target)  # atomic: concurrent builders agree
-    lib = ctypes.CDLL(str(target))
-    fn = lib.qs_unit_minmax
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p]
-    fn = lib.qs_col_minmax
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return lib
+_ARGTYPES = {
+    "qs_unit_minmax": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p],
+    "qs_col_minmax": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
+}
 
 
 def _kernel():
-    global _lib, _lib_tried
-    if _lib_tried:
-        return _lib
-    with _lock:
-        if not _lib_tried:
-            if os.environ.get("QUANTSCOPE_NO_KERNEL", "") not in ("", "0"):
-                _lib = None
-            else:
-                try:
-                    _lib = _build()
-                except (OSError, subprocess.SubprocessError):
-                    _lib = None
-            _lib_tried = True
-    return _lib
+    return native.load("unit_minmax", _SOURCE, _ARGTYPES)
 
 
 def kernel_available() -> bool:
