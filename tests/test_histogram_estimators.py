@@ -120,6 +120,51 @@ def test_kl_equals_a_direct_tensorrt_loop(seed, n, sparse, stride, bits):
     assert i == ref_i or abs(ref_div[(i - start) // stride] - ref_div.min()) < 1e-12
 
 
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(130, 300),
+       kind=st.sampled_from(["flat", "steps", "periodic", "spike"]),
+       stride=st.sampled_from([1, 2]), bits=st.sampled_from([6, 8]))
+def test_kl_ties_pick_a_minimum_of_the_literal_loop(seed, n, kind, stride, bits):
+    # flat and repeating histograms give many equal (or nearly equal) divergences
+    rng = np.random.default_rng(seed)
+    k = np.arange(n)
+    hist = {"flat": np.full(n, 50.0), "steps": 10.0 * (1 + k // 37),
+            "periodic": np.where(k % 4 == 0, 8.0, 0.0) + (k % 2),
+            "spike": np.where(k < 64, 1000.0, 1.0)}[kind]
+    hist = hist + (rng.random(n) < 0.02)  # a few perturbed bins
+    hist[-1] = max(hist[-1], 1)
+    start = 1 << (bits - 1)
+    ref_div, ref_i = tensorrt_entropy_loop(hist, bits, start, stride)
+    h = Hist(torch.from_numpy(hist).long()[None], torch.zeros(1), torch.tensor([float(n)]), True)
+    for kernel in (True, False):
+        div = entropy_divergences(h.counts, num_bits=bits, start_bin=start, stride=stride,
+                                  kernel=kernel)[0][0].numpy()
+        assert np.array_equal(np.isinf(div), np.isinf(ref_div))
+        fin = np.isfinite(ref_div)
+        np.testing.assert_allclose(div[fin], ref_div[fin], rtol=1e-9, atol=1e-12)
+    i = int(entropy_amax(h, num_bits=bits, start_bin=start, stride=stride).round())
+    best = ref_div.min()
+    # the same bin, or a tie within rounding
+    assert i == ref_i or abs(ref_div[(i - start) // stride] - best) <= 1e-12 * max(1, abs(best))
+
+
+@pytest.mark.parametrize("unsigned,bits", [(True, 8), (False, 8), (False, 4)])
+def test_kl_kernel_equals_the_torch_form(unsigned, bits):
+    torch.manual_seed(9)
+    x = torch.randn(6, 20000) * torch.tensor([[0.1], [1.0], [3.0], [10.0], [0.5], [2.0]])
+    x[2, :5] = 80
+    x[4] = x[4].round()  # sparse histogram
+    o = qs.get_observer("entropy", qs.QuantSpec("int8", "channel:0"))
+    o(x)
+    counts = o.current_histogram().counts
+    stop = torch.tensor([2048, 1500, 700, 2048, 300, 128])
+    a, _ = entropy_divergences(counts, num_bits=bits, unsigned=unsigned, stop=stop)
+    b, _ = entropy_divergences(counts, num_bits=bits, unsigned=unsigned, stop=stop, kernel=False)
+    assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.isinf(), b.isinf())
+    fin = torch.isfinite(b)
+    torch.testing.assert_close(a[fin], b[fin], rtol=1e-10, atol=1e-12)
+
+
 def test_entropy_per_channel_equals_per_tensor_channel_by_channel():
     torch.manual_seed(3)
     x = torch.randn(4000, 6) * torch.tensor([0.1, 1, 3, 10, 0.5, 2])
@@ -211,6 +256,23 @@ def test_histogram_mse_picks_the_least_error_candidate(fmt, sym):
     assert float(lo) == pytest.approx(float(clo[best]), rel=1e-6)
     got = histogram_error(hh, clo[None], chi[None], spec)[0]
     np.testing.assert_allclose(got.numpy(), errs, rtol=1e-9)
+
+
+@pytest.mark.parametrize("sym,bits,points", [(False, 8, 1), (True, 8, 2), (False, 4, 4)])
+def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points):
+    torch.manual_seed(10)
+    x = torch.randn(3, 30000) * torch.tensor([[1.0], [3.0], [0.2]]) + 0.3
+    x[0, :3] = 50
+    spec = qs.QuantSpec(f"int{bits}", "channel:0", symmetric=sym)
+    o = qs.get_observer("percentile", spec, bins=512)
+    o(x)
+    h = o.current_histogram()
+    f = torch.linspace(0.05, 1.0, 97)
+    lo, hi = o.min_vals[:, None] * f, o.max_vals[:, None] * f.flip(0)
+    a = histogram_error(h, lo, hi, spec, points=points)
+    b = histogram_error(h, lo, hi, spec, points=points, kernel=False)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    assert torch.equal(a.argmin(1), b.argmin(1))
 
 
 def test_mix_keeps_the_least_error_candidate_per_unit():

@@ -19,6 +19,16 @@ with ``T`` the total, ``C_i = sum h[:i]``, ``S_i = T - C_i``, ``G_g`` / ``n_g`` 
 group's count and non-empty bins (gathered from prefix sums at the group
 boundaries ``ceil(g i / nq)``). Work is ``units x candidates x nq``, chunked.
 
+On CPU a C kernel (:mod:`quantscope.native`) evaluates the same closed form: every
+group's ``G log(G / n)`` depends only on its first bin and its size (at most
+``ceil(B / nq)``), so it tabulates those once per unit (``B x ceil(B / nq)`` logs)
+and each candidate's cross term is ``nq`` table reads, threads over units. Same
+float64 terms, summed in another order (tested against the torch form to 1e-12
+and against the literal loop). Note: TensorRT's groups are ``np.digitize`` on
+``linspace(0, i, nq + 1)`` -- sizes ``floor`` or ``ceil(i / nq)`` spread over
+the range, not ``nq - 1`` equal chunks and a remainder -- so groups are not shared
+between candidates with the same ``i // nq``.
+
 Horizon's KLObserver options: ``smooth`` (9) averages each divergence with its
 neighbours (a centred window over the valid candidates; any infinite divergence in
 the window makes the average infinite) before the argmin.
@@ -29,16 +39,128 @@ On quantscope's own histograms the candidates run up to the last non-empty bin
 
 from __future__ import annotations
 
+import ctypes
 from collections import Counter
 
 import numpy as np
 import torch
 
+from .. import native
 from ..stats.histogram import Hist, fold_abs
 
 __all__ = ["entropy_amax", "entropy_divergences", "entropy_range"]
 
 _BUDGET = 1 << 18
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#include <pthread.h>
+
+static double xlogx(double x) { return x > 0 ? x * log(x) : 0.0; }
+
+typedef struct {
+    const double *b; const int64_t *stop; double *out;
+    int64_t B, start, stride, C, nq, shift, u0, u1;
+} job_t;
+
+static void *run(void *arg) {
+    job_t *j = (job_t *)arg;
+    const int64_t B = j->B, C = j->C, nq = j->nq, S = (B + nq - 1) / nq + 1;
+    double *cs = malloc(sizeof(double) * (size_t)(3 * (B + 1) + B * S));
+    if (!cs) return (void *)1;
+    double *nz = cs + B + 1, *bl = nz + B + 1, *F = bl + B + 1;
+    for (int64_t u = j->u0; u < j->u1; ++u) {
+        const double *b = j->b + u * B;
+        double *out = j->out + u * C;
+        cs[0] = nz[0] = bl[0] = 0.0;
+        for (int64_t k = 0; k < B; ++k) {
+            cs[k + 1] = cs[k] + b[k];
+            nz[k + 1] = nz[k] + (b[k] > 0);
+            bl[k + 1] = bl[k] + xlogx(b[k]);
+        }
+        const double T = cs[B], logT = log(T);
+        /* F[a * S + z]: G log(G / n) of the group of bins [a, a + z) (0 if empty) */
+        for (int64_t a = 0; a < B; ++a)
+            for (int64_t z = 0; z < S; ++z) {
+                int64_t e = a + z > B ? B : a + z;
+                double G = cs[e] - cs[a], n = nz[e] - nz[a];
+                F[a * S + z] = G > 0 ? G * log(G / (n < 1 ? 1 : n)) : 0.0;
+            }
+        for (int64_t c = 0; c < C; ++c) {
+            int64_t i = j->start + c * j->stride;
+            if (i > j->stop[u]) { out[c] = NAN; continue; }
+            double ci = cs[i], si = T - ci, blast = b[i - 1];
+            double plogp = bl[i - 1] + xlogx(blast + si);
+            /* four partial sums: the additions are independent (no latency chain) */
+            double c0 = 0.0, c1 = 0.0, c2 = 0.0, c3 = 0.0;
+            const int64_t add = nq - 1, sh = j->shift;
+            int64_t g = 0;
+            for (; g + 4 <= nq; g += 4) {
+                int64_t a0 = (g * i + add) >> sh, a1 = ((g + 1) * i + add) >> sh;
+                int64_t a2 = ((g + 2) * i + add) >> sh, a3 = ((g + 3) * i + add) >> sh;
+                int64_t a4 = ((g + 4) * i + add) >> sh;
+                c0 += F[a0 * S + (a1 - a0)];
+                c1 += F[a1 * S + (a2 - a1)];
+                c2 += F[a2 * S + (a3 - a2)];
+                c3 += F[a3 * S + (a4 - a3)];
+            }
+            for (; g < nq; ++g) {
+                int64_t a0 = (g * i + add) >> sh, a1 = ((g + 1) * i + add) >> sh;
+                c0 += F[a0 * S + (a1 - a0)];
+            }
+            double cross = (c0 + c1) + (c2 + c3);
+            int64_t lastg = (nq * (i - 1)) / i;
+            int64_t qa = (lastg * i + add) >> sh, qz = ((lastg + 1) * i + add) >> sh;
+            double out_term = 0.0;
+            if (si > 0) {
+                double G = cs[qz] - cs[qa], n = nz[qz] - nz[qa];
+                double q = G / (n < 1 ? 1 : n);
+                out_term = si * log(q < 1e-300 ? 1e-300 : q);
+            }
+            double kl = (plogp - cross - out_term) / T - logT + log(ci);
+            if ((si > 0 && blast == 0) || !(ci > 0)) kl = INFINITY;
+            out[c] = kl;
+        }
+    }
+    free(cs);
+    return NULL;
+}
+
+/* KL of candidates i = start + c * stride (c < C) of |x| histograms b [U, B] (float64,
+   h[0] = h[1] already applied); NaN past stop[u]. nq a power of two (2 ** shift). */
+int64_t qs_entropy(const double *b, const int64_t *stop, double *out, int64_t U, int64_t B,
+                   int64_t start, int64_t stride, int64_t C, int64_t shift, int64_t threads) {
+    if (threads > 64) threads = 64;
+    if (threads > U) threads = U;
+    if (threads < 1) threads = 1;
+    pthread_t tid[64];
+    job_t jobs[64];
+    int started[64] = {0};
+    int64_t bad = 0;
+    for (int64_t t = 0; t < threads; ++t) {
+        jobs[t] = (job_t){b, stop, out, B, start, stride, C, (int64_t)1 << shift, shift,
+                          U * t / threads, U * (t + 1) / threads};
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
+    }
+    bad |= run(&jobs[0]) != NULL;
+    for (int64_t t = 1; t < threads; ++t) {
+        void *r = NULL;
+        if (started[t]) pthread_join(tid[t], &r);
+        else r = run(&jobs[t]);
+        bad |= r != NULL;
+    }
+    return bad;
+}
+"""
+_I = ctypes.c_int64
+_ARGTYPES = {"qs_entropy": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _I, _I, _I, _I,
+                            _I, _I, _I]}
+
+
+def _kernel():
+    return native.load("entropy", _SOURCE, _ARGTYPES)
 
 
 def _xlogx(x):
@@ -47,10 +169,12 @@ def _xlogx(x):
 
 def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bool = False,
                         start_bin: int = 128, stride: int = 1, stop=None,
-                        copy_zero_bin: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        copy_zero_bin: bool = True, kernel: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(divergences [U, C], candidates [C])``: KL of every candidate bin of ``|x|``
     histograms ``counts [U, B]``; candidates past a unit's ``stop`` (default ``B``; a
-    ``[U]`` tensor for per-unit ends) are NaN."""
+    ``[U]`` tensor for per-unit ends) are NaN. ``kernel=False`` forces the torch form
+    (the reference the C kernel is tested against)."""
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"entropy: stride must be a positive integer, got {stride!r}")
     if not isinstance(num_bits, int) or num_bits < 2:
@@ -66,6 +190,15 @@ def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bo
     if C == 0:
         raise ValueError(f"entropy: start_bin {start_bin} leaves no candidate in a histogram "
                          f"of {B} bins")
+    stop = torch.full((U,), B, device=dev) if stop is None else torch.as_tensor(stop, device=dev)
+    lib = _kernel() if kernel and dev.type == "cpu" and U else None
+    if lib is not None:
+        out = torch.empty(U, C, dtype=torch.float64)
+        st = stop.to(torch.int64).contiguous()
+        if not lib.qs_entropy(b.contiguous().data_ptr(), st.data_ptr(), out.data_ptr(), U, B,
+                              start_bin, stride, C, nq.bit_length() - 1,
+                              torch.get_num_threads()):
+            return out, cand
     zero = torch.zeros(U, 1, dtype=torch.float64, device=dev)
     cs = torch.cat([zero, b.cumsum(1)], 1)  # cs[:, k] = sum b[:, :k]
     nz = torch.cat([zero, (b > 0).double().cumsum(1)], 1)
@@ -97,7 +230,6 @@ def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bo
     inf = torch.full_like(kl, float("inf"))
     kl = torch.where((si > 0) & (b_last == 0), inf, kl)  # P > 0 where Q = 0
     kl = torch.where(ci > 0, kl, inf)
-    stop = torch.full((U,), B, device=dev) if stop is None else torch.as_tensor(stop, device=dev)
     kl = torch.where(cand[None, :] <= stop[:, None], kl, torch.full_like(kl, float("nan")))
     return kl, cand
 

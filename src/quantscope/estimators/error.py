@@ -5,12 +5,22 @@ Every bin stands for its count of values at its centre, as ModelOpt and Quark
 score: ``error = sum_i count_i * (fake_quant(c_i) - c_i) ** 2``. The scale of a
 candidate comes from :func:`quantscope.qparams_from_range` (so scale encodings
 and zero points are those that run).
+
+For integer formats on CPU a small C kernel (:mod:`quantscope.native`) scores the
+candidates: the same float32 operations per point as :func:`fake_quantize_units`
+(divide, add the zero point, round half to even, clamp, subtract, multiply), so the
+same quantized values; only the float64 sum runs in another order (tests compare it
+with the torch path to 1e-12). The torch path stays the reference and the fallback.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from .. import native
+from ..formats import IntFormat
 from ..qparams import qparams_from_range
 from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
@@ -21,14 +31,113 @@ __all__ = ["ELEMENT_BUDGET", "histogram_error"]
 #: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
 ELEMENT_BUDGET = 1 << 18
 
+_SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+#include <pthread.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* sum_p w[p] * ((clamp(rint(x[p] / s + z), lo, hi) - z) * s - x[p])^2, float32 steps */
+static double score(const float *x, const double *w, int64_t P, float s, float z, float lo,
+                    float hi) {
+    int64_t p = 0;
+    double acc = 0.0;
+#ifdef __AVX2__
+    __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+    __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    for (; p + 8 <= P; p += 8) {
+        __m256 c = _mm256_loadu_ps(x + p);
+        __m256 t = _mm256_add_ps(_mm256_div_ps(c, vs), vz);
+        t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm256_min_ps(_mm256_max_ps(t, vlo), vhi);
+        __m256 d = _mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(t, vz), vs), c);
+        __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d));
+        __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
+        a0 = _mm256_add_pd(a0, _mm256_mul_pd(_mm256_mul_pd(d0, d0), _mm256_loadu_pd(w + p)));
+        a1 = _mm256_add_pd(a1, _mm256_mul_pd(_mm256_mul_pd(d1, d1), _mm256_loadu_pd(w + p + 4)));
+    }
+    double buf[4];
+    _mm256_storeu_pd(buf, _mm256_add_pd(a0, a1));
+    acc = (buf[0] + buf[1]) + (buf[2] + buf[3]);
+#endif
+    for (; p < P; ++p) {
+        float t = rintf(x[p] / s + z);
+        t = t < lo ? lo : (t > hi ? hi : t);
+        double d = (double)((t - z) * s - x[p]);
+        acc += d * d * w[p];
+    }
+    return acc;
+}
+
+typedef struct {
+    const float *x; const double *w; const float *s, *z; double *out;
+    int64_t C, P, j0, j1; float lo, hi;
+} job_t;
+
+static void *run(void *arg) {
+    job_t *j = (job_t *)arg;
+    for (int64_t k = j->j0; k < j->j1; ++k) {
+        int64_t u = k / j->C;
+        j->out[k] = score(j->x + u * j->P, j->w + u * j->P, j->P, j->s[k], j->z[k], j->lo, j->hi);
+    }
+    return NULL;
+}
+
+/* out[u, c] for points x [U, P] (float32), weights w [U, P] (float64), scale / zero point
+   s, z [U, C] (float32); threads split the U * C scores. */
+int64_t qs_hist_error(const float *x, const double *w, const float *s, const float *z,
+                      double *out, int64_t U, int64_t C, int64_t P, double lo, double hi,
+                      int64_t threads) {
+    int64_t n = U * C;
+    if (threads > 64) threads = 64;
+    if (threads > n) threads = n;
+    if (threads < 1) threads = 1;
+    pthread_t tid[64];
+    job_t jobs[64];
+    int started[64] = {0};
+    for (int64_t t = 0; t < threads; ++t) {
+        jobs[t] = (job_t){x, w, s, z, out, C, P, n * t / threads, n * (t + 1) / threads,
+                          (float)lo, (float)hi};
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
+    }
+    run(&jobs[0]);
+    for (int64_t t = 1; t < threads; ++t) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else run(&jobs[t]);
+    }
+    return 0;
+}
+"""
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_ARGTYPES = {"qs_hist_error": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_double,
+                               ctypes.c_double, _I]}
+
+#: below this many point evaluations torch's chunked path costs no more than a kernel call
+KERNEL_MIN_WORK = 1 << 12
+
+
+def _kernel():
+    return native.load("hist_error", _SOURCE, _ARGTYPES)
+
+
+def kernel_available() -> bool:
+    """Whether the compiled scoring kernel is in use."""
+    return _kernel() is not None
+
 
 def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
-                    centers: torch.Tensor | None = None, points: int = 1) -> torch.Tensor:
+                    centers: torch.Tensor | None = None, points: int = 1,
+                    kernel: bool = True) -> torch.Tensor:
     """Squared error ``[U, C]`` of quantizing each unit's histogram with each candidate
     range ``(lo[u, c], hi[u, c])``, computed in chunks of candidates. ``centers [U, B]``
     overrides the bin centres (a reference's own float rounding of its edges). ``points > 1``
     spreads each bin's count evenly over that many points inside it (uniform density in
-    the bin, as torch.ao's L2 model assumes) instead of its centre."""
+    the bin, as torch.ao's L2 model assumes) instead of its centre. ``kernel=False`` forces
+    the torch path (the reference the kernel is tested against)."""
     if lo.dim() != 2 or lo.shape != hi.shape or lo.shape[0] != hist.counts.shape[0]:
         raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
                          f"{hist.counts.shape[0]} units, got {tuple(lo.shape)} and "
@@ -52,6 +161,15 @@ def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantS
         centers = (centers[..., None] + off * width[:, None, None, None]).flatten(-2)
         counts = (counts[..., None] / points).expand(*counts.shape, points).flatten(-2)
     U, C = lo.shape
+    if kernel and _use_kernel(centers, spec, U * C * centers.shape[-1]):
+        x = centers.expand(U, 1, -1)[:, 0].contiguous()
+        w = counts.expand(U, 1, -1)[:, 0].contiguous()
+        s, z = scale.expand(U, C).contiguous(), zp.expand(U, C).contiguous()
+        out = torch.empty(U, C, dtype=torch.float64)
+        _kernel().qs_hist_error(x.data_ptr(), w.data_ptr(), s.data_ptr(), z.data_ptr(),
+                                out.data_ptr(), U, C, x.shape[1], float(spec.qmin),
+                                float(spec.qmax), torch.get_num_threads())
+        return out
     step = max(1, ELEMENT_BUDGET // max(1, U * centers.shape[-1]))
     out = []
     for c in range(0, C, step):
@@ -59,3 +177,8 @@ def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantS
         d = fake_quantize_units(centers, s, z, spec) - centers
         out.append((d.double().square_() * counts).sum(-1))
     return torch.cat(out, dim=1)
+
+
+def _use_kernel(centers: torch.Tensor, spec: QuantSpec, work: int) -> bool:
+    return (centers.device.type == "cpu" and isinstance(spec.format, IntFormat)
+            and work >= KERNEL_MIN_WORK and _kernel() is not None)
