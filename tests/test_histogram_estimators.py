@@ -60,6 +60,30 @@ def test_l2_search_per_unit_equals_torch_ao_row_by_row():
         assert torch.equal(lo[i], rlo) and torch.equal(hi[i], rhi)
 
 
+def test_l2_kernel_walk_visits_the_same_ranges_as_the_vectorized_path():
+    from quantscope.estimators import l2
+
+    if l2._kernel() is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(11)
+    rows = [torch.randn(3000) * s for s in (0.1, 1.0, 5.0)] + [torch.rand(300), torch.randn(9)]
+    rows[1][:3] = 50.0
+    rows[2] = rows[2].abs()
+    obs = [_torch_hist(r, 256) for r in rows]
+    counts = torch.stack([o.histogram.round().long() for o in obs])
+    start, end, valid = l2.l2_path(counts)
+    walk = l2._Walk(l2._kernel(), counts)
+    parts = [walk.chunk(k, torch.zeros(len(rows), dtype=torch.bool)) for k in (3, 50, 1000)]
+    s, e, v = (torch.cat(t, 1) for t in zip(*parts))
+    for u in range(len(rows)):
+        n = int(valid[u].sum())
+        assert n > 0 and int(v[u].sum()) == n
+        assert torch.equal(s[u][v[u]], start[u, :n]) and torch.equal(e[u][v[u]], end[u, :n])
+    h = Hist(counts, torch.stack([o.min_val for o in obs]), torch.stack([o.max_val for o in obs]))
+    for a, b in zip(l2_range(h), l2_range(h, kernel=False)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kw", [{}, {"qscheme": torch.per_tensor_symmetric, "dtype": torch.qint8},
                                 {"bins": 256}, {"reduce_range": True},
                                 {"quant_min": 0, "quant_max": 15}])

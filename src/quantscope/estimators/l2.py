@@ -25,15 +25,25 @@ The errors of all ranges on the path are then evaluated with torch's float32
 operations, in the same order, chunk by chunk, and the first increase picks the
 range. Per-tensor results equal torch.ao's bitwise (tested); every unit of a
 per-channel histogram gets the same search.
+
+On CPU a C kernel (:mod:`quantscope.native`) walks the bounds instead, torch's loop
+step by step (the same float64 ``alpha`` / ``beta`` and float32 thresholds), with
+two pointers that only move forward (``O(bins + steps)``, no search per step), and
+hands over the visited ranges in growing chunks (8, 16, 32 ...) until the norms
+(still :func:`l2_norms`, torch's float32 operations) rise: only the ranges before
+the stop are walked and priced. :func:`l2_path` (the vectorized form) is the
+reference it is tested against.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numpy as np
 import torch
 
+from .. import native
 from ..formats import IntFormat
 from ..stats.histogram import Hist
 
@@ -42,6 +52,77 @@ __all__ = ["default_dst_nbins", "l2_norms", "l2_path", "l2_polished_range", "l2_
 
 _STEP = 1e-5
 _BUDGET = 1 << 19
+
+_SOURCE = r"""
+#include <stdint.h>
+
+/* torch.ao's bound walk, resumable: per unit the state fs = (alpha, beta) and
+   is = (start, end, la, rb, done); la: first bin with csum >= the alpha threshold, rb:
+   last bin with csum <= the beta threshold (both only move one way). Writes up to K
+   changed ranges per unit to s, e [U, K] and their count to n [U]; done when
+   alpha >= beta. */
+int64_t qs_l2_walk(const float *csum, const double *total, double *fs, int64_t *is,
+                   int64_t *s, int64_t *e, int64_t *n, int64_t U, int64_t B, int64_t K) {
+    for (int64_t u = 0; u < U; ++u) {
+        const float *cs = csum + u * B;
+        double alpha = fs[2 * u], beta = fs[2 * u + 1], tot = total[u];
+        int64_t *st = is + 5 * u;
+        int64_t start = st[0], end = st[1], la = st[2], rb = st[3], k = 0;
+        while (!st[4] && k < K) {
+            if (!(alpha < beta)) { st[4] = 1; break; }
+            double na = alpha + 1e-5, nb = beta - 1e-5;
+            float ta = (float)(na * tot), tb = (float)(nb * tot);
+            while (la < B && cs[la] < ta) ++la;
+            while (rb >= 0 && cs[rb] > tb) --rb;
+            int64_t l = la < start ? start : la;
+            if (l > end) l = end;
+            int64_t r = rb > end ? end : rb;
+            if (r < start) r = start;
+            int64_t ns = start, ne = end;
+            if (l - start > end - r) { ns = l; alpha = na; }
+            else { ne = r; beta = nb; }
+            if (ns == start && ne == end) continue;
+            s[u * K + k] = ns; e[u * K + k] = ne; ++k;
+            start = ns; end = ne;
+        }
+        n[u] = k;
+        fs[2 * u] = alpha; fs[2 * u + 1] = beta;
+        st[0] = start; st[1] = end; st[2] = la; st[3] = rb;
+    }
+    return 0;
+}
+"""
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_ARGTYPES = {"qs_l2_walk": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I]}
+
+
+def _kernel():
+    return native.load("l2_walk", _SOURCE, _ARGTYPES)
+
+
+class _Walk:
+    """The kernel's walk of every unit, resumed chunk by chunk."""
+
+    def __init__(self, lib, counts: torch.Tensor):
+        U, B = counts.shape
+        hist = counts.float()
+        self.lib, self.U, self.B = lib, U, B
+        self.total = hist.sum(1).double().contiguous()  # torch: torch.sum(histogram).item()
+        self.csum = torch.cumsum(hist, dim=1).contiguous()
+        self.fs = torch.tensor([0.0, 1.0], dtype=torch.float64).repeat(U)
+        self.st = torch.tensor([0, B - 1, 0, B - 1, 0]).repeat(U)
+
+    def chunk(self, k: int, done: torch.Tensor):
+        """The next ``k`` ranges of each unit not ``done``: ``(start, end, valid)`` ``[U, k]``."""
+        self.st.view(self.U, 5)[:, 4] |= done.long()
+        s = torch.zeros(self.U, k, dtype=torch.long)
+        e = torch.zeros(self.U, k, dtype=torch.long)
+        n = torch.empty(self.U, dtype=torch.long)
+        self.lib.qs_l2_walk(self.csum.data_ptr(), self.total.data_ptr(), self.fs.data_ptr(),
+                            self.st.data_ptr(), s.data_ptr(), e.data_ptr(), n.data_ptr(),
+                            self.U, self.B, k)
+        return s, e, torch.arange(k)[None, :] < n[:, None]
 
 
 @functools.lru_cache(maxsize=1)
@@ -188,21 +269,29 @@ def l2_norms(hist: Hist, start: torch.Tensor, end: torch.Tensor,
     return torch.where(dbw64 == 0, torch.zeros_like(out), out)
 
 
-def l2_range(hist: Hist, dst_nbins: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def l2_range(hist: Hist, dst_nbins: int = 256, *, kernel: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-unit ``(new_min, new_max)`` of torch.ao's non-linear search on ``hist`` (its
-    ``min_val`` / ``max_val`` are ``hist.lo`` / ``hist.hi``)."""
+    ``min_val`` / ``max_val`` are ``hist.lo`` / ``hist.hi``); ``kernel=False`` walks with
+    :func:`l2_path` (torch) instead of the C walk."""
     U, Bn = hist.counts.shape
     dev = hist.counts.device
-    start, end, valid = l2_path(hist.counts)
-    J = int(valid.sum(1).max()) if valid.numel() else 0
+    lib = _kernel() if kernel and dev.type == "cpu" and U else None
+    walk = _Walk(lib, hist.counts) if lib is not None else None
+    if walk is None:
+        start, end, valid = l2_path(hist.counts)
+        J = int(valid.sum(1).max()) if valid.numel() else 0
     best_s = torch.zeros(U, dtype=torch.long, device=dev)
     best_e = torch.full((U,), Bn - 1, dtype=torch.long, device=dev)
     prev = torch.full((U,), float("inf"), dtype=torch.float64, device=dev)
     done = torch.zeros(U, dtype=torch.bool, device=dev)
     cap = max(1, _BUDGET // max(1, U * Bn))
     j0, step = 0, min(8, cap)
-    while j0 < J:  # growing chunks of ranges (the walk usually stops early) until all stopped
-        s, e, v = start[:, j0:j0 + step], end[:, j0:j0 + step], valid[:, j0:j0 + step]
+    while walk is not None or j0 < J:  # growing chunks of ranges until every unit stopped
+        if walk is not None:
+            s, e, v = walk.chunk(step, done)
+        else:
+            s, e, v = start[:, j0:j0 + step], end[:, j0:j0 + step], valid[:, j0:j0 + step]
         j0, step = j0 + step, min(2 * step, cap)
         norms = l2_norms(hist, s, e, dst_nbins)
         before = torch.cat([prev[:, None], norms[:, :-1]], 1)
