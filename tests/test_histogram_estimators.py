@@ -84,6 +84,29 @@ def test_l2_kernel_walk_visits_the_same_ranges_as_the_vectorized_path():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("bins", [64, 256, 2048])
+def test_l2_kernel_terms_sum_to_l2_norms_bitwise(bins):
+    from quantscope.estimators import l2
+
+    lib = l2._kernel()
+    if lib is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(bins)
+    for _ in range(8):
+        U, J = 2, 16
+        counts = (torch.rand(U, bins, generator=g) ** 8 * 1000).round().long()
+        mag = 10.0 ** torch.randint(-3, 4, (2, U), generator=g).float()
+        h = Hist(counts, -torch.rand(U, generator=g) * mag[0], torch.rand(U, generator=g) * mag[1])
+        s = torch.randint(0, bins // 2, (U, J), generator=g)
+        e = s + torch.randint(0, bins // 2, (U, J), generator=g)
+        bw64 = ((h.hi.double() - h.lo.double()) / bins).contiguous()
+        cf = counts.float().contiguous()
+        terms = torch.empty(U, J, bins)
+        lib.qs_l2_terms(cf.data_ptr(), bw64.data_ptr(), s.data_ptr(), e.data_ptr(),
+                        terms.data_ptr(), U, J, bins, 256)
+        assert torch.equal(terms.sum(-1).double(), l2.l2_norms(h, s, e, 256))
+
+
 @pytest.mark.parametrize("kw", [{}, {"qscheme": torch.per_tensor_symmetric, "dtype": torch.qint8},
                                 {"bins": 256}, {"reduce_range": True},
                                 {"quant_min": 0, "quant_max": 15}])

@@ -26,7 +26,7 @@ from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.histogram import Hist
 
-__all__ = ["ELEMENT_BUDGET", "histogram_error"]
+__all__ = ["ELEMENT_BUDGET", "HistogramScorer", "histogram_error"]
 
 #: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
 ELEMENT_BUDGET = 1 << 18
@@ -110,11 +110,45 @@ int64_t qs_hist_error(const float *x, const double *w, const float *s, const flo
     }
     return 0;
 }
+
+/* Coarse-to-fine argmin along candidate lines s, z [L, n] (line l of unit l / G): every
+   coarse-th candidate (mid among them), then those within coarse of the winner; a
+   candidate replaces the current best only if strictly lower (ties: mid, then first). */
+int64_t qs_line_argmin(const float *x, const double *w, const float *s, const float *z,
+                       int64_t *idx, double *err, int64_t L, int64_t G, int64_t n, int64_t P,
+                       double lo, double hi, int64_t mid, int64_t coarse) {
+    for (int64_t l = 0; l < L; ++l) {
+        const float *xs = x + (l / G) * P;
+        const double *ws = w + (l / G) * P;
+        const float *sl = s + l * n, *zl = z + l * n;
+        int64_t best = mid;
+        double eb = score(xs, ws, P, sl[mid], zl[mid], (float)lo, (float)hi);
+        for (int64_t k = mid % coarse; k < n; k += coarse) {
+            if (k == mid) continue;
+            double e = score(xs, ws, P, sl[k], zl[k], (float)lo, (float)hi);
+            if (e < eb) { eb = e; best = k; }
+        }
+        if (coarse > 1) {
+            int64_t c = best;
+            int64_t a = c - coarse + 1 < 0 ? 0 : c - coarse + 1;
+            int64_t b = c + coarse - 1 > n - 1 ? n - 1 : c + coarse - 1;
+            for (int64_t k = a; k <= b; ++k) {
+                if (k == c) continue;
+                double e = score(xs, ws, P, sl[k], zl[k], (float)lo, (float)hi);
+                if (e < eb) { eb = e; best = k; }
+            }
+        }
+        idx[l] = best;
+        err[l] = eb;
+    }
+    return 0;
+}
 """
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ARGTYPES = {"qs_hist_error": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_double,
-                               ctypes.c_double, _I]}
+_D = ctypes.c_double
+_ARGTYPES = {"qs_hist_error": [_P, _P, _P, _P, _P, _I, _I, _I, _D, _D, _I],
+             "qs_line_argmin": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _I, _I]}
 
 #: below this many point evaluations torch's chunked path costs no more than a kernel call
 KERNEL_MIN_WORK = 1 << 12
@@ -138,45 +172,123 @@ def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantS
     spreads each bin's count evenly over that many points inside it (uniform density in
     the bin, as torch.ao's L2 model assumes) instead of its centre. ``kernel=False`` forces
     the torch path (the reference the kernel is tested against)."""
-    if lo.dim() != 2 or lo.shape != hi.shape or lo.shape[0] != hist.counts.shape[0]:
-        raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
-                         f"{hist.counts.shape[0]} units, got {tuple(lo.shape)} and "
-                         f"{tuple(hi.shape)}")
-    # candidate ranges come from finite histogram edges: no device read-back per chunk
-    qp = qparams_from_range(lo, hi, spec, check_finite=False)
-    scale = qp.effective_scale.float()
-    zp = qp.zero_point.float()
-    centers = hist.centers() if centers is None else centers.float()
-    counts = hist.counts
-    nz = counts > 0
-    m = int(nz.sum(1).max()) if counts.numel() else 0
-    if m < counts.shape[1]:  # score only occupied bins (empty ones add nothing): [U, m]
-        keep = torch.sort((~nz).to(torch.int8), dim=1, stable=True).indices[:, :m]
-        centers, counts = centers.gather(1, keep), counts.gather(1, keep)
-    width = hist.width
-    centers = centers[:, None, :]  # [U, 1, B]
-    counts = counts.double()[:, None, :]
-    if points > 1:  # sub-points at (i + (k + 0.5) / points) w
-        off = (torch.arange(points, device=centers.device) + 0.5) / points - 0.5
-        centers = (centers[..., None] + off * width[:, None, None, None]).flatten(-2)
-        counts = (counts[..., None] / points).expand(*counts.shape, points).flatten(-2)
-    U, C = lo.shape
-    if kernel and _use_kernel(centers, spec, U * C * centers.shape[-1]):
-        x = centers.expand(U, 1, -1)[:, 0].contiguous()
-        w = counts.expand(U, 1, -1)[:, 0].contiguous()
-        s, z = scale.expand(U, C).contiguous(), zp.expand(U, C).contiguous()
-        out = torch.empty(U, C, dtype=torch.float64)
-        _kernel().qs_hist_error(x.data_ptr(), w.data_ptr(), s.data_ptr(), z.data_ptr(),
-                                out.data_ptr(), U, C, x.shape[1], float(spec.qmin),
-                                float(spec.qmax), torch.get_num_threads())
-        return out
-    step = max(1, ELEMENT_BUDGET // max(1, U * centers.shape[-1]))
-    out = []
-    for c in range(0, C, step):
-        s, z = scale[:, c:c + step, None], zp[:, c:c + step, None]
-        d = fake_quantize_units(centers, s, z, spec) - centers
-        out.append((d.double().square_() * counts).sum(-1))
-    return torch.cat(out, dim=1)
+    return HistogramScorer(hist, spec, centers=centers, points=points)(lo, hi, kernel=kernel)
+
+
+class HistogramScorer:
+    """:func:`histogram_error` of one histogram for many candidate sets: the occupied bins'
+    points and weights are prepared once (searches score several rounds of candidates)."""
+
+    def __init__(self, hist: Hist, spec: QuantSpec, *, centers: torch.Tensor | None = None,
+                 points: int = 1):
+        self.spec, self.units = spec, hist.counts.shape[0]
+        centers = hist.centers() if centers is None else centers.float()
+        counts = hist.counts
+        nz = counts > 0
+        if counts.shape[0] == 1:  # one unit: index the occupied bins directly
+            keep = nz[0].nonzero()[:, 0]
+            if keep.numel() < counts.shape[1]:
+                centers, counts = centers[:, keep], counts[:, keep]
+        else:
+            m = int(nz.sum(1).max()) if counts.numel() else 0
+            if m < counts.shape[1]:  # score only occupied bins (empty ones add nothing): [U, m]
+                keep = torch.sort((~nz).to(torch.int8), dim=1, stable=True).indices[:, :m]
+                centers, counts = centers.gather(1, keep), counts.gather(1, keep)
+        width = hist.width
+        centers = centers[:, None, :]  # [U, 1, B]
+        counts = counts.double()[:, None, :]
+        if points > 1:  # sub-points at (i + (k + 0.5) / points) w
+            off = (torch.arange(points, device=centers.device) + 0.5) / points - 0.5
+            centers = (centers[..., None] + off * width[:, None, None, None]).flatten(-2)
+            counts = (counts[..., None] / points).expand(*counts.shape, points).flatten(-2)
+        self.centers, self.counts = centers, counts  # [U, 1, P]
+        self._flat = None
+
+    def __call__(self, lo: torch.Tensor, hi: torch.Tensor, *, kernel: bool = True
+                 ) -> torch.Tensor:
+        """Errors ``[U, C]`` of the candidate ranges ``lo``, ``hi`` ``[U, C]``."""
+        U = self.units
+        if lo.dim() != 2 or lo.shape != hi.shape or lo.shape[0] != U:
+            raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
+                             f"{U} units, got {tuple(lo.shape)} and {tuple(hi.shape)}")
+        spec, centers, counts = self.spec, self.centers, self.counts
+        # candidate ranges come from finite histogram edges: no device read-back per chunk
+        qp = qparams_from_range(lo, hi, spec, check_finite=False)
+        scale = qp.effective_scale.float()
+        zp = qp.zero_point.float()
+        C = lo.shape[1]
+        if kernel and _use_kernel(centers, spec, U * C * centers.shape[-1]):
+            if self._flat is None:
+                self._flat = (centers[:, 0].contiguous(), counts[:, 0].contiguous())
+            x, w = self._flat
+            s, z = scale.expand(U, C).contiguous(), zp.expand(U, C).contiguous()
+            out = torch.empty(U, C, dtype=torch.float64)
+            _kernel().qs_hist_error(x.data_ptr(), w.data_ptr(), s.data_ptr(), z.data_ptr(),
+                                    out.data_ptr(), U, C, x.shape[1], float(spec.qmin),
+                                    float(spec.qmax), torch.get_num_threads())
+            return out
+        return self._torch(scale, zp)
+
+    def _torch(self, scale, zp):
+        centers, counts, U = self.centers, self.counts, self.units
+        C = scale.shape[1]
+        step = max(1, ELEMENT_BUDGET // max(1, U * centers.shape[-1]))
+        out = []
+        for c in range(0, C, step):
+            s, z = scale[:, c:c + step, None], zp[:, c:c + step, None]
+            d = fake_quantize_units(centers, s, z, self.spec) - centers
+            out.append((d.double().square_() * counts).sum(-1))
+        return torch.cat(out, dim=1)
+
+    def line_argmin(self, lo: torch.Tensor, hi: torch.Tensor, mid: int, coarse: int = 1, *,
+                    kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Best candidate along each line of ranges ``lo``, ``hi`` ``[U, G, n]``: ``(index
+        [U, G], error [U, G])``. Every ``coarse``-th candidate (``mid`` among them) is
+        scored, then those within ``coarse`` of the winner; a candidate wins only if
+        strictly lower (ties keep ``mid``, then the first). The kernel scores only those
+        candidates; the torch path scores all and picks by the same rule."""
+        U, G, n = lo.shape
+        if U != self.units or hi.shape != lo.shape or not 0 <= mid < n or coarse < 1:
+            raise ValueError(f"line_argmin: lo, hi must be [{self.units}, lines, n] with "
+                             f"0 <= mid < n and coarse >= 1, got {tuple(lo.shape)}, "
+                             f"{tuple(hi.shape)}, mid={mid}, coarse={coarse}")
+        qp = qparams_from_range(lo.reshape(U, G * n), hi.reshape(U, G * n), self.spec,
+                                check_finite=False)
+        scale = qp.effective_scale.float().expand(U, G * n)
+        zp = qp.zero_point.float().expand(U, G * n)
+        work = U * G * (n // coarse + 2 * coarse) * self.centers.shape[-1]
+        if kernel and _use_kernel(self.centers, self.spec, work):
+            if self._flat is None:
+                self._flat = (self.centers[:, 0].contiguous(), self.counts[:, 0].contiguous())
+            x, w = self._flat
+            s, z = scale.contiguous(), zp.contiguous()
+            idx = torch.empty(U, G, dtype=torch.long)
+            err = torch.empty(U, G, dtype=torch.float64)
+            _kernel().qs_line_argmin(x.data_ptr(), w.data_ptr(), s.data_ptr(), z.data_ptr(),
+                                     idx.data_ptr(), err.data_ptr(), U * G, G, n, x.shape[1],
+                                     float(self.spec.qmin), float(self.spec.qmax), mid, coarse)
+            return idx, err
+        return _line_pick(self._torch(scale, zp).reshape(U, G, n), mid, coarse)
+
+
+def _line_pick(err: torch.Tensor, mid: int, coarse: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`HistogramScorer.line_argmin`'s rule on the errors of every candidate
+    ``[U, G, n]``."""
+    n = err.shape[-1]
+    ar = torch.arange(n, device=err.device)
+
+    def pick(mask, cur):
+        e_cur = err.gather(-1, cur[..., None])[..., 0]
+        cand = torch.where(mask, err, torch.full_like(err, float("inf")))
+        k = cand.argmin(-1)  # first minimum
+        better = cand.gather(-1, k[..., None])[..., 0] < e_cur
+        return torch.where(better, k, cur)
+
+    cur = torch.full(err.shape[:-1], mid, dtype=torch.long, device=err.device)
+    cur = pick(((ar - mid) % coarse == 0).expand_as(err), cur)
+    if coarse > 1:
+        cur = pick((ar - cur[..., None]).abs() < coarse, cur)
+    return cur, err.gather(-1, cur[..., None])[..., 0]
 
 
 def _use_kernel(centers: torch.Tensor, spec: QuantSpec, work: int) -> bool:

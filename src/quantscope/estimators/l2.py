@@ -55,6 +55,8 @@ _BUDGET = 1 << 19
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
 
 /* torch.ao's bound walk, resumable: per unit the state fs = (alpha, beta) and
    is = (start, end, la, rb, done); la: first bin with csum >= the alpha threshold, rb:
@@ -91,10 +93,99 @@ int64_t qs_l2_walk(const float *csum, const double *total, double *fs, int64_t *
     }
     return 0;
 }
+
+/* fmodf(a, b) for b > 0 (exact, as fmod always is): the remainder a - q b is exact in
+   double while q b fits in 53 bits; libm's fmodf (slow) otherwise. */
+static float fmod_pos(float a, float b) {
+    double q = trunc((double)a / (double)b);
+    if (!(fabs(q) < 268435456.0)) return fmodf(a, b);
+    double r = (double)a - q * (double)b;
+    if (a >= 0) { if (r < 0) r += b; else if (r >= b) r -= b; }
+    else { if (r > 0) r -= b; else if (r <= -(double)b) r += b; }
+    return (float)r;
+}
+
+/* c10::div_floor_floating (torch.div(..., rounding_mode="floor") on float32), b > 0: the
+   floor of the exact quotient. When a / b rounds to a non-integer no integer lies
+   between it and the exact quotient (round to nearest), so floorf gives the same; the
+   fmod form runs only when a / b is an integer. */
+static float div_floor(float a, float b) {
+    float basic = a / b, f = floorf(basic);
+    if (basic != f) return f;
+    float mod = fmod_pos(a, b);
+    float fl = (fabsf(basic) == INFINITY && fabsf(a) != INFINITY) ? a : a - mod;
+    float div = fl / b;
+    if (mod != 0 && ((b < 0) != (mod < 0))) div -= 1.0f;
+    if (div == 0) return copysignf(0.0f, basic);
+    float fd = floorf(div);
+    if (div - fd > 0.5f) fd += 1.0f;
+    return fd;
+}
+
+static float cube_diff(float db, float de) { return (de * de * de - db * db * db) / 3.0f; }
+
+/* torch.ao's per-bin L2 terms of ranges (s, e) [U, J]: out [U, J, B], float32, the
+   operations of l2_norms in its order (rows with a zero dst bin width are 0). */
+int64_t qs_l2_terms(const float *counts, const double *bw64, const int64_t *s,
+                    const int64_t *e, float *out, int64_t U, int64_t J, int64_t B,
+                    int64_t dst) {
+    const float top = (float)(dst - 1);
+    float *dens = malloc(sizeof(float) * (size_t)(B > 0 ? B : 1));
+    if (!dens) return 1;
+    for (int64_t u = 0; u < U; ++u) {
+        const float bw = (float)bw64[u];
+        for (int64_t i = 0; i < B; ++i) dens[i] = counts[u * B + i] / bw;
+        for (int64_t j = 0; j < J; ++j) {
+            float *o = out + (u * J + j) * B;
+            int64_t st = s[u * J + j];
+            double d64 = bw64[u] * (double)(e[u * J + j] - st + 1) / (double)dst;
+            if (d64 == 0) { for (int64_t i = 0; i < B; ++i) o[i] = 0.0f; continue; }
+            float dbw = (float)d64, half = (float)(d64 / 2), nhalf = (float)(-d64 / 2);
+            float mid = cube_diff(nhalf, half);
+            for (int64_t i = 0; i < B; ++i) {
+                float density = dens[i];
+                if (density == 0) { o[i] = 0.0f; continue; }  /* 0 x finite: adds nothing */
+                float sb = (float)(i - st) * bw, se = sb + bw;
+                float dob = div_floor(sb, dbw);
+                dob = dob < 0 ? 0 : (dob > top ? top : dob);
+                float doe = div_floor(se, dbw);
+                doe = doe < 0 ? 0 : (doe > top ? top : doe);
+                float n = 0.0f + density * cube_diff(sb - (dob + 0.5f) * dbw, half);
+                n = n + ((doe - dob) - 1.0f) * (density * mid);
+                n = n + density * cube_diff(nhalf, se - (doe * dbw + half));
+                o[i] = n;
+            }
+        }
+    }
+    free(dens);
+    return 0;
+}
+
+/* torch.ao's stop rule on a chunk of priced ranges: accept while the norm does not rise;
+   a unit is done at the first rise or when its walk ended (fewer than K ranges). */
+int64_t qs_l2_accept(const double *norms, const int64_t *s, const int64_t *e,
+                     const int64_t *n, int64_t *best_s, int64_t *best_e, double *prev,
+                     int64_t *done, int64_t U, int64_t K) {
+    int64_t all = 1;
+    for (int64_t u = 0; u < U; ++u) {
+        if (!done[u]) {
+            for (int64_t k = 0; k < n[u]; ++k) {
+                double v = norms[u * K + k];
+                if (v > prev[u]) { done[u] = 1; break; }
+                prev[u] = v; best_s[u] = s[u * K + k]; best_e[u] = e[u * K + k];
+            }
+            if (n[u] < K) done[u] = 1;
+        }
+        all &= done[u] != 0;
+    }
+    return all;
+}
 """
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ARGTYPES = {"qs_l2_walk": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I]}
+_ARGTYPES = {"qs_l2_walk": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I],
+             "qs_l2_terms": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
+             "qs_l2_accept": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I]}
 
 
 def _kernel():
@@ -107,7 +198,7 @@ class _Walk:
     def __init__(self, lib, counts: torch.Tensor):
         U, B = counts.shape
         hist = counts.float()
-        self.lib, self.U, self.B = lib, U, B
+        self.lib, self.U, self.B, self.counts = lib, U, B, hist.contiguous()
         self.total = hist.sum(1).double().contiguous()  # torch: torch.sum(histogram).item()
         self.csum = torch.cumsum(hist, dim=1).contiguous()
         self.fs = torch.tensor([0.0, 1.0], dtype=torch.float64).repeat(U)
@@ -115,6 +206,11 @@ class _Walk:
 
     def chunk(self, k: int, done: torch.Tensor):
         """The next ``k`` ranges of each unit not ``done``: ``(start, end, valid)`` ``[U, k]``."""
+        s, e, n = self.chunk_raw(k, done)
+        return s, e, torch.arange(k)[None, :] < n[:, None]
+
+    def chunk_raw(self, k: int, done: torch.Tensor):
+        """``(start, end, count)``: ranges ``[U, k]``, the first ``count [U]`` of them valid."""
         self.st.view(self.U, 5)[:, 4] |= done.long()
         s = torch.zeros(self.U, k, dtype=torch.long)
         e = torch.zeros(self.U, k, dtype=torch.long)
@@ -122,7 +218,7 @@ class _Walk:
         self.lib.qs_l2_walk(self.csum.data_ptr(), self.total.data_ptr(), self.fs.data_ptr(),
                             self.st.data_ptr(), s.data_ptr(), e.data_ptr(), n.data_ptr(),
                             self.U, self.B, k)
-        return s, e, torch.arange(k)[None, :] < n[:, None]
+        return s, e, n
 
 
 @functools.lru_cache(maxsize=1)
@@ -277,21 +373,18 @@ def l2_range(hist: Hist, dst_nbins: int = 256, *, kernel: bool = True
     U, Bn = hist.counts.shape
     dev = hist.counts.device
     lib = _kernel() if kernel and dev.type == "cpu" and U else None
-    walk = _Walk(lib, hist.counts) if lib is not None else None
-    if walk is None:
-        start, end, valid = l2_path(hist.counts)
-        J = int(valid.sum(1).max()) if valid.numel() else 0
+    if lib is not None:
+        return _l2_range_kernel(lib, hist, dst_nbins)
+    start, end, valid = l2_path(hist.counts)
+    J = int(valid.sum(1).max()) if valid.numel() else 0
     best_s = torch.zeros(U, dtype=torch.long, device=dev)
     best_e = torch.full((U,), Bn - 1, dtype=torch.long, device=dev)
     prev = torch.full((U,), float("inf"), dtype=torch.float64, device=dev)
     done = torch.zeros(U, dtype=torch.bool, device=dev)
     cap = max(1, _BUDGET // max(1, U * Bn))
     j0, step = 0, min(8, cap)
-    while walk is not None or j0 < J:  # growing chunks of ranges until every unit stopped
-        if walk is not None:
-            s, e, v = walk.chunk(step, done)
-        else:
-            s, e, v = start[:, j0:j0 + step], end[:, j0:j0 + step], valid[:, j0:j0 + step]
+    while j0 < J:  # growing chunks of ranges (the walk usually stops early) until all stopped
+        s, e, v = start[:, j0:j0 + step], end[:, j0:j0 + step], valid[:, j0:j0 + step]
         j0, step = j0 + step, min(2 * step, cap)
         norms = l2_norms(hist, s, e, dst_nbins)
         before = torch.cat([prev[:, None], norms[:, :-1]], 1)
@@ -312,35 +405,80 @@ def l2_range(hist: Hist, dst_nbins: int = 256, *, kernel: bool = True
     return hist.lo + w * best_s, hist.lo + w * (best_e + 1)
 
 
+def _l2_range_kernel(lib, hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`l2_range` by the C walk, C per-bin terms (torch sums them, as torch.ao does)
+    and the C stop rule, in chunks of 8, 16, 32 ... ranges."""
+    U, Bn = hist.counts.shape
+    walk = _Walk(lib, hist.counts)
+    counts = walk.counts
+    bw64 = ((hist.hi.double() - hist.lo.double()) / Bn).contiguous()
+    best_s = torch.zeros(U, dtype=torch.long)
+    best_e = torch.full((U,), Bn - 1, dtype=torch.long)
+    prev = torch.full((U,), float("inf"), dtype=torch.float64)
+    done = torch.zeros(U, dtype=torch.long)
+    cap = max(1, _BUDGET // max(1, U * Bn))
+    step = min(8, cap)
+    while True:
+        s, e, n = walk.chunk_raw(step, done)
+        terms = torch.empty(U, step, Bn)
+        lib.qs_l2_terms(counts.data_ptr(), bw64.data_ptr(), s.data_ptr(), e.data_ptr(),
+                        terms.data_ptr(), U, step, Bn, dst_nbins)
+        norms = terms.sum(-1).double()  # torch's float32 sum, as torch.ao's norm.sum()
+        if lib.qs_l2_accept(norms.data_ptr(), s.data_ptr(), e.data_ptr(), n.data_ptr(),
+                            best_s.data_ptr(), best_e.data_ptr(), prev.data_ptr(),
+                            done.data_ptr(), U, step):
+            break
+        step = min(2 * step, cap)
+    w = hist.width
+    return hist.lo + w * best_s, hist.lo + w * (best_e + 1)
+
+
 def polish_range(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec, radius: int = 48,
-                 points: int = 4, steps: int = 4, passes: int = 2, bounds=None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 points: int = 4, steps: int = 4, passes: int = 2, bounds=None,
+                 coarse: int | None = None, scorer=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower the quantization error on the histogram
     (:func:`~quantscope.estimators.error.histogram_error`, ``points`` per bin modelling the
     values spread inside it) by moving ``lo`` then ``hi`` (``passes`` rounds), each over
     ``+-radius`` bins in ``1 / steps`` bin steps. The current range is a candidate of every
     move, so the error never grows. ``bounds = (lo_min, hi_max)`` keeps the ends inside
-    (the data's range)."""
-    from .error import histogram_error
+    (the data's range). ``coarse=k`` scores every ``k``-th offset first, then the offsets
+    within ``k`` of the winner (``n / k + 2 k`` instead of ``n`` candidates; the minimum of
+    a smooth error curve is found exactly). ``scorer``: a prepared
+    :class:`~quantscope.estimators.error.HistogramScorer` with ``points`` per bin."""
+    from .error import HistogramScorer
 
+    if scorer is None:
+        scorer = HistogramScorer(hist, spec, points=points)
     if bounds is not None:
         lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
     w = hist.width[:, None]
-    d = torch.arange(-radius * steps, radius * steps + 1, device=lo.device,
-                     dtype=torch.float32) / steps
+    dev = lo.device
+    n = 2 * radius * steps + 1
     mid = radius * steps
+    if coarse is None or coarse <= 1 or n <= 4 * coarse:
+        rounds = [torch.arange(n, device=dev)[None, :]]
+    else:  # every coarse-th offset (the current range among them), then around the winner
+        rounds = [torch.arange(mid % coarse, n, coarse, device=dev)[None, :],
+                  torch.arange(-coarse + 1, coarse, device=dev)[None, :]]
     for _ in range(passes):
         for side in (0, 1):
-            clo = lo[:, None] + (d * w if side == 0 else 0 * d)
-            chi = hi[:, None] + (d * w if side == 1 else 0 * d)
-            clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)
-            if bounds is not None:
-                clo = torch.maximum(clo, bounds[0][:, None])
-                chi = torch.minimum(chi, bounds[1][:, None])
-            err = histogram_error(hist, clo, chi, spec, points=points)
-            k = err.argmin(1, keepdim=True)
-            k = torch.where(err.gather(1, k) < err[:, mid:mid + 1], k, mid)  # ties: stay
-            lo, hi = clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
+            cur = torch.full((lo.shape[0], 1), mid, dtype=torch.long, device=dev)
+            for r, idx in enumerate(rounds):
+                idx = idx if r == 0 else (cur + idx).clamp(0, n - 1)
+                d = (idx - mid).float() / steps
+                clo = lo[:, None] + (d * w if side == 0 else 0 * d)
+                chi = hi[:, None] + (d * w if side == 1 else 0 * d)
+                clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)
+                if bounds is not None:
+                    clo = torch.maximum(clo, bounds[0][:, None])
+                    chi = torch.minimum(chi, bounds[1][:, None])
+                err = scorer(clo, chi)
+                k = err.argmin(1, keepdim=True)
+                here = (idx == cur).long().argmax(1, keepdim=True)  # the current range
+                k = torch.where(err.gather(1, k) < err.gather(1, here), k, here)  # ties: stay
+                cur = idx.expand_as(err).gather(1, k)
+                nlo, nhi = clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
+            lo, hi = nlo, nhi
     return lo, hi
 
 
@@ -352,11 +490,44 @@ def default_dst_nbins(spec) -> int:
 
 def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.ao's search (:func:`l2_range`), then :func:`polish_range` over ``+-radius`` whole
-    bins and again over ``+-8`` quarter bins: the native ``histogram`` estimator."""
+    """torch.ao's search (:func:`l2_range`), then a polish of both ends on the histogram's
+    quantization error: the native ``histogram`` estimator.
+
+    Each end moves along its own line of candidates (the other end fixed), scored with
+    :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin`: over ``+-radius``
+    whole bins (2 points per bin; every 16th bin, then the 15 either side of the best),
+    then over ``+-8`` bins in quarter bins (4 points; every bin, then the quarters within
+    one) around the two moves combined. Last, the search's own range, the first stage's
+    single moves and both stages' results are scored together (4 points per bin) and the
+    least error wins: never more error than torch.ao's choice on the histogram.
+    """
     lo, hi = l2_range(hist, dst_nbins)
-    if radius:
-        lo, hi = polish_range(hist, lo, hi, spec, radius, points=2, steps=1, passes=1,
-                              bounds=bounds)
-        lo, hi = polish_range(hist, lo, hi, spec, 8, points=4, steps=4, passes=1, bounds=bounds)
-    return lo, hi
+    if not radius:
+        return lo, hi
+    from .error import HistogramScorer
+
+    if bounds is not None:
+        lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
+    four = HistogramScorer(hist, spec, points=4)
+    a_lo, a_hi = _move_ends(HistogramScorer(hist, spec, points=2), hist, lo, hi, radius, 1, 16,
+                            bounds)
+    b_lo, b_hi = _move_ends(four, hist, a_lo, a_hi, 8, 4, 4, bounds)
+    clo = torch.stack([lo, a_lo, lo, a_lo, b_lo, b_lo, a_lo], 1)
+    chi = torch.stack([hi, hi, a_hi, a_hi, b_hi, a_hi, b_hi], 1)
+    k = four(clo, chi).argmin(1, keepdim=True)  # first minimum: the search's range on ties
+    return clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
+
+
+def _move_ends(scorer, hist: Hist, lo, hi, radius: int, steps: int, coarse: int, bounds):
+    """The best ``lo`` (``hi`` fixed) and the best ``hi`` (``lo`` fixed) over ``+-radius``
+    bins in ``1 / steps`` bin steps, coarse-to-fine; the current ends win ties."""
+    n = 2 * radius * steps + 1
+    d = (torch.arange(n, device=lo.device) - radius * steps).float() / steps * hist.width[:, None]
+    clo = torch.stack([lo[:, None] + d, lo[:, None].expand_as(d)], 1)  # [U, 2, n]
+    chi = torch.stack([hi[:, None].expand_as(d), hi[:, None] + d], 1)
+    clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)
+    if bounds is not None:
+        clo = torch.maximum(clo, bounds[0][:, None, None])
+        chi = torch.minimum(chi, bounds[1][:, None, None])
+    idx, _ = scorer.line_argmin(clo, chi, radius * steps, coarse)
+    return clo[:, 0].gather(1, idx[:, :1])[:, 0], chi[:, 1].gather(1, idx[:, 1:])[:, 0]
