@@ -113,10 +113,11 @@ int64_t qs_hist_error(const float *x, const double *w, const float *s, const flo
 
 /* Coarse-to-fine argmin along candidate lines s, z [L, n] (line l of unit l / G): every
    coarse-th candidate (mid among them), then those within coarse of the winner; a
-   candidate replaces the current best only if strictly lower (ties: mid, then first). */
+   candidate replaces the current best only if strictly lower (ties: mid, then first),
+   or with `first` also if equal and earlier (ties: the first in line order). */
 int64_t qs_line_argmin(const float *x, const double *w, const float *s, const float *z,
                        int64_t *idx, double *err, int64_t L, int64_t G, int64_t n, int64_t P,
-                       double lo, double hi, int64_t mid, int64_t coarse) {
+                       double lo, double hi, int64_t mid, int64_t coarse, int64_t first) {
     for (int64_t l = 0; l < L; ++l) {
         const float *xs = x + (l / G) * P;
         const double *ws = w + (l / G) * P;
@@ -126,7 +127,7 @@ int64_t qs_line_argmin(const float *x, const double *w, const float *s, const fl
         for (int64_t k = mid % coarse; k < n; k += coarse) {
             if (k == mid) continue;
             double e = score(xs, ws, P, sl[k], zl[k], (float)lo, (float)hi);
-            if (e < eb) { eb = e; best = k; }
+            if (e < eb || (first && e == eb && k < best)) { eb = e; best = k; }
         }
         if (coarse > 1) {
             int64_t c = best;
@@ -135,7 +136,7 @@ int64_t qs_line_argmin(const float *x, const double *w, const float *s, const fl
             for (int64_t k = a; k <= b; ++k) {
                 if (k == c) continue;
                 double e = score(xs, ws, P, sl[k], zl[k], (float)lo, (float)hi);
-                if (e < eb) { eb = e; best = k; }
+                if (e < eb || (first && e == eb && k < best)) { eb = e; best = k; }
             }
         }
         idx[l] = best;
@@ -148,7 +149,7 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _D = ctypes.c_double
 _ARGTYPES = {"qs_hist_error": [_P, _P, _P, _P, _P, _I, _I, _I, _D, _D, _I],
-             "qs_line_argmin": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _I, _I]}
+             "qs_line_argmin": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _I, _I, _I]}
 
 #: below this many point evaluations torch's chunked path costs no more than a kernel call
 KERNEL_MIN_WORK = 1 << 12
@@ -241,11 +242,13 @@ class HistogramScorer:
         return torch.cat(out, dim=1)
 
     def line_argmin(self, lo: torch.Tensor, hi: torch.Tensor, mid: int, coarse: int = 1, *,
-                    kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    first: bool = False, kernel: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Best candidate along each line of ranges ``lo``, ``hi`` ``[U, G, n]``: ``(index
         [U, G], error [U, G])``. Every ``coarse``-th candidate (``mid`` among them) is
         scored, then those within ``coarse`` of the winner; a candidate wins only if
-        strictly lower (ties keep ``mid``, then the first). The kernel scores only those
+        strictly lower (ties keep ``mid``, then the first), with ``first`` also if equal and
+        earlier (ties: the first in the line, as ``argmin``). The kernel scores only those
         candidates; the torch path scores all and picks by the same rule."""
         U, G, n = lo.shape
         if U != self.units or hi.shape != lo.shape or not 0 <= mid < n or coarse < 1:
@@ -266,12 +269,14 @@ class HistogramScorer:
             err = torch.empty(U, G, dtype=torch.float64)
             _kernel().qs_line_argmin(x.data_ptr(), w.data_ptr(), s.data_ptr(), z.data_ptr(),
                                      idx.data_ptr(), err.data_ptr(), U * G, G, n, x.shape[1],
-                                     float(self.spec.qmin), float(self.spec.qmax), mid, coarse)
+                                     float(self.spec.qmin), float(self.spec.qmax), mid, coarse,
+                                     int(first))
             return idx, err
-        return _line_pick(self._torch(scale, zp).reshape(U, G, n), mid, coarse)
+        return _line_pick(self._torch(scale, zp).reshape(U, G, n), mid, coarse, first)
 
 
-def _line_pick(err: torch.Tensor, mid: int, coarse: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _line_pick(err: torch.Tensor, mid: int, coarse: int, first: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`HistogramScorer.line_argmin`'s rule on the errors of every candidate
     ``[U, G, n]``."""
     n = err.shape[-1]
@@ -281,7 +286,8 @@ def _line_pick(err: torch.Tensor, mid: int, coarse: int) -> tuple[torch.Tensor, 
         e_cur = err.gather(-1, cur[..., None])[..., 0]
         cand = torch.where(mask, err, torch.full_like(err, float("inf")))
         k = cand.argmin(-1)  # first minimum
-        better = cand.gather(-1, k[..., None])[..., 0] < e_cur
+        v = cand.gather(-1, k[..., None])[..., 0]
+        better = (v < e_cur) | ((v == e_cur) & (k < cur)) if first else v < e_cur
         return torch.where(better, k, cur)
 
     cur = torch.full(err.shape[:-1], mid, dtype=torch.long, device=err.device)

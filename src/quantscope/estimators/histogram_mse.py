@@ -15,7 +15,7 @@ import torch
 
 from ..spec import QuantSpec
 from ..stats.histogram import Hist, fold_abs
-from .error import histogram_error
+from .error import HistogramScorer
 
 __all__ = ["histogram_mse_range", "occupied_range"]
 
@@ -38,6 +38,8 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     ``refine=k`` scores every ``k``-th candidate, then every candidate within ``k`` of the
     best (about ``n / k + 2 k`` instead of ``n`` candidates; the minimum of a smooth error
     curve is found exactly). ``refine=None`` scores every candidate, as ModelOpt / Quark.
+    One :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin` call (the kernel
+    scores only the candidates it visits).
     """
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"histogram_mse: stride must be a positive integer, got {stride!r}")
@@ -51,28 +53,17 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     B = h.bins
     start = min(start_bin, B - 1)  # as Quark: at least one candidate on a small histogram
     j = torch.arange(start, B, stride, device=h.counts.device)
-    U, n = h.counts.shape[0], j.numel()
-    if refine is None or refine == 1 or n <= 4 * refine:
-        pick = j.expand(U, n)
-        return _best(h, hist.width, pick, spec)[:2]
-    coarse = j[::refine].expand(U, -1)
-    _, _, best = _best(h, hist.width, coarse, spec)
-    pos = (best - start) // stride  # index of the coarse winner in j
-    near = (pos[:, None] + torch.arange(-refine, refine + 1, device=j.device)).clamp(0, n - 1)
-    return _best(h, hist.width, j[near], spec)[:2]
-
-
-def _best(h: Hist, w: torch.Tensor, bins_idx: torch.Tensor, spec: QuantSpec):
-    """Score clipping at the centres of bins ``bins_idx [U, C]``; the first minimum per unit."""
-    amax = (bins_idx.float() + 0.5) * w[:, None]  # centres of the |x| grid
+    n = j.numel()
+    coarse = 1 if refine is None or refine == 1 or n <= 4 * refine else refine
+    amax = (j.float() + 0.5) * h.width[:, None]  # centres of the |x| grid  [U, n]
     if spec.symmetric:
         lo_c, hi_c = -amax, amax
     else:
         olo, ohi = occupied_range(h)
         lo_c = torch.maximum(-amax, olo[:, None])
         hi_c = torch.minimum(amax, ohi[:, None])
-    err = histogram_error(h, lo_c, hi_c, spec)
-    # first minimum in bin order (the refined window may repeat a bin at the clamped ends)
-    key = torch.where(err == err.amin(-1, keepdim=True), bins_idx, torch.iinfo(torch.long).max)
-    k = key.argmin(-1, keepdim=True)
-    return lo_c.gather(1, k)[:, 0], hi_c.gather(1, k)[:, 0], bins_idx.gather(1, k)[:, 0]
+    # every coarse-th candidate, then those within coarse of the best; first minimum in
+    # bin order, as argmin (the minimum of a smooth error curve is found exactly)
+    k, _ = HistogramScorer(h, spec).line_argmin(lo_c[:, None], hi_c[:, None], 0, coarse,
+                                                first=True)
+    return lo_c.gather(1, k)[:, 0], hi_c.gather(1, k)[:, 0]
