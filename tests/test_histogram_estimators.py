@@ -320,6 +320,18 @@ def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points):
     b = histogram_error(h, lo, hi, spec, points=points, kernel=False)
     torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
     assert torch.equal(a.argmin(1), b.argmin(1))
+    # the kernel's prepared points and weights are the torch path's, bit for bit
+    from quantscope.estimators.error import HistogramScorer
+
+    k, t = (HistogramScorer(h, spec, points=points, kernel=kk) for kk in (True, False))
+    assert torch.equal(k.centers, t.centers) and torch.equal(k.counts, t.counts)
+    # line_argmin: the kernel visits only its candidates, the torch path scores them all
+    lines = lo.reshape(3, 1, 97), hi.reshape(3, 1, 97)
+    for mid, coarse, first in ((48, 8, False), (0, 5, True), (10, 1, True)):
+        ik, ek = k.line_argmin(*lines, mid, coarse, first=first)
+        it, et = t.line_argmin(*lines, mid, coarse, first=first, kernel=False)
+        assert torch.equal(ik, it)
+        torch.testing.assert_close(ek, et, rtol=1e-12, atol=0)
 
 
 def test_mix_keeps_the_least_error_candidate_per_unit():

@@ -144,11 +144,36 @@ int64_t qs_line_argmin(const float *x, const double *w, const float *s, const fl
     }
     return 0;
 }
+
+/* The scorer's points: per unit its occupied bins first, then its empty ones, m bins in
+   all; bin i's points c + off[t] w (c = lo + (i + 0.5) w, float32 as Hist.centers) with
+   weight count / p. x, wt [U, m * p]. */
+int64_t qs_points(const int64_t *counts, const float *lo, const float *w, const float *off,
+                  float *x, double *wt, int64_t U, int64_t B, int64_t m, int64_t p) {
+    for (int64_t u = 0; u < U; ++u) {
+        const int64_t *cu = counts + u * B;
+        float *xu = x + u * m * p;
+        double *wu = wt + u * m * p;
+        int64_t k = 0;
+        for (int pass = 0; pass < 2 && k < m; ++pass)
+            for (int64_t i = 0; i < B && k < m; ++i) {
+                if ((cu[i] > 0) != (pass == 0)) continue;
+                float c = lo[u] + ((float)i + 0.5f) * w[u];
+                for (int64_t t = 0; t < p; ++t) {
+                    xu[k * p + t] = p > 1 ? c + off[t] * w[u] : c;
+                    wu[k * p + t] = (double)cu[i] / (double)p;
+                }
+                ++k;
+            }
+    }
+    return 0;
+}
 """
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _D = ctypes.c_double
-_ARGTYPES = {"qs_hist_error": [_P, _P, _P, _P, _P, _I, _I, _I, _D, _D, _I],
+_ARGTYPES = {"qs_points": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+             "qs_hist_error": [_P, _P, _P, _P, _P, _I, _I, _I, _D, _D, _I],
              "qs_line_argmin": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _I, _I, _I]}
 
 #: below this many point evaluations torch's chunked path costs no more than a kernel call
@@ -173,7 +198,8 @@ def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantS
     spreads each bin's count evenly over that many points inside it (uniform density in
     the bin, as torch.ao's L2 model assumes) instead of its centre. ``kernel=False`` forces
     the torch path (the reference the kernel is tested against)."""
-    return HistogramScorer(hist, spec, centers=centers, points=points)(lo, hi, kernel=kernel)
+    return HistogramScorer(hist, spec, centers=centers, points=points, kernel=kernel)(
+        lo, hi, kernel=kernel)
 
 
 class HistogramScorer:
@@ -181,11 +207,27 @@ class HistogramScorer:
     points and weights are prepared once (searches score several rounds of candidates)."""
 
     def __init__(self, hist: Hist, spec: QuantSpec, *, centers: torch.Tensor | None = None,
-                 points: int = 1):
+                 points: int = 1, kernel: bool = True):
         self.spec, self.units = spec, hist.counts.shape[0]
-        centers = hist.centers() if centers is None else centers.float()
+        self.kernel = kernel and _use_kernel(hist.counts, spec, KERNEL_MIN_WORK)
         counts = hist.counts
         nz = counts > 0
+        width = hist.width
+        if points > 1:  # sub-points at (i + (k + 0.5) / points) w
+            off = (torch.arange(points, device=counts.device) + 0.5) / points - 0.5
+        if self.kernel and centers is None:  # the same points and weights, in one C call
+            U, B = counts.shape
+            m = int(nz.sum(1).max()) if counts.numel() else 0
+            off = off.contiguous() if points > 1 else torch.zeros(1)
+            x = torch.empty(U, m * points)
+            w = torch.empty(U, m * points, dtype=torch.float64)
+            cc, lo, wd = counts.contiguous(), hist.lo.float().contiguous(), width.contiguous()
+            _kernel().qs_points(cc.data_ptr(), lo.data_ptr(), wd.data_ptr(), off.data_ptr(),
+                                x.data_ptr(), w.data_ptr(), U, B, m, points)
+            self.centers, self.counts = x[:, None, :], w[:, None, :]
+            self._flat = (x, w)
+            return
+        centers = hist.centers() if centers is None else centers.float()
         if counts.shape[0] == 1:  # one unit: index the occupied bins directly
             keep = nz[0].nonzero()[:, 0]
             if keep.numel() < counts.shape[1]:
@@ -195,11 +237,9 @@ class HistogramScorer:
             if m < counts.shape[1]:  # score only occupied bins (empty ones add nothing): [U, m]
                 keep = torch.sort((~nz).to(torch.int8), dim=1, stable=True).indices[:, :m]
                 centers, counts = centers.gather(1, keep), counts.gather(1, keep)
-        width = hist.width
         centers = centers[:, None, :]  # [U, 1, B]
         counts = counts.double()[:, None, :]
-        if points > 1:  # sub-points at (i + (k + 0.5) / points) w
-            off = (torch.arange(points, device=centers.device) + 0.5) / points - 0.5
+        if points > 1:
             centers = (centers[..., None] + off * width[:, None, None, None]).flatten(-2)
             counts = (counts[..., None] / points).expand(*counts.shape, points).flatten(-2)
         self.centers, self.counts = centers, counts  # [U, 1, P]
@@ -218,7 +258,7 @@ class HistogramScorer:
         scale = qp.effective_scale.float()
         zp = qp.zero_point.float()
         C = lo.shape[1]
-        if kernel and _use_kernel(centers, spec, U * C * centers.shape[-1]):
+        if kernel and self.kernel and U * C * centers.shape[-1] >= KERNEL_MIN_WORK:
             if self._flat is None:
                 self._flat = (centers[:, 0].contiguous(), counts[:, 0].contiguous())
             x, w = self._flat
@@ -260,7 +300,7 @@ class HistogramScorer:
         scale = qp.effective_scale.float().expand(U, G * n)
         zp = qp.zero_point.float().expand(U, G * n)
         work = U * G * (n // coarse + 2 * coarse) * self.centers.shape[-1]
-        if kernel and _use_kernel(self.centers, self.spec, work):
+        if kernel and self.kernel and work >= KERNEL_MIN_WORK:
             if self._flat is None:
                 self._flat = (self.centers[:, 0].contiguous(), self.counts[:, 0].contiguous())
             x, w = self._flat
@@ -297,6 +337,6 @@ def _line_pick(err: torch.Tensor, mid: int, coarse: int, first: bool = False
     return cur, err.gather(-1, cur[..., None])[..., 0]
 
 
-def _use_kernel(centers: torch.Tensor, spec: QuantSpec, work: int) -> bool:
-    return (centers.device.type == "cpu" and isinstance(spec.format, IntFormat)
+def _use_kernel(t: torch.Tensor, spec: QuantSpec, work: int) -> bool:
+    return (t.device.type == "cpu" and isinstance(spec.format, IntFormat)
             and work >= KERNEL_MIN_WORK and _kernel() is not None)

@@ -488,8 +488,8 @@ def default_dst_nbins(spec) -> int:
     return 2 ** fmt.bits if isinstance(fmt, IntFormat) else 256
 
 
-def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None,
+                      *, four=None) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.ao's search (:func:`l2_range`), then a polish of both ends on the histogram's
     quantization error: the native ``histogram`` estimator.
 
@@ -499,7 +499,9 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     then over ``+-8`` bins in quarter bins (4 points; every bin, then the quarters within
     one) around the two moves combined. Last, the search's own range, the first stage's
     single moves and both stages' results are scored together (4 points per bin) and the
-    least error wins: never more error than torch.ao's choice on the histogram.
+    least error wins: never more error than torch.ao's choice on the histogram. ``four``: a
+    prepared :class:`~quantscope.estimators.error.HistogramScorer` with 4 points per bin
+    (``mix`` shares its own).
     """
     lo, hi = l2_range(hist, dst_nbins)
     if not radius:
@@ -508,7 +510,7 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
 
     if bounds is not None:
         lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
-    four = HistogramScorer(hist, spec, points=4)
+    four = HistogramScorer(hist, spec, points=4) if four is None else four
     a_lo, a_hi = _move_ends(HistogramScorer(hist, spec, points=2), hist, lo, hi, radius, 1, 16,
                             bounds)
     b_lo, b_hi = _move_ends(four, hist, a_lo, a_hi, 8, 4, 4, bounds)
@@ -521,8 +523,8 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
 def _move_ends(scorer, hist: Hist, lo, hi, radius: int, steps: int, coarse: int, bounds):
     """The best ``lo`` (``hi`` fixed) and the best ``hi`` (``lo`` fixed) over ``+-radius``
     bins in ``1 / steps`` bin steps, coarse-to-fine; the current ends win ties."""
-    n = 2 * radius * steps + 1
-    d = (torch.arange(n, device=lo.device) - radius * steps).float() / steps * hist.width[:, None]
+    d = torch.arange(-radius * steps, radius * steps + 1, device=lo.device,
+                     dtype=torch.float32) / steps * hist.width[:, None]
     clo = torch.stack([lo[:, None] + d, lo[:, None].expand_as(d)], 1)  # [U, 2, n]
     chi = torch.stack([hi[:, None].expand_as(d), hi[:, None] + d], 1)
     clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)

@@ -15,7 +15,7 @@ import torch
 from ..spec import QuantSpec
 from ..stats.histogram import Hist
 from .entropy import entropy_range
-from .error import histogram_error
+from .error import HistogramScorer
 from .histogram_mse import histogram_mse_range, occupied_range
 from .l2 import default_dst_nbins, l2_polished_range
 from .percentile import percentile_range
@@ -45,6 +45,7 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
                                     convention=convention)
         los.append(plo)
         his.append(phi)
+    four = HistogramScorer(hist, spec, points=4)  # values spread in their bins
     one = []
     if "minmax" in candidates:
         one.append((lo, hi))
@@ -53,13 +54,14 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
     if "entropy" in candidates:
         one.append(entropy_range(hist, start_bin=start_bin))
     if "l2" in candidates:
-        one.append(l2_polished_range(hist, spec, default_dst_nbins(spec), bounds=(lo, hi)))
+        one.append(l2_polished_range(hist, spec, default_dst_nbins(spec), bounds=(lo, hi),
+                                     four=four))
     for a, b in one:
         los.append(a[:, None])
         his.append(b[:, None])
     clo = torch.maximum(torch.cat(los, 1), lo[:, None])
     chi = torch.minimum(torch.cat(his, 1), hi[:, None])
-    err = histogram_error(hist, clo, chi, spec, points=4)  # values spread in their bins
+    err = four(clo, chi)
     best = err.argmin(1, keepdim=True)
     out = clo.gather(1, best)[:, 0], chi.gather(1, best)[:, 0]
     return (*out, best[:, 0]) if return_choice else out
