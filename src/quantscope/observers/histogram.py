@@ -35,6 +35,7 @@ from ..estimators.l2 import default_dst_nbins, l2_polished_range
 from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
 from ..estimators.percentile import CONVENTIONS, percentile_range
 from ..formats import IntFormat
+from ..stats import hist_kernel
 from ..stats import histogram as H
 from .base import Observer
 from .registry import register
@@ -94,6 +95,7 @@ class HistogramObserverBase(Observer):
         self.register_buffer("linear_grid", torch.zeros((), dtype=torch.bool))
         self.register_buffer("pending", torch.zeros((), dtype=torch.int64))
         self._pending = 0  # a Python mirror of ``pending``: forward never reads it back
+        self._fused = None  # (units, state) from _unit_minmax's fused pass, for _observe
 
     def _sized_buffers(self):
         return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi")
@@ -117,7 +119,23 @@ class HistogramObserverBase(Observer):
             return H.Hist(self.hist_counts, self.hist_lo, self.hist_hi, self._absolute)
         return H.view(self._state(), self._absolute)
 
+    def _unit_minmax(self, units, count, ends):
+        # a one-unit histogram in its steady state: the min / max and the histogram update in
+        # one read of the batch (stats.hist_kernel.fused_update), kept for _observe
+        self._fused = None
+        if (count == 1 and self.grid == "pow2" and not self.sync_every_step
+                and self.min_vals.shape[0] == 1 and self.hist_counts.shape == (1, self.bins)):
+            out = hist_kernel.fused_update(self._state(), units, self._absolute, ends=ends)
+            if out is not None:
+                state, lo, hi = out
+                self._fused = (units, H.HistState(*state))
+                return lo, hi
+        return super()._unit_minmax(units, count, ends)
+
     def _observe(self, units, lo, hi):
+        fused, self._fused = self._fused, None
+        if fused is not None and fused[0] is not units:
+            fused = None
         U = units.shape[0]
         if self.min_vals.shape[0] != U:
             self.min_vals, self.max_vals = lo.clone(), hi.clone()
@@ -128,10 +146,11 @@ class HistogramObserverBase(Observer):
             torch.maximum(self.max_vals, hi, out=self.max_vals)
         if self.hist_counts.shape[0] != U:  # after an EMA step reset
             self._set_state(H.empty_state(U, self.bins, units.device))
-        if self._linear:
+        if fused is None and self._linear:
             self._observe_linear(units, lo, hi)
-        else:
-            self._set_state(H.update(self._state(), units, lo, hi, self._absolute))
+        else:  # fused: the update already ran in _unit_minmax
+            self._set_state(fused[1] if fused is not None else
+                            H.update(self._state(), units, lo, hi, self._absolute))
             if self.skip_zeros:
                 self._drop_zeros(units, -self.hist_first)
         if self.averaging_constant is not None:

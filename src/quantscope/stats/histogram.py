@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import hist_kernel
+
 __all__ = [
     "E_MAX",
     "E_MIN",
@@ -154,7 +156,17 @@ def add_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
                first: torch.Tensor, absolute: bool = False) -> torch.Tensor:
     """Add every value of ``units [U, E]`` (``|x|`` of them if ``absolute``) to ``counts``
     (in place) on the grid ``(exp, first)``; values off the grid are clamped into the end
-    bins (the caller sizes the grid so that none are)."""
+    bins (the caller sizes the grid so that none are), NaN into bin 0.
+
+    On CPU (float32, contiguous) a C kernel does it (:mod:`.hist_kernel`); the torch
+    code below is the reference it equals.
+    """
+    if hist_kernel.bin_values(counts, units, exp, first, absolute):
+        return counts
+    return _add_values_torch(counts, units, exp, first, absolute)
+
+
+def _add_values_torch(counts, units, exp, first, absolute=False):
     U, B = counts.shape
     inv = pow2(-exp)
     if U == 1:  # one unit: 1-D ops are much faster than the row-wise ones
@@ -176,7 +188,8 @@ def add_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
 def _bin(t, first, bins, absolute):
     if absolute:
         t.abs_()  # |x| * 2**-e == |x * 2**-e|: exact, and no extra copy of the data
-    return t.floor_().sub_(first).clamp_(0, bins - 1).to(torch.int32)
+    # NaN (non-finite input, reported by the observer later) to bin 0: a defined index
+    return t.floor_().sub_(first).clamp_(0, bins - 1).nan_to_num_(0.0).to(torch.int32)
 
 
 def empty_state(units: int, bins: int, device=None) -> HistState:
@@ -205,16 +218,24 @@ def update(state: HistState, units: torch.Tensor, lo: torch.Tensor, hi: torch.Te
            absolute: bool = False) -> HistState:
     """The state after observing ``units [U, E]`` whose per-unit min / max are ``lo``, ``hi``.
 
-    No host synchronisation: the grid change is tensor math.
+    No host synchronisation: the grid change is tensor math (on CPU a C kernel,
+    :func:`.hist_kernel.regrid`: the same arithmetic without the fixed cost of some 60
+    one-element torch ops).
     """
+    new = hist_kernel.regrid(state, lo, hi, absolute)
+    state = HistState(*new) if new is not None else _update_grid(state, lo, hi, absolute)
+    add_values(state.counts, units, state.exp, state.first, absolute)
+    return state
+
+
+def _update_grid(state: HistState, lo, hi, absolute: bool) -> HistState:
+    """``update``'s grid change in torch (the reference of :func:`.hist_kernel.regrid`)."""
     if absolute:
         hi = torch.maximum(lo.abs(), hi.abs())
         lo = torch.zeros_like(hi)
     else:  # the grid always holds zero (every quantization range does): |x| folds exactly
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-    state = _regrid(state, lo.float(), hi.float(), state.counts.shape[1], absolute)
-    add_values(state.counts, units, state.exp, state.first, absolute)
-    return state
+    return _regrid(state, lo.float(), hi.float(), state.counts.shape[1], absolute)
 
 
 def merge(a: HistState, b: HistState, absolute: bool = False) -> HistState:

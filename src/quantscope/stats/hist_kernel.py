@@ -1,0 +1,692 @@
+"""C kernels of the streaming histogram (:mod:`quantscope.stats.histogram`).
+
+Where the time goes, per-tensor, one batch of 3.1M float32 values on one core
+(torch path): ``add_values`` ~5-7 ms (chunks of mul / floor / clamp / int cast /
+``index_add_``, each a pass over the chunk, and ``index_add_`` serialises on the
+few hot bins), the grid change ~0.7 ms (some 60 one-element torch ops: a fixed
+cost per batch), the min / max read ~0.6 ms. The kernels here:
+
+* :func:`bin_values`: ``add_values`` in one loop, index computation vectorized
+  (AVX2), increments into 8 interleaved int32 copies of the bins (values of one
+  batch crowd into a few bins; with one copy each increment waits for the
+  previous store to the same bin), flushed into the int64 counts; one unit's
+  values split across threads, or units across threads;
+* :func:`regrid`: ``update``'s range clamp and ``_regrid`` (the grid of the joined
+  range, the exact re-binning), per unit in C: microseconds instead of the torch
+  ops' fixed cost;
+* :func:`fused_update`: the steady state of a one-unit histogram in ONE read of
+  the batch: the min / max and the bins at the CURRENT exponent, into a window of
+  aligned bins wider than the histogram (absolute bins ``[first - B, first + 2B)``,
+  ``[0, 2B)`` for ``|x|``); then the new grid, old counts and window moved onto it
+  exactly (binning at ``e`` then merging bins by ``2 ** m`` equals binning at
+  ``e + m``: multiplying by a power of two is exact). A value outside the window, a
+  NaN / inf, or a tiny negative value that rounds to ``-0`` at the new exponent
+  (binned to zero by the torch path) is a miss: nothing is changed and the caller
+  runs the unfused path.
+
+Every kernel mirrors the float32 operations of the torch reference in
+:mod:`quantscope.stats.histogram` (built with ``-ffp-contract=off``), so results
+are identical (tests compare them bitwise); the torch functions stay the reference
+and the path for other devices, dtypes, or without a compiler
+(``QUANTSCOPE_NO_KERNEL=1``). Integers returned by the kernels are plain C return
+values, not device reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import native
+
+__all__ = ["available", "bin_values", "fused_update", "regrid"]
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define E_MIN (-126)
+#define E_MAX 126
+#define MAG_BITS 22
+#define COPIES 8
+/* values binned into the int32 copies between two flushes: a copy never passes 2**31 */
+#define BLOCK ((int64_t)1 << 30)
+#if COPIES != 8
+#error the vector loops multiply by COPIES with a shift of 3
+#endif
+#define MAXT 64
+
+/* pow2(): exactly 2**e as float32, from the bits */
+static float pow2f(int64_t e) {
+    union { int32_t i; float f; } u;
+    u.i = (int32_t)((e + 127) << 23);
+    return u.f;
+}
+
+/* _fits(): the aligned grid of width 2**e holds [lo, hi] in bins bins (float32, as torch) */
+static int fits(float lo, float hi, int64_t e, int64_t bins) {
+    float inv = pow2f(-e);
+    float a = floorf(hi * inv), b = floorf(lo * inv);
+    float d = a - b;
+    d = d + 1.0f;
+    return d <= (float)bins;
+}
+
+static int64_t clampe(int64_t e) { return e < E_MIN ? E_MIN : (e > E_MAX ? E_MAX : e); }
+
+/* grid_exponent() for one finite unit */
+static int64_t grid_exponent(float lo, float hi, int64_t bins) {
+    double span = (double)hi - (double)lo;
+    double g = ceil(log2(span / (double)(bins - 1)));
+    if (g != g) g = 0.0;
+    else if (g == INFINITY) g = E_MAX;
+    else if (g == -INFINITY) g = E_MIN;
+    g = g < E_MIN ? E_MIN : (g > E_MAX ? E_MAX : g);
+    int64_t guess = (int64_t)g, e = E_MAX;
+    for (int64_t d = 1; d >= -2; --d) {
+        int64_t cand = clampe(guess + d);
+        if (fits(lo, hi, cand, bins) && cand < e) e = cand;
+    }
+    float a = fabsf(lo), b = fabsf(hi);
+    float amax = a < b ? b : a;
+    int ex = 0;
+    frexpf(amax, &ex);
+    int64_t mag = (int64_t)ex - 1 - MAG_BITS;
+    return clampe(e > mag ? e : mag);
+}
+
+/* update()'s range clamp and _regrid()'s grid for one unit: the new lo / hi / exp / first.
+   1: a NaN / inf, or a state exponent outside the float32 range (the torch path decides). */
+static int grid_unit(float blo, float bhi, int absolute, int64_t bins, float slo, float shi,
+                     int64_t sexp, float *nlo, float *nhi, int64_t *nexp, int64_t *nfirst) {
+    float l, h;
+    if (absolute) {
+        float a = fabsf(blo), b = fabsf(bhi);
+        h = (a != a || b != b) ? NAN : (a < b ? b : a);
+        l = 0.0f;
+    } else {  /* clamp(max=0) / clamp(min=0): NaN and -0 kept, as torch */
+        l = blo > 0.0f ? 0.0f : blo;
+        h = bhi < 0.0f ? 0.0f : bhi;
+    }
+    if (l != l || h != h || slo != slo || shi != shi || sexp < E_MIN || sexp > E_MAX) return 1;
+    float lj = l < slo ? l : slo, hj = shi < h ? h : shi;  /* torch.minimum / maximum */
+    if (!isfinite(lj) || !isfinite(hj)) return 1;
+    int64_t e = grid_exponent(lj, hj, bins);
+    e = sexp > e ? sexp : e;
+    *nlo = lj;
+    *nhi = hj;
+    *nexp = e;
+    *nfirst = absolute ? 0 : (int64_t)floorf(lj * pow2f(-e));
+    return 0;
+}
+
+/* rebin(): bin first + i at width 2**exp goes whole into floor((first + i) / 2**m) - nfirst
+   (clamped), m = nexp - exp; adds into out. Unsigned adds wrap as torch's int64 do. */
+static void rebin_add(const int64_t *c, int64_t n, int64_t first, int64_t exp, int64_t nexp,
+                      int64_t nfirst, int64_t bins, int64_t *out) {
+    int64_t m = nexp - exp;
+    m = m < 0 ? 0 : (m > 62 ? 62 : m);
+    for (int64_t i = 0; i < n; ++i) {
+        if (!c[i]) continue;
+        int64_t a = (int64_t)((uint64_t)first + (uint64_t)i);
+        int64_t k = (int64_t)((uint64_t)(a >> m) - (uint64_t)nfirst);
+        k = k < 0 ? 0 : (k > bins - 1 ? bins - 1 : k);
+        out[k] += c[i];
+    }
+}
+
+/* ---------------------------------------------------------------- binning loops */
+
+/* One value's bin as _bin() computes it: floor(x * inv) (|.| if absolute) - ff, clamped to
+   [0, W - 1] with NaN to 0; *miss set when the value was outside [0, W) or NaN. */
+static inline int32_t bin1(float x, float inv, float ff, float wm1, int absolute, int *miss) {
+    float v = x * inv;
+    if (absolute) v = fabsf(v);
+    v = floorf(v);
+    v = v - ff;
+    *miss |= !(v >= 0.0f && v <= wm1);
+    v = v > 0.0f ? v : 0.0f;
+    v = v < wm1 ? v : wm1;
+    return (int32_t)v;
+}
+
+typedef struct {
+    const float *x;
+    int64_t n;            /* values */
+    float inv, ff;        /* 2**-e and the float index of bin 0 */
+    int32_t W;            /* bins */
+    int absolute, track;  /* track: min / max / largest negative value and misses */
+    int64_t *out;         /* int64 [W] the counts are added into */
+    int32_t h0;           /* first of 8 hot bins counted in registers (AVX-512), or -1 */
+    float lo, hi, neg;    /* outputs when tracking */
+    int miss;
+} span_t;
+
+/* The start of the 8 adjacent bins of c [n] holding the most counts, shifted by offset into
+   a span's bins [0, W); -1 unless they hold at least 60 % of all (then counting them in
+   registers, bin_span's hot path, pays for compressing the other values out). */
+static int32_t hot_start(const int64_t *c, int64_t n, int64_t offset, int32_t W) {
+    int64_t total = 0, run = 0, best = -1, at = -1;
+    for (int64_t i = 0; i < n; ++i) {
+        total += c[i];
+        run += c[i];
+        if (i >= 8) run -= c[i - 8];
+        if (i >= 7 && run > best) { best = run; at = i - 7; }
+    }
+    if (at < 0 || total <= 0 || 5 * best < 3 * total) return -1;
+    at += offset;
+    return at < 0 || at + 8 > W ? -1 : (int32_t)at;
+}
+
+#define BUF 512  /* indices computed per block, then counted (see bin_span) */
+
+#if defined(__AVX512F__)
+/* the 8-bit hot-bin fields of the 16 lanes of acc0 / acc1 added into hot[8] */
+static void hot_flush(__m512i acc0, __m512i acc1, int64_t *hot) {
+    uint64_t t[16];
+    _mm512_storeu_si512((void *)t, acc0);
+    _mm512_storeu_si512((void *)(t + 8), acc1);
+    for (int q = 0; q < 16; ++q)
+        for (int h = 0; h < 8; ++h) hot[h] += (int64_t)((t[q] >> (8 * h)) & 255);
+}
+#endif
+
+/* Bins x[0, n) into out through COPIES interleaved int32 copies (cp[bin * COPIES + copy],
+   zero on entry and on return; value j goes to copy j % COPIES, so a run of values in one
+   bin is not one chain of dependent increments). Per block of BUF values, the indices are
+   computed vectorized into a buffer first, then counted: counting straight from the vector
+   register waits on each store-to-load of the index (measured 1.5-2x slower). */
+static inline __attribute__((always_inline)) void
+bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int hot) {
+    const float *x = s->x;
+    const int64_t n = s->n;
+    const int32_t W = s->W;
+    const float inv = s->inv, ff = s->ff, wm1 = (float)(W - 1);
+    float lo = INFINITY, hi = -INFINITY, neg = -INFINITY;
+    int miss = 0;
+    int32_t buf[BUF + 16] __attribute__((aligned(64)));
+#if defined(__AVX512F__)
+    const __m512 vinv = _mm512_set1_ps(inv), vff = _mm512_set1_ps(ff);
+    const __m512 vzero = _mm512_setzero_ps(), vwm1 = _mm512_set1_ps(wm1);
+    const __m512i vabs = _mm512_set1_epi32(0x7fffffff);
+    const __m512i lane = _mm512_and_si512(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(COPIES - 1));
+    __m512 vlo = _mm512_set1_ps(INFINITY), vhi = _mm512_set1_ps(-INFINITY);
+    __m512 vneg = _mm512_set1_ps(-INFINITY);
+    __mmask16 vout = 0;
+    /* hot path: 8 bins [h0, h0 + 8) counted in 8-bit fields of 16 64-bit lanes (two
+       vectors), added out every 255 vectors; the other values' indices compressed into buf */
+    const __m512i vh0 = _mm512_set1_epi32(hot ? s->h0 : 0), v8 = _mm512_set1_epi32(8);
+    const __m512i one64 = _mm512_set1_epi64(1);
+    __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0;
+    int64_t hotc[8] = {0};
+    int it = 0;
+#elif defined(__AVX2__)
+    const __m256 vinv = _mm256_set1_ps(inv), vff = _mm256_set1_ps(ff);
+    const __m256 vzero = _mm256_setzero_ps(), vwm1 = _mm256_set1_ps(wm1);
+    const __m256 vabs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 vninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_and_si256(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(COPIES - 1));
+    __m256 vlo = _mm256_set1_ps(INFINITY), vhi = _mm256_set1_ps(-INFINITY), vneg = vninf;
+    __m256 vout = vzero;
+#endif
+    int64_t since = 0;  /* values counted since the last flush */
+    for (int64_t b = 0; b < n; b += BUF) {
+        const int m = n - b < BUF ? (int)(n - b) : BUF;
+        const float *xb = x + b;
+        int j = 0, ns = 0;  /* ns: indices in buf */
+#if defined(__AVX512F__)
+        for (; j + 16 <= m; j += 16) {
+            __m512 x16 = _mm512_loadu_ps(xb + j);
+            if (track) {
+                vlo = _mm512_min_ps(vlo, x16);
+                vhi = _mm512_max_ps(vhi, x16);
+                if (!absolute)
+                    vneg = _mm512_mask_max_ps(vneg, _mm512_cmp_ps_mask(x16, vzero, _CMP_LT_OQ),
+                                              vneg, x16);
+            }
+            __m512 v = _mm512_mul_ps(x16, vinv);
+            if (absolute) v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), vabs));
+            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            v = _mm512_sub_ps(v, vff);
+            if (track)  /* outside [0, W - 1] or NaN: unordered compares are true */
+                vout |= _mm512_cmp_ps_mask(v, vzero, _CMP_NGE_UQ)
+                        | _mm512_cmp_ps_mask(v, vwm1, _CMP_NLE_UQ);
+            v = _mm512_max_ps(v, vzero);  /* NaN -> 0 (maxps returns the 2nd operand) */
+            v = _mm512_min_ps(v, vwm1);
+            __m512i k = _mm512_cvttps_epi32(v);
+            __m512i kc = _mm512_add_epi32(_mm512_slli_epi32(k, 3), lane);  /* x COPIES */
+            if (hot) {
+                __m512i d = _mm512_sub_epi32(k, vh0);
+                __mmask16 in = _mm512_cmplt_epu32_mask(d, v8);
+                __m512i sh = _mm512_slli_epi32(d, 3);
+                acc0 = _mm512_mask_add_epi64(acc0, (__mmask8)in, acc0, _mm512_sllv_epi64(
+                    one64, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(sh))));
+                acc1 = _mm512_mask_add_epi64(acc1, (__mmask8)(in >> 8), acc1, _mm512_sllv_epi64(
+                    one64, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sh, 1))));
+                __mmask16 rest = (__mmask16)~in;
+                _mm512_storeu_si512((void *)(buf + ns), _mm512_maskz_compress_epi32(rest, kc));
+                ns += __builtin_popcount((unsigned)rest);
+                if (++it == 255) {
+                    hot_flush(acc0, acc1, hotc);
+                    acc0 = acc1 = _mm512_setzero_si512();
+                    it = 0;
+                }
+            } else {
+                _mm512_store_si512((void *)(buf + j), kc);
+            }
+        }
+        if (!hot) ns = j;
+#elif defined(__AVX2__)
+        for (; j + 8 <= m; j += 8) {
+            __m256 x8 = _mm256_loadu_ps(xb + j);
+            if (track) {
+                vlo = _mm256_min_ps(vlo, x8);
+                vhi = _mm256_max_ps(vhi, x8);
+                if (!absolute)
+                    vneg = _mm256_max_ps(vneg, _mm256_blendv_ps(
+                        vninf, x8, _mm256_cmp_ps(x8, vzero, _CMP_LT_OQ)));
+            }
+            __m256 v = _mm256_mul_ps(x8, vinv);
+            if (absolute) v = _mm256_and_ps(v, vabs);
+            v = _mm256_floor_ps(v);
+            v = _mm256_sub_ps(v, vff);
+            if (track)
+                vout = _mm256_or_ps(vout, _mm256_or_ps(_mm256_cmp_ps(v, vzero, _CMP_NGE_UQ),
+                                                       _mm256_cmp_ps(v, vwm1, _CMP_NLE_UQ)));
+            v = _mm256_max_ps(v, vzero);
+            v = _mm256_min_ps(v, vwm1);
+            __m256i k = _mm256_slli_epi32(_mm256_cvttps_epi32(v), 3);
+            _mm256_store_si256((__m256i *)(buf + j), _mm256_add_epi32(k, lane));
+        }
+        ns = j;
+#endif
+        for (; j < m; ++j) {
+            float xv = xb[j];
+            if (track) {
+                lo = xv < lo ? xv : lo;
+                hi = xv > hi ? xv : hi;
+                if (!absolute && xv < 0.0f && xv > neg) neg = xv;
+            }
+            buf[ns++] = bin1(xv, inv, ff, wm1, absolute, &miss) * COPIES + (j & (COPIES - 1));
+        }
+        j = 0;
+        for (; j + 8 <= ns; j += 8) {
+            cp[buf[j]]++; cp[buf[j + 1]]++; cp[buf[j + 2]]++; cp[buf[j + 3]]++;
+            cp[buf[j + 4]]++; cp[buf[j + 5]]++; cp[buf[j + 6]]++; cp[buf[j + 7]]++;
+        }
+        for (; j < ns; ++j) cp[buf[j]]++;
+        since += m;
+        if (since >= BLOCK || b + m >= n) {  /* flush */
+            for (int32_t k = 0; k < W; ++k) {
+                int32_t *c = cp + (int64_t)k * COPIES;
+                int64_t t = 0;
+                for (int q = 0; q < COPIES; ++q) { t += c[q]; c[q] = 0; }
+                s->out[k] += t;
+            }
+            since = 0;
+        }
+    }
+#if defined(__AVX512F__)
+    if (hot) {
+        hot_flush(acc0, acc1, hotc);
+        for (int q = 0; q < 8; ++q) s->out[s->h0 + q] += hotc[q];
+    }
+#endif
+    if (track) {
+#if defined(__AVX512F__)
+        float t[16];
+        _mm512_storeu_ps(t, vlo);
+        for (int q = 0; q < 16; ++q) lo = t[q] < lo ? t[q] : lo;
+        _mm512_storeu_ps(t, vhi);
+        for (int q = 0; q < 16; ++q) hi = t[q] > hi ? t[q] : hi;
+        _mm512_storeu_ps(t, vneg);
+        for (int q = 0; q < 16; ++q) neg = t[q] > neg ? t[q] : neg;
+        miss |= vout != 0;
+#elif defined(__AVX2__)
+        float t[8];
+        _mm256_storeu_ps(t, vlo);
+        for (int q = 0; q < 8; ++q) lo = t[q] < lo ? t[q] : lo;
+        _mm256_storeu_ps(t, vhi);
+        for (int q = 0; q < 8; ++q) hi = t[q] > hi ? t[q] : hi;
+        _mm256_storeu_ps(t, vneg);
+        for (int q = 0; q < 8; ++q) neg = t[q] > neg ? t[q] : neg;
+        miss |= _mm256_movemask_ps(vout) != 0;
+#endif
+    }
+    s->lo = lo; s->hi = hi; s->neg = neg; s->miss = miss;
+}
+
+/* bin_span_ compiled for each (absolute, track, hot): no flag tests in the loop */
+static void bin_span(span_t *s, int32_t *cp) {
+#if defined(__AVX512F__)
+    if (s->h0 >= 0 && s->h0 + 8 <= s->W) {
+        if (s->absolute) {
+            if (s->track) bin_span_(s, cp, 1, 1, 1); else bin_span_(s, cp, 1, 0, 1);
+        } else {
+            if (s->track) bin_span_(s, cp, 0, 1, 1); else bin_span_(s, cp, 0, 0, 1);
+        }
+        return;
+    }
+#endif
+    if (s->absolute) {
+        if (s->track) bin_span_(s, cp, 1, 1, 0); else bin_span_(s, cp, 1, 0, 0);
+    } else {
+        if (s->track) bin_span_(s, cp, 0, 1, 0); else bin_span_(s, cp, 0, 0, 0);
+    }
+}
+
+/* Bins directly into int64 counts (short units: no copies to zero and flush). */
+static void bin_direct(const float *x, int64_t n, float inv, float ff, int32_t W, int absolute,
+                       int64_t *out) {
+    const float wm1 = (float)(W - 1);
+    int miss = 0;
+    for (int64_t i = 0; i < n; ++i) out[bin1(x[i], inv, ff, wm1, absolute, &miss)]++;
+}
+
+typedef struct { span_t s; int32_t *cp; int ok; } sjob_t;
+
+static void *srun(void *p) {
+    sjob_t *j = (sjob_t *)p;
+    int32_t *cp = j->cp;
+    if (!cp) cp = (int32_t *)calloc((size_t)COPIES * j->s.W, sizeof(int32_t));
+    if (!cp) { j->ok = 0; return NULL; }
+    bin_span(&j->s, cp);
+    if (!j->cp) free(cp);
+    j->ok = 1;
+    return NULL;
+}
+
+/* One span split over threads; each its own copies and int64 bins (work: threads x W),
+   summed into s->out; the trackers combined. 0: out of memory. */
+static int bin_split(span_t *s, int threads, int64_t *work) {
+    if (threads > MAXT) threads = MAXT;
+    if (threads < 1 || s->n < ((int64_t)1 << 16)) threads = 1;
+    pthread_t tid[MAXT];
+    sjob_t jobs[MAXT];
+    int started[MAXT] = {0};
+    for (int t = 0; t < threads; ++t) {
+        int64_t a = s->n * t / threads, b = s->n * (t + 1) / threads;
+        jobs[t].s = *s;
+        jobs[t].s.x = s->x + a;
+        jobs[t].s.n = b - a;
+        jobs[t].s.out = t == 0 ? s->out : work + (int64_t)(t - 1) * s->W;
+        jobs[t].cp = NULL;
+        jobs[t].ok = 0;
+        if (t > 0) {
+            memset(jobs[t].s.out, 0, sizeof(int64_t) * s->W);
+            started[t] = pthread_create(&tid[t], NULL, srun, &jobs[t]) == 0;
+        }
+    }
+    srun(&jobs[0]);
+    int ok = jobs[0].ok;
+    for (int t = 1; t < threads; ++t) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else srun(&jobs[t]);
+        ok &= jobs[t].ok;
+    }
+    span_t *r = &jobs[0].s;
+    for (int t = 1; t < threads; ++t) {
+        span_t *o = &jobs[t].s;
+        for (int32_t k = 0; k < s->W; ++k) s->out[k] += o->out[k];
+        r->lo = o->lo < r->lo ? o->lo : r->lo;
+        r->hi = o->hi > r->hi ? o->hi : r->hi;
+        r->neg = o->neg > r->neg ? o->neg : r->neg;
+        r->miss |= o->miss;
+    }
+    s->lo = r->lo; s->hi = r->hi; s->neg = r->neg; s->miss = r->miss;
+    return ok;
+}
+
+/* hot_start() for counts that are still empty (a first batch): from the bins of 4 runs of
+   1024 values spread over x (a guess: it only picks the fast path). */
+static int32_t sample_hot(const float *x, int64_t n, float inv, float ff, int32_t W,
+                          int absolute) {
+    if (n < 16 * 1024) return -1;
+    int64_t *c = (int64_t *)calloc((size_t)W, sizeof(int64_t));
+    if (!c) return -1;
+    const float wm1 = (float)(W - 1);
+    int miss = 0;
+    for (int r = 0; r < 4; ++r) {
+        const float *xr = x + (n - 1024) * r / 3;
+        for (int i = 0; i < 1024; ++i) c[bin1(xr[i], inv, ff, wm1, absolute, &miss)]++;
+    }
+    int32_t h0 = hot_start(c, W, 0, W);
+    free(c);
+    return h0;
+}
+
+static int64_t total(const int64_t *c, int64_t n) {
+    int64_t t = 0;
+    for (int64_t i = 0; i < n; ++i) t += c[i];
+    return t;
+}
+
+/* ---------------------------------------------------------------- add_values */
+
+typedef struct {
+    const float *x; int64_t E, u0, u1, B; const int64_t *exp, *first; int64_t *counts;
+    int absolute, ok;
+} ujob_t;
+
+static void *urun(void *p) {
+    ujob_t *j = (ujob_t *)p;
+    int copies = j->E >= 4 * j->B;
+    int32_t *cp = copies ? (int32_t *)calloc((size_t)COPIES * j->B, sizeof(int32_t)) : NULL;
+    if (copies && !cp) { j->ok = 0; return NULL; }
+    for (int64_t u = j->u0; u < j->u1; ++u) {
+        float inv = pow2f(-j->exp[u]), ff = (float)j->first[u];
+        const float *x = j->x + u * j->E;
+        int64_t *out = j->counts + u * j->B;
+        if (copies) {
+            int32_t W = (int32_t)j->B;
+            span_t s = {x, j->E, inv, ff, W, j->absolute, 0, out,
+                        total(out, W) ? hot_start(out, W, 0, W)
+                                      : sample_hot(x, j->E, inv, ff, W, j->absolute), 0, 0, 0, 0};
+            bin_span(&s, cp);
+        } else {
+            bin_direct(x, j->E, inv, ff, (int32_t)j->B, j->absolute, out);
+        }
+    }
+    free(cp);
+    j->ok = 1;
+    return NULL;
+}
+
+/* add_values(): counts [U, B] += the bins of x [U, E] on the grids (exp, first). Units over
+   threads; one unit: its values over threads (work: threads x B int64). 0: out of memory. */
+int64_t qs_hist_bin(const float *x, int64_t U, int64_t E, int64_t B, int64_t *counts,
+                    const int64_t *exp, const int64_t *first, int absolute, int threads,
+                    int64_t *work) {
+    if (threads > MAXT) threads = MAXT;
+    if (threads < 1) threads = 1;
+    if (U == 1) {
+        float inv = pow2f(-exp[0]), ff = (float)first[0];
+        int32_t W = (int32_t)B;
+        span_t s = {x, E, inv, ff, W, absolute, 0, counts,
+                    total(counts, B) ? hot_start(counts, B, 0, W)
+                                     : sample_hot(x, E, inv, ff, W, absolute), 0, 0, 0, 0};
+        return bin_split(&s, threads, work);
+    }
+    if (threads > U) threads = (int)U;
+    pthread_t tid[MAXT];
+    ujob_t jobs[MAXT];
+    int started[MAXT] = {0};
+    for (int t = 0; t < threads; ++t) {
+        jobs[t] = (ujob_t){x, E, U * t / threads, U * (t + 1) / threads, B, exp, first, counts,
+                           absolute, 0};
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, urun, &jobs[t]) == 0;
+    }
+    urun(&jobs[0]);
+    int ok = jobs[0].ok;
+    for (int t = 1; t < threads; ++t) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else urun(&jobs[t]);
+        ok &= jobs[t].ok;
+    }
+    return ok;
+}
+
+/* ---------------------------------------------------------------- regrid */
+
+/* update()'s grid change for every unit: lo / hi the batch's per-unit min / max; the state
+   (counts, exp, first, slo, shi) read, the new one written to the n* arrays (ncounts zero
+   on entry). 1 (nothing written): some unit needs the torch path (NaN / inf). */
+int64_t qs_hist_regrid(int64_t U, int64_t B, int absolute, const float *lo, const float *hi,
+                       const int64_t *counts, const int64_t *exp, const int64_t *first,
+                       const float *slo, const float *shi, int64_t *ncounts, int64_t *nexp,
+                       int64_t *nfirst, float *nlo, float *nhi) {
+    for (int64_t u = 0; u < U; ++u)
+        if (grid_unit(lo[u], hi[u], absolute, B, slo[u], shi[u], exp[u], nlo + u, nhi + u,
+                      nexp + u, nfirst + u))
+            return 1;
+    for (int64_t u = 0; u < U; ++u)
+        rebin_add(counts + u * B, B, first[u], exp[u], nexp[u], nfirst[u], B, ncounts + u * B);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- fused, one unit */
+
+/* The steady-state update of a one-unit histogram in one read of x [n] (see the module doc):
+   writes lo / hi / ends (min, max) and the new state (ncounts zero on entry) and returns 0;
+   or returns 1 (a miss: nothing written) when the caller must take the unfused path.
+   work: int64 scratch of threads x 3B. */
+int64_t qs_hist_fused(const float *x, int64_t n, int64_t B, int absolute,
+                      const int64_t *counts, const int64_t *exp, const int64_t *first,
+                      const float *slo, const float *shi, int64_t *ncounts, int64_t *nexp,
+                      int64_t *nfirst, float *nlo, float *nhi, float *lo, float *hi,
+                      float *ends, int threads, int64_t *work) {
+    int64_t e = exp[0];
+    if (n < 1 || !(slo[0] <= shi[0]) || e < E_MIN || e > E_MAX) return 1;  /* empty state */
+    int64_t wb = absolute ? 0 : first[0] - B, W = absolute ? 2 * B : 3 * B;
+    if (wb < -((int64_t)1 << 24) || wb + W > ((int64_t)1 << 24)) return 1;  /* exact in f32 */
+    int64_t *win = work;
+    memset(win, 0, sizeof(int64_t) * W);
+    span_t s = {x, n, pow2f(-e), (float)wb, (int32_t)W, absolute, 1, win,
+                hot_start(counts, B, first[0] - wb, (int32_t)W), 0, 0, 0, 0};
+    if (!bin_split(&s, threads, work + W) || s.miss) return 1;
+    float l = s.lo, h = s.hi;
+    float glo, ghi;
+    int64_t ge, gf;
+    if (grid_unit(l, h, absolute, B, slo[0], shi[0], e, &glo, &ghi, &ge, &gf)) return 1;
+    /* a negative value that is -0 at the new exponent is binned to zero by the torch path */
+    if (!absolute && s.neg < 0.0f && s.neg * pow2f(-ge) == 0.0f) return 1;
+    rebin_add(counts, B, first[0], e, ge, gf, B, ncounts);
+    rebin_add(win, W, wb, e, ge, gf, B, ncounts);
+    *nexp = ge; *nfirst = gf; *nlo = glo; *nhi = ghi;
+    lo[0] = l; hi[0] = h; ends[0] = l; ends[1] = h;
+    return 0;
+}
+"""
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ARGTYPES = {
+    "qs_hist_bin": [_P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT, _P],
+    "qs_hist_regrid": [_I64, _I64, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P],
+    "qs_hist_fused": [_P, _I64, _I64, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,
+                      _P, _INT, _P],
+}
+
+#: the fused pass keeps a window of 3 * bins int64 per thread; above this it is not used
+FUSED_MAX_BINS = 1 << 20
+
+
+def _kernel():
+    return native.load("hist_kernel", _SOURCE, _ARGTYPES)
+
+
+def available() -> bool:
+    """Whether the compiled kernels are in use."""
+    return _kernel() is not None
+
+
+def _cpu(t: torch.Tensor, dtype) -> bool:
+    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
+def _threads(threads: int | None) -> int:
+    return max(1, torch.get_num_threads() if threads is None else int(threads))
+
+
+def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
+               first: torch.Tensor, absolute: bool, threads: int | None = None) -> bool:
+    """``add_values`` in C (``counts`` updated in place); False: not applicable (no
+    kernel, not CPU float32 contiguous, ...), nothing done."""
+    lib = _kernel()
+    U, B = counts.shape
+    if (lib is None or units.requires_grad or not _cpu(units, torch.float32)
+            or units.dim() != 2 or units.shape[0] != U or not _cpu(counts, torch.int64)
+            or not _cpu(exp, torch.int64) or not _cpu(first, torch.int64)
+            or exp.shape != (U,) or first.shape != (U,) or B >= 1 << 24):
+        return False
+    if units.numel() == 0:
+        return True
+    t = _threads(threads)
+    work = torch.empty(max(0, t - 1) * B if U == 1 else 0, dtype=torch.int64)
+    ok = lib.qs_hist_bin(units.data_ptr(), U, units.shape[1], B, counts.data_ptr(),
+                         exp.data_ptr(), first.data_ptr(), int(absolute), t, work.data_ptr())
+    if not ok:
+        raise MemoryError("hist_kernel.bin_values: out of memory for the bin copies")
+    return True
+
+
+def _state_ok(state, U, B) -> bool:
+    counts, exp, first, lo, hi = state
+    return (counts.shape == (U, B) and _cpu(counts, torch.int64) and all(
+        t.shape == (U,) for t in (exp, first, lo, hi)) and _cpu(exp, torch.int64)
+        and _cpu(first, torch.int64) and _cpu(lo, torch.float32) and _cpu(hi, torch.float32))
+
+
+def _new_state(U, B):
+    return (torch.zeros(U, B, dtype=torch.int64), torch.empty(U, dtype=torch.int64),
+            torch.empty(U, dtype=torch.int64), torch.empty(U), torch.empty(U))
+
+
+def regrid(state, lo: torch.Tensor, hi: torch.Tensor, absolute: bool):
+    """``update``'s grid change in C: the new ``(counts, exp, first, lo, hi)`` (fresh
+    tensors; ``state`` is not modified) for batch min / max ``lo``, ``hi``; None: the torch
+    path decides (no kernel, NaN / inf, other dtypes or devices)."""
+    lib = _kernel()
+    U, B = state[0].shape
+    if (lib is None or not _state_ok(state, U, B) or lo.shape != (U,) or hi.shape != (U,)
+            or not _cpu(lo, torch.float32) or not _cpu(hi, torch.float32)):
+        return None
+    new = _new_state(U, B)
+    if lib.qs_hist_regrid(U, B, int(absolute), lo.data_ptr(), hi.data_ptr(),
+                          *(t.data_ptr() for t in state), *(t.data_ptr() for t in new)):
+        return None
+    return new
+
+
+def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None = None,
+                 ends: torch.Tensor | None = None):
+    """One read of a one-unit batch ``units [1, E]``: ``(new_state, lo, hi)`` equal to
+    ``unit_minmax(units, ends=ends)`` followed by ``update`` (see the module doc); None on a
+    miss or when not applicable (``state`` is never modified; ``ends``, the smallest min and
+    largest max, may be)."""
+    lib = _kernel()
+    if lib is None or units.dim() != 2 or units.shape[0] != 1:
+        return None
+    B = state[0].shape[1]
+    if (B > FUSED_MAX_BINS or units.requires_grad or not _cpu(units, torch.float32)
+            or not _state_ok(state, 1, B)):
+        return None
+    t = _threads(threads)
+    work = torch.empty(3 * B * (t + 1), dtype=torch.int64)
+    new = _new_state(1, B)
+    if ends is None or ends.shape != (2,) or not _cpu(ends, torch.float32):
+        ends = torch.empty(2)
+    lo, hi = torch.empty(1), torch.empty(1)
+    miss = lib.qs_hist_fused(units.data_ptr(), units.shape[1], B, int(absolute),
+                             *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
+                             lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), t, work.data_ptr())
+    return None if miss else (new, lo, hi)

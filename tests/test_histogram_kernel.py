@@ -1,0 +1,253 @@
+"""The C histogram kernels equal the torch reference bitwise (stats.hist_kernel)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import quantscope as qs
+from quantscope.stats import hist_kernel as HK
+from quantscope.stats import histogram as H
+
+pytestmark = pytest.mark.skipif(not HK.available(), reason="no C compiler: torch path only")
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _data(g, shape, kind):
+    """Values that stress the binning: spread, concentrated in a few bins (the register
+    path), on bin edges, signed zeros, tiny values."""
+    x = torch.randn(shape, generator=g)
+    if kind == "concentrated":  # a few bins hold most values, outliers stretch the range
+        x = x * 0.01
+        x.view(-1)[:: 97] *= 3000
+    elif kind == "edges":  # multiples of powers of two: exactly on bin edges
+        x = torch.round(x * 64) / 16
+        x.view(-1)[::5] = -0.0
+        x.view(-1)[1::7] = 0.0
+    elif kind == "tiny":
+        x.view(-1)[::3] *= 1e-30
+    return x
+
+
+def _grid(g, U, B, lo, hi, absolute, shrink):
+    """A grid for ``[lo, hi]``; ``shrink`` narrows it so values fall off both ends."""
+    lo, hi = lo * shrink, hi * shrink
+    s = H._update_grid(H.empty_state(U, B), lo, hi, absolute)
+    return s.exp, s.first
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), U=st.sampled_from([1, 1, 3, 7]),
+       E=st.sampled_from([5, 1000, 70_000]), B=st.sampled_from([16, 256, 2048]),
+       absolute=st.booleans(), kind=st.sampled_from(["normal", "concentrated", "edges", "tiny"]),
+       shrink=st.sampled_from([1.0, 0.5]), threads=st.sampled_from([1, 2]),
+       prior=st.booleans())
+def test_bin_values_equals_add_values_torch(seed, U, E, B, absolute, kind, shrink, threads,
+                                            prior):
+    g = torch.Generator().manual_seed(seed)
+    if U * E > 200_000:
+        E = 200_000 // U
+    x = _data(g, (U, E), kind)
+    lo, hi = x.aminmax(dim=1)
+    exp, first = _grid(g, U, B, lo, hi, absolute, shrink)
+    counts = torch.randint(0, 50, (U, B), generator=g) if prior else torch.zeros(U, B,
+                                                                                 dtype=torch.int64)
+    if prior and kind == "concentrated":  # counts that pick the register path's hot bins
+        counts[:, B // 2 - 4: B // 2 + 4] += 10_000
+    ref = H._add_values_torch(counts.clone(), x, exp, first, absolute)
+    out = counts.clone()
+    assert HK.bin_values(out, x, exp, first, absolute, threads=threads)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_bin_values_non_finite_like_torch(absolute):
+    # NaN to bin 0 (defined, so the torch path no longer indexes out of range), +-inf to the ends
+    x = torch.randn(1, 100_000)
+    x[0, ::1000] = float("nan")
+    x[0, 1::1000] = float("inf")
+    x[0, 2::1000] = -float("inf")
+    exp, first = torch.tensor([-4]), torch.tensor([-60])
+    ref = H._add_values_torch(torch.zeros(1, 128, dtype=torch.int64), x, exp, first, absolute)
+    for threads in (1, 2):
+        out = torch.zeros(1, 128, dtype=torch.int64)
+        assert HK.bin_values(out, x, exp, first, absolute, threads=threads)
+        assert torch.equal(out, ref)
+    assert int(ref.sum()) == x.numel()
+
+
+def test_bin_values_declines_what_it_does_not_handle():
+    c = torch.zeros(2, 16, dtype=torch.int64)
+    e, f = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    assert not HK.bin_values(c, torch.randn(2, 10, dtype=torch.float64), e, f, False)
+    assert not HK.bin_values(c, torch.randn(10, 2).t(), e, f, False)  # not contiguous
+    assert not HK.bin_values(c.int(), torch.randn(1, 10), e, f, False)
+
+
+def _ranges(g, U, n):
+    """Batch ranges that grow, shrink, shift one end, span powers of two, hit zero."""
+    out = []
+    for _ in range(n):
+        scale = torch.exp2(torch.randint(-30, 30, (U,), generator=g).float())
+        lo = -torch.rand(U, generator=g) * scale
+        hi = torch.rand(U, generator=g) * scale
+        pick = torch.rand(U, generator=g)
+        lo = torch.where(pick < 0.2, torch.zeros(U), lo)
+        hi = torch.where(pick > 0.9, -lo * 2 ** 10, hi)  # exactly a power of two apart
+        hi = torch.where((pick > 0.5) & (pick < 0.6), lo + 1e-6, hi)
+        out.append((lo, hi))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), U=st.sampled_from([1, 5]),
+       B=st.sampled_from([16, 17, 2048, 4096]), absolute=st.booleans())
+def test_regrid_equals_the_torch_grid_change(seed, U, B, absolute):
+    g = torch.Generator().manual_seed(seed)
+    state = H.empty_state(U, B)
+    for lo, hi in _ranges(g, U, 5):
+        ref = H._update_grid(state, lo, hi, absolute)
+        new = HK.regrid(state, lo, hi, absolute)
+        assert new is not None and _same(new, ref)
+        state = ref._replace(counts=ref.counts + torch.randint(0, 9, (U, B), generator=g))
+
+
+def test_regrid_leaves_nan_and_inf_to_torch():
+    state = H.empty_state(2, 64)
+    for bad in (float("nan"), float("inf")):
+        lo, hi = torch.tensor([-1.0, -2.0]), torch.tensor([1.0, bad])
+        assert HK.regrid(state, lo, hi, False) is None
+
+
+def _batches(g, n, kind, E=50_000):
+    out, scale, shift = [], 1.0, 0.0
+    for i in range(n):
+        x = _data(g, (1, E), kind) * scale + shift
+        out.append(x)
+        if kind == "shift":
+            shift -= 0.7  # the negative end moves out, batch after batch
+        scale *= [1.1, 0.5, 3.0, 1.0][i % 4]
+    return out
+
+
+def _unfused(state, x, absolute):
+    lo, hi = torch.aminmax(x.reshape(-1))
+    lo, hi = lo.reshape(1), hi.reshape(1)
+    return H.update(state, x, lo, hi, absolute), lo, hi
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), B=st.sampled_from([16, 256, 2048]), absolute=st.booleans(),
+       kind=st.sampled_from(["normal", "concentrated", "edges", "tiny", "shift"]),
+       threads=st.sampled_from([1, 2]))
+def test_fused_update_equals_minmax_then_update(seed, B, absolute, kind, threads):
+    g = torch.Generator().manual_seed(seed)
+    batches = _batches(g, 6, kind)
+    state, _, _ = _unfused(H.empty_state(1, B), batches[0], absolute)
+    hits = 0
+    for x in batches[1:]:
+        ref, lo, hi = _unfused(state, x, absolute)
+        before = [t.clone() for t in state]
+        ends = torch.empty(2)
+        out = HK.fused_update(state, x, absolute, threads=threads, ends=ends)
+        assert _same(state, before)  # never modified, hit or miss
+        if out is not None:
+            hits += 1
+            new, flo, fhi = out
+            assert _same(new, ref)
+            assert torch.equal(flo, lo) and torch.equal(fhi, hi)
+            assert torch.equal(ends, torch.cat([lo, hi]))
+        state = ref
+    if kind in ("normal", "concentrated"):
+        assert hits >= 3  # the window holds growth by 3x: most batches fuse
+
+
+def test_fused_update_misses_leave_the_unfused_path():
+    state, _, _ = _unfused(H.empty_state(1, 256), torch.randn(1, 10_000), False)
+    assert HK.fused_update(state, torch.randn(1, 10_000) * 100, False) is None  # off the window
+    x = torch.randn(1, 10_000)
+    x[0, 5] = float("nan")
+    assert HK.fused_update(state, x, False) is None
+    assert HK.fused_update(H.empty_state(1, 256), torch.randn(1, 10_000), False) is None
+
+
+def test_fused_update_declines_a_tiny_negative_the_torch_path_bins_as_zero():
+    # x * 2**-e is the smallest subnormal (bin -1), but at the new exponent e + 1 it rounds
+    # to -0, which the torch path bins at 0: the window's bin -1 would merge to -1
+    state, _, _ = _unfused(H.empty_state(1, 16), torch.tensor([[-1000.0, 1000.0]]), False)
+    e = int(state.exp)
+    x = torch.tensor([[-1.5 * 2.0 ** (e - 150), -2000.0, 2000.0]])
+    assert float(x[0, 0] * 2.0 ** -e) != 0 and float(x[0, 0] * 2.0 ** -(e + 1)) == 0
+    ref, _, _ = _unfused(state, x, False)
+    assert int(ref.exp) == e + 1
+    out = HK.fused_update(state, x, False)
+    assert out is None or _same(out[0], ref)
+    assert HK.fused_update(state, x.abs(), False) is not None  # no negative: fused
+
+
+def _observe(make, batches, kernel, monkeypatch):
+    if not kernel:
+        monkeypatch.setattr(HK, "_kernel", lambda: None)
+    o = make()
+    for b in batches:
+        o(b)
+    monkeypatch.undo()
+    return o
+
+
+OBSERVERS = {
+    "signed": lambda: qs.get_observer("histogram", qs.QuantSpec("uint8", symmetric=False)),
+    "abs": lambda: qs.get_observer("entropy", qs.QuantSpec()),
+    "skip_zeros": lambda: qs.get_observer("percentile", qs.QuantSpec(), skip_zeros=True),
+    "ema": lambda: qs.get_observer("percentile", qs.QuantSpec("uint8", symmetric=False),
+                                   averaging_constant=0.1, update_interval=2),
+    "channel": lambda: qs.get_observer("percentile", qs.QuantSpec("int8", qs.Channel(0))),
+    "ignore": lambda: qs.get_observer("histogram", qs.QuantSpec("uint8", symmetric=False),
+                                      non_finite="ignore"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OBSERVERS))
+def test_observers_equal_with_and_without_kernels(name, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    batches = [_data(g, (8, 4096), "concentrated") * s for s in (1.0, 1.1, 1.3, 0.7, 5.0, 1.0)]
+    if name == "ignore":
+        batches[2][0, :3] = float("nan")
+        batches[3][1, 5] = float("inf")
+    ours = _observe(OBSERVERS[name], batches, True, monkeypatch)
+    ref = _observe(OBSERVERS[name], batches, False, monkeypatch)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v), k
+    assert torch.equal(torch.stack(ours.calculate_range()), torch.stack(ref.calculate_range()))
+
+
+def test_nan_input_is_recorded_not_a_crash(monkeypatch):
+    x = torch.randn(64, 1024)
+    y = x.clone()
+    y[3, 7] = float("nan")
+    for kernel in (True, False):
+        o = _observe(OBSERVERS["signed"], [x, y, x], kernel, monkeypatch)
+        with pytest.raises(ValueError, match="NaN or inf"):
+            o.calculate_qparams()
+
+
+def test_fused_forward_reads_nothing_back(forbid_host_sync, monkeypatch):
+    o = OBSERVERS["signed"]()
+    xs = [torch.randn(64, 1024) * s for s in (1.0, 1.2, 1.5)]
+    o(xs[0])
+    calls = []
+    real = HK.fused_update
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(HK, "fused_update", spy)
+    forbid_host_sync()
+    for x in xs[1:]:
+        o(x)
+    assert calls and all(calls)
