@@ -493,15 +493,15 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     """torch.ao's search (:func:`l2_range`), then a polish of both ends on the histogram's
     quantization error: the native ``histogram`` estimator.
 
-    Each end moves along its own line of candidates (the other end fixed), scored with
-    :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin`: over ``+-radius``
-    whole bins (2 points per bin; every 16th bin, then the 15 either side of the best),
-    then over ``+-8`` bins in quarter bins (4 points; every bin, then the quarters within
-    one) around the two moves combined. Last, the search's own range, the first stage's
-    single moves and both stages' results are scored together (4 points per bin) and the
-    least error wins: never more error than torch.ao's choice on the histogram. ``four``: a
-    prepared :class:`~quantscope.estimators.error.HistogramScorer` with 4 points per bin
-    (``mix`` shares its own).
+    Each end moves along its own line of candidates, the other end fixed: ``+-radius``
+    bins in half bins, scored with 2 points per bin, coarse-to-fine (every 24th
+    candidate, then the 23 either side of the best; one
+    :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin` call). Then the
+    search's own range, each single move and both moves together are scored with 4
+    points per bin and the least error wins (ties: the search's range), so the polish
+    never has more histogram error than torch.ao's choice. ``four``: a prepared
+    :class:`~quantscope.estimators.error.HistogramScorer` with 4 points per bin (``mix``
+    shares its own).
     """
     lo, hi = l2_range(hist, dst_nbins)
     if not radius:
@@ -511,11 +511,10 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     if bounds is not None:
         lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
     four = HistogramScorer(hist, spec, points=4) if four is None else four
-    a_lo, a_hi = _move_ends(HistogramScorer(hist, spec, points=2), hist, lo, hi, radius, 1, 16,
+    a_lo, a_hi = _move_ends(HistogramScorer(hist, spec, points=2), hist, lo, hi, radius, 2, 24,
                             bounds)
-    b_lo, b_hi = _move_ends(four, hist, a_lo, a_hi, 8, 4, 4, bounds)
-    clo = torch.stack([lo, a_lo, lo, a_lo, b_lo, b_lo, a_lo], 1)
-    chi = torch.stack([hi, hi, a_hi, a_hi, b_hi, a_hi, b_hi], 1)
+    clo = torch.stack([lo, a_lo, lo, a_lo], 1)
+    chi = torch.stack([hi, hi, a_hi, a_hi], 1)
     k = four(clo, chi).argmin(1, keepdim=True)  # first minimum: the search's range on ties
     return clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
 
