@@ -264,6 +264,7 @@ def test_linear_and_pow2_searches_follow_their_loops():
 
 # ------------------------------------------------------------------ tiling and memory
 def test_tiles_are_bounded_and_do_not_change_the_answer(monkeypatch):
+    """The torch path's tiles (the kernel has none: it walks units in place)."""
     seen = []
     real = mse_mod._tile_error
 
@@ -274,19 +275,19 @@ def test_tiles_are_bounded_and_do_not_change_the_answer(monkeypatch):
     monkeypatch.setattr(mse_mod, "_tile_error", spy)
     for spec in (SPECS["int4-g32"], SPECS["int4-channel"], SPECS["nvfp4"]):
         u, lo, hi = units_of(spec, weight(shape=(16, 256)))
-        ref = mse_search(u, lo, hi, spec, chunk_elems=1 << 22)
+        ref = mse_search(u, lo, hi, spec, backend="torch", chunk_elems=1 << 22)
         for chunk in (2048, 20000):
             seen.clear()
-            res = mse_search(u, lo, hi, spec, chunk_elems=chunk)
+            res = mse_search(u, lo, hi, spec, backend="torch", chunk_elems=chunk)
             assert max(seen) <= max(chunk, u.shape[1])
             assert torch.equal(res[0], ref[0]) and torch.equal(res[1], ref[1])
     # per tensor: one unit larger than a tile is split along its elements
     spec = QuantSpec("int8", Tensor())
     u, lo, hi = units_of(spec, weight(shape=(16, 256)))
     seen.clear()
-    res = mse_search(u, lo, hi, spec, chunk_elems=1024)
+    res = mse_search(u, lo, hi, spec, backend="torch", chunk_elems=1024)
     assert max(seen) <= 1024
-    full = mse_search(u, lo, hi, spec, chunk_elems=1 << 22)
+    full = mse_search(u, lo, hi, spec, backend="torch", chunk_elems=1 << 22)
     assert torch.allclose(err_of(u, res, spec), err_of(u, full, spec), rtol=1e-5)
 
 

@@ -38,6 +38,7 @@ from ..qparams import qparams_from_range
 from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
+from . import mse_kernel
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",
@@ -53,6 +54,9 @@ __all__ = [
 #: elements of one [candidates, units, elements] tile: ~4 MB per temporary, cache-friendly
 DEFAULT_CHUNK_ELEMS = 1 << 20
 _MIN_CHUNK_ELEMS = 1 << 16
+#: the kernel path's [candidates, units] qparams blocks: at least this many elements
+_MIN_KERNEL_BLOCK = 1 << 17
+BACKENDS = (None, "torch", "kernel")
 
 
 class SearchResult(tuple):
@@ -292,6 +296,57 @@ def _search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, e
     return st.lo, st.hi, st.err, st.idx
 
 
+def _kernel_block(chunk_elems: int, n_units: int) -> int:
+    """Candidates per kernel call: ``[k, units]`` qparams blocks (a few float32 matrices and
+    qparams_from_range's temporaries) of about a quarter tile, so well within the input."""
+    return max(1, max(chunk_elems // 4, _MIN_KERNEL_BLOCK) // max(1, n_units))
+
+
+def _search_kernel(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumbent,
+                   global_amax, chunk_elems, early_stop, extend=(), **_):
+    """:func:`_search` with the C kernel (:mod:`.mse_kernel`) pricing candidates and
+    applying the rules unit by unit: same rules, errors summed in float64."""
+    def qparams(lo_c, hi_c):
+        qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax, check_finite=False)
+        return qp.effective_scale.expand_as(lo_c), qp.zero_point
+
+    n_units = units.shape[0]
+    st = mse_kernel.KernelState(units, spec)
+    rule = {"patience": patience, "per_unit": per_unit, "tie": tie,
+            "use_global": patience is not None}
+    total = len(f_lo)
+    f_lo = torch.tensor(f_lo, dtype=torch.float32)
+    f_hi = torch.tensor(f_hi, dtype=torch.float32)
+    cc = _kernel_block(chunk_elems, n_units)
+    for start in range(0, total, cc):
+        lo_c, hi_c = lo[None] * f_lo[start:start + cc, None], hi[None] * f_hi[start:start + cc, None]
+        init = start == 0  # the min-max incumbent rides in the first block's qparams
+        if init:
+            lo_c = torch.cat((incumbent[0][None], lo_c))
+            hi_c = torch.cat((incumbent[1][None], hi_c))
+        live = st.step(start, lo_c, hi_c, *qparams(lo_c, hi_c), init=init, **rule)
+        if early_stop and patience is not None and live == 0:
+            break
+    if extend and per_unit and patience is not None:
+        ext = torch.tensor(extend, dtype=torch.float32)
+        rule["use_global"] = False  # the global rule's grid has ended
+        start = 0
+        while start < len(extend):
+            sub, l0, h0 = None, lo, hi
+            if early_stop:  # only the units still searching: fewer qparams to compute
+                keep = (~st.stopped).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                if keep.numel() < n_units:
+                    sub, l0, h0 = keep, lo[keep], hi[keep]
+            k = _kernel_block(chunk_elems, l0.shape[0])
+            f = ext[start:start + k, None]
+            lo_c, hi_c = l0[None] * f, h0[None] * f
+            st.step(total + start, lo_c, hi_c, *qparams(lo_c, hi_c), sub=sub, **rule)
+            start += k
+    return st.lo, st.hi, st.best.float(), st.idx.clone()
+
+
 def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
                spec: QuantSpec, *, maxshrink: float = 0.2, grid: float = 100, norm: float = 2.0,
                patience: int | None = 5, expand: float = 1.0, per_unit_patience: bool = True,
@@ -300,8 +355,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
                global_grid: int | None = None, factors: list[float] | None = None,
                tie: str = "first", compat: str | None = None,
                extend_to: float | None = 0.5, chunk_elems: int | None = None,
-               chunk_candidates: int | None = None, early_stop: bool | None = None
-               ) -> SearchResult:
+               chunk_candidates: int | None = None, early_stop: bool | None = None,
+               backend: str | None = None) -> SearchResult:
     """Per-unit range minimizing ``sum(|fake_quant(x) - x| ** norm)`` over shrink candidates.
 
     Args:
@@ -330,6 +385,11 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         chunk_elems: elements per ``[candidates, units, elements]`` tile.
         early_stop: break once every unit stopped (default: on CPU; elsewhere the same
             answer is computed without a host sync).
+        backend: None (default): the C kernel (:mod:`.mse_kernel`) where it applies
+            (integer formats without a global scale, ``norm=2``, float32 CPU units, not
+            ``compat``), else torch; ``"torch"`` forces the torch tiles; ``"kernel"``
+            requires the kernel. The kernel scores ``sum((fake_quant(x) - x) ** 2)`` summed
+            in float64; torch scores the same quantizer in float32 by a rounding identity.
 
     Returns:
         :class:`SearchResult` ``(lo, hi)`` with ``.error``, ``.global_amax``, ``.index``.
@@ -344,7 +404,13 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
                          f"got {patience!r}")
     if not (isinstance(expand, (int, float)) and expand >= 1.0):
         raise ValueError(f"mse_search: expand must be a number >= 1.0, got {expand!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"mse_search: backend must be one of {BACKENDS}, got {backend!r}")
     exact = compat == "llmcompressor"
+    use_kernel = backend != "torch" and not exact and mse_kernel.usable(units, spec, norm)
+    if backend == "kernel" and not use_kernel:
+        raise ValueError("mse_search: backend='kernel' needs an integer format without a "
+                         "global scale, norm=2, float32 CPU units, no compat, and a C compiler")
     if exact:
         per_unit_patience, encoding_aware, independent_ends = False, False, False
         extend_to = None
@@ -395,8 +461,13 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
               "exact": exact, "chunk_elems": int(chunk_elems), "chunk_candidates": chunk_candidates,
               "early_stop": early_stop, "incumbent": None if exact else (base_lo, base_hi),
               "extend": extend}
-    results = [_search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)
+    search = _search_kernel if use_kernel and not exact else _search
+    results = [search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)
                for ga in gas]
+    if len(results) == 1:
+        blo, bhi, berr, bidx = results[0]
+        ga = ga0 if gas[0] is None and not exact else gas[0]
+        return SearchResult(blo, bhi, berr, ga, bidx)
     # pick the global scale with the lowest total error by indexing, not by a Python branch
     # on a tensor value (no device read-back); argmin keeps the first of equal totals
     k = torch.stack([r[2].sum() for r in results]).argmin().reshape(1)

@@ -1,0 +1,456 @@
+"""The MSE search's CPU kernel: candidate pricing and the per-unit selection rules in C.
+
+For integer formats on CPU the torch search (:mod:`quantscope.estimators.mse`) spends
+its time in per-tile op chains and in Python steps over ``[U]`` vectors. This kernel
+does both in one call per block of candidates, with plain threads over units
+(built by :mod:`quantscope.native`):
+
+* **Pricing.** The error of a candidate ``(scale, zp)`` on a unit is
+  ``sum(d ** 2)`` with ``d = fake_quantize_units(x) - x`` rounded exactly as
+  :func:`~quantscope.quantize.fake_quantize_units` rounds it (``x / scale``,
+  ``+ zp``, round half to even, clamp, ``(q - zp) * scale``, minus ``x``; built
+  with ``-ffp-contract=off``). Each ``d`` is float32 as in torch; its square is
+  exact in float64 and the sum is accumulated in float64, so the error is the
+  float64 sum of torch's squared errors up to summation order (tests compare
+  against a float64 torch reference at 1e-12). A candidate whose scale and zero
+  point equal the previous one's (the min-max incumbent and ``p = 1``, plateaus
+  of encoded scales) reuses its error, bit for bit.
+* **Selection.** :func:`step` applies the rules of ``mse._State.step``
+  (per-unit patience with plateaus not counted, llm-compressor's global
+  patience, tie first / last) to a block of candidates, on a unit-by-unit walk:
+  a unit that has stopped for good is not priced any more. The global rule
+  needs every unit's error before it stops, so while it runs a block is priced
+  densely first (all units are active until it stops). Tests run the torch
+  ``_State`` on this kernel's prices and require the same choices bit for bit.
+
+The scales and zero points of every candidate still come from
+:func:`~quantscope.qparams.qparams_from_range`; the kernel only scores them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import native
+from ..formats import IntFormat
+from ..spec import QuantSpec
+
+__all__ = ["KernelState", "available", "dq", "price", "usable"]
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#include <pthread.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* d = (clamp(nearbyint(x / s + z), qmin, qmax) - z) * s - x, each float32 op rounded as
+   the torch ops of fake_quantize_units round it (no contraction: -ffp-contract=off).
+   With z == 0 the two zero-point ops are skipped: they change nothing but the sign of a
+   zero, which the square drops. */
+static inline float dq1(float v, float s, float z, float qmin, float qmax) {
+    float t = v / s;
+    t = t + z;
+    t = nearbyintf(t);
+    t = t > qmin ? t : qmin;
+    t = t < qmax ? t : qmax;
+    float d = (t - z) * s;
+    return d - v;
+}
+
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vf;
+static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf hi, int zero) {
+    vf t = _mm512_div_ps(v, s);
+    if (!zero) t = _mm512_add_ps(t, z);
+    t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+    if (!zero) t = _mm512_sub_ps(t, z);
+    return _mm512_sub_ps(_mm512_mul_ps(t, s), v);
+}
+#define VSET1 _mm512_set1_ps
+#define VADD _mm512_add_ps
+#define VMUL _mm512_mul_ps
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+typedef __m512d vd;
+#define DZERO _mm512_setzero_pd
+#define DADD _mm512_add_pd
+#define DLO(f) _mm512_cvtps_pd(_mm512_castps512_ps256(f))
+#define DHI(f) _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1))
+#define DSUM _mm512_reduce_add_pd
+#elif defined(__AVX2__)
+#define VW 8
+typedef __m256 vf;
+static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf hi, int zero) {
+    vf t = _mm256_div_ps(v, s);
+    if (!zero) t = _mm256_add_ps(t, z);
+    t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+    if (!zero) t = _mm256_sub_ps(t, z);
+    return _mm256_sub_ps(_mm256_mul_ps(t, s), v);
+}
+#define VSET1 _mm256_set1_ps
+#define VADD _mm256_add_ps
+#define VMUL _mm256_mul_ps
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+typedef __m256d vd;
+#define DZERO _mm256_setzero_pd
+#define DADD _mm256_add_pd
+#define DLO(f) _mm256_cvtps_pd(_mm256_castps256_ps128(f))
+#define DHI(f) _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1))
+static inline double DSUM(vd a) {
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+#endif
+
+/* The error of one unit under (s, z): squares d * d in float32, summed in float32 over
+   four vectors (32 or 64 elements), those partial sums in float64. About float32
+   precision per term (the torch path's float32 norm is coarser), float64 across
+   blocks, so long units lose nothing to accumulation. Deterministic: equal (s, z) give
+   bitwise equal errors, which the reuse of a previous candidate's error relies on. */
+static inline __attribute__((always_inline)) double price_(const float *x, int64_t E, float s,
+                                                         float z, float qmin, float qmax,
+                                                         int zero) {
+    int64_t j = 0;
+    double acc = 0.0;
+#ifdef VW
+    const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(qmin), vhi = VSET1(qmax);
+    vd a0 = DZERO(), a1 = DZERO();
+    for (; j + 4 * VW <= E; j += 4 * VW) {
+        vf d0 = dqv(VLOAD(x + j), vs, vz, vlo, vhi, zero);
+        vf d1 = dqv(VLOAD(x + j + VW), vs, vz, vlo, vhi, zero);
+        vf d2 = dqv(VLOAD(x + j + 2 * VW), vs, vz, vlo, vhi, zero);
+        vf d3 = dqv(VLOAD(x + j + 3 * VW), vs, vz, vlo, vhi, zero);
+        vf f = VADD(VADD(VMUL(d0, d0), VMUL(d1, d1)), VADD(VMUL(d2, d2), VMUL(d3, d3)));
+        a0 = DADD(a0, DLO(f));
+        a1 = DADD(a1, DHI(f));
+    }
+    for (; j + VW <= E; j += VW) {
+        vf d = dqv(VLOAD(x + j), vs, vz, vlo, vhi, zero);
+        vf f = VMUL(d, d);
+        a0 = DADD(a0, DLO(f));
+        a1 = DADD(a1, DHI(f));
+    }
+    acc = DSUM(DADD(a0, a1));
+#endif
+    for (; j < E; ++j) {
+        float d = dq1(x[j], s, z, qmin, qmax);
+        acc += (double)(d * d);
+    }
+    return acc;
+}
+
+static double price1(const float *x, int64_t E, float s, float z, float qmin, float qmax) {
+    return z == 0.0f ? price_(x, E, s, z, qmin, qmax, 1) : price_(x, E, s, z, qmin, qmax, 0);
+}
+
+/* The d of every element of one unit (tests compare it with torch bit for bit). */
+int64_t qs_mse_dq(const float *x, int64_t E, double s_, double z_, double qmin_, double qmax_,
+                  float *out) {
+    float s = (float)s_, z = (float)z_, qmin = (float)qmin_, qmax = (float)qmax_;
+    int zero = z == 0.0f;
+    int64_t j = 0;
+#ifdef VW
+    const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(qmin), vhi = VSET1(qmax);
+    for (; j + VW <= E; j += VW)
+        VSTORE(out + j, zero ? dqv(VLOAD(x + j), vs, vz, vlo, vhi, 1)
+                             : dqv(VLOAD(x + j), vs, vz, vlo, vhi, 0));
+#endif
+    for (; j < E; ++j) out[j] = dq1(x[j], s, z, qmin, qmax);
+    return 0;
+}
+
+/* ---- threads over units, dynamic chunks (units stop after different numbers of steps) */
+typedef void (*unit_fn)(void *ctx, int64_t i, int tid);
+typedef struct { unit_fn fn; void *ctx; int64_t n, chunk; int64_t *next; int tid; } worker_t;
+
+static void *work(void *p) {
+    worker_t *w = (worker_t *)p;
+    for (;;) {
+        int64_t a = __atomic_fetch_add(w->next, w->chunk, __ATOMIC_RELAXED);
+        if (a >= w->n) break;
+        int64_t b = a + w->chunk < w->n ? a + w->chunk : w->n;
+        for (int64_t i = a; i < b; ++i) w->fn(w->ctx, i, w->tid);
+    }
+    return NULL;
+}
+
+/* Plain threads joined before returning (no OpenMP: its pool spins and slows torch's). */
+static void parallel(unit_fn fn, void *ctx, int64_t n, int threads, double work_elems) {
+    int64_t most = (int64_t)(work_elems / (1 << 20)) + 1;  /* a thread: ~1M element-ops */
+    if (threads > most) threads = (int)most;
+    if (threads > n) threads = (int)n;
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    int64_t next = 0, chunk = n / (threads * 16);
+    if (chunk < 1) chunk = 1;
+    pthread_t tid[64];
+    worker_t w[64];
+    int started[64] = {0};
+    for (int t = 0; t < threads; ++t) {
+        w[t] = (worker_t){fn, ctx, n, chunk, &next, t};
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, work, &w[t]) == 0;
+    }
+    work(&w[0]);
+    for (int t = 1; t < threads; ++t)
+        if (started[t]) pthread_join(tid[t], NULL);  /* a thread that failed to start: the
+                                                        others took its chunks */
+}
+
+/* ---- dense pricing: out[j, i] for candidates j < k of unit sub[i] (or i) */
+typedef struct {
+    const float *x; int64_t E; const int64_t *sub; int64_t n;
+    const float *sc, *zp; int64_t k; float qmin, qmax; double *out;
+} price_t;
+
+static void price_unit(void *p, int64_t i, int tid) {
+    price_t *c = (price_t *)p;
+    const float *xu = c->x + (c->sub ? c->sub[i] : i) * c->E;
+    for (int64_t j = 0; j < c->k; ++j) {
+        int64_t o = j * c->n + i;
+        c->out[o] = price1(xu, c->E, c->sc[o], c->zp[o], c->qmin, c->qmax);
+    }
+    (void)tid;
+}
+
+int64_t qs_mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
+                     const float *sc, const float *zp, int64_t k, double qmin, double qmax,
+                     double *out, int threads) {
+    price_t c = {x, E, sub, n, sc, zp, k, (float)qmin, (float)qmax, out};
+    parallel(price_unit, &c, n, threads, (double)n * k * E);
+    return 0;
+}
+
+/* ---- one block of candidates through the selection rules (mse._State.step) */
+typedef struct {
+    const float *x; int64_t E; const int64_t *sub; int64_t n;
+    const float *sc, *zp, *lo_c, *hi_c; int64_t k, i0; float qmin, qmax;
+    int64_t patience; int per_unit, tie_last;
+    double *best, *perr; int64_t *idx, *stale; uint8_t *stopped;
+    float *blo, *bhi, *psc, *pzp;
+    const float *isc, *izp, *ilo, *ihi;  /* the incumbent [n]: starts the state, or NULL */
+    double *err;      /* [k, n] priced before the walk, or NULL: priced during it */
+    uint8_t *any;     /* [threads, k]: some unit improved at candidate j */
+    int64_t gstop;    /* candidates j >= gstop see the global rule stopped */
+} step_t;
+
+/* The state of a unit before any candidate: the incumbent (index -1) is the best so far
+   and the previous qparams; nothing is stale. */
+static void init_unit(step_t *c, int64_t i, int64_t u) {
+    double e = price1(c->x + u * c->E, c->E, c->isc[i], c->izp[i], c->qmin, c->qmax);
+    c->best[u] = e; c->perr[u] = e; c->psc[u] = c->isc[i]; c->pzp[u] = c->izp[i];
+    c->blo[u] = c->ilo[i]; c->bhi[u] = c->ihi[i];
+    c->idx[u] = -1; c->stale[u] = 0; c->stopped[u] = 0;
+}
+
+/* Pricing ahead of the global rule: every unit is active until it stops, so "some unit
+   improved at j" is each unit's running best improving, whatever the per-unit rule says. */
+static void dense_unit(void *p, int64_t i, int tid) {
+    step_t *c = (step_t *)p;
+    int64_t u = c->sub ? c->sub[i] : i;
+    if (c->isc) init_unit(c, i, u);
+    const float *xu = c->x + u * c->E;
+    double lb = c->best[u], perr = c->perr[u];
+    float psc = c->psc[u], pzp = c->pzp[u];
+    uint8_t *any = c->any + (int64_t)tid * c->k;
+    for (int64_t j = 0; j < c->k; ++j) {
+        int64_t o = j * c->n + i;
+        float s = c->sc[o], z = c->zp[o];
+        double e = (s == psc && z == pzp) ? perr : price1(xu, c->E, s, z, c->qmin, c->qmax);
+        c->err[o] = e;
+        if (c->tie_last ? e <= lb : e < lb) { lb = e; any[j] = 1; }
+        psc = s; pzp = z; perr = e;
+    }
+}
+
+static void walk_unit(void *p, int64_t i, int tid) {
+    step_t *c = (step_t *)p;
+    int64_t u = c->sub ? c->sub[i] : i;
+    if (c->isc && !c->err) init_unit(c, i, u);
+    const float *xu = c->x + u * c->E;
+    double best = c->best[u], perr = c->perr[u];
+    float psc = c->psc[u], pzp = c->pzp[u], blo = c->blo[u], bhi = c->bhi[u];
+    int64_t stale = c->stale[u], idx = c->idx[u];
+    int stopped = c->stopped[u];
+    for (int64_t j = 0; j < c->k; ++j) {
+        int gs = j >= c->gstop;
+        int active = c->patience <= 0 ? 1 : c->per_unit ? !(stopped && gs) : !gs;
+        if (!active) break;  /* for good: both flags only ever turn on */
+        int64_t o = j * c->n + i;
+        float s = c->sc[o], z = c->zp[o];
+        int same = s == psc && z == pzp;
+        double e = c->err ? c->err[o] : same ? perr
+                 : price1(xu, c->E, s, z, c->qmin, c->qmax);
+        int better = c->tie_last ? e <= best : e < best;
+        if (better) { best = e; idx = c->i0 + j; blo = c->lo_c[o]; bhi = c->hi_c[o]; }
+        if (c->patience > 0 && c->per_unit) {
+            if (better) stale = 0;
+            else if (!same) stale += 1;  /* a plateau of equal qparams is not evidence */
+            if (stale >= c->patience) stopped = 1;
+        }
+        psc = s; pzp = z; perr = e;
+    }
+    c->best[u] = best; c->perr[u] = perr; c->psc[u] = psc; c->pzp[u] = pzp;
+    c->blo[u] = blo; c->bhi[u] = bhi; c->stale[u] = stale; c->idx[u] = idx;
+    c->stopped[u] = (uint8_t)stopped;
+    (void)tid;
+}
+
+/* Candidates i0 .. i0 + k - 1 (rows of sc, zp, lo_c, hi_c [rows, n]) for units sub (all
+   when NULL). init: row 0 is the incumbent, which starts the state, and the candidates
+   are rows 1 .. k. g: the global rule's (stale, stopped) counters, used when use_global.
+   Returns how many of the n units are still searching after the block (-1: no memory). */
+int64_t qs_mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
+                    const float *sc, const float *zp, const float *lo_c, const float *hi_c,
+                    int64_t k, int64_t i0, int init, double qmin, double qmax, int64_t patience,
+                    int per_unit, int use_global, int tie_last,
+                    double *best, double *perr, int64_t *idx, int64_t *stale,
+                    uint8_t *stopped, float *blo, float *bhi, float *psc, float *pzp,
+                    int64_t *g, int threads) {
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    int64_t r = init ? n : 0;  /* the candidates' first row */
+    step_t c = {x, E, sub, n, sc + r, zp + r, lo_c + r, hi_c + r, k, i0, (float)qmin,
+                (float)qmax, patience, per_unit, tie_last, best, perr, idx, stale, stopped,
+                blo, bhi, psc, pzp, init ? sc : NULL, init ? zp : NULL, init ? lo_c : NULL,
+                init ? hi_c : NULL, NULL, NULL, use_global ? k + 1 : 0};
+    double cost = (double)n * (k + (init ? 1 : 0)) * E;
+    if (use_global && g[1]) c.gstop = 0;
+    if (use_global && !g[1] && patience > 0) {
+        c.err = (double *)malloc(sizeof(double) * (size_t)(n * k + 1));
+        c.any = (uint8_t *)calloc((size_t)(threads * k + 1), 1);
+        if (!c.err || !c.any) { free(c.err); free(c.any); return -1; }
+        parallel(dense_unit, &c, n, threads, cost);
+        for (int64_t j = 0; j < k; ++j) {
+            int a = 0;
+            for (int t = 0; t < threads; ++t) a |= c.any[(int64_t)t * k + j];
+            g[0] = a ? 0 : g[0] + 1;
+            if (g[0] >= patience) { g[1] = 1; c.gstop = j + 1; break; }
+        }
+        cost = (double)n * k;  /* the walk reads prices */
+    }
+    parallel(walk_unit, &c, n, threads, cost);
+    free(c.err);
+    free(c.any);
+    if (patience <= 0) return n;
+    if (!per_unit) return g[1] ? 0 : n;
+    int gs = use_global ? (int)g[1] : 1;
+    int64_t live = 0;
+    for (int64_t i = 0; i < n; ++i) live += !(stopped[sub ? sub[i] : i] && gs);
+    return live;
+}
+"""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_ARGTYPES = {
+    "qs_mse_dq": [_P, _I, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+                  _P],
+    "qs_mse_price": [_P, _I, _P, _I, _P, _P, _I, ctypes.c_double, ctypes.c_double, _P,
+                     ctypes.c_int],
+    "qs_mse_step": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_double,
+                    ctypes.c_double, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P,
+                    _P, _P, _P, _P, _P, _P, _P, ctypes.c_int],
+}
+
+
+def _lib():
+    return native.load("mse_search", _SOURCE, _ARGTYPES)
+
+
+def available() -> bool:
+    """Whether the compiled kernel can be used (a C compiler was found and it built)."""
+    return _lib() is not None
+
+
+def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
+    """Whether the kernel scores this search: integer formats without a global scale,
+    squared error, float32 units on CPU, no autograd."""
+    return (isinstance(spec.format, IntFormat) and not spec.scale.has_global_scale
+            and float(norm) == 2.0 and units.device.type == "cpu"
+            and units.dtype == torch.float32 and not units.requires_grad and available())
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    t = t if t.dtype == torch.float32 else t.float()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+          spec: QuantSpec, sub: torch.Tensor | None = None) -> torch.Tensor:
+    """Squared error of every candidate ``(scale, zero_point) [k, n]`` on units ``sub``
+    (all when None) of float32 ``units [U, E]``: float64 ``[k, n]``."""
+    units = units.contiguous()
+    n = units.shape[0] if sub is None else sub.numel()
+    k = max(scale.shape[0], zero_point.shape[0])
+    sc, zp = _f32(scale.expand(k, n)), _f32(zero_point.expand(k, n))
+    sub = None if sub is None else sub.to(torch.int64).contiguous()
+    out = torch.empty((k, n), dtype=torch.float64)
+    _lib().qs_mse_price(units.data_ptr(), units.shape[1], None if sub is None else sub.data_ptr(),
+                        n, sc.data_ptr(), zp.data_ptr(), k, float(spec.qmin), float(spec.qmax),
+                        out.data_ptr(), _threads())
+    return out
+
+
+def dq(x: torch.Tensor, scale: float, zero_point: float, spec: QuantSpec) -> torch.Tensor:
+    """``fake_quantize(x) - x`` of a 1-D float32 ``x`` as the kernel computes it (tests)."""
+    x = _f32(x.reshape(-1))
+    out = torch.empty_like(x)
+    _lib().qs_mse_dq(x.data_ptr(), x.numel(), float(scale), float(zero_point), float(spec.qmin),
+                     float(spec.qmax), out.data_ptr())
+    return out
+
+
+class KernelState:
+    """The per-unit search state of ``mse._State``, in buffers the kernel updates in place.
+
+    The first :meth:`step` (``init=True``) takes the incumbent as row 0 of its block:
+    best so far (index -1) and previous qparams.
+    """
+
+    def __init__(self, units: torch.Tensor, spec: QuantSpec):
+        n = units.shape[0]
+        self.units = units.contiguous()
+        self.qmin, self.qmax = float(spec.qmin), float(spec.qmax)
+        f64 = torch.empty((2, n), dtype=torch.float64)
+        self.best, self.perr = f64[0], f64[1]  # error of the best, of the previous candidate
+        i64 = torch.empty((2, n), dtype=torch.int64)
+        self.idx, self.stale = i64[0], i64[1]
+        self.stopped = torch.empty(n, dtype=torch.bool)
+        self.lo, self.hi = torch.empty(n), torch.empty(n)  # the best range (returned)
+        self.psc, self.pzp = torch.empty((2, n)).unbind(0)  # the previous candidate's qparams
+        self.g = torch.zeros(2, dtype=torch.int64)  # the global rule: stale count, stopped
+
+    def step(self, i0, lo_c, hi_c, scale, zp, *, patience, per_unit, tie, use_global,
+             sub=None, init=False):
+        """Candidates ``i0 ..`` (ranges and encoded qparams ``[rows, n]``; with ``init`` row
+        0 is the incumbent) for units ``sub`` (all if None); returns how many of them are
+        still searching."""
+        rows, n = lo_c.shape
+        sc, z = _f32(scale.expand(rows, n)), _f32(zp.expand(rows, n))
+        lo_c, hi_c = _f32(lo_c), _f32(hi_c)
+        sub = None if sub is None else sub.to(torch.int64).contiguous()
+        live = _lib().qs_mse_step(
+            self.units.data_ptr(), self.units.shape[1], None if sub is None else sub.data_ptr(),
+            n, sc.data_ptr(), z.data_ptr(), lo_c.data_ptr(), hi_c.data_ptr(),
+            rows - int(init), i0, int(init), self.qmin, self.qmax,
+            0 if patience is None else int(patience), int(per_unit), int(use_global),
+            int(tie == "last"), self.best.data_ptr(), self.perr.data_ptr(),
+            self.idx.data_ptr(), self.stale.data_ptr(), self.stopped.data_ptr(),
+            self.lo.data_ptr(), self.hi.data_ptr(), self.psc.data_ptr(), self.pzp.data_ptr(),
+            self.g.data_ptr(), _threads())
+        if live < 0:
+            raise MemoryError("mse kernel: could not allocate the block's scratch")
+        return live

@@ -1,0 +1,183 @@
+"""The MSE search's C kernel against its torch references: the elementwise fake-quant error
+bit for bit, the error sums against float64, and the selection rules against the torch
+``_State`` driven by the kernel's own prices (same choices, bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quantscope.estimators.mse as mse_mod
+from quantscope import presets
+from quantscope.estimators import mse_kernel, mse_search, range_error
+from quantscope.layout import Channel, Group, Tensor
+from quantscope.qparams import qparams_from_range
+from quantscope.quantize import fake_quantize_units
+from quantscope.spec import QuantSpec
+from quantscope.stats.minmax import unit_minmax
+
+pytestmark = pytest.mark.skipif(not mse_kernel.available(),
+                                reason="no C compiler (or QUANTSCOPE_NO_KERNEL): torch path only")
+
+SPECS = {
+    "int4-channel": QuantSpec("int4", Channel(0)),
+    "int4-g32": QuantSpec("int4", Group(32)),
+    "int4-g32-asym": QuantSpec("int4", Group(32), symmetric=False),
+    "uint8-tensor-asym": QuantSpec("uint8", Tensor(), symmetric=False),
+    "int8-narrow": QuantSpec("int8", Channel(0), quant_min=-127),
+    "int4-pow2": QuantSpec("int4", Group(32), scale="pow2:round"),
+    "int8-fp16": QuantSpec("int8", Channel(0), scale="fp16"),
+}
+
+
+def weight(shape=(24, 224), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g).add_(0.1)
+    w[1, 3] = 9.0
+    w[5, -1] = -7.0
+    return w
+
+
+def units_of(spec, w):
+    if not isinstance(spec.layout, Group):  # odd rows: the kernel's scalar tails
+        w = w[:, :203]
+    u = spec.layout.to_units(w.contiguous())
+    return (u, *unit_minmax(u))
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_elementwise_error_is_torch_bit_for_bit(name):
+    spec = SPECS[name]
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 7, 16, 77, 200):  # vector bodies and scalar / masked tails
+        x = torch.randn(n, generator=g) * 3
+        x[: n // 4] = 0.0
+        for s, z in ((0.37, 0.0), (0.37, 3.0), (2.5e-3, -2.0), (1.0, 0.0)):
+            if spec.symmetric and spec.format.signed and z:
+                continue
+            z = min(max(z, spec.qmin), spec.qmax)
+            # exact half-way points (round half to even), both edges, far outside the range
+            t = torch.tensor([0.5, 1.5, -0.5, -2.5, spec.qmax + 0.5, spec.qmin - 0.5, 1e6, -1e6])
+            xx = torch.cat((x, (t - z) * s))
+            ref = fake_quantize_units(xx[None], torch.tensor([[s]]), torch.tensor([[z]]),
+                                      spec)[0] - xx
+            got = mse_kernel.dq(xx, s, z, spec)
+            assert torch.equal(got, ref), (name, n, s, z)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_error_sums_match_float64(name):
+    spec = SPECS[name]
+    u, lo, hi = units_of(spec, weight())
+    f = torch.tensor([1.0, 0.93, 0.8, 0.61, 0.3])[:, None]
+    qp = qparams_from_range(lo[None] * f, hi[None] * f, spec)
+    got = mse_kernel.price(u, qp.scale, qp.zero_point, spec)
+    d = fake_quantize_units(u[None], qp.scale[..., None], qp.zero_point.float()[..., None],
+                            spec) - u[None]
+    ref = (d.double() ** 2).sum(-1)
+    # float32 squares summed in float32 over 4 terms per lane, then float64: <= ~4 roundings
+    assert torch.allclose(got, ref, rtol=5e-7, atol=0), (got - ref).abs().max()
+    # a subset of units: the same numbers
+    sub = torch.tensor([min(3, u.shape[0] - 1), 0, u.shape[0] - 1])
+    part = mse_kernel.price(u, qp.scale[:, sub], qp.zero_point[:, sub], spec, sub=sub)
+    assert torch.equal(part, got[:, sub])
+
+
+CONFIGS = [
+    {},
+    {"patience": 1},
+    {"patience": 3, "extend_to": None},
+    {"per_unit_patience": False},
+    {"per_unit_patience": False, "patience": 1},
+    {"patience": 2, "grid": 40},
+    {"patience": None, "extend_to": None},
+    {"factors": [1 - 0.01 * i for i in range(0, 95, 3)], "patience": None, "tie": "last"},
+    {"factors": [4.0, 2.0, 1.0, 0.5, 0.25], "patience": None},
+    {"expand": 1.5, "grid": 200, "maxshrink": 0.6, "patience": 7},
+]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_kernel_rules_are_the_torch_rules(name, monkeypatch):
+    """The torch ``_State`` on the kernel's prices makes the same choices as the kernel."""
+    spec = SPECS[name]
+
+    def kernel_prices(x, scale, zp, spec, norm, exact):
+        return mse_kernel.price(x, scale, zp, spec)
+
+    for seed in range(2):
+        u, lo, hi = units_of(spec, weight(seed=seed))
+        for kw in CONFIGS:
+            got = mse_search(u, lo, hi, spec, backend="kernel", **kw)
+            with monkeypatch.context() as m:
+                m.setattr(mse_mod, "_tile_error", kernel_prices)
+                ref = mse_search(u, lo, hi, spec, backend="torch", chunk_elems=1 << 22, **kw)
+            for a, b in zip((got.lo, got.hi, got.index, got.error),
+                            (ref.lo, ref.hi, ref.index, ref.error.float())):
+                assert torch.equal(a, b), (name, seed, kw)
+
+
+def test_blocks_threads_and_subsets_do_not_change_the_answer(monkeypatch):
+    spec = SPECS["int4-g32"]
+    u, lo, hi = units_of(spec, weight(shape=(512, 512), seed=3))
+    ref = mse_search(u, lo, hi, spec)
+    monkeypatch.setattr(mse_mod, "_MIN_KERNEL_BLOCK", 1)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for chunk in (4096, 40000):  # 1 and 2 candidates per block of 8192 units
+                for early_stop in (True, False):
+                    res = mse_search(u, lo, hi, spec, chunk_elems=chunk, early_stop=early_stop)
+                    assert torch.equal(res.lo, ref.lo) and torch.equal(res.hi, ref.hi)
+                    assert torch.equal(res.index, ref.index)
+                    assert torch.equal(res.error, ref.error)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("name", ["int4-channel", "int4-g32", "int4-g32-asym", "int8-fp16"])
+def test_kernel_and_torch_paths_agree(name):
+    """Both score the same quantizer (torch in float32 through a rounding identity): the
+    chosen ranges' true errors agree closely."""
+    spec = SPECS[name]
+    u, lo, hi = units_of(spec, weight(shape=(64, 256), seed=2))
+    a = mse_search(u, lo, hi, spec)
+    b = mse_search(u, lo, hi, spec, backend="torch")
+    ea, eb = range_error(u, a[0], a[1], spec), range_error(u, b[0], b[1], spec)
+    assert torch.allclose(ea.sum(), eb.sum(), rtol=1e-4)
+    assert (a.index == b.index).float().mean() > 0.9
+    assert torch.allclose(a.error, ea.double().float(), rtol=1e-5)
+
+
+def test_backend_choice(monkeypatch):
+    u, lo, hi = units_of(SPECS["int4-g32"], weight())
+    spec = SPECS["int4-g32"]
+    assert mse_kernel.usable(u, spec, 2.0)
+    assert not mse_kernel.usable(u, spec, 2.4)
+    assert not mse_kernel.usable(u, presets.NVFP4, 2.0)
+    assert not mse_kernel.usable(u.double(), spec, 2.0)
+    default = mse_search(u, lo, hi, spec)
+    assert torch.equal(default.index, mse_search(u, lo, hi, spec, backend="kernel").index)
+    with pytest.raises(ValueError, match="backend"):
+        mse_search(u, lo, hi, spec, backend="cuda")
+    with pytest.raises(ValueError, match="backend='kernel'"):
+        mse_search(u, lo, hi, presets.MXFP4, backend="kernel")
+    with pytest.raises(ValueError, match="backend='kernel'"):
+        mse_search(u, lo, hi, spec, backend="kernel", compat="llmcompressor")
+    # no compiler: the torch path, same answer as asking for it
+    monkeypatch.setattr(mse_kernel, "_lib", lambda: None)
+    assert not mse_kernel.available()
+    res = mse_search(u, lo, hi, spec)
+    ref = mse_search(u, lo, hi, spec, backend="torch")
+    assert torch.equal(res.lo, ref.lo) and torch.equal(res.index, ref.index)
+
+
+def test_kernel_edge_units():
+    spec = SPECS["int4-g32-asym"]
+    for w in (torch.zeros(3, 32), torch.full((2, 32), -1.5), torch.randn(1, 1).expand(1, 32)):
+        u, lo, hi = units_of(spec, w.contiguous())
+        res = mse_search(u, lo, hi, spec)
+        ref = range_error(u, lo, hi, spec)
+        assert torch.isfinite(res.error).all()
+        assert (range_error(u, res.lo, res.hi, spec) <= ref * (1 + 1e-6) + 1e-30).all()
