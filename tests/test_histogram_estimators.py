@@ -327,7 +327,8 @@ def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points):
     assert torch.equal(k.centers, t.centers) and torch.equal(k.counts, t.counts)
     # line_argmin: the kernel visits only its candidates, the torch path scores them all
     lines = lo.reshape(3, 1, 97), hi.reshape(3, 1, 97)
-    for mid, coarse, first in ((48, 8, False), (0, 5, True), (10, 1, True)):
+    for mid, coarse, first in ((48, 8, False), (0, 5, True), (10, 1, True), (50, (24, 5, 1), False),
+                              (3, (16, 4), True)):
         ik, ek = k.line_argmin(*lines, mid, coarse, first=first)
         it, et = t.line_argmin(*lines, mid, coarse, first=first, kernel=False)
         assert torch.equal(ik, it)

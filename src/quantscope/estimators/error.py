@@ -16,6 +16,7 @@ with the torch path to 1e-12). The torch path stays the reference and the fallba
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 
@@ -111,36 +112,64 @@ int64_t qs_hist_error(const float *x, const double *w, const float *s, const flo
     return 0;
 }
 
-/* Coarse-to-fine argmin along candidate lines s, z [L, n] (line l of unit l / G): every
-   coarse-th candidate (mid among them), then those within coarse of the winner; a
-   candidate replaces the current best only if strictly lower (ties: mid, then first),
-   or with `first` also if equal and earlier (ties: the first in line order). */
-int64_t qs_line_argmin(const float *x, const double *w, const float *s, const float *z,
-                       int64_t *idx, double *err, int64_t L, int64_t G, int64_t n, int64_t P,
-                       double lo, double hi, int64_t mid, int64_t coarse, int64_t first) {
-    for (int64_t l = 0; l < L; ++l) {
-        const float *xs = x + (l / G) * P;
-        const double *ws = w + (l / G) * P;
-        const float *sl = s + l * n, *zl = z + l * n;
-        int64_t best = mid;
-        double eb = score(xs, ws, P, sl[mid], zl[mid], (float)lo, (float)hi);
-        for (int64_t k = mid % coarse; k < n; k += coarse) {
-            if (k == mid) continue;
-            double e = score(xs, ws, P, sl[k], zl[k], (float)lo, (float)hi);
-            if (e < eb || (first && e == eb && k < best)) { eb = e; best = k; }
-        }
-        if (coarse > 1) {
-            int64_t c = best;
-            int64_t a = c - coarse + 1 < 0 ? 0 : c - coarse + 1;
-            int64_t b = c + coarse - 1 > n - 1 ? n - 1 : c + coarse - 1;
-            for (int64_t k = a; k <= b; ++k) {
+/* Coarse-to-fine argmin along candidate lines s, z [L, n] (line l of unit l / G): round 0
+   scores every lv[0]-th candidate (mid among them), round r the candidates lv[r] apart
+   within lv[r - 1] of the best so far. A candidate replaces the best only if strictly
+   lower (ties: mid, then the first), or with `first` also if equal and earlier. */
+typedef struct {
+    const float *x; const double *w; const float *s, *z; int64_t *idx; double *err;
+    const int64_t *lv; int64_t nlv, G, n, P, mid, first, l0, l1; float lo, hi;
+} ljob_t;
+
+static void *line_run(void *arg) {
+    ljob_t *j = (ljob_t *)arg;
+    const int64_t n = j->n, first = j->first;
+    for (int64_t l = j->l0; l < j->l1; ++l) {
+        const float *xs = j->x + (l / j->G) * j->P;
+        const double *ws = j->w + (l / j->G) * j->P;
+        const float *sl = j->s + l * n, *zl = j->z + l * n;
+        int64_t best = j->mid;
+        double eb = score(xs, ws, j->P, sl[best], zl[best], j->lo, j->hi);
+        for (int64_t r = 0; r < j->nlv; ++r) {
+            int64_t st = j->lv[r], c = best, a, b;
+            if (r == 0) { a = j->mid % st; b = n - 1; }
+            else {
+                int64_t reach = (j->lv[r - 1] - 1) / st * st;
+                a = c - reach; b = c + reach;
+                while (a < 0) a += st;
+                if (b > n - 1) b = n - 1;
+            }
+            for (int64_t k = a; k <= b; k += st) {
                 if (k == c) continue;
-                double e = score(xs, ws, P, sl[k], zl[k], (float)lo, (float)hi);
+                double e = score(xs, ws, j->P, sl[k], zl[k], j->lo, j->hi);
                 if (e < eb || (first && e == eb && k < best)) { eb = e; best = k; }
             }
         }
-        idx[l] = best;
-        err[l] = eb;
+        j->idx[l] = best;
+        j->err[l] = eb;
+    }
+    return NULL;
+}
+
+int64_t qs_line_argmin(const float *x, const double *w, const float *s, const float *z,
+                       int64_t *idx, double *err, int64_t L, int64_t G, int64_t n, int64_t P,
+                       double lo, double hi, int64_t mid, const int64_t *lv, int64_t nlv,
+                       int64_t first, int64_t threads) {
+    if (threads > 64) threads = 64;
+    if (threads > L) threads = L;
+    if (threads < 1) threads = 1;
+    pthread_t tid[64];
+    ljob_t jobs[64];
+    int started[64] = {0};
+    for (int64_t t = 0; t < threads; ++t) {
+        jobs[t] = (ljob_t){x, w, s, z, idx, err, lv, nlv, G, n, P, mid, first,
+                           L * t / threads, L * (t + 1) / threads, (float)lo, (float)hi};
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, line_run, &jobs[t]) == 0;
+    }
+    line_run(&jobs[0]);
+    for (int64_t t = 1; t < threads; ++t) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else line_run(&jobs[t]);
     }
     return 0;
 }
@@ -174,7 +203,8 @@ _I = ctypes.c_int64
 _D = ctypes.c_double
 _ARGTYPES = {"qs_points": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
              "qs_hist_error": [_P, _P, _P, _P, _P, _I, _I, _I, _D, _D, _I],
-             "qs_line_argmin": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _I, _I, _I]}
+             "qs_line_argmin": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _I, _P, _I, _I,
+                                _I]}
 
 #: below this many point evaluations torch's chunked path costs no more than a kernel call
 KERNEL_MIN_WORK = 1 << 12
@@ -281,41 +311,57 @@ class HistogramScorer:
             out.append((d.double().square_() * counts).sum(-1))
         return torch.cat(out, dim=1)
 
-    def line_argmin(self, lo: torch.Tensor, hi: torch.Tensor, mid: int, coarse: int = 1, *,
+    def line_argmin(self, lo: torch.Tensor, hi: torch.Tensor, mid: int, coarse=1, *,
                     first: bool = False, kernel: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Best candidate along each line of ranges ``lo``, ``hi`` ``[U, G, n]``: ``(index
-        [U, G], error [U, G])``. Every ``coarse``-th candidate (``mid`` among them) is
-        scored, then those within ``coarse`` of the winner; a candidate wins only if
-        strictly lower (ties keep ``mid``, then the first), with ``first`` also if equal and
-        earlier (ties: the first in the line, as ``argmin``). The kernel scores only those
-        candidates; the torch path scores all and picks by the same rule."""
+        [U, G], error [U, G])``. ``coarse``: the strides of the rounds, ``(k0, k1, ..., 1)``
+        (an int ``k`` means ``(k, 1)``): every ``k0``-th candidate (``mid`` among them) is
+        scored, then those ``k1`` apart within ``k0`` of the best so far, and so on. A
+        candidate wins only if strictly lower (ties keep ``mid``, then the first), with
+        ``first`` also if equal and earlier (ties: the first in the line, as ``argmin``).
+        The kernel scores only the candidates it visits; the torch path scores all and
+        picks by the same rule."""
         U, G, n = lo.shape
-        if U != self.units or hi.shape != lo.shape or not 0 <= mid < n or coarse < 1:
+        lv = _levels(coarse)
+        if U != self.units or hi.shape != lo.shape or not 0 <= mid < n:
             raise ValueError(f"line_argmin: lo, hi must be [{self.units}, lines, n] with "
-                             f"0 <= mid < n and coarse >= 1, got {tuple(lo.shape)}, "
-                             f"{tuple(hi.shape)}, mid={mid}, coarse={coarse}")
+                             f"0 <= mid < n, got {tuple(lo.shape)}, {tuple(hi.shape)}, "
+                             f"mid={mid}")
         qp = qparams_from_range(lo.reshape(U, G * n), hi.reshape(U, G * n), self.spec,
                                 check_finite=False)
         scale = qp.effective_scale.float().expand(U, G * n)
         zp = qp.zero_point.float().expand(U, G * n)
-        work = U * G * (n // coarse + 2 * coarse) * self.centers.shape[-1]
-        if kernel and self.kernel and work >= KERNEL_MIN_WORK:
+        visits = n // lv[0] + sum(2 * a // b for a, b in itertools.pairwise(lv))
+        if kernel and self.kernel and U * G * visits * self.centers.shape[-1] >= KERNEL_MIN_WORK:
             if self._flat is None:
                 self._flat = (self.centers[:, 0].contiguous(), self.counts[:, 0].contiguous())
             x, w = self._flat
             s, z = scale.contiguous(), zp.contiguous()
             idx = torch.empty(U, G, dtype=torch.long)
             err = torch.empty(U, G, dtype=torch.float64)
+            lvt = torch.tensor(lv, dtype=torch.long)
             _kernel().qs_line_argmin(x.data_ptr(), w.data_ptr(), s.data_ptr(), z.data_ptr(),
                                      idx.data_ptr(), err.data_ptr(), U * G, G, n, x.shape[1],
-                                     float(self.spec.qmin), float(self.spec.qmax), mid, coarse,
-                                     int(first))
+                                     float(self.spec.qmin), float(self.spec.qmax), mid,
+                                     lvt.data_ptr(), len(lv), int(first),
+                                     torch.get_num_threads())
             return idx, err
-        return _line_pick(self._torch(scale, zp).reshape(U, G, n), mid, coarse, first)
+        return _line_pick(self._torch(scale, zp).reshape(U, G, n), mid, lv, first)
 
 
-def _line_pick(err: torch.Tensor, mid: int, coarse: int, first: bool = False
+def _levels(coarse) -> tuple[int, ...]:
+    if isinstance(coarse, int):
+        coarse = (coarse, 1) if coarse > 1 else (1,)
+    lv = tuple(coarse)
+    if (not lv or any(not isinstance(k, int) or k < 1 for k in lv)
+            or any(a <= b for a, b in itertools.pairwise(lv))):
+        raise ValueError(f"line_argmin: coarse must be a positive int or decreasing positive "
+                         f"ints, got {coarse!r}")
+    return lv
+
+
+def _line_pick(err: torch.Tensor, mid: int, levels, first: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`HistogramScorer.line_argmin`'s rule on the errors of every candidate
     ``[U, G, n]``."""
@@ -331,9 +377,10 @@ def _line_pick(err: torch.Tensor, mid: int, coarse: int, first: bool = False
         return torch.where(better, k, cur)
 
     cur = torch.full(err.shape[:-1], mid, dtype=torch.long, device=err.device)
-    cur = pick(((ar - mid) % coarse == 0).expand_as(err), cur)
-    if coarse > 1:
-        cur = pick((ar - cur[..., None]).abs() < coarse, cur)
+    cur = pick(((ar - mid) % levels[0] == 0).expand_as(err), cur)
+    for prev, st in itertools.pairwise(levels):
+        d = ar - cur[..., None]
+        cur = pick((d % st == 0) & (d.abs() < prev), cur)
     return cur, err.gather(-1, cur[..., None])[..., 0]
 
 
