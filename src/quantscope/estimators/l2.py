@@ -47,8 +47,8 @@ from .. import native
 from ..formats import IntFormat
 from ..stats.histogram import Hist
 
-__all__ = ["default_dst_nbins", "l2_norms", "l2_path", "l2_polished_range", "l2_range",
-           "polish_range"]
+__all__ = ["default_dst_nbins", "l2_finalists", "l2_norms", "l2_path", "l2_polished_range",
+           "l2_range", "polish_range"]
 
 _STEP = 1e-5
 _BUDGET = 1 << 19
@@ -503,20 +503,29 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     :class:`~quantscope.estimators.error.HistogramScorer` with 4 points per bin (``mix``
     shares its own).
     """
-    lo, hi = l2_range(hist, dst_nbins)
     if not radius:
-        return lo, hi
+        return l2_range(hist, dst_nbins)
     from .error import HistogramScorer
 
-    if bounds is not None:
-        lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
+    clo, chi = l2_finalists(hist, spec, dst_nbins, radius, bounds)
     four = HistogramScorer(hist, spec, points=4) if four is None else four
-    a_lo, a_hi = _move_ends(HistogramScorer(hist, spec, points=2), hist, lo, hi, radius, 2, 24,
-                            bounds)
-    clo = torch.stack([lo, a_lo, lo, a_lo], 1)
-    chi = torch.stack([hi, hi, a_hi, a_hi], 1)
     k = four(clo, chi).argmin(1, keepdim=True)  # first minimum: the search's range on ties
     return clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
+
+
+def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The four ranges ``(lo, hi)`` ``[U, 4]`` :func:`l2_polished_range` picks from: the search's
+    (clipped to ``bounds``), each end moved alone, both moved (``mix`` scores them among
+    its own candidates)."""
+    from .error import HistogramScorer
+
+    lo, hi = l2_range(hist, dst_nbins)
+    if bounds is not None:
+        lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
+    a_lo, a_hi = _move_ends(HistogramScorer(hist, spec, points=2), hist, lo, hi, radius, 2, 24,
+                            bounds)
+    return torch.stack([lo, a_lo, lo, a_lo], 1), torch.stack([hi, hi, a_hi, a_hi], 1)
 
 
 def _move_ends(scorer, hist: Hist, lo, hi, radius: int, steps: int, coarse: int, bounds):

@@ -17,7 +17,7 @@ from ..stats.histogram import Hist
 from .entropy import entropy_range
 from .error import HistogramScorer
 from .histogram_mse import histogram_mse_range, occupied_range
-from .l2 import default_dst_nbins, l2_polished_range
+from .l2 import default_dst_nbins, l2_finalists
 from .percentile import percentile_range
 
 __all__ = ["MIX_CANDIDATES", "MIX_PERCENTILES", "mix_range"]
@@ -53,15 +53,17 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
         one.append(histogram_mse_range(hist, spec, start_bin=start_bin))
     if "entropy" in candidates:
         one.append(entropy_range(hist, start_bin=start_bin))
-    if "l2" in candidates:
-        one.append(l2_polished_range(hist, spec, default_dst_nbins(spec), bounds=(lo, hi),
-                                     four=four))
     for a, b in one:
         los.append(a[:, None])
         his.append(b[:, None])
+    n = sum(t.shape[1] for t in los)
+    if "l2" in candidates:  # l2_polished_range's four finalists, scored here with the rest
+        a, b = l2_finalists(hist, spec, default_dst_nbins(spec), bounds=(lo, hi))
+        los.append(a)
+        his.append(b)
     clo = torch.maximum(torch.cat(los, 1), lo[:, None])
     chi = torch.minimum(torch.cat(his, 1), hi[:, None])
     err = four(clo, chi)
-    best = err.argmin(1, keepdim=True)
+    best = err.argmin(1, keepdim=True)  # the same pick as scoring l2_polished_range's choice
     out = clo.gather(1, best)[:, 0], chi.gather(1, best)[:, 0]
-    return (*out, best[:, 0]) if return_choice else out
+    return (*out, best[:, 0].clamp(max=n)) if return_choice else out
