@@ -44,7 +44,28 @@ _SOURCE = r"""
 static double score(const float *x, const double *w, int64_t P, float s, float z, float lo,
                     float hi) {
     int64_t p = 0;
-    double acc = 0.0;
+    double acc = 0.0, acc16 = 0.0;
+#ifdef __AVX512F__
+    {
+        __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+        __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+        __m512d b0 = _mm512_setzero_pd(), b1 = _mm512_setzero_pd();
+        for (; p + 16 <= P; p += 16) {
+            __m512 c = _mm512_loadu_ps(x + p);
+            __m512 t = _mm512_add_ps(_mm512_div_ps(c, vs), vz);
+            t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            t = _mm512_min_ps(_mm512_max_ps(t, vlo), vhi);
+            __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(t, vz), vs), c);
+            __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
+            __m512d d1 = _mm512_cvtps_pd(
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
+            b0 = _mm512_add_pd(b0, _mm512_mul_pd(_mm512_mul_pd(d0, d0), _mm512_loadu_pd(w + p)));
+            b1 = _mm512_add_pd(b1, _mm512_mul_pd(_mm512_mul_pd(d1, d1),
+                                                 _mm512_loadu_pd(w + p + 8)));
+        }
+        acc16 = _mm512_reduce_add_pd(_mm512_add_pd(b0, b1));
+    }
+#endif
 #ifdef __AVX2__
     __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
     __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
@@ -64,6 +85,7 @@ static double score(const float *x, const double *w, int64_t P, float s, float z
     _mm256_storeu_pd(buf, _mm256_add_pd(a0, a1));
     acc = (buf[0] + buf[1]) + (buf[2] + buf[3]);
 #endif
+    acc += acc16;
     for (; p < P; ++p) {
         float t = rintf(x[p] / s + z);
         t = t < lo ? lo : (t > hi ? hi : t);
