@@ -171,7 +171,25 @@ def test_fused_update_misses_leave_the_unfused_path():
     x = torch.randn(1, 10_000)
     x[0, 5] = float("nan")
     assert HK.fused_update(state, x, False) is None
-    assert HK.fused_update(H.empty_state(1, 256), torch.randn(1, 10_000), False) is None
+    assert HK.fused_update(H.empty_state(1, 256), torch.randn(1, 10_000), False) is None  # small
+    x = torch.randn(1, 100_000)
+    x[0, 50_000] = 1e4  # far outside the range of the sample that picks a first batch's window
+    assert HK.fused_update(H.empty_state(1, 256), x, False) is None
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31), B=st.sampled_from([16, 2048]), absolute=st.booleans(),
+       kind=st.sampled_from(["normal", "concentrated", "edges", "shift"]),
+       threads=st.sampled_from([1, 2]))
+def test_fused_first_batch_equals_minmax_then_update(seed, B, absolute, kind, threads):
+    g = torch.Generator().manual_seed(seed)
+    x = _data(g, (1, 100_000), kind if kind != "shift" else "normal")
+    if kind == "shift":
+        x = x * 0.1 - 7.0  # all negative, far from zero
+    ref, lo, hi = _unfused(H.empty_state(1, B), x, absolute)
+    out = HK.fused_update(H.empty_state(1, B), x, absolute, threads=threads)
+    assert out is not None  # the sample's range holds these batches' within 4x
+    assert _same(out[0], ref) and torch.equal(out[1], lo) and torch.equal(out[2], hi)
 
 
 def test_fused_update_declines_a_tiny_negative_the_torch_path_bins_as_zero():

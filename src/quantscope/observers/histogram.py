@@ -95,7 +95,9 @@ class HistogramObserverBase(Observer):
         self.register_buffer("linear_grid", torch.zeros((), dtype=torch.bool))
         self.register_buffer("pending", torch.zeros((), dtype=torch.int64))
         self._pending = 0  # a Python mirror of ``pending``: forward never reads it back
-        self._fused = None  # (units, state) from _unit_minmax's fused pass, for _observe
+        # [(units, state)] from _unit_minmax's fused pass, for _observe (a list: assigning a
+        # module attribute goes through nn.Module.__setattr__, a few us every batch)
+        self._fused = [None]
 
     def _sized_buffers(self):
         return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi")
@@ -107,11 +109,13 @@ class HistogramObserverBase(Observer):
 
     # ------------------------------------------------------------------ state
     def _state(self) -> H.HistState:
-        return H.HistState(*(getattr(self, n) for n in _STATE))
+        return H.HistState(*(self._buffers[n] for n in _STATE))
 
     def _set_state(self, state: H.HistState) -> None:
+        # into the buffer dict directly: nn.Module.__setattr__ costs microseconds per buffer,
+        # a tenth of a one-millisecond batch over the five
         for n, v in zip(_STATE, state):
-            setattr(self, n, v)
+            self._buffers[n] = v
 
     def current_histogram(self) -> H.Hist:
         """The histogram observed so far (since the last estimate in the EMA mode)."""
@@ -120,20 +124,22 @@ class HistogramObserverBase(Observer):
         return H.view(self._state(), self._absolute)
 
     def _unit_minmax(self, units, count, ends):
-        # a one-unit histogram in its steady state: the min / max and the histogram update in
-        # one read of the batch (stats.hist_kernel.fused_update), kept for _observe
-        self._fused = None
-        if (count == 1 and self.grid == "pow2" and not self.sync_every_step
-                and self.min_vals.shape[0] == 1 and self.hist_counts.shape == (1, self.bins)):
-            out = hist_kernel.fused_update(self._state(), units, self._absolute, ends=ends)
+        # a one-unit histogram: the min / max and the histogram update in one read of the batch
+        # (stats.hist_kernel.fused_update), kept for _observe
+        self._fused[0] = None
+        if count == 1 and self.grid == "pow2" and not self.sync_every_step:
+            # the state _observe would update (a first batch, or after a reset: empty)
+            state = self._state() if self.min_vals.shape[0] == 1 and \
+                self.hist_counts.shape[0] == 1 else H.empty_state(1, self.bins)
+            out = hist_kernel.fused_update(state, units, self._absolute, ends=ends)
             if out is not None:
                 state, lo, hi = out
-                self._fused = (units, H.HistState(*state))
+                self._fused[0] = (units, H.HistState(*state))
                 return lo, hi
         return super()._unit_minmax(units, count, ends)
 
     def _observe(self, units, lo, hi):
-        fused, self._fused = self._fused, None
+        fused, self._fused[0] = self._fused[0], None
         if fused is not None and fused[0] is not units:
             fused = None
         U = units.shape[0]

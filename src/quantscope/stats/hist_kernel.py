@@ -406,11 +406,16 @@ static void *srun(void *p) {
     return NULL;
 }
 
-/* One span split over threads; each its own copies and int64 bins (work: threads x W),
-   summed into s->out; the trackers combined. 0: out of memory. */
-static int bin_split(span_t *s, int threads, int64_t *work) {
+/* One span split over threads; each its own copies and int64 bins, summed into s->out; the
+   trackers combined. 0: out of memory. */
+static int bin_split(span_t *s, int threads) {
     if (threads > MAXT) threads = MAXT;
     if (threads < 1 || s->n < ((int64_t)1 << 16)) threads = 1;
+    int64_t *work = NULL;
+    if (threads > 1) {
+        work = (int64_t *)calloc((size_t)(threads - 1) * s->W, sizeof(int64_t));
+        if (!work) threads = 1;
+    }
     pthread_t tid[MAXT];
     sjob_t jobs[MAXT];
     int started[MAXT] = {0};
@@ -422,10 +427,7 @@ static int bin_split(span_t *s, int threads, int64_t *work) {
         jobs[t].s.out = t == 0 ? s->out : work + (int64_t)(t - 1) * s->W;
         jobs[t].cp = NULL;
         jobs[t].ok = 0;
-        if (t > 0) {
-            memset(jobs[t].s.out, 0, sizeof(int64_t) * s->W);
-            started[t] = pthread_create(&tid[t], NULL, srun, &jobs[t]) == 0;
-        }
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, srun, &jobs[t]) == 0;
     }
     srun(&jobs[0]);
     int ok = jobs[0].ok;
@@ -444,6 +446,7 @@ static int bin_split(span_t *s, int threads, int64_t *work) {
         r->miss |= o->miss;
     }
     s->lo = r->lo; s->hi = r->hi; s->neg = r->neg; s->miss = r->miss;
+    free(work);
     return ok;
 }
 
@@ -503,10 +506,9 @@ static void *urun(void *p) {
 }
 
 /* add_values(): counts [U, B] += the bins of x [U, E] on the grids (exp, first). Units over
-   threads; one unit: its values over threads (work: threads x B int64). 0: out of memory. */
+   threads; one unit: its values over threads. 0: out of memory. */
 int64_t qs_hist_bin(const float *x, int64_t U, int64_t E, int64_t B, int64_t *counts,
-                    const int64_t *exp, const int64_t *first, int absolute, int threads,
-                    int64_t *work) {
+                    const int64_t *exp, const int64_t *first, int absolute, int threads) {
     if (threads > MAXT) threads = MAXT;
     if (threads < 1) threads = 1;
     if (U == 1) {
@@ -515,7 +517,7 @@ int64_t qs_hist_bin(const float *x, int64_t U, int64_t E, int64_t B, int64_t *co
         span_t s = {x, E, inv, ff, W, absolute, 0, counts,
                     total(counts, B) ? hot_start(counts, B, 0, W)
                                      : sample_hot(x, E, inv, ff, W, absolute), 0, 0, 0, 0};
-        return bin_split(&s, threads, work);
+        return bin_split(&s, threads);
     }
     if (threads > U) threads = (int)U;
     pthread_t tid[MAXT];
@@ -556,47 +558,84 @@ int64_t qs_hist_regrid(int64_t U, int64_t B, int absolute, const float *lo, cons
 
 /* ---------------------------------------------------------------- fused, one unit */
 
-/* The steady-state update of a one-unit histogram in one read of x [n] (see the module doc):
-   writes lo / hi / ends (min, max) and the new state (ncounts zero on entry) and returns 0;
-   or returns 1 (a miss: nothing written) when the caller must take the unfused path.
-   work: int64 scratch of threads x 3B. */
+/* The update of a one-unit histogram in one read of x [n] (see the module doc): writes
+   lo / hi / ends (min, max) and the new state (ncounts zero on entry) and returns 0; or
+   returns 1 (a miss: nothing written) when the caller must take the unfused path.
+   The window: the state's exponent, absolute bins [first - B, first + 2B) ([0, 2B) for |x|);
+   an empty state (a first batch): the exponent of a sample's range (the batch's can only be
+   larger: grid_exponent is monotone), bins [-4B, 4B) ([0, 4B)), so values up to about four
+   times the sample's largest fit. */
 int64_t qs_hist_fused(const float *x, int64_t n, int64_t B, int absolute,
                       const int64_t *counts, const int64_t *exp, const int64_t *first,
                       const float *slo, const float *shi, int64_t *ncounts, int64_t *nexp,
                       int64_t *nfirst, float *nlo, float *nhi, float *lo, float *hi,
-                      float *ends, int threads, int64_t *work) {
-    int64_t e = exp[0];
-    if (n < 1 || !(slo[0] <= shi[0]) || e < E_MIN || e > E_MAX) return 1;  /* empty state */
-    int64_t wb = absolute ? 0 : first[0] - B, W = absolute ? 2 * B : 3 * B;
-    if (wb < -((int64_t)1 << 24) || wb + W > ((int64_t)1 << 24)) return 1;  /* exact in f32 */
-    int64_t *win = work;
-    memset(win, 0, sizeof(int64_t) * W);
-    span_t s = {x, n, pow2f(-e), (float)wb, (int32_t)W, absolute, 1, win,
-                hot_start(counts, B, first[0] - wb, (int32_t)W), 0, 0, 0, 0};
-    if (!bin_split(&s, threads, work + W) || s.miss) return 1;
-    float l = s.lo, h = s.hi;
+                      float *ends, int threads) {
+    int64_t e = exp[0], wb, W;
+    int32_t h0 = -1;
+    if (n < 1 || e < E_MIN || e > E_MAX) return 1;
+    if (slo[0] <= shi[0]) {
+        wb = absolute ? 0 : first[0] - B;
+        W = absolute ? 2 * B : 3 * B;
+        if (wb < -((int64_t)1 << 24) || wb + W > ((int64_t)1 << 24)) return 1;  /* f32 exact */
+        h0 = hot_start(counts, B, first[0] - wb, (int32_t)W);
+    } else {  /* empty */
+        if (n < 16 * 1024 || slo[0] != slo[0] || shi[0] != shi[0]) return 1;
+        float l = INFINITY, h = -INFINITY, ul, uh;
+        int64_t uf;
+        for (int r = 0; r < 4; ++r) {
+            const float *xr = x + (n - 1024) * r / 3;
+            for (int i = 0; i < 1024; ++i) {
+                float v = xr[i];
+                if (v != v) return 1;
+                l = v < l ? v : l;
+                h = v > h ? v : h;
+            }
+        }
+        if (grid_unit(l, h, absolute, B, slo[0], shi[0], e, &ul, &uh, &e, &uf)) return 1;
+        wb = absolute ? 0 : -4 * B;
+        W = absolute ? 4 * B : 8 * B;
+        if (4 * B > ((int64_t)1 << 24)) return 1;
+        int64_t *c = (int64_t *)calloc((size_t)W, sizeof(int64_t));  /* the sample's bins */
+        if (!c) return 1;
+        const float inv = pow2f(-e), wm1 = (float)(W - 1);
+        int miss = 0;
+        for (int r = 0; r < 4; ++r) {
+            const float *xr = x + (n - 1024) * r / 3;
+            for (int i = 0; i < 1024; ++i) c[bin1(xr[i], inv, (float)wb, wm1, absolute, &miss)]++;
+        }
+        h0 = hot_start(c, W, 0, (int32_t)W);
+        free(c);
+    }
+    int64_t *win = (int64_t *)calloc((size_t)W, sizeof(int64_t));
+    if (!win) return 1;
+    span_t s = {x, n, pow2f(-e), (float)wb, (int32_t)W, absolute, 1, win, h0, 0, 0, 0, 0};
     float glo, ghi;
     int64_t ge, gf;
-    if (grid_unit(l, h, absolute, B, slo[0], shi[0], e, &glo, &ghi, &ge, &gf)) return 1;
-    /* a negative value that is -0 at the new exponent is binned to zero by the torch path */
-    if (!absolute && s.neg < 0.0f && s.neg * pow2f(-ge) == 0.0f) return 1;
-    rebin_add(counts, B, first[0], e, ge, gf, B, ncounts);
-    rebin_add(win, W, wb, e, ge, gf, B, ncounts);
-    *nexp = ge; *nfirst = gf; *nlo = glo; *nhi = ghi;
-    lo[0] = l; hi[0] = h; ends[0] = l; ends[1] = h;
-    return 0;
+    int ok = bin_split(&s, threads) && !s.miss
+             && !grid_unit(s.lo, s.hi, absolute, B, slo[0], shi[0], exp[0], &glo, &ghi, &ge, &gf)
+             && ge >= e
+             /* a negative value that is -0 at the new exponent: the torch path bins it at 0 */
+             && (absolute || !(s.neg < 0.0f && s.neg * pow2f(-ge) == 0.0f));
+    if (ok) {
+        rebin_add(counts, B, first[0], exp[0], ge, gf, B, ncounts);
+        rebin_add(win, W, wb, e, ge, gf, B, ncounts);
+        *nexp = ge; *nfirst = gf; *nlo = glo; *nhi = ghi;
+        lo[0] = s.lo; hi[0] = s.hi; ends[0] = s.lo; ends[1] = s.hi;
+    }
+    free(win);
+    return !ok;
 }
 """
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGTYPES = {
-    "qs_hist_bin": [_P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT, _P],
+    "qs_hist_bin": [_P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT],
     "qs_hist_regrid": [_I64, _I64, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P],
     "qs_hist_fused": [_P, _I64, _I64, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,
-                      _P, _INT, _P],
+                      _P, _INT],
 }
 
-#: the fused pass keeps a window of 3 * bins int64 per thread; above this it is not used
+#: the fused pass keeps a window of up to 8 * bins int64 per thread; above this it is not used
 FUSED_MAX_BINS = 1 << 20
 
 
@@ -630,10 +669,8 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
         return False
     if units.numel() == 0:
         return True
-    t = _threads(threads)
-    work = torch.empty(max(0, t - 1) * B if U == 1 else 0, dtype=torch.int64)
     ok = lib.qs_hist_bin(units.data_ptr(), U, units.shape[1], B, counts.data_ptr(),
-                         exp.data_ptr(), first.data_ptr(), int(absolute), t, work.data_ptr())
+                         exp.data_ptr(), first.data_ptr(), int(absolute), _threads(threads))
     if not ok:
         raise MemoryError("hist_kernel.bin_values: out of memory for the bin copies")
     return True
@@ -680,13 +717,11 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
     if (B > FUSED_MAX_BINS or units.requires_grad or not _cpu(units, torch.float32)
             or not _state_ok(state, 1, B)):
         return None
-    t = _threads(threads)
-    work = torch.empty(3 * B * (t + 1), dtype=torch.int64)
     new = _new_state(1, B)
     if ends is None or ends.shape != (2,) or not _cpu(ends, torch.float32):
         ends = torch.empty(2)
     lo, hi = torch.empty(1), torch.empty(1)
     miss = lib.qs_hist_fused(units.data_ptr(), units.shape[1], B, int(absolute),
                              *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
-                             lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), t, work.data_ptr())
+                             lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), _threads(threads))
     return None if miss else (new, lo, hi)
