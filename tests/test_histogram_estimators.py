@@ -99,11 +99,10 @@ def test_l2_kernel_terms_sum_to_l2_norms_bitwise(bins):
         h = Hist(counts, -torch.rand(U, generator=g) * mag[0], torch.rand(U, generator=g) * mag[1])
         s = torch.randint(0, bins // 2, (U, J), generator=g)
         e = s + torch.randint(0, bins // 2, (U, J), generator=g)
-        bw64 = ((h.hi.double() - h.lo.double()) / bins).contiguous()
         cf = counts.float().contiguous()
         terms = torch.empty(U, J, bins)
-        lib.qs_l2_terms(cf.data_ptr(), bw64.data_ptr(), s.data_ptr(), e.data_ptr(),
-                        terms.data_ptr(), U, J, bins, 256)
+        lib.qs_l2_terms(cf.data_ptr(), h.lo.data_ptr(), h.hi.data_ptr(), s.data_ptr(),
+                        e.data_ptr(), terms.data_ptr(), U, J, bins, 256)
         assert torch.equal(terms.sum(-1).double(), l2.l2_norms(h, s, e, 256))
 
 

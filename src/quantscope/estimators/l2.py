@@ -58,17 +58,28 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <math.h>
 
-/* torch.ao's bound walk, resumable: per unit the state fs = (alpha, beta) and
-   is = (start, end, la, rb, done); la: first bin with csum >= the alpha threshold, rb:
-   last bin with csum <= the beta threshold (both only move one way). Writes up to K
-   changed ranges per unit to s, e [U, K] and their count to n [U]; done when
-   alpha >= beta. */
+/* torch.ao's bound walk, resumable. Per unit fs = (alpha, beta, best norm) and
+   is = (start, end, la, rb, done, best start, best end); la: first bin with csum >= the
+   alpha threshold, rb: last bin with csum <= the beta threshold (both only move one
+   way). qs_l2_walk writes up to K changed ranges per unit to s, e [U, K] (the rest
+   (0, B - 1)) and their count to n [U]; done when alpha >= beta. */
+#define NS 7
+int64_t qs_l2_init(double *fs, int64_t *is, int64_t U, int64_t B) {
+    for (int64_t u = 0; u < U; ++u) {
+        fs[3 * u] = 0.0; fs[3 * u + 1] = 1.0; fs[3 * u + 2] = INFINITY;
+        int64_t *st = is + NS * u;
+        st[0] = 0; st[1] = B - 1; st[2] = 0; st[3] = B - 1; st[4] = 0; st[5] = 0;
+        st[6] = B - 1;
+    }
+    return 0;
+}
+
 int64_t qs_l2_walk(const float *csum, const double *total, double *fs, int64_t *is,
                    int64_t *s, int64_t *e, int64_t *n, int64_t U, int64_t B, int64_t K) {
     for (int64_t u = 0; u < U; ++u) {
         const float *cs = csum + u * B;
-        double alpha = fs[2 * u], beta = fs[2 * u + 1], tot = total[u];
-        int64_t *st = is + 5 * u;
+        double alpha = fs[3 * u], beta = fs[3 * u + 1], tot = total[u];
+        int64_t *st = is + NS * u;
         int64_t start = st[0], end = st[1], la = st[2], rb = st[3], k = 0;
         while (!st[4] && k < K) {
             if (!(alpha < beta)) { st[4] = 1; break; }
@@ -88,8 +99,21 @@ int64_t qs_l2_walk(const float *csum, const double *total, double *fs, int64_t *
             start = ns; end = ne;
         }
         n[u] = k;
-        fs[2 * u] = alpha; fs[2 * u + 1] = beta;
+        for (int64_t j = k; j < K; ++j) { s[u * K + j] = 0; e[u * K + j] = B - 1; }
+        fs[3 * u] = alpha; fs[3 * u + 1] = beta;
         st[0] = start; st[1] = end; st[2] = la; st[3] = rb;
+    }
+    return 0;
+}
+
+/* new_min = lo + w * best start, new_max = lo + w * (best end + 1), w = (hi - lo) / B, in
+   float32 as torch.ao (and Hist.width) compute them. */
+int64_t qs_l2_result(const float *lo, const float *hi, const int64_t *is, float *out_lo,
+                     float *out_hi, int64_t U, int64_t B) {
+    for (int64_t u = 0; u < U; ++u) {
+        float w = (hi[u] - lo[u]) / (float)B;
+        out_lo[u] = lo[u] + w * (float)is[NS * u + 5];
+        out_hi[u] = lo[u] + w * (float)(is[NS * u + 6] + 1);
     }
     return 0;
 }
@@ -126,19 +150,20 @@ static float cube_diff(float db, float de) { return (de * de * de - db * db * db
 
 /* torch.ao's per-bin L2 terms of ranges (s, e) [U, J]: out [U, J, B], float32, the
    operations of l2_norms in its order (rows with a zero dst bin width are 0). */
-int64_t qs_l2_terms(const float *counts, const double *bw64, const int64_t *s,
+int64_t qs_l2_terms(const float *counts, const float *lo, const float *hi, const int64_t *s,
                     const int64_t *e, float *out, int64_t U, int64_t J, int64_t B,
                     int64_t dst) {
     const float top = (float)(dst - 1);
     float *dens = malloc(sizeof(float) * (size_t)(B > 0 ? B : 1));
     if (!dens) return 1;
     for (int64_t u = 0; u < U; ++u) {
-        const float bw = (float)bw64[u];
+        const double b64 = ((double)hi[u] - (double)lo[u]) / (double)B;  /* torch.ao's .item() */
+        const float bw = (float)b64;
         for (int64_t i = 0; i < B; ++i) dens[i] = counts[u * B + i] / bw;
         for (int64_t j = 0; j < J; ++j) {
             float *o = out + (u * J + j) * B;
             int64_t st = s[u * J + j];
-            double d64 = bw64[u] * (double)(e[u * J + j] - st + 1) / (double)dst;
+            double d64 = b64 * (double)(e[u * J + j] - st + 1) / (double)dst;
             if (d64 == 0) { for (int64_t i = 0; i < B; ++i) o[i] = 0.0f; continue; }
             float dbw = (float)d64, half = (float)(d64 / 2), nhalf = (float)(-d64 / 2);
             float mid = cube_diff(nhalf, half);
@@ -162,30 +187,33 @@ int64_t qs_l2_terms(const float *counts, const double *bw64, const int64_t *s,
 }
 
 /* torch.ao's stop rule on a chunk of priced ranges: accept while the norm does not rise;
-   a unit is done at the first rise or when its walk ended (fewer than K ranges). */
+   a unit is done at the first rise or when its walk ended (fewer than K ranges). Returns
+   1 when every unit is done. */
 int64_t qs_l2_accept(const double *norms, const int64_t *s, const int64_t *e,
-                     const int64_t *n, int64_t *best_s, int64_t *best_e, double *prev,
-                     int64_t *done, int64_t U, int64_t K) {
+                     const int64_t *n, double *fs, int64_t *is, int64_t U, int64_t K) {
     int64_t all = 1;
     for (int64_t u = 0; u < U; ++u) {
-        if (!done[u]) {
+        int64_t *st = is + NS * u;
+        if (!st[4] || n[u]) {
             for (int64_t k = 0; k < n[u]; ++k) {
                 double v = norms[u * K + k];
-                if (v > prev[u]) { done[u] = 1; break; }
-                prev[u] = v; best_s[u] = s[u * K + k]; best_e[u] = e[u * K + k];
+                if (v > fs[3 * u + 2]) { st[4] = 1; break; }
+                fs[3 * u + 2] = v; st[5] = s[u * K + k]; st[6] = e[u * K + k];
             }
-            if (n[u] < K) done[u] = 1;
+            if (n[u] < K) st[4] = 1;
         }
-        all &= done[u] != 0;
+        all &= st[4] != 0;
     }
     return all;
 }
 """
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ARGTYPES = {"qs_l2_walk": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I],
-             "qs_l2_terms": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
-             "qs_l2_accept": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I]}
+_ARGTYPES = {"qs_l2_init": [_P, _P, _I, _I],
+             "qs_l2_walk": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I],
+             "qs_l2_result": [_P, _P, _P, _P, _P, _I, _I],
+             "qs_l2_terms": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+             "qs_l2_accept": [_P, _P, _P, _P, _P, _P, _I, _I]}
 
 
 def _kernel():
@@ -193,27 +221,29 @@ def _kernel():
 
 
 class _Walk:
-    """The kernel's walk of every unit, resumed chunk by chunk."""
+    """The kernel's walk of every unit, resumed chunk by chunk; its state also keeps the
+    stop rule's best range and norm."""
 
     def __init__(self, lib, counts: torch.Tensor):
         U, B = counts.shape
         hist = counts.float()
-        self.lib, self.U, self.B, self.counts = lib, U, B, hist.contiguous()
-        self.total = hist.sum(1).double().contiguous()  # torch: torch.sum(histogram).item()
-        self.csum = torch.cumsum(hist, dim=1).contiguous()
-        self.fs = torch.tensor([0.0, 1.0], dtype=torch.float64).repeat(U)
-        self.st = torch.tensor([0, B - 1, 0, B - 1, 0]).repeat(U)
+        self.lib, self.U, self.B, self.counts = lib, U, B, hist
+        self.total = hist.sum(1).double()  # torch: torch.sum(histogram).item()
+        self.csum = torch.cumsum(hist, dim=1)
+        self.fs = torch.empty(U, 3, dtype=torch.float64)
+        self.st = torch.empty(U, 7, dtype=torch.long)
+        lib.qs_l2_init(self.fs.data_ptr(), self.st.data_ptr(), U, B)
 
     def chunk(self, k: int, done: torch.Tensor):
         """The next ``k`` ranges of each unit not ``done``: ``(start, end, valid)`` ``[U, k]``."""
-        s, e, n = self.chunk_raw(k, done)
+        self.st[:, 4] |= done.long()
+        s, e, n = self.chunk_raw(k)
         return s, e, torch.arange(k)[None, :] < n[:, None]
 
-    def chunk_raw(self, k: int, done: torch.Tensor):
+    def chunk_raw(self, k: int):
         """``(start, end, count)``: ranges ``[U, k]``, the first ``count [U]`` of them valid."""
-        self.st.view(self.U, 5)[:, 4] |= done.long()
-        s = torch.zeros(self.U, k, dtype=torch.long)
-        e = torch.zeros(self.U, k, dtype=torch.long)
+        s = torch.empty(self.U, k, dtype=torch.long)
+        e = torch.empty(self.U, k, dtype=torch.long)
         n = torch.empty(self.U, dtype=torch.long)
         self.lib.qs_l2_walk(self.csum.data_ptr(), self.total.data_ptr(), self.fs.data_ptr(),
                             self.st.data_ptr(), s.data_ptr(), e.data_ptr(), n.data_ptr(),
@@ -410,27 +440,23 @@ def _l2_range_kernel(lib, hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, tor
     and the C stop rule, in chunks of 8, 16, 32 ... ranges."""
     U, Bn = hist.counts.shape
     walk = _Walk(lib, hist.counts)
-    counts = walk.counts
-    bw64 = ((hist.hi.double() - hist.lo.double()) / Bn).contiguous()
-    best_s = torch.zeros(U, dtype=torch.long)
-    best_e = torch.full((U,), Bn - 1, dtype=torch.long)
-    prev = torch.full((U,), float("inf"), dtype=torch.float64)
-    done = torch.zeros(U, dtype=torch.long)
+    lo, hi = hist.lo.float().contiguous(), hist.hi.float().contiguous()
     cap = max(1, _BUDGET // max(1, U * Bn))
     step = min(8, cap)
     while True:
-        s, e, n = walk.chunk_raw(step, done)
+        s, e, n = walk.chunk_raw(step)
         terms = torch.empty(U, step, Bn)
-        lib.qs_l2_terms(counts.data_ptr(), bw64.data_ptr(), s.data_ptr(), e.data_ptr(),
-                        terms.data_ptr(), U, step, Bn, dst_nbins)
+        lib.qs_l2_terms(walk.counts.data_ptr(), lo.data_ptr(), hi.data_ptr(), s.data_ptr(),
+                        e.data_ptr(), terms.data_ptr(), U, step, Bn, dst_nbins)
         norms = terms.sum(-1).double()  # torch's float32 sum, as torch.ao's norm.sum()
         if lib.qs_l2_accept(norms.data_ptr(), s.data_ptr(), e.data_ptr(), n.data_ptr(),
-                            best_s.data_ptr(), best_e.data_ptr(), prev.data_ptr(),
-                            done.data_ptr(), U, step):
+                            walk.fs.data_ptr(), walk.st.data_ptr(), U, step):
             break
         step = min(2 * step, cap)
-    w = hist.width
-    return hist.lo + w * best_s, hist.lo + w * (best_e + 1)
+    out = torch.empty(2, U)
+    lib.qs_l2_result(lo.data_ptr(), hi.data_ptr(), walk.st.data_ptr(), out[0].data_ptr(),
+                     out[1].data_ptr(), U, Bn)
+    return out[0], out[1]
 
 
 def polish_range(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec, radius: int = 48,
