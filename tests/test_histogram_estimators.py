@@ -106,6 +106,19 @@ def test_l2_kernel_terms_sum_to_l2_norms_bitwise(bins):
         assert torch.equal(terms.sum(-1).double(), l2.l2_norms(h, s, e, 256))
 
 
+def test_l2_polish_lines_kernel_equals_torch():
+    from quantscope.estimators import l2
+
+    g = torch.Generator().manual_seed(12)
+    lo, hi = -torch.rand(3, generator=g) * 5, torch.rand(3, generator=g) * 5
+    w = (hi - lo) / 256
+    for bounds in (None, (lo + 0.1, hi - 0.1)):
+        for radius, steps in ((64, 2), (8, 4), (300, 1)):  # 300 bins: lines cross the range
+            a = l2._lines(lo, hi, w, bounds, radius, steps)
+            b = l2._lines(lo, hi, w, bounds, radius, steps, kernel=False)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 @pytest.mark.parametrize("kw", [{}, {"qscheme": torch.per_tensor_symmetric, "dtype": torch.qint8},
                                 {"bins": 256}, {"reduce_range": True},
                                 {"quant_min": 0, "quant_max": 15}])

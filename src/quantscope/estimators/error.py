@@ -16,6 +16,7 @@ with the torch path to 1e-12). The torch path stays the reference and the fallba
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 
 import torch
@@ -266,11 +267,11 @@ class HistogramScorer:
         nz = counts > 0
         width = hist.width
         if points > 1:  # sub-points at (i + (k + 0.5) / points) w
-            off = (torch.arange(points, device=counts.device) + 0.5) / points - 0.5
+            off = _offsets(points, counts.device)
         if self.kernel and centers is None:  # the same points and weights, in one C call
             U, B = counts.shape
             m = int(nz.sum(1).max()) if counts.numel() else 0
-            off = off.contiguous() if points > 1 else torch.zeros(1)
+            off = off if points > 1 else torch.zeros(1)
             x = torch.empty(U, m * points)
             w = torch.empty(U, m * points, dtype=torch.float64)
             cc, lo, wd = counts.contiguous(), hist.lo.float().contiguous(), width.contiguous()
@@ -404,6 +405,12 @@ def _line_pick(err: torch.Tensor, mid: int, levels, first: bool = False
         d = ar - cur[..., None]
         cur = pick((d % st == 0) & (d.abs() < prev), cur)
     return cur, err.gather(-1, cur[..., None])[..., 0]
+
+
+@functools.lru_cache(maxsize=8)
+def _offsets(points: int, device) -> torch.Tensor:
+    """Offsets ``(k + 0.5) / points - 0.5`` of a bin's points, in bin widths (float32)."""
+    return (torch.arange(points, device=device) + 0.5) / points - 0.5
 
 
 def _use_kernel(t: torch.Tensor, spec: QuantSpec, work: int) -> bool:

@@ -106,6 +106,25 @@ int64_t qs_l2_walk(const float *csum, const double *total, double *fs, int64_t *
     return 0;
 }
 
+/* Candidate lines of _move_ends: line 0 moves lo by d_k w (hi fixed), line 1 moves hi,
+   d_k = (k - mid) / steps; each range ordered (min, max) and clipped to [blo, bhi]. */
+int64_t qs_l2_lines(const float *lo, const float *hi, const float *w, const float *blo,
+                    const float *bhi, float *clo, float *chi, int64_t U, int64_t n,
+                    int64_t mid, int64_t steps) {
+    for (int64_t u = 0; u < U; ++u)
+        for (int64_t g = 0; g < 2; ++g)
+            for (int64_t k = 0; k < n; ++k) {
+                float dw = ((float)(k - mid) / (float)steps) * w[u];
+                float a = g == 0 ? lo[u] + dw : lo[u], b = g == 1 ? hi[u] + dw : hi[u];
+                float x = a < b ? a : b, y = a < b ? b : a;
+                if (blo && x < blo[u]) x = blo[u];
+                if (bhi && y > bhi[u]) y = bhi[u];
+                clo[(u * 2 + g) * n + k] = x;
+                chi[(u * 2 + g) * n + k] = y;
+            }
+    return 0;
+}
+
 /* new_min = lo + w * best start, new_max = lo + w * (best end + 1), w = (hi - lo) / B, in
    float32 as torch.ao (and Hist.width) compute them. */
 int64_t qs_l2_result(const float *lo, const float *hi, const int64_t *is, float *out_lo,
@@ -212,6 +231,7 @@ _I = ctypes.c_int64
 _ARGTYPES = {"qs_l2_init": [_P, _P, _I, _I],
              "qs_l2_walk": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I],
              "qs_l2_result": [_P, _P, _P, _P, _P, _I, _I],
+             "qs_l2_lines": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
              "qs_l2_terms": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
              "qs_l2_accept": [_P, _P, _P, _P, _P, _P, _I, _I]}
 
@@ -557,13 +577,31 @@ def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, boun
 def _move_ends(scorer, hist: Hist, lo, hi, radius: int, steps: int, coarse: int, bounds):
     """The best ``lo`` (``hi`` fixed) and the best ``hi`` (``lo`` fixed) over ``+-radius``
     bins in ``1 / steps`` bin steps, coarse-to-fine; the current ends win ties."""
+    clo, chi = _lines(lo, hi, hist.width, bounds, radius, steps)
+    idx, _ = scorer.line_argmin(clo, chi, radius * steps, coarse)
+    return clo[:, 0].gather(1, idx[:, :1])[:, 0], chi[:, 1].gather(1, idx[:, 1:])[:, 0]
+
+
+def _lines(lo, hi, w, bounds, radius: int, steps: int, kernel: bool = True):
+    """``(clo, chi)`` ``[U, 2, n]``: line 0 moves ``lo`` by ``d w`` (``hi`` fixed), line 1 moves
+    ``hi``, ``d`` in ``1 / steps`` from ``-radius`` to ``radius``; each range ordered and
+    clipped to ``bounds``. On CPU one C call (the same float32 steps; tested)."""
+    lib = _kernel() if kernel and lo.device.type == "cpu" else None
+    if lib is not None:
+        U, n = lo.shape[0], 2 * radius * steps + 1
+        clo, chi = torch.empty(U, 2, n), torch.empty(U, 2, n)
+        args = [t.float().contiguous() for t in (lo, hi, w)]
+        if bounds is not None:
+            args += [t.float().contiguous() for t in bounds]
+        ptrs = [t.data_ptr() for t in args] + [None] * (5 - len(args))
+        lib.qs_l2_lines(*ptrs, clo.data_ptr(), chi.data_ptr(), U, n, radius * steps, steps)
+        return clo, chi
     d = torch.arange(-radius * steps, radius * steps + 1, device=lo.device,
-                     dtype=torch.float32) / steps * hist.width[:, None]
+                     dtype=torch.float32) / steps * w[:, None]
     clo = torch.stack([lo[:, None] + d, lo[:, None].expand_as(d)], 1)  # [U, 2, n]
     chi = torch.stack([hi[:, None].expand_as(d), hi[:, None] + d], 1)
     clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)
     if bounds is not None:
         clo = torch.maximum(clo, bounds[0][:, None, None])
         chi = torch.minimum(chi, bounds[1][:, None, None])
-    idx, _ = scorer.line_argmin(clo, chi, radius * steps, coarse)
-    return clo[:, 0].gather(1, idx[:, :1])[:, 0], chi[:, 1].gather(1, idx[:, 1:])[:, 0]
+    return clo, chi
