@@ -84,13 +84,17 @@ static void *run(void *arg) {
             bl[k + 1] = bl[k] + xlogx(b[k]);
         }
         const double T = cs[B], logT = log(T);
-        /* F[a * S + z]: G log(G / n) of the group of bins [a, a + z) (0 if empty) */
-        for (int64_t a = 0; a < B; ++a)
-            for (int64_t z = 0; z < S; ++z) {
+        /* F[a * S + z]: G log(G / n) of the group of bins [a, a + z) (0 if empty). A group
+           of z bins belongs to a threshold i < (z + 1) nq and starts below it: only those
+           entries are read. */
+        for (int64_t z = 0; z < S; ++z) {
+            int64_t amax = (z + 1) * nq < B ? (z + 1) * nq : B;
+            for (int64_t a = 0; a < amax; ++a) {
                 int64_t e = a + z > B ? B : a + z;
                 double G = cs[e] - cs[a], n = nz[e] - nz[a];
                 F[a * S + z] = G > 0 ? G * log(G / (n < 1 ? 1 : n)) : 0.0;
             }
+        }
         for (int64_t c = 0; c < C; ++c) {
             int64_t i = j->start + c * j->stride;
             if (i > j->stop[u]) { out[c] = NAN; continue; }
