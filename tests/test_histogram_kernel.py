@@ -63,6 +63,30 @@ def test_bin_values_equals_add_values_torch(seed, U, E, B, absolute, kind, shrin
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("U", [1, 3])
+@pytest.mark.parametrize("hot_at", ["data", "elsewhere", "none"])
+def test_bin_values_hot_bins_right_or_wrong_guess(U, hot_at):
+    # the counts so far pick 16 bins counted in registers; a wrong pick must only cost time
+    # (the kernel drops it after 16 blocks), never change a count
+    g = torch.Generator().manual_seed(7)
+    B = 256
+    x = torch.randn(U, 60_000, generator=g) * 0.05
+    x[:, ::101] *= 400
+    lo, hi = x.aminmax(dim=1)
+    exp, first = _grid(g, U, B, lo, hi, False, 1.0)
+    counts = torch.zeros(U, B, dtype=torch.int64)
+    zero = (-first)[:, None] + torch.arange(-8, 8)
+    if hot_at == "data":
+        counts.scatter_add_(1, zero, torch.full_like(zero, 100))
+    elif hot_at == "elsewhere":
+        counts[:, :16] = 100
+    ref = H._add_values_torch(counts.clone(), x, exp, first, False)
+    for threads in (1, 2):
+        out = counts.clone()
+        assert HK.bin_values(out, x, exp, first, False, threads=threads)
+        assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("absolute", [False, True])
 def test_bin_values_non_finite_like_torch(absolute):
     # NaN to bin 0 (defined, so the torch path no longer indexes out of range), +-inf to the ends

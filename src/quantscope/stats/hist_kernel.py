@@ -164,12 +164,14 @@ typedef struct {
     int32_t W;            /* bins */
     int absolute, track;  /* track: min / max / largest negative value and misses */
     int64_t *out;         /* int64 [W] the counts are added into */
-    int32_t h0;           /* first of 8 hot bins counted in registers (AVX-512), or -1 */
+    int32_t h0;           /* first of HOT bins counted in registers (AVX-512), or -1 */
     float lo, hi, neg;    /* outputs when tracking */
     int miss;
 } span_t;
 
-/* The start of the 8 adjacent bins of c [n] holding the most counts, shifted by offset into
+#define HOT 16  /* bins counted in registers: 4 vectors of 16 lanes x 4 8-bit fields */
+
+/* The start of the HOT adjacent bins of c [n] holding the most counts, shifted by offset into
    a span's bins [0, W); -1 unless they hold at least 60 % of all (then counting them in
    registers, bin_span's hot path, pays for compressing the other values out). */
 static int32_t hot_start(const int64_t *c, int64_t n, int64_t offset, int32_t W) {
@@ -177,24 +179,26 @@ static int32_t hot_start(const int64_t *c, int64_t n, int64_t offset, int32_t W)
     for (int64_t i = 0; i < n; ++i) {
         total += c[i];
         run += c[i];
-        if (i >= 8) run -= c[i - 8];
-        if (i >= 7 && run > best) { best = run; at = i - 7; }
+        if (i >= HOT) run -= c[i - HOT];
+        if (i >= HOT - 1 && run > best) { best = run; at = i - (HOT - 1); }
     }
     if (at < 0 || total <= 0 || 5 * best < 3 * total) return -1;
     at += offset;
-    return at < 0 || at + 8 > W ? -1 : (int32_t)at;
+    return at < 0 || at + HOT > W ? -1 : (int32_t)at;
 }
 
 #define BUF 512  /* indices computed per block, then counted (see bin_span) */
 
 #if defined(__AVX512F__)
-/* the 8-bit hot-bin fields of the 16 lanes of acc0 / acc1 added into hot[8] */
-static void hot_flush(__m512i acc0, __m512i acc1, int64_t *hot) {
-    uint64_t t[16];
-    _mm512_storeu_si512((void *)t, acc0);
-    _mm512_storeu_si512((void *)(t + 8), acc1);
-    for (int q = 0; q < 16; ++q)
-        for (int h = 0; h < 8; ++h) hot[h] += (int64_t)((t[q] >> (8 * h)) & 255);
+/* the 8-bit fields of the 16 lanes of acc (bins 4a + f, field f of accumulator a) added
+   into hot[HOT] */
+static void hot_flush(const __m512i *acc, int64_t *hot) {
+    uint32_t t[16];
+    for (int a = 0; a < 4; ++a) {
+        _mm512_storeu_si512((void *)t, acc[a]);
+        for (int q = 0; q < 16; ++q)
+            for (int f = 0; f < 4; ++f) hot[4 * a + f] += (int64_t)((t[q] >> (8 * f)) & 255);
+    }
 }
 #endif
 
@@ -203,7 +207,9 @@ static void hot_flush(__m512i acc0, __m512i acc1, int64_t *hot) {
    bin is not one chain of dependent increments). Per block of BUF values, the indices are
    computed vectorized into a buffer first, then counted: counting straight from the vector
    register waits on each store-to-load of the index (measured 1.5-2x slower). */
-static inline __attribute__((always_inline)) void
+/* Returns the values it binned: all, or (hot path) fewer when the hot bins turn out to hold
+   under half of the values seen (after 16 blocks): the caller bins the rest without them. */
+static inline __attribute__((always_inline)) int64_t
 bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int hot) {
     const float *x = s->x;
     const int64_t n = s->n;
@@ -222,12 +228,15 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
     __m512 vlo = _mm512_set1_ps(INFINITY), vhi = _mm512_set1_ps(-INFINITY);
     __m512 vneg = _mm512_set1_ps(-INFINITY);
     __mmask16 vout = 0;
-    /* hot path: 8 bins [h0, h0 + 8) counted in 8-bit fields of 16 64-bit lanes (two
-       vectors), added out every 255 vectors; the other values' indices compressed into buf */
-    const __m512i vh0 = _mm512_set1_epi32(hot ? s->h0 : 0), v8 = _mm512_set1_epi32(8);
-    const __m512i one64 = _mm512_set1_epi64(1);
-    __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0;
-    int64_t hotc[8] = {0};
+    /* hot path: HOT bins [h0, h0 + HOT) counted in 8-bit fields: lane value 1 << 8 (d - 4a)
+       added to accumulator a (0 when the shift is outside [0, 32): vpsllvd gives 0 for counts
+       >= 32, negative ones included), so no masks; added out every 255 vectors. The other
+       values' indices are compressed into buf. */
+    const __m512i vh0 = _mm512_set1_epi32(hot ? s->h0 : 0), vhot = _mm512_set1_epi32(HOT);
+    const __m512i one = _mm512_set1_epi32(1), v32 = _mm512_set1_epi32(32);
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    int64_t hotc[HOT] = {0};
     int it = 0;
 #elif defined(__AVX2__)
     const __m256 vinv = _mm256_set1_ps(inv), vff = _mm256_set1_ps(ff);
@@ -239,8 +248,10 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
     __m256 vlo = _mm256_set1_ps(INFINITY), vhi = _mm256_set1_ps(-INFINITY), vneg = vninf;
     __m256 vout = vzero;
 #endif
-    int64_t since = 0;  /* values counted since the last flush */
-    for (int64_t b = 0; b < n; b += BUF) {
+    int64_t since = 0, cold = 0;  /* values counted since the last flush; not hot */
+    int64_t b = 0;
+    int stop = 0;
+    for (; b < n && !stop; b += BUF) {
         const int m = n - b < BUF ? (int)(n - b) : BUF;
         const float *xb = x + b;
         int j = 0, ns = 0;  /* ns: indices in buf */
@@ -267,18 +278,21 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
             __m512i kc = _mm512_add_epi32(_mm512_slli_epi32(k, 3), lane);  /* x COPIES */
             if (hot) {
                 __m512i d = _mm512_sub_epi32(k, vh0);
-                __mmask16 in = _mm512_cmplt_epu32_mask(d, v8);
+                __mmask16 in = _mm512_cmplt_epu32_mask(d, vhot);
                 __m512i sh = _mm512_slli_epi32(d, 3);
-                acc0 = _mm512_mask_add_epi64(acc0, (__mmask8)in, acc0, _mm512_sllv_epi64(
-                    one64, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(sh))));
-                acc1 = _mm512_mask_add_epi64(acc1, (__mmask8)(in >> 8), acc1, _mm512_sllv_epi64(
-                    one64, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sh, 1))));
+                acc[0] = _mm512_add_epi32(acc[0], _mm512_sllv_epi32(one, sh));
+                sh = _mm512_sub_epi32(sh, v32);
+                acc[1] = _mm512_add_epi32(acc[1], _mm512_sllv_epi32(one, sh));
+                sh = _mm512_sub_epi32(sh, v32);
+                acc[2] = _mm512_add_epi32(acc[2], _mm512_sllv_epi32(one, sh));
+                sh = _mm512_sub_epi32(sh, v32);
+                acc[3] = _mm512_add_epi32(acc[3], _mm512_sllv_epi32(one, sh));
                 __mmask16 rest = (__mmask16)~in;
                 _mm512_storeu_si512((void *)(buf + ns), _mm512_maskz_compress_epi32(rest, kc));
                 ns += __builtin_popcount((unsigned)rest);
                 if (++it == 255) {
-                    hot_flush(acc0, acc1, hotc);
-                    acc0 = acc1 = _mm512_setzero_si512();
+                    hot_flush(acc, hotc);
+                    for (int a = 0; a < 4; ++a) acc[a] = _mm512_setzero_si512();
                     it = 0;
                 }
             } else {
@@ -326,7 +340,11 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
         }
         for (; j < ns; ++j) cp[buf[j]]++;
         since += m;
-        if (since >= BLOCK || b + m >= n) {  /* flush */
+        if (hot) {
+            cold += ns;
+            stop = b >= 16 * BUF && 2 * cold > b + m;
+        }
+        if (since >= BLOCK || b + m >= n || stop) {  /* flush */
             for (int32_t k = 0; k < W; ++k) {
                 int32_t *c = cp + (int64_t)k * COPIES;
                 int64_t t = 0;
@@ -338,8 +356,8 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
     }
 #if defined(__AVX512F__)
     if (hot) {
-        hot_flush(acc0, acc1, hotc);
-        for (int q = 0; q < 8; ++q) s->out[s->h0 + q] += hotc[q];
+        hot_flush(acc, hotc);
+        for (int q = 0; q < HOT; ++q) s->out[s->h0 + q] += hotc[q];
     }
 #endif
     if (track) {
@@ -364,16 +382,28 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
 #endif
     }
     s->lo = lo; s->hi = hi; s->neg = neg; s->miss = miss;
+    return b < n ? b : n;
 }
 
 /* bin_span_ compiled for each (absolute, track, hot): no flag tests in the loop */
 static void bin_span(span_t *s, int32_t *cp) {
 #if defined(__AVX512F__)
-    if (s->h0 >= 0 && s->h0 + 8 <= s->W) {
-        if (s->absolute) {
-            if (s->track) bin_span_(s, cp, 1, 1, 1); else bin_span_(s, cp, 1, 0, 1);
-        } else {
-            if (s->track) bin_span_(s, cp, 0, 1, 1); else bin_span_(s, cp, 0, 0, 1);
+    if (s->h0 >= 0 && s->h0 + HOT <= s->W) {
+        int64_t done;
+        if (s->absolute)
+            done = s->track ? bin_span_(s, cp, 1, 1, 1) : bin_span_(s, cp, 1, 0, 1);
+        else
+            done = s->track ? bin_span_(s, cp, 0, 1, 1) : bin_span_(s, cp, 0, 0, 1);
+        if (done < s->n) {  /* the hot bins were a poor guess: the rest without them */
+            span_t r = *s;
+            r.x += done;
+            r.n -= done;
+            r.h0 = -1;
+            bin_span(&r, cp);
+            s->lo = r.lo < s->lo ? r.lo : s->lo;
+            s->hi = r.hi > s->hi ? r.hi : s->hi;
+            s->neg = r.neg > s->neg ? r.neg : s->neg;
+            s->miss |= r.miss;
         }
         return;
     }
