@@ -103,11 +103,13 @@ def test_bin_values_non_finite_like_torch(absolute):
     assert int(ref.sum()) == x.numel()
 
 
-def test_bin_values_declines_what_it_does_not_handle():
+def test_bin_values_declines_what_it_does_not_handle_and_copies_strided_units():
     c = torch.zeros(2, 16, dtype=torch.int64)
     e, f = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
     assert not HK.bin_values(c, torch.randn(2, 10, dtype=torch.float64), e, f, False)
-    assert not HK.bin_values(c, torch.randn(10, 2).t(), e, f, False)  # not contiguous
+    x = torch.randn(10, 2).t()  # not contiguous: binned from a copy
+    assert HK.bin_values(c, x, e, f, False)
+    assert torch.equal(c, H._add_values_torch(torch.zeros_like(c), x, e, f, False))
     assert not HK.bin_values(c.int(), torch.randn(1, 10), e, f, False)
 
 
@@ -247,6 +249,8 @@ OBSERVERS = {
     "ema": lambda: qs.get_observer("percentile", qs.QuantSpec("uint8", symmetric=False),
                                    averaging_constant=0.1, update_interval=2),
     "channel": lambda: qs.get_observer("percentile", qs.QuantSpec("int8", qs.Channel(0))),
+    "channel_last": lambda: qs.get_observer(  # strided units: copied once in forward
+        "histogram_mse", qs.QuantSpec("int8", qs.Channel(-1)), bins=64),
     "ignore": lambda: qs.get_observer("histogram", qs.QuantSpec("uint8", symmetric=False),
                                       non_finite="ignore"),
 }

@@ -95,9 +95,10 @@ class HistogramObserverBase(Observer):
         self.register_buffer("linear_grid", torch.zeros((), dtype=torch.bool))
         self.register_buffer("pending", torch.zeros((), dtype=torch.int64))
         self._pending = 0  # a Python mirror of ``pending``: forward never reads it back
-        # [(units, state)] from _unit_minmax's fused pass, for _observe (a list: assigning a
-        # module attribute goes through nn.Module.__setattr__, a few us every batch)
-        self._fused = [None]
+        # [(units, their contiguous copy, the fused pass's state or None)] from _unit_minmax,
+        # for _observe (a list: assigning a module attribute goes through
+        # nn.Module.__setattr__, a few us every batch)
+        self._pass = [None]
 
     def _sized_buffers(self):
         return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi")
@@ -124,24 +125,34 @@ class HistogramObserverBase(Observer):
         return H.view(self._state(), self._absolute)
 
     def _unit_minmax(self, units, count, ends):
-        # a one-unit histogram: the min / max and the histogram update in one read of the batch
-        # (stats.hist_kernel.fused_update), kept for _observe
-        self._fused[0] = None
-        if count == 1 and self.grid == "pow2" and not self.sync_every_step:
+        # one read of the batch for a one-unit histogram: the min / max and the histogram
+        # update together (stats.hist_kernel.fused_update); strided units (a channel axis
+        # that is not the first) copied once for both passes. Kept for _observe.
+        self._pass[0] = None
+        if self.sync_every_step:  # step_sync hands _observe other units
+            return super()._unit_minmax(units, count, ends)
+        dense = units
+        if units.device.type == "cpu" and not units.is_contiguous():
+            dense = units.contiguous()
+        new = None
+        if count == 1 and self.grid == "pow2":
             # the state _observe would update (a first batch, or after a reset: empty)
             state = self._state() if self.min_vals.shape[0] == 1 and \
                 self.hist_counts.shape[0] == 1 else H.empty_state(1, self.bins)
-            out = hist_kernel.fused_update(state, units, self._absolute, ends=ends)
-            if out is not None:
-                state, lo, hi = out
-                self._fused[0] = (units, H.HistState(*state))
-                return lo, hi
-        return super()._unit_minmax(units, count, ends)
+            new = hist_kernel.fused_update(state, dense, self._absolute, ends=ends)
+        if new is not None:
+            state, lo, hi = new
+            new = H.HistState(*state)
+        else:
+            lo, hi = super()._unit_minmax(dense, count, ends)
+        self._pass[0] = (units, dense, new)
+        return lo, hi
 
     def _observe(self, units, lo, hi):
-        fused, self._fused[0] = self._fused[0], None
-        if fused is not None and fused[0] is not units:
-            fused = None
+        fused = None
+        stash, self._pass[0] = self._pass[0], None
+        if stash is not None and stash[0] is units:
+            _, units, fused = stash
         U = units.shape[0]
         if self.min_vals.shape[0] != U:
             self.min_vals, self.max_vals = lo.clone(), hi.clone()
@@ -155,7 +166,7 @@ class HistogramObserverBase(Observer):
         if fused is None and self._linear:
             self._observe_linear(units, lo, hi)
         else:  # fused: the update already ran in _unit_minmax
-            self._set_state(fused[1] if fused is not None else
+            self._set_state(fused if fused is not None else
                             H.update(self._state(), units, lo, hi, self._absolute))
             if self.skip_zeros:
                 self._drop_zeros(units, -self.hist_first)

@@ -692,6 +692,10 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     kernel, not CPU float32 contiguous, ...), nothing done."""
     lib = _kernel()
     U, B = counts.shape
+    if (lib is not None and units.device.type == "cpu" and units.dtype == torch.float32
+            and not units.is_contiguous()):
+        units = units.contiguous()  # a strided layout's units (a transpose): one copy, then
+        # the kernel is still several times faster than the torch ops on the strided view
     if (lib is None or units.requires_grad or not _cpu(units, torch.float32)
             or units.dim() != 2 or units.shape[0] != U or not _cpu(counts, torch.int64)
             or not _cpu(exp, torch.int64) or not _cpu(first, torch.int64)
