@@ -315,15 +315,19 @@ def _search_kernel(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, 
     rule = {"patience": patience, "per_unit": per_unit, "tie": tie,
             "use_global": patience is not None}
     total = len(f_lo)
+    first_is_incumbent = (incumbent[0] is lo and incumbent[1] is hi and f_lo[0] == 1.0
+                          and f_hi[0] == 1.0)
     f_lo = torch.tensor(f_lo, dtype=torch.float32)
     f_hi = torch.tensor(f_hi, dtype=torch.float32)
     cc = _kernel_block(chunk_elems, n_units)
     for start in range(0, total, cc):
         lo_c, hi_c = lo[None] * f_lo[start:start + cc, None], hi[None] * f_hi[start:start + cc, None]
-        init = start == 0  # the min-max incumbent rides in the first block's qparams
-        if init:
-            lo_c = torch.cat((incumbent[0][None], lo_c))
-            hi_c = torch.cat((incumbent[1][None], hi_c))
+        init = 0
+        if start == 0:  # the min-max incumbent rides in the first block's qparams
+            init = 2 if first_is_incumbent else 1  # 2: the same row (lo * 1.0 is lo)
+            if init == 1:
+                lo_c = torch.cat((incumbent[0][None], lo_c))
+                hi_c = torch.cat((incumbent[1][None], hi_c))
         live = st.step(start, lo_c, hi_c, *qparams(lo_c, hi_c), init=init, **rule)
         if early_stop and patience is not None and live == 0:
             break

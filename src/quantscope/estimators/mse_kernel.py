@@ -185,7 +185,10 @@ static void *work(void *p) {
 
 /* Plain threads joined before returning (no OpenMP: its pool spins and slows torch's). */
 static void parallel(unit_fn fn, void *ctx, int64_t n, int threads, double work_elems) {
-    int64_t most = (int64_t)(work_elems / (1 << 20)) + 1;  /* a thread: ~1M element-ops */
+    /* a thread per ~16M element-ops (~2 ms): a worker preempted while it holds units (a
+       shared machine, torch's OpenMP workers still spinning) stalls the join for a time
+       slice, which shorter calls cannot amortize */
+    int64_t most = (int64_t)(work_elems / (1 << 24)) + 1;
     if (threads > most) threads = (int)most;
     if (threads > n) threads = (int)n;
     if (threads > 64) threads = 64;
@@ -208,7 +211,7 @@ static void parallel(unit_fn fn, void *ctx, int64_t n, int threads, double work_
 /* ---- dense pricing: out[j, i] for candidates j < k of unit sub[i] (or i) */
 typedef struct {
     const float *x; int64_t E; const int64_t *sub; int64_t n;
-    const float *sc, *zp; int64_t k; float qmin, qmax; double *out;
+    const float *sc; const int32_t *zp; int64_t k; float qmin, qmax; double *out;
 } price_t;
 
 static void price_unit(void *p, int64_t i, int tid) {
@@ -216,13 +219,13 @@ static void price_unit(void *p, int64_t i, int tid) {
     const float *xu = c->x + (c->sub ? c->sub[i] : i) * c->E;
     for (int64_t j = 0; j < c->k; ++j) {
         int64_t o = j * c->n + i;
-        c->out[o] = price1(xu, c->E, c->sc[o], c->zp[o], c->qmin, c->qmax);
+        c->out[o] = price1(xu, c->E, c->sc[o], (float)c->zp[o], c->qmin, c->qmax);
     }
     (void)tid;
 }
 
 int64_t qs_mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
-                     const float *sc, const float *zp, int64_t k, double qmin, double qmax,
+                     const float *sc, const int32_t *zp, int64_t k, double qmin, double qmax,
                      double *out, int threads) {
     price_t c = {x, E, sub, n, sc, zp, k, (float)qmin, (float)qmax, out};
     parallel(price_unit, &c, n, threads, (double)n * k * E);
@@ -232,11 +235,13 @@ int64_t qs_mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
 /* ---- one block of candidates through the selection rules (mse._State.step) */
 typedef struct {
     const float *x; int64_t E; const int64_t *sub; int64_t n;
-    const float *sc, *zp, *lo_c, *hi_c; int64_t k, i0; float qmin, qmax;
+    const float *sc; const int32_t *zp; const float *lo_c, *hi_c; int64_t k, i0;
+    float qmin, qmax;
     int64_t patience; int per_unit, tie_last;
     double *best, *perr; int64_t *idx, *stale; uint8_t *stopped;
     float *blo, *bhi, *psc, *pzp;
-    const float *isc, *izp, *ilo, *ihi;  /* the incumbent [n]: starts the state, or NULL */
+    const float *isc; const int32_t *izp; const float *ilo, *ihi;  /* the incumbent [n],
+                                                                    or NULL */
     double *err;      /* [k, n] priced before the walk, or NULL: priced during it */
     uint8_t *any;     /* [threads, k]: some unit improved at candidate j */
     int64_t gstop;    /* candidates j >= gstop see the global rule stopped */
@@ -245,8 +250,9 @@ typedef struct {
 /* The state of a unit before any candidate: the incumbent (index -1) is the best so far
    and the previous qparams; nothing is stale. */
 static void init_unit(step_t *c, int64_t i, int64_t u) {
-    double e = price1(c->x + u * c->E, c->E, c->isc[i], c->izp[i], c->qmin, c->qmax);
-    c->best[u] = e; c->perr[u] = e; c->psc[u] = c->isc[i]; c->pzp[u] = c->izp[i];
+    float z = (float)c->izp[i];
+    double e = price1(c->x + u * c->E, c->E, c->isc[i], z, c->qmin, c->qmax);
+    c->best[u] = e; c->perr[u] = e; c->psc[u] = c->isc[i]; c->pzp[u] = z;
     c->blo[u] = c->ilo[i]; c->bhi[u] = c->ihi[i];
     c->idx[u] = -1; c->stale[u] = 0; c->stopped[u] = 0;
 }
@@ -263,7 +269,7 @@ static void dense_unit(void *p, int64_t i, int tid) {
     uint8_t *any = c->any + (int64_t)tid * c->k;
     for (int64_t j = 0; j < c->k; ++j) {
         int64_t o = j * c->n + i;
-        float s = c->sc[o], z = c->zp[o];
+        float s = c->sc[o], z = (float)c->zp[o];
         double e = (s == psc && z == pzp) ? perr : price1(xu, c->E, s, z, c->qmin, c->qmax);
         c->err[o] = e;
         if (c->tie_last ? e <= lb : e < lb) { lb = e; any[j] = 1; }
@@ -285,7 +291,7 @@ static void walk_unit(void *p, int64_t i, int tid) {
         int active = c->patience <= 0 ? 1 : c->per_unit ? !(stopped && gs) : !gs;
         if (!active) break;  /* for good: both flags only ever turn on */
         int64_t o = j * c->n + i;
-        float s = c->sc[o], z = c->zp[o];
+        float s = c->sc[o], z = (float)c->zp[o];
         int same = s == psc && z == pzp;
         double e = c->err ? c->err[o] : same ? perr
                  : price1(xu, c->E, s, z, c->qmin, c->qmax);
@@ -305,11 +311,11 @@ static void walk_unit(void *p, int64_t i, int tid) {
 }
 
 /* Candidates i0 .. i0 + k - 1 (rows of sc, zp, lo_c, hi_c [rows, n]) for units sub (all
-   when NULL). init: row 0 is the incumbent, which starts the state, and the candidates
-   are rows 1 .. k. g: the global rule's (stale, stopped) counters, used when use_global.
+   when NULL). init 1: row 0 is the incumbent, which starts the state, and the candidates
+   are rows 1 .. k; init 2: row 0 is both the incumbent and the first candidate. g: the global rule's (stale, stopped) counters, used when use_global.
    Returns how many of the n units are still searching after the block (-1: no memory). */
 int64_t qs_mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
-                    const float *sc, const float *zp, const float *lo_c, const float *hi_c,
+                    const float *sc, const int32_t *zp, const float *lo_c, const float *hi_c,
                     int64_t k, int64_t i0, int init, double qmin, double qmax, int64_t patience,
                     int per_unit, int use_global, int tie_last,
                     double *best, double *perr, int64_t *idx, int64_t *stale,
@@ -317,12 +323,12 @@ int64_t qs_mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
                     int64_t *g, int threads) {
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
-    int64_t r = init ? n : 0;  /* the candidates' first row */
+    int64_t r = init == 1 ? n : 0;  /* the candidates' first row */
     step_t c = {x, E, sub, n, sc + r, zp + r, lo_c + r, hi_c + r, k, i0, (float)qmin,
                 (float)qmax, patience, per_unit, tie_last, best, perr, idx, stale, stopped,
                 blo, bhi, psc, pzp, init ? sc : NULL, init ? zp : NULL, init ? lo_c : NULL,
                 init ? hi_c : NULL, NULL, NULL, use_global ? k + 1 : 0};
-    double cost = (double)n * (k + (init ? 1 : 0)) * E;
+    double cost = (double)n * (k + (init == 1)) * E;
     if (use_global && g[1]) c.gstop = 0;
     if (use_global && !g[1] && patience > 0) {
         c.err = (double *)malloc(sizeof(double) * (size_t)(n * k + 1));
@@ -388,6 +394,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    """Zero points as int32 (qparams_from_range's dtype; integer-valued floats convert exactly)."""
+    t = t if t.dtype == torch.int32 else t.to(torch.int32)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
           spec: QuantSpec, sub: torch.Tensor | None = None) -> torch.Tensor:
     """Squared error of every candidate ``(scale, zero_point) [k, n]`` on units ``sub``
@@ -395,7 +407,7 @@ def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
     units = units.contiguous()
     n = units.shape[0] if sub is None else sub.numel()
     k = max(scale.shape[0], zero_point.shape[0])
-    sc, zp = _f32(scale.expand(k, n)), _f32(zero_point.expand(k, n))
+    sc, zp = _f32(scale.expand(k, n)), _i32(zero_point.expand(k, n))
     sub = None if sub is None else sub.to(torch.int64).contiguous()
     out = torch.empty((k, n), dtype=torch.float64)
     _lib().qs_mse_price(units.data_ptr(), units.shape[1], None if sub is None else sub.data_ptr(),
@@ -434,18 +446,18 @@ class KernelState:
         self.g = torch.zeros(2, dtype=torch.int64)  # the global rule: stale count, stopped
 
     def step(self, i0, lo_c, hi_c, scale, zp, *, patience, per_unit, tie, use_global,
-             sub=None, init=False):
-        """Candidates ``i0 ..`` (ranges and encoded qparams ``[rows, n]``; with ``init`` row
-        0 is the incumbent) for units ``sub`` (all if None); returns how many of them are
-        still searching."""
+             sub=None, init=0):
+        """Candidates ``i0 ..`` (ranges and encoded qparams ``[rows, n]``) for units ``sub``
+        (all if None); returns how many of them are still searching. ``init`` (first step):
+        1: row 0 is the incumbent, 2: row 0 is the incumbent and also candidate ``i0``."""
         rows, n = lo_c.shape
-        sc, z = _f32(scale.expand(rows, n)), _f32(zp.expand(rows, n))
+        sc, z = _f32(scale.expand(rows, n)), _i32(zp.expand(rows, n))
         lo_c, hi_c = _f32(lo_c), _f32(hi_c)
         sub = None if sub is None else sub.to(torch.int64).contiguous()
         live = _lib().qs_mse_step(
             self.units.data_ptr(), self.units.shape[1], None if sub is None else sub.data_ptr(),
             n, sc.data_ptr(), z.data_ptr(), lo_c.data_ptr(), hi_c.data_ptr(),
-            rows - int(init), i0, int(init), self.qmin, self.qmax,
+            rows - (init == 1), i0, int(init), self.qmin, self.qmax,
             0 if patience is None else int(patience), int(per_unit), int(use_global),
             int(tie == "last"), self.best.data_ptr(), self.perr.data_ptr(),
             self.idx.data_ptr(), self.stale.data_ptr(), self.stopped.data_ptr(),
