@@ -114,9 +114,10 @@ def test_l2_polish_lines_kernel_equals_torch():
     w = (hi - lo) / 256
     for bounds in (None, (lo + 0.1, hi - 0.1)):
         for radius, steps in ((64, 2), (8, 4), (300, 1)):  # 300 bins: lines cross the range
-            a = l2._lines(lo, hi, w, bounds, radius, steps)
-            b = l2._lines(lo, hi, w, bounds, radius, steps, kernel=False)
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            for side in (-1, 0, 1):
+                a = l2._lines(lo, hi, w, bounds, radius, steps, side=side)
+                b = l2._lines(lo, hi, w, bounds, radius, steps, kernel=False, side=side)
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize("kw", [{}, {"qscheme": torch.per_tensor_symmetric, "dtype": torch.qint8},

@@ -106,22 +106,26 @@ int64_t qs_l2_walk(const float *csum, const double *total, double *fs, int64_t *
     return 0;
 }
 
-/* Candidate lines of _move_ends: line 0 moves lo by d_k w (hi fixed), line 1 moves hi,
-   d_k = (k - mid) / steps; each range ordered (min, max) and clipped to [blo, bhi]. */
+/* Candidate lines of _lines: line 0 moves lo by d_k w (hi fixed), line 1 moves hi,
+   d_k = (k - mid) / steps; each range ordered (min, max) and clipped to [blo, bhi].
+   side -1: both lines [U, 2, n]; 0 or 1: that line only [U, 1, n]. */
 int64_t qs_l2_lines(const float *lo, const float *hi, const float *w, const float *blo,
                     const float *bhi, float *clo, float *chi, int64_t U, int64_t n,
-                    int64_t mid, int64_t steps) {
+                    int64_t mid, int64_t steps, int64_t side) {
+    int64_t G = side < 0 ? 2 : 1;
     for (int64_t u = 0; u < U; ++u)
-        for (int64_t g = 0; g < 2; ++g)
+        for (int64_t j = 0; j < G; ++j) {
+            int64_t g = side < 0 ? j : side;
             for (int64_t k = 0; k < n; ++k) {
                 float dw = ((float)(k - mid) / (float)steps) * w[u];
                 float a = g == 0 ? lo[u] + dw : lo[u], b = g == 1 ? hi[u] + dw : hi[u];
                 float x = a < b ? a : b, y = a < b ? b : a;
                 if (blo && x < blo[u]) x = blo[u];
                 if (bhi && y > bhi[u]) y = bhi[u];
-                clo[(u * 2 + g) * n + k] = x;
-                chi[(u * 2 + g) * n + k] = y;
+                clo[(u * G + j) * n + k] = x;
+                chi[(u * G + j) * n + k] = y;
             }
+        }
     return 0;
 }
 
@@ -231,7 +235,7 @@ _I = ctypes.c_int64
 _ARGTYPES = {"qs_l2_init": [_P, _P, _I, _I],
              "qs_l2_walk": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I],
              "qs_l2_result": [_P, _P, _P, _P, _P, _I, _I],
-             "qs_l2_lines": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+             "qs_l2_lines": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
              "qs_l2_terms": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
              "qs_l2_accept": [_P, _P, _P, _P, _P, _P, _I, _I]}
 
@@ -539,12 +543,12 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     """torch.ao's search (:func:`l2_range`), then a polish of both ends on the histogram's
     quantization error: the native ``histogram`` estimator.
 
-    Each end moves along its own line of candidates, the other end fixed: ``+-radius``
-    bins in half bins, scored with 2 points per bin, coarse-to-fine (every 24th
-    candidate, then the 23 either side of the best; one
-    :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin` call). Then the
-    search's own range, each single move and both moves together are scored with 4
-    points per bin and the least error wins (ties: the search's range), so the polish
+    ``lo`` moves along a line of candidates (``hi`` fixed), then ``hi`` (the new ``lo``
+    fixed): ``+-radius`` whole bins scored with 2 points per bin, coarse-to-fine (every
+    16th bin, then the 15 either side of the best; one
+    :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin` call each). Then the
+    search's own range and the two moves are scored with 4 points per bin and the least
+    error wins (ties: the search's range), so the polish
     never has more histogram error than torch.ao's choice. ``four``: a prepared
     :class:`~quantscope.estimators.error.HistogramScorer` with 4 points per bin (``mix``
     shares its own).
@@ -561,40 +565,45 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
 
 def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The four ranges ``(lo, hi)`` ``[U, 4]`` :func:`l2_polished_range` picks from: the search's
-    (clipped to ``bounds``), each end moved alone, both moved (``mix`` scores them among
-    its own candidates)."""
+    """The three ranges ``(lo, hi)`` ``[U, 3]`` :func:`l2_polished_range` picks from: the
+    search's (clipped to ``bounds``), then with ``lo`` moved, then with ``hi`` moved too
+    (``mix`` scores them among its own candidates)."""
     from .error import HistogramScorer
 
     lo, hi = l2_range(hist, dst_nbins)
     if bounds is not None:
         lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
-    a_lo, a_hi = _move_ends(HistogramScorer(hist, spec, points=2), hist, lo, hi, radius, 2, 24,
-                            bounds)
-    return torch.stack([lo, a_lo, lo, a_lo], 1), torch.stack([hi, hi, a_hi, a_hi], 1)
+    two = HistogramScorer(hist, spec, points=2)
+    lo1, hi1 = _move_end(two, hist, lo, hi, 0, radius, 1, 16, bounds)
+    lo2, hi2 = _move_end(two, hist, lo1, hi1, 1, radius, 1, 16, bounds)
+    return torch.stack([lo, lo1, lo2], 1), torch.stack([hi, hi1, hi2], 1)
 
 
-def _move_ends(scorer, hist: Hist, lo, hi, radius: int, steps: int, coarse: int, bounds):
-    """The best ``lo`` (``hi`` fixed) and the best ``hi`` (``lo`` fixed) over ``+-radius``
-    bins in ``1 / steps`` bin steps, coarse-to-fine; the current ends win ties."""
-    clo, chi = _lines(lo, hi, hist.width, bounds, radius, steps)
+def _move_end(scorer, hist: Hist, lo, hi, side: int, radius: int, steps: int, coarse: int,
+              bounds):
+    """``(lo, hi)`` with the best ``lo`` (``side`` 0, ``hi`` fixed) or the best ``hi`` (``side``
+    1) over ``+-radius`` bins in ``1 / steps`` bin steps, coarse-to-fine; the current range
+    wins ties."""
+    clo, chi = _lines(lo, hi, hist.width, bounds, radius, steps, side=side)
     idx, _ = scorer.line_argmin(clo, chi, radius * steps, coarse)
-    return clo[:, 0].gather(1, idx[:, :1])[:, 0], chi[:, 1].gather(1, idx[:, 1:])[:, 0]
+    return clo[:, 0].gather(1, idx)[:, 0], chi[:, 0].gather(1, idx)[:, 0]
 
 
-def _lines(lo, hi, w, bounds, radius: int, steps: int, kernel: bool = True):
+def _lines(lo, hi, w, bounds, radius: int, steps: int, kernel: bool = True, side: int = -1):
     """``(clo, chi)`` ``[U, 2, n]``: line 0 moves ``lo`` by ``d w`` (``hi`` fixed), line 1 moves
     ``hi``, ``d`` in ``1 / steps`` from ``-radius`` to ``radius``; each range ordered and
-    clipped to ``bounds``. On CPU one C call (the same float32 steps; tested)."""
+    clipped to ``bounds``; ``side`` 0 or 1: that line only (``[U, 1, n]``). On CPU one C
+    call (the same float32 steps; tested)."""
     lib = _kernel() if kernel and lo.device.type == "cpu" else None
     if lib is not None:
-        U, n = lo.shape[0], 2 * radius * steps + 1
-        clo, chi = torch.empty(U, 2, n), torch.empty(U, 2, n)
+        U, n, G = lo.shape[0], 2 * radius * steps + 1, 2 if side < 0 else 1
+        clo, chi = torch.empty(U, G, n), torch.empty(U, G, n)
         args = [t.float().contiguous() for t in (lo, hi, w)]
         if bounds is not None:
             args += [t.float().contiguous() for t in bounds]
         ptrs = [t.data_ptr() for t in args] + [None] * (5 - len(args))
-        lib.qs_l2_lines(*ptrs, clo.data_ptr(), chi.data_ptr(), U, n, radius * steps, steps)
+        lib.qs_l2_lines(*ptrs, clo.data_ptr(), chi.data_ptr(), U, n, radius * steps, steps,
+                        side)
         return clo, chi
     d = torch.arange(-radius * steps, radius * steps + 1, device=lo.device,
                      dtype=torch.float32) / steps * w[:, None]
@@ -604,4 +613,6 @@ def _lines(lo, hi, w, bounds, radius: int, steps: int, kernel: bool = True):
     if bounds is not None:
         clo = torch.maximum(clo, bounds[0][:, None, None])
         chi = torch.minimum(chi, bounds[1][:, None, None])
+    if side >= 0:
+        clo, chi = clo[:, side:side + 1], chi[:, side:side + 1]
     return clo, chi
