@@ -22,6 +22,11 @@ inside that range are added on the same grid, so results equal the reference's.
 The first batch that leaves the range moves the counts once to the native grid
 (each old bin to the bin of its centre: the only approximate step) and the
 histogram is exact from then on. This mode reads the range on the host.
+
+On CPU the native grid's update runs in C (:mod:`quantscope.stats.hist_kernel`,
+bitwise equal to the torch path): a one-unit (per-tensor) histogram takes the
+min / max and updates its counts in one read of the batch (``_unit_minmax``
+runs the fused pass and hands its state to ``_observe``).
 """
 
 from __future__ import annotations

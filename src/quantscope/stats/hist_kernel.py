@@ -1,28 +1,39 @@
 """C kernels of the streaming histogram (:mod:`quantscope.stats.histogram`).
 
-Where the time goes, per-tensor, one batch of 3.1M float32 values on one core
-(torch path): ``add_values`` ~5-7 ms (chunks of mul / floor / clamp / int cast /
-``index_add_``, each a pass over the chunk, and ``index_add_`` serialises on the
-few hot bins), the grid change ~0.7 ms (some 60 one-element torch ops: a fixed
-cost per batch), the min / max read ~0.6 ms. The kernels here:
+Where the time went, per tensor, one batch of 3.1M float32 values (64 x 128 x 384
+activations with outlier channels) on one core, torch path: ``add_values`` ~5-7 ms
+(chunks of mul / floor / clamp / cast / ``index_add_``, each a pass, and
+``index_add_`` serialises on the few bins a batch crowds into), the grid change
+~0.7 ms (~60 one-element torch ops: a fixed cost per batch), the min / max read
+~0.6 ms (the floor: one ``torch.aminmax`` of the batch). The kernels:
 
-* :func:`bin_values`: ``add_values`` in one loop, index computation vectorized
-  (AVX2), increments into 8 interleaved int32 copies of the bins (values of one
-  batch crowd into a few bins; with one copy each increment waits for the
-  previous store to the same bin), flushed into the int64 counts; one unit's
-  values split across threads, or units across threads;
-* :func:`regrid`: ``update``'s range clamp and ``_regrid`` (the grid of the joined
-  range, the exact re-binning), per unit in C: microseconds instead of the torch
-  ops' fixed cost;
-* :func:`fused_update`: the steady state of a one-unit histogram in ONE read of
-  the batch: the min / max and the bins at the CURRENT exponent, into a window of
-  aligned bins wider than the histogram (absolute bins ``[first - B, first + 2B)``,
-  ``[0, 2B)`` for ``|x|``); then the new grid, old counts and window moved onto it
-  exactly (binning at ``e`` then merging bins by ``2 ** m`` equals binning at
-  ``e + m``: multiplying by a power of two is exact). A value outside the window, a
-  NaN / inf, or a tiny negative value that rounds to ``-0`` at the new exponent
-  (binned to zero by the torch path) is a miss: nothing is changed and the caller
-  runs the unfused path.
+* :func:`bin_values` (``add_values``): per block of 512 values the bin indices are
+  computed vectorized (AVX-512 / AVX2) into a buffer, then counted into 8
+  interleaved int32 copies of the bins (consecutive values in one bin would be one
+  chain of dependent increments; counting straight from the vector register waits
+  on each index's store-to-load: both measured 1.5-2x slower), flushed into the
+  int64 counts. The 16 adjacent bins that held most of the counts so far (or of a
+  sample) are counted in registers instead: 8-bit fields, ``1 << 8 (d - 4a)``
+  added to accumulator ``a`` (vpsllvd gives 0 outside the field, so no masks),
+  only the other values' indices are compressed out and counted in memory; used
+  when those bins hold >= 60 % and dropped mid-span if the batch does not follow.
+  One unit's values split over threads, or units over threads;
+* :func:`regrid`: ``update``'s range clamp and ``_regrid`` per unit in C
+  (microseconds, not the torch ops' fixed cost);
+* :func:`fused_update`: a one-unit histogram in ONE read of the batch: the
+  min / max and the bins at the CURRENT exponent into a window of aligned bins
+  wider than the histogram (absolute bins ``[first - B, first + 2B)``, ``[0, 2B)``
+  for ``|x|``; for an empty state the exponent of a sample's range, whose grid
+  the batch's can only coarsen, and ``[-4B, 4B)``); then the new grid, and old
+  counts and window moved onto it exactly (binning at ``e`` then merging bins by
+  ``2 ** m`` equals binning at ``e + m``: multiplying by a power of two is exact).
+  A value outside the window, a NaN / inf, or a negative value that rounds to
+  ``-0`` at the new exponent (the torch path bins it at 0, the window at -1) is a
+  miss: nothing changes and the caller takes the unfused path.
+
+Measured (bench_histogram speed(), one thread, shared machine, medians): observe
+per batch 1.5-1.7 ms against torch.ao's 18.6-19.2 ms (ratio 11-12.7); the kernel
+alone ~0.8-0.9 ms against ~0.55 ms for ``aminmax``; the Python around it ~0.07 ms.
 
 Every kernel mirrors the float32 operations of the torch reference in
 :mod:`quantscope.stats.histogram` (built with ``-ffp-contract=off``), so results

@@ -22,6 +22,10 @@ all of them. ``absolute=True`` histograms ``|x|`` from zero (``first = 0``).
 The same view describes a reference grid (torch.ao / Quark: ``bins`` bins
 between the first batch's min and max), so the estimators serve both;
 :func:`linear_counts` bins values exactly as ``torch.histc`` does.
+
+The torch code here is the reference; on CPU ``add_values`` and ``update``'s grid
+change run as C kernels that equal it bitwise (:mod:`.hist_kernel`, which says
+what each pass cost).
 """
 
 from __future__ import annotations
