@@ -111,6 +111,8 @@ def test_bin_values_declines_what_it_does_not_handle_and_copies_strided_units():
     assert HK.bin_values(c, x, e, f, False)
     assert torch.equal(c, H._add_values_torch(torch.zeros_like(c), x, e, f, False))
     assert not HK.bin_values(c.int(), torch.randn(1, 10), e, f, False)
+    big = torch.zeros(1, HK.MAX_BINS + 1, dtype=torch.int64)  # scratch would be too large
+    assert not HK.bin_values(big, torch.randn(1, 10), e[:1], f[:1], False)
 
 
 def _ranges(g, U, n):

@@ -676,8 +676,9 @@ _ARGTYPES = {
                       _P, _INT],
 }
 
-#: the fused pass keeps a window of up to 8 * bins int64 per thread; above this it is not used
-FUSED_MAX_BINS = 1 << 20
+#: bins above which the kernels are not used: a thread's scratch is 8 int32 copies of the
+#: bins (of the fused pass's window: up to 8 * bins), 16 MB at this size
+MAX_BINS = 1 << 16
 
 
 def _kernel():
@@ -710,7 +711,7 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     if (lib is None or units.requires_grad or not _cpu(units, torch.float32)
             or units.dim() != 2 or units.shape[0] != U or not _cpu(counts, torch.int64)
             or not _cpu(exp, torch.int64) or not _cpu(first, torch.int64)
-            or exp.shape != (U,) or first.shape != (U,) or B >= 1 << 24):
+            or exp.shape != (U,) or first.shape != (U,) or B > MAX_BINS):
         return False
     if units.numel() == 0:
         return True
@@ -759,7 +760,7 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
     if lib is None or units.dim() != 2 or units.shape[0] != 1:
         return None
     B = state[0].shape[1]
-    if (B > FUSED_MAX_BINS or units.requires_grad or not _cpu(units, torch.float32)
+    if (B > MAX_BINS or units.requires_grad or not _cpu(units, torch.float32)
             or not _state_ok(state, 1, B)):
         return None
     new = _new_state(1, B)
