@@ -108,13 +108,18 @@ def test_kernel_rules_are_the_torch_rules(name, monkeypatch):
     for seed in range(2):
         u, lo, hi = units_of(spec, weight(seed=seed))
         for kw in CONFIGS:
-            got = mse_search(u, lo, hi, spec, backend="kernel", **kw)
             with monkeypatch.context() as m:
                 m.setattr(mse_mod, "_tile_error", kernel_prices)
                 ref = mse_search(u, lo, hi, spec, backend="torch", chunk_elems=1 << 22, **kw)
-            for a, b in zip((got.lo, got.hi, got.index, got.error),
-                            (ref.lo, ref.hi, ref.index, ref.error.float())):
-                assert torch.equal(a, b), (name, seed, kw)
+            got = mse_search(u, lo, hi, spec, backend="kernel", **kw)
+            with monkeypatch.context() as m:  # chunks of 5 units, blocks of 8 candidates:
+                m.setattr(mse_mod, "_MIN_KERNEL_BLOCK", 1)  # the global rule is guessed,
+                m.setattr(mse_mod, "_MIN_KERNEL_UNITS", 5)  # then checked (and redone)
+                small = mse_search(u, lo, hi, spec, backend="kernel", chunk_elems=160, **kw)
+            for res in (got, small):
+                for a, b in zip((res.lo, res.hi, res.index, res.error),
+                                (ref.lo, ref.hi, ref.index, ref.error.float())):
+                    assert torch.equal(a, b), (name, seed, kw, res is small)
 
 
 def test_blocks_threads_and_subsets_do_not_change_the_answer(monkeypatch):
@@ -122,6 +127,7 @@ def test_blocks_threads_and_subsets_do_not_change_the_answer(monkeypatch):
     u, lo, hi = units_of(spec, weight(shape=(512, 512), seed=3))
     ref = mse_search(u, lo, hi, spec)
     monkeypatch.setattr(mse_mod, "_MIN_KERNEL_BLOCK", 1)
+    monkeypatch.setattr(mse_mod, "_MIN_KERNEL_UNITS", 1)
     old = torch.get_num_threads()
     try:
         for threads in (1, 2):

@@ -54,8 +54,10 @@ __all__ = [
 #: elements of one [candidates, units, elements] tile: ~4 MB per temporary, cache-friendly
 DEFAULT_CHUNK_ELEMS = 1 << 20
 _MIN_CHUNK_ELEMS = 1 << 16
-#: the kernel path's [candidates, units] qparams blocks: at least this many elements
+#: the kernel path's [candidates, units] qparams blocks: at least this many elements, and
+#: chunks of at least this many units
 _MIN_KERNEL_BLOCK = 1 << 17
+_MIN_KERNEL_UNITS = 256
 BACKENDS = (None, "torch", "kernel")
 
 
@@ -296,59 +298,86 @@ def _search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, e
     return st.lo, st.hi, st.err, st.idx
 
 
-def _kernel_block(chunk_elems: int, n_units: int) -> int:
-    """Candidates per kernel call: ``[k, units]`` qparams blocks (a few float32 matrices and
-    qparams_from_range's temporaries) of about a quarter tile, so well within the input."""
-    return max(1, max(chunk_elems // 4, _MIN_KERNEL_BLOCK) // max(1, n_units))
-
-
 def _search_kernel(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumbent,
                    global_amax, chunk_elems, early_stop, extend=(), **_):
     """:func:`_search` with the C kernel (:mod:`.mse_kernel`) pricing candidates and
-    applying the rules unit by unit: same rules, errors summed in float64."""
+    applying the same rules unit by unit (errors summed in float64).
+
+    Candidates' qparams are computed in ``[candidates, units]`` blocks of at most a
+    quarter tile (``chunk_elems / 4``, at least 2^17): the whole grid at once for chunks
+    of units, so each unit's data is read once for the grid and once for its extension.
+    The global rule couples all units; over several chunks it is first assumed not to
+    stop within the grid (the usual case with many units), and if it did, the search is
+    redone knowing where.
+    """
     def qparams(lo_c, hi_c):
         qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax, check_finite=False)
         return qp.effective_scale.expand_as(lo_c), qp.zero_point
 
     n_units = units.shape[0]
     st = mse_kernel.KernelState(units, spec)
-    rule = {"patience": patience, "per_unit": per_unit, "tie": tie,
-            "use_global": patience is not None}
     total = len(f_lo)
+    ext = list(extend) if extend and per_unit and patience is not None else []
     first_is_incumbent = (incumbent[0] is lo and incumbent[1] is hi and f_lo[0] == 1.0
-                          and f_hi[0] == 1.0)
-    f_lo = torch.tensor(f_lo, dtype=torch.float32)
-    f_hi = torch.tensor(f_hi, dtype=torch.float32)
-    cc = _kernel_block(chunk_elems, n_units)
-    for start in range(0, total, cc):
-        lo_c, hi_c = lo[None] * f_lo[start:start + cc, None], hi[None] * f_hi[start:start + cc, None]
-        init = 0
-        if start == 0:  # the min-max incumbent rides in the first block's qparams
-            init = 2 if first_is_incumbent else 1  # 2: the same row (lo * 1.0 is lo)
-            if init == 1:
-                lo_c = torch.cat((incumbent[0][None], lo_c))
-                hi_c = torch.cat((incumbent[1][None], hi_c))
-        live = st.step(start, lo_c, hi_c, *qparams(lo_c, hi_c), init=init, **rule)
-        if early_stop and patience is not None and live == 0:
-            break
-    if extend and per_unit and patience is not None:
-        ext = torch.tensor(extend, dtype=torch.float32)
-        rule["use_global"] = False  # the global rule's grid has ended
-        start = 0
-        while start < len(extend):
-            sub, l0, h0 = None, lo, hi
-            if early_stop:  # only the units still searching: fewer qparams to compute
-                keep = (~st.stopped).nonzero().squeeze(1)
-                if keep.numel() == 0:
-                    break
-                if keep.numel() < n_units:
-                    sub, l0, h0 = keep, lo[keep], hi[keep]
-            k = _kernel_block(chunk_elems, l0.shape[0])
-            f = ext[start:start + k, None]
-            lo_c, hi_c = l0[None] * f, h0[None] * f
-            st.step(total + start, lo_c, hi_c, *qparams(lo_c, hi_c), sub=sub, **rule)
-            start += k
-    return st.lo, st.hi, st.best.float(), st.idx.clone()
+                          and f_hi[0] == 1.0)  # then lo * 1.0 is the incumbent's row
+    f_lo = torch.tensor(list(f_lo) + ext, dtype=torch.float32)
+    f_hi = torch.tensor(list(f_hi) + ext, dtype=torch.float32)
+    use_global = patience is not None
+    rule = {"patience": patience, "per_unit": per_unit, "tie": tie}
+    budget = max(chunk_elems // 4, _MIN_KERNEL_BLOCK)
+    ub = min(n_units, max(_MIN_KERNEL_UNITS, budget // (total + 1)))  # units per chunk
+    kb = min(total, max(1, budget // ub))  # candidates per block
+    chunks = [(a, min(a + ub, n_units)) for a in range(0, n_units, ub)]
+    speculate = use_global and (len(chunks) > 1 or kb < total)
+
+    def run(gstop, flags):
+        for a, b in chunks:
+            rows = slice(a, b)
+            l0, h0 = lo[a:b], hi[a:b]
+            live = b - a
+            for i0 in range(0, total, kb):
+                i1 = min(i0 + kb, total)  # f_lo, f_hi go on with the extension
+                lo_c, hi_c = l0[None] * f_lo[i0:i1, None], h0[None] * f_hi[i0:i1, None]
+                init = 0
+                if i0 == 0:  # the min-max incumbent rides in the first block's qparams
+                    init = 2 if first_is_incumbent else 1
+                    if init == 1:
+                        lo_c = torch.cat((incumbent[0][a:b][None], lo_c))
+                        hi_c = torch.cat((incumbent[1][a:b][None], hi_c))
+                g = -1 if gstop is None else gstop - i0
+                live = st.step(i0, *qparams(lo_c, hi_c), units=rows, init=init,
+                               use_global=use_global, gstop=g,
+                               any_out=None if flags is None else flags[i0:i1], **rule)
+                if early_stop and gstop is not None and gstop <= i1 and live == 0:
+                    break  # every unit stopped, and the global rule too
+            start = 0
+            while ext and start < len(ext):
+                sub, l1, h1 = None, l0, h0
+                if early_stop:  # only the units still searching: fewer qparams to compute
+                    keep = (~st.stopped[a:b]).nonzero().squeeze(1)
+                    if keep.numel() == 0:
+                        break
+                    if keep.numel() < b - a:
+                        sub, l1, h1 = keep, l0[keep], h0[keep]
+                k = max(1, budget // l1.shape[0])
+                f = f_lo[total + start:total + start + k, None]
+                lo_c, hi_c = l1[None] * f, h1[None] * f
+                st.step(total + start, *qparams(lo_c, hi_c), units=rows, sub=sub,
+                        use_global=False, **rule)  # the global rule's grid has ended
+                start += k
+
+    if speculate:
+        flags = torch.zeros(total, dtype=torch.uint8)
+        run(1 << 62, flags)  # assuming the global rule does not stop within the grid
+        g = st.global_stop(flags, patience)
+        if g < total:  # it did, before candidate g: again, knowing it
+            run(g, None)
+    else:
+        run(None, None)
+    idx = st.idx.clone()
+    j, take = idx.clamp(min=0), idx >= 0  # the chosen candidates' ranges, built as before
+    return (torch.where(take, lo * f_lo[j], incumbent[0]),
+            torch.where(take, hi * f_hi[j], incumbent[1]), st.best.float(), idx)
 
 
 def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,

@@ -235,15 +235,12 @@ int64_t qs_mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
 /* ---- one block of candidates through the selection rules (mse._State.step) */
 typedef struct {
     const float *x; int64_t E; const int64_t *sub; int64_t n;
-    const float *sc; const int32_t *zp; const float *lo_c, *hi_c; int64_t k, i0;
-    float qmin, qmax;
+    const float *sc; const int32_t *zp; int64_t k, i0; float qmin, qmax;
     int64_t patience; int per_unit, tie_last;
-    double *best, *perr; int64_t *idx, *stale; uint8_t *stopped;
-    float *blo, *bhi, *psc, *pzp;
-    const float *isc; const int32_t *izp; const float *ilo, *ihi;  /* the incumbent [n],
-                                                                    or NULL */
+    double *best, *perr; int64_t *idx, *stale; uint8_t *stopped; float *psc, *pzp;
+    const float *isc; const int32_t *izp;  /* the incumbent [n]: starts the state, or NULL */
     double *err;      /* [k, n] priced before the walk, or NULL: priced during it */
-    uint8_t *any;     /* [threads, k]: some unit improved at candidate j */
+    uint8_t *any;     /* [threads, k]: some unit improved at candidate j, or NULL */
     int64_t gstop;    /* candidates j >= gstop see the global rule stopped */
 } step_t;
 
@@ -253,7 +250,6 @@ static void init_unit(step_t *c, int64_t i, int64_t u) {
     float z = (float)c->izp[i];
     double e = price1(c->x + u * c->E, c->E, c->isc[i], z, c->qmin, c->qmax);
     c->best[u] = e; c->perr[u] = e; c->psc[u] = c->isc[i]; c->pzp[u] = z;
-    c->blo[u] = c->ilo[i]; c->bhi[u] = c->ihi[i];
     c->idx[u] = -1; c->stale[u] = 0; c->stopped[u] = 0;
 }
 
@@ -277,15 +273,19 @@ static void dense_unit(void *p, int64_t i, int tid) {
     }
 }
 
+/* One unit through the block, pricing as it goes (or reading err): a unit that stops for
+   good is not priced further. With any: records which candidates improved it (before the
+   global rule stops every unit is active, so these are the global rule's flags). */
 static void walk_unit(void *p, int64_t i, int tid) {
     step_t *c = (step_t *)p;
     int64_t u = c->sub ? c->sub[i] : i;
     if (c->isc && !c->err) init_unit(c, i, u);
     const float *xu = c->x + u * c->E;
     double best = c->best[u], perr = c->perr[u];
-    float psc = c->psc[u], pzp = c->pzp[u], blo = c->blo[u], bhi = c->bhi[u];
+    float psc = c->psc[u], pzp = c->pzp[u];
     int64_t stale = c->stale[u], idx = c->idx[u];
     int stopped = c->stopped[u];
+    uint8_t *any = c->any && !c->err ? c->any + (int64_t)tid * c->k : NULL;
     for (int64_t j = 0; j < c->k; ++j) {
         int gs = j >= c->gstop;
         int active = c->patience <= 0 ? 1 : c->per_unit ? !(stopped && gs) : !gs;
@@ -296,7 +296,7 @@ static void walk_unit(void *p, int64_t i, int tid) {
         double e = c->err ? c->err[o] : same ? perr
                  : price1(xu, c->E, s, z, c->qmin, c->qmax);
         int better = c->tie_last ? e <= best : e < best;
-        if (better) { best = e; idx = c->i0 + j; blo = c->lo_c[o]; bhi = c->hi_c[o]; }
+        if (better) { best = e; idx = c->i0 + j; if (any) any[j] = 1; }
         if (c->patience > 0 && c->per_unit) {
             if (better) stale = 0;
             else if (!same) stale += 1;  /* a plateau of equal qparams is not evidence */
@@ -305,45 +305,61 @@ static void walk_unit(void *p, int64_t i, int tid) {
         psc = s; pzp = z; perr = e;
     }
     c->best[u] = best; c->perr[u] = perr; c->psc[u] = psc; c->pzp[u] = pzp;
-    c->blo[u] = blo; c->bhi[u] = bhi; c->stale[u] = stale; c->idx[u] = idx;
-    c->stopped[u] = (uint8_t)stopped;
+    c->stale[u] = stale; c->idx[u] = idx; c->stopped[u] = (uint8_t)stopped;
     (void)tid;
 }
 
-/* Candidates i0 .. i0 + k - 1 (rows of sc, zp, lo_c, hi_c [rows, n]) for units sub (all
-   when NULL). init 1: row 0 is the incumbent, which starts the state, and the candidates
-   are rows 1 .. k; init 2: row 0 is both the incumbent and the first candidate. g: the global rule's (stale, stopped) counters, used when use_global.
-   Returns how many of the n units are still searching after the block (-1: no memory). */
+/* The global rule over flags any[0 .. k) from counters g (stale, stopped): returns the
+   first index that sees it stopped (k + 1: none). */
+int64_t qs_mse_gstop(const uint8_t *any, int64_t k, int64_t patience, int64_t *g) {
+    if (g[1]) return 0;
+    for (int64_t j = 0; j < k; ++j) {
+        g[0] = any[j] ? 0 : g[0] + 1;
+        if (g[0] >= patience) { g[1] = 1; return j + 1; }
+    }
+    return k + 1;
+}
+
+/* Candidates i0 .. i0 + k - 1 (rows of sc, zp [rows, n]) for units sub (all when NULL).
+   init 1: row 0 is the incumbent, which starts the state, and the candidates are rows
+   1 .. k; init 2: row 0 is both the incumbent and the first candidate.
+   The global rule (use_global), counters g (stale, stopped): gstop < 0: this call decides
+   it, pricing the block for every unit first; else candidates j >= gstop of the block see
+   it stopped (the caller decided; a large gstop: not yet, and any_out [k] receives the
+   flags the rule needs, OR-ed in). Returns how many of the n units are still searching
+   after the block (-1: no memory). */
 int64_t qs_mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
-                    const float *sc, const int32_t *zp, const float *lo_c, const float *hi_c,
-                    int64_t k, int64_t i0, int init, double qmin, double qmax, int64_t patience,
-                    int per_unit, int use_global, int tie_last,
-                    double *best, double *perr, int64_t *idx, int64_t *stale,
-                    uint8_t *stopped, float *blo, float *bhi, float *psc, float *pzp,
-                    int64_t *g, int threads) {
+                    const float *sc, const int32_t *zp, int64_t k, int64_t i0, int init,
+                    double qmin, double qmax, int64_t patience, int per_unit, int use_global,
+                    int tie_last, double *best, double *perr, int64_t *idx, int64_t *stale,
+                    uint8_t *stopped, float *psc, float *pzp, int64_t *g, int64_t gstop,
+                    uint8_t *any_out, int threads) {
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
     int64_t r = init == 1 ? n : 0;  /* the candidates' first row */
-    step_t c = {x, E, sub, n, sc + r, zp + r, lo_c + r, hi_c + r, k, i0, (float)qmin,
-                (float)qmax, patience, per_unit, tie_last, best, perr, idx, stale, stopped,
-                blo, bhi, psc, pzp, init ? sc : NULL, init ? zp : NULL, init ? lo_c : NULL,
-                init ? hi_c : NULL, NULL, NULL, use_global ? k + 1 : 0};
+    step_t c = {x, E, sub, n, sc + r, zp + r, k, i0, (float)qmin, (float)qmax,
+                patience, per_unit, tie_last, best, perr, idx, stale, stopped, psc, pzp,
+                init ? sc : NULL, init ? zp : NULL, NULL, NULL, 0};
     double cost = (double)n * (k + (init == 1)) * E;
-    if (use_global && g[1]) c.gstop = 0;
-    if (use_global && !g[1] && patience > 0) {
-        c.err = (double *)malloc(sizeof(double) * (size_t)(n * k + 1));
+    int decide = use_global && patience > 0 && gstop < 0 && !g[1];
+    c.gstop = !use_global ? 0 : gstop >= 0 ? gstop : g[1] ? 0 : k + 1;
+    if (decide || any_out) {
         c.any = (uint8_t *)calloc((size_t)(threads * k + 1), 1);
-        if (!c.err || !c.any) { free(c.err); free(c.any); return -1; }
+        if (!c.any) return -1;
+    }
+    if (decide) {
+        c.err = (double *)malloc(sizeof(double) * (size_t)(n * k + 1));
+        if (!c.err) { free(c.any); return -1; }
         parallel(dense_unit, &c, n, threads, cost);
-        for (int64_t j = 0; j < k; ++j) {
-            int a = 0;
-            for (int t = 0; t < threads; ++t) a |= c.any[(int64_t)t * k + j];
-            g[0] = a ? 0 : g[0] + 1;
-            if (g[0] >= patience) { g[1] = 1; c.gstop = j + 1; break; }
-        }
+        for (int64_t j = 1; j < threads; ++j)
+            for (int64_t q = 0; q < k; ++q) c.any[q] |= c.any[j * k + q];
+        c.gstop = qs_mse_gstop(c.any, k, patience, g);
         cost = (double)n * k;  /* the walk reads prices */
     }
     parallel(walk_unit, &c, n, threads, cost);
+    if (any_out && !decide)
+        for (int64_t j = 0; j < threads; ++j)
+            for (int64_t q = 0; q < k; ++q) any_out[q] |= c.any[j * k + q];
     free(c.err);
     free(c.any);
     if (patience <= 0) return n;
@@ -362,9 +378,10 @@ _ARGTYPES = {
                   _P],
     "qs_mse_price": [_P, _I, _P, _I, _P, _P, _I, ctypes.c_double, ctypes.c_double, _P,
                      ctypes.c_int],
-    "qs_mse_step": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_double,
+    "qs_mse_step": [_P, _I, _P, _I, _P, _P, _I, _I, ctypes.c_int, ctypes.c_double,
                     ctypes.c_double, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P,
-                    _P, _P, _P, _P, _P, _P, _P, ctypes.c_int],
+                    _P, _P, _P, _P, _P, _I, _P, ctypes.c_int],
+    "qs_mse_gstop": [_P, _I, _I, _P],
 }
 
 
@@ -428,8 +445,9 @@ def dq(x: torch.Tensor, scale: float, zero_point: float, spec: QuantSpec) -> tor
 class KernelState:
     """The per-unit search state of ``mse._State``, in buffers the kernel updates in place.
 
-    The first :meth:`step` (``init=True``) takes the incumbent as row 0 of its block:
-    best so far (index -1) and previous qparams.
+    The first :meth:`step` of a unit (``init``) takes the incumbent as row 0 of its block:
+    best so far (index -1) and previous qparams. The chosen range is not kept: it is the
+    candidate ``idx`` (the caller rebuilds it from the factors, as it built the candidates).
     """
 
     def __init__(self, units: torch.Tensor, spec: QuantSpec):
@@ -438,31 +456,44 @@ class KernelState:
         self.qmin, self.qmax = float(spec.qmin), float(spec.qmax)
         f64 = torch.empty((2, n), dtype=torch.float64)
         self.best, self.perr = f64[0], f64[1]  # error of the best, of the previous candidate
-        i64 = torch.empty((2, n), dtype=torch.int64)
-        self.idx, self.stale = i64[0], i64[1]
+        self.idx = torch.empty(n, dtype=torch.int64)
+        self.stale = torch.empty(n, dtype=torch.int64)
         self.stopped = torch.empty(n, dtype=torch.bool)
-        self.lo, self.hi = torch.empty(n), torch.empty(n)  # the best range (returned)
         self.psc, self.pzp = torch.empty((2, n)).unbind(0)  # the previous candidate's qparams
         self.g = torch.zeros(2, dtype=torch.int64)  # the global rule: stale count, stopped
 
-    def step(self, i0, lo_c, hi_c, scale, zp, *, patience, per_unit, tie, use_global,
-             sub=None, init=0):
-        """Candidates ``i0 ..`` (ranges and encoded qparams ``[rows, n]``) for units ``sub``
-        (all if None); returns how many of them are still searching. ``init`` (first step):
-        1: row 0 is the incumbent, 2: row 0 is the incumbent and also candidate ``i0``."""
-        rows, n = lo_c.shape
+    def step(self, i0, scale, zp, *, patience, per_unit, tie, use_global, units=None,
+             sub=None, init=0, gstop=-1, any_out=None):
+        """Candidates ``i0 ..`` (encoded qparams ``[rows, n]``) for units ``sub`` (all if
+        None) of ``units`` (a ``slice`` of rows: the state's, offset; default all); returns
+        how many of them are still searching.
+
+        ``init`` (a unit's first step) 1: row 0 is the incumbent, 2: row 0 is the incumbent
+        and also candidate ``i0``. The global rule: ``gstop=-1`` decides it here (the block
+        is priced for every unit first); else candidates ``i0 + j``, ``j >= gstop`` see it
+        stopped, and ``any_out`` (uint8 ``[k]``) gathers the flags it needs.
+        """
+        rows, n = scale.shape[0], (zp.shape[1] if zp.dim() == 2 else scale.shape[1])
         sc, z = _f32(scale.expand(rows, n)), _i32(zp.expand(rows, n))
-        lo_c, hi_c = _f32(lo_c), _f32(hi_c)
         sub = None if sub is None else sub.to(torch.int64).contiguous()
+        a = 0 if units is None else units.start
+        x, E = self.units[a:], self.units.shape[1]
+
+        def at(t):
+            return t[a:].data_ptr()
+
         live = _lib().qs_mse_step(
-            self.units.data_ptr(), self.units.shape[1], None if sub is None else sub.data_ptr(),
-            n, sc.data_ptr(), z.data_ptr(), lo_c.data_ptr(), hi_c.data_ptr(),
-            rows - (init == 1), i0, int(init), self.qmin, self.qmax,
+            x.data_ptr(), E, None if sub is None else sub.data_ptr(), n, sc.data_ptr(),
+            z.data_ptr(), rows - (init == 1), i0, int(init), self.qmin, self.qmax,
             0 if patience is None else int(patience), int(per_unit), int(use_global),
-            int(tie == "last"), self.best.data_ptr(), self.perr.data_ptr(),
-            self.idx.data_ptr(), self.stale.data_ptr(), self.stopped.data_ptr(),
-            self.lo.data_ptr(), self.hi.data_ptr(), self.psc.data_ptr(), self.pzp.data_ptr(),
-            self.g.data_ptr(), _threads())
+            int(tie == "last"), at(self.best), at(self.perr), at(self.idx), at(self.stale),
+            at(self.stopped), at(self.psc), at(self.pzp), self.g.data_ptr(), int(gstop),
+            None if any_out is None else any_out.data_ptr(), _threads())
         if live < 0:
             raise MemoryError("mse kernel: could not allocate the block's scratch")
         return live
+
+    def global_stop(self, any_flags: torch.Tensor, patience: int) -> int:
+        """The global rule over gathered flags: the first candidate that sees it stopped."""
+        return _lib().qs_mse_gstop(any_flags.data_ptr(), any_flags.numel(), int(patience),
+                                   self.g.data_ptr())
