@@ -13,6 +13,11 @@ few tiles, within 2x the input for large inputs), and the only Python loops run
 over tiles and over the candidates of a chunk on ``[U]`` vectors, never over
 units, groups or blocks.
 
+For integer formats on CPU (squared error, not ``compat``) a C kernel
+(:mod:`.mse_kernel`) does the pricing and the rules below unit by unit instead, summing
+the exact fake-quant error in float64; only the candidates' qparams (from
+``qparams_from_range``) are computed in torch. ``backend="torch"`` forces the tiles.
+
 Selection rules (all evaluated on ``[U]`` vectors, candidate by candidate):
 
 * ``per_unit_patience=True`` (native): a unit stops after ``patience``

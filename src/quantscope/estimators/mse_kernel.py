@@ -19,9 +19,11 @@ does both in one call per block of candidates, with plain threads over units
   (per-unit patience with plateaus not counted, llm-compressor's global
   patience, tie first / last) to a block of candidates, on a unit-by-unit walk:
   a unit that has stopped for good is not priced any more. The global rule
-  needs every unit's error before it stops, so while it runs a block is priced
-  densely first (all units are active until it stops). Tests run the torch
-  ``_State`` on this kernel's prices and require the same choices bit for bit.
+  needs every unit's error before it stops (all units are active until then): a
+  block of all units is priced densely first; over several chunks of units the
+  caller assumes it does not stop, gathers its flags, and redoes the search if it
+  did. Tests run the torch ``_State`` on this kernel's prices and require the same
+  choices bit for bit.
 
 The scales and zero points of every candidate still come from
 :func:`~quantscope.qparams.qparams_from_range`; the kernel only scores them.
