@@ -233,6 +233,7 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
     const __m512 vinv = _mm512_set1_ps(inv), vff = _mm512_set1_ps(ff);
     const __m512 vzero = _mm512_setzero_ps(), vwm1 = _mm512_set1_ps(wm1);
     const __m512i vabs = _mm512_set1_epi32(0x7fffffff);
+    const __m512i vW = _mm512_set1_epi32(W), vWm1 = _mm512_set1_epi32(W - 1);
     const __m512i lane = _mm512_and_si512(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(COPIES - 1));
@@ -280,12 +281,16 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
             if (absolute) v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), vabs));
             v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
             v = _mm512_sub_ps(v, vff);
-            if (track)  /* outside [0, W - 1] or NaN: unordered compares are true */
-                vout |= _mm512_cmp_ps_mask(v, vzero, _CMP_NGE_UQ)
-                        | _mm512_cmp_ps_mask(v, vwm1, _CMP_NLE_UQ);
-            v = _mm512_max_ps(v, vzero);  /* NaN -> 0 (maxps returns the 2nd operand) */
-            v = _mm512_min_ps(v, vwm1);
-            __m512i k = _mm512_cvttps_epi32(v);
+            __m512i k;
+            if (track) {  /* a miss discards the bins: the index need only stay in [0, W) */
+                k = _mm512_cvttps_epi32(v);  /* NaN, beyond int32: 0x80000000 */
+                vout |= _mm512_cmpge_epu32_mask(k, vW);  /* negative: as unsigned, >= W */
+                k = _mm512_min_epu32(k, vWm1);
+            } else {
+                v = _mm512_max_ps(v, vzero);  /* NaN -> 0 (maxps returns the 2nd operand) */
+                v = _mm512_min_ps(v, vwm1);
+                k = _mm512_cvttps_epi32(v);
+            }
             __m512i kc = _mm512_add_epi32(_mm512_slli_epi32(k, 3), lane);  /* x COPIES */
             if (hot) {
                 __m512i d = _mm512_sub_epi32(k, vh0);
