@@ -563,20 +563,29 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     return clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
 
 
-def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The three ranges ``(lo, hi)`` ``[U, 3]`` :func:`l2_polished_range` picks from: the
-    search's (clipped to ``bounds``), then with ``lo`` moved, then with ``hi`` moved too
-    (``mix`` scores them among its own candidates)."""
+def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None, *,
+                 four=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranges ``(lo, hi)`` ``[U, K]`` :func:`l2_polished_range` picks from: the search's
+    (clipped to ``bounds``), then with ``lo`` moved, then with ``hi`` moved too. With a
+    4-point scorer ``four`` (``mix``), two more: each end moved again within 8 bins in
+    quarter bins, scored with 4 points per bin (``K = 5``)."""
     from .error import HistogramScorer
 
     lo, hi = l2_range(hist, dst_nbins)
     if bounds is not None:
         lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
     two = HistogramScorer(hist, spec, points=2)
-    lo1, hi1 = _move_end(two, hist, lo, hi, 0, radius, 1, 16, bounds)
-    lo2, hi2 = _move_end(two, hist, lo1, hi1, 1, radius, 1, 16, bounds)
-    return torch.stack([lo, lo1, lo2], 1), torch.stack([hi, hi1, hi2], 1)
+    los, his = [lo], [hi]
+    for side in (0, 1):
+        lo, hi = _move_end(two, hist, lo, hi, side, radius, 1, 16, bounds)
+        los.append(lo)
+        his.append(hi)
+    if four is not None:
+        for side in (0, 1):
+            lo, hi = _move_end(four, hist, lo, hi, side, 8, 4, 4, bounds)
+            los.append(lo)
+            his.append(hi)
+    return torch.stack(los, 1), torch.stack(his, 1)
 
 
 def _move_end(scorer, hist: Hist, lo, hi, side: int, radius: int, steps: int, coarse: int,

@@ -3,9 +3,11 @@
 Candidates (Horizon's MixObserver tries the percentiles; quantscope adds the
 other estimators): the percentiles 99.9, 99.99, 99.999 and 99.9999, the
 min / max, the histogram-MSE range, the entropy (KL) range and torch.ao's L2 search
-(polished, as the ``histogram`` observer). All are scored by the
-one scoring function, :func:`~quantscope.estimators.error.histogram_error`, with each
-bin's count spread over 4 points inside it (the polish of ``l2`` scores the same way).
+with the ``histogram`` observer's polish (its finalists, plus two finer moves of the
+ends in quarter bins). All are scored by the one scoring function,
+:func:`~quantscope.estimators.error.histogram_error` (one prepared
+:class:`~quantscope.estimators.error.HistogramScorer`), with each bin's count spread over
+4 points inside it.
 """
 
 from __future__ import annotations
@@ -57,13 +59,13 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
         los.append(a[:, None])
         his.append(b[:, None])
     n = sum(t.shape[1] for t in los)
-    if "l2" in candidates:  # l2_polished_range's four finalists, scored here with the rest
-        a, b = l2_finalists(hist, spec, default_dst_nbins(spec), bounds=(lo, hi))
+    if "l2" in candidates:  # l2_polished_range's finalists and two finer moves
+        a, b = l2_finalists(hist, spec, default_dst_nbins(spec), bounds=(lo, hi), four=four)
         los.append(a)
         his.append(b)
     clo = torch.maximum(torch.cat(los, 1), lo[:, None])
     chi = torch.minimum(torch.cat(his, 1), hi[:, None])
     err = four(clo, chi)
-    best = err.argmin(1, keepdim=True)  # the same pick as scoring l2_polished_range's choice
+    best = err.argmin(1, keepdim=True)  # first minimum: the earlier candidate on ties
     out = clo.gather(1, best)[:, 0], chi.gather(1, best)[:, 0]
     return (*out, best[:, 0].clamp(max=n)) if return_choice else out
