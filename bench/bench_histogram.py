@@ -71,7 +71,7 @@ def speed(batches):
     ours = {n: observe(lambda n=n: qs.get_observer(n, SPEC))() for n in ESTIMATORS}
     fns = {"torch.ao": ref.calculate_qparams}
     fns.update({n: o.calculate_qparams for n, o in ours.items()})
-    q = compare(fns, repeat=3, warmup=1)
+    q = compare(fns, repeat=7, warmup=1, min_time=0.02)  # short calls: loop to >= 20 ms
     for n in ESTIMATORS:
         t.add(f"qparams: {n}", 1e3 * q["torch.ao"], 1e3 * q[n], q["torch.ao"] / q[n], "")
     t.print()
