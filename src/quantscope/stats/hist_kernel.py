@@ -217,8 +217,8 @@ static void hot_flush(const __m512i *acc, int64_t *hot) {
    zero on entry and on return; value j goes to copy j % COPIES, so a run of values in one
    bin is not one chain of dependent increments). Per block of BUF values, the indices are
    computed vectorized into a buffer first, then counted: counting straight from the vector
-   register waits on each store-to-load of the index (measured 1.5-2x slower). */
-/* Returns the values it binned: all, or (hot path) fewer when the hot bins turn out to hold
+   register waits on each store-to-load of the index (measured 1.5-2x slower).
+   Returns the values it binned: all, or (hot path) fewer when the hot bins turn out to hold
    under half of the values seen (after 16 blocks): the caller bins the rest without them. */
 static inline __attribute__((always_inline)) int64_t
 bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int hot) {
