@@ -112,10 +112,10 @@ def test_kernel_rules_are_the_torch_rules(name, monkeypatch):
                 m.setattr(mse_mod, "_tile_error", kernel_prices)
                 ref = mse_search(u, lo, hi, spec, backend="torch", chunk_elems=1 << 22, **kw)
             got = mse_search(u, lo, hi, spec, backend="kernel", **kw)
-            with monkeypatch.context() as m:  # chunks of 5 units, blocks of 8 candidates:
-                m.setattr(mse_mod, "_MIN_KERNEL_BLOCK", 1)  # the global rule is guessed,
-                m.setattr(mse_mod, "_MIN_KERNEL_UNITS", 5)  # then checked (and redone)
-                small = mse_search(u, lo, hi, spec, backend="kernel", chunk_elems=160, **kw)
+            # chunks of 5 units, blocks of 8 candidates: the global rule is guessed, checked
+            with monkeypatch.context() as m:  # and, where it stopped in the grid, redone
+                m.setattr(mse_mod, "_MIN_KERNEL_UNITS", 5)
+                small = mse_search(u, lo, hi, spec, backend="kernel", chunk_elems=40, **kw)
             for res in (got, small):
                 for a, b in zip((res.lo, res.hi, res.index, res.error),
                                 (ref.lo, ref.hi, ref.index, ref.error.float())):
@@ -126,13 +126,12 @@ def test_blocks_threads_and_subsets_do_not_change_the_answer(monkeypatch):
     spec = SPECS["int4-g32"]
     u, lo, hi = units_of(spec, weight(shape=(512, 512), seed=3))
     ref = mse_search(u, lo, hi, spec)
-    monkeypatch.setattr(mse_mod, "_MIN_KERNEL_BLOCK", 1)
     monkeypatch.setattr(mse_mod, "_MIN_KERNEL_UNITS", 1)
     old = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for chunk in (4096, 40000):  # 1 and 2 candidates per block of 8192 units
+            for chunk in (4096, 40000):  # [candidates, units] blocks of 4096 and 32767
                 for early_stop in (True, False):
                     res = mse_search(u, lo, hi, spec, chunk_elems=chunk, early_stop=early_stop)
                     assert torch.equal(res.lo, ref.lo) and torch.equal(res.hi, ref.hi)

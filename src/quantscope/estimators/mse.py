@@ -59,9 +59,11 @@ __all__ = [
 #: elements of one [candidates, units, elements] tile: ~4 MB per temporary, cache-friendly
 DEFAULT_CHUNK_ELEMS = 1 << 20
 _MIN_CHUNK_ELEMS = 1 << 16
-#: the kernel path's [candidates, units] qparams blocks: at least this many elements, and
-#: chunks of at least this many units
-_MIN_KERNEL_BLOCK = 1 << 17
+#: the kernel path's [candidates, units] qparams blocks: at most this many elements, below
+#: torch's parallel grain (32768), so their torch ops run on one thread: with two, every op
+#: waits at OpenMP's barrier for a descheduled worker on a loaded machine (measured: 10x
+#: slower on the MiniLM weights at load 4). Chunks of at least this many units:
+_KERNEL_BLOCK = 32767
 _MIN_KERNEL_UNITS = 256
 BACKENDS = (None, "torch", "kernel")
 
@@ -308,8 +310,8 @@ def _search_kernel(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, 
     """:func:`_search` with the C kernel (:mod:`.mse_kernel`) pricing candidates and
     applying the same rules unit by unit (errors summed in float64).
 
-    Candidates' qparams are computed in ``[candidates, units]`` blocks of at most a
-    quarter tile (``chunk_elems / 4``, at least 2^17): the whole grid at once for chunks
+    Candidates' qparams are computed in ``[candidates, units]`` blocks of at most
+    ``_KERNEL_BLOCK`` (and ``chunk_elems``) elements: the whole grid at once for chunks
     of units, so each unit's data is read once for the grid and once for its extension.
     The global rule couples all units; over several chunks it is first assumed not to
     stop within the grid (the usual case with many units), and if it did, the search is
@@ -329,7 +331,7 @@ def _search_kernel(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, 
     f_hi = torch.tensor(list(f_hi) + ext, dtype=torch.float32)
     use_global = patience is not None
     rule = {"patience": patience, "per_unit": per_unit, "tie": tie}
-    budget = max(chunk_elems // 4, _MIN_KERNEL_BLOCK)
+    budget = max(1, min(chunk_elems, _KERNEL_BLOCK))
     ub = min(n_units, max(_MIN_KERNEL_UNITS, budget // (total + 1)))  # units per chunk
     kb = min(total, max(1, budget // ub))  # candidates per block
     chunks = [(a, min(a + ub, n_units)) for a in range(0, n_units, ub)]
