@@ -315,6 +315,28 @@ def test_kernel_on_large_inputs(E, monkeypatch):
     assert lo[1].isnan() and hi[1].isnan()
 
 
+@pytest.mark.parametrize("U, E", [(7, 4096), (64, 16), (3, 100)])
+def test_kernel_threads_split_units(U, E, monkeypatch):
+    # the split over threads (used from 4M elements) gives the same per-unit results
+    monkeypatch.setattr(stats, "KERNEL_MIN_NUMEL", 0)
+    monkeypatch.setattr(stats, "THREAD_MIN_NUMEL", 1)
+    u = rand(U, E, seed=U)
+    u[U // 2, 1] = float("nan")
+    ends = torch.empty(2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        lo, hi = stats.unit_minmax(u, ends=ends)
+        clo, chi = stats.column_minmax(u.t().contiguous())
+    finally:
+        torch.set_num_threads(before)
+    rlo, rhi = stats.torch_unit_minmax(u)
+    for got in ((lo, hi), (clo, chi)):
+        assert torch.equal(got[0].nan_to_num(7), rlo.nan_to_num(7))
+        assert torch.equal(got[1].nan_to_num(7), rhi.nan_to_num(7))
+    assert ends.isnan().all()
+
+
 def test_kernel_is_built_here():
     # the project machines have a C compiler: the fast path must not silently fall back
     import shutil
