@@ -33,64 +33,26 @@ __all__ = ["ELEMENT_BUDGET", "HistogramScorer", "histogram_error"]
 #: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
 ELEMENT_BUDGET = 1 << 18
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <math.h>
-#include <pthread.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
-/* sum_p w[p] * ((clamp(rint(x[p] / s + z), lo, hi) - z) * s - x[p])^2, float32 steps */
+_SOURCE = native.FAKE_QUANT_C + r"""
+/* sum_p w[p] * d[p]^2 with d the fake-quant error of x[p] under (s, z) (native.FAKE_QUANT_C's
+   float32 steps), each d widened to float64 */
 static double score(const float *x, const double *w, int64_t P, float s, float z, float lo,
                     float hi) {
     int64_t p = 0;
-    double acc = 0.0, acc16 = 0.0;
-#ifdef __AVX512F__
-    {
-        __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
-        __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
-        __m512d b0 = _mm512_setzero_pd(), b1 = _mm512_setzero_pd();
-        for (; p + 16 <= P; p += 16) {
-            __m512 c = _mm512_loadu_ps(x + p);
-            __m512 t = _mm512_add_ps(_mm512_div_ps(c, vs), vz);
-            t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            t = _mm512_min_ps(_mm512_max_ps(t, vlo), vhi);
-            __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(t, vz), vs), c);
-            __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
-            __m512d d1 = _mm512_cvtps_pd(
-                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
-            b0 = _mm512_add_pd(b0, _mm512_mul_pd(_mm512_mul_pd(d0, d0), _mm512_loadu_pd(w + p)));
-            b1 = _mm512_add_pd(b1, _mm512_mul_pd(_mm512_mul_pd(d1, d1),
-                                                 _mm512_loadu_pd(w + p + 8)));
-        }
-        acc16 = _mm512_reduce_add_pd(_mm512_add_pd(b0, b1));
+    double acc = 0.0;
+#ifdef VW
+    const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(lo), vhi = VSET1(hi);
+    vd a0 = DZERO(), a1 = DZERO();
+    for (; p + VW <= P; p += VW) {
+        vf d = dqv(VLOAD(x + p), vs, vz, vlo, vhi, 0);
+        vd d0 = DLO(d), d1 = DHI(d);
+        a0 = DADD(a0, DMUL(DMUL(d0, d0), DLOAD(w + p)));
+        a1 = DADD(a1, DMUL(DMUL(d1, d1), DLOAD(w + p + VW / 2)));
     }
+    acc = DSUM(DADD(a0, a1));
 #endif
-#ifdef __AVX2__
-    __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
-    __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
-    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
-    for (; p + 8 <= P; p += 8) {
-        __m256 c = _mm256_loadu_ps(x + p);
-        __m256 t = _mm256_add_ps(_mm256_div_ps(c, vs), vz);
-        t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        t = _mm256_min_ps(_mm256_max_ps(t, vlo), vhi);
-        __m256 d = _mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(t, vz), vs), c);
-        __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d));
-        __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
-        a0 = _mm256_add_pd(a0, _mm256_mul_pd(_mm256_mul_pd(d0, d0), _mm256_loadu_pd(w + p)));
-        a1 = _mm256_add_pd(a1, _mm256_mul_pd(_mm256_mul_pd(d1, d1), _mm256_loadu_pd(w + p + 4)));
-    }
-    double buf[4];
-    _mm256_storeu_pd(buf, _mm256_add_pd(a0, a1));
-    acc = (buf[0] + buf[1]) + (buf[2] + buf[3]);
-#endif
-    acc += acc16;
     for (; p < P; ++p) {
-        float t = rintf(x[p] / s + z);
-        t = t < lo ? lo : (t > hi ? hi : t);
-        double d = (double)((t - z) * s - x[p]);
+        double d = (double)dq1(x[p], s, z, lo, hi);
         acc += d * d * w[p];
     }
     return acc;
