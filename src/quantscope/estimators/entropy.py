@@ -52,7 +52,7 @@ __all__ = ["entropy_amax", "entropy_divergences", "entropy_range"]
 
 _BUDGET = 1 << 18
 
-_SOURCE = r"""
+_SOURCE = native.THREADS_C + r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
@@ -169,29 +169,18 @@ static void *run(void *arg) {
 int64_t qs_entropy(const double *b, const int64_t *stop, double *out, int64_t *pick, int64_t U,
                    int64_t B, int64_t start, int64_t stride, int64_t C, int64_t shift,
                    int64_t threads) {
-    if (threads > 64) threads = 64;
+    if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads > U) threads = U;
     if (threads < 1) threads = 1;
-    pthread_t tid[64];
-    job_t jobs[64];
-    int started[64] = {0};
-    int64_t bad = 0;
+    job_t jobs[QS_MAXT];
     for (int64_t t = 0; t < threads; ++t) {
         int64_t nq = (int64_t)1 << shift, S = (B + nq - 1) / nq + 1;
         /* int32 lanes hold g * i + nq and the table index */
         int64_t simd = nq * (B + 2) < ((int64_t)1 << 31) && (B + 1) * S < ((int64_t)1 << 31);
         jobs[t] = (job_t){b, stop, out, pick, B, start, stride, C, nq, shift,
                           U * t / threads, U * (t + 1) / threads, simd};
-        if (t > 0) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
     }
-    bad |= run(&jobs[0]) != NULL;
-    for (int64_t t = 1; t < threads; ++t) {
-        void *r = NULL;
-        if (started[t]) pthread_join(tid[t], &r);
-        else r = run(&jobs[t]);
-        bad |= r != NULL;
-    }
-    return bad;
+    return qs_run_jobs(run, jobs, sizeof jobs[0], (int)threads);
 }
 """
 _I = ctypes.c_int64

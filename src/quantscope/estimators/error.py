@@ -33,7 +33,7 @@ __all__ = ["ELEMENT_BUDGET", "HistogramScorer", "histogram_error"]
 #: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
 ELEMENT_BUDGET = 1 << 18
 
-_SOURCE = native.FAKE_QUANT_C + r"""
+_SOURCE = native.THREADS_C + native.FAKE_QUANT_C + r"""
 /* sum_p w[p] * d[p]^2 with d the fake-quant error of x[p] under (s, z) (native.FAKE_QUANT_C's
    float32 steps), each d widened to float64 */
 static double score(const float *x, const double *w, int64_t P, float s, float z, float lo,
@@ -78,22 +78,14 @@ int64_t qs_hist_error(const float *x, const double *w, const float *s, const flo
                       double *out, int64_t U, int64_t C, int64_t P, double lo, double hi,
                       int64_t threads) {
     int64_t n = U * C;
-    if (threads > 64) threads = 64;
+    if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads > n) threads = n;
     if (threads < 1) threads = 1;
-    pthread_t tid[64];
-    job_t jobs[64];
-    int started[64] = {0};
-    for (int64_t t = 0; t < threads; ++t) {
+    job_t jobs[QS_MAXT];
+    for (int64_t t = 0; t < threads; ++t)
         jobs[t] = (job_t){x, w, s, z, out, C, P, n * t / threads, n * (t + 1) / threads,
                           (float)lo, (float)hi};
-        if (t > 0) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
-    }
-    run(&jobs[0]);
-    for (int64_t t = 1; t < threads; ++t) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else run(&jobs[t]);
-    }
+    qs_run_jobs(run, jobs, sizeof jobs[0], (int)threads);
     return 0;
 }
 
@@ -140,22 +132,14 @@ int64_t qs_line_argmin(const float *x, const double *w, const float *s, const fl
                        int64_t *idx, double *err, int64_t L, int64_t G, int64_t n, int64_t P,
                        double lo, double hi, int64_t mid, const int64_t *lv, int64_t nlv,
                        int64_t first, int64_t threads) {
-    if (threads > 64) threads = 64;
+    if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads > L) threads = L;
     if (threads < 1) threads = 1;
-    pthread_t tid[64];
-    ljob_t jobs[64];
-    int started[64] = {0};
-    for (int64_t t = 0; t < threads; ++t) {
+    ljob_t jobs[QS_MAXT];
+    for (int64_t t = 0; t < threads; ++t)
         jobs[t] = (ljob_t){x, w, s, z, idx, err, lv, nlv, G, n, P, mid, first,
                            L * t / threads, L * (t + 1) / threads, (float)lo, (float)hi};
-        if (t > 0) started[t] = pthread_create(&tid[t], NULL, line_run, &jobs[t]) == 0;
-    }
-    line_run(&jobs[0]);
-    for (int64_t t = 1; t < threads; ++t) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else line_run(&jobs[t]);
-    }
+    qs_run_jobs(line_run, jobs, sizeof jobs[0], (int)threads);
     return 0;
 }
 

@@ -41,7 +41,7 @@ from ..spec import QuantSpec
 
 __all__ = ["KernelState", "available", "dq", "price", "usable"]
 
-_SOURCE = native.FAKE_QUANT_C + r"""
+_SOURCE = native.THREADS_C + native.FAKE_QUANT_C + r"""
 #include <stdlib.h>
 
 /* The error of one unit under (s, z): squares d * d in float32, summed in float32 over
@@ -116,7 +116,7 @@ static void *work(void *p) {
     return NULL;
 }
 
-/* Plain threads joined before returning (no OpenMP: its pool spins and slows torch's). */
+/* fn over units 0 .. n in dynamic chunks, on qs_run_jobs threads. */
 static void parallel(unit_fn fn, void *ctx, int64_t n, int threads, double work_elems) {
     /* a thread per ~16M element-ops (~2 ms): a worker preempted while it holds units (a
        shared machine, torch's OpenMP workers still spinning) stalls the join for a time
@@ -124,21 +124,15 @@ static void parallel(unit_fn fn, void *ctx, int64_t n, int threads, double work_
     int64_t most = (int64_t)(work_elems / (1 << 24)) + 1;
     if (threads > most) threads = (int)most;
     if (threads > n) threads = (int)n;
-    if (threads > 64) threads = 64;
+    if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
     int64_t next = 0, chunk = n / (threads * 16);
     if (chunk < 1) chunk = 1;
-    pthread_t tid[64];
-    worker_t w[64];
-    int started[64] = {0};
-    for (int t = 0; t < threads; ++t) {
+    worker_t w[QS_MAXT];
+    for (int t = 0; t < threads; ++t)
         w[t] = (worker_t){fn, ctx, n, chunk, &next, t};
-        if (t > 0) started[t] = pthread_create(&tid[t], NULL, work, &w[t]) == 0;
-    }
-    work(&w[0]);
-    for (int t = 1; t < threads; ++t)
-        if (started[t]) pthread_join(tid[t], NULL);  /* a thread that failed to start: the
-                                                        others took its chunks */
+    qs_run_jobs(work, w, sizeof w[0], threads);  /* the workers share `next`: a job run late
+                                                    finds its chunks taken */
 }
 
 /* ---- dense pricing: out[j, i] for candidates j < k of unit sub[i] (or i) */

@@ -53,7 +53,7 @@ from .. import native
 
 __all__ = ["available", "bin_values", "fused_update", "regrid"]
 
-_SOURCE = r"""
+_SOURCE = native.THREADS_C + r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,7 +72,6 @@ _SOURCE = r"""
 #if COPIES != 8
 #error the vector loops multiply by COPIES with a shift of 3
 #endif
-#define MAXT 64
 
 /* pow2(): exactly 2**e as float32, from the bits */
 static float pow2f(int64_t e) {
@@ -455,16 +454,14 @@ static void *srun(void *p) {
 /* One span split over threads; each its own copies and int64 bins, summed into s->out; the
    trackers combined. 0: out of memory. */
 static int bin_split(span_t *s, int threads) {
-    if (threads > MAXT) threads = MAXT;
+    if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1 || s->n < ((int64_t)1 << 16)) threads = 1;
     int64_t *work = NULL;
     if (threads > 1) {
         work = (int64_t *)calloc((size_t)(threads - 1) * s->W, sizeof(int64_t));
         if (!work) threads = 1;
     }
-    pthread_t tid[MAXT];
-    sjob_t jobs[MAXT];
-    int started[MAXT] = {0};
+    sjob_t jobs[QS_MAXT];
     for (int t = 0; t < threads; ++t) {
         int64_t a = s->n * t / threads, b = s->n * (t + 1) / threads;
         jobs[t].s = *s;
@@ -473,15 +470,10 @@ static int bin_split(span_t *s, int threads) {
         jobs[t].s.out = t == 0 ? s->out : work + (int64_t)(t - 1) * s->W;
         jobs[t].cp = NULL;
         jobs[t].ok = 0;
-        if (t > 0) started[t] = pthread_create(&tid[t], NULL, srun, &jobs[t]) == 0;
     }
-    srun(&jobs[0]);
+    qs_run_jobs(srun, jobs, sizeof jobs[0], threads);
     int ok = jobs[0].ok;
-    for (int t = 1; t < threads; ++t) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else srun(&jobs[t]);
-        ok &= jobs[t].ok;
-    }
+    for (int t = 1; t < threads; ++t) ok &= jobs[t].ok;
     span_t *r = &jobs[0].s;
     for (int t = 1; t < threads; ++t) {
         span_t *o = &jobs[t].s;
@@ -555,7 +547,7 @@ static void *urun(void *p) {
    threads; one unit: its values over threads. 0: out of memory. */
 int64_t qs_hist_bin(const float *x, int64_t U, int64_t E, int64_t B, int64_t *counts,
                     const int64_t *exp, const int64_t *first, int absolute, int threads) {
-    if (threads > MAXT) threads = MAXT;
+    if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
     if (U == 1) {
         float inv = pow2f(-exp[0]), ff = (float)first[0];
@@ -566,21 +558,13 @@ int64_t qs_hist_bin(const float *x, int64_t U, int64_t E, int64_t B, int64_t *co
         return bin_split(&s, threads);
     }
     if (threads > U) threads = (int)U;
-    pthread_t tid[MAXT];
-    ujob_t jobs[MAXT];
-    int started[MAXT] = {0};
-    for (int t = 0; t < threads; ++t) {
+    ujob_t jobs[QS_MAXT];
+    for (int t = 0; t < threads; ++t)
         jobs[t] = (ujob_t){x, E, U * t / threads, U * (t + 1) / threads, B, exp, first, counts,
                            absolute, 0};
-        if (t > 0) started[t] = pthread_create(&tid[t], NULL, urun, &jobs[t]) == 0;
-    }
-    urun(&jobs[0]);
+    qs_run_jobs(urun, jobs, sizeof jobs[0], threads);
     int ok = jobs[0].ok;
-    for (int t = 1; t < threads; ++t) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else urun(&jobs[t]);
-        ok &= jobs[t].ok;
-    }
+    for (int t = 1; t < threads; ++t) ok &= jobs[t].ok;
     return ok;
 }
 

@@ -25,7 +25,7 @@ __all__ = ["column_minmax", "ema_", "kernel_available", "layout_minmax", "torch_
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
 
-_SOURCE = r"""
+_SOURCE = native.THREADS_C + r"""
 #include <stdint.h>
 #include <math.h>
 #include <pthread.h>
@@ -173,23 +173,16 @@ static void *crun(void *p) {
 /* Per-column min / max of [R, C]; work (threads x 3C floats) is scratch from the caller. */
 void qs_col_minmax(const float *x, int64_t R, int64_t C, float *lo, float *hi, float *work,
                    int threads) {
-    if (threads > 64) threads = 64;
+    if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
-    pthread_t tid[64];
-    cjob_t jobs[64];
-    int started[64] = {0};
+    cjob_t jobs[QS_MAXT];
     for (int t = 0; t < threads; ++t) {
         float *l = work + (int64_t)t * 3 * C, *h = l + C;
         int32_t *n = (int32_t *)(h + C);
         for (int64_t c = 0; c < C; ++c) { l[c] = INFINITY; h[c] = -INFINITY; n[c] = 0; }
         jobs[t] = (cjob_t){x, C, R * t / threads, R * (t + 1) / threads, l, h, n};
-        if (t > 0) started[t] = pthread_create(&tid[t], NULL, crun, &jobs[t]) == 0;
     }
-    crun(&jobs[0]);
-    for (int t = 1; t < threads; ++t) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else crun(&jobs[t]);
-    }
+    qs_run_jobs(crun, jobs, sizeof jobs[0], threads);
     for (int64_t c = 0; c < C; ++c) {
         float l = INFINITY, h = -INFINITY;
         int bad = 0;
@@ -242,25 +235,15 @@ static void *run(void *p) {
     return NULL;
 }
 
-/* Plain threads, joined before returning: an OpenMP pool would keep spinning after the
-   call and slow down torch's own (separate) thread pool. */
 void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, float *ends,
                     int threads, int mode, double c, float *slo, float *shi) {
-    if (threads > 64) threads = 64;
+    if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
-    pthread_t tid[64];
-    job_t jobs[64];
-    int started[64] = {0};
-    for (int t = 0; t < threads; ++t) {
+    job_t jobs[QS_MAXT];
+    for (int t = 0; t < threads; ++t)
         jobs[t] = (job_t){x, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0},
                           mode, (float)c, (float)(1.0 - c), slo, shi};
-        if (t > 0) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
-    }
-    run(&jobs[0]);
-    for (int t = 1; t < threads; ++t) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else run(&jobs[t]);  /* could not start a thread: do its share here */
-    }
+    qs_run_jobs(run, jobs, sizeof jobs[0], threads);
     float l = jobs[0].ends[0], h = jobs[0].ends[1];
     for (int t = 1; t < threads; ++t) {
         float a = jobs[t].ends[0], b = jobs[t].ends[1];
