@@ -106,20 +106,6 @@ def test_l2_kernel_terms_sum_to_l2_norms_bitwise(bins):
         assert torch.equal(terms.sum(-1).double(), l2.l2_norms(h, s, e, 256))
 
 
-def test_l2_polish_lines_kernel_equals_torch():
-    from quantscope.estimators import l2
-
-    g = torch.Generator().manual_seed(12)
-    lo, hi = -torch.rand(3, generator=g) * 5, torch.rand(3, generator=g) * 5
-    w = (hi - lo) / 256
-    for bounds in (None, (lo + 0.1, hi - 0.1)):
-        for radius, steps in ((64, 2), (8, 4), (300, 1)):  # 300 bins: lines cross the range
-            for side in (-1, 0, 1):
-                a = l2._lines(lo, hi, w, bounds, radius, steps, side=side)
-                b = l2._lines(lo, hi, w, bounds, radius, steps, kernel=False, side=side)
-                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
 @pytest.mark.parametrize("kw", [{}, {"qscheme": torch.per_tensor_symmetric, "dtype": torch.qint8},
                                 {"bins": 256}, {"reduce_range": True},
                                 {"quant_min": 0, "quant_max": 15}])
@@ -318,12 +304,14 @@ def test_histogram_mse_picks_the_least_error_candidate(fmt, sym):
     np.testing.assert_allclose(got.numpy(), errs, rtol=1e-9)
 
 
-@pytest.mark.parametrize("sym,bits,points", [(False, 8, 1), (True, 8, 2), (False, 4, 4)])
-def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points):
+@pytest.mark.parametrize("sym,bits,points,scale", [(False, 8, 1, "fp32"), (True, 8, 2, "fp32"),
+                                                   (False, 4, 4, "fp32"), (False, 8, 2, "pow2")])
+def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points, scale):
+    # fp32 scales: the kernel derives (scale, zero point) itself; pow2: torch hands them over
     torch.manual_seed(10)
     x = torch.randn(3, 30000) * torch.tensor([[1.0], [3.0], [0.2]]) + 0.3
     x[0, :3] = 50
-    spec = qs.QuantSpec(f"int{bits}", "channel:0", symmetric=sym)
+    spec = qs.QuantSpec(f"int{bits}", "channel:0", symmetric=sym, scale=scale)
     o = qs.get_observer("percentile", spec, bins=512)
     o(x)
     h = o.current_histogram()
@@ -338,14 +326,27 @@ def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points):
 
     k, t = (HistogramScorer(h, spec, points=points, kernel=kk) for kk in (True, False))
     assert torch.equal(k.centers, t.centers) and torch.equal(k.counts, t.counts)
-    # line_argmin: the kernel visits only its candidates, the torch path scores them all
-    lines = lo.reshape(3, 1, 97), hi.reshape(3, 1, 97)
-    for mid, coarse, first in ((48, 8, False), (0, 5, True), (10, 1, True), (50, (24, 5, 1), False),
-                              (3, (16, 4), True)):
-        ik, ek = k.line_argmin(*lines, mid, coarse, first=first)
-        it, et = t.line_argmin(*lines, mid, coarse, first=first, kernel=False)
-        assert torch.equal(ik, it)
-        torch.testing.assert_close(ek, et, rtol=1e-12, atol=0)
+    # line_argmin: the kernel builds and prices only the candidates it visits, the torch
+    # path builds the whole line (Line.ranges), scores all and picks by the same rule
+    from quantscope.estimators.error import Line
+
+    w = h.width
+    lines = [(Line.move(lo[:, 40], hi[:, 60], w, side, radius, steps, bounds), mid, coarse,
+              first)
+             for side, radius, steps, mid, coarse, first in (
+                 (0, 64, 1, 64, 8, False), (1, 8, 4, 32, 4, False), (1, 300, 1, 300, (24, 5, 1),
+                                                                     True),
+                 (0, 20, 2, 3, (16, 4), True), (0, 5, 1, 5, 1, False))
+             for bounds in (None, (o.min_vals + 0.01, o.max_vals - 0.01))]
+    lines += [(Line.centres(w, start, stride, n, bounds), 0, coarse, True)
+              for start, stride, n, coarse in ((100, 1, 400, 16), (3, 7, 60, 5))
+              for bounds in (None, (o.min_vals, o.max_vals))]
+    for line, mid, coarse, first in lines:
+        bk = k.line_argmin(line, mid, coarse, first=first)
+        bt = t.line_argmin(line, mid, coarse, first=first, kernel=False)
+        assert torch.equal(bk.index, bt.index)
+        assert torch.equal(bk.lo, bt.lo) and torch.equal(bk.hi, bt.hi)
+        torch.testing.assert_close(bk.error, bt.error, rtol=1e-12, atol=0)
 
 
 def test_mix_keeps_the_least_error_candidate_per_unit():
@@ -442,7 +443,7 @@ def test_registry_names():
 
 
 def test_polish_never_raises_the_histogram_error_and_stays_in_bounds():
-    from quantscope.estimators.l2 import l2_polished_range, polish_range
+    from quantscope.estimators.l2 import l2_polished_range
 
     torch.manual_seed(8)
     x = torch.randn(4, 5000) * torch.tensor([[1.0], [0.1], [5.0], [2.0]]) + 0.5
@@ -455,11 +456,9 @@ def test_polish_never_raises_the_histogram_error_and_stays_in_bounds():
     assert torch.equal(torch.stack(o.calculate_range()), torch.stack((lo, hi)).clamp(
         o.min_vals, o.max_vals))  # polish=0: torch.ao's search, clipped to the data
     b = (o.min_vals, o.max_vals)
-    plo, phi = polish_range(h, lo, hi, spec, 32, bounds=b)
+    plo, phi = l2_polished_range(h, spec, 256, bounds=b)
     before = histogram_error(h, lo.clamp(min=b[0])[:, None], hi.clamp(max=b[1])[:, None], spec,
                              points=4)
     after = histogram_error(h, plo[:, None], phi[:, None], spec, points=4)
     assert bool((after <= before).all())
     assert bool((plo >= b[0]).all() and (phi <= b[1]).all())
-    lo2, hi2 = l2_polished_range(h, spec, 256, bounds=b)
-    assert bool((lo2 >= b[0]).all() and (hi2 <= b[1]).all())

@@ -28,7 +28,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["FAKE_QUANT_C", "FLAGS", "THREADS_C", "cache_dir", "disabled", "load"]
+__all__ = ["FAKE_QUANT_C", "FLAGS", "QPARAMS_C", "THREADS_C", "cache_dir", "disabled", "load",
+           "qparams_consts"]
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
          "-std=gnu99"]
@@ -146,6 +147,51 @@ static inline double DSUM(vd a) {
 #endif
 
 """
+
+#: C prelude of the kernels that search ranges (the histogram error's line search): the
+#: integer branch of :func:`quantscope.qparams.qparams_from_range` with fp32 scales, the same
+#: float32 steps in its order, so a kernel can price candidate ranges it generates itself
+#: (tests compare it with qparams_from_range bitwise). ``q`` holds :func:`qparams_consts`.
+QPARAMS_C = r"""
+#include <math.h>
+#include <float.h>
+
+/* q: qmin, qmax, min_scale, symmetric (0 / 1), the symmetric zero point */
+static inline void qs_qparams(float lo, float hi, const double *q, float *s, float *z) {
+    const float qmin = (float)q[0], qmax = (float)q[1];
+    lo = 0.0f < lo ? 0.0f : lo;                      /* lo.clamp(max=0) */
+    hi = hi < 0.0f ? 0.0f : hi;                      /* hi.clamp(min=0) */
+    float scale;
+    if (q[3] != 0.0) {
+        float amax = -lo < hi ? hi : -lo;            /* torch.maximum(-lo, hi) */
+        scale = amax / ((qmax - qmin) / 2.0f);
+    } else {
+        scale = (hi - lo) / (qmax - qmin);
+        if (!isfinite(scale)) scale = hi / (qmax - qmin) - lo / (qmax - qmin);
+    }
+    if (scale < (float)q[2]) scale = (float)q[2];    /* clamp(min=min_scale) */
+    if (scale < 0x1p-149f) scale = 0x1p-149f;        /* encode_scale fp32: subnormal min */
+    if (scale > FLT_MAX) scale = FLT_MAX;
+    *s = scale;
+    if (q[3] != 0.0) { *z = (float)q[4]; return; }
+    float t = nearbyintf(qmin - lo / scale);
+    *z = t < qmin ? qmin : (t > qmax ? qmax : t);
+}
+"""
+
+
+def qparams_consts(spec) -> list[float] | None:
+    """:data:`QPARAMS_C`'s constants for ``spec``, or None where it does not apply (float
+    formats, scale encodings other than fp32): those price with qparams_from_range."""
+    from .formats import IntFormat
+
+    fmt = spec.format
+    if not isinstance(fmt, IntFormat) or spec.scale.kind != "fp32":
+        return None
+    qmin, qmax = float(spec.qmin), float(spec.qmax)
+    zsym = 0.0 if fmt.signed else float(int(qmin + qmax + 1) // 2)
+    return [qmin, qmax, float(spec.min_scale), float(spec.symmetric), zsym]
+
 
 _libs: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()

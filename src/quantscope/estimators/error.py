@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+from typing import NamedTuple
 
 import torch
 
@@ -28,12 +29,13 @@ from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.histogram import Hist
 
-__all__ = ["ELEMENT_BUDGET", "HistogramScorer", "histogram_error"]
+__all__ = ["ELEMENT_BUDGET", "MOVE_HI", "MOVE_LO", "SYMMETRIC", "HistogramScorer", "Line",
+           "LineBest", "histogram_error"]
 
 #: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
 ELEMENT_BUDGET = 1 << 18
 
-_SOURCE = native.THREADS_C + native.FAKE_QUANT_C + r"""
+_SOURCE = native.THREADS_C + native.FAKE_QUANT_C + native.QPARAMS_C + r"""
 /* sum_p w[p] * d[p]^2 with d the fake-quant error of x[p] under (s, z) (native.FAKE_QUANT_C's
    float32 steps), each d widened to float64 */
 static double score(const float *x, const double *w, int64_t P, float s, float z, float lo,
@@ -58,55 +60,93 @@ static double score(const float *x, const double *w, int64_t P, float s, float z
     return acc;
 }
 
+/* (s, z) of candidate k of unit u: given [U, C] (s != NULL), else from its range by
+   qparams_from_range's steps (native.QPARAMS_C) */
+static inline void qp_of(const float *s, const float *z, const double *q, int64_t i, float lo,
+                         float hi, float *sk, float *zk) {
+    if (s) { *sk = s[i]; *zk = z[i]; }
+    else qs_qparams(lo, hi, q, sk, zk);
+}
+
 typedef struct {
-    const float *x; const double *w; const float *s, *z; double *out;
-    int64_t C, P, j0, j1; float lo, hi;
+    const float *x; const double *w; const float *lo, *hi, *s, *z; const double *q; double *out;
+    int64_t C, P, j0, j1;
 } job_t;
 
 static void *run(void *arg) {
     job_t *j = (job_t *)arg;
+    const float qmin = (float)j->q[0], qmax = (float)j->q[1];
     for (int64_t k = j->j0; k < j->j1; ++k) {
         int64_t u = k / j->C;
-        j->out[k] = score(j->x + u * j->P, j->w + u * j->P, j->P, j->s[k], j->z[k], j->lo, j->hi);
+        float sk, zk;
+        qp_of(j->s, j->z, j->q, k, j->lo[k], j->hi[k], &sk, &zk);
+        j->out[k] = score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, qmin, qmax);
     }
     return NULL;
 }
 
-/* out[u, c] for points x [U, P] (float32), weights w [U, P] (float64), scale / zero point
-   s, z [U, C] (float32); threads split the U * C scores. */
-int64_t qs_hist_error(const float *x, const double *w, const float *s, const float *z,
-                      double *out, int64_t U, int64_t C, int64_t P, double lo, double hi,
-                      int64_t threads) {
+/* out[u, c]: the error of range (lo, hi) [U, C] on points x [U, P] (float32) with weights
+   w [U, P] (float64); (s, z) [U, C] given or NULL (from the ranges); q: qparams_consts.
+   Threads split the U * C scores. */
+int64_t qs_hist_error(const float *x, const double *w, const float *lo, const float *hi,
+                      const float *s, const float *z, const double *q, double *out, int64_t U,
+                      int64_t C, int64_t P, int64_t threads) {
     int64_t n = U * C;
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads > n) threads = n;
     if (threads < 1) threads = 1;
     job_t jobs[QS_MAXT];
     for (int64_t t = 0; t < threads; ++t)
-        jobs[t] = (job_t){x, w, s, z, out, C, P, n * t / threads, n * (t + 1) / threads,
-                          (float)lo, (float)hi};
+        jobs[t] = (job_t){x, w, lo, hi, s, z, q, out, C, P, n * t / threads,
+                          n * (t + 1) / threads};
     qs_run_jobs(run, jobs, sizeof jobs[0], (int)threads);
     return 0;
 }
 
-/* Coarse-to-fine argmin along candidate lines s, z [L, n] (line l of unit l / G): round 0
-   scores every lv[0]-th candidate (mid among them), round r the candidates lv[r] apart
-   within lv[r - 1] of the best so far. A candidate replaces the best only if strictly
-   lower (ties: mid, then the first), or with `first` also if equal and earlier. */
+/* Candidate k of unit u on a line (Line.ranges): t = ((float)(k mul + add) / div) w[u];
+   kind 0 moves lo (lo0 + t, hi0), 1 moves hi (lo0, hi0 + t), 2 is (-t, t); then ordered
+   (min, max) and clipped to [blo, bhi] (NULL: no bound). */
 typedef struct {
-    const float *x; const double *w; const float *s, *z; int64_t *idx; double *err;
-    const int64_t *lv; int64_t nlv, G, n, P, mid, first, l0, l1; float lo, hi;
+    const float *lo0, *hi0, *w, *blo, *bhi;
+    int64_t kind, mul, add, div;
+} line_t;
+
+static inline void line_range(const line_t *L, int64_t u, int64_t k, float *x, float *y) {
+    float t = ((float)(k * L->mul + L->add) / (float)L->div) * L->w[u];
+    float a, b;
+    if (L->kind == 0) { a = L->lo0[u] + t; b = L->hi0[u]; }
+    else if (L->kind == 1) { a = L->lo0[u]; b = L->hi0[u] + t; }
+    else { a = -t; b = t; }
+    float lo = a < b ? a : b, hi = a < b ? b : a;
+    if (L->blo && lo < L->blo[u]) lo = L->blo[u];
+    if (L->bhi && hi > L->bhi[u]) hi = L->bhi[u];
+    *x = lo; *y = hi;
+}
+
+/* Coarse-to-fine argmin along each unit's line of n candidates: round 0 scores every
+   lv[0]-th candidate (mid among them), round r the candidates lv[r] apart within
+   lv[r - 1] of the best so far. A candidate replaces the best only if strictly lower
+   (ties: mid, then the first), or with `first` also if equal and earlier. */
+typedef struct {
+    const float *x; const double *w; line_t line; const float *s, *z; const double *q;
+    int64_t *idx; double *err; float *olo, *ohi;
+    const int64_t *lv; int64_t nlv, n, P, mid, first, u0, u1;
 } ljob_t;
+
+static inline double line_score(const ljob_t *j, int64_t u, int64_t k) {
+    float lo, hi, sk, zk;
+    line_range(&j->line, u, k, &lo, &hi);
+    qp_of(j->s, j->z, j->q, u * j->n + k, lo, hi, &sk, &zk);
+    return score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, (float)j->q[0],
+                 (float)j->q[1]);
+}
 
 static void *line_run(void *arg) {
     ljob_t *j = (ljob_t *)arg;
     const int64_t n = j->n, first = j->first;
-    for (int64_t l = j->l0; l < j->l1; ++l) {
-        const float *xs = j->x + (l / j->G) * j->P;
-        const double *ws = j->w + (l / j->G) * j->P;
-        const float *sl = j->s + l * n, *zl = j->z + l * n;
+    for (int64_t u = j->u0; u < j->u1; ++u) {
         int64_t best = j->mid;
-        double eb = score(xs, ws, j->P, sl[best], zl[best], j->lo, j->hi);
+        double eb = line_score(j, u, best);
         for (int64_t r = 0; r < j->nlv; ++r) {
             int64_t st = j->lv[r], c = best, a, b;
             if (r == 0) { a = j->mid % st; b = n - 1; }
@@ -118,36 +158,47 @@ static void *line_run(void *arg) {
             }
             for (int64_t k = a; k <= b; k += st) {
                 if (k == c) continue;
-                double e = score(xs, ws, j->P, sl[k], zl[k], j->lo, j->hi);
+                double e = line_score(j, u, k);
                 if (e < eb || (first && e == eb && k < best)) { eb = e; best = k; }
             }
         }
-        j->idx[l] = best;
-        j->err[l] = eb;
+        j->idx[u] = best;
+        j->err[u] = eb;
+        line_range(&j->line, u, best, j->olo + u, j->ohi + u);
     }
     return NULL;
 }
 
-int64_t qs_line_argmin(const float *x, const double *w, const float *s, const float *z,
-                       int64_t *idx, double *err, int64_t L, int64_t G, int64_t n, int64_t P,
-                       double lo, double hi, int64_t mid, const int64_t *lv, int64_t nlv,
+int64_t qs_line_search(const float *x, const double *w, const float *lo0, const float *hi0,
+                       const float *wd, const float *blo, const float *bhi, const float *s,
+                       const float *z, const double *q, int64_t *idx, double *err, float *olo,
+                       float *ohi, int64_t U, int64_t P, int64_t kind, int64_t n, int64_t mul,
+                       int64_t add, int64_t div, int64_t mid, const int64_t *lv, int64_t nlv,
                        int64_t first, int64_t threads) {
     if (threads > QS_MAXT) threads = QS_MAXT;
-    if (threads > L) threads = L;
+    if (threads > U) threads = U;
     if (threads < 1) threads = 1;
+    line_t line = {lo0, hi0, wd, blo, bhi, kind, mul, add, div};
     ljob_t jobs[QS_MAXT];
     for (int64_t t = 0; t < threads; ++t)
-        jobs[t] = (ljob_t){x, w, s, z, idx, err, lv, nlv, G, n, P, mid, first,
-                           L * t / threads, L * (t + 1) / threads, (float)lo, (float)hi};
+        jobs[t] = (ljob_t){x, w, line, s, z, q, idx, err, olo, ohi, lv, nlv, n, P, mid, first,
+                           U * t / threads, U * (t + 1) / threads};
     qs_run_jobs(line_run, jobs, sizeof jobs[0], (int)threads);
     return 0;
 }
 
 /* The scorer's points: per unit its occupied bins first, then its empty ones, m bins in
-   all; bin i's points c + off[t] w (c = lo + (i + 0.5) w, float32 as Hist.centers) with
-   weight count / p. x, wt [U, m * p]. */
+   all, m the most occupied bins of a unit (returned); bin i's points c + off[t] w
+   (c = lo + (i + 0.5) w, float32 as Hist.centers) with weight count / p. x, wt [U, m * p]
+   (room for [U, B * p]). */
 int64_t qs_points(const int64_t *counts, const float *lo, const float *w, const float *off,
-                  float *x, double *wt, int64_t U, int64_t B, int64_t m, int64_t p) {
+                  float *x, double *wt, int64_t U, int64_t B, int64_t p) {
+    int64_t m = 0;
+    for (int64_t u = 0; u < U; ++u) {
+        int64_t k = 0;
+        for (int64_t i = 0; i < B; ++i) k += counts[u * B + i] > 0;
+        if (k > m) m = k;
+    }
     for (int64_t u = 0; u < U; ++u) {
         const int64_t *cu = counts + u * B;
         float *xu = x + u * m * p;
@@ -164,20 +215,15 @@ int64_t qs_points(const int64_t *counts, const float *lo, const float *w, const 
                 ++k;
             }
     }
-    return 0;
+    return m;
 }
 """
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _D = ctypes.c_double
-_ARGTYPES = {"qs_points": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
-             "qs_hist_error": [_P, _P, _P, _P, _P, _I, _I, _I, _D, _D, _I],
-             "qs_line_argmin": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _I, _P, _I, _I,
-                                _I]}
-
-#: below this many point evaluations torch's chunked path costs no more than a kernel call
-KERNEL_MIN_WORK = 1 << 12
-
+_ARGTYPES = {"qs_points": [_P] * 6 + [_I] * 3,
+             "qs_hist_error": [_P] * 8 + [_I] * 4,
+             "qs_line_search": [_P] * 14 + [_I] * 8 + [_P] + [_I] * 3}
 
 def _kernel():
     return native.load("hist_error", _SOURCE, _ARGTYPES)
@@ -208,24 +254,23 @@ class HistogramScorer:
     def __init__(self, hist: Hist, spec: QuantSpec, *, centers: torch.Tensor | None = None,
                  points: int = 1, kernel: bool = True):
         self.spec, self.units = spec, hist.counts.shape[0]
-        self.kernel = kernel and _use_kernel(hist.counts, spec, KERNEL_MIN_WORK)
+        self.kernel = kernel and _use_kernel(hist.counts, spec)
+        self._derive, self._q = _kernel_consts(spec)
         counts = hist.counts
-        nz = counts > 0
         width = hist.width
-        if points > 1:  # sub-points at (i + (k + 0.5) / points) w
-            off = _offsets(points, counts.device)
+        off = _offsets(points, counts.device)  # sub-points at (i + (k + 0.5) / points) w
         if self.kernel and centers is None:  # the same points and weights, in one C call
             U, B = counts.shape
-            m = int(nz.sum(1).max()) if counts.numel() else 0
-            off = off if points > 1 else torch.zeros(1)
-            x = torch.empty(U, m * points)
-            w = torch.empty(U, m * points, dtype=torch.float64)
+            x = torch.empty(U * B * points)
+            w = torch.empty(U * B * points, dtype=torch.float64)
             cc, lo, wd = counts.contiguous(), hist.lo.float().contiguous(), width.contiguous()
-            _kernel().qs_points(cc.data_ptr(), lo.data_ptr(), wd.data_ptr(), off.data_ptr(),
-                                x.data_ptr(), w.data_ptr(), U, B, m, points)
+            m = _kernel().qs_points(cc.data_ptr(), lo.data_ptr(), wd.data_ptr(), off.data_ptr(),
+                                    x.data_ptr(), w.data_ptr(), U, B, points)
+            x, w = x[:U * m * points].view(U, m * points), w[:U * m * points].view(U, m * points)
             self.centers, self.counts = x[:, None, :], w[:, None, :]
             self._flat = (x, w)
             return
+        nz = counts > 0
         centers = hist.centers() if centers is None else centers.float()
         if counts.shape[0] == 1:  # one unit: index the occupied bins directly
             keep = nz[0].nonzero()[:, 0]
@@ -251,23 +296,32 @@ class HistogramScorer:
         if lo.dim() != 2 or lo.shape != hi.shape or lo.shape[0] != U:
             raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
                              f"{U} units, got {tuple(lo.shape)} and {tuple(hi.shape)}")
-        spec, centers, counts = self.spec, self.centers, self.counts
-        # candidate ranges come from finite histogram edges: no device read-back per chunk
-        qp = qparams_from_range(lo, hi, spec, check_finite=False)
-        scale = qp.effective_scale.float()
-        zp = qp.zero_point.float()
         C = lo.shape[1]
-        if kernel and self.kernel and U * C * centers.shape[-1] >= KERNEL_MIN_WORK:
-            if self._flat is None:
-                self._flat = (centers[:, 0].contiguous(), counts[:, 0].contiguous())
-            x, w = self._flat
-            s, z = scale.expand(U, C).contiguous(), zp.expand(U, C).contiguous()
+        if kernel and self.kernel:
+            x, w = self._points()
+            lo, hi = lo.float().contiguous(), hi.float().contiguous()
+            s, z = self._qparams(lo, hi)
             out = torch.empty(U, C, dtype=torch.float64)
-            _kernel().qs_hist_error(x.data_ptr(), w.data_ptr(), s.data_ptr(), z.data_ptr(),
-                                    out.data_ptr(), U, C, x.shape[1], float(spec.qmin),
-                                    float(spec.qmax), torch.get_num_threads())
+            _kernel().qs_hist_error(x.data_ptr(), w.data_ptr(), lo.data_ptr(), hi.data_ptr(),
+                                    _ptr(s), _ptr(z), self._q.data_ptr(), out.data_ptr(), U, C,
+                                    x.shape[1], torch.get_num_threads())
             return out
-        return self._torch(scale, zp)
+        return self._torch(*self._qparams(lo, hi, torch_only=True))
+
+    def _points(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._flat is None:
+            self._flat = (self.centers[:, 0].contiguous(), self.counts[:, 0].contiguous())
+        return self._flat
+
+    def _qparams(self, lo, hi, torch_only: bool = False):
+        """``(scale, zero point)`` float32 ``[U, C]`` of the ranges; ``(None, None)`` where the
+        kernel derives them itself (native.QPARAMS_C)."""
+        if self._derive and not torch_only:
+            return None, None
+        qp = qparams_from_range(lo, hi, self.spec, check_finite=False)
+        U, C = lo.shape
+        return (qp.effective_scale.float().expand(U, C).contiguous(),
+                qp.zero_point.float().expand(U, C).contiguous())
 
     def _torch(self, scale, zp):
         centers, counts, U = self.centers, self.counts, self.units
@@ -280,43 +334,110 @@ class HistogramScorer:
             out.append((d.double().square_() * counts).sum(-1))
         return torch.cat(out, dim=1)
 
-    def line_argmin(self, lo: torch.Tensor, hi: torch.Tensor, mid: int, coarse=1, *,
-                    first: bool = False, kernel: bool = True
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Best candidate along each line of ranges ``lo``, ``hi`` ``[U, G, n]``: ``(index
-        [U, G], error [U, G])``. ``coarse``: the strides of the rounds, ``(k0, k1, ..., 1)``
-        (an int ``k`` means ``(k, 1)``): every ``k0``-th candidate (``mid`` among them) is
-        scored, then those ``k1`` apart within ``k0`` of the best so far, and so on. A
-        candidate wins only if strictly lower (ties keep ``mid``, then the first), with
-        ``first`` also if equal and earlier (ties: the first in the line, as ``argmin``).
-        The kernel scores only the candidates it visits; the torch path scores all and
-        picks by the same rule."""
-        U, G, n = lo.shape
+    def line_argmin(self, line: Line, mid: int, coarse=1, *, first: bool = False,
+                    kernel: bool = True) -> LineBest:
+        """Best candidate along each unit's ``line``: a :class:`LineBest` (``[U]`` each).
+        ``coarse``: the strides of the rounds, ``(k0, k1, ..., 1)`` (an int ``k`` means
+        ``(k, 1)``): every ``k0``-th candidate (``mid`` among them) is scored, then those
+        ``k1`` apart within ``k0`` of the best so far, and so on. A candidate wins only if
+        strictly lower (ties keep ``mid``, then the first), with ``first`` also if equal and
+        earlier (ties: the first in the line, as ``argmin``). The kernel generates and
+        prices only the candidates it visits; the torch path builds the whole line
+        (:meth:`Line.ranges`), scores all and picks by the same rule."""
+        U, n = self.units, line.n
         lv = _levels(coarse)
-        if U != self.units or hi.shape != lo.shape or not 0 <= mid < n:
-            raise ValueError(f"line_argmin: lo, hi must be [{self.units}, lines, n] with "
-                             f"0 <= mid < n, got {tuple(lo.shape)}, {tuple(hi.shape)}, "
-                             f"mid={mid}")
-        qp = qparams_from_range(lo.reshape(U, G * n), hi.reshape(U, G * n), self.spec,
-                                check_finite=False)
-        scale = qp.effective_scale.float().expand(U, G * n)
-        zp = qp.zero_point.float().expand(U, G * n)
-        visits = n // lv[0] + sum(2 * a // b for a, b in itertools.pairwise(lv))
-        if kernel and self.kernel and U * G * visits * self.centers.shape[-1] >= KERNEL_MIN_WORK:
-            if self._flat is None:
-                self._flat = (self.centers[:, 0].contiguous(), self.counts[:, 0].contiguous())
-            x, w = self._flat
-            s, z = scale.contiguous(), zp.contiguous()
-            idx = torch.empty(U, G, dtype=torch.long)
-            err = torch.empty(U, G, dtype=torch.float64)
-            lvt = torch.tensor(lv, dtype=torch.long)
-            _kernel().qs_line_argmin(x.data_ptr(), w.data_ptr(), s.data_ptr(), z.data_ptr(),
-                                     idx.data_ptr(), err.data_ptr(), U * G, G, n, x.shape[1],
-                                     float(self.spec.qmin), float(self.spec.qmax), mid,
+        if line.width.shape != (U,) or not 0 <= mid < n:
+            raise ValueError(f"line_argmin: the line must have {U} units and 0 <= mid < "
+                             f"{n}, got width {tuple(line.width.shape)} and mid={mid}")
+        if kernel and self.kernel:
+            x, w = self._points()
+            f = [None if t is None else t.float().contiguous() for t in
+                 (line.lo, line.hi, line.width, *(line.bounds or (None, None)))]
+            s = z = None
+            if not self._derive:  # scale encodings the kernel does not derive
+                s, z = self._qparams(*line.ranges(), torch_only=True)
+            idx = torch.empty(U, dtype=torch.long)
+            err = torch.empty(U, dtype=torch.float64)
+            out = torch.empty(2, U)
+            lvt = _as_tensor(lv)
+            _kernel().qs_line_search(x.data_ptr(), w.data_ptr(), *map(_ptr, f), _ptr(s),
+                                     _ptr(z), self._q.data_ptr(), idx.data_ptr(), err.data_ptr(),
+                                     out[0].data_ptr(), out[1].data_ptr(), U, x.shape[1],
+                                     line.kind, n, line.mul, line.add, line.div, mid,
                                      lvt.data_ptr(), len(lv), int(first),
                                      torch.get_num_threads())
-            return idx, err
-        return _line_pick(self._torch(scale, zp).reshape(U, G, n), mid, lv, first)
+            return LineBest(out[0], out[1], idx, err)
+        clo, chi = line.ranges()
+        idx, err = _line_pick(self._torch(*self._qparams(clo, chi, torch_only=True)), mid, lv,
+                              first)
+        return LineBest(clo.gather(1, idx[:, None])[:, 0], chi.gather(1, idx[:, None])[:, 0],
+                        idx, err)
+
+
+class LineBest(NamedTuple):
+    """:meth:`HistogramScorer.line_argmin`'s choice per unit: its range, index and error."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    index: torch.Tensor
+    error: torch.Tensor
+
+
+class Line(NamedTuple):
+    """``n`` candidate ranges per unit, one line of a search, built alike by :meth:`ranges`
+    (torch, the reference) and by the kernel (which builds only those it visits): with
+    ``t_k = float32(k * mul + add) / div * width`` (float32), candidate ``k`` is
+    ``(lo + t_k, hi)`` (``kind`` :data:`MOVE_LO`), ``(lo, hi + t_k)`` (:data:`MOVE_HI`) or
+    ``(-t_k, t_k)`` (:data:`SYMMETRIC`), ordered, then clipped to ``bounds = (lo_min,
+    hi_max)``."""
+
+    kind: int
+    lo: torch.Tensor | None
+    hi: torch.Tensor | None
+    width: torch.Tensor
+    n: int
+    mul: int
+    add: int
+    div: int
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def move(cls, lo, hi, width, side: int, radius: int, steps: int, bounds=None) -> Line:
+        """``lo`` (``side`` 0, ``hi`` fixed) or ``hi`` (``side`` 1) moved by ``d`` bin widths,
+        ``d`` from ``-radius`` to ``radius`` in ``1 / steps`` (``mid = radius * steps`` is no
+        move)."""
+        return cls(side, lo, hi, width, 2 * radius * steps + 1, 1, -radius * steps, steps,
+                   bounds)
+
+    @classmethod
+    def centres(cls, width, start: int, stride: int, n: int, bounds=None) -> Line:
+        """``(-c, c)`` for the bin centres ``c = (j + 0.5) width``, ``j = start + k stride``
+        (ModelOpt's and Quark's candidates; ``(2 j + 1) / 2`` is ``j + 0.5`` exactly)."""
+        return cls(SYMMETRIC, None, None, width, n, 2 * stride, 2 * start + 1, 2, bounds)
+
+    def ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every candidate, ``(lo, hi)`` ``[U, n]``."""
+        k = torch.arange(self.n, device=self.width.device)
+        t = (k * self.mul + self.add).float() / self.div * self.width[:, None]
+        if self.kind == MOVE_LO:
+            a, b = self.lo[:, None] + t, self.hi[:, None].expand_as(t)
+        elif self.kind == MOVE_HI:
+            a, b = self.lo[:, None].expand_as(t), self.hi[:, None] + t
+        else:
+            a, b = -t, t
+        lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+        if self.bounds is not None:
+            lo = torch.maximum(lo, self.bounds[0][:, None])
+            hi = torch.minimum(hi, self.bounds[1][:, None])
+        return lo, hi
+
+
+#: :class:`Line` kinds
+MOVE_LO, MOVE_HI, SYMMETRIC = 0, 1, 2
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
 
 
 def _levels(coarse) -> tuple[int, ...]:
@@ -353,12 +474,26 @@ def _line_pick(err: torch.Tensor, mid: int, levels, first: bool = False
     return cur, err.gather(-1, cur[..., None])[..., 0]
 
 
+@functools.lru_cache(maxsize=32)
+def _as_tensor(levels: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(levels, dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel_consts(spec: QuantSpec) -> tuple[bool, torch.Tensor]:
+    """Whether the kernel derives ``spec``'s scales itself, and its constants (float64):
+    :func:`native.qparams_consts`, else just ``qmin, qmax``."""
+    consts = native.qparams_consts(spec)
+    return consts is not None, torch.tensor(consts or [float(spec.qmin), float(spec.qmax)],
+                                            dtype=torch.float64)
+
+
 @functools.lru_cache(maxsize=8)
 def _offsets(points: int, device) -> torch.Tensor:
     """Offsets ``(k + 0.5) / points - 0.5`` of a bin's points, in bin widths (float32)."""
     return (torch.arange(points, device=device) + 0.5) / points - 0.5
 
 
-def _use_kernel(t: torch.Tensor, spec: QuantSpec, work: int) -> bool:
+def _use_kernel(t: torch.Tensor, spec: QuantSpec) -> bool:
     return (t.device.type == "cpu" and isinstance(spec.format, IntFormat)
-            and work >= KERNEL_MIN_WORK and _kernel() is not None)
+            and _kernel() is not None)

@@ -15,7 +15,7 @@ import torch
 
 from ..spec import QuantSpec
 from ..stats.histogram import Hist, fold_abs
-from .error import HistogramScorer
+from .error import HistogramScorer, Line
 
 __all__ = ["histogram_mse_range", "occupied_range"]
 
@@ -52,18 +52,11 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     h = fold_abs(hist) if spec.symmetric else hist
     B = h.bins
     start = min(start_bin, B - 1)  # as Quark: at least one candidate on a small histogram
-    j = torch.arange(start, B, stride, device=h.counts.device)
-    n = j.numel()
+    n = len(range(start, B, stride))
     coarse = 1 if refine is None or refine == 1 or n <= 4 * refine else refine
-    amax = (j.float() + 0.5) * h.width[:, None]  # centres of the |x| grid  [U, n]
-    if spec.symmetric:
-        lo_c, hi_c = -amax, amax
-    else:
-        olo, ohi = occupied_range(h)
-        lo_c = torch.maximum(-amax, olo[:, None])
-        hi_c = torch.minimum(amax, ohi[:, None])
+    # (-c, c) at the centres of the |x| grid; asymmetric: within the occupied bins
+    line = Line.centres(h.width, start, stride, n, None if spec.symmetric else occupied_range(h))
     # every coarse-th candidate, then those within coarse of the best; first minimum in
     # bin order, as argmin (the minimum of a smooth error curve is found exactly)
-    k, _ = HistogramScorer(h, spec).line_argmin(lo_c[:, None], hi_c[:, None], 0, coarse,
-                                                first=True)
-    return lo_c.gather(1, k)[:, 0], hi_c.gather(1, k)[:, 0]
+    best = HistogramScorer(h, spec).line_argmin(line, 0, coarse, first=True)
+    return best.lo, best.hi

@@ -46,9 +46,10 @@ import torch
 from .. import native
 from ..formats import IntFormat
 from ..stats.histogram import Hist
+from .error import HistogramScorer, Line
 
 __all__ = ["default_dst_nbins", "l2_finalists", "l2_norms", "l2_path", "l2_polished_range",
-           "l2_range", "polish_range"]
+           "l2_range"]
 
 _STEP = 1e-5
 _BUDGET = 1 << 19
@@ -103,29 +104,6 @@ int64_t qs_l2_walk(const float *csum, const double *total, double *fs, int64_t *
         fs[3 * u] = alpha; fs[3 * u + 1] = beta;
         st[0] = start; st[1] = end; st[2] = la; st[3] = rb;
     }
-    return 0;
-}
-
-/* Candidate lines of _lines: line 0 moves lo by d_k w (hi fixed), line 1 moves hi,
-   d_k = (k - mid) / steps; each range ordered (min, max) and clipped to [blo, bhi].
-   side -1: both lines [U, 2, n]; 0 or 1: that line only [U, 1, n]. */
-int64_t qs_l2_lines(const float *lo, const float *hi, const float *w, const float *blo,
-                    const float *bhi, float *clo, float *chi, int64_t U, int64_t n,
-                    int64_t mid, int64_t steps, int64_t side) {
-    int64_t G = side < 0 ? 2 : 1;
-    for (int64_t u = 0; u < U; ++u)
-        for (int64_t j = 0; j < G; ++j) {
-            int64_t g = side < 0 ? j : side;
-            for (int64_t k = 0; k < n; ++k) {
-                float dw = ((float)(k - mid) / (float)steps) * w[u];
-                float a = g == 0 ? lo[u] + dw : lo[u], b = g == 1 ? hi[u] + dw : hi[u];
-                float x = a < b ? a : b, y = a < b ? b : a;
-                if (blo && x < blo[u]) x = blo[u];
-                if (bhi && y > bhi[u]) y = bhi[u];
-                clo[(u * G + j) * n + k] = x;
-                chi[(u * G + j) * n + k] = y;
-            }
-        }
     return 0;
 }
 
@@ -235,7 +213,6 @@ _I = ctypes.c_int64
 _ARGTYPES = {"qs_l2_init": [_P, _P, _I, _I],
              "qs_l2_walk": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I],
              "qs_l2_result": [_P, _P, _P, _P, _P, _I, _I],
-             "qs_l2_lines": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
              "qs_l2_terms": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
              "qs_l2_accept": [_P, _P, _P, _P, _P, _P, _I, _I]}
 
@@ -483,55 +460,6 @@ def _l2_range_kernel(lib, hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, tor
     return out[0], out[1]
 
 
-def polish_range(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec, radius: int = 48,
-                 points: int = 4, steps: int = 4, passes: int = 2, bounds=None,
-                 coarse: int | None = None, scorer=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower the quantization error on the histogram
-    (:func:`~quantscope.estimators.error.histogram_error`, ``points`` per bin modelling the
-    values spread inside it) by moving ``lo`` then ``hi`` (``passes`` rounds), each over
-    ``+-radius`` bins in ``1 / steps`` bin steps. The current range is a candidate of every
-    move, so the error never grows. ``bounds = (lo_min, hi_max)`` keeps the ends inside
-    (the data's range). ``coarse=k`` scores every ``k``-th offset first, then the offsets
-    within ``k`` of the winner (``n / k + 2 k`` instead of ``n`` candidates; the minimum of
-    a smooth error curve is found exactly). ``scorer``: a prepared
-    :class:`~quantscope.estimators.error.HistogramScorer` with ``points`` per bin."""
-    from .error import HistogramScorer
-
-    if scorer is None:
-        scorer = HistogramScorer(hist, spec, points=points)
-    if bounds is not None:
-        lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
-    w = hist.width[:, None]
-    dev = lo.device
-    n = 2 * radius * steps + 1
-    mid = radius * steps
-    if coarse is None or coarse <= 1 or n <= 4 * coarse:
-        rounds = [torch.arange(n, device=dev)[None, :]]
-    else:  # every coarse-th offset (the current range among them), then around the winner
-        rounds = [torch.arange(mid % coarse, n, coarse, device=dev)[None, :],
-                  torch.arange(-coarse + 1, coarse, device=dev)[None, :]]
-    for _ in range(passes):
-        for side in (0, 1):
-            cur = torch.full((lo.shape[0], 1), mid, dtype=torch.long, device=dev)
-            for r, idx in enumerate(rounds):
-                idx = idx if r == 0 else (cur + idx).clamp(0, n - 1)
-                d = (idx - mid).float() / steps
-                clo = lo[:, None] + (d * w if side == 0 else 0 * d)
-                chi = hi[:, None] + (d * w if side == 1 else 0 * d)
-                clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)
-                if bounds is not None:
-                    clo = torch.maximum(clo, bounds[0][:, None])
-                    chi = torch.minimum(chi, bounds[1][:, None])
-                err = scorer(clo, chi)
-                k = err.argmin(1, keepdim=True)
-                here = (idx == cur).long().argmax(1, keepdim=True)  # the current range
-                k = torch.where(err.gather(1, k) < err.gather(1, here), k, here)  # ties: stay
-                cur = idx.expand_as(err).gather(1, k)
-                nlo, nhi = clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
-            lo, hi = nlo, nhi
-    return lo, hi
-
-
 def default_dst_nbins(spec) -> int:
     """torch.ao's ``dst_nbins`` for a spec: ``2 ** bits`` of an integer format, else 256."""
     fmt = spec.format
@@ -555,8 +483,6 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     """
     if not radius:
         return l2_range(hist, dst_nbins)
-    from .error import HistogramScorer
-
     clo, chi = l2_finalists(hist, spec, dst_nbins, radius, bounds)
     four = HistogramScorer(hist, spec, points=4) if four is None else four
     k = four(clo, chi).argmin(1, keepdim=True)  # first minimum: the search's range on ties
@@ -569,8 +495,6 @@ def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, boun
     (clipped to ``bounds``), then with ``lo`` moved, then with ``hi`` moved too. With a
     4-point scorer ``four`` (``mix``), two more: each end moved again within 8 bins in
     quarter bins, scored with 4 points per bin (``K = 5``)."""
-    from .error import HistogramScorer
-
     lo, hi = l2_range(hist, dst_nbins)
     if bounds is not None:
         lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
@@ -593,35 +517,6 @@ def _move_end(scorer, hist: Hist, lo, hi, side: int, radius: int, steps: int, co
     """``(lo, hi)`` with the best ``lo`` (``side`` 0, ``hi`` fixed) or the best ``hi`` (``side``
     1) over ``+-radius`` bins in ``1 / steps`` bin steps, coarse-to-fine; the current range
     wins ties."""
-    clo, chi = _lines(lo, hi, hist.width, bounds, radius, steps, side=side)
-    idx, _ = scorer.line_argmin(clo, chi, radius * steps, coarse)
-    return clo[:, 0].gather(1, idx)[:, 0], chi[:, 0].gather(1, idx)[:, 0]
-
-
-def _lines(lo, hi, w, bounds, radius: int, steps: int, kernel: bool = True, side: int = -1):
-    """``(clo, chi)`` ``[U, 2, n]``: line 0 moves ``lo`` by ``d w`` (``hi`` fixed), line 1 moves
-    ``hi``, ``d`` in ``1 / steps`` from ``-radius`` to ``radius``; each range ordered and
-    clipped to ``bounds``; ``side`` 0 or 1: that line only (``[U, 1, n]``). On CPU one C
-    call (the same float32 steps; tested)."""
-    lib = _kernel() if kernel and lo.device.type == "cpu" else None
-    if lib is not None:
-        U, n, G = lo.shape[0], 2 * radius * steps + 1, 2 if side < 0 else 1
-        clo, chi = torch.empty(U, G, n), torch.empty(U, G, n)
-        args = [t.float().contiguous() for t in (lo, hi, w)]
-        if bounds is not None:
-            args += [t.float().contiguous() for t in bounds]
-        ptrs = [t.data_ptr() for t in args] + [None] * (5 - len(args))
-        lib.qs_l2_lines(*ptrs, clo.data_ptr(), chi.data_ptr(), U, n, radius * steps, steps,
-                        side)
-        return clo, chi
-    d = torch.arange(-radius * steps, radius * steps + 1, device=lo.device,
-                     dtype=torch.float32) / steps * w[:, None]
-    clo = torch.stack([lo[:, None] + d, lo[:, None].expand_as(d)], 1)  # [U, 2, n]
-    chi = torch.stack([hi[:, None].expand_as(d), hi[:, None] + d], 1)
-    clo, chi = torch.minimum(clo, chi), torch.maximum(clo, chi)
-    if bounds is not None:
-        clo = torch.maximum(clo, bounds[0][:, None, None])
-        chi = torch.minimum(chi, bounds[1][:, None, None])
-    if side >= 0:
-        clo, chi = clo[:, side:side + 1], chi[:, side:side + 1]
-    return clo, chi
+    line = Line.move(lo, hi, hist.width, side, radius, steps, bounds)
+    best = scorer.line_argmin(line, radius * steps, coarse)
+    return best.lo, best.hi

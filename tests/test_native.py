@@ -1,0 +1,78 @@
+"""native.QPARAMS_C, the kernels' copy of qparams_from_range's integer branch, against the
+one in quantscope.qparams, bit for bit."""
+
+import ctypes
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import quantscope as qs
+from quantscope import native
+
+_WRAPPER = native.QPARAMS_C + r"""
+#include <stdint.h>
+int64_t qs_qparams_all(const float *lo, const float *hi, const double *q, float *s, float *z,
+                       int64_t n) {
+    for (int64_t i = 0; i < n; ++i) qs_qparams(lo[i], hi[i], q, s + i, z + i);
+    return 0;
+}
+"""
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_F32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+SPECS = [qs.QuantSpec("uint8", symmetric=False), qs.QuantSpec("int8"),
+         qs.QuantSpec("int8", symmetric=False), qs.QuantSpec("uint8"),
+         qs.QuantSpec("int4", symmetric=False), qs.QuantSpec("int8_narrow"),
+         qs.QuantSpec("uint4", symmetric=False, eps=1e-3),
+         qs.QuantSpec("uint8", symmetric=False, quant_min=0, quant_max=127),
+         qs.QuantSpec("int16", symmetric=False)]
+
+
+def _lib():
+    lib = native.load("qparams_test", _WRAPPER, {"qs_qparams_all": [_P] * 5 + [_I]})
+    if lib is None:
+        pytest.skip("no C compiler")
+    return lib
+
+
+def _check(spec, lo, hi):
+    consts = native.qparams_consts(spec)
+    assert consts is not None
+    q = torch.tensor(consts, dtype=torch.float64)
+    s, z = torch.empty_like(lo), torch.empty_like(lo)
+    _lib().qs_qparams_all(lo.data_ptr(), hi.data_ptr(), q.data_ptr(), s.data_ptr(),
+                          z.data_ptr(), lo.numel())
+    ref = qs.qparams_from_range(lo, hi, spec)
+    assert torch.equal(s, ref.effective_scale.float())
+    assert torch.equal(z, ref.zero_point.float())
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_c_qparams_equal_qparams_from_range(spec):
+    g = torch.Generator().manual_seed(3)
+    lo = torch.cat([-torch.rand(2000, generator=g) * 10 ** torch.randint(-8, 8, (2000,),
+                                                                        generator=g),
+                    torch.tensor([0.0, -0.0, 0.0, 1.0, -3e38, -3.4e38, -1e-30, 2.0])])
+    hi = torch.cat([torch.rand(2000, generator=g) * 10 ** torch.randint(-8, 8, (2000,),
+                                                                       generator=g),
+                    torch.tensor([0.0, 0.0, 1e-20, 3.0, 3e38, 3.4e38, 1e-30, 5.0])])
+    _check(spec, lo, hi)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(SPECS), st.lists(st.tuples(
+    _F32, _F32), min_size=1,
+    max_size=20))
+def test_c_qparams_property(spec, pairs):
+    lo = torch.tensor([min(a, b) for a, b in pairs], dtype=torch.float32)
+    hi = torch.tensor([max(a, b) for a, b in pairs], dtype=torch.float32)
+    _check(spec, lo, hi)
+
+
+def test_qparams_consts_only_for_integer_formats_with_fp32_scales():
+    assert native.qparams_consts(qs.QuantSpec("fp8_e4m3")) is None
+    assert native.qparams_consts(qs.QuantSpec("int8", scale="pow2")) is None
+    assert native.qparams_consts(qs.QuantSpec("uint8")) == [0.0, 255.0, qs.QuantSpec().min_scale,
+                                                             1.0, 128.0]
