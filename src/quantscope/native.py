@@ -31,8 +31,11 @@ from pathlib import Path
 __all__ = ["FAKE_QUANT_C", "FLAGS", "QPARAMS_C", "THREADS_C", "cache_dir", "disabled", "load",
            "qparams_consts"]
 
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
-         "-std=gnu99"]
+#: IEEE results as torch computes them: no contraction into FMA (-ffp-contract=off), no
+#: fast-math; -fno-trapping-math only lets loops with selects vectorize (no kernel reads
+#: FP exception flags, and no value changes).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-pthread",
+         "-shared", "-fPIC", "-std=gnu99"]
 
 
 #: C prelude of every kernel: ``qs_run_jobs`` runs a function over an array of per-thread

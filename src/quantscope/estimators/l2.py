@@ -150,36 +150,57 @@ static float div_floor(float a, float b) {
 static float cube_diff(float db, float de) { return (de * de * de - db * db * db) / 3.0f; }
 
 /* torch.ao's per-bin L2 terms of ranges (s, e) [U, J]: out [U, J, B], float32, the
-   operations of l2_norms in its order (rows with a zero dst bin width are 0). */
+   operations of l2_norms in its order (rows with a zero dst bin width are 0). The loops
+   are written to vectorize: the quotients and their floors for all bins first (floorf of
+   the rounded quotient is div_floor's result unless the quotient rounded to an integer;
+   those few bins take div_floor), then the terms. */
 int64_t qs_l2_terms(const float *counts, const float *lo, const float *hi, const int64_t *s,
                     const int64_t *e, float *out, int64_t U, int64_t J, int64_t B,
                     int64_t dst) {
     const float top = (float)(dst - 1);
-    float *dens = malloc(sizeof(float) * (size_t)(B > 0 ? B : 1));
+    float *dens = malloc(sizeof(float) * 3 * (size_t)(B > 0 ? B : 1));
     if (!dens) return 1;
+    float *restrict fb = dens + B, *restrict fe = fb + B;
     for (int64_t u = 0; u < U; ++u) {
         const double b64 = ((double)hi[u] - (double)lo[u]) / (double)B;  /* torch.ao's .item() */
         const float bw = (float)b64;
         for (int64_t i = 0; i < B; ++i) dens[i] = counts[u * B + i] / bw;
         for (int64_t j = 0; j < J; ++j) {
-            float *o = out + (u * J + j) * B;
+            float *restrict o = out + (u * J + j) * B;
             int64_t st = s[u * J + j];
             double d64 = b64 * (double)(e[u * J + j] - st + 1) / (double)dst;
             if (d64 == 0) { for (int64_t i = 0; i < B; ++i) o[i] = 0.0f; continue; }
-            float dbw = (float)d64, half = (float)(d64 / 2), nhalf = (float)(-d64 / 2);
-            float mid = cube_diff(nhalf, half);
+            const float dbw = (float)d64, half = (float)(d64 / 2), nhalf = (float)(-d64 / 2);
+            const float mid = cube_diff(nhalf, half);
+            for (int64_t i = 0; i < B; ++i) {
+                float sb = (float)(i - st) * bw, se = sb + bw;
+                fb[i] = sb / dbw;
+                fe[i] = se / dbw;
+            }
+            for (int64_t i = 0; i < B; ++i) {
+                float qb = fb[i], qe = fe[i];
+                fb[i] = floorf(qb);
+                fe[i] = floorf(qe);
+                o[i] = (float)((qb == fb[i]) | (qe == fe[i]));  /* integer quotient: below */
+            }
+            for (int64_t i = 0; i < B; ++i) {
+                if (o[i] == 0.0f) continue;
+                float sb = (float)(i - st) * bw, se = sb + bw;
+                fb[i] = div_floor(sb, dbw);
+                fe[i] = div_floor(se, dbw);
+            }
             for (int64_t i = 0; i < B; ++i) {
                 float density = dens[i];
-                if (density == 0) { o[i] = 0.0f; continue; }  /* 0 x finite: adds nothing */
                 float sb = (float)(i - st) * bw, se = sb + bw;
-                float dob = div_floor(sb, dbw);
-                dob = dob < 0 ? 0 : (dob > top ? top : dob);
-                float doe = div_floor(se, dbw);
-                doe = doe < 0 ? 0 : (doe > top ? top : doe);
+                float dob = fb[i], doe = fe[i];
+                dob = dob < 0 ? 0 : dob;  /* the sign of a zero changes no term */
+                dob = dob > top ? top : dob;
+                doe = doe < 0 ? 0 : doe;
+                doe = doe > top ? top : doe;
                 float n = 0.0f + density * cube_diff(sb - (dob + 0.5f) * dbw, half);
                 n = n + ((doe - dob) - 1.0f) * (density * mid);
                 n = n + density * cube_diff(nhalf, se - (doe * dbw + half));
-                o[i] = n;
+                o[i] = density == 0 ? 0.0f : n;  /* 0 x finite: adds nothing */
             }
         }
     }
