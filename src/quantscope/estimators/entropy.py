@@ -71,7 +71,8 @@ typedef struct {
 static void *run(void *arg) {
     job_t *j = (job_t *)arg;
     const int64_t B = j->B, C = j->C, nq = j->nq, S = (B + nq - 1) / nq + 1;
-    double *cs = malloc(sizeof(double) * (size_t)(3 * (B + 1) + B * S));
+    /* F has B + 1 rows: an empty group may start at bin B (i = B < nq) */
+    double *cs = malloc(sizeof(double) * (size_t)(3 + S) * (B + 1));
     if (!cs) return (void *)1;
     double *nz = cs + B + 1, *bl = nz + B + 1, *F = bl + B + 1;
     for (int64_t u = j->u0; u < j->u1; ++u) {
@@ -85,12 +86,13 @@ static void *run(void *arg) {
         }
         const double T = cs[B], logT = log(T);
         /* F[a * S + z]: G log(G / n) of the group of bins [a, a + z) (0 if empty). A group
-           of z bins belongs to a threshold i < (z + 1) nq and starts below it: only those
-           entries are read. */
-        for (int64_t z = 0; z < S; ++z) {
-            int64_t amax = (z + 1) * nq < B ? (z + 1) * nq : B;
+           of z bins belongs to a threshold i with z <= ceil(i / nq), i < (z + 1) nq, and ends
+           at or below it; the thresholds end at lim: only those entries are read and made. */
+        const int64_t lim = j->stop[u] < B ? j->stop[u] : B;
+        for (int64_t z = 0; z < S && z <= (lim + nq - 1) / nq; ++z) {
+            int64_t amax = (z + 1) * nq < lim - z + 1 ? (z + 1) * nq : lim - z + 1;
             for (int64_t a = 0; a < amax; ++a) {
-                int64_t e = a + z > B ? B : a + z;
+                int64_t e = a + z;
                 double G = cs[e] - cs[a], n = nz[e] - nz[a];
                 F[a * S + z] = G > 0 ? G * log(G / (n < 1 ? 1 : n)) : 0.0;
             }
@@ -99,6 +101,10 @@ static void *run(void *arg) {
             int64_t i = j->start + c * j->stride;
             if (i > j->stop[u]) { out[c] = NAN; continue; }
             double ci = cs[i], si = T - ci, blast = b[i - 1];
+            /* P > 0 where Q = 0 (the last bin empty, outliers beyond it), or nothing below
+               i: infinite whatever the sums, so they are skipped (a third of the candidates
+               on a long-tailed histogram) */
+            if ((si > 0 && blast == 0) || !(ci > 0)) { out[c] = INFINITY; continue; }
             double plogp = bl[i - 1] + xlogx(blast + si);
             /* four partial sums: the additions are independent (no latency chain) */
             double c0 = 0.0, c1 = 0.0, c2 = 0.0, c3 = 0.0;
@@ -147,16 +153,14 @@ static void *run(void *arg) {
                 double q = G / (n < 1 ? 1 : n);
                 out_term = si * log(q < 1e-300 ? 1e-300 : q);
             }
-            double kl = (plogp - cross - out_term) / T - logT + log(ci);
-            if ((si > 0 && blast == 0) || !(ci > 0)) kl = INFINITY;
-            out[c] = kl;
+            out[c] = (plogp - cross - out_term) / T - logT + log(ci);
         }
-        if (j->pick) {  /* the last minimum of the finite divergences, -1 if none */
+        if (j->pick) {  /* the last minimum of the finite divergences; none: left alone */
             int64_t best = -1;
             double bv = INFINITY;
             for (int64_t c = 0; c < C; ++c)
                 if (isfinite(out[c]) && out[c] <= bv) { bv = out[c]; best = c; }
-            j->pick[u] = best < 0 ? -1 : j->start + best * j->stride;
+            if (best >= 0) j->pick[u] = j->start + best * j->stride;
         }
     }
     free(cs);
@@ -165,7 +169,7 @@ static void *run(void *arg) {
 
 /* KL of candidates i = start + c * stride (c < C) of |x| histograms b [U, B] (float64,
    h[0] = h[1] already applied); NaN past stop[u]. nq a power of two (2 ** shift). With
-   pick (else NULL): each unit's last argmin bin, -1 if no divergence is finite. */
+   pick (else NULL): each unit's last argmin bin, unchanged if no divergence is finite. */
 int64_t qs_entropy(const double *b, const int64_t *stop, double *out, int64_t *pick, int64_t U,
                    int64_t B, int64_t start, int64_t stride, int64_t C, int64_t shift,
                    int64_t threads) {
@@ -206,34 +210,45 @@ def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bo
     (the reference the C kernel is tested against). ``pick``: an int64 ``[U]`` tensor the
     kernel fills with each unit's last-argmin bin (-1: no finite divergence), left at -2
     when the torch form ran."""
+    if pick is not None:
+        pick.fill_(-1)
+    kl, cand, picked = _divergences(counts, num_bits, unsigned, start_bin, stride, stop,
+                                    copy_zero_bin, kernel, pick)
+    if pick is not None and not picked:
+        pick.fill_(-2)
+    return kl, cand
+
+
+def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_bin, kernel,
+                 pick):
+    """:func:`entropy_divergences` and whether the kernel ran; it then wrote each unit's
+    last-argmin bin into ``pick`` (if given) where a divergence is finite, and left the
+    others."""
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"entropy: stride must be a positive integer, got {stride!r}")
     if not isinstance(num_bits, int) or num_bits < 2:
         raise ValueError(f"entropy: num_bits must be an integer >= 2, got {num_bits!r}")
     U, B = counts.shape
     dev = counts.device
-    b = counts.double().clone()
+    b = counts.to(torch.float64, copy=True)
     if copy_zero_bin and B > 1:
         b[:, 0] = b[:, 1]
     nq = 1 << (num_bits - 1 + int(unsigned))
-    cand = torch.arange(start_bin, B + 1, stride, device=dev)
-    C = cand.numel()
+    C = len(range(start_bin, B + 1, stride))
     if C == 0:
         raise ValueError(f"entropy: start_bin {start_bin} leaves no candidate in a histogram "
                          f"of {B} bins")
-    stop = torch.full((U,), B, device=dev) if stop is None else torch.as_tensor(stop, device=dev)
-    if pick is not None:
-        pick.fill_(-2)
+    cand = torch.arange(start_bin, B + 1, stride, device=dev)
+    stop = torch.full((U,), B, device=dev) if stop is None else \
+        torch.as_tensor(stop, dtype=torch.int64, device=dev)
     lib = _kernel() if kernel and dev.type == "cpu" and U else None
     if lib is not None:
         out = torch.empty(U, C, dtype=torch.float64)
-        st = stop.to(torch.int64).contiguous()
+        st = stop.contiguous()
         if not lib.qs_entropy(b.contiguous().data_ptr(), st.data_ptr(), out.data_ptr(),
                               None if pick is None else pick.data_ptr(), U, B, start_bin,
                               stride, C, nq.bit_length() - 1, torch.get_num_threads()):
-            return out, cand
-        if pick is not None:
-            pick.fill_(-2)  # the kernel failed (no memory): the caller picks from the torch form
+            return out, cand, True
     zero = torch.zeros(U, 1, dtype=torch.float64, device=dev)
     cs = torch.cat([zero, b.cumsum(1)], 1)  # cs[:, k] = sum b[:, :k]
     nz = torch.cat([zero, (b > 0).double().cumsum(1)], 1)
@@ -266,7 +281,7 @@ def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bo
     kl = torch.where((si > 0) & (b_last == 0), inf, kl)  # P > 0 where Q = 0
     kl = torch.where(ci > 0, kl, inf)
     kl = torch.where(cand[None, :] <= stop[:, None], kl, torch.full_like(kl, float("nan")))
-    return kl, cand
+    return kl, cand, False
 
 
 def _smooth(kl: torch.Tensor, width: int) -> torch.Tensor:
@@ -299,20 +314,20 @@ def entropy_amax(hist: Hist, *, num_bits: int = 8, unsigned: bool = False, start
     h = fold_abs(hist)
     _U, B = h.counts.shape
     nzb = h.counts > 0
-    last = torch.where(nzb, torch.arange(B, device=nzb.device), -1).amax(-1) + 1  # [U]
+    last = torch.where(nzb, torch.arange(B, device=nzb.device), -1).amax(-1) + 1  # [U], >= 0
     stop = last if trim else torch.full_like(last, B)
-    pick = torch.empty_like(last) if smooth <= 1 else None
-    kl, cand = entropy_divergences(h.counts, num_bits=num_bits, unsigned=unsigned,
-                                   start_bin=start_bin, stride=stride, stop=stop,
-                                   copy_zero_bin=copy_zero_bin, pick=pick)
-    if pick is not None and bool((pick > -2).all()):  # the kernel picked (same rule as below)
-        return h.lo + torch.where(pick >= 0, pick, last.clamp(min=0)) * h.width
+    # the kernel overwrites each unit's bin where a divergence is finite: the fallback first
+    pick = last.clone() if smooth <= 1 else None
+    kl, cand, picked = _divergences(h.counts, num_bits, unsigned, start_bin, stride, stop,
+                                    copy_zero_bin, True, pick)
+    if pick is not None and picked:  # the kernel picked (same rule as below)
+        return h.lo + pick * h.width
     kl = _smooth(kl, smooth)
     key = torch.where(torch.isnan(kl), torch.full_like(kl, float("inf")), kl).flip(-1)
     # last argmin: first minimum of the reversed row; a row of only inf/NaN falls back
     pick = cand.numel() - 1 - key.argmin(-1)
     ok = (~torch.isnan(kl)).any(-1) & torch.isfinite(key).any(-1)
-    i = torch.where(ok, cand[pick], last.clamp(min=0))
+    i = torch.where(ok, cand[pick], last)
     return h.lo + i * h.width
 
 
