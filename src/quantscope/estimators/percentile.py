@@ -46,34 +46,41 @@ def percentile_value(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor
     """Per unit, the value (by ``convention``) of the first bin whose cumulative count reaches
     ``fraction`` of the total. ``fraction`` is a float or a ``[U, K]`` tensor (then ``[U, K]``)."""
     off = _offset(convention)
-    cum = counts.cumsum(-1).double()
-    total = cum[:, -1:]
     frac = torch.as_tensor(fraction, dtype=torch.float64, device=counts.device)
     squeeze = frac.dim() == 0
-    frac = frac.reshape(1, 1) if squeeze else frac
-    target = frac * total  # [U, K]
-    i = torch.searchsorted(cum.contiguous(), target.contiguous(), right=False)
-    i = i.clamp_(max=counts.shape[-1] - 1).float()
-    v = lo[:, None] + (i + off) * width[:, None]
+    v = _values(counts, lo, width, frac.reshape(1, 1) if squeeze else frac, off)
     return v[:, 0] if squeeze else v
+
+
+def _values(counts, lo, width, frac, off):
+    # [U, K] values of the bins reaching ``frac`` ([U, K] or [1, K], float64) of the total
+    cum = counts.cumsum(-1).double()
+    i = torch.searchsorted(cum, frac * cum[:, -1:], right=False)
+    i = i.clamp_(max=counts.shape[-1] - 1).float()
+    return lo[:, None] + (i + off) * width[:, None]
 
 
 def percentile_range(hist: Hist, percentile: float = 99.99, *, symmetric: bool = True,
                      convention: str = "center") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-unit ``(lo, hi)`` at ``percentile`` (a float, or a ``[K]`` list: then ``[U, K]``)."""
     p = torch.as_tensor(percentile, dtype=torch.float64)
-    if not bool(((p > 0) & (p <= 100)).all()):
+    ps = p.tolist()  # the fractions in Python floats: the same float64 steps, no tensor ops
+    ps = [ps] if p.dim() == 0 else ps
+    if not all(0 < v <= 100 for v in ps):
         raise ValueError(f"percentile: percentile must be in (0, 100], got {percentile!r}")
-    U = hist.counts.shape[0]
-    frac = (p / 100).to(hist.counts.device)
+    off = _offset(convention)
+    dev = hist.counts.device
     if symmetric:
         h = fold_abs(hist)
-        f = frac if frac.dim() == 0 else frac.expand(U, -1)
-        amax = percentile_value(h.counts, h.lo, h.width, f, convention)
+        frac = torch.tensor([[v / 100 for v in ps]], dtype=torch.float64, device=dev)
+        amax = _values(h.counts, h.lo, h.width, frac, off)
+        amax = amax[:, 0] if p.dim() == 0 else amax
         return -amax, amax
-    one = 1 - (1 - frac) / 2
-    f = one if one.dim() == 0 else one.expand(U, -1)
-    w = hist.width
-    hi = percentile_value(hist.counts, hist.lo, w, f, convention)
-    lo = -percentile_value(hist.counts.flip(-1), -hist.hi, w, f, convention)
-    return lo, hi
+    # both tails in one pass: the upper on the counts, the lower on the reversed counts
+    # (from -hi, negated back)
+    frac = torch.tensor([[1 - (1 - v / 100) / 2 for v in ps]], dtype=torch.float64, device=dev)
+    U, w = hist.counts.shape[0], hist.width
+    v = _values(torch.cat([hist.counts, hist.counts.flip(-1)]), torch.cat([hist.lo, -hist.hi]),
+                torch.cat([w, w]), frac, off)
+    v = v[:, 0] if p.dim() == 0 else v
+    return -v[U:], v[:U]

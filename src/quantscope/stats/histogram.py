@@ -60,12 +60,15 @@ _MAG_BITS = 22  # bin indices stay below 2**23: exact in float32 and int32
 
 class Hist(NamedTuple):
     """A histogram as estimators see it: ``counts [U, B]`` int64, bin 0 starts at ``lo [U]``,
-    the last bin ends at ``hi [U]``; ``absolute`` if it counts ``|x|``."""
+    the last bin ends at ``hi [U]``; ``absolute`` if it counts ``|x|``. ``step``: the bin
+    width ``(hi - lo) / B`` if already computed (:func:`view`, :func:`fold_abs`; the
+    estimators read it a dozen times per estimate), else None."""
 
     counts: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
     absolute: bool = False
+    step: torch.Tensor | None = None
 
     @property
     def bins(self) -> int:
@@ -74,7 +77,7 @@ class Hist(NamedTuple):
     @property
     def width(self) -> torch.Tensor:
         """Bin width per unit ``[U]`` (float32, as torch.ao computes it)."""
-        return (self.hi - self.lo) / self.bins
+        return self.step if self.step is not None else _width(self.lo, self.hi, self.bins)
 
     def edges(self) -> torch.Tensor:
         """Left edges of every bin and the right edge of the last, ``[U, B + 1]``."""
@@ -85,6 +88,10 @@ class Hist(NamedTuple):
         """Bin centres ``[U, B]``."""
         i = torch.arange(self.bins, device=self.lo.device, dtype=torch.float32) + 0.5
         return self.lo[:, None] + i * self.width[:, None]
+
+
+def _width(lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
+    return (hi - lo) / bins
 
 
 class HistState(NamedTuple):
@@ -259,7 +266,8 @@ def view(state: HistState, absolute: bool = False) -> Hist:
     """The estimator view of a state: edges ``first * w`` and ``(first + B) * w`` (exact)."""
     w = pow2(state.exp)
     bins = state.counts.shape[1]
-    return Hist(state.counts, state.first.float() * w, (state.first + bins).float() * w, absolute)
+    lo, hi = state.first.float() * w, (state.first + bins).float() * w
+    return Hist(state.counts, lo, hi, absolute, _width(lo, hi, bins))
 
 
 def linear_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -296,7 +304,8 @@ def fold_abs(hist: Hist) -> Hist:
     w = hist.width
     first = torch.round(hist.lo / w).long()
     k = first[:, None] + torch.arange(B, device=hist.counts.device)  # absolute bin index
-    idx = torch.where(k >= 0, k, -k - 1).clamp_(0, B - 1)
+    idx = torch.where(k < 0, ~k, k).clamp_(0, B - 1)  # bin -1 - k of |x| for k < 0
     counts = torch.zeros_like(hist.counts).scatter_add_(1, idx, hist.counts)
     zero = torch.zeros_like(hist.lo)
-    return Hist(counts, zero, w * B, True)
+    hi = w * B
+    return Hist(counts, zero, hi, True, _width(zero, hi, B))
