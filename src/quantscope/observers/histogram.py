@@ -229,11 +229,16 @@ class HistogramObserverBase(Observer):
         self._pending = 0
 
     # --------------------------------------------------------------- ranges
-    def _clip(self, lo, hi):
+    def _bounds(self):
+        """The range an estimate is clipped to: the data's min / max (symmetric: +-max |x|)."""
         if self.spec.symmetric:  # the range that matters is max |x|, on either side
             amax = torch.maximum(-self.min_vals, self.max_vals)
-            return torch.maximum(lo, -amax), torch.minimum(hi, amax)
-        return torch.maximum(lo, self.min_vals), torch.minimum(hi, self.max_vals)
+            return -amax, amax
+        return self.min_vals, self.max_vals
+
+    def _clip(self, lo, hi):
+        blo, bhi = self._bounds()
+        return torch.maximum(lo, blo), torch.minimum(hi, bhi)
 
     def calculate_range(self):
         if self.averaging_constant is None:
@@ -364,14 +369,16 @@ class L2HistogramObserver(HistogramObserverBase):
         self.polish = polish
 
     def _estimate(self, hist):
-        bounds = self._clip(torch.full_like(hist.lo, -float("inf")),
-                            torch.full_like(hist.hi, float("inf")))
-        return l2_polished_range(hist, self.spec, self.dst_nbins, self.polish, bounds)
+        return l2_polished_range(hist, self.spec, self.dst_nbins, self.polish, self._bounds())
+
+    def _bounds(self):
+        if self.grid == "first":  # torch.ao does not clip (its range ends at the data anyway)
+            inf = torch.full_like(self.min_vals, float("inf"))
+            return -inf, inf
+        return super()._bounds()
 
     def _clip(self, lo, hi):
-        if self.grid == "first":  # torch.ao does not clip (its range ends at the data anyway)
-            return lo, hi
-        return super()._clip(lo, hi)
+        return (lo, hi) if self.grid == "first" else super()._clip(lo, hi)
 
 
 @register("mix")
