@@ -21,8 +21,10 @@ boundaries ``ceil(g i / nq)``). Work is ``units x candidates x nq``, chunked.
 
 On CPU a C kernel (:mod:`quantscope.native`) evaluates the same closed form: every
 group's ``G log(G / n)`` depends only on its first bin and its size (at most
-``ceil(B / nq)``), so it tabulates those once per unit (``B x ceil(B / nq)`` logs)
-and each candidate's cross term is ``nq`` table reads, threads over units. Same
+``ceil(B / nq)``), so it tabulates those once per unit (at most ``B x ceil(B / nq)``
+logs: only groups ending by the unit's last candidate) and each candidate's cross term
+is ``nq`` table reads (none for a candidate that is infinite anyway: its last bin
+empty with counts beyond it), threads over units. Same
 float64 terms, summed in another order (tested against the torch form to 1e-12
 and against the literal loop). Note: TensorRT's groups are ``np.digitize`` on
 ``linspace(0, i, nq + 1)`` -- sizes ``floor`` or ``ceil(i / nq)`` spread over
