@@ -349,16 +349,17 @@ def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points, scale):
         torch.testing.assert_close(bk.error, bt.error, rtol=1e-12, atol=0)
 
 
-def test_mix_keeps_the_least_error_candidate_per_unit():
+@pytest.mark.parametrize("sym", [False, True])
+def test_mix_keeps_the_least_error_candidate_per_unit(sym):
     torch.manual_seed(5)
     x = torch.randn(3, 30000) * torch.tensor([[1.0], [3.0], [0.2]])
     x[0, :3] = 50
-    spec = qs.QuantSpec("int8", "channel:0", symmetric=False)
+    spec = qs.QuantSpec("int8", "channel:0", symmetric=sym)
     o = qs.get_observer("mix", spec, bins=512)
     o(x)
     h = o.current_histogram()
     lo, hi, choice = mix_range(h, spec, lo=o.min_vals, hi=o.max_vals, return_choice=True)
-    cands = [percentile_range(h, p, symmetric=False) for p in (99.9, 99.99, 99.999, 99.9999)]
+    cands = [percentile_range(h, p, symmetric=sym) for p in (99.9, 99.99, 99.999, 99.9999)]
     cands += [(o.min_vals, o.max_vals), histogram_mse_range(h, spec)]
     from quantscope.estimators import entropy_range
 

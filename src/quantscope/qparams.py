@@ -98,8 +98,9 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     hi = hi.clamp(min=0)
     fmt, enc = spec.format, spec.scale
     qmin, qmax = float(spec.qmin), float(spec.qmax)
-    amax = torch.maximum(-lo, hi)
-    zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)
+    if spec.symmetric or enc.is_block:  # the paths that scale max |x|
+        amax = torch.maximum(-lo, hi)
+        zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)
 
     if enc.kind == "e8m0":
         return QParams(e8m0_scale(amax, fmt, enc.mode), zero)

@@ -21,14 +21,13 @@ __all__ = ["histogram_mse_range", "occupied_range"]
 
 
 def occupied_range(hist: Hist) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left edge of the first and right edge of the last non-empty bin, per unit."""
-    nz = hist.counts > 0
-    B = hist.bins
-    ar = torch.arange(B, device=nz.device)
-    first = torch.where(nz, ar, B).amin(-1).clamp(max=B - 1)
-    last = torch.where(nz, ar, -1).amax(-1).clamp(min=0)
+    """Left edge of the first and right edge of the last non-empty bin, per unit (an empty
+    unit: its whole grid)."""
+    nz = (hist.counts > 0).byte()
+    first = nz.argmax(-1)  # the first maximum: the first non-empty bin
+    end = hist.bins - nz.flip(-1).argmax(-1)  # one past the last
     w = hist.width
-    return hist.lo + first * w, hist.lo + (last + 1) * w
+    return hist.lo + first * w, hist.lo + end * w
 
 
 def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, stride: int = 1,

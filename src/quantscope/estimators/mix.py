@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import QuantSpec
-from ..stats.histogram import Hist
+from ..stats.histogram import Hist, fold_abs
 from .entropy import entropy_range
 from .error import HistogramScorer
 from .histogram_mse import histogram_mse_range, occupied_range
@@ -42,8 +42,11 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
     if lo is None or hi is None:
         lo, hi = occupied_range(hist)
     los, his = [], []
+    # fold once for every |x| estimator (a folded histogram folds to itself)
+    habs = fold_abs(hist) if spec.symmetric or "entropy" in candidates else hist
+    own = habs if spec.symmetric else hist  # what percentile and MSE look at
     if "percentile" in candidates and len(percentiles):
-        plo, phi = percentile_range(hist, list(percentiles), symmetric=spec.symmetric,
+        plo, phi = percentile_range(own, list(percentiles), symmetric=spec.symmetric,
                                     convention=convention)
         los.append(plo)
         his.append(phi)
@@ -52,9 +55,9 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
     if "minmax" in candidates:
         one.append((lo, hi))
     if "mse" in candidates:
-        one.append(histogram_mse_range(hist, spec, start_bin=start_bin))
+        one.append(histogram_mse_range(own, spec, start_bin=start_bin))
     if "entropy" in candidates:
-        one.append(entropy_range(hist, start_bin=start_bin))
+        one.append(entropy_range(habs, start_bin=start_bin))
     for a, b in one:
         los.append(a[:, None])
         his.append(b[:, None])
