@@ -487,8 +487,8 @@ def default_dst_nbins(spec) -> int:
     return 2 ** fmt.bits if isinstance(fmt, IntFormat) else 256
 
 
-def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None,
-                      *, four=None) -> tuple[torch.Tensor, torch.Tensor]:
+def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.ao's search (:func:`l2_range`), then a polish of both ends on the histogram's
     quantization error: the native ``histogram`` estimator.
 
@@ -498,24 +498,19 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin` call each). Then the
     search's own range and the two moves are scored with 4 points per bin and the least
     error wins (ties: the search's range), so the polish
-    never has more histogram error than torch.ao's choice. ``four``: a prepared
-    :class:`~quantscope.estimators.error.HistogramScorer` with 4 points per bin (``mix``
-    shares its own).
+    never has more histogram error than torch.ao's choice.
     """
     if not radius:
         return l2_range(hist, dst_nbins)
     clo, chi = l2_finalists(hist, spec, dst_nbins, radius, bounds)
-    four = HistogramScorer(hist, spec, points=4) if four is None else four
-    k = four(clo, chi).argmin(1, keepdim=True)  # first minimum: the search's range on ties
+    k = HistogramScorer(hist, spec, points=4)(clo, chi).argmin(1, keepdim=True)  # first minimum: the search's range on ties
     return clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
 
 
-def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None, *,
-                 four=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ranges ``(lo, hi)`` ``[U, K]`` :func:`l2_polished_range` picks from: the search's
-    (clipped to ``bounds``), then with ``lo`` moved, then with ``hi`` moved too. With a
-    4-point scorer ``four`` (``mix``), two more: each end moved again within 8 bins in
-    quarter bins, scored with 4 points per bin (``K = 5``)."""
+def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranges ``(lo, hi)`` ``[U, 3]`` :func:`l2_polished_range` picks from: the search's
+    (clipped to ``bounds``), then with ``lo`` moved, then with ``hi`` moved too."""
     lo, hi = l2_range(hist, dst_nbins)
     if bounds is not None:
         lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
@@ -525,11 +520,6 @@ def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, boun
         lo, hi = _move_end(two, hist, lo, hi, side, radius, 1, 16, bounds)
         los.append(lo)
         his.append(hi)
-    if four is not None:
-        for side in (0, 1):
-            lo, hi = _move_end(four, hist, lo, hi, side, 8, 4, 4, bounds)
-            los.append(lo)
-            his.append(hi)
     return torch.stack(los, 1), torch.stack(his, 1)
 
 

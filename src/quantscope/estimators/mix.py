@@ -1,10 +1,10 @@
 """Mix: per unit, the candidate range with the lowest quantization error on the histogram.
 
 Candidates (Horizon's MixObserver tries the percentiles; quantscope adds the
-other estimators): the percentiles 99.9, 99.99, 99.999 and 99.9999, the
-min / max, the histogram-MSE range, the entropy (KL) range and torch.ao's L2 search
-with the ``histogram`` observer's polish (its finalists, plus two finer moves of the
-ends in quarter bins). All are scored by the one scoring function,
+other estimators): the percentiles 99.9, 99.99, 99.999 and 99.9999, the min / max,
+the histogram-MSE range, the entropy (KL) range, and torch.ao's L2 search with the
+``histogram`` observer's polish (its three finalists): 10 ranges per unit. All are
+scored by the one scoring function,
 :func:`~quantscope.estimators.error.histogram_error` (one prepared
 :class:`~quantscope.estimators.error.HistogramScorer`), with each bin's count spread over
 4 points inside it.
@@ -62,8 +62,8 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
         los.append(a[:, None])
         his.append(b[:, None])
     n = sum(t.shape[1] for t in los)
-    if "l2" in candidates:  # l2_polished_range's finalists and two finer moves
-        a, b = l2_finalists(hist, spec, default_dst_nbins(spec), bounds=(lo, hi), four=four)
+    if "l2" in candidates:  # l2_polished_range's finalists
+        a, b = l2_finalists(hist, spec, default_dst_nbins(spec), bounds=(lo, hi))
         los.append(a)
         his.append(b)
     clo = torch.maximum(torch.cat(los, 1), lo[:, None])

@@ -352,9 +352,10 @@ class L2HistogramObserver(HistogramObserverBase):
     """torch.ao ``HistogramObserver``'s non-linear L2 search, per unit, on a signed histogram.
 
     ``polish`` (native default 256; 0 in the torch.ao compat class) then moves each end by
-    up to that many bins where the quantization error on the histogram drops (whole bins,
-    then quarter bins within 8): on quantscope's
-    grid the search alone can land a bin or two from torch's choice on its own grid.
+    up to that many whole bins where the quantization error on the histogram drops, and
+    keeps the search's range unless a move scores lower
+    (:func:`~quantscope.estimators.l2.l2_polished_range`): on quantscope's grid the search
+    alone can land a bin or two from torch's choice on its own grid.
     """
 
     absolute = False
