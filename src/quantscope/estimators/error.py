@@ -192,9 +192,9 @@ int64_t qs_line_search(const float *x, const double *w, const float *lo0, const 
 }
 
 /* The scorer's points: per unit its occupied bins first, then its empty ones, m bins in
-   all, m the most occupied bins of a unit (returned); bin i's points c + off[t] w
-   (c = lo + (i + 0.5) w, float32 as Hist.centers) with weight count / p. x, wt [U, m * p]
-   (room for [U, B * p]). */
+   all, m the most occupied bins of a unit (returned; x NULL: only that); bin i's points
+   c + off[t] w (c = lo + (i + 0.5) w, float32 as Hist.centers) with weight count / p.
+   x, wt [U, m * p]. */
 int64_t qs_points(const int64_t *counts, const float *lo, const float *w, const float *off,
                   float *x, double *wt, int64_t U, int64_t B, int64_t p) {
     int64_t m = 0;
@@ -203,6 +203,7 @@ int64_t qs_points(const int64_t *counts, const float *lo, const float *w, const 
         for (int64_t i = 0; i < B; ++i) k += counts[u * B + i] > 0;
         if (k > m) m = k;
     }
+    if (!x) return m;
     for (int64_t u = 0; u < U; ++u) {
         const int64_t *cu = counts + u * B;
         float *xu = x + u * m * p;
@@ -265,12 +266,12 @@ class HistogramScorer:
         off = _offsets(points, counts.device)  # sub-points at (i + (k + 0.5) / points) w
         if self.kernel and centers is None:  # the same points and weights, in one C call
             U, B = counts.shape
-            x = torch.empty(U * B * points)
-            w = torch.empty(U * B * points, dtype=torch.float64)
             cc, lo, wd = counts.contiguous(), hist.lo.float().contiguous(), width.contiguous()
-            m = _kernel().qs_points(cc.data_ptr(), lo.data_ptr(), wd.data_ptr(), off.data_ptr(),
-                                    x.data_ptr(), w.data_ptr(), U, B, points)
-            x, w = x[:U * m * points].view(U, m * points), w[:U * m * points].view(U, m * points)
+            args = cc.data_ptr(), lo.data_ptr(), wd.data_ptr(), off.data_ptr()
+            m = _kernel().qs_points(*args, None, None, U, B, points)
+            x = torch.empty(U, m * points)
+            w = torch.empty(U, m * points, dtype=torch.float64)
+            _kernel().qs_points(*args, x.data_ptr(), w.data_ptr(), U, B, points)
             self.centers, self.counts = x[:, None, :], w[:, None, :]
             self._flat = (x, w)
             return
