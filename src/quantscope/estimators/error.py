@@ -137,20 +137,30 @@ typedef struct {
     const int64_t *lv; int64_t nlv, n, P, mid, first, u0, u1;
 } ljob_t;
 
-static inline double line_score(const ljob_t *j, int64_t u, int64_t k) {
+/* the last priced (s, z) of a unit and its error: a candidate with the same qparams (the
+   clipped ends of a line, plateaus of the scale) reuses it, as the score depends on
+   nothing else */
+typedef struct { float s, z; double e; } memo_t;
+
+static inline double line_score(const ljob_t *j, int64_t u, int64_t k, memo_t *m) {
     float lo, hi, sk, zk;
     line_range(&j->line, u, k, &lo, &hi);
     qp_of(j->s, j->z, j->q, u * j->n + k, lo, hi, &sk, &zk);
-    return score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, (float)j->q[0],
+    if (sk == m->s && zk == m->z) return m->e;
+    m->s = sk;
+    m->z = zk;
+    m->e = score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, (float)j->q[0],
                  (float)j->q[1]);
+    return m->e;
 }
 
 static void *line_run(void *arg) {
     ljob_t *j = (ljob_t *)arg;
     const int64_t n = j->n, first = j->first;
     for (int64_t u = j->u0; u < j->u1; ++u) {
+        memo_t m = {NAN, NAN, 0.0};  /* NaN equals nothing: the first candidate is priced */
         int64_t best = j->mid;
-        double eb = line_score(j, u, best);
+        double eb = line_score(j, u, best, &m);
         for (int64_t r = 0; r < j->nlv; ++r) {
             int64_t st = j->lv[r], c = best, a, b;
             if (r == 0) { a = j->mid % st; b = n - 1; }
@@ -162,7 +172,7 @@ static void *line_run(void *arg) {
             }
             for (int64_t k = a; k <= b; k += st) {
                 if (k == c) continue;
-                double e = line_score(j, u, k);
+                double e = line_score(j, u, k, &m);
                 if (e < eb || (first && e == eb && k < best)) { eb = e; best = k; }
             }
         }
