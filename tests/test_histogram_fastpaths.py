@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from quantscope.estimators import entropy
 from quantscope.estimators.entropy import entropy_amax, entropy_divergences, tensorrt_entropy_loop
 from quantscope.estimators.percentile import percentile_range, percentile_value
 from quantscope.stats import histogram as H
@@ -45,6 +46,22 @@ def test_entropy_amax_kernel_pick_is_the_last_argmin_of_its_divergences(bits, un
     i = torch.where(torch.isfinite(kl).any(-1), cand[cand.numel() - 1 - key.argmin(-1)], last)
     assert torch.equal(got, f.lo + i * f.width)
     assert torch.equal(got[3], torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("smooth", [1, 9])
+@pytest.mark.parametrize("trim", [True, False])
+@pytest.mark.parametrize("copy_zero_bin", [True, False])
+def test_entropy_amax_kernel_equals_the_torch_path(monkeypatch, smooth, trim, copy_zero_bin):
+    # the kernel takes the int64 counts (zero-bin copy, float64 cast, trim end and fallback
+    # bin in its own pass); the torch path does each step with tensor ops
+    h = _signed_hist(3)
+    h = Hist(h.counts.clone(), h.lo, h.hi)
+    h.counts[2] = 0  # no data: the fallback bin
+    h.counts[1, h.counts[1].nonzero()[5:, 0]] = 0  # too few bins for a candidate: fallback
+    kw = dict(start_bin=32, smooth=smooth, trim=trim, copy_zero_bin=copy_zero_bin)
+    got = entropy_amax(h, **kw)
+    monkeypatch.setattr(entropy, "_kernel", lambda: None)
+    assert torch.equal(got, entropy_amax(h, **kw))
 
 
 @pytest.mark.parametrize("seed", range(6))

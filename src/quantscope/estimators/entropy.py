@@ -66,31 +66,35 @@ _SOURCE = native.THREADS_C + r"""
 static double xlogx(double x) { return x > 0 ? x * log(x) : 0.0; }
 
 typedef struct {
-    const double *b; const int64_t *stop; double *out; int64_t *pick;
-    int64_t B, start, stride, C, nq, shift, u0, u1, simd;
+    const int64_t *h; const int64_t *stop; double *out; int64_t *pick;
+    int64_t B, start, stride, C, nq, shift, czb, fallback, u0, u1, simd;
 } job_t;
 
 static void *run(void *arg) {
     job_t *j = (job_t *)arg;
     const int64_t B = j->B, C = j->C, nq = j->nq, S = (B + nq - 1) / nq + 1;
     /* F has B + 1 rows: an empty group may start at bin B (i = B < nq) */
-    double *cs = malloc(sizeof(double) * (size_t)(3 + S) * (B + 1));
+    double *cs = malloc(sizeof(double) * (size_t)(4 + S) * (B + 1));
     if (!cs) return (void *)1;
-    double *nz = cs + B + 1, *bl = nz + B + 1, *F = bl + B + 1;
+    double *nz = cs + B + 1, *bl = nz + B + 1, *b = bl + B + 1, *F = b + B + 1;
     for (int64_t u = j->u0; u < j->u1; ++u) {
-        const double *b = j->b + u * B;
+        const int64_t *h = j->h + u * B;
         double *out = j->out + u * C;
+        int64_t last = 0;  /* one past the last non-empty bin (before h[0] = h[1]) */
         cs[0] = nz[0] = bl[0] = 0.0;
         for (int64_t k = 0; k < B; ++k) {
+            if (h[k] > 0) last = k + 1;
+            b[k] = (double)h[k == 0 && j->czb && B > 1 ? 1 : k];
             cs[k + 1] = cs[k] + b[k];
             nz[k + 1] = nz[k] + (b[k] > 0);
             bl[k + 1] = bl[k] + xlogx(b[k]);
         }
+        const int64_t stop = j->stop ? j->stop[u] : last;
         const double T = cs[B], logT = log(T);
         /* F[a * S + z]: G log(G / n) of the group of bins [a, a + z) (0 if empty). A group
            of z bins belongs to a threshold i with z <= ceil(i / nq), i < (z + 1) nq, and ends
            at or below it; the thresholds end at lim: only those entries are read and made. */
-        const int64_t lim = j->stop[u] < B ? j->stop[u] : B;
+        const int64_t lim = stop < B ? stop : B;
         for (int64_t z = 0; z < S && z <= (lim + nq - 1) / nq; ++z) {
             int64_t amax = (z + 1) * nq < lim - z + 1 ? (z + 1) * nq : lim - z + 1;
             for (int64_t a = 0; a < amax; ++a) {
@@ -101,7 +105,7 @@ static void *run(void *arg) {
         }
         for (int64_t c = 0; c < C; ++c) {
             int64_t i = j->start + c * j->stride;
-            if (i > j->stop[u]) { out[c] = NAN; continue; }
+            if (i > stop) { out[c] = NAN; continue; }
             double ci = cs[i], si = T - ci, blast = b[i - 1];
             /* P > 0 where Q = 0 (the last bin empty, outliers beyond it), or nothing below
                i: infinite whatever the sums, so they are skipped (a third of the candidates
@@ -157,24 +161,26 @@ static void *run(void *arg) {
             }
             out[c] = (plogp - cross - out_term) / T - logT + log(ci);
         }
-        if (j->pick) {  /* the last minimum of the finite divergences; none: left alone */
+        if (j->pick) {  /* the last minimum of the finite divergences */
             int64_t best = -1;
             double bv = INFINITY;
             for (int64_t c = 0; c < C; ++c)
                 if (isfinite(out[c]) && out[c] <= bv) { bv = out[c]; best = c; }
-            if (best >= 0) j->pick[u] = j->start + best * j->stride;
+            j->pick[u] = best >= 0 ? j->start + best * j->stride : (j->fallback ? last : -1);
         }
     }
     free(cs);
     return NULL;
 }
 
-/* KL of candidates i = start + c * stride (c < C) of |x| histograms b [U, B] (float64,
-   h[0] = h[1] already applied); NaN past stop[u]. nq a power of two (2 ** shift). With
-   pick (else NULL): each unit's last argmin bin, unchanged if no divergence is finite. */
-int64_t qs_entropy(const double *b, const int64_t *stop, double *out, int64_t *pick, int64_t U,
+/* KL of candidates i = start + c * stride (c < C) of |x| histograms h [U, B] (int64 counts;
+   czb: TensorRT's h[0] = h[1] first); NaN past stop[u] (stop NULL: past the unit's last
+   non-empty bin). nq a power of two (2 ** shift). With pick (else NULL): each unit's last
+   argmin bin; where no divergence is finite, -1, or with fallback one past the unit's last
+   non-empty bin. */
+int64_t qs_entropy(const int64_t *h, const int64_t *stop, double *out, int64_t *pick, int64_t U,
                    int64_t B, int64_t start, int64_t stride, int64_t C, int64_t shift,
-                   int64_t threads) {
+                   int64_t czb, int64_t fallback, int64_t threads) {
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads > U) threads = U;
     if (threads < 1) threads = 1;
@@ -183,7 +189,7 @@ int64_t qs_entropy(const double *b, const int64_t *stop, double *out, int64_t *p
         int64_t nq = (int64_t)1 << shift, S = (B + nq - 1) / nq + 1;
         /* int32 lanes hold g * i + nq and the table index */
         int64_t simd = nq * (B + 2) < ((int64_t)1 << 31) && (B + 1) * S < ((int64_t)1 << 31);
-        jobs[t] = (job_t){b, stop, out, pick, B, start, stride, C, nq, shift,
+        jobs[t] = (job_t){h, stop, out, pick, B, start, stride, C, nq, shift, czb, fallback,
                           U * t / threads, U * (t + 1) / threads, simd};
     }
     return qs_run_jobs(run, jobs, sizeof jobs[0], (int)threads);
@@ -191,7 +197,7 @@ int64_t qs_entropy(const double *b, const int64_t *stop, double *out, int64_t *p
 """
 _I = ctypes.c_int64
 _P = ctypes.c_void_p
-_ARGTYPES = {"qs_entropy": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]}
+_ARGTYPES = {"qs_entropy": [_P, _P, _P, _P] + [_I] * 9}
 
 
 def _kernel():
@@ -210,47 +216,63 @@ def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bo
     histograms ``counts [U, B]``; candidates past a unit's ``stop`` (default ``B``; a
     ``[U]`` tensor for per-unit ends) are NaN. ``kernel=False`` forces the torch form
     (the reference the C kernel is tested against). ``pick``: an int64 ``[U]`` tensor the
-    kernel fills with each unit's last-argmin bin (-1: no finite divergence), left at -2
+    kernel fills with each unit's last-argmin bin (-1: no finite divergence), set to -2
     when the torch form ran."""
-    if pick is not None:
-        pick.fill_(-1)
-    kl, cand, picked = _divergences(counts, num_bits, unsigned, start_bin, stride, stop,
-                                    copy_zero_bin, kernel, pick)
+    kl, picked = _divergences(counts, num_bits, unsigned, start_bin, stride, stop,
+                              copy_zero_bin, kernel, pick)
     if pick is not None and not picked:
         pick.fill_(-2)
-    return kl, cand
+    return kl, torch.arange(start_bin, counts.shape[1] + 1, stride, device=counts.device)
+
+
+#: ``stop`` of :func:`_divergences`: each unit's candidates end at its last non-empty bin
+_LAST = "last"
+
+
+def _last_nonempty(counts: torch.Tensor) -> torch.Tensor:
+    """One past each unit's last non-empty bin ``[U]`` (0 for an empty unit)."""
+    ar = torch.arange(counts.shape[1], device=counts.device)
+    return torch.where(counts > 0, ar, -1).amax(-1) + 1
 
 
 def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_bin, kernel,
-                 pick):
-    """:func:`entropy_divergences` and whether the kernel ran; it then wrote each unit's
-    last-argmin bin into ``pick`` (if given) where a divergence is finite, and left the
-    others."""
+                 pick, fallback=False):
+    """``(divergences, whether the kernel ran)`` of :func:`entropy_divergences`; ``stop`` may
+    also be :data:`_LAST`. When the kernel ran it wrote each unit's last-argmin bin into
+    ``pick`` (if given), where no divergence is finite -1, or with ``fallback`` one past the
+    unit's last non-empty bin."""
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"entropy: stride must be a positive integer, got {stride!r}")
     if not isinstance(num_bits, int) or num_bits < 2:
         raise ValueError(f"entropy: num_bits must be an integer >= 2, got {num_bits!r}")
     U, B = counts.shape
     dev = counts.device
-    b = counts.to(torch.float64, copy=True)
-    if copy_zero_bin and B > 1:
-        b[:, 0] = b[:, 1]
     nq = 1 << (num_bits - 1 + int(unsigned))
     C = len(range(start_bin, B + 1, stride))
     if C == 0:
         raise ValueError(f"entropy: start_bin {start_bin} leaves no candidate in a histogram "
                          f"of {B} bins")
-    cand = torch.arange(start_bin, B + 1, stride, device=dev)
-    stop = torch.full((U,), B, device=dev) if stop is None else \
-        torch.as_tensor(stop, dtype=torch.int64, device=dev)
-    lib = _kernel() if kernel and dev.type == "cpu" and U else None
-    if lib is not None:
+    if stop is None:
+        stop = torch.full((U,), B, device=dev)
+    elif not isinstance(stop, str):
+        stop = torch.as_tensor(stop, dtype=torch.int64, device=dev)
+    lib = _kernel() if kernel and dev.type == "cpu" and U and counts.dtype == torch.int64 \
+        else None
+    if lib is not None:  # int64 counts in: the zero-bin copy and float64 cast happen in C
         out = torch.empty(U, C, dtype=torch.float64)
-        st = stop.contiguous()
-        if not lib.qs_entropy(b.contiguous().data_ptr(), st.data_ptr(), out.data_ptr(),
+        st = None if isinstance(stop, str) else stop.contiguous()
+        if not lib.qs_entropy(counts.contiguous().data_ptr(), None if st is None else
+                              st.data_ptr(), out.data_ptr(),
                               None if pick is None else pick.data_ptr(), U, B, start_bin,
-                              stride, C, nq.bit_length() - 1, torch.get_num_threads()):
-            return out, cand, True
+                              stride, C, nq.bit_length() - 1, int(copy_zero_bin), int(fallback),
+                              torch.get_num_threads()):
+            return out, True
+    if isinstance(stop, str):
+        stop = _last_nonempty(counts)
+    b = counts.to(torch.float64, copy=True)
+    if copy_zero_bin and B > 1:
+        b[:, 0] = b[:, 1]
+    cand = torch.arange(start_bin, B + 1, stride, device=dev)
     zero = torch.zeros(U, 1, dtype=torch.float64, device=dev)
     cs = torch.cat([zero, b.cumsum(1)], 1)  # cs[:, k] = sum b[:, :k]
     nz = torch.cat([zero, (b > 0).double().cumsum(1)], 1)
@@ -283,7 +305,7 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     kl = torch.where((si > 0) & (b_last == 0), inf, kl)  # P > 0 where Q = 0
     kl = torch.where(ci > 0, kl, inf)
     kl = torch.where(cand[None, :] <= stop[:, None], kl, torch.full_like(kl, float("nan")))
-    return kl, cand, False
+    return kl, False
 
 
 def _smooth(kl: torch.Tensor, width: int) -> torch.Tensor:
@@ -314,22 +336,20 @@ def entropy_amax(hist: Hist, *, num_bits: int = 8, unsigned: bool = False, start
     bins than ``start_bin`` (or no data) gets the right edge of its last non-empty bin.
     """
     h = fold_abs(hist)
-    _U, B = h.counts.shape
-    nzb = h.counts > 0
-    last = torch.where(nzb, torch.arange(B, device=nzb.device), -1).amax(-1) + 1  # [U], >= 0
-    stop = last if trim else torch.full_like(last, B)
-    # the kernel overwrites each unit's bin where a divergence is finite: the fallback first
-    pick = last.clone() if smooth <= 1 else None
-    kl, cand, picked = _divergences(h.counts, num_bits, unsigned, start_bin, stride, stop,
-                                    copy_zero_bin, True, pick)
-    if pick is not None and picked:  # the kernel picked (same rule as below)
+    U, B = h.counts.shape
+    # one pass: the kernel trims, picks the last argmin and falls back to the last bin itself
+    pick = torch.empty(U, dtype=torch.int64) if smooth <= 1 else None
+    kl, picked = _divergences(h.counts, num_bits, unsigned, start_bin, stride,
+                              _LAST if trim else None, copy_zero_bin, True, pick, fallback=True)
+    if pick is not None and picked:
         return h.lo + pick * h.width
     kl = _smooth(kl, smooth)
+    cand = torch.arange(start_bin, B + 1, stride, device=kl.device)
     key = torch.where(torch.isnan(kl), torch.full_like(kl, float("inf")), kl).flip(-1)
     # last argmin: first minimum of the reversed row; a row of only inf/NaN falls back
     pick = cand.numel() - 1 - key.argmin(-1)
     ok = (~torch.isnan(kl)).any(-1) & torch.isfinite(key).any(-1)
-    i = torch.where(ok, cand[pick], last)
+    i = torch.where(ok, cand[pick], _last_nonempty(h.counts))
     return h.lo + i * h.width
 
 
