@@ -267,7 +267,7 @@ def view(state: HistState, absolute: bool = False) -> Hist:
     w = pow2(state.exp)
     bins = state.counts.shape[1]
     lo, hi = state.first.float() * w, (state.first + bins).float() * w
-    return Hist(state.counts, lo, hi, absolute, _width(lo, hi, bins))
+    return Hist(state.counts, lo, hi, absolute, w)  # (hi - lo) / bins is w exactly
 
 
 def linear_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -304,8 +304,6 @@ def fold_abs(hist: Hist) -> Hist:
     w = hist.width
     first = torch.round(hist.lo / w).long()
     k = first[:, None] + torch.arange(B, device=hist.counts.device)  # absolute bin index
-    idx = torch.where(k < 0, ~k, k).clamp_(0, B - 1)  # bin -1 - k of |x| for k < 0
+    idx = (k ^ (k >> 63)).clamp_(0, B - 1)  # bin ~k = -1 - k of |x| for k < 0
     counts = torch.zeros_like(hist.counts).scatter_add_(1, idx, hist.counts)
-    zero = torch.zeros_like(hist.lo)
-    hi = w * B
-    return Hist(counts, zero, hi, True, _width(zero, hi, B))
+    return Hist(counts, torch.zeros_like(hist.lo), w * B, True, w)  # (w B - 0) / B is w
