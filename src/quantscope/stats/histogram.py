@@ -306,4 +306,5 @@ def fold_abs(hist: Hist) -> Hist:
     k = first[:, None] + torch.arange(B, device=hist.counts.device)  # absolute bin index
     idx = (k ^ (k >> 63)).clamp_(0, B - 1)  # bin ~k = -1 - k of |x| for k < 0
     counts = torch.zeros_like(hist.counts).scatter_add_(1, idx, hist.counts)
-    return Hist(counts, torch.zeros_like(hist.lo), w * B, True, w)  # (w B - 0) / B is w
+    hi = w * B
+    return Hist(counts, torch.zeros_like(hist.lo), hi, True, hi / B)  # (hi - 0) / B
