@@ -302,6 +302,13 @@ def test_histogram_mse_picks_the_least_error_candidate(fmt, sym):
     assert float(lo) == pytest.approx(float(clo[best]), rel=1e-6)
     got = histogram_error(hh, clo[None], chi[None], spec)[0]
     np.testing.assert_allclose(got.numpy(), errs, rtol=1e-9)
+    if not sym:  # bounds: the data's own min / max instead of the occupied bins' edges
+        dlo, dhi = x.amin(1), x.amax(1)
+        lo, hi = histogram_mse_range(h, spec, start_bin=128, stride=7, refine=None,
+                                     bounds=(dlo, dhi))
+        clo, chi = torch.maximum(-amax, dlo), torch.minimum(amax, dhi)
+        best = int(np.argmin(_direct_error(hh, clo, chi, spec)))
+        assert (float(lo), float(hi)) == (float(clo[best]), float(chi[best]))
 
 
 @pytest.mark.parametrize("sym,bits,points,scale", [(False, 8, 1, "fp32"), (True, 8, 2, "fp32"),
@@ -360,7 +367,8 @@ def test_mix_keeps_the_least_error_candidate_per_unit(sym):
     h = o.current_histogram()
     lo, hi, choice = mix_range(h, spec, lo=o.min_vals, hi=o.max_vals, return_choice=True)
     cands = [percentile_range(h, p, symmetric=sym) for p in (99.9, 99.99, 99.999, 99.9999)]
-    cands += [(o.min_vals, o.max_vals), histogram_mse_range(h, spec)]
+    cands += [(o.min_vals, o.max_vals),
+              histogram_mse_range(h, spec, bounds=(o.min_vals, o.max_vals))]
     from quantscope.estimators import entropy_range
 
     cands.append(entropy_range(h))

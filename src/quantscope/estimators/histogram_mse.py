@@ -3,8 +3,9 @@ error of quantizing the bin centres, weighted by the counts.
 
 Candidates are the bin centres of the ``|x|`` histogram from ``start_bin`` on, every
 ``stride``-th (ModelOpt: 128, 1; Quark: 2045, 1); the first minimum wins, as
-``argmin`` does in both. By default the search is coarse-to-fine (``refine``). Symmetric specs score ``(-c, c)`` on ``|x|``; asymmetric ones
-clip the signed histogram at ``(-c, c)`` intersected with its occupied bins. The
+``argmin`` does in both. By default the search is coarse-to-fine (``refine``). Symmetric
+specs score ``(-c, c)`` on ``|x|``; asymmetric ones clip the signed histogram at ``(-c, c)``
+intersected with the data's range (``bounds``; by default its occupied bins). The
 error is :func:`~quantscope.estimators.error.histogram_error`, for integer and float
 formats alike.
 """
@@ -31,13 +32,17 @@ def occupied_range(hist: Hist) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, stride: int = 1,
-                        refine: int | None = 16) -> tuple[torch.Tensor, torch.Tensor]:
+                        refine: int | None = 16, bounds=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-unit ``(lo, hi)`` minimising the histogram's quantization error.
 
     ``refine=k`` scores every ``k``-th candidate, then every candidate within ``k`` of the
     best (about ``n / k + 2 k`` instead of ``n`` candidates; the minimum of a smooth error
     curve is found exactly). ``refine=None`` scores every candidate, as ModelOpt / Quark.
-    One :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin` call (the kernel
+    ``bounds``: ``(lo, hi)`` ``[U]`` that asymmetric candidates are clipped to before they
+    are scored (default: the occupied bins' edges, :func:`occupied_range`; observers pass
+    the data's min / max, which they clip the result to anyway, so the range scored is the
+    range that runs). One
+    :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin` call (the kernel
     scores only the candidates it visits).
     """
     if not isinstance(stride, int) or stride < 1:
@@ -54,7 +59,9 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     n = len(range(start, B, stride))
     coarse = 1 if refine is None or refine == 1 or n <= 4 * refine else refine
     # (-c, c) at the centres of the |x| grid; asymmetric: within the occupied bins
-    line = Line.centres(h.width, start, stride, n, None if spec.symmetric else occupied_range(h))
+    if not spec.symmetric and bounds is None:
+        bounds = occupied_range(h)
+    line = Line.centres(h.width, start, stride, n, None if spec.symmetric else bounds)
     # every coarse-th candidate, then those within coarse of the best; first minimum in
     # bin order, as argmin (the minimum of a smooth error curve is found exactly)
     best = HistogramScorer(h, spec).line_argmin(line, 0, coarse, first=True)

@@ -55,7 +55,7 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
     if "minmax" in candidates:
         one.append((lo, hi))
     if "mse" in candidates:
-        one.append(histogram_mse_range(own, spec, start_bin=start_bin))
+        one.append(histogram_mse_range(own, spec, start_bin=start_bin, bounds=(lo, hi)))
     if "entropy" in candidates:
         one.append(entropy_range(habs, start_bin=start_bin))
     for a, b in one:

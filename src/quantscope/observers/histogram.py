@@ -312,7 +312,8 @@ class HistogramMSEObserver(HistogramObserverBase):
         self.start_bin, self.stride = start_bin, stride
 
     def _estimate(self, hist):
-        return histogram_mse_range(hist, self.spec, start_bin=self.start_bin, stride=self.stride)
+        return histogram_mse_range(hist, self.spec, start_bin=self.start_bin, stride=self.stride,
+                                   bounds=self._bounds())
 
 
 def _kl_bits(spec):
