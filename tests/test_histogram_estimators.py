@@ -311,6 +311,25 @@ def test_histogram_mse_picks_the_least_error_candidate(fmt, sym):
         assert (float(lo), float(hi)) == (float(clo[best]), float(chi[best]))
 
 
+def test_histogram_scorer_points_past_the_buffer_budget_equal_the_torch_path():
+    # U * B * points above ELEMENT_BUDGET: the kernel counts the occupied bins first and
+    # sizes its buffers to them (below it, room for every bin and one call)
+    from quantscope.estimators.error import ELEMENT_BUDGET, HistogramScorer
+
+    g = torch.Generator().manual_seed(11)
+    U, B, points = 300, 512, 2
+    assert U * B * points > ELEMENT_BUDGET
+    counts = torch.randint(0, 9, (U, B), generator=g) * (torch.rand(U, B, generator=g) < 0.3)
+    lo = -torch.rand(U, generator=g) * 4
+    h = Hist(counts, lo, lo + 8)
+    spec = qs.QuantSpec("int8", "channel:0", symmetric=False)
+    k, t = (HistogramScorer(h, spec, points=points, kernel=kk) for kk in (True, False))
+    assert all(torch.equal(a, b) for a, b in zip(k._points(), t._points()))
+    clo, chi = h.lo[:, None] * torch.rand(U, 3, generator=g), h.hi[:, None] * 0.9
+    torch.testing.assert_close(k(clo, chi.expand(U, 3)), t(clo, chi.expand(U, 3)), rtol=1e-12,
+                               atol=0)
+
+
 @pytest.mark.parametrize("sym,bits,points,scale", [(False, 8, 1, "fp32"), (True, 8, 2, "fp32"),
                                                    (False, 4, 4, "fp32"), (False, 8, 2, "pow2")])
 def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points, scale):
@@ -332,7 +351,7 @@ def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points, scale):
     from quantscope.estimators.error import HistogramScorer
 
     k, t = (HistogramScorer(h, spec, points=points, kernel=kk) for kk in (True, False))
-    assert torch.equal(k.centers, t.centers) and torch.equal(k.counts, t.counts)
+    assert all(torch.equal(a, b) for a, b in zip(k._points(), t._points()))
     # line_argmin: the kernel builds and prices only the candidates it visits, the torch
     # path builds the whole line (Line.ranges), scores all and picks by the same rule
     from quantscope.estimators.error import Line

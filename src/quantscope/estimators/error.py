@@ -204,7 +204,7 @@ int64_t qs_line_search(const float *x, const double *w, const float *lo0, const 
 /* The scorer's points: per unit its occupied bins first, then its empty ones, m bins in
    all, m the most occupied bins of a unit (returned; x NULL: only that); bin i's points
    c + off[t] w (c = lo + (i + 0.5) w, float32 as Hist.centers) with weight count / p.
-   x, wt [U, m * p]. */
+   x, wt [U, m * p] (room for at least that). */
 int64_t qs_points(const int64_t *counts, const float *lo, const float *w, const float *off,
                   float *x, double *wt, int64_t U, int64_t B, int64_t p) {
     int64_t m = 0;
@@ -278,12 +278,15 @@ class HistogramScorer:
             U, B = counts.shape
             cc, lo, wd = counts.contiguous(), hist.lo.float().contiguous(), width.contiguous()
             args = cc.data_ptr(), lo.data_ptr(), wd.data_ptr(), off.data_ptr()
-            m = _kernel().qs_points(*args, None, None, U, B, points)
-            x = torch.empty(U, m * points)
-            w = torch.empty(U, m * points, dtype=torch.float64)
-            _kernel().qs_points(*args, x.data_ptr(), w.data_ptr(), U, B, points)
-            self.centers, self.counts = x[:, None, :], w[:, None, :]
-            self._flat = (x, w)
+            # room for every bin when that is small, else a first call counts the occupied
+            n = B if U * B * points <= ELEMENT_BUDGET else \
+                _kernel().qs_points(*args, None, None, U, B, points)
+            x = torch.empty(U * n * points)
+            w = torch.empty(U * n * points, dtype=torch.float64)
+            m = _kernel().qs_points(*args, x.data_ptr(), w.data_ptr(), U, B, points)
+            self._flat = (x[:U * m * points].view(U, m * points),
+                          w[:U * m * points].view(U, m * points))
+            self.centers = self.counts = None  # [U, 1, P] views when the torch path asks
             return
         nz = counts > 0
         centers = hist.centers() if centers is None else centers.float()
@@ -324,6 +327,7 @@ class HistogramScorer:
         return self._torch(*self._qparams(lo, hi, torch_only=True))
 
     def _points(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The points and weights ``[U, P]`` (contiguous), as the kernel takes them."""
         if self._flat is None:
             self._flat = (self.centers[:, 0].contiguous(), self.counts[:, 0].contiguous())
         return self._flat
@@ -339,6 +343,8 @@ class HistogramScorer:
                 qp.zero_point.float().expand(U, C).contiguous())
 
     def _torch(self, scale, zp):
+        if self.centers is None:
+            self.centers, self.counts = (t[:, None, :] for t in self._flat)
         centers, counts, U = self.centers, self.counts, self.units
         C = scale.shape[1]
         step = max(1, ELEMENT_BUDGET // max(1, U * centers.shape[-1]))
