@@ -92,7 +92,7 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     if lo.shape != hi.shape:
         raise ValueError(f"qparams_from_range: lo and hi must have one shape, got "
                          f"{tuple(lo.shape)} and {tuple(hi.shape)}")
-    if check_finite and not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+    if check_finite and not bool(torch.isfinite(torch.stack((lo, hi))).all()):
         raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
     lo = lo.clamp(max=0)
     hi = hi.clamp(min=0)
