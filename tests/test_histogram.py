@@ -143,6 +143,23 @@ def test_observer_forward_has_no_host_sync_on_the_native_grid(name):
     assert not names & {"aten::item", "aten::_local_scalar_dense"}
 
 
+@pytest.mark.parametrize("name,kw", [(n, {}) for n in ("percentile", "histogram_mse", "entropy",
+                                                          "histogram", "mix")]
+                         + [("histogram", {"grid": "first"}), ("mix", {"averaging_constant": 0.1})])
+def test_ranges_and_qparams_are_ordinary_tensors(name, kw):
+    # estimates run under inference_mode: nothing of it may reach the caller or the state
+    obs = qs.get_observer(name, qs.QuantSpec("int8", symmetric=False), **kw)
+    x = torch.randn(4, 100)
+    obs(x)
+    lo, hi, qp = obs.range_and_qparams()
+    for t in (lo, hi, qp.scale, qp.zero_point, *obs.buffers()):
+        assert not t.is_inference()
+    lo.add_(1)  # in place: refused on an inference tensor
+    w = torch.ones(1, requires_grad=True)
+    (w * qp.scale).sum().backward()  # saved for backward: refused too
+    obs(x * 3)  # the (EMA) state takes the next batch in place
+
+
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="bins"):
         qs.get_observer("percentile", qs.QuantSpec(), bins=4)
