@@ -33,6 +33,8 @@ narrower than the format take the upper midpoint here, torch.ao the lower one.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +94,8 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     if lo.shape != hi.shape:
         raise ValueError(f"qparams_from_range: lo and hi must have one shape, got "
                          f"{tuple(lo.shape)} and {tuple(hi.shape)}")
-    if check_finite and not bool(torch.isfinite(torch.stack((lo, hi))).all()):
+    # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN compares false
+    if check_finite and not bool((torch.stack((lo, hi)).abs() < math.inf).all()):
         raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
     lo = lo.clamp(max=0)
     hi = hi.clamp(min=0)
@@ -117,7 +120,7 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     else:
         scale = (hi - lo) / (qmax - qmin)
         # hi - lo overflows float32 only for ranges near its max: divide first there
-        scale = torch.where(torch.isfinite(scale), scale, hi / (qmax - qmin) - lo / (qmax - qmin))
+        scale = torch.where(scale < math.inf, scale, hi / (qmax - qmin) - lo / (qmax - qmin))
     scale = encode_scale(scale.clamp(min=spec.min_scale), enc)
     if spec.symmetric:
         if fmt.signed:
