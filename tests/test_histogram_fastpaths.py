@@ -58,7 +58,7 @@ def test_entropy_amax_kernel_equals_the_torch_path(monkeypatch, smooth, trim, co
     h = Hist(h.counts.clone(), h.lo, h.hi)
     h.counts[2] = 0  # no data: the fallback bin
     h.counts[1, h.counts[1].nonzero()[5:, 0]] = 0  # too few bins for a candidate: fallback
-    kw = dict(start_bin=32, smooth=smooth, trim=trim, copy_zero_bin=copy_zero_bin)
+    kw = {"start_bin": 32, "smooth": smooth, "trim": trim, "copy_zero_bin": copy_zero_bin}
     got = entropy_amax(h, **kw)
     monkeypatch.setattr(entropy, "_kernel", lambda: None)
     assert torch.equal(got, entropy_amax(h, **kw))

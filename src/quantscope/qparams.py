@@ -34,7 +34,6 @@ narrower than the format take the upper midpoint here, torch.ao the lower one.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
