@@ -379,15 +379,14 @@ class HistogramScorer:
                 s, z = self._qparams(*line.ranges(), torch_only=True)
             idx = torch.empty(U, dtype=torch.long)
             err = torch.empty(U, dtype=torch.float64)
-            out = torch.empty(2, U)
+            blo, bhi = torch.empty(2, U).unbind(0)
             lvt = _as_tensor(lv)
             _kernel().qs_line_search(x.data_ptr(), w.data_ptr(), *map(_ptr, f), _ptr(s),
                                      _ptr(z), self._q.data_ptr(), idx.data_ptr(), err.data_ptr(),
-                                     out[0].data_ptr(), out[1].data_ptr(), U, x.shape[1],
-                                     line.kind, n, line.mul, line.add, line.div, mid,
-                                     lvt.data_ptr(), len(lv), int(first),
-                                     torch.get_num_threads())
-            return LineBest(out[0], out[1], idx, err)
+                                     blo.data_ptr(), bhi.data_ptr(), U, x.shape[1], line.kind,
+                                     n, line.mul, line.add, line.div, mid, lvt.data_ptr(),
+                                     len(lv), int(first), torch.get_num_threads())
+            return LineBest(blo, bhi, idx, err)
         clo, chi = line.ranges()
         idx, err = _line_pick(self._torch(*self._qparams(clo, chi, torch_only=True)), mid, lv,
                               first)

@@ -475,10 +475,10 @@ def _l2_range_kernel(lib, hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, tor
                             walk.fs.data_ptr(), walk.st.data_ptr(), U, step):
             break
         step = min(2 * step, cap)
-    out = torch.empty(2, U)
-    lib.qs_l2_result(lo.data_ptr(), hi.data_ptr(), walk.st.data_ptr(), out[0].data_ptr(),
-                     out[1].data_ptr(), U, Bn)
-    return out[0], out[1]
+    new_lo, new_hi = torch.empty(2, U).unbind(0)
+    lib.qs_l2_result(lo.data_ptr(), hi.data_ptr(), walk.st.data_ptr(), new_lo.data_ptr(),
+                     new_hi.data_ptr(), U, Bn)
+    return new_lo, new_hi
 
 
 def default_dst_nbins(spec) -> int:
