@@ -338,7 +338,7 @@ def entropy_amax(hist: Hist, *, num_bits: int = 8, unsigned: bool = False, start
     h = fold_abs(hist)
     U, B = h.counts.shape
     # one pass: the kernel trims, picks the last argmin and falls back to the last bin itself
-    pick = torch.empty(U, dtype=torch.int64) if smooth <= 1 else None
+    pick = torch.empty(U, dtype=torch.int64, device=h.counts.device) if smooth <= 1 else None
     kl, picked = _divergences(h.counts, num_bits, unsigned, start_bin, stride,
                               _LAST if trim else None, copy_zero_bin, True, pick, fallback=True)
     if pick is not None and picked:
