@@ -173,6 +173,17 @@ def test_bad_arguments_raise_clear_errors():
         qs.get_observer("percentile", qs.QuantSpec(), convention="middle")
     with pytest.raises(ValueError, match="merge"):
         H.merge(H.empty_state(1, 16), H.empty_state(2, 16))
+    # bounds of the wrong length: the kernel would read past them, so the search refuses
+    from quantscope.estimators import histogram_mse_range
+    from quantscope.estimators.l2 import l2_finalists
+
+    obs = qs.get_observer("histogram", qs.QuantSpec("int8", "channel:0", symmetric=False))
+    obs(torch.randn(3, 200))
+    h, one = obs.current_histogram(), torch.zeros(1)
+    with pytest.raises(ValueError, match=r"bounds must be \[3\]"):
+        histogram_mse_range(h, obs.spec, bounds=(one - 1, one + 1))
+    with pytest.raises(ValueError, match=r"bounds must be \[3\]"):
+        l2_finalists(h, obs.spec, bounds=(one - 1, one + 1))
 
 
 def test_numpy_reference_of_the_grid_exponent():

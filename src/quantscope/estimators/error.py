@@ -367,9 +367,12 @@ class HistogramScorer:
         (:meth:`Line.ranges`), scores all and picks by the same rule."""
         U, n = self.units, line.n
         lv = _levels(coarse)
-        if line.width.shape != (U,) or not 0 <= mid < n:
-            raise ValueError(f"line_argmin: the line must have {U} units and 0 <= mid < "
-                             f"{n}, got width {tuple(line.width.shape)} and mid={mid}")
+        ends = (line.width, line.lo, line.hi, *(line.bounds or ()))
+        if any(t is not None and t.shape != (U,) for t in ends) or not 0 <= mid < n:
+            raise ValueError(f"line_argmin: the line's width, ends and bounds must be [{U}] "
+                             f"(one per unit) and 0 <= mid < {n}, got shapes "
+                             f"{[None if t is None else tuple(t.shape) for t in ends]} and "
+                             f"mid={mid}")
         if kernel and self.kernel:
             x, w = self._points()
             f = [None if t is None else t.float().contiguous() for t in
