@@ -10,8 +10,18 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 EXTRAS := test,peers,model,plot,dev
+# llm-compressor and Quark pin other versions of packages .venv holds (compressed-tensors
+# 0.19, transformers), so the differential tests and benches run them from a venv of their
+# own, with the same torch: in process (tests marked `peers`), or as a subprocess that
+# imports quantscope from src (QUANTSCOPE_PEER_PYTHON)
+PEERS    := .peers
+PEERS_PY := $(PEERS)/bin/python
+PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 pytest
+# the files with tests marked `peers` (the peers' venv has no hypothesis, torchao ... to
+# collect the rest)
+PEER_TESTS := tests/test_compat_minmax.py
 
-.PHONY: venv test demo bench lint
+.PHONY: venv peers test demo bench lint
 
 venv: $(VENV)/.stamp
 
@@ -23,10 +33,22 @@ $(VENV)/.stamp: pyproject.toml Makefile
 	$(PY) -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
 	touch $@
 
+peers: $(PEERS)/.stamp
+
+$(PEERS)/.stamp: Makefile
+	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS)
+	$(PEERS_PY) -m pip install $(TORCH)
+	$(PEERS_PY) -m pip install $(PEER_PKGS)
+	$(PEERS_PY) -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
+	touch $@
+
+# the tests that import the peers run first, in the peers' venv; then the suite, whose
+# llm-compressor subprocess tests use the same venv.
 # pytest exits 5 when it collects no test: a failure, unless ALLOW_NO_TESTS=1
 ALLOW_NO_TESTS ?= 0
-test: venv
-	@rc=0; $(PY) -m pytest -n 2 || rc=$$?; \
+test: venv peers
+	PYTHONPATH=src $(PEERS_PY) -m pytest -p no:cacheprovider -m peers $(PEER_TESTS)
+	@rc=0; QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) -m pytest -n 2 -m "not peers" || rc=$$?; \
 	if [ $$rc -eq 5 ] && [ "$(ALLOW_NO_TESTS)" = 1 ]; then \
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
 	exit $$rc
@@ -41,8 +63,8 @@ demo: venv
 	$(PY) -m quantscope compare --recipes w8a8,w4a8 --observers $(DEMO_OBSERVERS) --threads 1 \
 		--out runs/demo
 
-bench: venv
-	$(PY) bench/run.py
+bench: venv peers
+	QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) bench/run.py
 
 lint: venv
 	$(PY) -m ruff check src tests bench

@@ -2,7 +2,8 @@
 
 Cases: a 4096 x 4096 Gaussian weight and the 36 encoder Linear weights of all-MiniLM-L6-v2,
 per channel and in groups of 128. Both sides are measured by bench/mse_worker.py in a child
-under /work/benchenv's python, where llm-compressor is installed and quantscope is imported
+under the peers' python (``.peers``, built by ``make peers``, or $QUANTSCOPE_PEER_PYTHON),
+where llm-compressor is installed and quantscope is imported
 from this checkout: one process times ours and theirs alternately, call by call, on the same
 tensors with the same thread count (medians of QUANTSCOPE_BENCH_REPEAT rounds, default 5),
 and scores both ranges, min-max and a dense reference (100 factors from 1.0 down to 0.6, no
@@ -35,7 +36,7 @@ from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
 
 HERE = Path(__file__).resolve().parent
-PEER_PY = Path(os.environ.get("QUANTSCOPE_PEER_PYTHON", "/work/benchenv/bin/python"))
+PEER_PY = Path(os.environ.get("QUANTSCOPE_PEER_PYTHON", HERE.parent / ".peers" / "bin" / "python"))
 # fixed: large blocks are mmapped and unmapped at free, so RSS (and VmHWM) follow allocations
 MMAP_THRESHOLD = "65536"
 

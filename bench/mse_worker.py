@@ -3,7 +3,7 @@
     python bench/mse_worker.py time CASES.json OUT.json
     MALLOC_MMAP_THRESHOLD_=65536 python bench/mse_worker.py peak FILE SIDE LAYOUT OUT.json
 
-bench_mse.py starts it under /work/benchenv's python (llm-compressor 0.14 installed; quantscope
+bench_mse.py starts it under the peers' python (.peers: llm-compressor 0.14 installed; quantscope
 comes from ../src on sys.path, it needs only torch and numpy), or under its own python when
 the peer is absent (then "theirs" is None). CASES.json: ``[{"case": name, "file": path}]``,
 each file a safetensors dict of the weights of one case.

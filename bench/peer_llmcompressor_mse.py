@@ -1,6 +1,6 @@
 """llm-compressor's MSE observers on saved tensors, in the peer's own venv (bench / test only).
 
-    /work/benchenv/bin/python bench/peer_llmcompressor_mse.py IN.pt OUT.pt CASES.json
+    .peers/bin/python bench/peer_llmcompressor_mse.py IN.pt OUT.pt CASES.json
 
 IN.pt (or .safetensors): ``{name: tensor}``. CASES.json: a list of
 ``{"tensor": name, "observer": "memoryless_mse", "num_bits": 4, "type": "int",

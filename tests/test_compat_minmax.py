@@ -1,6 +1,7 @@
 """The seeds' min-max classes: torch.ao bitwise, compressed-tensors' calculate_qparams, and
-llm-compressor / Quark themselves where they are importable (run this file with the
-/work/benchenv interpreter and PYTHONPATH=src for those; they skip elsewhere)."""
+llm-compressor / Quark themselves (the tests marked ``peers``: ``make test`` runs them with
+the peers' venv, ``.peers``, and PYTHONPATH=src; they skip where the peers are not
+importable)."""
 
 from __future__ import annotations
 
@@ -364,7 +365,8 @@ def test_quark_bfp16_and_placeholder_and_errors():
         QuantSpec("int8", Tensor())
 
 
-# ------------------------------------------- the real peers (benchenv interpreter only)
+# ------------------------------------------- the real peers (the peers' venv only)
+@pytest.mark.peers
 def test_against_llmcompressor_observers():
     lc = pytest.importorskip("llmcompressor.observers")
     cases = [({"num_bits": 8, "strategy": "channel"}, "weight", (16, 64)),
@@ -394,6 +396,7 @@ def test_against_llmcompressor_observers():
                 assert torch.equal(a["global_scale"], b["global_scale"])
 
 
+@pytest.mark.peers
 def test_against_quark_observers():
     pytest.importorskip("quark.torch.quantization.observer.observer")
     from quark.torch.quantization.config.config import QTensorConfig

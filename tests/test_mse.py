@@ -1,7 +1,8 @@
 """MSE search estimators and observers: llm-compressor's reference values and exact mode, the
 native rules' guarantees (never worse than min-max, than global patience, than an
 encoding-blind search), the dense reference, tiling, and llm-compressor itself (a
-subprocess in /work/benchenv when it is installed)."""
+subprocess in the peers' venv, ``$QUANTSCOPE_PEER_PYTHON`` or ``.peers``, which
+``make test`` builds)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER_PY = Path("/work/benchenv/bin/python")
+PEER_PY = Path(os.environ.get("QUANTSCOPE_PEER_PYTHON", ROOT / ".peers" / "bin" / "python"))
 
 # llm-compressor's tests/llmcompressor/observers/test_mse.py: x = arange(24).reshape(6, 4) / 24,
 # int8, observer "mse", sum((x - qdq(x)) ** 2) / numel, to 1e-10
@@ -412,7 +413,7 @@ def minilm_weight():
 @pytest.fixture(scope="module")
 def peer_results(tmp_path_factory):
     if not PEER_PY.exists():
-        pytest.skip("llm-compressor's venv /work/benchenv is not installed")
+        pytest.skip(f"llm-compressor's venv {PEER_PY} is not installed (make peers)")
     tmp = tmp_path_factory.mktemp("peer")
     tensors = {"gauss": weight(shape=(32, 256))}
     try:
@@ -430,7 +431,7 @@ def peer_results(tmp_path_factory):
                           timeout=600)
     if proc.returncode != 0:
         if "No module named 'llmcompressor'" in proc.stderr:
-            pytest.skip("llm-compressor is not importable in /work/benchenv")
+            pytest.skip(f"llm-compressor is not importable by {PEER_PY}")
         raise AssertionError(proc.stderr[-3000:])
     return tensors, cases, torch.load(tmp / "out.pt")
 
