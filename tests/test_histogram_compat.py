@@ -1,4 +1,5 @@
-"""Compat histogram classes: Quark's functions against a literal port of Quark's code,
+"""Compat histogram classes: Quark's functions against a literal port of Quark's code and
+(tests marked ``peers``, run by ``make test`` in the peers' venv) Quark's classes themselves,
 Horizon's smoothing against its definition, the registry names."""
 
 import numpy as np
@@ -130,3 +131,33 @@ def test_registry_names_of_the_compat_classes():
     o = qs.get_observer("torch.ao:HistogramObserver", bins=256)
     o(torch.randn(100))
     assert o.calculate_qparams()[0].shape == (1,)
+
+
+# ------------------------------------------- the real peers (the peers' venv only)
+@pytest.mark.peers
+@pytest.mark.parametrize("name", ["PerTensorPercentileObserver", "PerTensorMSEObserver",
+                                  "PerTensorHistogramObserverPro"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_against_quark_histogram_observers(name, symmetric):
+    # Quark's own classes on the same batches: binning (histc of |x| or of x, zeros skipped by
+    # the percentile observer), edges, the estimate and the qparams, while every batch stays
+    # inside the first one's range (beyond it Quark appends bins, quantscope re-grids)
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    from quark.torch.quantization.config.config import QTensorConfig
+    from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType
+    from quark.torch.quantization.observer import observer as qo
+
+    cfg = QTensorConfig(dtype=Dtype.int8 if symmetric else Dtype.uint8,
+                        observer_cls=getattr(qo, name), qscheme=QSchemeType.per_tensor,
+                        symmetric=symmetric, round_method=RoundType.half_even,
+                        scale_type=ScaleType.float, is_dynamic=False)
+    theirs, ours = getattr(qo, name)(cfg), getattr(qk, name)(cfg)
+    g = torch.Generator().manual_seed(3 + symmetric)
+    first = torch.randn(64, 256, generator=g) * 2 + (0 if symmetric else 1)
+    first[0, :3] = torch.tensor([25.0, -9.0, 0.0])  # outliers, and a zero to skip
+    for x in (first, first * 0.5, first[:16].flip(0) * 0.9):
+        theirs(x)
+        ours(x)
+    (s, z), (rs, rz) = ours._calculate_qparams(), theirs._calculate_qparams()
+    assert torch.equal(s, rs.reshape(s.shape).to(s.dtype)), (s, rs)
+    assert torch.equal(z.float(), rz.reshape(z.shape).float()), (z, rz)
