@@ -251,6 +251,20 @@ def test_percentile_conventions_match_their_definitions(seed, p, conv):
                 assert float(amax[u]) == pytest.approx(edges[j], rel=1e-5)
 
 
+@pytest.mark.parametrize("p,total", [(99.9, 40000), (99.99, 10000), (99.0, 300), (75.0, 4)])
+def test_percentile_reached_exactly_at_a_whole_count(p, total):
+    # p percent of the total is a whole count k: the bin whose cumulative count reaches k
+    # holds the percentile (p / 100 * total rounds past k for 99.9 %: 39960.00000000001)
+    k = round(p * total / 100)
+    counts = torch.zeros(1, 64, dtype=torch.long)
+    counts[0, 10], counts[0, 40] = k, total - k  # cumulative k from bin 10 to bin 39
+    h = Hist(counts, torch.zeros(1), torch.full((1,), 64.0), True)
+    assert float(percentile_range(h, p, convention="lower")[1]) == 10.0
+    lo, hi = percentile_range(Hist(counts, torch.zeros(1), torch.full((1,), 64.0)),
+                              2 * p - 100, symmetric=False, convention="lower")
+    assert float(hi) == 10.0  # each tail at (100 + p') / 2 = p percent from its end
+
+
 def test_asymmetric_percentile_clips_half_the_excluded_mass_on_each_side():
     counts = torch.zeros(1, 100, dtype=torch.long)
     counts[0, 0] = 1  # one low outlier

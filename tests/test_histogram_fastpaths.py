@@ -111,15 +111,14 @@ def test_percentile_both_tails_in_one_pass_equal_each_tail_alone(p, convention):
     h = _signed_hist(2)
     lo, hi = percentile_range(h, p, symmetric=False, convention=convention)
     U = h.counts.shape[0]
-    f = torch.as_tensor(p, dtype=torch.float64) / 100
-    f = 1 - (1 - f) / 2
+    f = (100 + torch.as_tensor(p, dtype=torch.float64)) / 2  # percent from each end
     f = f if f.dim() == 0 else f.expand(U, -1)
     w = (h.hi - h.lo) / h.bins
     assert torch.equal(hi, percentile_value(h.counts, h.lo, w, f, convention))
     assert torch.equal(lo, -percentile_value(h.counts.flip(-1), -h.hi, w, f, convention))
     a_lo, a_hi = percentile_range(h, p, symmetric=True, convention=convention)
     fa = H.fold_abs(h)
-    fs = torch.as_tensor(p, dtype=torch.float64) / 100
+    fs = torch.as_tensor(p, dtype=torch.float64)
     amax = percentile_value(fa.counts, fa.lo, fa.width, fs if fs.dim() == 0 else
                             fs.expand(U, -1), convention)
     assert torch.equal(a_hi, amax) and torch.equal(a_lo, -amax)

@@ -1,8 +1,11 @@
 """Percentile ranges from a histogram, with the references' bin conventions.
 
-The bin ``i`` that holds the percentile is the first whose cumulative count reaches
-``p * total`` (compared exactly, in float64 on int64 counts). The value reported
-for it differs between the references; ``convention`` selects it:
+The bin ``i`` that holds the percentile ``p`` is the first whose cumulative count reaches
+``p`` percent of the total, compared as ``100 * count >= p * total`` in float64 on int64
+counts: exact, so where ``p`` percent of the total is a whole count (99.9 % of 40000 is
+39960) it is reached at the bin that reaches that count (``p / 100 * total`` would round
+past it: ``99.9 / 100`` is above 0.999 in float64). The value reported for it differs
+between the references; ``convention`` selects it:
 
 =================  ====================================  ==========================
 convention         value                                 used by
@@ -42,20 +45,22 @@ def _offset(convention: str) -> float:
 
 
 def percentile_value(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor,
-                     fraction, convention: str = "center") -> torch.Tensor:
+                     percent, convention: str = "center") -> torch.Tensor:
     """Per unit, the value (by ``convention``) of the first bin whose cumulative count reaches
-    ``fraction`` of the total. ``fraction`` is a float or a ``[U, K]`` tensor (then ``[U, K]``)."""
+    ``percent`` percent of the total. ``percent`` is a float or a ``[U, K]`` tensor (then
+    ``[U, K]``)."""
     off = _offset(convention)
-    frac = torch.as_tensor(fraction, dtype=torch.float64, device=counts.device)
-    squeeze = frac.dim() == 0
-    v = _values(counts, lo, width, frac.reshape(1, 1) if squeeze else frac, off)
+    pct = torch.as_tensor(percent, dtype=torch.float64, device=counts.device)
+    squeeze = pct.dim() == 0
+    v = _values(counts, lo, width, pct.reshape(1, 1) if squeeze else pct, off)
     return v[:, 0] if squeeze else v
 
 
-def _values(counts, lo, width, frac, off):
-    # [U, K] values of the bins reaching ``frac`` ([U, K] or [1, K], float64) of the total
+def _values(counts, lo, width, pct, off):
+    # [U, K] values of the bins reaching ``pct`` percent ([U, K] or [1, K], float64) of the
+    # total: 100 * count >= pct * total (the module doc says why not count >= pct / 100 * total)
     cum = counts.cumsum(-1).double()
-    i = torch.searchsorted(cum, frac * cum[:, -1:], right=False)
+    i = torch.searchsorted(cum * 100, pct * cum[:, -1:], right=False)
     i = i.clamp_(max=counts.shape[-1] - 1).float()
     return lo[:, None] + (i + off) * width[:, None]
 
@@ -72,15 +77,15 @@ def percentile_range(hist: Hist, percentile: float = 99.99, *, symmetric: bool =
     dev = hist.counts.device
     if symmetric:
         h = fold_abs(hist)
-        frac = torch.tensor([[v / 100 for v in ps]], dtype=torch.float64, device=dev)
-        amax = _values(h.counts, h.lo, h.width, frac, off)
+        pct = torch.tensor([ps], dtype=torch.float64, device=dev)
+        amax = _values(h.counts, h.lo, h.width, pct, off)
         amax = amax[:, 0] if p.dim() == 0 else amax
         return -amax, amax
-    # both tails in one pass: the upper on the counts, the lower on the reversed counts
-    # (from -hi, negated back)
-    frac = torch.tensor([[1 - (1 - v / 100) / 2 for v in ps]], dtype=torch.float64, device=dev)
+    # both tails in one pass, each at (100 + p) / 2 percent from its own end: the upper on the
+    # counts, the lower on the reversed counts (from -hi, negated back)
+    pct = torch.tensor([[(100 + v) / 2 for v in ps]], dtype=torch.float64, device=dev)
     U, w = hist.counts.shape[0], hist.width
     v = _values(torch.cat([hist.counts, hist.counts.flip(-1)]), torch.cat([hist.lo, -hist.hi]),
-                torch.cat([w, w]), frac, off)
+                torch.cat([w, w]), pct, off)
     v = v[:, 0] if p.dim() == 0 else v
     return -v[U:], v[:U]
