@@ -11,12 +11,12 @@ PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 EXTRAS := test,peers,model,plot,dev
 # llm-compressor and Quark pin other versions of packages .venv holds (compressed-tensors
-# 0.19, transformers), so the differential tests and benches run them from a venv of their
-# own, with the same torch: in process (tests marked `peers`), or as a subprocess that
-# imports quantscope from src (QUANTSCOPE_PEER_PYTHON)
+# 0.19, transformers), so the differential tests and benches run them (and NVIDIA's ModelOpt
+# beside them) from a venv of their own, with the same torch: in process (tests marked
+# `peers`), or as a subprocess that imports quantscope from src (QUANTSCOPE_PEER_PYTHON)
 PEERS    := .peers
 PEERS_PY := $(PEERS)/bin/python
-PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 pytest
+PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pytest
 # the files with tests marked `peers` (the peers' venv has no hypothesis, torchao ... to
 # collect the rest)
 PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py

@@ -161,3 +161,33 @@ def test_against_quark_histogram_observers(name, symmetric):
     (s, z), (rs, rz) = ours._calculate_qparams(), theirs._calculate_qparams()
     assert torch.equal(s, rs.reshape(s.shape).to(s.dtype)), (s, rs)
     assert torch.equal(z.float(), rz.reshape(z.shape).float()), (z, rz)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("seed,ties", [(0, False), (1, False), (2, True)])
+@pytest.mark.parametrize("num_bits,unsigned,stride", [(8, False, 1), (8, True, 1), (4, False, 3)])
+def test_against_modelopt_entropy_and_percentile(seed, ties, num_bits, unsigned, stride):
+    # ModelOpt's HistogramCalibrator (TensorRT's steps: collect |x| on [0, amax], then
+    # compute_amax) against quantscope's estimators on its histogram: the same threshold bin
+    calib = pytest.importorskip("modelopt.torch.quantization.calib.histogram")
+    from quantscope.estimators import entropy_amax, percentile_range
+    from quantscope.stats.histogram import Hist
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40000, generator=g) * torch.rand(40000, generator=g).add_(0.2)
+    if ties:  # few distinct values: many equal divergences, the last minimum must win
+        x = (x * 4).round() / 4
+    theirs = calib.HistogramCalibrator(num_bits, None, unsigned, num_bins=512)
+    theirs.collect(x)
+    edges = theirs._calib_bin_edges
+    h = Hist(theirs._calib_hist.long()[None], edges[:1], edges[-1:], absolute=True)
+
+    def bin_of(amax):  # amax is edges[i]: ModelOpt's from linspace, quantscope's lo + i w
+        return int(torch.round(torch.as_tensor(amax) / h.width))
+
+    t = theirs.compute_amax("entropy", stride=stride, start_bin=128)
+    ours = entropy_amax(h, num_bits=num_bits, unsigned=unsigned, stride=stride, trim=False)
+    assert bin_of(ours) == bin_of(t)
+    for p in (99.0, 99.9, 99.99):
+        _, ours = percentile_range(h, p, convention="lower")
+        assert bin_of(ours) == bin_of(theirs.compute_amax("percentile", percentile=p)), p
