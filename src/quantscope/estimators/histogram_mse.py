@@ -8,6 +8,12 @@ specs score ``(-c, c)`` on ``|x|``; asymmetric ones clip the signed histogram at
 intersected with the data's range (``bounds``; by default its occupied bins). The
 error is :func:`~quantscope.estimators.error.histogram_error`, for integer and float
 formats alike.
+
+ModelOpt 0.47's own ``_compute_amax_mse`` cannot serve as a reference: it calls
+``fake_tensor_quant(centers, amax, num_bits, unsigned)``, whose third parameter is now
+``bias``, so every candidate quantizes to a constant and it returns its first candidate
+(``start_bin``) whatever the data. quantscope follows the documented intent, as Quark's
+copy of the function does.
 """
 
 from __future__ import annotations
