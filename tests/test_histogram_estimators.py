@@ -260,7 +260,7 @@ def test_percentile_reached_exactly_at_a_whole_count(p, total):
     counts[0, 10], counts[0, 40] = k, total - k  # cumulative k from bin 10 to bin 39
     h = Hist(counts, torch.zeros(1), torch.full((1,), 64.0), True)
     assert float(percentile_range(h, p, convention="lower")[1]) == 10.0
-    lo, hi = percentile_range(Hist(counts, torch.zeros(1), torch.full((1,), 64.0)),
+    _, hi = percentile_range(Hist(counts, torch.zeros(1), torch.full((1,), 64.0)),
                               2 * p - 100, symmetric=False, convention="lower")
     assert float(hi) == 10.0  # each tail at (100 + p') / 2 = p percent from its end
 
