@@ -261,7 +261,7 @@ def test_percentile_reached_exactly_at_a_whole_count(p, total):
     h = Hist(counts, torch.zeros(1), torch.full((1,), 64.0), True)
     assert float(percentile_range(h, p, convention="lower")[1]) == 10.0
     _, hi = percentile_range(Hist(counts, torch.zeros(1), torch.full((1,), 64.0)),
-                              2 * p - 100, symmetric=False, convention="lower")
+                             2 * p - 100, symmetric=False, convention="lower")
     assert float(hi) == 10.0  # each tail at (100 + p') / 2 = p percent from its end
 
 
