@@ -194,6 +194,25 @@ def test_kl_ties_pick_a_minimum_of_the_literal_loop(seed, n, kind, stride, bits)
     assert i == ref_i or abs(ref_div[(i - start) // stride] - best) <= 1e-12 * max(1, abs(best))
 
 
+@pytest.mark.parametrize("hist,bits,start", [
+    # one non-empty bin below i, the last: P and Q normalise to the same one-hot
+    ([1, 0, 0, 0, 2, 2, 2, 1, 0, 1, 2, 0, 1, 0, 0, 0], 4, 1),
+    # no outliers past bin 5 and every group flat (or a single bin): P = Q from i = 5 on
+    ([0, 5, 5, 0, 5] + [0] * 15, 8, 2),
+    ([3, 3, 0, 3, 3, 0, 0, 3] + [0] * 8, 3, 8)])
+def test_kl_exact_zero_ties_pick_the_last_as_the_loop(hist, bits, start):
+    # where P and Q are proportional TensorRT's loop gets KL = 0 exactly (p / q = 1) and the
+    # last such threshold wins; the closed form must not let its rounding noise decide
+    ref_div, ref_i = tensorrt_entropy_loop(np.array(hist, dtype=np.float64), bits, start, 1)
+    assert (ref_div == 0).sum() > 1
+    counts = torch.tensor([hist])
+    for kernel in (True, False):
+        div, cand = entropy_divergences(counts, num_bits=bits, start_bin=start, kernel=kernel)
+        assert torch.equal(div[0] == 0, torch.from_numpy(ref_div == 0)), kernel
+        key = torch.where(torch.isfinite(div[0]), div[0], torch.tensor(float("inf"))).flip(0)
+        assert int(cand[len(cand) - 1 - int(key.argmin())]) == ref_i, kernel
+
+
 @pytest.mark.parametrize("unsigned,bits", [(True, 8), (False, 8), (False, 4)])
 def test_kl_kernel_equals_the_torch_form(unsigned, bits):
     torch.manual_seed(9)

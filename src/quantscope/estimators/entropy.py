@@ -31,6 +31,15 @@ and against the literal loop). Note: TensorRT's groups are ``np.digitize`` on
 the range, not ``nq - 1`` equal chunks and a remainder -- so groups are not shared
 between candidates with the same ``i // nq``.
 
+Where ``P`` and ``Q`` are proportional the literal loop computes ``KL = 0`` exactly (every
+``p / q`` is 1) and the last such threshold wins; the closed form leaves rounding noise of
+either sign there, which would pick among them at random. Both forms therefore set those
+divergences to 0: the one non-empty bin below ``i`` is ``i - 1``, or no counts lie beyond
+``i`` and every group is flat (its non-empty bins hold one count; exact, from a prefix count
+of the bins whose count differs from the previous non-empty bin's). Other equal
+divergences (thresholds whose groups differ but whose KL is the same in exact arithmetic)
+stay decided by rounding, in the loop as here.
+
 Horizon's KLObserver options: ``smooth`` (9) averages each divergence with its
 neighbours (a centred window over the valid candidates; any infinite divergence in
 the window makes the average infinite) before the argmin.
@@ -75,8 +84,10 @@ static void *run(void *arg) {
     const int64_t B = j->B, C = j->C, nq = j->nq, S = (B + nq - 1) / nq + 1;
     /* F has B + 1 rows: an empty group may start at bin B (i = B < nq) */
     double *cs = malloc(sizeof(double) * (size_t)(4 + S) * (B + 1));
-    if (!cs) return (void *)1;
+    int64_t *nzn = malloc(sizeof(int64_t) * 2 * (size_t)(B + 1));
+    if (!cs || !nzn) { free(cs); free(nzn); return (void *)1; }
     double *nz = cs + B + 1, *bl = nz + B + 1, *b = bl + B + 1, *F = b + B + 1;
+    int64_t *chg = nzn + B + 1;
     for (int64_t u = j->u0; u < j->u1; ++u) {
         const int64_t *h = j->h + u * B;
         double *out = j->out + u * C;
@@ -89,6 +100,18 @@ static void *run(void *arg) {
             nz[k + 1] = nz[k] + (b[k] > 0);
             bl[k + 1] = bl[k] + xlogx(b[k]);
         }
+        /* flat(a, e): the non-empty bins of [a, e) all hold one count (chg: prefix count of
+           non-empty bins whose count differs from the previous non-empty bin's; nzn: the first
+           non-empty bin at or after k) */
+        chg[0] = 0;
+        double prev = -1.0;
+        for (int64_t k = 0; k < B; ++k) {
+            int64_t d = 0;
+            if (b[k] > 0) { d = prev >= 0 && b[k] != prev; prev = b[k]; }
+            chg[k + 1] = chg[k] + d;
+        }
+        nzn[B] = B;
+        for (int64_t k = B - 1; k >= 0; --k) nzn[k] = b[k] > 0 ? k : nzn[k + 1];
         const int64_t stop = j->stop ? j->stop[u] : last;
         const double T = cs[B], logT = log(T);
         /* F[a * S + z]: G log(G / n) of the group of bins [a, a + z) (0 if empty). A group
@@ -160,6 +183,19 @@ static void *run(void *arg) {
                 out_term = si * log(q < 1e-300 ? 1e-300 : q);
             }
             out[c] = (plogp - cross - out_term) / T - logT + log(ci);
+            /* P and Q proportional, so TensorRT's KL is 0 exactly (its p / q are 1) where the
+               closed form leaves rounding noise of either sign: the one non-empty bin below i
+               is the last, or no outliers and every group flat */
+            if (nz[i] == 1 && blast > 0) out[c] = 0.0;
+            else if (si == 0) {
+                int64_t g2 = 0;
+                for (; g2 < nq; ++g2) {
+                    int64_t a = (g2 * i + add) >> sh, e = ((g2 + 1) * i + add) >> sh;
+                    int64_t f = nzn[a];
+                    if (f < e && chg[e] != chg[f + 1]) break;
+                }
+                if (g2 == nq) out[c] = 0.0;
+            }
         }
         if (j->pick) {  /* the last minimum of the finite divergences */
             int64_t best = -1;
@@ -170,6 +206,7 @@ static void *run(void *arg) {
         }
     }
     free(cs);
+    free(nzn);
     return NULL;
 }
 
@@ -287,6 +324,14 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     b_last = b[:, cand - 1]
     p_last = b_last + si
     plogp = bl[:, cand - 1] + _xlogx(p_last)
+    ar = torch.arange(B, device=dev)
+    nzn = torch.where(b > 0, ar, B).flip(1).cummin(1).values.flip(1)  # next non-empty bin >= k
+    nzn = torch.cat([nzn, torch.full((U, 1), B, device=dev)], 1)
+    prev = torch.where(b > 0, ar, -1).cummax(1).values  # last non-empty bin <= k
+    prev = torch.cat([torch.full((U, 1), -1, device=dev), prev[:, :-1]], 1)  # ... < k
+    chg = (b > 0) & (prev >= 0) & (b != b.gather(1, prev.clamp(min=0)))
+    chg = torch.cat([torch.zeros(U, 1, dtype=torch.long, device=dev), chg.long().cumsum(1)], 1)
+    flat = torch.empty(U, C, dtype=torch.bool, device=dev)
     cross = torch.empty(U, C, dtype=torch.float64, device=dev)
     q_last = torch.empty(U, C, dtype=torch.float64, device=dev)
     step = max(1, _BUDGET // max(1, C * (nq + 1)))
@@ -299,8 +344,19 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
         cross[u:u + step] = torch.xlogy(G, G / n).sum(-1)  # G log(G / n), 0 where G = 0
         gl = last_g[None, :, None].expand(G.shape[0], C, 1)
         q_last[u:u + step] = (G.gather(2, gl) / n.gather(2, gl).clamp(min=1))[..., 0]
+        # every group flat: its non-empty bins hold one count (no change after its first)
+        first = nzn[u:u + step][:, idx].reshape(-1, C, nq + 1)[..., :-1]
+        ends = bnd[None, :, 1:].expand_as(first)
+        c_end = chg[u:u + step][:, bnd[:, 1:].reshape(-1)].reshape(-1, C, nq)
+        c_first = chg[u:u + step].gather(1, (first + 1).clamp(max=B).reshape(len(first), -1))
+        flat[u:u + step] = ((first >= ends) | (c_end == c_first.reshape_as(first))).all(-1)
     out_term = torch.where(si > 0, si * torch.log(q_last.clamp(min=1e-300)), torch.zeros_like(si))
     kl = (plogp - cross - out_term) / T - torch.log(T) + torch.log(ci)
+    # P and Q proportional (the one non-empty bin below i is the last, or no outliers and
+    # every group flat): TensorRT's loop gets 0 exactly, the closed form rounding noise of
+    # either sign, which would decide ties among such thresholds
+    one = (nz[:, cand] == 1) & (b_last > 0)
+    kl = torch.where(one | ((si == 0) & flat), torch.zeros_like(kl), kl)
     inf = torch.full_like(kl, float("inf"))
     kl = torch.where((si > 0) & (b_last == 0), inf, kl)  # P > 0 where Q = 0
     kl = torch.where(ci > 0, kl, inf)
