@@ -259,11 +259,16 @@ def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bo
                               copy_zero_bin, kernel, pick)
     if pick is not None and not picked:
         pick.fill_(-2)
-    return kl, torch.arange(start_bin, counts.shape[1] + 1, stride, device=counts.device)
+    return kl, _candidates(start_bin, counts.shape[1], stride, counts.device)
+
+
+def _candidates(start_bin: int, bins: int, stride: int, device) -> torch.Tensor:
+    """The candidate thresholds ``i`` (TensorRT's ``range(start_bin, bins + 1, stride)``)."""
+    return torch.arange(start_bin, bins + 1, stride, device=device)
 
 
 #: ``stop`` of :func:`_divergences`: each unit's candidates end at its last non-empty bin
-_LAST = "last"
+_LAST = object()
 
 
 def _last_nonempty(counts: torch.Tensor) -> torch.Tensor:
@@ -291,25 +296,25 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
                          f"of {B} bins")
     if stop is None:
         stop = torch.full((U,), B, device=dev)
-    elif not isinstance(stop, str):
+    elif stop is not _LAST:
         stop = torch.as_tensor(stop, dtype=torch.int64, device=dev)
     lib = _kernel() if kernel and dev.type == "cpu" and U and counts.dtype == torch.int64 \
         else None
     if lib is not None:  # int64 counts in: the zero-bin copy and float64 cast happen in C
         out = torch.empty(U, C, dtype=torch.float64)
-        st = None if isinstance(stop, str) else stop.contiguous()
+        st = None if stop is _LAST else stop.contiguous()
         if not lib.qs_entropy(counts.contiguous().data_ptr(), None if st is None else
                               st.data_ptr(), out.data_ptr(),
                               None if pick is None else pick.data_ptr(), U, B, start_bin,
                               stride, C, nq.bit_length() - 1, int(copy_zero_bin), int(fallback),
                               torch.get_num_threads()):
             return out, True
-    if isinstance(stop, str):
+    if stop is _LAST:
         stop = _last_nonempty(counts)
     b = counts.to(torch.float64, copy=True)
     if copy_zero_bin and B > 1:
         b[:, 0] = b[:, 1]
-    cand = torch.arange(start_bin, B + 1, stride, device=dev)
+    cand = _candidates(start_bin, B, stride, dev)
     zero = torch.zeros(U, 1, dtype=torch.float64, device=dev)
     cs = torch.cat([zero, b.cumsum(1)], 1)  # cs[:, k] = sum b[:, :k]
     nz = torch.cat([zero, (b > 0).double().cumsum(1)], 1)
@@ -400,7 +405,7 @@ def entropy_amax(hist: Hist, *, num_bits: int = 8, unsigned: bool = False, start
     if pick is not None and picked:
         return h.lo + pick * h.width
     kl = _smooth(kl, smooth)
-    cand = torch.arange(start_bin, B + 1, stride, device=kl.device)
+    cand = _candidates(start_bin, B, stride, kl.device)
     key = torch.where(torch.isnan(kl), torch.full_like(kl, float("inf")), kl).flip(-1)
     # last argmin: first minimum of the reversed row; a row of only inf/NaN falls back
     pick = cand.numel() - 1 - key.argmin(-1)
