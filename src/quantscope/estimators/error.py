@@ -367,16 +367,15 @@ class HistogramScorer:
         (:meth:`Line.ranges`), scores all and picks by the same rule."""
         U, n = self.units, line.n
         lv = _levels(coarse)
-        ends = (line.width, line.lo, line.hi, *(line.bounds or ()))
-        if any(t is not None and t.shape != (U,) for t in ends) or not 0 <= mid < n:
-            raise ValueError(f"line_argmin: the line's width, ends and bounds must be [{U}] "
+        per_unit = (line.lo, line.hi, line.width, *(line.bounds or (None, None)))
+        if any(t is not None and t.shape != (U,) for t in per_unit) or not 0 <= mid < n:
+            raise ValueError(f"line_argmin: the line's ends, width and bounds must be [{U}] "
                              f"(one per unit) and 0 <= mid < {n}, got shapes "
-                             f"{[None if t is None else tuple(t.shape) for t in ends]} and "
-                             f"mid={mid}")
+                             f"{[None if t is None else tuple(t.shape) for t in per_unit]} "
+                             f"and mid={mid}")
         if kernel and self.kernel:
             x, w = self._points()
-            f = [None if t is None else t.float().contiguous() for t in
-                 (line.lo, line.hi, line.width, *(line.bounds or (None, None)))]
+            f = [None if t is None else t.float().contiguous() for t in per_unit]
             s = z = None
             if not self._derive:  # scale encodings the kernel does not derive
                 s, z = self._qparams(*line.ranges(), torch_only=True)
