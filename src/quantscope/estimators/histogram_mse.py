@@ -64,7 +64,7 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     start = min(start_bin, B - 1)  # as Quark: at least one candidate on a small histogram
     n = len(range(start, B, stride))
     coarse = 1 if refine is None or refine == 1 or n <= 4 * refine else refine
-    # (-c, c) at the centres of the |x| grid; asymmetric: within the occupied bins
+    # (-c, c) at the centres of the |x| grid; asymmetric: within the bounds
     if not spec.symmetric and bounds is None:
         bounds = occupied_range(h)
     line = Line.centres(h.width, start, stride, n, None if spec.symmetric else bounds)
