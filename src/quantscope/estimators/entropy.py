@@ -74,6 +74,11 @@ _SOURCE = native.THREADS_C + r"""
 
 static double xlogx(double x) { return x > 0 ? x * log(x) : 0.0; }
 
+/* first bin of group g of threshold i: ceil(g i / nq), nq = 2 ** sh (np.digitize's groups) */
+static inline int64_t gstart(int64_t g, int64_t i, int64_t sh) {
+    return (g * i + ((int64_t)1 << sh) - 1) >> sh;
+}
+
 typedef struct {
     const int64_t *h; const int64_t *stop; double *out; int64_t *pick;
     int64_t B, start, stride, C, nq, shift, czb, fallback, u0, u1, simd;
@@ -161,21 +166,21 @@ static void *run(void *arg) {
             }
 #endif
             for (; g + 4 <= nq; g += 4) {
-                int64_t a0 = (g * i + add) >> sh, a1 = ((g + 1) * i + add) >> sh;
-                int64_t a2 = ((g + 2) * i + add) >> sh, a3 = ((g + 3) * i + add) >> sh;
-                int64_t a4 = ((g + 4) * i + add) >> sh;
+                int64_t a0 = gstart(g, i, sh), a1 = gstart(g + 1, i, sh);
+                int64_t a2 = gstart(g + 2, i, sh), a3 = gstart(g + 3, i, sh);
+                int64_t a4 = gstart(g + 4, i, sh);
                 c0 += F[a0 * S + (a1 - a0)];
                 c1 += F[a1 * S + (a2 - a1)];
                 c2 += F[a2 * S + (a3 - a2)];
                 c3 += F[a3 * S + (a4 - a3)];
             }
             for (; g < nq; ++g) {
-                int64_t a0 = (g * i + add) >> sh, a1 = ((g + 1) * i + add) >> sh;
+                int64_t a0 = gstart(g, i, sh), a1 = gstart(g + 1, i, sh);
                 c0 += F[a0 * S + (a1 - a0)];
             }
             double cross = (c0 + c1) + (c2 + c3);
             int64_t lastg = (nq * (i - 1)) / i;
-            int64_t qa = (lastg * i + add) >> sh, qz = ((lastg + 1) * i + add) >> sh;
+            int64_t qa = gstart(lastg, i, sh), qz = gstart(lastg + 1, i, sh);
             double out_term = 0.0;
             if (si > 0) {
                 double G = cs[qz] - cs[qa], n = nz[qz] - nz[qa];
@@ -190,7 +195,7 @@ static void *run(void *arg) {
             else if (si == 0) {
                 int64_t g2 = 0;
                 for (; g2 < nq; ++g2) {
-                    int64_t a = (g2 * i + add) >> sh, e = ((g2 + 1) * i + add) >> sh;
+                    int64_t a = gstart(g2, i, sh), e = gstart(g2 + 1, i, sh);
                     int64_t f = nzn[a];
                     if (f < e && chg[e] != chg[f + 1]) break;
                 }
