@@ -1,0 +1,61 @@
+"""Activation rows kept during calibration, in fixed buffers under one memory budget.
+
+``auto`` and the report score candidates on a sample of each layer's activations. The
+sample is drawn per batch (``per_batch`` random rows of each batch until ``capacity``
+rows), into one buffer allocated on first use: memory is bounded up front and nothing is
+concatenated afterwards. :func:`capacities` divides a total budget among the sampled
+tensors by their width, so the sample memory does not grow with the number of layers,
+observers or recipes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RowSample", "capacities"]
+
+
+def capacities(widths: dict, max_rows: int, budget_bytes: int, itemsize: int = 4) -> dict:
+    """Rows per key: ``max_rows`` each, or fewer, equal for all, when their float32 buffers
+    ``sum(rows * width * itemsize)`` would exceed ``budget_bytes``; at least one row each.
+    ``widths[key]`` is None where the width is not known before the first batch (such a key
+    is budgeted at the widest known width)."""
+    if max_rows < 1 or budget_bytes < 1:
+        raise ValueError(f"capacities: max_rows and budget_bytes must be positive, got "
+                         f"{max_rows} and {budget_bytes}")
+    known = [w for w in widths.values() if w]
+    widest = max(known, default=1)
+    total = sum((w or widest) for w in widths.values()) * itemsize
+    rows = max(1, min(max_rows, budget_bytes // max(total, 1)))
+    return dict.fromkeys(widths, rows)
+
+
+class RowSample:
+    """Up to ``capacity`` rows of the ``[..., width]`` tensors passed to :meth:`add`."""
+
+    def __init__(self, capacity: int, per_batch: int, generator: torch.Generator):
+        self.capacity, self.per_batch, self.generator = capacity, per_batch, generator
+        self.buffer: torch.Tensor | None = None
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        if self.count >= self.capacity or x.numel() == 0:
+            return
+        rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+        take = min(rows.shape[0], self.per_batch, self.capacity - self.count)
+        idx = torch.randperm(rows.shape[0], generator=self.generator)[:take].to(rows.device)
+        if self.buffer is None:
+            self.buffer = rows.new_empty((self.capacity, rows.shape[1]))
+        elif self.buffer.shape[1] != rows.shape[1]:
+            raise ValueError(f"sample: rows of width {rows.shape[1]} after rows of width "
+                             f"{self.buffer.shape[1]}")
+        torch.index_select(rows, 0, idx, out=self.buffer[self.count:self.count + take])
+        self.count += take
+
+    def rows(self) -> torch.Tensor | None:
+        """The rows kept so far (a view of the buffer), or None if none."""
+        return None if self.count == 0 else self.buffer[:self.count]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()

@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from quantscope.calibrate.samples import RowSample, capacities
+
+
+def test_row_sample_takes_the_same_rows_as_select_and_cat():
+    """Per batch: the first ``take`` of one randperm of the batch's rows, as the list-and-cat
+    sampling it replaces drew them (same generator, same draws)."""
+    xs = [torch.randn(3, 10, 8) for _ in range(4)]
+    s = RowSample(capacity=50, per_batch=13, generator=torch.Generator().manual_seed(0))
+    gen, ref, n = torch.Generator().manual_seed(0), [], 0
+    for x in xs:
+        s.add(x)
+        rows = x.reshape(-1, 8)
+        take = min(rows.shape[0], 13, 50 - n)
+        ref.append(rows[torch.randperm(rows.shape[0], generator=gen)[:take]])
+        n += take
+    assert torch.equal(s.rows(), torch.cat(ref)) and s.count == 50 == n
+    assert s.nbytes == 50 * 8 * 4  # one buffer, allocated once
+
+
+def test_row_sample_empty_and_width_change():
+    s = RowSample(4, 4, torch.Generator())
+    s.add(torch.empty(0, 5))
+    assert s.rows() is None and s.nbytes == 0
+    s.add(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="width 6 after rows of width 5"):
+        s.add(torch.randn(2, 6))
+
+
+def test_capacities_share_one_budget():
+    widths = {"a": 576, "b": 576, "c": 1536, "d": None}
+    assert set(capacities(widths, 2048, 10**12).values()) == {2048}
+    caps = capacities(widths, 2048, 16 * 2**20)
+    (rows,) = set(caps.values())
+    assert rows * (576 * 2 + 1536 * 2) * 4 <= 16 * 2**20 < (rows + 1) * (576 * 2 + 1536 * 2) * 4
+    assert set(capacities(widths, 2048, 1).values()) == {1}
+    with pytest.raises(ValueError, match="must be positive"):
+        capacities(widths, 0, 1)
