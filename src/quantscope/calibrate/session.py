@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,7 +26,7 @@ from torch import nn
 from .. import distributed as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
-from . import fusion
+from . import fusion, moe
 from .apply import qdq_tensor
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
@@ -96,8 +97,9 @@ def _activation_width(module: nn.Module, role: str):
     return getattr(module, attr, None)
 
 
-def _observer_key(name, role_cfg: Role):
-    return (name, role_cfg.spec, role_cfg.options)
+def _observer_key(name, role_cfg: Role, module=None):
+    # an MoE expert's token count varies by batch: its "local" role observes per tensor
+    return (name, moe.observed_spec(role_cfg, module), role_cfg.options)
 
 
 def _make_observer(slot: _Slot, key, for_auto: bool, owns=None):
@@ -156,7 +158,8 @@ def _plan(model, recipes, candidates, owns=None):
                     else:
                         names = [cfg.observer]
                 for n in names:
-                    _make_observer(slot, _observer_key(n, cfg), cfg.observer == AUTO, owns)
+                    _make_observer(slot, _observer_key(n, cfg, module), cfg.observer == AUTO,
+                                   owns)
                 plan[(layer, role)] = (cfg, names)
         plans[label] = plan
     return slots, plans
@@ -356,7 +359,7 @@ def _state_from(obs, cfg: Role, shape) -> RoleState:
                      hi=hi, shape=shape)
 
 
-def _finish(slots, plans, recipes, auto_metric="tensor", groups=()):
+def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None):
     """Build each recipe's states and report rows; ``auto`` picks by squared error."""
     cache = {}
     data = {}
@@ -413,10 +416,12 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=()):
             else:
                 best = None
                 for n in names:
-                    okey = _observer_key(n, cfg)
+                    okey = _observer_key(n, cfg, slot.module)
                     if okey not in slot.observers:
                         continue
                     obs = slot.observers[okey]
+                    if not obs.has_observed and experts is not None and layer in experts.layers:
+                        continue  # an expert without tokens: moe.shrink gives it the pooled
                     if not obs.has_observed:
                         raise ValueError(
                             f"calibrate: layer {layer!r} {role} was never called during "
@@ -427,6 +432,9 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=()):
                     err = auto_error(layer, role, skey, cand, st) if len(names) > 1 else None
                     if best is None or (err is not None and (best[2] is None or err < best[2])):
                         best = (cand, st, err)
+                if best is None and experts is not None and layer in experts.layers:
+                    states.setdefault(layer, {})[role] = None
+                    continue
                 if best is None:
                     raise ValueError(f"calibrate: layer {layer!r} {role}: no candidate observer "
                                      f"could take {cfg.spec}: {slot.failed}")
@@ -435,7 +443,8 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=()):
             if st is not None:
                 rows.append(_row(layer, role, state, st))
         shared = _share_weights(states, rows, plan, slots, groups)
-        results[label] = (states, rows, shared)
+        per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
+        results[label] = (states, rows, shared, per_expert)
     hists = {key: _histogram(x) for key, x in data.items() if key[1] != "weight"}
     return results, hists
 
@@ -464,7 +473,8 @@ def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
 def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    sample_tokens: int = 2048, progress: bool = True,
                    seed: int = 0, distributed: bool = False, group=None,
-                   auto_metric: str = "tensor") -> dict[str, Calibration]:
+                   auto_metric: str = "tensor", all_experts: bool = False,
+                   expert_min_tokens: int = moe.MIN_TOKENS) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -488,6 +498,10 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             the weights, statistics are synced before qparams, every rank returns the same
             result (write files from rank 0 only). A no-op in a single process.
         group: the process group (default: the default group).
+        all_experts: MoE experts (see :mod:`~quantscope.calibrate.moe`) each observe every
+            token, while the block's output stays the routed one; default: the routed tokens.
+        expert_min_tokens: in routed mode, an expert that saw fewer tokens has its activation
+            ranges shrunk toward its layer's pooled range (none: the pooled range).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -506,35 +520,50 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     if auto_metric not in ("output", "tensor"):
         raise ValueError(f"calibrate: auto_metric must be 'output' or 'tensor', got "
                          f"{auto_metric!r}")
+    if not isinstance(expert_min_tokens, int) or expert_min_tokens < 1:
+        raise ValueError(f"calibrate: expert_min_tokens must be a positive integer, got "
+                         f"{expert_min_tokens!r}")
     t0 = time.perf_counter()
     if batches is None:
         batches = []
-    if distributed and qd.is_distributed(group):
-        return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
-                                      progress, seed, group, t0, auto_metric)
-    slots, plans = _plan(model, recipes, candidates)
-    batches, groups = _fuse(model, batches, recipes, slots)
-    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
-                     for s in slots.values())
-    n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
-    return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
-                     groups=groups)
+    # MoE experts become Linear views for the whole calibration (moe.py); restored after
+    with moe.attach(model, bool(all_experts)) as experts:
+        experts.min_tokens = expert_min_tokens
+        if distributed and qd.is_distributed(group):
+            return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
+                                          progress, seed, group, t0, auto_metric, experts)
+        slots, plans = _plan(model, recipes, candidates)
+        batches, groups = _fuse(model, batches, recipes, slots)
+        experts.reset_counts()
+        needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
+                         for s in slots.values())
+        n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
+        return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
+                         groups=groups, experts=experts, model=model)
 
 
 def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor",
-              groups=()):
+              groups=(), experts=None, model=None):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
-        results, hists = _finish(slots, plans, recipes, auto_metric, groups)
+        results, hists = _finish(slots, plans, recipes, auto_metric, groups, experts)
     seconds = time.perf_counter() - t0
     out = {}
     for label, recipe in recipes.items():
-        states, rows, shared = results[label]
+        states, rows, shared, per_expert = results[label]
         info = {"batches": n, "calibration_seconds": round(seconds, 3)}
         if shared:
             info["fusion_groups"] = shared
+        if per_expert:
+            info["experts"] = per_expert
+            info["expert_min_tokens"] = experts.min_tokens
+        missed = moe.unreached(model, recipe) if model is not None else []
+        if missed:
+            info["unreached"] = missed
+            warnings.warn(f"calibrate: recipe {recipe.name!r} targets weights quantscope cannot "
+                          f"reach; left in float: {[u['name'] for u in missed]}", stacklevel=3)
         if processes > 1:
             info["processes"] = processes
         out[label] = Calibration(recipe, states, label, rows, hists, info)
@@ -542,7 +571,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
 
 
 def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, progress, seed,
-                           group, t0, auto_metric="tensor"):
+                           group, t0, auto_metric="tensor", experts=None):
     """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
 
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
@@ -561,6 +590,7 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
     with qd.all_or_none("planning", group):
         slots, plans = _plan(model, recipes, candidates, owns=lambda l: owners.get(l, me) == me)
         batches, groups = _fuse(model, batches, recipes, slots)
+    experts.reset_counts()
     failed = qd.gather_failures({k: s.failed for k, s in slots.items() if s.role == "weight"},
                                 group)
     for k, f in failed.items():  # a candidate that failed on its owner is dropped everywhere
@@ -592,7 +622,10 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
         elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
             for s in acts.values():
                 s.sample = []
-    return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric, groups)
+    for counts in experts.counts.values():  # every rank reports the global counts
+        counts[:] = [qd.all_sum(c, group) for c in counts]
+    return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric, groups,
+                     experts, model)
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,
