@@ -204,3 +204,28 @@ def test_export_writes_shared_scales(tiny, tmp_path):
         out = export(calib, model, tmp_path / str(getattr(recipe, "name", recipe)),
                      format="compressed-tensors")
         assert check(out) == []
+
+
+def test_auto_output_metric_picks_one_input_observer_per_group(tiny):
+    """auto_metric="output" weighs each member's own weights: the group's input observer is
+    the one with the least total error over the members, the same for all."""
+    model, batches = llama(1)
+    attn = model.model.layers[0].self_attn
+    seen = []
+    h = attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].abs().amax((0, 1))))
+    with torch.inference_mode():
+        model(batches[0])
+    h.remove()
+    c = int(torch.stack(seen).amax(0).argmax())  # the input channel with the largest values
+    with torch.no_grad():  # an outlier channel c; q ignores it (clipping it is free), k reads
+        model.model.layers[0].input_layernorm.weight[c] = 30.0  # only it (clipping costs all)
+        attn.q_proj.weight[:, c] = 0
+        keep = attn.k_proj.weight[:, c].clone() * 50
+        attn.k_proj.weight.zero_()
+        attn.k_proj.weight[:, c] = keep
+    calib = calibrate(model, batches, "w8a8", observer="auto", auto_metric="output",
+                      progress=False)
+    for group in all_groups(model):
+        states = [calib.states[m]["input"] for m in group]
+        assert len({s.observer for s in states}) == 1
+        assert all(torch.equal(s.qparams.scale, states[0].qparams.scale) for s in states)

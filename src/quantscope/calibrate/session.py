@@ -442,6 +442,25 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None
             states.setdefault(layer, {})[role] = state
             if st is not None:
                 rows.append(_row(layer, role, state, st))
+        for group in groups:  # a group's one input slot: one observer, least total error
+            members = [m for m in group if (m, "input") in plan]
+            cfg, names = plan[(members[0], "input")] if members else (None, ())
+            if len(members) < 2 or len(names) < 2:
+                continue
+            totals = {}
+            for n in names:
+                okey = _observer_key(n, cfg, slots[(members[0], "input")].module)
+                errs = [errors.get((m, "input", okey, cfg.dynamic)) for m in members]
+                if all(e is not None for e in errs):
+                    totals[okey] = sum(errs)
+            if totals:
+                okey = min(totals, key=totals.get)
+                at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
+                for m in members:
+                    skey = (m, "input", okey, cfg.dynamic)
+                    states[m]["input"] = replace(made[skey], requested=cfg.observer)
+                    if (m, "input") in at and cache.get(skey) is not None:
+                        rows[at[(m, "input")]] = _row(m, "input", states[m]["input"], cache[skey])
         shared = _share_weights(states, rows, plan, slots, groups)
         per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
         results[label] = (states, rows, shared, per_expert)
