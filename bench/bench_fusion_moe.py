@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import replace
 
@@ -78,24 +79,7 @@ def kl(ref, got):
 
 
 def moe(args):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    _, tok = models.load_model("smollm2-135m")
-    torch.manual_seed(0)
-    cfg = MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
-                        num_local_experts=8, num_experts_per_tok=2, initializer_range=0.1)
-    model = MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():  # a trained model's experts differ in range: give them scales
-        for layer in model.model.layers:
-            scale = torch.linspace(0.5, 3.0, 8).reshape(8, 1, 1)
-            layer.mlp.experts.gate_up_proj.mul_(scale)
-    tilt = [1.0, 1.0, 1.0, 1.0, 0.5, 0.25, 0.1, 0.02]  # experts 4-7 routed less and less
-    for layer in model.model.layers:
-        starve_hook(layer.mlp.gate, tilt)
-    calib_docs = data.lee_background()[:: 300 // args.docs][: args.docs]
-    batches = models.token_batches(tok, calib_docs, args.moe_tokens, 4)
-    docs = data.lee_documents()
+    model, tok, batches, docs = _moe_setup(args)
     ref = models.next_token_logprobs(model, tok, docs, max_length=128)
     rows = []
     cases = [("routed, no shrinkage", {"expert_min_tokens": 1})]
@@ -115,9 +99,76 @@ def moe(args):
     return rows
 
 
+def _moe_setup(args):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    _, tok = models.load_model("smollm2-135m")
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                        num_local_experts=8, num_experts_per_tok=2, initializer_range=0.1)
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():  # a trained model's experts differ in range: give them scales
+        for layer in model.model.layers:
+            scale = torch.linspace(0.5, 3.0, 8).reshape(8, 1, 1)
+            layer.mlp.experts.gate_up_proj.mul_(scale)
+    tilt = [1.0, 1.0, 1.0, 1.0, 0.5, 0.25, 0.1, 0.02]  # experts 4-7 routed less and less
+    for layer in model.model.layers:
+        starve_hook(layer.mlp.gate, tilt)
+    calib_docs = data.lee_background()[:: 300 // args.docs][: args.docs]
+    batches = models.token_batches(tok, calib_docs, args.moe_tokens, 4)
+    docs = data.lee_documents()
+    return model, tok, batches, docs
+
+
+def expert_error(args):
+    """Per-expert error of the calibrated static input scale on held-out routed tokens (the
+    expert's own eval inputs), by shrinkage threshold: what the threshold is chosen from."""
+    from quantscope.calibrate import moe as qmoe
+    from quantscope.calibrate.apply import qdq_tensor
+
+    model, tok, batches, docs = _moe_setup(args)
+    held = {}
+    with qmoe.attach(model, count=False) as ex, torch.inference_mode():
+        mods = {e: model.model.layers[0].mlp.experts._modules[str(e)] for e in range(8)}
+        hs = []
+        for e, m in mods.items():
+            for proj in ("gate_up_proj", "down_proj"):
+                hs.append(getattr(m, proj).register_forward_pre_hook(
+                    lambda mod, a, key=(e, proj): held.setdefault(key, []).append(a[0].clone())))
+        for b in models.token_batches(tok, docs, 128, 8):
+            model(**b)
+        for h in hs:
+            h.remove()
+        assert ex.layers
+    held = {k: torch.cat(v) for k, v in held.items()}
+    rows = []
+    for t in args.thresholds:
+        calib = calibrate(model, batches, preset("w8a8", ignore=("*lm_head*",)),
+                          progress=False, expert_min_tokens=t)
+        counts = [r["tokens"] for r in calib.info["experts"]
+                  if r["module"] == "model.layers.0.mlp.experts"]
+        err = {}
+        for (e, proj), x in held.items():
+            st = calib.states[f"model.layers.0.mlp.experts.{e}.{proj}"]["input"]
+            err[(e, proj)] = float((qdq_tensor(x, st) - x).square().sum())
+        sig = {k: float(x.square().sum()) for k, x in held.items()}
+        total = 10 * math.log10(sum(sig.values()) / sum(err.values()))
+        per = {e: round(10 * math.log10(sum(sig[(e, p)] for p in ("gate_up_proj", "down_proj"))
+                                        / sum(err[(e, p)] for p in ("gate_up_proj",
+                                                                    "down_proj"))), 2)
+               for e in range(8) if (e, "down_proj") in held}
+        rows.append({"threshold": t, "sqnr_db_all": round(total, 3), "sqnr_db_per_expert": per,
+                     "calib_tokens": counts,
+                     "eval_tokens": [held[(e, "down_proj")].shape[0] if (e, "down_proj") in held
+                                     else 0 for e in range(8)]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["decoder", "moe"])
+    p.add_argument("part", choices=["decoder", "moe", "experts"])
     p.add_argument("--docs", type=int, default=16)
     p.add_argument("--recipes", nargs="*", default=["nvfp4", "fp8-tensor", "w8a8"])
     p.add_argument("--moe-recipes", nargs="*", default=["w8a8", "nvfp4"])
@@ -126,7 +177,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     print(json.dumps({"torch": torch.__version__, "part": args.part}))
-    (decoder if args.part == "decoder" else moe)(args)
+    {"decoder": decoder, "moe": moe, "experts": expert_error}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ __all__ = ["Experts", "attach", "shrink", "unreached"]
 
 #: ``n`` below which an expert's activation range is shrunk toward the pooled one
 #: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
-MIN_TOKENS = 64
+MIN_TOKENS = 128
 
 
 def is_experts_3d(module: nn.Module) -> bool:
