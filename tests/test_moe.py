@@ -286,3 +286,24 @@ def test_qwen2_moe_with_shared_expert():
         st = calib.states[f"model.layers.0.mlp.experts.{e}.gate_up_proj"]
         assert torch.isfinite(st["weight"].qparams.global_scale).all()
         assert torch.isfinite(st["input"].global_amax).all()
+
+
+def test_conv3d_is_not_unreached():
+    model = nn.Sequential(nn.Conv3d(2, 2, 3), nn.Flatten(), nn.LazyLinear(4))
+    model(torch.randn(1, 2, 4, 4, 4))
+    calib = calibrate(model, [torch.randn(1, 2, 4, 4, 4)], "w8a8", progress=False)
+    assert "unreached" not in calib.info
+
+
+def test_save_load_apply_experts(moe_model, tmp_path):
+    from quantscope.calibrate import load
+
+    model, batches = moe_model
+    calib = calibrate(model, batches, "nvfp4", progress=False)
+    calib.save(tmp_path / "q")
+    x = batches[0]
+    with calib.apply(model), torch.inference_mode():
+        a = model(x).logits
+    with load(tmp_path / "q").apply(model), torch.inference_mode():
+        b = model(x).logits
+    assert torch.equal(a, b)

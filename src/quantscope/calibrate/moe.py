@@ -305,8 +305,9 @@ def unreached(model: nn.Module, recipe) -> list[dict]:
     targets = [t for r in recipe.rules for t in r.targets]
     out = []
     for name, module in model.named_modules():
-        if is_experts_3d(module) or any(_matches(p, name, module) for p in recipe.ignore):
-            continue
+        if (is_experts_3d(module) or type(module).__module__.startswith("torch.nn")
+                or any(_matches(p, name, module) for p in recipe.ignore)):
+            continue  # torch's own layers (Conv3d ...) are not what a Linear target covers
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() < 3:
                 continue
