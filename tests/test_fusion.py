@@ -229,3 +229,25 @@ def test_auto_output_metric_picks_one_input_observer_per_group(tiny):
         states = [calib.states[m]["input"] for m in group]
         assert len({s.observer for s in states}) == 1
         assert all(torch.equal(s.qparams.scale, states[0].qparams.scale) for s in states)
+
+
+def test_deepseek_mla_group_found_without_names():
+    """q_a_proj and kv_a_proj_with_mqa read the hidden state with q_b_proj run in between:
+    found all the same (and the 3-D experts of the block are calibrated too)."""
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        num_attention_heads=4, num_key_value_heads=4, n_group=1, topk_group=1,
+        num_hidden_layers=1, vocab_size=100)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    calib = calibrate(model, [torch.randint(0, 100, (2, 8))], "nvfp4", progress=False)
+    found = [g["layers"] for g in calib.info["fusion_groups"]]
+    mla = ["model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa"]
+    assert mla in found
+    assert ["model.layers.0.mlp.shared_experts.gate_proj",
+            "model.layers.0.mlp.shared_experts.up_proj"] in found
+    gs = {float(calib.states[m]["weight"].qparams.global_scale) for m in mla}
+    assert len(gs) == 1
+    assert sum(r["tokens"] for r in calib.info["experts"]) == 2 * 8 * 2
