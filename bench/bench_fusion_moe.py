@@ -12,7 +12,9 @@ of the next-token distributions on the 50 Lee documents (128 tokens) for routed
 calibration without shrinkage, shrinkage at several thresholds, and all_experts.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python bench/bench_fusion_moe.py decoder
-    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/bench_fusion_moe.py moe
+    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/bench_fusion_moe.py moe --docs 8
+    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/bench_fusion_moe.py experts --docs 8 \
+        --thresholds 1 8 16 32 64 128 256 512
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import replace
 
@@ -166,18 +169,25 @@ def expert_error(args):
     return rows
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["decoder", "moe", "experts"])
+    p.add_argument("part", nargs="?", default="quick",
+                   choices=["quick", "decoder", "moe", "experts"],
+                   help="quick (make bench): moe and experts; decoder takes ~45 min here")
     p.add_argument("--docs", type=int, default=16)
     p.add_argument("--recipes", nargs="*", default=["nvfp4", "fp8-tensor", "w8a8"])
     p.add_argument("--moe-recipes", nargs="*", default=["w8a8", "nvfp4"])
     p.add_argument("--moe-tokens", type=int, default=64)
-    p.add_argument("--thresholds", nargs="*", type=int, default=[16, 64, 256])
-    args = p.parse_args()
+    p.add_argument("--thresholds", nargs="*", type=int, default=[16, 64, 128, 256])
+    # run as a script: the command line; from bench/run.py (make bench): the defaults
+    args = p.parse_args(argv if argv is not None else
+                        sys.argv[1:] if __name__ == "__main__" else [])
     torch.set_num_threads(1)
     print(json.dumps({"torch": torch.__version__, "part": args.part}))
-    {"decoder": decoder, "moe": moe, "experts": expert_error}[args.part](args)
+    parts = {"decoder": [decoder], "moe": [moe], "experts": [expert_error],
+             "quick": [moe, expert_error]}[args.part]
+    for part in parts:
+        part(args)
 
 
 if __name__ == "__main__":
