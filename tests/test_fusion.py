@@ -97,7 +97,7 @@ def test_shared_input_is_observed_once(tiny):
     assert torch.equal(q.qparams.scale, ref.calculate_qparams().scale)
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", FP8_TENSOR], ids=str)
+@pytest.mark.parametrize("recipe", ["nvfp4", FP8_TENSOR, "w8a8"], ids=str)
 def test_apply_equals_the_concatenated_reference(tiny, recipe):
     """apply()'s weights are the group's weights concatenated and quantized with one
     observer, as the runtime's fused tensor; outputs match that reference."""
