@@ -284,6 +284,31 @@ def _fuse(model, batches, recipes, slots):
     return batches, groups
 
 
+def _share_inputs(states, rows, plan, slots, groups, made, errors, cache) -> None:
+    """``auto`` in a fusion group: its one input slot gets one observer for all members,
+    the candidate with the least total error over them (``auto_metric="output"`` weighs
+    each member's own weights, so members alone could choose differently)."""
+    for group in groups:
+        members = [m for m in group if (m, "input") in plan]
+        cfg, names = plan[(members[0], "input")] if members else (None, ())
+        if len(members) < 2 or len(names) < 2:
+            continue
+        totals = {}
+        for n in names:
+            okey = _observer_key(n, cfg, slots[(members[0], "input")].module)
+            errs = [errors.get((m, "input", okey, cfg.dynamic)) for m in members]
+            if all(e is not None for e in errs):
+                totals[okey] = sum(errs)
+        if totals:
+            okey = min(totals, key=totals.get)
+            at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
+            for m in members:
+                skey = (m, "input", okey, cfg.dynamic)
+                states[m]["input"] = replace(made[skey], requested=cfg.observer)
+                if (m, "input") in at and cache.get(skey) is not None:
+                    rows[at[(m, "input")]] = _row(m, "input", states[m]["input"], cache[skey])
+
+
 def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
     """Each group's weights, where the runtime shares a weight scale, observed concatenated
     by one observer (``auto``: the candidate with the least total error) and split back per
@@ -442,25 +467,7 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None
             states.setdefault(layer, {})[role] = state
             if st is not None:
                 rows.append(_row(layer, role, state, st))
-        for group in groups:  # a group's one input slot: one observer, least total error
-            members = [m for m in group if (m, "input") in plan]
-            cfg, names = plan[(members[0], "input")] if members else (None, ())
-            if len(members) < 2 or len(names) < 2:
-                continue
-            totals = {}
-            for n in names:
-                okey = _observer_key(n, cfg, slots[(members[0], "input")].module)
-                errs = [errors.get((m, "input", okey, cfg.dynamic)) for m in members]
-                if all(e is not None for e in errs):
-                    totals[okey] = sum(errs)
-            if totals:
-                okey = min(totals, key=totals.get)
-                at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
-                for m in members:
-                    skey = (m, "input", okey, cfg.dynamic)
-                    states[m]["input"] = replace(made[skey], requested=cfg.observer)
-                    if (m, "input") in at and cache.get(skey) is not None:
-                        rows[at[(m, "input")]] = _row(m, "input", states[m]["input"], cache[skey])
+        _share_inputs(states, rows, plan, slots, groups, made, errors, cache)
         shared = _share_weights(states, rows, plan, slots, groups)
         per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
         results[label] = (states, rows, shared, per_expert)
