@@ -204,6 +204,11 @@ def test_export_writes_shared_scales(tiny, tmp_path):
         out = export(calib, model, tmp_path / str(getattr(recipe, "name", recipe)),
                      format="compressed-tensors")
         assert check(out) == []
+    # per-layer scales (fusion off): k_proj's own global scale, flagged by the check
+    calib = calibrate(model, batches, replace(preset("nvfp4"), fusion=False), progress=False)
+    out = export(calib, model, tmp_path / "per-layer", format="compressed-tensors")
+    assert any(p["tensor"] == "weight_global_scale" and "qkv_proj" in p["group"]
+               for p in check(out))
 
 
 def test_auto_output_metric_picks_one_input_observer_per_group(tiny):
