@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("formats", help="the synthetic format table (quantscope.demo)",
                    description="Print the synthetic table of formats and observers.")
+
+    p = sub.add_parser("check", help="check a compressed-tensors checkpoint's fused layers",
+                       description="List the fused layers (q/k/v, gate/up, w1/w3, MLA q_a/kv_a) "
+                                   "whose shards disagree on a scale the runtime keeps once; "
+                                   "exit 1 if any do.")
+    p.add_argument("path", metavar="DIR", help="a compressed-tensors checkpoint folder")
     return parser
 
 
@@ -390,8 +396,19 @@ def cmd_formats(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    from .export.check import check, format_problems
+
+    problems = check(args.path)
+    if problems:
+        print(format_problems(problems))
+        return 1
+    print(f"{args.path}: the fused layers' shards agree")
+    return 0
+
+
 COMMANDS = {"calibrate": cmd_calibrate, "compare": cmd_compare, "plot": cmd_plot,
-            "evaluate": cmd_evaluate, "formats": cmd_formats}
+            "evaluate": cmd_evaluate, "formats": cmd_formats, "check": cmd_check}
 
 
 def main(argv=None) -> int:

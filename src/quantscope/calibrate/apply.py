@@ -115,6 +115,7 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                          "on the handle first")
     handle = QDQHandle(model)
     try:
+        _attach_experts(model, states, handle)
         for name, roles in states.items():
             try:
                 module = model.get_submodule(name)
@@ -146,6 +147,20 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
         raise
     setattr(model, _ATTR, handle)
     return handle
+
+
+def _attach_experts(model: nn.Module, states, handle: QDQHandle) -> None:
+    """MoE experts held as 3-D parameters are QDQ'd through per-expert Linear views
+    (:mod:`~quantscope.calibrate.moe`), attached until the handle is removed."""
+    from . import moe
+
+    if not any(moe.is_experts_3d(m) for m in model.modules()):
+        return
+    experts = moe.attach(model, count=False)
+    if any(name in experts.layers for name in states):
+        handle._hooks.append(experts)  # its remove() detaches the views
+    else:
+        experts.detach()
 
 
 def _device(module: nn.Module) -> torch.device:

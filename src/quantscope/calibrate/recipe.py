@@ -134,11 +134,22 @@ def _matches(pattern: str, name: str, module: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class Recipe:
-    """Rules (first match wins) and an ignore list; ``name`` labels reports."""
+    """Rules (first match wins) and an ignore list; ``name`` labels reports.
+
+    Fusion groups (layers a runtime fuses, so they share scales: see
+    :mod:`~quantscope.calibrate.fusion`) are found from the model's forward when
+    ``fusion`` is True; ``fuse`` adds groups (each entry a tuple of name patterns: the
+    matching layers of each parent module form one group, e.g.
+    ``(("*.q_a_proj", "*.kv_a_proj_with_mqa"),)``), ``split`` takes layers matching its
+    patterns out of their groups.
+    """
 
     rules: tuple[Rule, ...]
     ignore: tuple[str, ...] = ()
     name: str = "custom"
+    fusion: bool = True
+    fuse: tuple = ()
+    split: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.rules, Rule):
@@ -147,6 +158,12 @@ class Recipe:
         if isinstance(self.ignore, str):
             object.__setattr__(self, "ignore", (self.ignore,))
         object.__setattr__(self, "ignore", tuple(self.ignore))
+        object.__setattr__(self, "fuse", tuple((p,) if isinstance(p, str) else tuple(p)
+                                               for p in self.fuse))
+        object.__setattr__(self, "split", (self.split,) if isinstance(self.split, str)
+                           else tuple(self.split))
+        if not isinstance(self.fusion, bool):
+            raise TypeError(f"Recipe.fusion must be True or False, got {self.fusion!r}")
         if not self.rules:
             raise ValueError("Recipe.rules: a recipe needs at least one rule")
         for r in self.rules:
@@ -202,12 +219,14 @@ class Recipe:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "ignore": list(self.ignore),
-                "rules": [r.to_dict() for r in self.rules]}
+                "rules": [r.to_dict() for r in self.rules], "fusion": self.fusion,
+                "fuse": [list(p) for p in self.fuse], "split": list(self.split)}
 
     @classmethod
     def from_dict(cls, d: dict) -> Recipe:
         return cls(tuple(Rule.from_dict(r) for r in d["rules"]), tuple(d.get("ignore", ())),
-                   d.get("name", "custom"))
+                   d.get("name", "custom"), d.get("fusion", True),
+                   tuple(tuple(p) for p in d.get("fuse", ())), tuple(d.get("split", ())))
 
 
 def weight_observer(name: str) -> str:

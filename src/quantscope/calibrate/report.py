@@ -179,6 +179,8 @@ class Report:
             parts += [markdown_table(list(self.metrics), [self._metric_cells()]), ""]
         parts += ["## Summary", "", markdown_table(self.SUMMARY_HEADERS, self.summary_rows()),
                   "", "## Layers", "", markdown_table(LAYER_HEADERS, _layer_rows(self.rows)), ""]
+        for title, headers, rows in self._sections():
+            parts += [f"## {title}", "", markdown_table(headers, rows), ""]
         text = "\n".join(parts)
         if path is not None:
             with open(path, "w") as f:
@@ -192,6 +194,24 @@ class Report:
         if self.metrics:
             print_table(list(self.metrics), [self._metric_cells()], f"{self.label}: metrics",
                         file)
+        for title, headers, rows in self._sections():
+            print_table(headers, rows, f"{self.label}: {title.lower()}", file)
+
+    def _sections(self):
+        """Extra tables from ``info``: fusion groups, MoE experts, unreachable weights."""
+        out = []
+        if self.info.get("fusion_groups"):
+            out.append(("Fusion groups", ["layers", "weight", "input"],
+                        [[", ".join(g["layers"]), g["weight"], g["input"]]
+                         for g in self.info["fusion_groups"]]))
+        if self.info.get("experts"):
+            out.append(("MoE experts", ["experts module", "expert", "tokens", "rule"],
+                        [[e["module"], str(e["expert"]), str(e["tokens"]), e["rule"]]
+                         for e in self.info["experts"]]))
+        if self.info.get("unreached"):
+            out.append(("Not quantized (unreachable)", ["weight", "why"],
+                        [[u["name"], u["why"]] for u in self.info["unreached"]]))
+        return out
 
     def _metric_cells(self) -> list[str]:
         return [f"{v:.4f}" if isinstance(v, float) else str(v) for v in self.metrics.values()]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from .. import distributed as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
+from . import fusion, moe
 from .apply import qdq_tensor
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
@@ -45,6 +47,8 @@ class _Slot:
     sampled: int = 0
     needs_sample: bool = False
     failed: dict = field(default_factory=dict)
+    also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
+    last: object = None  # the input last observed, so a group's shared input counts once
 
 
 def _as_recipe(recipe, observer) -> Recipe:
@@ -93,8 +97,9 @@ def _activation_width(module: nn.Module, role: str):
     return getattr(module, attr, None)
 
 
-def _observer_key(name, role_cfg: Role):
-    return (name, role_cfg.spec, role_cfg.options)
+def _observer_key(name, role_cfg: Role, module=None):
+    # an MoE expert's token count varies by batch: its "local" role observes per tensor
+    return (name, moe.observed_spec(role_cfg, module), role_cfg.options)
 
 
 def _make_observer(slot: _Slot, key, for_auto: bool, owns=None):
@@ -153,7 +158,8 @@ def _plan(model, recipes, candidates, owns=None):
                     else:
                         names = [cfg.observer]
                 for n in names:
-                    _make_observer(slot, _observer_key(n, cfg), cfg.observer == AUTO, owns)
+                    _make_observer(slot, _observer_key(n, cfg, module), cfg.observer == AUTO,
+                                   owns)
                 plan[(layer, role)] = (cfg, names)
         plans[label] = plan
     return slots, plans
@@ -164,6 +170,10 @@ def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         for slot in slots:
+            if slot.also:  # a fusion group's slot: q, k and v read one tensor, observe it once
+                if fusion.same_input(slot.last, x):
+                    continue
+                slot.last = x
             for (name, _, _), obs in slot.observers.items():
                 if obs.observed_tokens.device != x.device:
                     obs.to(x.device)
@@ -192,11 +202,12 @@ def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator):
 def _run(model, batches, slots, sample_tokens, progress, seed):
     """Forward every batch with observing hooks; returns the number of batches."""
     by_module: dict[int, dict[str, list[_Slot]]] = {}
-    for slot in slots.values():
+    for slot in _unique(slots.values()):
         if slot.role == "weight" or not (slot.observers or slot.needs_sample):
             continue
-        by_module.setdefault(id(slot.module), {"module": slot.module, "input": [], "output": []})
-        by_module[id(slot.module)][slot.role].append(slot)
+        for module in (slot.module, *slot.also):
+            by_module.setdefault(id(module), {"module": module, "input": [], "output": []})
+            by_module[id(module)][slot.role].append(slot)
     if not by_module:
         return 0
     total = len(batches) if hasattr(batches, "__len__") else None
@@ -230,8 +241,122 @@ def _run(model, batches, slots, sample_tokens, progress, seed):
     finally:
         for h in handles:
             h.remove()
+        for slot in slots.values():
+            slot.last = None
         model.train(was_training)
     return n
+
+
+def _unique(slots):
+    """Each slot once (a fusion group's members share their input slot)."""
+    return list({id(s): s for s in slots}.values())
+
+
+# ---------------------------------------------------------------- fusion groups (fusion.py)
+def _fuse(model, batches, recipes, slots):
+    """Find the fusion groups (one detection forward of the first batch) and give each
+    group one input slot; returns ``(batches, groups)``, batches unconsumed."""
+    opts = {(r.fusion, r.fuse, r.split) for r in recipes.values()}
+    if len(opts) > 1:
+        raise ValueError(f"calibrate_many: the recipes' fusion options (fusion, fuse, split) "
+                         f"differ: {sorted(map(str, opts))}; calibrate them separately")
+    on, fuse, split = opts.pop()
+    if not on:
+        return batches, []
+    modules = dict(model.named_modules())
+    names = [n for n in modules if (n, "weight") in slots or (n, "input") in slots]
+    names = [n for n in names if getattr(modules[n], "weight", None) is not None
+             and modules[n].weight.dim() == 2]
+    first, batches = fusion.peek(batches)
+    found = fusion.find_groups(model, first, names, _forward)
+    groups = fusion.edit_groups(found, names, modules, fuse, split)
+    for group in groups:
+        keys = [(m, "input") for m in group if (m, "input") in slots]
+        lead = slots[keys[0]] if keys else None
+        for k in keys[1:]:
+            member = slots[k]
+            for okey, obs in member.observers.items():
+                lead.observers.setdefault(okey, obs)
+            lead.failed.update(member.failed)
+            lead.needs_sample |= member.needs_sample
+            lead.also.append(member.module)
+            slots[k] = lead
+    return batches, groups
+
+
+def _share_inputs(states, rows, plan, slots, groups, made, errors, cache) -> None:
+    """``auto`` in a fusion group: its one input slot gets one observer for all members,
+    the candidate with the least total error over them (``auto_metric="output"`` weighs
+    each member's own weights, so members alone could choose differently)."""
+    for group in groups:
+        members = [m for m in group if (m, "input") in plan]
+        cfg, names = plan[(members[0], "input")] if members else (None, ())
+        if len(members) < 2 or len(names) < 2:
+            continue
+        totals = {}
+        for n in names:
+            okey = _observer_key(n, cfg, slots[(members[0], "input")].module)
+            errs = [errors.get((m, "input", okey, cfg.dynamic)) for m in members]
+            if all(e is not None for e in errs):
+                totals[okey] = sum(errs)
+        if totals:
+            okey = min(totals, key=totals.get)
+            at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
+            for m in members:
+                skey = (m, "input", okey, cfg.dynamic)
+                states[m]["input"] = replace(made[skey], requested=cfg.observer)
+                if (m, "input") in at and cache.get(skey) is not None:
+                    rows[at[(m, "input")]] = _row(m, "input", states[m]["input"], cache[skey])
+
+
+def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
+    """Each group's weights, where the runtime shares a weight scale, observed concatenated
+    by one observer (``auto``: the candidate with the least total error) and split back per
+    member; returns what was done per group (for the report)."""
+    done = []
+    for group in groups:
+        members = [m for m in group if (m, "weight") in plan]
+        entry = {"layers": list(group), "weight": "per layer", "input": "shared"
+                 if len({id(slots[(m, "input")]) for m in group if (m, "input") in slots}) == 1
+                 and any((m, "input") in slots for m in group) else "none"}
+        done.append(entry)
+        if len(members) < 2:
+            continue
+        cfgs = {plan[(m, "weight")][0] for m in members}
+        cfg, names = plan[(members[0], "weight")]
+        if len(cfgs) != 1:
+            entry["weight"] = "per layer (the members' weight specs differ)"
+            continue
+        if cfg.dynamic is True or not fusion.shares_weight_scale(cfg.spec):
+            continue
+        if not fusion.splittable(cfg.spec):
+            entry["weight"] = f"per layer ({cfg.spec.layout} does not split by rows)"
+            continue
+        mods = [slots[(m, "weight")].module for m in members]
+        w = fusion.join_weights(mods)
+        best = None
+        for n in names:
+            try:
+                obs = get_observer(n, cfg.spec, **dict(cfg.options)).to(w.device)
+                obs(w)
+            except (ValueError, TypeError):
+                if len(names) == 1:
+                    raise
+                continue
+            state = replace(_state_from(obs, cfg, tuple(w.shape)), requested=cfg.observer)
+            err = (float((qdq_tensor(w, state).float() - w.float()).square().sum())
+                   if len(names) > 1 else 0.0)
+            if best is None or err < best[1]:
+                best = (state, err)
+        parts = fusion.split_state(best[0], [tuple(m.weight.shape) for m in mods])
+        at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
+        for m, mod, st in zip(members, mods, parts):
+            states[m]["weight"] = st
+            if (m, "weight") in at:
+                rows[at[(m, "weight")]] = _row(m, "weight", st,
+                                               tensor_stats(mod.weight.detach(), st))
+        entry["weight"] = f"shared ({best[0].observer})"
+    return done
 
 
 def _forward(model, batch):
@@ -259,7 +384,7 @@ def _state_from(obs, cfg: Role, shape) -> RoleState:
                      hi=hi, shape=shape)
 
 
-def _finish(slots, plans, recipes, auto_metric="tensor"):
+def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None):
     """Build each recipe's states and report rows; ``auto`` picks by squared error."""
     cache = {}
     data = {}
@@ -316,10 +441,12 @@ def _finish(slots, plans, recipes, auto_metric="tensor"):
             else:
                 best = None
                 for n in names:
-                    okey = _observer_key(n, cfg)
+                    okey = _observer_key(n, cfg, slot.module)
                     if okey not in slot.observers:
                         continue
                     obs = slot.observers[okey]
+                    if not obs.has_observed and experts is not None and layer in experts.layers:
+                        continue  # an expert without tokens: moe.shrink gives it the pooled
                     if not obs.has_observed:
                         raise ValueError(
                             f"calibrate: layer {layer!r} {role} was never called during "
@@ -330,6 +457,9 @@ def _finish(slots, plans, recipes, auto_metric="tensor"):
                     err = auto_error(layer, role, skey, cand, st) if len(names) > 1 else None
                     if best is None or (err is not None and (best[2] is None or err < best[2])):
                         best = (cand, st, err)
+                if best is None and experts is not None and layer in experts.layers:
+                    states.setdefault(layer, {})[role] = None
+                    continue
                 if best is None:
                     raise ValueError(f"calibrate: layer {layer!r} {role}: no candidate observer "
                                      f"could take {cfg.spec}: {slot.failed}")
@@ -337,7 +467,10 @@ def _finish(slots, plans, recipes, auto_metric="tensor"):
             states.setdefault(layer, {})[role] = state
             if st is not None:
                 rows.append(_row(layer, role, state, st))
-        results[label] = (states, rows)
+        _share_inputs(states, rows, plan, slots, groups, made, errors, cache)
+        shared = _share_weights(states, rows, plan, slots, groups)
+        per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
+        results[label] = (states, rows, shared, per_expert)
     hists = {key: _histogram(x) for key, x in data.items() if key[1] != "weight"}
     return results, hists
 
@@ -366,7 +499,8 @@ def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
 def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    sample_tokens: int = 2048, progress: bool = True,
                    seed: int = 0, distributed: bool = False, group=None,
-                   auto_metric: str = "tensor") -> dict[str, Calibration]:
+                   auto_metric: str = "tensor", all_experts: bool = False,
+                   expert_min_tokens: int = moe.MIN_TOKENS) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -390,6 +524,10 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             the weights, statistics are synced before qparams, every rank returns the same
             result (write files from rank 0 only). A no-op in a single process.
         group: the process group (default: the default group).
+        all_experts: MoE experts (see :mod:`~quantscope.calibrate.moe`) each observe every
+            token, while the block's output stays the routed one; default: the routed tokens.
+        expert_min_tokens: in routed mode, an expert that saw fewer tokens has its activation
+            ranges shrunk toward its layer's pooled range (none: the pooled range).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -408,30 +546,50 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     if auto_metric not in ("output", "tensor"):
         raise ValueError(f"calibrate: auto_metric must be 'output' or 'tensor', got "
                          f"{auto_metric!r}")
+    if not isinstance(expert_min_tokens, int) or expert_min_tokens < 1:
+        raise ValueError(f"calibrate: expert_min_tokens must be a positive integer, got "
+                         f"{expert_min_tokens!r}")
     t0 = time.perf_counter()
     if batches is None:
         batches = []
-    if distributed and qd.is_distributed(group):
-        return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
-                                      progress, seed, group, t0, auto_metric)
-    slots, plans = _plan(model, recipes, candidates)
-    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
-                     for s in slots.values())
-    n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
-    return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric)
+    # MoE experts become Linear views for the whole calibration (moe.py); restored after
+    with moe.attach(model, bool(all_experts)) as experts:
+        experts.min_tokens = expert_min_tokens
+        if distributed and qd.is_distributed(group):
+            return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
+                                          progress, seed, group, t0, auto_metric, experts)
+        slots, plans = _plan(model, recipes, candidates)
+        batches, groups = _fuse(model, batches, recipes, slots)
+        experts.reset_counts()
+        needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
+                         for s in slots.values())
+        n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
+        return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
+                         groups=groups, experts=experts, model=model)
 
 
-def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor"):
+def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor",
+              groups=(), experts=None, model=None):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
-        results, hists = _finish(slots, plans, recipes, auto_metric)
+        results, hists = _finish(slots, plans, recipes, auto_metric, groups, experts)
     seconds = time.perf_counter() - t0
     out = {}
     for label, recipe in recipes.items():
-        states, rows = results[label]
+        states, rows, shared, per_expert = results[label]
         info = {"batches": n, "calibration_seconds": round(seconds, 3)}
+        if shared:
+            info["fusion_groups"] = shared
+        if per_expert:
+            info["experts"] = per_expert
+            info["expert_min_tokens"] = experts.min_tokens
+        missed = moe.unreached(model, recipe) if model is not None else []
+        if missed:
+            info["unreached"] = missed
+            warnings.warn(f"calibrate: recipe {recipe.name!r} targets weights quantscope cannot "
+                          f"reach; left in float: {[u['name'] for u in missed]}", stacklevel=3)
         if processes > 1:
             info["processes"] = processes
         out[label] = Calibration(recipe, states, label, rows, hists, info)
@@ -439,7 +597,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
 
 
 def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, progress, seed,
-                           group, t0, auto_metric="tensor"):
+                           group, t0, auto_metric="tensor", experts=None):
     """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
 
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
@@ -457,6 +615,8 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
     me = qd.rank(group)
     with qd.all_or_none("planning", group):
         slots, plans = _plan(model, recipes, candidates, owns=lambda l: owners.get(l, me) == me)
+        batches, groups = _fuse(model, batches, recipes, slots)
+    experts.reset_counts()
     failed = qd.gather_failures({k: s.failed for k, s in slots.items() if s.role == "weight"},
                                 group)
     for k, f in failed.items():  # a candidate that failed on its owner is dropped everywhere
@@ -478,7 +638,8 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
                      progress and qd.is_main(group), seed + me)
         n = qd.all_sum(n, group)
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
-        qd.sync_observers([o for s in acts.values() for o in s.observers.values()], group)
+        qd.sync_observers([o for s in _unique(acts.values()) for o in s.observers.values()],
+                          group)
         if auto:
             merged = qd.gather_samples({k: s.sample for k, s in acts.items()}, sample_tokens,
                                        group)
@@ -487,7 +648,10 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
         elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
             for s in acts.values():
                 s.sample = []
-    return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric)
+    for counts in experts.counts.values():  # every rank reports the global counts
+        counts[:] = [qd.all_sum(c, group) for c in counts]
+    return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric, groups,
+                     experts, model)
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,

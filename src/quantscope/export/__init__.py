@@ -16,7 +16,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-__all__ = ["FORMATS", "export", "exporter", "register"]
+from .check import check
+
+__all__ = ["FORMATS", "check", "export", "exporter", "register"]
 
 #: format name -> the module that registers it (imported on first use)
 FORMATS: dict[str, str] = {

@@ -1,0 +1,58 @@
+"""`quantscope check` passes an llm-compressor NVFP4 checkpoint (llm-compressor shares the
+global scales of q/k/v and gate/up) and flags it once one shard's scale is edited."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.peers
+
+
+def test_llmcompressor_nvfp4_checkpoint(tmp_path):
+    pytest.importorskip("llmcompressor")
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantscope.export import check
+
+    tok_dir = Path.home() / ".cache/quantscope/models/smollm2-135m-instruct"
+    if not (tok_dir / "tokenizer.json").exists():
+        pytest.skip("the demo decoder's tokenizer is not cached (quantscope.models)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok))
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(3.0)
+    src = tmp_path / "float"  # llm-compressor reads the model's config back from its path
+    model.save_pretrained(src)
+    tok.save_pretrained(src)
+    model = LlamaForCausalLM.from_pretrained(src)
+    ids = torch.randint(0, len(tok), (4, 16))
+    data = [{"input_ids": r.tolist(), "attention_mask": [1] * 16} for r in ids]
+    from datasets import Dataset
+
+    oneshot(model=model, processor=tok, dataset=Dataset.from_list(data),
+            recipe=QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=["lm_head"]),
+            num_calibration_samples=4, max_seq_length=16)
+    out = tmp_path / "nvfp4"
+    model.save_pretrained(out, save_compressed=True)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]
+    assert check(out) == []
+    # edit one shard's global scale apart: now flagged, naming the layers
+    f = next(out.glob("*.safetensors"))
+    t = load_file(str(f))
+    key = "model.layers.0.self_attn.k_proj.weight_global_scale"
+    t[key] = t[key] * 2
+    save_file(t, str(f), metadata={"format": "pt"})
+    problems = check(out)
+    assert [(p["group"], p["tensor"]) for p in problems] == [
+        ("model.layers.0.self_attn.qkv_proj", "weight_global_scale")]
