@@ -310,18 +310,18 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     with atomic_dir(path, overwrite=overwrite) as tmp:
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
-        _annotate(tmp, calibration, lossy.notes)
+        _annotate(tmp, calibration, lossy.notes, source)
         if source is not None:
             _copy_extras(source, tmp)
     return path
 
 
-def _annotate(folder: str, calibration, notes: list[str]) -> None:
+def _annotate(folder: str, calibration, notes: list[str], source) -> None:
     """quantscope's own record beside ``quantization_config``: recipe, observers, changes."""
     cfg_path = os.path.join(folder, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg["quantscope"] = {"recipe": calibration.recipe.name, "label": calibration.label,
-                         "lossy": notes}
+                         "lossy": notes, "model": source}
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
