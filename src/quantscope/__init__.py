@@ -2,6 +2,7 @@
 
 from . import (
     calibrate,  # a callable package: quantscope.calibrate(model, batches, recipe)
+    export,  # a callable package: quantscope.export(calibration, model, path)
     formats,
     layout,
     presets,
@@ -32,6 +33,7 @@ __all__ = [
     "Token",
     "calibrate",
     "dequantize",
+    "export",
     "fake_quantize",
     "formats",
     "get_format",
