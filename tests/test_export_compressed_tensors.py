@@ -178,7 +178,7 @@ def test_config_and_tensors_are_what_llm_compressor_writes(bert, tmp_path):
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         name = "encoder.layer.0.attention.self.query"
         w, s, i = (f.get_tensor(f"{name}.{k}") for k in ("weight", "weight_scale", "input_scale"))
-        assert f"{name}.weight_zero_point" not in f
+        assert f"{name}.weight_zero_point" not in f.keys()  # noqa: SIM118
         assert f.get_tensor("pooler.dense.weight").dtype == torch.float32
     st = cal.states[name]
     assert w.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (128, 1)
@@ -213,7 +213,7 @@ def test_packed_formats_names_and_dtypes(bert, tmp_path):
         with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
             for key, dtype in tensors.items():
                 assert f.get_tensor(f"{name}.{key}").dtype == dtype, (scheme, key)
-            assert f"{name}.weight" not in f
+            assert f"{name}.weight" not in f.keys()  # noqa: SIM118
         if scheme == "nvfp4":
             with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
                 gs = f.get_tensor(f"{name}.weight_global_scale")
@@ -228,7 +228,7 @@ def _quantized_bytes(path, layers):
 
     total = 0
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        for k in f:
+        for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
             if k.rsplit(".", 1)[0] in layers and not k.endswith(".bias"):
                 t = f.get_tensor(k)
                 total += t.numel() * t.element_size()
