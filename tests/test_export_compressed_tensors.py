@@ -51,9 +51,10 @@ SCHEMES = {
     "mxfp4": (lambda ig: _recipe(Role(P.MXFP4, "memoryless_minmax"),
                                  Role(_MX_EVEN, "memoryless_minmax", True), "mxfp4", ig), False),
 }
-#: transformers (5.17-5.24, compressed-tensors 0.19-0.20) cannot load asymmetric
-#: pack-quantized checkpoints: it builds the zero point unpacked on load (llm-compressor
-#: issue #1618); vLLM does load them. Our reader and the peers test check them instead.
+#: transformers 5.24 with compressed-tensors 0.20 (.venv) cannot load asymmetric
+#: pack-quantized checkpoints: it builds the zero point unpacked on load (as in llm-compressor
+#: issue #1618); the peers' transformers 5.17 / compressed-tensors 0.19 loads ours bitwise
+#: (tests/test_export_ct_peers.py), and our reader checks them here.
 TRANSFORMERS_CANNOT_LOAD = {"w4a16-asym"}
 
 
