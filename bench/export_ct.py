@@ -72,6 +72,11 @@ def per_doc(outs, batches):
     return docs
 
 
+def min_cosine(got, ref, batches) -> float:
+    return min(float(torch.nn.functional.cosine_similarity(g, r, dim=0))
+               for g, r in zip(per_doc(got, batches), per_doc(ref, batches)))
+
+
 def load_exported(path, task):
     import transformers
 
@@ -144,10 +149,8 @@ def run(name: str) -> None:
                 got = outputs(load_exported(out, task), eval_batches)
                 scale = max(float(r.abs().max()) for r in ref)
                 diff = max(float((g - r).abs().max()) for g, r in zip(got, ref)) / scale
-                cos = min(float(torch.nn.functional.cosine_similarity(g, r, dim=0))
-                          for g, r in zip(per_doc(got, eval_batches), per_doc(ref, eval_batches)))
-                diff, cos = f"{diff:.2e}", f"{cos:.5f}"
-                bf = "-" if not fp4 else f"{min(float(torch.nn.functional.cosine_similarity(g, r, dim=0)) for g, r in zip(per_doc(got, eval_batches), per_doc(ref_bf16, eval_batches))):.5f}"  # noqa: E501
+                diff, cos = f"{diff:.2e}", f"{min_cosine(got, ref, eval_batches):.5f}"
+                bf = f"{min_cosine(got, ref_bf16, eval_batches):.5f}" if fp4 else "-"
             except RuntimeError:  # .venv's transformers 5.24 cannot load asymmetric int4
                 diff = cos = bf = "not loaded (transformers 5.24)"
             layers = set(cal.states)
