@@ -224,6 +224,19 @@ def test_packed_formats_names_and_dtypes(bert, tmp_path):
             assert torch.equal(bs, qp.scale)  # e4m3 block scales; runs as bs / gs
 
 
+def test_sharded_like_transformers(bert, tmp_path):
+    model, _, batches = bert
+    cal = calibrate(model, batches, preset("w8a8"), progress=False)
+    out = quantscope.export(cal, model, tmp_path / "ct", max_shard_size="100KB")
+    files = os.listdir(out)
+    assert "model.safetensors.index.json" in files
+    assert sum(f.endswith(".safetensors") for f in files) > 1
+    ref = _applied(cal, model, batches[0])
+    with torch.inference_mode():
+        assert torch.equal(_out(_loaded(out, transformers.AutoModel), batches[0]), ref)
+    assert torch.equal(_applied(Calibration.from_compressed_tensors(out), model, batches[0]), ref)
+
+
 def _quantized_bytes(path, layers):
     from safetensors import safe_open
 
