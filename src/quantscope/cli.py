@@ -115,6 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-max-length", type=int, default=256)
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON line")
 
+    # -- export (issue 14): self-contained; the logic is quantscope.export.export_run
+    p = sub.add_parser("export", help="write a saved calibration as a checkpoint runtimes load",
+                       description="Export a `quantscope calibrate --out RUN` folder (or its "
+                                   "qparams/) as a compressed-tensors model folder that "
+                                   "transformers and vLLM load.")
+    p.add_argument("run", metavar="RUN_DIR", help="a calibrate output folder or its qparams/")
+    p.add_argument("--out", required=True, metavar="DIR", help="the model folder to write")
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="the float model (default: the one the calibration recorded)")
+    p.add_argument("--format", default="compressed-tensors", help="default: compressed-tensors")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="write what the format cannot express exactly in its nearest form "
+                        "(says what changed) instead of refusing")
+
     sub.add_parser("formats", help="the synthetic format table (quantscope.demo)",
                    description="Print the synthetic table of formats and observers.")
     return parser
@@ -383,6 +398,15 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .export import export_run
+
+    out = export_run(args.run, args.out, args.format, args.model, overwrite=args.overwrite,
+                     allow_lossy=args.allow_lossy)
+    _say(f"wrote {out} (load it with transformers' from_pretrained, or `vllm serve {out}`)")
+    return 0
+
+
 def cmd_formats(args) -> int:
     from .demo import format_table
 
@@ -391,7 +415,7 @@ def cmd_formats(args) -> int:
 
 
 COMMANDS = {"calibrate": cmd_calibrate, "compare": cmd_compare, "plot": cmd_plot,
-            "evaluate": cmd_evaluate, "formats": cmd_formats}
+            "evaluate": cmd_evaluate, "formats": cmd_formats, "export": cmd_export}
 
 
 def main(argv=None) -> int:
@@ -410,7 +434,7 @@ def main(argv=None) -> int:
     args.rank, args.world = qd.rank(), qd.world_size()
     try:
         return COMMANDS[args.command](args)
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (FileNotFoundError, ValueError, ImportError, PermissionError) as e:
         print(f"quantscope {args.command}: error{f' (rank {args.rank})' if args.world > 1 else ''}: "
               f"{e}", file=sys.stderr)
         return 1

@@ -238,6 +238,7 @@ def weight_observer(name: str) -> str:
 _INT8_ACT = QuantSpec("int8", Tensor())
 _INT8_TOKEN = QuantSpec("int8", presets.INT8_PER_TOKEN.layout)
 _FP8_ACT = QuantSpec("fp8_e4m3", Tensor())
+_FP8_TOKEN = QuantSpec("fp8_e4m3", presets.INT8_PER_TOKEN.layout)
 
 
 def _w8a8(obs):
@@ -254,12 +255,17 @@ PRESETS = {
                                      input=Role(_INT8_TOKEN, "memoryless_minmax", True)),
     # int4 symmetric groups of 128 along the input dim; activations stay in float
     "w4a16": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128, obs)),
+    # int4 asymmetric groups of 128 (integer zero points; llm-compressor's W4A16_ASYM)
+    "w4a16-asym": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128_ASYM, obs)),
     # int4 g128 weights, static int8 per-tensor activations
     "w4a8": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128, obs),
                              input=Role(_INT8_ACT, obs)),
     # fp8 e4m3 per-channel weights, static fp8 per-tensor activations
     "fp8": lambda obs: Rule(("Linear",), weight=Role(presets.FP8_PER_CHANNEL, obs),
                             input=Role(_FP8_ACT, obs)),
+    # fp8 e4m3 per-channel weights, fp8 per-token activations at run time (FP8_DYNAMIC)
+    "fp8-dynamic": lambda obs: Rule(("Linear",), weight=Role(presets.FP8_PER_CHANNEL, obs),
+                                    input=Role(_FP8_TOKEN, "memoryless_minmax", True)),
     # MXFP4 weights and activations: E8M0 block scales, activation blocks at run time
     "mxfp4": lambda obs: Rule(("Linear",), weight=Role(presets.MXFP4, obs),
                               input=Role(presets.MXFP4, "memoryless_minmax", True)),
