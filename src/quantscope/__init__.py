@@ -22,7 +22,12 @@ _EXPORTS = {
     "export": None, "formats": None, "layout": None, "presets": None, "scales": None,
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Block", "Channel", "FloatFormat", "Group", "IntFormat", "Observer", "QParams", "QuantSpec",
+    "ScaleEncoding", "Tensor", "Tile", "Token", "calibrate", "dequantize", "export",
+    "fake_quantize", "formats", "get_format", "get_observer", "layout", "list_observers",
+    "presets", "qparams_from_range", "quantize", "scales",
+]
 
 
 def __getattr__(name):

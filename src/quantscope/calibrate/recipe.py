@@ -289,3 +289,68 @@ def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
     recipe = Recipe((rule,), tuple([ignore] if isinstance(ignore, str) else ignore), key)
     return recipe.with_observer(observer, **options)
 
+
+
+def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
+           **options) -> Recipe:
+    """A recipe from a compressed-tensors preset scheme name (``W8A8``, ``W4A16``,
+    ``W4A16_ASYM``, ``FP8``, ``FP8_DYNAMIC``, ``NVFP4``, ``MXFP4`` ... : its
+    ``PRESET_SCHEMES``), with the same weight and activation specs and dynamic modes, as
+    compressed-tensors defines them. Needs the ``compressed-tensors`` package."""
+    try:
+        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, QuantizationScheme
+    except ImportError:
+        raise ImportError("recipes from scheme names need compressed-tensors: pip install "
+                          "'quantscope[peers]'") from None
+    from ..export.read import spec_from_args
+
+    key = str(name).upper()
+    if key not in PRESET_SCHEMES or not PRESET_SCHEMES[key]:
+        raise ValueError(f"recipe: unknown scheme {name!r}; expected one of "
+                         f"{sorted(k for k, v in PRESET_SCHEMES.items() if v)}")
+    targets = tuple([targets] if isinstance(targets, str) else targets)
+    s = QuantizationScheme(targets=list(targets), **PRESET_SCHEMES[key])
+    roles = {}
+    for role, args in (("weight", s.weights), ("input", s.input_activations),
+                       ("output", s.output_activations)):
+        if args is None:
+            continue
+        dynamic = args.dynamic if isinstance(args.dynamic, bool) else "local"
+        obs = "memoryless_minmax" if dynamic is True else observer
+        roles[role] = Role(spec_from_args(args), obs, dynamic)
+    recipe = Recipe((Rule(targets, **roles),), tuple([ignore] if isinstance(ignore, str)
+                                                    else ignore), key)
+    return recipe.with_observer(observer, **options)
+
+
+def with_group_size(recipe: Recipe, size: int) -> Recipe:
+    """A copy of ``recipe`` whose grouped roles (``Group`` layouts) use groups of ``size``."""
+    from ..layout import Group
+
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"group size must be a positive integer, got {size!r}")
+
+    def regroup(role):
+        if role is None or not isinstance(role.spec.layout, Group):
+            return role
+        layout = replace(role.spec.layout, size=size)
+        return replace(role, spec=replace(role.spec, layout=layout))
+    if not any(isinstance(role.spec.layout, Group) for r in recipe.rules
+               for role in r.roles().values()):
+        raise ValueError(f"recipe {recipe.name!r} has no grouped role for a group size to change")
+    rules = tuple(replace(r, **{k: regroup(getattr(r, k)) for k in ROLES}) for r in recipe.rules)
+    return replace(recipe, rules=rules)
+
+
+def with_role_observer(recipe: Recipe, role: str, observer: str) -> Recipe:
+    """A copy of ``recipe`` whose calibrated ``role`` (weight / input / output) runs
+    ``observer`` exactly as named (no memoryless substitution: the caller chose it)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+    def swap(r):
+        if r is None or r.dynamic is True:
+            return r
+        return replace(r, observer=observer, options=())
+    rules = tuple(replace(r, **{role: swap(getattr(r, role))}) for r in recipe.rules)
+    return replace(recipe, rules=rules)
