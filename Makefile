@@ -20,9 +20,10 @@ PEERS_PY := $(PEERS)/bin/python
 PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pytest
 # the files with tests marked `peers` (the peers' venv has no hypothesis, torchao ... to
 # collect the rest)
-PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py tests/test_check_peers.py
+PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py tests/test_check_peers.py \
+	tests/test_export_ct_peers.py
 
-.PHONY: venv peers test demo bench lint
+.PHONY: venv peers test demo demo-readme bench lint
 
 venv: $(VENV)/.stamp
 
@@ -54,15 +55,22 @@ test: venv peers
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
 	exit $$rc
 
-# the synthetic format table (quantscope.demo), then the model demo: observers compared on
-# all-MiniLM-L6-v2 (calibrated on gensim's Lee background corpus, scored on the Lee
-# similarity pairs); table printed, report and plots written under runs/demo. One torch
-# thread: on a shared 2-core machine spinning OpenMP threads cost more than they give
+# the synthetic format table (quantscope.demo), then the model demo on both demo models:
+# observers compared on all-MiniLM-L6-v2 (Lee similarity) and on SmolLM2-135M (perplexity on
+# held-out text), both calibrated on gensim's Lee background corpus; tables printed, reports
+# and plots under runs/demo/<model>. One torch thread: the figures then do not depend on the
+# machine's core count, and on a shared 2-core machine spinning OpenMP threads cost more than
+# they give. `make demo-readme` also rewrites the README's demo tables from those reports.
 DEMO_OBSERVERS ?= minmax,mse,percentile,entropy,mix,auto
 demo: venv
 	$(PY) -m quantscope.demo --formats
-	$(PY) -m quantscope compare --recipes w8a8,w4a8 --observers $(DEMO_OBSERVERS) --threads 1 \
-		--out runs/demo
+	$(PY) -m quantscope compare --model minilm --recipes w8a8,w4a8 --observers $(DEMO_OBSERVERS) \
+		--threads 1 --out runs/demo/minilm
+	$(PY) -m quantscope compare --model smollm2-135m --recipes w8a8 --observers $(DEMO_OBSERVERS) \
+		--calib-docs 32 --eval-max-length 128 --threads 1 --out runs/demo/smollm2
+
+demo-readme: demo
+	$(PY) bench/demo_tables.py --readme README.md
 
 bench: venv peers
 	QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) bench/run.py

@@ -65,23 +65,29 @@ def test_compare_plot_calibrate_evaluate(tiny_model, tmp_path, capsys):
                      "mse", "--out", out2, *COMMON]) == 0
     saved = json.loads(Path(out2, "report.json").read_text())
     capsys.readouterr()
-    assert cli.main(["evaluate", os.path.join(out2, "qparams"), "--model", tiny_model,
-                     "--eval-max-length", "64", "--json"]) == 0
+    # the run records its model, task and evaluation length: RUN alone is enough
+    assert cli.main(["evaluate", out2, "--json"]) == 0
     loaded = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # loading the saved qparams reproduces the calibrated model exactly
     assert loaded["lee_r"] == saved["metrics"]["lee_r"]
-    assert loaded["cosine"] == saved["metrics"]["cosine_vs_fp32"]
+    assert loaded["cosine"] == saved["metrics"]["cosine"]
+    assert loaded["lee_r_fp32"] == saved["metrics"]["lee_r_fp32"]
+    assert cli.main(["evaluate", os.path.join(out2, "qparams"), "--model", tiny_model,
+                     "--eval-max-length", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == loaded
 
 
 def test_cli_errors(tmp_path, capsys):
-    assert cli.main(["calibrate", "--model", str(tmp_path / "missing")]) == 1
+    """Mistakes are one line on stderr and exit code 2, found before the model loads."""
+    assert cli.main(["calibrate", "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert cli.main(["calibrate", "--model", str(tmp_path)]) == 1
+    assert cli.main(["calibrate", "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
-    assert cli.main(["compare", "--recipes", "w3a3"]) == 1
-    assert "unknown preset 'w3a3'" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="not a compare run"):
-        cli.main(["plot", str(tmp_path)])
+    assert cli.main(["compare", "--recipes", "w3a3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe or scheme 'w3a3'" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    assert "not a compare run" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli.main(["calibrate", "--help"])
     assert e.value.code == 0 and "--model PATH" in capsys.readouterr().out

@@ -1,45 +1,46 @@
-"""quantscope: quantization observers for PyTorch, every family, format and granularity."""
+"""quantscope: quantization observers for PyTorch, every family, format and granularity.
 
-from . import (
-    calibrate,  # a callable package: quantscope.calibrate(model, batches, recipe)
-    formats,
-    layout,
-    presets,
-    scales,
-)
-from .formats import FloatFormat, IntFormat, get_format
-from .layout import Block, Channel, Group, Tensor, Tile, Token
-from .observers import Observer, get_observer, list_observers
-from .qparams import QParams, qparams_from_range
-from .quantize import dequantize, fake_quantize, quantize
-from .scales import ScaleEncoding
-from .spec import QuantSpec
+Names are imported on first use (PEP 562), so ``quantscope --help`` and other light entry
+points answer without importing torch.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
+#: public name -> the submodule that defines it (``None``: the name is that submodule)
+_EXPORTS = {
+    "Block": "layout", "Channel": "layout", "Group": "layout", "Tensor": "layout",
+    "Tile": "layout", "Token": "layout",
+    "FloatFormat": "formats", "IntFormat": "formats", "get_format": "formats",
+    "Observer": "observers", "get_observer": "observers", "list_observers": "observers",
+    "QParams": "qparams", "qparams_from_range": "qparams",
+    "dequantize": "quantize", "fake_quantize": "quantize", "quantize": "quantize",
+    "ScaleEncoding": "scales",
+    "QuantSpec": "spec",
+    "calibrate": None,  # a callable package: quantscope.calibrate(model, batches, recipe)
+    "export": None, "formats": None, "layout": None, "presets": None, "scales": None,
+}
+
 __all__ = [
-    "Block",
-    "Channel",
-    "FloatFormat",
-    "Group",
-    "IntFormat",
-    "Observer",
-    "QParams",
-    "QuantSpec",
-    "ScaleEncoding",
-    "Tensor",
-    "Tile",
-    "Token",
-    "calibrate",
-    "dequantize",
-    "fake_quantize",
-    "formats",
-    "get_format",
-    "get_observer",
-    "layout",
-    "list_observers",
-    "presets",
-    "qparams_from_range",
-    "quantize",
-    "scales",
+    "Block", "Channel", "FloatFormat", "Group", "IntFormat", "Observer", "QParams", "QuantSpec",
+    "ScaleEncoding", "Tensor", "Tile", "Token", "calibrate", "dequantize", "export",
+    "fake_quantize", "formats", "get_format", "get_observer", "layout", "list_observers",
+    "presets", "qparams_from_range", "quantize", "scales",
 ]
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'quantscope' has no attribute {name!r}")
+    where = _EXPORTS[name]
+    if where is None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value  # once imported, an ordinary attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -193,13 +193,27 @@ def token_batches(tokenizer, docs: list[str], max_length: int, batch_size: int =
     return [out[k] for k in perm]
 
 
+def _steps(n: int, step: int, progress):
+    """``range(0, n, step)``, under a tqdm bar described ``progress`` when that is a string."""
+    it = range(0, n, step)
+    if isinstance(progress, str):
+        try:
+            from tqdm.auto import tqdm
+
+            return tqdm(it, desc=progress, unit="batch", leave=False)
+        except ImportError:
+            pass
+    return it
+
+
 def embed(model, tokenizer, docs: list[str], max_length: int = 256,
-          batch_size: int = 64) -> torch.Tensor:
-    """Mean-pooled, L2-normalised embeddings ``[len(docs), hidden]`` (float32)."""
+          batch_size: int = 64, progress=None) -> torch.Tensor:
+    """Mean-pooled, L2-normalised embeddings ``[len(docs), hidden]`` (float32); ``progress``:
+    a description shows a progress bar."""
     device = next(model.parameters()).device
     outs = []
     with torch.inference_mode():
-        for s in range(0, len(docs), batch_size):
+        for s in _steps(len(docs), batch_size, progress):
             enc = tokenizer(docs[s:s + batch_size], padding=True, truncation=True,
                             max_length=max_length, return_tensors="pt").to(device)
             hidden = model(**enc).last_hidden_state.float()
@@ -221,8 +235,8 @@ def lee_correlation(embeddings: torch.Tensor, pairs) -> float:
     return pearson(cos, score)
 
 
-def _lm_batches(tokenizer, docs, max_length, batch_size, device):
-    for s in range(0, len(docs), batch_size):
+def _lm_batches(tokenizer, docs, max_length, batch_size, device, progress=None):
+    for s in _steps(len(docs), batch_size, progress):
         yield tokenizer(docs[s:s + batch_size], padding=True, truncation=True,
                         max_length=max_length, return_tensors="pt").to(device)
 
@@ -242,13 +256,14 @@ def next_token_logprobs(model, tokenizer, docs: list[str], max_length: int = 256
 
 
 def perplexity(model, tokenizer, docs: list[str], max_length: int = 256,
-               batch_size: int = 8) -> float:
+               batch_size: int = 8, progress=None) -> float:
     """exp of the mean next-token negative log-likelihood over every real token of ``docs``
-    after the first of each document (each truncated to ``max_length`` tokens)."""
+    after the first of each document (each truncated to ``max_length`` tokens); ``progress``:
+    a description shows a progress bar."""
     device = next(model.parameters()).device
     nll, count = 0.0, 0
     with torch.inference_mode():
-        for enc in _lm_batches(tokenizer, docs, max_length, batch_size, device):
+        for enc in _lm_batches(tokenizer, docs, max_length, batch_size, device, progress):
             logits = model(**enc).logits[:, :-1].float()
             labels = enc["input_ids"][:, 1:]
             keep = enc["attention_mask"][:, 1:].bool()

@@ -257,6 +257,7 @@ def weight_observer(name: str) -> str:
 _INT8_ACT = QuantSpec("int8", Tensor())
 _INT8_TOKEN = QuantSpec("int8", presets.INT8_PER_TOKEN.layout)
 _FP8_ACT = QuantSpec("fp8_e4m3", Tensor())
+_FP8_TOKEN = QuantSpec("fp8_e4m3", presets.INT8_PER_TOKEN.layout)
 
 
 def _w8a8(obs):
@@ -273,12 +274,17 @@ PRESETS = {
                                      input=Role(_INT8_TOKEN, "memoryless_minmax", True)),
     # int4 symmetric groups of 128 along the input dim; activations stay in float
     "w4a16": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128, obs)),
+    # int4 asymmetric groups of 128 (integer zero points; llm-compressor's W4A16_ASYM)
+    "w4a16-asym": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128_ASYM, obs)),
     # int4 g128 weights, static int8 per-tensor activations
     "w4a8": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128, obs),
                              input=Role(_INT8_ACT, obs)),
     # fp8 e4m3 per-channel weights, static fp8 per-tensor activations
     "fp8": lambda obs: Rule(("Linear",), weight=Role(presets.FP8_PER_CHANNEL, obs),
                             input=Role(_FP8_ACT, obs)),
+    # fp8 e4m3 per-channel weights, fp8 per-token activations at run time (FP8_DYNAMIC)
+    "fp8-dynamic": lambda obs: Rule(("Linear",), weight=Role(presets.FP8_PER_CHANNEL, obs),
+                                    input=Role(_FP8_TOKEN, "memoryless_minmax", True)),
     # MXFP4 weights and activations: E8M0 block scales, activation blocks at run time
     "mxfp4": lambda obs: Rule(("Linear",), weight=Role(presets.MXFP4, obs),
                               input=Role(presets.MXFP4, "memoryless_minmax", True)),
@@ -302,3 +308,68 @@ def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
     recipe = Recipe((rule,), tuple([ignore] if isinstance(ignore, str) else ignore), key)
     return recipe.with_observer(observer, **options)
 
+
+
+def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
+           **options) -> Recipe:
+    """A recipe from a compressed-tensors preset scheme name (``W8A8``, ``W4A16``,
+    ``W4A16_ASYM``, ``FP8``, ``FP8_DYNAMIC``, ``NVFP4``, ``MXFP4`` ... : its
+    ``PRESET_SCHEMES``), with the same weight and activation specs and dynamic modes, as
+    compressed-tensors defines them. Needs the ``compressed-tensors`` package."""
+    try:
+        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, QuantizationScheme
+    except ImportError:
+        raise ImportError("recipes from scheme names need compressed-tensors: pip install "
+                          "'quantscope[peers]'") from None
+    from ..export.read import spec_from_args
+
+    key = str(name).upper()
+    if key not in PRESET_SCHEMES or not PRESET_SCHEMES[key]:
+        raise ValueError(f"recipe: unknown scheme {name!r}; expected one of "
+                         f"{sorted(k for k, v in PRESET_SCHEMES.items() if v)}")
+    targets = tuple([targets] if isinstance(targets, str) else targets)
+    s = QuantizationScheme(targets=list(targets), **PRESET_SCHEMES[key])
+    roles = {}
+    for role, args in (("weight", s.weights), ("input", s.input_activations),
+                       ("output", s.output_activations)):
+        if args is None:
+            continue
+        dynamic = args.dynamic if isinstance(args.dynamic, bool) else "local"
+        obs = "memoryless_minmax" if dynamic is True else observer
+        roles[role] = Role(spec_from_args(args), obs, dynamic)
+    recipe = Recipe((Rule(targets, **roles),), tuple([ignore] if isinstance(ignore, str)
+                                                    else ignore), key)
+    return recipe.with_observer(observer, **options)
+
+
+def with_group_size(recipe: Recipe, size: int) -> Recipe:
+    """A copy of ``recipe`` whose grouped roles (``Group`` layouts) use groups of ``size``."""
+    from ..layout import Group
+
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"group size must be a positive integer, got {size!r}")
+
+    def regroup(role):
+        if role is None or not isinstance(role.spec.layout, Group):
+            return role
+        layout = replace(role.spec.layout, size=size)
+        return replace(role, spec=replace(role.spec, layout=layout))
+    if not any(isinstance(role.spec.layout, Group) for r in recipe.rules
+               for role in r.roles().values()):
+        raise ValueError(f"recipe {recipe.name!r} has no grouped role for a group size to change")
+    rules = tuple(replace(r, **{k: regroup(getattr(r, k)) for k in ROLES}) for r in recipe.rules)
+    return replace(recipe, rules=rules)
+
+
+def with_role_observer(recipe: Recipe, role: str, observer: str) -> Recipe:
+    """A copy of ``recipe`` whose calibrated ``role`` (weight / input / output) runs
+    ``observer`` exactly as named (no memoryless substitution: the caller chose it)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+    def swap(r):
+        if r is None or r.dynamic is True:
+            return r
+        return replace(r, observer=observer, options=())
+    rules = tuple(replace(r, **{role: swap(getattr(r, role))}) for r in recipe.rules)
+    return replace(recipe, rules=rules)

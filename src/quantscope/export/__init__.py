@@ -16,9 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from .check import check
-
-__all__ = ["FORMATS", "check", "export", "exporter", "register"]
+__all__ = ["FORMATS", "check", "export", "export_run", "exporter", "register"]
 
 #: format name -> the module that registers it (imported on first use)
 FORMATS: dict[str, str] = {
@@ -46,6 +44,50 @@ def exporter(name: str) -> Callable:
     return _EXPORTERS[name]
 
 
+def check(path) -> list[dict]:
+    """The fused layers of a compressed-tensors checkpoint whose shards disagree on a scale the
+    runtime keeps once (see :mod:`quantscope.export.consistency`); empty when all agree."""
+    from .consistency import check as _check
+
+    return _check(path)
+
+
 def export(calibration, model, path, format: str = "compressed-tensors", **options):
     """Write ``calibration`` applied to ``model`` to ``path`` in ``format``; returns the path."""
     return exporter(format)(calibration, model, path, **options)
+
+
+def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
+               overwrite: bool = False, allow_lossy: bool = False) -> str:
+    """Export a saved calibration (what ``quantscope export RUN_DIR`` runs); returns the path.
+
+    ``run_dir`` is a ``quantscope calibrate --out RUN`` folder (its ``qparams/``) or a
+    qparams folder itself; ``model`` the model folder or demo name (default: the one the
+    calibration recorded in ``info["model"]``).
+    """
+    import os
+
+    from .. import models
+    from ..calibrate import load
+
+    run_dir = os.fspath(run_dir)
+    qdir = os.path.join(run_dir, "qparams")
+    calibration = load(qdir if os.path.isdir(qdir) else run_dir)
+    source = model or calibration.info.get("model")
+    if not source:
+        raise ValueError(f"export: {run_dir} does not record its model; pass model= (--model)")
+    path = models.resolve_model_path(source)
+    float_model, _ = models.load_model(path)
+    return export(calibration, float_model, out, format=format, overwrite=overwrite,
+                  allow_lossy=allow_lossy, model_path=str(path))
+
+
+class _CallableModule(type(__import__("sys"))):
+    """``quantscope.export(calibration, model, path)`` calls :func:`export` while
+    ``quantscope.export.register`` etc. stay reachable: the package itself is callable."""
+
+    def __call__(self, calibration, model, path, format="compressed-tensors", **options):
+        return export(calibration, model, path, format=format, **options)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

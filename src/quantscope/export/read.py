@@ -1,0 +1,182 @@
+"""Read a compressed-tensors checkpoint back into a :class:`~quantscope.calibrate.Calibration`.
+
+Whoever wrote it (quantscope's exporter, llm-compressor), the folder's
+``quantization_config`` says which modules carry which ``QuantizationArgs``; the modules are
+matched by compressed-tensors' own ``match_named_modules`` on the model built from
+``config.json`` on the meta device (no weights allocated), and each module's tensors are
+decoded by compressed-tensors' own compressor (``decompress``: fp8 and E8M0 scales to
+float, packed zero points to integers). The args become quantscope specs
+(:func:`spec_from_args`), the tensors :class:`~quantscope.qparams.QParams`, so
+``calibration.apply(float_model)`` runs the model as the checkpoint does, and the report and
+compare tools work on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..layout import Block, Channel, Group, Tensor, Tile, Token
+from ..qparams import QParams
+from ..scales import nvfp4_global_scale
+from ..spec import QuantSpec
+
+__all__ = ["read_compressed_tensors", "spec_from_args"]
+
+_ROLE = {"weights": "weight", "input_activations": "input", "output_activations": "output"}
+
+
+def spec_from_args(args) -> QuantSpec:
+    """The quantscope spec of a compressed-tensors ``QuantizationArgs``."""
+    strategy, bits = str(args.strategy), args.num_bits
+    if str(args.type) == "int":
+        fmt = f"int{bits}"
+    elif bits == 8:
+        fmt = "fp8_e4m3"
+    elif bits == 4:
+        fmt = "fp4_e2m1"
+    else:
+        raise ValueError(f"compressed-tensors args: float of {bits} bits has no quantscope "
+                         f"reader here (fp8 e4m3 and fp4 e2m1)")
+    if strategy == "tensor_group":  # NVFP4
+        return QuantSpec(fmt, Block(args.group_size), scale="fp8_e4m3")
+    if strategy == "group" and args.scale_dtype == torch.uint8:  # MX: E8M0 scales
+        # compressed-tensors computes MX scales with the 'even' rule (its run-time rule)
+        return QuantSpec(fmt, Block(args.group_size), scale="e8m0:even")
+    layout = {"tensor": Tensor, "channel": lambda: Channel(0), "token": Token,
+              "group": lambda: Group(args.group_size),
+              "block": lambda: Tile(*args.block_structure)}.get(strategy)
+    if layout is None:
+        raise ValueError(f"compressed-tensors args: strategy {strategy!r} has no quantscope "
+                         f"layout")
+    return QuantSpec(fmt, layout(), symmetric=bool(args.symmetric))
+
+
+def _global_amax(gs: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """An amax whose NVFP4 global scale is exactly ``gs`` (``448 * 6 / amax`` inverted, then
+    nudged by ulps where float32 division does not round-trip)."""
+    gs = gs.float().reshape(())
+    amax = (nvfp4_global_scale(torch.ones(()), spec.format) / gs).reshape(())
+    for _ in range(8):
+        got = nvfp4_global_scale(amax, spec.format)
+        if torch.equal(got, gs):
+            return amax
+        amax = torch.nextafter(amax, amax * 2 if got > gs else amax / 2)
+    raise ValueError(f"compressed-tensors: no amax gives the global scale {float(gs)!r}")
+
+
+def _load_tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"from_compressed_tensors: {path} holds no .safetensors file")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(os.path.join(path, f)))
+    return tensors
+
+
+def _meta_model(path: str, config: dict):
+    import transformers
+
+    archs = config.get("architectures") or []
+    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
+    if cls is None:
+        raise ValueError(f"from_compressed_tensors: {path}/config.json names architectures "
+                         f"{archs}, none of which transformers knows")
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    cfg.quantization_config = None  # build the plain float skeleton; nothing is loaded
+    with torch.device("meta"):
+        return cls._from_config(cfg)
+
+
+def _state(st, role, module, local, args, spec, observer, weight_shape):
+    from ..calibrate.result import RoleState
+
+    dynamic = args.dynamic if args.dynamic in (True, False) else str(args.dynamic)
+    if dynamic is True:
+        return RoleState(spec, "memoryless_minmax", "memoryless_minmax", True)
+    base = {"weight": "weight", "input": "input", "output": "output"}[role]
+    get = (lambda n: st.get(f"{base}_{n}"))
+    if dynamic == "local":
+        gs = get("global_scale")
+        if gs is None:
+            raise ValueError(f"from_compressed_tensors: {module} has no {base}_global_scale")
+        return RoleState(spec, observer, observer, "local",
+                         global_amax=_global_amax(gs, spec))
+    scale = get("scale")
+    if scale is None:
+        raise ValueError(f"from_compressed_tensors: {module} has no {base}_scale")
+    shape = weight_shape if role == "weight" else (1, local)
+    qshape = spec.layout.qparam_shape(shape)
+    zp = get("zero_point")
+    zp = torch.zeros(qshape, dtype=torch.int32) if zp is None else \
+        zp.to(torch.int32).reshape(qshape)
+    gsc = get("global_scale")
+    qp = QParams(scale.float().reshape(qshape), zp,
+                 None if gsc is None else gsc.float().reshape(1))
+    return RoleState(spec, observer, observer, False, qparams=qp,
+                     shape=tuple(weight_shape) if role == "weight" else None)
+
+
+def read_compressed_tensors(path):
+    """The :class:`~quantscope.calibrate.Calibration` a compressed-tensors folder holds.
+
+    ``calibration.apply(model)`` on the float model runs it as the checkpoint does
+    (``info["model"]``: the source model the exporter recorded, else ``path``, which
+    transformers loads decompressed).
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_named_modules
+
+    from ..calibrate.recipe import Recipe, Role, Rule
+    from ..calibrate.result import Calibration
+
+    path = os.fspath(path)
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"from_compressed_tensors: {cfg_path} does not exist")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    qc = config.get("quantization_config")
+    if not qc or qc.get("quant_method") != "compressed-tensors":
+        raise ValueError(f"from_compressed_tensors: {cfg_path} has no compressed-tensors "
+                         f"quantization_config")
+    qconfig = QuantizationConfig.model_validate(
+        {k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
+    tensors = _load_tensors(path)
+    model = _meta_model(path, config)
+    states, rules = {}, []
+    for scheme in qconfig.config_groups.values():
+        fmt = scheme.format or qconfig.format
+        roles = {_ROLE[k]: getattr(scheme, k) for k in _ROLE if getattr(scheme, k) is not None}
+        specs = {r: spec_from_args(a) for r, a in roles.items()}
+        observers = {r: (a.observer or "minmax") for r, a in roles.items()}
+        rules.append(Rule(tuple(scheme.targets), **{
+            r: Role(specs[r], "memoryless_minmax" if a.dynamic is True else observers[r],
+                    a.dynamic if a.dynamic in (True, False) else str(a.dynamic))
+            for r, a in roles.items()}))
+        compressor = BaseCompressor.get_value_from_registry(str(getattr(fmt, "value", fmt)))
+        for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
+            prefix = f"{name}."
+            local = {k[len(prefix):]: v for k, v in tensors.items()
+                     if k.startswith(prefix) and "." not in k[len(prefix):]}
+            if "weight" in roles:
+                local = compressor.decompress(local, scheme)
+            wshape = tuple(module.weight.shape)
+            states[name] = {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0],
+                                      roles[r], specs[r], observers[r], wshape)
+                            for r in roles}
+    if not states:
+        raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
+                         f"groups' targets")
+    recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors")
+    source = (config.get("quantscope") or {}).get("model")
+    info = {"model": source if source and os.path.isdir(source) else path,
+            "checkpoint": path, "format": str(getattr(qconfig.format, "value", qconfig.format))}
+    return Calibration(recipe, states, os.path.basename(os.path.normpath(path)), info=info)
+

@@ -1,0 +1,86 @@
+"""The command line on a causal LM: a tiny random-weight Llama whose tokenizer has no pad
+token, calibrated from a compressed-tensors scheme name, scored by perplexity."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+data = pytest.importorskip("quantscope.data")
+try:
+    data.test_data_dir()
+except FileNotFoundError:
+    pytest.skip("gensim's test data (the Lee corpus) is not installed", allow_module_level=True)
+
+from test_models_decoder import _tokenizer  # noqa: E402  (the word-level, pad-less tokenizer)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-cli")
+    tok = _tokenizer(pad=False)
+    assert tok.pad_token is None
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   architectures=["LlamaForCausalLM"])
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+FAST = ["--calib-docs", "4", "--max-length", "16", "--batch-size", "2", "--eval-max-length",
+        "32", "--device", "cpu", "--threads", "1"]
+
+
+def _cli(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "quantscope", *args], capture_output=True,
+                          text=True, env=env, check=False)
+
+
+def test_calibrate_then_evaluate_a_causal_lm(llama_dir, tmp_path):
+    run = str(tmp_path / "run")
+    r = _cli("calibrate", "--model", llama_dir, "--scheme", "W4A16", "--group-size", "32",
+             "--out", run, *FAST)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert len(out.strip().splitlines()) < 40
+    for noise in ("Warning", "warning", "Failed to load", "Traceback"):
+        assert noise not in out
+    assert "perplexity: float" in r.stdout and "left in float: lm_head" in r.stdout
+    meta = json.load(open(os.path.join(run, "qparams", "quantscope.json")))
+    assert meta["info"]["task"] == "causal-lm" and meta["info"]["model"] == llama_dir
+    report = json.load(open(os.path.join(run, "report.json")))
+    m = report["metrics"]
+    assert m["perplexity"] > 1 and m["perplexity_fp32"] > 1
+    spec = {row["spec"] for row in report["layers"]}
+    assert spec == {"int4 group:32 sym"}
+    # the run is self-describing: evaluate needs nothing else, and reproduces the figures
+    r = _cli("evaluate", run, "--json")
+    assert r.returncode == 0, r.stderr
+    again = json.loads(r.stdout.strip().splitlines()[-1])
+    assert again["perplexity"] == m["perplexity"]
+    assert again["perplexity_fp32"] == m["perplexity_fp32"]
+
+
+def test_indivisible_group_size(llama_dir, tmp_path, capsys):
+    from quantscope import cli
+
+    rc = cli.main(["calibrate", "--model", llama_dir, "--scheme", "W4A16", "--group-size", "48",
+                   "--out", str(tmp_path / "r"), "--no-progress", *FAST])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and "group size 48 does not divide" in err and "--group-size 16 / 32 / 64" in err
+    rc = cli.main(["calibrate", "--model", llama_dir, "--scheme", "W4A16", "--group-size", "48",
+                   "--on-indivisible", "float", "--out", str(tmp_path / "r"), "--no-progress",
+                   *FAST])
+    assert rc == 0
+    rows = json.load(open(tmp_path / "r" / "report.json"))["layers"]
+    # 64-wide inputs take groups of 48 nowhere; 96-wide (down_proj) inputs do
+    assert {r["layer"].split(".")[-1] for r in rows} == {"down_proj"}
