@@ -3,8 +3,9 @@ transformers on CPU, per scheme, on the demo models (MiniLM, SmolLM2-135M).
 
 For each scheme: the largest difference between transformers' outputs of the exported folder
 and quantscope's QDQ (``Calibration.apply``) on the float model, relative to the output's
-largest magnitude (MiniLM: last hidden states; SmolLM2: logits), over 8 held-out Lee
-documents of <= 128 tokens, padding excluded; the lowest per-document cosine; the bytes of
+largest magnitude (MiniLM: last hidden states; SmolLM2: logits), over 4 held-out Lee
+documents of <= 96 tokens (calibration: 8 background documents of <= 96), padding excluded; the lowest per-document cosine (fp4: also against QDQ with its weights rounded to bfloat16,
+as compressed-tensors decompresses fp4 on CPU); the bytes of
 the quantized layers against their fp32 weights; the whole checkpoint against the fp32
 folder; and whether ``from_compressed_tensors`` gives back the same QDQ outputs.
 
@@ -116,8 +117,8 @@ def run(name: str) -> None:
     path = models.resolve_model_path(name)
     task = models.model_task(path)
     model, tok = models.load_model(path)
-    calib_batches = models.token_batches(tok, data.lee_background()[::10][:16], 128, 4)
-    eval_batches = models.token_batches(tok, data.lee_documents()[:8], 128, 4)
+    calib_batches = models.token_batches(tok, data.lee_background()[::20][:8], 96, 4)
+    eval_batches = models.token_batches(tok, data.lee_documents()[:4], 96, 4)
     ignore = ("lm_head",) if task == "causal-lm" else ()
     hidden = model.config.hidden_size
     group = 128 if hidden % 128 == 0 else 64
