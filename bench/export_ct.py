@@ -74,7 +74,7 @@ def per_doc(outs, batches):
 
 
 def min_cosine(got, ref, batches) -> float:
-    return min(float(torch.nn.functional.cosine_similarity(g, r, dim=0))
+    return min(float(torch.nn.functional.cosine_similarity(g.double(), r.double(), dim=0))
                for g, r in zip(per_doc(got, batches), per_doc(ref, batches)))
 
 
