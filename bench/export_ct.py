@@ -10,6 +10,7 @@ the quantized layers against their fp32 weights; the whole checkpoint against th
 folder; and whether ``from_compressed_tensors`` gives back the same QDQ outputs.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python bench/export_ct.py [minilm|smollm2-135m]
+        [--only=SUBSTRING]   (e.g. --only=asym under .peers/bin/python: transformers 5.17)
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _dtype(name):
             "F8_E4M3": torch.float8_e4m3fn}[name]
 
 
-def run(name: str) -> None:
+def run(name: str, only: str | None = None) -> None:
     path = models.resolve_model_path(name)
     task = models.model_task(path)
     model, tok = models.load_model(path)
@@ -129,6 +130,8 @@ def run(name: str) -> None:
           "| seconds |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, recipe in schemes(group, ignore).items():
+        if only and only not in label:
+            continue
         t0 = time.perf_counter()
         cal = calibrate(model, calib_batches, recipe, progress=False)
         with cal.apply(model):
@@ -168,5 +171,7 @@ def run(name: str) -> None:
 
 
 if __name__ == "__main__":
-    for n in sys.argv[1:] or ["minilm", "smollm2-135m"]:
-        run(n)
+    args = [a for a in sys.argv[1:] if not a.startswith("--only=")]
+    only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")), None)
+    for n in args or ["minilm", "smollm2-135m"]:
+        run(n, only)
