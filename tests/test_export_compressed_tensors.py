@@ -190,6 +190,28 @@ def test_config_and_tensors_are_what_llm_compressor_writes(bert, tmp_path):
     assert torch.equal(w.float(), codes)  # the codes are quantscope's codes
 
 
+def test_two_schemes_make_two_groups_that_target_their_layers(bert, tmp_path):
+    model, _, batches = bert
+    recipe = Recipe((Rule(("re:.*attention.*(query|key|value|dense)",), weight=Role(P.INT8_PER_CHANNEL, "memoryless_minmax"),
+                          input=Role(QuantSpec("int8", Tensor()), "mse")),
+                     Rule(("Linear",), weight=Role(P.INT4_GROUP128, "memoryless_mse"))),
+                    ("pooler.dense",), "mixed")
+    cal = calibrate(model, batches, recipe, progress=False)
+    out = quantscope.export(cal, model, tmp_path / "ct")
+    qc = _config(out)["quantization_config"]
+    groups = sorted(qc["config_groups"].values(), key=lambda g: g["format"])
+    assert [g["format"] for g in groups] == ["int-quantized", "pack-quantized"]
+    assert groups[0]["targets"] == sorted(n for n in cal.states if ".attention." in n)
+    assert groups[0]["input_activations"]["observer"] == "mse"
+    assert groups[1]["weights"]["observer"] == "memoryless_mse"
+    assert qc["format"] == "mixed-precision" and qc["ignore"] == ["pooler.dense"]
+    ref = _applied(cal, model, batches[0])
+    with torch.inference_mode():
+        _compare(_out(_loaded(out, transformers.AutoModel), batches[0]), ref, True)
+    back = Calibration.from_compressed_tensors(out)
+    assert torch.equal(_applied(back, model, batches[0]), ref)
+
+
 def test_packed_formats_names_and_dtypes(bert, tmp_path):
     from safetensors import safe_open
 

@@ -133,8 +133,7 @@ def quant_args(state, layer: str, role: str, lossy: _Lossy | None = None):
         elif isinstance(lay, Channel) and role == "weight" and lay.axis == 0 \
                 and state.shape is not None and len(state.shape) == 2:
             kw["strategy"] = "channel"
-        elif isinstance(lay, Group) and lay.g_idx is None and lay.axis in (-1, 1) \
-                and not isinstance(lay, Block):
+        elif isinstance(lay, Group) and lay.g_idx is None and lay.axis in (-1, 1):
             kw.update(strategy="group", group_size=lay.size)
         elif isinstance(lay, Token) and state.dynamic is True:
             kw["strategy"] = "token"

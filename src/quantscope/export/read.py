@@ -90,7 +90,7 @@ def _meta_model(path: str, config: dict):
     cfg = transformers.AutoConfig.from_pretrained(path)
     cfg.quantization_config = None  # build the plain float skeleton; nothing is loaded
     with torch.device("meta"):
-        return cls._from_config(cfg)
+        return cls(cfg)
 
 
 def _state(st, role, module, local, args, spec, observer, weight_shape):
