@@ -21,19 +21,19 @@ import torch
 pytestmark = pytest.mark.peers
 
 llmc = pytest.importorskip("llmcompressor")
-import quantscope.integrations.llmcompressor as qsl  # noqa: E402
-from compressed_tensors.quantization import (  # noqa: E402
+from compressed_tensors.quantization import (
     QuantizationArgs,
     QuantizationScheme,
     QuantizationStrategy,
 )
-from llmcompressor import oneshot  # noqa: E402
-from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
-from llmcompressor.modifiers.quantization.quantization import mixin  # noqa: E402
-from llmcompressor.observers import Observer  # noqa: E402
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.quantization.quantization import mixin
+from llmcompressor.observers import Observer
 
-import quantscope  # noqa: E402
-from quantscope.compat.llmcompressor import llmcompressor_spec  # noqa: E402
+import quantscope
+import quantscope.integrations.llmcompressor as qsl
+from quantscope.compat.llmcompressor import llmcompressor_spec
 
 torch.set_num_threads(1)
 
