@@ -382,3 +382,17 @@ def test_ddp_statistics_reduce_exactly(tmp_path):
         want = one.get_qparams()["scale"]
         assert torch.equal(ranks[0][name], want), name
         assert torch.equal(ranks[1][name], want), name
+
+
+# -------------------------------------------------------------------------- README
+def test_readme_llmcompressor_example_runs():
+    import pathlib
+    import re
+
+    readme = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", readme.read_text(),
+                        flags=re.DOTALL | re.MULTILINE)
+    mine = [b for b in blocks if re.search(r"^from llmcompressor", b, flags=re.MULTILINE)]
+    assert mine
+    for code in mine:
+        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})  # noqa: S102

@@ -8,8 +8,11 @@ module                     what importing it does
 ``torchao``                nothing to register: the :mod:`quantscope.compat.torch_ao` classes
                            are torch.ao observers; it holds the QConfig / pt2e
                            ``QuantizationSpec`` helpers
-``quark``                  Quark observer classes for ``QuantizationSpec(observer_cls=...)``
 =========================  ==================================================================
+
+No Quark module: Quark 0.13's ``QTensorConfig`` accepts only its own observer classes (it
+checks ``observer_cls`` against a closed tuple), so there is nothing to plug into; the
+Quark-signature classes stay in :mod:`quantscope.compat.quark`.
 
 Each module imports its toolkit at the top: importing it without the toolkit installed is a
 ``ModuleNotFoundError`` naming the toolkit.
