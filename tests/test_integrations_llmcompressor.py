@@ -186,11 +186,13 @@ def test_min_max_names_equal_llmcompressor_in_every_strategy(kind, case):
 
 
 @pytest.mark.parametrize("name", ["histogram", "percentile", "entropy", "mix", "mse"])
-@pytest.mark.parametrize("case", [0, 1, 3, 5, 7, 11])
+@pytest.mark.parametrize("case", [0, 1, 3, 5, 6, 7, 11])
 def test_other_names_give_quantscope_qparams(name, case):
     base, args, tensors = CASES[case]
     if name in ("percentile", "entropy", "mix") and base == "weight" and case != 0:
         pytest.skip("one weight case is enough for the histogram family")
+    if case == 6 and name != "mse":
+        pytest.skip("NVFP4 weights: the MSE search is the one that chooses its global amax")
     ours = Observer.load_from_registry(f"quantscope_{name}", base_name=base,
                                        args=args.model_copy())
     # the same observer on the tensors in quantscope's own layout for the spec
@@ -204,6 +206,9 @@ def test_other_names_give_quantscope_qparams(name, case):
                else t.transpose(1, 2).flatten(-2))
     got = ours.get_qparams()
     want = native.qparams()
+    if want.global_scale is not None:
+        assert torch.equal(got["global_scale"], want.global_scale)
+        got["scale"] = got["scale"].float()
     assert torch.equal(got["scale"].reshape(-1), want.scale.reshape(-1))
     assert torch.equal(got["zero_point"].reshape(-1).float(), want.zero_point.reshape(-1).float())
 

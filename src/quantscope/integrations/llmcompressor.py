@@ -24,6 +24,10 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   weights) with compressed-tensors' ``calculate_qparams``, whose formula is bitwise
   quantscope's (tests/test_peers_core.py), so the checkpoint holds quantscope's qparams
   and llm-compressor's fusion and offloading keep working.
+* NVFP4 (``tensor_group``): the global scale is llm-compressor's rule over the fusion group
+  (the largest amax of the fused observers), where each quantscope observer contributes the
+  amax its ranges were chosen under (the tensor's absmax for the MSE search, which scores
+  candidates with the e4m3 block scales that run); min-max ranges give llm-compressor's own.
 * ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
   ``percentile``, ``averaging_constant`` ...).
 * DDP: ``sync_activation_stats`` reduces the state through :mod:`quantscope.distributed`
@@ -43,6 +47,8 @@ from __future__ import annotations
 import math
 
 import torch
+from compressed_tensors.quantization import QuantizationStrategy
+from compressed_tensors.quantization.utils import generate_gparam
 from compressed_tensors.registry.registry import standardize_lookup_name
 from llmcompressor.observers import Observer
 from llmcompressor.observers.helpers import flatten_for_calibration
@@ -131,6 +137,27 @@ class QuantscopeObserver(Observer):
             self._range = (lo.reshape(self._qparam_shape).to(self._dtype),
                            hi.reshape(self._qparam_shape).to(self._dtype))
         return self._range
+
+    def get_statistics(self) -> dict[str, torch.Tensor]:
+        stats = super().get_statistics()
+        amax = self.quantscope.global_amax()
+        if amax is not None:  # the amax the ranges were searched under (NVFP4 MSE)
+            stats["global_amax"] = amax.reshape(()).to(self._dtype)
+        return stats
+
+    def get_global_scale(self) -> torch.Tensor | None:
+        """NVFP4's global scale from the largest amax in the fusion group (llm-compressor's
+        rule), taking each quantscope observer's own global amax where it has one."""
+        if self.args.strategy != QuantizationStrategy.TENSOR_GROUP:
+            return None
+        amaxes = []
+        for stats in self.fusion_handler.get_fused_statistics():
+            if "global_amax" in stats:
+                amaxes.append(stats["global_amax"].reshape(()))
+            else:
+                amaxes.append(torch.maximum(-stats["min_vals"].min(), stats["max_vals"].max()))
+        amax = torch.stack(amaxes).max().reshape(1)
+        return generate_gparam(-amax, amax)
 
     def delete_statistics(self, check_fused: bool = True) -> None:
         if check_fused:
