@@ -6,7 +6,8 @@ Importing this module registers every native quantscope observer (``histogram``,
 ``quantscope_<name>``, so a recipe or ``QuantizationArgs(observer=...)`` can name it::
 
     import quantscope.integrations.llmcompressor  # noqa: F401  (registers on import)
-    QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"],
+    # FP8: static per-tensor fp8 inputs (W8A8's int8 inputs are dynamic: no input observer)
+    QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"],
                          input_observer="quantscope_histogram", weight_observer="quantscope_mse")
 
 How it fits llm-compressor's observer contract (llm-compressor 0.14):
@@ -28,6 +29,8 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   (the largest amax of the fused observers), where each quantscope observer contributes the
   amax its ranges were chosen under (the tensor's absmax for the MSE search, which scores
   candidates with the e4m3 block scales that run); min-max ranges give llm-compressor's own.
+* Group activation order (``actorder``) is GPTQ's business: llm-compressor's observers see
+  the columns unpermuted, and so does the plugin.
 * ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
   ``percentile``, ``averaging_constant`` ...).
 * DDP: ``sync_activation_stats`` reduces the state through :mod:`quantscope.distributed`
