@@ -21,7 +21,7 @@ PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pyt
 # the files with tests marked `peers` (the peers' venv has no hypothesis, torchao ... to
 # collect the rest)
 PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py tests/test_check_peers.py \
-	tests/test_export_ct_peers.py
+	tests/test_export_ct_peers.py tests/test_integrations_llmcompressor.py
 
 .PHONY: venv peers test demo demo-readme bench lint
 

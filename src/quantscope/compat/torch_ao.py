@@ -3,11 +3,22 @@
 ``calculate_qparams()`` returns ``(scale, zero_point)`` as torch.ao does: float32
 scale and int64 zero point of shape ``(1,)`` per tensor, ``(C,)`` per channel;
 quint8 gets zero point 128 when symmetric; ``reduce_range`` drops one bit.
+
+The classes plug into torch's own pipelines: ``with_args`` binds arguments as torch.ao's
+does, and they count as ``torch.ao.quantization.ObserverBase`` (registered as a virtual
+subclass: torch.ao's eager and FX ``prepare`` / ``convert`` find observers by that
+``isinstance``), so they go in a ``QConfig``; ``convert`` then reads ``dtype``, ``qscheme``,
+``ch_axis`` and ``calculate_qparams()`` from them. For torchao's pt2e
+(``QuantizationSpec(observer_or_fake_quant_ctr=...)``) import
+:mod:`quantscope.integrations.torchao`, which registers them with torchao's ``ObserverBase``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch.ao.quantization.observer import ObserverBase, _PartialWrapper
 
 from ..formats import get_format
 from ..layout import Channel, Tensor
@@ -63,6 +74,20 @@ def torch_ao_spec(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_ra
                      quant_min=quant_min, quant_max=quant_max)
 
 
+class _Constructor(_PartialWrapper):
+    """torch.ao's partial constructor (what ``with_args`` returns), keeping the class's
+    ``__name__`` (torchao's pt2e reads it to decide whether to pass ``ch_axis``)."""
+
+    @property
+    def __name__(self) -> str:
+        return self.p.func.__name__
+
+    def with_args(self, **kwargs) -> _Constructor:
+        out = _Constructor(functools.partial(self.p, **kwargs))
+        out.callable_args = dict(self.callable_args)
+        return out
+
+
 class TorchAOObserver:
     """Mixin (put it before the native class): torch.ao keywords in, torch.ao qparams out.
 
@@ -97,6 +122,19 @@ class TorchAOObserver:
         if device is not None:
             self.to(device)
 
+    @classmethod
+    def with_args(cls, **kwargs) -> _Constructor:
+        """A constructor with ``kwargs`` bound, as torch.ao's ``Observer.with_args``
+        (``QConfig(activation=HistogramObserver.with_args(dtype=torch.quint8), ...)``)."""
+        return _Constructor(functools.partial(cls, **kwargs))
+
+    @classmethod
+    def with_callable_args(cls, **kwargs) -> _Constructor:
+        """As torch.ao's: each value is called at construction time."""
+        out = _Constructor(functools.partial(cls))
+        out.callable_args = dict(kwargs)
+        return out
+
     def calculate_qparams(self):
         qp = self.qparams()  # torch.ao: int64 zero points when symmetric, int32 when affine
         zp_dtype = torch.int64 if self.spec.symmetric else torch.int32
@@ -121,6 +159,10 @@ class TorchAOObserver:
 
     def reset_min_max_vals(self) -> None:
         self.reset()
+
+
+# torch.ao's prepare / convert recognise observers by isinstance(m, ObserverBase)
+ObserverBase.register(TorchAOObserver)
 
 
 @register("torch.ao:MinMaxObserver")

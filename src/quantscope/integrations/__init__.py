@@ -1,0 +1,19 @@
+"""quantscope's observers inside other toolkits' pipelines, one module per toolkit.
+
+=========================  ==================================================================
+module                     what importing it does
+=========================  ==================================================================
+``llmcompressor``          registers every quantscope observer in llm-compressor's ``Observer``
+                           registry as ``quantscope_<name>`` (``observer: quantscope_histogram``)
+``torchao``                nothing to register: the :mod:`quantscope.compat.torch_ao` classes
+                           are torch.ao observers; it holds the QConfig / pt2e
+                           ``QuantizationSpec`` helpers
+=========================  ==================================================================
+
+No Quark module: Quark 0.13's ``QTensorConfig`` accepts only its own observer classes (it
+checks ``observer_cls`` against a closed tuple), so there is nothing to plug into; the
+Quark-signature classes stay in :mod:`quantscope.compat.quark`.
+
+Each module imports its toolkit at the top: importing it without the toolkit installed is a
+``ModuleNotFoundError`` naming the toolkit.
+"""

@@ -1,0 +1,202 @@
+"""quantscope's observers in llm-compressor's pipelines: ``observer: quantscope_<name>``.
+
+Importing this module registers every native quantscope observer (``histogram``, ``mse``,
+``percentile``, ``entropy``, ``mix``, ``static_minmax`` ...; see
+:func:`quantscope.list_observers`) in llm-compressor's ``Observer`` registry under
+``quantscope_<name>``, so a recipe or ``QuantizationArgs(observer=...)`` can name it::
+
+    import quantscope.integrations.llmcompressor  # noqa: F401  (registers on import)
+    # FP8: static per-tensor fp8 inputs (W8A8's int8 inputs are dynamic: no input observer)
+    QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"],
+                         input_observer="quantscope_histogram", weight_observer="quantscope_mse")
+
+How it fits llm-compressor's observer contract (llm-compressor 0.14):
+
+* llm-compressor flattens the observed value to ``(observations, *qparam_shape, elements)``
+  for the strategy (``flatten_for_calibration``: tensor, channel, group, tensor_group, block,
+  token, attn_head). The plugin hands quantscope that view as ``[units, elements]`` (one unit
+  per scale), so the units are exactly llm-compressor's in every strategy; the quantscope
+  spec (format, symmetry, scale encoding) comes from
+  :func:`quantscope.compat.llmcompressor.llmcompressor_spec`, the one translation.
+* The statistic is quantscope's (histograms, running min / max, searches ...); its range
+  is what the plugin reports as llm-compressor's ``min_vals`` / ``max_vals``, computed once
+  when llm-compressor asks for qparams (not after every batch). llm-compressor then computes
+  scale, zero point and the NVFP4 global scale (shared across fused q/k/v and gate/up
+  weights) with compressed-tensors' ``calculate_qparams``, whose formula is bitwise
+  quantscope's (tests/test_peers_core.py), so the checkpoint holds quantscope's qparams
+  and llm-compressor's fusion and offloading keep working.
+* NVFP4 (``tensor_group``): the global scale is llm-compressor's rule over the fusion group
+  (the largest amax of the fused observers), where each quantscope observer contributes the
+  amax its ranges were chosen under (the tensor's absmax for the MSE search, which scores
+  candidates with the e4m3 block scales that run); min-max ranges give llm-compressor's own.
+* Group activation order (``actorder``) is GPTQ's business: llm-compressor's observers see
+  the columns unpermuted, and so does the plugin.
+* ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
+  ``percentile``, ``averaging_constant`` ...).
+* DDP: ``sync_activation_stats`` reduces the state through :mod:`quantscope.distributed`
+  (histograms merge exactly, min / max by MIN / MAX); weights are not synced (every rank
+  holds the same weights, and llm-compressor observes each weight on one rank).
+* Activations with a block scale (NVFP4 ``tensor_group`` inputs, ``dynamic: local``) are
+  observed per column block across all tokens, as llm-compressor does; only their global
+  scale is used, so quantscope searches their range with fp32 block scales.
+
+Registration is explicit (import this module before ``oneshot``): llm-compressor has no
+plugin entry point. To have it in every process of an environment, add a ``.pth`` file
+holding the line ``import quantscope.integrations.llmcompressor`` to site-packages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from compressed_tensors.quantization import QuantizationStrategy
+from compressed_tensors.quantization.utils import generate_gparam
+from compressed_tensors.registry.registry import standardize_lookup_name
+from llmcompressor.observers import Observer
+from llmcompressor.observers.helpers import flatten_for_calibration
+
+from ..compat.llmcompressor import llmcompressor_spec
+from ..layout import Block, Channel
+from ..observers.registry import list_observers, observer_class
+
+__all__ = ["PREFIX", "QuantscopeObserver", "observer_names", "register_all"]
+
+PREFIX = "quantscope_"
+#: native names not offered: the placeholder observes nothing (fp16 / bf16 pass-through)
+_SKIP = ("placeholder",)
+
+
+class QuantscopeObserver(Observer):
+    """An llm-compressor ``Observer`` whose statistic and range are a quantscope observer's.
+
+    Subclasses set :attr:`quantscope_name`; :func:`register_all` makes one per native name.
+    """
+
+    #: the quantscope registry name of the observer this class runs
+    quantscope_name: str = ""
+
+    def __init__(self, base_name: str, args, **observer_kwargs):
+        super().__init__(base_name, args, **observer_kwargs)
+        spec = llmcompressor_spec(self.args, base_name)
+        # the [units, elements] view has one unit per row; a block scale (NVFP4 / MX) needs
+        # the Block layout, whose size is the weight's fixed group size; activations' rows
+        # hold every token, so there the range is searched with fp32 scales (see module doc)
+        if spec.scale.is_block and base_name == "weight":
+            spec = spec.replace(layout=Block(spec.layout.size))
+        else:
+            spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
+                                else spec.scale)
+        cls = observer_class(self.quantscope_name)
+        try:
+            self.quantscope = cls(spec, **dict(self.args.observer_kwargs))
+        except TypeError as e:
+            raise TypeError(f"observer {PREFIX}{self.quantscope_name}: observer_kwargs "
+                            f"{self.args.observer_kwargs} do not fit {cls.__name__}: {e}") from None
+        self._qparam_shape: tuple[int, ...] | None = None
+        self._dtype = torch.float32
+        self._range: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ----------------------------------------------------------------- observing
+    @torch.no_grad()
+    def forward(self, observed: torch.Tensor) -> QuantscopeObserver:
+        # llm-compressor's forward, except that it reads the fused statistics (which would
+        # run quantscope's range search after every batch) only for fused weights, whose
+        # siblings it observes there
+        if observed.numel() == 0 or (self.is_weight_obs and self.has_statistics):
+            return self
+        self.update_statistics_from_observed(
+            flatten_for_calibration(observed, self.base_name, self.args))
+        if self.fusion_handler.is_fused:
+            self.fusion_handler.get_fused_statistics()
+        return self
+
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        """Feed ``(observations, *qparam_shape, elements)`` to quantscope as ``[units, elements]``."""
+        shape = tuple(observed.shape[1:-1])
+        units = observed.movedim(0, -2).reshape(math.prod(shape), -1)
+        self.quantscope(units)
+        self._qparam_shape, self._dtype, self._range = shape, observed.dtype, None
+
+    # ------------------------------------------------------------- statistics
+    @property
+    def has_statistics(self) -> bool:
+        return self.quantscope.has_observed
+
+    @property
+    def min_vals(self) -> torch.Tensor:
+        return self._current_range()[0]
+
+    @property
+    def max_vals(self) -> torch.Tensor:
+        return self._current_range()[1]
+
+    def _current_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # quantscope's range, shaped and typed as llm-compressor's min_vals / max_vals
+        # (the observed dtype: its own observers keep min / max in it)
+        if self._range is None:
+            self.quantscope.check_ready()
+            lo, hi = self.quantscope.calculate_range()
+            self._range = (lo.reshape(self._qparam_shape).to(self._dtype),
+                           hi.reshape(self._qparam_shape).to(self._dtype))
+        return self._range
+
+    def get_statistics(self) -> dict[str, torch.Tensor]:
+        stats = super().get_statistics()
+        amax = self.quantscope.global_amax()
+        if amax is not None:  # the amax the ranges were searched under (NVFP4 MSE)
+            stats["global_amax"] = amax.reshape(()).to(self._dtype)
+        return stats
+
+    def get_global_scale(self) -> torch.Tensor | None:
+        """NVFP4's global scale from the largest amax in the fusion group (llm-compressor's
+        rule), taking each quantscope observer's own global amax where it has one."""
+        if self.args.strategy != QuantizationStrategy.TENSOR_GROUP:
+            return None
+        amaxes = []
+        for stats in self.fusion_handler.get_fused_statistics():
+            if "global_amax" in stats:
+                amaxes.append(stats["global_amax"].reshape(()))
+            else:
+                amaxes.append(torch.maximum(-stats["min_vals"].min(), stats["max_vals"].max()))
+        amax = torch.stack(amaxes).max().reshape(1)
+        return generate_gparam(-amax, amax)
+
+    def delete_statistics(self, check_fused: bool = True) -> None:
+        if check_fused:
+            self.fusion_handler.maybe_delete_statistics()
+        else:
+            self.quantscope.reset()
+            self._range = None
+
+    def sync_activation_stats(self) -> list:
+        """Reduce the state across DDP ranks through :mod:`quantscope.distributed` (exact for
+        histograms and running min / max); synchronous, so no pending handles are returned."""
+        if not self.is_weight_obs:
+            self.quantscope.sync()
+            self._range = None
+        return []
+
+    def extra_repr(self) -> str:
+        return f"base_name={self.base_name!r}, quantscope={self.quantscope_name!r}"
+
+
+def observer_names() -> list[str]:
+    """The names this module registers (``quantscope_histogram`` ...)."""
+    return [PREFIX + n for n in list_observers() if ":" not in n and n not in _SKIP]
+
+
+def register_all() -> None:
+    """Register one :class:`QuantscopeObserver` subclass per native name (idempotent)."""
+    known = set(Observer.registered_names())
+    for name in observer_names():
+        if standardize_lookup_name(name) in known:
+            continue
+        native = name[len(PREFIX):]
+        cls = type(f"Quantscope_{native}_Observer", (QuantscopeObserver,),
+                   {"quantscope_name": native, "__module__": __name__,
+                    "__doc__": f"quantscope's {native!r} observer as an llm-compressor Observer."})
+        Observer.register(name)(cls)
+
+
+register_all()

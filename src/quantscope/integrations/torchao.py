@@ -1,0 +1,40 @@
+"""quantscope's torch.ao-signature observers in torchao's pt2e flow (and torch.ao's QConfig).
+
+The classes of :mod:`quantscope.compat.torch_ao` (``MinMaxObserver``,
+``PerChannelMinMaxObserver``, ``HistogramObserver`` ...) are torch.ao observers already.
+torchao keeps its own copy of the observer base class, and ``prepare_pt2e`` /
+``convert_pt2e`` find observers by ``isinstance`` of it; importing this module registers
+the quantscope classes there (as a virtual subclass, nothing is patched), so::
+
+    from quantscope.integrations.torchao import HistogramObserver
+    QuantizationSpec(dtype=torch.int8, quant_min=-128, quant_max=127,
+                     qscheme=torch.per_tensor_affine,
+                     observer_or_fake_quant_ctr=HistogramObserver.with_args(bins=2048))
+
+pt2e passes the spec's ``dtype``, ``quant_min``, ``quant_max``, ``qscheme``, ``is_dynamic``
+(and ``ch_axis`` to classes named ``PerChannel...``) to the constructor.
+"""
+
+from __future__ import annotations
+
+from torchao.quantization.pt2e import ObserverBase as _PT2EObserverBase
+
+from ..compat.torch_ao import (
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    PerChannelMinMaxObserver,
+    TorchAOObserver,
+)
+
+__all__ = [
+    "HistogramObserver",
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "MovingAveragePerChannelMinMaxObserver",
+    "PerChannelMinMaxObserver",
+    "TorchAOObserver",
+]
+
+_PT2EObserverBase.register(TorchAOObserver)
