@@ -1,7 +1,8 @@
-"""native.QPARAMS_C, the kernels' copy of qparams_from_range's integer branch, against the
+"""kernels/csrc/qs_qparams.h, the kernels' copy of qparams_from_range's integer branch, against the
 one in quantscope.qparams, bit for bit."""
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,16 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quantscope as qs
-from quantscope import native
+from quantscope import kernels
 
-_WRAPPER = native.QPARAMS_C + r"""
-#include <stdint.h>
-int64_t qs_qparams_all(const float *lo, const float *hi, const double *q, float *s, float *z,
-                       int64_t n) {
-    for (int64_t i = 0; i < n; ++i) qs_qparams(lo[i], hi[i], q, s + i, z + i);
-    return 0;
-}
-"""
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _F32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
 
@@ -31,14 +24,15 @@ SPECS = [qs.QuantSpec("uint8", symmetric=False), qs.QuantSpec("int8"),
 
 
 def _lib():
-    lib = native.load("qparams_test", _WRAPPER, {"qs_qparams_all": [_P] * 5 + [_I]})
+    lib = kernels.load("qparams_test", {"qs_qparams_all": [_P] * 5 + [_I]},
+                       source=Path(__file__).with_name("csrc") / "qparams_test.c")
     if lib is None:
         pytest.skip("no C compiler")
     return lib
 
 
 def _check(spec, lo, hi):
-    consts = native.qparams_consts(spec)
+    consts = kernels.qparams_consts(spec)
     assert consts is not None
     q = torch.tensor(consts, dtype=torch.float64)
     s, z = torch.empty_like(lo), torch.empty_like(lo)
@@ -72,7 +66,7 @@ def test_c_qparams_property(spec, pairs):
 
 
 def test_qparams_consts_only_for_integer_formats_with_fp32_scales():
-    assert native.qparams_consts(qs.QuantSpec("fp8_e4m3")) is None
-    assert native.qparams_consts(qs.QuantSpec("int8", scale="pow2")) is None
-    assert native.qparams_consts(qs.QuantSpec("uint8")) == [0.0, 255.0, qs.QuantSpec().min_scale,
+    assert kernels.qparams_consts(qs.QuantSpec("fp8_e4m3")) is None
+    assert kernels.qparams_consts(qs.QuantSpec("int8", scale="pow2")) is None
+    assert kernels.qparams_consts(qs.QuantSpec("uint8")) == [0.0, 255.0, qs.QuantSpec().min_scale,
                                                              1.0, 128.0]

@@ -19,7 +19,7 @@ returns the scale, zero point and (NVFP4) global scale of a :class:`QuantSpec`:
 Nothing here returns NaN or inf: an all-zero unit gets the smallest scale.
 
 The C kernels that search ranges carry one copy of the integer branch with fp32 scales
-(``quantscope.native.QPARAMS_C``); tests/test_native.py holds it bitwise to this one.
+(``quantscope/kernels/csrc/qs_qparams.h``); tests/test_native.py holds it bitwise to this one.
 
 Against the peers (tests/test_peers_core.py): compressed-tensors' ``calculate_qparams``
 gives bitwise the same scales and zero points (int, fp8, fp6, fp4, NVFP4, its MX = our
