@@ -4,11 +4,12 @@
 #include "qs_fakequant.h"
 #include <stdlib.h>
 
-/* The error of one unit under (s, z): squares d * d in float32, summed in float32 over
-   four vectors (32 or 64 elements), those partial sums in float64. About float32
-   precision per term (the torch path's float32 norm is coarser), float64 across
-   blocks, so long units lose nothing to accumulation. Deterministic: equal (s, z) give
-   bitwise equal errors, which the reuse of a previous candidate's error relies on. */
+/* The error of one unit under (s, z): sum(d * d), each square d * d rounded to float32 (as
+   torch's d.square()), the sum in float64 (the torch path, mse._tile_error, computes it so;
+   only the order of the float64 additions differs, so both pick the same candidates where
+   a float32 sum would break near ties at random: issue 20 #11). Deterministic: equal
+   (s, z) give bitwise equal errors, which the reuse of a previous candidate's error
+   relies on. */
 static inline __attribute__((always_inline)) double price_(const float *x, int64_t E, float s,
                                                          float z, float qmin, float qmax,
                                                          int zero) {
@@ -17,23 +18,20 @@ static inline __attribute__((always_inline)) double price_(const float *x, int64
     (void)zero;  /* the SIMD branch's */
 #ifdef VW
     const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(qmin), vhi = VSET1(qmax);
-    vd a0 = DZERO(), a1 = DZERO();
-    for (; j + 4 * VW <= E; j += 4 * VW) {
+    vd a0 = DZERO(), a1 = DZERO(), a2 = DZERO(), a3 = DZERO();
+#define SQ2(d, A, B) do { vf f_ = VMUL(d, d); A = DADD(A, DLO(f_)); B = DADD(B, DHI(f_)); } while (0)
+    for (; j + 2 * VW <= E; j += 2 * VW) {
         vf d0 = dqv(VLOAD(x + j), vs, vz, vlo, vhi, zero);
         vf d1 = dqv(VLOAD(x + j + VW), vs, vz, vlo, vhi, zero);
-        vf d2 = dqv(VLOAD(x + j + 2 * VW), vs, vz, vlo, vhi, zero);
-        vf d3 = dqv(VLOAD(x + j + 3 * VW), vs, vz, vlo, vhi, zero);
-        vf f = VADD(VADD(VMUL(d0, d0), VMUL(d1, d1)), VADD(VMUL(d2, d2), VMUL(d3, d3)));
-        a0 = DADD(a0, DLO(f));
-        a1 = DADD(a1, DHI(f));
+        SQ2(d0, a0, a1);
+        SQ2(d1, a2, a3);
     }
     for (; j + VW <= E; j += VW) {
         vf d = dqv(VLOAD(x + j), vs, vz, vlo, vhi, zero);
-        vf f = VMUL(d, d);
-        a0 = DADD(a0, DLO(f));
-        a1 = DADD(a1, DHI(f));
+        SQ2(d, a0, a1);
     }
-    acc = DSUM(DADD(a0, a1));
+#undef SQ2
+    acc = DSUM(DADD(DADD(a0, a1), DADD(a2, a3)));
 #endif
     for (; j < E; ++j) {
         float d = dq1(x[j], s, z, qmin, qmax);
