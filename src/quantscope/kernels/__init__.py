@@ -87,6 +87,9 @@ SIGNATURES: dict[str, dict[str, list]] = {
     "entropy": {
         "qs_entropy": [_P] * 4 + [_I] * 9,
     },
+    "int_qparams": {
+        "qs_int_qparams": [_P, _P, _I, _P, _P, _P],
+    },
 }
 
 
