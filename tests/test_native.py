@@ -1,7 +1,8 @@
-"""native.QPARAMS_C, the kernels' copy of qparams_from_range's integer branch, against the
+"""kernels/csrc/qs_qparams.h, the kernels' copy of qparams_from_range's integer branch, against the
 one in quantscope.qparams, bit for bit."""
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,16 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quantscope as qs
-from quantscope import native
+from quantscope import kernels
 
-_WRAPPER = native.QPARAMS_C + r"""
-#include <stdint.h>
-int64_t qs_qparams_all(const float *lo, const float *hi, const double *q, float *s, float *z,
-                       int64_t n) {
-    for (int64_t i = 0; i < n; ++i) qs_qparams(lo[i], hi[i], q, s + i, z + i);
-    return 0;
-}
-"""
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _F32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
 
@@ -31,14 +24,15 @@ SPECS = [qs.QuantSpec("uint8", symmetric=False), qs.QuantSpec("int8"),
 
 
 def _lib():
-    lib = native.load("qparams_test", _WRAPPER, {"qs_qparams_all": [_P] * 5 + [_I]})
+    lib = kernels.load("qparams_test", {"qs_qparams_all": [_P] * 5 + [_I]},
+                       source=Path(__file__).with_name("csrc") / "qparams_test.c")
     if lib is None:
         pytest.skip("no C compiler")
     return lib
 
 
 def _check(spec, lo, hi):
-    consts = native.qparams_consts(spec)
+    consts = kernels.qparams_consts(spec)
     assert consts is not None
     q = torch.tensor(consts, dtype=torch.float64)
     s, z = torch.empty_like(lo), torch.empty_like(lo)
@@ -72,7 +66,34 @@ def test_c_qparams_property(spec, pairs):
 
 
 def test_qparams_consts_only_for_integer_formats_with_fp32_scales():
-    assert native.qparams_consts(qs.QuantSpec("fp8_e4m3")) is None
-    assert native.qparams_consts(qs.QuantSpec("int8", scale="pow2")) is None
-    assert native.qparams_consts(qs.QuantSpec("uint8")) == [0.0, 255.0, qs.QuantSpec().min_scale,
+    assert kernels.qparams_consts(qs.QuantSpec("fp8_e4m3")) is None
+    assert kernels.qparams_consts(qs.QuantSpec("int8", scale="pow2")) is None
+    assert kernels.qparams_consts(qs.QuantSpec("uint8")) == [0.0, 255.0, qs.QuantSpec().min_scale,
                                                              1.0, 128.0]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_many_units_take_the_kernel_and_equal_the_torch_branch(spec, monkeypatch):
+    """qparams_from_range on >= KERNEL_MIN_UNITS ranges runs csrc/int_qparams.c."""
+    from quantscope import qparams as qp_mod
+
+    if kernels.lib("int_qparams") is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(5)
+    n = qp_mod.KERNEL_MIN_UNITS + 3
+    lo = -torch.rand(n, generator=g) * 10 ** torch.randint(-8, 8, (n,), generator=g)
+    hi = torch.rand(n, generator=g) * 10 ** torch.randint(-8, 8, (n,), generator=g)
+    lo[:4], hi[:4] = torch.tensor([0.0, -0.0, -3.4e38, -1e-30]), torch.tensor([0, 0, 3.4e38, 1e-30])
+    calls = []
+    monkeypatch.setattr(qp_mod, "_int_qparams_kernel",
+                        lambda *a, f=qp_mod._int_qparams_kernel: calls.append(1) or f(*a))
+    got = qs.qparams_from_range(lo, hi, spec)
+    assert calls
+    monkeypatch.setattr(qp_mod, "KERNEL_MIN_UNITS", 1 << 62)
+    ref = qs.qparams_from_range(lo, hi, spec)
+    assert got.scale.dtype == ref.scale.dtype and got.zero_point.dtype == ref.zero_point.dtype
+    assert torch.equal(got.scale, ref.scale) and torch.equal(got.zero_point, ref.zero_point)
+    # a NaN among them: the torch branch's error, as before
+    lo[7] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        qs.qparams_from_range(lo, hi, spec)

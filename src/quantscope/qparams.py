@@ -19,7 +19,7 @@ returns the scale, zero point and (NVFP4) global scale of a :class:`QuantSpec`:
 Nothing here returns NaN or inf: an all-zero unit gets the smallest scale.
 
 The C kernels that search ranges carry one copy of the integer branch with fp32 scales
-(``quantscope.native.QPARAMS_C``); tests/test_native.py holds it bitwise to this one.
+(``quantscope/kernels/csrc/qs_qparams.h``); tests/test_native.py holds it bitwise to this one.
 
 Against the peers (tests/test_peers_core.py): compressed-tensors' ``calculate_qparams``
 gives bitwise the same scales and zero points (int, fp8, fp6, fp4, NVFP4, its MX = our
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .scales import e8m0_scale, encode_scale, nvfp4_global_scale
 from .spec import QuantSpec
 
@@ -75,6 +76,29 @@ class QParams:
         return iter((self.scale, self.zero_point))
 
 
+#: units from which the integer branch runs in C (kernels/csrc/int_qparams.c): below, the
+#: torch ops' per-call cost is small
+KERNEL_MIN_UNITS = 1 << 14
+
+
+def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams | None:
+    """The integer branch with fp32 scales in one C pass over float32 CPU ranges; None where
+    it does not apply (no kernel, other formats or devices, a NaN / inf range: the torch
+    branch then raises or computes). Bitwise the torch branch (tests/test_native.py)."""
+    consts = kernels.qparams_consts(spec)
+    if (consts is None or lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
+            or (lib := kernels.lib("int_qparams")) is None):
+        return None
+    lo, hi = lo.contiguous(), hi.contiguous()
+    scale = torch.empty(lo.shape, dtype=torch.float32)
+    zp = torch.empty(lo.shape, dtype=torch.int32)
+    q = torch.tensor(consts, dtype=torch.float64)
+    if lib.qs_int_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(), q.data_ptr(),
+                          scale.data_ptr(), zp.data_ptr()):
+        return None
+    return QParams(scale, zp)
+
+
 def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                        global_amax: torch.Tensor | None = None,
                        check_finite: bool = True) -> QParams:
@@ -93,6 +117,10 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     if lo.shape != hi.shape:
         raise ValueError(f"qparams_from_range: lo and hi must have one shape, got "
                          f"{tuple(lo.shape)} and {tuple(hi.shape)}")
+    if lo.numel() >= KERNEL_MIN_UNITS:  # many units (small groups, blocks): one C pass
+        qp = _int_qparams_kernel(lo, hi, spec)
+        if qp is not None:
+            return qp
     # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN compares false
     if check_finite and not bool((torch.stack((lo, hi)).abs() < math.inf).all()):
         raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")

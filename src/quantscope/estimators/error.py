@@ -6,12 +6,12 @@ score: ``error = sum_i count_i * (fake_quant(c_i) - c_i) ** 2``. The scale of a
 candidate comes from :func:`quantscope.qparams_from_range` (so scale encodings
 and zero points are those that run).
 
-For integer formats on CPU a small C kernel (:mod:`quantscope.native`) scores the
+For integer formats on CPU a small C kernel (:mod:`quantscope.kernels`) scores the
 candidates: the same float32 operations per point as :func:`fake_quantize_units`
 (divide, add the zero point, round half to even, clamp, subtract, multiply), so the
 same quantized values; only the float64 sum runs in another order (tests compare it
 with the torch path to 1e-12). With fp32 scales the kernel also derives each
-candidate's scale and zero point itself (``native.QPARAMS_C``, bitwise
+candidate's scale and zero point itself (``kernels/csrc/qs_qparams.h``, bitwise
 ``qparams_from_range``), and a search along a :class:`Line` builds only the candidates
 it visits: one C call per line instead of some thirty small torch ops. The torch path
 stays the reference and the fallback.
@@ -19,14 +19,13 @@ stays the reference and the fallback.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 from typing import NamedTuple
 
 import torch
 
-from .. import native
+from .. import kernels
 from ..formats import IntFormat
 from ..qparams import qparams_from_range
 from ..quantize import fake_quantize_units
@@ -39,209 +38,9 @@ __all__ = ["ELEMENT_BUDGET", "MOVE_HI", "MOVE_LO", "SYMMETRIC", "HistogramScorer
 #: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
 ELEMENT_BUDGET = 1 << 18
 
-_SOURCE = native.THREADS_C + native.FAKE_QUANT_C + native.QPARAMS_C + r"""
-/* sum_p w[p] * d[p]^2 with d the fake-quant error of x[p] under (s, z) (native.FAKE_QUANT_C's
-   float32 steps), each d widened to float64 */
-static double score(const float *x, const double *w, int64_t P, float s, float z, float lo,
-                    float hi) {
-    int64_t p = 0;
-    double acc = 0.0;
-#ifdef VW
-    const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(lo), vhi = VSET1(hi);
-    vd a0 = DZERO(), a1 = DZERO();
-    for (; p + VW <= P; p += VW) {
-        vf d = dqv(VLOAD(x + p), vs, vz, vlo, vhi, 0);
-        vd d0 = DLO(d), d1 = DHI(d);
-        a0 = DADD(a0, DMUL(DMUL(d0, d0), DLOAD(w + p)));
-        a1 = DADD(a1, DMUL(DMUL(d1, d1), DLOAD(w + p + VW / 2)));
-    }
-    acc = DSUM(DADD(a0, a1));
-#endif
-    for (; p < P; ++p) {
-        double d = (double)dq1(x[p], s, z, lo, hi);
-        acc += d * d * w[p];
-    }
-    return acc;
-}
-
-/* (s, z) of candidate k of unit u: given [U, C] (s != NULL), else from its range by
-   qparams_from_range's steps (native.QPARAMS_C) */
-static inline void qp_of(const float *s, const float *z, const double *q, int64_t i, float lo,
-                         float hi, float *sk, float *zk) {
-    if (s) { *sk = s[i]; *zk = z[i]; }
-    else qs_qparams(lo, hi, q, sk, zk);
-}
-
-typedef struct {
-    const float *x; const double *w; const float *lo, *hi, *s, *z; const double *q; double *out;
-    int64_t C, P, j0, j1;
-} job_t;
-
-static void *run(void *arg) {
-    job_t *j = (job_t *)arg;
-    const float qmin = (float)j->q[0], qmax = (float)j->q[1];
-    for (int64_t k = j->j0; k < j->j1; ++k) {
-        int64_t u = k / j->C;
-        float sk, zk;
-        qp_of(j->s, j->z, j->q, k, j->lo[k], j->hi[k], &sk, &zk);
-        j->out[k] = score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, qmin, qmax);
-    }
-    return NULL;
-}
-
-/* out[u, c]: the error of range (lo, hi) [U, C] on points x [U, P] (float32) with weights
-   w [U, P] (float64); (s, z) [U, C] given or NULL (from the ranges); q: qparams_consts.
-   Threads split the U * C scores. */
-int64_t qs_hist_error(const float *x, const double *w, const float *lo, const float *hi,
-                      const float *s, const float *z, const double *q, double *out, int64_t U,
-                      int64_t C, int64_t P, int64_t threads) {
-    int64_t n = U * C;
-    if (threads > QS_MAXT) threads = QS_MAXT;
-    if (threads > n) threads = n;
-    if (threads < 1) threads = 1;
-    job_t jobs[QS_MAXT];
-    for (int64_t t = 0; t < threads; ++t)
-        jobs[t] = (job_t){x, w, lo, hi, s, z, q, out, C, P, n * t / threads,
-                          n * (t + 1) / threads};
-    qs_run_jobs(run, jobs, sizeof jobs[0], (int)threads);
-    return 0;
-}
-
-/* Candidate k of unit u on a line (Line.ranges): t = ((float)(k mul + add) / div) w[u];
-   kind 0 moves lo (lo0 + t, hi0), 1 moves hi (lo0, hi0 + t), 2 is (-t, t); then ordered
-   (min, max) and clipped to [blo, bhi] (NULL: no bound). */
-typedef struct {
-    const float *lo0, *hi0, *w, *blo, *bhi;
-    int64_t kind, mul, add, div;
-} line_t;
-
-static inline void line_range(const line_t *L, int64_t u, int64_t k, float *x, float *y) {
-    float t = ((float)(k * L->mul + L->add) / (float)L->div) * L->w[u];
-    float a, b;
-    if (L->kind == 0) { a = L->lo0[u] + t; b = L->hi0[u]; }
-    else if (L->kind == 1) { a = L->lo0[u]; b = L->hi0[u] + t; }
-    else { a = -t; b = t; }
-    float lo = a < b ? a : b, hi = a < b ? b : a;
-    if (L->blo && lo < L->blo[u]) lo = L->blo[u];
-    if (L->bhi && hi > L->bhi[u]) hi = L->bhi[u];
-    *x = lo; *y = hi;
-}
-
-/* Coarse-to-fine argmin along each unit's line of n candidates: round 0 scores every
-   lv[0]-th candidate (mid among them), round r the candidates lv[r] apart within
-   lv[r - 1] of the best so far. A candidate replaces the best only if strictly lower
-   (ties: mid, then the first), or with `first` also if equal and earlier. */
-typedef struct {
-    const float *x; const double *w; line_t line; const float *s, *z; const double *q;
-    int64_t *idx; double *err; float *olo, *ohi;
-    const int64_t *lv; int64_t nlv, n, P, mid, first, u0, u1;
-} ljob_t;
-
-/* the last priced (s, z) of a unit and its error: a candidate with the same qparams (the
-   clipped ends of a line, plateaus of the scale) reuses it, as the score depends on
-   nothing else */
-typedef struct { float s, z; double e; } memo_t;
-
-static inline double line_score(const ljob_t *j, int64_t u, int64_t k, memo_t *m) {
-    float lo, hi, sk, zk;
-    line_range(&j->line, u, k, &lo, &hi);
-    qp_of(j->s, j->z, j->q, u * j->n + k, lo, hi, &sk, &zk);
-    if (sk == m->s && zk == m->z) return m->e;
-    m->s = sk;
-    m->z = zk;
-    m->e = score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, (float)j->q[0],
-                 (float)j->q[1]);
-    return m->e;
-}
-
-static void *line_run(void *arg) {
-    ljob_t *j = (ljob_t *)arg;
-    const int64_t n = j->n, first = j->first;
-    for (int64_t u = j->u0; u < j->u1; ++u) {
-        memo_t m = {NAN, NAN, 0.0};  /* NaN equals nothing: the first candidate is priced */
-        int64_t best = j->mid;
-        double eb = line_score(j, u, best, &m);
-        for (int64_t r = 0; r < j->nlv; ++r) {
-            int64_t st = j->lv[r], c = best, a, b;
-            if (r == 0) { a = j->mid % st; b = n - 1; }
-            else {
-                int64_t reach = (j->lv[r - 1] - 1) / st * st;
-                a = c - reach; b = c + reach;
-                while (a < 0) a += st;
-                if (b > n - 1) b = n - 1;
-            }
-            for (int64_t k = a; k <= b; k += st) {
-                if (k == c) continue;
-                double e = line_score(j, u, k, &m);
-                if (e < eb || (first && e == eb && k < best)) { eb = e; best = k; }
-            }
-        }
-        j->idx[u] = best;
-        j->err[u] = eb;
-        line_range(&j->line, u, best, j->olo + u, j->ohi + u);
-    }
-    return NULL;
-}
-
-int64_t qs_line_search(const float *x, const double *w, const float *lo0, const float *hi0,
-                       const float *wd, const float *blo, const float *bhi, const float *s,
-                       const float *z, const double *q, int64_t *idx, double *err, float *olo,
-                       float *ohi, int64_t U, int64_t P, int64_t kind, int64_t n, int64_t mul,
-                       int64_t add, int64_t div, int64_t mid, const int64_t *lv, int64_t nlv,
-                       int64_t first, int64_t threads) {
-    if (threads > QS_MAXT) threads = QS_MAXT;
-    if (threads > U) threads = U;
-    if (threads < 1) threads = 1;
-    line_t line = {lo0, hi0, wd, blo, bhi, kind, mul, add, div};
-    ljob_t jobs[QS_MAXT];
-    for (int64_t t = 0; t < threads; ++t)
-        jobs[t] = (ljob_t){x, w, line, s, z, q, idx, err, olo, ohi, lv, nlv, n, P, mid, first,
-                           U * t / threads, U * (t + 1) / threads};
-    qs_run_jobs(line_run, jobs, sizeof jobs[0], (int)threads);
-    return 0;
-}
-
-/* The scorer's points: per unit its occupied bins first, then its empty ones, m bins in
-   all, m the most occupied bins of a unit (returned; x NULL: only that); bin i's points
-   c + off[t] w (c = lo + (i + 0.5) w, float32 as Hist.centers) with weight count / p.
-   x, wt [U, m * p] (room for at least that). */
-int64_t qs_points(const int64_t *counts, const float *lo, const float *w, const float *off,
-                  float *x, double *wt, int64_t U, int64_t B, int64_t p) {
-    int64_t m = 0;
-    for (int64_t u = 0; u < U; ++u) {
-        int64_t k = 0;
-        for (int64_t i = 0; i < B; ++i) k += counts[u * B + i] > 0;
-        if (k > m) m = k;
-    }
-    if (!x) return m;
-    for (int64_t u = 0; u < U; ++u) {
-        const int64_t *cu = counts + u * B;
-        float *xu = x + u * m * p;
-        double *wu = wt + u * m * p;
-        int64_t k = 0;
-        for (int pass = 0; pass < 2 && k < m; ++pass)
-            for (int64_t i = 0; i < B && k < m; ++i) {
-                if ((cu[i] > 0) != (pass == 0)) continue;
-                float c = lo[u] + ((float)i + 0.5f) * w[u];
-                for (int64_t t = 0; t < p; ++t) {
-                    xu[k * p + t] = p > 1 ? c + off[t] * w[u] : c;
-                    wu[k * p + t] = (double)cu[i] / (double)p;
-                }
-                ++k;
-            }
-    }
-    return m;
-}
-"""
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_D = ctypes.c_double
-_ARGTYPES = {"qs_points": [_P] * 6 + [_I] * 3,
-             "qs_hist_error": [_P] * 8 + [_I] * 4,
-             "qs_line_search": [_P] * 14 + [_I] * 8 + [_P] + [_I] * 3}
 
 def _kernel():
-    return native.load("hist_error", _SOURCE, _ARGTYPES)
+    return kernels.lib("hist_error")
 
 
 def kernel_available() -> bool:
@@ -334,7 +133,7 @@ class HistogramScorer:
 
     def _qparams(self, lo, hi, torch_only: bool = False):
         """``(scale, zero point)`` float32 ``[U, C]`` of the ranges; ``(None, None)`` where the
-        kernel derives them itself (native.QPARAMS_C)."""
+        kernel derives them itself (kernels/csrc/qs_qparams.h)."""
         if self._derive and not torch_only:
             return None, None
         qp = qparams_from_range(lo, hi, self.spec, check_finite=False)
@@ -504,8 +303,8 @@ def _as_tensor(levels: tuple[int, ...]) -> torch.Tensor:
 @functools.lru_cache(maxsize=32)
 def _kernel_consts(spec: QuantSpec) -> tuple[bool, torch.Tensor]:
     """Whether the kernel derives ``spec``'s scales itself, and its constants (float64):
-    :func:`native.qparams_consts`, else just ``qmin, qmax``."""
-    consts = native.qparams_consts(spec)
+    :func:`kernels.qparams_consts`, else just ``qmin, qmax``."""
+    consts = kernels.qparams_consts(spec)
     return consts is not None, torch.tensor(consts or [float(spec.qmin), float(spec.qmax)],
                                             dtype=torch.float64)
 

@@ -110,11 +110,16 @@ def _tile_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: Qu
     """Error of ``x [Ut, E]`` under ``scale``, ``zp`` ``[Cc, Ut]`` (effective scale): ``[Cc, Ut]``.
 
     ``exact``: llm-compressor's arithmetic, ``sum(|fake_quant(x) - x| ** norm)``.
-    Otherwise integer formats use the rounding identity
-    ``fake_quant(x) - x = (clamp(round(t)) - t) * scale`` with ``t = x / scale + zp``,
-    which scores the same quantizer with three fewer passes over the tile.
+    Otherwise, integer formats with ``norm=2`` compute the C kernel's error
+    (:mod:`.mse_kernel`): float32 squares summed in float64, so that both paths choose the
+    same candidates (a float32 sum breaks near ties differently: issue 20 #11); other norms
+    use the rounding identity ``fake_quant(x) - x = (clamp(round(t)) - t) * scale`` with
+    ``t = x / scale + zp``, which scores the same quantizer with fewer passes over the tile.
     """
     s3, z3 = scale.unsqueeze(-1), zp.unsqueeze(-1)
+    if not exact and norm == 2 and isinstance(spec.format, IntFormat):
+        d = fake_quantize_units(x, s3, z3, spec).sub_(x)
+        return d.square_().sum(-1, dtype=torch.float64)
     if exact or not isinstance(spec.format, IntFormat):
         d = fake_quantize_units(x, s3, z3, spec).sub_(x)
         if exact:
@@ -147,7 +152,7 @@ def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
                             zp[c:c + cstep, a:a + ustep], spec, norm, exact)
                 for a in range(0, n_units, ustep)], dim=1) for c in range(0, cc, cstep)])
     else:  # units larger than a tile (per-tensor): element slices, partial sums added
-        err = scale.new_zeros(cc, n_units)
+        err = scale.new_zeros(cc, n_units, dtype=torch.float64 if norm == 2 else scale.dtype)
         for u in range(n_units):
             for c in range(cc):
                 for a in range(0, n_elems, chunk_elems):
@@ -302,7 +307,7 @@ def _search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, e
             for j in range(lo_c.shape[0]):
                 st.step(total + start + j, err[j], lo_c[j], hi_c[j], sc[j], zp[j], sub=sub,
                         **rule)
-    return st.lo, st.hi, st.err, st.idx
+    return st.lo, st.hi, st.err.float(), st.idx  # float32, as the kernel's
 
 
 def _search_kernel(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumbent,

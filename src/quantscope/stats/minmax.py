@@ -5,19 +5,18 @@ per-row reductions are slower: ``torch.aminmax(u, dim=1)`` is not vectorized
 (6-9x the whole-tensor time on CPU) and ``amin`` + ``amax`` read the data twice.
 On CPU, for large contiguous float32 units, :func:`unit_minmax` therefore runs
 a small C kernel (one read, both extremes, NaN propagated, threads over units),
-compiled on first use by :mod:`quantscope.native`. Without a compiler, on other devices, for small inputs,
+compiled on first use by :mod:`quantscope.kernels`. Without a compiler, on other devices, for small inputs,
 or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give identical results
 (tests compare them bitwise).
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import torch
 
-from .. import native
+from .. import kernels
 
 __all__ = ["column_minmax", "ema_", "kernel_available", "layout_minmax", "torch_unit_minmax",
            "unit_minmax"]
@@ -25,246 +24,9 @@ __all__ = ["column_minmax", "ema_", "kernel_available", "layout_minmax", "torch_
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
 
-_SOURCE = native.THREADS_C + r"""
-#include <stdint.h>
-#include <math.h>
-#include <pthread.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
-#ifdef __AVX2__
-/* The 8 horizontal reductions of v0..v7 as two 4-lane vectors (lane i of lo4: vi, of hi4:
-   v(4+i)); 128-bit halves at the last level (cross-lane permutes are slow on some cores). */
-#define HREDUCE8(OP, OP4, v0, v1, v2, v3, v4, v5, v6, v7, lo4, hi4) do {                \
-    __m256 a01 = OP(_mm256_unpacklo_ps(v0, v1), _mm256_unpackhi_ps(v0, v1));            \
-    __m256 a23 = OP(_mm256_unpacklo_ps(v2, v3), _mm256_unpackhi_ps(v2, v3));            \
-    __m256 a45 = OP(_mm256_unpacklo_ps(v4, v5), _mm256_unpackhi_ps(v4, v5));            \
-    __m256 a67 = OP(_mm256_unpacklo_ps(v6, v7), _mm256_unpackhi_ps(v6, v7));            \
-    __m256 b03 = OP(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE)); \
-    __m256 b47 = OP(_mm256_shuffle_ps(a45, a67, 0x44), _mm256_shuffle_ps(a45, a67, 0xEE)); \
-    lo4 = OP4(_mm256_castps256_ps128(b03), _mm256_extractf128_ps(b03, 1));              \
-    hi4 = OP4(_mm256_castps256_ps128(b47), _mm256_extractf128_ps(b47, 1));              \
-} while (0)
-
-/* Short rows (E a multiple of 8, up to 64: MX / NVFP4 / BFP blocks, small groups), 8 rows
-   at a time: each row folds to one vector, then 8 rows reduce together by shuffles. NaN is
-   tracked per row but only reduced when one of the 8 rows has it. */
-static int64_t rows8(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi) {
-    int64_t u = u0;
-    const __m128 qnan = _mm_set1_ps(NAN);
-    for (; u + 8 <= u1; u += 8) {
-        __m256 l[8], h[8], n[8];
-        __m256 any = _mm256_setzero_ps();
-        for (int k = 0; k < 8; ++k) {
-            const float *r = x + (u + k) * E;
-            __m256 v = _mm256_loadu_ps(r);
-            __m256 lk = v, hk = v, nk = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-            for (int64_t j = 8; j < E; j += 8) {
-                v = _mm256_loadu_ps(r + j);
-                lk = _mm256_min_ps(lk, v);
-                hk = _mm256_max_ps(hk, v);
-                nk = _mm256_or_ps(nk, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            }
-            l[k] = lk; h[k] = hk; n[k] = nk;
-            any = _mm256_or_ps(any, nk);
-        }
-        __m128 L0, L1, H0, H1;
-        HREDUCE8(_mm256_min_ps, _mm_min_ps, l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], L0, L1);
-        HREDUCE8(_mm256_max_ps, _mm_max_ps, h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], H0, H1);
-        if (_mm256_movemask_ps(any)) {  /* rare: some row has NaN */
-            __m128 N0, N1;
-            HREDUCE8(_mm256_or_ps, _mm_or_ps, n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], N0, N1);
-            L0 = _mm_blendv_ps(L0, qnan, N0); L1 = _mm_blendv_ps(L1, qnan, N1);
-            H0 = _mm_blendv_ps(H0, qnan, N0); H1 = _mm_blendv_ps(H1, qnan, N1);
-        }
-        _mm_storeu_ps(lo + u, L0); _mm_storeu_ps(lo + u + 4, L1);
-        _mm_storeu_ps(hi + u, H0); _mm_storeu_ps(hi + u + 4, H1);
-    }
-    return u;
-}
-#endif
-
-/* Min / max of rows [u0, u1) of a contiguous [U, E] float32 matrix; NaN propagates
-   (tracked in a separate mask: the min / max instructions drop NaN). */
-static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi) {
-#ifdef __AVX2__
-    if (E % 8 == 0 && E <= 64) u0 = rows8(x, E, u0, u1, lo, hi);  /* the tail: below */
-#endif
-    for (int64_t u = u0; u < u1; ++u) {
-        const float *r = x + u * E;
-        float lo_ = INFINITY, hi_ = -INFINITY;
-        int bad = 0;
-        int64_t j = 0;
-#ifdef __AVX2__
-        if (E >= 8) {
-            __m256 l = _mm256_set1_ps(INFINITY), h = _mm256_set1_ps(-INFINITY);
-            __m256 n = _mm256_setzero_ps();
-            __m256 l2 = l, h2 = h, n2 = n;
-            for (; j + 16 <= E; j += 16) {
-                __m256 a = _mm256_loadu_ps(r + j), b = _mm256_loadu_ps(r + j + 8);
-                l = _mm256_min_ps(l, a); h = _mm256_max_ps(h, a);
-                l2 = _mm256_min_ps(l2, b); h2 = _mm256_max_ps(h2, b);
-                n = _mm256_or_ps(n, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-                n2 = _mm256_or_ps(n2, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
-            }
-            for (; j + 8 <= E; j += 8) {
-                __m256 a = _mm256_loadu_ps(r + j);
-                l = _mm256_min_ps(l, a); h = _mm256_max_ps(h, a);
-                n = _mm256_or_ps(n, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-            }
-            l = _mm256_min_ps(l, l2); h = _mm256_max_ps(h, h2); n = _mm256_or_ps(n, n2);
-            __m128 a = _mm_min_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1));
-            a = _mm_min_ps(a, _mm_movehl_ps(a, a));
-            a = _mm_min_ss(a, _mm_shuffle_ps(a, a, 1));
-            __m128 b = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            b = _mm_max_ps(b, _mm_movehl_ps(b, b));
-            b = _mm_max_ss(b, _mm_shuffle_ps(b, b, 1));
-            lo_ = _mm_cvtss_f32(a);
-            hi_ = _mm_cvtss_f32(b);
-            bad = _mm256_movemask_ps(n) != 0;
-        }
-#endif
-        for (; j < E; ++j) {
-            float v = r[j];
-            lo_ = v < lo_ ? v : lo_;
-            hi_ = v > hi_ ? v : hi_;
-            bad |= v != v;
-        }
-        lo[u] = bad ? NAN : lo_;
-        hi[u] = bad ? NAN : hi_;
-    }
-}
-
-/* Column min / max of rows [r0, r1) of a contiguous [R, C] float32 matrix into lo / hi / nan
-   (length C, initialised by the caller): vertical, so every load is a full vector. */
-static void cols(const float *x, int64_t C, int64_t r0, int64_t r1, float *lo, float *hi,
-                 int32_t *nan) {
-    for (int64_t r = r0; r < r1; ++r) {
-        const float *row = x + r * C;
-        int64_t c = 0;
-#ifdef __AVX2__
-        for (; c + 8 <= C; c += 8) {
-            __m256 v = _mm256_loadu_ps(row + c);
-            _mm256_storeu_ps(lo + c, _mm256_min_ps(_mm256_loadu_ps(lo + c), v));
-            _mm256_storeu_ps(hi + c, _mm256_max_ps(_mm256_loadu_ps(hi + c), v));
-            __m256i u = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            __m256i n = _mm256_loadu_si256((const __m256i *)(nan + c));
-            _mm256_storeu_si256((__m256i *)(nan + c), _mm256_or_si256(n, u));
-        }
-#endif
-        for (; c < C; ++c) {
-            float v = row[c];
-            lo[c] = v < lo[c] ? v : lo[c];
-            hi[c] = v > hi[c] ? v : hi[c];
-            nan[c] |= v != v;
-        }
-    }
-}
-
-typedef struct { const float *x; int64_t C, r0, r1; float *lo, *hi; int32_t *nan; } cjob_t;
-
-static void *crun(void *p) {
-    cjob_t *j = (cjob_t *)p;
-    cols(j->x, j->C, j->r0, j->r1, j->lo, j->hi, j->nan);
-    return NULL;
-}
-
-/* Per-column min / max of [R, C]; work (threads x 3C floats) is scratch from the caller. */
-void qs_col_minmax(const float *x, int64_t R, int64_t C, float *lo, float *hi, float *work,
-                   int threads) {
-    if (threads > QS_MAXT) threads = QS_MAXT;
-    if (threads < 1) threads = 1;
-    cjob_t jobs[QS_MAXT];
-    for (int t = 0; t < threads; ++t) {
-        float *l = work + (int64_t)t * 3 * C, *h = l + C;
-        int32_t *n = (int32_t *)(h + C);
-        for (int64_t c = 0; c < C; ++c) { l[c] = INFINITY; h[c] = -INFINITY; n[c] = 0; }
-        jobs[t] = (cjob_t){x, C, R * t / threads, R * (t + 1) / threads, l, h, n};
-    }
-    qs_run_jobs(crun, jobs, sizeof jobs[0], threads);
-    for (int64_t c = 0; c < C; ++c) {
-        float l = INFINITY, h = -INFINITY;
-        int bad = 0;
-        for (int t = 0; t < threads; ++t) {
-            float lt = jobs[t].lo[c], ht = jobs[t].hi[c];
-            l = lt < l ? lt : l;
-            h = ht > h ? ht : h;
-            bad |= jobs[t].nan[c];
-        }
-        lo[c] = bad ? NAN : l;
-        hi[c] = bad ? NAN : h;
-    }
-}
-
-typedef struct {
-    const float *x; int64_t E, u0, u1; float *lo, *hi; float ends[2];
-    int mode; float c, omc; float *slo, *shi;
-} job_t;
-
-/* The state updates of the accumulating min-max observers, fused into the same pass, each
-   rounded as the torch ops of quantscope.stats.minmax.update_state round (no contraction:
-   built with -ffp-contract=off). 1: running min / max (NaN kept, as torch.minimum);
-   2: s + c * (b - s) (torch.ao); 3: s * (1 - c) + b * c (llm-compressor's lerp). */
-static float upd(int mode, float s, float b, float c, float omc, int is_min) {
-    if (mode == 1) {
-        if (s != s || b != b) return s != s ? s : b;
-        return is_min ? (b < s ? b : s) : (b > s ? b : s);
-    }
-    if (mode == 2) { float d = b - s; d = d * c; return s + d; }
-    { float a = s * omc; float t = b * c; return a + t; }
-}
-
-static void *run(void *p) {
-    job_t *j = (job_t *)p;
-    rows(j->x, j->E, j->u0, j->u1, j->lo, j->hi);
-    if (j->mode)
-        for (int64_t u = j->u0; u < j->u1; ++u) {
-            j->slo[u] = upd(j->mode, j->slo[u], j->lo[u], j->c, j->omc, 1);
-            j->shi[u] = upd(j->mode, j->shi[u], j->hi[u], j->c, j->omc, 0);
-        }
-    /* the smallest min and largest max of this share, NaN kept (the non-finite check) */
-    float l = INFINITY, h = -INFINITY;
-    for (int64_t u = j->u0; u < j->u1; ++u) {
-        float a = j->lo[u], b = j->hi[u];
-        l = (a < l || a != a) && l == l ? a : l;
-        h = (b > h || b != b) && h == h ? b : h;
-    }
-    j->ends[0] = l;
-    j->ends[1] = h;
-    return NULL;
-}
-
-void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, float *ends,
-                    int threads, int mode, double c, float *slo, float *shi) {
-    if (threads > QS_MAXT) threads = QS_MAXT;
-    if (threads < 1) threads = 1;
-    job_t jobs[QS_MAXT];
-    for (int t = 0; t < threads; ++t)
-        jobs[t] = (job_t){x, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0},
-                          mode, (float)c, (float)(1.0 - c), slo, shi};
-    qs_run_jobs(run, jobs, sizeof jobs[0], threads);
-    float l = jobs[0].ends[0], h = jobs[0].ends[1];
-    for (int t = 1; t < threads; ++t) {
-        float a = jobs[t].ends[0], b = jobs[t].ends[1];
-        l = (a < l || a != a) && l == l ? a : l;
-        h = (b > h || b != b) && h == h ? b : h;
-    }
-    ends[0] = l;
-    ends[1] = h;
-}
-"""
-_ARGTYPES = {
-    "qs_unit_minmax": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p],
-    "qs_col_minmax": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
-}
-
 
 def _kernel():
-    return native.load("unit_minmax", _SOURCE, _ARGTYPES)
+    return kernels.lib("unit_minmax")
 
 
 def kernel_available() -> bool:

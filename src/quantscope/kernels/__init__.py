@@ -1,0 +1,240 @@
+"""The C kernels: real source files (``csrc/*.c``, shared ``csrc/*.h``), built and loaded here.
+
+A few inner loops (per-row min / max, histogram binning, quantization-error sums, the MSE
+search, the L2 and entropy searches) are much faster as a plain C loop over the data than
+as a chain of torch ops, which reads and writes the data once per op. Their sources ship as
+package data; :func:`lib` builds one with the system C compiler on first use (``$CC``,
+parsed like a shell word list, so ``CC="ccache gcc"`` works; else ``cc`` / ``gcc``) into a
+per-user cache (``$QUANTSCOPE_CACHE``, else ``$XDG_CACHE_HOME/quantscope``), keyed by a hash
+of the sources, the flags, the compiler command and the CPU (model and feature flags:
+``-march=native`` code is only reused on the same kind of CPU), and loads it with ctypes.
+
+Who decides what: ``stats/`` and ``estimators/`` choose whether a kernel applies (device,
+dtype, size) and keep the torch reference it must equal bit for bit (the tests compare
+them); this package only builds, loads and types the libraries (:data:`SIGNATURES`, the one
+declaration of every exported function).
+
+No kernel (the callers use their torch path): ``QUANTSCOPE_NO_KERNEL=1``, Windows, no
+compiler, or a failed build. The last two are said once per process (a
+:class:`KernelWarning`). A cached library that does not load (truncated, corrupt, another
+architecture) is rebuilt, once.
+
+Why build at run time rather than at install (a setuptools extension, or
+``torch.utils.cpp_extension``): see docs/benchmarks.md, "How the kernels are built".
+The flags forbid floating-point contraction (``-ffp-contract=off``) so that every
+``a * b + c`` rounds twice, as the torch ops it mirrors do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+__all__ = ["CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "build_all", "cache_dir",
+           "compiler", "disabled", "lib", "load", "qparams_consts"]
+
+#: the C sources and headers (package data)
+CSRC = Path(__file__).resolve().with_name("csrc")
+
+#: IEEE results as torch computes them: no contraction into FMA (-ffp-contract=off), no
+#: fast-math; -fno-trapping-math only lets loops with selects vectorize (no kernel reads
+#: FP exception flags, and no value changes).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-pthread",
+         "-shared", "-fPIC", "-std=gnu99"]
+
+_P, _I, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+
+#: every library (``csrc/<name>.c``) and the ctypes argument types of its exported
+#: functions, all of which return ``int64``
+SIGNATURES: dict[str, dict[str, list]] = {
+    "unit_minmax": {
+        "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P],
+        "qs_col_minmax": [_P, _I, _I, _P, _P, _P, _INT],
+    },
+    "hist_kernel": {
+        "qs_hist_bin": [_P, _I, _I, _I, _P, _P, _P, _INT, _INT],
+        "qs_hist_regrid": [_I, _I, _INT] + [_P] * 12,
+        "qs_hist_fused": [_P, _I, _I, _INT] + [_P] * 13 + [_INT],
+    },
+    "mse_search": {
+        "qs_mse_dq": [_P, _I, _D, _D, _D, _D, _P],
+        "qs_mse_price": [_P, _I, _P, _I, _P, _P, _I, _D, _D, _P, _INT],
+        "qs_mse_step": [_P, _I, _P, _I, _P, _P, _I, _I, _INT, _D, _D, _I, _INT, _INT, _INT]
+        + [_P] * 8 + [_I, _P, _INT],
+        "qs_mse_gstop": [_P, _I, _I, _P],
+    },
+    "hist_error": {
+        "qs_points": [_P] * 6 + [_I] * 3,
+        "qs_hist_error": [_P] * 8 + [_I] * 4,
+        "qs_line_search": [_P] * 14 + [_I] * 8 + [_P] + [_I] * 3,
+    },
+    "l2_walk": {
+        "qs_l2_init": [_P, _P, _I, _I],
+        "qs_l2_walk": [_P] * 7 + [_I] * 3,
+        "qs_l2_result": [_P] * 5 + [_I] * 2,
+        "qs_l2_terms": [_P] * 6 + [_I] * 4,
+        "qs_l2_accept": [_P] * 6 + [_I] * 2,
+    },
+    "entropy": {
+        "qs_entropy": [_P] * 4 + [_I] * 9,
+    },
+    "int_qparams": {
+        "qs_int_qparams": [_P, _P, _I, _P, _P, _P],
+    },
+}
+
+
+class KernelWarning(RuntimeWarning):
+    """A kernel could not be built: quantscope runs its (slower) torch path instead."""
+
+
+_libs: dict[str, ctypes.CDLL | None] = {}
+_lock = threading.Lock()
+_warned = False
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept (per user)."""
+    root = os.environ.get("QUANTSCOPE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "quantscope")
+    return Path(root)
+
+
+def disabled() -> bool:
+    """Whether ``QUANTSCOPE_NO_KERNEL`` turns every kernel off."""
+    return os.environ.get("QUANTSCOPE_NO_KERNEL", "") not in ("", "0")
+
+
+def compiler() -> list[str] | None:
+    """The compiler command as an argument list: ``$CC`` split like a shell would split it
+    (``"ccache gcc -m64"``), else ``cc`` or ``gcc`` on the PATH; None when there is none."""
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        argv = shlex.split(cc)
+        exe = shutil.which(argv[0])
+        return [exe, *argv[1:]] if exe else None
+    exe = shutil.which("cc") or shutil.which("gcc")
+    return [exe] if exe else None
+
+
+def _cpu_id() -> str:
+    """The CPU model and feature flags (what ``-march=native`` compiles for)."""
+    import platform
+
+    ident = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    ident.append(line.strip())
+                if len(ident) >= 3 and line.strip() == "":
+                    break  # the first CPU is enough
+    except OSError:
+        pass
+    return "\n".join(ident)
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(message + "; quantscope uses its torch path (same results, slower). "
+                      "QUANTSCOPE_NO_KERNEL=1 silences this.", KernelWarning, stacklevel=4)
+
+
+def _build(name: str, source: Path, cc: list[str], include: Path) -> Path:
+    """The cached library built from ``source`` (built now unless cached)."""
+    texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(include.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([*texts, "\0".join([*FLAGS, *cc, _cpu_id()]).encode()]))
+    target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        subprocess.run([*cc, *FLAGS, f"-I{include}", str(source), "-o", str(out), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=300)
+        os.replace(out, target)  # atomic: concurrent builders agree
+    return target
+
+
+def _open(name: str, source: Path, argtypes: dict[str, list], include: Path) -> ctypes.CDLL:
+    """Build (or find) and load, typed; a cached library that does not load or lacks a
+    function is removed and built again, once."""
+    cc = compiler()
+    if cc is None:
+        raise FileNotFoundError("no C compiler found ($CC, cc, gcc)")
+    for attempt in (0, 1):
+        target = _build(name, source, cc, include)
+        try:
+            so = ctypes.CDLL(str(target))
+            for fn, types in argtypes.items():
+                f = getattr(so, fn)
+                f.restype = ctypes.c_int64
+                f.argtypes = types
+            return so
+        except (OSError, AttributeError):
+            if attempt:
+                raise
+            target.unlink(missing_ok=True)  # corrupt or stale: build it again
+    raise AssertionError("unreachable")
+
+
+def load(name: str, argtypes: dict[str, list], source: Path | None = None,
+         include: Path = CSRC) -> ctypes.CDLL | None:
+    """The library ``name`` (``source``, default ``csrc/<name>.c``, with headers from
+    ``include``), built once per process and typed by ``argtypes``; None when no kernel can
+    be used (see the module doc)."""
+    if name in _libs:
+        return _libs[name]
+    with _lock:
+        if name not in _libs:
+            so = None
+            if not disabled() and sys.platform != "win32":
+                try:
+                    so = _open(name, source or CSRC / f"{name}.c", argtypes, include)
+                except subprocess.CalledProcessError as e:
+                    tail = (e.stderr or "").strip().splitlines()[-3:]
+                    _warn_once(f"quantscope could not build its C kernel {name!r} "
+                               f"({' '.join(map(str, e.cmd[:1]))} exited {e.returncode}: "
+                               + " | ".join(tail) + ")")
+                except FileNotFoundError as e:
+                    _warn_once(f"quantscope found no C compiler for its kernels ({e})")
+                except (OSError, AttributeError, subprocess.SubprocessError) as e:
+                    _warn_once(f"quantscope could not build or load its C kernel {name!r} "
+                               f"({type(e).__name__}: {e})")
+            _libs[name] = so
+    return _libs[name]
+
+
+def lib(name: str) -> ctypes.CDLL | None:
+    """The shipped library ``name`` (a key of :data:`SIGNATURES`), or None (torch path)."""
+    return load(name, SIGNATURES[name])
+
+
+def build_all() -> dict[str, bool]:
+    """Build (or find) every shipped library now: ``{name: usable}``."""
+    return {name: lib(name) is not None for name in SIGNATURES}
+
+
+def qparams_consts(spec) -> list[float] | None:
+    """``csrc/qs_qparams.h``'s constants for ``spec`` (qmin, qmax, min_scale, symmetric, the
+    symmetric zero point), or None where it does not apply (float formats, scale encodings
+    other than fp32): those price with qparams_from_range."""
+    from ..formats import IntFormat
+
+    fmt = spec.format
+    if not isinstance(fmt, IntFormat) or spec.scale.kind != "fp32":
+        return None
+    qmin, qmax = float(spec.qmin), float(spec.qmax)
+    zsym = 0.0 if fmt.signed else float(int(qmin + qmax + 1) // 2)
+    return [qmin, qmax, float(spec.min_scale), float(spec.symmetric), zsym]

@@ -1,0 +1,17 @@
+"""``python -m quantscope.kernels``: build every C kernel now (into the per-user cache) and
+say which are in use; exit status 1 if any could not be built."""
+
+import sys
+
+from . import build_all, cache_dir, compiler, disabled
+
+if __name__ == "__main__":
+    if disabled():
+        print("QUANTSCOPE_NO_KERNEL is set: every kernel is off (torch path)")
+        sys.exit(0)
+    built = build_all()
+    cc = compiler()
+    print(f"compiler: {' '.join(cc) if cc else 'none'}; cache: {cache_dir()}")
+    for name, ok in built.items():
+        print(f"  {name:12s} {'built' if ok else 'NOT built (torch path)'}")
+    sys.exit(0 if all(built.values()) else 1)

@@ -1,0 +1,258 @@
+/* Called from quantscope.estimators.mse_kernel through quantscope.kernels; that module's doc says what it
+   computes and tests compare it with its torch reference bit for bit. */
+#include "qs_threads.h"
+#include "qs_fakequant.h"
+#include <stdlib.h>
+
+/* The error of one unit under (s, z): sum(d * d), each square d * d rounded to float32 (as
+   torch's d.square()), the sum in float64 (the torch path, mse._tile_error, computes it so;
+   only the order of the float64 additions differs, so both pick the same candidates where
+   a float32 sum would break near ties at random: issue 20 #11). Deterministic: equal
+   (s, z) give bitwise equal errors, which the reuse of a previous candidate's error
+   relies on. */
+static inline __attribute__((always_inline)) double price_(const float *x, int64_t E, float s,
+                                                         float z, float qmin, float qmax,
+                                                         int zero) {
+    int64_t j = 0;
+    double acc = 0.0;
+    (void)zero;  /* the SIMD branch's */
+#ifdef VW
+    const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(qmin), vhi = VSET1(qmax);
+    vd a0 = DZERO(), a1 = DZERO(), a2 = DZERO(), a3 = DZERO();
+#define SQ2(d, A, B) do { vf f_ = VMUL(d, d); A = DADD(A, DLO(f_)); B = DADD(B, DHI(f_)); } while (0)
+    for (; j + 2 * VW <= E; j += 2 * VW) {
+        vf d0 = dqv(VLOAD(x + j), vs, vz, vlo, vhi, zero);
+        vf d1 = dqv(VLOAD(x + j + VW), vs, vz, vlo, vhi, zero);
+        SQ2(d0, a0, a1);
+        SQ2(d1, a2, a3);
+    }
+    for (; j + VW <= E; j += VW) {
+        vf d = dqv(VLOAD(x + j), vs, vz, vlo, vhi, zero);
+        SQ2(d, a0, a1);
+    }
+#undef SQ2
+    acc = DSUM(DADD(DADD(a0, a1), DADD(a2, a3)));
+#endif
+    for (; j < E; ++j) {
+        float d = dq1(x[j], s, z, qmin, qmax);
+        acc += (double)(d * d);
+    }
+    return acc;
+}
+
+static double price1(const float *x, int64_t E, float s, float z, float qmin, float qmax) {
+    return z == 0.0f ? price_(x, E, s, z, qmin, qmax, 1) : price_(x, E, s, z, qmin, qmax, 0);
+}
+
+/* The d of every element of one unit (tests compare it with torch bit for bit). */
+int64_t qs_mse_dq(const float *x, int64_t E, double s_, double z_, double qmin_, double qmax_,
+                  float *out) {
+    float s = (float)s_, z = (float)z_, qmin = (float)qmin_, qmax = (float)qmax_;
+    int zero = z == 0.0f;
+    int64_t j = 0;
+    (void)zero;  /* the SIMD branch's */
+#ifdef VW
+    const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(qmin), vhi = VSET1(qmax);
+    for (; j + VW <= E; j += VW)
+        VSTORE(out + j, zero ? dqv(VLOAD(x + j), vs, vz, vlo, vhi, 1)
+                             : dqv(VLOAD(x + j), vs, vz, vlo, vhi, 0));
+#endif
+    for (; j < E; ++j) out[j] = dq1(x[j], s, z, qmin, qmax);
+    return 0;
+}
+
+/* ---- threads over units, dynamic chunks (units stop after different numbers of steps) */
+typedef void (*unit_fn)(void *ctx, int64_t i, int tid);
+typedef struct { unit_fn fn; void *ctx; int64_t n, chunk; int64_t *next; int tid; } worker_t;
+
+static void *work(void *p) {
+    worker_t *w = (worker_t *)p;
+    for (;;) {
+        int64_t a = __atomic_fetch_add(w->next, w->chunk, __ATOMIC_RELAXED);
+        if (a >= w->n) break;
+        int64_t b = a + w->chunk < w->n ? a + w->chunk : w->n;
+        for (int64_t i = a; i < b; ++i) w->fn(w->ctx, i, w->tid);
+    }
+    return NULL;
+}
+
+/* fn over units 0 .. n in dynamic chunks, on qs_run_jobs threads. */
+static void parallel(unit_fn fn, void *ctx, int64_t n, int threads, double work_elems) {
+    /* a thread per ~16M element-ops (~2 ms): a worker preempted while it holds units (a
+       shared machine, torch's OpenMP workers still spinning) stalls the join for a time
+       slice, which shorter calls cannot amortize */
+    int64_t most = (int64_t)(work_elems / (1 << 24)) + 1;
+    if (threads > most) threads = (int)most;
+    if (threads > n) threads = (int)n;
+    if (threads > QS_MAXT) threads = QS_MAXT;
+    if (threads < 1) threads = 1;
+    int64_t next = 0, chunk = n / (threads * 16);
+    if (chunk < 1) chunk = 1;
+    worker_t w[QS_MAXT];
+    for (int t = 0; t < threads; ++t)
+        w[t] = (worker_t){fn, ctx, n, chunk, &next, t};
+    qs_run_jobs(work, w, sizeof w[0], threads);  /* the workers share `next`: a job run late
+                                                    finds its chunks taken */
+}
+
+/* ---- dense pricing: out[j, i] for candidates j < k of unit sub[i] (or i) */
+typedef struct {
+    const float *x; int64_t E; const int64_t *sub; int64_t n;
+    const float *sc; const int32_t *zp; int64_t k; float qmin, qmax; double *out;
+} price_t;
+
+static void price_unit(void *p, int64_t i, int tid) {
+    price_t *c = (price_t *)p;
+    const float *xu = c->x + (c->sub ? c->sub[i] : i) * c->E;
+    for (int64_t j = 0; j < c->k; ++j) {
+        int64_t o = j * c->n + i;
+        c->out[o] = price1(xu, c->E, c->sc[o], (float)c->zp[o], c->qmin, c->qmax);
+    }
+    (void)tid;
+}
+
+int64_t qs_mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
+                     const float *sc, const int32_t *zp, int64_t k, double qmin, double qmax,
+                     double *out, int threads) {
+    price_t c = {x, E, sub, n, sc, zp, k, (float)qmin, (float)qmax, out};
+    parallel(price_unit, &c, n, threads, (double)n * k * E);
+    return 0;
+}
+
+/* ---- one block of candidates through the selection rules (mse._State.step) */
+typedef struct {
+    const float *x; int64_t E; const int64_t *sub; int64_t n;
+    const float *sc; const int32_t *zp; int64_t k, i0; float qmin, qmax;
+    int64_t patience; int per_unit, tie_last;
+    double *best, *perr; int64_t *idx, *stale; uint8_t *stopped; float *psc, *pzp;
+    const float *isc; const int32_t *izp;  /* the incumbent [n]: starts the state, or NULL */
+    double *err;      /* [k, n] priced before the walk, or NULL: priced during it */
+    uint8_t *any;     /* [threads, k]: some unit improved at candidate j, or NULL */
+    int64_t gstop;    /* candidates j >= gstop see the global rule stopped */
+} step_t;
+
+/* The state of a unit before any candidate: the incumbent (index -1) is the best so far
+   and the previous qparams; nothing is stale. */
+static void init_unit(step_t *c, int64_t i, int64_t u) {
+    float z = (float)c->izp[i];
+    double e = price1(c->x + u * c->E, c->E, c->isc[i], z, c->qmin, c->qmax);
+    c->best[u] = e; c->perr[u] = e; c->psc[u] = c->isc[i]; c->pzp[u] = z;
+    c->idx[u] = -1; c->stale[u] = 0; c->stopped[u] = 0;
+}
+
+/* Pricing ahead of the global rule: every unit is active until it stops, so "some unit
+   improved at j" is each unit's running best improving, whatever the per-unit rule says. */
+static void dense_unit(void *p, int64_t i, int tid) {
+    step_t *c = (step_t *)p;
+    int64_t u = c->sub ? c->sub[i] : i;
+    if (c->isc) init_unit(c, i, u);
+    const float *xu = c->x + u * c->E;
+    double lb = c->best[u], perr = c->perr[u];
+    float psc = c->psc[u], pzp = c->pzp[u];
+    uint8_t *any = c->any + (int64_t)tid * c->k;
+    for (int64_t j = 0; j < c->k; ++j) {
+        int64_t o = j * c->n + i;
+        float s = c->sc[o], z = (float)c->zp[o];
+        double e = (s == psc && z == pzp) ? perr : price1(xu, c->E, s, z, c->qmin, c->qmax);
+        c->err[o] = e;
+        if (c->tie_last ? e <= lb : e < lb) { lb = e; any[j] = 1; }
+        psc = s; pzp = z; perr = e;
+    }
+}
+
+/* One unit through the block, pricing as it goes (or reading err): a unit that stops for
+   good is not priced further. With any: records which candidates improved it (before the
+   global rule stops every unit is active, so these are the global rule's flags). */
+static void walk_unit(void *p, int64_t i, int tid) {
+    step_t *c = (step_t *)p;
+    int64_t u = c->sub ? c->sub[i] : i;
+    if (c->isc && !c->err) init_unit(c, i, u);
+    const float *xu = c->x + u * c->E;
+    double best = c->best[u], perr = c->perr[u];
+    float psc = c->psc[u], pzp = c->pzp[u];
+    int64_t stale = c->stale[u], idx = c->idx[u];
+    int stopped = c->stopped[u];
+    uint8_t *any = c->any && !c->err ? c->any + (int64_t)tid * c->k : NULL;
+    for (int64_t j = 0; j < c->k; ++j) {
+        int gs = j >= c->gstop;
+        int active = c->patience <= 0 ? 1 : c->per_unit ? !(stopped && gs) : !gs;
+        if (!active) break;  /* for good: both flags only ever turn on */
+        int64_t o = j * c->n + i;
+        float s = c->sc[o], z = (float)c->zp[o];
+        int same = s == psc && z == pzp;
+        double e = c->err ? c->err[o] : same ? perr
+                 : price1(xu, c->E, s, z, c->qmin, c->qmax);
+        int better = c->tie_last ? e <= best : e < best;
+        if (better) { best = e; idx = c->i0 + j; if (any) any[j] = 1; }
+        if (c->patience > 0 && c->per_unit) {
+            if (better) stale = 0;
+            else if (!same) stale += 1;  /* a plateau of equal qparams is not evidence */
+            if (stale >= c->patience) stopped = 1;
+        }
+        psc = s; pzp = z; perr = e;
+    }
+    c->best[u] = best; c->perr[u] = perr; c->psc[u] = psc; c->pzp[u] = pzp;
+    c->stale[u] = stale; c->idx[u] = idx; c->stopped[u] = (uint8_t)stopped;
+    (void)tid;
+}
+
+/* The global rule over flags any[0 .. k) from counters g (stale, stopped): returns the
+   first index that sees it stopped (k + 1: none). */
+int64_t qs_mse_gstop(const uint8_t *any, int64_t k, int64_t patience, int64_t *g) {
+    if (g[1]) return 0;
+    for (int64_t j = 0; j < k; ++j) {
+        g[0] = any[j] ? 0 : g[0] + 1;
+        if (g[0] >= patience) { g[1] = 1; return j + 1; }
+    }
+    return k + 1;
+}
+
+/* Candidates i0 .. i0 + k - 1 (rows of sc, zp [rows, n]) for units sub (all when NULL).
+   init 1: row 0 is the incumbent, which starts the state, and the candidates are rows
+   1 .. k; init 2: row 0 is both the incumbent and the first candidate.
+   The global rule (use_global), counters g (stale, stopped): gstop < 0: this call decides
+   it, pricing the block for every unit first; else candidates j >= gstop of the block see
+   it stopped (the caller decided; a large gstop: not yet, and any_out [k] receives the
+   flags the rule needs, OR-ed in). Returns how many of the n units are still searching
+   after the block (-1: no memory). */
+int64_t qs_mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
+                    const float *sc, const int32_t *zp, int64_t k, int64_t i0, int init,
+                    double qmin, double qmax, int64_t patience, int per_unit, int use_global,
+                    int tie_last, double *best, double *perr, int64_t *idx, int64_t *stale,
+                    uint8_t *stopped, float *psc, float *pzp, int64_t *g, int64_t gstop,
+                    uint8_t *any_out, int threads) {
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    int64_t r = init == 1 ? n : 0;  /* the candidates' first row */
+    step_t c = {x, E, sub, n, sc + r, zp + r, k, i0, (float)qmin, (float)qmax,
+                patience, per_unit, tie_last, best, perr, idx, stale, stopped, psc, pzp,
+                init ? sc : NULL, init ? zp : NULL, NULL, NULL, 0};
+    double cost = (double)n * (k + (init == 1)) * E;
+    int decide = use_global && patience > 0 && gstop < 0 && !g[1];
+    c.gstop = !use_global ? 0 : gstop >= 0 ? gstop : g[1] ? 0 : k + 1;
+    if (decide || any_out) {
+        c.any = (uint8_t *)calloc((size_t)(threads * k + 1), 1);
+        if (!c.any) return -1;
+    }
+    if (decide) {
+        c.err = (double *)malloc(sizeof(double) * (size_t)(n * k + 1));
+        if (!c.err) { free(c.any); return -1; }
+        parallel(dense_unit, &c, n, threads, cost);
+        for (int64_t j = 1; j < threads; ++j)
+            for (int64_t q = 0; q < k; ++q) c.any[q] |= c.any[j * k + q];
+        c.gstop = qs_mse_gstop(c.any, k, patience, g);
+        cost = (double)n * k;  /* the walk reads prices */
+    }
+    parallel(walk_unit, &c, n, threads, cost);
+    if (any_out && !decide)
+        for (int64_t j = 0; j < threads; ++j)
+            for (int64_t q = 0; q < k; ++q) any_out[q] |= c.any[j * k + q];
+    free(c.err);
+    free(c.any);
+    if (patience <= 0) return n;
+    if (!per_unit) return g[1] ? 0 : n;
+    int gs = use_global ? (int)g[1] : 1;
+    int64_t live = 0;
+    for (int64_t i = 0; i < n; ++i) live += !(stopped[sub ? sub[i] : i] && gs);
+    return live;
+}

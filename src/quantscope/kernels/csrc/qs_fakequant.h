@@ -1,0 +1,82 @@
+/* The float32 steps of quantscope.quantize.fake_quantize_units,
+   d = (clamp(nearbyint(x / s + z), qmin, qmax) - z) * s - x, scalar (dq1) and as one SIMD
+   vector (dqv, VW lanes: AVX-512 or AVX2, with float64 helpers), written once here so the
+   MSE search and the histogram error round alike (each tests itself against torch bitwise). */
+#ifndef QS_FAKEQUANT_H
+#define QS_FAKEQUANT_H
+
+#include <stdint.h>
+#include <math.h>
+#include <pthread.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* d = (clamp(nearbyint(x / s + z), qmin, qmax) - z) * s - x, each float32 op rounded as
+   the torch ops of fake_quantize_units round it (no contraction: -ffp-contract=off).
+   With z == 0 the two zero-point ops are skipped: they change nothing but the sign of a
+   zero, which the square drops. */
+static inline float dq1(float v, float s, float z, float qmin, float qmax) {
+    float t = v / s;
+    t = t + z;
+    t = nearbyintf(t);
+    t = t > qmin ? t : qmin;
+    t = t < qmax ? t : qmax;
+    float d = (t - z) * s;
+    return d - v;
+}
+
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vf;
+static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf hi, int zero) {
+    vf t = _mm512_div_ps(v, s);
+    if (!zero) t = _mm512_add_ps(t, z);
+    t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+    if (!zero) t = _mm512_sub_ps(t, z);
+    return _mm512_sub_ps(_mm512_mul_ps(t, s), v);
+}
+#define VSET1 _mm512_set1_ps
+#define VADD _mm512_add_ps
+#define VMUL _mm512_mul_ps
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+typedef __m512d vd;
+#define DZERO _mm512_setzero_pd
+#define DADD _mm512_add_pd
+#define DMUL _mm512_mul_pd
+#define DLOAD _mm512_loadu_pd
+#define DLO(f) _mm512_cvtps_pd(_mm512_castps512_ps256(f))
+#define DHI(f) _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1))
+#define DSUM _mm512_reduce_add_pd
+#elif defined(__AVX2__)
+#define VW 8
+typedef __m256 vf;
+static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf hi, int zero) {
+    vf t = _mm256_div_ps(v, s);
+    if (!zero) t = _mm256_add_ps(t, z);
+    t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+    if (!zero) t = _mm256_sub_ps(t, z);
+    return _mm256_sub_ps(_mm256_mul_ps(t, s), v);
+}
+#define VSET1 _mm256_set1_ps
+#define VADD _mm256_add_ps
+#define VMUL _mm256_mul_ps
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+typedef __m256d vd;
+#define DZERO _mm256_setzero_pd
+#define DADD _mm256_add_pd
+#define DMUL _mm256_mul_pd
+#define DLOAD _mm256_loadu_pd
+#define DLO(f) _mm256_cvtps_pd(_mm256_castps256_ps128(f))
+#define DHI(f) _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1))
+static inline double DSUM(vd a) {
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+#endif
+
+#endif /* QS_FAKEQUANT_H */

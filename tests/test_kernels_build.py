@@ -1,0 +1,161 @@
+"""quantscope.kernels: the C sources compile without a warning, the loader builds from
+them, survives odd compilers and corrupt caches, and says once when it cannot build."""
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+
+from quantscope import kernels
+from quantscope.stats import minmax
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted(kernels.CSRC.glob("*.c")) + sorted((ROOT / "tests" / "csrc").glob("*.c"))
+CC = shutil.which("cc") or shutil.which("gcc")
+needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
+
+
+def _compiles(march: str) -> bool:
+    r = subprocess.run([CC, f"-march={march}", "-x", "c", "-c", "-", "-o", os.devnull],
+                       input="int x;", capture_output=True, text=True, check=False)
+    return r.returncode == 0
+
+
+@needs_cc
+@pytest.mark.parametrize("march", ["native", "x86-64", "haswell", "skylake-avx512"])
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_every_source_compiles_without_warnings(source, march, tmp_path):
+    """CI's -Werror build, on each SIMD branch (scalar, AVX2, AVX-512) the sources hold."""
+    if march != "native" and not _compiles(march):
+        pytest.skip(f"{CC} cannot target -march={march} here")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in kernels.FLAGS]
+    r = subprocess.run([CC, *flags, "-Wall", "-Wextra", "-Werror", f"-I{kernels.CSRC}", "-c",
+                        str(source), "-o", str(tmp_path / "k.o")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+
+
+def test_signatures_name_every_source_and_exported_function():
+    names = {p.stem for p in kernels.CSRC.glob("*.c")}
+    assert names == set(kernels.SIGNATURES)
+    for name, fns in kernels.SIGNATURES.items():
+        text = (kernels.CSRC / f"{name}.c").read_text()
+        exported = set(re.findall(r"^(?:int64_t|void|int) (qs_\w+)\(", text, re.MULTILINE))
+        assert exported == set(fns), name
+
+
+def test_no_c_source_in_python_strings():
+    for path in (ROOT / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert "#include" not in node.value, path
+
+
+def test_pyproject_ships_the_sources_as_package_data():
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = conf["tool"]["setuptools"]["package-data"]["quantscope"]
+    shipped = {p for pat in patterns for p in (ROOT / "src" / "quantscope").glob(pat)}
+    assert set(kernels.CSRC.glob("*.[ch]")) <= shipped
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache and a loader that has loaded nothing and warned about nothing."""
+    monkeypatch.setenv("QUANTSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("QUANTSCOPE_NO_KERNEL", raising=False)
+    monkeypatch.setattr(kernels, "_libs", {})
+    monkeypatch.setattr(kernels, "_warned", False)
+    return tmp_path / "cache"
+
+
+def _minmax_works():
+    lib = kernels.lib("unit_minmax")
+    assert lib is not None
+    x = torch.randn(4, 64)
+    lo, hi, ends = torch.empty(4), torch.empty(4), torch.empty(2)
+    lib.qs_unit_minmax(x.data_ptr(), 4, 64, lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), 1, 0,
+                       0.0, None, None)
+    ref = torch.aminmax(x, dim=1)
+    assert torch.equal(lo, ref.min) and torch.equal(hi, ref.max)
+
+
+@needs_cc
+def test_cc_with_arguments_builds(fresh, monkeypatch):
+    """$CC is a shell word list (``ccache gcc``, ``gcc -m64``), not one executable name."""
+    monkeypatch.setenv("CC", f"'{CC}' -DQS_UNUSED=1")
+    assert kernels.compiler() == [CC, "-DQS_UNUSED=1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kernels.KernelWarning)
+        _minmax_works()
+
+
+@needs_cc
+def test_corrupt_cached_library_is_rebuilt(fresh, monkeypatch):
+    """A damaged cache entry (a crash mid-copy, a full disk) is built again, silently; in a
+    new process, as this one keeps the library it loaded (dlopen reuses it by path)."""
+    monkeypatch.setenv("CC", CC)
+    _minmax_works()
+    (built,) = fresh.glob("unit_minmax-*.so")
+    built.unlink()  # a new file under the name: this process still maps the old one
+    built.write_bytes(b"not a shared object")
+    code = ("import warnings; from quantscope import kernels; "
+            "warnings.simplefilter('error'); print(kernels.lib('unit_minmax') is not None)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       check=False, timeout=300)
+    assert r.stdout.strip() == "True", r.stderr
+    assert built.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_cc
+def test_failed_build_is_said_once(fresh, monkeypatch):
+    monkeypatch.setenv("CC", f"{CC} -DQS_NOT_DEFINED -include /nonexistent/header.h")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        libs = kernels.lib("unit_minmax"), kernels.lib("hist_kernel")
+    assert libs == (None, None)
+    assert len(record) == 1 and issubclass(record[0].category, kernels.KernelWarning)
+    assert "could not build" in str(record[0].message)
+    x = torch.randn(4, 1 << 16)  # and the callers run their torch path
+    lo, hi = minmax.unit_minmax(x)
+    assert torch.equal(lo, x.amin(1)) and torch.equal(hi, x.amax(1))
+
+
+def test_no_compiler_is_said_once(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/bin/cc")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        libs = kernels.lib("unit_minmax"), kernels.lib("entropy")
+    assert libs == (None, None)
+    assert len(record) == 1 and issubclass(record[0].category, kernels.KernelWarning)
+    assert "no C compiler" in str(record[0].message)
+
+
+def test_no_kernel_switch_is_silent(fresh, monkeypatch):
+    monkeypatch.setenv("QUANTSCOPE_NO_KERNEL", "1")
+    monkeypatch.setenv("CC", "/nonexistent/bin/cc")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.lib("unit_minmax") is None
+
+
+@needs_cc
+def test_cache_key_has_no_host_name(fresh, monkeypatch):
+    """The key names what the code depends on (sources, flags, compiler, CPU), not the host."""
+    import platform
+
+    monkeypatch.setenv("CC", CC)
+    kernels.lib("entropy")
+    first = {p.name for p in fresh.glob("entropy-*.so")}
+    monkeypatch.setattr(platform, "node", lambda: "another-host")
+    monkeypatch.setattr(kernels, "_libs", {})
+    kernels.lib("entropy")
+    assert {p.name for p in fresh.glob("entropy-*.so")} == first
