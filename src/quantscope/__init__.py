@@ -5,6 +5,8 @@ points answer without importing torch.
 """
 
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -44,3 +46,16 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``quantscope.quantize`` sets the package attribute
+    ``quantize`` to that module; the public name is the function it defines, so keep that."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
