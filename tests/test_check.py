@@ -100,5 +100,5 @@ def test_bad_input(tmp_path, capsys):
     d = write(tmp_path / "gptq", nvfp4_checkpoint(1), method="gptq")
     with pytest.raises(ValueError, match="compressed-tensors"):
         check(d)
-    assert main(["check", str(d)]) == 1
+    assert main(["check", str(d)]) == 2  # an error, not a disagreement (exit 1)
     assert "compressed-tensors" in capsys.readouterr().err
