@@ -10,7 +10,7 @@ the quantized layers against their fp32 weights; the whole checkpoint against th
 folder; and whether ``from_compressed_tensors`` gives back the same QDQ outputs.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python bench/export_ct.py [minilm|smollm2-135m]
-        [--only=SUBSTRING]   (e.g. --only=asym under .peers/bin/python: transformers 5.17)
+        [--only=SUBSTRING,...]   (e.g. --only=asym under .peers/bin/python: transformers 5.17)
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def run(name: str, only: str | None = None) -> None:
           "| seconds |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, recipe in schemes(group, ignore).items():
-        if only and only not in label:
+        if only and not any(o in label for o in only.split(",")):
             continue
         t0 = time.perf_counter()
         cal = calibrate(model, calib_batches, recipe, progress=False)
