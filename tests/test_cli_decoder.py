@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ try:
 except FileNotFoundError:
     pytest.skip("gensim's test data (the Lee corpus) is not installed", allow_module_level=True)
 
-from test_models_decoder import _tokenizer  # noqa: E402  (the word-level, pad-less tokenizer)
+from test_models_decoder import _tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,9 @@ def test_calibrate_then_evaluate_a_causal_lm(llama_dir, tmp_path):
     for noise in ("Warning", "warning", "Failed to load", "Traceback"):
         assert noise not in out
     assert "perplexity: float" in r.stdout and "left in float: lm_head" in r.stdout
-    meta = json.load(open(os.path.join(run, "qparams", "quantscope.json")))
+    meta = json.loads(Path(run, "qparams", "quantscope.json").read_text())
     assert meta["info"]["task"] == "causal-lm" and meta["info"]["model"] == llama_dir
-    report = json.load(open(os.path.join(run, "report.json")))
+    report = json.loads(Path(run, "report.json").read_text())
     m = report["metrics"]
     assert m["perplexity"] > 1 and m["perplexity_fp32"] > 1
     spec = {row["spec"] for row in report["layers"]}
@@ -81,6 +82,6 @@ def test_indivisible_group_size(llama_dir, tmp_path, capsys):
                    "--on-indivisible", "float", "--out", str(tmp_path / "r"), "--no-progress",
                    *FAST])
     assert rc == 0
-    rows = json.load(open(tmp_path / "r" / "report.json"))["layers"]
+    rows = json.loads((tmp_path / "r" / "report.json").read_text())["layers"]
     # 64-wide inputs take groups of 48 nowhere; 96-wide (down_proj) inputs do
     assert {r["layer"].split(".")[-1] for r in rows} == {"down_proj"}

@@ -20,10 +20,10 @@ def test_static_names_equal_the_registries():
 
 
 def test_help_and_name_checks_import_no_torch(tmp_path):
+    out = str(tmp_path / "out")
     code = ("import sys; from quantscope import cli; cli.build_parser().format_help(); "
-            "rc = cli.main(['calibrate', '--observer', 'minmx', '--out', %r]); "
-            "assert rc == 2, rc; assert 'torch' not in sys.modules, 'torch imported'"
-            % str(tmp_path / "out"))
+            f"rc = cli.main(['calibrate', '--observer', 'minmx', '--out', {out!r}]); "
+            "assert rc == 2, rc; assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        check=False)
     assert r.returncode == 0, r.stderr

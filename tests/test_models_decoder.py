@@ -3,6 +3,7 @@
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,15 +11,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from quantscope import models  # noqa: E402
-from quantscope.export.atomic import atomic_dir, atomic_file, check_writable_target  # noqa: E402
+from quantscope import models
+from quantscope.export.atomic import atomic_dir, atomic_file, check_writable_target
 
-WORDS = "the a cat dog sat on mat and ran far away home fast slow big small".split()
+WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "and", "ran", "far", "away", "home", "fast", "slow", "big", "small"]
 
 
 def _tokenizer(pad: bool):
     """A word-level fast tokenizer; ``pad=False`` gives one without a padding token."""
-    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tm
 
     vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *WORDS])}
     tok = Tokenizer(tm.WordLevel(vocab, unk_token="<unk>"))
@@ -90,31 +92,28 @@ def test_resolve_model_path_errors(tmp_path):
 def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_failure(tmp_path):
     out = tmp_path / "run"
     with atomic_dir(out) as d:
-        (open(os.path.join(d, "a.txt"), "w")).write("1")
+        Path(d, "a.txt").write_text("1")
         assert not out.exists()  # nothing visible until the end
     assert (out / "a.txt").read_text() == "1"
-    with pytest.raises(ValueError, match="exists and is not empty"):
-        with atomic_dir(out):
-            pass
-    with pytest.raises(RuntimeError, match="boom"):
-        with atomic_dir(out, overwrite=True) as d:
-            (open(os.path.join(d, "b.txt"), "w")).write("2")
-            raise RuntimeError("boom")
+    with pytest.raises(ValueError, match="exists and is not empty"), atomic_dir(out):
+        pass
+    with pytest.raises(RuntimeError, match="boom"), atomic_dir(out, overwrite=True) as d:
+        Path(d, "b.txt").write_text("2")
+        raise RuntimeError("boom")
     assert sorted(os.listdir(tmp_path)) == ["run"] and os.listdir(out) == ["a.txt"]
     with atomic_dir(out, overwrite=True) as d:
-        (open(os.path.join(d, "b.txt"), "w")).write("2")
+        Path(d, "b.txt").write_text("2")
     assert sorted(os.listdir(tmp_path)) == ["run"] and os.listdir(out) == ["b.txt"]
 
 
 def test_atomic_file_and_unwritable_targets(tmp_path):
     f = tmp_path / "m.onnx"
-    with pytest.raises(OSError, match="disk"):
-        with atomic_file(f) as t:
-            open(t, "w").write("half")
-            raise OSError("disk full")
+    with pytest.raises(OSError, match="disk"), atomic_file(f) as t:
+        Path(t).write_text("half")
+        raise OSError("disk full")
     assert os.listdir(tmp_path) == []
     with atomic_file(f) as t:
-        open(t, "w").write("whole")
+        Path(t).write_text("whole")
     assert f.read_text() == "whole"
     with pytest.raises(ValueError, match="is a file, not a folder"):
         check_writable_target(f / "sub")
