@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,7 +26,8 @@ from torch import nn
 from .. import distributed as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
-from .apply import qdq_tensor
+from ..spec import QuantSpec
+from .apply import input_name, module_input, qdq_tensor
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
 from .result import Calibration, RoleState
@@ -45,6 +47,7 @@ class _Slot:
     sampled: int = 0
     needs_sample: bool = False
     failed: dict = field(default_factory=dict)
+    calls: int = 0  # forwards that reached the hook, empty ones included
 
 
 def _as_recipe(recipe, observer) -> Recipe:
@@ -94,7 +97,17 @@ def _activation_width(module: nn.Module, role: str):
 
 
 def _observer_key(name, role_cfg: Role):
-    return (name, role_cfg.spec, role_cfg.options)
+    return (name, _observed_spec(role_cfg), role_cfg.options)
+
+
+def _observed_spec(role_cfg: Role):
+    """The spec a role's observer watches. ``dynamic="local"`` (NVFP4 activations) calibrates
+    only the global amax, a whole-tensor statistic: its observer takes the element format
+    per tensor, so batches of any token count accumulate into one range (block units would
+    change in number with the tokens)."""
+    if role_cfg.dynamic != "local":
+        return role_cfg.spec
+    return QuantSpec(role_cfg.spec.format, "tensor", symmetric=True)
 
 
 def _make_observer(slot: _Slot, key, for_auto: bool, owns=None):
@@ -159,11 +172,13 @@ def _plan(model, recipes, candidates, owns=None):
     return slots, plans
 
 
-def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator):
+def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator,
+          input_key: str | None = None):
     def observe(x):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         for slot in slots:
+            slot.calls += 1
             for (name, _, _), obs in slot.observers.items():
                 if obs.observed_tokens.device != x.device:
                     obs.to(x.device)
@@ -179,9 +194,8 @@ def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator):
                 slot.sample.append(rows.index_select(0, idx))  # index_select copies already
                 slot.sampled += take
 
-    def pre(module, args):
-        if args:
-            observe(args[0])
+    def pre(module, args, kwargs):  # the input, positional or keyword (``lin(input=x)``)
+        observe(module_input(args, kwargs, input_key))
 
     def post(module, args, output):
         observe(output)
@@ -209,8 +223,8 @@ def _run(model, batches, slots, sample_tokens, progress, seed):
         for entry in by_module.values():
             module = entry["module"]
             if entry["input"]:
-                pre, _ = _hook(entry["input"], per_batch, sample_tokens, gen)
-                handles.append(module.register_forward_pre_hook(pre))
+                pre, _ = _hook(entry["input"], per_batch, sample_tokens, gen, input_name(module))
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             if entry["output"]:
                 _, post = _hook(entry["output"], per_batch, sample_tokens, gen)
                 handles.append(module.register_forward_hook(post))
@@ -259,14 +273,34 @@ def _state_from(obs, cfg: Role, shape) -> RoleState:
                      hi=hi, shape=shape)
 
 
-def _finish(slots, plans, recipes, auto_metric="tensor"):
+#: what calibration does with an activation role that saw no tokens (see calibrate_many)
+MISSING_POLICIES = ("skip", "float", "error")
+
+
+def _missing(layer, role, slot, names, cfg, policy):
+    """None if the role observed data; else the record of the fallback (or the error)."""
+    if cfg.dynamic is True or role == "weight":
+        return None
+    if any(slot.observers[k].has_observed for k in (_observer_key(n, cfg) for n in names)
+           if k in slot.observers):
+        return None
+    what = (f"was called {slot.calls} times but saw no tokens (0 rows)" if slot.calls else
+            "was never called during calibration (is the module used by the model's forward?)")
+    if policy == "error":
+        raise ValueError(f"calibrate: layer {layer!r} {role} {what}; pass missing='skip' or "
+                         f"missing='float' to calibrate the rest without it")
+    fallback = "float layer" if policy == "float" else f"{role} not quantized"
+    return {"layer": layer, "role": role, "calls": slot.calls, "fallback": fallback}
+
+
+def _finish(slots, plans, recipes, auto_metric="tensor", missing="skip"):
     """Build each recipe's states and report rows; ``auto`` picks by squared error."""
     cache = {}
     data = {}
     for key, slot in slots.items():
         if slot.role == "weight":
             data[key] = slot.module.weight.detach()
-        elif slot.sample:
+        elif slot.sample and sum(t.shape[0] for t in slot.sample):  # rows, not 0-row calls
             data[key] = torch.cat(slot.sample)
 
     def stats_of(key, skey, state):
@@ -306,9 +340,13 @@ def _finish(slots, plans, recipes, auto_metric="tensor"):
 
     results = {}
     for label, plan in plans.items():
-        states, rows = {}, []
+        states, rows, absent = {}, [], []
         for (layer, role), (cfg, names) in plan.items():
             slot = slots[(layer, role)]
+            gap = _missing(layer, role, slot, names, cfg, missing)
+            if gap is not None:
+                absent.append(gap)
+                continue
             shape = tuple(slot.module.weight.shape) if role == "weight" else None
             if cfg.dynamic is True:
                 state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
@@ -320,10 +358,8 @@ def _finish(slots, plans, recipes, auto_metric="tensor"):
                     if okey not in slot.observers:
                         continue
                     obs = slot.observers[okey]
-                    if not obs.has_observed:
-                        raise ValueError(
-                            f"calibrate: layer {layer!r} {role} was never called during "
-                            f"calibration (is the module used by the model's forward?)")
+                    if not obs.has_observed:  # another candidate saw the data
+                        continue
                     skey = (layer, role, okey, cfg.dynamic)
                     cand = state_of(obs, cfg, skey, shape)
                     st = stats_of((layer, role), skey, cand)
@@ -337,7 +373,10 @@ def _finish(slots, plans, recipes, auto_metric="tensor"):
             states.setdefault(layer, {})[role] = state
             if st is not None:
                 rows.append(_row(layer, role, state, st))
-        results[label] = (states, rows)
+        floats = {g["layer"] for g in absent if g["fallback"] == "float layer"}
+        states = {k: v for k, v in states.items() if k not in floats}
+        rows = [r for r in rows if r["layer"] not in floats]
+        results[label] = (states, rows, absent)
     hists = {key: _histogram(x) for key, x in data.items() if key[1] != "weight"}
     return results, hists
 
@@ -366,7 +405,8 @@ def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
 def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    sample_tokens: int = 2048, progress: bool = True,
                    seed: int = 0, distributed: bool = False, group=None,
-                   auto_metric: str = "tensor") -> dict[str, Calibration]:
+                   auto_metric: str = "tensor", missing: str = "skip"
+                   ) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -390,6 +430,12 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             the weights, statistics are synced before qparams, every rank returns the same
             result (write files from rank 0 only). A no-op in a single process.
         group: the process group (default: the default group).
+        missing: an activation role that saw no tokens (a layer never called, or called
+            only with 0 rows, as an MoE expert no token was routed to): ``"skip"``
+            (default) leaves that role unquantized, the layer keeps its weight
+            quantization (a weight-only scheme); ``"float"`` leaves the whole layer in
+            float; ``"error"`` raises. Either fallback is listed in
+            ``calibration.info["missing"]`` and warned about.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -405,6 +451,9 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
     if not recipes:
         raise ValueError("calibrate: no recipe given")
+    if missing not in MISSING_POLICIES:
+        raise ValueError(f"calibrate: missing must be one of {MISSING_POLICIES}, got "
+                         f"{missing!r}")
     if auto_metric not in ("output", "tensor"):
         raise ValueError(f"calibrate: auto_metric must be 'output' or 'tensor', got "
                          f"{auto_metric!r}")
@@ -413,25 +462,33 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         batches = []
     if distributed and qd.is_distributed(group):
         return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
-                                      progress, seed, group, t0, auto_metric)
+                                      progress, seed, group, t0, auto_metric, missing)
     slots, plans = _plan(model, recipes, candidates)
     needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                      for s in slots.values())
     n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
-    return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric)
+    return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
+                     missing=missing)
 
 
-def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor"):
+def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor",
+              missing="skip"):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
-        results, hists = _finish(slots, plans, recipes, auto_metric)
+        results, hists = _finish(slots, plans, recipes, auto_metric, missing)
     seconds = time.perf_counter() - t0
     out = {}
     for label, recipe in recipes.items():
-        states, rows = results[label]
+        states, rows, absent = results[label]
         info = {"batches": n, "calibration_seconds": round(seconds, 3)}
+        if absent:
+            info["missing"] = absent
+            warnings.warn(f"calibrate: {len(absent)} activation roles saw no tokens and fall "
+                          f"back ({absent[0]['layer']!r} {absent[0]['role']}: "
+                          f"{absent[0]['fallback']}; all in calibration.info['missing'])",
+                          stacklevel=3)
         if processes > 1:
             info["processes"] = processes
         out[label] = Calibration(recipe, states, label, rows, hists, info)
@@ -439,7 +496,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
 
 
 def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, progress, seed,
-                           group, t0, auto_metric="tensor"):
+                           group, t0, auto_metric="tensor", missing="skip"):
     """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
 
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
@@ -487,7 +544,7 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
         elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
             for s in acts.values():
                 s.sample = []
-    return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric)
+    return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric, missing)
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,
