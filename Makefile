@@ -22,7 +22,7 @@ PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pyt
 # collect the rest)
 PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py
 
-.PHONY: venv peers test demo bench lint
+.PHONY: venv peers test fuzz demo bench lint
 
 venv: $(VENV)/.stamp
 
@@ -53,6 +53,14 @@ test: venv peers
 	if [ $$rc -eq 5 ] && [ "$(ALLOW_NO_TESTS)" = 1 ]; then \
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
 	exit $$rc
+
+# the property tests of tests/test_fuzz.py with the long randomized profile (make test runs
+# them with the small derandomized "ci" profile); counts per test in runs/fuzz-stats.jsonl
+fuzz: venv
+	mkdir -p runs && rm -f runs/fuzz-stats.jsonl
+	HYPOTHESIS_PROFILE=fuzz QUANTSCOPE_FUZZ_STATS=runs/fuzz-stats.jsonl QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) \
+		$(PY) -m pytest -p no:cacheprovider -n 2 tests/test_fuzz.py
+	cat runs/fuzz-stats.jsonl
 
 # the synthetic format table (quantscope.demo), then the model demo: observers compared on
 # all-MiniLM-L6-v2 (calibrated on gensim's Lee background corpus, scored on the Lee

@@ -68,11 +68,12 @@ class QuantSpec:
         if self.eps is not None and not (isinstance(self.eps, (int, float))
                                          and not isinstance(self.eps, bool)
                                          and 0 < self.eps < math.inf):
-            raise ValueError(f"QuantSpec.eps must be a positive finite number, got {self.eps!r}")
+            raise ValueError(f"QuantSpec.eps must be a positive number (finite), got {self.eps!r}")
         for name in ("quant_min", "quant_max"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"QuantSpec.{name} must be an integer or None, got {v!r}")
+                raise ValueError(f"QuantSpec.quant_min/quant_max: need integers or None, got "
+                                 f"{name}={v!r}")
         if self.quant_min is not None or self.quant_max is not None:
             if not isinstance(fmt, IntFormat):
                 raise ValueError(
