@@ -23,7 +23,7 @@ PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pyt
 PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py tests/test_check_peers.py \
 	tests/test_export_ct_peers.py tests/test_integrations_llmcompressor.py
 
-.PHONY: venv peers test demo demo-readme bench lint kernels kernels-check
+.PHONY: venv peers test fuzz demo demo-readme bench lint kernels kernels-check
 
 venv: $(VENV)/.stamp
 
@@ -70,6 +70,14 @@ test: venv peers
 	if [ $$rc -eq 5 ] && [ "$(ALLOW_NO_TESTS)" = 1 ]; then \
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
 	exit $$rc
+
+# the property tests of tests/test_fuzz.py with the long randomized profile (make test runs
+# them with the small derandomized "ci" profile); counts per test in runs/fuzz-stats.jsonl
+fuzz: venv
+	mkdir -p runs && rm -f runs/fuzz-stats.jsonl
+	HYPOTHESIS_PROFILE=fuzz QUANTSCOPE_FUZZ_STATS=runs/fuzz-stats.jsonl QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) \
+		$(PY) -m pytest -p no:cacheprovider -n 2 tests/test_fuzz.py
+	cat runs/fuzz-stats.jsonl
 
 # the synthetic format table (quantscope.demo), then the model demo on both demo models:
 # observers compared on all-MiniLM-L6-v2 (Lee similarity) and on SmolLM2-135M (perplexity on

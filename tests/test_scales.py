@@ -153,10 +153,11 @@ def test_e8m0_unknown_mode():
 def test_nvfp4_global_scale():
     amax = torch.tensor([1.0, 2688.0, 1e-3, 0.0, float("inf"), float("nan"), 1e-44])
     gs = nvfp4_global_scale(amax, FP4_E2M1)
-    expect = 448.0 * 6.0 / amax
+    # inf counts as float32's max (issue 20: a global scale of 0 made every scale inf)
+    expect = 448.0 * 6.0 / amax.clamp(max=torch.finfo(torch.float32).max)
     ok = torch.isfinite(expect) & (amax > 0)
     assert torch.equal(gs[ok], expect[ok])
-    assert (gs[~ok] == 1).all() and torch.isfinite(gs).all()
+    assert (gs[~ok] == 1).all() and torch.isfinite(gs).all() and (gs > 0).all()
 
 
 def test_fp8_block_scale_encoding_is_e4m3():

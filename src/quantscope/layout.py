@@ -92,7 +92,8 @@ class Channel(Layout):
 
     def to_units(self, x):
         a = _axis(self.axis, x.shape, "Channel")
-        return x.movedim(a, 0).reshape(x.shape[a], -1)
+        # explicit sizes, not -1: an empty tensor has no inferable dim
+        return x.movedim(a, 0).reshape(x.shape[a], math.prod(x.shape) // max(x.shape[a], 1))
 
     def to_shape(self, units, shape):
         a = _axis(self.axis, shape, "Channel")
@@ -111,7 +112,7 @@ class Token(Layout):
     """One scale per token: every index of all dims but the last (dynamic activations)."""
 
     def to_units(self, x):
-        return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+        return x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else x.reshape(1, 1)
 
     def to_shape(self, units, shape):
         return units.reshape(shape)
@@ -159,7 +160,7 @@ class _Segments(Layout):
         pad = count * self.size - n
         if pad:
             x = torch.nn.functional.pad(x, (0, pad))
-        return x.reshape(-1, self.size)
+        return x.reshape(x.numel() // self.size, self.size)
 
     def to_shape(self, units, shape):
         a, n, count = self._geometry(shape)
@@ -194,6 +195,9 @@ class Group(_Segments):
             if g.dim() != 1 or g.dtype.is_floating_point or g.is_complex():
                 raise ValueError(f"Group: g_idx must be a 1-D integer tensor, got {g.dtype} "
                                  f"of shape {tuple(g.shape)}")
+            if g.numel() and int(g.min()) < 0:
+                raise ValueError(f"Group: g_idx must hold group indices >= 0, got "
+                                 f"{int(g.min())}")
             counts = torch.bincount(g.long().cpu(), minlength=1)
             if g.numel() % self.size or (g.numel() and (g.min() < 0 or (counts != self.size).any())):
                 raise ValueError(
@@ -260,12 +264,13 @@ class Tile(Layout):
         pr, pc = rt * self.rows - r, ct * self.cols - c
         if pr or pc:
             x = torch.nn.functional.pad(x, (0, pc, 0, pr))
-        x = x.reshape(-1, rt, self.rows, ct, self.cols).transpose(2, 3)
-        return x.reshape(-1, self.rows * self.cols)
+        lead = math.prod(x.shape[:-2])
+        x = x.reshape(lead, rt, self.rows, ct, self.cols).transpose(2, 3)
+        return x.reshape(lead * rt * ct, self.rows * self.cols)
 
     def to_shape(self, units, shape):
         r, c, rt, ct = self._geometry(shape)
-        x = units.reshape(-1, rt, ct, self.rows, self.cols).transpose(2, 3)
+        x = units.reshape(math.prod(shape[:-2]), rt, ct, self.rows, self.cols).transpose(2, 3)
         x = x.reshape(*shape[:-2], rt * self.rows, ct * self.cols)
         return x[..., :r, :c]
 

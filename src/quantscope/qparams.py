@@ -124,6 +124,9 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN compares false
     if check_finite and not bool((torch.stack((lo, hi)).abs() < math.inf).all()):
         raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
+    if check_finite and global_amax is not None and not bool(
+            (torch.as_tensor(global_amax).abs() < math.inf).all()):
+        raise ValueError(f"qparams_from_range: global_amax must be finite, got {global_amax!r}")
     lo = lo.clamp(max=0)
     hi = hi.clamp(min=0)
     fmt, enc = spec.format, spec.scale

@@ -3,7 +3,8 @@
 ``q = round(clamp(x / scale + zero_point, qmin, qmax))`` (half to even; float
 formats round to their nearest value and saturate) and ``x' = (q - zero_point) * scale``,
 computed in float32 on the layout's ``[units, elements]`` view, whatever the
-input dtype; results come back in the tensor's shape.
+input dtype; results come back in the tensor's shape, saturated to the dtype's finite
+range (see :func:`_saturate`). An empty tensor gives an empty result.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def fake_quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.
     return dequantize_units(q, scale, zero_point)
 
 
+def _saturate(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp float32 values ``t`` (in place) to ``dtype``'s finite range.
+
+    A symmetric integer scale maps ``amax`` to ``(qmax - qmin) / 2`` (127.5 for int8), so
+    the code ``qmin`` (-128) dequantizes to ``-128 / 127.5 * amax``: past the largest
+    finite value when ``amax`` is near it (65504 in float16, float32's max). Such values
+    saturate at that max, as the float formats' own rounding does, rather than become inf.
+    """
+    fmax = torch.finfo(dtype).max if dtype.is_floating_point else torch.finfo(t.dtype).max
+    return t.clamp_(-fmax, fmax)
+
+
 def _check_input(x: torch.Tensor, who: str):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{who}: x must be a torch.Tensor, got {type(x).__name__}")
@@ -93,7 +106,8 @@ def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
     """Values of codes ``q`` (as returned by :func:`quantize`), in ``dtype``."""
     scale, zp = _per_unit(qparams, spec, q.shape)
     u = spec.layout.to_units(q.float())
-    return spec.layout.to_shape(dequantize_units(u, scale, zp), q.shape).to(dtype)
+    out = _saturate(dequantize_units(u, scale, zp), dtype)
+    return spec.layout.to_shape(out, q.shape).to(dtype)
 
 
 def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
@@ -109,7 +123,8 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     _check_input(x, "fake_quantize")
     scale, zp = _per_unit(qparams, spec, x.shape)
     u = spec.layout.to_units(x.detach().float())
-    out = spec.layout.to_shape(fake_quantize_units(u, scale, zp, spec), x.shape).to(x.dtype)
+    out = _saturate(fake_quantize_units(u, scale, zp, spec), x.dtype)
+    out = spec.layout.to_shape(out, x.shape).to(x.dtype)
     if not ste:
         return out
     t = u / scale if spec.is_float else torch.round(u / scale + zp)

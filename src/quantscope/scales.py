@@ -188,12 +188,15 @@ def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Te
 
 
 def nvfp4_global_scale(amax: torch.Tensor, fmt: Format, block_format: FloatFormat = FP8_E4M3):
-    """NVFP4's fp32 global scale ``block_max * format_max / amax`` (1 where amax is 0 or not finite).
+    """NVFP4's fp32 global scale ``block_max * format_max / amax`` (1 where amax is 0 or NaN;
+    an amax above float32's max counts as that max).
 
     It maps the tensor's absolute maximum onto the largest block scale times the
     largest element, so block scales ``amax_block / format_max * global`` fill
     the fp8 range.
     """
-    amax = amax.float()
+    # an amax past float32's max (inf, or a search's candidate that overflowed) saturates
+    # there: a global scale of 0 would make every effective scale inf
+    amax = amax.float().clamp(max=torch.finfo(torch.float32).max)
     gs = (block_format.max * fmt.max) / amax
     return torch.where(torch.isfinite(gs) & (amax > 0), gs, torch.ones_like(gs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from .formats import FloatFormat, Format, IntFormat, get_format
@@ -64,8 +65,15 @@ class QuantSpec:
             raise ValueError(
                 f"QuantSpec.format: fp8 block scales with a global scale (NVFP4) take a float "
                 f"element format, got {fmt.name}")
-        if self.eps is not None and not (isinstance(self.eps, (int, float)) and self.eps > 0):
-            raise ValueError(f"QuantSpec.eps must be a positive number, got {self.eps!r}")
+        if self.eps is not None and not (isinstance(self.eps, (int, float))
+                                         and not isinstance(self.eps, bool)
+                                         and 0 < self.eps < math.inf):
+            raise ValueError(f"QuantSpec.eps must be a positive number (finite), got {self.eps!r}")
+        for name in ("quant_min", "quant_max"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"QuantSpec.quant_min/quant_max: need integers or None, got "
+                                 f"{name}={v!r}")
         if self.quant_min is not None or self.quant_max is not None:
             if not isinstance(fmt, IntFormat):
                 raise ValueError(

@@ -14,6 +14,8 @@ all go through it.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -45,7 +47,11 @@ def runtime_qparams(x: torch.Tensor, state: RoleState) -> QParams:
 
 
 def qdq_tensor(x: torch.Tensor, state: RoleState) -> torch.Tensor:
-    """``x`` fake-quantized as ``state`` says, in ``x``'s dtype."""
+    """``x`` fake-quantized as ``state`` says, in ``x``'s dtype. An empty tensor (an MoE
+    expert that no token was routed to) has nothing to quantize and passes through, under
+    every mode (a run-time observer would have seen no value to take a range from)."""
+    if x.numel() == 0:
+        return x
     return fake_quantize(x, runtime_qparams(x, state), state.spec)
 
 
@@ -88,11 +94,34 @@ class QDQHandle:
         self.remove()
 
 
-def _input_hook(state):
+def input_name(module: nn.Module) -> str | None:
+    """The name of ``module.forward``'s first parameter (``input`` for ``nn.Linear``): where
+    its input is when a caller passes it as a keyword (``lin(input=x)``)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return p.name
+    return None
+
+
+def module_input(args: tuple, kwargs: dict, name: str | None):
+    """A module call's input: the first positional argument, else the keyword ``name``."""
+    if args:
+        return args[0]
+    return kwargs.get(name) if name is not None else None
+
+
+def _input_hook(state, name):
     def hook(module, args, kwargs):
-        if not args or not isinstance(args[0], torch.Tensor):
+        x = module_input(args, kwargs, name)
+        if not isinstance(x, torch.Tensor):
             return None
-        return (qdq_tensor(args[0], state), *args[1:]), kwargs
+        if args:
+            return (qdq_tensor(x, state), *args[1:]), kwargs
+        return args, {**kwargs, name: qdq_tensor(x, state)}
     return hook
 
 
@@ -136,7 +165,8 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                         w.copy_(qdq)
                 elif role == "input":
                     handle._hooks.append(module.register_forward_pre_hook(
-                        _input_hook(state.to(_device(module))), with_kwargs=True))
+                        _input_hook(state.to(_device(module)), input_name(module)),
+                        with_kwargs=True))
                 elif role == "output":
                     handle._hooks.append(module.register_forward_hook(
                         _output_hook(state.to(_device(module)))))

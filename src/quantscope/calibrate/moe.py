@@ -30,9 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from ..layout import Tensor
 from ..qparams import qparams_from_range
-from ..spec import QuantSpec
 
 __all__ = ["Experts", "attach", "shrink", "unreached"]
 
@@ -52,16 +50,6 @@ def is_experts_3d(module: nn.Module) -> bool:
 
 
 _MARK = "_quantscope_expert"
-
-
-def observed_spec(cfg, module):
-    """The spec an observer of ``cfg`` runs with on ``module``: an expert's ``"local"``
-    role (NVFP4 activations: only the global amax is calibrated) observes its whole
-    tensor, because block-wise running state needs a fixed token count and an expert's
-    varies by batch; the state keeps ``cfg.spec``."""
-    if cfg.dynamic == "local" and getattr(module, _MARK, False):
-        return QuantSpec(cfg.spec.format, Tensor(), symmetric=cfg.spec.symmetric)
-    return cfg.spec
 
 
 def _view_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

@@ -26,8 +26,9 @@ from torch import nn
 from .. import distributed as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
+from ..spec import QuantSpec
 from . import fusion, moe
-from .apply import qdq_tensor
+from .apply import input_name, module_input, qdq_tensor
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
 from .result import Calibration, RoleState
@@ -49,6 +50,7 @@ class _Slot:
     failed: dict = field(default_factory=dict)
     also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
     last: object = None  # the input last observed, so a group's shared input counts once
+    calls: int = 0  # forwards that reached the hook, empty ones included
 
 
 def _as_recipe(recipe, observer) -> Recipe:
@@ -98,8 +100,17 @@ def _activation_width(module: nn.Module, role: str):
 
 
 def _observer_key(name, role_cfg: Role, module=None):
-    # an MoE expert's token count varies by batch: its "local" role observes per tensor
-    return (name, moe.observed_spec(role_cfg, module), role_cfg.options)
+    return (name, _observed_spec(role_cfg), role_cfg.options)
+
+
+def _observed_spec(role_cfg: Role):
+    """The spec a role's observer watches. ``dynamic="local"`` (NVFP4 activations) calibrates
+    only the global amax, a whole-tensor statistic: its observer takes the element format
+    per tensor, so batches of any token count (an MoE expert's vary by batch) accumulate
+    into one range (block units would change in number with the tokens)."""
+    if role_cfg.dynamic != "local":
+        return role_cfg.spec
+    return QuantSpec(role_cfg.spec.format, "tensor", symmetric=True)
 
 
 def _make_observer(slot: _Slot, key, for_auto: bool, owns=None):
@@ -165,11 +176,13 @@ def _plan(model, recipes, candidates, owns=None):
     return slots, plans
 
 
-def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator):
+def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator,
+          input_key: str | None = None):
     def observe(x):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         for slot in slots:
+            slot.calls += 1
             if slot.also:  # a fusion group's slot: q, k and v read one tensor, observe it once
                 if fusion.same_input(slot.last, x):
                     continue
@@ -189,9 +202,8 @@ def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator):
                 slot.sample.append(rows.index_select(0, idx))  # index_select copies already
                 slot.sampled += take
 
-    def pre(module, args):
-        if args:
-            observe(args[0])
+    def pre(module, args, kwargs):  # the input, positional or keyword (``lin(input=x)``)
+        observe(module_input(args, kwargs, input_key))
 
     def post(module, args, output):
         observe(output)
@@ -220,8 +232,8 @@ def _run(model, batches, slots, sample_tokens, progress, seed):
         for entry in by_module.values():
             module = entry["module"]
             if entry["input"]:
-                pre, _ = _hook(entry["input"], per_batch, sample_tokens, gen)
-                handles.append(module.register_forward_pre_hook(pre))
+                pre, _ = _hook(entry["input"], per_batch, sample_tokens, gen, input_name(module))
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             if entry["output"]:
                 _, post = _hook(entry["output"], per_batch, sample_tokens, gen)
                 handles.append(module.register_forward_hook(post))
@@ -384,14 +396,38 @@ def _state_from(obs, cfg: Role, shape) -> RoleState:
                      hi=hi, shape=shape)
 
 
-def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None):
+#: what calibration does with an activation role that saw no tokens (see calibrate_many)
+MISSING_POLICIES = ("skip", "float", "error")
+
+
+def _missing(layer, role, slot, names, cfg, policy, experts=None):
+    """None if the role observed data (or is an MoE expert's: :func:`moe.shrink` gives it its
+    layer's pooled statistics); else the record of the fallback (or the error)."""
+    if cfg.dynamic is True or role == "weight":
+        return None
+    if experts is not None and layer in experts.layers:
+        return None
+    if any(slot.observers[k].has_observed for k in (_observer_key(n, cfg) for n in names)
+           if k in slot.observers):
+        return None
+    what = (f"was called {slot.calls} times but saw no tokens (0 rows)" if slot.calls else
+            "was never called during calibration (is the module used by the model's forward?)")
+    if policy == "error":
+        raise ValueError(f"calibrate: layer {layer!r} {role} {what}; pass missing='skip' or "
+                         f"missing='float' to calibrate the rest without it")
+    fallback = "float layer" if policy == "float" else f"{role} not quantized"
+    return {"layer": layer, "role": role, "calls": slot.calls, "fallback": fallback}
+
+
+def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None,
+            missing="skip"):
     """Build each recipe's states and report rows; ``auto`` picks by squared error."""
     cache = {}
     data = {}
     for key, slot in slots.items():
         if slot.role == "weight":
             data[key] = slot.module.weight.detach()
-        elif slot.sample:
+        elif slot.sample and sum(t.shape[0] for t in slot.sample):  # rows, not 0-row calls
             data[key] = torch.cat(slot.sample)
 
     def stats_of(key, skey, state):
@@ -431,9 +467,13 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None
 
     results = {}
     for label, plan in plans.items():
-        states, rows = {}, []
+        states, rows, absent = {}, [], []
         for (layer, role), (cfg, names) in plan.items():
             slot = slots[(layer, role)]
+            gap = _missing(layer, role, slot, names, cfg, missing, experts)
+            if gap is not None:
+                absent.append(gap)
+                continue
             shape = tuple(slot.module.weight.shape) if role == "weight" else None
             if cfg.dynamic is True:
                 state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
@@ -445,12 +485,8 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None
                     if okey not in slot.observers:
                         continue
                     obs = slot.observers[okey]
-                    if not obs.has_observed and experts is not None and layer in experts.layers:
-                        continue  # an expert without tokens: moe.shrink gives it the pooled
-                    if not obs.has_observed:
-                        raise ValueError(
-                            f"calibrate: layer {layer!r} {role} was never called during "
-                            f"calibration (is the module used by the model's forward?)")
+                    if not obs.has_observed:  # another candidate saw the data, or an expert
+                        continue              # without tokens (moe.shrink pools it below)
                     skey = (layer, role, okey, cfg.dynamic)
                     cand = state_of(obs, cfg, skey, shape)
                     st = stats_of((layer, role), skey, cand)
@@ -470,7 +506,10 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None
         _share_inputs(states, rows, plan, slots, groups, made, errors, cache)
         shared = _share_weights(states, rows, plan, slots, groups)
         per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
-        results[label] = (states, rows, shared, per_expert)
+        floats = {g["layer"] for g in absent if g["fallback"] == "float layer"}
+        states = {k: v for k, v in states.items() if k not in floats}
+        rows = [r for r in rows if r["layer"] not in floats]
+        results[label] = (states, rows, shared, per_expert, absent)
     hists = {key: _histogram(x) for key, x in data.items() if key[1] != "weight"}
     return results, hists
 
@@ -500,7 +539,8 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    sample_tokens: int = 2048, progress: bool = True,
                    seed: int = 0, distributed: bool = False, group=None,
                    auto_metric: str = "tensor", all_experts: bool = False,
-                   expert_min_tokens: int = moe.MIN_TOKENS) -> dict[str, Calibration]:
+                   expert_min_tokens: int = moe.MIN_TOKENS,
+                   missing: str = "skip") -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -528,6 +568,11 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             token, while the block's output stays the routed one; default: the routed tokens.
         expert_min_tokens: in routed mode, an expert that saw fewer tokens has its activation
             ranges shrunk toward its layer's pooled range (none: the pooled range).
+        missing: an activation role that saw no tokens (a layer never called, or called
+            only with 0 rows) and is not an MoE expert's: ``"skip"`` (default) leaves that
+            role unquantized, the layer keeps its weight quantization (a weight-only
+            scheme); ``"float"`` leaves the whole layer in float; ``"error"`` raises. Either
+            fallback is listed in ``calibration.info["missing"]`` and warned about.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -546,6 +591,9 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     if auto_metric not in ("output", "tensor"):
         raise ValueError(f"calibrate: auto_metric must be 'output' or 'tensor', got "
                          f"{auto_metric!r}")
+    if missing not in MISSING_POLICIES:
+        raise ValueError(f"calibrate: missing must be one of {MISSING_POLICIES}, got "
+                         f"{missing!r}")
     if not isinstance(expert_min_tokens, int) or expert_min_tokens < 1:
         raise ValueError(f"calibrate: expert_min_tokens must be a positive integer, got "
                          f"{expert_min_tokens!r}")
@@ -557,7 +605,8 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         experts.min_tokens = expert_min_tokens
         if distributed and qd.is_distributed(group):
             return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
-                                          progress, seed, group, t0, auto_metric, experts)
+                                          progress, seed, group, t0, auto_metric, experts,
+                                          missing)
         slots, plans = _plan(model, recipes, candidates)
         batches, groups = _fuse(model, batches, recipes, slots)
         experts.reset_counts()
@@ -565,21 +614,27 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                          for s in slots.values())
         n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
         return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
-                         groups=groups, experts=experts, model=model)
+                         groups=groups, experts=experts, model=model, missing=missing)
 
 
 def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor",
-              groups=(), experts=None, model=None):
+              groups=(), experts=None, model=None, missing="skip"):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
-        results, hists = _finish(slots, plans, recipes, auto_metric, groups, experts)
+        results, hists = _finish(slots, plans, recipes, auto_metric, groups, experts, missing)
     seconds = time.perf_counter() - t0
     out = {}
     for label, recipe in recipes.items():
-        states, rows, shared, per_expert = results[label]
+        states, rows, shared, per_expert, absent = results[label]
         info = {"batches": n, "calibration_seconds": round(seconds, 3)}
+        if absent:
+            info["missing"] = absent
+            warnings.warn(f"calibrate: {len(absent)} activation roles saw no tokens and fall "
+                          f"back ({absent[0]['layer']!r} {absent[0]['role']}: "
+                          f"{absent[0]['fallback']}; all in calibration.info['missing'])",
+                          stacklevel=3)
         if shared:
             info["fusion_groups"] = shared
         if per_expert:
@@ -597,7 +652,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
 
 
 def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, progress, seed,
-                           group, t0, auto_metric="tensor", experts=None):
+                           group, t0, auto_metric="tensor", experts=None, missing="skip"):
     """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
 
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
@@ -651,7 +706,7 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
     for counts in experts.counts.values():  # every rank reports the global counts
         counts[:] = [qd.all_sum(c, group) for c in counts]
     return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric, groups,
-                     experts, model)
+                     experts, model, missing)
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from .. import kernels
+from .._checks import check_int
 from ..stats.histogram import Hist, fold_abs
 
 __all__ = ["entropy_amax", "entropy_divergences", "entropy_range"]
@@ -88,6 +89,21 @@ def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bo
     return kl, _candidates(start_bin, counts.shape[1], stride, counts.device)
 
 
+#: the widest integer format's bits: more quantized bins than any histogram holds (the
+#: loops grow as ``2 ** num_bits``)
+MAX_BITS = 16
+
+
+def check_options(who: str = "entropy", *, num_bits: int = 8, start_bin: int = 128,
+                  stride: int = 1, smooth: int = 1) -> None:
+    """Raise ``ValueError`` naming the option unless every one is in range (the C kernel
+    indexes with them: a negative ``start_bin`` would read outside the histogram)."""
+    check_int(who, "num_bits", num_bits, 2, MAX_BITS)
+    check_int(who, "start_bin", start_bin, 0)
+    check_int(who, "stride", stride, 1)
+    check_int(who, "smooth", smooth, 1)
+
+
 def _candidates(start_bin: int, bins: int, stride: int, device) -> torch.Tensor:
     """The candidate thresholds ``i`` (TensorRT's ``range(start_bin, bins + 1, stride)``)."""
     return torch.arange(start_bin, bins + 1, stride, device=device)
@@ -109,10 +125,7 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     also be :data:`_LAST`. When the kernel ran it wrote each unit's last-argmin bin into
     ``pick`` (if given), where no divergence is finite -1, or with ``fallback`` one past the
     unit's last non-empty bin."""
-    if not isinstance(stride, int) or stride < 1:
-        raise ValueError(f"entropy: stride must be a positive integer, got {stride!r}")
-    if not isinstance(num_bits, int) or num_bits < 2:
-        raise ValueError(f"entropy: num_bits must be an integer >= 2, got {num_bits!r}")
+    check_options(num_bits=num_bits, start_bin=start_bin, stride=stride)
     U, B = counts.shape
     dev = counts.device
     nq = 1 << (num_bits - 1 + int(unsigned))
@@ -222,6 +235,7 @@ def entropy_amax(hist: Hist, *, num_bits: int = 8, unsigned: bool = False, start
     ``trim`` ends each unit's candidates at its last non-empty bin. A unit with fewer
     bins than ``start_bin`` (or no data) gets the right edge of its last non-empty bin.
     """
+    check_options(smooth=smooth)
     h = fold_abs(hist)
     U, B = h.counts.shape
     # one pass: the kernel trims, picks the last argmin and falls back to the last bin itself

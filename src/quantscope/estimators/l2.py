@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from .. import kernels
+from .._checks import check_int
 from ..formats import IntFormat
 from ..stats.histogram import Hist
 from .error import HistogramScorer, Line
@@ -238,6 +239,7 @@ def l2_range(hist: Hist, dst_nbins: int = 256, *, kernel: bool = True
     """Per-unit ``(new_min, new_max)`` of torch.ao's non-linear search on ``hist`` (its
     ``min_val`` / ``max_val`` are ``hist.lo`` / ``hist.hi``); ``kernel=False`` walks with
     :func:`l2_path` (torch) instead of the C walk."""
+    check_dst_nbins("l2_range", dst_nbins)
     U, Bn = hist.counts.shape
     dev = hist.counts.device
     lib = _kernel() if kernel and dev.type == "cpu" and U else None
@@ -295,6 +297,11 @@ def _l2_range_kernel(lib, hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, tor
     lib.qs_l2_result(lo.data_ptr(), hi.data_ptr(), walk.st.data_ptr(), new_lo.data_ptr(),
                      new_hi.data_ptr(), U, Bn)
     return new_lo, new_hi
+
+
+def check_dst_nbins(who: str, dst_nbins) -> int:
+    """``dst_nbins`` (torch.ao's quantized bin count) as an int in ``[2, 2 ** 16]``."""
+    return check_int(who, "dst_nbins", dst_nbins, 2, 1 << 16)
 
 
 def default_dst_nbins(spec) -> int:

@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from .._checks import check_int, check_number
 from ..formats import IntFormat
 from ..qparams import qparams_from_range
 from ..quantize import fake_quantize_units
@@ -83,19 +84,25 @@ class SearchResult(tuple):
         return self
 
 
+#: the most candidates one search tries (llm-compressor's grid has 20, the expanded NVFP4
+#: grid 111): a bound so that a mistyped grid is an error rather than an hour-long search
+MAX_CANDIDATES = 10_000
+#: pow2_search's widest span: factors ``2 ** +-span`` stay far inside float32
+MAX_SPAN = 32
+
+
 def shrink_factors(maxshrink: float = 0.2, grid: float = 100, expand: float = 1.0) -> list[float]:
     """llm-compressor's candidates ``p = 1 - i / grid`` for ``i < int(maxshrink * grid)``.
 
     The range searched is ``(lo * expand) * p``; ``expand`` is applied to the base range.
     """
-    if not (isinstance(grid, (int, float)) and grid > 0):
-        raise ValueError(f"mse_search: grid must be a positive number, got {grid!r}")
-    if not (isinstance(maxshrink, (int, float)) and 0 < maxshrink <= 1):
-        raise ValueError(f"mse_search: maxshrink must be in (0, 1], got {maxshrink!r}")
+    grid = check_number("mse_search", "grid", grid, 0, lo_open=True)
+    maxshrink = check_number("mse_search", "maxshrink", maxshrink, 0, 1, lo_open=True)
+    check_number("mse_search", "expand", expand, 0, lo_open=True)
     steps = int(maxshrink * grid)
-    if steps < 1:
-        raise ValueError(f"mse_search: maxshrink * grid = {maxshrink * grid} gives no candidate; "
-                         f"need at least 1")
+    if not 1 <= steps <= MAX_CANDIDATES:
+        raise ValueError(f"mse_search: maxshrink * grid = {maxshrink * grid} gives {steps} "
+                         f"candidates; need 1 to {MAX_CANDIDATES}")
     return [1 - i / grid for i in range(steps)]
 
 
@@ -615,7 +622,6 @@ def pow2_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor |
     binades, so the candidates are the factors ``4, 2, 1, 1/2, 1/4`` (span 2), the
     first minimum winning as in Quark (which tries the largest scale first).
     """
-    if not isinstance(span, int) or span < 0:
-        raise ValueError(f"pow2_search: span must be a non-negative integer, got {span!r}")
+    check_int("pow2_search", "span", span, 0, MAX_SPAN)
     return mse_search(units, lo, hi, spec, factors=[math.ldexp(1.0, -k) for k in range(-span, span + 1)],
                       norm=norm, patience=None, global_grid=1, chunk_elems=chunk_elems)

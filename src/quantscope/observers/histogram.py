@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_int
 from ..distributed import HistogramSync
+from ..estimators.entropy import check_options as check_entropy_options
 from ..estimators.entropy import entropy_range
 from ..estimators.histogram_mse import histogram_mse_range
-from ..estimators.l2 import default_dst_nbins, l2_polished_range
+from ..estimators.l2 import check_dst_nbins, default_dst_nbins, l2_polished_range
 from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
 from ..estimators.percentile import CONVENTIONS, percentile_range
 from ..formats import IntFormat
@@ -129,7 +131,20 @@ class HistogramObserverBase(Observer):
             return H.Hist(self.hist_counts, self.hist_lo, self.hist_hi, self._absolute)
         return H.view(self._state(), self._absolute)
 
+    #: the most memory one observer's histograms may take (``units x bins`` int64); more is
+    #: an error naming the layout, not an allocation that takes the machine down
+    max_hist_bytes: int = 1 << 31
+
+    def _check_size(self, count: int) -> None:
+        need = count * self.bins * 8
+        if need > self.max_hist_bytes:
+            raise ValueError(
+                f"{self._who()}: {count} units x {self.bins} bins need {need / 2**30:.1f} GiB "
+                f"of histograms (limit {self.max_hist_bytes / 2**30:.1f} GiB: max_hist_bytes); "
+                f"use a coarser layout or fewer bins")
+
     def _unit_minmax(self, units, count, ends):
+        self._check_size(count)
         # one read of the batch for a one-unit histogram: the min / max and the histogram
         # update together (stats.hist_kernel.fused_update); strided units (a channel axis
         # that is not the first) copied once for both passes. Kept for _observe.
@@ -255,9 +270,24 @@ class HistogramObserverBase(Observer):
         the estimators are pure functions of the state, so they run under
         ``torch.inference_mode``: their ~20-200 small torch ops skip autograd's bookkeeping
         (5-7 % of a qparams call); the clip runs outside it and hands back ordinary tensors."""
+        self._check_magnitude()
         with torch.inference_mode():
             lo, hi = self._estimate(self.current_histogram())
         return self._clip(lo, hi)
+
+    #: the largest ``|x|`` a histogram takes: the power-of-two grid's last edge (up to twice
+    #: the data's max) and the estimators' scores must stay finite in float32
+    MAX_ABS = 2.0 ** 126
+
+    def _check_magnitude(self) -> None:
+        if not self.min_vals.numel():
+            return
+        amax = float(torch.maximum(-self.min_vals.amin(), self.max_vals.amax()))
+        if amax >= self.MAX_ABS:  # NaN / inf are reported by check_ready
+            raise ValueError(
+                f"{self._who()}: observed |x| up to {amax:.4g}; histogram observers take "
+                f"|x| < 2**126 = {self.MAX_ABS:.4g} (their grid's edges must stay finite in "
+                f"float32); use a min-max or MSE observer for such values")
 
     def _sync_plan(self):
         from ..distributed import AVG, MAX, MIN
@@ -318,7 +348,8 @@ class HistogramMSEObserver(HistogramObserverBase):
 
     def __init__(self, spec=None, *, start_bin: int = 128, stride: int = 1, **kwargs):
         super().__init__(spec, **kwargs)
-        self.start_bin, self.stride = start_bin, stride
+        self.start_bin = check_int(type(self).__name__, "start_bin", start_bin, 0)
+        self.stride = check_int(type(self).__name__, "stride", stride, 1)
 
     def _estimate(self, hist):
         return histogram_mse_range(hist, self.spec, start_bin=self.start_bin, stride=self.stride,
@@ -348,6 +379,8 @@ class EntropyObserver(HistogramObserverBase):
         bits, unsigned = _kl_bits(self.spec)
         self.num_bits = bits if num_bits is None else num_bits
         self.unsigned = unsigned
+        check_entropy_options(type(self).__name__, num_bits=self.num_bits, start_bin=start_bin,
+                              stride=stride, smooth=smooth)
         self.start_bin, self.stride, self.smooth = start_bin, stride, smooth
         self.copy_zero_bin = copy_zero_bin
 
@@ -373,7 +406,8 @@ class L2HistogramObserver(HistogramObserverBase):
     def __init__(self, spec=None, *, dst_nbins: int | None = None, polish: int = 256,
                  **kwargs):
         super().__init__(spec, **kwargs)
-        self.dst_nbins = dst_nbins or default_dst_nbins(self.spec)
+        self.dst_nbins = (default_dst_nbins(self.spec) if dst_nbins is None else
+                          check_dst_nbins(type(self).__name__, dst_nbins))
         if not isinstance(polish, int) or polish < 0:
             raise ValueError(f"{type(self).__name__}: polish must be a non-negative integer, "
                              f"got {polish!r}")
@@ -402,7 +436,8 @@ class MixObserver(HistogramObserverBase):
                  convention: str = "center", start_bin: int = 128, **kwargs):
         super().__init__(spec, **kwargs)
         self.percentiles, self.candidates = tuple(percentiles), tuple(candidates)
-        self.convention, self.start_bin = convention, start_bin
+        self.convention = convention
+        self.start_bin = check_int(type(self).__name__, "start_bin", start_bin, 0)
 
     def _estimate(self, hist):
         return mix_range(hist, self.spec, lo=self.min_vals, hi=self.max_vals,

@@ -28,7 +28,8 @@ from typing import ClassVar
 
 import torch
 
-from ..estimators.mse import linear_search, mse_search, pow2_search
+from .._checks import check_int
+from ..estimators.mse import MAX_SPAN, linear_search, mse_search, pow2_search
 from ..stats.minmax import ema_
 from .base import Observer
 from .registry import register
@@ -207,7 +208,7 @@ class Pow2MSEObserver(MemorylessMSEObserver):
     """
 
     def __init__(self, spec=None, *, span: int = 2, chunk_elems: int | None = None, **kwargs):
-        self.span = span
+        self.span = check_int(type(self).__name__, "span", span, 0, MAX_SPAN)
         super().__init__(spec, chunk_elems=chunk_elems, **kwargs)
 
     def _search(self, units, lo, hi):

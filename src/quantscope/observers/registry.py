@@ -51,6 +51,9 @@ def _load_all():
 
 def observer_class(name: str) -> type:
     """The class registered under ``name`` (case-insensitive)."""
+    if not isinstance(name, str):
+        raise TypeError(f"get_observer: name must be a registry name (str), got "
+                        f"{type(name).__name__}")
     _load_all()
     try:
         return _REGISTRY[name.lower()]

@@ -283,7 +283,10 @@ def linear_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     same = lo == hi  # histc widens an empty range by one on each side
     lo = torch.where(same, lo - 1, lo)
     hi = torch.where(same, hi + 1, hi)
-    pos = ((units - lo[:, None]) * bins / (hi - lo)[:, None]).trunc_()
+    # a range that the +-1 does not widen (|lo| >= 2 ** 24: a constant -1e9 mask) or that
+    # overflows float32 gives 0 / 0 or inf / inf: those values go to the first bin
+    # (torch.ao's qparams then come from min / max alone), never a NaN index
+    pos = ((units - lo[:, None]) * bins / (hi - lo)[:, None]).trunc_().nan_to_num_(0.0)
     inside = (units >= lo[:, None]) & (units <= hi[:, None])
     pos = pos.clamp_(0, bins - 1).long()
     pos = torch.where(inside, pos + torch.arange(U, device=units.device)[:, None] * bins,

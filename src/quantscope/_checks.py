@@ -1,0 +1,35 @@
+"""Argument checks shared by constructors and estimator entry points: one message format.
+
+Every option that sizes a loop or an allocation, or indexes into a kernel, enters through
+one of these, so a bad value is a ``ValueError`` naming the argument (never a segfault in
+C, a hang or a silently different result).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["check_int", "check_number"]
+
+
+def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int:
+    """``value`` as an int in ``[lo, hi]`` (``bool`` is not an integer here)."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or value < lo or (hi is not None and value > hi):
+        want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{who}: {name} must be an integer {want}, got {value!r}")
+    return int(value)
+
+
+def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,
+                 lo_open: bool = False) -> float:
+    """``value`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+    if not ok:
+        left = "(" if lo_open else "["
+        raise ValueError(f"{who}: {name} must be a finite number in {left}{lo}, {hi}], "
+                         f"got {value!r}")
+    return float(value)
