@@ -1,0 +1,81 @@
+"""ONNX QDQ export: ORT runs it, every quantized Linear as an integer kernel, and its outputs
+equal quantscope's fake-quant (Calibration.apply) to float rounding."""
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from quantscope import (
+    calibrate,
+    export,
+    presets,
+)
+from quantscope.calibrate.recipe import Recipe, Role, Rule, preset
+from quantscope.export import onnx as qonnx
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def bert():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=4, vocab_size=200)
+    model = transformers.BertModel(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 200, (2, 16), generator=g),
+                "attention_mask": torch.ones(2, 16, dtype=torch.long)} for _ in range(3)]
+    return model, batches
+
+
+def _ort_vs_fake_quant(model, batches, calib, path):
+    export.export(calib, model, path, format="onnx", example_inputs=batches[0])
+    opt = str(path) + ".opt.onnx"
+    sess = qonnx.session(path, threads=1, optimized_model_path=opt)
+    test = {"input_ids": torch.randint(0, 200, (3, 11), generator=torch.Generator().manual_seed(5)),
+            "attention_mask": torch.ones(3, 11, dtype=torch.long)}
+    got = sess.run(None, {k: v.numpy() for k, v in test.items()})[0]
+    with torch.no_grad(), calib.apply(model):
+        ref = model(**test).last_hidden_state.numpy()
+    return got, ref, qonnx.integer_kernel_counts(opt)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w4a8"])
+def test_static_activations_equal_fake_quant_and_integer_kernels(bert, tmp_path, recipe):
+    model, batches = bert
+    calib = calibrate(model, batches, preset(recipe, "minmax", ignore=["*pooler*"]),
+                      progress=False)
+    got, ref, counts = _ort_vs_fake_quant(model, batches, calib, tmp_path / "m.onnx")
+    assert got.shape == ref.shape
+    err = np.abs(got - ref).max()
+    assert err <= 1e-3 * np.abs(ref).max(), err
+    # every quantized Linear (2 layers x 6) an integer kernel, no float MatMul beside attention's
+    if recipe == "w8a8":
+        assert sum(counts.get(k, 0) for k in qonnx.INTEGER_KERNELS) == len(calib.states) == 12
+        float_matmuls = sum(counts.get(k, 0) for k in ("MatMul", "FusedMatMul", "Gemm"))
+        assert float_matmuls <= 2 * 2 + 1, counts  # attention's QK^T and PV, the pooler
+
+
+def test_weight_only_equal_fake_quant(bert, tmp_path):
+    model, batches = bert
+    w8a16 = Recipe(Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, "minmax")),
+                   ignore=("*pooler*",))
+    calib = calibrate(model, batches, w8a16, progress=False)
+    got, ref, _ = _ort_vs_fake_quant(model, batches, calib, tmp_path / "m.onnx")
+    assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_what_onnx_cannot_express_is_an_error_naming_the_layer(bert, tmp_path):
+    model, batches = bert
+    for recipe, match in (("fp8", "float formats"), ("w8a8-dynamic", "run time")):
+        calib = calibrate(model, batches[:1], preset(recipe, "minmax", ignore=["*pooler*"]),
+                          progress=False)
+        with pytest.raises(ValueError, match=match) as err:
+            export.export(calib, model, tmp_path / "m.onnx", format="onnx",
+                          example_inputs=batches[0])
+        assert "encoder.layer.0" in str(err.value)
+        assert not (tmp_path / "m.onnx").exists()
