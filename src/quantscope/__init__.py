@@ -7,6 +7,7 @@ from . import (
     presets,
     scales,
 )
+from .calibrate.sensitivity import keep_float, sensitivity
 from .formats import FloatFormat, IntFormat, get_format
 from .layout import Block, Channel, Group, Tensor, Tile, Token
 from .observers import Observer, get_observer, list_observers
@@ -36,10 +37,12 @@ __all__ = [
     "formats",
     "get_format",
     "get_observer",
+    "keep_float",
     "layout",
     "list_observers",
     "presets",
     "qparams_from_range",
     "quantize",
     "scales",
+    "sensitivity",
 ]

@@ -25,12 +25,17 @@ from torch import nn
 from .. import distributed as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
+from . import auto as _auto
 from .apply import qdq_tensor
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
 from .result import Calibration, RoleState
 
-__all__ = ["calibrate", "calibrate_many"]
+__all__ = ["AUTO_METRICS", "calibrate", "calibrate_many"]
+
+#: what ``auto`` can minimise (see :func:`calibrate_many`); "model", "joint" and "fisher"
+#: live in :mod:`.auto`
+AUTO_METRICS = ("model", "joint", "fisher", "tensor", "output")
 
 
 @dataclass
@@ -259,8 +264,9 @@ def _state_from(obs, cfg: Role, shape) -> RoleState:
                      hi=hi, shape=shape)
 
 
-def _finish(slots, plans, recipes, auto_metric="tensor"):
-    """Build each recipe's states and report rows; ``auto`` picks by squared error."""
+def _finish(slots, plans, recipes, auto_metric="tensor", fisher=None):
+    """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
+    ``auto_metric`` "joint" / "fisher", by :func:`.auto.joint_choice`)."""
     cache = {}
     data = {}
     for key, slot in slots.items():
@@ -304,13 +310,28 @@ def _finish(slots, plans, recipes, auto_metric="tensor"):
             made[skey] = _state_from(obs, cfg, shape)
         return replace(made[skey], requested=cfg.observer)
 
+    def joint_pick(plan, layer):
+        """The (weight, input) states :func:`.auto.joint_choice` picks for ``layer``, or None
+        where the layer has no 2-D weight with an input sample and both roles calibrated."""
+        key = (layer, tuple((r, plan[(layer, r)][0]) for r in ("weight", "input")
+                            if (layer, r) in plan))
+        if key not in joint:
+            joint[key] = _auto.layer_pick(layer, plan, slots, data, state_of, fisher)
+        return joint[key]
+
+    joint = {}
     results = {}
     for label, plan in plans.items():
         states, rows = {}, []
         for (layer, role), (cfg, names) in plan.items():
             slot = slots[(layer, role)]
             shape = tuple(slot.module.weight.shape) if role == "weight" else None
-            if cfg.dynamic is True:
+            pick = (joint_pick(plan, layer) if auto_metric in _auto.LAYER_METRICS
+                    and len(names) > 1 and role in ("weight", "input") else None)
+            if pick is not None:
+                state = replace(pick[role], requested=cfg.observer)
+                st = stats_of((layer, role), (layer, role, "joint", state.observer, cfg), state)
+            elif cfg.dynamic is True:
                 state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
                 st = stats_of((layer, role), (layer, role, "dynamic", cfg), state)
             else:
@@ -366,7 +387,8 @@ def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
 def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    sample_tokens: int = 2048, progress: bool = True,
                    seed: int = 0, distributed: bool = False, group=None,
-                   auto_metric: str = "tensor") -> dict[str, Calibration]:
+                   auto_metric: str = "model", loss=None,
+                   score_tokens: int = 1024) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -380,11 +402,20 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         sample_tokens: activation rows kept per layer for ``auto`` and the report.
         progress: show a tqdm progress bar over the batches.
         seed: seeds the choice of sampled rows.
-        auto_metric: what ``auto`` minimises per layer: ``"tensor"`` (default) the squared
-            error of the quantized tensor itself (the report's SQNR), or ``"output"`` the
-            error a role's quantization causes in the layer's output ``x W^T`` on the sampled
-            inputs (2-D weights; otherwise the tensor's own error). On MiniLM neither
-            predicts the end-to-end result well (see the README).
+        auto_metric: what ``auto`` minimises: ``"model"`` (default) the divergence of the
+            model's output from the float model's on the first calibration batches
+            (``score_tokens`` tokens), choosing among whole configurations: each candidate
+            observer and the ``"joint"`` choice (:mod:`.auto`); per layer, ``"joint"`` the
+            layer's output error ``||X W^T - Q(X) Q(W)^T||^2`` with weight and input
+            chosen together, ``"fisher"`` that error weighted by the loss's ``g^2`` per
+            output feature, ``"tensor"`` the squared error of the quantized tensor itself
+            (the report's SQNR), or ``"output"`` the error one role's quantization causes in
+            ``x W^T``. See the README for the measurements behind the default.
+        loss: for ``"model"``, ``callable(output, reference_output, batch) -> float``
+            replacing the default divergence (KL of next-token distributions for causal LMs,
+            ``1 - cosine`` of mean-pooled outputs otherwise); for ``"fisher"``,
+            ``callable(output, batch) -> scalar tensor`` (default: the model's own loss).
+        score_tokens: calibration tokens the ``"model"`` and ``"fisher"`` metrics run on.
         distributed: inside a ``torch.distributed`` process group (e.g. under ``torchrun``),
             calibrate data-parallel: each rank takes every ``world``-th batch and a share of
             the weights, statistics are synced before qparams, every rank returns the same
@@ -405,12 +436,24 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
     if not recipes:
         raise ValueError("calibrate: no recipe given")
-    if auto_metric not in ("output", "tensor"):
-        raise ValueError(f"calibrate: auto_metric must be 'output' or 'tensor', got "
+    if auto_metric not in AUTO_METRICS:
+        raise ValueError(f"calibrate: auto_metric must be one of {AUTO_METRICS}, got "
                          f"{auto_metric!r}")
     t0 = time.perf_counter()
     if batches is None:
         batches = []
+    if auto_metric == "model":
+        return _auto.calibrate_end_to_end(
+            calibrate_many, model, batches, recipes, candidates=candidates,
+            score_tokens=score_tokens, loss=loss, sample_tokens=sample_tokens,
+            progress=progress, seed=seed, distributed=distributed, group=group)
+    fisher = None
+    if auto_metric == "fisher":
+        batches = list(batches)
+        layers = {layer for r in recipes.values() if _auto._has_auto(r)
+                  for layer in r.match(model)}
+        fisher = _auto.fisher_weights(model, _auto.score_batches(batches, score_tokens),
+                                      sorted(layers), loss)
     if distributed and qd.is_distributed(group):
         return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
                                       progress, seed, group, t0, auto_metric)
@@ -418,15 +461,17 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                      for s in slots.values())
     n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
-    return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric)
+    return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
+                     fisher=fisher)
 
 
-def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor"):
+def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor",
+              fisher=None):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
-        results, hists = _finish(slots, plans, recipes, auto_metric)
+        results, hists = _finish(slots, plans, recipes, auto_metric, fisher)
     seconds = time.perf_counter() - t0
     out = {}
     for label, recipe in recipes.items():
