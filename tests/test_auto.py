@@ -312,3 +312,28 @@ def test_fallback_curve_rows():
     assert [r["n"] for r in rows] == [0, 2, 100]
     assert rows[0]["float_macs_pct"] == 0 and rows[-1]["float_macs_pct"] == 100
     assert len(rows[1]["tensors"]) == 2
+
+
+def test_imatrix_observer_matches_the_estimator_and_falls_back_to_unweighted():
+    torch.manual_seed(2)
+    w = torch.randn(6, 32)
+    imp = torch.rand(32) * 4
+    spec = QuantSpec("int4", quantscope.Group(16))
+    for importance in (imp, None):
+        obs = quantscope.get_observer("imatrix_mse", spec, importance=importance)
+        obs(w)
+        lo, hi = imatrix_range(w, importance, spec)
+        qlo, qhi = obs.calculate_range()
+        assert torch.equal(qlo.flatten(), lo.flatten()) and torch.equal(qhi.flatten(), hi.flatten())
+        qp = obs.calculate_qparams()
+        assert qp.scale.shape == spec.layout.qparam_shape(w.shape)
+    # the weighted search has the lower weighted error, the unweighted the lower plain error
+    def err(lo, hi, weights):
+        qp = qparams_from_range(lo, hi, spec).reshape(spec.layout.qparam_shape(w.shape))
+        return float(((fake_quantize(w, qp, spec) - w) ** 2 * weights).sum())
+    lw, hw = imatrix_range(w, imp, spec)
+    lu, hu = imatrix_range(w, None, spec)
+    assert err(lw, hw, imp) <= err(lu, hu, imp)
+    assert err(lu, hu, torch.ones(32)) <= err(lw, hw, torch.ones(32))
+    with pytest.raises(ValueError, match="importance has 32"):
+        quantscope.get_observer("imatrix_mse", spec, importance=imp)(torch.randn(6, 16))

@@ -23,12 +23,58 @@ from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 from .mse import shrink_factors
 
-__all__ = ["imatrix_range", "output_clip_range", "output_error"]
+__all__ = ["imatrix_range", "importance_units", "output_clip_range", "output_error",
+           "weighted_search"]
 
 
 def _check_spec(spec, who):
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"{who}: spec must be a QuantSpec, got {type(spec).__name__}")
+
+
+def weighted_search(units: torch.Tensor, weights: torch.Tensor, spec: QuantSpec, *,
+                    factors=None, norm: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-unit ``(lo, hi)`` among the min-max range shrunk by ``factors`` minimising
+    ``sum weights * |Q(u) - u|^norm`` (``units`` and ``weights`` both ``[U, E]``). Factor 1
+    is the incumbent (strict ``<`` keeps the earliest best)."""
+    if not (isinstance(norm, (int, float)) and norm > 0):
+        raise ValueError(f"imatrix_range: norm must be a positive number, got {norm!r}")
+    factors = shrink_factors() if factors is None else list(factors)
+    if not factors or any(not (0 < f <= 1) for f in factors):
+        raise ValueError(f"imatrix_range: factors must be in (0, 1], got {factors!r}")
+    lo0, hi0 = unit_minmax(units)
+    best = None
+    for f in [1.0, *factors]:
+        lo, hi = lo0 * f, hi0 * f
+        qp = qparams_from_range(lo, hi, spec)
+        scale = qp.effective_scale.expand_as(lo).reshape(-1, 1)
+        zp = qp.zero_point.float().expand_as(lo).reshape(-1, 1)
+        d = fake_quantize_units(units, scale, zp, spec).sub_(units).abs_().pow_(norm)
+        err = (d * weights).sum(1)
+        if best is None:
+            best = [err, lo.clone(), hi.clone()]
+            continue
+        better = err < best[0]
+        best[0] = torch.where(better, err, best[0])
+        best[1] = torch.where(better.reshape(lo.shape), lo, best[1])
+        best[2] = torch.where(better.reshape(hi.shape), hi, best[2])
+    return best[1], best[2]
+
+
+def importance_units(importance: torch.Tensor | None, shape, spec: QuantSpec,
+                     device=None) -> torch.Tensor:
+    """``importance`` (one value per input channel, the last dim of ``shape``) as the
+    ``[U, E]`` per-element weights of ``spec``'s layout; ones if None."""
+    shape = tuple(shape)
+    if importance is None:
+        return spec.layout.to_units(torch.ones(shape, device=device))
+    importance = importance.detach().float().to(device).flatten()
+    if importance.numel() != shape[-1]:
+        raise ValueError(f"imatrix_range: importance must have one value per input channel "
+                         f"({shape[-1]}), got {importance.numel()}")
+    if not torch.isfinite(importance).all() or (importance < 0).any():
+        raise ValueError("imatrix_range: importance must be finite and non-negative")
+    return spec.layout.to_units(importance.expand(shape).contiguous())
 
 
 def imatrix_range(w: torch.Tensor, importance: torch.Tensor | None, spec: QuantSpec, *,
@@ -49,41 +95,9 @@ def imatrix_range(w: torch.Tensor, importance: torch.Tensor | None, spec: QuantS
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise ValueError(f"imatrix_range: w must be a 2-D weight [out, in], got "
                          f"{getattr(w, 'shape', type(w).__name__)}")
-    if not (isinstance(norm, (int, float)) and norm > 0):
-        raise ValueError(f"imatrix_range: norm must be a positive number, got {norm!r}")
     w = w.detach().float()
-    if importance is None:
-        imp = torch.ones_like(w)
-    else:
-        importance = importance.detach().float().to(w.device).flatten()
-        if importance.numel() != w.shape[1]:
-            raise ValueError(f"imatrix_range: importance must have one value per input channel "
-                             f"({w.shape[1]}), got {importance.numel()}")
-        if not torch.isfinite(importance).all() or (importance < 0).any():
-            raise ValueError("imatrix_range: importance must be finite and non-negative")
-        imp = importance.expand_as(w)
-    units = spec.layout.to_units(w)
-    weights = spec.layout.to_units(imp.contiguous())
-    lo0, hi0 = unit_minmax(units)
-    factors = shrink_factors() if factors is None else list(factors)
-    if not factors or any(not (0 < f <= 1) for f in factors):
-        raise ValueError(f"imatrix_range: factors must be in (0, 1], got {factors!r}")
-    best = None
-    for f in [1.0, *factors]:
-        lo, hi = lo0 * f, hi0 * f
-        qp = qparams_from_range(lo, hi, spec)
-        scale = qp.effective_scale.expand_as(lo).reshape(-1, 1)
-        zp = qp.zero_point.float().expand_as(lo).reshape(-1, 1)
-        d = fake_quantize_units(units, scale, zp, spec).sub_(units).abs_().pow_(norm)
-        err = (d * weights).sum(1)
-        if best is None:
-            best = [err, lo.clone(), hi.clone()]
-            continue
-        better = err < best[0]
-        best[0] = torch.where(better, err, best[0])
-        best[1] = torch.where(better.reshape(lo.shape), lo, best[1])
-        best[2] = torch.where(better.reshape(hi.shape), hi, best[2])
-    return best[1], best[2]
+    weights = importance_units(importance, w.shape, spec, w.device)
+    return weighted_search(spec.layout.to_units(w), weights, spec, factors=factors, norm=norm)
 
 
 def output_error(x: torch.Tensor, w_q: torch.Tensor, spec: QuantSpec, lo: torch.Tensor,
