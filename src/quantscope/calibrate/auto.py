@@ -5,7 +5,7 @@ Three criteria, from local to global (``calibrate(..., auto_metric=...)``):
 * ``"joint"`` (item a): per Linear, the weight and input candidates are chosen *together*
   by the layer's output error ``||X W^T - Q(X) Q(W)^T||^2`` on the sampled calibration
   inputs (coordinate descent: the weight given min-max inputs, then the input given that
-  weight, then the weight again). Weights also get an importance-weighted MSE candidate
+  weight; more ``rounds`` in :func:`joint_choice`). Weights also get an importance-weighted MSE candidate
   (:func:`~quantscope.estimators.weighted.imatrix_range`, ``imatrix``).
 * ``"fisher"`` (item b): the same error with each output feature weighted by the mean
   squared gradient ``g^2`` of the model's loss with respect to it (ModelOpt's
@@ -48,7 +48,7 @@ __all__ = [
 #: per-layer criteria computed in the session's ``_finish`` through :func:`joint_choice`
 LAYER_METRICS = ("joint", "fisher")
 #: sampled input rows the joint error uses per layer (its cost: a few matmuls of this many rows)
-JOINT_ROWS = 512
+JOINT_ROWS = 256
 IMATRIX = "imatrix"
 
 
@@ -238,7 +238,7 @@ def imatrix_state(w: torch.Tensor, x: torch.Tensor, base: RoleState) -> RoleStat
 
 def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
                  x_states: list[RoleState], out_weights: torch.Tensor | None = None,
-                 rounds: int = 2) -> tuple[int, int, float]:
+                 rounds: int = 1) -> tuple[int, int, float]:
     """``(i, j, error)``: the weight state ``i`` and input state ``j`` with the lowest
     ``sum_o c_o ||X W^T - Q_j(X) Q_i(W)^T||_o^2`` found by coordinate descent (start: the
     first of each list, min-max by convention). Exhaustive when either list has one entry."""
