@@ -20,6 +20,7 @@ _EXPORTS = {
     "dequantize": "quantize", "fake_quantize": "quantize", "quantize": "quantize",
     "ScaleEncoding": "scales",
     "QuantSpec": "spec",
+    "keep_float": "calibrate.sensitivity", "sensitivity": "calibrate.sensitivity",
     "calibrate": None,  # a callable package: quantscope.calibrate(model, batches, recipe)
     "export": None, "formats": None, "layout": None, "presets": None, "scales": None,
 }
@@ -27,8 +28,8 @@ _EXPORTS = {
 __all__ = [
     "Block", "Channel", "FloatFormat", "Group", "IntFormat", "Observer", "QParams", "QuantSpec",
     "ScaleEncoding", "Tensor", "Tile", "Token", "calibrate", "dequantize", "export",
-    "fake_quantize", "formats", "get_format", "get_observer", "layout", "list_observers",
-    "presets", "qparams_from_range", "quantize", "scales",
+    "fake_quantize", "formats", "get_format", "get_observer", "keep_float", "layout",
+    "list_observers", "presets", "qparams_from_range", "quantize", "scales", "sensitivity",
 ]
 
 

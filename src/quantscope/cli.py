@@ -160,9 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the data, evaluate each, print the comparison table and "
                                    "write report.md, report.json and plots.")
     _recipe_args(p, many=True)
-    p.add_argument("--auto-metric", default="tensor", choices=["tensor", "output"],
-                   help="what 'auto' minimises per layer: the quantized tensor's own error "
-                        "(default), or the error it causes in the layer's output x W^T")
+    p.add_argument("--auto-metric", default="model",
+                   choices=["model", "joint", "fisher", "tensor", "output"],
+                   help="what 'auto' minimises: the divergence of the model's output from "
+                        "float, choosing among whole configurations (default); per layer the "
+                        "output error x W^T with weight and input chosen together (joint), "
+                        "weighted by the loss's g^2 (fisher); the quantized tensor's own error "
+                        "(tensor), or one role's error in x W^T (output)")
     p.add_argument("--plot-layer", default=None, metavar="NAME",
                    help="layer of the histogram plot (default: where observers differ most)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

@@ -5,6 +5,7 @@ from .io import load, save
 from .recipe import PRESETS, ROLES, Recipe, Role, Rule, preset
 from .report import Report
 from .result import Calibration, RoleState
+from .sensitivity import Sensitivity, fallback_curve, keep_float, sensitivity
 from .session import calibrate, calibrate_many
 
 __all__ = [
@@ -17,13 +18,17 @@ __all__ = [
     "Role",
     "RoleState",
     "Rule",
+    "Sensitivity",
     "apply",
     "calibrate",
     "calibrate_many",
+    "fallback_curve",
+    "keep_float",
     "load",
     "preset",
     "qdq_tensor",
     "save",
+    "sensitivity",
 ]
 
 

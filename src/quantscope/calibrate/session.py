@@ -3,11 +3,11 @@
 :func:`calibrate` runs one recipe; :func:`calibrate_many` runs several in **one**
 pass over the data: the observers of all recipes are attached together, and a
 recipe that asks for the same (layer, role, spec, observer) as another shares
-its observer. ``observer="auto"`` observes every candidate and keeps, per layer
-and role, the one whose qparams give the lowest squared error on that layer's
-data: the weight itself, or a sample of the calibration activations kept for the
-purpose (``auto_metric="tensor"``, the default); or the lowest error in the
-layer's output ``x W^T`` on the sampled inputs (``"output"``).
+its observer. ``observer="auto"`` observes every candidate and keeps what
+``auto_metric`` says is best: by default (``"model"``) the whole configuration
+whose model output is closest to the float model's (:mod:`.auto`); per layer, the
+candidates with the least error in the layer's output (``"joint"``, ``"fisher"``,
+``"output"``) or in the tensor itself (``"tensor"``).
 
 Hooks are removed in a ``finally``, whatever happens; the model's train / eval
 mode is restored; forwards run under ``torch.inference_mode``.
@@ -27,13 +27,18 @@ from .. import distributed as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
 from ..spec import QuantSpec
+from . import auto as _auto
 from . import fusion, moe
 from .apply import input_name, module_input, qdq_tensor
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
 from .result import Calibration, RoleState
 
-__all__ = ["calibrate", "calibrate_many"]
+__all__ = ["AUTO_METRICS", "calibrate", "calibrate_many"]
+
+#: what ``auto`` can minimise (see :func:`calibrate_many`); "model", "joint" and "fisher"
+#: live in :mod:`.auto`
+AUTO_METRICS = ("model", "joint", "fisher", "tensor", "output")
 
 
 @dataclass
@@ -420,8 +425,9 @@ def _missing(layer, role, slot, names, cfg, policy, experts=None):
 
 
 def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None,
-            missing="skip"):
-    """Build each recipe's states and report rows; ``auto`` picks by squared error."""
+            missing="skip", fisher=None):
+    """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
+    ``auto_metric`` "joint" / "fisher", by :func:`.auto.joint_choice`)."""
     cache = {}
     data = {}
     for key, slot in slots.items():
@@ -465,6 +471,16 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None
             made[skey] = _state_from(obs, cfg, shape)
         return replace(made[skey], requested=cfg.observer)
 
+    def joint_pick(plan, layer):
+        """The (weight, input) states :func:`.auto.joint_choice` picks for ``layer``, or None
+        where the layer has no 2-D weight with an input sample and both roles calibrated."""
+        key = (layer, tuple((r, plan[(layer, r)][0]) for r in ("weight", "input")
+                            if (layer, r) in plan))
+        if key not in joint:
+            joint[key] = _auto.layer_pick(layer, plan, slots, data, state_of, fisher)
+        return joint[key]
+
+    joint = {}
     results = {}
     for label, plan in plans.items():
         states, rows, absent = {}, [], []
@@ -475,7 +491,12 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None
                 absent.append(gap)
                 continue
             shape = tuple(slot.module.weight.shape) if role == "weight" else None
-            if cfg.dynamic is True:
+            pick = (joint_pick(plan, layer) if auto_metric in _auto.LAYER_METRICS
+                    and len(names) > 1 and role in ("weight", "input") else None)
+            if pick is not None:
+                state = replace(pick[role], requested=cfg.observer)
+                st = stats_of((layer, role), (layer, role, "joint", state.observer, cfg), state)
+            elif cfg.dynamic is True:
                 state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
                 st = stats_of((layer, role), (layer, role, "dynamic", cfg), state)
             else:
@@ -538,8 +559,8 @@ def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
 def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    sample_tokens: int = 2048, progress: bool = True,
                    seed: int = 0, distributed: bool = False, group=None,
-                   auto_metric: str = "tensor", all_experts: bool = False,
-                   expert_min_tokens: int = moe.MIN_TOKENS,
+                   auto_metric: str = "model", loss=None, score_tokens: int = 1024,
+                   all_experts: bool = False, expert_min_tokens: int = moe.MIN_TOKENS,
                    missing: str = "skip") -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
@@ -554,11 +575,20 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         sample_tokens: activation rows kept per layer for ``auto`` and the report.
         progress: show a tqdm progress bar over the batches.
         seed: seeds the choice of sampled rows.
-        auto_metric: what ``auto`` minimises per layer: ``"tensor"`` (default) the squared
-            error of the quantized tensor itself (the report's SQNR), or ``"output"`` the
-            error a role's quantization causes in the layer's output ``x W^T`` on the sampled
-            inputs (2-D weights; otherwise the tensor's own error). On MiniLM neither
-            predicts the end-to-end result well (see the README).
+        auto_metric: what ``auto`` minimises: ``"model"`` (default) the divergence of the
+            model's output from the float model's on the first calibration batches
+            (``score_tokens`` tokens), choosing among whole configurations: each candidate
+            observer and the ``"joint"`` choice (:mod:`.auto`); per layer, ``"joint"`` the
+            layer's output error ``||X W^T - Q(X) Q(W)^T||^2`` with weight and input
+            chosen together, ``"fisher"`` that error weighted by the loss's ``g^2`` per
+            output feature, ``"tensor"`` the squared error of the quantized tensor itself
+            (the report's SQNR), or ``"output"`` the error one role's quantization causes in
+            ``x W^T``. See the README for the measurements behind the default.
+        loss: for ``"model"``, ``callable(output, reference_output, batch) -> float``
+            replacing the default divergence (KL of next-token distributions for causal LMs,
+            ``1 - cosine`` of mean-pooled outputs otherwise); for ``"fisher"``,
+            ``callable(output, batch) -> scalar tensor`` (default: the model's own loss).
+        score_tokens: calibration tokens the ``"model"`` and ``"fisher"`` metrics run on.
         distributed: inside a ``torch.distributed`` process group (e.g. under ``torchrun``),
             calibrate data-parallel: each rank takes every ``world``-th batch and a share of
             the weights, statistics are synced before qparams, every rank returns the same
@@ -588,8 +618,8 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
     if not recipes:
         raise ValueError("calibrate: no recipe given")
-    if auto_metric not in ("output", "tensor"):
-        raise ValueError(f"calibrate: auto_metric must be 'output' or 'tensor', got "
+    if auto_metric not in AUTO_METRICS:
+        raise ValueError(f"calibrate: auto_metric must be one of {AUTO_METRICS}, got "
                          f"{auto_metric!r}")
     if missing not in MISSING_POLICIES:
         raise ValueError(f"calibrate: missing must be one of {MISSING_POLICIES}, got "
@@ -600,6 +630,19 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     t0 = time.perf_counter()
     if batches is None:
         batches = []
+    if auto_metric == "model":
+        return _auto.calibrate_end_to_end(
+            calibrate_many, model, batches, recipes, candidates=candidates,
+            score_tokens=score_tokens, loss=loss, sample_tokens=sample_tokens,
+            progress=progress, seed=seed, distributed=distributed, group=group,
+            all_experts=all_experts, expert_min_tokens=expert_min_tokens, missing=missing)
+    fisher = None
+    if auto_metric == "fisher":
+        batches = list(batches)
+        layers = {layer for r in recipes.values() if _auto._has_auto(r)
+                  for layer in r.match(model)}
+        fisher = _auto.fisher_weights(model, _auto.score_batches(batches, score_tokens),
+                                      sorted(layers), loss)
     # MoE experts become Linear views for the whole calibration (moe.py); restored after
     with moe.attach(model, bool(all_experts)) as experts:
         experts.min_tokens = expert_min_tokens
@@ -614,16 +657,18 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                          for s in slots.values())
         n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
         return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
-                         groups=groups, experts=experts, model=model, missing=missing)
+                         groups=groups, experts=experts, model=model, missing=missing,
+                         fisher=fisher)
 
 
 def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor",
-              groups=(), experts=None, model=None, missing="skip"):
+              groups=(), experts=None, model=None, missing="skip", fisher=None):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
-        results, hists = _finish(slots, plans, recipes, auto_metric, groups, experts, missing)
+        results, hists = _finish(slots, plans, recipes, auto_metric, groups, experts, missing,
+                                 fisher)
     seconds = time.perf_counter() - t0
     out = {}
     for label, recipe in recipes.items():

@@ -9,6 +9,7 @@ from .histogram import (
     MixObserver,
     PercentileObserver,
 )
+from .imatrix import IMatrixMSEObserver
 from .minmax import (
     MemorylessMinMaxObserver,
     MinMaxStateObserver,
@@ -29,6 +30,7 @@ __all__ = [
     "EntropyObserver",
     "HistogramMSEObserver",
     "HistogramObserverBase",
+    "IMatrixMSEObserver",
     "L2HistogramObserver",
     "LinearMSEObserver",
     "MemorylessMSEObserver",

@@ -1,0 +1,361 @@
+"""``auto`` by end-to-end effect: choose ranges by what they do to the layer's or model's output.
+
+Three criteria, from local to global (``calibrate(..., auto_metric=...)``):
+
+* ``"joint"`` (item a): per Linear, the weight and input candidates are chosen *together*
+  by the layer's output error ``||X W^T - Q(X) Q(W)^T||^2`` on the sampled calibration
+  inputs (coordinate descent: the weight given min-max inputs, then the input given that
+  weight; more ``rounds`` in :func:`joint_choice`). Weights also get an importance-weighted MSE candidate
+  (:func:`~quantscope.estimators.weighted.imatrix_range`, ``imatrix``).
+* ``"fisher"`` (item b): the same error with each output feature weighted by the mean
+  squared gradient ``g^2`` of the model's loss with respect to it (ModelOpt's
+  ``sum g^2 (Y - Yq)^2``): errors in outputs the loss is sensitive to count more.
+* ``"model"`` (the default ``auto``): every candidate observer, and the ``joint`` choice,
+  are calibrated in the same pass; each whole-model configuration is scored by the
+  divergence of the model's output from the float model's on a few calibration batches
+  (:class:`OutputDivergence`), and the best is kept. Min-max is always among them, so on
+  the scoring batches ``auto`` is never worse than min-max. See the README for why this is
+  the default (measured on both demo models).
+
+Per-layer criteria cannot see that an outlier one layer clips costs more downstream than a
+coarse step everywhere; the model-level score does, at the price of one forward of the
+scoring batches per candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..estimators.weighted import imatrix_range
+from ..qparams import qparams_from_range
+from .apply import apply, qdq_tensor
+from .recipe import AUTO, Recipe
+from .result import Calibration, RoleState
+
+__all__ = [
+    "LAYER_METRICS",
+    "OutputDivergence",
+    "calibrate_end_to_end",
+    "fisher_weights",
+    "imatrix_state",
+    "joint_choice",
+]
+
+#: per-layer criteria computed in the session's ``_finish`` through :func:`joint_choice`
+LAYER_METRICS = ("joint", "fisher")
+#: sampled input rows the joint error uses per layer (its cost: a few matmuls of this many rows)
+JOINT_ROWS = 256
+IMATRIX = "imatrix"
+
+
+# ----------------------------------------------------------------------------- model output
+def _forward(model, batch):
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _mask(batch):
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        return batch.get("attention_mask")
+    return None
+
+
+def _summary(out, batch):
+    """What a divergence compares, from a model output: next-token log-probabilities of the
+    real positions (causal LM), mean-pooled normalised embeddings (encoder), or the tensor."""
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, dict):
+        logits = out.get("logits")
+    mask = _mask(batch)
+    if logits is not None:
+        logits = logits.float()
+        if mask is not None:
+            keep = mask.bool()
+            if logits.dim() == 3 and keep.shape == logits.shape[:2]:
+                return ("kl", torch.log_softmax(logits[keep], -1))
+        return ("kl", torch.log_softmax(logits.reshape(-1, logits.shape[-1]), -1))
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None:
+        hidden = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"auto: cannot compare model outputs of type {type(out).__name__}; "
+                         f"pass loss=callable(output, reference_output, batch)")
+    hidden = hidden.float()
+    if hidden.dim() == 3:
+        m = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None
+             else mask.to(hidden.dtype))
+        hidden = (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
+    return ("cos", torch.nn.functional.normalize(hidden.reshape(hidden.shape[0], -1), dim=-1))
+
+
+def _divergence(kind, q, ref):
+    if kind == "kl":  # KL(p_ref || p_q), mean over positions
+        return float((ref.exp() * (ref - q)).sum(-1).mean())
+    return float((1 - (q * ref).sum(-1)).mean())
+
+
+class OutputDivergence:
+    """How far a (quantized) model's output is from the float model's on ``batches``.
+
+    The float outputs are computed once, at construction. ``loss(output, reference_output,
+    batch) -> float`` replaces the default: KL divergence of the next-token distributions
+    for a model with ``logits`` (causal LM), ``1 - cosine`` of the mean-pooled embeddings
+    otherwise. Each call runs one forward per batch (under ``inference_mode``).
+    """
+
+    def __init__(self, model: nn.Module, batches, loss=None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"OutputDivergence: model must be an nn.Module, got "
+                            f"{type(model).__name__}")
+        self.model, self.batches, self.loss = model, list(batches), loss
+        if not self.batches:
+            raise ValueError("OutputDivergence: batches is empty: need at least one batch to "
+                             "compare the model's outputs on")
+        if loss is not None and not callable(loss):
+            raise TypeError("OutputDivergence: loss must be callable(output, reference, batch)")
+        self.references = [self._run(b) for b in self.batches]
+        self.forwards = len(self.batches)
+
+    def _run(self, batch):
+        was = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                out = _forward(self.model, batch)
+        finally:
+            self.model.train(was)
+        return out if self.loss is not None else _summary(out, batch)
+
+    def __call__(self) -> float:
+        """The mean divergence of the model as it is now (e.g. under QDQ) over the batches."""
+        total = 0.0
+        for batch, ref in zip(self.batches, self.references):
+            out = self._run(batch)
+            if self.loss is not None:
+                d = float(self.loss(out, ref, batch))
+            else:
+                d = _divergence(out[0], out[1], ref[1])
+            if not math.isfinite(d):
+                raise ValueError(f"auto: the output divergence is {d} (non-finite output of the "
+                                 f"quantized model?)")
+            total += d
+        self.forwards += len(self.batches)
+        return total / len(self.batches)
+
+    def of(self, states) -> float:
+        """The divergence with ``states`` (``{layer: {role: RoleState}}``) applied."""
+        with apply(self.model, states):
+            return self()
+
+
+def score_batches(batches, tokens: int):
+    """The first calibration batches holding at least ``tokens`` real tokens (at least one)."""
+    out, n = [], 0
+    for b in batches:
+        out.append(b)
+        mask = _mask(b)
+        if mask is not None:
+            n += int(mask.sum())
+        else:
+            t = b if isinstance(b, torch.Tensor) else (b[0] if isinstance(b, (tuple, list))
+                                                      else None)
+            n += t.shape[:-1].numel() if isinstance(t, torch.Tensor) and t.dim() > 1 else 1
+        if n >= tokens:
+            break
+    return out
+
+
+# ----------------------------------------------------------------------------- fisher
+def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, torch.Tensor]:
+    """Per layer, the mean squared gradient of the loss w.r.t. each output feature.
+
+    ``loss(output, batch) -> scalar tensor``; by default the model's own loss with the
+    inputs as labels (a causal LM's next-token loss; padded positions ignored).
+    """
+    mods = {name: model.get_submodule(name) for name in layers}
+    sums = {name: None for name in mods}
+    counts = dict.fromkeys(mods, 0)
+    handles = []
+
+    def hook_for(name):
+        def fwd(module, args, out):
+            if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                return
+
+            def grad(g):
+                g = g.detach().float().reshape(-1, g.shape[-1]).square()
+                sums[name] = g.sum(0) if sums[name] is None else sums[name] + g.sum(0)
+                counts[name] += g.shape[0]
+            out.register_hook(grad)
+        return fwd
+
+    was = model.training
+    model.eval()
+    try:
+        for name, m in mods.items():
+            handles.append(m.register_forward_hook(hook_for(name)))
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                if loss is not None:
+                    value = loss(_forward(model, batch), batch)
+                else:
+                    if not (isinstance(batch, dict) or hasattr(batch, "keys")):
+                        raise ValueError("fisher_weights: the default loss needs dict batches "
+                                         "(input_ids); pass loss=callable(output, batch)")
+                    labels = batch["input_ids"].clone()
+                    if "attention_mask" in batch:
+                        labels[batch["attention_mask"] == 0] = -100
+                    value = getattr(model(**batch, labels=labels), "loss", None)
+                    if value is None:
+                        raise ValueError("fisher_weights: the model returns no loss; pass "
+                                         "loss=callable(output, batch)")
+                value.backward()
+        model.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was)
+    return {n: s / counts[n] for n, s in sums.items() if s is not None}
+
+
+# ----------------------------------------------------------------------------- joint choice
+def imatrix_state(w: torch.Tensor, x: torch.Tensor, base: RoleState) -> RoleState:
+    """The weight state of the importance-weighted MSE search (importance: mean ``x^2`` per
+    input channel over the sampled calibration inputs ``x``)."""
+    imp = x.float().square().mean(0)
+    lo, hi = imatrix_range(w, imp, base.spec)
+    qp = qparams_from_range(lo, hi, base.spec).reshape(base.spec.layout.qparam_shape(w.shape))
+    return replace(base, observer=IMATRIX, qparams=qp, lo=lo, hi=hi)
+
+
+def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
+                 x_states: list[RoleState], out_weights: torch.Tensor | None = None,
+                 rounds: int = 1) -> tuple[int, int, float]:
+    """``(i, j, error)``: the weight state ``i`` and input state ``j`` with the lowest
+    ``sum_o c_o ||X W^T - Q_j(X) Q_i(W)^T||_o^2`` found by coordinate descent (start: the
+    first of each list, min-max by convention). Exhaustive when either list has one entry."""
+    x, w = x.float(), w.float()
+    ref = x @ w.T
+    wq = [None] * len(w_states)
+    xq = [None] * len(x_states)
+    cache = {}
+
+    def err(i, j):
+        if (i, j) not in cache:
+            if wq[i] is None:
+                wq[i] = qdq_tensor(w, w_states[i]).float()
+            if xq[j] is None:
+                xq[j] = qdq_tensor(x, x_states[j]).float()
+            e = (xq[j] @ wq[i].T - ref).square()
+            if out_weights is not None:
+                e = e * out_weights
+            cache[(i, j)] = float(e.double().sum())
+        return cache[(i, j)]
+
+    i, j = 0, 0
+    for _ in range(max(1, rounds)):
+        i = min(range(len(w_states)), key=lambda a: (err(a, j), a))
+        j = min(range(len(x_states)), key=lambda b: (err(i, b), b))
+    return i, j, err(i, j)
+
+
+def layer_pick(layer, plan, slots, data, state_of, fisher=None):
+    """For the session: the ``{"weight": state, "input": state}`` :func:`joint_choice` picks
+    among ``layer``'s candidate observers (plus the ``imatrix`` weight search), or None where
+    the layer has no static input, 2-D weight and input sample."""
+    from .session import _observer_key
+
+    if (layer, "weight") not in plan or (layer, "input") not in plan:
+        return None
+    (wcfg, wnames), (xcfg, xnames) = plan[(layer, "weight")], plan[(layer, "input")]
+    w = slots[(layer, "weight")].module.weight.detach()
+    x = data.get((layer, "input"))
+    if (wcfg.dynamic is not False or xcfg.dynamic is not False or w.dim() != 2 or x is None
+            or x.shape[-1] != w.shape[1]):
+        return None
+
+    def states(role, cfg, names, shape):
+        slot, out = slots[(layer, role)], []
+        for n in names:
+            okey = _observer_key(n, cfg)
+            if okey in slot.observers:
+                out.append(state_of(slot.observers[okey], cfg, (layer, role, okey, cfg.dynamic),
+                                    shape))
+        # min-max first: coordinate descent starts from it and ties keep it
+        return sorted(out, key=lambda st: not st.observer.endswith("minmax"))
+
+    ws = states("weight", wcfg, wnames, tuple(w.shape))
+    xs = states("input", xcfg, xnames, None)
+    if not ws or not xs:
+        return None
+    if len(wnames) > 1:
+        try:
+            ws.append(imatrix_state(w, x, ws[0]))
+        except ValueError:  # a layout the weighted search cannot take: not a candidate
+            pass
+    c = None if fisher is None else fisher.get(layer)
+    i, j, _ = joint_choice(x[:JOINT_ROWS], w, ws, xs, c)
+    return {"weight": ws[i], "input": xs[j]}
+
+
+# ----------------------------------------------------------------------------- model level
+def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Recipe], *,
+                         candidates, score_tokens: int = 1024, loss=None, **kwargs):
+    """``auto_metric="model"``: calibrate every auto recipe's candidates in one pass, score
+    each whole configuration by :class:`OutputDivergence`, keep the best.
+
+    Each auto recipe ``R`` is expanded to ``R`` with every candidate observer and ``R`` with
+    the ``joint`` per-layer choice; they share observers with each other (and with the other
+    recipes) in :func:`calibrate_many` 's single pass.
+    """
+    from .session import _candidates  # the one list of auto's candidates
+
+    batches = list(batches)
+    autos = [label for label, r in recipes.items() if _has_auto(r)]
+    expanded = {label: r for label, r in recipes.items() if label not in autos}
+    names = list(dict.fromkeys(_candidates("input", candidates)))
+    for label in autos:
+        for n in names:
+            expanded[(label, n)] = recipes[label].with_observer(n)
+        expanded[(label, "joint")] = recipes[label]
+    calibs = calibrate_many(model, batches, expanded, candidates=candidates,
+                            auto_metric="joint", **kwargs)
+    out = {label: c for label, c in calibs.items() if label in recipes}
+    if not autos:
+        return out
+    import time
+
+    t0 = time.perf_counter()
+    score = OutputDivergence(model, score_batches(batches, score_tokens), loss)
+    for label in autos:
+        scores = {}
+        for n in [*names, "joint"]:
+            scores[n] = score.of(calibs[(label, n)].states)
+        best = min(scores, key=lambda n: (scores[n], n != names[0]))
+        chosen = calibs[(label, best)]
+        states = {layer: {role: replace(st, requested=AUTO) for role, st in roles.items()}
+                  for layer, roles in chosen.states.items()}
+        info = dict(chosen.info)
+        info["auto"] = {"metric": "model", "chose": best,
+                        "scores": {k: float(f"{v:.6g}") for k, v in scores.items()},
+                        "score_forwards": score.forwards}
+        stats = [dict(r, requested=AUTO) for r in chosen.stats]
+        out[label] = Calibration(recipes[label], states, label, stats, chosen.histograms, info)
+    spent = time.perf_counter() - t0
+    for label in autos:
+        out[label].info["calibration_seconds"] = round(
+            out[label].info["calibration_seconds"] + spent, 3)
+        out[label].info["auto"]["score_seconds"] = round(spent, 3)
+    return out
+
+
+def _has_auto(recipe: Recipe) -> bool:
+    return any(role.observer == AUTO for rule in recipe.rules for role in rule.roles().values())

@@ -1,0 +1,236 @@
+"""Sensitivity analysis and float fallback: which tensors' quantization the model feels.
+
+:func:`sensitivity` quantizes one tensor at a time (a layer's weight, or its input
+activation) with a calibration's qparams, everything else in float, and measures how far
+the model's output moves on held-out batches (:class:`~.auto.OutputDivergence`: KL of the
+next-token distributions for a causal LM, ``1 - cosine`` of mean-pooled embeddings for an
+encoder, or a loss you pass). Cost: one forward of the held-out batches per quantized
+tensor, plus one for the float reference (2 x layers + 1 for w8a8); no activation is
+cached, so the figure is exact for any model, including ones whose layers are not run in
+a simple chain.
+
+:func:`keep_float` is the fallback: the ``n`` most sensitive activations are left in float
+(or quantized per token at run time), and :func:`fallback_curve` measures the quality /
+cost trade-off over ``n`` (a table and a Pareto plot).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+
+from torch import nn
+
+from ..layout import Token
+from .auto import OutputDivergence
+from .result import Calibration, RoleState
+
+__all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "plot_fallback",
+           "sensitivity"]
+
+FALLBACK_MODES = ("float", "dynamic")
+
+
+@dataclass
+class Sensitivity:
+    """Per (layer, role), the output divergence when only that tensor is quantized.
+
+    ``rows`` are sorted most sensitive first, each ``{"rank", "layer", "role", "observer",
+    "divergence"}``; ``info`` says the metric, forwards and seconds spent.
+    """
+
+    rows: list[dict]
+    info: dict = field(default_factory=dict)
+
+    def top(self, n: int, role: str | None = None) -> list[tuple[str, str]]:
+        """The ``n`` most sensitive ``(layer, role)`` (of ``role`` only, if given)."""
+        return [(r["layer"], r["role"]) for r in self.rows
+                if role is None or r["role"] == role][:n]
+
+    def to_markdown(self, path=None) -> str:
+        from .report import markdown_table
+
+        text = markdown_table(["rank", "layer", "role", "observer", "divergence"],
+                              [[str(r["rank"]), r["layer"], r["role"], r["observer"],
+                                f"{r['divergence']:.4g}"] for r in self.rows])
+        text = (f"Sensitivity ({self.info.get('metric', '')}; {self.info.get('forwards', '?')} "
+                f"forwards, {self.info.get('seconds', 0):.1f} s)\n\n{text}\n")
+        if path is not None:
+            _write(path, text)
+        return text
+
+    def to_dict(self) -> dict:
+        return {"info": self.info, "rows": self.rows}
+
+    def to_json(self, path=None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            _write(path, text)
+        return text
+
+    def plot(self, path, top: int = 40) -> None:
+        """A horizontal bar chart of the ``top`` most sensitive tensors (log scale)."""
+        from .plots import _plt
+
+        plt = _plt()
+        rows = self.rows[:top][::-1]
+        fig, ax = plt.subplots(figsize=(8, 0.22 * len(rows) + 1.2))
+        colors = {"weight": "tab:blue", "input": "tab:orange", "output": "tab:green"}
+        ax.barh(range(len(rows)), [max(r["divergence"], 1e-12) for r in rows],
+                color=[colors.get(r["role"], "gray") for r in rows])
+        ax.set_yticks(range(len(rows)), [f"{r['layer']} {r['role']}" for r in rows], fontsize=6)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"output divergence ({self.info.get('metric', '')}), only this tensor "
+                      f"quantized")
+        _save(fig, path)
+        plt.close(fig)
+
+
+def _save(fig, path) -> None:
+    from ..export.atomic import atomic_file
+
+    fig.tight_layout()
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+
+
+def _write(path, text: str) -> None:
+    from ..export.atomic import atomic_file
+
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+
+
+def _metric_name(div: OutputDivergence) -> str:
+    if div.loss is not None:
+        return "loss"
+    return {"kl": "KL(next token)", "cos": "1 - cosine"}[div.references[0][0]]
+
+
+def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibration | None
+                = None, calib_batches=None, observer: str = "minmax", loss=None,
+                roles=("weight", "input"), progress: bool = False) -> Sensitivity:
+    """Per layer and role, how much the model's output moves when only that tensor is
+    quantized, on held-out ``batches``.
+
+    Args:
+        model: the float model.
+        batches: held-out batches (dicts, tuples or tensors as :func:`calibrate` takes).
+        recipe: the recipe whose tensors are measured (ignored if ``calibration`` given).
+        calibration: a :class:`Calibration` to measure (default: ``recipe`` calibrated with
+            ``observer`` on ``calib_batches``).
+        calib_batches: calibration batches (default: ``batches``).
+        loss: ``callable(output, reference_output, batch) -> float`` replacing the default
+            divergence.
+        roles: which roles to measure.
+    """
+    from .session import calibrate
+
+    if calibration is None:
+        calibration = calibrate(model, batches if calib_batches is None else calib_batches,
+                                recipe, observer=observer, progress=progress)
+    elif not isinstance(calibration, Calibration):
+        raise TypeError(f"sensitivity: calibration must be a Calibration, got "
+                        f"{type(calibration).__name__}")
+    t0 = time.perf_counter()
+    div = OutputDivergence(model, batches, loss)
+    todo = [(layer, role, st) for layer, rs in calibration.states.items()
+            for role, st in rs.items() if role in roles]
+    if not todo:
+        raise ValueError(f"sensitivity: the calibration quantizes no tensor of roles {roles}")
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            todo = tqdm(todo, desc="sensitivity", unit="tensor", leave=False)
+        except ImportError:
+            pass
+    rows = [{"layer": layer, "role": role, "observer": st.observer,
+             "divergence": div.of({layer: {role: st}})} for layer, role, st in todo]
+    rows.sort(key=lambda r: -r["divergence"])
+    for k, r in enumerate(rows, 1):
+        r["rank"] = k
+    return Sensitivity(rows, {"metric": _metric_name(div), "forwards": div.forwards,
+                              "batches": len(div.batches),
+                              "seconds": round(time.perf_counter() - t0, 2)})
+
+
+def _fallback_state(st: RoleState, mode: str) -> RoleState | None:
+    if mode == "float":
+        return None
+    spec = replace(st.spec, layout=Token())
+    return RoleState(spec, "memoryless_minmax", st.requested, True, ())
+
+
+def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
+               mode: str = "float") -> Calibration:
+    """A copy of ``calibration`` whose ``n`` most sensitive activations (input / output
+    roles, ranked by ``sens``) are not statically quantized: left in float (``mode="float"``)
+    or quantized per token at run time in the same format (``"dynamic"``). Weights are kept.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
+    if mode not in FALLBACK_MODES:
+        raise ValueError(f"keep_float: mode must be one of {FALLBACK_MODES}, got {mode!r}")
+    ranked = [(r["layer"], r["role"]) for r in sens.rows if r["role"] != "weight"
+              and r["role"] in calibration.states.get(r["layer"], {})]
+    chosen = ranked[:n]
+    states = {layer: dict(roles) for layer, roles in calibration.states.items()}
+    for layer, role in chosen:
+        new = _fallback_state(states[layer][role], mode)
+        if new is None:
+            del states[layer][role]
+        else:
+            states[layer][role] = new
+    states = {layer: roles for layer, roles in states.items() if roles}
+    info = dict(calibration.info, keep_float={"n": len(chosen), "mode": mode,
+                                              "tensors": [f"{a} {b}" for a, b in chosen]})
+    return Calibration(calibration.recipe, states, calibration.label, calibration.stats,
+                       calibration.histograms, info)
+
+
+def _macs(model: nn.Module, layer: str) -> int:
+    w = getattr(model.get_submodule(layer), "weight", None)
+    return 0 if w is None else w.numel()
+
+
+def fallback_curve(model: nn.Module, calibration: Calibration, sens: Sensitivity, evaluate,
+                   ns=(0, 1, 2, 4, 8, 16), *, mode: str = "float") -> list[dict]:
+    """Quality over the fallback budget: for each ``n``, ``evaluate(model)`` (higher or lower
+    is better, as you define it) with :func:`keep_float` of ``n`` applied, and the share of the
+    quantized layers' multiply-adds (weight elements) whose activations left static int.
+
+    Returns rows ``{"n", "quality", "float_macs_pct", "tensors"}``.
+    """
+    static = [(layer, r) for layer, rs in calibration.states.items() for r in rs
+              if r != "weight" and rs[r].dynamic is not True]
+    total = sum(_macs(model, layer) for layer, _ in static) or 1
+    out = []
+    for n in ns:
+        c = keep_float(calibration, sens, n, mode=mode)
+        with c.apply(model):
+            q = float(evaluate(model))
+        kept = c.info["keep_float"]["tensors"]
+        macs = sum(_macs(model, t.rsplit(" ", 1)[0]) for t in kept)
+        out.append({"n": n, "quality": q, "float_macs_pct": round(100 * macs / total, 2),
+                    "tensors": kept})
+    return out
+
+
+def plot_fallback(rows: list[dict], path, quality_label: str = "quality") -> None:
+    """The Pareto curve of :func:`fallback_curve`: quality against the share of multiply-adds
+    with float (or dynamic) activations."""
+    from .plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    xs = [r["float_macs_pct"] for r in rows]
+    ax.plot(xs, [r["quality"] for r in rows], "o-")
+    for r in rows:
+        ax.annotate(f"N={r['n']}", (r["float_macs_pct"], r["quality"]), fontsize=7,
+                    textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("multiply-adds with float activations (%)")
+    ax.set_ylabel(quality_label)
+    _save(fig, path)
+    plt.close(fig)

@@ -1,0 +1,72 @@
+"""``imatrix_mse``: the weight MSE search with each input channel weighted by its importance.
+
+llama.cpp's imatrix and llm-compressor's ``imatrix_mse``: the squared error of weight column
+``j`` counts ``E[x_j^2]`` times (the mean square of that input channel over calibration
+activations), so the search spends its precision where the layer's inputs are large. The
+search is :func:`~quantscope.estimators.weighted.imatrix_range`; without ``importance``
+it is the plain (unweighted) MSE search over the same grid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..estimators.mse import shrink_factors
+from ..estimators.weighted import importance_units, weighted_search
+from .base import Observer
+from .registry import register
+
+__all__ = ["IMatrixMSEObserver"]
+
+
+@register("imatrix_mse")
+class IMatrixMSEObserver(Observer):
+    """The importance-weighted MSE range of the last weight observed (memoryless).
+
+    Args:
+        spec: the weight's quantizer (per channel or per group along the input dim).
+        importance: ``[in]`` mean ``x^2`` per input channel (None: unweighted).
+        maxshrink, grid: the candidate factors ``1 - i / grid``, ``i < maxshrink * grid``.
+        norm: error exponent (default 2).
+    """
+
+    accumulates = False
+
+    def __init__(self, spec=None, *, importance: torch.Tensor | None = None,
+                 maxshrink: float = 0.2, grid: float = 100, norm: float = 2.0, **kwargs):
+        super().__init__(spec, **kwargs)
+        self.factors = shrink_factors(maxshrink, grid)
+        if not (isinstance(norm, (int, float)) and norm > 0):
+            raise ValueError(f"IMatrixMSEObserver: norm must be a positive number, got {norm!r}")
+        self.norm = float(norm)
+        if importance is not None:
+            importance = torch.as_tensor(importance, dtype=torch.float32).flatten()
+        self.register_buffer("importance", torch.zeros(0) if importance is None else importance)
+        self.register_buffer("min_vals", torch.zeros(0))
+        self.register_buffer("max_vals", torch.zeros(0))
+        self._shape = None
+
+    def _sized_buffers(self):
+        return ("min_vals", "max_vals")
+
+    def _sync_plan(self):
+        from ..distributed import AVG
+
+        return {"min_vals": AVG, "max_vals": AVG}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.importance.numel()
+        if isinstance(x, torch.Tensor) and n and (x.dim() < 1 or x.shape[-1] != n):
+            raise ValueError(f"{self._who()}: importance has {n} values, the tensor's last "
+                             f"dim is {x.shape[-1] if x.dim() else 0}")
+        self._shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
+        return super().forward(x)
+
+    def _observe(self, units, lo, hi):
+        imp = self.importance if self.importance.numel() else None
+        weights = importance_units(imp, self._shape, self.spec, units.device)
+        self.min_vals, self.max_vals = weighted_search(units, weights, self.spec,
+                                                       factors=self.factors, norm=self.norm)
+
+    def calculate_range(self):
+        return self.min_vals, self.max_vals

@@ -1,0 +1,339 @@
+"""End-to-end auto, sensitivity, importance-weighted search and float fallback (issue 17)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import quantscope
+from quantscope import presets
+from quantscope.calibrate import apply, calibrate, calibrate_many, keep_float, preset, sensitivity
+from quantscope.calibrate.auto import OutputDivergence, fisher_weights, imatrix_state, joint_choice
+from quantscope.estimators.mse import shrink_factors
+from quantscope.estimators.weighted import imatrix_range, output_clip_range
+from quantscope.qparams import qparams_from_range
+from quantscope.quantize import fake_quantize
+from quantscope.spec import QuantSpec
+
+
+def _llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [{"input_ids": torch.randint(0, 64, (2, 12), generator=g),
+                "attention_mask": torch.ones(2, 12, dtype=torch.long)} for _ in range(3)]
+    batches[-1]["attention_mask"][1, 8:] = 0  # padding is masked out of the divergence
+    return model, batches
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _kl(model, batches, states=None):
+    """The mean over batches of KL(p_float || p_quant) over real next-token positions,
+    written out directly."""
+    total = 0.0
+    for b in batches:
+        with torch.no_grad():
+            ref = torch.log_softmax(model(**b).logits.float(), -1)
+            if states is None:
+                q = ref
+            else:
+                with apply(model, states):
+                    q = torch.log_softmax(model(**b).logits.float(), -1)
+        keep = b["attention_mask"].bool()
+        kl = (ref.exp() * (ref - q)).sum(-1)[keep]
+        total += float(kl.mean())
+    return total / len(batches)
+
+
+# ----------------------------------------------------------------------------- sensitivity
+def test_sensitivity_equals_direct_one_tensor_quantization():
+    model, batches = _llama()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    s = sensitivity(model, batches, calibration=calib)
+    n_tensors = sum(len(r) for r in calib.states.values())
+    assert len(s.rows) == n_tensors
+    assert s.info["forwards"] == len(batches) * (n_tensors + 1)
+    assert [r["rank"] for r in s.rows] == list(range(1, n_tensors + 1))
+    assert all(a["divergence"] >= b["divergence"] for a, b in zip(s.rows, s.rows[1:]))
+    for r in s.rows[:3] + s.rows[-2:]:
+        direct = _kl(model, batches, {r["layer"]: {r["role"]: calib.states[r["layer"]][r["role"]]}})
+        assert r["divergence"] == pytest.approx(direct, rel=1e-4, abs=1e-9)
+    assert s.rows[0]["divergence"] > 0
+
+
+def test_sensitivity_encoder_cosine_and_user_loss(tmp_path):
+    model = _Mlp().eval()
+    batches = [torch.randn(4, 5, 16) for _ in range(2)]
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    s = sensitivity(model, batches, calibration=calib)
+    assert s.info["metric"] == "1 - cosine"
+    for r in s.rows:
+        st = calib.states[r["layer"]][r["role"]]
+        total = 0.0
+        for x in batches:
+            with torch.no_grad():
+                ref = nn.functional.normalize(model(x).mean(1), dim=-1)
+                with apply(model, {r["layer"]: {r["role"]: st}}):
+                    q = nn.functional.normalize(model(x).mean(1), dim=-1)
+            total += float((1 - (q * ref).sum(-1)).mean())
+        assert r["divergence"] == pytest.approx(total / len(batches), rel=1e-4, abs=1e-9)
+    mse = sensitivity(model, batches, calibration=calib,
+                      loss=lambda out, ref, b: float((out - ref).square().mean()))
+    assert mse.info["metric"] == "loss" and mse.rows[0]["divergence"] > 0
+    s.to_markdown(tmp_path / "s.md")
+    s.to_json(tmp_path / "s.json")
+    assert "| 1 |" in (tmp_path / "s.md").read_text()
+    pytest.importorskip("matplotlib")
+    s.plot(tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_sensitivity_bad_input():
+    model, batches = _llama()
+    with pytest.raises(TypeError, match="calibration"):
+        sensitivity(model, batches, calibration="w8a8")
+    with pytest.raises(ValueError, match="batches is empty"):
+        OutputDivergence(model, [])
+
+
+# ----------------------------------------------------------------------------- auto
+def test_model_metric_choice_is_the_exhaustive_best():
+    model, batches = _llama()
+    names = ["minmax", "mse", "percentile", "histogram_mse"]
+    auto = calibrate(model, batches, "w8a8", observer="auto", candidates=names, progress=False,
+                     score_tokens=10_000)
+    info = auto.info["auto"]
+    singles = calibrate_many(model, batches, {n: preset("w8a8", n) for n in names},
+                             progress=False)
+    joint = calibrate(model, batches, "w8a8", observer="auto", candidates=names,
+                      progress=False, auto_metric="joint")
+    direct = {n: _kl(model, batches, c.states) for n, c in singles.items()}
+    direct["joint"] = _kl(model, batches, joint.states)
+    for n, d in direct.items():
+        assert info["scores"][n] == pytest.approx(d, rel=1e-3, abs=1e-9)
+    best = min(direct, key=direct.get)
+    assert info["chose"] == best
+    chosen = singles.get(best, joint)
+    for layer, roles in chosen.states.items():
+        for role, st in roles.items():
+            assert torch.equal(auto.states[layer][role].qparams.scale, st.qparams.scale)
+            assert auto.states[layer][role].requested == "auto"
+    # never worse than min-max on the scoring batches
+    assert direct[best] <= direct["minmax"]
+
+
+def test_joint_choice_equals_exhaustive_pair_search():
+    torch.manual_seed(0)
+    x = torch.randn(64, 16) * torch.linspace(0.1, 4, 16)
+    x[3, 5] = 40.0  # an outlier: clipping it trades against the step everywhere
+    w = torch.randn(8, 16)
+    wspec, xspec = QuantSpec("int4", presets.INT8_PER_CHANNEL.layout), QuantSpec("int8")
+    from quantscope.calibrate.result import RoleState
+
+    def state(spec, t, f):
+        lo, hi = quantscope.stats.minmax.unit_minmax(spec.layout.to_units(t))
+        qp = qparams_from_range(lo * f, hi * f, spec).reshape(spec.layout.qparam_shape(t.shape))
+        return RoleState(spec, f"f{f}", "auto", qparams=qp, lo=lo * f, hi=hi * f)
+
+    ws = [state(wspec, w, f) for f in (1.0, 0.9, 0.8)]
+    xs = [state(xspec, x, f) for f in (1.0, 0.5, 0.2, 0.1)]
+    errs = {}
+    for i, ws_ in enumerate(ws):
+        wq = fake_quantize(w, ws_.qparams, wspec)
+        for j, xs_ in enumerate(xs):
+            xq = fake_quantize(x, xs_.qparams, xspec)
+            errs[(i, j)] = float((x @ w.T - xq @ wq.T).double().square().sum())
+    i, j, e = joint_choice(x, w, ws, xs, rounds=3)
+    assert (i, j) == min(errs, key=errs.get)
+    assert e == pytest.approx(errs[(i, j)], rel=1e-5)
+    # output weights: zero weight on every output but one makes only that output count
+    c = torch.zeros(8)
+    c[2] = 1.0
+    _i2, j2, e2 = joint_choice(x, w, ws[:1], xs, c)
+    wq = fake_quantize(w, ws[0].qparams, wspec)
+    per = [float((x @ w.T - fake_quantize(x, s.qparams, xspec) @ wq.T)[:, 2].double()
+                 .square().sum()) for s in xs]
+    assert j2 == min(range(len(per)), key=per.__getitem__)
+    assert e2 == pytest.approx(per[j2], rel=1e-5)
+
+
+def test_joint_and_fisher_metrics_run_and_report_auto():
+    model, batches = _llama()
+    for metric in ("joint", "fisher"):
+        c = calibrate(model, batches, "w8a8", observer="auto", progress=False, auto_metric=metric)
+        roles = {r for rs in c.states.values() for r in rs}
+        assert roles == {"weight", "input"}
+        assert all(st.requested == "auto" and st.observer != "auto"
+                   for rs in c.states.values() for st in rs.values())
+    with pytest.raises(ValueError, match="auto_metric"):
+        calibrate(model, batches, "w8a8", observer="auto", auto_metric="nope", progress=False)
+
+
+def test_fisher_weights_by_hand():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    xs = [torch.randn(5, 4), torch.randn(2, 4)]
+    target = torch.randn(3)
+
+    def loss(out, batch):
+        return ((out - target) ** 2).sum()
+
+    got = fisher_weights(model, xs, ["0"], loss)["0"]
+    # dL/dy = 2 (y - t) per row: the mean of its square over all rows of all batches
+    with torch.no_grad():
+        g = torch.cat([2 * (model(x) - target) for x in xs])
+    assert torch.allclose(got, g.square().mean(0), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- estimators
+def test_imatrix_range_by_hand():
+    torch.manual_seed(0)
+    w = torch.randn(3, 8)
+    w[0, 1] = 6.0  # an outlier in a channel the importance ignores
+    imp = torch.tensor([1.0, 0.0, 2.0, 0.5, 1.0, 3.0, 0.1, 1.0])
+    spec = QuantSpec("int4", presets.INT8_PER_CHANNEL.layout)
+    factors = [1 - i / 20 for i in range(10)]
+    lo, hi = imatrix_range(w, imp, spec, factors=factors)
+    for row in range(3):
+        best = None
+        for f in [1.0, *factors]:
+            a, b = float(w[row].min()) * f, float(w[row].max()) * f
+            qp = qparams_from_range(torch.tensor([a]), torch.tensor([b]), QuantSpec("int4"))
+            q = fake_quantize(w[row], qp, QuantSpec("int4"))
+            err = sum(float(imp[j]) * float(q[j] - w[row, j]) ** 2 for j in range(8))
+            if best is None or err < best[0]:
+                best = (err, a, b)
+        assert float(lo.flatten()[row]) == pytest.approx(best[1], rel=1e-6)
+        assert float(hi.flatten()[row]) == pytest.approx(best[2], rel=1e-6)
+    # with the outlier's channel weightless, row 0 clips it; unweighted keeps more of it
+    _lo_u, hi_u = imatrix_range(w, None, spec, factors=factors)
+    assert float(hi.flatten()[0]) < float(hi_u.flatten()[0])
+    with pytest.raises(ValueError, match="one value per input channel"):
+        imatrix_range(w, imp[:3], spec)
+    with pytest.raises(ValueError, match="non-negative"):
+        imatrix_range(w, -imp, spec)
+
+
+def test_imatrix_state_importance_is_mean_square_of_inputs():
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 8) * torch.arange(1, 9), torch.randn(4, 8)
+    base = calibrate(nn.Sequential(nn.Linear(8, 4)), [x], "w8a8",
+                     progress=False).states["0"]["weight"]
+    st = imatrix_state(w, x, base)
+    lo, hi = imatrix_range(w, (x * x).sum(0) / x.shape[0], base.spec)
+    assert torch.equal(st.lo, lo) and torch.equal(st.hi, hi) and st.observer == "imatrix"
+
+
+def test_output_clip_range_is_the_brute_force_best():
+    torch.manual_seed(1)
+    x = torch.randn(100, 12)
+    x[0, 0] = 30.0
+    wq = torch.randn(6, 12)
+    spec = QuantSpec("int8")
+    cands = [(torch.tensor([-30.0 * f]), torch.tensor([30.0 * f])) for f in (1, 0.5, 0.2, 0.1)]
+    i, lo, _hi, errs = output_clip_range(x, wq, spec, cands)
+    brute = []
+    for a, b in cands:
+        xq = fake_quantize(x, qparams_from_range(a, b, spec), spec)
+        brute.append(float((x @ wq.T - xq @ wq.T).double().square().sum()))
+    assert errs == pytest.approx(brute, rel=1e-5)
+    assert i == min(range(4), key=brute.__getitem__) and torch.equal(lo, cands[i][0])
+    with pytest.raises(ValueError, match="w_q"):
+        output_clip_range(x, wq[:, :5], spec, cands)
+    with pytest.raises(ValueError, match="empty"):
+        output_clip_range(x, wq, spec, [])
+    assert shrink_factors()[0] == 1.0
+
+
+# ----------------------------------------------------------------------------- fallback
+def test_keep_float_restores_float_exactly_for_the_chosen_tensors():
+    model, batches = _llama()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    s = sensitivity(model, batches, calibration=calib, roles=("input",))
+    fb = keep_float(calib, s, 3)
+    chosen = {t.rsplit(" ", 1)[0] for t in fb.info["keep_float"]["tensors"]}
+    assert chosen == {layer for layer, _ in s.top(3)} and len(chosen) == 3
+    seen = {}
+
+    def capture(tag, name):
+        def hook(module, args):
+            seen[(tag, name)] = args[0].detach().clone()
+        return hook
+
+    layers = list(calib.states)
+    handles = [model.get_submodule(n).register_forward_pre_hook(capture("in", n)) for n in layers]
+    try:
+        with fb.apply(model):
+            inner = [model.get_submodule(n).register_forward_pre_hook(capture("q", n))
+                     for n in layers]
+            with torch.no_grad():
+                model(**batches[0])
+            for h in inner:
+                h.remove()
+    finally:
+        for h in handles:
+            h.remove()
+    for n in layers:
+        same = torch.equal(seen[("in", n)], seen[("q", n)])
+        assert same == (n in chosen), n  # float input exactly where chosen, QDQ elsewhere
+    # weights stay quantized, the other activations keep their calibrated states
+    assert all("weight" in fb.states[n] for n in layers)
+    dyn = keep_float(calib, s, 2, mode="dynamic")
+    for t in dyn.info["keep_float"]["tensors"]:
+        st = dyn.states[t.rsplit(" ", 1)[0]]["input"]
+        assert st.dynamic is True and type(st.spec.layout).__name__ == "Token"
+    with pytest.raises(ValueError, match="n must be"):
+        keep_float(calib, s, -1)
+    with pytest.raises(ValueError, match="mode"):
+        keep_float(calib, s, 1, mode="half")
+
+
+def test_fallback_curve_rows():
+    model, batches = _llama()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    s = sensitivity(model, batches, calibration=calib, roles=("input",))
+    rows = quantscope.calibrate.fallback_curve(model, calib, s, lambda m: _kl(m, batches[:1]),
+                                               ns=(0, 2, 100))
+    assert [r["n"] for r in rows] == [0, 2, 100]
+    assert rows[0]["float_macs_pct"] == 0 and rows[-1]["float_macs_pct"] == 100
+    assert len(rows[1]["tensors"]) == 2
+
+
+def test_imatrix_observer_matches_the_estimator_and_falls_back_to_unweighted():
+    torch.manual_seed(2)
+    w = torch.randn(6, 32)
+    imp = torch.rand(32) * 4
+    spec = QuantSpec("int4", quantscope.Group(16))
+    for importance in (imp, None):
+        obs = quantscope.get_observer("imatrix_mse", spec, importance=importance)
+        obs(w)
+        lo, hi = imatrix_range(w, importance, spec)
+        qlo, qhi = obs.calculate_range()
+        assert torch.equal(qlo.flatten(), lo.flatten()) and torch.equal(qhi.flatten(), hi.flatten())
+        qp = obs.calculate_qparams()
+        assert qp.scale.shape == spec.layout.qparam_shape(w.shape)
+    # the weighted search has the lower weighted error, the unweighted the lower plain error
+    def err(lo, hi, weights):
+        qp = qparams_from_range(lo, hi, spec).reshape(spec.layout.qparam_shape(w.shape))
+        return float(((fake_quantize(w, qp, spec) - w) ** 2 * weights).sum())
+    lw, hw = imatrix_range(w, imp, spec)
+    lu, hu = imatrix_range(w, None, spec)
+    assert err(lw, hw, imp) <= err(lu, hu, imp)
+    assert err(lu, hu, torch.ones(32)) <= err(lw, hw, torch.ones(32))
+    with pytest.raises(ValueError, match="importance has 32"):
+        quantscope.get_observer("imatrix_mse", spec, importance=imp)(torch.randn(6, 16))
