@@ -64,23 +64,28 @@ def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     if recipe is None:  # recipes often share activation specs: one recipe's lines suffice
         recipe = next(iter(report["runs"].values())).get("recipe")
-    k = 0
     xs = [hist["lo"], hist["hi"]]
+    # observers whose ranges coincide share one pair of lines and one legend entry, and every
+    # entry states its range: a line drawn exactly under another is never a lost legend entry
+    groups = {}
     for label, run in report["runs"].items():
         if recipe is not None and run.get("recipe") != recipe:
             continue
         row = next((r for r in run["layers"] if r["layer"] == layer and r["role"] == role), None)
         if row is None or row["dynamic"] is True:
             continue
-        c = colors[k % len(colors)]
-        style = ("-", "--", ":", "-.")[(k // len(colors)) % 4]
         name = run.get("observer", label)
         if row["requested"] == "auto":
             name += f" (chose {row['observer']})"
-        ax.axvline(row["clip_lo"], color=c, ls=style, lw=1.4, label=name)
-        ax.axvline(row["clip_hi"], color=c, ls=style, lw=1.4)
-        xs += [row["clip_lo"], row["clip_hi"]]
-        k += 1
+        key = (float(f"{row['clip_lo']:.6g}"), float(f"{row['clip_hi']:.6g}"))
+        groups.setdefault(key, []).append(name)
+    for k, ((lo, hi), names) in enumerate(groups.items()):
+        c = colors[k % len(colors)]
+        style = ("-", "--", ":", "-.")[(k // len(colors)) % 4]
+        ax.axvline(lo, color=c, ls=style, lw=1.4,
+                   label=f"{' = '.join(names)}: [{lo:.4g}, {hi:.4g}]")
+        ax.axvline(hi, color=c, ls=style, lw=1.4)
+        xs += [lo, hi]
     pad = 0.03 * (max(xs) - min(xs))
     ax.set_xlim(min(xs) - pad, max(xs) + pad)
     ax.set_xlabel("value")
@@ -118,7 +123,7 @@ def plot_sqnr(report: dict, path: str) -> str:
         ax.set_ylabel("SQNR dB")
         step = max(1, len(layers) // 12)
         ax.set_xticks(range(0, len(layers), step))
-        ax.set_xticklabels([_short(n) for n in layers[::step]], rotation=60, fontsize=6,
+        ax.set_xticklabels([_short(n) for n in layers[::step]], rotation=60, fontsize=8,
                            ha="right")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:

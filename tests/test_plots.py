@@ -1,0 +1,27 @@
+"""The plots a person reads: coinciding clipping ranges stay visible."""
+
+import pytest
+
+
+def test_histogram_plot_keeps_coinciding_ranges_visible(tmp_path, monkeypatch):
+    """Observers with the same clipping range share one legend entry ("mse = mix") with the
+    range written out, instead of a line drawn invisibly under another."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from quantscope.calibrate import plots
+
+    def row(lo, hi, obs):
+        return {"layer": "l", "role": "input", "clip_lo": lo, "clip_hi": hi, "dynamic": False,
+                "requested": obs, "observer": obs, "sqnr_db": 20.0}
+    runs = {f"w8a8/{o}": {"recipe": "w8a8", "observer": o, "layers": [row(lo, hi, o)]}
+            for o, lo, hi in (("minmax", -4.0, 5.0), ("mse", -2.0, 3.0), ("mix", -2.0, 3.0))}
+    report = {"runs": runs, "histograms": {"l/input": {"lo": -4.0, "hi": 5.0,
+                                                       "counts": [1, 5, 9, 5, 1]}}}
+    labels = []
+    real = Axes.axvline
+    monkeypatch.setattr(Axes, "axvline", lambda self, x, **kw: (
+        labels.append(kw.get("label")), real(self, x, **kw))[1])
+    plots.plot_histogram(report, "l", str(tmp_path / "h.png"))
+    assert [x for x in labels if x] == ["minmax: [-4, 5]", "mse = mix: [-2, 3]"]
+    assert (tmp_path / "h.png").stat().st_size > 1000
