@@ -35,8 +35,13 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise ValueError(f"output {path!r}: {probe!r} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(f"output {path!r}: {probe!r} is not writable")
+    try:  # create a file there: os.access says yes to root even on read-only file systems
+        fd, name = tempfile.mkstemp(prefix=".quantscope-probe.", dir=probe)
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise PermissionError(f"output {path!r}: {probe!r} is not writable ({e.strerror})"
+                              ) from None
     return path
 
 
