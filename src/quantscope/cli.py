@@ -37,7 +37,7 @@ OBSERVER_NAMES = (
     "auto", "entropy", "fouroversix", "histogram", "histogram_mse", "horizon:KLObserver",
     "horizon:MSEObserver", "horizon:MinMaxObserver", "horizon:MixObserver",
     "horizon:MovingAverageMinMaxObserver", "horizon:MovingAveragePerChannelMinMaxObserver",
-    "horizon:PercentileObserver", "horizon_mse", "kl", "l2_histogram", "linear_mse",
+    "horizon:PercentileObserver", "horizon_mse", "imatrix_mse", "kl", "l2_histogram", "linear_mse",
     "llmcompressor:memoryless_minmax", "llmcompressor:memoryless_mse", "llmcompressor:minmax",
     "llmcompressor:mse", "llmcompressor:nvfp4_expanded_mse", "llmcompressor:static_minmax",
     "memoryless_minmax", "memoryless_mse", "minmax", "mix", "moving_average_minmax",

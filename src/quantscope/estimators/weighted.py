@@ -46,7 +46,9 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor, spec: QuantSpec,
     best = None
     for f in [1.0, *factors]:
         lo, hi = lo0 * f, hi0 * f
-        qp = qparams_from_range(lo, hi, spec)
+        # candidates scale the min-max range, whose finiteness the observer's qparams check
+        # once: no per-candidate check (it would read back to the host in forward)
+        qp = qparams_from_range(lo, hi, spec, check_finite=False)
         scale = qp.effective_scale.expand_as(lo).reshape(-1, 1)
         zp = qp.zero_point.float().expand_as(lo).reshape(-1, 1)
         d = fake_quantize_units(units, scale, zp, spec).sub_(units).abs_().pow_(norm)
