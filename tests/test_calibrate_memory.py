@@ -184,3 +184,24 @@ def test_bad_budget_is_refused(model, bad):
 def test_cli_refuses_a_bad_budget(capsys):
     assert cli.main(["calibrate", "--sample-budget-mb", "0"]) == 2
     assert "--sample-budget-mb must be a positive number" in capsys.readouterr().err
+
+
+def test_batches_are_streamed_from_an_iterator(model):
+    """A generator of batches is read one batch at a time (the fusion detection peeks at the
+    first without listing the rest) and gives the qparams of the same batches as a list."""
+    pulled, at_forward = [0], []
+
+    def gen():
+        for b in batches(5):
+            pulled[0] += 1
+            yield b
+
+    recipe = preset("w8a8", "minmax", ignore=["lm_head"])
+    h = model.register_forward_pre_hook(lambda m, a: at_forward.append(pulled[0]))
+    try:
+        streamed = calibrate(model, gen(), recipe, progress=False)
+    finally:
+        h.remove()
+    assert streamed.info["batches"] == 5
+    assert at_forward == [1, 1, 2, 3, 4, 5]  # the detection forward, then one batch each
+    _assert_same_qparams(streamed, calibrate(model, batches(5), recipe, progress=False))

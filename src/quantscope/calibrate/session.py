@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -174,9 +175,9 @@ def _hook(slots: list[_Slot]):
             return
         for slot in slots:
             if slot.also:  # a fusion group's slot: q, k and v read one tensor, observe it once
-                if fusion.same_input(slot.last, x):
+                if fusion.same_input(slot.last and slot.last(), x):
                     continue
-                slot.last = x
+                slot.last = weakref.ref(x)  # a strong ref would keep every group's input alive
             for (name, _, _), obs in slot.observers.items():
                 if obs.observed_tokens.device != x.device:
                     obs.to(x.device)
