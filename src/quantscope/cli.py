@@ -86,6 +86,9 @@ def _common(p: argparse.ArgumentParser, out_default: str | None) -> None:
                    help="tokens per held-out Lee document at evaluation (default: 256)")
     g.add_argument("--sample-tokens", type=int, default=2048,
                    help="activation rows kept per layer for 'auto' and the report (default 2048)")
+    g.add_argument("--sample-budget-mb", type=float, default=None, metavar="MB",
+                   help="memory of those rows, all layers together; fewer rows per layer when "
+                        "they would not fit (default: 64)")
     g.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads (default: torch's choice). On a busy machine 1 is "
                         "often fastest")
@@ -495,6 +498,7 @@ def cmd_calibrate(args) -> int:
     calib = phases.run(f"calibrating {rec.name} ({setup['calib_docs']} documents, "
                        f"{setup['calib_tokens']} tokens)",
                        lambda: calibrate(model, batches, rec, sample_tokens=args.sample_tokens,
+                                         sample_budget_mb=args.sample_budget_mb,
                                          progress=not args.no_progress, seed=args.seed,
                                          distributed=getattr(args, "world", 1) > 1))
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
@@ -581,8 +585,8 @@ def cmd_compare(args) -> int:
     t = time.perf_counter()
     calibs = phases.run(f"calibrating {len(plan)} configurations in one pass", lambda: (
         calibrate_many(model, batches, plan, candidates=candidates,
-                       sample_tokens=args.sample_tokens, progress=not args.no_progress,
-                       seed=args.seed, distributed=getattr(args, "world", 1) > 1,
+                       sample_tokens=args.sample_tokens, sample_budget_mb=args.sample_budget_mb,
+                       progress=not args.no_progress, seed=args.seed, distributed=getattr(args, "world", 1) > 1,
                        auto_metric=args.auto_metric)))
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
         return 0
@@ -786,6 +790,9 @@ def main(argv=None) -> int:
     try:
         _check_positive(args, "calib_docs", "max_length", "batch_size", "eval_max_length",
                         "sample_tokens", "group_size")
+        budget = getattr(args, "sample_budget_mb", None)
+        if budget is not None and not (0 < budget < float("inf")):
+            raise UsageError(f"--sample-budget-mb must be a positive number of MB, got {budget}")
         # under torchrun (WORLD_SIZE > 1): join the process group; calibration is
         # data-parallel (only then is torch.distributed imported before the checks)
         if args.command in ("calibrate", "compare") and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -49,7 +49,7 @@ def peek(batches):
         first = next(it)
     except StopIteration:
         return None, []
-    return first, list(itertools.chain([first], it))
+    return first, itertools.chain([first], it)  # streamed: no list of all the batches
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -52,6 +52,13 @@ class RowSample:
         torch.index_select(rows, 0, idx, out=self.buffer[self.count:self.count + take])
         self.count += take
 
+    @classmethod
+    def holding(cls, rows: torch.Tensor) -> RowSample:
+        """A full sample made of ``rows`` (e.g. merged from several processes)."""
+        out = cls(rows.shape[0], rows.shape[0], torch.Generator())
+        out.buffer, out.count = rows, rows.shape[0]
+        return out
+
     def rows(self) -> torch.Tensor | None:
         """The rows kept so far (a view of the buffer), or None if none."""
         return None if self.count == 0 else self.buffer[:self.count]

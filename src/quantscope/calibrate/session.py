@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -33,12 +34,15 @@ from .apply import input_name, module_input, qdq_tensor
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
 from .result import Calibration, RoleState
+from .samples import RowSample, capacities
 
-__all__ = ["AUTO_METRICS", "calibrate", "calibrate_many"]
+__all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many"]
 
 #: what ``auto`` can minimise (see :func:`calibrate_many`); "model", "joint" and "fisher"
 #: live in :mod:`.auto`
 AUTO_METRICS = ("model", "joint", "fisher", "tensor", "output")
+# the activation rows kept for auto and the report, all layers together (see docs/memory.md)
+DEFAULT_SAMPLE_BUDGET_MB = 64
 
 
 @dataclass
@@ -49,8 +53,7 @@ class _Slot:
     role: str
     module: nn.Module
     observers: dict = field(default_factory=dict)
-    sample: list = field(default_factory=list)
-    sampled: int = 0
+    sample: RowSample | None = None  # rows for auto and the report, made by _run
     needs_sample: bool = False
     failed: dict = field(default_factory=dict)
     also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
@@ -181,17 +184,16 @@ def _plan(model, recipes, candidates, owns=None):
     return slots, plans
 
 
-def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator,
-          input_key: str | None = None):
+def _hook(slots: list[_Slot], input_key: str | None = None):
     def observe(x):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         for slot in slots:
             slot.calls += 1
             if slot.also:  # a fusion group's slot: q, k and v read one tensor, observe it once
-                if fusion.same_input(slot.last, x):
+                if fusion.same_input(slot.last and slot.last(), x):
                     continue
-                slot.last = x
+                slot.last = weakref.ref(x)  # a strong ref would keep every group's input alive
             for (name, _, _), obs in slot.observers.items():
                 if obs.observed_tokens.device != x.device:
                     obs.to(x.device)
@@ -200,12 +202,11 @@ def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator,
                 except ValueError as e:
                     raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer "
                                      f"{name!r}: {e}") from None
-            if slot.needs_sample and slot.sampled < limit:
-                rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-                take = min(rows.shape[0], per_batch, limit - slot.sampled)
-                idx = torch.randperm(rows.shape[0], generator=gen)[:take].to(rows.device)
-                slot.sample.append(rows.index_select(0, idx))  # index_select copies already
-                slot.sampled += take
+            if slot.sample is not None:
+                try:
+                    slot.sample.add(x)
+                except ValueError as e:
+                    raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: {e}") from None
 
     def pre(module, args, kwargs):  # the input, positional or keyword (``lin(input=x)``)
         observe(module_input(args, kwargs, input_key))
@@ -216,7 +217,7 @@ def _hook(slots: list[_Slot], per_batch: int, limit: int, gen: torch.Generator,
     return pre, post
 
 
-def _run(model, batches, slots, sample_tokens, progress, seed):
+def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=None):
     """Forward every batch with observing hooks; returns the number of batches."""
     by_module: dict[int, dict[str, list[_Slot]]] = {}
     for slot in _unique(slots.values()):
@@ -228,8 +229,8 @@ def _run(model, batches, slots, sample_tokens, progress, seed):
     if not by_module:
         return 0
     total = len(batches) if hasattr(batches, "__len__") else None
-    per_batch = math.ceil(sample_tokens / total) if total else max(1, sample_tokens // 8)
     gen = torch.Generator().manual_seed(seed)
+    _make_samples(_unique(slots.values()), sample_tokens, sample_budget_mb, total, gen)
     handles = []
     was_training = model.training
     n = 0
@@ -237,10 +238,10 @@ def _run(model, batches, slots, sample_tokens, progress, seed):
         for entry in by_module.values():
             module = entry["module"]
             if entry["input"]:
-                pre, _ = _hook(entry["input"], per_batch, sample_tokens, gen, input_name(module))
+                pre, _ = _hook(entry["input"], input_name(module))
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             if entry["output"]:
-                _, post = _hook(entry["output"], per_batch, sample_tokens, gen)
+                _, post = _hook(entry["output"])
                 handles.append(module.register_forward_hook(post))
         model.eval()
         it = batches
@@ -262,6 +263,24 @@ def _run(model, batches, slots, sample_tokens, progress, seed):
             slot.last = None
         model.train(was_training)
     return n
+
+
+def _make_samples(slots, sample_tokens, budget_mb, total, gen):
+    """One fixed row buffer per sampled slot, all of them within ``budget_mb``: rows are
+    drawn evenly from every batch (``capacity / batches`` each) when the count is known."""
+    sampled = [s for s in slots if s.role != "weight" and s.needs_sample]
+    if not sampled:
+        return
+    caps = capacities({id(s): _activation_width(s.module, s.role) for s in sampled},
+                      sample_tokens, max(int(_budget(budget_mb) * 2**20), 1))
+    for s in sampled:
+        cap = caps[id(s)]
+        per_batch = math.ceil(cap / total) if total else max(1, cap // 8)
+        s.sample = RowSample(cap, per_batch, gen)
+
+
+def _budget(budget_mb) -> float:
+    return DEFAULT_SAMPLE_BUDGET_MB if budget_mb is None else budget_mb
 
 
 def _unique(slots):
@@ -433,8 +452,8 @@ def _finish(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None
     for key, slot in slots.items():
         if slot.role == "weight":
             data[key] = slot.module.weight.detach()
-        elif slot.sample and sum(t.shape[0] for t in slot.sample):  # rows, not 0-row calls
-            data[key] = torch.cat(slot.sample)
+        elif slot.sample is not None and slot.sample.count:
+            data[key] = slot.sample.rows()  # a view of the slot's buffer: no copy
 
     def stats_of(key, skey, state):
         if skey not in cache:
@@ -557,7 +576,8 @@ def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
 
 
 def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
-                   sample_tokens: int = 2048, progress: bool = True,
+                   sample_tokens: int = 2048, sample_budget_mb: float | None = None,
+                   progress: bool = True,
                    seed: int = 0, distributed: bool = False, group=None,
                    auto_metric: str = "model", loss=None, score_tokens: int = 1024,
                    all_experts: bool = False, expert_min_tokens: int = moe.MIN_TOKENS,
@@ -572,7 +592,12 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             is a :class:`Recipe` or a preset name.
         candidates: the observers ``auto`` chooses from (default: those of
             :data:`~quantscope.calibrate.recipe.DEFAULT_CANDIDATES` that are registered).
-        sample_tokens: activation rows kept per layer for ``auto`` and the report.
+        sample_tokens: activation rows kept per layer for ``auto`` and the report, at most.
+        sample_budget_mb: the memory of all those rows together (float32, every layer and
+            role); when ``sample_tokens`` rows each would not fit, every sampled tensor keeps
+            the same smaller number of rows (at least one). Default
+            :data:`DEFAULT_SAMPLE_BUDGET_MB` (64 MB). Only ``auto`` and the report's
+            activation rows (SQNR, clipping) use the sample; other qparams do not depend on it.
         progress: show a tqdm progress bar over the batches.
         seed: seeds the choice of sampled rows.
         auto_metric: what ``auto`` minimises: ``"model"`` (default) the divergence of the
@@ -609,6 +634,11 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     if not isinstance(sample_tokens, int) or sample_tokens < 1:
         raise ValueError(f"calibrate: sample_tokens must be a positive integer, got "
                          f"{sample_tokens!r}")
+    if sample_budget_mb is not None and not (
+            isinstance(sample_budget_mb, (int, float)) and not isinstance(sample_budget_mb, bool)
+            and math.isfinite(sample_budget_mb) and sample_budget_mb > 0):
+        raise ValueError(f"calibrate: sample_budget_mb must be a positive number of MB, got "
+                         f"{sample_budget_mb!r}")
     if isinstance(recipes, (str, Recipe)):
         recipes = [recipes]
     if not isinstance(recipes, dict):
@@ -635,7 +665,8 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             calibrate_many, model, batches, recipes, candidates=candidates,
             score_tokens=score_tokens, loss=loss, sample_tokens=sample_tokens,
             progress=progress, seed=seed, distributed=distributed, group=group,
-            all_experts=all_experts, expert_min_tokens=expert_min_tokens, missing=missing)
+            all_experts=all_experts, expert_min_tokens=expert_min_tokens, missing=missing,
+            sample_budget_mb=sample_budget_mb)
     fisher = None
     if auto_metric == "fisher":
         batches = list(batches)
@@ -649,13 +680,14 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
         if distributed and qd.is_distributed(group):
             return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
                                           progress, seed, group, t0, auto_metric, experts,
-                                          missing)
+                                          missing, sample_budget_mb)
         slots, plans = _plan(model, recipes, candidates)
         batches, groups = _fuse(model, batches, recipes, slots)
         experts.reset_counts()
         needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                          for s in slots.values())
-        n = _run(model, batches, slots, sample_tokens, progress, seed) if needs_data else 0
+        n = (_run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb)
+             if needs_data else 0)
         return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
                          groups=groups, experts=experts, model=model, missing=missing,
                          fisher=fisher)
@@ -697,7 +729,8 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
 
 
 def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, progress, seed,
-                           group, t0, auto_metric="tensor", experts=None, missing="skip"):
+                           group, t0, auto_metric="tensor", experts=None, missing="skip",
+                           sample_budget_mb=None):
     """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
 
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
@@ -735,19 +768,21 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
         with qd.all_or_none("calibration", group):
             n = _run(model, qd.shard(batches, group), slots,
                      -(-sample_tokens // world) if auto else sample_tokens,
-                     progress and qd.is_main(group), seed + me)
+                     progress and qd.is_main(group), seed + me,
+                     _budget(sample_budget_mb) / world if auto else sample_budget_mb)
         n = qd.all_sum(n, group)
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
         qd.sync_observers([o for s in _unique(acts.values()) for o in s.observers.values()],
                           group)
         if auto:
-            merged = qd.gather_samples({k: s.sample for k, s in acts.items()}, sample_tokens,
-                                       group)
+            local = {k: [] if s.sample is None or not s.sample.count else [s.sample.rows()]
+                     for k, s in acts.items()}
+            merged = qd.gather_samples(local, sample_tokens, group)
             for k, rows in merged.items():
-                acts[k].sample = rows
+                acts[k].sample = RowSample.holding(rows[0]) if rows else None
         elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
             for s in acts.values():
-                s.sample = []
+                s.sample = None
     for counts in experts.counts.values():  # every rank reports the global counts
         counts[:] = [qd.all_sum(c, group) for c in counts]
     return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric, groups,
