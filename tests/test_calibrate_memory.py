@@ -102,7 +102,7 @@ def test_full_budget_reproduces_the_list_and_cat_sample(model, monkeypatch):
     calib = calibrate(model, batches(3), recipe, progress=False, sample_tokens=40)
     seen = {}
 
-    def old_hook(slots):  # the sampling this issue replaced, verbatim in spirit
+    def old_hook(slots, input_key=None):  # the sampling this issue replaced, in spirit
         def observe(x):
             for slot in slots:
                 if slot.also:
@@ -120,7 +120,8 @@ def test_full_budget_reproduces_the_list_and_cat_sample(model, monkeypatch):
                     seen.setdefault(id(slot), []).append(rows.index_select(0, idx))
                     s.count += take
                     s.buffer = torch.cat(seen[id(slot)])  # what _finish concatenated
-        return (lambda m, a: observe(a[0])), (lambda m, a, o: observe(o))
+        return (lambda m, a, k: observe(a[0] if a else k[input_key])), (
+            lambda m, a, o: observe(o))
 
     monkeypatch.setattr(session, "_hook", old_hook)
     old = calibrate(model, batches(3), recipe, progress=False, sample_tokens=40)
@@ -148,10 +149,10 @@ def test_observers_share_the_layers_activation(model, monkeypatch):
     seen = {}
     orig = session._hook
 
-    def spy(slots):
-        pre, post = orig(slots)
+    def spy(slots, input_key=None):
+        pre, post = orig(slots, input_key)
 
-        def pre2(module, args):
+        def pre2(module, args, kwargs):
             for slot in slots:
                 for obs in slot.observers.values():
                     ptrs = seen.setdefault(id(slot), set())
@@ -162,7 +163,7 @@ def test_observers_share_the_layers_activation(model, monkeypatch):
                         return _f(x)
 
                     obs.forward = record
-            pre(module, args)
+            pre(module, args, kwargs)
             for slot in slots:
                 for obs in slot.observers.values():
                     del obs.forward

@@ -660,7 +660,7 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     t0 = time.perf_counter()
     if batches is None:
         batches = []
-    if auto_metric == "model":
+    if auto_metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
         return _auto.calibrate_end_to_end(
             calibrate_many, model, batches, recipes, candidates=candidates,
             score_tokens=score_tokens, loss=loss, sample_tokens=sample_tokens,
