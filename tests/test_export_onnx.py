@@ -79,3 +79,38 @@ def test_what_onnx_cannot_express_is_an_error_naming_the_layer(bert, tmp_path):
                           example_inputs=batches[0])
         assert "encoder.layer.0" in str(err.value)
         assert not (tmp_path / "m.onnx").exists()
+
+
+def test_cli_export_onnx_of_a_calibrate_run(tmp_path):
+    """`quantscope calibrate ... --out RUN && quantscope export RUN --format onnx --out m.onnx`:
+    the run's recorded model and tokenizer give the example batch; ORT runs the file and
+    equals the run's fake-quant."""
+    import shutil
+
+    from quantscope import cli, models
+    from quantscope.calibrate import load
+
+    try:
+        src = models.default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    d = tmp_path / "tiny-bert"
+    torch.manual_seed(0)
+    transformers.BertModel(transformers.BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=64)).save_pretrained(d)
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / f, d / f)
+    run, out = tmp_path / "run", tmp_path / "m.onnx"
+    fast = ["--calib-docs", "4", "--max-length", "16", "--batch-size", "2",
+            "--eval-max-length", "16", "--no-progress", "--device", "cpu"]
+    assert cli.main(["calibrate", "--model", str(d), "--recipe", "w8a8", "--out", str(run),
+                     *fast]) == 0
+    assert cli.main(["export", str(run), "--format", "onnx", "--out", str(out)]) == 0
+    calib = load(run / "qparams")
+    model, tok = models.load_model(d)
+    enc = tok(["a test sentence for the exported graph"], return_tensors="pt")
+    got = qonnx.session(out, threads=1).run(None, {k: v.numpy() for k, v in enc.items()})[0]
+    with torch.no_grad(), calib.apply(model):
+        ref = model(**enc).last_hidden_state.numpy()
+    assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()

@@ -77,7 +77,11 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
     if not source:
         raise ValueError(f"export: {run_dir} does not record its model; pass model= (--model)")
     path = models.resolve_model_path(source)
-    float_model, _ = models.load_model(path)
+    float_model, tokenizer = models.load_model(path, task=calibration.info.get("task"))
+    if format == "onnx":  # a traced graph: the exporter runs the model on an example batch
+        example = dict(tokenizer(["quantscope exports this model."], return_tensors="pt"))
+        return export(calibration, float_model, out, format=format, overwrite=overwrite,
+                      example_inputs=example)
     return export(calibration, float_model, out, format=format, overwrite=overwrite,
                   allow_lossy=allow_lossy, model_path=str(path))
 

@@ -225,8 +225,9 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     ``example_inputs``: what ``model`` is called with (a tensor, a tuple, or a dict of
     keyword tensors such as a tokenizer's output); every dimension is exported dynamic.
     ``uint8``: store int8 codes as uint8 with the zero point moved by 128 (the same values;
-    see :func:`_unsigned` for why ONNX Runtime needs it on x86). Returns the path. Run it with :func:`session` (ONNX Runtime with the options that keep
-    its results equal to quantscope's fake-quant).
+    see :func:`_unsigned` for why ONNX Runtime needs it on x86). Returns the path. Run it
+    with :func:`session` (ONNX Runtime with the options that keep its results equal to
+    quantscope's fake-quant).
     """
     onnx = _onnx()
     if options:
