@@ -25,3 +25,25 @@ def test_histogram_plot_keeps_coinciding_ranges_visible(tmp_path, monkeypatch):
     plots.plot_histogram(report, "l", str(tmp_path / "h.png"))
     assert [x for x in labels if x] == ["minmax: [-4, 5]", "mse = mix: [-2, 3]"]
     assert (tmp_path / "h.png").stat().st_size > 1000
+
+
+def test_sqnr_plot_merges_coinciding_lines(tmp_path, monkeypatch):
+    """Weights every observer calibrates alike are one line "minmax = mse", not two drawn
+    on top of each other; the inputs, which differ, keep one line each."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from quantscope.calibrate import plots
+
+    def rows(w, i):
+        return [{"layer": f"l{k}", "role": role, "sqnr_db": v}
+                for k in range(3) for role, v in (("weight", w + k), ("input", i + k))]
+    report = {"runs": {f"w8a8/{o}": {"recipe": "w8a8", "observer": o, "layers": rows(30, i)}
+                       for o, i in (("minmax", 20.0), ("mse", 22.0))}}
+    labels = []
+    real = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **kw: (
+        labels.append(kw.get("label")), real(self, *a, **kw))[1])
+    plots.plot_sqnr(report, str(tmp_path / "s.png"))
+    assert sorted(labels) == ["minmax", "minmax = mse", "mse"]
+    assert (tmp_path / "s.png").stat().st_size > 1000

@@ -100,7 +100,9 @@ def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
 
 
 def plot_sqnr(report: dict, path: str) -> str:
-    """SQNR per layer for each observer: one panel per (recipe, role); PNG."""
+    """SQNR per layer for each observer: one panel per (recipe, role), each with its legend;
+    observers whose SQNR coincides on every layer (weights that all take min-max) share one
+    line labelled ``a = b``; PNG."""
     plt = _plt()
     panels = {}
     for label, run in report["runs"].items():
@@ -115,10 +117,14 @@ def plot_sqnr(report: dict, path: str) -> str:
                              squeeze=False)
     for ax, key in zip(axes.flat, keys):
         layers = None
+        lines = {}  # observers with the same SQNR on every layer share one line and its label
         for obs, rr in panels[key].items():
             layers = [r["layer"] for r in rr]
-            ys = [r["sqnr_db"] if r["sqnr_db"] is not None else float("nan") for r in rr]
-            ax.plot(range(len(ys)), ys, marker=".", lw=1, label=obs)
+            ys = tuple(r["sqnr_db"] if r["sqnr_db"] is not None else float("nan") for r in rr)
+            lines.setdefault(ys, []).append(obs)
+        for ys, names in lines.items():
+            ax.plot(range(len(ys)), ys, marker=".", lw=1, label=" = ".join(names))
+        ax.legend(fontsize=7)
         ax.set_title(f"{key[0]} {key[1]}", fontsize=10)
         ax.set_ylabel("SQNR dB")
         step = max(1, len(layers) // 12)
@@ -128,7 +134,6 @@ def plot_sqnr(report: dict, path: str) -> str:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
