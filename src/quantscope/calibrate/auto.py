@@ -33,6 +33,7 @@ from torch import nn
 from ..estimators.weighted import imatrix_range
 from ..qparams import qparams_from_range
 from .apply import apply, qdq_tensor
+from .batches import forward_batch
 from .recipe import AUTO, Recipe
 from .result import Calibration, RoleState
 
@@ -53,12 +54,6 @@ IMATRIX = "imatrix"
 
 
 # ----------------------------------------------------------------------------- model output
-def _forward(model, batch):
-    if isinstance(batch, dict) or hasattr(batch, "keys"):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _mask(batch):
@@ -128,7 +123,7 @@ class OutputDivergence:
         self.model.eval()
         try:
             with torch.inference_mode():
-                out = _forward(self.model, batch)
+                out = forward_batch(self.model, batch)
         finally:
             self.model.train(was)
         return out if self.loss is not None else _summary(out, batch)
@@ -205,7 +200,7 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
             model.zero_grad(set_to_none=True)
             with torch.enable_grad():
                 if loss is not None:
-                    value = loss(_forward(model, batch), batch)
+                    value = loss(forward_batch(model, batch), batch)
                 else:
                     if not (isinstance(batch, dict) or hasattr(batch, "keys")):
                         raise ValueError("fisher_weights: the default loss needs dict batches "

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..layout import Block, Channel, Group, Tensor
+from .batches import forward_batch
 from .recipe import _matches
 from .result import RoleState
 
@@ -62,9 +63,9 @@ def same_input(a, b) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same(a, b)
 
 
-def find_groups(model: nn.Module, batch, names, forward) -> list[tuple[str, ...]]:
+def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
     """Groups (2+ members, in call order) of the modules ``names`` whose forward input is
-    the same tensor in one forward of ``batch`` (``forward(model, batch)`` runs it)."""
+    the same tensor in one forward of ``batch``."""
     names = list(names)
     if batch is None or len(names) < 2:
         return []
@@ -95,7 +96,7 @@ def find_groups(model: nn.Module, batch, names, forward) -> list[tuple[str, ...]
                 hook_for(name), with_kwargs=True))
         model.eval()
         with torch.inference_mode():
-            forward(model, batch)
+            forward_batch(model, batch)
     finally:
         for h in handles:
             h.remove()

@@ -31,6 +31,7 @@ from ..spec import QuantSpec
 from . import auto as _auto
 from . import fusion, moe
 from .apply import input_name, module_input, qdq_tensor
+from .batches import forward_batch
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
 from .report import tensor_stats
 from .result import Calibration, RoleState
@@ -254,7 +255,7 @@ def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=
                 pass
         with torch.inference_mode():
             for batch in it:
-                _forward(model, batch)
+                forward_batch(model, batch)
                 n += 1
     finally:
         for h in handles:
@@ -304,7 +305,7 @@ def _fuse(model, batches, recipes, slots):
     names = [n for n in names if getattr(modules[n], "weight", None) is not None
              and modules[n].weight.dim() == 2]
     first, batches = fusion.peek(batches)
-    found = fusion.find_groups(model, first, names, _forward)
+    found = fusion.find_groups(model, first, names)
     groups = fusion.edit_groups(found, names, modules, fuse, split)
     for group in groups:
         keys = [(m, "input") for m in group if (m, "input") in slots]
@@ -393,14 +394,6 @@ def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
                                                tensor_stats(mod.weight.detach(), st))
         entry["weight"] = f"shared ({best[0].observer})"
     return done
-
-
-def _forward(model, batch):
-    if isinstance(batch, dict) or hasattr(batch, "keys"):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _state_from(obs, cfg: Role, shape) -> RoleState:
