@@ -368,7 +368,7 @@ def _setup(args, phases: _Phases):
     device = _device(args.device)
     path = models.resolve_model_path(args.model)
     task = args.task or models.model_task(path)
-    model, tok = phases.run(f"loading {path.name} ({task})",
+    model, tok = phases.run(f"loading {models.model_name(path)} ({task})",
                             lambda: models.load_model(path, device, task=task))
     docs = data.read_corpus(args.calib_file) if args.calib_file else data.lee_background()
     step = max(1, len(docs) // args.calib_docs)
@@ -380,7 +380,8 @@ def _setup(args, phases: _Phases):
     fp = None
     if getattr(args, "rank", 0) == 0:  # only rank 0 evaluates (under torchrun)
         fp = phases.run("evaluating float", ev.reference)
-    setup = {"model": str(path), "task": task, "device": device,
+    setup = {"model": str(path), "name": models.model_name(path), "task": task,
+             "device": device,
              "calib_file": args.calib_file, "calib_docs": len(calib), "calib_tokens": tokens,
              "max_length": args.max_length, "batch_size": args.batch_size,
              "eval_docs": len(ev.docs), "eval_max_length": args.eval_max_length,
@@ -514,7 +515,7 @@ def cmd_calibrate(args) -> int:
     _save_run(args.out, calib, report, phases)
     if args.verbose:
         report.print()
-    print(f"quantscope calibrate: {os.path.basename(setup['model'])} ({setup['task']}), "
+    print(f"quantscope calibrate: {setup['name']} ({setup['task']}), "
           f"{rec.name}, observer {observer}")
     print(f"  {_metric_line(ev.primary, fp[ev.primary], q[ev.primary])}")
     if "cosine" in q:
@@ -585,8 +586,9 @@ def cmd_compare(args) -> int:
     t = time.perf_counter()
     calibs = phases.run(f"calibrating {len(plan)} configurations in one pass", lambda: (
         calibrate_many(model, batches, plan, candidates=candidates,
-                       sample_tokens=args.sample_tokens, sample_budget_mb=args.sample_budget_mb,
-                       progress=not args.no_progress, seed=args.seed, distributed=getattr(args, "world", 1) > 1,
+                       sample_tokens=args.sample_tokens,
+                       sample_budget_mb=args.sample_budget_mb, progress=not args.no_progress,
+                       seed=args.seed, distributed=getattr(args, "world", 1) > 1,
                        auto_metric=args.auto_metric)))
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
         return 0
@@ -606,7 +608,7 @@ def cmd_compare(args) -> int:
               "runs": runs,
               "histograms": {f"{k[0]}/{k[1]}": v for k, v in histograms.items()}}
     headers, rows = compare_rows(report)
-    name = os.path.basename(setup["model"].rstrip("/"))
+    name = setup["name"]
     metric = ("perplexity on" if setup["task"] == "causal-lm" else "Lee similarity over") + (
         f" {setup['eval_docs']} held-out documents")
     title = (f"quantscope compare: {name}, {setup['calib_docs']} calibration docs "
@@ -697,7 +699,7 @@ def cmd_evaluate(args) -> int:
     path = models.resolve_model_path(source)
     task = args.task or info.get("task") or models.model_task(path)
     max_length = args.eval_max_length or info.get("eval_max_length", 256)
-    model, tok = phases.run(f"loading {path.name} ({task})",
+    model, tok = phases.run(f"loading {models.model_name(path)} ({task})",
                             lambda: models.load_model(path, _device(args.device), task=task))
     ev = _Evaluator(task, model, tok, max_length, not (args.no_progress or args.json))
     fp = phases.run("evaluating float", ev.reference)
@@ -705,7 +707,7 @@ def cmd_evaluate(args) -> int:
     if args.json:
         print(json.dumps({**q, **{f"{k}_fp32": v for k, v in fp.items()}}))
         return 0
-    print(f"quantscope evaluate: {qdir} on {path.name} ({task})")
+    print(f"quantscope evaluate: {qdir} on {models.model_name(path)} ({task})")
     print(f"  {_metric_line(ev.primary, fp[ev.primary], q[ev.primary])}")
     if "cosine" in q:
         print(f"  cosine to float embeddings: {q['cosine']:.4f}")

@@ -39,6 +39,7 @@ __all__ = [
     "embed",
     "lee_correlation",
     "load_model",
+    "model_name",
     "model_task",
     "next_token_logprobs",
     "pearson",
@@ -137,6 +138,18 @@ def resolve_model_path(path=None) -> Path:
         raise FileNotFoundError(f"model path {str(path)!r} is not a Hugging Face model folder "
                                 f"(no config.json)")
     return path
+
+
+def model_name(path) -> str:
+    """A short name for messages: the folder's name, or the demo model's where the package
+    folder has a generic one (MiniLM's is ``model``)."""
+    path = Path(path)
+    try:
+        if path.resolve() == default_model_path().resolve():
+            return "all-MiniLM-L6-v2"
+    except FileNotFoundError:
+        pass
+    return path.name
 
 
 def model_task(path) -> str:
