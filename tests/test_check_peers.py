@@ -2,7 +2,6 @@
 global scales of q/k/v and gate/up) and flags it once one shard's scale is edited."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,16 +14,12 @@ def test_llmcompressor_nvfp4_checkpoint(tmp_path):
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from safetensors.torch import load_file, save_file
+    from test_models_decoder import _tokenizer  # a word-level tokenizer built in place
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quantscope.export import check
 
-    tok_dir = Path.home() / ".cache/quantscope/models/smollm2-135m-instruct"
-    if not (tok_dir / "tokenizer.json").exists():
-        pytest.skip("the demo decoder's tokenizer is not cached (quantscope.models)")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok = _tokenizer(pad=True)
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
