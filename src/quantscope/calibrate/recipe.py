@@ -336,7 +336,7 @@ def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
             continue
         dynamic = args.dynamic if isinstance(args.dynamic, bool) else "local"
         obs = "memoryless_minmax" if dynamic is True else observer
-        roles[role] = Role(spec_from_args(args), obs, dynamic)
+        roles[role] = Role(spec_from_args(args, role), obs, dynamic)
     recipe = Recipe((Rule(targets, **roles),), tuple([ignore] if isinstance(ignore, str)
                                                     else ignore), key)
     return recipe.with_observer(observer, **options)

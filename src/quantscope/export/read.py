@@ -18,7 +18,6 @@ import os
 
 import torch
 
-from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
@@ -28,30 +27,13 @@ __all__ = ["read_compressed_tensors", "spec_from_args"]
 _ROLE = {"weights": "weight", "input_activations": "input", "output_activations": "output"}
 
 
-def spec_from_args(args) -> QuantSpec:
-    """The quantscope spec of a compressed-tensors ``QuantizationArgs``."""
-    strategy, bits = str(args.strategy), args.num_bits
-    if str(args.type) == "int":
-        fmt = f"int{bits}"
-    elif bits == 8:
-        fmt = "fp8_e4m3"
-    elif bits == 4:
-        fmt = "fp4_e2m1"
-    else:
-        raise ValueError(f"compressed-tensors args: float of {bits} bits has no quantscope "
-                         f"reader here (fp8 e4m3 and fp4 e2m1)")
-    if strategy == "tensor_group":  # NVFP4
-        return QuantSpec(fmt, Block(args.group_size), scale="fp8_e4m3")
-    if strategy == "group" and args.scale_dtype == torch.uint8:  # MX: E8M0 scales
-        # compressed-tensors computes MX scales with the 'even' rule (its run-time rule)
-        return QuantSpec(fmt, Block(args.group_size), scale="e8m0:even")
-    layout = {"tensor": Tensor, "channel": lambda: Channel(0), "token": Token,
-              "group": lambda: Group(args.group_size),
-              "block": lambda: Tile(*args.block_structure)}.get(strategy)
-    if layout is None:
-        raise ValueError(f"compressed-tensors args: strategy {strategy!r} has no quantscope "
-                         f"layout")
-    return QuantSpec(fmt, layout(), symmetric=bool(args.symmetric))
+def spec_from_args(args, role: str = "weight") -> QuantSpec:
+    """The quantscope spec of a compressed-tensors ``QuantizationArgs`` for ``role`` (weight,
+    input, output): :func:`~quantscope.compat.llmcompressor.llmcompressor_spec`, the one
+    translation (MX is E8M0 ``even``, compressed-tensors' run-time rule)."""
+    from ..compat.llmcompressor import llmcompressor_spec
+
+    return llmcompressor_spec(args, role)
 
 
 def _global_amax(gs: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -154,7 +136,7 @@ def read_compressed_tensors(path):
     for scheme in qconfig.config_groups.values():
         fmt = scheme.format or qconfig.format
         roles = {_ROLE[k]: getattr(scheme, k) for k in _ROLE if getattr(scheme, k) is not None}
-        specs = {r: spec_from_args(a) for r, a in roles.items()}
+        specs = {r: spec_from_args(a, r) for r, a in roles.items()}
         observers = {r: (a.observer or "minmax") for r, a in roles.items()}
         rules.append(Rule(tuple(scheme.targets), **{
             r: Role(specs[r], "memoryless_minmax" if a.dynamic is True else observers[r],
