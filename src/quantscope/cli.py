@@ -474,10 +474,10 @@ def _save_run(out: str, calib, report, phases) -> None:
 
 def _float_note(rec, model) -> str:
     """Which modules the ignore list left in float (a short list)."""
-    import fnmatch
+    from .calibrate.recipe import _matches
 
-    names = [n for n, _ in model.named_modules()
-             if n and any(fnmatch.fnmatchcase(n, p) for p in rec.ignore if not p.startswith("re:"))]
+    names = [n for n, m in model.named_modules()
+             if n and any(_matches(p, n, m) for p in rec.ignore)]
     top = [n for n in names if not any(n.startswith(m + ".") for m in names)]
     if not top:
         return ""
