@@ -38,6 +38,7 @@ from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import nvfp4_global_scale
 from . import register
 from .atomic import atomic_dir, check_writable_target
+from .experts import checkpoint_names, unfuse_experts
 
 __all__ = ["export_compressed_tensors", "quant_args"]
 
@@ -203,7 +204,7 @@ def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> Non
             raise ValueError(f"export compressed-tensors: layer {layer!r} {base}_{field}: "
                              f"{value.numel()} values for a parameter of shape "
                              f"{tuple(param.shape)}")
-        cast = value.reshape(param.shape).to(param.dtype)
+        cast = value.reshape(param.shape).to(param.dtype).clone()  # shards own their copy
         if not torch.equal(cast.to(value.dtype), value.reshape(param.shape)):
             lossy(layer, base, f"{field} not exact in {param.dtype} (the model's dtype)",
                   f"round it to {param.dtype}")
@@ -278,18 +279,19 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         raise TypeError(f"export compressed-tensors: model must be a transformers "
                         f"PreTrainedModel (it writes a Hugging Face folder), got "
                         f"{type(model).__name__}")
-    states = calibration.states
-    if not states:
+    if not calibration.states:
         raise ValueError("export compressed-tensors: the calibration quantizes no layer")
     path = check_writable_target(path, overwrite=overwrite)
     lossy = _Lossy(allow_lossy)
+    work = copy.deepcopy(model).cpu()
+    # MoE experts under the checkpoint's per-expert names (vLLM's loader reads those)
+    states = unfuse_experts(work, calibration.states)
     for layer, roles in states.items():
-        _check_module(model, layer, roles)
-    _tied(model, [layer for layer, roles in states.items() if "weight" in roles])
+        _check_module(work, layer, roles)
+    _tied(work, [layer for layer, roles in states.items() if "weight" in roles])
     groups = _groups(states, lossy)
     source = _source_dir(calibration, model, model_path)
 
-    work = copy.deepcopy(model).cpu()
     for args, layers in groups:
         targets = ["Linear"] if len(groups) == 1 and all(
             isinstance(work.get_submodule(n), nn.Linear) for n in layers) else sorted(layers)
@@ -309,17 +311,24 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     with atomic_dir(path, overwrite=overwrite) as tmp:
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
-        _annotate(tmp, calibration, lossy.notes, source)
+        _annotate(tmp, calibration, lossy.notes, source, work)
         if source is not None:
             _copy_extras(source, tmp)
     return path
 
 
-def _annotate(folder: str, calibration, notes: list[str], source) -> None:
-    """quantscope's own record beside ``quantization_config``: recipe, observers, changes."""
+def _annotate(folder: str, calibration, notes: list[str], source, work) -> None:
+    """quantscope's own record beside ``quantization_config`` (recipe, observers, changes);
+    the config's layer names as the tensors on disk have them."""
     cfg_path = os.path.join(folder, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
+    qc = cfg["quantization_config"]
+    lists = [g["targets"] for g in qc.get("config_groups", {}).values()] + [qc.get("ignore", [])]
+    disk = checkpoint_names(work, {n for names in lists for n in names
+                                   if not n.startswith("re:") and "." in n})
+    for names in lists:
+        names[:] = [disk.get(n, n) for n in names]
     cfg["quantscope"] = {"recipe": calibration.recipe.name, "label": calibration.label,
                          "lossy": notes, "model": source}
     with open(cfg_path, "w") as f:

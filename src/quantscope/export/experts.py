@@ -1,0 +1,176 @@
+"""MoE experts as checkpoints store them: one module per expert, gate and up apart.
+
+transformers 5 runs an experts module on 3-D parameters (``gate_up_proj``
+``[experts, 2 x intermediate, hidden]``, ``down_proj``) and quantscope calibrates one
+state per expert slice (``<experts>.<e>.gate_up_proj``, ``<experts>.<e>.down_proj``, see
+:mod:`quantscope.calibrate.moe`). Checkpoints on disk, and vLLM's loader, name every expert
+apart: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj`` (Qwen-MoE, DeepSeek) or
+``w1`` / ``w3`` / ``w2`` (Mixtral); vLLM fuses gate and up back into ``w13``.
+:func:`unfuse_experts` rewrites a model copy and its states into that layout before
+compression: the gate rows and the up rows become two ``nn.Linear`` whose per-row qparams
+are the matching rows of the fused state, and whose per-tensor ones (global scale, static
+input scale, per-tensor weight scale) are the shared value, as the runtime's ``w13`` needs.
+The on-disk names come from transformers' own checkpoint conversion mapping for the model
+type; a model type whose checkpoints keep the 3-D tensors (no such mapping: gpt-oss's
+interleaved ``gate_up_proj``, for one) is refused, naming the module.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..calibrate.moe import is_experts_3d
+
+__all__ = ["expert_names", "unfuse_experts"]
+
+
+def expert_names(model: nn.Module) -> tuple[str, str, str] | None:
+    """The checkpoint's (gate, up, down) names of one expert, e.g. ``w1, w3, w2`` for Mixtral;
+    None when transformers maps no per-expert tensors onto the model's 3-D ones."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        mapping = get_checkpoint_conversion_mapping(model_type) or []
+    except (ImportError, AttributeError, KeyError):  # older transformers, no mapping
+        return None
+    fused, down = None, None
+    for conv in mapping:
+        target = getattr(conv, "target_patterns", None)
+        sources = getattr(conv, "source_patterns", None)
+        if not target or not sources:
+            continue
+        target = target[0] if isinstance(target, (list, tuple)) else target
+        names = [m.group(1) for s in ([sources] if isinstance(sources, str) else sources)
+                 if (m := re.search(r"experts\.\*\.(\w+)\.weight", s))]
+        if target.endswith("experts.gate_up_proj") and len(names) == 2:
+            fused = names
+        elif target.endswith("experts.down_proj") and len(names) == 1:
+            down = names[0]
+    if fused is None or down is None:
+        return None
+    return fused[0], fused[1], down
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta",
+                    dtype=weight.dtype)
+    lin.weight = nn.Parameter(weight.detach().clone().contiguous(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return lin
+
+
+def _rows(t, start: int, stop: int, rows: int, layer: str):
+    """Rows ``[start, stop)`` of the per-unit tensor ``t`` of a ``rows``-row weight (units are
+    row-major with the row, or the row tile, outermost); a per-tensor ``t`` is kept."""
+    if t is None or t.numel() == 1:
+        return t
+    per_row = t.numel() * start % rows == 0 and t.numel() * stop % rows == 0
+    if not per_row:
+        raise ValueError(f"export: expert layer {layer!r}: its {t.numel()} scales do not split "
+                         f"at row {start} of {rows} (a tile layout crossing gate and up)")
+    flat = t.reshape(-1)
+    return flat[t.numel() * start // rows: t.numel() * stop // rows].clone()
+
+
+def _split_state(state, start: int, stop: int, layer: str):
+    """The state of rows ``[start, stop)`` of a fused weight (an input state is shared)."""
+    if state.shape is None:
+        return state
+    rows = state.shape[0]
+    qp = state.qparams
+    if qp is not None:
+        qp = replace(qp, scale=_rows(qp.scale, start, stop, rows, layer),
+                     zero_point=_rows(qp.zero_point, start, stop, rows, layer))
+    return replace(state, qparams=qp, lo=_rows(state.lo, start, stop, rows, layer),
+                   hi=_rows(state.hi, start, stop, rows, layer),
+                   shape=(stop - start, *state.shape[1:]))
+
+
+def _expert_module(parent: nn.Module, e: int, names) -> nn.Module:
+    gate, up, down = names
+    transposed = getattr(parent, "is_transposed", False)
+    has_bias = getattr(parent, "has_bias", False)
+    gated = getattr(parent, "has_gate", True) and hasattr(parent, "gate_up_proj")
+    expert = nn.Module()
+
+    def weight(name):
+        w = getattr(parent, name).data[e]
+        b = getattr(parent, f"{name}_bias", None) if has_bias else None
+        return (w.t() if transposed else w), (None if b is None else b.data[e])
+
+    w, b = weight("gate_up_proj" if gated else "up_proj")
+    if gated:
+        half = w.shape[0] // 2
+        expert.add_module(gate, _linear(w[:half], None if b is None else b[:half]))
+        expert.add_module(up, _linear(w[half:], None if b is None else b[half:]))
+    else:
+        expert.add_module(up, _linear(w, b))
+    expert.add_module(down, _linear(*weight("down_proj")))
+    return expert
+
+
+def unfuse_experts(model: nn.Module, states: dict) -> dict:
+    """Rewrite ``model`` (a copy: it is changed in place) so that every 3-D experts module
+    becomes a ``ModuleList`` of per-expert modules under the checkpoint's names, and return
+    ``states`` renamed to match (the gate and up halves of ``gate_up_proj`` split by rows)."""
+    names = expert_names(model)
+    out = dict(states)
+    for name, module in list(model.named_modules()):
+        if not is_experts_3d(module):
+            continue
+        if names is None:
+            raise ValueError(
+                f"export compressed-tensors: experts module {name!r} "
+                f"({type(model).__name__}): its checkpoints keep 3-D expert tensors "
+                f"(transformers maps no per-expert names onto them), which compressed-tensors "
+                f"cannot compress; leave the experts in float (ignore them in the recipe)")
+        gate, up, down = names
+        n = (module.gate_up_proj if hasattr(module, "gate_up_proj") else module.up_proj).shape[0]
+        experts = nn.ModuleList([_expert_module(module, e, names) for e in range(n)])
+        for e in range(n):
+            fused, lower = f"{name}.{e}.gate_up_proj", f"{name}.{e}.down_proj"
+            if lower in out:
+                out[f"{name}.{e}.{down}"] = out.pop(lower)
+            if fused not in out:
+                continue
+            roles = out.pop(fused)
+            if not hasattr(experts[e], gate):  # no gate: up_proj alone
+                out[f"{name}.{e}.{up}"] = roles
+                continue
+            rows = experts[e].get_submodule(gate).out_features
+            for shard, (a, b) in ((gate, (0, rows)), (up, (rows, 2 * rows))):
+                out[f"{name}.{e}.{shard}"] = {
+                    role: _split_state(st, a, b, fused) if role == "weight" else st
+                    for role, st in roles.items()}
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, experts)
+    return out
+
+
+
+def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
+    """``{module name: the name its tensors have on disk}``: transformers' own reverse
+    renamings (Mixtral's ``mlp`` is ``block_sparse_moe`` on disk), so that a checkpoint's
+    ``targets`` / ``ignore`` name the modules of a loader that reads the disk names (vLLM).
+    Without a mapping (or an older transformers) every name maps to itself."""
+    names = list(names)
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
+
+        convs = getattr(model, "_weight_conversions", None)
+        if convs is None:  # as save_pretrained does for a model not from from_pretrained
+            convs = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                     if not isinstance(c, PrefixChange)]
+        renamings = [r for r in (c.reverse_transform() for c in convs[::-1])
+                     if isinstance(r, WeightRenaming)]
+    except (ImportError, AttributeError, KeyError, TypeError):  # older transformers
+        return {n: n for n in names}
+    return {n: apply_renamings(f"{n}.weight", renamings).removesuffix(".weight") for n in names}

@@ -1,0 +1,108 @@
+"""MoE experts exported under the checkpoint's per-expert names, as vLLM's loader reads them."""
+
+import json
+
+import pytest
+import torch
+
+from quantscope.calibrate import calibrate
+from quantscope.calibrate.apply import qdq_tensor
+from quantscope.export import check
+from quantscope.export.experts import checkpoint_names, expert_names
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from test_moe import mixtral
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def _decompress(folder, tensors, prefix):
+    """The float weight compressed-tensors' own compressor rebuilds from ``prefix``'s tensors
+    (NVFP4: its fp4 unpacking, then codes x block scale / global scale in float32, since its
+    ``decompress`` rounds the result to bfloat16)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    config = QuantizationConfig.model_validate(
+        {k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
+    (scheme,) = config.config_groups.values()
+    local = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if config.format == "nvfp4-pack-quantized":
+        m, n = local["weight_packed"].shape
+        codes = unpack_fp4_from_uint8(local["weight_packed"], m, 2 * n, dtype=torch.float32)
+        scale = local["weight_scale"].float() / local["weight_global_scale"].float()
+        return (codes.reshape(m, -1, 16) * scale[..., None]).reshape(m, 2 * n)
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    return compressor.decompress(local, scheme)["weight"].float()
+
+
+def test_names_from_transformers_mapping():
+    model, _ = mixtral()
+    assert expert_names(model) == ("w1", "w3", "w2")
+    q = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50, num_experts=4, num_experts_per_tok=2))
+    assert expert_names(q) == ("gate_proj", "up_proj", "down_proj")
+    names = checkpoint_names(model, ["model.layers.0.mlp.experts.1.w1",
+                                     "model.layers.0.self_attn.q_proj", "lm_head"])
+    assert names == {"model.layers.0.mlp.experts.1.w1":
+                     "model.layers.0.block_sparse_moe.experts.1.w1",
+                     "model.layers.0.self_attn.q_proj": "model.layers.0.self_attn.q_proj",
+                     "lm_head": "lm_head"}
+
+
+@pytest.mark.parametrize("preset", ["w8a8", "w4a16", "fp8", "nvfp4"])
+def test_experts_written_per_expert(preset, tmp_path):
+    model, batches = mixtral()
+    calib = calibrate(model, batches, preset, progress=False)
+    out = tmp_path / "ct"
+    calib.export(model, out)
+    tensors = _tensors(out)
+    assert not any(".experts.gate_up_proj" in k or ".experts.down_proj" in k for k in tensors)
+    assert check(out) == []  # w1 / w3 (vLLM's w13) share their per-tensor scales
+    inter = model.config.intermediate_size
+    for i, layer in enumerate(model.model.layers):
+        ex = layer.mlp.experts
+        for e in range(ex.gate_up_proj.shape[0]):
+            disk = f"model.layers.{i}.block_sparse_moe.experts.{e}"
+            fused = calib.states[f"model.layers.{i}.mlp.experts.{e}.gate_up_proj"]
+            ref = qdq_tensor(ex.gate_up_proj.detach()[e], fused["weight"])
+            down = calib.states[f"model.layers.{i}.mlp.experts.{e}.down_proj"]
+            shards = {"w1": ref[:inter], "w3": ref[inter:],
+                      "w2": qdq_tensor(ex.down_proj.detach()[e], down["weight"])}
+            for shard, want in shards.items():
+                got = _decompress(out, tensors, f"{disk}.{shard}.")
+                assert torch.equal(got, want), (disk, shard)
+            if preset in ("w8a8", "fp8"):  # static input scales, gate and up the same
+                scale = fused["input"].qparams.scale.reshape(-1)
+                for shard in ("w1", "w3"):
+                    assert torch.equal(tensors[f"{disk}.{shard}.input_scale"].reshape(-1),
+                                       scale)
+            if preset == "nvfp4":
+                gs = fused["weight"].qparams.global_scale.reshape(-1)
+                for shard in ("w1", "w3"):
+                    assert torch.equal(
+                        tensors[f"{disk}.{shard}.weight_global_scale"].reshape(-1), gs)
+
+
+def test_experts_without_per_expert_checkpoint_names_refused(tmp_path, monkeypatch):
+    from quantscope.export import experts
+
+    model, batches = mixtral()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    monkeypatch.setattr(experts, "expert_names", lambda m: None)
+    with pytest.raises(ValueError, match=r"experts module 'model\.layers\.0\.mlp\.experts'"):
+        calib.export(model, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
