@@ -18,6 +18,7 @@ from quantscope.calibrate import (
     load,
     preset,
 )
+from quantscope.calibrate.recipe import KV_PRESETS
 from quantscope.layout import Channel, Group, Tensor, Token
 
 
@@ -250,7 +251,9 @@ def test_report_markdown_and_json(tmp_path):
 
 
 # -------------------------------------------------------------------------- save / load
-@pytest.mark.parametrize("name", sorted(PRESETS))
+# (fp8-kv is fp8 plus the KV cache of attention modules, which make() has none of:
+# tests/test_kv_cache.py round-trips it)
+@pytest.mark.parametrize("name", sorted(set(PRESETS) - set(KV_PRESETS)))
 def test_save_load_round_trip_exact(tmp_path, name):
     m, b = make()
     c = calibrate(m, b, name, progress=False)

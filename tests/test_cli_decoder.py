@@ -85,3 +85,27 @@ def test_indivisible_group_size(llama_dir, tmp_path, capsys):
     rows = json.loads((tmp_path / "r" / "report.json").read_text())["layers"]
     # 64-wide inputs take groups of 48 nowhere; 96-wide (down_proj) inputs do
     assert {r["layer"].split(".")[-1] for r in rows} == {"down_proj"}
+
+
+def test_kv_cache_calibrated_and_exported(llama_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from quantscope import cli
+    from quantscope.calibrate import load
+
+    run, out = str(tmp_path / "run"), tmp_path / "ct"
+    rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", "--kv-cache", "fp8",
+                   "--out", run, "--no-progress", *FAST])
+    assert rc == 0
+    calib = load(Path(run, "qparams"))
+    assert calib.recipe.kv_cache is not None
+    assert cli.main(["export", run, "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"]["type"] == "float"
+    tensors = load_file(out / "model.safetensors")
+    for i in range(2):
+        name = f"model.layers.{i}.self_attn"
+        assert torch.equal(tensors[f"{name}.k_scale"],
+                           calib.states[name]["key"].qparams.scale.reshape(1))
+        assert torch.equal(tensors[f"{name}.v_scale"],
+                           calib.states[name]["value"].qparams.scale.reshape(1))

@@ -11,9 +11,10 @@ from quantscope import cli
 
 def test_static_names_equal_the_registries():
     from quantscope import list_observers
-    from quantscope.calibrate.recipe import AUTO, PRESETS
+    from quantscope.calibrate.recipe import AUTO, KV_CACHE, PRESETS
 
     assert set(cli.RECIPE_NAMES) == set(PRESETS)
+    assert set(cli.KV_CACHE_NAMES) == set(KV_CACHE)
     assert set(cli.OBSERVER_NAMES) == {*list_observers(), AUTO}
     qs = pytest.importorskip("compressed_tensors.quantization.quant_scheme")
     assert set(cli.SCHEME_NAMES) == {k for k, v in qs.PRESET_SCHEMES.items() if v}

@@ -28,7 +28,8 @@ __all__ = ["OBSERVER_NAMES", "RECIPE_NAMES", "SCHEME_NAMES", "build_parser", "ma
 # The names the CLI accepts, known without importing torch (so --help and a typo answer at
 # once); tests/test_cli_names.py holds each list equal to its registry.
 RECIPE_NAMES = ("w8a8", "w8a8-dynamic", "w4a16", "w4a16-asym", "w4a8", "fp8", "fp8-dynamic",
-                "mxfp4", "nvfp4")
+                "mxfp4", "nvfp4", "fp8-kv")
+KV_CACHE_NAMES = ("fp8",)
 SCHEME_NAMES = ("FP8", "FP8_BLOCK", "FP8_DYNAMIC", "INT8", "MXFP4", "MXFP4A16", "MXFP4XFP8",
                 "MXFP6A16", "MXFP6A8", "MXFP8", "MXFP8A16", "NVFP4", "NVFP4A16", "W2A16", "W2A4",
                 "W2A8", "W3A16", "W3A4", "W3A8", "W4A16", "W4A16_ASYM", "W4A4", "W4A8", "W4AFP8",
@@ -101,6 +102,10 @@ def _common(p: argparse.ArgumentParser, out_default: str | None) -> None:
                         f"head and pooler stay float, as the peers' recipes leave them)")
     r.add_argument("--group-size", type=int, default=None, metavar="N",
                    help="the group size of grouped weights (W4A16 ...; default: the recipe's)")
+    r.add_argument("--kv-cache", choices=KV_CACHE_NAMES, default=None,
+                   help="also calibrate the KV cache (keys after the rotary embedding, values; "
+                        "static per tensor, with the recipe's observer): vLLM's "
+                        "kv_cache_dtype, exported as k_scale / v_scale")
     r.add_argument("--on-indivisible", choices=("error", "float"), default="error",
                    help="a layer whose width the group size does not divide: stop with an "
                         "error naming the sizes that would (default), or leave it in float")
@@ -393,6 +398,8 @@ def _setup(args, phases: _Phases):
 
 def _build_recipe(args, model, observer=None, recipe_name=None):
     """The recipe the flags describe, checked against the model's layers."""
+    from dataclasses import replace
+
     from .calibrate import recipe as R
 
     observer = observer or args.observer
@@ -406,6 +413,9 @@ def _build_recipe(args, model, observer=None, recipe_name=None):
         rec = R.scheme(name or args.scheme, observer, **kw)
     if args.group_size is not None:
         rec = R.with_group_size(rec, args.group_size)
+    if getattr(args, "kv_cache", None):
+        rec = replace(rec, kv_cache=replace(R.kv_cache_role(args.kv_cache), observer=(
+            "minmax" if observer == R.AUTO else observer)))
     if getattr(args, "weight_observer", None):
         rec = R.with_role_observer(rec, "weight", args.weight_observer)
     if getattr(args, "input_observer", None):

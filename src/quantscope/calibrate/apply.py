@@ -15,6 +15,7 @@ all go through it.
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from ..observers.registry import get_observer
 from ..qparams import QParams, qparams_from_range
 from ..quantize import dequantize_units, fake_quantize
 from ..stats.minmax import unit_minmax
+from . import kv_cache
 from .result import RoleState
 
 __all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "runtime_qparams"]
@@ -143,6 +145,7 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
         raise ValueError("apply: this model already has quantscope QDQ applied; call remove() "
                          "on the handle first")
     handle = QDQHandle(model)
+    kv: dict[str, dict[str, RoleState]] = {}  # attention layer -> key / value states
     try:
         _attach_experts(model, states, handle)
         for name, roles in states.items():
@@ -170,13 +173,25 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                 elif role == "output":
                     handle._hooks.append(module.register_forward_hook(
                         _output_hook(state.to(_device(module)))))
+                elif role in kv_cache.ROLES:
+                    kv.setdefault(name, {})[role] = state.to(_device(module))
                 else:
                     raise ValueError(f"apply: unknown role {role!r} for {name!r}")
+        if kv:
+            handle._hooks.append(SimpleNamespace(remove=kv_cache.attach(
+                model, {name: _kv_qdq(roles) for name, roles in kv.items()})))
     except BaseException:
         handle.remove()
         raise
     setattr(model, _ATTR, handle)
     return handle
+
+
+def _kv_qdq(states: dict[str, RoleState]):
+    """The :func:`kv_cache.attach` callback that fake-quantizes a layer's key / value states."""
+    def callback(role, x):
+        return qdq_tensor(x, states[role]) if role in states else x
+    return callback
 
 
 def _attach_experts(model: nn.Module, states, handle: QDQHandle) -> None:

@@ -31,6 +31,7 @@ from ..spec import QuantSpec
 __all__ = [
     "AUTO",
     "DEFAULT_CANDIDATES",
+    "KV_CACHE",
     "PRESETS",
     "ROLES",
     "Recipe",
@@ -142,6 +143,11 @@ class Recipe:
     matching layers of each parent module form one group, e.g.
     ``(("*.q_a_proj", "*.kv_a_proj_with_mqa"),)``), ``split`` takes layers matching its
     patterns out of their groups.
+
+    ``kv_cache`` (a :class:`Role`, or ``"fp8"``: static fp8 e4m3 per tensor, min-max) gives
+    every attention module not ignored the roles ``key`` and ``value``: its key and value
+    states as the KV cache holds them, after the rotary embedding (see
+    :mod:`~quantscope.calibrate.kv_cache`), written as vLLM's ``k_scale`` / ``v_scale``.
     """
 
     rules: tuple[Rule, ...]
@@ -150,6 +156,7 @@ class Recipe:
     fusion: bool = True
     fuse: tuple = ()
     split: tuple[str, ...] = ()
+    kv_cache: Role | None = None
 
     def __post_init__(self):
         if isinstance(self.rules, Rule):
@@ -164,6 +171,7 @@ class Recipe:
                            else tuple(self.split))
         if not isinstance(self.fusion, bool):
             raise TypeError(f"Recipe.fusion must be True or False, got {self.fusion!r}")
+        object.__setattr__(self, "kv_cache", kv_cache_role(self.kv_cache))
         if not self.rules:
             raise ValueError("Recipe.rules: a recipe needs at least one rule")
         for r in self.rules:
@@ -190,6 +198,17 @@ class Recipe:
                             f"parameter")
                     found[name] = (module, roles)
                     break
+        if self.kv_cache is not None:
+            from .kv_cache import attention_modules
+
+            attention = {n: m for n, m in attention_modules(model).items()
+                         if not any(_matches(p, n, m) for p in self.ignore)}
+            if not attention:
+                raise ValueError(f"recipe {self.name!r}: kv_cache is set but the model has no "
+                                 f"attention module with k_proj / v_proj (transformers')")
+            for n, m in attention.items():
+                found[n] = (m, {**found.get(n, (m, {}))[1], "key": self.kv_cache,
+                                "value": self.kv_cache})
         if not found:
             kinds = sorted({type(m).__name__ for _, m in model.named_modules()})
             targets = [t for r in self.rules for t in r.targets]
@@ -210,23 +229,49 @@ class Recipe:
             return replace(role, observer=name, options=opts)
         rules = tuple(replace(r, **{k: swap(getattr(r, k), k) for k in ROLES})
                       for r in self.rules)
-        return replace(self, rules=rules, name=self.name)
+        return replace(self, rules=rules, name=self.name,
+                       kv_cache=swap(self.kv_cache, "key"))
 
     @property
     def needs_data(self) -> bool:
-        return any(role.needs_data for r in self.rules for k, role in r.roles().items()
-                   if k != "weight")
+        return self.kv_cache is not None or any(
+            role.needs_data for r in self.rules for k, role in r.roles().items() if k != "weight")
 
     def to_dict(self) -> dict:
         return {"name": self.name, "ignore": list(self.ignore),
                 "rules": [r.to_dict() for r in self.rules], "fusion": self.fusion,
-                "fuse": [list(p) for p in self.fuse], "split": list(self.split)}
+                "fuse": [list(p) for p in self.fuse], "split": list(self.split),
+                "kv_cache": None if self.kv_cache is None else self.kv_cache.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> Recipe:
         return cls(tuple(Rule.from_dict(r) for r in d["rules"]), tuple(d.get("ignore", ())),
                    d.get("name", "custom"), d.get("fusion", True),
-                   tuple(tuple(p) for p in d.get("fuse", ())), tuple(d.get("split", ())))
+                   tuple(tuple(p) for p in d.get("fuse", ())), tuple(d.get("split", ())),
+                   None if d.get("kv_cache") is None else Role.from_dict(d["kv_cache"]))
+
+
+#: ``kv_cache=`` names: the KV cache format vLLM's ``kv_cache_dtype`` takes
+KV_CACHE = {"fp8": QuantSpec("fp8_e4m3", Tensor())}
+
+
+def kv_cache_role(kv_cache) -> Role | None:
+    """The :class:`Role` of a recipe's ``kv_cache`` option: None, a Role, or a name of
+    :data:`KV_CACHE` (min-max). The KV cache is static and per tensor, as vLLM scales it."""
+    if kv_cache is None or isinstance(kv_cache, Role):
+        role = kv_cache
+    elif isinstance(kv_cache, str) and kv_cache.lower() in KV_CACHE:
+        role = Role(KV_CACHE[kv_cache.lower()], "minmax")
+    else:
+        raise ValueError(f"Recipe.kv_cache must be None, a Role or one of {sorted(KV_CACHE)}, "
+                         f"got {kv_cache!r}")
+    if role is not None and (role.dynamic is not False
+                             or not isinstance(role.spec.layout, Tensor)):
+        raise ValueError(f"Recipe.kv_cache: the KV cache takes static per-tensor scales "
+                         f"(vLLM's k_scale / v_scale), got {role.spec} dynamic={role.dynamic}")
+    if role is not None and role.observer == AUTO:
+        raise ValueError("Recipe.kv_cache: name an observer (auto does not choose KV scales)")
+    return role
 
 
 def weight_observer(name: str) -> str:
@@ -292,12 +337,18 @@ PRESETS = {
     # calibrated global scale and run-time block scales (llm-compressor's dynamic="local")
     "nvfp4": lambda obs: Rule(("Linear",), weight=Role(presets.NVFP4, obs),
                               input=Role(presets.NVFP4, obs, "local")),
+    # fp8, and the KV cache in fp8 (per-tensor k_scale / v_scale: vLLM's kv_cache_dtype fp8)
+    "fp8-kv": lambda obs: PRESETS["fp8"](obs),
 }
+#: presets that also calibrate the KV cache, and its format
+KV_PRESETS = {"fp8-kv": "fp8"}
 
 
 def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
-           **options) -> Recipe:
-    """A preset recipe by name (:data:`PRESETS`) for modules ``targets`` minus ``ignore``."""
+           kv_cache=None, **options) -> Recipe:
+    """A preset recipe by name (:data:`PRESETS`) for modules ``targets`` minus ``ignore``;
+    ``kv_cache="fp8"`` also calibrates the KV cache with ``observer`` (min-max for
+    ``auto``), or as a :class:`Role` says (``fp8-kv`` is ``fp8`` with ``kv_cache="fp8"``)."""
     if isinstance(name, Recipe):
         return name
     key = str(name).lower()
@@ -306,7 +357,12 @@ def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
     rule = replace(PRESETS[key](observer), targets=tuple([targets] if isinstance(targets, str)
                                                          else targets))
     recipe = Recipe((rule,), tuple([ignore] if isinstance(ignore, str) else ignore), key)
-    return recipe.with_observer(observer, **options)
+    recipe = recipe.with_observer(observer, **options)
+    kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
+    if isinstance(kv_cache, str):  # a format name: observed as the activations are
+        kv_cache = replace(kv_cache_role(kv_cache), options=tuple(sorted(options.items())),
+                           observer="minmax" if observer == AUTO else observer)
+    return replace(recipe, kv_cache=kv_cache)
 
 
 

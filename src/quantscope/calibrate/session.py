@@ -20,6 +20,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
 from ..spec import QuantSpec
 from . import auto as _auto
-from . import fusion, moe
+from . import fusion, kv_cache, moe
 from .apply import input_name, module_input, qdq_tensor
 from .batches import forward_batch
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
@@ -169,7 +170,7 @@ def _plan(model, recipes, candidates, owns=None):
                             raise ValueError(f"calibrate: layer {layer!r} {role} of width {width} "
                                              f"cannot take {spec}: {e}") from None
                 slot = slots.setdefault((layer, role), _Slot(layer, role, module))
-                if role != "weight":
+                if role in ("input", "output"):  # the KV cache is not sampled
                     slot.needs_sample = True
                 names = []
                 if cfg.dynamic is not True:
@@ -221,13 +222,17 @@ def _hook(slots: list[_Slot], input_key: str | None = None):
 def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=None):
     """Forward every batch with observing hooks; returns the number of batches."""
     by_module: dict[int, dict[str, list[_Slot]]] = {}
+    kv: dict[str, dict[str, list[_Slot]]] = {}  # attention layer -> key / value slots
     for slot in _unique(slots.values()):
         if slot.role == "weight" or not (slot.observers or slot.needs_sample):
+            continue
+        if slot.role in kv_cache.ROLES:
+            kv.setdefault(slot.layer, {}).setdefault(slot.role, []).append(slot)
             continue
         for module in (slot.module, *slot.also):
             by_module.setdefault(id(module), {"module": module, "input": [], "output": []})
             by_module[id(module)][slot.role].append(slot)
-    if not by_module:
+    if not by_module and not kv:
         return 0
     total = len(batches) if hasattr(batches, "__len__") else None
     gen = torch.Generator().manual_seed(seed)
@@ -244,6 +249,9 @@ def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=
             if entry["output"]:
                 _, post = _hook(entry["output"])
                 handles.append(module.register_forward_hook(post))
+        if kv:
+            handles.append(SimpleNamespace(remove=kv_cache.attach(
+                model, {layer: _kv_observer(roles) for layer, roles in kv.items()})))
         model.eval()
         it = batches
         if progress:
@@ -264,6 +272,18 @@ def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=
             slot.last = None
         model.train(was_training)
     return n
+
+
+def _kv_observer(roles: dict[str, list[_Slot]]):
+    """The :func:`kv_cache.attach` callback that observes one attention layer's key and
+    value states (and passes them on unchanged)."""
+    observers = {role: _hook(slots)[1] for role, slots in roles.items()}
+
+    def callback(role, x):
+        if role in observers:
+            observers[role](None, (), x)
+        return x
+    return callback
 
 
 def _make_samples(slots, sample_tokens, budget_mb, total, gen):

@@ -212,6 +212,41 @@ def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> Non
             param.data = cast
 
 
+_KV_SCALE = {"key": "k_scale", "value": "v_scale"}
+
+
+def _split_kv(states):
+    """``(states of the Linear layers, {attention layer: {"key", "value": state}})``."""
+    layers, kv = {}, {}
+    for layer, roles in states.items():
+        cache = {r: st for r, st in roles.items() if r in _KV_SCALE}
+        rest = {r: st for r, st in roles.items() if r not in _KV_SCALE}
+        if cache:
+            kv[layer] = cache
+        if rest:
+            layers[layer] = rest
+    return layers, kv
+
+
+def _kv_args(kv, lossy):
+    """The one ``kv_cache_scheme`` of every layer's key and value (compressed-tensors has one
+    per checkpoint), or None without a KV cache role."""
+    args = {}
+    for layer, roles in kv.items():
+        if set(roles) != set(_KV_SCALE):
+            raise _unsupported(layer, "kv cache", f"roles {sorted(roles)} (key and value both)")
+        for role, st in roles.items():
+            a = quant_args(st, layer, role, lossy)
+            if a.strategy != "tensor" or a.dynamic is not False or not a.symmetric:
+                raise _unsupported(layer, role, f"{st.spec} (a static symmetric per-tensor KV "
+                                                f"cache scale: vLLM's k_scale / v_scale)")
+            args.setdefault(json.dumps(a.model_dump(mode="json"), sort_keys=True), a)
+    if len(args) > 1:
+        raise ValueError(f"export compressed-tensors: the KV cache roles differ in scheme "
+                         f"({len(args)} kinds); a checkpoint holds one kv_cache_scheme")
+    return next(iter(args.values()), None)
+
+
 def _groups(states, lossy):
     """``{args triple: [layers]}``: layers with identical quantization share a config group."""
     groups: dict = {}
@@ -285,7 +320,8 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     lossy = _Lossy(allow_lossy)
     work = copy.deepcopy(model).cpu()
     # MoE experts under the checkpoint's per-expert names (vLLM's loader reads those)
-    states = unfuse_experts(work, calibration.states)
+    states, kv = _split_kv(unfuse_experts(work, calibration.states))
+    kv_args = _kv_args(kv, lossy)
     for layer, roles in states.items():
         _check_module(work, layer, roles)
     _tied(work, [layer for layer, roles in states.items() if "weight" in roles])
@@ -306,7 +342,14 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
 
         warnings.warn("export compressed-tensors (allow_lossy): " + "; ".join(lossy.notes),
                       stacklevel=2)
+    for layer, roles in kv.items():  # where vLLM reads them: <attention>.k_scale / v_scale
+        module = work.get_submodule(layer)
+        for role, st in roles.items():
+            scale = st.qparams.scale.detach().reshape(1).to(torch.float32).clone()
+            module.register_parameter(_KV_SCALE[role], nn.Parameter(scale, requires_grad=False))
     compressor = ModelCompressor.from_pretrained_model(work)
+    if kv_args is not None:
+        compressor.quantization_config.kv_cache_scheme = kv_args
     compressor.compress_model(work)
     with atomic_dir(path, overwrite=overwrite) as tmp:
         work.save_pretrained(tmp, max_shard_size=max_shard_size)

@@ -75,6 +75,29 @@ def _meta_model(path: str, config: dict):
         return cls(cfg)
 
 
+_KV_SCALE = {"k_scale": "key", "v_scale": "value"}
+
+
+def _read_kv_cache(args, tensors, states):
+    """The KV cache's ``key`` / ``value`` states from ``<attention>.k_scale`` / ``v_scale``
+    (into ``states``); returns the recipe's ``kv_cache`` Role (None without a scheme)."""
+    from ..calibrate.recipe import Role
+    from ..calibrate.result import RoleState
+
+    if args is None:
+        return None
+    spec = spec_from_args(args, "input")
+    observer = args.observer or "minmax"
+    qshape = spec.layout.qparam_shape((1, 1))
+    for key, value in tensors.items():
+        layer, _, name = key.rpartition(".")
+        if name in _KV_SCALE:
+            qp = QParams(value.float().reshape(qshape), torch.zeros(qshape, dtype=torch.int32))
+            states.setdefault(layer, {})[_KV_SCALE[name]] = RoleState(
+                spec, observer, observer, False, qparams=qp)
+    return Role(spec, observer)
+
+
 def _state(st, role, module, local, args, spec, observer, weight_shape):
     from ..calibrate.result import RoleState
 
@@ -153,10 +176,12 @@ def read_compressed_tensors(path):
             states[name] = {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0],
                                       roles[r], specs[r], observers[r], wshape)
                             for r in roles}
+    kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states)
     if not states:
         raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
                          f"groups' targets")
-    recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors")
+    recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors",
+                    kv_cache=kv_cache)
     source = (config.get("quantscope") or {}).get("model")
     info = {"model": source if source and os.path.isdir(source) else path,
             "checkpoint": path, "format": str(getattr(qconfig.format, "value", qconfig.format))}

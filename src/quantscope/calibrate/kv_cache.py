@@ -1,0 +1,102 @@
+"""The KV cache: each attention layer's keys and values as the cache holds them.
+
+A runtime that quantizes its KV cache (vLLM's ``kv_cache_dtype="fp8"``) stores every
+attention layer's key and value states, **after** the rotary embedding, with one scale
+each (``k_scale`` / ``v_scale``). No ``nn.Linear`` hook sees those tensors: ``k_proj``'s
+output is not yet rotated. transformers 5 hands them to an attention function chosen by
+``config._attn_implementation`` (``ALL_ATTENTION_FUNCTIONS``); :func:`attach` registers,
+per underlying implementation, one that passes key and value through a callback and then
+runs the original (with the original's mask function), and points the attention modules'
+configs at it until the returned undo is called. Calibration observes through the
+callback (roles ``"key"`` / ``"value"`` of the attention module); ``apply()``
+fake-quantizes through it.
+
+Attention modules are found as transformers builds them: a module with ``k_proj`` and
+``v_proj`` children and a ``config`` carrying ``_attn_implementation``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ROLES", "attach", "attention_modules"]
+
+ROLES = ("key", "value")
+_PREFIX = "quantscope_kv_"
+#: id(attention module) -> callback(role, tensor) -> tensor, while attached
+_ACTIVE: dict[int, Callable[[str, torch.Tensor], torch.Tensor]] = {}
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of the attention modules whose keys and values a cache holds."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(getattr(m, "k_proj", None), nn.Module)
+            and isinstance(getattr(m, "v_proj", None), nn.Module)
+            and hasattr(getattr(m, "config", None), "_attn_implementation")}
+
+
+def _wrapper(impl: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attention(module, query, key, value, *args, **kwargs):
+        callback = _ACTIVE.get(id(module))
+        if callback is not None:
+            key, value = callback("key", key), callback("value", value)
+        if impl == "eager":  # the modeling file's own eager function
+            fn = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            fn = ALL_ATTENTION_FUNCTIONS[impl]
+        return fn(module, query, key, value, *args, **kwargs)
+    return attention
+
+
+def _register(impl: str) -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = _PREFIX + impl
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _wrapper(impl))
+        if impl in ALL_MASK_ATTENTION_FUNCTIONS:
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+    return name
+
+
+def attach(model: nn.Module,
+           callbacks: dict[str, Callable[[str, torch.Tensor], torch.Tensor]]) -> Callable[[], None]:
+    """Route the key and value states of the attention modules named in ``callbacks``
+    (``{name: callback(role, tensor) -> tensor}``) through their callbacks; returns the
+    undo (idempotent), which restores every config's attention implementation."""
+    modules = attention_modules(model)
+    missing = sorted(set(callbacks) - set(modules))
+    if missing:
+        raise ValueError(f"kv cache: {missing} are not attention modules with k_proj / v_proj "
+                         f"run through transformers' attention interface")
+    configs = {id(modules[n].config): modules[n].config for n in callbacks}
+    undo: list[Callable[[], None]] = []
+
+    def detach():
+        while undo:
+            undo.pop()()
+    try:
+        for cfg in configs.values():
+            was = cfg._attn_implementation
+            impl = was or "eager"
+            if impl.startswith(_PREFIX):
+                raise ValueError("kv cache: the model's attention is already routed through "
+                                 "quantscope (QDQ still applied?)")
+            cfg._attn_implementation = _register(impl)
+            undo.append(lambda cfg=cfg, was=was: setattr(cfg, "_attn_implementation", was))
+        for name, callback in callbacks.items():
+            key = id(modules[name])
+            _ACTIVE[key] = callback
+            undo.append(lambda key=key: _ACTIVE.pop(key, None))
+    except BaseException:
+        detach()
+        raise
+    return detach

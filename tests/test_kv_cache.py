@@ -1,0 +1,164 @@
+"""The KV cache: keys after the rotary embedding and values, calibrated, applied, exported."""
+
+import json
+
+import pytest
+import torch
+
+from quantscope import fake_quantize
+from quantscope.calibrate import Calibration, Recipe, Role, calibrate, load, preset
+from quantscope.calibrate.recipe import KV_CACHE
+from quantscope.qparams import qparams_from_range
+
+transformers = pytest.importorskip("transformers")
+llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+
+
+def tiny_llama(attn="sdpa", seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=100, attn_implementation=attn)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+    return model, batches
+
+
+class Cache:
+    """The reference: keys as ``apply_rotary_pos_emb`` returns them and ``v_proj``'s outputs,
+    recorded per layer (and, given ``qdq``, replaced by their fake-quantized values)."""
+
+    def __init__(self, model, monkeypatch, qdq=None):
+        self.keys, self.values, self.qdq = {}, {}, qdq or {}
+        self.layer = None
+        rotary = llama.apply_rotary_pos_emb
+        attn = {id(layer.self_attn): f"model.layers.{i}.self_attn"
+                for i, layer in enumerate(model.model.layers)}
+        self.handles = []
+        for i, layer in enumerate(model.model.layers):
+            def pre(mod, args, kw):
+                self.layer = attn[id(mod)]
+            self.handles.append(layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(layer.self_attn.v_proj.register_forward_hook(
+                lambda mod, a, out, name=f"model.layers.{i}.self_attn": self._record(
+                    self.values, name, "value", out)))
+
+        def rotate(q, k, cos, sin, *a, **kw):
+            q, k = rotary(q, k, cos, sin, *a, **kw)
+            return q, self._record(self.keys, self.layer, "key", k)
+        self.patch = monkeypatch
+        monkeypatch.setattr(llama, "apply_rotary_pos_emb", rotate)
+
+    def _record(self, store, name, role, x):
+        store.setdefault(name, []).append(x.detach().clone())
+        return fake_quantize(x, *self.qdq[name][role]) if name in self.qdq else x
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.patch.undo()
+
+
+def amax_scale(xs):
+    x = torch.cat([t.reshape(-1) for t in xs])
+    return qparams_from_range(x.min().reshape(1), x.max().reshape(1), KV_CACHE["fp8"])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_kv_scales_are_the_cached_keys_and_values(attn, monkeypatch):
+    model, batches = tiny_llama(attn)
+    ref = Cache(model, monkeypatch)
+    with torch.inference_mode():
+        for b in batches:
+            model(b)
+    ref.remove()
+    kv = Role(KV_CACHE["fp8"], "static_minmax")  # the range of every value seen
+    calib = calibrate(model, batches, preset("w8a8", kv_cache=kv), progress=False)
+    assert model.config._attn_implementation == attn  # restored after calibration
+    for name in ref.keys:
+        states = calib.states[name]
+        assert set(states) == {"key", "value"}
+        # keys after the rotary embedding: not k_proj's output
+        assert torch.equal(states["key"].qparams.scale, amax_scale(ref.keys[name]).scale)
+        assert torch.equal(states["value"].qparams.scale, amax_scale(ref.values[name]).scale)
+
+
+def test_apply_fake_quantizes_the_cache_as_its_scales_say(monkeypatch):
+    model, batches = tiny_llama()
+    calib = calibrate(model, batches, preset("w8a8", kv_cache="fp8"), progress=False)
+    kv = {n: r for n, r in calib.states.items() if "key" in r}
+    rest = {n: r for n, r in calib.states.items() if "key" not in r}
+    x = batches[0]
+    with calib.apply(model), torch.inference_mode():
+        got = model(x).logits
+    assert model.config._attn_implementation == "sdpa"
+    spec = KV_CACHE["fp8"]
+    ref = Cache(model, monkeypatch, {n: {r: (st.qparams, spec) for r, st in roles.items()}
+                                     for n, roles in kv.items()})
+    with Calibration(calib.recipe, rest, "no kv").apply(model), torch.inference_mode():
+        want = model(x).logits
+    ref.remove()
+    assert torch.equal(got, want)
+    with Calibration(calib.recipe, rest, "no kv").apply(model), torch.inference_mode():
+        assert not torch.equal(model(x).logits, got)  # the cache quantization did something
+
+
+def test_any_observer_and_round_trips(tmp_path):
+    model, batches = tiny_llama()
+    recipe = preset("w8a8", "mse", kv_cache="fp8")
+    assert recipe.kv_cache.observer == "mse"
+    assert preset("w8a8", "auto", kv_cache="fp8").kv_cache.observer == "minmax"
+    calib = calibrate(model, batches, recipe, progress=False)
+    assert calib.states["model.layers.0.self_attn"]["key"].observer == "mse"
+    calib.save(tmp_path / "run")
+    back = load(tmp_path / "run")
+    assert back.recipe.kv_cache == recipe.kv_cache
+    for role in ("key", "value"):
+        assert torch.equal(back.states["model.layers.1.self_attn"][role].qparams.scale,
+                           calib.states["model.layers.1.self_attn"][role].qparams.scale)
+
+
+def test_fp8_kv_preset_and_bad_options():
+    assert preset("fp8-kv").kv_cache == Role(KV_CACHE["fp8"], "minmax")
+    assert preset("fp8").kv_cache is None
+    with pytest.raises(ValueError, match="kv_cache must be None, a Role or one of"):
+        preset("w8a8", kv_cache="int3")
+    with pytest.raises(ValueError, match="static per-tensor scales"):
+        preset("w8a8", kv_cache=Role(KV_CACHE["fp8"], "minmax", dynamic=True))
+    recipe = preset("w8a8", kv_cache="fp8")
+    assert Recipe.from_dict(json.loads(json.dumps(recipe.to_dict()))) == recipe
+    with pytest.raises(ValueError, match="no attention module with k_proj / v_proj"):
+        recipe.match(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_export_writes_vllm_kv_scales(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    model, batches = tiny_llama()
+    calib = calibrate(model, batches, preset("w8a8", kv_cache="fp8", ignore="lm_head"),
+                      progress=False)
+    out = tmp_path / "ct"
+    calib.export(model, out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    config = QuantizationConfig.model_validate(
+        {k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
+    kv = config.kv_cache_scheme
+    assert (kv.type, kv.num_bits, kv.strategy, kv.dynamic, kv.symmetric) == \
+        ("float", 8, "tensor", False, True)
+    tensors = load_file(out / "model.safetensors")
+    for i in range(2):
+        name = f"model.layers.{i}.self_attn"
+        for role, key in (("key", "k_scale"), ("value", "v_scale")):
+            t = tensors[f"{name}.{key}"]
+            assert t.dtype == torch.float32 and t.shape == (1,)
+            assert torch.equal(t, calib.states[name][role].qparams.scale.reshape(1))
+    back = Calibration.from_compressed_tensors(out)
+    assert back.recipe.kv_cache.spec == KV_CACHE["fp8"]
+    for name, roles in calib.states.items():
+        for role, st in roles.items():
+            if st.qparams is not None:
+                assert torch.equal(back.states[name][role].qparams.scale.reshape(-1),
+                                   st.qparams.scale.reshape(-1)), (name, role)
