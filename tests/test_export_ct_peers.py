@@ -96,7 +96,8 @@ def _llm_compressor_checkpoint(model, calibration, scheme_kw, path):
                     values = {"scale": st.qparams.scale, "zero_point": st.qparams.zero_point,
                               "global_scale": st.qparams.global_scale}
                 for name, v in values.items():
-                    p = getattr(module, f"{role}_{name}", None)
+                    base = {"key": "k", "value": "v"}.get(role, role)  # k_scale, v_scale
+                    p = getattr(module, f"{base}_{name}", None)
                     if v is not None and p is not None:
                         p.data = v.reshape(p.shape).to(p.dtype)
     modify_save_pretrained(model)
@@ -149,4 +150,49 @@ def test_llm_compressor_transformers_loads_our_export(bert, tmp_path, name):
         with cal.apply(model):
             ref = model(**batches[0]).last_hidden_state
         got = transformers.AutoModel.from_pretrained(out).eval()(**batches[0]).last_hidden_state
+    assert torch.equal(got, ref)
+
+
+_KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+       "symmetric": True}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+    return model, batches
+
+
+def test_kv_cache_export_equals_llm_compressor_and_loads_quantized(llama, tmp_path):
+    """The KV cache: the same k_scale / v_scale tensors and kv_cache_scheme as llm-compressor
+    writes; and the peers' transformers (5.17 with compressed-tensors 0.19, which still hooks
+    cached attention) runs our export with its KV cache quantized, equal to apply()."""
+    model, batches = llama
+    cal = calibrate(model, batches, preset("fp8-kv", ignore="lm_head"), progress=False)
+    ours = quantscope.export(cal, model, tmp_path / "ours")
+    theirs = _llm_compressor_checkpoint(
+        model, cal, {"config_groups": _FP8_CHANNEL_STATIC, "ignore": ["lm_head"],
+                     "kv_cache_scheme": _KV}, str(tmp_path / "theirs"))
+    a, b = _tensors(ours), _tensors(theirs)
+    assert sorted(a) == sorted(b) and "model.layers.1.self_attn.v_scale" in a
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k]), k
+    kv = [json.load(open(os.path.join(p, "config.json")))["quantization_config"]
+          ["kv_cache_scheme"] for p in (ours, theirs)]
+    for scheme in kv:
+        scheme.pop("observer")
+    assert kv[0] == {k: v for k, v in kv[1].items() if k in kv[0]}
+    x = batches[0]
+    with torch.inference_mode():
+        got = transformers.AutoModelForCausalLM.from_pretrained(ours).eval()(x).logits
+        with cal.apply(model):
+            ref = model(x).logits
     assert torch.equal(got, ref)
