@@ -684,7 +684,7 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     if auto_metric == "fisher":
         batches = list(batches)
         layers = {layer for r in recipes.values() if _auto._has_auto(r)
-                  for layer in r.match(model)}
+                  for layer, (_, roles) in r.match(model).items() if "weight" in roles}
         fisher = _auto.fisher_weights(model, _auto.score_batches(batches, score_tokens),
                                       sorted(layers), loss)
     # MoE experts become Linear views for the whole calibration (moe.py); restored after
