@@ -8,6 +8,7 @@ bench/export_ct.py (docs/deploy.md).
 
 import json
 import os
+import pathlib
 import warnings
 
 import pytest
@@ -150,7 +151,8 @@ def test_llama_scheme_loads_in_transformers(llama, tmp_path, name):
     model, src, batches = llama
     make, exact = SCHEMES[name]
     cal = calibrate(model, batches, make(("lm_head",)), progress=False)
-    out = cal.export(model, tmp_path / "ct", model_path=src)
+    out = cal.export(model, tmp_path / "ct", model_path=pathlib.Path(src))  # a Path too
+    assert _config(out)["quantscope"]["model"] == os.fspath(src)
     ref = _applied(cal, model, batches[0])
     with torch.inference_mode():
         got = _out(_loaded(out, transformers.AutoModelForCausalLM), batches[0])

@@ -262,7 +262,7 @@ def _source_dir(calibration, model, model_path):
     path = model_path or calibration.info.get("model") or getattr(
         getattr(model, "config", None), "_name_or_path", None)
     if path and os.path.isdir(path):
-        return path
+        return os.fspath(path)
     if model_path:
         raise ValueError(f"export: model_path {model_path!r} is not a folder")
     return None
