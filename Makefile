@@ -20,8 +20,9 @@ PEERS_PY := $(PEERS)/bin/python
 PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pytest
 # the files with tests marked `peers` (the peers' venv has no hypothesis, torchao ... to
 # collect the rest)
-PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py tests/test_check_peers.py \
-	tests/test_export_ct_peers.py tests/test_integrations_llmcompressor.py
+PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_compat.py \
+	tests/export/test_check_peers.py tests/export/test_export_ct_peers.py \
+	tests/integrations/test_integrations_llmcompressor.py
 
 .PHONY: venv peers test fuzz demo demo-readme bench lint kernels kernels-check
 
@@ -44,7 +45,7 @@ kernels: venv
 KERNEL_CFLAGS := -O3 -ffp-contract=off -fno-trapping-math -pthread -fPIC -std=gnu99 \
 	-Wall -Wextra -Werror
 kernels-check:
-	@for f in src/quantscope/kernels/csrc/*.c tests/csrc/*.c; do \
+	@for f in src/quantscope/kernels/csrc/*.c tests/kernels/csrc/*.c; do \
 		for m in native x86-64 haswell; do \
 			$${CC:-cc} $(KERNEL_CFLAGS) -march=$$m -Isrc/quantscope/kernels/csrc -c $$f \
 				-o /dev/null || exit 1; \
@@ -71,12 +72,12 @@ test: venv peers
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
 	exit $$rc
 
-# the property tests of tests/test_fuzz.py with the long randomized profile (make test runs
+# the property tests of tests/robustness/test_fuzz.py with the long randomized profile (make test runs
 # them with the small derandomized "ci" profile); counts per test in runs/fuzz-stats.jsonl
 fuzz: venv
 	mkdir -p runs && rm -f runs/fuzz-stats.jsonl
 	HYPOTHESIS_PROFILE=fuzz QUANTSCOPE_FUZZ_STATS=runs/fuzz-stats.jsonl QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) \
-		$(PY) -m pytest -p no:cacheprovider -n 2 tests/test_fuzz.py
+		$(PY) -m pytest -p no:cacheprovider -n 2 tests/robustness/test_fuzz.py
 	cat runs/fuzz-stats.jsonl
 
 # the synthetic format table (quantscope.demo), then the model demo on both demo models:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.ao.quantization import HistogramObserver as TorchHistogramObserver
 
 import quantscope as qs
 from quantscope.estimators import entropy_amax
-from quantscope.estimators.entropy import tensorrt_entropy_loop
 from quantscope.stats.histogram import Hist
 
 try:
@@ -31,6 +31,9 @@ try:
 except ImportError:  # run from the repo root
     sys.path.insert(0, "bench")
     from common import Table, compare
+# TensorRT's literal loop, the reference the tests hold entropy_amax to
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from oracles import tensorrt_entropy_loop
 
 ESTIMATORS = ("percentile", "histogram_mse", "entropy", "histogram", "mix")
 SPEC = qs.QuantSpec("uint8", symmetric=False)  # torch.ao HistogramObserver's default

@@ -12,7 +12,7 @@ each file a safetensors dict of the weights of one case.
 ours, theirs ...; one call = a fresh observer fed every weight of the case, then its qparams)
 on the same tensors with the same thread count; medians, and the total squared errors of both
 ranges, of min-max and of the dense reference, all scored by quantscope's ``range_error``
-(its llm-compressor compat mode reproduces their ranges bitwise, see tests/test_mse.py).
+(its llm-compressor compat mode reproduces their ranges bitwise, see tests/observers/test_mse.py).
 
 ``peak``: the peak extra memory of each call of one side, in a fresh process: VmHWM after the
 call minus VmRSS before it, with the high-water mark reset just before (``5`` to

@@ -26,7 +26,7 @@ import time
 __all__ = ["OBSERVER_NAMES", "RECIPE_NAMES", "SCHEME_NAMES", "build_parser", "main"]
 
 # The names the CLI accepts, known without importing torch (so --help and a typo answer at
-# once); tests/test_cli_names.py holds each list equal to its registry.
+# once); tests/cli/test_cli_names.py holds each list equal to its registry.
 RECIPE_NAMES = ("w8a8", "w8a8-dynamic", "w4a16", "w4a16-asym", "w4a8", "fp8", "fp8-dynamic",
                 "mxfp4", "nvfp4", "fp8-kv")
 KV_CACHE_NAMES = ("fp8",)

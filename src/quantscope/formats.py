@@ -150,7 +150,7 @@ class FloatFormat:
         ``max`` (inf included; NaN stays NaN). ``inplace=True`` overwrites ``x`` (a float32
         tensor the caller owns) and returns it.
 
-        For fp8 this equals torch's float8 casts bit for bit (tests/test_formats.py, every
+        For fp8 this equals torch's float8 casts bit for bit (tests/core/test_formats.py, every
         bfloat16 and float16 input) and is on par with clamp + cast + cast back on CPU
         (measured interleaved: e4m3 up to 1.4x faster, e5m2 up to 1.4x slower), and it
         works in place, so one path serves every format.

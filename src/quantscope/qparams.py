@@ -19,9 +19,9 @@ returns the scale, zero point and (NVFP4) global scale of a :class:`QuantSpec`:
 Nothing here returns NaN or inf: an all-zero unit gets the smallest scale.
 
 The C kernels that search ranges carry one copy of the integer branch with fp32 scales
-(``quantscope/kernels/csrc/qs_qparams.h``); tests/test_native.py holds it bitwise to this one.
+(``quantscope/kernels/csrc/qs_qparams.h``); tests/kernels/test_native.py holds it bitwise to this one.
 
-Against the peers (tests/test_peers_core.py): compressed-tensors' ``calculate_qparams``
+Against the peers (tests/core/test_peers_core.py): compressed-tensors' ``calculate_qparams``
 gives bitwise the same scales and zero points (int, fp8, fp6, fp4, NVFP4, its MX = our
 ``e8m0:even``), except that it *replaces* a zero scale by eps where we clamp every scale
 below eps (so a tiny but non-zero range differs) and gives NaN zero points for an
@@ -84,7 +84,7 @@ KERNEL_MIN_UNITS = 1 << 14
 def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams | None:
     """The integer branch with fp32 scales in one C pass over float32 CPU ranges; None where
     it does not apply (no kernel, other formats or devices, a NaN / inf range: the torch
-    branch then raises or computes). Bitwise the torch branch (tests/test_native.py)."""
+    branch then raises or computes). Bitwise the torch branch (tests/kernels/test_native.py)."""
     consts = kernels.qparams_consts(spec)
     if (consts is None or lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
             or (lib := kernels.lib("int_qparams")) is None):

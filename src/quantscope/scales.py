@@ -34,7 +34,7 @@ E8M0 modes, with ``emax`` the element format's largest exponent
   power of two.
 
 All four are tested against their definitions and bitwise against torchao's ``to_mx``
-(tests/test_scales.py, tests/test_peers_core.py).
+(tests/core/test_scales.py, tests/core/test_peers_core.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ them. All of it happens on a deep copy of the model inside
 :func:`~quantscope.export.atomic.atomic_dir`, so the caller's model is untouched and a
 failure leaves nothing behind.
 
-Conventions (the same numbers on both sides, checked in tests/test_export_compressed_tensors.py):
+Conventions (the same numbers on both sides, checked in tests/export/test_export_compressed_tensors.py):
 an int or fp8 scale is the scale that multiplies a code; NVFP4's ``weight_scale`` is the e4m3
 block scale and ``weight_global_scale`` the fp32 global scale ``448 * 6 / amax``, the scale
 that runs being ``block / global`` (quantscope's :class:`~quantscope.qparams.QParams`

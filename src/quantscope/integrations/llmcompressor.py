@@ -23,7 +23,7 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   when llm-compressor asks for qparams (not after every batch). llm-compressor then computes
   scale, zero point and the NVFP4 global scale (shared across fused q/k/v and gate/up
   weights) with compressed-tensors' ``calculate_qparams``, whose formula is bitwise
-  quantscope's (tests/test_peers_core.py), so the checkpoint holds quantscope's qparams
+  quantscope's (tests/core/test_peers_core.py), so the checkpoint holds quantscope's qparams
   and llm-compressor's fusion and offloading keep working.
 * NVFP4 (``tensor_group``): the global scale is llm-compressor's rule over the fusion group
   (the largest amax of the fused observers), where each quantscope observer contributes the

@@ -1,7 +1,7 @@
 /* Called from quantscope.qparams.qparams_from_range through quantscope.kernels: its integer
    branch with fp32 scales over many units in one pass (group-128 min-max of a 4096 x 4096
    weight has 131,072 units; the torch ops take ten passes over them). Bitwise the torch
-   branch (qs_qparams.h, tests/test_native.py). */
+   branch (qs_qparams.h, tests/kernels/test_native.py). */
 #include <stdint.h>
 #include <math.h>
 #include "qs_qparams.h"

@@ -1,6 +1,6 @@
 /* The integer branch of quantscope.qparams.qparams_from_range with fp32 scales, the same
    float32 steps in its order, so a kernel can price candidate ranges it generates itself
-   (tests/test_native.py compares it with qparams_from_range bitwise). q holds
+   (tests/kernels/test_native.py compares it with qparams_from_range bitwise). q holds
    quantscope.kernels.qparams_consts(spec). */
 #ifndef QS_QPARAMS_H
 #define QS_QPARAMS_H

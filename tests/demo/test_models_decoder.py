@@ -11,23 +11,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from tiny_models import tokenizer as _tokenizer
+
 from quantscope import models
 from quantscope.export.atomic import atomic_dir, atomic_file, check_writable_target
-
-WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "and", "ran", "far", "away", "home", "fast", "slow", "big", "small"]
-
-
-def _tokenizer(pad: bool):
-    """A word-level fast tokenizer; ``pad=False`` gives one without a padding token."""
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers import models as tm
-
-    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *WORDS])}
-    tok = Tokenizer(tm.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    kw = {"pad_token": "</s>"} if pad else {}
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                                                eos_token="</s>", **kw)
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ SCHEMES = {
 #: transformers 5.24 with compressed-tensors 0.20 (.venv) cannot load asymmetric
 #: pack-quantized checkpoints: it builds the zero point unpacked on load (as in llm-compressor
 #: issue #1618); the peers' transformers 5.17 / compressed-tensors 0.19 loads ours bitwise
-#: (tests/test_export_ct_peers.py), and our reader checks them here.
+#: (tests/export/test_export_ct_peers.py), and our reader checks them here.
 TRANSFORMERS_CANNOT_LOAD = {"w4a16-asym"}
 
 

@@ -17,8 +17,8 @@ import torch
 from quantscope import kernels
 from quantscope.stats import minmax
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted(kernels.CSRC.glob("*.c")) + sorted((ROOT / "tests" / "csrc").glob("*.c"))
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = sorted(kernels.CSRC.glob("*.c")) + sorted((ROOT / "tests" / "kernels" / "csrc").glob("*.c"))
 CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
 

@@ -8,9 +8,10 @@ bits as the slower form it stands for.
 import numpy as np
 import pytest
 import torch
+from oracles import tensorrt_entropy_loop
 
 from quantscope.estimators import entropy
-from quantscope.estimators.entropy import entropy_amax, entropy_divergences, tensorrt_entropy_loop
+from quantscope.estimators.entropy import entropy_amax, entropy_divergences
 from quantscope.estimators.percentile import percentile_range, percentile_value
 from quantscope.stats import histogram as H
 from quantscope.stats.histogram import Hist

@@ -1,7 +1,7 @@
 """Every ```python block of README.md runs (each on its own, in a fresh namespace).
 
 A block that imports a toolkit this environment lacks (llm-compressor lives in the peers'
-venv) is skipped here; tests/test_integrations_llmcompressor.py runs those in the peers' venv.
+venv) is skipped here; tests/integrations/test_integrations_llmcompressor.py runs those in the peers' venv.
 """
 
 import importlib.util
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.DOTALL | re.MULTILINE)
 
 

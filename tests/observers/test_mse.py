@@ -34,7 +34,7 @@ from quantscope.quantize import fake_quantize, fake_quantize_units
 from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PEER_PY = Path(os.environ.get("QUANTSCOPE_PEER_PYTHON", ROOT / ".peers" / "bin" / "python"))
 
 # llm-compressor's tests/llmcompressor/observers/test_mse.py: x = arange(24).reshape(6, 4) / 24,

@@ -1,4 +1,4 @@
-/* Test-only wrapper of qs_qparams.h over arrays (tests/test_native.py compares it with
+/* Test-only wrapper of qs_qparams.h over arrays (tests/kernels/test_native.py compares it with
    quantscope.qparams_from_range bit for bit). */
 #include <stdint.h>
 #include "qs_qparams.h"

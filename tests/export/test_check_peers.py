@@ -14,7 +14,7 @@ def test_llmcompressor_nvfp4_checkpoint(tmp_path):
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from safetensors.torch import load_file, save_file
-    from test_models_decoder import _tokenizer  # a word-level tokenizer built in place
+    from tiny_models import tokenizer as _tokenizer  # a word-level tokenizer built in place
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quantscope.export import check

@@ -13,7 +13,7 @@ from quantscope.export.experts import checkpoint_names, expert_names
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from test_moe import mixtral
+from tiny_models import mixtral
 
 
 def _tensors(folder):

@@ -111,9 +111,13 @@ def _tensors(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def _groups(path):
+def _config(path):
     with open(os.path.join(path, "config.json")) as f:
-        qc = json.load(f)["quantization_config"]
+        return json.load(f)
+
+
+def _groups(path):
+    qc = _config(path)["quantization_config"]
     groups = qc["config_groups"]
     for g in groups.values():
         for role in ("weights", "input_activations", "output_activations"):
@@ -185,8 +189,7 @@ def test_kv_cache_export_equals_llm_compressor_and_loads_quantized(llama, tmp_pa
         assert a[k].dtype == b[k].dtype, k
         assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],
                            b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k]), k
-    kv = [json.load(open(os.path.join(p, "config.json")))["quantization_config"]
-          ["kv_cache_scheme"] for p in (ours, theirs)]
+    kv = [_config(p)["quantization_config"]["kv_cache_scheme"] for p in (ours, theirs)]
     for scheme in kv:
         scheme.pop("observer")
     assert kv[0] == {k: v for k, v in kv[1].items() if k in kv[0]}

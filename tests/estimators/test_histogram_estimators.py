@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import tensorrt_entropy_loop
 from torch.ao.quantization import HistogramObserver as TorchHistogramObserver
 
 import quantscope as qs
@@ -18,7 +19,6 @@ from quantscope.estimators import (
     mix_range,
     percentile_range,
 )
-from quantscope.estimators.entropy import tensorrt_entropy_loop
 from quantscope.quantize import fake_quantize_units
 from quantscope.stats.histogram import Hist
 

@@ -394,7 +394,7 @@ def test_readme_llmcompressor_example_runs():
     import pathlib
     import re
 
-    readme = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
     blocks = re.findall(r"^```python\n(.*?)^```", readme.read_text(),
                         flags=re.DOTALL | re.MULTILINE)
     mine = [b for b in blocks if re.search(r"^from llmcompressor", b, flags=re.MULTILINE)]

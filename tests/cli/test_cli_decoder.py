@@ -18,7 +18,7 @@ try:
 except FileNotFoundError:
     pytest.skip("gensim's test data (the Lee corpus) is not installed", allow_module_level=True)
 
-from test_models_decoder import _tokenizer
+from tiny_models import tokenizer as _tokenizer
 
 
 @pytest.fixture(scope="module")

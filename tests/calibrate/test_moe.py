@@ -13,31 +13,7 @@ from quantscope.calibrate.apply import qdq_tensor
 
 transformers = pytest.importorskip("transformers")
 
-STARVED = 3  # the router never picks this expert (in every layer)
-
-
-def starve(router, expert=STARVED):
-    """Re-route as transformers' TopK router does, with ``expert``'s logit at -inf."""
-    def hook(mod, args, out):
-        logits = out[0].clone()
-        logits[:, expert] = -math.inf
-        probs = torch.softmax(logits.float(), -1)
-        top, idx = torch.topk(probs, mod.top_k, -1)
-        return out[0], top / top.sum(-1, keepdim=True), idx
-    return router.register_forward_hook(hook)
-
-
-def mixtral(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.MixtralConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2,
-                                     vocab_size=100, num_local_experts=4, num_experts_per_tok=2)
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    for layer in model.model.layers:
-        starve(layer.mlp.gate)
-    batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
-               for i in range(3)]
-    return model, batches
+from tiny_models import STARVED, mixtral, starve
 
 
 def experts_of(model):

@@ -252,7 +252,7 @@ def test_report_markdown_and_json(tmp_path):
 
 # -------------------------------------------------------------------------- save / load
 # (fp8-kv is fp8 plus the KV cache of attention modules, which make() has none of:
-# tests/test_kv_cache.py round-trips it)
+# tests/calibrate/test_kv_cache.py round-trips it)
 @pytest.mark.parametrize("name", sorted(set(PRESETS) - set(KV_PRESETS)))
 def test_save_load_round_trip_exact(tmp_path, name):
     m, b = make()

@@ -1,0 +1,51 @@
+"""Small models built in place for tests that span packages (no download, no real weights):
+a word-level tokenizer, and a random-weight Mixtral whose routers starve one expert."""
+
+import math
+
+import torch
+
+WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "and", "ran", "far", "away", "home",
+         "fast", "slow", "big", "small"]
+STARVED = 3  # mixtral(): the router never picks this expert (in every layer)
+
+
+def tokenizer(pad: bool):
+    """A word-level fast tokenizer; ``pad=False`` gives one without a padding token."""
+    import transformers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tm
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *WORDS])}
+    tok = Tokenizer(tm.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    kw = {"pad_token": "</s>"} if pad else {}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                                eos_token="</s>", **kw)
+
+
+def starve(router, expert=STARVED):
+    """Re-route as transformers' TopK router does, with ``expert``'s logit at -inf."""
+    def hook(mod, args, out):
+        logits = out[0].clone()
+        logits[:, expert] = -math.inf
+        probs = torch.softmax(logits.float(), -1)
+        top, idx = torch.topk(probs, mod.top_k, -1)
+        return out[0], top / top.sum(-1, keepdim=True), idx
+    return router.register_forward_hook(hook)
+
+
+def mixtral(seed=0):
+    """A 2-layer Mixtral (4 experts, top-2) whose expert ``STARVED`` gets no token; 3 batches."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=100, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    for layer in model.model.layers:
+        starve(layer.mlp.gate)
+    batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+    return model, batches
