@@ -87,6 +87,10 @@ SIGNATURES: dict[str, dict[str, list]] = {
     "entropy": {
         "qs_entropy": [_P] * 4 + [_I] * 9,
     },
+    "ao_hist": {
+        "qs_ao_histc": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P],
+        "qs_ao_upscale": [_P, _I, _I, _P, _P, _P],
+    },
     "int_qparams": {
         "qs_int_qparams": [_P, _P, _I, _P, _P, _P],
     },
