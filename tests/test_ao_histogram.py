@@ -182,3 +182,15 @@ def test_upscale_kernel_on_unsorted_points_searches_as_torch_bucketize():
     where = (torch.bucketize(mids, bounds, right=True) - 1).clamp(0, bins - 1)
     want = torch.bincount(where, weights=hist.repeat_interleave(rate) / rate, minlength=bins)
     assert torch.equal(out, want)
+
+
+def test_state_dict_round_trip_keeps_the_fractional_counts():
+    ours = HistogramObserver(bins=128)
+    for s in (1.0, 3.0):
+        ours(torch.randn(1000) * s)
+    assert not torch.equal(ours.histogram, ours.histogram.round())  # fractions after growth
+    back = HistogramObserver(bins=128)
+    back.load_state_dict(ours.state_dict())
+    assert torch.equal(back.histogram, ours.histogram)
+    for a, b in zip(back.calculate_qparams(), ours.calculate_qparams()):
+        assert torch.equal(a, b)

@@ -252,6 +252,7 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
         super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
                          quant_min=quant_min, quant_max=quant_max, factory_kwargs=factory_kwargs,
                          eps=eps, is_dynamic=is_dynamic, bins=bins, grid="first", **kwargs)
+        self.hist_counts = torch.zeros(0)  # torch.ao's counts are float32 (fractions after growth)
 
     def _observe(self, units, lo, hi):
         self._pass[0] = None  # the base's one-read pass is for the native grid only
