@@ -194,3 +194,43 @@ def test_state_dict_round_trip_keeps_the_fractional_counts():
     assert torch.equal(back.histogram, ours.histogram)
     for a, b in zip(back.calculate_qparams(), ours.calculate_qparams()):
         assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["inside", "outside", "nan", "inf", "edges"])
+def test_fused_pass_equals_aminmax_and_histc(case):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(10007, generator=g)
+    lo, hi = torch.tensor(-5.0), torch.tensor(6.0)
+    if case == "outside":
+        x[77] = 7.0
+    elif case == "nan":
+        x[5] = float("nan")
+    elif case == "inf":
+        x[9] = float("-inf")
+    elif case == "edges":
+        x[:100], x[100:200] = lo, hi
+    base = torch.rand(300, generator=g)
+    mm, hist = ao_histogram.fused(x, 300, lo, hi, base)
+    ref = torch.stack(torch.aminmax(x))
+    assert torch.equal(mm, ref) or (mm.isnan().all() and ref.isnan().all())
+    if case in ("inside", "edges"):
+        assert torch.equal(hist, ao_histogram.histc(x, 300, lo, hi, base, kernel=False))
+    else:
+        assert hist is None
+
+
+def test_batches_inside_the_range_take_the_one_read_path_and_still_equal_torch_ao():
+    ref, ours = TorchHistogramObserver(), HistogramObserver()
+    g = torch.Generator().manual_seed(8)
+    first = torch.randn(4000, generator=g) * 4
+    batches = [first] + [torch.randn(4000, generator=g) * s for s in (1, 2, 5, 1, 0.5)]
+    batches.insert(4, torch.full((3,), float("nan")))  # left out by ours, poisons neither
+    for x in batches:
+        if not x.isnan().any():
+            ref(x)
+        ours(x)
+        if not x.isnan().any():
+            _assert_same_state(ref, ours)
+    ours.seen_non_finite.fill_(False)  # the NaN batch is reported; here only the state matters
+    _assert_same_qparams(ref, ours)

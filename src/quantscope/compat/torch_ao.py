@@ -253,13 +253,39 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
                          quant_min=quant_min, quant_max=quant_max, factory_kwargs=factory_kwargs,
                          eps=eps, is_dynamic=is_dynamic, bins=bins, grid="first", **kwargs)
         self.hist_counts = torch.zeros(0)  # torch.ao's counts are float32 (fractions after growth)
+        self._widened = [False]  # the last batch widened the range (then no one-read pass)
+        self._one_read = [None]  # (units, new counts or None) from _unit_minmax for _observe
+
+    def _fresh(self) -> bool:
+        return self.min_vals.shape[0] != 1 or self.hist_counts.shape != (1, self.bins)
+
+    def _unit_minmax(self, units, count, ends):
+        # after a batch that kept the range, one read: the min / max and the bins on the
+        # current range together (stats.ao_histogram.fused), kept for _observe
+        self._one_read[0] = None
+        if (not self._widened[0] and count == 1 and not self.sync_every_step
+                and not self._fresh()):
+            got = ao_histogram.fused(units.reshape(-1), self.bins, self.min_vals[0],
+                                     self.max_vals[0], self.hist_counts[0])
+            if got is not None:
+                mm, hist = got
+                if ends is not None:
+                    ends.copy_(mm)
+                self._one_read[0] = (units, hist)
+                return mm[:1], mm[1:]
+        return super()._unit_minmax(units, count, ends)
 
     def _observe(self, units, lo, hi):
         self._pass[0] = None  # the base's one-read pass is for the native grid only
+        stash, self._one_read[0] = self._one_read[0], None
+        if stash is not None and stash[0] is units and stash[1] is not None:
+            self._buffers["hist_counts"] = stash[1][None]  # range unchanged (torch.ao too)
+            return
         lo, hi = lo.reshape(()), hi.reshape(())
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             return  # recorded by forward: calculate_qparams reports it
-        fresh = self.min_vals.shape[0] != 1 or self.hist_counts.shape != (1, self.bins)
+        fresh = self._fresh()
+        self._widened[0] = fresh or bool((lo < self.min_vals[0]) | (hi > self.max_vals[0]))
         hist, mn, mx = ao_histogram.update(
             None if fresh else self.hist_counts[0], None if fresh else self.min_vals[0],
             None if fresh else self.max_vals[0], units.reshape(-1), lo, hi, self.bins)

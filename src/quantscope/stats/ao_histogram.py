@@ -16,8 +16,11 @@ float32 arithmetic: the ``histc`` pass (``trunc((x - lo) * bins / (hi - lo))`` p
 counted in int32 and added as float32, the way ATen's kernel counts: exact below
 ``2 ** 24``) and the re-binning (torch's binary search and torch.bincount's in-order
 float32 sums); ``torch.linspace`` still makes the mid points and edges (a few microseconds,
-and its vectorized rounding is torch's alone). Tests compare both paths, and the observer
-with torch.ao's, bitwise.
+and its vectorized rounding is torch's alone). A batch inside the current range (the common
+case once the range has settled) takes one read instead of two (:func:`fused`: the min / max
+and the bins together; used after a batch that did not widen the range, since a widening
+batch must be binned again). Tests compare both paths, and the observer with torch.ao's,
+bitwise.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from .. import kernels
 
-__all__ = ["UPSAMPLE_RATE", "histc", "update", "upscale"]
+__all__ = ["UPSAMPLE_RATE", "fused", "histc", "update", "upscale"]
 
 #: torch.ao's ``upsample_rate``: pieces per old bin when the range grows
 UPSAMPLE_RATE = 16
@@ -54,6 +57,22 @@ def histc(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor,
             return out
     h = torch.histc(x, bins, min=float(lo), max=float(hi))
     return h if base is None else base + h
+
+
+def fused(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One read of ``x`` (C): ``(minmax, hist)``, ``minmax`` its ``torch.aminmax`` as a
+    ``(2,)`` tensor, ``hist`` ``base + torch.histc(x, bins, min=lo, max=hi)`` when every value
+    lies in ``[lo, hi]`` (torch.ao's update on an unchanged range), else None. None where the
+    kernel does not apply (the caller reads ``x`` twice, as torch.ao does)."""
+    lib = _kernel()
+    if (lib is None or not _plain(x) or x.requires_grad or not _plain(base)
+            or base.shape != (bins,)):
+        return None
+    out, mm = torch.empty(bins), torch.empty(2)
+    miss = lib.qs_ao_fused(x.data_ptr(), x.numel(), float(lo), float(hi), bins, base.data_ptr(),
+                           out.data_ptr(), mm.data_ptr())
+    return None if miss == 2 else (mm, None if miss else out)
 
 
 def upscale(hist: torch.Tensor, orig_lo: torch.Tensor, orig_hi: torch.Tensor,

@@ -51,6 +51,71 @@ int64_t qs_ao_histc(const float *x, int64_t n, float lo, float hi, int64_t B,
     return 0;
 }
 
+/* One read of x for a batch that may fall inside the current range [lo, hi]: its min / max
+   (NaN when x holds one, as torch.aminmax) into mm[0], mm[1], and, when every value lies in
+   [lo, hi], out = base + its histc on that range (as qs_ao_histc); returns 0 then. Returns
+   1 when some value lies outside (or is NaN): mm is still written, out is meaningless.
+   Returns 2 (nothing written) where qs_ao_histc would not apply. */
+int64_t qs_ao_fused(const float *x, int64_t n, float lo, float hi, int64_t B,
+                    const float *base, float *out, float *mm) {
+    const float d = hi - lo;
+    if (!(lo < hi) || !isfinite(d) || n < 1 || n >= ((int64_t)1 << 24) || B < 1
+        || B > (1 << 24))
+        return 2;
+    int32_t *cp = (int32_t *)calloc((size_t)(B + 1) * COPIES, sizeof(int32_t));
+    if (!cp) return 2;
+    const float bf = (float)B;
+    const int32_t last = (int32_t)B - 1, dump = (int32_t)B;
+    float vmin[8], vmax[8];
+    int32_t nan = 0;
+    for (int q = 0; q < 8; ++q) { vmin[q] = INFINITY; vmax[q] = -INFINITY; }
+    int32_t buf[BUF];
+    for (int64_t b = 0; b < n; b += BUF) {
+        const int32_t m = (int32_t)(n - b < BUF ? n - b : BUF);
+        const float *xb = x + b;
+        int32_t j = 0;
+        for (; j + 8 <= m; j += 8)
+            for (int q = 0; q < 8; ++q) {
+                const float v = xb[j + q];
+                vmin[q] = v < vmin[q] ? v : vmin[q];
+                vmax[q] = v > vmax[q] ? v : vmax[q];
+                nan |= v != v;
+            }
+        for (; j < m; ++j) {
+            const float v = xb[j];
+            vmin[0] = v < vmin[0] ? v : vmin[0];
+            vmax[0] = v > vmax[0] ? v : vmax[0];
+            nan |= v != v;
+        }
+        for (j = 0; j < m; ++j) {
+            const float v = xb[j];
+            const float p = (v - lo) * bf / d;
+            int32_t k = (int32_t)p;
+            k = k > last ? last : k;
+            k = (v >= lo && v <= hi) ? k : dump;
+            buf[j] = k * COPIES + (j & (COPIES - 1));
+        }
+        for (j = 0; j < m; ++j) cp[buf[j]]++;
+    }
+    float mn = vmin[0], mx = vmax[0];
+    for (int q = 1; q < 8; ++q) {
+        mn = vmin[q] < mn ? vmin[q] : mn;
+        mx = vmax[q] > mx ? vmax[q] : mx;
+    }
+    mm[0] = nan ? NAN : mn;
+    mm[1] = nan ? NAN : mx;
+    const int inside = !nan && mn >= lo && mx <= hi;
+    if (inside)
+        for (int64_t k = 0; k < B; ++k) {
+            const int32_t *c = cp + k * COPIES;
+            int32_t t = 0;
+            for (int q = 0; q < COPIES; ++q) t += c[q];
+            out[k] = base[k] + (float)t;
+        }
+    free(cp);
+    return !inside;
+}
+
 /* torch.ao's _upscale_histogram: each of the B bins split into `rate` pieces of weight
    hist[i] / rate at the mid points mids [B * rate], each piece added (in order, float32, as
    torch.bincount) into the bin of the new edges bounds [B + 1] that holds its mid point
