@@ -4,6 +4,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define COPIES 4 /* interleaved int32 copies of the bins: a run of values in one bin is not one
                     chain of dependent increments */
@@ -66,25 +69,31 @@ int64_t qs_ao_fused(const float *x, int64_t n, float lo, float hi, int64_t B,
     if (!cp) return 2;
     const float bf = (float)B;
     const int32_t last = (int32_t)B - 1, dump = (int32_t)B;
-    float vmin[8], vmax[8];
+    float mn = INFINITY, mx = -INFINITY;
     int32_t nan = 0;
-    for (int q = 0; q < 8; ++q) { vmin[q] = INFINITY; vmax[q] = -INFINITY; }
+#if defined(__AVX2__)
+    __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY);
+    __m256 vnan = _mm256_setzero_ps();
+#endif
     int32_t buf[BUF];
     for (int64_t b = 0; b < n; b += BUF) {
         const int32_t m = (int32_t)(n - b < BUF ? n - b : BUF);
         const float *xb = x + b;
         int32_t j = 0;
-        for (; j + 8 <= m; j += 8)
-            for (int q = 0; q < 8; ++q) {
-                const float v = xb[j + q];
-                vmin[q] = v < vmin[q] ? v : vmin[q];
-                vmax[q] = v > vmax[q] ? v : vmax[q];
-                nan |= v != v;
-            }
+#if defined(__AVX2__)
+        /* vminps / vmaxps: NaN tracked on the side; a tie of -0 and 0 may keep either, as
+           torch.aminmax's own vector loop */
+        for (; j + 8 <= m; j += 8) {
+            const __m256 v = _mm256_loadu_ps(xb + j);
+            vmn = _mm256_min_ps(v, vmn);
+            vmx = _mm256_max_ps(v, vmx);
+            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+#endif
         for (; j < m; ++j) {
             const float v = xb[j];
-            vmin[0] = v < vmin[0] ? v : vmin[0];
-            vmax[0] = v > vmax[0] ? v : vmax[0];
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
             nan |= v != v;
         }
         for (j = 0; j < m; ++j) {
@@ -97,11 +106,16 @@ int64_t qs_ao_fused(const float *x, int64_t n, float lo, float hi, int64_t B,
         }
         for (j = 0; j < m; ++j) cp[buf[j]]++;
     }
-    float mn = vmin[0], mx = vmax[0];
-    for (int q = 1; q < 8; ++q) {
+#if defined(__AVX2__)
+    float vmin[8], vmax[8];
+    _mm256_storeu_ps(vmin, vmn);
+    _mm256_storeu_ps(vmax, vmx);
+    nan |= _mm256_movemask_ps(vnan) != 0;
+    for (int q = 0; q < 8; ++q) {
         mn = vmin[q] < mn ? vmin[q] : mn;
         mx = vmax[q] > mx ? vmax[q] : mx;
     }
+#endif
     mm[0] = nan ? NAN : mn;
     mm[1] = nan ? NAN : mx;
     const int inside = !nan && mn >= lo && mx <= hi;
