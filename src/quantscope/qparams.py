@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
-from .scales import e8m0_scale, encode_scale, nvfp4_global_scale
+from .scales import E8M0_MODES, e8m0_scale, encode_scale, nvfp4_global_scale
 from .spec import QuantSpec
 
 __all__ = ["QParams", "qparams_from_range"]
@@ -99,6 +99,42 @@ def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> 
     return QParams(scale, zp)
 
 
+def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
+                          global_amax) -> QParams | None:
+    """The E8M0 (MX) and fp8-block (NVFP4) branches in C over float32 CPU ranges; None where
+    it does not apply (no kernel, other encodings or devices, a NaN / inf range: the torch
+    branch then raises or computes). Bitwise the torch branch (tests/kernels/test_block_qparams.py)."""
+    from .formats import FloatFormat
+
+    enc, fmt = spec.scale, spec.format
+    if (enc.kind not in ("e8m0", "fp8_e4m3") or not isinstance(fmt, FloatFormat)
+            or lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
+            or (lib := kernels.lib("block_qparams")) is None):
+        return None
+    lo, hi = lo.contiguous(), hi.contiguous()
+    scale = torch.empty(lo.shape, dtype=torch.float32)
+    zero = torch.zeros(lo.shape, dtype=torch.int32)
+    if enc.kind == "e8m0":
+        mode = E8M0_MODES.index(enc.mode)
+        if lib.qs_e8m0_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(), mode, fmt.emax,
+                               fmt.mbits, fmt.max, scale.data_ptr()):
+            return None
+        return QParams(scale, zero)
+    if global_amax is None:
+        amax = torch.empty((), dtype=torch.float32)
+        if lib.qs_block_amax_max(lo.data_ptr(), hi.data_ptr(), lo.numel(), amax.data_ptr()):
+            return None
+        global_amax = amax
+    elif not bool((torch.as_tensor(global_amax).abs() < math.inf).all()):
+        return None  # the torch branch says what is wrong
+    gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
+    if gs.numel() != 1 or lib.qs_nvfp4_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(),
+                                               fmt.max, float(gs), spec.min_scale,
+                                               scale.data_ptr()):
+        return None
+    return QParams(scale, zero, gs)
+
+
 def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                        global_amax: torch.Tensor | None = None,
                        check_finite: bool = True) -> QParams:
@@ -119,6 +155,8 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                          f"{tuple(lo.shape)} and {tuple(hi.shape)}")
     if lo.numel() >= KERNEL_MIN_UNITS:  # many units (small groups, blocks): one C pass
         qp = _int_qparams_kernel(lo, hi, spec)
+        if qp is None and lo.dtype == torch.float32 and hi.dtype == torch.float32:
+            qp = _block_qparams_kernel(lo, hi, spec, global_amax)
         if qp is not None:
             return qp
     # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN compares false

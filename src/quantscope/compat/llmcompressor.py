@@ -37,6 +37,7 @@ from ..observers.mse import MemorylessMSEObserver as _NativeMemorylessMSE
 from ..observers.mse import MovingAverageMSEObserver as _NativeMSE
 from ..observers.mse import NVFP4ExpandedMSEObserver as _NativeNVFP4MSE
 from ..observers.registry import observer_class, register
+from ..qparams import QParams
 from ..spec import QuantSpec
 from . import enum_name, field
 
@@ -144,6 +145,9 @@ class Observer:
         super().__init__(spec, **{k: kwargs[k] for k in self.native_options if k in kwargs})
         self.base_name, self.args, self.observer_kwargs = base_name, args, kwargs
         self.module = None if module is None else [module]  # not a submodule
+        # [(state key, QParams, versions)]: forward returns qparams, then callers ask get_qparams
+        # for the same ones (llm-compressor's flow); a list, not a module attribute
+        self._qp_cache = [None]
 
     @classmethod
     def load_from_registry(cls, name: str, **kwargs):
@@ -175,9 +179,41 @@ class Observer:
         The zero point comes in compressed-tensors' ``zp_dtype`` (int8 for int8 / int4,
         float8_e4m3fn for float formats, unless ``args.zp_dtype`` says otherwise).
         """
+        qp, hit = self._cached_qparams()
+        dtype = self._zp_dtype()
+        if self.spec.is_float and (self.spec.symmetric or self.spec.scale.is_block):
+            zp = torch.zeros(qp.zero_point.shape, dtype=dtype)  # zero by construction (a
+            # float8 cast of a million zeros costs more than the qparams)
+        else:
+            zp = qp.zero_point.to(dtype, copy=hit)
+        if hit:  # copies: a caller may write into what it was given
+            qp = QParams(qp.scale.clone(), qp.zero_point,
+                         None if qp.global_scale is None else qp.global_scale.clone())
+        return {"scale": qp.scale, "zero_point": zp, "global_scale": qp.global_scale}
+
+    def _state_key(self):
+        """What the qparams depend on: the spec and every buffer, by identity and in-place
+        version (any update, reset, load or sync replaces a buffer or bumps its version);
+        None where versions are not tracked (inference-mode tensors): no caching."""
+        try:
+            return (self.spec, self._last_shape,
+                    tuple((b, b._version) for b in self._buffers.values() if b is not None))
+        except RuntimeError:
+            return None
+
+    def _cached_qparams(self) -> tuple[QParams, bool]:
+        """The qparams of the current state, and whether they were computed before. The
+        cache holds the tensors handed out last time, with their in-place versions: a
+        caller that wrote into them makes it a miss."""
+        key, hit = self._state_key(), self._qp_cache[0]
+        if key is not None and hit is not None and _same_key(hit[0], key) and all(
+                t._version == v for t, v in hit[2]):
+            return hit[1], True
         qp = self.qparams()
-        return {"scale": qp.scale, "zero_point": qp.zero_point.to(self._zp_dtype()),
-                "global_scale": qp.global_scale}
+        tensors = [t for t in (qp.scale, qp.zero_point, qp.global_scale) if t is not None]
+        self._qp_cache[0] = None if key is None else (key, qp, [(t, t._version)
+                                                                for t in tensors])
+        return qp, False
 
     def _zp_dtype(self) -> torch.dtype:
         dtype = field(self.args, "zp_dtype")
@@ -208,6 +244,11 @@ class Observer:
 
 
 LLMCompressorObserver = Observer
+
+
+def _same_key(a, b) -> bool:
+    return (a[0] is b[0] and a[1] == b[1] and len(a[2]) == len(b[2])
+            and all(x is y and vx == vy for (x, vx), (y, vy) in zip(a[2], b[2])))
 
 
 @register("llmcompressor:memoryless_minmax")

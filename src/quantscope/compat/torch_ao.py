@@ -27,6 +27,7 @@ from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
 from ..observers.minmax import StaticMinMaxObserver
 from ..observers.registry import register
 from ..spec import QuantSpec
+from ..stats import ao_histogram
 
 __all__ = [
     "HistogramObserver",
@@ -224,13 +225,16 @@ class MovingAveragePerChannelMinMaxObserver(TorchAOObserver, _NativeEMA):
 
 @register("torch.ao:HistogramObserver")
 class HistogramObserver(TorchAOObserver, L2HistogramObserver):
-    """torch.ao's HistogramObserver: per-tensor histogram and the non-linear L2 search.
+    """torch.ao's HistogramObserver: its histogram, state for state, and its L2 search.
 
-    The first batch is binned as torch bins it (``histc`` over its min / max) and
-    batches inside that range are added on the same grid, so qparams equal torch.ao's
-    exactly; the search is torch's, vectorized (:mod:`quantscope.estimators.l2`). When a
-    batch grows the range, the counts move once to quantscope's exact power-of-two grid
-    (torch.ao instead re-bins approximately at every growth). Counts are int64.
+    The state is torch.ao's: ``bins`` float32 counts between the running min and max
+    (``histogram``, ``min_val``, ``max_val``), updated as torch.ao's ``forward`` does,
+    including its approximate re-binning when a batch widens the range
+    (:mod:`quantscope.stats.ao_histogram`, C on CPU); the search is torch's, vectorized
+    (:mod:`quantscope.estimators.l2`). So histogram, scale and zero point equal torch.ao's
+    bitwise for float32 inputs, whatever the batches' ranges. Unlike torch.ao, NaN / inf
+    are not dropped with a warning: the batch is left out and ``calculate_qparams`` says
+    so (the native ``non_finite`` rule; ``non_finite="ignore"`` counts them as zeros).
     """
 
     per_channel = False
@@ -238,24 +242,71 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
     def __init__(self, bins=2048, dtype=torch.quint8, qscheme=torch.per_tensor_affine,
                  reduce_range=False, quant_min=None, quant_max=None, factory_kwargs=None,
                  eps=EPS, is_dynamic=False, **kwargs):
-        kwargs.setdefault("grid", "first")
+        for name in ("averaging_constant", "skip_zeros", "grid"):
+            if kwargs.get(name) not in (None, False):
+                raise ValueError(f"HistogramObserver: {name} is not a torch.ao argument (this "
+                                 f"class keeps torch.ao's one histogram), got {kwargs[name]!r}")
+            kwargs.pop(name, None)
         kwargs.setdefault("polish", 0)
         kwargs.setdefault("dst_nbins", 2 ** torch.iinfo(dtype).bits)
         super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
                          quant_min=quant_min, quant_max=quant_max, factory_kwargs=factory_kwargs,
-                         eps=eps, is_dynamic=is_dynamic, bins=bins, **kwargs)
+                         eps=eps, is_dynamic=is_dynamic, bins=bins, grid="first", **kwargs)
+        self.hist_counts = torch.zeros(0)  # torch.ao's counts are float32 (fractions after growth)
+        self._widened = [False]  # the last batch widened the range (then no one-read pass)
+        self._one_read = [None]  # (units, new counts or None) from _unit_minmax for _observe
+
+    def _fresh(self) -> bool:
+        return self.min_vals.shape[0] != 1 or self.hist_counts.shape != (1, self.bins)
+
+    def _unit_minmax(self, units, count, ends):
+        # after a batch that kept the range, one read: the min / max and the bins on the
+        # current range together (stats.ao_histogram.fused), kept for _observe
+        self._one_read[0] = None
+        if (not self._widened[0] and count == 1 and not self.sync_every_step
+                and not self._fresh()):
+            got = ao_histogram.fused(units.reshape(-1), self.bins, self.min_vals[0],
+                                     self.max_vals[0], self.hist_counts[0])
+            if got is not None:
+                mm, hist = got
+                if ends is not None:
+                    ends.copy_(mm)
+                self._one_read[0] = (units, hist)
+                return mm[:1], mm[1:]
+        return super()._unit_minmax(units, count, ends)
+
+    def _observe(self, units, lo, hi):
+        self._pass[0] = None  # the base's one-read pass is for the native grid only
+        stash, self._one_read[0] = self._one_read[0], None
+        if stash is not None and stash[0] is units and stash[1] is not None:
+            self._buffers["hist_counts"] = stash[1][None]  # range unchanged (torch.ao too)
+            return
+        lo, hi = lo.reshape(()), hi.reshape(())
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            return  # recorded by forward: calculate_qparams reports it
+        fresh = self._fresh()
+        self._widened[0] = fresh or bool((lo < self.min_vals[0]) | (hi > self.max_vals[0]))
+        hist, mn, mx = ao_histogram.update(
+            None if fresh else self.hist_counts[0], None if fresh else self.min_vals[0],
+            None if fresh else self.max_vals[0], units.reshape(-1), lo, hi, self.bins)
+        mn, mx = mn.reshape(1), mx.reshape(1)
+        self._buffers.update(hist_counts=hist[None], min_vals=mn, max_vals=mx, hist_lo=mn,
+                             hist_hi=mx)
+        if fresh:
+            self.linear_grid.fill_(True)
 
     @property
     def histogram(self) -> torch.Tensor:
         """The counts as torch.ao holds them (float32 ``[bins]``)."""
-        if not self.has_observed:
+        if not self.has_observed or self.hist_counts.shape[0] != 1:
             return torch.zeros(self.bins)
-        return self.current_histogram().counts[0].float()
+        return self.hist_counts[0]
 
     @property
     def min_val(self) -> torch.Tensor:
-        return self.min_vals.reshape(()) if self.has_observed else torch.tensor(float("inf"))
+        return self.min_vals.reshape(()) if self.min_vals.numel() else torch.tensor(float("inf"))
 
     @property
     def max_val(self) -> torch.Tensor:
-        return self.max_vals.reshape(()) if self.has_observed else torch.tensor(float("-inf"))
+        return self.max_vals.reshape(()) if self.max_vals.numel() else \
+            torch.tensor(float("-inf"))

@@ -87,6 +87,16 @@ SIGNATURES: dict[str, dict[str, list]] = {
     "entropy": {
         "qs_entropy": [_P] * 4 + [_I] * 9,
     },
+    "ao_hist": {
+        "qs_ao_histc": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P],
+        "qs_ao_upscale": [_P, _I, _I, _P, _P, _P],
+        "qs_ao_fused": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P],
+    },
+    "block_qparams": {
+        "qs_e8m0_qparams": [_P, _P, _I, _I, _I, _I, _D, _P],
+        "qs_block_amax_max": [_P, _P, _I, _P],
+        "qs_nvfp4_qparams": [_P, _P, _I, _D, _D, _D, _P],
+    },
     "int_qparams": {
         "qs_int_qparams": [_P, _P, _I, _P, _P, _P],
     },

@@ -1,0 +1,127 @@
+/* Called from quantscope.qparams.qparams_from_range through quantscope.kernels: its MX (E8M0)
+   and NVFP4 (fp8 e4m3 block scale) branches over many blocks in one pass each (MXFP4 of a
+   4096 x 4096 weight has 524,288 blocks; the torch ops take a dozen passes over them). The
+   same float32 steps as the torch branch (scales.e8m0_scale, formats.FloatFormat.round),
+   bitwise (tests/kernels/test_block_qparams.py). */
+#include <stdint.h>
+#include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* max(-min(lo, 0), max(hi, 0)) as the torch branch: clamp, then torch.maximum */
+static inline float block_amax(float lo, float hi) {
+    lo = 0.0f < lo ? 0.0f : lo;
+    hi = hi < 0.0f ? 0.0f : hi;
+    return -lo < hi ? hi : -lo;
+}
+
+static int finite_ranges(const float *lo, const float *hi, int64_t n) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i)
+        bad |= !(fabsf(lo[i]) < INFINITY) | !(fabsf(hi[i]) < INFINITY);
+    return !bad;
+}
+
+static inline int32_t bits_of(float x) { union { float f; int32_t i; } u = {x}; return u.i; }
+static inline float float_of(int32_t i) { union { int32_t i; float f; } u = {i}; return u.f; }
+
+/* frexp of a non-negative finite x from its bits (subnormals scaled up by 2**24 first):
+   x = m * 2**e, m in [0.5, 1), and (0, 0) for 0 as frexpf; inline, so the loops vectorize
+   (libm's frexpf is a call) */
+static inline int frexp_pos(float x, float *m) {
+    const int sub = bits_of(x) < 0x00800000;
+    const int32_t b = bits_of(sub ? x * 0x1p24f : x);
+    *m = x == 0.0f ? 0.0f : float_of((b & 0x007FFFFF) | (126 << 23));
+    return x == 0.0f ? 0 : ((b >> 23) & 255) - 126 - (sub ? 24 : 0);
+}
+
+/* exactly 2**k as float32 for k in [-149, 127] */
+static inline float exp2i(int k) {
+    return k >= -126 ? float_of((k + 127) << 23) : float_of(1 << (k + 149));
+}
+
+/* ceil(log2 x) for positive finite x (frexp: one less when the mantissa is exactly 0.5) */
+static inline int ceil_log2(float x) {
+    float m;
+    const int e = frexp_pos(x, &m);
+    return m == 0.5f ? e - 1 : e;
+}
+
+/* E8M0 scales 2**k of n blocks with ranges [lo, hi]; mode 0 floor, 1 ceil, 2 even (mbits
+   fraction bits rounded half away), 3 rceil (ceil log2(amax / fmax)); emax the element
+   format's. Returns 1 (nothing written) when a range holds NaN or inf. */
+int64_t qs_e8m0_qparams(const float *lo, const float *hi, int64_t n, int64_t mode,
+                        int64_t emax, int64_t mbits, double fmax, float *scale) {
+    if (!finite_ranges(lo, hi, n) || mode < 0 || mode > 3) return 1;
+    const float top = exp2i((int)mbits + 1), fm = (float)fmax;
+    const int em = (int)emax;
+#define E8M0_LOOP(K)                                                          \
+    for (int64_t i = 0; i < n; ++i) {                                         \
+        const float amax = block_amax(lo[i], hi[i]);                          \
+        const float safe = amax <= 0.0f ? 1.0f : amax;                        \
+        float m;                                                              \
+        const int e = frexp_pos(safe, &m);                                    \
+        (void)m;                                                              \
+        (void)e;                                                              \
+        int k = (K);                                                          \
+        k = amax <= 0.0f ? -127 : k;                                          \
+        k = k < -127 ? -127 : (k > 127 ? 127 : k);                            \
+        scale[i] = exp2i(k);                                                  \
+    }
+    if (mode == 0) { E8M0_LOOP(e - 1 - em) }
+    else if (mode == 1) { E8M0_LOOP((m == 0.5f ? e - 1 : e) - em) }
+    else if (mode == 2) { E8M0_LOOP(e - 1 + (floorf(m * top + 0.5f) >= top) - em) }
+    else { E8M0_LOOP(ceil_log2(safe / fm)) }
+#undef E8M0_LOOP
+    return 0;
+}
+
+/* The largest block amax of n ranges into *out (NVFP4's global amax by default). Returns 1
+   when a range holds NaN or inf. */
+int64_t qs_block_amax_max(const float *lo, const float *hi, int64_t n, float *out) {
+    if (!finite_ranges(lo, hi, n)) return 1;
+    float m = 0.0f;
+    int64_t i = 0;
+#if defined(__AVX2__)
+    /* finite values only, so vmaxps's NaN and signed-zero rules change nothing */
+    const __m256 z = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    __m256 vm = z;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 l = _mm256_min_ps(_mm256_loadu_ps(lo + i), z);
+        const __m256 h = _mm256_max_ps(_mm256_loadu_ps(hi + i), z);
+        vm = _mm256_max_ps(vm, _mm256_max_ps(_mm256_xor_ps(l, sign), h));
+    }
+    float t[8];
+    _mm256_storeu_ps(t, vm);
+    for (int j = 0; j < 8; ++j) m = t[j] > m ? t[j] : m;
+#endif
+    for (; i < n; ++i) {
+        const float a = block_amax(lo[i], hi[i]);
+        m = a > m ? a : m;
+    }
+    *out = m;
+    return 0;
+}
+
+/* NVFP4 block scales: amax / fmax * gs rounded to fp8 e4m3 (nearest, ties to even,
+   saturating at 448: FloatFormat.round with min_exp -6, 3 mantissa bits), non-positive
+   ones replaced by min_scale. Returns 1 when a range holds NaN or inf (checked in the same
+   pass: the scales are then written but meaningless). */
+int64_t qs_nvfp4_qparams(const float *lo, const float *hi, int64_t n, double fmax, double gs,
+                         double min_scale, float *scale) {
+    int bad = 0;
+    const float fm = (float)fmax, g = (float)gs, ms = (float)min_scale;
+    const int32_t min_field = (-6 + 127) << 23, shift = 3 << 23;
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = block_amax(lo[i], hi[i]) / fm * g;
+        int32_t field = bits_of(v) & 0x7F800000;
+        field = field < min_field ? min_field : field;
+        const float st = float_of(field - shift);   /* 2 ** (e - mbits) */
+        float q = rintf(v / st) * st;                /* ties to even (the default mode) */
+        q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q);
+        scale[i] = q > 0.0f ? q : ms;
+        bad |= !(fabsf(lo[i]) < INFINITY) | !(fabsf(hi[i]) < INFINITY);
+    }
+    return bad;  /* the scales written are then to be ignored */
+}

@@ -1,0 +1,236 @@
+"""compat.torch_ao.HistogramObserver against torch.ao's own, state for state, over batches
+whose ranges grow, shrink and stay; the C kernels of stats.ao_histogram against torch's ops."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.ao.quantization import HistogramObserver as TorchHistogramObserver
+
+from quantscope.compat.torch_ao import HistogramObserver
+from quantscope.stats import ao_histogram
+
+needs_kernel = pytest.mark.skipif(ao_histogram._kernel() is None, reason="no C kernel")
+
+
+def _assert_same_state(ref, ours):
+    assert torch.equal(ref.histogram, ours.histogram), (ref.histogram - ours.histogram).abs().max()
+    assert torch.equal(ref.min_val, ours.min_val) and torch.equal(ref.max_val, ours.max_val)
+
+
+def _assert_same_qparams(ref, ours):
+    (rs, rz), (s, z) = ref.calculate_qparams(), ours.calculate_qparams()
+    assert torch.equal(rs, s), (rs, s)
+    assert torch.equal(rz.long(), z.long()), (rz, z)
+
+
+def _batches(seed, n, scales, shifts, size):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x = torch.randn(size, generator=g) * scales[i % len(scales)] + shifts[i % len(shifts)]
+        if i % 3 == 2:
+            x[: max(1, size // 1000)] *= 20  # an outlier that widens the range
+        out.append(x)
+    return out
+
+
+_KWARGS = [{}, {"bins": 256}, {"bins": 64}, {"qscheme": torch.per_tensor_symmetric,
+                                             "dtype": torch.qint8},
+           {"reduce_range": True}, {"quant_min": 0, "quant_max": 15}, {"bins": 100}]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 7),
+       scales=st.lists(st.floats(0.01, 50.0), min_size=1, max_size=7),
+       shifts=st.lists(st.floats(-5.0, 5.0), min_size=1, max_size=3),
+       size=st.sampled_from([1, 7, 300, 5000]), kw=st.sampled_from(_KWARGS))
+def test_same_histogram_and_qparams_as_torch_ao_on_any_batch_sequence(seed, n, scales, shifts,
+                                                                     size, kw):
+    ref, ours = TorchHistogramObserver(**kw), HistogramObserver(**kw)
+    for x in _batches(seed, n, scales, shifts, size):
+        ref(x)
+        ours(x)
+        _assert_same_state(ref, ours)
+    _assert_same_qparams(ref, ours)
+
+
+@pytest.mark.parametrize("order", ["growing", "shrinking", "mixed"])
+def test_same_as_torch_ao_when_ranges_grow_shrink_or_alternate(order):
+    scales = {"growing": [1.1 ** i for i in range(8)], "shrinking": [0.8 ** i for i in range(8)],
+              "mixed": [1, 3, 0.5, 4, 4, 0.1, 9, 2]}[order]
+    ref, ours = TorchHistogramObserver(), HistogramObserver()
+    g = torch.Generator().manual_seed(5)
+    for s in scales:
+        x = torch.randn(64, 384, generator=g) * s
+        ref(x)
+        ours(x)
+        _assert_same_state(ref, ours)
+        _assert_same_qparams(ref, ours)
+
+
+def test_the_issue_case_eight_batches_each_ten_percent_wider():
+    g = torch.Generator().manual_seed(1)
+    ref, ours = TorchHistogramObserver(), HistogramObserver()
+    for i in range(8):
+        x = torch.randn(64, 128, 384, generator=g) * 1.1 ** i
+        ref(x)
+        ours(x)
+    _assert_same_state(ref, ours)
+    _assert_same_qparams(ref, ours)
+
+
+@pytest.mark.parametrize("first", [0.0, 2.5, -3.0])
+def test_a_constant_first_batch_then_a_wider_one(first):
+    ref, ours = TorchHistogramObserver(bins=128), HistogramObserver(bins=128)
+    for x in (torch.full((10,), first), torch.full((3,), first), torch.randn(500) * 4,
+              torch.full((5,), 100.0)):
+        ref(x)
+        ours(x)
+        _assert_same_state(ref, ours)
+    _assert_same_qparams(ref, ours)
+
+
+def test_values_on_the_edges_and_a_non_contiguous_batch():
+    ref, ours = TorchHistogramObserver(bins=50), HistogramObserver(bins=50)
+    x = torch.linspace(-1, 1, 1001)  # many values on bin edges
+    y = torch.linspace(-3, 2, 2001).reshape(-1, 3).t()  # strided
+    for b in (x, y, x * 0.3, torch.tensor([2.0, -3.0])):
+        ref(b)
+        ours(b)
+        _assert_same_state(ref, ours)
+    _assert_same_qparams(ref, ours)
+
+
+def test_reset_starts_a_new_histogram():
+    ref, ours = TorchHistogramObserver(), HistogramObserver()
+    ours(torch.randn(100) * 50)
+    ours.reset()
+    assert torch.equal(ours.histogram, torch.zeros(2048))
+    x = torch.randn(1000)
+    ref(x)
+    ours(x)
+    _assert_same_state(ref, ours)
+    _assert_same_qparams(ref, ours)
+
+
+def test_non_torch_ao_arguments_are_refused():
+    with pytest.raises(ValueError, match="averaging_constant"):
+        HistogramObserver(averaging_constant=0.1)
+
+
+# ------------------------------------------------------------------ kernels vs torch's ops
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 3000), bins=st.integers(1, 3000),
+       span=st.sampled_from([1e-6, 1.0, 1e3, 1e30]), inside=st.booleans())
+def test_histc_kernel_equals_torch_histc(seed, n, bins, span, inside):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * span
+    lo, hi = x.min(), x.max()
+    if not inside:  # a range narrower than the data: values outside are not counted
+        lo, hi = lo / 2, hi / 2
+    x[: n // 4] = lo  # values on the edges
+    x[n // 4: n // 2] = hi
+    base = torch.rand(bins, generator=g) * 100
+    for b in (None, base):
+        got = ao_histogram.histc(x, bins, lo, hi, b)
+        want = ao_histogram.histc(x, bins, lo, hi, b, kernel=False)
+        assert torch.equal(got, want)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), bins=st.integers(1, 2048),
+       grow=st.tuples(st.floats(0, 3), st.floats(0, 3)), scale=st.sampled_from([1e-3, 1., 1e6]))
+def test_upscale_kernel_equals_torch_ops(seed, bins, grow, scale):
+    g = torch.Generator().manual_seed(seed)
+    hist = (torch.rand(bins, generator=g) ** 4 * 1000).round() / 16 * 3
+    lo, hi = torch.tensor(-1.3 * scale), torch.tensor(0.7 * scale)
+    nlo, nhi = lo - grow[0] * scale, hi + grow[1] * scale
+    got = ao_histogram.upscale(hist, lo, hi, nlo, nhi)
+    want = ao_histogram.upscale(hist, lo, hi, nlo, nhi, kernel=False)
+    assert torch.equal(got, want)
+    o = TorchHistogramObserver(bins=bins)  # the torch path is torch.ao's own
+    assert torch.equal(want, o._upscale_histogram(hist, lo, hi, nlo, nhi))
+
+
+def test_torch_path_alone_equals_torch_ao():
+    ref = TorchHistogramObserver(bins=512)
+    state = (None, None, None)
+    g = torch.Generator().manual_seed(3)
+    for s in (1.0, 2.0, 0.5, 7.0):
+        x = torch.randn(4000, generator=g) * s
+        ref(x)
+        lo, hi = torch.aminmax(x)
+        state = ao_histogram.update(*state, x, lo, hi, 512, kernel=False)
+        assert torch.equal(state[0], ref.histogram)
+        assert torch.equal(state[1], ref.min_val) and torch.equal(state[2], ref.max_val)
+
+
+@needs_kernel
+def test_upscale_kernel_on_unsorted_points_searches_as_torch_bucketize():
+    g = torch.Generator().manual_seed(4)
+    bins, rate = 64, ao_histogram.UPSAMPLE_RATE
+    hist = torch.rand(bins, generator=g) * 50
+    mids = torch.randn(bins * rate, generator=g) * 2  # not rising: the binary-search branch
+    bounds = torch.linspace(-1.5, 1.5, bins + 1)
+    bounds[10] = bounds[12]  # nor are the edges
+    out = torch.empty(bins)
+    ao_histogram._kernel().qs_ao_upscale(hist.data_ptr(), bins, rate, mids.data_ptr(),
+                                         bounds.data_ptr(), out.data_ptr())
+    where = (torch.bucketize(mids, bounds, right=True) - 1).clamp(0, bins - 1)
+    want = torch.bincount(where, weights=hist.repeat_interleave(rate) / rate, minlength=bins)
+    assert torch.equal(out, want)
+
+
+def test_state_dict_round_trip_keeps_the_fractional_counts():
+    ours = HistogramObserver(bins=128)
+    for s in (1.0, 3.0):
+        ours(torch.randn(1000) * s)
+    assert not torch.equal(ours.histogram, ours.histogram.round())  # fractions after growth
+    back = HistogramObserver(bins=128)
+    back.load_state_dict(ours.state_dict())
+    assert torch.equal(back.histogram, ours.histogram)
+    for a, b in zip(back.calculate_qparams(), ours.calculate_qparams()):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["inside", "outside", "nan", "inf", "edges"])
+def test_fused_pass_equals_aminmax_and_histc(case):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(10007, generator=g)
+    lo, hi = torch.tensor(-5.0), torch.tensor(6.0)
+    if case == "outside":
+        x[77] = 7.0
+    elif case == "nan":
+        x[5] = float("nan")
+    elif case == "inf":
+        x[9] = float("-inf")
+    elif case == "edges":
+        x[:100], x[100:200] = lo, hi
+    base = torch.rand(300, generator=g)
+    mm, hist = ao_histogram.fused(x, 300, lo, hi, base)
+    ref = torch.stack(torch.aminmax(x))
+    assert torch.equal(mm, ref) or (mm.isnan().all() and ref.isnan().all())
+    if case in ("inside", "edges"):
+        assert torch.equal(hist, ao_histogram.histc(x, 300, lo, hi, base, kernel=False))
+    else:
+        assert hist is None
+
+
+def test_batches_inside_the_range_take_the_one_read_path_and_still_equal_torch_ao():
+    ref, ours = TorchHistogramObserver(), HistogramObserver()
+    g = torch.Generator().manual_seed(8)
+    first = torch.randn(4000, generator=g) * 4
+    batches = [first] + [torch.randn(4000, generator=g) * s for s in (1, 2, 5, 1, 0.5)]
+    batches.insert(4, torch.full((3,), float("nan")))  # left out by ours, poisons neither
+    for x in batches:
+        if not x.isnan().any():
+            ref(x)
+        ours(x)
+        if not x.isnan().any():
+            _assert_same_state(ref, ours)
+    ours.seen_non_finite.fill_(False)  # the NaN batch is reported; here only the state matters
+    _assert_same_qparams(ref, ours)

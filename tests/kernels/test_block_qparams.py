@@ -1,0 +1,87 @@
+"""qparams_from_range's MX (E8M0) and NVFP4 (fp8 block scale) branches in C
+(kernels/csrc/block_qparams.c) against its torch branch, bitwise."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantscope import QuantSpec, kernels, qparams
+from quantscope.layout import Block
+from quantscope.qparams import KERNEL_MIN_UNITS, qparams_from_range
+
+needs_kernel = pytest.mark.skipif(kernels.lib("block_qparams") is None, reason="no C kernel")
+
+SPECS = [QuantSpec(fmt, Block(32), scale=f"e8m0:{mode}")
+         for fmt in ("fp4_e2m1", "fp8_e4m3", "fp6_e3m2")
+         for mode in ("floor", "ceil", "even", "rceil")]
+SPECS += [QuantSpec("fp4_e2m1", Block(16), scale="fp8_e4m3")]
+
+
+def _ranges(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    mag = 2.0 ** torch.randint(-140, 120, (2, n), generator=g).float()
+    lo = -torch.rand(n, generator=g) * mag[0]
+    hi = torch.rand(n, generator=g) * mag[1]
+    # exact powers of two, their rounding edges, zeros, one-sided and degenerate ranges
+    k = n // 8
+    hi[:k] = 2.0 ** torch.randint(-130, 100, (k,), generator=g).float()
+    hi[k:2 * k] = hi[:k] * 1.75
+    hi[2 * k:3 * k] = hi[:k] * (1 + 2.0 ** -24) * 1.5
+    lo[3 * k:4 * k] = 0.0
+    hi[3 * k:4 * k] = 0.0
+    lo[4 * k:5 * k] = lo[4 * k:5 * k] + 5.0
+    hi[5 * k:6 * k] = -hi[5 * k:6 * k]
+    hi[6 * k] = torch.finfo(torch.float32).max
+    return lo, hi
+
+
+def _torch_branch(monkeypatch, *args, **kw):
+    with monkeypatch.context() as m:
+        m.setattr(qparams, "_block_qparams_kernel", lambda *a: None)
+        return qparams_from_range(*args, **kw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_kernel_equals_the_torch_branch(spec, monkeypatch):
+    lo, hi = _ranges(0, 4 * KERNEL_MIN_UNITS)
+    for gamax in (None, torch.tensor(3.0), torch.tensor(0.0)):
+        if gamax is not None and spec.scale.kind != "fp8_e4m3":
+            continue
+        got = qparams_from_range(lo, hi, spec, global_amax=gamax)
+        want = _torch_branch(monkeypatch, lo, hi, spec, global_amax=gamax)
+        assert torch.equal(got.scale, want.scale)
+        assert torch.equal(got.zero_point, want.zero_point)
+        assert (got.global_scale is None) == (want.global_scale is None)
+        if got.global_scale is not None:
+            assert torch.equal(got.global_scale, want.global_scale)
+
+
+@needs_kernel
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), spec=st.sampled_from(SPECS))
+def test_kernel_equals_the_torch_branch_on_random_ranges(seed, spec):
+    lo, hi = _ranges(seed, KERNEL_MIN_UNITS + 17)
+    got = qparams_from_range(lo, hi, spec)
+    mp = pytest.MonkeyPatch()
+    try:
+        want = _torch_branch(mp, lo, hi, spec)
+    finally:
+        mp.undo()
+    assert torch.equal(got.scale, want.scale) and torch.equal(got.zero_point, want.zero_point)
+
+
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[-1]], ids=str)
+def test_non_finite_ranges_still_raise(spec):
+    lo, hi = _ranges(1, KERNEL_MIN_UNITS)
+    hi[5] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        qparams_from_range(lo, hi, spec)
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", [SPECS[2], SPECS[-1]], ids=str)
+def test_the_kernel_runs_on_many_blocks(spec):
+    lo, hi = _ranges(2, KERNEL_MIN_UNITS)
+    assert qparams._block_qparams_kernel(lo, hi, spec, None) is not None
