@@ -30,6 +30,7 @@ from ..observers.registry import get_observer, observer_class
 from ..spec import QuantSpec
 from . import auto as _auto
 from . import fusion, moe
+from . import sequential as _sequential
 from .apply import input_name, module_input, qdq_tensor
 from .batches import forward_batch
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
@@ -574,7 +575,8 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    seed: int = 0, distributed: bool = False, group=None,
                    auto_metric: str = "model", loss=None, score_tokens: int = 1024,
                    all_experts: bool = False, expert_min_tokens: int = moe.MIN_TOKENS,
-                   missing: str = "skip") -> dict[str, Calibration]:
+                   missing: str = "skip", sequential=False,
+                   **sequential_options) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -621,6 +623,10 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             role unquantized, the layer keeps its weight quantization (a weight-only
             scheme); ``"float"`` leaves the whole layer in float; ``"error"`` raises. Either
             fallback is listed in ``calibration.info["missing"]`` and warned about.
+        sequential: ``True`` / ``"float"`` or ``"quantized"``: one block at a time
+            (:mod:`.sequential`, for models larger than memory); ``sequential_options``
+            (``checkpoint``, ``blocks``, ``cache_budget_mb``, ``cache_dir``, ``device``) go
+            to :func:`.sequential.calibrate_sequential`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -653,6 +659,13 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     t0 = time.perf_counter()
     if batches is None:
         batches = []
+    if sequential or sequential_options:
+        return _sequential.calibrate_sequential(
+            calibrate_many, model, batches, recipes, mode=sequential, progress=progress,
+            candidates=candidates, sample_tokens=sample_tokens, sample_budget_mb=sample_budget_mb,
+            seed=seed, distributed=distributed, group=group, auto_metric=auto_metric, loss=loss,
+            score_tokens=score_tokens, all_experts=all_experts,
+            expert_min_tokens=expert_min_tokens, missing=missing, **sequential_options)
     if auto_metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
         return _auto.calibrate_end_to_end(
             calibrate_many, model, batches, recipes, candidates=candidates,
