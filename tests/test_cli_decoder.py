@@ -85,3 +85,23 @@ def test_indivisible_group_size(llama_dir, tmp_path, capsys):
     rows = json.loads((tmp_path / "r" / "report.json").read_text())["layers"]
     # 64-wide inputs take groups of 48 nowhere; 96-wide (down_proj) inputs do
     assert {r["layer"].split(".")[-1] for r in rows} == {"down_proj"}
+
+
+def test_sequential_gives_the_whole_pass_qparams(llama_dir, tmp_path, capsys):
+    from quantscope import cli
+    from quantscope.calibrate.io import load
+
+    runs = {}
+    for mode in ([], ["--sequential"], ["--sequential", "quantized"]):
+        out = str(tmp_path / ("-".join(mode) or "whole"))
+        rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", "--out", out,
+                       "--no-progress", *mode, *FAST])
+        assert rc == 0, capsys.readouterr().err
+        runs[tuple(mode)] = load(Path(out, "qparams"))
+    whole, seq = runs[()], runs[("--sequential",)]
+    assert seq.info["sequential"]["mode"] == "float"
+    assert runs[("--sequential", "quantized")].info["sequential"]["mode"] == "quantized"
+    assert whole.states.keys() == seq.states.keys()
+    for layer, roles in whole.states.items():
+        for role, st in roles.items():
+            assert torch.equal(st.qparams.scale, seq.states[layer][role].qparams.scale)

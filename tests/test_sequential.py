@@ -137,3 +137,14 @@ def test_errors(saved):
     with pytest.raises(ValueError, match="cache_budget_mb"):
         calibrate(model, _batches(), "w8a8", progress=False, sequential=True,
                   cache_budget_mb=-1)
+
+
+def test_heap_trim_opt_out(monkeypatch):
+    from quantscope.calibrate import heap
+
+    monkeypatch.setenv("QUANTSCOPE_MALLOC_TRIM", "0")
+    assert heap.trim() is False
+    monkeypatch.delenv("QUANTSCOPE_MALLOC_TRIM")
+    import platform
+
+    assert heap.trim() is (platform.libc_ver()[0] == "glibc")

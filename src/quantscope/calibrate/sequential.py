@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import heap
 from .batches import forward_batch
 
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "empty_model",
@@ -123,7 +124,7 @@ class _Checkpoint:
         self.where = {}
         for f in files:
             with safe_open(f, "pt") as st:
-                for k in st.keys():
+                for k in st.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                     self.where[k] = f
 
     def get(self, name: str) -> torch.Tensor:
@@ -330,8 +331,8 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
     from .result import Calibration
 
     if mode is False:
-        raise TypeError(f"calibrate: checkpoint, blocks, cache_budget_mb, cache_dir and device "
-                        f"are options of sequential calibration; pass sequential=True")
+        raise TypeError("calibrate: checkpoint, blocks, cache_budget_mb, cache_dir and device "
+                        "are options of sequential calibration; pass sequential=True")
     if mode is True:
         mode = "float"
     if mode not in MODES:
@@ -426,6 +427,7 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
             if load:
                 _unload(model, mine)
                 loaded_here.remove(mine)
+            heap.trim()  # the block's weights and activations back to the system
             if progress:
                 print(f"\rcalibrating {full} ({j + 1}/{len(originals)})", end="", flush=True)
         if progress:

@@ -29,7 +29,7 @@ from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
 from ..spec import QuantSpec
 from . import auto as _auto
-from . import fusion, moe
+from . import fusion, heap, moe
 from . import sequential as _sequential
 from .apply import input_name, module_input, qdq_tensor
 from .batches import forward_batch
@@ -257,6 +257,7 @@ def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=
         with torch.inference_mode():
             for batch in it:
                 forward_batch(model, batch)
+                heap.trim()  # the fragmented heap's free pages back (heap.py)
                 n += 1
     finally:
         for h in handles:
