@@ -73,28 +73,11 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
 
 
 # ---------------------------------------------------------------- weights on demand
-@contextlib.contextmanager
-def _params_on_meta():
-    """Parameters created inside go to the meta device (no memory); buffers stay real
-    (rotary tables and other non-persistent buffers are computed at construction)."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            p = module._parameters[name]
-            module._parameters[name] = nn.Parameter(p.to("meta"), p.requires_grad)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
 def empty_model(path, task: str | None = None) -> nn.Module:
     """The model of a Hugging Face folder with every parameter on the meta device (no
-    weights in memory): the skeleton :func:`calibrate_sequential` loads block by block."""
+    weights in memory): the skeleton :func:`calibrate_sequential` loads block by block.
+    Buffers are real: read from the checkpoint, or (non-persistent ones such as rotary
+    tables) computed by the model's ``_init_weights``, as transformers' loader does."""
     import transformers
 
     from .. import models
@@ -104,8 +87,22 @@ def empty_model(path, task: str | None = None) -> nn.Module:
     task = task or models.model_task(path)
     auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
             else transformers.AutoModel)
-    with _params_on_meta():
+    with torch.device("meta"):  # nothing allocated, not even transiently (RLIMIT_DATA)
         model = auto.from_config(config)
+    ckpt = _Checkpoint(path)
+    for module in model.modules():  # buffers are small: from the checkpoint, or computed
+        meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+        for n in meta:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+        if meta:
+            init = getattr(model, "_init_weights", None)
+            if init is None:
+                raise ValueError(f"calibrate: cannot compute the buffers {meta} of "
+                                 f"{type(module).__name__} built on the meta device")
+            init(module)  # transformers' own initializer (rotary tables ...)
+    for name, b in model.named_buffers():
+        if name in ckpt.where:
+            b.copy_(ckpt.get(name))
     model.eval()
     return model
 
