@@ -9,7 +9,7 @@ background documents of up to 256 tokens in batches of 8, as issue 18 measured
 runs each case N times and reports medians: peaks move by 100-400 MB between runs).
 
 Cases: ``forward`` (the baseline), ``minmax`` and ``seven`` (seven observers in one pass),
-each also ``-notrim`` (``QUANTSCOPE_MALLOC_TRIM=0``: no ``malloc_trim`` between batches),
+each also ``-notrim`` (``QUANTSCOPE_HEAP=0``: neither ``malloc_trim`` between batches nor a fixed mmap threshold: calibrate/heap.py),
 ``sequential`` (min-max, block by block from the checkpoint into an empty skeleton: the
 whole model is never loaded), and ``oneshot`` (llm-compressor's ``oneshot``, W8A8 with
 static per-tensor min-max inputs, in ``$QUANTSCOPE_PEER_PYTHON``).
@@ -47,12 +47,16 @@ def run_case(case: str, docs_n: int = DOCS) -> dict:
     case = case.removesuffix("-notrim")
     path = models.resolve_model_path("smollm2-135m")
     if case == "sequential":
+        from transformers import AutoTokenizer
+
         from quantscope.calibrate.sequential import empty_model
 
-        model, tok = empty_model(path), models.load_tokenizer(path)
+        model, tok = empty_model(path), AutoTokenizer.from_pretrained(str(path))
+        tok.pad_token, tok.padding_side = tok.pad_token or tok.eos_token, "right"  # as load_model
     else:
         model, tok = models.load_model("smollm2-135m")
-    docs = data.lee_background()[::300 // docs_n][:docs_n]
+    docs = (json.loads(os.environ["BENCH_DOCS"]) if "BENCH_DOCS" in os.environ  # peers' venv
+            else data.lee_background()[::300 // docs_n][:docs_n])
     batches = models.token_batches(tok, docs, TOKENS, BATCH)
     out = {"case": case, "loaded_mb": _peak_mb(),
            "model_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}
@@ -62,7 +66,7 @@ def run_case(case: str, docs_n: int = DOCS) -> dict:
             "w8a8", "minmax", ignore=["lm_head"]), progress=False, sequential=True,
             checkpoint=path)
     elif case == "oneshot":
-        _oneshot(model, batches)
+        _oneshot(model, tok, batches)
     elif case == "forward":
         with torch.inference_mode():
             for b in batches:
@@ -79,9 +83,10 @@ def run_case(case: str, docs_n: int = DOCS) -> dict:
     return out
 
 
-def _oneshot(model, batches) -> None:
+def _oneshot(model, tok, batches) -> None:
     """llm-compressor's oneshot on the same batches: int8 per-channel weights, static int8
     per-tensor inputs, min-max, lm_head in float (its default sequential pipeline)."""
+    import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -93,7 +98,8 @@ def _oneshot(model, batches) -> None:
                                            observer="static_minmax"))
     oneshot(model=model, recipe=QuantizationModifier(config_groups={"g": scheme},
                                                      ignore=["lm_head"]),
-            dataset=batches, num_calibration_samples=len(batches))
+            dataset=torch.utils.data.DataLoader(batches, batch_size=None), processor=tok,
+            num_calibration_samples=len(batches))
 
 
 def main() -> None:
@@ -108,10 +114,13 @@ def main() -> None:
     for case in dict.fromkeys(["forward", *args.cases]):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if case.endswith("-notrim"):
-            env["QUANTSCOPE_MALLOC_TRIM"] = "0"
+            env["QUANTSCOPE_HEAP"] = "0"
         python = sys.executable
-        if case == "oneshot":
+        if case == "oneshot":  # the peers' venv has no gensim: the documents come from here
+            from quantscope import data
+
             python = PEER_PYTHON
+            env["BENCH_DOCS"] = json.dumps(data.lee_background()[::300 // args.docs][:args.docs])
             env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
         runs = []
         for _ in range(args.runs):

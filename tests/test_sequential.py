@@ -139,12 +139,13 @@ def test_errors(saved):
                   cache_budget_mb=-1)
 
 
-def test_heap_trim_opt_out(monkeypatch):
-    from quantscope.calibrate import heap
-
-    monkeypatch.setenv("QUANTSCOPE_MALLOC_TRIM", "0")
-    assert heap.trim() is False
-    monkeypatch.delenv("QUANTSCOPE_MALLOC_TRIM")
+def test_heap_opt_out(monkeypatch):
     import platform
 
-    assert heap.trim() is (platform.libc_ver()[0] == "glibc")
+    from quantscope.calibrate import heap
+
+    monkeypatch.setenv("QUANTSCOPE_HEAP", "0")
+    assert heap.trim() is False and heap.prepare() is False
+    monkeypatch.delenv("QUANTSCOPE_HEAP")
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert heap.trim() is glibc and heap.prepare() is glibc

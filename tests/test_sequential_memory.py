@@ -49,14 +49,13 @@ def _write_checkpoint(path):
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from quantscope.calibrate.sequential import empty_model
-
     cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=17,
                       num_attention_heads=16, num_key_value_heads=16, vocab_size=1000,
                       tie_word_embeddings=False, max_position_embeddings=64)
     cfg.architectures = [LlamaForCausalLM.__name__]
     cfg.save_pretrained(path)
-    skeleton = empty_model(path, task="causal-lm")
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(cfg)
     shards = {}
     for name, p in skeleton.named_parameters():
         key = name.split(".")[2] if name.startswith("model.layers.") else "outer"
@@ -100,7 +99,9 @@ def _check(tmp_path, ckpt):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["info"]["count"] == 17
-    assert got["maxrss_mb"] < LIMIT_MB
+    # its resident peak also counts the checkpoint's mapped pages (file-backed, outside
+    # RLIMIT_DATA), yet stays well below the model's size
+    assert got["maxrss_mb"] * 2**20 < 0.7 * total, got
 
     # the limit is real: loading the whole model under it fails
     r = subprocess.run([sys.executable, "-c", textwrap.dedent("""

@@ -26,6 +26,7 @@ temporary folder beyond it (removed at the end, whatever happens).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -345,6 +346,7 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
         raise ValueError(f"calibrate: cache_budget_mb must be a number of MB >= 0, got "
                          f"{cache_budget_mb!r}")
     t0 = time.perf_counter()
+    heap.prepare()  # freed weights and activations go back to the system (heap.py)
     if iter(batches) is batches:  # read twice (first block's inputs, then the head): keep them
         batches = list(batches)
     ckpt = _Checkpoint(checkpoint) if checkpoint is not None else None
@@ -424,7 +426,11 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
             if load:
                 _unload(model, mine)
                 loaded_here.remove(mine)
-            heap.trim()  # the block's weights and activations back to the system
+            # the block's weights (views of the checkpoint's mapping) can stay referenced
+            # from reference cycles of the calibration's objects until a collection:
+            # collect now, or the unloaded blocks' mappings accumulate
+            gc.collect()
+            heap.trim()  # the block's activations' heap pages back to the system
             if progress:
                 print(f"\rcalibrating {full} ({j + 1}/{len(originals)})", end="", flush=True)
         if progress:

@@ -246,6 +246,7 @@ def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=
                 _, post = _hook(entry["output"])
                 handles.append(module.register_forward_hook(post))
         model.eval()
+        heap.prepare()  # large tensors mmapped, freed to the system (heap.py)
         it = batches
         if progress:
             try:
