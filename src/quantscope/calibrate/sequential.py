@@ -126,8 +126,20 @@ class _Checkpoint:
                     self.where[k] = f
 
     def get(self, name: str) -> torch.Tensor:
-        with self._open(self.where[name], "pt") as st:
-            return st.get_tensor(name)
+        return self.get_many([name])[name]
+
+    def get_many(self, names) -> dict[str, torch.Tensor]:
+        """Each file opened once: its tensors are views of one mapping of the file (a
+        handle per tensor would map the whole file once per tensor)."""
+        by_file = {}
+        for n in names:
+            by_file.setdefault(self.where[n], []).append(n)
+        out = {}
+        for f, ns in by_file.items():
+            with self._open(f, "pt") as st:
+                for n in ns:
+                    out[n] = st.get_tensor(n)
+        return out
 
 
 def _is_meta(module: nn.Module) -> bool:
@@ -141,18 +153,23 @@ def _load(model, names: set[str], ckpt: _Checkpoint | None, device) -> None:
     aliases = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
+    todo = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
+            if n in names and p.device.type == "meta"]
+    if todo and ckpt is None:
+        raise ValueError(f"calibrate: parameter {todo[0][0]!r} is on the meta device; pass "
+                         f"checkpoint= (the model's safetensors folder)")
+    source = {}
+    for n, p in todo:
+        src = next((a for a in [n, *aliases[id(p)]] if a in ckpt.where), None)
+        if src is None:
+            raise ValueError(f"calibrate: checkpoint has no tensor {n!r}")
+        source[id(p)] = src
+    tensors = ckpt.get_many(set(source.values())) if todo else {}
     done = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if n not in names or p.device.type != "meta":
-            continue
+    for n, p in todo:
         if id(p) not in done:
-            if ckpt is None:
-                raise ValueError(f"calibrate: parameter {n!r} is on the meta device; pass "
-                                 f"checkpoint= (the model's safetensors folder)")
-            src = next((a for a in [n, *aliases[id(p)]] if a in ckpt.where), None)
-            if src is None:
-                raise ValueError(f"calibrate: checkpoint has no tensor {n!r}")
-            t = ckpt.get(src)
+            src = source[id(p)]
+            t = tensors.pop(src)
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"calibrate: checkpoint tensor {src!r} has shape "
                                  f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
