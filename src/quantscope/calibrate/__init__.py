@@ -5,6 +5,7 @@ from .io import load, save
 from .recipe import PRESETS, ROLES, Recipe, Role, Rule, preset
 from .report import Report
 from .result import Calibration, RoleState
+from .sequential import empty_model
 from .sensitivity import Sensitivity, fallback_curve, keep_float, sensitivity
 from .session import calibrate, calibrate_many
 
@@ -22,6 +23,7 @@ __all__ = [
     "apply",
     "calibrate",
     "calibrate_many",
+    "empty_model",
     "fallback_curve",
     "keep_float",
     "load",
