@@ -5,8 +5,8 @@ from .io import load, save
 from .recipe import PRESETS, ROLES, Recipe, Role, Rule, preset
 from .report import Report
 from .result import Calibration, RoleState
-from .sequential import empty_model
 from .sensitivity import Sensitivity, fallback_curve, keep_float, sensitivity
+from .sequential import empty_model
 from .session import calibrate, calibrate_many
 
 __all__ = [
