@@ -130,6 +130,7 @@ def main() -> None:
                 print(r.stderr[-2000:])
                 raise SystemExit(f"bench_memory: case {case} failed")
             runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # progress
         row = dict(runs[0], case=case, runs=len(runs))
         for k in ("peak_mb", "seconds", "loaded_mb"):
             row[k] = statistics.median(x[k] for x in runs)
