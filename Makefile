@@ -72,7 +72,7 @@ test: venv peers
 	exit $$rc
 
 # sequential calibration of a random Llama twice the memory its process may use (writes
-# ~960 MB under the temp folder, a few minutes): tests/test_sequential_memory.py
+# ~1060 MB under the temp folder, a few minutes): tests/test_sequential_memory.py
 test-memory: venv
 	$(PY) -m pytest -p no:cacheprovider -m memory tests/test_sequential_memory.py
 
