@@ -61,7 +61,7 @@ def _write_checkpoint(path):
         key = name.split(".")[2] if name.startswith("model.layers.") else "outer"
         shards.setdefault(key, {})[name] = p
     g = torch.Generator().manual_seed(0)
-    total = 0
+    total, weight_map = 0, {}
     for key, params in shards.items():
         tensors = {}
         for name, p in params.items():
@@ -71,6 +71,9 @@ def _write_checkpoint(path):
                 tensors[name] = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
             total += tensors[name].numel() * 4
         save_file(tensors, os.path.join(path, f"model-{key}.safetensors"))
+        weight_map.update(dict.fromkeys(tensors, f"model-{key}.safetensors"))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     return total
 
 
@@ -110,7 +113,7 @@ def _check(tmp_path, ckpt):
         AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
     """), str(ckpt)], env=env, preexec_fn=_limit, capture_output=True, text=True, timeout=600,
                        check=False)
-    assert r.returncode != 0
+    assert r.returncode != 0 and "Cannot allocate memory" in r.stderr, r.stderr[-2000:]
 
     # the result applies to the whole model and keeps it close to the float one
     from transformers import AutoModelForCausalLM
