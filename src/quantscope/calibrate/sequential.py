@@ -317,10 +317,13 @@ class _Piece(nn.Module):
 
 
 def _matches(recipe, module) -> bool:
+    """Whether ``recipe`` takes any module of this piece (its other errors propagate)."""
     try:
         recipe.match(module)
-    except ValueError:
-        return False
+    except ValueError as e:
+        if "no module matches" in str(e):
+            return False
+        raise
     return True
 
 
