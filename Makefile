@@ -24,7 +24,7 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/export/test_check_peers.py tests/export/test_export_ct_peers.py \
 	tests/integrations/test_integrations_llmcompressor.py
 
-.PHONY: venv peers test fuzz demo demo-readme bench lint kernels kernels-check
+.PHONY: venv peers test test-memory fuzz demo demo-readme bench lint kernels kernels-check
 
 venv: $(VENV)/.stamp
 
@@ -67,10 +67,15 @@ $(PEERS)/.stamp: Makefile
 ALLOW_NO_TESTS ?= 0
 test: venv peers
 	PYTHONPATH=src $(PEERS_PY) -m pytest -p no:cacheprovider -m peers $(PEER_TESTS)
-	@rc=0; QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) -m pytest -n 2 -m "not peers" || rc=$$?; \
+	@rc=0; QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) -m pytest -n 2 -m "not peers and not memory" || rc=$$?; \
 	if [ $$rc -eq 5 ] && [ "$(ALLOW_NO_TESTS)" = 1 ]; then \
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
 	exit $$rc
+
+# sequential calibration of a random Llama twice the memory its process may use (writes
+# ~1060 MB under the temp folder, a few minutes): tests/calibrate/test_sequential_memory.py
+test-memory: venv
+	$(PY) -m pytest -p no:cacheprovider -m memory tests/calibrate/test_sequential_memory.py
 
 # the property tests of tests/robustness/test_fuzz.py with the long randomized profile (make test runs
 # them with the small derandomized "ci" profile); counts per test in runs/fuzz-stats.jsonl

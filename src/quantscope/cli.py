@@ -90,6 +90,11 @@ def _common(p: argparse.ArgumentParser, out_default: str | None) -> None:
     g.add_argument("--sample-budget-mb", type=float, default=None, metavar="MB",
                    help="memory of those rows, all layers together; fewer rows per layer when "
                         "they would not fit (default: 64)")
+    g.add_argument("--sequential", nargs="?", const="float", choices=("float", "quantized"),
+                   default=None,
+                   help="calibrate one block (decoder layer) at a time on cached inputs; "
+                        "'quantized': each block fake-quantized before it feeds the next "
+                        "(default when given: float, the whole-model pass's qparams)")
     g.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads (default: torch's choice). On a busy machine 1 is "
                         "often fastest")
@@ -496,6 +501,16 @@ def _float_note(rec, model) -> str:
 
 
 # ---------------------------------------------------------------------------- commands
+def _sequential(args) -> dict:
+    """The calibrate keywords of --sequential (none without it)."""
+    mode = getattr(args, "sequential", None)
+    if mode is None:
+        return {}
+    if getattr(args, "world", 1) > 1:
+        raise UsageError("--sequential does not combine with torchrun (distributed) runs")
+    return {"sequential": mode}
+
+
 def cmd_calibrate(args) -> int:
     _check_recipe_args(args)
     _check_model_arg(args.model)
@@ -510,6 +525,7 @@ def cmd_calibrate(args) -> int:
                        f"{setup['calib_tokens']} tokens)",
                        lambda: calibrate(model, batches, rec, sample_tokens=args.sample_tokens,
                                          sample_budget_mb=args.sample_budget_mb,
+                                         **_sequential(args),
                                          progress=not args.no_progress, seed=args.seed,
                                          distributed=getattr(args, "world", 1) > 1))
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
@@ -598,6 +614,7 @@ def cmd_compare(args) -> int:
         calibrate_many(model, batches, plan, candidates=candidates,
                        sample_tokens=args.sample_tokens,
                        sample_budget_mb=args.sample_budget_mb, progress=not args.no_progress,
+                       **_sequential(args),
                        seed=args.seed, distributed=getattr(args, "world", 1) > 1,
                        auto_metric=args.auto_metric)))
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints

@@ -109,3 +109,23 @@ def test_kv_cache_calibrated_and_exported(llama_dir, tmp_path):
                            calib.states[name]["key"].qparams.scale.reshape(1))
         assert torch.equal(tensors[f"{name}.v_scale"],
                            calib.states[name]["value"].qparams.scale.reshape(1))
+
+
+def test_sequential_gives_the_whole_pass_qparams(llama_dir, tmp_path, capsys):
+    from quantscope import cli
+    from quantscope.calibrate.io import load
+
+    runs = {}
+    for mode in ([], ["--sequential"], ["--sequential", "quantized"]):
+        out = str(tmp_path / ("-".join(mode) or "whole"))
+        rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", "--out", out,
+                       "--no-progress", *mode, *FAST])
+        assert rc == 0, capsys.readouterr().err
+        runs[tuple(mode)] = load(Path(out, "qparams"))
+    whole, seq = runs[()], runs[("--sequential",)]
+    assert seq.info["sequential"]["mode"] == "float"
+    assert runs[("--sequential", "quantized")].info["sequential"]["mode"] == "quantized"
+    assert whole.states.keys() == seq.states.keys()
+    for layer, roles in whole.states.items():
+        for role, st in roles.items():
+            assert torch.equal(st.qparams.scale, seq.states[layer][role].qparams.scale)

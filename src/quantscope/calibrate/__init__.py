@@ -6,6 +6,7 @@ from .recipe import PRESETS, ROLES, Recipe, Role, Rule, preset
 from .report import Report
 from .result import Calibration, RoleState
 from .sensitivity import Sensitivity, fallback_curve, keep_float, sensitivity
+from .sequential import empty_model
 from .session import calibrate, calibrate_many
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "apply",
     "calibrate",
     "calibrate_many",
+    "empty_model",
     "fallback_curve",
     "keep_float",
     "load",

@@ -40,7 +40,7 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
     signal, noise = float(xf.square().sum()), float(err.square().sum())
     units = spec.layout.to_units(xf)
     lo_e, hi_e = clip_edges(qp, spec, units.shape[0])
-    clipped = int(((units < lo_e) | (units > hi_e)).sum())
+    clipped = int(torch.count_nonzero((units < lo_e) | (units > hi_e)))  # no int64 copy
     return {"sqnr_db": sqnr_db(signal, noise), "noise": noise, "signal": signal,
             "clipped": clipped / max(x.numel(), 1), "clip_lo": float(lo_e.min()),
             "clip_hi": float(hi_e.max()), "min": float(xf.min()), "max": float(xf.max()),

@@ -30,7 +30,8 @@ from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
 from ..spec import QuantSpec
 from . import auto as _auto
-from . import fusion, kv_cache, moe
+from . import fusion, heap, kv_cache, moe
+from . import sequential as _sequential
 from .apply import input_name, module_input, qdq_tensor
 from .batches import forward_batch
 from .recipe import AUTO, DEFAULT_CANDIDATES, Recipe, Role, preset, weight_observer
@@ -253,6 +254,7 @@ def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=
             handles.append(SimpleNamespace(remove=kv_cache.attach(
                 model, {layer: _kv_observer(roles) for layer, roles in kv.items()})))
         model.eval()
+        heap.prepare()  # large tensors mmapped, freed to the system (heap.py)
         it = batches
         if progress:
             try:
@@ -264,6 +266,7 @@ def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=
         with torch.inference_mode():
             for batch in it:
                 forward_batch(model, batch)
+                heap.trim()  # the fragmented heap's free pages back (heap.py)
                 n += 1
     finally:
         for h in handles:
@@ -594,7 +597,8 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    seed: int = 0, distributed: bool = False, group=None,
                    auto_metric: str = "model", loss=None, score_tokens: int = 1024,
                    all_experts: bool = False, expert_min_tokens: int = moe.MIN_TOKENS,
-                   missing: str = "skip") -> dict[str, Calibration]:
+                   missing: str = "skip", sequential=False,
+                   **sequential_options) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -641,6 +645,10 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             role unquantized, the layer keeps its weight quantization (a weight-only
             scheme); ``"float"`` leaves the whole layer in float; ``"error"`` raises. Either
             fallback is listed in ``calibration.info["missing"]`` and warned about.
+        sequential: ``True`` / ``"float"`` or ``"quantized"``: one block at a time
+            (:mod:`.sequential`, for models larger than memory); ``sequential_options``
+            (``checkpoint``, ``blocks``, ``cache_budget_mb``, ``cache_dir``, ``device``) go
+            to :func:`.sequential.calibrate_sequential`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -673,6 +681,13 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     t0 = time.perf_counter()
     if batches is None:
         batches = []
+    if sequential or sequential_options:
+        return _sequential.calibrate_sequential(
+            calibrate_many, model, batches, recipes, mode=sequential, progress=progress,
+            candidates=candidates, sample_tokens=sample_tokens, sample_budget_mb=sample_budget_mb,
+            seed=seed, distributed=distributed, group=group, auto_metric=auto_metric, loss=loss,
+            score_tokens=score_tokens, all_experts=all_experts,
+            expert_min_tokens=expert_min_tokens, missing=missing, **sequential_options)
     if auto_metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
         return _auto.calibrate_end_to_end(
             calibrate_many, model, batches, recipes, candidates=candidates,

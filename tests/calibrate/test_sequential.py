@@ -1,0 +1,151 @@
+"""Sequential (block by block) calibration: same qparams as the whole-model pass, weights
+loaded one block at a time from safetensors, activations spilled to disk, the quantized
+mode against a whole-model pass with the earlier blocks fake-quantized."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from quantscope.calibrate import calibrate
+from quantscope.calibrate.sequential import empty_model, find_blocks
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _model(tied=True, layers=3):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                      tie_word_embeddings=tied)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for k in range(n):
+        ids = torch.randint(0, 100, (2, 7 + k), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0  # left padding: the attention mask must reach every block
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def _qparams(cal):
+    return {(layer, role): st.qparams for layer, roles in cal.states.items()
+            for role, st in roles.items()}
+
+
+def _assert_same(a, b, layers=None):
+    qa, qb = _qparams(a), _qparams(b)
+    if layers is not None:
+        qa = {k: v for k, v in qa.items() if k[0] in layers}
+        qb = {k: v for k, v in qb.items() if k[0] in layers}
+    assert qa.keys() == qb.keys() and qa
+    for k in qa:
+        assert torch.equal(qa[k].scale, qb[k].scale), k
+        assert torch.equal(qa[k].zero_point, qb[k].zero_point), k
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def saved(request, tmp_path_factory):
+    model = _model(tied=request.param)
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.mark.parametrize("budget", [0, 64])
+def test_equals_whole_model_pass_from_checkpoint(saved, budget, tmp_path):
+    model, path = saved
+    whole = calibrate(model, _batches(), "w8a8", progress=False)
+    skeleton = empty_model(path)
+    seq = calibrate(skeleton, iter(_batches()), "w8a8", progress=False, sequential=True,
+                    checkpoint=path, cache_budget_mb=budget, cache_dir=tmp_path)
+    _assert_same(whole, seq)
+    assert "lm_head" in seq.states  # the part outside the blocks is calibrated too
+    info = seq.info["sequential"]
+    assert info["blocks"] == "model.layers" and info["count"] == 3
+    assert (info["spilled_batches"] > 0) == (budget == 0)
+    assert list(tmp_path.iterdir()) == []  # the spill folder is gone
+    # nothing stays loaded: the skeleton is empty again
+    assert all(p.device.type == "meta" for p in skeleton.parameters())
+    # and the result applies to the real model
+    handle = seq.apply(model)
+    handle.remove()
+
+
+def test_in_memory_model_and_observers(saved):
+    model, _ = saved
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    for obs in ("minmax", "mse"):
+        whole = calibrate(model, _batches(), "w8a8", observer=obs, progress=False)
+        seq = calibrate(model, _batches(), "w8a8", observer=obs, progress=False,
+                        sequential=True)
+        _assert_same(whole, seq)
+    for n, p in model.named_parameters():
+        assert p.device.type == "cpu" and torch.equal(p, before[n])
+
+
+def test_quantized_mode_sees_earlier_blocks_quantized(saved):
+    """Block j's qparams equal a whole-model pass with blocks < j fake-quantized by the
+    sequential result; block 0 equals the float pass; later blocks differ from it."""
+    model, _ = saved
+    seq = calibrate(model, _batches(), "w8a8", progress=False, sequential="quantized")
+    flt = calibrate(model, _batches(), "w8a8", progress=False)
+    in_block = lambda j: {k for k in seq.states if k.startswith(f"model.layers.{j}.")}
+    _assert_same(flt, seq, in_block(0))
+    for j in (1, 2):
+        earlier = {k: v for k, v in seq.states.items()
+                   if any(k.startswith(f"model.layers.{i}.") for i in range(j))}
+        from quantscope.calibrate.apply import apply
+
+        handle = apply(model, earlier)
+        try:
+            ref = calibrate(model, _batches(), "w8a8", progress=False)
+        finally:
+            handle.remove()
+        _assert_same(ref, seq, in_block(j))
+    qf, qs = _qparams(flt), _qparams(seq)
+    key = ("model.layers.2.mlp.down_proj", "input")
+    assert not torch.equal(qf[key].scale, qs[key].scale)
+
+
+def test_find_blocks():
+    model = _model()
+    assert find_blocks(model)[0] == "model.layers"
+    assert find_blocks(model, "model.layers")[1] is model.model.layers
+    with pytest.raises(ValueError, match="blocks='model.norm'"):
+        find_blocks(model, "model.norm")
+    with pytest.raises(ValueError, match="no nn.ModuleList"):
+        find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_errors(saved):
+    model, path = saved
+    with pytest.raises(ValueError, match="pass checkpoint="):
+        calibrate(empty_model(path), _batches(), "w8a8", progress=False, sequential=True)
+    with pytest.raises(ValueError, match="batches is empty"):
+        calibrate(model, [], "w8a8", progress=False, sequential=True)
+    with pytest.raises(ValueError, match="sequential must be"):
+        calibrate(model, _batches(), "w8a8", progress=False, sequential="fast")
+    with pytest.raises(TypeError, match="pass sequential=True"):
+        calibrate(model, _batches(), "w8a8", progress=False, blocks="model.layers")
+    with pytest.raises(ValueError, match="no .safetensors"):
+        calibrate(model, _batches(), "w8a8", progress=False, sequential=True,
+                  checkpoint=path / "nothing")
+    with pytest.raises(ValueError, match="cache_budget_mb"):
+        calibrate(model, _batches(), "w8a8", progress=False, sequential=True,
+                  cache_budget_mb=-1)
+
+
+def test_heap_opt_out(monkeypatch):
+    import platform
+
+    from quantscope.calibrate import heap
+
+    monkeypatch.setenv("QUANTSCOPE_HEAP", "0")
+    assert heap.trim() is False and heap.prepare() is False
+    monkeypatch.delenv("QUANTSCOPE_HEAP")
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert heap.trim() is glibc and heap.prepare() is glibc
