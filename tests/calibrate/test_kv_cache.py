@@ -129,7 +129,24 @@ def test_fp8_kv_preset_and_bad_options():
     recipe = preset("w8a8", kv_cache="fp8")
     assert Recipe.from_dict(json.loads(json.dumps(recipe.to_dict()))) == recipe
     with pytest.raises(ValueError, match="no attention module with k_proj / v_proj"):
-        recipe.match(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        calibrate(torch.nn.Sequential(torch.nn.Linear(4, 4)), [torch.randn(2, 4)], recipe,
+                  progress=False)
+
+
+def test_sequential_calibrates_the_kv_cache_as_the_whole_pass(tmp_path):
+    from quantscope.calibrate import empty_model
+
+    model, batches = tiny_llama()
+    model.save_pretrained(tmp_path / "ckpt")
+    recipe = preset("w8a8", "static_minmax", kv_cache="fp8")
+    whole = calibrate(model, batches, recipe, progress=False)
+    seq = calibrate(empty_model(tmp_path / "ckpt"), batches, recipe, progress=False,
+                    sequential=True, checkpoint=tmp_path / "ckpt")
+    for i in range(2):
+        name = f"model.layers.{i}.self_attn"
+        for role in ("key", "value"):
+            assert torch.equal(seq.states[name][role].qparams.scale,
+                               whole.states[name][role].qparams.scale)
 
 
 def test_export_writes_vllm_kv_scales(tmp_path):

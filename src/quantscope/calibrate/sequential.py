@@ -26,6 +26,7 @@ temporary folder beyond it (removed at the end, whatever happens).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -327,6 +328,16 @@ def _matches(recipe, module) -> bool:
     return True
 
 
+def _for_piece(recipe, piece):
+    """``recipe`` for one piece: without its KV-cache roles where the piece has no attention
+    module (the embeddings, the head; calibrate_many checks the whole model has some)."""
+    from .kv_cache import attention_modules
+
+    if recipe.kv_cache is None or attention_modules(piece):
+        return recipe
+    return dataclasses.replace(recipe, kv_cache=None)
+
+
 @contextlib.contextmanager
 def _no_kv_cache(model):
     config = getattr(model, "config", None)
@@ -421,7 +432,7 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
                 loaded_here.append(mine)
             piece = _Piece(full, block, hidden, context)
             nxt = _Cache(budget, folder, "b" if hidden.tag == "a" else "a")
-            todo = {k: r for k, r in recipes.items() if _matches(r, piece)}
+            todo = {k: _for_piece(r, piece) for k, r in recipes.items() if _matches(r, piece)}
             auto = any(_has_auto(r) for r in todo.values())
             piece.outputs = nxt if mode == "float" and not auto else None
             if todo:
@@ -456,7 +467,8 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
         if progress:
             print()
         # 3. the parts outside the blocks, on the last block's outputs
-        todo = {k: r for k, r in recipes.items() if _matches(r, _without_blocks(model, name))}
+        rest = _without_blocks(model, name)
+        todo = {k: _for_piece(r, rest) for k, r in recipes.items() if _matches(r, rest)}
         if todo:
             outer = {n for n in outside if _param(model, n).device.type == "meta"}
             _load(model, outer, ckpt, device)

@@ -277,6 +277,15 @@ def _run(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=
     return n
 
 
+def _check_kv_cache(model, recipes) -> None:
+    """A recipe that asks for the KV cache on a model without attention modules is an error
+    (one piece of a sequential calibration may have none; the whole model must)."""
+    asked = [r.name for r in recipes.values() if r.kv_cache is not None]
+    if asked and not kv_cache.attention_modules(model):
+        raise ValueError(f"calibrate: recipe {asked[0]!r} sets kv_cache but the model has no "
+                         f"attention module with k_proj / v_proj (transformers')")
+
+
 def _kv_observer(roles: dict[str, list[_Slot]]):
     """The :func:`kv_cache.attach` callback that observes one attention layer's key and
     value states (and passes them on unchanged)."""
@@ -681,6 +690,7 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     t0 = time.perf_counter()
     if batches is None:
         batches = []
+    _check_kv_cache(model, recipes)
     if sequential or sequential_options:
         return _sequential.calibrate_sequential(
             calibrate_many, model, batches, recipes, mode=sequential, progress=progress,
