@@ -114,3 +114,39 @@ def test_cli_export_onnx_of_a_calibrate_run(tmp_path):
     with torch.no_grad(), calib.apply(model):
         ref = model(**enc).last_hidden_state.numpy()
     assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_every_quantized_linear_input_equals_fake_quant_codes(bert, tmp_path):
+    """Layer by layer, the DequantizeLinear output feeding each Linear in ONNX Runtime's
+    reference execution (no graph optimizations) equals the input Calibration.apply hands
+    that Linear in torch: exactly, not to a tolerance. Rounding mode, zero point (and its
+    uint8 shift), scale or saturation off anywhere shows here as codes that differ, where a
+    final-output tolerance could hide it; on MiniLM the only differences are isolated one-code
+    flips where float rounding in attention (1e-6) crosses a rounding boundary (docs)."""
+    model, batches = bert
+    calib = calibrate(model, batches, preset("w8a8", "minmax", ignore=["*pooler*"]),
+                      progress=False)
+    path = tmp_path / "m.onnx"
+    export.export(calib, model, path, format="onnx", example_inputs=batches[0])
+    proto = onnx.load(str(path))
+    for layer in calib.states:
+        proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(f"{layer}.input_dq"))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(proto.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+    test = batches[1]
+    outs = dict(zip([o.name for o in sess.get_outputs()],
+                    sess.run(None, {k: v.numpy() for k, v in test.items()}), strict=True))
+    seen = {}
+    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: seen.__setitem__(n, a[0].clone()))
+             for n, m in model.named_modules() if n in calib.states]
+    try:
+        with torch.no_grad(), calib.apply(model):  # its pre-hook quantizes what ours sees
+            model(**test)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert set(seen) == set(calib.states)
+    for layer, x in seen.items():
+        np.testing.assert_array_equal(outs[f"{layer}.input_dq"], x.numpy(), err_msg=layer)
