@@ -23,7 +23,7 @@ PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pyt
 PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py tests/test_check_peers.py \
 	tests/test_export_ct_peers.py tests/test_integrations_llmcompressor.py
 
-.PHONY: venv peers test fuzz demo demo-readme bench lint kernels kernels-check
+.PHONY: venv peers test fuzz demo demo-quick demo-readme bench lint kernels kernels-check
 
 venv: $(VENV)/.stamp
 
@@ -92,6 +92,18 @@ demo: venv
 		--threads 1 --out runs/demo/minilm
 	$(PY) -m quantscope compare --model smollm2-135m --recipes w8a8 --observers $(DEMO_OBSERVERS) \
 		--calib-docs 32 --eval-max-length 128 --threads 1 --out runs/demo/smollm2
+
+# the same demo in a few minutes (issue 17 asks 5 on this box): the format table, MiniLM with
+# every observer (its forwards are cheap), SmolLM2 with min-max, mse (the best single observer
+# there) and auto only, calibrated on 16 documents and evaluated at 64 tokens per document.
+# Its figures are for a quick look; the README and docs/benchmarks.md quote `make demo`'s.
+demo-quick: venv
+	$(PY) -m quantscope.demo --formats
+	$(PY) -m quantscope compare --model minilm --recipes w8a8,w4a8 --observers $(DEMO_OBSERVERS) \
+		--threads 1 --no-plots --no-progress --out runs/demo-quick/minilm
+	$(PY) -m quantscope compare --model smollm2-135m --recipes w8a8 --observers minmax,mse,auto \
+		--calib-docs 16 --eval-max-length 64 --threads 1 --no-plots --no-progress \
+		--out runs/demo-quick/smollm2
 
 demo-readme: demo
 	$(PY) bench/demo_tables.py --readme README.md
