@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_int
-from ..distributed import HistogramSync
+from ..comm import AVG, MAX, MIN
 from ..estimators.entropy import check_options as check_entropy_options
 from ..estimators.entropy import entropy_range
 from ..estimators.histogram_mse import histogram_mse_range
@@ -44,6 +44,7 @@ from ..estimators.percentile import CONVENTIONS, percentile_range
 from ..formats import IntFormat
 from ..stats import hist_kernel
 from ..stats import histogram as H
+from ..stats.histogram_sync import HistogramSync
 from .base import Observer
 from .registry import register
 
@@ -139,7 +140,7 @@ class HistogramObserverBase(Observer):
         need = count * self.bins * 8
         if need > self.max_hist_bytes:
             raise ValueError(
-                f"{self._who()}: {count} units x {self.bins} bins need {need / 2**30:.1f} GiB "
+                f"{self.describe()}: {count} units x {self.bins} bins need {need / 2**30:.1f} GiB "
                 f"of histograms (limit {self.max_hist_bytes / 2**30:.1f} GiB: max_hist_bytes); "
                 f"use a coarser layout or fewer bins")
 
@@ -285,17 +286,15 @@ class HistogramObserverBase(Observer):
         amax = float(torch.maximum(-self.min_vals.amin(), self.max_vals.amax()))
         if amax >= self.MAX_ABS:  # NaN / inf are reported by check_ready
             raise ValueError(
-                f"{self._who()}: observed |x| up to {amax:.4g}; histogram observers take "
+                f"{self.describe()}: observed |x| up to {amax:.4g}; histogram observers take "
                 f"|x| < 2**126 = {self.MAX_ABS:.4g} (their grid's edges must stay finite in "
                 f"float32); use a min-max or MSE observer for such values")
 
-    def _sync_plan(self):
-        from ..distributed import AVG, MAX, MIN
-
+    def sync_plan(self):
         if self.averaging_constant is not None:  # exact with sync_every_step, else AVG
             return [("min_vals", MIN), ("max_vals", MAX), ("ema_lo", AVG), ("ema_hi", AVG)]
         if self.grid == "first":  # a config, the same on every rank: no rank waits
-            raise NotImplementedError(f"{self._who()}: grid='first' histograms (the reference "
+            raise NotImplementedError(f"{self.describe()}: grid='first' histograms (the reference "
                                       f"binning) do not sync exactly; use the native grid")
         # agree on the union's power-of-two grid, re-bin exactly, SUM the counts
         return [("min_vals", MIN), ("max_vals", MAX), HistogramSync(*_STATE, self._absolute)]

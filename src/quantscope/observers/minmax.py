@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import AVG, MAX, MIN
 from ..qparams import QParams
 from ..stats.minmax import unit_minmax, update_state
 from .base import Observer
@@ -45,11 +46,9 @@ class MinMaxStateObserver(Observer):
         return scratch
 
     #: the step statistic is the per-unit min / max (quantscope.distributed step sync)
-    step_stat = "minmax"
+    step_sync_range_only = True
 
-    def _sync_plan(self):
-        from ..distributed import MAX, MIN
-
+    def sync_plan(self):
         return {"min_vals": MIN, "max_vals": MAX}
 
     #: the state update (``quantscope.stats.minmax.update_state`` kind) :meth:`_update` does;
@@ -123,10 +122,8 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
     #: ``state += c * (batch - state)``, torch.ao's rounding (compat classes may pick another)
     state_update = "ema"
 
-    def _sync_plan(self):
+    def sync_plan(self):
         # approximate unless sync_every_step (then exact): see quantscope.distributed
-        from ..distributed import AVG
-
         return {"min_vals": AVG, "max_vals": AVG}
 
     def extra_repr(self):
@@ -142,7 +139,7 @@ class PlaceholderObserver(Observer):
     def _observe(self, units, lo, hi):
         pass
 
-    def _sync_plan(self):
+    def sync_plan(self):
         return {}
 
     def calculate_range(self):

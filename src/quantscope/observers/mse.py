@@ -29,6 +29,7 @@ from typing import ClassVar
 import torch
 
 from .._checks import check_int
+from ..comm import AVG
 from ..estimators.mse import MAX_SPAN, linear_search, mse_search, pow2_search
 from ..stats.minmax import ema_
 from .base import Observer
@@ -109,9 +110,7 @@ class MemorylessMSEObserver(Observer):
     def _sized_buffers(self):
         return ("min_vals", "max_vals", "global_amax_val")
 
-    def _sync_plan(self):
-        from ..distributed import AVG
-
+    def sync_plan(self):
         return {"min_vals": AVG, "max_vals": AVG, "global_amax_val": AVG}
 
     def _search(self, units, lo, hi):
