@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 import quantscope
 from quantscope import distributed as qd
 from quantscope.layout import Channel, Tensor
-from quantscope.spec import QuantSpec
 from quantscope.observers import sync as qsync
+from quantscope.spec import QuantSpec
 
 pytestmark = pytest.mark.dist
 

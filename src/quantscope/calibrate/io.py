@@ -19,7 +19,7 @@ from ..export.atomic import atomic_dir
 from ..qparams import QParams
 from ..spec import QuantSpec
 from .recipe import Recipe
-from .report import _json_safe
+from .report import json_safe
 from .result import Calibration, RoleState
 
 __all__ = ["META", "TENSORS", "load", "save"]
@@ -72,7 +72,7 @@ def save(calibration: Calibration, path, *, overwrite: bool = True) -> str:
     with atomic_dir(path, overwrite=overwrite) as tmp:
         save_file(tensors, os.path.join(tmp, TENSORS))
         with open(os.path.join(tmp, META), "w") as f:
-            json.dump(_json_safe(meta), f, indent=1)
+            json.dump(json_safe(meta), f, indent=1)
     return str(path)
 
 
