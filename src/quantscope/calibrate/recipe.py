@@ -241,15 +241,17 @@ def weight_observer(name: str) -> str:
     """
     from ..observers.registry import observer_class
 
-    if name == AUTO or name.startswith("memoryless_"):
+    if name == AUTO:
+        return name
+    cls = observer_class(name)
+    if cls.memoryless:
         return name
     try:
         observer_class(f"memoryless_{name}")
         return f"memoryless_{name}"
     except ValueError:
         pass
-    cls = observer_class(name)
-    if hasattr(cls, "current_histogram"):  # the histogram family
+    if cls.family == "histogram":
         return "memoryless_minmax"
     return name
 

@@ -26,6 +26,7 @@ Rules every subclass keeps:
 from __future__ import annotations
 
 import warnings
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -47,6 +48,12 @@ class Observer(nn.Module):
         spec: the quantization scheme (default: int8 per-tensor symmetric).
         non_finite: ``"error"`` (default) or ``"ignore"``; see the module doc.
     """
+
+    #: the family the class belongs to ("minmax", "mse", "histogram", "imatrix", ...):
+    #: recipes choose by it (histogram observers calibrate activations only)
+    family: ClassVar[str] = ""
+    #: True when the state is the last call's only (weights are observed once with these)
+    memoryless: ClassVar[bool] = False
 
     #: registry name of the class (set by :func:`~quantscope.observers.registry.register`)
     name: str = "observer"

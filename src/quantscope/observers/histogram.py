@@ -72,6 +72,8 @@ class HistogramObserverBase(Observer):
         skip_zeros: do not count exact zeros (Quark's percentile observer).
     """
 
+    family = "histogram"
+
     #: histogram of |x| rather than x (None: |x| for symmetric specs)
     absolute: bool | None = None
 

@@ -31,6 +31,9 @@ class IMatrixMSEObserver(Observer):
         norm: error exponent (default 2).
     """
 
+    family = "imatrix"
+    memoryless = True
+
     accumulates = False
 
     def __init__(self, spec=None, *, importance: torch.Tensor | None = None,

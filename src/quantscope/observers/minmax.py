@@ -26,6 +26,8 @@ class MinMaxStateObserver(Observer):
     (:meth:`_update`); the range is the state itself.
     """
 
+    family = "minmax"
+
     needs_units = False
 
     def __init__(self, spec=None, **kwargs):
@@ -88,6 +90,8 @@ class MinMaxStateObserver(Observer):
 class MemorylessMinMaxObserver(MinMaxStateObserver):
     """The range of the last tensor observed (weights; dynamic per-token activations)."""
 
+    memoryless = True
+
     accumulates = False
 
     def _minmax_out(self, count):
@@ -133,6 +137,8 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
 @register("placeholder")
 class PlaceholderObserver(Observer):
     """For fp16 / bf16 casts: no range. qparams are scale 1, zero point 0 per unit."""
+
+    family = "placeholder"
 
     accumulates = False
 

@@ -64,6 +64,9 @@ class MemorylessMSEObserver(Observer):
         chunk_elems: tile size of the search (memory bound).
     """
 
+    family = "mse"
+    memoryless = True
+
     accumulates = False
     #: the ``compat`` used when none is given (compat classes set "llmcompressor")
     compat_default: str | None = None
@@ -144,6 +147,8 @@ class MovingAverageMSEObserver(MemorylessMSEObserver):
 
     The first call initialises; NVFP4's global amax is averaged the same way.
     """
+
+    memoryless = False
 
     accumulates = True
 
