@@ -42,6 +42,7 @@ from ..estimators.l2 import check_dst_nbins, default_dst_nbins, l2_polished_rang
 from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
 from ..estimators.percentile import CONVENTIONS, percentile_range
 from ..formats import IntFormat
+from ..qparams import amax_of_range
 from ..stats import hist_kernel
 from ..stats import histogram as H
 from ..stats.histogram_sync import HistogramSync
@@ -250,7 +251,7 @@ class HistogramObserverBase(Observer):
     def _bounds(self):
         """The range an estimate is clipped to: the data's min / max (symmetric: +-max |x|)."""
         if self.spec.symmetric:  # the range that matters is max |x|, on either side
-            amax = torch.maximum(-self.min_vals, self.max_vals)
+            amax = amax_of_range(self.min_vals, self.max_vals)
             return -amax, amax
         return self.min_vals, self.max_vals
 
@@ -285,7 +286,7 @@ class HistogramObserverBase(Observer):
     def _check_magnitude(self) -> None:
         if not self.min_vals.numel():
             return
-        amax = float(torch.maximum(-self.min_vals.amin(), self.max_vals.amax()))
+        amax = float(amax_of_range(self.min_vals.amin(), self.max_vals.amax()))
         if amax >= self.MAX_ABS:  # NaN / inf are reported by check_ready
             raise ValueError(
                 f"{self.describe()}: observed |x| up to {amax:.4g}; histogram observers take "
