@@ -23,7 +23,7 @@ PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pyt
 PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py tests/test_check_peers.py \
 	tests/test_export_ct_peers.py tests/test_integrations_llmcompressor.py
 
-.PHONY: venv peers test fuzz demo demo-readme bench lint kernels kernels-check
+.PHONY: venv peers test fuzz demo demo-readme bench lint kernels kernels-check docs
 
 venv: $(VENV)/.stamp
 
@@ -102,3 +102,10 @@ bench: venv peers
 lint: venv
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
+
+# the API reference, rendered from the docstrings with the standard library (docs/api.py)
+# into build/docs/api.md; fails if a public name has no docstring. tests/test_docs_api.py
+# runs the same check in `make test`.
+docs: venv
+	mkdir -p build/docs
+	PYTHONPATH=src $(PY) docs/api.py build/docs/api.md

@@ -127,10 +127,12 @@ def is_distributed(group=None) -> bool:
 
 
 def rank(group=None) -> int:
+    """This process's rank in ``group`` (0 outside a process group)."""
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def world_size(group=None) -> int:
+    """The number of processes in ``group`` (1 outside a process group)."""
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
