@@ -32,6 +32,7 @@ __all__ = [
     "AUTO",
     "DEFAULT_CANDIDATES",
     "PRESETS",
+    "RECIPES",
     "ROLES",
     "Recipe",
     "Role",
@@ -267,8 +268,9 @@ def _w8a8(obs):
                 input=Role(_INT8_ACT, obs))
 
 
-#: preset name -> function of the observer name giving the Rule for Linear layers
-PRESETS = {
+#: recipe name -> function of the observer name giving the Rule for Linear layers (the
+#: "recipes"; specs are :data:`quantscope.presets.SPECS`)
+RECIPES = {
     # int8 per-channel weights, static int8 per-tensor activations
     "w8a8": _w8a8,
     # int8 per-channel weights, int8 per-token activations computed at run time
@@ -297,15 +299,19 @@ PRESETS = {
 }
 
 
+#: the earlier name of :data:`RECIPES`
+PRESETS = RECIPES
+
+
 def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
            **options) -> Recipe:
-    """A preset recipe by name (:data:`PRESETS`) for modules ``targets`` minus ``ignore``."""
+    """A preset recipe by name (:data:`RECIPES`) for modules ``targets`` minus ``ignore``."""
     if isinstance(name, Recipe):
         return name
     key = str(name).lower()
-    if key not in PRESETS:
-        raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-    rule = replace(PRESETS[key](observer), targets=tuple([targets] if isinstance(targets, str)
+    if key not in RECIPES:
+        raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(RECIPES)}")
+    rule = replace(RECIPES[key](observer), targets=tuple([targets] if isinstance(targets, str)
                                                          else targets))
     recipe = Recipe((rule,), tuple([ignore] if isinstance(ignore, str) else ignore), key)
     return recipe.with_observer(observer, **options)
