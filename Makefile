@@ -23,7 +23,7 @@ PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pyt
 PEER_TESTS := tests/test_compat_minmax.py tests/test_histogram_compat.py tests/test_check_peers.py \
 	tests/test_export_ct_peers.py tests/test_integrations_llmcompressor.py
 
-.PHONY: venv peers test fuzz demo demo-readme bench lint kernels kernels-check docs
+.PHONY: venv peers test fuzz demo demo-readme bench lint kernels kernels-check docs sizes
 
 venv: $(VENV)/.stamp
 
@@ -109,3 +109,7 @@ lint: venv
 docs: venv
 	mkdir -p build/docs
 	PYTHONPATH=src $(PY) docs/api.py build/docs/api.md
+
+# the modules over 500 lines and functions over 60 (the size rule; a list, not a gate)
+sizes:
+	$(PY) docs/sizes.py src/quantscope
