@@ -24,7 +24,7 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/export/test_check_peers.py tests/export/test_export_ct_peers.py \
 	tests/integrations/test_integrations_llmcompressor.py
 
-.PHONY: venv peers test test-memory fuzz demo demo-quick demo-readme bench lint kernels kernels-check
+.PHONY: venv peers test test-memory fuzz demo demo-quick demo-readme bench lint kernels kernels-check docs sizes
 
 venv: $(VENV)/.stamp
 
@@ -122,3 +122,14 @@ bench: venv peers
 lint: venv
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
+
+# the API reference, rendered from the docstrings with the standard library (docs/api.py)
+# into build/docs/api.md; fails if a public name has no docstring. tests/docs/test_docs_api.py
+# runs the same check in `make test`.
+docs: venv
+	mkdir -p build/docs
+	PYTHONPATH=src $(PY) docs/api.py build/docs/api.md
+
+# the modules over 500 lines and functions over 60 (the size rule; a list, not a gate)
+sizes:
+	$(PY) docs/sizes.py src/quantscope

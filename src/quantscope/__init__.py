@@ -10,6 +10,16 @@ import types
 
 __version__ = "0.1.0"
 
+#: the modules whose import registers observer classes beyond the native families (imported
+#: by :mod:`quantscope.observers.registry` on its first lookup): the compat toolkits. A new
+#: toolkit is one module under ``quantscope/compat/`` and one line here.
+OBSERVER_MODULES = (
+    "quantscope.compat.llmcompressor",
+    "quantscope.compat.quark",
+    "quantscope.compat.horizon",
+    "quantscope.compat.torch_ao",
+)
+
 #: public name -> the submodule that defines it (``None``: the name is that submodule)
 _EXPORTS = {
     "Block": "layout", "Channel": "layout", "Group": "layout", "Tensor": "layout",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -45,8 +46,35 @@ def _axis(axis: int, shape: tuple[int, ...], who: str) -> int:
     return axis % nd
 
 
+#: layout kind (the name in ``"group:128"``) -> class; filled by each class's ``kind``
+LAYOUTS: dict[str, type] = {}
+
+
 class Layout:
-    """Maps a tensor to ``[units, elements]`` and back."""
+    """Maps a tensor to ``[units, elements]`` and back.
+
+    A new layout is one class with a ``kind`` (its name in strings such as ``"group:128"``),
+    :meth:`from_arg` (the text after ``kind:``) and :meth:`spec_name` (the inverse); defining
+    it registers it with :func:`parse_layout` and :class:`~quantscope.QuantSpec`'s names.
+    """
+
+    #: the layout's name in strings (``parse_layout``, ``QuantSpec.name``); "" for bases
+    kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("kind"):
+            LAYOUTS[cls.kind] = cls
+
+    @classmethod
+    def from_arg(cls, arg: str) -> Layout:
+        """The layout of ``"kind:arg"`` (``arg`` may be empty: the defaults; layouts without
+        parameters ignore it)."""
+        return cls()
+
+    def spec_name(self) -> str:
+        """This layout as :func:`parse_layout` reads it back (``"channel:0"``, ``"group:128"``)."""
+        return self.kind
 
     def to_units(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -74,6 +102,8 @@ class Layout:
 class Tensor(Layout):
     """One scale for the whole tensor."""
 
+    kind: ClassVar[str] = "tensor"
+
     def to_units(self, x):
         return x.reshape(1, -1)
 
@@ -89,6 +119,14 @@ class Channel(Layout):
     """One scale per index of ``axis`` (output channels of a Linear / Conv weight by default)."""
 
     axis: int = 0
+    kind: ClassVar[str] = "channel"
+
+    @classmethod
+    def from_arg(cls, arg):
+        return cls(int(arg) if arg else 0)
+
+    def spec_name(self):
+        return f"channel:{self.axis}"
 
     def to_units(self, x):
         a = _axis(self.axis, x.shape, "Channel")
@@ -111,6 +149,8 @@ class Channel(Layout):
 class Token(Layout):
     """One scale per token: every index of all dims but the last (dynamic activations)."""
 
+    kind: ClassVar[str] = "token"
+
     def to_units(self, x):
         return x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else x.reshape(1, 1)
 
@@ -126,6 +166,14 @@ class _Segments(Layout):
 
     size: int
     axis: int
+
+    @classmethod
+    def from_arg(cls, arg):
+        size, _, axis = arg.partition(":")
+        return cls(int(size) if size else 32, int(axis) if axis else -1)
+
+    def spec_name(self):
+        return f"{self.kind}:{self.size}" + (f":{self.axis}" if self.axis != -1 else "")
     _pad: bool = False
     _name: str = ""
 
@@ -187,6 +235,7 @@ class Group(_Segments):
     axis: int = -1
     g_idx: torch.Tensor | None = field(default=None, compare=False, hash=False)
     _name = "Group"
+    kind: ClassVar[str] = "group"
 
     def __post_init__(self):
         super().__post_init__()
@@ -231,6 +280,7 @@ class Block(_Segments):
     axis: int = -1
     _pad = True
     _name = "Block"
+    kind: ClassVar[str] = "block"
 
 
 @dataclass(frozen=True)
@@ -242,6 +292,15 @@ class Tile(Layout):
 
     rows: int = 128
     cols: int = 128
+    kind: ClassVar[str] = "tile"
+
+    @classmethod
+    def from_arg(cls, arg):
+        r, _, c = arg.partition("x")
+        return cls(int(r), int(c or r)) if arg else cls()
+
+    def spec_name(self):
+        return f"tile:{self.rows}x{self.cols}"
 
     def __post_init__(self):
         for name in ("rows", "cols"):
@@ -286,19 +345,8 @@ def parse_layout(value: str | Layout) -> Layout:
         return value
     name, _, arg = str(value).lower().partition(":")
     try:
-        if name == "tensor":
-            return Tensor()
-        if name == "channel":
-            return Channel(int(arg) if arg else 0)
-        if name == "token":
-            return Token()
-        if name in ("group", "block"):
-            size, _, axis = arg.partition(":")
-            kind = Group if name == "group" else Block
-            return kind(int(size) if size else 32, int(axis) if axis else -1)
-        if name == "tile":
-            r, _, c = arg.partition("x")
-            return Tile(int(r), int(c or r)) if arg else Tile()
+        if name in LAYOUTS:
+            return LAYOUTS[name].from_arg(arg)
     except ValueError as e:
         if str(e).startswith(("Group", "Block", "Tile", "Channel")):
             raise

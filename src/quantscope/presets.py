@@ -21,6 +21,7 @@ __all__ = [
     "MXINT8",
     "NVFP4",
     "PRESETS",
+    "SPECS",
     "get",
 ]
 
@@ -47,7 +48,8 @@ NVFP4 = QuantSpec("fp4_e2m1", Block(16), scale="fp8_e4m3")
 # Quark's exponent (code -128) where ours moves up.
 BFP16 = QuantSpec("int8_narrow", Block(8), scale="e8m0:even")
 
-PRESETS: dict[str, QuantSpec] = {
+#: spec name -> QuantSpec (the "specs"; recipes are :data:`quantscope.calibrate.RECIPES`)
+SPECS: dict[str, QuantSpec] = {
     "int8": INT8_PER_TENSOR, "int8-channel": INT8_PER_CHANNEL, "int8-token": INT8_PER_TOKEN,
     "int4-g128": INT4_GROUP128, "int4-g128-asym": INT4_GROUP128_ASYM,
     "fp8": FP8_PER_TENSOR, "fp8-channel": FP8_PER_CHANNEL,
@@ -56,9 +58,13 @@ PRESETS: dict[str, QuantSpec] = {
 }
 
 
+#: the earlier name of :data:`SPECS`
+PRESETS = SPECS
+
+
 def get(name: str) -> QuantSpec:
-    """A preset by name (see :data:`PRESETS`)."""
+    """A spec by name (see :data:`SPECS`)."""
     try:
-        return PRESETS[name.lower()]
+        return SPECS[name.lower()]
     except KeyError:
-        raise ValueError(f"preset: unknown {name!r}; expected one of {sorted(PRESETS)}") from None
+        raise ValueError(f"preset: unknown {name!r}; expected one of {sorted(SPECS)}") from None

@@ -42,7 +42,14 @@ from . import kernels
 from .scales import E8M0_MODES, e8m0_scale, encode_scale, nvfp4_global_scale
 from .spec import QuantSpec
 
-__all__ = ["QParams", "qparams_from_range"]
+__all__ = ["QParams", "amax_of_range", "qparams_from_range"]
+
+
+def amax_of_range(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of the range ``[lo, hi]`` (``max(-lo, hi)``, elementwise): what
+    symmetric and block formats scale. The one place the formula is written (the C kernel
+    in ``kernels/csrc/qs_qparams.h`` mirrors it)."""
+    return torch.maximum(-lo, hi)
 
 
 @dataclass
@@ -170,7 +177,7 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     fmt, enc = spec.format, spec.scale
     qmin, qmax = float(spec.qmin), float(spec.qmax)
     if spec.symmetric or enc.is_block:  # the paths that scale max |x|
-        amax = torch.maximum(-lo, hi)
+        amax = amax_of_range(lo, hi)
         zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)
 
     if enc.kind == "e8m0":

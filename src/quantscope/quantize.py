@@ -15,6 +15,7 @@ from .qparams import QParams
 from .spec import QuantSpec
 
 __all__ = [
+    "clip_edges",
     "dequantize",
     "dequantize_units",
     "fake_quantize",
@@ -130,3 +131,10 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     t = u / scale if spec.is_float else torch.round(u / scale + zp)
     inside = spec.layout.to_shape((t >= spec.qmin) & (t <= spec.qmax), x.shape)
     return out + (x - x.detach()) * inside
+
+
+def clip_edges(qparams: QParams, spec, units: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-unit ``[U, 1]`` smallest and largest values the quantizer represents."""
+    scale = qparams.effective_scale.reshape(units, 1).float()
+    zp = qparams.zero_point.reshape(units, 1).float()
+    return dequantize_units(spec.qmin, scale, zp), dequantize_units(spec.qmax, scale, zp)

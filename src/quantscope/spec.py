@@ -105,7 +105,7 @@ class QuantSpec:
         return replace(self, **changes)
 
     def __str__(self) -> str:
-        parts = [self.format.name, _layout_name(self.layout),
+        parts = [self.format.name, self.layout.spec_name(),
                  "sym" if self.symmetric else "asym"]
         if self.scale.kind != "fp32":
             parts.append(f"scale={self.scale}")
@@ -115,22 +115,10 @@ class QuantSpec:
 
     def to_dict(self) -> dict:
         """A JSON-able description (``QuantSpec.from_dict`` reads it back; g_idx is not kept)."""
-        return {"format": self.format.name, "layout": _layout_name(self.layout),
+        return {"format": self.format.name, "layout": self.layout.spec_name(),
                 "symmetric": self.symmetric, "scale": str(self.scale), "eps": self.eps,
                 "quant_min": self.quant_min, "quant_max": self.quant_max}
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantSpec:
         return cls(**d)
-
-
-def _layout_name(layout: Layout) -> str:
-    name = type(layout).__name__.lower()
-    if name == "channel":
-        return f"channel:{layout.axis}"
-    if name in ("group", "block"):
-        return f"{name}:{layout.size}" + (f":{layout.axis}" if layout.axis != -1 else "")
-    if name == "tile":
-        return f"tile:{layout.rows}x{layout.cols}"
-    return name
-

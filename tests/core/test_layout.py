@@ -164,3 +164,13 @@ def test_parse_layout():
                        ("group:0", "Group: size")):
         with pytest.raises(ValueError, match=match):
             parse_layout(bad)
+
+
+def test_layout_kind_registers_and_names_round_trip():
+    # the layout class owns its name: parse_layout reads what spec_name writes
+    from quantscope.layout import LAYOUTS
+
+    assert set(LAYOUTS) == {"tensor", "channel", "token", "group", "block", "tile"}
+    for lay in (Tensor(), Channel(1), Token(), Group(64), Group(8, 0), Block(16), Tile(64, 32)):
+        assert parse_layout(lay.spec_name()) == lay
+    assert Group(128).spec_name() == "group:128" and Tile().spec_name() == "tile:128x128"

@@ -90,3 +90,13 @@ def test_presets():
     assert p.get("MXFP4") is p.MXFP4 and p.get("int4-g128") is p.INT4_GROUP128
     with pytest.raises(ValueError, match="preset: unknown 'int3'"):
         p.get("int3")
+
+
+def test_specs_and_recipes_are_named_apart_and_old_names_stay():
+    import quantscope.calibrate as C
+
+    assert presets.SPECS is presets.PRESETS and "nvfp4" in presets.SPECS
+    assert C.RECIPES is C.PRESETS and "w8a8" in C.RECIPES
+    # the same name may be a spec and a recipe (nvfp4): the table says which it is
+    assert isinstance(presets.SPECS["nvfp4"], QuantSpec)
+    assert isinstance(C.RECIPES["nvfp4"]("minmax"), C.Rule)

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 import quantscope
 from quantscope import distributed as qd
 from quantscope.layout import Channel, Tensor
+from quantscope.observers import sync as qsync
 from quantscope.spec import QuantSpec
 
 pytestmark = pytest.mark.dist
@@ -131,7 +132,7 @@ def _scenarios(r, w, group=None):
                     obs(x)
                 obs.sync(group)
                 got = _record(obs)
-                avg = any(isinstance(it, tuple) and it[1] is qd.AVG for it in qd._plan(obs))
+                avg = any(isinstance(it, tuple) and it[1] is qd.AVG for it in qsync._plan(obs))
                 if fam == "memoryless_minmax":  # by definition: the ranks' last tensors together
                     lasts = [batches[i::w][-1] for i in range(w) if batches[i::w]]
                     ref = quantscope.get_observer(fam, spec, **opts)
@@ -484,7 +485,7 @@ def test_undeclared_observer_errors():
             pass
 
     with pytest.raises(NotImplementedError, match="_sync_plan"):
-        qd._plan(Bare(QuantSpec(layout=Tensor())))
+        qsync._plan(Bare(QuantSpec(layout=Tensor())))
 
 
 def test_calibration_helpers(results):

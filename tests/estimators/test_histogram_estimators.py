@@ -344,7 +344,7 @@ def test_histogram_mse_picks_the_least_error_candidate(fmt, sym):
 def test_histogram_scorer_points_past_the_buffer_budget_equal_the_torch_path():
     # U * B * points above ELEMENT_BUDGET: the kernel counts the occupied bins first and
     # sizes its buffers to them (below it, room for every bin and one call)
-    from quantscope.estimators.error import ELEMENT_BUDGET, HistogramScorer
+    from quantscope.estimators.scorer import ELEMENT_BUDGET, HistogramScorer
 
     g = torch.Generator().manual_seed(11)
     U, B, points = 300, 512, 2
@@ -378,13 +378,13 @@ def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points, scale):
     torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
     assert torch.equal(a.argmin(1), b.argmin(1))
     # the kernel's prepared points and weights are the torch path's, bit for bit
-    from quantscope.estimators.error import HistogramScorer
+    from quantscope.estimators.scorer import HistogramScorer
 
     k, t = (HistogramScorer(h, spec, points=points, kernel=kk) for kk in (True, False))
     assert all(torch.equal(a, b) for a, b in zip(k._points(), t._points()))
     # line_argmin: the kernel builds and prices only the candidates it visits, the torch
     # path builds the whole line (Line.ranges), scores all and picks by the same rule
-    from quantscope.estimators.error import Line
+    from quantscope.estimators.scorer import Line
 
     w = h.width
     lines = [(Line.move(lo[:, 40], hi[:, 60], w, side, radius, steps, bounds), mid, coarse,

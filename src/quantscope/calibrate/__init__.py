@@ -2,7 +2,7 @@
 
 from .apply import QDQHandle, apply, qdq_tensor
 from .io import load, save
-from .recipe import PRESETS, ROLES, Recipe, Role, Rule, preset
+from .recipe import PRESETS, RECIPES, ROLES, Recipe, Role, Rule, preset
 from .report import Report
 from .result import Calibration, RoleState
 from .sensitivity import Sensitivity, fallback_curve, keep_float, sensitivity
@@ -11,6 +11,7 @@ from .session import calibrate, calibrate_many
 
 __all__ = [
     "PRESETS",
+    "RECIPES",
     "ROLES",
     "Calibration",
     "QDQHandle",

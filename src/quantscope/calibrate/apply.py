@@ -20,48 +20,15 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..observers.registry import get_observer
-from ..qparams import QParams, qparams_from_range
-from ..quantize import dequantize_units, fake_quantize
-from ..stats.minmax import unit_minmax
+# the quantizer of a role lives below calibrate/ (report and apply both use it): re-exported
+from ..observers.runtime import qdq_tensor, runtime_qparams
+from ..quantize import clip_edges
 from . import kv_cache
 from .result import RoleState
 
 __all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "runtime_qparams"]
 
 _ATTR = "_quantscope_qdq"
-
-
-def runtime_qparams(x: torch.Tensor, state: RoleState) -> QParams:
-    """The qparams ``state`` quantizes ``x`` with."""
-    spec = state.spec
-    if state.dynamic is False:
-        return state.qparams
-    if state.dynamic == "local":
-        lo, hi = unit_minmax(spec.layout.to_units(x.detach().float()))
-        # run-time quantization on every forward: no read-back (NaN input stays NaN output)
-        qp = qparams_from_range(lo, hi, spec, global_amax=state.global_amax.to(x.device),
-                                check_finite=False)
-        return qp.reshape(spec.layout.qparam_shape(x.shape))
-    obs = get_observer(state.observer, spec, **dict(state.options)).to(x.device)
-    obs(x.detach())
-    return obs.calculate_qparams()
-
-
-def qdq_tensor(x: torch.Tensor, state: RoleState) -> torch.Tensor:
-    """``x`` fake-quantized as ``state`` says, in ``x``'s dtype. An empty tensor (an MoE
-    expert that no token was routed to) has nothing to quantize and passes through, under
-    every mode (a run-time observer would have seen no value to take a range from)."""
-    if x.numel() == 0:
-        return x
-    return fake_quantize(x, runtime_qparams(x, state), state.spec)
-
-
-def clip_edges(qparams: QParams, spec, units: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-unit ``[U, 1]`` smallest and largest values the quantizer represents."""
-    scale = qparams.effective_scale.reshape(units, 1).float()
-    zp = qparams.zero_point.reshape(units, 1).float()
-    return dequantize_units(spec.qmin, scale, zp), dequantize_units(spec.qmax, scale, zp)
 
 
 class QDQHandle:

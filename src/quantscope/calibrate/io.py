@@ -19,7 +19,7 @@ from ..export.atomic import atomic_dir
 from ..qparams import QParams
 from ..spec import QuantSpec
 from .recipe import Recipe
-from .report import _json_safe
+from .report import json_safe
 from .result import Calibration, RoleState
 
 __all__ = ["META", "TENSORS", "load", "save"]
@@ -72,7 +72,7 @@ def save(calibration: Calibration, path, *, overwrite: bool = True) -> str:
     with atomic_dir(path, overwrite=overwrite) as tmp:
         save_file(tensors, os.path.join(tmp, TENSORS))
         with open(os.path.join(tmp, META), "w") as f:
-            json.dump(_json_safe(meta), f, indent=1)
+            json.dump(json_safe(meta), f, indent=1)
     return str(path)
 
 
@@ -139,6 +139,21 @@ def load(path, device="cpu") -> Calibration:
 
 
 def _role_state(d, tensors, key, bad_meta, bad_tensor) -> RoleState:
+    spec, dyn, options, shape = _role_meta(d, bad_meta)
+    get = _tensor_reader(tensors, key, dyn, bad_tensor)
+    qp = _role_qparams(get, key, spec, shape, dyn, bad_tensor)
+    gam = get("global_amax", required=dyn == "local", nonneg=True)
+    if gam is not None and gam.numel() != 1:
+        raise bad_tensor(f"{key}/global_amax", f"expected one value, got {gam.numel()}")
+    lo, hi = get("lo"), get("hi")
+    if (lo is None) != (hi is None) or (lo is not None and lo.shape != hi.shape):
+        raise bad_tensor(f"{key}/hi", "lo and hi must both be present, with one shape")
+    return RoleState(spec, d["observer"], d["requested"], dyn,
+                     tuple(sorted(options.items())), qp, gam, lo, hi, shape)
+
+
+def _role_meta(d, bad_meta):
+    """The JSON half of a role, checked: ``(spec, dynamic, options, shape)``."""
     if not isinstance(d, dict):
         raise bad_meta("", f"expected a dict, got {type(d).__name__}")
     for k in ("spec", "observer", "requested", "dynamic", "shape"):
@@ -167,7 +182,11 @@ def _role_state(d, tensors, key, bad_meta, bad_tensor) -> RoleState:
             spec.layout.check(shape)
         except ValueError as e:
             raise bad_meta("shape", str(e)) from None
-    units = None if shape is None else spec.layout.num_units(shape)
+    return spec, dyn, options, shape
+
+
+def _tensor_reader(tensors, key, dyn, bad_tensor):
+    """``get(field, ...)``: the role's tensor ``key/field``, checked (dtype, finite, sign)."""
 
     def get(field, *, required=False, integer=False, positive=False, nonneg=False):
         name = f"{key}/{field}"
@@ -187,28 +206,26 @@ def _role_state(d, tensors, key, bad_meta, bad_tensor) -> RoleState:
             raise bad_tensor(name, f"must be >= 0, got min {float(t.min())}")
         return t
 
-    qp = None
+    return get
+
+
+def _role_qparams(get, key, spec, shape, dyn, bad_tensor) -> QParams | None:
+    """The stored qparams of a role (None for a run-time role), checked against its spec."""
     scale = get("scale", required=dyn is False, positive=True)
-    if scale is not None:
-        zp = get("zero_point", required=True, integer=True)
-        if zp.shape != scale.shape:
-            raise bad_tensor(f"{key}/zero_point", f"shape {tuple(zp.shape)} differs from the "
-                                                  f"scale's {tuple(scale.shape)}")
-        if zp.numel() and not bool(((zp >= spec.qmin) & (zp <= spec.qmax)).all()):
-            raise bad_tensor(f"{key}/zero_point", f"outside the code range [{spec.qmin}, "
-                                                  f"{spec.qmax}] of {spec}")
-        if units is not None and scale.numel() != units:
-            raise bad_tensor(f"{key}/scale", f"{scale.numel()} values, but {spec.layout} on "
-                                             f"shape {shape} has {units} units")
-        gs = get("global_scale", required=spec.scale.has_global_scale, positive=True)
-        if gs is not None and gs.numel() != 1:
-            raise bad_tensor(f"{key}/global_scale", f"expected one value, got {gs.numel()}")
-        qp = QParams(scale, zp, gs)
-    gam = get("global_amax", required=dyn == "local", nonneg=True)
-    if gam is not None and gam.numel() != 1:
-        raise bad_tensor(f"{key}/global_amax", f"expected one value, got {gam.numel()}")
-    lo, hi = get("lo"), get("hi")
-    if (lo is None) != (hi is None) or (lo is not None and lo.shape != hi.shape):
-        raise bad_tensor(f"{key}/hi", "lo and hi must both be present, with one shape")
-    return RoleState(spec, d["observer"], d["requested"], dyn,
-                     tuple(sorted(options.items())), qp, gam, lo, hi, shape)
+    if scale is None:
+        return None
+    units = None if shape is None else spec.layout.num_units(shape)
+    zp = get("zero_point", required=True, integer=True)
+    if zp.shape != scale.shape:
+        raise bad_tensor(f"{key}/zero_point", f"shape {tuple(zp.shape)} differs from the "
+                                              f"scale's {tuple(scale.shape)}")
+    if zp.numel() and not bool(((zp >= spec.qmin) & (zp <= spec.qmax)).all()):
+        raise bad_tensor(f"{key}/zero_point", f"outside the code range [{spec.qmin}, "
+                                              f"{spec.qmax}] of {spec}")
+    if units is not None and scale.numel() != units:
+        raise bad_tensor(f"{key}/scale", f"{scale.numel()} values, but {spec.layout} on "
+                                         f"shape {shape} has {units} units")
+    gs = get("global_scale", required=spec.scale.has_global_scale, positive=True)
+    if gs is not None and gs.numel() != 1:
+        raise bad_tensor(f"{key}/global_scale", f"expected one value, got {gs.numel()}")
+    return QParams(scale, zp, gs)

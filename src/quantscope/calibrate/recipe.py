@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_CANDIDATES",
     "KV_CACHE",
     "PRESETS",
+    "RECIPES",
     "ROLES",
     "Recipe",
     "Role",
@@ -283,15 +284,17 @@ def weight_observer(name: str) -> str:
     """
     from ..observers.registry import observer_class
 
-    if name == AUTO or name.startswith("memoryless_"):
+    if name == AUTO:
+        return name
+    cls = observer_class(name)
+    if cls.memoryless:
         return name
     try:
         observer_class(f"memoryless_{name}")
         return f"memoryless_{name}"
     except ValueError:
         pass
-    cls = observer_class(name)
-    if hasattr(cls, "current_histogram"):  # the histogram family
+    if cls.family == "histogram":
         return "memoryless_minmax"
     return name
 
@@ -307,8 +310,9 @@ def _w8a8(obs):
                 input=Role(_INT8_ACT, obs))
 
 
-#: preset name -> function of the observer name giving the Rule for Linear layers
-PRESETS = {
+#: recipe name -> function of the observer name giving the Rule for Linear layers (the
+#: "recipes"; specs are :data:`quantscope.presets.SPECS`)
+RECIPES = {
     # int8 per-channel weights, static int8 per-tensor activations
     "w8a8": _w8a8,
     # int8 per-channel weights, int8 per-token activations computed at run time
@@ -335,23 +339,27 @@ PRESETS = {
     "nvfp4": lambda obs: Rule(("Linear",), weight=Role(presets.NVFP4, obs),
                               input=Role(presets.NVFP4, obs, "local")),
     # fp8, and the KV cache in fp8 (per-tensor k_scale / v_scale: vLLM's kv_cache_dtype fp8)
-    "fp8-kv": lambda obs: PRESETS["fp8"](obs),
+    "fp8-kv": lambda obs: RECIPES["fp8"](obs),
 }
 #: presets that also calibrate the KV cache, and its format
 KV_PRESETS = {"fp8-kv": "fp8"}
 
 
+#: the earlier name of :data:`RECIPES`
+PRESETS = RECIPES
+
+
 def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
            kv_cache=None, **options) -> Recipe:
-    """A preset recipe by name (:data:`PRESETS`) for modules ``targets`` minus ``ignore``;
+    """A preset recipe by name (:data:`RECIPES`) for modules ``targets`` minus ``ignore``;
     ``kv_cache="fp8"`` also calibrates the KV cache with ``observer`` (min-max for
     ``auto``), or as a :class:`Role` says (``fp8-kv`` is ``fp8`` with ``kv_cache="fp8"``)."""
     if isinstance(name, Recipe):
         return name
     key = str(name).lower()
-    if key not in PRESETS:
-        raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-    rule = replace(PRESETS[key](observer), targets=tuple([targets] if isinstance(targets, str)
+    if key not in RECIPES:
+        raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(RECIPES)}")
+    rule = replace(RECIPES[key](observer), targets=tuple([targets] if isinstance(targets, str)
                                                          else targets))
     recipe = Recipe((rule,), tuple([ignore] if isinstance(ignore, str) else ignore), key)
     recipe = recipe.with_observer(observer, **options)

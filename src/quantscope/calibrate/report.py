@@ -17,11 +17,13 @@ from typing import ClassVar
 
 import torch
 
-from ..quantize import fake_quantize
+from ..observers.runtime import runtime_qparams
+from ..quantize import clip_edges, fake_quantize
 
 __all__ = [
     "Report",
     "format_table",
+    "json_safe",
     "markdown_table",
     "print_table",
     "summarize",
@@ -31,8 +33,6 @@ __all__ = [
 
 def tensor_stats(x: torch.Tensor, state) -> dict:
     """SQNR, clipped fraction and clipping range of ``x`` quantized by ``state`` (a RoleState)."""
-    from .apply import clip_edges, runtime_qparams
-
     spec = state.spec
     qp = runtime_qparams(x, state)
     xf = x.detach().float()
@@ -84,13 +84,14 @@ def _num(v, digits=2):
     return str(v)
 
 
-def _json_safe(obj):
+def json_safe(obj):
+    """``obj`` with non-finite floats as None and keys as strings (strict JSON)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -154,7 +155,7 @@ class Report:
         return summarize(self.rows)
 
     def to_dict(self) -> dict:
-        return _json_safe({"label": self.label, "recipe": self.recipe, "metrics": self.metrics,
+        return json_safe({"label": self.label, "recipe": self.recipe, "metrics": self.metrics,
                            "info": self.info, "summary": self.summary, "layers": self.rows})
 
     def to_json(self, path=None) -> str:

@@ -25,12 +25,13 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .. import distributed as qd
+from .. import comm as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
+from ..observers.sync import sync_observers
 from ..spec import QuantSpec
 from . import auto as _auto
-from . import fusion, heap, kv_cache, moe
+from . import fusion, gather, heap, kv_cache, moe
 from . import sequential as _sequential
 from .apply import input_name, module_input, qdq_tensor
 from .batches import forward_batch
@@ -782,19 +783,19 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
     world = qd.world_size(group)
     quantized = {layer for r in recipes.values()
                  for layer, (_, roles) in r.match(model).items() if "weight" in roles}
-    owners = qd.weight_owners(model, quantized, group)
+    owners = gather.weight_owners(model, quantized, group)
     me = qd.rank(group)
     with qd.all_or_none("planning", group):
         slots, plans = _plan(model, recipes, candidates, owns=lambda l: owners.get(l, me) == me)
         batches, groups = _fuse(model, batches, recipes, slots)
     experts.reset_counts()
-    failed = qd.gather_failures({k: s.failed for k, s in slots.items() if s.role == "weight"},
+    failed = gather.gather_failures({k: s.failed for k, s in slots.items() if s.role == "weight"},
                                 group)
     for k, f in failed.items():  # a candidate that failed on its owner is dropped everywhere
         slots[k].failed.update(f)
         for key in f:
             slots[k].observers.pop(key, None)
-    qd.sync_observers([o for s in slots.values() if s.role == "weight"
+    sync_observers([o for s in slots.values() if s.role == "weight"
                        for o in s.observers.values()], group)
     needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                      for s in slots.values())
@@ -810,12 +811,12 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
                      _budget(sample_budget_mb) / world if auto else sample_budget_mb)
         n = qd.all_sum(n, group)
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
-        qd.sync_observers([o for s in _unique(acts.values()) for o in s.observers.values()],
+        sync_observers([o for s in _unique(acts.values()) for o in s.observers.values()],
                           group)
         if auto:
             local = {k: [] if s.sample is None or not s.sample.count else [s.sample.rows()]
                      for k, s in acts.items()}
-            merged = qd.gather_samples(local, sample_tokens, group)
+            merged = gather.gather_samples(local, sample_tokens, group)
             for k, rows in merged.items():
                 acts[k].sample = RowSample.holding(rows[0]) if rows else None
         elif not qd.is_main(group):  # no report rows here: the qparams are all that matter

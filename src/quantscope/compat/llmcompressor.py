@@ -255,7 +255,7 @@ def _same_key(a, b) -> bool:
 class MemorylessMinMaxObserver(Observer, _NativeMemoryless):
     """The min / max of the last observed value."""
 
-    def _sync_plan(self):  # llm-compressor's _act_sync_dict is empty: nothing is reduced
+    def sync_plan(self):  # llm-compressor's _act_sync_dict is empty: nothing is reduced
         return {}
 
 
@@ -286,7 +286,7 @@ class MemorylessMSEObserver(Observer, _NativeMemorylessMSE):
     compat_default = "llmcompressor"
     native_options = _MSE_OPTIONS
 
-    def _sync_plan(self):  # their _act_sync_dict is empty
+    def sync_plan(self):  # their _act_sync_dict is empty
         return {}
 
 
@@ -305,5 +305,5 @@ class NVFP4ExpandedMSEObserver(Observer, _NativeNVFP4MSE):
     compat_default = "llmcompressor"
     native_options = _MSE_OPTIONS
 
-    def _sync_plan(self):
+    def sync_plan(self):
         return {}

@@ -22,7 +22,7 @@ import torch
 
 from ..spec import QuantSpec
 from ..stats.histogram import Hist, fold_abs
-from .error import HistogramScorer, Line
+from .scorer import HistogramScorer, Line
 
 __all__ = ["histogram_mse_range", "occupied_range"]
 
@@ -48,7 +48,7 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     are scored (default: the occupied bins' edges, :func:`occupied_range`; observers pass
     the data's min / max, which they clip the result to anyway, so the range scored is the
     range that runs). One
-    :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin` call (the kernel
+    :meth:`~quantscope.estimators.scorer.HistogramScorer.line_argmin` call (the kernel
     scores only the candidates it visits).
     """
     if not isinstance(stride, int) or stride < 1:

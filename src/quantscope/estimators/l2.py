@@ -46,7 +46,7 @@ from .. import kernels
 from .._checks import check_int
 from ..formats import IntFormat
 from ..stats.histogram import Hist
-from .error import HistogramScorer, Line
+from .scorer import HistogramScorer, Line
 
 __all__ = ["default_dst_nbins", "l2_finalists", "l2_norms", "l2_path", "l2_polished_range",
            "l2_range"]
@@ -318,7 +318,7 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     ``lo`` moves along a line of candidates (``hi`` fixed), then ``hi`` (the new ``lo``
     fixed): ``+-radius`` whole bins scored with 2 points per bin, coarse-to-fine (every
     16th bin, then the 15 either side of the best; one
-    :meth:`~quantscope.estimators.error.HistogramScorer.line_argmin` call each). Then the
+    :meth:`~quantscope.estimators.scorer.HistogramScorer.line_argmin` call each). Then the
     search's own range and the two moves are scored with 4 points per bin and the least
     error wins (ties: the search's range), so the polish
     never has more histogram error than torch.ao's choice.

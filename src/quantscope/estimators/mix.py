@@ -6,7 +6,7 @@ the histogram-MSE range, the entropy (KL) range, and torch.ao's L2 search with t
 ``histogram`` observer's polish (its three finalists): 10 ranges per unit. All are
 scored by the one scoring function,
 :func:`~quantscope.estimators.error.histogram_error` (one prepared
-:class:`~quantscope.estimators.error.HistogramScorer`), with each bin's count spread over
+:class:`~quantscope.estimators.scorer.HistogramScorer`), with each bin's count spread over
 4 points inside it.
 """
 
@@ -17,10 +17,10 @@ import torch
 from ..spec import QuantSpec
 from ..stats.histogram import Hist, fold_abs
 from .entropy import entropy_range
-from .error import HistogramScorer
 from .histogram_mse import histogram_mse_range, occupied_range
 from .l2 import default_dst_nbins, l2_finalists
 from .percentile import percentile_range
+from .scorer import HistogramScorer
 
 __all__ = ["MIX_CANDIDATES", "MIX_PERCENTILES", "mix_range"]
 

@@ -59,6 +59,7 @@ from llmcompressor.observers.helpers import flatten_for_calibration
 from ..compat.llmcompressor import llmcompressor_spec
 from ..layout import Block, Channel
 from ..observers.registry import list_observers, observer_class
+from ..qparams import amax_of_range
 
 __all__ = ["PREFIX", "QuantscopeObserver", "observer_names", "register_all"]
 
@@ -158,7 +159,7 @@ class QuantscopeObserver(Observer):
             if "global_amax" in stats:
                 amaxes.append(stats["global_amax"].reshape(()))
             else:
-                amaxes.append(torch.maximum(-stats["min_vals"].min(), stats["max_vals"].max()))
+                amaxes.append(amax_of_range(stats["min_vals"].min(), stats["max_vals"].max()))
         amax = torch.stack(amaxes).max().reshape(1)
         return generate_gparam(-amax, amax)
 

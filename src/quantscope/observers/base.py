@@ -26,6 +26,7 @@ Rules every subclass keeps:
 from __future__ import annotations
 
 import warnings
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from torch import nn
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import layout_minmax, unit_minmax
+from .sync import step_sync, sync_observers
 
 __all__ = ["NON_FINITE_MODES", "Observer"]
 
@@ -46,6 +48,12 @@ class Observer(nn.Module):
         spec: the quantization scheme (default: int8 per-tensor symmetric).
         non_finite: ``"error"`` (default) or ``"ignore"``; see the module doc.
     """
+
+    #: the family the class belongs to ("minmax", "mse", "histogram", "imatrix", ...):
+    #: recipes choose by it (histogram observers calibrate activations only)
+    family: ClassVar[str] = ""
+    #: True when the state is the last call's only (weights are observed once with these)
+    memoryless: ClassVar[bool] = False
 
     #: registry name of the class (set by :func:`~quantscope.observers.registry.register`)
     name: str = "observer"
@@ -76,18 +84,18 @@ class Observer(nn.Module):
     # ------------------------------------------------------------------ observing
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{self._who()}: expected a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{self.describe()}: expected a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
-            raise TypeError(f"{self._who()}: expected a floating-point tensor, got {x.dtype}")
+            raise TypeError(f"{self.describe()}: expected a floating-point tensor, got {x.dtype}")
         if x.numel() == 0:
             if self.sync_every_step:  # still take part in the step's collectives
-                self._step_empty()
+                self.step_empty()
             return x
         layout = self.spec.layout
         try:
             layout.check(x.shape)
         except ValueError as e:
-            raise ValueError(f"{self._who()}: {e}") from None
+            raise ValueError(f"{self.describe()}: {e}") from None
         x32 = x.detach().float()
         fast = None
         if not self.needs_units and self.non_finite == "error":
@@ -98,7 +106,7 @@ class Observer(nn.Module):
             before = layout.num_units(self._last_shape)
             if before != count:
                 raise ValueError(
-                    f"{self._who()}: {layout} gave {count} units for shape "
+                    f"{self.describe()}: {layout} gave {count} units for shape "
                     f"{tuple(x.shape)}, but {before} before; a {self.name} observer keeps "
                     f"per-unit state, so the unit count must not change (use a memoryless "
                     f"observer for dynamic per-token ranges)")
@@ -113,15 +121,13 @@ class Observer(nn.Module):
         else:
             lo, hi = fast
         if self.sync_every_step:  # exchange the step's statistic with the other ranks
-            from ..distributed import step_sync
-
             units, lo, hi = step_sync(self, units, lo, hi, self.sync_group)
             ends = None
         if self.non_finite == "error":
             self._record_non_finite(lo, hi, ends)
         self._observe(units, lo, hi)
         self.observed_tokens += x.numel() // x.shape[-1] if x.dim() else 1
-        self._set_shape(x.shape)
+        self.set_shape(x.shape)
         return x
 
     def _unit_minmax(self, units: torch.Tensor, count: int, ends: torch.Tensor):
@@ -143,7 +149,8 @@ class Observer(nn.Module):
             ends = torch.stack((lo.amin(), hi.amax()))
         self.seen_non_finite |= ~torch.isfinite(ends).all()
 
-    def _set_shape(self, shape):
+    def set_shape(self, shape):
+        """Record the shape of the last observed tensor (the sync sets the agreed one)."""
         # a Python mirror of the buffer, so forward never reads a device tensor back
         shape = tuple(shape)
         if shape != self._last_shape:
@@ -200,15 +207,15 @@ class Observer(nn.Module):
     def check_ready(self) -> None:
         """Raise ``ValueError`` if nothing was observed or NaN / inf was seen (mode ``error``)."""
         if not self.has_observed:
-            raise ValueError(f"{self._who()}: calculate_qparams() called before any tensor was "
+            raise ValueError(f"{self.describe()}: calculate_qparams() called before any tensor was "
                              f"observed; call the observer on calibration data first")
         if bool(self.seen_non_finite):
             raise ValueError(
-                f"{self._who()}: observed NaN or inf values; fix the input or construct the "
+                f"{self.describe()}: observed NaN or inf values; fix the input or construct the "
                 f"observer with non_finite='ignore' to skip them")
         count = int(self.non_finite_count)
         if count:
-            warnings.warn(f"{self._who()}: ignored {count} NaN / inf values", stacklevel=3)
+            warnings.warn(f"{self.describe()}: ignored {count} NaN / inf values", stacklevel=3)
 
     def reset(self) -> None:
         """Forget everything observed."""
@@ -226,24 +233,30 @@ class Observer(nn.Module):
     #: process group of the step exchange (None: the default group)
     sync_group = None
 
-    def _sync_plan(self):
-        """How the state reduces across processes: ``{buffer: MIN | MAX | SUM | AVG}`` (from
-        :mod:`quantscope.distributed`) and ``CustomSync`` items; the base's counters and
-        flags are synced by :mod:`quantscope.distributed` itself."""
+    #: in ``sync_every_step`` mode, exchange only each step's per-unit range (min-max
+    #: observers); False: gather the step's units from every rank
+    step_sync_range_only: bool = False
+
+    def sync_plan(self):
+        """How the state reduces across processes: ``{buffer: MIN | MAX | SUM | AVG}`` (the
+        :class:`~quantscope.comm.Op` vocabulary) and :class:`~quantscope.comm.CustomSync`
+        items (e.g. :class:`~quantscope.stats.histogram_sync.HistogramSync`). The base's
+        counters and flags are synced by :mod:`quantscope.observers.sync` itself. Every
+        family overrides it; a subclass written against the earlier private name
+        ``_sync_plan`` still works."""
+        legacy = getattr(type(self), "_sync_plan", None)
+        if legacy is not None:
+            return legacy(self)
         raise NotImplementedError
 
     def sync(self, group=None) -> Observer:
         """Make the state the same on every rank of ``group`` (default: :attr:`sync_group`,
         else the default group); a no-op outside ``torch.distributed``."""
-        from ..distributed import sync_observers
-
         sync_observers([self], self.sync_group if group is None else group)
         return self
 
-    def _step_empty(self, group=None) -> None:
-        # a rank without data for this step still takes part in the step exchange
-        from ..distributed import step_sync
-
+    def step_empty(self, group=None) -> None:
+        """Take part in this step's exchange without data (``sync_every_step`` mode)."""
         out = step_sync(self, None, None, None, group or self.sync_group)
         if out is not None:
             units, lo, hi = out
@@ -289,8 +302,14 @@ class Observer(nn.Module):
                              f"got {c!r}")
         return float(c)
 
-    def _who(self) -> str:
+    def describe(self) -> str:
+        """``Class(name, spec)``: how errors name this observer."""
         return f"{type(self).__name__}({self.name!r}, {self.spec})"
+
+    # the earlier private names, for code written against them (other branches, users)
+    _who = describe
+    _set_shape = set_shape
+    _step_empty = step_empty
 
     def extra_repr(self) -> str:
         return f"spec={self.spec}"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_int
-from ..distributed import HistogramSync
+from ..comm import AVG, MAX, MIN
 from ..estimators.entropy import check_options as check_entropy_options
 from ..estimators.entropy import entropy_range
 from ..estimators.histogram_mse import histogram_mse_range
@@ -42,8 +42,10 @@ from ..estimators.l2 import check_dst_nbins, default_dst_nbins, l2_polished_rang
 from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
 from ..estimators.percentile import CONVENTIONS, percentile_range
 from ..formats import IntFormat
+from ..qparams import amax_of_range
 from ..stats import hist_kernel
 from ..stats import histogram as H
+from ..stats.histogram_sync import HistogramSync
 from .base import Observer
 from .registry import register
 
@@ -70,6 +72,8 @@ class HistogramObserverBase(Observer):
         grid: ``"pow2"`` (native, exact) or ``"first"`` (reference binning of the first batch).
         skip_zeros: do not count exact zeros (Quark's percentile observer).
     """
+
+    family = "histogram"
 
     #: histogram of |x| rather than x (None: |x| for symmetric specs)
     absolute: bool | None = None
@@ -139,7 +143,7 @@ class HistogramObserverBase(Observer):
         need = count * self.bins * 8
         if need > self.max_hist_bytes:
             raise ValueError(
-                f"{self._who()}: {count} units x {self.bins} bins need {need / 2**30:.1f} GiB "
+                f"{self.describe()}: {count} units x {self.bins} bins need {need / 2**30:.1f} GiB "
                 f"of histograms (limit {self.max_hist_bytes / 2**30:.1f} GiB: max_hist_bytes); "
                 f"use a coarser layout or fewer bins")
 
@@ -247,7 +251,7 @@ class HistogramObserverBase(Observer):
     def _bounds(self):
         """The range an estimate is clipped to: the data's min / max (symmetric: +-max |x|)."""
         if self.spec.symmetric:  # the range that matters is max |x|, on either side
-            amax = torch.maximum(-self.min_vals, self.max_vals)
+            amax = amax_of_range(self.min_vals, self.max_vals)
             return -amax, amax
         return self.min_vals, self.max_vals
 
@@ -282,20 +286,18 @@ class HistogramObserverBase(Observer):
     def _check_magnitude(self) -> None:
         if not self.min_vals.numel():
             return
-        amax = float(torch.maximum(-self.min_vals.amin(), self.max_vals.amax()))
+        amax = float(amax_of_range(self.min_vals.amin(), self.max_vals.amax()))
         if amax >= self.MAX_ABS:  # NaN / inf are reported by check_ready
             raise ValueError(
-                f"{self._who()}: observed |x| up to {amax:.4g}; histogram observers take "
+                f"{self.describe()}: observed |x| up to {amax:.4g}; histogram observers take "
                 f"|x| < 2**126 = {self.MAX_ABS:.4g} (their grid's edges must stay finite in "
                 f"float32); use a min-max or MSE observer for such values")
 
-    def _sync_plan(self):
-        from ..distributed import AVG, MAX, MIN
-
+    def sync_plan(self):
         if self.averaging_constant is not None:  # exact with sync_every_step, else AVG
             return [("min_vals", MIN), ("max_vals", MAX), ("ema_lo", AVG), ("ema_hi", AVG)]
         if self.grid == "first":  # a config, the same on every rank: no rank waits
-            raise NotImplementedError(f"{self._who()}: grid='first' histograms (the reference "
+            raise NotImplementedError(f"{self.describe()}: grid='first' histograms (the reference "
                                       f"binning) do not sync exactly; use the native grid")
         # agree on the union's power-of-two grid, re-bin exactly, SUM the counts
         return [("min_vals", MIN), ("max_vals", MAX), HistogramSync(*_STATE, self._absolute)]

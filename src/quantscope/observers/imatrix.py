@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import AVG
 from ..estimators.mse import shrink_factors
 from ..estimators.weighted import importance_units, weighted_search
 from .base import Observer
@@ -29,6 +30,9 @@ class IMatrixMSEObserver(Observer):
         maxshrink, grid: the candidate factors ``1 - i / grid``, ``i < maxshrink * grid``.
         norm: error exponent (default 2).
     """
+
+    family = "imatrix"
+    memoryless = True
 
     accumulates = False
 
@@ -49,15 +53,13 @@ class IMatrixMSEObserver(Observer):
     def _sized_buffers(self):
         return ("min_vals", "max_vals")
 
-    def _sync_plan(self):
-        from ..distributed import AVG
-
+    def sync_plan(self):
         return {"min_vals": AVG, "max_vals": AVG}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.importance.numel()
         if isinstance(x, torch.Tensor) and n and (x.dim() < 1 or x.shape[-1] != n):
-            raise ValueError(f"{self._who()}: importance has {n} values, the tensor's last "
+            raise ValueError(f"{self.describe()}: importance has {n} values, the tensor's last "
                              f"dim is {x.shape[-1] if x.dim() else 0}")
         self._shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
         return super().forward(x)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import AVG, MAX, MIN
 from ..qparams import QParams
 from ..stats.minmax import unit_minmax, update_state
 from .base import Observer
@@ -25,6 +26,8 @@ class MinMaxStateObserver(Observer):
     (:meth:`_update`); the range is the state itself.
     """
 
+    family = "minmax"
+
     needs_units = False
 
     def __init__(self, spec=None, **kwargs):
@@ -45,11 +48,9 @@ class MinMaxStateObserver(Observer):
         return scratch
 
     #: the step statistic is the per-unit min / max (quantscope.distributed step sync)
-    step_stat = "minmax"
+    step_sync_range_only = True
 
-    def _sync_plan(self):
-        from ..distributed import MAX, MIN
-
+    def sync_plan(self):
         return {"min_vals": MIN, "max_vals": MAX}
 
     #: the state update (``quantscope.stats.minmax.update_state`` kind) :meth:`_update` does;
@@ -89,6 +90,8 @@ class MinMaxStateObserver(Observer):
 class MemorylessMinMaxObserver(MinMaxStateObserver):
     """The range of the last tensor observed (weights; dynamic per-token activations)."""
 
+    memoryless = True
+
     accumulates = False
 
     def _minmax_out(self, count):
@@ -123,10 +126,8 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
     #: ``state += c * (batch - state)``, torch.ao's rounding (compat classes may pick another)
     state_update = "ema"
 
-    def _sync_plan(self):
+    def sync_plan(self):
         # approximate unless sync_every_step (then exact): see quantscope.distributed
-        from ..distributed import AVG
-
         return {"min_vals": AVG, "max_vals": AVG}
 
     def extra_repr(self):
@@ -137,12 +138,14 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
 class PlaceholderObserver(Observer):
     """For fp16 / bf16 casts: no range. qparams are scale 1, zero point 0 per unit."""
 
+    family = "placeholder"
+
     accumulates = False
 
     def _observe(self, units, lo, hi):
         pass
 
-    def _sync_plan(self):
+    def sync_plan(self):
         return {}
 
     def calculate_range(self):

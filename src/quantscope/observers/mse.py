@@ -29,6 +29,7 @@ from typing import ClassVar
 import torch
 
 from .._checks import check_int
+from ..comm import AVG
 from ..estimators.mse import MAX_SPAN, linear_search, mse_search, pow2_search
 from ..stats.minmax import ema_
 from .base import Observer
@@ -62,6 +63,9 @@ class MemorylessMSEObserver(Observer):
         compat: None or ``"llmcompressor"`` (their exact search).
         chunk_elems: tile size of the search (memory bound).
     """
+
+    family = "mse"
+    memoryless = True
 
     accumulates = False
     #: the ``compat`` used when none is given (compat classes set "llmcompressor")
@@ -109,9 +113,7 @@ class MemorylessMSEObserver(Observer):
     def _sized_buffers(self):
         return ("min_vals", "max_vals", "global_amax_val")
 
-    def _sync_plan(self):
-        from ..distributed import AVG
-
+    def sync_plan(self):
         return {"min_vals": AVG, "max_vals": AVG, "global_amax_val": AVG}
 
     def _search(self, units, lo, hi):
@@ -145,6 +147,8 @@ class MovingAverageMSEObserver(MemorylessMSEObserver):
 
     The first call initialises; NVFP4's global amax is averaged the same way.
     """
+
+    memoryless = False
 
     accumulates = True
 

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["get_observer", "list_observers", "observer_class", "register"]
+__all__ = ["get_observer", "list_observers", "observer_class", "register", "register_module"]
 
 _REGISTRY: dict[str, type] = {}  # lower-case name -> class
 _DISPLAY: dict[str, str] = {}  # lower-case name -> the name as registered
-_COMPAT_MODULES = ("llmcompressor", "quark", "horizon", "torch_ao")
+# modules whose import registers observer classes (their @register lines), imported on the
+# first lookup so that ``import quantscope`` stays light: the native families
+# (quantscope.observers), the top-level package's ``quantscope.OBSERVER_MODULES`` (the compat
+# toolkits) and those declared by register_module (plug-ins)
+_MODULES: list[str] = []
 
 
 def register(*names: str) -> Callable[[type], type]:
@@ -35,17 +39,28 @@ def register(*names: str) -> Callable[[type], type]:
     return wrap
 
 
+def register_module(module: str) -> None:
+    """Declare ``module`` (a dotted name) as holding ``@register`` classes: it is imported on
+    the first registry lookup. The extension point of observer families outside
+    :mod:`quantscope.observers`: :data:`quantscope.OBSERVER_MODULES` lists quantscope's
+    own (the compat toolkits); a plug-in calls this once."""
+    if not isinstance(module, str) or not module:
+        raise TypeError(f"register_module: module must be a dotted module name, got {module!r}")
+    if module not in _MODULES:
+        _MODULES.append(module)
+
+
 def _load_all():
     # importing the modules runs their @register decorators
     import importlib
 
-    from .. import observers  # noqa: F401
+    from .. import OBSERVER_MODULES, observers  # noqa: F401
 
-    for mod in _COMPAT_MODULES:
+    for mod in (*OBSERVER_MODULES, *_MODULES):
         try:
-            importlib.import_module(f"quantscope.compat.{mod}")
+            importlib.import_module(mod)
         except ModuleNotFoundError as e:
-            if e.name != f"quantscope.compat.{mod}":
+            if e.name != mod:
                 raise
 
 

@@ -1,0 +1,45 @@
+"""The quantizer of one calibrated tensor at run time: :func:`runtime_qparams` decides the
+qparams a role uses (stored, recomputed per call with a calibrated global scale, or by a
+run-time observer), :func:`qdq_tensor` fake-quantizes with them.
+
+Below :mod:`quantscope.calibrate` (whose ``apply`` hooks models with it and whose ``report``
+measures with it); ``state`` is a :class:`~quantscope.calibrate.result.RoleState` or any
+object with its fields (``spec``, ``dynamic``, ``qparams``, ``global_amax``, ``observer``,
+``options``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..qparams import QParams, qparams_from_range
+from ..quantize import fake_quantize
+from ..stats.minmax import unit_minmax
+from .registry import get_observer
+
+__all__ = ["qdq_tensor", "runtime_qparams"]
+
+
+def runtime_qparams(x: torch.Tensor, state) -> QParams:
+    """The qparams ``state`` quantizes ``x`` with."""
+    spec = state.spec
+    if state.dynamic is False:
+        return state.qparams
+    if state.dynamic == "local":
+        lo, hi = unit_minmax(spec.layout.to_units(x.detach().float()))
+        # run-time quantization on every forward: no read-back (NaN input stays NaN output)
+        qp = qparams_from_range(lo, hi, spec, global_amax=state.global_amax.to(x.device),
+                                check_finite=False)
+        return qp.reshape(spec.layout.qparam_shape(x.shape))
+    obs = get_observer(state.observer, spec, **dict(state.options)).to(x.device)
+    obs(x.detach())
+    return obs.calculate_qparams()
+
+
+def qdq_tensor(x: torch.Tensor, state) -> torch.Tensor:
+    """``x`` fake-quantized as ``state`` says, in ``x``'s dtype. An empty tensor (an MoE
+    expert that no token was routed to) has nothing to quantize and passes through, under
+    every mode (a run-time observer would have seen no value to take a range from)."""
+    if x.numel() == 0:
+        return x
+    return fake_quantize(x, runtime_qparams(x, state), state.spec)

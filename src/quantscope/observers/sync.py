@@ -1,0 +1,321 @@
+"""The sync of observers' state across processes (see :mod:`quantscope.distributed`).
+
+Each observer declares how its buffers reduce in
+:meth:`~quantscope.observers.Observer.sync_plan` (``{buffer: MIN | MAX | SUM | AVG}`` from
+:mod:`quantscope.comm`, or a :class:`~quantscope.comm.CustomSync` such as
+:class:`~quantscope.stats.histogram_sync.HistogramSync`); :func:`sync_observers` then syncs
+any number of observers in a handful of collectives, and :func:`step_sync` exchanges one
+step's statistic in ``sync_every_step`` mode. The protocol is described in
+:mod:`quantscope.distributed`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..comm import (
+    AVG,
+    MIN,
+    SUM,
+    CustomSync,
+    Op,
+    all_gather,
+    all_reduce,
+    group_device,
+    is_distributed,
+    reset_stats,
+)
+from ..stats.minmax import unit_minmax
+
+__all__ = ["empty_step", "step_sync", "sync_observers"]
+
+_MAXD = 8  # dims recorded per shape in the header
+
+
+def _identity(op: Op, dtype: torch.dtype):
+    if op is SUM or op is AVG:
+        return 0
+    if dtype == torch.bool:
+        return op is MIN
+    if dtype.is_floating_point:
+        return float("inf") if op is MIN else float("-inf")
+    info = torch.iinfo(dtype)
+    return info.max if op is MIN else info.min
+
+
+def _plan(obs) -> list:
+    """The observer's declared plan as ``[(name, Op) | CustomSync]``."""
+    try:
+        plan = obs.sync_plan()
+    except NotImplementedError:
+        raise NotImplementedError(
+            f"{type(obs).__name__}: the observer does not declare how its state syncs "
+            f"across processes; implement sync_plan() (formerly _sync_plan) returning "
+            f"{{buffer: MIN|MAX|SUM|AVG}}"
+        ) from None
+    items = list(plan.items()) if isinstance(plan, dict) else list(plan)
+    for it in items:
+        if not (isinstance(it, CustomSync)
+                or (isinstance(it, tuple) and len(it) == 2 and isinstance(it[1], Op))):
+            raise TypeError(f"{type(obs).__name__}.sync_plan(): expected (buffer, Op) pairs "
+                            f"or CustomSync objects, got {it!r}")
+    return items
+
+
+def _names(plan) -> list[str]:
+    """Every buffer a plan touches, in plan order (their shapes go in the header)."""
+    out = []
+    for it in plan:
+        out += list(it.names) if isinstance(it, CustomSync) else [it[0]]
+    return out
+
+
+def _encode_shape(shape) -> list[int]:
+    shape = tuple(shape)
+    if len(shape) > _MAXD:
+        raise ValueError(f"sync: state of {len(shape)} dims; at most {_MAXD} are supported")
+    return [len(shape), *shape, *([0] * (_MAXD - len(shape)))]
+
+
+def _decode_shape(row) -> tuple[int, ...]:
+    return tuple(int(v) for v in row[1:1 + int(row[0])])
+
+
+def _check_same_plans(observers, plans, dev, group) -> None:
+    """One tiny all_reduce: every rank must sync the same observers with the same plans
+    (else the header all_gather would mismatch); a difference raises on every rank."""
+    text = repr([(type(o).__name__, _names(p)) for o, p in zip(observers, plans)])
+    sig = zlib.crc32(text.encode())
+    t = torch.tensor([len(observers), -len(observers), sig, -sig], dtype=torch.int64,
+                     device=dev)
+    all_reduce(t, dist.ReduceOp.MAX, group)
+    if int(t[0]) != -int(t[1]) or int(t[2]) != -int(t[3]):
+        raise ValueError(f"sync: the ranks sync different observers ({len(observers)} here, "
+                         f"between {-int(t[1])} and {int(t[0])} on the ranks) or different "
+                         f"state; every rank must pass the same observers in the same order")
+
+
+
+# ------------------------------------------------------------------------ full sync
+def sync_observers(observers: Iterable, group=None) -> None:
+    """Make the state of ``observers`` the same on every rank, as if one process saw it all.
+
+    Every rank must call it with the same observers, in the same order (e.g.
+    ``session.observers()`` of the same model and recipe). Collectives: a tiny check that
+    they do, one ``all_gather`` of headers, one ``all_reduce`` of histogram grids if there
+    are histograms, and one ``all_reduce`` per (reduction, dtype) bucket (usually 2-3).
+    """
+    observers = list(observers)
+    reset_stats()
+    if not observers or not is_distributed(group):
+        return
+    dev = group_device(group)
+    plans = [_plan(o) for o in observers]
+    _check_same_plans(observers, plans, dev, group)
+    allh = _exchange_headers(observers, plans, dev, group)
+    work = _decide(observers, plans, allh, dist.get_rank(group))
+    extra = _sync_customs(work, dev, group)
+    _reduce_buckets(_buckets(work, extra), dev, group)
+
+
+def _exchange_headers(observers, plans, dev, group) -> list[list[int]]:
+    """1. one all_gather of every rank's header: ``[has_observed, seen_non_finite,
+    step_synced, last shape, shape per buffer]`` per observer; ``[world][L]`` ints."""
+    rows = []
+    for obs, plan in zip(observers, plans):
+        seen = obs.has_observed
+        rows += [int(seen), int(bool(obs.seen_non_finite)), int(obs.sync_every_step)]
+        rows += _encode_shape(obs.shape if seen else ())
+        for name in _names(plan):
+            rows += _encode_shape(getattr(obs, name).shape if seen else ())
+    header = torch.tensor(rows, dtype=torch.int64, device=dev)
+    return all_gather(header, group).cpu().tolist()  # plain Python: cheap decisions
+
+
+def _decide(observers, plans, allh, me) -> list[tuple]:
+    """2. decisions from the headers, identical on every rank (so errors are too): fills
+    the state of a rank that saw nothing with each reduction's identity; returns
+    ``[(obs, plan, observed_locally, n_observed, step_synced)]`` of the observers to sync."""
+    pos = 0
+    work = []
+    for obs, plan in zip(observers, plans):
+        pos, item = _decide_one(obs, plan, allh, pos, me)
+        if item is not None:
+            work.append(item)
+    return work
+
+
+def _decide_one(obs, plan, allh, pos, me):
+    seen_r = [row[pos] for row in allh]
+    nonfinite = any(row[pos + 1] for row in allh)
+    steps = [row[pos + 2] for row in allh]
+    step_synced = any(steps)
+    if step_synced and not all(steps):
+        raise ValueError(f"sync: {obs.describe()} has sync_every_step set on some ranks only")
+    seen_ranks = [r for r, v in enumerate(seen_r) if v]
+    shape = _decode_shape(allh[seen_ranks[-1]][pos + 3:]) if seen_ranks else None
+    pos += 3 + 1 + _MAXD
+    shapes = {}
+    for name in _names(plan):
+        block = [allh[r][pos:pos + 1 + _MAXD] for r in seen_ranks]
+        pos += 1 + _MAXD
+        if any(b != block[0] for b in block):
+            got = [_decode_shape(b) for b in block]
+            raise ValueError(
+                f"sync: {obs.describe()} has state {name!r} of different shapes on different "
+                f"ranks ({got}); the layout must give the same units on every rank")
+        if block:
+            shapes[name] = _decode_shape(block[0])
+    n_seen = len(seen_ranks)
+    if nonfinite:
+        obs.seen_non_finite = torch.ones_like(obs.seen_non_finite)
+    if n_seen == 0:
+        return pos, None
+    observed = bool(seen_r[me])
+    if not observed and not step_synced:  # agreed shapes, filled with the identity
+        _fill_identity(obs, plan, shapes)
+    obs.set_shape(shape)
+    return pos, (obs, plan, observed, n_seen, step_synced)
+
+
+def _fill_identity(obs, plan, shapes) -> None:
+    for it in plan:
+        if isinstance(it, CustomSync):
+            it.empty(obs, shapes)
+            continue
+        buf = getattr(obs, it[0])
+        setattr(obs, it[0], torch.full(shapes[it[0]], _identity(it[1], buf.dtype),
+                                       dtype=buf.dtype, device=buf.device))
+
+
+def _sync_customs(work, dev, group) -> dict[int, list]:
+    """3. custom syncs (histograms): agree on the grid in one MAX all_reduce, re-bin
+    exactly; returns ``{id(obs): [(buffer, Op)]}`` of the buffers that now reduce plainly."""
+    groups: dict = {}  # same-kind customs are handled together (one batched re-bin)
+    for obs, plan, _, _, step in work:
+        for it in plan:
+            if isinstance(it, CustomSync) and not step:
+                groups.setdefault(it.batch_key(obs), []).append((obs, it))
+    extra: dict[int, list] = {}
+    if not groups:
+        return extra
+    grids = [[g.to(torch.float64).reshape(-1) for g in type(pairs[0][1]).grid_many(pairs)]
+             for pairs in groups.values()]
+    sizes = [len(g) for gl in grids for g in gl]
+    flat = torch.cat([g for gl in grids for g in gl]).to(dev)
+    all_reduce(flat, dist.ReduceOp.MAX, group)
+    parts = iter(flat.split(sizes))
+    for pairs, gl in zip(groups.values(), grids):
+        done = type(pairs[0][1]).rebin_many(pairs, [next(parts) for _ in gl])
+        for (obs, _), ops in zip(pairs, done):
+            extra.setdefault(id(obs), []).extend(ops.items())
+    return extra
+
+
+def _buckets(work, extra) -> dict[tuple, list]:
+    """4. ``(reduction, dtype) -> [(obs, name, op, n_seen, observed)]``: MIN folds into MAX
+    by negation, AVG into SUM; the base's counters always sum."""
+    buckets: dict[tuple, list] = {}
+
+    def add(obs, name, op, n_seen, observed):
+        buf = getattr(obs, name)
+        red = dist.ReduceOp.SUM if op in (SUM, AVG) else dist.ReduceOp.MAX
+        dtype = torch.uint8 if buf.dtype == torch.bool else buf.dtype
+        buckets.setdefault((red, dtype), []).append((obs, name, op, n_seen, observed))
+
+    for obs, plan, observed, n_seen, step in work:
+        add(obs, "observed_tokens", SUM, n_seen, observed)
+        add(obs, "non_finite_count", SUM, n_seen, observed)
+        if step:  # the state is already global after every step
+            continue
+        for it in plan:
+            if not isinstance(it, CustomSync):
+                add(obs, *it, n_seen, observed)
+        for name, op in extra.get(id(obs), ()):
+            add(obs, name, op, n_seen, observed)
+    return buckets
+
+
+def _reduce_buckets(buckets, dev, group) -> None:
+    """5. one all_reduce per bucket of flattened, concatenated buffers."""
+    for (red, dtype), entries in buckets.items():
+        parts = []
+        for obs, name, op, n_seen, observed in entries:
+            v = getattr(obs, name).detach().reshape(-1).to(dtype)
+            if op is MIN:
+                v = -v
+            elif op is AVG and not observed:
+                v = torch.zeros_like(v)
+            parts.append(v)
+        flat = torch.cat(parts).to(dev)
+        all_reduce(flat, red, group)
+        flat = flat.to(parts[0].device)  # a bucket holds at least one entry
+        for (obs, name, op, n_seen, _), v in zip(entries,
+                                                  flat.split([p.numel() for p in parts])):
+            if op is MIN:
+                v = -v
+            elif op is AVG:
+                v = v / n_seen
+            buf = getattr(obs, name)  # a new tensor, not copy_: buffers may be inference tensors
+            setattr(obs, name, v.reshape(buf.shape).to(device=buf.device, dtype=buf.dtype,
+                                                        copy=True))
+
+
+def step_sync(obs, units, lo, hi, group=None):
+    """Exchange one step's statistic of ``obs`` (called by ``Observer.forward`` in
+    ``sync_every_step`` mode); ``units`` None: this rank has no data this step.
+
+    Returns the global ``(units, lo, hi)`` of the step, or None when no rank had data.
+    Observers whose step statistic is the range (``step_sync_range_only = True``:
+    min-max) exchange only ``lo`` / ``hi``; the
+    others gather the units, concatenated along the elements in rank order.
+    """
+    if not is_distributed(group):
+        return None if units is None else (units, lo, hi)
+    dev = group_device(group)
+    has = units is not None
+    U = units.shape[0] if has else 0
+    E = units.shape[1] if has else 0
+    bad = bool(has) and not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all())
+    if getattr(obs, "step_sync_range_only", False):
+        h = torch.tensor([U, int(has), int(bad)], dtype=torch.int64, device=dev)
+        all_reduce(h, dist.ReduceOp.MAX, group)
+        U, any_has, any_bad = (int(v) for v in h)
+        if not any_has:
+            return None
+        v = (torch.cat([-lo, hi]) if has else torch.full((2 * U,), float("-inf"))).to(dev)
+        all_reduce(v, dist.ReduceOp.MAX, group)
+        ref = lo if has else obs.observed_tokens
+        glo, ghi = (-v[:U]).to(ref.device), v[U:].to(ref.device)
+        if any_bad:
+            glo = glo + float("nan")
+        return (units if has else glo.reshape(U, 1)), glo, ghi
+    h = all_gather(torch.tensor([U, E, int(has)], dtype=torch.int64, device=dev), group).cpu()
+    if not bool(h[:, 2].any()):
+        return None
+    Us = h[:, 0][h[:, 2].bool()]
+    if not bool((Us == Us[0]).all()):
+        raise ValueError(f"sync: {obs.describe()} got {Us.tolist()} units on different ranks in one "
+                         f"step; sync_every_step needs the same units on every rank")
+    U, Emax = int(Us[0]), int(h[:, 1].max())
+    pad = torch.zeros(U, Emax, device=dev)
+    if has:
+        pad[:, :E] = units.to(dev)
+    allu = all_gather(pad, group)
+    ref = units if has else obs.observed_tokens
+    g = torch.cat([allu[r, :, :int(h[r, 1])] for r in range(len(h)) if int(h[r, 2])], dim=1)
+    g = g.to(ref.device)
+    glo, ghi = unit_minmax(g)
+    return g, glo, ghi
+
+
+def empty_step(observers, group=None) -> None:
+    """Take part in the step collectives of step-synced ``observers`` without data."""
+    for obs in observers:
+        if obs.sync_every_step:
+            obs.step_empty(group)
+
