@@ -28,6 +28,7 @@ from torch import nn
 from .. import comm as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
+from ..qparams import amax_of_range
 from ..observers.sync import sync_observers
 from ..spec import QuantSpec
 from . import auto as _auto
@@ -436,7 +437,7 @@ def _state_from(obs, cfg: Role, shape) -> RoleState:
     if cfg.dynamic == "local":
         gam = obs.global_amax()
         if gam is None:
-            gam = torch.maximum(-lo.min().clamp(max=0), hi.max().clamp(min=0))
+            gam = amax_of_range(lo.min().clamp(max=0), hi.max().clamp(min=0))
         return RoleState(cfg.spec, obs.name, cfg.observer, "local", cfg.options,
                          global_amax=gam.detach().clone().reshape(()), lo=lo, hi=hi)
     qp.scale, qp.zero_point = qp.scale.clone(), qp.zero_point.clone()

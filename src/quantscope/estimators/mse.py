@@ -40,7 +40,7 @@ import torch
 
 from .._checks import check_int, check_number
 from ..formats import IntFormat
-from ..qparams import qparams_from_range
+from ..qparams import amax_of_range, qparams_from_range
 from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
@@ -193,7 +193,7 @@ def _default_global_amax(lo, hi, spec, global_amax):
     if not spec.scale.has_global_scale:
         return None
     if global_amax is None:
-        return torch.maximum(-lo, hi).max().clamp(min=0).reshape(())
+        return amax_of_range(lo, hi).max().clamp(min=0).reshape(())
     return torch.as_tensor(global_amax, dtype=torch.float32, device=lo.device).reshape(())
 
 
@@ -607,7 +607,7 @@ def linear_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor
     if not isinstance(stride, int) or not 1 <= stride <= 94:
         raise ValueError(f"linear_search: stride must be an integer in 1..94, got {stride!r}")
     units, lo, hi = _check(units, lo, hi, spec, norm)
-    amax = torch.maximum(-lo, hi).clamp(min=0)
+    amax = amax_of_range(lo, hi).clamp(min=0)
     return mse_search(units, -amax, amax, spec, factors=[1 - 0.01 * i for i in range(0, 95, stride)],
                       norm=norm, patience=None, tie="last", global_grid=1,
                       chunk_elems=chunk_elems)
