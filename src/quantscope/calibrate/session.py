@@ -28,8 +28,8 @@ from torch import nn
 from .. import comm as qd
 from ..layout import Channel, Tensor
 from ..observers.registry import get_observer, observer_class
-from ..qparams import amax_of_range
 from ..observers.sync import sync_observers
+from ..qparams import amax_of_range
 from ..spec import QuantSpec
 from . import auto as _auto
 from . import fusion, gather, heap, kv_cache, moe
