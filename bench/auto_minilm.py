@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import torch
 
-from quantscope import data, models
 from quantscope.calibrate import calibrate, fallback_curve, preset, sensitivity
 from quantscope.calibrate.sensitivity import plot_fallback
+from quantscope.demo import data, models
 from quantscope.estimators.weighted import imatrix_range
 from quantscope.qparams import qparams_from_range
 from quantscope.quantize import fake_quantize

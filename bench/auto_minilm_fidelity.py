@@ -9,10 +9,10 @@ import sys
 
 import torch
 
-from quantscope import data, models
 from quantscope.calibrate import apply, preset
 from quantscope.calibrate.auto import score_batches
 from quantscope.calibrate.session import calibrate_many
+from quantscope.demo import data, models
 
 torch.set_num_threads(1)
 recipe = sys.argv[1] if len(sys.argv) > 1 else "w4a8"

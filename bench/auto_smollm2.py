@@ -11,8 +11,9 @@ import time
 
 import torch
 
-from quantscope import data, models, presets
+from quantscope import presets
 from quantscope.calibrate import Recipe, Role, Rule, calibrate, calibrate_many, preset
+from quantscope.demo import data, models
 from quantscope.layout import Tensor
 from quantscope.spec import QuantSpec
 

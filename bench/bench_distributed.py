@@ -78,8 +78,8 @@ def worker_sync() -> None:
     import torch.distributed as dist
     from torch import nn
 
+    from quantscope.demo.models import load_model
     from quantscope.layout import Channel
-    from quantscope.models import load_model
     from quantscope.spec import QuantSpec
 
     dist.init_process_group("gloo")
@@ -104,8 +104,8 @@ def worker_calibrate() -> None:
 
     from quantscope import distributed as qd
     from quantscope.calibrate import calibrate
-    from quantscope.data import lee_background
-    from quantscope.models import load_model, token_batches
+    from quantscope.demo.data import lee_background
+    from quantscope.demo.models import load_model, token_batches
 
     joined = qd.init_from_env()
     world = qd.world_size()

@@ -28,8 +28,9 @@ from dataclasses import replace
 
 import torch
 
-from quantscope import QuantSpec, data, models, presets
+from quantscope import QuantSpec, presets
 from quantscope.calibrate import Recipe, Role, Rule, calibrate, preset
+from quantscope.demo import data, models
 from quantscope.layout import Tensor
 
 

@@ -139,8 +139,8 @@ def quality(tensors, title):
 
 
 def minilm_activations(docs=24, max_length=128, batch_size=8):
-    from quantscope.data import lee_documents
-    from quantscope.models import load_model, token_batches
+    from quantscope.demo.data import lee_documents
+    from quantscope.demo.models import load_model, token_batches
 
     model, tok = load_model()
     seen: dict[str, list[torch.Tensor]] = {}

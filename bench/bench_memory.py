@@ -41,7 +41,7 @@ def run_case(case: str, docs_n: int = DOCS) -> dict:
     import torch
 
     import quantscope
-    from quantscope import data, models
+    from quantscope.demo import data, models
 
     torch.set_num_threads(1)
     case = case.removesuffix("-notrim")
@@ -117,7 +117,7 @@ def main() -> None:
             env["QUANTSCOPE_HEAP"] = "0"
         python = sys.executable
         if case == "oneshot":  # the peers' venv has no gensim: the documents come from here
-            from quantscope import data
+            from quantscope.demo import data
 
             python = PEER_PYTHON
             env["BENCH_DOCS"] = json.dumps(data.lee_background()[::300 // args.docs][:args.docs])

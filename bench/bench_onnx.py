@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantscope import calibrate, data, export, models
+from quantscope import calibrate, export
 from quantscope.calibrate.recipe import preset
+from quantscope.demo import data, models
 from quantscope.export import onnx as qonnx
 
 

@@ -22,9 +22,10 @@ import time
 
 import torch
 
-from quantscope import QuantSpec, Tensor, Token, data, models
+from quantscope import QuantSpec, Tensor, Token
 from quantscope import presets as P
 from quantscope.calibrate import Calibration, Recipe, Role, Rule, calibrate, preset
+from quantscope.demo import data, models
 from quantscope.layout import Group
 
 torch.set_num_threads(1)

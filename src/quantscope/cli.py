@@ -329,7 +329,7 @@ class _Evaluator:
     def __init__(self, task, model, tok, max_length, progress):
         self.task, self.model, self.tok, self.max_length = task, model, tok, max_length
         self.progress = progress
-        from . import data
+        from .demo import data
 
         self.docs = data.lee_documents()
         self.pairs = data.lee_pairs() if task == "embedding" else None
@@ -340,7 +340,7 @@ class _Evaluator:
         return "perplexity" if self.task == "causal-lm" else "lee_r"
 
     def _score(self, desc) -> dict:
-        from . import models
+        from .demo import models
 
         bar = desc if self.progress else None
         if self.task == "causal-lm":
@@ -369,7 +369,7 @@ def _metric_line(primary: str, fp: float, q: float) -> str:
 
 def _setup(args, phases: _Phases):
     """Model, calibration batches, evaluator, the float model's metrics, the run's settings."""
-    from . import data, models
+    from .demo import data, models
 
     if args.threads:
         import torch
@@ -714,8 +714,8 @@ def cmd_evaluate(args) -> int:
         raise UsageError(f"evaluate: {args.run!r} is not a folder")
     qdir = _run_qparams(args.run)
     _check_model_arg(args.model)
-    from . import models
     from .calibrate import load
+    from .demo import models
 
     phases = _Phases(quiet=args.json)
     calib = load(qdir)
@@ -777,7 +777,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_formats(args) -> int:
-    from .demo import format_table
+    from .demo.formats import format_table
 
     print(format_table())
     return 0

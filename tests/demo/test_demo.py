@@ -2,7 +2,7 @@
 
 import math
 
-from quantscope import demo
+from quantscope.demo import formats as demo
 
 
 def test_format_table_has_every_scheme_and_sane_errors():

@@ -13,7 +13,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tiny_models import tokenizer as _tokenizer
 
-from quantscope import models
+from quantscope.demo import models
 from quantscope.export.atomic import atomic_dir, atomic_file, check_writable_target
 
 

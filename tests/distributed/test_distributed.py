@@ -524,7 +524,7 @@ def test_torchrun_cli_matches_one_process(tmp_path):
 
     pytest.importorskip("transformers")
     safetensors = pytest.importorskip("safetensors.torch")
-    from quantscope.models import default_model_path
+    from quantscope.demo.models import default_model_path
 
     try:
         src = default_model_path()

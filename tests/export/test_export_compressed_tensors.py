@@ -60,7 +60,7 @@ TRANSFORMERS_CANNOT_LOAD = {"w4a16-asym"}
 
 
 def _tokenizer():
-    from quantscope import models
+    from quantscope.demo import models
 
     return transformers.AutoTokenizer.from_pretrained(str(models.default_model_path()))
 

@@ -87,8 +87,9 @@ def test_cli_export_onnx_of_a_calibrate_run(tmp_path):
     equals the run's fake-quant."""
     import shutil
 
-    from quantscope import cli, models
+    from quantscope import cli
     from quantscope.calibrate import load
+    from quantscope.demo import models
 
     try:
         src = models.default_model_path()

@@ -25,7 +25,7 @@ LAYERS = [
     ("observers", ["observers"]),
     ("compat", ["compat", "integrations"]),
     ("calibrate", ["calibrate"]),
-    ("top", ["export", "cli", "distributed", "demo", "data", "models", "__main__"]),
+    ("top", ["export", "cli", "distributed", "demo", "__main__"]),
 ]
 
 # Upward imports kept on purpose, each a convenience entry point that delegates to a higher
@@ -39,7 +39,7 @@ ALLOWED_UPWARD = {
     ("calibrate.recipe", "export.read"),
     # empty_model (sequential calibration's skeleton) takes the demo models' names and
     # follows the folder's task, as load_model does
-    ("calibrate.sequential", "models"),
+    ("calibrate.sequential", "demo.models"),
 }
 
 

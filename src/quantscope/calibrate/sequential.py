@@ -82,7 +82,7 @@ def empty_model(path, task: str | None = None) -> nn.Module:
     tables) computed by the model's ``_init_weights``, as transformers' loader does."""
     import transformers
 
-    from .. import models
+    from ..demo import models
 
     path = models.resolve_model_path(path)
     config = transformers.AutoConfig.from_pretrained(path)

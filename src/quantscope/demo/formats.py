@@ -1,6 +1,6 @@
 """The synthetic format table: every format on a few realistic tensors, and its error.
 
-``python -m quantscope.demo`` (``make demo`` until the model demo takes over) prints it;
+``python -m quantscope.demo`` (``make demo``) prints it;
 :func:`format_table` returns it as text for other front ends (``quantscope formats``).
 
 Three 512 x 1024 float32 tensors, seeded:
@@ -25,13 +25,13 @@ import time
 
 import torch
 
-from . import presets
-from .calibrate.report import sqnr_db
-from .layout import Block, Channel, Group, Tile
-from .qparams import qparams_from_range
-from .quantize import fake_quantize
-from .spec import QuantSpec
-from .stats.minmax import unit_minmax
+from .. import presets
+from ..calibrate.report import sqnr_db
+from ..layout import Block, Channel, Group, Tile
+from ..qparams import qparams_from_range
+from ..quantize import fake_quantize
+from ..spec import QuantSpec
+from ..stats.minmax import unit_minmax
 
 __all__ = ["SCHEMES", "demo_tensors", "format_table", "main", "scheme_error"]
 

@@ -1,0 +1,5 @@
+"""``python -m quantscope.demo``: the synthetic format table (:mod:`.formats`)."""
+
+from .formats import main
+
+raise SystemExit(main())
