@@ -116,8 +116,10 @@ demo-quick: venv
 demo-readme: demo
 	$(PY) bench/demo_tables.py --readme README.md
 
+# the benchmarks, then the larger-than-memory calibration (too long for make test)
 bench: venv peers
 	QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) bench/run.py
+	$(MAKE) test-memory
 
 lint: venv
 	$(PY) -m ruff check src tests bench
