@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quantscope import cli
-from quantscope.calibrate import calibrate, calibrate_many, preset, session
+from quantscope.calibrate import calibrate, calibrate_many, observe, preset
 from quantscope.calibrate.samples import RowSample
 
 transformers = pytest.importorskip("transformers")
@@ -44,7 +44,7 @@ def samples(monkeypatch):
             super().__init__(*a, **k)
             made.append(self)
 
-    monkeypatch.setattr(session, "RowSample", Spy)
+    monkeypatch.setattr(observe, "RowSample", Spy)
     return made
 
 
@@ -123,7 +123,7 @@ def test_full_budget_reproduces_the_list_and_cat_sample(model, monkeypatch):
         return (lambda m, a, k: observe(a[0] if a else k[input_key])), (
             lambda m, a, o: observe(o))
 
-    monkeypatch.setattr(session, "_hook", old_hook)
+    monkeypatch.setattr(observe, "_hook", old_hook)
     old = calibrate(model, batches(3), recipe, progress=False, sample_tokens=40)
     assert seen and calib.stats == old.stats
     _assert_same_qparams(calib, old)
@@ -147,7 +147,7 @@ def test_observers_share_the_layers_activation(model, monkeypatch):
     """Every observer of every recipe gets the layer's own input tensor: no copy per
     recipe or observer."""
     seen = {}
-    orig = session._hook
+    orig = observe._hook
 
     def spy(slots, input_key=None):
         pre, post = orig(slots, input_key)
@@ -169,7 +169,7 @@ def test_observers_share_the_layers_activation(model, monkeypatch):
                     del obs.forward
         return pre2, post
 
-    monkeypatch.setattr(session, "_hook", spy)
+    monkeypatch.setattr(observe, "_hook", spy)
     recipes = {o: preset("w8a8", o, ignore=["lm_head"]) for o in OBSERVERS}
     calibrate_many(model, batches(1), recipes, progress=False)
     # one batch: each slot's observers (all recipes) saw exactly one tensor, the input itself

@@ -266,7 +266,7 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
     """For the session: the ``{"weight": state, "input": state}`` :func:`joint_choice` picks
     among ``layer``'s candidate observers (plus the ``imatrix`` weight search), or None where
     the layer has no static input, 2-D weight and input sample."""
-    from .session import _observer_key
+    from .observe import observer_key as _observer_key
 
     if (layer, "weight") not in plan or (layer, "input") not in plan:
         return None
@@ -311,7 +311,7 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
     the ``joint`` per-layer choice; they share observers with each other (and with the other
     recipes) in :func:`calibrate_many` 's single pass.
     """
-    from .session import _candidates  # the one list of auto's candidates
+    from .observe import candidates_for as _candidates  # the one list of auto's candidates
 
     batches = list(batches)
     autos = [label for label, r in recipes.items() if _has_auto(r)]

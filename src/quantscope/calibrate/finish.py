@@ -1,0 +1,270 @@
+"""From observers to results: each recipe's :class:`RoleState` s and report rows.
+
+:func:`build_states` turns every slot's observers into states (one per observer, shared
+by the recipes that use it), lets ``auto`` pick per layer (or per fusion group), gives
+fusion groups their shared weight scales, MoE experts their sound activation ranges, and
+records the roles that saw no data under the ``missing`` policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..observers.registry import get_observer
+from ..qparams import amax_of_range
+from . import auto as _auto
+from . import fusion, moe
+from .apply import qdq_tensor
+from .observe import observer_key
+from .recipe import Role
+from .report import tensor_stats
+from .result import RoleState
+
+
+def _share_inputs(states, rows, plan, slots, groups, made, errors, cache) -> None:
+    """``auto`` in a fusion group: its one input slot gets one observer for all members,
+    the candidate with the least total error over them (``auto_metric="output"`` weighs
+    each member's own weights, so members alone could choose differently)."""
+    for group in groups:
+        members = [m for m in group if (m, "input") in plan]
+        cfg, names = plan[(members[0], "input")] if members else (None, ())
+        if len(members) < 2 or len(names) < 2:
+            continue
+        totals = {}
+        for n in names:
+            okey = observer_key(n, cfg, slots[(members[0], "input")].module)
+            errs = [errors.get((m, "input", okey, cfg.dynamic)) for m in members]
+            if all(e is not None for e in errs):
+                totals[okey] = sum(errs)
+        if totals:
+            okey = min(totals, key=totals.get)
+            at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
+            for m in members:
+                skey = (m, "input", okey, cfg.dynamic)
+                states[m]["input"] = replace(made[skey], requested=cfg.observer)
+                if (m, "input") in at and cache.get(skey) is not None:
+                    rows[at[(m, "input")]] = _row(m, "input", states[m]["input"], cache[skey])
+
+
+def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
+    """Each group's weights, where the runtime shares a weight scale, observed concatenated
+    by one observer (``auto``: the candidate with the least total error) and split back per
+    member; returns what was done per group (for the report)."""
+    done = []
+    for group in groups:
+        members = [m for m in group if (m, "weight") in plan]
+        entry = {"layers": list(group), "weight": "per layer", "input": "shared"
+                 if len({id(slots[(m, "input")]) for m in group if (m, "input") in slots}) == 1
+                 and any((m, "input") in slots for m in group) else "none"}
+        done.append(entry)
+        if len(members) < 2:
+            continue
+        cfgs = {plan[(m, "weight")][0] for m in members}
+        cfg, names = plan[(members[0], "weight")]
+        if len(cfgs) != 1:
+            entry["weight"] = "per layer (the members' weight specs differ)"
+            continue
+        if cfg.dynamic is True or not fusion.shares_weight_scale(cfg.spec):
+            continue
+        if not fusion.splittable(cfg.spec):
+            entry["weight"] = f"per layer ({cfg.spec.layout} does not split by rows)"
+            continue
+        mods = [slots[(m, "weight")].module for m in members]
+        w = fusion.join_weights(mods)
+        best = None
+        for n in names:
+            try:
+                obs = get_observer(n, cfg.spec, **dict(cfg.options)).to(w.device)
+                obs(w)
+            except (ValueError, TypeError):
+                if len(names) == 1:
+                    raise
+                continue
+            state = replace(_state_from(obs, cfg, tuple(w.shape)), requested=cfg.observer)
+            err = (float((qdq_tensor(w, state).float() - w.float()).square().sum())
+                   if len(names) > 1 else 0.0)
+            if best is None or err < best[1]:
+                best = (state, err)
+        parts = fusion.split_state(best[0], [tuple(m.weight.shape) for m in mods])
+        at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
+        for m, mod, st in zip(members, mods, parts):
+            states[m]["weight"] = st
+            if (m, "weight") in at:
+                rows[at[(m, "weight")]] = _row(m, "weight", st,
+                                               tensor_stats(mod.weight.detach(), st))
+        entry["weight"] = f"shared ({best[0].observer})"
+    return done
+
+
+def _state_from(obs, cfg: Role, shape) -> RoleState:
+    """The RoleState of one observer: one range estimate gives both range and qparams."""
+    lo, hi, qp = obs.range_and_qparams()
+    lo, hi = lo.detach().clone(), hi.detach().clone()
+    if cfg.dynamic == "local":
+        gam = obs.global_amax()
+        if gam is None:
+            gam = amax_of_range(lo.min().clamp(max=0), hi.max().clamp(min=0))
+        return RoleState(cfg.spec, obs.name, cfg.observer, "local", cfg.options,
+                         global_amax=gam.detach().clone().reshape(()), lo=lo, hi=hi)
+    qp.scale, qp.zero_point = qp.scale.clone(), qp.zero_point.clone()
+    if qp.global_scale is not None:
+        qp.global_scale = qp.global_scale.clone()
+    return RoleState(cfg.spec, obs.name, cfg.observer, False, cfg.options, qparams=qp, lo=lo,
+                     hi=hi, shape=shape)
+
+
+#: what calibration does with an activation role that saw no tokens (see calibrate_many)
+MISSING_POLICIES = ("skip", "float", "error")
+
+
+def _missing(layer, role, slot, names, cfg, policy, experts=None):
+    """None if the role observed data (or is an MoE expert's: :func:`moe.shrink` gives it its
+    layer's pooled statistics); else the record of the fallback (or the error)."""
+    if cfg.dynamic is True or role == "weight":
+        return None
+    if experts is not None and layer in experts.layers:
+        return None
+    if any(slot.observers[k].has_observed for k in (observer_key(n, cfg) for n in names)
+           if k in slot.observers):
+        return None
+    what = (f"was called {slot.calls} times but saw no tokens (0 rows)" if slot.calls else
+            "was never called during calibration (is the module used by the model's forward?)")
+    if policy == "error":
+        raise ValueError(f"calibrate: layer {layer!r} {role} {what}; pass missing='skip' or "
+                         f"missing='float' to calibrate the rest without it")
+    fallback = "float layer" if policy == "float" else f"{role} not quantized"
+    return {"layer": layer, "role": role, "calls": slot.calls, "fallback": fallback}
+
+
+def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None,
+            missing="skip", fisher=None):
+    """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
+    ``auto_metric`` "joint" / "fisher", by :func:`.auto.joint_choice`)."""
+    cache = {}
+    data = {}
+    for key, slot in slots.items():
+        if slot.role == "weight":
+            data[key] = slot.module.weight.detach()
+        elif slot.sample is not None and slot.sample.count:
+            data[key] = slot.sample.rows()  # a view of the slot's buffer: no copy
+
+    def stats_of(key, skey, state):
+        if skey not in cache:
+            x = data.get(key)
+            cache[skey] = None if x is None else tensor_stats(x, state)
+        return cache[skey]
+
+    made = {}  # one state per observer, shared by every recipe (and auto) that uses it
+    errors = {}
+
+    def auto_error(layer, role, skey, state, st):
+        """What ``auto`` minimises: the squared error this role's quantization causes in the
+        layer's output ``x W^T`` (metric "output", for 2-D weights with an input sample), or
+        in the tensor itself (metric "tensor", and the fallback)."""
+        if skey in errors:
+            return errors[skey]
+        err = None if st is None else st["noise"]
+        module = slots[(layer, role)].module
+        w = getattr(module, "weight", None)
+        x = data.get((layer, "input"))
+        if (auto_metric == "output" and role in ("weight", "input") and w is not None
+                and w.dim() == 2 and x is not None and x.shape[-1] == w.shape[1]):
+            w, x = w.detach().float(), x.float()
+            if role == "input":
+                e = (qdq_tensor(x, state).float() - x) @ w.T
+            else:
+                e = x @ (qdq_tensor(w, state).float() - w).T
+            err = float(e.square().sum())
+        errors[skey] = err
+        return err
+
+    def state_of(obs, cfg, skey, shape):
+        if skey not in made:
+            made[skey] = _state_from(obs, cfg, shape)
+        return replace(made[skey], requested=cfg.observer)
+
+    def joint_pick(plan, layer):
+        """The (weight, input) states :func:`.auto.joint_choice` picks for ``layer``, or None
+        where the layer has no 2-D weight with an input sample and both roles calibrated."""
+        key = (layer, tuple((r, plan[(layer, r)][0]) for r in ("weight", "input")
+                            if (layer, r) in plan))
+        if key not in joint:
+            joint[key] = _auto.layer_pick(layer, plan, slots, data, state_of, fisher)
+        return joint[key]
+
+    joint = {}
+    results = {}
+    for label, plan in plans.items():
+        states, rows, absent = {}, [], []
+        for (layer, role), (cfg, names) in plan.items():
+            slot = slots[(layer, role)]
+            gap = _missing(layer, role, slot, names, cfg, missing, experts)
+            if gap is not None:
+                absent.append(gap)
+                continue
+            shape = tuple(slot.module.weight.shape) if role == "weight" else None
+            pick = (joint_pick(plan, layer) if auto_metric in _auto.LAYER_METRICS
+                    and len(names) > 1 and role in ("weight", "input") else None)
+            if pick is not None:
+                state = replace(pick[role], requested=cfg.observer)
+                st = stats_of((layer, role), (layer, role, "joint", state.observer, cfg), state)
+            elif cfg.dynamic is True:
+                state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
+                st = stats_of((layer, role), (layer, role, "dynamic", cfg), state)
+            else:
+                best = None
+                for n in names:
+                    okey = observer_key(n, cfg, slot.module)
+                    if okey not in slot.observers:
+                        continue
+                    obs = slot.observers[okey]
+                    if not obs.has_observed:  # another candidate saw the data, or an expert
+                        continue              # without tokens (moe.shrink pools it below)
+                    skey = (layer, role, okey, cfg.dynamic)
+                    cand = state_of(obs, cfg, skey, shape)
+                    st = stats_of((layer, role), skey, cand)
+                    err = auto_error(layer, role, skey, cand, st) if len(names) > 1 else None
+                    if best is None or (err is not None and (best[2] is None or err < best[2])):
+                        best = (cand, st, err)
+                if best is None and experts is not None and layer in experts.layers:
+                    states.setdefault(layer, {})[role] = None
+                    continue
+                if best is None:
+                    raise ValueError(f"calibrate: layer {layer!r} {role}: no candidate observer "
+                                     f"could take {cfg.spec}: {slot.failed}")
+                state, st, _ = best
+            states.setdefault(layer, {})[role] = state
+            if st is not None:
+                rows.append(_row(layer, role, state, st))
+        _share_inputs(states, rows, plan, slots, groups, made, errors, cache)
+        shared = _share_weights(states, rows, plan, slots, groups)
+        per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
+        floats = {g["layer"] for g in absent if g["fallback"] == "float layer"}
+        states = {k: v for k, v in states.items() if k not in floats}
+        rows = [r for r in rows if r["layer"] not in floats]
+        results[label] = (states, rows, shared, per_expert, absent)
+    hists = {key: _histogram(x) for key, x in data.items() if key[1] != "weight"}
+    return results, hists
+
+
+def _row(layer, role, state: RoleState, st: dict) -> dict:
+    if state.lo is not None:
+        lo, hi = float(state.lo.min()), float(state.hi.max())
+    else:
+        lo, hi = st["min"], st["max"]
+    return {"layer": layer, "role": role, "observer": state.observer,
+            "requested": state.requested, "spec": str(state.spec),
+            "dynamic": state.dynamic, "sqnr_db": st["sqnr_db"], "clipped": st["clipped"],
+            "lo": lo, "hi": hi, "clip_lo": st["clip_lo"], "clip_hi": st["clip_hi"],
+            "units": st["units"], "numel": st["numel"]}
+
+
+def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
+    x = x.detach().float().flatten()
+    lo, hi = float(x.min()), float(x.max())
+    if hi <= lo:
+        hi = lo + 1.0
+    counts = torch.histc(x, bins, lo, hi)
+    return {"lo": lo, "hi": hi, "counts": [int(c) for c in counts.tolist()]}
