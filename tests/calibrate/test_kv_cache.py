@@ -109,6 +109,8 @@ def test_any_observer_and_round_trips(tmp_path):
     recipe = preset("w8a8", "mse", kv_cache="fp8")
     assert recipe.kv_cache.observer == "mse"
     assert preset("w8a8", "auto", kv_cache="fp8").kv_cache.observer == "minmax"
+    assert recipe.with_observer("auto").kv_cache == recipe.kv_cache  # auto: KV left as it is
+    assert recipe.with_observer("percentile").kv_cache.observer == "percentile"
     calib = calibrate(model, batches, recipe, progress=False)
     assert calib.states["model.layers.0.self_attn"]["key"].observer == "mse"
     calib.save(tmp_path / "run")

@@ -227,8 +227,9 @@ class Recipe:
             return replace(role, observer=name, options=opts)
         rules = tuple(replace(r, **{k: swap(getattr(r, k), k) for k in ROLES})
                       for r in self.rules)
-        return replace(self, rules=rules, name=self.name,
-                       kv_cache=swap(self.kv_cache, "key"))
+        # the KV cache takes a named observer: auto leaves it as it is
+        kv = self.kv_cache if observer == AUTO else swap(self.kv_cache, "key")
+        return replace(self, rules=rules, name=self.name, kv_cache=kv)
 
     @property
     def needs_data(self) -> bool:
