@@ -12,6 +12,16 @@
                     chain of dependent increments */
 #define BUF 512  /* indices computed (vectorized) per block, then counted */
 
+/* out[k] = base[k] + float(the COPIES counts of bin k summed). */
+static void add_counts(const int32_t *cp, int64_t B, const float *base, float *out) {
+    for (int64_t k = 0; k < B; ++k) {
+        const int32_t *c = cp + k * COPIES;
+        int32_t t = 0;
+        for (int q = 0; q < COPIES; ++q) t += c[q];
+        out[k] = base[k] + (float)t;
+    }
+}
+
 /* out[k] = base[k] + float(count of x in bin k) for torch.histc(x, B, min=lo, max=hi):
    bin trunc((x - lo) * B / (hi - lo)) in float32 as ATen's histc kernel, the right edge in
    the last bin, values outside [lo, hi] (and NaN) not counted. out may be base. Returns 1
@@ -44,12 +54,7 @@ int64_t qs_ao_histc(const float *x, int64_t n, float lo, float hi, int64_t B,
         }
         for (; j < m; ++j) cp[buf[j]]++;
     }
-    for (int64_t k = 0; k < B; ++k) {
-        const int32_t *c = cp + k * COPIES;
-        int32_t t = 0;
-        for (int q = 0; q < COPIES; ++q) t += c[q];
-        out[k] = base[k] + (float)t;
-    }
+    add_counts(cp, B, base, out);
     free(cp);
     return 0;
 }
@@ -120,12 +125,7 @@ int64_t qs_ao_fused(const float *x, int64_t n, float lo, float hi, int64_t B,
     mm[1] = nan ? NAN : mx;
     const int inside = !nan && mn >= lo && mx <= hi;
     if (inside)
-        for (int64_t k = 0; k < B; ++k) {
-            const int32_t *c = cp + k * COPIES;
-            int32_t t = 0;
-            for (int q = 0; q < COPIES; ++q) t += c[q];
-            out[k] = base[k] + (float)t;
-        }
+        add_counts(cp, B, base, out);
     free(cp);
     return !inside;
 }
