@@ -18,11 +18,11 @@ interleaved ``gate_up_proj``, for one) is refused, naming the module.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import torch
 from torch import nn
 
+from ..calibrate import fusion
 from ..calibrate.moe import is_experts_3d
 
 __all__ = ["expert_names", "unfuse_experts"]
@@ -65,31 +65,15 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return lin
 
 
-def _rows(t, start: int, stop: int, rows: int, layer: str):
-    """Rows ``[start, stop)`` of the per-unit tensor ``t`` of a ``rows``-row weight (units are
-    row-major with the row, or the row tile, outermost); a per-tensor ``t`` is kept."""
-    if t is None or t.numel() == 1:
-        return t
-    per_row = t.numel() * start % rows == 0 and t.numel() * stop % rows == 0
-    if not per_row:
-        raise ValueError(f"export: expert layer {layer!r}: its {t.numel()} scales do not split "
-                         f"at row {start} of {rows} (a tile layout crossing gate and up)")
-    flat = t.reshape(-1)
-    return flat[t.numel() * start // rows: t.numel() * stop // rows].clone()
-
-
-def _split_state(state, start: int, stop: int, layer: str):
-    """The state of rows ``[start, stop)`` of a fused weight (an input state is shared)."""
-    if state.shape is None:
-        return state
-    rows = state.shape[0]
-    qp = state.qparams
-    if qp is not None:
-        qp = replace(qp, scale=_rows(qp.scale, start, stop, rows, layer),
-                     zero_point=_rows(qp.zero_point, start, stop, rows, layer))
-    return replace(state, qparams=qp, lo=_rows(state.lo, start, stop, rows, layer),
-                   hi=_rows(state.hi, start, stop, rows, layer),
-                   shape=(stop - start, *state.shape[1:]))
+def _gate_and_up(state, shape, layer: str) -> list:
+    """A fused ``gate_up_proj`` weight state as its gate and up halves (rows), each shaped
+    ``shape``: the fusion code's split (a run-time state has no qparams to split)."""
+    if state.qparams is None:
+        return [state, state]
+    if not fusion.splittable(state.spec):
+        raise ValueError(f"export compressed-tensors: expert layer {layer!r}: {state.spec} "
+                         f"has units spanning rows, so gate and up cannot be written apart")
+    return fusion.split_state(state, [shape, shape])
 
 
 def _expert_module(parent: nn.Module, e: int, names) -> nn.Module:
@@ -143,11 +127,12 @@ def unfuse_experts(model: nn.Module, states: dict) -> dict:
             if not hasattr(experts[e], gate):  # no gate: up_proj alone
                 out[f"{name}.{e}.{up}"] = roles
                 continue
-            rows = experts[e].get_submodule(gate).out_features
-            for shard, (a, b) in ((gate, (0, rows)), (up, (rows, 2 * rows))):
+            shape = tuple(experts[e].get_submodule(gate).weight.shape)
+            halves = (_gate_and_up(roles["weight"], shape, fused) if "weight" in roles
+                      else [None, None])
+            for shard, half in zip((gate, up), halves):
                 out[f"{name}.{e}.{shard}"] = {
-                    role: _split_state(st, a, b, fused) if role == "weight" else st
-                    for role, st in roles.items()}
+                    role: half if role == "weight" else st for role, st in roles.items()}
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, experts)
