@@ -305,10 +305,6 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     """
     _ct()
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationScheme
-    from compressed_tensors.quantization.lifecycle.initialize import (
-        initialize_module_for_quantization,
-    )
 
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"export compressed-tensors: model must be a transformers "
@@ -328,25 +324,13 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     groups = _groups(states, lossy)
     source = _source_dir(calibration, model, model_path)
 
-    for args, layers in groups:
-        targets = ["Linear"] if len(groups) == 1 and all(
-            isinstance(work.get_submodule(n), nn.Linear) for n in layers) else sorted(layers)
-        scheme = QuantizationScheme(targets=targets, **{_ARG_NAME[r]: a for r, a in args.items()})
-        for layer in layers:
-            module = work.get_submodule(layer)
-            initialize_module_for_quantization(module, scheme, force_zero_point=False)
-            for role, st in states[layer].items():
-                _fill(module, role, st, lossy, layer)
+    _attach_schemes(work, groups, states, lossy)
     if lossy.notes:
         import warnings
 
         warnings.warn("export compressed-tensors (allow_lossy): " + "; ".join(lossy.notes),
                       stacklevel=2)
-    for layer, roles in kv.items():  # where vLLM reads them: <attention>.k_scale / v_scale
-        module = work.get_submodule(layer)
-        for role, st in roles.items():
-            scale = st.qparams.scale.detach().reshape(1).to(torch.float32).clone()
-            module.register_parameter(_KV_SCALE[role], nn.Parameter(scale, requires_grad=False))
+    _attach_kv_scales(work, kv)
     compressor = ModelCompressor.from_pretrained_model(work)
     if kv_args is not None:
         compressor.quantization_config.kv_cache_scheme = kv_args
@@ -358,6 +342,34 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         if source is not None:
             _copy_extras(source, tmp)
     return path
+
+
+def _attach_schemes(work: nn.Module, groups, states, lossy: _Lossy) -> None:
+    """Give every layer compressed-tensors' scheme and qparam parameters, holding its state's
+    values (one config group per distinct scheme; targets ``Linear`` when one covers all)."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.initialize import (
+        initialize_module_for_quantization,
+    )
+
+    for args, layers in groups:
+        targets = ["Linear"] if len(groups) == 1 and all(
+            isinstance(work.get_submodule(n), nn.Linear) for n in layers) else sorted(layers)
+        scheme = QuantizationScheme(targets=targets, **{_ARG_NAME[r]: a for r, a in args.items()})
+        for layer in layers:
+            module = work.get_submodule(layer)
+            initialize_module_for_quantization(module, scheme, force_zero_point=False)
+            for role, st in states[layer].items():
+                _fill(module, role, st, lossy, layer)
+
+
+def _attach_kv_scales(work: nn.Module, kv) -> None:
+    """The KV cache's scales where vLLM reads them: ``<attention>.k_scale`` / ``v_scale``."""
+    for layer, roles in kv.items():
+        module = work.get_submodule(layer)
+        for role, st in roles.items():
+            scale = st.qparams.scale.detach().reshape(1).to(torch.float32).clone()
+            module.register_parameter(_KV_SCALE[role], nn.Parameter(scale, requires_grad=False))
 
 
 def _annotate(folder: str, calibration, notes: list[str], source, work) -> None:
