@@ -49,7 +49,7 @@ def run_case(case: str, docs_n: int = DOCS) -> dict:
     if case == "sequential":
         from transformers import AutoTokenizer
 
-        from quantscope.calibrate.sequential import empty_model
+        from quantscope.calibrate.checkpoint import empty_model
 
         model, tok = empty_model(path), AutoTokenizer.from_pretrained(str(path))
         tok.pad_token, tok.padding_side = tok.pad_token or tok.eos_token, "right"  # as load_model

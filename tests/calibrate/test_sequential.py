@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quantscope.calibrate import calibrate
-from quantscope.calibrate.sequential import empty_model, find_blocks
+from quantscope.calibrate.checkpoint import empty_model
+from quantscope.calibrate.sequential import find_blocks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -27,7 +27,7 @@ CHILD = textwrap.dedent("""
     import json, resource, sys, torch
     torch.set_num_threads(1)
     from quantscope.calibrate import calibrate
-    from quantscope.calibrate.sequential import empty_model
+    from quantscope.calibrate.checkpoint import empty_model
     path, out = sys.argv[1], sys.argv[2]
     batches = torch.load(path + "/batches.pt")
     model = empty_model(path, task="causal-lm")

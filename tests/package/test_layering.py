@@ -39,7 +39,7 @@ ALLOWED_UPWARD = {
     ("calibrate.recipe", "export.read"),
     # empty_model (sequential calibration's skeleton) takes the demo models' names and
     # follows the folder's task, as load_model does
-    ("calibrate.sequential", "demo.models"),
+    ("calibrate.checkpoint", "demo.models"),
 }
 
 

@@ -1,12 +1,12 @@
 """Model-level calibration: recipes, the calibration pass, QDQ, reports, plots, save / load."""
 
 from .apply import QDQHandle, apply, qdq_tensor
+from .checkpoint import empty_model
 from .io import load, save
 from .recipe import PRESETS, RECIPES, ROLES, Recipe, Role, Rule, preset
 from .report import Report
 from .result import Calibration, RoleState
 from .sensitivity import Sensitivity, fallback_curve, keep_float, sensitivity
-from .sequential import empty_model
 from .session import calibrate, calibrate_many
 
 __all__ = [

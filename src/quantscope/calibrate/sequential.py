@@ -7,7 +7,7 @@ The model's blocks (the largest ``nn.ModuleList`` of identical modules, e.g. a d
    the first block's inputs are caught, positional and keyword (attention mask, position
    embeddings), then the forward stops;
 2. each block is loaded (from ``checkpoint``'s safetensors, memory-mapped, when the model
-   is an empty skeleton: :func:`empty_model`), calibrated over the cached inputs of all
+   is an empty skeleton: :func:`.checkpoint.empty_model`), calibrated over the cached inputs of all
    batches with the ordinary observers (:func:`~.session.calibrate_many` on that block
    alone, its modules keeping their full names), and unloaded; its outputs are the next
    block's inputs;
@@ -40,9 +40,9 @@ from torch import nn
 
 from . import heap
 from .batches import forward_batch
+from .checkpoint import Checkpoint, is_meta, load_params, unload_params
 
-__all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "empty_model",
-           "find_blocks"]
+__all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "find_blocks"]
 
 #: what ``sequential=`` accepts (True means "float")
 MODES = ("float", "quantized")
@@ -72,125 +72,6 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
         raise ValueError("calibrate: sequential=True found no nn.ModuleList of repeated blocks "
                          "in the model; name them with blocks='...'")
     return best, modules[best]
-
-
-# ---------------------------------------------------------------- weights on demand
-def empty_model(path, task: str | None = None) -> nn.Module:
-    """The model of a Hugging Face folder with every parameter on the meta device (no
-    weights in memory): the skeleton :func:`calibrate_sequential` loads block by block.
-    Buffers are real: read from the checkpoint, or (non-persistent ones such as rotary
-    tables) computed by the model's ``_init_weights``, as transformers' loader does."""
-    import transformers
-
-    from ..demo import models
-
-    path = models.resolve_model_path(path)
-    config = transformers.AutoConfig.from_pretrained(path)
-    task = task or models.model_task(path)
-    auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
-            else transformers.AutoModel)
-    with torch.device("meta"):  # nothing allocated, not even transiently (RLIMIT_DATA)
-        model = auto.from_config(config)
-    ckpt = _Checkpoint(path)
-    for module in model.modules():  # buffers are small: from the checkpoint, or computed
-        meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
-        for n in meta:
-            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
-        if meta:
-            init = getattr(model, "_init_weights", None)
-            if init is None:
-                raise ValueError(f"calibrate: cannot compute the buffers {meta} of "
-                                 f"{type(module).__name__} built on the meta device")
-            init(module)  # transformers' own initializer (rotary tables ...)
-    for name, b in model.named_buffers():
-        if name in ckpt.where:
-            b.copy_(ckpt.get(name))
-    model.eval()
-    return model
-
-
-class _Checkpoint:
-    """The tensors of a folder's ``*.safetensors`` files, read one at a time (mmap)."""
-
-    def __init__(self, path):
-        path = Path(path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() for f in files):
-            raise ValueError(f"calibrate: checkpoint {str(path)!r} has no .safetensors files")
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self.where = {}
-        for f in files:
-            with safe_open(f, "pt") as st:
-                for k in st.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                    self.where[k] = f
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.get_many([name])[name]
-
-    def get_many(self, names) -> dict[str, torch.Tensor]:
-        """Each file opened once: its tensors are views of one mapping of the file (a
-        handle per tensor would map the whole file once per tensor)."""
-        by_file = {}
-        for n in names:
-            by_file.setdefault(self.where[n], []).append(n)
-        out = {}
-        for f, ns in by_file.items():
-            with self._open(f, "pt") as st:
-                for n in ns:
-                    out[n] = st.get_tensor(n)
-        return out
-
-
-def _is_meta(module: nn.Module) -> bool:
-    return any(p.device.type == "meta" for p in module.parameters())
-
-
-def _load(model, names: set[str], ckpt: _Checkpoint | None, device) -> None:
-    """Give the parameters called ``names`` (full names) their checkpoint values. A name the
-    checkpoint lacks takes the value of a tied alias (``lm_head.weight`` is
-    ``embed_tokens.weight``)."""
-    aliases = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(n)
-    todo = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
-            if n in names and p.device.type == "meta"]
-    if todo and ckpt is None:
-        raise ValueError(f"calibrate: parameter {todo[0][0]!r} is on the meta device; pass "
-                         f"checkpoint= (the model's safetensors folder)")
-    source = {}
-    for n, p in todo:
-        src = next((a for a in [n, *aliases[id(p)]] if a in ckpt.where), None)
-        if src is None:
-            raise ValueError(f"calibrate: checkpoint has no tensor {n!r}")
-        source[id(p)] = src
-    tensors = ckpt.get_many(set(source.values())) if todo else {}
-    done = {}
-    for n, p in todo:
-        if id(p) not in done:
-            src = source[id(p)]
-            t = tensors.pop(src)
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"calibrate: checkpoint tensor {src!r} has shape "
-                                 f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
-            done[id(p)] = nn.Parameter(t.to(device=device, dtype=p.dtype), requires_grad=False)
-        _set_param(model, n, done[id(p)])
-
-
-def _set_param(model, name, value) -> None:
-    owner, _, attr = name.rpartition(".")
-    model.get_submodule(owner)._parameters[attr] = value
-
-
-def _unload(model, names: set[str]) -> None:
-    """Back to the meta device (tied aliases follow: one object per tensor)."""
-    done = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if n in names or id(p) in done:
-            if id(p) not in done:
-                done[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
-            _set_param(model, n, done[id(p)])
 
 
 # ---------------------------------------------------------------- cached activations
@@ -352,13 +233,34 @@ def _no_kv_cache(model):
 
 
 # ---------------------------------------------------------------- the engine
-def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float",
-                         checkpoint=None, blocks=None, cache_budget_mb=None,
-                         cache_dir=None, device=None, progress=True, **options):
-    """:func:`~.session.calibrate_many` one block at a time (see the module's doc);
-    ``options`` go to it for every piece. Returns ``{label: Calibration}``."""
-    from .result import Calibration
+@dataclasses.dataclass
+class _Run:
+    """What one sequential calibration holds while it runs: the model and where its weights
+    come from, the parameters it loaded (unloaded at the end), the activation caches'
+    shared budget and folder, and each recipe's calibrated pieces."""
 
+    model: nn.Module
+    ckpt: Checkpoint | None
+    device: object
+    budget: list
+    folder: str
+    parts: dict
+    loaded: list = dataclasses.field(default_factory=list)
+
+    def load(self, names: set[str]) -> None:
+        load_params(self.model, names, self.ckpt, self.device)
+        self.loaded.append(names)
+
+    def unload(self, names: set[str]) -> None:
+        unload_params(self.model, names)
+        self.loaded.remove(names)
+
+    def cache(self, tag: str) -> _Cache:
+        return _Cache(self.budget, self.folder, tag)
+
+
+def _check_mode(mode, recipes, options, cache_budget_mb):
+    """``(mode, cache_budget_mb)`` checked (``True`` is ``"float"``; None the default)."""
     if mode is False:
         raise TypeError("calibrate: checkpoint, blocks, cache_budget_mb, cache_dir and device "
                         "are options of sequential calibration; pass sequential=True")
@@ -376,133 +278,161 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
     if not (isinstance(cache_budget_mb, (int, float)) and cache_budget_mb >= 0):
         raise ValueError(f"calibrate: cache_budget_mb must be a number of MB >= 0, got "
                          f"{cache_budget_mb!r}")
+    return mode, cache_budget_mb
+
+
+def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float",
+                         checkpoint=None, blocks=None, cache_budget_mb=None,
+                         cache_dir=None, device=None, progress=True, **options):
+    """:func:`~.session.calibrate_many` one block at a time (see the module's doc);
+    ``options`` go to it for every piece. Returns ``{label: Calibration}``."""
+    from .result import Calibration
+
+    mode, cache_budget_mb = _check_mode(mode, recipes, options, cache_budget_mb)
     t0 = time.perf_counter()
     heap.prepare()  # freed weights and activations go back to the system (heap.py)
     if iter(batches) is batches:  # read twice (first block's inputs, then the head): keep them
         batches = list(batches)
-    ckpt = _Checkpoint(checkpoint) if checkpoint is not None else None
     name, layers = find_blocks(model, blocks)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     outside = {n for n in params if not n.startswith(name + ".")}
-    budget = [int(cache_budget_mb * 2**20)]
-    folder = tempfile.mkdtemp(prefix="quantscope-seq-", dir=cache_dir)
-    parts = {label: [] for label in recipes}
+    run = _Run(model, Checkpoint(checkpoint) if checkpoint is not None else None, device,
+               [int(cache_budget_mb * 2**20)], tempfile.mkdtemp(prefix="quantscope-seq-",
+                                                               dir=cache_dir),
+               {label: [] for label in recipes})
     was_training = model.training
     model.eval()
     originals = list(layers)
-    loaded_here = []
     try:
-        with _no_kv_cache(model), torch.inference_mode():
-            # 1. the first block's inputs, by running the model up to it
-            outer = {n for n in outside if _param(model, n).device.type == "meta"}
-            _load(model, outer, ckpt, device)
-            loaded_here.append(outer)
-            hidden, context = _Cache(budget, folder, "a"), _Cache(budget, folder, "ctx")
-            catch = _Catch()
-            layers[0] = catch
-            n = 0
+        hidden, context, n = _first_inputs(run, batches, name, layers, outside)
+        spilled, as_tuple = 0, False
+        for j, block in enumerate(originals):
+            full = f"{name}.{j}"
+            nxt, as_tuple = _calibrate_block(
+                run, full, block, {p for p in params if p.startswith(full + ".")}, hidden,
+                context, n, recipes, mode, calibrate_many, options)
+            spilled += hidden.spilled
+            hidden.clear()
+            hidden = nxt
+            if progress:
+                print(f"\rcalibrating {full} ({j + 1}/{len(originals)})", end="", flush=True)
+        if progress:
+            print()
+        _calibrate_rest(run, batches, name, layers, outside, hidden, as_tuple, recipes,
+                        calibrate_many, options)
+        spilled += hidden.spilled + context.spilled
+    finally:
+        for j, block in enumerate(originals):
+            layers[j] = block
+        for names in list(run.loaded):
+            run.unload(names)
+        shutil.rmtree(run.folder, ignore_errors=True)
+        model.train(was_training)
+    seconds = round(time.perf_counter() - t0, 3)
+    out = {}
+    for label, recipe in recipes.items():
+        if not run.parts[label]:
+            recipe.match(model)  # raises the whole-model error: nothing matches
+        out[label] = _merge(Calibration, recipe, label, run.parts[label], n, seconds,
+                            {"blocks": name, "count": len(originals), "mode": mode,
+                             "cache_budget_mb": cache_budget_mb, "spilled_batches": spilled})
+    return out
+
+
+def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
+    """``(hidden, context, n)``: the first block's inputs for each of the ``n`` batches
+    (hidden states, and the other positional / keyword arguments), by running the model up
+    to that block."""
+    model = run.model
+    with _no_kv_cache(model), torch.inference_mode():
+        outer = {p for p in outside if _param(model, p).device.type == "meta"}
+        run.load(outer)
+        hidden, context = run.cache("a"), run.cache("ctx")
+        first, catch = layers[0], _Catch()
+        layers[0] = catch
+        n = 0
+        try:
             for batch in batches:
                 try:
                     forward_batch(model, batch)
                 except _Stop:
                     pass
                 else:
-                    raise ValueError(f"calibrate: the model's forward never reached its first "
-                                     f"block {name}.0; name the blocks with blocks='...'")
+                    raise ValueError(f"calibrate: the model's forward never reached its "
+                                     f"first block {name}.0; name the blocks with blocks='...'")
                 args, kwargs = catch.caught
-                h = args[0] if args else kwargs.pop("hidden_states")
-                hidden.put(n, h)
+                hidden.put(n, args[0] if args else kwargs.pop("hidden_states"))
                 context.put(n, (args[1:], kwargs))
                 n += 1
-            layers[0] = originals[0]
-            if n == 0:
-                raise ValueError("calibrate: batches is empty: sequential calibration needs at "
-                                 "least one calibration batch")
-            _unload(model, outer)
-            loaded_here.remove(outer)
-        spilled = 0
-        as_tuple = False
-        # 2. block by block
-        for j, block in enumerate(originals):
-            full = f"{name}.{j}"
-            mine = {n for n in params if n.startswith(full + ".")}
-            load = _is_meta(block)
-            if load:
-                _load(model, mine, ckpt, device)
-                loaded_here.append(mine)
-            piece = _Piece(full, block, hidden, context)
-            nxt = _Cache(budget, folder, "b" if hidden.tag == "a" else "a")
-            todo = {k: _for_piece(r, piece) for k, r in recipes.items() if _matches(r, piece)}
-            auto = any(_has_auto(r) for r in todo.values())
-            piece.outputs = nxt if mode == "float" and not auto else None
-            if todo:
-                got = calibrate_many(piece, list(range(n)), todo, progress=False, **options)
-                for k, c in got.items():
-                    parts[k].append(c)
-            if piece.outputs is None or not todo:  # the outputs, by their own pass
-                handle = (got[next(iter(todo))].apply(piece) if todo and mode == "quantized"
-                          else None)
-                piece.outputs = nxt
-                try:
-                    with torch.inference_mode():
-                        for i in range(n):
-                            piece(i)
-                finally:
-                    if handle is not None:
-                        handle.remove()
-            as_tuple = piece.as_tuple
-            spilled += hidden.spilled
-            hidden.clear()
-            hidden = nxt
-            if load:
-                _unload(model, mine)
-                loaded_here.remove(mine)
-            # the block's weights (views of the checkpoint's mapping) can stay referenced
-            # from reference cycles of the calibration's objects until a collection:
-            # collect now, or the unloaded blocks' mappings accumulate
-            gc.collect()
-            heap.trim()  # the block's activations' heap pages back to the system
-            if progress:
-                print(f"\rcalibrating {full} ({j + 1}/{len(originals)})", end="", flush=True)
-        if progress:
-            print()
-        # 3. the parts outside the blocks, on the last block's outputs
-        rest = _without_blocks(model, name)
-        todo = {k: _for_piece(r, rest) for k, r in recipes.items() if _matches(r, rest)}
-        if todo:
-            outer = {n for n in outside if _param(model, n).device.type == "meta"}
-            _load(model, outer, ckpt, device)
-            loaded_here.append(outer)
-            state = {"i": 0}
-            for j in range(len(originals)):
-                layers[j] = _Replay(hidden, state, as_tuple)
+        finally:
+            layers[0] = first
+        if n == 0:
+            raise ValueError("calibrate: batches is empty: sequential calibration needs at "
+                             "least one calibration batch")
+        run.unload(outer)
+    return hidden, context, n
 
-            def indexed():
-                for i, batch in enumerate(batches):
-                    state["i"] = i
-                    yield batch
 
-            with _no_kv_cache(model):
-                got = calibrate_many(model, indexed(), todo, progress=False, **options)
-            for k, c in got.items():
-                parts[k].append(c)
-        spilled += hidden.spilled + context.spilled
-    finally:
-        for j, block in enumerate(originals):
-            layers[j] = block
-        for names in loaded_here:
-            _unload(model, names)
-        shutil.rmtree(folder, ignore_errors=True)
-        model.train(was_training)
-    seconds = round(time.perf_counter() - t0, 3)
-    out = {}
-    for label, recipe in recipes.items():
-        if not parts[label]:
-            recipe.match(model)  # raises the whole-model error: nothing matches
-        out[label] = _merge(Calibration, recipe, label, parts[label], n, seconds,
-                            {"blocks": name, "count": len(originals), "mode": mode,
-                             "cache_budget_mb": cache_budget_mb, "spilled_batches": spilled})
-    return out
+def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, context, n,
+                     recipes, mode, calibrate_many, options):
+    """Load, calibrate (each recipe that takes something in it) and unload one block; returns
+    ``(its outputs' cache, whether the block returns a tuple)``."""
+    load = is_meta(block)
+    if load:
+        run.load(mine)
+    piece = _Piece(full, block, hidden, context)
+    nxt = run.cache("b" if hidden.tag == "a" else "a")
+    todo = {k: _for_piece(r, piece) for k, r in recipes.items() if _matches(r, piece)}
+    auto = any(_has_auto(r) for r in todo.values())
+    # the outputs come with the calibration's own forwards, unless those are not the
+    # block's plain forwards (auto's scoring, or the quantized block's outputs wanted)
+    piece.outputs = nxt if mode == "float" and not auto else None
+    got = calibrate_many(piece, list(range(n)), todo, progress=False, **options) if todo else {}
+    for k, c in got.items():
+        run.parts[k].append(c)
+    if piece.outputs is None or not todo:  # the outputs, by their own pass
+        handle = got[next(iter(todo))].apply(piece) if todo and mode == "quantized" else None
+        piece.outputs = nxt
+        try:
+            with torch.inference_mode():
+                for i in range(n):
+                    piece(i)
+        finally:
+            if handle is not None:
+                handle.remove()
+    if load:
+        run.unload(mine)
+    # the block's weights (views of the checkpoint's mapping) can stay referenced from
+    # reference cycles of the calibration's objects until a collection: collect now, or the
+    # unloaded blocks' mappings accumulate
+    gc.collect()
+    heap.trim()  # the block's activations' heap pages back to the system
+    return nxt, piece.as_tuple
+
+
+def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hidden,
+                    as_tuple: bool, recipes, calibrate_many, options) -> None:
+    """The parts outside the blocks (final norm, head ...), on the last block's cached
+    outputs: every block replaced by a replay of them."""
+    model = run.model
+    rest = _without_blocks(model, name)
+    todo = {k: _for_piece(r, rest) for k, r in recipes.items() if _matches(r, rest)}
+    if not todo:
+        return
+    run.load({p for p in outside if _param(model, p).device.type == "meta"})
+    state = {"i": 0}
+    for j in range(len(layers)):
+        layers[j] = _Replay(hidden, state, as_tuple)
+
+    def indexed():
+        for i, batch in enumerate(batches):
+            state["i"] = i
+            yield batch
+
+    with _no_kv_cache(model):
+        got = calibrate_many(model, indexed(), todo, progress=False, **options)
+    for k, c in got.items():
+        run.parts[k].append(c)
 
 
 def _param(model, name):

@@ -1,0 +1,130 @@
+"""Weights on demand: a model skeleton with no weights in memory, and a checkpoint's
+safetensors read a few tensors at a time (memory-mapped), for sequential calibration
+(:mod:`.sequential`) of models larger than memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["Checkpoint", "empty_model", "is_meta", "load_params", "unload_params"]
+
+
+def empty_model(path, task: str | None = None) -> nn.Module:
+    """The model of a Hugging Face folder with every parameter on the meta device (no
+    weights in memory): the skeleton :func:`~.sequential.calibrate_sequential` loads block by block.
+    Buffers are real: read from the checkpoint, or (non-persistent ones such as rotary
+    tables) computed by the model's ``_init_weights``, as transformers' loader does."""
+    import transformers
+
+    from ..demo import models
+
+    path = models.resolve_model_path(path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    task = task or models.model_task(path)
+    auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
+            else transformers.AutoModel)
+    with torch.device("meta"):  # nothing allocated, not even transiently (RLIMIT_DATA)
+        model = auto.from_config(config)
+    ckpt = Checkpoint(path)
+    for module in model.modules():  # buffers are small: from the checkpoint, or computed
+        meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+        for n in meta:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+        if meta:
+            init = getattr(model, "_init_weights", None)
+            if init is None:
+                raise ValueError(f"calibrate: cannot compute the buffers {meta} of "
+                                 f"{type(module).__name__} built on the meta device")
+            init(module)  # transformers' own initializer (rotary tables ...)
+    for name, b in model.named_buffers():
+        if name in ckpt.where:
+            b.copy_(ckpt.get(name))
+    model.eval()
+    return model
+
+
+class Checkpoint:
+    """The tensors of a folder's ``*.safetensors`` files, read one at a time (mmap)."""
+
+    def __init__(self, path):
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise ValueError(f"calibrate: checkpoint {str(path)!r} has no .safetensors files")
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.where = {}
+        for f in files:
+            with safe_open(f, "pt") as st:
+                for k in st.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                    self.where[k] = f
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_many([name])[name]
+
+    def get_many(self, names) -> dict[str, torch.Tensor]:
+        """Each file opened once: its tensors are views of one mapping of the file (a
+        handle per tensor would map the whole file once per tensor)."""
+        by_file = {}
+        for n in names:
+            by_file.setdefault(self.where[n], []).append(n)
+        out = {}
+        for f, ns in by_file.items():
+            with self._open(f, "pt") as st:
+                for n in ns:
+                    out[n] = st.get_tensor(n)
+        return out
+
+
+def is_meta(module: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in module.parameters())
+
+
+def load_params(model, names: set[str], ckpt: Checkpoint | None, device) -> None:
+    """Give the parameters called ``names`` (full names) their checkpoint values. A name the
+    checkpoint lacks takes the value of a tied alias (``lm_head.weight`` is
+    ``embed_tokens.weight``)."""
+    aliases = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    todo = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
+            if n in names and p.device.type == "meta"]
+    if todo and ckpt is None:
+        raise ValueError(f"calibrate: parameter {todo[0][0]!r} is on the meta device; pass "
+                         f"checkpoint= (the model's safetensors folder)")
+    source = {}
+    for n, p in todo:
+        src = next((a for a in [n, *aliases[id(p)]] if a in ckpt.where), None)
+        if src is None:
+            raise ValueError(f"calibrate: checkpoint has no tensor {n!r}")
+        source[id(p)] = src
+    tensors = ckpt.get_many(set(source.values())) if todo else {}
+    done = {}
+    for n, p in todo:
+        if id(p) not in done:
+            src = source[id(p)]
+            t = tensors.pop(src)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"calibrate: checkpoint tensor {src!r} has shape "
+                                 f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
+            done[id(p)] = nn.Parameter(t.to(device=device, dtype=p.dtype), requires_grad=False)
+        _set_param(model, n, done[id(p)])
+
+
+def _set_param(model, name, value) -> None:
+    owner, _, attr = name.rpartition(".")
+    model.get_submodule(owner)._parameters[attr] = value
+
+
+def unload_params(model, names: set[str]) -> None:
+    """Back to the meta device (tied aliases follow: one object per tensor)."""
+    done = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n in names or id(p) in done:
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
+            _set_param(model, n, done[id(p)])
