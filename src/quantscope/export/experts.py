@@ -59,7 +59,9 @@ def expert_names(model: nn.Module) -> tuple[str, str, str] | None:
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta",
                     dtype=weight.dtype)
-    lin.weight = nn.Parameter(weight.detach().clone().contiguous(), requires_grad=False)
+    # one copy, row-major even from a transposed view
+    lin.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format),
+                              requires_grad=False)
     if bias is not None:
         lin.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
     return lin
