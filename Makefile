@@ -125,12 +125,11 @@ lint: venv
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
 
-# the API reference, rendered from the docstrings with the standard library (docs/api.py)
-# into build/docs/api.md; fails if a public name has no docstring. tests/docs/test_docs_api.py
-# runs the same check in `make test`.
+# the docs site (mkdocs.yml: docs/*.md and the API reference mkdocstrings renders from the
+# docstrings) into build/site, --strict: a broken link or reference fails.
+# tests/docs/test_docs_site.py builds it in `make test` and checks every public name is in it.
 docs: venv
-	mkdir -p build/docs
-	PYTHONPATH=src $(PY) docs/api.py build/docs/api.md
+	$(VENV)/bin/mkdocs build --strict
 
 # the modules over 500 lines and functions over 60 (the size rule; a list, not a gate)
 sizes:

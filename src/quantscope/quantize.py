@@ -52,6 +52,7 @@ def quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
 
 
 def dequantize_units(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor):
+    """``(q - zero_point) * scale`` on a units view (the inverse of :func:`quantize_units`)."""
     return (q - zero_point) * scale
 
 
