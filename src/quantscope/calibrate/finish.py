@@ -142,34 +142,116 @@ def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts
             missing="skip", fisher=None):
     """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
     ``auto_metric`` "joint" / "fisher", by :func:`.auto.joint_choice`)."""
-    cache = {}
-    data = {}
-    for key, slot in slots.items():
-        if slot.role == "weight":
-            data[key] = slot.module.weight.detach()
-        elif slot.sample is not None and slot.sample.count:
-            data[key] = slot.sample.rows()  # a view of the slot's buffer: no copy
+    built = _States(slots, auto_metric, fisher)
+    results = {label: built.recipe(plan, groups, experts, missing)
+               for label, plan in plans.items()}
+    hists = {key: _histogram(x) for key, x in built.data.items() if key[1] != "weight"}
+    return results, hists
 
-    def stats_of(key, skey, state):
-        if skey not in cache:
-            x = data.get(key)
-            cache[skey] = None if x is None else tensor_stats(x, state)
-        return cache[skey]
 
-    made = {}  # one state per observer, shared by every recipe (and auto) that uses it
-    errors = {}
+class _States:
+    """Every recipe's states from the slots' observers, through caches the recipes share (a
+    recipe that asks for an observer another already used gets the same state, stats and
+    ``auto`` error): one state per observer, keyed ``(layer, role, observer key, dynamic)``."""
 
-    def auto_error(layer, role, skey, state, st):
+    def __init__(self, slots, auto_metric, fisher):
+        self.slots, self.auto_metric, self.fisher = slots, auto_metric, fisher
+        self.data = {}  # what each role's states are scored on
+        for key, slot in slots.items():
+            if slot.role == "weight":
+                self.data[key] = slot.module.weight.detach()
+            elif slot.sample is not None and slot.sample.count:
+                self.data[key] = slot.sample.rows()  # a view of the slot's buffer: no copy
+        self.cache = {}  # the report's tensor stats of each state
+        self.made = {}  # one state per observer, shared by every recipe (and auto) that uses it
+        self.errors = {}  # what auto minimises, per state
+        self.joint = {}  # the joint (weight, input) choice per layer and configuration
+
+    def recipe(self, plan, groups, experts, missing):
+        """``(states, rows, fusion groups, per-expert ranges, roles that saw no data)`` of one
+        recipe's plan."""
+        states, rows, absent = {}, [], []
+        for (layer, role), (cfg, names) in plan.items():
+            gap = _missing(layer, role, self.slots[(layer, role)], names, cfg, missing, experts)
+            if gap is not None:
+                absent.append(gap)
+                continue
+            state, st = self.role_state(plan, layer, role, cfg, names, experts)
+            states.setdefault(layer, {})[role] = state
+            if st is not None:
+                rows.append(_row(layer, role, state, st))
+        _share_inputs(states, rows, plan, self.slots, groups, self.made, self.errors, self.cache)
+        shared = _share_weights(states, rows, plan, self.slots, groups)
+        per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
+        floats = {g["layer"] for g in absent if g["fallback"] == "float layer"}
+        states = {k: v for k, v in states.items() if k not in floats}
+        rows = [r for r in rows if r["layer"] not in floats]
+        return states, rows, shared, per_expert, absent
+
+    def role_state(self, plan, layer, role, cfg, names, experts):
+        """``(state, stats)`` of one role: the joint choice, the run-time (dynamic) state, or
+        the best observed candidate; ``(None, None)`` for an MoE expert without tokens
+        (:func:`moe.shrink` pools it later)."""
+        slot = self.slots[(layer, role)]
+        shape = tuple(slot.module.weight.shape) if role == "weight" else None
+        pick = (self.joint_pick(plan, layer) if self.auto_metric in _auto.LAYER_METRICS
+                and len(names) > 1 and role in ("weight", "input") else None)
+        if pick is not None:
+            state = replace(pick[role], requested=cfg.observer)
+            return state, self.stats_of((layer, role), (layer, role, "joint", state.observer,
+                                                        cfg), state)
+        if cfg.dynamic is True:
+            state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
+            return state, self.stats_of((layer, role), (layer, role, "dynamic", cfg), state)
+        best = self.best_candidate(layer, role, slot, cfg, names, shape)
+        if best is None and experts is not None and layer in experts.layers:
+            return None, None
+        if best is None:
+            raise ValueError(f"calibrate: layer {layer!r} {role}: no candidate observer "
+                             f"could take {cfg.spec}: {slot.failed}")
+        return best[0], best[1]
+
+    def best_candidate(self, layer, role, slot, cfg, names, shape):
+        """``(state, stats, error)`` of the candidate with the least ``auto`` error (the one
+        candidate where there is one), or None where none observed data."""
+        best = None
+        for n in names:
+            okey = observer_key(n, cfg, slot.module)
+            if okey not in slot.observers:
+                continue
+            obs = slot.observers[okey]
+            if not obs.has_observed:  # another candidate saw the data, or an expert
+                continue              # without tokens (moe.shrink pools it below)
+            skey = (layer, role, okey, cfg.dynamic)
+            cand = self.state_of(obs, cfg, skey, shape)
+            st = self.stats_of((layer, role), skey, cand)
+            err = self.auto_error(layer, role, skey, cand, st) if len(names) > 1 else None
+            if best is None or (err is not None and (best[2] is None or err < best[2])):
+                best = (cand, st, err)
+        return best
+
+    def stats_of(self, key, skey, state):
+        if skey not in self.cache:
+            x = self.data.get(key)
+            self.cache[skey] = None if x is None else tensor_stats(x, state)
+        return self.cache[skey]
+
+    def state_of(self, obs, cfg, skey, shape):
+        if skey not in self.made:
+            self.made[skey] = _state_from(obs, cfg, shape)
+        return replace(self.made[skey], requested=cfg.observer)
+
+    def auto_error(self, layer, role, skey, state, st):
         """What ``auto`` minimises: the squared error this role's quantization causes in the
         layer's output ``x W^T`` (metric "output", for 2-D weights with an input sample), or
         in the tensor itself (metric "tensor", and the fallback)."""
-        if skey in errors:
-            return errors[skey]
+        if skey in self.errors:
+            return self.errors[skey]
         err = None if st is None else st["noise"]
-        module = slots[(layer, role)].module
+        module = self.slots[(layer, role)].module
         w = getattr(module, "weight", None)
-        x = data.get((layer, "input"))
-        if (auto_metric == "output" and role in ("weight", "input") and w is not None
+        x = self.data.get((layer, "input"))
+        if (self.auto_metric == "output" and role in ("weight", "input") and w is not None
                 and w.dim() == 2 and x is not None and x.shape[-1] == w.shape[1]):
             w, x = w.detach().float(), x.float()
             if role == "input":
@@ -177,76 +259,18 @@ def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts
             else:
                 e = x @ (qdq_tensor(w, state).float() - w).T
             err = float(e.square().sum())
-        errors[skey] = err
+        self.errors[skey] = err
         return err
 
-    def state_of(obs, cfg, skey, shape):
-        if skey not in made:
-            made[skey] = _state_from(obs, cfg, shape)
-        return replace(made[skey], requested=cfg.observer)
-
-    def joint_pick(plan, layer):
+    def joint_pick(self, plan, layer):
         """The (weight, input) states :func:`.auto.joint_choice` picks for ``layer``, or None
         where the layer has no 2-D weight with an input sample and both roles calibrated."""
         key = (layer, tuple((r, plan[(layer, r)][0]) for r in ("weight", "input")
                             if (layer, r) in plan))
-        if key not in joint:
-            joint[key] = _auto.layer_pick(layer, plan, slots, data, state_of, fisher)
-        return joint[key]
-
-    joint = {}
-    results = {}
-    for label, plan in plans.items():
-        states, rows, absent = {}, [], []
-        for (layer, role), (cfg, names) in plan.items():
-            slot = slots[(layer, role)]
-            gap = _missing(layer, role, slot, names, cfg, missing, experts)
-            if gap is not None:
-                absent.append(gap)
-                continue
-            shape = tuple(slot.module.weight.shape) if role == "weight" else None
-            pick = (joint_pick(plan, layer) if auto_metric in _auto.LAYER_METRICS
-                    and len(names) > 1 and role in ("weight", "input") else None)
-            if pick is not None:
-                state = replace(pick[role], requested=cfg.observer)
-                st = stats_of((layer, role), (layer, role, "joint", state.observer, cfg), state)
-            elif cfg.dynamic is True:
-                state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
-                st = stats_of((layer, role), (layer, role, "dynamic", cfg), state)
-            else:
-                best = None
-                for n in names:
-                    okey = observer_key(n, cfg, slot.module)
-                    if okey not in slot.observers:
-                        continue
-                    obs = slot.observers[okey]
-                    if not obs.has_observed:  # another candidate saw the data, or an expert
-                        continue              # without tokens (moe.shrink pools it below)
-                    skey = (layer, role, okey, cfg.dynamic)
-                    cand = state_of(obs, cfg, skey, shape)
-                    st = stats_of((layer, role), skey, cand)
-                    err = auto_error(layer, role, skey, cand, st) if len(names) > 1 else None
-                    if best is None or (err is not None and (best[2] is None or err < best[2])):
-                        best = (cand, st, err)
-                if best is None and experts is not None and layer in experts.layers:
-                    states.setdefault(layer, {})[role] = None
-                    continue
-                if best is None:
-                    raise ValueError(f"calibrate: layer {layer!r} {role}: no candidate observer "
-                                     f"could take {cfg.spec}: {slot.failed}")
-                state, st, _ = best
-            states.setdefault(layer, {})[role] = state
-            if st is not None:
-                rows.append(_row(layer, role, state, st))
-        _share_inputs(states, rows, plan, slots, groups, made, errors, cache)
-        shared = _share_weights(states, rows, plan, slots, groups)
-        per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
-        floats = {g["layer"] for g in absent if g["fallback"] == "float layer"}
-        states = {k: v for k, v in states.items() if k not in floats}
-        rows = [r for r in rows if r["layer"] not in floats]
-        results[label] = (states, rows, shared, per_expert, absent)
-    hists = {key: _histogram(x) for key, x in data.items() if key[1] != "weight"}
-    return results, hists
+        if key not in self.joint:
+            self.joint[key] = _auto.layer_pick(layer, plan, self.slots, self.data,
+                                               self.state_of, self.fisher)
+        return self.joint[key]
 
 
 def _row(layer, role, state: RoleState, st: dict) -> dict:

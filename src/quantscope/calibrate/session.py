@@ -126,34 +126,8 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             (``checkpoint``, ``blocks``, ``cache_budget_mb``, ``cache_dir``, ``device``) go
             to :func:`.sequential.calibrate_sequential`.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(sample_tokens, int) or sample_tokens < 1:
-        raise ValueError(f"calibrate: sample_tokens must be a positive integer, got "
-                         f"{sample_tokens!r}")
-    if sample_budget_mb is not None and not (
-            isinstance(sample_budget_mb, (int, float)) and not isinstance(sample_budget_mb, bool)
-            and math.isfinite(sample_budget_mb) and sample_budget_mb > 0):
-        raise ValueError(f"calibrate: sample_budget_mb must be a positive number of MB, got "
-                         f"{sample_budget_mb!r}")
-    if isinstance(recipes, (str, Recipe)):
-        recipes = [recipes]
-    if not isinstance(recipes, dict):
-        recipes = [_as_recipe(r, None) for r in recipes]
-        recipes = {r.name: r for r in recipes}
-    else:
-        recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
-    if not recipes:
-        raise ValueError("calibrate: no recipe given")
-    if auto_metric not in AUTO_METRICS:
-        raise ValueError(f"calibrate: auto_metric must be one of {AUTO_METRICS}, got "
-                         f"{auto_metric!r}")
-    if missing not in MISSING_POLICIES:
-        raise ValueError(f"calibrate: missing must be one of {MISSING_POLICIES}, got "
-                         f"{missing!r}")
-    if not isinstance(expert_min_tokens, int) or expert_min_tokens < 1:
-        raise ValueError(f"calibrate: expert_min_tokens must be a positive integer, got "
-                         f"{expert_min_tokens!r}")
+    recipes = _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,
+                       expert_min_tokens)
     t0 = time.perf_counter()
     if batches is None:
         batches = []
@@ -175,10 +149,7 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     fisher = None
     if auto_metric == "fisher":
         batches = list(batches)
-        layers = {layer for r in recipes.values() if _auto._has_auto(r)
-                  for layer, (_, roles) in r.match(model).items() if "weight" in roles}
-        fisher = _auto.fisher_weights(model, _auto.score_batches(batches, score_tokens),
-                                      sorted(layers), loss)
+        fisher = _fisher_weights(model, batches, recipes, score_tokens, loss)
     # MoE experts become Linear views for the whole calibration (moe.py); restored after
     with moe.attach(model, bool(all_experts)) as experts:
         experts.min_tokens = expert_min_tokens
@@ -186,16 +157,76 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
                                           progress, seed, group, t0, auto_metric, experts,
                                           missing, sample_budget_mb)
-        slots, plans = make_plan(model, recipes, candidates)
-        batches, groups = share_group_inputs(model, batches, recipes, slots)
-        experts.reset_counts()
-        needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
-                         for s in slots.values())
-        n = (observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb)
-             if needs_data else 0)
-        return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
-                         groups=groups, experts=experts, model=model, missing=missing,
-                         fisher=fisher)
+        return _calibrate_local(model, batches, recipes, candidates, sample_tokens, progress,
+                                seed, t0, auto_metric, experts, missing, sample_budget_mb,
+                                fisher)
+
+
+def _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,
+             expert_min_tokens) -> dict[str, Recipe]:
+    """:func:`calibrate_many`'s ``{label: Recipe}``; raises naming the argument unless each
+    is of its kind and in range (before any hook is attached or batch run)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(sample_tokens, int) or sample_tokens < 1:
+        raise ValueError(f"calibrate: sample_tokens must be a positive integer, got "
+                         f"{sample_tokens!r}")
+    if sample_budget_mb is not None and not (
+            isinstance(sample_budget_mb, (int, float)) and not isinstance(sample_budget_mb, bool)
+            and math.isfinite(sample_budget_mb) and sample_budget_mb > 0):
+        raise ValueError(f"calibrate: sample_budget_mb must be a positive number of MB, got "
+                         f"{sample_budget_mb!r}")
+    recipes = _as_recipes(recipes)
+    if auto_metric not in AUTO_METRICS:
+        raise ValueError(f"calibrate: auto_metric must be one of {AUTO_METRICS}, got "
+                         f"{auto_metric!r}")
+    if missing not in MISSING_POLICIES:
+        raise ValueError(f"calibrate: missing must be one of {MISSING_POLICIES}, got "
+                         f"{missing!r}")
+    if not isinstance(expert_min_tokens, int) or expert_min_tokens < 1:
+        raise ValueError(f"calibrate: expert_min_tokens must be a positive integer, got "
+                         f"{expert_min_tokens!r}")
+    return recipes
+
+
+def _as_recipes(recipes) -> dict[str, Recipe]:
+    """``{label: Recipe}`` of a recipe, a list of recipes (labelled by name) or a dict; preset
+    names become their recipes."""
+    if isinstance(recipes, (str, Recipe)):
+        recipes = [recipes]
+    if not isinstance(recipes, dict):
+        recipes = [_as_recipe(r, None) for r in recipes]
+        recipes = {r.name: r for r in recipes}
+    else:
+        recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
+    if not recipes:
+        raise ValueError("calibrate: no recipe given")
+    return recipes
+
+
+def _fisher_weights(model, batches, recipes, score_tokens, loss):
+    """The loss's ``g^2`` per output feature of every weight an ``auto`` recipe quantizes
+    (``auto_metric="fisher"``), from backward passes over the first ``score_tokens`` tokens."""
+    layers = {layer for r in recipes.values() if _auto._has_auto(r)
+              for layer, (_, roles) in r.match(model).items() if "weight" in roles}
+    return _auto.fisher_weights(model, _auto.score_batches(batches, score_tokens),
+                                sorted(layers), loss)
+
+
+def _calibrate_local(model, batches, recipes, candidates, sample_tokens, progress, seed, t0,
+                     auto_metric, experts, missing, sample_budget_mb, fisher):
+    """``calibrate_many`` in one process: weights observed once, activations over the
+    batches (skipped where no recipe needs them)."""
+    slots, plans = make_plan(model, recipes, candidates)
+    batches, groups = share_group_inputs(model, batches, recipes, slots)
+    experts.reset_counts()
+    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
+                     for s in slots.values())
+    n = (observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb)
+         if needs_data else 0)
+    return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
+                     groups=groups, experts=experts, model=model, missing=missing,
+                     fisher=fisher)
 
 
 def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor",

@@ -126,8 +126,7 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     U, B = counts.shape
     dev = counts.device
     nq = 1 << (num_bits - 1 + int(unsigned))
-    C = len(range(start_bin, B + 1, stride))
-    if C == 0:
+    if not len(range(start_bin, B + 1, stride)):
         raise ValueError(f"entropy: start_bin {start_bin} leaves no candidate in a histogram "
                          f"of {B} bins")
     if stop is None:
@@ -136,17 +135,38 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
         stop = torch.as_tensor(stop, dtype=torch.int64, device=dev)
     lib = _kernel() if kernel and dev.type == "cpu" and U and counts.dtype == torch.int64 \
         else None
-    if lib is not None:  # int64 counts in: the zero-bin copy and float64 cast happen in C
-        out = torch.empty(U, C, dtype=torch.float64)
-        st = None if stop is _LAST else stop.contiguous()
-        if not lib.qs_entropy(counts.contiguous().data_ptr(), None if st is None else
-                              st.data_ptr(), out.data_ptr(),
-                              None if pick is None else pick.data_ptr(), U, B, start_bin,
-                              stride, C, nq.bit_length() - 1, int(copy_zero_bin), int(fallback),
-                              torch.get_num_threads()):
-            return out, True
+    if lib is not None:
+        kl = _kernel_divergences(lib, counts, nq, start_bin, stride, stop, copy_zero_bin, pick,
+                                 fallback)
+        if kl is not None:
+            return kl, True
     if stop is _LAST:
         stop = _last_nonempty(counts)
+    return _torch_divergences(counts, nq, start_bin, stride, stop, copy_zero_bin), False
+
+
+def _kernel_divergences(lib, counts, nq, start_bin, stride, stop, copy_zero_bin, pick,
+                        fallback):
+    """The C kernel's divergences ``[U, C]`` (None where it declined: the torch form runs)."""
+    U, B = counts.shape
+    C = len(range(start_bin, B + 1, stride))
+    # int64 counts in: the zero-bin copy and float64 cast happen in C
+    out = torch.empty(U, C, dtype=torch.float64)
+    st = None if stop is _LAST else stop.contiguous()
+    if lib.qs_entropy(counts.contiguous().data_ptr(), None if st is None else st.data_ptr(),
+                      out.data_ptr(), None if pick is None else pick.data_ptr(), U, B,
+                      start_bin, stride, C, nq.bit_length() - 1, int(copy_zero_bin),
+                      int(fallback), torch.get_num_threads()):
+        return None
+    return out
+
+
+def _torch_divergences(counts, nq, start_bin, stride, stop, copy_zero_bin) -> torch.Tensor:
+    """TensorRT's KL of every candidate in closed form ``[U, C]``, from prefix sums: the
+    quantized distribution's groups are sums of runs of bins, so every candidate costs a
+    few gathers instead of a loop over its bins."""
+    U, B = counts.shape
+    dev = counts.device
     b = counts.to(torch.float64, copy=True)
     if copy_zero_bin and B > 1:
         b[:, 0] = b[:, 1]
@@ -156,22 +176,38 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     nz = torch.cat([zero, (b > 0).double().cumsum(1)], 1)
     bl = torch.cat([zero, _xlogx(b).cumsum(1)], 1)
     T = cs[:, -1:]
-    # group boundaries ceil(g i / nq), g = 0..nq, for every candidate i: [C, nq + 1]
-    g = torch.arange(nq + 1, device=dev)
-    bnd = (g[None, :] * cand[:, None] + nq - 1) // nq
-    last_g = (nq * (cand - 1)) // cand  # group of bin i - 1
     ci = cs[:, cand]  # C_i  [U, C]
     si = T - ci  # outliers
     b_last = b[:, cand - 1]
     p_last = b_last + si
     plogp = bl[:, cand - 1] + _xlogx(p_last)
-    ar = torch.arange(B, device=dev)
-    nzn = torch.where(b > 0, ar, B).flip(1).cummin(1).values.flip(1)  # next non-empty bin >= k
-    nzn = torch.cat([nzn, torch.full((U, 1), B, device=dev)], 1)
-    prev = torch.where(b > 0, ar, -1).cummax(1).values  # last non-empty bin <= k
-    prev = torch.cat([torch.full((U, 1), -1, device=dev), prev[:, :-1]], 1)  # ... < k
-    chg = (b > 0) & (prev >= 0) & (b != b.gather(1, prev.clamp(min=0)))
-    chg = torch.cat([torch.zeros(U, 1, dtype=torch.long, device=dev), chg.long().cumsum(1)], 1)
+    cross, q_last, flat = _group_terms(b, cs, nz, cand, nq)
+    out_term = torch.where(si > 0, si * torch.log(q_last.clamp(min=1e-300)), torch.zeros_like(si))
+    kl = (plogp - cross - out_term) / T - torch.log(T) + torch.log(ci)
+    # P and Q proportional (the one non-empty bin below i is the last, or no outliers and
+    # every group flat): TensorRT's loop gets 0 exactly, the closed form rounding noise of
+    # either sign, which would decide ties among such thresholds
+    one = (nz[:, cand] == 1) & (b_last > 0)
+    kl = torch.where(one | ((si == 0) & flat), torch.zeros_like(kl), kl)
+    inf = torch.full_like(kl, float("inf"))
+    kl = torch.where((si > 0) & (b_last == 0), inf, kl)  # P > 0 where Q = 0
+    kl = torch.where(ci > 0, kl, inf)
+    return torch.where(cand[None, :] <= stop[:, None], kl, torch.full_like(kl, float("nan")))
+
+
+def _group_terms(b, cs, nz, cand, nq):
+    """Per unit and candidate ``i``, over the ``nq`` groups of bins ``[0, i)``:
+    ``(sum G log(G / n), the last group's mean count, whether every group is flat)``, with
+    ``G`` a group's count and ``n`` its non-empty bins (the cross term of the KL, the
+    quantized value the outliers meet, and the test for P and Q proportional)."""
+    U, B = b.shape
+    C = len(cand)
+    dev = b.device
+    # group boundaries ceil(g i / nq), g = 0..nq, for every candidate i: [C, nq + 1]
+    g = torch.arange(nq + 1, device=dev)
+    bnd = (g[None, :] * cand[:, None] + nq - 1) // nq
+    last_g = (nq * (cand - 1)) // cand  # group of bin i - 1
+    nzn, chg = _runs(b)
     flat = torch.empty(U, C, dtype=torch.bool, device=dev)
     cross = torch.empty(U, C, dtype=torch.float64, device=dev)
     q_last = torch.empty(U, C, dtype=torch.float64, device=dev)
@@ -191,18 +227,23 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
         c_end = chg[u:u + step][:, bnd[:, 1:].reshape(-1)].reshape(-1, C, nq)
         c_first = chg[u:u + step].gather(1, (first + 1).clamp(max=B).reshape(len(first), -1))
         flat[u:u + step] = ((first >= ends) | (c_end == c_first.reshape_as(first))).all(-1)
-    out_term = torch.where(si > 0, si * torch.log(q_last.clamp(min=1e-300)), torch.zeros_like(si))
-    kl = (plogp - cross - out_term) / T - torch.log(T) + torch.log(ci)
-    # P and Q proportional (the one non-empty bin below i is the last, or no outliers and
-    # every group flat): TensorRT's loop gets 0 exactly, the closed form rounding noise of
-    # either sign, which would decide ties among such thresholds
-    one = (nz[:, cand] == 1) & (b_last > 0)
-    kl = torch.where(one | ((si == 0) & flat), torch.zeros_like(kl), kl)
-    inf = torch.full_like(kl, float("inf"))
-    kl = torch.where((si > 0) & (b_last == 0), inf, kl)  # P > 0 where Q = 0
-    kl = torch.where(ci > 0, kl, inf)
-    kl = torch.where(cand[None, :] <= stop[:, None], kl, torch.full_like(kl, float("nan")))
-    return kl, False
+    return cross, q_last, flat
+
+
+def _runs(b):
+    """``(next non-empty bin >= k [U, B + 1], changes of count among the non-empty bins
+    before k [U, B + 1])``: a group is flat when no change falls after its first non-empty
+    bin."""
+    U, B = b.shape
+    dev = b.device
+    ar = torch.arange(B, device=dev)
+    nzn = torch.where(b > 0, ar, B).flip(1).cummin(1).values.flip(1)  # next non-empty bin >= k
+    nzn = torch.cat([nzn, torch.full((U, 1), B, device=dev)], 1)
+    prev = torch.where(b > 0, ar, -1).cummax(1).values  # last non-empty bin <= k
+    prev = torch.cat([torch.full((U, 1), -1, device=dev), prev[:, :-1]], 1)  # ... < k
+    chg = (b > 0) & (prev >= 0) & (b != b.gather(1, prev.clamp(min=0)))
+    chg = torch.cat([torch.zeros(U, 1, dtype=torch.long, device=dev), chg.long().cumsum(1)], 1)
+    return nzn, chg
 
 
 def _smooth(kl: torch.Tensor, width: int) -> torch.Tensor:

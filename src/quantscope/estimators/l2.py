@@ -123,19 +123,50 @@ def _count_beta_ge(c: torch.Tensor, total: torch.Tensor, beta: torch.Tensor) -> 
 
 def l2_path(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ranges torch.ao's search visits: ``(start [U, J], end [U, J], valid [U, J])`` in
-    visiting order (each a change of range that torch prices)."""
-    U, Bn = counts.shape
+    visiting order (each a change of range that torch prices).
+
+    torch's loop moves the range's ends by quantile steps ``alpha`` (start) and ``beta``
+    (end) in two phases: both ends while the start still gains (phase 1), then the end alone
+    (phase 2); each phase is computed for every step at once."""
     dev = counts.device
     alpha, beta = (t.to(dev) for t in _quantile_steps())
     hist = counts.float()
     total = hist.sum(1).double()  # torch: torch.sum(histogram).item()
     csum = torch.cumsum(hist, dim=1)
-    L = Bn + 2
-    ks = torch.arange(L, device=dev)
+    A, Bv = _step_bins(csum, total, alpha, beta)
+    start1, end1, valid1, ended, a_max, b_max = _both_ends(A, Bv, alpha, beta)
+    start2, end2, valid2 = _end_alone(csum, total, A, Bv, alpha, beta, a_max, b_max, ended)
+    start = torch.cat([start1, start2], 1)
+    end = torch.cat([end1, end2], 1)
+    valid = torch.cat([valid1, valid2], 1)
+    # compact: visited ranges first, in order
+    order = torch.argsort((~valid).long(), dim=1, stable=True)
+    return start.gather(1, order), end.gather(1, order), valid.gather(1, order)
+
+
+#: larger than any step index (a sort key that goes last)
+_BIG = torch.iinfo(torch.int64).max // 4
+
+
+def _step_bins(csum, total, alpha, beta):
+    """``(A, B) [U, bins + 2]``: the bin the start reaches after ``k`` alpha steps and the
+    end after ``k`` beta steps (step 0: the histogram's ends)."""
+    Bn = csum.shape[1]
+    ks = torch.arange(Bn + 2, device=csum.device)
     A = torch.searchsorted(csum, _thr(alpha[ks][None, :], total[:, None]), right=False)
     Bv = torch.searchsorted(csum, _thr(beta[ks][None, :], total[:, None]), right=True) - 1
     A[:, 0] = 0
     Bv[:, 0] = Bn - 1
+    return A, Bv
+
+
+def _both_ends(A, Bv, alpha, beta):
+    """Phase 1, while both ends still gain: the steps of either end merged in the order
+    torch's loop takes them (it moves the end that gains more bins).
+    ``(start, end, valid) [U, 2 (L - 1)]``, whether the walk ended in this phase ``[U]``,
+    and the steps each end took in it ``[U]``."""
+    U, L = A.shape
+    dev = A.device
     dA = A[:, 1:] - A[:, :-1]  # [U, L - 1]
     dB = Bv[:, :-1] - Bv[:, 1:]
     ar = torch.arange(L - 1, device=dev)
@@ -143,11 +174,11 @@ def l2_path(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     b_max = torch.where(dB == 0, ar, L).amin(1)
     in_a = ar[None, :] < a_max[:, None]
     in_b = ar[None, :] < b_max[:, None]
-    big = torch.iinfo(torch.int64).max // 4
     xs = torch.where(in_a, torch.cummin(dA, 1).values, -1)  # keys of the alpha steps
     ys = torch.where(in_b, torch.cummin(dB, 1).values, -1)
-    # phase 1: merge (ties: beta first). alpha step a lands after every beta step with key >= its
-    nb = torch.searchsorted(torch.where(in_b, -ys, big), torch.where(in_a, -xs, big), right=True)
+    # merge (ties: beta first). alpha step a lands after every beta step with key >= its
+    nb = torch.searchsorted(torch.where(in_b, -ys, _BIG), torch.where(in_a, -xs, _BIG),
+                            right=True)
     nb = torch.minimum(nb, b_max[:, None])
     L1 = 2 * (L - 1)
     is_alpha = torch.zeros(U, L1 + 1, dtype=torch.long, device=dev)
@@ -170,14 +201,22 @@ def l2_path(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     l_cl = torch.minimum(e0, l_un)
     r_cl = torch.maximum(s0, r_un)
     go_a = torch.where(cross, (l_cl - s0) > (e0 - r_cl), is_alpha.bool())
-    start1 = torch.where(go_a, l_cl, s0)
-    end1 = torch.where(go_a, e0, r_cl)
+    start = torch.where(go_a, l_cl, s0)
+    end = torch.where(go_a, e0, r_cl)
     # a step runs if every earlier step ran without crossing; it changes the range if it moves
     stop_ev = (in_phase & (~runs | cross)).long()
     stopped = torch.cumsum(stop_ev, 1) - stop_ev
-    valid1 = in_phase & runs & (stopped == 0) & ((start1 != s0) | (end1 != e0))
+    valid = in_phase & runs & (stopped == 0) & ((start != s0) | (end != e0))
     ended = stop_ev.bool().any(1)  # the walk ended inside phase 1
-    # phase 2: alpha stuck at a_max; the end walks down through the bins the beta steps reach
+    return start, end, valid, ended, a_max, b_max
+
+
+def _end_alone(csum, total, A, Bv, alpha, beta, a_max, b_max, ended):
+    """Phase 2: alpha stuck at ``a_max``; the end walks down through the bins the beta steps
+    reach. ``(start, end, valid) [U, bins]``, the end descending."""
+    U, Bn = csum.shape
+    L = A.shape[1]
+    dev = csum.device
     s2 = A.gather(1, a_max.clamp(max=L - 1)[:, None])[:, 0]
     e2 = Bv.gather(1, b_max.clamp(max=L - 1)[:, None])[:, 0]
     b_end = (beta[None, :] > alpha[a_max.clamp(max=alpha.numel() - 1)][:, None]).sum(1)
@@ -185,20 +224,13 @@ def l2_path(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     nxt = csum.gather(1, (bins + 1).clamp(max=Bn - 1)[None, :].expand(U, -1))
     first_b = _count_beta_ge(nxt, total, beta)  # first step with B(b) <= i
     first_b = torch.where(bins[None, :] + 1 < Bn, first_b, 0)
-    prev = torch.cat([first_b[:, :1] * 0 + big, first_b[:, :-1]], 1)  # first step with B <= i-1
+    prev = torch.cat([first_b[:, :1] * 0 + _BIG, first_b[:, :-1]], 1)  # first with B <= i-1
     reach = (first_b < prev) | (bins[None, :] == s2[:, None])
     reach &= (first_b <= b_end[:, None]) & (first_b > b_max[:, None])
     reach &= (bins[None, :] >= s2[:, None]) & (bins[None, :] < e2[:, None])
     reach &= ~ended[:, None]
-    end2 = bins.flip(0)[None, :].expand(U, -1)  # descending
-    valid2 = reach.flip(1)
-    start2 = s2[:, None].expand(U, Bn)
-    start = torch.cat([start1, start2], 1)
-    end = torch.cat([end1, end2], 1)
-    valid = torch.cat([valid1, valid2], 1)
-    # compact: visited ranges first, in order
-    order = torch.argsort((~valid).long(), dim=1, stable=True)
-    return start.gather(1, order), end.gather(1, order), valid.gather(1, order)
+    end = bins.flip(0)[None, :].expand(U, -1)  # descending
+    return s2[:, None].expand(U, Bn), end, reach.flip(1)
 
 
 def l2_norms(hist: Hist, start: torch.Tensor, end: torch.Tensor,

@@ -89,9 +89,21 @@ def quant_args(state, layer: str, role: str, lossy: _Lossy | None = None):
     from compressed_tensors.quantization import QuantizationArgs
 
     lossy = lossy or _Lossy(False)
-    spec, lay, enc = state.spec, state.spec.layout, state.spec.scale
+    kw = {"symmetric": state.spec.symmetric, **_element_args(state.spec, layer, role)}
+    if state.dynamic == "local":
+        kw["dynamic"] = "local"
+    elif state.dynamic:
+        kw["dynamic"] = True
+    kw.update(_strategy_args(state, layer, role, lossy))
+    if not state.dynamic or state.dynamic == "local":
+        kw["observer"] = state.observer
+    return QuantizationArgs(**kw)
+
+
+def _element_args(spec, layer: str, role: str) -> dict:
+    """``num_bits`` and ``type`` of the element format (full signed integers up to 8 bits,
+    fp8 e4m3, fp4 e2m1: what compressed-tensors' runtimes unpack)."""
     fmt = spec.format
-    kw = {"symmetric": spec.symmetric}
     if isinstance(fmt, IntFormat):
         if not fmt.signed or fmt.narrow or spec.quant_min is not None \
                 or spec.quant_max is not None:
@@ -99,23 +111,24 @@ def quant_args(state, layer: str, role: str, lossy: _Lossy | None = None):
                                             f"[{spec.qmin}, {spec.qmax}] (only full signed ranges)")
         if fmt.bits > 8:
             raise _unsupported(layer, role, f"{fmt.name} (at most 8 bits)")
-        kw.update(num_bits=fmt.bits, type="int")
-    elif isinstance(fmt, FloatFormat) and fmt.name in ("fp8_e4m3", "fp4_e2m1"):
-        kw.update(num_bits=8 if fmt.name == "fp8_e4m3" else 4, type="float")
-    else:
-        raise _unsupported(layer, role, f"element format {fmt.name}")
-    if state.dynamic == "local":
-        kw["dynamic"] = "local"
-    elif state.dynamic:
-        kw["dynamic"] = True
+        return {"num_bits": fmt.bits, "type": "int"}
+    if isinstance(fmt, FloatFormat) and fmt.name in ("fp8_e4m3", "fp4_e2m1"):
+        return {"num_bits": 8 if fmt.name == "fp8_e4m3" else 4, "type": "float"}
+    raise _unsupported(layer, role, f"element format {fmt.name}")
 
+
+def _strategy_args(state, layer: str, role: str, lossy: _Lossy) -> dict:
+    """The strategy (and its group size, block or scale dtypes): NVFP4 and MX blocks by their
+    scale encoding, every other layout with fp32 scales."""
+    spec, lay, enc = state.spec, state.spec.layout, state.spec.scale
+    fmt = spec.format
     if enc.kind == "fp8_e4m3":  # NVFP4: e4m3 block scales under an fp32 global scale
         if not (fmt.name == "fp4_e2m1" and isinstance(lay, Block) and lay.size == 16
                 and lay.axis in (-1, 1)):
             raise _unsupported(layer, role, f"{spec} (fp8 block scales: NVFP4 only)")
-        kw.update(strategy="tensor_group", group_size=16, scale_dtype=torch.float8_e4m3fn,
-                  zp_dtype=torch.float8_e4m3fn)
-    elif enc.kind == "e8m0":  # MX: E8M0 exponents, group 32
+        return {"strategy": "tensor_group", "group_size": 16, "scale_dtype": torch.float8_e4m3fn,
+                "zp_dtype": torch.float8_e4m3fn}
+    if enc.kind == "e8m0":  # MX: E8M0 exponents, group 32
         if not (fmt.name == "fp4_e2m1" and isinstance(lay, Block) and lay.size == 32
                 and lay.axis in (-1, 1)):
             raise _unsupported(layer, role, f"{spec} (MX: mxfp4 blocks of 32 only)")
@@ -123,29 +136,30 @@ def quant_args(state, layer: str, role: str, lossy: _Lossy | None = None):
             # the runtime computes activation scales itself, with the 'even' rule
             lossy(layer, role, f"run-time MX scales with the E8M0 {enc.mode!r} rule",
                   "let the runtime use compressed-tensors' 'even' rule")
-        kw.update(strategy="group", group_size=32, scale_dtype=torch.uint8,
-                  zp_dtype=torch.uint8)
-    else:
-        if enc.kind != "fp32":
-            lossy(layer, role, f"{enc} scale encoding",
-                  "store the same scale values as fp32 (the encoding is not recorded)")
-        if isinstance(lay, Tensor):
-            kw["strategy"] = "tensor"
-        elif isinstance(lay, Channel) and role == "weight" and lay.axis == 0 \
-                and state.shape is not None and len(state.shape) == 2:
-            kw["strategy"] = "channel"
-        elif isinstance(lay, Group) and lay.g_idx is None and lay.axis in (-1, 1):
-            kw.update(strategy="group", group_size=lay.size)
-        elif isinstance(lay, Token) and state.dynamic is True:
-            kw["strategy"] = "token"
-        elif isinstance(lay, Tile) and role == "weight" and state.shape is not None \
-                and len(state.shape) == 2 and state.shape[1] % lay.cols == 0:
-            kw.update(strategy="block", block_structure=[lay.rows, lay.cols])
-        else:
-            raise _unsupported(layer, role, f"layout {lay} (with {spec}, dynamic={state.dynamic})")
-    if not state.dynamic or state.dynamic == "local":
-        kw["observer"] = state.observer
-    return QuantizationArgs(**kw)
+        return {"strategy": "group", "group_size": 32, "scale_dtype": torch.uint8,
+                "zp_dtype": torch.uint8}
+    if enc.kind != "fp32":
+        lossy(layer, role, f"{enc} scale encoding",
+              "store the same scale values as fp32 (the encoding is not recorded)")
+    return _layout_args(state, layer, role)
+
+
+def _layout_args(state, layer: str, role: str) -> dict:
+    """The strategy of an fp32-scaled layout, where compressed-tensors has one."""
+    lay, shape = state.spec.layout, state.shape
+    if isinstance(lay, Tensor):
+        return {"strategy": "tensor"}
+    if isinstance(lay, Channel) and role == "weight" and lay.axis == 0 \
+            and shape is not None and len(shape) == 2:
+        return {"strategy": "channel"}
+    if isinstance(lay, Group) and lay.g_idx is None and lay.axis in (-1, 1):
+        return {"strategy": "group", "group_size": lay.size}
+    if isinstance(lay, Token) and state.dynamic is True:
+        return {"strategy": "token"}
+    if isinstance(lay, Tile) and role == "weight" and shape is not None \
+            and len(shape) == 2 and shape[1] % lay.cols == 0:
+        return {"strategy": "block", "block_structure": [lay.rows, lay.cols]}
+    raise _unsupported(layer, role, f"layout {lay} (with {state.spec}, dynamic={state.dynamic})")
 
 
 def _check_module(model: nn.Module, layer: str, roles: dict) -> nn.Module:

@@ -240,7 +240,19 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
                          f"got {opset!r}")
     path = check_writable_target(path, overwrite=overwrite, kind="file")
     states = calibration.states if hasattr(calibration, "states") else calibration
-    # refuse what ONNX cannot express before the (slow) export
+    _check_exportable(states)  # before the (slow) export
+    proto = _export_float(model, example_inputs, opset)
+    _insert_qdq(onnx, proto.graph, model, states, uint8)
+    _drop_unused_initializers(proto.graph)
+    onnx.checker.check_model(proto)
+    with atomic_file(path, overwrite=overwrite) as tmp:
+        onnx.save(proto, tmp)
+    return path
+
+
+def _check_exportable(states) -> None:
+    """Refuse what ONNX cannot express: roles other than weight and input, formats without
+    an ONNX storage type, activation scales computed at run time."""
     for layer, roles in states.items():
         for role, state in roles.items():
             if role not in ("weight", "input"):
@@ -251,8 +263,11 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
                 raise ValueError(f"onnx export: {layer}.input is quantized at run time "
                                  f"(dynamic={state.dynamic!r}); this exporter writes static "
                                  f"activation scales only")
-    proto = _export_float(model, example_inputs, opset)
-    graph = proto.graph
+
+
+def _insert_qdq(onnx, graph, model, states, uint8: bool) -> None:
+    """Each calibrated layer's MatMul / Gemm gets its input QDQ and weight DQ nodes; every
+    calibrated layer must map to exactly one such node."""
     inits = {t.name: t for t in graph.initializer}
     found: set[str] = set()
     new_nodes, new_inits = [], []
@@ -291,15 +306,15 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     del graph.node[:]
     graph.node.extend(new_nodes)
     graph.initializer.extend(new_inits)
+
+
+def _drop_unused_initializers(graph) -> None:
+    """The float weights the DQ nodes replaced (an initializer no node reads, and no output)."""
     used = {i for n in graph.node for i in n.input}
     keep = [t for t in graph.initializer if t.name in used or t.name in
             {o.name for o in graph.output}]
     del graph.initializer[:]
     graph.initializer.extend(keep)
-    onnx.checker.check_model(proto)
-    with atomic_file(path, overwrite=overwrite) as tmp:
-        onnx.save(proto, tmp)
-    return path
 
 
 def session_options(threads: int | None = None, optimized_model_path: str | None = None):

@@ -1,0 +1,136 @@
+"""``quantscope``: calibrate a model, compare observers, evaluate, export, plot.
+
+Every command runs on a demo model (``minilm``, the default: all-MiniLM-L6-v2; or
+``smollm2-135m``: SmolLM2-135M-Instruct) or on any Hugging Face model folder given with
+``--model``. The model class and the metric follow the folder's config (``--task``
+overrides): a causal LM is scored by its perplexity on the 50 held-out Lee documents, an
+encoder by the Lee similarity benchmark (the Pearson correlation of its documents'
+embedding cosines with 1,225 human scores) and the mean cosine of quantized to fp32
+embeddings. Calibration text: gensim's Lee background corpus, or ``--calib-file``.
+
+Names (recipes, schemes, observers) and the output folder are checked before anything
+heavy is imported or loaded; an error is one line on stderr and exit code 2 (``--debug``
+shows the traceback). Progress goes to stderr; stdout ends with a short summary.
+
+The package: :mod:`.names` (the names accepted, known without torch), :mod:`.checks`,
+:mod:`.options` (the argument groups the calibrating commands share), :mod:`.running` (model,
+data, metric, phases), :mod:`.recipes` (the recipe the flags describe) and one module per
+command group: :mod:`.calibrate` (calibrate, evaluate), :mod:`.compare` (compare, plot),
+:mod:`.export` (export, check), :mod:`.formats`. Each command module adds its subcommands'
+parsers (``add_<command>_parser``) and runs them (``cmd_<command>``); :data:`COMMANDS` lists
+them in ``--help`` order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from . import calibrate, compare, export, formats
+from .checks import UsageError, check_positive
+from .compare import compare_rows
+from .names import KV_CACHE_NAMES, OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
+
+__all__ = ["KV_CACHE_NAMES", "OBSERVER_NAMES", "RECIPE_NAMES", "SCHEME_NAMES", "build_parser",
+           "compare_rows", "main"]
+
+#: every subcommand in ``--help`` order: (adds its parser and arguments, runs it)
+COMMANDS = {
+    "calibrate": (calibrate.add_calibrate_parser, calibrate.cmd_calibrate),
+    "compare": (compare.add_compare_parser, compare.cmd_compare),
+    "evaluate": (calibrate.add_evaluate_parser, calibrate.cmd_evaluate),
+    "plot": (compare.add_plot_parser, compare.cmd_plot),
+    "export": (export.add_export_parser, export.cmd_export),
+    "check": (export.add_check_parser, export.cmd_check),
+    "formats": (formats.add_formats_parser, formats.cmd_formats),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quantscope",
+        description="Calibrate a model, compare observers, evaluate, export, plot.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  quantscope calibrate --scheme W8A8 --out runs/w8a8\n"
+               "  quantscope calibrate --model smollm2-135m --scheme W4A16 --group-size 64 "
+               "--out runs/smol\n"
+               "  quantscope evaluate runs/smol\n"
+               "  quantscope export runs/smol --out smol-w4a16\n"
+               "  quantscope compare --recipes w8a8,w4a8 --observers minmax,mse,auto\n"
+               "  quantscope plot runs/compare --layer encoder.layer.5.output.dense")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add_parser, _ in COMMANDS.values():
+        add_parser(sub)
+    return parser
+
+
+class _DropMessages(logging.Filter):
+    """Drops the import-time notices other libraries log on every run (exactly these)."""
+
+    NOISE = ("Failed to load ",  # torchao: its CUDA-only extensions on a CPU build
+             "is an Enum subclass and is now natively supported")  # torch's _pytree, via torchao
+
+    def filter(self, record):
+        msg = record.getMessage()
+        return not any(n in msg for n in self.NOISE)
+
+
+def _quiet_third_parties() -> None:
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).addFilter(_DropMessages())
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    _quiet_third_parties()
+    args.rank, args.world = 0, 1
+    joined = False
+    try:
+        check_positive(args, "calib_docs", "max_length", "batch_size", "eval_max_length",
+                        "sample_tokens", "group_size")
+        budget = getattr(args, "sample_budget_mb", None)
+        if budget is not None and not (0 < budget < float("inf")):
+            raise UsageError(f"--sample-budget-mb must be a positive number of MB, got {budget}")
+        # under torchrun (WORLD_SIZE > 1): join the process group; calibration is
+        # data-parallel (only then is torch.distributed imported before the checks)
+        if args.command in ("calibrate", "compare") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+
+            from .. import distributed as qd
+
+            had_group = dist.is_available() and dist.is_initialized()
+            joined = qd.init_from_env() and not had_group
+            args.rank, args.world = qd.rank(), qd.world_size()
+        return COMMANDS[args.command][1](args)
+    except BrokenPipeError:  # `quantscope formats | head`: the reader left; say nothing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print(f"quantscope {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line, exit 2; --debug shows where
+        if args.debug:
+            raise
+        where = f" (rank {args.rank})" if args.world > 1 else ""
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        kind = "" if isinstance(e, (UsageError, FileNotFoundError, ValueError)) else (
+            f"{type(e).__name__}: ")
+        print(f"quantscope {args.command}: error{where}: {kind}{msg}", file=sys.stderr)
+        return 2
+    finally:
+        if joined:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+

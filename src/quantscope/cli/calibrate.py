@@ -1,0 +1,133 @@
+"""``quantscope calibrate`` (one recipe: calibrate, evaluate, save) and ``quantscope
+evaluate`` (a saved run's qparams applied again)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from .checks import UsageError, check_model_arg, check_out, check_recipe_args, run_qparams
+from .names import TASKS
+from .options import add_common, add_recipe_args
+from .recipes import build_recipe, float_note
+from .running import (
+    Evaluator,
+    Phases,
+    load_setup,
+    metric_line,
+    resolve_device,
+    sequential_options,
+)
+
+
+def add_calibrate_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="calibrate one recipe, evaluate, save qparams and report",
+                       description="Calibrate a model with one recipe, apply the qparams (QDQ), "
+                                   "evaluate against float, and save the qparams and report.")
+    add_recipe_args(p)
+    add_common(p, "runs/calibrate")
+
+
+def add_evaluate_parser(sub) -> None:
+    p = sub.add_parser("evaluate", help="apply saved qparams (no calibration) and evaluate",
+                       description="Apply the qparams of a `quantscope calibrate` run (its "
+                                   "folder or its qparams/) to the model it recorded, and "
+                                   "evaluate against float.")
+    p.add_argument("run", metavar="RUN", help="a calibrate output folder (or its qparams/)")
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="the float model (default: the one the run recorded)")
+    p.add_argument("--task", choices=TASKS, default=None, help="default: the run's")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--eval-max-length", type=int, default=None, help="default: the run's")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON line")
+
+
+def cmd_calibrate(args) -> int:
+    check_recipe_args(args)
+    check_model_arg(args.model)
+    check_out(args.out)
+    from ..calibrate import calibrate
+
+    phases = Phases(quiet=getattr(args, "rank", 0) != 0)
+    t0 = time.perf_counter()
+    model, batches, ev, fp, setup = load_setup(args, phases)
+    rec = build_recipe(args, model)
+    calib = phases.run(f"calibrating {rec.name} ({setup['calib_docs']} documents, "
+                       f"{setup['calib_tokens']} tokens)",
+                       lambda: calibrate(model, batches, rec, sample_tokens=args.sample_tokens,
+                                         sample_budget_mb=args.sample_budget_mb,
+                                         **sequential_options(args),
+                                         progress=not args.no_progress, seed=args.seed,
+                                         distributed=getattr(args, "world", 1) > 1))
+    if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
+        return 0
+    t = time.perf_counter()
+    q = phases.run("evaluating quantized", lambda: ev.quantized(calib))
+    observer = "/".join(dict.fromkeys(
+        o for o in (args.weight_observer, args.input_observer) if o)) or args.observer
+    calib.label = f"{rec.name}/{observer}"
+    calib.info.update(setup, eval_seconds=round(time.perf_counter() - t, 2))
+    metrics = {**q, **{f"{k}_fp32": v for k, v in fp.items()}}
+    report = calib.report(metrics)
+    save_run(args.out, calib, report, phases)
+    if args.verbose:
+        report.print()
+    print(f"quantscope calibrate: {setup['name']} ({setup['task']}), "
+          f"{rec.name}, observer {observer}")
+    print(f"  {metric_line(ev.primary, fp[ev.primary], q[ev.primary])}")
+    if "cosine" in q:
+        print(f"  cosine to float embeddings: {q['cosine']:.4f}")
+    note = float_note(rec, model)
+    if note:
+        print(f"  {note}")
+    print(f"  calibration {calib.info.get('calibration_seconds', 0):.1f} s, total "
+          f"{time.perf_counter() - t0:.1f} s")
+    print(f"  report: {args.out}/report.md   next: quantscope evaluate {args.out} | "
+          f"quantscope export {args.out} --out DIR")
+    return 0
+
+
+def save_run(out: str, calib, report, phases) -> None:
+    """The run folder: qparams/, report.json and report.md, written whole or not at all."""
+    from ..export.atomic import atomic_dir
+
+    def write():
+        with atomic_dir(out, overwrite=True) as tmp:
+            calib.save(os.path.join(tmp, "qparams"))
+            report.to_json(os.path.join(tmp, "report.json"))
+            report.to_markdown(os.path.join(tmp, "report.md"))
+    phases.run(f"saving {out}", write)
+
+
+def cmd_evaluate(args) -> int:
+    if not os.path.isdir(args.run):
+        raise UsageError(f"evaluate: {args.run!r} is not a folder")
+    qdir = run_qparams(args.run)
+    check_model_arg(args.model)
+    from ..calibrate import load
+    from ..demo import models
+
+    phases = Phases(quiet=args.json)
+    calib = load(qdir)
+    info = calib.info
+    source = args.model or info.get("model")
+    if source is None:
+        raise UsageError(f"evaluate: {qdir} does not record its model; pass --model")
+    path = models.resolve_model_path(source)
+    task = args.task or info.get("task") or models.model_task(path)
+    max_length = args.eval_max_length or info.get("eval_max_length", 256)
+    model, tok = phases.run(f"loading {models.model_name(path)} ({task})", lambda: (
+        models.load_model(path, resolve_device(args.device), task=task)))
+    ev = Evaluator(task, model, tok, max_length, not (args.no_progress or args.json))
+    fp = phases.run("evaluating float", ev.reference)
+    q = phases.run("evaluating quantized", lambda: ev.quantized(calib))
+    if args.json:
+        print(json.dumps({**q, **{f"{k}_fp32": v for k, v in fp.items()}}))
+        return 0
+    print(f"quantscope evaluate: {qdir} on {models.model_name(path)} ({task})")
+    print(f"  {metric_line(ev.primary, fp[ev.primary], q[ev.primary])}")
+    if "cosine" in q:
+        print(f"  cosine to float embeddings: {q['cosine']:.4f}")
+    return 0

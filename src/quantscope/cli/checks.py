@@ -1,0 +1,82 @@
+"""Command-line checks that run before anything heavy is imported or loaded: a mistake is
+a :class:`UsageError` (one line on stderr, exit code 2), with the closest names suggested."""
+
+from __future__ import annotations
+
+import difflib
+import os
+
+from .names import DEMO_MODELS, OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
+
+
+class UsageError(Exception):
+    """A mistake in the command line: one line on stderr, exit code 2."""
+
+
+def closest(name: str, names, what: str) -> UsageError:
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
+            else f"expected one of {', '.join(names)}")
+    return UsageError(f"unknown {what} {name!r}; {hint}")
+
+
+def check_name(name: str, names, what: str, fold=str.lower) -> str:
+    by = {fold(n): n for n in names}
+    if fold(name) not in by:
+        raise closest(name, list(names), what)
+    return by[fold(name)]
+
+
+def check_positive(args, *names) -> None:
+    for n in names:
+        v = getattr(args, n, None)
+        if v is not None and v < 1:
+            raise UsageError(f"--{n.replace('_', '-')} must be a positive integer, got {v}")
+
+
+def check_model_arg(path) -> None:
+    if path is None or str(path).lower() in DEMO_MODELS:
+        return
+    if not os.path.exists(path):
+        raise UsageError(f"--model {path!r} does not exist (a Hugging Face model folder, or one "
+                         f"of the demo models {', '.join(DEMO_MODELS)})")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--model {path!r} is not a Hugging Face model folder (no config.json)")
+
+
+def check_out(path) -> None:
+    from ..export.atomic import check_writable_target
+
+    try:
+        check_writable_target(path, overwrite=True)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--out: {e}") from None
+
+
+def check_recipe_args(args) -> None:
+    """Every name, before anything heavy is imported: torch loads in seconds, a model in more."""
+    given = [a for a in ("recipe", "scheme", "recipe_file") if getattr(args, a)]
+    if len(given) > 1:
+        raise UsageError(f"give one of --recipe, --scheme, --recipe-file (got "
+                         f"{', '.join('--' + g.replace('_', '-') for g in given)})")
+    if args.recipe:
+        args.recipe = check_name(args.recipe, RECIPE_NAMES, "recipe")
+    if args.scheme:
+        args.scheme = check_name(args.scheme, SCHEME_NAMES, "scheme", str.upper)
+    if args.recipe_file and not os.path.isfile(args.recipe_file):
+        raise UsageError(f"--recipe-file {args.recipe_file!r} does not exist")
+    if not given:
+        args.recipe = "w8a8"
+    for flag in ("observer", "weight_observer", "input_observer"):
+        if getattr(args, flag):
+            setattr(args, flag, check_name(getattr(args, flag), OBSERVER_NAMES,
+                                           f"observer (--{flag.replace('_', '-')})", str))
+
+
+def run_qparams(run: str) -> str:
+    """The qparams folder of a calibrate run folder (or the folder itself)."""
+    for cand in (os.path.join(run, "qparams"), run):
+        if os.path.isfile(os.path.join(cand, "quantscope.json")):
+            return cand
+    raise UsageError(f"{run!r} is not a `quantscope calibrate` run (no qparams/quantscope.json "
+                     f"in it)")

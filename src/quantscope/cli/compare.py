@@ -1,0 +1,220 @@
+"""``quantscope compare`` (several recipes x observers in one pass, side by side) and
+``quantscope plot`` (a compare run's plots drawn again from its report.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from .checks import UsageError, check_model_arg, check_name, check_out
+from .names import OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
+from .options import add_common, add_recipes_args
+from .recipes import build_recipe
+from .running import Phases, load_setup, sequential_options
+
+
+def add_compare_parser(sub) -> None:
+    p = sub.add_parser("compare", help="several recipes x observers side by side, in one pass",
+                       description="Calibrate every recipe with every observer in one pass over "
+                                   "the data, evaluate each, print the comparison table and "
+                                   "write report.md, report.json and plots.")
+    add_recipes_args(p)
+    p.add_argument("--auto-metric", default="model",
+                   choices=["model", "joint", "fisher", "tensor", "output"],
+                   help="what 'auto' minimises: the divergence of the model's output from "
+                        "float, choosing among whole configurations (default); per layer the "
+                        "output error x W^T with weight and input chosen together (joint), "
+                        "weighted by the loss's g^2 (fisher); the quantized tensor's own error "
+                        "(tensor), or one role's error in x W^T (output)")
+    p.add_argument("--plot-layer", default=None, metavar="NAME",
+                   help="layer of the histogram plot (default: where observers differ most)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    add_common(p, "runs/compare")
+
+
+def add_plot_parser(sub) -> None:
+    p = sub.add_parser("plot", help="redraw the plots of a compare run from its report.json",
+                       description="Draw the activation histogram of a layer with each observer's "
+                                   "clipping range, and SQNR per layer for each observer.")
+    p.add_argument("run", metavar="RUN", help="a compare output directory or its report.json")
+    p.add_argument("--layer", default=None,
+                   help="layer for the histogram (default: where observers differ most)")
+    p.add_argument("--role", default="input", choices=["input", "output"])
+    p.add_argument("--recipe", default=None, help="only this recipe's clipping ranges")
+    p.add_argument("--out", default=None, metavar="DIR", help="default: the run directory")
+
+
+def _short_obs(name: str) -> str:
+    return name.removeprefix("memoryless_")
+
+
+def compare_rows(report: dict) -> tuple[list[str], list[list]]:
+    """The comparison table (headers, rows of strings) of a compare report."""
+    fp = report["fp32"]
+    causal = "perplexity" in fp
+    f = lambda v, d: "-" if v is None else f"{v:.{d}f}"
+    if causal:
+        headers = ["recipe", "observer", "perplexity", "vs fp32", "weight SQNR dB",
+                   "input SQNR dB", "input clipped %", "auto chose (weight; input)"]
+        rows = [["fp32", "-", f(fp["perplexity"], 2), "", "-", "-", "-", ""]]
+    else:
+        headers = ["recipe", "observer", "Lee r", "r - fp32", "cosine vs fp32", "weight SQNR dB",
+                   "input SQNR dB", "input clipped %", "auto chose (weight; input)"]
+        rows = [["fp32", "-", f(fp["lee_r"], 4), "", "1.0000", "-", "-", "-", ""]]
+    for run in report["runs"].values():
+        m, s = run["metrics"], run["summary"]
+        w, i = s.get("weight", {}), s.get("input", {})
+        chose = ""
+        if run["observer"] == "auto":
+            chose = "; ".join(", ".join(f"{_short_obs(k)} {v}" for k, v in sorted(
+                s.get(role, {}).get("observers", {}).items(), key=lambda kv: -kv[1]))
+                for role in ("weight", "input"))
+        tail = [f(w.get("mean_sqnr_db"), 1), f(i.get("mean_sqnr_db"), 1),
+                f(100 * i["mean_clipped"], 3) if i else "-", chose]
+        if causal:
+            rows.append([run["recipe"], run["observer"], f(m["perplexity"], 2),
+                         f"{m['perplexity'] - fp['perplexity']:+.2f}", *tail])
+        else:
+            rows.append([run["recipe"], run["observer"], f(m["lee_r"], 4),
+                         f"{m['lee_r'] - fp['lee_r']:+.4f}", f(m["cosine"], 4), *tail])
+    return headers, rows
+
+
+def cmd_compare(args) -> int:
+    recipes, observers = _check_compare_args(args)
+    phases = Phases(quiet=getattr(args, "rank", 0) != 0)
+    model, batches, ev, fp, setup = load_setup(args, phases)
+    plan = {f"{r}/{o}": build_recipe(args, model, o, r) for r in recipes for o in observers}
+    candidates = [o for o in observers if o != "auto"] or None
+    t = time.perf_counter()
+    calibs = _calibrate_all(args, phases, model, batches, plan, candidates)
+    if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
+        return 0
+    calib_seconds = time.perf_counter() - t
+    t = time.perf_counter()
+    runs = _evaluate_all(calibs, ev, phases)
+    histograms = next(iter(calibs.values())).histograms  # one pass: every recipe shares them
+    eval_seconds = time.perf_counter() - t
+    report = {"setup": setup, "fp32": fp, "candidates": candidates,
+              "timings": {"calibration_seconds": round(calib_seconds, 2),
+                          "evaluation_seconds": round(eval_seconds, 2)},
+              "runs": runs,
+              "histograms": {f"{k[0]}/{k[1]}": v for k, v in histograms.items()}}
+    headers, rows = compare_rows(report)
+    title = _title(setup)
+    _write_report(args, report, headers, rows, title, calib_seconds, eval_seconds)
+    from ..calibrate.report import print_table
+
+    print_table(headers, rows, title)
+    print(f"calibration {calib_seconds:.1f} s (one pass), evaluation {eval_seconds:.1f} s; "
+          f"wrote {args.out}/report.md, report.json{'' if args.no_plots else ' and plots'}")
+    return 0
+
+
+def _check_compare_args(args) -> tuple[list[str], list[str]]:
+    """The recipe and observer names, checked (and spelled as their registries spell them),
+    with the model and output arguments."""
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    observers = [o.strip() for o in args.observers.split(",") if o.strip()]
+    if not recipes or not observers:
+        raise UsageError("compare: need at least one recipe and one observer")
+    # a quantscope preset wins over the scheme of the same letters (w8a8 is static, W8A8 not)
+    recipes = [check_name(r, SCHEME_NAMES + RECIPE_NAMES, "recipe or scheme") for r in recipes]
+    observers = [check_name(o, OBSERVER_NAMES, "observer", str) for o in observers]
+    check_model_arg(args.model)
+    check_out(args.out)
+    return recipes, observers
+
+
+def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
+    """Every configuration of ``plan`` calibrated in one pass over the batches."""
+    from ..calibrate import calibrate_many
+
+    return phases.run(f"calibrating {len(plan)} configurations in one pass", lambda: (
+        calibrate_many(model, batches, plan, candidates=candidates,
+                       sample_tokens=args.sample_tokens,
+                       sample_budget_mb=args.sample_budget_mb, progress=not args.no_progress,
+                       **sequential_options(args),
+                       seed=args.seed, distributed=getattr(args, "world", 1) > 1,
+                       auto_metric=args.auto_metric)))
+
+
+def _evaluate_all(calibs: dict, ev, phases) -> dict:
+    """Each calibration's report (as a dict) with its metrics, its recipe and its observer."""
+    runs = {}
+    for k, (label, calib) in enumerate(calibs.items()):
+        phases.say(f"evaluating {label} ({k + 1}/{len(calibs)})")
+        d = calib.report(ev.quantized(calib)).to_dict()
+        d["recipe"], d["observer"] = label.split("/", 1)
+        runs[label] = d
+    return runs
+
+
+def _title(setup: dict) -> str:
+    metric = ("perplexity on" if setup["task"] == "causal-lm" else "Lee similarity over") + (
+        f" {setup['eval_docs']} held-out documents")
+    return (f"quantscope compare: {setup['name']}, {setup['calib_docs']} calibration docs "
+            f"({setup['calib_tokens']} tokens), {metric}")
+
+
+def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: float,
+                  eval_seconds: float) -> None:
+    """report.json, report.md (the table, the timings, the plots) and the plots, written
+    whole into ``--out`` or not at all."""
+    from ..calibrate.report import markdown_table
+    from ..export.atomic import atomic_dir
+
+    md = [f"# {title}", "", markdown_table(headers, rows), "",
+          (f"Calibration (one pass, all observers): {calib_seconds:.1f} s; evaluation: "
+           f"{eval_seconds:.1f} s."), ""]
+    with atomic_dir(args.out, overwrite=True) as tmp:
+        with open(os.path.join(tmp, "report.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        if not args.no_plots:
+            md += _plots(report, tmp, args.plot_layer)
+        with open(os.path.join(tmp, "report.md"), "w") as f:
+            f.write("\n".join(md))
+
+
+def _plots(report: dict, out: str, layer: str | None, role: str = "input",
+           recipe: str | None = None) -> list[str]:
+    from ..calibrate import plots
+
+    try:
+        layer = layer or plots.pick_layer(report, role)
+        lines = []
+        if layer is not None:
+            plots.plot_histogram(report, layer, os.path.join(out, "hist.png"), role, recipe)
+            lines.append(f"![{layer} {role} histogram](hist.png)")
+        plots.plot_sqnr(report, os.path.join(out, "sqnr.png"))
+        lines.append("![SQNR per layer](sqnr.png)")
+        return lines
+    except ImportError as e:
+        print(f"warning: no plots: {e}", file=sys.stderr)
+        return []
+
+
+def cmd_plot(args) -> int:
+    path = args.run
+    if os.path.isdir(path):
+        path = os.path.join(path, "report.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"plot: {args.run!r} is not a compare run directory or report.json "
+                         f"(no {path})")
+    with open(path) as f:
+        report = json.load(f)
+    if "runs" not in report:
+        raise UsageError(f"plot: {path} is not a compare report (no 'runs')")
+    out = args.out or os.path.dirname(os.path.abspath(path))
+    os.makedirs(out, exist_ok=True)
+    from ..calibrate import plots
+
+    layer = args.layer or plots.pick_layer(report, args.role)
+    if layer is None:
+        raise UsageError(f"plot: the report has no static {args.role} activations")
+    plots.plot_histogram(report, layer, os.path.join(out, "hist.png"), args.role, args.recipe)
+    plots.plot_sqnr(report, os.path.join(out, "sqnr.png"))
+    print(f"wrote {out}/hist.png ({layer} {args.role}) and {out}/sqnr.png")
+    return 0

@@ -1,0 +1,68 @@
+"""``quantscope export`` (a saved run as a checkpoint runtimes load) and ``quantscope
+check`` (a compressed-tensors checkpoint's fused layers agree)."""
+
+from __future__ import annotations
+
+import os
+
+from .checks import UsageError, check_model_arg, closest, run_qparams
+from .running import Phases
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a saved calibration as a checkpoint runtimes load",
+                       description="Export a `quantscope calibrate --out RUN` folder (or its "
+                                   "qparams/) as a model folder runtimes load "
+                                   "(compressed-tensors: transformers, vLLM).")
+    p.add_argument("run", metavar="RUN", help="a calibrate output folder or its qparams/")
+    p.add_argument("--out", required=True, metavar="DIR", help="the model folder to write")
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="the float model (default: the one the run recorded)")
+    p.add_argument("--format", default="compressed-tensors", help="default: compressed-tensors")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="write what the format cannot express exactly in its nearest form "
+                        "(says what changed) instead of refusing")
+
+
+def add_check_parser(sub) -> None:
+    p = sub.add_parser("check", help="check a compressed-tensors checkpoint's fused layers",
+                       description="List the fused layers (q/k/v, gate/up, w1/w3, MLA q_a/kv_a) "
+                                   "whose shards disagree on a scale the runtime keeps once; "
+                                   "exit 1 if any do.")
+    p.add_argument("path", metavar="DIR", help="a compressed-tensors checkpoint folder")
+
+
+def cmd_export(args) -> int:
+    if not os.path.isdir(args.run):
+        raise UsageError(f"export: {args.run!r} is not a folder")
+    run_qparams(args.run)
+    check_model_arg(args.model)
+    from ..export import FORMATS, export_run
+    from ..export.atomic import check_writable_target
+
+    if args.format not in FORMATS:
+        raise closest(args.format, sorted(FORMATS), "format")
+    try:
+        check_writable_target(args.out, overwrite=args.overwrite)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--out: {e}") from None
+    phases = Phases()
+    out = phases.run(f"exporting {args.run} as {args.format}", lambda: export_run(
+        args.run, args.out, args.format, args.model, overwrite=args.overwrite,
+        allow_lossy=args.allow_lossy))
+    print(f"quantscope export: wrote {out} ({args.format})")
+    return 0
+
+
+def cmd_check(args) -> int:
+    if not os.path.isfile(os.path.join(args.path, "config.json")):
+        raise UsageError(f"check: {args.path!r} is not a model folder (no config.json)")
+    from ..export.consistency import check, format_problems
+
+    problems = check(args.path)
+    if problems:
+        print(format_problems(problems))
+        return 1
+    print(f"{args.path}: the fused layers' shards agree")
+    return 0

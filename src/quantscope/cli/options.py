@@ -1,0 +1,117 @@
+"""The argument groups that ``calibrate`` and ``compare`` share: the model and its data,
+what is quantized, the output, and the recipe (one, or several with their observers)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .names import (
+    DEFAULT_IGNORE,
+    DEFAULT_OBSERVERS,
+    DEMO_MODELS,
+    KV_CACHE_NAMES,
+    RECIPE_NAMES,
+    TASKS,
+)
+
+
+def add_common(p: argparse.ArgumentParser, out_default: str | None) -> None:
+    """The model, data, target and output arguments of a calibrating command."""
+    add_model_args(p)
+    add_target_args(p)
+    add_output_args(p, out_default)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, its device, the calibration data and the run's resources."""
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", metavar="PATH", default=None,
+                   help=f"a Hugging Face model folder, or a demo model: {', '.join(DEMO_MODELS)} "
+                        f"(default: minilm)")
+    g.add_argument("--task", choices=TASKS, default=None,
+                   help="what the model does, hence its class and metric (default: from its "
+                        "config: ...ForCausalLM is a causal LM scored by perplexity)")
+    g.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
+    g.add_argument("--calib-file", metavar="PATH", default=None,
+                   help="calibration text, one document per line (default: gensim's "
+                        "lee_background.cor, 300 news documents)")
+    g.add_argument("--calib-docs", type=int, default=32, metavar="N",
+                   help="documents taken evenly from the calibration text (default: 32)")
+    g.add_argument("--max-length", type=int, default=128, metavar="T",
+                   help="calibration tokens per document, truncated (default: 128)")
+    g.add_argument("--batch-size", type=int, default=8,
+                   help="calibration documents per batch, grouped by length (default: 8)")
+    g.add_argument("--eval-max-length", type=int, default=256, metavar="T",
+                   help="tokens per held-out Lee document at evaluation (default: 256)")
+    g.add_argument("--sample-tokens", type=int, default=2048,
+                   help="activation rows kept per layer for 'auto' and the report (default 2048)")
+    g.add_argument("--sample-budget-mb", type=float, default=None, metavar="MB",
+                   help="memory of those rows, all layers together; fewer rows per layer when "
+                        "they would not fit (default: 64)")
+    g.add_argument("--sequential", nargs="?", const="float", choices=("float", "quantized"),
+                   default=None,
+                   help="calibrate one block (decoder layer) at a time on cached inputs; "
+                        "'quantized': each block fake-quantized before it feeds the next "
+                        "(default when given: float, the whole-model pass's qparams)")
+    g.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="torch CPU threads (default: torch's choice). On a busy machine 1 is "
+                        "often fastest")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """Which modules are quantized, and how the recipe adapts to them."""
+    r = p.add_argument_group("what is quantized")
+    r.add_argument("--targets", nargs="+", default=["Linear"], metavar="PATTERN",
+                   help="modules quantized: class names, name globs or re:regex (default: Linear)")
+    r.add_argument("--ignore", nargs="*", default=DEFAULT_IGNORE, metavar="PATTERN",
+                   help=f"modules left in float (default: {' '.join(DEFAULT_IGNORE)}: the output "
+                        f"head and pooler stay float, as the peers' recipes leave them)")
+    r.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="the group size of grouped weights (W4A16 ...; default: the recipe's)")
+    r.add_argument("--kv-cache", choices=KV_CACHE_NAMES, default=None,
+                   help="also calibrate the KV cache (keys after the rotary embedding, values; "
+                        "static per tensor, with the recipe's observer): vLLM's "
+                        "kv_cache_dtype, exported as k_scale / v_scale")
+    r.add_argument("--on-indivisible", choices=("error", "float"), default="error",
+                   help="a layer whose width the group size does not divide: stop with an "
+                        "error naming the sizes that would (default), or leave it in float")
+
+
+def add_output_args(p: argparse.ArgumentParser, out_default: str | None) -> None:
+    """Progress, verbosity and the output folder (none where ``out_default`` is None)."""
+    o = p.add_argument_group("output")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    o.add_argument("--verbose", action="store_true", help="also print the per-layer table")
+    if out_default is not None:
+        o.add_argument("--out", default=out_default, metavar="DIR",
+                       help=f"output folder, replaced if it exists (default: {out_default})")
+
+
+def add_recipe_args(p: argparse.ArgumentParser) -> None:
+    """One recipe: a preset, a scheme or a file, and its observers."""
+    g = p.add_argument_group("recipe (one of --recipe, --scheme, --recipe-file)")
+    g.add_argument("--recipe", default=None,
+                   help=f"a quantscope preset: {', '.join(RECIPE_NAMES)} (default: w8a8)")
+    g.add_argument("--scheme", default=None,
+                   help="a compressed-tensors preset scheme: W8A8, W8A16, W4A16, W4A16_ASYM, "
+                        "W4A8, FP8, FP8_DYNAMIC, NVFP4, MXFP4 ... (as llm-compressor names them)")
+    g.add_argument("--recipe-file", default=None, metavar="FILE",
+                   help="a recipe as JSON or YAML, the structure of Recipe.to_dict()")
+    g.add_argument("--observer", default="minmax",
+                   help="observer of every calibrated role: a registry name or 'auto' "
+                        "(default: minmax)")
+    g.add_argument("--weight-observer", default=None, help="observer of the weights only")
+    g.add_argument("--input-observer", default=None, help="observer of the input activations")
+
+
+def add_recipes_args(p: argparse.ArgumentParser) -> None:
+    """Several recipes, each calibrated with each observer."""
+    g = p.add_argument_group("recipe (one of --recipe, --scheme, --recipe-file)")
+    g.add_argument("--recipes", default="w8a8,w4a8",
+                   help=f"comma-separated presets ({', '.join(RECIPE_NAMES)}) or scheme "
+                        f"names (W8A8, W4A16, FP8 ...); default: w8a8,w4a8")
+    g.add_argument("--observers", default=DEFAULT_OBSERVERS,
+                   help=f"comma-separated observer names; 'auto' chooses per layer among "
+                        f"the others (default: {DEFAULT_OBSERVERS})")

@@ -1,0 +1,99 @@
+"""The recipe the command line describes: a preset, a scheme or a file, with the flags'
+group size, KV cache and observers, checked against the model's layers."""
+
+from __future__ import annotations
+
+import json
+
+from .checks import UsageError
+from .names import RECIPE_NAMES
+
+
+def build_recipe(args, model, observer=None, recipe_name=None):
+    """The recipe the flags describe, checked against the model's layers."""
+    from dataclasses import replace
+
+    from ..calibrate import recipe as R
+
+    observer = observer or args.observer
+    kw = {"targets": tuple(args.targets), "ignore": tuple(args.ignore or ())}
+    name = recipe_name or args.recipe
+    if getattr(args, "recipe_file", None):
+        rec = _read_recipe_file(args.recipe_file)
+    elif name is not None and name.lower() in RECIPE_NAMES:
+        rec = R.preset(name, observer, **kw)
+    else:
+        rec = R.scheme(name or args.scheme, observer, **kw)
+    if args.group_size is not None:
+        rec = R.with_group_size(rec, args.group_size)
+    if getattr(args, "kv_cache", None):
+        rec = replace(rec, kv_cache=replace(R.kv_cache_role(args.kv_cache), observer=(
+            "minmax" if observer == R.AUTO else observer)))
+    if getattr(args, "weight_observer", None):
+        rec = R.with_role_observer(rec, "weight", args.weight_observer)
+    if getattr(args, "input_observer", None):
+        rec = R.with_role_observer(rec, "input", args.input_observer)
+    return _indivisible(rec, model, args.on_indivisible)
+
+
+def _read_recipe_file(path):
+    from ..calibrate.recipe import Recipe
+
+    with open(path) as f:
+        text = f.read()
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            import yaml
+        except ImportError:
+            raise UsageError(f"--recipe-file {path!r} is not JSON, and YAML needs pyyaml"
+                             ) from None
+        d = yaml.safe_load(text)
+    try:
+        return Recipe.from_dict(d)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UsageError(f"--recipe-file {path!r}: not a recipe ({type(e).__name__}: {e}); "
+                         f"expected the structure of Recipe.to_dict()") from None
+
+
+def _indivisible(rec, model, policy: str):
+    """Layers whose weight a grouped spec cannot take: an error naming the layer and the group
+    sizes that would divide it, or (``policy == "float"``) those layers added to ``ignore``."""
+    from dataclasses import replace
+
+    from ..layout import Group
+
+    bad = {}
+    for layer, (module, roles) in rec.match(model).items():
+        role = roles.get("weight")
+        if role is None or not isinstance(role.spec.layout, Group):
+            continue
+        width = module.weight.shape[role.spec.layout.axis]
+        if width % role.spec.layout.size:
+            bad[layer] = (width, role.spec.layout.size)
+    if not bad:
+        return rec
+    if policy == "float":
+        return replace(rec, ignore=rec.ignore + tuple(bad))
+    layer, (width, size) = next(iter(bad.items()))
+    divisors = [d for d in (16, 32, 64, 96, 128, 192, 256) if width % d == 0]
+    raise UsageError(f"layer {layer!r} has width {width}, which group size {size} does not "
+                     f"divide ({len(bad)} such layers); --group-size "
+                     f"{' / '.join(map(str, divisors)) or '(none of 16..256)'} would, or "
+                     f"--on-indivisible float leaves them in float")
+
+
+
+def float_note(rec, model) -> str:
+    """Which modules the ignore list left in float (a short list)."""
+    from ..calibrate.recipe import _matches
+
+    names = [n for n, m in model.named_modules()
+             if n and any(_matches(p, n, m) for p in rec.ignore)]
+    top = [n for n in names if not any(n.startswith(m + ".") for m in names)]
+    if not top:
+        return ""
+    shown = ", ".join(top[:4]) + (f" and {len(top) - 4} more" if len(top) > 4 else "")
+    return f"left in float: {shown} (--ignore to change)"
+

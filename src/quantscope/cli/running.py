@@ -1,0 +1,127 @@
+"""What ``calibrate`` and ``compare`` run on: the model, its calibration batches and its
+metric, and phase messages with their times."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .checks import UsageError
+
+
+class Phases:
+    """Phase messages with times on stderr (only rank 0 speaks under torchrun)."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+
+    def say(self, msg: str) -> None:
+        if self.quiet:
+            return
+        print(msg, file=sys.stderr, flush=True)
+
+    def run(self, what: str, fn):
+        t = time.perf_counter()
+        self.say(f"{what} ...")
+        out = fn()
+        self.say(f"{what}: {time.perf_counter() - t:.1f} s")
+        return out
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+class Evaluator:
+    """The metric of a task: perplexity on held-out text (causal LM), or the Lee benchmark
+    and cosine to fp32 embeddings (encoder). ``reference()`` scores the float model once."""
+
+    def __init__(self, task, model, tok, max_length, progress):
+        self.task, self.model, self.tok, self.max_length = task, model, tok, max_length
+        self.progress = progress
+        from ..demo import data
+
+        self.docs = data.lee_documents()
+        self.pairs = data.lee_pairs() if task == "embedding" else None
+        self.ref = None
+
+    @property
+    def primary(self) -> str:
+        return "perplexity" if self.task == "causal-lm" else "lee_r"
+
+    def _score(self, desc) -> dict:
+        from ..demo import models
+
+        bar = desc if self.progress else None
+        if self.task == "causal-lm":
+            return {"perplexity": models.perplexity(self.model, self.tok, self.docs,
+                                                    self.max_length, progress=bar)}
+        emb = models.embed(self.model, self.tok, self.docs, self.max_length, progress=bar)
+        if self.ref is None:
+            self.ref = emb
+        return {"lee_r": models.lee_correlation(emb, self.pairs),
+                "cosine": float((emb * self.ref).sum(-1).mean())}
+
+    def reference(self) -> dict:
+        return self._score("evaluating float")
+
+    def quantized(self, calibration) -> dict:
+        with calibration.apply(self.model):
+            return self._score("evaluating quantized")
+
+
+def metric_line(primary: str, fp: float, q: float) -> str:
+    if primary == "perplexity":
+        return (f"perplexity: float {fp:.2f} -> quantized {q:.2f} ({q - fp:+.2f}, "
+                f"{100 * (q / fp - 1):+.1f} %)")
+    return f"Lee r: float {fp:.4f} -> quantized {q:.4f} ({q - fp:+.4f})"
+
+
+def load_setup(args, phases: Phases):
+    """Model, calibration batches, evaluator, the float model's metrics, the run's settings."""
+    from ..demo import data, models
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    path = models.resolve_model_path(args.model)
+    task = args.task or models.model_task(path)
+    model, tok = phases.run(f"loading {models.model_name(path)} ({task})",
+                            lambda: models.load_model(path, device, task=task))
+    docs = data.read_corpus(args.calib_file) if args.calib_file else data.lee_background()
+    step = max(1, len(docs) // args.calib_docs)
+    calib = docs[::step][: args.calib_docs]
+    batches = models.token_batches(tok, calib, args.max_length, args.batch_size, device,
+                                   args.seed)
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    ev = Evaluator(task, model, tok, args.eval_max_length, not args.no_progress)
+    fp = None
+    if getattr(args, "rank", 0) == 0:  # only rank 0 evaluates (under torchrun)
+        fp = phases.run("evaluating float", ev.reference)
+    setup = {"model": str(path), "name": models.model_name(path), "task": task,
+             "device": device,
+             "calib_file": args.calib_file, "calib_docs": len(calib), "calib_tokens": tokens,
+             "max_length": args.max_length, "batch_size": args.batch_size,
+             "eval_docs": len(ev.docs), "eval_max_length": args.eval_max_length,
+             "seed": args.seed}
+    if task == "embedding":
+        setup["eval_pairs"] = len(ev.pairs[0])
+    return model, batches, ev, fp, setup
+
+
+
+def sequential_options(args) -> dict:
+    """The calibrate keywords of --sequential (none without it)."""
+    mode = getattr(args, "sequential", None)
+    if mode is None:
+        return {}
+    if getattr(args, "world", 1) > 1:
+        raise UsageError("--sequential does not combine with torchrun (distributed) runs")
+    return {"sequential": mode}
+
