@@ -135,7 +135,7 @@ def test_histc_kernel_equals_torch_histc(seed, n, bins, span, inside):
     base = torch.rand(bins, generator=g) * 100
     for b in (None, base):
         got = ao_histogram.histc(x, bins, lo, hi, b)
-        want = ao_histogram.histc(x, bins, lo, hi, b, kernel=False)
+        want = ao_histogram.histc(x, bins, lo, hi, b, backend="torch")
         assert torch.equal(got, want)
 
 
@@ -149,7 +149,7 @@ def test_upscale_kernel_equals_torch_ops(seed, bins, grow, scale):
     lo, hi = torch.tensor(-1.3 * scale), torch.tensor(0.7 * scale)
     nlo, nhi = lo - grow[0] * scale, hi + grow[1] * scale
     got = ao_histogram.upscale(hist, lo, hi, nlo, nhi)
-    want = ao_histogram.upscale(hist, lo, hi, nlo, nhi, kernel=False)
+    want = ao_histogram.upscale(hist, lo, hi, nlo, nhi, backend="torch")
     assert torch.equal(got, want)
     o = TorchHistogramObserver(bins=bins)  # the torch path is torch.ao's own
     assert torch.equal(want, o._upscale_histogram(hist, lo, hi, nlo, nhi))
@@ -163,7 +163,7 @@ def test_torch_path_alone_equals_torch_ao():
         x = torch.randn(4000, generator=g) * s
         ref(x)
         lo, hi = torch.aminmax(x)
-        state = ao_histogram.update(*state, x, lo, hi, 512, kernel=False)
+        state = ao_histogram.update(*state, x, lo, hi, 512, backend="torch")
         assert torch.equal(state[0], ref.histogram)
         assert torch.equal(state[1], ref.min_val) and torch.equal(state[2], ref.max_val)
 
@@ -215,7 +215,7 @@ def test_fused_pass_equals_aminmax_and_histc(case):
     ref = torch.stack(torch.aminmax(x))
     assert torch.equal(mm, ref) or (mm.isnan().all() and ref.isnan().all())
     if case in ("inside", "edges"):
-        assert torch.equal(hist, ao_histogram.histc(x, 300, lo, hi, base, kernel=False))
+        assert torch.equal(hist, ao_histogram.histc(x, 300, lo, hi, base, backend="torch"))
     else:
         assert hist is None
 

@@ -80,7 +80,7 @@ def test_l2_kernel_walk_visits_the_same_ranges_as_the_vectorized_path():
         assert n > 0 and int(v[u].sum()) == n
         assert torch.equal(s[u][v[u]], start[u, :n]) and torch.equal(e[u][v[u]], end[u, :n])
     h = Hist(counts, torch.stack([o.min_val for o in obs]), torch.stack([o.max_val for o in obs]))
-    for a, b in zip(l2_range(h), l2_range(h, kernel=False)):
+    for a, b in zip(l2_range(h), l2_range(h, backend="torch")):
         assert torch.equal(a, b)
 
 
@@ -179,9 +179,9 @@ def test_kl_ties_pick_a_minimum_of_the_literal_loop(seed, n, kind, stride, bits)
     start = 1 << (bits - 1)
     ref_div, ref_i = tensorrt_entropy_loop(hist, bits, start, stride)
     h = Hist(torch.from_numpy(hist).long()[None], torch.zeros(1), torch.tensor([float(n)]), True)
-    for kernel in (True, False):
+    for backend in (None, "torch"):
         div = entropy_divergences(h.counts, num_bits=bits, start_bin=start, stride=stride,
-                                  kernel=kernel)[0][0].numpy()
+                                  backend=backend)[0][0].numpy()
         assert np.array_equal(np.isinf(div), np.isinf(ref_div))
         fin = np.isfinite(ref_div)
         np.testing.assert_allclose(div[fin], ref_div[fin], rtol=1e-9, atol=1e-12)
@@ -203,11 +203,11 @@ def test_kl_exact_zero_ties_pick_the_last_as_the_loop(hist, bits, start):
     ref_div, ref_i = tensorrt_entropy_loop(np.array(hist, dtype=np.float64), bits, start, 1)
     assert (ref_div == 0).sum() > 1
     counts = torch.tensor([hist])
-    for kernel in (True, False):
-        div, cand = entropy_divergences(counts, num_bits=bits, start_bin=start, kernel=kernel)
-        assert torch.equal(div[0] == 0, torch.from_numpy(ref_div == 0)), kernel
+    for backend in (None, "torch"):
+        div, cand = entropy_divergences(counts, num_bits=bits, start_bin=start, backend=backend)
+        assert torch.equal(div[0] == 0, torch.from_numpy(ref_div == 0)), backend
         key = torch.where(torch.isfinite(div[0]), div[0], torch.tensor(float("inf"))).flip(0)
-        assert int(cand[len(cand) - 1 - int(key.argmin())]) == ref_i, kernel
+        assert int(cand[len(cand) - 1 - int(key.argmin())]) == ref_i, backend
 
 
 @pytest.mark.parametrize("unsigned,bits", [(True, 8), (False, 8), (False, 4)])
@@ -221,7 +221,8 @@ def test_kl_kernel_equals_the_torch_form(unsigned, bits):
     counts = o.current_histogram().counts
     stop = torch.tensor([2048, 1500, 700, 2048, 300, 128])
     a, _ = entropy_divergences(counts, num_bits=bits, unsigned=unsigned, stop=stop)
-    b, _ = entropy_divergences(counts, num_bits=bits, unsigned=unsigned, stop=stop, kernel=False)
+    b, _ = entropy_divergences(counts, num_bits=bits, unsigned=unsigned, stop=stop,
+                               backend="torch")
     assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.isinf(), b.isinf())
     fin = torch.isfinite(b)
     torch.testing.assert_close(a[fin], b[fin], rtol=1e-10, atol=1e-12)
@@ -353,7 +354,7 @@ def test_histogram_scorer_points_past_the_buffer_budget_equal_the_torch_path():
     lo = -torch.rand(U, generator=g) * 4
     h = Hist(counts, lo, lo + 8)
     spec = qs.QuantSpec("int8", "channel:0", symmetric=False)
-    k, t = (HistogramScorer(h, spec, points=points, kernel=kk) for kk in (True, False))
+    k, t = (HistogramScorer(h, spec, points=points, backend=b) for b in (None, "torch"))
     assert all(torch.equal(a, b) for a, b in zip(k._points(), t._points()))
     clo, chi = h.lo[:, None] * torch.rand(U, 3, generator=g), h.hi[:, None] * 0.9
     torch.testing.assert_close(k(clo, chi.expand(U, 3)), t(clo, chi.expand(U, 3)), rtol=1e-12,
@@ -374,13 +375,13 @@ def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points, scale):
     f = torch.linspace(0.05, 1.0, 97)
     lo, hi = o.min_vals[:, None] * f, o.max_vals[:, None] * f.flip(0)
     a = histogram_error(h, lo, hi, spec, points=points)
-    b = histogram_error(h, lo, hi, spec, points=points, kernel=False)
+    b = histogram_error(h, lo, hi, spec, points=points, backend="torch")
     torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
     assert torch.equal(a.argmin(1), b.argmin(1))
     # the kernel's prepared points and weights are the torch path's, bit for bit
     from quantscope.estimators.scorer import HistogramScorer
 
-    k, t = (HistogramScorer(h, spec, points=points, kernel=kk) for kk in (True, False))
+    k, t = (HistogramScorer(h, spec, points=points, backend=b) for b in (None, "torch"))
     assert all(torch.equal(a, b) for a, b in zip(k._points(), t._points()))
     # line_argmin: the kernel builds and prices only the candidates it visits, the torch
     # path builds the whole line (Line.ranges), scores all and picks by the same rule
@@ -399,7 +400,7 @@ def test_histogram_error_kernel_equals_the_torch_path(sym, bits, points, scale):
               for bounds in (None, (o.min_vals, o.max_vals))]
     for line, mid, coarse, first in lines:
         bk = k.line_argmin(line, mid, coarse, first=first)
-        bt = t.line_argmin(line, mid, coarse, first=first, kernel=False)
+        bt = t.line_argmin(line, mid, coarse, first=first, torch_only=True)
         assert torch.equal(bk.index, bt.index)
         assert torch.equal(bk.lo, bt.lo) and torch.equal(bk.hi, bt.hi)
         torch.testing.assert_close(bk.error, bt.error, rtol=1e-12, atol=0)

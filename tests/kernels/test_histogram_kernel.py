@@ -6,10 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quantscope as qs
+from quantscope import kernels
 from quantscope.stats import hist_kernel as HK
 from quantscope.stats import histogram as H
 
-pytestmark = pytest.mark.skipif(not HK.available(), reason="no C compiler: torch path only")
+pytestmark = pytest.mark.skipif(not kernels.available("hist_kernel"),
+                                reason="no C compiler: torch path only")
 
 
 def _same(a, b):

@@ -97,3 +97,30 @@ def test_many_units_take_the_kernel_and_equal_the_torch_branch(spec, monkeypatch
     lo[7] = float("nan")
     with pytest.raises(ValueError, match="finite"):
         qs.qparams_from_range(lo, hi, spec)
+
+
+def test_backend_vocabulary():
+    # one vocabulary for every kernel choice: None (the kernel where it applies), "torch",
+    # "kernel" (or an error saying why not)
+    assert kernels.choose("torch", "hist_error", "f") is None
+    assert kernels.choose(None, "hist_error", "f", applies=False) is None
+    with pytest.raises(ValueError, match="f: backend must be one of"):
+        kernels.choose("c", "hist_error", "f")
+    with pytest.raises(ValueError, match="does not take these inputs"):
+        kernels.choose("kernel", "hist_error", "f", applies=False)
+    if kernels.available("hist_error"):
+        assert kernels.choose("kernel", "hist_error", "f") is kernels.lib("hist_error")
+        assert kernels.choose(None, "hist_error", "f") is kernels.lib("hist_error")
+
+
+def test_backend_kernel_refuses_inputs_the_kernel_does_not_take():
+    from quantscope.estimators.entropy import entropy_divergences
+    from quantscope.estimators.l2 import l2_range
+    from quantscope.stats.histogram import Hist
+
+    counts = torch.ones(1, 256, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="entropy_divergences: backend='kernel'"):
+        entropy_divergences(counts, backend="kernel")
+    h = Hist(counts, torch.zeros(1, device="meta"), torch.ones(1, device="meta"), False)
+    with pytest.raises(ValueError, match="l2_range: backend='kernel'"):
+        l2_range(h, backend="kernel")

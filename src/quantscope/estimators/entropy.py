@@ -71,16 +71,17 @@ def _xlogx(x):
 
 def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bool = False,
                         start_bin: int = 128, stride: int = 1, stop=None,
-                        copy_zero_bin: bool = True, kernel: bool = True, pick=None
+                        copy_zero_bin: bool = True, backend: str | None = None, pick=None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(divergences [U, C], candidates [C])``: KL of every candidate bin of ``|x|``
     histograms ``counts [U, B]``; candidates past a unit's ``stop`` (default ``B``; a
-    ``[U]`` tensor for per-unit ends) are NaN. ``kernel=False`` forces the torch form
-    (the reference the C kernel is tested against). ``pick``: an int64 ``[U]`` tensor the
+    ``[U]`` tensor for per-unit ends) are NaN. ``backend``: see
+    :data:`quantscope.kernels.BACKENDS` (``"torch"``: the reference the C kernel is tested
+    against). ``pick``: an int64 ``[U]`` tensor the
     kernel fills with each unit's last-argmin bin (-1: no finite divergence), set to -2
     when the torch form ran."""
     kl, picked = _divergences(counts, num_bits, unsigned, start_bin, stride, stop,
-                              copy_zero_bin, kernel, pick)
+                              copy_zero_bin, backend, pick)
     if pick is not None and not picked:
         pick.fill_(-2)
     return kl, _candidates(start_bin, counts.shape[1], stride, counts.device)
@@ -116,7 +117,7 @@ def _last_nonempty(counts: torch.Tensor) -> torch.Tensor:
     return torch.where(counts > 0, ar, -1).amax(-1) + 1
 
 
-def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_bin, kernel,
+def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_bin, backend,
                  pick, fallback=False):
     """``(divergences, whether the kernel ran)`` of :func:`entropy_divergences`; ``stop`` may
     also be :data:`_LAST`. When the kernel ran it wrote each unit's last-argmin bin into
@@ -133,13 +134,16 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
         stop = torch.full((U,), B, device=dev)
     elif stop is not _LAST:
         stop = torch.as_tensor(stop, dtype=torch.int64, device=dev)
-    lib = _kernel() if kernel and dev.type == "cpu" and U and counts.dtype == torch.int64 \
-        else None
+    applies = dev.type == "cpu" and U > 0 and counts.dtype == torch.int64
+    lib = kernels.choose(backend, "entropy", "entropy_divergences", applies)
     if lib is not None:
         kl = _kernel_divergences(lib, counts, nq, start_bin, stride, stop, copy_zero_bin, pick,
                                  fallback)
         if kl is not None:
             return kl, True
+        if backend == "kernel":
+            raise ValueError("entropy_divergences: backend='kernel', but the C kernel declined "
+                             "these counts")
     if stop is _LAST:
         stop = _last_nonempty(counts)
     return _torch_divergences(counts, nq, start_bin, stride, stop, copy_zero_bin), False
@@ -279,7 +283,7 @@ def entropy_amax(hist: Hist, *, num_bits: int = 8, unsigned: bool = False, start
     # one pass: the kernel trims, picks the last argmin and falls back to the last bin itself
     pick = torch.empty(U, dtype=torch.int64, device=h.counts.device) if smooth <= 1 else None
     kl, picked = _divergences(h.counts, num_bits, unsigned, start_bin, stride,
-                              _LAST if trim else None, copy_zero_bin, True, pick, fallback=True)
+                              _LAST if trim else None, copy_zero_bin, None, pick, fallback=True)
     if pick is not None and picked:
         return h.lo + pick * h.width
     kl = _smooth(kl, smooth)

@@ -21,7 +21,6 @@ from .scorer import (  # noqa: F401 -- re-exported
     HistogramScorer,
     Line,
     LineBest,
-    kernel_available,
 )
 
 __all__ = ["histogram_error"]
@@ -29,12 +28,13 @@ __all__ = ["histogram_error"]
 
 def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                     centers: torch.Tensor | None = None, points: int = 1,
-                    kernel: bool = True) -> torch.Tensor:
+                    backend: str | None = None) -> torch.Tensor:
     """Squared error ``[U, C]`` of quantizing each unit's histogram with each candidate
     range ``(lo[u, c], hi[u, c])``, computed in chunks of candidates. ``centers [U, B]``
     overrides the bin centres (a reference's own float rounding of its edges). ``points > 1``
     spreads each bin's count evenly over that many points inside it (uniform density in
-    the bin, as torch.ao's L2 model assumes) instead of its centre. ``kernel=False`` forces
-    the torch path (the reference the kernel is tested against)."""
-    return HistogramScorer(hist, spec, centers=centers, points=points, kernel=kernel)(
-        lo, hi, kernel=kernel)
+    the bin, as torch.ao's L2 model assumes) instead of its centre. ``backend``: see
+    :data:`quantscope.kernels.BACKENDS` (``"torch"``: the reference the kernel is tested
+    against)."""
+    return HistogramScorer(hist, spec, centers=centers, points=points, backend=backend)(
+        lo, hi)

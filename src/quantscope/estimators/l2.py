@@ -266,15 +266,15 @@ def l2_norms(hist: Hist, start: torch.Tensor, end: torch.Tensor,
     return torch.where(dbw64 == 0, torch.zeros_like(out), out)
 
 
-def l2_range(hist: Hist, dst_nbins: int = 256, *, kernel: bool = True
+def l2_range(hist: Hist, dst_nbins: int = 256, *, backend: str | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-unit ``(new_min, new_max)`` of torch.ao's non-linear search on ``hist`` (its
-    ``min_val`` / ``max_val`` are ``hist.lo`` / ``hist.hi``); ``kernel=False`` walks with
-    :func:`l2_path` (torch) instead of the C walk."""
+    ``min_val`` / ``max_val`` are ``hist.lo`` / ``hist.hi``); ``backend="torch"`` walks with
+    :func:`l2_path` instead of the C walk (:data:`quantscope.kernels.BACKENDS`)."""
     check_dst_nbins("l2_range", dst_nbins)
     U, Bn = hist.counts.shape
     dev = hist.counts.device
-    lib = _kernel() if kernel and dev.type == "cpu" and U else None
+    lib = kernels.choose(backend, "l2_walk", "l2_range", dev.type == "cpu" and U > 0)
     if lib is not None:
         return _l2_range_kernel(lib, hist, dst_nbins)
     start, end, valid = l2_path(hist.counts)

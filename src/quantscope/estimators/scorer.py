@@ -35,7 +35,7 @@ from ..spec import QuantSpec
 from ..stats.histogram import Hist
 
 __all__ = ["ELEMENT_BUDGET", "MOVE_HI", "MOVE_LO", "SYMMETRIC", "HistogramScorer", "Line",
-           "LineBest", "kernel_available"]
+           "LineBest"]
 
 #: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
 ELEMENT_BUDGET = 1 << 18
@@ -45,19 +45,15 @@ def _kernel():
     return kernels.lib("hist_error")
 
 
-def kernel_available() -> bool:
-    """Whether the compiled scoring kernel is in use."""
-    return _kernel() is not None
-
-
 class HistogramScorer:
     """:func:`~quantscope.estimators.error.histogram_error` of one histogram for many candidate sets: the occupied bins'
     points and weights are prepared once (searches score several rounds of candidates)."""
 
     def __init__(self, hist: Hist, spec: QuantSpec, *, centers: torch.Tensor | None = None,
-                 points: int = 1, kernel: bool = True):
+                 points: int = 1, backend: str | None = None):
         self.spec, self.units = spec, hist.counts.shape[0]
-        self.kernel = kernel and _use_kernel(hist.counts, spec)
+        applies = hist.counts.device.type == "cpu" and isinstance(spec.format, IntFormat)
+        self.kernel = kernels.choose(backend, "hist_error", "HistogramScorer", applies) is not None
         self._derive, self._q = _kernel_consts(spec)
         counts = hist.counts
         width = hist.width
@@ -95,15 +91,16 @@ class HistogramScorer:
         self.centers, self.counts = centers, counts  # [U, 1, P]
         self._flat = None
 
-    def __call__(self, lo: torch.Tensor, hi: torch.Tensor, *, kernel: bool = True
+    def __call__(self, lo: torch.Tensor, hi: torch.Tensor, *, torch_only: bool = False
                  ) -> torch.Tensor:
-        """Errors ``[U, C]`` of the candidate ranges ``lo``, ``hi`` ``[U, C]``."""
+        """Errors ``[U, C]`` of the candidate ranges ``lo``, ``hi`` ``[U, C]``
+        (``torch_only``: the torch path even where the scorer has its kernel)."""
         U = self.units
         if lo.dim() != 2 or lo.shape != hi.shape or lo.shape[0] != U:
             raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
                              f"{U} units, got {tuple(lo.shape)} and {tuple(hi.shape)}")
         C = lo.shape[1]
-        if kernel and self.kernel:
+        if self.kernel and not torch_only:
             x, w = self._points()
             lo, hi = lo.float().contiguous(), hi.float().contiguous()
             s, z = self._qparams(lo, hi)
@@ -144,7 +141,7 @@ class HistogramScorer:
         return torch.cat(out, dim=1)
 
     def line_argmin(self, line: Line, mid: int, coarse=1, *, first: bool = False,
-                    kernel: bool = True) -> LineBest:
+                    torch_only: bool = False) -> LineBest:
         """Best candidate along each unit's ``line``: a :class:`LineBest` (``[U]`` each).
         ``coarse``: the strides of the rounds, ``(k0, k1, ..., 1)`` (an int ``k`` means
         ``(k, 1)``): every ``k0``-th candidate (``mid`` among them) is scored, then those
@@ -152,7 +149,8 @@ class HistogramScorer:
         strictly lower (ties keep ``mid``, then the first), with ``first`` also if equal and
         earlier (ties: the first in the line, as ``argmin``). The kernel generates and
         prices only the candidates it visits; the torch path builds the whole line
-        (:meth:`Line.ranges`), scores all and picks by the same rule."""
+        (:meth:`Line.ranges`), scores all and picks by the same rule (``torch_only``: that
+        path even where the scorer has its kernel)."""
         U, n = self.units, line.n
         lv = _levels(coarse)
         per_unit = (line.lo, line.hi, line.width, *(line.bounds or (None, None)))
@@ -161,7 +159,7 @@ class HistogramScorer:
                              f"(one per unit) and 0 <= mid < {n}, got shapes "
                              f"{[None if t is None else tuple(t.shape) for t in per_unit]} "
                              f"and mid={mid}")
-        if kernel and self.kernel:
+        if self.kernel and not torch_only:
             x, w = self._points()
             f = [None if t is None else t.float().contiguous() for t in per_unit]
             s = z = None
@@ -304,6 +302,4 @@ def _offsets(points: int, device) -> torch.Tensor:
     return (torch.arange(points, device=device) + 0.5) / points - 0.5
 
 
-def _use_kernel(t: torch.Tensor, spec: QuantSpec) -> bool:
-    return (t.device.type == "cpu" and isinstance(spec.format, IntFormat)
-            and _kernel() is not None)
+

@@ -39,8 +39,8 @@ import threading
 import warnings
 from pathlib import Path
 
-__all__ = ["CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "build_all", "cache_dir",
-           "compiler", "disabled", "lib", "load", "qparams_consts"]
+__all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "build_all",
+           "cache_dir", "choose", "compiler", "disabled", "lib", "load", "qparams_consts"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -229,6 +229,35 @@ def load(name: str, argtypes: dict[str, list], source: Path | None = None,
 def lib(name: str) -> ctypes.CDLL | None:
     """The shipped library ``name`` (a key of :data:`SIGNATURES`), or None (torch path)."""
     return load(name, SIGNATURES[name])
+
+
+#: what every ``backend=`` argument takes: None (the C kernel where it applies, else torch),
+#: ``"torch"`` (torch's ops: the reference each kernel is tested against bit for bit),
+#: ``"kernel"`` (the kernel, or a ``ValueError`` saying why it cannot run)
+BACKENDS = (None, "torch", "kernel")
+
+
+def available(name: str) -> bool:
+    """Whether the library ``name`` (a key of :data:`SIGNATURES`) is built and loads (False:
+    its callers run their torch path)."""
+    return lib(name) is not None
+
+
+def choose(backend: str | None, name: str, where: str, applies: bool = True
+           ) -> ctypes.CDLL | None:
+    """The library ``name`` to run under ``backend`` (see :data:`BACKENDS`), or None for the
+    torch path. ``applies``: whether the kernel takes these inputs (device, dtype, layout:
+    the caller decides); ``where`` names the caller in errors."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return None
+    found = lib(name) if applies else None
+    if found is None and backend == "kernel":
+        why = ("does not take these inputs (CPU tensors of the kernel's dtype)" if not applies
+               else "is not built (QUANTSCOPE_NO_KERNEL, no C compiler, or a failed build)")
+        raise ValueError(f"{where}: backend='kernel', but the C kernel {name!r} {why}")
+    return found
 
 
 def build_all() -> dict[str, bool]:

@@ -44,12 +44,13 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def histc(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor,
-          base: torch.Tensor | None = None, kernel: bool = True) -> torch.Tensor:
+          base: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """``base + torch.histc(x, bins, min=lo, max=hi)`` (float32 ``[bins]``; ``base`` None:
-    the histc alone). ``kernel=False``: torch's ops only."""
-    lib = _kernel() if kernel else None
-    if (lib is not None and _plain(x) and not x.requires_grad
-            and (base is None or (_plain(base) and base.shape == (bins,)))):
+    the histc alone). ``backend``: see :data:`quantscope.kernels.BACKENDS`."""
+    applies = (_plain(x) and not x.requires_grad
+               and (base is None or (_plain(base) and base.shape == (bins,))))
+    lib = kernels.choose(backend, "ao_hist", "histc", applies)
+    if lib is not None:
         out = torch.empty(bins)
         src = torch.zeros(bins) if base is None else base
         if not lib.qs_ao_histc(x.data_ptr(), x.numel(), float(lo), float(hi), bins,
@@ -76,7 +77,8 @@ def fused(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor, base: 
 
 
 def upscale(hist: torch.Tensor, orig_lo: torch.Tensor, orig_hi: torch.Tensor,
-            new_lo: torch.Tensor, new_hi: torch.Tensor, kernel: bool = True) -> torch.Tensor:
+            new_lo: torch.Tensor, new_hi: torch.Tensor, backend: str | None = None
+            ) -> torch.Tensor:
     """torch.ao's ``_upscale_histogram``: ``hist`` on ``[orig_lo, orig_hi]`` moved onto
     ``len(hist)`` bins over ``[new_lo, new_hi]`` (see the module doc)."""
     bins = hist.shape[0]
@@ -84,8 +86,9 @@ def upscale(hist: torch.Tensor, orig_lo: torch.Tensor, orig_hi: torch.Tensor,
     bin_size = (orig_hi - orig_lo) / (bins * rate)
     mids = torch.linspace(orig_lo, orig_hi, bins * rate + 1)[:-1] + 0.5 * bin_size
     bounds = torch.linspace(new_lo, new_hi, bins + 1)
-    lib = _kernel() if kernel else None
-    if lib is not None and _plain(hist) and mids.dtype == bounds.dtype == torch.float32:
+    applies = _plain(hist) and mids.dtype == bounds.dtype == torch.float32
+    lib = kernels.choose(backend, "ao_hist", "upscale", applies)
+    if lib is not None:
         out = torch.empty(bins)
         lib.qs_ao_upscale(hist.data_ptr(), bins, rate, mids.data_ptr(), bounds.data_ptr(),
                           out.data_ptr())
@@ -99,18 +102,18 @@ def upscale(hist: torch.Tensor, orig_lo: torch.Tensor, orig_hi: torch.Tensor,
 
 def update(hist: torch.Tensor | None, lo: torch.Tensor | None, hi: torch.Tensor | None,
            x: torch.Tensor, x_lo: torch.Tensor, x_hi: torch.Tensor, bins: int,
-           kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.ao ``HistogramObserver.forward``'s state change: the new ``(histogram, min_val,
     max_val)`` after the finite batch ``x`` with min / max ``x_lo``, ``x_hi`` (0-dim
     float32); ``hist`` None: the first batch (``reset_histogram``). Fresh tensors; the
     inputs are not modified."""
     if hist is None:
-        return histc(x, bins, x_lo, x_hi, None, kernel), x_lo.clone(), x_hi.clone()
+        return histc(x, bins, x_lo, x_hi, None, backend), x_lo.clone(), x_hi.clone()
     new_lo, new_hi = torch.min(lo, x_lo), torch.max(hi, x_hi)
     if bool(new_lo == lo) and bool(new_hi == hi):
-        return histc(x, bins, new_lo, new_hi, hist, kernel), lo.clone(), hi.clone()
+        return histc(x, bins, new_lo, new_hi, hist, backend), lo.clone(), hi.clone()
     if bool(lo == hi):  # a one-value histogram: its total moves to that value's new bin
         moved = torch.histc(lo, bins=bins, min=float(new_lo), max=float(new_hi)) * hist.sum()
     else:
-        moved = upscale(hist, lo, hi, new_lo, new_hi, kernel)
-    return histc(x, bins, new_lo, new_hi, moved, kernel), new_lo, new_hi
+        moved = upscale(hist, lo, hi, new_lo, new_hi, backend)
+    return histc(x, bins, new_lo, new_hi, moved, backend), new_lo, new_hi

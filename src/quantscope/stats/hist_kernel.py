@@ -49,7 +49,7 @@ import torch
 
 from .. import kernels
 
-__all__ = ["available", "bin_values", "fused_update", "regrid"]
+__all__ = ["bin_values", "fused_update", "regrid"]
 
 
 #: bins above which the kernels are not used: a thread's scratch is 8 int32 copies of the
@@ -59,11 +59,6 @@ MAX_BINS = 1 << 16
 
 def _kernel():
     return kernels.lib("hist_kernel")
-
-
-def available() -> bool:
-    """Whether the compiled kernels are in use."""
-    return _kernel() is not None
 
 
 def _cpu(t: torch.Tensor, dtype) -> bool:
