@@ -18,8 +18,8 @@ to the output's largest value). quantscope's export runs three ways: in
 :func:`quantscope.export.onnx.session` (exact: on a CPU without VNNI it sets
 ``session.x64quantprecision``, ORT's u8u8 kernel), with ``uint8=True`` storage (u8u8 in any
 session), and in a plain ORT session (ORT's int8-weight kernel: exact and fast with VNNI,
-saturating int16 pair sums without). ORT's own models also get their Lee Pearson in a session
-with ``session.x64quantprecision`` (the same kernels without the saturation).
+saturating int16 pair sums without). ORT's own models and quantscope's also get their Lee
+Pearson in ORT's reference execution (no fused kernels, so no saturation).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _quantize_static(fp32: Path, samples, tmp: Path) -> dict[str, Path]:
     return paths
 
 
-def _ort_session(path: Path, opt: Path | None, exact: bool, precise: bool = False):
+def _ort_session(path: Path, opt: Path | None, exact: bool):
     import onnxruntime as ort
     if exact:
         return qonnx.session(path, threads=2, optimized_model_path=opt)
@@ -112,19 +112,19 @@ def _ort_session(path: Path, opt: Path | None, exact: bool, precise: bool = Fals
     so.intra_op_num_threads, so.inter_op_num_threads = 2, 1
     if opt is not None:
         so.optimized_model_filepath = str(opt)
-    if precise:
-        so.add_session_config_entry(*qonnx.PRECISE_U8U8)
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _precise_lee(path, tok, lee, pairs) -> str:
-    """Lee Pearson in a session with ``session.x64quantprecision``, or why there is none."""
-    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
-    try:
-        sess = _ort_session(path, None, False, True)
-    except Fail as e:  # ORT 1.32 refuses some of its own graphs with the option
-        return f"session fails: {str(e).split(': ')[-1][:50]}"
-    return f"{models.lee_correlation(_ort_embed(sess, tok, lee), pairs):.4f}"
+def _reference_lee(path, tok, lee, pairs) -> float:
+    """Lee Pearson in ORT's reference execution (``ORT_DISABLE_ALL``: the Q / DQ ops as
+    written and float MatMuls, no fused integer kernel, so no saturation). ORT's own models
+    cannot take ``session.x64quantprecision`` (1.32 fails to load them with it)."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads, so.inter_op_num_threads = 2, 1
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return models.lee_correlation(_ort_embed(sess, tok, lee), pairs)
 
 
 def _op_counts(opt: Path) -> dict[str, int]:
@@ -191,18 +191,18 @@ def main(reps: int = 10) -> None:
         counts = {k: _op_counts(tmp / f"opt_{i}.onnx") for i, k in enumerate(paths)}
         quality = {k: models.lee_correlation(_ort_embed(s, tok, lee), pairs)
                    for k, s in sessions.items()}
-        precise = {k: _precise_lee(p, tok, lee, pairs) for k, p in paths.items()
-                   if k.startswith("ORT")}
+        reference = {k: _reference_lee(p, tok, lee, pairs) for k, p in paths.items()
+                     if k.startswith("ORT") or k == QS}
         err = {k: float(np.abs(sessions[k].run(None, {n: v.numpy() for n, v in check.items()})[0]
                                - ref).max() / np.abs(ref).max()) for k in ours}
         med = _latency(sessions, reps)
     print(f"torch fake-quant W8A8 Lee Pearson: {torch_r:.4f}\n")
-    print("| model | Lee Pearson | Lee, exact kernels | latency (median) | vs fp32 | "
+    print("| model | Lee Pearson | Lee, reference execution | latency (median) | vs fp32 | "
           "max diff to fake-quant |")
     print("|---|---|---|---|---|---|")
     for k in sessions:
         e = f"{err[k]:.1e} of max" if k in err else ""
-        p = precise.get(k, "")
+        p = f"{reference[k]:.4f}" if k in reference else ""
         print(f"| {k} | {quality[k]:.4f} | {p} | {med[k] * 1e3:.0f} ms | "
               f"{med['ONNX fp32'] / med[k]:.2f}x | {e} |")
     print("\n| model (optimized graph) | " + " | ".join(OPS) + " |")
