@@ -151,3 +151,46 @@ def test_every_quantized_linear_input_equals_fake_quant_codes(bert, tmp_path):
     assert set(seen) == set(calib.states)
     for layer, x in seen.items():
         np.testing.assert_array_equal(outs[f"{layer}.input_dq"], x.numpy(), err_msg=layer)
+
+
+def test_uint8_storage_equals_fake_quant_too(bert, tmp_path):
+    """``uint8=True`` (codes and zero points + 128, ORT's u8u8 kernel in any session) runs the
+    same values as the default int8 storage."""
+    model, batches = bert
+    calib = calibrate(model, batches, preset("w8a8", "minmax", ignore=["*pooler*"]),
+                      progress=False)
+    path = tmp_path / "u8.onnx"
+    export.export(calib, model, path, format="onnx", example_inputs=batches[0], uint8=True)
+    w = [t for t in onnx.load(str(path)).graph.initializer if t.name.endswith(".weight_q")]
+    assert w and all(t.data_type == onnx.TensorProto.UINT8 for t in w)
+    test = batches[2]
+    got = qonnx.session(path, threads=1).run(None, {k: v.numpy() for k, v in test.items()})[0]
+    with torch.no_grad(), calib.apply(model):
+        ref = model(**test).last_hidden_state.numpy()
+    assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_int8_dot_product_reads_the_cpu_flags(tmp_path, monkeypatch):
+    import platform
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for flags, fast in (("fpu avx2 avx512f avx512_vnni", True), ("fpu avx avx2 fma", False),
+                        ("fpu avx2 avx_vnni", True)):
+        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert qonnx.int8_dot_product(str(tmp_path / "cpuinfo")) is fast, flags
+    assert qonnx.int8_dot_product(str(tmp_path / "missing")) is False  # exact if unknown
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert qonnx.int8_dot_product(str(tmp_path / "missing")) is True
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+def test_session_options_run_the_exact_kernel_without_vnni(monkeypatch, vnni):
+    """Without VNNI ORT's int8-weight kernel saturates int16 pair sums: the session converts
+    int8 weights to uint8 (``session.x64quantprecision``); with VNNI it keeps the fast,
+    exact int8 kernel."""
+    monkeypatch.setattr(qonnx, "int8_dot_product", lambda: vnni)
+    so = qonnx.session_options(threads=1)
+    if vnni:
+        with pytest.raises(RuntimeError):
+            so.get_session_config_entry(qonnx.PRECISE_U8U8[0])
+    else:
+        assert so.get_session_config_entry(qonnx.PRECISE_U8U8[0]) == "1"
