@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+from ._numerics import true_div
 from .scales import E8M0_MODES, e8m0_scale, encode_scale, nvfp4_global_scale
 from .spec import QuantSpec
 
@@ -186,16 +187,17 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
         if global_amax is None:
             global_amax = amax.max() if amax.numel() else amax.new_zeros(())
         gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
-        block = encode_scale(amax / fmt.max * gs, enc)
+        block = encode_scale(true_div(amax, fmt.max) * gs, enc)
         block = torch.where(block > 0, block, torch.full_like(block, spec.min_scale))
         return QParams(block, zero, gs.to(lo.device))
 
     if spec.symmetric:
-        scale = amax / ((qmax - qmin) / 2)
+        scale = true_div(amax, (qmax - qmin) / 2)
     else:
-        scale = (hi - lo) / (qmax - qmin)
+        scale = true_div(hi - lo, qmax - qmin)
         # hi - lo overflows float32 only for ranges near its max: divide first there
-        scale = torch.where(scale < math.inf, scale, hi / (qmax - qmin) - lo / (qmax - qmin))
+        scale = torch.where(scale < math.inf, scale,
+                            true_div(hi, qmax - qmin) - true_div(lo, qmax - qmin))
     scale = encode_scale(scale.clamp(min=spec.min_scale), enc)
     if spec.symmetric:
         if fmt.signed:

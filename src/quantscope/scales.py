@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._numerics import true_div
 from .formats import FP8_E4M3, FloatFormat, Format
 
 __all__ = [
@@ -180,7 +181,7 @@ def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Te
     elif mode == "even":
         k = _floor_log2_rounded(safe, fmt.mbits) - fmt.emax
     elif mode == "rceil":
-        k = _ceil_log2(safe / fmt.max)
+        k = _ceil_log2(true_div(safe, fmt.max))
     else:
         raise ValueError(f"scale: unknown e8m0 mode {mode!r}; expected one of {E8M0_MODES}")
     k = torch.where(tiny, torch.full_like(k, -127), k).clamp_(-127, 127)
