@@ -118,23 +118,62 @@ def test_model_metric_choice_is_the_exhaustive_best():
     auto = calibrate(model, batches, "w8a8", observer="auto", candidates=names, progress=False,
                      score_tokens=10_000)
     info = auto.info["auto"]
+    assert info["score_pieces"] == len(batches)  # every batch: the pieces as they are
     singles = calibrate_many(model, batches, {n: preset("w8a8", n) for n in names},
                              progress=False)
-    joint = calibrate(model, batches, "w8a8", observer="auto", candidates=names,
-                      progress=False, auto_metric="joint")
-    direct = {n: _kl(model, batches, c.states) for n, c in singles.items()}
-    direct["joint"] = _kl(model, batches, joint.states)
-    for n, d in direct.items():
-        assert info["scores"][n] == pytest.approx(d, rel=1e-3, abs=1e-9)
+    # each candidate's score is its mean KL over the pieces it was scored on (all of them,
+    # unless dropped early), written out directly
+    per_piece = {n: [_kl(model, [b], c.states) for b in batches] for n, c in singles.items()}
+    for n in names:
+        k = info["pieces_scored"][n]
+        assert 1 <= k <= len(batches)
+        assert info["scores"][n] == pytest.approx(sum(per_piece[n][:k]) / k, rel=1e-3,
+                                                  abs=1e-12)
+    direct = {n: sum(v) / len(v) for n, v in per_piece.items()}
     best = min(direct, key=direct.get)
-    assert info["chose"] == best
-    chosen = singles.get(best, joint)
-    for layer, roles in chosen.states.items():
+    assert info["chose"] == best and info["pieces_scored"][best] == len(batches)
+    for layer, roles in singles[best].states.items():
         for role, st in roles.items():
             assert torch.equal(auto.states[layer][role].qparams.scale, st.qparams.scale)
             assert auto.states[layer][role].requested == "auto"
     # never worse than min-max on the scoring batches
     assert direct[best] <= direct["minmax"]
+
+
+def test_choose_drops_a_far_worse_candidate_after_the_first_piece():
+    from quantscope.calibrate.auto import choose
+
+    class Fake:  # divergence per (config, piece), recorded
+        def __init__(self):
+            self.batches, self.calls = [0, 1, 2], []
+
+        def of(self, states, k):
+            self.calls.append((states, k))
+            return {"a": [1.0, 1.0, 1.0], "b": [0.9, 1.2, 1.2], "c": [2.0, 0.0, 0.0]}[states][k]
+
+    div = Fake()
+    best, scores = choose(div, {"a": "a", "b": "b", "c": "c"}, "a", drop=1.5)
+    # c (2.0 > 1.5 x 0.9 after piece 0) is dropped though it would have won on all three
+    assert ("c", 1) not in div.calls and scores["c"] == (2.0, 1)
+    assert best == "a" and scores["a"] == (1.0, 3)
+    assert scores["b"] == (pytest.approx(3.3 / 3), 3)
+    # ties keep the first (min-max)
+    best, _ = choose(Fake(), {"b": "a", "a": "a"}, "a")
+    assert best == "a"
+
+
+def test_score_pieces_cut_one_batch_by_rows_to_the_tokens_asked():
+    from quantscope.calibrate.auto import score_batches, score_pieces
+
+    mask = torch.ones(4, 5, dtype=torch.long)
+    mask[3, 2:] = 0
+    b = {"input_ids": torch.arange(20).reshape(4, 5), "attention_mask": mask}
+    assert [int(x["attention_mask"].sum()) for x in score_batches([b, b], 9)] == [10]
+    assert [int(x["attention_mask"].sum()) for x in score_batches([b, b], 20)] == [17, 5]
+    pieces = score_pieces([b], 100, pieces=2)
+    assert [p["input_ids"].shape[0] for p in pieces] == [2, 2]
+    assert torch.equal(torch.cat([p["input_ids"] for p in pieces]), b["input_ids"])
+    assert len(score_pieces([b, b], 100, pieces=2)) == 2
 
 
 def test_joint_choice_equals_exhaustive_pair_search():

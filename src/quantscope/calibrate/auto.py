@@ -10,20 +10,22 @@ Three criteria, from local to global (``calibrate(..., auto_metric=...)``):
 * ``"fisher"`` (item b): the same error with each output feature weighted by the mean
   squared gradient ``g^2`` of the model's loss with respect to it (ModelOpt's
   ``sum g^2 (Y - Yq)^2``): errors in outputs the loss is sensitive to count more.
-* ``"model"`` (the default ``auto``): every candidate observer, and the ``joint`` choice,
-  are calibrated in the same pass; each whole-model configuration is scored by the
-  divergence of the model's output from the float model's on a few calibration batches
-  (:class:`OutputDivergence`), and the best is kept. Min-max is always among them, so on
-  the scoring batches ``auto`` is never worse than min-max. See the README for why this is
-  the default (measured on both demo models).
+* ``"model"`` (the default ``auto``): every candidate observer is calibrated in the same
+  pass; each whole-model configuration is scored by the divergence of the model's output
+  from the float model's on a few calibration documents (:class:`OutputDivergence`), piece
+  by piece, candidates far behind dropped early (:func:`choose`), and the best is kept.
+  Min-max is always among them, so on the scoring pieces min-max was scored on, ``auto`` is
+  never worse than min-max. See the README for why this is the default (measured on both
+  demo models).
 
 Per-layer criteria cannot see that an outlier one layer clips costs more downstream than a
 coarse step everywhere; the model-level score does, at the price of one forward of the
-scoring batches per candidate.
+scoring documents per candidate (fewer for those dropped early).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -51,6 +53,11 @@ LAYER_METRICS = ("joint", "fisher")
 #: sampled input rows the joint error uses per layer (its cost: a few matmuls of this many rows)
 JOINT_ROWS = 256
 IMATRIX = "imatrix"
+#: ``auto_metric="model"`` scores each configuration piece by piece on this many pieces of
+#: the scoring tokens, dropping after each piece the candidates this many times worse than
+#: the best so far (:func:`choose`)
+SCORE_PIECES = 2
+DROP_FACTOR = 1.5
 
 
 # ----------------------------------------------------------------------------- model output
@@ -128,43 +135,95 @@ class OutputDivergence:
             self.model.train(was)
         return out if self.loss is not None else _summary(out, batch)
 
+    def on(self, k: int) -> float:
+        """The divergence of the model as it is now on batch ``k`` alone (one forward)."""
+        batch, ref = self.batches[k], self.references[k]
+        out = self._run(batch)
+        d = (float(self.loss(out, ref, batch)) if self.loss is not None
+             else _divergence(out[0], out[1], ref[1]))
+        if not math.isfinite(d):
+            raise ValueError(f"auto: the output divergence is {d} (non-finite output of the "
+                             f"quantized model?)")
+        self.forwards += 1
+        return d
+
     def __call__(self) -> float:
         """The mean divergence of the model as it is now (e.g. under QDQ) over the batches."""
-        total = 0.0
-        for batch, ref in zip(self.batches, self.references):
-            out = self._run(batch)
-            if self.loss is not None:
-                d = float(self.loss(out, ref, batch))
-            else:
-                d = _divergence(out[0], out[1], ref[1])
-            if not math.isfinite(d):
-                raise ValueError(f"auto: the output divergence is {d} (non-finite output of the "
-                                 f"quantized model?)")
-            total += d
-        self.forwards += len(self.batches)
-        return total / len(self.batches)
+        return sum(self.on(k) for k in range(len(self.batches))) / len(self.batches)
 
-    def of(self, states) -> float:
-        """The divergence with ``states`` (``{layer: {role: RoleState}}``) applied."""
+    def of(self, states, k: int | None = None) -> float:
+        """The divergence with ``states`` (``{layer: {role: RoleState}}``) applied: over all
+        batches, or on batch ``k`` alone."""
         with apply(self.model, states):
-            return self()
+            return self() if k is None else self.on(k)
+
+
+def _rows(batch) -> int | None:
+    mask = _mask(batch)
+    return None if mask is None or mask.dim() != 2 else mask.shape[0]
+
+
+def _take_rows(batch, start: int, stop: int):
+    """Rows ``start:stop`` of a dict batch (every tensor whose first dimension is the rows)."""
+    n = _rows(batch)
+    return {k: (v[start:stop] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n
+                else v) for k, v in batch.items()}
+
+
+def _tokens(b) -> int:
+    mask = _mask(b)
+    if mask is not None:
+        return int(mask.sum())
+    t = b if isinstance(b, torch.Tensor) else (b[0] if isinstance(b, (tuple, list)) else None)
+    return t.shape[:-1].numel() if isinstance(t, torch.Tensor) and t.dim() > 1 else 1
 
 
 def score_batches(batches, tokens: int):
-    """The first calibration batches holding at least ``tokens`` real tokens (at least one)."""
+    """The first calibration batches holding at least ``tokens`` real tokens (at least one);
+    the last one cut to the rows (documents) needed where it is a dict with a mask."""
     out, n = [], 0
     for b in batches:
+        need = tokens - n
+        rows = _rows(b)
+        if rows is not None and rows > 1 and _tokens(b) > need:
+            per_row = _mask(b).sum(-1).tolist()
+            k = next(i for i in range(1, rows + 1) if sum(per_row[:i]) >= need)
+            b = _take_rows(b, 0, k)
         out.append(b)
-        mask = _mask(b)
-        if mask is not None:
-            n += int(mask.sum())
-        else:
-            t = b if isinstance(b, torch.Tensor) else (b[0] if isinstance(b, (tuple, list))
-                                                      else None)
-            n += t.shape[:-1].numel() if isinstance(t, torch.Tensor) and t.dim() > 1 else 1
+        n += _tokens(b)
         if n >= tokens:
             break
     return out
+
+
+def score_pieces(batches, tokens: int, pieces: int = SCORE_PIECES):
+    """The scoring set (:func:`score_batches`) as up to ``pieces`` batches of about equal
+    tokens: the unit of :func:`choose` 's successive rounds. A single dict batch is split by
+    rows; several batches are the pieces as they are."""
+    out = score_batches(batches, tokens)
+    if len(out) >= pieces or len(out) != 1 or (_rows(out[0]) or 1) < 2:
+        return out
+    rows = _rows(out[0])
+    cuts = [round(i * rows / min(pieces, rows)) for i in range(min(pieces, rows) + 1)]
+    return [_take_rows(out[0], a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_FACTOR):
+    """The configuration (``{name: states}``) with the least mean divergence, scored piece by
+    piece (each of ``div.batches``): after each piece, a candidate whose mean so far exceeds
+    ``drop`` times the best mean so far is dropped, unscored on the later pieces (an early
+    choice: such a candidate cannot catch up unless the pieces disagree by that factor).
+    Ties keep ``first`` (min-max). Returns ``(best, {name: (mean, pieces scored)})``."""
+    totals, seen = dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0)
+    alive = list(configs)
+    for k in range(len(div.batches)):
+        for n in alive:
+            totals[n] += div.of(configs[n], k)
+            seen[n] += 1
+        best = min(totals[n] / seen[n] for n in alive)
+        alive = [n for n in alive if totals[n] / seen[n] <= drop * best]
+    best = min(alive, key=lambda n: (totals[n] / seen[n], n != first))
+    return best, {n: (totals[n] / seen[n], seen[n]) for n in configs}
 
 
 # ----------------------------------------------------------------------------- fisher
@@ -305,11 +364,16 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
 def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Recipe], *,
                          candidates, score_tokens: int = 1024, loss=None, **kwargs):
     """``auto_metric="model"``: calibrate every auto recipe's candidates in one pass, score
-    each whole configuration by :class:`OutputDivergence`, keep the best.
+    each whole configuration by :class:`OutputDivergence` on the first ``score_tokens``
+    calibration tokens, keep the best.
 
-    Each auto recipe ``R`` is expanded to ``R`` with every candidate observer and ``R`` with
-    the ``joint`` per-layer choice; they share observers with each other (and with the other
-    recipes) in :func:`calibrate_many` 's single pass.
+    Each auto recipe ``R`` is expanded to ``R`` with every candidate observer; they share
+    observers with each other (and with the other recipes) in :func:`calibrate_many` 's
+    single pass. The scoring tokens are cut in :data:`SCORE_PIECES` pieces scored one after
+    the other (:func:`choose`): a candidate far behind after a piece is not scored further.
+    The per-layer ``joint`` choice is not a candidate here: on SmolLM2 its configuration
+    scored worst but the clipping observers (docs/benchmarks.md), and it costs its own
+    matmuls and imatrix searches; ``auto_metric="joint"`` asks for it.
     """
     from .observe import candidates_for as _candidates  # the one list of auto's candidates
 
@@ -320,27 +384,26 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
     for label in autos:
         for n in names:
             expanded[(label, n)] = recipes[label].with_observer(n)
-        expanded[(label, "joint")] = recipes[label]
     calibs = calibrate_many(model, batches, expanded, candidates=candidates,
-                            auto_metric="joint", **kwargs)
+                            auto_metric="tensor", **kwargs)
     out = {label: c for label, c in calibs.items() if label in recipes}
     if not autos:
         return out
     import time
 
     t0 = time.perf_counter()
-    score = OutputDivergence(model, score_batches(batches, score_tokens), loss)
+    score = OutputDivergence(model, score_pieces(batches, score_tokens), loss)
     for label in autos:
-        scores = {}
-        for n in [*names, "joint"]:
-            scores[n] = score.of(calibs[(label, n)].states)
-        best = min(scores, key=lambda n: (scores[n], n != names[0]))
+        best, scores = choose(score, {n: calibs[(label, n)].states for n in names}, names[0])
         chosen = calibs[(label, best)]
         states = {layer: {role: replace(st, requested=AUTO) for role, st in roles.items()}
                   for layer, roles in chosen.states.items()}
         info = dict(chosen.info)
         info["auto"] = {"metric": "model", "chose": best,
-                        "scores": {k: float(f"{v:.6g}") for k, v in scores.items()},
+                        "scores": {k: float(f"{v:.6g}") for k, (v, _) in scores.items()},
+                        "pieces_scored": {k: p for k, (_, p) in scores.items()},
+                        "score_pieces": len(score.batches),
+                        "score_tokens": sum(_tokens(b) for b in score.batches),
                         "score_forwards": score.forwards}
         stats = [dict(r, requested=AUTO) for r in chosen.stats]
         out[label] = Calibration(recipes[label], states, label, stats, chosen.histograms, info)
