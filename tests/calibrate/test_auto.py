@@ -376,3 +376,35 @@ def test_imatrix_observer_matches_the_estimator_and_falls_back_to_unweighted():
     assert err(lu, hu, torch.ones(32)) <= err(lw, hw, torch.ones(32))
     with pytest.raises(ValueError, match="importance has 32"):
         quantscope.get_observer("imatrix_mse", spec, importance=imp)(torch.randn(6, 16))
+
+
+def test_layer_sensitivity_by_hand():
+    from quantscope.calibrate.apply import qdq_tensor
+    from quantscope.calibrate.sensitivity import layer_sensitivity
+
+    model = _Mlp().eval()
+    batches = [torch.randn(3, 5, 16) for _ in range(2)]
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    s = layer_sensitivity(model, batches, calib)
+    assert s.info["forwards"] == 2 and len(s.rows) == 4
+    assert all(a["divergence"] >= b["divergence"] for a, b in zip(s.rows, s.rows[1:]))
+    xs = {"up": [b.reshape(-1, 16) for b in batches]}
+    with torch.no_grad():
+        xs["down"] = [nn.functional.gelu(model.up(x)) for x in xs["up"]]
+    for r in s.rows:
+        m = model.get_submodule(r["layer"])
+        st = calib.states[r["layer"]][r["role"]]
+        w = m.weight.detach()
+        e = y = 0.0
+        for x in xs[r["layer"]]:  # 15 rows per batch: all of them, under LAYER_ROWS
+            ref = x @ w.T
+            q = qdq_tensor(x, st) @ w.T if r["role"] == "input" else x @ qdq_tensor(w, st).T
+            e += float((q - ref).double().square().sum())
+            y += float(ref.double().square().sum())
+        assert r["divergence"] == pytest.approx(e / y, rel=1e-4)
+    # the ranking drives the fallback: the first input ranked is the one left dynamic
+    kept = keep_float(calib, s, 1, mode="dynamic")
+    first = s.top(1, "input")[0]
+    assert kept.states[first[0]]["input"].dynamic is True
+    with pytest.raises(TypeError, match="calibration"):
+        layer_sensitivity(model, batches, "w8a8")
