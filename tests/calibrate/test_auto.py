@@ -119,6 +119,8 @@ def test_model_metric_choice_is_the_exhaustive_best():
                      score_tokens=10_000)
     info = auto.info["auto"]
     assert info["score_pieces"] == len(batches)  # every batch: the pieces as they are
+    # the float references come from the calibration pass: only the candidates' forwards
+    assert info["score_forwards"] == sum(info["pieces_scored"].values())
     singles = calibrate_many(model, batches, {n: preset("w8a8", n) for n in names},
                              progress=False)
     # each candidate's score is its mean KL over the pieces it was scored on (all of them,
@@ -170,10 +172,11 @@ def test_score_pieces_cut_one_batch_by_rows_to_the_tokens_asked():
     b = {"input_ids": torch.arange(20).reshape(4, 5), "attention_mask": mask}
     assert [int(x["attention_mask"].sum()) for x in score_batches([b, b], 9)] == [10]
     assert [int(x["attention_mask"].sum()) for x in score_batches([b, b], 20)] == [17, 5]
-    pieces = score_pieces([b], 100, pieces=2)
-    assert [p["input_ids"].shape[0] for p in pieces] == [2, 2]
+    pieces = score_pieces([b], 100)  # a quarter of the rows first, then the rest
+    assert [p["input_ids"].shape[0] for p in pieces] == [1, 3]
     assert torch.equal(torch.cat([p["input_ids"] for p in pieces]), b["input_ids"])
-    assert len(score_pieces([b, b], 100, pieces=2)) == 2
+    assert [p["input_ids"].shape[0] for p in score_pieces([b], 100, first=0.5)] == [2, 2]
+    assert len(score_pieces([b, b], 100)) == 2
 
 
 def test_joint_choice_equals_exhaustive_pair_search():
@@ -408,3 +411,23 @@ def test_layer_sensitivity_by_hand():
     assert kept.states[first[0]]["input"].dynamic is True
     with pytest.raises(TypeError, match="calibration"):
         layer_sensitivity(model, batches, "w8a8")
+
+
+def test_model_metric_on_one_batch_cut_in_pieces_matches_direct_kl():
+    from quantscope.calibrate.auto import score_pieces
+
+    model, batches = _llama()
+    big = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}  # one batch of 6 rows
+    names = ["minmax", "mse"]
+    auto = calibrate(model, [big], "w8a8", observer="auto", candidates=names, progress=False,
+                     score_tokens=10_000)
+    info = auto.info["auto"]
+    pieces = score_pieces([big], 10_000)
+    assert info["score_pieces"] == 2 and [p["input_ids"].shape[0] for p in pieces] == [2, 4]
+    assert info["score_forwards"] == sum(info["pieces_scored"].values())  # references caught
+    singles = calibrate_many(model, [big], {n: preset("w8a8", n) for n in names},
+                             progress=False)
+    for n in names:
+        k = info["pieces_scored"][n]
+        direct = sum(_kl(model, [p], singles[n].states) for p in pieces[:k]) / k
+        assert info["scores"][n] == pytest.approx(direct, rel=1e-3, abs=1e-12)

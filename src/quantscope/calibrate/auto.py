@@ -25,8 +25,8 @@ scoring documents per candidate (fewer for those dropped early).
 
 from __future__ import annotations
 
-import itertools
 import math
+import types
 from dataclasses import replace
 
 import torch
@@ -53,10 +53,10 @@ LAYER_METRICS = ("joint", "fisher")
 #: sampled input rows the joint error uses per layer (its cost: a few matmuls of this many rows)
 JOINT_ROWS = 256
 IMATRIX = "imatrix"
-#: ``auto_metric="model"`` scores each configuration piece by piece on this many pieces of
-#: the scoring tokens, dropping after each piece the candidates this many times worse than
-#: the best so far (:func:`choose`)
-SCORE_PIECES = 2
+#: ``auto_metric="model"`` scores each configuration piece by piece (the first piece this
+#: share of the scoring documents), dropping after each piece the candidates this many times
+#: worse than the best so far (:func:`choose`)
+FIRST_PIECE = 0.25
 DROP_FACTOR = 1.5
 
 
@@ -106,13 +106,14 @@ def _divergence(kind, q, ref):
 class OutputDivergence:
     """How far a (quantized) model's output is from the float model's on ``batches``.
 
-    The float outputs are computed once, at construction. ``loss(output, reference_output,
+    The float outputs are computed once, at construction (``references``: those already
+    known, as :func:`_summary` gives them, None where not). ``loss(output, reference_output,
     batch) -> float`` replaces the default: KL divergence of the next-token distributions
     for a model with ``logits`` (causal LM), ``1 - cosine`` of the mean-pooled embeddings
     otherwise. Each call runs one forward per batch (under ``inference_mode``).
     """
 
-    def __init__(self, model: nn.Module, batches, loss=None):
+    def __init__(self, model: nn.Module, batches, loss=None, references=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"OutputDivergence: model must be an nn.Module, got "
                             f"{type(model).__name__}")
@@ -122,8 +123,10 @@ class OutputDivergence:
                              "compare the model's outputs on")
         if loss is not None and not callable(loss):
             raise TypeError("OutputDivergence: loss must be callable(output, reference, batch)")
-        self.references = [self._run(b) for b in self.batches]
-        self.forwards = len(self.batches)
+        # float outputs already at hand (e.g. caught in the calibration pass) are not recomputed
+        known = list(references or [None] * len(self.batches))
+        self.references = [self._run(b) if r is None else r for b, r in zip(self.batches, known)]
+        self.forwards = sum(r is None for r in known)
 
     def _run(self, batch):
         was = self.model.training
@@ -196,16 +199,74 @@ def score_batches(batches, tokens: int):
     return out
 
 
-def score_pieces(batches, tokens: int, pieces: int = SCORE_PIECES):
-    """The scoring set (:func:`score_batches`) as up to ``pieces`` batches of about equal
-    tokens: the unit of :func:`choose` 's successive rounds. A single dict batch is split by
-    rows; several batches are the pieces as they are."""
+def score_plan(batches, tokens: int, first: float = FIRST_PIECE):
+    """Where the scoring pieces come from: ``[(batch index, rows start, rows stop)]``. The
+    scoring set is the first calibration documents holding ``tokens`` real tokens
+    (:func:`score_batches`); a single dict batch is cut by rows in two pieces, the first
+    ``first`` of the rows (at least one), so that the early round that drops the far-off
+    candidates (:func:`choose`) is cheap; several batches are the pieces as they are."""
     out = score_batches(batches, tokens)
-    if len(out) >= pieces or len(out) != 1 or (_rows(out[0]) or 1) < 2:
-        return out
+    plan = [(i, 0, _rows(b)) for i, b in enumerate(out)]
+    if len(out) != 1 or (_rows(out[0]) or 1) < 2:
+        return plan
     rows = _rows(out[0])
-    cuts = [round(i * rows / min(pieces, rows)) for i in range(min(pieces, rows) + 1)]
-    return [_take_rows(out[0], a, b) for a, b in itertools.pairwise(cuts)]
+    cut = min(rows - 1, max(1, round(rows * first)))
+    return [(0, 0, cut), (0, cut, rows)]
+
+
+def score_pieces(batches, tokens: int, first: float = FIRST_PIECE):
+    """The scoring pieces themselves (:func:`score_plan`)."""
+    batches = list(batches)
+    return [_piece(batches[i], a, b) for i, a, b in score_plan(batches, tokens, first)]
+
+
+def _piece(batch, start, stop):
+    return batch if stop is None or (start == 0 and stop == _rows(batch)) else _take_rows(
+        batch, start, stop)
+
+
+class _FloatOutputs:
+    """Catches, during the calibration pass (a float forward of every batch), the summaries
+    :class:`OutputDivergence` compares for the scoring pieces: their float references need
+    no forward of their own. Only for the default divergence (a user's ``loss`` sees whole
+    outputs) and outputs with ``logits`` or ``last_hidden_state``."""
+
+    def __init__(self, model, batches, plan):
+        self.plan, self.batches = plan, batches
+        self.want = {id(_first_tensor(batches[i])): i for i, _, _ in plan}
+        self.got = {}
+        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, out):
+        i = self.want.get(id(_first_tensor(kwargs if kwargs else args)))
+        if i is None or i in self.got:
+            return
+        for k, (j, a, b) in enumerate(self.plan):
+            if j != i:
+                continue
+            for name in ("logits", "last_hidden_state"):
+                t = getattr(out, name, None)
+                if isinstance(t, torch.Tensor):
+                    cut = types.SimpleNamespace(**{name: t if b is None else t[a:b]})
+                    self.got.setdefault(i, {})[k] = _summary(cut, _piece(self.batches[i], a, b))
+                    break
+        self.got.setdefault(i, {})
+
+    def references(self):
+        self.handle.remove()
+        return [self.got.get(i, {}).get(k) for k, (i, _, _) in enumerate(self.plan)]
+
+
+def _first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, dict) or hasattr(x, "keys"):
+        x = list(x.values())
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
 
 
 def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_FACTOR):
@@ -369,8 +430,9 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
 
     Each auto recipe ``R`` is expanded to ``R`` with every candidate observer; they share
     observers with each other (and with the other recipes) in :func:`calibrate_many` 's
-    single pass. The scoring tokens are cut in :data:`SCORE_PIECES` pieces scored one after
-    the other (:func:`choose`): a candidate far behind after a piece is not scored further.
+    single pass, whose float forwards also give the scoring pieces' references. The scoring
+    documents are cut in pieces scored one after the other (:func:`score_plan`,
+    :func:`choose`): a candidate far behind after a piece is not scored further.
     The per-layer ``joint`` choice is not a candidate here: on SmolLM2 its configuration
     scored worst but the clipping observers (docs/benchmarks.md), and it costs its own
     matmuls and imatrix searches; ``auto_metric="joint"`` asks for it.
@@ -384,15 +446,20 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
     for label in autos:
         for n in names:
             expanded[(label, n)] = recipes[label].with_observer(n)
-    calibs = calibrate_many(model, batches, expanded, candidates=candidates,
-                            auto_metric="tensor", **kwargs)
+    plan = score_plan(batches, score_tokens) if autos else []
+    caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
+    try:
+        calibs = calibrate_many(model, batches, expanded, candidates=candidates,
+                                auto_metric="tensor", **kwargs)
+    finally:
+        refs = caught.references() if caught is not None else None
     out = {label: c for label, c in calibs.items() if label in recipes}
     if not autos:
         return out
     import time
 
     t0 = time.perf_counter()
-    score = OutputDivergence(model, score_pieces(batches, score_tokens), loss)
+    score = OutputDivergence(model, [_piece(batches[i], a, b) for i, a, b in plan], loss, refs)
     for label in autos:
         best, scores = choose(score, {n: calibs[(label, n)].states for n in names}, names[0])
         chosen = calibs[(label, best)]
