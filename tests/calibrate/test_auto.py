@@ -118,22 +118,26 @@ def test_model_metric_choice_is_the_exhaustive_best():
     auto = calibrate(model, batches, "w8a8", observer="auto", candidates=names, progress=False,
                      score_tokens=10_000)
     info = auto.info["auto"]
-    assert info["score_pieces"] == len(batches)  # every batch: the pieces as they are
+    from quantscope.calibrate.auto import score_pieces
+
+    pieces = score_pieces(batches, 10_000)  # the first batch cut in two, then the others
+    assert [p["input_ids"].shape[0] for p in pieces] == [1, 1, 2, 2]
+    assert info["score_pieces"] == len(pieces)
     # the float references come from the calibration pass: only the candidates' forwards
     assert info["score_forwards"] == sum(info["pieces_scored"].values())
     singles = calibrate_many(model, batches, {n: preset("w8a8", n) for n in names},
                              progress=False)
     # each candidate's score is its mean KL over the pieces it was scored on (all of them,
     # unless dropped early), written out directly
-    per_piece = {n: [_kl(model, [b], c.states) for b in batches] for n, c in singles.items()}
+    per_piece = {n: [_kl(model, [b], c.states) for b in pieces] for n, c in singles.items()}
     for n in names:
         k = info["pieces_scored"][n]
-        assert 1 <= k <= len(batches)
+        assert 1 <= k <= len(pieces)
         assert info["scores"][n] == pytest.approx(sum(per_piece[n][:k]) / k, rel=1e-3,
                                                   abs=1e-12)
     direct = {n: sum(v) / len(v) for n, v in per_piece.items()}
     best = min(direct, key=direct.get)
-    assert info["chose"] == best and info["pieces_scored"][best] == len(batches)
+    assert info["chose"] == best and info["pieces_scored"][best] == len(pieces)
     for layer, roles in singles[best].states.items():
         for role, st in roles.items():
             assert torch.equal(auto.states[layer][role].qparams.scale, st.qparams.scale)
@@ -176,7 +180,7 @@ def test_score_pieces_cut_one_batch_by_rows_to_the_tokens_asked():
     assert [p["input_ids"].shape[0] for p in pieces] == [1, 3]
     assert torch.equal(torch.cat([p["input_ids"] for p in pieces]), b["input_ids"])
     assert [p["input_ids"].shape[0] for p in score_pieces([b], 100, first=0.5)] == [2, 2]
-    assert len(score_pieces([b, b], 100)) == 2
+    assert [p["input_ids"].shape[0] for p in score_pieces([b, b], 20)] == [1, 3, 1]
 
 
 def test_joint_choice_equals_exhaustive_pair_search():

@@ -202,16 +202,16 @@ def score_batches(batches, tokens: int):
 def score_plan(batches, tokens: int, first: float = FIRST_PIECE):
     """Where the scoring pieces come from: ``[(batch index, rows start, rows stop)]``. The
     scoring set is the first calibration documents holding ``tokens`` real tokens
-    (:func:`score_batches`); a single dict batch is cut by rows in two pieces, the first
-    ``first`` of the rows (at least one), so that the early round that drops the far-off
-    candidates (:func:`choose`) is cheap; several batches are the pieces as they are."""
+    (:func:`score_batches`); its first dict batch is cut by rows in two pieces, the first
+    ``first`` of its rows (at least one), so that the early round that drops the far-off
+    candidates (:func:`choose`) is cheap; any further batch is one more piece."""
     out = score_batches(batches, tokens)
     plan = [(i, 0, _rows(b)) for i, b in enumerate(out)]
-    if len(out) != 1 or (_rows(out[0]) or 1) < 2:
-        return plan
     rows = _rows(out[0])
+    if rows is None or rows < 2:
+        return plan
     cut = min(rows - 1, max(1, round(rows * first)))
-    return [(0, 0, cut), (0, cut, rows)]
+    return [(0, 0, cut), (0, cut, rows), *plan[1:]]
 
 
 def score_pieces(batches, tokens: int, first: float = FIRST_PIECE):
