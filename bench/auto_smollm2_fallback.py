@@ -19,7 +19,7 @@ from quantscope.demo import data, models
 
 torch.set_num_threads(1)
 STATES, NAME, OUT = sys.argv[1:4]
-NS = [int(n) for n in sys.argv[4:]] or [16]
+NS = [int(n) for n in sys.argv[4:]] or [0, 16]
 model, tok = models.load_model("smollm2-135m")
 docs = data.lee_background()
 batches = models.token_batches(tok, docs[:: len(docs) // 32][:32], 128, 8)
@@ -27,7 +27,7 @@ states = torch.load(STATES, weights_only=False)[NAME]
 calib = Calibration(preset("w8a8", NAME, ignore=["*lm_head*"]), states, NAME, [], {}, {})
 sens = layer_sensitivity(model, batches[:1], calib, roles=("input",))
 res = {"ranking": [[r["layer"], r["divergence"]] for r in sens.rows[:max(NS)]], "ppl": {}}
-for n in [0, *NS]:
+for n in NS:
     with apply(model, keep_float(calib, sens, n, mode="dynamic").states):
         res["ppl"][n] = models.perplexity(model, tok, data.lee_documents())
     print(n, res["ppl"][n], flush=True)

@@ -233,12 +233,14 @@ class _FloatOutputs:
 
     def __init__(self, model, batches, plan):
         self.plan, self.batches = plan, batches
-        self.want = {id(_first_tensor(batches[i])): i for i, _, _ in plan}
+        firsts = {i: _first_tensor(batches[i]) for i, _, _ in plan}
+        self.want = {id(t): i for i, t in firsts.items() if t is not None}
         self.got = {}
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, out):
-        i = self.want.get(id(_first_tensor(kwargs if kwargs else args)))
+        t = _first_tensor(kwargs if kwargs else args)
+        i = None if t is None else self.want.get(id(t))
         if i is None or i in self.got:
             return
         for k, (j, a, b) in enumerate(self.plan):
