@@ -159,34 +159,14 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
                               "seconds": round(time.perf_counter() - t0, 2)})
 
 
-def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
-                      roles=("weight", "input")) -> Sensitivity:
-    """The cheap ranking: per (layer, role), the relative error quantizing only that tensor
-    causes in the layer's own output, ``||Q(X) W^T - X W^T||^2 / ||X W^T||^2`` (input) or
-    ``||X Q(W)^T - X W^T||^2 / ||X W^T||^2`` (weight), on up to :data:`LAYER_ROWS` input rows
-    per batch of ``batches`` (e.g. calibration batches). One forward per batch, against
-    ``2 x layers + 1`` for :func:`sensitivity`; it does not see what an error does
-    downstream, but on SmolLM2 its first 16 inputs are the ones whose fallback matters
-    (docs/benchmarks.md). Layers with a 2-D weight only."""
+def _layer_errors(model, batches, todo):
+    """``(squared output errors per (layer, role), squared outputs per layer, batches)``
+    over ``batches``, hooks on the layers of ``todo`` (``{layer: (module, {role: state})}``)."""
     import torch
 
     from .apply import input_name, module_input, qdq_tensor
+    from .batches import forward_batch
 
-    if not isinstance(calibration, Calibration):
-        raise TypeError(f"layer_sensitivity: calibration must be a Calibration, got "
-                        f"{type(calibration).__name__}")
-    t0 = time.perf_counter()
-    todo = {}
-    for layer, rs in calibration.states.items():
-        module = model.get_submodule(layer)
-        w = getattr(module, "weight", None)
-        mine = {r: st for r, st in rs.items() if r in roles and r in ("weight", "input")
-                and st is not None}
-        if mine and isinstance(w, torch.Tensor) and w.dim() == 2:
-            todo[layer] = (module, mine)
-    if not todo:
-        raise ValueError(f"layer_sensitivity: the calibration quantizes no 2-D weight layer's "
-                         f"tensor of roles {roles}")
     err: dict[tuple[str, str], float] = {}
     ref: dict[str, float] = {}
 
@@ -215,8 +195,6 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     model.eval()
     n = 0
     try:
-        from .batches import forward_batch
-
         with torch.inference_mode():
             for batch in batches:
                 forward_batch(model, batch)
@@ -225,6 +203,36 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
         for h in handles:
             h.remove()
         model.train(was)
+    return err, ref, n
+
+
+def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
+                      roles=("weight", "input")) -> Sensitivity:
+    """The cheap ranking: per (layer, role), the relative error quantizing only that tensor
+    causes in the layer's own output, ``||Q(X) W^T - X W^T||^2 / ||X W^T||^2`` (input) or
+    ``||X Q(W)^T - X W^T||^2 / ||X W^T||^2`` (weight), on up to :data:`LAYER_ROWS` input rows
+    per batch of ``batches`` (e.g. calibration batches). One forward per batch, against
+    ``2 x layers + 1`` for :func:`sensitivity`; it does not see what an error does
+    downstream, but on SmolLM2 its first 16 inputs are the ones whose fallback matters
+    (docs/benchmarks.md). Layers with a 2-D weight only."""
+    import torch
+
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"layer_sensitivity: calibration must be a Calibration, got "
+                        f"{type(calibration).__name__}")
+    t0 = time.perf_counter()
+    todo = {}
+    for layer, rs in calibration.states.items():
+        module = model.get_submodule(layer)
+        w = getattr(module, "weight", None)
+        mine = {r: st for r, st in rs.items() if r in roles and r in ("weight", "input")
+                and st is not None}
+        if mine and isinstance(w, torch.Tensor) and w.dim() == 2:
+            todo[layer] = (module, mine)
+    if not todo:
+        raise ValueError(f"layer_sensitivity: the calibration quantizes no 2-D weight layer's "
+                         f"tensor of roles {roles}")
+    err, ref, n = _layer_errors(model, batches, todo)
     if n == 0:
         raise ValueError("layer_sensitivity: batches is empty")
     rows = [{"layer": layer, "role": role, "observer": todo[layer][1][role].observer,
