@@ -118,23 +118,69 @@ def test_model_metric_choice_is_the_exhaustive_best():
     auto = calibrate(model, batches, "w8a8", observer="auto", candidates=names, progress=False,
                      score_tokens=10_000)
     info = auto.info["auto"]
+    from quantscope.calibrate.auto import score_pieces
+
+    pieces = score_pieces(batches, 10_000)  # the first batch cut in two, then the others
+    assert [p["input_ids"].shape[0] for p in pieces] == [1, 1, 2, 2]
+    assert info["score_pieces"] == len(pieces)
+    # the float references come from the calibration pass: only the candidates' forwards
+    assert info["score_forwards"] == sum(info["pieces_scored"].values())
     singles = calibrate_many(model, batches, {n: preset("w8a8", n) for n in names},
                              progress=False)
-    joint = calibrate(model, batches, "w8a8", observer="auto", candidates=names,
-                      progress=False, auto_metric="joint")
-    direct = {n: _kl(model, batches, c.states) for n, c in singles.items()}
-    direct["joint"] = _kl(model, batches, joint.states)
-    for n, d in direct.items():
-        assert info["scores"][n] == pytest.approx(d, rel=1e-3, abs=1e-9)
+    # each candidate's score is its mean KL over the pieces it was scored on (all of them,
+    # unless dropped early), written out directly
+    per_piece = {n: [_kl(model, [b], c.states) for b in pieces] for n, c in singles.items()}
+    for n in names:
+        k = info["pieces_scored"][n]
+        assert 1 <= k <= len(pieces)
+        assert info["scores"][n] == pytest.approx(sum(per_piece[n][:k]) / k, rel=1e-3,
+                                                  abs=1e-12)
+    direct = {n: sum(v) / len(v) for n, v in per_piece.items()}
     best = min(direct, key=direct.get)
-    assert info["chose"] == best
-    chosen = singles.get(best, joint)
-    for layer, roles in chosen.states.items():
+    assert info["chose"] == best and info["pieces_scored"][best] == len(pieces)
+    for layer, roles in singles[best].states.items():
         for role, st in roles.items():
             assert torch.equal(auto.states[layer][role].qparams.scale, st.qparams.scale)
             assert auto.states[layer][role].requested == "auto"
     # never worse than min-max on the scoring batches
     assert direct[best] <= direct["minmax"]
+
+
+def test_choose_drops_a_far_worse_candidate_after_the_first_piece():
+    from quantscope.calibrate.auto import choose
+
+    class Fake:  # divergence per (config, piece), recorded
+        def __init__(self):
+            self.batches, self.calls = [0, 1, 2], []
+
+        def of(self, states, k):
+            self.calls.append((states, k))
+            return {"a": [1.0, 1.0, 1.0], "b": [0.9, 1.2, 1.2], "c": [2.0, 0.0, 0.0]}[states][k]
+
+    div = Fake()
+    best, scores = choose(div, {"a": "a", "b": "b", "c": "c"}, "a", drop=1.5)
+    # c (2.0 > 1.5 x 0.9 after piece 0) is dropped though it would have won on all three
+    assert ("c", 1) not in div.calls and scores["c"] == (2.0, 1)
+    assert best == "a" and scores["a"] == (1.0, 3)
+    assert scores["b"] == (pytest.approx(3.3 / 3), 3)
+    # ties keep the first (min-max)
+    best, _ = choose(Fake(), {"b": "a", "a": "a"}, "a")
+    assert best == "a"
+
+
+def test_score_pieces_cut_one_batch_by_rows_to_the_tokens_asked():
+    from quantscope.calibrate.auto import score_batches, score_pieces
+
+    mask = torch.ones(4, 5, dtype=torch.long)
+    mask[3, 2:] = 0
+    b = {"input_ids": torch.arange(20).reshape(4, 5), "attention_mask": mask}
+    assert [int(x["attention_mask"].sum()) for x in score_batches([b, b], 9)] == [10]
+    assert [int(x["attention_mask"].sum()) for x in score_batches([b, b], 20)] == [17, 5]
+    pieces = score_pieces([b], 100)  # a quarter of the rows first, then the rest
+    assert [p["input_ids"].shape[0] for p in pieces] == [1, 3]
+    assert torch.equal(torch.cat([p["input_ids"] for p in pieces]), b["input_ids"])
+    assert [p["input_ids"].shape[0] for p in score_pieces([b], 100, first=0.5)] == [2, 2]
+    assert [p["input_ids"].shape[0] for p in score_pieces([b, b], 20)] == [1, 3, 1]
 
 
 def test_joint_choice_equals_exhaustive_pair_search():
@@ -337,3 +383,55 @@ def test_imatrix_observer_matches_the_estimator_and_falls_back_to_unweighted():
     assert err(lu, hu, torch.ones(32)) <= err(lw, hw, torch.ones(32))
     with pytest.raises(ValueError, match="importance has 32"):
         quantscope.get_observer("imatrix_mse", spec, importance=imp)(torch.randn(6, 16))
+
+
+def test_layer_sensitivity_by_hand():
+    from quantscope.calibrate.apply import qdq_tensor
+    from quantscope.calibrate.sensitivity import layer_sensitivity
+
+    model = _Mlp().eval()
+    batches = [torch.randn(3, 5, 16) for _ in range(2)]
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    s = layer_sensitivity(model, batches, calib)
+    assert s.info["forwards"] == 2 and len(s.rows) == 4
+    assert all(a["divergence"] >= b["divergence"] for a, b in zip(s.rows, s.rows[1:]))
+    xs = {"up": [b.reshape(-1, 16) for b in batches]}
+    with torch.no_grad():
+        xs["down"] = [nn.functional.gelu(model.up(x)) for x in xs["up"]]
+    for r in s.rows:
+        m = model.get_submodule(r["layer"])
+        st = calib.states[r["layer"]][r["role"]]
+        w = m.weight.detach()
+        e = y = 0.0
+        for x in xs[r["layer"]]:  # 15 rows per batch: all of them, under LAYER_ROWS
+            ref = x @ w.T
+            q = qdq_tensor(x, st) @ w.T if r["role"] == "input" else x @ qdq_tensor(w, st).T
+            e += float((q - ref).double().square().sum())
+            y += float(ref.double().square().sum())
+        assert r["divergence"] == pytest.approx(e / y, rel=1e-4)
+    # the ranking drives the fallback: the first input ranked is the one left dynamic
+    kept = keep_float(calib, s, 1, mode="dynamic")
+    first = s.top(1, "input")[0]
+    assert kept.states[first[0]]["input"].dynamic is True
+    with pytest.raises(TypeError, match="calibration"):
+        layer_sensitivity(model, batches, "w8a8")
+
+
+def test_model_metric_on_one_batch_cut_in_pieces_matches_direct_kl():
+    from quantscope.calibrate.auto import score_pieces
+
+    model, batches = _llama()
+    big = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}  # one batch of 6 rows
+    names = ["minmax", "mse"]
+    auto = calibrate(model, [big], "w8a8", observer="auto", candidates=names, progress=False,
+                     score_tokens=10_000)
+    info = auto.info["auto"]
+    pieces = score_pieces([big], 10_000)
+    assert info["score_pieces"] == 2 and [p["input_ids"].shape[0] for p in pieces] == [2, 4]
+    assert info["score_forwards"] == sum(info["pieces_scored"].values())  # references caught
+    singles = calibrate_many(model, [big], {n: preset("w8a8", n) for n in names},
+                             progress=False)
+    for n in names:
+        k = info["pieces_scored"][n]
+        direct = sum(_kl(model, [p], singles[n].states) for p in pieces[:k]) / k
+        assert info["scores"][n] == pytest.approx(direct, rel=1e-3, abs=1e-12)

@@ -26,8 +26,11 @@ from ..layout import Token
 from .auto import OutputDivergence
 from .result import Calibration, RoleState
 
-__all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "plot_fallback",
-           "sensitivity"]
+__all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "layer_sensitivity",
+           "plot_fallback", "sensitivity"]
+
+#: input rows per layer and batch :func:`layer_sensitivity` measures the error on
+LAYER_ROWS = 256
 
 FALLBACK_MODES = ("float", "dynamic")
 
@@ -154,6 +157,92 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
     return Sensitivity(rows, {"metric": _metric_name(div), "forwards": div.forwards,
                               "batches": len(div.batches),
                               "seconds": round(time.perf_counter() - t0, 2)})
+
+
+def _layer_errors(model, batches, todo):
+    """``(squared output errors per (layer, role), squared outputs per layer, batches)``
+    over ``batches``, hooks on the layers of ``todo`` (``{layer: (module, {role: state})}``)."""
+    import torch
+
+    from .apply import input_name, module_input, qdq_tensor
+    from .batches import forward_batch
+
+    err: dict[tuple[str, str], float] = {}
+    ref: dict[str, float] = {}
+
+    def hook_for(layer, module, states):
+        key = input_name(module)
+
+        def hook(mod, args, kwargs):
+            x = module_input(args, kwargs, key)
+            if not isinstance(x, torch.Tensor) or not x.numel():
+                return
+            x = x.detach().reshape(-1, x.shape[-1])
+            x = x[:: max(1, x.shape[0] // LAYER_ROWS)][:LAYER_ROWS].float()
+            w = mod.weight.detach().float()
+            y = x @ w.T
+            ref[layer] = ref.get(layer, 0.0) + float(y.double().square().sum())
+            for role, st in states.items():
+                q = (qdq_tensor(x, st).float() @ w.T if role == "input"
+                     else x @ qdq_tensor(mod.weight.detach(), st).float().T)
+                err[(layer, role)] = err.get((layer, role), 0.0) + float(
+                    (q - y).double().square().sum())
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(layer, m, st), with_kwargs=True)
+               for layer, (m, st) in todo.items()]
+    was = model.training
+    model.eval()
+    n = 0
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                forward_batch(model, batch)
+                n += 1
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was)
+    return err, ref, n
+
+
+def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
+                      roles=("weight", "input")) -> Sensitivity:
+    """The cheap ranking: per (layer, role), the relative error quantizing only that tensor
+    causes in the layer's own output, ``||Q(X) W^T - X W^T||^2 / ||X W^T||^2`` (input) or
+    ``||X Q(W)^T - X W^T||^2 / ||X W^T||^2`` (weight), on up to :data:`LAYER_ROWS` input rows
+    per batch of ``batches`` (e.g. calibration batches). One forward per batch, against
+    ``2 x layers + 1`` for :func:`sensitivity`; it does not see what an error does
+    downstream, but on SmolLM2 its first 16 inputs are the ones whose fallback matters
+    (docs/benchmarks.md). Layers with a 2-D weight only."""
+    import torch
+
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"layer_sensitivity: calibration must be a Calibration, got "
+                        f"{type(calibration).__name__}")
+    t0 = time.perf_counter()
+    todo = {}
+    for layer, rs in calibration.states.items():
+        module = model.get_submodule(layer)
+        w = getattr(module, "weight", None)
+        mine = {r: st for r, st in rs.items() if r in roles and r in ("weight", "input")
+                and st is not None}
+        if mine and isinstance(w, torch.Tensor) and w.dim() == 2:
+            todo[layer] = (module, mine)
+    if not todo:
+        raise ValueError(f"layer_sensitivity: the calibration quantizes no 2-D weight layer's "
+                         f"tensor of roles {roles}")
+    err, ref, n = _layer_errors(model, batches, todo)
+    if n == 0:
+        raise ValueError("layer_sensitivity: batches is empty")
+    rows = [{"layer": layer, "role": role, "observer": todo[layer][1][role].observer,
+             "divergence": e / max(ref.get(layer, 0.0), 1e-30)}
+            for (layer, role), e in err.items()]
+    rows.sort(key=lambda r: -r["divergence"])
+    for k, r in enumerate(rows, 1):
+        r["rank"] = k
+    return Sensitivity(rows, {"metric": "relative layer output error", "forwards": n,
+                              "batches": n, "seconds": round(time.perf_counter() - t0, 2)})
 
 
 def _fallback_state(st: RoleState, mode: str) -> RoleState | None:
