@@ -107,13 +107,47 @@ int64_t qs_block_amax_max(const float *lo, const float *hi, int64_t n, float *ou
 /* NVFP4 block scales: amax / fmax * gs rounded to fp8 e4m3 (nearest, ties to even,
    saturating at 448: FloatFormat.round with min_exp -6, 3 mantissa bits), non-positive
    ones replaced by min_scale. Returns 1 when a range holds NaN or inf (checked in the same
-   pass: the scales are then written but meaningless). */
+   pass: the scales are then written but meaningless). The AVX2 loop is the scalar one op
+   for op (min / max / blend take their operands in the order that makes their compare the
+   scalar one), except that it multiplies by 1 / step where the scalar loop divides by the
+   step: both are exact (powers of two, 2**-125 <= 1 / step <= 2**9, and the quotient is
+   representable), so the bits are the same. */
 int64_t qs_nvfp4_qparams(const float *lo, const float *hi, int64_t n, double fmax, double gs,
                          double min_scale, float *scale) {
     int bad = 0;
     const float fm = (float)fmax, g = (float)gs, ms = (float)min_scale;
     const int32_t min_field = (-6 + 127) << 23, shift = 3 << 23;
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 z = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    const __m256 top = _mm256_set1_ps(448.0f), bottom = _mm256_set1_ps(-448.0f);
+    const __m256 vfm = _mm256_set1_ps(fm), vg = _mm256_set1_ps(g), vms = _mm256_set1_ps(ms);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), vmin = _mm256_set1_epi32(min_field);
+    const __m256i vshift = _mm256_set1_epi32(shift), inv = _mm256_set1_epi32(254 << 23);
+    __m256 nonfinite = z;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 l = _mm256_loadu_ps(lo + i), h = _mm256_loadu_ps(hi + i);
+        nonfinite = _mm256_or_ps(nonfinite, _mm256_or_ps(
+            _mm256_cmp_ps(_mm256_andnot_ps(sign, l), inf, _CMP_NLT_UQ),
+            _mm256_cmp_ps(_mm256_andnot_ps(sign, h), inf, _CMP_NLT_UQ)));
+        const __m256 nl = _mm256_xor_ps(_mm256_min_ps(z, l), sign);   /* -(0 < lo ? 0 : lo) */
+        const __m256 amax = _mm256_max_ps(_mm256_max_ps(z, h), nl);   /* block_amax */
+        const __m256 v = _mm256_mul_ps(_mm256_div_ps(amax, vfm), vg);
+        const __m256i field = _mm256_max_epi32(
+            _mm256_and_si256(_mm256_castps_si256(v), exp_mask), vmin);
+        const __m256i step = _mm256_sub_epi32(field, vshift);
+        const __m256 st = _mm256_castsi256_ps(step);
+        const __m256 rst = _mm256_castsi256_ps(_mm256_sub_epi32(inv, step));  /* 1 / st */
+        __m256 q = _mm256_round_ps(_mm256_mul_ps(v, rst),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_mul_ps(q, st);
+        q = _mm256_min_ps(top, _mm256_max_ps(bottom, q));  /* the clamp, NaN kept */
+        _mm256_storeu_ps(scale + i, _mm256_blendv_ps(vms, q, _mm256_cmp_ps(q, z, _CMP_GT_OQ)));
+    }
+    bad = _mm256_movemask_ps(nonfinite) != 0;
+#endif
+    for (; i < n; ++i) {
         const float v = block_amax(lo[i], hi[i]) / fm * g;
         int32_t field = bits_of(v) & 0x7F800000;
         field = field < min_field ? min_field : field;
