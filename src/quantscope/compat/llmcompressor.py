@@ -179,16 +179,13 @@ class Observer:
         The zero point comes in compressed-tensors' ``zp_dtype`` (int8 for int8 / int4,
         float8_e4m3fn for float formats, unless ``args.zp_dtype`` says otherwise).
         """
-        qp, hit = self._cached_qparams()
+        qp = self._cached_qparams()
         dtype = self._zp_dtype()
         if self.spec.is_float and (self.spec.symmetric or self.spec.scale.is_block):
             zp = torch.zeros(qp.zero_point.shape, dtype=dtype)  # zero by construction (a
             # float8 cast of a million zeros costs more than the qparams)
         else:
-            zp = qp.zero_point.to(dtype, copy=hit)
-        if hit:  # copies: a caller may write into what it was given
-            qp = QParams(qp.scale.clone(), qp.zero_point,
-                         None if qp.global_scale is None else qp.global_scale.clone())
+            zp = qp.zero_point.to(dtype)
         return {"scale": qp.scale, "zero_point": zp, "global_scale": qp.global_scale}
 
     def _state_key(self):
@@ -201,19 +198,21 @@ class Observer:
         except RuntimeError:
             return None
 
-    def _cached_qparams(self) -> tuple[QParams, bool]:
-        """The qparams of the current state, and whether they were computed before. The
-        cache holds the tensors handed out last time, with their in-place versions: a
-        caller that wrote into them makes it a miss."""
+    def _cached_qparams(self) -> QParams:
+        """The qparams of the current state, computed once per state: forward computes them
+        (its return value) and the ``get_qparams()`` that follows in llm-compressor's flow
+        hands out the same tensors, not copies (a 4 MiB clone per NVFP4 weight). The cache
+        keeps their in-place versions: a caller that wrote into them makes it a miss, so a
+        write is never seen by the next call (but it is by the other holder of the tensors)."""
         key, hit = self._state_key(), self._qp_cache[0]
         if key is not None and hit is not None and _same_key(hit[0], key) and all(
                 t._version == v for t, v in hit[2]):
-            return hit[1], True
+            return hit[1]
         qp = self.qparams()
         tensors = [t for t in (qp.scale, qp.zero_point, qp.global_scale) if t is not None]
         self._qp_cache[0] = None if key is None else (key, qp, [(t, t._version)
                                                                 for t in tensors])
-        return qp, False
+        return qp
 
     def _zp_dtype(self) -> torch.dtype:
         dtype = field(self.args, "zp_dtype")
