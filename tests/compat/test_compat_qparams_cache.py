@@ -59,7 +59,10 @@ def test_get_qparams_after_forward_hands_out_forward_s_tensors():
     """No copy of a million NVFP4 block scales per weight: one computation, one set of tensors
     (llm-compressor's flow calls forward, then get_qparams)."""
     o = _obs()
-    scale, _ = o(torch.randn(64, 128))
+    scale, zp = o(torch.randn(64, 128))
     qp = o.get_qparams()
-    assert qp["scale"] is scale
-    assert o.get_qparams()["global_scale"] is qp["global_scale"]
+    assert qp["scale"] is scale and qp["zero_point"] is zp
+    again = o.get_qparams()
+    assert all(again[k] is qp[k] for k in qp)
+    o.args["zp_dtype"] = torch.float16  # another zero-point dtype: computed again
+    assert o.get_qparams()["zero_point"].dtype == torch.float16
