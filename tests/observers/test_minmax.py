@@ -267,6 +267,23 @@ def test_memoryless_global_amax_is_dropped_when_the_state_changes():
     assert observe("memoryless_minmax", QuantSpec("int8"), [x]).global_amax() is None
 
 
+def test_memoryless_nvfp4_observer_pickles_and_copies():
+    import copy
+    import io
+
+    obs = observe("memoryless_minmax", presets.NVFP4, [rand(64, 256, seed=8)])
+    want = obs.calculate_qparams()
+    buf = io.BytesIO()
+    torch.save(obs, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(obs), torch.load(buf, weights_only=False)):
+        assert other.global_amax() is None  # derived from the ranges instead
+        got = other.calculate_qparams()
+        assert torch.equal(got.scale, want.scale)
+        assert torch.equal(got.global_scale, want.global_scale)
+    assert obs.global_amax() is not None
+
+
 def test_memoryless_nvfp4_under_inference_mode():
     """Inference tensors keep no versions: the global amax is derived from the ranges."""
     x = rand(64, 256, seed=3)

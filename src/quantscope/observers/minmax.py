@@ -123,6 +123,10 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
             except RuntimeError:  # inference tensors have no versions: derive it instead
                 pass
 
+    def __getstate__(self):
+        # weak references do not pickle; a copy or an unpickled observer derives its amax
+        return {**super().__getstate__(), "_state_ends": None, "_pending_ends": None}
+
     def global_amax(self):
         """NVFP4's whole-tensor amax from the ends the min / max pass found (no second read
         of the ranges); None (derive it from the ranges) once the state has changed since."""
