@@ -167,32 +167,48 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
             qp = _block_qparams_kernel(lo, hi, spec, global_amax)
         if qp is not None:
             return qp
-    # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN compares false
-    if check_finite and not bool((torch.stack((lo, hi)).abs() < math.inf).all()):
-        raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
-    if check_finite and global_amax is not None and not bool(
-            (torch.as_tensor(global_amax).abs() < math.inf).all()):
-        raise ValueError(f"qparams_from_range: global_amax must be finite, got {global_amax!r}")
+    if check_finite:
+        _check_finite(lo, hi, global_amax)
     lo = lo.clamp(max=0)
     hi = hi.clamp(min=0)
-    fmt, enc = spec.format, spec.scale
-    qmin, qmax = float(spec.qmin), float(spec.qmax)
-    if spec.symmetric or enc.is_block:  # the paths that scale max |x|
-        amax = amax_of_range(lo, hi)
-        zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)
+    if spec.scale.is_block:
+        return _block_qparams(amax_of_range(lo, hi), spec, global_amax)
+    return _scale_qparams(lo, hi, spec)
 
+
+def _check_finite(lo: torch.Tensor, hi: torch.Tensor, global_amax) -> None:
+    """Raise ``ValueError`` on a NaN / inf range or global amax (one read back each)."""
+    # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN compares false
+    if not bool((torch.stack((lo, hi)).abs() < math.inf).all()):
+        raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
+    if global_amax is not None and not bool(
+            (torch.as_tensor(global_amax).abs() < math.inf).all()):
+        raise ValueError(f"qparams_from_range: global_amax must be finite, got {global_amax!r}")
+
+
+def _block_qparams(amax: torch.Tensor, spec: QuantSpec, global_amax) -> QParams:
+    """The block encodings' branch from the units' ``amax``: E8M0 ``2 ** k`` (MX), or e4m3
+    block scales under a global scale (NVFP4; the global amax defaults to the largest)."""
+    fmt, enc = spec.format, spec.scale
+    zero = torch.zeros(amax.shape, dtype=torch.int32, device=amax.device)
     if enc.kind == "e8m0":
         return QParams(e8m0_scale(amax, fmt, enc.mode), zero)
-    if enc.kind == "fp8_e4m3":
-        if global_amax is None:
-            global_amax = amax.max() if amax.numel() else amax.new_zeros(())
-        gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
-        block = encode_scale(true_div(amax, fmt.max) * gs, enc)
-        block = torch.where(block > 0, block, torch.full_like(block, spec.min_scale))
-        return QParams(block, zero, gs.to(lo.device))
+    if global_amax is None:
+        global_amax = amax.max() if amax.numel() else amax.new_zeros(())
+    gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
+    block = encode_scale(true_div(amax, fmt.max) * gs, enc)
+    block = torch.where(block > 0, block, torch.full_like(block, spec.min_scale))
+    return QParams(block, zero, gs.to(amax.device))
 
+
+def _scale_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams:
+    """One scale per unit (fp32, fp16, bf16, pow2 encodings) from a range that holds zero:
+    symmetric ``amax / ((qmax - qmin) / 2)``, else ``(hi - lo) / (qmax - qmin)`` with the
+    zero point ``round(qmin - lo / scale)`` from the stored scale."""
+    fmt, enc = spec.format, spec.scale
+    qmin, qmax = float(spec.qmin), float(spec.qmax)
     if spec.symmetric:
-        scale = true_div(amax, (qmax - qmin) / 2)
+        scale = true_div(amax_of_range(lo, hi), (qmax - qmin) / 2)
     else:
         scale = true_div(hi - lo, qmax - qmin)
         # hi - lo overflows float32 only for ranges near its max: divide first there
@@ -200,6 +216,7 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                             true_div(hi, qmax - qmin) - true_div(lo, qmax - qmin))
     scale = encode_scale(scale.clamp(min=spec.min_scale), enc)
     if spec.symmetric:
+        zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)
         if fmt.signed:
             return QParams(scale, zero)
         return QParams(scale, torch.full_like(zero, int(qmin + qmax + 1) // 2))

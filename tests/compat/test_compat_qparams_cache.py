@@ -1,5 +1,5 @@
-"""compat.llmcompressor: forward's qparams are reused by get_qparams only while the state is
-unchanged, and callers get their own copies."""
+"""compat.llmcompressor: forward's qparams are reused by get_qparams only while the state and
+the tensors handed out are unchanged (a write into them is never seen by the next call)."""
 
 import torch
 
@@ -53,3 +53,16 @@ def test_a_loaded_state_is_seen():
     b.get_qparams()
     b.load_state_dict(a.state_dict())
     assert torch.equal(b.get_qparams()["scale"], a.get_qparams()["scale"])
+
+
+def test_get_qparams_after_forward_hands_out_forward_s_tensors():
+    """No copy of a million NVFP4 block scales per weight: one computation, one set of tensors
+    (llm-compressor's flow calls forward, then get_qparams)."""
+    o = _obs()
+    scale, zp = o(torch.randn(64, 128))
+    qp = o.get_qparams()
+    assert qp["scale"] is scale and qp["zero_point"] is zp
+    again = o.get_qparams()
+    assert all(again[k] is qp[k] for k in qp)
+    o.args["zp_dtype"] = torch.float16  # another zero-point dtype: computed again
+    assert o.get_qparams()["zero_point"].dtype == torch.float16

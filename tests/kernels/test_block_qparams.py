@@ -72,10 +72,12 @@ def test_kernel_equals_the_torch_branch_on_random_ranges(seed, spec):
     assert torch.equal(got.scale, want.scale) and torch.equal(got.zero_point, want.zero_point)
 
 
-@pytest.mark.parametrize("spec", [SPECS[0], SPECS[-1]], ids=str)
-def test_non_finite_ranges_still_raise(spec):
-    lo, hi = _ranges(1, KERNEL_MIN_UNITS)
-    hi[5] = float("nan")
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[-1]], ids=str)
+@pytest.mark.parametrize("at", [5, KERNEL_MIN_UNITS + 2])  # the vector loop, the scalar tail
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_ranges_still_raise(spec, at, bad):
+    lo, hi = _ranges(1, KERNEL_MIN_UNITS + 3)
+    hi[at] = bad
     with pytest.raises(ValueError, match="finite"):
         qparams_from_range(lo, hi, spec)
 

@@ -233,6 +233,68 @@ def test_nvfp4_global_scale_from_whole_tensor_absmax(name):
     assert torch.allclose(qp.effective_scale, ref / gs)
 
 
+@pytest.mark.parametrize("shape", [(256, 512), (64, 48)], ids=str)  # kernel-sized, torch-sized
+@pytest.mark.parametrize("sign", [1.0, -1.0, 0.0])
+def test_memoryless_nvfp4_global_amax_is_the_forward_pass_s(shape, sign):
+    """The memoryless observer takes NVFP4's global amax from the ends its min / max pass
+    found; the qparams are bitwise those derived from the ranges."""
+    x = rand(*shape, seed=4, scale=3.0).abs() * sign  # one-sided and all-zero tensors too
+    obs = observe("memoryless_minmax", presets.NVFP4, [x])
+    amax = obs.global_amax()
+    assert amax is not None and amax == x.abs().max()
+    got = obs.calculate_qparams()
+    want = qparams_from_range(obs.min_vals, obs.max_vals, presets.NVFP4)
+    for a, b in zip((got.scale, got.global_scale), (want.scale, want.global_scale)):
+        assert torch.equal(a.reshape(-1), b.reshape(-1))
+
+
+def test_memoryless_global_amax_is_dropped_when_the_state_changes():
+    x = rand(64, 256, seed=2)
+    obs = observe("memoryless_minmax", presets.NVFP4, [x])
+    assert obs.global_amax() is not None
+    obs.max_vals.mul_(2)  # in place: a new version
+    assert obs.global_amax() is None
+    derived = qparams_from_range(obs.min_vals, obs.max_vals, presets.NVFP4).global_scale
+    assert torch.equal(obs.calculate_qparams().global_scale, derived)  # the new state's
+    obs(x)
+    assert obs.global_amax() is not None
+    state = {k: v.clone() for k, v in obs.state_dict().items()}
+    obs.load_state_dict(state)
+    assert obs.global_amax() is None
+    obs(x)
+    obs.reset()
+    assert obs.global_amax() is None
+    assert observe("memoryless_minmax", QuantSpec("int8"), [x]).global_amax() is None
+
+
+def test_memoryless_nvfp4_observer_pickles_and_copies():
+    import copy
+    import io
+
+    obs = observe("memoryless_minmax", presets.NVFP4, [rand(64, 256, seed=8)])
+    want = obs.calculate_qparams()
+    buf = io.BytesIO()
+    torch.save(obs, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(obs), torch.load(buf, weights_only=False)):
+        assert other.global_amax() is None  # derived from the ranges instead
+        got = other.calculate_qparams()
+        assert torch.equal(got.scale, want.scale)
+        assert torch.equal(got.global_scale, want.global_scale)
+    assert obs.global_amax() is not None
+
+
+def test_memoryless_nvfp4_under_inference_mode():
+    """Inference tensors keep no versions: the global amax is derived from the ranges."""
+    x = rand(64, 256, seed=3)
+    want = observe("memoryless_minmax", presets.NVFP4, [x]).calculate_qparams()
+    with torch.inference_mode():
+        obs = observe("memoryless_minmax", presets.NVFP4, [x])
+        assert obs.global_amax() is None
+        got = obs.calculate_qparams()
+    assert torch.equal(got.scale, want.scale) and torch.equal(got.global_scale, want.global_scale)
+
+
 def test_nvfp4_static_global_scale_follows_running_absmax():
     xs = [rand(4, 32, seed=s, scale=1 + 3 * s) for s in range(3)]
     qp = observe("static_minmax", presets.NVFP4, xs).calculate_qparams()
@@ -303,6 +365,27 @@ def _kernel_equals_torch(U, E, seed, specials):
     assert torch.allclose(chi, rhi, equal_nan=True, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("E", [8, 16, 24, 32, 64, 128])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_kernel_ends_equal_torch(E, bad, monkeypatch):
+    """The smallest min and largest max the kernel finds in its pass (the non-finite check,
+    NVFP4's global amax) are torch's amin / amax of its per-row results, NaN included; rows
+    in every position of a group of 4, and a tail."""
+    monkeypatch.setattr(stats, "KERNEL_MIN_NUMEL", 0)
+    for U, at in ((4 * 300 + 3, 0), (4 * 300 + 3, 1), (4 * 300 + 3, 4 * 150 + 2),
+                  (4 * 300 + 3, 4 * 300 + 2)):
+        u = rand(U, E, seed=U + at, scale=5.0)
+        if bad is not None:
+            u[at, E - 1 - at % E] = bad
+        ends = torch.full((2,), 7.0)
+        lo, hi = stats.unit_minmax(u, ends=ends)
+        rlo, rhi = stats.torch_unit_minmax(u)
+        assert torch.allclose(lo, rlo, equal_nan=True, atol=0, rtol=0)
+        assert torch.allclose(hi, rhi, equal_nan=True, atol=0, rtol=0)
+        want = torch.stack((rlo.amin(), rhi.amax()))
+        assert torch.allclose(ends, want, equal_nan=True, atol=0, rtol=0), (U, at)
+
+
 @pytest.mark.parametrize("E", [1, 7, 8, 15, 16, 17, 32, 100, 4096])
 def test_kernel_on_large_inputs(E, monkeypatch):
     monkeypatch.setattr(stats, "KERNEL_MIN_NUMEL", 0)
@@ -343,6 +426,8 @@ def test_kernel_is_built_here():
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler")
+    if quantscope.kernels.disabled():
+        pytest.skip("QUANTSCOPE_NO_KERNEL is set")
     assert stats.kernel_available()
 
 

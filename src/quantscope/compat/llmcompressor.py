@@ -37,7 +37,6 @@ from ..observers.mse import MemorylessMSEObserver as _NativeMemorylessMSE
 from ..observers.mse import MovingAverageMSEObserver as _NativeMSE
 from ..observers.mse import NVFP4ExpandedMSEObserver as _NativeNVFP4MSE
 from ..observers.registry import observer_class, register
-from ..qparams import QParams
 from ..spec import QuantSpec
 from . import enum_name, field
 
@@ -145,8 +144,9 @@ class Observer:
         super().__init__(spec, **{k: kwargs[k] for k in self.native_options if k in kwargs})
         self.base_name, self.args, self.observer_kwargs = base_name, args, kwargs
         self.module = None if module is None else [module]  # not a submodule
-        # [(state key, QParams, versions)]: forward returns qparams, then callers ask get_qparams
-        # for the same ones (llm-compressor's flow); a list, not a module attribute
+        # [(state key, zp dtype, get_qparams' dict, its tensors' versions)]: forward returns
+        # qparams, then callers ask get_qparams for the same ones (llm-compressor's flow); a
+        # list, not a module attribute
         self._qp_cache = [None]
 
     @classmethod
@@ -178,18 +178,27 @@ class Observer:
 
         The zero point comes in compressed-tensors' ``zp_dtype`` (int8 for int8 / int4,
         float8_e4m3fn for float formats, unless ``args.zp_dtype`` says otherwise).
+
+        Computed once per state: forward computes them (its return value) and the
+        ``get_qparams()`` that follows in llm-compressor's flow hands out the same tensors,
+        not copies (a million NVFP4 block scales per weight). The cache keeps their in-place
+        versions: a caller that wrote into them makes it a miss, so a write is never seen by
+        the next call (but it is by the other holder of the tensors).
         """
-        qp, hit = self._cached_qparams()
-        dtype = self._zp_dtype()
+        key, dtype, hit = self._state_key(), self._zp_dtype(), self._qp_cache[0]
+        if (key is not None and hit is not None and hit[1] == dtype and _same_key(hit[0], key)
+                and all(t._version == v for t, v in hit[3])):
+            return dict(hit[2])
+        qp = self.qparams()
         if self.spec.is_float and (self.spec.symmetric or self.spec.scale.is_block):
             zp = torch.zeros(qp.zero_point.shape, dtype=dtype)  # zero by construction (a
             # float8 cast of a million zeros costs more than the qparams)
         else:
-            zp = qp.zero_point.to(dtype, copy=hit)
-        if hit:  # copies: a caller may write into what it was given
-            qp = QParams(qp.scale.clone(), qp.zero_point,
-                         None if qp.global_scale is None else qp.global_scale.clone())
-        return {"scale": qp.scale, "zero_point": zp, "global_scale": qp.global_scale}
+            zp = qp.zero_point.to(dtype)
+        out = {"scale": qp.scale, "zero_point": zp, "global_scale": qp.global_scale}
+        self._qp_cache[0] = None if key is None else (
+            key, dtype, out, [(t, t._version) for t in out.values() if t is not None])
+        return dict(out)
 
     def _state_key(self):
         """What the qparams depend on: the spec and every buffer, by identity and in-place
@@ -200,20 +209,6 @@ class Observer:
                     tuple((b, b._version) for b in self._buffers.values() if b is not None))
         except RuntimeError:
             return None
-
-    def _cached_qparams(self) -> tuple[QParams, bool]:
-        """The qparams of the current state, and whether they were computed before. The
-        cache holds the tensors handed out last time, with their in-place versions: a
-        caller that wrote into them makes it a miss."""
-        key, hit = self._state_key(), self._qp_cache[0]
-        if key is not None and hit is not None and _same_key(hit[0], key) and all(
-                t._version == v for t, v in hit[2]):
-            return hit[1], True
-        qp = self.qparams()
-        tensors = [t for t in (qp.scale, qp.zero_point, qp.global_scale) if t is not None]
-        self._qp_cache[0] = None if key is None else (key, qp, [(t, t._version)
-                                                                for t in tensors])
-        return qp, False
 
     def _zp_dtype(self) -> torch.dtype:
         dtype = field(self.args, "zp_dtype")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..comm import AVG, MAX, MIN
-from ..qparams import QParams
+from ..qparams import QParams, amax_of_range
 from ..stats.minmax import unit_minmax, update_state
 from .base import Observer
 from .registry import register
@@ -94,13 +96,46 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
 
     accumulates = False
 
+    #: ``(ends, min_vals, its version, max_vals, its version)``: the smallest min and largest
+    #: max of the state (unit_minmax finds them in its pass), valid while both buffers are
+    #: those tensors (weak references) at those in-place versions
+    _state_ends: tuple | None = None
+
     def _minmax_out(self, count):
         # the new min / max go straight into the state (in place, like the other families)
         return self.min_vals, self.max_vals
 
+    def _unit_minmax(self, units, count, ends):
+        lo, hi = super()._unit_minmax(units, count, ends)
+        self._pending_ends = (ends, lo, hi)  # _observe makes them the state's
+        return lo, hi
+
     def _observe(self, units, lo, hi):
         if lo is not self.min_vals:
             self.min_vals, self.max_vals = lo, hi
+        # (getattr: other classes call this method on themselves, as Quark's per-group one)
+        e = getattr(self, "_pending_ends", None)
+        self._pending_ends = self._state_ends = None
+        if e is not None and e[1] is lo and e[2] is hi:  # these lo / hi (not a step sync's)
+            try:
+                self._state_ends = (e[0], weakref.ref(lo), lo._version, weakref.ref(hi),
+                                    hi._version)
+            except RuntimeError:  # inference tensors have no versions: derive it instead
+                pass
+
+    def __getstate__(self):
+        # weak references do not pickle; a copy or an unpickled observer derives its amax
+        return {**super().__getstate__(), "_state_ends": None, "_pending_ends": None}
+
+    def global_amax(self):
+        """NVFP4's whole-tensor amax from the ends the min / max pass found (no second read
+        of the ranges); None (derive it from the ranges) once the state has changed since."""
+        e = self._state_ends
+        if (e is None or not self.spec.scale.has_global_scale or e[1]() is not self.min_vals
+                or e[3]() is not self.max_vals or self.min_vals._version != e[2]
+                or self.max_vals._version != e[4]):
+            return None
+        return amax_of_range(e[0][0].clamp(max=0), e[0][1].clamp(min=0))
 
 
 @register("static_minmax")

@@ -8,107 +8,144 @@
 #include <immintrin.h>
 #endif
 
+/* The running ends of a share of rows: the smallest min and largest max, and whether some
+   row held NaN (then both ends are NaN, as torch's amin / amax of the per-row results). */
+typedef struct { float lo, hi; int nan; } ends_t;
+
+static inline void ends_add(ends_t *e, float lo, float hi, int bad) {
+    e->lo = lo < e->lo ? lo : e->lo;
+    e->hi = hi > e->hi ? hi : e->hi;
+    e->nan |= bad;
+}
+
+/* Min / max of one row of E float32 (NaN propagates: tracked in a separate mask, since the
+   min / max instructions drop NaN); the share's ends take it in. */
+static void row(const float *r, int64_t E, float *lo, float *hi, ends_t *e) {
+    float lo_ = INFINITY, hi_ = -INFINITY;
+    int bad = 0;
+    int64_t j = 0;
 #ifdef __AVX2__
-/* The 8 horizontal reductions of v0..v7 as two 4-lane vectors (lane i of lo4: vi, of hi4:
-   v(4+i)); 128-bit halves at the last level (cross-lane permutes are slow on some cores). */
-#define HREDUCE8(OP, OP4, v0, v1, v2, v3, v4, v5, v6, v7, lo4, hi4) do {                \
+    if (E >= 8) {
+        __m256 l = _mm256_set1_ps(INFINITY), h = _mm256_set1_ps(-INFINITY);
+        __m256 n = _mm256_setzero_ps();
+        __m256 l2 = l, h2 = h, n2 = n;
+        for (; j + 16 <= E; j += 16) {
+            __m256 a = _mm256_loadu_ps(r + j), b = _mm256_loadu_ps(r + j + 8);
+            l = _mm256_min_ps(l, a); h = _mm256_max_ps(h, a);
+            l2 = _mm256_min_ps(l2, b); h2 = _mm256_max_ps(h2, b);
+            n = _mm256_or_ps(n, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            n2 = _mm256_or_ps(n2, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+        }
+        for (; j + 8 <= E; j += 8) {
+            __m256 a = _mm256_loadu_ps(r + j);
+            l = _mm256_min_ps(l, a); h = _mm256_max_ps(h, a);
+            n = _mm256_or_ps(n, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        }
+        l = _mm256_min_ps(l, l2); h = _mm256_max_ps(h, h2); n = _mm256_or_ps(n, n2);
+        __m128 a = _mm_min_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1));
+        a = _mm_min_ps(a, _mm_movehl_ps(a, a));
+        a = _mm_min_ss(a, _mm_shuffle_ps(a, a, 1));
+        __m128 b = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+        b = _mm_max_ss(b, _mm_shuffle_ps(b, b, 1));
+        lo_ = _mm_cvtss_f32(a);
+        hi_ = _mm_cvtss_f32(b);
+        bad = _mm256_movemask_ps(n) != 0;
+    }
+#endif
+    for (; j < E; ++j) {
+        float v = r[j];
+        lo_ = v < lo_ ? v : lo_;
+        hi_ = v > hi_ ? v : hi_;
+        bad |= v != v;
+    }
+    *lo = bad ? NAN : lo_;
+    *hi = bad ? NAN : hi_;
+    ends_add(e, lo_, hi_, bad);
+}
+
+#ifdef __AVX2__
+/* The 4 horizontal reductions of v0..v3 as one 4-lane vector (lane i: vi); 128-bit halves
+   at the last level (cross-lane permutes are slow on some cores). */
+#define HREDUCE4(OP, OP4, v0, v1, v2, v3, out) do {                                     \
     __m256 a01 = OP(_mm256_unpacklo_ps(v0, v1), _mm256_unpackhi_ps(v0, v1));            \
     __m256 a23 = OP(_mm256_unpacklo_ps(v2, v3), _mm256_unpackhi_ps(v2, v3));            \
-    __m256 a45 = OP(_mm256_unpacklo_ps(v4, v5), _mm256_unpackhi_ps(v4, v5));            \
-    __m256 a67 = OP(_mm256_unpacklo_ps(v6, v7), _mm256_unpackhi_ps(v6, v7));            \
     __m256 b03 = OP(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE)); \
-    __m256 b47 = OP(_mm256_shuffle_ps(a45, a67, 0x44), _mm256_shuffle_ps(a45, a67, 0xEE)); \
-    lo4 = OP4(_mm256_castps256_ps128(b03), _mm256_extractf128_ps(b03, 1));              \
-    hi4 = OP4(_mm256_castps256_ps128(b47), _mm256_extractf128_ps(b47, 1));              \
+    out = OP4(_mm256_castps256_ps128(b03), _mm256_extractf128_ps(b03, 1));              \
 } while (0)
 
-/* Short rows (E a multiple of 8, up to 64: MX / NVFP4 / BFP blocks, small groups), 8 rows
-   at a time: each row folds to one vector, then 8 rows reduce together by shuffles. NaN is
-   tracked per row but only reduced when one of the 8 rows has it. */
-static int64_t rows8(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi) {
-    int64_t u = u0;
-    const __m128 qnan = _mm_set1_ps(NAN);
-    for (; u + 8 <= u1; u += 8) {
-        __m256 l[8], h[8], n[8];
-        __m256 any = _mm256_setzero_ps();
-        for (int k = 0; k < 8; ++k) {
-            const float *r = x + (u + k) * E;
-            __m256 v = _mm256_loadu_ps(r);
-            __m256 lk = v, hk = v, nk = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-            for (int64_t j = 8; j < E; j += 8) {
-                v = _mm256_loadu_ps(r + j);
-                lk = _mm256_min_ps(lk, v);
-                hk = _mm256_max_ps(hk, v);
-                nk = _mm256_or_ps(nk, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            }
-            l[k] = lk; h[k] = hk; n[k] = nk;
-            any = _mm256_or_ps(any, nk);
+/* One row of E (a multiple of 8) folded to a vector: its min in *l, max in *h; NaN only
+   sets *any (min / max drop it; the caller does such rows again with row()). */
+static inline __attribute__((always_inline)) void fold(const float *r, const int64_t E,
+                                                       __m256 *l, __m256 *h, __m256 *any) {
+    __m256 a = _mm256_loadu_ps(r), lk = a, hk = a, n;
+    int64_t j = 8;
+    if (E >= 16) {  /* pairs: one unordered compare finds NaN in either */
+        __m256 b = _mm256_loadu_ps(r + 8);
+        lk = _mm256_min_ps(lk, b); hk = _mm256_max_ps(hk, b);
+        n = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
+        for (j = 16; j + 16 <= E; j += 16) {
+            a = _mm256_loadu_ps(r + j); b = _mm256_loadu_ps(r + j + 8);
+            lk = _mm256_min_ps(_mm256_min_ps(lk, a), b);
+            hk = _mm256_max_ps(_mm256_max_ps(hk, a), b);
+            n = _mm256_or_ps(n, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
         }
-        __m128 L0, L1, H0, H1;
-        HREDUCE8(_mm256_min_ps, _mm_min_ps, l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], L0, L1);
-        HREDUCE8(_mm256_max_ps, _mm_max_ps, h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], H0, H1);
-        if (_mm256_movemask_ps(any)) {  /* rare: some row has NaN */
-            __m128 N0, N1;
-            HREDUCE8(_mm256_or_ps, _mm_or_ps, n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], N0, N1);
-            L0 = _mm_blendv_ps(L0, qnan, N0); L1 = _mm_blendv_ps(L1, qnan, N1);
-            H0 = _mm_blendv_ps(H0, qnan, N0); H1 = _mm_blendv_ps(H1, qnan, N1);
-        }
-        _mm_storeu_ps(lo + u, L0); _mm_storeu_ps(lo + u + 4, L1);
-        _mm_storeu_ps(hi + u, H0); _mm_storeu_ps(hi + u + 4, H1);
+    } else {
+        n = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
     }
+    if (j < E) {
+        a = _mm256_loadu_ps(r + j);
+        lk = _mm256_min_ps(lk, a); hk = _mm256_max_ps(hk, a);
+        n = _mm256_or_ps(n, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    }
+    *l = lk; *h = hk; *any = _mm256_or_ps(*any, n);
+}
+
+/* Short rows (E a multiple of 8, up to 64: MX / NVFP4 / BFP blocks, small groups), 4 rows
+   at a time: each row folds to one vector, then the 4 reduce together by shuffles. NaN is
+   one mask per 4 rows; the rare 4 rows that hold one are done again by row(). The share's
+   ends are kept in vectors. Returns the first row not done. */
+static inline __attribute__((always_inline)) int64_t
+rows4(const float *x, const int64_t E, int64_t u, int64_t u1, float *lo, float *hi, ends_t *e) {
+    __m128 el = _mm_set1_ps(INFINITY), eh = _mm_set1_ps(-INFINITY);
+    for (; u + 4 <= u1; u += 4) {
+        const float *r = x + u * E;
+        __m256 l0, l1, l2, l3, h0, h1, h2, h3, any = _mm256_setzero_ps();
+        fold(r, E, &l0, &h0, &any);
+        fold(r + E, E, &l1, &h1, &any);
+        fold(r + 2 * E, E, &l2, &h2, &any);
+        fold(r + 3 * E, E, &l3, &h3, &any);
+        __m128 L, H;
+        HREDUCE4(_mm256_min_ps, _mm_min_ps, l0, l1, l2, l3, L);
+        HREDUCE4(_mm256_max_ps, _mm_max_ps, h0, h1, h2, h3, H);
+        if (__builtin_expect(_mm256_movemask_ps(any) != 0, 0)) {  /* rare: NaN here */
+            for (int k = 0; k < 4; ++k) row(r + k * E, E, lo + u + k, hi + u + k, e);
+            continue;
+        }
+        _mm_storeu_ps(lo + u, L);
+        _mm_storeu_ps(hi + u, H);
+        el = _mm_min_ps(el, L);
+        eh = _mm_max_ps(eh, H);
+    }
+    float t[4], s[4];
+    _mm_storeu_ps(t, el);
+    _mm_storeu_ps(s, eh);
+    for (int k = 0; k < 4; ++k) ends_add(e, t[k], s[k], 0);
     return u;
 }
 #endif
 
-/* Min / max of rows [u0, u1) of a contiguous [U, E] float32 matrix; NaN propagates
-   (tracked in a separate mask: the min / max instructions drop NaN). */
-static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi) {
+/* Min / max of rows [u0, u1) of a contiguous [U, E] float32 matrix, NaN propagated, and
+   the share's ends. */
+static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi,
+                 ends_t *e) {
 #ifdef __AVX2__
-    if (E % 8 == 0 && E <= 64) u0 = rows8(x, E, u0, u1, lo, hi);  /* the tail: below */
+    /* E as a constant where it is common: the folds unroll */
+    if (E == 16) u0 = rows4(x, 16, u0, u1, lo, hi, e);
+    else if (E == 32) u0 = rows4(x, 32, u0, u1, lo, hi, e);
+    else if (E % 8 == 0 && E <= 64) u0 = rows4(x, E, u0, u1, lo, hi, e);
 #endif
-    for (int64_t u = u0; u < u1; ++u) {
-        const float *r = x + u * E;
-        float lo_ = INFINITY, hi_ = -INFINITY;
-        int bad = 0;
-        int64_t j = 0;
-#ifdef __AVX2__
-        if (E >= 8) {
-            __m256 l = _mm256_set1_ps(INFINITY), h = _mm256_set1_ps(-INFINITY);
-            __m256 n = _mm256_setzero_ps();
-            __m256 l2 = l, h2 = h, n2 = n;
-            for (; j + 16 <= E; j += 16) {
-                __m256 a = _mm256_loadu_ps(r + j), b = _mm256_loadu_ps(r + j + 8);
-                l = _mm256_min_ps(l, a); h = _mm256_max_ps(h, a);
-                l2 = _mm256_min_ps(l2, b); h2 = _mm256_max_ps(h2, b);
-                n = _mm256_or_ps(n, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-                n2 = _mm256_or_ps(n2, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
-            }
-            for (; j + 8 <= E; j += 8) {
-                __m256 a = _mm256_loadu_ps(r + j);
-                l = _mm256_min_ps(l, a); h = _mm256_max_ps(h, a);
-                n = _mm256_or_ps(n, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-            }
-            l = _mm256_min_ps(l, l2); h = _mm256_max_ps(h, h2); n = _mm256_or_ps(n, n2);
-            __m128 a = _mm_min_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1));
-            a = _mm_min_ps(a, _mm_movehl_ps(a, a));
-            a = _mm_min_ss(a, _mm_shuffle_ps(a, a, 1));
-            __m128 b = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            b = _mm_max_ps(b, _mm_movehl_ps(b, b));
-            b = _mm_max_ss(b, _mm_shuffle_ps(b, b, 1));
-            lo_ = _mm_cvtss_f32(a);
-            hi_ = _mm_cvtss_f32(b);
-            bad = _mm256_movemask_ps(n) != 0;
-        }
-#endif
-        for (; j < E; ++j) {
-            float v = r[j];
-            lo_ = v < lo_ ? v : lo_;
-            hi_ = v > hi_ ? v : hi_;
-            bad |= v != v;
-        }
-        lo[u] = bad ? NAN : lo_;
-        hi[u] = bad ? NAN : hi_;
-    }
+    for (int64_t u = u0; u < u1; ++u) row(x + u * E, E, lo + u, hi + u, e);  /* the rest */
 }
 
 /* Column min / max of rows [r0, r1) of a contiguous [R, C] float32 matrix into lo / hi / nan
@@ -192,21 +229,16 @@ static float upd(int mode, float s, float b, float c, float omc, int is_min) {
 
 static void *run(void *p) {
     job_t *j = (job_t *)p;
-    rows(j->x, j->E, j->u0, j->u1, j->lo, j->hi);
+    ends_t e = {INFINITY, -INFINITY, 0};
+    rows(j->x, j->E, j->u0, j->u1, j->lo, j->hi, &e);
     if (j->mode)
         for (int64_t u = j->u0; u < j->u1; ++u) {
             j->slo[u] = upd(j->mode, j->slo[u], j->lo[u], j->c, j->omc, 1);
             j->shi[u] = upd(j->mode, j->shi[u], j->hi[u], j->c, j->omc, 0);
         }
     /* the smallest min and largest max of this share, NaN kept (the non-finite check) */
-    float l = INFINITY, h = -INFINITY;
-    for (int64_t u = j->u0; u < j->u1; ++u) {
-        float a = j->lo[u], b = j->hi[u];
-        l = (a < l || a != a) && l == l ? a : l;
-        h = (b > h || b != b) && h == h ? b : h;
-    }
-    j->ends[0] = l;
-    j->ends[1] = h;
+    j->ends[0] = e.nan ? NAN : e.lo;
+    j->ends[1] = e.nan ? NAN : e.hi;
     return NULL;
 }
 
