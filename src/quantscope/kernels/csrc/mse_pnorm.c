@@ -1,0 +1,163 @@
+/* Called from quantscope.estimators.mse_compat through quantscope.kernels; that module's doc
+   says what it computes, how close it is to torch's float32 error, and how the search uses
+   that bound to reproduce torch's choices bit for bit.
+
+   qs_pnorm_price: E[c, u] = sum_j |d_j| ** p over the elements of unit u under candidate c,
+   d = fake_quant(x) - x exactly as torch rounds it (qs_fakequant.h), |d| ** p by the
+   approximation below (relative error under 2^-18 (1 + p), tested), summed in float64.
+
+   |a| ** p, a = m 2^e with m in [0.75, 1.5): 2^(p e + p log2 m). p = ph + pl with ph of 12
+   significant bits, so ph e (|e| <= 150) is exact in float32 and splits exactly into an
+   integer n and a fraction f; r = f + pl e + p log2 m (|r| < 2 + p) carries float32
+   rounding errors of ~1e-7 absolute; 2^r = 2^k P(r - k), k = round(r); the result is
+   P 2^(n + k), scaled exactly (rounded only when it falls below float32's normal range:
+   an absolute error of at most 2^-149, as torch's own float32 result has). 0, inf and NaN
+   give a * a (0, inf, NaN). */
+#include "qs_parallel.h"
+#include "qs_fakequant.h"
+
+typedef struct { float p, ph, pl; } pw_t;
+
+static pw_t pw_make(double p) {
+    int e;
+    double m = frexp(p, &e);
+    double ph = ldexp(nearbyint(ldexp(m, 12)), e - 12);
+    pw_t w = {(float)p, (float)ph, (float)(p - ph)};
+    return w;
+}
+
+/* log2(1 + x) / x on x in [-0.25, 0.5] (Chebyshev fit; log2 within 1.8e-7 absolute) */
+#define L0 1.4426952600479126f
+#define L1 -0.7213506698608398f
+#define L2 0.4808475077152252f
+#define L3 -0.3603352904319763f
+#define L4 0.29007357358932495f
+#define L5 -0.2506521940231323f
+#define L6 0.20412734150886536f
+#define L7 -0.09616397321224213f
+/* 2^r on r in [-0.5, 0.5] (Chebyshev fit; within 2.6e-7 relative) */
+#define X0 1.0000001192092896f
+#define X1 0.6931471824645996f
+#define X2 0.2402210682630539f
+#define X3 0.05550327152013779f
+#define X4 0.009676037356257439f
+#define X5 0.0013400432653725147f
+
+static float pow1(float a, const pw_t *w) {
+    if (!(a > 0.0f) || a == INFINITY) return a * a;
+    int ie = ilogbf(a);
+    float m = scalbnf(a, -ie), e = (float)ie;
+    if (m >= 1.5f) { m *= 0.5f; e += 1.0f; }
+    float x = m - 1.0f;
+    float q = ((((((L7 * x + L6) * x + L5) * x + L4) * x + L3) * x + L2) * x + L1) * x + L0;
+    float l = q * x, hp = w->ph * e, n = nearbyintf(hp), f = hp - n;
+    float r = f + (w->pl * e + w->p * l), k = nearbyintf(r), t = r - k;
+    float P = ((((X5 * t + X4) * t + X3) * t + X2) * t + X1) * t + X0;
+    return scalbnf(P, (int)(n + k));
+}
+
+#if defined(__AVX512F__)
+#define PV _mm512_set1_ps
+#define FMA _mm512_fmadd_ps
+static inline __attribute__((always_inline)) __m512 powv(__m512 a, const pw_t *w) {
+    const __m512 one = PV(1.0f);
+    __mmask16 ok = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ)
+                 & _mm512_cmp_ps_mask(a, PV(INFINITY), _CMP_LT_OQ);
+    __m512 e = _mm512_getexp_ps(a);
+    __m512 m = _mm512_getmant_ps(a, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_zero);
+    e = _mm512_mask_add_ps(e, _mm512_cmp_ps_mask(m, one, _CMP_LT_OQ), e, one);
+    __m512 x = _mm512_sub_ps(m, one);
+    __m512 q = FMA(PV(L7), x, PV(L6));
+    q = FMA(q, x, PV(L5)); q = FMA(q, x, PV(L4)); q = FMA(q, x, PV(L3));
+    q = FMA(q, x, PV(L2)); q = FMA(q, x, PV(L1)); q = FMA(q, x, PV(L0));
+    __m512 l = _mm512_mul_ps(q, x);
+    __m512 hp = _mm512_mul_ps(PV(w->ph), e);
+    __m512 n = _mm512_roundscale_ps(hp, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(hp, n);
+    __m512 r = _mm512_add_ps(f, FMA(PV(w->pl), e, _mm512_mul_ps(PV(w->p), l)));
+    __m512 k = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 t = _mm512_sub_ps(r, k);
+    __m512 P = FMA(PV(X5), t, PV(X4));
+    P = FMA(P, t, PV(X3)); P = FMA(P, t, PV(X2)); P = FMA(P, t, PV(X1)); P = FMA(P, t, PV(X0));
+    __m512 res = _mm512_scalef_ps(P, _mm512_add_ps(n, k));
+    return _mm512_mask_blend_ps(ok, _mm512_mul_ps(a, a), res);
+}
+
+/* sum |d| ** p of one unit under (s, z); the tail through masked loads (zeros add 0) */
+static inline __attribute__((always_inline)) double pprice_(const float *x, int64_t E, float s,
+                                                          float z, float qmin, float qmax,
+                                                          const pw_t *w, int zero) {
+    const __m512 vs = PV(s), vz = PV(z), vlo = PV(qmin), vhi = PV(qmax);
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    __m512d a2 = _mm512_setzero_pd(), a3 = _mm512_setzero_pd();
+    int64_t j = 0;
+    for (; j + 32 <= E; j += 32) {
+        __m512 t0 = powv(_mm512_abs_ps(dqv(VLOAD(x + j), vs, vz, vlo, vhi, zero)), w);
+        __m512 t1 = powv(_mm512_abs_ps(dqv(VLOAD(x + j + 16), vs, vz, vlo, vhi, zero)), w);
+        a0 = _mm512_add_pd(a0, DLO(t0)); a1 = _mm512_add_pd(a1, DHI(t0));
+        a2 = _mm512_add_pd(a2, DLO(t1)); a3 = _mm512_add_pd(a3, DHI(t1));
+    }
+    for (; j < E; j += 16) {
+        __mmask16 mk = E - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (E - j)) - 1u);
+        __m512 d = dqv(_mm512_maskz_loadu_ps(mk, x + j), vs, vz, vlo, vhi, zero);
+        __m512 t = _mm512_maskz_mov_ps(mk, powv(_mm512_abs_ps(d), w));
+        a0 = _mm512_add_pd(a0, DLO(t)); a1 = _mm512_add_pd(a1, DHI(t));
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
+}
+
+static double pprice(const float *x, int64_t E, float s, float z, float qmin, float qmax,
+                     const pw_t *w) {
+    return z == 0.0f ? pprice_(x, E, s, z, qmin, qmax, w, 1)
+                     : pprice_(x, E, s, z, qmin, qmax, w, 0);
+}
+#else
+static double pprice(const float *x, int64_t E, float s, float z, float qmin, float qmax,
+                     const pw_t *w) {
+    double acc = 0.0;
+    for (int64_t j = 0; j < E; ++j) acc += (double)pow1(fabsf(dq1(x[j], s, z, qmin, qmax)), w);
+    return acc;
+}
+#endif
+
+/* |a| ** p of every element by the kernel's approximation (tests): vector (when built with
+   AVX-512, the tail masked) or scalar (the other builds' code) */
+int64_t qs_pnorm_pow(const float *x, int64_t n, double p, int scalar, float *out) {
+    pw_t w = pw_make(p);
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; !scalar && j < n; j += 16) {
+        __mmask16 mk = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+        __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, x + j));
+        _mm512_mask_storeu_ps(out + j, mk, powv(v, &w));
+    }
+#endif
+    (void)scalar;
+    for (; j < n; ++j) out[j] = pow1(fabsf(x[j]), &w);
+    return 0;
+}
+
+typedef struct {
+    const float *x; int64_t E; const float *sc; const int32_t *zp; int64_t k, n;
+    float qmin, qmax; pw_t w; double *out;
+} pp_t;
+
+static void pprice_unit(void *p, int64_t i, int tid) {
+    pp_t *c = (pp_t *)p;
+    const float *xu = c->x + i * c->E;
+    for (int64_t j = 0; j < c->k; ++j) {
+        int64_t o = j * c->n + i;
+        c->out[o] = pprice(xu, c->E, c->sc[o], (float)c->zp[o], c->qmin, c->qmax, &c->w);
+    }
+    (void)tid;
+}
+
+/* out[j, i] (float64 [k, n]) = sum |d| ** p of unit i (rows of x [n, E]) under candidate j
+   (sc, zp [k, n]), threads over units. */
+int64_t qs_pnorm_price(const float *x, int64_t E, int64_t n, const float *sc,
+                       const int32_t *zp, int64_t k, double qmin, double qmax, double p,
+                       double *out, int threads) {
+    pp_t c = {x, E, sc, zp, k, n, (float)qmin, (float)qmax, pw_make(p), out};
+    parallel(pprice_unit, &c, n, threads, 4.0 * (double)n * k * E);
+    return 0;
+}
