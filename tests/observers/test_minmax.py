@@ -428,7 +428,7 @@ def test_kernel_is_built_here():
         pytest.skip("no C compiler")
     if quantscope.kernels.disabled():
         pytest.skip("QUANTSCOPE_NO_KERNEL is set")
-    assert stats.kernel_available()
+    assert quantscope.kernels.available("unit_minmax")
 
 
 def test_non_contiguous_and_other_dtypes_fall_back():

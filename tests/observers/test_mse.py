@@ -24,6 +24,7 @@ from quantscope.estimators import (
     dense_search,
     linear_search,
     mse_search,
+    mse_tiles,
     pow2_search,
     range_error,
 )
@@ -267,13 +268,13 @@ def test_linear_and_pow2_searches_follow_their_loops():
 def test_tiles_are_bounded_and_do_not_change_the_answer(monkeypatch):
     """The torch path's tiles (the kernel has none: it walks units in place)."""
     seen = []
-    real = mse_mod._tile_error
+    real = mse_tiles._tile_error
 
     def spy(x, scale, *a):
         seen.append(scale.shape[0] * x.numel())
         return real(x, scale, *a)
 
-    monkeypatch.setattr(mse_mod, "_tile_error", spy)
+    monkeypatch.setattr(mse_tiles, "_tile_error", spy)
     for spec in (SPECS["int4-g32"], SPECS["int4-channel"], SPECS["nvfp4"]):
         u, lo, hi = units_of(spec, weight(shape=(16, 256)))
         ref = mse_search(u, lo, hi, spec, backend="torch", chunk_elems=1 << 22)

@@ -35,26 +35,30 @@ import torch
 
 from .. import kernels
 from ..formats import IntFormat
+from ..qparams import qparams_from_range
 from ..spec import QuantSpec
 
-__all__ = ["KernelState", "available", "dq", "price", "usable"]
+__all__ = ["KernelState", "dq", "price", "search", "usable"]
+
+#: the [candidates, units] qparams blocks: at most this many elements, below torch's
+#: parallel grain (32768), so their torch ops run on one thread: with two, every op waits
+#: at OpenMP's barrier for a descheduled worker on a loaded machine (measured: 10x slower
+#: on the MiniLM weights at load 4). Chunks of at least this many units:
+_KERNEL_BLOCK = 32767
+_MIN_KERNEL_UNITS = 256
 
 
 def _lib():
     return kernels.lib("mse_search")
 
 
-def available() -> bool:
-    """Whether the compiled kernel can be used (a C compiler was found and it built)."""
-    return _lib() is not None
-
-
 def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
     """Whether the kernel scores this search: integer formats without a global scale,
-    squared error, float32 units on CPU, no autograd."""
+    squared error, float32 units on CPU, no autograd (and the kernel built)."""
     return (isinstance(spec.format, IntFormat) and not spec.scale.has_global_scale
             and float(norm) == 2.0 and units.device.type == "cpu"
-            and units.dtype == torch.float32 and not units.requires_grad and available())
+            and units.dtype == torch.float32 and not units.requires_grad
+            and kernels.available("mse_search"))
 
 
 def _threads() -> int:
@@ -152,3 +156,104 @@ class KernelState:
         """The global rule over gathered flags: the first candidate that sees it stopped."""
         return _lib().qs_mse_gstop(any_flags.data_ptr(), any_flags.numel(), int(patience),
                                    self.g.data_ptr())
+
+
+class _Search:
+    """One search (the torch path's ``mse_tiles.search``) with the kernel pricing candidates
+    and applying the rules unit by unit (errors summed in float64).
+
+    Candidates' qparams are computed in ``[candidates, units]`` blocks of at most
+    ``_KERNEL_BLOCK`` (and ``chunk_elems``) elements: the whole grid at once for chunks
+    of units, so each unit's data is read once for the grid and once for its extension.
+    The global rule couples all units; over several chunks it is first assumed not to
+    stop within the grid (the usual case with many units), and if it did, the search is
+    redone knowing where.
+    """
+
+    def __init__(self, units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumbent,
+                 global_amax, chunk_elems, early_stop, extend=(), **_):
+        self.lo, self.hi, self.spec, self.incumbent = lo, hi, spec, incumbent
+        self.global_amax, self.early_stop = global_amax, early_stop
+        self.state = KernelState(units, spec)
+        self.total = len(f_lo)
+        self.ext = list(extend) if extend and per_unit and patience is not None else []
+        self.first_is_incumbent = (incumbent[0] is lo and incumbent[1] is hi and f_lo[0] == 1.0
+                                   and f_hi[0] == 1.0)  # then lo * 1.0 is the incumbent's row
+        self.f_lo = torch.tensor(list(f_lo) + self.ext, dtype=torch.float32)
+        self.f_hi = torch.tensor(list(f_hi) + self.ext, dtype=torch.float32)
+        self.use_global = patience is not None
+        self.rule = {"patience": patience, "per_unit": per_unit, "tie": tie}
+        n_units = units.shape[0]
+        self.budget = max(1, min(chunk_elems, _KERNEL_BLOCK))
+        ub = min(n_units, max(_MIN_KERNEL_UNITS, self.budget // (self.total + 1)))
+        self.kb = min(self.total, max(1, self.budget // ub))  # candidates per block
+        self.chunks = [(a, min(a + ub, n_units)) for a in range(0, n_units, ub)]
+
+    def _qparams(self, lo_c, hi_c):
+        qp = qparams_from_range(lo_c, hi_c, self.spec, global_amax=self.global_amax,
+                                check_finite=False)
+        return qp.effective_scale.expand_as(lo_c), qp.zero_point
+
+    def _grid(self, a, b, gstop, flags):
+        """The grid for units ``a:b``; ``gstop``, ``flags``: as in :meth:`KernelState.step`."""
+        l0, h0 = self.lo[a:b], self.hi[a:b]
+        for i0 in range(0, self.total, self.kb):
+            i1 = min(i0 + self.kb, self.total)  # f_lo, f_hi go on with the extension
+            lo_c, hi_c = l0[None] * self.f_lo[i0:i1, None], h0[None] * self.f_hi[i0:i1, None]
+            init = 0
+            if i0 == 0:  # the min-max incumbent rides in the first block's qparams
+                init = 2 if self.first_is_incumbent else 1
+                if init == 1:
+                    lo_c = torch.cat((self.incumbent[0][a:b][None], lo_c))
+                    hi_c = torch.cat((self.incumbent[1][a:b][None], hi_c))
+            g = -1 if gstop is None else gstop - i0
+            live = self.state.step(i0, *self._qparams(lo_c, hi_c), units=slice(a, b),
+                                   init=init, use_global=self.use_global, gstop=g,
+                                   any_out=None if flags is None else flags[i0:i1], **self.rule)
+            if self.early_stop and gstop is not None and gstop <= i1 and live == 0:
+                break  # every unit stopped, and the global rule too
+
+    def _extension(self, a, b):
+        """Units ``a:b`` still improving go on along the extension's factors."""
+        start = 0
+        l0, h0 = self.lo[a:b], self.hi[a:b]
+        while start < len(self.ext):
+            sub, l1, h1 = None, l0, h0
+            if self.early_stop:  # only the units still searching: fewer qparams to compute
+                keep = (~self.state.stopped[a:b]).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                if keep.numel() < b - a:
+                    sub, l1, h1 = keep, l0[keep], h0[keep]
+            k = max(1, self.budget // l1.shape[0])
+            f = self.f_lo[self.total + start:self.total + start + k, None]
+            self.state.step(self.total + start, *self._qparams(l1[None] * f, h1[None] * f),
+                            units=slice(a, b), sub=sub, use_global=False,
+                            **self.rule)  # the global rule's grid has ended
+            start += k
+
+    def _pass(self, gstop, flags):
+        for a, b in self.chunks:
+            self._grid(a, b, gstop, flags)
+            self._extension(a, b)
+
+    def run(self):
+        """``(lo, hi, error, index)`` per unit, as ``mse_tiles.search`` returns them."""
+        if self.use_global and (len(self.chunks) > 1 or self.kb < self.total):
+            flags = torch.zeros(self.total, dtype=torch.uint8)
+            self._pass(1 << 62, flags)  # assuming the global rule does not stop within the grid
+            g = self.state.global_stop(flags, self.rule["patience"])
+            if g < self.total:  # it did, before candidate g: again, knowing it
+                self._pass(g, None)
+        else:
+            self._pass(None, None)
+        idx = self.state.idx.clone()
+        j, take = idx.clamp(min=0), idx >= 0  # the chosen candidates' ranges, built as before
+        return (torch.where(take, self.lo * self.f_lo[j], self.incumbent[0]),
+                torch.where(take, self.hi * self.f_hi[j], self.incumbent[1]),
+                self.state.best.float(), idx)
+
+
+def search(units, lo, hi, spec, f_lo, f_hi, **kw):
+    """``mse_tiles.search`` (same arguments, same choices) through the kernel."""
+    return _Search(units, lo, hi, spec, f_lo, f_hi, **kw).run()

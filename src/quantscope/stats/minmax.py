@@ -18,7 +18,7 @@ import torch
 
 from .. import kernels
 
-__all__ = ["column_minmax", "ema_", "kernel_available", "layout_minmax", "torch_unit_minmax",
+__all__ = ["column_minmax", "ema_", "layout_minmax", "torch_unit_minmax",
            "unit_minmax"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
@@ -27,11 +27,6 @@ KERNEL_MIN_NUMEL = 1 << 16
 
 def _kernel():
     return kernels.lib("unit_minmax")
-
-
-def kernel_available() -> bool:
-    """Whether the compiled CPU kernel is in use (a C compiler was found and it built)."""
-    return _kernel() is not None
 
 
 def torch_unit_minmax(units: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
