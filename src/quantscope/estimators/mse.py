@@ -39,7 +39,7 @@ from ..qparams import amax_of_range, qparams_from_range
 from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
-from . import mse_kernel, mse_tiles
+from . import mse_compat, mse_kernel, mse_tiles
 from .mse_tiles import norm_sum
 
 __all__ = [
@@ -72,6 +72,16 @@ class SearchResult(tuple):
         self.lo, self.hi, self.error, self.global_amax, self.index = (
             lo, hi, error, global_amax, index)
         return self
+
+    @property
+    def error(self):
+        if callable(self._error):  # computed on first use (mse_compat: a torch pass)
+            self._error = self._error()
+        return self._error
+
+    @error.setter
+    def error(self, value):
+        self._error = value
 
 
 #: the most candidates one search tries (llm-compressor's grid has 20, the expanded NVFP4
@@ -179,7 +189,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
     _check_options(compat, tie, patience, expand, backend)
     exact = compat == "llmcompressor"
     use_kernel = backend != "torch" and not exact and mse_kernel.usable(units, spec, norm)
-    if backend == "kernel" and not use_kernel:
+    if backend == "kernel" and not use_kernel and not exact:
         raise ValueError("mse_search: backend='kernel' needs an integer format without a "
                          "global scale, norm=2, float32 CPU units, no compat, and a C compiler")
     if exact:  # their search: global patience, their grid, fp32 scales (NVFP4: no global)
@@ -203,6 +213,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
           "incumbent": None if exact else (base_lo, base_hi), "extend": extend}
     search = mse_kernel.search if use_kernel else mse_tiles.search
     search_spec = spec if encoding_aware else _blind(spec)
+    if exact:  # the kernel prices, torch settles near ties: the torch path's choices
+        search = mse_compat.engine(units, search_spec, kw, len(f_lo), backend) or search
     results = [search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)
                for ga in gas]
     if len(results) == 1:
