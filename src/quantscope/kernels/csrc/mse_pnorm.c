@@ -111,6 +111,73 @@ static double pprice(const float *x, int64_t E, float s, float z, float qmin, fl
     return z == 0.0f ? pprice_(x, E, s, z, qmin, qmax, w, 1)
                      : pprice_(x, E, s, z, qmin, qmax, w, 0);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PV _mm256_set1_ps
+#define FMA _mm256_fmadd_ps
+#define IV _mm256_set1_epi32
+/* |a| ** p of 8 lanes (a >= 0) as float64 (lanes 0-3, 4-7): no getexp / scalef here, so
+   the exponent comes from the bits (subnormals scaled by 2^24 first) and the result is
+   P 2^(n + k) built in float64 (exact; no float32 rounding). 0 gives 0; inf and NaN give
+   NaN (the caller's torch fallback). */
+static inline __attribute__((always_inline)) void powv(__m256 a, const pw_t *w, __m256d *r0,
+                                                     __m256d *r1) {
+    const __m256 one = PV(1.0f);
+    __m256 sub = _mm256_cmp_ps(a, PV(0x1p-126f), _CMP_LT_OQ);
+    __m256i bits = _mm256_castps_si256(_mm256_blendv_ps(a, _mm256_mul_ps(a, PV(0x1p24f)), sub));
+    __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), IV(127)));
+    e = _mm256_sub_ps(e, _mm256_and_ps(sub, PV(24.0f)));
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, IV(0x7FFFFF)),
+                                                   IV(0x3F800000)));
+    __m256 big = _mm256_cmp_ps(m, PV(1.5f), _CMP_GE_OQ);
+    m = _mm256_blendv_ps(m, _mm256_mul_ps(m, PV(0.5f)), big);
+    e = _mm256_add_ps(e, _mm256_and_ps(big, one));
+    __m256 x = _mm256_sub_ps(m, one);
+    __m256 q = FMA(PV(L7), x, PV(L6));
+    q = FMA(q, x, PV(L5)); q = FMA(q, x, PV(L4)); q = FMA(q, x, PV(L3));
+    q = FMA(q, x, PV(L2)); q = FMA(q, x, PV(L1)); q = FMA(q, x, PV(L0));
+    __m256 l = _mm256_mul_ps(q, x);
+    __m256 hp = _mm256_mul_ps(PV(w->ph), e);
+    __m256 n = _mm256_round_ps(hp, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(hp, n);
+    __m256 r = _mm256_add_ps(f, FMA(PV(w->pl), e, _mm256_mul_ps(PV(w->p), l)));
+    __m256 k = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 t = _mm256_sub_ps(r, k);
+    __m256 P = FMA(PV(X5), t, PV(X4));
+    P = FMA(P, t, PV(X3)); P = FMA(P, t, PV(X2)); P = FMA(P, t, PV(X1)); P = FMA(P, t, PV(X0));
+    P = _mm256_and_ps(P, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ));  /* 0 -> 0 */
+    P = _mm256_add_ps(P, _mm256_sub_ps(a, a));  /* inf, NaN -> NaN */
+    __m256i j = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_add_ps(n, k)), IV(1023));
+    __m256d s0 = _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(j)), 52));
+    __m256d s1 = _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(j, 1)), 52));
+    *r0 = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(P)), s0);
+    *r1 = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(P, 1)), s1);
+}
+
+static inline __m256i tail_mask(int64_t left) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), lane);
+}
+
+static inline __attribute__((always_inline)) double pprice_(const float *x, int64_t E, float s,
+                                                          float z, float qmin, float qmax,
+                                                          const pw_t *w, int zero) {
+    const __m256 vs = PV(s), vz = PV(z), vlo = PV(qmin), vhi = PV(qmax), sign = PV(-0.0f);
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd(), t0, t1;
+    for (int64_t j = 0; j < E; j += 8) {
+        __m256 v = j + 8 <= E ? VLOAD(x + j) : _mm256_maskload_ps(x + j, tail_mask(E - j));
+        powv(_mm256_andnot_ps(sign, dqv(v, vs, vz, vlo, vhi, zero)), w, &t0, &t1);
+        a0 = _mm256_add_pd(a0, t0); a1 = _mm256_add_pd(a1, t1);
+    }
+    return DSUM(_mm256_add_pd(a0, a1));
+}
+
+static double pprice(const float *x, int64_t E, float s, float z, float qmin, float qmax,
+                     const pw_t *w) {
+    return z == 0.0f ? pprice_(x, E, s, z, qmin, qmax, w, 1)
+                     : pprice_(x, E, s, z, qmin, qmax, w, 0);
+}
 #else
 static double pprice(const float *x, int64_t E, float s, float z, float qmin, float qmax,
                      const pw_t *w) {
@@ -130,6 +197,14 @@ int64_t qs_pnorm_pow(const float *x, int64_t n, double p, int scalar, float *out
         __mmask16 mk = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
         __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, x + j));
         _mm512_mask_storeu_ps(out + j, mk, powv(v, &w));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; !scalar && j < n; j += 8) {
+        __m256i mk = tail_mask(n - j);
+        __m256d r0, r1;
+        powv(_mm256_andnot_ps(PV(-0.0f), _mm256_maskload_ps(x + j, mk)), &w, &r0, &r1);
+        __m256 v = _mm256_set_m128(_mm256_cvtpd_ps(r1), _mm256_cvtpd_ps(r0));
+        _mm256_maskstore_ps(out + j, mk, v);
     }
 #endif
     (void)scalar;
