@@ -273,6 +273,10 @@ def test_where_it_applies_and_backends(monkeypatch):
     assert not mse_compat.applies(u, QuantSpec("fp8_e4m3", Channel(0)), 2.4, 20, 1 << 20, None)
     big = torch.zeros(2, 32768)
     assert not mse_compat.applies(big, spec, 2.0, 20, 1 << 20, None)  # a row over the grain
+    with monkeypatch.context() as m:  # another torch: its pow was not scanned
+        m.setattr(torch, "__version__", "2.99.0")
+        assert not mse_compat.applies(u, spec, 2.4, 20, 1 << 20, None)
+        assert mse_compat.applies(u, spec, 2.0, 20, 1 << 20, None)
     with pytest.raises(ValueError, match="backend='kernel'"):
         mse_search(u, lo, hi, spec, compat="llmcompressor", norm=2.5, backend="kernel")
     ug = g32.layout.to_units(torch.randn(8, 64))

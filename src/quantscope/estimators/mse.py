@@ -7,12 +7,16 @@ keeps the best per unit. Every candidate goes through
 computed), so an encoded scale (E8M0, fp8 under NVFP4's global scale, power of
 two, fp16) is scored as it will run, not as a float32 idealisation.
 
-This module holds the entry points and the choice of candidates; two engines run a
+This module holds the entry points and the choice of candidates; three engines run a
 search with the same rules: :mod:`.mse_tiles` in torch (``[candidates, units,
-elements]`` tiles, any device) and, for integer formats on CPU (squared error, not
+elements]`` tiles, any device); for integer formats on CPU (squared error, not
 ``compat``), the C kernel :mod:`.mse_kernel`, which prices candidates unit by unit
 summing the exact fake-quant error in float64 (only the candidates' qparams, from
-``qparams_from_range``, are computed in torch). ``backend="torch"`` forces the tiles.
+``qparams_from_range``, are computed in torch); and for ``compat="llmcompressor"``
+(integer formats, float32 CPU units), :mod:`.mse_compat`: a C kernel prices every
+candidate with a proven bound on its distance to torch's float32 error, and torch
+recomputes only the near ties, so the choices are the torch path's bit for bit.
+``backend="torch"`` forces the tiles.
 
 Selection rules (all evaluated on ``[U]`` vectors, candidate by candidate):
 
@@ -176,6 +180,10 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
             ``compat``), else torch; ``"torch"`` forces the torch tiles; ``"kernel"``
             requires the kernel. The kernel scores ``sum((fake_quant(x) - x) ** 2)`` summed
             in float64; torch scores the same quantizer in float32 by a rounding identity.
+            With ``compat="llmcompressor"`` the kernel is :mod:`.mse_compat`'s (integer
+            formats, float32 CPU units, norms 1, 1.5, 2, 2.4, 3, rows under 32768
+            elements; 1.5 and 2.4 rows a multiple of 64): the torch path's choices and
+            errors bit for bit; ``error`` is then computed on first access.
 
     Returns:
         :class:`SearchResult` ``(lo, hi)`` with ``.error``, ``.global_amax``, ``.index``.

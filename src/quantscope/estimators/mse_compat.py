@@ -53,11 +53,14 @@ from . import mse_tiles
 __all__ = ["RHO", "STATS", "applies", "engine", "price", "search", "tolerance"]
 
 #: per-term relative error allowed for torch's float32 ``|d| ** norm`` (normal results).
-#: 2.4 and 1.5: exhaustive scans of torch 2.13's vectorized pow over all positive float32
-#: gave 2^-18.1 and 2^-24.0; 2 and 3 are ``d * d`` and ``d * d * d``; 1 copies.
+#: 2.4 and 1.5: exhaustive scans (bench/scan_torch_pow.py) of torch 2.13's pow over all
+#: positive float32, CPU capabilities AVX512 and AVX2 alike, gave 2^-18.1 and 2^-24.0;
+#: 2 and 3 are ``d * d`` and ``d * d * d`` (one and two roundings); 1 copies.
 RHO = {1.0: 0.0, 1.5: 2.0 ** -16, 2.0: 2.0 ** -24, 2.4: 2.0 ** -16, 3.0: 2.0 ** -22}
-#: norms whose torch pow is the same in the vector loop and its scalar tail
+#: norms whose torch pow is exact arithmetic, the same in its vector loop and scalar tail
 _TILE_FREE = (1.0, 2.0, 3.0)
+#: where the scans of the other norms ran: torch version prefix, CPU capabilities
+_SCANNED = ("2.13.", ("AVX512", "AVX2"))
 _ALPHA = 2.0 ** -140  # absolute error per term (subnormal results), either side
 _GRAIN = 32768  # torch's parallel grain (at::internal::GRAIN_SIZE)
 _SAFE = 2.0 ** 100  # larger (or non-finite) kernel errors: the torch path
@@ -115,6 +118,9 @@ def applies(units, spec, norm, total, chunk_elems, chunk_candidates) -> bool:
         return False
     if float(norm) in _TILE_FREE:
         return True
+    if not (torch.__version__.startswith(_SCANNED[0])
+            and torch.backends.cpu.get_cpu_capability() in _SCANNED[1]):
+        return False  # RHO is a measured bound: only where it was measured
     return n_elems % 64 == 0 and all(map(_vector_only, _torch_tiles(
         n_units, n_elems, total, chunk_elems, chunk_candidates)))
 
