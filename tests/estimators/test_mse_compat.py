@@ -281,6 +281,16 @@ def test_where_it_applies_and_backends(monkeypatch):
         mse_search(u, lo, hi, spec, compat="llmcompressor", norm=2.5, backend="kernel")
     ug = g32.layout.to_units(torch.randn(8, 64))
     _check(ug, *unit_minmax(ug), g32, norm=2.0)
+    assert mse_compat.engine(u, spec, {"norm": 2.4, "chunk_elems": 1 << 20,
+                                       "chunk_candidates": None}, 20, None) is not None
+    scalar = _variant("scalar")
+    if scalar is not None:  # the scalar build runs only when asked for (slower than torch)
+        assert scalar.qs_pnorm_lanes() == 0
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "lib", lambda name: scalar)
+            kw = {"norm": 2.4, "chunk_elems": 1 << 20, "chunk_candidates": None}
+            assert mse_compat.engine(u, spec, kw, 20, None) is None
+            assert mse_compat.engine(u, spec, kw, 20, "kernel") is mse_compat.search
     calls = []
     monkeypatch.setattr(mse_compat, "search", lambda *a, **k: calls.append(1) or 1 / 0)
     mse_search(u, lo, hi, spec, compat="llmcompressor", norm=2.4, backend="torch")

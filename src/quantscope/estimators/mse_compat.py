@@ -128,7 +128,10 @@ def applies(units, spec, norm, total, chunk_elems, chunk_candidates) -> bool:
 def engine(units, spec, kw, total, backend):
     """:func:`search` where it applies under ``backend`` (else None: the torch path)."""
     ok = applies(units, spec, kw["norm"], total, kw["chunk_elems"], kw["chunk_candidates"])
-    return search if kernels.choose(backend, "mse_pnorm", "mse_search", ok) else None
+    lib = kernels.choose(backend, "mse_pnorm", "mse_search", ok)
+    if lib is None or (backend is None and lib.qs_pnorm_lanes() == 0):
+        return None  # a build without SIMD is slower than torch: only when asked for
+    return search
 
 
 def price(units, scale, zp, spec, norm) -> torch.Tensor:

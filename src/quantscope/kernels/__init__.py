@@ -73,6 +73,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "qs_mse_gstop": [_P, _I, _I, _P],
     },
     "mse_pnorm": {
+        "qs_pnorm_lanes": [],
         "qs_pnorm_pow": [_P, _I, _D, _INT, _P],
         "qs_pnorm_price": [_P, _I, _I, _P, _P, _I, _D, _D, _D, _P, _INT],
     },
