@@ -305,3 +305,14 @@ def test_non_finite_errors_fall_back_to_torch():
     u = u * 1e30  # |d| ** 2.4 overflows float32: torch's errors are inf
     lo, hi = unit_minmax(u)
     _check(u, lo, hi, spec, norm=2.4, engine=False)
+
+
+def test_error_is_computed_on_first_access():
+    u, lo, hi, spec = _units("int4", (8, 128), 2)
+    ref = mse_search(u, lo, hi, spec, compat="llmcompressor", norm=2.4, backend="torch")
+    got = mse_search(u, lo, hi, spec, compat="llmcompressor", norm=2.4, backend="kernel")
+    assert torch.equal(got.error, ref.error) and got.error is got.error  # computed once
+    late = mse_search(u, lo, hi, spec, compat="llmcompressor", norm=2.4, backend="kernel")
+    u.mul_(2)  # the units change before the error is read: no stale answer
+    with pytest.raises(RuntimeError, match="changed in place"):
+        _ = late.error

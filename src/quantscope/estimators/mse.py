@@ -66,7 +66,9 @@ BACKENDS = (None, "torch", "kernel")
 class SearchResult(tuple):
     """``(lo, hi)`` of the chosen ranges, with the search's by-products as attributes.
 
-    ``error`` is each unit's error at its chosen range (the search's own measure);
+    ``error`` is each unit's error at its chosen range (the search's own measure; the
+    compat kernel engine, :mod:`.mse_compat`, computes it on first access, from the units
+    searched, which must not have changed in place since);
     ``global_amax`` the NVFP4 global amax the ranges were chosen under (None
     otherwise); ``index`` the chosen candidate per unit.
     """

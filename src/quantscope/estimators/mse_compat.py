@@ -164,9 +164,9 @@ class _Bounds:
             self.rows -= 1
 
     def exact(self, cs, us):
-        """torch's float32 ``T`` of pairs ``(cs[i], us[i])``, as the torch path computes it
-        (its ``_tile_error`` on tiles of gathered rows, each under the grain: one thread,
-        every element through the vector loop when rows are a multiple of 64)."""
+        """torch's float32 ``T`` of pairs ``(cs[i], us[i])``, as the torch path computes it:
+        its ``_tile_error`` on tiles of gathered rows (at most ``chunk_elems`` elements,
+        and for norms 1.5 / 2.4 each thread's share of a tile through the vector loop)."""
         out = torch.empty(cs.numel(), dtype=torch.float32)
         for a in range(0, cs.numel(), self.rows):
             c, u = cs[a:a + self.rows], us[a:a + self.rows]
@@ -253,8 +253,8 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
     f_hi = torch.tensor(f_hi, dtype=torch.float32)
     lo_c, hi_c = lo[None] * f_lo[:, None], hi[None] * f_hi[:, None]
     qp = qparams_from_range(lo_c, hi_c, spec, global_amax=None, check_finite=False)
-    b = _Bounds(units.contiguous(), qp.effective_scale.expand_as(lo_c), qp.zero_point.float(),
-                spec, norm, chunk_elems)
+    b = _Bounds(units.contiguous(), qp.effective_scale.expand_as(lo_c),
+                qp.zero_point.float().expand_as(lo_c), spec, norm, chunk_elems)
     if not b.ok:
         return mse_tiles.search(
             units, lo, hi, spec, *factors, norm=norm, patience=patience,
@@ -264,5 +264,12 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
     idx = _winners(b, tie, _stop(b, tie, patience, total))
     STATS.update(pairs=b.known.numel(), recomputed=int(b.known.sum()), units=units.shape[0],
                  units_recomputed=int(b.known.any(0).sum()))
-    units_all = torch.arange(units.shape[0])
-    return lo * f_lo[idx], hi * f_hi[idx], lambda: b.exact(idx, units_all), idx
+    version = units._version
+
+    def error():  # torch's T of the chosen candidates, on first access (one torch pass)
+        if units._version != version:
+            raise RuntimeError("mse_search: the units changed in place since the search; "
+                               "its error (computed on first access) is gone")
+        return b.exact(idx, torch.arange(units.shape[0]))
+
+    return lo * f_lo[idx], hi * f_hi[idx], error, idx
