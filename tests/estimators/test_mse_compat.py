@@ -316,3 +316,21 @@ def test_error_is_computed_on_first_access():
     u.mul_(2)  # the units change before the error is read: no stale answer
     with pytest.raises(RuntimeError, match="changed in place"):
         _ = late.error
+
+
+@pytest.mark.parametrize(("numel", "threads"), ((98368, 3), (131072, 3), (65664, 2),
+                                                (131072, 4), (196608, 2)))
+def test_vector_only_is_where_torch_pow_has_no_scalar_tail(numel, threads):
+    """_vector_only's model of at::parallel_for: where it says every element goes through
+    torch's vector pow, torch's result equals the all-vector one; where it says not, the
+    scalar tails show (they round differently at some of their elements)."""
+    x = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) + 0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        vec = torch.pow(x.view(-1, 64), 2.4).reshape(-1)  # one thread: every element vector
+        torch.set_num_threads(threads)
+        got = torch.pow(x, 2.4)
+        assert torch.equal(got, vec) == mse_compat._vector_only(numel)
+    finally:
+        torch.set_num_threads(before)
