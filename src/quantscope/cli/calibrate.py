@@ -60,7 +60,8 @@ def cmd_calibrate(args) -> int:
                                          sample_budget_mb=args.sample_budget_mb,
                                          **sequential_options(args),
                                          progress=not args.no_progress, seed=args.seed,
-                                         distributed=getattr(args, "world", 1) > 1))
+                                         distributed=getattr(args, "world", 1) > 1,
+                                         keep_float=args.keep_float, fallback=args.fallback))
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
         return 0
     t = time.perf_counter()
