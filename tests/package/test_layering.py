@@ -35,11 +35,6 @@ ALLOWED_UPWARD = {
     # Calibration.export / from_compressed_tensors: the object's own export entry points
     ("calibrate.result", "export"),
     ("calibrate.result", "export.read"),
-    # Recipe.from_compressed_tensors reads a checkpoint's scheme with the exporter's reader
-    ("calibrate.recipe", "export.read"),
-    # empty_model (sequential calibration's skeleton) takes the demo models' names and
-    # follows the folder's task, as load_model does
-    ("calibrate.checkpoint", "demo.models"),
 }
 
 
