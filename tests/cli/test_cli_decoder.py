@@ -138,7 +138,9 @@ def test_keep_float_leaves_the_ranked_activations_dynamic(llama_dir, tmp_path, c
     out = str(tmp_path / "kf")
     rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", "--keep-float", "3",
                    "--out", out, "--no-progress", *FAST])
-    assert rc == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "--keep-float: 3 activations dynamic instead of static" in printed.out
     calib = load(Path(out, "qparams"))  # saved and loaded: the dynamic states survive
     kept = calib.info["keep_float"]
     assert kept["n"] == 3 and kept["mode"] == "dynamic" and len(kept["tensors"]) == 3

@@ -83,6 +83,10 @@ def cmd_calibrate(args) -> int:
     note = float_note(rec, model)
     if note:
         print(f"  {note}")
+    kept = calib.info.get("keep_float", {})
+    if kept.get("n"):
+        print(f"  --keep-float: {kept['n']} activations {kept['mode']} instead of static "
+              f"(first: {kept['tensors'][0]}; all in qparams/quantscope.json)")
     print(f"  calibration {calib.info.get('calibration_seconds', 0):.1f} s, total "
           f"{time.perf_counter() - t0:.1f} s")
     print(f"  report: {args.out}/report.md   next: quantscope evaluate {args.out} | "
