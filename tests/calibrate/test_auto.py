@@ -349,6 +349,35 @@ def test_keep_float_restores_float_exactly_for_the_chosen_tensors():
         keep_float(calib, s, 1, mode="half")
 
 
+def test_calibrate_keep_float_is_keep_float_of_the_layer_ranking():
+    from quantscope.calibrate.sensitivity import layer_sensitivity
+
+    model, batches = _llama()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    want = keep_float(calib, layer_sensitivity(model, batches[:1], calib), 3, mode="dynamic")
+    for given in (batches, iter(batches)):  # a list, and an iterator the ranking must not eat
+        got = calibrate(model, given, "w8a8", progress=False, keep_float=3)
+        assert got.info["keep_float"] == want.info["keep_float"]
+        assert len(got.info["keep_float"]["tensors"]) == 3
+        for layer, roles in want.states.items():
+            for role, st in roles.items():
+                mine = got.states[layer][role]
+                assert mine.dynamic == st.dynamic and mine.spec == st.spec
+                if st.qparams is not None:  # the static ones: the same calibration
+                    assert torch.equal(mine.qparams.scale, st.qparams.scale)
+    flt = calibrate(model, batches, "w8a8", progress=False, keep_float=2, fallback="float")
+    assert flt.info["keep_float"]["mode"] == "float"
+    assert sum("input" not in r for r in flt.states.values()) == 2
+    # dynamic activations are not static: nothing to keep out, no ranking forward
+    assert calibrate(model, batches, "w8a8-dynamic", progress=False,
+                     keep_float=2).info["keep_float"]["n"] == 0
+    for bad, match in (({"keep_float": -1}, "keep_float"), ({"keep_float": True}, "keep_float"),
+                       ({"keep_float": 1, "fallback": "half"}, "fallback"),
+                       ({"keep_float": 1, "sequential": True}, "sequential")):
+        with pytest.raises(ValueError, match=match):
+            calibrate(model, batches, "w8a8", progress=False, **bad)
+
+
 def test_fallback_curve_rows():
     model, batches = _llama()
     calib = calibrate(model, batches, "w8a8", progress=False)

@@ -129,3 +129,30 @@ def test_sequential_gives_the_whole_pass_qparams(llama_dir, tmp_path, capsys):
     for layer, roles in whole.states.items():
         for role, st in roles.items():
             assert torch.equal(st.qparams.scale, seq.states[layer][role].qparams.scale)
+
+
+def test_keep_float_leaves_the_ranked_activations_dynamic(llama_dir, tmp_path, capsys):
+    from quantscope import cli
+    from quantscope.calibrate.io import load
+
+    out = str(tmp_path / "kf")
+    rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", "--keep-float", "3",
+                   "--out", out, "--no-progress", *FAST])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "--keep-float: 3 activations dynamic instead of static" in printed.out
+    calib = load(Path(out, "qparams"))  # saved and loaded: the dynamic states survive
+    kept = calib.info["keep_float"]
+    assert kept["n"] == 3 and kept["mode"] == "dynamic" and len(kept["tensors"]) == 3
+    for t in kept["tensors"]:
+        layer, role = t.rsplit(" ", 1)
+        st = calib.states[layer][role]
+        assert st.dynamic is True and type(st.spec.layout).__name__ == "Token"
+    static = [(n, r) for n, rs in calib.states.items() for r, st in rs.items()
+              if r != "weight" and st.dynamic is not True]
+    assert len(static) == 14 - 3  # 2 layers x 7 Linears' inputs
+    for bad, msg in ((["--keep-float", "-1"], "--keep-float must be"),
+                     (["--keep-float", "1", "--sequential"], "not with --sequential")):
+        rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", *bad,
+                       "--out", str(tmp_path / "bad"), "--no-progress", *FAST])
+        assert rc == 2 and msg in capsys.readouterr().err

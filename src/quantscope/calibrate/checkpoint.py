@@ -4,26 +4,39 @@ safetensors read a few tensors at a time (memory-mapped), for sequential calibra
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["Checkpoint", "empty_model", "is_meta", "load_params", "unload_params"]
+__all__ = ["Checkpoint", "empty_model", "is_meta", "load_params", "model_task", "unload_params"]
+
+
+def model_task(path) -> str:
+    """``"causal-lm"`` or ``"embedding"``, from the folder's ``config.json`` architectures."""
+    with open(Path(path) / "config.json") as f:
+        config = json.load(f)
+    archs = config.get("architectures") or []
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    return "causal-lm" if causal else "embedding"
 
 
 def empty_model(path, task: str | None = None) -> nn.Module:
     """The model of a Hugging Face folder with every parameter on the meta device (no
     weights in memory): the skeleton :func:`~.sequential.calibrate_sequential` loads block by block.
     Buffers are real: read from the checkpoint, or (non-persistent ones such as rotary
-    tables) computed by the model's ``_init_weights``, as transformers' loader does."""
+    tables) computed by the model's ``_init_weights``, as transformers' loader does.
+    ``task`` (default :func:`model_task`) picks the class as ``load_model`` does; a demo
+    model's folder is ``quantscope.demo.models.resolve_model_path(name)``."""
     import transformers
 
-    from ..demo import models
-
-    path = models.resolve_model_path(path)
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"empty_model: {str(path)!r} is not a Hugging Face model "
+                                f"folder (no config.json)")
     config = transformers.AutoConfig.from_pretrained(path)
-    task = task or models.model_task(path)
+    task = task or model_task(path)
     auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
             else transformers.AutoModel)
     with torch.device("meta"):  # nothing allocated, not even transiently (RLIMIT_DATA)

@@ -383,7 +383,7 @@ def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
     except ImportError:
         raise ImportError("recipes from scheme names need compressed-tensors: pip install "
                           "'quantscope[peers]'") from None
-    from ..export.read import spec_from_args
+    from ..compat.llmcompressor import llmcompressor_spec as spec_from_args
 
     key = str(name).upper()
     if key not in PRESET_SCHEMES or not PRESET_SCHEMES[key]:

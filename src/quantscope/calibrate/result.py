@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..export.registry import exporter, reader
 from ..qparams import QParams
 from ..spec import QuantSpec
 
@@ -77,17 +78,13 @@ class Calibration:
     def export(self, model, path, format: str = "compressed-tensors", **options):
         """Write this calibration applied to ``model`` in a runtime's ``format``
         (:func:`quantscope.export.export`); returns the path."""
-        from ..export import export
-
-        return export(self, model, path, format=format, **options)
+        return exporter(format)(self, model, path, **options)
 
     @classmethod
     def from_compressed_tensors(cls, path) -> Calibration:
         """The calibration a compressed-tensors checkpoint holds (quantscope's export or
         llm-compressor's): ``apply`` it to the float model to run it as the checkpoint does."""
-        from ..export.read import read_compressed_tensors
-
-        return read_compressed_tensors(path)
+        return reader("compressed-tensors")(path)
 
     def __repr__(self):
         n = sum(len(r) for r in self.states.values())

@@ -255,15 +255,19 @@ def _fallback_state(st: RoleState, mode: str) -> RoleState | None:
 def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
                mode: str = "float") -> Calibration:
     """A copy of ``calibration`` whose ``n`` most sensitive activations (input / output
-    roles, ranked by ``sens``) are not statically quantized: left in float (``mode="float"``)
-    or quantized per token at run time in the same format (``"dynamic"``). Weights are kept.
+    roles, ranked by ``sens``; those already dynamic do not count) are not statically
+    quantized: left in float (``mode="float"``) or quantized per token at run time in the same
+    format (``"dynamic"``). Weights are kept.
     """
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
     if mode not in FALLBACK_MODES:
         raise ValueError(f"keep_float: mode must be one of {FALLBACK_MODES}, got {mode!r}")
-    ranked = [(r["layer"], r["role"]) for r in sens.rows if r["role"] != "weight"
-              and r["role"] in calibration.states.get(r["layer"], {})]
+    def static(layer, role):
+        st = calibration.states.get(layer, {}).get(role)
+        return role != "weight" and st is not None and st.dynamic is not True
+
+    ranked = [(r["layer"], r["role"]) for r in sens.rows if static(r["layer"], r["role"])]
     chosen = ranked[:n]
     states = {layer: dict(roles) for layer, roles in calibration.states.items()}
     for layer, role in chosen:
@@ -277,6 +281,31 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
                                               "tensors": [f"{a} {b}" for a, b in chosen]})
     return Calibration(calibration.recipe, states, calibration.label, calibration.stats,
                        calibration.histograms, info)
+
+
+def check_fallback(n, mode, sequential: bool = False) -> None:
+    """:func:`~.session.calibrate_many`'s ``keep_float`` / ``fallback``, before any batch runs."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"calibrate: keep_float must be a non-negative integer, got {n!r}")
+    if mode not in FALLBACK_MODES:
+        raise ValueError(f"calibrate: fallback must be one of {FALLBACK_MODES}, got {mode!r}")
+    if n and sequential:
+        raise ValueError("calibrate: keep_float needs the whole model's forward (its ranking "
+                         "runs one); with sequential=..., call keep_float() on the result")
+
+
+def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
+              mode: str) -> Calibration:
+    """:func:`keep_float` of ``n`` with the ranking of :func:`layer_sensitivity` on ``batch``
+    (what ``calibrate(..., keep_float=n, fallback=mode)`` does after calibrating)."""
+    if batch is None:
+        raise ValueError("calibrate: keep_float needs a batch to rank the activations on, "
+                         "and batches is empty")
+    static = any(r != "weight" and st is not None and st.dynamic is not True
+                 for rs in calibration.states.values() for r, st in rs.items())
+    if not static:  # nothing to keep out (weight-only or dynamic schemes): no forward
+        return keep_float(calibration, Sensitivity([]), 0, mode=mode)
+    return keep_float(calibration, layer_sensitivity(model, [batch], calibration), n, mode=mode)
 
 
 def _macs(model: nn.Module, layer: str) -> int:

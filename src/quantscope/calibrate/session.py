@@ -15,6 +15,7 @@ mode is restored; forwards run under ``torch.inference_mode``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import warnings
@@ -39,6 +40,7 @@ from .observe import (
 from .recipe import AUTO, Recipe, preset
 from .result import Calibration
 from .samples import RowSample
+from .sensitivity import check_fallback, fall_back
 
 __all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many"]
 
@@ -73,8 +75,8 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    seed: int = 0, distributed: bool = False, group=None,
                    auto_metric: str = "model", loss=None, score_tokens: int = 1024,
                    all_experts: bool = False, expert_min_tokens: int = moe.MIN_TOKENS,
-                   missing: str = "skip", sequential=False,
-                   **sequential_options) -> dict[str, Calibration]:
+                   missing: str = "skip", sequential=False, keep_float: int = 0,
+                   fallback: str = "dynamic", **sequential_options) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -125,13 +127,30 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             (:mod:`.sequential`, for models larger than memory); ``sequential_options``
             (``checkpoint``, ``blocks``, ``cache_budget_mb``, ``cache_dir``, ``device``) go
             to :func:`.sequential.calibrate_sequential`.
+        keep_float: this many activations stay out of static quantization: those whose
+            quantization moves their own layer's output most
+            (:func:`~.sensitivity.layer_sensitivity` on the first batch, one more forward;
+            then :func:`~.sensitivity.keep_float`). ``fallback="dynamic"`` (default) quantizes
+            them per token at run time in the same format, ``"float"`` leaves them in float.
+            ``calibration.info["keep_float"]`` lists them. Not with ``sequential``.
     """
     recipes = _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,
                        expert_min_tokens)
+    check_fallback(keep_float, fallback, bool(sequential or sequential_options))
     t0 = time.perf_counter()
     if batches is None:
         batches = []
     _check_kv_cache(model, recipes)
+    if keep_float:
+        first, batches = _peek(batches)
+        out = calibrate_many(
+            model, batches, recipes, candidates=candidates, sample_tokens=sample_tokens,
+            sample_budget_mb=sample_budget_mb, progress=progress, seed=seed,
+            distributed=distributed, group=group, auto_metric=auto_metric, loss=loss,
+            score_tokens=score_tokens, all_experts=all_experts,
+            expert_min_tokens=expert_min_tokens, missing=missing)
+        return {k: fall_back(model, first, c, keep_float, fallback)
+                for k, c in out.items()}
     if sequential or sequential_options:
         return _sequential.calibrate_sequential(
             calibrate_many, model, batches, recipes, mode=sequential, progress=progress,
@@ -187,6 +206,16 @@ def _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missi
         raise ValueError(f"calibrate: expert_min_tokens must be a positive integer, got "
                          f"{expert_min_tokens!r}")
     return recipes
+
+
+def _peek(batches):
+    """``(first batch, batches)`` with nothing consumed: a list stays a list; an iterator
+    goes on from its first batch."""
+    if isinstance(batches, (list, tuple)):
+        return (batches[0] if batches else None), batches
+    it = iter(batches)
+    first = next(it, None)
+    return first, ([] if first is None else itertools.chain([first], it))
 
 
 def _as_recipes(recipes) -> dict[str, Recipe]:

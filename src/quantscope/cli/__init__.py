@@ -27,6 +27,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from . import calibrate, compare, export, formats
 from .checks import UsageError, check_positive
@@ -72,7 +73,8 @@ class _DropMessages(logging.Filter):
     """Drops the import-time notices other libraries log on every run (exactly these)."""
 
     NOISE = ("Failed to load ",  # torchao: its CUDA-only extensions on a CPU build
-             "is an Enum subclass and is now natively supported")  # torch's _pytree, via torchao
+             "is an Enum subclass and is now natively supported",  # torch's _pytree, via torchao
+             "is not installed. Skipping ")  # torch.onnx: torchvision's ops, for every export
 
     def filter(self, record):
         msg = record.getMessage()
@@ -80,8 +82,11 @@ class _DropMessages(logging.Filter):
 
 
 def _quiet_third_parties() -> None:
-    for name in ("torchao", "torch.utils._pytree"):
+    for name in ("torchao", "torch.utils._pytree", "torch.onnx._internal.exporter._registration"):
         logging.getLogger(name).addFilter(_DropMessages())
+    # torch.onnx's exporter pickles pytree specs through a deprecated check, once per export
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 

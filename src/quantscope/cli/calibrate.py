@@ -60,7 +60,8 @@ def cmd_calibrate(args) -> int:
                                          sample_budget_mb=args.sample_budget_mb,
                                          **sequential_options(args),
                                          progress=not args.no_progress, seed=args.seed,
-                                         distributed=getattr(args, "world", 1) > 1))
+                                         distributed=getattr(args, "world", 1) > 1,
+                                         keep_float=args.keep_float, fallback=args.fallback))
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
         return 0
     t = time.perf_counter()
@@ -82,6 +83,10 @@ def cmd_calibrate(args) -> int:
     note = float_note(rec, model)
     if note:
         print(f"  {note}")
+    kept = calib.info.get("keep_float", {})
+    if kept.get("n"):
+        print(f"  --keep-float: {kept['n']} activations {kept['mode']} instead of static "
+              f"(first: {kept['tensors'][0]}; all in qparams/quantscope.json)")
     print(f"  calibration {calib.info.get('calibration_seconds', 0):.1f} s, total "
           f"{time.perf_counter() - t0:.1f} s")
     print(f"  report: {args.out}/report.md   next: quantscope evaluate {args.out} | "

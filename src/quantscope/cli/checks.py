@@ -71,6 +71,15 @@ def check_recipe_args(args) -> None:
         if getattr(args, flag):
             setattr(args, flag, check_name(getattr(args, flag), OBSERVER_NAMES,
                                            f"observer (--{flag.replace('_', '-')})", str))
+    check_fallback_args(args)
+
+
+def check_fallback_args(args) -> None:
+    if args.keep_float < 0:
+        raise UsageError(f"--keep-float must be 0 or more activations, got {args.keep_float}")
+    if args.keep_float and getattr(args, "sequential", None):
+        raise UsageError("--keep-float ranks the activations with a forward of the whole "
+                         "model: not with --sequential")
 
 
 def run_qparams(run: str) -> str:

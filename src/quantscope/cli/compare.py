@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .checks import UsageError, check_model_arg, check_name, check_out
+from .checks import UsageError, check_fallback_args, check_model_arg, check_name, check_out
 from .names import OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 from .options import add_common, add_recipes_args
 from .recipes import build_recipe
@@ -123,6 +123,7 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     # a quantscope preset wins over the scheme of the same letters (w8a8 is static, W8A8 not)
     recipes = [check_name(r, SCHEME_NAMES + RECIPE_NAMES, "recipe or scheme") for r in recipes]
     observers = [check_name(o, OBSERVER_NAMES, "observer", str) for o in observers]
+    check_fallback_args(args)
     check_model_arg(args.model)
     check_out(args.out)
     return recipes, observers
@@ -138,7 +139,8 @@ def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
                        sample_budget_mb=args.sample_budget_mb, progress=not args.no_progress,
                        **sequential_options(args),
                        seed=args.seed, distributed=getattr(args, "world", 1) > 1,
-                       auto_metric=args.auto_metric)))
+                       auto_metric=args.auto_metric, keep_float=args.keep_float,
+                       fallback=args.fallback)))
 
 
 def _evaluate_all(calibs: dict, ev, phases) -> dict:

@@ -104,6 +104,18 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                         "(default: minmax)")
     g.add_argument("--weight-observer", default=None, help="observer of the weights only")
     g.add_argument("--input-observer", default=None, help="observer of the input activations")
+    add_fallback_args(g)
+
+
+def add_fallback_args(g) -> None:
+    """The float fallback of the activations the model feels most (issue 17)."""
+    g.add_argument("--keep-float", type=int, default=0, metavar="N",
+                   help="keep the N activations whose quantization moves their layer's output "
+                        "most out of static quantization (ranked on the first batch; "
+                        "default: 0)")
+    g.add_argument("--fallback", choices=("dynamic", "float"), default="dynamic",
+                   help="what --keep-float's activations become: quantized per token at run "
+                        "time (dynamic, default) or float")
 
 
 def add_recipes_args(p: argparse.ArgumentParser) -> None:
@@ -115,3 +127,4 @@ def add_recipes_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--observers", default=DEFAULT_OBSERVERS,
                    help=f"comma-separated observer names; 'auto' chooses per layer among "
                         f"the others (default: {DEFAULT_OBSERVERS})")
+    add_fallback_args(g)

@@ -23,12 +23,13 @@ token, as users of these models do; padded positions are masked everywhere they 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 
 import torch
+
+from ..calibrate.checkpoint import model_task
 
 __all__ = [
     "DEMO_MODELS",
@@ -150,15 +151,6 @@ def model_name(path) -> str:
     except FileNotFoundError:
         pass
     return path.name
-
-
-def model_task(path) -> str:
-    """``"causal-lm"`` or ``"embedding"``, from the folder's ``config.json`` architectures."""
-    with open(Path(path) / "config.json") as f:
-        config = json.load(f)
-    archs = config.get("architectures") or []
-    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
-    return "causal-lm" if causal else "embedding"
 
 
 def load_model(path=None, device="cpu", dtype=None, task: str | None = None):

@@ -36,9 +36,9 @@ from torch import nn
 from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import nvfp4_global_scale
-from . import register
 from .atomic import atomic_dir, check_writable_target
 from .experts import checkpoint_names, unfuse_experts
+from .registry import register
 
 __all__ = ["export_compressed_tensors", "quant_args"]
 

@@ -33,8 +33,8 @@ import ast
 import numpy as np
 import torch
 
-from . import register
 from .atomic import atomic_file, check_writable_target
+from .registry import register
 
 __all__ = ["DISABLED_OPTIMIZERS", "PRECISE_U8U8", "export_onnx", "int8_dot_product",
            "integer_kernel_counts", "session", "session_options"]

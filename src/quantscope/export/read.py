@@ -21,6 +21,7 @@ import torch
 from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
+from .registry import register_reader
 
 __all__ = ["read_compressed_tensors", "spec_from_args"]
 
@@ -127,6 +128,7 @@ def _state(st, role, module, local, args, spec, observer, weight_shape):
                      shape=tuple(weight_shape) if role == "weight" else None)
 
 
+@register_reader("compressed-tensors")
 def read_compressed_tensors(path):
     """The :class:`~quantscope.calibrate.Calibration` a compressed-tensors folder holds.
 
