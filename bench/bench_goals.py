@@ -63,24 +63,30 @@ def run(table_cls, compare) -> None:
             return qp["scale"], qp["zero_point"]
         return call
 
-    def ours_compat(name, **fields):
+    def ours_compat(name, backend=None, **fields):
         args = QuantizationArgs(observer=name, **fields)
 
         def call():
             o = qs.get_observer(f"llmcompressor:{name}", base_name="weight",
                                 args=args.model_copy(deep=True))
+            if backend is not None:  # the MSE search's engine (mse_search's backend=)
+                o.options["backend"] = backend
             o(w)
             qp = o.get_qparams()
             return qp["scale"], qp["zero_point"]
         return call
 
-    # 1. compat MSE
-    peer, mine = (lc("memoryless_mse", num_bits=4, strategy="channel"),
-                  ours_compat("memoryless_mse", num_bits=4, strategy="channel"))
-    same = _same(peer(), mine())
-    tm = compare({"peer": peer, "qs": mine}, repeat=3, warmup=0)
+    # 1. compat MSE (and its torch path, backend="torch", in the same rounds)
+    fields = {"num_bits": 4, "strategy": "channel"}
+    peer, mine, tpath = (lc("memoryless_mse", **fields), ours_compat("memoryless_mse", **fields),
+                         ours_compat("memoryless_mse", "torch", **fields))
+    theirs = peer()
+    same, same_t = _same(theirs, mine()), _same(theirs, tpath())
+    tm = compare({"peer": peer, "qs": mine, "torch": tpath}, repeat=3, warmup=0)
     t.add("compat llm-compressor MSE int4 per-channel (norm 2.4)", "llm-compressor",
           1e3 * tm["peer"], 1e3 * tm["qs"], tm["peer"] / tm["qs"], "", "", same, ">= 10x")
+    t.add("  the same, backend='torch' (the torch path)", "llm-compressor",
+          1e3 * tm["peer"], 1e3 * tm["torch"], tm["peer"] / tm["torch"], "", "", same_t, "")
     print("  compat MSE: done", flush=True)
 
     # 2. torch.ao histogram, growing range

@@ -7,12 +7,16 @@ keeps the best per unit. Every candidate goes through
 computed), so an encoded scale (E8M0, fp8 under NVFP4's global scale, power of
 two, fp16) is scored as it will run, not as a float32 idealisation.
 
-This module holds the entry points and the choice of candidates; two engines run a
+This module holds the entry points and the choice of candidates; three engines run a
 search with the same rules: :mod:`.mse_tiles` in torch (``[candidates, units,
-elements]`` tiles, any device) and, for integer formats on CPU (squared error, not
+elements]`` tiles, any device); for integer formats on CPU (squared error, not
 ``compat``), the C kernel :mod:`.mse_kernel`, which prices candidates unit by unit
 summing the exact fake-quant error in float64 (only the candidates' qparams, from
-``qparams_from_range``, are computed in torch). ``backend="torch"`` forces the tiles.
+``qparams_from_range``, are computed in torch); and for ``compat="llmcompressor"``
+(integer formats, float32 CPU units), :mod:`.mse_compat`: a C kernel prices every
+candidate with a proven bound on its distance to torch's float32 error, and torch
+recomputes only the near ties, so the choices are the torch path's bit for bit.
+``backend="torch"`` forces the tiles.
 
 Selection rules (all evaluated on ``[U]`` vectors, candidate by candidate):
 
@@ -39,7 +43,7 @@ from ..qparams import amax_of_range, qparams_from_range
 from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
-from . import mse_kernel, mse_tiles
+from . import mse_compat, mse_kernel, mse_tiles
 from .mse_tiles import norm_sum
 
 __all__ = [
@@ -62,7 +66,9 @@ BACKENDS = (None, "torch", "kernel")
 class SearchResult(tuple):
     """``(lo, hi)`` of the chosen ranges, with the search's by-products as attributes.
 
-    ``error`` is each unit's error at its chosen range (the search's own measure);
+    ``error`` is each unit's error at its chosen range (the search's own measure; the
+    compat kernel engine, :mod:`.mse_compat`, computes it on first access, from the units
+    searched, which must not have changed in place since);
     ``global_amax`` the NVFP4 global amax the ranges were chosen under (None
     otherwise); ``index`` the chosen candidate per unit.
     """
@@ -72,6 +78,16 @@ class SearchResult(tuple):
         self.lo, self.hi, self.error, self.global_amax, self.index = (
             lo, hi, error, global_amax, index)
         return self
+
+    @property
+    def error(self):
+        if callable(self._error):  # computed on first use (mse_compat: a torch pass)
+            self._error = self._error()
+        return self._error
+
+    @error.setter
+    def error(self, value):
+        self._error = value
 
 
 #: the most candidates one search tries (llm-compressor's grid has 20, the expanded NVFP4
@@ -166,6 +182,10 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
             ``compat``), else torch; ``"torch"`` forces the torch tiles; ``"kernel"``
             requires the kernel. The kernel scores ``sum((fake_quant(x) - x) ** 2)`` summed
             in float64; torch scores the same quantizer in float32 by a rounding identity.
+            With ``compat="llmcompressor"`` the kernel is :mod:`.mse_compat`'s (integer
+            formats, float32 CPU units, norms 1, 1.5, 2, 2.4, 3, rows under 32768
+            elements; 1.5 and 2.4 rows a multiple of 64): the torch path's choices and
+            errors bit for bit; ``error`` is then computed on first access.
 
     Returns:
         :class:`SearchResult` ``(lo, hi)`` with ``.error``, ``.global_amax``, ``.index``.
@@ -179,7 +199,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
     _check_options(compat, tie, patience, expand, backend)
     exact = compat == "llmcompressor"
     use_kernel = backend != "torch" and not exact and mse_kernel.usable(units, spec, norm)
-    if backend == "kernel" and not use_kernel:
+    if backend == "kernel" and not use_kernel and not exact:
         raise ValueError("mse_search: backend='kernel' needs an integer format without a "
                          "global scale, norm=2, float32 CPU units, no compat, and a C compiler")
     if exact:  # their search: global patience, their grid, fp32 scales (NVFP4: no global)
@@ -203,6 +223,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
           "incumbent": None if exact else (base_lo, base_hi), "extend": extend}
     search = mse_kernel.search if use_kernel else mse_tiles.search
     search_spec = spec if encoding_aware else _blind(spec)
+    if exact:  # the kernel prices, torch settles near ties: the torch path's choices
+        search = mse_compat.engine(units, search_spec, kw, len(f_lo), backend) or search
     results = [search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)
                for ga in gas]
     if len(results) == 1:

@@ -72,6 +72,11 @@ SIGNATURES: dict[str, dict[str, list]] = {
         + [_P] * 8 + [_I, _P, _INT],
         "qs_mse_gstop": [_P, _I, _I, _P],
     },
+    "mse_pnorm": {
+        "qs_pnorm_lanes": [],
+        "qs_pnorm_pow": [_P, _I, _D, _INT, _P],
+        "qs_pnorm_price": [_P, _I, _I, _P, _P, _I, _D, _D, _D, _P, _INT],
+    },
     "hist_error": {
         "qs_points": [_P] * 6 + [_I] * 3,
         "qs_hist_error": [_P] * 8 + [_I] * 4,
