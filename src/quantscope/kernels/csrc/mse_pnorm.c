@@ -42,19 +42,28 @@ static pw_t pw_make(double p) {
 #define X3 0.05550327152013779f
 #define X4 0.009676037356257439f
 #define X5 0.0013400432653725147f
+/* both polynomials in Horner form, written once for the scalar and the vector loops: each
+   defines PV (a constant of its type) and FMA (a * b + c: fused in the vector loops, two
+   roundings in the scalar one) */
+#define LOG2_Q(x) FMA(FMA(FMA(FMA(FMA(FMA(FMA(PV(L7), x, PV(L6)), x, PV(L5)), x, PV(L4)), \
+                                  x, PV(L3)), x, PV(L2)), x, PV(L1)), x, PV(L0))
+#define EXP2_P(t) FMA(FMA(FMA(FMA(FMA(PV(X5), t, PV(X4)), t, PV(X3)), t, PV(X2)), t, PV(X1)), \
+                      t, PV(X0))
 
+#define PV(c) (c)
+#define FMA(a, b, c) ((a) * (b) + (c))
 static float pow1(float a, const pw_t *w) {
     if (!(a > 0.0f) || a == INFINITY) return a * a;
     int ie = ilogbf(a);
     float m = scalbnf(a, -ie), e = (float)ie;
     if (m >= 1.5f) { m *= 0.5f; e += 1.0f; }
     float x = m - 1.0f;
-    float q = ((((((L7 * x + L6) * x + L5) * x + L4) * x + L3) * x + L2) * x + L1) * x + L0;
-    float l = q * x, hp = w->ph * e, n = nearbyintf(hp), f = hp - n;
+    float l = LOG2_Q(x) * x, hp = w->ph * e, n = nearbyintf(hp), f = hp - n;
     float r = f + (w->pl * e + w->p * l), k = nearbyintf(r), t = r - k;
-    float P = ((((X5 * t + X4) * t + X3) * t + X2) * t + X1) * t + X0;
-    return scalbnf(P, (int)(n + k));
+    return scalbnf(EXP2_P(t), (int)(n + k));
 }
+#undef PV
+#undef FMA
 
 #if defined(__AVX512F__)
 #define PV _mm512_set1_ps
@@ -67,18 +76,14 @@ static inline __attribute__((always_inline)) __m512 powv(__m512 a, const pw_t *w
     __m512 m = _mm512_getmant_ps(a, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_zero);
     e = _mm512_mask_add_ps(e, _mm512_cmp_ps_mask(m, one, _CMP_LT_OQ), e, one);
     __m512 x = _mm512_sub_ps(m, one);
-    __m512 q = FMA(PV(L7), x, PV(L6));
-    q = FMA(q, x, PV(L5)); q = FMA(q, x, PV(L4)); q = FMA(q, x, PV(L3));
-    q = FMA(q, x, PV(L2)); q = FMA(q, x, PV(L1)); q = FMA(q, x, PV(L0));
-    __m512 l = _mm512_mul_ps(q, x);
+    __m512 l = _mm512_mul_ps(LOG2_Q(x), x);
     __m512 hp = _mm512_mul_ps(PV(w->ph), e);
     __m512 n = _mm512_roundscale_ps(hp, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(hp, n);
     __m512 r = _mm512_add_ps(f, FMA(PV(w->pl), e, _mm512_mul_ps(PV(w->p), l)));
     __m512 k = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 t = _mm512_sub_ps(r, k);
-    __m512 P = FMA(PV(X5), t, PV(X4));
-    P = FMA(P, t, PV(X3)); P = FMA(P, t, PV(X2)); P = FMA(P, t, PV(X1)); P = FMA(P, t, PV(X0));
+    __m512 P = EXP2_P(t);
     __m512 res = _mm512_scalef_ps(P, _mm512_add_ps(n, k));
     return _mm512_mask_blend_ps(ok, _mm512_mul_ps(a, a), res);
 }
@@ -132,18 +137,14 @@ static inline __attribute__((always_inline)) void powv(__m256 a, const pw_t *w, 
     m = _mm256_blendv_ps(m, _mm256_mul_ps(m, PV(0.5f)), big);
     e = _mm256_add_ps(e, _mm256_and_ps(big, one));
     __m256 x = _mm256_sub_ps(m, one);
-    __m256 q = FMA(PV(L7), x, PV(L6));
-    q = FMA(q, x, PV(L5)); q = FMA(q, x, PV(L4)); q = FMA(q, x, PV(L3));
-    q = FMA(q, x, PV(L2)); q = FMA(q, x, PV(L1)); q = FMA(q, x, PV(L0));
-    __m256 l = _mm256_mul_ps(q, x);
+    __m256 l = _mm256_mul_ps(LOG2_Q(x), x);
     __m256 hp = _mm256_mul_ps(PV(w->ph), e);
     __m256 n = _mm256_round_ps(hp, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(hp, n);
     __m256 r = _mm256_add_ps(f, FMA(PV(w->pl), e, _mm256_mul_ps(PV(w->p), l)));
     __m256 k = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 t = _mm256_sub_ps(r, k);
-    __m256 P = FMA(PV(X5), t, PV(X4));
-    P = FMA(P, t, PV(X3)); P = FMA(P, t, PV(X2)); P = FMA(P, t, PV(X1)); P = FMA(P, t, PV(X0));
+    __m256 P = EXP2_P(t);
     P = _mm256_and_ps(P, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ));  /* 0 -> 0 */
     P = _mm256_add_ps(P, _mm256_sub_ps(a, a));  /* inf, NaN -> NaN */
     __m256i j = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_add_ps(n, k)), IV(1023));
