@@ -230,8 +230,8 @@ def test_tolerance_composes_the_bounds():
     assert mse_compat.tolerance(1, 2.0)[0] < 2e-5 and 0 < a < 1e-30
 
 
-def test_torch_tiles_are_the_torch_paths(monkeypatch):
-    """_torch_tiles predicts the tiles mse_tiles computes (its pow must be vector only)."""
+def test_tile_numels_are_the_torch_paths(monkeypatch):
+    """tile_numels predicts the tiles mse_tiles computes (its pow must be vector only)."""
     seen = []
     real = mse_tiles._tile_error
 
@@ -249,7 +249,7 @@ def test_torch_tiles_are_the_torch_paths(monkeypatch):
         mse_search(u, lo, hi, spec, compat="llmcompressor", backend="torch", patience=None,
                    maxshrink=grid[0], grid=grid[1], chunk_elems=chunk, chunk_candidates=cc)
         total = int(grid[0] * grid[1])
-        assert set(seen) == mse_compat._torch_tiles(rows, cols, total, chunk, cc)
+        assert set(seen) == mse_tiles.tile_numels(rows, cols, total, chunk, cc)
 
 
 def test_rows_sum_alike_in_any_tile_and_thread_count():

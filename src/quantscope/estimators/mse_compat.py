@@ -68,7 +68,8 @@ _ALPHA = 2.0 ** -140  # absolute error per term (subnormal results), either side
 _GRAIN = 32768  # torch's parallel grain (at::internal::GRAIN_SIZE)
 _SAFE = 2.0 ** 100  # larger (or non-finite) kernel errors: the torch path
 _FLT_MAX = float(torch.finfo(torch.float32).max)
-#: the last search's (candidate, unit) pairs and how many of them torch recomputed
+#: the last search's (candidate, unit) pairs and how many of them torch recomputed (the tests
+#: read it to know the engine ran, not its torch fallback)
 STATS = {"pairs": 0, "recomputed": 0, "units": 0, "units_recomputed": 0}
 
 
@@ -96,20 +97,6 @@ def _vector_only(numel: int) -> bool:
     return -(-numel // t) % 64 == 0
 
 
-def _torch_tiles(n_units, n_elems, total, chunk_elems, chunk_candidates):
-    """The element counts of the torch path's tiles (mse_tiles.search / _errors)."""
-    cc = chunk_candidates or max(1, min(total, 32 if total <= 32 else 16))
-    sizes = set()
-    for start in range(0, total, cc):
-        ccur = min(cc, total - start)
-        cstep = max(1, min(ccur, chunk_elems // n_elems))
-        ustep = max(1, chunk_elems // (n_elems * cstep))
-        for c in {cstep, ccur % cstep} - {0}:
-            for u in {min(ustep, n_units), n_units % ustep} - {0}:
-                sizes.add(min(c, ccur) * u * n_elems)
-    return sizes
-
-
 def applies(units, spec, norm, total, chunk_elems, chunk_candidates) -> bool:
     """Whether this engine reproduces the torch path here (module doc)."""
     if not (isinstance(spec.format, IntFormat) and spec.scale.kind == "fp32"
@@ -124,7 +111,7 @@ def applies(units, spec, norm, total, chunk_elems, chunk_candidates) -> bool:
     if not (torch.__version__.startswith(_SCANNED[0])
             and torch.backends.cpu.get_cpu_capability() in _SCANNED[1]):
         return False  # RHO is a measured bound: only where it was measured
-    return n_elems % 64 == 0 and all(map(_vector_only, _torch_tiles(
+    return n_elems % 64 == 0 and all(map(_vector_only, mse_tiles.tile_numels(
         n_units, n_elems, total, chunk_elems, chunk_candidates)))
 
 

@@ -50,6 +50,34 @@ def _tile_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: Qu
     return norm_sum(d, norm) * scale.abs().pow(norm)
 
 
+def chunk_candidates_of(total: int, chunk_candidates: int | None) -> int:
+    """Candidates priced per chunk of :func:`search` (then stepped through one by one)."""
+    return chunk_candidates or max(1, min(total, 32 if total <= 32 else 16))
+
+
+def tile_steps(cc: int, n_elems: int, chunk_elems: int) -> tuple[int, int]:
+    """``(candidates, units)`` per ``[candidates, units, elements]`` tile of a chunk of
+    ``cc`` candidates, units of ``n_elems <= chunk_elems`` elements."""
+    cstep = max(1, min(cc, chunk_elems // n_elems))
+    return cstep, max(1, chunk_elems // (n_elems * cstep))
+
+
+def tile_numels(n_units: int, n_elems: int, total: int, chunk_elems: int,
+                chunk_candidates: int | None) -> set[int]:
+    """The element counts of the tiles :func:`search` prices ``total`` candidates in
+    (units of ``n_elems <= chunk_elems``; no incumbent): what :mod:`.mse_compat` needs to
+    know of torch's loops."""
+    cc = chunk_candidates_of(total, chunk_candidates)
+    sizes = set()
+    for start in range(0, total, cc):
+        ccur = min(cc, total - start)
+        cstep, ustep = tile_steps(ccur, n_elems, chunk_elems)
+        for c in {cstep, ccur % cstep} - {0}:
+            for u in {min(ustep, n_units), n_units % ustep} - {0}:
+                sizes.add(c * u * n_elems)
+    return sizes
+
+
 def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
     """Errors ``[Cc, U]`` of candidate ranges ``lo_c, hi_c [Cc, U]``, tiled; also the qparams."""
     # candidates derive from the observer's checked min / max: no device read-back per chunk
@@ -59,8 +87,7 @@ def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
     cc = lo_c.shape[0]
     n_units, n_elems = units.shape
     if n_elems <= chunk_elems:  # tiles of whole units: [candidates, units, E]
-        cstep = max(1, min(cc, chunk_elems // n_elems))
-        ustep = max(1, chunk_elems // (n_elems * cstep))
+        cstep, ustep = tile_steps(cc, n_elems, chunk_elems)
         if cstep >= cc and ustep >= n_units:
             err = _tile_error(units, scale, zp, spec, norm, exact)
         else:
@@ -169,7 +196,7 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
     # native per-unit patience never stops a unit before llm-compressor's global rule would
     use_global = patience is not None and (not per_unit or not exact)
     rule = {"patience": patience, "per_unit": per_unit, "tie": tie, "use_global": use_global}
-    cc = chunk_candidates or max(1, min(total, 32 if total <= 32 else 16))
+    cc = chunk_candidates_of(total, chunk_candidates)
     for start in range(0, total, cc):
         fl, fh = f_lo[start:start + cc], f_hi[start:start + cc]
         lo_c, hi_c = lo[None] * fl[:, None], hi[None] * fh[:, None]
