@@ -252,6 +252,13 @@ def _fallback_state(st: RoleState, mode: str) -> RoleState | None:
     return RoleState(spec, "memoryless_minmax", st.requested, True, ())
 
 
+def _static_activations(calibration: Calibration) -> list[tuple[str, str]]:
+    """The ``(layer, role)`` of activations quantized with calibrated ranges: what a
+    fallback can take out (not weights, not those already quantized per token)."""
+    return [(layer, r) for layer, rs in calibration.states.items() for r, st in rs.items()
+            if r != "weight" and st is not None and st.dynamic is not True]
+
+
 def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
                mode: str = "float") -> Calibration:
     """A copy of ``calibration`` whose ``n`` most sensitive activations (input / output
@@ -263,11 +270,8 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
         raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
     if mode not in FALLBACK_MODES:
         raise ValueError(f"keep_float: mode must be one of {FALLBACK_MODES}, got {mode!r}")
-    def static(layer, role):
-        st = calibration.states.get(layer, {}).get(role)
-        return role != "weight" and st is not None and st.dynamic is not True
-
-    ranked = [(r["layer"], r["role"]) for r in sens.rows if static(r["layer"], r["role"])]
+    static = set(_static_activations(calibration))
+    ranked = [(r["layer"], r["role"]) for r in sens.rows if (r["layer"], r["role"]) in static]
     chosen = ranked[:n]
     states = {layer: dict(roles) for layer, roles in calibration.states.items()}
     for layer, role in chosen:
@@ -301,11 +305,12 @@ def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
     if batch is None:
         raise ValueError("calibrate: keep_float needs a batch to rank the activations on, "
                          "and batches is empty")
-    static = any(r != "weight" and st is not None and st.dynamic is not True
-                 for rs in calibration.states.values() for r, st in rs.items())
-    if not static:  # nothing to keep out (weight-only or dynamic schemes): no forward
+    if not any(role == "input" for _, role in _static_activations(calibration)):
+        # nothing the ranking sees (weight-only or dynamic schemes): no forward
         return keep_float(calibration, Sensitivity([]), 0, mode=mode)
-    return keep_float(calibration, layer_sensitivity(model, [batch], calibration), n, mode=mode)
+    # only the inputs are ranked: keep_float takes out activations, never weights
+    sens = layer_sensitivity(model, [batch], calibration, roles=("input",))
+    return keep_float(calibration, sens, n, mode=mode)
 
 
 def _macs(model: nn.Module, layer: str) -> int:
@@ -321,9 +326,7 @@ def fallback_curve(model: nn.Module, calibration: Calibration, sens: Sensitivity
 
     Returns rows ``{"n", "quality", "float_macs_pct", "tensors"}``.
     """
-    static = [(layer, r) for layer, rs in calibration.states.items() for r in rs
-              if r != "weight" and rs[r].dynamic is not True]
-    total = sum(_macs(model, layer) for layer, _ in static) or 1
+    total = sum(_macs(model, layer) for layer, _ in _static_activations(calibration)) or 1
     out = []
     for n in ns:
         c = keep_float(calibration, sens, n, mode=mode)
