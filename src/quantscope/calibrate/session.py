@@ -141,44 +141,42 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     if batches is None:
         batches = []
     _check_kv_cache(model, recipes)
-    if keep_float:
-        first, batches = _peek(batches)
-        out = calibrate_many(
-            model, batches, recipes, candidates=candidates, sample_tokens=sample_tokens,
-            sample_budget_mb=sample_budget_mb, progress=progress, seed=seed,
-            distributed=distributed, group=group, auto_metric=auto_metric, loss=loss,
-            score_tokens=score_tokens, all_experts=all_experts,
-            expert_min_tokens=expert_min_tokens, missing=missing)
-        return {k: fall_back(model, first, c, keep_float, fallback)
-                for k, c in out.items()}
-    if sequential or sequential_options:
-        return _sequential.calibrate_sequential(
-            calibrate_many, model, batches, recipes, mode=sequential, progress=progress,
-            candidates=candidates, sample_tokens=sample_tokens, sample_budget_mb=sample_budget_mb,
-            seed=seed, distributed=distributed, group=group, auto_metric=auto_metric, loss=loss,
-            score_tokens=score_tokens, all_experts=all_experts,
-            expert_min_tokens=expert_min_tokens, missing=missing, **sequential_options)
-    if auto_metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
-        return _auto.calibrate_end_to_end(
-            calibrate_many, model, batches, recipes, candidates=candidates,
-            score_tokens=score_tokens, loss=loss, sample_tokens=sample_tokens,
-            progress=progress, seed=seed, distributed=distributed, group=group,
-            all_experts=all_experts, expert_min_tokens=expert_min_tokens, missing=missing,
-            sample_budget_mb=sample_budget_mb)
-    fisher = None
-    if auto_metric == "fisher":
-        batches = list(batches)
-        fisher = _fisher_weights(model, batches, recipes, score_tokens, loss)
-    # MoE experts become Linear views for the whole calibration (moe.py); restored after
-    with moe.attach(model, bool(all_experts)) as experts:
-        experts.min_tokens = expert_min_tokens
-        if distributed and qd.is_distributed(group):
-            return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
-                                          progress, seed, group, t0, auto_metric, experts,
-                                          missing, sample_budget_mb)
-        return _calibrate_local(model, batches, recipes, candidates, sample_tokens, progress,
-                                seed, t0, auto_metric, experts, missing, sample_budget_mb,
-                                fisher)
+
+    def run(batches):  # the calibration itself; keep_float's ranking follows it
+        if sequential or sequential_options:
+            return _sequential.calibrate_sequential(
+                calibrate_many, model, batches, recipes, mode=sequential, progress=progress,
+                candidates=candidates, sample_tokens=sample_tokens,
+                sample_budget_mb=sample_budget_mb, seed=seed, distributed=distributed,
+                group=group, auto_metric=auto_metric, loss=loss, score_tokens=score_tokens,
+                all_experts=all_experts, expert_min_tokens=expert_min_tokens, missing=missing,
+                **sequential_options)
+        if auto_metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
+            return _auto.calibrate_end_to_end(
+                calibrate_many, model, batches, recipes, candidates=candidates,
+                score_tokens=score_tokens, loss=loss, sample_tokens=sample_tokens,
+                progress=progress, seed=seed, distributed=distributed, group=group,
+                all_experts=all_experts, expert_min_tokens=expert_min_tokens, missing=missing,
+                sample_budget_mb=sample_budget_mb)
+        fisher = None
+        if auto_metric == "fisher":
+            batches = list(batches)
+            fisher = _fisher_weights(model, batches, recipes, score_tokens, loss)
+        # MoE experts become Linear views for the whole calibration (moe.py); restored after
+        with moe.attach(model, bool(all_experts)) as experts:
+            experts.min_tokens = expert_min_tokens
+            if distributed and qd.is_distributed(group):
+                return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
+                                              progress, seed, group, t0, auto_metric, experts,
+                                              missing, sample_budget_mb)
+            return _calibrate_local(model, batches, recipes, candidates, sample_tokens, progress,
+                                    seed, t0, auto_metric, experts, missing, sample_budget_mb,
+                                    fisher)
+
+    if not keep_float:
+        return run(batches)
+    first, batches = _peek(batches)
+    return {k: fall_back(model, first, c, keep_float, fallback) for k, c in run(batches).items()}
 
 
 def _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,
