@@ -1,7 +1,7 @@
 """Peak memory and time of calibration against a plain forward over the same batches.
 
 Each case runs in a child process (``python bench_memory.py CASE``) and reports its peak
-resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``: torch's allocations included,
+resident set (``VmHWM`` of ``/proc/self/status``: torch's allocations included,
 which tracemalloc does not see) after loading the model, and after the case's work. The
 model is the decoder demo model (SmolLM2-135M, 0.54 GB of float32 weights); the data 64 Lee
 background documents of up to 256 tokens in batches of 8, as issue 18 measured
@@ -34,6 +34,16 @@ SEVEN = ("minmax", "mse", "percentile", "entropy", "mix", "histogram_mse", "stat
 
 
 def _peak_mb() -> float:
+    """This process's peak resident set: VmHWM, not ``ru_maxrss``, which Linux carries over
+    from the parent through fork and exec (under ``make bench``, after the other benches,
+    every case read the parent's 3.5 GB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
