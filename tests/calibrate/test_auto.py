@@ -9,7 +9,8 @@ from torch import nn
 import quantscope
 from quantscope import presets
 from quantscope.calibrate import apply, calibrate, calibrate_many, keep_float, preset, sensitivity
-from quantscope.calibrate.auto import OutputDivergence, fisher_weights, imatrix_state, joint_choice
+from quantscope.calibrate.auto import OutputDivergence
+from quantscope.calibrate.layer_choice import fisher_weights, imatrix_state, joint_choice
 from quantscope.estimators.mse import shrink_factors
 from quantscope.estimators.weighted import imatrix_range, output_clip_range
 from quantscope.qparams import qparams_from_range
@@ -123,8 +124,10 @@ def test_model_metric_choice_is_the_exhaustive_best():
     pieces = score_pieces(batches, 10_000)  # the first batch cut in two, then the others
     assert [p["input_ids"].shape[0] for p in pieces] == [1, 1, 2, 2]
     assert info["score_pieces"] == len(pieces)
-    # the float references come from the calibration pass: only the candidates' forwards
-    assert info["score_forwards"] == sum(info["pieces_scored"].values())
+    # the float references come from the calibration pass: only the candidates' forwards,
+    # then the role trials' pieces (choose_roles)
+    assert info["score_forwards"] == (sum(info["pieces_scored"].values())
+                                      + sum(info["role_pieces"].values()))
     singles = calibrate_many(model, batches, {n: preset("w8a8", n) for n in names},
                              progress=False)
     # each candidate's score is its mean KL over the pieces it was scored on (all of them,
@@ -138,12 +141,20 @@ def test_model_metric_choice_is_the_exhaustive_best():
     direct = {n: sum(v) / len(v) for n, v in per_piece.items()}
     best = min(direct, key=direct.get)
     assert info["chose"] == best and info["pieces_scored"][best] == len(pieces)
+    # then each role from the configuration info["roles"] names, the whole no worse than the
+    # best whole configuration, and equal to the best score of the trials
+    assert set(info["roles"]) == {"weight", "input"}
     for layer, roles in singles[best].states.items():
-        for role, st in roles.items():
+        for role in roles:
+            st = singles[info["roles"][role]].states[layer][role]
             assert torch.equal(auto.states[layer][role].qparams.scale, st.qparams.scale)
             assert auto.states[layer][role].requested == "auto"
+    final = sum(_kl(model, [b], auto.states) for b in pieces) / len(pieces)
+    completed = [v for k, v in info["role_scores"].items()
+                 if info["role_pieces"][k] == len(pieces)]
+    assert final == pytest.approx(min([direct[best], *completed]), rel=1e-3, abs=1e-12)
     # never worse than min-max on the scoring batches
-    assert direct[best] <= direct["minmax"]
+    assert final <= direct[best] <= direct["minmax"]
 
 
 def test_choose_drops_a_far_worse_candidate_after_the_first_piece():
@@ -166,6 +177,48 @@ def test_choose_drops_a_far_worse_candidate_after_the_first_piece():
     # ties keep the first (min-max)
     best, _ = choose(Fake(), {"b": "a", "a": "a"}, "a")
     assert best == "a"
+
+
+def test_choose_roles_finds_the_pair_no_whole_configuration_has():
+    """MiniLM W8A8's case: mse weights with min-max inputs beat both whole configurations."""
+    from types import SimpleNamespace
+
+    from quantscope.calibrate.auto import choose_roles
+
+    def config(w, i):
+        st = lambda o: SimpleNamespace(observer=o)
+        return SimpleNamespace(states={"l0": {"weight": st(w), "input": st(i)},
+                                       "l1": {"weight": st(w), "input": st(i)}})
+
+    configs = {"minmax": config("memoryless_minmax", "minmax"),
+               "mse": config("memoryless_mse", "mse"),
+               "mix": config("memoryless_minmax", "mix")}
+    table = {("memoryless_minmax", "minmax"): 1.0, ("memoryless_mse", "mse"): 1.2,
+             ("memoryless_minmax", "mix"): 1.1, ("memoryless_mse", "minmax"): 0.8,
+             ("memoryless_mse", "mix"): 0.9, ("memoryless_minmax", "mse"): 1.3}
+
+    class Fake:  # the same divergence on each of 3 pieces
+        def __init__(self):
+            self.batches, self.calls = [0, 1, 2], []
+
+        def of(self, states, k):
+            key = (states["l0"]["weight"].observer, states["l0"]["input"].observer)
+            assert all((rs["weight"].observer, rs["input"].observer) == key
+                       for rs in states.values())
+            self.calls.append((*key, k))
+            return table[key]
+
+    div = Fake()
+    roles, tried = choose_roles(div, configs, "minmax", [1.0] * 3, alive=["minmax", "mix"])
+    assert roles == {"weight": "mse", "input": "minmax"}
+    # weights: mse's (mix's are min-max's, not tried twice), on every piece; inputs: the
+    # alive mix only, abandoned after the first piece (0.9 > the kept 0.8)
+    assert div.calls == [("memoryless_mse", "minmax", 0), ("memoryless_mse", "minmax", 1),
+                         ("memoryless_mse", "minmax", 2), ("memoryless_mse", "mix", 0)]
+    assert tried == {"weight=mse": (pytest.approx(0.8), 3), "input=mix": (0.9, 1)}
+    # nothing better: the whole configuration stays
+    roles, _ = choose_roles(Fake(), configs, "mse", [0.5] * 3, alive=["mse"])
+    assert roles == {"weight": "mse", "input": "mse"}
 
 
 def test_score_pieces_cut_one_batch_by_rows_to_the_tokens_asked():
@@ -457,7 +510,9 @@ def test_model_metric_on_one_batch_cut_in_pieces_matches_direct_kl():
     info = auto.info["auto"]
     pieces = score_pieces([big], 10_000)
     assert info["score_pieces"] == 2 and [p["input_ids"].shape[0] for p in pieces] == [2, 4]
-    assert info["score_forwards"] == sum(info["pieces_scored"].values())  # references caught
+    # references caught: only the candidates' forwards, and the role trials' pieces
+    assert info["score_forwards"] == (sum(info["pieces_scored"].values())
+                                      + sum(info["role_pieces"].values()))
     singles = calibrate_many(model, [big], {n: preset("w8a8", n) for n in names},
                              progress=False)
     for n in names:

@@ -1,22 +1,13 @@
-"""``auto`` by end-to-end effect: choose ranges by what they do to the layer's or model's output.
+"""``auto`` by end-to-end effect: choose ranges by what they do to the model's output.
 
-Three criteria, from local to global (``calibrate(..., auto_metric=...)``):
-
-* ``"joint"`` (item a): per Linear, the weight and input candidates are chosen *together*
-  by the layer's output error ``||X W^T - Q(X) Q(W)^T||^2`` on the sampled calibration
-  inputs (coordinate descent: the weight given min-max inputs, then the input given that
-  weight; more ``rounds`` in :func:`joint_choice`). Weights also get an importance-weighted MSE candidate
-  (:func:`~quantscope.estimators.weighted.imatrix_range`, ``imatrix``).
-* ``"fisher"`` (item b): the same error with each output feature weighted by the mean
-  squared gradient ``g^2`` of the model's loss with respect to it (ModelOpt's
-  ``sum g^2 (Y - Yq)^2``): errors in outputs the loss is sensitive to count more.
-* ``"model"`` (the default ``auto``): every candidate observer is calibrated in the same
-  pass; each whole-model configuration is scored by the divergence of the model's output
-  from the float model's on a few calibration documents (:class:`OutputDivergence`), piece
-  by piece, candidates far behind dropped early (:func:`choose`), and the best is kept.
-  Min-max is always among them, so on the scoring pieces min-max was scored on, ``auto`` is
-  never worse than min-max. See the README for why this is the default (measured on both
-  demo models).
+``auto_metric="model"`` (the default ``auto``): every candidate observer is calibrated in the
+same pass; each whole-model configuration is scored by the divergence of the model's output
+from the float model's on a few calibration documents (:class:`OutputDivergence`), piece by
+piece, candidates far behind dropped early (:func:`choose`), and the best is kept; then each
+role is re-chosen with the other fixed (:func:`choose_roles`). Min-max is always among the
+candidates, so on the scoring pieces min-max was scored on, ``auto`` is never worse than
+min-max. See the README for why this is the default (measured on both demo models). The
+per-layer criteria ``"joint"`` and ``"fisher"`` live in :mod:`.layer_choice`.
 
 Per-layer criteria cannot see that an outlier one layer clips costs more downstream than a
 coarse step everywhere; the model-level score does, at the price of one forward of the
@@ -32,27 +23,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..estimators.weighted import imatrix_range
-from ..qparams import qparams_from_range
-from .apply import apply, qdq_tensor
+from .apply import apply
 from .batches import forward_batch
 from .recipe import AUTO, Recipe
-from .result import Calibration, RoleState
+from .result import Calibration
 
-__all__ = [
-    "LAYER_METRICS",
-    "OutputDivergence",
-    "calibrate_end_to_end",
-    "fisher_weights",
-    "imatrix_state",
-    "joint_choice",
-]
+__all__ = ["OutputDivergence", "calibrate_end_to_end", "choose", "choose_roles",
+           "score_pieces"]
 
-#: per-layer criteria computed in the session's ``_finish`` through :func:`joint_choice`
-LAYER_METRICS = ("joint", "fisher")
-#: sampled input rows the joint error uses per layer (its cost: a few matmuls of this many rows)
-JOINT_ROWS = 256
-IMATRIX = "imatrix"
 #: ``auto_metric="model"`` scores each configuration piece by piece (the first piece this
 #: share of the scoring documents), dropping after each piece the candidates this many times
 #: worse than the best so far (:func:`choose`)
@@ -271,17 +249,22 @@ def _first_tensor(x):
     return None
 
 
-def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_FACTOR):
+def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_FACTOR,
+           pieces: dict | None = None):
     """The configuration (``{name: states}``) with the least mean divergence, scored piece by
     piece (each of ``div.batches``): after each piece, a candidate whose mean so far exceeds
     ``drop`` times the best mean so far is dropped, unscored on the later pieces (an early
     choice: such a candidate cannot catch up unless the pieces disagree by that factor).
-    Ties keep ``first`` (min-max). Returns ``(best, {name: (mean, pieces scored)})``."""
+    Ties keep ``first`` (min-max). Returns ``(best, {name: (mean, pieces scored)})``;
+    ``pieces`` (a dict) receives each candidate's divergence piece by piece."""
     totals, seen = dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0)
+    pieces = {} if pieces is None else pieces
     alive = list(configs)
     for k in range(len(div.batches)):
         for n in alive:
-            totals[n] += div.of(configs[n], k)
+            d = div.of(configs[n], k)
+            pieces.setdefault(n, []).append(d)
+            totals[n] += d
             seen[n] += 1
         best = min(totals[n] / seen[n] for n in alive)
         alive = [n for n in alive if totals[n] / seen[n] <= drop * best]
@@ -289,138 +272,46 @@ def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_
     return best, {n: (totals[n] / seen[n], seen[n]) for n in configs}
 
 
-# ----------------------------------------------------------------------------- fisher
-def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, torch.Tensor]:
-    """Per layer, the mean squared gradient of the loss w.r.t. each output feature.
+def choose_roles(div: OutputDivergence, configs: dict, best: str, best_pieces: list[float],
+                 alive: list[str]) -> tuple[dict[str, str], dict[str, tuple[float, int]]]:
+    """After :func:`choose`: each role re-chosen with the others fixed, by the same score.
+    Whole configurations tie a role's observer to the others' (``mse`` weights come only with
+    ``mse`` inputs); on MiniLM W4A8 the best pair mixes them (docs/benchmarks.md). Weights
+    try every candidate's distinct weight observer (only a few: histogram observers' weights
+    are min-max); the other roles the candidates still ``alive`` after :func:`choose`. A trial is scored piece by piece and abandoned as soon
+    as its mean so far exceeds the kept configuration's on the same pieces
+    (``best_pieces``: ``best``'s divergence on each piece); one that completes every piece
+    with a lower mean is kept. Returns ``({role: configuration it comes from}, {"role=name":
+    (mean, pieces scored)})``, every role present (``best`` where nothing won)."""
+    chosen = configs[best].states
+    roles = sorted({role for rs in chosen.values() for role in rs},
+                   key=lambda r: (r != "weight", r))
+    pick, kept, tried = dict.fromkeys(roles, best), list(best_pieces), {}
 
-    ``loss(output, batch) -> scalar tensor``; by default the model's own loss with the
-    inputs as labels (a causal LM's next-token loss; padded positions ignored).
-    """
-    mods = {name: model.get_submodule(name) for name in layers}
-    sums = {name: None for name in mods}
-    counts = dict.fromkeys(mods, 0)
-    handles = []
+    def observer_of(name, role):
+        return next((rs[role].observer for rs in configs[name].states.values() if role in rs),
+                    None)
 
-    def hook_for(name):
-        def fwd(module, args, out):
-            if not (isinstance(out, torch.Tensor) and out.requires_grad):
-                return
-
-            def grad(g):
-                g = g.detach().float().reshape(-1, g.shape[-1]).square()
-                sums[name] = g.sum(0) if sums[name] is None else sums[name] + g.sum(0)
-                counts[name] += g.shape[0]
-            out.register_hook(grad)
-        return fwd
-
-    was = model.training
-    model.eval()
-    try:
-        for name, m in mods.items():
-            handles.append(m.register_forward_hook(hook_for(name)))
-        for batch in batches:
-            model.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                if loss is not None:
-                    value = loss(forward_batch(model, batch), batch)
-                else:
-                    if not (isinstance(batch, dict) or hasattr(batch, "keys")):
-                        raise ValueError("fisher_weights: the default loss needs dict batches "
-                                         "(input_ids); pass loss=callable(output, batch)")
-                    labels = batch["input_ids"].clone()
-                    if "attention_mask" in batch:
-                        labels[batch["attention_mask"] == 0] = -100
-                    value = getattr(model(**batch, labels=labels), "loss", None)
-                    if value is None:
-                        raise ValueError("fisher_weights: the model returns no loss; pass "
-                                         "loss=callable(output, batch)")
-                value.backward()
-        model.zero_grad(set_to_none=True)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was)
-    return {n: s / counts[n] for n, s in sums.items() if s is not None}
-
-
-# ----------------------------------------------------------------------------- joint choice
-def imatrix_state(w: torch.Tensor, x: torch.Tensor, base: RoleState) -> RoleState:
-    """The weight state of the importance-weighted MSE search (importance: mean ``x^2`` per
-    input channel over the sampled calibration inputs ``x``)."""
-    imp = x.float().square().mean(0)
-    lo, hi = imatrix_range(w, imp, base.spec)
-    qp = qparams_from_range(lo, hi, base.spec).reshape(base.spec.layout.qparam_shape(w.shape))
-    return replace(base, observer=IMATRIX, qparams=qp, lo=lo, hi=hi)
-
-
-def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
-                 x_states: list[RoleState], out_weights: torch.Tensor | None = None,
-                 rounds: int = 1) -> tuple[int, int, float]:
-    """``(i, j, error)``: the weight state ``i`` and input state ``j`` with the lowest
-    ``sum_o c_o ||X W^T - Q_j(X) Q_i(W)^T||_o^2`` found by coordinate descent (start: the
-    first of each list, min-max by convention). Exhaustive when either list has one entry."""
-    x, w = x.float(), w.float()
-    ref = x @ w.T
-    wq = [None] * len(w_states)
-    xq = [None] * len(x_states)
-    cache = {}
-
-    def err(i, j):
-        if (i, j) not in cache:
-            if wq[i] is None:
-                wq[i] = qdq_tensor(w, w_states[i]).float()
-            if xq[j] is None:
-                xq[j] = qdq_tensor(x, x_states[j]).float()
-            e = (xq[j] @ wq[i].T - ref).square()
-            if out_weights is not None:
-                e = e * out_weights
-            cache[(i, j)] = float(e.double().sum())
-        return cache[(i, j)]
-
-    i, j = 0, 0
-    for _ in range(max(1, rounds)):
-        i = min(range(len(w_states)), key=lambda a: (err(a, j), a))
-        j = min(range(len(x_states)), key=lambda b: (err(i, b), b))
-    return i, j, err(i, j)
-
-
-def layer_pick(layer, plan, slots, data, state_of, fisher=None):
-    """For the session: the ``{"weight": state, "input": state}`` :func:`joint_choice` picks
-    among ``layer``'s candidate observers (plus the ``imatrix`` weight search), or None where
-    the layer has no static input, 2-D weight and input sample."""
-    from .observe import observer_key as _observer_key
-
-    if (layer, "weight") not in plan or (layer, "input") not in plan:
-        return None
-    (wcfg, wnames), (xcfg, xnames) = plan[(layer, "weight")], plan[(layer, "input")]
-    w = slots[(layer, "weight")].module.weight.detach()
-    x = data.get((layer, "input"))
-    if (wcfg.dynamic is not False or xcfg.dynamic is not False or w.dim() != 2 or x is None
-            or x.shape[-1] != w.shape[1]):
-        return None
-
-    def states(role, cfg, names, shape):
-        slot, out = slots[(layer, role)], []
-        for n in names:
-            okey = _observer_key(n, cfg)
-            if okey in slot.observers:
-                out.append(state_of(slot.observers[okey], cfg, (layer, role, okey, cfg.dynamic),
-                                    shape))
-        # min-max first: coordinate descent starts from it and ties keep it
-        return sorted(out, key=lambda st: not st.observer.endswith("minmax"))
-
-    ws = states("weight", wcfg, wnames, tuple(w.shape))
-    xs = states("input", xcfg, xnames, None)
-    if not ws or not xs:
-        return None
-    if len(wnames) > 1:
-        try:
-            ws.append(imatrix_state(w, x, ws[0]))
-        except ValueError:  # a layout the weighted search cannot take: not a candidate
-            pass
-    c = None if fisher is None else fisher.get(layer)
-    i, j, _ = joint_choice(x[:JOINT_ROWS], w, ws, xs, c)
-    return {"weight": ws[i], "input": xs[j]}
+    for role in roles:
+        pool = list(configs) if role == "weight" else alive
+        seen = {observer_of(pick[role], role)}
+        for n in pool:
+            obs = observer_of(n, role)
+            if obs is None or obs in seen or configs[n].states.keys() != chosen.keys():
+                continue
+            seen.add(obs)
+            trial = dict(pick, **{role: n})
+            states = {layer: {r: configs[trial[r]].states[layer][r] for r in rs}
+                      for layer, rs in chosen.items()}
+            got = []
+            for k in range(len(div.batches)):
+                got.append(div.of(states, k))
+                if sum(got) > sum(kept[:k + 1]):
+                    break
+            tried[f"{role}={n}"] = (sum(got) / len(got), len(got))
+            if len(got) == len(kept) and sum(got) < sum(kept):
+                pick, kept = trial, got
+    return pick, tried
 
 
 # ----------------------------------------------------------------------------- model level
@@ -463,18 +354,28 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
     t0 = time.perf_counter()
     score = OutputDivergence(model, [_piece(batches[i], a, b) for i, a, b in plan], loss, refs)
     for label in autos:
-        best, scores = choose(score, {n: calibs[(label, n)].states for n in names}, names[0])
-        chosen = calibs[(label, best)]
-        states = {layer: {role: replace(st, requested=AUTO) for role, st in roles.items()}
-                  for layer, roles in chosen.states.items()}
+        configs, per_piece = {n: calibs[(label, n)] for n in names}, {}
+        best, scores = choose(score, {n: c.states for n, c in configs.items()}, names[0],
+                              pieces=per_piece)
+        alive = [n for n in names if scores[n][1] == len(score.batches)]
+        roles, trials = choose_roles(score, configs, best, per_piece[best], alive)
+        chosen = configs[best]
+        supplier = {role: configs[n] for role, n in roles.items()}
+        states = {layer: {role: replace(supplier.get(role, chosen).states[layer][role],
+                                        requested=AUTO) for role in rs}
+                  for layer, rs in chosen.states.items()}
         info = dict(chosen.info)
-        info["auto"] = {"metric": "model", "chose": best,
+        info["auto"] = {"metric": "model", "chose": best, "roles": roles,
                         "scores": {k: float(f"{v:.6g}") for k, (v, _) in scores.items()},
+                        "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},
+                        "role_pieces": {k: p for k, (_, p) in trials.items()},
                         "pieces_scored": {k: p for k, (_, p) in scores.items()},
                         "score_pieces": len(score.batches),
                         "score_tokens": sum(_tokens(b) for b in score.batches),
                         "score_forwards": score.forwards}
-        stats = [dict(r, requested=AUTO) for r in chosen.stats]
+        stats = [dict(r, requested=AUTO) for r in (
+            row for n, c in configs.items() for row in c.stats
+            if roles.get(row["role"], best) == n)]
         out[label] = Calibration(recipes[label], states, label, stats, chosen.histograms, info)
     spent = time.perf_counter() - t0
     for label in autos:

@@ -14,8 +14,7 @@ import torch
 
 from ..observers.registry import get_observer
 from ..qparams import amax_of_range
-from . import auto as _auto
-from . import fusion, moe
+from . import fusion, layer_choice, moe
 from .apply import qdq_tensor
 from .observe import observer_key
 from .recipe import Role
@@ -141,7 +140,7 @@ def _missing(layer, role, slot, names, cfg, policy, experts=None):
 def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None,
             missing="skip", fisher=None):
     """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
-    ``auto_metric`` "joint" / "fisher", by :func:`.auto.joint_choice`)."""
+    ``auto_metric`` "joint" / "fisher", by :func:`.layer_choice.joint_choice`)."""
     built = _States(slots, auto_metric, fisher)
     results = {label: built.recipe(plan, groups, experts, missing)
                for label, plan in plans.items()}
@@ -194,7 +193,8 @@ class _States:
         (:func:`moe.shrink` pools it later)."""
         slot = self.slots[(layer, role)]
         shape = tuple(slot.module.weight.shape) if role == "weight" else None
-        pick = (self.joint_pick(plan, layer) if self.auto_metric in _auto.LAYER_METRICS
+        pick = (self.joint_pick(plan, layer)
+                if self.auto_metric in layer_choice.LAYER_METRICS
                 and len(names) > 1 and role in ("weight", "input") else None)
         if pick is not None:
             state = replace(pick[role], requested=cfg.observer)
@@ -263,13 +263,14 @@ class _States:
         return err
 
     def joint_pick(self, plan, layer):
-        """The (weight, input) states :func:`.auto.joint_choice` picks for ``layer``, or None
-        where the layer has no 2-D weight with an input sample and both roles calibrated."""
+        """The (weight, input) states :func:`.layer_choice.joint_choice` picks for ``layer``,
+        or None where the layer has no 2-D weight with an input sample and both roles
+        calibrated."""
         key = (layer, tuple((r, plan[(layer, r)][0]) for r in ("weight", "input")
                             if (layer, r) in plan))
         if key not in self.joint:
-            self.joint[key] = _auto.layer_pick(layer, plan, self.slots, self.data,
-                                               self.state_of, self.fisher)
+            self.joint[key] = layer_choice.layer_pick(layer, plan, self.slots, self.data,
+                                                      self.state_of, self.fisher)
         return self.joint[key]
 
 

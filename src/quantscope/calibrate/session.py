@@ -26,7 +26,7 @@ from torch import nn
 from .. import comm as qd
 from ..observers.sync import sync_observers
 from . import auto as _auto
-from . import gather, kv_cache, moe
+from . import gather, kv_cache, layer_choice, moe
 from . import sequential as _sequential
 from .finish import MISSING_POLICIES, build_states
 from .observe import (
@@ -236,8 +236,8 @@ def _fisher_weights(model, batches, recipes, score_tokens, loss):
     (``auto_metric="fisher"``), from backward passes over the first ``score_tokens`` tokens."""
     layers = {layer for r in recipes.values() if _auto._has_auto(r)
               for layer, (_, roles) in r.match(model).items() if "weight" in roles}
-    return _auto.fisher_weights(model, _auto.score_batches(batches, score_tokens),
-                                sorted(layers), loss)
+    return layer_choice.fisher_weights(model, _auto.score_batches(batches, score_tokens),
+                                       sorted(layers), loss)
 
 
 def _calibrate_local(model, batches, recipes, candidates, sample_tokens, progress, seed, t0,
