@@ -51,9 +51,11 @@ def render(runs_dir: str) -> str:
             report = json.load(f)
         s, t = report["setup"], report["timings"]
         headers, rows = compare_rows(report)
+        smooth = (f", SmoothQuant alpha {s['smooth']:g} first (`--smooth`)"
+                  if s.get("smooth") is not None else "")
         intro = (f"**{title}**: calibration {s['calib_docs']} documents ({s['calib_tokens']} "
-                 f"tokens, <= {s['max_length']} each), evaluation at <= {s['eval_max_length']} "
-                 f"tokens; all observers calibrated in one pass in "
+                 f"tokens, <= {s['max_length']} each){smooth}, evaluation at <= "
+                 f"{s['eval_max_length']} tokens; all observers calibrated in one pass in "
                  f"{t['calibration_seconds']:.0f} s, evaluated in {t['evaluation_seconds']:.0f} s.")
         out += [intro, "", markdown_table(headers, rows), ""]
     return "\n".join(out)

@@ -156,3 +156,47 @@ def test_keep_float_leaves_the_ranked_activations_dynamic(llama_dir, tmp_path, c
         rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", *bad,
                        "--out", str(tmp_path / "bad"), "--no-progress", *FAST])
         assert rc == 2 and msg in capsys.readouterr().err
+
+
+def test_smooth_is_calibrated_evaluated_and_exported_alike(llama_dir, tmp_path, capsys):
+    """--smooth: the run keeps SmoothQuant's scales, and `export` (which loads the float model
+    afresh) writes the smoothed weights the qparams were calibrated on."""
+    from compressed_tensors.compressors import ModelCompressor  # noqa: F401 (the extra)
+    from safetensors.torch import load_file
+
+    from quantscope import cli
+    from quantscope.calibrate import load
+    from quantscope.calibrate.smooth import reapply
+
+    run, out = str(tmp_path / "run"), tmp_path / "ct"
+    assert cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", "--smooth", "0.8",
+                     "--out", run, "--no-progress", *FAST]) == 0
+    assert "--smooth 0.8: 6 modules' outputs smoothed" in capsys.readouterr().out
+    calib = load(Path(run, "qparams"))
+    assert calib.info["smooth"]["alpha"] == 0.8 and len(calib.smoothing) == 6
+    assert cli.main(["export", run, "--out", str(out)]) == 0
+    smoothed = transformers.LlamaForCausalLM.from_pretrained(llama_dir)
+    reapply(smoothed, calib)
+    tensors = load_file(out / "model.safetensors")
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    assert torch.equal(tensors[norm], smoothed.state_dict()[norm])
+    assert not torch.equal(tensors[norm], transformers.LlamaForCausalLM.from_pretrained(
+        llama_dir).state_dict()[norm])
+    assert cli.main(["calibrate", "--model", llama_dir, "--smooth", "1.5", "--out",
+                     str(tmp_path / "bad"), *FAST]) == 2
+    assert "--smooth must be an alpha in [0, 1]" in capsys.readouterr().err
+
+
+def test_compare_smooths_once_for_every_configuration(llama_dir, tmp_path):
+    from quantscope import cli
+
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", "--model", llama_dir, "--recipes", "w8a8", "--observers",
+                     "minmax,mse", "--smooth", "0.5", "--out", str(out), "--no-progress",
+                     "--no-plots", *FAST]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["setup"]["smooth"] == 0.5
+    for run in report["runs"].values():
+        assert run["info"]["smooth"]["alpha"] == 0.5
+        assert len(run["info"]["smooth"]["smoothed"]) == 6
+    assert "SmoothQuant alpha 0.5 first" in (out / "report.md").read_text()

@@ -28,6 +28,8 @@ TENSORS = "qparams.safetensors"
 META = "quantscope.json"
 FORMAT = "quantscope-calibration"
 VERSION = 1
+#: key prefix of SmoothQuant's per-channel scales in the tensors file (``Calibration.smoothing``)
+SMOOTH = "#smooth/"
 
 
 def _safetensors():
@@ -67,6 +69,8 @@ def save(calibration: Calibration, path, *, overwrite: bool = True) -> str:
                 "spec": st.spec.to_dict(), "observer": st.observer, "requested": st.requested,
                 "dynamic": st.dynamic, "options": dict(st.options),
                 "shape": None if st.shape is None else list(st.shape)}
+    for name, s in calibration.smoothing.items():
+        tensors[f"{SMOOTH}{name}"] = s.detach().cpu().float().contiguous()
     meta = {"format": FORMAT, "version": VERSION, "label": calibration.label,
             "recipe": calibration.recipe.to_dict(), "info": calibration.info, "layers": layers}
     with atomic_dir(path, overwrite=overwrite) as tmp:
@@ -135,7 +139,9 @@ def load(path, device="cpu") -> Calibration:
             states.setdefault(layer, {})[role] = _role_state(
                 d, tensors, f"{layer}/{role}", lambda k, m, w=where: bad(meta_path, f"{w}.{k}", m),
                 lambda k, m: bad(tensor_path, k, m))
-    return Calibration(recipe, states, meta.get("label", ""), info=meta.get("info", {}))
+    smoothing = {k[len(SMOOTH):]: t for k, t in tensors.items() if k.startswith(SMOOTH)}
+    return Calibration(recipe, states, meta.get("label", ""), info=meta.get("info", {}),
+                       smoothing=smoothing)
 
 
 def _role_state(d, tensors, key, bad_meta, bad_tensor) -> RoleState:

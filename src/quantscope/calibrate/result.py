@@ -46,7 +46,9 @@ class Calibration:
 
     ``states[layer][role]`` is a :class:`RoleState`; ``stats`` the report rows
     (computed on the float weights and the activation samples at calibration time);
-    ``histograms[(layer, role)]`` activation histograms for plots.
+    ``histograms[(layer, role)]`` activation histograms for plots. ``smoothing``: where
+    the model was smoothed before calibrating (``smooth=``), SmoothQuant's per-channel
+    scales by smoothed module (:func:`.smooth.reapply` smooths a fresh copy alike).
     """
 
     recipe: object
@@ -55,6 +57,7 @@ class Calibration:
     stats: list = field(default_factory=list)
     histograms: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    smoothing: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def apply(self, model):
         """Fake-quantize ``model`` (QDQ); returns a handle whose ``remove()`` undoes it."""

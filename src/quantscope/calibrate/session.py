@@ -28,6 +28,7 @@ from ..observers.sync import sync_observers
 from . import auto as _auto
 from . import gather, kv_cache, layer_choice, moe
 from . import sequential as _sequential
+from . import smooth as _smooth
 from .finish import MISSING_POLICIES, build_states
 from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
@@ -76,7 +77,8 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    auto_metric: str = "model", loss=None, score_tokens: int = 1024,
                    all_experts: bool = False, expert_min_tokens: int = moe.MIN_TOKENS,
                    missing: str = "skip", sequential=False, keep_float: int = 0,
-                   fallback: str = "dynamic", **sequential_options) -> dict[str, Calibration]:
+                   fallback: str = "dynamic", smooth: float | None = None,
+                   **sequential_options) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -133,10 +135,18 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             then :func:`~.sensitivity.keep_float`). ``fallback="dynamic"`` (default) quantizes
             them per token at run time in the same format, ``"float"`` leaves them in float.
             ``calibration.info["keep_float"]`` lists them. Not with ``sequential``.
+        smooth: SmoothQuant's alpha (llm-compressor's ``smoothing_strength``, 0.5-0.8 is
+            usual): before calibrating, each decoder layer's activation outliers are moved
+            into the next weights (:mod:`.smooth`), with channel ranges from the first batch
+            (one more forward). **Changes the model's parameters in place**; calibrate, apply
+            and export that model. ``calibration.info["smooth"]`` says what was smoothed,
+            ``calibration.smoothing`` holds the scales.
+            Not with ``sequential``.
     """
     recipes = _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,
                        expert_min_tokens)
     check_fallback(keep_float, fallback, bool(sequential or sequential_options))
+    _smooth.check(smooth, bool(sequential or sequential_options))
     t0 = time.perf_counter()
     if batches is None:
         batches = []
@@ -173,10 +183,28 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                                     seed, t0, auto_metric, experts, missing, sample_budget_mb,
                                     fisher)
 
+    return _around(model, batches, run, smooth, group if distributed else None, keep_float,
+                   fallback)
+
+
+def _around(model, batches, run, smooth, group, keep_float, fallback):
+    """``run(batches)``, the calibration itself, with what goes around it: SmoothQuant
+    before (ranges from the first batch), the float fallback after (ranked on it)."""
+    smoothed = None
+    if smooth is not None:
+        first, batches = _peek(batches)
+        smoothed = _smooth.smooth(model, [] if first is None else [first], smooth, group)
     if not keep_float:
-        return run(batches)
-    first, batches = _peek(batches)
-    return {k: fall_back(model, first, c, keep_float, fallback) for k, c in run(batches).items()}
+        out = run(batches)
+    else:
+        first, batches = _peek(batches)
+        out = {k: fall_back(model, first, c, keep_float, fallback)
+               for k, c in run(batches).items()}
+    if smoothed is not None:
+        scales = smoothed.pop("scales")
+        for c in out.values():
+            c.smoothing, c.info["smooth"] = dict(scales), dict(smoothed)
+    return out
 
 
 def _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,

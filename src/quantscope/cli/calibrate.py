@@ -61,7 +61,8 @@ def cmd_calibrate(args) -> int:
                                          **sequential_options(args),
                                          progress=not args.no_progress, seed=args.seed,
                                          distributed=getattr(args, "world", 1) > 1,
-                                         keep_float=args.keep_float, fallback=args.fallback))
+                                         keep_float=args.keep_float, fallback=args.fallback,
+                                         smooth=args.smooth))
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
         return 0
     t = time.perf_counter()
@@ -87,6 +88,12 @@ def cmd_calibrate(args) -> int:
     if kept.get("n"):
         print(f"  --keep-float: {kept['n']} activations {kept['mode']} instead of static "
               f"(first: {kept['tensors'][0]}; all in qparams/quantscope.json)")
+    smoothed = calib.info.get("smooth")
+    if smoothed:
+        print(f"  --smooth {smoothed['alpha']:g}: {len(smoothed['smoothed'])} modules' outputs "
+              f"smoothed into the next layers' weights"
+              + (f" ({len(smoothed['skipped'])} left as they were)" if smoothed["skipped"]
+                 else ""))
     print(f"  calibration {calib.info.get('calibration_seconds', 0):.1f} s, total "
           f"{time.perf_counter() - t0:.1f} s")
     print(f"  report: {args.out}/report.md   next: quantscope evaluate {args.out} | "
@@ -127,6 +134,10 @@ def cmd_evaluate(args) -> int:
         models.load_model(path, resolve_device(args.device), task=task)))
     ev = Evaluator(task, model, tok, max_length, not (args.no_progress or args.json))
     fp = phases.run("evaluating float", ev.reference)
+    if calib.smoothing:  # calibrated on SmoothQuant's weights: the same function
+        from ..calibrate.smooth import reapply
+
+        reapply(model, calib)
     q = phases.run("evaluating quantized", lambda: ev.quantized(calib))
     if args.json:
         print(json.dumps({**q, **{f"{k}_fp32": v for k, v in fp.items()}}))

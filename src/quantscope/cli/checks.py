@@ -71,12 +71,18 @@ def check_recipe_args(args) -> None:
         if getattr(args, flag):
             setattr(args, flag, check_name(getattr(args, flag), OBSERVER_NAMES,
                                            f"observer (--{flag.replace('_', '-')})", str))
-    check_fallback_args(args)
+    check_activation_args(args)
 
 
-def check_fallback_args(args) -> None:
+def check_activation_args(args) -> None:
     if args.keep_float < 0:
         raise UsageError(f"--keep-float must be 0 or more activations, got {args.keep_float}")
+    smooth = getattr(args, "smooth", None)
+    if smooth is not None and not 0 <= smooth <= 1:
+        raise UsageError(f"--smooth must be an alpha in [0, 1], got {smooth}")
+    if smooth is not None and getattr(args, "sequential", None):
+        raise UsageError("--smooth measures the activations with a forward of the whole "
+                         "model: not with --sequential")
     if args.keep_float and getattr(args, "sequential", None):
         raise UsageError("--keep-float ranks the activations with a forward of the whole "
                          "model: not with --sequential")

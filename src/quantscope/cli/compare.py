@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .checks import UsageError, check_fallback_args, check_model_arg, check_name, check_out
+from .checks import UsageError, check_activation_args, check_model_arg, check_name, check_out
 from .names import OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 from .options import add_common, add_recipes_args
 from .recipes import build_recipe
@@ -86,6 +86,8 @@ def cmd_compare(args) -> int:
     recipes, observers = _check_compare_args(args)
     phases = Phases(quiet=getattr(args, "rank", 0) != 0)
     model, batches, ev, fp, setup = load_setup(args, phases)
+    if args.smooth is not None:
+        setup["smooth"] = args.smooth
     plan = {f"{r}/{o}": build_recipe(args, model, o, r) for r in recipes for o in observers}
     candidates = [o for o in observers if o != "auto"] or None
     t = time.perf_counter()
@@ -123,7 +125,7 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     # a quantscope preset wins over the scheme of the same letters (w8a8 is static, W8A8 not)
     recipes = [check_name(r, SCHEME_NAMES + RECIPE_NAMES, "recipe or scheme") for r in recipes]
     observers = [check_name(o, OBSERVER_NAMES, "observer", str) for o in observers]
-    check_fallback_args(args)
+    check_activation_args(args)
     check_model_arg(args.model)
     check_out(args.out)
     return recipes, observers
@@ -140,7 +142,7 @@ def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
                        **sequential_options(args),
                        seed=args.seed, distributed=getattr(args, "world", 1) > 1,
                        auto_metric=args.auto_metric, keep_float=args.keep_float,
-                       fallback=args.fallback)))
+                       fallback=args.fallback, smooth=args.smooth)))
 
 
 def _evaluate_all(calibs: dict, ev, phases) -> dict:
@@ -157,8 +159,10 @@ def _evaluate_all(calibs: dict, ev, phases) -> dict:
 def _title(setup: dict) -> str:
     metric = ("perplexity on" if setup["task"] == "causal-lm" else "Lee similarity over") + (
         f" {setup['eval_docs']} held-out documents")
+    smooth = (f", SmoothQuant alpha {setup['smooth']:g} first" if setup.get("smooth") is not None
+              else "")
     return (f"quantscope compare: {setup['name']}, {setup['calib_docs']} calibration docs "
-            f"({setup['calib_tokens']} tokens), {metric}")
+            f"({setup['calib_tokens']} tokens){smooth}, {metric}")
 
 
 def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: float,

@@ -104,11 +104,17 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                         "(default: minmax)")
     g.add_argument("--weight-observer", default=None, help="observer of the weights only")
     g.add_argument("--input-observer", default=None, help="observer of the input activations")
-    add_fallback_args(g)
+    add_activation_args(g)
 
 
-def add_fallback_args(g) -> None:
-    """The float fallback of the activations the model feels most (issue 17)."""
+def add_activation_args(g) -> None:
+    """What helps static activations where no range fits (issue 17): SmoothQuant, and the
+    float fallback of the activations the model feels most."""
+    g.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
+                   help="SmoothQuant before calibrating: move each decoder layer's activation "
+                        "outliers into the next weights with strength ALPHA in [0, 1] "
+                        "(llm-compressor's smoothing_strength; 0.8 is a good start for static "
+                        "per-tensor int8; changes the weights written by export)")
     g.add_argument("--keep-float", type=int, default=0, metavar="N",
                    help="keep the N activations whose quantization moves their layer's output "
                         "most out of static quantization (ranked on the first batch; "
@@ -127,4 +133,4 @@ def add_recipes_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--observers", default=DEFAULT_OBSERVERS,
                    help=f"comma-separated observer names; 'auto' chooses per layer among "
                         f"the others (default: {DEFAULT_OBSERVERS})")
-    add_fallback_args(g)
+    add_activation_args(g)

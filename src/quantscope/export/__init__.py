@@ -50,6 +50,10 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
         raise ValueError(f"export: {run_dir} does not record its model; pass model= (--model)")
     path = models.resolve_model_path(source)
     float_model, tokenizer = models.load_model(path, task=calibration.info.get("task"))
+    if calibration.smoothing:  # calibrated on SmoothQuant's weights: write those
+        from ..calibrate.smooth import reapply
+
+        reapply(float_model, calibration)
     if format == "onnx":  # a traced graph: the exporter runs the model on an example batch
         example = dict(tokenizer(["quantscope exports this model."], return_tensors="pt"))
         return export(calibration, float_model, out, format=format, overwrite=overwrite,

@@ -1,0 +1,173 @@
+"""SmoothQuant (calibrate/smooth.py): the function is kept, the scales are the formula's, a
+mapping the probe rejects is left alone, and the static w8a8 output moves closer to float."""
+
+import pytest
+import torch
+from torch import nn
+
+from quantscope.calibrate import apply, calibrate
+from quantscope.calibrate.smooth import MIN_SCALE, find_mappings, smooth, smoothing_scales
+
+
+def _llama(seed=0, outlier=100.0):
+    """A 2-layer random Llama whose post-attention norm and up_proj give a few channels
+    outliers (as real LLMs' MLP inputs have); 3 batches."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight[[3, 17]] = outlier
+            layer.mlp.up_proj.weight[[5, 40]] *= outlier
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [{"input_ids": torch.randint(0, 64, (2, 12), generator=g),
+                "attention_mask": torch.ones(2, 12, dtype=torch.long)} for _ in range(3)]
+    return model, batches
+
+
+def _logits(model, batches):
+    with torch.no_grad():
+        return torch.cat([model(**b).logits for b in batches])
+
+
+def test_mappings_found_in_a_llama():
+    model, _ = _llama()
+    got = [(m.previous, m.balance) for m in find_mappings(model)]
+    assert got == [
+        (f"model.layers.{i}.{prev}", tuple(f"model.layers.{i}.{b}" for b in bal))
+        for prev, bal in (
+            ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+            ("mlp.up_proj", ("mlp.down_proj",))) for i in range(2)]
+
+
+def test_smoothing_keeps_the_function_and_uses_the_formula():
+    model, batches = _llama()
+    before = _logits(model, batches)
+    norm0 = model.model.layers[1].post_attention_layernorm.weight.detach().clone()
+    gate0 = model.model.layers[1].mlp.gate_proj.weight.detach().clone()
+    up0 = model.model.layers[1].mlp.up_proj.weight.detach().clone()
+    # the ranges by hand: the gate_proj input of layer 1 on the first batch
+    seen = []
+    h = model.model.layers[1].mlp.gate_proj.register_forward_pre_hook(
+        lambda m, a: seen.append(a[0].reshape(-1, 32).detach().clone()))
+    _logits(model, batches[:1])
+    h.remove()
+    x = seen[0]
+    rng = x.amax(0) - x.amin(0)
+    w = 2 * torch.maximum(gate0.abs().amax(0), up0.abs().amax(0))
+    s = (rng.pow(0.8) / w.pow(0.2)).clamp(min=MIN_SCALE)
+
+    info = smooth(model, batches[:1], 0.8)
+    assert info["skipped"] == [] and len(info["smoothed"]) == 6
+    layer = model.model.layers[1]
+    torch.testing.assert_close(layer.post_attention_layernorm.weight, norm0 / s)
+    torch.testing.assert_close(layer.mlp.gate_proj.weight, gate0 * s)
+    # the same function, to float rounding
+    torch.testing.assert_close(_logits(model, batches), before, rtol=1e-4, atol=1e-4)
+    # the outlier channels are flatter than before (what smoothing is for)
+    assert float(rng.amax() / rng.median()) > 10 * float((rng / s).amax() / (rng / s).median())
+
+
+def test_scales_formula_and_its_edges():
+    ranges = torch.tensor([4.0, 0.0, 9.0])
+    w1 = torch.tensor([[1.0, 2.0, 0.0], [-3.0, 0.5, 0.0]])
+    w2 = torch.tensor([[0.5, -4.0, 0.0]])
+    s = smoothing_scales(ranges, [w1, w2], 0.5)
+    # column max |W| over both: 3, 4, 0 -> 2x: 6, 8, 0; the all-zero column keeps its range
+    assert torch.allclose(s, torch.tensor([4 ** 0.5 / 6 ** 0.5, MIN_SCALE, 9.0]))
+
+
+class _OnePlusNorm(nn.Module):
+    """Gemma's norm: ``x * (1 + weight)``, which dividing ``weight`` does not scale."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(n))
+
+    def forward(self, x):
+        return x * (1 + self.weight)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm = _OnePlusNorm(8)
+        self.self_attn = nn.Module()
+        for n in ("q_proj", "k_proj", "v_proj"):
+            setattr(self.self_attn, n, nn.Linear(8, 8))
+
+    def forward(self, x):
+        h = self.input_layernorm(x)
+        a = self.self_attn
+        return a.q_proj(h) + a.k_proj(h) + a.v_proj(h)
+
+
+def test_a_norm_the_probe_rejects_is_left_alone():
+    torch.manual_seed(0)
+    model = _Block()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    info = smooth(model, [torch.randn(4, 8) * 5], 0.5)
+    assert info["smoothed"] == [] and info["skipped"] == ["input_layernorm"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_calibrate_smooth_brings_static_w8a8_closer_to_float():
+    model, batches = _llama()
+    ref = _logits(model, batches)
+    plain = calibrate(model, batches, "w8a8", observer="minmax")
+    with apply(model, plain.states):
+        err_plain = float((_logits(model, batches) - ref).pow(2).mean())
+    smoothed = calibrate(model, batches, "w8a8", observer="minmax", smooth=0.5)
+    assert smoothed.info["smooth"]["alpha"] == 0.5
+    assert len(smoothed.info["smooth"]["smoothed"]) == 6
+    with apply(model, smoothed.states):
+        err_smooth = float((_logits(model, batches) - ref).pow(2).mean())
+    assert err_smooth < 0.5 * err_plain, (err_smooth, err_plain)
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 1.5, "0.5", True, float("nan")])
+def test_bad_alpha_is_named(alpha):
+    model, batches = _llama()
+    with pytest.raises(ValueError, match="alpha"):
+        calibrate(model, batches, "w8a8", observer="minmax", smooth=alpha)
+
+
+def test_smooth_with_sequential_is_refused():
+    model, batches = _llama()
+    with pytest.raises(ValueError, match="smooth.*sequential"):
+        calibrate(model, batches, "w8a8", observer="minmax", smooth=0.5, sequential=True)
+
+
+def test_a_saved_smoothed_calibration_smooths_a_fresh_model_alike(tmp_path):
+    from quantscope.calibrate import load
+    from quantscope.calibrate.smooth import reapply
+
+    model, batches = _llama()
+    calib = calibrate(model, batches, "w8a8", observer="minmax", smooth=0.8)
+    calib.save(tmp_path / "q")
+    back = load(tmp_path / "q")
+    assert back.info["smooth"]["smoothed"] == calib.info["smooth"]["smoothed"]
+    fresh, _ = _llama()
+    reapply(fresh, back)
+    for (k, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), k
+    # and the whole run: qparams applied to the reloaded, re-smoothed model give the same
+    with apply(model, calib.states):
+        want = _logits(model, batches)
+    with apply(fresh, back.states):
+        torch.testing.assert_close(_logits(fresh, batches), want, rtol=0, atol=0)
+
+
+def test_every_recipe_of_one_pass_carries_the_smoothing():
+    from quantscope.calibrate import calibrate_many
+
+    model, batches = _llama()
+    out = calibrate_many(model, batches, ["w8a8", "fp8"], smooth=0.5)
+    a, b = out.values()
+    assert a.smoothing.keys() == b.smoothing.keys() and len(a.smoothing) == 6
+    assert a.info["smooth"] == b.info["smooth"]
