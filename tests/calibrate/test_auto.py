@@ -519,3 +519,29 @@ def test_model_metric_on_one_batch_cut_in_pieces_matches_direct_kl():
         k = info["pieces_scored"][n]
         direct = sum(_kl(model, [p], singles[n].states) for p in pieces[:k]) / k
         assert info["scores"][n] == pytest.approx(direct, rel=1e-3, abs=1e-12)
+
+
+def test_quantizes_like_tells_equal_qdq_apart():
+    model, batches = _llama()
+    cs = calibrate_many(model, batches, {"minmax": preset("w8a8", "minmax"),
+                                         "mse": preset("w8a8", "mse"),
+                                         "auto": preset("w8a8", "auto")},
+                        candidates=["minmax", "mse"], progress=False)
+    assert cs["minmax"].quantizes_like(cs["minmax"])
+    assert not cs["minmax"].quantizes_like(cs["mse"])
+    roles = cs["auto"].info["auto"]["roles"]
+    if roles["weight"] == roles["input"]:  # auto kept one candidate whole: the same QDQ
+        assert cs["auto"].quantizes_like(cs[roles["weight"]])
+    # one scale value apart is another quantizer
+    from dataclasses import replace
+
+    from quantscope.qparams import QParams
+
+    layer = next(iter(cs["minmax"].states))
+    st = cs["minmax"].states[layer]["weight"]
+    scale = st.qparams.scale.clone()
+    scale.view(-1)[0] *= 2
+    moved = replace(st, qparams=QParams(scale, st.qparams.zero_point))
+    assert st.quantizes_like(replace(st, observer="other"))
+    assert not st.quantizes_like(moved)
+    assert not st.quantizes_like(replace(st, dynamic=True))

@@ -187,12 +187,18 @@ def test_smooth_is_calibrated_evaluated_and_exported_alike(llama_dir, tmp_path, 
     assert "--smooth must be an alpha in [0, 1]" in capsys.readouterr().err
 
 
-def test_compare_smooths_once_for_every_configuration(llama_dir, tmp_path):
+def test_compare_smooths_once_for_every_configuration(llama_dir, tmp_path, monkeypatch):
     from quantscope import cli
+    from quantscope.cli import running
 
+    evaluated = []
+    quantized = running.Evaluator.quantized
+    monkeypatch.setattr(running.Evaluator, "quantized",
+                        lambda self, calib: evaluated.append(calib.label) or quantized(self,
+                                                                                      calib))
     out = tmp_path / "cmp"
     assert cli.main(["compare", "--model", llama_dir, "--recipes", "w8a8", "--observers",
-                     "minmax,mse", "--smooth", "0.5", "--out", str(out), "--no-progress",
+                     "minmax,auto", "--smooth", "0.5", "--out", str(out), "--no-progress",
                      "--no-plots", *FAST]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["setup"]["smooth"] == 0.5
@@ -200,3 +206,9 @@ def test_compare_smooths_once_for_every_configuration(llama_dir, tmp_path):
         assert run["info"]["smooth"]["alpha"] == 0.5
         assert len(run["info"]["smooth"]["smoothed"]) == 6
     assert "SmoothQuant alpha 0.5 first" in (out / "report.md").read_text()
+    # auto (min-max its only candidate here) is not evaluated twice: min-max's metrics
+    runs = report["runs"]
+    assert runs["w8a8/auto"]["info"]["auto"]["roles"] == {"weight": "minmax",
+                                                          "input": "minmax"}
+    assert runs["w8a8/auto"]["metrics"] == runs["w8a8/minmax"]["metrics"]
+    assert len(evaluated) == 1

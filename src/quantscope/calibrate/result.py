@@ -34,6 +34,18 @@ class RoleState:
     hi: torch.Tensor | None = None
     shape: tuple[int, ...] | None = None
 
+    def quantizes_like(self, other: RoleState) -> bool:
+        """Whether QDQ with ``other`` is the same as with this state: equal spec, mode,
+        qparams and global amax (the observer that found them does not matter)."""
+        def tensors(st):
+            qp = st.qparams
+            return ((None, None, None) if qp is None else (qp.scale, qp.zero_point,
+                                                           qp.global_scale)) + (st.global_amax,)
+        return (self.spec == other.spec and self.dynamic == other.dynamic
+                and all(a is b or (a is not None and b is not None and a.shape == b.shape
+                                   and a.dtype == b.dtype and torch.equal(a, b))
+                        for a, b in zip(tensors(self), tensors(other))))
+
     def to(self, device) -> RoleState:
         mv = (lambda t: None if t is None else t.to(device))
         return replace(self, qparams=None if self.qparams is None else self.qparams.to(device),
@@ -64,6 +76,17 @@ class Calibration:
         from .apply import apply
 
         return apply(model, self.states)
+
+    def quantizes_like(self, other: Calibration) -> bool:
+        """Whether applying ``other`` quantizes a model exactly as applying this does: the
+        same tensors, each with a state that :meth:`RoleState.quantizes_like` this one's
+        (``auto`` often keeps one candidate's qparams whole), and the same smoothing."""
+        return (self.states.keys() == other.states.keys()
+                and all(self.states[k].keys() == other.states[k].keys()
+                        and all(st.quantizes_like(other.states[k][r])
+                                for r, st in self.states[k].items()) for k in self.states)
+                and self.smoothing.keys() == other.smoothing.keys()
+                and all(torch.equal(s, other.smoothing[k]) for k, s in self.smoothing.items()))
 
     def report(self, metrics: dict | None = None):
         """The :class:`~quantscope.calibrate.report.Report` of this calibration."""

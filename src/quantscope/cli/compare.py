@@ -146,11 +146,21 @@ def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
 
 
 def _evaluate_all(calibs: dict, ev, phases) -> dict:
-    """Each calibration's report (as a dict) with its metrics, its recipe and its observer."""
-    runs = {}
+    """Each calibration's report (as a dict) with its metrics, its recipe and its observer.
+    A configuration that quantizes the model exactly as one already evaluated (``auto``
+    keeping one candidate's qparams) takes its metrics instead of a second evaluation."""
+    runs, done = {}, []
     for k, (label, calib) in enumerate(calibs.items()):
-        phases.say(f"evaluating {label} ({k + 1}/{len(calibs)})")
-        d = calib.report(ev.quantized(calib)).to_dict()
+        same = next((d for d in done if d[1].quantizes_like(calib)), None)
+        if same is not None:
+            phases.say(f"evaluating {label} ({k + 1}/{len(calibs)}): the qparams of "
+                       f"{same[0]}, its metrics")
+            metrics = same[2]
+        else:
+            phases.say(f"evaluating {label} ({k + 1}/{len(calibs)})")
+            metrics = ev.quantized(calib)
+            done.append((label, calib, metrics))
+        d = calib.report(dict(metrics)).to_dict()
         d["recipe"], d["observer"] = label.split("/", 1)
         runs[label] = d
     return runs
