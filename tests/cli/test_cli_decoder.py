@@ -212,3 +212,20 @@ def test_compare_smooths_once_for_every_configuration(llama_dir, tmp_path, monke
                                                           "input": "minmax"}
     assert runs["w8a8/auto"]["metrics"] == runs["w8a8/minmax"]["metrics"]
     assert len(evaluated) == 1
+
+
+def test_compare_score_tokens_reach_auto(llama_dir, tmp_path, capsys):
+    from quantscope import cli
+
+    runs = {}
+    for n in (8, 64):
+        out = tmp_path / f"cmp{n}"
+        assert cli.main(["compare", "--model", llama_dir, "--recipes", "w8a8", "--observers",
+                         "minmax,mse,auto", "--score-tokens", str(n), "--out", str(out),
+                         "--no-progress", "--no-plots", *FAST]) == 0
+        runs[n] = json.loads((out / "report.json").read_text())["runs"]["w8a8/auto"]
+    few, more = (runs[n]["info"]["auto"]["score_tokens"] for n in (8, 64))
+    assert 8 <= few < more
+    assert cli.main(["compare", "--model", llama_dir, "--score-tokens", "0", "--out",
+                     str(tmp_path / "bad"), *FAST]) == 2
+    assert "--score-tokens must be a positive number" in capsys.readouterr().err

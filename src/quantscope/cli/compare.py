@@ -28,6 +28,9 @@ def add_compare_parser(sub) -> None:
                         "output error x W^T with weight and input chosen together (joint), "
                         "weighted by the loss's g^2 (fisher); the quantized tensor's own error "
                         "(tensor), or one role's error in x W^T (output)")
+    p.add_argument("--score-tokens", type=int, default=1024, metavar="N",
+                   help="calibration tokens 'auto' scores the configurations on (default: "
+                        "1024; more decides closer calls at one forward of them per candidate)")
     p.add_argument("--plot-layer", default=None, metavar="NAME",
                    help="layer of the histogram plot (default: where observers differ most)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -126,6 +129,9 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     recipes = [check_name(r, SCHEME_NAMES + RECIPE_NAMES, "recipe or scheme") for r in recipes]
     observers = [check_name(o, OBSERVER_NAMES, "observer", str) for o in observers]
     check_activation_args(args)
+    if args.score_tokens < 1:
+        raise UsageError(f"--score-tokens must be a positive number of tokens, got "
+                         f"{args.score_tokens}")
     check_model_arg(args.model)
     check_out(args.out)
     return recipes, observers
@@ -141,7 +147,8 @@ def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
                        sample_budget_mb=args.sample_budget_mb, progress=not args.no_progress,
                        **sequential_options(args),
                        seed=args.seed, distributed=getattr(args, "world", 1) > 1,
-                       auto_metric=args.auto_metric, keep_float=args.keep_float,
+                       auto_metric=args.auto_metric, score_tokens=args.score_tokens,
+                       keep_float=args.keep_float,
                        fallback=args.fallback, smooth=args.smooth)))
 
 
