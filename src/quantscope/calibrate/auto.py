@@ -275,14 +275,16 @@ def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_
 def choose_roles(div: OutputDivergence, configs: dict, best: str, best_pieces: list[float],
                  alive: list[str]) -> tuple[dict[str, str], dict[str, tuple[float, int]]]:
     """After :func:`choose`: each role re-chosen with the others fixed, by the same score.
-    Whole configurations tie a role's observer to the others' (``mse`` weights come only with
-    ``mse`` inputs); on MiniLM W4A8 the best pair mixes them (docs/benchmarks.md). Weights
+
+    Whole configurations tie a role's observer to the others' (``mse`` weights come only
+    with ``mse`` inputs); on MiniLM the best pair mixes them (docs/benchmarks.md). Weights
     try every candidate's distinct weight observer (only a few: histogram observers' weights
-    are min-max); the other roles the candidates still ``alive`` after :func:`choose`. A trial is scored piece by piece and abandoned as soon
-    as its mean so far exceeds the kept configuration's on the same pieces
-    (``best_pieces``: ``best``'s divergence on each piece); one that completes every piece
-    with a lower mean is kept. Returns ``({role: configuration it comes from}, {"role=name":
-    (mean, pieces scored)})``, every role present (``best`` where nothing won)."""
+    are min-max); the other roles the candidates still ``alive`` after :func:`choose`. A
+    trial is scored piece by piece and abandoned as soon as its mean so far exceeds the kept
+    configuration's on the same pieces (``best_pieces``: ``best``'s divergence on each
+    piece); one that completes every piece with a lower mean is kept. Returns ``({role:
+    configuration it comes from}, {"role=name": (mean, pieces scored)})``, every role
+    present (``best`` where nothing won)."""
     chosen = configs[best].states
     roles = sorted({role for rs in chosen.values() for role in rs},
                    key=lambda r: (r != "weight", r))

@@ -29,9 +29,11 @@ the model is touched: the balanced layers' outputs of a random input must stay t
 (Gemma's ``x * (1 + weight)``) or an MLP that is not gated is left alone, not broken.
 
 :func:`smooth` changes the model's parameters in place, as llm-compressor does: calibrate,
-apply, evaluate and export that same model object (a calibration saved with
-:func:`~quantscope.calibrate.save` belongs to the smoothed weights; its
-``info["smooth"]`` names the alpha and the smoothed modules).
+apply, evaluate and export that same model object. A calibration made with ``smooth=``
+belongs to the smoothed weights and keeps their scales (``Calibration.smoothing``, saved
+beside its qparams; ``info["smooth"]`` names the alpha and the modules): :func:`reapply`
+smooths a freshly loaded copy of the float model alike, as ``quantscope evaluate`` and
+``quantscope export`` do.
 """
 
 from __future__ import annotations
