@@ -171,3 +171,11 @@ def test_every_recipe_of_one_pass_carries_the_smoothing():
     a, b = out.values()
     assert a.smoothing.keys() == b.smoothing.keys() and len(a.smoothing) == 6
     assert a.info["smooth"] == b.info["smooth"]
+
+
+def test_nothing_seen_nothing_smoothed():
+    model, _ = _llama()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    info = smooth(model, [], 0.5)  # no batch: no range to go by
+    assert info["smoothed"] == [] and len(info["skipped"]) == 6 and info["scales"] == {}
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())

@@ -120,6 +120,8 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping],
 
     def hook(key):
         def f(_module, args):
+            if not args or not isinstance(args[0], torch.Tensor):
+                return  # called by keyword: not seen, so the mapping is skipped
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             if not x.shape[0]:
                 return
