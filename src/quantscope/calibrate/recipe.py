@@ -383,7 +383,7 @@ def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
     except ImportError:
         raise ImportError("recipes from scheme names need compressed-tensors: pip install "
                           "'quantscope[peers]'") from None
-    from ..compat.llmcompressor import llmcompressor_spec as spec_from_args
+    from ..compat.llmcompressor import llmcompressor_spec
 
     key = str(name).upper()
     if key not in PRESET_SCHEMES or not PRESET_SCHEMES[key]:
@@ -398,7 +398,7 @@ def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
             continue
         dynamic = args.dynamic if isinstance(args.dynamic, bool) else "local"
         obs = "memoryless_minmax" if dynamic is True else observer
-        roles[role] = Role(spec_from_args(args, role), obs, dynamic)
+        roles[role] = Role(llmcompressor_spec(args, role), obs, dynamic)
     recipe = Recipe((Rule(targets, **roles),), tuple([ignore] if isinstance(ignore, str)
                                                     else ignore), key)
     return recipe.with_observer(observer, **options)

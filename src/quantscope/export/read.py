@@ -6,9 +6,10 @@ matched by compressed-tensors' own ``match_named_modules`` on the model built fr
 ``config.json`` on the meta device (no weights allocated), and each module's tensors are
 decoded by compressed-tensors' own compressor (``decompress``: fp8 and E8M0 scales to
 float, packed zero points to integers). The args become quantscope specs
-(:func:`spec_from_args`), the tensors :class:`~quantscope.qparams.QParams`, so
-``calibration.apply(float_model)`` runs the model as the checkpoint does, and the report and
-compare tools work on it.
+(:func:`~quantscope.compat.llmcompressor.llmcompressor_spec`, the one translation: MX is
+E8M0 ``even``, compressed-tensors' run-time rule), the tensors
+:class:`~quantscope.qparams.QParams`, so ``calibration.apply(float_model)`` runs the model as
+the checkpoint does, and the report and compare tools work on it.
 """
 
 from __future__ import annotations
@@ -18,23 +19,15 @@ import os
 
 import torch
 
+from ..compat.llmcompressor import llmcompressor_spec
 from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
 from .registry import register_reader
 
-__all__ = ["read_compressed_tensors", "spec_from_args"]
+__all__ = ["read_compressed_tensors"]
 
 _ROLE = {"weights": "weight", "input_activations": "input", "output_activations": "output"}
-
-
-def spec_from_args(args, role: str = "weight") -> QuantSpec:
-    """The quantscope spec of a compressed-tensors ``QuantizationArgs`` for ``role`` (weight,
-    input, output): :func:`~quantscope.compat.llmcompressor.llmcompressor_spec`, the one
-    translation (MX is E8M0 ``even``, compressed-tensors' run-time rule)."""
-    from ..compat.llmcompressor import llmcompressor_spec
-
-    return llmcompressor_spec(args, role)
 
 
 def _global_amax(gs: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -87,7 +80,7 @@ def _read_kv_cache(args, tensors, states):
 
     if args is None:
         return None
-    spec = spec_from_args(args, "input")
+    spec = llmcompressor_spec(args, "input")
     observer = args.observer or "minmax"
     qshape = spec.layout.qparam_shape((1, 1))
     for key, value in tensors.items():
@@ -161,7 +154,7 @@ def read_compressed_tensors(path):
     for scheme in qconfig.config_groups.values():
         fmt = scheme.format or qconfig.format
         roles = {_ROLE[k]: getattr(scheme, k) for k in _ROLE if getattr(scheme, k) is not None}
-        specs = {r: spec_from_args(a, r) for r, a in roles.items()}
+        specs = {r: llmcompressor_spec(a, r) for r, a in roles.items()}
         observers = {r: (a.observer or "minmax") for r, a in roles.items()}
         rules.append(Rule(tuple(scheme.targets), **{
             r: Role(specs[r], "memoryless_minmax" if a.dynamic is True else observers[r],
