@@ -179,3 +179,19 @@ def test_nothing_seen_nothing_smoothed():
     info = smooth(model, [], 0.5)  # no batch: no range to go by
     assert info["smoothed"] == [] and len(info["skipped"]) == 6 and info["scales"] == {}
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_ranges_are_reduced_across_ranks_only_for_a_distributed_calibration(monkeypatch):
+    """A process group alone (torchrun, each rank calibrating by itself) is not a reason for
+    a collective: one rank smoothing alone would wait for the others forever."""
+    from quantscope import comm
+    from quantscope.calibrate import smooth as sm
+
+    calls = []
+    monkeypatch.setattr(comm, "is_distributed", lambda group=None: True)
+    monkeypatch.setattr(comm, "all_reduce", lambda t, op, group: calls.append(op))
+    model, batches = _llama()
+    sm.channel_ranges(model, batches[:1], find_mappings(model))
+    assert calls == []
+    sm.channel_ranges(model, batches[:1], find_mappings(model), distributed=True)
+    assert len(calls) == 2 * len(find_mappings(model))

@@ -183,17 +183,17 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                                     seed, t0, auto_metric, experts, missing, sample_budget_mb,
                                     fisher)
 
-    return _around(model, batches, run, smooth, group if distributed else None, keep_float,
-                   fallback)
+    return _around(model, batches, run, smooth, keep_float, fallback, distributed, group)
 
 
-def _around(model, batches, run, smooth, group, keep_float, fallback):
+def _around(model, batches, run, smooth, keep_float, fallback, distributed, group):
     """``run(batches)``, the calibration itself, with what goes around it: SmoothQuant
     before (ranges from the first batch), the float fallback after (ranked on it)."""
     smoothed = None
     if smooth is not None:
         first, batches = _peek(batches)
-        smoothed = _smooth.smooth(model, [] if first is None else [first], smooth, group)
+        smoothed = _smooth.smooth(model, [] if first is None else [first], smooth,
+                                  distributed=distributed, group=group)
     if not keep_float:
         out = run(batches)
     else:

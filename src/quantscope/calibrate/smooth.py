@@ -111,10 +111,11 @@ def _width(module: nn.Module) -> int | None:
 
 
 @torch.no_grad()
-def channel_ranges(model: nn.Module, batches, mappings: list[Mapping],
+def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distributed: bool = False,
                    group=None) -> dict[str, torch.Tensor]:
     """``max - min`` of every input channel of each mapping's balanced Linears over
-    ``batches`` (one forward each; the range across ranks under ``torch.distributed``)."""
+    ``batches`` (one forward each); with ``distributed`` inside a process group, the range
+    across its ranks (every rank must call it then)."""
     modules = dict(model.named_modules())
     lo, hi = {}, {}
 
@@ -138,7 +139,7 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping],
     finally:
         for h in handles:
             h.remove()
-    if qd.is_distributed(group):
+    if distributed and qd.is_distributed(group):
         for m in mappings:  # every rank must smooth alike
             width = modules[m.balance[0]].in_features
             a = lo.get(m.previous, torch.full((width,), float("inf")))
@@ -223,14 +224,16 @@ def check(alpha, sequential: bool = False) -> None:
 
 
 @torch.no_grad()
-def smooth(model: nn.Module, batches, alpha: float = 0.5, group=None) -> dict:
-    """Smooth ``model`` in place (module doc) with ranges from ``batches``; returns
+def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool = False,
+           group=None) -> dict:
+    """Smooth ``model`` in place (module doc) with ranges from ``batches`` (``distributed``:
+    reduced over ``group``'s ranks, as :func:`~.session.calibrate_many` 's); returns
     ``{"alpha", "smoothed": [previous module names], "skipped": [names failing the probe or
     never run], "scales": {name: [C] float32}}``. ``alpha`` in ``[0, 1]``: 0 leaves the
     activations, 1 moves all of their range into the weights."""
     check(alpha)
     mappings = find_mappings(model)
-    ranges = channel_ranges(model, batches, mappings, group) if mappings else {}
+    ranges = channel_ranges(model, batches, mappings, distributed, group) if mappings else {}
     modules = dict(model.named_modules())
     done, skipped, scales = [], [], {}
     for m in mappings:
