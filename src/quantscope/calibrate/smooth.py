@@ -159,9 +159,10 @@ def smoothing_scales(ranges: torch.Tensor, weights: list[torch.Tensor],
     return torch.where(w > 0, s, ranges.float()).clamp(min=MIN_SCALE)
 
 
-def _new_params(model: nn.Module, m: Mapping, s: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Fully qualified name -> smoothed value of every parameter the mapping changes."""
-    modules = dict(model.named_modules())
+def _new_params(modules: dict[str, nn.Module], m: Mapping,
+                s: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Fully qualified name -> smoothed value of every parameter the mapping changes
+    (``modules``: the model's, by name)."""
     prev = modules[m.previous]
     new = {}
     for pname, p in prev.named_parameters(recurse=False):
@@ -174,11 +175,10 @@ def _new_params(model: nn.Module, m: Mapping, s: torch.Tensor) -> dict[str, torc
     return new
 
 
-def _probe_holds(model: nn.Module, m: Mapping, new: dict[str, torch.Tensor]) -> bool:
+def _probe_holds(modules: dict[str, nn.Module], m: Mapping, new: dict[str, torch.Tensor]) -> bool:
     """The balanced Linears' outputs of a random input are the same with ``new`` (the
     previous module as a norm: ``linear(norm(x))``; as a Linear: its parent, e.g. the MLP,
     whole)."""
-    modules = dict(model.named_modules())
     prev = modules[m.previous]
     p0 = next(prev.parameters())
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -242,11 +242,11 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
             skipped.append(m.previous)  # never ran, or saw NaN / inf: nothing to go by
             continue
         s = smoothing_scales(r, [modules[b].weight for b in m.balance], alpha)
-        new = _new_params(model, m, s)
-        if not _probe_holds(model, m, new):
+        new = _new_params(modules, m, s)
+        if not _probe_holds(modules, m, new):
             skipped.append(m.previous)
             continue
-        _write(model, new)
+        _write(modules, new)
         done.append(m.previous)
         scales[m.previous] = s.cpu()
     return {"alpha": float(alpha), "smoothed": done, "skipped": skipped, "scales": scales}
@@ -258,16 +258,17 @@ def reapply(model: nn.Module, calibration) -> None:
     ``calibration`` was made on (its ``smoothing`` scales; nothing if it has none)."""
     scales = calibration.smoothing
     mappings = find_mappings(model)  # in smooth's order (a saved dict's may differ)
+    modules = dict(model.named_modules())
     unknown = sorted(set(scales) - {m.previous for m in mappings})
     if unknown:
         raise ValueError(f"smooth: the calibration smoothed {unknown[0]!r}, which this model "
                          f"does not have as a smoothable module")
     for m in mappings:
         if m.previous in scales:
-            _write(model, _new_params(model, m, torch.as_tensor(scales[m.previous])))
+            _write(modules, _new_params(modules, m, torch.as_tensor(scales[m.previous])))
 
 
-def _write(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
+def _write(modules: dict[str, nn.Module], new: dict[str, torch.Tensor]) -> None:
     for k, v in new.items():
-        params[k].copy_(v)
+        owner, _, pname = k.rpartition(".")
+        getattr(modules[owner], pname).copy_(v)
