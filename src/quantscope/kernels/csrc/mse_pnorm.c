@@ -42,32 +42,49 @@ static pw_t pw_make(double p) {
 #define X3 0.05550327152013779f
 #define X4 0.009676037356257439f
 #define X5 0.0013400432653725147f
-/* both polynomials in Horner form, written once for the scalar and the vector loops: each
-   defines PV (a constant of its type) and FMA (a * b + c: fused in the vector loops, two
-   roundings in the scalar one) */
+/* both polynomials in Horner form, and the range reduction below, written once for the
+   scalar and the vector loops: each defines PV (a constant of its type), FMA (a * b + c:
+   fused in the vector loops, two roundings in the scalar one), ADD, SUB, MUL and RND (round
+   to nearest even) */
 #define LOG2_Q(x) FMA(FMA(FMA(FMA(FMA(FMA(FMA(PV(L7), x, PV(L6)), x, PV(L5)), x, PV(L4)), \
                                   x, PV(L3)), x, PV(L2)), x, PV(L1)), x, PV(L0))
 #define EXP2_P(t) FMA(FMA(FMA(FMA(FMA(PV(X5), t, PV(X4)), t, PV(X3)), t, PV(X2)), t, PV(X1)), \
                       t, PV(X0))
+/* m 2^e -> |a| ** p = P 2^nk (the header's steps): declares P and nk, of type T */
+#define POW_REDUCE(T, m, e, w, P, nk)                                                    \
+    const T x_ = SUB(m, PV(1.0f)), l_ = MUL(LOG2_Q(x_), x_);                              \
+    const T hp_ = MUL(PV((w)->ph), e), n_ = RND(hp_), f_ = SUB(hp_, n_);                 \
+    const T r_ = ADD(f_, FMA(PV((w)->pl), e, MUL(PV((w)->p), l_))), k_ = RND(r_);        \
+    const T P = EXP2_P(SUB(r_, k_)), nk = ADD(n_, k_)
 
 #define PV(c) (c)
 #define FMA(a, b, c) ((a) * (b) + (c))
+#define ADD(a, b) ((a) + (b))
+#define SUB(a, b) ((a) - (b))
+#define MUL(a, b) ((a) * (b))
+#define RND nearbyintf
 static float pow1(float a, const pw_t *w) {
     if (!(a > 0.0f) || a == INFINITY) return a * a;
     int ie = ilogbf(a);
     float m = scalbnf(a, -ie), e = (float)ie;
     if (m >= 1.5f) { m *= 0.5f; e += 1.0f; }
-    float x = m - 1.0f;
-    float l = LOG2_Q(x) * x, hp = w->ph * e, n = nearbyintf(hp), f = hp - n;
-    float r = f + (w->pl * e + w->p * l), k = nearbyintf(r), t = r - k;
-    return scalbnf(EXP2_P(t), (int)(n + k));
+    POW_REDUCE(float, m, e, w, P, nk);
+    return scalbnf(P, (int)nk);
 }
 #undef PV
 #undef FMA
+#undef ADD
+#undef SUB
+#undef MUL
+#undef RND
 
 #if defined(__AVX512F__)
 #define PV _mm512_set1_ps
 #define FMA _mm512_fmadd_ps
+#define ADD _mm512_add_ps
+#define SUB _mm512_sub_ps
+#define MUL _mm512_mul_ps
+#define RND(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 static inline __attribute__((always_inline)) __m512 powv(__m512 a, const pw_t *w) {
     const __m512 one = PV(1.0f);
     __mmask16 ok = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ)
@@ -75,17 +92,8 @@ static inline __attribute__((always_inline)) __m512 powv(__m512 a, const pw_t *w
     __m512 e = _mm512_getexp_ps(a);
     __m512 m = _mm512_getmant_ps(a, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_zero);
     e = _mm512_mask_add_ps(e, _mm512_cmp_ps_mask(m, one, _CMP_LT_OQ), e, one);
-    __m512 x = _mm512_sub_ps(m, one);
-    __m512 l = _mm512_mul_ps(LOG2_Q(x), x);
-    __m512 hp = _mm512_mul_ps(PV(w->ph), e);
-    __m512 n = _mm512_roundscale_ps(hp, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(hp, n);
-    __m512 r = _mm512_add_ps(f, FMA(PV(w->pl), e, _mm512_mul_ps(PV(w->p), l)));
-    __m512 k = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 t = _mm512_sub_ps(r, k);
-    __m512 P = EXP2_P(t);
-    __m512 res = _mm512_scalef_ps(P, _mm512_add_ps(n, k));
-    return _mm512_mask_blend_ps(ok, _mm512_mul_ps(a, a), res);
+    POW_REDUCE(__m512, m, e, w, P, nk);
+    return _mm512_mask_blend_ps(ok, _mm512_mul_ps(a, a), _mm512_scalef_ps(P, nk));
 }
 
 /* sum |d| ** p of one unit under (s, z); the tail through masked loads (zeros add 0) */
@@ -119,6 +127,10 @@ static double pprice(const float *x, int64_t E, float s, float z, float qmin, fl
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PV _mm256_set1_ps
 #define FMA _mm256_fmadd_ps
+#define ADD _mm256_add_ps
+#define SUB _mm256_sub_ps
+#define MUL _mm256_mul_ps
+#define RND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define IV _mm256_set1_epi32
 /* |a| ** p of 8 lanes (a >= 0) as float64 (lanes 0-3, 4-7): no getexp / scalef here, so
    the exponent comes from the bits (subnormals scaled by 2^24 first) and the result is
@@ -136,18 +148,10 @@ static inline __attribute__((always_inline)) void powv(__m256 a, const pw_t *w, 
     __m256 big = _mm256_cmp_ps(m, PV(1.5f), _CMP_GE_OQ);
     m = _mm256_blendv_ps(m, _mm256_mul_ps(m, PV(0.5f)), big);
     e = _mm256_add_ps(e, _mm256_and_ps(big, one));
-    __m256 x = _mm256_sub_ps(m, one);
-    __m256 l = _mm256_mul_ps(LOG2_Q(x), x);
-    __m256 hp = _mm256_mul_ps(PV(w->ph), e);
-    __m256 n = _mm256_round_ps(hp, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_sub_ps(hp, n);
-    __m256 r = _mm256_add_ps(f, FMA(PV(w->pl), e, _mm256_mul_ps(PV(w->p), l)));
-    __m256 k = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 t = _mm256_sub_ps(r, k);
-    __m256 P = EXP2_P(t);
-    P = _mm256_and_ps(P, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ));  /* 0 -> 0 */
+    POW_REDUCE(__m256, m, e, w, P0, nk);
+    __m256 P = _mm256_and_ps(P0, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ)); /* 0 -> 0 */
     P = _mm256_add_ps(P, _mm256_sub_ps(a, a));  /* inf, NaN -> NaN */
-    __m256i j = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_add_ps(n, k)), IV(1023));
+    __m256i j = _mm256_add_epi32(_mm256_cvtps_epi32(nk), IV(1023));
     __m256d s0 = _mm256_castsi256_pd(
         _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(j)), 52));
     __m256d s1 = _mm256_castsi256_pd(
