@@ -529,9 +529,14 @@ def test_quantizes_like_tells_equal_qdq_apart():
                         candidates=["minmax", "mse"], progress=False)
     assert cs["minmax"].quantizes_like(cs["minmax"])
     assert not cs["minmax"].quantizes_like(cs["mse"])
+    # auto's states are its chosen roles' states: the same QDQ whoever found them
+    from quantscope.calibrate import Calibration
+
     roles = cs["auto"].info["auto"]["roles"]
-    if roles["weight"] == roles["input"]:  # auto kept one candidate whole: the same QDQ
-        assert cs["auto"].quantizes_like(cs[roles["weight"]])
+    picked = Calibration(cs["auto"].recipe, {
+        layer: {r: cs[roles[r]].states[layer][r] for r in rs}
+        for layer, rs in cs["auto"].states.items()})
+    assert cs["auto"].quantizes_like(picked) and picked.quantizes_like(cs["auto"])
     # one scale value apart is another quantizer
     from dataclasses import replace
 
