@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from common import status_kb
+
 CASES = ("forward", "minmax", "minmax-notrim", "seven", "seven-notrim", "sequential",
          "oneshot")
 PEER_PYTHON = os.environ.get("QUANTSCOPE_PEER_PYTHON", "/work/main/.peers/bin/python")
@@ -38,13 +40,9 @@ def _peak_mb() -> float:
     from the parent through fork and exec (under ``make bench``, after the other benches,
     every case read the parent's 3.5 GB)."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return status_kb("VmHWM")[0] / 1024
+    except OSError:  # no /proc: the best there is
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_case(case: str, docs_n: int = DOCS) -> dict:

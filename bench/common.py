@@ -5,8 +5,16 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["Table", "compare", "median_time"]
+__all__ = ["Table", "compare", "median_time", "status_kb"]
+
+
+def status_kb(*keys: str) -> list[int]:
+    """Fields of ``/proc/self/status`` in kB (``"VmHWM"``: this process's own peak resident
+    set; ``ru_maxrss`` would carry the parent's over fork and exec)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return [int(fields[k].split()[0]) for k in keys]
 
 
 def median_time(fn: Callable[[], object], repeat: int = 7, warmup: int = 2,

@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent / "src"))  # quantscope from this checkout in
 sys.path.insert(0, str(HERE))
 
 import torch
-from common import compare
+from common import compare, status_kb
 
 from quantscope.estimators import dense_search, range_error
 from quantscope.layout import Channel, Group
@@ -139,11 +139,6 @@ def time_cases(cases_path: str, out: str) -> None:
                                      "torch": torch.__version__}))
 
 
-def _status_kb(*keys: str) -> list[int]:
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return [int(fields[k].split()[0]) for k in keys]
-
-
 def _reset_hwm() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -199,9 +194,9 @@ def peak(path: str, side: str, layout: str, out: str) -> None:
     for name, w in tensors.items():
         gc.collect()
         reset = _reset_hwm()
-        rss0, hwm0 = _status_kb("VmRSS", "VmHWM")
+        rss0, hwm0 = status_kb("VmRSS", "VmHWM")
         r = call(w)
-        (hwm,) = _status_kb("VmHWM")
+        (hwm,) = status_kb("VmHWM")
         del r
         calls.append({"tensor": name, "input_kb": w.numel() * w.element_size() / 1024,
                       "rss_peak_kb": hwm - rss0 if reset else None,
