@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -130,9 +132,17 @@ def test_model_metric_choice_is_the_exhaustive_best():
                                       + sum(info["role_pieces"].values()))
     singles = calibrate_many(model, batches, {n: preset("w8a8", n) for n in names},
                              progress=False)
+    # the role step's extra weight candidate: min-max's states with each weight searched
+    # under the mean x^2 of its inputs over the calibration batches, computed here by hand
+    imp = _importance_by_hand(model, batches, list(singles["minmax"].states))
+    singles["imatrix"] = SimpleNamespace(states={
+        layer: dict(rs, weight=_imatrix_by_hand(model, layer, rs["weight"], imp[layer]))
+        for layer, rs in singles["minmax"].states.items()})
+    per_piece = {}
     # each candidate's score is its mean KL over the pieces it was scored on (all of them,
     # unless dropped early), written out directly
     per_piece = {n: [_kl(model, [b], c.states) for b in pieces] for n, c in singles.items()}
+    imatrix_direct = sum(per_piece.pop("imatrix")) / len(pieces)
     for n in names:
         k = info["pieces_scored"][n]
         assert 1 <= k <= len(pieces)
@@ -147,7 +157,8 @@ def test_model_metric_choice_is_the_exhaustive_best():
     for layer, roles in singles[best].states.items():
         for role in roles:
             st = singles[info["roles"][role]].states[layer][role]
-            assert torch.equal(auto.states[layer][role].qparams.scale, st.qparams.scale)
+            torch.testing.assert_close(auto.states[layer][role].qparams.scale, st.qparams.scale,
+                                       rtol=1e-6, atol=0)
             assert auto.states[layer][role].requested == "auto"
     final = sum(_kl(model, [b], auto.states) for b in pieces) / len(pieces)
     completed = [v for k, v in info["role_scores"].items()
@@ -155,6 +166,93 @@ def test_model_metric_choice_is_the_exhaustive_best():
     assert final == pytest.approx(min([direct[best], *completed]), rel=1e-3, abs=1e-12)
     # never worse than min-max on the scoring batches
     assert final <= direct[best] <= direct["minmax"]
+    # the imatrix weights were a weight trial, with the chosen configuration's inputs: from
+    # min-max, that trial is the hand-made configuration itself
+    assert "weight=imatrix" in info["role_scores"]
+    if info["chose"] == "minmax":
+        assert final <= imatrix_direct * (1 + 1e-3)
+
+
+def _importance_by_hand(model, batches, layers):
+    """Mean x^2 per input channel of each layer over every row of the batches (the float32
+    squares summed in float64)."""
+    xs = {n: [] for n in layers}
+    hooks = [model.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, n=n: xs[n].append(a[0].detach().reshape(-1, a[0].shape[-1]).float()))
+        for n in layers]
+    with torch.no_grad():
+        for b in batches:
+            model(**b)
+    for h in hooks:
+        h.remove()
+    return {n: torch.cat(v).square().double().mean(0).float() for n, v in xs.items()}
+
+
+def _imatrix_by_hand(model, layer, base, imp):
+    from dataclasses import replace
+
+    w = model.get_submodule(layer).weight.detach()
+    lo, hi = imatrix_range(w, imp, base.spec)
+    qp = qparams_from_range(lo, hi, base.spec).reshape(base.spec.layout.qparam_shape(w.shape))
+    return replace(base, observer="imatrix", qparams=qp, lo=lo, hi=hi)
+
+
+def test_input_importance_is_the_mean_square_of_every_row_seen():
+    from quantscope.calibrate.importance import InputImportance
+
+    model, batches = _llama()
+    layers = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"]
+    imp = InputImportance(model, layers + ["model.norm"])  # a norm has no 2-D weight: skipped
+    with torch.no_grad():
+        model(**batches[0])  # outside the calibration pass and counting(): not counted
+        assert not imp.seen()
+        with imp.counting():
+            for b in batches:
+                model(**b)
+    got = imp.means()
+    assert sorted(got) == sorted(layers) and not imp.handles
+    want = _importance_by_hand(model, batches, layers)
+    for n in layers:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=0)
+    # a layer that saw no rows has no importance
+    imp = InputImportance(model, layers)
+    assert imp.means() == {}
+    # in a calibration, the pass's forwards are counted, not the one that finds the fusion
+    # groups: auto's weight trial uses the mean over the batches, as computed by hand above
+    from quantscope.calibrate import observe
+
+    seen = []
+    imp = InputImportance(model, layers)
+    real = observe.forward_batch
+    try:
+        observe.forward_batch = lambda m, b: seen.append(observe.in_pass()) or real(m, b)
+        calibrate(model, batches, "w8a8", progress=False)
+    finally:
+        observe.forward_batch = real
+    assert seen == [True] * len(batches) and not observe.in_pass()
+    for n, v in imp.means().items():
+        torch.testing.assert_close(v, want[n], rtol=1e-6, atol=0)
+
+
+def test_imatrix_config_replaces_the_weights_it_can_search():
+    from quantscope.calibrate.importance import imatrix_config
+
+    model, batches = _llama()
+    base = calibrate(model, batches, "w8a8", progress=False)
+    imp = _importance_by_hand(model, batches, list(base.states))
+    got = imatrix_config(model, base, imp)
+    for layer, rs in base.states.items():
+        new = got.states[layer]
+        assert new["input"] is rs["input"]  # the other roles kept
+        want = _imatrix_by_hand(model, layer, rs["weight"], imp[layer])
+        assert new["weight"].observer == "imatrix"
+        assert torch.equal(new["weight"].lo, want.lo) and torch.equal(new["weight"].hi, want.hi)
+    assert {(r["layer"], r["role"]) for r in got.stats} == {(n, "weight") for n in base.states}
+    # without importance nothing changes: no configuration
+    assert imatrix_config(model, base, {}) is None
+    # a scale a fused runtime layer shares (NVFP4's global scale) is not searched per layer
+    nv = calibrate(model, batches, "nvfp4", progress=False)
+    assert imatrix_config(model, nv, _importance_by_hand(model, batches, list(nv.states))) is None
 
 
 def test_choose_drops_a_far_worse_candidate_after_the_first_piece():
@@ -328,14 +426,18 @@ def test_imatrix_range_by_hand():
         imatrix_range(w, -imp, spec)
 
 
-def test_imatrix_state_importance_is_mean_square_of_inputs():
+def test_imatrix_state_is_the_weighted_search_under_the_base_spec():
     torch.manual_seed(0)
     x, w = torch.randn(32, 8) * torch.arange(1, 9), torch.randn(4, 8)
     base = calibrate(nn.Sequential(nn.Linear(8, 4)), [x], "w8a8",
                      progress=False).states["0"]["weight"]
-    st = imatrix_state(w, x, base)
-    lo, hi = imatrix_range(w, (x * x).sum(0) / x.shape[0], base.spec)
+    imp = (x * x).sum(0) / x.shape[0]
+    st = imatrix_state(w, imp, base)
+    lo, hi = imatrix_range(w, imp, base.spec)
     assert torch.equal(st.lo, lo) and torch.equal(st.hi, hi) and st.observer == "imatrix"
+    qp = qparams_from_range(lo, hi, base.spec)
+    assert torch.equal(st.qparams.scale.flatten(), qp.scale.flatten())
+    assert st.spec == base.spec and st.shape == base.shape
 
 
 def test_output_clip_range_is_the_brute_force_best():
@@ -550,3 +652,18 @@ def test_quantizes_like_tells_equal_qdq_apart():
     assert st.quantizes_like(replace(st, observer="other"))
     assert not st.quantizes_like(moved)
     assert not st.quantizes_like(replace(st, dynamic=True))
+
+
+def test_weight_only_auto_weighs_by_the_scoring_forwards():
+    """A weight-only recipe's pass runs no forward: the importance comes from the float
+    forwards of the scoring pieces, and the imatrix weights are still a role trial."""
+    from quantscope.calibrate import Recipe, Role, Rule
+
+    model, batches = _llama()
+    recipe = Recipe((Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, "auto")),),
+                    name="w8-only")
+    c = calibrate(model, batches, recipe, candidates=["minmax", "mse"], progress=False)
+    info = c.info["auto"]
+    assert "weight=imatrix" in info["role_scores"]
+    if info["roles"]["weight"] == "imatrix":
+        assert {st["weight"].observer for st in c.states.values()} == {"imatrix"}

@@ -16,7 +16,9 @@ scoring documents per candidate (fewer for those dropped early).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 import types
 from dataclasses import replace
 
@@ -25,6 +27,8 @@ from torch import nn
 
 from .apply import apply
 from .batches import forward_batch
+from .importance import InputImportance, imatrix_config
+from .layer_choice import IMATRIX
 from .recipe import AUTO, Recipe
 from .result import Calibration
 
@@ -290,16 +294,15 @@ def choose_roles(div: OutputDivergence, configs: dict, best: str, best_pieces: l
                    key=lambda r: (r != "weight", r))
     pick, kept, tried = dict.fromkeys(roles, best), list(best_pieces), {}
 
-    def observer_of(name, role):
-        return next((rs[role].observer for rs in configs[name].states.values() if role in rs),
-                    None)
+    def observer_of(name, role):  # a configuration's observers of ``role``, layer by layer
+        return tuple(rs[role].observer for rs in configs[name].states.values() if role in rs)
 
     for role in roles:
         pool = list(configs) if role == "weight" else alive
         seen = {observer_of(pick[role], role)}
         for n in pool:
             obs = observer_of(n, role)
-            if obs is None or obs in seen or configs[n].states.keys() != chosen.keys():
+            if not obs or obs in seen or configs[n].states.keys() != chosen.keys():
                 continue
             seen.add(obs)
             trial = dict(pick, **{role: n})
@@ -327,7 +330,10 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
     observers with each other (and with the other recipes) in :func:`calibrate_many` 's
     single pass, whose float forwards also give the scoring pieces' references. The scoring
     documents are cut in pieces scored one after the other (:func:`score_plan`,
-    :func:`choose`): a candidate far behind after a piece is not scored further.
+    :func:`choose`): a candidate far behind after a piece is not scored further. Then each
+    role is re-chosen (:func:`choose_roles`); where the candidates give the weights a
+    choice, the importance-weighted weight search (:mod:`.importance`, its mean ``x^2``
+    gathered in the same pass) is one more weight candidate there.
     The per-layer ``joint`` choice is not a candidate here: on SmolLM2 its configuration
     scored worst but the clipping observers (docs/benchmarks.md), and it costs its own
     matmuls and imatrix searches; ``auto_metric="joint"`` asks for it.
@@ -343,48 +349,73 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
             expanded[(label, n)] = recipes[label].with_observer(n)
     plan = score_plan(batches, score_tokens) if autos else []
     caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
+    weighted = autos and len(set(_candidates("weight", candidates))) > 1
+    importance = InputImportance(model, sorted(
+        {layer for label in autos for layer, (_, roles) in recipes[label].match(model).items()
+         if "weight" in roles})) if weighted else None
     try:
-        calibs = calibrate_many(model, batches, expanded, candidates=candidates,
-                                auto_metric="tensor", **kwargs)
+        try:
+            calibs = calibrate_many(model, batches, expanded, candidates=candidates,
+                                    auto_metric="tensor", **kwargs)
+        finally:
+            refs = caught.references() if caught is not None else None
+        out = {label: c for label, c in calibs.items() if label in recipes}
+        if not autos:
+            return out
+        t0 = time.perf_counter()
+        pieces = [_piece(batches[i], a, b) for i, a, b in plan]
+        # a pass without forwards (weight-only recipes): the scoring pieces' float forwards
+        with (importance.counting() if importance is not None and not importance.seen()
+              else contextlib.nullcontext()):
+            score = OutputDivergence(model, pieces, loss, refs)
+        means = {} if importance is None else importance.means(
+            kwargs.get("distributed", False), kwargs.get("group"))
     finally:
-        refs = caught.references() if caught is not None else None
-    out = {label: c for label, c in calibs.items() if label in recipes}
-    if not autos:
-        return out
-    import time
-
-    t0 = time.perf_counter()
-    score = OutputDivergence(model, [_piece(batches[i], a, b) for i, a, b in plan], loss, refs)
+        if importance is not None:
+            importance.remove()
     for label in autos:
-        configs, per_piece = {n: calibs[(label, n)] for n in names}, {}
-        best, scores = choose(score, {n: c.states for n, c in configs.items()}, names[0],
-                              pieces=per_piece)
-        alive = [n for n in names if scores[n][1] == len(score.batches)]
-        roles, trials = choose_roles(score, configs, best, per_piece[best], alive)
-        chosen = configs[best]
-        supplier = {role: configs[n] for role, n in roles.items()}
-        states = {layer: {role: replace(supplier.get(role, chosen).states[layer][role],
-                                        requested=AUTO) for role in rs}
-                  for layer, rs in chosen.states.items()}
-        info = dict(chosen.info)
-        info["auto"] = {"metric": "model", "chose": best, "roles": roles,
-                        "scores": {k: float(f"{v:.6g}") for k, (v, _) in scores.items()},
-                        "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},
-                        "role_pieces": {k: p for k, (_, p) in trials.items()},
-                        "pieces_scored": {k: p for k, (_, p) in scores.items()},
-                        "score_pieces": len(score.batches),
-                        "score_tokens": sum(_tokens(b) for b in score.batches),
-                        "score_forwards": score.forwards}
-        stats = [dict(r, requested=AUTO) for r in (
-            row for n, c in configs.items() for row in c.stats
-            if roles.get(row["role"], best) == n)]
-        out[label] = Calibration(recipes[label], states, label, stats, chosen.histograms, info)
+        out[label] = _decide(model, score, recipes[label], label,
+                             {n: calibs[(label, n)] for n in names}, means)
     spent = time.perf_counter() - t0
     for label in autos:
         out[label].info["calibration_seconds"] = round(
             out[label].info["calibration_seconds"] + spent, 3)
         out[label].info["auto"]["score_seconds"] = round(spent, 3)
     return out
+
+
+def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict, means: dict
+            ) -> Calibration:
+    """One auto recipe's result from its candidates' calibrations ``configs`` (min-max
+    first): the best whole configuration (:func:`choose`), then each role re-chosen
+    (:func:`choose_roles`, the imatrix weights among the weight trials where ``means``, the
+    input importance, is known)."""
+    names, per_piece = list(configs), {}
+    best, scores = choose(score, {n: c.states for n, c in configs.items()}, names[0],
+                          pieces=per_piece)
+    alive = [n for n in names if scores[n][1] == len(score.batches)]
+    extra = imatrix_config(model, configs[names[0]], means) if means else None
+    if extra is not None:  # the weighted weight search: a weight candidate of the role step
+        configs = {**configs, IMATRIX: extra}
+    roles, trials = choose_roles(score, configs, best, per_piece[best], alive)
+    chosen = configs[best]
+    supplier = {role: configs[n] for role, n in roles.items()}
+    states = {layer: {role: replace(supplier.get(role, chosen).states[layer][role],
+                                    requested=AUTO) for role in rs}
+              for layer, rs in chosen.states.items()}
+    info = dict(chosen.info)
+    info["auto"] = {"metric": "model", "chose": best, "roles": roles,
+                    "scores": {k: float(f"{v:.6g}") for k, (v, _) in scores.items()},
+                    "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},
+                    "role_pieces": {k: p for k, (_, p) in trials.items()},
+                    "pieces_scored": {k: p for k, (_, p) in scores.items()},
+                    "score_pieces": len(score.batches),
+                    "score_tokens": sum(_tokens(b) for b in score.batches),
+                    "score_forwards": score.forwards}
+    stats = [dict(r, requested=AUTO) for r in (
+        row for n, c in configs.items() for row in c.stats
+        if roles.get(row["role"], best) == n)]
+    return Calibration(recipe, states, label, stats, chosen.histograms, info)
 
 
 def _has_auto(recipe: Recipe) -> bool:

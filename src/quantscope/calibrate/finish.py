@@ -44,7 +44,8 @@ def _share_inputs(states, rows, plan, slots, groups, made, errors, cache) -> Non
                 skey = (m, "input", okey, cfg.dynamic)
                 states[m]["input"] = replace(made[skey], requested=cfg.observer)
                 if (m, "input") in at and cache.get(skey) is not None:
-                    rows[at[(m, "input")]] = _row(m, "input", states[m]["input"], cache[skey])
+                    rows[at[(m, "input")]] = stats_row(m, "input", states[m]["input"],
+                                                       cache[skey])
 
 
 def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
@@ -91,8 +92,8 @@ def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
         for m, mod, st in zip(members, mods, parts):
             states[m]["weight"] = st
             if (m, "weight") in at:
-                rows[at[(m, "weight")]] = _row(m, "weight", st,
-                                               tensor_stats(mod.weight.detach(), st))
+                rows[at[(m, "weight")]] = stats_row(m, "weight", st,
+                                                    tensor_stats(mod.weight.detach(), st))
         entry["weight"] = f"shared ({best[0].observer})"
     return done
 
@@ -178,7 +179,7 @@ class _States:
             state, st = self.role_state(plan, layer, role, cfg, names, experts)
             states.setdefault(layer, {})[role] = state
             if st is not None:
-                rows.append(_row(layer, role, state, st))
+                rows.append(stats_row(layer, role, state, st))
         _share_inputs(states, rows, plan, self.slots, groups, self.made, self.errors, self.cache)
         shared = _share_weights(states, rows, plan, self.slots, groups)
         per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
@@ -274,7 +275,8 @@ class _States:
         return self.joint[key]
 
 
-def _row(layer, role, state: RoleState, st: dict) -> dict:
+def stats_row(layer, role, state: RoleState, st: dict) -> dict:
+    """The report's row of one role (``st``: :func:`~.report.tensor_stats` of its tensor)."""
     if state.lo is not None:
         lo, hi = float(state.lo.min()), float(state.hi.max())
     else:

@@ -92,11 +92,10 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
 
 
 # ----------------------------------------------------------------------------- joint choice
-def imatrix_state(w: torch.Tensor, x: torch.Tensor, base: RoleState) -> RoleState:
-    """The weight state of the importance-weighted MSE search (importance: mean ``x^2`` per
-    input channel over the sampled calibration inputs ``x``)."""
-    imp = x.float().square().mean(0)
-    lo, hi = imatrix_range(w, imp, base.spec)
+def imatrix_state(w: torch.Tensor, importance: torch.Tensor, base: RoleState) -> RoleState:
+    """The weight state of the importance-weighted MSE search under ``base``'s spec
+    (``importance``: the mean ``x^2`` of each input channel)."""
+    lo, hi = imatrix_range(w, importance, base.spec)
     qp = qparams_from_range(lo, hi, base.spec).reshape(base.spec.layout.qparam_shape(w.shape))
     return replace(base, observer=IMATRIX, qparams=qp, lo=lo, hi=hi)
 
@@ -163,7 +162,7 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
         return None
     if len(wnames) > 1:
         try:
-            ws.append(imatrix_state(w, x, ws[0]))
+            ws.append(imatrix_state(w, x.float().square().mean(0), ws[0]))
         except ValueError:  # a layout the weighted search cannot take: not a candidate
             pass
     c = None if fisher is None else fisher.get(layer)

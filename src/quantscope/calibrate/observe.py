@@ -10,6 +10,7 @@ one input slot; :func:`observe_batches` runs the forwards with the hooks that fe
 
 from __future__ import annotations
 
+import contextvars
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -29,6 +30,14 @@ from .samples import RowSample, capacities
 
 # the activation rows kept for auto and the report, all layers together (see docs/memory.md)
 DEFAULT_SAMPLE_BUDGET_MB = 64
+_IN_PASS = contextvars.ContextVar("quantscope_in_pass", default=False)
+
+
+def in_pass() -> bool:
+    """Whether :func:`observe_batches` is forwarding a calibration batch now. Hooks that
+    gather statistics of their own beside the observers (``auto``'s input importance) count
+    these forwards only, not the others a calibration runs (finding fusion groups, scoring)."""
+    return _IN_PASS.get()
 
 
 @dataclass
@@ -235,11 +244,15 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
                 it = tqdm(batches, total=total, desc="calibrating", unit="batch", leave=False)
             except ImportError:
                 pass
-        with torch.inference_mode():
-            for batch in it:
-                forward_batch(model, batch)
-                heap.trim()  # the fragmented heap's free pages back (heap.py)
-                n += 1
+        passing = _IN_PASS.set(True)
+        try:
+            with torch.inference_mode():
+                for batch in it:
+                    forward_batch(model, batch)
+                    heap.trim()  # the fragmented heap's free pages back (heap.py)
+                    n += 1
+        finally:
+            _IN_PASS.reset(passing)
     finally:
         for h in handles:
             h.remove()
