@@ -384,3 +384,35 @@ def test_output_role_and_asymmetric_activations():
         with c.apply(m):
             assert torch.equal(m(x), expect)
     assert no_hooks(m)
+
+
+def test_each_recipe_is_timed_as_the_shared_pass_plus_its_own_observers(monkeypatch):
+    """One pass calibrates several recipes: each one's ``calibration_seconds`` counts the
+    pass's shared time and its own observers only (auto: every candidate's, once)."""
+    import time
+
+    from quantscope.calibrate import calibrate_many, preset
+    from quantscope.observers.registry import observer_class
+
+    slow, calls, nap = observer_class("mse"), [], 0.05
+    real = slow.forward
+
+    def forward(self, x):  # an mse observer that takes nap seconds longer per tensor
+        calls.append(1)
+        time.sleep(nap)
+        return real(self, x)
+
+    monkeypatch.setattr(slow, "forward", forward)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    cal = calibrate_many(model, batches, {"minmax": preset("w8a8", "minmax"),
+                                          "mse": preset("w8a8", "mse"),
+                                          "auto": preset("w8a8", "auto")},
+                         candidates=["minmax", "mse"], auto_metric="tensor", progress=False)
+    t = {k: c.info["calibration_seconds"] for k, c in cal.items()}
+    slept = nap * len(calls)  # the input observers' calls (mse weights are another class)
+    assert len(calls) == 2 * len(batches)
+    # the naps are mse's alone, counted once (min-max's time holds none of them)
+    assert 0.9 * slept <= t["mse"] - t["minmax"] <= slept + 0.15
+    assert t["auto"] >= t["mse"] - 0.01  # every candidate, mse's included

@@ -342,7 +342,10 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
 
     batches = list(batches)
     autos = [label for label, r in recipes.items() if _has_auto(r)]
-    expanded = {label: r for label, r in recipes.items() if label not in autos}
+    # the auto recipes stay (their tensor-error choice is cheap: it reads the candidates'
+    # stats, which the report computes anyway) so that each one's calibration time counts
+    # every candidate observer once; their states are replaced below
+    expanded = dict(recipes)
     names = list(dict.fromkeys(_candidates("input", candidates)))
     for label in autos:
         for n in names:
@@ -375,7 +378,8 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
             importance.remove()
     for label in autos:
         out[label] = _decide(model, score, recipes[label], label,
-                             {n: calibs[(label, n)] for n in names}, means)
+                             {n: calibs[(label, n)] for n in names}, means,
+                             calibs[label].info["calibration_seconds"])
     spent = time.perf_counter() - t0
     for label in autos:
         out[label].info["calibration_seconds"] = round(
@@ -384,12 +388,12 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
     return out
 
 
-def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict, means: dict
-            ) -> Calibration:
+def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict, means: dict,
+            seconds: float) -> Calibration:
     """One auto recipe's result from its candidates' calibrations ``configs`` (min-max
     first): the best whole configuration (:func:`choose`), then each role re-chosen
     (:func:`choose_roles`, the imatrix weights among the weight trials where ``means``, the
-    input importance, is known)."""
+    input importance, is known). ``seconds``: its calibration time so far (all candidates)."""
     names, per_piece = list(configs), {}
     best, scores = choose(score, {n: c.states for n, c in configs.items()}, names[0],
                           pieces=per_piece)
@@ -403,7 +407,7 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
     states = {layer: {role: replace(supplier.get(role, chosen).states[layer][role],
                                     requested=AUTO) for role in rs}
               for layer, rs in chosen.states.items()}
-    info = dict(chosen.info)
+    info = dict(chosen.info, calibration_seconds=seconds)
     info["auto"] = {"metric": "model", "chose": best, "roles": roles,
                     "scores": {k: float(f"{v:.6g}") for k, (v, _) in scores.items()},
                     "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},

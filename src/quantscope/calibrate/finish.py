@@ -8,6 +8,7 @@ records the roles that saw no data under the ``missing`` policy.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -239,7 +240,9 @@ class _States:
 
     def state_of(self, obs, cfg, skey, shape):
         if skey not in self.made:
+            t0 = time.perf_counter()
             self.made[skey] = _state_from(obs, cfg, shape)
+            self.slots[skey[:2]].spent(skey[2], t0)  # the qparams: the observer's time
         return replace(self.made[skey], requested=cfg.observer)
 
     def auto_error(self, layer, role, skey, state, st):

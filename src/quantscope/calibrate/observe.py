@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import time
 import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -54,6 +55,11 @@ class Slot:
     also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
     last: object = None  # the input last observed, so a group's shared input counts once
     calls: int = 0  # forwards that reached the hook, empty ones included
+    seconds: dict = field(default_factory=dict)  # time in each observer: observing, qparams
+
+    def spent(self, key, since: float) -> None:
+        """Count the time from ``since`` (``time.perf_counter()``) to the observer ``key``."""
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - since
 
 
 def candidates_for(role: str, candidates) -> list[str]:
@@ -109,6 +115,7 @@ def make_observer(slot: Slot, key, for_auto: bool, owns=None):
     if key in slot.observers or key in slot.failed:
         return
     name, spec, options = key
+    t0 = time.perf_counter()
     try:
         obs = get_observer(name, spec, **dict(options))
         # distributed: only the owner rank observes a weight (the others get its state)
@@ -124,6 +131,20 @@ def make_observer(slot: Slot, key, for_auto: bool, owns=None):
         slot.failed[key] = str(e)  # auto drops a candidate that cannot take this spec
         return
     slot.observers[key] = obs
+    slot.spent(key, t0)
+
+
+def observer_seconds(slots, plan) -> float:
+    """The time spent in the observers one recipe's ``plan`` uses (each counted once)."""
+    seen, total = set(), 0.0
+    for (layer, role), (cfg, names) in plan.items():
+        slot = slots[(layer, role)]
+        for n in names:
+            key = observer_key(n, cfg, slot.module)
+            if (id(slot), key) not in seen:
+                seen.add((id(slot), key))
+                total += slot.seconds.get(key, 0.0)
+    return total
 
 
 def make_plan(model, recipes, candidates, owns=None):
@@ -178,14 +199,16 @@ def _hook(slots: list[Slot], input_key: str | None = None):
                 if fusion.same_input(slot.last and slot.last(), x):
                     continue
                 slot.last = weakref.ref(x)  # a strong ref would keep every group's input alive
-            for (name, _, _), obs in slot.observers.items():
+            for key, obs in slot.observers.items():
+                t0 = time.perf_counter()
                 if obs.observed_tokens.device != x.device:
                     obs.to(x.device)
                 try:
                     obs(x)
                 except ValueError as e:
                     raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer "
-                                     f"{name!r}: {e}") from None
+                                     f"{key[0]!r}: {e}") from None
+                slot.spent(key, t0)
             if slot.sample is not None:
                 try:
                     slot.sample.add(x)

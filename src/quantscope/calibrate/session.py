@@ -34,6 +34,7 @@ from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
     make_plan,
     observe_batches,
+    observer_seconds,
     sample_budget,
     share_group_inputs,
     unique_slots,
@@ -293,10 +294,13 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
         results, hists = build_states(slots, plans, recipes, auto_metric, groups, experts, missing,
                                  fisher)
     seconds = time.perf_counter() - t0
+    # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
+    common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())
     out = {}
     for label, recipe in recipes.items():
         states, rows, shared, per_expert, absent = results[label]
-        info = {"batches": n, "calibration_seconds": round(seconds, 3)}
+        own = observer_seconds(slots, plans[label])
+        info = {"batches": n, "calibration_seconds": round(common + own, 3)}
         if absent:
             info["missing"] = absent
             warnings.warn(f"calibrate: {len(absent)} activation roles saw no tokens and fall "

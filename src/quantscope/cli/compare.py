@@ -54,18 +54,21 @@ def _short_obs(name: str) -> str:
 
 
 def compare_rows(report: dict) -> tuple[list[str], list[list]]:
-    """The comparison table (headers, rows of strings) of a compare report."""
+    """The comparison table (headers, rows of strings) of a compare report. ``calib s`` is
+    each configuration's calibration time within the one pass: the pass's shared time
+    (forwards, planning, report) plus its own observers' (observing and qparams); for
+    ``auto``, every candidate's observers once, then the choice (scoring forwards, searches)."""
     fp = report["fp32"]
     causal = "perplexity" in fp
     f = lambda v, d: "-" if v is None else f"{v:.{d}f}"
+    tail_headers = ["calib s", "weight SQNR dB", "input SQNR dB", "input clipped %",
+                    "auto chose (weight; input)"]
     if causal:
-        headers = ["recipe", "observer", "perplexity", "vs fp32", "weight SQNR dB",
-                   "input SQNR dB", "input clipped %", "auto chose (weight; input)"]
-        rows = [["fp32", "-", f(fp["perplexity"], 2), "", "-", "-", "-", ""]]
+        headers = ["recipe", "observer", "perplexity", "vs fp32", *tail_headers]
+        rows = [["fp32", "-", f(fp["perplexity"], 2), "", "", "-", "-", "-", ""]]
     else:
-        headers = ["recipe", "observer", "Lee r", "r - fp32", "cosine vs fp32", "weight SQNR dB",
-                   "input SQNR dB", "input clipped %", "auto chose (weight; input)"]
-        rows = [["fp32", "-", f(fp["lee_r"], 4), "", "1.0000", "-", "-", "-", ""]]
+        headers = ["recipe", "observer", "Lee r", "r - fp32", "cosine vs fp32", *tail_headers]
+        rows = [["fp32", "-", f(fp["lee_r"], 4), "", "1.0000", "", "-", "-", "-", ""]]
     for run in report["runs"].values():
         m, s = run["metrics"], run["summary"]
         w, i = s.get("weight", {}), s.get("input", {})
@@ -74,7 +77,8 @@ def compare_rows(report: dict) -> tuple[list[str], list[list]]:
             chose = "; ".join(", ".join(f"{_short_obs(k)} {v}" for k, v in sorted(
                 s.get(role, {}).get("observers", {}).items(), key=lambda kv: -kv[1]))
                 for role in ("weight", "input"))
-        tail = [f(w.get("mean_sqnr_db"), 1), f(i.get("mean_sqnr_db"), 1),
+        tail = [f(run.get("info", {}).get("calibration_seconds"), 1),
+                f(w.get("mean_sqnr_db"), 1), f(i.get("mean_sqnr_db"), 1),
                 f(100 * i["mean_clipped"], 3) if i else "-", chose]
         if causal:
             rows.append([run["recipe"], run["observer"], f(m["perplexity"], 2),
