@@ -42,9 +42,11 @@ def _fits(t: torch.Tensor, other: torch.Tensor) -> bool:
 
 
 def quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-                   spec: QuantSpec) -> torch.Tensor:
-    """Codes of float32 ``u [U, E]`` with per-unit ``scale``, ``zero_point`` (``[U, 1]`` or broadcastable)."""
-    t = u / scale  # a fresh tensor: the steps below work in place on it
+                   spec: QuantSpec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes of float32 ``u [U, E]`` with per-unit ``scale``, ``zero_point`` (``[U, 1]`` or
+    broadcastable); ``out``: a float32 ``[U, E]`` buffer to compute them in (not ``u``)."""
+    # a fresh tensor (or out): the steps below work in place on it
+    t = u / scale if out is None else torch.div(u, scale, out=out)
     if spec.is_float:
         return spec.format.round(t, inplace=True)
     t = t.add_(zero_point) if _fits(t, zero_point) else t + zero_point
@@ -57,13 +59,13 @@ def dequantize_units(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Ten
 
 
 def fake_quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-                        spec: QuantSpec) -> torch.Tensor:
+                        spec: QuantSpec, out: torch.Tensor | None = None) -> torch.Tensor:
     """``dequantize(quantize(u))`` on a units view: what the searches score candidates with.
 
-    One output allocation (plus the float rounding's temporaries): the codes are
-    dequantized in place.
+    One output allocation (plus the float rounding's temporaries), or none into ``out`` (a
+    search scoring many candidates reuses one buffer): the codes are dequantized in place.
     """
-    q = quantize_units(u, scale, zero_point, spec)
+    q = quantize_units(u, scale, zero_point, spec, out)
     if spec.is_float:  # zero point 0
         return q.mul_(scale) if _fits(q, scale) else q * scale
     if _fits(q, zero_point) and _fits(q, scale):

@@ -44,6 +44,9 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor, spec: QuantSpec,
         raise ValueError(f"imatrix_range: factors must be in (0, 1], got {factors!r}")
     lo0, hi0 = unit_minmax(units)
     best = None
+    # every candidate's error in one buffer: a fresh multi-megabyte tensor per candidate costs
+    # its page faults again once calibration has fixed the mmap threshold (calibrate/heap.py)
+    buf = torch.empty_like(units, dtype=torch.float32)
     for f in [1.0, *factors]:
         lo, hi = lo0 * f, hi0 * f
         # candidates scale the min-max range, whose finiteness the observer's qparams check
@@ -51,8 +54,8 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor, spec: QuantSpec,
         qp = qparams_from_range(lo, hi, spec, check_finite=False)
         scale = qp.effective_scale.expand_as(lo).reshape(-1, 1)
         zp = qp.zero_point.float().expand_as(lo).reshape(-1, 1)
-        d = fake_quantize_units(units, scale, zp, spec).sub_(units).abs_().pow_(norm)
-        err = (d * weights).sum(1)
+        d = fake_quantize_units(units, scale, zp, spec, out=buf).sub_(units).abs_().pow_(norm)
+        err = d.mul_(weights).sum(1)
         if best is None:
             best = [err, lo.clone(), hi.clone()]
             continue
