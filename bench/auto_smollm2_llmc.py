@@ -14,8 +14,11 @@ quantscope venv)::
         /tmp/docs.json OUT.json [weight_observer:input_observer ...]
 
 Default pairs: ``memoryless_minmax:static_minmax``, ``memoryless_minmax:minmax`` (their
-default EMA), ``memoryless_mse:mse``. Times are CPU seconds of this one-threaded process
-(``oneshot`` only, model load and evaluation excluded).
+default EMA), ``memoryless_mse:mse``. A pair ending in ``@ALPHA`` runs llm-compressor's
+``SmoothQuantModifier(smoothing_strength=ALPHA)`` first, with its own default mappings for
+the architecture; ``@ALPHA+down`` adds ``up_proj -> down_proj``, which makes them
+quantscope's ``--smooth`` mappings. Times are CPU
+seconds of this one-threaded process (``oneshot`` only, model load and evaluation excluded).
 """
 
 import json
@@ -39,7 +42,9 @@ with open(DOCS) as f:
     docs = json.load(f)
 res = {}
 for pair in PAIRS:
-    wobs, xobs = pair.split(":")
+    observers, _, alpha = pair.partition("@")
+    alpha, down = alpha.removesuffix("+down"), alpha.endswith("+down")
+    wobs, xobs = observers.split(":")
     model, tok = models.load_model("smollm2-135m")
     batches = models.token_batches(tok, docs["calib"], 128, 8)
     args = {"num_bits": 8, "type": "int", "symmetric": True}
@@ -49,8 +54,16 @@ for pair in PAIRS:
         input_activations=QuantizationArgs(**args, strategy="tensor", dynamic=False,
                                            observer=xobs))
     t = time.process_time()
-    oneshot(model=model, recipe=QuantizationModifier(config_groups={"g": scheme},
-                                                     ignore=["lm_head"]),
+    recipe = [QuantizationModifier(config_groups={"g": scheme}, ignore=["lm_head"])]
+    if alpha:
+        from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+
+        maps = None if not down else [
+            [["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"],
+            [["re:.*gate_proj", "re:.*up_proj"], "re:.*post_attention_layernorm"],
+            [["re:.*down_proj"], "re:.*up_proj"]]
+        recipe.insert(0, SmoothQuantModifier(smoothing_strength=float(alpha), mappings=maps))
+    oneshot(model=model, recipe=recipe,
             dataset=torch.utils.data.DataLoader(batches, batch_size=None), processor=tok,
             num_calibration_samples=len(batches))
     seconds = time.process_time() - t
