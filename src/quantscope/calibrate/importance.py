@@ -55,7 +55,9 @@ class InputImportance:
                     or x.shape[-1] != self.sums[name].numel()):
                 return
             x = x.detach().reshape(-1, x.shape[-1])
-            self.sums[name] += x.float().square().sum(0, dtype=torch.float64).cpu()
+            if self.sums[name].device != x.device:  # once: sums stay where the inputs are,
+                self.sums[name] = self.sums[name].to(x.device)  # no host sync per forward
+            self.sums[name] += x.float().square().sum(0, dtype=torch.float64)
             self.rows[name] += x.shape[0]
         return hook
 
@@ -84,6 +86,7 @@ class InputImportance:
         collective: every rank calls it)."""
         self.remove()
         names = list(self.sums)
+        self.sums = {n: t.cpu() for n, t in self.sums.items()}
         if distributed and qd.is_distributed(group) and names:
             flat = torch.cat([*(self.sums[n] for n in names),
                               torch.tensor([float(self.rows[n]) for n in names],
