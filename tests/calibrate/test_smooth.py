@@ -195,3 +195,17 @@ def test_ranges_are_reduced_across_ranks_only_for_a_distributed_calibration(monk
     assert calls == []
     sm.channel_ranges(model, batches[:1], find_mappings(model), distributed=True)
     assert len(calls) == 2 * len(find_mappings(model))
+
+
+def test_a_linear_called_by_keyword_is_seen_and_smoothed():
+    """``down_proj(input=h)``: the ranges hook reads the input as apply's hooks do."""
+    model, batches = _llama()
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        mlp.forward = (lambda x, m=mlp: m.down_proj(
+            input=m.act_fn(m.gate_proj(x)) * m.up_proj(x)))
+    ref = _logits(model, batches)
+    info = smooth(model, batches[:1], 0.5)
+    assert [n for n in info["smoothed"] if n.endswith("mlp.up_proj")] == [
+        "model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
+    torch.testing.assert_close(_logits(model, batches), ref, rtol=1e-3, atol=1e-3)

@@ -45,6 +45,8 @@ from torch import nn
 from torch.func import functional_call
 
 from .. import comm as qd
+from ..stats.minmax import column_minmax
+from .apply import input_name, module_input
 from .batches import forward_batch
 
 __all__ = ["MAPPINGS", "MIN_SCALE", "Mapping", "channel_ranges", "check", "find_mappings",
@@ -119,20 +121,19 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distribut
     modules = dict(model.named_modules())
     lo, hi = {}, {}
 
-    def hook(key):
-        def f(_module, args):
-            if not args or not isinstance(args[0], torch.Tensor):
-                return  # called by keyword: not seen, so the mapping is skipped
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            if not x.shape[0]:
+    def hook(key, keyword):
+        def f(_module, args, kwargs):
+            x = module_input(args, kwargs, keyword)
+            if not isinstance(x, torch.Tensor) or not x.numel():
                 return
-            a, b = torch.aminmax(x, dim=0)
+            a, b = column_minmax(x.detach().reshape(-1, x.shape[-1]).float().contiguous())
             lo[key] = a if key not in lo else torch.minimum(lo[key], a)
             hi[key] = b if key not in hi else torch.maximum(hi[key], b)
         return f
 
-    handles = [modules[m.balance[0]].register_forward_pre_hook(hook(m.previous))
-               for m in mappings]
+    handles = [modules[m.balance[0]].register_forward_pre_hook(
+        hook(m.previous, input_name(modules[m.balance[0]])), with_kwargs=True)
+        for m in mappings]
     try:
         for batch in batches:
             forward_batch(model, batch)
