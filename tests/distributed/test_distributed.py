@@ -326,6 +326,24 @@ def _scenarios(r, w, group=None):
         ref[name] = o.calculate_qparams()
     out["weights"] = {"got": {k: v.scale for k, v in merged.items()},
                       "ref": {k: v.scale for k, v in ref.items()}, "owner": owner}
+
+    # SmoothQuant's channel ranges: each rank its shard, one collective for all mappings
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantscope import comm
+    from quantscope.calibrate import smooth as sm
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=32)).eval()
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, 32, (1, 6), generator=g) for _ in range(2 * w)]
+    maps = sm.find_mappings(llama)
+    comm.reset_stats()
+    got = sm.channel_ranges(llama, ids[r::w], maps, distributed=True, group=group)
+    out["smooth_ranges"] = {"got": got, "ref": sm.channel_ranges(llama, ids, maps),
+                            "collectives": comm.last_stats().collectives}
     return out
 
 
@@ -501,6 +519,15 @@ def test_calibration_helpers(results):
         assert res[r]["samples"]["none"] == []
         want = torch.cat([torch.full((2 + i, 3), float(i)) for i in range(1, w)])[:4]
         assert torch.equal(got, want)
+
+
+def test_smooth_ranges_across_ranks_equal_one_process(results):
+    w, res = results
+    for r in range(w):
+        got, ref = res[r]["smooth_ranges"]["got"], res[r]["smooth_ranges"]["ref"]
+        assert got.keys() == ref.keys() and len(got) == 3
+        assert all(torch.equal(got[k], ref[k]) for k in ref)
+        assert res[r]["smooth_ranges"]["collectives"] == 1
 
 
 def test_calibrate_distributed_same_on_every_rank(results):

@@ -140,14 +140,17 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distribut
     finally:
         for h in handles:
             h.remove()
-    if distributed and qd.is_distributed(group):
-        for m in mappings:  # every rank must smooth alike
-            width = modules[m.balance[0]].in_features
-            a = lo.get(m.previous, torch.full((width,), float("inf")))
-            b = hi.get(m.previous, torch.full((width,), float("-inf")))
-            qd.all_reduce(a, torch.distributed.ReduceOp.MIN, group)
-            qd.all_reduce(b, torch.distributed.ReduceOp.MAX, group)
-            lo[m.previous], hi[m.previous] = a, b
+    if distributed and qd.is_distributed(group):  # every rank must smooth alike
+        # one collective for every mapping: the mins and the negated maxes, reduced by MIN
+        widths = [modules[m.balance[0]].in_features for m in mappings]
+        flat = torch.cat([t for m, w in zip(mappings, widths) for t in (
+            lo.get(m.previous, torch.full((w,), float("inf"))).cpu(),
+            -hi.get(m.previous, torch.full((w,), float("-inf"))).cpu())])
+        flat = flat.to(qd.group_device(group))
+        qd.all_reduce(flat, torch.distributed.ReduceOp.MIN, group)
+        parts = flat.cpu().split([w for w in widths for _ in (0, 1)])
+        for k, m in enumerate(mappings):
+            lo[m.previous], hi[m.previous] = parts[2 * k], -parts[2 * k + 1]
     return {k: hi[k] - lo[k] for k in hi}
 
 
