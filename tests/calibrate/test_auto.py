@@ -160,6 +160,10 @@ def test_model_metric_choice_is_the_exhaustive_best():
             torch.testing.assert_close(auto.states[layer][role].qparams.scale, st.qparams.scale,
                                        rtol=1e-6, atol=0)
             assert auto.states[layer][role].requested == "auto"
+    # one report row per tensor, made by the state auto kept (imatrix's too, made late)
+    rows = {(r["layer"], r["role"]): r["observer"] for r in auto.stats}
+    assert rows == {(layer, role): st.observer for layer, rs in auto.states.items()
+                    for role, st in rs.items()}
     final = sum(_kl(model, [b], auto.states) for b in pieces) / len(pieces)
     completed = [v for k, v in info["role_scores"].items()
                  if info["role_pieces"][k] == len(pieces)]
@@ -235,7 +239,7 @@ def test_input_importance_is_the_mean_square_of_every_row_seen():
 
 
 def test_imatrix_config_replaces_the_weights_it_can_search():
-    from quantscope.calibrate.importance import imatrix_config
+    from quantscope.calibrate.importance import imatrix_config, imatrix_rows
 
     model, batches = _llama()
     base = calibrate(model, batches, "w8a8", progress=False)
@@ -247,7 +251,10 @@ def test_imatrix_config_replaces_the_weights_it_can_search():
         want = _imatrix_by_hand(model, layer, rs["weight"], imp[layer])
         assert new["weight"].observer == "imatrix"
         assert torch.equal(new["weight"].lo, want.lo) and torch.equal(new["weight"].hi, want.hi)
-    assert {(r["layer"], r["role"]) for r in got.stats} == {(n, "weight") for n in base.states}
+    assert got.stats == []  # the rows only for a configuration auto keeps
+    rows = imatrix_rows(model, got)
+    assert [(r["layer"], r["role"], r["observer"]) for r in rows] == [
+        (n, "weight", "imatrix") for n in base.states]
     # without importance nothing changes: no configuration
     assert imatrix_config(model, base, {}) is None
     # a scale a fused runtime layer shares (NVFP4's global scale) is not searched per layer

@@ -27,7 +27,7 @@ from torch import nn
 
 from .apply import apply
 from .batches import forward_batch
-from .importance import InputImportance, imatrix_config
+from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
 from .recipe import AUTO, Recipe
 from .result import Calibration
@@ -402,6 +402,8 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
     if extra is not None:  # the weighted weight search: a weight candidate of the role step
         configs = {**configs, IMATRIX: extra}
     roles, trials = choose_roles(score, configs, best, per_piece[best], alive)
+    if roles.get("weight") == IMATRIX:  # its report rows, made for the kept weights only
+        extra.stats = imatrix_rows(model, extra)
     chosen = configs[best]
     supplier = {role: configs[n] for role, n in roles.items()}
     states = {layer: {role: replace(supplier.get(role, chosen).states[layer][role],

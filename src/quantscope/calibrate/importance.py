@@ -23,12 +23,12 @@ from .. import comm as qd
 from .apply import input_name, module_input
 from .finish import stats_row
 from .fusion import shares_weight_scale
-from .layer_choice import imatrix_state
+from .layer_choice import IMATRIX, imatrix_state
 from .observe import in_pass
 from .report import tensor_stats
 from .result import Calibration
 
-__all__ = ["InputImportance", "imatrix_config"]
+__all__ = ["InputImportance", "imatrix_config", "imatrix_rows"]
 
 
 class InputImportance:
@@ -103,13 +103,13 @@ class InputImportance:
 
 def imatrix_config(model: nn.Module, base: Calibration, importance: dict) -> Calibration | None:
     """``base`` with each weight the importance-weighted search can take replaced by the
-    search's state (``observer="imatrix"``; the others kept), its stats rows the new weights'
-    only; None where no weight changed. Left as they are: weights without importance (a layer
+    search's state (``observer="imatrix"``; the others kept), without report rows (those of
+    a configuration ``auto`` keeps: :func:`imatrix_rows`); None where no weight changed. Left as they are: weights without importance (a layer
     that saw no rows), not 2-D, dynamic, or with a scale a fused runtime layer shares across
     its members (:func:`~.fusion.shares_weight_scale`: NVFP4's global scale, fp8 per-tensor
     weights), which a search per layer would break."""
     modules = dict(model.named_modules())
-    states, rows = {}, []
+    states, changed = {}, False
     for layer, roles in base.states.items():
         st, imp = roles.get("weight"), importance.get(layer)
         w = getattr(modules.get(layer), "weight", None)
@@ -122,8 +122,14 @@ def imatrix_config(model: nn.Module, base: Calibration, importance: dict) -> Cal
             new = imatrix_state(w.detach(), imp, st)
         except ValueError:  # a layout the weighted search cannot take
             continue
-        states[layer]["weight"] = new
-        rows.append(stats_row(layer, "weight", new, tensor_stats(w.detach(), new)))
-    if not rows:
-        return None
-    return Calibration(base.recipe, states, base.label, rows, {}, {})
+        states[layer]["weight"], changed = new, True
+    return Calibration(base.recipe, states, base.label) if changed else None
+
+
+def imatrix_rows(model: nn.Module, config: Calibration) -> list[dict]:
+    """The report rows of ``config``'s imatrix weights (made only for the configuration
+    ``auto`` keeps: a weight-sized QDQ each)."""
+    modules = dict(model.named_modules())
+    return [stats_row(layer, "weight", st, tensor_stats(modules[layer].weight.detach(), st))
+            for layer, roles in config.states.items()
+            if (st := roles.get("weight")) is not None and st.observer == IMATRIX]
