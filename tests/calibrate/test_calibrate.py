@@ -406,13 +406,26 @@ def test_each_recipe_is_timed_as_the_shared_pass_plus_its_own_observers(monkeypa
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     batches = [torch.randn(4, 8) for _ in range(3)]
+    groups = {"both": ["minmax", "mse"]}
     cal = calibrate_many(model, batches, {"minmax": preset("w8a8", "minmax"),
                                           "mse": preset("w8a8", "mse"),
                                           "auto": preset("w8a8", "auto")},
-                         candidates=["minmax", "mse"], auto_metric="tensor", progress=False)
+                         candidates=["minmax", "mse"], auto_metric="tensor", progress=False,
+                         time_groups=groups)
     t = {k: c.info["calibration_seconds"] for k, c in cal.items()}
     slept = nap * len(calls)  # the input observers' calls (mse weights are another class)
     assert len(calls) == 2 * len(batches)
     # the naps are mse's alone, counted once (min-max's time holds none of them)
     assert 0.9 * slept <= t["mse"] - t["minmax"] <= slept + 0.15
     assert t["auto"] >= t["mse"] - 0.01  # every candidate, mse's included
+    # a group of recipes: every observer it uses once (the naps once, not per recipe)
+    assert 0.9 * slept <= groups["both"] - t["minmax"] <= slept + 0.15
+    assert t["mse"] - 0.01 <= groups["both"] <= t["auto"] + 0.01
+    # auto by the model's output: its candidates timed as one group, then its choice
+    calls.clear()
+    cal = calibrate_many(model, batches, {"minmax": preset("w8a8", "minmax"),
+                                          "auto": preset("w8a8", "auto")},
+                         candidates=["minmax", "mse"], progress=False)
+    t = {k: c.info["calibration_seconds"] for k, c in cal.items()}
+    assert len(calls) == 2 * len(batches)  # mse observed once per batch, for auto alone
+    assert t["auto"] - t["minmax"] >= 0.9 * nap * len(calls)

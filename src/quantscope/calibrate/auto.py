@@ -342,14 +342,13 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
 
     batches = list(batches)
     autos = [label for label, r in recipes.items() if _has_auto(r)]
-    # the auto recipes stay (their tensor-error choice is cheap: it reads the candidates'
-    # stats, which the report computes anyway) so that each one's calibration time counts
-    # every candidate observer once; their states are replaced below
-    expanded = dict(recipes)
+    expanded = {label: r for label, r in recipes.items() if label not in autos}
     names = list(dict.fromkeys(_candidates("input", candidates)))
     for label in autos:
         for n in names:
             expanded[(label, n)] = recipes[label].with_observer(n)
+    # each auto recipe's time so far: the pass with every candidate's observers, once each
+    seconds = {label: [(label, n) for n in names] for label in autos}
     plan = score_plan(batches, score_tokens) if autos else []
     caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
     weighted = autos and len(set(_candidates("weight", candidates))) > 1
@@ -359,7 +358,7 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
     try:
         try:
             calibs = calibrate_many(model, batches, expanded, candidates=candidates,
-                                    auto_metric="tensor", **kwargs)
+                                    auto_metric="tensor", time_groups=seconds, **kwargs)
         finally:
             refs = caught.references() if caught is not None else None
         out = {label: c for label, c in calibs.items() if label in recipes}
@@ -378,8 +377,7 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
             importance.remove()
     for label in autos:
         out[label] = _decide(model, score, recipes[label], label,
-                             {n: calibs[(label, n)] for n in names}, means,
-                             calibs[label].info["calibration_seconds"])
+                             {n: calibs[(label, n)] for n in names}, means, seconds[label])
     spent = time.perf_counter() - t0
     for label in autos:
         out[label].info["calibration_seconds"] = round(

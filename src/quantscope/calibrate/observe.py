@@ -134,17 +134,11 @@ def make_observer(slot: Slot, key, for_auto: bool, owns=None):
     slot.spent(key, t0)
 
 
-def observer_seconds(slots, plan) -> float:
-    """The time spent in the observers one recipe's ``plan`` uses (each counted once)."""
-    seen, total = set(), 0.0
-    for (layer, role), (cfg, names) in plan.items():
-        slot = slots[(layer, role)]
-        for n in names:
-            key = observer_key(n, cfg, slot.module)
-            if (id(slot), key) not in seen:
-                seen.add((id(slot), key))
-                total += slot.seconds.get(key, 0.0)
-    return total
+def observer_seconds(slots, *plans) -> float:
+    """The time spent in the observers the recipes' ``plans`` use (each counted once)."""
+    used = {(id(slots[lr]), observer_key(n, cfg, slots[lr].module)): slots[lr]
+            for plan in plans for lr, (cfg, names) in plan.items() for n in names}
+    return sum(slot.seconds.get(key, 0.0) for (_, key), slot in used.items())
 
 
 def make_plan(model, recipes, candidates, owns=None):

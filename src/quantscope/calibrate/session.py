@@ -79,6 +79,7 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
                    all_experts: bool = False, expert_min_tokens: int = moe.MIN_TOKENS,
                    missing: str = "skip", sequential=False, keep_float: int = 0,
                    fallback: str = "dynamic", smooth: float | None = None,
+                   time_groups: dict | None = None,
                    **sequential_options) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
@@ -143,6 +144,10 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             and export that model. ``calibration.info["smooth"]`` says what was smoothed,
             ``calibration.smoothing`` holds the scales.
             Not with ``sequential``.
+        time_groups: ``{name: [labels]}``: also time each group of recipes as one (the
+            pass's shared time plus every observer the group uses, each once); the seconds
+            are written back into the dict (``{name: seconds}``). ``auto`` times its
+            candidates so. Not with ``sequential``.
     """
     recipes = _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,
                        expert_min_tokens)
@@ -179,10 +184,10 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             if distributed and qd.is_distributed(group):
                 return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
                                               progress, seed, group, t0, auto_metric, experts,
-                                              missing, sample_budget_mb)
+                                              missing, sample_budget_mb, time_groups)
             return _calibrate_local(model, batches, recipes, candidates, sample_tokens, progress,
                                     seed, t0, auto_metric, experts, missing, sample_budget_mb,
-                                    fisher)
+                                    fisher, time_groups)
 
     return _around(model, batches, run, smooth, keep_float, fallback, distributed, group)
 
@@ -270,7 +275,7 @@ def _fisher_weights(model, batches, recipes, score_tokens, loss):
 
 
 def _calibrate_local(model, batches, recipes, candidates, sample_tokens, progress, seed, t0,
-                     auto_metric, experts, missing, sample_budget_mb, fisher):
+                     auto_metric, experts, missing, sample_budget_mb, fisher, time_groups=None):
     """``calibrate_many`` in one process: weights observed once, activations over the
     batches (skipped where no recipe needs them)."""
     slots, plans = make_plan(model, recipes, candidates)
@@ -282,11 +287,12 @@ def _calibrate_local(model, batches, recipes, candidates, sample_tokens, progres
          if needs_data else 0)
     return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
                      groups=groups, experts=experts, model=model, missing=missing,
-                     fisher=fisher)
+                     fisher=fisher, time_groups=time_groups)
 
 
 def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor",
-              groups=(), experts=None, model=None, missing="skip", fisher=None):
+              groups=(), experts=None, model=None, missing="skip", fisher=None,
+              time_groups=None):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
@@ -296,6 +302,9 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
     seconds = time.perf_counter() - t0
     # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
     common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())
+    for name, labels in (time_groups or {}).items():
+        time_groups[name] = round(common + observer_seconds(slots, *(plans[k] for k in labels)),
+                                  3)
     out = {}
     for label, recipe in recipes.items():
         states, rows, shared, per_expert, absent = results[label]
@@ -325,7 +334,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
 
 def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, progress, seed,
                            group, t0, auto_metric="tensor", experts=None, missing="skip",
-                           sample_budget_mb=None):
+                           sample_budget_mb=None, time_groups=None):
     """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
 
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
@@ -381,7 +390,7 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
     for counts in experts.counts.values():  # every rank reports the global counts
         counts[:] = [qd.all_sum(c, group) for c in counts]
     return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric, groups,
-                     experts, model, missing)
+                     experts, model, missing, time_groups=time_groups)
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,
