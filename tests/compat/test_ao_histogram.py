@@ -140,6 +140,17 @@ def test_histc_kernel_equals_torch_histc(seed, n, bins, span, inside):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3, 64])
+def test_histc_kernel_split_over_threads_equals_torch_histc(threads):
+    g = torch.Generator().manual_seed(threads)
+    x = torch.randn(300_007, generator=g)
+    x[-5:] = 40.0  # outside the range, in the last thread's share
+    lo, hi = torch.tensor(-3.0), torch.tensor(3.5)
+    got = ao_histogram.histc(x, 2048, lo, hi, threads=threads)
+    assert torch.equal(got, torch.histc(x, 2048, min=-3.0, max=3.5))
+
+
+@needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), bins=st.integers(1, 2048),
        grow=st.tuples(st.floats(0, 3), st.floats(0, 3)), scale=st.sampled_from([1e-3, 1., 1e6]))
@@ -197,21 +208,23 @@ def test_state_dict_round_trip_keeps_the_fractional_counts():
 
 
 @needs_kernel
+@pytest.mark.parametrize("n, threads", [(1, 1), (5, 1), (16, 1), (10007, 1), (200_003, 3)])
 @pytest.mark.parametrize("case", ["inside", "outside", "nan", "inf", "edges"])
-def test_fused_pass_equals_aminmax_and_histc(case):
+def test_fused_pass_equals_aminmax_and_histc(case, n, threads):
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(10007, generator=g)
+    x = torch.randn(n, generator=g)
     lo, hi = torch.tensor(-5.0), torch.tensor(6.0)
+    at = n - 1 - n // 7  # in the last 16-value tail, or the last thread's share
     if case == "outside":
-        x[77] = 7.0
+        x[at] = 7.0
     elif case == "nan":
-        x[5] = float("nan")
+        x[at] = float("nan")
     elif case == "inf":
-        x[9] = float("-inf")
+        x[at] = float("-inf")
     elif case == "edges":
-        x[:100], x[100:200] = lo, hi
+        x[: n // 3], x[n // 3: 2 * n // 3] = lo, hi
     base = torch.rand(300, generator=g)
-    mm, hist = ao_histogram.fused(x, 300, lo, hi, base)
+    mm, hist = ao_histogram.fused(x, 300, lo, hi, base, threads=threads)
     ref = torch.stack(torch.aminmax(x))
     assert torch.equal(mm, ref) or (mm.isnan().all() and ref.isnan().all())
     if case in ("inside", "edges"):

@@ -61,9 +61,6 @@ def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
             and kernels.available("mse_search"))
 
 
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
-
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     t = t if t.dtype == torch.float32 else t.float()
@@ -88,7 +85,7 @@ def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
     out = torch.empty((k, n), dtype=torch.float64)
     _lib().qs_mse_price(units.data_ptr(), units.shape[1], None if sub is None else sub.data_ptr(),
                         n, sc.data_ptr(), zp.data_ptr(), k, float(spec.qmin), float(spec.qmax),
-                        out.data_ptr(), _threads())
+                        out.data_ptr(), kernels.threads())
     return out
 
 
@@ -147,7 +144,7 @@ class KernelState:
             0 if patience is None else int(patience), int(per_unit), int(use_global),
             int(tie == "last"), at(self.best), at(self.perr), at(self.idx), at(self.stale),
             at(self.stopped), at(self.psc), at(self.pzp), self.g.data_ptr(), int(gstop),
-            None if any_out is None else any_out.data_ptr(), _threads())
+            None if any_out is None else any_out.data_ptr(), kernels.threads())
         if live < 0:
             raise MemoryError("mse kernel: could not allocate the block's scratch")
         return live

@@ -39,8 +39,11 @@ import threading
 import warnings
 from pathlib import Path
 
+import torch
+
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "build_all",
-           "cache_dir", "choose", "compiler", "disabled", "lib", "load", "qparams_consts"]
+           "cache_dir", "choose", "compiler", "disabled", "lib", "load", "qparams_consts",
+           "threads"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -93,9 +96,9 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "qs_entropy": [_P] * 4 + [_I] * 9,
     },
     "ao_hist": {
-        "qs_ao_histc": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P],
+        "qs_ao_histc": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P, _I],
         "qs_ao_upscale": [_P, _I, _I, _P, _P, _P],
-        "qs_ao_fused": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P],
+        "qs_ao_fused": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P, _I],
     },
     "block_qparams": {
         "qs_e8m0_qparams": [_P, _P, _I, _I, _I, _I, _D, _P],
@@ -268,6 +271,12 @@ def choose(backend: str | None, name: str, where: str, applies: bool = True
 def build_all() -> dict[str, bool]:
     """Build (or find) every shipped library now: ``{name: usable}``."""
     return {name: lib(name) is not None for name in SIGNATURES}
+
+
+def threads(requested: int | None = None) -> int:
+    """The thread count a kernel call runs on: ``requested``, else torch's
+    (``torch.get_num_threads()``), at least 1. Each kernel also caps it by its work."""
+    return max(1, torch.get_num_threads() if requested is None else int(requested))
 
 
 def qparams_consts(spec) -> list[float] | None:

@@ -14,7 +14,8 @@ other devices, dtypes, degenerate ranges and batches of ``2 ** 24`` values or mo
 torch's float32 counts saturate). On CPU two C kernels (``csrc/ao_hist.c``) do the same
 float32 arithmetic: the ``histc`` pass (``trunc((x - lo) * bins / (hi - lo))`` per value,
 counted in int32 and added as float32, the way ATen's kernel counts: exact below
-``2 ** 24``) and the re-binning (torch's binary search and torch.bincount's in-order
+``2 ** 24``; split over torch's threads, each counting its share into its own bins) and the
+re-binning (torch's binary search and torch.bincount's in-order
 float32 sums); ``torch.linspace`` still makes the mid points and edges (a few microseconds,
 and its vectorized rounding is torch's alone). A batch inside the current range (the common
 case once the range has settled) takes one read instead of two (:func:`fused`: the min / max
@@ -43,10 +44,13 @@ def _plain(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
 
+
 def histc(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor,
-          base: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+          base: torch.Tensor | None = None, backend: str | None = None,
+          threads: int | None = None) -> torch.Tensor:
     """``base + torch.histc(x, bins, min=lo, max=hi)`` (float32 ``[bins]``; ``base`` None:
-    the histc alone). ``backend``: see :data:`quantscope.kernels.BACKENDS`."""
+    the histc alone). ``backend``: see :data:`quantscope.kernels.BACKENDS`; ``threads``:
+    the kernel's (default torch's; at least 65536 values each)."""
     applies = (_plain(x) and not x.requires_grad
                and (base is None or (_plain(base) and base.shape == (bins,))))
     lib = kernels.choose(backend, "ao_hist", "histc", applies)
@@ -54,14 +58,14 @@ def histc(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor,
         out = torch.empty(bins)
         src = torch.zeros(bins) if base is None else base
         if not lib.qs_ao_histc(x.data_ptr(), x.numel(), float(lo), float(hi), bins,
-                               src.data_ptr(), out.data_ptr()):
+                               src.data_ptr(), out.data_ptr(), kernels.threads(threads)):
             return out
     h = torch.histc(x, bins, min=float(lo), max=float(hi))
     return h if base is None else base + h
 
 
-def fused(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def fused(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor,
+          threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One read of ``x`` (C): ``(minmax, hist)``, ``minmax`` its ``torch.aminmax`` as a
     ``(2,)`` tensor, ``hist`` ``base + torch.histc(x, bins, min=lo, max=hi)`` when every value
     lies in ``[lo, hi]`` (torch.ao's update on an unchanged range), else None. None where the
@@ -72,7 +76,7 @@ def fused(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor, base: 
         return None
     out, mm = torch.empty(bins), torch.empty(2)
     miss = lib.qs_ao_fused(x.data_ptr(), x.numel(), float(lo), float(hi), bins, base.data_ptr(),
-                           out.data_ptr(), mm.data_ptr())
+                           out.data_ptr(), mm.data_ptr(), kernels.threads(threads))
     return None if miss == 2 else (mm, None if miss else out)
 
 

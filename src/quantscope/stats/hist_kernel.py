@@ -65,9 +65,6 @@ def _cpu(t: torch.Tensor, dtype) -> bool:
     return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
 
 
-def _threads(threads: int | None) -> int:
-    return max(1, torch.get_num_threads() if threads is None else int(threads))
-
 
 def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
                first: torch.Tensor, absolute: bool, threads: int | None = None) -> bool:
@@ -87,7 +84,7 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     if units.numel() == 0:
         return True
     ok = lib.qs_hist_bin(units.data_ptr(), U, units.shape[1], B, counts.data_ptr(),
-                         exp.data_ptr(), first.data_ptr(), int(absolute), _threads(threads))
+                         exp.data_ptr(), first.data_ptr(), int(absolute), kernels.threads(threads))
     if not ok:
         raise MemoryError("hist_kernel.bin_values: out of memory for the bin copies")
     return True
@@ -140,5 +137,5 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
     lo, hi = torch.empty(1), torch.empty(1)
     miss = lib.qs_hist_fused(units.data_ptr(), units.shape[1], B, int(absolute),
                              *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
-                             lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), _threads(threads))
+                             lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), kernels.threads(threads))
     return None if miss else (new, lo, hi)

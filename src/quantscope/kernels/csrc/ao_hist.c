@@ -1,6 +1,7 @@
 /* Called from quantscope.stats.ao_histogram through quantscope.kernels; that module's doc says
    what it computes (torch.ao HistogramObserver's histogram) and tests compare it with its
    torch reference (torch.ao's own ops) bit for bit. */
+#include "qs_threads.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
@@ -8,126 +9,231 @@
 #include <immintrin.h>
 #endif
 
-#define COPIES 4 /* interleaved int32 copies of the bins: a run of values in one bin is not one
-                    chain of dependent increments */
-#define BUF 512  /* indices computed (vectorized) per block, then counted */
+#define LAG 8 /* blocks of 16 indices computed ahead of the one being counted */
 
-/* out[k] = base[k] + float(the COPIES counts of bin k summed). */
-static void add_counts(const int32_t *cp, int64_t B, const float *base, float *out) {
-    for (int64_t k = 0; k < B; ++k) {
-        const int32_t *c = cp + k * COPIES;
-        int32_t t = 0;
-        for (int q = 0; q < COPIES; ++q) t += c[q];
-        out[k] = base[k] + (float)t;
+/* The bin math of ATen's histc kernel, in float32: trunc((x - lo) * B / (hi - lo)), the
+   right edge in the last bin; values outside [lo, hi] (and NaN) go to the dump bin B. */
+typedef struct {
+    float lo, hi, bf, d;
+    int32_t last, dump;
+} grid_t;
+
+/* the running min / max and NaN flag of a fused pass */
+typedef struct {
+#if defined(__AVX512F__)
+    __m512 mn, mx;
+    __mmask16 nan;
+#elif defined(__AVX2__)
+    __m256 mn, mx, nan;
+#else
+    float mn, mx;
+    int nan;
+#endif
+} track_t;
+
+static void track_init(track_t *t) {
+#if defined(__AVX512F__)
+    t->mn = _mm512_set1_ps(INFINITY); t->mx = _mm512_set1_ps(-INFINITY); t->nan = 0;
+#elif defined(__AVX2__)
+    t->mn = _mm256_set1_ps(INFINITY); t->mx = _mm256_set1_ps(-INFINITY);
+    t->nan = _mm256_setzero_ps();
+#else
+    t->mn = INFINITY; t->mx = -INFINITY; t->nan = 0;
+#endif
+}
+
+/* min / max of the tracked values (NaN when one was NaN, as torch.aminmax) into mm[2] */
+static void track_done(const track_t *t, float *mm) {
+    float mn = INFINITY, mx = -INFINITY;
+    int nan;
+#if defined(__AVX512F__)
+    float a[16], b[16];
+    _mm512_storeu_ps(a, t->mn); _mm512_storeu_ps(b, t->mx);
+    for (int q = 0; q < 16; ++q) { mn = a[q] < mn ? a[q] : mn; mx = b[q] > mx ? b[q] : mx; }
+    nan = t->nan != 0;
+#elif defined(__AVX2__)
+    float a[8], b[8];
+    _mm256_storeu_ps(a, t->mn); _mm256_storeu_ps(b, t->mx);
+    for (int q = 0; q < 8; ++q) { mn = a[q] < mn ? a[q] : mn; mx = b[q] > mx ? b[q] : mx; }
+    nan = _mm256_movemask_ps(t->nan) != 0;
+#else
+    mn = t->mn; mx = t->mx; nan = t->nan;
+#endif
+    mm[0] = nan ? NAN : mn;
+    mm[1] = nan ? NAN : mx;
+}
+
+/* the bins of x[0, 16) into r[16]; with tr, their min / max too (vminps / vmaxps: NaN
+   tracked on the side; a tie of -0 and 0 may keep either, as torch.aminmax's vector loop) */
+static inline __attribute__((always_inline)) void
+index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
+#if defined(__AVX512F__)
+    const __m512 v = _mm512_loadu_ps(x), lo = _mm512_set1_ps(g->lo);
+    const __m512 p = _mm512_div_ps(_mm512_mul_ps(_mm512_sub_ps(v, lo), _mm512_set1_ps(g->bf)),
+                                   _mm512_set1_ps(g->d));
+    const __m512i k = _mm512_min_epi32(_mm512_cvttps_epi32(p), _mm512_set1_epi32(g->last));
+    const __mmask16 in = _mm512_cmp_ps_mask(v, lo, _CMP_GE_OQ)
+                         & _mm512_cmp_ps_mask(v, _mm512_set1_ps(g->hi), _CMP_LE_OQ);
+    _mm512_store_si512((void *)r, _mm512_mask_mov_epi32(_mm512_set1_epi32(g->dump), in, k));
+    if (tr) {
+        tr->mn = _mm512_min_ps(v, tr->mn);
+        tr->mx = _mm512_max_ps(v, tr->mx);
+        tr->nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+#elif defined(__AVX2__)
+    const __m256 lo = _mm256_set1_ps(g->lo), hi = _mm256_set1_ps(g->hi);
+    const __m256 bf = _mm256_set1_ps(g->bf), d = _mm256_set1_ps(g->d);
+    for (int h = 0; h < 16; h += 8) {
+        const __m256 v = _mm256_loadu_ps(x + h);
+        const __m256 p = _mm256_div_ps(_mm256_mul_ps(_mm256_sub_ps(v, lo), bf), d);
+        const __m256i k = _mm256_min_epi32(_mm256_cvttps_epi32(p), _mm256_set1_epi32(g->last));
+        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ),
+                                        _mm256_cmp_ps(v, hi, _CMP_LE_OQ));
+        _mm256_store_si256((__m256i *)(r + h), _mm256_castps_si256(_mm256_blendv_ps(
+            _mm256_castsi256_ps(_mm256_set1_epi32(g->dump)), _mm256_castsi256_ps(k), in)));
+        if (tr) {
+            tr->mn = _mm256_min_ps(v, tr->mn);
+            tr->mx = _mm256_max_ps(v, tr->mx);
+            tr->nan = _mm256_or_ps(tr->nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+    }
+#else
+    for (int q = 0; q < 16; ++q) {
+        const float v = x[q];
+        if (v >= g->lo && v <= g->hi) {
+            const int32_t k = (int32_t)((v - g->lo) * g->bf / g->d); /* in [0, B] */
+            r[q] = k > g->last ? g->last : k;
+        } else {
+            r[q] = g->dump;
+        }
+        if (tr) {
+            tr->mn = v < tr->mn ? v : tr->mn;
+            tr->mx = v > tr->mx ? v : tr->mx;
+            tr->nan |= v != v;
+        }
+    }
+#endif
+}
+
+/* cp[bin]++ for each value of x[0, n) (cp: B + 1 int32, the last the dump), software
+   pipelined: the indices of block j + LAG are computed (vector work) while those of block j
+   are counted (one scalar increment each, the bound), so the two overlap; counting straight
+   from a fresh store would wait on it. With tr, the min / max of x too. */
+static inline __attribute__((always_inline)) void
+count(const float *x, int64_t n, const grid_t *g, int32_t *cp, track_t *tr) {
+    int32_t ring[LAG][16] __attribute__((aligned(64)));
+    const int64_t blocks = n / 16;
+    int64_t j = 0;
+    for (; j < blocks; ++j) {
+        int32_t *r = ring[j % LAG];
+        if (j >= LAG)
+            for (int q = 0; q < 16; ++q) cp[r[q]]++;
+        index16(x + 16 * j, g, r, tr);
+    }
+    for (int64_t t = blocks > LAG ? blocks - LAG : 0; t < blocks; ++t)
+        for (int q = 0; q < 16; ++q) cp[ring[t % LAG][q]]++;
+    if (n > 16 * blocks) { /* the tail, padded with its first value (the same min / max) */
+        const int64_t rem = n - 16 * blocks;
+        float tail[16];
+        int32_t r[16] __attribute__((aligned(64)));
+        for (int64_t q = 0; q < 16; ++q) tail[q] = x[16 * blocks + (q < rem ? q : 0)];
+        index16(tail, g, r, tr);
+        for (int64_t q = 0; q < rem; ++q) cp[r[q]]++;
     }
 }
 
-/* out[k] = base[k] + float(count of x in bin k) for torch.histc(x, B, min=lo, max=hi):
-   bin trunc((x - lo) * B / (hi - lo)) in float32 as ATen's histc kernel, the right edge in
-   the last bin, values outside [lo, hi] (and NaN) not counted. out may be base. Returns 1
-   (nothing written) where the caller must take torch's path: lo >= hi, an infinite width,
-   or n >= 2**24 (torch's float32 counts saturate there). */
-int64_t qs_ao_histc(const float *x, int64_t n, float lo, float hi, int64_t B,
-                    const float *base, float *out) {
-    const float d = hi - lo;
-    if (!(lo < hi) || !isfinite(d) || n >= ((int64_t)1 << 24) || B < 1 || B > (1 << 24))
-        return 1;
-    int32_t *cp = (int32_t *)calloc((size_t)(B + 1) * COPIES, sizeof(int32_t));
+/* one thread's share of x, counted into its own bins (and min / max when tracking) */
+typedef struct {
+    const float *x;
+    int64_t n;
+    const grid_t *g;
+    int32_t *cp;
+    track_t tr;
+} job_t;
+
+static void *count_plain(void *a) {
+    job_t *j = (job_t *)a;
+    count(j->x, j->n, j->g, j->cp, NULL);
+    return NULL;
+}
+
+static void *count_track(void *a) {
+    job_t *j = (job_t *)a;
+    count(j->x, j->n, j->g, j->cp, &j->tr);
+    return NULL;
+}
+
+/* out = base + the bins of x[0, n) (float32 adds of exact int32 counts: n < 2**24), x split
+   over up to `threads` threads, each with its own bins; with mm, the min / max of x into
+   mm[2] (NaN when x holds one). Returns 1 (nothing written) when out of memory. */
+static int count_all(const float *x, int64_t n, const grid_t *g, int64_t threads,
+                     const float *base, float *out, float *mm) {
+    const int64_t B = g->dump, W = B + 1;
+    if (threads > QS_MAXT) threads = QS_MAXT;
+    if (threads > n >> 16) threads = n >> 16; /* a thread per 65536 values at least */
+    if (threads < 1) threads = 1;
+    int32_t *cp = (int32_t *)calloc((size_t)(threads * W), sizeof(int32_t));
     if (!cp) return 1;
-    const float bf = (float)B;
-    const int32_t last = (int32_t)B - 1, dump = (int32_t)B;
-    int32_t buf[BUF];
-    for (int64_t b = 0; b < n; b += BUF) {
-        const int32_t m = (int32_t)(n - b < BUF ? n - b : BUF);
-        const float *xb = x + b;
-        for (int32_t j = 0; j < m; ++j) { /* int32 lanes: full-width vectors */
-            const float v = xb[j];
-            const float p = (v - lo) * bf / d; /* in [0, B] for v in [lo, hi] */
-            int32_t k = (int32_t)p;
-            k = k > last ? last : k;
-            k = (v >= lo && v <= hi) ? k : dump;
-            buf[j] = k * COPIES + (j & (COPIES - 1));
-        }
-        int32_t j = 0;
-        for (; j + 4 <= m; j += 4) {
-            cp[buf[j]]++; cp[buf[j + 1]]++; cp[buf[j + 2]]++; cp[buf[j + 3]]++;
-        }
-        for (; j < m; ++j) cp[buf[j]]++;
+    job_t jobs[QS_MAXT];
+    for (int64_t t = 0; t < threads; ++t) {
+        const int64_t a = n * t / threads, e = n * (t + 1) / threads;
+        jobs[t].x = x + a;
+        jobs[t].n = e - a;
+        jobs[t].g = g;
+        jobs[t].cp = cp + t * W;
+        track_init(&jobs[t].tr);
     }
-    add_counts(cp, B, base, out);
+    qs_run_jobs(mm ? count_track : count_plain, jobs, sizeof jobs[0], (int)threads);
+    for (int64_t k = 0; k < B; ++k) {
+        int32_t c = 0;
+        for (int64_t t = 0; t < threads; ++t) c += cp[t * W + k];
+        out[k] = base[k] + (float)c;
+    }
+    if (mm) {
+        track_done(&jobs[0].tr, mm);
+        for (int64_t t = 1; t < threads; ++t) {
+            float m[2];
+            track_done(&jobs[t].tr, m);
+            mm[0] = (m[0] != m[0] || m[0] < mm[0]) ? m[0] : mm[0]; /* NaN stays */
+            mm[1] = (m[1] != m[1] || m[1] > mm[1]) ? m[1] : mm[1];
+        }
+    }
     free(cp);
     return 0;
+}
+
+/* the grid of torch.histc(x, B, min=lo, max=hi); 0 where the caller must take torch's path:
+   lo >= hi, an infinite width, or n >= 2**24 (torch's float32 counts saturate there) */
+static int grid(float lo, float hi, int64_t n, int64_t B, grid_t *g) {
+    const float d = hi - lo;
+    if (!(lo < hi) || !isfinite(d) || n >= ((int64_t)1 << 24) || B < 1 || B > (1 << 24))
+        return 0;
+    g->lo = lo; g->hi = hi; g->bf = (float)B; g->d = d;
+    g->last = (int32_t)B - 1; g->dump = (int32_t)B;
+    return 1;
+}
+
+/* out = base + torch.histc(x, B, min=lo, max=hi) (out may be base), on up to `threads`
+   threads. Returns 1 (nothing written) where grid() does not apply. */
+int64_t qs_ao_histc(const float *x, int64_t n, float lo, float hi, int64_t B,
+                    const float *base, float *out, int64_t threads) {
+    grid_t g;
+    if (!grid(lo, hi, n, B, &g)) return 1;
+    return count_all(x, n, &g, threads, base, out, NULL);
 }
 
 /* One read of x for a batch that may fall inside the current range [lo, hi]: its min / max
    (NaN when x holds one, as torch.aminmax) into mm[0], mm[1], and, when every value lies in
    [lo, hi], out = base + its histc on that range (as qs_ao_histc); returns 0 then. Returns
-   1 when some value lies outside (or is NaN): mm is still written, out is meaningless.
-   Returns 2 (nothing written) where qs_ao_histc would not apply. */
+   1 when some value lies outside (or is NaN): mm is still written, out may have been
+   written (out must not be base). Returns 2 (nothing written) where qs_ao_histc would not
+   apply. */
 int64_t qs_ao_fused(const float *x, int64_t n, float lo, float hi, int64_t B,
-                    const float *base, float *out, float *mm) {
-    const float d = hi - lo;
-    if (!(lo < hi) || !isfinite(d) || n < 1 || n >= ((int64_t)1 << 24) || B < 1
-        || B > (1 << 24))
+                    const float *base, float *out, float *mm, int64_t threads) {
+    grid_t g;
+    if (n < 1 || !grid(lo, hi, n, B, &g) || count_all(x, n, &g, threads, base, out, mm))
         return 2;
-    int32_t *cp = (int32_t *)calloc((size_t)(B + 1) * COPIES, sizeof(int32_t));
-    if (!cp) return 2;
-    const float bf = (float)B;
-    const int32_t last = (int32_t)B - 1, dump = (int32_t)B;
-    float mn = INFINITY, mx = -INFINITY;
-    int32_t nan = 0;
-#if defined(__AVX2__)
-    __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY);
-    __m256 vnan = _mm256_setzero_ps();
-#endif
-    int32_t buf[BUF];
-    for (int64_t b = 0; b < n; b += BUF) {
-        const int32_t m = (int32_t)(n - b < BUF ? n - b : BUF);
-        const float *xb = x + b;
-        int32_t j = 0;
-#if defined(__AVX2__)
-        /* vminps / vmaxps: NaN tracked on the side; a tie of -0 and 0 may keep either, as
-           torch.aminmax's own vector loop */
-        for (; j + 8 <= m; j += 8) {
-            const __m256 v = _mm256_loadu_ps(xb + j);
-            vmn = _mm256_min_ps(v, vmn);
-            vmx = _mm256_max_ps(v, vmx);
-            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        }
-#endif
-        for (; j < m; ++j) {
-            const float v = xb[j];
-            mn = v < mn ? v : mn;
-            mx = v > mx ? v : mx;
-            nan |= v != v;
-        }
-        for (j = 0; j < m; ++j) {
-            const float v = xb[j];
-            const float p = (v - lo) * bf / d;
-            int32_t k = (int32_t)p;
-            k = k > last ? last : k;
-            k = (v >= lo && v <= hi) ? k : dump;
-            buf[j] = k * COPIES + (j & (COPIES - 1));
-        }
-        for (j = 0; j < m; ++j) cp[buf[j]]++;
-    }
-#if defined(__AVX2__)
-    float vmin[8], vmax[8];
-    _mm256_storeu_ps(vmin, vmn);
-    _mm256_storeu_ps(vmax, vmx);
-    nan |= _mm256_movemask_ps(vnan) != 0;
-    for (int q = 0; q < 8; ++q) {
-        mn = vmin[q] < mn ? vmin[q] : mn;
-        mx = vmax[q] > mx ? vmax[q] : mx;
-    }
-#endif
-    mm[0] = nan ? NAN : mn;
-    mm[1] = nan ? NAN : mx;
-    const int inside = !nan && mn >= lo && mx <= hi;
-    if (inside)
-        add_counts(cp, B, base, out);
-    free(cp);
-    return !inside;
+    return !(mm[0] >= lo && mm[1] <= hi); /* false for NaN */
 }
 
 /* torch.ao's _upscale_histogram: each of the B bins split into `rate` pieces of weight
@@ -144,24 +250,38 @@ int64_t qs_ao_upscale(const float *hist, int64_t B, int64_t rate, const float *m
     int rising = 1;
     for (int64_t k = 0; k < B; ++k) rising &= bounds[k] <= bounds[k + 1];
     for (int64_t i = 0; i + 1 < n; ++i) rising &= mids[i] <= mids[i + 1];
-    int64_t walk = 0;
-    float w = 0.0f;
-    int64_t q = 0, src = 0; /* piece q of old bin src */
-    for (int64_t i = 0; i < n; ++i) {
-        const float v = mids[i];
-        if (q == 0) w = hist[src++] / r; /* once per old bin */
-        if (++q == rate) q = 0;
-        int64_t a = 0;
-        if (rising) { /* the count of edges <= v */
-            while (walk < B + 1 && bounds[walk] <= v) ++walk;
-            a = walk;
-        } else {
-            int64_t e = B + 1;
-            while (a < e) {
-                const int64_t mid = a + ((e - a) >> 1);
-                if (!(bounds[mid] > v)) a = mid + 1;
-                else e = mid;
+    if (rising) {
+        /* the target bin never falls, so each bin's pieces come in one run: summed in a
+           register (the same float32 adds, in the same order, as out[t] += w), not through
+           a store and reload per piece */
+        int64_t edge = 0, t = 0; /* edges <= the current mid point; the run's bin */
+        float acc = 0.0f;
+        for (int64_t src = 0; src < B; ++src) {
+            const float w = hist[src] / r;
+            for (int64_t q = 0; q < rate; ++q) {
+                const float v = mids[src * rate + q];
+                while (edge < B + 1 && bounds[edge] <= v) ++edge;
+                const int64_t u = edge < 1 ? 0 : (edge - 1 > B - 1 ? B - 1 : edge - 1);
+                if (u != t) {
+                    out[t] = acc;
+                    acc = 0.0f;
+                    t = u;
+                }
+                acc += w;
             }
+        }
+        out[t] = acc;
+        return 0;
+    }
+    float w = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        if (i % rate == 0) w = hist[i / rate] / r; /* once per old bin */
+        const float v = mids[i];
+        int64_t a = 0, e = B + 1; /* torch.bucketize(right=True): the count of edges <= v */
+        while (a < e) {
+            const int64_t mid = a + ((e - a) >> 1);
+            if (!(bounds[mid] > v)) a = mid + 1;
+            else e = mid;
         }
         int64_t t = a - 1;
         t = t < 0 ? 0 : (t > B - 1 ? B - 1 : t);

@@ -1,0 +1,79 @@
+"""csrc/ao_hist.c's scalar and AVX2 branches give the native build's bins, bit for bit.
+
+The native build (AVX-512 on this project's machines) is checked against torch's ops in
+tests/compat/test_ao_histogram.py; CI machines without AVX-512 run the AVX2 branch, and
+machines without AVX2 the scalar one, so each is built here and compared with it.
+"""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantscope import kernels
+from quantscope.stats import ao_histogram
+
+CC = shutil.which("cc") or shutil.which("gcc")
+pytestmark = pytest.mark.skipif(CC is None or ao_histogram._kernel() is None,
+                                reason="no C compiler or no native kernel")
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return f" {flag}" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def _build(march: str, tmp_path) -> ctypes.CDLL:
+    flags = [f if f != "-march=native" else f"-march={march}" for f in kernels.FLAGS]
+    out = tmp_path / f"ao_hist_{march}.so"
+    subprocess.run([CC, *flags, f"-I{kernels.CSRC}", str(kernels.CSRC / "ao_hist.c"), "-o",
+                    str(out), "-lm"], check=True, capture_output=True, text=True)
+    so = ctypes.CDLL(str(out))
+    for fn, types in kernels.SIGNATURES["ao_hist"].items():
+        getattr(so, fn).restype, getattr(so, fn).argtypes = ctypes.c_int64, types
+    return so
+
+
+def _histc(so, x, bins, lo, hi, base, threads):
+    out = torch.empty(bins)
+    assert so.qs_ao_histc(x.data_ptr(), x.numel(), lo, hi, bins, base.data_ptr(),
+                          out.data_ptr(), threads) == 0
+    return out
+
+
+def _fused(so, x, bins, lo, hi, base, threads):
+    out, mm = torch.empty(bins), torch.empty(2)
+    miss = so.qs_ao_fused(x.data_ptr(), x.numel(), lo, hi, bins, base.data_ptr(),
+                          out.data_ptr(), mm.data_ptr(), threads)
+    return miss, mm, (out if miss == 0 else None)
+
+
+@pytest.mark.parametrize("march, flag", [("x86-64", "sse2"), ("haswell", "avx2")])
+def test_branch_bins_and_ranges_equal_the_native_build(march, flag, tmp_path):
+    if not _cpu_has(flag):
+        pytest.skip(f"this CPU cannot run -march={march} code")
+    branch, native = _build(march, tmp_path), ao_histogram._kernel()
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 15, 17, 4099, 150_001):
+        x = torch.randn(n, generator=g) * 3
+        x[: n // 5] = -2.0  # on the left edge
+        x[n // 5: n // 4] = 2.5  # on the right edge
+        if n > 100:
+            x[50], x[-3] = 9.0, float("nan")  # outside, and NaN (neither counted)
+        base = torch.rand(777, generator=g)
+        for threads in (1, 2):
+            a = _histc(branch, x, 777, -2.0, 2.5, base, threads)
+            assert torch.equal(a, _histc(native, x, 777, -2.0, 2.5, base, threads))
+            for lo, hi in ((-2.0, 2.5), (-20.0, 20.0)):
+                ma, mb = _fused(branch, x, 777, lo, hi, base, threads), \
+                    _fused(native, x, 777, lo, hi, base, threads)
+                assert ma[0] == mb[0]
+                assert torch.equal(ma[1], mb[1]) or (ma[1].isnan() == mb[1].isnan()).all()
+                assert (ma[2] is None) == (mb[2] is None)
+                if ma[2] is not None:
+                    assert torch.equal(ma[2], mb[2])
