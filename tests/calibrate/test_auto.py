@@ -674,3 +674,55 @@ def test_weight_only_auto_weighs_by_the_scoring_forwards():
     assert "weight=imatrix" in info["role_scores"]
     if info["roles"]["weight"] == "imatrix":
         assert {st["weight"].observer for st in c.states.values()} == {"imatrix"}
+
+
+# ------------------------------------------------------------------------------------ CUDA
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@needs_cuda
+def test_importance_hooks_on_cuda_sync_nothing_and_match_the_cpu():
+    """The importance sums stay on the device: no host sync per forward (CUDA's sync debug
+    mode raises on one; a plain MLP, so only the hooks could sync)."""
+    from quantscope.calibrate.importance import InputImportance
+
+    model = _Mlp()
+    xs = [torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    want_imp = InputImportance(model, ["up", "down"])
+    with torch.no_grad(), want_imp.counting():
+        for x in xs:
+            model(x)
+    want = want_imp.means()
+    model = model.cuda()
+    imp = InputImportance(model, ["up", "down"])
+    with torch.no_grad(), imp.counting():
+        model(xs[0].cuda())  # the first call allocates the sums
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for x in xs[1:]:
+                model(x.cuda())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    got = imp.means()
+    for n in ("up", "down"):
+        assert got[n].is_cuda
+        torch.testing.assert_close(got[n].cpu(), want[n], rtol=1e-5, atol=0)
+
+
+@needs_cuda
+def test_auto_on_cuda_makes_the_cpu_choice_with_the_cpu_scales():
+    model, batches = _llama()
+    names = ["minmax", "mse"]
+    cpu = calibrate(model, batches, "w8a8", observer="auto", candidates=names, progress=False)
+    gm = model.cuda()
+    gb = [{k: v.cuda() for k, v in b.items()} for b in batches]
+    gpu = calibrate(gm, gb, "w8a8", observer="auto", candidates=names, progress=False)
+    a, b = gpu.info["auto"], cpu.info["auto"]
+    assert a["chose"] == b["chose"] and a["roles"] == b["roles"]
+    for n in b["scores"]:
+        assert a["scores"][n] == pytest.approx(b["scores"][n], rel=1e-3, abs=1e-9)
+    for layer, rs in cpu.states.items():
+        for role, st in rs.items():
+            g = gpu.states[layer][role].qparams.scale
+            assert g.is_cuda
+            torch.testing.assert_close(g.cpu(), st.qparams.scale, rtol=1e-5, atol=0)
