@@ -693,14 +693,14 @@ def test_importance_hooks_on_cuda_sync_nothing_and_match_the_cpu():
         for x in xs:
             model(x)
     want = want_imp.means()
-    model = model.cuda()
+    model, xs = model.cuda(), [x.cuda() for x in xs]  # (a host-to-device copy syncs)
     imp = InputImportance(model, ["up", "down"])
     with torch.no_grad(), imp.counting():
-        model(xs[0].cuda())  # the first call allocates the sums
+        model(xs[0])  # the first call allocates the sums
         torch.cuda.set_sync_debug_mode("error")
         try:
             for x in xs[1:]:
-                model(x.cuda())
+                model(x)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     got = imp.means()
@@ -719,10 +719,14 @@ def test_auto_on_cuda_makes_the_cpu_choice_with_the_cpu_scales():
     gpu = calibrate(gm, gb, "w8a8", observer="auto", candidates=names, progress=False)
     a, b = gpu.info["auto"], cpu.info["auto"]
     assert a["chose"] == b["chose"] and a["roles"] == b["roles"]
+    # the scores are KLs of ~1e-6 here: the GPU's float32 forwards (another summation order)
+    # move them at the percent level (1.135e-6 against 1.124e-6 on an H100)
     for n in b["scores"]:
-        assert a["scores"][n] == pytest.approx(b["scores"][n], rel=1e-3, abs=1e-9)
+        assert a["scores"][n] == pytest.approx(b["scores"][n], rel=0.05)
     for layer, rs in cpu.states.items():
         for role, st in rs.items():
             g = gpu.states[layer][role].qparams.scale
             assert g.is_cuda
-            torch.testing.assert_close(g.cpu(), st.qparams.scale, rtol=1e-5, atol=0)
+            # weights: the same tensors; inputs: activations to the GPU's last bits
+            torch.testing.assert_close(g.cpu(), st.qparams.scale, atol=0,
+                                       rtol=1e-5 if role == "weight" else 1e-3)
