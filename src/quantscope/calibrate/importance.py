@@ -81,7 +81,8 @@ class InputImportance:
         self.handles = []
 
     def means(self, distributed: bool = False, group=None) -> dict[str, torch.Tensor]:
-        """``{layer: float32 [in]}`` for each layer that saw a row (the hooks removed). With
+        """``{layer: float32 [in]}`` on the CPU (the sums, kept on the inputs' device during
+        the pass, are copied once here) for each layer that saw a row (the hooks removed). With
         ``distributed``, the sums and row counts of every rank of ``group`` together (a
         collective: every rank calls it)."""
         self.remove()
