@@ -160,7 +160,7 @@ def _kernel_divergences(lib, counts, nq, start_bin, stride, stop, copy_zero_bin,
     if lib.qs_entropy(counts.contiguous().data_ptr(), None if st is None else st.data_ptr(),
                       out.data_ptr(), None if pick is None else pick.data_ptr(), U, B,
                       start_bin, stride, C, nq.bit_length() - 1, int(copy_zero_bin),
-                      int(fallback), torch.get_num_threads()):
+                      int(fallback), kernels.threads()):
         return None
     return out
 

@@ -83,17 +83,13 @@ def tolerance(n: int, norm: float) -> tuple[float, float]:
     return rel * 1.001 + 2.0 ** -40, 4 * n * _ALPHA  # >= the lower side's, float64 slack
 
 
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
-
-
 def _vector_only(numel: int) -> bool:
     """Whether torch's elementwise loop over a contiguous ``numel`` (a multiple of 64)
     sends every element through its vector body: each thread's share (at::parallel_for:
     ``ceil(numel / t)``, ``t = min(threads, ceil(numel / grain))``) a multiple of 64."""
-    if numel < _GRAIN or _threads() == 1:
+    if numel < _GRAIN or kernels.threads() == 1:
         return True
-    t = min(_threads(), -(-numel // _GRAIN))
+    t = min(kernels.threads(), -(-numel // _GRAIN))
     return -(-numel // t) % 64 == 0
 
 
@@ -132,7 +128,7 @@ def price(units, scale, zp, spec, norm) -> torch.Tensor:
     out = torch.empty((c, n), dtype=torch.float64)
     kernels.lib("mse_pnorm").qs_pnorm_price(
         units.data_ptr(), units.shape[1], n, sc.data_ptr(), zi.data_ptr(), c,
-        float(spec.qmin), float(spec.qmax), float(norm), out.data_ptr(), _threads())
+        float(spec.qmin), float(spec.qmax), float(norm), out.data_ptr(), kernels.threads())
     return out
 
 

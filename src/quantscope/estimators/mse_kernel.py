@@ -61,7 +61,6 @@ def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
             and kernels.available("mse_search"))
 
 
-
 def _f32(t: torch.Tensor) -> torch.Tensor:
     t = t if t.dtype == torch.float32 else t.float()
     return t if t.is_contiguous() else t.contiguous()

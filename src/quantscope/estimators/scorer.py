@@ -107,7 +107,7 @@ class HistogramScorer:
             out = torch.empty(U, C, dtype=torch.float64)
             _kernel().qs_hist_error(x.data_ptr(), w.data_ptr(), lo.data_ptr(), hi.data_ptr(),
                                     _ptr(s), _ptr(z), self._q.data_ptr(), out.data_ptr(), U, C,
-                                    x.shape[1], torch.get_num_threads())
+                                    x.shape[1], kernels.threads())
             return out
         return self._torch(*self._qparams(lo, hi, torch_only=True))
 
@@ -173,7 +173,7 @@ class HistogramScorer:
                                      _ptr(z), self._q.data_ptr(), idx.data_ptr(), err.data_ptr(),
                                      blo.data_ptr(), bhi.data_ptr(), U, x.shape[1], line.kind,
                                      n, line.mul, line.add, line.div, mid, lvt.data_ptr(),
-                                     len(lv), int(first), torch.get_num_threads())
+                                     len(lv), int(first), kernels.threads())
             return LineBest(blo, bhi, idx, err)
         clo, chi = line.ranges()
         idx, err = _line_pick(self._torch(*self._qparams(clo, chi, torch_only=True)), mid, lv,

@@ -44,7 +44,6 @@ def _plain(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
 
-
 def histc(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor,
           base: torch.Tensor | None = None, backend: str | None = None,
           threads: int | None = None) -> torch.Tensor:

@@ -65,7 +65,6 @@ def _cpu(t: torch.Tensor, dtype) -> bool:
     return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
 
 
-
 def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
                first: torch.Tensor, absolute: bool, threads: int | None = None) -> bool:
     """``add_values`` in C (``counts`` updated in place); False: not applicable (no
