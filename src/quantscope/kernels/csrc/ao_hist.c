@@ -123,15 +123,6 @@ static inline __attribute__((always_inline)) void
 count(const float *x, int64_t n, const grid_t *g, int32_t *cp, track_t *tr) {
     int32_t ring[LAG][16] __attribute__((aligned(64)));
     const int64_t blocks = n / 16;
-    int64_t j = 0;
-    for (; j < blocks; ++j) {
-        int32_t *r = ring[j % LAG];
-        if (j >= LAG)
-            for (int q = 0; q < 16; ++q) cp[r[q]]++;
-        index16(x + 16 * j, g, r, tr);
-    }
-    for (int64_t t = blocks > LAG ? blocks - LAG : 0; t < blocks; ++t)
-        for (int q = 0; q < 16; ++q) cp[ring[t % LAG][q]]++;
     if (n > 16 * blocks) { /* the tail, padded with its first value (the same min / max) */
         const int64_t rem = n - 16 * blocks;
         float tail[16];
@@ -140,6 +131,16 @@ count(const float *x, int64_t n, const grid_t *g, int32_t *cp, track_t *tr) {
         index16(tail, g, r, tr);
         for (int64_t q = 0; q < rem; ++q) cp[r[q]]++;
     }
+    /* last block first: a batch just read front to back (for its min / max) still has its
+       end in cache and its start likeliest evicted; the counts do not depend on the order */
+    for (int64_t i = 0; i < blocks; ++i) {
+        int32_t *r = ring[i % LAG];
+        if (i >= LAG)
+            for (int q = 0; q < 16; ++q) cp[r[q]]++;
+        index16(x + 16 * (blocks - 1 - i), g, r, tr);
+    }
+    for (int64_t t = blocks > LAG ? blocks - LAG : 0; t < blocks; ++t)
+        for (int q = 0; q < 16; ++q) cp[ring[t % LAG][q]]++;
 }
 
 /* one thread's share of x, counted into its own bins (and min / max when tracking) */
