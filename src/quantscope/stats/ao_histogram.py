@@ -49,7 +49,7 @@ def histc(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor,
           threads: int | None = None) -> torch.Tensor:
     """``base + torch.histc(x, bins, min=lo, max=hi)`` (float32 ``[bins]``; ``base`` None:
     the histc alone). ``backend``: see :data:`quantscope.kernels.BACKENDS`; ``threads``:
-    the kernel's (default torch's; at least 65536 values each)."""
+    the kernel's (default torch's; at least ``2 ** 18`` values each)."""
     applies = (_plain(x) and not x.requires_grad
                and (base is None or (_plain(base) and base.shape == (bins,))))
     lib = kernels.choose(backend, "ao_hist", "histc", applies)

@@ -171,7 +171,8 @@ static int count_all(const float *x, int64_t n, const grid_t *g, int64_t threads
                      const float *base, float *out, float *mm) {
     const int64_t B = g->dump, W = B + 1;
     if (threads > QS_MAXT) threads = QS_MAXT;
-    if (threads > n >> 16) threads = n >> 16; /* a thread per 65536 values at least, */
+    if (threads > n >> 18) threads = n >> 18; /* 2**18 values a thread at least (~0.1 ms:
+                                                    more than starting the thread), */
     if (threads > n / W) threads = n / W;     /* and no more bins than values per thread */
     if (threads < 1) threads = 1;
     int32_t *cp = (int32_t *)calloc((size_t)(threads * W), sizeof(int32_t));
