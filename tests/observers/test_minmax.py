@@ -398,6 +398,28 @@ def test_kernel_on_large_inputs(E, monkeypatch):
     assert lo[1].isnan() and hi[1].isnan()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("E", [16, 32])
+def test_kernel_streams_large_outputs_and_equals_torch(E, threads, monkeypatch):
+    """From 2**15 rows a share, the short-row kernel writes its min / max with streaming
+    stores (csrc/unit_minmax.c, STREAM_ROWS): the same results, a NaN row and the ends too."""
+    monkeypatch.setattr(stats, "THREAD_MIN_NUMEL", 1)
+    U = (1 << 16) + 3  # two shares of > 2**15 rows on 2 threads, and a tail
+    u = rand(U, E, seed=E)
+    u[40_001, 3] = float("nan")
+    ends = torch.empty(2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lo, hi = stats.unit_minmax(u, ends=ends)
+    finally:
+        torch.set_num_threads(before)
+    rlo, rhi = stats.torch_unit_minmax(u)
+    assert torch.allclose(lo, rlo, equal_nan=True, atol=0, rtol=0)
+    assert torch.allclose(hi, rhi, equal_nan=True, atol=0, rtol=0)
+    assert lo[40_001].isnan() and ends.isnan().all()
+
+
 @pytest.mark.parametrize("U, E", [(7, 4096), (64, 16), (3, 100)])
 def test_kernel_threads_split_units(U, E, monkeypatch):
     # the split over threads (used from 4M elements) gives the same per-unit results
