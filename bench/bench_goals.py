@@ -9,6 +9,12 @@
    (compressed-tensors' qparams) and the floor, one ``torch.aminmax`` of the weight;
 4. MXFP4 / NVFP4 min-max qparams, 4096 x 4096, the same way.
 
+Cases 3 and 4 write megabytes of fresh outputs per call (NVFP4: 17 MB), whose page faults
+the floor does not pay; whether glibc serves them from freed memory depends on the process's
+history, so they run with the allocator fixed (:func:`set_heap`): memory reused between calls
+(the goals table), then, in a second process set up before its first allocation, fresh pages
+on every call, as inside a quantscope calibration.
+
 Everything runs in one process under the peers' python (``.peers``, or
 $QUANTSCOPE_PEER_PYTHON: llm-compressor and compressed-tensors live there), importing
 quantscope from this checkout; contenders interleaved call by call, medians, one torch
@@ -39,13 +45,38 @@ def _same(peer, ours) -> bool:
     return all(torch.equal(_values(x), _values(y)) for x, y in zip(peer, ours))
 
 
-def run(table_cls, compare) -> None:
+def set_heap(state: str) -> bool:
+    """glibc's allocator for the timings that follow (False elsewhere: nothing changed).
+
+    ``"reused"``: blocks up to 32 MiB come from the heap, which is not trimmed, so each call
+    reuses the memory the last one freed (a long-running process whose thresholds have
+    grown; which of them a fresh process serves fresh depends on its history, so the bench
+    fixes it). ``"fresh"``: every block of 1 MiB or more is mmapped and unmapped when freed
+    (``calibrate/heap.py``'s setting inside a calibration), so each call's outputs are new
+    pages, each faulted in (about 1.9 us a page on this project's VMs)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mmap_threshold, trim_threshold = (32 << 20, 1 << 30) if state == "reused" else (1 << 20, 2 << 20)
+    return bool(mallopt(-3, mmap_threshold)) and bool(mallopt(-1, trim_threshold))
+
+
+def run(table_cls, compare, fresh: bool = False) -> None:
+    """The goals table; ``fresh``: only cases 3 and 4, in a process whose allocator was set
+    to fresh pages before it allocated anything (see :func:`set_heap`)."""
     import quantscope as qs
 
     torch.set_num_threads(1)
-    t = table_cls("issue 19 goals (median ms, interleaved; one torch thread)",
-                  ["case", "peer", "peer ms", "quantscope ms", "peer / qs", "floor ms",
-                   "qs / floor", "same qparams", "goal"])
+    title = ("the min-max goals again, fresh output pages on every call (glibc: 1 MiB mmap "
+             "threshold, as inside a quantscope calibration)" if fresh else
+             "issue 19 goals (median ms, interleaved; one torch thread)")
+    t = table_cls(title, ["case", "peer", "peer ms", "quantscope ms", "peer / qs", "floor ms",
+                          "qs / floor", "same qparams", "goal"])
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4096, 4096, generator=g)
     floor = compare({"aminmax": lambda: torch.aminmax(w)}, repeat=9)["aminmax"]
@@ -75,6 +106,17 @@ def run(table_cls, compare) -> None:
             qp = o.get_qparams()
             return qp["scale"], qp["zero_point"]
         return call
+
+    if not fresh:
+        _search_goals(t, compare, lc, ours_compat)
+    else:
+        print("  (fresh output pages)", flush=True)
+    _minmax_goals(t, compare, lc, ours_compat, w, floor, "fresh" if fresh else "reused")
+
+
+def _search_goals(t, compare, lc, ours_compat) -> None:
+    """Cases 1 and 2: the compat MSE search and torch.ao's histogram with range growth."""
+    import quantscope as qs
 
     # 1. compat MSE (and its torch path, backend="torch", in the same rounds)
     fields = {"num_bits": 4, "strategy": "channel"}
@@ -112,6 +154,12 @@ def run(table_cls, compare) -> None:
           tm["qs"] / hfloor, same, ">= 10x")
     print("  histogram growth: done", flush=True)
 
+
+def _minmax_goals(t, compare, lc, ours_compat, w, floor, heap: str) -> None:
+    """Cases 3 and 4: min-max qparams of the weight ``w``, the allocator in state ``heap``
+    (set here for "reused"; a "fresh" process set it before its first allocation)."""
+    if heap == "reused":
+        set_heap("reused")
     # 3. / 4. min-max at the floor
     cases = [("group-128 int4 min-max", {"num_bits": 4, "strategy": "group", "group_size": 128},
               "> peer, <= 1.5x floor"),
@@ -129,7 +177,7 @@ def run(table_cls, compare) -> None:
         same = _same(peer(), mine())
         tm = compare({"peer": peer, "qs": mine, "floor": lambda: torch.aminmax(w)}, repeat=9)
         t.add(name, "llm-compressor", 1e3 * tm["peer"], 1e3 * tm["qs"], tm["peer"] / tm["qs"],
-              1e3 * tm["floor"], tm["qs"] / tm["floor"], same, goal)
+              1e3 * tm["floor"], tm["qs"] / tm["floor"], same, goal if heap == "reused" else "")
         print(f"  {name}: done", flush=True)
     print(f"(floor, one torch.aminmax of the 4096 x 4096 weight, alone: {1e3 * floor:.2f} ms)")
     t.print()
@@ -142,11 +190,17 @@ def main():
         return
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]),
            "OMP_NUM_THREADS": "1"}
-    subprocess.run([str(PEER_PY), str(Path(__file__).resolve()), "--run"], env=env, check=True)
+    for part in ("--run", "--run-fresh"):
+        subprocess.run([str(PEER_PY), str(Path(__file__).resolve()), part], env=env, check=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--run"]:
+    if sys.argv[1:] == ["--run-fresh"]:
+        if set_heap("fresh"):  # before anything is allocated: no free heap block to reuse
+            from common import Table, compare
+
+            run(Table, compare, fresh=True)
+    elif sys.argv[1:] == ["--run"]:
         from common import Table, compare
 
         run(Table, compare)
