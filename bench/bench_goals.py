@@ -11,9 +11,10 @@
 
 Cases 3 and 4 write megabytes of fresh outputs per call (NVFP4: 17 MB), whose page faults
 the floor does not pay; whether glibc serves them from freed memory depends on the process's
-history, so they run with the allocator fixed (:func:`set_heap`): memory reused between calls
-(the goals table), then, in a second process set up before its first allocation, fresh pages
-on every call, as inside a quantscope calibration.
+history, so they run with the allocator fixed: memory reused between calls (:func:`reuse_heap`,
+the goals table), then, in a second process that took quantscope's calibration setting
+(``calibrate.heap.prepare``: every block of 1 MiB or more mmapped) before its first large
+allocation, fresh pages on every call.
 
 Everything runs in one process under the peers' python (``.peers``, or
 $QUANTSCOPE_PEER_PYTHON: llm-compressor and compressed-tensors live there), importing
@@ -45,35 +46,29 @@ def _same(peer, ours) -> bool:
     return all(torch.equal(_values(x), _values(y)) for x, y in zip(peer, ours))
 
 
-def set_heap(state: str) -> bool:
-    """glibc's allocator for the timings that follow (False elsewhere: nothing changed).
-
-    ``"reused"``: blocks up to 32 MiB come from the heap, which is not trimmed, so each call
-    reuses the memory the last one freed (a long-running process whose thresholds have
-    grown; which of them a fresh process serves fresh depends on its history, so the bench
-    fixes it). ``"fresh"``: every block of 1 MiB or more is mmapped and unmapped when freed
-    (``calibrate/heap.py``'s setting inside a calibration), so each call's outputs are new
-    pages, each faulted in (about 1.9 us a page on this project's VMs)."""
+def reuse_heap() -> bool:
+    """glibc's allocator set so that each call reuses the memory the last one freed: blocks
+    up to 32 MiB come from the heap, which is never trimmed (the steady state of a
+    long-running process whose thresholds have grown; which blocks a fresh process serves
+    fresh depends on its history, so the bench fixes it). False where not glibc."""
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    mmap_threshold, trim_threshold = (32 << 20, 1 << 30) if state == "reused" else (1 << 20, 2 << 20)
-    return bool(mallopt(-3, mmap_threshold)) and bool(mallopt(-1, trim_threshold))
+    return bool(mallopt(-3, 32 << 20)) and bool(mallopt(-1, 1 << 30))  # mmap, trim thresholds
 
 
 def run(table_cls, compare, fresh: bool = False) -> None:
-    """The goals table; ``fresh``: only cases 3 and 4, in a process whose allocator was set
-    to fresh pages before it allocated anything (see :func:`set_heap`)."""
+    """The goals table; ``fresh``: only cases 3 and 4, in a process that took quantscope's
+    calibration heap setting (``calibrate.heap.prepare``) before it allocated a large block."""
     import quantscope as qs
 
     torch.set_num_threads(1)
-    title = ("the min-max goals again, fresh output pages on every call (glibc: 1 MiB mmap "
-             "threshold, as inside a quantscope calibration)" if fresh else
+    title = ("the min-max goals again, fresh output pages on every call (quantscope's "
+             "calibration heap setting: 1 MiB mmap threshold)" if fresh else
              "issue 19 goals (median ms, interleaved; one torch thread)")
     t = table_cls(title, ["case", "peer", "peer ms", "quantscope ms", "peer / qs", "floor ms",
                           "qs / floor", "same qparams", "goal"])
@@ -157,9 +152,9 @@ def _search_goals(t, compare, lc, ours_compat) -> None:
 
 def _minmax_goals(t, compare, lc, ours_compat, w, floor, heap: str) -> None:
     """Cases 3 and 4: min-max qparams of the weight ``w``, the allocator in state ``heap``
-    (set here for "reused"; a "fresh" process set it before its first allocation)."""
+    (set here for "reused"; a "fresh" process set it before its first large allocation)."""
     if heap == "reused":
-        set_heap("reused")
+        reuse_heap()
     # 3. / 4. min-max at the floor
     cases = [("group-128 int4 min-max", {"num_bits": 4, "strategy": "group", "group_size": 128},
               "> peer, <= 1.5x floor"),
@@ -196,7 +191,9 @@ def main():
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--run-fresh"]:
-        if set_heap("fresh"):  # before anything is allocated: no free heap block to reuse
+        from quantscope.calibrate import heap
+
+        if heap.prepare():  # before any large block: every one is then mmapped, fresh pages
             from common import Table, compare
 
             run(Table, compare, fresh=True)

@@ -82,7 +82,7 @@ def _minmax_works():
     x = torch.randn(4, 64)
     lo, hi, ends = torch.empty(4), torch.empty(4), torch.empty(2)
     lib.qs_unit_minmax(x.data_ptr(), 4, 64, lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), 1, 0,
-                       0.0, None, None)
+                       0.0, None, None, 0)
     ref = torch.aminmax(x, dim=1)
     assert torch.equal(lo, ref.min) and torch.equal(hi, ref.max)
 

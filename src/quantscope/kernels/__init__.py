@@ -43,7 +43,7 @@ import torch
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "build_all",
            "cache_dir", "choose", "compiler", "disabled", "lib", "load", "qparams_consts",
-           "threads"]
+           "set_streaming", "streaming", "threads"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -60,7 +60,7 @@ _P, _I, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_doubl
 #: functions, all of which return ``int64``
 SIGNATURES: dict[str, dict[str, list]] = {
     "unit_minmax": {
-        "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P],
+        "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P, _INT],
         "qs_col_minmax": [_P, _I, _I, _P, _P, _P, _INT],
     },
     "hist_kernel": {
@@ -271,6 +271,22 @@ def choose(backend: str | None, name: str, where: str, applies: bool = True
 def build_all() -> dict[str, bool]:
     """Build (or find) every shipped library now: ``{name: usable}``."""
     return {name: lib(name) is not None for name in SIGNATURES}
+
+
+_streaming = [True]
+
+
+def streaming() -> bool:
+    """Whether kernels may write large outputs with streaming (non-temporal) stores, which
+    skip reading each line in before writing it. True until :func:`set_streaming` turns it
+    off: ``calibrate.heap.prepare`` does, since it makes every large allocation fresh pages,
+    which the page fault has just zeroed in the cache (there plain stores are faster)."""
+    return _streaming[0]
+
+
+def set_streaming(on: bool) -> None:
+    """Allow or forbid streaming stores (see :func:`streaming`)."""
+    _streaming[0] = bool(on)
 
 
 def threads(requested: int | None = None) -> int:

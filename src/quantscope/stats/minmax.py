@@ -128,7 +128,7 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     mode, c, slo, shi = (0, 0.0, 0, 0) if update is None else (
         UPDATES[update[0]], float(update[1]), update[2].data_ptr(), update[3].data_ptr())
     lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), scratch.data_ptr(),
-                       threads, mode, c, slo, shi)
+                       threads, mode, c, slo, shi, int(kernels.streaming()))
     return lo, hi
 
 

@@ -101,10 +101,11 @@ static inline __attribute__((always_inline)) void fold(const float *r, const int
     *l = lk; *h = hk; *any = _mm256_or_ps(*any, n);
 }
 
-/* From this many rows of a share, rows4 writes its min / max with streaming stores: such
-   outputs (4 MB each for NVFP4 blocks of a 4096 x 4096 weight) leave the cache before anyone
-   reads them, and a plain store first reads each line in (NVFP4 qparams of that weight 18-22
-   % faster, MXFP4 8 %). */
+/* From this many rows of a share, rows4 writes its min / max with streaming stores when the
+   caller allows it: such outputs (4 MB each for NVFP4 blocks of a 4096 x 4096 weight) leave
+   the cache before anyone reads them, and a plain store first reads each line in (NVFP4
+   qparams of that weight 12-20 % faster). Not into fresh pages, which the fault just zeroed in
+   the cache: there plain stores win (6-12 %), so quantscope.kernels.streaming() says which. */
 #define STREAM_ROWS ((int64_t)1 << 15)
 
 /* Short rows (E a multiple of 8, up to 64: MX / NVFP4 / BFP blocks, small groups), 4 rows
@@ -112,8 +113,9 @@ static inline __attribute__((always_inline)) void fold(const float *r, const int
    one mask per 4 rows; the rare 4 rows that hold one are done again by row(). The share's
    ends are kept in vectors. Returns the first row not done. */
 static inline __attribute__((always_inline)) int64_t
-rows4(const float *x, const int64_t E, int64_t u, int64_t u1, float *lo, float *hi, ends_t *e) {
-    const int stream = u1 - u >= STREAM_ROWS && ((uintptr_t)(lo + u) & 15) == 0
+rows4(const float *x, const int64_t E, int64_t u, int64_t u1, float *lo, float *hi, ends_t *e,
+      const int streaming) {
+    const int stream = streaming && u1 - u >= STREAM_ROWS && ((uintptr_t)(lo + u) & 15) == 0
                        && ((uintptr_t)(hi + u) & 15) == 0; /* stays aligned: u moves by 4 */
     __m128 el = _mm_set1_ps(INFINITY), eh = _mm_set1_ps(-INFINITY);
     for (; u + 4 <= u1; u += 4) {
@@ -152,12 +154,13 @@ rows4(const float *x, const int64_t E, int64_t u, int64_t u1, float *lo, float *
 /* Min / max of rows [u0, u1) of a contiguous [U, E] float32 matrix, NaN propagated, and
    the share's ends. */
 static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi,
-                 ends_t *e) {
+                 ends_t *e, int streaming) {
+    (void)streaming; /* the AVX2 short-row path only */
 #ifdef __AVX2__
     /* E as a constant where it is common: the folds unroll */
-    if (E == 16) u0 = rows4(x, 16, u0, u1, lo, hi, e);
-    else if (E == 32) u0 = rows4(x, 32, u0, u1, lo, hi, e);
-    else if (E % 8 == 0 && E <= 64) u0 = rows4(x, E, u0, u1, lo, hi, e);
+    if (E == 16) u0 = rows4(x, 16, u0, u1, lo, hi, e, streaming);
+    else if (E == 32) u0 = rows4(x, 32, u0, u1, lo, hi, e, streaming);
+    else if (E % 8 == 0 && E <= 64) u0 = rows4(x, E, u0, u1, lo, hi, e, streaming);
 #endif
     for (int64_t u = u0; u < u1; ++u) row(x + u * E, E, lo + u, hi + u, e);  /* the rest */
 }
@@ -225,7 +228,7 @@ void qs_col_minmax(const float *x, int64_t R, int64_t C, float *lo, float *hi, f
 
 typedef struct {
     const float *x; int64_t E, u0, u1; float *lo, *hi; float ends[2];
-    int mode; float c, omc; float *slo, *shi;
+    int mode; float c, omc; float *slo, *shi; int streaming;
 } job_t;
 
 /* The state updates of the accumulating min-max observers, fused into the same pass, each
@@ -244,7 +247,7 @@ static float upd(int mode, float s, float b, float c, float omc, int is_min) {
 static void *run(void *p) {
     job_t *j = (job_t *)p;
     ends_t e = {INFINITY, -INFINITY, 0};
-    rows(j->x, j->E, j->u0, j->u1, j->lo, j->hi, &e);
+    rows(j->x, j->E, j->u0, j->u1, j->lo, j->hi, &e, j->streaming);
     if (j->mode)
         for (int64_t u = j->u0; u < j->u1; ++u) {
             j->slo[u] = upd(j->mode, j->slo[u], j->lo[u], j->c, j->omc, 1);
@@ -257,13 +260,14 @@ static void *run(void *p) {
 }
 
 void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, float *ends,
-                    int threads, int mode, double c, float *slo, float *shi) {
+                    int threads, int mode, double c, float *slo, float *shi, int streaming) {
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
     job_t jobs[QS_MAXT];
     for (int t = 0; t < threads; ++t)
         jobs[t] = (job_t){x, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0},
-                          mode, (float)c, (float)(1.0 - c), slo, shi};
+                          mode, (float)c, (float)(1.0 - c), slo, shi,
+                          streaming && !mode}; /* a state update reads lo / hi right away */
     qs_run_jobs(run, jobs, sizeof jobs[0], threads);
     float l = jobs[0].ends[0], h = jobs[0].ends[1];
     for (int t = 1; t < threads; ++t) {
