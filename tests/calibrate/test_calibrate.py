@@ -419,13 +419,17 @@ def test_each_recipe_is_timed_as_the_shared_pass_plus_its_own_observers(monkeypa
     assert 0.9 * slept <= t["mse"] - t["minmax"] <= slept + 0.15
     assert t["auto"] >= t["mse"] - 0.01  # every candidate, mse's included
     # a group of recipes: every observer it uses once (the naps once, not per recipe)
-    assert 0.9 * slept <= groups["both"] - t["minmax"] <= slept + 0.15
-    assert t["mse"] - 0.01 <= groups["both"] <= t["auto"] + 0.01
+    both = cal["minmax"].info["group_seconds"]["both"]
+    assert cal["mse"].info["group_seconds"] == {"both": both}
+    assert "group_seconds" not in cal["auto"].info and groups == {"both": ["minmax", "mse"]}
+    assert 0.9 * slept <= both - t["minmax"] <= slept + 0.15
+    assert t["mse"] - 0.01 <= both <= t["auto"] + 0.01
     # auto by the model's output: its candidates timed as one group, then its choice
     calls.clear()
     cal = calibrate_many(model, batches, {"minmax": preset("w8a8", "minmax"),
                                           "auto": preset("w8a8", "auto")},
                          candidates=["minmax", "mse"], progress=False)
     t = {k: c.info["calibration_seconds"] for k, c in cal.items()}
+    assert "group_seconds" not in cal["auto"].info
     assert len(calls) == 2 * len(batches)  # mse observed once per batch, for auto alone
     assert t["auto"] - t["minmax"] >= 0.9 * nap * len(calls)

@@ -348,7 +348,7 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
         for n in names:
             expanded[(label, n)] = recipes[label].with_observer(n)
     # each auto recipe's time so far: the pass with every candidate's observers, once each
-    seconds = {label: [(label, n) for n in names] for label in autos}
+    groups = {label: [(label, n) for n in names] for label in autos}
     plan = score_plan(batches, score_tokens) if autos else []
     caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
     weighted = autos and len(set(_candidates("weight", candidates))) > 1
@@ -358,7 +358,7 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
     try:
         try:
             calibs = calibrate_many(model, batches, expanded, candidates=candidates,
-                                    auto_metric="tensor", time_groups=seconds, **kwargs)
+                                    auto_metric="tensor", time_groups=groups, **kwargs)
         finally:
             refs = caught.references() if caught is not None else None
         out = {label: c for label, c in calibs.items() if label in recipes}
@@ -377,7 +377,8 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
             importance.remove()
     for label in autos:
         out[label] = _decide(model, score, recipes[label], label,
-                             {n: calibs[(label, n)] for n in names}, means, seconds[label])
+                             {n: calibs[(label, n)] for n in names}, means,
+                             calibs[(label, names[0])].info["group_seconds"][label])
     spent = time.perf_counter() - t0
     for label in autos:
         out[label].info["calibration_seconds"] = round(
@@ -408,6 +409,7 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
                                     requested=AUTO) for role in rs}
               for layer, rs in chosen.states.items()}
     info = dict(chosen.info, calibration_seconds=seconds)
+    info.pop("group_seconds", None)  # the candidates' shared time: now auto's own
     info["auto"] = {"metric": "model", "chose": best, "roles": roles,
                     "scores": {k: float(f"{v:.6g}") for k, (v, _) in scores.items()},
                     "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},

@@ -145,9 +145,9 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             ``calibration.smoothing`` holds the scales.
             Not with ``sequential``.
         time_groups: ``{name: [labels]}``: also time each group of recipes as one (the
-            pass's shared time plus every observer the group uses, each once); the seconds
-            are written back into the dict (``{name: seconds}``). ``auto`` times its
-            candidates so. Not with ``sequential``.
+            pass's shared time plus every observer the group uses, each once), in each
+            member's ``info["group_seconds"][name]``. ``auto`` times its candidates so. Not
+            with ``sequential``.
     """
     recipes = _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,
                        expert_min_tokens)
@@ -302,14 +302,18 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
     seconds = time.perf_counter() - t0
     # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
     common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())
+    group_seconds = {label: {} for label in recipes}
     for name, labels in (time_groups or {}).items():
-        time_groups[name] = round(common + observer_seconds(slots, *(plans[k] for k in labels)),
-                                  3)
+        s = round(common + observer_seconds(slots, *(plans[k] for k in labels)), 3)
+        for label in labels:
+            group_seconds[label][name] = s
     out = {}
     for label, recipe in recipes.items():
         states, rows, shared, per_expert, absent = results[label]
         own = observer_seconds(slots, plans[label])
         info = {"batches": n, "calibration_seconds": round(common + own, 3)}
+        if group_seconds[label]:
+            info["group_seconds"] = group_seconds[label]
         if absent:
             info["missing"] = absent
             warnings.warn(f"calibrate: {len(absent)} activation roles saw no tokens and fall "
