@@ -51,14 +51,11 @@ def reuse_heap() -> bool:
     up to 32 MiB come from the heap, which is never trimmed (the steady state of a
     long-running process whose thresholds have grown; which blocks a fresh process serves
     fresh depends on its history, so the bench fixes it). False where not glibc."""
-    import ctypes
-    import ctypes.util
+    from quantscope.calibrate import heap
 
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(-3, 32 << 20)) and bool(mallopt(-1, 1 << 30))  # mmap, trim thresholds
+    libc = heap._glibc()  # the one place that loads glibc and types mallopt
+    return libc is not None and bool(libc.mallopt(heap._M_MMAP_THRESHOLD, 32 << 20)) and bool(
+        libc.mallopt(heap._M_TRIM_THRESHOLD, 1 << 30))
 
 
 def run(table_cls, compare, fresh: bool = False) -> None:

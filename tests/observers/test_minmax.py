@@ -404,7 +404,7 @@ def test_kernel_streams_large_outputs_and_equals_torch(E, threads, monkeypatch):
     """From 2**15 rows a share, the short-row kernel writes its min / max with streaming
     stores (csrc/unit_minmax.c, STREAM_ROWS): the same results, a NaN row and the ends too."""
     monkeypatch.setattr(stats, "THREAD_MIN_NUMEL", 1)
-    monkeypatch.setattr(quantscope.kernels, "_streaming", [True])  # a calibration turns it off
+    monkeypatch.setattr(quantscope.kernels, "_streaming", True)  # a calibration turns it off
     U = (1 << 16) + 3  # two shares of > 2**15 rows on 2 threads, and a tail
     u = rand(U, E, seed=E)
     u[40_001, 3] = float("nan")

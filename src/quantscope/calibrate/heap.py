@@ -30,7 +30,7 @@ __all__ = ["MMAP_THRESHOLD", "prepare", "trim"]
 
 #: allocations of at least this many bytes are mmapped once :func:`prepare` ran
 MMAP_THRESHOLD = 1 << 20
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1  # glibc's mallopt parameter numbers
 _libc = None
 _looked = False
 _prepared = False

@@ -273,7 +273,7 @@ def build_all() -> dict[str, bool]:
     return {name: lib(name) is not None for name in SIGNATURES}
 
 
-_streaming = [True]
+_streaming = True
 
 
 def streaming() -> bool:
@@ -281,12 +281,13 @@ def streaming() -> bool:
     skip reading each line in before writing it. True until :func:`set_streaming` turns it
     off: ``calibrate.heap.prepare`` does, since it makes every large allocation fresh pages,
     which the page fault has just zeroed in the cache (there plain stores are faster)."""
-    return _streaming[0]
+    return _streaming
 
 
 def set_streaming(on: bool) -> None:
     """Allow or forbid streaming stores (see :func:`streaming`)."""
-    _streaming[0] = bool(on)
+    global _streaming
+    _streaming = bool(on)
 
 
 def threads(requested: int | None = None) -> int:
