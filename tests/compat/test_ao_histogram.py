@@ -55,8 +55,11 @@ def test_same_histogram_and_qparams_as_torch_ao_on_any_batch_sequence(seed, n, s
     _assert_same_qparams(ref, ours)
 
 
+@pytest.mark.parametrize("path", ["C", "generic"])
 @pytest.mark.parametrize("order", ["growing", "shrinking", "mixed"])
-def test_same_as_torch_ao_when_ranges_grow_shrink_or_alternate(order):
+def test_same_as_torch_ao_when_ranges_grow_shrink_or_alternate(order, path, monkeypatch):
+    if path == "generic":  # the observers' generic pass (other devices, modes, no kernel)
+        monkeypatch.setattr(ao_histogram, "observe", lambda *a, **k: None)
     scales = {"growing": [1.1 ** i for i in range(8)], "shrinking": [0.8 ** i for i in range(8)],
               "mixed": [1, 3, 0.5, 4, 4, 0.1, 9, 2]}[order]
     ref, ours = TorchHistogramObserver(), HistogramObserver()
@@ -180,19 +183,66 @@ def test_torch_path_alone_equals_torch_ao():
 
 
 @needs_kernel
-def test_upscale_kernel_on_unsorted_points_searches_as_torch_bucketize():
+@pytest.mark.parametrize("case", ["random points", "a late fall", "falling edges"])
+def test_upscale_kernel_on_unsorted_points_searches_as_torch_bucketize(case):
     g = torch.Generator().manual_seed(4)
     bins, rate = 64, ao_histogram.UPSAMPLE_RATE
     hist = torch.rand(bins, generator=g) * 50
-    mids = torch.randn(bins * rate, generator=g) * 2  # not rising: the binary-search branch
+    # the mid points are lin[i] + half a piece: with olo = ohi = 0 the half is 0, so lin
+    # gives the points as they are
+    mids = torch.randn(bins * rate + 1, generator=g) * 2
     bounds = torch.linspace(-1.5, 1.5, bins + 1)
-    bounds[10] = bounds[12]  # nor are the edges
+    if case != "random points":  # rising points, the walk's branch until it finds the fall
+        mids = mids.sort().values
+        at = bins * rate - 40 if case == "a late fall" else 0
+        mids[at] = mids[at + 1] + 0.5
+    if case == "falling edges":
+        bounds[10] = bounds[12]
     out = torch.empty(bins)
-    ao_histogram._kernel().qs_ao_upscale(hist.data_ptr(), bins, rate, mids.data_ptr(),
-                                         bounds.data_ptr(), out.data_ptr())
-    where = (torch.bucketize(mids, bounds, right=True) - 1).clamp(0, bins - 1)
+    ao_histogram._kernel().qs_ao_upscale(hist.data_ptr(), bins, rate, mids.data_ptr(), 0.0,
+                                         0.0, bounds.data_ptr(), out.data_ptr())
+    where = (torch.bucketize(mids[:-1], bounds, right=True) - 1).clamp(0, bins - 1)
     want = torch.bincount(where, weights=hist.repeat_interleave(rate) / rate, minlength=bins)
     assert torch.equal(out, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, threads", [(1, 1), (5, 1), (16, 1), (17, 1), (10007, 1),
+                                        (800_003, 3)])
+@pytest.mark.parametrize("case", ["plain", "nan", "inf", "zeros"])
+def test_minmax_pass_equals_torch_aminmax(case, n, threads):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(n, generator=g)
+    at = n - 1 - n // 7  # in the last 16-value tail, or the last thread's share
+    if case == "nan":
+        x[at] = float("nan")
+    elif case == "inf":
+        x[at] = float("inf")
+    elif case == "zeros":
+        x.abs_()
+        x[at] = 0.0
+    mm = torch.empty(2)
+    ao_histogram._kernel().qs_ao_minmax(x.data_ptr(), n, mm.data_ptr(), threads)
+    ref = torch.stack(torch.aminmax(x))
+    assert torch.equal(mm, ref) or (mm.isnan().all() and ref.isnan().all())
+
+
+@needs_kernel
+def test_observe_returns_none_where_the_kernel_does_not_apply_and_leaves_out_non_finite():
+    x = torch.randn(100)
+    assert ao_histogram.observe(None, x.double(), 64) is None
+    assert ao_histogram.observe(None, x[::2], 64) is None
+    assert ao_histogram.observe(None, x[:0], 64) is None
+    assert ao_histogram.observe(None, x.clone().requires_grad_(), 64) is None
+    bad = x.clone()
+    bad[7] = float("-inf")
+    state = ao_histogram.observe(None, x, 64)
+    assert ao_histogram.observe(state, bad, 64) is ao_histogram.NON_FINITE
+    hist, lo, hi = state  # against torch.ao's first step
+    ref = TorchHistogramObserver(bins=64)
+    ref(x)
+    assert torch.equal(hist, ref.histogram) and (lo, hi) == (ref.min_val.item(),
+                                                              ref.max_val.item())
 
 
 def test_state_dict_round_trip_keeps_the_fractional_counts():

@@ -77,3 +77,7 @@ def test_branch_bins_and_ranges_equal_the_native_build(march, flag, tmp_path):
                 assert (ma[2] is None) == (mb[2] is None)
                 if ma[2] is not None:
                     assert torch.equal(ma[2], mb[2])
+            ra, rb = torch.empty(2), torch.empty(2)  # the min / max pass
+            branch.qs_ao_minmax(x.data_ptr(), n, ra.data_ptr(), threads)
+            native.qs_ao_minmax(x.data_ptr(), n, rb.data_ptr(), threads)
+            assert torch.equal(ra, rb) or (ra.isnan() == rb.isnan()).all()

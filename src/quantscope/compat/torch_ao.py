@@ -254,33 +254,36 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
                          eps=eps, is_dynamic=is_dynamic, bins=bins, grid="first", **kwargs)
         self.hist_counts = torch.zeros(0)  # torch.ao's counts are float32 (fractions after growth)
         self._widened = [False]  # the last batch widened the range (then no one-read pass)
-        self._one_read = [None]  # (units, new counts or None) from _unit_minmax for _observe
 
     def _fresh(self) -> bool:
         return self.min_vals.shape[0] != 1 or self.hist_counts.shape != (1, self.bins)
 
-    def _unit_minmax(self, units, count, ends):
-        # after a batch that kept the range, one read: the min / max and the bins on the
-        # current range together (stats.ao_histogram.fused), kept for _observe
-        self._one_read[0] = None
-        if (not self._widened[0] and count == 1 and not self.sync_every_step
-                and not self._fresh()):
-            got = ao_histogram.fused(units.reshape(-1), self.bins, self.min_vals[0],
-                                     self.max_vals[0], self.hist_counts[0])
-            if got is not None:
-                mm, hist = got
-                if ends is not None:
-                    ends.copy_(mm)
-                self._one_read[0] = (units, hist)
-                return mm[:1], mm[1:]
-        return super()._unit_minmax(units, count, ends)
+    def forward(self, x):
+        # a CPU batch: torch.ao's whole step in C on Python floats (stats.ao_histogram.observe),
+        # not the generic pass's dozen small tensor ops; anything else takes the generic pass
+        got = None
+        if (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == "cpu"
+                and self.non_finite == "error" and not self.sync_every_step):
+            # (each op here counts: the batch has just pushed torch's code and data out of
+            # the caches, so a small op costs ten times its usual few microseconds)
+            fresh = self._fresh()
+            state = None if fresh else (self.hist_counts[0], self.min_vals.item(),
+                                        self.max_vals.item())
+            flat = (x if x.dtype == torch.float32 else x.float()).detach().reshape(-1)
+            got = ao_histogram.observe(state, flat, self.bins, one_read=not self._widened[0])
+        if got is None:
+            return super().forward(x)
+        if got is ao_histogram.NON_FINITE:
+            self.seen_non_finite.fill_(True)  # left out; calculate_qparams says so
+        else:
+            hist, lo, hi = got
+            self._widened[0] = fresh or (lo, hi) != state[1:]
+            self._set_state(hist, *torch.tensor([lo, hi]).split(1), fresh)  # one tensor, two views
+        self.count_batch(x)
+        return x
 
     def _observe(self, units, lo, hi):
         self._pass[0] = None  # the base's one-read pass is for the native grid only
-        stash, self._one_read[0] = self._one_read[0], None
-        if stash is not None and stash[0] is units and stash[1] is not None:
-            self._buffers["hist_counts"] = stash[1][None]  # range unchanged (torch.ao too)
-            return
         lo, hi = lo.reshape(()), hi.reshape(())
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             return  # recorded by forward: calculate_qparams reports it
@@ -289,7 +292,9 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
         hist, mn, mx = ao_histogram.update(
             None if fresh else self.hist_counts[0], None if fresh else self.min_vals[0],
             None if fresh else self.max_vals[0], units.reshape(-1), lo, hi, self.bins)
-        mn, mx = mn.reshape(1), mx.reshape(1)
+        self._set_state(hist, mn.reshape(1), mx.reshape(1), fresh)
+
+    def _set_state(self, hist, mn, mx, fresh):
         self._buffers.update(hist_counts=hist[None], min_vals=mn, max_vals=mx, hist_lo=mn,
                              hist_hi=mx)
         if fresh:

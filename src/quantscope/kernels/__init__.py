@@ -97,8 +97,11 @@ SIGNATURES: dict[str, dict[str, list]] = {
     },
     "ao_hist": {
         "qs_ao_histc": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P, _I],
-        "qs_ao_upscale": [_P, _I, _I, _P, _P, _P],
+        "qs_ao_upscale": [_P, _I, _I, _P, ctypes.c_float, ctypes.c_float, _P, _P],
+        "qs_ao_widen": [_P, _I, _I, _P, ctypes.c_float, ctypes.c_float, _P, _P, _I,
+                        ctypes.c_float, ctypes.c_float, _P, _I],
         "qs_ao_fused": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P, _I],
+        "qs_ao_minmax": [_P, _I, _P, _I],
     },
     "block_qparams": {
         "qs_e8m0_qparams": [_P, _P, _I, _I, _I, _I, _D, _P],

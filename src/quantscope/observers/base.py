@@ -126,9 +126,15 @@ class Observer(nn.Module):
         if self.non_finite == "error":
             self._record_non_finite(lo, hi, ends)
         self._observe(units, lo, hi)
-        self.observed_tokens += x.numel() // x.shape[-1] if x.dim() else 1
-        self.set_shape(x.shape)
+        self.count_batch(x)
         return x
+
+    def count_batch(self, x: torch.Tensor) -> None:
+        """Count ``x``'s tokens into ``observed_tokens`` and record its shape (the end of
+        every ``forward``)."""
+        # add_, not +=, which would also run nn.Module.__setattr__
+        self.observed_tokens.add_(x.numel() // x.shape[-1] if x.dim() else 1)
+        self.set_shape(x.shape)
 
     def _unit_minmax(self, units: torch.Tensor, count: int, ends: torch.Tensor):
         """This call's per-unit ``(lo, hi)`` (a class may fuse its state update in here)."""

@@ -11,29 +11,36 @@ torch.ao's, and its qparams follow from it: :func:`update` reproduces it bit for
 
 The torch path here is torch.ao's own sequence of ops (the reference, and the path for
 other devices, dtypes, degenerate ranges and batches of ``2 ** 24`` values or more, where
-torch's float32 counts saturate). On CPU two C kernels (``csrc/ao_hist.c``) do the same
+torch's float32 counts saturate). On CPU the C kernels (``csrc/ao_hist.c``) do the same
 float32 arithmetic: the ``histc`` pass (``trunc((x - lo) * bins / (hi - lo))`` per value,
 counted in int32 and added as float32, the way ATen's kernel counts: exact below
 ``2 ** 24``; split over torch's threads, each counting its share into its own bins) and the
-re-binning (torch's binary search and torch.bincount's in-order
-float32 sums); ``torch.linspace`` still makes the mid points and edges (a few microseconds,
-and its vectorized rounding is torch's alone). A batch inside the current range (the common
-case once the range has settled) takes one read instead of two (:func:`fused`: the min / max
-and the bins together; used after a batch that did not widen the range, since a widening
-batch must be binned again). Tests compare both paths, and the observer with torch.ao's,
-bitwise.
+re-binning (torch's binary search and torch.bincount's in-order float32 sums);
+``torch.linspace`` still makes the edges (a few microseconds, and its vectorized rounding
+is torch's alone). :func:`observe` is the observer's whole step on that path: a batch
+inside the current range (the common case once the range has settled) takes one read
+instead of two (:func:`fused`: the min / max and the bins together; tried after a batch
+that did not widen the range, since a widening batch must be binned again), a widening
+batch one ``torch.aminmax`` and one C call, and the decisions between are taken on Python
+floats instead of small tensor ops (a dozen of them cost as much as binning a batch of a
+million values). Tests compare both paths, and the observer with torch.ao's, bitwise.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .. import kernels
 
-__all__ = ["UPSAMPLE_RATE", "fused", "histc", "update", "upscale"]
+__all__ = ["NON_FINITE", "UPSAMPLE_RATE", "fused", "histc", "observe", "update", "upscale"]
 
 #: torch.ao's ``upsample_rate``: pieces per old bin when the range grows
 UPSAMPLE_RATE = 16
+
+#: what :func:`observe` returns for a batch holding NaN or an infinity (left out of the state)
+NON_FINITE = "non-finite"
 
 
 def _kernel():
@@ -79,23 +86,24 @@ def fused(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor, base: 
     return None if miss == 2 else (mm, None if miss else out)
 
 
-def upscale(hist: torch.Tensor, orig_lo: torch.Tensor, orig_hi: torch.Tensor,
-            new_lo: torch.Tensor, new_hi: torch.Tensor, backend: str | None = None
+def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str | None = None
             ) -> torch.Tensor:
     """torch.ao's ``_upscale_histogram``: ``hist`` on ``[orig_lo, orig_hi]`` moved onto
-    ``len(hist)`` bins over ``[new_lo, new_hi]`` (see the module doc)."""
+    ``len(hist)`` bins over ``[new_lo, new_hi]`` (see the module doc; the ends are 0-dim
+    float32 tensors or Python floats holding float32 values)."""
     bins = hist.shape[0]
     rate = UPSAMPLE_RATE
-    bin_size = (orig_hi - orig_lo) / (bins * rate)
-    mids = torch.linspace(orig_lo, orig_hi, bins * rate + 1)[:-1] + 0.5 * bin_size
+    lin = torch.linspace(orig_lo, orig_hi, bins * rate + 1)
     bounds = torch.linspace(new_lo, new_hi, bins + 1)
-    applies = _plain(hist) and mids.dtype == bounds.dtype == torch.float32
+    applies = _plain(hist) and lin.dtype == bounds.dtype == torch.float32
     lib = kernels.choose(backend, "ao_hist", "upscale", applies)
     if lib is not None:
         out = torch.empty(bins)
-        lib.qs_ao_upscale(hist.data_ptr(), bins, rate, mids.data_ptr(), bounds.data_ptr(),
-                          out.data_ptr())
+        lib.qs_ao_upscale(hist.data_ptr(), bins, rate, lin.data_ptr(), float(orig_lo),
+                          float(orig_hi), bounds.data_ptr(), out.data_ptr())
         return out
+    bin_size = (torch.as_tensor(orig_hi) - torch.as_tensor(orig_lo)) / (bins * rate)
+    mids = lin[:-1] + 0.5 * bin_size
     pieces = hist.repeat_interleave(rate) / rate
     where = torch.bucketize(mids, bounds, right=True) - 1
     where[where >= bins] = bins - 1
@@ -120,3 +128,48 @@ def update(hist: torch.Tensor | None, lo: torch.Tensor | None, hi: torch.Tensor 
     else:
         moved = upscale(hist, lo, hi, new_lo, new_hi, backend)
     return histc(x, bins, new_lo, new_hi, moved, backend), new_lo, new_hi
+
+
+def observe(state: tuple[torch.Tensor, float, float] | None, x: torch.Tensor, bins: int,
+            one_read: bool = True, threads: int | None = None
+            ) -> tuple[torch.Tensor, float, float] | str | None:
+    """torch.ao ``HistogramObserver.forward``'s state change on the C path: the new
+    ``(histogram, min_val, max_val)`` (a fresh float32 ``[bins]``, and Python floats that
+    hold float32 values) after the contiguous CPU float32 batch ``x``, from ``state``, the
+    same triple (None: the first batch). The values :func:`update` gives after
+    ``torch.aminmax(x)``. ``one_read``: try the batch on the current range first
+    (:func:`fused`; a miss costs one histc pass). :data:`NON_FINITE` for a batch holding
+    NaN or an infinity (the state stays); None where the kernel does not apply."""
+    lib = _kernel()
+    n = x.numel()
+    if (lib is None or not _plain(x) or x.requires_grad or not 0 < n < 1 << 24
+            or (state is not None and not (_plain(state[0]) and state[0].shape == (bins,)))):
+        return None
+    got = (fused(x, bins, state[1], state[2], state[0], threads)
+           if state is not None and one_read and state[1] < state[2] else None)
+    if got is not None and got[1] is not None:
+        return got[1], state[1], state[2]
+    if got is None:
+        mm = torch.empty(2)
+        lib.qs_ao_minmax(x.data_ptr(), n, mm.data_ptr(), kernels.threads(threads))
+        got = (mm,)
+    x_lo, x_hi = got[0].tolist()
+    if not (math.isfinite(x_lo) and math.isfinite(x_hi)):
+        return NON_FINITE
+    if state is None:
+        return histc(x, bins, x_lo, x_hi, threads=threads), x_lo, x_hi
+    hist, lo, hi = state
+    new_lo, new_hi = min(lo, x_lo), max(hi, x_hi)  # torch.min / max: the first on a tie
+    if new_lo == lo and new_hi == hi:
+        return histc(x, bins, lo, hi, hist, threads=threads), lo, hi
+    if lo < hi:  # the old bins moved and the batch binned in one call
+        lin = torch.linspace(lo, hi, bins * UPSAMPLE_RATE + 1)
+        bounds = torch.linspace(new_lo, new_hi, bins + 1)
+        out = torch.empty(bins)
+        if not lib.qs_ao_widen(hist.data_ptr(), bins, UPSAMPLE_RATE, lin.data_ptr(), lo, hi,
+                               bounds.data_ptr(), x.data_ptr(), n, new_lo, new_hi,
+                               out.data_ptr(), kernels.threads(threads)):
+            return out, new_lo, new_hi
+    hist, lo, hi = update(hist, torch.tensor(lo), torch.tensor(hi), x, torch.tensor(x_lo),
+                          torch.tensor(x_hi), bins)
+    return hist, lo.item(), hi.item()
