@@ -266,19 +266,24 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
                 and self.non_finite == "error" and not self.sync_every_step):
             # (each op here counts: the batch has just pushed torch's code and data out of
             # the caches, so a small op costs ten times its usual few microseconds)
+            # (the new state's tensors are made first: after the batch has streamed through
+            # the caches, a small tensor op costs ten times its usual few microseconds)
             fresh = self._fresh()
-            state = None if fresh else (self.hist_counts[0], self.min_vals.item(),
+            state = None if fresh else (self.hist_counts, self.min_vals.item(),
                                         self.max_vals.item())
-            flat = (x if x.dtype == torch.float32 else x.float()).detach().reshape(-1)
-            got = ao_histogram.observe(state, flat, self.bins, one_read=not self._widened[0])
+            hist, ends = torch.empty(1, self.bins), torch.empty(2)
+            mn, mx = ends.split(1)
+            x32 = x if x.dtype == torch.float32 else x.float()  # the C reads it; no detach
+            got = ao_histogram.observe(state, x32 if x32.is_contiguous() else x32.contiguous(),
+                                       self.bins, one_read=not self._widened[0],
+                                       out=(hist, ends))
         if got is None:
             return super().forward(x)
         if got is ao_histogram.NON_FINITE:
             self.seen_non_finite.fill_(True)  # left out; calculate_qparams says so
         else:
-            hist, lo, hi = got
-            self._widened[0] = fresh or (lo, hi) != state[1:]
-            self._set_state(hist, *torch.tensor([lo, hi]).split(1), fresh)  # one tensor, two views
+            self._widened[0] = fresh or got[1:] != state[1:]
+            self._set_state(hist, mn, mx, fresh)
         self.count_batch(x)
         return x
 
@@ -295,8 +300,8 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
         self._set_state(hist, mn.reshape(1), mx.reshape(1), fresh)
 
     def _set_state(self, hist, mn, mx, fresh):
-        self._buffers.update(hist_counts=hist[None], min_vals=mn, max_vals=mx, hist_lo=mn,
-                             hist_hi=mx)
+        self._buffers.update(hist_counts=hist.view(1, self.bins), min_vals=mn, max_vals=mx,
+                             hist_lo=mn, hist_hi=mx)
         if fresh:
             self.linear_grid.fill_(True)
 

@@ -28,6 +28,7 @@ million values). Tests compare both paths, and the observer with torch.ao's, bit
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -70,20 +71,25 @@ def histc(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor,
     return h if base is None else base + h
 
 
-def fused(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor,
-          threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One read of ``x`` (C): ``(minmax, hist)``, ``minmax`` its ``torch.aminmax`` as a
-    ``(2,)`` tensor, ``hist`` ``base + torch.histc(x, bins, min=lo, max=hi)`` when every value
-    lies in ``[lo, hi]`` (torch.ao's update on an unchanged range), else None. None where the
-    kernel does not apply (the caller reads ``x`` twice, as torch.ao does)."""
+def fused(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor, threads: int | None = None,
+          out: torch.Tensor | None = None
+          ) -> tuple[tuple[float, float], torch.Tensor | None] | None:
+    """One read of ``x`` (C): ``(minmax, hist)``, ``minmax`` its ``torch.aminmax`` as two
+    floats, ``hist`` ``base + torch.histc(x, bins, min=lo, max=hi)`` (into ``out`` when
+    given; ``base`` and ``out`` any shape of ``bins`` values) when every value lies in
+    ``[lo, hi]`` (torch.ao's update on an unchanged range), else None (``out`` may have been
+    written). None where the kernel does not apply (the caller reads ``x`` twice, as torch.ao
+    does)."""
     lib = _kernel()
-    if (lib is None or not _plain(x) or x.requires_grad or not _plain(base)
-            or base.shape != (bins,)):
+    if out is None:
+        out = torch.empty(bins)
+    if (lib is None or not _plain(x) or not _plain(base) or base.numel() != bins
+            or not _plain(out) or out.numel() != bins):
         return None
-    out, mm = torch.empty(bins), torch.empty(2)
+    mm = (ctypes.c_float * 2)()
     miss = lib.qs_ao_fused(x.data_ptr(), x.numel(), float(lo), float(hi), bins, base.data_ptr(),
-                           out.data_ptr(), mm.data_ptr(), kernels.threads(threads))
-    return None if miss == 2 else (mm, None if miss else out)
+                           out.data_ptr(), mm, kernels.threads(threads))
+    return None if miss == 2 else ((mm[0], mm[1]), None if miss else out)
 
 
 def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str | None = None
@@ -131,45 +137,61 @@ def update(hist: torch.Tensor | None, lo: torch.Tensor | None, hi: torch.Tensor 
 
 
 def observe(state: tuple[torch.Tensor, float, float] | None, x: torch.Tensor, bins: int,
-            one_read: bool = True, threads: int | None = None
+            one_read: bool = True, threads: int | None = None,
+            out: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, float, float] | str | None:
     """torch.ao ``HistogramObserver.forward``'s state change on the C path: the new
-    ``(histogram, min_val, max_val)`` (a fresh float32 ``[bins]``, and Python floats that
-    hold float32 values) after the contiguous CPU float32 batch ``x``, from ``state``, the
-    same triple (None: the first batch). The values :func:`update` gives after
-    ``torch.aminmax(x)``. ``one_read``: try the batch on the current range first
-    (:func:`fused`; a miss costs one histc pass). :data:`NON_FINITE` for a batch holding
-    NaN or an infinity (the state stays); None where the kernel does not apply."""
+    ``(histogram, min_val, max_val)`` (float32 counts, and Python floats that hold float32
+    values) after the contiguous CPU float32 batch ``x`` (any shape), from ``state``, the
+    same triple (its counts any shape of ``bins`` values; None: the first batch). The values
+    :func:`update` gives after ``torch.aminmax(x)``. ``one_read``: try the batch on the
+    current range first (:func:`fused`; a miss costs one histc pass). ``out``: ``(counts,
+    ends)``, contiguous float32 of ``bins`` and 2 values, to write the counts and the new
+    min / max into (fresh ``[bins]`` and ``[2]`` when None): a caller that makes them before
+    the call saves two tensor ops after it, where the batch has just streamed through the
+    caches and a small op costs ten times its usual few microseconds. :data:`NON_FINITE`
+    for a batch holding NaN or an infinity (the state stays; ``out`` may have been
+    written); None where the kernel does not apply."""
     lib = _kernel()
     n = x.numel()
-    if (lib is None or not _plain(x) or x.requires_grad or not 0 < n < 1 << 24
-            or (state is not None and not (_plain(state[0]) and state[0].shape == (bins,)))):
+    counts, ends = out if out is not None else (torch.empty(bins), torch.empty(2))
+    if (lib is None or not _plain(x) or not 0 < n < 1 << 24
+            or (state is not None and not (_plain(state[0]) and state[0].numel() == bins))
+            or not (_plain(counts) and counts.numel() == bins and _plain(ends)
+                    and ends.numel() == 2)):
         return None
-    got = (fused(x, bins, state[1], state[2], state[0], threads)
+
+    def done(lo: float, hi: float, result: torch.Tensor | None = None):
+        if result is not None:  # a path that made its own tensor
+            counts.view(bins).copy_(result.view(bins))
+        (ctypes.c_float * 2).from_address(ends.data_ptr())[:] = (lo, hi)  # no tensor op
+        return counts, lo, hi
+
+    got = (fused(x, bins, state[1], state[2], state[0], threads, counts)
            if state is not None and one_read and state[1] < state[2] else None)
     if got is not None and got[1] is not None:
-        return got[1], state[1], state[2]
+        return done(state[1], state[2])
     if got is None:
-        mm = torch.empty(2)
-        lib.qs_ao_minmax(x.data_ptr(), n, mm.data_ptr(), kernels.threads(threads))
-        got = (mm,)
-    x_lo, x_hi = got[0].tolist()
+        mm = (ctypes.c_float * 2)()
+        lib.qs_ao_minmax(x.data_ptr(), n, mm, kernels.threads(threads))
+        got = ((mm[0], mm[1]),)
+    x_lo, x_hi = got[0]
     if not (math.isfinite(x_lo) and math.isfinite(x_hi)):
         return NON_FINITE
     if state is None:
-        return histc(x, bins, x_lo, x_hi, threads=threads), x_lo, x_hi
+        return done(x_lo, x_hi, histc(x, bins, x_lo, x_hi, threads=threads))
     hist, lo, hi = state
+    hist = hist.view(bins)
     new_lo, new_hi = min(lo, x_lo), max(hi, x_hi)  # torch.min / max: the first on a tie
     if new_lo == lo and new_hi == hi:
-        return histc(x, bins, lo, hi, hist, threads=threads), lo, hi
+        return done(lo, hi, histc(x, bins, lo, hi, hist, threads=threads))
     if lo < hi:  # the old bins moved and the batch binned in one call
         lin = torch.linspace(lo, hi, bins * UPSAMPLE_RATE + 1)
         bounds = torch.linspace(new_lo, new_hi, bins + 1)
-        out = torch.empty(bins)
         if not lib.qs_ao_widen(hist.data_ptr(), bins, UPSAMPLE_RATE, lin.data_ptr(), lo, hi,
                                bounds.data_ptr(), x.data_ptr(), n, new_lo, new_hi,
-                               out.data_ptr(), kernels.threads(threads)):
-            return out, new_lo, new_hi
-    hist, lo, hi = update(hist, torch.tensor(lo), torch.tensor(hi), x, torch.tensor(x_lo),
-                          torch.tensor(x_hi), bins)
-    return hist, lo.item(), hi.item()
+                               counts.data_ptr(), kernels.threads(threads)):
+            return done(new_lo, new_hi)
+    moved, lo, hi = update(hist, torch.tensor(lo), torch.tensor(hi), x, torch.tensor(x_lo),
+                           torch.tensor(x_hi), bins)
+    return done(lo.item(), hi.item(), moved)
