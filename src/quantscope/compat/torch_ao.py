@@ -262,7 +262,7 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
         # a CPU batch: torch.ao's whole step in C on Python floats (stats.ao_histogram.observe),
         # not the generic pass's dozen small tensor ops; anything else takes the generic pass
         got = None
-        if (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == "cpu"
+        if (isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_cpu
                 and self.non_finite == "error" and not self.sync_every_step):
             # (each op here counts: the batch has just pushed torch's code and data out of
             # the caches, so a small op costs ten times its usual few microseconds)
@@ -300,8 +300,8 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
         self._set_state(hist, mn.reshape(1), mx.reshape(1), fresh)
 
     def _set_state(self, hist, mn, mx, fresh):
-        self._buffers.update(hist_counts=hist.view(1, self.bins), min_vals=mn, max_vals=mx,
-                             hist_lo=mn, hist_hi=mx)
+        self._buffers.update(hist_counts=hist if hist.dim() == 2 else hist[None], min_vals=mn,
+                             max_vals=mx, hist_lo=mn, hist_hi=mx)
         if fresh:
             self.linear_grid.fill_(True)
 

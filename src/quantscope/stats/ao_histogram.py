@@ -49,7 +49,7 @@ def _kernel():
 
 
 def _plain(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+    return t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()
 
 
 def histc(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor,
