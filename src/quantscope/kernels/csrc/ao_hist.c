@@ -58,6 +58,28 @@ static void track_init(track_t *t) {
 #endif
 }
 
+/* one vector (or value) into the running min / max (vminps / vmaxps: NaN tracked on the
+   side; a tie of -0 and 0 may keep either, as torch.aminmax's vector loop) */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void track_v(track_t *t, __m512 v) {
+    t->mn = _mm512_min_ps(v, t->mn);
+    t->mx = _mm512_max_ps(v, t->mx);
+    t->nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+}
+#elif defined(__AVX2__)
+static inline __attribute__((always_inline)) void track_v(track_t *t, __m256 v) {
+    t->mn = _mm256_min_ps(v, t->mn);
+    t->mx = _mm256_max_ps(v, t->mx);
+    t->nan = _mm256_or_ps(t->nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+#else
+static inline void track_v(track_t *t, float v) {
+    t->mn = v < t->mn ? v : t->mn;
+    t->mx = v > t->mx ? v : t->mx;
+    t->nan |= v != v;
+}
+#endif
+
 /* min / max of the tracked values (NaN when one was NaN, as torch.aminmax) into mm[2] */
 static void track_done(const track_t *t, float *mm) {
     float mn = INFINITY, mx = -INFINITY;
@@ -79,8 +101,7 @@ static void track_done(const track_t *t, float *mm) {
     mm[1] = nan ? NAN : mx;
 }
 
-/* the bins of x[0, 16) into r[16]; with tr, their min / max too (vminps / vmaxps: NaN
-   tracked on the side; a tie of -0 and 0 may keep either, as torch.aminmax's vector loop) */
+/* the bins of x[0, 16) into r[16]; with tr, their min / max too (track_v) */
 static inline __attribute__((always_inline)) void
 index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
 #if defined(__AVX512F__)
@@ -91,11 +112,7 @@ index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
     const __mmask16 in = _mm512_cmp_ps_mask(v, lo, _CMP_GE_OQ)
                          & _mm512_cmp_ps_mask(v, _mm512_set1_ps(g->hi), _CMP_LE_OQ);
     _mm512_store_si512((void *)r, _mm512_mask_mov_epi32(_mm512_set1_epi32(g->dump), in, k));
-    if (tr) {
-        tr->mn = _mm512_min_ps(v, tr->mn);
-        tr->mx = _mm512_max_ps(v, tr->mx);
-        tr->nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    }
+    if (tr) track_v(tr, v);
 #elif defined(__AVX2__)
     const __m256 lo = _mm256_set1_ps(g->lo), hi = _mm256_set1_ps(g->hi);
     const __m256 bf = _mm256_set1_ps(g->bf), d = _mm256_set1_ps(g->d);
@@ -107,11 +124,7 @@ index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
                                         _mm256_cmp_ps(v, hi, _CMP_LE_OQ));
         _mm256_store_si256((__m256i *)(r + h), _mm256_castps_si256(_mm256_blendv_ps(
             _mm256_castsi256_ps(_mm256_set1_epi32(g->dump)), _mm256_castsi256_ps(k), in)));
-        if (tr) {
-            tr->mn = _mm256_min_ps(v, tr->mn);
-            tr->mx = _mm256_max_ps(v, tr->mx);
-            tr->nan = _mm256_or_ps(tr->nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        }
+        if (tr) track_v(tr, v);
     }
 #else
     for (int q = 0; q < 16; ++q) {
@@ -122,11 +135,7 @@ index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
         } else {
             r[q] = g->dump;
         }
-        if (tr) {
-            tr->mn = v < tr->mn ? v : tr->mn;
-            tr->mx = v > tr->mx ? v : tr->mx;
-            tr->nan |= v != v;
-        }
+        if (tr) track_v(tr, v);
     }
 #endif
 }
@@ -228,24 +237,12 @@ static void track_all(const float *x, int64_t n, track_t *tr) {
     for (int64_t i = 0; i < blocks; ++i) {
         const float *p = x + 16 * i;
 #if defined(__AVX512F__)
-        const __m512 v = _mm512_loadu_ps(p);
-        tr->mn = _mm512_min_ps(v, tr->mn);
-        tr->mx = _mm512_max_ps(v, tr->mx);
-        tr->nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        track_v(tr, _mm512_loadu_ps(p));
 #elif defined(__AVX2__)
-        for (int h = 0; h < 16; h += 8) {
-            const __m256 v = _mm256_loadu_ps(p + h);
-            tr->mn = _mm256_min_ps(v, tr->mn);
-            tr->mx = _mm256_max_ps(v, tr->mx);
-            tr->nan = _mm256_or_ps(tr->nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        }
+        track_v(tr, _mm256_loadu_ps(p));
+        track_v(tr, _mm256_loadu_ps(p + 8));
 #else
-        for (int q = 0; q < 16; ++q) {
-            const float v = p[q];
-            tr->mn = v < tr->mn ? v : tr->mn;
-            tr->mx = v > tr->mx ? v : tr->mx;
-            tr->nan |= v != v;
-        }
+        for (int q = 0; q < 16; ++q) track_v(tr, p[q]);
 #endif
     }
     if (n > 16 * blocks) {
