@@ -169,6 +169,18 @@ def test_upscale_kernel_equals_torch_ops(seed, bins, grow, scale):
     assert torch.equal(want, o._upscale_histogram(hist, lo, hi, nlo, nhi))
 
 
+@needs_kernel
+@pytest.mark.parametrize("grow", [(0.0, 2.4e-7), (1e4, 1e4), (0.0, 5e3), (3.0, 0.0)])
+def test_upscale_kernel_equals_torch_ops_on_a_tiny_or_a_vast_widening(grow):
+    g = torch.Generator().manual_seed(11)
+    hist = (torch.rand(2048, generator=g) * 500).round()
+    lo, hi = torch.tensor(-1.0), torch.tensor(2.0)
+    nlo, nhi = lo - grow[0], hi + grow[1]  # one ulp of 2.0 wider, or ten thousand ranges
+    got = ao_histogram.upscale(hist, lo, hi, nlo, nhi)
+    assert torch.equal(got, ao_histogram.upscale(hist, lo, hi, nlo, nhi, backend="torch"))
+    assert got.sum() == pytest.approx(float(hist.sum()), rel=1e-6)
+
+
 def test_torch_path_alone_equals_torch_ao():
     ref = TorchHistogramObserver(bins=512)
     state = (None, None, None)
@@ -192,7 +204,7 @@ def test_upscale_kernel_on_unsorted_points_searches_as_torch_bucketize(case):
     # gives the points as they are
     mids = torch.randn(bins * rate + 1, generator=g) * 2
     bounds = torch.linspace(-1.5, 1.5, bins + 1)
-    if case != "random points":  # rising points, the walk's branch until it finds the fall
+    if case != "random points":  # rising points but one fall: torch's search all the same
         mids = mids.sort().values
         at = bins * rate - 40 if case == "a late fall" else 0
         mids[at] = mids[at + 1] + 0.5

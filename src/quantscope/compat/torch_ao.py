@@ -264,10 +264,9 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
         got = None
         if (isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_cpu
                 and self.non_finite == "error" and not self.sync_every_step):
-            # (each op here counts: the batch has just pushed torch's code and data out of
-            # the caches, so a small op costs ten times its usual few microseconds)
-            # (the new state's tensors are made first: after the batch has streamed through
-            # the caches, a small tensor op costs ten times its usual few microseconds)
+            # each tensor op here counts: right after a batch has streamed through the caches
+            # one costs ten times its usual few microseconds; so the new state's tensors are
+            # made up front and written by the C
             fresh = self._fresh()
             state = None if fresh else (self.hist_counts, self.min_vals.item(),
                                         self.max_vals.item())

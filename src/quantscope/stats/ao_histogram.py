@@ -21,9 +21,11 @@ is torch's alone). :func:`observe` is the observer's whole step on that path: a 
 inside the current range (the common case once the range has settled) takes one read
 instead of two (:func:`fused`: the min / max and the bins together; tried after a batch
 that did not widen the range, since a widening batch must be binned again), a widening
-batch one ``torch.aminmax`` and one C call, and the decisions between are taken on Python
-floats instead of small tensor ops (a dozen of them cost as much as binning a batch of a
-million values). Tests compare both paths, and the observer with torch.ao's, bitwise.
+batch a C min / max pass (``torch.aminmax``'s NaN rule) and one C call that moves the old
+bins and bins the batch, and the decisions between are taken on Python floats instead of
+small tensor ops (right after a batch has streamed through the caches, a dozen of them cost
+as much as binning a quarter of it). Tests compare both paths, and the observer with
+torch.ao's, bitwise.
 """
 
 from __future__ import annotations
@@ -81,12 +83,10 @@ def fused(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor, threads: int |
     written). None where the kernel does not apply (the caller reads ``x`` twice, as torch.ao
     does)."""
     lib = _kernel()
-    if out is None:
-        out = torch.empty(bins)
     if (lib is None or not _plain(x) or not _plain(base) or base.numel() != bins
-            or not _plain(out) or out.numel() != bins):
+            or (out is not None and not (_plain(out) and out.numel() == bins))):
         return None
-    mm = (ctypes.c_float * 2)()
+    out, mm = torch.empty(bins) if out is None else out, (ctypes.c_float * 2)()
     miss = lib.qs_ao_fused(x.data_ptr(), x.numel(), float(lo), float(hi), bins, base.data_ptr(),
                            out.data_ptr(), mm, kernels.threads(threads))
     return None if miss == 2 else ((mm[0], mm[1]), None if miss else out)

@@ -375,7 +375,7 @@ int64_t qs_ao_upscale(const float *hist, int64_t B, int64_t rate, const float *l
             start[j] = first_at_least(lin, half, start[j - 1], n, bounds[j],
                                       ((double)bounds[j] - (double)olo) * per - 0.5);
         int64_t src = 0, q = 0; /* the piece being added is src * rate + q */
-        float w = hist[0] / r;
+        float w = B ? hist[0] / r : 0.0f;
         for (int64_t j = 0; j < B; ++j) {
             float acc = 0.0f;
             for (int64_t c = start[j + 1] - start[j]; c > 0; --c) {
