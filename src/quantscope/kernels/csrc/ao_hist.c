@@ -190,27 +190,48 @@ static void *count_track(void *a) {
     return NULL;
 }
 
-/* out = base + the bins of x[0, n) (float32 adds of exact int32 counts: n < 2**24), x split
-   over up to `threads` threads, each with its own bins; with mm, the min / max of x into
-   mm[2] (NaN when x holds one). Returns 1 (nothing written) when out of memory. */
-static int count_all(const float *x, int64_t n, const grid_t *g, int64_t threads,
-                     const float *base, float *out, float *mm) {
-    const int64_t B = g->dump, W = B + 1;
+/* The threads a pass over x[0, n) runs on: at most `threads` (and QS_MAXT), 2**18 values a
+   thread at least (~0.1 ms of counting: more than starting the thread), at least 1. Each
+   share into jobs[t] (x, n, a fresh min / max track). */
+static int64_t split(const float *x, int64_t n, int64_t threads, job_t *jobs) {
     if (threads > QS_MAXT) threads = QS_MAXT;
-    if (threads > n >> 18) threads = n >> 18; /* 2**18 values a thread at least (~0.1 ms:
-                                                    more than starting the thread), */
-    if (threads > n / W) threads = n / W;     /* and no more bins than values per thread */
+    if (threads > n >> 18) threads = n >> 18;
     if (threads < 1) threads = 1;
-    int32_t *cp = (int32_t *)calloc((size_t)(threads * W), sizeof(int32_t));
-    if (!cp) return 1;
-    job_t jobs[QS_MAXT];
     for (int64_t t = 0; t < threads; ++t) {
         const int64_t a = n * t / threads, e = n * (t + 1) / threads;
         jobs[t].x = x + a;
         jobs[t].n = e - a;
+        track_init(&jobs[t].tr);
+    }
+    return threads;
+}
+
+/* the min / max of all shares' tracks into mm[2] (NaN when one saw a NaN) */
+static void tracks_done(const job_t *jobs, int64_t threads, float *mm) {
+    track_done(&jobs[0].tr, mm);
+    for (int64_t t = 1; t < threads; ++t) {
+        float m[2];
+        track_done(&jobs[t].tr, m);
+        mm[0] = (m[0] != m[0] || m[0] < mm[0]) ? m[0] : mm[0]; /* NaN stays */
+        mm[1] = (m[1] != m[1] || m[1] > mm[1]) ? m[1] : mm[1];
+    }
+}
+
+/* out = base + the bins of x[0, n) (float32 adds of exact int32 counts: n < 2**24), x split
+   over up to `threads` threads (no more bins than values a thread), each with its own bins;
+   with mm, the min / max of x into mm[2] (NaN when x holds one). Returns 1 (nothing
+   written) when out of memory. */
+static int count_all(const float *x, int64_t n, const grid_t *g, int64_t threads,
+                     const float *base, float *out, float *mm) {
+    const int64_t B = g->dump, W = B + 1;
+    if (threads > n / W) threads = n / W;
+    job_t jobs[QS_MAXT];
+    threads = split(x, n, threads, jobs);
+    int32_t *cp = (int32_t *)calloc((size_t)(threads * W), sizeof(int32_t));
+    if (!cp) return 1;
+    for (int64_t t = 0; t < threads; ++t) {
         jobs[t].g = g;
         jobs[t].cp = cp + t * W;
-        track_init(&jobs[t].tr);
     }
     qs_run_jobs(mm ? count_track : count_plain, jobs, sizeof jobs[0], (int)threads);
     for (int64_t k = 0; k < B; ++k) {
@@ -218,15 +239,7 @@ static int count_all(const float *x, int64_t n, const grid_t *g, int64_t threads
         for (int64_t t = 0; t < threads; ++t) c += cp[t * W + k];
         out[k] = base[k] + (float)c;
     }
-    if (mm) {
-        track_done(&jobs[0].tr, mm);
-        for (int64_t t = 1; t < threads; ++t) {
-            float m[2];
-            track_done(&jobs[t].tr, m);
-            mm[0] = (m[0] != m[0] || m[0] < mm[0]) ? m[0] : mm[0]; /* NaN stays */
-            mm[1] = (m[1] != m[1] || m[1] > mm[1]) ? m[1] : mm[1];
-        }
-    }
+    if (mm) tracks_done(jobs, threads, mm);
     free(cp);
     return 0;
 }
@@ -261,24 +274,10 @@ static void *minmax_job(void *a) {
 /* torch.aminmax(x) into mm[2] (NaN when x holds one), x[0, n) (n >= 1) split over up to
    `threads` threads */
 int64_t qs_ao_minmax(const float *x, int64_t n, float *mm, int64_t threads) {
-    if (threads > QS_MAXT) threads = QS_MAXT;
-    if (threads > n >> 18) threads = n >> 18;
-    if (threads < 1) threads = 1;
     job_t jobs[QS_MAXT];
-    for (int64_t t = 0; t < threads; ++t) {
-        const int64_t a = n * t / threads, e = n * (t + 1) / threads;
-        jobs[t].x = x + a;
-        jobs[t].n = e - a;
-        track_init(&jobs[t].tr);
-    }
+    threads = split(x, n, threads, jobs);
     qs_run_jobs(minmax_job, jobs, sizeof jobs[0], (int)threads);
-    track_done(&jobs[0].tr, mm);
-    for (int64_t t = 1; t < threads; ++t) {
-        float m[2];
-        track_done(&jobs[t].tr, m);
-        mm[0] = (m[0] != m[0] || m[0] < mm[0]) ? m[0] : mm[0];
-        mm[1] = (m[1] != m[1] || m[1] > mm[1]) ? m[1] : mm[1];
-    }
+    tracks_done(jobs, threads, mm);
     return 0;
 }
 
