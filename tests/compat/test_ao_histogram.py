@@ -140,6 +140,10 @@ def test_histc_kernel_equals_torch_histc(seed, n, bins, span, inside):
         got = ao_histogram.histc(x, bins, lo, hi, b)
         want = ao_histogram.histc(x, bins, lo, hi, b, backend="torch")
         assert torch.equal(got, want)
+        for backend in (None, "torch"):  # into a given [1, bins], left whole
+            out = torch.full((1, bins), float("nan"))
+            assert ao_histogram.histc(x, bins, lo, hi, b, backend, out=out) is out
+            assert torch.equal(out[0], want)
 
 
 @needs_kernel

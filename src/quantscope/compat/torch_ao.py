@@ -20,6 +20,7 @@ import functools
 import torch
 from torch.ao.quantization.observer import ObserverBase, _PartialWrapper
 
+from .. import kernels
 from ..formats import get_format
 from ..layout import Channel, Tensor
 from ..observers.histogram import L2HistogramObserver
@@ -263,7 +264,8 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
         # not the generic pass's dozen small tensor ops; anything else takes the generic pass
         got = None
         if (isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_cpu
-                and self.non_finite == "error" and not self.sync_every_step):
+                and self.hist_counts.is_cpu and self.non_finite == "error"
+                and not self.sync_every_step):
             # each tensor op here counts: right after a batch has streamed through the caches
             # one costs ten times its usual few microseconds; so the new state's tensors are
             # made up front and written by the C
@@ -272,10 +274,9 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
                                         self.max_vals.item())
             hist, ends = torch.empty(1, self.bins), torch.empty(2)
             mn, mx = ends.split(1)
-            x32 = x if x.dtype == torch.float32 else x.float()  # the C reads it; no detach
-            got = ao_histogram.observe(state, x32 if x32.is_contiguous() else x32.contiguous(),
-                                       self.bins, one_read=not self._widened[0],
-                                       out=(hist, ends))
+            # (the C only reads x's memory: no detach)
+            got = ao_histogram.observe(state, kernels.contiguous(x), self.bins,
+                                       one_read=not self._widened[0], out=(hist, ends))
         if got is None:
             return super().forward(x)
         if got is ao_histogram.NON_FINITE:

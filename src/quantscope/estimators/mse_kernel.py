@@ -61,17 +61,6 @@ def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
             and kernels.available("mse_search"))
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    t = t if t.dtype == torch.float32 else t.float()
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _i32(t: torch.Tensor) -> torch.Tensor:
-    """Zero points as int32 (qparams_from_range's dtype; integer-valued floats convert exactly)."""
-    t = t if t.dtype == torch.int32 else t.to(torch.int32)
-    return t if t.is_contiguous() else t.contiguous()
-
-
 def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
           spec: QuantSpec, sub: torch.Tensor | None = None) -> torch.Tensor:
     """Squared error of every candidate ``(scale, zero_point) [k, n]`` on units ``sub``
@@ -79,7 +68,9 @@ def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
     units = units.contiguous()
     n = units.shape[0] if sub is None else sub.numel()
     k = max(scale.shape[0], zero_point.shape[0])
-    sc, zp = _f32(scale.expand(k, n)), _i32(zero_point.expand(k, n))
+    # zero points as int32: qparams_from_range's dtype (integer-valued floats convert exactly)
+    sc = kernels.contiguous(scale.expand(k, n))
+    zp = kernels.contiguous(zero_point.expand(k, n), torch.int32)
     sub = None if sub is None else sub.to(torch.int64).contiguous()
     out = torch.empty((k, n), dtype=torch.float64)
     _lib().qs_mse_price(units.data_ptr(), units.shape[1], None if sub is None else sub.data_ptr(),
@@ -90,7 +81,7 @@ def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
 
 def dq(x: torch.Tensor, scale: float, zero_point: float, spec: QuantSpec) -> torch.Tensor:
     """``fake_quantize(x) - x`` of a 1-D float32 ``x`` as the kernel computes it (tests)."""
-    x = _f32(x.reshape(-1))
+    x = kernels.contiguous(x.reshape(-1))
     out = torch.empty_like(x)
     _lib().qs_mse_dq(x.data_ptr(), x.numel(), float(scale), float(zero_point), float(spec.qmin),
                      float(spec.qmax), out.data_ptr())
@@ -129,7 +120,8 @@ class KernelState:
         stopped, and ``any_out`` (uint8 ``[k]``) gathers the flags it needs.
         """
         rows, n = scale.shape[0], (zp.shape[1] if zp.dim() == 2 else scale.shape[1])
-        sc, z = _f32(scale.expand(rows, n)), _i32(zp.expand(rows, n))
+        sc = kernels.contiguous(scale.expand(rows, n))
+        z = kernels.contiguous(zp.expand(rows, n), torch.int32)
         sub = None if sub is None else sub.to(torch.int64).contiguous()
         a = 0 if units is None else units.start
         x, E = self.units[a:], self.units.shape[1]

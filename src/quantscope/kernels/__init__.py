@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "build_all",
-           "cache_dir", "choose", "compiler", "disabled", "lib", "load", "qparams_consts",
-           "set_streaming", "streaming", "threads"]
+           "cache_dir", "choose", "compiler", "contiguous", "disabled", "lib", "load", "plain",
+           "qparams_consts", "set_streaming", "streaming", "threads"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -291,6 +291,19 @@ def set_streaming(on: bool) -> None:
     """Allow or forbid streaming stores (see :func:`streaming`)."""
     global _streaming
     _streaming = bool(on)
+
+
+def plain(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a kernel can read ``t``'s memory as it is: a contiguous CPU tensor of
+    ``dtype``."""
+    return t.is_cpu and t.dtype == dtype and t.is_contiguous()
+
+
+def contiguous(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``t`` as a contiguous tensor of ``dtype``: ``t`` itself when it is one (no op, no
+    copy: this runs in hot paths, where even a no-op ``.float()`` is a dispatch)."""
+    t = t if t.dtype == dtype else t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def threads(requested: int | None = None) -> int:

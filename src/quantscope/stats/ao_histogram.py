@@ -50,27 +50,27 @@ def _kernel():
     return kernels.lib("ao_hist")
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()
-
-
-def histc(x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor,
-          base: torch.Tensor | None = None, backend: str | None = None,
-          threads: int | None = None) -> torch.Tensor:
+def histc(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor | None = None,
+          backend: str | None = None, threads: int | None = None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
     """``base + torch.histc(x, bins, min=lo, max=hi)`` (float32 ``[bins]``; ``base`` None:
-    the histc alone). ``backend``: see :data:`quantscope.kernels.BACKENDS`; ``threads``:
+    the histc alone), into ``out`` when given (any shape of ``bins`` values; returned; it
+    may be ``base``). ``backend``: see :data:`quantscope.kernels.BACKENDS`; ``threads``:
     the kernel's (default torch's; at least ``2 ** 18`` values each)."""
-    applies = (_plain(x) and not x.requires_grad
-               and (base is None or (_plain(base) and base.shape == (bins,))))
+    applies = (kernels.plain(x) and not x.requires_grad
+               and (base is None or (kernels.plain(base) and base.shape == (bins,)))
+               and (out is None or (kernels.plain(out) and out.numel() == bins)))
     lib = kernels.choose(backend, "ao_hist", "histc", applies)
     if lib is not None:
-        out = torch.empty(bins)
-        src = torch.zeros(bins) if base is None else base
+        res = torch.empty(bins) if out is None else out
+        src = base if base is not None else (res.zero_() if out is not None
+                                             else torch.zeros(bins))
         if not lib.qs_ao_histc(x.data_ptr(), x.numel(), float(lo), float(hi), bins,
-                               src.data_ptr(), out.data_ptr(), kernels.threads(threads)):
-            return out
+                               src.data_ptr(), res.data_ptr(), kernels.threads(threads)):
+            return res
     h = torch.histc(x, bins, min=float(lo), max=float(hi))
-    return h if base is None else base + h
+    h = h if base is None else base + h
+    return h if out is None else out.copy_(h.view(out.shape))
 
 
 def fused(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor, threads: int | None = None,
@@ -83,8 +83,8 @@ def fused(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor, threads: int |
     written). None where the kernel does not apply (the caller reads ``x`` twice, as torch.ao
     does)."""
     lib = _kernel()
-    if (lib is None or not _plain(x) or not _plain(base) or base.numel() != bins
-            or (out is not None and not (_plain(out) and out.numel() == bins))):
+    if (lib is None or not kernels.plain(x) or not kernels.plain(base) or base.numel() != bins
+            or (out is not None and not (kernels.plain(out) and out.numel() == bins))):
         return None
     out, mm = torch.empty(bins) if out is None else out, (ctypes.c_float * 2)()
     miss = lib.qs_ao_fused(x.data_ptr(), x.numel(), float(lo), float(hi), bins, base.data_ptr(),
@@ -101,7 +101,7 @@ def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str |
     rate = UPSAMPLE_RATE
     lin = torch.linspace(orig_lo, orig_hi, bins * rate + 1)
     bounds = torch.linspace(new_lo, new_hi, bins + 1)
-    applies = _plain(hist) and lin.dtype == bounds.dtype == torch.float32
+    applies = kernels.plain(hist) and lin.dtype == bounds.dtype == torch.float32
     lib = kernels.choose(backend, "ao_hist", "upscale", applies)
     if lib is not None:
         out = torch.empty(bins)
@@ -155,16 +155,14 @@ def observe(state: tuple[torch.Tensor, float, float] | None, x: torch.Tensor, bi
     lib = _kernel()
     n = x.numel()
     counts, ends = out if out is not None else (torch.empty(bins), torch.empty(2))
-    if (lib is None or not _plain(x) or not 0 < n < 1 << 24
-            or (state is not None and not (_plain(state[0]) and state[0].numel() == bins))
-            or not (_plain(counts) and counts.numel() == bins and _plain(ends)
+    if (lib is None or not kernels.plain(x) or not 0 < n < 1 << 24
+            or (state is not None and not (kernels.plain(state[0]) and state[0].numel() == bins))
+            or not (kernels.plain(counts) and counts.numel() == bins and kernels.plain(ends)
                     and ends.numel() == 2)):
         return None
 
-    def done(lo: float, hi: float, result: torch.Tensor | None = None):
-        if result is not None:  # a path that made its own tensor
-            counts.view(bins).copy_(result.view(bins))
-        (ctypes.c_float * 2).from_address(ends.data_ptr())[:] = (lo, hi)  # no tensor op
+    def done(lo: float, hi: float):  # the counts are in place; the ends without a tensor op
+        (ctypes.c_float * 2).from_address(ends.data_ptr())[:] = (lo, hi)
         return counts, lo, hi
 
     got = (fused(x, bins, state[1], state[2], state[0], threads, counts)
@@ -179,12 +177,14 @@ def observe(state: tuple[torch.Tensor, float, float] | None, x: torch.Tensor, bi
     if not (math.isfinite(x_lo) and math.isfinite(x_hi)):
         return NON_FINITE
     if state is None:
-        return done(x_lo, x_hi, histc(x, bins, x_lo, x_hi, threads=threads))
+        histc(x, bins, x_lo, x_hi, threads=threads, out=counts)
+        return done(x_lo, x_hi)
     hist, lo, hi = state
     hist = hist.view(bins)
     new_lo, new_hi = min(lo, x_lo), max(hi, x_hi)  # torch.min / max: the first on a tie
     if new_lo == lo and new_hi == hi:
-        return done(lo, hi, histc(x, bins, lo, hi, hist, threads=threads))
+        histc(x, bins, lo, hi, hist, threads=threads, out=counts)
+        return done(lo, hi)
     if lo < hi:  # the old bins moved and the batch binned in one call
         lin = torch.linspace(lo, hi, bins * UPSAMPLE_RATE + 1)
         bounds = torch.linspace(new_lo, new_hi, bins + 1)
@@ -193,5 +193,6 @@ def observe(state: tuple[torch.Tensor, float, float] | None, x: torch.Tensor, bi
                                counts.data_ptr(), kernels.threads(threads)):
             return done(new_lo, new_hi)
     moved, lo, hi = update(hist, torch.tensor(lo), torch.tensor(hi), x, torch.tensor(x_lo),
-                           torch.tensor(x_hi), bins)
-    return done(lo.item(), hi.item(), moved)
+                           torch.tensor(x_hi), bins)  # rare: a one-value or infinite range
+    counts.view(bins).copy_(moved)
+    return done(lo.item(), hi.item())

@@ -61,10 +61,6 @@ def _kernel():
     return kernels.lib("hist_kernel")
 
 
-def _cpu(t: torch.Tensor, dtype) -> bool:
-    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
-
-
 def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
                first: torch.Tensor, absolute: bool, threads: int | None = None) -> bool:
     """``add_values`` in C (``counts`` updated in place); False: not applicable (no
@@ -75,9 +71,9 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
             and not units.is_contiguous()):
         units = units.contiguous()  # a strided layout's units (a transpose): one copy, then
         # the kernel is still several times faster than the torch ops on the strided view
-    if (lib is None or units.requires_grad or not _cpu(units, torch.float32)
-            or units.dim() != 2 or units.shape[0] != U or not _cpu(counts, torch.int64)
-            or not _cpu(exp, torch.int64) or not _cpu(first, torch.int64)
+    if (lib is None or units.requires_grad or not kernels.plain(units, torch.float32)
+            or units.dim() != 2 or units.shape[0] != U or not kernels.plain(counts, torch.int64)
+            or not kernels.plain(exp, torch.int64) or not kernels.plain(first, torch.int64)
             or exp.shape != (U,) or first.shape != (U,) or B > MAX_BINS):
         return False
     if units.numel() == 0:
@@ -91,9 +87,9 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
 
 def _state_ok(state, U, B) -> bool:
     counts, exp, first, lo, hi = state
-    return (counts.shape == (U, B) and _cpu(counts, torch.int64) and all(
-        t.shape == (U,) for t in (exp, first, lo, hi)) and _cpu(exp, torch.int64)
-        and _cpu(first, torch.int64) and _cpu(lo, torch.float32) and _cpu(hi, torch.float32))
+    return (counts.shape == (U, B) and kernels.plain(counts, torch.int64) and all(
+        t.shape == (U,) for t in (exp, first, lo, hi)) and kernels.plain(exp, torch.int64)
+        and kernels.plain(first, torch.int64) and kernels.plain(lo, torch.float32) and kernels.plain(hi, torch.float32))
 
 
 def _new_state(U, B):
@@ -108,7 +104,7 @@ def regrid(state, lo: torch.Tensor, hi: torch.Tensor, absolute: bool):
     lib = _kernel()
     U, B = state[0].shape
     if (lib is None or not _state_ok(state, U, B) or lo.shape != (U,) or hi.shape != (U,)
-            or not _cpu(lo, torch.float32) or not _cpu(hi, torch.float32)):
+            or not kernels.plain(lo, torch.float32) or not kernels.plain(hi, torch.float32)):
         return None
     new = _new_state(U, B)
     if lib.qs_hist_regrid(U, B, int(absolute), lo.data_ptr(), hi.data_ptr(),
@@ -127,11 +123,11 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
     if lib is None or units.dim() != 2 or units.shape[0] != 1:
         return None
     B = state[0].shape[1]
-    if (B > MAX_BINS or units.requires_grad or not _cpu(units, torch.float32)
+    if (B > MAX_BINS or units.requires_grad or not kernels.plain(units, torch.float32)
             or not _state_ok(state, 1, B)):
         return None
     new = _new_state(1, B)
-    if ends is None or ends.shape != (2,) or not _cpu(ends, torch.float32):
+    if ends is None or ends.shape != (2,) or not kernels.plain(ends, torch.float32):
         ends = torch.empty(2)
     lo, hi = torch.empty(1), torch.empty(1)
     miss = lib.qs_hist_fused(units.data_ptr(), units.shape[1], B, int(absolute),
