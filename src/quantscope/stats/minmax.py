@@ -50,7 +50,7 @@ THREAD_MIN_NUMEL = 1 << 22
 
 
 def _threads(numel: int, rows: int) -> int:
-    return max(1, min(torch.get_num_threads(), rows, numel // THREAD_MIN_NUMEL))
+    return max(1, min(kernels.threads(), rows, numel // THREAD_MIN_NUMEL))
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
