@@ -245,21 +245,38 @@ def test_minmax_pass_equals_torch_aminmax(case, n, threads):
 
 @needs_kernel
 def test_observe_returns_none_where_the_kernel_does_not_apply_and_leaves_out_non_finite():
+    def state(bins=64):
+        return torch.full((bins,), 7.0), torch.tensor([1.0]), torch.tensor([2.0])
+
     x = torch.randn(100)
-    assert ao_histogram.observe(None, x.double(), 64) is None
-    assert ao_histogram.observe(None, x[::2], 64) is None
-    assert ao_histogram.observe(None, x[:0], 64) is None
-    bad = x.clone()
-    bad[7] = float("-inf")
-    state = ao_histogram.observe(None, x, 64)
-    again = ao_histogram.observe(None, x.clone().requires_grad_().reshape(4, 25), 64)
-    assert torch.equal(again[0], state[0]) and again[1:] == state[1:]  # any shape, grad or not
-    assert ao_histogram.observe(state, bad, 64) is ao_histogram.NON_FINITE
-    hist, lo, hi = state  # against torch.ao's first step
-    ref = TorchHistogramObserver(bins=64)
+    for bad_x in (x.double(), x[::2], x[:0]):  # nothing written
+        hist, lo, hi = state()
+        assert ao_histogram.observe(hist, lo, hi, bad_x, first=True) is None
+        assert torch.equal(hist, state()[0]) and (lo.item(), hi.item()) == (1.0, 2.0)
+    hist, lo, hi = state()
+    assert ao_histogram.observe(hist, lo, hi, x, first=True) is True
+    again = state()
+    ao_histogram.observe(*again, x.clone().requires_grad_().reshape(4, 25), first=True)
+    assert all(torch.equal(a, b) for a, b in zip(again, (hist, lo, hi)))  # any shape, grad or not
+    ref = TorchHistogramObserver(bins=64)  # against torch.ao's first step
     ref(x)
-    assert torch.equal(hist, ref.histogram) and (lo, hi) == (ref.min_val.item(),
-                                                              ref.max_val.item())
+    assert torch.equal(hist, ref.histogram) and (lo.item(), hi.item()) == (ref.min_val.item(),
+                                                                           ref.max_val.item())
+    versions = [t._version for t in (hist, lo, hi)]
+    inside = x.clamp(lo.item(), hi.item())[:50] * 0.5
+    assert ao_histogram.observe(hist, lo, hi, inside) is False  # the one-read pass
+    ref(inside)
+    assert torch.equal(hist, ref.histogram)
+    assert all(t._version > v for t, v in zip((hist, lo, hi), versions))  # written in place
+    for one_read in (True, False):  # NaN or inf (inside the range or not): the state stays
+        for poison in (float("nan"), float("-inf"), 0.0):
+            bad = inside.clone()
+            bad[7] = poison
+            bad[9] = float("nan") if poison == 0.0 else bad[9]
+            kept = [t.clone() for t in (hist, lo, hi)]
+            assert ao_histogram.observe(hist, lo, hi, bad, one_read=one_read) is \
+                ao_histogram.NON_FINITE
+            assert all(torch.equal(a, b) for a, b in zip(kept, (hist, lo, hi)))
 
 
 def test_state_dict_round_trip_keeps_the_fractional_counts():
@@ -299,6 +316,10 @@ def test_fused_pass_equals_aminmax_and_histc(case, n, threads):
         assert torch.equal(hist, ao_histogram.histc(x, 300, lo, hi, base, backend="torch"))
     else:
         assert hist is None
+    out = base.clone()  # into base itself: written on a hit, left as it was on a miss
+    mm2, hist2 = ao_histogram.fused(x, 300, lo, hi, out, threads=threads, out=out)
+    assert mm2 == tuple(mm.tolist()) or (mm.isnan().all() and torch.tensor(mm2).isnan().all())
+    assert torch.equal(out, base if hist is None else hist) and (hist2 is None) == (hist is None)
 
 
 def test_batches_inside_the_range_take_the_one_read_path_and_still_equal_torch_ao():

@@ -260,32 +260,32 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
         return self.min_vals.shape[0] != 1 or self.hist_counts.shape != (1, self.bins)
 
     def forward(self, x):
-        # a CPU batch: torch.ao's whole step in C on Python floats (stats.ao_histogram.observe),
-        # not the generic pass's dozen small tensor ops; anything else takes the generic pass
-        got = None
+        # a CPU batch: torch.ao's whole step in C, in place on the state, with no tensor op
+        # but a widening batch's two linspace (stats.ao_histogram.observe); anything else
+        # takes the generic pass
         if (isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_cpu
                 and self.hist_counts.is_cpu and self.non_finite == "error"
                 and not self.sync_every_step):
-            # each tensor op here counts: right after a batch has streamed through the caches
-            # one costs ten times its usual few microseconds; so the new state's tensors are
-            # made up front and written by the C
-            fresh = self._fresh()
-            state = None if fresh else (self.hist_counts, self.min_vals.item(),
-                                        self.max_vals.item())
-            hist, ends = torch.empty(1, self.bins), torch.empty(2)
-            mn, mx = ends.split(1)
+            first = self._fresh()
+            if first:  # the state's tensors, made before the call (set only if it runs)
+                hist, (lo, hi) = torch.empty(1, self.bins), torch.empty(2).split(1)
+            elif self.hist_lo is self.min_vals and self.hist_hi is self.max_vals:
+                hist, lo, hi = self.hist_counts, self.min_vals, self.max_vals
+            else:  # (a state made elsewhere: the generic pass sets it as this path needs)
+                hist = None
             # (the C only reads x's memory: no detach)
-            got = ao_histogram.observe(state, kernels.contiguous(x), self.bins,
-                                       one_read=not self._widened[0], out=(hist, ends))
-        if got is None:
-            return super().forward(x)
-        if got is ao_histogram.NON_FINITE:
-            self.seen_non_finite.fill_(True)  # left out; calculate_qparams says so
-        else:
-            self._widened[0] = fresh or got[1:] != state[1:]
-            self._set_state(hist, mn, mx, fresh)
-        self.count_batch(x)
-        return x
+            got = None if hist is None else ao_histogram.observe(
+                hist, lo, hi, kernels.contiguous(x), first, one_read=not self._widened[0])
+            if got is not None:
+                if got is ao_histogram.NON_FINITE:
+                    self.seen_non_finite.fill_(True)  # left out; calculate_qparams says so
+                else:
+                    self._widened[0] = got
+                    if first:
+                        self._set_state(hist, lo, hi, True)
+                self.count_batch(x, direct=True)
+                return x
+        return super().forward(x)
 
     def _observe(self, units, lo, hi):
         self._pass[0] = None  # the base's one-read pass is for the native grid only

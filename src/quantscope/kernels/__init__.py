@@ -40,10 +40,11 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.autograd.graph import increment_version
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "build_all",
            "cache_dir", "choose", "compiler", "contiguous", "disabled", "lib", "load", "plain",
-           "qparams_consts", "set_streaming", "streaming", "threads"]
+           "qparams_consts", "read", "set_streaming", "streaming", "threads", "write"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -304,6 +305,33 @@ def contiguous(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     copy: this runs in hot paths, where even a no-op ``.float()`` is a dispatch)."""
     t = t if t.dtype == dtype else t.to(dtype)
     return t if t.is_contiguous() else t.contiguous()
+
+
+#: the C type of each dtype :func:`read` and :func:`write` take
+_CTYPES = {torch.float32: ctypes.c_float, torch.int64: ctypes.c_int64}
+
+
+def _values(t: torch.Tensor, count: int):
+    if not (t.dtype in _CTYPES and plain(t, t.dtype) and t.numel() >= count):
+        raise ValueError(f"kernels.read / write: a contiguous CPU float32 or int64 tensor of at "
+                         f"least {count} values, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return (_CTYPES[t.dtype] * count).from_address(t.data_ptr())
+
+
+def read(t: torch.Tensor, count: int = 1) -> list:
+    """The first ``count`` values of a plain float32 / int64 CPU tensor (:func:`plain`) as
+    Python numbers, read from its memory: no tensor op (``.item()`` is a dispatch, and right
+    after a C pass has streamed a batch through the caches and the TLB one costs ten times
+    its few microseconds)."""
+    return _values(t, count)[:]
+
+
+def write(t: torch.Tensor, *values) -> None:
+    """Write ``values`` into the first elements of a plain float32 / int64 CPU tensor, in
+    place and without a tensor op (see :func:`read`); its version counter is bumped, as an
+    in-place torch op would (``torch.autograd.graph.increment_version``)."""
+    _values(t, len(values))[:] = values
+    increment_version(t)
 
 
 def threads(requested: int | None = None) -> int:

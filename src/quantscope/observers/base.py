@@ -31,6 +31,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .. import kernels
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import layout_minmax, unit_minmax
@@ -129,11 +130,16 @@ class Observer(nn.Module):
         self.count_batch(x)
         return x
 
-    def count_batch(self, x: torch.Tensor) -> None:
+    def count_batch(self, x: torch.Tensor, direct: bool = False) -> None:
         """Count ``x``'s tokens into ``observed_tokens`` and record its shape (the end of
-        every ``forward``)."""
-        # add_, not +=, which would also run nn.Module.__setattr__
-        self.observed_tokens.add_(x.numel() // x.shape[-1] if x.dim() else 1)
+        every ``forward``). ``direct``: a CPU counter is added through its memory
+        (:func:`quantscope.kernels.write`), not by a tensor op, for a path that has just
+        streamed a batch through the caches in C."""
+        tokens, count = x.numel() // x.shape[-1] if x.dim() else 1, self.observed_tokens
+        if direct and kernels.plain(count, torch.int64):
+            kernels.write(count, kernels.read(count)[0] + tokens)
+        else:  # add_, not +=, which would also run nn.Module.__setattr__
+            count.add_(tokens)
         self.set_shape(x.shape)
 
     def _unit_minmax(self, units: torch.Tensor, count: int, ends: torch.Tensor):

@@ -34,6 +34,7 @@ import ctypes
 import math
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .. import kernels
 
@@ -78,9 +79,9 @@ def fused(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor, threads: int |
           ) -> tuple[tuple[float, float], torch.Tensor | None] | None:
     """One read of ``x`` (C): ``(minmax, hist)``, ``minmax`` its ``torch.aminmax`` as two
     floats, ``hist`` ``base + torch.histc(x, bins, min=lo, max=hi)`` (into ``out`` when
-    given; ``base`` and ``out`` any shape of ``bins`` values) when every value lies in
-    ``[lo, hi]`` (torch.ao's update on an unchanged range), else None (``out`` may have been
-    written). None where the kernel does not apply (the caller reads ``x`` twice, as torch.ao
+    given, which may be ``base``; both any shape of ``bins`` values) when every value lies in
+    ``[lo, hi]`` (torch.ao's update on an unchanged range), else None (``out`` not written).
+    None where the kernel does not apply (the caller reads ``x`` twice, as torch.ao
     does)."""
     lib = _kernel()
     if (lib is None or not kernels.plain(x) or not kernels.plain(base) or base.numel() != bins
@@ -136,39 +137,40 @@ def update(hist: torch.Tensor | None, lo: torch.Tensor | None, hi: torch.Tensor 
     return histc(x, bins, new_lo, new_hi, moved, backend), new_lo, new_hi
 
 
-def observe(state: tuple[torch.Tensor, float, float] | None, x: torch.Tensor, bins: int,
-            one_read: bool = True, threads: int | None = None,
-            out: tuple[torch.Tensor, torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor, float, float] | str | None:
-    """torch.ao ``HistogramObserver.forward``'s state change on the C path: the new
-    ``(histogram, min_val, max_val)`` (float32 counts, and Python floats that hold float32
-    values) after the contiguous CPU float32 batch ``x`` (any shape), from ``state``, the
-    same triple (its counts any shape of ``bins`` values; None: the first batch). The values
-    :func:`update` gives after ``torch.aminmax(x)``. ``one_read``: try the batch on the
-    current range first (:func:`fused`; a miss costs one histc pass). ``out``: ``(counts,
-    ends)``, contiguous float32 of ``bins`` and 2 values, to write the counts and the new
-    min / max into (fresh ``[bins]`` and ``[2]`` when None): a caller that makes them before
-    the call saves two tensor ops after it, where the batch has just streamed through the
-    caches and a small op costs ten times its usual few microseconds. :data:`NON_FINITE`
-    for a batch holding NaN or an infinity (the state stays; ``out`` may have been
-    written); None where the kernel does not apply."""
+def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Tensor,
+            first: bool = False, one_read: bool = True, threads: int | None = None
+            ) -> bool | str | None:
+    """torch.ao ``HistogramObserver.forward``'s state change on the C path, in place (as
+    torch.ao's ``copy_`` into its buffers): ``hist`` (its counts, float32, any shape of
+    ``bins`` values), ``lo`` / ``hi`` (its ``min_val`` / ``max_val``, float32, one value
+    each) become the state after the contiguous CPU float32 batch ``x`` (any shape): the
+    values :func:`update` gives after ``torch.aminmax(x)``. ``first``: the first batch (the
+    state's values are not read). ``one_read``: try the batch on the current range first
+    (:func:`fused`; a miss costs one histc pass).
+
+    Returns whether the range changed (True for the first batch); :data:`NON_FINITE` for a
+    batch holding NaN or an infinity, and None where the kernel does not apply: in both,
+    nothing is written. No tensor op runs but the two ``linspace`` of a widening batch:
+    right after a batch has streamed through the caches and the TLB, a small op costs ten
+    times its usual few microseconds (the state's floats are read and written through
+    :func:`quantscope.kernels.read` / ``write``)."""
     lib = _kernel()
-    n = x.numel()
-    counts, ends = out if out is not None else (torch.empty(bins), torch.empty(2))
-    if (lib is None or not kernels.plain(x) or not 0 < n < 1 << 24
-            or (state is not None and not (kernels.plain(state[0]) and state[0].numel() == bins))
-            or not (kernels.plain(counts) and counts.numel() == bins and kernels.plain(ends)
-                    and ends.numel() == 2)):
+    n, bins = x.numel(), hist.numel()
+    if (lib is None or not kernels.plain(x) or not 0 < n < 1 << 24 or not kernels.plain(hist)
+            or not (kernels.plain(lo) and kernels.plain(hi) and lo.numel() == hi.numel() == 1)):
         return None
 
-    def done(lo: float, hi: float):  # the counts are in place; the ends without a tensor op
-        (ctypes.c_float * 2).from_address(ends.data_ptr())[:] = (lo, hi)
-        return counts, lo, hi
+    def done(new_lo: float, new_hi: float) -> bool:  # the counts are in place: the ends
+        kernels.write(lo, new_lo)
+        kernels.write(hi, new_hi)
+        increment_version(hist)  # written by the C, as an in-place op would
+        return first or (new_lo, new_hi) != (old_lo, old_hi)
 
-    got = (fused(x, bins, state[1], state[2], state[0], threads, counts)
-           if state is not None and one_read and state[1] < state[2] else None)
+    old_lo, old_hi = (None, None) if first else (kernels.read(lo)[0], kernels.read(hi)[0])
+    got = (fused(x, bins, old_lo, old_hi, hist, threads, hist)
+           if not first and one_read and old_lo < old_hi else None)
     if got is not None and got[1] is not None:
-        return done(state[1], state[2])
+        return done(old_lo, old_hi)
     if got is None:
         mm = (ctypes.c_float * 2)()
         lib.qs_ao_minmax(x.data_ptr(), n, mm, kernels.threads(threads))
@@ -176,23 +178,22 @@ def observe(state: tuple[torch.Tensor, float, float] | None, x: torch.Tensor, bi
     x_lo, x_hi = got[0]
     if not (math.isfinite(x_lo) and math.isfinite(x_hi)):
         return NON_FINITE
-    if state is None:
-        histc(x, bins, x_lo, x_hi, threads=threads, out=counts)
+    if first:
+        histc(x, bins, x_lo, x_hi, threads=threads, out=hist)
         return done(x_lo, x_hi)
-    hist, lo, hi = state
-    hist = hist.view(bins)
-    new_lo, new_hi = min(lo, x_lo), max(hi, x_hi)  # torch.min / max: the first on a tie
-    if new_lo == lo and new_hi == hi:
-        histc(x, bins, lo, hi, hist, threads=threads, out=counts)
-        return done(lo, hi)
-    if lo < hi:  # the old bins moved and the batch binned in one call
-        lin = torch.linspace(lo, hi, bins * UPSAMPLE_RATE + 1)
+    new_lo, new_hi = min(old_lo, x_lo), max(old_hi, x_hi)  # torch.min / max: the first on a tie
+    if new_lo == old_lo and new_hi == old_hi:
+        histc(x, bins, old_lo, old_hi, hist.view(bins), threads=threads, out=hist)
+        return done(old_lo, old_hi)
+    if old_lo < old_hi:  # the old bins moved and the batch binned in one call
+        lin = torch.linspace(old_lo, old_hi, bins * UPSAMPLE_RATE + 1)
         bounds = torch.linspace(new_lo, new_hi, bins + 1)
-        if not lib.qs_ao_widen(hist.data_ptr(), bins, UPSAMPLE_RATE, lin.data_ptr(), lo, hi,
-                               bounds.data_ptr(), x.data_ptr(), n, new_lo, new_hi,
-                               counts.data_ptr(), kernels.threads(threads)):
+        if not lib.qs_ao_widen(hist.data_ptr(), bins, UPSAMPLE_RATE, lin.data_ptr(), old_lo,
+                               old_hi, bounds.data_ptr(), x.data_ptr(), n, new_lo, new_hi,
+                               hist.data_ptr(), kernels.threads(threads)):
             return done(new_lo, new_hi)
-    moved, lo, hi = update(hist, torch.tensor(lo), torch.tensor(hi), x, torch.tensor(x_lo),
-                           torch.tensor(x_hi), bins)  # rare: a one-value or infinite range
-    counts.view(bins).copy_(moved)
-    return done(lo.item(), hi.item())
+    # rare: a one-value or an infinite range
+    moved, new_lo, new_hi = update(hist.view(bins), lo.view(()), hi.view(()), x,
+                                   torch.tensor(x_lo), torch.tensor(x_hi), bins)
+    hist.view(bins).copy_(moved)
+    return done(new_lo.item(), new_hi.item())

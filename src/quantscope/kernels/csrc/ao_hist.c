@@ -217,10 +217,12 @@ static void tracks_done(const job_t *jobs, int64_t threads, float *mm) {
     }
 }
 
-/* out = base + the bins of x[0, n) (float32 adds of exact int32 counts: n < 2**24), x split
-   over up to `threads` threads (no more bins than values a thread), each with its own bins;
-   with mm, the min / max of x into mm[2] (NaN when x holds one). Returns 1 (nothing
-   written) when out of memory. */
+/* out = base + the bins of x[0, n) (float32 adds of exact int32 counts: n < 2**24; out may
+   be base), x split over up to `threads` threads (no more bins than values a thread), each
+   with its own bins. With mm, the min / max of x into mm[2] (NaN when x holds one), and out
+   is written only when every value lies in [g->lo, g->hi] (else returns 2: a fused pass
+   that missed leaves the state as it was). Returns 1 (nothing written) when out of
+   memory. */
 static int count_all(const float *x, int64_t n, const grid_t *g, int64_t threads,
                      const float *base, float *out, float *mm) {
     const int64_t B = g->dump, W = B + 1;
@@ -234,12 +236,18 @@ static int count_all(const float *x, int64_t n, const grid_t *g, int64_t threads
         jobs[t].cp = cp + t * W;
     }
     qs_run_jobs(mm ? count_track : count_plain, jobs, sizeof jobs[0], (int)threads);
+    if (mm) {
+        tracks_done(jobs, threads, mm);
+        if (!(mm[0] >= g->lo && mm[1] <= g->hi)) { /* false for NaN */
+            free(cp);
+            return 2;
+        }
+    }
     for (int64_t k = 0; k < B; ++k) {
         int32_t c = 0;
         for (int64_t t = 0; t < threads; ++t) c += cp[t * W + k];
         out[k] = base[k] + (float)c;
     }
-    if (mm) tracks_done(jobs, threads, mm);
     free(cp);
     return 0;
 }
@@ -303,16 +311,15 @@ int64_t qs_ao_histc(const float *x, int64_t n, float lo, float hi, int64_t B,
 
 /* One read of x for a batch that may fall inside the current range [lo, hi]: its min / max
    (NaN when x holds one, as torch.aminmax) into mm[0], mm[1], and, when every value lies in
-   [lo, hi], out = base + its histc on that range (as qs_ao_histc); returns 0 then. Returns
-   1 when some value lies outside (or is NaN): mm is still written, out may have been
-   written (out must not be base). Returns 2 (nothing written) where qs_ao_histc would not
-   apply. */
+   [lo, hi], out = base + its histc on that range (as qs_ao_histc; out may be base); returns
+   0 then. Returns 1 when some value lies outside (or is NaN): mm is written, out is not.
+   Returns 2 (nothing written) where qs_ao_histc would not apply or out of memory. */
 int64_t qs_ao_fused(const float *x, int64_t n, float lo, float hi, int64_t B,
                     const float *base, float *out, float *mm, int64_t threads) {
     grid_t g;
-    if (n < 1 || !grid(lo, hi, n, B, &g) || count_all(x, n, &g, threads, base, out, mm))
-        return 2;
-    return !(mm[0] >= lo && mm[1] <= hi); /* false for NaN */
+    if (n < 1 || !grid(lo, hi, n, B, &g)) return 2;
+    const int r = count_all(x, n, &g, threads, base, out, mm);
+    return r == 1 ? 2 : r == 2;
 }
 
 /* The first piece p in [a, n) whose mid point lin[p] + half is >= e (n if none; the mid
@@ -409,13 +416,18 @@ int64_t qs_ao_upscale(const float *hist, int64_t B, int64_t rate, const float *l
 
 /* torch.ao's update for a batch that widens the range [olo, ohi] to [lo, hi], in one call:
    out [B] = the old bins moved as qs_ao_upscale moves them + torch.histc(x, B, min=lo,
-   max=hi) (as qs_ao_histc), on up to `threads` threads. Returns 1 (nothing written) where
-   qs_ao_histc would not apply. */
+   max=hi) (as qs_ao_histc), on up to `threads` threads; out may be hist (the state updated
+   in place, as torch.ao's copy_). Returns 1 (nothing written) where qs_ao_histc would not
+   apply or out of memory. */
 int64_t qs_ao_widen(const float *hist, int64_t B, int64_t rate, const float *lin, float olo,
                     float ohi, const float *bounds, const float *x, int64_t n, float lo,
                     float hi, float *out, int64_t threads) {
     grid_t g;
     if (!grid(lo, hi, n, B, &g)) return 1;
-    qs_ao_upscale(hist, B, rate, lin, olo, ohi, bounds, out);
-    return count_all(x, n, &g, threads, out, out, NULL);
+    float *moved = (float *)malloc((size_t)B * sizeof(float));
+    if (!moved) return 1;
+    qs_ao_upscale(hist, B, rate, lin, olo, ohi, bounds, moved);
+    const int r = count_all(x, n, &g, threads, moved, out, NULL);
+    free(moved);
+    return r;
 }
