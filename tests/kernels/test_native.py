@@ -72,29 +72,30 @@ def test_qparams_consts_only_for_integer_formats_with_fp32_scales():
                                                              1.0, 128.0]
 
 
+@pytest.mark.parametrize("n", [1, 5, (1 << 14) + 3])  # a scalar tail alone, the vector loop
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_many_units_take_the_kernel_and_equal_the_torch_branch(spec, monkeypatch):
-    """qparams_from_range on >= KERNEL_MIN_UNITS ranges runs csrc/int_qparams.c."""
+def test_cpu_ranges_take_the_kernel_and_equal_the_torch_branch(spec, n, monkeypatch):
+    """qparams_from_range on float32 CPU ranges runs csrc/int_qparams.c."""
     from quantscope import qparams as qp_mod
 
     if kernels.lib("int_qparams") is None:
         pytest.skip("no C compiler")
     g = torch.Generator().manual_seed(5)
-    n = qp_mod.KERNEL_MIN_UNITS + 3
     lo = -torch.rand(n, generator=g) * 10 ** torch.randint(-8, 8, (n,), generator=g)
     hi = torch.rand(n, generator=g) * 10 ** torch.randint(-8, 8, (n,), generator=g)
-    lo[:4], hi[:4] = torch.tensor([0.0, -0.0, -3.4e38, -1e-30]), torch.tensor([0, 0, 3.4e38, 1e-30])
+    k = min(n, 4)  # zeros, the largest and a tiny range first
+    lo[:k], hi[:k] = torch.tensor([0.0, -0.0, -3.4e38, -1e-30])[:k], torch.tensor([0, 0, 3.4e38, 1e-30])[:k]
     calls = []
     monkeypatch.setattr(qp_mod, "_int_qparams_kernel",
                         lambda *a, f=qp_mod._int_qparams_kernel: calls.append(1) or f(*a))
     got = qs.qparams_from_range(lo, hi, spec)
     assert calls
-    monkeypatch.setattr(qp_mod, "KERNEL_MIN_UNITS", 1 << 62)
+    monkeypatch.setattr(qp_mod, "_int_qparams_kernel", lambda *a: None)  # the torch branch
     ref = qs.qparams_from_range(lo, hi, spec)
     assert got.scale.dtype == ref.scale.dtype and got.zero_point.dtype == ref.zero_point.dtype
     assert torch.equal(got.scale, ref.scale) and torch.equal(got.zero_point, ref.zero_point)
     # a NaN among them: the torch branch's error, as before
-    lo[7] = float("nan")
+    lo[n // 2] = float("nan")
     with pytest.raises(ValueError, match="finite"):
         qs.qparams_from_range(lo, hi, spec)
 
