@@ -231,7 +231,8 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
     The state is torch.ao's: ``bins`` float32 counts between the running min and max
     (``histogram``, ``min_val``, ``max_val``), updated as torch.ao's ``forward`` does,
     including its approximate re-binning when a batch widens the range
-    (:mod:`quantscope.stats.ao_histogram`, C on CPU); the search is torch's, vectorized
+    (:mod:`quantscope.stats.ao_histogram`: C on CPU, in place as torch.ao's ``copy_``); the
+    search is torch's, vectorized
     (:mod:`quantscope.estimators.l2`). So histogram, scale and zero point equal torch.ao's
     bitwise for float32 inputs, whatever the batches' ranges. Unlike torch.ao, NaN / inf
     are not dropped with a warning: the batch is left out and ``calculate_qparams`` says
@@ -267,22 +268,22 @@ class HistogramObserver(TorchAOObserver, L2HistogramObserver):
                 and self.hist_counts.is_cpu and self.non_finite == "error"
                 and not self.sync_every_step):
             first = self._fresh()
-            if first:  # the state's tensors, made before the call (set only if it runs)
-                hist, (lo, hi) = torch.empty(1, self.bins), torch.empty(2).split(1)
+            if first:  # the state's tensors, made before the call (kept only if it runs)
+                state = torch.empty(1, self.bins), *torch.empty(2).split(1)
             elif self.hist_lo is self.min_vals and self.hist_hi is self.max_vals:
-                hist, lo, hi = self.hist_counts, self.min_vals, self.max_vals
-            else:  # (a state made elsewhere: the generic pass sets it as this path needs)
-                hist = None
+                state = self.hist_counts, self.min_vals, self.max_vals
+            else:  # a state made elsewhere (loaded): the generic pass sets it up for this one
+                state = None
             # (the C only reads x's memory: no detach)
-            got = None if hist is None else ao_histogram.observe(
-                hist, lo, hi, kernels.contiguous(x), first, one_read=not self._widened[0])
+            got = None if state is None else ao_histogram.observe(
+                *state, kernels.contiguous(x), first, one_read=not self._widened[0])
             if got is not None:
                 if got is ao_histogram.NON_FINITE:
                     self.seen_non_finite.fill_(True)  # left out; calculate_qparams says so
                 else:
                     self._widened[0] = got
                     if first:
-                        self._set_state(hist, lo, hi, True)
+                        self._set_state(*state, True)
                 self.count_batch(x, direct=True)
                 return x
         return super().forward(x)

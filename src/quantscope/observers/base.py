@@ -135,7 +135,8 @@ class Observer(nn.Module):
         every ``forward``). ``direct``: a CPU counter is added through its memory
         (:func:`quantscope.kernels.write`), not by a tensor op, for a path that has just
         streamed a batch through the caches in C."""
-        tokens, count = x.numel() // x.shape[-1] if x.dim() else 1, self.observed_tokens
+        tokens = x.numel() // x.shape[-1] if x.dim() else 1
+        count = self.observed_tokens
         if direct and kernels.plain(count, torch.int64):
             kernels.write(count, kernels.read(count)[0] + tokens)
         else:  # add_, not +=, which would also run nn.Module.__setattr__

@@ -17,7 +17,8 @@ counted in int32 and added as float32, the way ATen's kernel counts: exact below
 ``2 ** 24``; split over torch's threads, each counting its share into its own bins) and the
 re-binning (torch's binary search and torch.bincount's in-order float32 sums);
 ``torch.linspace`` still makes the edges (a few microseconds, and its vectorized rounding
-is torch's alone). :func:`observe` is the observer's whole step on that path: a batch
+is torch's alone). :func:`observe` is the observer's whole step on that path, in place on
+its state (as torch.ao's ``copy_``): a batch
 inside the current range (the common case once the range has settled) takes one read
 instead of two (:func:`fused`: the min / max and the bins together; tried after a batch
 that did not widen the range, since a widening batch must be binned again), a widening
