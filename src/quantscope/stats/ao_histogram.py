@@ -9,24 +9,23 @@ to the new bin holding its mid point (``bucketize`` + weighted ``bincount``, flo
 result depends on the batch order and is not an exact histogram of the data, but it is
 torch.ao's, and its qparams follow from it: :func:`update` reproduces it bit for bit.
 
-The torch path here is torch.ao's own sequence of ops (the reference, and the path for
-other devices, dtypes, degenerate ranges and batches of ``2 ** 24`` values or more, where
-torch's float32 counts saturate). On CPU the C kernels (``csrc/ao_hist.c``) do the same
-float32 arithmetic: the ``histc`` pass (``trunc((x - lo) * bins / (hi - lo))`` per value,
-counted in int32 and added as float32, the way ATen's kernel counts: exact below
-``2 ** 24``; split over torch's threads, each counting its share into its own bins) and the
-re-binning (torch's binary search and torch.bincount's in-order float32 sums);
-``torch.linspace`` still makes the edges (a few microseconds, and its vectorized rounding
-is torch's alone). :func:`observe` is the observer's whole step on that path, in place on
-its state (as torch.ao's ``copy_``): a batch
-inside the current range (the common case once the range has settled) takes one read
-instead of two (:func:`fused`: the min / max and the bins together; tried after a batch
-that did not widen the range, since a widening batch must be binned again), a widening
-batch a C min / max pass (``torch.aminmax``'s NaN rule) and one C call that moves the old
-bins and bins the batch, and the decisions between are taken on Python floats instead of
-small tensor ops (right after a batch has streamed through the caches, a dozen of them cost
-as much as binning a quarter of it). Tests compare both paths, and the observer with
-torch.ao's, bitwise.
+The torch path here is torch.ao's own sequence of ops (the reference, and the path for other
+devices, dtypes, degenerate ranges and batches of ``2 ** 24`` values or more, where torch's
+float32 counts saturate). On CPU the C kernels (``csrc/ao_hist.c``) do the same float32
+arithmetic: the ``histc`` pass (``trunc((x - lo) * bins / (hi - lo))`` per value, counted in
+int32 and added as float32, the way ATen's kernel counts: exact below ``2 ** 24``; split
+over torch's threads, each counting its share into its own bins) and the re-binning (torch's
+binary search and torch.bincount's in-order float32 sums); ``torch.linspace`` still makes
+the edges (a few microseconds, and its vectorized rounding is torch's alone).
+:func:`observe` is the observer's whole step on that path, in place on its state (as
+torch.ao's ``copy_``): a batch inside the current range (the common case once the range has
+settled) takes one read instead of two (:func:`fused`: the min / max and the bins together;
+tried after a batch that did not widen the range, since a widening batch must be binned
+again), a widening batch a C min / max pass (``torch.aminmax``'s NaN rule) and one C call
+that moves the old bins and bins the batch, and the decisions between are taken on Python
+floats instead of small tensor ops (right after a batch has streamed through the caches, a
+dozen of them cost as much as binning a quarter of it). Tests compare both paths, and the
+observer with torch.ao's, bitwise.
 """
 
 from __future__ import annotations
