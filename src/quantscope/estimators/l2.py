@@ -65,7 +65,7 @@ class _Walk:
 
     def __init__(self, lib, counts: torch.Tensor):
         U, B = counts.shape
-        hist = counts.float()
+        hist = kernels.contiguous(counts)  # (the C reads it; no op when it is already)
         self.lib, self.U, self.B, self.counts = lib, U, B, hist
         self.total = hist.sum(1).double()  # torch: torch.sum(histogram).item()
         self.csum = torch.cumsum(hist, dim=1)
@@ -312,7 +312,7 @@ def _l2_range_kernel(lib, hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, tor
     and the C stop rule, in chunks of 8, 16, 32 ... ranges."""
     U, Bn = hist.counts.shape
     walk = _Walk(lib, hist.counts)
-    lo, hi = hist.lo.float().contiguous(), hist.hi.float().contiguous()
+    lo, hi = kernels.contiguous(hist.lo), kernels.contiguous(hist.hi)
     cap = max(1, _BUDGET // max(1, U * Bn))
     step = min(8, cap)
     while True:

@@ -167,10 +167,15 @@ def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Ten
         return first or (new_lo, new_hi) != (old_lo, old_hi)
 
     old_lo, old_hi = (None, None) if first else (kernels.read(lo)[0], kernels.read(hi)[0])
-    got = (fused(x, bins, old_lo, old_hi, hist, threads, hist)
-           if not first and one_read and old_lo < old_hi else None)
+    movable = not first and old_lo < old_hi  # old bins that a wider range moves in C
+    got = fused(x, bins, old_lo, old_hi, hist, threads, hist) if movable and one_read else None
     if got is not None and got[1] is not None:
         return done(old_lo, old_hi)
+    # a batch after one that widened the range likely widens it too: the old bins' pieces
+    # (torch.ao's linspace) are made now, among this call's first ops, rather than after the
+    # min / max pass, where an op runs cold (~25 us a batch)
+    pieces = bins * UPSAMPLE_RATE + 1
+    lin = torch.linspace(old_lo, old_hi, pieces) if movable and not one_read else None
     if got is None:
         mm = (ctypes.c_float * 2)()
         lib.qs_ao_minmax(x.data_ptr(), n, mm, kernels.threads(threads))
@@ -185,8 +190,8 @@ def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Ten
     if new_lo == old_lo and new_hi == old_hi:
         histc(x, bins, old_lo, old_hi, hist.view(bins), threads=threads, out=hist)
         return done(old_lo, old_hi)
-    if old_lo < old_hi:  # the old bins moved and the batch binned in one call
-        lin = torch.linspace(old_lo, old_hi, bins * UPSAMPLE_RATE + 1)
+    if movable:  # the old bins moved and the batch binned in one call
+        lin = torch.linspace(old_lo, old_hi, pieces) if lin is None else lin
         bounds = torch.linspace(new_lo, new_hi, bins + 1)
         if not lib.qs_ao_widen(hist.data_ptr(), bins, UPSAMPLE_RATE, lin.data_ptr(), old_lo,
                                old_hi, bounds.data_ptr(), x.data_ptr(), n, new_lo, new_hi,
