@@ -36,8 +36,13 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
     spec = state.spec
     qp = runtime_qparams(x, state)
     xf = x.detach().float()
-    err = fake_quantize(x.detach(), qp, spec).float() - xf
-    signal, noise = float(xf.square().sum()), float(err.square().sum())
+    # one temporary of x's size at a time (a layer's weight is the largest tensor a
+    # sequential run holds): the signal first, then the error in place on its own copy
+    signal = float(xf.square().sum())
+    err = fake_quantize(x.detach(), qp, spec).float()
+    if err.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        err = err.clone()  # (never x's own memory)
+    noise = float(err.sub_(xf).square_().sum())
     units = spec.layout.to_units(xf)
     lo_e, hi_e = clip_edges(qp, spec, units.shape[0])
     clipped = int(torch.count_nonzero((units < lo_e) | (units > hi_e)))  # no int64 copy
