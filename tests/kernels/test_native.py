@@ -84,7 +84,8 @@ def test_cpu_ranges_take_the_kernel_and_equal_the_torch_branch(spec, n, monkeypa
     lo = -torch.rand(n, generator=g) * 10 ** torch.randint(-8, 8, (n,), generator=g)
     hi = torch.rand(n, generator=g) * 10 ** torch.randint(-8, 8, (n,), generator=g)
     k = min(n, 4)  # zeros, the largest and a tiny range first
-    lo[:k], hi[:k] = torch.tensor([0.0, -0.0, -3.4e38, -1e-30])[:k], torch.tensor([0, 0, 3.4e38, 1e-30])[:k]
+    lo[:k] = torch.tensor([0.0, -0.0, -3.4e38, -1e-30])[:k]
+    hi[:k] = torch.tensor([0.0, 0.0, 3.4e38, 1e-30])[:k]
     calls = []
     monkeypatch.setattr(qp_mod, "_int_qparams_kernel",
                         lambda *a, f=qp_mod._int_qparams_kernel: calls.append(1) or f(*a))

@@ -87,9 +87,9 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
 
 def _state_ok(state, U, B) -> bool:
     counts, exp, first, lo, hi = state
-    return (counts.shape == (U, B) and kernels.plain(counts, torch.int64) and all(
-        t.shape == (U,) for t in (exp, first, lo, hi)) and kernels.plain(exp, torch.int64)
-        and kernels.plain(first, torch.int64) and kernels.plain(lo, torch.float32) and kernels.plain(hi, torch.float32))
+    return (counts.shape == (U, B) and all(t.shape == (U,) for t in (exp, first, lo, hi))
+            and all(kernels.plain(t, torch.int64) for t in (counts, exp, first))
+            and kernels.plain(lo) and kernels.plain(hi))
 
 
 def _new_state(U, B):
