@@ -209,6 +209,22 @@ def test_auto_output_metric_picks_the_lowest_layer_output_error():
 
 
 # ------------------------------------------------------------------------------ report
+def test_tensor_stats_leave_the_tensor_as_it_was():
+    # the error is made in place on fake_quantize's output, never on x's memory
+    from quantscope.calibrate.report import tensor_stats
+
+    m, b = make()
+    c = calibrate(m, b, "w8a8", observer="static_minmax", progress=False)
+    st = c.states["up"]["weight"]
+    for w in (m.up.weight.detach(), m.up.weight.detach().bfloat16()):
+        kept = w.clone()
+        got = tensor_stats(w, st)
+        assert torch.equal(w, kept)
+        err = fake_quantize(w, st.qparams, st.spec).float() - w.float()
+        assert got["noise"] == float(err.square().sum())
+        assert got["signal"] == float(w.float().square().sum())
+
+
 def test_report_values_equal_direct_computation():
     m, b = make()
     c = calibrate(m, b, "w8a8", observer="static_minmax", sample_tokens=10_000,

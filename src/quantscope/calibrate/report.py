@@ -37,12 +37,10 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
     qp = runtime_qparams(x, state)
     xf = x.detach().float()
     # one temporary of x's size at a time (a layer's weight is the largest tensor a
-    # sequential run holds): the signal first, then the error in place on its own copy
+    # sequential run holds): the signal first, then the error in place on fake_quantize's
+    # output (always fresh memory: quantize_units divides into a new tensor)
     signal = float(xf.square().sum())
-    err = fake_quantize(x.detach(), qp, spec).float()
-    if err.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        err = err.clone()  # (never x's own memory)
-    noise = float(err.sub_(xf).square_().sum())
+    noise = float(fake_quantize(x.detach(), qp, spec).float().sub_(xf).square_().sum())
     units = spec.layout.to_units(xf)
     lo_e, hi_e = clip_edges(qp, spec, units.shape[0])
     clipped = int(torch.count_nonzero((units < lo_e) | (units > hi_e)))  # no int64 copy
