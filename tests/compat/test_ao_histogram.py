@@ -136,10 +136,10 @@ def test_histc_kernel_equals_torch_histc(seed, n, bins, span, inside):
     x[: n // 4] = lo  # values on the edges
     x[n // 4: n // 2] = hi
     base = torch.rand(bins, generator=g) * 100
-    for b in (None, base):
+    for b in (None, base, base[None]):  # (a base of any shape of bins values: [1, bins])
         got = ao_histogram.histc(x, bins, lo, hi, b)
         want = ao_histogram.histc(x, bins, lo, hi, b, backend="torch")
-        assert torch.equal(got, want)
+        assert torch.equal(got, want) and got.shape == (bins,)
         for backend in (None, "torch"):  # into a given [1, bins], left whole
             out = torch.full((1, bins), float("nan"))
             assert ao_histogram.histc(x, bins, lo, hi, b, backend, out=out) is out

@@ -55,11 +55,11 @@ def histc(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor | None = None,
           backend: str | None = None, threads: int | None = None,
           out: torch.Tensor | None = None) -> torch.Tensor:
     """``base + torch.histc(x, bins, min=lo, max=hi)`` (float32 ``[bins]``; ``base`` None:
-    the histc alone), into ``out`` when given (any shape of ``bins`` values; returned; it
-    may be ``base``). ``backend``: see :data:`quantscope.kernels.BACKENDS`; ``threads``:
-    the kernel's (default torch's; at least ``2 ** 18`` values each)."""
+    the histc alone; any shape of ``bins`` values), into ``out`` when given (the same;
+    returned; it may be ``base``). ``backend``: see :data:`quantscope.kernels.BACKENDS`;
+    ``threads``: the kernel's (default torch's; at least ``2 ** 18`` values each)."""
     applies = (kernels.plain(x) and not x.requires_grad
-               and (base is None or (kernels.plain(base) and base.shape == (bins,)))
+               and (base is None or (kernels.plain(base) and base.numel() == bins))
                and (out is None or (kernels.plain(out) and out.numel() == bins)))
     lib = kernels.choose(backend, "ao_hist", "histc", applies)
     if lib is not None:
@@ -70,7 +70,7 @@ def histc(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor | None = None,
                                src.data_ptr(), res.data_ptr(), kernels.threads(threads)):
             return res
     h = torch.histc(x, bins, min=float(lo), max=float(hi))
-    h = h if base is None else base + h
+    h = h if base is None else base.reshape(bins) + h
     return h if out is None else out.copy_(h.view(out.shape))
 
 
@@ -188,7 +188,7 @@ def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Ten
         return done(x_lo, x_hi)
     new_lo, new_hi = min(old_lo, x_lo), max(old_hi, x_hi)  # torch.min / max: the first on a tie
     if new_lo == old_lo and new_hi == old_hi:
-        histc(x, bins, old_lo, old_hi, hist.view(bins), threads=threads, out=hist)
+        histc(x, bins, old_lo, old_hi, hist, threads=threads, out=hist)
         return done(old_lo, old_hi)
     if movable:  # the old bins moved and the batch binned in one call
         lin = torch.linspace(old_lo, old_hi, pieces) if lin is None else lin
