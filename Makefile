@@ -81,12 +81,13 @@ test: venv peers
 test-memory: venv
 	$(PY) -m pytest -p no:cacheprovider -m memory tests/calibrate/test_sequential_memory.py
 
-# the property tests of tests/robustness/test_fuzz.py with the long randomized profile (make test runs
+# the property tests of tests/robustness/test_fuzz*.py (formats and observers, read-back of damaged
+# checkpoints, ONNX export, sequential calibration) with the long randomized profile (make test runs
 # them with the small derandomized "ci" profile); counts per test in runs/fuzz-stats.jsonl
 fuzz: venv
 	mkdir -p runs && rm -f runs/fuzz-stats.jsonl
 	HYPOTHESIS_PROFILE=fuzz QUANTSCOPE_FUZZ_STATS=runs/fuzz-stats.jsonl QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) \
-		$(PY) -m pytest -p no:cacheprovider -n 2 tests/robustness/test_fuzz.py
+		$(PY) -m pytest -p no:cacheprovider -n 2 tests/robustness/test_fuzz*.py
 	cat runs/fuzz-stats.jsonl
 
 # the synthetic format table (quantscope.demo), then the model demo on both demo models:
