@@ -117,9 +117,10 @@ def test_reset_starts_a_new_histogram():
     _assert_same_qparams(ref, ours)
 
 
-def test_non_torch_ao_arguments_are_refused():
-    with pytest.raises(ValueError, match="averaging_constant"):
-        HistogramObserver(averaging_constant=0.1)
+def test_non_torch_ao_arguments_are_refused_as_torch_ao_refuses_them():
+    for cls in (TorchHistogramObserver, HistogramObserver):
+        with pytest.raises(TypeError, match="averaging_constant"):
+            cls(averaging_constant=0.1)
 
 
 # ------------------------------------------------------------------ kernels vs torch's ops
@@ -339,12 +340,14 @@ def test_batches_inside_the_range_take_the_one_read_path_and_still_equal_torch_a
     g = torch.Generator().manual_seed(8)
     first = torch.randn(4000, generator=g) * 4
     batches = [first] + [torch.randn(4000, generator=g) * s for s in (1, 2, 5, 1, 0.5)]
-    batches.insert(4, torch.full((3,), float("nan")))  # left out by ours, poisons neither
+    batches.insert(4, torch.full((3,), float("nan")))  # refused by both, poisons neither
     for x in batches:
-        if not x.isnan().any():
+        if x.isnan().any():
+            for obs in (ref, ours):
+                with pytest.raises(RuntimeError, match="not finite"):
+                    obs(x)
+        else:
             ref(x)
-        ours(x)
-        if not x.isnan().any():
-            _assert_same_state(ref, ours)
-    ours.seen_non_finite.fill_(False)  # the NaN batch is reported; here only the state matters
+            ours(x)
+        _assert_same_state(ref, ours)
     _assert_same_qparams(ref, ours)

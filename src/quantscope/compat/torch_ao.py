@@ -1,34 +1,52 @@
-"""torch.ao.quantization's observers, with its names, signatures and qparams.
+"""torch.ao.quantization's observers, exactly: its classes, with quantscope's fast histogram.
 
-``calculate_qparams()`` returns ``(scale, zero_point)`` as torch.ao does: float32
-scale and int64 zero point of shape ``(1,)`` per tensor, ``(C,)`` per channel;
-quint8 gets zero point 128 when symmetric; ``reduce_range`` drops one bit.
+Each class here *is* a torch.ao observer: a subclass of torch's own class, so every
+behaviour torch.ao has comes with it unchanged (arguments and their checks, ``dtype``
+from ``quint8`` to ``qint32`` / ``int32`` / ``int16`` / ``uint16``, ``reduce_range``,
+``per_channel_affine_float_qparams``, ``is_dynamic``, the no-data default of scale 1.0
+and zero point 0 with a warning, buffers updated in place, the ``state_dict`` keys
+``eps`` / ``min_val`` / ``max_val`` (+ ``histogram``), so a state saved by either loads
+into the other, and ``torch.jit.script``). What quantscope adds:
 
-The classes plug into torch's own pipelines: ``with_args`` binds arguments as torch.ao's
-does, and they count as ``torch.ao.quantization.ObserverBase`` (registered as a virtual
-subclass: torch.ao's eager and FX ``prepare`` / ``convert`` find observers by that
-``isinstance``), so they go in a ``QConfig``; ``convert`` then reads ``dtype``, ``qscheme``,
-``ch_axis`` and ``calculate_qparams()`` from them. For torchao's pt2e
-(``QuantizationSpec(observer_or_fake_quant_ctr=...)``) import
-:mod:`quantscope.integrations.torchao`, which registers them with torchao's ``ObserverBase``.
+* the registry names (``get_observer("torch.ao:HistogramObserver")``) and :attr:`spec`,
+  the :class:`QuantSpec` the arguments mean;
+* in :class:`HistogramObserver`, torch.ao's two slow steps replaced by quantscope's,
+  bitwise equal: ``forward`` runs :mod:`quantscope.stats.ao_histogram` (one C pass per
+  batch, in place on the buffers), and the non-linear search runs
+  :func:`quantscope.estimators.l2.l2_range` (vectorized, where torch loops in Python).
+
+The min-max classes keep torch's code as it is: one ``aminmax`` per batch is the floor,
+and torch's TorchScript-able code is what ``torch.jit.script`` needs.
+
+TorchScript: a scripted :class:`HistogramObserver` reaches quantscope's steps through two
+``torch.library`` custom ops (``quantscope::ao_histogram_observe``,
+``quantscope::ao_histogram_search``), which TorchScript calls as it calls any op, so a
+scripted observer saved with ``torch.jit.save`` needs ``import quantscope.compat.torch_ao``
+before ``torch.jit.load``. Outside TorchScript ``forward`` calls the same functions directly.
+
+Non-finite input as torch.ao: ``inf`` values are dropped with a warning, NaN raises in
+``forward`` (torch's ``histc``); the C path hands such a batch to the tensor path.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import math
+import warnings
+from typing import ClassVar
 
 import torch
-from torch.ao.quantization.observer import ObserverBase, _PartialWrapper
+from torch.ao.quantization import observer as _ao
+from torch.ao.quantization.utils import calculate_qmin_qmax
 
 from .. import kernels
-from ..formats import get_format
+from ..estimators.l2 import l2_range
 from ..layout import Channel, Tensor
-from ..observers.histogram import L2HistogramObserver
-from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
-from ..observers.minmax import StaticMinMaxObserver
 from ..observers.registry import register
 from ..spec import QuantSpec
 from ..stats import ao_histogram
+from ..stats.histogram import Hist
 
 __all__ = [
     "HistogramObserver",
@@ -41,42 +59,52 @@ __all__ = [
 ]
 
 EPS = torch.finfo(torch.float32).eps
+#: the torch dtypes quantscope has a format for (its integer formats stop at 16 bits)
 _FORMATS = {torch.qint8: "int8", torch.quint8: "uint8", torch.int8: "int8", torch.uint8: "uint8",
             torch.quint4x2: "uint4", torch.int16: "int16", torch.uint16: "uint16"}
 _SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
-_PER_CHANNEL = (torch.per_channel_symmetric, torch.per_channel_affine)
-_SUPPORTED = (*_SYMMETRIC, torch.per_tensor_affine, torch.per_channel_affine)
+_PER_CHANNEL = (torch.per_channel_symmetric, torch.per_channel_affine,
+                torch.per_channel_affine_float_qparams)
 
 
 def torch_ao_spec(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=False,
                   quant_min=None, quant_max=None, eps=EPS, ch_axis=0) -> QuantSpec:
-    """The :class:`QuantSpec` of torch.ao observer arguments (the one translation)."""
+    """The :class:`QuantSpec` of torch.ao observer arguments, with torch.ao's own code range
+    (``calculate_qmin_qmax``: ``reduce_range`` drops a bit of the 8-bit defaults and halves
+    a custom range; int16 / uint16 keep theirs). 32-bit and float8 dtypes have no quantscope
+    format: ``ValueError``."""
     if dtype not in _FORMATS:
-        raise ValueError(f"torch.ao: dtype must be one of {list(_FORMATS)}, got {dtype!r}")
-    if qscheme not in _SUPPORTED:
-        raise ValueError(f"torch.ao: qscheme must be one of {list(_SUPPORTED)}, got {qscheme!r}")
-    fmt = _FORMATS[dtype]
-    if reduce_range and fmt.startswith("u") and qscheme in _SYMMETRIC:
-        raise NotImplementedError("torch.ao: cannot reduce range for symmetric quantization "
-                                  "of an unsigned dtype")
-    if quant_min is None and quant_max is None:
-        if reduce_range:  # one bit less: qint8 [-64, 63], quint8 [0, 127]
-            bits = get_format(fmt).bits
-            if fmt.startswith("u"):
-                quant_min, quant_max = 0, 2 ** (bits - 1) - 1
-            else:
-                quant_min, quant_max = -(2 ** (bits - 2)), 2 ** (bits - 2) - 1
-    elif quant_min is None or quant_max is None:
-        raise ValueError(f"torch.ao: give both quant_min and quant_max, got {quant_min!r} and "
-                         f"{quant_max!r}")
-    elif reduce_range:  # torch.ao halves a custom range too
-        quant_min, quant_max = quant_min // 2, quant_max // 2
+        raise ValueError(f"torch_ao_spec: dtype must be one of {list(_FORMATS)} (quantscope's "
+                         f"integer formats stop at 16 bits), got {dtype!r}")
+    custom = quant_min is not None and quant_max is not None
+    qmin, qmax = calculate_qmin_qmax(quant_min, quant_max, custom, dtype, reduce_range)
     layout = Channel(ch_axis) if qscheme in _PER_CHANNEL else Tensor()
-    return QuantSpec(fmt, layout, symmetric=qscheme in _SYMMETRIC, eps=float(eps),
-                     quant_min=quant_min, quant_max=quant_max)
+    return QuantSpec(_FORMATS[dtype], layout, symmetric=qscheme in _SYMMETRIC, eps=float(eps),
+                     quant_min=int(qmin), quant_max=int(qmax))
 
 
-class _Constructor(_PartialWrapper):
+def _check_arguments(cls, dtype, qscheme) -> None:
+    """Clear errors for what torch.ao refuses with a bare assertion or a terse message (the
+    same cases: torch's own checks run next)."""
+    name = cls.__name__
+    if dtype not in _ALLOWED_DTYPES:
+        raise ValueError(f"{name}: dtype must be one of {list(_ALLOWED_DTYPES)}, got {dtype!r}")
+    per_channel = qscheme in _PER_CHANNEL
+    if cls.per_channel is False and per_channel:
+        use = f"; use {cls.per_channel_class}" if cls.per_channel_class else ""
+        raise NotImplementedError(f"{name}: qscheme must be per_tensor_symmetric or "
+                                  f"per_tensor_affine, got {qscheme}{use}")
+    if cls.per_channel and not per_channel:
+        raise NotImplementedError(f"{name}: needs a per-channel qscheme, got {qscheme}")
+
+
+#: torch.ao's ``_ALLOWED_DTYPES`` (UniformQuantizationObserverBase)
+_ALLOWED_DTYPES = (torch.qint8, torch.quint8, torch.quint4x2, torch.qint32, torch.int8,
+                   torch.uint8, torch.int16, torch.int32, torch.float8_e5m2,
+                   torch.float8_e4m3fn, torch.uint16)
+
+
+class _Constructor(_ao._PartialWrapper):
     """torch.ao's partial constructor (what ``with_args`` returns), keeping the class's
     ``__name__`` (torchao's pt2e reads it to decide whether to pass ``ch_axis``)."""
 
@@ -90,44 +118,41 @@ class _Constructor(_PartialWrapper):
         return out
 
 
-class TorchAOObserver:
-    """Mixin (put it before the native class): torch.ao keywords in, torch.ao qparams out.
+class _ScriptName:
+    """The TorchScript name of this module's classes: ``__torch__.quantscope.compat.torch_ao.
+    quantization.observer.<Class>``. torch.ao finds observers inside a scripted model by the
+    words ``quantization.observer`` in their type's name (``prepare_jit``'s
+    ``load_observer_state_dict``, ``_is_activation_post_process``); a subclass defined
+    elsewhere gets its own name (AttributeError: TorchScript's default)."""
 
-    Keywords it does not know go to the native observer's constructor.
-    """
+    def __get__(self, obj, owner):
+        if owner.__module__ != __name__:
+            raise AttributeError("_jit_override_qualname")
+        return f"__torch__.{__name__}.quantization.observer.{owner.__name__}"
+
+
+class TorchAOObserver:
+    """Mixin (before the torch.ao class): the argument checks' clear errors, the registry's
+    :attr:`spec` and :attr:`has_observed`. TorchScript skips the properties."""
+
+    __jit_unused_properties__: ClassVar[list[str]] = ["spec", "has_observed"]
+    _jit_override_qualname = _ScriptName()
 
     #: True: per-channel qschemes only; False: per-tensor only (torch.ao splits its classes so)
     per_channel: bool | None = None
     #: the torch.ao class to use instead when a per-tensor class is given a per-channel qscheme
     per_channel_class: str | None = None
 
-    def __init__(self, *, dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=False,
-                 quant_min=None, quant_max=None, factory_kwargs=None, eps=EPS, is_dynamic=False,
-                 ch_axis=0, **native):
-        name = type(self).__name__
-        if self.per_channel is False and qscheme in _PER_CHANNEL:
-            use = f"; use {self.per_channel_class}" if self.per_channel_class else ""
-            raise NotImplementedError(f"{name}: qscheme must be per_tensor_symmetric or "
-                                      f"per_tensor_affine, got {qscheme}{use}")
-        if self.per_channel and qscheme not in _PER_CHANNEL:
-            raise NotImplementedError(f"{name}: needs a per-channel qscheme, got {qscheme}")
-        if is_dynamic:
-            raise NotImplementedError(f"{name}: is_dynamic is not supported")
-        spec = torch_ao_spec(dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis)
-        super().__init__(spec, **native)
-        self.dtype, self.qscheme, self.reduce_range = dtype, qscheme, reduce_range
-        self.quant_min, self.quant_max = int(spec.qmin), int(spec.qmax)
-        self.ch_axis = ch_axis
-        self.is_dynamic = is_dynamic
-        self.has_customized_qrange = quant_min is not None or quant_max is not None
-        device = (factory_kwargs or {}).get("device")
-        if device is not None:
-            self.to(device)
+    def __init__(self, *args, **kwargs):
+        torch_class = next(c for c in type(self).__mro__ if c.__module__ == _ao.__name__)
+        bound = inspect.signature(torch_class.__init__).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        _check_arguments(type(self), bound.arguments["dtype"], bound.arguments["qscheme"])
+        super().__init__(*args, **kwargs)
 
     @classmethod
     def with_args(cls, **kwargs) -> _Constructor:
-        """A constructor with ``kwargs`` bound, as torch.ao's ``Observer.with_args``
-        (``QConfig(activation=HistogramObserver.with_args(dtype=torch.quint8), ...)``)."""
+        """A constructor with ``kwargs`` bound, as torch.ao's ``with_args``."""
         return _Constructor(functools.partial(cls, **kwargs))
 
     @classmethod
@@ -137,187 +162,163 @@ class TorchAOObserver:
         out.callable_args = dict(kwargs)
         return out
 
-    def calculate_qparams(self):
-        qp = self.qparams()  # torch.ao: int64 zero points when symmetric, int32 when affine
-        zp_dtype = torch.int64 if self.spec.symmetric else torch.int32
-        zp = qp.zero_point.reshape(-1).to(zp_dtype)
-        if self.spec.symmetric and not self.spec.format.signed and self.has_customized_qrange:
-            zp.fill_((self.quant_min + self.quant_max) // 2)  # torch.ao's rule for custom ranges
-        return qp.scale.reshape(-1), zp
+    def reset(self) -> None:
+        """Back to the state of a new observer, in place (quantscope's name; torch.ao's
+        ``reset_min_max_vals`` where torch has one)."""
+        for name, start in (("min_val", math.inf), ("max_val", -math.inf)):
+            buf = getattr(self, name)
+            if buf.dim() == 0:  # per tensor: +-inf; per channel: empty, as torch.ao starts
+                buf.fill_(start)
+            else:
+                buf.resize_(0)
+        if "histogram" in self._buffers:
+            self.histogram.zero_()
 
     @property
-    def min_val(self) -> torch.Tensor:
-        return self._range_view(0)
+    def spec(self) -> QuantSpec:
+        """The :class:`QuantSpec` these arguments mean (:func:`torch_ao_spec`)."""
+        custom = self.has_customized_qrange
+        return torch_ao_spec(self.dtype, self.qscheme, self.reduce_range,
+                             self.quant_min if custom else None,
+                             self.quant_max if custom else None, float(self.eps),
+                             getattr(self, "ch_axis", 0))
 
     @property
-    def max_val(self) -> torch.Tensor:
-        return self._range_view(1)
-
-    def _range_view(self, i):
-        if not self.has_observed:  # torch.ao's initial state
-            return torch.tensor(float("inf") if i == 0 else float("-inf"))
-        v = self.calculate_range()[i]
-        return v.reshape(()) if isinstance(self.spec.layout, Tensor) else v
-
-    def reset_min_max_vals(self) -> None:
-        self.reset()
-
-
-# torch.ao's prepare / convert recognise observers by isinstance(m, ObserverBase)
-ObserverBase.register(TorchAOObserver)
+    def has_observed(self) -> bool:
+        """Whether a batch has been observed since construction or the last reset."""
+        lo = self.min_val
+        return lo.numel() > 0 and bool((lo != math.inf).any())
 
 
 @register("torch.ao:MinMaxObserver")
-class MinMaxObserver(TorchAOObserver, StaticMinMaxObserver):
-    """Running min / max per tensor (torch.ao.quantization.MinMaxObserver)."""
+class MinMaxObserver(TorchAOObserver, _ao.MinMaxObserver):
+    """Running min / max per tensor: torch.ao.quantization.MinMaxObserver."""
 
     per_channel, per_channel_class = False, "PerChannelMinMaxObserver"
 
-    def __init__(self, dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=False,
-                 quant_min=None, quant_max=None, factory_kwargs=None, eps=EPS, is_dynamic=False,
-                 **kwargs):
-        super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
-                         quant_min=quant_min, quant_max=quant_max, factory_kwargs=factory_kwargs,
-                         eps=eps, is_dynamic=is_dynamic, **kwargs)
-
 
 @register("torch.ao:MovingAverageMinMaxObserver")
-class MovingAverageMinMaxObserver(TorchAOObserver, _NativeEMA):
-    """EMA of the per-tensor min / max, c = 0.01 (torch.ao's MovingAverageMinMaxObserver)."""
+class MovingAverageMinMaxObserver(TorchAOObserver, _ao.MovingAverageMinMaxObserver):
+    """EMA of the per-tensor min / max (c = 0.01): torch.ao's MovingAverageMinMaxObserver."""
 
     per_channel, per_channel_class = False, "MovingAveragePerChannelMinMaxObserver"
 
-    def __init__(self, averaging_constant=0.01, dtype=torch.quint8,
-                 qscheme=torch.per_tensor_affine, reduce_range=False, quant_min=None,
-                 quant_max=None, eps=EPS, is_dynamic=False, **kwargs):
-        super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
-                         quant_min=quant_min, quant_max=quant_max, eps=eps,
-                         is_dynamic=is_dynamic, averaging_constant=averaging_constant, **kwargs)
-
 
 @register("torch.ao:PerChannelMinMaxObserver")
-class PerChannelMinMaxObserver(TorchAOObserver, StaticMinMaxObserver):
-    """Running min / max per channel along ``ch_axis`` (torch.ao's PerChannelMinMaxObserver)."""
+class PerChannelMinMaxObserver(TorchAOObserver, _ao.PerChannelMinMaxObserver):
+    """Running min / max per channel along ``ch_axis``: torch.ao's PerChannelMinMaxObserver."""
 
     per_channel = True
-
-    def __init__(self, ch_axis=0, dtype=torch.quint8, qscheme=torch.per_channel_affine,
-                 reduce_range=False, quant_min=None, quant_max=None, factory_kwargs=None,
-                 eps=EPS, is_dynamic=False, **kwargs):
-        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme,
-                         reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max,
-                         factory_kwargs=factory_kwargs, eps=eps, is_dynamic=is_dynamic, **kwargs)
 
 
 @register("torch.ao:MovingAveragePerChannelMinMaxObserver")
-class MovingAveragePerChannelMinMaxObserver(TorchAOObserver, _NativeEMA):
-    """EMA of the per-channel min / max (torch.ao's MovingAveragePerChannelMinMaxObserver)."""
+class MovingAveragePerChannelMinMaxObserver(TorchAOObserver,
+                                            _ao.MovingAveragePerChannelMinMaxObserver):
+    """EMA of the per-channel min / max: torch.ao's MovingAveragePerChannelMinMaxObserver."""
 
     per_channel = True
 
-    def __init__(self, averaging_constant=0.01, ch_axis=0, dtype=torch.quint8,
-                 qscheme=torch.per_channel_affine, reduce_range=False, quant_min=None,
-                 quant_max=None, eps=EPS, is_dynamic=False, **kwargs):
-        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme,
-                         reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max,
-                         eps=eps, is_dynamic=is_dynamic, averaging_constant=averaging_constant,
-                         **kwargs)
+
+# ------------------------------------------------------------------ HistogramObserver
+def _observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  one_read: bool) -> bool | None:
+    """torch.ao's histogram step for a finite float32 CPU batch, in C and in place on the
+    buffers (:func:`quantscope.stats.ao_histogram.observe`): whether the range widened, or
+    None where the C path does not apply (nothing written)."""
+    if not (x.dtype == torch.float32 and x.is_cpu and hist.is_cpu and lo.dim() == 0
+            and kernels.plain(lo) and kernels.plain(hi)):
+        return None
+    old_lo, old_hi = kernels.read(lo)[0], kernels.read(hi)[0]
+    first = old_lo == math.inf or old_hi == -math.inf  # torch.ao's is_uninitialized
+    got = ao_histogram.observe(hist, lo, hi, kernels.contiguous(x), first, one_read=one_read)
+    return None if got is None or got is ao_histogram.NON_FINITE else got
+
+
+def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
+                     hi: torch.Tensor) -> None:
+    """torch.ao's histogram step by tensor ops (any device or dtype; the reference the C path
+    equals): ``inf`` dropped with torch.ao's warning, NaN left to ``histc``'s error."""
+    x = x.detach()
+    x_lo, x_hi = torch.aminmax(x)
+    if x_lo == -math.inf or x_hi == math.inf:
+        warnings.warn("torch.inf detected in input tensor, ignoring input", stacklevel=3)
+        x = x[x.abs() != math.inf]
+        if x.numel() == 0:
+            return
+        x_lo, x_hi = torch.aminmax(x)
+    first = bool(lo == math.inf) or bool(hi == -math.inf)
+    new = ao_histogram.update(None if first else hist, None if first else lo,
+                              None if first else hi, x.float(), x_lo.float(), x_hi.float(),
+                              hist.numel())
+    for buf, value in zip((hist, lo, hi), new):
+        buf.copy_(value.reshape(buf.shape))
+
+
+@torch.library.custom_op("quantscope::ao_histogram_observe",
+                         mutates_args=("histogram", "min_val", "max_val"))
+def _observe_op(x: torch.Tensor, histogram: torch.Tensor, min_val: torch.Tensor,
+                max_val: torch.Tensor) -> None:
+    """TorchScript's way into :func:`_observe_fast` / :func:`_observe_tensors`."""
+    if x.numel() and _observe_fast(x, histogram, min_val, max_val, True) is None:
+        _observe_tensors(x, histogram, min_val, max_val)
+
+
+def _search(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor,
+            dst_nbins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.ao's ``_non_linear_param_search`` (0-dim ``new_min``, ``new_max``), vectorized."""
+    hist = Hist(histogram.float().reshape(1, -1), min_val.reshape(1), max_val.reshape(1))
+    with torch.inference_mode():
+        new_lo, new_hi = l2_range(hist, dst_nbins)
+    return new_lo.reshape(()).clone(), new_hi.reshape(()).clone()
+
+
+@torch.library.custom_op("quantscope::ao_histogram_search", mutates_args=())
+def _search_op(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor,
+               dst_nbins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TorchScript's way into :func:`_search`."""
+    return _search(histogram, min_val, max_val, dst_nbins)
 
 
 @register("torch.ao:HistogramObserver")
-class HistogramObserver(TorchAOObserver, L2HistogramObserver):
-    """torch.ao's HistogramObserver: its histogram, state for state, and its L2 search.
+class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
+    """torch.ao's HistogramObserver with quantscope's histogram step and search.
 
-    The state is torch.ao's: ``bins`` float32 counts between the running min and max
-    (``histogram``, ``min_val``, ``max_val``), updated as torch.ao's ``forward`` does,
-    including its approximate re-binning when a batch widens the range
-    (:mod:`quantscope.stats.ao_histogram`: C on CPU, in place as torch.ao's ``copy_``); the
-    search is torch's, vectorized
-    (:mod:`quantscope.estimators.l2`). So histogram, scale and zero point equal torch.ao's
-    bitwise for float32 inputs, whatever the batches' ranges. Unlike torch.ao, NaN / inf
-    are not dropped with a warning: the batch is left out and ``calculate_qparams`` says
-    so (the native ``non_finite`` rule; ``non_finite="ignore"`` counts them as zeros).
+    The state is torch.ao's (``histogram``: ``bins`` float32 counts between ``min_val`` and
+    ``max_val``), updated as torch.ao's ``forward`` does, including its approximate
+    re-binning when a batch widens the range, but in one C pass on CPU
+    (:mod:`quantscope.stats.ao_histogram`); the search is torch's, vectorized
+    (:func:`quantscope.estimators.l2.l2_range`). Histogram, ``min_val`` / ``max_val``, scale
+    and zero point equal torch.ao's bitwise for float32 inputs.
     """
 
     per_channel = False
 
-    def __init__(self, bins=2048, dtype=torch.quint8, qscheme=torch.per_tensor_affine,
-                 reduce_range=False, quant_min=None, quant_max=None, factory_kwargs=None,
-                 eps=EPS, is_dynamic=False, **kwargs):
-        for name in ("averaging_constant", "skip_zeros", "grid"):
-            if kwargs.get(name) not in (None, False):
-                raise ValueError(f"HistogramObserver: {name} is not a torch.ao argument (this "
-                                 f"class keeps torch.ao's one histogram), got {kwargs[name]!r}")
-            kwargs.pop(name, None)
-        kwargs.setdefault("polish", 0)
-        kwargs.setdefault("dst_nbins", 2 ** torch.iinfo(dtype).bits)
-        super().__init__(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range,
-                         quant_min=quant_min, quant_max=quant_max, factory_kwargs=factory_kwargs,
-                         eps=eps, is_dynamic=is_dynamic, bins=bins, grid="first", **kwargs)
-        self.hist_counts = torch.zeros(0)  # torch.ao's counts are float32 (fractions after growth)
-        self._widened = [False]  # the last batch widened the range (then no one-read pass)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the last batch widened the range: the next one skips the one-read try (a list:
+        # TorchScript keeps it as an attribute it never reads)
+        self._widened = [False]
 
-    def _fresh(self) -> bool:
-        return self.min_vals.shape[0] != 1 or self.hist_counts.shape != (1, self.bins)
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            return self._forward_eager(x_orig)
+        torch.ops.quantscope.ao_histogram_observe(x_orig, self.histogram, self.min_val,
+                                                  self.max_val)
+        return x_orig
 
-    def forward(self, x):
-        # a CPU batch: torch.ao's whole step in C, in place on the state, with no tensor op
-        # but a widening batch's two linspace (stats.ao_histogram.observe); anything else
-        # takes the generic pass
-        if (isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_cpu
-                and self.hist_counts.is_cpu and self.non_finite == "error"
-                and not self.sync_every_step):
-            first = self._fresh()
-            if first:  # the state's tensors, made before the call (kept only if it runs)
-                state = torch.empty(1, self.bins), *torch.empty(2).split(1)
-            elif self.hist_lo is self.min_vals and self.hist_hi is self.max_vals:
-                state = self.hist_counts, self.min_vals, self.max_vals
-            else:  # a state made elsewhere (loaded): the generic pass sets it up for this one
-                state = None
-            # (the C only reads x's memory: no detach)
-            got = None if state is None else ao_histogram.observe(
-                *state, kernels.contiguous(x), first, one_read=not self._widened[0])
-            if got is not None:
-                if got is ao_histogram.NON_FINITE:
-                    self.seen_non_finite.fill_(True)  # left out; calculate_qparams says so
-                else:
-                    self._widened[0] = got
-                    if first:
-                        self._set_state(*state, True)
-                self.count_batch(x, direct=True)
-                return x
-        return super().forward(x)
+    def _forward_eager(self, x_orig):
+        if x_orig.numel() == 0:
+            return x_orig
+        widened = _observe_fast(x_orig, self.histogram, self.min_val, self.max_val,
+                                not self._widened[0])
+        if widened is None:
+            _observe_tensors(x_orig, self.histogram, self.min_val, self.max_val)
+        else:
+            self._widened[0] = widened
+        return x_orig
 
-    def _observe(self, units, lo, hi):
-        self._pass[0] = None  # the base's one-read pass is for the native grid only
-        lo, hi = lo.reshape(()), hi.reshape(())
-        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-            return  # recorded by forward: calculate_qparams reports it
-        fresh = self._fresh()
-        self._widened[0] = fresh or bool((lo < self.min_vals[0]) | (hi > self.max_vals[0]))
-        hist, mn, mx = ao_histogram.update(
-            None if fresh else self.hist_counts[0], None if fresh else self.min_vals[0],
-            None if fresh else self.max_vals[0], units.reshape(-1), lo, hi, self.bins)
-        self._set_state(hist, mn.reshape(1), mx.reshape(1), fresh)
-
-    def _set_state(self, hist, mn, mx, fresh):
-        self._buffers.update(hist_counts=hist if hist.dim() == 2 else hist[None], min_vals=mn,
-                             max_vals=mx, hist_lo=mn, hist_hi=mx)
-        if fresh:
-            self.linear_grid.fill_(True)
-
-    @property
-    def histogram(self) -> torch.Tensor:
-        """The counts as torch.ao holds them (float32 ``[bins]``)."""
-        if not self.has_observed or self.hist_counts.shape[0] != 1:
-            return torch.zeros(self.bins)
-        return self.hist_counts[0]
-
-    @property
-    def min_val(self) -> torch.Tensor:
-        return self.min_vals.reshape(()) if self.min_vals.numel() else torch.tensor(float("inf"))
-
-    @property
-    def max_val(self) -> torch.Tensor:
-        return self.max_vals.reshape(()) if self.max_vals.numel() else \
-            torch.tensor(float("-inf"))
+    def _non_linear_param_search(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not torch.jit.is_scripting():
+            return _search(self.histogram, self.min_val, self.max_val, self.dst_nbins)
+        return torch.ops.quantscope.ao_histogram_search(self.histogram, self.min_val,
+                                                        self.max_val, self.dst_nbins)
