@@ -1,0 +1,223 @@
+"""compat.torch_ao behaves as torch.ao.quantization 2.13 does (issue 34), each behaviour
+checked against the installed torch.ao: no-data defaults, dtypes and code ranges,
+float qparams, any bin count, is_dynamic, buffers kept in place, state_dict keys and
+loading both ways, and TorchScript (script, save, load) of every class."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch.ao import quantization as tq
+
+from quantscope.compat import torch_ao as qa
+
+CLASSES = ["MinMaxObserver", "MovingAverageMinMaxObserver", "PerChannelMinMaxObserver",
+           "MovingAveragePerChannelMinMaxObserver", "HistogramObserver"]
+PER_CHANNEL = {"PerChannelMinMaxObserver", "MovingAveragePerChannelMinMaxObserver"}
+
+
+def pair(kind, **kw):
+    return getattr(tq, kind)(**kw), getattr(qa, kind)(**kw)
+
+
+def data(n=4, seed=0, shape=(4, 6, 5)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) * (i + 1) + 0.4 * i for i in range(n)]
+
+
+def same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+    assert torch.equal(a, b), (a, b)
+
+
+def same_qparams(ref, ours):
+    for a, b in zip(ref.calculate_qparams(), ours.calculate_qparams()):
+        same(a, b)
+
+
+def observe(observers, batches):
+    for x in batches:
+        for o in observers:
+            assert o(x) is x
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+def test_no_data_gives_torch_defaults_with_a_warning(kind):
+    ref, ours = pair(kind)
+    with pytest.warns(UserWarning, match="must run observer"):
+        got = ours.calculate_qparams()
+    with pytest.warns(UserWarning):
+        want = ref.calculate_qparams()
+    for a, b in zip(want, got):
+        same(a, b)
+    assert got[0].tolist() == [1.0] and got[1].tolist() == [0]
+
+
+@pytest.mark.parametrize("dtype", [torch.qint32, torch.int32, torch.int16, torch.uint16,
+                                   torch.qint8, torch.uint8])
+@pytest.mark.parametrize("qscheme", [torch.per_tensor_affine, torch.per_tensor_symmetric])
+@pytest.mark.parametrize("kind", ["MinMaxObserver", "MovingAverageMinMaxObserver"])
+def test_dtypes_and_their_code_ranges(kind, dtype, qscheme):
+    ref, ours = pair(kind, dtype=dtype, qscheme=qscheme)
+    assert (ours.quant_min, ours.quant_max) == (ref.quant_min, ref.quant_max)
+    observe((ref, ours), [x * 2 ** 16 for x in data()])
+    same_qparams(ref, ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.quint8, torch.int16, torch.uint16,
+                                   torch.qint32])
+@pytest.mark.parametrize("custom", [None, (-8, 7), (0, 15)])
+def test_reduce_range_rules(dtype, custom):
+    kw = {} if custom is None else dict(zip(("quant_min", "quant_max"), custom))
+    if custom and custom[0] < 0 and dtype in (torch.quint8, torch.uint16):
+        kw = {"quant_min": 0, "quant_max": 15}
+    with pytest.warns(UserWarning, match="reduce_range"):
+        ref, ours = pair("MinMaxObserver", dtype=dtype, reduce_range=True, **kw)
+    assert (ours.quant_min, ours.quant_max) == (ref.quant_min, ref.quant_max)
+    observe((ref, ours), data())
+    same_qparams(ref, ours)
+
+
+def test_symmetric_reduce_range_accepted_and_refused_as_torch():
+    # torch refuses symmetric reduce_range for quint8 only, and accepts it for uint8
+    for dtype in (torch.quint8,):
+        for cls in (tq.MinMaxObserver, qa.MinMaxObserver):
+            with pytest.raises(NotImplementedError):
+                cls(dtype=dtype, qscheme=torch.per_tensor_symmetric, reduce_range=True)
+    ref, ours = pair("MinMaxObserver", dtype=torch.uint8, qscheme=torch.per_tensor_symmetric,
+                     reduce_range=True)
+    observe((ref, ours), data())
+    same_qparams(ref, ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.quint8, torch.quint4x2])
+@pytest.mark.parametrize("kind", sorted(PER_CHANNEL))
+@pytest.mark.parametrize("ch_axis", [0, 2])
+def test_per_channel_affine_float_qparams(kind, dtype, ch_axis):
+    ref, ours = pair(kind, dtype=dtype, qscheme=torch.per_channel_affine_float_qparams,
+                     ch_axis=ch_axis)
+    observe((ref, ours), data())
+    _, zp = ours.calculate_qparams()
+    assert zp.dtype == torch.float32
+    same_qparams(ref, ours)
+
+
+@pytest.mark.parametrize("bins", [1, 2, 3, 8, 10, 2048])
+@pytest.mark.parametrize("qscheme", [torch.per_tensor_affine, torch.per_tensor_symmetric])
+def test_histogram_any_bin_count(bins, qscheme):
+    ref, ours = pair("HistogramObserver", bins=bins, qscheme=qscheme)
+    observe((ref, ours), data(6, seed=bins))
+    same(ref.histogram, ours.histogram)
+    same_qparams(ref, ours)
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+def test_is_dynamic_accepted_and_refused_as_torch(kind):
+    kw = {"averaging_constant": 1} if kind == "MovingAverageMinMaxObserver" else {}
+    try:
+        ref = getattr(tq, kind)(is_dynamic=True, **kw)
+    except NotImplementedError:
+        with pytest.raises(NotImplementedError):
+            getattr(qa, kind)(is_dynamic=True, **kw)
+        return
+    ours = getattr(qa, kind)(is_dynamic=True, **kw)
+    assert ours.is_dynamic and ref.is_dynamic
+    observe((ref, ours), data())
+    same_qparams(ref, ours)
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+def test_buffers_modified_in_place(kind):
+    ours = getattr(qa, kind)(dtype=torch.qint8)
+    before = [id(v) for v in ours._buffers.values()]
+    observe((ours,), data(5, shape=(4, 4, 4)) + [torch.randn(4, 4, 4) * 100])
+    assert [id(v) for v in ours._buffers.values()] == before
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+def test_state_dict_keys_and_loading_both_ways_bitwise(kind):
+    keys = ["eps", "min_val", "max_val"] if kind != "HistogramObserver" else \
+        ["eps", "histogram", "min_val", "max_val"]
+    ref, ours = pair(kind)
+    assert sorted(ours.state_dict()) == sorted(keys) == sorted(ref.state_dict())
+    observe((ref, ours), data())
+    for src, dst_cls in ((ref, getattr(qa, kind)), (ours, getattr(tq, kind))):
+        buf = io.BytesIO()
+        torch.save(src.state_dict(), buf)
+        buf.seek(0)
+        dst = dst_cls()
+        dst.load_state_dict(torch.load(buf))
+        for k in keys:
+            same(src.state_dict()[k], dst.state_dict()[k])
+        same_qparams(src, dst)
+    observe((ref, ours), data(2, seed=3))  # and both go on alike
+    same_qparams(ref, ours)
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+@pytest.mark.parametrize("qscheme", ["affine", "symmetric"])
+def test_scripted_saved_and_loaded_equals_eager_and_torch(kind, qscheme):
+    prefix = "per_channel_" if kind in PER_CHANNEL else "per_tensor_"
+    kw = {"qscheme": getattr(torch, prefix + qscheme), "dtype": torch.qint8}
+    ref, eager = pair(kind, **kw)
+    scripted = torch.jit.script(getattr(qa, kind)(**kw))
+    batches = data(4, shape=(3, 8, 5))
+    observe((ref, eager, scripted), batches)
+    buf = io.BytesIO()
+    torch.jit.save(scripted, buf)
+    buf.seek(0)
+    loaded = torch.jit.load(buf)
+    for o in (eager, scripted, loaded):
+        same_qparams(ref, o)
+        same(ref.min_val, o.min_val)
+    if kind == "HistogramObserver":
+        same(ref.histogram, scripted.histogram)
+        loaded(batches[0] * 3)  # the loaded module runs quantscope's op too
+        ref(batches[0] * 3)
+        same(ref.histogram, loaded.histogram)
+        same_qparams(ref, loaded)
+
+
+def test_scripted_observers_are_found_by_torch_ao_prepare_jit():
+    # torch.ao finds scripted observers by the words "quantization.observer" in their name
+    for kind in CLASSES:
+        s = torch.jit.script(getattr(qa, kind)())
+        assert tq.observer._is_activation_post_process(s)
+        assert tq.observer._is_per_channel_script_obs_instance(s) == (kind in PER_CHANNEL)
+
+
+def test_non_finite_as_torch():
+    ref, ours = pair("HistogramObserver")
+    observe((ref, ours), data(2))
+    x = torch.tensor([1.0, float("inf"), -2.0])
+    for o in (ref, ours):
+        with pytest.warns(UserWarning, match="torch.inf detected"):
+            o(x)
+    same(ref.histogram, ours.histogram)
+    for o in (ref, ours):
+        with pytest.raises(RuntimeError, match="not finite"):
+            o(torch.tensor([float("nan"), 1.0]))
+    same(ref.histogram, ours.histogram)
+    same_qparams(ref, ours)
+
+
+def test_reset_restores_the_new_state_in_place():
+    for kind in CLASSES:
+        fresh, ours = getattr(qa, kind)(), getattr(qa, kind)()
+        ids = [id(v) for v in ours._buffers.values()]
+        observe((ours,), data(2))
+        ours.reset()
+        assert not ours.has_observed and [id(v) for v in ours._buffers.values()] == ids
+        for k, v in fresh.state_dict().items():
+            same(v, ours.state_dict()[k])
+
+
+def test_spec_translates_torch_arguments():
+    from quantscope import Channel
+
+    o = qa.PerChannelMinMaxObserver(ch_axis=1, dtype=torch.qint8, reduce_range=True)
+    assert o.spec.layout == Channel(1) and (o.spec.qmin, o.spec.qmax) == (-64, 63)
+    with pytest.raises(ValueError, match="16 bits"):
+        _ = qa.MinMaxObserver(dtype=torch.qint32).spec
