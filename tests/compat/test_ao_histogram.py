@@ -148,6 +148,25 @@ def test_histc_kernel_equals_torch_histc(seed, n, bins, span, inside):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n", [2, 3, 17, 40])
+@pytest.mark.parametrize("lo, hi", [(1.0, 3.4028235e38), (-3.4028235e38, -1.0),
+                                    (-1e38, 2e38), (0.0, 1.7e38)])
+def test_histc_kernel_on_ranges_near_float32_max_equals_torch_histc(lo, hi, n):
+    # (x - lo) * bins overflows to inf there; torch counts such values in bin 0 (the kernel
+    # used to index out of bounds: a segmentation fault)
+    x = torch.linspace(lo, hi, n, dtype=torch.float64).float()
+    lo, hi = float(x[0]), float(x[-1])  # float32 values
+    got = ao_histogram.histc(x, 2048, lo, hi, backend="kernel")
+    assert torch.equal(got, torch.histc(x, 2048, min=lo, max=hi))
+    ref, ours = TorchHistogramObserver(), HistogramObserver()
+    for batch in (x, x[: n // 2 + 1] / 2):
+        ref(batch)
+        ours(batch)
+        _assert_same_state(ref, ours)
+    _assert_same_qparams(ref, ours)
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 3, 64])
 def test_histc_kernel_split_over_threads_equals_torch_histc(threads):
     g = torch.Generator().manual_seed(threads)

@@ -24,8 +24,11 @@ TorchScript: a scripted :class:`HistogramObserver` reaches quantscope's steps th
 scripted observer saved with ``torch.jit.save`` needs ``import quantscope.compat.torch_ao``
 before ``torch.jit.load``. Outside TorchScript ``forward`` calls the same functions directly.
 
-Non-finite input as torch.ao: ``inf`` values are dropped with a warning, NaN raises in
-``forward`` (torch's ``histc``); the C path hands such a batch to the tensor path.
+Non-finite input as torch.ao: the min-max classes record it (their :meth:`qparams` then
+raises ``ValueError``); :class:`HistogramObserver` drops ``inf`` values with a warning and
+raises on NaN in ``forward`` (:class:`NonFiniteBatchError`, a ``RuntimeError`` as torch's
+``histc`` error; torch.ao has already written NaN into ``min_val`` / ``max_val`` by then,
+quantscope leaves the state as it was). The C path hands such a batch to the tensor path.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from .. import kernels
 from ..estimators.l2 import l2_range
 from ..layout import Channel, Tensor
 from ..observers.registry import register
+from ..qparams import QParams
 from ..spec import QuantSpec
 from ..stats import ao_histogram
 from ..stats.histogram import Hist
@@ -53,6 +57,7 @@ __all__ = [
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "MovingAveragePerChannelMinMaxObserver",
+    "NonFiniteBatchError",
     "PerChannelMinMaxObserver",
     "TorchAOObserver",
     "torch_ao_spec",
@@ -183,6 +188,23 @@ class TorchAOObserver:
                              self.quant_max if custom else None, float(self.eps),
                              getattr(self, "ch_axis", 0))
 
+    def qparams(self) -> QParams:
+        """torch.ao's ``calculate_qparams()`` as quantscope's :class:`QParams` (one value per
+        unit, for :func:`quantscope.fake_quantize` with :attr:`spec`): ``ValueError`` before
+        any data and for a NaN / inf range (torch.ao returns its defaults or inf there)."""
+        who = type(self).__name__
+        if not self.has_observed:
+            raise ValueError(f"{who}: qparams() called before any tensor was observed")
+        if not bool(torch.isfinite(self.min_val).all() & torch.isfinite(self.max_val).all()):
+            raise ValueError(f"{who}: observed NaN or inf (min_val {self.min_val.tolist()}, "
+                             f"max_val {self.max_val.tolist()})")
+        if self.qscheme == torch.per_channel_affine_float_qparams:
+            raise NotImplementedError(f"{who}: per_channel_affine_float_qparams has float zero "
+                                      f"points; use calculate_qparams()")
+        _ = self.spec  # ValueError for the dtypes quantscope has no format for
+        scale, zero_point = self.calculate_qparams()
+        return QParams(scale.reshape(-1).float(), zero_point.reshape(-1).to(torch.int32))
+
     @property
     def has_observed(self) -> bool:
         """Whether a batch has been observed since construction or the last reset."""
@@ -220,6 +242,11 @@ class MovingAveragePerChannelMinMaxObserver(TorchAOObserver,
 
 
 # ------------------------------------------------------------------ HistogramObserver
+class NonFiniteBatchError(ValueError, RuntimeError):
+    """A batch :class:`HistogramObserver` cannot bin (NaN): a ``RuntimeError`` as torch.ao's
+    (``torch.histc``'s), and a ``ValueError`` as quantscope's bad-input errors."""
+
+
 def _observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                   one_read: bool) -> bool | None:
     """torch.ao's histogram step for a finite float32 CPU batch, in C and in place on the
@@ -240,6 +267,10 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
     equals): ``inf`` dropped with torch.ao's warning, NaN left to ``histc``'s error."""
     x = x.detach()
     x_lo, x_hi = torch.aminmax(x)
+    if bool(x_lo.isnan()):  # torch.ao's histc raises here too (after poisoning its min / max)
+        raise NonFiniteBatchError("HistogramObserver: the batch holds NaN; torch.ao's histogram "
+                                  "cannot bin it (torch.histc: range of [nan, nan] is not "
+                                  "finite); the observer's state is left as it was")
     if x_lo == -math.inf or x_hi == math.inf:
         warnings.warn("torch.inf detected in input tensor, ignoring input", stacklevel=3)
         x = x[x.abs() != math.inf]
@@ -292,6 +323,8 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     """
 
     per_channel = False
+    #: torch.ao drops ``inf`` values with a warning (NaN raises :class:`NonFiniteBatchError`)
+    non_finite = "ignore"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
