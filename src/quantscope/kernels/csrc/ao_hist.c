@@ -17,9 +17,7 @@
 #define PF_BYTES 4096
 
 /* The bin math of ATen's histc kernel, in float32: trunc((x - lo) * B / (hi - lo)), the
-   right edge in the last bin; values outside [lo, hi] (and NaN) go to the dump bin B. Where
-   (x - lo) * B overflows to inf (a range near float32's max), torch counts the value in bin 0:
-   so here (the truncation gives INT_MIN there, clamped to 0; it used to index out of bounds). */
+   right edge in the last bin; values outside [lo, hi] (and NaN) go to the dump bin B. */
 typedef struct {
     float lo, hi, bf, d;
     int32_t last, dump;
@@ -110,9 +108,7 @@ index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
     const __m512 v = _mm512_loadu_ps(x), lo = _mm512_set1_ps(g->lo);
     const __m512 p = _mm512_div_ps(_mm512_mul_ps(_mm512_sub_ps(v, lo), _mm512_set1_ps(g->bf)),
                                    _mm512_set1_ps(g->d));
-    const __m512i k = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvttps_epi32(p),
-                                                        _mm512_set1_epi32(g->last)),
-                                       _mm512_setzero_si512());
+    const __m512i k = _mm512_min_epi32(_mm512_cvttps_epi32(p), _mm512_set1_epi32(g->last));
     const __mmask16 in = _mm512_cmp_ps_mask(v, lo, _CMP_GE_OQ)
                          & _mm512_cmp_ps_mask(v, _mm512_set1_ps(g->hi), _CMP_LE_OQ);
     _mm512_store_si512((void *)r, _mm512_mask_mov_epi32(_mm512_set1_epi32(g->dump), in, k));
@@ -123,9 +119,7 @@ index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
     for (int h = 0; h < 16; h += 8) {
         const __m256 v = _mm256_loadu_ps(x + h);
         const __m256 p = _mm256_div_ps(_mm256_mul_ps(_mm256_sub_ps(v, lo), bf), d);
-        const __m256i k = _mm256_max_epi32(
-            _mm256_min_epi32(_mm256_cvttps_epi32(p), _mm256_set1_epi32(g->last)),
-            _mm256_setzero_si256());
+        const __m256i k = _mm256_min_epi32(_mm256_cvttps_epi32(p), _mm256_set1_epi32(g->last));
         const __m256 in = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ),
                                         _mm256_cmp_ps(v, hi, _CMP_LE_OQ));
         _mm256_store_si256((__m256i *)(r + h), _mm256_castps_si256(_mm256_blendv_ps(
@@ -136,8 +130,8 @@ index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
     for (int q = 0; q < 16; ++q) {
         const float v = x[q];
         if (v >= g->lo && v <= g->hi) {
-            const float p = (v - g->lo) * g->bf / g->d; /* in [0, B], or inf (overflow) */
-            r[q] = p < g->bf ? (int32_t)p : (p == INFINITY ? 0 : g->last);
+            const int32_t k = (int32_t)((v - g->lo) * g->bf / g->d); /* in [0, B] */
+            r[q] = k > g->last ? g->last : k;
         } else {
             r[q] = g->dump;
         }
@@ -296,10 +290,15 @@ int64_t qs_ao_minmax(const float *x, int64_t n, float *mm, int64_t threads) {
 }
 
 /* the grid of torch.histc(x, B, min=lo, max=hi); 0 where the caller must take torch's path:
-   lo >= hi, an infinite width, or n >= 2**24 (torch's float32 counts saturate there) */
+   lo >= hi, an infinite width, a width whose (x - lo) * B can overflow to inf (torch counts
+   such values in bin 0; the truncation here would give INT_MIN, an index out of bounds), or
+   n >= 2**24 (torch's float32 counts saturate there). For x in [lo, hi], x - lo <= d and
+   (x - lo) * B <= d * B in float32 (rounding is monotonic): a finite d * B rules overflow out,
+   and the hot loop needs no clamp. */
 static int grid(float lo, float hi, int64_t n, int64_t B, grid_t *g) {
     const float d = hi - lo;
-    if (!(lo < hi) || !isfinite(d) || n >= ((int64_t)1 << 24) || B < 1 || B > (1 << 24))
+    if (!(lo < hi) || !isfinite(d) || n >= ((int64_t)1 << 24) || B < 1 || B > (1 << 24)
+        || !isfinite(d * (float)B))
         return 0;
     g->lo = lo; g->hi = hi; g->bf = (float)B; g->d = d;
     g->last = (int32_t)B - 1; g->dump = (int32_t)B;
