@@ -221,3 +221,40 @@ def test_spec_translates_torch_arguments():
     assert o.spec.layout == Channel(1) and (o.spec.qmin, o.spec.qmax) == (-64, 63)
     with pytest.raises(ValueError, match="16 bits"):
         _ = qa.MinMaxObserver(dtype=torch.qint32).spec
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+def test_qparams_is_calculate_qparams_as_quantscope_qparams(kind):
+    from quantscope import fake_quantize
+
+    ours = getattr(qa, kind)(dtype=torch.qint8)
+    with pytest.raises(ValueError, match="before any tensor"):
+        ours.qparams()
+    x = data(1)[0]
+    ours(x)
+    qp = ours.qparams()
+    scale, zp = ours.calculate_qparams()
+    same(qp.scale, scale.float())
+    same(qp.zero_point, zp.to(torch.int32))
+    assert torch.isfinite(fake_quantize(x, qp, ours.spec)).all()
+
+
+@pytest.mark.parametrize("kind", sorted(set(CLASSES) - {"HistogramObserver"}))
+def test_min_max_classes_record_non_finite_as_torch_and_qparams_refuses_it(kind):
+    ref, ours = pair(kind)
+    x = torch.tensor([[1.0, float("inf")], [float("nan"), 2.0]])
+    observe((ref, ours), [x])
+    assert torch.equal(ref.min_val.isnan(), ours.min_val.isnan())
+    with pytest.raises(ValueError, match="NaN or inf"):
+        ours.qparams()
+
+
+def test_histogram_nan_batch_is_a_runtime_error_as_torch_and_a_value_error():
+    ours = qa.HistogramObserver()
+    ours(torch.randn(100))
+    state = {k: v.clone() for k, v in ours.state_dict().items()}
+    for kind in (RuntimeError, ValueError):
+        with pytest.raises(kind, match="NaN"):
+            ours(torch.tensor([1.0, float("nan")]))
+    for k, v in ours.state_dict().items():  # left as it was (torch.ao writes NaN into it)
+        same(state[k], v)
