@@ -20,10 +20,15 @@ module                 translation function             mixin
 
 A new compat class for another native observer (MSE, histogram ...) is::
 
-    @register("torch.ao:HistogramObserver")
-    class HistogramObserver(TorchAOObserver, NativeHistogramObserver):
-        def __init__(self, bins=2048, dtype=torch.quint8, ..., **kwargs):
-            super().__init__(dtype=dtype, ..., bins=bins)   # unknown keywords go to the native class
+    @register("horizon:MSEObserver")
+    class MSEObserver(HorizonObserver, NativeMSEObserver):
+        def __init__(self, stride=1, averaging_constant=0.01, ..., **kwargs):
+            super().__init__(..., **kwargs)   # unknown keywords go to the native class
+
+``torch_ao`` is the exception: its classes are torch.ao's own, subclassed
+(``class HistogramObserver(TorchAOObserver, torch.ao...HistogramObserver)``), so that
+torch.ao's state, TorchScript and every argument rule come with them unchanged; only the
+histogram's step and search run quantscope's code.
 """
 
 from __future__ import annotations
