@@ -257,6 +257,8 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     proto = _export_float(model, example_inputs, opset)
     _insert_qdq(onnx, proto.graph, model, states, uint8)
     _drop_unused_initializers(proto.graph)
+    mark = proto.metadata_props.add()  # what lets overwrite=True replace this file later
+    mark.key, mark.value = "quantscope", "onnx export"
     onnx.checker.check_model(proto)
     with atomic_file(path, overwrite=overwrite) as tmp:
         onnx.save(proto, tmp)
