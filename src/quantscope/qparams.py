@@ -40,10 +40,10 @@ import torch
 
 from . import kernels
 from ._numerics import true_div
-from .scales import E8M0_MODES, e8m0_scale, encode_scale, nvfp4_global_scale
+from .scales import E8M0_MODES, ScaleEncoding, e8m0_scale, encode_scale, nvfp4_global_scale
 from .spec import QuantSpec
 
-__all__ = ["QParams", "amax_of_range", "qparams_from_range"]
+__all__ = ["QParams", "amax_of_range", "nvfp4_block_scales", "qparams_from_range"]
 
 
 def amax_of_range(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -198,9 +198,21 @@ def _block_qparams(amax: torch.Tensor, spec: QuantSpec, global_amax) -> QParams:
     if global_amax is None:
         global_amax = amax.max() if amax.numel() else amax.new_zeros(())
     gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
-    block = encode_scale(true_div(amax, fmt.max) * gs, enc)
-    block = torch.where(block > 0, block, torch.full_like(block, spec.min_scale))
+    block = nvfp4_block_scales(amax, gs, fmt, spec.min_scale, enc)
     return QParams(block, zero, gs.to(amax.device))
+
+
+#: NVFP4's block scale encoding
+FP8_BLOCK = ScaleEncoding("fp8_e4m3")
+
+
+def nvfp4_block_scales(amax: torch.Tensor, global_scale: torch.Tensor, fmt, min_scale: float,
+                       encoding: ScaleEncoding = FP8_BLOCK) -> torch.Tensor:
+    """NVFP4's block scales ``encode(amax / fmt.max * global_scale)``, ``min_scale`` where that
+    is not positive (the one place of the formula; kernels/triton/block_qparams.py and
+    csrc/block_qparams.c mirror it, and tests hold them to it bitwise)."""
+    block = encode_scale(true_div(amax, fmt.max) * global_scale, encoding)
+    return torch.where(block > 0, block, torch.full_like(block, min_scale))
 
 
 def _scale_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams:

@@ -1,0 +1,238 @@
+"""quantscope's hot loops as ``torch.library`` custom ops (namespace ``quantscope``).
+
+Each op has a CPU implementation (the torch path: the reference the C kernels equal bit for
+bit), a CUDA one (the Triton kernel of :mod:`quantscope.kernels.triton`; the same torch path
+where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA graphs and
+``torch.export`` see one op with known output shapes, and callers write no branch per device.
+
+* ``unit_minmax(units) -> (lo, hi)``: per-row min / max of ``units [U, E]`` (bf16 / fp16 /
+  fp32, any strides; E >= 1), float32 ``[U]`` each, NaN propagated.
+* ``fake_quant_int(units, scale, zero_point, qmin, qmax) -> out``: integer fake-quantization
+  of ``units [U, E]`` with float32 per-unit ``scale`` / ``zero_point`` ``[U]``; float32
+  ``[U, E]`` (``quantize.fake_quantize_units``).
+* ``e8m0_block_scales(lo, hi, format, mode) -> scale``: MX scales of the ranges
+  (``scales.e8m0_scale`` of their amax); float32 ranges of one shape.
+* ``nvfp4_block_scales(lo, hi, global_scale, format, min_scale) -> scale``: NVFP4's e4m3
+  block scales under a float32 ``global_scale`` of one value (``qparams.nvfp4_block_scales``).
+
+Bad input raises ``ValueError`` naming the argument, on every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..formats import FP8_E4M3, INT8, FloatFormat, get_format
+from ..qparams import amax_of_range
+from ..qparams import nvfp4_block_scales as _nvfp4_torch
+from ..quantize import fake_quantize_units
+from ..scales import E8M0_MODES, e8m0_scale
+from . import triton as _triton
+
+__all__ = ["e8m0_block_scales", "fake_quant_int", "nvfp4_block_scales", "unit_minmax"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _triton_module(name: str, t: Tensor):
+    """The Triton launchers ``name`` when they run on ``t``'s device here, else None."""
+    if not _triton.available() or not _triton.runs_on(t.device):
+        return None
+    import importlib
+
+    return importlib.import_module(f"{_triton.__name__}.{name}")
+
+
+def _check_units(units: Tensor, who: str) -> None:
+    if units.dim() != 2 or units.dtype not in _FLOATS:
+        raise ValueError(f"quantscope::{who}: units must be a 2-D [units, elements] tensor of "
+                         f"float32, bfloat16 or float16, got {units.dtype} {tuple(units.shape)}")
+
+
+def _check_per_unit(t: Tensor, name: str, units: int, device, who: str) -> None:
+    if t.shape != (units,) or t.dtype != torch.float32 or t.device != device:
+        raise ValueError(f"quantscope::{who}: {name} must be a float32 tensor of shape "
+                         f"({units},) on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _check_ranges(lo: Tensor, hi: Tensor, who: str) -> None:
+    if lo.dtype != torch.float32 or hi.dtype != torch.float32 or lo.shape != hi.shape \
+            or lo.device != hi.device:
+        raise ValueError(f"quantscope::{who}: lo and hi must be float32 tensors of one shape "
+                         f"on one device, got {lo.dtype} {tuple(lo.shape)} on {lo.device} and "
+                         f"{hi.dtype} {tuple(hi.shape)} on {hi.device}")
+
+
+# ---- unit_minmax ---------------------------------------------------------------------------
+
+def _check_minmax(units: Tensor) -> None:
+    _check_units(units, "unit_minmax")
+    if units.shape[1] == 0:
+        raise ValueError("quantscope::unit_minmax: units must have at least one element per "
+                         f"unit, got shape {tuple(units.shape)}")
+
+
+def _torch_unit_minmax(units: Tensor) -> tuple[Tensor, Tensor]:
+    _check_minmax(units)
+    lo, hi = torch.aminmax(units, dim=1)  # the torch path (stats.minmax.torch_unit_minmax)
+    return lo.float(), hi.float()
+
+
+@torch.library.custom_op("quantscope::unit_minmax", mutates_args=())
+def unit_minmax(units: Tensor) -> tuple[Tensor, Tensor]:
+    return _torch_unit_minmax(units)
+
+
+@unit_minmax.register_kernel("cuda")
+def _(units):
+    kernel = _triton_module("minmax", units)
+    if kernel is None:
+        return _torch_unit_minmax(units)
+    _check_minmax(units)
+    return kernel.unit_minmax(units)
+
+
+@unit_minmax.register_fake
+def _(units):
+    _check_minmax(units)
+    out = units.new_empty(units.shape[0], dtype=torch.float32)
+    return out, torch.empty_like(out)
+
+
+# ---- fake_quant_int ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _IntBounds:
+    """What ``fake_quantize_units`` reads of a spec, for an integer code range."""
+
+    qmin: float
+    qmax: float
+    is_float: bool = False
+    format = INT8  # its round() clamps to the qmin / qmax it is given
+
+
+def _check_fake_quant(units, scale, zero_point, qmin, qmax) -> None:
+    who = "fake_quant_int"
+    _check_units(units, who)
+    _check_per_unit(scale, "scale", units.shape[0], units.device, who)
+    _check_per_unit(zero_point, "zero_point", units.shape[0], units.device, who)
+    if not qmin < qmax:
+        raise ValueError(f"quantscope::{who}: qmin must be below qmax, got {qmin} and {qmax}")
+
+
+def _torch_fake_quant_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
+                          qmax: float) -> Tensor:
+    _check_fake_quant(units, scale, zero_point, qmin, qmax)
+    return fake_quantize_units(units.float(), scale[:, None], zero_point[:, None],
+                               _IntBounds(float(qmin), float(qmax)))
+
+
+@torch.library.custom_op("quantscope::fake_quant_int", mutates_args=())
+def fake_quant_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
+                   qmax: float) -> Tensor:
+    return _torch_fake_quant_int(units, scale, zero_point, qmin, qmax)
+
+
+@fake_quant_int.register_kernel("cuda")
+def _(units, scale, zero_point, qmin, qmax):
+    kernel = _triton_module("fakequant", units)
+    if kernel is None:
+        return _torch_fake_quant_int(units, scale, zero_point, qmin, qmax)
+    _check_fake_quant(units, scale, zero_point, qmin, qmax)
+    return kernel.fake_quant_int(units, scale.contiguous(), zero_point.contiguous(), qmin, qmax)
+
+
+@fake_quant_int.register_fake
+def _(units, scale, zero_point, qmin, qmax):
+    _check_fake_quant(units, scale, zero_point, qmin, qmax)
+    return units.new_empty(units.shape, dtype=torch.float32)
+
+
+# ---- MX and NVFP4 block scales -------------------------------------------------------------
+
+def _float_format(name: str) -> FloatFormat:
+    fmt = get_format(name)
+    if not isinstance(fmt, FloatFormat):
+        raise ValueError(f"quantscope::nvfp4_block_scales: format must be a float format, "  # noqa: TRY004
+                         f"got {name!r}")
+    return fmt
+
+
+def _torch_e8m0_block_scales(lo: Tensor, hi: Tensor, format: str, mode: str) -> Tensor:
+    _check_e8m0(lo, hi, mode)
+    fmt = get_format(format)
+    return e8m0_scale(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), fmt, mode)
+
+
+@torch.library.custom_op("quantscope::e8m0_block_scales", mutates_args=())
+def e8m0_block_scales(lo: Tensor, hi: Tensor, format: str, mode: str) -> Tensor:
+    return _torch_e8m0_block_scales(lo, hi, format, mode)
+
+
+@e8m0_block_scales.register_kernel("cuda")
+def _(lo, hi, format, mode):
+    kernel = _triton_module("block_qparams", lo)
+    if kernel is None:
+        return _torch_e8m0_block_scales(lo, hi, format, mode)
+    _check_e8m0(lo, hi, mode)
+    fmt = get_format(format)
+    return kernel.e8m0_block_scales(lo.contiguous(), hi.contiguous(), E8M0_MODES.index(mode),
+                                    fmt.emax, fmt.mbits, fmt.max)
+
+
+def _check_e8m0(lo, hi, mode) -> None:
+    _check_ranges(lo, hi, "e8m0_block_scales")
+    if mode not in E8M0_MODES:
+        raise ValueError(f"quantscope::e8m0_block_scales: mode must be one of {E8M0_MODES}, "
+                         f"got {mode!r}")
+
+
+@e8m0_block_scales.register_fake
+def _(lo, hi, format, mode):
+    _check_e8m0(lo, hi, mode)
+    return torch.empty_like(lo)
+
+
+def _check_nvfp4(lo, hi, global_scale) -> None:
+    who = "nvfp4_block_scales"
+    _check_ranges(lo, hi, who)
+    if global_scale.numel() != 1 or global_scale.dtype != torch.float32 \
+            or global_scale.device != lo.device:
+        raise ValueError(f"quantscope::{who}: global_scale must be one float32 value on "
+                         f"{lo.device}, got {global_scale.dtype} {tuple(global_scale.shape)} "
+                         f"on {global_scale.device}")
+
+
+def _torch_nvfp4_block_scales(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
+                              min_scale: float) -> Tensor:
+    _check_nvfp4(lo, hi, global_scale)
+    fmt = _float_format(format)
+    amax = amax_of_range(lo.clamp(max=0), hi.clamp(min=0))
+    return _nvfp4_torch(amax, global_scale.reshape(1), fmt, min_scale)
+
+
+@torch.library.custom_op("quantscope::nvfp4_block_scales", mutates_args=())
+def nvfp4_block_scales(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
+                       min_scale: float) -> Tensor:
+    return _torch_nvfp4_block_scales(lo, hi, global_scale, format, min_scale)
+
+
+@nvfp4_block_scales.register_kernel("cuda")
+def _(lo, hi, global_scale, format, min_scale):
+    kernel = _triton_module("block_qparams", lo)
+    if kernel is None:
+        return _torch_nvfp4_block_scales(lo, hi, global_scale, format, min_scale)
+    _check_nvfp4(lo, hi, global_scale)
+    fmt = _float_format(format)
+    return kernel.nvfp4_block_scales(lo.contiguous(), hi.contiguous(), global_scale.reshape(1),
+                                     fmt.max, FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits,
+                                     min_scale)
+
+
+@nvfp4_block_scales.register_fake
+def _(lo, hi, global_scale, format, min_scale):
+    _check_nvfp4(lo, hi, global_scale)
+    return torch.empty_like(lo)

@@ -1,0 +1,45 @@
+"""Triton kernels: the CUDA implementations of the ops in :mod:`quantscope.kernels.ops`.
+
+Each module here (``minmax``, ``fakequant``, ``block_qparams``) holds ``triton.jit``
+kernels and the plain Python launchers that size their grids; the ops call the launchers
+with CUDA tensors. Under Triton's interpreter (``TRITON_INTERPRET=1`` in the environment
+before triton is first imported: triton decides the mode as it decorates each function,
+its own library's included) the same launchers run on CPU tensors, with numpy: how the
+tests prove every kernel bitwise against the torch path without a GPU
+(tests/kernels/conftest.py sets it where no GPU is present).
+
+The bitwise contract of the C kernels holds here too: every float32 division is
+``tl.math.div_rn`` (Triton's ``/`` is an approximate division on NVIDIA GPUs), rounding to
+an integer is ``_jit.rint`` (half to even, as ``torch.round``), and every launch passes
+``enable_fp_fusion=False`` (no ``a * b + c`` contracted into one FMA, which torch's
+separate ops never do).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+__all__ = ["available", "interpreted", "runs_on"]
+
+
+def available() -> bool:
+    """Whether triton imports (the ``gpu`` extra)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's interpreter (CPU tensors) rather than compiled
+    (CUDA tensors); fixed when triton is first imported."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.zeros, InterpretedFunction)
+
+
+def runs_on(device) -> bool:
+    """Whether the Triton launchers can take tensors on ``device`` in this process: CUDA when
+    compiled, the CPU under the interpreter."""
+    import torch
+
+    device = torch.device(device)
+    return available() and (device.type == "cpu") == interpreted()

@@ -1,0 +1,24 @@
+"""What every Triton kernel here shares: the launch options and exact rounding helpers."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: every launch: no FMA contraction (the torch ops round each step on its own: ``a * b + c``
+#: must round twice, as they do)
+LAUNCH = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def rint(t):
+    """float32 ``t`` rounded to an integer, half to even (``torch.round``): ``|t| + 2 ** 23``
+    rounds the fraction away in the IEEE default mode (exactly, without contraction), below
+    ``2 ** 23``; from there every float32 is an integer already (inf, NaN: unchanged). The
+    sign is put back from ``t``'s bit, so ``-0.3`` gives ``-0.0`` as torch does. Written in
+    plain operations: libdevice's ``rint`` does not run under the interpreter."""
+    a = tl.abs(t)
+    r = (a + 8388608.0) - 8388608.0
+    sign = t.to(tl.int32, bitcast=True) & -2147483648
+    r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(a < 8388608.0, r, t)

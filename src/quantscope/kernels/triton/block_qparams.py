@@ -1,0 +1,113 @@
+"""MX (E8M0) and NVFP4 (fp8 e4m3 under a global scale) block scales from per-block ranges
+(Triton): the float32 steps of ``scales.e8m0_scale`` and ``qparams``' NVFP4 branch, bitwise.
+
+``amax = max(-min(lo, 0), max(hi, 0))`` per block, then
+
+* E8M0: ``2 ** k``, ``k`` from the exponent of ``amax`` read off its bits (frexp), per mode
+  (0 floor, 1 ceil, 2 even, 3 rceil; ``scales.E8M0_MODES``' order), ``-127`` for an all-zero
+  block, clamped to ``[-127, 127]``;
+* NVFP4: ``e4m3(amax / fmax * gs)`` (the e4m3 rounding of ``FloatFormat.round``: a power-of-
+  two step from the exponent field, ``rint``, saturation), ``min_scale`` where not positive.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._jit import LAUNCH, rint
+
+__all__ = ["e8m0_block_scales", "nvfp4_block_scales"]
+
+BLOCK = 1024
+
+
+@triton.jit
+def _amax(lo_ptr, hi_ptr, offs, mask):
+    lo = tl.minimum(tl.load(lo_ptr + offs, mask=mask, other=0.0), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    hi = tl.maximum(tl.load(hi_ptr + offs, mask=mask, other=0.0), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(-lo, hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _frexp(x):
+    """(mantissa in [0.5, 1), exponent) of positive finite float32 x, subnormals included."""
+    sub = x < 1.1754943508222875e-38
+    b = tl.where(sub, x * 16777216.0, x).to(tl.int32, bitcast=True)
+    m = ((b & 0x007FFFFF) | (126 << 23)).to(tl.float32, bitcast=True)
+    e = ((b >> 23) & 255) - 126 - tl.where(sub, 24, 0)
+    zero = x == 0.0  # frexp(0) = (0, 0)
+    return tl.where(zero, 0.0, m), tl.where(zero, 0, e)
+
+
+@triton.jit
+def _exp2i(k):
+    """Exactly 2 ** k as float32 for integer k in [-149, 127]."""
+    normal = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.maximum(k + 149, 0)).to(tl.float32, bitcast=True)
+    return tl.where(k >= -126, normal, sub)
+
+
+@triton.jit
+def _e8m0_kernel(lo_ptr, hi_ptr, out_ptr, n, emax, fmax, MODE: tl.constexpr,
+                 TOP: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    amax = _amax(lo_ptr, hi_ptr, offs, mask)
+    tiny = amax <= 0.0
+    safe = tl.where(tiny, 1.0, amax)
+    m, e = _frexp(safe)
+    if MODE == 0:
+        k = e - 1 - emax
+    elif MODE == 1:
+        k = tl.where(m == 0.5, e - 1, e) - emax
+    elif MODE == 2:
+        carry = tl.floor(m * TOP + 0.5) >= TOP  # TOP = 2 ** (mbits + 1)
+        k = e - 1 + carry.to(tl.int32) - emax
+    else:
+        my, ey = _frexp(tl.math.div_rn(safe, fmax))
+        k = tl.where(my == 0.5, ey - 1, ey)
+    k = tl.minimum(tl.maximum(tl.where(tiny, -127, k), -127), 127)
+    tl.store(out_ptr + offs, _exp2i(k), mask=mask)
+
+
+@triton.jit
+def _nvfp4_kernel(lo_ptr, hi_ptr, gs_ptr, out_ptr, n, fmax, bmax, min_scale,
+                  FIELD_MIN: tl.constexpr, MBITS_FIELD: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    x = tl.math.div_rn(_amax(lo_ptr, hi_ptr, offs, mask), fmax) * tl.load(gs_ptr)
+    field = tl.maximum(x.to(tl.int32, bitcast=True) & 0x7F800000, FIELD_MIN) - MBITS_FIELD
+    step = field.to(tl.float32, bitcast=True)
+    q = rint(tl.math.div_rn(x, step)) * step
+    q = tl.minimum(tl.maximum(q, -bmax, propagate_nan=tl.PropagateNan.ALL), bmax, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(out_ptr + offs, tl.where(q > 0.0, q, min_scale), mask=mask)
+
+
+def e8m0_block_scales(lo: torch.Tensor, hi: torch.Tensor, mode: int, emax: int, mbits: int,
+                      fmax: float) -> torch.Tensor:
+    """Float32 E8M0 scales of the ranges ``[lo, hi]`` (contiguous float32, one shape)."""
+    out = torch.empty_like(lo)
+    n = lo.numel()
+    if n:
+        _e8m0_kernel[(triton.cdiv(n, BLOCK),)](lo, hi, out, n, int(emax), float(fmax),
+                                               MODE=int(mode), TOP=float(2 ** (mbits + 1)),
+                                               BLOCK_N=BLOCK,
+                                               **LAUNCH)
+    return out
+
+
+def nvfp4_block_scales(lo: torch.Tensor, hi: torch.Tensor, global_scale: torch.Tensor,
+                       fmax: float, block_max: float, block_min_exp: int, block_mbits: int,
+                       min_scale: float) -> torch.Tensor:
+    """Float32 fp8 block scales of the ranges ``[lo, hi]`` under ``global_scale`` (one float32
+    value on the device: read there, never on the host)."""
+    out = torch.empty_like(lo)
+    n = lo.numel()
+    if n:
+        _nvfp4_kernel[(triton.cdiv(n, BLOCK),)](
+            lo, hi, global_scale, out, n, float(fmax), float(block_max), float(min_scale),
+            FIELD_MIN=(block_min_exp + 127) << 23, MBITS_FIELD=block_mbits << 23, BLOCK_N=BLOCK,
+            **LAUNCH)
+    return out

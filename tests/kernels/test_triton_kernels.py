@@ -1,0 +1,167 @@
+"""Every Triton kernel (quantscope.kernels.triton) bitwise against the torch path.
+
+Without a GPU they run under Triton's interpreter on CPU tensors, so CI proves them; with
+one, compiled on it. The interpreter needs ``TRITON_INTERPRET=1`` before triton's first
+import (tests/kernels/conftest.py sets it); in a process where something imported triton
+sooner (``make test`` collects transformers' Llama first, which imports it through torchao),
+these tests skip and :func:`test_in_a_fresh_interpreter` runs this file in a child process. Small shapes, with block sizes
+forced small so that every loop, mask and split runs. Skipped without triton (the ``gpu``
+extra).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from quantscope import QuantSpec
+from quantscope.formats import get_format
+from quantscope.kernels import triton as qs_triton
+from quantscope.layout import Block
+from quantscope.qparams import qparams_from_range
+from quantscope.quantize import fake_quantize_units
+from quantscope.scales import E8M0_MODES
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# the interpreter computes with numpy, which warns where float32 overflows to inf (a
+# candidate past float32's max: the torch path overflows alike, and both saturate)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+
+@pytest.fixture(scope="module")
+def device():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if not qs_triton.runs_on(dev):
+        pytest.skip("triton was imported before TRITON_INTERPRET was set: these tests run in "
+                    "a child process (test_in_a_fresh_interpreter)")
+    return torch.device(dev)
+
+
+def test_in_a_fresh_interpreter():
+    """This file's tests in a child process under the interpreter, where this one cannot."""
+    if qs_triton.runs_on("cuda" if torch.cuda.is_available() else "cpu"):
+        pytest.skip("the kernels run in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x",
+                          __file__], env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" in run.stdout  # only this test skips there
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().cpu().view(torch.int32)
+
+
+def _assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    diff = (_bits(got) != _bits(want)).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} values differ, first at {diff[0].tolist()}: " \
+        f"{got.cpu().flatten()[0]} vs {want.cpu().flatten()[0]}"
+
+
+# ---- per-unit min / max --------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("U", "E", "blocks"), [
+    (5, 37, {}), (3, 100, {"block_e": 8, "splits": 3}), (1, 1000, {}), (1, 1000, {"block_e": 64}),
+    (7, 16, {"block_u": 2, "block_e": 4}), (64, 3, {}),
+])
+def test_unit_minmax_bitwise(device, dtype, U, E, blocks):
+    from quantscope.kernels.triton import minmax
+
+    g = torch.Generator().manual_seed(U * 1000 + E)
+    x = (torch.randn(U, E, generator=g) * 7).to(dtype)
+    x[U // 2, E // 3] = float("nan")  # propagates to its unit only
+    x[-1, -1] = float("inf")
+    lo, hi = minmax.unit_minmax(x.to(device), **blocks)
+    want_lo, want_hi = torch.aminmax(x.float(), dim=1)
+    _assert_bitwise(lo, want_lo)
+    _assert_bitwise(hi, want_hi)
+
+
+def test_unit_minmax_strided(device):
+    from quantscope.kernels.triton import minmax
+
+    x = torch.randn(40, 12, generator=torch.Generator().manual_seed(1)).to(device)
+    lo, hi = minmax.unit_minmax(x.t(), block_e=16)  # units along the columns
+    _assert_bitwise(lo, x.t().amin(1))
+    _assert_bitwise(hi, x.t().amax(1))
+
+
+# ---- integer fake-quant --------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int4", symmetric=False),
+                                  QuantSpec("uint8", symmetric=False),
+                                  QuantSpec("int8_narrow")], ids=str)
+def test_fake_quant_int_bitwise(device, dtype, spec):
+    from quantscope.kernels.triton import fakequant
+
+    g = torch.Generator().manual_seed(spec.qmax)
+    U, E = 9, 70
+    u = (torch.randn(U, E, generator=g) * 3).to(dtype)
+    scale = torch.rand(U, generator=g) * 0.2 + 0.01
+    scale[0] = 0.25  # a power of two: exact ties x / s = k + 0.5, rounded to even
+    u[0, :20] = ((torch.arange(20) - 10 + 0.5) * 0.25).to(dtype)
+    zp = torch.randint(int(spec.qmin), int(spec.qmax) + 1, (U,), generator=g).float()
+    if spec.symmetric:
+        zp.zero_()
+    u[1, 0] = float("nan")
+    want = fake_quantize_units(u.float(), scale[:, None], zp[:, None], spec)
+    got = fakequant.fake_quant_int(u.to(device), scale.to(device), zp.to(device),
+                                   spec.qmin, spec.qmax, block_u=4, block_e=16)
+    _assert_bitwise(got, want)
+
+
+# ---- MX (E8M0) and NVFP4 block scales ------------------------------------------------------
+
+def _ranges(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ranges over float32's whole exponent span (subnormals, exact powers of two,
+    all-zero and one-sided blocks)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw():
+        mant = torch.randn(n, generator=g)
+        return mant * torch.exp2(torch.randint(-140, 120, (n,), generator=g).float())
+
+    a, b = draw(), draw()
+    a[:4], b[:2] = 0.0, 0.0
+    a[4:8] = torch.exp2(torch.tensor([-130.0, -1.0, 0.0, 3.0]))  # exact powers of two
+    b[4:8] = 0.0
+    return torch.minimum(a, b), torch.maximum(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["fp4_e2m1", "fp6_e2m3", "fp6_e3m2", "fp8_e4m3", "int8_narrow"])
+@pytest.mark.parametrize("mode", E8M0_MODES)
+def test_e8m0_block_scales_bitwise(device, fmt, mode):
+    from quantscope.kernels.triton import block_qparams
+
+    lo, hi = _ranges(3000, len(fmt) + E8M0_MODES.index(mode))
+    want = qparams_from_range(lo, hi, QuantSpec(fmt, Block(32), scale=f"e8m0:{mode}")).scale
+    f = get_format(fmt)
+    got = block_qparams.e8m0_block_scales(lo.to(device), hi.to(device), E8M0_MODES.index(mode),
+                                          f.emax, f.mbits, f.max)
+    _assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("global_amax", [None, 1e-30, 3.0, 1e30])
+def test_nvfp4_block_scales_bitwise(device, global_amax):
+    from quantscope.formats import FP8_E4M3
+    from quantscope.kernels.triton import block_qparams
+    from quantscope.presets import NVFP4
+
+    lo, hi = _ranges(3000, 7)
+    lo, hi = lo.clamp(-1e6, 1e6), hi.clamp(-1e6, 1e6)
+    ga = None if global_amax is None else torch.tensor(global_amax)
+    want = qparams_from_range(lo, hi, NVFP4, global_amax=ga)
+    got = block_qparams.nvfp4_block_scales(
+        lo.to(device), hi.to(device), want.global_scale.to(device), NVFP4.format.max,
+        FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits, NVFP4.min_scale)
+    _assert_bitwise(got, want.scale)

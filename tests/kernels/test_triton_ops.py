@@ -1,0 +1,85 @@
+"""The ``quantscope::`` custom ops (quantscope.kernels.ops): schema, fake (meta) and autograd
+registrations (``torch.library.opcheck``), one graph under ``torch.compile``, clear errors,
+and on a GPU the CUDA (Triton) implementation bitwise equal to the CPU one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantscope.kernels import ops
+
+CUDA = torch.cuda.is_available()
+
+
+def _cases(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(6, 40, generator=g)
+    lo, hi = torch.aminmax(u, dim=1)
+    scale, zp = torch.rand(6, generator=g) + 0.05, torch.randint(-3, 3, (6,), generator=g).float()
+    cases = {
+        "unit_minmax": (ops.unit_minmax, (u,)),
+        "unit_minmax_bf16": (ops.unit_minmax, (u.bfloat16(),)),
+        "fake_quant_int": (ops.fake_quant_int, (u, scale, zp, -8.0, 7.0)),
+        "e8m0_block_scales": (ops.e8m0_block_scales, (lo, hi, "fp4_e2m1", "even")),
+        "nvfp4_block_scales": (ops.nvfp4_block_scales,
+                               (lo, hi, torch.tensor([300.0]), "fp4_e2m1", 1e-8)),
+    }
+    return {k: (op, tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+            for k, (op, args) in cases.items()}
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_opcheck(name):
+    op, args = _cases()[name]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(_cases()))
+def test_opcheck_cuda(name):
+    op, args = _cases("cuda")[name]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(_cases()))
+def test_cuda_op_equals_cpu_op(name):
+    """The Triton kernels (the CUDA implementations) give the CPU's bits."""
+    op, args = _cases()[name]
+    want = op(*args)
+    got = op(*_cases("cuda")[name][1])
+    for w, g in zip(want if isinstance(want, tuple) else (want,),
+                    got if isinstance(got, tuple) else (got,), strict=True):
+        assert torch.equal(g.cpu().view(torch.int32), w.view(torch.int32))
+
+
+def test_one_graph_under_compile():
+    """Each op is one node to torch.compile: a full graph, the eager results."""
+    op, args = _cases()["fake_quant_int"]
+    fn = torch.compile(lambda *a: op(*a), backend="aot_eager", fullgraph=True)
+    assert torch.equal(fn(*args), op(*args))
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: ops.unit_minmax(torch.zeros(3)), "units must be a 2-D"),
+    (lambda: ops.unit_minmax(torch.zeros(3, 4, dtype=torch.int32)), "units must be a 2-D"),
+    (lambda: ops.unit_minmax(torch.zeros(3, 0)), "at least one element"),
+    (lambda: ops.fake_quant_int(torch.zeros(3, 4), torch.ones(2), torch.zeros(3), -8.0, 7.0),
+     "scale must be a float32 tensor of shape"),
+    (lambda: ops.fake_quant_int(torch.zeros(3, 4), torch.ones(3), torch.zeros(3, 1), -8.0, 7.0),
+     "zero_point must be"),
+    (lambda: ops.fake_quant_int(torch.zeros(3, 4), torch.ones(3), torch.zeros(3), 7.0, -8.0),
+     "qmin must be below qmax"),
+    (lambda: ops.e8m0_block_scales(torch.zeros(3), torch.zeros(4), "fp4_e2m1", "floor"),
+     "lo and hi must be float32 tensors of one shape"),
+    (lambda: ops.e8m0_block_scales(torch.zeros(3), torch.zeros(3), "fp4_e2m1", "round"),
+     "mode must be one of"),
+    (lambda: ops.nvfp4_block_scales(torch.zeros(3), torch.zeros(3), torch.ones(2), "fp4_e2m1",
+                                    1e-8), "global_scale must be one float32 value"),
+    (lambda: ops.nvfp4_block_scales(torch.zeros(3), torch.zeros(3), torch.ones(1), "int4",
+                                    1e-8), "format must be a float format"),
+])
+def test_bad_input_names_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
