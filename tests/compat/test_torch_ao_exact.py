@@ -258,3 +258,17 @@ def test_histogram_nan_batch_is_a_runtime_error_as_torch_and_a_value_error():
             ours(torch.tensor([1.0, float("nan")]))
     for k, v in ours.state_dict().items():  # left as it was (torch.ao writes NaN into it)
         same(state[k], v)
+
+
+def test_the_torchscript_ops_pass_torch_library_opcheck():
+    hist, lo, hi = torch.zeros(64), torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    x = torch.randn(300)
+    torch.library.opcheck(torch.ops.quantscope.ao_histogram_observe.default, (x, hist, lo, hi))
+    torch.ops.quantscope.ao_histogram_observe(x, hist, lo, hi)
+    ref = tq.HistogramObserver(bins=64)
+    ref(x)
+    same(ref.histogram, hist)
+    torch.library.opcheck(torch.ops.quantscope.ao_histogram_search.default, (hist, lo, hi, 256))
+    for a, b in zip(torch.ops.quantscope.ao_histogram_search(hist, lo, hi, 256),
+                    ref._non_linear_param_search()):
+        same(a, b)

@@ -310,6 +310,16 @@ def _search_op(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Te
     return _search(histogram, min_val, max_val, dst_nbins)
 
 
+@_observe_op.register_fake
+def _(x, histogram, min_val, max_val):
+    return None
+
+
+@_search_op.register_fake
+def _(histogram, min_val, max_val, dst_nbins):
+    return min_val.new_empty(()), max_val.new_empty(())
+
+
 @register("torch.ao:HistogramObserver")
 class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     """torch.ao's HistogramObserver with quantscope's histogram step and search.
