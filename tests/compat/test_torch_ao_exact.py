@@ -219,6 +219,11 @@ def test_spec_translates_torch_arguments():
 
     o = qa.PerChannelMinMaxObserver(ch_axis=1, dtype=torch.qint8, reduce_range=True)
     assert o.spec.layout == Channel(1) and (o.spec.qmin, o.spec.qmax) == (-64, 63)
+    for dtype, custom in ((torch.qint8, (-20, 30)), (torch.int16, None), (torch.uint16, None)):
+        kw = dict(zip(("quant_min", "quant_max"), custom)) if custom else {}
+        o = qa.MinMaxObserver(dtype=dtype, reduce_range=True, **kw)
+        assert (o.spec.qmin, o.spec.qmax) == (o.quant_min, o.quant_max)
+        assert o.spec == qa.torch_ao_spec(dtype, reduce_range=True, **kw)
     with pytest.raises(ValueError, match="16 bits"):
         _ = qa.MinMaxObserver(dtype=torch.qint32).spec
 

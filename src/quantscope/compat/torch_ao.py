@@ -78,14 +78,25 @@ def torch_ao_spec(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_ra
     (``calculate_qmin_qmax``: ``reduce_range`` drops a bit of the 8-bit defaults and halves
     a custom range; int16 / uint16 keep theirs). 32-bit and float8 dtypes have no quantscope
     format: ``ValueError``."""
+    custom = quant_min is not None and quant_max is not None
+    qmin, qmax = calculate_qmin_qmax(quant_min, quant_max, custom, dtype, reduce_range)
+    return _spec(dtype, qscheme, qmin, qmax, eps, ch_axis)
+
+
+def _spec(dtype, qscheme, qmin, qmax, eps, ch_axis) -> QuantSpec:
+    """The :class:`QuantSpec` of a torch.ao observer's final code range ``[qmin, qmax]``."""
     if dtype not in _FORMATS:
         raise ValueError(f"torch_ao_spec: dtype must be one of {list(_FORMATS)} (quantscope's "
                          f"integer formats stop at 16 bits), got {dtype!r}")
-    custom = quant_min is not None and quant_max is not None
-    qmin, qmax = calculate_qmin_qmax(quant_min, quant_max, custom, dtype, reduce_range)
     layout = Channel(ch_axis) if qscheme in _PER_CHANNEL else Tensor()
     return QuantSpec(_FORMATS[dtype], layout, symmetric=qscheme in _SYMMETRIC, eps=float(eps),
                      quant_min=int(qmin), quant_max=int(qmax))
+
+
+#: torch.ao's ``_ALLOWED_DTYPES`` (UniformQuantizationObserverBase)
+_ALLOWED_DTYPES = (torch.qint8, torch.quint8, torch.quint4x2, torch.qint32, torch.int8,
+                   torch.uint8, torch.int16, torch.int32, torch.float8_e5m2,
+                   torch.float8_e4m3fn, torch.uint16)
 
 
 def _check_arguments(cls, dtype, qscheme) -> None:
@@ -101,12 +112,6 @@ def _check_arguments(cls, dtype, qscheme) -> None:
                                   f"per_tensor_affine, got {qscheme}{use}")
     if cls.per_channel and not per_channel:
         raise NotImplementedError(f"{name}: needs a per-channel qscheme, got {qscheme}")
-
-
-#: torch.ao's ``_ALLOWED_DTYPES`` (UniformQuantizationObserverBase)
-_ALLOWED_DTYPES = (torch.qint8, torch.quint8, torch.quint4x2, torch.qint32, torch.int8,
-                   torch.uint8, torch.int16, torch.int32, torch.float8_e5m2,
-                   torch.float8_e4m3fn, torch.uint16)
 
 
 class _Constructor(_ao._PartialWrapper):
@@ -181,12 +186,10 @@ class TorchAOObserver:
 
     @property
     def spec(self) -> QuantSpec:
-        """The :class:`QuantSpec` these arguments mean (:func:`torch_ao_spec`)."""
-        custom = self.has_customized_qrange
-        return torch_ao_spec(self.dtype, self.qscheme, self.reduce_range,
-                             self.quant_min if custom else None,
-                             self.quant_max if custom else None, float(self.eps),
-                             getattr(self, "ch_axis", 0))
+        """The :class:`QuantSpec` these arguments mean (:func:`torch_ao_spec`), on the code
+        range torch.ao settled on (``quant_min`` / ``quant_max``)."""
+        return _spec(self.dtype, self.qscheme, self.quant_min, self.quant_max, float(self.eps),
+                     getattr(self, "ch_axis", 0))
 
     def qparams(self) -> QParams:
         """torch.ao's ``calculate_qparams()`` as quantscope's :class:`QParams` (one value per
