@@ -277,3 +277,15 @@ def test_the_torchscript_ops_pass_torch_library_opcheck():
     for a, b in zip(torch.ops.quantscope.ao_histogram_search(hist, lo, hi, 256),
                     ref._non_linear_param_search()):
         same(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_histogram_of_other_float_dtypes_equals_torch(dtype):
+    ref, ours = pair("HistogramObserver")
+    for i, x in enumerate(data(4, seed=7, shape=(40, 50))):
+        x = x.to(dtype) * (1.5 if i % 2 else 0.7)
+        ref(x)
+        ours(x)
+        same(ref.histogram, ours.histogram)
+        same(ref.min_val, ours.min_val)
+    same_qparams(ref, ours)

@@ -266,8 +266,9 @@ def _observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: tor
 
 def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor) -> None:
-    """torch.ao's histogram step by tensor ops (any device or dtype; the reference the C path
-    equals): ``inf`` dropped with torch.ao's warning, NaN left to ``histc``'s error."""
+    """torch.ao's histogram step by tensor ops (any device or dtype, ``x`` binned in its own
+    dtype as torch.ao bins it; the reference the C path equals): ``inf`` dropped with
+    torch.ao's warning, NaN a :class:`NonFiniteBatchError`."""
     x = x.detach()
     x_lo, x_hi = torch.aminmax(x)
     if bool(x_lo.isnan()):  # torch.ao's histc raises here too (after poisoning its min / max)
@@ -282,7 +283,7 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
         x_lo, x_hi = torch.aminmax(x)
     first = bool(lo == math.inf) or bool(hi == -math.inf)
     new = ao_histogram.update(None if first else hist, None if first else lo,
-                              None if first else hi, x.float(), x_lo.float(), x_hi.float(),
+                              None if first else hi, x, x_lo, x_hi,
                               hist.numel())
     for buf, value in zip((hist, lo, hi), new):
         buf.copy_(value.reshape(buf.shape))
@@ -332,7 +333,8 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     re-binning when a batch widens the range, but in one C pass on CPU
     (:mod:`quantscope.stats.ao_histogram`); the search is torch's, vectorized
     (:func:`quantscope.estimators.l2.l2_range`). Histogram, ``min_val`` / ``max_val``, scale
-    and zero point equal torch.ao's bitwise for float32 inputs.
+    and zero point equal torch.ao's bitwise (float32 batches on CPU take the C path; other
+    dtypes and devices torch.ao's own sequence of tensor ops).
     """
 
     per_channel = False
