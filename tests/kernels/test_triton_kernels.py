@@ -165,3 +165,32 @@ def test_nvfp4_block_scales_bitwise(device, global_amax):
         lo.to(device), hi.to(device), want.global_scale.to(device), NVFP4.format.max,
         FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits, NVFP4.min_scale)
     _assert_bitwise(got, want.scale)
+
+
+# ---- the MSE search's pricing --------------------------------------------------------------
+
+def _price_reference(units, scale, zp, spec):
+    """float64 sums of torch's float32 squared fake-quant errors, candidate by candidate."""
+    rows = [(fake_quantize_units(units, s[:, None], z[:, None].float(), spec) - units)
+            .double().square().sum(1) for s, z in zip(scale, zp, strict=True)]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int4"), QuantSpec("int8", symmetric=False)], ids=str)
+@pytest.mark.parametrize(("U", "E", "blocks"), [(6, 50, {}), (5, 300, {"block_e": 64}),
+                                                (3, 8, {"block_u": 2})])
+def test_mse_price_int(device, spec, U, E, blocks):
+    from quantscope.kernels.triton import mse
+
+    g = torch.Generator().manual_seed(U + E)
+    units = torch.randn(U, E, generator=g) * 2
+    lo, hi = torch.aminmax(units, dim=1)
+    f = torch.linspace(1.0, 0.6, 9)[:, None]
+    qp = qparams_from_range(lo[None] * f, hi[None] * f, spec)
+    scale, zp = qp.scale.contiguous(), qp.zero_point.contiguous()
+    want = _price_reference(units, scale, zp, spec)
+    got = mse.mse_price_int(units.to(device), scale.to(device), zp.to(device), spec.qmin,
+                            spec.qmax, **blocks)
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    # the float64 sum of exact squares: equal up to its order (the C kernel's contract)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0)

@@ -1,6 +1,6 @@
 """Triton kernels: the CUDA implementations of the ops in :mod:`quantscope.kernels.ops`.
 
-Each module here (``minmax``, ``fakequant``, ``block_qparams``) holds ``triton.jit``
+Each module here (``minmax``, ``fakequant``, ``block_qparams``, ``mse``) holds ``triton.jit``
 kernels and the plain Python launchers that size their grids; the ops call the launchers
 with CUDA tensors. Under Triton's interpreter (``TRITON_INTERPRET=1`` in the environment
 before triton is first imported: triton decides the mode as it decorates each function,

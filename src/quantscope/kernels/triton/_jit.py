@@ -22,3 +22,14 @@ def rint(t):
     sign = t.to(tl.int32, bitcast=True) & -2147483648
     r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(a < 8388608.0, r, t)
+
+
+@triton.jit
+def fake_quant(x, s, z, qmin, qmax):
+    """``(clamp(rint(x / s + z), qmin, qmax) - z) * s``: ``quantize.fake_quantize_units`` of
+    an integer format, each float32 step rounded as its torch op (IEEE division; the clamp
+    keeps NaN, as ``torch.clamp``)."""
+    t = rint(tl.math.div_rn(x, s) + z)
+    t = tl.minimum(tl.maximum(t, qmin, propagate_nan=tl.PropagateNan.ALL), qmax,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return (t - z) * s

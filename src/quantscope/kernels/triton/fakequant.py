@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, rint
+from ._jit import LAUNCH, fake_quant
 
 __all__ = ["fake_quant_int"]
 
@@ -27,10 +27,7 @@ def _fake_quant_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, stride_u, stride_e, q
     x = tl.load(x_ptr + r64 * stride_u + c64 * stride_e, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + rows, mask=rows < U, other=1.0)[:, None]
     z = tl.load(z_ptr + rows, mask=rows < U, other=0.0)[:, None]
-    t = rint(tl.math.div_rn(x, s) + z)
-    t = tl.minimum(tl.maximum(t, qmin, propagate_nan=tl.PropagateNan.ALL), qmax,
-                   propagate_nan=tl.PropagateNan.ALL)
-    tl.store(out_ptr + r64 * E + c64, (t - z) * s, mask=mask)
+    tl.store(out_ptr + r64 * E + c64, fake_quant(x, s, z, qmin, qmax), mask=mask)
 
 
 def fake_quant_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,

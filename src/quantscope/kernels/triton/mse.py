@@ -1,0 +1,80 @@
+"""The MSE grid search's pricing, fused over candidates (Triton): the squared fake-quant
+error of every candidate ``(scale, zero_point)`` on every unit, integer formats.
+
+``err[k, u] = sum_e d ** 2``, ``d = fake_quant(x, scale[k, u], zp[k, u]) - x`` in float32
+rounded as ``quantize.fake_quantize_units`` (``_jit.fake_quant``), squared exactly in
+float64 and summed in float64: torch's float64 sum of its float32 errors up to the order
+of the sum (tests: 1e-12). The C kernel (``csrc/mse_search.c``, ``qs_mse_price``) sums a few
+float32 squares per SIMD lane before its float64 sum, so the two agree to ~5e-7 (its
+tests' bound), not bit for bit.
+
+A program takes ``BLOCK_U`` units. Rows that fit one tile (``E <= BLOCK_E``) are loaded
+once and every candidate is priced on them in registers; longer rows are walked once per
+candidate (the unit's block stays in the cache). The selection rules (patience per unit or
+global, ties) then run on the ``[K, U]`` prices: each depends only on the prices of the
+candidates before it, so pricing them all and selecting afterwards chooses what a search
+that stops early chooses.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._jit import LAUNCH, fake_quant
+
+__all__ = ["mse_price_int"]
+
+#: the longest row priced from registers (one tile per unit)
+MAX_TILE = 8192
+
+
+@triton.jit
+def _price_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, qmin, qmax,
+                  BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr, ONE_TILE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    rmask = rows < U
+    base = x_ptr + rows[:, None].to(tl.int64) * stride_u
+    if ONE_TILE:
+        cols = tl.arange(0, BLOCK_E)
+        mask = rmask[:, None] & (cols[None, :] < E)
+        x = tl.load(base + cols[None, :], mask=mask, other=0.0)
+        for k in range(K):
+            s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
+            z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
+            d = (fake_quant(x, s, z, qmin, qmax) - x).to(tl.float64)
+            tl.store(out_ptr + k * U + rows, tl.sum(tl.where(mask, d * d, 0.0), axis=1),
+                     mask=rmask)
+    else:
+        for k in range(K):
+            s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
+            z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
+            acc = tl.zeros([BLOCK_U, BLOCK_E], tl.float64)
+            for e0 in range(0, E, BLOCK_E):
+                cols = e0 + tl.arange(0, BLOCK_E)
+                mask = rmask[:, None] & (cols[None, :] < E)
+                x = tl.load(base + cols[None, :], mask=mask, other=0.0)
+                d = (fake_quant(x, s, z, qmin, qmax) - x).to(tl.float64)
+                acc += tl.where(mask, d * d, 0.0)
+            tl.store(out_ptr + k * U + rows, tl.sum(acc, axis=1), mask=rmask)
+
+
+def mse_price_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                  qmin: float, qmax: float, *, block_u: int | None = None,
+                  block_e: int | None = None) -> torch.Tensor:
+    """Float64 ``[K, U]`` squared errors of candidates ``scale`` (float32 ``[K, U]``) and
+    ``zero_point`` (int32 ``[K, U]``), both contiguous, on float32 ``units [U, E]`` whose rows
+    are contiguous."""
+    U, E = units.shape
+    K = scale.shape[0]
+    out = torch.empty((K, U), dtype=torch.float64, device=units.device)
+    if not (U and K):
+        return out
+    one_tile = block_e is None and E <= MAX_TILE
+    be = block_e or (triton.next_power_of_2(max(E, 1)) if one_tile else 1024)
+    bu = block_u or max(1, min(triton.next_power_of_2(U), 2048 // be))
+    _price_kernel[(triton.cdiv(U, bu),)](units, scale, zero_point, out, U, E, K,
+                                         units.stride(0), float(qmin), float(qmax), BLOCK_U=bu,
+                                         BLOCK_E=be, ONE_TILE=one_tile, **LAUNCH)
+    return out
