@@ -194,3 +194,57 @@ def test_mse_price_int(device, spec, U, E, blocks):
     assert got.dtype == torch.float64 and got.shape == want.shape
     # the float64 sum of exact squares: equal up to its order (the C kernel's contract)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0)
+
+
+def _select_case(K: int, U: int, seed: int, incumbent: bool):
+    """Random prices with ties and plateaus, the qparams that make the plateaus, and the
+    reference choice of ``mse_tiles._State``, stepped candidate by candidate."""
+    from quantscope.estimators.mse_tiles import _State
+
+    g = torch.Generator().manual_seed(seed)
+    err = torch.randint(0, 12, (K, U), generator=g).double() / 4  # many ties
+    err -= torch.linspace(0, 1.5, K, dtype=torch.float64)[:, None]  # a trend to improve on
+    same = torch.rand(K, U, generator=g) < 0.3
+    sc = torch.randint(1, 1000, (K, U), generator=g).float()
+    sc[0] = torch.where(same[0], 7.0, sc[0])  # the incumbent's scale is 7
+    for k in range(1, K):
+        sc[k] = torch.where(same[k], sc[k - 1], sc[k] + 2000)
+    inc = torch.full((U,), 1.0 if incumbent else torch.finfo(torch.float64).max,
+                     dtype=torch.float64)
+    if not incumbent:
+        same[0] = False  # llm-compressor: no previous qparams to compare the first with
+    return err, same, sc, inc, _State
+
+
+def _reference_select(err, same, sc, inc, state_cls, ext_start, patience, per_unit,
+                      use_global, tie):
+    U = err.shape[1]
+    zero = torch.zeros(U)
+    prev = (torch.full((U,), 7.0), torch.zeros(U)) if inc[0] < 2 else None
+    st = state_cls(zero.clone(), zero.clone(), inc.clone(), prev)
+    for i in range(err.shape[0]):
+        st.step(i, err[i], zero, zero, sc[i], zero, patience=patience, per_unit=per_unit,
+                tie=tie, use_global=use_global and i < ext_start)
+    return st.idx, st.err
+
+
+@pytest.mark.parametrize(("per_unit", "use_global", "patience", "incumbent", "ext"), [
+    (True, True, 3, True, 14), (True, True, 2, True, 20), (True, False, 3, True, 20),
+    (False, True, 2, False, 20), (False, True, 5, False, 20), (True, True, None, True, 20),
+])
+@pytest.mark.parametrize("tie", ["first", "last"])
+def test_mse_select_matches_the_search_state(device, per_unit, use_global, patience,
+                                             incumbent, ext, tie):
+    from quantscope.kernels import ops
+    from quantscope.kernels.triton import mse
+
+    err, same, sc, inc, state_cls = _select_case(20, 37, 3 + ext, incumbent)
+    want_idx, want_best = _reference_select(err, same, sc, inc, state_cls, ext, patience,
+                                            per_unit, use_global, tie)
+    p = -1 if patience is None else patience
+    cpu = ops.mse_select(err, same, inc, ext, p, per_unit, use_global, tie == "last")
+    assert torch.equal(cpu[0], want_idx) and torch.equal(cpu[1], want_best)
+    gstop = ops._global_stop(err, inc, ext, p, tie == "last").to(device)
+    idx, best = mse.mse_select(err.to(device), same.to(device), inc.to(device), gstop, ext,
+                               patience, per_unit, use_global, tie == "last", block_u=16)
+    assert torch.equal(idx.cpu(), want_idx) and torch.equal(best.cpu(), want_best)

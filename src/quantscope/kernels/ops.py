@@ -15,6 +15,11 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   ``zero_point`` (int32) ``[K, U]`` on float32 ``units [U, E]`` (the C kernel on the CPU;
   the CUDA kernel sums exact float64 squares, the C one float32 squares a few at a time
   first: they agree to ~5e-7, not bit for bit).
+* ``mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last)
+  -> (idx, best)``: the search's selection rules (``estimators.mse_tiles._State``) over the
+  priced ``[K, U]`` candidates: ``same[k, u]``, candidate ``k``'s qparams equal the previous
+  one's (a plateau: not counted by per-unit patience); rows from ``ext_start`` on are the
+  extension (per-unit rule only). ``patience < 0``: none. ``idx`` -1: the incumbent.
 * ``e8m0_block_scales(lo, hi, format, mode) -> scale``: MX scales of the ranges
   (``scales.e8m0_scale`` of their amax); float32 ranges of one shape.
 * ``nvfp4_block_scales(lo, hi, global_scale, format, min_scale) -> scale``: NVFP4's e4m3
@@ -40,8 +45,8 @@ from . import plain as _plain
 from . import threads as _threads
 from . import triton as _triton
 
-__all__ = ["e8m0_block_scales", "fake_quant_int", "mse_price_int", "nvfp4_block_scales",
-           "unit_minmax"]
+__all__ = ["e8m0_block_scales", "fake_quant_int", "mse_price_int", "mse_select",
+           "nvfp4_block_scales", "unit_minmax"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -218,6 +223,99 @@ def _(units, scale, zero_point, qmin, qmax):
 def _(units, scale, zero_point, qmin, qmax):
     _check_price(units, scale, zero_point, qmin, qmax)
     return units.new_empty(tuple(scale.shape), dtype=torch.float64)
+
+
+# ---- the MSE search's selection ------------------------------------------------------------
+
+def _check_select(err, same, incumbent, ext_start) -> None:
+    who = "mse_select"
+    if err.dim() != 2 or err.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"quantscope::{who}: err must be a float32 or float64 [candidates, "
+                         f"units] tensor, got {err.dtype} {tuple(err.shape)}")
+    if same.shape != err.shape or same.dtype != torch.bool or same.device != err.device:
+        raise ValueError(f"quantscope::{who}: same must be a bool tensor of err's shape "
+                         f"{tuple(err.shape)} on {err.device}, got {same.dtype} "
+                         f"{tuple(same.shape)} on {same.device}")
+    if incumbent.shape != err.shape[1:] or incumbent.dtype != err.dtype \
+            or incumbent.device != err.device:
+        raise ValueError(f"quantscope::{who}: incumbent must be a {err.dtype} tensor of shape "
+                         f"({err.shape[1]},) on {err.device}, got {incumbent.dtype} "
+                         f"{tuple(incumbent.shape)} on {incumbent.device}")
+    if not 0 <= ext_start <= err.shape[0]:
+        raise ValueError(f"quantscope::{who}: ext_start must be in [0, {err.shape[0]}], got "
+                         f"{ext_start}")
+
+
+def _global_stop(err: Tensor, incumbent: Tensor, ext_start: int, patience: int,
+                 tie_last: bool) -> Tensor:
+    """The grid candidate after which the global rule has stopped (``ext_start`` if never),
+    as a one-value int64 tensor on ``err``'s device (no host read): until then every unit
+    is searching, so a unit improves at ``k`` exactly when ``err[k]`` beats its running
+    best; the rule stops ``patience`` candidates after the last one that improved any."""
+    grid = err[:ext_start]
+    K = grid.shape[0]
+    if K == 0 or patience < 0:
+        return torch.full((1,), K, dtype=torch.int64, device=err.device)
+    before = torch.cat((incumbent[None], grid[:-1])).cummin(0).values  # best before each
+    improved = ((grid <= before) if tie_last else (grid < before)).any(1)
+    k = torch.arange(K, device=err.device)
+    last = torch.where(improved, k, -1).cummax(0).values
+    hit = (k - last) >= patience
+    first = hit.to(torch.int8).argmax()
+    return torch.where(hit.any(), first, K).reshape(1)
+
+
+def _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global,
+                      tie_last):
+    """The rules of ``mse_tiles._State.step``, candidate by candidate over ``[U]`` vectors."""
+    _check_select(err, same, incumbent, ext_start)
+    gstop = _global_stop(err, incumbent, ext_start, patience, tie_last)[0]
+    U = err.shape[1]
+    best, idx = incumbent.clone(), torch.full((U,), -1, dtype=torch.int64, device=err.device)
+    stale = torch.zeros(U, dtype=torch.int64, device=err.device)
+    stopped = torch.zeros(U, dtype=torch.bool, device=err.device)
+    for i in range(err.shape[0]):
+        grid_row = use_global and i < ext_start
+        g_stopped = (gstop < i) & grid_row
+        if patience < 0:
+            active = torch.ones_like(stopped)
+        elif per_unit:
+            active = ~(stopped & (g_stopped if grid_row else True))
+        else:
+            active = ~g_stopped.expand_as(stopped)
+        better = active & ((err[i] <= best) if tie_last else (err[i] < best))
+        best = torch.where(better, err[i], best)
+        idx = torch.where(better, i, idx)
+        if patience >= 0 and per_unit:
+            stale = torch.where(better, 0, stale + (active & ~better & ~same[i]).long())
+            stopped |= stale >= patience
+    return idx, best
+
+
+@torch.library.custom_op("quantscope::mse_select", mutates_args=())
+def mse_select(err: Tensor, same: Tensor, incumbent: Tensor, ext_start: int, patience: int,
+               per_unit: bool, use_global: bool, tie_last: bool) -> tuple[Tensor, Tensor]:
+    return _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global,
+                             tie_last)
+
+
+@mse_select.register_kernel("cuda")
+def _(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
+    kernel = _triton_module("mse", err)
+    if kernel is None:
+        return _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit,
+                                 use_global, tie_last)
+    _check_select(err, same, incumbent, ext_start)
+    gstop = _global_stop(err, incumbent, ext_start, patience, tie_last)
+    return kernel.mse_select(err.contiguous(), same.contiguous(), incumbent.contiguous(), gstop,
+                             ext_start, None if patience < 0 else patience, per_unit,
+                             use_global, tie_last)
+
+
+@mse_select.register_fake
+def _(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
+    _check_select(err, same, incumbent, ext_start)
+    return (err.new_empty(err.shape[1], dtype=torch.int64), err.new_empty(err.shape[1]))
 
 
 # ---- MX and NVFP4 block scales -------------------------------------------------------------

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._jit import LAUNCH, fake_quant
 
-__all__ = ["mse_price_int"]
+__all__ = ["mse_price_int", "mse_select"]
 
 #: the longest row priced from registers (one tile per unit)
 MAX_TILE = 8192
@@ -78,3 +78,60 @@ def mse_price_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
                                          units.stride(0), float(qmin), float(qmax), BLOCK_U=bu,
                                          BLOCK_E=be, ONE_TILE=one_tile, **LAUNCH)
     return out
+
+
+@triton.jit
+def _select_kernel(err_ptr, same_ptr, inc_ptr, gstop_ptr, idx_ptr, best_ptr, U, K, ext_start,
+                   patience, PER_UNIT: tl.constexpr, USE_GLOBAL: tl.constexpr,
+                   HAS_PATIENCE: tl.constexpr, TIE_LAST: tl.constexpr, BLOCK_U: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    rmask = rows < U
+    best = tl.load(inc_ptr + rows, mask=rmask, other=0.0)
+    idx = tl.full([BLOCK_U], -1, tl.int64)
+    stale = tl.zeros([BLOCK_U], tl.int32)
+    stopped = tl.zeros([BLOCK_U], tl.int1)
+    gstop = tl.load(gstop_ptr)
+    for i in range(K):
+        e = tl.load(err_ptr + i * U + rows, mask=rmask, other=0.0)
+        g_stopped = (i > gstop) & USE_GLOBAL & (i < ext_start)
+        if not HAS_PATIENCE:
+            active = tl.full([BLOCK_U], 1, tl.int1)
+        elif PER_UNIT:
+            # the global rule's grid: a unit stops when it and the global rule have stopped
+            # (without it: on its own); the extension's rows: on its own
+            grid_row = USE_GLOBAL & (i < ext_start)
+            active = ~(stopped & (g_stopped | ~grid_row))
+        else:
+            active = ~(stopped | g_stopped)
+        if TIE_LAST:
+            better = active & (e <= best)
+        else:
+            better = active & (e < best)
+        best = tl.where(better, e, best)
+        idx = tl.where(better, i, idx)
+        if HAS_PATIENCE and PER_UNIT:
+            same = tl.load(same_ptr + i * U + rows, mask=rmask, other=0) != 0
+            counts = active & ~better & ~same
+            stale = tl.where(better, 0, stale + counts.to(tl.int32))
+            stopped = stopped | (stale >= patience)
+    tl.store(idx_ptr + rows, idx, mask=rmask)
+    tl.store(best_ptr + rows, best, mask=rmask)
+
+
+def mse_select(err: torch.Tensor, same: torch.Tensor, incumbent: torch.Tensor,
+               gstop: torch.Tensor, ext_start: int, patience: int | None, per_unit: bool,
+               use_global: bool, tie_last: bool, *, block_u: int = 128
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection rules over priced candidates, unit by unit (see ``kernels.ops``'
+    ``mse_select``): ``(idx, best)``. ``gstop``: a one-value int64 tensor, the candidate
+    after which the global rule has stopped (computed on the device from ``err``)."""
+    K, U = err.shape
+    idx = torch.empty(U, dtype=torch.int64, device=err.device)
+    best = torch.empty(U, dtype=err.dtype, device=err.device)
+    if U:
+        _select_kernel[(triton.cdiv(U, block_u),)](
+            err, same.view(torch.uint8), incumbent, gstop, idx, best, U, K, ext_start,
+            0 if patience is None else int(patience), PER_UNIT=bool(per_unit),
+            USE_GLOBAL=bool(use_global), HAS_PATIENCE=patience is not None,
+            TIE_LAST=bool(tie_last), BLOCK_U=block_u, **LAUNCH)
+    return idx, best
