@@ -1,20 +1,49 @@
 #!/usr/bin/env bash
-# Issue 19 item 5 on a CUDA machine, in one run: every CUDA test (observers on the device with
-# no host sync in forward and the CPU's qparams, calibration and auto on CUDA), then
-# bench_cuda.py (the torch paths against the device's bandwidth floor). Needs python with
-# torch (CUDA), pytest and hypothesis; quantscope from this checkout, kernels built here.
+# One run on a lent CUDA machine (issues 19 and 35). Issue 35 first: the Triton kernels' tests
+# compiled on the GPU (tests/kernels/test_triton_*.py: bitwise against the torch path, opcheck
+# on CUDA), then bench/gpu_triton.py (the quantscope:: ops against one torch.aminmax, today's
+# torch path and llm-compressor's Triton MSE search; markdown tables for docs/benchmarks.md).
+# Then issue 19's: every CUDA test, and bench_cuda.py. Needs python with torch (CUDA), triton,
+# pytest and hypothesis (the device image has them); quantscope from this checkout, C kernels
+# built here. llm-compressor comes from the wheelhouse .whl/ when present (bench/gpu_wheels.sh
+# makes it here; the device tool carries it with carry=[".whl"]).
 # Logs go to $OUT (default /tmp/gpu-check). Usage: bash bench/gpu_check.sh
+# STEPS (default "triton,bench35,cuda,bench19") picks the steps, in that order.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-export PYTHONPATH="$PWD/src:$PWD/bench" PYTHONUNBUFFERED=1
-{ nvidia-smi -L; nproc; "$py" -c "import platform, torch; print('python', platform.python_version(),
-'torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
+steps=",${STEPS:-triton,bench35,cuda,bench19},"
+site=/tmp/gpu-check-site
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" .whl/*.whl 2>&1 | tail -3
+fi
+export PYTHONPATH="$PWD/src:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}:$site" PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
+  "$py" -c "import platform, torch; print('python', platform.python_version(), 'torch',
+torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name()
+if torch.cuda.is_available() else 'no CUDA')
+import importlib.util as u
+for m in ('triton', 'llmcompressor', 'compressed_tensors'):
+    print(m, __import__(m).__version__ if u.find_spec(m) else 'absent')"
 } 2>&1 | tee "$out/env.log"
 "$py" -m quantscope.kernels 2>&1 | tail -2
+if [[ $steps == *,triton,* ]]; then
+    timeout "${TRITON_TIMEOUT:-240}" "$py" -m pytest -p no:cacheprovider -rs \
+        tests/kernels/test_triton_kernels.py tests/kernels/test_triton_ops.py 2>&1 \
+        | tee "$out/triton_tests.log" | tail -15
+fi
+if [[ $steps == *,bench35,* ]]; then
+    timeout "${BENCH35_TIMEOUT:-240}" "$py" bench/gpu_triton.py 2>&1 | tee "$out/gpu_triton.log"
+fi
 # test files that import a package absent there (the peers, the demo data) fail to collect:
 # the others still run
-timeout "${TEST_TIMEOUT:-300}" "$py" -m pytest tests -p no:cacheprovider -rs \
-    --continue-on-collection-errors -k "cuda or gpu or device" 2>&1 | tee "$out/tests.log" | tail -25
-timeout "${BENCH_TIMEOUT:-150}" "$py" bench/bench_cuda.py 2>&1 | tee "$out/bench_cuda.log"
+if [[ $steps == *,cuda,* ]]; then
+    timeout "${TEST_TIMEOUT:-300}" "$py" -m pytest tests -p no:cacheprovider -rs \
+        --continue-on-collection-errors -k "cuda or gpu or device" 2>&1 \
+        | tee "$out/tests.log" | tail -25
+fi
+if [[ $steps == *,bench19,* ]]; then
+    timeout "${BENCH_TIMEOUT:-150}" "$py" bench/bench_cuda.py 2>&1 | tee "$out/bench_cuda.log"
+fi

@@ -4,11 +4,14 @@ and on a GPU the CUDA (Triton) implementation bitwise equal to the CPU one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from quantscope import QuantSpec
 from quantscope.kernels import ops
+from quantscope.layout import Channel
 from quantscope.qparams import qparams_from_range
 
 CUDA = torch.cuda.is_available()
@@ -105,3 +108,19 @@ def test_one_graph_under_compile():
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int4", Channel(0)),
+                                  QuantSpec("int8", Channel(0), symmetric=False)], ids=str)
+def test_ops_compose_into_the_native_search(spec, monkeypatch):
+    """bench/gpu_triton.py's device search (every candidate's qparams, mse_price_int,
+    mse_select) chooses the native mse_search's ranges, bit for bit."""
+    from quantscope.estimators.mse import mse_search
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from gpu_triton import fused_int_search
+
+    w = torch.randn(300, 96, generator=torch.Generator().manual_seed(5))
+    lo, hi, _ = fused_int_search(w, spec)
+    want = mse_search(w, None, None, spec)
+    assert torch.equal(lo, want.lo) and torch.equal(hi, want.hi)

@@ -45,7 +45,8 @@ def _frexp(x):
 def _exp2i(k):
     """Exactly 2 ** k as float32 for integer k in [-149, 127]."""
     normal = ((k + 127) << 23).to(tl.float32, bitcast=True)
-    sub = (1 << tl.maximum(k + 149, 0)).to(tl.float32, bitcast=True)
+    # the shift kept in [0, 22] on both branches: a shift past 31 is undefined on the GPU
+    sub = (1 << tl.minimum(tl.maximum(k + 149, 0), 22)).to(tl.float32, bitcast=True)
     return tl.where(k >= -126, normal, sub)
 
 

@@ -93,13 +93,16 @@ def _select_kernel(err_ptr, same_ptr, inc_ptr, gstop_ptr, idx_ptr, best_ptr, U, 
     gstop = tl.load(gstop_ptr)
     for i in range(K):
         e = tl.load(err_ptr + i * U + rows, mask=rmask, other=0.0)
-        g_stopped = (i > gstop) & USE_GLOBAL & (i < ext_start)
+        if USE_GLOBAL:  # the global rule: over the grid's rows only
+            grid_row = i < ext_start
+        else:
+            grid_row = i < 0
+        g_stopped = (i > gstop) & grid_row
         if not HAS_PATIENCE:
             active = tl.full([BLOCK_U], 1, tl.int1)
         elif PER_UNIT:
             # the global rule's grid: a unit stops when it and the global rule have stopped
             # (without it: on its own); the extension's rows: on its own
-            grid_row = USE_GLOBAL & (i < ext_start)
             active = ~(stopped & (g_stopped | ~grid_row))
         else:
             active = ~(stopped | g_stopped)
