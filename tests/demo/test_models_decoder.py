@@ -14,7 +14,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from tiny_models import tokenizer as _tokenizer
 
 from quantscope.demo import models
-from quantscope.export.atomic import atomic_dir, atomic_file, check_writable_target
+from quantscope.export.atomic import MARKER, atomic_dir, atomic_file, check_writable_target
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +87,10 @@ def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_failure(tmp_path):
     with pytest.raises(RuntimeError, match="boom"), atomic_dir(out, overwrite=True) as d:
         Path(d, "b.txt").write_text("2")
         raise RuntimeError("boom")
-    assert sorted(os.listdir(tmp_path)) == ["run"] and os.listdir(out) == ["a.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(out)) == [MARKER, "a.txt"]
     with atomic_dir(out, overwrite=True) as d:
         Path(d, "b.txt").write_text("2")
-    assert sorted(os.listdir(tmp_path)) == ["run"] and os.listdir(out) == ["b.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(out)) == [MARKER, "b.txt"]
 
 
 def test_atomic_file_and_unwritable_targets(tmp_path):

@@ -346,8 +346,15 @@ def test_existing_folder_is_refused_without_overwrite(bert, tmp_path):
     with pytest.raises(ValueError, match="exists and is not empty; pass overwrite=True"):
         quantscope.export(cal, model, target)
     assert os.listdir(target) == ["keep.txt"]
+    # overwrite replaces only what quantscope wrote (issue 37): a user's folder stays
+    with pytest.raises(ValueError, match="is not a folder quantscope wrote"):
+        quantscope.export(cal, model, target, overwrite=True)
+    assert os.listdir(target) == ["keep.txt"]
+    (target / "keep.txt").unlink()
+    quantscope.export(cal, model, target)  # an empty folder holds nothing to lose
+    (target / "stale.txt").write_text("from the earlier export")
     quantscope.export(cal, model, target, overwrite=True)
-    assert "keep.txt" not in os.listdir(target) and "config.json" in os.listdir(target)
+    assert "stale.txt" not in os.listdir(target) and "config.json" in os.listdir(target)
     assert sorted(os.listdir(tmp_path)) == ["ct"]  # no temporary folder left
 
 

@@ -51,7 +51,9 @@ def save(calibration: Calibration, path, *, overwrite: bool = True) -> str:
 
     Atomic: the files are written into a temporary folder beside ``path`` that is then
     renamed into place, so ``path`` holds either the complete new calibration or what it
-    held before (an existing ``path`` is replaced; ``overwrite=False`` refuses it).
+    held before (an existing ``path`` is replaced if quantscope wrote it, never another
+    folder, nor the working folder: :func:`~quantscope.export.atomic.check_writable_target`;
+    ``overwrite=False`` refuses it).
     """
     save_file, _ = _safetensors()
     tensors, layers = {}, {}

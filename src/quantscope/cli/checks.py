@@ -44,11 +44,13 @@ def check_model_arg(path) -> None:
         raise UsageError(f"--model {path!r} is not a Hugging Face model folder (no config.json)")
 
 
-def check_out(path) -> None:
+def check_out(path, inputs=()) -> None:
+    """``--out`` against the one output-path guard: never an input, the working folder, or a
+    folder quantscope did not write (``inputs``: the paths the command reads)."""
     from ..export.atomic import check_writable_target
 
     try:
-        check_writable_target(path, overwrite=True)
+        check_writable_target(path, overwrite=True, inputs=inputs)
     except (OSError, ValueError) as e:
         raise UsageError(f"--out: {e}") from None
 

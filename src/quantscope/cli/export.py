@@ -8,6 +8,9 @@ import os
 from .checks import UsageError, check_model_arg, closest, run_qparams
 from .running import Phases
 
+#: what each format writes, where it is not a folder
+OUTPUT_KIND = {"onnx": "file"}
+
 
 def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a saved calibration as a checkpoint runtimes load",
@@ -15,11 +18,13 @@ def add_export_parser(sub) -> None:
                                    "qparams/) as a model folder runtimes load "
                                    "(compressed-tensors: transformers, vLLM).")
     p.add_argument("run", metavar="RUN", help="a calibrate output folder or its qparams/")
-    p.add_argument("--out", required=True, metavar="DIR", help="the model folder to write")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the model folder to write (a file for --format onnx)")
     p.add_argument("--model", metavar="PATH", default=None,
                    help="the float model (default: the one the run recorded)")
     p.add_argument("--format", default="compressed-tensors", help="default: compressed-tensors")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DIR (or file) that quantscope wrote earlier")
     p.add_argument("--allow-lossy", action="store_true",
                    help="write what the format cannot express exactly in its nearest form "
                         "(says what changed) instead of refusing")
@@ -43,8 +48,9 @@ def cmd_export(args) -> int:
 
     if args.format not in FORMATS:
         raise closest(args.format, sorted(FORMATS), "format")
-    try:
-        check_writable_target(args.out, overwrite=args.overwrite)
+    try:  # the run and the model are inputs: --out may never replace them
+        check_writable_target(args.out, overwrite=args.overwrite, kind=OUTPUT_KIND.get(
+            args.format, "folder"), inputs=[args.run, args.model])
     except (OSError, ValueError) as e:
         raise UsageError(f"--out: {e}") from None
     phases = Phases()

@@ -86,7 +86,8 @@ def add_output_args(p: argparse.ArgumentParser, out_default: str | None) -> None
     o.add_argument("--verbose", action="store_true", help="also print the per-layer table")
     if out_default is not None:
         o.add_argument("--out", default=out_default, metavar="DIR",
-                       help=f"output folder, replaced if it exists (default: {out_default})")
+                       help=f"output folder, replaced if quantscope wrote it (never the model "
+                            f"or the working folder; default: {out_default})")
 
 
 def add_recipe_args(p: argparse.ArgumentParser) -> None:

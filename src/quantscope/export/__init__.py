@@ -49,6 +49,11 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
     if not source:
         raise ValueError(f"export: {run_dir} does not record its model; pass model= (--model)")
     path = models.resolve_model_path(source)
+    from .atomic import check_writable_target
+
+    # before the (slow) load: the run and the model are inputs, never to be replaced
+    check_writable_target(out, overwrite=overwrite, kind="file" if format == "onnx" else
+                          "folder", inputs=[run_dir, path])
     float_model, tokenizer = models.load_model(path, task=calibration.info.get("task"))
     if calibration.smoothing:  # calibrated on SmoothQuant's weights: write those
         from ..calibrate.smooth import reapply

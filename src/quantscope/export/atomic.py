@@ -1,36 +1,146 @@
-"""Atomic writes: build under a temporary name beside the target, rename into place.
+"""Safe writes: one guard for every output path, then build under a temporary name and swap.
 
-Every folder or file quantscope writes (calibration folders, exports) goes through here, so
-an interrupted or failed write leaves either the old target or nothing, never a folder that
-looks complete. The temporary name lives in the target's own directory (a rename within one
-file system is atomic) and starts with ``.`` so listings and globs pass it over.
+Every folder or file quantscope writes (calibration folders, run folders, exports) goes
+through here:
+
+- :func:`check_writable_target`, the one output-path guard: an output may not be, or lie
+  above, an input of the command (the model, the run, the calibration file) or the current
+  working folder; an existing non-empty output is replaced only with ``overwrite`` and only
+  when quantscope wrote it (its :data:`MARKER` file, or the metadata file of a format
+  quantscope writes; an ONNX file's ``quantscope`` metadata entry), so ``--overwrite`` can
+  never delete a model or a user's folder. Other files (reports, plots) are replaced as
+  ``open(path, "w")`` replaces them.
+- :func:`atomic_dir` / :func:`atomic_file` write under a temporary name in the target's own
+  directory (a rename within one file system is atomic; the name starts with ``.`` so
+  listings and globs pass it over) and swap it into place. Where the system can exchange two
+  names in one step (Linux ``renameat2``), the target always exists, whatever other
+  processes write to it at once; elsewhere writers take a lock on the parent folder.
+- What is written gets the modes of any file the user writes (their umask), not the private
+  0700 / 0600 of :mod:`tempfile`: a server running as another user can read an export.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import json
 import os
 import shutil
 import tempfile
 
-__all__ = ["atomic_dir", "atomic_file", "check_writable_target"]
+__all__ = ["MARKER", "atomic_dir", "atomic_file", "check_writable_target",
+           "written_by_quantscope"]
+
+#: the file every folder :func:`atomic_dir` writes holds: what ``overwrite`` may replace
+MARKER = ".quantscope-output"
+# outputs written before the marker existed: the metadata file each format carried
+# (a calibration, a calibrate run, an export, a compare run)
+_LEGACY_MARKS = (("quantscope.json", "format"), (os.path.join("qparams", "quantscope.json"),
+                                                  "format"), ("config.json", "quantscope"),
+                 ("report.json", "runs"))
+_RETRIES = 100  # swaps lost to other writers before giving up (each loss is another's win)
 
 
-def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder") -> str:
-    """Refuse early what would fail late: ``path`` exists (non-empty) without ``overwrite``,
-    or its parent cannot be created or written. Returns the absolute path."""
+def written_by_quantscope(path) -> bool:
+    """Whether the existing ``path`` is an earlier output of quantscope (see :data:`MARKER`)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path.endswith(".onnx") and _onnx_written_by_quantscope(path)
+    if os.path.isfile(os.path.join(path, MARKER)):
+        return True
+    return any(_json_has(os.path.join(path, name), key) for name, key in _LEGACY_MARKS)
+
+
+def _json_has(path: str, key: str) -> bool:
+    if not os.path.isfile(path) or os.path.getsize(path) > 2**26:
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    if key == "format":
+        return data.get("format") == "quantscope-calibration"
+    if key == "runs":  # compare's report: its setup and one entry per recipe / observer
+        return isinstance(data.get("runs"), dict) and isinstance(data.get("setup"), dict)
+    return isinstance(data.get(key), dict)
+
+
+def _onnx_written_by_quantscope(path: str) -> bool:
+    try:
+        import onnx
+
+        proto = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 (not a readable ONNX file: not ours)
+        return False
+    return any(p.key == "quantscope" for p in proto.metadata_props)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("quantscope")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _real(path) -> str:
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
+def _at_or_above(out: str, inp: str) -> bool:
+    return inp == out or inp.startswith(out.rstrip(os.sep) + os.sep)
+
+
+def _check_not_an_input(path: str, inputs) -> None:
+    """Refuse an output that is, or lies above, an input or the working folder: replacing
+    it would delete what the command reads, or the folder the user stands in."""
+    out = _real(path)
+    for what, inp in [("the current working folder", os.getcwd())] + [
+            ("an input", p) for p in inputs if p is not None]:
+        if _at_or_above(out, _real(inp)):
+            kind = what if what != "an input" else f"the input {os.fspath(inp)!r}"
+            where = "is" if _real(inp) == out else "contains"
+            raise ValueError(f"output {path!r} {where} {kind}: writing it would replace it; "
+                             f"choose another output")
+
+
+def _check_replaceable(path: str, overwrite: bool, kind: str) -> None:
+    if kind == "folder" and not os.path.isdir(path):
+        raise ValueError(f"output {path!r} exists and is not a folder")
+    if kind == "file" and os.path.isdir(path):
+        raise ValueError(f"output {path!r} is a folder; expected a file path")
+    if os.path.isdir(path) and not os.listdir(path):
+        return  # an empty folder holds nothing to lose
+    if not overwrite:
+        raise ValueError(f"output {path!r} exists and is not empty; pass overwrite=True "
+                         f"(--overwrite) to replace it")
+    if kind == "file" and not path.endswith(".onnx"):
+        return  # a report, a plot: replaced as open(path, "w") replaces it
+    if not written_by_quantscope(path):
+        what = ("an ONNX file quantscope exported" if kind == "file" else
+                f"a folder quantscope wrote (it has no {MARKER} file)")
+        raise ValueError(f"output {path!r} exists and is not {what}: overwrite replaces only "
+                         f"quantscope's own earlier outputs; choose another output or remove "
+                         f"it yourself")
+
+
+def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder",
+                          inputs=()) -> str:
+    """The one output-path guard (module doc): refuse early what would fail late or destroy
+    something. ``kind``: ``"folder"`` or ``"file"``; ``inputs``: the paths the command reads.
+    Returns the absolute path."""
+    if kind not in ("folder", "file"):
+        raise ValueError(f"kind must be 'folder' or 'file', got {kind!r}")
     path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path):
-        if kind == "folder" and not os.path.isdir(path):
-            raise ValueError(f"output {path!r} exists and is not a folder")
-        if kind == "file" and os.path.isdir(path):
-            raise ValueError(f"output {path!r} is a folder; expected a file path")
-        nonempty = os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path))
-        if nonempty and not overwrite:
-            raise ValueError(f"output {path!r} exists and is not empty; pass overwrite=True "
-                             f"(--overwrite) to replace it")
-    parent = os.path.dirname(path)
-    probe = parent
+    _check_not_an_input(path, inputs)
+    if os.path.lexists(path):
+        _check_replaceable(path, overwrite, kind)
+    probe = os.path.dirname(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
@@ -45,43 +155,142 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
     return path
 
 
+def _umask() -> int:
+    try:  # Linux says it without changing it (os.umask would, for every thread at once)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _public_modes(top: str) -> None:
+    """The modes any file the user writes gets (tempfile's are private: 0700 / 0600)."""
+    mask = _umask()
+    if os.path.isfile(top):
+        os.chmod(top, 0o666 & ~mask)
+        return
+    os.chmod(top, 0o777 & ~mask)
+    for root, dirs, files in os.walk(top):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~mask)
+        for f in files:
+            if not os.path.islink(os.path.join(root, f)):
+                os.chmod(os.path.join(root, f), 0o666 & ~mask)
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; False where the system or file system lacks it."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
 @contextlib.contextmanager
-def atomic_dir(path, *, overwrite: bool = False):
+def _parent_lock(parent: str):
+    """An exclusive lock on the parent folder, for the swap where no atomic exchange exists."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock (its rename refuses an existing target anyway)
+        yield
+        return
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _swap_in(tmp: str, path: str, overwrite: bool, kind: str) -> None:
+    """Put ``tmp`` at ``path``; the old ``path`` ends at ``tmp`` (removed by the caller)."""
+    for _ in range(_RETRIES):
+        try:
+            if not os.path.lexists(path):
+                if _renameat2(tmp, path, _RENAME_NOREPLACE):
+                    return
+                return _swap_locked(tmp, path, overwrite, kind)
+            _check_replaceable(path, overwrite, kind)  # another writer's may have come
+            if _renameat2(tmp, path, _RENAME_EXCHANGE):
+                return
+            return _swap_locked(tmp, path, overwrite, kind)
+        except FileExistsError:
+            continue  # another writer created it meanwhile: it is there now, exchange
+        except FileNotFoundError:
+            continue  # another writer (without the exchange) moved it aside: create it
+    raise RuntimeError(f"output {path!r}: other processes replaced it {_RETRIES} times while "
+                       f"this one tried to; write one output from one process at a time")
+
+
+def _swap_locked(tmp: str, path: str, overwrite: bool, kind: str) -> None:
+    parent = os.path.dirname(path)
+    with _parent_lock(parent):
+        if not os.path.lexists(path):
+            os.rename(tmp, path)
+            return
+        _check_replaceable(path, overwrite, kind)
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
+        os.rename(path, os.path.join(old, "x"))
+        os.rename(tmp, path)
+        os.rename(os.path.join(old, "x"), tmp)
+        os.rmdir(old)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path, *, overwrite: bool = False, inputs=()):
     """Yield a fresh temporary folder; on success it replaces ``path``, on error it is removed.
 
-    ``with atomic_dir(out) as tmp: write files into tmp``.
+    ``with atomic_dir(out) as tmp: write files into tmp``. ``path`` passes
+    :func:`check_writable_target` (with ``inputs``) first, and gets the :data:`MARKER`.
     """
-    path = check_writable_target(path, overwrite=overwrite)
+    path = check_writable_target(path, overwrite=overwrite, inputs=inputs)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     try:
         yield tmp
-        old = None
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old",
-                                   dir=parent)
-            os.rmdir(old)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump({"written_by": "quantscope", "version": _version()}, f)
+        _public_modes(tmp)
+        _swap_in(tmp, path, overwrite, "folder")
+    finally:
+        _remove(tmp)  # the failed build, or the replaced folder
 
 
 @contextlib.contextmanager
-def atomic_file(path, *, overwrite: bool = True):
+def atomic_file(path, *, overwrite: bool = True, inputs=()):
     """Yield a temporary file path beside ``path``; on success it replaces ``path``."""
-    path = check_writable_target(path, overwrite=overwrite, kind="file")
+    path = check_writable_target(path, overwrite=overwrite, kind="file", inputs=inputs)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     os.close(fd)
     try:
         yield tmp
-        os.replace(tmp, path)
+        _public_modes(tmp)
+        os.replace(tmp, path)  # a file: one atomic step, the target always exists
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)

@@ -349,7 +349,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     if kv_args is not None:
         compressor.quantization_config.kv_cache_scheme = kv_args
     compressor.compress_model(work)
-    with atomic_dir(path, overwrite=overwrite) as tmp:
+    with atomic_dir(path, overwrite=overwrite, inputs=[source]) as tmp:  # never the source
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
         _annotate(tmp, calibration, lossy.notes, source, work)
