@@ -32,6 +32,7 @@ from .samples import RowSample, capacities
 # the activation rows kept for auto and the report, all layers together (see docs/memory.md)
 DEFAULT_SAMPLE_BUDGET_MB = 64
 _IN_PASS = contextvars.ContextVar("quantscope_in_pass", default=False)
+_BATCH = contextvars.ContextVar("quantscope_batch", default=None)  # index of the batch now
 
 
 def in_pass() -> bool:
@@ -55,6 +56,10 @@ class Slot:
     also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
     last: object = None  # the input last observed, so a group's shared input counts once
     calls: int = 0  # forwards that reached the hook, empty ones included
+    # which batch fed each call that reached the observers, and per observer how many of
+    # those calls came after (or at) its first NaN / inf: that batch, named without a sync
+    batch_of_call: list = field(default_factory=list)
+    calls_since_bad: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)  # time in each observer: observing, qparams
 
     def spent(self, key, since: float) -> None:
@@ -141,6 +146,43 @@ def observer_seconds(slots, *plans) -> float:
     return sum(slot.seconds.get(key, 0.0) for (_, key), slot in used.items())
 
 
+def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> None:
+    """Raise ``ValueError`` naming the layer, role and sizes unless ``cfg``'s spec can take
+    the module's weight (or its activations' width): known from the module alone."""
+    spec = cfg.spec
+    if role == "weight":
+        shape = tuple(module.weight.shape)
+        try:
+            spec.layout.check(shape)
+        except ValueError as e:
+            raise ValueError(f"calibrate: layer {layer!r} weight of shape {shape} "
+                             f"cannot take {spec}: {e}") from None
+        return
+    if cfg.dynamic is False:
+        _check_static_layout(layer, role, spec)
+    width = _activation_width(module, role)
+    if width is not None:
+        try:
+            spec.layout.check((1, width))
+        except ValueError as e:
+            raise ValueError(f"calibrate: layer {layer!r} {role} of width {width} "
+                             f"cannot take {spec}: {e}") from None
+
+
+def check_shapes(model: nn.Module, recipes) -> None:
+    """Every targeted module's shapes against what each recipe asks of them, before any
+    forward: a group size that does not divide a width is known once the model (even its
+    skeleton on the meta device) exists, not after a pass over the data."""
+    for recipe in recipes:
+        try:
+            matched = recipe.match(model)
+        except ValueError:  # nothing matches yet (MoE experts match once made Linear views):
+            continue        # the plan says so, after moe.attach
+        for layer, (module, roles) in matched.items():
+            for role, cfg in roles.items():
+                check_role_shape(layer, role, cfg, module)
+
+
 def make_plan(model, recipes, candidates, owns=None):
     slots: dict[tuple[str, str], Slot] = {}
     plans = {}
@@ -148,24 +190,7 @@ def make_plan(model, recipes, candidates, owns=None):
         plan = {}
         for layer, (module, roles) in recipe.match(model).items():
             for role, cfg in roles.items():
-                spec = cfg.spec
-                if role == "weight":
-                    shape = tuple(module.weight.shape)
-                    try:
-                        spec.layout.check(shape)
-                    except ValueError as e:
-                        raise ValueError(f"calibrate: layer {layer!r} weight of shape {shape} "
-                                         f"cannot take {spec}: {e}") from None
-                else:
-                    if cfg.dynamic is False:
-                        _check_static_layout(layer, role, spec)
-                    width = _activation_width(module, role)
-                    if width is not None:
-                        try:
-                            spec.layout.check((1, width))
-                        except ValueError as e:
-                            raise ValueError(f"calibrate: layer {layer!r} {role} of width {width} "
-                                             f"cannot take {spec}: {e}") from None
+                check_role_shape(layer, role, cfg, module)
                 slot = slots.setdefault((layer, role), Slot(layer, role, module))
                 if role in ("input", "output"):  # the KV cache is not sampled
                     slot.needs_sample = True
@@ -193,6 +218,8 @@ def _hook(slots: list[Slot], input_key: str | None = None):
                 if fusion.same_input(slot.last and slot.last(), x):
                     continue
                 slot.last = weakref.ref(x)  # a strong ref would keep every group's input alive
+            if slot.observers:
+                slot.batch_of_call.append(_BATCH.get())
             for key, obs in slot.observers.items():
                 t0 = time.perf_counter()
                 if obs.observed_tokens.device != x.device:
@@ -202,6 +229,7 @@ def _hook(slots: list[Slot], input_key: str | None = None):
                 except ValueError as e:
                     raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer "
                                      f"{key[0]!r}: {e}") from None
+                _count_bad_call(slot, key, obs)
                 slot.spent(key, t0)
             if slot.sample is not None:
                 try:
@@ -218,8 +246,39 @@ def _hook(slots: list[Slot], input_key: str | None = None):
     return pre, post
 
 
-def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=None):
-    """Forward every batch with observing hooks; returns the number of batches."""
+def _count_bad_call(slot: Slot, key, obs) -> None:
+    seen = getattr(obs, "seen_non_finite", None)
+    if seen is None or getattr(obs, "non_finite", None) != "error":
+        return
+    count = slot.calls_since_bad.get(key)
+    if count is None:
+        slot.calls_since_bad[key] = seen.to(torch.int64)
+    else:
+        count.add_(seen)  # a tensor op, no host sync: read once, after the pass
+
+
+def check_finite(slots) -> None:
+    """Raise ``ValueError`` naming the layer, role and batch where an observer (in mode
+    ``non_finite="error"``) first saw NaN or inf; one read per observer, after the pass."""
+    for slot in unique_slots(slots):
+        for key, count in slot.calls_since_bad.items():
+            bad = int(count)
+            if not bad:
+                continue
+            first = len(slot.batch_of_call) - bad
+            batch = slot.batch_of_call[first] if 0 <= first < len(slot.batch_of_call) else None
+            where = "a calibration batch" if batch is None else f"calibration batch {batch}"
+            raise ValueError(
+                f"calibrate: layer {slot.layer!r} {slot.role}: {where} (counting from 0) "
+                f"brought NaN or inf values (observer {key[0]!r}); fix that batch (or what "
+                f"makes the model produce them)")
+
+
+def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=None,
+                    batch_index=None):
+    """Forward every batch with observing hooks; returns the number of batches.
+    ``batch_index(i)``: the number the user knows the ``i``-th batch by, in errors (a rank's
+    shard of the batches: its place among all of them)."""
     by_module: dict[int, dict[str, list[Slot]]] = {}
     kv: dict[str, dict[str, list[Slot]]] = {}  # attention layer -> key / value slots
     for slot in unique_slots(slots.values()):
@@ -252,30 +311,40 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
             handles.append(SimpleNamespace(remove=kv_cache.attach(
                 model, {layer: _kv_observer(roles) for layer, roles in kv.items()})))
         model.eval()
-        heap.prepare()  # large tensors mmapped, freed to the system (heap.py)
-        it = batches
-        if progress:
-            try:
-                from tqdm.auto import tqdm
-
-                it = tqdm(batches, total=total, desc="calibrating", unit="batch", leave=False)
-            except ImportError:
-                pass
-        passing = _IN_PASS.set(True)
-        try:
-            with torch.inference_mode():
-                for batch in it:
-                    forward_batch(model, batch)
-                    heap.trim()  # the fragmented heap's free pages back (heap.py)
-                    n += 1
-        finally:
-            _IN_PASS.reset(passing)
+        n = _forward_all(model, batches, total, progress, batch_index)
+        check_finite(slots.values())
     finally:
         for h in handles:
             h.remove()
         for slot in slots.values():
             slot.last = None
         model.train(was_training)
+    return n
+
+
+def _forward_all(model, batches, total, progress, batch_index) -> int:
+    """Forward every batch (the hooks observe), each under its number for errors."""
+    heap.prepare()  # large tensors mmapped, freed to the system (heap.py)
+    it = batches
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            it = tqdm(batches, total=total, desc="calibrating", unit="batch", leave=False)
+        except ImportError:
+            pass
+    n = 0
+    passing, numbering = _IN_PASS.set(True), _BATCH.set(None)
+    try:
+        with torch.inference_mode():
+            for batch in it:
+                _BATCH.set(n if batch_index is None else batch_index(n))
+                forward_batch(model, batch)
+                heap.trim()  # the fragmented heap's free pages back (heap.py)
+                n += 1
+    finally:
+        _IN_PASS.reset(passing)
+        _BATCH.reset(numbering)
     return n
 
 

@@ -32,6 +32,7 @@ from . import smooth as _smooth
 from .finish import MISSING_POLICIES, build_states
 from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
+    check_shapes,
     make_plan,
     observe_batches,
     observer_seconds,
@@ -157,6 +158,7 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     if batches is None:
         batches = []
     _check_kv_cache(model, recipes)
+    check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
 
     def run(batches):  # the calibration itself; keep_float's ranking follows it
         if sequential or sequential_options:
@@ -377,7 +379,8 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
             n = observe_batches(model, qd.shard(batches, group), slots,
                      -(-sample_tokens // world) if auto else sample_tokens,
                      progress and qd.is_main(group), seed + me,
-                     sample_budget(sample_budget_mb) / world if auto else sample_budget_mb)
+                     sample_budget(sample_budget_mb) / world if auto else sample_budget_mb,
+                     batch_index=lambda i: i * world + me)  # qd.shard's round robin
         n = qd.all_sum(n, group)
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
         sync_observers([o for s in unique_slots(acts.values()) for o in s.observers.values()],

@@ -14,6 +14,7 @@ from .recipes import build_recipe, float_note
 from .running import (
     Evaluator,
     Phases,
+    command_inputs,
     load_setup,
     metric_line,
     resolve_device,
@@ -47,13 +48,13 @@ def add_evaluate_parser(sub) -> None:
 def cmd_calibrate(args) -> int:
     check_recipe_args(args)
     check_model_arg(args.model)
-    check_out(args.out)
+    check_out(args.out, command_inputs(args))
     from ..calibrate import calibrate
 
     phases = Phases(quiet=getattr(args, "rank", 0) != 0)
     t0 = time.perf_counter()
-    model, batches, ev, fp, setup = load_setup(args, phases)
-    rec = build_recipe(args, model)
+    model, batches, ev, fp, setup, rec = load_setup(args, phases,
+                                                    lambda m: build_recipe(args, m))
     calib = phases.run(f"calibrating {rec.name} ({setup['calib_docs']} documents, "
                        f"{setup['calib_tokens']} tokens)",
                        lambda: calibrate(model, batches, rec, sample_tokens=args.sample_tokens,
@@ -73,7 +74,8 @@ def cmd_calibrate(args) -> int:
     calib.info.update(setup, eval_seconds=round(time.perf_counter() - t, 2))
     metrics = {**q, **{f"{k}_fp32": v for k, v in fp.items()}}
     report = calib.report(metrics)
-    save_run(args.out, calib, report, phases)
+    save_run(args.out, calib, report, phases,
+             inputs=[setup["model"], *command_inputs(args)])
     if args.verbose:
         report.print()
     print(f"quantscope calibrate: {setup['name']} ({setup['task']}), "
@@ -101,12 +103,13 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def save_run(out: str, calib, report, phases) -> None:
-    """The run folder: qparams/, report.json and report.md, written whole or not at all."""
+def save_run(out: str, calib, report, phases, inputs=()) -> None:
+    """The run folder: qparams/, report.json and report.md, written whole or not at all;
+    never over ``inputs`` (the model, the data) nor a folder quantscope did not write."""
     from ..export.atomic import atomic_dir
 
     def write():
-        with atomic_dir(out, overwrite=True) as tmp:
+        with atomic_dir(out, overwrite=True, inputs=inputs) as tmp:
             calib.save(os.path.join(tmp, "qparams"))
             report.to_json(os.path.join(tmp, "report.json"))
             report.to_markdown(os.path.join(tmp, "report.md"))

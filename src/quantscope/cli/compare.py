@@ -12,7 +12,7 @@ from .checks import UsageError, check_activation_args, check_model_arg, check_na
 from .names import OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 from .options import add_common, add_recipes_args
 from .recipes import build_recipe
-from .running import Phases, load_setup, sequential_options
+from .running import Phases, command_inputs, load_setup, sequential_options
 
 
 def add_compare_parser(sub) -> None:
@@ -92,10 +92,10 @@ def compare_rows(report: dict) -> tuple[list[str], list[list]]:
 def cmd_compare(args) -> int:
     recipes, observers = _check_compare_args(args)
     phases = Phases(quiet=getattr(args, "rank", 0) != 0)
-    model, batches, ev, fp, setup = load_setup(args, phases)
+    model, batches, ev, fp, setup, plan = load_setup(args, phases, lambda m: {
+        f"{r}/{o}": build_recipe(args, m, o, r) for r in recipes for o in observers})
     if args.smooth is not None:
         setup["smooth"] = args.smooth
-    plan = {f"{r}/{o}": build_recipe(args, model, o, r) for r in recipes for o in observers}
     candidates = [o for o in observers if o != "auto"] or None
     t = time.perf_counter()
     calibs = _calibrate_all(args, phases, model, batches, plan, candidates)
@@ -137,7 +137,7 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
         raise UsageError(f"--score-tokens must be a positive number of tokens, got "
                          f"{args.score_tokens}")
     check_model_arg(args.model)
-    check_out(args.out)
+    check_out(args.out, command_inputs(args))
     return recipes, observers
 
 
@@ -196,7 +196,8 @@ def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: 
     md = [f"# {title}", "", markdown_table(headers, rows), "",
           (f"Calibration (one pass, all observers): {calib_seconds:.1f} s; evaluation: "
            f"{eval_seconds:.1f} s."), ""]
-    with atomic_dir(args.out, overwrite=True) as tmp:
+    with atomic_dir(args.out, overwrite=True,
+                    inputs=[report["setup"]["model"], *command_inputs(args)]) as tmp:
         with open(os.path.join(tmp, "report.json"), "w") as f:
             json.dump(report, f, indent=1)
         if not args.no_plots:

@@ -33,7 +33,14 @@ def build_recipe(args, model, observer=None, recipe_name=None):
         rec = R.with_role_observer(rec, "weight", args.weight_observer)
     if getattr(args, "input_observer", None):
         rec = R.with_role_observer(rec, "input", args.input_observer)
-    return _indivisible(rec, model, args.on_indivisible)
+    rec = _indivisible(rec, model, args.on_indivisible)
+    from ..calibrate.observe import check_shapes
+
+    try:  # what calibrate checks first, here before the float model is evaluated
+        check_shapes(model, [rec])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return rec
 
 
 def _read_recipe_file(path):

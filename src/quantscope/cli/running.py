@@ -81,8 +81,10 @@ def metric_line(primary: str, fp: float, q: float) -> str:
     return f"Lee r: float {fp:.4f} -> quantized {q:.4f} ({q - fp:+.4f})"
 
 
-def load_setup(args, phases: Phases):
-    """Model, calibration batches, evaluator, the float model's metrics, the run's settings."""
+def load_setup(args, phases: Phases, prepare=None):
+    """Model, calibration batches, evaluator, the float model's metrics, the run's settings
+    and ``prepare(model)``: run once the model is loaded, before any forward (the recipe and
+    its check against the model's shapes: a mistake costs seconds, not an evaluation)."""
     from ..demo import data, models
 
     if args.threads:
@@ -94,6 +96,7 @@ def load_setup(args, phases: Phases):
     task = args.task or models.model_task(path)
     model, tok = phases.run(f"loading {models.model_name(path)} ({task})",
                             lambda: models.load_model(path, device, task=task))
+    prepared = prepare(model) if prepare is not None else None
     docs = data.read_corpus(args.calib_file) if args.calib_file else data.lee_background()
     step = max(1, len(docs) // args.calib_docs)
     calib = docs[::step][: args.calib_docs]
@@ -112,7 +115,17 @@ def load_setup(args, phases: Phases):
              "seed": args.seed}
     if task == "embedding":
         setup["eval_pairs"] = len(ev.pairs[0])
-    return model, batches, ev, fp, setup
+    return model, batches, ev, fp, setup, prepared
+
+
+def command_inputs(args) -> list:
+    """The paths a calibrating command reads, which its ``--out`` must never replace (a demo
+    model's name is resolved with the run's setup, at save time)."""
+    from .names import DEMO_MODELS
+
+    model = args.model if args.model and args.model.lower() not in DEMO_MODELS else None
+    return [p for p in (model, getattr(args, "calib_file", None),
+                        getattr(args, "recipe_file", None)) if p]
 
 
 
