@@ -248,3 +248,31 @@ def test_mse_select_matches_the_search_state(device, per_unit, use_global, patie
     idx, best = mse.mse_select(err.to(device), same.to(device), inc.to(device), gstop, ext,
                                patience, per_unit, use_global, tie == "last", block_u=16)
     assert torch.equal(idx.cpu(), want_idx) and torch.equal(best.cpu(), want_best)
+
+
+# ---- histogram binning ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("absolute", [False, True])
+@pytest.mark.parametrize(("U", "E", "bins", "chunk"), [(3, 500, 64, None), (2, 700, 50, 128),
+                                                       (1, 3000, 2048, 1024)])
+def test_hist_add_bitwise(device, dtype, absolute, U, E, bins, chunk):
+    """Counts after two batches, the second one widening the range (the grid coarsens and
+    the old counts move onto it: stats.histogram.update), equal the torch path's."""
+    from quantscope.kernels.triton import histogram as tri
+    from quantscope.stats import histogram as H
+
+    g = torch.Generator().manual_seed(U * E + bins)
+    batches = [(torch.randn(U, E, generator=g) * s).to(dtype) for s in (1.0, 9.0)]
+    batches[1][0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-30])
+    want = got = H.empty_state(U, bins)
+    for b in batches:
+        lo, hi = torch.aminmax(b.float().nan_to_num(0.0, 0.0, 0.0), dim=1)
+        want = H.HistState(*H._update_grid(want, lo, hi, absolute))
+        H._add_values_torch(want.counts, b.float(), want.exp, want.first, absolute)
+        got = H.HistState(*H._update_grid(got, lo, hi, absolute))
+        counts = got.counts.to(device)
+        tri.hist_add(counts, b.to(device), got.exp.to(device), got.first.to(device), absolute,
+                     chunk=chunk, block_e=256)
+        got = got._replace(counts=counts.cpu())
+    assert torch.equal(got.counts, want.counts) and int(want.counts.sum()) == 2 * U * E

@@ -13,6 +13,7 @@ from quantscope import QuantSpec
 from quantscope.kernels import ops
 from quantscope.layout import Channel
 from quantscope.qparams import qparams_from_range
+from quantscope.stats.hist_ops import hist_add
 
 CUDA = torch.cuda.is_available()
 
@@ -33,6 +34,9 @@ def _cases(device="cpu"):
                                         torch.rand(5, 6, generator=g) < 0.3,
                                         torch.ones(6, dtype=torch.float64), 4, 2, True, True,
                                         False)),
+        "hist_add": (hist_add, (torch.zeros(6, 64, dtype=torch.int64), u,
+                                torch.full((6,), -4, dtype=torch.int64),
+                                torch.full((6,), -40, dtype=torch.int64), False)),
         "e8m0_block_scales": (ops.e8m0_block_scales, (lo, hi, "fp4_e2m1", "even")),
         "nvfp4_block_scales": (ops.nvfp4_block_scales,
                                (lo, hi, torch.tensor([300.0]), "fp4_e2m1", 1e-8)),
@@ -60,11 +64,15 @@ def test_cuda_op_equals_cpu_op(name):
     """The Triton kernels (the CUDA implementations) give the CPU's bits; the float64 error
     sums agree to the C kernel's own bound (it sums float32 squares a few at a time)."""
     op, args = _cases()[name]
-    want = op(*args)
-    got = op(*_cases("cuda")[name][1])
+    cuda_args = _cases("cuda")[name][1]
+    want, got = op(*args), op(*cuda_args)
+    if want is None:  # an op that writes its first argument (hist_add's counts)
+        want, got = args[0], cuda_args[0]
     for w, g in zip(want if isinstance(want, tuple) else (want,),
                     got if isinstance(got, tuple) else (got,), strict=True):
-        if w.dtype == torch.float64:
+        if w.dtype == torch.int64:
+            assert torch.equal(g.cpu(), w)
+        elif w.dtype == torch.float64:
             torch.testing.assert_close(g.cpu(), w, rtol=5e-7, atol=0)
         else:
             assert torch.equal(g.cpu().view(torch.int32), w.view(torch.int32))
@@ -96,6 +104,11 @@ def test_one_graph_under_compile():
                             True, False), "same must be a bool tensor"),
     (lambda: ops.mse_select(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool),
                             torch.zeros(3), 5, 1, True, True, False), "ext_start must be in"),
+    (lambda: hist_add(torch.zeros(3, 8), torch.zeros(3, 4), torch.zeros(3, dtype=torch.int64),
+                      torch.zeros(3, dtype=torch.int64), False), "counts must be a contiguous"),
+    (lambda: hist_add(torch.zeros(3, 8, dtype=torch.int64), torch.zeros(3, 4),
+                      torch.zeros(3), torch.zeros(3, dtype=torch.int64), False),
+     "exp must be an int64 tensor"),
     (lambda: ops.e8m0_block_scales(torch.zeros(3), torch.zeros(4), "fp4_e2m1", "floor"),
      "lo and hi must be float32 tensors of one shape"),
     (lambda: ops.e8m0_block_scales(torch.zeros(3), torch.zeros(3), "fp4_e2m1", "round"),

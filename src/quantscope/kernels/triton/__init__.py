@@ -1,8 +1,9 @@
-"""Triton kernels: the CUDA implementations of the ops in :mod:`quantscope.kernels.ops`.
+"""Triton kernels: the CUDA implementations of the ops in :mod:`quantscope.kernels.ops`
+(and ``quantscope::hist_add``, :mod:`quantscope.stats.hist_ops`).
 
-Each module here (``minmax``, ``fakequant``, ``block_qparams``, ``mse``) holds ``triton.jit``
-kernels and the plain Python launchers that size their grids; the ops call the launchers
-with CUDA tensors. Under Triton's interpreter (``TRITON_INTERPRET=1`` in the environment
+Each module here (``minmax``, ``fakequant``, ``block_qparams``, ``mse``, ``histogram``)
+holds ``triton.jit`` kernels and the plain Python launchers that size their grids; the ops
+call the launchers with CUDA tensors. Under Triton's interpreter (``TRITON_INTERPRET=1`` in the environment
 before triton is first imported: triton decides the mode as it decorates each function,
 its own library's included) the same launchers run on CPU tensors, with numpy: how the
 tests prove every kernel bitwise against the torch path without a GPU

@@ -1,0 +1,72 @@
+"""``quantscope::hist_add``: histogram binning (:func:`.histogram.add_values`) as a
+``torch.library`` custom op, beside the ops of :mod:`quantscope.kernels.ops`.
+
+It lives here, not in ``kernels.ops``, because its CPU implementation is this package's
+``add_values`` (the C kernel, else the torch reference), which the kernels layer may not
+import. CUDA: the Triton kernel (:mod:`quantscope.kernels.triton.histogram`), the torch
+path where triton is not installed or the bins exceed its limit. The range growth before it
+(``histogram.update``'s grid change) is tensor math on the device already.
+
+``hist_add(counts, units, exp, first, absolute)``: ``counts [U, B]`` int64 (contiguous,
+updated in place), ``units [U, E]`` float (bf16 / fp16 / fp32), ``exp``, ``first`` int64
+``[U]``; bad input raises ``ValueError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..kernels import triton as _triton
+from . import histogram
+
+__all__ = ["hist_add"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor) -> None:
+    who = "quantscope::hist_add"
+    if counts.dim() != 2 or counts.dtype != torch.int64 or not counts.is_contiguous():
+        raise ValueError(f"{who}: counts must be a contiguous int64 [units, bins] tensor, got "
+                         f"{counts.dtype} {tuple(counts.shape)}")
+    U = counts.shape[0]
+    if units.dim() != 2 or units.shape[0] != U or units.dtype not in _FLOATS \
+            or units.device != counts.device:
+        raise ValueError(f"{who}: units must be a float32 / bfloat16 / float16 [{U}, elements] "
+                         f"tensor on {counts.device}, got {units.dtype} {tuple(units.shape)} "
+                         f"on {units.device}")
+    for name, t in (("exp", exp), ("first", first)):
+        if t.shape != (U,) or t.dtype != torch.int64 or t.device != counts.device:
+            raise ValueError(f"{who}: {name} must be an int64 tensor of shape ({U},) on "
+                             f"{counts.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _torch_hist_add(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor,
+                    absolute: bool) -> None:
+    _check(counts, units, exp, first)
+    histogram.add_values(counts, units.float(), exp, first, absolute)
+
+
+@torch.library.custom_op("quantscope::hist_add", mutates_args=("counts",))
+def hist_add(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor, absolute: bool) -> None:
+    _torch_hist_add(counts, units, exp, first, absolute)
+
+
+@hist_add.register_kernel("cuda")
+def _(counts, units, exp, first, absolute):
+    _check(counts, units, exp, first)
+    if not _triton.available() or not _triton.runs_on(units.device):
+        return _torch_hist_add(counts, units, exp, first, absolute)
+    from ..kernels.triton import histogram as kernel
+
+    if counts.shape[1] + 1 > kernel.MAX_BINS:
+        return _torch_hist_add(counts, units, exp, first, absolute)
+    units = units if units.stride(1) == 1 else units.contiguous()
+    kernel.hist_add(counts, units, exp.contiguous(), first.contiguous(), absolute)
+    return None
+
+
+@hist_add.register_fake
+def _(counts, units, exp, first, absolute):
+    _check(counts, units, exp, first)
