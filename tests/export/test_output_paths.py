@@ -120,7 +120,7 @@ def test_cli_export_never_replaces_the_source_model(tmp_path, capsys):
     cal.info["model"] = str(model)
     cal.save(tmp_path / "run" / "qparams")
     before = _tree(tmp_path)
-    for out in (model, tmp_path / "run"):
+    for out in (model, tmp_path / "run", tmp_path / "run" / "qparams"):
         assert cli.main(["export", str(tmp_path / "run"), "--model", str(model), "--out",
                          str(out), "--overwrite"]) == 2
         assert "input" in capsys.readouterr().err
@@ -133,10 +133,12 @@ def test_export_run_refuses_its_inputs_before_loading(tmp_path):
     model = _model_folder(tmp_path / "m")
     cal = _calibration()
     cal.info["model"] = str(model)
-    cal.save(tmp_path / "run")
+    cal.save(tmp_path / "run" / "qparams")
     before = _tree(tmp_path)
     with pytest.raises(ValueError, match="input"):
         export_run(tmp_path / "run", model, overwrite=True)  # the recorded model
+    with pytest.raises(ValueError, match="input"):  # the calibration it reads
+        export_run(tmp_path / "run", tmp_path / "run" / "qparams", overwrite=True)
     with pytest.raises(ValueError, match="input"):
         export_run(tmp_path / "run", tmp_path / "run", overwrite=True)
     assert _tree(tmp_path) == before

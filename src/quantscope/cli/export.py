@@ -41,7 +41,7 @@ def add_check_parser(sub) -> None:
 def cmd_export(args) -> int:
     if not os.path.isdir(args.run):
         raise UsageError(f"export: {args.run!r} is not a folder")
-    run_qparams(args.run)
+    qparams = run_qparams(args.run)
     check_model_arg(args.model)
     from ..export import FORMATS, export_run
     from ..export.atomic import check_writable_target
@@ -50,7 +50,7 @@ def cmd_export(args) -> int:
         raise closest(args.format, sorted(FORMATS), "format")
     try:  # the run and the model are inputs: --out may never replace them
         check_writable_target(args.out, overwrite=args.overwrite, kind=OUTPUT_KIND.get(
-            args.format, "folder"), inputs=[args.run, args.model])
+            args.format, "folder"), inputs=[args.run, qparams, args.model])
     except (OSError, ValueError) as e:
         raise UsageError(f"--out: {e}") from None
     phases = Phases()

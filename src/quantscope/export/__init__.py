@@ -44,7 +44,8 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
 
     run_dir = os.fspath(run_dir)
     qdir = os.path.join(run_dir, "qparams")
-    calibration = load(qdir if os.path.isdir(qdir) else run_dir)
+    qdir = qdir if os.path.isdir(qdir) else run_dir
+    calibration = load(qdir)
     source = model or calibration.info.get("model")
     if not source:
         raise ValueError(f"export: {run_dir} does not record its model; pass model= (--model)")
@@ -53,7 +54,7 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
 
     # before the (slow) load: the run and the model are inputs, never to be replaced
     check_writable_target(out, overwrite=overwrite, kind="file" if format == "onnx" else
-                          "folder", inputs=[run_dir, path])
+                          "folder", inputs=[run_dir, qdir, path])
     float_model, tokenizer = models.load_model(path, task=calibration.info.get("task"))
     if calibration.smoothing:  # calibrated on SmoothQuant's weights: write those
         from ..calibrate.smooth import reapply

@@ -176,11 +176,9 @@ def _public_modes(top: str) -> None:
         return
     os.chmod(top, 0o777 & ~mask)
     for root, dirs, files in os.walk(top):
-        for d in dirs:
-            os.chmod(os.path.join(root, d), 0o777 & ~mask)
-        for f in files:
-            if not os.path.islink(os.path.join(root, f)):
-                os.chmod(os.path.join(root, f), 0o666 & ~mask)
+        for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
+            if not os.path.islink(os.path.join(root, name)):  # never what a link points at
+                os.chmod(os.path.join(root, name), mode & ~mask)
 
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
