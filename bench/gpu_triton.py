@@ -11,7 +11,8 @@ and bf16) against one ``torch.aminmax`` and today's torch path (the memoryless m
 observer); the int4 per-channel MSE search fused on the device (candidates priced by
 ``quantscope::mse_price_int``, chosen by ``quantscope::mse_select``) against the torch path
 and llm-compressor 0.14's ``memoryless_mse`` (its Triton backend on CUDA; carried as wheels by
-bench/gpu_wheels.sh), with each one's total squared error.
+bench/gpu_wheels.sh), with each one's total squared error; the histogram observe (8 growing
+bf16 batches) against torch.ao's ``HistogramObserver`` on the same device.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from quantscope.kernels import ops
 from quantscope.layout import Channel, Group
 from quantscope.qparams import amax_of_range, qparams_from_range
 from quantscope.scales import nvfp4_global_scale
+from quantscope.stats import histogram as H
+from quantscope.stats.hist_ops import hist_add
 
 
 def _sync(device):
@@ -204,6 +207,49 @@ def bench_mse(size, device, repeat):
     table.print()
 
 
+# ---- histogram observe ---------------------------------------------------------------------
+
+def native_hist_observe(batches, bins=2048):
+    """quantscope's per-tensor histogram over ``batches`` on the device: each batch's min / max
+    (``unit_minmax``), the grid change (tensor math), ``quantscope::hist_add``."""
+    state = H.empty_state(1, bins, device=batches[0].device)
+    for b in batches:
+        units = b.reshape(1, -1)
+        lo, hi = ops.unit_minmax(units)
+        state = H.HistState(*H._update_grid(state, lo, hi, False))
+        hist_add(state.counts, units, state.exp, state.first, False)
+    return state
+
+
+def torch_ao_observe(batches, bins=2048):
+    from torch.ao.quantization.observer import HistogramObserver
+
+    obs = HistogramObserver(bins=bins).to(batches[0].device)
+    for b in batches:
+        obs(b)
+    return obs.calculate_qparams()
+
+
+def bench_histogram(size, device, repeat):
+    tokens = 2048 if size >= 4096 else 256
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(16, tokens, size, generator=g) * (1 + i)).to(device, torch.bfloat16)
+               for i in range(8)]  # a growing range: every batch widens it
+    table = Table(f"histogram observe, 8 batches 16 x {tokens} x {size} bf16, growing range, "
+                  f"{_device_name(device)}", ["method", "wall ms", "device ms", "torch.ao / ours"])
+    fns = {"quantscope native histogram (ops)": lambda: native_hist_observe(batches),
+           "torch.ao HistogramObserver": lambda: torch_ao_observe(batches)}
+    t = wall_medians(fns, device, repeat, 1)
+    for name, fn in fns.items():
+        d = device_seconds(fn, device, 1)
+        table.add(name, 1e3 * t[name], None if d is None else 1e3 * d,
+                  t["torch.ao HistogramObserver"] / t[name])
+    table.print()
+    print("The native histogram is quantscope's (aligned power-of-two grids, exact merges), not "
+          "torch.ao's algorithm: its qparams are not torch.ao's. The torch.ao-compatible observer "
+          "(compat) has no Triton kernel yet.\n")
+
+
 def _device_name(device):
     return torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
 
@@ -225,8 +271,9 @@ def main():
     print(f"{_device_name(device)}; {versions}; CUDA {torch.version.cuda}\n")
     bench_minmax(a.size, device, a.repeat)
     bench_mse(a.size, device, max(3, a.repeat // 3))
-    print("Not measured by this script yet (issue 35): the NVFP4 block-scale search, the "
-          "histogram observe and the whole-model rows (no fused kernels for them yet).")
+    bench_histogram(a.size, device, max(3, a.repeat // 5))
+    print("Not measured by this script yet (issue 35): the NVFP4 block-scale search and the "
+          "whole-model rows (no fused kernels for them yet).")
 
 
 if __name__ == "__main__":
