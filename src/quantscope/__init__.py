@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 #: by :mod:`quantscope.observers.registry` on its first lookup): the compat toolkits. A new
 #: toolkit is one module under ``quantscope/compat/`` and one line here.
 OBSERVER_MODULES = (
-    "quantscope.compat.llmcompressor",
+    "quantscope.compat.llmcompressor_legacy",
     "quantscope.compat.quark",
     "quantscope.compat.horizon",
     "quantscope.compat.torch_ao",

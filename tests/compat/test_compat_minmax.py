@@ -11,7 +11,8 @@ from torch.ao import quantization as tq
 
 import quantscope
 from quantscope import Block, Channel, Group, QuantSpec, Tensor, presets
-from quantscope.compat import horizon, llmcompressor, quark, torch_ao
+from quantscope.compat import horizon, quark, torch_ao
+from quantscope.compat import llmcompressor_legacy as llmcompressor  # the seed's API
 
 
 def batches(shape, n=4, seed=0):

@@ -1,47 +1,45 @@
-"""llm-compressor's observers, with their registry names, signatures and return values.
+"""llm-compressor 0.14's observers (the installed generation), computed by quantscope.
 
-``args`` is a compressed-tensors ``QuantizationArgs`` or a dict with its fields
-(num_bits, type, symmetric, strategy, group_size, block_structure, dynamic,
-actorder, scale_dtype, observer_kwargs). :func:`llmcompressor_spec` is the one
-translation into a :class:`~quantscope.QuantSpec`:
+``Observer.load_from_registry("minmax", base_name="weight", args=QuantizationArgs(...))``
+as in llm-compressor 0.14: calling an observer updates its statistics and returns the
+observer; ``get_qparams()`` returns ``{"scale", "zero_point", "global_scale"}`` (and asserts
+"No statistics available" before any data); the statistics are plain attributes named by
+``_stats_attrs`` (``min_vals`` / ``max_vals``, replaced on every update, never written in
+place, assignable), with ``has_statistics``, ``get_statistics``, ``delete_statistics``,
+``update_statistics_from_observed`` (on the ``(observations, *qparam_shape, elements)``
+view of :func:`flatten_for_calibration`), ``get_global_scale``, ``attach`` / ``detach``,
+``sync_activation_stats`` (async all-reduce handles of ``_act_sync_dict``) and a
+``fusion_handler``. Integer tensors are observed; scales come in the statistics' float
+dtype (float32 for integer data), zero points in compressed-tensors' ``zp_dtype``.
 
-==============  =================================================================
-strategy        layout
-==============  =================================================================
-tensor          ``Tensor()``
-channel         ``Channel(0)`` for weights (rows), ``Channel(-1)`` for activations
-group           ``Group(group_size, g_idx)`` (g_idx from the call or ``module.weight_g_idx``);
-                MX when float, group 32 and ``scale_dtype`` uint8 (E8M0 'even')
-tensor_group    ``Block(group_size)`` with fp8 block scales under a global scale (NVFP4)
-block           ``Tile(*block_structure)``
-token           ``Token()``
-attn_head       ``Channel(1)`` of ``[batch, heads, seq, head_dim]``
-==============  =================================================================
+The seed's earlier generation (``forward`` returns ``(scale, zero_point)``) is
+:mod:`quantscope.compat.llmcompressor_legacy`, registered in quantscope's registry as
+``"llmcompressor:<name>"``; these classes live in this module's own registry
+(:meth:`Observer.load_from_registry`), as llm-compressor's do in theirs.
 
-Calling an observer observes the tensor and returns ``(scale, zero_point)`` as
-llm-compressor's observers did; ``get_qparams()`` returns the newer dict with
-``global_scale``. Known difference: compressed-tensors' MXFP8 rounds the block
-amax with fp4's mantissa width before taking the exponent; quantscope uses the
-element format's own (e4m3: 3 bits).
+The search (MSE), the qparams formulas and the spec translation are quantscope's
+(:func:`~quantscope.estimators.mse.mse_search` in llm-compressor's exact mode,
+:func:`~quantscope.qparams.qparams_from_range`, :func:`llmcompressor_spec`).
 """
 
 from __future__ import annotations
 
-import torch
+import warnings
+from typing import ClassVar
 
-from ..layout import Block, Channel, Group, Tensor, Tile, Token
-from ..observers.minmax import MemorylessMinMaxObserver as _NativeMemoryless
-from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
-from ..observers.minmax import StaticMinMaxObserver as _NativeStatic
-from ..observers.mse import MemorylessMSEObserver as _NativeMemorylessMSE
-from ..observers.mse import MovingAverageMSEObserver as _NativeMSE
-from ..observers.mse import NVFP4ExpandedMSEObserver as _NativeNVFP4MSE
-from ..observers.registry import observer_class, register
-from ..spec import QuantSpec
+import torch
+from torch import distributed as dist
+
+from ..estimators.mse import mse_search
+from ..layout import Block, Channel
+from ..stats.minmax import unit_minmax
 from . import enum_name, field
+from .llmcompressor_base import Observer, lerp, statistics_units
+from .llmcompressor_parts import FusionHandler, flatten_for_calibration
+from .llmcompressor_spec import llmcompressor_spec
 
 __all__ = [
-    "LLMCompressorObserver",
+    "FusionHandler",
     "MemorylessMSEObserver",
     "MemorylessMinMaxObserver",
     "MinMaxObserver",
@@ -49,256 +47,136 @@ __all__ = [
     "NVFP4ExpandedMSEObserver",
     "Observer",
     "StaticMinMaxObserver",
+    "flatten_for_calibration",
     "llmcompressor_spec",
 ]
 
-_FLOATS = {8: "fp8_e4m3", 6: "fp6_e2m3", 4: "fp4_e2m1"}
-_SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-                 "float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
-
-def _block_structure(value):
-    if isinstance(value, str):  # older compressed-tensors: "128x128"
-        value = [int(v) for v in value.lower().split("x")]
-    if value is None or len(value) != 2:
-        raise ValueError(f"llmcompressor: strategy block needs block_structure [rows, cols], "
-                         f"got {value!r}")
-    return int(value[0]), int(value[1])
-
-
-def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | None = None
-                       ) -> QuantSpec:
-    """The :class:`QuantSpec` of a ``QuantizationArgs`` (or dict) for ``base_name`` (the one translation)."""
-    bits = int(field(args, "num_bits", 8))
-    kind = enum_name(field(args, "type")) or "int"
-    symmetric = field(args, "symmetric", True)
-    symmetric = True if symmetric is None else bool(symmetric)
-    group_size = field(args, "group_size")
-    strategy = enum_name(field(args, "strategy"))
-    if strategy is None:  # compressed-tensors' default: group if a group size is given
-        strategy = "group" if group_size not in (None, -1) else "tensor"
-    scale_dtype = field(args, "scale_dtype")
-    if kind == "float":
-        if bits not in _FLOATS:
-            raise ValueError(f"llmcompressor: float num_bits must be one of {list(_FLOATS)}, "
-                             f"got {bits}")
-        fmt = _FLOATS[bits]
-    elif kind == "int":
-        fmt = f"int{bits}"
-    else:
-        raise ValueError(f"llmcompressor: type must be 'int' or 'float', got {kind!r}")
-    scale = "fp32"
-    if strategy == "tensor":
-        layout = Tensor()
-    elif strategy == "channel":
-        layout = Channel(0 if base_name == "weight" else -1)
-    elif strategy in ("group", "tensor_group"):
-        if not group_size or group_size < 1:
-            raise ValueError(f"llmcompressor: strategy {strategy} needs a positive group_size, "
-                             f"got {group_size!r}")
-        mx = (kind == "float" and group_size == 32 and scale_dtype in (torch.uint8, "uint8")
-              and strategy == "group")
-        if strategy == "tensor_group":
-            layout, scale = Block(group_size), "fp8_e4m3"
-        elif mx:
-            layout, scale = Block(group_size), "e8m0:even"
-        else:
-            layout = Group(group_size, -1, g_idx)
-    elif strategy == "block":
-        layout = Tile(*_block_structure(field(args, "block_structure")))
-    elif strategy == "token":
-        layout = Token()
-    elif strategy == "attn_head":
-        layout = Channel(1)
-    else:
-        raise ValueError(f"llmcompressor: unknown strategy {strategy!r}; expected tensor, "
-                         f"channel, group, tensor_group, block, token or attn_head")
-    if scale == "fp32" and scale_dtype is not None:
-        key = scale_dtype if isinstance(scale_dtype, torch.dtype) else str(scale_dtype)
-        key = key.removeprefix("torch.") if isinstance(key, str) else key
-        if key in (torch.float8_e4m3fn, "float8_e4m3fn"):
-            raise ValueError("llmcompressor: fp8 scales need strategy tensor_group (NVFP4)")
-        scale = _SCALE_DTYPES.get(key, "fp32")
-    return QuantSpec(fmt, layout, symmetric=symmetric, scale=scale)
-
-
-class Observer:
-    """llm-compressor's observer base (a mixin: put it before the native class).
-
-    ``(base_name, args, module=None, **observer_kwargs)``; keywords named in
-    :attr:`native_options` (from ``args.observer_kwargs`` or the call) go to the
-    native observer.
-    """
-
-    #: observer_kwargs forwarded to the native observer's constructor
-    native_options: tuple[str, ...] = ()
-
-    def __init__(self, base_name: str, args, module: torch.nn.Module | None = None,
-                 **observer_kwargs):
-        kwargs = dict(field(args, "observer_kwargs") or {})
-        kwargs.update(observer_kwargs)
-        g_idx = None
-        if module is not None and enum_name(field(args, "strategy")) == "group":
-            g_idx = getattr(module, f"{base_name}_g_idx", None)
-        spec = llmcompressor_spec(args, base_name, g_idx)
-        super().__init__(spec, **{k: kwargs[k] for k in self.native_options if k in kwargs})
-        self.base_name, self.args, self.observer_kwargs = base_name, args, kwargs
-        self.module = None if module is None else [module]  # not a submodule
-        # [(state key, zp dtype, get_qparams' dict, its tensors' versions)]: forward returns
-        # qparams, then callers ask get_qparams for the same ones (llm-compressor's flow); a
-        # list, not a module attribute
-        self._qp_cache = [None]
-
-    @classmethod
-    def load_from_registry(cls, name: str, **kwargs):
-        """The class registered as ``"llmcompressor:" + name``, constructed with ``kwargs``."""
-        return observer_class(f"llmcompressor:{name}")(**kwargs)
-
-    @property
-    def is_weight_obs(self) -> bool:
-        return self.base_name == "weight"
-
-    @torch.no_grad()
-    def forward(self, observed: torch.Tensor, g_idx: torch.Tensor | None = None,
-                global_scale: torch.Tensor | None = None):
-        """Observe ``observed`` and return ``(scale, zero_point)`` for it."""
-        if g_idx is not None and isinstance(self.spec.layout, Group):
-            self.spec = self.spec.replace(layout=Group(self.spec.layout.size, -1, g_idx))
-        if global_scale is not None:
-            raise NotImplementedError("llmcompressor: pass NVFP4 tensors whole; the global "
-                                      "scale is derived from the observed absmax")
-        super().forward(observed)
-        if not self.has_observed:  # empty tensor
-            return None
-        qp = self.get_qparams()
-        return qp["scale"], qp["zero_point"]
-
-    def get_qparams(self) -> dict:
-        """``{"scale", "zero_point", "global_scale"}`` from the statistics (the newer API).
-
-        The zero point comes in compressed-tensors' ``zp_dtype`` (int8 for int8 / int4,
-        float8_e4m3fn for float formats, unless ``args.zp_dtype`` says otherwise).
-
-        Computed once per state: forward computes them (its return value) and the
-        ``get_qparams()`` that follows in llm-compressor's flow hands out the same tensors,
-        not copies (a million NVFP4 block scales per weight). The cache keeps their in-place
-        versions: a caller that wrote into them makes it a miss, so a write is never seen by
-        the next call (but it is by the other holder of the tensors).
-        """
-        key, dtype, hit = self._state_key(), self._zp_dtype(), self._qp_cache[0]
-        if (key is not None and hit is not None and hit[1] == dtype and _same_key(hit[0], key)
-                and all(t._version == v for t, v in hit[3])):
-            return dict(hit[2])
-        qp = self.qparams()
-        if self.spec.is_float and (self.spec.symmetric or self.spec.scale.is_block):
-            zp = torch.zeros(qp.zero_point.shape, dtype=dtype)  # zero by construction (a
-            # float8 cast of a million zeros costs more than the qparams)
-        else:
-            zp = qp.zero_point.to(dtype)
-        out = {"scale": qp.scale, "zero_point": zp, "global_scale": qp.global_scale}
-        self._qp_cache[0] = None if key is None else (
-            key, dtype, out, [(t, t._version) for t in out.values() if t is not None])
-        return dict(out)
-
-    def _state_key(self):
-        """What the qparams depend on: the spec and every buffer, by identity and in-place
-        version (any update, reset, load or sync replaces a buffer or bumps its version);
-        None where versions are not tracked (inference-mode tensors): no caching."""
-        try:
-            return (self.spec, self._last_shape,
-                    tuple((b, b._version) for b in self._buffers.values() if b is not None))
-        except RuntimeError:
-            return None
-
-    def _zp_dtype(self) -> torch.dtype:
-        dtype = field(self.args, "zp_dtype")
-        if isinstance(dtype, torch.dtype):
-            return dtype
-        if self.spec.is_float:
-            return torch.float8_e4m3fn
-        bits = self.spec.format.bits
-        return torch.int8 if bits <= 8 else torch.int16 if bits <= 16 else torch.int32
-
-    def sync_activation_stats(self) -> list:
-        """All-reduce the statistics across DDP ranks as llm-compressor declares them
-        (``_act_sync_dict``: static MIN / MAX, moving averages AVG, memoryless nothing).
-
-        Synchronous (through :mod:`quantscope.distributed`, which also brings a rank
-        that saw no data into line); returns an empty list of pending handles.
-        """
-        self.sync()
-        return []
-
-    def get_global_scale(self, observed: torch.Tensor | None = None) -> torch.Tensor | None:
-        """NVFP4's global scale (observing ``observed`` first if given); None for other strategies."""
-        if observed is not None:
-            super().forward(observed)
-        if not self.spec.scale.has_global_scale:
-            return None
-        return self.qparams().global_scale
-
-
-LLMCompressorObserver = Observer
-
-
-def _same_key(a, b) -> bool:
-    return (a[0] is b[0] and a[1] == b[1] and len(a[2]) == len(b[2])
-            and all(x is y and vx == vy for (x, vx), (y, vy) in zip(a[2], b[2])))
-
-
-@register("llmcompressor:memoryless_minmax")
-class MemorylessMinMaxObserver(Observer, _NativeMemoryless):
+@Observer.register("memoryless_minmax")
+class MemorylessMinMaxObserver(Observer):
     """The min / max of the last observed value."""
 
-    def sync_plan(self):  # llm-compressor's _act_sync_dict is empty: nothing is reduced
-        return {}
+    _act_sync_dict: ClassVar[dict] = {}
+
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        self.min_vals, self.max_vals = _min_max(observed)
 
 
-@register("llmcompressor:static_minmax")
-class StaticMinMaxObserver(Observer, _NativeStatic):
-    """The min / max of all observed values."""
+@Observer.register("static_minmax")
+class StaticMinMaxObserver(MemorylessMinMaxObserver):
+    """The min / max of every observed value."""
+
+    _act_sync_dict: ClassVar[dict] = {"min_vals": dist.ReduceOp.MIN, "max_vals": dist.ReduceOp.MAX}
+
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        lo, hi = _min_max(observed)
+        if self.has_statistics:  # new tensors: one read before this call keeps its values
+            lo, hi = torch.minimum(lo, self.min_vals), torch.maximum(hi, self.max_vals)
+        self.min_vals, self.max_vals = lo, hi
 
 
-@register("llmcompressor:minmax")
-class MinMaxObserver(Observer, _NativeEMA):
-    """Moving average of min / max (``averaging_constant`` from observer_kwargs, default 0.01)."""
+@Observer.register("minmax")
+class MinMaxObserver(Observer):
+    """Moving average of min / max (``averaging_constant``, default 0.01; llm-compressor's lerp)."""
 
-    native_options = ("averaging_constant",)
-    state_update = "ema_lerp"  # llm-compressor's lerp: old * (1 - c) + new * c, its rounding
+    _act_sync_dict: ClassVar[dict] = {"min_vals": dist.ReduceOp.AVG, "max_vals": dist.ReduceOp.AVG}
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.avg_constant = self.args.observer_kwargs.get("averaging_constant", 0.01)
 
-_MSE_OPTIONS = ("maxshrink", "patience", "grid", "norm", "expand")
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        self._average(*_min_max(observed))
 
-
-@register("llmcompressor:memoryless_mse")
-class MemorylessMSEObserver(Observer, _NativeMemorylessMSE):
-    """llm-compressor's MSE grid search, exactly (global patience, norm 2.4, their error sum).
-
-    observer_kwargs maxshrink, patience, grid, norm, expand as theirs; their CUDA-only
-    ``triton_error_buffer`` is accepted and ignored (the eager search is what runs on CPU).
-    """
-
-    compat_default = "llmcompressor"
-    native_options = _MSE_OPTIONS
-
-    def sync_plan(self):  # their _act_sync_dict is empty
-        return {}
+    def _average(self, lo, hi):
+        if self.has_statistics and self.avg_constant != 1.0:
+            lo = lerp(self.min_vals, lo, self.avg_constant)
+            hi = lerp(self.max_vals, hi, self.avg_constant)
+        self.min_vals, self.max_vals = lo, hi
 
 
-@register("llmcompressor:mse")
-class MovingAverageMSEObserver(Observer, _NativeMSE):
-    """llm-compressor's ``mse``: the exact search, then their lerp (``averaging_constant`` 0.01)."""
+def _min_max(observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-qparam min and max over observations and elements, in the observed dtype."""
+    units, shape = statistics_units(observed)
+    if not observed.is_floating_point():  # integer data: amin / amax keep its dtype
+        return units.amin(-1).reshape(shape), units.amax(-1).reshape(shape)
+    lo, hi = unit_minmax(units)
+    return lo.reshape(shape), hi.reshape(shape)
 
-    compat_default = "llmcompressor"
-    native_options = (*_MSE_OPTIONS, "averaging_constant")
+
+def _default_error_buffer(args) -> float:
+    """llm-compressor's per-format default Triton patience (kept as an attribute: the eager
+    search, the one quantscope runs, ignores it)."""
+    fp4 = enum_name(field(args, "type")) == "float" and field(args, "num_bits") == 4
+    return 1.00 if fp4 else 0.30
 
 
-@register("llmcompressor:nvfp4_expanded_mse")
-class NVFP4ExpandedMSEObserver(Observer, _NativeNVFP4MSE):
-    """llm-compressor's ``nvfp4_expanded_mse`` (expand 1.8, grid 200, patience 1000), exactly."""
+@Observer.register("memoryless_mse")
+class MemorylessMSEObserver(Observer):
+    """llm-compressor's MSE grid search, exactly (global patience, norm 2.4, their error sum)."""
 
-    compat_default = "llmcompressor"
-    native_options = _MSE_OPTIONS
+    _act_sync_dict: ClassVar[dict] = {}
+    #: (maxshrink, patience, grid, norm, triton_error_buffer, expand) defaults
+    _defaults = (0.20, 5, 100.0, 2.4, None, 1.0)
 
-    def sync_plan(self):
-        return {}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        kw = self.args.observer_kwargs
+        maxshrink, patience, grid, norm, buffer, expand = self._defaults
+        self.maxshrink = kw.get("maxshrink", maxshrink)
+        self.patience = kw.get("patience", patience)
+        self.grid = kw.get("grid", grid)
+        self.norm = kw.get("norm", norm)
+        self.triton_error_buffer = kw.get(
+            "triton_error_buffer", _default_error_buffer(self.args) if buffer is None else buffer)
+        self.expand = kw.get("expand", expand)
+        if self.expand < 1.0:
+            raise ValueError(f"expand value must be at least 1.0, got {self.expand}")
+        spec = llmcompressor_spec(self.args, self.base_name)
+        block = spec.scale.is_block and self.is_weight_obs
+        self._search_spec = spec.replace(
+            layout=Block(spec.layout.size) if block else Channel(0),
+            scale=spec.scale if block or not spec.scale.is_block else "fp32")
+
+    def _search(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        units, shape = statistics_units(observed)
+        units = units.float()
+        lo, hi = unit_minmax(units)
+        res = mse_search(units, lo, hi, self._search_spec, maxshrink=self.maxshrink,
+                         grid=self.grid, norm=self.norm, patience=self.patience,
+                         expand=self.expand, per_unit_patience=False, encoding_aware=False,
+                         compat="llmcompressor")
+        dtype = observed.dtype if observed.is_floating_point() else torch.float32
+        return res.lo.reshape(shape).to(dtype), res.hi.reshape(shape).to(dtype)
+
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        self.min_vals, self.max_vals = self._search(observed)
+
+
+@Observer.register("mse")
+class MovingAverageMSEObserver(MemorylessMSEObserver):
+    """The MSE search, then llm-compressor's lerp (``averaging_constant``, default 0.01)."""
+
+    _act_sync_dict: ClassVar[dict] = {"min_vals": dist.ReduceOp.AVG, "max_vals": dist.ReduceOp.AVG}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.avg_constant = self.args.observer_kwargs.get("averaging_constant", 0.01)
+
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        MinMaxObserver._average(self, *self._search(observed))
+
+
+@Observer.register("nvfp4_expanded_mse")
+class NVFP4ExpandedMSEObserver(MemorylessMSEObserver):
+    """The MSE search from 1.8x the range down to 0.8x (grid 200, patience 1000)."""
+
+    _defaults = (1 - 0.8 / 1.8, 1000, 200.0, 2.4, 1.00, 1.8)
+
+
+@Observer.register("fouroversix")
+def _fouroversix(*args, **kwargs) -> NVFP4ExpandedMSEObserver:
+    """llm-compressor's alias of ``nvfp4_expanded_mse`` (it warns the same way)."""
+    warnings.warn("The 'fouroversix' observer is an alias for 'nvfp4_expanded_mse'",
+                  UserWarning, stacklevel=2)
+    return NVFP4ExpandedMSEObserver(*args, **kwargs)

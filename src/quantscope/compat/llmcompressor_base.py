@@ -1,0 +1,209 @@
+"""llm-compressor 0.14's ``Observer`` base class, with quantscope's formulas underneath.
+
+The contract (see :mod:`quantscope.compat.llmcompressor`): statistics are plain attributes
+named by ``_stats_attrs``, each update replaces them (a tensor read earlier keeps its
+values), ``get_qparams()`` turns them into compressed-tensors' qparams and deletes them
+(cooperatively in a fusion group), ``sync_activation_stats()`` all-reduces the
+attributes of ``_act_sync_dict`` asynchronously.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import ClassVar
+
+import torch
+from torch import distributed as dist
+
+from ..formats import FP4_E2M1
+from ..layout import Channel
+from ..qparams import amax_of_range, qparams_from_range
+from ..scales import nvfp4_global_scale
+from ..stats.minmax import ema_
+from . import enum_name, field
+from .llmcompressor_parts import FusionHandler, flatten_for_calibration
+from .llmcompressor_spec import is_int_tensor_group, llmcompressor_spec, zp_dtype
+
+__all__ = ["Observer", "fused_amax", "global_scale_of", "lerp", "qparams_of_statistics",
+           "statistics_units"]
+
+_NO_STATISTICS = "No statistics available. Call observer(value) first."
+#: name -> class or factory, shared by every subclass (llm-compressor's registry is too)
+_REGISTRY: dict[str, object] = {}
+
+
+def _lookup_name(name: str) -> str:
+    return name.replace("-", "_").lower()
+
+
+def _as_args(args):
+    """A dict of ``QuantizationArgs`` fields as an object (the classes read attributes)."""
+    if isinstance(args, dict):
+        return SimpleNamespace(**{"strategy": None, "observer_kwargs": None, **args})
+    return args
+
+
+class Observer(torch.nn.Module):
+    """llm-compressor 0.14's observer base: ``(base_name, args, **observer_kwargs)``.
+
+    Subclasses implement :meth:`update_statistics_from_observed` on the
+    ``(observations, *qparam_shape, elements)`` view; keyword options are read from
+    ``args.observer_kwargs`` (the call's ``observer_kwargs`` are merged into it, as there).
+    """
+
+    #: statistic attribute -> reduce op of ``sync_activation_stats``
+    _act_sync_dict: ClassVar[dict] = {}
+    #: the attributes that make up the statistics
+    _stats_attrs: ClassVar[list[str]] = ["min_vals", "max_vals"]
+
+    def __init__(self, base_name: str, args, **observer_kwargs):
+        super().__init__()
+        self.base_name = base_name
+        self.args = _as_args(args)
+        self.args.observer_kwargs = dict(self.args.observer_kwargs or {})
+        self.args.observer_kwargs.update(observer_kwargs)
+        self.fusion_handler = FusionHandler(self)
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    def register(cls, name: str):
+        """Class decorator: make a class (or factory) loadable by ``name``."""
+        def add(value):
+            _REGISTRY[_lookup_name(name)] = value
+            return value
+        return add
+
+    @classmethod
+    def registered_names(cls) -> list[str]:
+        return sorted(_REGISTRY)
+
+    @classmethod
+    def load_from_registry(cls, name: str, **kwargs) -> Observer:
+        """The observer registered as ``name``, constructed with ``kwargs``."""
+        key = _lookup_name(name)
+        if key not in _REGISTRY:
+            raise KeyError(f"Unable to find {name} registered under type {cls}. Registered "
+                           f"values for {cls}: {sorted(_REGISTRY)}")
+        return _REGISTRY[key](**kwargs)
+
+    # ---------------------------------------------------------------- statistics
+    @property
+    def has_statistics(self) -> bool:
+        return all(hasattr(self, name) for name in self._stats_attrs)
+
+    @property
+    def is_weight_obs(self) -> bool:
+        return self.base_name == "weight"
+
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        """Update the statistics from ``(observations, *qparam_shape, elements)``."""
+        raise NotImplementedError()
+
+    def get_statistics(self) -> dict[str, torch.Tensor]:
+        assert self.has_statistics, _NO_STATISTICS
+        return {name: getattr(self, name) for name in self._stats_attrs}
+
+    def delete_statistics(self, check_fused: bool = True) -> None:
+        """Delete the statistics (in a fusion group, once every member has asked)."""
+        if check_fused:
+            self.fusion_handler.maybe_delete_statistics()
+            return
+        for name in self._stats_attrs:
+            if hasattr(self, name):
+                delattr(self, name)
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Called when attached to ``module`` (importance observers install hooks)."""
+
+    def detach(self, module: torch.nn.Module) -> None:
+        """Called before removal from ``module``."""
+
+    # ------------------------------------------------------------------- qparams
+    def get_global_scale(self) -> torch.Tensor | None:
+        """NVFP4's global scale over the fusion group (None unless ``tensor_group``)."""
+        if enum_name(field(self.args, "strategy")) != "tensor_group":
+            return None
+        return global_scale_of(fused_amax(self.fusion_handler.get_fused_statistics()))
+
+    @torch.no_grad()
+    def get_qparams(self) -> dict:
+        """``{"scale", "zero_point", "global_scale"}`` from the statistics, which it deletes."""
+        assert self.has_statistics, _NO_STATISTICS
+        amax = None
+        if enum_name(field(self.args, "strategy")) == "tensor_group":
+            amax = fused_amax(self.fusion_handler.get_fused_statistics())
+        scale, zero = qparams_of_statistics(self.min_vals, self.max_vals, self.args,
+                                            self.base_name, amax)
+        self.delete_statistics()
+        return {"scale": scale, "zero_point": zero,
+                "global_scale": None if amax is None else global_scale_of(amax)}
+
+    @torch.no_grad()
+    def forward(self, observed: torch.Tensor) -> Observer:
+        """Update the statistics from ``observed`` (a weight once); returns the observer."""
+        if observed.numel() == 0 or (self.is_weight_obs and self.has_statistics):
+            return self
+        self.update_statistics_from_observed(
+            flatten_for_calibration(observed, self.base_name, self.args))
+        self.fusion_handler.get_fused_statistics()
+        return self
+
+    def sync_activation_stats(self) -> list:
+        """All-reduce the ``_act_sync_dict`` statistics across ranks; the async handles."""
+        handles = []
+        for name, op in self._act_sync_dict.items():
+            value = getattr(self, name, None)
+            if value is not None:
+                value = value if value.dim() else value.reshape(1)
+                handles.append(dist.all_reduce(value, op=op, async_op=True))
+        return handles
+
+
+def statistics_units(observed: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``(observations, *qparam_shape, elements)`` as ``[qparams, observations * elements]``,
+    and the qparam shape."""
+    shape = tuple(observed.shape[1:-1])
+    return observed.movedim(0, -2).reshape(math.prod(shape), -1), shape
+
+
+def lerp(start: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
+    """``start * (1 - weight) + end * weight`` in new tensors (integer data in float32)."""
+    dtype = torch.promote_types(start.dtype, end.dtype)
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    state = start.to(dtype, copy=True)
+    ema_("ema_lerp", weight, state, end.to(dtype, copy=True))
+    return state
+
+
+def global_scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``generate_gparam(-amax, amax)``: fp8 max times fp4 max over amax."""
+    return nvfp4_global_scale(amax.reshape(1), FP4_E2M1)
+
+
+def fused_amax(statistics: list[dict]) -> torch.Tensor:
+    """The largest ``|min|`` / ``max`` over a fusion group's statistics (NVFP4's global amax)."""
+    return torch.stack([amax_of_range(s["min_vals"].min().float(), s["max_vals"].max().float())
+                        for s in statistics]).max()
+
+
+def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, base_name: str,
+                          global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' ``calculate_qparams`` of per-qparam ranges, by quantscope's formulas:
+    the scale in the statistics' float dtype (float32 for integer statistics), the zero point
+    in the args' ``zp_dtype``; an integer ``tensor_group`` scale times the global scale."""
+    spec = llmcompressor_spec(args, base_name)
+    shape = tuple(min_vals.shape)
+    dtype = min_vals.dtype if min_vals.is_floating_point() else torch.float32
+    lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
+    if is_int_tensor_group(args):
+        qp = qparams_from_range(lo, hi, spec.replace(layout=Channel(0)))
+        scale = qp.scale * global_scale_of(global_amax)
+    else:
+        qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)
+        scale = qp.scale
+    scale = scale.reshape(shape).to(dtype)
+    zero = qp.zero_point.reshape(shape).to(zp_dtype(args, spec))
+    if scale.ndim == 0:
+        scale, zero = scale.reshape(1), zero.reshape(1)
+    return scale, zero

@@ -1,0 +1,234 @@
+"""llm-compressor's earlier observer generation (the seed's API): ``forward`` returns
+``(scale, zero_point)``.
+
+These classes register in quantscope's registry as ``"llmcompressor:<name>"``
+(``quantscope.get_observer("llmcompressor:minmax", base_name=..., args=...)``).
+llm-compressor 0.14's generation (``forward`` returns the observer, ``get_qparams()``
+a dict, statistics API, fusion handler) is :mod:`quantscope.compat.llmcompressor`.
+
+``args`` is a compressed-tensors ``QuantizationArgs`` or a dict with its fields
+(num_bits, type, symmetric, strategy, group_size, block_structure, dynamic,
+actorder, scale_dtype, observer_kwargs). :func:`llmcompressor_spec` is the one
+translation into a :class:`~quantscope.QuantSpec`:
+
+==============  =================================================================
+strategy        layout
+==============  =================================================================
+tensor          ``Tensor()``
+channel         ``Channel(0)`` for weights (rows), ``Channel(-1)`` for activations
+group           ``Group(group_size, g_idx)`` (g_idx from the call or ``module.weight_g_idx``);
+                MX when float, group 32 and ``scale_dtype`` uint8 (E8M0 'even')
+tensor_group    ``Block(group_size)`` with fp8 block scales under a global scale (NVFP4)
+block           ``Tile(*block_structure)``
+token           ``Token()``
+attn_head       ``Channel(1)`` of ``[batch, heads, seq, head_dim]``
+==============  =================================================================
+
+Calling an observer observes the tensor and returns ``(scale, zero_point)`` as
+llm-compressor's observers did; ``get_qparams()`` returns the newer dict with
+``global_scale``. Known difference: compressed-tensors' MXFP8 rounds the block
+amax with fp4's mantissa width before taking the exponent; quantscope uses the
+element format's own (e4m3: 3 bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Group
+from ..observers.minmax import MemorylessMinMaxObserver as _NativeMemoryless
+from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
+from ..observers.minmax import StaticMinMaxObserver as _NativeStatic
+from ..observers.mse import MemorylessMSEObserver as _NativeMemorylessMSE
+from ..observers.mse import MovingAverageMSEObserver as _NativeMSE
+from ..observers.mse import NVFP4ExpandedMSEObserver as _NativeNVFP4MSE
+from ..observers.registry import observer_class, register
+from . import enum_name, field
+from .llmcompressor_spec import llmcompressor_spec, zp_dtype
+
+__all__ = [
+    "LLMCompressorObserver",
+    "MemorylessMSEObserver",
+    "MemorylessMinMaxObserver",
+    "MinMaxObserver",
+    "MovingAverageMSEObserver",
+    "NVFP4ExpandedMSEObserver",
+    "Observer",
+    "StaticMinMaxObserver",
+    "llmcompressor_spec",
+]
+
+class Observer:
+    """llm-compressor's observer base (a mixin: put it before the native class).
+
+    ``(base_name, args, module=None, **observer_kwargs)``; keywords named in
+    :attr:`native_options` (from ``args.observer_kwargs`` or the call) go to the
+    native observer.
+    """
+
+    #: observer_kwargs forwarded to the native observer's constructor
+    native_options: tuple[str, ...] = ()
+
+    def __init__(self, base_name: str, args, module: torch.nn.Module | None = None,
+                 **observer_kwargs):
+        kwargs = dict(field(args, "observer_kwargs") or {})
+        kwargs.update(observer_kwargs)
+        g_idx = None
+        if module is not None and enum_name(field(args, "strategy")) == "group":
+            g_idx = getattr(module, f"{base_name}_g_idx", None)
+        spec = llmcompressor_spec(args, base_name, g_idx)
+        super().__init__(spec, **{k: kwargs[k] for k in self.native_options if k in kwargs})
+        self.base_name, self.args, self.observer_kwargs = base_name, args, kwargs
+        self.module = None if module is None else [module]  # not a submodule
+        # [(state key, zp dtype, get_qparams' dict, its tensors' versions)]: forward returns
+        # qparams, then callers ask get_qparams for the same ones (llm-compressor's flow); a
+        # list, not a module attribute
+        self._qp_cache = [None]
+
+    @classmethod
+    def load_from_registry(cls, name: str, **kwargs):
+        """The class registered as ``"llmcompressor:" + name``, constructed with ``kwargs``."""
+        return observer_class(f"llmcompressor:{name}")(**kwargs)
+
+    @property
+    def is_weight_obs(self) -> bool:
+        return self.base_name == "weight"
+
+    @torch.no_grad()
+    def forward(self, observed: torch.Tensor, g_idx: torch.Tensor | None = None,
+                global_scale: torch.Tensor | None = None):
+        """Observe ``observed`` and return ``(scale, zero_point)`` for it."""
+        if g_idx is not None and isinstance(self.spec.layout, Group):
+            self.spec = self.spec.replace(layout=Group(self.spec.layout.size, -1, g_idx))
+        if global_scale is not None:
+            raise NotImplementedError("llmcompressor: pass NVFP4 tensors whole; the global "
+                                      "scale is derived from the observed absmax")
+        super().forward(observed)
+        if not self.has_observed:  # empty tensor
+            return None
+        qp = self.get_qparams()
+        return qp["scale"], qp["zero_point"]
+
+    def get_qparams(self) -> dict:
+        """``{"scale", "zero_point", "global_scale"}`` from the statistics (the newer API).
+
+        The zero point comes in compressed-tensors' ``zp_dtype`` (int8 for int8 / int4,
+        float8_e4m3fn for float formats, unless ``args.zp_dtype`` says otherwise).
+
+        Computed once per state: forward computes them (its return value) and the
+        ``get_qparams()`` that follows in llm-compressor's flow hands out the same tensors,
+        not copies (a million NVFP4 block scales per weight). The cache keeps their in-place
+        versions: a caller that wrote into them makes it a miss, so a write is never seen by
+        the next call (but it is by the other holder of the tensors).
+        """
+        key, dtype, hit = self._state_key(), self._zp_dtype(), self._qp_cache[0]
+        if (key is not None and hit is not None and hit[1] == dtype and _same_key(hit[0], key)
+                and all(t._version == v for t, v in hit[3])):
+            return dict(hit[2])
+        qp = self.qparams()
+        if self.spec.is_float and (self.spec.symmetric or self.spec.scale.is_block):
+            zp = torch.zeros(qp.zero_point.shape, dtype=dtype)  # zero by construction (a
+            # float8 cast of a million zeros costs more than the qparams)
+        else:
+            zp = qp.zero_point.to(dtype)
+        out = {"scale": qp.scale, "zero_point": zp, "global_scale": qp.global_scale}
+        self._qp_cache[0] = None if key is None else (
+            key, dtype, out, [(t, t._version) for t in out.values() if t is not None])
+        return dict(out)
+
+    def _state_key(self):
+        """What the qparams depend on: the spec and every buffer, by identity and in-place
+        version (any update, reset, load or sync replaces a buffer or bumps its version);
+        None where versions are not tracked (inference-mode tensors): no caching."""
+        try:
+            return (self.spec, self._last_shape,
+                    tuple((b, b._version) for b in self._buffers.values() if b is not None))
+        except RuntimeError:
+            return None
+
+    def _zp_dtype(self) -> torch.dtype:
+        return zp_dtype(self.args, self.spec)
+
+    def sync_activation_stats(self) -> list:
+        """All-reduce the statistics across DDP ranks as llm-compressor declares them
+        (``_act_sync_dict``: static MIN / MAX, moving averages AVG, memoryless nothing).
+
+        Synchronous (through :mod:`quantscope.distributed`, which also brings a rank
+        that saw no data into line); returns an empty list of pending handles.
+        """
+        self.sync()
+        return []
+
+    def get_global_scale(self, observed: torch.Tensor | None = None) -> torch.Tensor | None:
+        """NVFP4's global scale (observing ``observed`` first if given); None for other strategies."""
+        if observed is not None:
+            super().forward(observed)
+        if not self.spec.scale.has_global_scale:
+            return None
+        return self.qparams().global_scale
+
+
+LLMCompressorObserver = Observer
+
+
+def _same_key(a, b) -> bool:
+    return (a[0] is b[0] and a[1] == b[1] and len(a[2]) == len(b[2])
+            and all(x is y and vx == vy for (x, vx), (y, vy) in zip(a[2], b[2])))
+
+
+@register("llmcompressor:memoryless_minmax")
+class MemorylessMinMaxObserver(Observer, _NativeMemoryless):
+    """The min / max of the last observed value."""
+
+    def sync_plan(self):  # llm-compressor's _act_sync_dict is empty: nothing is reduced
+        return {}
+
+
+@register("llmcompressor:static_minmax")
+class StaticMinMaxObserver(Observer, _NativeStatic):
+    """The min / max of all observed values."""
+
+
+@register("llmcompressor:minmax")
+class MinMaxObserver(Observer, _NativeEMA):
+    """Moving average of min / max (``averaging_constant`` from observer_kwargs, default 0.01)."""
+
+    native_options = ("averaging_constant",)
+    state_update = "ema_lerp"  # llm-compressor's lerp: old * (1 - c) + new * c, its rounding
+
+
+_MSE_OPTIONS = ("maxshrink", "patience", "grid", "norm", "expand")
+
+
+@register("llmcompressor:memoryless_mse")
+class MemorylessMSEObserver(Observer, _NativeMemorylessMSE):
+    """llm-compressor's MSE grid search, exactly (global patience, norm 2.4, their error sum).
+
+    observer_kwargs maxshrink, patience, grid, norm, expand as theirs; their CUDA-only
+    ``triton_error_buffer`` is accepted and ignored (the eager search is what runs on CPU).
+    """
+
+    compat_default = "llmcompressor"
+    native_options = _MSE_OPTIONS
+
+    def sync_plan(self):  # their _act_sync_dict is empty
+        return {}
+
+
+@register("llmcompressor:mse")
+class MovingAverageMSEObserver(Observer, _NativeMSE):
+    """llm-compressor's ``mse``: the exact search, then their lerp (``averaging_constant`` 0.01)."""
+
+    compat_default = "llmcompressor"
+    native_options = (*_MSE_OPTIONS, "averaging_constant")
+
+
+@register("llmcompressor:nvfp4_expanded_mse")
+class NVFP4ExpandedMSEObserver(Observer, _NativeNVFP4MSE):
+    """llm-compressor's ``nvfp4_expanded_mse`` (expand 1.8, grid 200, patience 1000), exactly."""
+
+    compat_default = "llmcompressor"
+    native_options = _MSE_OPTIONS
+
+    def sync_plan(self):
+        return {}

@@ -1,0 +1,137 @@
+"""The parts of llm-compressor 0.14's observer contract that are not statistics.
+
+:func:`flatten_for_calibration` (the ``(observations, *qparam_shape, elements)`` view each
+strategy calibrates on) and :class:`FusionHandler` (observers of fused layers, e.g. q / k / v,
+share one NVFP4 global scale), as llm-compressor 0.14 defines them, with no dependency on
+llm-compressor: :mod:`quantscope.compat.llmcompressor` builds on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from weakref import ref
+
+import torch
+import torch.nn.functional as F
+
+from . import enum_name, field
+
+__all__ = ["FusionHandler", "flatten_for_calibration"]
+
+
+def flatten_for_calibration(value: torch.Tensor, base_name: str, args) -> torch.Tensor:
+    """``value`` as ``(observations, *qparam_shape, elements)`` for ``args.strategy``.
+
+    ``base_name`` says what was observed: ``"weight"`` (``[rows, cols]``), ``"input"`` /
+    ``"output"`` (``[batch, seq, hidden]``) or ``"q"`` / ``"k"`` / ``"v"`` (``[batch, heads,
+    seq, head_dim]``). Block weights are zero-padded to whole blocks (zeros do not move a
+    range that always holds zero).
+    """
+    strategy = enum_name(field(args, "strategy")) or "tensor"
+    kinds = {"weight": _weight_view, "input": _activation_view, "output": _activation_view,
+             "q": _attention_view, "k": _attention_view, "v": _attention_view}
+    if base_name not in kinds:
+        raise ValueError(f"Unknown quantization base name: {base_name}")
+    view = kinds[base_name](value, strategy, args)
+    if view is None:
+        what = {"weight": "weights", "input": "activations", "output": "activations"}
+        raise ValueError(f"{strategy.replace('_', ' ').capitalize()} quantization cannot be "
+                         f"applied to {what.get(base_name, 'attention')}"
+                         if strategy in _STRATEGIES else f"Unknown strategy {strategy}")
+    return view
+
+
+_STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block", "token", "attn_head")
+
+
+def _weight_view(value, strategy, args):
+    if strategy == "tensor":
+        return value.reshape(1, 1, -1)
+    if strategy == "channel":
+        return value.unsqueeze(-2).unsqueeze(0)
+    if strategy in ("group", "tensor_group"):
+        return value.unflatten(-1, (-1, field(args, "group_size"))).unsqueeze(0)
+    if strategy == "block":
+        height, width = field(args, "block_structure")
+        rows, cols = value.shape
+        value = F.pad(value, (0, -cols % width, 0, -rows % height))
+        blocks = value.reshape(value.shape[0] // height, height, value.shape[1] // width, width)
+        return blocks.transpose(1, 2).flatten(-2, -1).unsqueeze(0)
+    return None
+
+
+def _activation_view(value, strategy, args):
+    if strategy == "tensor":
+        return value.reshape(-1, 1, value.size(-1))
+    if strategy == "token":
+        return value
+    if strategy in ("group", "tensor_group"):
+        return value.flatten(0, 1).unflatten(-1, (-1, field(args, "group_size")))
+    return None
+
+
+def _attention_view(value, strategy, args):
+    by_token = value.transpose(1, 2).flatten(0, 1)  # [batch * seq, heads, head_dim]
+    if strategy == "tensor":
+        return by_token.flatten(-2, -1).unsqueeze(-2)
+    if strategy == "attn_head":
+        return by_token.unsqueeze(-2).unsqueeze(-2)
+    return None
+
+
+_GONE = "Fused module has been garbage collected before its weight was observed"
+
+
+class FusionHandler:
+    """One observer's membership of a fusion group (llm-compressor 0.14's contract).
+
+    ``fuse`` links the observers of fused layers and keeps a weak reference to each
+    layer, so a member that has not seen its weight yet observes it when the group's
+    statistics are asked for; statistics are deleted only when every member is done.
+    """
+
+    def __init__(self, observer):
+        self._observer = observer
+        self._module_ref = None
+        self._group: list[FusionHandler] = []
+        self._deletion_called = False
+
+    @property
+    def is_fused(self) -> bool:
+        return bool(self._group)
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        return None if self._module_ref is None else self._module_ref()
+
+    @classmethod
+    def fuse(cls, observers_and_modules: Iterable[tuple[object, torch.nn.Module]]) -> None:
+        """Link every ``(observer, module)`` pair's handler with the others'."""
+        handlers = []
+        for observer, module in observers_and_modules:
+            observer.fusion_handler._module_ref = ref(module)
+            handlers.append(observer.fusion_handler)
+        for handler in handlers:
+            handler._group = [other for other in handlers if other is not handler]
+
+    def get_fused_statistics(self) -> list[dict[str, torch.Tensor]]:
+        """The statistics of this observer and every fused one (observing a member's
+        weight first where it has none)."""
+        members = [self, *self._group]
+        for member in members:
+            if not member._observer.has_statistics:
+                module = member.module
+                assert module is not None, _GONE
+                member._observer(module.weight)
+        return [member._observer.get_statistics() for member in members]
+
+    def maybe_delete_statistics(self) -> None:
+        """Delete now when unfused; in a group, once every member has asked."""
+        if not self.is_fused:
+            self._observer.delete_statistics(check_fused=False)
+            return
+        self._deletion_called = True
+        if all(member._deletion_called for member in self._group):
+            for member in (*self._group, self):
+                member._deletion_called = False
+                member._observer.delete_statistics(check_fused=False)

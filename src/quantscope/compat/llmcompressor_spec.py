@@ -1,0 +1,110 @@
+"""The one translation of llm-compressor's ``QuantizationArgs`` into a :class:`QuantSpec`.
+
+Both observer API generations (:mod:`.llmcompressor`, llm-compressor 0.14's, and
+:mod:`.llmcompressor_legacy`, the seed's), the llm-compressor integration, the exporters'
+readers and recipes call :func:`llmcompressor_spec`.
+
+``args`` is a compressed-tensors ``QuantizationArgs`` or a dict with its fields
+(num_bits, type, symmetric, strategy, group_size, block_structure, dynamic,
+actorder, scale_dtype, zp_dtype, observer_kwargs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Block, Channel, Group, Tensor, Tile, Token
+from ..spec import QuantSpec
+from . import enum_name, field
+
+__all__ = ["is_int_tensor_group", "llmcompressor_spec", "zp_dtype"]
+
+_FLOATS = {8: "fp8_e4m3", 6: "fp6_e2m3", 4: "fp4_e2m1"}
+_SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+                 "float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def _block_structure(value):
+    if isinstance(value, str):  # older compressed-tensors: "128x128"
+        value = [int(v) for v in value.lower().split("x")]
+    if value is None or len(value) != 2:
+        raise ValueError(f"llmcompressor: strategy block needs block_structure [rows, cols], "
+                         f"got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | None = None
+                       ) -> QuantSpec:
+    """The :class:`QuantSpec` of a ``QuantizationArgs`` (or dict) for ``base_name`` (the one translation)."""
+    bits = int(field(args, "num_bits", 8))
+    kind = enum_name(field(args, "type")) or "int"
+    symmetric = field(args, "symmetric", True)
+    symmetric = True if symmetric is None else bool(symmetric)
+    group_size = field(args, "group_size")
+    strategy = enum_name(field(args, "strategy"))
+    if strategy is None:  # compressed-tensors' default: group if a group size is given
+        strategy = "group" if group_size not in (None, -1) else "tensor"
+    scale_dtype = field(args, "scale_dtype")
+    if kind == "float":
+        if bits not in _FLOATS:
+            raise ValueError(f"llmcompressor: float num_bits must be one of {list(_FLOATS)}, "
+                             f"got {bits}")
+        fmt = _FLOATS[bits]
+    elif kind == "int":
+        fmt = f"int{bits}"
+    else:
+        raise ValueError(f"llmcompressor: type must be 'int' or 'float', got {kind!r}")
+    scale = "fp32"
+    if strategy == "tensor":
+        layout = Tensor()
+    elif strategy == "channel":
+        layout = Channel(0 if base_name == "weight" else -1)
+    elif strategy in ("group", "tensor_group"):
+        if not group_size or group_size < 1:
+            raise ValueError(f"llmcompressor: strategy {strategy} needs a positive group_size, "
+                             f"got {group_size!r}")
+        mx = (kind == "float" and group_size == 32 and scale_dtype in (torch.uint8, "uint8")
+              and strategy == "group")
+        if strategy == "tensor_group" and kind == "int":
+            layout = Group(group_size, -1)  # fp32 scales; the caller applies the global scale
+        elif strategy == "tensor_group":
+            layout, scale = Block(group_size), "fp8_e4m3"
+        elif mx:
+            layout, scale = Block(group_size), "e8m0:even"
+        else:
+            layout = Group(group_size, -1, g_idx)
+    elif strategy == "block":
+        layout = Tile(*_block_structure(field(args, "block_structure")))
+    elif strategy == "token":
+        layout = Token()
+    elif strategy == "attn_head":
+        layout = Channel(1)
+    else:
+        raise ValueError(f"llmcompressor: unknown strategy {strategy!r}; expected tensor, "
+                         f"channel, group, tensor_group, block, token or attn_head")
+    if scale == "fp32" and scale_dtype is not None:
+        key = scale_dtype if isinstance(scale_dtype, torch.dtype) else str(scale_dtype)
+        key = key.removeprefix("torch.") if isinstance(key, str) else key
+        if key in (torch.float8_e4m3fn, "float8_e4m3fn"):
+            raise ValueError("llmcompressor: fp8 scales need strategy tensor_group (NVFP4)")
+        scale = _SCALE_DTYPES.get(key, "fp32")
+    return QuantSpec(fmt, layout, symmetric=symmetric, scale=scale)
+
+
+def is_int_tensor_group(args) -> bool:
+    """An integer ``tensor_group`` spec: compressed-tensors multiplies each group's fp32
+    scale by the global scale (floats use NVFP4's fp8 block scales instead)."""
+    kind = enum_name(field(args, "type")) or "int"
+    return kind == "int" and enum_name(field(args, "strategy")) == "tensor_group"
+
+
+def zp_dtype(args, spec: QuantSpec) -> torch.dtype:
+    """compressed-tensors' zero-point dtype: ``args.zp_dtype`` if set, else float8_e4m3fn for
+    float formats and the narrowest signed integer that holds the codes."""
+    dtype = field(args, "zp_dtype")
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if spec.is_float:
+        return torch.float8_e4m3fn
+    bits = spec.format.bits
+    return torch.int8 if bits <= 8 else torch.int16 if bits <= 16 else torch.int32
