@@ -1,0 +1,92 @@
+"""The Triton kernels compiled for an H100 (sm_90) here, without a GPU: every kernel compiles,
+and the float32 arithmetic that must round as torch's ops round is the IEEE instruction.
+
+In the PTX: divisions ``div.rn.f32`` (never ``div.full`` / ``div.approx`` / ``rcp``), no
+``fma`` (every launch passes ``_jit.LAUNCH``: ``enable_fp_fusion=False``), and every f32 add / sub / mul carries
+``.rn``, which ptxas never contracts into an FMA. The compile runs in a child process
+without ``TRITON_INTERPRET`` (the interpreter's functions cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+#: kernel -> (signature, constexprs) of the launches to compile
+_F32 = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+CASES = {
+    "fakequant._fake_quant_kernel": (
+        {"x_ptr": "*bf16", "s_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32", "U": "i32",
+         "E": "i32", "stride_u": "i32", "stride_e": "i32", "qmin": "fp32", "qmax": "fp32",
+         "BLOCK_U": "constexpr", "BLOCK_E": "constexpr"}, {"BLOCK_U": 4, "BLOCK_E": 1024}),
+    "mse._price_kernel": (
+        {"x_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32", "out_ptr": "*fp64", "U": "i32",
+         "E": "i32", "K": "i32", "stride_u": "i32", "qmin": "fp32", "qmax": "fp32",
+         "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr"},
+        {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True}),
+    "block_qparams._e8m0_kernel": (
+        {**_F32, "emax": "i32", "fmax": "fp32", "MODE": "constexpr", "TOP": "constexpr",
+         "BLOCK_N": "constexpr"}, {"MODE": 3, "TOP": 4.0, "BLOCK_N": 1024}),
+    "block_qparams._nvfp4_kernel": (
+        {**_F32, "gs_ptr": "*fp32", "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32",
+         "FIELD_MIN": "constexpr", "MBITS_FIELD": "constexpr", "BLOCK_N": "constexpr"},
+        {"FIELD_MIN": 121 << 23, "MBITS_FIELD": 3 << 23, "BLOCK_N": 1024}),
+    "minmax._minmax_kernel": (
+        {"x_ptr": "*fp16", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "U": "i32", "E": "i32",
+         "stride_u": "i32", "stride_e": "i32", "chunk": "i32", "splits": "i32",
+         "BLOCK_U": "constexpr", "BLOCK_E": "constexpr"}, {"BLOCK_U": 8, "BLOCK_E": 512}),
+    "histogram._hist_kernel": (
+        {"x_ptr": "*bf16", "counts_ptr": "*i64", "exp_ptr": "*i64", "first_ptr": "*i64",
+         "E": "i32", "stride_u": "i32", "chunk": "i32", "B": "i32", "ABSOLUTE": "constexpr",
+         "NB": "constexpr", "BLOCK_E": "constexpr"},
+        {"ABSOLUTE": True, "NB": 4096, "BLOCK_E": 1024}),
+}
+
+
+def _compile_all() -> dict:
+    """{kernel: its PTX's float32 instructions, counted} (run in the child)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quantscope.kernels.triton._jit import LAUNCH
+
+    out = {}
+    for name, (signature, constexprs) in CASES.items():
+        module, fn = name.split(".")
+        kernel = getattr(importlib.import_module(f"quantscope.kernels.triton.{module}"), fn)
+        src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options=dict(LAUNCH)).asm["ptx"]  # the launches' options
+        ops = re.findall(r"^\s*((?:div|fma|rcp|add|sub|mul)\.[a-z0-9.]*f32)\b", ptx,
+                         re.MULTILINE)
+        out[name] = sorted(set(ops))
+    return out
+
+
+def test_kernels_compile_for_sm90_with_ieee_float32():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                         check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(found) == set(CASES)
+    for name, ops in found.items():
+        assert not [op for op in ops if op.startswith(("fma", "rcp"))], (name, ops)
+        assert all(op.startswith(("div.rn.", "add.rn.", "sub.rn.", "mul.rn.")) for op in ops), \
+            (name, ops)
+    assert "div.rn.f32" in found["fakequant._fake_quant_kernel"]
+    assert "div.rn.f32" in found["mse._price_kernel"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
