@@ -1,0 +1,216 @@
+"""AMD Quark's qspec translation, scale rules and observer mixin (the core of
+:mod:`quantscope.compat.quark`, which re-exports every name here)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FloatFormat
+from ..layout import Block, Channel, Group, Tensor
+from ..qparams import qparams_from_range
+from ..spec import QuantSpec
+from . import enum_name, field
+
+__all__ = ["FP8_E5M3", "QuarkObserver", "quark_float_scale", "quark_spec"]
+
+#: Quark's unsigned E5M3 (bias 15, subnormals down to 2 ** -17, largest 1.75 * 2 ** 16: the
+#: top code is not a number): the scale format of AMD's FP4 and of its second-level scales
+FP8_E5M3 = FloatFormat("fp8_e5m3", 5, 3, 114688.0)
+_F32_EPS = torch.finfo(torch.float32).eps
+
+_INT = {"int2", "int3", "int4", "int8", "int16", "uint4", "uint8"}
+_FLOAT = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp6_e3m2": "fp6_e3m2",
+          "fp6_e2m3": "fp6_e2m3", "fp4": "fp4_e2m1", "fp8_e5m3": FP8_E5M3}
+_CAST = {"float16", "bfloat16"}
+_SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def quark_spec(qspec) -> QuantSpec:
+    """The :class:`QuantSpec` of a Quark ``QTensorConfig`` (object or dict; the one translation).
+
+    Casts (float16 / bfloat16) give an fp32 per-tensor spec: they need no range.
+    """
+    dtype = enum_name(field(qspec, "dtype"))
+    qscheme = enum_name(field(qspec, "qscheme")) or "per_tensor"
+    ch_axis = field(qspec, "ch_axis")
+    group_size = field(qspec, "group_size")
+    symmetric = field(qspec, "symmetric")
+    symmetric = True if symmetric is None else bool(symmetric)
+    scale_format = enum_name(field(qspec, "scale_format")) or "float32"
+    mode = enum_name(field(qspec, "scale_calculation_mode")) or "even"
+    round_method = enum_name(field(qspec, "round_method"))
+    if round_method not in (None, "half_even", "8"):
+        raise ValueError(f"quark: round_method {round_method!r} is not supported; "
+                         f"quantscope rounds half to even")
+    if dtype in _CAST:
+        return QuantSpec("int8", Tensor())
+    if dtype == "bfp16":
+        return QuantSpec("int8_narrow", Block(group_size or 8, -1 if ch_axis is None else ch_axis),
+                         scale="e8m0:even")
+    if dtype == "mx":
+        element = enum_name(field(qspec, "mx_element_dtype"))
+        if element not in _FLOAT and element != "int8":
+            raise ValueError(f"quark: mx_element_dtype must be one of {[*_FLOAT, 'int8']}, "
+                             f"got {element!r}")
+        fmt = "int8_narrow" if element == "int8" else _FLOAT[element]
+        return QuantSpec(fmt, Block(group_size or 32, -1 if ch_axis is None else ch_axis),
+                         scale=f"e8m0:{mode}")
+    if dtype in _FLOAT:
+        fmt = _FLOAT[dtype]
+    elif dtype in _INT:
+        fmt = dtype
+    else:
+        raise ValueError(f"quark: dtype {dtype!r} is not supported; expected one of "
+                         f"{sorted(_INT | set(_FLOAT) | _CAST | {'mx', 'bfp16'})}")
+    if scale_format in ("e8m0", "e4m3", "e5m3"):  # block scales: MX, NVFP4, AMD FP4
+        if qscheme != "per_group" or not group_size:
+            raise ValueError(f"quark: scale_format {scale_format!r} needs qscheme per_group "
+                             f"with a group_size, got {qscheme!r}, group_size={group_size!r}")
+        # e5m3 has no native scale encoding: fp32 here, rounded by quark_float_scale
+        scale = {"e8m0": f"e8m0:{mode}", "e4m3": "fp8_e4m3", "e5m3": "fp32"}[scale_format]
+        return QuantSpec(fmt, Block(group_size, -1 if ch_axis is None else ch_axis),
+                         scale=scale)
+    if scale_format != "float32":
+        raise ValueError(f"quark: scale_format must be float32, e8m0, e4m3 or e5m3, got "
+                         f"{scale_format!r}")
+    if qscheme == "per_tensor":
+        layout = Tensor()
+    elif qscheme == "per_channel":
+        layout = Channel(0 if ch_axis is None else ch_axis)
+    elif qscheme == "per_group":
+        if not group_size:
+            raise ValueError("quark: qscheme per_group needs a group_size")
+        layout = Group(group_size, -1 if ch_axis is None else ch_axis)
+    else:
+        raise ValueError(f"quark: qscheme must be per_tensor, per_channel or per_group, got "
+                         f"{qscheme!r}")
+    return QuantSpec(fmt, layout, symmetric=symmetric if dtype in _INT else True)
+
+
+def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *,
+                      eps=_F32_EPS, first_level: float | None = None,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Quark's ``get_scale`` for float32, e4m3 and e5m3 scales of ``amax`` (any shape).
+
+    float32: ``amax / (first_level * quant_max)`` in one division when ``first_level``
+    (Quark's ``quant_max_first_level``) is set, else ``amax / quant_max``; zeros -> ``eps``.
+    e5m3: ``amax / quant_max``, zeros -> ``eps``, rounded to :data:`FP8_E5M3`. e4m3: NVFP4's
+    two levels, the global amax being that of the ``amax`` given (Quark's order of operations,
+    so the fp8 rounding sees the same float32 values). ``dtype``: Quark's ``scale_type``.
+    """
+    if scale_format == "float32":
+        amax = amax if dtype is None else amax.to(dtype)
+        scale = torch.div(amax, quant_max if first_level is None else first_level * quant_max)
+        return scale.masked_fill(scale == 0.0, eps)
+    if scale_format == "e5m3":
+        scale = torch.div(amax, quant_max)
+        scale = scale.masked_fill(scale == 0.0, eps)
+        return FP8_E5M3.round(scale, 0.0, FP8_E5M3.max).to(scale.dtype)
+    if scale_format == "e4m3":
+        two_level = 448.0 * (quant_max / amax.max().float())
+        scale = (amax.float() / quant_max * two_level).to(torch.float8_e4m3fn).float() / two_level
+        return scale if dtype is None else scale.to(dtype)
+    raise ValueError(f"quark: scale_format must be float32, e4m3 or e5m3 here (e8m0 is the "
+                     f"native MX rule), got {scale_format!r}")
+
+
+def _quark_int_default() -> tuple[torch.Tensor, torch.Tensor]:
+    # Quark's answer for a range never observed (it warns and returns these)
+    return torch.tensor([1.0]), torch.tensor([0])
+
+
+class QuarkObserver:
+    """Mixin (put it before the native class): a Quark qspec in, Quark's qparams out.
+
+    Keywords after ``device`` go to the native observer's constructor.
+    """
+
+    def __init__(self, qspec, device: torch.device | None = None, **native):
+        super().__init__(quark_spec(qspec), **native)
+        self.qspec = qspec
+        self.dtype = field(qspec, "dtype")
+        self.is_dynamic = bool(field(qspec, "is_dynamic"))
+        self.scale_format = enum_name(field(qspec, "scale_format"))
+        self.scale_calculation_mode = enum_name(field(qspec, "scale_calculation_mode"))
+        scale_type = enum_name(field(qspec, "scale_type"))
+        self.scale_torch_dtype = _SCALE_DTYPES.get(scale_type, torch.float32)
+        #: set by a two-level scheme on its second stage: float32 scales divide by it too
+        self.quant_max_first_level: float | None = None
+        self.eps = _F32_EPS
+        self._deleted: set[str] = set()
+        if device is not None:
+            self.to(device)
+
+    @property
+    def _num_observed_tokens(self) -> int:
+        return int(self.observed_tokens)
+
+    def _quark_shape(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-unit (or qparam-shaped) tensor in Quark's shape: ``(C,)`` per tensor /
+        channel, ``(rows, groups)`` per group / block."""
+        if isinstance(self.spec.layout, Tensor | Channel):
+            return t.reshape(-1)
+        groups = self.spec.layout.qparam_shape(self.shape)[-1] if self.has_observed else 1
+        return t.reshape(-1, groups)
+
+    def _calculate_qparams(self):
+        qp = self.qparams()
+        scale, zp = self._quark_shape(qp.effective_scale), self._quark_shape(qp.zero_point)
+        if self.spec.is_float or self.spec.scale.is_block:
+            zp = torch.zeros_like(scale)
+        return scale.to(self.scale_torch_dtype), zp
+
+    def calculate_qparams(self, min_val: torch.Tensor | None = None,
+                          max_val: torch.Tensor | None = None):
+        """Quark's ``calculate_qparams()``; with ``(min_val, max_val)`` it prices a given range."""
+        if min_val is None and max_val is None:
+            return self._calculate_qparams()
+        if self.spec.is_float:
+            return self.calculate_fp8_quant_parameters(min_val, max_val)
+        return self.calculate_int_quant_params(min_val, max_val)
+
+    def calculate_int_quant_params(self, min_val: torch.Tensor, max_val: torch.Tensor):
+        """Quark's integer ``(scale, zero_point)`` of a range (any shape; int32 zero points);
+        a range never observed (``inf``, ``-inf`` or empty) gives Quark's ``([1.], [0])``."""
+        if self.spec.is_float:
+            raise ValueError(f"calculate_int_quant_params needs an integer dtype, the qspec "
+                             f"has {enum_name(self.dtype)!r}")
+        if min_val.numel() == 0 or max_val.numel() == 0 or (
+                min_val.dim() == 0 and bool(min_val == float("inf"))
+                and bool(max_val == float("-inf"))):
+            return _quark_int_default()
+        qp = qparams_from_range(min_val.float(), max_val.float(), self.spec)
+        return qp.scale.to(self.scale_torch_dtype), qp.zero_point.to(torch.int32)
+
+    def calculate_fp8_quant_parameters(self, min_val: torch.Tensor, max_val: torch.Tensor):
+        """Quark's float ``(scale, zeros)``: ``amax / quant_max`` of the range (divided by
+        ``quant_max_first_level`` too when it is set), zeros -> eps."""
+        amax = torch.maximum(min_val.clamp(max=0).abs(), max_val.clamp(min=0))
+        scale = quark_float_scale(amax, self.spec.format.qmax, "float32", eps=self.eps,
+                                  first_level=self.quant_max_first_level,
+                                  dtype=self.scale_torch_dtype)
+        return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
+
+    def _stat(self, name: str, empty: float) -> torch.Tensor:
+        """A statistic as Quark shows it: ``tensor(empty)`` before data / after a reset."""
+        if name in self._deleted:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(self, name + "s") if self.has_observed else torch.tensor(empty)
+
+    def _delete(self, name: str) -> None:
+        self._deleted.add(name)
+
+    def _require(self, *names: str) -> None:
+        """Quark raises RuntimeError when reset_state finds a statistic deleted."""
+        missing = [n for n in names if n in self._deleted]
+        if missing:
+            raise RuntimeError(f"{type(self).__name__} has no attribute "
+                               f"{' or '.join(repr(n) for n in missing)}.")
+
+    def reset_state(self) -> None:
+        self.reset_min_max_vals()
+
+    def reset_min_max_vals(self) -> None:
+        """Forget the statistics: ``min_val`` / ``max_val`` read ``inf`` / ``-inf`` again."""
+        self.reset()
+        self._deleted.clear()

@@ -1,0 +1,166 @@
+"""AMD Quark's histogram observers (re-exported by :mod:`quantscope.compat.quark`).
+
+Quark's recorder, percentile, histogram-MSE and torch.ao-backed ("Pro") observers over the
+native histogram observers, with Quark's ``(qspec, device=None)`` signature and qparams.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Tensor
+from ..observers.histogram import HistogramObserverBase, L2HistogramObserver
+from ..observers.registry import register
+from . import enum_name
+from .quark_base import QuarkObserver
+
+__all__ = [
+    "PerTensorHistogramObserver",
+    "PerTensorHistogramObserverPro",
+    "PerTensorMSEObserver",
+    "PerTensorPercentileObserver",
+]
+
+
+class _QuarkHistogram(QuarkObserver):
+    """Quark's histogram family: ``(qspec, device=None)``, 2048 bins, the first batch binned
+    as Quark bins it (``|x|`` from 0 when symmetric, else ``[min, max]``); batches inside
+    that range add on the same grid (Quark appends bins when the range grows: quantscope
+    moves the counts once to its exact fixed-size grid instead)."""
+
+    _num_bins = 2048
+    _skip_zeros = False
+
+    def __init__(self, qspec, device: torch.device | None = None, **native):
+        native.setdefault("grid", "first")
+        native.setdefault("bins", self._num_bins)
+        native.setdefault("skip_zeros", self._skip_zeros)
+        super().__init__(qspec, device, **native)
+        self.symmetric = self.spec.symmetric
+
+    @property
+    def calib_hist(self) -> torch.Tensor:
+        """Counts as Quark holds them (float32; ``[bins]`` per tensor, ``[units, bins]`` else)."""
+        if not self.has_observed:
+            return torch.tensor([])
+        c = self.current_histogram().counts.float()
+        return c[0] if c.shape[0] == 1 else c
+
+    @property
+    def calib_bin_edges(self) -> torch.Tensor:
+        if not self.has_observed:
+            return torch.tensor([])
+        e = self.current_histogram().edges()
+        return e[0] if e.shape[0] == 1 else e
+
+
+@register("quark:PerTensorHistogramObserver")
+class PerTensorHistogramObserver(_QuarkHistogram, HistogramObserverBase):
+    """Quark's histogram recorder. Quark's own never sets a range (scale 1); here the range is
+    the data's min / max, so the class is usable on its own."""
+
+    def _estimate(self, hist):
+        return self.min_vals, self.max_vals
+
+
+@register("quark:PerTensorPercentileObserver")
+class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
+    """Quark's percentile observer: 4200 bins, zeros skipped, p = 99.99999999, left bin edge."""
+
+    _num_bins = 4200
+    _skip_zeros = True
+
+    def __init__(self, qspec, device: torch.device | None = None, **native):
+        self.percentile = 99.99999999
+        super().__init__(qspec, device, **native)
+
+    def _estimate(self, hist):
+        return self.get_min_max_by_percentile(hist.counts, hist.edges(), self.percentile)
+
+    def get_min_max_by_percentile(self, histogram: torch.Tensor, bin_edges: torch.Tensor,
+                                  percentile: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quark's function, vectorized over rows (``[B]`` / ``[B + 1]`` or ``[U, B]`` /
+        ``[U, B + 1]``). As in Quark: the asymmetric branch takes the max from the low tail
+        (``cdf >= (100 - p) / 200``) and the min from the first bin."""
+        if percentile < 0 or percentile > 100:
+            raise ValueError("Percentile value must be between 0 and 100.")
+        one = histogram.dim() == 1
+        h = histogram.float().reshape(-1, histogram.shape[-1])
+        edges = bin_edges.float().reshape(-1, bin_edges.shape[-1])
+        total = h.sum(-1, keepdim=True)
+        cdf = torch.cumsum(h / total, dim=-1)
+        B = h.shape[-1]
+        ar = torch.arange(B, device=h.device)
+
+        def first(mask, default):
+            return torch.where(mask, ar, B).amin(-1).where(mask.any(-1), default)
+
+        if not self.spec.symmetric:
+            side = (100.0 - percentile) / 200.0
+            up = first(cdf >= torch.tensor(side).float(), B - 1)
+            low = first(cdf <= torch.tensor(1 - side).float(), 0)
+            mx, mn = edges.gather(1, up[:, None])[:, 0], edges.gather(1, low[:, None])[:, 0]
+        else:
+            target = torch.minimum(torch.tensor(percentile / 100.0, dtype=torch.float64),
+                                   cdf[:, -1].double()).float()
+            up = first(cdf >= target[:, None], B - 1)
+            mx = edges.gather(1, up[:, None])[:, 0]
+            mn = torch.zeros_like(mx)
+        empty = total[:, 0] <= 0  # Quark: zero-mass histogram -> (0, 0)
+        mn, mx = mn.masked_fill(empty, 0), mx.masked_fill(empty, 0)
+        return (mn[0], mx[0]) if one else (mn, mx)
+
+
+@register("quark:PerTensorMSEObserver")
+class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
+    """Quark's histogram-MSE observer: candidates ``(0, centre_i)`` for ``i >= start_bin`` (2045)."""
+
+    def _estimate(self, hist):
+        return self.get_min_max_by_mse(hist.counts, hist.edges())
+
+    def get_min_max_by_mse(self, calib_hist: torch.Tensor, calib_bin_edges: torch.Tensor,
+                           stride: int = 1, start_bin: int = 2045
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quark's function, vectorized over candidates (and rows): the first centre with the
+        least ``sum((q(c) - c) ** 2 * count)``; returns ``(0, amax)``."""
+        from ..estimators.error import histogram_error
+        from ..stats.histogram import Hist
+
+        if calib_bin_edges.shape[-1] < 2:
+            raise ValueError(f"calib_bin_edges must have at least 2 elements, got "
+                             f"{calib_bin_edges.shape[-1]}")
+        one = calib_hist.dim() == 1
+        counts = calib_hist.reshape(-1, calib_hist.shape[-1])
+        edges = calib_bin_edges.float().reshape(-1, calib_bin_edges.shape[-1])
+        centers = (edges[:, 1:] + edges[:, :-1]) / 2
+        n = centers.shape[-1]
+        start = min(start_bin, max(0, n - 1))
+        idx = torch.arange(start, n, stride, device=centers.device)
+        amax = centers[:, idx]
+        zero = torch.zeros_like(amax)
+        h = Hist(counts.round().long(), edges[:, 0], edges[:, -1], self.spec.symmetric)
+        err = histogram_error(h, zero, amax, self.spec, centers=centers)
+        best = amax.gather(1, err.argmin(-1, keepdim=True))[:, 0]
+        mn = torch.zeros_like(best)
+        return (mn[0], best[0]) if one else (mn, best)
+
+
+@register("quark:PerTensorHistogramObserverPro")
+class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
+    """Quark's wrapper of torch.ao's HistogramObserver (256 bins, non-linear L2 search).
+
+    ``upsample_rate`` is accepted and unused (torch >= 2.5 dropped it too); custom
+    quant ranges make torch ignore ``reduce_range``, so it is accepted and unused.
+    """
+
+    def __init__(self, qspec, device: torch.device | None = None, bins: int = 256,
+                 reduce_range: bool = False, upsample_rate: int = 384, **native):
+        native.setdefault("grid", "first")
+        native.setdefault("dst_nbins", 256)  # 2 ** iinfo(qint8 / quint8 / quint4x2).bits
+        native.setdefault("polish", 0)
+        super().__init__(qspec, device, bins=bins, **native)
+        if not isinstance(self.spec.layout, Tensor):
+            raise ValueError("PerTensorHistogramObserverPro only supports per_tensor")  # noqa: TRY004
+        if enum_name(self.dtype) not in ("uint4", "int8", "uint8"):
+            raise ValueError("PerTensorHistogramObserverPro only supports 4bit and 8bit")
+        self.reduce_range = reduce_range
