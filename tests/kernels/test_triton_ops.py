@@ -137,3 +137,24 @@ def test_ops_compose_into_the_native_search(spec, monkeypatch):
     lo, hi, _ = fused_int_search(w, spec)
     want = mse_search(w, None, None, spec)
     assert torch.equal(lo, want.lo) and torch.equal(hi, want.hi)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_ops_replay_in_a_cuda_graph():
+    """Min-max and MXFP4 scales of a weight captured once in a CUDA graph and replayed on new
+    data: no host read inside, the eager results."""
+    w = torch.randn(256, 512, device="cuda")
+
+    def qparams():
+        lo, hi = ops.unit_minmax(w.view(-1, 32))
+        return ops.e8m0_block_scales(lo, hi, "fp4_e2m1", "even")
+
+    qparams()  # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qparams()
+    w.copy_(torch.randn_like(w) * 3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, qparams())
