@@ -55,6 +55,7 @@ from compressed_tensors.quantization.utils import generate_gparam
 from compressed_tensors.registry.registry import standardize_lookup_name
 from llmcompressor.observers import Observer
 from llmcompressor.observers.helpers import flatten_for_calibration
+from torch import distributed as dist
 
 from ..compat.llmcompressor import llmcompressor_spec
 from ..layout import Block, Channel
@@ -89,14 +90,30 @@ class QuantscopeObserver(Observer):
             spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
                                 else spec.scale)
         cls = observer_class(self.quantscope_name)
+        kwargs = self._take_llmcompressor_options(dict(self.args.observer_kwargs))
         try:
-            self.quantscope = cls(spec, **dict(self.args.observer_kwargs))
+            self.quantscope = cls(spec, **kwargs)
         except TypeError as e:
             raise TypeError(f"observer {PREFIX}{self.quantscope_name}: observer_kwargs "
                             f"{self.args.observer_kwargs} do not fit {cls.__name__}: {e}") from None
         self._qparam_shape: tuple[int, ...] | None = None
         self._dtype = torch.float32
         self._range: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: statistics assigned by the caller (llm-compressor assigns min_vals / max_vals)
+        self._assigned: dict[str, torch.Tensor] = {}
+
+    def _take_llmcompressor_options(self, kwargs: dict) -> dict:
+        """Keep llm-compressor's own MSE options as its observers do (``triton_error_buffer``,
+        its CUDA search's patience, is an attribute; ``expand < 1`` is refused with its
+        message) and return the keywords for the quantscope observer."""
+        if observer_class(self.quantscope_name).family != "mse":
+            return kwargs
+        fp4 = self.args.type == "float" and self.args.num_bits == 4
+        self.triton_error_buffer = kwargs.pop("triton_error_buffer", 1.00 if fp4 else 0.30)
+        self.expand = kwargs.get("expand", 1.0)
+        if self.expand < 1.0:
+            raise ValueError(f"expand value must be at least 1.0, got {self.expand}")
+        return kwargs
 
     # ----------------------------------------------------------------- observing
     @torch.no_grad()
@@ -116,21 +133,47 @@ class QuantscopeObserver(Observer):
         """Feed ``(observations, *qparam_shape, elements)`` to quantscope as ``[units, elements]``."""
         shape = tuple(observed.shape[1:-1])
         units = observed.movedim(0, -2).reshape(math.prod(shape), -1)
-        self.quantscope(units)
-        self._qparam_shape, self._dtype, self._range = shape, observed.dtype, None
+        # integer data (llm-compressor observes it) is calibrated on its float32 values
+        dtype = observed.dtype if observed.is_floating_point() else torch.float32
+        self.quantscope(units.to(dtype))
+        self._qparam_shape, self._dtype, self._range = shape, dtype, None
+        self._assigned = {}
 
     # ------------------------------------------------------------- statistics
     @property
     def has_statistics(self) -> bool:
-        return self.quantscope.has_observed
+        return self.quantscope.has_observed or all(
+            name in self._assigned for name in ("min_vals", "max_vals"))
 
+    # min_vals / max_vals: quantscope's range, or what the caller assigned (llm-compressor
+    # assigns them); each read after an update is a new tensor, never written in place
     @property
     def min_vals(self) -> torch.Tensor:
+        if "min_vals" in self._assigned:
+            return self._assigned["min_vals"]
         return self._current_range()[0]
+
+    @min_vals.setter
+    def min_vals(self, value: torch.Tensor) -> None:
+        self._assigned["min_vals"] = value
+
+    @min_vals.deleter
+    def min_vals(self) -> None:
+        self.delete_statistics(check_fused=False)
 
     @property
     def max_vals(self) -> torch.Tensor:
+        if "max_vals" in self._assigned:
+            return self._assigned["max_vals"]
         return self._current_range()[1]
+
+    @max_vals.setter
+    def max_vals(self, value: torch.Tensor) -> None:
+        self._assigned["max_vals"] = value
+
+    @max_vals.deleter
+    def max_vals(self) -> None:
+        self.delete_statistics(check_fused=False)
 
     def _current_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         # quantscope's range, shaped and typed as llm-compressor's min_vals / max_vals
@@ -138,8 +181,9 @@ class QuantscopeObserver(Observer):
         if self._range is None:
             self.quantscope.check_ready()
             lo, hi = self.quantscope.calculate_range()
-            self._range = (lo.reshape(self._qparam_shape).to(self._dtype),
-                           hi.reshape(self._qparam_shape).to(self._dtype))
+            # copies: the quantscope observer updates its buffers in place
+            self._range = (lo.reshape(self._qparam_shape).to(self._dtype, copy=True),
+                           hi.reshape(self._qparam_shape).to(self._dtype, copy=True))
         return self._range
 
     def get_statistics(self) -> dict[str, torch.Tensor]:
@@ -168,11 +212,14 @@ class QuantscopeObserver(Observer):
             self.fusion_handler.maybe_delete_statistics()
         else:
             self.quantscope.reset()
-            self._range = None
+            self._range, self._assigned = None, {}
 
     def sync_activation_stats(self) -> list:
         """Reduce the state across DDP ranks through :mod:`quantscope.distributed` (exact for
         histograms and running min / max); synchronous, so no pending handles are returned."""
+        if self._assigned:  # the caller's statistics: llm-compressor's async all-reduce
+            self._act_sync_dict = _reduce_ops(self.quantscope.sync_plan())
+            return super().sync_activation_stats()
         if not self.is_weight_obs:
             self.quantscope.sync()
             self._range = None
@@ -180,6 +227,12 @@ class QuantscopeObserver(Observer):
 
     def extra_repr(self) -> str:
         return f"base_name={self.base_name!r}, quantscope={self.quantscope_name!r}"
+
+
+def _reduce_ops(plan: dict) -> dict:
+    """quantscope's reduction of min_vals / max_vals as torch.distributed ops."""
+    return {name: getattr(dist.ReduceOp, plan[name].name) for name in ("min_vals", "max_vals")
+            if name in plan and hasattr(dist.ReduceOp, plan[name].name)}
 
 
 def observer_names() -> list[str]:
