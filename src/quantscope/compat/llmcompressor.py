@@ -35,15 +35,18 @@ from ..layout import Block, Channel
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
 from .llmcompressor_base import Observer, lerp, statistics_units
+from .llmcompressor_imatrix import IMatrixMixin
 from .llmcompressor_parts import FusionHandler, flatten_for_calibration
 from .llmcompressor_spec import llmcompressor_spec
 
 __all__ = [
     "FusionHandler",
+    "IMatrixMSEObserver",
     "MemorylessMSEObserver",
     "MemorylessMinMaxObserver",
     "MinMaxObserver",
     "MovingAverageMSEObserver",
+    "NVFP4ExpandedIMatrixObserver",
     "NVFP4ExpandedMSEObserver",
     "Observer",
     "StaticMinMaxObserver",
@@ -180,3 +183,29 @@ def _fouroversix(*args, **kwargs) -> NVFP4ExpandedMSEObserver:
     warnings.warn("The 'fouroversix' observer is an alias for 'nvfp4_expanded_mse'",
                   UserWarning, stacklevel=2)
     return NVFP4ExpandedMSEObserver(*args, **kwargs)
+
+
+@Observer.register("imatrix_mse")
+class IMatrixMSEObserver(IMatrixMixin, Observer):
+    """The MSE search weighted by each input channel's importance ``E[x^2]``, collected by
+    :meth:`attach` (llm-compressor 0.14's ``imatrix_mse``; see :mod:`.llmcompressor_imatrix`)."""
+
+    _act_sync_dict: ClassVar[dict] = {"_imatrix_sum": dist.ReduceOp.SUM,
+                                      "_imatrix_count": dist.ReduceOp.SUM}
+    #: option defaults over llm-compressor's imatrix_mse ones
+    _imatrix_defaults: ClassVar[dict] = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_imatrix(self.args.observer_kwargs, self._imatrix_defaults)
+
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        self.min_vals, self.max_vals = self.imatrix_range(observed)
+
+
+@Observer.register("nvfp4_expanded_imatrix")
+class NVFP4ExpandedIMatrixObserver(IMatrixMSEObserver):
+    """``imatrix_mse`` from 1.8x the range down to 0.8x (grid 200, norm 2.4, patience 1000)."""
+
+    _imatrix_defaults: ClassVar[dict] = {"expand": 1.8, "maxshrink": 1 - 0.8 / 1.8,
+                                         "grid": 200, "norm": 2.4, "patience": 1000}

@@ -1,0 +1,173 @@
+"""llm-compressor 0.14's ``imatrix_mse``: importance collected by a hook, a weighted MSE search.
+
+:class:`IMatrixMixin` is the importance half of the contract, shared by
+:class:`quantscope.compat.llmcompressor.IMatrixMSEObserver` and the registry class
+``quantscope_imatrix_mse`` (:mod:`quantscope.integrations.llmcompressor`): ``attach(module)``
+installs a forward-pre hook that sums ``x^2`` per input channel into ``_imatrix_sum`` /
+``_imatrix_count`` (on the observer, float32, the module's device), ``detach`` removes it,
+and before a search the importance ``sum / count`` is validated as llm-compressor validates
+it (weights only, not ``tensor``, present, finite, non-negative, not all zero, one value per
+input column): a failed check raises under ``strict`` and otherwise falls back to the
+uniform search with a warning. Options and their checks are llm-compressor's (maxshrink
+0.95, patience 5, grid 20, norm 3.0, expand 1.0).
+
+:func:`imatrix_search` is the search: candidates ``p * expand * [min, max]`` for
+``p = 1 - i / grid``, ``i = 0 .. max(1, int(maxshrink * grid))``, scored by
+``sum(importance * |fake_quant(x) - x| ** norm)`` per unit with fp32 scales (the global
+scale cancels), llm-compressor's global patience.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from typing import ClassVar
+
+import torch
+
+from ..layout import Channel
+from ..qparams import qparams_from_range
+from ..quantize import fake_quantize_units
+from . import enum_name, field
+from .llmcompressor_parts import flatten_for_calibration
+from .llmcompressor_spec import llmcompressor_spec
+
+__all__ = ["IMatrixMixin", "imatrix_search"]
+
+_DEFAULTS = {"maxshrink": 0.95, "patience": 5, "grid": 20, "norm": 3.0, "strict": False,
+             "expand": 1.0}
+
+
+class IMatrixMixin:
+    """Importance collection and validation (put it before the observer base class)."""
+
+    _stats_attrs: ClassVar[list[str]] = ["min_vals", "max_vals", "_imatrix_sum", "_imatrix_count"]
+
+    def _init_imatrix(self, kwargs: dict, defaults: dict | None = None) -> None:
+        opts = {**_DEFAULTS, **(defaults or {})}
+        for name, default in opts.items():
+            setattr(self, name, kwargs.get(name, default))
+        self._imatrix_sum: torch.Tensor | None = None
+        self._imatrix_count = torch.tensor(0, dtype=torch.int64)
+        self._imatrix_hook = None
+        if self.grid <= 0:
+            raise ValueError(f"grid must be > 0, got {self.grid}")
+        if self.patience < 0:
+            raise ValueError(f"patience must be >= 0, got {self.patience}")
+        if not 0 <= self.maxshrink <= 1:
+            raise ValueError(f"maxshrink must be in [0, 1], got {self.maxshrink}")
+        norm = self.norm
+        if isinstance(norm, bool) or not isinstance(norm, (int, float)) \
+                or not math.isfinite(norm) or norm <= 0:
+            raise ValueError(f"norm must be a finite positive number, got {norm}")
+
+    def _hooks_disabled(self) -> bool:
+        """Whether llm-compressor's pipeline has paused hooks (``HooksMixin.disable_hooks``)
+        and not kept this one; read only where llm-compressor is already imported (this
+        module does not import it)."""
+        hooks = sys.modules.get("llmcompressor.modifiers.utils.hooks")
+        mixin = getattr(hooks, "HooksMixin", None)
+        return bool(getattr(mixin, "_HOOKS_DISABLED", False)) and \
+            self._imatrix_hook not in getattr(mixin, "_HOOKS_KEEP_ENABLED", ())
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Collect ``sum x^2`` per input channel of ``module`` (a layer with ``in_features``)."""
+        self.detach(module)
+        if not hasattr(module, "in_features"):
+            return
+        param = next(module.parameters(), None)
+        device = None if param is None else param.device
+        self._imatrix_sum = torch.zeros(module.in_features, dtype=torch.float32, device=device)
+        self._imatrix_count = torch.tensor(0, dtype=torch.int64, device=device)
+        self._imatrix_hook = module.register_forward_pre_hook(self._collect)
+
+    def detach(self, module: torch.nn.Module) -> None:
+        if self._imatrix_hook is not None:
+            self._imatrix_hook.remove()
+            self._imatrix_hook = None
+
+    def _collect(self, module, args) -> None:
+        if self._hooks_disabled():
+            return
+        x = args[0] if isinstance(args, tuple) else args
+        x = x[0] if isinstance(x, tuple) else x
+        if not isinstance(x, torch.Tensor):
+            return
+        x = x.detach().float()
+        self._imatrix_sum = self._imatrix_sum.to(x.device)
+        self._imatrix_count = self._imatrix_count.to(x.device)
+        self._imatrix_sum.add_(x.pow(2).sum(dim=tuple(range(x.dim() - 1))))
+        self._imatrix_count += math.prod(x.shape[:-1])
+
+    def _refuse(self, message: str, error=ValueError) -> None:
+        if self.strict:
+            raise error(f"imatrix_mse: {message}")
+        warnings.warn(f"imatrix_mse: {message}. Falling back to uniform MSE.", stacklevel=3)
+
+    def _importance(self, observed: torch.Tensor) -> torch.Tensor | None:
+        """The validated importance, ``observed``'s shape (normalized to mean 1), or None."""
+        strategy = enum_name(field(self.args, "strategy"))
+        if self.base_name != "weight":
+            return self._refuse("only supported for weight observers", NotImplementedError)
+        if strategy == "tensor":
+            return self._refuse("TENSOR strategy not supported", NotImplementedError)
+        if self._imatrix_sum is None or int(self._imatrix_count) == 0:
+            return self._refuse("no importance data available")
+        imp = self._imatrix_sum / self._imatrix_count.float()
+        for bad, what in ((~torch.isfinite(imp), "contains non-finite values"),
+                          (imp < 0, "contains negative values")):
+            if bool(bad.any()):
+                return self._refuse(what)
+        if bool((imp == 0).all()):
+            return self._refuse("all zeros")
+        if strategy == "channel":
+            expected = observed.shape[-1]
+        elif strategy in ("group", "tensor_group"):
+            expected = observed.shape[2] * observed.shape[3]
+        else:
+            return self._refuse(f"unsupported strategy {strategy}", NotImplementedError)
+        if imp.numel() != expected:
+            return self._refuse(f"size mismatch: expected {expected}, got {imp.numel()}")
+        imp = imp.to(device=observed.device, dtype=torch.float32)
+        imp = imp / (imp.mean() + torch.finfo(torch.float32).tiny)
+        return flatten_for_calibration(imp.expand(observed.shape[1], -1), "weight", self.args)
+
+    def imatrix_range(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The searched ``(min_vals, max_vals)`` of ``(observations, *qparam_shape, elements)``."""
+        spec = llmcompressor_spec(self.args, self.base_name)
+        spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
+                            else spec.scale)
+        return imatrix_search(observed, self._importance(observed), spec,
+                              maxshrink=self.maxshrink, patience=self.patience,
+                              grid=self.grid, norm=self.norm, expand=self.expand)
+
+
+def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec, *,
+                   maxshrink: float, patience: int, grid: float, norm: float,
+                   expand: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """llm-compressor 0.14's importance-weighted grid search (see the module docstring)."""
+    shape = tuple(observed.shape[1:-1])
+    units = observed.movedim(0, -2).reshape(math.prod(shape), -1).float()
+    weights = None if importance is None else \
+        importance.movedim(0, -2).reshape(units.shape).float()
+    lo0, hi0 = units.amin(-1) * expand, units.amax(-1) * expand
+    best = [torch.full_like(lo0, torch.finfo(torch.float32).max), lo0.clone(), hi0.clone()]
+    stale = 0
+    for i in range(max(1, int(maxshrink * grid)) + 1):
+        lo, hi = lo0 * (1 - i / grid), hi0 * (1 - i / grid)
+        qp = qparams_from_range(lo, hi, spec, check_finite=False)
+        err = fake_quantize_units(units, qp.effective_scale.reshape(-1, 1),
+                                  qp.zero_point.float().reshape(-1, 1), spec)
+        err = err.sub_(units).abs_().pow_(norm)
+        err = (err if weights is None else err.mul_(weights)).sum(-1)
+        better = err < best[0]
+        if bool(better.any()):
+            best = [torch.where(better, err, best[0]), torch.where(better, lo, best[1]),
+                    torch.where(better, hi, best[2])]
+            stale = 0
+        else:
+            stale += 1
+            if patience > 0 and stale >= patience:
+                break
+    return best[1].reshape(shape), best[2].reshape(shape)
