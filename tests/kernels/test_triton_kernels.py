@@ -11,6 +11,7 @@ extra).
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -93,6 +94,40 @@ def test_unit_minmax_strided(device):
     lo, hi = minmax.unit_minmax(x.t(), block_e=16)  # units along the columns
     _assert_bitwise(lo, x.t().amin(1))
     _assert_bitwise(hi, x.t().amax(1))
+
+
+def _four_d(x: torch.Tensor, layout) -> torch.Tensor:
+    """The ``[U1, U2, E1, E2]`` view of ``x`` whose units are ``layout``'s, in its order."""
+    from quantscope.layout import Channel, Tile
+
+    if isinstance(layout, Tile):
+        C = x.shape[-1]
+        rows, cols = layout.rows, layout.cols
+        return x.reshape(-1, rows, C // cols, cols).permute(0, 2, 1, 3)
+    assert isinstance(layout, Channel)
+    a = layout.axis % x.dim()
+    A, C = math.prod(x.shape[:a]), x.shape[a]
+    return x.reshape(A, C, -1).permute(1, 0, 2).unsqueeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "layout"), [
+    ((3, 8, 24), "tile:4x8"), ((16, 32), "tile:8x16"), ((4, 5, 6), "channel:1"),
+    ((6, 7), "channel:-1"), ((2, 3, 4, 5), "channel:2"),
+], ids=str)
+def test_unit_minmax_four_d_views_are_the_layouts_units(device, dtype, shape, layout):
+    """Tiles and a channel axis other than the first, read in place as ``[U1, U2, E1, E2]``
+    views: the min / max of ``layout.to_units``' rows, in its order."""
+    from quantscope.kernels.triton import minmax
+    from quantscope.layout import parse_layout
+
+    lay = parse_layout(layout)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))).to(dtype)
+    want_lo, want_hi = torch.aminmax(lay.to_units(x.float()), dim=1)
+    view = _four_d(x.to(device), lay)
+    lo, hi = minmax.unit_minmax(view, block_e=8)
+    _assert_bitwise(lo, want_lo)
+    _assert_bitwise(hi, want_hi)
 
 
 # ---- integer fake-quant --------------------------------------------------------------------

@@ -28,6 +28,7 @@ def _cases(device="cpu"):
     cases = {
         "unit_minmax": (ops.unit_minmax, (u,)),
         "unit_minmax_bf16": (ops.unit_minmax, (u.bfloat16(),)),
+        "unit_minmax_tiles": (ops.unit_minmax, (u.view(3, 2, 5, 8).permute(0, 2, 1, 3),)),
         "fake_quant_int": (ops.fake_quant_int, (u, scale, zp, -8.0, 7.0)),
         "mse_price_int": (ops.mse_price_int, (u, cand.scale, cand.zero_point, -8.0, 7.0)),
         "mse_select": (ops.mse_select, (torch.rand(5, 6, generator=g, dtype=torch.float64),
@@ -86,8 +87,8 @@ def test_one_graph_under_compile():
 
 
 @pytest.mark.parametrize(("call", "match"), [
-    (lambda: ops.unit_minmax(torch.zeros(3)), "units must be a 2-D"),
-    (lambda: ops.unit_minmax(torch.zeros(3, 4, dtype=torch.int32)), "units must be a 2-D"),
+    (lambda: ops.unit_minmax(torch.zeros(3)), r"units must be a \[units, elements\] or"),
+    (lambda: ops.unit_minmax(torch.zeros(3, 4, dtype=torch.int32)), "of float32, bfloat16"),
     (lambda: ops.unit_minmax(torch.zeros(3, 0)), "at least one element"),
     (lambda: ops.fake_quant_int(torch.zeros(3, 4), torch.ones(2), torch.zeros(3), -8.0, 7.0),
      "scale must be a float32 tensor of shape"),

@@ -40,8 +40,9 @@ CASES = {
         {"FIELD_MIN": 121 << 23, "MBITS_FIELD": 3 << 23, "BLOCK_N": 1024}),
     "minmax._minmax_kernel": (
         {"x_ptr": "*fp16", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "U": "i32", "E": "i32",
-         "stride_u": "i32", "stride_e": "i32", "chunk": "i32", "splits": "i32",
-         "BLOCK_U": "constexpr", "BLOCK_E": "constexpr"}, {"BLOCK_U": 8, "BLOCK_E": 512}),
+         "U2": "i32", "E2": "i32", "su1": "i32", "su2": "i32", "se1": "i32", "se2": "i32",
+         "chunk": "i32", "splits": "i32", "BLOCK_U": "constexpr", "BLOCK_E": "constexpr",
+         "FOUR_D": "constexpr"}, {"BLOCK_U": 8, "BLOCK_E": 512, "FOUR_D": True}),
     "histogram._hist_kernel": (
         {"x_ptr": "*bf16", "counts_ptr": "*i64", "exp_ptr": "*i64", "first_ptr": "*i64",
          "E": "i32", "stride_u": "i32", "chunk": "i32", "B": "i32", "ABSOLUTE": "constexpr",

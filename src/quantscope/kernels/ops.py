@@ -6,7 +6,9 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
 ``torch.export`` see one op with known output shapes, and callers write no branch per device.
 
 * ``unit_minmax(units) -> (lo, hi)``: per-row min / max of ``units [U, E]`` (bf16 / fp16 /
-  fp32, any strides; E >= 1), float32 ``[U]`` each, NaN propagated.
+  fp32, any strides; E >= 1), float32 ``[U]`` each, NaN propagated; or of a
+  ``[U1, U2, E1, E2]`` view (units ``(u1, u2)``, elements ``(e1, e2)``): the layouts whose
+  units are no row view (a channel axis in the middle, tiles) read in place.
 * ``fake_quant_int(units, scale, zero_point, qmin, qmax) -> out``: integer fake-quantization
   of ``units [U, E]`` with float32 per-unit ``scale`` / ``zero_point`` ``[U]``; float32
   ``[U, E]`` (``quantize.fake_quantize_units``).
@@ -83,14 +85,19 @@ def _check_ranges(lo: Tensor, hi: Tensor, who: str) -> None:
 # ---- unit_minmax ---------------------------------------------------------------------------
 
 def _check_minmax(units: Tensor) -> None:
-    _check_units(units, "unit_minmax")
-    if units.shape[1] == 0:
+    if units.dim() not in (2, 4) or units.dtype not in _FLOATS:
+        raise ValueError("quantscope::unit_minmax: units must be a [units, elements] or "
+                         "[U1, U2, E1, E2] tensor of float32, bfloat16 or float16, got "
+                         f"{units.dtype} {tuple(units.shape)}")
+    if units.shape[1 if units.dim() == 2 else 2:].numel() == 0:
         raise ValueError("quantscope::unit_minmax: units must have at least one element per "
                          f"unit, got shape {tuple(units.shape)}")
 
 
 def _torch_unit_minmax(units: Tensor) -> tuple[Tensor, Tensor]:
     _check_minmax(units)
+    if units.dim() == 4:
+        units = units.reshape(units.shape[0] * units.shape[1], -1)  # a copy where strided
     lo, hi = torch.aminmax(units, dim=1)  # the torch path (stats.minmax.torch_unit_minmax)
     return lo.float(), hi.float()
 
@@ -112,7 +119,8 @@ def _(units):
 @unit_minmax.register_fake
 def _(units):
     _check_minmax(units)
-    out = units.new_empty(units.shape[0], dtype=torch.float32)
+    U = units.shape[0] if units.dim() == 2 else units.shape[0] * units.shape[1]
+    out = units.new_empty(U, dtype=torch.float32)
     return out, torch.empty_like(out)
 
 

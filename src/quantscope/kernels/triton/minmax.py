@@ -1,4 +1,6 @@
-"""Per-unit min and max of a ``[units, elements]`` view in one read (Triton).
+"""Per-unit min and max of a ``[units, elements]`` view in one read (Triton); also of a
+``[U1, U2, E1, E2]`` view, so every layout without padding (a channel axis in the middle,
+tiles) reads the tensor in place.
 
 Each program takes ``BLOCK_U`` units and one chunk of their elements, keeps elementwise
 running extremes in registers and reduces them once at the end; where the units are too
@@ -24,11 +26,16 @@ TARGET_PROGRAMS = 512
 
 
 @triton.jit
-def _minmax_kernel(x_ptr, lo_ptr, hi_ptr, U, E, stride_u, stride_e, chunk, splits,
-                   BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr):
+def _minmax_kernel(x_ptr, lo_ptr, hi_ptr, U, E, U2, E2, su1, su2, se1, se2, chunk, splits,
+                   BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr, FOUR_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     split = tl.program_id(1)
     start = split * chunk
+    if FOUR_D:  # unit (u1, u2), element (e1, e2) of a [U1, U2, E1, E2] view
+        r64 = rows.to(tl.int64)
+        row_off = (r64 // U2) * su1 + (r64 % U2) * su2
+    else:
+        row_off = rows.to(tl.int64) * su1
     lo = tl.full([BLOCK_U, BLOCK_E], float("inf"), tl.float32)
     hi = tl.full([BLOCK_U, BLOCK_E], float("-inf"), tl.float32)
     nan = tl.zeros([BLOCK_U, BLOCK_E], tl.int32)
@@ -36,8 +43,13 @@ def _minmax_kernel(x_ptr, lo_ptr, hi_ptr, U, E, stride_u, stride_e, chunk, split
         within = e0 + tl.arange(0, BLOCK_E)
         cols = start + within
         mask = (rows[:, None] < U) & (cols[None, :] < E) & (within[None, :] < chunk)
-        ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_u + cols[None, :].to(tl.int64) * stride_e
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if FOUR_D:
+            c64 = cols.to(tl.int64)
+            col_off = (c64 // E2) * se1 + (c64 % E2) * se2
+        else:
+            col_off = cols.to(tl.int64) * se2
+        x = tl.load(x_ptr + row_off[:, None] + col_off[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
         lo = tl.minimum(lo, tl.where(mask, x, float("inf")))
         hi = tl.maximum(hi, tl.where(mask, x, float("-inf")))
         nan = nan | (x != x).to(tl.int32)  # noqa: PLR0124 (the NaN test)
@@ -68,17 +80,25 @@ def _split(U: int, E: int, bu: int, be: int, splits: int | None) -> tuple[int, i
 
 def unit_minmax(units: torch.Tensor, *, block_u: int | None = None, block_e: int | None = None,
                 splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lo, hi)``, float32 ``[U]``, of ``units [U, E]`` (E >= 1; any strides). The block
-    sizes and the split count are chosen from the shape unless given (the tests force small
-    ones to cover every loop)."""
-    U, E = units.shape
+    """``(lo, hi)``, float32 ``[U]``, of ``units``: a ``[U, E]`` view, or a ``[U1, U2, E1, E2]``
+    view whose units are ``(u1, u2)`` and elements ``(e1, e2)`` (the layouts whose units are
+    no row view: a channel axis in the middle, tiles; any strides; ``E >= 1``). The block sizes
+    and the split count are chosen from the shape unless given (the tests force small ones
+    to cover every loop)."""
+    if units.dim() == 2:
+        (U, E), (U2, E2) = units.shape, (1, units.shape[1])
+        (su1, se2), su2, se1 = units.stride(), 0, 0
+    else:
+        U1, U2, E1, E2 = units.shape
+        U, E = U1 * U2, E1 * E2
+        su1, su2, se1, se2 = units.stride()
     bu, be = _blocks(U, E, block_e, block_u)
     chunk, splits = _split(U, E, bu, be, splits)
     lo = torch.empty(U * splits, dtype=torch.float32, device=units.device)
     hi = torch.empty_like(lo)
     grid = (triton.cdiv(U, bu), splits)
-    _minmax_kernel[grid](units, lo, hi, U, E, units.stride(0), units.stride(1), chunk, splits,
-                         BLOCK_U=bu, BLOCK_E=be, **LAUNCH)
+    _minmax_kernel[grid](units, lo, hi, U, E, U2, E2, su1, su2, se1, se2, chunk, splits,
+                         BLOCK_U=bu, BLOCK_E=be, FOUR_D=units.dim() == 4, **LAUNCH)
     if splits == 1:
         return lo, hi
     return lo.view(U, splits).amin(1), hi.view(U, splits).amax(1)  # amin / amax keep NaN
