@@ -48,6 +48,7 @@ holding the line ``import quantscope.integrations.llmcompressor`` to site-packag
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from compressed_tensors.quantization import QuantizationStrategy
@@ -57,12 +58,13 @@ from llmcompressor.observers import Observer
 from llmcompressor.observers.helpers import flatten_for_calibration
 from torch import distributed as dist
 
-from ..compat.llmcompressor import llmcompressor_spec
+from ..compat.llmcompressor_imatrix import IMatrixMixin
+from ..compat.llmcompressor_spec import llmcompressor_spec
 from ..layout import Block, Channel
 from ..observers.registry import list_observers, observer_class
 from ..qparams import amax_of_range
 
-__all__ = ["PREFIX", "QuantscopeObserver", "observer_names", "register_all"]
+__all__ = ["PREFIX", "QuantscopeIMatrixObserver", "QuantscopeObserver", "observer_names", "register_all"]
 
 PREFIX = "quantscope_"
 #: native names not offered: the placeholder observes nothing (fp16 / bf16 pass-through)
@@ -235,6 +237,27 @@ def _reduce_ops(plan: dict) -> dict:
             if name in plan and hasattr(dist.ReduceOp, plan[name].name)}
 
 
+class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
+    """``quantscope_imatrix_mse``: llm-compressor 0.14's ``imatrix_mse`` contract with
+    quantscope's search. ``attach(module)`` (llm-compressor calls it) collects ``E[x^2]`` per
+    input channel on the observer; options, checks and ``strict`` are llm-compressor's
+    (:mod:`quantscope.compat.llmcompressor_imatrix`); the qparams are compressed-tensors'."""
+
+    _act_sync_dict: ClassVar[dict] = {"_imatrix_sum": dist.ReduceOp.SUM,
+                                      "_imatrix_count": dist.ReduceOp.SUM}
+    quantscope_name = "imatrix_mse"
+
+    def __init__(self, base_name: str, args, **observer_kwargs):
+        super().__init__(base_name, args, **observer_kwargs)
+        self._init_imatrix(self.args.observer_kwargs)
+
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        self.min_vals, self.max_vals = self.imatrix_range(observed)
+
+    def extra_repr(self) -> str:
+        return f"base_name={self.base_name!r}, quantscope={self.quantscope_name!r}"
+
+
 def observer_names() -> list[str]:
     """The names this module registers (``quantscope_histogram`` ...)."""
     return [PREFIX + n for n in list_observers() if ":" not in n and n not in _SKIP]
@@ -247,7 +270,8 @@ def register_all() -> None:
         if standardize_lookup_name(name) in known:
             continue
         native = name[len(PREFIX):]
-        cls = type(f"Quantscope_{native}_Observer", (QuantscopeObserver,),
+        base = QuantscopeIMatrixObserver if native == "imatrix_mse" else QuantscopeObserver
+        cls = type(f"Quantscope_{native}_Observer", (base,),
                    {"quantscope_name": native, "__module__": __name__,
                     "__doc__": f"quantscope's {native!r} observer as an llm-compressor Observer."})
         Observer.register(name)(cls)
