@@ -4,9 +4,9 @@
 qscheme (per_tensor / per_channel / per_group), ch_axis, group_size, symmetric,
 round_method, scale_type, scale_format (float32 / e8m0 / e4m3 / e5m3),
 scale_calculation_mode (even / floor / ceil), mx_element_dtype, is_dynamic.
-Enums or their string values both work. Importing this module after Quark's config module
-adds these classes to Quark's ``OBSERVER_CLASSES`` (so a ``QTensorConfig(observer_cls=...)``
-accepts them); :func:`register_with_quark` does it when Quark is imported later.
+Enums or their string values both work. These classes join Quark's observer sets
+(``OBSERVER_CLASSES``, ``PER_TENSOR_OBSERVERS`` ...) when Quark is loaded, before or after this
+module, so a ``QTensorConfig(observer_cls=...)`` accepts them (:func:`register_with_quark`).
 
 Float scales follow Quark's ``get_scale`` (:func:`quark_float_scale`): float32 divides by
 ``quant_max_first_level * quant_max`` when the first level is set (the second stage of a
@@ -27,6 +27,8 @@ keeps doubling its running amax across calls).
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import sys
 
 import torch
@@ -67,12 +69,16 @@ __all__ = [
     "register_with_quark",
 ]
 
+_QUARK_OBSERVERS = "quark.torch.quantization.observer"
+
+
 def register_with_quark() -> bool:
     """Add each class to the observer sets of Quark that hold its Quark namesake
     (``OBSERVER_CLASSES``, ``PER_TENSOR_OBSERVERS`` ...: Quark's config checks
     ``observer_cls`` against them). False when Quark is not importable."""
-    try:
-        from quark.torch.quantization import observer as quark_observer
+    try:  # sys.modules first: called while Quark's package is still loading
+        quark_observer = sys.modules.get(_QUARK_OBSERVERS) or importlib.import_module(
+            _QUARK_OBSERVERS)
     except ImportError:
         return False
     sets = [v for k, v in vars(quark_observer).items() if k.endswith("OBSERVERS")
@@ -83,6 +89,27 @@ def register_with_quark() -> bool:
             if theirs is not None and theirs in members:
                 members.add(globals()[name])
     return True
+
+
+class _JoinQuarkOnImport:
+    """Meta-path finder: when Quark's observer package loads after this module, the classes
+    join its sets right after it runs (so the import order of the two does not matter)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != _QUARK_OBSERVERS:
+            return None
+        sys.meta_path.remove(_JoinQuarkOnImport)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                register_with_quark()
+
+            spec.loader.exec_module = exec_module
+        return spec
 
 
 class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
@@ -188,5 +215,7 @@ class PerBlockBFPObserver(_DynamicOrStatic):
 
 
 
-if "quark.torch.quantization.config.config" in sys.modules:  # Quark came first: join it
+if _QUARK_OBSERVERS in sys.modules:  # Quark came first: join it now
     register_with_quark()
+elif _JoinQuarkOnImport not in sys.meta_path:
+    sys.meta_path.insert(0, _JoinQuarkOnImport)

@@ -119,6 +119,16 @@ def _quark_int_default() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([1.0]), torch.tensor([0])
 
 
+def _quark_rows(t: torch.Tensor, shape, axis: int) -> torch.Tensor:
+    """Per-group values shaped ``(dims but axis..., groups)`` as Quark's ``(rows, groups)``:
+    Quark swaps ``axis`` with the last dim before it flattens the rows, so for a 3-D or
+    wider tensor grouped along an inner axis its rows come in another order."""
+    n, a = len(shape), axis % len(shape)
+    ours = [d for d in range(n) if d != a]
+    theirs = [n - 1 if d == a else d for d in range(n - 1)]
+    return t.permute(*[ours.index(d) for d in theirs], n - 1).reshape(-1, t.shape[-1])
+
+
 class QuarkObserver:
     """Mixin (put it before the native class): a Quark qspec in, Quark's qparams out.
 
@@ -150,8 +160,10 @@ class QuarkObserver:
         channel, ``(rows, groups)`` per group / block."""
         if isinstance(self.spec.layout, Tensor | Channel):
             return t.reshape(-1)
-        groups = self.spec.layout.qparam_shape(self.shape)[-1] if self.has_observed else 1
-        return t.reshape(-1, groups)
+        if not self.has_observed:
+            return t.reshape(-1, 1)
+        return _quark_rows(t.reshape(self.spec.layout.qparam_shape(self.shape)), self.shape,
+                           self.spec.layout.axis)
 
     def _calculate_qparams(self):
         qp = self.qparams()
@@ -190,6 +202,9 @@ class QuarkObserver:
                                   first_level=self.quant_max_first_level,
                                   dtype=self.scale_torch_dtype)
         return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
+
+    def record_observed_tokens(self, batch_tensor: torch.Tensor) -> None:
+        """Quark's FakeQuantize calls this; ``forward`` already counted the tokens."""
 
     def _stat(self, name: str, empty: float) -> torch.Tensor:
         """A statistic as Quark shows it: ``tensor(empty)`` before data / after a reset."""

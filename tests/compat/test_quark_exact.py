@@ -1,0 +1,332 @@
+"""compat.quark behaves as AMD Quark 0.13's observers (issue 34).
+
+The tests marked ``peers`` import Quark and compare bit for bit with its classes (they run in
+the peers' venv); the others check the same rules against values computed from the formulas.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from quantscope.compat import quark
+from quantscope.compat.quark import FP8_E5M3, quark_float_scale
+
+
+def batches(shape, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) * (i + 1) for i in range(n)]
+
+
+def fp8(**kw):
+    return {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False, **kw}
+
+
+def mx(scale_format, **kw):
+    return {"dtype": "fp4", "qscheme": "per_group", "group_size": 16, "ch_axis": -1,
+            "scale_format": scale_format, "is_dynamic": False, **kw}
+
+
+# ------------------------------------------------------------- formulas (no peer needed)
+def e5m3_grid() -> torch.Tensor:
+    """Every finite value of Quark's unsigned E5M3, from its definition (bias 15, 3 mantissa
+    bits, subnormals below 2 ** -14, the top code not a number)."""
+    sub = [m / 8 * 2.0 ** -14 for m in range(8)]
+    normal = [(1 + m / 8) * 2.0 ** (e - 15) for e in range(1, 32) for m in range(8)]
+    return torch.tensor(sorted(sub + normal)[:-1], dtype=torch.float64)
+
+
+def test_e5m3_rounds_to_the_nearest_value_ties_to_even():
+    grid = e5m3_grid()
+    assert grid[-1] == FP8_E5M3.max == 114688.0
+    mids = (grid[1:] + grid[:-1]) / 2
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([grid, mids, torch.rand(4000, generator=g, dtype=torch.float64)
+                   * 2.0 ** torch.randint(-20, 17, (4000,), generator=g)]).float()
+    got = FP8_E5M3.round(x, 0.0, FP8_E5M3.max).double()
+    xd = x.double().clamp(max=FP8_E5M3.max)
+    i = torch.searchsorted(grid, xd).clamp(1, len(grid) - 1)
+    lo, hi = grid[i - 1], grid[i]
+    below, above = xd - lo, hi - xd
+    code = i  # index of hi; the even code wins a tie
+    want = torch.where(below < above, lo, torch.where(above < below, hi,
+                                                      torch.where(code % 2 == 0, hi, lo)))
+    want = torch.where(xd == hi, hi, want)
+    assert torch.equal(got, want)
+
+
+def test_float32_scale_divides_once_by_the_first_level():
+    amax = torch.tensor([7.222282409667969, 0.0, 8.0])
+    got = quark_float_scale(amax, 448.0, "float32", first_level=6.0)
+    want = amax / 2688.0
+    want[1] = torch.finfo(torch.float32).eps  # a zero scale becomes eps
+    assert torch.equal(got, want)
+    assert not torch.equal(got[:1], amax[:1] / 6.0 / 448.0)  # one division, not two
+    assert torch.equal(quark_float_scale(amax[:1], 448.0, "float32"), amax[:1] / 448.0)
+
+
+def test_quant_max_first_level_on_the_observer():
+    obs = quark.PerTensorMinMaxObserver(fp8())
+    obs.quant_max_first_level = 6.0
+    for v in (5.0, 8.0, 3.0):  # a shared second-level observer: the running max
+        obs(torch.tensor([v]))
+    scale, zp = obs._calculate_qparams()
+    assert torch.equal(scale, torch.tensor([8.0 / 2688.0])) and not zp.any()
+    dyn = quark.PerTensorMinMaxObserver(fp8(is_dynamic=True))
+    dyn.quant_max_first_level = 6.0
+    dyn(torch.tensor([8.0]))
+    dyn(torch.tensor([3.14159265]))
+    assert torch.equal(dyn._calculate_qparams()[0], torch.tensor([3.14159265]) / 2688.0)
+
+
+def test_calculate_int_and_fp8_quant_params_from_the_formulas():
+    obs = quark.PerTensorMinMaxObserver({"dtype": "uint4", "symmetric": False})
+    s, z = obs.calculate_int_quant_params(torch.tensor([-1.0, 0.5]), torch.tensor([10.0, 2.0]))
+    want_s = torch.tensor([11.0 / 15, 2.0 / 15])
+    assert torch.equal(s, want_s)
+    assert torch.equal(z, (0 - torch.round(torch.tensor([-1.0, 0.0]) / want_s)).int())
+    s, z = quark.PerTensorMinMaxObserver({"dtype": "int8"}).calculate_int_quant_params(
+        torch.tensor([-3.0]), torch.tensor([1.0]))
+    assert torch.equal(s, torch.tensor([3.0 / 127.5])) and z.dtype == torch.int32
+    s, z = obs.calculate_int_quant_params(torch.tensor(float("inf")), torch.tensor(-math.inf))
+    assert torch.equal(s, torch.tensor([1.0])) and torch.equal(z, torch.tensor([0]))
+    for dtype, top in (("fp8_e4m3", 448.0), ("fp8_e5m2", 57344.0), ("fp8_e5m3", 114688.0)):
+        o = quark.PerTensorMinMaxObserver(fp8(dtype=dtype))
+        s, z = o.calculate_fp8_quant_parameters(torch.tensor([-2.0]), torch.tensor([1.0]))
+        assert torch.equal(s, torch.tensor([2.0]) / top) and not z.any()
+    with pytest.raises(ValueError, match="integer dtype"):
+        quark.PerTensorMinMaxObserver(fp8()).calculate_int_quant_params(
+            torch.tensor([0.0]), torch.tensor([1.0]))
+
+
+def test_mx_amax_is_the_block_absmax_running_or_last():
+    xs = batches((4, 64))
+    blocks = [x.reshape(4, 4, 16).abs().amax(-1) for x in xs]
+    sta, dyn = quark.PerBlockMXObserver(mx("e8m0")), quark.PerBlockMXObserver(
+        mx("e8m0", is_dynamic=True))
+    assert torch.equal(sta.amax, torch.tensor(0.0))
+    for x in xs:
+        sta(x)
+        dyn(x)
+    assert torch.equal(sta.amax, torch.stack(blocks).amax(0))
+    assert torch.equal(dyn.amax, blocks[-1])
+
+
+@pytest.mark.parametrize("scale_format", ["float32", "e5m3", "e4m3"])
+def test_mx_float_scale_formats_from_the_amax(scale_format):
+    x = batches((8, 64))[1]
+    obs = quark.PerBlockMXObserver(mx(scale_format))
+    obs(x)
+    amax = x.reshape(8, 4, 16).abs().amax(-1)
+    scale, zp = obs.calculate_qparams()
+    if scale_format == "float32":
+        want = amax / 6.0
+    elif scale_format == "e5m3":
+        want = FP8_E5M3.round(amax / 6.0, 0.0, FP8_E5M3.max)
+    else:  # NVFP4's two levels: global amax / (448 * 6)
+        two = 448.0 * (6.0 / amax.max())
+        want = (amax / 6.0 * two).to(torch.float8_e4m3fn).float() / two
+    assert torch.equal(scale, want) and scale.shape == (8, 4) and not zp.any()
+
+
+@pytest.mark.parametrize("cls, qspec", [
+    (quark.PerTensorMinMaxObserver, {"dtype": "int8"}),
+    (quark.PerChannelMinMaxObserver, {"dtype": "fp4", "qscheme": "per_channel", "ch_axis": -1}),
+    (quark.PerGroupMinMaxObserver, {"dtype": "int4", "qscheme": "per_group", "ch_axis": -1,
+                                    "group_size": 16}),
+    (quark.PerBlockBFPObserver, {"dtype": "bfp16", "ch_axis": -1, "group_size": 8}),
+])
+def test_reset_state_reads_inf_and_minus_inf(cls, qspec):
+    obs = cls(qspec)
+    x = batches((4, 32))[0]
+    obs(x)
+    assert torch.isfinite(obs.min_val).all()
+    obs.reset_state()
+    assert torch.equal(obs.min_val, torch.tensor(math.inf))
+    assert torch.equal(obs.max_val, torch.tensor(-math.inf))
+    y = batches((4, 32), seed=1)[0]
+    fresh = cls(qspec)
+    obs(y)  # observes again from nothing
+    fresh(y)
+    assert torch.equal(obs.max_val, fresh.max_val) and torch.equal(obs.min_val, fresh.min_val)
+
+
+def test_reset_state_after_a_statistic_is_deleted_raises_as_quark():
+    mxo = quark.PerBlockMXObserver(mx("e8m0"))
+    mxo(batches((2, 32))[0])
+    mxo.reset_state()
+    assert torch.equal(mxo.amax, torch.tensor(0.0))
+    del mxo.amax
+    with pytest.raises(RuntimeError, match="amax"):
+        mxo.reset_state()
+    ch = quark.PerChannelMinMaxObserver({"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0})
+    del ch.min_val
+    del ch.max_val
+    with pytest.raises(AttributeError):
+        ch.min_val  # noqa: B018
+    with pytest.raises(RuntimeError, match="min_val"):
+        ch.reset_state()
+
+
+def test_no_data_qparams_are_quark_defaults():
+    s, z = quark.PerTensorMinMaxObserver({"dtype": "int8"})._calculate_qparams()
+    assert torch.equal(s, torch.tensor([1.0])) and torch.equal(z, torch.tensor([0]))
+    s, z = quark.PerTensorMinMaxObserver(fp8())._calculate_qparams()
+    assert torch.equal(s, torch.tensor([torch.finfo(torch.float32).eps])) and not z.any()
+
+
+def test_scale_format_e5m3_accepted_and_unknown_refused():
+    spec = quark.quark_spec(mx("e5m3"))
+    assert spec.layout.size == 16 and spec.format.name == "fp4_e2m1"
+    with pytest.raises(ValueError, match="e5m3"):
+        quark.quark_spec(mx("e3m4"))
+    with pytest.raises(ValueError, match="per_group"):
+        quark.quark_spec(fp8(scale_format="e5m3"))
+
+
+# ------------------------------------------------------- against the installed Quark
+def quark_cfg(**kw):
+    from quark.torch.quantization.config.config import QTensorConfig
+    from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType
+
+    kw = {"qscheme": QSchemeType.per_tensor, "round_method": RoundType.half_even,
+          "scale_type": ScaleType.float, "is_dynamic": False, **kw}
+    kw["dtype"] = Dtype(kw["dtype"])
+    kw["qscheme"] = QSchemeType(kw["qscheme"])
+    return QTensorConfig(**kw)
+
+
+def twins(name, **kw):
+    from quark.torch.quantization.observer import observer as qo
+
+    theirs_cls, ours_cls = getattr(qo, name), getattr(quark, name)
+    c = quark_cfg(observer_cls=ours_cls, **kw)  # Quark's config takes our class
+    return theirs_cls(c), ours_cls(c)
+
+
+def same(a, b):
+    assert a.dtype == b.dtype or a.is_floating_point() == b.is_floating_point(), (a, b)
+    assert torch.equal(a.reshape(b.shape).to(b.dtype), b), (a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False),
+                                              ("uint4", False), ("int4", True)])
+def test_calculate_int_quant_params_against_quark(dtype, symmetric):
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerTensorMinMaxObserver", dtype=dtype, symmetric=symmetric)
+    g = torch.Generator().manual_seed(3)
+    lo, hi = -torch.rand(64, generator=g) * 5, torch.rand(64, generator=g) * 3
+    hi[:4] = 0.0  # one-sided ranges
+    for a, b in zip(ours.calculate_int_quant_params(lo, hi),
+                    theirs.calculate_int_quant_params(lo, hi), strict=True):
+        same(a, b)
+    empty = (torch.tensor(math.inf), torch.tensor(-math.inf))
+    for a, b in zip(ours.calculate_int_quant_params(*empty),
+                    theirs.calculate_int_quant_params(*empty), strict=True):
+        same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("first_level", [None, 6.0])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fp8_per_tensor_against_quark(dtype, first_level, dynamic):
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerTensorMinMaxObserver", dtype=dtype, is_dynamic=dynamic)
+    theirs.quant_max_first_level = ours.quant_max_first_level = first_level
+    g = torch.Generator().manual_seed(4)
+    lo, hi = -torch.rand(16, generator=g) * 9, torch.rand(16, generator=g) * 9
+    for a, b in zip(ours.calculate_fp8_quant_parameters(lo, hi),
+                    theirs.calculate_fp8_quant_parameters(lo, hi), strict=True):
+        same(a, b)
+    for x in batches((4, 32)):
+        theirs(x)
+        ours(x)
+    for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("scale_format, mode", [("e8m0", "even"), ("e8m0", "floor"),
+                                                ("e8m0", "ceil"), ("e4m3", None),
+                                                ("e5m3", None), ("float32", None)])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_mx_amax_and_scales_against_quark(scale_format, mode, dynamic):
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerBlockMXObserver", dtype="fp4", qscheme="per_group", group_size=16,
+                         ch_axis=-1, scale_format=scale_format, scale_calculation_mode=mode,
+                         is_dynamic=dynamic)
+    for x in batches((2, 8, 64)):
+        theirs(x)
+        ours(x)
+    same(ours.amax, theirs.amax)
+    for a, b in zip(ours.calculate_qparams(), theirs.calculate_qparams(), strict=True):
+        same(a, b)
+
+
+@pytest.mark.peers
+def test_mx_float32_scale_with_first_level_and_channel_axis_against_quark():
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerBlockMXObserver", dtype="fp8_e4m3", qscheme="per_group",
+                         group_size=32, ch_axis=0, scale_format="float32")
+    theirs.quant_max_first_level = ours.quant_max_first_level = 6.0
+    x = batches((64, 3, 5))[2]
+    theirs(x)
+    ours(x)
+    same(ours.amax, theirs.amax)
+    same(ours.calculate_qparams()[0], theirs.calculate_qparams()[0])
+
+
+@pytest.mark.peers
+def test_e5m3_rounding_against_quark_kernel():
+    ref = pytest.importorskip("quark.torch.kernel.float8_e5m3.reference")
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(20000, generator=g) * 2.0 ** torch.randint(-20, 18, (20000,), generator=g)
+    x = torch.cat([x, e5m3_grid().float(), ((e5m3_grid()[1:] + e5m3_grid()[:-1]) / 2).float()])
+    same(FP8_E5M3.round(x, 0.0, FP8_E5M3.max), ref.reference_float32_qdq_to_float8_e5m3(x))
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw", [
+    ("PerChannelMinMaxObserver", {"dtype": "fp4", "qscheme": "per_channel", "ch_axis": -1}),
+    ("PerTensorMinMaxObserver", {"dtype": "int8", "symmetric": True}),
+    ("PerGroupMinMaxObserver", {"dtype": "int4", "qscheme": "per_group", "ch_axis": -1,
+                                "group_size": 16, "symmetric": True}),
+    ("PerBlockMXObserver", {"dtype": "fp8_e4m3", "qscheme": "per_group", "ch_axis": -1,
+                            "group_size": 32, "scale_format": "e8m0"}),
+])
+def test_reset_state_against_quark(name, kw):
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins(name, **kw)
+    x = batches((4, 64))[0]
+    theirs(x)
+    ours(x)
+    theirs.reset_state()
+    ours.reset_state()
+    for stat in ("min_val", "max_val", "amax"):
+        if hasattr(theirs, stat):
+            same(getattr(ours, stat), getattr(theirs, stat))
+    for obs in (theirs, ours):
+        for stat in ("amax",) if name == "PerBlockMXObserver" else ("min_val", "max_val"):
+            delattr(obs, stat)
+    if name in ("PerChannelMinMaxObserver", "PerBlockMXObserver"):  # Quark checks these two
+        for obs in (theirs, ours):
+            with pytest.raises(RuntimeError):
+                obs.reset_state()
+
+
+@pytest.mark.peers
+def test_quark_config_and_fake_quantize_take_our_classes():
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+
+    c = quark_cfg(dtype="fp8_e4m3", observer_cls=quark.PerTensorMinMaxObserver)
+    fq = FakeQuantizeBase.get_fake_quantize(c)
+    assert isinstance(fq.observer, quark.PerTensorMinMaxObserver)
+    x = batches((4, 32))[1]
+    fq.enable_observer()
+    fq(x)
+    assert torch.equal(fq.observer._calculate_qparams()[0], (x.abs().max() / 448.0).reshape(1))
