@@ -12,7 +12,8 @@ observer); the int4 per-channel MSE search fused on the device (candidates price
 ``quantscope::mse_price_int``, chosen by ``quantscope::mse_select``) against the torch path
 and llm-compressor 0.14's ``memoryless_mse`` (its Triton backend on CUDA; carried as wheels by
 bench/gpu_wheels.sh), with each one's total squared error; the histogram observe (8 growing
-bf16 batches) against torch.ao's ``HistogramObserver`` on the same device.
+bf16 batches) against torch.ao's ``HistogramObserver`` on the same device; a layer's seven
+weights in one grouped launch (``quantscope::grouped_unit_minmax``).
 """
 
 from __future__ import annotations
@@ -207,6 +208,28 @@ def bench_mse(size, device, repeat):
     table.print()
 
 
+# ---- a layer's weights in one launch --------------------------------------------------------
+
+def bench_grouped(size, device, repeat):
+    """Per-channel min / max of a Llama layer's seven weights (hidden ``size``, MLP 2.6875x):
+    one grouped launch against one op per weight, and one ``aminmax`` per weight."""
+    mlp = int(size * 2.6875)
+    shapes = [(size, size)] * 4 + [(mlp, size)] * 2 + [(size, mlp)]
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(*s, generator=g).to(device, torch.bfloat16) for s in shapes]
+    fns = {"aminmax per weight": lambda: [torch.aminmax(w) for w in ws],
+           "unit_minmax per weight": lambda: [ops.unit_minmax(w) for w in ws],
+           "grouped_unit_minmax (one launch)": lambda: ops.grouped_unit_minmax(ws)}
+    t = wall_medians(fns, device, repeat, 3)
+    table = Table(f"a layer's 7 weights, per-channel min / max, bf16, hidden {size}, "
+                  f"{_device_name(device)}", ["method", "wall us", "device us",
+                                              "wall / aminmax per weight"])
+    for name, fn in fns.items():
+        table.add(name, _us(t[name]), _us(device_seconds(fn, device)),
+                  t[name] / t["aminmax per weight"])
+    table.print()
+
+
 # ---- histogram observe ---------------------------------------------------------------------
 
 def native_hist_observe(batches, bins=2048):
@@ -270,6 +293,7 @@ def main():
                 if importlib.util.find_spec(m)}
     print(f"{_device_name(device)}; {versions}; CUDA {torch.version.cuda}\n")
     bench_minmax(a.size, device, a.repeat)
+    bench_grouped(a.size, device, a.repeat)
     bench_mse(a.size, device, max(3, a.repeat // 3))
     bench_histogram(a.size, device, max(3, a.repeat // 5))
     print("Not measured by this script yet (issue 35): the NVFP4 block-scale search and the "

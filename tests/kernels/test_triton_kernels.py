@@ -130,6 +130,23 @@ def test_unit_minmax_four_d_views_are_the_layouts_units(device, dtype, shape, la
     _assert_bitwise(hi, want_hi)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_unit_minmax_one_launch_over_mixed_shapes(device, dtype):
+    """One launch over tensors of mixed shapes (a strided one among them): each tensor's
+    rows' min / max, in order, NaN kept."""
+    from quantscope.kernels.triton import minmax
+
+    g = torch.Generator().manual_seed(4)
+    ts = [torch.randn(5, 37, generator=g), torch.randn(64, 8, generator=g),
+          torch.randn(1, 300, generator=g), torch.randn(9, 20, generator=g)[:, :13]]
+    ts = [t.to(dtype) for t in ts]
+    ts[1][3, 2] = float("nan")
+    lo, hi = minmax.grouped_unit_minmax([t.to(device) for t in ts], block_u=4, block_e=16)
+    want = [torch.aminmax(t.float(), dim=1) for t in ts]
+    _assert_bitwise(lo, torch.cat([w[0] for w in want]))
+    _assert_bitwise(hi, torch.cat([w[1] for w in want]))
+
+
 # ---- integer fake-quant --------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

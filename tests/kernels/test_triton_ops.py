@@ -29,6 +29,7 @@ def _cases(device="cpu"):
         "unit_minmax": (ops.unit_minmax, (u,)),
         "unit_minmax_bf16": (ops.unit_minmax, (u.bfloat16(),)),
         "unit_minmax_tiles": (ops.unit_minmax, (u.view(3, 2, 5, 8).permute(0, 2, 1, 3),)),
+        "grouped_unit_minmax": (ops.grouped_unit_minmax, ([u, u[:4, :7], u.t()],)),
         "fake_quant_int": (ops.fake_quant_int, (u, scale, zp, -8.0, 7.0)),
         "mse_price_int": (ops.mse_price_int, (u, cand.scale, cand.zero_point, -8.0, 7.0)),
         "mse_select": (ops.mse_select, (torch.rand(5, 6, generator=g, dtype=torch.float64),
@@ -42,8 +43,12 @@ def _cases(device="cpu"):
         "nvfp4_block_scales": (ops.nvfp4_block_scales,
                                (lo, hi, torch.tensor([300.0]), "fp4_e2m1", 1e-8)),
     }
-    return {k: (op, tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
-            for k, (op, args) in cases.items()}
+    def to(a):
+        if isinstance(a, list):
+            return [t.to(device) for t in a]
+        return a.to(device) if isinstance(a, torch.Tensor) else a
+
+    return {k: (op, tuple(to(a) for a in args)) for k, (op, args) in cases.items()}
 
 
 @pytest.mark.parametrize("name", list(_cases()))
@@ -90,6 +95,8 @@ def test_one_graph_under_compile():
     (lambda: ops.unit_minmax(torch.zeros(3)), r"units must be a \[units, elements\] or"),
     (lambda: ops.unit_minmax(torch.zeros(3, 4, dtype=torch.int32)), "of float32, bfloat16"),
     (lambda: ops.unit_minmax(torch.zeros(3, 0)), "at least one element"),
+    (lambda: ops.grouped_unit_minmax([torch.zeros(3, 4), torch.zeros(2, 4).bfloat16()]),
+     r"units\[1\] must be a 2-D tensor"),
     (lambda: ops.fake_quant_int(torch.zeros(3, 4), torch.ones(2), torch.zeros(3), -8.0, 7.0),
      "scale must be a float32 tensor of shape"),
     (lambda: ops.fake_quant_int(torch.zeros(3, 4), torch.ones(3), torch.zeros(3, 1), -8.0, 7.0),

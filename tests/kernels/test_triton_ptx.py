@@ -43,6 +43,10 @@ CASES = {
          "U2": "i32", "E2": "i32", "su1": "i32", "su2": "i32", "se1": "i32", "se2": "i32",
          "chunk": "i32", "splits": "i32", "BLOCK_U": "constexpr", "BLOCK_E": "constexpr",
          "FOUR_D": "constexpr"}, {"BLOCK_U": 8, "BLOCK_E": 512, "FOUR_D": True}),
+    "minmax._grouped_minmax_kernel": (
+        {"desc_ptr": "*i64", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "DTYPE": "constexpr",
+         "BLOCK_U": "constexpr", "BLOCK_E": "constexpr"},
+        {"DTYPE": "tl.bfloat16", "BLOCK_U": 8, "BLOCK_E": 512}),
     "histogram._hist_kernel": (
         {"x_ptr": "*bf16", "counts_ptr": "*i64", "exp_ptr": "*i64", "first_ptr": "*i64",
          "E": "i32", "stride_u": "i32", "chunk": "i32", "B": "i32", "ABSOLUTE": "constexpr",
@@ -56,6 +60,7 @@ def _compile_all() -> dict:
     import importlib
 
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -65,6 +70,8 @@ def _compile_all() -> dict:
     for name, (signature, constexprs) in CASES.items():
         module, fn = name.split(".")
         kernel = getattr(importlib.import_module(f"quantscope.kernels.triton.{module}"), fn)
+        constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) else v  # "tl.<dtype>"
+                      for k, v in constexprs.items()}
         src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options=dict(LAUNCH)).asm["ptx"]  # the launches' options

@@ -9,6 +9,9 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   fp32, any strides; E >= 1), float32 ``[U]`` each, NaN propagated; or of a
   ``[U1, U2, E1, E2]`` view (units ``(u1, u2)``, elements ``(e1, e2)``): the layouts whose
   units are no row view (a channel axis in the middle, tiles) read in place.
+* ``grouped_unit_minmax(units) -> (lo, hi)``: per-row min / max of a list of ``[U_i, E_i]``
+  tensors of one dtype and device, in ONE launch on CUDA (a layer's or a model's weights of
+  mixed shapes): float32 ``[sum U_i]`` each, the tensors' rows in order.
 * ``fake_quant_int(units, scale, zero_point, qmin, qmax) -> out``: integer fake-quantization
   of ``units [U, E]`` with float32 per-unit ``scale`` / ``zero_point`` ``[U]``; float32
   ``[U, E]`` (``quantize.fake_quantize_units``).
@@ -47,8 +50,8 @@ from . import plain as _plain
 from . import threads as _threads
 from . import triton as _triton
 
-__all__ = ["e8m0_block_scales", "fake_quant_int", "mse_price_int", "mse_select",
-           "nvfp4_block_scales", "unit_minmax"]
+__all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "mse_price_int",
+           "mse_select", "nvfp4_block_scales", "unit_minmax"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -121,6 +124,50 @@ def _(units):
     _check_minmax(units)
     U = units.shape[0] if units.dim() == 2 else units.shape[0] * units.shape[1]
     out = units.new_empty(U, dtype=torch.float32)
+    return out, torch.empty_like(out)
+
+
+# ---- grouped_unit_minmax -------------------------------------------------------------------
+
+def _check_group(units: list[Tensor]) -> None:
+    who = "quantscope::grouped_unit_minmax"
+    if not units:
+        raise ValueError(f"{who}: units must be a non-empty list of [units, elements] tensors")
+    first = units[0]
+    for i, t in enumerate(units):
+        if t.dim() != 2 or t.dtype != first.dtype or t.device != first.device \
+                or t.dtype not in _FLOATS or t.shape[1] == 0:
+            raise ValueError(f"{who}: units[{i}] must be a 2-D tensor with elements, of one "
+                             f"float dtype (float32, bfloat16, float16) and device with "
+                             f"units[0] ({first.dtype} on {first.device}), got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+
+
+def _torch_grouped_unit_minmax(units: list[Tensor]) -> tuple[Tensor, Tensor]:
+    _check_group(units)
+    pairs = [_torch_unit_minmax(t) for t in units]
+    return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+
+
+@torch.library.custom_op("quantscope::grouped_unit_minmax", mutates_args=())
+def grouped_unit_minmax(units: list[Tensor]) -> tuple[Tensor, Tensor]:
+    return _torch_grouped_unit_minmax(units)
+
+
+@grouped_unit_minmax.register_kernel("cuda")
+def _(units):
+    kernel = _triton_module("minmax", units[0]) if units else None
+    if kernel is None:
+        return _torch_grouped_unit_minmax(units)
+    _check_group(units)
+    return kernel.grouped_unit_minmax([t if t.stride(1) == 1 else t.contiguous()
+                                       for t in units])
+
+
+@grouped_unit_minmax.register_fake
+def _(units):
+    _check_group(units)
+    out = units[0].new_empty(sum(t.shape[0] for t in units), dtype=torch.float32)
     return out, torch.empty_like(out)
 
 

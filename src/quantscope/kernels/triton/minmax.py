@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ._jit import LAUNCH
 
-__all__ = ["unit_minmax"]
+__all__ = ["grouped_descriptors", "grouped_unit_minmax", "unit_minmax"]
 
 #: programs below which the elements are split into chunks (a few per SM of an H100)
 TARGET_PROGRAMS = 512
@@ -102,3 +102,63 @@ def unit_minmax(units: torch.Tensor, *, block_u: int | None = None, block_e: int
     if splits == 1:
         return lo, hi
     return lo.view(U, splits).amin(1), hi.view(U, splits).amax(1)  # amin / amax keep NaN
+
+
+#: the element type of a grouped launch's pointers, by torch dtype
+_POINTEE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _grouped_minmax_kernel(desc_ptr, lo_ptr, hi_ptr, DTYPE: tl.constexpr,
+                           BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr):
+    # this program's descriptor: tensor address, first row, rows, elements, row stride, output
+    d = desc_ptr + tl.program_id(0) * 6
+    base = tl.load(d).to(tl.pointer_type(DTYPE))
+    row0, U, E = tl.load(d + 1), tl.load(d + 2), tl.load(d + 3)
+    stride, out0 = tl.load(d + 4), tl.load(d + 5)
+    rows = row0 + tl.arange(0, BLOCK_U)
+    lo = tl.full([BLOCK_U, BLOCK_E], float("inf"), tl.float32)
+    hi = tl.full([BLOCK_U, BLOCK_E], float("-inf"), tl.float32)
+    nan = tl.zeros([BLOCK_U, BLOCK_E], tl.int32)
+    for e0 in range(0, E, BLOCK_E):
+        cols = e0 + tl.arange(0, BLOCK_E)
+        mask = (rows[:, None] < U) & (cols[None, :] < E)
+        x = tl.load(base + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        lo = tl.minimum(lo, tl.where(mask, x, float("inf")))
+        hi = tl.maximum(hi, tl.where(mask, x, float("-inf")))
+        nan = nan | (x != x).to(tl.int32)  # noqa: PLR0124 (the NaN test)
+    has_nan = tl.max(nan, axis=1) > 0
+    out = out0 + rows
+    tl.store(lo_ptr + out, tl.where(has_nan, float("nan"), tl.min(lo, axis=1)), mask=rows < U)
+    tl.store(hi_ptr + out, tl.where(has_nan, float("nan"), tl.max(hi, axis=1)), mask=rows < U)
+
+
+def grouped_descriptors(tensors: list[torch.Tensor], block_u: int) -> torch.Tensor:
+    """int64 ``[programs, 6]`` on the host: per program of :func:`grouped_unit_minmax`, its
+    tensor's address, first row, rows, elements, row stride and first output; from the
+    tensors' shapes and addresses only (no device read)."""
+    rows, out0 = [], 0
+    for t in tensors:
+        U, E = t.shape
+        rows += [(t.data_ptr(), r, U, E, t.stride(0), out0) for r in range(0, U, block_u)]
+        out0 += U
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
+
+
+def grouped_unit_minmax(tensors: list[torch.Tensor], *, block_u: int | None = None,
+                        block_e: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row min / max of every ``[U_i, E_i]`` tensor (one dtype, rows contiguous, E_i >= 1)
+    in ONE launch: float32 ``[sum U_i]`` each, the tensors' rows in order."""
+    total = sum(t.shape[0] for t in tensors)
+    device = tensors[0].device
+    lo = torch.empty(total, dtype=torch.float32, device=device)
+    hi = torch.empty_like(lo)
+    if not total:
+        return lo, hi
+    be = block_e or min(triton.next_power_of_2(max(t.shape[1] for t in tensors)), 512)
+    bu = block_u or max(1, 4096 // be)
+    desc = grouped_descriptors(tensors, bu).to(device)
+    _grouped_minmax_kernel[(desc.shape[0],)](desc, lo, hi, DTYPE=_POINTEE[tensors[0].dtype],
+                                             BLOCK_U=bu, BLOCK_E=be, **LAUNCH)
+    return lo, hi
