@@ -1,0 +1,250 @@
+"""compat.llmcompressor follows llm-compressor 0.14's observer API; compat.llmcompressor_legacy
+keeps the seed's. Reference values come from the formulas (symmetric int8: amax / 127.5; NVFP4
+global scale 448 * 6 / amax); the differential tests against the installed llm-compressor are
+in test_llmcompressor_peers.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantscope.compat import llmcompressor as lc
+from quantscope.compat import llmcompressor_legacy as legacy
+from quantscope.compat.llmcompressor_base import qparams_of_statistics
+from quantscope.compat.llmcompressor_parts import flatten_for_calibration
+
+INT8 = {"num_bits": 8, "type": "int", "symmetric": True}
+
+
+def _obs(name, base="input", **fields):
+    return lc.Observer.load_from_registry(name, base_name=base, args={**INT8, **fields})
+
+
+@pytest.mark.parametrize("name", ["memoryless_minmax", "static_minmax", "minmax",
+                                  "memoryless_mse", "mse", "nvfp4_expanded_mse", "imatrix_mse"])
+def test_forward_returns_self_and_get_qparams_needs_data(name):
+    obs = _obs(name, "weight", strategy="channel")
+    with pytest.raises(AssertionError, match="No statistics available"):
+        obs.get_qparams()
+    assert obs(torch.randn(4, 16)) is obs
+    qp = obs.get_qparams()
+    assert set(qp) == {"scale", "zero_point", "global_scale"} and qp["global_scale"] is None
+    assert qp["scale"].shape == (4, 1) and qp["zero_point"].dtype == torch.int8
+    assert not obs.has_statistics  # get_qparams deletes them
+    assert not hasattr(obs, "min_vals")
+
+
+def test_weight_is_observed_once_until_qparams():
+    obs = _obs("memoryless_minmax", "weight")
+    obs(torch.tensor([[1.0, -2.0]]))
+    obs(torch.tensor([[10.0, -20.0]]))  # ignored: the weight has statistics
+    assert obs.max_vals.item() == 1.0
+    obs.get_qparams()
+    obs(torch.tensor([[10.0, -20.0]]))
+    assert obs.max_vals.item() == 10.0
+
+
+@pytest.mark.parametrize("name", ["static_minmax", "minmax", "mse"])
+def test_statistics_are_replaced_not_written(name):
+    obs = _obs(name)
+    obs(torch.tensor([[[0.0, 1.0]]]))
+    first_lo, first_hi = obs.min_vals, obs.max_vals
+    kept = first_lo.clone(), first_hi.clone()
+    obs(torch.tensor([[[-3.0, 5.0]]]))
+    assert torch.equal(first_lo, kept[0]) and torch.equal(first_hi, kept[1])
+    assert obs.min_vals is not first_lo
+
+
+def test_static_and_ema_sequences():
+    # llm-compressor's documented sequence: [0, 0], [-3, 1], [-1, 3] per tensor
+    batches = [torch.tensor([[[0.0, 0.0]]]), torch.tensor([[[-3.0, 1.0]]]),
+               torch.tensor([[[-1.0, 3.0]]])]
+    static, ema = _obs("static_minmax"), _obs("minmax", observer_kwargs={
+        "averaging_constant": 0.1})
+    seen = []
+    for b in batches:
+        static(b), ema(b)
+        seen.append((static.min_vals.item(), static.max_vals.item(),
+                     ema.min_vals.item(), ema.max_vals.item()))
+    assert [s[:2] for s in seen] == [(0, 0), (-3, 1), (-3, 3)]
+    ema_seen = [v for s in seen for v in s[2:]]
+    assert ema_seen == pytest.approx([0, 0, -0.3, 0.1, -0.37, 0.39])
+
+
+def test_assigned_statistics_give_their_qparams():
+    obs = _obs("static_minmax")
+    obs.min_vals, obs.max_vals = torch.tensor([-5.0]), torch.tensor([2.0])
+    qp = obs.get_qparams()
+    assert torch.equal(qp["scale"], torch.tensor([5.0 / 127.5]))
+    assert torch.equal(qp["zero_point"], torch.zeros(1, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8])
+def test_integer_tensors_are_observed(dtype):
+    obs = _obs("memoryless_minmax")
+    obs(torch.tensor([[[-4, 7, 2]]], dtype=dtype))
+    assert obs.min_vals.item() == -4 and obs.max_vals.item() == 7
+    scale = obs.get_qparams()["scale"]
+    assert scale.dtype == torch.float32 and torch.equal(scale, torch.tensor([7 / 127.5]))
+    ema = _obs("minmax")
+    ema(torch.tensor([[[-4, 7]]], dtype=dtype))
+    ema(torch.tensor([[[0, 0]]], dtype=dtype))
+    assert ema.max_vals.item() == pytest.approx(7 * 0.99)
+
+
+def test_int_tensor_group_scales_times_global_scale():
+    w = torch.tensor([[1.0, -2.0, 0.5, 0.25], [4.0, 1.0, -1.0, 3.0]])
+    obs = lc.MemorylessMinMaxObserver("weight", {**INT8, "strategy": "tensor_group",
+                                                 "group_size": 2})
+    qp = obs(w).get_qparams()
+    gs = torch.tensor([448 * 6 / 4.0])
+    assert torch.equal(qp["global_scale"], gs)
+    amax = torch.tensor([[2.0, 0.5], [4.0, 3.0]])
+    assert torch.allclose(qp["scale"], amax / 127.5 * gs, rtol=1e-6)
+
+
+def test_nvfp4_global_scale_from_the_fusion_group():
+    args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+            "group_size": 16}
+    mods = [torch.nn.Linear(32, 8, bias=False) for _ in range(3)]
+    with torch.no_grad():
+        mods[2].weight[0, 0] = 50.0  # the group's largest amax is in the third layer
+    observers = [lc.MemorylessMinMaxObserver("weight", dict(args)) for _ in mods]
+    lc.FusionHandler.fuse(zip(observers, mods))
+    qp = observers[0](mods[0].weight).get_qparams()  # observes the others' weights too
+    assert torch.equal(qp["global_scale"], torch.tensor([448 * 6 / 50.0]))
+    assert observers[1].has_statistics  # kept until every member is done
+    for obs in observers[1:]:
+        assert torch.equal(obs.get_qparams()["global_scale"], qp["global_scale"])
+    assert not any(obs.has_statistics for obs in observers)
+
+
+def test_mse_options_as_llmcompressor():
+    fp4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+           "group_size": 16}
+    assert _obs("memoryless_mse", "weight").triton_error_buffer == 0.30
+    assert lc.MemorylessMSEObserver("weight", dict(fp4)).triton_error_buffer == 1.00
+    with pytest.raises(ValueError, match="expand value must be at least 1.0, got 0.5"):
+        _obs("mse", observer_kwargs={"expand": 0.5})
+    with pytest.warns(UserWarning, match="alias"):
+        assert isinstance(lc.Observer.load_from_registry("fouroversix", base_name="weight",
+                                                         args=dict(fp4)),
+                          lc.NVFP4ExpandedMSEObserver)
+
+
+def test_sync_issues_one_async_reduce_per_statistic(monkeypatch):
+    calls = []
+    fake = type("Dist", (), {"ReduceOp": torch.distributed.ReduceOp,
+                             "all_reduce": staticmethod(lambda t, op, async_op: calls.append(
+                                 (t, op, async_op)) or "handle")})
+    monkeypatch.setattr("quantscope.compat.llmcompressor_base.dist", fake)
+    assert _obs("memoryless_minmax").sync_activation_stats() == []
+    static = _obs("static_minmax")
+    assert static.sync_activation_stats() == []  # nothing observed
+    static.min_vals, static.max_vals = torch.tensor([-1.0]), torch.tensor([1.0])
+    assert static.sync_activation_stats() == ["handle", "handle"]
+    ops = [op for _, op, _ in calls]
+    assert ops == [torch.distributed.ReduceOp.MIN, torch.distributed.ReduceOp.MAX]
+    assert all(a for _, _, a in calls)
+
+
+@pytest.mark.parametrize("strategy,shape,base,out", [
+    ("tensor", (4, 8), "weight", (1, 1, 32)),
+    ("channel", (4, 8), "weight", (1, 4, 1, 8)),
+    ("group", (4, 8), "weight", (1, 4, 2, 4)),
+    ("block", (5, 6), "weight", (1, 3, 2, 8)),
+    ("tensor", (2, 3, 8), "input", (6, 1, 8)),
+    ("group", (2, 3, 8), "input", (6, 2, 4)),
+    ("token", (2, 3, 8), "input", (2, 3, 8)),
+    ("attn_head", (2, 4, 3, 8), "k", (6, 4, 1, 1, 8)),
+])
+def test_flatten_shapes(strategy, shape, base, out):
+    args = {"strategy": strategy, "group_size": 4, "block_structure": [2, 4]}
+    assert tuple(flatten_for_calibration(torch.randn(shape), base, args).shape) == out
+
+
+def test_flatten_refuses_what_llmcompressor_refuses():
+    with pytest.raises(ValueError, match="Token quantization cannot be applied to weights"):
+        flatten_for_calibration(torch.randn(2, 2), "weight", {"strategy": "token"})
+    with pytest.raises(ValueError, match="Unknown quantization base name"):
+        flatten_for_calibration(torch.randn(2, 2), "bias", {"strategy": "tensor"})
+
+
+def test_seed_generation_returns_the_same_qparams():
+    x = torch.randn(8, 32)
+    args = {"num_bits": 4, "strategy": "group", "group_size": 16}
+    scale, zp = legacy.Observer.load_from_registry("memoryless_minmax", base_name="weight",
+                                                   args=dict(args))(x)
+    qp = lc.Observer.load_from_registry("memoryless_minmax", base_name="weight",
+                                        args=dict(args))(x).get_qparams()
+    assert torch.equal(scale, qp["scale"]) and torch.equal(zp, qp["zero_point"])
+
+
+def test_qparams_keep_the_statistics_float_dtype():
+    lo, hi = torch.tensor([-1.0], dtype=torch.bfloat16), torch.tensor([3.0], dtype=torch.bfloat16)
+    scale, zp = qparams_of_statistics(lo, hi, dict(INT8), "input", None)
+    assert scale.dtype == torch.bfloat16 and zp.dtype == torch.int8
+
+
+# --------------------------------------------------------------------------- imatrix
+def _imatrix(module, **kwargs):
+    obs = lc.IMatrixMSEObserver("weight", {"num_bits": 4, "symmetric": True,
+                                           "strategy": "channel", "observer_kwargs": kwargs})
+    obs.attach(module)
+    return obs
+
+
+def test_imatrix_attach_collects_and_detach_stops():
+    lin = torch.nn.Linear(3, 2)
+    obs = _imatrix(lin)
+    x = torch.tensor([[[1.0, 2.0, 0.0]], [[3.0, 0.0, 1.0]]])
+    lin(x)
+    assert torch.equal(obs._imatrix_sum, torch.tensor([10.0, 4.0, 1.0]))
+    assert obs._imatrix_count.item() == 2
+    obs.detach(lin)
+    lin(x)
+    assert obs._imatrix_count.item() == 2
+    obs.attach(torch.nn.ReLU())  # no in_features: nothing collected, the old hook removed
+    assert obs._imatrix_hook is None and not lin._forward_pre_hooks
+
+
+@pytest.mark.parametrize("norm", [0, -1, float("inf"), float("nan")])
+def test_imatrix_norm_checked(norm):
+    with pytest.raises(ValueError, match="norm must be a finite positive number"):
+        _imatrix(torch.nn.Linear(4, 2), norm=norm)
+
+
+@pytest.mark.parametrize("importance,match", [
+    (None, "no importance data"), (torch.ones(3), "size mismatch"),
+    (torch.tensor([1.0, -1.0, 1.0, 1.0]), "negative"), (torch.zeros(4), "all zeros"),
+    (torch.tensor([1.0, float("nan"), 1.0, 1.0]), "non-finite")])
+def test_imatrix_strict_refuses_and_lenient_falls_back(importance, match):
+    lin = torch.nn.Linear(4, 2)
+    for strict in (True, False):
+        obs = _imatrix(lin, strict=strict)
+        if importance is not None:
+            obs._imatrix_sum, obs._imatrix_count = importance.clone(), torch.tensor(1)
+        if strict:
+            with pytest.raises(ValueError, match=match):
+                obs(lin.weight)
+        else:
+            with pytest.warns(UserWarning, match=match):
+                obs(lin.weight)
+            assert obs.has_statistics
+
+
+def test_imatrix_uniform_importance_is_the_unweighted_search_and_weights_move_it():
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(8, 16)
+    plain, weighted = _imatrix(lin), _imatrix(lin)
+    plain._imatrix_sum, plain._imatrix_count = torch.ones(8), torch.tensor(1)
+    skew = torch.tensor([1e3] * 4 + [1e-2] * 4)
+    weighted._imatrix_sum, weighted._imatrix_count = skew, torch.tensor(1)
+    lenient = _imatrix(lin)  # no data: the unweighted search
+    with pytest.warns(UserWarning):
+        lenient(lin.weight)
+    plain(lin.weight), weighted(lin.weight)
+    assert torch.equal(plain.max_vals, lenient.max_vals)
+    assert not torch.equal(plain.max_vals, weighted.max_vals)
+    plain.get_qparams()
+    assert not hasattr(plain, "_imatrix_sum") and not plain.has_statistics
