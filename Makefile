@@ -10,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
-EXTRAS := test,peers,model,plot,dev,onnx
+EXTRAS := test,peers,model,plot,dev,onnx,gpu
 # llm-compressor and Quark pin other versions of packages .venv holds (compressed-tensors
 # 0.19, transformers), so the differential tests and benches run them (and NVIDIA's ModelOpt
 # beside them) from a venv of their own, with the same torch: in process (tests marked
