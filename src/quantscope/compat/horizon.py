@@ -152,13 +152,15 @@ class KLObserver(HorizonObserver, EntropyObserver):
 
 @register("horizon:PercentileObserver")
 class PercentileObserver(HorizonObserver, _NativePercentile):
-    """Horizon's PercentileObserver: each batch's ``|x|`` histogram (``bins``), the bin centre
-    ``(i + 0.5) w`` at ``percentile``, then an EMA."""
+    """Horizon's PercentileObserver: each batch's ``|x|`` histogram (``bins`` over
+    ``[0, max |x|]``, width ``w``), the centre ``(i + 0.5) w`` of the first bin where the
+    cumulative share reaches ``percentile``, then an EMA."""
 
     def __init__(self, percentile=99.99, bins=2048, averaging_constant=0.01, ch_axis=-1,
                  dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
                  quant_max=None, is_sync_quantize=False, factory_kwargs=None, **kwargs):
         kwargs.setdefault("convention", "center")
+        kwargs.setdefault("grid", "first")  # each batch's own [0, max |x|] grid, as Horizon
         super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
                          quant_max=quant_max, is_sync_quantize=is_sync_quantize,
                          factory_kwargs=factory_kwargs, percentile=percentile, bins=bins,
@@ -174,10 +176,18 @@ class MixObserver(HorizonObserver, _NativeMix):
                  qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
                  is_sync_quantize=False, factory_kwargs=None, **kwargs):
         kwargs.setdefault("candidates", ("percentile",))
+        kwargs.setdefault("grid", "first")  # each batch's own [0, max |x|] grid, as Horizon
         super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
                          quant_max=quant_max, is_sync_quantize=is_sync_quantize,
                          factory_kwargs=factory_kwargs, bins=bins,
                          averaging_constant=averaging_constant, **kwargs)
+
+    def _estimate(self, hist):
+        # Horizon thresholds |x|: both sides clip at max |x| before the EMA (the native mix
+        # clips each side at the signed min / max, so the EMA of a skewed batch is lopsided)
+        lo, hi = _NativeMix._estimate(self, hist)
+        amax = torch.maximum(-lo, hi)
+        return -amax, amax
 
 
 @register("horizon:MSEObserver")
