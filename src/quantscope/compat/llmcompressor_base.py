@@ -23,7 +23,7 @@ from ..scales import nvfp4_global_scale
 from ..stats.minmax import ema_
 from . import enum_name, field
 from .llmcompressor_parts import FusionHandler, flatten_for_calibration
-from .llmcompressor_spec import is_int_tensor_group, llmcompressor_spec, zp_dtype
+from .llmcompressor_spec import llmcompressor_spec, scales_times_global_scale, zp_dtype
 
 __all__ = ["Observer", "fused_amax", "global_scale_of", "lerp", "qparams_of_statistics",
            "statistics_units"]
@@ -191,13 +191,14 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
                           global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' ``calculate_qparams`` of per-qparam ranges, by quantscope's formulas:
     the scale in the statistics' float dtype (float32 for integer statistics), the zero point
-    in the args' ``zp_dtype``; an integer ``tensor_group`` scale times the global scale."""
+    in the args' ``zp_dtype``; a ``tensor_group`` scale without ``scale_dtype`` (or of
+    integers) is the float32 scale times the global scale, as compressed-tensors leaves it."""
     spec = llmcompressor_spec(args, base_name)
     shape = tuple(min_vals.shape)
     dtype = min_vals.dtype if min_vals.is_floating_point() else torch.float32
     lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
-    if is_int_tensor_group(args):
-        qp = qparams_from_range(lo, hi, spec.replace(layout=Channel(0)))
+    if scales_times_global_scale(args):
+        qp = qparams_from_range(lo, hi, spec.replace(layout=Channel(0), scale="fp32"))
         scale = qp.scale * global_scale_of(global_amax)
     else:
         qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)

@@ -17,7 +17,7 @@ from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..spec import QuantSpec
 from . import enum_name, field
 
-__all__ = ["is_int_tensor_group", "llmcompressor_spec", "zp_dtype"]
+__all__ = ["llmcompressor_spec", "scales_times_global_scale", "zp_dtype"]
 
 _FLOATS = {8: "fp8_e4m3", 6: "fp6_e2m3", 4: "fp4_e2m1"}
 _SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
@@ -91,11 +91,14 @@ def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | No
     return QuantSpec(fmt, layout, symmetric=symmetric, scale=scale)
 
 
-def is_int_tensor_group(args) -> bool:
-    """An integer ``tensor_group`` spec: compressed-tensors multiplies each group's fp32
-    scale by the global scale (floats use NVFP4's fp8 block scales instead)."""
+def scales_times_global_scale(args) -> bool:
+    """A ``tensor_group`` spec whose scales compressed-tensors leaves in float32 times the
+    global scale: integer elements, or no ``scale_dtype`` (NVFP4's presets set float8_e4m3fn,
+    whose block scales :func:`llmcompressor_spec` encodes)."""
+    if enum_name(field(args, "strategy")) != "tensor_group":
+        return False
     kind = enum_name(field(args, "type")) or "int"
-    return kind == "int" and enum_name(field(args, "strategy")) == "tensor_group"
+    return kind == "int" or field(args, "scale_dtype") is None
 
 
 def zp_dtype(args, spec: QuantSpec) -> torch.dtype:

@@ -1,0 +1,215 @@
+"""compat.llmcompressor (0.14's API) and the registry classes quantscope_<name> against the
+installed llm-compressor 0.14: the same calls on the same tensors give the same statistics,
+qparams, attributes and errors. Runs in the peers' venv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.peers
+
+pytest.importorskip("llmcompressor")
+from compressed_tensors.quantization import QuantizationArgs
+from llmcompressor.observers import Observer as TheirObserver
+
+import quantscope.integrations.llmcompressor  # noqa: F401  (registers quantscope_<name>)
+from quantscope.compat import llmcompressor as lc
+
+
+def _fields(**fields) -> dict:
+    return fields
+
+
+WEIGHT_ARGS = [
+    _fields(num_bits=8, type="int", symmetric=True, strategy="tensor"),
+    _fields(num_bits=8, type="int", symmetric=False, strategy="channel"),
+    _fields(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16),
+    _fields(num_bits=8, type="int", symmetric=True, strategy="tensor_group", group_size=16),
+    _fields(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16),
+    _fields(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[16, 16]),
+]
+INPUT_ARGS = [
+    _fields(num_bits=8, type="int", symmetric=True, strategy="tensor"),
+    _fields(num_bits=8, type="int", symmetric=False, strategy="tensor"),
+    _fields(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+]
+NAMES = ["memoryless_minmax", "static_minmax", "minmax", "memoryless_mse", "mse"]
+
+
+def _pair(name, base, fields, ours=lc.Observer):
+    theirs = TheirObserver.load_from_registry(name, base_name=base,
+                                              args=QuantizationArgs(**fields))
+    mine = ours.load_from_registry(name, base_name=base, args=QuantizationArgs(**fields))
+    return mine, theirs
+
+
+def _same_qparams(a, b, exact=True):
+    for key in ("scale", "zero_point", "global_scale"):
+        if b[key] is None:
+            assert a[key] is None, key
+            continue
+        assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, key
+        if exact:
+            assert torch.equal(a[key].float(), b[key].float()), (key, a[key], b[key])
+        else:
+            assert torch.allclose(a[key].float(), b[key].float(), rtol=1e-5), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("fields", WEIGHT_ARGS, ids=lambda f: f"{f['strategy']}-{f['type']}")
+def test_weights_as_llmcompressor(name, fields):
+    torch.manual_seed(0)
+    w = torch.randn(32, 48)
+    mine, theirs = _pair(name, "weight", fields)
+    assert mine(w) is mine and theirs(w) is theirs
+    assert torch.equal(mine.min_vals, theirs.min_vals)
+    assert torch.equal(mine.max_vals, theirs.max_vals)
+    _same_qparams(mine.get_qparams(), theirs.get_qparams())
+    assert mine.has_statistics == theirs.has_statistics is False
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("fields", INPUT_ARGS, ids=lambda f: f"{f['type']}-{f['symmetric']}")
+def test_input_sequences_as_llmcompressor(name, fields):
+    torch.manual_seed(1)
+    mine, theirs = _pair(name, "input", fields)
+    for i in range(3):
+        x = torch.randn(2, 5, 32) * (i + 1)
+        mine(x), theirs(x)
+        assert torch.allclose(mine.min_vals, theirs.min_vals, rtol=1e-6)
+        assert torch.allclose(mine.max_vals, theirs.max_vals, rtol=1e-6)
+    _same_qparams(mine.get_qparams(), theirs.get_qparams(), exact=False)
+
+
+@pytest.mark.parametrize("ours", [lc.Observer, TheirObserver], ids=["compat", "registry"])
+@pytest.mark.parametrize("name", ["memoryless_minmax", "static_minmax", "minmax"])
+def test_integer_tensors(ours, name):
+    prefix = "quantscope_" if ours is TheirObserver else ""
+    fields = _fields(num_bits=8, type="int", symmetric=True, strategy="tensor")
+    theirs = TheirObserver.load_from_registry(name, base_name="input",
+                                              args=QuantizationArgs(**fields))
+    mine = ours.load_from_registry(prefix + name, base_name="input",
+                                   args=QuantizationArgs(**fields))
+    for x in (torch.tensor([[[3, -7, 2]]]), torch.tensor([[[10, 1, -1]]])):
+        mine(x), theirs(x)
+    # the registry's EMA is quantscope's kernel (one rounding apart from llm-compressor's lerp)
+    assert torch.allclose(mine.min_vals.float(), theirs.min_vals.float(), rtol=1e-6)
+    assert torch.allclose(mine.max_vals.float(), theirs.max_vals.float(), rtol=1e-6)
+    _same_qparams(mine.get_qparams(), theirs.get_qparams(), exact=prefix == "")
+
+
+@pytest.mark.parametrize("prefix", ["", "quantscope_"])
+def test_assigned_statistics(prefix):
+    fields = _fields(num_bits=8, type="int", symmetric=True, strategy="tensor_group", group_size=4)
+    ours = lc.Observer if not prefix else TheirObserver
+    mine = ours.load_from_registry(prefix + "static_minmax", base_name="weight",
+                                   args=QuantizationArgs(**fields))
+    theirs = TheirObserver.load_from_registry("static_minmax", base_name="weight",
+                                              args=QuantizationArgs(**fields))
+    for obs in (mine, theirs):
+        obs.min_vals = torch.tensor([[-5.0, -1.0]])
+        obs.max_vals = torch.tensor([[5.0, 0.5]])
+    _same_qparams(mine.get_qparams(), theirs.get_qparams())
+
+
+@pytest.mark.parametrize("name", ["static_minmax", "minmax", "mse", "histogram"])
+def test_registry_statistics_never_written_in_place(name):
+    obs = TheirObserver.load_from_registry(
+        "quantscope_" + name, base_name="input",
+        args=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor"))
+    obs(torch.tensor([[[0.0, 1.0]]]))
+    lo, hi = obs.min_vals, obs.max_vals
+    kept = lo.clone(), hi.clone()
+    obs(torch.tensor([[[-30.0, 50.0]]]))
+    assert torch.equal(lo, kept[0]) and torch.equal(hi, kept[1])
+    assert obs.max_vals.item() > kept[1].item() or name == "histogram"
+
+
+@pytest.mark.parametrize("name,expected", [("static_minmax", ["MIN", "MAX"]),
+                                           ("minmax", ["AVG", "AVG"])])
+def test_registry_assigned_statistics_sync_as_llmcompressor(monkeypatch, name, expected):
+    calls = []
+    monkeypatch.setattr("llmcompressor.observers.base.dist.all_reduce",
+                        lambda t, op, async_op: calls.append(op) or "handle")
+    obs = TheirObserver.load_from_registry(
+        "quantscope_" + name, base_name="input",
+        args=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor"))
+    obs.min_vals, obs.max_vals = torch.tensor([-1.0]), torch.tensor([1.0])
+    assert obs.sync_activation_stats() == ["handle", "handle"]
+    assert [op.name if hasattr(op, "name") else str(op).split(".")[-1] for op in calls] == \
+        expected
+
+
+@pytest.mark.parametrize("prefix", ["", "quantscope_"])
+def test_mse_attributes_and_errors(prefix):
+    ours = lc.Observer if not prefix else TheirObserver
+    for fields in WEIGHT_ARGS:
+        args = QuantizationArgs(**fields)
+        mine = ours.load_from_registry(prefix + "memoryless_mse", base_name="weight", args=args)
+        theirs = TheirObserver.load_from_registry("memoryless_mse", base_name="weight",
+                                                  args=QuantizationArgs(**fields))
+        assert mine.triton_error_buffer == theirs.triton_error_buffer
+    for impl in (ours, TheirObserver):
+        name = prefix + "mse" if impl is ours else "mse"
+        with pytest.raises(ValueError, match=r"expand value must be at least 1.0, got 0.9"):
+            impl.load_from_registry(name, base_name="weight", args=QuantizationArgs(
+                num_bits=8, observer_kwargs={"expand": 0.9}))
+
+
+# --------------------------------------------------------------------------- imatrix
+def _imatrix_pair(prefix, module, **kwargs):
+    ours = lc.Observer if not prefix else TheirObserver
+    made = []
+    for impl, name in ((ours, prefix + "imatrix_mse"), (TheirObserver, "imatrix_mse")):
+        obs = impl.load_from_registry(name, base_name="weight", args=QuantizationArgs(
+            num_bits=4, symmetric=True, strategy="group", group_size=8,
+            observer_kwargs=dict(kwargs)))
+        obs.attach(module)
+        made.append(obs)
+    return made
+
+
+@pytest.mark.parametrize("prefix", ["", "quantscope_"])
+def test_imatrix_collects_and_searches_as_llmcompressor(prefix):
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(32, 16)
+    mine, theirs = _imatrix_pair(prefix, lin)
+    lin(torch.randn(4, 6, 32) * torch.linspace(0.1, 5, 32))
+    assert torch.equal(mine._imatrix_sum, theirs._imatrix_sum)
+    assert torch.equal(mine._imatrix_count, theirs._imatrix_count)
+    mine(lin.weight), theirs(lin.weight)
+    assert torch.allclose(mine.min_vals.float(), theirs.min_vals.float(), rtol=1e-6)
+    assert torch.allclose(mine.max_vals.float(), theirs.max_vals.float(), rtol=1e-6)
+    _same_qparams(mine.get_qparams(), theirs.get_qparams(), exact=False)
+    assert not hasattr(mine, "_imatrix_sum") and not hasattr(theirs, "_imatrix_sum")
+
+
+@pytest.mark.parametrize("prefix", ["", "quantscope_"])
+@pytest.mark.parametrize("kwargs", [{"norm": float("inf")}, {"norm": 0}, {"grid": 0},
+                                    {"patience": -1}, {"maxshrink": 1.5}])
+def test_imatrix_options_refused_as_llmcompressor(prefix, kwargs):
+    with pytest.raises(ValueError) as theirs:
+        TheirObserver.load_from_registry(
+            "imatrix_mse", base_name="weight",
+            args=QuantizationArgs(num_bits=4, strategy="channel", observer_kwargs=kwargs))
+    ours = lc.Observer if not prefix else TheirObserver
+    with pytest.raises(ValueError) as mine:
+        ours.load_from_registry(prefix + "imatrix_mse", base_name="weight",
+                                args=QuantizationArgs(num_bits=4, strategy="channel",
+                                                      observer_kwargs=kwargs))
+    assert str(mine.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("prefix", ["", "quantscope_"])
+def test_imatrix_strict_errors_as_llmcompressor(prefix):
+    lin = torch.nn.Linear(16, 4)
+    for obs in _imatrix_pair(prefix, lin, strict=True):
+        with pytest.raises(ValueError, match="imatrix_mse: no importance data available"):
+            obs(lin.weight)
+    ours = lc.Observer if not prefix else TheirObserver
+    for impl, name in ((ours, prefix + "imatrix_mse"), (TheirObserver, "imatrix_mse")):
+        obs = impl.load_from_registry(name, base_name="input", args=QuantizationArgs(
+            num_bits=8, strategy="tensor", observer_kwargs={"strict": True}))
+        with pytest.raises(NotImplementedError, match="only supported for weight observers"):
+            obs(torch.randn(2, 1, 8))
