@@ -194,7 +194,8 @@ def _scenarios(r, w, group=None):
 
     # the seeds' flags: Horizon is_sync_quantize (per-batch MIN / MAX before the EMA) and
     # llm-compressor's sync_activation_stats (static MIN / MAX, minmax AVG)
-    from quantscope.compat import horizon, llmcompressor
+    from quantscope.compat import horizon
+    from quantscope.compat import llmcompressor_legacy as llmcompressor  # the seed's API
 
     batches = _batches(w + 1, seed=5)
     steps = -(-len(batches) // w)

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import quantscope.estimators.mse as mse_mod
 from quantscope import presets
-from quantscope.compat import horizon, llmcompressor
+from quantscope.compat import horizon
+from quantscope.compat import llmcompressor_legacy as llmcompressor  # the seed's API
 from quantscope.estimators import (
     dense_search,
     linear_search,
