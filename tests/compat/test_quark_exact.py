@@ -254,16 +254,20 @@ def test_fp8_per_tensor_against_quark(dtype, first_level, dynamic):
                                                 ("e8m0", "ceil"), ("e4m3", None),
                                                 ("e5m3", None), ("float32", None)])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_mx_amax_and_scales_against_quark(scale_format, mode, dynamic):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mx_amax_and_scales_against_quark(scale_format, mode, dynamic, dtype):
     pytest.importorskip("quark.torch.quantization.observer.observer")
     theirs, ours = twins("PerBlockMXObserver", dtype="fp4", qscheme="per_group", group_size=16,
                          ch_axis=-1, scale_format=scale_format, scale_calculation_mode=mode,
                          is_dynamic=dynamic)
     for x in batches((2, 8, 64)):
-        theirs(x)
-        ours(x)
+        x[0, 0, :16] = 0.0  # a zero block: Quark fills eps
+        x[0, 1, 16:32] = 1e-30  # a block far below E8M0's and E5M3's range
+        theirs(x.to(dtype))
+        ours(x.to(dtype))
     same(ours.amax, theirs.amax)
     for a, b in zip(ours.calculate_qparams(), theirs.calculate_qparams(), strict=True):
+        assert a.dtype == b.dtype
         same(a, b)
 
 

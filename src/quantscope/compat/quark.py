@@ -40,6 +40,7 @@ from .quark_base import (
     FP8_E5M3,
     QuarkObserver,
     _quark_int_default,
+    quark_e8m0_scale,
     quark_float_scale,
     quark_spec,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "PlaceholderObserver",
     "QuarkObserver",
     "UniformScalingObserver",
+    "quark_e8m0_scale",
     "quark_float_scale",
     "quark_spec",
     "register_with_quark",
@@ -190,7 +192,8 @@ class PerBlockMXObserver(_DynamicOrStatic):
             raise AttributeError("PerBlockMXObserver has no attribute 'amax'")
         if not self.has_observed:
             return torch.tensor(0.0)
-        return self._quark_shape(torch.maximum(-self.min_vals, self.max_vals))
+        amax = torch.maximum(-self.min_vals, self.max_vals).to(self._input_dtype)
+        return self._quark_shape(amax)
 
     @amax.deleter
     def amax(self) -> None:
@@ -198,7 +201,12 @@ class PerBlockMXObserver(_DynamicOrStatic):
 
     def _calculate_qparams(self):
         if self.scale_format in (None, "e8m0"):
-            return QuarkObserver._calculate_qparams(self)
+            mode = self.scale_calculation_mode or "even"
+            if mode == "even":  # the native MX rule; Quark's even_round gives float32
+                scale, zp = QuarkObserver._calculate_qparams(self)
+                return scale.float().to(self.scale_torch_dtype), zp.float()
+            scale = quark_e8m0_scale(self.amax, self.spec.format.emax, mode, eps=self.eps)
+            return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
         scale = quark_float_scale(self.amax, self.spec.format.qmax, self.scale_format,
                                   eps=self.eps, first_level=self.quant_max_first_level,
                                   dtype=self.scale_torch_dtype)

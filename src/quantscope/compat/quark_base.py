@@ -11,7 +11,7 @@ from ..qparams import qparams_from_range
 from ..spec import QuantSpec
 from . import enum_name, field
 
-__all__ = ["FP8_E5M3", "QuarkObserver", "quark_float_scale", "quark_spec"]
+__all__ = ["FP8_E5M3", "QuarkObserver", "quark_e8m0_scale", "quark_float_scale", "quark_spec"]
 
 #: Quark's unsigned E5M3 (bias 15, subnormals down to 2 ** -17, largest 1.75 * 2 ** 16: the
 #: top code is not a number): the scale format of AMD's FP4 and of its second-level scales
@@ -87,6 +87,15 @@ def quark_spec(qspec) -> QuantSpec:
     return QuantSpec(fmt, layout, symmetric=symmetric if dtype in _INT else True)
 
 
+def quark_e8m0_scale(amax: torch.Tensor, emax: int, mode: str, *, eps=_F32_EPS) -> torch.Tensor:
+    """Quark's E8M0 ``floor`` / ``ceil`` scale ``2 ** (floor / ceil(log2 amax) - emax)``, in
+    ``amax``'s dtype, not clamped to E8M0's range; a zero amax gives ``eps`` (Quark's fill).
+    Its ``even`` mode is the native MX rule."""
+    rounding = {"floor": torch.floor, "ceil": torch.ceil}[mode]
+    scale = torch.pow(2, rounding(torch.log2(amax)) - emax)
+    return scale.masked_fill(scale == 0.0, eps)
+
+
 def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *,
                       eps=_F32_EPS, first_level: float | None = None,
                       dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -143,13 +152,24 @@ class QuarkObserver:
         self.scale_format = enum_name(field(qspec, "scale_format"))
         self.scale_calculation_mode = enum_name(field(qspec, "scale_calculation_mode"))
         scale_type = enum_name(field(qspec, "scale_type"))
-        self.scale_torch_dtype = _SCALE_DTYPES.get(scale_type, torch.float32)
+        #: Quark's: None unless scale_type is float32 / float16 / bfloat16 (then the scale
+        #: keeps the dtype Quark computes it in: the input's, float32 for e8m0 'even' / e4m3)
+        self.scale_torch_dtype = _SCALE_DTYPES.get(scale_type)
+        self._input_dtype = torch.float32
         #: set by a two-level scheme on its second stage: float32 scales divide by it too
         self.quant_max_first_level: float | None = None
         self.eps = _F32_EPS
         self._deleted: set[str] = set()
         if device is not None:
             self.to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._input_dtype = x.dtype  # Quark keeps its statistics in the input's dtype
+        return super().forward(x)
+
+    @property
+    def _scale_dtype(self) -> torch.dtype:
+        return self.scale_torch_dtype or self._input_dtype
 
     @property
     def _num_observed_tokens(self) -> int:
@@ -170,7 +190,7 @@ class QuarkObserver:
         scale, zp = self._quark_shape(qp.effective_scale), self._quark_shape(qp.zero_point)
         if self.spec.is_float or self.spec.scale.is_block:
             zp = torch.zeros_like(scale)
-        return scale.to(self.scale_torch_dtype), zp
+        return scale.to(self._scale_dtype), zp
 
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
                           max_val: torch.Tensor | None = None):
@@ -192,7 +212,7 @@ class QuarkObserver:
                 and bool(max_val == float("-inf"))):
             return _quark_int_default()
         qp = qparams_from_range(min_val.float(), max_val.float(), self.spec)
-        return qp.scale.to(self.scale_torch_dtype), qp.zero_point.to(torch.int32)
+        return qp.scale.to(self.scale_torch_dtype or min_val.dtype), qp.zero_point.to(torch.int32)
 
     def calculate_fp8_quant_parameters(self, min_val: torch.Tensor, max_val: torch.Tensor):
         """Quark's float ``(scale, zeros)``: ``amax / quant_max`` of the range (divided by
@@ -210,7 +230,9 @@ class QuarkObserver:
         """A statistic as Quark shows it: ``tensor(empty)`` before data / after a reset."""
         if name in self._deleted:
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-        return getattr(self, name + "s") if self.has_observed else torch.tensor(empty)
+        if not self.has_observed:
+            return torch.tensor(empty)
+        return getattr(self, name + "s").to(self._input_dtype)
 
     def _delete(self, name: str) -> None:
         self._deleted.add(name)
