@@ -9,14 +9,15 @@ by ONE function per toolkit, a mixin class per toolkit turns the native
 (``"llmcompressor:minmax"``, ``"quark:PerBlockMXObserver"``,
 ``"horizon:MinMaxObserver"``, ``"torch.ao:PerChannelMinMaxObserver"``).
 
-=====================  ===============================  ==========================
-module                 translation function             mixin
-=====================  ===============================  ==========================
-``llmcompressor``      ``llmcompressor_spec(args)``     ``LLMCompressorObserver``
-``quark``              ``quark_spec(qspec)``            ``QuarkObserver``
-``horizon``            ``horizon_spec(**kwargs)``       ``HorizonObserver``
-``torch_ao``           ``torch_ao_spec(**kwargs)``      ``TorchAOObserver``
-=====================  ===============================  ==========================
+==========================  ===============================  ==========================
+module                      translation function             mixin / base
+==========================  ===============================  ==========================
+``llmcompressor``           ``llmcompressor_spec(args)``     ``Observer`` (0.14's API)
+``llmcompressor_legacy``    ``llmcompressor_spec(args)``     ``LLMCompressorObserver``
+``quark``                   ``quark_spec(qspec)``            ``QuarkObserver``
+``horizon``                 ``horizon_spec(**kwargs)``       ``HorizonObserver``
+``torch_ao``                ``torch_ao_spec(**kwargs)``      ``TorchAOObserver``
+==========================  ===============================  ==========================
 
 A new compat class for another native observer (MSE, histogram ...) is::
 
@@ -24,6 +25,11 @@ A new compat class for another native observer (MSE, histogram ...) is::
     class MSEObserver(HorizonObserver, NativeMSEObserver):
         def __init__(self, stride=1, averaging_constant=0.01, ..., **kwargs):
             super().__init__(..., **kwargs)   # unknown keywords go to the native class
+
+llm-compressor has two observer API generations: ``llmcompressor`` is 0.14's (``forward``
+returns the observer, ``get_qparams()`` a dict, statistics as attributes; its own registry,
+``Observer.load_from_registry``), ``llmcompressor_legacy`` the seed's (``forward`` returns
+``(scale, zero_point)``; registered here as ``"llmcompressor:<name>"``).
 
 ``torch_ao`` is the exception: its classes are torch.ao's own, subclassed
 (``class HistogramObserver(TorchAOObserver, torch.ao...HistogramObserver)``), so that
