@@ -40,6 +40,15 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   observed per column block across all tokens, as llm-compressor does; only their global
   scale is used, so quantscope searches their range with fp32 block scales.
 
+The classes follow llm-compressor 0.14's ``Observer`` contract as its own observer tests
+exercise it: integer tensors are observed (as float32); ``min_vals`` / ``max_vals`` may be
+assigned (then they are what ``get_qparams`` and ``sync_activation_stats`` use, reduced as
+llm-compressor reduces its own) and a read is never written in place afterwards; MSE
+observers keep ``triton_error_buffer`` and refuse ``expand < 1`` with llm-compressor's
+message. ``quantscope_imatrix_mse`` is :class:`QuantscopeIMatrixObserver`: llm-compressor's
+``imatrix_mse`` contract (``attach`` hook, options, checks, ``strict``) with quantscope's
+search code (:mod:`quantscope.compat.llmcompressor_imatrix`).
+
 Registration is explicit (import this module before ``oneshot``): llm-compressor has no
 plugin entry point. To have it in every process of an environment, add a ``.pth`` file
 holding the line ``import quantscope.integrations.llmcompressor`` to site-packages.
