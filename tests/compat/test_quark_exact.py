@@ -334,3 +334,18 @@ def test_quark_config_and_fake_quantize_take_our_classes():
     fq.enable_observer()
     fq(x)
     assert torch.equal(fq.observer._calculate_qparams()[0], (x.abs().max() / 448.0).reshape(1))
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("dtype", ["fp4", "fp8_e4m3", "fp6_e2m3"])
+@pytest.mark.parametrize("mode", ["even", "floor", "ceil"])
+def test_get_scale_against_quark(dtype, mode):
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerBlockMXObserver", dtype=dtype, qscheme="per_group", group_size=32,
+                         ch_axis=-1, scale_format="e8m0", scale_calculation_mode=mode)
+    g = torch.Generator().manual_seed(6)
+    amax = torch.rand(5000, generator=g) * 2.0 ** torch.randint(-40, 40, (5000,), generator=g)
+    amax[:2] = torch.tensor([0.0, 1e-40])
+    eps = torch.finfo(torch.float32).eps
+    for fmt in ("e8m0", "e4m3", "e5m3", "float32"):
+        same(ours.get_scale(amax, eps, fmt), theirs.get_scale(amax, eps, fmt))

@@ -200,16 +200,12 @@ class PerBlockMXObserver(_DynamicOrStatic):
         self._delete("amax")
 
     def _calculate_qparams(self):
-        if self.scale_format in (None, "e8m0"):
-            mode = self.scale_calculation_mode or "even"
-            if mode == "even":  # the native MX rule; Quark's even_round gives float32
-                scale, zp = QuarkObserver._calculate_qparams(self)
-                return scale.float().to(self.scale_torch_dtype), zp.float()
-            scale = quark_e8m0_scale(self.amax, self.spec.format.emax, mode, eps=self.eps)
-            return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
-        scale = quark_float_scale(self.amax, self.spec.format.qmax, self.scale_format,
-                                  eps=self.eps, first_level=self.quant_max_first_level,
-                                  dtype=self.scale_torch_dtype)
+        fmt = self.scale_format or "e8m0"
+        if fmt == "e8m0" and (self.scale_calculation_mode or "even") == "even":
+            # the native MX path (one pass over the state); Quark's even_round gives float32
+            scale, zp = QuarkObserver._calculate_qparams(self)
+            return scale.float().to(self.scale_torch_dtype), zp.float()
+        scale = self.get_scale(self.amax, self.eps, fmt)
         return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
 
     def reset_min_max_vals(self) -> None:

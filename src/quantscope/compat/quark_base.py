@@ -8,6 +8,7 @@ import torch
 from ..formats import FloatFormat
 from ..layout import Block, Channel, Group, Tensor
 from ..qparams import qparams_from_range
+from ..scales import e8m0_scale
 from ..spec import QuantSpec
 from . import enum_name, field
 
@@ -91,7 +92,10 @@ def quark_e8m0_scale(amax: torch.Tensor, emax: int, mode: str, *, eps=_F32_EPS) 
     """Quark's E8M0 ``floor`` / ``ceil`` scale ``2 ** (floor / ceil(log2 amax) - emax)``, in
     ``amax``'s dtype, not clamped to E8M0's range; a zero amax gives ``eps`` (Quark's fill).
     Its ``even`` mode is the native MX rule."""
-    rounding = {"floor": torch.floor, "ceil": torch.ceil}[mode]
+    if mode not in ("floor", "ceil"):
+        raise ValueError(f"Unsupported scale_calculation_mode: {mode!r}; expected even, "
+                         f"floor or ceil")
+    rounding = torch.floor if mode == "floor" else torch.ceil
     scale = torch.pow(2, rounding(torch.log2(amax)) - emax)
     return scale.masked_fill(scale == 0.0, eps)
 
@@ -222,6 +226,18 @@ class QuarkObserver:
                                   first_level=self.quant_max_first_level,
                                   dtype=self.scale_torch_dtype)
         return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
+
+    def get_scale(self, amax: torch.Tensor, eps, scale_format: str) -> torch.Tensor:
+        """Quark's ``get_scale``: the scale of ``amax`` in ``scale_format`` (e8m0 by
+        ``scale_calculation_mode``, float32, e4m3, e5m3) for this qspec's element format."""
+        if scale_format != "e8m0":
+            return quark_float_scale(amax, self.spec.format.qmax, scale_format, eps=eps,
+                                     first_level=self.quant_max_first_level,
+                                     dtype=self.scale_torch_dtype)
+        mode = self.scale_calculation_mode or "even"
+        if mode == "even":  # Quark's even_round is the native rule, bit for bit
+            return e8m0_scale(amax, self.spec.format, "even")
+        return quark_e8m0_scale(amax, self.spec.format.emax, mode, eps=eps)
 
     def record_observed_tokens(self, batch_tensor: torch.Tensor) -> None:
         """Quark's FakeQuantize calls this; ``forward`` already counted the tokens."""
