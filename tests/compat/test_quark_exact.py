@@ -349,3 +349,27 @@ def test_get_scale_against_quark(dtype, mode):
     eps = torch.finfo(torch.float32).eps
     for fmt in ("e8m0", "e4m3", "e5m3", "float32"):
         same(ours.get_scale(amax, eps, fmt), theirs.get_scale(amax, eps, fmt))
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw, shape", [
+    ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 1,
+                                  "symmetric": True}, (4, 6, 8)),
+    ("PerGroupMinMaxObserver", {"dtype": "uint4", "qscheme": "per_group", "ch_axis": 1,
+                                "group_size": 8, "symmetric": False}, (4, 16, 3)),
+    ("PerGroupMinMaxObserver", {"dtype": "fp8_e4m3", "qscheme": "per_group", "ch_axis": -1,
+                                "group_size": 16}, (4, 32)),
+    ("PerTensorMinMaxObserver", {"dtype": "uint8", "symmetric": False}, (4, 32)),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_minmax_families_against_quark(name, kw, shape, dtype):
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    if dtype == torch.bfloat16 and not kw.get("symmetric", True):
+        pytest.skip("known difference: Quark prices an asymmetric bfloat16 range in bfloat16")
+    theirs, ours = twins(name, **kw)
+    for x in batches(shape):
+        theirs(x.to(dtype))
+        ours(x.to(dtype))
+    for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        same(a, b)

@@ -8,21 +8,27 @@ Enums or their string values both work. These classes join Quark's observer sets
 (``OBSERVER_CLASSES``, ``PER_TENSOR_OBSERVERS`` ...) when Quark is loaded, before or after this
 module, so a ``QTensorConfig(observer_cls=...)`` accepts them (:func:`register_with_quark`).
 
-Float scales follow Quark's ``get_scale`` (:func:`quark_float_scale`): float32 divides by
-``quant_max_first_level * quant_max`` when the first level is set (the second stage of a
-two-level scheme), e4m3 is Quark's two-level NVFP4 rounding, e5m3 rounds to Quark's unsigned
-E5M3 (:data:`FP8_E5M3`); e8m0 is the native MX rule. Integer ranges go through the native
-qparams, which match Quark's ``calculate_int_quant_params`` bit for bit.
+Scales follow Quark's ``get_scale``: float32 divides by ``quant_max_first_level * quant_max``
+when the first level is set (the second stage of a two-level scheme), e4m3 is Quark's two-level
+NVFP4 rounding, e5m3 rounds to Quark's unsigned E5M3 (:data:`FP8_E5M3`), e8m0 'floor' / 'ceil'
+are Quark's formulas (:func:`quark_e8m0_scale`: eps for a zero block), e8m0 'even' the native
+MX rule (bitwise Quark's ``even_round``). Integer ranges go through the native qparams, which
+match Quark's ``calculate_int_quant_params`` bit for bit on float32 input.
 
-Quark returns ``(scale, zero_point)``: the scale in its ``scale_type`` dtype
-(float32 unless float16 / bfloat16 is asked), shaped ``(1,)`` per tensor, ``(C,)``
-per channel, ``(rows, groups)`` per group / block; the zero point int32 for
-integers, a float zero tensor for float and block formats.
+``(scale, zero_point)`` come in Quark's shapes: ``(1,)`` per tensor, ``(C,)`` per channel,
+``(rows, groups)`` per group / block (rows in Quark's order); the scale in ``scale_type``'s
+dtype when it is float32 / float16 / bfloat16, else in the dtype Quark computes it in (the
+input's; float32 for e8m0 'even' and e4m3); the zero point int32 for integers, a float zero
+tensor for float and block formats.
 
-Known differences: ``round_method`` other than half_even is not supported; BFP16
-uses the native 'even' E8M0 rule, which bumps the exponent when the block's largest
-magnitude rounds to 128 on either sign (Quark checks positive overflow only, and
-keeps doubling its running amax across calls).
+Known differences: ``round_method`` other than half_even is not supported; per-tensor
+statistics and scales are ``(1,)`` where Quark's are 0-dim; integer scales of a bfloat16 /
+float16 input are computed in float32 and then cast (Quark computes an asymmetric range in
+the input's dtype, which can differ in the last bits); per-group ``min_val`` / ``max_val`` of
+a 3-D+ tensor grouped along an inner axis list the groups in quantscope's order (the qparams
+use Quark's); ``zero_point_type`` float32 is not supported; BFP16 uses the native 'even' E8M0
+rule, which bumps the exponent when the block's largest magnitude rounds to 128 on either sign
+(Quark checks positive overflow only, and keeps doubling its running amax across calls).
 """
 
 from __future__ import annotations
