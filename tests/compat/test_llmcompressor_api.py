@@ -112,7 +112,7 @@ def test_nvfp4_global_scale_from_the_fusion_group():
     observers = [lc.MemorylessMinMaxObserver("weight", dict(args)) for _ in mods]
     lc.FusionHandler.fuse(zip(observers, mods))
     qp = observers[0](mods[0].weight).get_qparams()  # observes the others' weights too
-    assert torch.equal(qp["global_scale"], torch.tensor([448 * 6 / 50.0]))
+    assert torch.equal(qp["global_scale"], 448.0 * 6 / torch.tensor([50.0]))
     assert observers[1].has_statistics  # kept until every member is done
     for obs in observers[1:]:
         assert torch.equal(obs.get_qparams()["global_scale"], qp["global_scale"])
@@ -248,3 +248,36 @@ def test_imatrix_uniform_importance_is_the_unweighted_search_and_weights_move_it
     assert not torch.equal(plain.max_vals, weighted.max_vals)
     plain.get_qparams()
     assert not hasattr(plain, "_imatrix_sum") and not plain.has_statistics
+
+
+def _attention(strategies):
+    attn = torch.nn.Module()
+    for name, strategy in zip(("q_proj", "k_proj", "v_proj"), strategies):
+        if strategy is None:
+            setattr(attn, name, None)
+            continue
+        layer = torch.nn.Linear(32, 8, bias=False)
+        layer.weight_observer = lc.MemorylessMinMaxObserver(
+            "weight", {"num_bits": 4, "type": "float", "strategy": strategy, "group_size": 16})
+        setattr(attn, name, layer)
+    model = torch.nn.Module()
+    model.attn = attn
+    return model
+
+
+def test_fuse_weight_observers_links_present_tensor_group_layers():
+    model = _attention(["tensor_group", "tensor_group", None])  # a v_proj that is None
+    lc.fuse_weight_observers(model)
+    q, k = model.attn.q_proj.weight_observer, model.attn.k_proj.weight_observer
+    assert q.fusion_handler.is_fused and k.fusion_handler.is_fused
+    assert q.fusion_handler.module is model.attn.q_proj
+    with torch.no_grad():
+        model.attn.k_proj.weight[0, 0] = 30.0
+    gs = q(model.attn.q_proj.weight).get_qparams()["global_scale"]
+    assert torch.equal(gs, 448.0 * 6 / torch.tensor([30.0]))  # k's weight, observed by q's call
+
+
+def test_fuse_weight_observers_refuses_mixed_groups():
+    lc.fuse_weight_observers(_attention(["group", "group", "group"]))  # nothing to fuse
+    with pytest.raises(AssertionError, match="non-TENSOR_GROUP"):
+        lc.fuse_weight_observers(_attention(["tensor_group", "group", "tensor_group"]))

@@ -36,10 +36,16 @@ from ..stats.minmax import unit_minmax
 from . import enum_name, field
 from .llmcompressor_base import Observer, lerp, statistics_units
 from .llmcompressor_imatrix import IMatrixMixin
-from .llmcompressor_parts import FusionHandler, flatten_for_calibration
+from .llmcompressor_parts import (
+    FUSED_LAYER_NAMES,
+    FusionHandler,
+    flatten_for_calibration,
+    fuse_weight_observers,
+)
 from .llmcompressor_spec import llmcompressor_spec
 
 __all__ = [
+    "FUSED_LAYER_NAMES",
     "FusionHandler",
     "IMatrixMSEObserver",
     "MemorylessMSEObserver",
@@ -51,6 +57,7 @@ __all__ = [
     "Observer",
     "StaticMinMaxObserver",
     "flatten_for_calibration",
+    "fuse_weight_observers",
     "llmcompressor_spec",
 ]
 

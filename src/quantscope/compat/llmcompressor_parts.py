@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from . import enum_name, field
 
-__all__ = ["FusionHandler", "flatten_for_calibration"]
+__all__ = ["FUSED_LAYER_NAMES", "FusionHandler", "flatten_for_calibration",
+           "fuse_weight_observers"]
 
 
 def flatten_for_calibration(value: torch.Tensor, base_name: str, args) -> torch.Tensor:
@@ -135,3 +136,37 @@ class FusionHandler:
             for member in (*self._group, self):
                 member._deletion_called = False
                 member._observer.delete_statistics(check_fused=False)
+
+
+#: sibling layers whose NVFP4 weights vLLM serves as one layer with one global scale
+#: (llm-compressor 0.14's list): gate / up, q / k / v, DeepSeek's q_a / kv_a, MoE w1 / w3
+FUSED_LAYER_NAMES = [
+    ("gate_proj", "up_proj"),
+    ("q_proj", "k_proj", "v_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("w1", "w3"),
+]
+
+
+def fuse_weight_observers(model: torch.nn.Module) -> None:
+    """Fuse the ``tensor_group`` weight observers of every :data:`FUSED_LAYER_NAMES` group in
+    ``model`` (a missing layer, e.g. a ``v_proj`` that is None, is skipped); a group whose
+    layers lack an observer or mix strategies is an error (vLLM would need one scale)."""
+    for parent in model.modules():
+        for names in FUSED_LAYER_NAMES:
+            if all(hasattr(parent, name) for name in names):
+                _fuse_group(names, [getattr(parent, name) for name in names])
+
+
+def _fuse_group(names, layers) -> None:
+    layers = [layer for layer in layers if layer is not None]
+    observers = [getattr(layer, "weight_observer", None) for layer in layers]
+    pairs = [(obs, layer) for obs, layer in zip(observers, layers)
+             if obs is not None and enum_name(field(obs.args, "strategy")) == "tensor_group"]
+    if not pairs:
+        return
+    start, end = f"Some layers in fused group: {names} have", \
+        ", need all fused layers to have same quantization"
+    assert all(obs is not None for obs in observers), f"{start} no weight observer{end}"
+    assert len(pairs) == len(observers), f"{start} non-TENSOR_GROUP quantization{end}"
+    type(pairs[0][0].fusion_handler).fuse(pairs)  # the observers' own handler class
