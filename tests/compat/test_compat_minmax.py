@@ -302,7 +302,7 @@ def test_quark_int_per_tensor_channel_group():
     obs = quark.PerTensorMinMaxObserver(qk())
     assert obs(x) is x
     s, z = obs._calculate_qparams()
-    assert torch.equal(s, (amax / 127.5).reshape(1)) and z.dtype == torch.int32
+    assert torch.equal(s, amax / 127.5) and z.dtype == torch.int32  # 0-dim, as Quark
     s2, _ = obs.calculate_qparams(x.min(), x.max())  # Quark's (min_val, max_val) form
     assert torch.equal(s2, amax / 127.5)
     obs = quark.PerChannelMinMaxObserver(qk(qscheme="per_channel", ch_axis=0))
@@ -326,8 +326,8 @@ def test_quark_dynamic_is_memoryless_static_accumulates():
     for x in xs:
         dyn(x)
         sta(x)
-    assert torch.equal(dyn.min_val, xs[-1].min().reshape(1))
-    assert torch.equal(sta.min_val, torch.stack([x.min() for x in xs]).min().reshape(1))
+    assert torch.equal(dyn.min_val, xs[-1].min())
+    assert torch.equal(sta.min_val, torch.stack([x.min() for x in xs]).min())
     assert sta._num_observed_tokens == 16
 
 

@@ -15,14 +15,14 @@ are Quark's formulas (:func:`quark_e8m0_scale`: eps for a zero block), e8m0 'eve
 MX rule (bitwise Quark's ``even_round``). Integer ranges go through the native qparams, which
 match Quark's ``calculate_int_quant_params`` bit for bit on float32 input.
 
-``(scale, zero_point)`` come in Quark's shapes: ``(1,)`` per tensor, ``(C,)`` per channel,
+``(scale, zero_point)`` come in Quark's shapes: 0-dim per tensor (``min_val`` / ``max_val``
+too), ``(C,)`` per channel,
 ``(rows, groups)`` per group / block (rows in Quark's order); the scale in ``scale_type``'s
 dtype when it is float32 / float16 / bfloat16, else in the dtype Quark computes it in (the
 input's; float32 for e8m0 'even' and e4m3); the zero point int32 for integers, a float zero
 tensor for float and block formats.
 
-Known differences: ``round_method`` other than half_even is not supported; per-tensor
-statistics and scales are ``(1,)`` where Quark's are 0-dim; integer scales of a bfloat16 /
+Known differences: ``round_method`` other than half_even is not supported; integer scales of a bfloat16 /
 float16 input are computed in float32 and then cast (Quark computes an asymmetric range in
 the input's dtype, which can differ in the last bits); per-group ``min_val`` / ``max_val`` of
 a 3-D+ tensor grouped along an inner axis list the groups in quantscope's order (the qparams

@@ -180,8 +180,10 @@ class QuarkObserver:
         return int(self.observed_tokens)
 
     def _quark_shape(self, t: torch.Tensor) -> torch.Tensor:
-        """A per-unit (or qparam-shaped) tensor in Quark's shape: ``(C,)`` per tensor /
-        channel, ``(rows, groups)`` per group / block."""
+        """A per-unit (or qparam-shaped) tensor in Quark's shape: 0-dim per tensor, ``(C,)``
+        per channel, ``(rows, groups)`` per group / block."""
+        if isinstance(self.spec.layout, Tensor) and t.numel() == 1:
+            return t.reshape(())
         if isinstance(self.spec.layout, Tensor | Channel):
             return t.reshape(-1)
         if not self.has_observed:
@@ -248,7 +250,7 @@ class QuarkObserver:
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         if not self.has_observed:
             return torch.tensor(empty)
-        return getattr(self, name + "s").to(self._input_dtype)
+        return self._quark_shape(getattr(self, name + "s")).to(self._input_dtype)
 
     def _delete(self, name: str) -> None:
         self._deleted.add(name)
