@@ -31,16 +31,18 @@ def empty_model(path, task: str | None = None) -> nn.Module:
     model's folder is ``quantscope.demo.models.resolve_model_path(name)``."""
     import transformers
 
+    from .hf_loader import load_config
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"empty_model: {str(path)!r} is not a Hugging Face model "
                                 f"folder (no config.json)")
-    config = transformers.AutoConfig.from_pretrained(path)
+    config = load_config(path, "empty_model")  # never runs the folder's code
     task = task or model_task(path)
     auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
             else transformers.AutoModel)
     with torch.device("meta"):  # nothing allocated, not even transiently (RLIMIT_DATA)
-        model = auto.from_config(config)
+        model = auto.from_config(config, trust_remote_code=False)
     ckpt = Checkpoint(path)
     for module in model.modules():  # buffers are small: from the checkpoint, or computed
         meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]

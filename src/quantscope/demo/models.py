@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..calibrate.checkpoint import model_task
+from ..calibrate.hf_loader import check_no_remote_code, load_tokenizer, pretrained
 
 __all__ = [
     "DEMO_MODELS",
@@ -105,15 +106,16 @@ def decoder_model_path() -> Path:
     tf = _transformers()
     from ..export.atomic import atomic_dir
 
-    tokenizer = tf.AutoTokenizer.from_pretrained(str(src), gguf_file=_DECODER_GGUF)
-    gguf_model = tf.AutoModelForCausalLM.from_pretrained(str(src), gguf_file=_DECODER_GGUF,
-                                                         dtype=torch.float32)
+    tokenizer = load_tokenizer(src, "decoder_model_path", gguf_file=_DECODER_GGUF)
+    gguf_model = pretrained(tf.AutoModelForCausalLM, src, "decoder_model_path",
+                            gguf_file=_DECODER_GGUF, dtype=torch.float32)
     # transformers will not save a model it marks GGUF-quantized: the same weights in a model
     # built from the config without that mark save as an ordinary float32 checkpoint
     config = gguf_model.config
     del config.quantization_config
     config._name_or_path = "SmolLM2-135M-Instruct"
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                trust_remote_code=False)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     with atomic_dir(out, overwrite=True) as tmp:
         model.save_pretrained(tmp)
@@ -153,19 +155,23 @@ def model_name(path) -> str:
     return path.name
 
 
-def load_model(path=None, device="cpu", dtype=None, task: str | None = None):
+def load_model(path=None, device="cpu", dtype=None, task: str | None = None,
+               trust_remote_code: bool = False):
     """``(model, tokenizer)`` from a Hugging Face model folder or a demo model name.
 
     The class follows ``task`` (default: :func:`model_task` of the folder):
     ``AutoModelForCausalLM`` for ``"causal-lm"``, ``AutoModel`` for ``"embedding"``. A
     tokenizer with no padding token gets its end-of-sequence token as one (padding right).
+    No code of the folder runs unless ``trust_remote_code=True``: a folder that needs its
+    own code is refused (:class:`~quantscope.calibrate.hf_loader.RemoteCodeRefused`).
     """
     path = resolve_model_path(path)
     task = model_task(path) if task is None else task
     if task not in TASKS:
         raise ValueError(f"load_model: task must be one of {TASKS}, got {task!r}")
     tf = _transformers()
-    tokenizer = tf.AutoTokenizer.from_pretrained(str(path))
+    check_no_remote_code(path, "load_model", trust_remote_code)  # before anything is read
+    tokenizer = load_tokenizer(path, "load_model", trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"model {str(path)!r}: the tokenizer has neither a padding nor an "
@@ -174,7 +180,7 @@ def load_model(path=None, device="cpu", dtype=None, task: str | None = None):
     tokenizer.padding_side = "right"
     kwargs = {} if dtype is None else {"dtype": dtype}
     cls = tf.AutoModelForCausalLM if task == "causal-lm" else tf.AutoModel
-    model = cls.from_pretrained(str(path), **kwargs).to(device).eval()
+    model = pretrained(cls, path, "load_model", trust_remote_code, **kwargs).to(device).eval()
     return model, tokenizer
 
 

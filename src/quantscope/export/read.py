@@ -56,14 +56,11 @@ def _load_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def _meta_model(path: str, config: dict):
-    import transformers
+    from ..calibrate.hf_loader import load_config, model_class
 
-    archs = config.get("architectures") or []
-    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
-    if cls is None:
-        raise ValueError(f"from_compressed_tensors: {path}/config.json names architectures "
-                         f"{archs}, none of which transformers knows")
-    cfg = transformers.AutoConfig.from_pretrained(path)
+    where = f"from_compressed_tensors: {os.path.join(path, 'config.json')}"
+    cls = model_class(config.get("architectures") or [], where)
+    cfg = load_config(path, "from_compressed_tensors")
     cfg.quantization_config = None  # build the plain float skeleton; nothing is loaded
     with torch.device("meta"):
         return cls(cfg)
