@@ -201,3 +201,107 @@ def test_session_options_run_the_exact_kernel_without_vnni(monkeypatch, vnni):
             so.get_session_config_entry(qonnx.PRECISE_U8U8[0])
     else:
         assert so.get_session_config_entry(qonnx.PRECISE_U8U8[0]) == "1"
+
+
+def _mlp(dtype=torch.float32, seed=0):
+    """Linear -> GELU -> Linear on 3-D input (batch, tokens, features): the ``MatMul`` form
+    ORT fuses (a 2-D input exports as ``Gemm``)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 256)).eval().to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    return model, [torch.randn(2, 6, 256, generator=g).to(dtype) for _ in range(3)]
+
+
+def _run_mlp(model, calib, path, test, **options):
+    export.export(calib, model, path, format="onnx", example_inputs=test, **options)
+    opt = str(path) + ".opt.onnx"
+    sess = qonnx.session(path, threads=1, optimized_model_path=opt)
+    got = sess.run(None, {sess.get_inputs()[0].name: test.float().numpy()})[0]
+    with torch.no_grad(), calib.apply(model):
+        ref = model(test).float().numpy()
+    return got, ref, qonnx.integer_kernel_counts(opt)
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.bfloat16, 2e-2), (torch.float16, 1e-2)])
+def test_bf16_and_fp16_models_export_as_float32_graphs_ort_runs(tmp_path, dtype, bound):
+    """Issue 37: a bf16 / fp16 model's graph passed onnx.checker but ORT refused it
+    (``QuantizeLinear`` bound to bf16 and float32). The graph now computes in float32 (ORT's
+    CPU quantization kernels take float32 scales): ORT loads it and its outputs equal the
+    bf16 / fp16 fake-quant model within that dtype's rounding and the one-code flips it causes
+    in the second layer's input codes (fp16 0.37 %, bf16 under 2 % of the output's max); the
+    model stays in its dtype."""
+    model, batches = _mlp(dtype)
+    calib = calibrate(model, batches, preset("w8a8", "minmax"), progress=False)
+    got, ref, counts = _run_mlp(model, calib, tmp_path / "m.onnx", batches[1])
+    assert next(model.parameters()).dtype == dtype
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert np.abs(got - ref).max() <= bound * np.abs(ref).max(), np.abs(got - ref).max()
+    assert sum(counts.get(k, 0) for k in qonnx.INTEGER_KERNELS) == 2, counts
+
+
+@pytest.mark.parametrize("recipe", ["w8a16", "w4a16"])
+def test_weight_only_matmulnbits_equals_fake_quant_to_float_rounding(tmp_path, recipe):
+    """Issue 37: ORT fuses weight-only DQ -> MatMul into ``MatMulNBits``, whose default
+    accuracy level quantizes the activations to int8 (0.67 % / 0.86 % of the output's max off
+    fake-quant on this MLP). :func:`qonnx.session` sets the float32 level: the fused kernel
+    stays, the result is fake-quant's to float rounding."""
+    model, batches = _mlp()
+    rule = (Recipe(Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, "minmax")))
+            if recipe == "w8a16" else preset("w4a16", "minmax"))
+    calib = calibrate(model, batches, rule, progress=False)
+    test = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(7))
+    got, ref, counts = _run_mlp(model, calib, tmp_path / "m.onnx", test)
+    assert counts.get("MatMulNBits") == 2, counts
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got - ref).max()
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                   max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return model, [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
+                   for i in range(3)]
+
+
+def test_causal_lm_exports_its_logits_without_the_cache(tmp_path):
+    """Issue 37: a causal LM returned a ``DynamicCache`` and torch's exporter failed pages
+    long. It exports without the cache: one output, the logits, equal to fake-quant's."""
+    model, batches = _tiny_llama()
+    calib = calibrate(model, batches, preset("w8a8", "minmax", ignore=["lm_head"]),
+                      progress=False)
+    path = tmp_path / "lm.onnx"
+    export.export(calib, model, path, format="onnx", example_inputs=batches[0])
+    assert model.config.use_cache is True  # restored
+    sess = qonnx.session(path, threads=1)
+    assert len(sess.get_outputs()) == 1
+    test = torch.randint(0, 100, (3, 7), generator=torch.Generator().manual_seed(9))
+    got = sess.run(None, {sess.get_inputs()[0].name: test.numpy()})[0]
+    with torch.no_grad(), calib.apply(model):
+        ref = model(test).logits.numpy()
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+class _Branchy(torch.nn.Module):
+    """A forward torch.export cannot trace: Python control flow on a tensor's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+
+def test_a_model_torch_cannot_export_is_one_clear_line(tmp_path):
+    model = _Branchy().eval()
+    batches = [torch.randn(2, 8) + 1 for _ in range(2)]
+    calib = calibrate(model, batches, preset("w8a8", "minmax"), progress=False)
+    with pytest.raises(ValueError, match="torch.onnx could not export _Branchy") as err:
+        export.export(calib, model, tmp_path / "m.onnx", format="onnx",
+                      example_inputs=batches[0])
+    assert "\n" not in str(err.value) and len(str(err.value)) < 600
+    assert not (tmp_path / "m.onnx").exists()

@@ -36,7 +36,7 @@ import torch
 from .atomic import atomic_file, check_writable_target
 from .registry import register
 
-__all__ = ["DISABLED_OPTIMIZERS", "PRECISE_U8U8", "export_onnx", "int8_dot_product",
+__all__ = ["DISABLED_OPTIMIZERS", "FLOAT_MATMULNBITS", "PRECISE_U8U8", "export_onnx", "int8_dot_product",
            "integer_kernel_counts", "session", "session_options"]
 
 #: ORT fusions that change results: MatMulScaleFusion folds a Mul by a constant into the
@@ -53,6 +53,13 @@ DISABLED_OPTIMIZERS = ("MatMulScaleFusion",)
 #: kernel is exact and 1.8x faster than u8u8 (MiniLM, Xeon with AVX512-VNNI), and the entry
 #: would switch it off, so :func:`session_options` sets it only where the CPU lacks VNNI.
 PRECISE_U8U8 = ("session.x64quantprecision", "1")
+
+#: ORT session config entry: ORT fuses a weight-only ``DequantizeLinear -> MatMul`` (W8A16,
+#: W4A16) into ``MatMulNBits`` with accuracy level 4 by default, which quantizes the float
+#: activations to int8 at run time (issue 37: 0.87 % / 1.2 % of the output's max off
+#: fake-quant); level 1 keeps the fused kernel and its packed weights but multiplies in float32,
+#: equal to fake-quant to float rounding.
+FLOAT_MATMULNBITS = ("session.qdq_matmulnbits_accuracy_level", "1")
 
 #: the ops ORT runs a quantized MatMul as
 INTEGER_KERNELS = ("MatMulIntegerToFloat", "QLinearMatMul", "DynamicQuantizeMatMul",
@@ -204,9 +211,50 @@ def _input_qdq(layer, state, source: str, prefix: str, shift: bool):
     return inits, [q, dq], f"{prefix}.input_dq"
 
 
+def _float32(model, example_inputs):
+    """``model`` and its inputs in float32: a copy where any parameter or buffer is bf16 /
+    fp16. ONNX Runtime's CPU ``QuantizeLinear`` takes float32 scales only and has no bf16
+    kernels (issue 37: a bf16 graph passed onnx.checker, then ORT refused it), so the graph
+    computes in float32; the weight codes are those of the same values (bf16 / fp16 -> fp32
+    is exact)."""
+    import copy
+
+    low = {torch.bfloat16, torch.float16}
+    if not any(t.dtype in low for t in (*model.parameters(), *model.buffers())):
+        return model, example_inputs
+
+    def cast(v):
+        return v.float() if isinstance(v, torch.Tensor) and v.dtype in low else v
+
+    if isinstance(example_inputs, dict):
+        example_inputs = {k: cast(v) for k, v in example_inputs.items()}
+    elif isinstance(example_inputs, (tuple, list)):
+        example_inputs = tuple(cast(v) for v in example_inputs)
+    else:
+        example_inputs = cast(example_inputs)
+    return copy.deepcopy(model).float(), example_inputs
+
+
+class _NoCache:
+    """A transformers model's ``config.use_cache`` off while exporting: a causal LM then returns
+    its logits alone, not a ``DynamicCache`` torch.export cannot trace (issue 37)."""
+
+    def __init__(self, model):
+        self.config = getattr(model, "config", None)
+        self.saved = getattr(self.config, "use_cache", None)
+
+    def __enter__(self):
+        if self.saved is not None:
+            self.config.use_cache = False
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.config.use_cache = self.saved
+
+
 def _export_float(model, example_inputs, opset: int):
     """The float model as an ``onnx.ModelProto`` (torch's dynamo exporter; every input
-    dimension dynamic)."""
+    dimension dynamic; a transformers model without its KV cache)."""
     if isinstance(example_inputs, dict):
         args, kwargs, tensors = (), dict(example_inputs), dict(example_inputs)
     elif isinstance(example_inputs, torch.Tensor):
@@ -221,10 +269,18 @@ def _export_float(model, example_inputs, opset: int):
         dynamic = {k: {d: auto for d in range(v.dim())} for k, v in tensors.items()}
     else:
         dynamic = tuple({d: auto for d in range(a.dim())} for a in args)
-    with torch.no_grad():
-        program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True,
-                                    opset_version=opset, dynamic_shapes=dynamic,
-                                    optimize=True, verbose=False)
+    try:
+        with torch.no_grad(), _NoCache(model):
+            program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True,
+                                        opset_version=opset, dynamic_shapes=dynamic,
+                                        optimize=True, verbose=False)
+    except Exception as e:  # torch's exporter raises many types, each pages long
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise ValueError(
+            f"onnx export: torch.onnx could not export {type(model).__name__} "
+            f"({type(e).__name__}: {first[:200]}); supported: models torch.export can trace "
+            f"whose forward returns tensors (a transformers model exports without its KV "
+            f"cache: a causal LM's output is its logits)") from e
     return program.model_proto
 
 
@@ -254,6 +310,7 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     path = check_writable_target(path, overwrite=overwrite, kind="file")
     states = calibration.states if hasattr(calibration, "states") else calibration
     _check_exportable(states)  # before the (slow) export
+    model, example_inputs = _float32(model, example_inputs)
     proto = _export_float(model, example_inputs, opset)
     _insert_qdq(onnx, proto.graph, model, states, uint8)
     _drop_unused_initializers(proto.graph)
@@ -334,13 +391,14 @@ def _drop_unused_initializers(graph) -> None:
 
 def session_options(threads: int | None = None, optimized_model_path: str | None = None):
     """``onnxruntime.SessionOptions`` for an exported model: all graph optimizations
-    (the integer kernels come from them), :data:`PRECISE_U8U8` on x86 CPUs without VNNI
+    (the integer kernels come from them), :data:`FLOAT_MATMULNBITS`, :data:`PRECISE_U8U8` on x86 CPUs without VNNI
     (:func:`int8_dot_product`), ``threads`` intra-op threads if given, and the optimized
     graph saved to ``optimized_model_path`` if given. Pass :data:`DISABLED_OPTIMIZERS` as
     ``disabled_optimizers`` too (:func:`session` does)."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry(*FLOAT_MATMULNBITS)
     if not int8_dot_product():
         so.add_session_config_entry(*PRECISE_U8U8)
     if threads is not None:
