@@ -10,17 +10,18 @@ shards' values differ, the served model is not the model that was evaluated.
 
 :func:`check` reads ``config.json`` (its ``quantization_config``) and the safetensors
 files of any compressed-tensors checkpoint -- quantscope's or another toolkit's -- and
-returns the fused groups whose shards disagree, plus any scale that is NaN or inf.
+returns the fused groups whose shards disagree, plus any scale that is NaN, inf or <= 0 (per-channel and group scales too).
 Only the scale tensors are read.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
+
+from .read_checks import SCALE_LEAVES, read_quant_config, safetensors_headers, scale_problem
 
 __all__ = ["FUSED", "check", "format_problems"]
 
@@ -38,24 +39,15 @@ SHARED = ("weight_global_scale", "input_global_scale", "input_scale", "weight_sc
 _FLOAT8 = {"F8_E4M3", "F8_E5M2"}
 
 
-def _tensors(folder: Path) -> dict[str, tuple[Path, str, list[int]]]:
-    """name -> (file, safetensors dtype, shape) for every tensor of the checkpoint."""
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                out[name] = (f, meta["dtype"], meta["shape"])
-    return out
-
-
 def _read(entries, name) -> torch.Tensor:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(entries[name][0]), framework="pt") as f:
-        return f.get_tensor(name).float()
+    try:
+        with safe_open(str(entries[name][0]), framework="pt") as f:
+            return f.get_tensor(name).float()
+    except (SafetensorError, RuntimeError, OSError) as e:
+        raise ValueError(f"check: {entries[name][0]}: tensor {name!r} cannot be read "
+                         f"({e})") from None
 
 
 def check(path) -> list[dict]:
@@ -68,28 +60,26 @@ def check(path) -> list[dict]:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"check: {str(path)!r} is not a directory")
-    cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"check: {str(path)!r} has no config.json")
-    qcfg = json.loads(cfg_file.read_text()).get("quantization_config")
-    if not isinstance(qcfg, dict) or qcfg.get("quant_method") != "compressed-tensors":
-        method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
-        raise ValueError(f"check: {cfg_file} has no compressed-tensors quantization_config "
-                         f"(quant_method {method!r})")
-    entries = _tensors(folder)
-    if not entries:
+    read_quant_config(folder, "check")
+    entries = safetensors_headers(folder, "check")
+    if not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"check: {str(path)!r} holds no .safetensors files")
+    if not entries:
+        raise ValueError(f"check: the .safetensors files of {str(path)!r} hold no tensor")
     problems = []
     shard_of = {s: (fused, s) for fused, shards in FUSED.items() for s in shards}
     groups: dict[tuple[str, str], dict[str, str]] = {}  # (parent, fused) -> {shard: layer}
     for name in entries:
         layer, _, leaf = name.rpartition(".")
+        if leaf in SCALE_LEAVES:  # every scale, per-channel ones too: finite and > 0
+            values = _read(entries, name)
+            why = scale_problem(name, values)
+            if why:
+                problems.append({"tensor": name, "values": {layer: float(
+                    values[~torch.isfinite(values) | (values <= 0)].reshape(-1)[0])},
+                    "non_finite": True, "why": why})
         if leaf not in SHARED:
             continue
-        values = _read(entries, name) if math.prod(entries[name][2] or [1]) == 1 else None
-        if values is not None and not torch.isfinite(values).all():
-            problems.append({"tensor": name, "values": {layer: float(values.reshape(-1)[0])},
-                             "non_finite": True})
         parent, _, shard = layer.rpartition(".")
         if shard in shard_of:
             groups.setdefault((parent, shard_of[shard][0]), {})[shard] = layer
@@ -122,7 +112,7 @@ def format_problems(problems: list[dict]) -> str:
     for p in problems:
         vals = ", ".join(f"{k}={v:.9g}" for k, v in p["values"].items())
         if p.get("non_finite"):
-            lines.append(f"{p['tensor']}: not finite ({vals})")
+            lines.append(f"{p['tensor']}: {p.get('why') or 'not finite'} ({vals})")
         else:
             lines.append(f"{p['group']}: {p['tensor']} differs across the fused shards: {vals}")
     return "\n".join(lines)

@@ -14,7 +14,6 @@ the checkpoint does, and the report and compare tools work on it.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -23,6 +22,7 @@ from ..compat.llmcompressor import llmcompressor_spec
 from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
+from .read_checks import SCALE_LEAVES, read_quant_config, safetensors_headers, scale_problem
 from .registry import register_reader
 
 __all__ = ["read_compressed_tensors"]
@@ -44,14 +44,28 @@ def _global_amax(gs: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 
 def _load_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder; a scale that is NaN, inf or <= 0 is refused here, naming
+    its file (``apply()`` would otherwise turn it into NaN logits)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"from_compressed_tensors: {path} holds no .safetensors file")
+    safetensors_headers(path, "from_compressed_tensors")  # lying headers: a clear error
     tensors = {}
     for f in files:
-        tensors.update(load_file(os.path.join(path, f)))
+        file = os.path.join(path, f)
+        try:
+            loaded = load_file(file)
+        except (SafetensorError, RuntimeError, OSError) as e:
+            raise ValueError(f"from_compressed_tensors: {file}: not a readable safetensors "
+                             f"file ({e})") from None
+        for name, t in loaded.items():
+            why = scale_problem(name, t) if name.rpartition(".")[2] in SCALE_LEAVES else None
+            if why:
+                raise ValueError(f"from_compressed_tensors: {file}: {why}")
+        tensors.update(loaded)
     return tensors
 
 
@@ -118,6 +132,63 @@ def _state(st, role, module, local, args, spec, observer, weight_shape):
                      shape=tuple(weight_shape) if role == "weight" else None)
 
 
+def _compressor(fmt, where: str):
+    from compressed_tensors.compressors import BaseCompressor
+
+    name = str(getattr(fmt, "value", fmt))
+    try:
+        return BaseCompressor.get_value_from_registry(name)
+    except (KeyError, ValueError):
+        raise ValueError(f"{where}: format {name!r} is no compressed-tensors format") from None
+
+
+def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
+    """The Rule of one config group; its modules' states go into ``states``."""
+    from compressed_tensors.utils.match import match_named_modules
+
+    from ..calibrate.recipe import Role, Rule
+
+    where = f"from_compressed_tensors: {cfg_path}: config_groups.{gname}"
+    roles = {_ROLE[k]: getattr(scheme, k) for k in _ROLE if getattr(scheme, k) is not None}
+    specs = {r: llmcompressor_spec(a, r) for r, a in roles.items()}
+    observers = {r: (a.observer or "minmax") for r, a in roles.items()}
+    rule = Rule(tuple(scheme.targets), **{
+        r: Role(specs[r], "memoryless_minmax" if a.dynamic is True else observers[r],
+                a.dynamic if a.dynamic in (True, False) else str(a.dynamic))
+        for r, a in roles.items()})
+    compressor = _compressor(scheme.format or qconfig.format, f"{where}.format")
+    matched = list(match_named_modules(model, scheme.targets, qconfig.ignore))
+    if not matched:
+        raise ValueError(f"{where}.targets: {scheme.targets} match no layer of the model")
+    for name, module in matched:
+        prefix = f"{name}."
+        local = {k[len(prefix):]: v for k, v in tensors.items()
+                 if k.startswith(prefix) and "." not in k[len(prefix):]}
+        try:
+            if "weight" in roles:
+                local = compressor.decompress(local, scheme)
+            wshape = tuple(module.weight.shape)
+            states[name] = {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0],
+                                      roles[r], specs[r], observers[r], wshape)
+                            for r in roles}
+        except (KeyError, AttributeError, RuntimeError, TypeError, IndexError) as e:
+            raise ValueError(f"{where}: layer {name}: its tensors do not fit the group's "
+                             f"scheme ({type(e).__name__}: {e})") from None
+    return rule
+
+
+def _refuse_unread(tensors, states, path):
+    """A quantization tensor that no read module owns (a 3-D experts model's per-expert
+    layers, a layer the model lacks) would be dropped without a word: refuse instead."""
+    for key in tensors:
+        layer, _, leaf = key.rpartition(".")
+        if leaf in SCALE_LEAVES and leaf not in ("k_scale", "v_scale") and layer not in states:
+            raise ValueError(
+                f"from_compressed_tensors: {path}: tensor {key!r} belongs to no layer of the "
+                f"model built from config.json that the config groups' targets match (per-"
+                f"expert layers of a fused-experts model are not read back)")
+
+
 @register_reader("compressed-tensors")
 def read_compressed_tensors(path):
     """The :class:`~quantscope.calibrate.Calibration` a compressed-tensors folder holds.
@@ -126,56 +197,36 @@ def read_compressed_tensors(path):
     (``info["model"]``: the source model the exporter recorded, else ``path``, which
     transformers loads decompressed).
     """
-    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.utils.match import match_named_modules
 
-    from ..calibrate.recipe import Recipe, Role, Rule
+    from ..calibrate.recipe import Recipe
     from ..calibrate.result import Calibration
 
     path = os.fspath(path)
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"from_compressed_tensors: {cfg_path} does not exist")
-    with open(cfg_path) as f:
-        config = json.load(f)
-    qc = config.get("quantization_config")
-    if not qc or qc.get("quant_method") != "compressed-tensors":
-        raise ValueError(f"from_compressed_tensors: {cfg_path} has no compressed-tensors "
-                         f"quantization_config")
-    qconfig = QuantizationConfig.model_validate(
-        {k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
+    cfg_path, config, qc = read_quant_config(path, "from_compressed_tensors")
+    try:
+        qconfig = QuantizationConfig.model_validate(
+            {k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
+    except ValueError as e:  # pydantic's ValidationError names the field
+        raise ValueError(f"from_compressed_tensors: {cfg_path}: quantization_config is not "
+                         f"valid: {e}") from None
+    if str(getattr(qconfig.format, "value", qconfig.format)) not in ("None", "mixed-precision"):
+        _compressor(qconfig.format, f"from_compressed_tensors: {cfg_path}: quantization_config")
     tensors = _load_tensors(path)
     model = _meta_model(path, config)
-    states, rules = {}, []
-    for scheme in qconfig.config_groups.values():
-        fmt = scheme.format or qconfig.format
-        roles = {_ROLE[k]: getattr(scheme, k) for k in _ROLE if getattr(scheme, k) is not None}
-        specs = {r: llmcompressor_spec(a, r) for r, a in roles.items()}
-        observers = {r: (a.observer or "minmax") for r, a in roles.items()}
-        rules.append(Rule(tuple(scheme.targets), **{
-            r: Role(specs[r], "memoryless_minmax" if a.dynamic is True else observers[r],
-                    a.dynamic if a.dynamic in (True, False) else str(a.dynamic))
-            for r, a in roles.items()}))
-        compressor = BaseCompressor.get_value_from_registry(str(getattr(fmt, "value", fmt)))
-        for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
-            prefix = f"{name}."
-            local = {k[len(prefix):]: v for k, v in tensors.items()
-                     if k.startswith(prefix) and "." not in k[len(prefix):]}
-            if "weight" in roles:
-                local = compressor.decompress(local, scheme)
-            wshape = tuple(module.weight.shape)
-            states[name] = {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0],
-                                      roles[r], specs[r], observers[r], wshape)
-                            for r in roles}
+    states = {}
+    rules = [_read_group(g, scheme, qconfig, model, tensors, states, cfg_path)
+             for g, scheme in qconfig.config_groups.items()]
     kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states)
     if not states:
         raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
                          f"groups' targets")
+    _refuse_unread(tensors, states, path)
     recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors",
                     kv_cache=kv_cache)
-    source = (config.get("quantscope") or {}).get("model")
-    info = {"model": source if source and os.path.isdir(source) else path,
+    record = config.get("quantscope")
+    source = record.get("model") if isinstance(record, dict) else None
+    info = {"model": source if isinstance(source, str) and os.path.isdir(source) else path,
             "checkpoint": path, "format": str(getattr(qconfig.format, "value", qconfig.format))}
     return Calibration(recipe, states, os.path.basename(os.path.normpath(path)), info=info)
 

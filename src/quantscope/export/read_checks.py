@@ -1,0 +1,84 @@
+"""What every reader of a compressed-tensors folder checks before trusting it.
+
+``Calibration.from_compressed_tensors`` and ``check`` both read a folder someone else may
+have written or damaged: its ``config.json``, its safetensors headers, its scale tensors.
+This module is the one validation they share; each damage is a ``ValueError`` (or
+``FileNotFoundError``) naming the file and the key, never a bare ``KeyError`` or a NaN
+carried into ``apply()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["SCALE_LEAVES", "read_quant_config", "safetensors_headers", "scale_problem"]
+
+#: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
+#: flips signs at run time)
+SCALE_LEAVES = ("weight_scale", "input_scale", "output_scale", "weight_global_scale",
+                "input_global_scale", "k_scale", "v_scale")
+
+_HEADER_MAX = 100 * 1024 * 1024  # safetensors' own limit on a header
+
+
+def read_quant_config(path, who: str) -> tuple[Path, dict, dict]:
+    """``(config file, config, quantization_config)`` of the folder, checked."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{who}: {cfg_file} does not exist")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{who}: {cfg_file} is not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{who}: {cfg_file} holds a {type(config).__name__}, not an object")  # noqa: TRY004
+    qc = config.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "compressed-tensors":
+        raise ValueError(f"{who}: {cfg_file} has no compressed-tensors quantization_config "
+                         f"(quant_method {method!r})")
+    return cfg_file, config, qc
+
+
+def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int]]]:
+    """name -> (file, dtype, shape) of every tensor in the folder's safetensors files,
+    from their headers (a header that lies about its length or shape is refused)."""
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 0 < n <= min(_HEADER_MAX, os.path.getsize(f) - 8):
+                raise ValueError(f"{who}: {f}: header length {n} does not fit the file")
+            try:
+                header = json.loads(fh.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{who}: {f}: header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{who}: {f}: header is not a JSON object")  # noqa: TRY004
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            ok = isinstance(meta, dict) and isinstance(meta.get("dtype"), str) and \
+                isinstance(meta.get("shape"), list) and \
+                all(isinstance(d, int) and d >= 0 for d in meta["shape"])
+            if not ok:
+                raise ValueError(f"{who}: {f}: tensor {name!r} has no valid dtype and shape")
+            out[name] = (f, meta["dtype"], meta["shape"])
+    return out
+
+
+def scale_problem(name: str, tensor: torch.Tensor) -> str | None:
+    """Why the scale tensor ``name`` cannot be used (None when it is finite and > 0)."""
+    t = tensor.float()
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        return f"{name} holds NaN or inf ({float(t[bad].reshape(-1)[0])!r})"
+    bad = t <= 0
+    if bool(bad.any()):
+        return f"{name} holds a scale <= 0 ({float(t[bad].reshape(-1)[0])!r})"
+    return None

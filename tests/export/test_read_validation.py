@@ -1,0 +1,147 @@
+"""Reading a compressed-tensors folder back validates it (issue 37 rows 3, 4, 5, 10, 11, 12).
+
+``Calibration.from_compressed_tensors`` and ``check`` share one validation
+(``quantscope.export.read_checks``): every damaged scale, config field or header is a
+``ValueError`` naming the file and the key; nothing NaN reaches ``apply()``.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from safetensors.torch import load_file, save_file
+from tiny_models import mixtral
+
+from quantscope.calibrate import Calibration, calibrate
+from quantscope.export import check
+
+torch.set_num_threads(1)
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=50)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    return model, [{"input_ids": torch.randint(0, 50, (1, 8), generator=g)} for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny Llama exported W8A8 (per-channel weight scales, static input scales)."""
+    model, batches = tiny_llama()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    out = tmp_path_factory.mktemp("ct") / "llama"
+    calib.export(model, out)
+    return out
+
+
+def _copy(src, dst):
+    import shutil
+
+    return shutil.copytree(src, dst)
+
+
+def _edit_tensor(folder, key, fn):
+    (f,) = folder.glob("*.safetensors")
+    t = load_file(f)
+    t[key] = fn(t[key].clone())
+    save_file(t, f, metadata={"format": "pt"})
+
+
+def _edit_config(folder, fn):
+    cfg = json.loads((folder / "config.json").read_text())
+    fn(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_the_export_reads_back_and_checks_clean(exported):
+    calib = Calibration.from_compressed_tensors(exported)
+    assert calib.states
+    assert check(exported) == []
+
+
+_W = "model.layers.0.self_attn.q_proj.weight_scale"
+_I = "model.layers.0.mlp.down_proj.input_scale"
+
+
+@pytest.mark.parametrize("key", [_W, _I])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
+def test_bad_scale_is_refused_naming_file_tensor_and_value(exported, tmp_path, key, value):
+    folder = _copy(exported, tmp_path / "bad")
+
+    def poison(t):
+        t.reshape(-1)[0] = value
+        return t
+    _edit_tensor(folder, key, poison)
+    with pytest.raises(ValueError, match=rf"model.safetensors: {key} holds") as e:
+        Calibration.from_compressed_tensors(folder)
+    assert repr(value) in str(e.value)
+    problems = check(folder)
+    assert [p["tensor"] for p in problems] == [key]
+
+
+def test_cli_check_exits_1_naming_a_nan_per_channel_scale(exported, tmp_path):
+    folder = _copy(exported, tmp_path / "bad")
+    _edit_tensor(folder, _W, lambda t: t.fill_(float("nan")))
+    assert torch.load is not None and load_file(folder / "model.safetensors")[_W].numel() > 1
+    r = subprocess.run([sys.executable, "-m", "quantscope", "check", str(folder)],
+                       capture_output=True, text=True, check=False, timeout=600)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert _W in r.stdout and "agree" not in r.stdout
+
+
+def test_architectures_never_call_other_transformers_functions(exported, tmp_path,
+                                                               monkeypatch):
+    folder = _copy(exported, tmp_path / "bad")
+    _edit_config(folder, lambda c: c.__setitem__("architectures", ["set_seed"]))
+    called = []
+    monkeypatch.setattr(transformers, "set_seed", lambda *a, **k: called.append(a))
+    with pytest.raises(ValueError, match="config.json: architectures"):
+        Calibration.from_compressed_tensors(folder)
+    assert not called
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c: c["quantization_config"].__setitem__("format", "bogus-format"), "format"),
+    (lambda c: next(iter(c["quantization_config"]["config_groups"].values())).__setitem__(
+        "targets", ["NoSuchLayer"]), "targets"),
+    (lambda c: c["quantization_config"].__setitem__("config_groups", 3), "config_groups"),
+    (lambda c: c.__setitem__("quantscope", 5), None),
+    (lambda c: c.__setitem__("quantization_config", []), "quantization_config"),
+])
+def test_damaged_config_is_refused_naming_the_field(exported, tmp_path, edit, field):
+    folder = _copy(exported, tmp_path / "bad")
+    _edit_config(folder, edit)
+    if field is None:  # harmless damage: the record is ignored
+        Calibration.from_compressed_tensors(folder)
+        return
+    with pytest.raises(ValueError, match=field) as e:
+        Calibration.from_compressed_tensors(folder)
+    assert "config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("damage", [b"", b"\xff" * 8 + b"{}", b"\x10\x00\x00\x00\x00\x00\x00\x00[1,2]"
+                                    + b" " * 11, b"\x02\x00\x00\x00\x00\x00\x00\x00{}"])
+def test_damaged_safetensors_is_refused_by_both_readers(exported, tmp_path, damage):
+    folder = _copy(exported, tmp_path / "bad")
+    (folder / "model.safetensors").write_bytes(damage)
+    for read in (Calibration.from_compressed_tensors, check):
+        with pytest.raises(ValueError, match="safetensors|tensors"):
+            read(folder)
+
+
+def test_moe_export_is_refused_rather_than_dropping_the_experts(tmp_path):
+    model, batches = mixtral()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    calib.export(model, tmp_path / "ct")
+    with pytest.raises(ValueError, match="experts"):
+        Calibration.from_compressed_tensors(tmp_path / "ct")
