@@ -6,11 +6,8 @@ observer named), and ``NotImplementedError`` for combinations a class declares i
 not take. Anything else (RuntimeError from deep inside torch, IndexError, a segfault,
 a hang) fails the property, as does a NaN / inf qparam or output from finite input.
 
-Budgets: the ``ci`` profile (default; ``make test``) runs a fixed, derandomized set of
-cases in a few seconds per test; ``HYPOTHESIS_PROFILE=fuzz`` (``make fuzz``) runs many
-more, randomized. With ``QUANTSCOPE_FUZZ_STATS=path`` the counts (cases, clear errors,
-passes, failures: undocumented exceptions or NaN / inf results) are appended to ``path``
-as JSON lines.
+Budgets, the profiles and the counts written with ``QUANTSCOPE_FUZZ_STATS``: fuzzing.py,
+shared by every tests/robustness/test_fuzz*.py.
 """
 
 import json
@@ -20,9 +17,13 @@ import shutil
 import tempfile
 import warnings
 
-import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from fuzzing import DOCUMENTED, FUZZ
+from fuzzing import clear as _clear
+from fuzzing import count as _count
+from fuzzing import mutate_json as _mutate_json
+from fuzzing import start as _start
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -31,43 +32,6 @@ from quantscope.calibrate import calibrate, load
 from quantscope.observers import get_observer, list_observers
 from quantscope.qparams import qparams_from_range
 from quantscope.quantize import fake_quantize
-
-settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
-                          suppress_health_check=list(HealthCheck), print_blob=True)
-settings.register_profile("fuzz", max_examples=1000, deadline=None,
-                          suppress_health_check=list(HealthCheck), print_blob=True)
-PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-FUZZ = settings.get_profile(PROFILE if PROFILE in ("ci", "fuzz") else "ci")
-
-DOCUMENTED = (ValueError, TypeError, NotImplementedError)
-STATS: dict = {}
-
-
-def _start(test: str):
-    STATS.setdefault(test, {"cases": 0, "clear_errors": 0, "ok": 0})["cases"] += 1
-
-
-def _count(test: str, outcome: str):
-    STATS[test][outcome] += 1
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report_stats():
-    yield
-    path = os.environ.get("QUANTSCOPE_FUZZ_STATS")
-    if path:
-        # a case that neither passed nor raised a documented error failed the property (an
-        # undocumented exception or a NaN / inf result; hypothesis then reports it)
-        lines = [json.dumps({"profile": PROFILE, "test": test, **c,
-                             "failed": c["cases"] - c["clear_errors"] - c["ok"]}) + "\n"
-                 for test, c in STATS.items()]
-        with open(path, "a") as f:
-            f.writelines(lines)
-
-
-def _clear(e: BaseException) -> bool:
-    return isinstance(e, DOCUMENTED) and len(str(e)) > 10
-
 
 # --------------------------------------------------------------------- strategies
 NATIVE = [n for n in list_observers() if ":" not in n]
@@ -237,31 +201,6 @@ def _saved_calibration():
             c.save(os.path.join(root, preset))
         _SAVED.update(root=root, model=model)
     return _SAVED
-
-
-def _mutate_json(value, draw):
-    """One random change somewhere in a JSON tree."""
-    if isinstance(value, dict) and value:
-        key = draw(st.sampled_from(sorted(value)))
-        action = draw(st.sampled_from(["drop", "replace", "recurse", "recurse"]))
-        if action == "drop":
-            value.pop(key)
-        elif action == "replace":
-            value[key] = draw(JSON_VALUES)
-        else:
-            value[key] = _mutate_json(value[key], draw)
-        return value
-    if isinstance(value, list) and value:
-        i = draw(st.integers(0, len(value) - 1))
-        value[i] = _mutate_json(value[i], draw)
-        return value
-    return draw(JSON_VALUES)
-
-
-JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40),
-                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
-                        st.just([]), st.just({}), st.just("yes"), st.just(99),
-                        st.just("local"))
 
 
 @FUZZ
