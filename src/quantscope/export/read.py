@@ -171,6 +171,10 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
             states[name] = {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0],
                                       roles[r], specs[r], observers[r], wshape)
                             for r in roles}
+        except ValueError as e:  # a missing or misshapen tensor: name the files it is not in
+            tensor_files = os.path.join(os.path.dirname(cfg_path), "*.safetensors")
+            msg = str(e).removeprefix("from_compressed_tensors: ")
+            raise ValueError(f"from_compressed_tensors: {tensor_files}: {msg}") from None
         except (KeyError, AttributeError, RuntimeError, TypeError, IndexError) as e:
             raise ValueError(f"{where}: layer {name}: its tensors do not fit the group's "
                              f"scheme ({type(e).__name__}: {e})") from None
