@@ -109,3 +109,25 @@ def test_architectures_resolve_only_model_classes(archs):
     with pytest.raises(ValueError, match="architectures"):
         model_class(archs, "cfg")
     assert model_class(["set_seed", "BertModel"], "cfg") is transformers.BertModel
+
+
+def test_every_transformers_loader_call_in_src_goes_through_hf_loader():
+    """One place decides: no other module calls ``from_pretrained``, and a ``from_config``
+    call passes ``trust_remote_code=False`` itself."""
+    import ast
+    import pathlib
+
+    src = pathlib.Path(__file__).resolve().parents[2] / "src" / "quantscope"
+    found = []
+    for path in src.rglob("*.py"):
+        if path.name == "hf_loader.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                kw = {k.arg: k.value for k in node.keywords}
+                trusted = isinstance(kw.get("trust_remote_code"), ast.Constant) and \
+                    kw["trust_remote_code"].value is False
+                if node.func.attr == "from_pretrained" or (
+                        node.func.attr == "from_config" and not trusted):
+                    found.append(f"{path.relative_to(src)}:{node.lineno}")
+    assert found == []
