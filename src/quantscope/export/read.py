@@ -74,10 +74,17 @@ def _meta_model(path: str, config: dict):
 
     where = f"from_compressed_tensors: {os.path.join(path, 'config.json')}"
     cls = model_class(config.get("architectures") or [], where)
-    cfg = load_config(path, "from_compressed_tensors")
-    cfg.quantization_config = None  # build the plain float skeleton; nothing is loaded
-    with torch.device("meta"):
-        return cls(cfg)
+    try:
+        cfg = load_config(path, "from_compressed_tensors")
+        cfg.quantization_config = None  # build the plain float skeleton; nothing is loaded
+        with torch.device("meta"):
+            return cls(cfg)
+    except ValueError:  # ours (remote code refused) or transformers' own, with its reason
+        raise
+    except Exception as e:  # noqa: BLE001 -- a damaged config fails deep in transformers
+        # (its strict dataclasses, KeyError on a rope type, AttributeError on a dtype)
+        raise ValueError(f"{where}: transformers cannot build {cls.__name__} from it "
+                         f"({type(e).__name__}: {e})") from None
 
 
 _KV_SCALE = {"k_scale": "key", "v_scale": "value"}
@@ -175,7 +182,9 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
             tensor_files = os.path.join(os.path.dirname(cfg_path), "*.safetensors")
             msg = str(e).removeprefix("from_compressed_tensors: ")
             raise ValueError(f"from_compressed_tensors: {tensor_files}: {msg}") from None
-        except (KeyError, AttributeError, RuntimeError, TypeError, IndexError) as e:
+        # compressed-tensors checks its inputs with assert (a missing zero point)
+        except (KeyError, AttributeError, RuntimeError, TypeError, IndexError,
+                AssertionError) as e:
             raise ValueError(f"{where}: layer {name}: its tensors do not fit the group's "
                              f"scheme ({type(e).__name__}: {e})") from None
     return rule
