@@ -13,6 +13,11 @@ input scale, per-tensor weight scale) are the shared value, as the runtime's ``w
 The on-disk names come from transformers' own checkpoint conversion mapping for the model
 type; a model type whose checkpoints keep the 3-D tensors (no such mapping: gpt-oss's
 interleaved ``gate_up_proj``, for one) is refused, naming the module.
+
+Reading such a checkpoint back is the inverse: :func:`unfuse_for_reading` gives the model
+skeleton the per-expert modules, :func:`disk_to_module` maps the disk names back onto them,
+and :func:`fuse_expert_states` joins gate and up into the ``gate_up_proj`` state of the
+calibration that was exported (rows concatenated; shared per-tensor values must agree).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from torch import nn
 from ..calibrate import fusion
 from ..calibrate.moe import is_experts_3d
 
-__all__ = ["expert_names", "unfuse_experts"]
+__all__ = ["checkpoint_names", "disk_to_module", "expert_names", "fuse_expert_states",
+           "unfuse_experts", "unfuse_for_reading"]
 
 
 def expert_names(model: nn.Module) -> tuple[str, str, str] | None:
@@ -141,7 +147,6 @@ def unfuse_experts(model: nn.Module, states: dict) -> dict:
     return out
 
 
-
 def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
     """``{module name: the name its tensors have on disk}``: transformers' own reverse
     renamings (Mixtral's ``mlp`` is ``block_sparse_moe`` on disk), so that a checkpoint's
@@ -161,3 +166,105 @@ def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
     except (ImportError, AttributeError, KeyError, TypeError):  # older transformers
         return {n: n for n in names}
     return {n: apply_renamings(f"{n}.weight", renamings).removesuffix(".weight") for n in names}
+
+
+def disk_to_module(model: nn.Module) -> dict[str, str]:
+    """``{name on disk: module name}`` for every module of ``model`` whose names differ: the
+    inverse of :func:`checkpoint_names`, for a reader of the checkpoint's names."""
+    names = [n for n, _ in model.named_modules() if n]
+    return {disk: n for n, disk in checkpoint_names(model, names).items() if disk != n}
+
+
+def unfuse_for_reading(model: nn.Module) -> dict[str, tuple[int, tuple[str, str, str], bool]]:
+    """Give ``model`` (a skeleton, changed in place) the per-expert modules the exporter
+    writes; returns ``{experts module: (experts, (gate, up, down) names, gated)}`` for
+    :func:`fuse_expert_states`."""
+    names = expert_names(model)
+    found = {}
+    for name, module in model.named_modules():
+        if is_experts_3d(module):
+            gated = getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
+            n = (module.gate_up_proj if gated else module.up_proj).shape[0]
+            found[name] = (n, names, gated)
+    if not found or names is None:  # no per-expert tensors on disk: nothing to map
+        return {}
+    unfuse_experts(model, {})
+    return found
+
+
+def _same(a, b, what: str) -> None:
+    if not a.quantizes_like(b):
+        raise ValueError(what)
+
+
+def _join_rows(gate, up, layer: str):
+    """The ``gate_up_proj`` weight state from its gate and up halves: per-row values
+    concatenated (:func:`fusion.split_state` inverted), one-value ones shared."""
+    from dataclasses import replace
+
+    qg, qu = gate.qparams, up.qparams
+    if qg is None or qu is None:  # dynamic or local: nothing per row
+        _same(gate, up, f"{layer}: gate and up weights are quantized differently")
+        return gate
+
+    def join(a, b, what):
+        if a is None and b is None:
+            return None
+        if a is None or b is None or (a.numel() == 1) != (b.numel() == 1):
+            raise ValueError(f"{layer}: gate and up hold {what} of different layouts")
+        if a.numel() == 1:
+            if not torch.equal(a, b):
+                raise ValueError(f"{layer}: gate and up hold different per-tensor {what} "
+                                 f"({float(a)!r}, {float(b)!r}); the model's fused experts "
+                                 f"take one")
+            return a.clone()
+        return torch.cat([a, b], 0)
+
+    if gate.spec != up.spec or gate.dynamic != up.dynamic:
+        raise ValueError(f"{layer}: gate and up weights are quantized differently")
+    qp = type(qg)(join(qg.scale, qu.scale, "weight scales"),
+                  join(qg.zero_point, qu.zero_point, "zero points"),
+                  join(qg.global_scale, qu.global_scale, "global scales"))
+    shape = None if gate.shape is None or up.shape is None else \
+        (gate.shape[0] + up.shape[0], *gate.shape[1:])
+    return replace(gate, qparams=qp, shape=shape)
+
+
+def _join_roles(gate: dict, up: dict, layer: str) -> dict:
+    if set(gate) != set(up):
+        raise ValueError(f"{layer}: gate has roles {sorted(gate)} but up {sorted(up)}")
+    out = {}
+    for role, state in gate.items():
+        if role == "weight":
+            out[role] = _join_rows(state, up[role], layer)
+        else:  # one input for both halves (the runtime's w13 reads one tensor)
+            _same(state, up[role], f"{layer}: gate and up hold different {role} "
+                                   f"quantizers; the model's fused experts take one")
+            out[role] = state
+    return out
+
+
+def fuse_expert_states(found: dict, states: dict, where: str = "from_compressed_tensors"
+                       ) -> dict:
+    """``states`` read under the per-expert names (``<experts>.<e>.w1`` ...) renamed and
+    joined into the calibration's (``<experts>.<e>.gate_up_proj`` / ``down_proj``):
+    :func:`unfuse_experts` inverted. ``found``: :func:`unfuse_for_reading`'s answer."""
+    out = dict(states)
+    for name, (n, (gate, up, down), gated) in found.items():
+        for e in range(n):
+            base = f"{name}.{e}"
+            if f"{base}.{down}" in out:
+                out[f"{base}.down_proj"] = out.pop(f"{base}.{down}")
+            if not gated:
+                if f"{base}.{up}" in out:
+                    out[f"{base}.gate_up_proj"] = out.pop(f"{base}.{up}")
+                continue
+            g, u = out.pop(f"{base}.{gate}", None), out.pop(f"{base}.{up}", None)
+            if g is None and u is None:
+                continue
+            layer = f"{where}: experts {base}"
+            if g is None or u is None:
+                raise ValueError(f"{layer}: only one of {gate} / {up} is quantized; the "
+                                 f"model's fused gate_up_proj is one layer")
+            out[f"{base}.gate_up_proj"] = _join_roles(g, u, layer)
+    return out

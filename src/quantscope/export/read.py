@@ -22,6 +22,7 @@ from ..compat.llmcompressor import llmcompressor_spec
 from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
+from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
 from .read_checks import SCALE_LEAVES, read_quant_config, safetensors_headers, scale_problem
 from .registry import register_reader
 
@@ -191,15 +192,31 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
 
 
 def _refuse_unread(tensors, states, path):
-    """A quantization tensor that no read module owns (a 3-D experts model's per-expert
-    layers, a layer the model lacks) would be dropped without a word: refuse instead."""
+    """A quantization tensor that no read module owns (a layer the model lacks, one the
+    targets miss) would be dropped without a word: refuse instead."""
     for key in tensors:
         layer, _, leaf = key.rpartition(".")
         if leaf in SCALE_LEAVES and leaf not in ("k_scale", "v_scale") and layer not in states:
             raise ValueError(
                 f"from_compressed_tensors: {path}: tensor {key!r} belongs to no layer of the "
-                f"model built from config.json that the config groups' targets match (per-"
-                f"expert layers of a fused-experts model are not read back)")
+                f"model built from config.json that the config groups' targets match")
+
+
+def _module_names(model, tensors: dict, qconfig) -> dict:
+    """The folder's names as the skeleton's modules have them: the exporter writes
+    transformers' disk names (Mixtral's ``block_sparse_moe``), in tensors, targets and
+    ignore alike; returns the renamed tensors (``qconfig`` is renamed in place)."""
+    rename = disk_to_module(model)
+    if not rename:
+        return tensors
+    qconfig.ignore = [rename.get(n, n) for n in qconfig.ignore or ()]
+    for scheme in qconfig.config_groups.values():
+        scheme.targets = [rename.get(n, n) for n in scheme.targets]
+    out = {}
+    for key, value in tensors.items():
+        layer, _, leaf = key.rpartition(".")
+        out[f"{rename[layer]}.{leaf}" if layer in rename else key] = value
+    return out
 
 
 @register_reader("compressed-tensors")
@@ -227,6 +244,8 @@ def read_compressed_tensors(path):
         _compressor(qconfig.format, f"from_compressed_tensors: {cfg_path}: quantization_config")
     tensors = _load_tensors(path)
     model = _meta_model(path, config)
+    experts = unfuse_for_reading(model)  # the per-expert modules the exporter wrote
+    tensors = _module_names(model, tensors, qconfig)
     states = {}
     rules = [_read_group(g, scheme, qconfig, model, tensors, states, cfg_path)
              for g, scheme in qconfig.config_groups.items()]
@@ -235,6 +254,8 @@ def read_compressed_tensors(path):
         raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
                          f"groups' targets")
     _refuse_unread(tensors, states, path)
+    # the per-expert states back onto the model's 3-D experts, as calibrate named them
+    states = fuse_expert_states(experts, states, f"from_compressed_tensors: {path}")
     recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors",
                     kv_cache=kv_cache)
     record = config.get("quantscope")

@@ -1,0 +1,109 @@
+"""Reading back quantscope's own MoE export (issue 37 row 4): the per-expert layers on disk
+(Mixtral's ``w1`` / ``w3`` / ``w2``, Qwen2-MoE's ``gate_proj`` / ``up_proj`` / ``down_proj``)
+map back onto the model's 3-D experts, equal to the calibration that was exported."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from quantscope.calibrate import Calibration, calibrate
+from quantscope.scales import nvfp4_global_scale
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from tiny_models import mixtral
+
+
+def _qwen2_moe():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(
+        hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50, num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    return model, [torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(i))
+                   for i in range(3)]
+
+
+MODELS = {"mixtral": mixtral, "qwen2_moe": _qwen2_moe}
+
+
+def _same_state(want, got, spec_format):
+    """Equal qparams; a local input's amax may differ by ulps where the global scale it
+    gives (what the checkpoint stores and the runtime uses) is the same."""
+    if want.quantizes_like(got):
+        return True
+    if want.dynamic == got.dynamic == "local" and want.spec == got.spec:
+        return torch.equal(nvfp4_global_scale(want.global_amax, spec_format),
+                           nvfp4_global_scale(got.global_amax, spec_format))
+    return False
+
+
+@pytest.mark.parametrize("preset", ["w8a8", "w4a16-asym", "fp8", "nvfp4"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_moe_export_reads_back_as_exported(name, preset, tmp_path):
+    model, batches = MODELS[name]()
+    calib = calibrate(model, batches, preset, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calib.export(model, tmp_path / "ct")
+    back = Calibration.from_compressed_tensors(tmp_path / "ct")
+    experts = [k for k in calib.states if ".experts." in k]
+    assert experts and sorted(back.states) == sorted(calib.states)
+    for layer, roles in calib.states.items():
+        assert sorted(back.states[layer]) == sorted(roles), layer
+        for role, state in roles.items():
+            got = back.states[layer][role]
+            assert _same_state(state, got, state.spec.format), (layer, role)
+            if role == "weight" and state.shape is not None:
+                assert tuple(got.shape) == tuple(state.shape), layer
+    with torch.inference_mode():
+        with calib.apply(model):
+            want = model(batches[0]).logits
+        with back.apply(model):
+            got = model(batches[0]).logits
+    assert torch.equal(got, want)
+
+
+def _rewrite(folder, fn):
+    from safetensors.torch import load_file, save_file
+
+    (f,) = folder.glob("*.safetensors")
+    tensors = load_file(f)
+    fn(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def test_gate_and_up_that_disagree_are_refused(tmp_path):
+    model, batches = mixtral()
+    calib = calibrate(model, batches, "fp8", progress=False)
+    calib.export(model, tmp_path / "ct")
+    key = "model.layers.0.block_sparse_moe.experts.1.w3.input_scale"
+
+    def double(tensors):
+        tensors[key] = tensors[key] * 2
+
+    _rewrite(tmp_path / "ct", double)
+    with pytest.raises(ValueError, match=r"experts model\.layers\.0\.mlp\.experts\.1: gate "
+                                         r"and up hold different input"):
+        Calibration.from_compressed_tensors(tmp_path / "ct")
+
+
+def test_an_expert_with_only_gate_quantized_is_refused(tmp_path):
+    model, batches = mixtral()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    calib.export(model, tmp_path / "ct")
+    cfg_file = tmp_path / "ct" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["quantization_config"]["ignore"].append("model.layers.1.block_sparse_moe.experts.2.w3")
+    cfg_file.write_text(json.dumps(cfg))
+    prefix = "model.layers.1.block_sparse_moe.experts.2.w3."
+    _rewrite(tmp_path / "ct", lambda t: [t.pop(k) for k in list(t)
+                                         if k.startswith(prefix) and k != prefix + "weight"])
+    with pytest.raises(ValueError, match=r"experts model\.layers\.1\.mlp\.experts\.2: only "
+                                         r"one of w1 / w3"):
+        Calibration.from_compressed_tensors(tmp_path / "ct")
+
