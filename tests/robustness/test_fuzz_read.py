@@ -123,9 +123,10 @@ def _damage_tensors(case, kind, draw):
     t = tensors[name]
     bad = None
     if kind == "scale_value":
-        t = t.clone()
-        t.view(-1)[draw(st.integers(0, t.numel() - 1))] = draw(st.sampled_from(BAD_SCALES))
-        tensors[name], bad = t, name
+        t, i = t.clone(), draw(st.integers(0, t.numel() - 1))
+        t.view(-1)[i] = draw(st.sampled_from(BAD_SCALES))
+        stored = float(t.view(-1)[i].float())  # FP8 saturates inf to 448: not a bad scale
+        tensors[name], bad = t, (name if not math.isfinite(stored) or stored <= 0 else None)
     elif kind == "drop":
         tensors.pop(name)
     elif kind == "rename":
