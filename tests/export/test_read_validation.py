@@ -138,3 +138,24 @@ def test_damaged_safetensors_is_refused_by_both_readers(exported, tmp_path, dama
         with pytest.raises(ValueError, match="safetensors|tensors"):
             read(folder)
 
+
+
+def _group(c):
+    return next(iter(c["quantization_config"]["config_groups"].values()))
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c: c["quantization_config"].__setitem__("format", "bogus-format"), "format"),
+    (lambda c: _group(c).__setitem__("format", "bogus-format"), "config_groups.group_0"),
+    (lambda c: c["quantization_config"].__setitem__("config_groups", {"g": [1]}),
+     "config_groups"),
+    (lambda c: _group(c)["weights"].__setitem__("num_bits", "eight"), "num_bits"),
+])
+def test_check_validates_the_config_as_the_reader_does(exported, tmp_path, edit, field):
+    # one validation (read_checks.parse_quant_config): check no longer says "shards agree"
+    folder = _copy(exported, tmp_path / "bad")
+    _edit_config(folder, edit)
+    for read in (Calibration.from_compressed_tensors, check):
+        with pytest.raises(ValueError, match=field) as e:
+            read(folder)
+        assert "config.json" in str(e.value)

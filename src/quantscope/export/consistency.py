@@ -16,12 +16,19 @@ Only the scale tensors are read.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
 import torch
 
-from .read_checks import SCALE_LEAVES, read_quant_config, safetensors_headers, scale_problem
+from .read_checks import (
+    SCALE_LEAVES,
+    parse_quant_config,
+    read_quant_config,
+    safetensors_headers,
+    scale_problem,
+)
 
 __all__ = ["FUSED", "check", "format_problems"]
 
@@ -60,7 +67,9 @@ def check(path) -> list[dict]:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"check: {str(path)!r} is not a directory")
-    read_quant_config(folder, "check")
+    cfg_file, _, qc = read_quant_config(folder, "check")
+    if importlib.util.find_spec("compressed_tensors") is not None:  # optional (peers extra)
+        parse_quant_config(cfg_file, qc, "check")  # the fields from_compressed_tensors reads
     entries = safetensors_headers(folder, "check")
     if not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"check: {str(path)!r} holds no .safetensors files")

@@ -23,7 +23,14 @@ from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
 from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
-from .read_checks import SCALE_LEAVES, read_quant_config, safetensors_headers, scale_problem
+from .read_checks import (
+    SCALE_LEAVES,
+    compressor,
+    parse_quant_config,
+    read_quant_config,
+    safetensors_headers,
+    scale_problem,
+)
 from .registry import register_reader
 
 __all__ = ["read_compressed_tensors"]
@@ -140,16 +147,6 @@ def _state(st, role, module, local, args, spec, observer, weight_shape):
                      shape=tuple(weight_shape) if role == "weight" else None)
 
 
-def _compressor(fmt, where: str):
-    from compressed_tensors.compressors import BaseCompressor
-
-    name = str(getattr(fmt, "value", fmt))
-    try:
-        return BaseCompressor.get_value_from_registry(name)
-    except (KeyError, ValueError):
-        raise ValueError(f"{where}: format {name!r} is no compressed-tensors format") from None
-
-
 def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
     """The Rule of one config group; its modules' states go into ``states``."""
     from compressed_tensors.utils.match import match_named_modules
@@ -164,7 +161,7 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
         r: Role(specs[r], "memoryless_minmax" if a.dynamic is True else observers[r],
                 a.dynamic if a.dynamic in (True, False) else str(a.dynamic))
         for r, a in roles.items()})
-    compressor = _compressor(scheme.format or qconfig.format, f"{where}.format")
+    decoder = compressor(scheme.format or qconfig.format, f"{where}.format")
     matched = list(match_named_modules(model, scheme.targets, qconfig.ignore))
     if not matched:
         raise ValueError(f"{where}.targets: {scheme.targets} match no layer of the model")
@@ -174,7 +171,7 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
                  if k.startswith(prefix) and "." not in k[len(prefix):]}
         try:
             if "weight" in roles:
-                local = compressor.decompress(local, scheme)
+                local = decoder.decompress(local, scheme)
             wshape = tuple(module.weight.shape)
             states[name] = {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0],
                                       roles[r], specs[r], observers[r], wshape)
@@ -227,21 +224,12 @@ def read_compressed_tensors(path):
     (``info["model"]``: the source model the exporter recorded, else ``path``, which
     transformers loads decompressed).
     """
-    from compressed_tensors.quantization import QuantizationConfig
-
     from ..calibrate.recipe import Recipe
     from ..calibrate.result import Calibration
 
     path = os.fspath(path)
     cfg_path, config, qc = read_quant_config(path, "from_compressed_tensors")
-    try:
-        qconfig = QuantizationConfig.model_validate(
-            {k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
-    except ValueError as e:  # pydantic's ValidationError names the field
-        raise ValueError(f"from_compressed_tensors: {cfg_path}: quantization_config is not "
-                         f"valid: {e}") from None
-    if str(getattr(qconfig.format, "value", qconfig.format)) not in ("None", "mixed-precision"):
-        _compressor(qconfig.format, f"from_compressed_tensors: {cfg_path}: quantization_config")
+    qconfig = parse_quant_config(cfg_path, qc, "from_compressed_tensors")
     tensors = _load_tensors(path)
     model = _meta_model(path, config)
     experts = unfuse_for_reading(model)  # the per-expert modules the exporter wrote

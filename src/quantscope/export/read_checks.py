@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SCALE_LEAVES", "read_quant_config", "safetensors_headers", "scale_problem"]
+__all__ = ["SCALE_LEAVES", "compressor", "parse_quant_config", "read_quant_config",
+           "safetensors_headers", "scale_problem"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
 #: flips signs at run time)
@@ -43,6 +44,36 @@ def read_quant_config(path, who: str) -> tuple[Path, dict, dict]:
                          f"(quant_method {method!r})")
     return cfg_file, config, qc
 
+
+
+def compressor(fmt, where: str):
+    """compressed-tensors' compressor of the format ``fmt`` (a name or its enum)."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    name = str(getattr(fmt, "value", fmt))
+    try:
+        return BaseCompressor.get_value_from_registry(name)
+    except (KeyError, ValueError):
+        raise ValueError(f"{where}: format {name!r} is no compressed-tensors format") from None
+
+
+def parse_quant_config(cfg_file, qc: dict, who: str):
+    """compressed-tensors' ``QuantizationConfig`` of ``qc``, every field valid (pydantic's
+    error names the field) and every format, the config's and each group's, a known one."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        qconfig = QuantizationConfig.model_validate(
+            {k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
+    except ValueError as e:  # pydantic's ValidationError is one
+        raise ValueError(f"{who}: {cfg_file}: quantization_config is not valid: {e}") from None
+    where = f"{who}: {cfg_file}: quantization_config"
+    if str(getattr(qconfig.format, "value", qconfig.format)) not in ("None", "mixed-precision"):
+        compressor(qconfig.format, where)
+    for name, scheme in qconfig.config_groups.items():
+        if scheme.format is not None:
+            compressor(scheme.format, f"{where}.config_groups.{name}")
+    return qconfig
 
 def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int]]]:
     """name -> (file, dtype, shape) of every tensor in the folder's safetensors files,
