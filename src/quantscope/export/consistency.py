@@ -121,7 +121,8 @@ def format_problems(problems: list[dict]) -> str:
     for p in problems:
         vals = ", ".join(f"{k}={v:.9g}" for k, v in p["values"].items())
         if p.get("non_finite"):
-            lines.append(f"{p['tensor']}: {p.get('why') or 'not finite'} ({vals})")
+            # "why" names the tensor itself
+            lines.append(p["why"] if p.get("why") else f"{p['tensor']}: not finite ({vals})")
         else:
             lines.append(f"{p['group']}: {p['tensor']} differs across the fused shards: {vals}")
     return "\n".join(lines)
