@@ -140,6 +140,15 @@ def test_errors(saved):
                   cache_budget_mb=-1)
 
 
+@pytest.mark.parametrize("budget", [float("inf"), float("nan"), True, False, "512"])
+def test_cache_budget_is_a_finite_number_of_mb(saved, budget):
+    # issue 37 row 16: inf raised a raw OverflowError, True was taken as 1 MB
+    model, _ = saved
+    with pytest.raises(ValueError, match="cache_budget_mb must be a finite number"):
+        calibrate(model, _batches(), "w8a8", progress=False, sequential=True,
+                  cache_budget_mb=budget)
+
+
 def test_heap_opt_out(monkeypatch):
     import platform
 

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -275,8 +276,10 @@ def _check_mode(mode, recipes, options, cache_budget_mb):
         raise ValueError("calibrate: sequential and distributed calibration do not combine")
     if cache_budget_mb is None:
         cache_budget_mb = DEFAULT_CACHE_BUDGET_MB
-    if not (isinstance(cache_budget_mb, (int, float)) and cache_budget_mb >= 0):
-        raise ValueError(f"calibrate: cache_budget_mb must be a number of MB >= 0, got "
+    # bool is an int to Python (True would be 1 MB); inf / NaN have no byte count
+    if (isinstance(cache_budget_mb, bool) or not isinstance(cache_budget_mb, (int, float))
+            or not math.isfinite(cache_budget_mb) or cache_budget_mb < 0):
+        raise ValueError(f"calibrate: cache_budget_mb must be a finite number of MB >= 0, got "
                          f"{cache_budget_mb!r}")
     return mode, cache_budget_mb
 
