@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import subprocess
 import tempfile
 import traceback
 
@@ -31,7 +32,10 @@ from quantscope.spec import QuantSpec
 
 pytestmark = pytest.mark.dist
 
-TIMEOUT = 150  # seconds for a whole spawn (a loaded machine); collectives time out after 20 s
+# A hang is detected by progress, not by a wall-clock budget (a loaded machine is slow, not
+# hung): the spawned processes fail only when none of them, nor their children, used any CPU
+# for STALL seconds. A collective that waits for a dead peer fails sooner (60 s, below).
+STALL = 120
 
 
 def _port() -> int:
@@ -367,17 +371,67 @@ def _worker(r, w, port, tmp):
     torch.save(out, os.path.join(tmp, f"rank{r}.pt"))
 
 
-def _spawn(w):
+def _cpu_ticks(pids) -> int | None:
+    """CPU ticks used so far by ``pids`` and every descendant (live or reaped), from /proc;
+    None where there is no /proc."""
+    table = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    for e in entries:
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        # after the name: state, ppid, ..., utime stime cutime cstime at 11..14
+        table[int(e)] = (int(fields[1]), sum(int(v) for v in fields[11:15]))
+    total, todo, seen = 0, list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in table:
+            continue
+        seen.add(pid)
+        total += table[pid][1]
+        todo.extend(c for c, (ppid, _) in table.items() if ppid == pid)
+    return total
+
+
+def _wait_progressing(done, pids, kill, what: str) -> None:
+    """Poll ``done()`` until it is true; fail when ``pids`` made no CPU progress for STALL
+    seconds (without /proc: after 30 minutes)."""
     import time
 
+    last, since = _cpu_ticks(pids), time.monotonic()
+    while not done():
+        ticks = _cpu_ticks(pids)
+        if ticks is None or ticks != last:
+            last, since = ticks, (since if ticks is None else time.monotonic())
+        stall = 1800 if ticks is None else STALL
+        if time.monotonic() - since > stall:
+            kill()
+            raise AssertionError(f"{what}: no CPU progress for {stall} s (hang?)")
+
+
+def _exited(p) -> bool:
+    try:
+        p.wait(timeout=1)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _spawn(w):
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.spawn(_worker, args=(w, _port(), tmp), nprocs=w, join=False)
-        t0 = time.time()
-        while not ctx.join(timeout=1):
-            if time.time() - t0 > TIMEOUT:
-                for p in ctx.processes:
-                    p.kill()
-                raise AssertionError(f"{w} processes did not finish in {TIMEOUT} s (hang?)")
+
+        def kill():
+            for p in ctx.processes:
+                p.kill()
+
+        _wait_progressing(lambda: ctx.join(timeout=1), [p.pid for p in ctx.processes], kill,
+                          f"{w} spawned processes")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
                 for r in range(w)]
 
@@ -573,10 +627,14 @@ def test_torchrun_cli_matches_one_process(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_port()), "-m", "quantscope",
            *args, "--out", str(tmp_path / "run2")]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT,
-                       check=False)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.count("quantscope calibrate:") == 1  # the summary: rank 0 only
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        _wait_progressing(lambda: _exited(p), [p.pid], p.kill, "torchrun")
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert p.returncode == 0, stderr[-3000:]
+    assert stdout.count("quantscope calibrate:") == 1  # the summary: rank 0 only
     from quantscope.cli import main
 
     assert main([*args, "--out", str(tmp_path / "run1")]) == 0  # one process, here
