@@ -163,3 +163,35 @@ def test_heap_opt_out(monkeypatch):
     from quantscope import kernels
 
     assert kernels.streaming() is not glibc
+
+
+class _Payload:
+    """An object whose unpickling would run code (writes a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_spill_files_are_read_without_unpickling_code(tmp_path):
+    """Row 17 of issue 37: a spill file is read with ``weights_only=True``: the cached values
+    come back bitwise, and a file swapped for a pickle of an arbitrary object is refused
+    without running it."""
+    import pickle
+
+    from quantscope.calibrate.sequential import _Cache
+
+    cache = _Cache([0], str(tmp_path), "t")  # budget 0: every value goes to a file
+    value = (torch.randn(2, 3), {"mask": torch.ones(2, dtype=torch.bool), "n": 3, "x": None})
+    cache.put(0, value)
+    assert cache.spilled == 1
+    back = cache.get(0)
+    assert torch.equal(back[0], value[0]) and torch.equal(back[1]["mask"], value[1]["mask"])
+    assert back[1]["n"] == 3 and back[1]["x"] is None
+    marker = tmp_path / "ran"
+    torch.save(_Payload(str(marker)), tmp_path / "t-0.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        cache.get(0)
+    assert not marker.exists()

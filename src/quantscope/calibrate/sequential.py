@@ -100,7 +100,9 @@ class _Cache:
     def get(self, i: int):
         if i in self.mem:
             return self.mem[i]
-        return torch.load(os.path.join(self.folder, f"{self.tag}-{i}.pt"), weights_only=False)
+        # weights_only: the file holds tensors, tuples, dicts and plain values, and even our
+        # own spill file is never unpickled as code (docs/SECURITY.md)
+        return torch.load(os.path.join(self.folder, f"{self.tag}-{i}.pt"), weights_only=True)
 
     def drop(self, i: int) -> None:
         if i in self.mem:
