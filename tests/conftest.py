@@ -13,6 +13,12 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+# Triton's kernels run under its interpreter on CPU tensors where no GPU is present. Triton
+# fixes compiled or interpreted at its first import (which transformers' Llama reaches through
+# torchao while tests are collected), so the setting goes here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 _SYNCS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 

@@ -2,9 +2,9 @@
 
 Without a GPU they run under Triton's interpreter on CPU tensors, so CI proves them; with
 one, compiled on it. The interpreter needs ``TRITON_INTERPRET=1`` before triton's first
-import (tests/kernels/conftest.py sets it); in a process where something imported triton
-sooner (``make test`` collects transformers' Llama first, which imports it through torchao),
-these tests skip and :func:`test_in_a_fresh_interpreter` runs this file in a child process. Small shapes, with block sizes
+import (tests/conftest.py sets it); in a process where something imported triton sooner
+(a run that does not load tests/conftest.py first), these tests skip and
+:func:`test_in_a_fresh_interpreter` runs this file in a child process. Small shapes, with block sizes
 forced small so that every loop, mask and split runs. Skipped without triton (the ``gpu``
 extra).
 """

@@ -7,7 +7,7 @@ call the launchers with CUDA tensors. Under Triton's interpreter (``TRITON_INTER
 before triton is first imported: triton decides the mode as it decorates each function,
 its own library's included) the same launchers run on CPU tensors, with numpy: how the
 tests prove every kernel bitwise against the torch path without a GPU
-(tests/kernels/conftest.py sets it where no GPU is present).
+(tests/conftest.py sets it where no GPU is present).
 
 The bitwise contract of the C kernels holds here too: every float32 division is
 ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on NVIDIA GPUs), rounding to
