@@ -1,5 +1,6 @@
 """Small models built in place for tests that span packages (no download, no real weights):
-a word-level tokenizer, and a random-weight Mixtral whose routers starve one expert."""
+a word-level tokenizer, a random-weight BERT folder with MiniLM's tokenizer, and a
+random-weight Mixtral whose routers starve one expert."""
 
 import math
 
@@ -22,6 +23,30 @@ def tokenizer(pad: bool):
     kw = {"pad_token": "</s>"} if pad else {}
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
                                                 eos_token="</s>", **kw)
+
+
+def bert_folder(path, **config):
+    """A saved random-weight BERT (1 layer of width 32 unless ``config`` says otherwise) with
+    the demo MiniLM's tokenizer files, as ``--model`` takes it; skips the test where
+    transformers or the demo model is missing."""
+    import shutil
+
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from quantscope.demo import models
+
+    try:
+        src = models.default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    config = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, **config}
+    torch.manual_seed(0)
+    transformers.BertModel(transformers.BertConfig(**config)).save_pretrained(path)
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / f, path / f)
+    return path
 
 
 def starve(router, expert=STARVED):

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tiny_models import bert_folder
 
 import quantscope
 from quantscope import distributed as qd
@@ -600,26 +601,12 @@ def test_calibrate_distributed_same_on_every_rank(results):
 def test_torchrun_cli_matches_one_process(tmp_path):
     """``torchrun --nproc-per-node 2 -m quantscope calibrate`` on a tiny BERT (MiniLM's
     tokenizer): rank 0 alone writes, and the qparams equal those of one process."""
-    import shutil
     import subprocess
     import sys
 
     pytest.importorskip("transformers")
     safetensors = pytest.importorskip("safetensors.torch")
-    from quantscope.demo.models import default_model_path
-
-    try:
-        src = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    from transformers import BertConfig, BertModel
-
-    model_dir = tmp_path / "tiny"
-    torch.manual_seed(0)
-    BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(model_dir)
-    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(src / f, model_dir / f)
+    model_dir = bert_folder(tmp_path / "tiny", num_hidden_layers=2)
     args = ["calibrate", "--model", str(model_dir), "--recipe", "w8a8", "--observer",
             "percentile", "--calib-docs", "8", "--max-length", "32", "--eval-max-length", "32",
             "--no-progress"]

@@ -12,6 +12,8 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+from tiny_models import bert_folder
+
 from quantscope import (
     calibrate,
     export,
@@ -88,23 +90,12 @@ def test_cli_export_onnx_of_a_calibrate_run(tmp_path):
     """`quantscope calibrate ... --out RUN && quantscope export RUN --format onnx --out m.onnx`:
     the run's recorded model and tokenizer give the example batch; ORT runs the file and
     equals the run's fake-quant."""
-    import shutil
 
     from quantscope import cli
     from quantscope.calibrate import load
     from quantscope.demo import models
 
-    try:
-        src = models.default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    d = tmp_path / "tiny-bert"
-    torch.manual_seed(0)
-    transformers.BertModel(transformers.BertConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=64)).save_pretrained(d)
-    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(src / f, d / f)
+    d = bert_folder(tmp_path / "tiny-bert", max_position_embeddings=64)
     run, out = tmp_path / "run", tmp_path / "m.onnx"
     fast = ["--calib-docs", "4", "--max-length", "16", "--batch-size", "2",
             "--eval-max-length", "16", "--no-progress", "--device", "cpu"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import bert_folder
 from torch import nn
 
 from quantscope import cli
@@ -146,28 +147,11 @@ def test_export_run_refuses_its_inputs_before_loading(tmp_path):
 
 # --- rows 13 and 19: an ONNX file output is replaced by --overwrite; modes follow the umask ---
 
-def _tiny_bert_folder(path: Path) -> Path:
-    transformers = pytest.importorskip("transformers")
-    from quantscope.demo import models
-
-    try:
-        src = models.default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    torch.manual_seed(0)
-    transformers.BertModel(transformers.BertConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=64)).save_pretrained(path)
-    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(src / f, path / f)
-    return path
-
-
 @pytest.fixture
 def run_of_tiny_bert(tmp_path):
     from quantscope.demo import models
 
-    d = _tiny_bert_folder(tmp_path / "tiny-bert")
+    d = bert_folder(tmp_path / "tiny-bert", max_position_embeddings=64)
     model, tok = models.load_model(d)
     enc = tok(["a first calibration sentence", "and another one"], return_tensors="pt",
               padding=True)
