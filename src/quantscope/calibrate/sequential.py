@@ -3,9 +3,10 @@
 The model's blocks (the largest ``nn.ModuleList`` of identical modules, e.g. a decoder's
 ``model.layers``; ``blocks=`` names another) are calibrated one after the other:
 
-1. the part before the first block (embeddings, rotary tables ...) runs on every batch and
-   the first block's inputs are caught, positional and keyword (attention mask, position
-   embeddings), then the forward stops;
+1. the model runs on every batch with each block standing in by a pass-through that
+   records the call order (:mod:`.block_order`: a chain in any order is followed, anything
+   else refused), and the first block's inputs are caught, positional and keyword
+   (attention mask, position embeddings);
 2. each block is loaded (from ``checkpoint``'s safetensors, memory-mapped, when the model
    is an empty skeleton: :func:`.checkpoint.empty_model`), calibrated over the cached inputs of all
    batches with the ordinary observers (:func:`~.session.calibrate_many` on that block
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -40,7 +42,7 @@ import torch
 from torch import nn
 
 from . import heap
-from .batches import forward_batch
+from .block_order import NotAChain, Trace, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, unload_params
 
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "find_blocks"]
@@ -144,25 +146,6 @@ def _detached(value):
 
 
 # ---------------------------------------------------------------- the pieces
-class _Stop(Exception):
-    pass
-
-
-class _Catch(nn.Module):
-    """Stands in for the first block: keeps its inputs and stops the forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.caught = None
-
-    def forward(self, *args, **kwargs):
-        for k in ("past_key_values", "past_key_value"):  # no KV cache across passes
-            if k in kwargs:
-                kwargs[k] = None
-        self.caught = (args, kwargs)
-        raise _Stop
-
-
 class _Replay(nn.Module):
     """Stands in for every block: returns the last block's cached output of batch ``i``."""
 
@@ -309,10 +292,10 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
     model.eval()
     originals = list(layers)
     try:
-        hidden, context, n = _first_inputs(run, batches, name, layers, outside)
+        hidden, context, n, order = _first_inputs(run, batches, name, layers, outside)
         spilled, as_tuple = 0, False
-        for j, block in enumerate(originals):
-            full = f"{name}.{j}"
+        for k, j in enumerate(order):
+            full, block = f"{name}.{j}", originals[j]
             nxt, as_tuple = _calibrate_block(
                 run, full, block, {p for p in params if p.startswith(full + ".")}, hidden,
                 context, n, recipes, mode, calibrate_many, options)
@@ -320,7 +303,7 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
             hidden.clear()
             hidden = nxt
             if progress:
-                print(f"\rcalibrating {full} ({j + 1}/{len(originals)})", end="", flush=True)
+                print(f"\rcalibrating {full} ({k + 1}/{len(originals)})", end="", flush=True)
         if progress:
             print()
         _calibrate_rest(run, batches, name, layers, outside, hidden, as_tuple, recipes,
@@ -339,43 +322,59 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
         if not run.parts[label]:
             recipe.match(model)  # raises the whole-model error: nothing matches
         out[label] = _merge(Calibration, recipe, label, run.parts[label], n, seconds,
-                            {"blocks": name, "count": len(originals), "mode": mode,
+                            {"blocks": name, "count": len(originals), "order": order, "mode": mode,
                              "cache_budget_mb": cache_budget_mb, "spilled_batches": spilled})
     return out
 
 
 def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
-    """``(hidden, context, n)``: the first block's inputs for each of the ``n`` batches
-    (hidden states, and the other positional / keyword arguments), by running the model up
-    to that block."""
+    """``(hidden, context, n, order)``: the first block's inputs for each of the ``n``
+    batches (hidden states, and the other positional / keyword arguments), and the order in
+    which the forward calls the blocks (:mod:`.block_order`: a chain, or refused)."""
     model = run.model
     with _no_kv_cache(model), torch.inference_mode():
         outer = {p for p in outside if _param(model, p).device.type == "meta"}
         run.load(outer)
-        hidden, context = run.cache("a"), run.cache("ctx")
-        first, catch = layers[0], _Catch()
-        layers[0] = catch
-        n = 0
         try:
-            for batch in batches:
+            for as_tuple in (False, True):
+                hidden, context = run.cache("a"), run.cache("ctx")
                 try:
-                    forward_batch(model, batch)
-                except _Stop:
-                    pass
-                else:
-                    raise ValueError(f"calibrate: the model's forward never reached its "
-                                     f"first block {name}.0; name the blocks with blocks='...'")
-                args, kwargs = catch.caught
-                hidden.put(n, args[0] if args else kwargs.pop("hidden_states"))
-                context.put(n, (args[1:], kwargs))
-                n += 1
+                    order, n = trace_batches(model, batches, name, layers, as_tuple,
+                                             functools.partial(_keep, hidden, context))
+                    break
+                except NotAChain as e:
+                    hidden.clear()
+                    context.clear()
+                    # blocks that return tuples read a pass-through tensor wrongly: trace
+                    # again with tuples if the first block called returns one
+                    if as_tuple or not _returns_tuple(run, name, layers, e.trace):
+                        raise
         finally:
-            layers[0] = first
-        if n == 0:
-            raise ValueError("calibrate: batches is empty: sequential calibration needs at "
-                             "least one calibration batch")
-        run.unload(outer)
-    return hidden, context, n
+            run.unload(outer)
+    return hidden, context, n, order
+
+
+def _keep(hidden, context, i: int, args: tuple, kwargs: dict) -> None:
+    """Batch ``i``'s first block inputs into the caches."""
+    hidden.put(i, args[0] if args else kwargs.pop("hidden_states"))
+    context.put(i, (args[1:], kwargs))
+
+
+def _returns_tuple(run: _Run, name: str, layers, trace: Trace) -> bool:
+    """Whether the first block the trace saw returns a tuple, on the trace's inputs."""
+    j = trace.calls[0][0]
+    block, full = layers[j], f"{name}.{j}"
+    mine = {n for n, _ in run.model.named_parameters(remove_duplicate=False)
+            if n.startswith(full + ".")}
+    load = is_meta(block)
+    if load:
+        run.load(mine)
+    try:
+        args, kwargs = trace.first
+        return isinstance(block(*args, **kwargs), tuple)
+    finally:
+        if load:
+            run.unload(mine)
 
 
 def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, context, n,

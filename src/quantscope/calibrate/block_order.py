@@ -1,0 +1,210 @@
+"""The order in which a model's forward calls its blocks, traced before sequential
+calibration (:mod:`.sequential`) relies on it.
+
+Sequential calibration feeds block ``k``'s cached outputs to the next block and the last
+block's outputs to the rest of the model: that equals the whole-model pass only when the
+blocks form a **chain**: each called once per forward, each on the output of the block
+called before it, and no block's output used anywhere else. The first pass replaces every
+block by a recorder that passes its input through (a new tensor object, so that the next
+call's input is recognized by identity, ``is``) and notes which block was called on whose
+output; a torch-function mode notes every other use of a block's output. A chain in any
+order is followed; anything else is refused with an error naming the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .batches import forward_batch
+
+__all__ = ["NotAChain", "Trace", "chain_order", "recorders", "refuse", "trace_batches"]
+
+#: reading these tells nothing of a tensor's values: not a use of a block's output
+_METADATA = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_meta",
+             "requires_grad", "size", "dim", "numel", "is_floating_point", "is_contiguous",
+             "stride", "element_size", "get_device"}
+
+
+@dataclasses.dataclass
+class Trace:
+    """One forward's block calls: ``calls[k] = (block index, index of the call whose output
+    is its input, or None)``; ``used``: the calls whose output something other than a block
+    read; ``same_input[k]``: call ``k`` took the very tensor call ``k - 1`` took."""
+
+    as_tuple: bool = False
+    calls: list = dataclasses.field(default_factory=list)
+    outputs: list = dataclasses.field(default_factory=list)
+    inputs: list = dataclasses.field(default_factory=list)
+    used: set = dataclasses.field(default_factory=set)
+    first: tuple | None = None  # the first call's (args, kwargs)
+    inside: bool = False  # a recorder is running: its own ops are no use
+
+    def call(self, j: int, args: tuple, kwargs: dict, name: str):
+        h = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(h, torch.Tensor):
+            raise TypeError(f"calibrate: sequential=True: block {name}.{j} was called without "
+                             f"a tensor as its first argument ({type(h).__name__}); name "
+                             f"other blocks with blocks='...' or use sequential=False")
+        if self.first is None:
+            kwargs = dict(kwargs)
+            for k in ("past_key_values", "past_key_value"):  # no KV cache across passes
+                if k in kwargs:
+                    kwargs[k] = None
+            self.first = (args, kwargs)
+        self.calls.append((j, self.output_index(h)))
+        self.inputs.append(h)
+        self.inside = True
+        try:
+            out = h.view_as(h)  # the same values, a new object: its readers are told apart
+        finally:
+            self.inside = False
+        self.outputs.append(out)
+        return (out,) if self.as_tuple else out
+
+    def output_index(self, t) -> int | None:
+        return next((k for k, o in enumerate(self.outputs) if o is t), None)
+
+    def order(self) -> list[int]:
+        return [j for j, _ in self.calls]
+
+
+class _Recorder(nn.Module):
+    """Stands in for block ``j`` in the first pass."""
+
+    def __init__(self, j: int, trace: Trace, name: str):
+        super().__init__()
+        self.j, self.trace, self.list_name = j, trace, name
+
+    def forward(self, *args, **kwargs):
+        return self.trace.call(self.j, args, kwargs, self.list_name)
+
+
+class _Uses(TorchFunctionMode):
+    """Notes every torch function that reads a block's output (its values, not its shape)."""
+
+    def __init__(self, trace: Trace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(getattr(func, "__self__", None), "__name__", None) \
+            if getattr(func, "__name__", None) == "__get__" else getattr(func, "__name__", None)
+        if not self.trace.inside and name not in _METADATA and self.trace.outputs:
+            for t in _flat((args, kwargs)):
+                k = self.trace.output_index(t)
+                if k is not None:
+                    self.trace.used.add(k)
+        return func(*args, **kwargs)
+
+
+def _flat(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _flat(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flat(v)
+
+
+@contextlib.contextmanager
+def recorders(layers: nn.ModuleList, name: str, trace: Trace):
+    """Every block of ``layers`` replaced by a recorder into ``trace`` and every use of their
+    outputs noted, for the ``with`` block; the blocks back after."""
+    originals = list(layers)
+    for j in range(len(layers)):
+        layers[j] = _Recorder(j, trace, name)
+    try:
+        with _Uses(trace):
+            yield trace
+    finally:
+        for j, block in enumerate(originals):
+            layers[j] = block
+
+
+class NotAChain(ValueError):
+    """The blocks traced do not form a chain; ``trace``: the forward that showed it."""
+
+    def __init__(self, message: str, trace: Trace):
+        super().__init__(message)
+        self.trace = trace
+
+
+def refuse(name: str, detail: str, trace: Trace) -> NotAChain:
+    return NotAChain(
+        f"calibrate: sequential=True calibrates the blocks of {name!r} one after the other, "
+        f"each on the previous one's outputs, which needs them to form a chain (each called "
+        f"once per forward, on the output of the block called before it); but {detail}. "
+        f"Name the model's chain of blocks with blocks='...', or calibrate the whole model "
+        f"with sequential=False", trace)
+
+
+def chain_order(trace: Trace, count: int, name: str) -> list[int]:
+    """The block indices in the order the forward calls them, when they form a chain (see
+    the module's doc); else a ValueError naming the first block that breaks it."""
+    seen = {}
+    for j, _ in trace.calls:
+        seen[j] = seen.get(j, 0) + 1
+    for j in range(count):
+        if seen.get(j, 0) != 1:
+            times = "never called" if j not in seen else f"called {seen[j]} times"
+            raise refuse(name, f"block {name}.{j} is {times} in one forward", trace)
+    for k, (j, source) in enumerate(trace.calls[1:], 1):
+        prev = trace.calls[k - 1][0]
+        if source == k - 1:
+            continue
+        if trace.inputs[k] is trace.inputs[k - 1]:
+            detail = (f"block {name}.{j} takes the same input as block {name}.{prev}: "
+                      f"parallel blocks (heads), not a chain")
+        else:
+            detail = (f"block {name}.{j} does not take the output of block {name}.{prev} "
+                      f"(called just before it) as its input")
+        raise refuse(name, detail, trace)
+    for k in sorted(trace.used):
+        if k < len(trace.calls) - 1:
+            j, nxt = trace.calls[k][0], trace.calls[k + 1][0]
+            raise refuse(name, f"the output of block {name}.{j} is read elsewhere than by "
+                               f"block {name}.{nxt} (a residual or a sum over the blocks)",
+                         trace)
+    return trace.order()
+
+
+
+def trace_batches(model, batches, name: str, layers, as_tuple: bool, keep) -> tuple[list, int]:
+    """Every batch's forward with the blocks recorded; ``keep(i, args, kwargs)`` gets batch
+    ``i``'s first block call's inputs. ``(order, number of batches)``: the blocks' order,
+    the same for every batch, or :class:`NotAChain`."""
+    order, n = None, 0
+    for batch in batches:
+        trace = Trace(as_tuple)
+        with recorders(layers, name, trace):
+            try:
+                forward_batch(model, batch)
+            except Exception as e:
+                if not trace.calls:  # the model's own error, before any block
+                    raise
+                raise refuse(name, f"with each block passing its input through, the forward "
+                                   f"failed after block {name}.{trace.calls[-1][0]} "
+                                   f"({type(e).__name__}: {e}); blocks that change the shape "
+                                   f"of their input are not supported", trace) from e
+        if not trace.calls:
+            raise ValueError(f"calibrate: the model's forward never reached its blocks "
+                             f"{name}; name the blocks with blocks='...'")
+        got = chain_order(trace, len(layers), name)
+        if order is not None and got != order:
+            raise refuse(name, f"the forward calls them in the order {got} for batch {n} "
+                               f"but {order} for batch 0", trace)
+        order = got
+        keep(n, *trace.first)
+        n += 1
+    if n == 0:
+        raise ValueError("calibrate: batches is empty: sequential calibration needs at "
+                         "least one calibration batch")
+    return order, n

@@ -1,0 +1,133 @@
+"""Sequential calibration follows the order in which the forward calls the blocks, or
+refuses (issue 37 rows 8 and 15): a chain in any order gives the whole-model pass's qparams
+bit for bit; a block called twice, parallel heads, a residual around the blocks or a block
+output read twice is refused with a ValueError naming the block and the way out."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from quantscope.calibrate import calibrate
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class Block(nn.Module):
+    def __init__(self, width, as_tuple=False):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.as_tuple = as_tuple
+
+    def forward(self, h, scale=None):
+        out = torch.relu(self.fc(h)) * (1.0 if scale is None else scale)
+        return (out, None) if self.as_tuple else out
+
+
+class Net(nn.Module):
+    """``embed``, the blocks called as ``wiring`` says, ``head``."""
+
+    def __init__(self, wiring="chain", order=(0, 1, 2), n=3, width=16, as_tuple=False):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.layers = nn.ModuleList(Block(width, as_tuple) for _ in range(n))
+        self.head = nn.Linear(width * (n if wiring == "heads" else 1), 4)
+        self.wiring, self.order, self.as_tuple = wiring, order, as_tuple
+
+    def forward(self, x, scale=None):
+        h = self.embed(x)
+        if self.wiring == "heads":  # parallel heads on one input, concatenated
+            return self.head(torch.cat([b(h) for b in self.layers], -1))
+        seen = []
+        for i in self.order:
+            out = self.layers[i](h, scale=scale)
+            out = out[0] if self.as_tuple else out
+            seen.append(out)
+            h = h + out if self.wiring == "residual" else out
+        if self.wiring == "dense":  # every block's output read again at the end
+            h = torch.stack(seen).mean(0)
+        return self.head(h)
+
+
+def _batches():
+    return [torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def _same(a, b):
+    assert a.states.keys() == b.states.keys()
+    for layer, roles in a.states.items():
+        for role, st in roles.items():
+            qa, qb = st.qparams, b.states[layer][role].qparams
+            assert torch.equal(qa.scale, qb.scale), (layer, role)
+            assert torch.equal(qa.zero_point, qb.zero_point), (layer, role)
+
+
+def _net(**kw):
+    torch.manual_seed(0)
+    return Net(**kw).eval()
+
+
+@pytest.mark.parametrize("order", [(2, 0, 1), (1, 2, 0), (0, 2, 1)])
+def test_blocks_out_of_list_order_follow_the_call_order(order):
+    model = _net(order=order)
+    whole = calibrate(model, _batches(), "w8a8", progress=False)
+    seq = calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
+    _same(whole, seq)
+    assert seq.info["sequential"]["order"] == list(order)
+
+
+def test_blocks_returning_tuples_and_keyword_arguments():
+    model = _net(order=(1, 0, 2), as_tuple=True)
+    batches = [(x, torch.tensor(0.5)) for x in _batches()]
+    whole = calibrate(model, batches, "w8a8", progress=False)
+    seq = calibrate(model, batches, "w8a8", progress=False, sequential=True)
+    _same(whole, seq)
+
+
+def test_out_of_order_from_a_checkpoint_on_the_meta_device(tmp_path):
+    model = _net(order=(2, 1, 0))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        skeleton = Net(order=(2, 1, 0)).eval()
+    whole = calibrate(model, _batches(), "w8a8", progress=False)
+    seq = calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
+                    checkpoint=tmp_path)
+    _same(whole, seq)
+    assert all(p.device.type == "meta" for p in skeleton.parameters())
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"order": (0, 1, 1, 2)}, "block layers.1 is called 2 times"),
+    ({"order": (0, 1)}, "block layers.2 is never called"),
+    ({"wiring": "residual"}, "block layers.1 does not take the output of block layers.0"),
+    ({"wiring": "dense"}, "the output of block layers.0 is read elsewhere"),
+])
+def test_what_is_not_a_chain_is_refused_naming_the_block(kw, says):
+    model = _net(**kw)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=says) as e:
+        calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
+    assert "'layers'" in str(e.value) and "blocks='...'" in str(e.value)
+    assert "sequential=False" in str(e.value)
+    # the model is left as it was: its blocks back, no hook left
+    assert all(isinstance(b, Block) for b in model.layers)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_forward_that_needs_the_blocks_real_outputs_is_refused():
+    """Blocks that change the width: the pass-through trace cannot run the rest."""
+    class Widen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8 * 2**i, 16 * 2**i) for i in range(2))
+            self.head = nn.Linear(32, 2)
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return self.head(x)
+
+    with pytest.raises(ValueError, match="change the shape of their input"):
+        calibrate(Widen().eval(), _batches(), "w8a8", progress=False, sequential=True)
