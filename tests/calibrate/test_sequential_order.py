@@ -100,6 +100,7 @@ def test_out_of_order_from_a_checkpoint_on_the_meta_device(tmp_path):
 @pytest.mark.parametrize("kw, says", [
     ({"order": (0, 1, 1, 2)}, "block layers.1 is called 2 times"),
     ({"order": (0, 1)}, "block layers.2 is never called"),
+    ({"wiring": "heads"}, "block layers.1 takes the same input as block layers.0"),
     ({"wiring": "residual"}, "block layers.1 does not take the output of block layers.0"),
     ({"wiring": "dense"}, "the output of block layers.0 is read elsewhere"),
 ])
@@ -114,6 +115,29 @@ def test_what_is_not_a_chain_is_refused_naming_the_block(kw, says):
     assert all(isinstance(b, Block) for b in model.layers)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_blocks_names_a_chain_inside_a_model_that_is_not_one():
+    """Parallel heads refused; ``blocks=`` naming another list (here: a chain) works."""
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.ModuleList(Block(16) for _ in range(2))
+            self.heads = Net(wiring="heads", n=4)
+
+        def forward(self, x):
+            h = self.heads.embed(x)
+            for b in self.trunk:
+                h = b(h)
+            return self.heads.head(torch.cat([b(h) for b in self.heads.layers], -1))
+
+    torch.manual_seed(0)
+    model = Outer().eval()
+    with pytest.raises(ValueError, match="'heads.layers'.*parallel blocks"):
+        calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
+    whole = calibrate(model, _batches(), "w8a8", progress=False)
+    seq = calibrate(model, _batches(), "w8a8", progress=False, sequential=True, blocks="trunk")
+    _same(whole, seq)
 
 
 def test_a_forward_that_needs_the_blocks_real_outputs_is_refused():
