@@ -7,7 +7,9 @@
 # pytest and hypothesis (the device image has them); quantscope from this checkout, C kernels
 # built here. llm-compressor comes from the wheelhouse .whl/ when present (bench/gpu_wheels.sh
 # makes it here; the device tool carries it with carry=[".whl"]).
-# Logs go to $OUT (default /tmp/gpu-check). Usage: bash bench/gpu_check.sh
+# Logs go to $OUT (default /tmp/gpu-check); the benches' results, under bench/run.py's header, to
+# $OUT/results/{gpu,cuda}.txt: copy them into bench/results/, then `make bench-docs`.
+# Usage: bash bench/gpu_check.sh
 # STEPS picks the steps, in this order: triton, bench35 (issue 35's, the default: about 2-4
 # minutes with the kernels' compiles), cuda, bench19 (issue 19's: up to 7.5 more minutes).
 set -uo pipefail
@@ -36,7 +38,8 @@ if [[ $steps == *,triton,* ]]; then
         | tee "$out/triton_tests.log" | tail -15
 fi
 if [[ $steps == *,bench35,* ]]; then
-    timeout "${BENCH35_TIMEOUT:-240}" "$py" bench/gpu_triton.py 2>&1 | tee "$out/gpu_triton.log"
+    timeout "${BENCH35_TIMEOUT:-240}" "$py" bench/run.py --results "$out/results" gpu 2>&1 \
+        | tee "$out/gpu_triton.log"
 fi
 # test files that import a package absent there (the peers, the demo data) fail to collect:
 # the others still run
@@ -46,5 +49,6 @@ if [[ $steps == *,cuda,* ]]; then
         | tee "$out/tests.log" | tail -25
 fi
 if [[ $steps == *,bench19,* ]]; then
-    timeout "${BENCH_TIMEOUT:-150}" "$py" bench/bench_cuda.py 2>&1 | tee "$out/bench_cuda.log"
+    timeout "${BENCH_TIMEOUT:-150}" "$py" bench/run.py --results "$out/results" cuda 2>&1 \
+        | tee "$out/bench_cuda.log"
 fi

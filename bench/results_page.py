@@ -65,15 +65,23 @@ def split_notes(text: str) -> dict[str, str]:
     return notes
 
 
-def _demote(body: str) -> str:
-    """A bench's own ``#`` / ``##`` lines become ``###``: only the page makes sections."""
-    return re.sub(r"^#{1,2} ", "### ", body, flags=re.MULTILINE)
+#: a log line of a peer's logger (llm-compressor's loguru: "2026-11-28T09:07:47.9702 | fn |
+#: WARNING - ..."), printed into the output by a peer's import, not by the bench
+PEER_LOG = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+ \| \w+ \| [A-Z]+ - .*\n?", re.MULTILINE)
+
+
+def clean(body: str) -> str:
+    """The output as the page shows it: peers' log lines dropped, a bench's own ``#`` / ``##``
+    lines made ``###`` (only the page makes sections), each heading after a blank line (a
+    progress line just before it would otherwise swallow it into a paragraph)."""
+    body = re.sub(r"^#{1,2} ", "### ", PEER_LOG.sub("", body), flags=re.MULTILINE)
+    return re.sub(r"([^\n])\n(#+ )", r"\1\n\n\2", body)
 
 
 def render_section(name: str, header: dict[str, str], body: str, notes: str) -> str:
     title = SECTIONS.get(name, name)
     lines = [f"## {title}", ""] + [f"- **{k}**: {header[k]}" for k in HEADER_KEYS]
-    out = "\n".join(lines) + "\n\n" + _demote(body).strip("\n") + "\n"
+    out = "\n".join(lines) + "\n\n" + clean(body).strip("\n") + "\n"
     if notes:
         out += "\n" + notes + "\n"
     return out

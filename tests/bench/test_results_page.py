@@ -41,7 +41,8 @@ MINMAX_OUT = """\
 | per-channel | 3.09 | 21.8 |
 """
 
-NEW_OUT = "## a bench's own heading\n\nnew bench, 1 row\n"
+NEW_OUT = ("2026-11-28T09:07:47.9702 | get_main_device | WARNING - No accelerator available!\n"
+           "progress: done\n## a bench's own heading\n\nnew bench, 1 row\n")
 
 NOTES = """\
 Hand-written notes, one section per bench (this line is dropped).
@@ -99,6 +100,8 @@ How: one C pass per unit.
 - **load**: 0.50 at the start, 1.20 at the end (1-minute load average)
 - **threads**: 2
 - **versions**: python 3.11.7, torch 2.13.0+cpu
+
+progress: done
 
 ### a bench's own heading
 
