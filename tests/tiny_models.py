@@ -74,3 +74,19 @@ def mixtral(seed=0):
     batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
                for i in range(3)]
     return model, batches
+
+
+def qwen2_moe(seed=0):
+    """A 2-layer Qwen2-MoE (4 experts, top-2, a shared expert); 3 batches."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=128,
+                                      moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100, num_experts=4,
+                                      num_experts_per_tok=2, decoder_sparse_step=1)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+    return model, batches

@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .disk_names import checkpoint_names, expert_names
+from .moe import is_experts_3d
+
 __all__ = ["Checkpoint", "empty_model", "is_meta", "load_params", "model_task", "unload_params"]
 
 
@@ -102,7 +105,8 @@ def is_meta(module: nn.Module) -> bool:
 def load_params(model, names: set[str], ckpt: Checkpoint | None, device) -> None:
     """Give the parameters called ``names`` (full names) their checkpoint values. A name the
     checkpoint lacks takes the value of a tied alias (``lm_head.weight`` is
-    ``embed_tokens.weight``)."""
+    ``embed_tokens.weight``), or of the tensors transformers writes it as
+    (:func:`_disk_source`: a renamed module, an MoE's per-expert tensors)."""
     aliases = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
@@ -111,23 +115,74 @@ def load_params(model, names: set[str], ckpt: Checkpoint | None, device) -> None
     if todo and ckpt is None:
         raise ValueError(f"calibrate: parameter {todo[0][0]!r} is on the meta device; pass "
                          f"checkpoint= (the model's safetensors folder)")
-    source = {}
+    source, disk = {}, {}
     for n, p in todo:
-        src = next((a for a in [n, *aliases[id(p)]] if a in ckpt.where), None)
-        if src is None:
-            raise ValueError(f"calibrate: checkpoint has no tensor {n!r}")
-        source[id(p)] = src
-    tensors = ckpt.get_many(set(source.values())) if todo else {}
+        if id(p) not in source:
+            source[id(p)] = _disk_source(model, [n, *aliases[id(p)]], ckpt, disk)
+    wanted = {k for keys, _ in source.values() for k in keys}
+    tensors = ckpt.get_many(wanted) if todo else {}
     done = {}
     for n, p in todo:
         if id(p) not in done:
-            src = source[id(p)]
-            t = tensors.pop(src)
+            keys, build = source[id(p)]
+            t = build([tensors[k] for k in keys])
             if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"calibrate: checkpoint tensor {src!r} has shape "
+                raise ValueError(f"calibrate: checkpoint tensor {keys[0]!r} gives shape "
                                  f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
             done[id(p)] = nn.Parameter(t.to(device=device, dtype=p.dtype), requires_grad=False)
         _set_param(model, n, done[id(p)])
+
+
+def _first(tensors):
+    return tensors[0]
+
+
+def _disk_source(model, names: list[str], ckpt: Checkpoint, disk: dict):
+    """``(checkpoint keys, build)``: where the parameter called ``names`` (its tied aliases
+    too) lies in ``ckpt`` and how its value is built from them: its own name, else the name
+    transformers writes it under (:func:`.disk_names.checkpoint_names`; ``disk`` caches
+    them), else, for a 3-D experts parameter, its per-expert tensors stacked."""
+    for n in names:
+        if n in ckpt.where:
+            return [n], _first
+    if not disk:
+        disk.update(checkpoint_names(model, [m for m, _ in model.named_modules() if m]))
+    for n in names:
+        owner, _, attr = n.rpartition(".")
+        on_disk = f"{disk.get(owner, owner)}.{attr}"
+        if on_disk in ckpt.where:
+            return [on_disk], _first
+        parts = _expert_parts(model, model.get_submodule(owner), attr, disk.get(owner, owner))
+        if parts is not None and all(k in ckpt.where for k in parts[0]):
+            return parts
+    raise ValueError(f"calibrate: checkpoint has no tensor {names[0]!r} (nor under the names "
+                     f"transformers writes it with)")
+
+
+def _expert_parts(model, module, attr: str, on_disk: str):
+    """``(keys, build)`` of a 3-D experts parameter from the checkpoint's per-expert tensors
+    (``<experts>.<e>.w1.weight`` ...): the exporter's layout (:mod:`quantscope.export.
+    experts`) read back: gate rows then up rows, transposed where the module is."""
+    names = expert_names(model) if is_experts_3d(module) else None
+    if names is None:
+        return None
+    gate, up, down = names
+    base, _, suffix = attr.partition("_proj")
+    suffix = "bias" if suffix == "_bias" else "weight"
+    gated = getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
+    shards = {"gate_up": [gate, up] if gated else None, "up": [up], "down": [down]}.get(base)
+    if shards is None:
+        return None
+    count = getattr(module, f"{base}_proj").shape[0]
+    keys = [f"{on_disk}.{e}.{s}.{suffix}" for e in range(count) for s in shards]
+    flip = getattr(module, "is_transposed", False) and suffix == "weight"
+
+    def build(tensors):
+        per = len(shards)
+        rows = [torch.cat(tensors[e * per:(e + 1) * per], 0) for e in range(count)]
+        return torch.stack([r.t() if flip else r for r in rows])
+
+    return keys, build
 
 
 def _set_param(model, name, value) -> None:

@@ -22,44 +22,15 @@ calibration that was exported (rows concatenated; shared per-tensor values must 
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from ..calibrate import fusion
+from ..calibrate.disk_names import checkpoint_names, expert_names
 from ..calibrate.moe import is_experts_3d
 
 __all__ = ["checkpoint_names", "disk_to_module", "expert_names", "fuse_expert_states",
            "unfuse_experts", "unfuse_for_reading"]
-
-
-def expert_names(model: nn.Module) -> tuple[str, str, str] | None:
-    """The checkpoint's (gate, up, down) names of one expert, e.g. ``w1, w3, w2`` for Mixtral;
-    None when transformers maps no per-expert tensors onto the model's 3-D ones."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        mapping = get_checkpoint_conversion_mapping(model_type) or []
-    except (ImportError, AttributeError, KeyError):  # older transformers, no mapping
-        return None
-    fused, down = None, None
-    for conv in mapping:
-        target = getattr(conv, "target_patterns", None)
-        sources = getattr(conv, "source_patterns", None)
-        if not target or not sources:
-            continue
-        target = target[0] if isinstance(target, (list, tuple)) else target
-        names = [m.group(1) for s in ([sources] if isinstance(sources, str) else sources)
-                 if (m := re.search(r"experts\.\*\.(\w+)\.weight", s))]
-        if target.endswith("experts.gate_up_proj") and len(names) == 2:
-            fused = names
-        elif target.endswith("experts.down_proj") and len(names) == 1:
-            down = names[0]
-    if fused is None or down is None:
-        return None
-    return fused[0], fused[1], down
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -145,27 +116,6 @@ def unfuse_experts(model: nn.Module, states: dict) -> dict:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, experts)
     return out
-
-
-def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
-    """``{module name: the name its tensors have on disk}``: transformers' own reverse
-    renamings (Mixtral's ``mlp`` is ``block_sparse_moe`` on disk), so that a checkpoint's
-    ``targets`` / ``ignore`` name the modules of a loader that reads the disk names (vLLM).
-    Without a mapping (or an older transformers) every name maps to itself."""
-    names = list(names)
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
-
-        convs = getattr(model, "_weight_conversions", None)
-        if convs is None:  # as save_pretrained does for a model not from from_pretrained
-            convs = [c for c in get_model_conversion_mapping(model, add_legacy=False)
-                     if not isinstance(c, PrefixChange)]
-        renamings = [r for r in (c.reverse_transform() for c in convs[::-1])
-                     if isinstance(r, WeightRenaming)]
-    except (ImportError, AttributeError, KeyError, TypeError):  # older transformers
-        return {n: n for n in names}
-    return {n: apply_renamings(f"{n}.weight", renamings).removesuffix(".weight") for n in names}
 
 
 def disk_to_module(model: nn.Module) -> dict[str, str]:
