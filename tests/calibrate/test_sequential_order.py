@@ -155,3 +155,30 @@ def test_a_forward_that_needs_the_blocks_real_outputs_is_refused():
 
     with pytest.raises(ValueError, match="change the shape of their input"):
         calibrate(Widen().eval(), _batches(), "w8a8", progress=False, sequential=True)
+
+
+@pytest.mark.parametrize("share, says", [
+    ("block", r"layers\.1\.fc is the same module as layers\.0\.fc"),
+    ("linear", r"layers\.2\.fc is the same module as layers\.0\.fc"),
+    ("outside", r"head \(outside the blocks\) is the same module as layers\.1\.fc"),
+])
+def test_modules_shared_between_blocks_are_refused(share, says):
+    """The whole-model pass observes a shared module as one layer over all its calls; a
+    piece would see one block's calls only."""
+    model = _net()
+    if share == "block":
+        model.layers[1] = model.layers[0]
+    elif share == "linear":
+        model.layers[2].fc = model.layers[0].fc
+    else:
+        model.layers[1].fc = nn.Linear(16, 16)
+        model.head = model.layers[1].fc
+    with pytest.raises(ValueError, match=says):
+        calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
+
+
+def test_weights_tied_between_blocks_are_not_shared_modules():
+    model = _net(order=(1, 2, 0))
+    model.layers[2].fc.weight = model.layers[0].fc.weight
+    whole = calibrate(model, _batches(), "w8a8", progress=False)
+    _same(whole, calibrate(model, _batches(), "w8a8", progress=False, sequential=True))

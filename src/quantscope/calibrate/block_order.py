@@ -22,7 +22,8 @@ from torch.overrides import TorchFunctionMode
 
 from .batches import forward_batch
 
-__all__ = ["NotAChain", "Trace", "chain_order", "recorders", "refuse", "trace_batches"]
+__all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "recorders", "refuse",
+           "trace_batches"]
 
 #: reading these tells nothing of a tensor's values: not a use of a block's output
 _METADATA = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_meta",
@@ -208,3 +209,27 @@ def trace_batches(model, batches, name: str, layers, as_tuple: bool, keep) -> tu
         raise ValueError("calibrate: batches is empty: sequential calibration needs at "
                          "least one calibration batch")
     return order, n
+
+
+def check_disjoint(model: nn.Module, name: str, layers: nn.ModuleList) -> None:
+    """Each block holds its own weighted modules: one shared by two blocks (or a block and
+    the rest of the model) is one layer of the whole-model pass, observed on all its calls,
+    but would be calibrated apart in each piece. Refused, naming both places."""
+    owner = {}
+    for j, block in enumerate(layers):
+        for sub, m in block.named_modules(remove_duplicate=False):
+            if next(m.parameters(recurse=False), None) is None:
+                continue  # no weights: no observer of its own
+            where = f"{name}.{j}" + (f".{sub}" if sub else "")
+            if id(m) in owner and owner[id(m)][0] != j:
+                raise ValueError(f"calibrate: sequential=True: {where} is the same module as "
+                                 f"{owner[id(m)][1]}: block {name}.{j} shares it with another "
+                                 f"block, so no block can be calibrated alone; use "
+                                 f"sequential=False or name other blocks with blocks='...'")
+            owner.setdefault(id(m), (j, where))
+    for n, m in model.named_modules(remove_duplicate=False):
+        if n != name and not n.startswith(name + ".") and id(m) in owner:
+            j, where = owner[id(m)]
+            raise ValueError(f"calibrate: sequential=True: {n} (outside the blocks) is the same "
+                             f"module as {where}, inside block {name}.{j}; use "
+                             f"sequential=False or name other blocks with blocks='...'")

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from . import heap
-from .block_order import NotAChain, Trace, trace_batches
+from .block_order import NotAChain, Trace, check_disjoint, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, unload_params
 
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "find_blocks"]
@@ -282,6 +282,7 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
     if iter(batches) is batches:  # read twice (first block's inputs, then the head): keep them
         batches = list(batches)
     name, layers = find_blocks(model, blocks)
+    check_disjoint(model, name, layers)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     outside = {n for n in params if not n.startswith(name + ".")}
     run = _Run(model, Checkpoint(checkpoint) if checkpoint is not None else None, device,
