@@ -181,14 +181,14 @@ def test_backend_choice(monkeypatch):
     spec = SPECS["int4-g32"]
     assert mse_kernel.usable(u, spec, 2.0)
     assert not mse_kernel.usable(u, spec, 2.4)
-    assert not mse_kernel.usable(u, presets.NVFP4, 2.0)
+    assert mse_kernel.usable(u, presets.NVFP4, 2.0)  # float element formats: issue 35
     assert not mse_kernel.usable(u.double(), spec, 2.0)
     default = mse_search(u, lo, hi, spec)
     assert torch.equal(default.index, mse_search(u, lo, hi, spec, backend="kernel").index)
     with pytest.raises(ValueError, match="backend"):
         mse_search(u, lo, hi, spec, backend="cuda")
     with pytest.raises(ValueError, match="backend='kernel'"):
-        mse_search(u, lo, hi, presets.MXFP4, backend="kernel")
+        mse_search(u, lo, hi, presets.MXFP4, backend="kernel", norm=3.0)
     with pytest.raises(ValueError, match="backend='kernel'"):  # compat: norms it has bounds for
         mse_search(u, lo, hi, spec, backend="kernel", compat="llmcompressor", norm=2.5)
     # no compiler: the torch path, same answer as asking for it

@@ -9,10 +9,11 @@ two, fp16) is scored as it will run, not as a float32 idealisation.
 
 This module holds the entry points and the choice of candidates; three engines run a
 search with the same rules: :mod:`.mse_tiles` in torch (``[candidates, units,
-elements]`` tiles, any device); for integer formats on CPU (squared error, not
-``compat``), the C kernel :mod:`.mse_kernel`, which prices candidates unit by unit
-summing the exact fake-quant error in float64 (only the candidates' qparams, from
-``qparams_from_range``, are computed in torch); and for ``compat="llmcompressor"``
+elements]`` tiles, any device); for integer and float element formats on CPU (squared
+error, not ``compat``; MX and NVFP4 blocks included), the C kernel :mod:`.mse_kernel`,
+which prices candidates unit by unit summing the exact fake-quant error in float64 (only
+the candidates' qparams, from ``qparams_from_range``, are computed in torch); and for
+``compat="llmcompressor"``
 (integer formats, float32 CPU units), :mod:`.mse_compat`: a C kernel prices every
 candidate with a proven bound on its distance to torch's float32 error, and torch
 recomputes only the near ties, so the choices are the torch path's bit for bit.
@@ -178,9 +179,9 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         early_stop: break once every unit stopped (default: on CPU; elsewhere the same
             answer is computed without a host sync).
         backend: None (default): the C kernel (:mod:`.mse_kernel`) where it applies
-            (integer formats without a global scale, ``norm=2``, float32 CPU units, not
-            ``compat``), else torch; ``"torch"`` forces the torch tiles; ``"kernel"``
-            requires the kernel. The kernel scores ``sum((fake_quant(x) - x) ** 2)`` summed
+            (integer formats without a global scale, or float element formats such as MX
+            and NVFP4; ``norm=2``, float32 CPU units, not ``compat``), else torch;
+            ``"torch"`` forces the torch tiles; ``"kernel"`` requires the kernel. The kernel scores ``sum((fake_quant(x) - x) ** 2)`` summed
             in float64; torch scores the same quantizer in float32 by a rounding identity.
             With ``compat="llmcompressor"`` the kernel is :mod:`.mse_compat`'s (integer
             formats, float32 CPU units, norms 1, 1.5, 2, 2.4, 3, rows under 32768
@@ -201,7 +202,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
     use_kernel = backend != "torch" and not exact and mse_kernel.usable(units, spec, norm)
     if backend == "kernel" and not use_kernel and not exact:
         raise ValueError("mse_search: backend='kernel' needs an integer format without a "
-                         "global scale, norm=2, float32 CPU units, no compat, and a C compiler")
+                         "global scale or a float element format, norm=2, float32 CPU units, "
+                         "no compat, and a C compiler")
     if exact:  # their search: global patience, their grid, fp32 scales (NVFP4: no global)
         per_unit_patience, encoding_aware, independent_ends, extend_to = False, False, False, None
     f_lo, f_hi, patience_used, extend = _candidates(

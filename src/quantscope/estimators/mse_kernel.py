@@ -1,6 +1,6 @@
 """The MSE search's CPU kernel: candidate pricing and the per-unit selection rules in C.
 
-For integer formats on CPU the torch search (:mod:`quantscope.estimators.mse`) spends
+For integer and float element formats on CPU the torch search (:mod:`quantscope.estimators.mse`) spends
 its time in per-tile op chains and in Python steps over ``[U]`` vectors. This kernel
 does both in one call per block of candidates, with plain threads over units
 (built by :mod:`quantscope.kernels`):
@@ -12,7 +12,11 @@ does both in one call per block of candidates, with plain threads over units
   with ``-ffp-contract=off``). Each ``d`` is float32 as in torch; its square is
   exact in float64 and the sum is accumulated in float64, so the error is the
   float64 sum of torch's squared errors up to summation order (tests compare
-  against a float64 torch reference at 1e-12). A candidate whose scale and zero
+  against a float64 torch reference at 1e-12). Float element formats (fp4 / fp6 / fp8: MX
+  and NVFP4 blocks, whose scale, NVFP4's global scale folded in, comes from the same
+  ``qparams_from_range``) round as :meth:`~quantscope.formats.FloatFormat.round` does: the
+  step ``2 ** (e - mbits)`` from ``x / scale``'s exponent field, half to even, saturating
+  (the ``_fp`` entry points). A candidate whose scale and zero
   point equal the previous one's (the min-max incumbent and ``p = 1``, plateaus
   of encoded scales) reuses its error, bit for bit.
 * **Selection.** :func:`step` applies the rules of ``mse._State.step``
@@ -34,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..formats import IntFormat
+from ..formats import FloatFormat, IntFormat
 from ..qparams import qparams_from_range
 from ..spec import QuantSpec
 
@@ -53,9 +57,12 @@ def _lib():
 
 
 def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
-    """Whether the kernel scores this search: integer formats without a global scale,
-    squared error, float32 units on CPU, no autograd (and the kernel built)."""
-    return (isinstance(spec.format, IntFormat) and not spec.scale.has_global_scale
+    """Whether the kernel scores this search: integer formats without a global scale or
+    float element formats (NVFP4's global scale included), squared error, float32 units on
+    CPU, no autograd (and the kernel built)."""
+    fmt = spec.format
+    return ((isinstance(fmt, IntFormat) and not spec.scale.has_global_scale
+             or isinstance(fmt, FloatFormat))
             and float(norm) == 2.0 and units.device.type == "cpu"
             and units.dtype == torch.float32 and not units.requires_grad
             and kernels.available("mse_search"))
@@ -73,9 +80,15 @@ def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
     zp = kernels.contiguous(zero_point.expand(k, n), torch.int32)
     sub = None if sub is None else sub.to(torch.int64).contiguous()
     out = torch.empty((k, n), dtype=torch.float64)
-    _lib().qs_mse_price(units.data_ptr(), units.shape[1], None if sub is None else sub.data_ptr(),
-                        n, sc.data_ptr(), zp.data_ptr(), k, float(spec.qmin), float(spec.qmax),
-                        out.data_ptr(), kernels.threads())
+    args = (units.data_ptr(), units.shape[1], None if sub is None else sub.data_ptr(), n,
+            sc.data_ptr(), zp.data_ptr(), k)
+    if spec.is_float:
+        fmt = spec.format
+        _lib().qs_mse_price_fp(*args, fmt.max, fmt.min_exp, fmt.mbits, out.data_ptr(),
+                               kernels.threads())
+    else:
+        _lib().qs_mse_price(*args, float(spec.qmin), float(spec.qmax), out.data_ptr(),
+                            kernels.threads())
     return out
 
 
@@ -83,8 +96,13 @@ def dq(x: torch.Tensor, scale: float, zero_point: float, spec: QuantSpec) -> tor
     """``fake_quantize(x) - x`` of a 1-D float32 ``x`` as the kernel computes it (tests)."""
     x = kernels.contiguous(x.reshape(-1))
     out = torch.empty_like(x)
-    _lib().qs_mse_dq(x.data_ptr(), x.numel(), float(scale), float(zero_point), float(spec.qmin),
-                     float(spec.qmax), out.data_ptr())
+    if spec.is_float:
+        fmt = spec.format
+        _lib().qs_mse_dq_fp(x.data_ptr(), x.numel(), float(scale), fmt.max, fmt.min_exp,
+                            fmt.mbits, out.data_ptr())
+    else:
+        _lib().qs_mse_dq(x.data_ptr(), x.numel(), float(scale), float(zero_point),
+                         float(spec.qmin), float(spec.qmax), out.data_ptr())
     return out
 
 
@@ -100,6 +118,8 @@ class KernelState:
         n = units.shape[0]
         self.units = units.contiguous()
         self.qmin, self.qmax = float(spec.qmin), float(spec.qmax)
+        # a float element format: the _fp entry point, with its min_exp and mbits
+        self.float_fmt = (spec.format.min_exp, spec.format.mbits) if spec.is_float else None
         f64 = torch.empty((2, n), dtype=torch.float64)
         self.best, self.perr = f64[0], f64[1]  # error of the best, of the previous candidate
         self.idx = torch.empty(n, dtype=torch.int64)
@@ -129,13 +149,16 @@ class KernelState:
         def at(t):
             return t[a:].data_ptr()
 
-        live = _lib().qs_mse_step(
+        fn, extra = _lib().qs_mse_step, ()
+        if self.float_fmt is not None:
+            fn, extra = _lib().qs_mse_step_fp, self.float_fmt
+        live = fn(
             x.data_ptr(), E, None if sub is None else sub.data_ptr(), n, sc.data_ptr(),
             z.data_ptr(), rows - (init == 1), i0, int(init), self.qmin, self.qmax,
             0 if patience is None else int(patience), int(per_unit), int(use_global),
             int(tie == "last"), at(self.best), at(self.perr), at(self.idx), at(self.stale),
             at(self.stopped), at(self.psc), at(self.pzp), self.g.data_ptr(), int(gstop),
-            None if any_out is None else any_out.data_ptr(), kernels.threads())
+            None if any_out is None else any_out.data_ptr(), kernels.threads(), *extra)
         if live < 0:
             raise MemoryError("mse kernel: could not allocate the block's scratch")
         return live

@@ -27,14 +27,14 @@ def _tile_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: Qu
     """Error of ``x [Ut, E]`` under ``scale``, ``zp`` ``[Cc, Ut]`` (effective scale): ``[Cc, Ut]``.
 
     ``exact``: llm-compressor's arithmetic, ``sum(|fake_quant(x) - x| ** norm)``.
-    Otherwise, integer formats with ``norm=2`` compute the C kernel's error
-    (:mod:`.mse_kernel`): float32 squares summed in float64, so that both paths choose the
+    Otherwise, ``norm=2`` computes the C kernel's error (:mod:`.mse_kernel`; integer and
+    float formats): float32 squares summed in float64, so that both paths choose the
     same candidates (a float32 sum breaks near ties differently: issue 20 #11); other norms
     use the rounding identity ``fake_quant(x) - x = (clamp(round(t)) - t) * scale`` with
     ``t = x / scale + zp``, which scores the same quantizer with fewer passes over the tile.
     """
     s3, z3 = scale.unsqueeze(-1), zp.unsqueeze(-1)
-    if not exact and norm == 2 and isinstance(spec.format, IntFormat):
+    if not exact and norm == 2:
         d = fake_quantize_units(x, s3, z3, spec).sub_(x)
         return d.square_().sum(-1, dtype=torch.float64)
     if exact or not isinstance(spec.format, IntFormat):

@@ -1,4 +1,5 @@
-/* Called from quantscope.estimators.mse_kernel through quantscope.kernels; that module's doc says what it
+/* Called from quantscope.estimators.mse_kernel through quantscope.kernels (integer formats, and
+   float element formats: the _fp entry points); that module's doc says what it
    computes and tests compare it with its torch reference bit for bit. */
 #include "qs_parallel.h"
 #include "qs_fakequant.h"
@@ -40,8 +41,53 @@ static inline __attribute__((always_inline)) double price_(const float *x, int64
     return acc;
 }
 
-static double price1(const float *x, int64_t E, float s, float z, float qmin, float qmax) {
-    return z == 0.0f ? price_(x, E, s, z, qmin, qmax, 1) : price_(x, E, s, z, qmin, qmax, 0);
+/* price_ for a float element format (MX, NVFP4 blocks): fq1 / fqv, same sums */
+static double price_fp(const float *x, int64_t E, float s, qs_ffmt f) {
+    int64_t j = 0;
+    double acc = 0.0;
+#ifdef VW
+    const vf vs = VSET1(s), top = VSET1(f.fmax), bottom = VSET1(-f.fmax);
+    const vi mf = VISET1(f.min_field), sh = VISET1(f.shift);
+    vd a0 = DZERO(), a1 = DZERO(), a2 = DZERO(), a3 = DZERO();
+#define SQ2(d, A, B) do { vf f_ = VMUL(d, d); A = DADD(A, DLO(f_)); B = DADD(B, DHI(f_)); } while (0)
+    for (; j + 2 * VW <= E; j += 2 * VW) {
+        vf d0 = fqv(VLOAD(x + j), vs, mf, sh, top, bottom);
+        vf d1 = fqv(VLOAD(x + j + VW), vs, mf, sh, top, bottom);
+        SQ2(d0, a0, a1);
+        SQ2(d1, a2, a3);
+    }
+    for (; j + VW <= E; j += VW) {
+        vf d = fqv(VLOAD(x + j), vs, mf, sh, top, bottom);
+        SQ2(d, a0, a1);
+    }
+#undef SQ2
+    acc = DSUM(DADD(DADD(a0, a1), DADD(a2, a3)));
+#endif
+    for (; j < E; ++j) {
+        float d = fq1(x[j], s, f);
+        acc += (double)(d * d);
+    }
+    return acc;
+}
+
+/* The element format of a search: integer codes in [qmin, qmax] with a zero point, or a
+   float format (is_float: f; the zero point is 0) */
+typedef struct { float qmin, qmax; int is_float; qs_ffmt f; } fmt_t;
+
+static fmt_t int_fmt(double qmin, double qmax) {
+    fmt_t m = {(float)qmin, (float)qmax, 0, {0, 0, 0.0f}};
+    return m;
+}
+
+static fmt_t float_fmt(double fmax, int64_t min_exp, int64_t mbits) {
+    fmt_t m = {(float)-fmax, (float)fmax, 1, qs_ffmt_of(min_exp, mbits, fmax)};
+    return m;
+}
+
+static double price1(const float *x, int64_t E, float s, float z, const fmt_t *m) {
+    if (m->is_float) return price_fp(x, E, s, m->f);
+    return z == 0.0f ? price_(x, E, s, z, m->qmin, m->qmax, 1)
+                     : price_(x, E, s, z, m->qmin, m->qmax, 0);
 }
 
 /* The d of every element of one unit (tests compare it with torch bit for bit). */
@@ -61,10 +107,25 @@ int64_t qs_mse_dq(const float *x, int64_t E, double s_, double z_, double qmin_,
     return 0;
 }
 
+/* qs_mse_dq for a float format (fq1, fqv) */
+int64_t qs_mse_dq_fp(const float *x, int64_t E, double s_, double fmax, int64_t min_exp,
+                     int64_t mbits, float *out) {
+    const float s = (float)s_;
+    const qs_ffmt f = qs_ffmt_of(min_exp, mbits, fmax);
+    int64_t j = 0;
+#ifdef VW
+    const vf vs = VSET1(s), top = VSET1(f.fmax), bottom = VSET1(-f.fmax);
+    const vi mf = VISET1(f.min_field), sh = VISET1(f.shift);
+    for (; j + VW <= E; j += VW) VSTORE(out + j, fqv(VLOAD(x + j), vs, mf, sh, top, bottom));
+#endif
+    for (; j < E; ++j) out[j] = fq1(x[j], s, f);
+    return 0;
+}
+
 /* ---- dense pricing: out[j, i] for candidates j < k of unit sub[i] (or i) */
 typedef struct {
     const float *x; int64_t E; const int64_t *sub; int64_t n;
-    const float *sc; const int32_t *zp; int64_t k; float qmin, qmax; double *out;
+    const float *sc; const int32_t *zp; int64_t k; fmt_t m; double *out;
 } price_t;
 
 static void price_unit(void *p, int64_t i, int tid) {
@@ -72,23 +133,36 @@ static void price_unit(void *p, int64_t i, int tid) {
     const float *xu = c->x + (c->sub ? c->sub[i] : i) * c->E;
     for (int64_t j = 0; j < c->k; ++j) {
         int64_t o = j * c->n + i;
-        c->out[o] = price1(xu, c->E, c->sc[o], (float)c->zp[o], c->qmin, c->qmax);
+        c->out[o] = price1(xu, c->E, c->sc[o], (float)c->zp[o], &c->m);
     }
     (void)tid;
+}
+
+static int64_t mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
+                         const float *sc, const int32_t *zp, int64_t k, fmt_t m, double *out,
+                         int threads) {
+    price_t c = {x, E, sub, n, sc, zp, k, m, out};
+    parallel(price_unit, &c, n, threads, (double)n * k * E);
+    return 0;
 }
 
 int64_t qs_mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
                      const float *sc, const int32_t *zp, int64_t k, double qmin, double qmax,
                      double *out, int threads) {
-    price_t c = {x, E, sub, n, sc, zp, k, (float)qmin, (float)qmax, out};
-    parallel(price_unit, &c, n, threads, (double)n * k * E);
-    return 0;
+    return mse_price(x, E, sub, n, sc, zp, k, int_fmt(qmin, qmax), out, threads);
+}
+
+/* qs_mse_price for a float format: fmax, min_exp, mbits (the zero points are 0) */
+int64_t qs_mse_price_fp(const float *x, int64_t E, const int64_t *sub, int64_t n,
+                        const float *sc, const int32_t *zp, int64_t k, double fmax,
+                        int64_t min_exp, int64_t mbits, double *out, int threads) {
+    return mse_price(x, E, sub, n, sc, zp, k, float_fmt(fmax, min_exp, mbits), out, threads);
 }
 
 /* ---- one block of candidates through the selection rules (mse._State.step) */
 typedef struct {
     const float *x; int64_t E; const int64_t *sub; int64_t n;
-    const float *sc; const int32_t *zp; int64_t k, i0; float qmin, qmax;
+    const float *sc; const int32_t *zp; int64_t k, i0; fmt_t m;
     int64_t patience; int per_unit, tie_last;
     double *best, *perr; int64_t *idx, *stale; uint8_t *stopped; float *psc, *pzp;
     const float *isc; const int32_t *izp;  /* the incumbent [n]: starts the state, or NULL */
@@ -101,7 +175,7 @@ typedef struct {
    and the previous qparams; nothing is stale. */
 static void init_unit(step_t *c, int64_t i, int64_t u) {
     float z = (float)c->izp[i];
-    double e = price1(c->x + u * c->E, c->E, c->isc[i], z, c->qmin, c->qmax);
+    double e = price1(c->x + u * c->E, c->E, c->isc[i], z, &c->m);
     c->best[u] = e; c->perr[u] = e; c->psc[u] = c->isc[i]; c->pzp[u] = z;
     c->idx[u] = -1; c->stale[u] = 0; c->stopped[u] = 0;
 }
@@ -119,7 +193,7 @@ static void dense_unit(void *p, int64_t i, int tid) {
     for (int64_t j = 0; j < c->k; ++j) {
         int64_t o = j * c->n + i;
         float s = c->sc[o], z = (float)c->zp[o];
-        double e = (s == psc && z == pzp) ? perr : price1(xu, c->E, s, z, c->qmin, c->qmax);
+        double e = (s == psc && z == pzp) ? perr : price1(xu, c->E, s, z, &c->m);
         c->err[o] = e;
         if (c->tie_last ? e <= lb : e < lb) { lb = e; any[j] = 1; }
         psc = s; pzp = z; perr = e;
@@ -147,7 +221,7 @@ static void walk_unit(void *p, int64_t i, int tid) {
         float s = c->sc[o], z = (float)c->zp[o];
         int same = s == psc && z == pzp;
         double e = c->err ? c->err[o] : same ? perr
-                 : price1(xu, c->E, s, z, c->qmin, c->qmax);
+                 : price1(xu, c->E, s, z, &c->m);
         int better = c->tie_last ? e <= best : e < best;
         if (better) { best = e; idx = c->i0 + j; if (any) any[j] = 1; }
         if (c->patience > 0 && c->per_unit) {
@@ -181,16 +255,16 @@ int64_t qs_mse_gstop(const uint8_t *any, int64_t k, int64_t patience, int64_t *g
    it stopped (the caller decided; a large gstop: not yet, and any_out [k] receives the
    flags the rule needs, OR-ed in). Returns how many of the n units are still searching
    after the block (-1: no memory). */
-int64_t qs_mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
-                    const float *sc, const int32_t *zp, int64_t k, int64_t i0, int init,
-                    double qmin, double qmax, int64_t patience, int per_unit, int use_global,
-                    int tie_last, double *best, double *perr, int64_t *idx, int64_t *stale,
-                    uint8_t *stopped, float *psc, float *pzp, int64_t *g, int64_t gstop,
-                    uint8_t *any_out, int threads) {
+static int64_t mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
+                        const float *sc, const int32_t *zp, int64_t k, int64_t i0, int init,
+                        fmt_t m, int64_t patience, int per_unit, int use_global,
+                        int tie_last, double *best, double *perr, int64_t *idx, int64_t *stale,
+                        uint8_t *stopped, float *psc, float *pzp, int64_t *g, int64_t gstop,
+                        uint8_t *any_out, int threads) {
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
     int64_t r = init == 1 ? n : 0;  /* the candidates' first row */
-    step_t c = {x, E, sub, n, sc + r, zp + r, k, i0, (float)qmin, (float)qmax,
+    step_t c = {x, E, sub, n, sc + r, zp + r, k, i0, m,
                 patience, per_unit, tie_last, best, perr, idx, stale, stopped, psc, pzp,
                 init ? sc : NULL, init ? zp : NULL, NULL, NULL, 0};
     double cost = (double)n * (k + (init == 1)) * E;
@@ -221,4 +295,29 @@ int64_t qs_mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
     int64_t live = 0;
     for (int64_t i = 0; i < n; ++i) live += !(stopped[sub ? sub[i] : i] && gs);
     return live;
+}
+
+int64_t qs_mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
+                    const float *sc, const int32_t *zp, int64_t k, int64_t i0, int init,
+                    double qmin, double qmax, int64_t patience, int per_unit, int use_global,
+                    int tie_last, double *best, double *perr, int64_t *idx, int64_t *stale,
+                    uint8_t *stopped, float *psc, float *pzp, int64_t *g, int64_t gstop,
+                    uint8_t *any_out, int threads) {
+    return mse_step(x, E, sub, n, sc, zp, k, i0, init, int_fmt(qmin, qmax), patience, per_unit,
+                    use_global, tie_last, best, perr, idx, stale, stopped, psc, pzp, g, gstop,
+                    any_out, threads);
+}
+
+/* qs_mse_step for a float element format (MX, NVFP4 blocks): qmin, qmax are -fmax, fmax,
+   then min_exp, mbits (FloatFormat's); the same rules, the prices from fq1 / fqv */
+int64_t qs_mse_step_fp(const float *x, int64_t E, const int64_t *sub, int64_t n,
+                       const float *sc, const int32_t *zp, int64_t k, int64_t i0, int init,
+                       double qmin, double qmax, int64_t patience, int per_unit, int use_global,
+                       int tie_last, double *best, double *perr, int64_t *idx, int64_t *stale,
+                       uint8_t *stopped, float *psc, float *pzp, int64_t *g, int64_t gstop,
+                       uint8_t *any_out, int threads, int64_t min_exp, int64_t mbits) {
+    (void)qmin;
+    return mse_step(x, E, sub, n, sc, zp, k, i0, init, float_fmt(qmax, min_exp, mbits),
+                    patience, per_unit, use_global, tie_last, best, perr, idx, stale, stopped,
+                    psc, pzp, g, gstop, any_out, threads);
 }

@@ -1,7 +1,9 @@
 /* The float32 steps of quantscope.quantize.fake_quantize_units,
    d = (clamp(nearbyint(x / s + z), qmin, qmax) - z) * s - x, scalar (dq1) and as one SIMD
    vector (dqv, VW lanes: AVX-512 or AVX2, with float64 helpers), written once here so the
-   MSE search and the histogram error round alike (each tests itself against torch bitwise). */
+   MSE search and the histogram error round alike (each tests itself against torch bitwise).
+   The float element formats (fp4, fp6, fp8: MX and NVFP4 blocks) round as
+   formats.FloatFormat.round does: fq1 / fqv, same layout. */
 #ifndef QS_FAKEQUANT_H
 #define QS_FAKEQUANT_H
 
@@ -26,6 +28,29 @@ static inline float dq1(float v, float s, float z, float qmin, float qmax) {
     return d - v;
 }
 
+/* A float element format as FloatFormat.round sees it: the float32 exponent field of the
+   smallest normal value ((min_exp + 127) << 23), mbits << 23, and the largest finite value. */
+typedef struct { int32_t min_field, shift; float fmax; } qs_ffmt;
+
+static inline qs_ffmt qs_ffmt_of(int64_t min_exp, int64_t mbits, double fmax) {
+    qs_ffmt f = {(int32_t)((min_exp + 127) << 23), (int32_t)(mbits << 23), (float)fmax};
+    return f;
+}
+
+/* d = round_f(v / s) * s - v with round_f FloatFormat.round: the step 2 ** (e - mbits) from
+   the exponent field of t (at least min_exp's), t / step rounded half to even, times the
+   step, clamped to +-fmax (NaN kept: torch's clamp_). */
+static inline float fq1(float v, float s, qs_ffmt f) {
+    float t = v / s;
+    union { float x; int32_t i; } u = {t};
+    int32_t field = u.i & 0x7F800000;
+    field = field < f.min_field ? f.min_field : field;
+    union { int32_t i; float x; } st = {field - f.shift};
+    float q = nearbyintf(t / st.x) * st.x;
+    q = q < -f.fmax ? -f.fmax : (q > f.fmax ? f.fmax : q);
+    return q * s - v;
+}
+
 #if defined(__AVX512F__)
 #define VW 16
 typedef __m512 vf;
@@ -37,6 +62,18 @@ static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf 
     if (!zero) t = _mm512_sub_ps(t, z);
     return _mm512_sub_ps(_mm512_mul_ps(t, s), v);
 }
+/* fq1 of VW lanes (min / max with the operands in the order that keeps a NaN, as clamp_) */
+static inline __attribute__((always_inline)) vf fqv(vf v, vf s, __m512i mf, __m512i sh,
+                                                    vf top, vf bottom) {
+    vf t = _mm512_div_ps(v, s);
+    __m512i field = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(0x7F800000));
+    vf st = _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_max_epi32(field, mf), sh));
+    vf q = _mm512_roundscale_ps(_mm512_div_ps(t, st), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(top, _mm512_max_ps(bottom, _mm512_mul_ps(q, st)));
+    return _mm512_sub_ps(_mm512_mul_ps(q, s), v);
+}
+typedef __m512i vi;
+#define VISET1 _mm512_set1_epi32
 #define VSET1 _mm512_set1_ps
 #define VADD _mm512_add_ps
 #define VMUL _mm512_mul_ps
@@ -61,6 +98,17 @@ static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf 
     if (!zero) t = _mm256_sub_ps(t, z);
     return _mm256_sub_ps(_mm256_mul_ps(t, s), v);
 }
+static inline __attribute__((always_inline)) vf fqv(vf v, vf s, __m256i mf, __m256i sh,
+                                                    vf top, vf bottom) {
+    vf t = _mm256_div_ps(v, s);
+    __m256i field = _mm256_and_si256(_mm256_castps_si256(t), _mm256_set1_epi32(0x7F800000));
+    vf st = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_max_epi32(field, mf), sh));
+    vf q = _mm256_round_ps(_mm256_div_ps(t, st), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm256_min_ps(top, _mm256_max_ps(bottom, _mm256_mul_ps(q, st)));
+    return _mm256_sub_ps(_mm256_mul_ps(q, s), v);
+}
+typedef __m256i vi;
+#define VISET1 _mm256_set1_epi32
 #define VSET1 _mm256_set1_ps
 #define VADD _mm256_add_ps
 #define VMUL _mm256_mul_ps
