@@ -103,11 +103,11 @@ def git_rev() -> str:
     return rev + (" with local changes" if dirty else "")
 
 
-def versions() -> str:
+def versions(rev: str) -> str:
     import quantscope
 
     ours = {"python": platform.python_version(), "torch": torch.__version__,
-            "quantscope": f"{quantscope.__version__} (git {git_rev()})", **_versions(PACKAGES)}
+            "quantscope": f"{quantscope.__version__} (git {rev})", **_versions(PACKAGES)}
     peers = peer_versions()
     text = ", ".join(f"{k} {v}" for k, v in ours.items())
     return text + ("; peers' venv: " + ", ".join(f"{k} {v}" for k, v in peers.items())
@@ -155,11 +155,16 @@ def run_one(name: str, common: dict[str, str], results: Path) -> None:
     finally:
         sys.argv = argv
     seconds = time.time() - start
+    versions_run, end_rev = common["versions"], git_rev()
+    if end_rev != common["rev"]:  # the checkout changed under the bench (children import it anew)
+        versions_run = versions_run.replace(f"(git {common['rev']})",
+                                            f"(git {common['rev']} at the start, {end_rev} at the end)")
     header = {"date": f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, "
                       f"{seconds / 60:.0f} min {seconds % 60:.0f} s",
               "command": f"python bench/run.py {name}",
               "load": f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
-                      "(1-minute load average)", **common}
+                      "(1-minute load average)",
+              "machine": common["machine"], "threads": common["threads"], "versions": versions_run}
     results.mkdir(parents=True, exist_ok=True)
     body = b"".join(sink).decode(errors="replace")
     (results / f"{name}.txt").write_text(format_result(name, header, body))
@@ -175,8 +180,9 @@ def main(argv: list[str]) -> None:
     if unknown:
         raise SystemExit(f"run.py: no bench named {unknown}: expected bench/bench_<name>.py "
                          f"or one of {sorted(EXTRA)}")
+    rev = git_rev()
     common = {"machine": machine(), "threads": f"{torch.get_num_threads()} (torch's, at the "
-              "start; a bench may pin its own)", "versions": versions()}
+              "start; a bench may pin its own)", "versions": versions(rev), "rev": rev}
     print(f"# quantscope benchmarks, {time.strftime('%Y-%m-%d')}: {common['machine']}, "
           f"{common['threads']}, {common['versions']}\n", flush=True)
     for name in names:

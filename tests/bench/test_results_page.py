@@ -173,13 +173,17 @@ def test_run_saves_what_the_bench_and_its_children_print(tmp_path, monkeypatch, 
             subprocess.run([{sys.executable!r}, "-c", "print('from the child')"], check=True)
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    common = {k: HEADER[k] for k in ("machine", "threads", "versions")}
+    monkeypatch.setattr(run, "git_rev", lambda: "bbb2222")  # a commit landed during the bench
+    common = {"machine": HEADER["machine"], "threads": "2", "rev": "aaa1111",
+              "versions": "python 3.11.7, quantscope 0.1.0 (git aaa1111)"}
     run.run_one("tiny", common, tmp_path / "results")
     name, header, body = page.parse_result((tmp_path / "results" / "tiny.txt").read_text())
     assert (name, header["command"]) == ("tiny", "python bench/run.py tiny")
     assert body == "### tiny\n\n| a |\n|---|\n| 1 |\nfrom the child"
     assert "from the child" in capfd.readouterr().out  # still reaches the terminal
     assert "1-minute load average" in header["load"]
+    assert header["versions"] == "python 3.11.7, quantscope 0.1.0 (git aaa1111 at the start, " \
+                                 "bbb2222 at the end)"
 
 
 def test_run_rejects_an_unknown_bench_name():
