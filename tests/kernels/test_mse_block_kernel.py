@@ -65,7 +65,8 @@ def test_elementwise_error_is_torch_bit_for_bit(name):
         for s in (0.37, 2.5e-3, 1.0, 1e-30, 3e38):
             # half-way points between codes (ties to even), the largest code, past it
             t = torch.tensor([0.25, 0.75, 1.25, 2.5, -3.5, fmt.max, fmt.max * 1.1, -1e6, 1e-41])
-            xx = torch.cat((x, t * s))
+            # x / s overflowing to inf (s = 1e-30): saturates at the largest code, as torch
+            xx = torch.cat((x, t * s, torch.tensor([3e38, -3e38])))
             got = mse_kernel.dq(xx, s, 0.0, spec)
             assert torch.equal(got.view(torch.int32), torch_dq(xx, s, spec).view(torch.int32))
 

@@ -49,6 +49,9 @@ __all__ = ["KernelState", "dq", "price", "search", "usable"]
 #: at OpenMP's barrier for a descheduled worker on a loaded machine (measured: 10x slower
 #: on the MiniLM weights at load 4). Chunks of at least this many units:
 _KERNEL_BLOCK = 32767
+#: with torch on one thread there is no barrier to wait at: larger blocks, fewer Python steps
+#: (the NVFP4 expanded search prices 112 candidates of 262,144 blocks of a 1024 x 4096 weight)
+_KERNEL_BLOCK_ONE_THREAD = 1 << 18
 _MIN_KERNEL_UNITS = 256
 
 
@@ -195,7 +198,8 @@ class _Search:
         self.use_global = patience is not None
         self.rule = {"patience": patience, "per_unit": per_unit, "tie": tie}
         n_units = units.shape[0]
-        self.budget = max(1, min(chunk_elems, _KERNEL_BLOCK))
+        block = _KERNEL_BLOCK if torch.get_num_threads() > 1 else _KERNEL_BLOCK_ONE_THREAD
+        self.budget = max(1, min(chunk_elems, block))
         ub = min(n_units, max(_MIN_KERNEL_UNITS, self.budget // (self.total + 1)))
         self.kb = min(self.total, max(1, self.budget // ub))  # candidates per block
         self.chunks = [(a, min(a + ub, n_units)) for a in range(0, n_units, ub)]

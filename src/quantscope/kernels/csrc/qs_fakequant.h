@@ -62,13 +62,19 @@ static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf 
     if (!zero) t = _mm512_sub_ps(t, z);
     return _mm512_sub_ps(_mm512_mul_ps(t, s), v);
 }
-/* fq1 of VW lanes (min / max with the operands in the order that keeps a NaN, as clamp_) */
+/* fq1 of VW lanes (min / max with the operands in the order that keeps a NaN, as clamp_).
+   It multiplies by 1 / step where fq1 divides by the step: a power of two whose inverse is
+   a normal float32 (the field is capped at 254 << 23, which changes the step only for an
+   inf or NaN t, whose quotient it leaves inf or NaN), so both are exact and the bits equal. */
 static inline __attribute__((always_inline)) vf fqv(vf v, vf s, __m512i mf, __m512i sh,
                                                     vf top, vf bottom) {
     vf t = _mm512_div_ps(v, s);
     __m512i field = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(0x7F800000));
-    vf st = _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_max_epi32(field, mf), sh));
-    vf q = _mm512_roundscale_ps(_mm512_div_ps(t, st), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    field = _mm512_min_epi32(_mm512_max_epi32(field, mf), _mm512_set1_epi32(254 << 23));
+    __m512i step = _mm512_sub_epi32(field, sh);
+    vf st = _mm512_castsi512_ps(step);
+    vf rst = _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_set1_epi32(254 << 23), step));
+    vf q = _mm512_roundscale_ps(_mm512_mul_ps(t, rst), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm512_min_ps(top, _mm512_max_ps(bottom, _mm512_mul_ps(q, st)));
     return _mm512_sub_ps(_mm512_mul_ps(q, s), v);
 }
@@ -102,8 +108,11 @@ static inline __attribute__((always_inline)) vf fqv(vf v, vf s, __m256i mf, __m2
                                                     vf top, vf bottom) {
     vf t = _mm256_div_ps(v, s);
     __m256i field = _mm256_and_si256(_mm256_castps_si256(t), _mm256_set1_epi32(0x7F800000));
-    vf st = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_max_epi32(field, mf), sh));
-    vf q = _mm256_round_ps(_mm256_div_ps(t, st), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    field = _mm256_min_epi32(_mm256_max_epi32(field, mf), _mm256_set1_epi32(254 << 23));
+    __m256i step = _mm256_sub_epi32(field, sh);
+    vf st = _mm256_castsi256_ps(step);
+    vf rst = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(254 << 23), step));
+    vf q = _mm256_round_ps(_mm256_mul_ps(t, rst), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm256_min_ps(top, _mm256_max_ps(bottom, _mm256_mul_ps(q, st)));
     return _mm256_sub_ps(_mm256_mul_ps(q, s), v);
 }
