@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 
 import torch
+from common import Table
 
 from quantscope import QuantSpec, presets
 from quantscope.calibrate import Recipe, Role, Rule, calibrate, preset
@@ -170,6 +171,31 @@ def expert_error(args):
     return rows
 
 
+def moe_table(rows):
+    """The moe part's JSON rows as one markdown table: a row per calibration, a column per recipe."""
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    t = Table("MoE: mean KL(float || quantized) of the next-token distributions, 50 Lee documents",
+              ["calibration", *(f"{r} KL" for r in recipes), "layer 0's tokens per expert"])
+    for label in dict.fromkeys(r["calibration"] for r in rows):
+        mine = {r["recipe"]: r for r in rows if r["calibration"] == label}
+        t.add(label, *(f"{mine[r]['kl']:.5f}" for r in recipes),
+              " / ".join(map(str, next(iter(mine.values()))["layer0_tokens"])))
+    t.print()
+
+
+def experts_table(rows):
+    """The experts part's JSON rows as one markdown table: a row per shrinkage threshold."""
+    experts = sorted({int(e) for r in rows for e in r["sqnr_db_per_expert"]})
+    calib = rows[0]["calib_tokens"]
+    t = Table("MoE: held-out SQNR (dB) of layer 0's expert inputs by shrinkage threshold "
+              "(expert_min_tokens)", ["threshold", "all experts",
+                                      *(f"e{e} ({calib[e]} calib. tokens)" for e in experts)])
+    for r in rows:
+        per = {int(e): v for e, v in r["sqnr_db_per_expert"].items()}
+        t.add(r["threshold"], f"{r['sqnr_db_all']:.2f}", *(f"{per[e]:.1f}" for e in experts))
+    t.print()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("part", nargs="?", default="quick",
@@ -187,8 +213,11 @@ def main(argv=None):
     print(json.dumps({"torch": torch.__version__, "part": args.part}))
     parts = {"decoder": [decoder], "moe": [moe], "experts": [expert_error],
              "quick": [moe, expert_error]}[args.part]
+    tables = {moe: moe_table, expert_error: experts_table}  # the page's view of the rows
     for part in parts:
-        part(args)
+        rows = part(args)
+        if part in tables:
+            tables[part](rows)
 
 
 if __name__ == "__main__":
