@@ -39,7 +39,8 @@ EXTRA = {"gpu": "gpu_triton"}
 DEVICE = {"gpu", "cuda"}
 #: CPU flags the C kernels' branches depend on (kernels/csrc: AVX2, AVX-512; ORT's int8: VNNI)
 ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8")
-PACKAGES = ("transformers", "compressed-tensors", "torchao", "onnxruntime")
+PACKAGES = ("transformers", "compressed-tensors", "torchao", "onnxruntime", "triton",
+            "llmcompressor")  # the last two: on a device run, from its wheelhouse
 PEER_PACKAGES = ("llmcompressor", "amd-quark", "nvidia-modelopt", "compressed-tensors")
 
 
