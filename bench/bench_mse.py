@@ -1,5 +1,9 @@
 """MSE search observers against llm-compressor's ``memoryless_mse`` (int4 symmetric weights).
 
+Also ``nvfp4_expanded_mse`` on a 1024 x 4096 weight, one thread, against llm-compressor's and
+against our own torch path (the kernel turned off); ``python bench/bench_mse.py nvfp4`` runs
+that table alone.
+
 Cases: a 4096 x 4096 Gaussian weight and the 36 encoder Linear weights of all-MiniLM-L6-v2,
 per channel and in groups of 128. Both sides are measured by bench/mse_worker.py in a child
 under the peers' python (``.peers``, built by ``make peers``, or $QUANTSCOPE_PEER_PYTHON),
@@ -170,7 +174,30 @@ def main():
                "n/a" if m["ratio"] is None else f"{m['ratio']:.2f}", _mb(t.get("mb")),
                _mb(t.get("torch_mb")), "n/a" if t.get("ratio") is None else f"{t['ratio']:.2f}")
     mt.print()
+    nvfp4_expanded(python)
     extras(cases)
+
+
+def nvfp4_expanded(python: str) -> None:
+    """nvfp4_expanded_mse on 1024 x 4096, one thread: C kernel vs torch path vs llm-compressor."""
+    print("  nvfp4_expanded_mse 1024 x 4096, one thread, interleaved ...", flush=True)
+    r = worker(python, "nvfp4")
+    s, e = r["seconds"], r["error"]
+    t = Table("NVFP4 nvfp4_expanded_mse, 1024 x 4096 Gaussian weight, one thread, interleaved "
+              "call by call (issue 35 item 6)",
+              ["side", "s", "llm-c s / side s", "total sq. error", "err / llm-c",
+               "err / min-max"])
+    names = {"kernel": "quantscope (C kernel)", "torch": "quantscope (torch path)",
+             "theirs": "llm-compressor"}
+    for k, name in names.items():
+        if k not in s:
+            continue
+        ratio = f"{s['theirs'] / s[k]:.1f}x" if "theirs" in s else "n/a"
+        rel = f"{e[k] / e['theirs']:.4f}" if "theirs" in e else "n/a"
+        t.add(name, f"{s[k]:.3g}", ratio, f"{e[k]:.6g}", rel, f"{e[k] / r['err_minmax']:.4f}")
+    t.print()
+    print(f"C kernel and torch path ranges bitwise equal: {r['same_ranges']}; load average "
+          f"{r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end (1-minute).\n")
 
 
 def extras(cases):
@@ -208,4 +235,7 @@ def extras(cases):
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["nvfp4"]:  # that table alone
+        nvfp4_expanded(str(PEER_PY) if PEER_PY.exists() else sys.executable)
+    else:
+        main()

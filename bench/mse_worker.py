@@ -1,6 +1,7 @@
 """The measuring side of bench_mse.py: quantscope and llm-compressor in one process.
 
     python bench/mse_worker.py time CASES.json OUT.json
+    python bench/mse_worker.py nvfp4 OUT.json
     MALLOC_MMAP_THRESHOLD_=65536 python bench/mse_worker.py peak FILE SIDE LAYOUT OUT.json
 
 bench_mse.py starts it under the peers' python (.peers: llm-compressor 0.14 installed; quantscope
@@ -13,6 +14,10 @@ ours, theirs ...; one call = a fresh observer fed every weight of the case, then
 on the same tensors with the same thread count; medians, and the total squared errors of both
 ranges, of min-max and of the dense reference, all scored by quantscope's ``range_error``
 (its llm-compressor compat mode reproduces their ranges bitwise, see tests/observers/test_mse.py).
+
+``nvfp4``: ``nvfp4_expanded_mse`` on a 1024 x 4096 Gaussian weight on one thread (issue 35
+item 6): quantscope (the C kernel), quantscope with its kernel turned off (the torch path)
+and llm-compressor, interleaved call by call, and each side's total squared error.
 
 ``peak``: the peak extra memory of each call of one side, in a fresh process: VmHWM after the
 call minus VmRSS before it, with the high-water mark reset just before (``5`` to
@@ -139,6 +144,51 @@ def time_cases(cases_path: str, out: str) -> None:
                                      "torch": torch.__version__}))
 
 
+#: llm-compressor's NVFP4 weight scheme (blocks of 16, fp8 e4m3 block scales)
+NVFP4_CASE = {"observer": "nvfp4_expanded_mse", "num_bits": 4, "type": "float",
+              "strategy": "tensor_group", "group_size": 16, "scale_dtype": "float8_e4m3fn"}
+
+
+def nvfp4_expanded(out: str) -> None:
+    """One thread: our nvfp4_expanded_mse with the kernel, without it, and llm-compressor's."""
+    from quantscope import presets
+    from quantscope.estimators import mse_kernel
+
+    torch.set_num_threads(1)
+    spec, w = presets.NVFP4, torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0))
+    usable, last = mse_kernel.usable, {}
+
+    def ours(kernel):
+        def call():
+            mse_kernel.usable = usable if kernel else (lambda *a: False)
+            try:
+                obs = get_observer("nvfp4_expanded_mse", spec)
+                obs(w)
+                obs.qparams()
+            finally:
+                mse_kernel.usable = usable
+            last["kernel" if kernel else "torch"] = (*obs.calculate_range(), obs.global_amax())
+        return call
+
+    calls = {"kernel": ours(True), "torch": ours(False)}
+    pm, why = peer()
+    if pm is not None:
+        args = pm.quant_args(NVFP4_CASE)
+        calls["theirs"] = lambda: last.__setitem__(
+            "theirs", (*pm.observe(w, NVFP4_CASE, args)[0], None))
+    load0 = os.getloadavg()[0]
+    med = compare(calls, repeat=REPEAT, warmup=0)
+    load1 = os.getloadavg()[0]
+    u = spec.layout.to_units(w)
+    err = {k: range_error(u, lo.reshape(-1), hi.reshape(-1), spec, global_amax=ga).sum().item()
+           for k, (lo, hi, ga) in last.items()}
+    same = all(torch.equal(a, b) for a, b in zip(last["kernel"][:2], last["torch"][:2]))
+    Path(out).write_text(json.dumps({"seconds": med, "error": err, "peer_error": why,
+                                     "same_ranges": same, "load": [load0, load1],
+                                     "err_minmax": range_error(u, *unit_minmax(u), spec)
+                                     .sum().item()}))
+
+
 def _reset_hwm() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -209,4 +259,4 @@ def peak(path: str, side: str, layout: str, out: str) -> None:
 
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:]
-    {"time": time_cases, "peak": peak}[cmd](*rest)
+    {"time": time_cases, "peak": peak, "nvfp4": nvfp4_expanded}[cmd](*rest)
