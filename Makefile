@@ -95,13 +95,13 @@ fuzz: venv
 # observers compared on all-MiniLM-L6-v2 (Lee similarity) and on SmolLM2-135M (perplexity on
 # held-out text), both calibrated on gensim's Lee background corpus; tables printed, reports
 # and plots under runs/demo/<model>. SmolLM2's static per-tensor int8 inputs are smoothed
-# first (--smooth 0.8, SmoothQuant: without it no observer comes near fp32; README,
+# first (--smooth 0.8, SmoothQuant: without it no observer comes near fp32; docs/guide/choosing.md,
 # "When no range fits"); MiniLM's auto scores on 2048 calibration tokens (its forwards are
 # cheap; on the default 1024 it keeps min-max on W8A8, a 1.4 % call the held-out data
 # reverses). Two torch threads (DEMO_THREADS): a fixed count, so the figures do not depend
 # on the machine's core count (the same to the last digit as with one thread here, measured),
 # and the evaluations, most of the time, run 1.8x faster than on one. `make demo-readme` also
-# rewrites the README's demo tables from those reports.
+# rewrites the demo tables of docs/guide/command-line.md from those reports.
 DEMO_OBSERVERS ?= minmax,mse,percentile,entropy,mix,auto
 DEMO_THREADS ?= 2
 demo: venv
@@ -115,7 +115,7 @@ demo: venv
 # the same demo in a few minutes (issue 17 asks 5 on this box): the format table, then both
 # models with min-max, mse (the best single observer on SmolLM2) and auto only (the histogram
 # observers are most of the full demo's calibration time), SmolLM2 calibrated on 16 documents
-# and evaluated at 64 tokens per document. Its figures are for a quick look; the README and
+# and evaluated at 64 tokens per document. Its figures are for a quick look; the guide and
 # docs/benchmarks.md quote `make demo`'s.
 QUICK_OBSERVERS ?= minmax,mse,auto
 demo-quick: venv
@@ -128,7 +128,7 @@ demo-quick: venv
 		--no-progress --out runs/demo-quick/smollm2
 
 demo-readme: demo
-	$(PY) bench/demo_tables.py --readme README.md
+	$(PY) bench/demo_tables.py --page docs/guide/command-line.md --threads $(DEMO_THREADS)
 
 # the benchmarks (each one's output, under a header of the run, saved to bench/results/<name>.txt),
 # the larger-than-memory calibration (too long for make test), then docs/benchmarks.md rewritten
