@@ -407,10 +407,10 @@ def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, contex
                 handle.remove()
     if load:
         run.unload(mine)
-    # the block's weights (views of the checkpoint's mapping) can stay referenced from
-    # reference cycles of the calibration's objects until a collection: collect now, or the
-    # unloaded blocks' mappings accumulate
-    gc.collect()
+        # the block's weights (views of the checkpoint's mapping) can stay referenced from
+        # reference cycles of the calibration's objects until a collection: collect now, or
+        # the unloaded blocks' mappings accumulate (a block in memory has none to release)
+        gc.collect()
     heap.trim()  # the block's activations' heap pages back to the system
     return nxt, piece.as_tuple
 
