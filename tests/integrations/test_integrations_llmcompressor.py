@@ -389,15 +389,21 @@ def test_ddp_statistics_reduce_exactly(tmp_path):
         assert torch.equal(ranks[1][name], want), name
 
 
-# -------------------------------------------------------------------------- README
-def test_readme_llmcompressor_example_runs():
+# -------------------------------------------------------------------------- the docs
+def test_docs_llmcompressor_examples_run(tmp_path, monkeypatch):
+    # the ```python blocks of README.md and docs/ that use llm-compressor (tests/docs/
+    # test_examples.py skips them in .venv, which has no llm-compressor)
     import pathlib
     import re
 
-    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-    blocks = re.findall(r"^```python\n(.*?)^```", readme.read_text(),
-                        flags=re.DOTALL | re.MULTILINE)
-    mine = [b for b in blocks if re.search(r"^from llmcompressor", b, flags=re.MULTILINE)]
-    assert mine
-    for code in mine:
-        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})  # noqa: S102
+    root = pathlib.Path(__file__).resolve().parents[2]
+    mine = []
+    for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        for block in re.findall(r"^```python\n(.*?)^```", page.read_text(),
+                                flags=re.DOTALL | re.MULTILINE):
+            if re.search(r"^from llmcompressor", block, flags=re.MULTILINE):
+                mine.append((str(page.relative_to(root)), block))
+    assert "docs/guide/pipelines.md" in {where for where, _ in mine}
+    monkeypatch.chdir(tmp_path)
+    for where, code in mine:
+        exec(compile(code, where, "exec"), {"__name__": "__docs_example__"})  # noqa: S102
