@@ -70,12 +70,20 @@ def split_notes(text: str) -> dict[str, str]:
 PEER_LOG = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+ \| \w+ \| [A-Z]+ - .*\n?", re.MULTILINE)
 
 
+#: a run of lines that are each one JSON object (a bench's raw rows, e.g. bench_fusion_moe's)
+JSON_ROWS = re.compile(r"^(?:\{.*\}\n?)+", re.MULTILINE)
+
+
 def clean(body: str) -> str:
-    """The output as the page shows it: peers' log lines dropped, a bench's own ``#`` / ``##``
-    lines made ``###`` (only the page makes sections), each heading after a blank line (a
-    progress line just before it would otherwise swallow it into a paragraph)."""
-    body = re.sub(r"^#{1,2} ", "### ", PEER_LOG.sub("", body), flags=re.MULTILINE)
-    return re.sub(r"([^\n])\n(#+ )", r"\1\n\n\2", body)
+    """The output as the page shows it: peers' log lines dropped, raw JSON rows in a code block,
+    a bench's own ``#`` / ``##`` lines made ``###`` (only the page makes sections), each
+    heading after a blank line (a progress line just before it would otherwise swallow it into
+    a paragraph)."""
+    body = PEER_LOG.sub("", body)
+    body = JSON_ROWS.sub(lambda m: f"\n```json\n{m.group(0).rstrip(chr(10))}\n```\n\n", body)
+    body = re.sub(r"^#{1,2} ", "### ", body, flags=re.MULTILINE)
+    body = re.sub(r"([^\n])\n(#+ )", r"\1\n\n\2", body)
+    return re.sub(r"\n{3,}", "\n\n", body)
 
 
 def render_section(name: str, header: dict[str, str], body: str, notes: str) -> str:

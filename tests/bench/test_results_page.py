@@ -34,6 +34,8 @@ HEADER = {"date": "2026-11-28 09:00 UTC, 1 min 5 s", "command": "python bench/ru
           "threads": "2", "versions": "python 3.11.7, torch 2.13.0+cpu"}
 
 MINMAX_OUT = """\
+{"case": "per-channel", "ms": 3.09}
+{"case": "group-128", "ms": 3.5}
 ### min-max observers: median ms
 
 | case | quantscope | torch.ao |
@@ -83,6 +85,11 @@ How to read this page.
 - **load**: 0.50 at the start, 1.20 at the end (1-minute load average)
 - **threads**: 2
 - **versions**: python 3.11.7, torch 2.13.0+cpu
+
+```json
+{"case": "per-channel", "ms": 3.09}
+{"case": "group-128", "ms": 3.5}
+```
 
 ### min-max observers: median ms
 
