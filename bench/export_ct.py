@@ -1,4 +1,4 @@
-"""Deploy figures (docs/deploy.md): calibrate -> export compressed-tensors -> load in
+"""Deploy figures (docs/guide/deploy.md): calibrate -> export compressed-tensors -> load in
 transformers on CPU, per scheme, on the demo models (MiniLM, SmolLM2-135M).
 
 For each scheme: the largest difference between transformers' outputs of the exported folder

@@ -3,7 +3,7 @@ QDQ does; the checkpoint reads back into the same calibration; bad targets leave
 
 Tiny random models from transformers configs (a BertModel, a LlamaForCausalLM) saved to a
 temporary folder with a tokenizer beside them; the real demo models are measured by
-bench/export_ct.py (docs/deploy.md).
+bench/export_ct.py (docs/guide/deploy.md).
 """
 
 import json

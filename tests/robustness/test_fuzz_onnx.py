@@ -1,7 +1,7 @@
 """Property test of ONNX export (issue 37): a random small MLP or conv stack, a random preset
 and dtype either exports, loads in ONNX Runtime (:func:`qonnx.session`) and gives finite
-outputs within the README's bound of the fake-quant model, or is refused with a documented
-error before anything is written.
+outputs within the documented bound (docs/guide/deploy.md) of the fake-quant model, or is
+refused with a documented error before anything is written.
 
 Profiles, documented errors and the counts are fuzzing.py's (shared by every test_fuzz*.py);
 an export takes about a second, so the ``ci`` profile runs a handful of cases.
@@ -32,8 +32,9 @@ from quantscope.export import onnx as qonnx
 TEST = "onnx_export"
 CASES = settings(base.FUZZ, max_examples=12 if base.PROFILE != "fuzz" else 150)
 PRESETS = ["w8a8", "w4a8", "w4a16", "w4a16-asym", "w8a16", "w8a8-dynamic", "fp8", "nvfp4"]
-#: README, "ONNX Runtime (CPU)": float32 to float rounding plus isolated one-code flips of a
-#: static input; a bf16 / fp16 model within that dtype's rounding and the flips it causes
+#: docs/guide/deploy.md, "ONNX Runtime (CPU)": float32 to float rounding plus isolated
+#: one-code flips of a static input; a bf16 / fp16 model within that dtype's rounding and the
+#: flips it causes
 BOUND = {torch.float32: 1e-2, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
