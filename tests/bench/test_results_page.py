@@ -70,6 +70,16 @@ How to read this page.
 stale diary text that the generator drops
 """
 
+#: the header list results_page renders for HEADER (the two sections differ in the command)
+HEADER_MD = """\
+- **date**: 2026-11-28 09:00 UTC, 1 min 5 s
+- **command**: python bench/run.py minmax
+- **machine**: AMD EPYC (family 25 model 17), 2 cores, x86_64; ISA avx2 avx512f
+- **load**: 0.50 at the start, 1.20 at the end (1-minute load average)
+- **threads**: 2
+- **versions**: python 3.11.7, torch 2.13.0+cpu
+"""
+
 EXPECTED = """\
 <!-- bench-docs:head:begin -->
 # quantscope benchmarks
@@ -79,13 +89,7 @@ How to read this page.
 
 ## minmax
 
-- **date**: 2026-11-28 09:00 UTC, 1 min 5 s
-- **command**: python bench/run.py minmax
-- **machine**: AMD EPYC (family 25 model 17), 2 cores, x86_64; ISA avx2 avx512f
-- **load**: 0.50 at the start, 1.20 at the end (1-minute load average)
-- **threads**: 2
-- **versions**: python 3.11.7, torch 2.13.0+cpu
-
+<minmax header>
 ```json
 {"case": "per-channel", "ms": 3.09}
 {"case": "group-128", "ms": 3.5}
@@ -101,19 +105,14 @@ How: one C pass per unit.
 
 ## zz_new
 
-- **date**: 2026-11-28 09:00 UTC, 1 min 5 s
-- **command**: python bench/run.py zz_new
-- **machine**: AMD EPYC (family 25 model 17), 2 cores, x86_64; ISA avx2 avx512f
-- **load**: 0.50 at the start, 1.20 at the end (1-minute load average)
-- **threads**: 2
-- **versions**: python 3.11.7, torch 2.13.0+cpu
-
+<new header>
 progress: done
 
 ### a bench's own heading
 
 new bench, 1 row
-"""
+""".replace("<minmax header>\n", HEADER_MD + "\n").replace(
+    "<new header>\n", HEADER_MD.replace("run.py minmax", "run.py zz_new") + "\n")
 
 
 @pytest.fixture
