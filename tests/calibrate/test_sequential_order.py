@@ -140,21 +140,59 @@ def test_blocks_names_a_chain_inside_a_model_that_is_not_one():
     _same(whole, seq)
 
 
-def test_a_forward_that_needs_the_blocks_real_outputs_is_refused():
-    """Blocks that change the width: the pass-through trace cannot run the rest."""
-    class Widen(nn.Module):
+class Widen(nn.Module):
+    """Blocks that change the width: a pass-through trace cannot run the rest of the model,
+    a shaped one (each block run on the meta device) can."""
+
+    def __init__(self, routed=False):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8 * 2**i, 16 * 2**i) for i in range(2))
+        self.head = nn.Linear(32, 2)
+        self.routed = routed
+
+    def forward(self, x):
+        for b in (self.layers[1], self.layers[0]) if self.routed else self.layers:
+            x = b(x)
+        return self.head(x)
+
+
+def test_blocks_that_change_the_width_are_traced_shaped(tmp_path):
+    model = Widen().eval()
+    whole = calibrate(model, _batches(), "w8a8", progress=False)
+    _same(whole, calibrate(model, _batches(), "w8a8", progress=False, sequential=True))
+    save_file(dict(model.state_dict()), tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        skeleton = Widen().eval()
+    _same(whole, calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
+                           checkpoint=tmp_path))
+
+
+class Routed(nn.Module):
+    """A block whose output depends on its input's values (it cannot run on meta)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h):
+        keep = torch.nonzero(h[..., 0] > 0)  # data-dependent shape
+        return (self.fc(h) + keep.numel(),)
+
+
+def test_blocks_that_cannot_run_on_meta_are_refused_with_the_first_trace_error():
+    class Net2(nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(8 * 2**i, 16 * 2**i) for i in range(2))
-            self.head = nn.Linear(32, 2)
+            self.layers = nn.ModuleList(Routed(8) for _ in range(2))
 
         def forward(self, x):
             for b in self.layers:
-                x = b(x)
-            return self.head(x)
+                x = b(x)[0]
+            return x
 
-    with pytest.raises(ValueError, match="change the shape of their input"):
-        calibrate(Widen().eval(), _batches(), "w8a8", progress=False, sequential=True)
+    with pytest.raises(ValueError, match="block layers.1 does not take the output of block "
+                                         "layers.0"):
+        calibrate(Net2().eval(), _batches(), "w8a8", progress=False, sequential=True)
 
 
 @pytest.mark.parametrize("share, says", [

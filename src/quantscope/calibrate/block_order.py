@@ -34,10 +34,13 @@ _METADATA = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_meta",
 @dataclasses.dataclass
 class Trace:
     """One forward's block calls: ``calls[k] = (block index, index of the call whose output
-    is its input, or None)``; ``used``: the calls whose output something other than a block
-    read; ``same_input[k]``: call ``k`` took the very tensor call ``k - 1`` took."""
+    is its input, or None)``, ``inputs[k]`` / ``outputs[k]`` the tensors it took and gave;
+    ``used``: the calls whose output something other than a block read. A plain trace
+    passes each input through; a ``shaped`` one gives zeros shaped as the block's output
+    (its tuple too), from a run of the block on the meta device: for blocks that change the
+    shape of their input or return tuples."""
 
-    as_tuple: bool = False
+    shaped: bool = False
     calls: list = dataclasses.field(default_factory=list)
     outputs: list = dataclasses.field(default_factory=list)
     inputs: list = dataclasses.field(default_factory=list)
@@ -45,12 +48,12 @@ class Trace:
     first: tuple | None = None  # the first call's (args, kwargs)
     inside: bool = False  # a recorder is running: its own ops are no use
 
-    def call(self, j: int, args: tuple, kwargs: dict, name: str):
+    def call(self, j: int, block: nn.Module, args: tuple, kwargs: dict, name: str):
         h = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"calibrate: sequential=True: block {name}.{j} was called without "
-                             f"a tensor as its first argument ({type(h).__name__}); name "
-                             f"other blocks with blocks='...' or use sequential=False")
+                            f"a tensor as its first argument ({type(h).__name__}); name "
+                            f"other blocks with blocks='...' or use sequential=False")
         if self.first is None:
             kwargs = dict(kwargs)
             for k in ("past_key_values", "past_key_value"):  # no KV cache across passes
@@ -60,12 +63,12 @@ class Trace:
         self.calls.append((j, self.output_index(h)))
         self.inputs.append(h)
         self.inside = True
-        try:
-            out = h.view_as(h)  # the same values, a new object: its readers are told apart
+        try:  # the same values as a new object (its readers are told apart), or zeros shaped
+            out = _shaped_output(block, args, kwargs, h.device) if self.shaped else h.view_as(h)
         finally:
             self.inside = False
-        self.outputs.append(out)
-        return (out,) if self.as_tuple else out
+        self.outputs.append(out[0] if isinstance(out, tuple) else out)
+        return out
 
     def output_index(self, t) -> int | None:
         return next((k for k, o in enumerate(self.outputs) if o is t), None)
@@ -74,15 +77,46 @@ class Trace:
         return [j for j, _ in self.calls]
 
 
-class _Recorder(nn.Module):
-    """Stands in for block ``j`` in the first pass."""
+def _map(fn, value):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    return value
 
-    def __init__(self, j: int, trace: Trace, name: str):
+
+class _NoShape(Exception):
+    """The block's output shape could not be found on the meta device."""
+
+
+def _shaped_output(block: nn.Module, args, kwargs, device):
+    """Zeros shaped as ``block``'s output on these inputs: the block run on the meta device
+    (its weights and inputs as meta tensors: no compute, no weights needed)."""
+    state = {n: t.to("meta") for n, t in [*block.named_parameters(remove_duplicate=False),
+                                          *block.named_buffers(remove_duplicate=False)]}
+    meta = lambda t: t.to("meta")
+    try:
+        out = torch.func.functional_call(block, state, _map(meta, args), _map(meta, kwargs))
+    except Exception as e:  # data-dependent ops (an MoE's routing) do not run on meta
+        raise _NoShape(f"{type(e).__name__}: {e}") from e
+    if not isinstance(out, torch.Tensor) and not (
+            isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor)):
+        raise _NoShape(f"it returns {type(out).__name__}, not a tensor or a tuple of them")
+    return _map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out)
+
+
+class _Recorder(nn.Module):
+    """Stands in for block ``j`` in the first pass (``block``: the block, not a child)."""
+
+    def __init__(self, j: int, block: nn.Module, trace: Trace, name: str):
         super().__init__()
         self.j, self.trace, self.list_name = j, trace, name
+        self.__dict__["block"] = block
 
     def forward(self, *args, **kwargs):
-        return self.trace.call(self.j, args, kwargs, self.list_name)
+        return self.trace.call(self.j, self.block, args, kwargs, self.list_name)
 
 
 class _Uses(TorchFunctionMode):
@@ -121,7 +155,7 @@ def recorders(layers: nn.ModuleList, name: str, trace: Trace):
     outputs noted, for the ``with`` block; the blocks back after."""
     originals = list(layers)
     for j in range(len(layers)):
-        layers[j] = _Recorder(j, trace, name)
+        layers[j] = _Recorder(j, originals[j], trace, name)
     try:
         with _Uses(trace):
             yield trace
@@ -131,11 +165,12 @@ def recorders(layers: nn.ModuleList, name: str, trace: Trace):
 
 
 class NotAChain(ValueError):
-    """The blocks traced do not form a chain; ``trace``: the forward that showed it."""
+    """The blocks traced do not form a chain; ``trace``: the forward that showed it;
+    ``no_shape``: a shaped trace could not run a block on the meta device."""
 
-    def __init__(self, message: str, trace: Trace):
+    def __init__(self, message: str, trace: Trace, no_shape: bool = False):
         super().__init__(message)
-        self.trace = trace
+        self.trace, self.no_shape = trace, no_shape
 
 
 def refuse(name: str, detail: str, trace: Trace) -> NotAChain:
@@ -178,23 +213,25 @@ def chain_order(trace: Trace, count: int, name: str) -> list[int]:
 
 
 
-def trace_batches(model, batches, name: str, layers, as_tuple: bool, keep) -> tuple[list, int]:
+def trace_batches(model, batches, name: str, layers, shaped: bool, keep) -> tuple[list, int]:
     """Every batch's forward with the blocks recorded; ``keep(i, args, kwargs)`` gets batch
     ``i``'s first block call's inputs. ``(order, number of batches)``: the blocks' order,
     the same for every batch, or :class:`NotAChain`."""
     order, n = None, 0
     for batch in batches:
-        trace = Trace(as_tuple)
+        trace = Trace(shaped)
         with recorders(layers, name, trace):
             try:
                 forward_batch(model, batch)
             except Exception as e:
                 if not trace.calls:  # the model's own error, before any block
                     raise
-                raise refuse(name, f"with each block passing its input through, the forward "
-                                   f"failed after block {name}.{trace.calls[-1][0]} "
-                                   f"({type(e).__name__}: {e}); blocks that change the shape "
-                                   f"of their input are not supported", trace) from e
+                how = "zeros shaped as its output" if shaped else "its input through"
+                err = refuse(name, f"with each block giving {how}, the forward failed after "
+                                   f"block {name}.{trace.calls[-1][0]} ({type(e).__name__}: "
+                                   f"{e})", trace)
+                err.no_shape = isinstance(e, _NoShape)
+                raise err from e
         if not trace.calls:
             raise ValueError(f"calibrate: the model's forward never reached its blocks "
                              f"{name}; name the blocks with blocks='...'")

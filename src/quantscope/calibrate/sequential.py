@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from . import heap
-from .block_order import NotAChain, Trace, check_disjoint, trace_batches
+from .block_order import NotAChain, check_disjoint, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, unload_params
 
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "find_blocks"]
@@ -337,19 +337,21 @@ def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
         outer = {p for p in outside if _param(model, p).device.type == "meta"}
         run.load(outer)
         try:
-            for as_tuple in (False, True):
+            first = None
+            # blocks that change their input's shape or return tuples break a pass-through
+            # trace: then a shaped one (each block run on the meta device) decides
+            for shaped in (False, True):
                 hidden, context = run.cache("a"), run.cache("ctx")
                 try:
-                    order, n = trace_batches(model, batches, name, layers, as_tuple,
+                    order, n = trace_batches(model, batches, name, layers, shaped,
                                              functools.partial(_keep, hidden, context))
                     break
                 except NotAChain as e:
                     hidden.clear()
                     context.clear()
-                    # blocks that return tuples read a pass-through tensor wrongly: trace
-                    # again with tuples if the first block called returns one
-                    if as_tuple or not _returns_tuple(run, name, layers, e.trace):
-                        raise
+                    if shaped:
+                        raise first if e.no_shape else e
+                    first = e
         finally:
             run.unload(outer)
     return hidden, context, n, order
@@ -359,23 +361,6 @@ def _keep(hidden, context, i: int, args: tuple, kwargs: dict) -> None:
     """Batch ``i``'s first block inputs into the caches."""
     hidden.put(i, args[0] if args else kwargs.pop("hidden_states"))
     context.put(i, (args[1:], kwargs))
-
-
-def _returns_tuple(run: _Run, name: str, layers, trace: Trace) -> bool:
-    """Whether the first block the trace saw returns a tuple, on the trace's inputs."""
-    j = trace.calls[0][0]
-    block, full = layers[j], f"{name}.{j}"
-    mine = {n for n, _ in run.model.named_parameters(remove_duplicate=False)
-            if n.startswith(full + ".")}
-    load = is_meta(block)
-    if load:
-        run.load(mine)
-    try:
-        args, kwargs = trace.first
-        return isinstance(block(*args, **kwargs), tuple)
-    finally:
-        if load:
-            run.unload(mine)
 
 
 def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, context, n,
