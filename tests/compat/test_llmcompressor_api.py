@@ -5,6 +5,8 @@ in test_llmcompressor_peers.py."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -146,6 +148,26 @@ def test_sync_issues_one_async_reduce_per_statistic(monkeypatch):
     ops = [op for _, op, _ in calls]
     assert ops == [torch.distributed.ReduceOp.MIN, torch.distributed.ReduceOp.MAX]
     assert all(a for _, _, a in calls)
+
+
+@pytest.mark.parametrize("name,stats,op", [
+    ("static_minmax", ("min_vals", "max_vals"), ("MIN", "MAX")),
+    ("minmax", ("min_vals", "max_vals"), ("AVG", "AVG")),
+    ("mse", ("min_vals", "max_vals"), ("AVG", "AVG")),
+    ("imatrix_mse", ("_imatrix_sum", "_imatrix_count"), ("SUM", "SUM"))])
+def test_patching_the_base_modules_dist_sees_every_reduce(name, stats, op):
+    # llm-compressor's tests patch "llmcompressor.observers.base.dist"; ours is the one name
+    obs = _obs(name, "weight" if name == "imatrix_mse" else "input")
+    values = [torch.tensor([-1.0]), torch.tensor([1.0])]
+    for stat, value in zip(stats, values):
+        setattr(obs, stat, value)
+    with mock.patch("quantscope.compat.llmcompressor_base.dist") as fake:
+        fake.all_reduce.side_effect = ["h0", "h1"]
+        assert obs.sync_activation_stats() == ["h0", "h1"]
+    calls = fake.all_reduce.call_args_list
+    assert [c.kwargs["op"] for c in calls] == [getattr(torch.distributed.ReduceOp, o) for o in op]
+    assert all(c.args[0] is v and c.kwargs["async_op"] is True for c, v in zip(calls, values))
+    assert not hasattr(lc, "dist")  # no second name whose patch would miss the calls
 
 
 @pytest.mark.parametrize("strategy,shape,base,out", [

@@ -28,7 +28,7 @@ import warnings
 from typing import ClassVar
 
 import torch
-from torch import distributed as dist
+from torch.distributed import ReduceOp
 
 from ..estimators.mse import mse_search
 from ..layout import Block, Channel
@@ -76,7 +76,7 @@ class MemorylessMinMaxObserver(Observer):
 class StaticMinMaxObserver(MemorylessMinMaxObserver):
     """The min / max of every observed value."""
 
-    _act_sync_dict: ClassVar[dict] = {"min_vals": dist.ReduceOp.MIN, "max_vals": dist.ReduceOp.MAX}
+    _act_sync_dict: ClassVar[dict] = {"min_vals": ReduceOp.MIN, "max_vals": ReduceOp.MAX}
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
         lo, hi = _min_max(observed)
@@ -89,7 +89,7 @@ class StaticMinMaxObserver(MemorylessMinMaxObserver):
 class MinMaxObserver(Observer):
     """Moving average of min / max (``averaging_constant``, default 0.01; llm-compressor's lerp)."""
 
-    _act_sync_dict: ClassVar[dict] = {"min_vals": dist.ReduceOp.AVG, "max_vals": dist.ReduceOp.AVG}
+    _act_sync_dict: ClassVar[dict] = {"min_vals": ReduceOp.AVG, "max_vals": ReduceOp.AVG}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -167,7 +167,7 @@ class MemorylessMSEObserver(Observer):
 class MovingAverageMSEObserver(MemorylessMSEObserver):
     """The MSE search, then llm-compressor's lerp (``averaging_constant``, default 0.01)."""
 
-    _act_sync_dict: ClassVar[dict] = {"min_vals": dist.ReduceOp.AVG, "max_vals": dist.ReduceOp.AVG}
+    _act_sync_dict: ClassVar[dict] = {"min_vals": ReduceOp.AVG, "max_vals": ReduceOp.AVG}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -197,8 +197,8 @@ class IMatrixMSEObserver(IMatrixMixin, Observer):
     """The MSE search weighted by each input channel's importance ``E[x^2]``, collected by
     :meth:`attach` (llm-compressor 0.14's ``imatrix_mse``; see :mod:`.llmcompressor_imatrix`)."""
 
-    _act_sync_dict: ClassVar[dict] = {"_imatrix_sum": dist.ReduceOp.SUM,
-                                      "_imatrix_count": dist.ReduceOp.SUM}
+    _act_sync_dict: ClassVar[dict] = {"_imatrix_sum": ReduceOp.SUM,
+                                      "_imatrix_count": ReduceOp.SUM}
     #: option defaults over llm-compressor's imatrix_mse ones
     _imatrix_defaults: ClassVar[dict] = {}
 

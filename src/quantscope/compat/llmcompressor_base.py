@@ -5,6 +5,11 @@ named by ``_stats_attrs``, each update replaces them (a tensor read earlier keep
 values), ``get_qparams()`` turns them into compressed-tensors' qparams and deletes them
 (cooperatively in a fusion group), ``sync_activation_stats()`` all-reduces the
 attributes of ``_act_sync_dict`` asynchronously.
+
+Every collective call goes through this module's ``dist`` name, read when the call is
+made, as llm-compressor's go through ``llmcompressor.observers.base.dist``: a test that
+patches ``quantscope.compat.llmcompressor_base.dist`` sees them all (no other compat module
+of llm-compressor's API binds a ``dist``).
 """
 
 from __future__ import annotations
@@ -151,7 +156,7 @@ class Observer(torch.nn.Module):
 
     def sync_activation_stats(self) -> list:
         """All-reduce the ``_act_sync_dict`` statistics across ranks; the async handles."""
-        handles = []
+        handles = []  # `dist` looked up at call time: patching this module's dist reaches it
         for name, op in self._act_sync_dict.items():
             value = getattr(self, name, None)
             if value is not None:
