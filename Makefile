@@ -148,9 +148,10 @@ bench-docs: venv
 lint: venv
 	$(PY) -m ruff check src tests bench
 
-# the docs site (mkdocs.yml: docs/*.md and the API reference mkdocstrings renders from the
-# docstrings) into build/site, --strict: a broken link or reference fails.
-# tests/docs/test_docs_site.py builds it in `make test` and checks every public name is in it.
+# the docs site (mkdocs.yml: the guide docs/guide/*.md, docs/*.md and the API reference
+# mkdocstrings renders from the docstrings) into build/site, --strict: a broken link or
+# reference fails. tests/docs/test_docs_site.py builds it in `make test` and checks every public
+# name is in it; tests/docs/test_examples.py runs every python block of README.md and docs/.
 docs: venv
 	$(VENV)/bin/mkdocs build --strict
 
