@@ -4,6 +4,8 @@ qparams, attributes and errors. Runs in the peers' venv."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -213,3 +215,38 @@ def test_imatrix_strict_errors_as_llmcompressor(prefix):
             num_bits=8, strategy="tensor", observer_kwargs={"strict": True}))
         with pytest.raises(NotImplementedError, match="only supported for weight observers"):
             obs(torch.randn(2, 1, 8))
+
+
+@pytest.mark.parametrize("fields", [WEIGHT_ARGS[1], WEIGHT_ARGS[2], WEIGHT_ARGS[4]],
+                         ids=["int8-channel", "int4-group", "nvfp4"])
+@pytest.mark.parametrize("importance", [None, torch.tensor([1.0, -1.0] * 16), torch.zeros(32)],
+                         ids=["none", "negative", "zeros"])
+def test_registry_imatrix_falls_back_to_quantscope_memoryless_mse(fields, importance):
+    # "falls back to uniform MSE": the registry's own MSE search over the imatrix's grid
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(32, 16)
+    grid = {"maxshrink": 0.95, "grid": 20, "patience": 5, "expand": 1.0}  # imatrix defaults
+    imatrix = TheirObserver.load_from_registry(
+        "quantscope_imatrix_mse", base_name="weight", args=QuantizationArgs(**fields))
+    imatrix.attach(lin)
+    if importance is not None:
+        imatrix._imatrix_sum, imatrix._imatrix_count = importance.clone(), torch.tensor(1)
+    uniform = TheirObserver.load_from_registry(
+        "quantscope_memoryless_mse", base_name="weight",
+        args=QuantizationArgs(**fields, observer_kwargs=grid))
+    with pytest.warns(UserWarning, match="Falling back to uniform MSE"):
+        imatrix(lin.weight)
+    uniform(lin.weight)
+    assert torch.equal(imatrix.min_vals, uniform.min_vals)
+    assert torch.equal(imatrix.max_vals, uniform.max_vals)
+    uniform_max = uniform.max_vals
+    _same_qparams(imatrix.get_qparams(), uniform.get_qparams())
+    imatrix.detach(lin)
+    weighted = TheirObserver.load_from_registry(  # valid importance: the weighted search
+        "quantscope_imatrix_mse", base_name="weight", args=QuantizationArgs(**fields))
+    weighted.attach(lin)
+    lin(torch.randn(64, 32) * torch.linspace(0.01, 10, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        weighted(lin.weight)
+    assert weighted._global_amax is None and weighted.max_vals.shape == uniform_max.shape

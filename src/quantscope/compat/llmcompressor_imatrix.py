@@ -134,11 +134,23 @@ class IMatrixMixin:
         return flatten_for_calibration(imp.expand(observed.shape[1], -1), "weight", self.args)
 
     def imatrix_range(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The searched ``(min_vals, max_vals)`` of ``(observations, *qparam_shape, elements)``."""
+        """The searched ``(min_vals, max_vals)`` of ``(observations, *qparam_shape, elements)``:
+        importance-weighted, or :meth:`uniform_range` where the importance is refused."""
+        importance = self._importance(observed)
+        if importance is None:
+            return self.uniform_range(observed)
+        return self._search(observed, importance)
+
+    def uniform_range(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fallback without importance: llm-compressor's, the same search unweighted
+        (the registry class overrides it with quantscope's ``memoryless_mse``)."""
+        return self._search(observed, None)
+
+    def _search(self, observed, importance):
         spec = llmcompressor_spec(self.args, self.base_name)
         spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
                             else spec.scale)
-        return imatrix_search(observed, self._importance(observed), spec,
+        return imatrix_search(observed, importance, spec,
                               maxshrink=self.maxshrink, patience=self.patience,
                               grid=self.grid, norm=self.norm, expand=self.expand)
 

@@ -47,7 +47,9 @@ llm-compressor reduces its own) and a read is never written in place afterwards;
 observers keep ``triton_error_buffer`` and refuse ``expand < 1`` with llm-compressor's
 message. ``quantscope_imatrix_mse`` is :class:`QuantscopeIMatrixObserver`: llm-compressor's
 ``imatrix_mse`` contract (``attach`` hook, options, checks, ``strict``) with quantscope's
-search code (:mod:`quantscope.compat.llmcompressor_imatrix`).
+search code (:mod:`quantscope.compat.llmcompressor_imatrix`); where it falls back to
+"uniform MSE" (no valid importance, not ``strict``) it runs ``quantscope_memoryless_mse``'s
+search over its own grid (:meth:`QuantscopeIMatrixObserver.uniform_range`).
 
 Registration is explicit (import this module before ``oneshot``): llm-compressor has no
 plugin entry point. To have it in every process of an environment, add a ``.pth`` file
@@ -67,13 +69,15 @@ from llmcompressor.observers import Observer
 from llmcompressor.observers.helpers import flatten_for_calibration
 from torch import distributed as dist
 
+from ..compat.llmcompressor_base import statistics_units
 from ..compat.llmcompressor_imatrix import IMatrixMixin
 from ..compat.llmcompressor_spec import llmcompressor_spec
 from ..layout import Block, Channel
 from ..observers.registry import list_observers, observer_class
 from ..qparams import amax_of_range
 
-__all__ = ["PREFIX", "QuantscopeIMatrixObserver", "QuantscopeObserver", "observer_names", "register_all"]
+__all__ = ["PREFIX", "QuantscopeIMatrixObserver", "QuantscopeObserver", "observer_names",
+           "register_all", "units_spec"]
 
 PREFIX = "quantscope_"
 #: native names not offered: the placeholder observes nothing (fp16 / bf16 pass-through)
@@ -91,15 +95,7 @@ class QuantscopeObserver(Observer):
 
     def __init__(self, base_name: str, args, **observer_kwargs):
         super().__init__(base_name, args, **observer_kwargs)
-        spec = llmcompressor_spec(self.args, base_name)
-        # the [units, elements] view has one unit per row; a block scale (NVFP4 / MX) needs
-        # the Block layout, whose size is the weight's fixed group size; activations' rows
-        # hold every token, so there the range is searched with fp32 scales (see module doc)
-        if spec.scale.is_block and base_name == "weight":
-            spec = spec.replace(layout=Block(spec.layout.size))
-        else:
-            spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
-                                else spec.scale)
+        spec = units_spec(self.args, base_name)
         cls = observer_class(self.quantscope_name)
         kwargs = self._take_llmcompressor_options(dict(self.args.observer_kwargs))
         try:
@@ -240,6 +236,17 @@ class QuantscopeObserver(Observer):
         return f"base_name={self.base_name!r}, quantscope={self.quantscope_name!r}"
 
 
+def units_spec(args, base_name: str):
+    """The quantscope spec of llm-compressor's ``[units, elements]`` view (one unit per
+    qparam): a block scale (NVFP4 / MX) needs the Block layout, whose size is the weight's
+    fixed group size; activations' rows hold every token, so there the range is searched
+    with fp32 scales (see the module doc)."""
+    spec = llmcompressor_spec(args, base_name)
+    if spec.scale.is_block and base_name == "weight":
+        return spec.replace(layout=Block(spec.layout.size))
+    return spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block else spec.scale)
+
+
 def _reduce_ops(plan: dict) -> dict:
     """quantscope's reduction of min_vals / max_vals as torch.distributed ops."""
     return {name: getattr(dist.ReduceOp, plan[name].name) for name in ("min_vals", "max_vals")
@@ -259,9 +266,41 @@ class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
     def __init__(self, base_name: str, args, **observer_kwargs):
         super().__init__(base_name, args, **observer_kwargs)
         self._init_imatrix(self.args.observer_kwargs)
+        #: the NVFP4 global amax the uniform fallback's ranges were searched under
+        self._global_amax: torch.Tensor | None = None
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        self._global_amax = None
         self.min_vals, self.max_vals = self.imatrix_range(observed)
+
+    def uniform_range(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Without valid importance, ``quantscope_memoryless_mse``'s search (quantscope's
+        native rules) over this observer's grid: its ``maxshrink``, ``grid``, ``patience``
+        (0: all candidates) and ``expand``; the ``norm`` given in ``observer_kwargs``, else
+        memoryless_mse's (2: llm-compressor's 3.0 is the default of its weighted score)."""
+        units, shape = statistics_units(observed)
+        dtype = observed.dtype if observed.is_floating_point() else torch.float32
+        uniform = observer_class("memoryless_mse")(
+            units_spec(self.args, self.base_name), maxshrink=self.maxshrink, grid=self.grid,
+            patience=self.patience or None, expand=self.expand,
+            norm=self.args.observer_kwargs.get("norm"))
+        uniform(units.to(dtype))
+        lo, hi = uniform.calculate_range()
+        self._global_amax = uniform.global_amax()
+        return lo.reshape(shape).to(dtype), hi.reshape(shape).to(dtype)
+
+    def get_statistics(self) -> dict[str, torch.Tensor]:
+        stats = super().get_statistics()
+        if self._global_amax is not None:  # the fallback's, as quantscope_memoryless_mse's
+            stats["global_amax"] = self._global_amax.reshape(())
+        return stats
+
+    get_global_scale = QuantscopeObserver.get_global_scale
+
+    def delete_statistics(self, check_fused: bool = True) -> None:
+        super().delete_statistics(check_fused)
+        if not check_fused:
+            self._global_amax = None
 
     def extra_repr(self) -> str:
         return f"base_name={self.base_name!r}, quantscope={self.quantscope_name!r}"
