@@ -9,6 +9,7 @@ import torch
 
 from quantscope import cli
 from quantscope.calibrate import calibrate, calibrate_many, observe, preset
+from quantscope.calibrate.options import Sampling
 from quantscope.calibrate.samples import RowSample
 
 transformers = pytest.importorskip("transformers")
@@ -178,8 +179,9 @@ def test_observers_share_the_layers_activation(model, monkeypatch):
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "64", True])
 def test_bad_budget_is_refused(model, bad):
-    with pytest.raises(ValueError, match="sample_budget_mb must be a positive number"):
-        calibrate(model, batches(1), "w8a8", progress=False, sample_budget_mb=bad)
+    with pytest.raises(ValueError, match=r"Sampling.budget_mb \(sample_budget_mb\) must be a "
+                                         r"positive number"):
+        calibrate(model, batches(1), "w8a8", progress=False, sampling=Sampling(budget_mb=bad))
 
 
 def test_cli_refuses_a_bad_budget(capsys):

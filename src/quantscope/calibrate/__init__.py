@@ -3,6 +3,7 @@
 from .apply import QDQHandle, apply, qdq_tensor
 from .checkpoint import empty_model
 from .io import load, save
+from .options import Auto, MoE, Outliers, Runtime, Sampling, Sequential
 from .recipe import PRESETS, RECIPES, ROLES, Recipe, Role, Rule, preset
 from .report import Report
 from .result import Calibration, RoleState
@@ -13,14 +14,20 @@ __all__ = [
     "PRESETS",
     "RECIPES",
     "ROLES",
+    "Auto",
     "Calibration",
+    "MoE",
+    "Outliers",
     "QDQHandle",
     "Recipe",
     "Report",
     "Role",
     "RoleState",
     "Rule",
+    "Runtime",
+    "Sampling",
     "Sensitivity",
+    "Sequential",
     "apply",
     "calibrate",
     "calibrate_many",

@@ -320,14 +320,14 @@ def choose_roles(div: OutputDivergence, configs: dict, best: str, best_pieces: l
 
 
 # ----------------------------------------------------------------------------- model level
-def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Recipe], *,
-                         candidates, score_tokens: int = 1024, loss=None, **kwargs):
-    """``auto_metric="model"``: calibrate every auto recipe's candidates in one pass, score
+def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Recipe], opts):
+    """``Auto(metric="model")``: calibrate every auto recipe's candidates in one pass, score
     each whole configuration by :class:`OutputDivergence` on the first ``score_tokens``
-    calibration tokens, keep the best.
+    calibration tokens, keep the best. ``calibrate_with(model, batches, recipes, opts)`` is
+    the session's pass; ``opts`` its :class:`~.options.Options`.
 
     Each auto recipe ``R`` is expanded to ``R`` with every candidate observer; they share
-    observers with each other (and with the other recipes) in :func:`calibrate_many` 's
+    observers with each other (and with the other recipes) in the session's
     single pass, whose float forwards also give the scoring pieces' references. The scoring
     documents are cut in pieces scored one after the other (:func:`score_plan`,
     :func:`choose`): a candidate far behind after a piece is not scored further. Then each
@@ -340,6 +340,8 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
     """
     from .observe import candidates_for as _candidates  # the one list of auto's candidates
 
+    candidates, score_tokens, loss = (opts.auto.candidates, opts.auto.score_tokens,
+                                      opts.auto.loss)
     batches = list(batches)
     autos = [label for label, r in recipes.items() if _has_auto(r)]
     expanded = {label: r for label, r in recipes.items() if label not in autos}
@@ -357,8 +359,8 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
          if "weight" in roles})) if weighted else None
     try:
         try:
-            calibs = calibrate_many(model, batches, expanded, candidates=candidates,
-                                    auto_metric="tensor", time_groups=groups, **kwargs)
+            calibs = calibrate_with(model, batches, expanded, opts.but(
+                auto__metric="tensor", runtime__time_groups=groups))
         finally:
             refs = caught.references() if caught is not None else None
         out = {label: c for label, c in calibs.items() if label in recipes}
@@ -371,7 +373,7 @@ def calibrate_end_to_end(calibrate_many, model, batches, recipes: dict[str, Reci
               else contextlib.nullcontext()):
             score = OutputDivergence(model, pieces, loss, refs)
         means = {} if importance is None else importance.means(
-            kwargs.get("distributed", False), kwargs.get("group"))
+            opts.runtime.distributed, opts.runtime.group)
     finally:
         if importance is not None:
             importance.remove()

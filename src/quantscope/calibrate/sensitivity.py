@@ -301,7 +301,8 @@ def check_fallback(n, mode, sequential: bool = False) -> None:
 def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
               mode: str) -> Calibration:
     """:func:`keep_float` of ``n`` with the ranking of :func:`layer_sensitivity` on ``batch``
-    (what ``calibrate(..., keep_float=n, fallback=mode)`` does after calibrating)."""
+    (what ``calibrate(..., outliers=Outliers(keep_float=n, fallback=mode))`` does after
+    calibrating)."""
     if batch is None:
         raise ValueError("calibrate: keep_float needs a batch to rank the activations on, "
                          "and batches is empty")

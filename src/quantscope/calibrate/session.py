@@ -4,7 +4,7 @@
 pass over the data: the observers of all recipes are attached together, and a
 recipe that asks for the same (layer, role, spec, observer) as another shares
 its observer. ``observer="auto"`` observes every candidate and keeps what
-``auto_metric`` says is best: by default (``"model"``) the whole configuration
+``Auto.metric`` says is best: by default (``"model"``) the whole configuration
 whose model output is closest to the float model's (:mod:`.auto`); per layer, the
 candidates with the least error in the layer's output (``"joint"``, ``"fisher"``,
 ``"output"``) or in the tensor itself (``"tensor"``).
@@ -16,7 +16,6 @@ mode is restored; forwards run under ``torch.inference_mode``.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import warnings
 
@@ -26,10 +25,11 @@ from torch import nn
 from .. import comm as qd
 from ..observers.sync import sync_observers
 from . import auto as _auto
-from . import gather, kv_cache, layer_choice, moe
+from . import gather, kv_cache, layer_choice
+from . import moe as _moe
 from . import sequential as _sequential
 from . import smooth as _smooth
-from .finish import MISSING_POLICIES, build_states
+from .finish import build_states
 from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
     check_shapes,
@@ -40,16 +40,24 @@ from .observe import (
     share_group_inputs,
     unique_slots,
 )
+from .options import (
+    AUTO_METRICS,
+    Auto,
+    MoE,
+    Options,
+    Outliers,
+    Runtime,
+    Sampling,
+    as_sequential,
+    from_keywords,
+)
 from .recipe import AUTO, Recipe, preset
 from .result import Calibration
 from .samples import RowSample
 from .sensitivity import check_fallback, fall_back
 
-__all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many"]
-
-#: what ``auto`` can minimise (see :func:`calibrate_many`); "model", "joint" and "fisher"
-#: live in :mod:`.auto`
-AUTO_METRICS = ("model", "joint", "fisher", "tensor", "output")
+__all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many",
+           "calibrate_with"]
 
 
 def _as_recipe(recipe, observer) -> Recipe:
@@ -72,16 +80,11 @@ def _check_kv_cache(model, recipes) -> None:
                          f"attention module with k_proj / v_proj (transformers')")
 
 
-def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
-                   sample_tokens: int = 2048, sample_budget_mb: float | None = None,
-                   progress: bool = True,
-                   seed: int = 0, distributed: bool = False, group=None,
-                   auto_metric: str = "model", loss=None, score_tokens: int = 1024,
-                   all_experts: bool = False, expert_min_tokens: int = moe.MIN_TOKENS,
-                   missing: str = "skip", sequential=False, keep_float: int = 0,
-                   fallback: str = "dynamic", smooth: float | None = None,
-                   time_groups: dict | None = None,
-                   **sequential_options) -> dict[str, Calibration]:
+def calibrate_many(model: nn.Module, batches, recipes, *, sampling: Sampling | None = None,
+                   auto: Auto | None = None, moe: MoE | None = None,
+                   outliers: Outliers | None = None, sequential=None,
+                   runtime: Runtime | None = None, progress: bool = True,
+                   **keywords) -> dict[str, Calibration]:
     """Calibrate several recipes in one pass over ``batches``.
 
     Args:
@@ -90,70 +93,43 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
             (``model(*b)``) or a tensor (``model(b)``).
         recipes: ``{label: recipe}`` or a list of recipes (labelled by name); a recipe
             is a :class:`Recipe` or a preset name.
-        candidates: the observers ``auto`` chooses from (default: those of
-            :data:`~quantscope.calibrate.recipe.DEFAULT_CANDIDATES` that are registered).
-        sample_tokens: activation rows kept per layer for ``auto`` and the report, at most.
-        sample_budget_mb: the memory of all those rows together (float32, every layer and
-            role); when ``sample_tokens`` rows each would not fit, every sampled tensor keeps
-            the same smaller number of rows (at least one). Default
-            :data:`DEFAULT_SAMPLE_BUDGET_MB` (64 MB). Only ``auto`` and the report's
-            activation rows (SQNR, clipping) use the sample; other qparams do not depend on it.
-        progress: show a tqdm progress bar over the batches.
-        seed: seeds the choice of sampled rows.
-        auto_metric: what ``auto`` minimises: ``"model"`` (default) the divergence of the
-            model's output from the float model's on the first calibration batches
-            (``score_tokens`` tokens), choosing among whole configurations: each candidate
-            observer and the ``"joint"`` choice (:mod:`.auto`); per layer, ``"joint"`` the
-            layer's output error ``||X W^T - Q(X) Q(W)^T||^2`` with weight and input
-            chosen together, ``"fisher"`` that error weighted by the loss's ``g^2`` per
-            output feature, ``"tensor"`` the squared error of the quantized tensor itself
-            (the report's SQNR), or ``"output"`` the error one role's quantization causes in
-            ``x W^T``. See the README for the measurements behind the default.
-        loss: for ``"model"``, ``callable(output, reference_output, batch) -> float``
-            replacing the default divergence (KL of next-token distributions for causal LMs,
-            ``1 - cosine`` of mean-pooled outputs otherwise); for ``"fisher"``,
-            ``callable(output, batch) -> scalar tensor`` (default: the model's own loss).
-        score_tokens: calibration tokens the ``"model"`` and ``"fisher"`` metrics run on.
-        distributed: inside a ``torch.distributed`` process group (e.g. under ``torchrun``),
-            calibrate data-parallel: each rank takes every ``world``-th batch and a share of
-            the weights, statistics are synced before qparams, every rank returns the same
-            result (write files from rank 0 only). A no-op in a single process.
-        group: the process group (default: the default group).
-        all_experts: MoE experts (see :mod:`~quantscope.calibrate.moe`) each observe every
-            token, while the block's output stays the routed one; default: the routed tokens.
-        expert_min_tokens: in routed mode, an expert that saw fewer tokens has its activation
-            ranges shrunk toward its layer's pooled range (none: the pooled range).
-        missing: an activation role that saw no tokens (a layer never called, or called
-            only with 0 rows) and is not an MoE expert's: ``"skip"`` (default) leaves that
-            role unquantized, the layer keeps its weight quantization (a weight-only
-            scheme); ``"float"`` leaves the whole layer in float; ``"error"`` raises. Either
-            fallback is listed in ``calibration.info["missing"]`` and warned about.
-        sequential: ``True`` / ``"float"`` or ``"quantized"``: one block at a time
-            (:mod:`.sequential`, for models larger than memory); ``sequential_options``
-            (``checkpoint``, ``blocks``, ``cache_budget_mb``, ``cache_dir``, ``device``) go
-            to :func:`.sequential.calibrate_sequential`.
-        keep_float: this many activations stay out of static quantization: those whose
-            quantization moves their own layer's output most
-            (:func:`~.sensitivity.layer_sensitivity` on the first batch, one more forward;
-            then :func:`~.sensitivity.keep_float`). ``fallback="dynamic"`` (default) quantizes
-            them per token at run time in the same format, ``"float"`` leaves them in float.
-            ``calibration.info["keep_float"]`` lists them. Not with ``sequential``.
-        smooth: SmoothQuant's alpha (llm-compressor's ``smoothing_strength``, 0.5-0.8 is
-            usual): before calibrating, each decoder layer's activation outliers are moved
-            into the next weights (:mod:`.smooth`), with channel ranges from the first batch
-            (one more forward). **Changes the model's parameters in place**; calibrate, apply
-            and export that model. ``calibration.info["smooth"]`` says what was smoothed,
-            ``calibration.smoothing`` holds the scales.
-            Not with ``sequential``.
-        time_groups: ``{name: [labels]}``: also time each group of recipes as one (the
-            pass's shared time plus every observer the group uses, each once), in each
-            member's ``info["group_seconds"][name]``. ``auto`` times its candidates so. Not
-            with ``sequential``.
+        sampling: the activation rows kept for ``auto`` and the report
+            (:class:`~.options.Sampling`: ``tokens``, ``budget_mb``, ``seed``).
+        auto: how ``observer="auto"`` chooses (:class:`~.options.Auto`: ``candidates``,
+            ``metric``, ``loss``, ``score_tokens``).
+        moe: mixture-of-experts models (:class:`~.options.MoE`: ``all_experts``,
+            ``min_tokens``).
+        outliers: SmoothQuant before, activations kept out of static quantization after
+            (:class:`~.options.Outliers`: ``smooth``, ``keep_float``, ``fallback``).
+        sequential: one block at a time, for models larger than memory
+            (:class:`~.options.Sequential`; ``True``, ``"float"`` or ``"quantized"`` stand for
+            ``Sequential(mode=...)``). Not with ``outliers``, ``distributed`` or
+            ``time_groups``.
+        runtime: data-parallel processes, roles that saw no tokens, timing groups
+            (:class:`~.options.Runtime`: ``distributed``, ``group``, ``missing``,
+            ``time_groups``).
+        progress: show a progress bar over the batches.
+        keywords: the flat keywords of before (``sample_tokens=``, ``auto_metric=``,
+            ``smooth=`` ...): deprecated, each mapped to its object's field with one
+            ``DeprecationWarning`` that names the new spelling
+            (:func:`~.options.from_keywords`); ``progress`` and ``sequential=True`` are not.
     """
-    recipes = _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,
-                       expert_min_tokens)
-    check_fallback(keep_float, fallback, bool(sequential or sequential_options))
-    _smooth.check(smooth, bool(sequential or sequential_options))
+    opts = _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywords)
+    return calibrate_with(model, batches, recipes, opts)
+
+
+def _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywords) -> Options:
+    """The entry points' arguments as one :class:`~.options.Options` (defaults where None;
+    the deprecated flat keywords applied, warning at the entry point's caller)."""
+    opts = Options(sampling or Sampling(), auto or Auto(), moe or MoE(),
+                   outliers or Outliers(), as_sequential(sequential), runtime or Runtime(),
+                   progress)
+    return from_keywords(opts, keywords, stacklevel=4)
+
+
+def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[str, Calibration]:
+    """:func:`calibrate_many` with its options as one :class:`~.options.Options` value."""
+    recipes = _checked(model, recipes, opts)
     t0 = time.perf_counter()
     if batches is None:
         batches = []
@@ -161,52 +137,45 @@ def calibrate_many(model: nn.Module, batches, recipes, *, candidates=None,
     check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
 
     def run(batches):  # the calibration itself; keep_float's ranking follows it
-        if sequential or sequential_options:
+        if opts.sequential is not None:
+            # every piece calibrates with the other options (none of the outliers' ones)
+            inner = opts.but(sequential=None, runtime__time_groups=None)
             return _sequential.calibrate_sequential(
-                calibrate_many, model, batches, recipes, mode=sequential, progress=progress,
-                candidates=candidates, sample_tokens=sample_tokens,
-                sample_budget_mb=sample_budget_mb, seed=seed, distributed=distributed,
-                group=group, auto_metric=auto_metric, loss=loss, score_tokens=score_tokens,
-                all_experts=all_experts, expert_min_tokens=expert_min_tokens, missing=missing,
-                **sequential_options)
-        if auto_metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
-            return _auto.calibrate_end_to_end(
-                calibrate_many, model, batches, recipes, candidates=candidates,
-                score_tokens=score_tokens, loss=loss, sample_tokens=sample_tokens,
-                progress=progress, seed=seed, distributed=distributed, group=group,
-                all_experts=all_experts, expert_min_tokens=expert_min_tokens, missing=missing,
-                sample_budget_mb=sample_budget_mb)
+                lambda m, b, r, progress=False: calibrate_with(m, b, r,
+                                                               inner.but(progress=progress)),
+                model, batches, recipes, progress=opts.progress, **opts.sequential.keywords())
+        if opts.auto.metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
+            # the outliers' steps go around the whole choice (_around), not each pass
+            return _auto.calibrate_end_to_end(calibrate_with, model, batches, recipes,
+                                              opts.but(outliers=Outliers(),
+                                                       runtime__time_groups=None))
         fisher = None
-        if auto_metric == "fisher":
+        if opts.auto.metric == "fisher":
             batches = list(batches)
-            fisher = _fisher_weights(model, batches, recipes, score_tokens, loss)
+            fisher = _fisher_weights(model, batches, recipes, opts.auto)
         # MoE experts become Linear views for the whole calibration (moe.py); restored after
-        with moe.attach(model, bool(all_experts)) as experts:
-            experts.min_tokens = expert_min_tokens
-            if distributed and qd.is_distributed(group):
-                return _calibrate_distributed(model, batches, recipes, candidates, sample_tokens,
-                                              progress, seed, group, t0, auto_metric, experts,
-                                              missing, sample_budget_mb, time_groups)
-            return _calibrate_local(model, batches, recipes, candidates, sample_tokens, progress,
-                                    seed, t0, auto_metric, experts, missing, sample_budget_mb,
-                                    fisher, time_groups)
+        with _moe.attach(model, bool(opts.moe.all_experts)) as experts:
+            experts.min_tokens = opts.moe.min_tokens
+            if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
+                return _calibrate_distributed(model, batches, recipes, opts, t0, experts)
+            return _calibrate_local(model, batches, recipes, opts, t0, experts, fisher)
 
-    return _around(model, batches, run, smooth, keep_float, fallback, distributed, group)
+    return _around(model, batches, run, opts.outliers, opts.runtime)
 
 
-def _around(model, batches, run, smooth, keep_float, fallback, distributed, group):
+def _around(model, batches, run, outliers: Outliers, runtime: Runtime):
     """``run(batches)``, the calibration itself, with what goes around it: SmoothQuant
     before (ranges from the first batch), the float fallback after (ranked on it)."""
     smoothed = None
-    if smooth is not None:
+    if outliers.smooth is not None:
         first, batches = _peek(batches)
-        smoothed = _smooth.smooth(model, [] if first is None else [first], smooth,
-                                  distributed=distributed, group=group)
-    if not keep_float:
+        smoothed = _smooth.smooth(model, [] if first is None else [first], outliers.smooth,
+                                  distributed=runtime.distributed, group=runtime.group)
+    if not outliers.keep_float:
         out = run(batches)
     else:
         first, batches = _peek(batches)
-        out = {k: fall_back(model, first, c, keep_float, fallback)
+        out = {k: fall_back(model, first, c, outliers.keep_float, outliers.fallback)
                for k, c in run(batches).items()}
     if smoothed is not None:
         scales = smoothed.pop("scales")
@@ -215,30 +184,22 @@ def _around(model, batches, run, smooth, keep_float, fallback, distributed, grou
     return out
 
 
-def _checked(model, recipes, sample_tokens, sample_budget_mb, auto_metric, missing,
-             expert_min_tokens) -> dict[str, Recipe]:
-    """:func:`calibrate_many`'s ``{label: Recipe}``; raises naming the argument unless each
-    is of its kind and in range (before any hook is attached or batch run)."""
+def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
+    """:func:`calibrate_many`'s ``{label: Recipe}``; raises naming the argument where the
+    model, the recipes or the options together do not fit (each option object checked its
+    own fields when made), before any hook is attached or batch run."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(sample_tokens, int) or sample_tokens < 1:
-        raise ValueError(f"calibrate: sample_tokens must be a positive integer, got "
-                         f"{sample_tokens!r}")
-    if sample_budget_mb is not None and not (
-            isinstance(sample_budget_mb, (int, float)) and not isinstance(sample_budget_mb, bool)
-            and math.isfinite(sample_budget_mb) and sample_budget_mb > 0):
-        raise ValueError(f"calibrate: sample_budget_mb must be a positive number of MB, got "
-                         f"{sample_budget_mb!r}")
     recipes = _as_recipes(recipes)
-    if auto_metric not in AUTO_METRICS:
-        raise ValueError(f"calibrate: auto_metric must be one of {AUTO_METRICS}, got "
-                         f"{auto_metric!r}")
-    if missing not in MISSING_POLICIES:
-        raise ValueError(f"calibrate: missing must be one of {MISSING_POLICIES}, got "
-                         f"{missing!r}")
-    if not isinstance(expert_min_tokens, int) or expert_min_tokens < 1:
-        raise ValueError(f"calibrate: expert_min_tokens must be a positive integer, got "
-                         f"{expert_min_tokens!r}")
+    seq = opts.sequential
+    if seq is not None:
+        if opts.outliers.keep_float:
+            check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)
+        _smooth.check(opts.outliers.smooth, True)
+        if opts.runtime.distributed:
+            raise ValueError("calibrate: sequential and distributed calibration do not combine")
+        if opts.runtime.time_groups:
+            raise ValueError("calibrate: Runtime.time_groups is not available with sequential")
     return recipes
 
 
@@ -267,45 +228,43 @@ def _as_recipes(recipes) -> dict[str, Recipe]:
     return recipes
 
 
-def _fisher_weights(model, batches, recipes, score_tokens, loss):
+def _fisher_weights(model, batches, recipes, auto: Auto):
     """The loss's ``g^2`` per output feature of every weight an ``auto`` recipe quantizes
     (``auto_metric="fisher"``), from backward passes over the first ``score_tokens`` tokens."""
     layers = {layer for r in recipes.values() if _auto._has_auto(r)
               for layer, (_, roles) in r.match(model).items() if "weight" in roles}
-    return layer_choice.fisher_weights(model, _auto.score_batches(batches, score_tokens),
-                                       sorted(layers), loss)
+    return layer_choice.fisher_weights(model, _auto.score_batches(batches, auto.score_tokens),
+                                       sorted(layers), auto.loss)
 
 
-def _calibrate_local(model, batches, recipes, candidates, sample_tokens, progress, seed, t0,
-                     auto_metric, experts, missing, sample_budget_mb, fisher, time_groups=None):
+def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher):
     """``calibrate_many`` in one process: weights observed once, activations over the
     batches (skipped where no recipe needs them)."""
-    slots, plans = make_plan(model, recipes, candidates)
+    sampling = opts.sampling
+    slots, plans = make_plan(model, recipes, opts.auto.candidates)
     batches, groups = share_group_inputs(model, batches, recipes, slots)
     experts.reset_counts()
     needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                      for s in slots.values())
-    n = (observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb)
-         if needs_data else 0)
-    return _conclude(slots, plans, recipes, n, needs_data, t0, auto_metric=auto_metric,
-                     groups=groups, experts=experts, model=model, missing=missing,
-                     fisher=fisher, time_groups=time_groups)
+    n = (observe_batches(model, batches, slots, sampling.tokens, opts.progress, sampling.seed,
+                         sampling.budget_mb) if needs_data else 0)
+    return _conclude(slots, plans, recipes, n, needs_data, t0, opts, groups=groups,
+                     experts=experts, model=model, fisher=fisher)
 
 
-def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric="tensor",
-              groups=(), experts=None, model=None, missing="skip", fisher=None,
-              time_groups=None):
+def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes=1,
+              groups=(), experts=None, model=None, fisher=None):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
-        results, hists = build_states(slots, plans, recipes, auto_metric, groups, experts, missing,
-                                 fisher)
+        results, hists = build_states(slots, plans, recipes, opts.auto.metric, groups, experts,
+                                      opts.runtime.missing, fisher)
     seconds = time.perf_counter() - t0
     # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
     common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())
     group_seconds = {label: {} for label in recipes}
-    for name, labels in (time_groups or {}).items():
+    for name, labels in (opts.runtime.time_groups or {}).items():
         s = round(common + observer_seconds(slots, *(plans[k] for k in labels)), 3)
         for label in labels:
             group_seconds[label][name] = s
@@ -327,7 +286,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
         if per_expert:
             info["experts"] = per_expert
             info["expert_min_tokens"] = experts.min_tokens
-        missed = moe.unreached(model, recipe) if model is not None else []
+        missed = _moe.unreached(model, recipe) if model is not None else []
         if missed:
             info["unreached"] = missed
             warnings.warn(f"calibrate: recipe {recipe.name!r} targets weights quantscope cannot "
@@ -338,9 +297,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, processes=1, auto_metric
     return out
 
 
-def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, progress, seed,
-                           group, t0, auto_metric="tensor", experts=None, missing="skip",
-                           sample_budget_mb=None, time_groups=None):
+def _calibrate_distributed(model, batches, recipes, opts: Options, t0, experts):
     """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
 
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
@@ -351,13 +308,16 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
     come from rank 0's own sample and are empty on the other ranks. Local steps run under
     :func:`~quantscope.distributed.all_or_none`: an error on one rank raises on all.
     """
+    group, sampling = opts.runtime.group, opts.sampling
+    sample_tokens, seed = sampling.tokens, sampling.seed
     world = qd.world_size(group)
     quantized = {layer for r in recipes.values()
                  for layer, (_, roles) in r.match(model).items() if "weight" in roles}
     owners = gather.weight_owners(model, quantized, group)
     me = qd.rank(group)
     with qd.all_or_none("planning", group):
-        slots, plans = make_plan(model, recipes, candidates, owns=lambda l: owners.get(l, me) == me)
+        slots, plans = make_plan(model, recipes, opts.auto.candidates,
+                                 owns=lambda l: owners.get(l, me) == me)
         batches, groups = share_group_inputs(model, batches, recipes, slots)
     experts.reset_counts()
     failed = gather.gather_failures({k: s.failed for k, s in slots.items() if s.role == "weight"},
@@ -378,8 +338,8 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
         with qd.all_or_none("calibration", group):
             n = observe_batches(model, qd.shard(batches, group), slots,
                      -(-sample_tokens // world) if auto else sample_tokens,
-                     progress and qd.is_main(group), seed + me,
-                     sample_budget(sample_budget_mb) / world if auto else sample_budget_mb,
+                     opts.progress and qd.is_main(group), seed + me,
+                     sample_budget(sampling.budget_mb) / world if auto else sampling.budget_mb,
                      batch_index=lambda i: i * world + me)  # qd.shard's round robin
         n = qd.all_sum(n, group)
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
@@ -396,18 +356,23 @@ def _calibrate_distributed(model, batches, recipes, candidates, sample_tokens, p
                 s.sample = None
     for counts in experts.counts.values():  # every rank reports the global counts
         counts[:] = [qd.all_sum(c, group) for c in counts]
-    return _conclude(slots, plans, recipes, n, needs_data, t0, world, auto_metric, groups,
-                     experts, model, missing, time_groups=time_groups)
+    return _conclude(slots, plans, recipes, n, needs_data, t0, opts, world, groups, experts,
+                     model)
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,
-              **kwargs) -> Calibration:
+              sampling: Sampling | None = None, auto: Auto | None = None, moe: MoE | None = None,
+              outliers: Outliers | None = None, sequential=None, runtime: Runtime | None = None,
+              progress: bool = True, **keywords) -> Calibration:
     """Calibrate ``model`` on ``batches`` with ``recipe``; returns a :class:`Calibration`.
 
     ``recipe`` is a preset name (``w8a8``, ``w8a8-dynamic``, ``w4a16``, ``w4a8``,
     ``fp8``, ``mxfp4``, ``nvfp4``) or a :class:`Recipe`; ``observer`` (a registry
-    name or ``"auto"``) replaces the recipe's observers. Other keywords as
-    :func:`calibrate_many`. Apply the result with ``calibration.apply(model)``.
+    name or ``"auto"``) replaces the recipe's observers. The options (``sampling=``,
+    ``auto=``, ``moe=``, ``outliers=``, ``sequential=``, ``runtime=``: the objects of
+    :mod:`.options`) and ``progress`` as :func:`calibrate_many`, whose deprecated flat
+    keywords work here too. Apply the result with ``calibration.apply(model)``.
     """
     r = _as_recipe(recipe, observer)
-    return calibrate_many(model, batches, {r.name: r}, **kwargs)[r.name]
+    opts = _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywords)
+    return calibrate_with(model, batches, {r.name: r}, opts)[r.name]

@@ -14,11 +14,11 @@ from .recipes import build_recipe, float_note
 from .running import (
     Evaluator,
     Phases,
+    calibration_options,
     command_inputs,
     load_setup,
     metric_line,
     resolve_device,
-    sequential_options,
 )
 
 
@@ -57,13 +57,7 @@ def cmd_calibrate(args) -> int:
                                                     lambda m: build_recipe(args, m))
     calib = phases.run(f"calibrating {rec.name} ({setup['calib_docs']} documents, "
                        f"{setup['calib_tokens']} tokens)",
-                       lambda: calibrate(model, batches, rec, sample_tokens=args.sample_tokens,
-                                         sample_budget_mb=args.sample_budget_mb,
-                                         **sequential_options(args),
-                                         progress=not args.no_progress, seed=args.seed,
-                                         distributed=getattr(args, "world", 1) > 1,
-                                         keep_float=args.keep_float, fallback=args.fallback,
-                                         smooth=args.smooth))
+                       lambda: calibrate(model, batches, rec, **calibration_options(args)))
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
         return 0
     t = time.perf_counter()

@@ -12,7 +12,7 @@ from .checks import UsageError, check_activation_args, check_model_arg, check_na
 from .names import OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 from .options import add_common, add_recipes_args
 from .recipes import build_recipe
-from .running import Phases, command_inputs, load_setup, sequential_options
+from .running import Phases, calibration_options, command_inputs, load_setup
 
 
 def add_compare_parser(sub) -> None:
@@ -146,14 +146,7 @@ def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
     from ..calibrate import calibrate_many
 
     return phases.run(f"calibrating {len(plan)} configurations in one pass", lambda: (
-        calibrate_many(model, batches, plan, candidates=candidates,
-                       sample_tokens=args.sample_tokens,
-                       sample_budget_mb=args.sample_budget_mb, progress=not args.no_progress,
-                       **sequential_options(args),
-                       seed=args.seed, distributed=getattr(args, "world", 1) > 1,
-                       auto_metric=args.auto_metric, score_tokens=args.score_tokens,
-                       keep_float=args.keep_float,
-                       fallback=args.fallback, smooth=args.smooth)))
+        calibrate_many(model, batches, plan, **calibration_options(args, candidates))))
 
 
 def _evaluate_all(calibs: dict, ev, phases) -> dict:

@@ -129,12 +129,18 @@ def command_inputs(args) -> list:
 
 
 
-def sequential_options(args) -> dict:
-    """The calibrate keywords of --sequential (none without it)."""
-    mode = getattr(args, "sequential", None)
-    if mode is None:
-        return {}
-    if getattr(args, "world", 1) > 1:
+def calibration_options(args, candidates=None) -> dict:
+    """The option objects of ``calibrate`` / ``calibrate_many`` the flags describe
+    (:mod:`quantscope.calibrate.options`), as keywords; ``candidates``: auto's observers."""
+    from ..calibrate.options import Auto, Outliers, Runtime, Sampling
+
+    mode, world = getattr(args, "sequential", None), getattr(args, "world", 1)
+    if mode is not None and world > 1:
         raise UsageError("--sequential does not combine with torchrun (distributed) runs")
-    return {"sequential": mode}
+    return {"sampling": Sampling(args.sample_tokens, args.sample_budget_mb, args.seed),
+            "auto": Auto(candidates, getattr(args, "auto_metric", "model"),
+                         score_tokens=getattr(args, "score_tokens", 1024)),
+            "outliers": Outliers(args.smooth, args.keep_float, args.fallback),
+            "sequential": mode, "runtime": Runtime(distributed=world > 1),
+            "progress": not args.no_progress}
 

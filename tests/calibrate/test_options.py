@@ -1,0 +1,163 @@
+"""The calibration options as objects (quantscope.calibrate.options): each validates its
+fields; the flat keywords of before give bitwise the same calibration with one
+DeprecationWarning; calibrate_many's signature stays short."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from quantscope.calibrate import (
+    Auto,
+    MoE,
+    Outliers,
+    Runtime,
+    Sampling,
+    Sequential,
+    calibrate,
+    calibrate_many,
+)
+from quantscope.calibrate.options import KEYWORDS, Options, as_sequential, from_keywords
+from quantscope.cli.running import calibration_options
+
+
+def _llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    batches = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+    return model, batches
+
+
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda: Sampling(tokens=0), "Sampling.tokens"),
+    (lambda: Sampling(tokens=True), "Sampling.tokens"),
+    (lambda: Sampling(budget_mb=math.nan), "Sampling.budget_mb"),
+    (lambda: Sampling(budget_mb=-1), "Sampling.budget_mb"),
+    (lambda: Auto(metric="mse"), "Auto.metric"),
+    (lambda: Auto(candidates="minmax"), "Auto.candidates"),
+    (lambda: Auto(loss=3), "Auto.loss"),
+    (lambda: Auto(score_tokens=0), "Auto.score_tokens"),
+    (lambda: MoE(min_tokens=0), "MoE.min_tokens"),
+    (lambda: Outliers(keep_float=-1), "Outliers.keep_float"),
+    (lambda: Outliers(fallback="int8"), "Outliers.fallback"),
+    (lambda: Outliers(smooth=1.5), "alpha"),
+    (lambda: Sequential(mode="fast"), "Sequential.mode"),
+    (lambda: Sequential(cache_budget_mb=math.inf), "Sequential.cache_budget_mb"),
+    (lambda: Runtime(missing="drop"), "Runtime.missing"),
+    (lambda: Runtime(time_groups=["a"]), "Runtime.time_groups"),
+])
+def test_each_object_validates_its_fields(make, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        make()
+
+
+def test_seed_must_be_an_integer():
+    with pytest.raises(TypeError, match=r"Sampling\.seed"):
+        Sampling(seed=1.5)
+
+
+def test_objects_are_frozen_and_options_hold_their_kinds():
+    with pytest.raises(AttributeError):
+        Sampling().tokens = 3
+    with pytest.raises(TypeError, match="sampling must be a Sampling"):
+        Options(sampling=Auto())
+    assert Auto(candidates=["minmax", "mse"]).candidates == ("minmax", "mse")
+    o = Options().but(sampling__seed=4, progress=False)
+    assert (o.sampling.seed, o.sampling.tokens, o.progress) == (4, 2048, False)
+
+
+def test_sequential_shorthands():
+    assert as_sequential(True) == Sequential()
+    assert as_sequential("quantized") == Sequential(mode="quantized")
+    assert as_sequential(None) is None and as_sequential(False) is None
+    with pytest.raises(ValueError, match="sequential must be"):
+        as_sequential("fast")
+
+
+def test_every_old_keyword_maps_to_a_field():
+    for kind, name in KEYWORDS.values():
+        owner = {"sampling": Sampling, "auto": Auto, "moe": MoE, "outliers": Outliers,
+                 "sequential": Sequential, "runtime": Runtime}[kind]
+        assert name in inspect.signature(owner).parameters
+
+
+def test_keywords_map_with_one_warning_naming_the_new_spelling():
+    with pytest.warns(DeprecationWarning) as got:
+        o = from_keywords(Options(), {"sample_tokens": 7, "auto_metric": "joint", "smooth": 0.5})
+    assert len(got) == 1
+    text = str(got[0].message)
+    assert "Sampling(tokens=...)" in text and "Auto(metric=...)" in text
+    assert (o.sampling.tokens, o.auto.metric, o.outliers.smooth) == (7, "joint", 0.5)
+
+
+def test_bad_keywords_are_refused():
+    model, batches = _llama()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sample_token'"):
+        calibrate(model, batches, "w8a8", progress=False, sample_token=3)
+    with pytest.raises(TypeError, match="options of sequential calibration"):
+        calibrate(model, batches, "w8a8", progress=False, blocks="model.layers")
+
+
+def test_calibrate_many_takes_a_handful_of_parameters():
+    params = inspect.signature(calibrate_many).parameters
+    named = [p for p in params.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    assert len(named) <= 10, list(params)
+    assert {"sampling", "auto", "moe", "outliers", "sequential", "runtime"} <= set(params)
+
+
+CASES = [  # (old keywords, the same as objects)
+    ({"sample_tokens": 64, "seed": 3}, {"sampling": Sampling(tokens=64, seed=3)}),
+    ({"observer": "auto", "auto_metric": "joint", "sample_budget_mb": 1},
+     {"observer": "auto", "auto": Auto(metric="joint"), "sampling": Sampling(budget_mb=1)}),
+    ({"observer": "auto", "smooth": 0.6, "keep_float": 1},
+     {"observer": "auto", "outliers": Outliers(smooth=0.6, keep_float=1)}),
+    ({"keep_float": 2, "fallback": "float", "missing": "float"},
+     {"outliers": Outliers(keep_float=2, fallback="float"), "runtime": Runtime(missing="float")}),
+    ({"sequential": True, "blocks": "model.layers"},
+     {"sequential": Sequential(blocks="model.layers")}),
+]
+
+
+@pytest.mark.parametrize(("old", "new"), CASES)
+def test_old_keywords_give_the_same_calibration(old, new):
+    model, batches = _llama()
+    with pytest.warns(DeprecationWarning) as got:
+        a = calibrate(model, batches, "w8a8", progress=False, **old)
+    assert len([w for w in got if w.category is DeprecationWarning]) == 1
+    params_a = {k: v.clone() for k, v in model.state_dict().items()}
+    model, batches = _llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        b = calibrate(model, batches, "w8a8", progress=False, **new)
+    assert a.quantizes_like(b) and a.info.get("keep_float") == b.info.get("keep_float")
+    assert all(torch.equal(params_a[k], v) for k, v in model.state_dict().items())
+
+
+def test_sequential_does_not_combine_with_outliers_or_distributed():
+    model, batches = _llama()
+    with pytest.raises(ValueError, match="keep_float"):
+        calibrate(model, batches, "w8a8", progress=False, sequential=True,
+                  outliers=Outliers(keep_float=1))
+    with pytest.raises(ValueError, match="distributed"):
+        calibrate(model, batches, "w8a8", progress=False, sequential=True,
+                  runtime=Runtime(distributed=True))
+
+
+def test_the_cli_builds_the_objects():
+    args = argparse.Namespace(sample_tokens=32, sample_budget_mb=None, seed=2, smooth=0.5,
+                              keep_float=1, fallback="float", sequential=None,
+                              no_progress=True, auto_metric="tensor", score_tokens=16)
+    got = calibration_options(args, ["minmax"])
+    assert got["sampling"] == Sampling(32, None, 2)
+    assert got["auto"] == Auto(("minmax",), "tensor", score_tokens=16)
+    assert got["outliers"] == Outliers(0.5, 1, "float")
+    assert got["runtime"] == Runtime() and got["progress"] is False
