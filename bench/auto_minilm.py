@@ -12,8 +12,8 @@ from quantscope.calibrate import calibrate, fallback_curve, preset, sensitivity
 from quantscope.calibrate.sensitivity import plot_fallback
 from quantscope.demo import data, models
 from quantscope.estimators.weighted import imatrix_range
+from quantscope.qdq import fake_quantize
 from quantscope.qparams import qparams_from_range
-from quantscope.quantize import fake_quantize
 
 torch.set_num_threads(1)
 out = sys.argv[1]

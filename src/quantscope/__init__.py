@@ -5,8 +5,6 @@ points answer without importing torch.
 """
 
 import importlib
-import sys
-import types
 
 __version__ = "0.1.0"
 
@@ -27,7 +25,7 @@ _EXPORTS = {
     "FloatFormat": "formats", "IntFormat": "formats", "get_format": "formats",
     "Observer": "observers", "get_observer": "observers", "list_observers": "observers",
     "QParams": "qparams", "qparams_from_range": "qparams",
-    "dequantize": "quantize", "fake_quantize": "quantize", "quantize": "quantize",
+    "dequantize": "qdq", "fake_quantize": "qdq", "quantize": "qdq",
     "ScaleEncoding": "scales",
     "QuantSpec": "spec",
     "keep_float": "calibrate.sensitivity", "sensitivity": "calibrate.sensitivity",
@@ -58,15 +56,3 @@ def __getattr__(name):
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
-
-class _Package(types.ModuleType):
-    """Importing the submodule ``quantscope.quantize`` sets the package attribute
-    ``quantize`` to that module; the public name is the function it defines, so keep that."""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -15,8 +15,8 @@ from quantscope.calibrate.auto import OutputDivergence
 from quantscope.calibrate.layer_choice import fisher_weights, imatrix_state, joint_choice
 from quantscope.estimators.mse import shrink_factors
 from quantscope.estimators.weighted import imatrix_range, output_clip_range
+from quantscope.qdq import fake_quantize
 from quantscope.qparams import qparams_from_range
-from quantscope.quantize import fake_quantize
 from quantscope.spec import QuantSpec
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from quantscope import QuantSpec, dequantize, fake_quantize, presets, qparams_from_range, quantize
 from quantscope.layout import Block, Channel, Group, Tensor, Tile, Token
-from quantscope.quantize import fake_quantize_units
+from quantscope.qdq import fake_quantize_units
 
 SPECS = {name: presets.get(name) for name in sorted(presets.PRESETS)}
 SPECS.update({

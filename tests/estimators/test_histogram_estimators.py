@@ -19,7 +19,7 @@ from quantscope.estimators import (
     mix_range,
     percentile_range,
 )
-from quantscope.quantize import fake_quantize_units
+from quantscope.qdq import fake_quantize_units
 from quantscope.stats.histogram import Hist
 
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from quantscope import kernels
 from quantscope.estimators import mse_compat, mse_search, mse_tiles
 from quantscope.layout import Channel, Group
+from quantscope.qdq import fake_quantize_units
 from quantscope.qparams import qparams_from_range
-from quantscope.quantize import fake_quantize_units
 from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
 

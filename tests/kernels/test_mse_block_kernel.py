@@ -15,8 +15,8 @@ from quantscope import kernels, presets
 from quantscope.estimators import mse_kernel, mse_search
 from quantscope.layout import Block, Channel
 from quantscope.observers import get_observer
+from quantscope.qdq import fake_quantize_units
 from quantscope.qparams import qparams_from_range
-from quantscope.quantize import fake_quantize_units
 from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
 

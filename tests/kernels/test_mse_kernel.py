@@ -10,8 +10,8 @@ import torch
 from quantscope import kernels, presets
 from quantscope.estimators import mse_kernel, mse_search, mse_tiles, range_error
 from quantscope.layout import Channel, Group, Tensor
+from quantscope.qdq import fake_quantize_units
 from quantscope.qparams import qparams_from_range
-from quantscope.quantize import fake_quantize_units
 from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
 

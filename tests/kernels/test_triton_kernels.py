@@ -25,8 +25,8 @@ from quantscope import QuantSpec
 from quantscope.formats import get_format
 from quantscope.kernels import triton as qs_triton
 from quantscope.layout import Block
+from quantscope.qdq import fake_quantize_units
 from quantscope.qparams import qparams_from_range
-from quantscope.quantize import fake_quantize_units
 from quantscope.scales import E8M0_MODES
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -31,8 +31,8 @@ from quantscope.estimators import (
 )
 from quantscope.layout import Channel, Group, Tensor, Tile, Token
 from quantscope.observers import get_observer, list_observers
+from quantscope.qdq import fake_quantize, fake_quantize_units
 from quantscope.qparams import qparams_from_range
-from quantscope.quantize import fake_quantize, fake_quantize_units
 from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
 

@@ -18,7 +18,7 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "quantscope"
 
 LAYERS = [
-    ("core", ["_checks", "_numerics", "formats", "scales", "layout", "spec", "qparams", "quantize",
+    ("core", ["_checks", "_numerics", "formats", "scales", "layout", "spec", "qparams", "qdq",
               "presets", "comm", "kernels", "export.atomic", "export.registry"]),
     ("stats", ["stats"]),
     ("estimators", ["estimators"]),

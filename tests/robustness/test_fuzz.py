@@ -30,8 +30,8 @@ from torch import nn
 from quantscope import QuantSpec
 from quantscope.calibrate import calibrate, load
 from quantscope.observers import get_observer, list_observers
+from quantscope.qdq import fake_quantize
 from quantscope.qparams import qparams_from_range
-from quantscope.quantize import fake_quantize
 
 # --------------------------------------------------------------------- strategies
 NATIVE = [n for n in list_observers() if ":" not in n]

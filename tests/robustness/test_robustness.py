@@ -14,8 +14,8 @@ from quantscope import QuantSpec, presets
 from quantscope.calibrate import calibrate, calibrate_many, load
 from quantscope.layout import Group
 from quantscope.observers import get_observer
+from quantscope.qdq import dequantize, fake_quantize, quantize
 from quantscope.qparams import qparams_from_range
-from quantscope.quantize import dequantize, fake_quantize, quantize
 
 
 def _lin(d=32):

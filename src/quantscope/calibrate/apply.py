@@ -22,7 +22,7 @@ from torch import nn
 
 # the quantizer of a role lives below calibrate/ (report and apply both use it): re-exported
 from ..observers.runtime import qdq_tensor, runtime_qparams
-from ..quantize import clip_edges
+from ..qdq import clip_edges
 from . import kv_cache
 from .result import RoleState
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from ..observers.runtime import runtime_qparams
-from ..quantize import clip_edges, fake_quantize
+from ..qdq import clip_edges, fake_quantize
 
 __all__ = [
     "Report",

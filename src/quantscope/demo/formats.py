@@ -28,8 +28,8 @@ import torch
 from .. import presets
 from ..calibrate.report import sqnr_db
 from ..layout import Block, Channel, Group, Tile
+from ..qdq import fake_quantize
 from ..qparams import qparams_from_range
-from ..quantize import fake_quantize
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 

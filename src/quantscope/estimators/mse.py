@@ -40,8 +40,8 @@ import math
 import torch
 
 from .._checks import check_int, check_number
+from ..qdq import fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
-from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 from . import mse_compat, mse_kernel, mse_tiles

@@ -7,7 +7,7 @@ does both in one call per block of candidates, with plain threads over units
 
 * **Pricing.** The error of a candidate ``(scale, zp)`` on a unit is
   ``sum(d ** 2)`` with ``d = fake_quantize_units(x) - x`` rounded exactly as
-  :func:`~quantscope.quantize.fake_quantize_units` rounds it (``x / scale``,
+  :func:`~quantscope.qdq.fake_quantize_units` rounds it (``x / scale``,
   ``+ zp``, round half to even, clamp, ``(q - zp) * scale``, minus ``x``; built
   with ``-ffp-contract=off``). Each ``d`` is float32 as in torch; its square is
   exact in float64 and the sum is accumulated in float64, so the error is the

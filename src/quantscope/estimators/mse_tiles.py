@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..formats import IntFormat
+from ..qdq import fake_quantize_units
 from ..qparams import qparams_from_range
-from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 
 

@@ -29,8 +29,8 @@ import torch
 
 from .. import kernels
 from ..formats import IntFormat
+from ..qdq import fake_quantize_units
 from ..qparams import qparams_from_range
-from ..quantize import fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.histogram import Hist
 

@@ -10,15 +10,15 @@
   layer's output error ``||X W^T - Q(X) Q(W)^T||^2`` given its quantized weight.
 
 Both go through :func:`~quantscope.qparams.qparams_from_range` and
-:func:`~quantscope.quantize.fake_quantize_units`, so a candidate is scored as it runs.
+:func:`~quantscope.qdq.fake_quantize_units`, so a candidate is scored as it runs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..qdq import fake_quantize, fake_quantize_units
 from ..qparams import qparams_from_range
-from ..quantize import fake_quantize, fake_quantize_units
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 from .mse import shrink_factors

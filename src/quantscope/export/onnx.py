@@ -6,7 +6,7 @@ For each calibrated Linear (found through the module name the dynamo exporter re
 each node, ``pkg.torch.onnx.name_scopes``, and checked against the weight's values):
 
 - the weight is stored as integer codes (int4 / int8 / int16 or unsigned; codes from
-  :func:`quantscope.quantize.quantize`, the one quantizer) feeding ``DequantizeLinear`` with
+  :func:`quantscope.qdq.quantize`, the one quantizer) feeding ``DequantizeLinear`` with
   ``axis`` (per channel) or ``block_size`` (per group, opset 21);
 - a static input gets its own ``QuantizeLinear -> DequantizeLinear`` pair on that Linear's
   input alone. Pairs are never shared between q / k / v: each MatMul then sees the
@@ -14,7 +14,7 @@ each node, ``pkg.torch.onnx.name_scopes``, and checked against the weight's valu
 
 Scales are written as quantscope computed them (compressed-tensors' ``absmax / 127.5`` stays
 ``/ 127.5``); ``QuantizeLinear`` computes ``saturate(round_half_even(x / scale) + zp)``, the
-same arithmetic as :func:`~quantscope.quantize.fake_quantize`. int8 codes are stored as
+same arithmetic as :func:`~quantscope.qdq.fake_quantize`. int8 codes are stored as
 int8: on x86 CPUs with VNNI ORT's int8 kernel is exact and fast; without VNNI it saturates,
 and :func:`session` sets the ORT option that runs the exact u8u8 kernel instead
 (:data:`PRECISE_U8U8`; ``uint8=True`` stores uint8 codes, exact in any session).
@@ -131,7 +131,7 @@ def _weight_dq(layer, state, weight: torch.Tensor, transposed: bool, prefix: str
     from onnx import helper, numpy_helper
 
     from ..layout import Channel, Group, Tensor
-    from ..quantize import quantize
+    from ..qdq import quantize
 
     spec = state.spec
     if state.dynamic is not False or state.qparams is None:

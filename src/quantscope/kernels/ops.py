@@ -14,7 +14,7 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   mixed shapes): float32 ``[sum U_i]`` each, the tensors' rows in order.
 * ``fake_quant_int(units, scale, zero_point, qmin, qmax) -> out``: integer fake-quantization
   of ``units [U, E]`` with float32 per-unit ``scale`` / ``zero_point`` ``[U]``; float32
-  ``[U, E]`` (``quantize.fake_quantize_units``).
+  ``[U, E]`` (``qdq.fake_quantize_units``).
 * ``mse_price_int(units, scale, zero_point, qmin, qmax) -> err``: the MSE search's pricing,
   float64 ``[K, U]`` squared fake-quant errors of candidates ``scale`` (float32) /
   ``zero_point`` (int32) ``[K, U]`` on float32 ``units [U, E]`` (the C kernel on the CPU;
@@ -41,9 +41,9 @@ import torch
 from torch import Tensor
 
 from ..formats import FP8_E4M3, INT8, FloatFormat, get_format
+from ..qdq import fake_quantize_units
 from ..qparams import amax_of_range
 from ..qparams import nvfp4_block_scales as _nvfp4_torch
-from ..quantize import fake_quantize_units
 from ..scales import E8M0_MODES, e8m0_scale
 from . import lib as _c_lib
 from . import plain as _plain

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..qdq import fake_quantize
 from ..qparams import QParams, qparams_from_range
-from ..quantize import fake_quantize
 from ..stats.minmax import unit_minmax
 from .registry import get_observer
 

@@ -26,7 +26,7 @@ def rint(t):
 
 @triton.jit
 def fake_quant(x, s, z, qmin, qmax):
-    """``(clamp(rint(x / s + z), qmin, qmax) - z) * s``: ``quantize.fake_quantize_units`` of
+    """``(clamp(rint(x / s + z), qmin, qmax) - z) * s``: ``qdq.fake_quantize_units`` of
     an integer format, each float32 step rounded as its torch op (IEEE division; the clamp
     keeps NaN, as ``torch.clamp``)."""
     t = rint(tl.math.div_rn(x, s) + z)

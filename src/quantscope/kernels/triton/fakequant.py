@@ -1,7 +1,7 @@
 """Fake-quantization of integer formats on a ``[units, elements]`` view (Triton).
 
 ``out = (clamp(rint(x / s + z), qmin, qmax) - z) * s`` per unit, in float32 whatever the
-input dtype, each step rounded as the torch ops of ``quantize.fake_quantize_units`` round
+input dtype, each step rounded as the torch ops of ``qdq.fake_quantize_units`` round
 it: IEEE division (``div_rn``), half-to-even ``rint``, no FMA (see the package doc). The
 clamp propagates NaN as ``torch.clamp`` does.
 """

@@ -2,7 +2,7 @@
 error of every candidate ``(scale, zero_point)`` on every unit, integer formats.
 
 ``err[k, u] = sum_e d ** 2``, ``d = fake_quant(x, scale[k, u], zp[k, u]) - x`` in float32
-rounded as ``quantize.fake_quantize_units`` (``_jit.fake_quant``), squared exactly in
+rounded as ``qdq.fake_quantize_units`` (``_jit.fake_quant``), squared exactly in
 float64 and summed in float64: torch's float64 sum of its float32 errors up to the order
 of the sum (tests: 1e-12). The C kernel (``csrc/mse_search.c``, ``qs_mse_price``) sums a few
 float32 squares per SIMD lane before its float64 sum, so the two agree to ~5e-7 (its
