@@ -250,3 +250,29 @@ def test_registry_imatrix_falls_back_to_quantscope_memoryless_mse(fields, import
         warnings.simplefilter("error")  # no fallback warning
         weighted(lin.weight)
     assert weighted._global_amax is None and weighted.max_vals.shape == uniform_max.shape
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("imatrix_mse", {}), ("imatrix_mse", {"patience": 1, "norm": 2.0}),
+    ("imatrix_mse", {"maxshrink": 1.0, "patience": 0}), ("imatrix_mse", {"expand": 1.3}),
+    ("nvfp4_expanded_imatrix", {}), ("nvfp4_expanded_imatrix", {"patience": 3})])
+@pytest.mark.parametrize("fields", [WEIGHT_ARGS[1], WEIGHT_ARGS[2], WEIGHT_ARGS[4]],
+                         ids=["int8-channel", "int4-group", "nvfp4"])
+@pytest.mark.parametrize("weighted", [True, False], ids=["importance", "uniform"])
+def test_compat_imatrix_bitwise_as_llmcompressor(name, kwargs, fields, weighted):
+    torch.manual_seed(7)
+    lin = torch.nn.Linear(64, 24)
+    made = []
+    for impl in (lc.Observer, TheirObserver):
+        obs = impl.load_from_registry(name, base_name="weight", args=QuantizationArgs(
+            **fields, observer_kwargs=dict(kwargs)))
+        obs.attach(lin)
+        made.append(obs)
+    if weighted:
+        lin(torch.randn(8, 64) * torch.linspace(0.01, 8, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the uniform case warns (ours) / logs (theirs)
+        mine, theirs = (obs(lin.weight) for obs in made)
+    assert torch.equal(mine.min_vals, theirs.min_vals)
+    assert torch.equal(mine.max_vals, theirs.max_vals)
+    _same_qparams(mine.get_qparams(), theirs.get_qparams())

@@ -14,7 +14,8 @@ uniform search with a warning. Options and their checks are llm-compressor's (ma
 :func:`imatrix_search` is the search: candidates ``p * expand * [min, max]`` for
 ``p = 1 - i / grid``, ``i = 0 .. max(1, int(maxshrink * grid))``, scored by
 ``sum(importance * |fake_quant(x) - x| ** norm)`` per unit with fp32 scales (the global
-scale cancels), llm-compressor's global patience.
+scale cancels), llm-compressor's global patience: quantscope's
+:func:`~quantscope.estimators.weighted.weighted_search` with its ``expand`` and ``patience``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from typing import ClassVar
 
 import torch
 
+from ..estimators.weighted import weighted_search
 from ..layout import Channel
-from ..qparams import qparams_from_range
-from ..quantize import fake_quantize_units
 from . import enum_name, field
+from .llmcompressor_base import statistics_units
 from .llmcompressor_parts import flatten_for_calibration
 from .llmcompressor_spec import llmcompressor_spec
 
@@ -158,28 +159,14 @@ class IMatrixMixin:
 def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec, *,
                    maxshrink: float, patience: int, grid: float, norm: float,
                    expand: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """llm-compressor 0.14's importance-weighted grid search (see the module docstring)."""
-    shape = tuple(observed.shape[1:-1])
-    units = observed.movedim(0, -2).reshape(math.prod(shape), -1).float()
+    """llm-compressor 0.14's importance-weighted grid search (see the module docstring), run
+    by :func:`~quantscope.estimators.weighted.weighted_search`: its incumbent is their first
+    candidate (``p = 1``, the range times ``expand``), the factors their others."""
+    units, shape = statistics_units(observed)
+    units = units.float()
     weights = None if importance is None else \
         importance.movedim(0, -2).reshape(units.shape).float()
-    lo0, hi0 = units.amin(-1) * expand, units.amax(-1) * expand
-    best = [torch.full_like(lo0, torch.finfo(torch.float32).max), lo0.clone(), hi0.clone()]
-    stale = 0
-    for i in range(max(1, int(maxshrink * grid)) + 1):
-        lo, hi = lo0 * (1 - i / grid), hi0 * (1 - i / grid)
-        qp = qparams_from_range(lo, hi, spec, check_finite=False)
-        err = fake_quantize_units(units, qp.effective_scale.reshape(-1, 1),
-                                  qp.zero_point.float().reshape(-1, 1), spec)
-        err = err.sub_(units).abs_().pow_(norm)
-        err = (err if weights is None else err.mul_(weights)).sum(-1)
-        better = err < best[0]
-        if bool(better.any()):
-            best = [torch.where(better, err, best[0]), torch.where(better, lo, best[1]),
-                    torch.where(better, hi, best[2])]
-            stale = 0
-        else:
-            stale += 1
-            if patience > 0 and stale >= patience:
-                break
-    return best[1].reshape(shape), best[2].reshape(shape)
+    factors = [1 - i / grid for i in range(1, max(1, int(maxshrink * grid)) + 1)]
+    lo, hi = weighted_search(units, weights, spec, factors=factors, norm=norm, expand=expand,
+                             patience=patience or None)
+    return lo.reshape(shape), hi.reshape(shape)

@@ -32,18 +32,28 @@ def _check_spec(spec, who):
         raise TypeError(f"{who}: spec must be a QuantSpec, got {type(spec).__name__}")
 
 
-def weighted_search(units: torch.Tensor, weights: torch.Tensor, spec: QuantSpec, *,
-                    factors=None, norm: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-unit ``(lo, hi)`` among the min-max range shrunk by ``factors`` minimising
-    ``sum weights * |Q(u) - u|^norm`` (``units`` and ``weights`` both ``[U, E]``). Factor 1
-    is the incumbent (strict ``<`` keeps the earliest best)."""
-    if not (isinstance(norm, (int, float)) and norm > 0):
-        raise ValueError(f"imatrix_range: norm must be a positive number, got {norm!r}")
+def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: QuantSpec, *,
+                    factors=None, norm: float = 2.0, expand: float = 1.0,
+                    patience: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-unit ``(lo, hi)`` among the min-max range times ``expand``, shrunk by ``factors``,
+    minimising ``sum weights * |Q(u) - u|^norm`` (``units`` and ``weights`` both ``[U, E]``;
+    ``weights`` None: uniform). The range times ``expand`` (factor 1) is the incumbent
+    (strict ``<`` keeps the earliest best).
+
+    ``expand`` (> 0): the base range is ``(lo * expand, hi * expand)``, each candidate
+    ``(lo * expand) * f`` (llm-compressor's order), so candidates can exceed the min-max
+    range. ``patience``: llm-compressor's global rule, stop after ``patience`` consecutive
+    factors that improved no unit (reads one flag back to the host per factor); None tries
+    every factor.
+    """
+    _check_options(norm, expand, patience)
     factors = shrink_factors() if factors is None else list(factors)
-    if not factors or any(not (0 < f <= 1) for f in factors):
-        raise ValueError(f"imatrix_range: factors must be in (0, 1], got {factors!r}")
+    if not factors or any(not (0 <= f <= 1) for f in factors):
+        raise ValueError(f"imatrix_range: factors must be in [0, 1], got {factors!r}")
     lo0, hi0 = unit_minmax(units)
-    best = None
+    if expand != 1.0:
+        lo0, hi0 = lo0 * expand, hi0 * expand
+    best, stale = None, 0
     # every candidate's error in one buffer: a fresh multi-megabyte tensor per candidate costs
     # its page faults again once calibration has fixed the mmap threshold (calibrate/heap.py)
     buf = torch.empty_like(units, dtype=torch.float32)
@@ -55,7 +65,7 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor, spec: QuantSpec,
         scale = qp.effective_scale.expand_as(lo).reshape(-1, 1)
         zp = qp.zero_point.float().expand_as(lo).reshape(-1, 1)
         d = fake_quantize_units(units, scale, zp, spec, out=buf).sub_(units).abs_().pow_(norm)
-        err = d.mul_(weights).sum(1)
+        err = (d if weights is None else d.mul_(weights)).sum(1)
         if best is None:
             best = [err, lo.clone(), hi.clone()]
             continue
@@ -63,7 +73,24 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor, spec: QuantSpec,
         best[0] = torch.where(better, err, best[0])
         best[1] = torch.where(better.reshape(lo.shape), lo, best[1])
         best[2] = torch.where(better.reshape(hi.shape), hi, best[2])
+        if patience is not None:
+            stale = 0 if bool(better.any()) else stale + 1
+            if stale >= patience:
+                break
     return best[1], best[2]
+
+
+def _check_options(norm, expand, patience) -> None:
+    if not (isinstance(norm, (int, float)) and norm > 0):
+        raise ValueError(f"imatrix_range: norm must be a positive number, got {norm!r}")
+    if isinstance(expand, bool) or not isinstance(expand, (int, float)) \
+            or not 0 < expand < float("inf"):
+        raise ValueError(f"imatrix_range: expand must be a finite positive number, "
+                         f"got {expand!r}")
+    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int)
+                                 or patience < 1):
+        raise ValueError(f"imatrix_range: patience must be a positive integer or None, "
+                         f"got {patience!r}")
 
 
 def importance_units(importance: torch.Tensor | None, shape, spec: QuantSpec,
