@@ -215,8 +215,22 @@ def test_modules_shared_between_blocks_are_refused(share, says):
         calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
 
 
-def test_weights_tied_between_blocks_are_not_shared_modules():
-    model = _net(order=(1, 2, 0))
-    model.layers[2].fc.weight = model.layers[0].fc.weight
+def test_weights_tied_between_blocks_are_not_shared_modules(tmp_path):
+    """Tied weights (one tensor, two modules) are two layers in both passes; from a
+    checkpoint that stores the tensor once (as save_pretrained does) the tie survives each
+    block's load and unload (the second block's weight was 'not in the checkpoint')."""
+    def tie(m):
+        m.layers[2].fc.weight = m.layers[0].fc.weight
+        return m
+
+    model = tie(_net(order=(1, 2, 0)))
     whole = calibrate(model, _batches(), "w8a8", progress=False)
     _same(whole, calibrate(model, _batches(), "w8a8", progress=False, sequential=True))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()
+               if k != "layers.2.fc.weight"}
+    save_file(tensors, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        skeleton = tie(Net(order=(1, 2, 0)).eval())
+    _same(whole, calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
+                           checkpoint=tmp_path))
+    assert skeleton.layers[2].fc.weight is skeleton.layers[0].fc.weight

@@ -130,7 +130,8 @@ def load_params(model, names: set[str], ckpt: Checkpoint | None, device) -> None
                 raise ValueError(f"calibrate: checkpoint tensor {keys[0]!r} gives shape "
                                  f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
             done[id(p)] = nn.Parameter(t.to(device=device, dtype=p.dtype), requires_grad=False)
-        _set_param(model, n, done[id(p)])
+            for alias in aliases[id(p)]:  # tied names stay one tensor (unload_params too)
+                _set_param(model, alias, done[id(p)])
 
 
 def _first(tensors):
@@ -191,10 +192,12 @@ def _set_param(model, name, value) -> None:
 
 
 def unload_params(model, names: set[str]) -> None:
-    """Back to the meta device (tied aliases follow: one object per tensor)."""
-    done = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if n in names or id(p) in done:
-            if id(p) not in done:
+    """Back to the meta device (tied aliases follow, before or after ``names`` in the model:
+    one object per tensor)."""
+    params = list(model.named_parameters(remove_duplicate=False))
+    done = {id(p): None for n, p in params if n in names}
+    for n, p in params:
+        if id(p) in done:
+            if done[id(p)] is None:
                 done[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
             _set_param(model, n, done[id(p)])
