@@ -7,8 +7,11 @@ blocks form a **chain**: each called once per forward, each on the output of the
 called before it, and no block's output used anywhere else. The first pass replaces every
 block by a recorder that passes its input through (a new tensor object, so that the next
 call's input is recognized by identity, ``is``) and notes which block was called on whose
-output; a torch-function mode notes every other use of a block's output. A chain in any
-order is followed; anything else is refused with an error naming the block.
+output; a torch-function mode notes every other use of a block's output. Where passing the
+input through cannot work (blocks that change its shape, or return tuples) a second trace
+gives zeros shaped as each block's output, found by running the block on the meta device.
+A chain in any order is followed; anything else is refused with an error naming the block,
+as is a weighted module shared by two blocks (:func:`check_disjoint`).
 """
 
 from __future__ import annotations
