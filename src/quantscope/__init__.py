@@ -8,27 +8,18 @@ import importlib
 
 __version__ = "0.1.0"
 
-#: the modules whose import registers observer classes beyond the native families (imported
-#: by :mod:`quantscope.observers.registry` on its first lookup): the compat toolkits. A new
-#: toolkit is one module under ``quantscope/compat/`` and one line here.
-OBSERVER_MODULES = (
-    "quantscope.compat.llmcompressor_legacy",
-    "quantscope.compat.quark",
-    "quantscope.compat.horizon",
-    "quantscope.compat.torch_ao",
-)
-
 #: public name -> the submodule that defines it (``None``: the name is that submodule)
 _EXPORTS = {
     "Block": "layout", "Channel": "layout", "Group": "layout", "Tensor": "layout",
     "Tile": "layout", "Token": "layout",
     "FloatFormat": "formats", "IntFormat": "formats", "get_format": "formats",
     "Observer": "observers", "get_observer": "observers", "list_observers": "observers",
+    "OBSERVER_MODULES": "observers.registry",
     "QParams": "qparams", "qparams_from_range": "qparams",
     "dequantize": "qdq", "fake_quantize": "qdq", "quantize": "qdq",
     "ScaleEncoding": "scales",
     "QuantSpec": "spec",
-    "keep_float": "calibrate.sensitivity", "sensitivity": "calibrate.sensitivity",
+    "keep_float": "calibrate.sensitivity", "sensitivity": "calibrate.session",
     "calibrate": None,  # a callable package: quantscope.calibrate(model, batches, recipe)
     "export": None, "formats": None, "layout": None, "presets": None, "scales": None,
 }

@@ -7,8 +7,8 @@ from .options import Auto, MoE, Outliers, Runtime, Sampling, Sequential
 from .recipe import PRESETS, RECIPES, ROLES, Recipe, Role, Rule, preset
 from .report import Report
 from .result import Calibration, RoleState
-from .sensitivity import Sensitivity, fallback_curve, keep_float, sensitivity
-from .session import calibrate, calibrate_many
+from .sensitivity import Sensitivity, fallback_curve, keep_float
+from .session import calibrate, calibrate_many, sensitivity
 
 __all__ = [
     "PRESETS",

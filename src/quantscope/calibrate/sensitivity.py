@@ -1,6 +1,6 @@
 """Sensitivity analysis and float fallback: which tensors' quantization the model feels.
 
-:func:`sensitivity` quantizes one tensor at a time (a layer's weight, or its input
+:func:`~.session.sensitivity` quantizes one tensor at a time (a layer's weight, or its input
 activation) with a calibration's qparams, everything else in float, and measures how far
 the model's output moves on held-out batches (:class:`~.auto.OutputDivergence`: KL of the
 next-token distributions for a causal LM, ``1 - cosine`` of mean-pooled embeddings for an
@@ -27,7 +27,7 @@ from .auto import OutputDivergence
 from .result import Calibration, RoleState
 
 __all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "layer_sensitivity",
-           "plot_fallback", "sensitivity"]
+           "measure", "plot_fallback"]
 
 #: input rows per layer and batch :func:`layer_sensitivity` measures the error on
 LAYER_ROWS = 256
@@ -111,29 +111,11 @@ def _metric_name(div: OutputDivergence) -> str:
     return {"kl": "KL(next token)", "cos": "1 - cosine"}[div.references[0][0]]
 
 
-def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibration | None
-                = None, calib_batches=None, observer: str = "minmax", loss=None,
-                roles=("weight", "input"), progress: bool = False) -> Sensitivity:
-    """Per layer and role, how much the model's output moves when only that tensor is
-    quantized, on held-out ``batches``.
-
-    Args:
-        model: the float model.
-        batches: held-out batches (dicts, tuples or tensors as :func:`calibrate` takes).
-        recipe: the recipe whose tensors are measured (ignored if ``calibration`` given).
-        calibration: a :class:`Calibration` to measure (default: ``recipe`` calibrated with
-            ``observer`` on ``calib_batches``).
-        calib_batches: calibration batches (default: ``batches``).
-        loss: ``callable(output, reference_output, batch) -> float`` replacing the default
-            divergence.
-        roles: which roles to measure.
-    """
-    from .session import calibrate
-
-    if calibration is None:
-        calibration = calibrate(model, batches if calib_batches is None else calib_batches,
-                                recipe, observer=observer, progress=progress)
-    elif not isinstance(calibration, Calibration):
+def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
+            roles=("weight", "input"), progress: bool = False) -> Sensitivity:
+    """:func:`~.session.sensitivity` of a given ``calibration``: each of its tensors of
+    ``roles`` quantized alone, the model's output divergence on ``batches``."""
+    if not isinstance(calibration, Calibration):
         raise TypeError(f"sensitivity: calibration must be a Calibration, got "
                         f"{type(calibration).__name__}")
     t0 = time.perf_counter()
@@ -212,7 +194,7 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     causes in the layer's own output, ``||Q(X) W^T - X W^T||^2 / ||X W^T||^2`` (input) or
     ``||X Q(W)^T - X W^T||^2 / ||X W^T||^2`` (weight), on up to :data:`LAYER_ROWS` input rows
     per batch of ``batches`` (e.g. calibration batches). One forward per batch, against
-    ``2 x layers + 1`` for :func:`sensitivity`; it does not see what an error does
+    ``2 x layers + 1`` for :func:`~.session.sensitivity`; it does not see what an error does
     downstream, but on SmolLM2 its first 16 inputs are the ones whose fallback matters
     (docs/benchmarks.md). Layers with a 2-D weight only."""
     import torch

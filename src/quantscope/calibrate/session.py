@@ -54,10 +54,10 @@ from .options import (
 from .recipe import AUTO, Recipe, preset
 from .result import Calibration
 from .samples import RowSample
-from .sensitivity import check_fallback, fall_back
+from .sensitivity import Sensitivity, check_fallback, fall_back, measure
 
 __all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many",
-           "calibrate_with"]
+           "calibrate_with", "sensitivity"]
 
 
 def _as_recipe(recipe, observer) -> Recipe:
@@ -376,3 +376,26 @@ def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None 
     r = _as_recipe(recipe, observer)
     opts = _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywords)
     return calibrate_with(model, batches, {r.name: r}, opts)[r.name]
+
+
+def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibration | None
+                = None, calib_batches=None, observer: str = "minmax", loss=None,
+                roles=("weight", "input"), progress: bool = False) -> Sensitivity:
+    """Per layer and role, how much the model's output moves when only that tensor is
+    quantized, on held-out ``batches``.
+
+    Args:
+        model: the float model.
+        batches: held-out batches (dicts, tuples or tensors as :func:`calibrate` takes).
+        recipe: the recipe whose tensors are measured (ignored if ``calibration`` given).
+        calibration: a :class:`Calibration` to measure (default: ``recipe`` calibrated with
+            ``observer`` on ``calib_batches``).
+        calib_batches: calibration batches (default: ``batches``).
+        loss: ``callable(output, reference_output, batch) -> float`` replacing the default
+            divergence.
+        roles: which roles to measure.
+    """
+    if calibration is None:
+        calibration = calibrate(model, batches if calib_batches is None else calib_batches,
+                                recipe, observer=observer, progress=progress)
+    return measure(model, batches, calibration, loss, roles, progress)

@@ -11,14 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["get_observer", "list_observers", "observer_class", "register", "register_module"]
+__all__ = ["OBSERVER_MODULES", "get_observer", "list_observers", "observer_class", "register", "register_module"]
 
 _REGISTRY: dict[str, type] = {}  # lower-case name -> class
 _DISPLAY: dict[str, str] = {}  # lower-case name -> the name as registered
-# modules whose import registers observer classes (their @register lines), imported on the
-# first lookup so that ``import quantscope`` stays light: the native families
-# (quantscope.observers), the top-level package's ``quantscope.OBSERVER_MODULES`` (the compat
-# toolkits) and those declared by register_module (plug-ins)
+#: the modules whose import registers observer classes beyond the native families (imported
+#: on the first lookup, so that ``import quantscope`` stays light): the compat toolkits. A new
+#: toolkit is one module under ``quantscope/compat/`` and one line here (also
+#: ``quantscope.OBSERVER_MODULES``).
+OBSERVER_MODULES = (
+    "quantscope.compat.llmcompressor_legacy",
+    "quantscope.compat.quark",
+    "quantscope.compat.horizon",
+    "quantscope.compat.torch_ao",
+)
+# the native families, imported by name before those: the registry does not import its own
+# package (quantscope.observers imports the registry), so no import circle
+_NATIVE = tuple(f"quantscope.observers.{m}" for m in ("histogram", "imatrix", "minmax", "mse"))
+# those declared by register_module (plug-ins)
 _MODULES: list[str] = []
 
 
@@ -42,7 +52,7 @@ def register(*names: str) -> Callable[[type], type]:
 def register_module(module: str) -> None:
     """Declare ``module`` (a dotted name) as holding ``@register`` classes: it is imported on
     the first registry lookup. The extension point of observer families outside
-    :mod:`quantscope.observers`: :data:`quantscope.OBSERVER_MODULES` lists quantscope's
+    :mod:`quantscope.observers`: :data:`OBSERVER_MODULES` lists quantscope's
     own (the compat toolkits); a plug-in calls this once."""
     if not isinstance(module, str) or not module:
         raise TypeError(f"register_module: module must be a dotted module name, got {module!r}")
@@ -54,9 +64,7 @@ def _load_all():
     # importing the modules runs their @register decorators
     import importlib
 
-    from .. import OBSERVER_MODULES, observers  # noqa: F401
-
-    for mod in (*OBSERVER_MODULES, *_MODULES):
+    for mod in (*_NATIVE, *OBSERVER_MODULES, *_MODULES):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:
