@@ -129,7 +129,7 @@ def test_cli_export_never_replaces_the_source_model(tmp_path, capsys):
 
 
 def test_export_run_refuses_its_inputs_before_loading(tmp_path):
-    from quantscope.export import export_run
+    from quantscope.cli.export import export_run
 
     model = _model_folder(tmp_path / "m")
     cal = _calibration()
@@ -193,7 +193,7 @@ def test_cli_export_onnx_overwrite_replaces_the_file(run_of_tiny_bert, tmp_path,
 
 def test_written_folders_and_files_follow_the_umask(run_of_tiny_bert, tmp_path, umask_022):
     pytest.importorskip("compressed_tensors")
-    from quantscope.export import export_run
+    from quantscope.cli.export import export_run
 
     out = export_run(run_of_tiny_bert, tmp_path / "ct")
     entries = [Path(out), *Path(out).rglob("*")]

@@ -1,7 +1,8 @@
 """Import structure: every module imports alone, and no module imports a higher layer.
 
 The layers (docs/architecture.md), lowest first; a module may import its own layer and
-those below, at module level or inside a function. ``quantscope.distributed`` is the public
+those below, at module level or inside a function; and no module imports another in a
+circle, whether the imports run at load time or inside functions. ``quantscope.distributed`` is the public
 facade of data-parallel sync (it re-exports from comm, stats, observers and calibrate), so it
 sits at the top beside the CLI.
 """
@@ -147,6 +148,49 @@ def test_no_import_circle_at_module_level():
     cycles = [c for c in _cycles(_module_level_graph())
               if not all(x == c[0] or x.startswith(c[0] + ".") for x in c)]
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _full_graph():
+    """``{module: {module it imports}}``, imports inside functions included (an import that
+    runs at call time is still a dependency: issue 36 item 5)."""
+    return {mod: {t for t, _ in _imports(mod, path, path.name == "__init__.py") if t}
+            for mod, path in _modules()}
+
+
+def _own_package_circles(graph):
+    """A submodule that imports its own package (an ancestor's ``__init__``) while that
+    package reaches the submodule back: ``(submodule, package)`` pairs."""
+    out = []
+    for mod, targets in graph.items():
+        for pkg in sorted(targets):
+            if pkg == mod or not (pkg == "" or mod.startswith(pkg + ".")):
+                continue
+            seen, todo = set(), [pkg]
+            while todo:
+                m = todo.pop()
+                for t in graph.get(m, ()):
+                    if t not in seen:
+                        seen.add(t)
+                        todo.append(t)
+            if mod in seen:
+                out.append((mod, pkg or "quantscope"))
+    return out
+
+
+def test_no_import_circle_at_all():
+    # a package importing its own submodules is not a circle; a submodule importing its
+    # package back while the package (at any depth, at call time too) imports the submodule is
+    graph = _full_graph()
+    cycles = [c for c in _cycles(graph)
+              if not all(x == c[0] or x.startswith(c[0] + ".") for x in c)]
+    cycles += [[m, p, m] for m, p in _own_package_circles(graph)]
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_own_package_circle_check_can_fail():
+    graph = {"obs": {"obs.reg", "obs.minmax"}, "obs.reg": {"obs"}, "obs.minmax": {"obs.reg"}}
+    assert ("obs.reg", "obs") in _own_package_circles(graph)
+    assert _own_package_circles({"obs": {"obs.reg"}, "obs.reg": set()}) == []
 
 
 def test_circle_check_catches_a_circle():

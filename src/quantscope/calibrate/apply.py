@@ -24,7 +24,7 @@ from torch import nn
 from ..observers.runtime import qdq_tensor, runtime_qparams
 from ..qdq import clip_edges
 from . import kv_cache
-from .result import RoleState
+from .role_state import RoleState
 
 __all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "runtime_qparams"]
 

@@ -15,71 +15,20 @@ import os
 
 import torch
 
-from ..export.atomic import atomic_dir
 from ..qparams import QParams
 from ..spec import QuantSpec
 from .recipe import Recipe
-from .report import json_safe
-from .result import Calibration, RoleState
+from .result import Calibration
+from .role_state import RoleState
+from .saving import FORMAT, META, SMOOTH, TENSORS, VERSION, safetensors, save
 
 __all__ = ["META", "TENSORS", "load", "save"]
-
-TENSORS = "qparams.safetensors"
-META = "quantscope.json"
-FORMAT = "quantscope-calibration"
-VERSION = 1
-#: key prefix of SmoothQuant's per-channel scales in the tensors file (``Calibration.smoothing``)
-SMOOTH = "#smooth/"
-
-
-def _safetensors():
-    try:
-        from safetensors.torch import load_file, save_file
-    except ImportError:
-        raise ImportError("save / load need safetensors: pip install 'quantscope[model]'") from None
-    return save_file, load_file
 
 
 def _safetensor_error() -> type:
     from safetensors import SafetensorError
 
     return SafetensorError
-
-
-def save(calibration: Calibration, path, *, overwrite: bool = True) -> str:
-    """Write ``calibration`` to directory ``path``; returns the path.
-
-    Atomic: the files are written into a temporary folder beside ``path`` that is then
-    renamed into place, so ``path`` holds either the complete new calibration or what it
-    held before (an existing ``path`` is replaced if quantscope wrote it, never another
-    folder, nor the working folder: :func:`~quantscope.export.atomic.check_writable_target`;
-    ``overwrite=False`` refuses it).
-    """
-    save_file, _ = _safetensors()
-    tensors, layers = {}, {}
-    for layer, roles in calibration.states.items():
-        for role, st in roles.items():
-            key = f"{layer}/{role}"
-            fields = {"lo": st.lo, "hi": st.hi, "global_amax": st.global_amax}
-            if st.qparams is not None:
-                fields.update(scale=st.qparams.scale, zero_point=st.qparams.zero_point,
-                              global_scale=st.qparams.global_scale)
-            for name, t in fields.items():
-                if t is not None:
-                    tensors[f"{key}/{name}"] = t.detach().cpu().clone().contiguous()
-            layers.setdefault(layer, {})[role] = {
-                "spec": st.spec.to_dict(), "observer": st.observer, "requested": st.requested,
-                "dynamic": st.dynamic, "options": dict(st.options),
-                "shape": None if st.shape is None else list(st.shape)}
-    for name, s in calibration.smoothing.items():
-        tensors[f"{SMOOTH}{name}"] = s.detach().cpu().float().contiguous()
-    meta = {"format": FORMAT, "version": VERSION, "label": calibration.label,
-            "recipe": calibration.recipe.to_dict(), "info": calibration.info, "layers": layers}
-    with atomic_dir(path, overwrite=overwrite) as tmp:
-        save_file(tensors, os.path.join(tmp, TENSORS))
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump(json_safe(meta), f, indent=1)
-    return str(path)
 
 
 class _Damaged(ValueError):
@@ -94,7 +43,7 @@ def load(path, device="cpu") -> Calibration:
     shape), finiteness and range (scales > 0, zero points inside the code range). A damaged
     or edited folder raises ``ValueError`` naming the file and the key.
     """
-    _, load_file = _safetensors()
+    _, load_file = safetensors()
     SafetensorError = _safetensor_error()
     meta_path, tensor_path = os.path.join(path, META), os.path.join(path, TENSORS)
     for p in (meta_path, tensor_path):

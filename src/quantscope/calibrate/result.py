@@ -2,54 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from ..export.registry import exporter, reader
-from ..qparams import QParams
-from ..spec import QuantSpec
+from .apply import apply as _apply
+from .report import Report
+from .role_state import RoleState
+from .saving import save as _save
 
 __all__ = ["Calibration", "RoleState"]
-
-
-@dataclass
-class RoleState:
-    """The calibrated quantizer of one tensor (a layer's weight, input or output).
-
-    ``qparams`` is None for ``dynamic=True`` (computed at run time);
-    ``global_amax`` is set for ``dynamic="local"``. ``observer`` is the observer that
-    made the range (for ``auto``, the one chosen; ``requested`` says ``"auto"``).
-    ``lo`` / ``hi`` are its per-unit range; ``shape`` the calibrated weight shape.
-    """
-
-    spec: QuantSpec
-    observer: str
-    requested: str
-    dynamic: bool | str = False
-    options: tuple = ()
-    qparams: QParams | None = None
-    global_amax: torch.Tensor | None = None
-    lo: torch.Tensor | None = None
-    hi: torch.Tensor | None = None
-    shape: tuple[int, ...] | None = None
-
-    def quantizes_like(self, other: RoleState) -> bool:
-        """Whether QDQ with ``other`` is the same as with this state: equal spec, mode,
-        qparams and global amax (the observer that found them does not matter)."""
-        def tensors(st):
-            qp = st.qparams
-            return ((None, None, None) if qp is None else (qp.scale, qp.zero_point,
-                                                           qp.global_scale)) + (st.global_amax,)
-        return (self.spec == other.spec and self.dynamic == other.dynamic
-                and all(a is b or (a is not None and b is not None and a.shape == b.shape
-                                   and a.dtype == b.dtype and torch.equal(a, b))
-                        for a, b in zip(tensors(self), tensors(other))))
-
-    def to(self, device) -> RoleState:
-        mv = (lambda t: None if t is None else t.to(device))
-        return replace(self, qparams=None if self.qparams is None else self.qparams.to(device),
-                       global_amax=mv(self.global_amax), lo=mv(self.lo), hi=mv(self.hi))
 
 
 @dataclass
@@ -73,9 +36,7 @@ class Calibration:
 
     def apply(self, model):
         """Fake-quantize ``model`` (QDQ); returns a handle whose ``remove()`` undoes it."""
-        from .apply import apply
-
-        return apply(model, self.states)
+        return _apply(model, self.states)
 
     def quantizes_like(self, other: Calibration) -> bool:
         """Whether applying ``other`` quantizes a model exactly as applying this does: the
@@ -90,16 +51,12 @@ class Calibration:
 
     def report(self, metrics: dict | None = None):
         """The :class:`~quantscope.calibrate.report.Report` of this calibration."""
-        from .report import Report
-
         return Report(self.label or self.recipe.name, self.recipe.name, self.stats,
                       dict(metrics or {}), self.info)
 
     def save(self, path):
         """qparams to ``path/qparams.safetensors`` and specs to ``path/quantscope.json``."""
-        from .io import save
-
-        return save(self, path)
+        return _save(self, path)
 
     def export(self, model, path, format: str = "compressed-tensors", **options):
         """Write this calibration applied to ``model`` in a runtime's ``format``

@@ -43,7 +43,7 @@ def cmd_export(args) -> int:
         raise UsageError(f"export: {args.run!r} is not a folder")
     qparams = run_qparams(args.run)
     check_model_arg(args.model)
-    from ..export import FORMATS, export_run
+    from ..export import FORMATS
     from ..export.atomic import check_writable_target
 
     if args.format not in FORMATS:
@@ -72,3 +72,39 @@ def cmd_check(args) -> int:
         return 1
     print(f"{args.path}: the fused layers' shards agree")
     return 0
+
+
+def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
+               overwrite: bool = False, allow_lossy: bool = False) -> str:
+    """Export a saved calibration (what ``quantscope export RUN_DIR`` runs); returns the path.
+
+    ``run_dir`` is a ``quantscope calibrate --out RUN`` folder (its ``qparams/``) or a
+    qparams folder itself; ``model`` the model folder or demo name (default: the one the
+    calibration recorded in ``info["model"]``).
+    """
+    from ..calibrate import load
+    from ..calibrate.smooth import reapply
+    from ..demo import models
+    from ..export import export
+    from ..export.atomic import check_writable_target
+
+    run_dir = os.fspath(run_dir)
+    qdir = os.path.join(run_dir, "qparams")
+    qdir = qdir if os.path.isdir(qdir) else run_dir
+    calibration = load(qdir)
+    source = model or calibration.info.get("model")
+    if not source:
+        raise ValueError(f"export: {run_dir} does not record its model; pass model= (--model)")
+    path = models.resolve_model_path(source)
+    # before the (slow) load: the run and the model are inputs, never to be replaced
+    check_writable_target(out, overwrite=overwrite, kind="file" if format == "onnx" else
+                          "folder", inputs=[run_dir, qdir, path])
+    float_model, tokenizer = models.load_model(path, task=calibration.info.get("task"))
+    if calibration.smoothing:  # calibrated on SmoothQuant's weights: write those
+        reapply(float_model, calibration)
+    if format == "onnx":  # a traced graph: the exporter runs the model on an example batch
+        example = dict(tokenizer(["quantscope exports this model."], return_tensors="pt"))
+        return export(calibration, float_model, out, format=format, overwrite=overwrite,
+                      example_inputs=example)
+    return export(calibration, float_model, out, format=format, overwrite=overwrite,
+                  allow_lossy=allow_lossy, model_path=str(path))

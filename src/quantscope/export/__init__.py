@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .registry import FORMATS, exporter, register
 
-__all__ = ["FORMATS", "check", "export", "export_run", "exporter", "register"]
+__all__ = ["FORMATS", "check", "export", "exporter", "register"]
 
 
 def check(path) -> list[dict]:
@@ -27,45 +27,6 @@ def check(path) -> list[dict]:
 def export(calibration, model, path, format: str = "compressed-tensors", **options):
     """Write ``calibration`` applied to ``model`` to ``path`` in ``format``; returns the path."""
     return exporter(format)(calibration, model, path, **options)
-
-
-def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
-               overwrite: bool = False, allow_lossy: bool = False) -> str:
-    """Export a saved calibration (what ``quantscope export RUN_DIR`` runs); returns the path.
-
-    ``run_dir`` is a ``quantscope calibrate --out RUN`` folder (its ``qparams/``) or a
-    qparams folder itself; ``model`` the model folder or demo name (default: the one the
-    calibration recorded in ``info["model"]``).
-    """
-    import os
-
-    from ..calibrate import load
-    from ..demo import models
-
-    run_dir = os.fspath(run_dir)
-    qdir = os.path.join(run_dir, "qparams")
-    qdir = qdir if os.path.isdir(qdir) else run_dir
-    calibration = load(qdir)
-    source = model or calibration.info.get("model")
-    if not source:
-        raise ValueError(f"export: {run_dir} does not record its model; pass model= (--model)")
-    path = models.resolve_model_path(source)
-    from .atomic import check_writable_target
-
-    # before the (slow) load: the run and the model are inputs, never to be replaced
-    check_writable_target(out, overwrite=overwrite, kind="file" if format == "onnx" else
-                          "folder", inputs=[run_dir, qdir, path])
-    float_model, tokenizer = models.load_model(path, task=calibration.info.get("task"))
-    if calibration.smoothing:  # calibrated on SmoothQuant's weights: write those
-        from ..calibrate.smooth import reapply
-
-        reapply(float_model, calibration)
-    if format == "onnx":  # a traced graph: the exporter runs the model on an example batch
-        example = dict(tokenizer(["quantscope exports this model."], return_tensors="pt"))
-        return export(calibration, float_model, out, format=format, overwrite=overwrite,
-                      example_inputs=example)
-    return export(calibration, float_model, out, format=format, overwrite=overwrite,
-                  allow_lossy=allow_lossy, model_path=str(path))
 
 
 class _CallableModule(type(__import__("sys"))):
