@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from quantscope.calibrate import apply, preset
+from quantscope.calibrate import Auto, apply, preset
 from quantscope.calibrate.auto import score_batches
 from quantscope.calibrate.session import calibrate_many
 from quantscope.demo import data, models
@@ -24,7 +24,7 @@ lee, pairs = data.lee_documents(), data.lee_pairs()
 singles = ["minmax", "mse", "percentile", "entropy"]
 recipes = {o: preset(recipe, o) for o in singles}
 recipes["joint"] = preset(recipe, "auto")
-cal = calibrate_many(model, batches, recipes, candidates=singles, auto_metric="joint",
+cal = calibrate_many(model, batches, recipes, auto=Auto(candidates=singles, metric="joint"),
                      progress=False)
 
 

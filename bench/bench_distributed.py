@@ -8,7 +8,7 @@
    collectives and the payload bytes each rank sends. Floor: one all_reduce of the
    counts alone (the bytes that must move).
 2. The demo calibration (w8a8, MiniLM on the demo's 64 Lee background documents) on 1
-   and on 2 processes of one thread each (``calibrate(..., distributed=True)``): wall
+   and on 2 processes of one thread each (``calibrate(..., runtime=Runtime(distributed=True))``): wall
    time of the calibration (batches sharded, weights split by size, sync, qparams, report).
 """
 
@@ -103,7 +103,7 @@ def worker_calibrate() -> None:
     import torch.distributed as dist
 
     from quantscope import distributed as qd
-    from quantscope.calibrate import calibrate
+    from quantscope.calibrate import Runtime, calibrate
     from quantscope.demo.data import lee_background
     from quantscope.demo.models import load_model, token_batches
 
@@ -114,14 +114,15 @@ def worker_calibrate() -> None:
     docs = lee_background()
     docs = docs[::max(1, len(docs) // 64)][:64]  # the demo's 64 calibration documents
     batches = token_batches(tok, docs, max_length=128, batch_size=8)
-    calibrate(model, batches[:1], "w8a8", progress=False, distributed=joined)  # warm-up
+    calibrate(model, batches[:1], "w8a8", progress=False,
+              runtime=Runtime(distributed=joined))  # warm-up
     out = {}
     for recipe, observer in CALIB_CASES:
         if joined:
             dist.barrier()
         t, c = time.perf_counter(), time.process_time()
         calibrate(model, batches, recipe, observer=observer, progress=False,
-                  distributed=joined)
+                  runtime=Runtime(distributed=joined))
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         cpus = torch.tensor([cpu, cpu])
         if joined:  # the busiest rank's CPU time bounds the wall time on idle cores

@@ -71,8 +71,8 @@ def run_case(case: str, docs_n: int = DOCS) -> dict:
     t = time.perf_counter()
     if case == "sequential":
         quantscope.calibrate(model, batches, quantscope.calibrate.preset(
-            "w8a8", "minmax", ignore=["lm_head"]), progress=False, sequential=True,
-            checkpoint=path)
+            "w8a8", "minmax", ignore=["lm_head"]), progress=False,
+            sequential=quantscope.calibrate.Sequential(checkpoint=path))
     elif case == "oneshot":
         _oneshot(model, tok, batches)
     elif case == "forward":
