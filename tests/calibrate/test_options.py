@@ -132,7 +132,8 @@ def test_old_keywords_give_the_same_calibration(old, new):
     model, batches = _llama()
     with pytest.warns(DeprecationWarning) as got:
         a = calibrate(model, batches, "w8a8", progress=False, **old)
-    assert len([w for w in got if w.category is DeprecationWarning]) == 1
+    dep = [w for w in got if w.category is DeprecationWarning]
+    assert [w.filename for w in dep] == [__file__]  # once, at the caller's line
     params_a = {k: v.clone() for k, v in model.state_dict().items()}
     model, batches = _llama()
     with warnings.catch_warnings():
@@ -140,6 +141,15 @@ def test_old_keywords_give_the_same_calibration(old, new):
         b = calibrate(model, batches, "w8a8", progress=False, **new)
     assert a.quantizes_like(b) and a.info.get("keep_float") == b.info.get("keep_float")
     assert all(torch.equal(params_a[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_callable_package_warns_at_the_callers_line():
+    import quantscope
+
+    model, batches = _llama()
+    with pytest.warns(DeprecationWarning) as got:
+        quantscope.calibrate(model, batches, "w8a8", progress=False, seed=1)
+    assert [w.filename for w in got if w.category is DeprecationWarning] == [__file__]
 
 
 def test_sequential_does_not_combine_with_outliers_or_distributed():

@@ -124,7 +124,7 @@ def _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywo
     opts = Options(sampling or Sampling(), auto or Auto(), moe or MoE(),
                    outliers or Outliers(), as_sequential(sequential), runtime or Runtime(),
                    progress)
-    return from_keywords(opts, keywords, stacklevel=4)
+    return from_keywords(opts, keywords)
 
 
 def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[str, Calibration]:
