@@ -1,4 +1,4 @@
-/* The float32 steps of quantscope.quantize.fake_quantize_units,
+/* The float32 steps of quantscope.qdq.fake_quantize_units,
    d = (clamp(nearbyint(x / s + z), qmin, qmax) - z) * s - x, scalar (dq1) and as one SIMD
    vector (dqv, VW lanes: AVX-512 or AVX2, with float64 helpers), written once here so the
    MSE search and the histogram error round alike (each tests itself against torch bitwise).
