@@ -234,3 +234,22 @@ def test_weights_tied_between_blocks_are_not_shared_modules(tmp_path):
     _same(whole, calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
                            checkpoint=tmp_path))
     assert skeleton.layers[2].fc.weight is skeleton.layers[0].fc.weight
+
+
+def test_the_trace_computes_no_head():
+    """The first pass needs the blocks' order, not the head's output: after the first block
+    the weighted modules outside the blocks give only their output's shape (a language
+    model's head would compute every batch's logits for nothing). So the head computes as
+    often as in the whole-model pass, and the qparams are the whole-model pass's."""
+    model = _net(order=(1, 0, 2))
+    calls = []
+    model.head.register_forward_hook(lambda m, args, out: calls.append(
+        "meta" if out.device.type == "meta" else "shape" if 0 in out.stride() else "real"))
+    whole = calibrate(model, _batches(), "w8a8", progress=False)
+    real_whole = calls.count("real")
+    calls.clear()
+    seq = calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
+    _same(whole, seq)
+    assert calls.count("real") == real_whole
+    assert calls.count("shape") == calls.count("meta") == len(_batches())   # the trace
+    assert "forward" not in model.head.__dict__                              # put back

@@ -94,7 +94,7 @@ class _NoShape(Exception):
     """The block's output shape could not be found on the meta device."""
 
 
-def _shaped_output(block: nn.Module, args, kwargs, device):
+def _shaped_output(block: nn.Module, args, kwargs, device, zeros=torch.zeros):
     """Zeros shaped as ``block``'s output on these inputs: the block run on the meta device
     (its weights and inputs as meta tensors: no compute, no weights needed)."""
     state = {n: t.to("meta") for n, t in [*block.named_parameters(remove_duplicate=False),
@@ -107,7 +107,7 @@ def _shaped_output(block: nn.Module, args, kwargs, device):
     if not isinstance(out, torch.Tensor) and not (
             isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor)):
         raise _NoShape(f"it returns {type(out).__name__}, not a tensor or a tuple of them")
-    return _map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out)
+    return _map(lambda t: zeros(t.shape, dtype=t.dtype, device=device), out)
 
 
 class _Recorder(nn.Module):
@@ -152,17 +152,64 @@ def _flat(value):
             yield from _flat(v)
 
 
+def _free_zeros(shape, dtype, device):
+    """Zeros that take no memory (one element, expanded)."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+def _shape_only(module: nn.Module, trace: Trace):
+    """``module``'s forward for the trace: computed as usual until the first block is called
+    (its values feed the blocks); after, only its output's shape (the meta device) and the
+    block outputs it reads. The head of a language model would otherwise compute every
+    batch's logits (batch x tokens x vocabulary floats) only to be thrown away."""
+    forward = module.forward
+
+    def shape_only(*args, **kwargs):
+        if not trace.calls or trace.inside:  # inside: the meta run of this very call
+            return forward(*args, **kwargs)
+        for t in _flat((args, kwargs)):
+            k = trace.output_index(t)
+            if k is not None:
+                trace.used.add(k)
+        device = next(module.parameters(recurse=False)).device
+        device = next((t.device for t in _flat((args, kwargs))), device)
+        trace.inside = True
+        try:
+            return _shaped_output(module, args, kwargs, device, _free_zeros)
+        except _NoShape:
+            return forward(*args, **kwargs)
+        finally:
+            trace.inside = False
+
+    return shape_only
+
+
 @contextlib.contextmanager
-def recorders(layers: nn.ModuleList, name: str, trace: Trace):
+def recorders(layers: nn.ModuleList, name: str, trace: Trace, model: nn.Module | None = None):
     """Every block of ``layers`` replaced by a recorder into ``trace`` and every use of their
-    outputs noted, for the ``with`` block; the blocks back after."""
+    outputs noted, for the ``with`` block; the blocks back after. The weighted modules of
+    ``model`` outside the blocks give only their output's shape once the blocks have begun
+    (:func:`_shape_only`)."""
     originals = list(layers)
+    outside = [m for n, m in (model.named_modules() if model is not None else ())
+               if n != name and not n.startswith(name + ".") and not name.startswith(n + ".")
+               and next(m.parameters(recurse=False), None) is not None]
+    # an instance attribute (nn.Module.__call__ calls it); one set before (accelerate's
+    # hooks) is put back
+    before = [m.__dict__.get("forward") for m in outside]
     for j in range(len(layers)):
         layers[j] = _Recorder(j, originals[j], trace, name)
+    for m in outside:
+        m.forward = _shape_only(m, trace)
     try:
         with _Uses(trace):
             yield trace
     finally:
+        for m, f in zip(outside, before):
+            if f is None:
+                del m.forward
+            else:
+                m.forward = f
         for j, block in enumerate(originals):
             layers[j] = block
 
@@ -223,7 +270,7 @@ def trace_batches(model, batches, name: str, layers, shaped: bool, keep) -> tupl
     order, n = None, 0
     for batch in batches:
         trace = Trace(shaped)
-        with recorders(layers, name, trace):
+        with recorders(layers, name, trace, model):
             try:
                 forward_batch(model, batch)
             except Exception as e:
