@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import torch
 
-from quantscope.calibrate import calibrate, fallback_curve, preset, sensitivity
-from quantscope.calibrate.sensitivity import plot_fallback
+from quantscope.calibration import calibrate, fallback_curve, preset, sensitivity
+from quantscope.calibration.choice.sensitivity import plot_fallback
 from quantscope.demo import data, models
 from quantscope.estimators.weighted import imatrix_range
 from quantscope.qdq import fake_quantize
@@ -80,7 +80,7 @@ for label, sts in (("minmax", mm.states), ("mse", mse.states), ("imatrix_mse", s
         d = fake_quantize(w, st.qparams, st.spec) - w
         werr += float(d.double().square().sum())
         oerr += float((xs[n] @ d.T).double().square().sum())
-    from quantscope.calibrate import apply
+    from quantscope.calibration import apply
     with apply(model, sts):
         r, cos = quality(model)
     rows[label] = {"weight_sq_err": werr, "output_sq_err": oerr, "lee_r": r, "cosine": cos}

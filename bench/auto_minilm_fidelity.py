@@ -9,9 +9,9 @@ import sys
 
 import torch
 
-from quantscope.calibrate import Auto, apply, preset
-from quantscope.calibrate.auto import score_batches
-from quantscope.calibrate.session import calibrate_many
+from quantscope.calibration import Auto, apply, preset
+from quantscope.calibration.choice.auto import score_batches
+from quantscope.calibration.run.session import calibrate_many
 from quantscope.demo import data, models
 
 torch.set_num_threads(1)

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from quantscope.calibrate import calibrate, calibrate_many, keep_float, preset
-from quantscope.calibrate.auto import OutputDivergence, score_pieces
-from quantscope.calibrate.sensitivity import layer_sensitivity
+from quantscope.calibration import calibrate, calibrate_many, keep_float, preset
+from quantscope.calibration.choice.auto import OutputDivergence, score_pieces
+from quantscope.calibration.choice.sensitivity import layer_sensitivity
 from quantscope.demo import data, models
 
 torch.set_num_threads(1)
@@ -47,7 +47,7 @@ IGN = ["*lm_head*"]
 
 
 def ppl(states):
-    from quantscope.calibrate import apply
+    from quantscope.calibration import apply
 
     with apply(model, states):
         return models.perplexity(model, tok, lee)

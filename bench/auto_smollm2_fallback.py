@@ -4,7 +4,7 @@ damaged activations left dynamic per token (issue 17's fallback), on the 50 Lee 
 
 ``STATES.pt``: ``torch.save({name: calibration.states})`` of a calibration on the
 ``bench/auto_smollm2.py`` data (`auto` chose mse there, so mse's states are auto's). The
-ranking is :func:`~quantscope.calibrate.sensitivity.layer_sensitivity` on the first
+ranking is :func:`~quantscope.calibration.choice.sensitivity.layer_sensitivity` on the first
 calibration batch (8 documents x 128 tokens): calibration data only.
 """
 
@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from quantscope.calibrate import Calibration, apply, keep_float, preset
-from quantscope.calibrate.sensitivity import layer_sensitivity
+from quantscope.calibration import Calibration, apply, keep_float, preset
+from quantscope.calibration.choice.sensitivity import layer_sensitivity
 from quantscope.demo import data, models
 
 torch.set_num_threads(1)

@@ -103,7 +103,7 @@ def worker_calibrate() -> None:
     import torch.distributed as dist
 
     from quantscope import distributed as qd
-    from quantscope.calibrate import Runtime, calibrate
+    from quantscope.calibration import Runtime, calibrate
     from quantscope.demo.data import lee_background
     from quantscope.demo.models import load_model, token_batches
 

@@ -30,7 +30,7 @@ import torch
 from common import Table
 
 from quantscope import QuantSpec, presets
-from quantscope.calibrate import Recipe, Role, Rule, calibrate, preset
+from quantscope.calibration import Recipe, Role, Rule, calibrate, preset
 from quantscope.demo import data, models
 from quantscope.layout import Tensor
 
@@ -129,8 +129,8 @@ def _moe_setup(args):
 def expert_error(args):
     """Per-expert error of the calibrated static input scale on held-out routed tokens (the
     expert's own eval inputs), by shrinkage threshold: what the threshold is chosen from."""
-    from quantscope.calibrate import moe as qmoe
-    from quantscope.calibrate.apply import qdq_tensor
+    from quantscope.calibration.results.apply import qdq_tensor
+    from quantscope.calibration.structure import moe as qmoe
 
     model, tok, batches, docs = _moe_setup(args)
     held = {}

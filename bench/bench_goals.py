@@ -13,7 +13,7 @@ Cases 3 and 4 write megabytes of fresh outputs per call (NVFP4: 17 MB), whose pa
 the floor does not pay; whether glibc serves them from freed memory depends on the process's
 history, so they run with the allocator fixed: memory reused between calls (:func:`reuse_heap`,
 the goals table), then, in a second process that took quantscope's calibration setting
-(``calibrate.heap.prepare``: every block of 1 MiB or more mmapped) before its first large
+(``calibration.run.heap.prepare``: every block of 1 MiB or more mmapped) before its first large
 allocation, fresh pages on every call.
 
 Everything runs in one process under the peers' python (``.peers``, or
@@ -51,7 +51,7 @@ def reuse_heap() -> bool:
     up to 32 MiB come from the heap, which is never trimmed (the steady state of a
     long-running process whose thresholds have grown; which blocks a fresh process serves
     fresh depends on its history, so the bench fixes it). False where not glibc."""
-    from quantscope.calibrate import heap
+    from quantscope.calibration.run import heap
 
     libc = heap._glibc()  # the one place that loads glibc and types mallopt
     return libc is not None and bool(libc.mallopt(heap._M_MMAP_THRESHOLD, 32 << 20)) and bool(
@@ -60,7 +60,7 @@ def reuse_heap() -> bool:
 
 def run(table_cls, compare, fresh: bool = False) -> None:
     """The goals table; ``fresh``: only cases 3 and 4, in a process that took quantscope's
-    calibration heap setting (``calibrate.heap.prepare``) before it allocated a large block."""
+    calibration heap setting (``calibration.run.heap.prepare``) before it allocated a large block."""
     import quantscope as qs
 
     torch.set_num_threads(1)
@@ -188,7 +188,7 @@ def main():
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--run-fresh"]:
-        from quantscope.calibrate import heap
+        from quantscope.calibration.run import heap
 
         if heap.prepare():  # before any large block: every one is then mmapped, fresh pages
             from common import Table, compare

@@ -9,7 +9,7 @@ background documents of up to 256 tokens in batches of 8, as issue 18 measured
 runs each case N times and reports medians: peaks move by 100-400 MB between runs).
 
 Cases: ``forward`` (the baseline), ``minmax`` and ``seven`` (seven observers in one pass),
-each also ``-notrim`` (``QUANTSCOPE_HEAP=0``: neither ``malloc_trim`` between batches nor a fixed mmap threshold: calibrate/heap.py),
+each also ``-notrim`` (``QUANTSCOPE_HEAP=0``: neither ``malloc_trim`` between batches nor a fixed mmap threshold: calibration/run/heap.py),
 ``sequential`` (min-max, block by block from the checkpoint into an empty skeleton: the
 whole model is never loaded), and ``oneshot`` (llm-compressor's ``oneshot``, W8A8 with
 static per-tensor min-max inputs, in ``$QUANTSCOPE_PEER_PYTHON``).
@@ -57,7 +57,7 @@ def run_case(case: str, docs_n: int = DOCS) -> dict:
     if case == "sequential":
         from transformers import AutoTokenizer
 
-        from quantscope.calibrate.checkpoint import empty_model
+        from quantscope.calibration.run.checkpoint import empty_model
 
         model, tok = empty_model(path), AutoTokenizer.from_pretrained(str(path))
         tok.pad_token, tok.padding_side = tok.pad_token or tok.eos_token, "right"  # as load_model

@@ -9,13 +9,13 @@ runs on ``quant_pre_process(skip_symbolic_shape=True)`` of the fp32 export (symb
 inference fails on dynamo graphs) with ``CalibStridedMinMax=10`` (three collections of 10
 samples), per-channel int8 weights, its default int8 activations and op types; its models
 run in a default ORT session (all optimizations), quantscope's in
-:func:`quantscope.export.onnx.session`.
+:func:`quantscope.exporters.onnx.session`.
 
 Per model: Lee Pearson (50 held-out docs, 256 tokens), ORT latency (batch 8 x 128 tokens, 2
 intra-op threads, interleaved runs, medians), the op counts of the optimized graph, and for
 quantscope's graphs the largest difference from ``Calibration.apply`` on 4 Lee docs (relative
 to the output's largest value). quantscope's export runs three ways: in
-:func:`quantscope.export.onnx.session` (exact: on a CPU without VNNI it sets
+:func:`quantscope.exporters.onnx.session` (exact: on a CPU without VNNI it sets
 ``session.x64quantprecision``, ORT's u8u8 kernel), with ``uint8=True`` storage (u8u8 in any
 session), and in a plain ORT session (ORT's int8-weight kernel: exact and fast with VNNI,
 saturating int16 pair sums without). ORT's own models and quantscope's also get their Lee
@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from quantscope import calibrate, export
-from quantscope.calibrate.recipe import preset
+from quantscope.calibration.recipe import preset
 from quantscope.demo import data, models
-from quantscope.export import onnx as qonnx
+from quantscope.exporters import onnx as qonnx
 
 #: ops reported from each optimized graph
 OPS = ("MatMulIntegerToFloat", "QLinearMatMul", "MatMulInteger", "DynamicQuantizeMatMul",

@@ -24,7 +24,7 @@ import torch
 
 from quantscope import QuantSpec, Tensor, Token
 from quantscope import presets as P
-from quantscope.calibrate import Calibration, Recipe, Role, Rule, calibrate, preset
+from quantscope.calibration import Calibration, Recipe, Role, Rule, calibrate, preset
 from quantscope.demo import data, models
 from quantscope.layout import Group
 

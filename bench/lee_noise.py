@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from quantscope.calibrate import apply, calibrate_many, preset
+from quantscope.calibration import apply, calibrate_many, preset
 from quantscope.demo import data, models
 
 torch.set_num_threads(1)

@@ -19,9 +19,10 @@ _EXPORTS = {
     "dequantize": "qdq", "fake_quantize": "qdq", "quantize": "qdq",
     "ScaleEncoding": "scales",
     "QuantSpec": "spec",
-    "keep_float": "calibrate.sensitivity", "sensitivity": "calibrate.session",
-    "calibrate": None,  # a callable package: quantscope.calibrate(model, batches, recipe)
-    "export": None, "formats": None, "layout": None, "presets": None, "scales": None,
+    "keep_float": "calibration.choice.sensitivity", "sensitivity": "calibration.run.session",
+    "calibrate": "calibration",  # the function; its attributes: quantscope.calibrate.load ...
+    "export": "exporters",  # the function; its attributes: quantscope.export.register ...
+    "formats": None, "layout": None, "presets": None, "scales": None,
 }
 
 __all__ = [

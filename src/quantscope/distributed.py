@@ -46,12 +46,12 @@ Where it lives (this module re-exports every name, the public entry point):
 :mod:`quantscope.comm` (process-group helpers, the ``Op`` vocabulary, ``CustomSync``),
 :mod:`quantscope.observers.sync` (``sync_observers``, ``step_sync``, ``empty_step``),
 :mod:`quantscope.stats.histogram_sync` (``HistogramSync``) and
-:mod:`quantscope.calibrate.gather` (``weight_owners``, ``gather_samples``, ...).
+:mod:`quantscope.calibration.run.gather` (``weight_owners``, ``gather_samples``, ...).
 """
 
 from __future__ import annotations
 
-from .calibrate.gather import (
+from .calibration.run.gather import (
     assign_by_size,
     gather_failures,
     gather_qparams,

@@ -48,7 +48,7 @@ NVFP4 = QuantSpec("fp4_e2m1", Block(16), scale="fp8_e4m3")
 # Quark's exponent (code -128) where ours moves up.
 BFP16 = QuantSpec("int8_narrow", Block(8), scale="e8m0:even")
 
-#: spec name -> QuantSpec (the "specs"; recipes are :data:`quantscope.calibrate.RECIPES`)
+#: spec name -> QuantSpec (the "specs"; recipes are :data:`quantscope.calibration.RECIPES`)
 SPECS: dict[str, QuantSpec] = {
     "int8": INT8_PER_TENSOR, "int8-channel": INT8_PER_CHANNEL, "int8-token": INT8_PER_TOKEN,
     "int4-g128": INT4_GROUP128, "int4-g128-asym": INT4_GROUP128_ASYM,

@@ -10,9 +10,9 @@ from torch import nn
 
 import quantscope
 from quantscope import presets
-from quantscope.calibrate import apply, calibrate, calibrate_many, keep_float, preset, sensitivity
-from quantscope.calibrate.auto import OutputDivergence
-from quantscope.calibrate.layer_choice import fisher_weights, imatrix_state, joint_choice
+from quantscope.calibration import apply, calibrate, calibrate_many, keep_float, preset, sensitivity
+from quantscope.calibration.choice.auto import OutputDivergence
+from quantscope.calibration.choice.layer_choice import fisher_weights, imatrix_state, joint_choice
 from quantscope.estimators.mse import shrink_factors
 from quantscope.estimators.weighted import imatrix_range, output_clip_range
 from quantscope.qdq import fake_quantize
@@ -121,7 +121,7 @@ def test_model_metric_choice_is_the_exhaustive_best():
     auto = calibrate(model, batches, "w8a8", observer="auto", candidates=names, progress=False,
                      score_tokens=10_000)
     info = auto.info["auto"]
-    from quantscope.calibrate.auto import score_pieces
+    from quantscope.calibration.choice.auto import score_pieces
 
     pieces = score_pieces(batches, 10_000)  # the first batch cut in two, then the others
     assert [p["input_ids"].shape[0] for p in pieces] == [1, 1, 2, 2]
@@ -202,7 +202,7 @@ def _imatrix_by_hand(model, layer, base, imp):
 
 
 def test_input_importance_is_the_mean_square_of_every_row_seen():
-    from quantscope.calibrate.importance import InputImportance
+    from quantscope.calibration.choice.importance import InputImportance
 
     model, batches = _llama()
     layers = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"]
@@ -223,7 +223,7 @@ def test_input_importance_is_the_mean_square_of_every_row_seen():
     assert imp.means() == {}
     # in a calibration, the pass's forwards are counted, not the one that finds the fusion
     # groups: auto's weight trial uses the mean over the batches, as computed by hand above
-    from quantscope.calibrate import observe
+    from quantscope.calibration.run import observe
 
     seen = []
     imp = InputImportance(model, layers)
@@ -239,7 +239,7 @@ def test_input_importance_is_the_mean_square_of_every_row_seen():
 
 
 def test_imatrix_config_replaces_the_weights_it_can_search():
-    from quantscope.calibrate.importance import imatrix_config, imatrix_rows
+    from quantscope.calibration.choice.importance import imatrix_config, imatrix_rows
 
     model, batches = _llama()
     base = calibrate(model, batches, "w8a8", progress=False)
@@ -263,7 +263,7 @@ def test_imatrix_config_replaces_the_weights_it_can_search():
 
 
 def test_choose_drops_a_far_worse_candidate_after_the_first_piece():
-    from quantscope.calibrate.auto import choose
+    from quantscope.calibration.choice.auto import choose
 
     class Fake:  # divergence per (config, piece), recorded
         def __init__(self):
@@ -288,7 +288,7 @@ def test_choose_roles_finds_the_pair_no_whole_configuration_has():
     """MiniLM W8A8's case: mse weights with min-max inputs beat both whole configurations."""
     from types import SimpleNamespace
 
-    from quantscope.calibrate.auto import choose_roles
+    from quantscope.calibration.choice.auto import choose_roles
 
     def config(w, i):
         st = lambda o: SimpleNamespace(observer=o)
@@ -327,7 +327,7 @@ def test_choose_roles_finds_the_pair_no_whole_configuration_has():
 
 
 def test_score_pieces_cut_one_batch_by_rows_to_the_tokens_asked():
-    from quantscope.calibrate.auto import score_batches, score_pieces
+    from quantscope.calibration.choice.auto import score_batches, score_pieces
 
     mask = torch.ones(4, 5, dtype=torch.long)
     mask[3, 2:] = 0
@@ -347,7 +347,7 @@ def test_joint_choice_equals_exhaustive_pair_search():
     x[3, 5] = 40.0  # an outlier: clipping it trades against the step everywhere
     w = torch.randn(8, 16)
     wspec, xspec = QuantSpec("int4", presets.INT8_PER_CHANNEL.layout), QuantSpec("int8")
-    from quantscope.calibrate.result import RoleState
+    from quantscope.calibration.results.result import RoleState
 
     def state(spec, t, f):
         lo, hi = quantscope.stats.minmax.unit_minmax(spec.layout.to_units(t))
@@ -512,7 +512,7 @@ def test_keep_float_restores_float_exactly_for_the_chosen_tensors():
 
 
 def test_calibrate_keep_float_is_keep_float_of_the_layer_ranking():
-    from quantscope.calibrate.sensitivity import layer_sensitivity
+    from quantscope.calibration.choice.sensitivity import layer_sensitivity
 
     model, batches = _llama()
     calib = calibrate(model, batches, "w8a8", progress=False)
@@ -577,8 +577,8 @@ def test_imatrix_observer_matches_the_estimator_and_falls_back_to_unweighted():
 
 
 def test_layer_sensitivity_by_hand():
-    from quantscope.calibrate.apply import qdq_tensor
-    from quantscope.calibrate.sensitivity import layer_sensitivity
+    from quantscope.calibration.choice.sensitivity import layer_sensitivity
+    from quantscope.calibration.results.apply import qdq_tensor
 
     model = _Mlp().eval()
     batches = [torch.randn(3, 5, 16) for _ in range(2)]
@@ -609,7 +609,7 @@ def test_layer_sensitivity_by_hand():
 
 
 def test_model_metric_on_one_batch_cut_in_pieces_matches_direct_kl():
-    from quantscope.calibrate.auto import score_pieces
+    from quantscope.calibration.choice.auto import score_pieces
 
     model, batches = _llama()
     big = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}  # one batch of 6 rows
@@ -639,7 +639,7 @@ def test_quantizes_like_tells_equal_qdq_apart():
     assert cs["minmax"].quantizes_like(cs["minmax"])
     assert not cs["minmax"].quantizes_like(cs["mse"])
     # auto's states are its chosen roles' states: the same QDQ whoever found them
-    from quantscope.calibrate import Calibration
+    from quantscope.calibration import Calibration
 
     roles = cs["auto"].info["auto"]["roles"]
     picked = Calibration(cs["auto"].recipe, {
@@ -664,7 +664,7 @@ def test_quantizes_like_tells_equal_qdq_apart():
 def test_weight_only_auto_weighs_by_the_scoring_forwards():
     """A weight-only recipe's pass runs no forward: the importance comes from the float
     forwards of the scoring pieces, and the imatrix weights are still a role trial."""
-    from quantscope.calibrate import Recipe, Role, Rule
+    from quantscope.calibration import Recipe, Role, Rule
 
     model, batches = _llama()
     recipe = Recipe((Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, "auto")),),
@@ -684,7 +684,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 def test_importance_hooks_on_cuda_sync_nothing_and_match_the_cpu():
     """The importance sums stay on the device: no host sync per forward (CUDA's sync debug
     mode raises on one; a plain MLP, so only the hooks could sync)."""
-    from quantscope.calibrate.importance import InputImportance
+    from quantscope.calibration.choice.importance import InputImportance
 
     model = _Mlp()
     xs = [torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]

@@ -8,7 +8,7 @@ from torch import nn
 
 import quantscope
 from quantscope import QuantSpec, fake_quantize, qparams_from_range
-from quantscope.calibrate import (
+from quantscope.calibration import (
     PRESETS,
     Recipe,
     Role,
@@ -18,7 +18,7 @@ from quantscope.calibrate import (
     load,
     preset,
 )
-from quantscope.calibrate.recipe import KV_PRESETS
+from quantscope.calibration.recipe import KV_PRESETS
 from quantscope.layout import Channel, Group, Tensor, Token
 
 
@@ -211,7 +211,7 @@ def test_auto_output_metric_picks_the_lowest_layer_output_error():
 # ------------------------------------------------------------------------------ report
 def test_tensor_stats_leave_the_tensor_as_it_was():
     # the error is made in place on fake_quantize's output, never on x's memory
-    from quantscope.calibrate.report import tensor_stats
+    from quantscope.calibration.results.report import tensor_stats
 
     m, b = make()
     c = calibrate(m, b, "w8a8", observer="static_minmax", progress=False)
@@ -411,13 +411,13 @@ def test_each_recipe_is_timed_as_the_shared_pass_plus_its_own_observers(monkeypa
     import importlib
     import types
 
-    from quantscope.calibrate import calibrate_many, preset
+    from quantscope.calibration import calibrate_many, preset
     from quantscope.observers.registry import observer_class
 
     now = [0.0]
     clock = types.SimpleNamespace(perf_counter=lambda: now[0])
-    for name in ("auto", "finish", "observe", "sensitivity", "session"):
-        module = importlib.import_module(f"quantscope.calibrate.{name}")
+    for name in ("choice.auto", "run.finish", "run.observe", "choice.sensitivity", "run.session"):
+        module = importlib.import_module(f"quantscope.calibration.{name}")
         monkeypatch.setattr(module, "time", clock)
     slow, calls, nap = observer_class("mse"), [], 0.05
     real = slow.forward

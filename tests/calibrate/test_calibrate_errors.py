@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from quantscope.calibrate import calibrate, calibrate_many, preset
+from quantscope.calibration import calibrate, calibrate_many, preset
 
 
 def _mlp(width_in=16, hidden=32):
@@ -65,7 +65,7 @@ def test_a_recipe_that_cannot_apply_fails_before_any_forward(options):
     fisher's, the fallback ranking's forward) runs."""
     recipe = preset("w4a16", **({"observer": options.pop("observer")}
                                 if "observer" in options else {}))
-    from quantscope.calibrate import recipe as R
+    from quantscope.calibration import recipe as R
 
     recipe = R.with_group_size(recipe, 128)
     with pytest.raises(ValueError, match=r"layer '(up|down)' weight of shape .* cannot take"):
@@ -88,7 +88,7 @@ def test_a_static_activation_layout_that_cannot_apply_fails_before_any_forward()
 def test_a_ranks_shard_names_the_batch_by_its_place_among_all():
     """Under torchrun a rank forwards batches rank, rank + world, ...: the error names the
     batch the user passed (rank 1 of 2: its third batch is batch 5)."""
-    from quantscope.calibrate.observe import make_plan, observe_batches
+    from quantscope.calibration.run.observe import make_plan, observe_batches
 
     model = _mlp()
     slots, _ = make_plan(model, {"r": preset("w8a8")}, None)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from quantscope import cli
-from quantscope.calibrate import calibrate, calibrate_many, observe, preset
-from quantscope.calibrate.options import Sampling
-from quantscope.calibrate.samples import RowSample
+from quantscope.calibration import calibrate, calibrate_many, preset
+from quantscope.calibration.options import Sampling
+from quantscope.calibration.run import observe
+from quantscope.calibration.run.samples import RowSample
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,7 +108,7 @@ def test_full_budget_reproduces_the_list_and_cat_sample(model, monkeypatch):
         def observe(x):
             for slot in slots:
                 if slot.also:
-                    from quantscope.calibrate import fusion
+                    from quantscope.calibration.structure import fusion
                     if fusion.same_input(slot.last, x):
                         continue
                     slot.last = x

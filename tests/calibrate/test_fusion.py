@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantscope import QuantSpec, fake_quantize, presets, qparams_from_range
-from quantscope.calibrate import Recipe, Role, Rule, calibrate, calibrate_many, preset
+from quantscope.calibration import Recipe, Role, Rule, calibrate, calibrate_many, preset
 from quantscope.layout import Tensor
 from quantscope.observers.registry import get_observer
 
@@ -195,8 +195,8 @@ def test_recipes_must_agree_on_fusion(tiny):
 
 
 def test_export_writes_shared_scales(tiny, tmp_path):
-    pytest.importorskip("quantscope.export.compressed_tensors")
-    from quantscope.export import check, export
+    pytest.importorskip("quantscope.exporters.compressed_tensors")
+    from quantscope.exporters import check, export
 
     model, batches = tiny
     for recipe in ("nvfp4", FP8_TENSOR, "w8a8"):

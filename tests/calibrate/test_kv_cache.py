@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from quantscope import fake_quantize
-from quantscope.calibrate import Calibration, Recipe, Role, calibrate, load, preset
-from quantscope.calibrate.recipe import KV_CACHE
+from quantscope.calibration import Calibration, Recipe, Role, calibrate, load, preset
+from quantscope.calibration.recipe import KV_CACHE
 from quantscope.qparams import qparams_from_range
 
 transformers = pytest.importorskip("transformers")
@@ -136,7 +136,7 @@ def test_fp8_kv_preset_and_bad_options():
 
 
 def test_sequential_calibrates_the_kv_cache_as_the_whole_pass(tmp_path):
-    from quantscope.calibrate import empty_model
+    from quantscope.calibration import empty_model
 
     model, batches = tiny_llama()
     model.save_pretrained(tmp_path / "ckpt")

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from quantscope import fake_quantize, qparams_from_range
-from quantscope.calibrate import PRESETS, calibrate
-from quantscope.calibrate.apply import qdq_tensor
+from quantscope.calibration import PRESETS, calibrate
+from quantscope.calibration.results.apply import qdq_tensor
 
 transformers = pytest.importorskip("transformers")
 
@@ -272,7 +272,7 @@ def test_conv3d_is_not_unreached():
 
 
 def test_save_load_apply_experts(moe_model, tmp_path):
-    from quantscope.calibrate import load
+    from quantscope.calibration import load
 
     model, batches = moe_model
     calib = calibrate(model, batches, "nvfp4", progress=False)

@@ -1,4 +1,4 @@
-"""The calibration options as objects (quantscope.calibrate.options): each validates its
+"""The calibration options as objects (quantscope.calibration.options): each validates its
 fields; the flat keywords of before give bitwise the same calibration with one
 DeprecationWarning; calibrate_many's signature stays short."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from quantscope.calibrate import (
+from quantscope.calibration import (
     Auto,
     MoE,
     Outliers,
@@ -23,7 +23,7 @@ from quantscope.calibrate import (
     calibrate,
     calibrate_many,
 )
-from quantscope.calibrate.options import KEYWORDS, Options, as_sequential, from_keywords
+from quantscope.calibration.options import KEYWORDS, Options, as_sequential, from_keywords
 from quantscope.cli.running import calibration_options
 
 

@@ -9,7 +9,7 @@ def test_histogram_plot_keeps_coinciding_ranges_visible(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    from quantscope.calibrate import plots
+    from quantscope.calibration.results import plots
 
     def row(lo, hi, obs):
         return {"layer": "l", "role": "input", "clip_lo": lo, "clip_hi": hi, "dynamic": False,
@@ -33,7 +33,7 @@ def test_sqnr_plot_merges_coinciding_lines(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    from quantscope.calibrate import plots
+    from quantscope.calibration.results import plots
 
     def rows(w, i):
         return [{"layer": f"l{k}", "role": role, "sqnr_db": v}

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from quantscope.calibrate.samples import RowSample, capacities
+from quantscope.calibration.run.samples import RowSample, capacities
 
 
 def test_row_sample_takes_the_same_rows_as_select_and_cat():

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from quantscope.calibrate import calibrate
-from quantscope.calibrate.checkpoint import empty_model
-from quantscope.calibrate.sequential import find_blocks
+from quantscope.calibration import calibrate
+from quantscope.calibration.run.checkpoint import empty_model
+from quantscope.calibration.run.sequential import find_blocks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -99,7 +99,7 @@ def test_quantized_mode_sees_earlier_blocks_quantized(saved):
     for j in (1, 2):
         earlier = {k: v for k, v in seq.states.items()
                    if any(k.startswith(f"model.layers.{i}.") for i in range(j))}
-        from quantscope.calibrate.apply import apply
+        from quantscope.calibration.results.apply import apply
 
         handle = apply(model, earlier)
         try:
@@ -152,7 +152,7 @@ def test_cache_budget_is_a_finite_number_of_mb(saved, budget):
 def test_heap_opt_out(monkeypatch):
     import platform
 
-    from quantscope.calibrate import heap
+    from quantscope.calibration.run import heap
 
     monkeypatch.setenv("QUANTSCOPE_HEAP", "0")
     assert heap.trim() is False and heap.prepare() is False
@@ -181,7 +181,7 @@ def test_spill_files_are_read_without_unpickling_code(tmp_path):
     without running it."""
     import pickle
 
-    from quantscope.calibrate.sequential import _Cache
+    from quantscope.calibration.run.sequential import _Cache
 
     cache = _Cache([0], str(tmp_path), "t")  # budget 0: every value goes to a file
     value = (torch.randn(2, 3), {"mask": torch.ones(2, dtype=torch.bool), "n": 3, "x": None})

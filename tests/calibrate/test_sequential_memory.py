@@ -26,8 +26,8 @@ LIMIT_MB = 500
 CHILD = textwrap.dedent("""
     import json, sys, torch
     torch.set_num_threads(1)
-    from quantscope.calibrate import calibrate
-    from quantscope.calibrate.checkpoint import empty_model
+    from quantscope.calibration import calibrate
+    from quantscope.calibration.run.checkpoint import empty_model
     path, out = sys.argv[1], sys.argv[2]
     batches = torch.load(path + "/batches.pt")
     model = empty_model(path, task="causal-lm")
@@ -120,7 +120,7 @@ def _check(tmp_path, ckpt):
     # the result applies to the whole model and keeps it close to the float one
     from transformers import AutoModelForCausalLM
 
-    from quantscope.calibrate.io import load
+    from quantscope.calibration.results.io import load
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     cal = load(out)

@@ -7,8 +7,8 @@ them under those names, block by block, and gives the whole-model pass bit for b
 import pytest
 import torch
 
-from quantscope.calibrate import calibrate
-from quantscope.calibrate.checkpoint import Checkpoint, empty_model, load_params
+from quantscope.calibration import calibrate
+from quantscope.calibration.run.checkpoint import Checkpoint, empty_model, load_params
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from quantscope.calibrate import calibrate
+from quantscope.calibration import calibrate
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -1,12 +1,12 @@
-"""SmoothQuant (calibrate/smooth.py): the function is kept, the scales are the formula's, a
+"""SmoothQuant (calibration/choice/smooth.py): the function is kept, the scales are the formula's, a
 mapping the probe rejects is left alone, and the static w8a8 output moves closer to float."""
 
 import pytest
 import torch
 from torch import nn
 
-from quantscope.calibrate import apply, calibrate
-from quantscope.calibrate.smooth import MIN_SCALE, find_mappings, smooth, smoothing_scales
+from quantscope.calibration import apply, calibrate
+from quantscope.calibration.choice.smooth import MIN_SCALE, find_mappings, smooth, smoothing_scales
 
 
 def _llama(seed=0, outlier=100.0):
@@ -144,8 +144,8 @@ def test_smooth_with_sequential_is_refused():
 
 
 def test_a_saved_smoothed_calibration_smooths_a_fresh_model_alike(tmp_path):
-    from quantscope.calibrate import load
-    from quantscope.calibrate.smooth import reapply
+    from quantscope.calibration import load
+    from quantscope.calibration.choice.smooth import reapply
 
     model, batches = _llama()
     calib = calibrate(model, batches, "w8a8", observer="minmax", smooth=0.8)
@@ -164,7 +164,7 @@ def test_a_saved_smoothed_calibration_smooths_a_fresh_model_alike(tmp_path):
 
 
 def test_every_recipe_of_one_pass_carries_the_smoothing():
-    from quantscope.calibrate import calibrate_many
+    from quantscope.calibration import calibrate_many
 
     model, batches = _llama()
     out = calibrate_many(model, batches, ["w8a8", "fp8"], smooth=0.5)
@@ -185,7 +185,7 @@ def test_ranges_are_reduced_across_ranks_only_for_a_distributed_calibration(monk
     """A process group alone (torchrun, each rank calibrating by itself) is not a reason for
     a collective: one rank smoothing alone would wait for the others forever."""
     from quantscope import comm
-    from quantscope.calibrate import smooth as sm
+    from quantscope.calibration.choice import smooth as sm
 
     calls = []
     monkeypatch.setattr(comm, "is_distributed", lambda group=None: True)

@@ -13,7 +13,7 @@ from llmcompressor.modifiers.transform.smoothquant.base import (
     SmoothQuantModifier,
 )
 
-from quantscope.calibrate.smooth import MIN_SCALE, smoothing_scales
+from quantscope.calibration.choice.smooth import MIN_SCALE, smoothing_scales
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 0.8, 1.0])

@@ -91,7 +91,7 @@ def test_kv_cache_calibrated_and_exported(llama_dir, tmp_path):
     from safetensors.torch import load_file
 
     from quantscope import cli
-    from quantscope.calibrate import load
+    from quantscope.calibration import load
 
     run, out = str(tmp_path / "run"), tmp_path / "ct"
     rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", "--kv-cache", "fp8",
@@ -113,7 +113,7 @@ def test_kv_cache_calibrated_and_exported(llama_dir, tmp_path):
 
 def test_sequential_gives_the_whole_pass_qparams(llama_dir, tmp_path, capsys):
     from quantscope import cli
-    from quantscope.calibrate.io import load
+    from quantscope.calibration.results.io import load
 
     runs = {}
     for mode in ([], ["--sequential"], ["--sequential", "quantized"]):
@@ -133,7 +133,7 @@ def test_sequential_gives_the_whole_pass_qparams(llama_dir, tmp_path, capsys):
 
 def test_keep_float_leaves_the_ranked_activations_dynamic(llama_dir, tmp_path, capsys):
     from quantscope import cli
-    from quantscope.calibrate.io import load
+    from quantscope.calibration.results.io import load
 
     out = str(tmp_path / "kf")
     rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", "--keep-float", "3",
@@ -165,8 +165,8 @@ def test_smooth_is_calibrated_evaluated_and_exported_alike(llama_dir, tmp_path, 
     from safetensors.torch import load_file
 
     from quantscope import cli
-    from quantscope.calibrate import load
-    from quantscope.calibrate.smooth import reapply
+    from quantscope.calibration import load
+    from quantscope.calibration.choice.smooth import reapply
 
     run, out = str(tmp_path / "run"), tmp_path / "ct"
     assert cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", "--smooth", "0.8",

@@ -11,7 +11,7 @@ from quantscope import cli
 
 def test_static_names_equal_the_registries():
     from quantscope import list_observers
-    from quantscope.calibrate.recipe import AUTO, KV_CACHE, PRESETS
+    from quantscope.calibration.recipe import AUTO, KV_CACHE, PRESETS
 
     assert set(cli.RECIPE_NAMES) == set(PRESETS)
     assert set(cli.KV_CACHE_NAMES) == set(KV_CACHE)

@@ -93,7 +93,7 @@ def test_presets():
 
 
 def test_specs_and_recipes_are_named_apart_and_old_names_stay():
-    import quantscope.calibrate as C
+    import quantscope.calibration as C
 
     assert presets.SPECS is presets.PRESETS and "nvfp4" in presets.SPECS
     assert C.RECIPES is C.PRESETS and "w8a8" in C.RECIPES

@@ -14,7 +14,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from tiny_models import tokenizer as _tokenizer
 
 from quantscope.demo import models
-from quantscope.export.atomic import MARKER, atomic_dir, atomic_file, check_writable_target
+from quantscope.exporters.atomic import MARKER, atomic_dir, atomic_file, check_writable_target
 
 
 @pytest.fixture(scope="module")

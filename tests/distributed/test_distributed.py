@@ -277,7 +277,7 @@ def _scenarios(r, w, group=None):
     out["samples"] = qd.gather_samples({"a": rows, "none": []}, limit=4, group=group)
 
     # calibrate(..., distributed=True): shards, weight split, sync == one process on all
-    from quantscope.calibrate import calibrate
+    from quantscope.calibration import calibrate
 
     torch.manual_seed(0)  # the same model on every rank
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8),
@@ -337,7 +337,7 @@ def _scenarios(r, w, group=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quantscope import comm
-    from quantscope.calibrate import smooth as sm
+    from quantscope.calibration.choice import smooth as sm
 
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,

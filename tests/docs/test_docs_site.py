@@ -23,8 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = {
     "core": ["spec", "layout", "formats", "scales", "qparams", "qdq", "presets"],
     "observers": ["observers"],
-    "calibrate": ["calibrate"],
-    "export": ["export"],
+    "calibrate": ["calibration"],
+    "export": ["exporters"],
     "distributed": ["distributed"],
 }
 
@@ -82,7 +82,7 @@ def test_the_site_builds_and_renders_every_public_name(tmp_path):
     for m, name, obj in _public():
         if isinstance(obj, (types.ModuleType, enum.Enum)):
             continue  # modules have their own page; enum members (Op.MIN ...) their class's
-        # a function named like a module (calibrate.apply.apply, calibrate.session.sensitivity)
+        # a function defined in a submodule (calibration.results.apply.apply, ...run.session.sensitivity)
         # is rendered under the path of the module that defines it
         where = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
         if not {f"quantscope.{m}.{name}", f"quantscope.{m}.{name}.{name}", where} & ids:

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from quantscope.cli import main
-from quantscope.export import check
+from quantscope.exporters import check
 
 ATTN = "model.layers.{}.self_attn.{}"
 MLP = "model.layers.{}.mlp.{}"

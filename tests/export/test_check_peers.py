@@ -17,7 +17,7 @@ def test_llmcompressor_nvfp4_checkpoint(tmp_path):
     from tiny_models import tokenizer as _tokenizer  # a word-level tokenizer built in place
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from quantscope.export import check
+    from quantscope.exporters import check
 
     tok = _tokenizer(pad=True)
 

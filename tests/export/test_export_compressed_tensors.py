@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 import quantscope
 from quantscope import QuantSpec, Tensor, Token
 from quantscope import presets as P
-from quantscope.calibrate import Calibration, Recipe, Role, Rule, calibrate, preset
-from quantscope.calibrate import save as save_calibration
+from quantscope.calibration import Calibration, Recipe, Role, Rule, calibrate, preset
+from quantscope.calibration import save as save_calibration
 
 torch.set_num_threads(1)
 

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 import quantscope
 from quantscope import QuantSpec, Tensor
 from quantscope import presets as P
-from quantscope.calibrate import Recipe, Role, Rule, calibrate, preset
+from quantscope.calibration import Recipe, Role, Rule, calibrate, preset
 from quantscope.scales import nvfp4_global_scale
 
 pytestmark = pytest.mark.peers

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from quantscope.calibrate import calibrate
-from quantscope.calibrate.apply import qdq_tensor
-from quantscope.export import check
-from quantscope.export.experts import checkpoint_names, expert_names
+from quantscope.calibration import calibrate
+from quantscope.calibration.results.apply import qdq_tensor
+from quantscope.exporters import check
+from quantscope.exporters.experts import checkpoint_names, expert_names
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -98,7 +98,7 @@ def test_experts_written_per_expert(preset, tmp_path):
 
 
 def test_experts_without_per_expert_checkpoint_names_refused(tmp_path, monkeypatch):
-    from quantscope.export import experts
+    from quantscope.exporters import experts
 
     model, batches = mixtral()
     calib = calibrate(model, batches, "w8a8", progress=False)

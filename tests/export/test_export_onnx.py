@@ -19,8 +19,8 @@ from quantscope import (
     export,
     presets,
 )
-from quantscope.calibrate.recipe import Recipe, Role, Rule, preset
-from quantscope.export import onnx as qonnx
+from quantscope.calibration.recipe import Recipe, Role, Rule, preset
+from quantscope.exporters import onnx as qonnx
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,7 +92,7 @@ def test_cli_export_onnx_of_a_calibrate_run(tmp_path):
     equals the run's fake-quant."""
 
     from quantscope import cli
-    from quantscope.calibrate import load
+    from quantscope.calibration import load
     from quantscope.demo import models
 
     d = bert_folder(tmp_path / "tiny-bert", max_position_embeddings=64)

@@ -18,8 +18,8 @@ from tiny_models import bert_folder
 from torch import nn
 
 from quantscope import cli
-from quantscope.calibrate import calibrate, load
-from quantscope.export.atomic import (
+from quantscope.calibration import calibrate, load
+from quantscope.exporters.atomic import (
     MARKER,
     atomic_dir,
     atomic_file,
@@ -215,7 +215,7 @@ def test_written_folders_and_files_follow_the_umask(run_of_tiny_bert, tmp_path, 
 _WRITER = textwrap.dedent("""
     import sys, torch
     from torch import nn
-    from quantscope.calibrate import calibrate
+    from quantscope.calibration import calibrate
     torch.manual_seed(int(sys.argv[2]))
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
     cal = calibrate(m, [torch.randn(4, 16)], "w8a8", progress=False)
@@ -234,7 +234,7 @@ _WRITER = textwrap.dedent("""
 
 
 def _can_exchange(folder: Path) -> bool:
-    from quantscope.export import atomic
+    from quantscope.exporters import atomic
 
     (folder / "a").mkdir()
     (folder / "b").mkdir()

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from quantscope.calibrate import Calibration, calibrate
+from quantscope.calibration import Calibration, calibrate
 from quantscope.scales import nvfp4_global_scale
 
 transformers = pytest.importorskip("transformers")

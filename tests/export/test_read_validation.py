@@ -2,7 +2,7 @@
 row 4, MoE read-back: test_read_experts.py).
 
 ``Calibration.from_compressed_tensors`` and ``check`` share one validation
-(``quantscope.export.read_checks``): every damaged scale, config field or header is a
+(``quantscope.exporters.read_checks``): every damaged scale, config field or header is a
 ``ValueError`` naming the file and the key; nothing NaN reaches ``apply()``.
 """
 
@@ -18,8 +18,8 @@ pytest.importorskip("compressed_tensors")
 
 from safetensors.torch import load_file, save_file
 
-from quantscope.calibrate import Calibration, calibrate
-from quantscope.export import check
+from quantscope.calibration import Calibration, calibrate
+from quantscope.exporters import check
 
 torch.set_num_threads(1)
 

@@ -16,8 +16,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from quantscope.calibrate.checkpoint import empty_model
-from quantscope.calibrate.hf_loader import RemoteCodeRefused, load_config, model_class
+from quantscope.calibration.run.checkpoint import empty_model
+from quantscope.calibration.run.hf_loader import RemoteCodeRefused, load_config, model_class
 from quantscope.demo.models import load_model
 
 _CODE = """
@@ -66,7 +66,7 @@ def test_from_compressed_tensors_refuses_and_runs_nothing(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from quantscope.calibrate import Calibration
+    from quantscope.calibration import Calibration
 
     folder, marker = _evil_folder(tmp_path, quantized=True)
     save_file({"x.weight": torch.zeros(1)}, str(folder / "model.safetensors"))

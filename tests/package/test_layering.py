@@ -3,7 +3,7 @@
 The layers (docs/architecture.md), lowest first; a module may import its own layer and
 those below, at module level or inside a function; and no module imports another in a
 circle, whether the imports run at load time or inside functions. ``quantscope.distributed`` is the public
-facade of data-parallel sync (it re-exports from comm, stats, observers and calibrate), so it
+facade of data-parallel sync (it re-exports from comm, stats, observers and calibration), so it
 sits at the top beside the CLI.
 """
 
@@ -20,18 +20,18 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "quantscope"
 
 LAYERS = [
     ("core", ["_checks", "_numerics", "formats", "scales", "layout", "spec", "qparams", "qdq",
-              "presets", "comm", "kernels", "export.atomic", "export.registry"]),
+              "presets", "comm", "kernels", "exporters.atomic", "exporters.registry"]),
     ("stats", ["stats"]),
     ("estimators", ["estimators"]),
     ("observers", ["observers"]),
     ("compat", ["compat", "integrations"]),
-    ("calibrate", ["calibrate"]),
-    ("top", ["export", "cli", "distributed", "demo", "__main__"]),
+    ("calibration", ["calibration"]),
+    ("top", ["exporters", "cli", "distributed", "demo", "__main__"]),
 ]
 
 # Upward imports kept on purpose (none today): each would be a convenience entry point that
 # delegates to a higher layer at call time. A new one fails the test: move the code down
-# instead (as export.registry did for Calibration.export), or add it here with the reason.
+# instead (as exporters.registry did for Calibration.export), or add it here with the reason.
 ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 
@@ -143,7 +143,7 @@ def _cycles(graph):
 
 
 def test_no_import_circle_at_module_level():
-    # a package importing its own submodules (``calibrate/__init__`` -> ``calibrate.apply``)
+    # a package importing its own submodules (``calibration/__init__`` -> ``calibration.results.apply``)
     # is not a circle; a submodule importing its package's __init__ back is
     cycles = [c for c in _cycles(_module_level_graph())
               if not all(x == c[0] or x.startswith(c[0] + ".") for x in c)]
@@ -242,6 +242,6 @@ def test_every_module_imports_alone():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("mod", ["stats.histogram_sync", "calibrate.gather", "observers.sync"])
+@pytest.mark.parametrize("mod", ["stats.histogram_sync", "calibration.run.gather", "observers.sync"])
 def test_layers_of_the_sync_modules(mod):
     assert _layer(mod) < _layer("distributed")

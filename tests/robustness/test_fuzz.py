@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from quantscope import QuantSpec
-from quantscope.calibrate import calibrate, load
+from quantscope.calibration import calibrate, load
 from quantscope.observers import get_observer, list_observers
 from quantscope.qdq import fake_quantize
 from quantscope.qparams import qparams_from_range

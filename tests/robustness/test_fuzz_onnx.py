@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from quantscope import calibrate, export, presets
-from quantscope.calibrate.recipe import Recipe, Role, Rule, preset
+from quantscope.calibration.recipe import Recipe, Role, Rule, preset
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
-from quantscope.export import onnx as qonnx
+from quantscope.exporters import onnx as qonnx
 
 TEST = "onnx_export"
 CASES = settings(base.FUZZ, max_examples=12 if base.PROFILE != "fuzz" else 150)

@@ -28,14 +28,14 @@ from fuzzing import FUZZ, count, mutate_json, start
 from hypothesis import given
 from hypothesis import strategies as st
 
-from quantscope.calibrate import Calibration, calibrate
+from quantscope.calibration import Calibration, calibrate
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 from safetensors.torch import load_file, save_file
 
-from quantscope.export import check
-from quantscope.export.read_checks import SCALE_LEAVES
+from quantscope.exporters import check
+from quantscope.exporters.read_checks import SCALE_LEAVES
 
 #: (model, preset) exported once each: a tiny Llama, and a tiny Mixtral whose 3-D experts
 #: are written per expert and joined back on reading

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
-from quantscope.calibrate import calibrate
+from quantscope.calibration import calibrate
 
 #: the ci profile's budget: about 10 s on an idle machine (each case runs two calibrations)
 CASES = settings(FUZZ, max_examples=25 if FUZZ.max_examples <= 60 else FUZZ.max_examples)

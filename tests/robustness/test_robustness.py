@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from quantscope import QuantSpec, presets
-from quantscope.calibrate import calibrate, calibrate_many, load
+from quantscope.calibration import calibrate, calibrate_many, load
 from quantscope.layout import Group
 from quantscope.observers import get_observer
 from quantscope.qdq import dequantize, fake_quantize, quantize

@@ -49,7 +49,7 @@ def cmd_calibrate(args) -> int:
     check_recipe_args(args)
     check_model_arg(args.model)
     check_out(args.out, command_inputs(args))
-    from ..calibrate import calibrate
+    from ..calibration import calibrate
 
     phases = Phases(quiet=getattr(args, "rank", 0) != 0)
     t0 = time.perf_counter()
@@ -100,7 +100,7 @@ def cmd_calibrate(args) -> int:
 def save_run(out: str, calib, report, phases, inputs=()) -> None:
     """The run folder: qparams/, report.json and report.md, written whole or not at all;
     never over ``inputs`` (the model, the data) nor a folder quantscope did not write."""
-    from ..export.atomic import atomic_dir
+    from ..exporters.atomic import atomic_dir
 
     def write():
         with atomic_dir(out, overwrite=True, inputs=inputs) as tmp:
@@ -115,7 +115,7 @@ def cmd_evaluate(args) -> int:
         raise UsageError(f"evaluate: {args.run!r} is not a folder")
     qdir = run_qparams(args.run)
     check_model_arg(args.model)
-    from ..calibrate import load
+    from ..calibration import load
     from ..demo import models
 
     phases = Phases(quiet=args.json)
@@ -132,7 +132,7 @@ def cmd_evaluate(args) -> int:
     ev = Evaluator(task, model, tok, max_length, not (args.no_progress or args.json))
     fp = phases.run("evaluating float", ev.reference)
     if calib.smoothing:  # calibrated on SmoothQuant's weights: the same function
-        from ..calibrate.smooth import reapply
+        from ..calibration.choice.smooth import reapply
 
         reapply(model, calib)
     q = phases.run("evaluating quantized", lambda: ev.quantized(calib))

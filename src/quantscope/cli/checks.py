@@ -47,7 +47,7 @@ def check_model_arg(path) -> None:
 def check_out(path, inputs=()) -> None:
     """``--out`` against the one output-path guard: never an input, the working folder, or a
     folder quantscope did not write (``inputs``: the paths the command reads)."""
-    from ..export.atomic import check_writable_target
+    from ..exporters.atomic import check_writable_target
 
     try:
         check_writable_target(path, overwrite=True, inputs=inputs)

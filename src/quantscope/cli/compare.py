@@ -114,7 +114,7 @@ def cmd_compare(args) -> int:
     headers, rows = compare_rows(report)
     title = _title(setup)
     _write_report(args, report, headers, rows, title, calib_seconds, eval_seconds)
-    from ..calibrate.report import print_table
+    from ..calibration.results.report import print_table
 
     print_table(headers, rows, title)
     print(f"calibration {calib_seconds:.1f} s (one pass), evaluation {eval_seconds:.1f} s; "
@@ -143,7 +143,7 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
 
 def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
     """Every configuration of ``plan`` calibrated in one pass over the batches."""
-    from ..calibrate import calibrate_many
+    from ..calibration import calibrate_many
 
     return phases.run(f"calibrating {len(plan)} configurations in one pass", lambda: (
         calibrate_many(model, batches, plan, **calibration_options(args, candidates))))
@@ -183,8 +183,8 @@ def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: 
                   eval_seconds: float) -> None:
     """report.json, report.md (the table, the timings, the plots) and the plots, written
     whole into ``--out`` or not at all."""
-    from ..calibrate.report import markdown_table
-    from ..export.atomic import atomic_dir
+    from ..calibration.results.report import markdown_table
+    from ..exporters.atomic import atomic_dir
 
     md = [f"# {title}", "", markdown_table(headers, rows), "",
           (f"Calibration (one pass, all observers): {calib_seconds:.1f} s; evaluation: "
@@ -201,7 +201,7 @@ def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: 
 
 def _plots(report: dict, out: str, layer: str | None, role: str = "input",
            recipe: str | None = None) -> list[str]:
-    from ..calibrate import plots
+    from ..calibration.results import plots
 
     try:
         layer = layer or plots.pick_layer(report, role)
@@ -230,7 +230,7 @@ def cmd_plot(args) -> int:
         raise UsageError(f"plot: {path} is not a compare report (no 'runs')")
     out = args.out or os.path.dirname(os.path.abspath(path))
     os.makedirs(out, exist_ok=True)
-    from ..calibrate import plots
+    from ..calibration.results import plots
 
     layer = args.layer or plots.pick_layer(report, args.role)
     if layer is None:

@@ -43,8 +43,8 @@ def cmd_export(args) -> int:
         raise UsageError(f"export: {args.run!r} is not a folder")
     qparams = run_qparams(args.run)
     check_model_arg(args.model)
-    from ..export import FORMATS
-    from ..export.atomic import check_writable_target
+    from ..exporters import FORMATS
+    from ..exporters.atomic import check_writable_target
 
     if args.format not in FORMATS:
         raise closest(args.format, sorted(FORMATS), "format")
@@ -64,7 +64,7 @@ def cmd_export(args) -> int:
 def cmd_check(args) -> int:
     if not os.path.isfile(os.path.join(args.path, "config.json")):
         raise UsageError(f"check: {args.path!r} is not a model folder (no config.json)")
-    from ..export.consistency import check, format_problems
+    from ..exporters.consistency import check, format_problems
 
     problems = check(args.path)
     if problems:
@@ -82,11 +82,11 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
     qparams folder itself; ``model`` the model folder or demo name (default: the one the
     calibration recorded in ``info["model"]``).
     """
-    from ..calibrate import load
-    from ..calibrate.smooth import reapply
+    from ..calibration import load
+    from ..calibration.choice.smooth import reapply
     from ..demo import models
-    from ..export import export
-    from ..export.atomic import check_writable_target
+    from ..exporters import export
+    from ..exporters.atomic import check_writable_target
 
     run_dir = os.fspath(run_dir)
     qdir = os.path.join(run_dir, "qparams")

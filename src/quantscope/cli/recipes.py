@@ -13,7 +13,7 @@ def build_recipe(args, model, observer=None, recipe_name=None):
     """The recipe the flags describe, checked against the model's layers."""
     from dataclasses import replace
 
-    from ..calibrate import recipe as R
+    from ..calibration import recipe as R
 
     observer = observer or args.observer
     kw = {"targets": tuple(args.targets), "ignore": tuple(args.ignore or ())}
@@ -34,7 +34,7 @@ def build_recipe(args, model, observer=None, recipe_name=None):
     if getattr(args, "input_observer", None):
         rec = R.with_role_observer(rec, "input", args.input_observer)
     rec = _indivisible(rec, model, args.on_indivisible)
-    from ..calibrate.observe import check_shapes
+    from ..calibration.run.observe import check_shapes
 
     try:  # what calibrate checks first, here before the float model is evaluated
         check_shapes(model, [rec])
@@ -44,7 +44,7 @@ def build_recipe(args, model, observer=None, recipe_name=None):
 
 
 def _read_recipe_file(path):
-    from ..calibrate.recipe import Recipe
+    from ..calibration.recipe import Recipe
 
     with open(path) as f:
         text = f.read()
@@ -94,7 +94,7 @@ def _indivisible(rec, model, policy: str):
 
 def float_note(rec, model) -> str:
     """Which modules the ignore list left in float (a short list)."""
-    from ..calibrate.recipe import _matches
+    from ..calibration.recipe import _matches
 
     names = [n for n, m in model.named_modules()
              if n and any(_matches(p, n, m) for p in rec.ignore)]

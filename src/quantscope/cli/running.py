@@ -131,8 +131,8 @@ def command_inputs(args) -> list:
 
 def calibration_options(args, candidates=None) -> dict:
     """The option objects of ``calibrate`` / ``calibrate_many`` the flags describe
-    (:mod:`quantscope.calibrate.options`), as keywords; ``candidates``: auto's observers."""
-    from ..calibrate.options import Auto, Outliers, Runtime, Sampling
+    (:mod:`quantscope.calibration.options`), as keywords; ``candidates``: auto's observers."""
+    from ..calibration.options import Auto, Outliers, Runtime, Sampling
 
     mode, world = getattr(args, "sequential", None), getattr(args, "world", 1)
     if mode is not None and world > 1:

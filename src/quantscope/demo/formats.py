@@ -26,7 +26,7 @@ import time
 import torch
 
 from .. import presets
-from ..calibrate.report import sqnr_db
+from ..calibration.results.report import sqnr_db
 from ..layout import Block, Channel, Group, Tile
 from ..qdq import fake_quantize
 from ..qparams import qparams_from_range

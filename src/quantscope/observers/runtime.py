@@ -2,8 +2,8 @@
 qparams a role uses (stored, recomputed per call with a calibrated global scale, or by a
 run-time observer), :func:`qdq_tensor` fake-quantizes with them.
 
-Below :mod:`quantscope.calibrate` (whose ``apply`` hooks models with it and whose ``report``
-measures with it); ``state`` is a :class:`~quantscope.calibrate.result.RoleState` or any
+Below :mod:`quantscope.calibration` (whose ``apply`` hooks models with it and whose ``report``
+measures with it); ``state`` is a :class:`~quantscope.calibration.results.result.RoleState` or any
 object with its fields (``spec``, ``dynamic``, ``qparams``, ``global_amax``, ``observer``,
 ``options``).
 """

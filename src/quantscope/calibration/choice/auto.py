@@ -1,0 +1,430 @@
+"""``auto`` by end-to-end effect: choose ranges by what they do to the model's output.
+
+``auto_metric="model"`` (the default ``auto``): every candidate observer is calibrated in the
+same pass; each whole-model configuration is scored by the divergence of the model's output
+from the float model's on a few calibration documents (:class:`OutputDivergence`), piece by
+piece, candidates far behind dropped early (:func:`choose`), and the best is kept; then each
+role is re-chosen with the other fixed (:func:`choose_roles`). Min-max is always among the
+candidates, so on the scoring pieces min-max was scored on, ``auto`` is never worse than
+min-max. See the README for why this is the default (measured on both demo models). The
+per-layer criteria ``"joint"`` and ``"fisher"`` live in :mod:`.layer_choice`.
+
+Per-layer criteria cannot see that an outlier one layer clips costs more downstream than a
+coarse step everywhere; the model-level score does, at the price of one forward of the
+scoring documents per candidate (fewer for those dropped early).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import types
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..recipe import AUTO, Recipe
+from ..results.apply import apply
+from ..results.result import Calibration
+from ..run.batches import forward_batch
+from .importance import InputImportance, imatrix_config, imatrix_rows
+from .layer_choice import IMATRIX
+
+__all__ = ["OutputDivergence", "calibrate_end_to_end", "choose", "choose_roles",
+           "score_pieces"]
+
+#: ``auto_metric="model"`` scores each configuration piece by piece (the first piece this
+#: share of the scoring documents), dropping after each piece the candidates this many times
+#: worse than the best so far (:func:`choose`)
+FIRST_PIECE = 0.25
+DROP_FACTOR = 1.5
+
+
+# ----------------------------------------------------------------------------- model output
+
+
+def _mask(batch):
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        return batch.get("attention_mask")
+    return None
+
+
+def _summary(out, batch):
+    """What a divergence compares, from a model output: next-token log-probabilities of the
+    real positions (causal LM), mean-pooled normalised embeddings (encoder), or the tensor."""
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, dict):
+        logits = out.get("logits")
+    mask = _mask(batch)
+    if logits is not None:
+        logits = logits.float()
+        if mask is not None:
+            keep = mask.bool()
+            if logits.dim() == 3 and keep.shape == logits.shape[:2]:
+                return ("kl", torch.log_softmax(logits[keep], -1))
+        return ("kl", torch.log_softmax(logits.reshape(-1, logits.shape[-1]), -1))
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None:
+        hidden = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"auto: cannot compare model outputs of type {type(out).__name__}; "
+                         f"pass loss=callable(output, reference_output, batch)")
+    hidden = hidden.float()
+    if hidden.dim() == 3:
+        m = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None
+             else mask.to(hidden.dtype))
+        hidden = (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
+    return ("cos", torch.nn.functional.normalize(hidden.reshape(hidden.shape[0], -1), dim=-1))
+
+
+def _divergence(kind, q, ref):
+    if kind == "kl":  # KL(p_ref || p_q), mean over positions
+        return float((ref.exp() * (ref - q)).sum(-1).mean())
+    return float((1 - (q * ref).sum(-1)).mean())
+
+
+class OutputDivergence:
+    """How far a (quantized) model's output is from the float model's on ``batches``.
+
+    The float outputs are computed once, at construction (``references``: those already
+    known, as :func:`_summary` gives them, None where not). ``loss(output, reference_output,
+    batch) -> float`` replaces the default: KL divergence of the next-token distributions
+    for a model with ``logits`` (causal LM), ``1 - cosine`` of the mean-pooled embeddings
+    otherwise. Each call runs one forward per batch (under ``inference_mode``).
+    """
+
+    def __init__(self, model: nn.Module, batches, loss=None, references=None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"OutputDivergence: model must be an nn.Module, got "
+                            f"{type(model).__name__}")
+        self.model, self.batches, self.loss = model, list(batches), loss
+        if not self.batches:
+            raise ValueError("OutputDivergence: batches is empty: need at least one batch to "
+                             "compare the model's outputs on")
+        if loss is not None and not callable(loss):
+            raise TypeError("OutputDivergence: loss must be callable(output, reference, batch)")
+        # float outputs already at hand (e.g. caught in the calibration pass) are not recomputed
+        known = list(references or [None] * len(self.batches))
+        self.references = [self._run(b) if r is None else r for b, r in zip(self.batches, known)]
+        self.forwards = sum(r is None for r in known)
+
+    def _run(self, batch):
+        was = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                out = forward_batch(self.model, batch)
+        finally:
+            self.model.train(was)
+        return out if self.loss is not None else _summary(out, batch)
+
+    def on(self, k: int) -> float:
+        """The divergence of the model as it is now on batch ``k`` alone (one forward)."""
+        batch, ref = self.batches[k], self.references[k]
+        out = self._run(batch)
+        d = (float(self.loss(out, ref, batch)) if self.loss is not None
+             else _divergence(out[0], out[1], ref[1]))
+        if not math.isfinite(d):
+            raise ValueError(f"auto: the output divergence is {d} (non-finite output of the "
+                             f"quantized model?)")
+        self.forwards += 1
+        return d
+
+    def __call__(self) -> float:
+        """The mean divergence of the model as it is now (e.g. under QDQ) over the batches."""
+        return sum(self.on(k) for k in range(len(self.batches))) / len(self.batches)
+
+    def of(self, states, k: int | None = None) -> float:
+        """The divergence with ``states`` (``{layer: {role: RoleState}}``) applied: over all
+        batches, or on batch ``k`` alone."""
+        with apply(self.model, states):
+            return self() if k is None else self.on(k)
+
+
+def _rows(batch) -> int | None:
+    mask = _mask(batch)
+    return None if mask is None or mask.dim() != 2 else mask.shape[0]
+
+
+def _take_rows(batch, start: int, stop: int):
+    """Rows ``start:stop`` of a dict batch (every tensor whose first dimension is the rows)."""
+    n = _rows(batch)
+    return {k: (v[start:stop] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n
+                else v) for k, v in batch.items()}
+
+
+def _tokens(b) -> int:
+    mask = _mask(b)
+    if mask is not None:
+        return int(mask.sum())
+    t = b if isinstance(b, torch.Tensor) else (b[0] if isinstance(b, (tuple, list)) else None)
+    return t.shape[:-1].numel() if isinstance(t, torch.Tensor) and t.dim() > 1 else 1
+
+
+def score_batches(batches, tokens: int):
+    """The first calibration batches holding at least ``tokens`` real tokens (at least one);
+    the last one cut to the rows (documents) needed where it is a dict with a mask."""
+    out, n = [], 0
+    for b in batches:
+        need = tokens - n
+        rows = _rows(b)
+        if rows is not None and rows > 1 and _tokens(b) > need:
+            per_row = _mask(b).sum(-1).tolist()
+            k = next(i for i in range(1, rows + 1) if sum(per_row[:i]) >= need)
+            b = _take_rows(b, 0, k)
+        out.append(b)
+        n += _tokens(b)
+        if n >= tokens:
+            break
+    return out
+
+
+def score_plan(batches, tokens: int, first: float = FIRST_PIECE):
+    """Where the scoring pieces come from: ``[(batch index, rows start, rows stop)]``. The
+    scoring set is the first calibration documents holding ``tokens`` real tokens
+    (:func:`score_batches`); its first dict batch is cut by rows in two pieces, the first
+    ``first`` of its rows (at least one), so that the early round that drops the far-off
+    candidates (:func:`choose`) is cheap; any further batch is one more piece."""
+    out = score_batches(batches, tokens)
+    plan = [(i, 0, _rows(b)) for i, b in enumerate(out)]
+    rows = _rows(out[0])
+    if rows is None or rows < 2:
+        return plan
+    cut = min(rows - 1, max(1, round(rows * first)))
+    return [(0, 0, cut), (0, cut, rows), *plan[1:]]
+
+
+def score_pieces(batches, tokens: int, first: float = FIRST_PIECE):
+    """The scoring pieces themselves (:func:`score_plan`)."""
+    batches = list(batches)
+    return [_piece(batches[i], a, b) for i, a, b in score_plan(batches, tokens, first)]
+
+
+def _piece(batch, start, stop):
+    return batch if stop is None or (start == 0 and stop == _rows(batch)) else _take_rows(
+        batch, start, stop)
+
+
+class _FloatOutputs:
+    """Catches, during the calibration pass (a float forward of every batch), the summaries
+    :class:`OutputDivergence` compares for the scoring pieces: their float references need
+    no forward of their own. Only for the default divergence (a user's ``loss`` sees whole
+    outputs) and outputs with ``logits`` or ``last_hidden_state``."""
+
+    def __init__(self, model, batches, plan):
+        self.plan, self.batches = plan, batches
+        firsts = {i: _first_tensor(batches[i]) for i, _, _ in plan}
+        self.want = {id(t): i for i, t in firsts.items() if t is not None}
+        self.got = {}
+        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, out):
+        t = _first_tensor(kwargs if kwargs else args)
+        i = None if t is None else self.want.get(id(t))
+        if i is None or i in self.got:
+            return
+        for k, (j, a, b) in enumerate(self.plan):
+            if j != i:
+                continue
+            for name in ("logits", "last_hidden_state"):
+                t = getattr(out, name, None)
+                if isinstance(t, torch.Tensor):
+                    cut = types.SimpleNamespace(**{name: t if b is None else t[a:b]})
+                    self.got.setdefault(i, {})[k] = _summary(cut, _piece(self.batches[i], a, b))
+                    break
+        self.got.setdefault(i, {})
+
+    def references(self):
+        self.handle.remove()
+        return [self.got.get(i, {}).get(k) for k, (i, _, _) in enumerate(self.plan)]
+
+
+def _first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, dict) or hasattr(x, "keys"):
+        x = list(x.values())
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_FACTOR,
+           pieces: dict | None = None):
+    """The configuration (``{name: states}``) with the least mean divergence, scored piece by
+    piece (each of ``div.batches``): after each piece, a candidate whose mean so far exceeds
+    ``drop`` times the best mean so far is dropped, unscored on the later pieces (an early
+    choice: such a candidate cannot catch up unless the pieces disagree by that factor).
+    Ties keep ``first`` (min-max). Returns ``(best, {name: (mean, pieces scored)})``;
+    ``pieces`` (a dict) receives each candidate's divergence piece by piece."""
+    totals, seen = dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0)
+    pieces = {} if pieces is None else pieces
+    alive = list(configs)
+    for k in range(len(div.batches)):
+        for n in alive:
+            d = div.of(configs[n], k)
+            pieces.setdefault(n, []).append(d)
+            totals[n] += d
+            seen[n] += 1
+        best = min(totals[n] / seen[n] for n in alive)
+        alive = [n for n in alive if totals[n] / seen[n] <= drop * best]
+    best = min(alive, key=lambda n: (totals[n] / seen[n], n != first))
+    return best, {n: (totals[n] / seen[n], seen[n]) for n in configs}
+
+
+def choose_roles(div: OutputDivergence, configs: dict, best: str, best_pieces: list[float],
+                 alive: list[str]) -> tuple[dict[str, str], dict[str, tuple[float, int]]]:
+    """After :func:`choose`: each role re-chosen with the others fixed, by the same score.
+
+    Whole configurations tie a role's observer to the others' (``mse`` weights come only
+    with ``mse`` inputs); on MiniLM the best pair mixes them (docs/benchmarks.md). Weights
+    try every candidate's distinct weight observer (only a few: histogram observers' weights
+    are min-max); the other roles the candidates still ``alive`` after :func:`choose`. A
+    trial is scored piece by piece and abandoned as soon as its mean so far exceeds the kept
+    configuration's on the same pieces (``best_pieces``: ``best``'s divergence on each
+    piece); one that completes every piece with a lower mean is kept. Returns ``({role:
+    configuration it comes from}, {"role=name": (mean, pieces scored)})``, every role
+    present (``best`` where nothing won)."""
+    chosen = configs[best].states
+    roles = sorted({role for rs in chosen.values() for role in rs},
+                   key=lambda r: (r != "weight", r))
+    pick, kept, tried = dict.fromkeys(roles, best), list(best_pieces), {}
+
+    def observer_of(name, role):  # a configuration's observers of ``role``, layer by layer
+        return tuple(rs[role].observer for rs in configs[name].states.values() if role in rs)
+
+    for role in roles:
+        pool = list(configs) if role == "weight" else alive
+        seen = {observer_of(pick[role], role)}
+        for n in pool:
+            obs = observer_of(n, role)
+            if not obs or obs in seen or configs[n].states.keys() != chosen.keys():
+                continue
+            seen.add(obs)
+            trial = dict(pick, **{role: n})
+            states = {layer: {r: configs[trial[r]].states[layer][r] for r in rs}
+                      for layer, rs in chosen.items()}
+            got = []
+            for k in range(len(div.batches)):
+                got.append(div.of(states, k))
+                if sum(got) > sum(kept[:k + 1]):
+                    break
+            tried[f"{role}={n}"] = (sum(got) / len(got), len(got))
+            if len(got) == len(kept) and sum(got) < sum(kept):
+                pick, kept = trial, got
+    return pick, tried
+
+
+# ----------------------------------------------------------------------------- model level
+def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Recipe], opts):
+    """``Auto(metric="model")``: calibrate every auto recipe's candidates in one pass, score
+    each whole configuration by :class:`OutputDivergence` on the first ``score_tokens``
+    calibration tokens, keep the best. ``calibrate_with(model, batches, recipes, opts)`` is
+    the session's pass; ``opts`` its :class:`~.options.Options`.
+
+    Each auto recipe ``R`` is expanded to ``R`` with every candidate observer; they share
+    observers with each other (and with the other recipes) in the session's
+    single pass, whose float forwards also give the scoring pieces' references. The scoring
+    documents are cut in pieces scored one after the other (:func:`score_plan`,
+    :func:`choose`): a candidate far behind after a piece is not scored further. Then each
+    role is re-chosen (:func:`choose_roles`); where the candidates give the weights a
+    choice, the importance-weighted weight search (:mod:`.importance`, its mean ``x^2``
+    gathered in the same pass) is one more weight candidate there.
+    The per-layer ``joint`` choice is not a candidate here: on SmolLM2 its configuration
+    scored worst but the clipping observers (docs/benchmarks.md), and it costs its own
+    matmuls and imatrix searches; ``auto_metric="joint"`` asks for it.
+    """
+    from ..run.observe import candidates_for as _candidates  # the one list of auto's candidates
+
+    candidates, score_tokens, loss = (opts.auto.candidates, opts.auto.score_tokens,
+                                      opts.auto.loss)
+    batches = list(batches)
+    autos = [label for label, r in recipes.items() if _has_auto(r)]
+    expanded = {label: r for label, r in recipes.items() if label not in autos}
+    names = list(dict.fromkeys(_candidates("input", candidates)))
+    for label in autos:
+        for n in names:
+            expanded[(label, n)] = recipes[label].with_observer(n)
+    # each auto recipe's time so far: the pass with every candidate's observers, once each
+    groups = {label: [(label, n) for n in names] for label in autos}
+    plan = score_plan(batches, score_tokens) if autos else []
+    caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
+    weighted = autos and len(set(_candidates("weight", candidates))) > 1
+    importance = InputImportance(model, sorted(
+        {layer for label in autos for layer, (_, roles) in recipes[label].match(model).items()
+         if "weight" in roles})) if weighted else None
+    try:
+        try:
+            calibs = calibrate_with(model, batches, expanded, opts.but(
+                auto__metric="tensor", runtime__time_groups=groups))
+        finally:
+            refs = caught.references() if caught is not None else None
+        out = {label: c for label, c in calibs.items() if label in recipes}
+        if not autos:
+            return out
+        t0 = time.perf_counter()
+        pieces = [_piece(batches[i], a, b) for i, a, b in plan]
+        # a pass without forwards (weight-only recipes): the scoring pieces' float forwards
+        with (importance.counting() if importance is not None and not importance.seen()
+              else contextlib.nullcontext()):
+            score = OutputDivergence(model, pieces, loss, refs)
+        means = {} if importance is None else importance.means(
+            opts.runtime.distributed, opts.runtime.group)
+    finally:
+        if importance is not None:
+            importance.remove()
+    for label in autos:
+        out[label] = _decide(model, score, recipes[label], label,
+                             {n: calibs[(label, n)] for n in names}, means,
+                             calibs[(label, names[0])].info["group_seconds"][label])
+    spent = time.perf_counter() - t0
+    for label in autos:
+        out[label].info["calibration_seconds"] = round(
+            out[label].info["calibration_seconds"] + spent, 3)
+        out[label].info["auto"]["score_seconds"] = round(spent, 3)
+    return out
+
+
+def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict, means: dict,
+            seconds: float) -> Calibration:
+    """One auto recipe's result from its candidates' calibrations ``configs`` (min-max
+    first): the best whole configuration (:func:`choose`), then each role re-chosen
+    (:func:`choose_roles`, the imatrix weights among the weight trials where ``means``, the
+    input importance, is known). ``seconds``: its calibration time so far (all candidates)."""
+    names, per_piece = list(configs), {}
+    best, scores = choose(score, {n: c.states for n, c in configs.items()}, names[0],
+                          pieces=per_piece)
+    alive = [n for n in names if scores[n][1] == len(score.batches)]
+    extra = imatrix_config(model, configs[names[0]], means) if means else None
+    if extra is not None:  # the weighted weight search: a weight candidate of the role step
+        configs = {**configs, IMATRIX: extra}
+    roles, trials = choose_roles(score, configs, best, per_piece[best], alive)
+    if roles.get("weight") == IMATRIX:  # its report rows, made for the kept weights only
+        extra.stats = imatrix_rows(model, extra)
+    chosen = configs[best]
+    supplier = {role: configs[n] for role, n in roles.items()}
+    states = {layer: {role: replace(supplier.get(role, chosen).states[layer][role],
+                                    requested=AUTO) for role in rs}
+              for layer, rs in chosen.states.items()}
+    info = dict(chosen.info, calibration_seconds=seconds)
+    info.pop("group_seconds", None)  # the candidates' shared time: now auto's own
+    info["auto"] = {"metric": "model", "chose": best, "roles": roles,
+                    "scores": {k: float(f"{v:.6g}") for k, (v, _) in scores.items()},
+                    "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},
+                    "role_pieces": {k: p for k, (_, p) in trials.items()},
+                    "pieces_scored": {k: p for k, (_, p) in scores.items()},
+                    "score_pieces": len(score.batches),
+                    "score_tokens": sum(_tokens(b) for b in score.batches),
+                    "score_forwards": score.forwards}
+    stats = [dict(r, requested=AUTO) for r in (
+        row for n, c in configs.items() for row in c.stats
+        if roles.get(row["role"], best) == n)]
+    return Calibration(recipe, states, label, stats, chosen.histograms, info)
+
+
+def _has_auto(recipe: Recipe) -> bool:
+    return any(role.observer == AUTO for rule in recipe.rules for role in rule.roles().values())

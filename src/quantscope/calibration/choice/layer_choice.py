@@ -1,0 +1,170 @@
+"""``auto`` by each layer's output error: the ``"joint"`` and ``"fisher"`` criteria.
+
+* ``"joint"`` (issue 17 item 2a): per Linear, the weight and input candidates are chosen
+  *together* by the layer's output error ``||X W^T - Q(X) Q(W)^T||^2`` on the sampled
+  calibration inputs (coordinate descent: the weight given min-max inputs, then the input
+  given that weight; more ``rounds`` in :func:`joint_choice`). Weights also get an
+  importance-weighted MSE candidate
+  (:func:`~quantscope.estimators.weighted.imatrix_range`, ``imatrix``).
+* ``"fisher"`` (item 2b): the same error with each output feature weighted by the mean
+  squared gradient ``g^2`` of the model's loss with respect to it (ModelOpt's
+  ``sum g^2 (Y - Yq)^2``): errors in outputs the loss is sensitive to count more.
+
+The session's finish step calls :func:`layer_pick` per layer; the model-level default
+(``"model"``) lives in :mod:`.auto`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ...estimators.weighted import imatrix_range
+from ...qparams import qparams_from_range
+from ..results.apply import qdq_tensor
+from ..results.result import RoleState
+from ..run.batches import forward_batch
+
+__all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
+           "joint_choice", "layer_pick"]
+
+#: per-layer criteria computed in the session's finish step through :func:`layer_pick`
+LAYER_METRICS = ("joint", "fisher")
+#: sampled input rows the joint error uses per layer (its cost: a few matmuls of this many rows)
+JOINT_ROWS = 256
+IMATRIX = "imatrix"
+
+
+# ----------------------------------------------------------------------------- fisher
+def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, torch.Tensor]:
+    """Per layer, the mean squared gradient of the loss w.r.t. each output feature.
+
+    ``loss(output, batch) -> scalar tensor``; by default the model's own loss with the
+    inputs as labels (a causal LM's next-token loss; padded positions ignored).
+    """
+    mods = {name: model.get_submodule(name) for name in layers}
+    sums = {name: None for name in mods}
+    counts = dict.fromkeys(mods, 0)
+    handles = []
+
+    def hook_for(name):
+        def fwd(module, args, out):
+            if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                return
+
+            def grad(g):
+                g = g.detach().float().reshape(-1, g.shape[-1]).square()
+                sums[name] = g.sum(0) if sums[name] is None else sums[name] + g.sum(0)
+                counts[name] += g.shape[0]
+            out.register_hook(grad)
+        return fwd
+
+    was = model.training
+    model.eval()
+    try:
+        for name, m in mods.items():
+            handles.append(m.register_forward_hook(hook_for(name)))
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                if loss is not None:
+                    value = loss(forward_batch(model, batch), batch)
+                else:
+                    if not (isinstance(batch, dict) or hasattr(batch, "keys")):
+                        raise ValueError("fisher_weights: the default loss needs dict batches "
+                                         "(input_ids); pass loss=callable(output, batch)")
+                    labels = batch["input_ids"].clone()
+                    if "attention_mask" in batch:
+                        labels[batch["attention_mask"] == 0] = -100
+                    value = getattr(model(**batch, labels=labels), "loss", None)
+                    if value is None:
+                        raise ValueError("fisher_weights: the model returns no loss; pass "
+                                         "loss=callable(output, batch)")
+                value.backward()
+        model.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was)
+    return {n: s / counts[n] for n, s in sums.items() if s is not None}
+
+
+# ----------------------------------------------------------------------------- joint choice
+def imatrix_state(w: torch.Tensor, importance: torch.Tensor, base: RoleState) -> RoleState:
+    """The weight state of the importance-weighted MSE search under ``base``'s spec
+    (``importance``: the mean ``x^2`` of each input channel)."""
+    lo, hi = imatrix_range(w, importance, base.spec)
+    qp = qparams_from_range(lo, hi, base.spec).reshape(base.spec.layout.qparam_shape(w.shape))
+    return replace(base, observer=IMATRIX, qparams=qp, lo=lo, hi=hi)
+
+
+def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
+                 x_states: list[RoleState], out_weights: torch.Tensor | None = None,
+                 rounds: int = 1) -> tuple[int, int, float]:
+    """``(i, j, error)``: the weight state ``i`` and input state ``j`` with the lowest
+    ``sum_o c_o ||X W^T - Q_j(X) Q_i(W)^T||_o^2`` found by coordinate descent (start: the
+    first of each list, min-max by convention). Exhaustive when either list has one entry."""
+    x, w = x.float(), w.float()
+    ref = x @ w.T
+    wq = [None] * len(w_states)
+    xq = [None] * len(x_states)
+    cache = {}
+
+    def err(i, j):
+        if (i, j) not in cache:
+            if wq[i] is None:
+                wq[i] = qdq_tensor(w, w_states[i]).float()
+            if xq[j] is None:
+                xq[j] = qdq_tensor(x, x_states[j]).float()
+            e = (xq[j] @ wq[i].T - ref).square()
+            if out_weights is not None:
+                e = e * out_weights
+            cache[(i, j)] = float(e.double().sum())
+        return cache[(i, j)]
+
+    i, j = 0, 0
+    for _ in range(max(1, rounds)):
+        i = min(range(len(w_states)), key=lambda a: (err(a, j), a))
+        j = min(range(len(x_states)), key=lambda b: (err(i, b), b))
+    return i, j, err(i, j)
+
+
+def layer_pick(layer, plan, slots, data, state_of, fisher=None):
+    """For the session: the ``{"weight": state, "input": state}`` :func:`joint_choice` picks
+    among ``layer``'s candidate observers (plus the ``imatrix`` weight search), or None where
+    the layer has no static input, 2-D weight and input sample."""
+    from ..run.observe import observer_key as _observer_key
+
+    if (layer, "weight") not in plan or (layer, "input") not in plan:
+        return None
+    (wcfg, wnames), (xcfg, xnames) = plan[(layer, "weight")], plan[(layer, "input")]
+    w = slots[(layer, "weight")].module.weight.detach()
+    x = data.get((layer, "input"))
+    if (wcfg.dynamic is not False or xcfg.dynamic is not False or w.dim() != 2 or x is None
+            or x.shape[-1] != w.shape[1]):
+        return None
+
+    def states(role, cfg, names, shape):
+        slot, out = slots[(layer, role)], []
+        for n in names:
+            okey = _observer_key(n, cfg)
+            if okey in slot.observers:
+                out.append(state_of(slot.observers[okey], cfg, (layer, role, okey, cfg.dynamic),
+                                    shape))
+        # min-max first: coordinate descent starts from it and ties keep it
+        return sorted(out, key=lambda st: not st.observer.endswith("minmax"))
+
+    ws = states("weight", wcfg, wnames, tuple(w.shape))
+    xs = states("input", xcfg, xnames, None)
+    if not ws or not xs:
+        return None
+    if len(wnames) > 1:
+        try:
+            ws.append(imatrix_state(w, x.float().square().mean(0), ws[0]))
+        except ValueError:  # a layout the weighted search cannot take: not a candidate
+            pass
+    c = None if fisher is None else fisher.get(layer)
+    i, j, _ = joint_choice(x[:JOINT_ROWS], w, ws, xs, c)
+    return {"weight": ws[i], "input": xs[j]}

@@ -1,0 +1,340 @@
+"""Sensitivity analysis and float fallback: which tensors' quantization the model feels.
+
+:func:`~.session.sensitivity` quantizes one tensor at a time (a layer's weight, or its input
+activation) with a calibration's qparams, everything else in float, and measures how far
+the model's output moves on held-out batches (:class:`~.auto.OutputDivergence`: KL of the
+next-token distributions for a causal LM, ``1 - cosine`` of mean-pooled embeddings for an
+encoder, or a loss you pass). Cost: one forward of the held-out batches per quantized
+tensor, plus one for the float reference (2 x layers + 1 for w8a8); no activation is
+cached, so the figure is exact for any model, including ones whose layers are not run in
+a simple chain.
+
+:func:`keep_float` is the fallback: the ``n`` most sensitive activations are left in float
+(or quantized per token at run time), and :func:`fallback_curve` measures the quality /
+cost trade-off over ``n`` (a table and a Pareto plot).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+
+from torch import nn
+
+from ...layout import Token
+from ..results.result import Calibration, RoleState
+from .auto import OutputDivergence
+
+__all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "layer_sensitivity",
+           "measure", "plot_fallback"]
+
+#: input rows per layer and batch :func:`layer_sensitivity` measures the error on
+LAYER_ROWS = 256
+
+FALLBACK_MODES = ("float", "dynamic")
+
+
+@dataclass
+class Sensitivity:
+    """Per (layer, role), the output divergence when only that tensor is quantized.
+
+    ``rows`` are sorted most sensitive first, each ``{"rank", "layer", "role", "observer",
+    "divergence"}``; ``info`` says the metric, forwards and seconds spent.
+    """
+
+    rows: list[dict]
+    info: dict = field(default_factory=dict)
+
+    def top(self, n: int, role: str | None = None) -> list[tuple[str, str]]:
+        """The ``n`` most sensitive ``(layer, role)`` (of ``role`` only, if given)."""
+        return [(r["layer"], r["role"]) for r in self.rows
+                if role is None or r["role"] == role][:n]
+
+    def to_markdown(self, path=None) -> str:
+        from ..results.report import markdown_table
+
+        text = markdown_table(["rank", "layer", "role", "observer", "divergence"],
+                              [[str(r["rank"]), r["layer"], r["role"], r["observer"],
+                                f"{r['divergence']:.4g}"] for r in self.rows])
+        text = (f"Sensitivity ({self.info.get('metric', '')}; {self.info.get('forwards', '?')} "
+                f"forwards, {self.info.get('seconds', 0):.1f} s)\n\n{text}\n")
+        if path is not None:
+            _write(path, text)
+        return text
+
+    def to_dict(self) -> dict:
+        return {"info": self.info, "rows": self.rows}
+
+    def to_json(self, path=None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            _write(path, text)
+        return text
+
+    def plot(self, path, top: int = 40) -> None:
+        """A horizontal bar chart of the ``top`` most sensitive tensors (log scale)."""
+        from ..results.plots import _plt
+
+        plt = _plt()
+        rows = self.rows[:top][::-1]
+        fig, ax = plt.subplots(figsize=(8, 0.22 * len(rows) + 1.2))
+        colors = {"weight": "tab:blue", "input": "tab:orange", "output": "tab:green"}
+        ax.barh(range(len(rows)), [max(r["divergence"], 1e-12) for r in rows],
+                color=[colors.get(r["role"], "gray") for r in rows])
+        ax.set_yticks(range(len(rows)), [f"{r['layer']} {r['role']}" for r in rows], fontsize=6)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"output divergence ({self.info.get('metric', '')}), only this tensor "
+                      f"quantized")
+        _save(fig, path)
+        plt.close(fig)
+
+
+def _save(fig, path) -> None:
+    from ...exporters.atomic import atomic_file
+
+    fig.tight_layout()
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+
+
+def _write(path, text: str) -> None:
+    from ...exporters.atomic import atomic_file
+
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+
+
+def _metric_name(div: OutputDivergence) -> str:
+    if div.loss is not None:
+        return "loss"
+    return {"kl": "KL(next token)", "cos": "1 - cosine"}[div.references[0][0]]
+
+
+def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
+            roles=("weight", "input"), progress: bool = False) -> Sensitivity:
+    """:func:`~.session.sensitivity` of a given ``calibration``: each of its tensors of
+    ``roles`` quantized alone, the model's output divergence on ``batches``."""
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"sensitivity: calibration must be a Calibration, got "
+                        f"{type(calibration).__name__}")
+    t0 = time.perf_counter()
+    div = OutputDivergence(model, batches, loss)
+    todo = [(layer, role, st) for layer, rs in calibration.states.items()
+            for role, st in rs.items() if role in roles]
+    if not todo:
+        raise ValueError(f"sensitivity: the calibration quantizes no tensor of roles {roles}")
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            todo = tqdm(todo, desc="sensitivity", unit="tensor", leave=False)
+        except ImportError:
+            pass
+    rows = [{"layer": layer, "role": role, "observer": st.observer,
+             "divergence": div.of({layer: {role: st}})} for layer, role, st in todo]
+    rows.sort(key=lambda r: -r["divergence"])
+    for k, r in enumerate(rows, 1):
+        r["rank"] = k
+    return Sensitivity(rows, {"metric": _metric_name(div), "forwards": div.forwards,
+                              "batches": len(div.batches),
+                              "seconds": round(time.perf_counter() - t0, 2)})
+
+
+def _layer_errors(model, batches, todo):
+    """``(squared output errors per (layer, role), squared outputs per layer, batches)``
+    over ``batches``, hooks on the layers of ``todo`` (``{layer: (module, {role: state})}``)."""
+    import torch
+
+    from ..results.apply import input_name, module_input, qdq_tensor
+    from ..run.batches import forward_batch
+
+    err: dict[tuple[str, str], float] = {}
+    ref: dict[str, float] = {}
+
+    def hook_for(layer, module, states):
+        key = input_name(module)
+
+        def hook(mod, args, kwargs):
+            x = module_input(args, kwargs, key)
+            if not isinstance(x, torch.Tensor) or not x.numel():
+                return
+            x = x.detach().reshape(-1, x.shape[-1])
+            x = x[:: max(1, x.shape[0] // LAYER_ROWS)][:LAYER_ROWS].float()
+            w = mod.weight.detach().float()
+            y = x @ w.T
+            ref[layer] = ref.get(layer, 0.0) + float(y.double().square().sum())
+            for role, st in states.items():
+                q = (qdq_tensor(x, st).float() @ w.T if role == "input"
+                     else x @ qdq_tensor(mod.weight.detach(), st).float().T)
+                err[(layer, role)] = err.get((layer, role), 0.0) + float(
+                    (q - y).double().square().sum())
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(layer, m, st), with_kwargs=True)
+               for layer, (m, st) in todo.items()]
+    was = model.training
+    model.eval()
+    n = 0
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                forward_batch(model, batch)
+                n += 1
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was)
+    return err, ref, n
+
+
+def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
+                      roles=("weight", "input")) -> Sensitivity:
+    """The cheap ranking: per (layer, role), the relative error quantizing only that tensor
+    causes in the layer's own output, ``||Q(X) W^T - X W^T||^2 / ||X W^T||^2`` (input) or
+    ``||X Q(W)^T - X W^T||^2 / ||X W^T||^2`` (weight), on up to :data:`LAYER_ROWS` input rows
+    per batch of ``batches`` (e.g. calibration batches). One forward per batch, against
+    ``2 x layers + 1`` for :func:`~.session.sensitivity`; it does not see what an error does
+    downstream, but on SmolLM2 its first 16 inputs are the ones whose fallback matters
+    (docs/benchmarks.md). Layers with a 2-D weight only."""
+    import torch
+
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"layer_sensitivity: calibration must be a Calibration, got "
+                        f"{type(calibration).__name__}")
+    t0 = time.perf_counter()
+    todo = {}
+    for layer, rs in calibration.states.items():
+        module = model.get_submodule(layer)
+        w = getattr(module, "weight", None)
+        mine = {r: st for r, st in rs.items() if r in roles and r in ("weight", "input")
+                and st is not None}
+        if mine and isinstance(w, torch.Tensor) and w.dim() == 2:
+            todo[layer] = (module, mine)
+    if not todo:
+        raise ValueError(f"layer_sensitivity: the calibration quantizes no 2-D weight layer's "
+                         f"tensor of roles {roles}")
+    err, ref, n = _layer_errors(model, batches, todo)
+    if n == 0:
+        raise ValueError("layer_sensitivity: batches is empty")
+    rows = [{"layer": layer, "role": role, "observer": todo[layer][1][role].observer,
+             "divergence": e / max(ref.get(layer, 0.0), 1e-30)}
+            for (layer, role), e in err.items()]
+    rows.sort(key=lambda r: -r["divergence"])
+    for k, r in enumerate(rows, 1):
+        r["rank"] = k
+    return Sensitivity(rows, {"metric": "relative layer output error", "forwards": n,
+                              "batches": n, "seconds": round(time.perf_counter() - t0, 2)})
+
+
+def _fallback_state(st: RoleState, mode: str) -> RoleState | None:
+    if mode == "float":
+        return None
+    spec = replace(st.spec, layout=Token())
+    return RoleState(spec, "memoryless_minmax", st.requested, True, ())
+
+
+def _static_activations(calibration: Calibration) -> list[tuple[str, str]]:
+    """The ``(layer, role)`` of activations quantized with calibrated ranges: what a
+    fallback can take out (not weights, not those already quantized per token)."""
+    return [(layer, r) for layer, rs in calibration.states.items() for r, st in rs.items()
+            if r != "weight" and st is not None and st.dynamic is not True]
+
+
+def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
+               mode: str = "float") -> Calibration:
+    """A copy of ``calibration`` whose ``n`` most sensitive activations (input / output
+    roles, ranked by ``sens``; those already dynamic do not count) are not statically
+    quantized: left in float (``mode="float"``) or quantized per token at run time in the same
+    format (``"dynamic"``). Weights are kept.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
+    if mode not in FALLBACK_MODES:
+        raise ValueError(f"keep_float: mode must be one of {FALLBACK_MODES}, got {mode!r}")
+    static = set(_static_activations(calibration))
+    ranked = [(r["layer"], r["role"]) for r in sens.rows if (r["layer"], r["role"]) in static]
+    chosen = ranked[:n]
+    states = {layer: dict(roles) for layer, roles in calibration.states.items()}
+    for layer, role in chosen:
+        new = _fallback_state(states[layer][role], mode)
+        if new is None:
+            del states[layer][role]
+        else:
+            states[layer][role] = new
+    states = {layer: roles for layer, roles in states.items() if roles}
+    info = dict(calibration.info, keep_float={"n": len(chosen), "mode": mode,
+                                              "tensors": [f"{a} {b}" for a, b in chosen]})
+    return Calibration(calibration.recipe, states, calibration.label, calibration.stats,
+                       calibration.histograms, info)
+
+
+def check_fallback(n, mode, sequential: bool = False) -> None:
+    """:func:`~.session.calibrate_many`'s ``keep_float`` / ``fallback``, before any batch runs."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"calibrate: keep_float must be a non-negative integer, got {n!r}")
+    if mode not in FALLBACK_MODES:
+        raise ValueError(f"calibrate: fallback must be one of {FALLBACK_MODES}, got {mode!r}")
+    if n and sequential:
+        raise ValueError("calibrate: keep_float needs the whole model's forward (its ranking "
+                         "runs one); with sequential=..., call keep_float() on the result")
+
+
+def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
+              mode: str) -> Calibration:
+    """:func:`keep_float` of ``n`` with the ranking of :func:`layer_sensitivity` on ``batch``
+    (what ``calibrate(..., outliers=Outliers(keep_float=n, fallback=mode))`` does after
+    calibrating)."""
+    if batch is None:
+        raise ValueError("calibrate: keep_float needs a batch to rank the activations on, "
+                         "and batches is empty")
+    if not any(role == "input" for _, role in _static_activations(calibration)):
+        # nothing the ranking sees (weight-only or dynamic schemes): no forward
+        return keep_float(calibration, Sensitivity([]), 0, mode=mode)
+    # only the inputs are ranked: keep_float takes out activations, never weights
+    sens = layer_sensitivity(model, [batch], calibration, roles=("input",))
+    return keep_float(calibration, sens, n, mode=mode)
+
+
+def _macs(model: nn.Module, layer: str) -> int:
+    w = getattr(model.get_submodule(layer), "weight", None)
+    return 0 if w is None else w.numel()
+
+
+def fallback_curve(model: nn.Module, calibration: Calibration, sens: Sensitivity, evaluate,
+                   ns=(0, 1, 2, 4, 8, 16), *, mode: str = "float") -> list[dict]:
+    """Quality over the fallback budget: for each ``n``, ``evaluate(model)`` (higher or lower
+    is better, as you define it) with :func:`keep_float` of ``n`` applied, and the share of the
+    quantized layers' multiply-adds (weight elements) whose activations left static int.
+
+    Returns rows ``{"n", "quality", "float_macs_pct", "tensors"}``.
+    """
+    total = sum(_macs(model, layer) for layer, _ in _static_activations(calibration)) or 1
+    out = []
+    for n in ns:
+        c = keep_float(calibration, sens, n, mode=mode)
+        with c.apply(model):
+            q = float(evaluate(model))
+        kept = c.info["keep_float"]["tensors"]
+        macs = sum(_macs(model, t.rsplit(" ", 1)[0]) for t in kept)
+        out.append({"n": n, "quality": q, "float_macs_pct": round(100 * macs / total, 2),
+                    "tensors": kept})
+    return out
+
+
+def plot_fallback(rows: list[dict], path, quality_label: str = "quality") -> None:
+    """The Pareto curve of :func:`fallback_curve`: quality against the share of multiply-adds
+    with float (or dynamic) activations."""
+    from ..results.plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    xs = [r["float_macs_pct"] for r in rows]
+    ax.plot(xs, [r["quality"] for r in rows], "o-")
+    for r in rows:
+        ax.annotate(f"N={r['n']}", (r["float_macs_pct"], r["quality"]), fontsize=7,
+                    textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("multiply-adds with float activations (%)")
+    ax.set_ylabel(quality_label)
+    _save(fig, path)
+    plt.close(fig)

@@ -1,0 +1,278 @@
+"""SmoothQuant: move the activations' per-channel outliers into the next layers' weights.
+
+A static per-tensor activation range must cover every channel of every token. In LLMs a
+few input channels carry outliers hundreds of times the rest (SmolLM2-135M's MLP
+down-projection inputs reach 2,379 where most values are below 1), so one scale either
+clips them or rounds everything else to a few levels; no choice of range fixes that
+(docs/benchmarks.md, "auto by end-to-end effect"). SmoothQuant (Xiao et al., 2023)
+divides each input channel ``j`` by ``s_j`` where the activation is produced and
+multiplies column ``j`` of the next weights by the same ``s_j``: the model computes the
+same function, the activation's channels are flatter, the weights (quantized per output
+channel) take the difference.
+
+The scales are llm-compressor's ``SmoothQuantModifier``'s, so a recipe moves over with the
+same ``smoothing_strength``:
+
+    s_j = range_j ** alpha / (2 max_i |W_ij|) ** (1 - alpha),  at least 1e-5
+
+with ``range_j = max - min`` of channel ``j`` of the balanced layers' input over the
+batches given, and ``max_i |W_ij|`` over all the balanced layers' rows (``range_j`` where
+that column is all zero).
+
+What may be smoothed (:data:`MAPPINGS`): a decoder layer's ``input_layernorm`` into its
+``q_proj`` / ``k_proj`` / ``v_proj``, its ``post_attention_layernorm`` into ``gate_proj`` /
+``up_proj`` (llm-compressor's default mappings), and a gated MLP's ``up_proj`` into its
+``down_proj`` (``down(act(gate(x)) * up(x))`` is linear in ``up``'s output; the mapping
+AWQ uses, and the one SmolLM2 needs most). Each mapping found is checked on a probe before
+the model is touched: the balanced layers' outputs of a random input must stay the same
+(to float rounding) with the new parameters, so a norm that is not ``x * weight (+ bias)``
+(Gemma's ``x * (1 + weight)``) or an MLP that is not gated is left alone, not broken.
+
+:func:`smooth` changes the model's parameters in place, as llm-compressor does: calibrate,
+apply, evaluate and export that same model object. A calibration made with ``smooth=``
+belongs to the smoothed weights and keeps their scales (``Calibration.smoothing``, saved
+beside its qparams; ``info["smooth"]`` names the alpha and the modules): :func:`reapply`
+smooths a freshly loaded copy of the float model alike, as ``quantscope evaluate`` and
+``quantscope export`` do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ... import comm as qd
+from ...stats.minmax import column_minmax
+from ..results.apply import input_name, module_input
+from ..run.batches import forward_batch
+
+__all__ = ["MAPPINGS", "MIN_SCALE", "Mapping", "channel_ranges", "check", "find_mappings",
+           "reapply", "smooth", "smoothing_scales"]
+
+#: ``(previous module, balanced Linears)`` as name suffixes within one decoder layer
+MAPPINGS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", ("mlp.down_proj",)),
+)
+
+#: llm-compressor's ``MINIMUM_SMOOTHING_SCALE``
+MIN_SCALE = 1e-5
+
+#: rows of the random probe each mapping is checked on
+_PROBE_ROWS = 8
+
+
+@dataclass
+class Mapping:
+    """One smoothable pair: ``previous`` produces the input of every Linear in ``balance``
+    (``parent`` contains both; it is run on the probe when ``previous`` is a Linear)."""
+
+    previous: str
+    balance: tuple[str, ...]
+    parent: str
+
+
+def find_mappings(model: nn.Module) -> list[Mapping]:
+    """The :data:`MAPPINGS` present in ``model`` whose shapes fit (checked on a probe only
+    by :func:`smooth`), kind by kind in :data:`MAPPINGS`' order."""
+    modules = dict(model.named_modules())
+    found = []
+    for prev, balance in MAPPINGS:  # in data-flow order: up_proj's columns before its rows
+        for name, module in modules.items():
+            if not (name == prev or name.endswith("." + prev)):
+                continue
+            prefix = name[: len(name) - len(prev)]
+            lins = [modules.get(prefix + b) for b in balance]
+            if not all(isinstance(m, nn.Linear) for m in lins):
+                continue
+            width = _width(module)
+            if width is None or any(m.in_features != width for m in lins):
+                continue
+            parent = name
+            if isinstance(module, nn.Linear):  # up_proj -> down_proj: their MLP runs the probe
+                parent = (prefix + balance[0]).rsplit(".", 1)[0]
+                if name.rsplit(".", 1)[0] != parent:
+                    continue
+            found.append(Mapping(name, tuple(prefix + b for b in balance), parent))
+    return found
+
+
+def _width(module: nn.Module) -> int | None:
+    """Channels ``module`` outputs, if its parameters scale them one by one: a Linear's
+    rows, a norm's ``weight [C]``."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    w = getattr(module, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 1:
+        return w.shape[0]
+    return None
+
+
+@torch.no_grad()
+def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distributed: bool = False,
+                   group=None) -> dict[str, torch.Tensor]:
+    """``max - min`` of every input channel of each mapping's balanced Linears over
+    ``batches`` (one forward each); with ``distributed`` inside a process group, the range
+    across its ranks (every rank must call it then)."""
+    modules = dict(model.named_modules())
+    lo, hi = {}, {}
+
+    def hook(key, keyword):
+        def f(_module, args, kwargs):
+            x = module_input(args, kwargs, keyword)
+            if not isinstance(x, torch.Tensor) or not x.numel():
+                return
+            a, b = column_minmax(x.detach().reshape(-1, x.shape[-1]).float().contiguous())
+            lo[key] = a if key not in lo else torch.minimum(lo[key], a)
+            hi[key] = b if key not in hi else torch.maximum(hi[key], b)
+        return f
+
+    handles = [modules[m.balance[0]].register_forward_pre_hook(
+        hook(m.previous, input_name(modules[m.balance[0]])), with_kwargs=True)
+        for m in mappings]
+    try:
+        for batch in batches:
+            forward_batch(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    if distributed and qd.is_distributed(group):  # every rank must smooth alike
+        # one collective for every mapping: the mins and the negated maxes, reduced by MIN
+        widths = [modules[m.balance[0]].in_features for m in mappings]
+        flat = torch.cat([t for m, w in zip(mappings, widths) for t in (
+            lo.get(m.previous, torch.full((w,), float("inf"))).cpu(),
+            -hi.get(m.previous, torch.full((w,), float("-inf"))).cpu())])
+        flat = flat.to(qd.group_device(group))
+        qd.all_reduce(flat, torch.distributed.ReduceOp.MIN, group)
+        parts = flat.cpu().split([w for w in widths for _ in (0, 1)])
+        for k, m in enumerate(mappings):
+            lo[m.previous], hi[m.previous] = parts[2 * k], -parts[2 * k + 1]
+    return {k: hi[k] - lo[k] for k in hi}
+
+
+def smoothing_scales(ranges: torch.Tensor, weights: list[torch.Tensor],
+                     alpha: float) -> torch.Tensor:
+    """llm-compressor's SmoothQuant scales (module doc) of channels with activation
+    ``ranges [C]`` feeding ``weights`` (each ``[out, C]``), float32."""
+    w = 2.0 * torch.stack([x.detach().abs().amax(0).float() for x in weights]).amax(0)
+    s = ranges.float().pow(alpha) / w.pow(1.0 - alpha)
+    return torch.where(w > 0, s, ranges.float()).clamp(min=MIN_SCALE)
+
+
+def _new_params(modules: dict[str, nn.Module], m: Mapping,
+                s: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Fully qualified name -> smoothed value of every parameter the mapping changes
+    (``modules``: the model's, by name)."""
+    prev = modules[m.previous]
+    new = {}
+    for pname, p in prev.named_parameters(recurse=False):
+        if pname in ("weight", "bias") and p.shape[0] == s.shape[0]:
+            t = s.to(p)
+            new[f"{m.previous}.{pname}"] = p / (t if p.dim() == 1 else t[:, None])
+    for b in m.balance:
+        w = modules[b].weight
+        new[f"{b}.weight"] = w * s.to(w)[None, :]
+    return new
+
+
+def _probe_holds(modules: dict[str, nn.Module], m: Mapping, new: dict[str, torch.Tensor]) -> bool:
+    """The balanced Linears' outputs of a random input are the same with ``new`` (the
+    previous module as a norm: ``linear(norm(x))``; as a Linear: its parent, e.g. the MLP,
+    whole)."""
+    prev = modules[m.previous]
+    p0 = next(prev.parameters())
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    if isinstance(prev, nn.Linear):
+        parent = modules[m.parent]
+        x = torch.randn(_PROBE_ROWS, prev.in_features, generator=gen).to(p0)
+        local = {k[len(m.parent) + 1:]: v for k, v in new.items()}
+        try:
+            before, after = parent(x), functional_call(parent, local, (x,))
+        except (TypeError, RuntimeError, ValueError):  # not a module run on one tensor
+            return False
+        pairs = [(before, after)]
+    else:
+        x = torch.randn(_PROBE_ROWS, _width(prev), generator=gen).to(p0)
+        local = {k[len(m.previous) + 1:]: v for k, v in new.items() if k.startswith(
+            m.previous + ".") and k[len(m.previous) + 1:] in ("weight", "bias")}
+        y0, y1 = prev(x), functional_call(prev, local, (x,))
+        pairs = [(torch.nn.functional.linear(y0, modules[b].weight, modules[b].bias),
+                  torch.nn.functional.linear(y1, new[f"{b}.weight"], modules[b].bias))
+                 for b in m.balance]
+    for a, b in pairs:
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.isfinite(b).all())):
+            return False
+        tol = 1e-3 if a.dtype == torch.float32 else 2e-2
+        if float((a.float() - b.float()).norm()) > tol * max(float(a.float().norm()), 1e-12):
+            return False
+    return True
+
+
+def check(alpha, sequential: bool = False) -> None:
+    """Raise unless ``alpha`` is None or a number in ``[0, 1]`` (and not with sequential)."""
+    if alpha is None:
+        return
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+            or not 0 <= alpha <= 1):
+        raise ValueError(f"smooth: alpha must be a number in [0, 1] (llm-compressor's "
+                         f"smoothing_strength), got {alpha!r}")
+    if sequential:
+        raise ValueError("calibrate: smooth needs the whole model in one forward; it is not "
+                         "available with sequential (smooth the model first with "
+                         "quantscope.calibration.choice.smooth.smooth)")
+
+
+@torch.no_grad()
+def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool = False,
+           group=None) -> dict:
+    """Smooth ``model`` in place (module doc) with ranges from ``batches`` (``distributed``:
+    reduced over ``group``'s ranks, as :func:`~.session.calibrate_many` 's); returns
+    ``{"alpha", "smoothed": [previous module names], "skipped": [names failing the probe or
+    never run], "scales": {name: [C] float32}}``. ``alpha`` in ``[0, 1]``: 0 leaves the
+    activations, 1 moves all of their range into the weights."""
+    check(alpha)
+    mappings = find_mappings(model)
+    ranges = channel_ranges(model, batches, mappings, distributed, group) if mappings else {}
+    modules = dict(model.named_modules())
+    done, skipped, scales = [], [], {}
+    for m in mappings:
+        r = ranges.get(m.previous)
+        if r is None or not bool(torch.isfinite(r).all()):
+            skipped.append(m.previous)  # never ran, or saw NaN / inf: nothing to go by
+            continue
+        s = smoothing_scales(r, [modules[b].weight for b in m.balance], alpha)
+        new = _new_params(modules, m, s)
+        if not _probe_holds(modules, m, new):
+            skipped.append(m.previous)
+            continue
+        _write(modules, new)
+        done.append(m.previous)
+        scales[m.previous] = s.cpu()
+    return {"alpha": float(alpha), "smoothed": done, "skipped": skipped, "scales": scales}
+
+
+@torch.no_grad()
+def reapply(model: nn.Module, calibration) -> None:
+    """Smooth a fresh copy of the float model as :func:`smooth` smoothed the one
+    ``calibration`` was made on (its ``smoothing`` scales; nothing if it has none)."""
+    scales = calibration.smoothing
+    mappings = find_mappings(model)  # in smooth's order (a saved dict's may differ)
+    modules = dict(model.named_modules())
+    unknown = sorted(set(scales) - {m.previous for m in mappings})
+    if unknown:
+        raise ValueError(f"smooth: the calibration smoothed {unknown[0]!r}, which this model "
+                         f"does not have as a smoothable module")
+    for m in mappings:
+        if m.previous in scales:
+            _write(modules, _new_params(modules, m, torch.as_tensor(scales[m.previous])))
+
+
+def _write(modules: dict[str, nn.Module], new: dict[str, torch.Tensor]) -> None:
+    for k, v in new.items():
+        owner, _, pname = k.rpartition(".")
+        getattr(modules[owner], pname).copy_(v)

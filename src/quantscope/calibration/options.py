@@ -1,0 +1,323 @@
+"""The options of a calibration, as a few typed objects.
+
+:func:`~.session.calibrate` and :func:`~.session.calibrate_many` take, beside the model, the
+batches and the recipe, one object per concern; each validates its fields when made (the
+error names the field), and the session carries them as one :class:`Options` value::
+
+    calibrate(model, batches, "w8a8", observer="auto",
+              sampling=Sampling(tokens=4096, seed=1), auto=Auto(metric="joint"),
+              outliers=Outliers(smooth=0.8, keep_float=4), sequential=Sequential(blocks="layers"))
+
+A new capability adds a field to one of them. The keywords of the flat signature
+(``sample_tokens=``, ``auto_metric=``, ``smooth=`` ...) still work through one path,
+:func:`from_keywords`, which warns (``DeprecationWarning``) with the new spelling;
+``progress=`` stays a plain keyword (a display choice, not an option of the result), and
+``sequential=True`` / ``"float"`` / ``"quantized"`` stays shorthand for ``Sequential(mode=...)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .choice.sensitivity import FALLBACK_MODES
+from .choice.smooth import check as _check_alpha
+from .run.finish import MISSING_POLICIES
+from .run.sequential import MODES
+from .structure.moe import MIN_TOKENS
+
+__all__ = ["AUTO_METRICS", "Auto", "MoE", "Options", "Outliers", "Runtime", "Sampling",
+           "Sequential", "from_keywords"]
+
+#: what ``auto`` can minimise (see :class:`Auto`); "model", "joint" and "fisher" live in
+#: :mod:`.auto`
+AUTO_METRICS = ("model", "joint", "fisher", "tensor", "output")
+
+
+def _positive_int(owner: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"calibrate: {owner}.{name} must be a positive integer, got {value!r}")
+
+
+def _one_of(owner: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"calibrate: {owner}.{name} must be one of {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The activation rows kept per layer for ``auto`` and the report (SQNR, clipping);
+    other qparams do not depend on them.
+
+    Attributes:
+        tokens: rows kept per sampled tensor, at most (was ``sample_tokens=``).
+        budget_mb: the memory of all those rows together (float32, every layer and role);
+            when ``tokens`` rows each would not fit, every sampled tensor keeps the same
+            smaller number of rows (at least one). None: 64 MB (was ``sample_budget_mb=``).
+        seed: seeds the choice of sampled rows.
+    """
+
+    tokens: int = 2048
+    budget_mb: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        _positive_int("Sampling", "tokens", self.tokens)
+        b = self.budget_mb
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
+                              or not math.isfinite(b) or b <= 0):
+            raise ValueError(f"calibrate: Sampling.budget_mb (sample_budget_mb) must be a "
+                             f"positive number of MB, got {b!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"calibrate: Sampling.seed must be an integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class Auto:
+    """How ``observer="auto"`` chooses.
+
+    Attributes:
+        candidates: the observers it chooses from (None: those of
+            :data:`~.recipe.DEFAULT_CANDIDATES` that are registered).
+        metric: what it minimises: ``"model"`` (default) the divergence of the model's output
+            from the float model's on ``score_tokens`` calibration tokens, among whole
+            configurations (:mod:`.auto`); per layer, ``"joint"`` the layer's output error
+            with weight and input chosen together, ``"fisher"`` that error weighted by the
+            loss's ``g^2`` per output feature, ``"tensor"`` the quantized tensor's own squared
+            error, ``"output"`` the error one role's quantization causes in ``x W^T``
+            (was ``auto_metric=``).
+        loss: for ``"model"``, ``callable(output, reference_output, batch) -> float``
+            replacing the default divergence; for ``"fisher"``,
+            ``callable(output, batch) -> scalar tensor`` (default: the model's own loss).
+        score_tokens: calibration tokens the ``"model"`` and ``"fisher"`` metrics run on.
+    """
+
+    candidates: tuple[str, ...] | None = None
+    metric: str = "model"
+    loss: Callable | None = None
+    score_tokens: int = 1024
+
+    def __post_init__(self):
+        c = self.candidates
+        if c is not None:
+            if isinstance(c, str) or not all(isinstance(n, str) for n in c):
+                raise ValueError(f"calibrate: Auto.candidates must be a list of observer "
+                                 f"names, got {c!r}")
+            object.__setattr__(self, "candidates", tuple(c))
+        _one_of("Auto", "metric (auto_metric)", self.metric, AUTO_METRICS)
+        if self.loss is not None and not callable(self.loss):
+            raise ValueError(f"calibrate: Auto.loss must be callable, got {self.loss!r}")
+        _positive_int("Auto", "score_tokens", self.score_tokens)
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Mixture-of-experts models (:mod:`.moe`).
+
+    Attributes:
+        all_experts: every expert observes every token, while the block's output stays the
+            routed one; default: each expert its routed tokens.
+        min_tokens: in routed mode, an expert that saw fewer tokens has its activation
+            ranges shrunk toward its layer's pooled range (was ``expert_min_tokens=``).
+    """
+
+    all_experts: bool = False
+    min_tokens: int = MIN_TOKENS
+
+    def __post_init__(self):
+        _positive_int("MoE", "min_tokens (expert_min_tokens)", self.min_tokens)
+
+
+@dataclass(frozen=True)
+class Outliers:
+    """What is done about activations that quantize badly.
+
+    Attributes:
+        smooth: SmoothQuant's alpha (llm-compressor's ``smoothing_strength``, 0.5-0.8 is
+            usual): before calibrating, each decoder layer's activation outliers move into
+            the next weights (:mod:`.smooth`; one more forward). **Changes the model's
+            parameters in place**. None: no smoothing.
+        keep_float: this many activations, those whose quantization moves their own layer's
+            output most (one more forward on the first batch), stay out of static
+            quantization; ``calibration.info["keep_float"]`` lists them.
+        fallback: what those get: ``"dynamic"`` per-token qparams at run time in the same
+            format, or ``"float"``.
+    """
+
+    smooth: float | None = None
+    keep_float: int = 0
+    fallback: str = "dynamic"
+
+    def __post_init__(self):
+        _check_alpha(self.smooth)
+        k = self.keep_float
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"calibrate: Outliers.keep_float must be a non-negative integer, "
+                             f"got {k!r}")
+        _one_of("Outliers", "fallback", self.fallback, FALLBACK_MODES)
+
+
+@dataclass(frozen=True)
+class Sequential:
+    """One block at a time, for models larger than memory (:mod:`.sequential`).
+
+    Attributes:
+        mode: ``"float"`` (each block calibrated on the float model's activations) or
+            ``"quantized"`` (on the previous blocks' quantized outputs; one recipe).
+        checkpoint: a safetensors file or folder the blocks' weights load from (a model
+            built on the meta device, :func:`~.checkpoint.empty_model`).
+        blocks: the ``nn.ModuleList`` of blocks, by name (None: found).
+        cache_budget_mb: the memory the blocks' cached activations may take before they
+            spill to disk (None: the default of :mod:`.sequential`).
+        cache_dir: where they spill (None: the system's temporary folder).
+        device: where each block runs (None: where it is).
+    """
+
+    mode: str = "float"
+    checkpoint: Any = None
+    blocks: str | None = None
+    cache_budget_mb: float | None = None
+    cache_dir: Any = None
+    device: Any = None
+
+    def __post_init__(self):
+        _one_of("Sequential", "mode", self.mode, MODES)
+        b = self.cache_budget_mb
+        # bool is an int to Python (True would be 1 MB); inf / NaN have no byte count
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
+                              or not math.isfinite(b) or b < 0):
+            raise ValueError(f"calibrate: Sequential.cache_budget_mb must be a finite number "
+                             f"of MB >= 0, got {b!r}")
+
+    def keywords(self) -> dict:
+        """:func:`~.sequential.calibrate_sequential`'s keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how the pass runs.
+
+    Attributes:
+        distributed: inside a ``torch.distributed`` process group (e.g. under ``torchrun``),
+            calibrate data-parallel: each rank takes every ``world``-th batch and a share of
+            the weights, every rank returns the same result. A no-op in a single process.
+        group: the process group (None: the default group).
+        missing: an activation role that saw no tokens (and is not an MoE expert's):
+            ``"skip"`` leaves that role unquantized, ``"float"`` the whole layer, ``"error"``
+            raises; a fallback is listed in ``calibration.info["missing"]`` and warned about.
+        time_groups: ``{name: [labels]}``: also time each group of recipes as one, in each
+            member's ``info["group_seconds"][name]`` (``auto`` times its candidates so).
+    """
+
+    distributed: bool = False
+    group: Any = None
+    missing: str = "skip"
+    time_groups: dict | None = None
+
+    def __post_init__(self):
+        _one_of("Runtime", "missing", self.missing, MISSING_POLICIES)
+        if self.time_groups is not None and not isinstance(self.time_groups, dict):
+            raise ValueError(f"calibrate: Runtime.time_groups must be a dict of label lists, "
+                             f"got {self.time_groups!r}")
+
+
+_KINDS = {"sampling": Sampling, "auto": Auto, "moe": MoE, "outliers": Outliers,
+          "sequential": Sequential, "runtime": Runtime}
+
+
+@dataclass(frozen=True)
+class Options:
+    """All of a calibration's options, the one value the session passes on."""
+
+    sampling: Sampling = field(default_factory=Sampling)
+    auto: Auto = field(default_factory=Auto)
+    moe: MoE = field(default_factory=MoE)
+    outliers: Outliers = field(default_factory=Outliers)
+    sequential: Sequential | None = None
+    runtime: Runtime = field(default_factory=Runtime)
+    progress: bool = True
+
+    def __post_init__(self):
+        for name, kind in _KINDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (name == "sequential" and value is None):
+                raise TypeError(f"calibrate: {name} must be a {kind.__name__}, got "
+                                f"{type(value).__name__}")
+
+    def but(self, **changes) -> Options:
+        """A copy with fields of the objects changed: ``but(sampling__seed=1, progress=False)``."""
+        top = {k: v for k, v in changes.items() if "__" not in k}
+        for key, value in changes.items():
+            if "__" in key:
+                kind, name = key.split("__")
+                top[kind] = replace(top.get(kind, getattr(self, kind)), **{name: value})
+        return replace(self, **top)
+
+
+#: the flat keywords of before, each the field it became: (object, field)
+KEYWORDS = {
+    "sample_tokens": ("sampling", "tokens"), "sample_budget_mb": ("sampling", "budget_mb"),
+    "seed": ("sampling", "seed"),
+    "candidates": ("auto", "candidates"), "auto_metric": ("auto", "metric"),
+    "loss": ("auto", "loss"), "score_tokens": ("auto", "score_tokens"),
+    "all_experts": ("moe", "all_experts"), "expert_min_tokens": ("moe", "min_tokens"),
+    "smooth": ("outliers", "smooth"), "keep_float": ("outliers", "keep_float"),
+    "fallback": ("outliers", "fallback"),
+    "checkpoint": ("sequential", "checkpoint"), "blocks": ("sequential", "blocks"),
+    "cache_budget_mb": ("sequential", "cache_budget_mb"),
+    "cache_dir": ("sequential", "cache_dir"), "device": ("sequential", "device"),
+    "distributed": ("runtime", "distributed"), "group": ("runtime", "group"),
+    "missing": ("runtime", "missing"), "time_groups": ("runtime", "time_groups"),
+}
+
+
+def as_sequential(value) -> Sequential | None:
+    """The ``sequential=`` argument: a :class:`Sequential`, ``True`` / ``"float"`` /
+    ``"quantized"`` (its mode), or ``None`` / ``False`` (off)."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, Sequential):
+        return value
+    if value is True:
+        return Sequential()
+    if isinstance(value, str) and value in MODES:
+        return Sequential(mode=value)
+    raise ValueError(f"calibrate: sequential must be True or one of {MODES} or a Sequential, "
+                     f"got {value!r}")
+
+
+def _outside_quantscope() -> int:
+    """The ``stacklevel`` of the first caller outside the quantscope package (whichever entry
+    point it called: ``calibrate``, ``calibrate_many``, the callable package), so that the
+    warning names the user's line and Python's default filters show it in ``__main__``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def from_keywords(options: Options, keywords: dict) -> Options:
+    """``options`` with the flat keywords of before applied (one ``DeprecationWarning``
+    naming the new spelling of each); an unknown keyword is a ``TypeError``."""
+    if not keywords:
+        return options
+    unknown = sorted(set(keywords) - set(KEYWORDS))
+    if unknown:
+        raise TypeError(f"calibrate: unexpected keyword argument {unknown[0]!r} (options: "
+                        f"{', '.join(_KINDS)}, progress)")
+    if options.sequential is None and any(KEYWORDS[k][0] == "sequential" for k in keywords):
+        raise TypeError("calibrate: checkpoint, blocks, cache_budget_mb, cache_dir and device "
+                        "are options of sequential calibration; pass sequential=True")
+    spelled = [f"{k}= -> {_KINDS[KEYWORDS[k][0]].__name__}({KEYWORDS[k][1]}=...)"
+               for k in keywords]
+    warnings.warn(f"calibrate: keyword options are deprecated, pass the option objects of "
+                  f"quantscope.calibration.options: {'; '.join(spelled)}", DeprecationWarning,
+                  stacklevel=_outside_quantscope())
+    return options.but(**{f"{KEYWORDS[k][0]}__{KEYWORDS[k][1]}": v for k, v in keywords.items()})

@@ -1,0 +1,437 @@
+"""Recipes: which modules get which spec and observer, for each role.
+
+A :class:`Recipe` is a list of :class:`Rule` s. A rule names its modules by
+``targets`` (a module class name such as ``"Linear"``, a glob on the module's
+name such as ``"encoder.layer.*.attention.*"``, or a regular expression on the
+name prefixed ``"re:"``, as llm-compressor writes them) and gives a
+:class:`Role` for each tensor it quantizes: ``weight``, ``input`` (the
+activation entering the module) and ``output`` (the one leaving it). The first
+rule that matches a module wins; ``ignore`` (same syntax) removes modules.
+
+Observer names are registry names (:func:`quantscope.list_observers`) or
+``"auto"``: per layer, the candidate whose range gives the lowest quantization
+error on that layer's data. Weights are observed once, so a recipe built from an
+observer name gives weights its memoryless variant (``minmax`` ->
+``memoryless_minmax``, ``mse`` -> ``memoryless_mse``, as llm-compressor does) and
+histogram observers' weights min-max (:func:`weight_observer`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from .. import presets
+from ..layout import Tensor
+from ..spec import QuantSpec
+
+__all__ = [
+    "AUTO",
+    "DEFAULT_CANDIDATES",
+    "KV_CACHE",
+    "PRESETS",
+    "RECIPES",
+    "ROLES",
+    "Recipe",
+    "Role",
+    "Rule",
+    "preset",
+    "weight_observer",
+]
+
+ROLES = ("weight", "input", "output")
+AUTO = "auto"
+#: what ``observer="auto"`` chooses from (those registered; weights take memoryless variants)
+DEFAULT_CANDIDATES = ("minmax", "mse", "percentile", "entropy", "mix", "histogram_mse")
+DYNAMIC_MODES = (False, True, "local")
+
+
+@dataclass(frozen=True)
+class Role:
+    """How one tensor of a module is quantized.
+
+    Args:
+        spec: the quantization scheme.
+        observer: a registry name or ``"auto"``.
+        dynamic: False (static qparams from calibration), True (qparams computed
+            from each tensor at run time, as llm-compressor's ``dynamic=True``:
+            no calibration) or ``"local"`` (NVFP4 activations: the global scale is
+            calibrated, block scales are computed at run time).
+        options: keyword options for the observer (``{"averaging_constant": 0.1}``).
+    """
+
+    spec: QuantSpec
+    observer: str = "minmax"
+    dynamic: bool | str = False
+    options: tuple = ()
+
+    def __post_init__(self):
+        if not isinstance(self.spec, QuantSpec):
+            raise TypeError(f"Role.spec must be a QuantSpec, got {type(self.spec).__name__}")
+        if not isinstance(self.observer, str) or not self.observer:
+            raise ValueError(f"Role.observer must be an observer name, got {self.observer!r}")
+        if self.dynamic not in DYNAMIC_MODES:
+            raise ValueError(f"Role.dynamic must be one of {DYNAMIC_MODES}, got {self.dynamic!r}")
+        if isinstance(self.options, dict):
+            object.__setattr__(self, "options", tuple(sorted(self.options.items())))
+
+    @property
+    def needs_data(self) -> bool:
+        """Whether calibration data is needed (static or ``local`` activations)."""
+        return self.dynamic is not True
+
+    def to_dict(self) -> dict:
+        return {"spec": self.spec.to_dict(), "observer": self.observer, "dynamic": self.dynamic,
+                "options": dict(self.options)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Role:
+        return cls(QuantSpec.from_dict(d["spec"]), d["observer"], d["dynamic"],
+                   tuple(sorted(d.get("options", {}).items())))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules matched by ``targets`` and the roles they quantize (None: left in float)."""
+
+    targets: tuple[str, ...] = ("Linear",)
+    weight: Role | None = None
+    input: Role | None = None
+    output: Role | None = None
+
+    def __post_init__(self):
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", (self.targets,))
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if not self.targets:
+            raise ValueError("Rule.targets must name at least one module type or name pattern")
+        if self.weight is None and self.input is None and self.output is None:
+            raise ValueError(f"Rule {self.targets}: give at least one of weight, input, output")
+
+    def roles(self) -> dict[str, Role]:
+        return {r: getattr(self, r) for r in ROLES if getattr(self, r) is not None}
+
+    def to_dict(self) -> dict:
+        return {"targets": list(self.targets),
+                **{r: (None if v is None else v.to_dict())
+                   for r, v in ((r, getattr(self, r)) for r in ROLES)}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Rule:
+        return cls(tuple(d["targets"]),
+                   **{r: (None if d.get(r) is None else Role.from_dict(d[r])) for r in ROLES})
+
+
+def _matches(pattern: str, name: str, module: nn.Module) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    cls = type(module)
+    if pattern in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+        return True
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Rules (first match wins) and an ignore list; ``name`` labels reports.
+
+    Fusion groups (layers a runtime fuses, so they share scales: see
+    :mod:`~quantscope.calibration.structure.fusion`) are found from the model's forward when
+    ``fusion`` is True; ``fuse`` adds groups (each entry a tuple of name patterns: the
+    matching layers of each parent module form one group, e.g.
+    ``(("*.q_a_proj", "*.kv_a_proj_with_mqa"),)``), ``split`` takes layers matching its
+    patterns out of their groups.
+
+    ``kv_cache`` (a :class:`Role`, or ``"fp8"``: static fp8 e4m3 per tensor, min-max) gives
+    every attention module not ignored the roles ``key`` and ``value``: its key and value
+    states as the KV cache holds them, after the rotary embedding (see
+    :mod:`~quantscope.calibration.structure.kv_cache`), written as vLLM's ``k_scale`` / ``v_scale``.
+    """
+
+    rules: tuple[Rule, ...]
+    ignore: tuple[str, ...] = ()
+    name: str = "custom"
+    fusion: bool = True
+    fuse: tuple = ()
+    split: tuple[str, ...] = ()
+    kv_cache: Role | None = None
+
+    def __post_init__(self):
+        if isinstance(self.rules, Rule):
+            object.__setattr__(self, "rules", (self.rules,))
+        object.__setattr__(self, "rules", tuple(self.rules))
+        if isinstance(self.ignore, str):
+            object.__setattr__(self, "ignore", (self.ignore,))
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        object.__setattr__(self, "fuse", tuple((p,) if isinstance(p, str) else tuple(p)
+                                               for p in self.fuse))
+        object.__setattr__(self, "split", (self.split,) if isinstance(self.split, str)
+                           else tuple(self.split))
+        if not isinstance(self.fusion, bool):
+            raise TypeError(f"Recipe.fusion must be True or False, got {self.fusion!r}")
+        object.__setattr__(self, "kv_cache", kv_cache_role(self.kv_cache))
+        if not self.rules:
+            raise ValueError("Recipe.rules: a recipe needs at least one rule")
+        for r in self.rules:
+            if not isinstance(r, Rule):
+                raise TypeError(f"Recipe.rules must hold Rule objects, got {type(r).__name__}")
+
+    def match(self, model: nn.Module) -> dict[str, tuple[nn.Module, dict[str, Role]]]:
+        """``{module name: (module, {role: Role})}`` for every module a rule takes.
+
+        Raises ``ValueError`` naming the targets if nothing matches.
+        """
+        found = {}
+        for name, module in model.named_modules():
+            if not name or any(_matches(p, name, module) for p in self.ignore):
+                continue
+            for rule in self.rules:
+                if any(_matches(t, name, module) for t in rule.targets):
+                    roles = rule.roles()
+                    if "weight" in roles and not isinstance(
+                            getattr(module, "weight", None), nn.Parameter):
+                        raise ValueError(
+                            f"recipe {self.name!r}: module {name!r} ({type(module).__name__}) "
+                            f"matches {rule.targets} with a weight role but has no weight "
+                            f"parameter")
+                    found[name] = (module, roles)
+                    break
+        if self.kv_cache is not None:
+            from .structure.kv_cache import attention_modules
+
+            attention = {n: m for n, m in attention_modules(model).items()
+                         if not any(_matches(p, n, m) for p in self.ignore)}
+            for n, m in attention.items():  # (none at all: calibrate_many says so)
+                found[n] = (m, {**found.get(n, (m, {}))[1], "key": self.kv_cache,
+                                "value": self.kv_cache})
+        if not found:
+            kinds = sorted({type(m).__name__ for _, m in model.named_modules()})
+            targets = [t for r in self.rules for t in r.targets]
+            raise ValueError(
+                f"recipe {self.name!r}: no module matches targets {targets}"
+                f"{f' (ignore {list(self.ignore)})' if self.ignore else ''}; the model's module "
+                f"types are {kinds}")
+        return found
+
+    def with_observer(self, observer: str, **options) -> Recipe:
+        """A copy whose calibrated roles (not dynamic ones) use ``observer``
+        (weights: :func:`weight_observer` of it); ``options`` go to that observer."""
+        def swap(role, kind):
+            if role is None or role.dynamic is True:
+                return role
+            name = weight_observer(observer) if kind == "weight" else observer
+            opts = () if name != observer else tuple(sorted(options.items()))
+            return replace(role, observer=name, options=opts)
+        rules = tuple(replace(r, **{k: swap(getattr(r, k), k) for k in ROLES})
+                      for r in self.rules)
+        # the KV cache takes a named observer: auto leaves it as it is
+        kv = self.kv_cache if observer == AUTO else swap(self.kv_cache, "key")
+        return replace(self, rules=rules, name=self.name, kv_cache=kv)
+
+    @property
+    def needs_data(self) -> bool:
+        return self.kv_cache is not None or any(
+            role.needs_data for r in self.rules for k, role in r.roles().items() if k != "weight")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "ignore": list(self.ignore),
+                "rules": [r.to_dict() for r in self.rules], "fusion": self.fusion,
+                "fuse": [list(p) for p in self.fuse], "split": list(self.split),
+                "kv_cache": None if self.kv_cache is None else self.kv_cache.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Recipe:
+        return cls(tuple(Rule.from_dict(r) for r in d["rules"]), tuple(d.get("ignore", ())),
+                   d.get("name", "custom"), d.get("fusion", True),
+                   tuple(tuple(p) for p in d.get("fuse", ())), tuple(d.get("split", ())),
+                   None if d.get("kv_cache") is None else Role.from_dict(d["kv_cache"]))
+
+
+#: ``kv_cache=`` names: the KV cache format vLLM's ``kv_cache_dtype`` takes
+KV_CACHE = {"fp8": QuantSpec("fp8_e4m3", Tensor())}
+
+
+def kv_cache_role(kv_cache) -> Role | None:
+    """The :class:`Role` of a recipe's ``kv_cache`` option: None, a Role, or a name of
+    :data:`KV_CACHE` (min-max). The KV cache is static and per tensor, as vLLM scales it."""
+    if kv_cache is None or isinstance(kv_cache, Role):
+        role = kv_cache
+    elif isinstance(kv_cache, str) and kv_cache.lower() in KV_CACHE:
+        role = Role(KV_CACHE[kv_cache.lower()], "minmax")
+    else:
+        raise ValueError(f"Recipe.kv_cache must be None, a Role or one of {sorted(KV_CACHE)}, "
+                         f"got {kv_cache!r}")
+    if role is not None and (role.dynamic is not False
+                             or not isinstance(role.spec.layout, Tensor)):
+        raise ValueError(f"Recipe.kv_cache: the KV cache takes static per-tensor scales "
+                         f"(vLLM's k_scale / v_scale), got {role.spec} dynamic={role.dynamic}")
+    if role is not None and role.observer == AUTO:
+        raise ValueError("Recipe.kv_cache: name an observer (auto does not choose KV scales)")
+    return role
+
+
+def weight_observer(name: str) -> str:
+    """The observer a weight role runs when a recipe is built from observer ``name``.
+
+    Weights are observed once: a name with a memoryless variant uses it (``minmax`` ->
+    ``memoryless_minmax``, ``mse`` -> ``memoryless_mse``). Histogram observers
+    (percentile, entropy, mix, ...) are activation calibrators -- TensorRT and Horizon
+    pair them with max calibration of weights -- so their weights use
+    ``memoryless_minmax``. ``auto`` stays ``auto``. A :class:`Role` written by hand runs
+    the observer it names.
+    """
+    from ..observers.registry import observer_class
+
+    if name == AUTO:
+        return name
+    cls = observer_class(name)
+    if cls.memoryless:
+        return name
+    try:
+        observer_class(f"memoryless_{name}")
+        return f"memoryless_{name}"
+    except ValueError:
+        pass
+    if cls.family == "histogram":
+        return "memoryless_minmax"
+    return name
+
+
+_INT8_ACT = QuantSpec("int8", Tensor())
+_INT8_TOKEN = QuantSpec("int8", presets.INT8_PER_TOKEN.layout)
+_FP8_ACT = QuantSpec("fp8_e4m3", Tensor())
+_FP8_TOKEN = QuantSpec("fp8_e4m3", presets.INT8_PER_TOKEN.layout)
+
+
+def _w8a8(obs):
+    return Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, obs),
+                input=Role(_INT8_ACT, obs))
+
+
+#: recipe name -> function of the observer name giving the Rule for Linear layers (the
+#: "recipes"; specs are :data:`quantscope.presets.SPECS`)
+RECIPES = {
+    # int8 per-channel weights, static int8 per-tensor activations
+    "w8a8": _w8a8,
+    # int8 per-channel weights, int8 per-token activations computed at run time
+    "w8a8-dynamic": lambda obs: Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, obs),
+                                     input=Role(_INT8_TOKEN, "memoryless_minmax", True)),
+    # int4 symmetric groups of 128 along the input dim; activations stay in float
+    "w4a16": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128, obs)),
+    # int4 asymmetric groups of 128 (integer zero points; llm-compressor's W4A16_ASYM)
+    "w4a16-asym": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128_ASYM, obs)),
+    # int4 g128 weights, static int8 per-tensor activations
+    "w4a8": lambda obs: Rule(("Linear",), weight=Role(presets.INT4_GROUP128, obs),
+                             input=Role(_INT8_ACT, obs)),
+    # fp8 e4m3 per-channel weights, static fp8 per-tensor activations
+    "fp8": lambda obs: Rule(("Linear",), weight=Role(presets.FP8_PER_CHANNEL, obs),
+                            input=Role(_FP8_ACT, obs)),
+    # fp8 e4m3 per-channel weights, fp8 per-token activations at run time (FP8_DYNAMIC)
+    "fp8-dynamic": lambda obs: Rule(("Linear",), weight=Role(presets.FP8_PER_CHANNEL, obs),
+                                    input=Role(_FP8_TOKEN, "memoryless_minmax", True)),
+    # MXFP4 weights and activations: E8M0 block scales, activation blocks at run time
+    "mxfp4": lambda obs: Rule(("Linear",), weight=Role(presets.MXFP4, obs),
+                              input=Role(presets.MXFP4, "memoryless_minmax", True)),
+    # NVFP4: weights with e4m3 block scales under a global scale; activations with a
+    # calibrated global scale and run-time block scales (llm-compressor's dynamic="local")
+    "nvfp4": lambda obs: Rule(("Linear",), weight=Role(presets.NVFP4, obs),
+                              input=Role(presets.NVFP4, obs, "local")),
+    # fp8, and the KV cache in fp8 (per-tensor k_scale / v_scale: vLLM's kv_cache_dtype fp8)
+    "fp8-kv": lambda obs: RECIPES["fp8"](obs),
+}
+#: presets that also calibrate the KV cache, and its format
+KV_PRESETS = {"fp8-kv": "fp8"}
+
+
+#: the earlier name of :data:`RECIPES`
+PRESETS = RECIPES
+
+
+def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
+           kv_cache=None, **options) -> Recipe:
+    """A preset recipe by name (:data:`RECIPES`) for modules ``targets`` minus ``ignore``;
+    ``kv_cache="fp8"`` also calibrates the KV cache with ``observer`` (min-max for
+    ``auto``), or as a :class:`Role` says (``fp8-kv`` is ``fp8`` with ``kv_cache="fp8"``)."""
+    if isinstance(name, Recipe):
+        return name
+    key = str(name).lower()
+    if key not in RECIPES:
+        raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(RECIPES)}")
+    rule = replace(RECIPES[key](observer), targets=tuple([targets] if isinstance(targets, str)
+                                                         else targets))
+    recipe = Recipe((rule,), tuple([ignore] if isinstance(ignore, str) else ignore), key)
+    recipe = recipe.with_observer(observer, **options)
+    kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
+    if isinstance(kv_cache, str):  # a format name: observed as the activations are
+        kv_cache = replace(kv_cache_role(kv_cache), options=tuple(sorted(options.items())),
+                           observer="minmax" if observer == AUTO else observer)
+    return replace(recipe, kv_cache=kv_cache)
+
+
+
+def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
+           **options) -> Recipe:
+    """A recipe from a compressed-tensors preset scheme name (``W8A8``, ``W4A16``,
+    ``W4A16_ASYM``, ``FP8``, ``FP8_DYNAMIC``, ``NVFP4``, ``MXFP4`` ... : its
+    ``PRESET_SCHEMES``), with the same weight and activation specs and dynamic modes, as
+    compressed-tensors defines them. Needs the ``compressed-tensors`` package."""
+    try:
+        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, QuantizationScheme
+    except ImportError:
+        raise ImportError("recipes from scheme names need compressed-tensors: pip install "
+                          "'quantscope[peers]'") from None
+    from ..compat.llmcompressor import llmcompressor_spec
+
+    key = str(name).upper()
+    if key not in PRESET_SCHEMES or not PRESET_SCHEMES[key]:
+        raise ValueError(f"recipe: unknown scheme {name!r}; expected one of "
+                         f"{sorted(k for k, v in PRESET_SCHEMES.items() if v)}")
+    targets = tuple([targets] if isinstance(targets, str) else targets)
+    s = QuantizationScheme(targets=list(targets), **PRESET_SCHEMES[key])
+    roles = {}
+    for role, args in (("weight", s.weights), ("input", s.input_activations),
+                       ("output", s.output_activations)):
+        if args is None:
+            continue
+        dynamic = args.dynamic if isinstance(args.dynamic, bool) else "local"
+        obs = "memoryless_minmax" if dynamic is True else observer
+        roles[role] = Role(llmcompressor_spec(args, role), obs, dynamic)
+    recipe = Recipe((Rule(targets, **roles),), tuple([ignore] if isinstance(ignore, str)
+                                                    else ignore), key)
+    return recipe.with_observer(observer, **options)
+
+
+def with_group_size(recipe: Recipe, size: int) -> Recipe:
+    """A copy of ``recipe`` whose grouped roles (``Group`` layouts) use groups of ``size``."""
+    from ..layout import Group
+
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"group size must be a positive integer, got {size!r}")
+
+    def regroup(role):
+        if role is None or not isinstance(role.spec.layout, Group):
+            return role
+        layout = replace(role.spec.layout, size=size)
+        return replace(role, spec=replace(role.spec, layout=layout))
+    if not any(isinstance(role.spec.layout, Group) for r in recipe.rules
+               for role in r.roles().values()):
+        raise ValueError(f"recipe {recipe.name!r} has no grouped role for a group size to change")
+    rules = tuple(replace(r, **{k: regroup(getattr(r, k)) for k in ROLES}) for r in recipe.rules)
+    return replace(recipe, rules=rules)
+
+
+def with_role_observer(recipe: Recipe, role: str, observer: str) -> Recipe:
+    """A copy of ``recipe`` whose calibrated ``role`` (weight / input / output) runs
+    ``observer`` exactly as named (no memoryless substitution: the caller chose it)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+    def swap(r):
+        if r is None or r.dynamic is True:
+            return r
+        return replace(r, observer=observer, options=())
+    rules = tuple(replace(r, **{role: swap(getattr(r, role))}) for r in recipe.rules)
+    return replace(recipe, rules=rules)

@@ -1,0 +1,183 @@
+"""Apply calibrated qparams to a model as fake quantization (QDQ), reversibly.
+
+Weights are replaced in place by ``fake_quantize(weight)`` (the same Parameter
+object, so tied or shared references stay valid); activations are
+fake-quantized by forward hooks. :meth:`QDQHandle.remove` removes the hooks and
+copies the saved float weights back, bit for bit.
+
+:func:`runtime_qparams` is the one place that decides the qparams a role uses on
+a given tensor: the calibrated ones (static), ones computed from the tensor
+itself (``dynamic=True``), or run-time block scales under a calibrated global
+scale (``dynamic="local"``, NVFP4 activations). QDQ, the report and ``auto``
+all go through it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+# the quantizer of a role lives below calibration/ (report and apply both use it): re-exported
+from ...observers.runtime import qdq_tensor, runtime_qparams
+from ...qdq import clip_edges
+from ..structure import kv_cache
+from .role_state import RoleState
+
+__all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "runtime_qparams"]
+
+_ATTR = "_quantscope_qdq"
+
+
+class QDQHandle:
+    """What :func:`apply` did to a model; :meth:`remove` undoes it exactly.
+
+    Also a context manager: ``with calib.apply(model): ...``.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._hooks: list = []
+        self._weights: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.active = True
+
+    def remove(self) -> None:
+        """Remove the activation hooks and restore the float weights (idempotent)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        with torch.no_grad():
+            for param, original in reversed(self._weights):
+                param.copy_(original)
+        self._weights.clear()
+        if getattr(self.model, _ATTR, None) is self:
+            delattr(self.model, _ATTR)
+        self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+def input_name(module: nn.Module) -> str | None:
+    """The name of ``module.forward``'s first parameter (``input`` for ``nn.Linear``): where
+    its input is when a caller passes it as a keyword (``lin(input=x)``)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return p.name
+    return None
+
+
+def module_input(args: tuple, kwargs: dict, name: str | None):
+    """A module call's input: the first positional argument, else the keyword ``name``."""
+    if args:
+        return args[0]
+    return kwargs.get(name) if name is not None else None
+
+
+def _input_hook(state, name):
+    def hook(module, args, kwargs):
+        x = module_input(args, kwargs, name)
+        if not isinstance(x, torch.Tensor):
+            return None
+        if args:
+            return (qdq_tensor(x, state), *args[1:]), kwargs
+        return args, {**kwargs, name: qdq_tensor(x, state)}
+    return hook
+
+
+def _output_hook(state):
+    def hook(module, args, output):
+        if isinstance(output, torch.Tensor):
+            return qdq_tensor(output, state)
+        return None
+    return hook
+
+
+def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandle:
+    """Fake-quantize ``model`` with ``{layer: {role: RoleState}}``; returns the undo handle.
+
+    Raises ``ValueError`` naming the layer if the model lacks a module or a weight
+    has another shape than the one calibrated; nothing is left applied then.
+    """
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("apply: this model already has quantscope QDQ applied; call remove() "
+                         "on the handle first")
+    handle = QDQHandle(model)
+    kv: dict[str, dict[str, RoleState]] = {}  # attention layer -> key / value states
+    try:
+        _attach_experts(model, states, handle)
+        for name, roles in states.items():
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"apply: the model has no module {name!r} (calibrated on "
+                                 f"another model?)") from None
+            for role, state in roles.items():
+                if role == "weight":
+                    w = module.weight
+                    if state.shape is not None and tuple(w.shape) != tuple(state.shape):
+                        raise ValueError(
+                            f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
+                            f"calibrated with shape {tuple(state.shape)}")
+                    with torch.no_grad():
+                        original = w.detach().clone()
+                        qdq = qdq_tensor(w.detach(), state.to(w.device))
+                        handle._weights.append((w, original))
+                        w.copy_(qdq)
+                elif role == "input":
+                    handle._hooks.append(module.register_forward_pre_hook(
+                        _input_hook(state.to(_device(module)), input_name(module)),
+                        with_kwargs=True))
+                elif role == "output":
+                    handle._hooks.append(module.register_forward_hook(
+                        _output_hook(state.to(_device(module)))))
+                elif role in kv_cache.ROLES:
+                    kv.setdefault(name, {})[role] = state.to(_device(module))
+                else:
+                    raise ValueError(f"apply: unknown role {role!r} for {name!r}")
+        if kv:
+            handle._hooks.append(SimpleNamespace(remove=kv_cache.attach(
+                model, {name: _kv_qdq(roles) for name, roles in kv.items()})))
+    except BaseException:
+        handle.remove()
+        raise
+    setattr(model, _ATTR, handle)
+    return handle
+
+
+def _kv_qdq(states: dict[str, RoleState]):
+    """The :func:`kv_cache.attach` callback that fake-quantizes a layer's key / value states."""
+    def callback(role, x):
+        return qdq_tensor(x, states[role]) if role in states else x
+    return callback
+
+
+def _attach_experts(model: nn.Module, states, handle: QDQHandle) -> None:
+    """MoE experts held as 3-D parameters are QDQ'd through per-expert Linear views
+    (:mod:`~quantscope.calibration.structure.moe`), attached until the handle is removed."""
+    from ..structure import moe
+
+    if not any(moe.is_experts_3d(m) for m in model.modules()):
+        return
+    experts = moe.attach(model, count=False)
+    if any(name in experts.layers for name in states):
+        handle._hooks.append(experts)  # its remove() detaches the views
+    else:
+        experts.detach()
+
+
+def _device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")

@@ -1,0 +1,188 @@
+"""Save and load calibrated qparams: safetensors for the tensors, JSON for the rest.
+
+``path/qparams.safetensors`` holds ``"{layer}/{role}/{field}"`` tensors (scale,
+zero_point, global_scale, global_amax, lo, hi); ``path/quantscope.json`` the
+recipe and, per layer and role, the spec, the observer used and the dynamic
+mode, and the format's name and ``version`` (checked on load). Written atomically
+(:func:`~quantscope.exporters.atomic.atomic_dir`). :func:`load` gives back a :class:`Calibration` whose ``apply(model)``
+restores exactly the QDQ model that was saved, with no recalibration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ...qparams import QParams
+from ...spec import QuantSpec
+from ..recipe import Recipe
+from .result import Calibration
+from .role_state import RoleState
+from .saving import FORMAT, META, SMOOTH, TENSORS, VERSION, safetensors, save
+
+__all__ = ["META", "TENSORS", "load", "save"]
+
+
+def _safetensor_error() -> type:
+    from safetensors import SafetensorError
+
+    return SafetensorError
+
+
+class _Damaged(ValueError):
+    """A calibration folder that does not hold what :func:`save` writes."""
+
+
+def load(path, device="cpu") -> Calibration:
+    """Read a calibration written by :func:`save`; ``calibration.apply(model)`` applies it.
+
+    Everything is checked before anything is returned: the format and version, every
+    field's type, every tensor's dtype, shape (against its spec and the calibrated weight
+    shape), finiteness and range (scales > 0, zero points inside the code range). A damaged
+    or edited folder raises ``ValueError`` naming the file and the key.
+    """
+    _, load_file = safetensors()
+    SafetensorError = _safetensor_error()
+    meta_path, tensor_path = os.path.join(path, META), os.path.join(path, TENSORS)
+    for p in (meta_path, tensor_path):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"load: {p} does not exist (expected a directory written "
+                                    f"by quantscope's save)")
+
+    def bad(where, key, msg):
+        return _Damaged(f"load: {where}: {key}: {msg}")
+
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _Damaged(f"load: {meta_path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise _Damaged(f"load: {meta_path} is not a quantscope calibration (format {got!r})")
+    version = meta.get("version")
+    if type(version) is not int or version != VERSION:
+        raise bad(meta_path, "version", f"this quantscope reads version {VERSION}, got "
+                                        f"{version!r}")
+    for key, kind in (("layers", dict), ("recipe", dict), ("info", dict), ("label", str)):
+        if key in ("layers", "recipe") and key not in meta:
+            raise bad(meta_path, key, "missing")
+        if key in meta and not isinstance(meta[key], kind):
+            raise bad(meta_path, key, f"expected a {kind.__name__}, got "
+                                      f"{type(meta[key]).__name__}")
+    try:
+        recipe = Recipe.from_dict(meta["recipe"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise bad(meta_path, "recipe", f"{type(e).__name__}: {e}") from None
+    try:
+        tensors = load_file(tensor_path, device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:  # no path in theirs
+        raise _Damaged(f"load: {tensor_path}: not a readable safetensors file "
+                       f"({type(e).__name__}: {e})") from None
+    states = {}
+    for layer, roles in meta["layers"].items():
+        if not isinstance(roles, dict):
+            raise bad(meta_path, f"layers.{layer}", "expected a dict of roles")
+        for role, d in roles.items():
+            where = f"layers.{layer}.{role}"
+            states.setdefault(layer, {})[role] = _role_state(
+                d, tensors, f"{layer}/{role}", lambda k, m, w=where: bad(meta_path, f"{w}.{k}", m),
+                lambda k, m: bad(tensor_path, k, m))
+    smoothing = {k[len(SMOOTH):]: t for k, t in tensors.items() if k.startswith(SMOOTH)}
+    return Calibration(recipe, states, meta.get("label", ""), info=meta.get("info", {}),
+                       smoothing=smoothing)
+
+
+def _role_state(d, tensors, key, bad_meta, bad_tensor) -> RoleState:
+    spec, dyn, options, shape = _role_meta(d, bad_meta)
+    get = _tensor_reader(tensors, key, dyn, bad_tensor)
+    qp = _role_qparams(get, key, spec, shape, dyn, bad_tensor)
+    gam = get("global_amax", required=dyn == "local", nonneg=True)
+    if gam is not None and gam.numel() != 1:
+        raise bad_tensor(f"{key}/global_amax", f"expected one value, got {gam.numel()}")
+    lo, hi = get("lo"), get("hi")
+    if (lo is None) != (hi is None) or (lo is not None and lo.shape != hi.shape):
+        raise bad_tensor(f"{key}/hi", "lo and hi must both be present, with one shape")
+    return RoleState(spec, d["observer"], d["requested"], dyn,
+                     tuple(sorted(options.items())), qp, gam, lo, hi, shape)
+
+
+def _role_meta(d, bad_meta):
+    """The JSON half of a role, checked: ``(spec, dynamic, options, shape)``."""
+    if not isinstance(d, dict):
+        raise bad_meta("", f"expected a dict, got {type(d).__name__}")
+    for k in ("spec", "observer", "requested", "dynamic", "shape"):
+        if k not in d:
+            raise bad_meta(k, "missing")
+    try:
+        spec = QuantSpec.from_dict(d["spec"])
+    except (TypeError, ValueError) as e:
+        raise bad_meta("spec", str(e)) from None
+    dyn = d["dynamic"]
+    if not (dyn is True or dyn is False or dyn == "local"):
+        raise bad_meta("dynamic", f"expected true, false or \"local\", got {dyn!r}")
+    for k in ("observer", "requested"):
+        if not isinstance(d[k], str):
+            raise bad_meta(k, f"expected a string, got {d[k]!r}")
+    options = d.get("options", {})
+    if not isinstance(options, dict):
+        raise bad_meta("options", f"expected a dict, got {options!r}")
+    shape = d["shape"]
+    if shape is not None and not (isinstance(shape, list) and all(
+            type(n) is int and n >= 0 for n in shape)):
+        raise bad_meta("shape", f"expected null or a list of sizes, got {shape!r}")
+    shape = None if shape is None else tuple(shape)
+    if shape is not None:
+        try:
+            spec.layout.check(shape)
+        except ValueError as e:
+            raise bad_meta("shape", str(e)) from None
+    return spec, dyn, options, shape
+
+
+def _tensor_reader(tensors, key, dyn, bad_tensor):
+    """``get(field, ...)``: the role's tensor ``key/field``, checked (dtype, finite, sign)."""
+
+    def get(field, *, required=False, integer=False, positive=False, nonneg=False):
+        name = f"{key}/{field}"
+        t = tensors.get(name)
+        if t is None:
+            if required:
+                raise bad_tensor(name, f"missing (dynamic={dyn!r} needs it)")
+            return None
+        if integer != (not t.dtype.is_floating_point) or t.dtype == torch.bool:
+            raise bad_tensor(name, f"dtype {t.dtype} (expected "
+                                   f"{'an integer' if integer else 'a float'} tensor)")
+        if not integer and not bool(torch.isfinite(t).all()):
+            raise bad_tensor(name, "holds NaN or inf")
+        if positive and not bool((t > 0).all()):
+            raise bad_tensor(name, f"must be > 0, got min {float(t.min())}")
+        if nonneg and not bool((t >= 0).all()):
+            raise bad_tensor(name, f"must be >= 0, got min {float(t.min())}")
+        return t
+
+    return get
+
+
+def _role_qparams(get, key, spec, shape, dyn, bad_tensor) -> QParams | None:
+    """The stored qparams of a role (None for a run-time role), checked against its spec."""
+    scale = get("scale", required=dyn is False, positive=True)
+    if scale is None:
+        return None
+    units = None if shape is None else spec.layout.num_units(shape)
+    zp = get("zero_point", required=True, integer=True)
+    if zp.shape != scale.shape:
+        raise bad_tensor(f"{key}/zero_point", f"shape {tuple(zp.shape)} differs from the "
+                                              f"scale's {tuple(scale.shape)}")
+    if zp.numel() and not bool(((zp >= spec.qmin) & (zp <= spec.qmax)).all()):
+        raise bad_tensor(f"{key}/zero_point", f"outside the code range [{spec.qmin}, "
+                                              f"{spec.qmax}] of {spec}")
+    if units is not None and scale.numel() != units:
+        raise bad_tensor(f"{key}/scale", f"{scale.numel()} values, but {spec.layout} on "
+                                         f"shape {shape} has {units} units")
+    gs = get("global_scale", required=spec.scale.has_global_scale, positive=True)
+    if gs is not None and gs.numel() != 1:
+        raise bad_tensor(f"{key}/global_scale", f"expected one value, got {gs.numel()}")
+    return QParams(scale, zp, gs)

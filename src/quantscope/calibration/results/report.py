@@ -1,0 +1,221 @@
+"""Reports: per layer and role, how well the calibrated quantizer represents the data.
+
+For each quantized tensor (a weight, or a sample of the activations seen during
+calibration): the SQNR ``10 log10(sum x^2 / sum (x - qdq(x))^2)`` in dB, the
+fraction of values outside the quantizer's representable range (clipped), the
+observer's range and the observer used. A summary averages over layers; tables
+print with ``rich`` when it is installed, else as plain text, and save as
+markdown and JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ...observers.runtime import runtime_qparams
+from ...qdq import clip_edges, fake_quantize
+
+__all__ = [
+    "Report",
+    "format_table",
+    "json_safe",
+    "markdown_table",
+    "print_table",
+    "summarize",
+    "tensor_stats",
+]
+
+
+def tensor_stats(x: torch.Tensor, state) -> dict:
+    """SQNR, clipped fraction and clipping range of ``x`` quantized by ``state`` (a RoleState)."""
+    spec = state.spec
+    qp = runtime_qparams(x, state)
+    xf = x.detach().float()
+    # one temporary of x's size at a time (a layer's weight is the largest tensor a
+    # sequential run holds): the signal first, then the error in place on fake_quantize's
+    # output (always fresh memory: quantize_units divides into a new tensor)
+    signal = float(xf.square().sum())
+    noise = float(fake_quantize(x.detach(), qp, spec).float().sub_(xf).square_().sum())
+    units = spec.layout.to_units(xf)
+    lo_e, hi_e = clip_edges(qp, spec, units.shape[0])
+    clipped = int(torch.count_nonzero((units < lo_e) | (units > hi_e)))  # no int64 copy
+    return {"sqnr_db": sqnr_db(signal, noise), "noise": noise, "signal": signal,
+            "clipped": clipped / max(x.numel(), 1), "clip_lo": float(lo_e.min()),
+            "clip_hi": float(hi_e.max()), "min": float(xf.min()), "max": float(xf.max()),
+            "units": int(units.shape[0]), "numel": int(x.numel())}
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)``; inf when there is no error, -inf for an all-zero signal."""
+    if noise <= 0:
+        return math.inf
+    if signal <= 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per role: mean / min SQNR (and the worst layer), mean clipped fraction, observers chosen."""
+    out = {}
+    for role in sorted({r["role"] for r in rows}):
+        rr = [r for r in rows if r["role"] == role]
+        finite = [r["sqnr_db"] for r in rr if math.isfinite(r["sqnr_db"])]
+        worst = min(rr, key=lambda r: r["sqnr_db"])
+        chosen = {}
+        for r in rr:
+            chosen[r["observer"]] = chosen.get(r["observer"], 0) + 1
+        out[role] = {"layers": len(rr),
+                     "mean_sqnr_db": sum(finite) / len(finite) if finite else math.inf,
+                     "min_sqnr_db": worst["sqnr_db"], "worst_layer": worst["layer"],
+                     "mean_clipped": sum(r["clipped"] for r in rr) / len(rr),
+                     "observers": chosen}
+    return out
+
+
+def _num(v, digits=2):
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        if v != 0 and (abs(v) < 10 ** -digits or abs(v) >= 1e6):
+            return f"{v:.{digits}e}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def json_safe(obj):
+    """``obj`` with non-finite floats as None and keys as strings (strict JSON)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def format_table(headers: list[str], rows: list[list], title: str | None = None) -> str:
+    """A plain-text table (columns padded to width)."""
+    cells = [[_num(c) if not isinstance(c, str) else c for c in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) if cells else len(str(h))
+              for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))
+    out = [title] if title else []
+    out += [line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    cells = [[_num(c) if not isinstance(c, str) else c for c in r] for r in rows]
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in cells]
+    return "\n".join(out)
+
+
+def print_table(headers: list[str], rows: list[list], title: str | None = None, file=None):
+    """Print with rich if it is installed, else as plain text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(format_table(headers, rows, title), file=file)
+        return
+    cells = [[_num(c) if not isinstance(c, str) else c for c in r] for r in rows]
+    width = sum(max([len(h)] + [len(r[k]) for r in cells]) + 3 for k, h in enumerate(headers))
+    table = Table(title=title)
+    for h in headers:
+        table.add_column(h, justify="left" if h in ("layer", "role", "observer", "recipe",
+                                                    "spec") else "right")
+    for r in cells:
+        table.add_row(*r)
+    Console(file=file, width=max(80, width + 1)).print(table)
+
+
+LAYER_HEADERS = ["layer", "role", "observer", "SQNR dB", "clipped %", "lo", "hi", "units"]
+
+
+def _layer_rows(rows):
+    return [[r["layer"], r["role"], r["observer"], r["sqnr_db"], 100 * r["clipped"], r["lo"],
+             r["hi"], r["units"]] for r in rows]
+
+
+@dataclass
+class Report:
+    """The report of one calibration: ``rows`` (one per layer and role), summary, metrics."""
+
+    label: str
+    recipe: str
+    rows: list[dict]
+    metrics: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def summary(self) -> dict:
+        return summarize(self.rows)
+
+    def to_dict(self) -> dict:
+        return json_safe({"label": self.label, "recipe": self.recipe, "metrics": self.metrics,
+                           "info": self.info, "summary": self.summary, "layers": self.rows})
+
+    def to_json(self, path=None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    def summary_rows(self):
+        return [[role, s["layers"], s["mean_sqnr_db"], s["min_sqnr_db"], s["worst_layer"],
+                 100 * s["mean_clipped"],
+                 ", ".join(f"{k} {v}" for k, v in sorted(s["observers"].items()))]
+                for role, s in self.summary.items()]
+
+    SUMMARY_HEADERS: ClassVar[list[str]] = ["role", "layers", "mean SQNR dB", "min SQNR dB", "worst layer",
+                       "clipped %", "observers"]
+
+    def to_markdown(self, path=None) -> str:
+        parts = [f"# quantscope report: {self.label}", ""]
+        if self.metrics:
+            parts += [markdown_table(list(self.metrics), [self._metric_cells()]), ""]
+        parts += ["## Summary", "", markdown_table(self.SUMMARY_HEADERS, self.summary_rows()),
+                  "", "## Layers", "", markdown_table(LAYER_HEADERS, _layer_rows(self.rows)), ""]
+        for title, headers, rows in self._sections():
+            parts += [f"## {title}", "", markdown_table(headers, rows), ""]
+        text = "\n".join(parts)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    def print(self, layers: bool = True, file=None) -> None:
+        if layers:
+            print_table(LAYER_HEADERS, _layer_rows(self.rows), f"{self.label}: layers", file)
+        print_table(self.SUMMARY_HEADERS, self.summary_rows(), f"{self.label}: summary", file)
+        if self.metrics:
+            print_table(list(self.metrics), [self._metric_cells()], f"{self.label}: metrics",
+                        file)
+        for title, headers, rows in self._sections():
+            print_table(headers, rows, f"{self.label}: {title.lower()}", file)
+
+    def _sections(self):
+        """Extra tables from ``info``: fusion groups, MoE experts, unreachable weights."""
+        out = []
+        if self.info.get("fusion_groups"):
+            out.append(("Fusion groups", ["layers", "weight", "input"],
+                        [[", ".join(g["layers"]), g["weight"], g["input"]]
+                         for g in self.info["fusion_groups"]]))
+        if self.info.get("experts"):
+            out.append(("MoE experts", ["experts module", "expert", "tokens", "rule"],
+                        [[e["module"], str(e["expert"]), str(e["tokens"]), e["rule"]]
+                         for e in self.info["experts"]]))
+        if self.info.get("unreached"):
+            out.append(("Not quantized (unreachable)", ["weight", "why"],
+                        [[u["name"], u["why"]] for u in self.info["unreached"]]))
+        return out
+
+    def _metric_cells(self) -> list[str]:
+        return [f"{v:.4f}" if isinstance(v, float) else str(v) for v in self.metrics.values()]

@@ -1,0 +1,75 @@
+"""What calibration produces: per layer and role, the qparams and how they were chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...exporters.registry import exporter, reader
+from .apply import apply as _apply
+from .report import Report
+from .role_state import RoleState
+from .saving import save as _save
+
+__all__ = ["Calibration", "RoleState"]
+
+
+@dataclass
+class Calibration:
+    """The result of :func:`quantscope.calibrate` for one recipe.
+
+    ``states[layer][role]`` is a :class:`RoleState`; ``stats`` the report rows
+    (computed on the float weights and the activation samples at calibration time);
+    ``histograms[(layer, role)]`` activation histograms for plots. ``smoothing``: where
+    the model was smoothed before calibrating (``smooth=``), SmoothQuant's per-channel
+    scales by smoothed module (:func:`.smooth.reapply` smooths a fresh copy alike).
+    """
+
+    recipe: object
+    states: dict[str, dict[str, RoleState]]
+    label: str = ""
+    stats: list = field(default_factory=list)
+    histograms: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    smoothing: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def apply(self, model):
+        """Fake-quantize ``model`` (QDQ); returns a handle whose ``remove()`` undoes it."""
+        return _apply(model, self.states)
+
+    def quantizes_like(self, other: Calibration) -> bool:
+        """Whether applying ``other`` quantizes a model exactly as applying this does: the
+        same tensors, each with a state that :meth:`RoleState.quantizes_like` this one's
+        (``auto`` often keeps one candidate's qparams whole), and the same smoothing."""
+        return (self.states.keys() == other.states.keys()
+                and all(self.states[k].keys() == other.states[k].keys()
+                        and all(st.quantizes_like(other.states[k][r])
+                                for r, st in self.states[k].items()) for k in self.states)
+                and self.smoothing.keys() == other.smoothing.keys()
+                and all(torch.equal(s, other.smoothing[k]) for k, s in self.smoothing.items()))
+
+    def report(self, metrics: dict | None = None):
+        """The :class:`~quantscope.calibration.results.report.Report` of this calibration."""
+        return Report(self.label or self.recipe.name, self.recipe.name, self.stats,
+                      dict(metrics or {}), self.info)
+
+    def save(self, path):
+        """qparams to ``path/qparams.safetensors`` and specs to ``path/quantscope.json``."""
+        return _save(self, path)
+
+    def export(self, model, path, format: str = "compressed-tensors", **options):
+        """Write this calibration applied to ``model`` in a runtime's ``format``
+        (:func:`quantscope.exporters.export`); returns the path."""
+        return exporter(format)(self, model, path, **options)
+
+    @classmethod
+    def from_compressed_tensors(cls, path) -> Calibration:
+        """The calibration a compressed-tensors checkpoint holds (quantscope's export or
+        llm-compressor's): ``apply`` it to the float model to run it as the checkpoint does."""
+        return reader("compressed-tensors")(path)
+
+    def __repr__(self):
+        n = sum(len(r) for r in self.states.values())
+        return (f"Calibration({self.label or self.recipe.name!r}, {len(self.states)} layers, "
+                f"{n} quantized tensors)")

@@ -1,0 +1,52 @@
+"""The calibrated quantizer of one tensor: what the pass, QDQ, save / load and the exports
+share (below all of them, so none imports another to know it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ...qparams import QParams
+from ...spec import QuantSpec
+
+__all__ = ["RoleState"]
+
+
+@dataclass
+class RoleState:
+    """The calibrated quantizer of one tensor (a layer's weight, input or output).
+
+    ``qparams`` is None for ``dynamic=True`` (computed at run time);
+    ``global_amax`` is set for ``dynamic="local"``. ``observer`` is the observer that
+    made the range (for ``auto``, the one chosen; ``requested`` says ``"auto"``).
+    ``lo`` / ``hi`` are its per-unit range; ``shape`` the calibrated weight shape.
+    """
+
+    spec: QuantSpec
+    observer: str
+    requested: str
+    dynamic: bool | str = False
+    options: tuple = ()
+    qparams: QParams | None = None
+    global_amax: torch.Tensor | None = None
+    lo: torch.Tensor | None = None
+    hi: torch.Tensor | None = None
+    shape: tuple[int, ...] | None = None
+
+    def quantizes_like(self, other: RoleState) -> bool:
+        """Whether QDQ with ``other`` is the same as with this state: equal spec, mode,
+        qparams and global amax (the observer that found them does not matter)."""
+        def tensors(st):
+            qp = st.qparams
+            return ((None, None, None) if qp is None else (qp.scale, qp.zero_point,
+                                                           qp.global_scale)) + (st.global_amax,)
+        return (self.spec == other.spec and self.dynamic == other.dynamic
+                and all(a is b or (a is not None and b is not None and a.shape == b.shape
+                                   and a.dtype == b.dtype and torch.equal(a, b))
+                        for a, b in zip(tensors(self), tensors(other))))
+
+    def to(self, device) -> RoleState:
+        mv = (lambda t: None if t is None else t.to(device))
+        return replace(self, qparams=None if self.qparams is None else self.qparams.to(device),
+                       global_amax=mv(self.global_amax), lo=mv(self.lo), hi=mv(self.hi))

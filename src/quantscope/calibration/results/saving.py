@@ -1,0 +1,65 @@
+"""Write a calibration's folder (what :func:`.io.load` reads back): safetensors for the
+tensors, JSON for the rest (the format is described in :mod:`.io`). Below :mod:`.result`, so
+``Calibration.save`` calls it without an import circle."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ...exporters.atomic import atomic_dir
+from .report import json_safe
+
+__all__ = ["FORMAT", "META", "SMOOTH", "TENSORS", "VERSION", "safetensors", "save"]
+
+TENSORS = "qparams.safetensors"
+META = "quantscope.json"
+FORMAT = "quantscope-calibration"
+VERSION = 1
+#: key prefix of SmoothQuant's per-channel scales in the tensors file (``Calibration.smoothing``)
+SMOOTH = "#smooth/"
+
+
+def safetensors():
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        raise ImportError("save / load need safetensors: pip install 'quantscope[model]'") from None
+    return save_file, load_file
+
+
+
+def save(calibration, path, *, overwrite: bool = True) -> str:
+    """Write ``calibration`` to directory ``path``; returns the path.
+
+    Atomic: the files are written into a temporary folder beside ``path`` that is then
+    renamed into place, so ``path`` holds either the complete new calibration or what it
+    held before (an existing ``path`` is replaced if quantscope wrote it, never another
+    folder, nor the working folder: :func:`~quantscope.exporters.atomic.check_writable_target`;
+    ``overwrite=False`` refuses it).
+    """
+    save_file, _ = safetensors()
+    tensors, layers = {}, {}
+    for layer, roles in calibration.states.items():
+        for role, st in roles.items():
+            key = f"{layer}/{role}"
+            fields = {"lo": st.lo, "hi": st.hi, "global_amax": st.global_amax}
+            if st.qparams is not None:
+                fields.update(scale=st.qparams.scale, zero_point=st.qparams.zero_point,
+                              global_scale=st.qparams.global_scale)
+            for name, t in fields.items():
+                if t is not None:
+                    tensors[f"{key}/{name}"] = t.detach().cpu().clone().contiguous()
+            layers.setdefault(layer, {})[role] = {
+                "spec": st.spec.to_dict(), "observer": st.observer, "requested": st.requested,
+                "dynamic": st.dynamic, "options": dict(st.options),
+                "shape": None if st.shape is None else list(st.shape)}
+    for name, s in calibration.smoothing.items():
+        tensors[f"{SMOOTH}{name}"] = s.detach().cpu().float().contiguous()
+    meta = {"format": FORMAT, "version": VERSION, "label": calibration.label,
+            "recipe": calibration.recipe.to_dict(), "info": calibration.info, "layers": layers}
+    with atomic_dir(path, overwrite=overwrite) as tmp:
+        save_file(tensors, os.path.join(tmp, TENSORS))
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(json_safe(meta), f, indent=1)
+    return str(path)

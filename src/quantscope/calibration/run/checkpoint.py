@@ -1,0 +1,203 @@
+"""Weights on demand: a model skeleton with no weights in memory, and a checkpoint's
+safetensors read a few tensors at a time (memory-mapped), for sequential calibration
+(:mod:`.sequential`) of models larger than memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..structure.moe import is_experts_3d
+from .disk_names import checkpoint_names, expert_names
+
+__all__ = ["Checkpoint", "empty_model", "is_meta", "load_params", "model_task", "unload_params"]
+
+
+def model_task(path) -> str:
+    """``"causal-lm"`` or ``"embedding"``, from the folder's ``config.json`` architectures."""
+    with open(Path(path) / "config.json") as f:
+        config = json.load(f)
+    archs = config.get("architectures") or []
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    return "causal-lm" if causal else "embedding"
+
+
+def empty_model(path, task: str | None = None) -> nn.Module:
+    """The model of a Hugging Face folder with every parameter on the meta device (no
+    weights in memory): the skeleton :func:`~.sequential.calibrate_sequential` loads block by block.
+    Buffers are real: read from the checkpoint, or (non-persistent ones such as rotary
+    tables) computed by the model's ``_init_weights``, as transformers' loader does.
+    ``task`` (default :func:`model_task`) picks the class as ``load_model`` does; a demo
+    model's folder is ``quantscope.demo.models.resolve_model_path(name)``."""
+    import transformers
+
+    from .hf_loader import load_config
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"empty_model: {str(path)!r} is not a Hugging Face model "
+                                f"folder (no config.json)")
+    config = load_config(path, "empty_model")  # never runs the folder's code
+    task = task or model_task(path)
+    auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
+            else transformers.AutoModel)
+    with torch.device("meta"):  # nothing allocated, not even transiently (RLIMIT_DATA)
+        model = auto.from_config(config, trust_remote_code=False)
+    ckpt = Checkpoint(path)
+    for module in model.modules():  # buffers are small: from the checkpoint, or computed
+        meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+        for n in meta:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+        if meta:
+            init = getattr(model, "_init_weights", None)
+            if init is None:
+                raise ValueError(f"calibrate: cannot compute the buffers {meta} of "
+                                 f"{type(module).__name__} built on the meta device")
+            init(module)  # transformers' own initializer (rotary tables ...)
+    for name, b in model.named_buffers():
+        if name in ckpt.where:
+            b.copy_(ckpt.get(name))
+    model.eval()
+    return model
+
+
+class Checkpoint:
+    """The tensors of a folder's ``*.safetensors`` files, read one at a time (mmap)."""
+
+    def __init__(self, path):
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise ValueError(f"calibrate: checkpoint {str(path)!r} has no .safetensors files")
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.where = {}
+        for f in files:
+            with safe_open(f, "pt") as st:
+                for k in st.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                    self.where[k] = f
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_many([name])[name]
+
+    def get_many(self, names) -> dict[str, torch.Tensor]:
+        """Each file opened once: its tensors are views of one mapping of the file (a
+        handle per tensor would map the whole file once per tensor)."""
+        by_file = {}
+        for n in names:
+            by_file.setdefault(self.where[n], []).append(n)
+        out = {}
+        for f, ns in by_file.items():
+            with self._open(f, "pt") as st:
+                for n in ns:
+                    out[n] = st.get_tensor(n)
+        return out
+
+
+def is_meta(module: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in module.parameters())
+
+
+def load_params(model, names: set[str], ckpt: Checkpoint | None, device) -> None:
+    """Give the parameters called ``names`` (full names) their checkpoint values. A name the
+    checkpoint lacks takes the value of a tied alias (``lm_head.weight`` is
+    ``embed_tokens.weight``), or of the tensors transformers writes it as
+    (:func:`_disk_source`: a renamed module, an MoE's per-expert tensors)."""
+    aliases = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    todo = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
+            if n in names and p.device.type == "meta"]
+    if todo and ckpt is None:
+        raise ValueError(f"calibrate: parameter {todo[0][0]!r} is on the meta device; pass "
+                         f"checkpoint= (the model's safetensors folder)")
+    source, disk = {}, {}
+    for n, p in todo:
+        if id(p) not in source:
+            source[id(p)] = _disk_source(model, [n, *aliases[id(p)]], ckpt, disk)
+    wanted = {k for keys, _ in source.values() for k in keys}
+    tensors = ckpt.get_many(wanted) if todo else {}
+    done = {}
+    for n, p in todo:
+        if id(p) not in done:
+            keys, build = source[id(p)]
+            t = build([tensors[k] for k in keys])
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"calibrate: checkpoint tensor {keys[0]!r} gives shape "
+                                 f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
+            done[id(p)] = nn.Parameter(t.to(device=device, dtype=p.dtype), requires_grad=False)
+            for alias in aliases[id(p)]:  # tied names stay one tensor (unload_params too)
+                _set_param(model, alias, done[id(p)])
+
+
+def _first(tensors):
+    return tensors[0]
+
+
+def _disk_source(model, names: list[str], ckpt: Checkpoint, disk: dict):
+    """``(checkpoint keys, build)``: where the parameter called ``names`` (its tied aliases
+    too) lies in ``ckpt`` and how its value is built from them: its own name, else the name
+    transformers writes it under (:func:`.disk_names.checkpoint_names`; ``disk`` caches
+    them), else, for a 3-D experts parameter, its per-expert tensors stacked."""
+    for n in names:
+        if n in ckpt.where:
+            return [n], _first
+    if not disk:
+        disk.update(checkpoint_names(model, [m for m, _ in model.named_modules() if m]))
+    for n in names:
+        owner, _, attr = n.rpartition(".")
+        on_disk = f"{disk.get(owner, owner)}.{attr}"
+        if on_disk in ckpt.where:
+            return [on_disk], _first
+        parts = _expert_parts(model, model.get_submodule(owner), attr, disk.get(owner, owner))
+        if parts is not None and all(k in ckpt.where for k in parts[0]):
+            return parts
+    raise ValueError(f"calibrate: checkpoint has no tensor {names[0]!r} (nor under the names "
+                     f"transformers writes it with)")
+
+
+def _expert_parts(model, module, attr: str, on_disk: str):
+    """``(keys, build)`` of a 3-D experts parameter from the checkpoint's per-expert tensors
+    (``<experts>.<e>.w1.weight`` ...): the exporter's layout (:mod:`quantscope.exporters.
+    experts`) read back: gate rows then up rows, transposed where the module is."""
+    names = expert_names(model) if is_experts_3d(module) else None
+    if names is None:
+        return None
+    gate, up, down = names
+    base, _, suffix = attr.partition("_proj")
+    suffix = "bias" if suffix == "_bias" else "weight"
+    gated = getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
+    shards = {"gate_up": [gate, up] if gated else None, "up": [up], "down": [down]}.get(base)
+    if shards is None:
+        return None
+    count = getattr(module, f"{base}_proj").shape[0]
+    keys = [f"{on_disk}.{e}.{s}.{suffix}" for e in range(count) for s in shards]
+    flip = getattr(module, "is_transposed", False) and suffix == "weight"
+
+    def build(tensors):
+        per = len(shards)
+        rows = [torch.cat(tensors[e * per:(e + 1) * per], 0) for e in range(count)]
+        return torch.stack([r.t() if flip else r for r in rows])
+
+    return keys, build
+
+
+def _set_param(model, name, value) -> None:
+    owner, _, attr = name.rpartition(".")
+    model.get_submodule(owner)._parameters[attr] = value
+
+
+def unload_params(model, names: set[str]) -> None:
+    """Back to the meta device (tied aliases follow, before or after ``names`` in the model:
+    one object per tensor)."""
+    params = list(model.named_parameters(remove_duplicate=False))
+    done = {id(p): None for n, p in params if n in names}
+    for n, p in params:
+        if id(p) in done:
+            if done[id(p)] is None:
+                done[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
+            _set_param(model, n, done[id(p)])

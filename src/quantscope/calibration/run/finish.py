@@ -1,0 +1,301 @@
+"""From observers to results: each recipe's :class:`RoleState` s and report rows.
+
+:func:`build_states` turns every slot's observers into states (one per observer, shared
+by the recipes that use it), lets ``auto`` pick per layer (or per fusion group), gives
+fusion groups their shared weight scales, MoE experts their sound activation ranges, and
+records the roles that saw no data under the ``missing`` policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from ...observers.registry import get_observer
+from ...qparams import amax_of_range
+from ..choice import layer_choice
+from ..recipe import Role
+from ..results.apply import qdq_tensor
+from ..results.report import tensor_stats
+from ..results.result import RoleState
+from ..structure import fusion, moe
+from .observe import observer_key
+
+
+def _share_inputs(states, rows, plan, slots, groups, made, errors, cache) -> None:
+    """``auto`` in a fusion group: its one input slot gets one observer for all members,
+    the candidate with the least total error over them (``auto_metric="output"`` weighs
+    each member's own weights, so members alone could choose differently)."""
+    for group in groups:
+        members = [m for m in group if (m, "input") in plan]
+        cfg, names = plan[(members[0], "input")] if members else (None, ())
+        if len(members) < 2 or len(names) < 2:
+            continue
+        totals = {}
+        for n in names:
+            okey = observer_key(n, cfg, slots[(members[0], "input")].module)
+            errs = [errors.get((m, "input", okey, cfg.dynamic)) for m in members]
+            if all(e is not None for e in errs):
+                totals[okey] = sum(errs)
+        if totals:
+            okey = min(totals, key=totals.get)
+            at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
+            for m in members:
+                skey = (m, "input", okey, cfg.dynamic)
+                states[m]["input"] = replace(made[skey], requested=cfg.observer)
+                if (m, "input") in at and cache.get(skey) is not None:
+                    rows[at[(m, "input")]] = stats_row(m, "input", states[m]["input"],
+                                                       cache[skey])
+
+
+def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
+    """Each group's weights, where the runtime shares a weight scale, observed concatenated
+    by one observer (``auto``: the candidate with the least total error) and split back per
+    member; returns what was done per group (for the report)."""
+    done = []
+    for group in groups:
+        members = [m for m in group if (m, "weight") in plan]
+        entry = {"layers": list(group), "weight": "per layer", "input": "shared"
+                 if len({id(slots[(m, "input")]) for m in group if (m, "input") in slots}) == 1
+                 and any((m, "input") in slots for m in group) else "none"}
+        done.append(entry)
+        if len(members) < 2:
+            continue
+        cfgs = {plan[(m, "weight")][0] for m in members}
+        cfg, names = plan[(members[0], "weight")]
+        if len(cfgs) != 1:
+            entry["weight"] = "per layer (the members' weight specs differ)"
+            continue
+        if cfg.dynamic is True or not fusion.shares_weight_scale(cfg.spec):
+            continue
+        if not fusion.splittable(cfg.spec):
+            entry["weight"] = f"per layer ({cfg.spec.layout} does not split by rows)"
+            continue
+        mods = [slots[(m, "weight")].module for m in members]
+        w = fusion.join_weights(mods)
+        best = None
+        for n in names:
+            try:
+                obs = get_observer(n, cfg.spec, **dict(cfg.options)).to(w.device)
+                obs(w)
+            except (ValueError, TypeError):
+                if len(names) == 1:
+                    raise
+                continue
+            state = replace(_state_from(obs, cfg, tuple(w.shape)), requested=cfg.observer)
+            err = (float((qdq_tensor(w, state).float() - w.float()).square().sum())
+                   if len(names) > 1 else 0.0)
+            if best is None or err < best[1]:
+                best = (state, err)
+        parts = fusion.split_state(best[0], [tuple(m.weight.shape) for m in mods])
+        at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
+        for m, mod, st in zip(members, mods, parts):
+            states[m]["weight"] = st
+            if (m, "weight") in at:
+                rows[at[(m, "weight")]] = stats_row(m, "weight", st,
+                                                    tensor_stats(mod.weight.detach(), st))
+        entry["weight"] = f"shared ({best[0].observer})"
+    return done
+
+
+def _state_from(obs, cfg: Role, shape) -> RoleState:
+    """The RoleState of one observer: one range estimate gives both range and qparams."""
+    lo, hi, qp = obs.range_and_qparams()
+    lo, hi = lo.detach().clone(), hi.detach().clone()
+    if cfg.dynamic == "local":
+        gam = obs.global_amax()
+        if gam is None:
+            gam = amax_of_range(lo.min().clamp(max=0), hi.max().clamp(min=0))
+        return RoleState(cfg.spec, obs.name, cfg.observer, "local", cfg.options,
+                         global_amax=gam.detach().clone().reshape(()), lo=lo, hi=hi)
+    qp.scale, qp.zero_point = qp.scale.clone(), qp.zero_point.clone()
+    if qp.global_scale is not None:
+        qp.global_scale = qp.global_scale.clone()
+    return RoleState(cfg.spec, obs.name, cfg.observer, False, cfg.options, qparams=qp, lo=lo,
+                     hi=hi, shape=shape)
+
+
+#: what calibration does with an activation role that saw no tokens (see calibrate_many)
+MISSING_POLICIES = ("skip", "float", "error")
+
+
+def _missing(layer, role, slot, names, cfg, policy, experts=None):
+    """None if the role observed data (or is an MoE expert's: :func:`moe.shrink` gives it its
+    layer's pooled statistics); else the record of the fallback (or the error)."""
+    if cfg.dynamic is True or role == "weight":
+        return None
+    if experts is not None and layer in experts.layers:
+        return None
+    if any(slot.observers[k].has_observed for k in (observer_key(n, cfg) for n in names)
+           if k in slot.observers):
+        return None
+    what = (f"was called {slot.calls} times but saw no tokens (0 rows)" if slot.calls else
+            "was never called during calibration (is the module used by the model's forward?)")
+    if policy == "error":
+        raise ValueError(f"calibrate: layer {layer!r} {role} {what}; pass missing='skip' or "
+                         f"missing='float' to calibrate the rest without it")
+    fallback = "float layer" if policy == "float" else f"{role} not quantized"
+    return {"layer": layer, "role": role, "calls": slot.calls, "fallback": fallback}
+
+
+def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None,
+            missing="skip", fisher=None):
+    """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
+    ``auto_metric`` "joint" / "fisher", by :func:`.layer_choice.joint_choice`)."""
+    built = _States(slots, auto_metric, fisher)
+    results = {label: built.recipe(plan, groups, experts, missing)
+               for label, plan in plans.items()}
+    hists = {key: _histogram(x) for key, x in built.data.items() if key[1] != "weight"}
+    return results, hists
+
+
+class _States:
+    """Every recipe's states from the slots' observers, through caches the recipes share (a
+    recipe that asks for an observer another already used gets the same state, stats and
+    ``auto`` error): one state per observer, keyed ``(layer, role, observer key, dynamic)``."""
+
+    def __init__(self, slots, auto_metric, fisher):
+        self.slots, self.auto_metric, self.fisher = slots, auto_metric, fisher
+        self.data = {}  # what each role's states are scored on
+        for key, slot in slots.items():
+            if slot.role == "weight":
+                self.data[key] = slot.module.weight.detach()
+            elif slot.sample is not None and slot.sample.count:
+                self.data[key] = slot.sample.rows()  # a view of the slot's buffer: no copy
+        self.cache = {}  # the report's tensor stats of each state
+        self.made = {}  # one state per observer, shared by every recipe (and auto) that uses it
+        self.errors = {}  # what auto minimises, per state
+        self.joint = {}  # the joint (weight, input) choice per layer and configuration
+
+    def recipe(self, plan, groups, experts, missing):
+        """``(states, rows, fusion groups, per-expert ranges, roles that saw no data)`` of one
+        recipe's plan."""
+        states, rows, absent = {}, [], []
+        for (layer, role), (cfg, names) in plan.items():
+            gap = _missing(layer, role, self.slots[(layer, role)], names, cfg, missing, experts)
+            if gap is not None:
+                absent.append(gap)
+                continue
+            state, st = self.role_state(plan, layer, role, cfg, names, experts)
+            states.setdefault(layer, {})[role] = state
+            if st is not None:
+                rows.append(stats_row(layer, role, state, st))
+        _share_inputs(states, rows, plan, self.slots, groups, self.made, self.errors, self.cache)
+        shared = _share_weights(states, rows, plan, self.slots, groups)
+        per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
+        floats = {g["layer"] for g in absent if g["fallback"] == "float layer"}
+        states = {k: v for k, v in states.items() if k not in floats}
+        rows = [r for r in rows if r["layer"] not in floats]
+        return states, rows, shared, per_expert, absent
+
+    def role_state(self, plan, layer, role, cfg, names, experts):
+        """``(state, stats)`` of one role: the joint choice, the run-time (dynamic) state, or
+        the best observed candidate; ``(None, None)`` for an MoE expert without tokens
+        (:func:`moe.shrink` pools it later)."""
+        slot = self.slots[(layer, role)]
+        shape = tuple(slot.module.weight.shape) if role == "weight" else None
+        pick = (self.joint_pick(plan, layer)
+                if self.auto_metric in layer_choice.LAYER_METRICS
+                and len(names) > 1 and role in ("weight", "input") else None)
+        if pick is not None:
+            state = replace(pick[role], requested=cfg.observer)
+            return state, self.stats_of((layer, role), (layer, role, "joint", state.observer,
+                                                        cfg), state)
+        if cfg.dynamic is True:
+            state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
+            return state, self.stats_of((layer, role), (layer, role, "dynamic", cfg), state)
+        best = self.best_candidate(layer, role, slot, cfg, names, shape)
+        if best is None and experts is not None and layer in experts.layers:
+            return None, None
+        if best is None:
+            raise ValueError(f"calibrate: layer {layer!r} {role}: no candidate observer "
+                             f"could take {cfg.spec}: {slot.failed}")
+        return best[0], best[1]
+
+    def best_candidate(self, layer, role, slot, cfg, names, shape):
+        """``(state, stats, error)`` of the candidate with the least ``auto`` error (the one
+        candidate where there is one), or None where none observed data."""
+        best = None
+        for n in names:
+            okey = observer_key(n, cfg, slot.module)
+            if okey not in slot.observers:
+                continue
+            obs = slot.observers[okey]
+            if not obs.has_observed:  # another candidate saw the data, or an expert
+                continue              # without tokens (moe.shrink pools it below)
+            skey = (layer, role, okey, cfg.dynamic)
+            cand = self.state_of(obs, cfg, skey, shape)
+            st = self.stats_of((layer, role), skey, cand)
+            err = self.auto_error(layer, role, skey, cand, st) if len(names) > 1 else None
+            if best is None or (err is not None and (best[2] is None or err < best[2])):
+                best = (cand, st, err)
+        return best
+
+    def stats_of(self, key, skey, state):
+        if skey not in self.cache:
+            x = self.data.get(key)
+            self.cache[skey] = None if x is None else tensor_stats(x, state)
+        return self.cache[skey]
+
+    def state_of(self, obs, cfg, skey, shape):
+        if skey not in self.made:
+            t0 = time.perf_counter()
+            self.made[skey] = _state_from(obs, cfg, shape)
+            self.slots[skey[:2]].spent(skey[2], t0)  # the qparams: the observer's time
+        return replace(self.made[skey], requested=cfg.observer)
+
+    def auto_error(self, layer, role, skey, state, st):
+        """What ``auto`` minimises: the squared error this role's quantization causes in the
+        layer's output ``x W^T`` (metric "output", for 2-D weights with an input sample), or
+        in the tensor itself (metric "tensor", and the fallback)."""
+        if skey in self.errors:
+            return self.errors[skey]
+        err = None if st is None else st["noise"]
+        module = self.slots[(layer, role)].module
+        w = getattr(module, "weight", None)
+        x = self.data.get((layer, "input"))
+        if (self.auto_metric == "output" and role in ("weight", "input") and w is not None
+                and w.dim() == 2 and x is not None and x.shape[-1] == w.shape[1]):
+            w, x = w.detach().float(), x.float()
+            if role == "input":
+                e = (qdq_tensor(x, state).float() - x) @ w.T
+            else:
+                e = x @ (qdq_tensor(w, state).float() - w).T
+            err = float(e.square().sum())
+        self.errors[skey] = err
+        return err
+
+    def joint_pick(self, plan, layer):
+        """The (weight, input) states :func:`.layer_choice.joint_choice` picks for ``layer``,
+        or None where the layer has no 2-D weight with an input sample and both roles
+        calibrated."""
+        key = (layer, tuple((r, plan[(layer, r)][0]) for r in ("weight", "input")
+                            if (layer, r) in plan))
+        if key not in self.joint:
+            self.joint[key] = layer_choice.layer_pick(layer, plan, self.slots, self.data,
+                                                      self.state_of, self.fisher)
+        return self.joint[key]
+
+
+def stats_row(layer, role, state: RoleState, st: dict) -> dict:
+    """The report's row of one role (``st``: :func:`~.report.tensor_stats` of its tensor)."""
+    if state.lo is not None:
+        lo, hi = float(state.lo.min()), float(state.hi.max())
+    else:
+        lo, hi = st["min"], st["max"]
+    return {"layer": layer, "role": role, "observer": state.observer,
+            "requested": state.requested, "spec": str(state.spec),
+            "dynamic": state.dynamic, "sqnr_db": st["sqnr_db"], "clipped": st["clipped"],
+            "lo": lo, "hi": hi, "clip_lo": st["clip_lo"], "clip_hi": st["clip_hi"],
+            "units": st["units"], "numel": st["numel"]}
+
+
+def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
+    x = x.detach().float().flatten()
+    lo, hi = float(x.min()), float(x.max())
+    if hi <= lo:
+        hi = lo + 1.0
+    counts = torch.histc(x, bins, lo, hi)
+    return {"lo": lo, "hi": hi, "counts": [int(c) for c in counts.tolist()]}

@@ -1,0 +1,415 @@
+"""The observing pass of a calibration: what is observed, by whom, and the forwards.
+
+A :class:`Slot` is one observed tensor of one layer (its weight, its input, its output, or
+an attention layer's cached key / value) with every observer that watches it;
+:func:`make_plan` builds the slots of all recipes at once (a recipe asking for an observer
+another already asked for shares it); :func:`share_group_inputs` gives each fusion group
+one input slot; :func:`observe_batches` runs the forwards with the hooks that feed them
+(and the row samples ``auto`` and the report read), removing every hook afterwards.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from ...layout import Channel, Tensor
+from ...observers.registry import get_observer, observer_class
+from ...spec import QuantSpec
+from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
+from ..results.apply import input_name, module_input
+from ..structure import fusion, kv_cache
+from . import heap
+from .batches import forward_batch
+from .samples import RowSample, capacities
+
+# the activation rows kept for auto and the report, all layers together (see docs/memory.md)
+DEFAULT_SAMPLE_BUDGET_MB = 64
+_IN_PASS = contextvars.ContextVar("quantscope_in_pass", default=False)
+_BATCH = contextvars.ContextVar("quantscope_batch", default=None)  # index of the batch now
+
+
+def in_pass() -> bool:
+    """Whether :func:`observe_batches` is forwarding a calibration batch now. Hooks that
+    gather statistics of their own beside the observers (``auto``'s input importance) count
+    these forwards only, not the others a calibration runs (finding fusion groups, scoring)."""
+    return _IN_PASS.get()
+
+
+@dataclass
+class Slot:
+    """One observed tensor of one layer: its observers, keyed by (name, spec, options)."""
+
+    layer: str
+    role: str
+    module: nn.Module
+    observers: dict = field(default_factory=dict)
+    sample: RowSample | None = None  # rows for auto and the report, made by observe_batches
+    needs_sample: bool = False
+    failed: dict = field(default_factory=dict)
+    also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
+    last: object = None  # the input last observed, so a group's shared input counts once
+    calls: int = 0  # forwards that reached the hook, empty ones included
+    # which batch fed each call that reached the observers, and per observer how many of
+    # those calls came after (or at) its first NaN / inf: that batch, named without a sync
+    batch_of_call: list = field(default_factory=list)
+    calls_since_bad: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)  # time in each observer: observing, qparams
+
+    def spent(self, key, since: float) -> None:
+        """Count the time from ``since`` (``time.perf_counter()``) to the observer ``key``."""
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - since
+
+
+def candidates_for(role: str, candidates) -> list[str]:
+    explicit = candidates is not None
+    names = list(DEFAULT_CANDIDATES if candidates is None else candidates)
+    out = []
+    for n in names:
+        if n == AUTO:
+            continue
+        try:
+            observer_class(n)
+        except ValueError:
+            if explicit:
+                raise
+            continue
+        out.append(weight_observer(n) if role == "weight" else n)
+    if not out:
+        raise ValueError(f"calibrate: observer 'auto' has no candidate observers for {role} "
+                         f"(asked for {names})")
+    return list(dict.fromkeys(out))
+
+
+def _check_static_layout(layer: str, role: str, spec) -> None:
+    lay = spec.layout
+    if isinstance(lay, Tensor) or (isinstance(lay, Channel) and lay.axis == -1):
+        return
+    raise ValueError(
+        f"calibrate: layer {layer!r} {role}: static activation qparams need a layout whose "
+        f"units do not depend on the batch (tensor, or channel:-1), got {spec}; use "
+        f"dynamic=True for per-token or block activations")
+
+
+def _activation_width(module: nn.Module, role: str):
+    attr = "in_features" if role == "input" else "out_features"
+    return getattr(module, attr, None)
+
+
+def observer_key(name, role_cfg: Role, module=None):
+    return (name, _observed_spec(role_cfg), role_cfg.options)
+
+
+def _observed_spec(role_cfg: Role):
+    """The spec a role's observer watches. ``dynamic="local"`` (NVFP4 activations) calibrates
+    only the global amax, a whole-tensor statistic: its observer takes the element format
+    per tensor, so batches of any token count (an MoE expert's vary by batch) accumulate
+    into one range (block units would change in number with the tokens)."""
+    if role_cfg.dynamic != "local":
+        return role_cfg.spec
+    return QuantSpec(role_cfg.spec.format, "tensor", symmetric=True)
+
+
+def make_observer(slot: Slot, key, for_auto: bool, owns=None):
+    if key in slot.observers or key in slot.failed:
+        return
+    name, spec, options = key
+    t0 = time.perf_counter()
+    try:
+        obs = get_observer(name, spec, **dict(options))
+        # distributed: only the owner rank observes a weight (the others get its state)
+        if slot.role == "weight" and (owns is None or owns(slot.layer)):
+            w = slot.module.weight.detach()
+            obs.to(w.device)
+            with torch.inference_mode():
+                obs(w)
+    except (ValueError, TypeError) as e:
+        if not for_auto:
+            raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer {name!r} "
+                             f"with {spec}: {e}") from None
+        slot.failed[key] = str(e)  # auto drops a candidate that cannot take this spec
+        return
+    slot.observers[key] = obs
+    slot.spent(key, t0)
+
+
+def observer_seconds(slots, *plans) -> float:
+    """The time spent in the observers the recipes' ``plans`` use (each counted once)."""
+    used = {(id(slots[lr]), observer_key(n, cfg, slots[lr].module)): slots[lr]
+            for plan in plans for lr, (cfg, names) in plan.items() for n in names}
+    return sum(slot.seconds.get(key, 0.0) for (_, key), slot in used.items())
+
+
+def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> None:
+    """Raise ``ValueError`` naming the layer, role and sizes unless ``cfg``'s spec can take
+    the module's weight (or its activations' width): known from the module alone."""
+    spec = cfg.spec
+    if role == "weight":
+        shape = tuple(module.weight.shape)
+        try:
+            spec.layout.check(shape)
+        except ValueError as e:
+            raise ValueError(f"calibrate: layer {layer!r} weight of shape {shape} "
+                             f"cannot take {spec}: {e}") from None
+        return
+    if cfg.dynamic is False:
+        _check_static_layout(layer, role, spec)
+    width = _activation_width(module, role)
+    if width is not None:
+        try:
+            spec.layout.check((1, width))
+        except ValueError as e:
+            raise ValueError(f"calibrate: layer {layer!r} {role} of width {width} "
+                             f"cannot take {spec}: {e}") from None
+
+
+def check_shapes(model: nn.Module, recipes) -> None:
+    """Every targeted module's shapes against what each recipe asks of them, before any
+    forward: a group size that does not divide a width is known once the model (even its
+    skeleton on the meta device) exists, not after a pass over the data."""
+    for recipe in recipes:
+        try:
+            matched = recipe.match(model)
+        except ValueError:  # nothing matches yet (MoE experts match once made Linear views):
+            continue        # the plan says so, after moe.attach
+        for layer, (module, roles) in matched.items():
+            for role, cfg in roles.items():
+                check_role_shape(layer, role, cfg, module)
+
+
+def make_plan(model, recipes, candidates, owns=None):
+    slots: dict[tuple[str, str], Slot] = {}
+    plans = {}
+    for label, recipe in recipes.items():
+        plan = {}
+        for layer, (module, roles) in recipe.match(model).items():
+            for role, cfg in roles.items():
+                check_role_shape(layer, role, cfg, module)
+                slot = slots.setdefault((layer, role), Slot(layer, role, module))
+                if role in ("input", "output"):  # the KV cache is not sampled
+                    slot.needs_sample = True
+                names = []
+                if cfg.dynamic is not True:
+                    if cfg.observer == AUTO:
+                        names = candidates_for(role, candidates)
+                    else:
+                        names = [cfg.observer]
+                for n in names:
+                    make_observer(slot, observer_key(n, cfg, module), cfg.observer == AUTO,
+                                   owns)
+                plan[(layer, role)] = (cfg, names)
+        plans[label] = plan
+    return slots, plans
+
+
+def _hook(slots: list[Slot], input_key: str | None = None):
+    def observe(x):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return
+        for slot in slots:
+            slot.calls += 1
+            if slot.also:  # a fusion group's slot: q, k and v read one tensor, observe it once
+                if fusion.same_input(slot.last and slot.last(), x):
+                    continue
+                slot.last = weakref.ref(x)  # a strong ref would keep every group's input alive
+            if slot.observers:
+                slot.batch_of_call.append(_BATCH.get())
+            for key, obs in slot.observers.items():
+                t0 = time.perf_counter()
+                if obs.observed_tokens.device != x.device:
+                    obs.to(x.device)
+                try:
+                    obs(x)
+                except ValueError as e:
+                    raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer "
+                                     f"{key[0]!r}: {e}") from None
+                _count_bad_call(slot, key, obs)
+                slot.spent(key, t0)
+            if slot.sample is not None:
+                try:
+                    slot.sample.add(x)
+                except ValueError as e:
+                    raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: {e}") from None
+
+    def pre(module, args, kwargs):  # the input, positional or keyword (``lin(input=x)``)
+        observe(module_input(args, kwargs, input_key))
+
+    def post(module, args, output):
+        observe(output)
+
+    return pre, post
+
+
+def _count_bad_call(slot: Slot, key, obs) -> None:
+    seen = getattr(obs, "seen_non_finite", None)
+    if seen is None or getattr(obs, "non_finite", None) != "error":
+        return
+    count = slot.calls_since_bad.get(key)
+    if count is None:
+        slot.calls_since_bad[key] = seen.to(torch.int64)
+    else:
+        count.add_(seen)  # a tensor op, no host sync: read once, after the pass
+
+
+def check_finite(slots) -> None:
+    """Raise ``ValueError`` naming the layer, role and batch where an observer (in mode
+    ``non_finite="error"``) first saw NaN or inf; one read per observer, after the pass."""
+    for slot in unique_slots(slots):
+        for key, count in slot.calls_since_bad.items():
+            bad = int(count)
+            if not bad:
+                continue
+            first = len(slot.batch_of_call) - bad
+            batch = slot.batch_of_call[first] if 0 <= first < len(slot.batch_of_call) else None
+            where = "a calibration batch" if batch is None else f"calibration batch {batch}"
+            raise ValueError(
+                f"calibrate: layer {slot.layer!r} {slot.role}: {where} (counting from 0) "
+                f"brought NaN or inf values (observer {key[0]!r}); fix that batch (or what "
+                f"makes the model produce them)")
+
+
+def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=None,
+                    batch_index=None):
+    """Forward every batch with observing hooks; returns the number of batches.
+    ``batch_index(i)``: the number the user knows the ``i``-th batch by, in errors (a rank's
+    shard of the batches: its place among all of them)."""
+    by_module: dict[int, dict[str, list[Slot]]] = {}
+    kv: dict[str, dict[str, list[Slot]]] = {}  # attention layer -> key / value slots
+    for slot in unique_slots(slots.values()):
+        if slot.role == "weight" or not (slot.observers or slot.needs_sample):
+            continue
+        if slot.role in kv_cache.ROLES:
+            kv.setdefault(slot.layer, {}).setdefault(slot.role, []).append(slot)
+            continue
+        for module in (slot.module, *slot.also):
+            by_module.setdefault(id(module), {"module": module, "input": [], "output": []})
+            by_module[id(module)][slot.role].append(slot)
+    if not by_module and not kv:
+        return 0
+    total = len(batches) if hasattr(batches, "__len__") else None
+    gen = torch.Generator().manual_seed(seed)
+    _make_samples(unique_slots(slots.values()), sample_tokens, sample_budget_mb, total, gen)
+    handles = []
+    was_training = model.training
+    n = 0
+    try:
+        for entry in by_module.values():
+            module = entry["module"]
+            if entry["input"]:
+                pre, _ = _hook(entry["input"], input_name(module))
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            if entry["output"]:
+                _, post = _hook(entry["output"])
+                handles.append(module.register_forward_hook(post))
+        if kv:
+            handles.append(SimpleNamespace(remove=kv_cache.attach(
+                model, {layer: _kv_observer(roles) for layer, roles in kv.items()})))
+        model.eval()
+        n = _forward_all(model, batches, total, progress, batch_index)
+        check_finite(slots.values())
+    finally:
+        for h in handles:
+            h.remove()
+        for slot in slots.values():
+            slot.last = None
+        model.train(was_training)
+    return n
+
+
+def _forward_all(model, batches, total, progress, batch_index) -> int:
+    """Forward every batch (the hooks observe), each under its number for errors."""
+    heap.prepare()  # large tensors mmapped, freed to the system (heap.py)
+    it = batches
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            it = tqdm(batches, total=total, desc="calibrating", unit="batch", leave=False)
+        except ImportError:
+            pass
+    n = 0
+    passing, numbering = _IN_PASS.set(True), _BATCH.set(None)
+    try:
+        with torch.inference_mode():
+            for batch in it:
+                _BATCH.set(n if batch_index is None else batch_index(n))
+                forward_batch(model, batch)
+                heap.trim()  # the fragmented heap's free pages back (heap.py)
+                n += 1
+    finally:
+        _IN_PASS.reset(passing)
+        _BATCH.reset(numbering)
+    return n
+
+
+def _kv_observer(roles: dict[str, list[Slot]]):
+    """The :func:`kv_cache.attach` callback that observes one attention layer's key and
+    value states (and passes them on unchanged)."""
+    observers = {role: _hook(slots)[1] for role, slots in roles.items()}
+
+    def callback(role, x):
+        if role in observers:
+            observers[role](None, (), x)
+        return x
+    return callback
+
+
+def _make_samples(slots, sample_tokens, budget_mb, total, gen):
+    """One fixed row buffer per sampled slot, all of them within ``budget_mb``: rows are
+    drawn evenly from every batch (``capacity / batches`` each) when the count is known."""
+    sampled = [s for s in slots if s.role != "weight" and s.needs_sample]
+    if not sampled:
+        return
+    caps = capacities({id(s): _activation_width(s.module, s.role) for s in sampled},
+                      sample_tokens, max(int(sample_budget(budget_mb) * 2**20), 1))
+    for s in sampled:
+        cap = caps[id(s)]
+        per_batch = math.ceil(cap / total) if total else max(1, cap // 8)
+        s.sample = RowSample(cap, per_batch, gen)
+
+
+def sample_budget(budget_mb) -> float:
+    return DEFAULT_SAMPLE_BUDGET_MB if budget_mb is None else budget_mb
+
+
+def unique_slots(slots):
+    """Each slot once (a fusion group's members share their input slot)."""
+    return list({id(s): s for s in slots}.values())
+
+
+def share_group_inputs(model, batches, recipes, slots):
+    """Find the fusion groups (one detection forward of the first batch) and give each
+    group one input slot; returns ``(batches, groups)``, batches unconsumed."""
+    opts = {(r.fusion, r.fuse, r.split) for r in recipes.values()}
+    if len(opts) > 1:
+        raise ValueError(f"calibrate_many: the recipes' fusion options (fusion, fuse, split) "
+                         f"differ: {sorted(map(str, opts))}; calibrate them separately")
+    on, fuse, split = opts.pop()
+    if not on:
+        return batches, []
+    modules = dict(model.named_modules())
+    names = [n for n in modules if (n, "weight") in slots or (n, "input") in slots]
+    names = [n for n in names if getattr(modules[n], "weight", None) is not None
+             and modules[n].weight.dim() == 2]
+    first, batches = fusion.peek(batches)
+    found = fusion.find_groups(model, first, names)
+    groups = fusion.edit_groups(found, names, modules, fuse, split)
+    for group in groups:
+        keys = [(m, "input") for m in group if (m, "input") in slots]
+        lead = slots[keys[0]] if keys else None
+        for k in keys[1:]:
+            member = slots[k]
+            for okey, obs in member.observers.items():
+                lead.observers.setdefault(okey, obs)
+            lead.failed.update(member.failed)
+            lead.needs_sample |= member.needs_sample
+            lead.also.append(member.module)
+            slots[k] = lead
+    return batches, groups

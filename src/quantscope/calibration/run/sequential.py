@@ -1,0 +1,460 @@
+"""Sequential (layer-by-layer) calibration: one block of the model in memory at a time.
+
+The model's blocks (the largest ``nn.ModuleList`` of identical modules, e.g. a decoder's
+``model.layers``; ``blocks=`` names another) are calibrated one after the other:
+
+1. the model runs on every batch with each block standing in by a pass-through that
+   records the call order (:mod:`.block_order`: a chain in any order is followed, anything
+   else refused), and the first block's inputs are caught, positional and keyword
+   (attention mask, position embeddings);
+2. each block is loaded (from ``checkpoint``'s safetensors, memory-mapped, when the model
+   is an empty skeleton: :func:`.checkpoint.empty_model`), calibrated over the cached inputs of all
+   batches with the ordinary observers (:func:`~.session.calibrate_many` on that block
+   alone, its modules keeping their full names), and unloaded; its outputs are the next
+   block's inputs;
+3. the parts outside the blocks (final norm, ``lm_head`` ...) are calibrated by running the
+   model with every block replaced by the last block's cached outputs.
+
+With ``mode="quantized"`` a block is fake-quantized with its just-computed qparams before
+it produces the next block's inputs, so later blocks are calibrated on the activations the
+quantized model will see (errors that compound are seen); ``mode="float"`` (``True``)
+gives the qparams of the whole-model pass.
+
+Cached activations are kept in memory up to ``cache_budget_mb`` and spilled to a
+temporary folder beyond it (removed at the end, whatever happens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import heap
+from .block_order import NotAChain, check_disjoint, trace_batches
+from .checkpoint import Checkpoint, is_meta, load_params, unload_params
+
+__all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "find_blocks"]
+
+#: what ``sequential=`` accepts (True means "float")
+MODES = ("float", "quantized")
+#: cached block inputs / outputs kept in memory, all batches together; the rest on disk
+DEFAULT_CACHE_BUDGET_MB = 512
+
+
+# ---------------------------------------------------------------- finding the blocks
+def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.ModuleList]:
+    """``(name, module list)`` of the model's repeated blocks: ``blocks`` if given, else the
+    ``nn.ModuleList`` with the most children all of one class (ties: the most parameters)."""
+    modules = dict(model.named_modules())
+    if blocks is not None:
+        found = modules.get(blocks)
+        if not isinstance(found, nn.ModuleList) or not len(found):
+            lists = [n for n, m in modules.items() if isinstance(m, nn.ModuleList)]
+            raise ValueError(f"calibrate: blocks={blocks!r} is not a non-empty nn.ModuleList "
+                             f"of the model; its module lists are {lists}")
+        return blocks, found
+    best, key = None, None
+    for name, m in modules.items():
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
+            k = (len(m), sum(p.numel() for p in m.parameters()))
+            if key is None or k > key:
+                best, key = name, k
+    if best is None:
+        raise ValueError("calibrate: sequential=True found no nn.ModuleList of repeated blocks "
+                         "in the model; name them with blocks='...'")
+    return best, modules[best]
+
+
+# ---------------------------------------------------------------- cached activations
+class _Cache:
+    """Per-batch values (tensors, tuples and dicts of them) in memory while their total
+    stays within the shared ``budget`` (bytes, a one-item list), else in files."""
+
+    def __init__(self, budget: list, folder: str, tag: str):
+        self.budget, self.folder, self.tag = budget, folder, tag
+        self.mem, self.size, self.spilled = {}, {}, 0
+
+    def put(self, i: int, value) -> None:
+        self.drop(i)
+        value = _detached(value)
+        nbytes = _nbytes(value)
+        if nbytes <= self.budget[0]:
+            self.mem[i], self.size[i] = value, nbytes
+            self.budget[0] -= nbytes
+            return
+        path = os.path.join(self.folder, f"{self.tag}-{i}.pt")
+        torch.save(value, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a file is whole or absent
+        self.spilled += 1
+
+    def get(self, i: int):
+        if i in self.mem:
+            return self.mem[i]
+        # weights_only: the file holds tensors, tuples, dicts and plain values, and even our
+        # own spill file is never unpickled as code (docs/SECURITY.md)
+        return torch.load(os.path.join(self.folder, f"{self.tag}-{i}.pt"), weights_only=True)
+
+    def drop(self, i: int) -> None:
+        if i in self.mem:
+            del self.mem[i]
+            self.budget[0] += self.size.pop(i)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.folder, f"{self.tag}-{i}.pt"))
+
+    def clear(self) -> None:
+        for i in list(self.mem):
+            self.drop(i)
+        for f in Path(self.folder).glob(f"{self.tag}-*.pt"):
+            f.unlink()
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------- the pieces
+class _Replay(nn.Module):
+    """Stands in for every block: returns the last block's cached output of batch ``i``."""
+
+    def __init__(self, outputs: _Cache, state: dict, as_tuple: bool):
+        super().__init__()
+        self.outputs, self.state, self.as_tuple = outputs, state, as_tuple
+
+    def forward(self, *args, **kwargs):
+        h = self.outputs.get(self.state["i"])
+        return (h,) if self.as_tuple else h
+
+
+class _Piece(nn.Module):
+    """One block under its full name (``model.layers.3``), so recipes match it as in the
+    whole model; ``forward(i)`` runs the block on batch ``i``'s cached inputs."""
+
+    def __init__(self, name: str, block: nn.Module, inputs: _Cache, context: _Cache):
+        super().__init__()
+        *path, last = name.split(".")
+        holder = self
+        for part in path:
+            holder.add_module(part, nn.Module())
+            holder = getattr(holder, part)
+        holder.add_module(last, block)
+        self.block, self.inputs, self.context = block, inputs, context
+        self.outputs: _Cache | None = None  # where forward records its outputs, if set
+        self.as_tuple = False
+
+    def forward(self, i):
+        args, kwargs = self.context.get(i)
+        out = self.block(self.inputs.get(i), *args, **kwargs)
+        self.as_tuple = isinstance(out, tuple)
+        h = out[0] if self.as_tuple else out
+        if self.outputs is not None:
+            self.outputs.put(i, h)
+        return h
+
+
+def _matches(recipe, module) -> bool:
+    """Whether ``recipe`` takes any module of this piece (its other errors propagate)."""
+    try:
+        recipe.match(module)
+    except ValueError as e:
+        if "no module matches" in str(e):
+            return False
+        raise
+    return True
+
+
+def _for_piece(recipe, piece):
+    """``recipe`` for one piece: without its KV-cache roles where the piece has no attention
+    module (the embeddings, the head; calibrate_many checks the whole model has some)."""
+    from ..structure.kv_cache import attention_modules
+
+    if recipe.kv_cache is None or attention_modules(piece):
+        return recipe
+    return dataclasses.replace(recipe, kv_cache=None)
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model):
+    config = getattr(model, "config", None)
+    had = getattr(config, "use_cache", None)
+    if had is not None:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if had is not None:
+            config.use_cache = had
+
+
+# ---------------------------------------------------------------- the engine
+@dataclasses.dataclass
+class _Run:
+    """What one sequential calibration holds while it runs: the model and where its weights
+    come from, the parameters it loaded (unloaded at the end), the activation caches'
+    shared budget and folder, and each recipe's calibrated pieces."""
+
+    model: nn.Module
+    ckpt: Checkpoint | None
+    device: object
+    budget: list
+    folder: str
+    parts: dict
+    loaded: list = dataclasses.field(default_factory=list)
+
+    def load(self, names: set[str]) -> None:
+        load_params(self.model, names, self.ckpt, self.device)
+        self.loaded.append(names)
+
+    def unload(self, names: set[str]) -> None:
+        unload_params(self.model, names)
+        self.loaded.remove(names)
+
+    def cache(self, tag: str) -> _Cache:
+        return _Cache(self.budget, self.folder, tag)
+
+
+def _check_mode(mode, recipes, options, cache_budget_mb):
+    """``(mode, cache_budget_mb)`` checked (``True`` is ``"float"``; None the default)."""
+    if mode is False:
+        raise TypeError("calibrate: checkpoint, blocks, cache_budget_mb, cache_dir and device "
+                        "are options of sequential calibration; pass sequential=True")
+    if mode is True:
+        mode = "float"
+    if mode not in MODES:
+        raise ValueError(f"calibrate: sequential must be True or one of {MODES}, got {mode!r}")
+    if mode == "quantized" and len(recipes) != 1:
+        raise ValueError(f"calibrate: sequential='quantized' quantizes each block with its "
+                         f"recipe's qparams, so it takes one recipe, got {len(recipes)}")
+    if options.get("distributed"):
+        raise ValueError("calibrate: sequential and distributed calibration do not combine")
+    if cache_budget_mb is None:
+        cache_budget_mb = DEFAULT_CACHE_BUDGET_MB
+    # bool is an int to Python (True would be 1 MB); inf / NaN have no byte count
+    if (isinstance(cache_budget_mb, bool) or not isinstance(cache_budget_mb, (int, float))
+            or not math.isfinite(cache_budget_mb) or cache_budget_mb < 0):
+        raise ValueError(f"calibrate: cache_budget_mb must be a finite number of MB >= 0, got "
+                         f"{cache_budget_mb!r}")
+    return mode, cache_budget_mb
+
+
+def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float",
+                         checkpoint=None, blocks=None, cache_budget_mb=None,
+                         cache_dir=None, device=None, progress=True, **options):
+    """:func:`~.session.calibrate_many` one block at a time (see the module's doc);
+    ``options`` go to it for every piece. Returns ``{label: Calibration}``."""
+    from ..results.result import Calibration
+
+    mode, cache_budget_mb = _check_mode(mode, recipes, options, cache_budget_mb)
+    t0 = time.perf_counter()
+    heap.prepare()  # freed weights and activations go back to the system (heap.py)
+    if iter(batches) is batches:  # read twice (first block's inputs, then the head): keep them
+        batches = list(batches)
+    name, layers = find_blocks(model, blocks)
+    check_disjoint(model, name, layers)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    outside = {n for n in params if not n.startswith(name + ".")}
+    run = _Run(model, Checkpoint(checkpoint) if checkpoint is not None else None, device,
+               [int(cache_budget_mb * 2**20)], tempfile.mkdtemp(prefix="quantscope-seq-",
+                                                               dir=cache_dir),
+               {label: [] for label in recipes})
+    was_training = model.training
+    model.eval()
+    originals = list(layers)
+    try:
+        hidden, context, n, order = _first_inputs(run, batches, name, layers, outside)
+        spilled, as_tuple = 0, False
+        for k, j in enumerate(order):
+            full, block = f"{name}.{j}", originals[j]
+            nxt, as_tuple = _calibrate_block(
+                run, full, block, {p for p in params if p.startswith(full + ".")}, hidden,
+                context, n, recipes, mode, calibrate_many, options)
+            spilled += hidden.spilled
+            hidden.clear()
+            hidden = nxt
+            if progress:
+                print(f"\rcalibrating {full} ({k + 1}/{len(originals)})", end="", flush=True)
+        if progress:
+            print()
+        _calibrate_rest(run, batches, name, layers, outside, hidden, as_tuple, recipes,
+                        calibrate_many, options)
+        spilled += hidden.spilled + context.spilled
+    finally:
+        for j, block in enumerate(originals):
+            layers[j] = block
+        for names in list(run.loaded):
+            run.unload(names)
+        shutil.rmtree(run.folder, ignore_errors=True)
+        model.train(was_training)
+    seconds = round(time.perf_counter() - t0, 3)
+    out = {}
+    for label, recipe in recipes.items():
+        if not run.parts[label]:
+            recipe.match(model)  # raises the whole-model error: nothing matches
+        out[label] = _merge(Calibration, recipe, label, run.parts[label], n, seconds,
+                            {"blocks": name, "count": len(originals), "order": order, "mode": mode,
+                             "cache_budget_mb": cache_budget_mb, "spilled_batches": spilled})
+    return out
+
+
+def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
+    """``(hidden, context, n, order)``: the first block's inputs for each of the ``n``
+    batches (hidden states, and the other positional / keyword arguments), and the order in
+    which the forward calls the blocks (:mod:`.block_order`: a chain, or refused)."""
+    model = run.model
+    with _no_kv_cache(model), torch.inference_mode():
+        outer = {p for p in outside if _param(model, p).device.type == "meta"}
+        run.load(outer)
+        try:
+            first = None
+            # blocks that change their input's shape or return tuples break a pass-through
+            # trace: then a shaped one (each block run on the meta device) decides
+            for shaped in (False, True):
+                hidden, context = run.cache("a"), run.cache("ctx")
+                try:
+                    order, n = trace_batches(model, batches, name, layers, shaped,
+                                             functools.partial(_keep, hidden, context))
+                    break
+                except NotAChain as e:
+                    hidden.clear()
+                    context.clear()
+                    if shaped:
+                        raise first if e.no_shape else e
+                    first = e
+        finally:
+            run.unload(outer)
+    return hidden, context, n, order
+
+
+def _keep(hidden, context, i: int, args: tuple, kwargs: dict) -> None:
+    """Batch ``i``'s first block inputs into the caches."""
+    hidden.put(i, args[0] if args else kwargs.pop("hidden_states"))
+    context.put(i, (args[1:], kwargs))
+
+
+def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, context, n,
+                     recipes, mode, calibrate_many, options):
+    """Load, calibrate (each recipe that takes something in it) and unload one block; returns
+    ``(its outputs' cache, whether the block returns a tuple)``."""
+    load = is_meta(block)
+    if load:
+        run.load(mine)
+    piece = _Piece(full, block, hidden, context)
+    nxt = run.cache("b" if hidden.tag == "a" else "a")
+    todo = {k: _for_piece(r, piece) for k, r in recipes.items() if _matches(r, piece)}
+    auto = any(_has_auto(r) for r in todo.values())
+    # the outputs come with the calibration's own forwards, unless those are not the
+    # block's plain forwards (auto's scoring, or the quantized block's outputs wanted)
+    piece.outputs = nxt if mode == "float" and not auto else None
+    got = calibrate_many(piece, list(range(n)), todo, progress=False, **options) if todo else {}
+    for k, c in got.items():
+        run.parts[k].append(c)
+    if piece.outputs is None or not todo:  # the outputs, by their own pass
+        handle = got[next(iter(todo))].apply(piece) if todo and mode == "quantized" else None
+        piece.outputs = nxt
+        try:
+            with torch.inference_mode():
+                for i in range(n):
+                    piece(i)
+        finally:
+            if handle is not None:
+                handle.remove()
+    if load:
+        run.unload(mine)
+        # the block's weights (views of the checkpoint's mapping) can stay referenced from
+        # reference cycles of the calibration's objects until a collection: collect now, or
+        # the unloaded blocks' mappings accumulate (a block in memory has none to release)
+        gc.collect()
+    heap.trim()  # the block's activations' heap pages back to the system
+    return nxt, piece.as_tuple
+
+
+def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hidden,
+                    as_tuple: bool, recipes, calibrate_many, options) -> None:
+    """The parts outside the blocks (final norm, head ...), on the last block's cached
+    outputs: every block replaced by a replay of them."""
+    model = run.model
+    rest = _without_blocks(model, name)
+    todo = {k: _for_piece(r, rest) for k, r in recipes.items() if _matches(r, rest)}
+    if not todo:
+        return
+    run.load({p for p in outside if _param(model, p).device.type == "meta"})
+    state = {"i": 0}
+    for j in range(len(layers)):
+        layers[j] = _Replay(hidden, state, as_tuple)
+
+    def indexed():
+        for i, batch in enumerate(batches):
+            state["i"] = i
+            yield batch
+
+    with _no_kv_cache(model):
+        got = calibrate_many(model, indexed(), todo, progress=False, **options)
+    for k, c in got.items():
+        run.parts[k].append(c)
+
+
+def _param(model, name):
+    return model.get_parameter(name)
+
+
+def _has_auto(recipe) -> bool:
+    from ..choice import auto
+
+    return auto._has_auto(recipe)
+
+
+def _without_blocks(model, name):
+    """A view for matching: the model's modules outside the blocks, full names."""
+    class _View(nn.Module):
+        def named_modules(self, *a, **k):
+            for n, m in model.named_modules(*a, **k):
+                if n != name and not n.startswith(name + "."):
+                    yield n, m
+
+    return _View()
+
+
+def _merge(Calibration, recipe, label, parts, n, seconds, sequential):
+    states, rows, hists, info = {}, [], {}, {"batches": n, "calibration_seconds": seconds,
+                                             "sequential": sequential}
+    for c in parts:
+        states.update(c.states)
+        rows.extend(c.stats)
+        hists.update(c.histograms)
+        for k in ("missing", "unreached", "fusion_groups", "experts"):
+            if k in c.info:
+                info.setdefault(k, []).extend(c.info[k])
+    json.dumps(sequential)  # the info stays serializable
+    return Calibration(recipe, states, label, rows, hists, info)

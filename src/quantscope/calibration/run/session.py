@@ -1,0 +1,403 @@
+"""Calibration: observe a model's weights once and its activations over the batches.
+
+:func:`calibrate` runs one recipe; :func:`calibrate_many` runs several in **one**
+pass over the data: the observers of all recipes are attached together, and a
+recipe that asks for the same (layer, role, spec, observer) as another shares
+its observer. ``observer="auto"`` observes every candidate and keeps what
+``Auto.metric`` says is best: by default (``"model"``) the whole configuration
+whose model output is closest to the float model's (:mod:`.auto`); per layer, the
+candidates with the least error in the layer's output (``"joint"``, ``"fisher"``,
+``"output"``) or in the tensor itself (``"tensor"``).
+
+Hooks are removed in a ``finally``, whatever happens; the model's train / eval
+mode is restored; forwards run under ``torch.inference_mode``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from ... import comm as qd
+from ...observers.sync import sync_observers
+from ..choice import auto as _auto
+from ..choice import layer_choice
+from ..choice import smooth as _smooth
+from ..choice.sensitivity import Sensitivity, check_fallback, fall_back, measure
+from ..options import (
+    AUTO_METRICS,
+    Auto,
+    MoE,
+    Options,
+    Outliers,
+    Runtime,
+    Sampling,
+    as_sequential,
+    from_keywords,
+)
+from ..recipe import AUTO, Recipe, preset
+from ..results.result import Calibration
+from ..structure import kv_cache
+from ..structure import moe as _moe
+from . import gather
+from . import sequential as _sequential
+from .finish import build_states
+from .observe import (
+    DEFAULT_SAMPLE_BUDGET_MB,
+    check_shapes,
+    make_plan,
+    observe_batches,
+    observer_seconds,
+    sample_budget,
+    share_group_inputs,
+    unique_slots,
+)
+from .samples import RowSample
+
+__all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many",
+           "calibrate_with", "sensitivity"]
+
+
+def _as_recipe(recipe, observer) -> Recipe:
+    if isinstance(recipe, str):
+        recipe = preset(recipe, observer or "minmax")
+    elif not isinstance(recipe, Recipe):
+        raise TypeError(f"calibrate: recipe must be a preset name or a Recipe, got "
+                        f"{type(recipe).__name__}")
+    elif observer is not None:
+        recipe = recipe.with_observer(observer)
+    return recipe
+
+
+def _check_kv_cache(model, recipes) -> None:
+    """A recipe that asks for the KV cache on a model without attention modules is an error
+    (one piece of a sequential calibration may have none; the whole model must)."""
+    asked = [r.name for r in recipes.values() if r.kv_cache is not None]
+    if asked and not kv_cache.attention_modules(model):
+        raise ValueError(f"calibrate: recipe {asked[0]!r} sets kv_cache but the model has no "
+                         f"attention module with k_proj / v_proj (transformers')")
+
+
+def calibrate_many(model: nn.Module, batches, recipes, *, sampling: Sampling | None = None,
+                   auto: Auto | None = None, moe: MoE | None = None,
+                   outliers: Outliers | None = None, sequential=None,
+                   runtime: Runtime | None = None, progress: bool = True,
+                   **keywords) -> dict[str, Calibration]:
+    """Calibrate several recipes in one pass over ``batches``.
+
+    Args:
+        model: any ``nn.Module``.
+        batches: an iterable of model inputs: a dict (``model(**b)``), a tuple / list
+            (``model(*b)``) or a tensor (``model(b)``).
+        recipes: ``{label: recipe}`` or a list of recipes (labelled by name); a recipe
+            is a :class:`Recipe` or a preset name.
+        sampling: the activation rows kept for ``auto`` and the report
+            (:class:`~.options.Sampling`: ``tokens``, ``budget_mb``, ``seed``).
+        auto: how ``observer="auto"`` chooses (:class:`~.options.Auto`: ``candidates``,
+            ``metric``, ``loss``, ``score_tokens``).
+        moe: mixture-of-experts models (:class:`~.options.MoE`: ``all_experts``,
+            ``min_tokens``).
+        outliers: SmoothQuant before, activations kept out of static quantization after
+            (:class:`~.options.Outliers`: ``smooth``, ``keep_float``, ``fallback``).
+        sequential: one block at a time, for models larger than memory
+            (:class:`~.options.Sequential`; ``True``, ``"float"`` or ``"quantized"`` stand for
+            ``Sequential(mode=...)``). Not with ``outliers``, ``distributed`` or
+            ``time_groups``.
+        runtime: data-parallel processes, roles that saw no tokens, timing groups
+            (:class:`~.options.Runtime`: ``distributed``, ``group``, ``missing``,
+            ``time_groups``).
+        progress: show a progress bar over the batches.
+        keywords: the flat keywords of before (``sample_tokens=``, ``auto_metric=``,
+            ``smooth=`` ...): deprecated, each mapped to its object's field with one
+            ``DeprecationWarning`` that names the new spelling
+            (:func:`~.options.from_keywords`); ``progress`` and ``sequential=True`` are not.
+    """
+    opts = _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywords)
+    return calibrate_with(model, batches, recipes, opts)
+
+
+def _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywords) -> Options:
+    """The entry points' arguments as one :class:`~.options.Options` (defaults where None;
+    the deprecated flat keywords applied, warning at the entry point's caller)."""
+    opts = Options(sampling or Sampling(), auto or Auto(), moe or MoE(),
+                   outliers or Outliers(), as_sequential(sequential), runtime or Runtime(),
+                   progress)
+    return from_keywords(opts, keywords)
+
+
+def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[str, Calibration]:
+    """:func:`calibrate_many` with its options as one :class:`~.options.Options` value."""
+    recipes = _checked(model, recipes, opts)
+    t0 = time.perf_counter()
+    if batches is None:
+        batches = []
+    _check_kv_cache(model, recipes)
+    check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
+
+    def run(batches):  # the calibration itself; keep_float's ranking follows it
+        if opts.sequential is not None:
+            # every piece calibrates with the other options (none of the outliers' ones)
+            inner = opts.but(sequential=None, runtime__time_groups=None)
+            return _sequential.calibrate_sequential(
+                lambda m, b, r, progress=False: calibrate_with(m, b, r,
+                                                               inner.but(progress=progress)),
+                model, batches, recipes, progress=opts.progress, **opts.sequential.keywords())
+        if opts.auto.metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
+            # the outliers' steps go around the whole choice (_around), not each pass
+            return _auto.calibrate_end_to_end(calibrate_with, model, batches, recipes,
+                                              opts.but(outliers=Outliers(),
+                                                       runtime__time_groups=None))
+        fisher = None
+        if opts.auto.metric == "fisher":
+            batches = list(batches)
+            fisher = _fisher_weights(model, batches, recipes, opts.auto)
+        # MoE experts become Linear views for the whole calibration (moe.py); restored after
+        with _moe.attach(model, bool(opts.moe.all_experts)) as experts:
+            experts.min_tokens = opts.moe.min_tokens
+            if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
+                return _calibrate_distributed(model, batches, recipes, opts, t0, experts)
+            return _calibrate_local(model, batches, recipes, opts, t0, experts, fisher)
+
+    return _around(model, batches, run, opts.outliers, opts.runtime)
+
+
+def _around(model, batches, run, outliers: Outliers, runtime: Runtime):
+    """``run(batches)``, the calibration itself, with what goes around it: SmoothQuant
+    before (ranges from the first batch), the float fallback after (ranked on it)."""
+    smoothed = None
+    if outliers.smooth is not None:
+        first, batches = _peek(batches)
+        smoothed = _smooth.smooth(model, [] if first is None else [first], outliers.smooth,
+                                  distributed=runtime.distributed, group=runtime.group)
+    if not outliers.keep_float:
+        out = run(batches)
+    else:
+        first, batches = _peek(batches)
+        out = {k: fall_back(model, first, c, outliers.keep_float, outliers.fallback)
+               for k, c in run(batches).items()}
+    if smoothed is not None:
+        scales = smoothed.pop("scales")
+        for c in out.values():
+            c.smoothing, c.info["smooth"] = dict(scales), dict(smoothed)
+    return out
+
+
+def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
+    """:func:`calibrate_many`'s ``{label: Recipe}``; raises naming the argument where the
+    model, the recipes or the options together do not fit (each option object checked its
+    own fields when made), before any hook is attached or batch run."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
+    recipes = _as_recipes(recipes)
+    seq = opts.sequential
+    if seq is not None:
+        if opts.outliers.keep_float:
+            check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)
+        _smooth.check(opts.outliers.smooth, True)
+        if opts.runtime.distributed:
+            raise ValueError("calibrate: sequential and distributed calibration do not combine")
+        if opts.runtime.time_groups:
+            raise ValueError("calibrate: Runtime.time_groups is not available with sequential")
+    return recipes
+
+
+def _peek(batches):
+    """``(first batch, batches)`` with nothing consumed: a list stays a list; an iterator
+    goes on from its first batch."""
+    if isinstance(batches, (list, tuple)):
+        return (batches[0] if batches else None), batches
+    it = iter(batches)
+    first = next(it, None)
+    return first, ([] if first is None else itertools.chain([first], it))
+
+
+def _as_recipes(recipes) -> dict[str, Recipe]:
+    """``{label: Recipe}`` of a recipe, a list of recipes (labelled by name) or a dict; preset
+    names become their recipes."""
+    if isinstance(recipes, (str, Recipe)):
+        recipes = [recipes]
+    if not isinstance(recipes, dict):
+        recipes = [_as_recipe(r, None) for r in recipes]
+        recipes = {r.name: r for r in recipes}
+    else:
+        recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
+    if not recipes:
+        raise ValueError("calibrate: no recipe given")
+    return recipes
+
+
+def _fisher_weights(model, batches, recipes, auto: Auto):
+    """The loss's ``g^2`` per output feature of every weight an ``auto`` recipe quantizes
+    (``auto_metric="fisher"``), from backward passes over the first ``score_tokens`` tokens."""
+    layers = {layer for r in recipes.values() if _auto._has_auto(r)
+              for layer, (_, roles) in r.match(model).items() if "weight" in roles}
+    return layer_choice.fisher_weights(model, _auto.score_batches(batches, auto.score_tokens),
+                                       sorted(layers), auto.loss)
+
+
+def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher):
+    """``calibrate_many`` in one process: weights observed once, activations over the
+    batches (skipped where no recipe needs them)."""
+    sampling = opts.sampling
+    slots, plans = make_plan(model, recipes, opts.auto.candidates)
+    batches, groups = share_group_inputs(model, batches, recipes, slots)
+    experts.reset_counts()
+    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
+                     for s in slots.values())
+    n = (observe_batches(model, batches, slots, sampling.tokens, opts.progress, sampling.seed,
+                         sampling.budget_mb) if needs_data else 0)
+    return _conclude(slots, plans, recipes, n, needs_data, t0, opts, groups=groups,
+                     experts=experts, model=model, fisher=fisher)
+
+
+def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes=1,
+              groups=(), experts=None, model=None, fisher=None):
+    if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
+        raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
+                         "statically, which needs at least one calibration batch")
+    with torch.no_grad():
+        results, hists = build_states(slots, plans, recipes, opts.auto.metric, groups, experts,
+                                      opts.runtime.missing, fisher)
+    seconds = time.perf_counter() - t0
+    # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
+    common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())
+    group_seconds = {label: {} for label in recipes}
+    for name, labels in (opts.runtime.time_groups or {}).items():
+        s = round(common + observer_seconds(slots, *(plans[k] for k in labels)), 3)
+        for label in labels:
+            group_seconds[label][name] = s
+    out = {}
+    for label, recipe in recipes.items():
+        states, rows, shared, per_expert, absent = results[label]
+        own = observer_seconds(slots, plans[label])
+        info = {"batches": n, "calibration_seconds": round(common + own, 3)}
+        if group_seconds[label]:
+            info["group_seconds"] = group_seconds[label]
+        if absent:
+            info["missing"] = absent
+            warnings.warn(f"calibrate: {len(absent)} activation roles saw no tokens and fall "
+                          f"back ({absent[0]['layer']!r} {absent[0]['role']}: "
+                          f"{absent[0]['fallback']}; all in calibration.info['missing'])",
+                          stacklevel=3)
+        if shared:
+            info["fusion_groups"] = shared
+        if per_expert:
+            info["experts"] = per_expert
+            info["expert_min_tokens"] = experts.min_tokens
+        missed = _moe.unreached(model, recipe) if model is not None else []
+        if missed:
+            info["unreached"] = missed
+            warnings.warn(f"calibrate: recipe {recipe.name!r} targets weights quantscope cannot "
+                          f"reach; left in float: {[u['name'] for u in missed]}", stacklevel=3)
+        if processes > 1:
+            info["processes"] = processes
+        out[label] = Calibration(recipe, states, label, rows, hists, info)
+    return out
+
+
+def _calibrate_distributed(model, batches, recipes, opts: Options, t0, experts):
+    """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
+
+    Batches are sharded round-robin; each weight is observed by one rank (balanced by
+    size) and its state shared; after the local forwards, the activation observers are
+    synced (exact for min / max and histograms, AVG for moving averages: see
+    :mod:`quantscope.distributed`). With ``auto`` the sampled rows are gathered so every
+    rank decides on the same data; otherwise the report rows (activation SQNR, clipping)
+    come from rank 0's own sample and are empty on the other ranks. Local steps run under
+    :func:`~quantscope.distributed.all_or_none`: an error on one rank raises on all.
+    """
+    group, sampling = opts.runtime.group, opts.sampling
+    sample_tokens, seed = sampling.tokens, sampling.seed
+    world = qd.world_size(group)
+    quantized = {layer for r in recipes.values()
+                 for layer, (_, roles) in r.match(model).items() if "weight" in roles}
+    owners = gather.weight_owners(model, quantized, group)
+    me = qd.rank(group)
+    with qd.all_or_none("planning", group):
+        slots, plans = make_plan(model, recipes, opts.auto.candidates,
+                                 owns=lambda l: owners.get(l, me) == me)
+        batches, groups = share_group_inputs(model, batches, recipes, slots)
+    experts.reset_counts()
+    failed = gather.gather_failures({k: s.failed for k, s in slots.items() if s.role == "weight"},
+                                group)
+    for k, f in failed.items():  # a candidate that failed on its owner is dropped everywhere
+        slots[k].failed.update(f)
+        for key in f:
+            slots[k].observers.pop(key, None)
+    sync_observers([o for s in slots.values() if s.role == "weight"
+                       for o in s.observers.values()], group)
+    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
+                     for s in slots.values())
+    # 'auto' decides on the sampled rows, so every rank needs the same sample: gather it;
+    # otherwise the sample only feeds the report, which rank 0 makes from its own rows
+    auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())
+    n = 0
+    if needs_data:
+        with qd.all_or_none("calibration", group):
+            n = observe_batches(model, qd.shard(batches, group), slots,
+                     -(-sample_tokens // world) if auto else sample_tokens,
+                     opts.progress and qd.is_main(group), seed + me,
+                     sample_budget(sampling.budget_mb) / world if auto else sampling.budget_mb,
+                     batch_index=lambda i: i * world + me)  # qd.shard's round robin
+        n = qd.all_sum(n, group)
+        acts = {k: s for k, s in slots.items() if s.role != "weight"}
+        sync_observers([o for s in unique_slots(acts.values()) for o in s.observers.values()],
+                          group)
+        if auto:
+            local = {k: [] if s.sample is None or not s.sample.count else [s.sample.rows()]
+                     for k, s in acts.items()}
+            merged = gather.gather_samples(local, sample_tokens, group)
+            for k, rows in merged.items():
+                acts[k].sample = RowSample.holding(rows[0]) if rows else None
+        elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
+            for s in acts.values():
+                s.sample = None
+    for counts in experts.counts.values():  # every rank reports the global counts
+        counts[:] = [qd.all_sum(c, group) for c in counts]
+    return _conclude(slots, plans, recipes, n, needs_data, t0, opts, world, groups, experts,
+                     model)
+
+
+def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,
+              sampling: Sampling | None = None, auto: Auto | None = None, moe: MoE | None = None,
+              outliers: Outliers | None = None, sequential=None, runtime: Runtime | None = None,
+              progress: bool = True, **keywords) -> Calibration:
+    """Calibrate ``model`` on ``batches`` with ``recipe``; returns a :class:`Calibration`.
+
+    ``recipe`` is a preset name (``w8a8``, ``w8a8-dynamic``, ``w4a16``, ``w4a8``,
+    ``fp8``, ``mxfp4``, ``nvfp4``) or a :class:`Recipe`; ``observer`` (a registry
+    name or ``"auto"``) replaces the recipe's observers. The options (``sampling=``,
+    ``auto=``, ``moe=``, ``outliers=``, ``sequential=``, ``runtime=``: the objects of
+    :mod:`.options`) and ``progress`` as :func:`calibrate_many`, whose deprecated flat
+    keywords work here too. Apply the result with ``calibration.apply(model)``.
+    """
+    r = _as_recipe(recipe, observer)
+    opts = _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywords)
+    return calibrate_with(model, batches, {r.name: r}, opts)[r.name]
+
+
+def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibration | None
+                = None, calib_batches=None, observer: str = "minmax", loss=None,
+                roles=("weight", "input"), progress: bool = False) -> Sensitivity:
+    """Per layer and role, how much the model's output moves when only that tensor is
+    quantized, on held-out ``batches``.
+
+    Args:
+        model: the float model.
+        batches: held-out batches (dicts, tuples or tensors as :func:`calibrate` takes).
+        recipe: the recipe whose tensors are measured (ignored if ``calibration`` given).
+        calibration: a :class:`Calibration` to measure (default: ``recipe`` calibrated with
+            ``observer`` on ``calib_batches``).
+        calib_batches: calibration batches (default: ``batches``).
+        loss: ``callable(output, reference_output, batch) -> float`` replacing the default
+            divergence.
+        roles: which roles to measure.
+    """
+    if calibration is None:
+        calibration = calibrate(model, batches if calib_batches is None else calib_batches,
+                                recipe, observer=observer, progress=progress)
+    return measure(model, batches, calibration, loss, roles, progress)

@@ -1,0 +1,192 @@
+"""Fusion groups: layers a runtime runs as one, so they must share their scales.
+
+vLLM (and SGLang, TensorRT-LLM) fuse the Linear layers that read the same input into
+one GEMM: ``q_proj`` / ``k_proj`` / ``v_proj`` into ``qkv_proj``, ``gate_proj`` /
+``up_proj`` into ``gate_up_proj``, DeepSeek's ``q_a_proj`` / ``kv_a_proj_with_mqa``.
+A fused layer has one NVFP4 global scale, one static input scale, and (vLLM's FP8
+path) one per-tensor weight scale: see ``docs/runtime-fusion.md``.
+
+Groups are **found, not listed**: :func:`find_groups` runs one forward with hooks and
+groups the layers whose input is the same tensor (the same object, or a view of the
+same data) among the last few inputs seen. A recipe adds groups (``Recipe.fuse``:
+tuples of name patterns, members bucketed by their parent module) and splits members
+out (``Recipe.split``).
+
+Sharing (done by the session): a group's static / local input role is one slot that
+observes the members' inputs once each (the same tensor is observed once), so its
+statistics are the group's merged statistics; a group's weight role, where the runtime
+shares a weight scale (:func:`shares_weight_scale`), is observed on the members'
+weights concatenated along the output dimension by one observer, and the qparams are
+split back per member (:func:`split_state`) -- exactly what the runtime's fused
+tensor holds, and search observers then minimise the group's total error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ...layout import Block, Channel, Group, Tensor
+from ..recipe import _matches
+from ..results.result import RoleState
+from ..run.batches import forward_batch
+
+__all__ = ["find_groups", "join_weights", "peek", "shares_weight_scale", "split_state"]
+
+#: how many distinct recent inputs a layer's input is compared with (DeepSeek's
+#: ``kv_a_proj_with_mqa`` reads the hidden state after ``q_a_proj`` -> ``q_b_proj`` ran)
+WINDOW = 8
+
+
+def peek(batches):
+    """``(first batch or None, batches)`` with nothing consumed from ``batches``."""
+    if isinstance(batches, (list, tuple)):
+        return (batches[0] if batches else None), batches
+    it = iter(batches)
+    try:
+        first = next(it)
+    except StopIteration:
+        return None, []
+    return first, itertools.chain([first], it)  # streamed: no list of all the batches
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same tensor object, or a view of the same data with the same shape and strides."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def same_input(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same(a, b)
+
+
+def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
+    """Groups (2+ members, in call order) of the modules ``names`` whose forward input is
+    the same tensor in one forward of ``batch``."""
+    names = list(names)
+    if batch is None or len(names) < 2:
+        return []
+    recent: list[tuple[torch.Tensor, list[str]]] = []  # strong refs: no address reuse
+    order: list[list[str]] = []
+
+    def hook_for(name):
+        def pre(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if not isinstance(x, torch.Tensor):
+                return
+            for t, members in recent:
+                if _same(t, x):
+                    if name not in members:
+                        members.append(name)
+                    return
+            members = [name]
+            order.append(members)
+            recent.append((x, members))
+            del recent[:-WINDOW]
+        return pre
+
+    handles = []
+    was_training = model.training
+    try:
+        for name in names:
+            handles.append(model.get_submodule(name).register_forward_pre_hook(
+                hook_for(name), with_kwargs=True))
+        model.eval()
+        with torch.inference_mode():
+            forward_batch(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+        recent.clear()
+    seen, groups = set(), []
+    for members in order:  # a module called twice keeps its first group
+        members = [m for m in members if m not in seen]
+        seen.update(members)
+        if len(members) > 1:
+            groups.append(tuple(members))
+    return groups
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def edit_groups(groups, names, modules: dict, fuse=(), split=()) -> list[tuple[str, ...]]:
+    """``groups`` with the recipe's edits: ``fuse`` entries (tuples of patterns) join the
+    matching modules of each parent module into one group (taking them out of any found
+    group); ``split`` patterns take modules out of their groups."""
+    groups = [list(g) for g in groups]
+    for patterns in fuse:
+        patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
+        by_parent: dict[str, list[str]] = {}
+        for n in names:
+            if any(_matches(p, n, modules[n]) for p in patterns):
+                by_parent.setdefault(_parent(n), []).append(n)
+        for members in by_parent.values():
+            if len(members) < 2:
+                continue
+            groups = [[m for m in g if m not in members] for g in groups]
+            groups.append(members)
+    for p in split:
+        groups = [[m for m in g if not _matches(p, m, modules[m])] for g in groups]
+    return [tuple(g) for g in groups if len(g) > 1]
+
+
+def shares_weight_scale(spec) -> bool:
+    """Whether a runtime fusing the group gives its weights one shared scale: a global
+    scale (NVFP4 and any two-level tensor-group scale) always; a per-tensor scale for a
+    float format (vLLM's FP8 path re-quantizes the shards to the largest scale). An int
+    per-tensor weight scale is widened to per-channel by vLLM's INT8 path: kept per layer."""
+    if spec.scale.has_global_scale:
+        return True
+    return isinstance(spec.layout, Tensor) and spec.format.is_float
+
+
+def splittable(spec) -> bool:
+    """Whether the layout's units never span two rows of a weight, so the qparams of the
+    concatenated weights split back into the members' rows."""
+    lay = spec.layout
+    if isinstance(lay, Tensor):
+        return True
+    if isinstance(lay, Channel):
+        return lay.axis in (0, -2)
+    if isinstance(lay, (Group, Block)):
+        return lay.axis in (-1, 1) and getattr(lay, "g_idx", None) is None
+    return False
+
+
+def join_weights(modules: list[nn.Module]) -> torch.Tensor:
+    """The members' weights as the fused layer holds them: concatenated on the output dim."""
+    return torch.cat([m.weight.detach() for m in modules], dim=0)
+
+
+def _split(t: torch.Tensor | None, rows: list[int]) -> list:
+    """``t`` (per-unit values of the concatenated rows, unit-major) cut into the members'
+    rows; a one-value (per-tensor) ``t`` is every member's."""
+    if t is None:
+        return [None] * len(rows)
+    total = sum(rows)
+    if t.numel() == 1:
+        return [t.clone() for _ in rows]
+    if t.dim() and t.shape[0] == total:
+        return [p.clone() for p in t.split(rows, 0)]
+    return [p.reshape(-1).clone() for p in t.reshape(total, -1).split(rows)]
+
+
+def split_state(state: RoleState, shapes: list[tuple[int, ...]]) -> list[RoleState]:
+    """The state of the concatenated weights split into one state per member (its rows)."""
+    rows = [s[0] for s in shapes]
+    qp = state.qparams
+    scales = _split(qp.scale, rows)
+    zps = _split(qp.zero_point, rows)
+    los, his = _split(state.lo, rows), _split(state.hi, rows)
+    out = []
+    for i, shape in enumerate(shapes):
+        gs = None if qp.global_scale is None else qp.global_scale.clone()
+        member_qp = type(qp)(scales[i].contiguous(), zps[i].contiguous(), gs)
+        out.append(replace(state, qparams=member_qp, lo=los[i], hi=his[i], shape=tuple(shape)))
+    return out

@@ -1,0 +1,307 @@
+"""Mixture-of-experts: every expert calibrated, with sound qparams even without tokens.
+
+**Experts modules with 3-D parameters** (transformers 5: Mixtral, Qwen2/3-MoE,
+DeepSeek-V3, ...): ``gate_up_proj`` ``[experts, 2 x intermediate, hidden]`` (or
+``up_proj`` without a gate) and ``down_proj`` ``[experts, hidden, intermediate]``, run
+with ``F.linear`` on slices: no ``nn.Linear`` a hook or a recipe can see. While
+quantscope calibrates or applies QDQ, :func:`attach` gives each such module one child
+per expert holding two ``nn.Linear`` whose weights are **views** of the slices
+(``<experts>.<e>.gate_up_proj``, ``<experts>.<e>.down_proj``: the rows of
+``gate_up_proj`` are the checkpoint's ``w1`` / ``gate_proj`` then ``w3`` / ``up_proj``,
+which vLLM fuses as ``w13``, so they share one state), and replaces the module's
+forward by the eager routing loop over those children; :meth:`Experts.detach` removes
+both, leaving the module as it was (nothing is copied: the views are the parameters).
+
+**ModuleList experts** (older checkpoints: ``experts[e].w1`` ... as ``nn.Linear``) are
+already visible; only their token counts are taken here.
+
+**Tokens.** Routed mode (default): each expert observes the tokens routed to it. An
+expert that saw ``n < min_tokens`` tokens gets its activation ranges shrunk toward the
+pooled range of its layer's experts (the min / max merge of their ranges):
+``range = w * own + (1 - w) * pooled`` with ``w = n / min_tokens``, so none (``n = 0``)
+gets the pooled range. ``all_experts=True`` makes every expert observe every token while
+the block's output stays the routed one (llm-compressor's ``calibrate_all_experts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from ...qparams import qparams_from_range
+
+__all__ = ["Experts", "attach", "shrink", "unreached"]
+
+#: ``n`` below which an expert's activation range is shrunk toward the pooled one
+#: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
+MIN_TOKENS = 128
+
+
+def is_experts_3d(module: nn.Module) -> bool:
+    """A transformers-5 experts module: 3-D ``down_proj`` and ``gate_up_proj`` / ``up_proj``."""
+    up = getattr(module, "gate_up_proj", None)
+    if up is None:
+        up = getattr(module, "up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter)
+            and up.dim() == 3 and down.dim() == 3 and up.shape[0] == down.shape[0])
+
+
+_MARK = "_quantscope_expert"
+
+
+def _view_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` whose weight (and bias) share storage with ``weight`` / ``bias``."""
+    lin = nn.Linear(1, 1, bias=False, device="meta")
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    lin.in_features, lin.out_features = weight.shape[1], weight.shape[0]
+    lin.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    setattr(lin, _MARK, True)
+    return lin
+
+
+class _Expert(nn.Module):
+    """One expert of a 3-D experts module, as two Linear views (its gate_up and down)."""
+
+    def __init__(self, parent: nn.Module, e: int):
+        super().__init__()
+        gated = getattr(parent, "has_gate", True) and hasattr(parent, "gate_up_proj")
+        up_name = "gate_up_proj" if gated else "up_proj"
+        t = getattr(parent, "is_transposed", False)
+        for name in (up_name, "down_proj"):
+            w = getattr(parent, name).data[e]
+            b = getattr(parent, f"{name}_bias", None) if getattr(parent, "has_bias", False) \
+                else None
+            self.add_module("gate_up_proj" if name == up_name else name,
+                            _view_linear(w.t() if t else w, None if b is None else b.data[e]))
+        self.gated = gated
+
+
+def _activate(parent, expert: _Expert, h: torch.Tensor) -> torch.Tensor:
+    if not expert.gated:
+        return parent.act_fn(h)
+    if hasattr(parent, "_apply_gate"):  # transformers' own (concatenated or interleaved)
+        return parent._apply_gate(h)
+    gate, up = h.chunk(2, dim=-1)
+    return parent.act_fn(gate) * up
+
+
+def _routed_forward(parent, n_exp: int, counts: list[int] | None, all_experts: bool):
+    """The eager routing loop of transformers' experts modules, through the children."""
+    def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        out = torch.zeros_like(hidden_states)
+        for e in range(n_exp):
+            expert = parent._modules[str(e)]
+            # (k position, token) in the same order as transformers' one_hot mask
+            pos, tok = torch.where(top_k_index.t() == e)
+            if counts is not None:
+                counts[e] += int(tok.numel()) if not all_experts else hidden_states.shape[0]
+            if all_experts:  # every token observed; the routed rows kept
+                y = expert.down_proj(_activate(parent, expert, expert.gate_up_proj(
+                    hidden_states)))[tok]
+            elif tok.numel():
+                y = expert.down_proj(_activate(parent, expert, expert.gate_up_proj(
+                    hidden_states[tok])))
+            else:
+                continue
+            y = y * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+    return forward
+
+
+@dataclass
+class Experts:
+    """What :func:`attach` did: per experts module its per-expert token counts."""
+
+    model: nn.Module
+    all_experts: bool = False
+    min_tokens: int = MIN_TOKENS
+    counts: dict = field(default_factory=dict)  # experts module name -> [tokens per expert]
+    layers: dict = field(default_factory=dict)  # expert Linear name -> (module, expert index)
+    _undo: list = field(default_factory=list)
+
+    def reset_counts(self) -> None:
+        for c in self.counts.values():
+            c[:] = [0] * len(c)
+
+    def detach(self) -> None:
+        """Remove the children and the forwards added (idempotent)."""
+        while self._undo:
+            self._undo.pop()()
+
+    def remove(self) -> None:  # a QDQHandle hook
+        self.detach()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+
+    def _attach_list(self, name, module):
+        if self.all_experts:
+            raise ValueError(f"calibrate: all_experts=True needs a transformers-5 experts module; "
+                             f"{name!r} is a ModuleList of experts, whose block routes them itself")
+        counts = [0] * len(module)
+        for layer, e in _list_layers(name, module):
+            self.layers[layer] = (name, e)
+            lin = self.model.get_submodule(layer)
+            setattr(lin, _MARK, True)
+            self._undo.append(lambda lin=lin: lin.__dict__.pop(_MARK, None))
+
+        def counter(e):
+            def pre(mod, args, kwargs):
+                x = args[0] if args else next(iter(kwargs.values()), None)
+                if isinstance(x, torch.Tensor) and x.dim():
+                    counts[e] += x.numel() // x.shape[-1]
+            return pre
+        handles = [item.register_forward_pre_hook(counter(e), with_kwargs=True)
+                   for e, item in enumerate(module)]
+        self._undo.append(lambda: [h.remove() for h in handles])
+        self.counts[name] = counts
+
+
+def attach(model: nn.Module, all_experts: bool = False, count: bool = True) -> Experts:
+    """Make every expert of ``model`` visible as Linear layers (see the module docstring);
+    ``count``: count each expert's tokens. Undo with :meth:`Experts.detach`."""
+    ex = Experts(model, all_experts)
+    try:
+        for name, module in list(model.named_modules()):
+            if is_experts_3d(module):
+                n = (module.gate_up_proj if hasattr(module, "gate_up_proj")
+                     else module.up_proj).shape[0]
+                if any(str(e) in module._modules for e in range(n)):
+                    raise ValueError(f"calibrate: experts module {name!r} already has "
+                                     f"per-expert children (quantscope QDQ still applied?)")
+                counts = [0] * n if count else None
+                for e in range(n):
+                    module.add_module(str(e), _Expert(module, e))
+                    for proj in ("gate_up_proj", "down_proj"):
+                        ex.layers[f"{name}.{e}.{proj}"] = (name, e)
+                had = "forward" in module.__dict__
+                old = module.__dict__.get("forward")
+                module.forward = _routed_forward(module, n, counts, all_experts)
+
+                def undo(module=module, n=n, had=had, old=old):
+                    for e in range(n):
+                        module._modules.pop(str(e), None)
+                    if had:
+                        module.forward = old
+                    else:
+                        module.__dict__.pop("forward", None)
+                ex._undo.append(undo)
+                if counts is not None:
+                    ex.counts[name] = counts
+            elif isinstance(module, nn.ModuleList) and name.endswith("experts") and count:
+                ex._attach_list(name, module)
+    except BaseException:
+        ex.detach()
+        raise
+    return ex
+
+
+def _list_layers(name: str, module: nn.ModuleList):
+    for e, item in enumerate(module):
+        for sub, lin in item.named_modules():
+            if isinstance(lin, nn.Linear):
+                yield f"{name}.{e}.{sub}" if sub else f"{name}.{e}", e
+
+
+
+
+def _rule(n: int, min_tokens: int, all_experts: bool) -> tuple[float, str]:
+    if all_experts:
+        return 1.0, "all tokens (all_experts)"
+    if n >= min_tokens:
+        return 1.0, "own"
+    if n == 0:
+        return 0.0, "pooled (no tokens)"
+    w = n / min_tokens
+    return w, f"shrunk: {w:.2f} own + {1 - w:.2f} pooled"
+
+
+def shrink(states: dict, experts: Experts, min_tokens: int) -> list[dict]:
+    """Give every expert's activation roles sound qparams (in place); returns one report
+    entry per expert (module, expert, tokens, rule)."""
+    report = []
+    by_key: dict[tuple[str, str, str], dict[int, str]] = {}
+    for layer, (mod, e) in experts.layers.items():
+        for role, st in states.get(layer, {}).items():
+            if role != "weight" and (st is None or st.dynamic is not True):
+                by_key.setdefault((mod, layer.rpartition(".")[2], role), {})[e] = layer
+    for mod, counts in experts.counts.items():
+        for e, n in enumerate(counts):
+            rule = (_rule(n, min_tokens, experts.all_experts)[1] if by_key
+                    else "no calibrated activation scale")
+            report.append({"module": mod, "expert": e, "tokens": n, "rule": rule})
+    for (mod, proj, role), members in by_key.items():
+        counts = experts.counts.get(mod)
+        seen = {e: states[layer][role] for e, layer in members.items()
+                if states[layer][role] is not None and _has_range(states[layer][role])}
+        if not seen:
+            raise ValueError(f"calibrate: no expert of {mod!r} ({proj} {role}) saw any token: "
+                             f"is the MoE block used by the model's forward?")
+        template = next(iter(seen.values()))
+        pooled = _pooled(list(seen.values()))
+        for e, layer in members.items():
+            n = counts[e] if counts is not None else 0
+            w, _ = _rule(n, min_tokens, experts.all_experts)
+            state = states[layer][role]
+            if w >= 1.0 and e in seen:
+                continue
+            states[layer][role] = _blend(state if e in seen else template, pooled,
+                                         w if e in seen else 0.0)
+    return report
+
+
+def _has_range(state) -> bool:
+    return state.lo is not None or state.global_amax is not None
+
+
+def _pooled(states) -> tuple:
+    lo = torch.stack([s.lo for s in states]).amin(0) if states[0].lo is not None else None
+    hi = torch.stack([s.hi for s in states]).amax(0) if states[0].hi is not None else None
+    gam = (torch.stack([s.global_amax.reshape(()) for s in states]).amax()
+           if states[0].global_amax is not None else None)
+    return lo, hi, gam
+
+
+def _blend(state, pooled, w: float):
+    """``state`` with its range moved to ``w * own + (1 - w) * pooled``; qparams remade
+    by the one formula."""
+    plo, phi, pgam = pooled
+    mix = (lambda own, pool: pool.clone() if w == 0.0 else w * own + (1 - w) * pool)
+    lo = None if state.lo is None else mix(state.lo, plo)
+    hi = None if state.hi is None else mix(state.hi, phi)
+    if state.dynamic == "local":
+        return replace(state, lo=lo, hi=hi, global_amax=mix(state.global_amax, pgam))
+    qp = qparams_from_range(lo, hi, state.spec)
+    shape = state.qparams.scale.shape
+    qp = qp.reshape(*shape)
+    return replace(state, qparams=qp, lo=lo, hi=hi)
+
+
+def unreached(model: nn.Module, recipe) -> list[dict]:
+    """Weights that ``recipe``'s targets would cover (Linear-class targets, or a name
+    pattern matching the module) that quantscope cannot quantize: ≥3-D parameters of
+    modules it does not know how to run expert by expert."""
+    from ..recipe import _matches
+
+    targets = [t for r in recipe.rules for t in r.targets]
+    out = []
+    for name, module in model.named_modules():
+        if (is_experts_3d(module) or type(module).__module__.startswith("torch.nn")
+                or any(_matches(p, name, module) for p in recipe.ignore)):
+            continue  # torch's own layers (Conv3d ...) are not what a Linear target covers
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dim() < 3:
+                continue
+            if "Linear" in targets or any(_matches(t, name, module) for t in targets):
+                out.append({"name": f"{name}.{pname}" if name else pname,
+                            "why": f"{p.dim()}-D parameter of {type(module).__name__}, not an "
+                                   f"experts module quantscope can run expert by expert"})
+    return out
+

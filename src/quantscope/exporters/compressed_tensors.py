@@ -1,0 +1,404 @@
+"""Export a calibration as a compressed-tensors checkpoint (what vLLM and transformers load).
+
+The translation, layer by layer: each :class:`~quantscope.calibration.RoleState` becomes a
+compressed-tensors ``QuantizationArgs`` (:func:`quant_args`; anything the format cannot
+express is a ``ValueError`` naming the layer and the feature, raised before anything is
+written), the layer gets compressed-tensors' own qparam parameters
+(``initialize_module_for_quantization``) holding quantscope's scales as they are, and
+compressed-tensors' ``ModelCompressor`` packs the weights (int8 ``int-quantized``, int4
+``pack-quantized``, fp8 ``float-quantized``, ``nvfp4-pack-quantized``,
+``mxfp4-pack-quantized``): no bit is packed here. The model's own ``save_pretrained``
+writes the (sharded) safetensors and ``ModelCompressor.update_config`` the
+``quantization_config``; the source folder's tokenizer and other files are copied beside
+them. All of it happens on a deep copy of the model inside
+:func:`~quantscope.exporters.atomic.atomic_dir`, so the caller's model is untouched and a
+failure leaves nothing behind.
+
+Conventions (the same numbers on both sides, checked in tests/export/test_export_compressed_tensors.py):
+an int or fp8 scale is the scale that multiplies a code; NVFP4's ``weight_scale`` is the e4m3
+block scale and ``weight_global_scale`` the fp32 global scale ``448 * 6 / amax``, the scale
+that runs being ``block / global`` (quantscope's :class:`~quantscope.qparams.QParams`
+``scale`` / ``global_scale``); ``input_global_scale`` is that global scale of the calibrated
+activation amax; MX scales are powers of two, stored as E8M0 exponents.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from ..formats import FloatFormat, IntFormat
+from ..layout import Block, Channel, Group, Tensor, Tile, Token
+from ..scales import nvfp4_global_scale
+from .atomic import atomic_dir, check_writable_target
+from .experts import checkpoint_names, unfuse_experts
+from .registry import register
+
+__all__ = ["export_compressed_tensors", "quant_args"]
+
+#: the files of a model folder that the export writes itself (never copied from the source)
+_WRITTEN = ("config.json", "model.safetensors", "model.safetensors.index.json",
+            "pytorch_model.bin", "pytorch_model.bin.index.json", "recipe.yaml")
+_ARG_NAME = {"weight": "weights", "input": "input_activations", "output": "output_activations"}
+
+
+def _ct():
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise ImportError("export to compressed-tensors needs the compressed-tensors package: "
+                          "pip install 'quantscope[model]'") from None
+
+
+class _Lossy:
+    """Collects what cannot be written exactly: an error, or with ``allow_lossy`` a note."""
+
+    def __init__(self, allow: bool):
+        self.allow = allow
+        self.notes: list[str] = []
+
+    def __call__(self, layer: str, role: str, feature: str, change: str) -> None:
+        msg = f"layer {layer!r} {role}: {feature}"
+        if not self.allow:
+            raise ValueError(f"export compressed-tensors: {msg}; compressed-tensors cannot "
+                             f"express it (allow_lossy=True / --allow-lossy would {change})")
+        self.notes.append(f"{msg}: {change}")
+
+
+def _unsupported(layer, role, feature):
+    return ValueError(f"export compressed-tensors: layer {layer!r} {role}: {feature} has no "
+                      f"compressed-tensors equivalent")
+
+
+def quant_args(state, layer: str, role: str, lossy: _Lossy | None = None):
+    """The compressed-tensors ``QuantizationArgs`` of one :class:`RoleState`.
+
+    Raises ``ValueError`` naming ``layer``, ``role`` and the feature when the spec has no
+    equivalent (unsigned, narrow or custom-range integers; fp8 e5m2 / fp6; power-of-two or
+    fp16 scales, unless ``lossy`` allows writing their values as fp32; layouts other than
+    tensor, channel of a weight's rows, groups along the last axis without ``g_idx``, token,
+    NVFP4 / MX blocks, weight tiles).
+    """
+    _ct()
+    from compressed_tensors.quantization import QuantizationArgs
+
+    lossy = lossy or _Lossy(False)
+    kw = {"symmetric": state.spec.symmetric, **_element_args(state.spec, layer, role)}
+    if state.dynamic == "local":
+        kw["dynamic"] = "local"
+    elif state.dynamic:
+        kw["dynamic"] = True
+    kw.update(_strategy_args(state, layer, role, lossy))
+    if not state.dynamic or state.dynamic == "local":
+        kw["observer"] = state.observer
+    return QuantizationArgs(**kw)
+
+
+def _element_args(spec, layer: str, role: str) -> dict:
+    """``num_bits`` and ``type`` of the element format (full signed integers up to 8 bits,
+    fp8 e4m3, fp4 e2m1: what compressed-tensors' runtimes unpack)."""
+    fmt = spec.format
+    if isinstance(fmt, IntFormat):
+        if not fmt.signed or fmt.narrow or spec.quant_min is not None \
+                or spec.quant_max is not None:
+            raise _unsupported(layer, role, f"integer format {fmt.name} with codes "
+                                            f"[{spec.qmin}, {spec.qmax}] (only full signed ranges)")
+        if fmt.bits > 8:
+            raise _unsupported(layer, role, f"{fmt.name} (at most 8 bits)")
+        return {"num_bits": fmt.bits, "type": "int"}
+    if isinstance(fmt, FloatFormat) and fmt.name in ("fp8_e4m3", "fp4_e2m1"):
+        return {"num_bits": 8 if fmt.name == "fp8_e4m3" else 4, "type": "float"}
+    raise _unsupported(layer, role, f"element format {fmt.name}")
+
+
+def _strategy_args(state, layer: str, role: str, lossy: _Lossy) -> dict:
+    """The strategy (and its group size, block or scale dtypes): NVFP4 and MX blocks by their
+    scale encoding, every other layout with fp32 scales."""
+    spec, lay, enc = state.spec, state.spec.layout, state.spec.scale
+    fmt = spec.format
+    if enc.kind == "fp8_e4m3":  # NVFP4: e4m3 block scales under an fp32 global scale
+        if not (fmt.name == "fp4_e2m1" and isinstance(lay, Block) and lay.size == 16
+                and lay.axis in (-1, 1)):
+            raise _unsupported(layer, role, f"{spec} (fp8 block scales: NVFP4 only)")
+        return {"strategy": "tensor_group", "group_size": 16, "scale_dtype": torch.float8_e4m3fn,
+                "zp_dtype": torch.float8_e4m3fn}
+    if enc.kind == "e8m0":  # MX: E8M0 exponents, group 32
+        if not (fmt.name == "fp4_e2m1" and isinstance(lay, Block) and lay.size == 32
+                and lay.axis in (-1, 1)):
+            raise _unsupported(layer, role, f"{spec} (MX: mxfp4 blocks of 32 only)")
+        if state.dynamic and enc.mode != "even":
+            # the runtime computes activation scales itself, with the 'even' rule
+            lossy(layer, role, f"run-time MX scales with the E8M0 {enc.mode!r} rule",
+                  "let the runtime use compressed-tensors' 'even' rule")
+        return {"strategy": "group", "group_size": 32, "scale_dtype": torch.uint8,
+                "zp_dtype": torch.uint8}
+    if enc.kind != "fp32":
+        lossy(layer, role, f"{enc} scale encoding",
+              "store the same scale values as fp32 (the encoding is not recorded)")
+    return _layout_args(state, layer, role)
+
+
+def _layout_args(state, layer: str, role: str) -> dict:
+    """The strategy of an fp32-scaled layout, where compressed-tensors has one."""
+    lay, shape = state.spec.layout, state.shape
+    if isinstance(lay, Tensor):
+        return {"strategy": "tensor"}
+    if isinstance(lay, Channel) and role == "weight" and lay.axis == 0 \
+            and shape is not None and len(shape) == 2:
+        return {"strategy": "channel"}
+    if isinstance(lay, Group) and lay.g_idx is None and lay.axis in (-1, 1):
+        return {"strategy": "group", "group_size": lay.size}
+    if isinstance(lay, Token) and state.dynamic is True:
+        return {"strategy": "token"}
+    if isinstance(lay, Tile) and role == "weight" and shape is not None \
+            and len(shape) == 2 and shape[1] % lay.cols == 0:
+        return {"strategy": "block", "block_structure": [lay.rows, lay.cols]}
+    raise _unsupported(layer, role, f"layout {lay} (with {state.spec}, dynamic={state.dynamic})")
+
+
+def _check_module(model: nn.Module, layer: str, roles: dict) -> nn.Module:
+    try:
+        module = model.get_submodule(layer)
+    except AttributeError:
+        raise ValueError(f"export compressed-tensors: the model has no module {layer!r} "
+                         f"(calibrated on another model?)") from None
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise _unsupported(layer, "module", f"module type {type(module).__name__} "
+                                            f"(Linear and Embedding only)")
+    st = roles.get("weight")
+    if st is not None and st.shape is not None and tuple(module.weight.shape) != st.shape:
+        raise ValueError(f"export compressed-tensors: {layer}.weight has shape "
+                         f"{tuple(module.weight.shape)}, calibrated with {st.shape}")
+    return module
+
+
+def _tied(model: nn.Module, layers) -> None:
+    """A quantized weight shared with another module would be written compressed for one and
+    float for the other: refuse it (e.g. a tied lm_head: ignore it, or untie)."""
+    owners = defaultdict(list)
+    for name, module in model.named_modules(remove_duplicate=False):
+        w = getattr(module, "weight", None)
+        if isinstance(w, nn.Parameter):
+            owners[id(w)].append(name)
+    for layer in layers:
+        names = owners[id(model.get_submodule(layer).weight)]
+        if len(names) > 1:
+            raise _unsupported(layer, "weight", f"a weight tied with {sorted(set(names) - {layer})} "
+                                                f"(leave it in float: ignore it in the recipe)")
+
+
+def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> None:
+    """Copy ``state``'s qparams into the parameters compressed-tensors registered."""
+    if state.dynamic is True:
+        return
+    values = {}
+    if state.dynamic == "local":
+        values["global_scale"] = nvfp4_global_scale(state.global_amax, state.spec.format)
+    else:
+        qp = state.qparams
+        values["scale"] = qp.scale
+        values["zero_point"] = qp.zero_point
+        if qp.global_scale is not None:
+            values["global_scale"] = qp.global_scale
+    for field, value in values.items():
+        param = getattr(module, f"{base}_{field}", None)
+        if param is None:
+            if field == "zero_point" and state.spec.symmetric:
+                continue
+            raise ValueError(f"export compressed-tensors: layer {layer!r} {base}: "
+                             f"compressed-tensors registered no {base}_{field}")
+        value = value.detach().to(param.device)
+        if value.numel() != param.numel():
+            raise ValueError(f"export compressed-tensors: layer {layer!r} {base}_{field}: "
+                             f"{value.numel()} values for a parameter of shape "
+                             f"{tuple(param.shape)}")
+        cast = value.reshape(param.shape).to(param.dtype).clone()  # shards own their copy
+        if not torch.equal(cast.to(value.dtype), value.reshape(param.shape)):
+            lossy(layer, base, f"{field} not exact in {param.dtype} (the model's dtype)",
+                  f"round it to {param.dtype}")
+        with torch.no_grad():
+            param.data = cast
+
+
+_KV_SCALE = {"key": "k_scale", "value": "v_scale"}
+
+
+def _split_kv(states):
+    """``(states of the Linear layers, {attention layer: {"key", "value": state}})``."""
+    layers, kv = {}, {}
+    for layer, roles in states.items():
+        cache = {r: st for r, st in roles.items() if r in _KV_SCALE}
+        rest = {r: st for r, st in roles.items() if r not in _KV_SCALE}
+        if cache:
+            kv[layer] = cache
+        if rest:
+            layers[layer] = rest
+    return layers, kv
+
+
+def _kv_args(kv, lossy):
+    """The one ``kv_cache_scheme`` of every layer's key and value (compressed-tensors has one
+    per checkpoint), or None without a KV cache role."""
+    args = {}
+    for layer, roles in kv.items():
+        if set(roles) != set(_KV_SCALE):
+            raise _unsupported(layer, "kv cache", f"roles {sorted(roles)} (key and value both)")
+        for role, st in roles.items():
+            a = quant_args(st, layer, role, lossy)
+            if a.strategy != "tensor" or a.dynamic is not False or not a.symmetric:
+                raise _unsupported(layer, role, f"{st.spec} (a static symmetric per-tensor KV "
+                                                f"cache scale: vLLM's k_scale / v_scale)")
+            args.setdefault(json.dumps(a.model_dump(mode="json"), sort_keys=True), a)
+    if len(args) > 1:
+        raise ValueError(f"export compressed-tensors: the KV cache roles differ in scheme "
+                         f"({len(args)} kinds); a checkpoint holds one kv_cache_scheme")
+    return next(iter(args.values()), None)
+
+
+def _groups(states, lossy):
+    """``{args triple: [layers]}``: layers with identical quantization share a config group."""
+    groups: dict = {}
+    for layer, roles in states.items():
+        args = tuple((role, quant_args(st, layer, role, lossy))
+                     for role, st in sorted(roles.items()))
+        key = json.dumps([(r, a.model_dump(mode="json")) for r, a in args], sort_keys=True)
+        groups.setdefault(key, (dict(args), []))[1].append(layer)
+    return list(groups.values())
+
+
+def _source_dir(calibration, model, model_path):
+    path = model_path or calibration.info.get("model") or getattr(
+        getattr(model, "config", None), "_name_or_path", None)
+    if path and os.path.isdir(path):
+        return os.fspath(path)
+    if model_path:
+        raise ValueError(f"export: model_path {model_path!r} is not a folder")
+    return None
+
+
+def _copy_extras(src: str, dst: str) -> list[str]:
+    """Tokenizer, generation config, chat template ... of the source folder (not weights)."""
+    copied = []
+    for name in sorted(os.listdir(src)):
+        p = os.path.join(src, name)
+        if (not os.path.isfile(p) or name in _WRITTEN or name.startswith(".")
+                or name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5",
+                                  ".msgpack", ".onnx"))):
+            continue
+        if not os.path.exists(os.path.join(dst, name)):
+            shutil.copy2(p, os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
+@register("compressed-tensors")
+def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite: bool = False,
+                              allow_lossy: bool = False, model_path=None,
+                              max_shard_size="5GB") -> str:
+    """Write ``calibration`` applied to ``model`` as a compressed-tensors folder at ``path``.
+
+    Args:
+        calibration: a :class:`~quantscope.calibration.Calibration` of ``model``.
+        model: the float model (a transformers ``PreTrainedModel``); it is not modified.
+        path: the output folder; an existing non-empty one is refused unless ``overwrite``.
+        allow_lossy: write what compressed-tensors cannot express exactly in its nearest form
+            (fp32 values of power-of-two scales, the runtime's MX rule) instead of raising;
+            what changed is in ``config.json``'s ``quantscope.lossy`` and a warning.
+        model_path: the source model folder whose tokenizer and other files are copied
+            (default: ``calibration.info["model"]``, then ``model.config._name_or_path``).
+        max_shard_size: as transformers' ``save_pretrained``.
+
+    Returns the path. Raises ``ValueError`` naming the layer and the feature for anything the
+    format cannot express, before anything is written.
+    """
+    _ct()
+    from compressed_tensors.compressors import ModelCompressor
+
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"export compressed-tensors: model must be a transformers "
+                        f"PreTrainedModel (it writes a Hugging Face folder), got "
+                        f"{type(model).__name__}")
+    if not calibration.states:
+        raise ValueError("export compressed-tensors: the calibration quantizes no layer")
+    path = check_writable_target(path, overwrite=overwrite)
+    lossy = _Lossy(allow_lossy)
+    work = copy.deepcopy(model).cpu()
+    # MoE experts under the checkpoint's per-expert names (vLLM's loader reads those)
+    states, kv = _split_kv(unfuse_experts(work, calibration.states))
+    kv_args = _kv_args(kv, lossy)
+    for layer, roles in states.items():
+        _check_module(work, layer, roles)
+    _tied(work, [layer for layer, roles in states.items() if "weight" in roles])
+    groups = _groups(states, lossy)
+    source = _source_dir(calibration, model, model_path)
+
+    _attach_schemes(work, groups, states, lossy)
+    if lossy.notes:
+        import warnings
+
+        warnings.warn("export compressed-tensors (allow_lossy): " + "; ".join(lossy.notes),
+                      stacklevel=2)
+    _attach_kv_scales(work, kv)
+    compressor = ModelCompressor.from_pretrained_model(work)
+    if kv_args is not None:
+        compressor.quantization_config.kv_cache_scheme = kv_args
+    compressor.compress_model(work)
+    with atomic_dir(path, overwrite=overwrite, inputs=[source]) as tmp:  # never the source
+        work.save_pretrained(tmp, max_shard_size=max_shard_size)
+        compressor.update_config(tmp)
+        _annotate(tmp, calibration, lossy.notes, source, work)
+        if source is not None:
+            _copy_extras(source, tmp)
+    return path
+
+
+def _attach_schemes(work: nn.Module, groups, states, lossy: _Lossy) -> None:
+    """Give every layer compressed-tensors' scheme and qparam parameters, holding its state's
+    values (one config group per distinct scheme; targets ``Linear`` when one covers all)."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.initialize import (
+        initialize_module_for_quantization,
+    )
+
+    for args, layers in groups:
+        targets = ["Linear"] if len(groups) == 1 and all(
+            isinstance(work.get_submodule(n), nn.Linear) for n in layers) else sorted(layers)
+        scheme = QuantizationScheme(targets=targets, **{_ARG_NAME[r]: a for r, a in args.items()})
+        for layer in layers:
+            module = work.get_submodule(layer)
+            initialize_module_for_quantization(module, scheme, force_zero_point=False)
+            for role, st in states[layer].items():
+                _fill(module, role, st, lossy, layer)
+
+
+def _attach_kv_scales(work: nn.Module, kv) -> None:
+    """The KV cache's scales where vLLM reads them: ``<attention>.k_scale`` / ``v_scale``."""
+    for layer, roles in kv.items():
+        module = work.get_submodule(layer)
+        for role, st in roles.items():
+            scale = st.qparams.scale.detach().reshape(1).to(torch.float32).clone()
+            module.register_parameter(_KV_SCALE[role], nn.Parameter(scale, requires_grad=False))
+
+
+def _annotate(folder: str, calibration, notes: list[str], source, work) -> None:
+    """quantscope's own record beside ``quantization_config`` (recipe, observers, changes);
+    the config's layer names as the tensors on disk have them."""
+    cfg_path = os.path.join(folder, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    qc = cfg["quantization_config"]
+    lists = [g["targets"] for g in qc.get("config_groups", {}).values()] + [qc.get("ignore", [])]
+    disk = checkpoint_names(work, {n for names in lists for n in names
+                                   if not n.startswith("re:") and "." in n})
+    for names in lists:
+        names[:] = [disk.get(n, n) for n in names]
+    cfg["quantscope"] = {"recipe": calibration.recipe.name, "label": calibration.label,
+                         "lossy": notes, "model": source}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)

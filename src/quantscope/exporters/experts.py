@@ -1,0 +1,220 @@
+"""MoE experts as checkpoints store them: one module per expert, gate and up apart.
+
+transformers 5 runs an experts module on 3-D parameters (``gate_up_proj``
+``[experts, 2 x intermediate, hidden]``, ``down_proj``) and quantscope calibrates one
+state per expert slice (``<experts>.<e>.gate_up_proj``, ``<experts>.<e>.down_proj``, see
+:mod:`quantscope.calibration.structure.moe`). Checkpoints on disk, and vLLM's loader, name every expert
+apart: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj`` (Qwen-MoE, DeepSeek) or
+``w1`` / ``w3`` / ``w2`` (Mixtral); vLLM fuses gate and up back into ``w13``.
+:func:`unfuse_experts` rewrites a model copy and its states into that layout before
+compression: the gate rows and the up rows become two ``nn.Linear`` whose per-row qparams
+are the matching rows of the fused state, and whose per-tensor ones (global scale, static
+input scale, per-tensor weight scale) are the shared value, as the runtime's ``w13`` needs.
+The on-disk names come from transformers' own checkpoint conversion mapping for the model
+type; a model type whose checkpoints keep the 3-D tensors (no such mapping: gpt-oss's
+interleaved ``gate_up_proj``, for one) is refused, naming the module.
+
+Reading such a checkpoint back is the inverse: :func:`unfuse_for_reading` gives the model
+skeleton the per-expert modules, :func:`disk_to_module` maps the disk names back onto them,
+and :func:`fuse_expert_states` joins gate and up into the ``gate_up_proj`` state of the
+calibration that was exported (rows concatenated; shared per-tensor values must agree).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..calibration.run.disk_names import checkpoint_names, expert_names
+from ..calibration.structure import fusion
+from ..calibration.structure.moe import is_experts_3d
+
+__all__ = ["checkpoint_names", "disk_to_module", "expert_names", "fuse_expert_states",
+           "unfuse_experts", "unfuse_for_reading"]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta",
+                    dtype=weight.dtype)
+    # one copy, row-major even from a transposed view
+    lin.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format),
+                              requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return lin
+
+
+def _gate_and_up(state, shape, layer: str) -> list:
+    """A fused ``gate_up_proj`` weight state as its gate and up halves (rows), each shaped
+    ``shape``: the fusion code's split (a run-time state has no qparams to split)."""
+    if state.qparams is None:
+        return [state, state]
+    if not fusion.splittable(state.spec):
+        raise ValueError(f"export compressed-tensors: expert layer {layer!r}: {state.spec} "
+                         f"has units spanning rows, so gate and up cannot be written apart")
+    return fusion.split_state(state, [shape, shape])
+
+
+def _expert_module(parent: nn.Module, e: int, names) -> nn.Module:
+    gate, up, down = names
+    transposed = getattr(parent, "is_transposed", False)
+    has_bias = getattr(parent, "has_bias", False)
+    gated = getattr(parent, "has_gate", True) and hasattr(parent, "gate_up_proj")
+    expert = nn.Module()
+
+    def weight(name):
+        w = getattr(parent, name).data[e]
+        b = getattr(parent, f"{name}_bias", None) if has_bias else None
+        return (w.t() if transposed else w), (None if b is None else b.data[e])
+
+    w, b = weight("gate_up_proj" if gated else "up_proj")
+    if gated:
+        half = w.shape[0] // 2
+        expert.add_module(gate, _linear(w[:half], None if b is None else b[:half]))
+        expert.add_module(up, _linear(w[half:], None if b is None else b[half:]))
+    else:
+        expert.add_module(up, _linear(w, b))
+    expert.add_module(down, _linear(*weight("down_proj")))
+    return expert
+
+
+def unfuse_experts(model: nn.Module, states: dict) -> dict:
+    """Rewrite ``model`` (a copy: it is changed in place) so that every 3-D experts module
+    becomes a ``ModuleList`` of per-expert modules under the checkpoint's names, and return
+    ``states`` renamed to match (the gate and up halves of ``gate_up_proj`` split by rows)."""
+    names = expert_names(model)
+    out = dict(states)
+    for name, module in list(model.named_modules()):
+        if not is_experts_3d(module):
+            continue
+        if names is None:
+            raise ValueError(
+                f"export compressed-tensors: experts module {name!r} "
+                f"({type(model).__name__}): its checkpoints keep 3-D expert tensors "
+                f"(transformers maps no per-expert names onto them), which compressed-tensors "
+                f"cannot compress; leave the experts in float (ignore them in the recipe)")
+        gate, up, down = names
+        n = (module.gate_up_proj if hasattr(module, "gate_up_proj") else module.up_proj).shape[0]
+        experts = nn.ModuleList([_expert_module(module, e, names) for e in range(n)])
+        for e in range(n):
+            fused, lower = f"{name}.{e}.gate_up_proj", f"{name}.{e}.down_proj"
+            if lower in out:
+                out[f"{name}.{e}.{down}"] = out.pop(lower)
+            if fused not in out:
+                continue
+            roles = out.pop(fused)
+            if not hasattr(experts[e], gate):  # no gate: up_proj alone
+                out[f"{name}.{e}.{up}"] = roles
+                continue
+            shape = tuple(experts[e].get_submodule(gate).weight.shape)
+            halves = (_gate_and_up(roles["weight"], shape, fused) if "weight" in roles
+                      else [None, None])
+            for shard, half in zip((gate, up), halves):
+                out[f"{name}.{e}.{shard}"] = {
+                    role: half if role == "weight" else st for role, st in roles.items()}
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, experts)
+    return out
+
+
+def disk_to_module(model: nn.Module) -> dict[str, str]:
+    """``{name on disk: module name}`` for every module of ``model`` whose names differ: the
+    inverse of :func:`checkpoint_names`, for a reader of the checkpoint's names."""
+    names = [n for n, _ in model.named_modules() if n]
+    return {disk: n for n, disk in checkpoint_names(model, names).items() if disk != n}
+
+
+def unfuse_for_reading(model: nn.Module) -> dict[str, tuple[int, tuple[str, str, str], bool]]:
+    """Give ``model`` (a skeleton, changed in place) the per-expert modules the exporter
+    writes; returns ``{experts module: (experts, (gate, up, down) names, gated)}`` for
+    :func:`fuse_expert_states`."""
+    names = expert_names(model)
+    found = {}
+    for name, module in model.named_modules():
+        if is_experts_3d(module):
+            gated = getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
+            n = (module.gate_up_proj if gated else module.up_proj).shape[0]
+            found[name] = (n, names, gated)
+    if not found or names is None:  # no per-expert tensors on disk: nothing to map
+        return {}
+    unfuse_experts(model, {})
+    return found
+
+
+def _same(a, b, what: str) -> None:
+    if not a.quantizes_like(b):
+        raise ValueError(what)
+
+
+def _join_rows(gate, up, layer: str):
+    """The ``gate_up_proj`` weight state from its gate and up halves: per-row values
+    concatenated (:func:`fusion.split_state` inverted), one-value ones shared."""
+    from dataclasses import replace
+
+    qg, qu = gate.qparams, up.qparams
+    if qg is None or qu is None:  # dynamic or local: nothing per row
+        _same(gate, up, f"{layer}: gate and up weights are quantized differently")
+        return gate
+
+    def join(a, b, what):
+        if a is None and b is None:
+            return None
+        if a is None or b is None or (a.numel() == 1) != (b.numel() == 1):
+            raise ValueError(f"{layer}: gate and up hold {what} of different layouts")
+        if a.numel() == 1:
+            if not torch.equal(a, b):
+                raise ValueError(f"{layer}: gate and up hold different per-tensor {what} "
+                                 f"({float(a)!r}, {float(b)!r}); the model's fused experts "
+                                 f"take one")
+            return a.clone()
+        return torch.cat([a, b], 0)
+
+    if gate.spec != up.spec or gate.dynamic != up.dynamic:
+        raise ValueError(f"{layer}: gate and up weights are quantized differently")
+    qp = type(qg)(join(qg.scale, qu.scale, "weight scales"),
+                  join(qg.zero_point, qu.zero_point, "zero points"),
+                  join(qg.global_scale, qu.global_scale, "global scales"))
+    shape = None if gate.shape is None or up.shape is None else \
+        (gate.shape[0] + up.shape[0], *gate.shape[1:])
+    return replace(gate, qparams=qp, shape=shape)
+
+
+def _join_roles(gate: dict, up: dict, layer: str) -> dict:
+    if set(gate) != set(up):
+        raise ValueError(f"{layer}: gate has roles {sorted(gate)} but up {sorted(up)}")
+    out = {}
+    for role, state in gate.items():
+        if role == "weight":
+            out[role] = _join_rows(state, up[role], layer)
+        else:  # one input for both halves (the runtime's w13 reads one tensor)
+            _same(state, up[role], f"{layer}: gate and up hold different {role} "
+                                   f"quantizers; the model's fused experts take one")
+            out[role] = state
+    return out
+
+
+def fuse_expert_states(found: dict, states: dict, where: str = "from_compressed_tensors"
+                       ) -> dict:
+    """``states`` read under the per-expert names (``<experts>.<e>.w1`` ...) renamed and
+    joined into the calibration's (``<experts>.<e>.gate_up_proj`` / ``down_proj``):
+    :func:`unfuse_experts` inverted. ``found``: :func:`unfuse_for_reading`'s answer."""
+    out = dict(states)
+    for name, (n, (gate, up, down), gated) in found.items():
+        for e in range(n):
+            base = f"{name}.{e}"
+            if f"{base}.{down}" in out:
+                out[f"{base}.down_proj"] = out.pop(f"{base}.{down}")
+            if not gated:
+                if f"{base}.{up}" in out:
+                    out[f"{base}.gate_up_proj"] = out.pop(f"{base}.{up}")
+                continue
+            g, u = out.pop(f"{base}.{gate}", None), out.pop(f"{base}.{up}", None)
+            if g is None and u is None:
+                continue
+            layer = f"{where}: experts {base}"
+            if g is None or u is None:
+                raise ValueError(f"{layer}: only one of {gate} / {up} is quantized; the "
+                                 f"model's fused gate_up_proj is one layer")
+            out[f"{base}.gate_up_proj"] = _join_roles(g, u, layer)
+    return out

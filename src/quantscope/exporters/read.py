@@ -1,0 +1,254 @@
+"""Read a compressed-tensors checkpoint back into a :class:`~quantscope.calibration.Calibration`.
+
+Whoever wrote it (quantscope's exporter, llm-compressor), the folder's
+``quantization_config`` says which modules carry which ``QuantizationArgs``; the modules are
+matched by compressed-tensors' own ``match_named_modules`` on the model built from
+``config.json`` on the meta device (no weights allocated), and each module's tensors are
+decoded by compressed-tensors' own compressor (``decompress``: fp8 and E8M0 scales to
+float, packed zero points to integers). The args become quantscope specs
+(:func:`~quantscope.compat.llmcompressor.llmcompressor_spec`, the one translation: MX is
+E8M0 ``even``, compressed-tensors' run-time rule), the tensors
+:class:`~quantscope.qparams.QParams`, so ``calibration.apply(float_model)`` runs the model as
+the checkpoint does, and the report and compare tools work on it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..compat.llmcompressor import llmcompressor_spec
+from ..qparams import QParams
+from ..scales import nvfp4_global_scale
+from ..spec import QuantSpec
+from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
+from .read_checks import (
+    SCALE_LEAVES,
+    compressor,
+    parse_quant_config,
+    read_quant_config,
+    safetensors_headers,
+    scale_problem,
+)
+from .registry import register_reader
+
+__all__ = ["read_compressed_tensors"]
+
+_ROLE = {"weights": "weight", "input_activations": "input", "output_activations": "output"}
+
+
+def _global_amax(gs: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """An amax whose NVFP4 global scale is exactly ``gs`` (``448 * 6 / amax`` inverted, then
+    nudged by ulps where float32 division does not round-trip)."""
+    gs = gs.float().reshape(())
+    amax = (nvfp4_global_scale(torch.ones(()), spec.format) / gs).reshape(())
+    for _ in range(8):
+        got = nvfp4_global_scale(amax, spec.format)
+        if torch.equal(got, gs):
+            return amax
+        amax = torch.nextafter(amax, amax * 2 if got > gs else amax / 2)
+    raise ValueError(f"compressed-tensors: no amax gives the global scale {float(gs)!r}")
+
+
+def _load_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder; a scale that is NaN, inf or <= 0 is refused here, naming
+    its file (``apply()`` would otherwise turn it into NaN logits)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"from_compressed_tensors: {path} holds no .safetensors file")
+    safetensors_headers(path, "from_compressed_tensors")  # lying headers: a clear error
+    tensors = {}
+    for f in files:
+        file = os.path.join(path, f)
+        try:
+            loaded = load_file(file)
+        except (SafetensorError, RuntimeError, OSError) as e:
+            raise ValueError(f"from_compressed_tensors: {file}: not a readable safetensors "
+                             f"file ({e})") from None
+        for name, t in loaded.items():
+            why = scale_problem(name, t) if name.rpartition(".")[2] in SCALE_LEAVES else None
+            if why:
+                raise ValueError(f"from_compressed_tensors: {file}: {why}")
+        tensors.update(loaded)
+    return tensors
+
+
+def _meta_model(path: str, config: dict):
+    from ..calibration.run.hf_loader import load_config, model_class
+
+    where = f"from_compressed_tensors: {os.path.join(path, 'config.json')}"
+    cls = model_class(config.get("architectures") or [], where)
+    try:
+        cfg = load_config(path, "from_compressed_tensors")
+        cfg.quantization_config = None  # build the plain float skeleton; nothing is loaded
+        with torch.device("meta"):
+            return cls(cfg)
+    except ValueError:  # ours (remote code refused) or transformers' own, with its reason
+        raise
+    except Exception as e:  # noqa: BLE001 -- a damaged config fails deep in transformers
+        # (its strict dataclasses, KeyError on a rope type, AttributeError on a dtype)
+        raise ValueError(f"{where}: transformers cannot build {cls.__name__} from it "
+                         f"({type(e).__name__}: {e})") from None
+
+
+_KV_SCALE = {"k_scale": "key", "v_scale": "value"}
+
+
+def _read_kv_cache(args, tensors, states):
+    """The KV cache's ``key`` / ``value`` states from ``<attention>.k_scale`` / ``v_scale``
+    (into ``states``); returns the recipe's ``kv_cache`` Role (None without a scheme)."""
+    from ..calibration.recipe import Role
+    from ..calibration.results.result import RoleState
+
+    if args is None:
+        return None
+    spec = llmcompressor_spec(args, "input")
+    observer = args.observer or "minmax"
+    qshape = spec.layout.qparam_shape((1, 1))
+    for key, value in tensors.items():
+        layer, _, name = key.rpartition(".")
+        if name in _KV_SCALE:
+            qp = QParams(value.float().reshape(qshape), torch.zeros(qshape, dtype=torch.int32))
+            states.setdefault(layer, {})[_KV_SCALE[name]] = RoleState(
+                spec, observer, observer, False, qparams=qp)
+    return Role(spec, observer)
+
+
+def _state(st, role, module, local, args, spec, observer, weight_shape):
+    from ..calibration.results.result import RoleState
+
+    dynamic = args.dynamic if args.dynamic in (True, False) else str(args.dynamic)
+    if dynamic is True:
+        return RoleState(spec, "memoryless_minmax", "memoryless_minmax", True)
+    base = {"weight": "weight", "input": "input", "output": "output"}[role]
+    get = (lambda n: st.get(f"{base}_{n}"))
+    if dynamic == "local":
+        gs = get("global_scale")
+        if gs is None:
+            raise ValueError(f"from_compressed_tensors: {module} has no {base}_global_scale")
+        return RoleState(spec, observer, observer, "local",
+                         global_amax=_global_amax(gs, spec))
+    scale = get("scale")
+    if scale is None:
+        raise ValueError(f"from_compressed_tensors: {module} has no {base}_scale")
+    shape = weight_shape if role == "weight" else (1, local)
+    qshape = spec.layout.qparam_shape(shape)
+    zp = get("zero_point")
+    zp = torch.zeros(qshape, dtype=torch.int32) if zp is None else \
+        zp.to(torch.int32).reshape(qshape)
+    gsc = get("global_scale")
+    qp = QParams(scale.float().reshape(qshape), zp,
+                 None if gsc is None else gsc.float().reshape(1))
+    return RoleState(spec, observer, observer, False, qparams=qp,
+                     shape=tuple(weight_shape) if role == "weight" else None)
+
+
+def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
+    """The Rule of one config group; its modules' states go into ``states``."""
+    from compressed_tensors.utils.match import match_named_modules
+
+    from ..calibration.recipe import Role, Rule
+
+    where = f"from_compressed_tensors: {cfg_path}: config_groups.{gname}"
+    roles = {_ROLE[k]: getattr(scheme, k) for k in _ROLE if getattr(scheme, k) is not None}
+    specs = {r: llmcompressor_spec(a, r) for r, a in roles.items()}
+    observers = {r: (a.observer or "minmax") for r, a in roles.items()}
+    rule = Rule(tuple(scheme.targets), **{
+        r: Role(specs[r], "memoryless_minmax" if a.dynamic is True else observers[r],
+                a.dynamic if a.dynamic in (True, False) else str(a.dynamic))
+        for r, a in roles.items()})
+    decoder = compressor(scheme.format or qconfig.format, f"{where}.format")
+    matched = list(match_named_modules(model, scheme.targets, qconfig.ignore))
+    if not matched:
+        raise ValueError(f"{where}.targets: {scheme.targets} match no layer of the model")
+    for name, module in matched:
+        prefix = f"{name}."
+        local = {k[len(prefix):]: v for k, v in tensors.items()
+                 if k.startswith(prefix) and "." not in k[len(prefix):]}
+        try:
+            if "weight" in roles:
+                local = decoder.decompress(local, scheme)
+            wshape = tuple(module.weight.shape)
+            states[name] = {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0],
+                                      roles[r], specs[r], observers[r], wshape)
+                            for r in roles}
+        except ValueError as e:  # a missing or misshapen tensor: name the files it is not in
+            tensor_files = os.path.join(os.path.dirname(cfg_path), "*.safetensors")
+            msg = str(e).removeprefix("from_compressed_tensors: ")
+            raise ValueError(f"from_compressed_tensors: {tensor_files}: {msg}") from None
+        # compressed-tensors checks its inputs with assert (a missing zero point)
+        except (KeyError, AttributeError, RuntimeError, TypeError, IndexError,
+                AssertionError) as e:
+            raise ValueError(f"{where}: layer {name}: its tensors do not fit the group's "
+                             f"scheme ({type(e).__name__}: {e})") from None
+    return rule
+
+
+def _refuse_unread(tensors, states, path):
+    """A quantization tensor that no read module owns (a layer the model lacks, one the
+    targets miss) would be dropped without a word: refuse instead."""
+    for key in tensors:
+        layer, _, leaf = key.rpartition(".")
+        if leaf in SCALE_LEAVES and leaf not in ("k_scale", "v_scale") and layer not in states:
+            raise ValueError(
+                f"from_compressed_tensors: {path}: tensor {key!r} belongs to no layer of the "
+                f"model built from config.json that the config groups' targets match")
+
+
+def _module_names(model, tensors: dict, qconfig) -> dict:
+    """The folder's names as the skeleton's modules have them: the exporter writes
+    transformers' disk names (Mixtral's ``block_sparse_moe``), in tensors, targets and
+    ignore alike; returns the renamed tensors (``qconfig`` is renamed in place)."""
+    rename = disk_to_module(model)
+    if not rename:
+        return tensors
+    qconfig.ignore = [rename.get(n, n) for n in qconfig.ignore or ()]
+    for scheme in qconfig.config_groups.values():
+        scheme.targets = [rename.get(n, n) for n in scheme.targets]
+    out = {}
+    for key, value in tensors.items():
+        layer, _, leaf = key.rpartition(".")
+        out[f"{rename[layer]}.{leaf}" if layer in rename else key] = value
+    return out
+
+
+@register_reader("compressed-tensors")
+def read_compressed_tensors(path):
+    """The :class:`~quantscope.calibration.Calibration` a compressed-tensors folder holds.
+
+    ``calibration.apply(model)`` on the float model runs it as the checkpoint does
+    (``info["model"]``: the source model the exporter recorded, else ``path``, which
+    transformers loads decompressed).
+    """
+    from ..calibration.recipe import Recipe
+    from ..calibration.results.result import Calibration
+
+    path = os.fspath(path)
+    cfg_path, config, qc = read_quant_config(path, "from_compressed_tensors")
+    qconfig = parse_quant_config(cfg_path, qc, "from_compressed_tensors")
+    tensors = _load_tensors(path)
+    model = _meta_model(path, config)
+    experts = unfuse_for_reading(model)  # the per-expert modules the exporter wrote
+    tensors = _module_names(model, tensors, qconfig)
+    states = {}
+    rules = [_read_group(g, scheme, qconfig, model, tensors, states, cfg_path)
+             for g, scheme in qconfig.config_groups.items()]
+    kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states)
+    if not states:
+        raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
+                         f"groups' targets")
+    _refuse_unread(tensors, states, path)
+    # the per-expert states back onto the model's 3-D experts, as calibrate named them
+    states = fuse_expert_states(experts, states, f"from_compressed_tensors: {path}")
+    recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors",
+                    kv_cache=kv_cache)
+    record = config.get("quantscope")
+    source = record.get("model") if isinstance(record, dict) else None
+    info = {"model": source if isinstance(source, str) and os.path.isdir(source) else path,
+            "checkpoint": path, "format": str(getattr(qconfig.format, "value", qconfig.format))}
+    return Calibration(recipe, states, os.path.basename(os.path.normpath(path)), info=info)
+

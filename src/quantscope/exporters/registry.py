@@ -1,0 +1,66 @@
+"""The export formats' one registration point: which module writes (and reads) each format.
+
+A format module registers its writer with :func:`register` (and a reader, where the format
+can be read back, with :func:`register_reader`); the tables below name the module of each
+format, imported on first use (their libraries are optional extras). A new format is one
+module under ``exporters/`` and one line in :data:`FORMATS`.
+
+This module sits in the core layer (beside :mod:`.atomic`, and like
+:mod:`quantscope.observers.registry`, it holds names, not the formats' code), so that
+``Calibration.export`` and ``Calibration.from_compressed_tensors`` reach a format through
+it without importing the export layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+__all__ = ["FORMATS", "READERS", "exporter", "reader", "register", "register_reader"]
+
+#: format name -> the module that registers its writer
+FORMATS: dict[str, str] = {
+    "compressed-tensors": "quantscope.exporters.compressed_tensors",
+    "onnx": "quantscope.exporters.onnx",
+}
+#: format name -> the module that registers its reader (checkpoint -> Calibration)
+READERS: dict[str, str] = {
+    "compressed-tensors": "quantscope.exporters.read",
+}
+
+_writers: dict[str, Callable] = {}
+_readers: dict[str, Callable] = {}
+
+
+def register(name: str):
+    """Decorator: ``@register("onnx") def export_onnx(calibration, model, path, **options)``."""
+    def deco(fn):
+        _writers[name] = fn
+        return fn
+    return deco
+
+
+def register_reader(name: str):
+    """Decorator: ``@register_reader("compressed-tensors") def read(path) -> Calibration``."""
+    def deco(fn):
+        _readers[name] = fn
+        return fn
+    return deco
+
+
+def _lookup(what: str, table: dict[str, str], found: dict[str, Callable], name: str):
+    if name not in table and name not in found:
+        raise ValueError(f"{what}: unknown format {name!r}; expected one of {sorted(table)}")
+    if name not in found:
+        importlib.import_module(table[name])
+    return found[name]
+
+
+def exporter(name: str) -> Callable:
+    """The export function registered for format ``name``."""
+    return _lookup("export", FORMATS, _writers, name)
+
+
+def reader(name: str) -> Callable:
+    """The function that reads a checkpoint of format ``name`` into a Calibration."""
+    return _lookup("read", READERS, _readers, name)
