@@ -82,7 +82,7 @@ def test_the_site_builds_and_renders_every_public_name(tmp_path):
     for m, name, obj in _public():
         if isinstance(obj, (types.ModuleType, enum.Enum)):
             continue  # modules have their own page; enum members (Op.MIN ...) their class's
-        # a function defined in a submodule (calibration.results.apply.apply, ...run.session.sensitivity)
+        # a function defined in a submodule (calibration.results.apply.apply)
         # is rendered under the path of the module that defines it
         where = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
         if not {f"quantscope.{m}.{name}", f"quantscope.{m}.{name}.{name}", where} & ids:

@@ -143,7 +143,7 @@ def _cycles(graph):
 
 
 def test_no_import_circle_at_module_level():
-    # a package importing its own submodules (``calibration/__init__`` -> ``calibration.results.apply``)
+    # a package importing its own submodules (``calibration`` -> ``calibration.results.apply``)
     # is not a circle; a submodule importing its package's __init__ back is
     cycles = [c for c in _cycles(_module_level_graph())
               if not all(x == c[0] or x.startswith(c[0] + ".") for x in c)]
@@ -242,6 +242,7 @@ def test_every_module_imports_alone():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("mod", ["stats.histogram_sync", "calibration.run.gather", "observers.sync"])
+@pytest.mark.parametrize("mod", ["stats.histogram_sync", "calibration.run.gather",
+                                 "observers.sync"])
 def test_layers_of_the_sync_modules(mod):
     assert _layer(mod) < _layer("distributed")

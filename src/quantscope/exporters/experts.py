@@ -3,9 +3,9 @@
 transformers 5 runs an experts module on 3-D parameters (``gate_up_proj``
 ``[experts, 2 x intermediate, hidden]``, ``down_proj``) and quantscope calibrates one
 state per expert slice (``<experts>.<e>.gate_up_proj``, ``<experts>.<e>.down_proj``, see
-:mod:`quantscope.calibration.structure.moe`). Checkpoints on disk, and vLLM's loader, name every expert
-apart: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj`` (Qwen-MoE, DeepSeek) or
-``w1`` / ``w3`` / ``w2`` (Mixtral); vLLM fuses gate and up back into ``w13``.
+:mod:`quantscope.calibration.structure.moe`). Checkpoints on disk, and vLLM's loader, name
+every expert apart: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj`` (Qwen-MoE,
+DeepSeek) or ``w1`` / ``w3`` / ``w2`` (Mixtral); vLLM fuses gate and up back into ``w13``.
 :func:`unfuse_experts` rewrites a model copy and its states into that layout before
 compression: the gate rows and the up rows become two ``nn.Linear`` whose per-row qparams
 are the matching rows of the fused state, and whose per-tensor ones (global scale, static

@@ -4,8 +4,9 @@
 zero_point, global_scale, global_amax, lo, hi); ``path/quantscope.json`` the
 recipe and, per layer and role, the spec, the observer used and the dynamic
 mode, and the format's name and ``version`` (checked on load). Written atomically
-(:func:`~quantscope.exporters.atomic.atomic_dir`). :func:`load` gives back a :class:`Calibration` whose ``apply(model)``
-restores exactly the QDQ model that was saved, with no recalibration.
+(:func:`~quantscope.exporters.atomic.atomic_dir`). :func:`load` gives back a
+:class:`Calibration` whose ``apply(model)`` restores exactly the QDQ model that was saved,
+with no recalibration.
 """
 
 from __future__ import annotations
