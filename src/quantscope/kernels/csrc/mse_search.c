@@ -11,6 +11,32 @@
    a float32 sum would break near ties at random: issue 20 #11). Deterministic: equal
    (s, z) give bitwise equal errors, which the reuse of a previous candidate's error
    relies on. */
+/* The sum of squares both prices share (one summation order, so equal element errors give
+   bitwise equal prices): VDQ(v) the SIMD element error of VW lanes, SDQ(x) the scalar one. */
+#ifdef VW
+#define SQ2(d, A, B) do { vf f_ = VMUL(d, d); A = DADD(A, DLO(f_)); B = DADD(B, DHI(f_)); } while (0)
+#define SUM_SQUARES_SIMD(VDQ)                                                                 \
+    do {                                                                                      \
+        vd a0 = DZERO(), a1 = DZERO(), a2 = DZERO(), a3 = DZERO();                            \
+        for (; j + 2 * VW <= E; j += 2 * VW) {                                                \
+            vf d0 = VDQ(VLOAD(x + j));                                                        \
+            vf d1 = VDQ(VLOAD(x + j + VW));                                                   \
+            SQ2(d0, a0, a1);                                                                  \
+            SQ2(d1, a2, a3);                                                                  \
+        }                                                                                     \
+        for (; j + VW <= E; j += VW) {                                                        \
+            vf d = VDQ(VLOAD(x + j));                                                         \
+            SQ2(d, a0, a1);                                                                   \
+        }                                                                                     \
+        acc = DSUM(DADD(DADD(a0, a1), DADD(a2, a3)));                                         \
+    } while (0)
+#endif
+#define SUM_SQUARES_TAIL(SDQ)                                                                 \
+    for (; j < E; ++j) {                                                                      \
+        float d = SDQ(x[j]);                                                                  \
+        acc += (double)(d * d);                                                               \
+    }
+
 static inline __attribute__((always_inline)) double price_(const float *x, int64_t E, float s,
                                                          float z, float qmin, float qmax,
                                                          int zero) {
@@ -19,25 +45,13 @@ static inline __attribute__((always_inline)) double price_(const float *x, int64
     (void)zero;  /* the SIMD branch's */
 #ifdef VW
     const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(qmin), vhi = VSET1(qmax);
-    vd a0 = DZERO(), a1 = DZERO(), a2 = DZERO(), a3 = DZERO();
-#define SQ2(d, A, B) do { vf f_ = VMUL(d, d); A = DADD(A, DLO(f_)); B = DADD(B, DHI(f_)); } while (0)
-    for (; j + 2 * VW <= E; j += 2 * VW) {
-        vf d0 = dqv(VLOAD(x + j), vs, vz, vlo, vhi, zero);
-        vf d1 = dqv(VLOAD(x + j + VW), vs, vz, vlo, vhi, zero);
-        SQ2(d0, a0, a1);
-        SQ2(d1, a2, a3);
-    }
-    for (; j + VW <= E; j += VW) {
-        vf d = dqv(VLOAD(x + j), vs, vz, vlo, vhi, zero);
-        SQ2(d, a0, a1);
-    }
-#undef SQ2
-    acc = DSUM(DADD(DADD(a0, a1), DADD(a2, a3)));
+#define VDQ(v) dqv(v, vs, vz, vlo, vhi, zero)
+    SUM_SQUARES_SIMD(VDQ);
+#undef VDQ
 #endif
-    for (; j < E; ++j) {
-        float d = dq1(x[j], s, z, qmin, qmax);
-        acc += (double)(d * d);
-    }
+#define SDQ(v) dq1(v, s, z, qmin, qmax)
+    SUM_SQUARES_TAIL(SDQ)
+#undef SDQ
     return acc;
 }
 
@@ -48,25 +62,13 @@ static double price_fp(const float *x, int64_t E, float s, qs_ffmt f) {
 #ifdef VW
     const vf vs = VSET1(s), top = VSET1(f.fmax), bottom = VSET1(-f.fmax);
     const vi mf = VISET1(f.min_field), sh = VISET1(f.shift);
-    vd a0 = DZERO(), a1 = DZERO(), a2 = DZERO(), a3 = DZERO();
-#define SQ2(d, A, B) do { vf f_ = VMUL(d, d); A = DADD(A, DLO(f_)); B = DADD(B, DHI(f_)); } while (0)
-    for (; j + 2 * VW <= E; j += 2 * VW) {
-        vf d0 = fqv(VLOAD(x + j), vs, mf, sh, top, bottom);
-        vf d1 = fqv(VLOAD(x + j + VW), vs, mf, sh, top, bottom);
-        SQ2(d0, a0, a1);
-        SQ2(d1, a2, a3);
-    }
-    for (; j + VW <= E; j += VW) {
-        vf d = fqv(VLOAD(x + j), vs, mf, sh, top, bottom);
-        SQ2(d, a0, a1);
-    }
-#undef SQ2
-    acc = DSUM(DADD(DADD(a0, a1), DADD(a2, a3)));
+#define VDQ(v) fqv(v, vs, mf, sh, top, bottom)
+    SUM_SQUARES_SIMD(VDQ);
+#undef VDQ
 #endif
-    for (; j < E; ++j) {
-        float d = fq1(x[j], s, f);
-        acc += (double)(d * d);
-    }
+#define SDQ(v) fq1(v, s, f)
+    SUM_SQUARES_TAIL(SDQ)
+#undef SDQ
     return acc;
 }
 
