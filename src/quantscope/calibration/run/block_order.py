@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .batches import forward_batch
+from .batches import forward_batch, map_tensors, tensors_in
 
 __all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "recorders", "refuse",
            "trace_batches"]
@@ -80,16 +80,6 @@ class Trace:
         return [j for j, _ in self.calls]
 
 
-def _map(fn, value):
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(fn, v) for k, v in value.items()}
-    return value
-
-
 class _NoShape(Exception):
     """The block's output shape could not be found on the meta device."""
 
@@ -101,13 +91,14 @@ def _shaped_output(block: nn.Module, args, kwargs, device, zeros=torch.zeros):
                                           *block.named_buffers(remove_duplicate=False)]}
     meta = lambda t: t.to("meta")
     try:
-        out = torch.func.functional_call(block, state, _map(meta, args), _map(meta, kwargs))
+        out = torch.func.functional_call(block, state, map_tensors(meta, args),
+                                         map_tensors(meta, kwargs))
     except Exception as e:  # data-dependent ops (an MoE's routing) do not run on meta
         raise _NoShape(f"{type(e).__name__}: {e}") from e
     if not isinstance(out, torch.Tensor) and not (
             isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor)):
         raise _NoShape(f"it returns {type(out).__name__}, not a tensor or a tuple of them")
-    return _map(lambda t: zeros(t.shape, dtype=t.dtype, device=device), out)
+    return map_tensors(lambda t: zeros(t.shape, dtype=t.dtype, device=device), out)
 
 
 class _Recorder(nn.Module):
@@ -134,22 +125,11 @@ class _Uses(TorchFunctionMode):
         name = getattr(getattr(func, "__self__", None), "__name__", None) \
             if getattr(func, "__name__", None) == "__get__" else getattr(func, "__name__", None)
         if not self.trace.inside and name not in _METADATA and self.trace.outputs:
-            for t in _flat((args, kwargs)):
+            for t in tensors_in((args, kwargs)):
                 k = self.trace.output_index(t)
                 if k is not None:
                     self.trace.used.add(k)
         return func(*args, **kwargs)
-
-
-def _flat(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _flat(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _flat(v)
 
 
 def _free_zeros(shape, dtype, device):
@@ -167,12 +147,12 @@ def _shape_only(module: nn.Module, trace: Trace):
     def shape_only(*args, **kwargs):
         if not trace.calls or trace.inside:  # inside: the meta run of this very call
             return forward(*args, **kwargs)
-        for t in _flat((args, kwargs)):
+        for t in tensors_in((args, kwargs)):
             k = trace.output_index(t)
             if k is not None:
                 trace.used.add(k)
         device = next(module.parameters(recurse=False)).device
-        device = next((t.device for t in _flat((args, kwargs))), device)
+        device = next((t.device for t in tensors_in((args, kwargs))), device)
         trace.inside = True
         try:
             return _shaped_output(module, args, kwargs, device, _free_zeros)
@@ -260,7 +240,6 @@ def chain_order(trace: Trace, count: int, name: str) -> list[int]:
                                f"block {name}.{nxt} (a residual or a sum over the blocks)",
                          trace)
     return trace.order()
-
 
 
 def trace_batches(model, batches, name: str, layers, shaped: bool, keep) -> tuple[list, int]:

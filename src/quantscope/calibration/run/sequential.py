@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from . import heap
+from .batches import map_tensors, tensors_in
 from .block_order import NotAChain, check_disjoint, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, unload_params
 
@@ -88,7 +89,7 @@ class _Cache:
 
     def put(self, i: int, value) -> None:
         self.drop(i)
-        value = _detached(value)
+        value = map_tensors(torch.Tensor.detach, value)
         nbytes = _nbytes(value)
         if nbytes <= self.budget[0]:
             self.mem[i], self.size[i] = value, nbytes
@@ -120,29 +121,8 @@ class _Cache:
             f.unlink()
 
 
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-
-
 def _nbytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
-
-
-def _detached(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
 
 
 # ---------------------------------------------------------------- the pieces
