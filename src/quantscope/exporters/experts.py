@@ -27,7 +27,7 @@ from torch import nn
 
 from ..calibration.run.disk_names import checkpoint_names, expert_names
 from ..calibration.structure import fusion
-from ..calibration.structure.moe import is_experts_3d
+from ..calibration.structure.moe import is_experts_3d, is_gated
 
 __all__ = ["checkpoint_names", "disk_to_module", "expert_names", "fuse_expert_states",
            "unfuse_experts", "unfuse_for_reading"]
@@ -59,7 +59,7 @@ def _expert_module(parent: nn.Module, e: int, names) -> nn.Module:
     gate, up, down = names
     transposed = getattr(parent, "is_transposed", False)
     has_bias = getattr(parent, "has_bias", False)
-    gated = getattr(parent, "has_gate", True) and hasattr(parent, "gate_up_proj")
+    gated = is_gated(parent)
     expert = nn.Module()
 
     def weight(name):
@@ -133,7 +133,7 @@ def unfuse_for_reading(model: nn.Module) -> dict[str, tuple[int, tuple[str, str,
     found = {}
     for name, module in model.named_modules():
         if is_experts_3d(module):
-            gated = getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
+            gated = is_gated(module)
             n = (module.gate_up_proj if gated else module.up_proj).shape[0]
             found[name] = (n, names, gated)
     if not found or names is None:  # no per-expert tensors on disk: nothing to map

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..structure.moe import is_experts_3d
+from ..structure.moe import is_experts_3d, is_gated
 from .disk_names import checkpoint_names, expert_names
 
 __all__ = ["Checkpoint", "empty_model", "is_meta", "load_params", "model_task", "unload_params"]
@@ -170,7 +170,7 @@ def _expert_parts(model, module, attr: str, on_disk: str):
     gate, up, down = names
     base, _, suffix = attr.partition("_proj")
     suffix = "bias" if suffix == "_bias" else "weight"
-    gated = getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
+    gated = is_gated(module)
     shards = {"gate_up": [gate, up] if gated else None, "up": [up], "down": [down]}.get(base)
     if shards is None:
         return None

@@ -49,6 +49,13 @@ def is_experts_3d(module: nn.Module) -> bool:
             and up.dim() == 3 and down.dim() == 3 and up.shape[0] == down.shape[0])
 
 
+
+def is_gated(module: nn.Module) -> bool:
+    """An experts module whose ``gate_up_proj`` holds gate rows then up rows (not an
+    ungated ``up_proj``)."""
+    return getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
+
+
 _MARK = "_quantscope_expert"
 
 
@@ -67,7 +74,7 @@ class _Expert(nn.Module):
 
     def __init__(self, parent: nn.Module, e: int):
         super().__init__()
-        gated = getattr(parent, "has_gate", True) and hasattr(parent, "gate_up_proj")
+        gated = is_gated(parent)
         up_name = "gate_up_proj" if gated else "up_proj"
         t = getattr(parent, "is_transposed", False)
         for name in (up_name, "down_proj"):
