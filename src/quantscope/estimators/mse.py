@@ -181,8 +181,9 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         backend: None (default): the C kernel (:mod:`.mse_kernel`) where it applies
             (integer formats without a global scale, or float element formats such as MX
             and NVFP4; ``norm=2``, float32 CPU units, not ``compat``), else torch;
-            ``"torch"`` forces the torch tiles; ``"kernel"`` requires the kernel. The kernel scores ``sum((fake_quant(x) - x) ** 2)`` summed
-            in float64; torch scores the same quantizer in float32 by a rounding identity.
+            ``"torch"`` forces the torch tiles; ``"kernel"`` requires the kernel. The
+            kernel scores ``sum((fake_quant(x) - x) ** 2)`` summed in float64; torch
+            scores the same quantizer in float32 by a rounding identity.
             With ``compat="llmcompressor"`` the kernel is :mod:`.mse_compat`'s (integer
             formats, float32 CPU units, norms 1, 1.5, 2, 2.4, 3, rows under 32768
             elements; 1.5 and 2.4 rows a multiple of 64): the torch path's choices and

@@ -1,9 +1,9 @@
 """The MSE search's CPU kernel: candidate pricing and the per-unit selection rules in C.
 
-For integer and float element formats on CPU the torch search (:mod:`quantscope.estimators.mse`) spends
-its time in per-tile op chains and in Python steps over ``[U]`` vectors. This kernel
-does both in one call per block of candidates, with plain threads over units
-(built by :mod:`quantscope.kernels`):
+For integer and float element formats on CPU the torch search
+(:mod:`quantscope.estimators.mse`) spends its time in per-tile op chains and in Python
+steps over ``[U]`` vectors. This kernel does both in one call per block of candidates,
+with plain threads over units (built by :mod:`quantscope.kernels`):
 
 * **Pricing.** The error of a candidate ``(scale, zp)`` on a unit is
   ``sum(d ** 2)`` with ``d = fake_quantize_units(x) - x`` rounded exactly as

@@ -105,10 +105,11 @@ class InputImportance:
 def imatrix_config(model: nn.Module, base: Calibration, importance: dict) -> Calibration | None:
     """``base`` with each weight the importance-weighted search can take replaced by the
     search's state (``observer="imatrix"``; the others kept), without report rows (those of
-    a configuration ``auto`` keeps: :func:`imatrix_rows`); None where no weight changed. Left as they are: weights without importance (a layer
-    that saw no rows), not 2-D, dynamic, or with a scale a fused runtime layer shares across
-    its members (:func:`~.fusion.shares_weight_scale`: NVFP4's global scale, fp8 per-tensor
-    weights), which a search per layer would break."""
+    a configuration ``auto`` keeps: :func:`imatrix_rows`); None where no weight changed.
+    Left as they are: weights without importance (a layer that saw no rows), not 2-D,
+    dynamic, or with a scale a fused runtime layer shares across its members
+    (:func:`~.fusion.shares_weight_scale`: NVFP4's global scale, fp8 per-tensor weights),
+    which a search per layer would break."""
     modules = dict(model.named_modules())
     states, changed = {}, False
     for layer, roles in base.states.items():

@@ -56,8 +56,8 @@ def weight_owners(model: torch.nn.Module, names=None, group=None) -> dict[str, i
     given: the layers actually quantized), balanced by weight size.
 
     The same on every rank (depends only on the model). Each rank observes the weights
-    it owns; :func:`~quantscope.observers.sync.sync_observers` then gives every rank the owner's state exactly (a
-    state observed on one rank only reduces to that rank's values).
+    it owns; :func:`~quantscope.observers.sync.sync_observers` then gives every rank the
+    owner's state exactly (a state observed on one rank only reduces to that rank's values).
     """
     keep = None if names is None else set(names)
     sizes = {name: m.weight.numel() for name, m in model.named_modules()
