@@ -44,7 +44,7 @@ from ..qdq import fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
-from . import mse_compat, mse_kernel, mse_tiles
+from . import mse_compat, mse_kernel, mse_ops, mse_tiles
 from .mse_tiles import norm_sum
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
 #: elements of one [candidates, units, elements] tile: ~4 MB per temporary, cache-friendly
 DEFAULT_CHUNK_ELEMS = 1 << 20
 _MIN_CHUNK_ELEMS = 1 << 16
-BACKENDS = (None, "torch", "kernel")
+BACKENDS = (None, "torch", "kernel", "ops")
 
 
 class SearchResult(tuple):
@@ -181,7 +181,9 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         backend: None (default): the C kernel (:mod:`.mse_kernel`) where it applies
             (integer formats without a global scale, or float element formats such as MX
             and NVFP4; ``norm=2``, float32 CPU units, not ``compat``), else torch;
-            ``"torch"`` forces the torch tiles; ``"kernel"`` requires the kernel. The
+            ``"torch"`` forces the torch tiles; ``"kernel"`` requires the kernel;
+            ``"ops"`` the ``quantscope::`` ops (:mod:`.mse_ops`: every candidate priced in
+            one pass, then selected; the default off the CPU, Triton on CUDA). The
             kernel scores ``sum((fake_quant(x) - x) ** 2)`` summed in float64; torch
             scores the same quantizer in float32 by a rounding identity.
             With ``compat="llmcompressor"`` the kernel is :mod:`.mse_compat`'s (integer
@@ -193,18 +195,9 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         :class:`SearchResult` ``(lo, hi)`` with ``.error``, ``.global_amax``, ``.index``.
     """
     units, lo, hi = _check(units, lo, hi, spec, norm)
-    if compat not in (None, "llmcompressor"):
-        raise ValueError(f"mse_search: compat must be None or 'llmcompressor', got {compat!r}")
-    if tie not in ("first", "last"):
-        raise ValueError(f"mse_search: tie must be 'first' or 'last', got {tie!r}")
-    units, lo, hi = _check(units, lo, hi, spec, norm)
     _check_options(compat, tie, patience, expand, backend)
     exact = compat == "llmcompressor"
-    use_kernel = backend != "torch" and not exact and mse_kernel.usable(units, spec, norm)
-    if backend == "kernel" and not use_kernel and not exact:
-        raise ValueError("mse_search: backend='kernel' needs an integer format without a "
-                         "global scale or a float element format, norm=2, float32 CPU units, "
-                         "no compat, and a C compiler")
+    search = _engine(units, spec, norm, exact, backend)
     if exact:  # their search: global patience, their grid, fp32 scales (NVFP4: no global)
         per_unit_patience, encoding_aware, independent_ends, extend_to = False, False, False, None
     f_lo, f_hi, patience_used, extend = _candidates(
@@ -224,7 +217,6 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
           "tie": tie, "exact": exact, "chunk_elems": int(chunk_elems),
           "chunk_candidates": chunk_candidates, "early_stop": early_stop,
           "incumbent": None if exact else (base_lo, base_hi), "extend": extend}
-    search = mse_kernel.search if use_kernel else mse_tiles.search
     search_spec = spec if encoding_aware else _blind(spec)
     if exact:  # the kernel prices, torch settles near ties: the torch path's choices
         search = mse_compat.engine(units, search_spec, kw, len(f_lo), backend) or search
@@ -235,6 +227,24 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         ga = ga0 if gas[0] is None and not exact else gas[0]
         return SearchResult(blo, bhi, berr, ga, bidx)
     return _lowest_total(results, gas)
+
+
+def _engine(units, spec, norm, exact, backend):
+    """The search engine: the C kernel on the CPU, the ops elsewhere (native searches of
+    squared error that they price), else the torch tiles; ``backend`` forces one."""
+    if exact or backend == "torch":
+        return mse_tiles.search  # compat: mse_compat.engine may still take it (search())
+    if backend in (None, "kernel") and mse_kernel.usable(units, spec, norm):
+        return mse_kernel.search
+    if backend in (None, "ops") and mse_ops.usable(units, spec, norm) \
+            and (backend == "ops" or units.device.type != "cpu"):
+        return mse_ops.search
+    if backend is not None:
+        raise ValueError(f"mse_search: backend={backend!r} needs an integer format without a "
+                         f"global scale or a float element format, norm=2, float32 units "
+                         f"without autograd, no compat"
+                         f"{' on the CPU, and a C compiler' if backend == 'kernel' else ''}")
+    return mse_tiles.search
 
 
 def _check_options(compat, tie, patience, expand, backend):
@@ -249,6 +259,9 @@ def _check_options(compat, tie, patience, expand, backend):
         raise ValueError(f"mse_search: expand must be a number >= 1.0, got {expand!r}")
     if backend not in BACKENDS:
         raise ValueError(f"mse_search: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "ops" and compat is not None:
+        raise ValueError("mse_search: backend='ops' runs native searches; compat='llmcompressor' "
+                         "runs on backend None, 'kernel' or 'torch'")
 
 
 def _candidates(factors, maxshrink, grid, expand, extend_to, per_unit, patience, two_ends,

@@ -1,0 +1,92 @@
+"""The MSE search as ``quantscope::`` ops: every candidate priced in one pass, then selected.
+
+The engine for units off the CPU (a CUDA tensor: the ops run their Triton kernels there).
+Where the C engine (:mod:`.mse_kernel`) walks unit by unit and stops each unit early, this
+one has no host loop to stop: every candidate of the grid and of its extension is priced
+(``quantscope::mse_price_int`` for integer formats, ``quantscope::mse_price_fp`` for float
+element formats: MX and NVFP4 blocks, NVFP4's global scale folded into the effective
+scale), and ``quantscope::mse_select`` then applies the rules of ``mse_tiles._State``. Each
+rule looks only at the candidates before the one it judges, so pricing them all and
+selecting afterwards chooses what the early-stopping searches choose, and nothing is read
+back to the host.
+
+The candidates' qparams still come from :func:`~quantscope.qparams.qparams_from_range`,
+in chunks of units (``[candidates, chunk]`` blocks of at most ``chunk_elems`` x 16
+values), and plateaus (a candidate whose encoded qparams equal the previous one's) are
+found from them as the torch path finds them. Errors are float64 sums of float32
+fake-quant errors, as the other engines', so on the CPU (where the ops run the C kernel)
+this engine chooses what :mod:`.mse_kernel` chooses (tests compare them bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FloatFormat, IntFormat
+from ..kernels import ops
+from ..qparams import qparams_from_range
+from ..spec import QuantSpec
+
+__all__ = ["search", "usable"]
+
+#: a chunk's ``[candidates, units]`` qparams hold at most this many times ``chunk_elems``
+#: values: the qparams are [K, U] where the tiles were [K, U, E]
+_QPARAMS_PER_TILE = 16
+
+
+def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
+    """Whether the ops price this search: integer formats without a global scale or float
+    element formats, squared error, float32 units, no autograd."""
+    fmt = spec.format
+    return ((isinstance(fmt, IntFormat) and not spec.scale.has_global_scale
+             or isinstance(fmt, FloatFormat))
+            and float(norm) == 2.0 and units.dtype == torch.float32
+            and not units.requires_grad)
+
+
+def _price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+           spec: QuantSpec) -> torch.Tensor:
+    """float64 ``[K, n]`` errors of effective scales / zero points ``[K, n]`` on ``units``."""
+    if spec.is_float:
+        fmt = spec.format
+        return ops.mse_price_fp(units, scale, float(fmt.max), int(fmt.min_exp), int(fmt.mbits))
+    return ops.mse_price_int(units, scale, zero_point, float(spec.qmin), float(spec.qmax))
+
+
+def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax):
+    """Errors ``[1 + K, n]`` of the incumbent (row 0) and the candidates on units ``n``, and
+    ``same [K, n]``: candidate ``k``'s encoded qparams equal row ``k``'s (the previous)."""
+    lo_c = torch.cat((incumbent[0][None], lo[None] * f_lo[:, None]))
+    hi_c = torch.cat((incumbent[1][None], hi[None] * f_hi[:, None]))
+    qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax, check_finite=False)
+    scale = qp.effective_scale.expand_as(lo_c).contiguous()
+    zp = qp.zero_point.expand_as(lo_c).to(torch.int32).contiguous()
+    enc = qp.scale.expand_as(lo_c)
+    same = (enc[1:] == enc[:-1]) & (zp[1:] == zp[:-1])
+    return _price(units, scale, zp, spec), same
+
+
+def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumbent,
+           global_amax, chunk_elems, extend=(), **_):
+    """``mse_tiles.search`` (same arguments, same choices for native searches: an incumbent,
+    squared error) as ops: ``(lo, hi, error, index)`` per unit."""
+    dev = units.device
+    ext = list(extend) if extend and per_unit and patience is not None else []
+    f_lo = torch.tensor(list(f_lo) + ext, dtype=torch.float32, device=dev)
+    f_hi = torch.tensor(list(f_hi) + ext, dtype=torch.float32, device=dev)
+    K, U = f_lo.shape[0], units.shape[0]
+    step = max(1, chunk_elems * _QPARAMS_PER_TILE // (K + 1))
+    err = torch.empty((K + 1, U), dtype=torch.float64, device=dev)
+    same = torch.empty((K, U), dtype=torch.bool, device=dev)
+    for a in range(0, U, step):
+        b = min(a + step, U)
+        err[:, a:b], same[:, a:b] = _price_chunk(
+            units[a:b], lo[a:b], hi[a:b], f_lo, f_hi, (incumbent[0][a:b], incumbent[1][a:b]),
+            spec, global_amax)
+    # native per-unit patience waits for the global rule too, within the grid (mse_tiles)
+    idx, best = ops.mse_select(err[1:], same, err[0], K - len(ext),
+                               -1 if patience is None else int(patience), bool(per_unit),
+                               patience is not None, tie == "last")
+    j, take = idx.clamp(min=0), idx >= 0
+    return (torch.where(take, lo * f_lo[j], incumbent[0]),
+            torch.where(take, hi * f_hi[j], incumbent[1]), best.float(), idx)
