@@ -97,11 +97,12 @@ class Observer(nn.Module):
             layout.check(x.shape)
         except ValueError as e:
             raise ValueError(f"{self.describe()}: {e}") from None
-        x32 = x.detach().float()
+        # the C kernels read float32; the ops (off the CPU) read bf16 / fp16 as they are
+        x_read = x.detach() if x.device.type != "cpu" else x.detach().float()
         fast = None
         if not self.needs_units and self.non_finite == "error":
-            fast = layout_minmax(x32, layout)  # min / max straight from x, no units copy
-        units = layout.to_units(x32) if fast is None else None
+            fast = layout_minmax(x_read, layout)  # min / max straight from x, no units copy
+        units = layout.to_units(x_read.float()) if fast is None else None
         count = units.shape[0] if fast is None else fast[0].shape[0]
         if self.accumulates and self._last_shape is not None:
             before = layout.num_units(self._last_shape)

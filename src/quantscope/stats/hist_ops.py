@@ -2,8 +2,9 @@
 ``torch.library`` custom op, beside the ops of :mod:`quantscope.kernels.ops`.
 
 It lives here, not in ``kernels.ops``, because its CPU implementation is this package's
-``add_values`` (the C kernel, else the torch reference), which the kernels layer may not
-import. CUDA: the Triton kernel (:mod:`quantscope.kernels.triton.histogram`), the torch
+``histogram.bin_values`` (the C kernel, else the torch reference), which the kernels layer
+may not import; ``histogram.add_values`` calls it off the CPU (``torch.ops``: importing
+this package registers it). CUDA: the Triton kernel (:mod:`quantscope.kernels.triton.histogram`), the torch
 path where triton is not installed or the bins exceed its limit. The range growth before it
 (``histogram.update``'s grid change) is tensor math on the device already.
 
@@ -45,7 +46,7 @@ def _check(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor) -> None:
 def _torch_hist_add(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor,
                     absolute: bool) -> None:
     _check(counts, units, exp, first)
-    histogram.add_values(counts, units.float(), exp, first, absolute)
+    histogram.bin_values(counts, units.float(), exp, first, absolute)
 
 
 @torch.library.custom_op("quantscope::hist_add", mutates_args=("counts",))

@@ -169,9 +169,19 @@ def add_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     (in place) on the grid ``(exp, first)``; values off the grid are clamped into the end
     bins (the caller sizes the grid so that none are), NaN into bin 0.
 
-    On CPU (float32, contiguous) a C kernel does it (:mod:`.hist_kernel`); the torch
-    code below is the reference it equals.
+    Off the CPU the op ``quantscope::hist_add`` does it (:mod:`.hist_ops`, registered
+    with this package: the Triton kernel on CUDA), else :func:`bin_values`.
     """
+    if units.device.type != "cpu":
+        torch.ops.quantscope.hist_add(counts, units, exp, first, absolute)
+        return counts
+    return bin_values(counts, units, exp, first, absolute)
+
+
+def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
+               first: torch.Tensor, absolute: bool = False) -> torch.Tensor:
+    """:func:`add_values` here, without the op: on the CPU (float32, contiguous) a C kernel
+    (:mod:`.hist_kernel`), else the torch code below, the reference it equals."""
     if hist_kernel.bin_values(counts, units, exp, first, absolute):
         return counts
     return _add_values_torch(counts, units, exp, first, absolute)

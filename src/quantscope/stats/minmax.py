@@ -5,9 +5,11 @@ per-row reductions are slower: ``torch.aminmax(u, dim=1)`` is not vectorized
 (6-9x the whole-tensor time on CPU) and ``amin`` + ``amax`` read the data twice.
 On CPU, for large contiguous float32 units, :func:`unit_minmax` therefore runs
 a small C kernel (one read, both extremes, NaN propagated, threads over units),
-compiled on first use by :mod:`quantscope.kernels`. Without a compiler, on other devices, for small inputs,
+compiled on first use by :mod:`quantscope.kernels`. Without a compiler, for small inputs,
 or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give identical results
-(tests compare them bitwise).
+(tests compare them bitwise). Off the CPU it calls the op ``quantscope::unit_minmax``
+(:mod:`quantscope.kernels.ops`: one Triton read on CUDA, bf16 / fp16 read as they are, and
+the layouts whose units are no row view read in place).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 import torch
 
 from .. import kernels
+from ..kernels import ops
 
 __all__ = ["column_minmax", "ema_", "layout_minmax", "torch_unit_minmax",
            "unit_minmax"]
@@ -116,7 +119,9 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
                                     for t in update[2:])
     if lib is None or not fusable or (ends is not None and (
             ends.shape != (2,) or ends.dtype != torch.float32 or ends.device.type != "cpu")):
-        lo, hi = torch_unit_minmax(units, out)
+        # on the CPU torch itself: the op's dispatch (~11 us) outweighs a small reduction
+        lo, hi = torch_unit_minmax(units, out) if units.device.type == "cpu" else \
+            ops.unit_minmax(units)
         if ends is not None:
             ends.copy_(torch.stack((lo.amin(), hi.amax())))
         if update is not None:
@@ -148,13 +153,18 @@ def column_minmax(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-unit ``(lo, hi)`` of float32 ``x`` under ``layout`` without building its units.
+    """Per-unit ``(lo, hi)`` (float32) of ``x`` under ``layout`` without a float32 copy of
+    its units.
 
-    For layouts whose units are not a row view of ``x`` (a channel axis other than the
-    first, tiles): reductions over reshapes of ``x`` itself, in the units' order
-    (``layout.to_units`` order; tests check both agree). None: no such path here (padded
-    tiles, permuted groups ...), build the units instead.
+    On the CPU, for float32 ``x`` and the layouts whose units are not a row view of ``x``
+    (a channel axis other than the first, tiles): the C kernel's reductions over reshapes
+    of ``x`` itself. Elsewhere, any float ``x``: the op ``quantscope::unit_minmax`` on a
+    view of ``x`` (the units as ``[U1, U2, E1, E2]`` for those layouts), or on its units in
+    its own dtype. Always in the units' order (``layout.to_units`` order; tests check both
+    agree). None: no such path here, build the float32 units instead.
     """
+    if x.device.type != "cpu":
+        return _op_layout_minmax(x, layout)
     from ..layout import Channel, Tile
 
     if not _use_kernel(x) or _kernel() is None:
@@ -184,3 +194,24 @@ def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] 
         return lo.reshape(-1), hi.reshape(-1)
     return None
 
+
+
+def _op_layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`layout_minmax` off the CPU: the op reads the units where they lie."""
+    from ..layout import Channel, Tile
+
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.requires_grad:
+        return None
+    shape = x.shape
+    if isinstance(layout, Channel) and x.dim() >= 2:
+        a = layout.axis % x.dim()
+        A, C, B = math.prod(shape[:a]), shape[a], math.prod(shape[a + 1:])
+        if A > 1:  # units (1, c), elements (a, b)
+            return ops.unit_minmax(x.reshape(A, C, B).permute(1, 0, 2)[None])
+    elif isinstance(layout, Tile) and x.dim() >= 2:
+        R, C = shape[-2:]
+        if R % layout.rows == 0 and C % layout.cols == 0:  # no padding: units (tile row, col)
+            t = x.reshape(-1, layout.rows, C // layout.cols, layout.cols)
+            return ops.unit_minmax(t.permute(0, 2, 1, 3))
+    units = layout.to_units(x)
+    return ops.unit_minmax(units) if units.numel() else None

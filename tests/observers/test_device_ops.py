@@ -1,0 +1,113 @@
+"""Off the CPU the observers call the ``quantscope::`` ops (issue 35 item 2: one op per hot
+loop, Triton on CUDA), not a torch path of their own.
+
+Without a GPU the ``meta`` device stands in for one: it is not the CPU, so the observers
+take the device paths, and every op has a fake (meta) implementation, so a forward runs
+through the ops' schemas and shapes. What the ops compute is proven elsewhere
+(tests/kernels/test_triton_*.py: the Triton kernels bitwise against the torch path under
+the interpreter); here the CPU runs the same device code path through the ops' CPU
+implementations, which must give what the CPU observers give.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import quantscope
+from quantscope import QuantSpec, presets
+from quantscope.layout import Block, Channel, Group, Tensor, Tile, Token
+from quantscope.stats import minmax
+
+MINMAX = ["minmax", "memoryless_minmax", "moving_average_minmax"]
+LAYOUTS = {
+    "tensor": (QuantSpec("int8", Tensor()), (4, 16, 32)),
+    "channel-0": (QuantSpec("int8", Channel(0)), (32, 64)),
+    "channel-middle": (QuantSpec("int8", Channel(1)), (4, 16, 32)),
+    "channel-last": (QuantSpec("int8", Channel(-1)), (4, 16, 32)),
+    "group-32": (QuantSpec("int4", Group(32)), (8, 64)),
+    "token": (QuantSpec("int8", Token()), (4, 16, 32)),
+    "tile": (QuantSpec("int8", Tile(8, 16)), (2, 32, 64)),
+    "tile-padded": (QuantSpec("int8", Tile(8, 16)), (30, 40)),
+    "mxfp4": (presets.MXFP4, (8, 64)),
+    "nvfp4": (presets.NVFP4, (8, 64)),
+    "block-7": (QuantSpec("fp4_e2m1", Block(7), scale="fp8_e4m3"), (8, 63)),
+}
+
+
+class _OpNames(TorchDispatchMode):
+    """The names of the ops dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _x(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * torch.rand(shape[-1], generator=g).add(0.1)).to(dtype)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_op_layout_minmax_is_the_units_minmax(layout, dtype):
+    """The device path reads the units where they lie (a channel axis in the middle, tiles:
+    as [U1, U2, E1, E2] views), in its own dtype, in the units' order: bitwise the min / max
+    of the float32 units."""
+    spec, shape = LAYOUTS[layout]
+    x = _x(shape, dtype)
+    lo, hi = minmax._op_layout_minmax(x, spec.layout)
+    ref_lo, ref_hi = torch.aminmax(spec.layout.to_units(x.float()), dim=1)
+    assert lo.dtype == torch.float32
+    assert torch.equal(lo, ref_lo) and torch.equal(hi, ref_hi)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", MINMAX)
+def test_minmax_observers_read_bf16_through_the_op(name, layout):
+    """The min-max family off the CPU: one ``quantscope::unit_minmax``, and no float32 copy
+    of a bf16 input."""
+    spec, shape = LAYOUTS[layout]
+    obs = quantscope.get_observer(name, spec).to("meta")
+    with _OpNames() as seen:
+        obs(torch.empty(shape, dtype=torch.bfloat16, device="meta"))
+    assert "quantscope.unit_minmax" in seen.names
+    assert "aten._to_copy" not in seen.names
+
+
+@pytest.mark.parametrize("name, spec, ops", [
+    ("histogram", QuantSpec("int8"), {"quantscope.unit_minmax", "quantscope.hist_add"}),
+    ("percentile", QuantSpec("int8", Channel(0)),
+     {"quantscope.unit_minmax", "quantscope.hist_add"}),
+    ("mse", QuantSpec("int4", Group(16)),
+     {"quantscope.unit_minmax", "quantscope.mse_price_int", "quantscope.mse_select"}),
+    ("mse", presets.NVFP4, {"quantscope.mse_price_fp", "quantscope.mse_select"}),
+    ("nvfp4_expanded_mse", presets.NVFP4, {"quantscope.mse_price_fp", "quantscope.mse_select"}),
+])
+def test_histogram_and_search_observers_call_the_ops(name, spec, ops):
+    obs = quantscope.get_observer(name, spec).to("meta")
+    with _OpNames() as seen:
+        obs(torch.empty(8, 64, device="meta"))
+    assert ops <= seen.names
+
+
+@pytest.mark.parametrize("layout", ["channel-middle", "tile", "nvfp4", "group-32"])
+def test_device_path_qparams_equal_the_cpu_observer(layout, monkeypatch):
+    """The device code path, run on the CPU through the ops' CPU implementations, gives the
+    CPU observer's qparams bit for bit."""
+    spec, shape = LAYOUTS[layout]
+    x = _x(shape, torch.bfloat16, seed=3)
+    cpu = quantscope.get_observer("minmax", spec)
+    cpu(x)
+    monkeypatch.setattr(minmax, "layout_minmax", lambda t, lay: minmax._op_layout_minmax(t, lay))
+    monkeypatch.setattr(quantscope.observers.base, "layout_minmax",
+                        lambda t, lay: minmax._op_layout_minmax(t, lay))
+    dev = quantscope.get_observer("minmax", spec)
+    dev(x)
+    a, b = cpu.calculate_qparams(), dev.calculate_qparams()
+    assert torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
