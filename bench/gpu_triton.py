@@ -13,18 +13,19 @@ observer); the int4 per-channel MSE search fused on the device (candidates price
 and llm-compressor 0.14's ``memoryless_mse`` (its Triton backend on CUDA; carried as wheels by
 bench/gpu_wheels.sh), with each one's total squared error; the histogram observe (8 growing
 bf16 batches) against torch.ao's ``HistogramObserver`` on the same device; a layer's seven
-weights in one grouped launch (``quantscope::grouped_unit_minmax``).
+weights in one grouped launch (``quantscope::grouped_unit_minmax``); the NVFP4 block-scale
+search on a 2 size x size weight against llm-compressor's ``nvfp4_expanded_mse`` and
+ModelOpt's Triton fp8-scale sweep (bench/gpu_nvfp4.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
-import statistics
-import time
 
 import torch
 from common import Table
+from gpu_nvfp4 import bench_nvfp4
+from gpu_timing import device_name, device_seconds, us, wall_medians
 
 import quantscope as qs
 from quantscope import QuantSpec
@@ -36,48 +37,6 @@ from quantscope.qparams import amax_of_range, qparams_from_range
 from quantscope.scales import nvfp4_global_scale
 from quantscope.stats import histogram as H
 from quantscope.stats.hist_ops import hist_add
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def wall_medians(fns: dict, device, repeat: int, warmup: int) -> dict:
-    """Median seconds of each callable, calls interleaved, each synchronized."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    samples = {k: [] for k in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            samples[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def device_seconds(fn, device, calls: int = 3) -> float | None:
-    """The CUDA kernels' own time of one call (mean of ``calls``), None off CUDA."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    _sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        _sync(device)
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / calls / 1e6
-
-
-def _us(s):
-    return None if s is None else 1e6 * s
-
 
 # ---- min-max + qparams ---------------------------------------------------------------------
 
@@ -123,7 +82,7 @@ def minmax_cases(w):
 
 
 def bench_minmax(size, device, repeat):
-    table = Table(f"min-max + qparams, {size} x {size} weight, {_device_name(device)}",
+    table = Table(f"min-max + qparams, {size} x {size} weight, {device_name(device)}",
                   ["case", "dtype", "aminmax wall us", "ours wall us", "wall / aminmax",
                    "aminmax device us", "ours device us", "device / aminmax",
                    "torch path wall us", "torch path / ours"])
@@ -135,9 +94,9 @@ def bench_minmax(size, device, repeat):
         for name, (ours, today) in minmax_cases(w).items():
             t = wall_medians({"floor": floor, "ours": ours, "today": today}, device, repeat, 3)
             dev = device_seconds(ours, device)
-            table.add(name, str(dtype).removeprefix("torch."), _us(t["floor"]), _us(t["ours"]),
-                      t["ours"] / t["floor"], _us(floor_dev), _us(dev),
-                      None if dev is None else dev / floor_dev, _us(t["today"]),
+            table.add(name, str(dtype).removeprefix("torch."), us(t["floor"]), us(t["ours"]),
+                      t["ours"] / t["floor"], us(floor_dev), us(dev),
+                      None if dev is None else dev / floor_dev, us(t["today"]),
                       t["today"] / t["ours"])
     table.print()
 
@@ -190,7 +149,7 @@ def _llmc_call(w):
 def bench_mse(size, device, repeat):
     spec = QuantSpec("int4", Channel(0))
     w = torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(device)
-    table = Table(f"MSE search, int4 per channel, {size} x {size} fp32, {_device_name(device)}",
+    table = Table(f"MSE search, int4 per channel, {size} x {size} fp32, {device_name(device)}",
                   ["method", "wall ms", "device ms", "total squared error", "llm-compressor / ours"])
     fns = {"quantscope fused (ops)": lambda: fused_int_search(w, spec),
            "quantscope torch path": lambda: mse_search(w, None, None, spec, backend="torch")}
@@ -222,10 +181,10 @@ def bench_grouped(size, device, repeat):
            "grouped_unit_minmax (one launch)": lambda: ops.grouped_unit_minmax(ws)}
     t = wall_medians(fns, device, repeat, 3)
     table = Table(f"a layer's 7 weights, per-channel min / max, bf16, hidden {size}, "
-                  f"{_device_name(device)}", ["method", "wall us", "device us",
+                  f"{device_name(device)}", ["method", "wall us", "device us",
                                               "wall / aminmax per weight"])
     for name, fn in fns.items():
-        table.add(name, _us(t[name]), _us(device_seconds(fn, device)),
+        table.add(name, us(t[name]), us(device_seconds(fn, device)),
                   t[name] / t["aminmax per weight"])
     table.print()
 
@@ -259,7 +218,7 @@ def bench_histogram(size, device, repeat):
     batches = [(torch.randn(16, tokens, size, generator=g) * (1 + i)).to(device, torch.bfloat16)
                for i in range(8)]  # a growing range: every batch widens it
     table = Table(f"histogram observe, 8 batches 16 x {tokens} x {size} bf16, growing range, "
-                  f"{_device_name(device)}", ["method", "wall ms", "device ms", "torch.ao / ours"])
+                  f"{device_name(device)}", ["method", "wall ms", "device ms", "torch.ao / ours"])
     fns = {"quantscope native histogram (ops)": lambda: native_hist_observe(batches),
            "torch.ao HistogramObserver": lambda: torch_ao_observe(batches)}
     t = wall_medians(fns, device, repeat, 1)
@@ -271,10 +230,6 @@ def bench_histogram(size, device, repeat):
     print("The native histogram is quantscope's (aligned power-of-two grids, exact merges), not "
           "torch.ao's algorithm: its qparams are not torch.ao's. The torch.ao-compatible observer "
           "(compat) has no Triton kernel yet.\n")
-
-
-def _device_name(device):
-    return torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
 
 
 def main():
@@ -291,13 +246,13 @@ def main():
 
     versions = {m: getattr(__import__(m), "__version__", "?") for m in ("torch", "triton")
                 if importlib.util.find_spec(m)}
-    print(f"{_device_name(device)}; {versions}; CUDA {torch.version.cuda}\n")
+    print(f"{device_name(device)}; {versions}; CUDA {torch.version.cuda}\n")
     bench_minmax(a.size, device, a.repeat)
     bench_grouped(a.size, device, a.repeat)
     bench_mse(a.size, device, max(3, a.repeat // 3))
     bench_histogram(a.size, device, max(3, a.repeat // 5))
-    print("Not measured by this script yet (issue 35): the NVFP4 block-scale search and the "
-          "whole-model rows (no fused kernels for them yet).")
+    bench_nvfp4(a.size, device, max(3, a.repeat // 3))
+    print("Not measured by this script yet (issue 35): the whole-model rows.")
 
 
 if __name__ == "__main__":
