@@ -242,10 +242,15 @@ def main():
     if device.type == "cuda" and not torch.cuda.is_available():
         print("(no CUDA device: skipped)")
         return
-    import importlib.util
+    from importlib import metadata
 
-    versions = {m: getattr(__import__(m), "__version__", "?") for m in ("torch", "triton")
-                if importlib.util.find_spec(m)}
+    versions = {}
+    for dist in ("torch", "triton", "transformers", "llmcompressor", "compressed-tensors",
+                 "nvidia-modelopt"):  # the peers: from the wheelhouse on a device run
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = "absent"
     print(f"{device_name(device)}; {versions}; CUDA {torch.version.cuda}\n")
     bench_minmax(a.size, device, a.repeat)
     bench_grouped(a.size, device, a.repeat)
