@@ -15,15 +15,20 @@ bench/gpu_wheels.sh), with each one's total squared error; the histogram observe
 bf16 batches) against torch.ao's ``HistogramObserver`` on the same device; a layer's seven
 weights in one grouped launch (``quantscope::grouped_unit_minmax``); the NVFP4 block-scale
 search on a 2 size x size weight against llm-compressor's ``nvfp4_expanded_mse`` and
-ModelOpt's Triton fp8-scale sweep (bench/gpu_nvfp4.py).
+ModelOpt's Triton fp8-scale sweep (bench/gpu_nvfp4.py); a random-weight ~1.2 B Llama's
+calibration against its plain forward and llm-compressor's ``oneshot`` (bench/gpu_model.py).
+A row that fails prints its traceback; the others still run.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+import traceback
 
 import torch
 from common import Table
+from gpu_model import bench_model
 from gpu_nvfp4 import bench_nvfp4
 from gpu_timing import device_name, device_seconds, us, wall_medians
 
@@ -232,16 +237,10 @@ def bench_histogram(size, device, repeat):
           "(compat) has no Triton kernel yet.\n")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--size", type=int, default=4096)
-    ap.add_argument("--repeat", type=int, default=15)
-    a = ap.parse_args()
-    device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("(no CUDA device: skipped)")
-        return
+ROWS = ("minmax", "grouped", "mse", "histogram", "nvfp4", "model")
+
+
+def _versions() -> dict:
     from importlib import metadata
 
     versions = {}
@@ -251,13 +250,48 @@ def main():
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[dist] = "absent"
-    print(f"{device_name(device)}; {versions}; CUDA {torch.version.cuda}\n")
-    bench_minmax(a.size, device, a.repeat)
-    bench_grouped(a.size, device, a.repeat)
-    bench_mse(a.size, device, max(3, a.repeat // 3))
-    bench_histogram(a.size, device, max(3, a.repeat // 5))
-    bench_nvfp4(a.size, device, max(3, a.repeat // 3))
-    print("Not measured by this script yet (issue 35): the whole-model rows.")
+    return versions
+
+
+def _run_row(name, fn, *args):
+    """One row; a failure prints its traceback and the next rows still run (one device call
+    has to bring back every table it can)."""
+    t0 = time.perf_counter()
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        print(f"row {name} failed:\n```\n{traceback.format_exc()[-3000:]}```\n")
+    print(f"(row {name}: {time.perf_counter() - t0:.1f} s)\n", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", type=int, default=4096, help="the weights' width (rows 1-5)")
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--model-size", type=int, default=None,
+                    help="the whole-model row's hidden size (default size / 2: 2048, ~1.2 B "
+                         "parameters; under 2048: 2 layers and 16 x 64 tokens)")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"which rows, of {','.join(ROWS)}")
+    a = ap.parse_args()
+    rows = a.rows.split(",")
+    if unknown := set(rows) - set(ROWS):
+        ap.error(f"--rows: unknown {sorted(unknown)}; expected some of {','.join(ROWS)}")
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("(no CUDA device: skipped)")
+        return
+    print(f"{device_name(device)}; {_versions()}; CUDA {torch.version.cuda}\n")
+    hidden = a.model_size or a.size // 2
+    tokens = (64, 512) if hidden >= 2048 else (16, 64)
+    calls = {"minmax": (bench_minmax, a.size, device, a.repeat),
+             "grouped": (bench_grouped, a.size, device, a.repeat),
+             "mse": (bench_mse, a.size, device, max(3, a.repeat // 3)),
+             "histogram": (bench_histogram, a.size, device, max(3, a.repeat // 5)),
+             "nvfp4": (bench_nvfp4, a.size, device, max(3, a.repeat // 3)),
+             "model": (bench_model, hidden, device, *tokens)}
+    for name in rows:
+        _run_row(name, *calls[name])
 
 
 if __name__ == "__main__":
