@@ -10,8 +10,11 @@
 # Logs go to $OUT (default /tmp/gpu-check); the benches' results, under bench/run.py's header, to
 # $OUT/results/{gpu,cuda}.txt: copy them into bench/results/, then `make bench-docs`.
 # Usage: bash bench/gpu_check.sh
-# STEPS picks the steps, in this order: triton, bench35 (issue 35's, the default: about 2-4
-# minutes with the kernels' compiles), cuda, bench19 (issue 19's: up to 7.5 more minutes).
+# STEPS picks the steps, in this order: triton, bench35 (issue 35's, the default: about 3-6
+# minutes with the kernels' compiles; by estimate bench35 alone 2-4 minutes on an H200, the
+# NVFP4 and whole-model rows about half of it: BENCH35_TIMEOUT 360 s, so both steps fit one
+# 600 s device call), cuda, bench19 (issue 19's: up to 7.5 more minutes).
+# QUANTSCOPE_GPU_ROWS=nvfp4,model (say) reruns only those rows of bench35.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -38,7 +41,7 @@ if [[ $steps == *,triton,* ]]; then
         | tee "$out/triton_tests.log" | tail -15
 fi
 if [[ $steps == *,bench35,* ]]; then
-    timeout "${BENCH35_TIMEOUT:-240}" "$py" bench/run.py --results "$out/results" gpu 2>&1 \
+    timeout "${BENCH35_TIMEOUT:-360}" "$py" bench/run.py --results "$out/results" gpu 2>&1 \
         | tee "$out/gpu_triton.log"
 fi
 # test files that import a package absent there (the peers, the demo data) fail to collect:

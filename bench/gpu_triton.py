@@ -23,6 +23,7 @@ A row that fails prints its traceback; the others still run.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import traceback
 
@@ -272,7 +273,9 @@ def main():
     ap.add_argument("--model-size", type=int, default=None,
                     help="the whole-model row's hidden size (default size / 2: 2048, ~1.2 B "
                          "parameters; under 2048: 2 layers and 16 x 64 tokens)")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"which rows, of {','.join(ROWS)}")
+    ap.add_argument("--rows", default=os.environ.get("QUANTSCOPE_GPU_ROWS", ",".join(ROWS)),
+                    help=f"which rows, of {','.join(ROWS)} (default: $QUANTSCOPE_GPU_ROWS or "
+                         "all; bench/run.py passes no arguments)")
     a = ap.parse_args()
     rows = a.rows.split(",")
     if unknown := set(rows) - set(ROWS):
