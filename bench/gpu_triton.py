@@ -7,12 +7,14 @@ floor and the peers, printed as markdown tables for docs/benchmarks.md.
 Wall time: the median over interleaved calls (A B A B ...), each synchronized. Device time:
 the sum of the CUDA kernels' own times in one call (torch.profiler), the figure to hold to
 one ``torch.aminmax``. Rows: min-max + qparams per channel / group-128 / MXFP4 / NVFP4 (fp32
-and bf16) against one ``torch.aminmax`` and today's torch path (the memoryless min-max
-observer); the int4 per-channel MSE search fused on the device (candidates priced by
+and bf16) by the ops against one ``torch.aminmax`` and the memoryless min-max observer
+(forward + ``calculate_qparams``, which calls the same ops and reads the non-finite flag back);
+the int4 per-channel MSE search (``mse_search``'s default engine on CUDA: candidates priced by
 ``quantscope::mse_price_int``, chosen by ``quantscope::mse_select``) against the torch path
 and llm-compressor 0.14's ``memoryless_mse`` (its Triton backend on CUDA; carried as wheels by
-bench/gpu_wheels.sh), with each one's total squared error; the histogram observe (8 growing
-bf16 batches) against torch.ao's ``HistogramObserver`` on the same device; a layer's seven
+bench/gpu_wheels.sh), with each one's total squared error; the histogram observe + qparams (8
+growing bf16 batches; the native observer and the torch.ao compat class) against torch.ao's
+``HistogramObserver`` on the same device; a layer's seven
 weights in one grouped launch (``quantscope::grouped_unit_minmax``); the NVFP4 block-scale
 search on a 2 size x size weight against llm-compressor's ``nvfp4_expanded_mse`` and
 ModelOpt's Triton fp8-scale sweep (bench/gpu_nvfp4.py); a random-weight ~1.2 B Llama's
@@ -41,8 +43,6 @@ from quantscope.kernels import ops
 from quantscope.layout import Channel, Group
 from quantscope.qparams import amax_of_range, qparams_from_range
 from quantscope.scales import nvfp4_global_scale
-from quantscope.stats import histogram as H
-from quantscope.stats.hist_ops import hist_add
 
 # ---- min-max + qparams ---------------------------------------------------------------------
 
@@ -62,7 +62,7 @@ def _nvfp4(units, min_scale):
     return ops.nvfp4_block_scales(lo, hi, gs, "fp4_e2m1", min_scale)
 
 
-def _today(spec, w):
+def _observer(spec, w):
     obs = qs.get_observer("memoryless_minmax", spec).to(w.device)
 
     def call():
@@ -72,61 +72,44 @@ def _today(spec, w):
 
 
 def minmax_cases(w):
-    """name -> (ours, today's torch path) callables on the weight ``w``."""
+    """name -> (ours, the min-max observer) callables on the weight ``w``."""
     specs = {"channel int8": QuantSpec("int8", Channel(0)),
              "group-128 int4": QuantSpec("int4", Group(128)),
              "MXFP4": qs.presets.MXFP4, "NVFP4": qs.presets.NVFP4}
     return {
         "channel int8": (lambda: _int_qparams(w, specs["channel int8"]),
-                         _today(specs["channel int8"], w)),
+                         _observer(specs["channel int8"], w)),
         "group-128 int4": (lambda: _int_qparams(w.view(-1, 128), specs["group-128 int4"]),
-                           _today(specs["group-128 int4"], w)),
-        "MXFP4": (lambda: _mx(w.view(-1, 32)), _today(specs["MXFP4"], w)),
+                           _observer(specs["group-128 int4"], w)),
+        "MXFP4": (lambda: _mx(w.view(-1, 32)), _observer(specs["MXFP4"], w)),
         "NVFP4": (lambda: _nvfp4(w.view(-1, 16), specs["NVFP4"].min_scale),
-                  _today(specs["NVFP4"], w)),
+                  _observer(specs["NVFP4"], w)),
     }
 
 
 def bench_minmax(size, device, repeat):
     table = Table(f"min-max + qparams, {size} x {size} weight, {device_name(device)}",
-                  ["case", "dtype", "aminmax wall us", "ours wall us", "wall / aminmax",
-                   "aminmax device us", "ours device us", "device / aminmax",
-                   "torch path wall us", "torch path / ours"])
+                  ["case", "dtype", "aminmax wall us", "ops wall us", "ops wall / aminmax",
+                   "aminmax device us", "ops device us", "ops device / aminmax",
+                   "observer wall us", "observer wall / aminmax", "observer device / aminmax"])
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
         floor = lambda w=w: torch.aminmax(w)
         floor_dev = device_seconds(floor, device)
-        for name, (ours, today) in minmax_cases(w).items():
-            t = wall_medians({"floor": floor, "ours": ours, "today": today}, device, repeat, 3)
-            dev = device_seconds(ours, device)
+        for name, (ours, observer) in minmax_cases(w).items():
+            t = wall_medians({"floor": floor, "ours": ours, "observer": observer}, device,
+                             repeat, 3)
+            dev, obs_dev = device_seconds(ours, device), device_seconds(observer, device)
             table.add(name, str(dtype).removeprefix("torch."), us(t["floor"]), us(t["ours"]),
                       t["ours"] / t["floor"], us(floor_dev), us(dev),
-                      None if dev is None else dev / floor_dev, us(t["today"]),
-                      t["today"] / t["ours"])
+                      None if dev is None else dev / floor_dev, us(t["observer"]),
+                      t["observer"] / t["floor"],
+                      None if obs_dev is None else obs_dev / floor_dev)
     table.print()
 
 
 # ---- the int4 per-channel MSE search -------------------------------------------------------
-
-def fused_int_search(units, spec, *, grid=100, maxshrink=0.2, extend_to=0.5, patience=5):
-    """The native search (per-unit patience, the min-max incumbent, the extension down to
-    ``1 - extend_to``) fused on the device: every candidate's qparams, one pricing op, one
-    selection op. ``(lo, hi, error)``."""
-    lo, hi = ops.unit_minmax(units)
-    steps, total = int(maxshrink * grid), int(extend_to * grid)
-    # the factors as estimators.mse makes them (Python floats, then float32)
-    f = torch.tensor([1 - i / grid for i in range(total)], device=units.device)[:, None]
-    qp = qparams_from_range(lo[None] * f, hi[None] * f, spec, check_finite=False)
-    sc = qp.effective_scale.expand(total, -1).contiguous()
-    zp = qp.zero_point.expand(total, -1).contiguous()
-    err = ops.mse_price_int(units, sc, zp, float(spec.qmin), float(spec.qmax))
-    same = torch.ones_like(err, dtype=torch.bool)  # row 0 is the incumbent's qparams
-    same[1:] = (sc[1:] == sc[:-1]) & (zp[1:] == zp[:-1])
-    idx, best = ops.mse_select(err, same, err[0], steps, patience, True, True, False)
-    pick = f[idx.clamp(min=0), 0]
-    return lo * pick, hi * pick, best
-
 
 def _total_error(units, spec, lo, hi):
     qp = qparams_from_range(lo, hi, spec, check_finite=False)
@@ -157,7 +140,9 @@ def bench_mse(size, device, repeat):
     w = torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(device)
     table = Table(f"MSE search, int4 per channel, {size} x {size} fp32, {device_name(device)}",
                   ["method", "wall ms", "device ms", "total squared error", "llm-compressor / ours"])
-    fns = {"quantscope fused (ops)": lambda: fused_int_search(w, spec),
+    # the default engine: the ops on CUDA (every candidate priced by one Triton launch, one
+    # selection launch), the C kernel on the CPU
+    fns = {"quantscope mse_search (ops)": lambda: mse_search(w, None, None, spec),
            "quantscope torch path": lambda: mse_search(w, None, None, spec, backend="torch")}
     llmc, why = _llmc_call(w)
     if llmc is not None:
@@ -198,44 +183,53 @@ def bench_grouped(size, device, repeat):
 # ---- histogram observe ---------------------------------------------------------------------
 
 def native_hist_observe(batches, bins=2048):
-    """quantscope's per-tensor histogram over ``batches`` on the device: each batch's min / max
-    (``unit_minmax``), the grid change (tensor math), ``quantscope::hist_add``."""
-    state = H.empty_state(1, bins, device=batches[0].device)
+    """quantscope's native histogram observer over ``batches``, then its qparams: off the CPU
+    each batch is ``quantscope::unit_minmax``, the grid change (tensor math) and
+    ``quantscope::hist_add``."""
+    obs = qs.get_observer("histogram", QuantSpec("uint8", symmetric=False),
+                          bins=bins).to(batches[0].device)
     for b in batches:
-        units = b.reshape(1, -1)
-        lo, hi = ops.unit_minmax(units)
-        state = H.HistState(*H._update_grid(state, lo, hi, False))
-        hist_add(state.counts, units, state.exp, state.first, False)
-    return state
+        obs(b)
+    return obs.calculate_qparams()
 
 
-def torch_ao_observe(batches, bins=2048):
-    from torch.ao.quantization.observer import HistogramObserver
-
-    obs = HistogramObserver(bins=bins).to(batches[0].device)
+def ao_observe(cls, batches, bins=2048):
+    """torch.ao's ``HistogramObserver`` (or quantscope's compat class of it) over ``batches``,
+    then ``calculate_qparams``: ``(scale, zero_point)``."""
+    obs = cls(bins=bins).to(batches[0].device)
     for b in batches:
         obs(b)
     return obs.calculate_qparams()
 
 
 def bench_histogram(size, device, repeat):
+    from torch.ao.quantization.observer import HistogramObserver
+
+    from quantscope.compat.torch_ao import HistogramObserver as Compat
+
     tokens = 2048 if size >= 4096 else 256
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(16, tokens, size, generator=g) * (1 + i)).to(device, torch.bfloat16)
                for i in range(8)]  # a growing range: every batch widens it
-    table = Table(f"histogram observe, 8 batches 16 x {tokens} x {size} bf16, growing range, "
-                  f"{device_name(device)}", ["method", "wall ms", "device ms", "torch.ao / ours"])
+    table = Table(f"histogram observe + qparams, 8 batches 16 x {tokens} x {size} bf16, growing "
+                  f"range, {device_name(device)}",
+                  ["method", "wall ms", "device ms", "torch.ao / ours", "qparams = torch.ao's"])
     fns = {"quantscope native histogram (ops)": lambda: native_hist_observe(batches),
-           "torch.ao HistogramObserver": lambda: torch_ao_observe(batches)}
+           "quantscope torch.ao HistogramObserver (compat)": lambda: ao_observe(Compat, batches),
+           "torch.ao HistogramObserver": lambda: ao_observe(HistogramObserver, batches)}
     t = wall_medians(fns, device, repeat, 1)
+    ref = fns["torch.ao HistogramObserver"]()
     for name, fn in fns.items():
         d = device_seconds(fn, device, 1)
+        qp = fn()
+        same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(qp, ref))
         table.add(name, 1e3 * t[name], None if d is None else 1e3 * d,
-                  t["torch.ao HistogramObserver"] / t[name])
+                  t["torch.ao HistogramObserver"] / t[name], "yes" if same else "no")
     table.print()
-    print("The native histogram is quantscope's (aligned power-of-two grids, exact merges), not "
-          "torch.ao's algorithm: its qparams are not torch.ao's. The torch.ao-compatible observer "
-          "(compat) has no Triton kernel yet.\n")
+    print("The native histogram is quantscope's (aligned power-of-two grids, exact merges, its "
+          "own range choice), not torch.ao's algorithm: its qparams are not torch.ao's. The "
+          "compat class runs torch.ao's histogram step as torch.ao's own tensor ops off the "
+          "CPU, and its L2 search vectorized.\n")
 
 
 ROWS = ("minmax", "grouped", "mse", "histogram", "nvfp4", "model")
