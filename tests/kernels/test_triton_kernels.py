@@ -21,9 +21,15 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from quantscope import QuantSpec
 from quantscope.formats import get_format
 from quantscope.kernels import triton as qs_triton
+from quantscope.kernels.triton._jit import LAUNCH, fake_quant_fp, fp_round
 from quantscope.layout import Block
 from quantscope.qdq import fake_quantize_units
 from quantscope.qparams import qparams_from_range
@@ -32,8 +38,10 @@ from quantscope.scales import E8M0_MODES
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 # the interpreter computes with numpy, which warns where float32 overflows to inf (a
-# candidate past float32's max: the torch path overflows alike, and both saturate)
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# candidate past float32's max: the torch path overflows alike, and both saturate) and where
+# NaN or inf elements make NaN (inf / inf: torch makes it alike)
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +254,169 @@ def test_mse_price_int(device, spec, U, E, blocks):
     assert got.dtype == torch.float64 and got.shape == want.shape
     # the float64 sum of exact squares: equal up to its order (the C kernel's contract)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0)
+
+
+# ---- float element formats: rounding, fake-quant and pricing ------------------------------
+
+FP_FORMATS = ["fp4_e2m1", "fp6_e3m2", "fp6_e2m3", "fp8_e4m3", "fp8_e5m2"]
+
+
+@triton.jit
+def _fp_kernel(x_ptr, s_ptr, out_ptr, n, fmax, min_exp, mbits, SCALED: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """The jit helpers alone, element by element: ``fp_round(x)`` or ``fake_quant_fp(x, s)``."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if SCALED:
+        s = tl.load(s_ptr + offs, mask=mask, other=1.0)
+        out = fake_quant_fp(x, s, fmax, min_exp, mbits)
+    else:
+        out = fp_round(x, fmax, min_exp, mbits)
+    tl.store(out_ptr + offs, out, mask=mask)
+
+
+def _fp_helper(device, fmt, x, s=None) -> torch.Tensor:
+    x = x.to(device)
+    out = torch.empty_like(x)
+    _fp_kernel[(triton.cdiv(x.numel(), 4096),)](
+        x, x if s is None else s.to(device), out, x.numel(), fmt.max, fmt.min_exp, fmt.mbits,
+        SCALED=s is not None, BLOCK=4096, **LAUNCH)
+    return out
+
+
+def _every_bfloat16() -> torch.Tensor:
+    """All 65536 bfloat16 values as float32: +-0, subnormals, every binade, +-inf, NaNs."""
+    codes = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    return codes.view(torch.bfloat16).float()
+
+
+def _assert_bitwise_nan(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit (the sign of zero included), but any NaN for a NaN: a GPU's division
+    returns its canonical NaN where torch on the CPU keeps the payload."""
+    got, want = got.cpu(), want.cpu()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    _assert_bitwise(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("name", FP_FORMATS)
+def test_fp_round_every_bfloat16(device, name):
+    """``_jit.fp_round`` is ``FloatFormat.round`` on every bfloat16 value: ties to even,
+    subnormals, saturation at +-max (inf too), NaN kept, -0.0 kept."""
+    fmt = get_format(name)
+    x = _every_bfloat16()
+    _assert_bitwise_nan(_fp_helper(device, fmt, x), fmt.round(x))
+
+
+@pytest.mark.parametrize("name", FP_FORMATS)
+def test_fake_quant_fp_every_bfloat16(device, name):
+    """``_jit.fake_quant_fp`` is ``fake_quantize_units`` of the float format on every bfloat16
+    value, under E8M0-like (powers of two, subnormal ones included) and NVFP4-like (any
+    float32) scales, tiny and huge ones (``x / s`` past float32's range: saturated)."""
+    fmt = get_format(name)
+    x = _every_bfloat16()
+    g = torch.Generator().manual_seed(len(name))
+    fixed = torch.tensor([2.0 ** -3, 1.0, 2.0 ** 20, 2.0 ** -130, 1e-30, 3e30, 0.0123])
+    s = torch.where(torch.rand(x.shape, generator=g) < 0.5,
+                    fixed[torch.randint(len(fixed), x.shape, generator=g)],
+                    torch.exp2(torch.rand(x.shape, generator=g) * 40 - 20))
+    want = fake_quantize_units(x[None], s[None], torch.zeros(1, 1), QuantSpec(name))[0]
+    _assert_bitwise_nan(_fp_helper(device, fmt, x, s), want)
+
+
+def _fp_scales(amax: torch.Tensor, fmt, kind: str, K: int) -> torch.Tensor:
+    """Candidate effective scales ``[K, U]`` of the ranges ``amax * f`` (f = 1 .. 0.8):
+    ``"mx"`` E8M0 powers of two, ``"nvfp4"`` e4m3 block scales over a global scale."""
+    from quantscope.formats import FP8_E4M3
+
+    want = torch.linspace(1.0, 0.8, K)[:, None] * amax[None] / fmt.max
+    if kind == "mx":
+        return torch.exp2(torch.floor(torch.log2(want)))
+    gs = FP8_E4M3.max * fmt.max / amax.max()
+    return FP8_E4M3.round(want * gs).clamp(min=2.0 ** -9) / gs
+
+
+def _fp_units(U: int, E: int, seed: int, specials: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Units of per-unit magnitudes 2 ** -8 .. 2 ** 8, and their absolute maxima before
+    ``specials`` put NaN, +-inf, an all-zero row (-0.0 in it), huge and subnormal values in."""
+    g = torch.Generator().manual_seed(seed)
+    units = torch.randn(U, E, generator=g) * torch.exp2(
+        torch.randint(-8, 9, (U, 1), generator=g).float())
+    amax = units.abs().amax(1)
+    if specials:
+        units[0, 1] = float("nan")
+        units[1, :2] = torch.tensor([float("inf"), -float("inf")])
+        units[2] = 0.0
+        units[2, ::2] = -0.0
+        units[3, :3] = torch.tensor([3e38, -3e38, 1e-40])
+    return units, amax
+
+
+def _price_fp_reference(units, scale, name):
+    """float64 sums of squared fake-quant errors, candidate by candidate (torch's rounding)."""
+    return _price_reference(units, scale, torch.zeros_like(scale), QuantSpec(name))
+
+
+@pytest.mark.parametrize("name", FP_FORMATS)
+@pytest.mark.parametrize("kind", ["mx", "nvfp4"])
+@pytest.mark.parametrize(("U", "E", "blocks"), [(5, 16, {}), (4, 32, {"block_u": 2}),
+                                                (6, 40, {}), (4, 40, {"block_e": 16})])
+def test_mse_price_fp(device, name, kind, U, E, blocks):
+    """Every candidate priced on every unit equals torch's float64 sum of its float32 errors
+    up to the order of the sum; NaN, infinite, zero and huge elements as torch."""
+    from quantscope.kernels.triton import mse
+
+    fmt = get_format(name)
+    units, amax = _fp_units(U, E, U * E + len(name), specials=U >= 4)
+    scale = _fp_scales(amax, fmt, kind, 7)
+    want = _price_fp_reference(units, scale, name)
+    got = mse.mse_price_fp(units.to(device), scale.to(device), fmt.max, fmt.min_exp, fmt.mbits,
+                           **blocks)
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", FP_FORMATS)
+def test_mse_price_fp_bitwise_where_the_sum_is_exact(device, name):
+    """Dyadic elements (multiples of 1 / 32) under power-of-two scales: every error, square
+    and float64 partial sum is exact, so the kernel's sum is torch's bit for bit."""
+    from quantscope.kernels.triton import mse
+
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(len(name))
+    units = torch.randint(-96, 97, (5, 40), generator=g).float() / 32
+    scale = torch.exp2(torch.randint(-6, 3, (6, 5), generator=g).float())
+    got = mse.mse_price_fp(units.to(device), scale.to(device), fmt.max, fmt.min_exp, fmt.mbits)
+    assert torch.equal(got.cpu(), _price_fp_reference(units, scale, name))
+
+
+def test_mse_price_fp_rows_past_one_tile(device):
+    """A row longer than ``MAX_TILE`` is walked tile by tile."""
+    from quantscope.kernels.triton import mse
+
+    fmt = get_format("fp4_e2m1")
+    units, amax = _fp_units(1, mse.MAX_TILE + 40, 3, specials=False)
+    scale = _fp_scales(amax, fmt, "nvfp4", 2)
+    got = mse.mse_price_fp(units.to(device), scale.to(device), fmt.max, fmt.min_exp, fmt.mbits)
+    torch.testing.assert_close(got.cpu(), _price_fp_reference(units, scale, "fp4_e2m1"),
+                               rtol=1e-12, atol=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(FP_FORMATS), kind=st.sampled_from(["mx", "nvfp4"]),
+       U=st.integers(1, 5), E=st.integers(1, 70), K=st.integers(1, 4),
+       block_e=st.sampled_from([None, 8, 32]), seed=st.integers(0, 2 ** 16))
+def test_mse_price_fp_property(device, name, kind, U, E, K, block_e, seed):
+    from quantscope.kernels.triton import mse
+
+    fmt = get_format(name)
+    units, amax = _fp_units(U, E, seed, specials=False)
+    scale = _fp_scales(amax.clamp(min=1e-3), fmt, kind, K)
+    got = mse.mse_price_fp(units.to(device), scale.to(device), fmt.max, fmt.min_exp, fmt.mbits,
+                           block_e=block_e)
+    torch.testing.assert_close(got.cpu(), _price_fp_reference(units, scale, name), rtol=1e-12,
+                               atol=0)
 
 
 def _select_case(K: int, U: int, seed: int, incumbent: bool):

@@ -21,16 +21,22 @@ pytest.importorskip("triton")
 
 #: kernel -> (signature, constexprs) of the launches to compile
 _F32 = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+_PRICE = {"x_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32", "out_ptr": "*fp64", "U": "i32",
+          "E": "i32", "K": "i32", "stride_u": "i32", "qmin": "fp32", "qmax": "fp32",
+          "min_exp": "i32", "mbits": "i32", "BLOCK_U": "constexpr", "BLOCK_E": "constexpr",
+          "ONE_TILE": "constexpr", "FLOAT": "constexpr"}
+_PRICE_CONST = {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True}
 CASES = {
     "fakequant._fake_quant_kernel": (
         {"x_ptr": "*bf16", "s_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32", "U": "i32",
          "E": "i32", "stride_u": "i32", "stride_e": "i32", "qmin": "fp32", "qmax": "fp32",
          "BLOCK_U": "constexpr", "BLOCK_E": "constexpr"}, {"BLOCK_U": 4, "BLOCK_E": 1024}),
-    "mse._price_kernel": (
-        {"x_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32", "out_ptr": "*fp64", "U": "i32",
-         "E": "i32", "K": "i32", "stride_u": "i32", "qmin": "fp32", "qmax": "fp32",
-         "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr"},
-        {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True}),
+    "mse._price_kernel": (_PRICE, {**_PRICE_CONST, "FLOAT": False}),
+    "mse._price_kernel:fp": (  # the float element formats' (MX, NVFP4): one kernel, FLOAT
+        {**_PRICE, "z_ptr": "*fp32"}, {**_PRICE_CONST, "FLOAT": True}),
+    "mse._price_kernel:fp_tiles": (  # rows past one tile
+        {**_PRICE, "z_ptr": "*fp32"}, {**_PRICE_CONST, "BLOCK_E": 1024, "ONE_TILE": False,
+                                       "FLOAT": True}),
     "block_qparams._e8m0_kernel": (
         {**_F32, "emax": "i32", "fmax": "fp32", "MODE": "constexpr", "TOP": "constexpr",
          "BLOCK_N": "constexpr"}, {"MODE": 3, "TOP": 4.0, "BLOCK_N": 1024}),
@@ -68,7 +74,7 @@ def _compile_all() -> dict:
 
     out = {}
     for name, (signature, constexprs) in CASES.items():
-        module, fn = name.split(".")
+        module, fn = name.split(":")[0].split(".")  # "module.kernel[:variant]"
         kernel = getattr(importlib.import_module(f"quantscope.kernels.triton.{module}"), fn)
         constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) else v  # "tl.<dtype>"
                       for k, v in constexprs.items()}
@@ -94,6 +100,8 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
             (name, ops)
     assert "div.rn.f32" in found["fakequant._fake_quant_kernel"]
     assert "div.rn.f32" in found["mse._price_kernel"]
+    assert "div.rn.f32" in found["mse._price_kernel:fp"]
+    assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
 
 
 if __name__ == "__main__":

@@ -33,3 +33,24 @@ def fake_quant(x, s, z, qmin, qmax):
     t = tl.minimum(tl.maximum(t, qmin, propagate_nan=tl.PropagateNan.ALL), qmax,
                    propagate_nan=tl.PropagateNan.ALL)
     return (t - z) * s
+
+
+@triton.jit
+def fp_round(t, fmax, min_exp, mbits):
+    """float32 ``t`` rounded to a float element format (``FloatFormat.round``): the step
+    ``2 ** (e - mbits)`` is ``t``'s float32 exponent field masked in place (at least
+    ``min_exp``'s: subnormals), ``t / step`` is rounded half to even and multiplied back
+    (both exact), and the clamp saturates at ``+-fmax`` (inf included; NaN kept, as
+    ``torch.clamp``). NaN and inf read the all-ones field: a finite step, as in torch."""
+    field = tl.maximum(t.to(tl.int32, bitcast=True) & 0x7F800000, (min_exp + 127) << 23)
+    step = (field - (mbits << 23)).to(tl.float32, bitcast=True)
+    q = rint(tl.math.div_rn(t, step)) * step
+    return tl.minimum(tl.maximum(q, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def fake_quant_fp(x, s, fmax, min_exp, mbits):
+    """``fp_round(x / s) * s``: ``qdq.fake_quantize_units`` of a float element format (zero
+    point 0) under the effective scale ``s``, each float32 step rounded as its torch op."""
+    return fp_round(tl.math.div_rn(x, s), fmax, min_exp, mbits) * s

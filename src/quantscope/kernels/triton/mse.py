@@ -1,12 +1,15 @@
 """The MSE grid search's pricing, fused over candidates (Triton): the squared fake-quant
-error of every candidate ``(scale, zero_point)`` on every unit, integer formats.
+error of every candidate ``(scale, zero_point)`` on every unit: integer formats
+(``mse_price_int``) and float element formats (``mse_price_fp``: fp8 / fp6 / fp4 elements
+under per-unit effective scales, MX and NVFP4 blocks; zero point 0). One kernel prices both
+(``FLOAT`` picks the element rounding), so their sums cannot drift apart.
 
 ``err[k, u] = sum_e d ** 2``, ``d = fake_quant(x, scale[k, u], zp[k, u]) - x`` in float32
-rounded as ``qdq.fake_quantize_units`` (``_jit.fake_quant``), squared exactly in
-float64 and summed in float64: torch's float64 sum of its float32 errors up to the order
-of the sum (tests: 1e-12). The C kernel (``csrc/mse_search.c``, ``qs_mse_price``) sums a few
-float32 squares per SIMD lane before its float64 sum, so the two agree to ~5e-7 (its
-tests' bound), not bit for bit.
+rounded as ``qdq.fake_quantize_units`` (``_jit.fake_quant``, ``_jit.fake_quant_fp``),
+squared exactly in float64 and summed in float64: torch's float64 sum of its float32 errors
+up to the order of the sum (tests: 1e-12). The C kernel (``csrc/mse_search.c``,
+``qs_mse_price`` / ``qs_mse_price_fp``) sums float32 squares, so the two agree to ~5e-7
+(its tests' bound), not bit for bit.
 
 A program takes ``BLOCK_U`` units. Rows that fit one tile (``E <= BLOCK_E``) are loaded
 once and every candidate is priced on them in registers; longer rows are walked once per
@@ -22,17 +25,33 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, fake_quant
+from ._jit import LAUNCH, fake_quant, fake_quant_fp
 
-__all__ = ["mse_price_int", "mse_select"]
+__all__ = ["mse_price_fp", "mse_price_int", "mse_select"]
 
 #: the longest row priced from registers (one tile per unit)
 MAX_TILE = 8192
 
 
 @triton.jit
-def _price_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, qmin, qmax,
-                  BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr, ONE_TILE: tl.constexpr):
+def _candidate_error(x, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
+                     FLOAT: tl.constexpr):
+    """float64 ``fake_quant(x) - x`` under candidate ``k`` of rows ``rows``: an integer
+    format's (``z_ptr``: int32 zero points), or a float element format's (zero point 0,
+    ``qmax`` its max; ``z_ptr`` not read)."""
+    s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
+    if FLOAT:
+        q = fake_quant_fp(x, s, qmax, min_exp, mbits)
+    else:
+        z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
+        q = fake_quant(x, s, z, qmin, qmax)
+    return (q - x).to(tl.float64)
+
+
+@triton.jit
+def _price_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, qmin, qmax, min_exp, mbits,
+                  BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr, ONE_TILE: tl.constexpr,
+                  FLOAT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     rmask = rows < U
     base = x_ptr + rows[:, None].to(tl.int64) * stride_u
@@ -41,31 +60,25 @@ def _price_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, qmin, qmax,
         mask = rmask[:, None] & (cols[None, :] < E)
         x = tl.load(base + cols[None, :], mask=mask, other=0.0)
         for k in range(K):
-            s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
-            z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
-            d = (fake_quant(x, s, z, qmin, qmax) - x).to(tl.float64)
+            d = _candidate_error(x, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
+                                 FLOAT)
             tl.store(out_ptr + k * U + rows, tl.sum(tl.where(mask, d * d, 0.0), axis=1),
                      mask=rmask)
     else:
         for k in range(K):
-            s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
-            z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
             acc = tl.zeros([BLOCK_U, BLOCK_E], tl.float64)
             for e0 in range(0, E, BLOCK_E):
                 cols = e0 + tl.arange(0, BLOCK_E)
                 mask = rmask[:, None] & (cols[None, :] < E)
                 x = tl.load(base + cols[None, :], mask=mask, other=0.0)
-                d = (fake_quant(x, s, z, qmin, qmax) - x).to(tl.float64)
+                d = _candidate_error(x, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
+                                     mbits, FLOAT)
                 acc += tl.where(mask, d * d, 0.0)
             tl.store(out_ptr + k * U + rows, tl.sum(acc, axis=1), mask=rmask)
 
 
-def mse_price_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-                  qmin: float, qmax: float, *, block_u: int | None = None,
-                  block_e: int | None = None) -> torch.Tensor:
-    """Float64 ``[K, U]`` squared errors of candidates ``scale`` (float32 ``[K, U]``) and
-    ``zero_point`` (int32 ``[K, U]``), both contiguous, on float32 ``units [U, E]`` whose rows
-    are contiguous."""
+def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_e):
+    """The launch both element kinds share: ``zero_point`` None for a float format."""
     U, E = units.shape
     K = scale.shape[0]
     out = torch.empty((K, U), dtype=torch.float64, device=units.device)
@@ -74,10 +87,31 @@ def mse_price_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     one_tile = block_e is None and E <= MAX_TILE
     be = block_e or (triton.next_power_of_2(max(E, 1)) if one_tile else 1024)
     bu = block_u or max(1, min(triton.next_power_of_2(U), 2048 // be))
-    _price_kernel[(triton.cdiv(U, bu),)](units, scale, zero_point, out, U, E, K,
-                                         units.stride(0), float(qmin), float(qmax), BLOCK_U=bu,
-                                         BLOCK_E=be, ONE_TILE=one_tile, **LAUNCH)
+    is_float = zero_point is None
+    _price_kernel[(triton.cdiv(U, bu),)](
+        units, scale, scale if is_float else zero_point, out, U, E, K, units.stride(0),
+        float(qmin), float(qmax), int(min_exp), int(mbits), BLOCK_U=bu, BLOCK_E=be,
+        ONE_TILE=one_tile, FLOAT=is_float, **LAUNCH)
     return out
+
+
+def mse_price_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                  qmin: float, qmax: float, *, block_u: int | None = None,
+                  block_e: int | None = None) -> torch.Tensor:
+    """Float64 ``[K, U]`` squared errors of candidates ``scale`` (float32 ``[K, U]``) and
+    ``zero_point`` (int32 ``[K, U]``), both contiguous, on float32 ``units [U, E]`` whose rows
+    are contiguous."""
+    return _price(units, scale, zero_point, qmin, qmax, 0, 0, block_u, block_e)
+
+
+def mse_price_fp(units: torch.Tensor, scale: torch.Tensor, fmax: float, min_exp: int,
+                 mbits: int, *, block_u: int | None = None,
+                 block_e: int | None = None) -> torch.Tensor:
+    """Float64 ``[K, U]`` squared errors of candidate effective scales ``scale`` (float32
+    ``[K, U]``, contiguous) under a float element format (``FloatFormat``'s ``max``,
+    ``min_exp`` and ``mbits``; zero point 0) on float32 ``units [U, E]`` whose rows are
+    contiguous."""
+    return _price(units, scale, None, -fmax, fmax, min_exp, mbits, block_u, block_e)
 
 
 @triton.jit
