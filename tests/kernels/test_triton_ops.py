@@ -25,6 +25,7 @@ def _cases(device="cpu"):
     f = torch.tensor([[1.0], [0.9], [0.8]])
     cand = qparams_from_range(lo[None] * f, hi[None] * f, QuantSpec("int4", symmetric=False))
     scale, zp = torch.rand(6, generator=g) + 0.05, torch.randint(-3, 3, (6,), generator=g).float()
+    mx = torch.exp2(torch.floor(torch.log2(hi.abs().maximum(lo.abs())[None] * f / 6.0)))
     cases = {
         "unit_minmax": (ops.unit_minmax, (u,)),
         "unit_minmax_bf16": (ops.unit_minmax, (u.bfloat16(),)),
@@ -32,6 +33,7 @@ def _cases(device="cpu"):
         "grouped_unit_minmax": (ops.grouped_unit_minmax, ([u, u[:4, :7], u.t()],)),
         "fake_quant_int": (ops.fake_quant_int, (u, scale, zp, -8.0, 7.0)),
         "mse_price_int": (ops.mse_price_int, (u, cand.scale, cand.zero_point, -8.0, 7.0)),
+        "mse_price_fp": (ops.mse_price_fp, (u, mx, 6.0, 0, 1)),  # fp4_e2m1, E8M0 scales
         "mse_select": (ops.mse_select, (torch.rand(5, 6, generator=g, dtype=torch.float64),
                                         torch.rand(5, 6, generator=g) < 0.3,
                                         torch.ones(6, dtype=torch.float64), 4, 2, True, True,
@@ -108,6 +110,17 @@ def test_one_graph_under_compile():
     (lambda: ops.mse_price_int(torch.zeros(3, 4), torch.ones(2, 4),
                                torch.zeros(2, 4, dtype=torch.int32), -8.0, 7.0),
      r"scale must be a torch.float32 \[candidates, 3\]"),
+    (lambda: ops.mse_price_fp(torch.zeros(3, 4).double(), torch.ones(2, 3), 6.0, 0, 1),
+     "mse_price_fp: units must be a 2-D float32"),
+    (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 4), 6.0, 0, 1),
+     r"mse_price_fp: scale must be a torch.float32 \[candidates, 3\] tensor on cpu, got"),
+    (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 3), 0.0, 0, 1),
+     "fmax must be the format's largest value"),
+    (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 3), float("inf"), 0, 1),
+     "fmax must be"),
+    (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 3), 6.0, 0, 24), "mbits must be"),
+    (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 3), 6.0, -130, 1),
+     r"min_exp must be in \[mbits - 126, 127\]"),
     (lambda: ops.mse_select(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), 2, 1, True,
                             True, False), "same must be a bool tensor"),
     (lambda: ops.mse_select(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool),
@@ -129,6 +142,57 @@ def test_one_graph_under_compile():
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+FP_FORMATS = ["fp4_e2m1", "fp6_e3m2", "fp6_e2m3", "fp8_e4m3", "fp8_e5m2"]
+
+
+def _fp_case(name: str, device="cpu"):
+    """Units with NaN / inf / zero / huge elements and NVFP4-like candidate scales (e4m3
+    block scales over a global scale): the op's arguments for format ``name``."""
+    from quantscope.formats import FP8_E4M3, get_format
+
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(len(name))
+    u = torch.randn(7, 48, generator=g) * torch.exp2(torch.randint(-6, 7, (7, 1), generator=g))
+    amax = u.abs().amax(1)
+    u[0, 3], u[1, :2], u[2] = float("nan"), torch.tensor([float("inf"), 3e38]), 0.0
+    gs = FP8_E4M3.max * fmt.max / amax.max()
+    f = torch.linspace(1.0, 0.8, 5)[:, None]
+    scale = FP8_E4M3.round(amax[None] * f / fmt.max * gs).clamp(min=2.0 ** -9) / gs
+    return u.to(device), scale.to(device), fmt.max, fmt.min_exp, fmt.mbits
+
+
+@pytest.mark.parametrize("name", FP_FORMATS)
+def test_mse_price_fp_cpu_is_the_c_kernel(name):
+    """On the CPU the op is the C kernel (``estimators.mse_kernel.price``, bit for bit) where
+    it is built; its torch path (units not contiguous) sums exact float64 squares, the C
+    kernel float32 squares: they agree to 5e-7 (NaN and inf alike)."""
+    from quantscope import kernels
+    from quantscope.estimators import mse_kernel
+
+    u, scale, *fmt = _fp_case(name)
+    got = ops.mse_price_fp(u, scale, *fmt)
+    strided = torch.empty(u.shape[1], u.shape[0]).t().copy_(u)  # the torch path
+    torch_path = ops.mse_price_fp(strided, scale, *fmt)
+    assert got.dtype == torch.float64 and got.shape == scale.shape
+    if not kernels.available("mse_search"):
+        pytest.skip("the C kernels are not built here")
+    want = mse_kernel.price(u, scale, torch.zeros(1, 1), QuantSpec(name))
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    torch.testing.assert_close(torch_path, got, rtol=5e-7, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", FP_FORMATS)
+def test_mse_price_fp_cuda_equals_cpu(name):
+    """The Triton kernel (CUDA) against the CPU op: the C kernel's bound (5e-7), NaN and inf
+    where the CPU has them."""
+    u, scale, *fmt = _fp_case(name)
+    want = ops.mse_price_fp(u, scale, *fmt)
+    got = ops.mse_price_fp(u.cuda(), scale.cuda(), *fmt)
+    torch.testing.assert_close(got.cpu(), want, rtol=5e-7, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("spec", [QuantSpec("int4", Channel(0)),

@@ -15,11 +15,13 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
 * ``fake_quant_int(units, scale, zero_point, qmin, qmax) -> out``: integer fake-quantization
   of ``units [U, E]`` with float32 per-unit ``scale`` / ``zero_point`` ``[U]``; float32
   ``[U, E]`` (``qdq.fake_quantize_units``).
-* ``mse_price_int(units, scale, zero_point, qmin, qmax) -> err``: the MSE search's pricing,
-  float64 ``[K, U]`` squared fake-quant errors of candidates ``scale`` (float32) /
-  ``zero_point`` (int32) ``[K, U]`` on float32 ``units [U, E]`` (the C kernel on the CPU;
-  the CUDA kernel sums exact float64 squares, the C one float32 squares a few at a time
-  first: they agree to ~5e-7, not bit for bit).
+* ``mse_price_int(units, scale, zero_point, qmin, qmax) -> err`` and ``mse_price_fp(units,
+  scale, fmax, min_exp, mbits) -> err``: the MSE search's pricing, float64 ``[K, U]`` squared
+  fake-quant errors of every candidate on float32 ``units [U, E]``, integer formats (scale
+  float32, zero_point int32 ``[K, U]``) and float element formats (``FloatFormat``'s max,
+  min_exp, mbits; effective scales float32 ``[K, U]``): defined in :mod:`.price_ops` (the
+  C kernel on the CPU; the CUDA kernel sums exact float64 squares, the C one float32
+  squares: they agree to ~5e-7, not bit for bit).
 * ``mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last)
   -> (idx, best)``: the search's selection rules (``estimators.mse_tiles._State``) over the
   priced ``[K, U]`` candidates: ``same[k, u]``, candidate ``k``'s qparams equal the previous
@@ -35,23 +37,19 @@ Bad input raises ``ValueError`` naming the argument, on every device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from ..formats import FP8_E4M3, INT8, FloatFormat, get_format
+from ..formats import FP8_E4M3, FloatFormat, get_format
 from ..qdq import fake_quantize_units
 from ..qparams import amax_of_range
 from ..qparams import nvfp4_block_scales as _nvfp4_torch
 from ..scales import E8M0_MODES, e8m0_scale
-from . import lib as _c_lib
-from . import plain as _plain
-from . import threads as _threads
 from . import triton as _triton
+from .price_ops import _IntBounds, mse_price_fp, mse_price_int
 
-__all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "mse_price_int",
-           "mse_select", "nvfp4_block_scales", "unit_minmax"]
+__all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "mse_price_fp",
+           "mse_price_int", "mse_select", "nvfp4_block_scales", "unit_minmax"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -173,16 +171,6 @@ def _(units):
 
 # ---- fake_quant_int ------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _IntBounds:
-    """What ``fake_quantize_units`` reads of a spec, for an integer code range."""
-
-    qmin: float
-    qmax: float
-    is_float: bool = False
-    format = INT8  # its round() clamps to the qmin / qmax it is given
-
-
 def _check_fake_quant(units, scale, zero_point, qmin, qmax) -> None:
     who = "fake_quant_int"
     _check_units(units, who)
@@ -218,66 +206,6 @@ def _(units, scale, zero_point, qmin, qmax):
 def _(units, scale, zero_point, qmin, qmax):
     _check_fake_quant(units, scale, zero_point, qmin, qmax)
     return units.new_empty(units.shape, dtype=torch.float32)
-
-
-# ---- the MSE search's pricing -------------------------------------------------------------
-
-def _check_price(units, scale, zero_point, qmin, qmax) -> None:
-    who = "mse_price_int"
-    if units.dim() != 2 or units.dtype != torch.float32:
-        raise ValueError(f"quantscope::{who}: units must be a 2-D float32 [units, elements] "
-                         f"tensor, got {units.dtype} {tuple(units.shape)}")
-    k_u = (scale.shape[0] if scale.dim() == 2 else -1, units.shape[0])
-    for name, t, dtype in (("scale", scale, torch.float32), ("zero_point", zero_point,
-                                                             torch.int32)):
-        if t.dim() != 2 or tuple(t.shape) != k_u or t.dtype != dtype or t.device != units.device:
-            raise ValueError(f"quantscope::{who}: {name} must be a {dtype} [candidates, "
-                             f"{units.shape[0]}] tensor on {units.device} (scale and "
-                             f"zero_point of one shape), got {t.dtype} {tuple(t.shape)} on "
-                             f"{t.device}")
-    if not qmin < qmax:
-        raise ValueError(f"quantscope::{who}: qmin must be below qmax, got {qmin} and {qmax}")
-
-
-def _torch_mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
-                         qmax: float) -> Tensor:
-    _check_price(units, scale, zero_point, qmin, qmax)
-    K, U = scale.shape
-    out = torch.empty((K, U), dtype=torch.float64, device=units.device)
-    lib = _c_lib("mse_search") if _plain(units) and U and K else None
-    if lib is not None:  # the C kernel (estimators.mse_kernel.price's call, all units)
-        sc, zp = scale.contiguous(), zero_point.contiguous()
-        lib.qs_mse_price(units.data_ptr(), units.shape[1], None, U, sc.data_ptr(),
-                         zp.data_ptr(), K, float(qmin), float(qmax), out.data_ptr(), _threads())
-        return out
-    bounds = _IntBounds(float(qmin), float(qmax))
-    for k in range(K):  # one candidate at a time: one [U, E] temporary
-        d = fake_quantize_units(units, scale[k, :, None], zero_point[k, :, None].float(),
-                                bounds) - units
-        out[k] = d.double().square().sum(1)
-    return out
-
-
-@torch.library.custom_op("quantscope::mse_price_int", mutates_args=())
-def mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
-                  qmax: float) -> Tensor:
-    return _torch_mse_price_int(units, scale, zero_point, qmin, qmax)
-
-
-@mse_price_int.register_kernel("cuda")
-def _(units, scale, zero_point, qmin, qmax):
-    kernel = _triton_module("mse", units)
-    if kernel is None:
-        return _torch_mse_price_int(units, scale, zero_point, qmin, qmax)
-    _check_price(units, scale, zero_point, qmin, qmax)
-    units = units if units.stride(1) == 1 else units.contiguous()
-    return kernel.mse_price_int(units, scale.contiguous(), zero_point.contiguous(), qmin, qmax)
-
-
-@mse_price_int.register_fake
-def _(units, scale, zero_point, qmin, qmax):
-    _check_price(units, scale, zero_point, qmin, qmax)
-    return units.new_empty(tuple(scale.shape), dtype=torch.float64)
 
 
 # ---- the MSE search's selection ------------------------------------------------------------

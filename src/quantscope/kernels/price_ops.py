@@ -1,0 +1,209 @@
+"""The MSE search's pricing as ``torch.library`` custom ops: ``quantscope::mse_price_int``
+(integer formats) and ``quantscope::mse_price_fp`` (float element formats), re-exported by
+:mod:`quantscope.kernels.ops` with the other ops (whose contract they follow: a CPU
+implementation, a CUDA one, a fake one; bad input raises ``ValueError`` naming the argument).
+
+* ``mse_price_int(units, scale, zero_point, qmin, qmax) -> err``: float64 ``[K, U]`` squared
+  fake-quant errors of candidates ``scale`` (float32) / ``zero_point`` (int32) ``[K, U]`` on
+  float32 ``units [U, E]``.
+* ``mse_price_fp(units, scale, fmax, min_exp, mbits) -> err``: the same for a float element
+  format given by ``FloatFormat``'s ``max``, ``min_exp`` and ``mbits`` (zero point 0: fp8 /
+  fp6 / fp4 elements of MX and NVFP4 blocks) under candidate effective scales ``scale``
+  (float32 ``[K, U]``; NVFP4's global scale folded in), the elements rounded as
+  ``FloatFormat.round``.
+
+CPU: the C kernel (``csrc/mse_search.c``: ``qs_mse_price`` / ``qs_mse_price_fp``, as
+``estimators.mse_kernel.price`` calls it) where it is built and ``units`` is a contiguous
+CPU tensor, else the torch path (``qdq.fake_quantize_units`` one candidate at a time, float64
+sums of the float32 errors). CUDA: the Triton kernel (:mod:`.triton.mse`, exact float64
+squares); the torch path where triton is not installed. The C kernel sums float32 squares,
+so the devices agree to ~5e-7, not bit for bit.
+
+It lives beside :mod:`.ops` rather than in it for the size rule (500 lines a module).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..formats import INT8, FloatFormat
+from ..qdq import fake_quantize_units
+from . import lib as _c_lib
+from . import plain as _plain
+from . import threads as _threads
+from . import triton as _triton
+
+__all__ = ["mse_price_fp", "mse_price_int"]
+
+
+@dataclass(frozen=True)
+class _IntBounds:
+    """What ``fake_quantize_units`` reads of a spec, for an integer code range."""
+
+    qmin: float
+    qmax: float
+    is_float: bool = False
+    format = INT8  # its round() clamps to the qmin / qmax it is given
+
+
+@dataclass(frozen=True)
+class _FloatBounds:
+    """What ``fake_quantize_units`` reads of a spec, for a float element format given by its
+    ``max``, ``min_exp`` and ``mbits``: its own format, rounding as ``FloatFormat.round``."""
+
+    max: float
+    min_exp: int
+    mbits: int
+    is_float = True
+    round = FloatFormat.round
+
+    @property
+    def format(self):
+        return self
+
+
+def _launchers(t: Tensor):
+    """The Triton launchers (:mod:`.triton.mse`) when they run on ``t``'s device here, else
+    None (the torch path)."""
+    if not _triton.available() or not _triton.runs_on(t.device):
+        return None
+    from .triton import mse
+
+    return mse
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+def _check_price(who: str, units: Tensor, scale: Tensor, zero_point: Tensor | None) -> None:
+    """What both prices take: float32 ``units [U, E]``, candidates ``scale`` float32 ``[K, U]``
+    (and an integer format's ``zero_point``, int32 of its shape) on ``units``' device."""
+    if units.dim() != 2 or units.dtype != torch.float32:
+        raise ValueError(f"quantscope::{who}: units must be a 2-D float32 [units, elements] "
+                         f"tensor, got {units.dtype} {tuple(units.shape)}")
+    k_u = (scale.shape[0] if scale.dim() == 2 else -1, units.shape[0])
+    named = [("scale", scale, torch.float32)]
+    if zero_point is not None:
+        named.append(("zero_point", zero_point, torch.int32))
+    both = " (scale and zero_point of one shape)" if zero_point is not None else ""
+    for name, t, dtype in named:
+        if t.dim() != 2 or tuple(t.shape) != k_u or t.dtype != dtype or t.device != units.device:
+            raise ValueError(f"quantscope::{who}: {name} must be a {dtype} [candidates, "
+                             f"{units.shape[0]}] tensor on {units.device}{both}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _check_price_int(units, scale, zero_point, qmin, qmax) -> None:
+    _check_price("mse_price_int", units, scale, zero_point)
+    if not qmin < qmax:
+        raise ValueError(f"quantscope::mse_price_int: qmin must be below qmax, got {qmin} and "
+                         f"{qmax}")
+
+
+def _check_price_fp(units, scale, fmax, min_exp, mbits) -> None:
+    _check_price("mse_price_fp", units, scale, None)
+    who = "quantscope::mse_price_fp"
+    if not 0.0 < fmax < math.inf:
+        raise ValueError(f"{who}: fmax must be the format's largest value, positive and finite, "
+                         f"got {fmax}")
+    if not 0 <= mbits <= 23:
+        raise ValueError(f"{who}: mbits must be in [0, 23], got {mbits}")
+    if not mbits - 126 <= min_exp <= 127:  # the rounding step 2 ** (e - mbits) a normal float32
+        raise ValueError(f"{who}: min_exp must be in [mbits - 126, 127] = [{mbits - 126}, 127], "
+                         f"got {min_exp}")
+
+
+# ---- the CPU implementations both share ----------------------------------------------------
+
+def _c_price(entry: str, units: Tensor, scale: Tensor, zero_point: Tensor, *fmt) -> Tensor | None:
+    """The C kernel's prices (``entry``: ``qs_mse_price`` or ``qs_mse_price_fp``, the calls of
+    ``estimators.mse_kernel.price`` on all units), or None where it does not run (not built,
+    or ``units`` no contiguous CPU tensor)."""
+    K, U = scale.shape
+    lib = _c_lib("mse_search") if _plain(units) and U and K else None
+    if lib is None:
+        return None
+    out = torch.empty((K, U), dtype=torch.float64)
+    sc, zp = scale.contiguous(), zero_point.contiguous()
+    getattr(lib, entry)(units.data_ptr(), units.shape[1], None, U, sc.data_ptr(), zp.data_ptr(),
+                        K, *fmt, out.data_ptr(), _threads())
+    return out
+
+
+def _torch_price(units: Tensor, scale: Tensor, zero_point: Tensor, bounds) -> Tensor:
+    """float64 sums of the squared float32 fake-quant errors, one candidate at a time (one
+    ``[U, E]`` temporary)."""
+    out = torch.empty(tuple(scale.shape), dtype=torch.float64, device=units.device)
+    for k in range(scale.shape[0]):
+        d = fake_quantize_units(units, scale[k, :, None], zero_point[k, :, None].float(),
+                                bounds) - units
+        out[k] = d.double().square().sum(1)
+    return out
+
+
+# ---- quantscope::mse_price_int --------------------------------------------------------------
+
+def _torch_mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
+                         qmax: float) -> Tensor:
+    _check_price_int(units, scale, zero_point, qmin, qmax)
+    out = _c_price("qs_mse_price", units, scale, zero_point, float(qmin), float(qmax))
+    return out if out is not None else _torch_price(units, scale, zero_point,
+                                                    _IntBounds(float(qmin), float(qmax)))
+
+
+@torch.library.custom_op("quantscope::mse_price_int", mutates_args=())
+def mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
+                  qmax: float) -> Tensor:
+    return _torch_mse_price_int(units, scale, zero_point, qmin, qmax)
+
+
+@mse_price_int.register_kernel("cuda")
+def _(units, scale, zero_point, qmin, qmax):
+    kernel = _launchers(units)
+    if kernel is None:
+        return _torch_mse_price_int(units, scale, zero_point, qmin, qmax)
+    _check_price_int(units, scale, zero_point, qmin, qmax)
+    units = units if units.stride(1) == 1 else units.contiguous()
+    return kernel.mse_price_int(units, scale.contiguous(), zero_point.contiguous(), qmin, qmax)
+
+
+@mse_price_int.register_fake
+def _(units, scale, zero_point, qmin, qmax):
+    _check_price_int(units, scale, zero_point, qmin, qmax)
+    return units.new_empty(tuple(scale.shape), dtype=torch.float64)
+
+
+# ---- quantscope::mse_price_fp ---------------------------------------------------------------
+
+def _torch_mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int,
+                        mbits: int) -> Tensor:
+    _check_price_fp(units, scale, fmax, min_exp, mbits)
+    # zero points: the C kernel's argument, which float formats ignore (as the torch path)
+    zero = torch.zeros(tuple(scale.shape), dtype=torch.int32, device=units.device)
+    fmt = (float(fmax), int(min_exp), int(mbits))
+    out = _c_price("qs_mse_price_fp", units, scale, zero, *fmt)
+    return out if out is not None else _torch_price(units, scale, zero, _FloatBounds(*fmt))
+
+
+@torch.library.custom_op("quantscope::mse_price_fp", mutates_args=())
+def mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int, mbits: int) -> Tensor:
+    return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits)
+
+
+@mse_price_fp.register_kernel("cuda")
+def _(units, scale, fmax, min_exp, mbits):
+    kernel = _launchers(units)
+    if kernel is None:
+        return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits)
+    _check_price_fp(units, scale, fmax, min_exp, mbits)
+    units = units if units.stride(1) == 1 else units.contiguous()
+    return kernel.mse_price_fp(units, scale.contiguous(), fmax, min_exp, mbits)
+
+
+@mse_price_fp.register_fake
+def _(units, scale, fmax, min_exp, mbits):
+    _check_price_fp(units, scale, fmax, min_exp, mbits)
+    return units.new_empty(tuple(scale.shape), dtype=torch.float64)
