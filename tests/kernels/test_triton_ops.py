@@ -4,14 +4,11 @@ and on a GPU the CUDA (Triton) implementation bitwise equal to the CPU one."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from quantscope import QuantSpec
 from quantscope.kernels import ops
-from quantscope.layout import Channel
 from quantscope.qparams import qparams_from_range
 from quantscope.stats.hist_ops import hist_add
 
@@ -195,22 +192,6 @@ def test_mse_price_fp_cuda_equals_cpu(name):
     torch.testing.assert_close(got.cpu(), want, rtol=5e-7, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("spec", [QuantSpec("int4", Channel(0)),
-                                  QuantSpec("int8", Channel(0), symmetric=False)], ids=str)
-def test_ops_compose_into_the_native_search(spec, monkeypatch):
-    """bench/gpu_triton.py's device search (every candidate's qparams, mse_price_int,
-    mse_select) chooses the native mse_search's ranges, bit for bit."""
-    from quantscope.estimators.mse import mse_search
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    from gpu_triton import fused_int_search
-
-    w = torch.randn(300, 96, generator=torch.Generator().manual_seed(5))
-    lo, hi, _ = fused_int_search(w, spec)
-    want = mse_search(w, None, None, spec)
-    assert torch.equal(lo, want.lo) and torch.equal(hi, want.hi)
-
-
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_ops_replay_in_a_cuda_graph():
     """Min-max and MXFP4 scales of a weight captured once in a CUDA graph and replayed on new
@@ -230,18 +211,3 @@ def test_ops_replay_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, qparams())
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_device_search_on_cuda_agrees_with_the_cpu(monkeypatch):
-    """bench/gpu_triton.py's search on CUDA (Triton pricing: exact float64 sums) against the
-    CPU's (the C kernel's sums): the same ranges but for near ties, never a worse error."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    from gpu_triton import fused_int_search
-
-    spec = QuantSpec("int4", Channel(0))
-    w = torch.randn(512, 256, generator=torch.Generator().manual_seed(6))
-    lo, _, err_cpu = fused_int_search(w, spec)
-    lo_gpu, _, err_gpu = fused_int_search(w.cuda(), spec)
-    assert (lo_gpu.cpu() == lo).float().mean() >= 0.99
-    assert float(err_gpu.sum()) <= float(err_cpu.sum()) * (1 + 1e-6)
