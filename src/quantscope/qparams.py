@@ -37,9 +37,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from . import kernels
 from ._numerics import true_div
+from .formats import FP8_E4M3, FloatFormat, get_format
+from .kernels import triton as _triton
 from .scales import E8M0_MODES, ScaleEncoding, e8m0_scale, encode_scale, nvfp4_global_scale
 from .spec import QuantSpec
 
@@ -113,8 +116,6 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
     """The E8M0 (MX) and fp8-block (NVFP4) branches in C over float32 CPU ranges; None where
     it does not apply (no kernel, other encodings or devices, a NaN / inf range: the torch
     branch then raises or computes). Bitwise the torch branch (tests/kernels/test_block_qparams.py)."""
-    from .formats import FloatFormat
-
     enc, fmt = spec.scale, spec.format
     if (enc.kind not in ("e8m0", "fp8_e4m3") or not isinstance(fmt, FloatFormat)
             or lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
@@ -144,6 +145,27 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
     return QParams(scale, zero, gs)
 
 
+def _block_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
+                      global_amax) -> QParams | None:
+    """The E8M0 (MX) and fp8-block (NVFP4) branches as the ops ``quantscope::e8m0_block_scales``
+    / ``nvfp4_block_scales`` (below: one launch each on CUDA, Triton); None where they do not
+    apply. Bitwise the torch branch (tests/core/test_qparams_ops.py)."""
+    enc, fmt = spec.scale, spec.format
+    if (enc.kind not in ("e8m0", "fp8_e4m3") or not isinstance(fmt, FloatFormat)
+            or lo.requires_grad or hi.requires_grad or lo.numel() == 0):
+        return None
+    lo, hi = lo.float(), hi.float()
+    zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)
+    if enc.kind == "e8m0":
+        return QParams(e8m0_block_scales_op(lo, hi, fmt.name, enc.mode), zero)
+    if global_amax is None:
+        global_amax = amax_of_range(lo.clamp(max=0), hi.clamp(min=0)).max()
+    gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32,
+                                            device=lo.device), fmt).reshape(1)
+    block = nvfp4_block_scales_op(lo, hi, gs, fmt.name, spec.min_scale)
+    return QParams(block, zero, gs)
+
+
 def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                        global_amax: torch.Tensor | None = None,
                        check_finite: bool = True) -> QParams:
@@ -171,6 +193,10 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
         return qp
     if check_finite:
         _check_finite(lo, hi, global_amax)
+    if lo.device.type != "cpu":  # the ops (Triton on CUDA) where they apply
+        qp = _block_qparams_op(lo, hi, spec, global_amax)
+        if qp is not None:
+            return qp
     lo = lo.clamp(max=0)
     hi = hi.clamp(min=0)
     if spec.scale.is_block:
@@ -236,3 +262,96 @@ def _scale_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QPara
         return QParams(scale, torch.full_like(zero, int(qmin + qmax + 1) // 2))
     zp = torch.round(qmin - lo / scale).clamp_(qmin, qmax)
     return QParams(scale, zp.to(torch.int32))
+
+
+# ---- the block scales as ops ---------------------------------------------------------------
+# ``quantscope::e8m0_block_scales`` / ``nvfp4_block_scales`` (kernels.ops lists them with the
+# other ops): the formulas above from per-block ranges, one Triton launch each on CUDA. They
+# live here because qparams_from_range calls them off the CPU, and kernels.ops builds on this
+# module.
+
+def _check_ranges(lo: Tensor, hi: Tensor, who: str) -> None:
+    if lo.dtype != torch.float32 or hi.dtype != torch.float32 or lo.shape != hi.shape \
+            or lo.device != hi.device:
+        raise ValueError(f"quantscope::{who}: lo and hi must be float32 tensors of one shape "
+                         f"on one device, got {lo.dtype} {tuple(lo.shape)} on {lo.device} and "
+                         f"{hi.dtype} {tuple(hi.shape)} on {hi.device}")
+
+
+def _check_e8m0(lo: Tensor, hi: Tensor, mode: str) -> None:
+    _check_ranges(lo, hi, "e8m0_block_scales")
+    if mode not in E8M0_MODES:
+        raise ValueError(f"quantscope::e8m0_block_scales: mode must be one of {E8M0_MODES}, "
+                         f"got {mode!r}")
+
+
+def _torch_e8m0_block_scales(lo: Tensor, hi: Tensor, format: str, mode: str) -> Tensor:
+    _check_e8m0(lo, hi, mode)
+    return e8m0_scale(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), get_format(format), mode)
+
+
+@torch.library.custom_op("quantscope::e8m0_block_scales", mutates_args=())
+def e8m0_block_scales_op(lo: Tensor, hi: Tensor, format: str, mode: str) -> Tensor:
+    return _torch_e8m0_block_scales(lo, hi, format, mode)
+
+
+@e8m0_block_scales_op.register_kernel("cuda")
+def _(lo, hi, format, mode):
+    kernel = _triton.launchers("block_qparams", lo)
+    if kernel is None:
+        return _torch_e8m0_block_scales(lo, hi, format, mode)
+    _check_e8m0(lo, hi, mode)
+    fmt = get_format(format)
+    return kernel.e8m0_block_scales(lo.contiguous(), hi.contiguous(), E8M0_MODES.index(mode),
+                                    fmt.emax, fmt.mbits, fmt.max)
+
+
+@e8m0_block_scales_op.register_fake
+def _(lo, hi, format, mode):
+    _check_e8m0(lo, hi, mode)
+    return torch.empty_like(lo)
+
+
+def _check_nvfp4(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str) -> FloatFormat:
+    who = "nvfp4_block_scales"
+    _check_ranges(lo, hi, who)
+    if global_scale.numel() != 1 or global_scale.dtype != torch.float32 \
+            or global_scale.device != lo.device:
+        raise ValueError(f"quantscope::{who}: global_scale must be one float32 value on "
+                         f"{lo.device}, got {global_scale.dtype} {tuple(global_scale.shape)} "
+                         f"on {global_scale.device}")
+    fmt = get_format(format)
+    if not isinstance(fmt, FloatFormat):
+        raise ValueError(f"quantscope::{who}: format must be a float format, got "  # noqa: TRY004
+                         f"{format!r}")
+    return fmt
+
+
+def _torch_nvfp4_block_scales(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
+                              min_scale: float) -> Tensor:
+    fmt = _check_nvfp4(lo, hi, global_scale, format)
+    amax = amax_of_range(lo.clamp(max=0), hi.clamp(min=0))
+    return nvfp4_block_scales(amax, global_scale.reshape(1), fmt, min_scale)
+
+
+@torch.library.custom_op("quantscope::nvfp4_block_scales", mutates_args=())
+def nvfp4_block_scales_op(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
+                          min_scale: float) -> Tensor:
+    return _torch_nvfp4_block_scales(lo, hi, global_scale, format, min_scale)
+
+
+@nvfp4_block_scales_op.register_kernel("cuda")
+def _(lo, hi, global_scale, format, min_scale):
+    kernel = _triton.launchers("block_qparams", lo)
+    if kernel is None:
+        return _torch_nvfp4_block_scales(lo, hi, global_scale, format, min_scale)
+    fmt = _check_nvfp4(lo, hi, global_scale, format)
+    return kernel.nvfp4_block_scales(lo.contiguous(), hi.contiguous(), global_scale.reshape(1),
+                                     fmt.max, FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits,
+                                     min_scale)
+
+
+@nvfp4_block_scales_op.register_fake
+def _(lo, hi, global_scale, format, min_scale):
+    _check_nvfp4(lo, hi, global_scale, format)
+    return torch.empty_like(lo)

@@ -31,6 +31,8 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   (``scales.e8m0_scale`` of their amax); float32 ranges of one shape.
 * ``nvfp4_block_scales(lo, hi, global_scale, format, min_scale) -> scale``: NVFP4's e4m3
   block scales under a float32 ``global_scale`` of one value (``qparams.nvfp4_block_scales``).
+  These two are defined in :mod:`quantscope.qparams`, beside their formulas, which call them
+  off the CPU (this module builds on qparams, so it cannot be the other way round).
 
 Bad input raises ``ValueError`` naming the argument, on every device.
 """
@@ -40,11 +42,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..formats import FP8_E4M3, FloatFormat, get_format
 from ..qdq import fake_quantize_units
-from ..qparams import amax_of_range
-from ..qparams import nvfp4_block_scales as _nvfp4_torch
-from ..scales import E8M0_MODES, e8m0_scale
+from ..qparams import e8m0_block_scales_op as e8m0_block_scales
+from ..qparams import nvfp4_block_scales_op as nvfp4_block_scales
 from . import triton as _triton
 from .price_ops import _IntBounds, mse_price_fp, mse_price_int
 
@@ -52,15 +52,6 @@ __all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "mse_pr
            "mse_price_int", "mse_select", "nvfp4_block_scales", "unit_minmax"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _triton_module(name: str, t: Tensor):
-    """The Triton launchers ``name`` when they run on ``t``'s device here, else None."""
-    if not _triton.available() or not _triton.runs_on(t.device):
-        return None
-    import importlib
-
-    return importlib.import_module(f"{_triton.__name__}.{name}")
 
 
 def _check_units(units: Tensor, who: str) -> None:
@@ -73,14 +64,6 @@ def _check_per_unit(t: Tensor, name: str, units: int, device, who: str) -> None:
     if t.shape != (units,) or t.dtype != torch.float32 or t.device != device:
         raise ValueError(f"quantscope::{who}: {name} must be a float32 tensor of shape "
                          f"({units},) on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-
-
-def _check_ranges(lo: Tensor, hi: Tensor, who: str) -> None:
-    if lo.dtype != torch.float32 or hi.dtype != torch.float32 or lo.shape != hi.shape \
-            or lo.device != hi.device:
-        raise ValueError(f"quantscope::{who}: lo and hi must be float32 tensors of one shape "
-                         f"on one device, got {lo.dtype} {tuple(lo.shape)} on {lo.device} and "
-                         f"{hi.dtype} {tuple(hi.shape)} on {hi.device}")
 
 
 # ---- unit_minmax ---------------------------------------------------------------------------
@@ -110,7 +93,7 @@ def unit_minmax(units: Tensor) -> tuple[Tensor, Tensor]:
 
 @unit_minmax.register_kernel("cuda")
 def _(units):
-    kernel = _triton_module("minmax", units)
+    kernel = _triton.launchers("minmax", units)
     if kernel is None:
         return _torch_unit_minmax(units)
     _check_minmax(units)
@@ -154,7 +137,7 @@ def grouped_unit_minmax(units: list[Tensor]) -> tuple[Tensor, Tensor]:
 
 @grouped_unit_minmax.register_kernel("cuda")
 def _(units):
-    kernel = _triton_module("minmax", units[0]) if units else None
+    kernel = _triton.launchers("minmax", units[0]) if units else None
     if kernel is None:
         return _torch_grouped_unit_minmax(units)
     _check_group(units)
@@ -195,7 +178,7 @@ def fake_quant_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float
 
 @fake_quant_int.register_kernel("cuda")
 def _(units, scale, zero_point, qmin, qmax):
-    kernel = _triton_module("fakequant", units)
+    kernel = _triton.launchers("fakequant", units)
     if kernel is None:
         return _torch_fake_quant_int(units, scale, zero_point, qmin, qmax)
     _check_fake_quant(units, scale, zero_point, qmin, qmax)
@@ -284,7 +267,7 @@ def mse_select(err: Tensor, same: Tensor, incumbent: Tensor, ext_start: int, pat
 
 @mse_select.register_kernel("cuda")
 def _(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
-    kernel = _triton_module("mse", err)
+    kernel = _triton.launchers("mse", err)
     if kernel is None:
         return _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit,
                                  use_global, tie_last)
@@ -299,90 +282,3 @@ def _(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last)
 def _(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
     _check_select(err, same, incumbent, ext_start)
     return (err.new_empty(err.shape[1], dtype=torch.int64), err.new_empty(err.shape[1]))
-
-
-# ---- MX and NVFP4 block scales -------------------------------------------------------------
-
-def _float_format(name: str) -> FloatFormat:
-    fmt = get_format(name)
-    if not isinstance(fmt, FloatFormat):
-        raise ValueError(f"quantscope::nvfp4_block_scales: format must be a float format, "  # noqa: TRY004
-                         f"got {name!r}")
-    return fmt
-
-
-def _torch_e8m0_block_scales(lo: Tensor, hi: Tensor, format: str, mode: str) -> Tensor:
-    _check_e8m0(lo, hi, mode)
-    fmt = get_format(format)
-    return e8m0_scale(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), fmt, mode)
-
-
-@torch.library.custom_op("quantscope::e8m0_block_scales", mutates_args=())
-def e8m0_block_scales(lo: Tensor, hi: Tensor, format: str, mode: str) -> Tensor:
-    return _torch_e8m0_block_scales(lo, hi, format, mode)
-
-
-@e8m0_block_scales.register_kernel("cuda")
-def _(lo, hi, format, mode):
-    kernel = _triton_module("block_qparams", lo)
-    if kernel is None:
-        return _torch_e8m0_block_scales(lo, hi, format, mode)
-    _check_e8m0(lo, hi, mode)
-    fmt = get_format(format)
-    return kernel.e8m0_block_scales(lo.contiguous(), hi.contiguous(), E8M0_MODES.index(mode),
-                                    fmt.emax, fmt.mbits, fmt.max)
-
-
-def _check_e8m0(lo, hi, mode) -> None:
-    _check_ranges(lo, hi, "e8m0_block_scales")
-    if mode not in E8M0_MODES:
-        raise ValueError(f"quantscope::e8m0_block_scales: mode must be one of {E8M0_MODES}, "
-                         f"got {mode!r}")
-
-
-@e8m0_block_scales.register_fake
-def _(lo, hi, format, mode):
-    _check_e8m0(lo, hi, mode)
-    return torch.empty_like(lo)
-
-
-def _check_nvfp4(lo, hi, global_scale) -> None:
-    who = "nvfp4_block_scales"
-    _check_ranges(lo, hi, who)
-    if global_scale.numel() != 1 or global_scale.dtype != torch.float32 \
-            or global_scale.device != lo.device:
-        raise ValueError(f"quantscope::{who}: global_scale must be one float32 value on "
-                         f"{lo.device}, got {global_scale.dtype} {tuple(global_scale.shape)} "
-                         f"on {global_scale.device}")
-
-
-def _torch_nvfp4_block_scales(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
-                              min_scale: float) -> Tensor:
-    _check_nvfp4(lo, hi, global_scale)
-    fmt = _float_format(format)
-    amax = amax_of_range(lo.clamp(max=0), hi.clamp(min=0))
-    return _nvfp4_torch(amax, global_scale.reshape(1), fmt, min_scale)
-
-
-@torch.library.custom_op("quantscope::nvfp4_block_scales", mutates_args=())
-def nvfp4_block_scales(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
-                       min_scale: float) -> Tensor:
-    return _torch_nvfp4_block_scales(lo, hi, global_scale, format, min_scale)
-
-
-@nvfp4_block_scales.register_kernel("cuda")
-def _(lo, hi, global_scale, format, min_scale):
-    kernel = _triton_module("block_qparams", lo)
-    if kernel is None:
-        return _torch_nvfp4_block_scales(lo, hi, global_scale, format, min_scale)
-    _check_nvfp4(lo, hi, global_scale)
-    fmt = _float_format(format)
-    return kernel.nvfp4_block_scales(lo.contiguous(), hi.contiguous(), global_scale.reshape(1),
-                                     fmt.max, FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits,
-                                     min_scale)
-
-
-@nvfp4_block_scales.register_fake
-def _(lo, hi, global_scale, format, min_scale):
-    _check_nvfp4(lo, hi, global_scale)
-    return torch.empty_like(lo)

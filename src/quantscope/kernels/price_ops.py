@@ -66,16 +66,6 @@ class _FloatBounds:
         return self
 
 
-def _launchers(t: Tensor):
-    """The Triton launchers (:mod:`.triton.mse`) when they run on ``t``'s device here, else
-    None (the torch path)."""
-    if not _triton.available() or not _triton.runs_on(t.device):
-        return None
-    from .triton import mse
-
-    return mse
-
-
 # ---- checks ------------------------------------------------------------------------------
 
 def _check_price(who: str, units: Tensor, scale: Tensor, zero_point: Tensor | None) -> None:
@@ -162,7 +152,7 @@ def mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
 
 @mse_price_int.register_kernel("cuda")
 def _(units, scale, zero_point, qmin, qmax):
-    kernel = _launchers(units)
+    kernel = _triton.launchers("mse", units)
     if kernel is None:
         return _torch_mse_price_int(units, scale, zero_point, qmin, qmax)
     _check_price_int(units, scale, zero_point, qmin, qmax)
@@ -195,7 +185,7 @@ def mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int, mbits:
 
 @mse_price_fp.register_kernel("cuda")
 def _(units, scale, fmax, min_exp, mbits):
-    kernel = _launchers(units)
+    kernel = _triton.launchers("mse", units)
     if kernel is None:
         return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits)
     _check_price_fp(units, scale, fmax, min_exp, mbits)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["available", "interpreted", "runs_on"]
+__all__ = ["available", "interpreted", "launchers", "runs_on"]
 
 
 def available() -> bool:
@@ -44,3 +44,13 @@ def runs_on(device) -> bool:
 
     device = torch.device(device)
     return available() and (device.type == "cpu") == interpreted()
+
+
+def launchers(name: str, t):
+    """The launchers of this package's module ``name`` when they run on tensor ``t``'s device
+    here, else None (the op then takes its torch path)."""
+    if not available() or not runs_on(t.device):
+        return None
+    import importlib
+
+    return importlib.import_module(f"{__name__}.{name}")
