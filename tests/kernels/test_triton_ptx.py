@@ -42,8 +42,8 @@ CASES = {
          "BLOCK_N": "constexpr"}, {"MODE": 3, "TOP": 4.0, "BLOCK_N": 1024}),
     "block_qparams._nvfp4_kernel": (
         {**_F32, "gs_ptr": "*fp32", "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32",
-         "FIELD_MIN": "constexpr", "MBITS_FIELD": "constexpr", "BLOCK_N": "constexpr"},
-        {"FIELD_MIN": 121 << 23, "MBITS_FIELD": 3 << 23, "BLOCK_N": 1024}),
+         "MIN_EXP": "constexpr", "MBITS": "constexpr", "BLOCK_N": "constexpr"},
+        {"MIN_EXP": -6, "MBITS": 3, "BLOCK_N": 1024}),
     "minmax._minmax_kernel": (
         {"x_ptr": "*fp16", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "U": "i32", "E": "i32",
          "U2": "i32", "E2": "i32", "su1": "i32", "su2": "i32", "se1": "i32", "se2": "i32",

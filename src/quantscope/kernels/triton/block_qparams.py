@@ -6,8 +6,8 @@
 * E8M0: ``2 ** k``, ``k`` from the exponent of ``amax`` read off its bits (frexp), per mode
   (0 floor, 1 ceil, 2 even, 3 rceil; ``scales.E8M0_MODES``' order), ``-127`` for an all-zero
   block, clamped to ``[-127, 127]``;
-* NVFP4: ``e4m3(amax / fmax * gs)`` (the e4m3 rounding of ``FloatFormat.round``: a power-of-
-  two step from the exponent field, ``rint``, saturation), ``min_scale`` where not positive.
+* NVFP4: ``e4m3(amax / fmax * gs)`` (``_jit.fp_round``, the rounding of ``FloatFormat.round``
+  that the float MSE pricing uses too), ``min_scale`` where not positive.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, rint
+from ._jit import LAUNCH, fp_round
 
 __all__ = ["e8m0_block_scales", "nvfp4_block_scales"]
 
@@ -75,14 +75,11 @@ def _e8m0_kernel(lo_ptr, hi_ptr, out_ptr, n, emax, fmax, MODE: tl.constexpr,
 
 @triton.jit
 def _nvfp4_kernel(lo_ptr, hi_ptr, gs_ptr, out_ptr, n, fmax, bmax, min_scale,
-                  FIELD_MIN: tl.constexpr, MBITS_FIELD: tl.constexpr, BLOCK_N: tl.constexpr):
+                  MIN_EXP: tl.constexpr, MBITS: tl.constexpr, BLOCK_N: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < n
     x = tl.math.div_rn(_amax(lo_ptr, hi_ptr, offs, mask), fmax) * tl.load(gs_ptr)
-    field = tl.maximum(x.to(tl.int32, bitcast=True) & 0x7F800000, FIELD_MIN) - MBITS_FIELD
-    step = field.to(tl.float32, bitcast=True)
-    q = rint(tl.math.div_rn(x, step)) * step
-    q = tl.minimum(tl.maximum(q, -bmax, propagate_nan=tl.PropagateNan.ALL), bmax, propagate_nan=tl.PropagateNan.ALL)
+    q = fp_round(x, bmax, MIN_EXP, MBITS)  # the e4m3 encoding of the block scale
     tl.store(out_ptr + offs, tl.where(q > 0.0, q, min_scale), mask=mask)
 
 
@@ -109,6 +106,6 @@ def nvfp4_block_scales(lo: torch.Tensor, hi: torch.Tensor, global_scale: torch.T
     if n:
         _nvfp4_kernel[(triton.cdiv(n, BLOCK),)](
             lo, hi, global_scale, out, n, float(fmax), float(block_max), float(min_scale),
-            FIELD_MIN=(block_min_exp + 127) << 23, MBITS_FIELD=block_mbits << 23, BLOCK_N=BLOCK,
+            MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK,
             **LAUNCH)
     return out
