@@ -168,5 +168,5 @@ def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec
         importance.movedim(0, -2).reshape(units.shape).float()
     factors = [1 - i / grid for i in range(1, max(1, int(maxshrink * grid)) + 1)]
     lo, hi = weighted_search(units, weights, spec, factors=factors, norm=norm, expand=expand,
-                             patience=patience or None)
+                             patience=patience or None, float32_sums=True)
     return lo.reshape(shape), hi.reshape(shape)

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
+from ..kernels import ops
+from ..kernels.price_ops import weighted_square_sums
 from ..qdq import fake_quantize, fake_quantize_units
 from ..qparams import qparams_from_range
 from ..spec import QuantSpec
@@ -34,7 +37,8 @@ def _check_spec(spec, who):
 
 def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: QuantSpec, *,
                     factors=None, norm: float = 2.0, expand: float = 1.0,
-                    patience: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    patience: int | None = None,
+                    float32_sums: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-unit ``(lo, hi)`` among the min-max range times ``expand``, shrunk by ``factors``,
     minimising ``sum weights * |Q(u) - u|^norm`` (``units`` and ``weights`` both ``[U, E]``;
     ``weights`` None: uniform). The range times ``expand`` (factor 1) is the incumbent
@@ -45,27 +49,102 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
     range. ``patience``: llm-compressor's global rule, stop after ``patience`` consecutive
     factors that improved no unit (reads one flag back to the host per factor); None tries
     every factor.
+
+    The arithmetic: norm 2 (unless ``float32_sums``) sums ``float64(w) * float64(d * d)``
+    in float64, ``d`` the float32 fake-quant error and its square rounded to float32 (the
+    unweighted native search's terms, weighted), priced by ``quantscope::mse_price_int`` /
+    ``mse_price_fp`` (the C kernel on CPU, Triton on CUDA) a block of factors at a time, or
+    by the same formula in torch where no kernel is built. Other norms, and
+    ``float32_sums`` (llm-compressor's arithmetic, for its compat class), sum
+    ``w * |d|^norm`` in float32, one factor at a time.
     """
     _check_options(norm, expand, patience)
     factors = shrink_factors() if factors is None else list(factors)
     if not factors or any(not (0 <= f <= 1) for f in factors):
         raise ValueError(f"imatrix_range: factors must be in [0, 1], got {factors!r}")
+    _check_weights(units, weights)
     lo0, hi0 = unit_minmax(units)
     if expand != 1.0:
         lo0, hi0 = lo0 * expand, hi0 * expand
-    best, stale = None, 0
+    factors = [1.0, *factors]
+    if float(norm) == 2.0 and not float32_sums:
+        errors = _float64_errors(units, weights, spec, lo0, hi0, factors)
+    else:
+        errors = _float32_errors(units, weights, spec, lo0, hi0, factors, norm)
+    return _select(errors, lo0, hi0, factors, patience)
+
+
+def _check_weights(units: torch.Tensor, weights: torch.Tensor | None) -> None:
+    if weights is not None and (not isinstance(weights, torch.Tensor)
+                                or tuple(weights.shape) != tuple(units.shape)):
+        raise ValueError(f"weighted_search: weights must be None or a tensor of units' shape "
+                         f"{tuple(units.shape)} (one weight per element), got "
+                         f"{getattr(weights, 'shape', type(weights).__name__)}")
+
+
+def _candidate_qparams(lo0, hi0, f, spec):
+    """``(scale, zero_point)`` per unit ``[U, 1]`` of the range ``(lo0 * f, hi0 * f)``."""
+    lo = lo0 * f
+    # candidates scale the min-max range, whose finiteness the observer's qparams check
+    # once: no per-candidate check (it would read back to the host in forward)
+    qp = qparams_from_range(lo, hi0 * f, spec, check_finite=False)
+    return (qp.effective_scale.expand_as(lo).reshape(-1, 1),
+            qp.zero_point.expand_as(lo).reshape(-1, 1))
+
+
+def _float32_errors(units, weights, spec, lo0, hi0, factors, norm):
+    """Each factor's ``sum w * |d|^norm`` in float32 (llm-compressor's arithmetic)."""
     # every candidate's error in one buffer: a fresh multi-megabyte tensor per candidate costs
     # its page faults again once calibration has fixed the mmap threshold (calibration/run/heap.py)
     buf = torch.empty_like(units, dtype=torch.float32)
-    for f in [1.0, *factors]:
+    for f in factors:
+        scale, zp = _candidate_qparams(lo0, hi0, f, spec)
+        d = fake_quantize_units(units, scale, zp.float(), spec, out=buf).sub_(units).abs_()
+        d = d.pow_(norm)
+        yield (d if weights is None else d.mul_(weights)).sum(1)
+
+
+#: a block of factors' qparams ``[k, U]`` holds at most this many candidates (the kernel
+#: prices the block unit by unit, so each unit is read from the cache for all k)
+_BLOCK_CANDIDATES = 1 << 21
+
+
+def _float64_errors(units, weights, spec, lo0, hi0, factors):
+    """Each factor's ``sum float64(w) * float64(d * d)``: blocks of factors priced by the ops
+    (or in torch where no kernel is built), yielded one factor at a time."""
+    units = units.float().contiguous()
+    weights = None if weights is None else weights.float().contiguous()
+    on_torch = units.device.type == "cpu" and not kernels.available("mse_search")
+    k = max(1, _BLOCK_CANDIDATES // max(1, units.shape[0]))
+    for i in range(0, len(factors), k):
+        qps = [_candidate_qparams(lo0, hi0, f, spec) for f in factors[i:i + k]]
+        if on_torch:
+            yield from (_torch_error(units, weights, s, z, spec) for s, z in qps)
+            continue
+        scale = torch.stack([s.reshape(-1) for s, _ in qps])
+        if spec.is_float:
+            fmt = spec.format
+            err = ops.mse_price_fp(units, scale, float(fmt.max), int(fmt.min_exp),
+                                   int(fmt.mbits), weights)
+        else:
+            zp = torch.stack([z.reshape(-1) for _, z in qps]).to(torch.int32)
+            err = ops.mse_price_int(units, scale, zp, float(spec.qmin), float(spec.qmax),
+                                    weights)
+        yield from err.unbind(0)
+
+
+def _torch_error(units, weights, scale, zp, spec):
+    """One candidate's float64 error in torch (no kernel): the kernel's terms."""
+    d = fake_quantize_units(units, scale, zp.float(), spec) - units
+    return d.square().double().sum(1) if weights is None else weighted_square_sums(d, weights)
+
+
+def _select(errors, lo0, hi0, factors, patience):
+    """The first best factor per unit (the first, factor 1, the incumbent; strict ``<``),
+    stopping after ``patience`` factors in a row improve no unit (None: never)."""
+    best, stale = None, 0
+    for f, err in zip(factors, errors):
         lo, hi = lo0 * f, hi0 * f
-        # candidates scale the min-max range, whose finiteness the observer's qparams check
-        # once: no per-candidate check (it would read back to the host in forward)
-        qp = qparams_from_range(lo, hi, spec, check_finite=False)
-        scale = qp.effective_scale.expand_as(lo).reshape(-1, 1)
-        zp = qp.zero_point.float().expand_as(lo).reshape(-1, 1)
-        d = fake_quantize_units(units, scale, zp, spec, out=buf).sub_(units).abs_().pow_(norm)
-        err = (d if weights is None else d.mul_(weights)).sum(1)
         if best is None:
             best = [err, lo.clone(), hi.clone()]
             continue
@@ -77,6 +156,8 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
             stale = 0 if bool(better.any()) else stale + 1
             if stale >= patience:
                 break
+    if hasattr(errors, "close"):
+        errors.close()
     return best[1], best[2]
 
 

@@ -3,21 +3,27 @@
 :mod:`quantscope.kernels.ops` with the other ops (whose contract they follow: a CPU
 implementation, a CUDA one, a fake one; bad input raises ``ValueError`` naming the argument).
 
-* ``mse_price_int(units, scale, zero_point, qmin, qmax) -> err``: float64 ``[K, U]`` squared
-  fake-quant errors of candidates ``scale`` (float32) / ``zero_point`` (int32) ``[K, U]`` on
-  float32 ``units [U, E]``.
-* ``mse_price_fp(units, scale, fmax, min_exp, mbits) -> err``: the same for a float element
+* ``mse_price_int(units, scale, zero_point, qmin, qmax, weights=None) -> err``: float64
+  ``[K, U]`` squared fake-quant errors of candidates ``scale`` (float32) / ``zero_point``
+  (int32) ``[K, U]`` on float32 ``units [U, E]``.
+* ``mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None) -> err``: the same for a
+  float element
   format given by ``FloatFormat``'s ``max``, ``min_exp`` and ``mbits`` (zero point 0: fp8 /
   fp6 / fp4 elements of MX and NVFP4 blocks) under candidate effective scales ``scale``
   (float32 ``[K, U]``; NVFP4's global scale folded in), the elements rounded as
   ``FloatFormat.round``.
+* ``weights`` (float32 ``[U, E]`` on ``units``' device, e.g. imatrix importance): each
+  element's term is ``float64(w) * float64(d * d)``, the square rounded to float32 as the C
+  kernel rounds it and the product once in float64, on every device (the weighted search's
+  arithmetic, :mod:`quantscope.estimators.weighted`): weighted prices agree across devices up
+  to the order of the float64 sum (1e-12).
 
 CPU: the C kernel (``csrc/mse_search.c``: ``qs_mse_price`` / ``qs_mse_price_fp``, as
 ``estimators.mse_kernel.price`` calls it) where it is built and ``units`` is a contiguous
 CPU tensor, else the torch path (``qdq.fake_quantize_units`` one candidate at a time, float64
 sums of the float32 errors). CUDA: the Triton kernel (:mod:`.triton.mse`, exact float64
 squares); the torch path where triton is not installed. The C kernel sums float32 squares,
-so the devices agree to ~5e-7, not bit for bit.
+so the devices agree to ~5e-7 without weights, not bit for bit.
 
 It lives beside :mod:`.ops` rather than in it for the size rule (500 lines a module).
 """
@@ -37,7 +43,7 @@ from . import plain as _plain
 from . import threads as _threads
 from . import triton as _triton
 
-__all__ = ["mse_price_fp", "mse_price_int"]
+__all__ = ["mse_price_fp", "mse_price_int", "weighted_square_sums"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,17 @@ class _FloatBounds:
 
 # ---- checks ------------------------------------------------------------------------------
 
+def _check_weights(who: str, units: Tensor, weights: Tensor | None) -> None:
+    """``weights``: None, or float32 of ``units``' shape on its device."""
+    if weights is not None and (tuple(weights.shape) != tuple(units.shape)
+                                or weights.dtype != torch.float32
+                                or weights.device != units.device):
+        raise ValueError(f"quantscope::{who}: weights must be None or a float32 "
+                         f"{tuple(units.shape)} tensor on {units.device} (one per element of "
+                         f"units), got {weights.dtype} {tuple(weights.shape)} on "
+                         f"{weights.device}")
+
+
 def _check_price(who: str, units: Tensor, scale: Tensor, zero_point: Tensor | None) -> None:
     """What both prices take: float32 ``units [U, E]``, candidates ``scale`` float32 ``[K, U]``
     (and an integer format's ``zero_point``, int32 of its shape) on ``units``' device."""
@@ -86,15 +103,17 @@ def _check_price(who: str, units: Tensor, scale: Tensor, zero_point: Tensor | No
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-def _check_price_int(units, scale, zero_point, qmin, qmax) -> None:
+def _check_price_int(units, scale, zero_point, qmin, qmax, weights=None) -> None:
     _check_price("mse_price_int", units, scale, zero_point)
+    _check_weights("mse_price_int", units, weights)
     if not qmin < qmax:
         raise ValueError(f"quantscope::mse_price_int: qmin must be below qmax, got {qmin} and "
                          f"{qmax}")
 
 
-def _check_price_fp(units, scale, fmax, min_exp, mbits) -> None:
+def _check_price_fp(units, scale, fmax, min_exp, mbits, weights=None) -> None:
     _check_price("mse_price_fp", units, scale, None)
+    _check_weights("mse_price_fp", units, weights)
     who = "quantscope::mse_price_fp"
     if not 0.0 < fmax < math.inf:
         raise ValueError(f"{who}: fmax must be the format's largest value, positive and finite, "
@@ -108,92 +127,111 @@ def _check_price_fp(units, scale, fmax, min_exp, mbits) -> None:
 
 # ---- the CPU implementations both share ----------------------------------------------------
 
-def _c_price(entry: str, units: Tensor, scale: Tensor, zero_point: Tensor, *fmt) -> Tensor | None:
-    """The C kernel's prices (``entry``: ``qs_mse_price`` or ``qs_mse_price_fp``, the calls of
-    ``estimators.mse_kernel.price`` on all units), or None where it does not run (not built,
-    or ``units`` no contiguous CPU tensor)."""
+def _c_price(entry: str, units: Tensor, scale: Tensor, zero_point: Tensor, *fmt,
+             weights: Tensor | None = None) -> Tensor | None:
+    """The C kernel's prices (``entry``: ``qs_mse_price_w`` or ``qs_mse_price_fp_w``, with
+    ``weights`` or without), or None where it does not run (not built, or ``units`` no
+    contiguous CPU tensor)."""
     K, U = scale.shape
     lib = _c_lib("mse_search") if _plain(units) and U and K else None
     if lib is None:
         return None
     out = torch.empty((K, U), dtype=torch.float64)
     sc, zp = scale.contiguous(), zero_point.contiguous()
-    getattr(lib, entry)(units.data_ptr(), units.shape[1], None, U, sc.data_ptr(), zp.data_ptr(),
-                        K, *fmt, out.data_ptr(), _threads())
+    w = None if weights is None else weights.contiguous()
+    getattr(lib, entry)(units.data_ptr(), None if w is None else w.data_ptr(), units.shape[1],
+                        None, U, sc.data_ptr(), zp.data_ptr(), K, *fmt, out.data_ptr(),
+                        _threads())
     return out
 
 
-def _torch_price(units: Tensor, scale: Tensor, zero_point: Tensor, bounds) -> Tensor:
-    """float64 sums of the squared float32 fake-quant errors, one candidate at a time (one
-    ``[U, E]`` temporary)."""
+def weighted_square_sums(d: Tensor, weights: Tensor) -> Tensor:
+    """``sum_e float64(w) * float64(d * d)`` per row of float32 ``d`` (the weighted prices'
+    arithmetic: the C kernel's float32 squares, weighted and summed in float64)."""
+    return d.square().double().mul_(weights.double()).sum(1)
+
+
+def _torch_price(units: Tensor, scale: Tensor, zero_point: Tensor, bounds,
+                 weights: Tensor | None = None) -> Tensor:
+    """float64 sums of the squared float32 fake-quant errors (weighted: as
+    :func:`weighted_square_sums`), one candidate at a time (one ``[U, E]`` temporary)."""
     out = torch.empty(tuple(scale.shape), dtype=torch.float64, device=units.device)
     for k in range(scale.shape[0]):
         d = fake_quantize_units(units, scale[k, :, None], zero_point[k, :, None].float(),
                                 bounds) - units
-        out[k] = d.double().square().sum(1)
+        out[k] = d.double().square().sum(1) if weights is None \
+            else weighted_square_sums(d, weights)
     return out
 
 
 # ---- quantscope::mse_price_int --------------------------------------------------------------
 
 def _torch_mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
-                         qmax: float) -> Tensor:
-    _check_price_int(units, scale, zero_point, qmin, qmax)
-    out = _c_price("qs_mse_price", units, scale, zero_point, float(qmin), float(qmax))
-    return out if out is not None else _torch_price(units, scale, zero_point,
-                                                    _IntBounds(float(qmin), float(qmax)))
+                         qmax: float, weights: Tensor | None = None) -> Tensor:
+    _check_price_int(units, scale, zero_point, qmin, qmax, weights)
+    out = _c_price("qs_mse_price_w", units, scale, zero_point, float(qmin), float(qmax),
+                   weights=weights)
+    return out if out is not None else _torch_price(
+        units, scale, zero_point, _IntBounds(float(qmin), float(qmax)), weights)
 
 
 @torch.library.custom_op("quantscope::mse_price_int", mutates_args=())
 def mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
-                  qmax: float) -> Tensor:
-    return _torch_mse_price_int(units, scale, zero_point, qmin, qmax)
+                  qmax: float, weights: Tensor | None = None) -> Tensor:
+    return _torch_mse_price_int(units, scale, zero_point, qmin, qmax, weights)
+
+
+def _rows(t: Tensor | None) -> Tensor | None:
+    """``t`` with contiguous rows (what the Triton kernels read)."""
+    return t if t is None or t.stride(1) == 1 else t.contiguous()
 
 
 @mse_price_int.register_kernel("cuda")
-def _(units, scale, zero_point, qmin, qmax):
+def _(units, scale, zero_point, qmin, qmax, weights=None):
     kernel = _triton.launchers("mse", units)
     if kernel is None:
-        return _torch_mse_price_int(units, scale, zero_point, qmin, qmax)
-    _check_price_int(units, scale, zero_point, qmin, qmax)
-    units = units if units.stride(1) == 1 else units.contiguous()
-    return kernel.mse_price_int(units, scale.contiguous(), zero_point.contiguous(), qmin, qmax)
+        return _torch_mse_price_int(units, scale, zero_point, qmin, qmax, weights)
+    _check_price_int(units, scale, zero_point, qmin, qmax, weights)
+    return kernel.mse_price_int(_rows(units), scale.contiguous(), zero_point.contiguous(), qmin,
+                                qmax, weights=_rows(weights))
 
 
 @mse_price_int.register_fake
-def _(units, scale, zero_point, qmin, qmax):
-    _check_price_int(units, scale, zero_point, qmin, qmax)
+def _(units, scale, zero_point, qmin, qmax, weights=None):
+    _check_price_int(units, scale, zero_point, qmin, qmax, weights)
     return units.new_empty(tuple(scale.shape), dtype=torch.float64)
 
 
 # ---- quantscope::mse_price_fp ---------------------------------------------------------------
 
 def _torch_mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int,
-                        mbits: int) -> Tensor:
-    _check_price_fp(units, scale, fmax, min_exp, mbits)
+                        mbits: int, weights: Tensor | None = None) -> Tensor:
+    _check_price_fp(units, scale, fmax, min_exp, mbits, weights)
     # zero points: the C kernel's argument, which float formats ignore (as the torch path)
     zero = torch.zeros(tuple(scale.shape), dtype=torch.int32, device=units.device)
     fmt = (float(fmax), int(min_exp), int(mbits))
-    out = _c_price("qs_mse_price_fp", units, scale, zero, *fmt)
-    return out if out is not None else _torch_price(units, scale, zero, _FloatBounds(*fmt))
+    out = _c_price("qs_mse_price_fp_w", units, scale, zero, *fmt, weights=weights)
+    return out if out is not None else _torch_price(units, scale, zero, _FloatBounds(*fmt),
+                                                    weights)
 
 
 @torch.library.custom_op("quantscope::mse_price_fp", mutates_args=())
-def mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int, mbits: int) -> Tensor:
-    return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits)
+def mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int, mbits: int,
+                 weights: Tensor | None = None) -> Tensor:
+    return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits, weights)
 
 
 @mse_price_fp.register_kernel("cuda")
-def _(units, scale, fmax, min_exp, mbits):
+def _(units, scale, fmax, min_exp, mbits, weights=None):
     kernel = _triton.launchers("mse", units)
     if kernel is None:
-        return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits)
-    _check_price_fp(units, scale, fmax, min_exp, mbits)
-    units = units if units.stride(1) == 1 else units.contiguous()
-    return kernel.mse_price_fp(units, scale.contiguous(), fmax, min_exp, mbits)
+        return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits, weights)
+    _check_price_fp(units, scale, fmax, min_exp, mbits, weights)
+    return kernel.mse_price_fp(_rows(units), scale.contiguous(), fmax, min_exp, mbits,
+                               weights=_rows(weights))
 
 
 @mse_price_fp.register_fake
-def _(units, scale, fmax, min_exp, mbits):
-    _check_price_fp(units, scale, fmax, min_exp, mbits)
+def _(units, scale, fmax, min_exp, mbits, weights=None):
+    _check_price_fp(units, scale, fmax, min_exp, mbits, weights)
     return units.new_empty(tuple(scale.shape), dtype=torch.float64)

@@ -11,63 +11,91 @@
    a float32 sum would break near ties at random: issue 20 #11). Deterministic: equal
    (s, z) give bitwise equal errors, which the reuse of a previous candidate's error
    relies on. */
-/* The sum of squares both prices share (one summation order, so equal element errors give
-   bitwise equal prices): VDQ(v) the SIMD element error of VW lanes, SDQ(x) the scalar one. */
+/* The sum of squares every price shares (one summation order, so equal element errors give
+   bitwise equal prices): VDQ(v) the SIMD element error of VW lanes, SDQ(x) the scalar one;
+   ACC(d, o, A, B) adds the terms of the VW errors d of elements o .. o + VW to the float64
+   accumulators A (low lanes) and B (high lanes), TERM(d, j) is element j's term.
+   Each square d * d is rounded to float32 (as torch's d.square()); weighted by w (imatrix
+   importance, [U, E] float32: WSQ2, WSQ1) it is (double)w * (double)(d * d), the product
+   rounded once in float64, so w = 1 gives the unweighted terms (SQ2, SQ1) bit for bit
+   (estimators.weighted's arithmetic). */
 #ifdef VW
-#define SQ2(d, A, B) do { vf f_ = VMUL(d, d); A = DADD(A, DLO(f_)); B = DADD(B, DHI(f_)); } while (0)
-#define SUM_SQUARES_SIMD(VDQ)                                                                 \
+#define SQ2(d, o, A, B)                                                                       \
+    do { vf f_ = VMUL(d, d); A = DADD(A, DLO(f_)); B = DADD(B, DHI(f_)); } while (0)
+#define WSQ2(d, o, A, B)                                                                      \
+    do {                                                                                      \
+        vf f_ = VMUL(d, d), w_ = VLOAD(w + (o));                                              \
+        A = DADD(A, DMUL(DLO(w_), DLO(f_)));                                                  \
+        B = DADD(B, DMUL(DHI(w_), DHI(f_)));                                                  \
+    } while (0)
+#define SUM_SQUARES_SIMD(VDQ, ACC)                                                            \
     do {                                                                                      \
         vd a0 = DZERO(), a1 = DZERO(), a2 = DZERO(), a3 = DZERO();                            \
         for (; j + 2 * VW <= E; j += 2 * VW) {                                                \
             vf d0 = VDQ(VLOAD(x + j));                                                        \
             vf d1 = VDQ(VLOAD(x + j + VW));                                                   \
-            SQ2(d0, a0, a1);                                                                  \
-            SQ2(d1, a2, a3);                                                                  \
+            ACC(d0, j, a0, a1);                                                               \
+            ACC(d1, j + VW, a2, a3);                                                          \
         }                                                                                     \
         for (; j + VW <= E; j += VW) {                                                        \
             vf d = VDQ(VLOAD(x + j));                                                         \
-            SQ2(d, a0, a1);                                                                   \
+            ACC(d, j, a0, a1);                                                                \
         }                                                                                     \
         acc = DSUM(DADD(DADD(a0, a1), DADD(a2, a3)));                                         \
     } while (0)
 #endif
-#define SUM_SQUARES_TAIL(SDQ)                                                                 \
+#define SQ1(d, j) ((double)((d) * (d)))
+#define WSQ1(d, j) ((double)w[j] * (double)((d) * (d)))
+#define SUM_SQUARES_TAIL(SDQ, TERM)                                                           \
     for (; j < E; ++j) {                                                                      \
         float d = SDQ(x[j]);                                                                  \
-        acc += (double)(d * d);                                                               \
+        acc += TERM(d, j);                                                                    \
     }
+/* The sum over x (and w: weighted, NULL: not) with element errors VDQ / SDQ */
+#ifdef VW
+#define SUM_SIMD(VDQ)                                                                         \
+    do {                                                                                      \
+        if (w) SUM_SQUARES_SIMD(VDQ, WSQ2); else SUM_SQUARES_SIMD(VDQ, SQ2);                  \
+    } while (0)
+#else
+#define SUM_SIMD(VDQ) do { } while (0)
+#endif
+#define SUM_TAIL(SDQ)                                                                         \
+    do {                                                                                      \
+        if (w) { SUM_SQUARES_TAIL(SDQ, WSQ1) } else { SUM_SQUARES_TAIL(SDQ, SQ1) }            \
+    } while (0)
 
-static inline __attribute__((always_inline)) double price_(const float *x, int64_t E, float s,
-                                                         float z, float qmin, float qmax,
-                                                         int zero) {
+static inline __attribute__((always_inline)) double price_(const float *x, const float *w,
+                                                         int64_t E, float s, float z,
+                                                         float qmin, float qmax, int zero) {
     int64_t j = 0;
     double acc = 0.0;
     (void)zero;  /* the SIMD branch's */
 #ifdef VW
     const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(qmin), vhi = VSET1(qmax);
 #define VDQ(v) dqv(v, vs, vz, vlo, vhi, zero)
-    SUM_SQUARES_SIMD(VDQ);
+    SUM_SIMD(VDQ);
 #undef VDQ
 #endif
 #define SDQ(v) dq1(v, s, z, qmin, qmax)
-    SUM_SQUARES_TAIL(SDQ)
+    SUM_TAIL(SDQ);
 #undef SDQ
     return acc;
 }
 
 /* price_ for a float element format (MX, NVFP4 blocks): fq1 / fqv, same sums */
-static double price_fp(const float *x, int64_t E, float s, qs_ffmt f) {
+static double price_fp(const float *x, const float *w, int64_t E, float s, qs_ffmt f) {
     int64_t j = 0;
     double acc = 0.0;
 #ifdef VW
     const vf vs = VSET1(s), top = VSET1(f.fmax), bottom = VSET1(-f.fmax);
     const vi mf = VISET1(f.min_field), sh = VISET1(f.shift);
 #define VDQ(v) fqv(v, vs, mf, sh, top, bottom)
-    SUM_SQUARES_SIMD(VDQ);
+    SUM_SIMD(VDQ);
 #undef VDQ
 #endif
 #define SDQ(v) fq1(v, s, f)
-    SUM_SQUARES_TAIL(SDQ)
+    SUM_TAIL(SDQ);
 #undef SDQ
     return acc;
 }
@@ -86,10 +114,12 @@ static fmt_t float_fmt(double fmax, int64_t min_exp, int64_t mbits) {
     return m;
 }
 
-static double price1(const float *x, int64_t E, float s, float z, const fmt_t *m) {
-    if (m->is_float) return price_fp(x, E, s, m->f);
-    return z == 0.0f ? price_(x, E, s, z, m->qmin, m->qmax, 1)
-                     : price_(x, E, s, z, m->qmin, m->qmax, 0);
+/* The error of one unit x (weights w, or NULL: unweighted) under (s, z) */
+static double price1(const float *x, const float *w, int64_t E, float s, float z,
+                     const fmt_t *m) {
+    if (m->is_float) return price_fp(x, w, E, s, m->f);
+    return z == 0.0f ? price_(x, w, E, s, z, m->qmin, m->qmax, 1)
+                     : price_(x, w, E, s, z, m->qmin, m->qmax, 0);
 }
 
 /* The d of every element of one unit (tests compare it with torch bit for bit). */
@@ -126,24 +156,25 @@ int64_t qs_mse_dq_fp(const float *x, int64_t E, double s_, double fmax, int64_t 
 
 /* ---- dense pricing: out[j, i] for candidates j < k of unit sub[i] (or i) */
 typedef struct {
-    const float *x; int64_t E; const int64_t *sub; int64_t n;
+    const float *x, *w; int64_t E; const int64_t *sub; int64_t n;
     const float *sc; const int32_t *zp; int64_t k; fmt_t m; double *out;
 } price_t;
 
 static void price_unit(void *p, int64_t i, int tid) {
     price_t *c = (price_t *)p;
-    const float *xu = c->x + (c->sub ? c->sub[i] : i) * c->E;
+    int64_t u = c->sub ? c->sub[i] : i;
+    const float *xu = c->x + u * c->E, *wu = c->w ? c->w + u * c->E : NULL;
     for (int64_t j = 0; j < c->k; ++j) {
         int64_t o = j * c->n + i;
-        c->out[o] = price1(xu, c->E, c->sc[o], (float)c->zp[o], &c->m);
+        c->out[o] = price1(xu, wu, c->E, c->sc[o], (float)c->zp[o], &c->m);
     }
     (void)tid;
 }
 
-static int64_t mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
-                         const float *sc, const int32_t *zp, int64_t k, fmt_t m, double *out,
-                         int threads) {
-    price_t c = {x, E, sub, n, sc, zp, k, m, out};
+static int64_t mse_price(const float *x, const float *w, int64_t E, const int64_t *sub,
+                         int64_t n, const float *sc, const int32_t *zp, int64_t k, fmt_t m,
+                         double *out, int threads) {
+    price_t c = {x, w, E, sub, n, sc, zp, k, m, out};
     parallel(price_unit, &c, n, threads, (double)n * k * E);
     return 0;
 }
@@ -151,14 +182,31 @@ static int64_t mse_price(const float *x, int64_t E, const int64_t *sub, int64_t 
 int64_t qs_mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
                      const float *sc, const int32_t *zp, int64_t k, double qmin, double qmax,
                      double *out, int threads) {
-    return mse_price(x, E, sub, n, sc, zp, k, int_fmt(qmin, qmax), out, threads);
+    return mse_price(x, NULL, E, sub, n, sc, zp, k, int_fmt(qmin, qmax), out, threads);
+}
+
+/* qs_mse_price with each element's squared error weighted by w [U, E] (float32, the rows
+   of x's units; NULL: unweighted): sum (double)w * (double)(d * d) */
+int64_t qs_mse_price_w(const float *x, const float *w, int64_t E, const int64_t *sub, int64_t n,
+                       const float *sc, const int32_t *zp, int64_t k, double qmin, double qmax,
+                       double *out, int threads) {
+    return mse_price(x, w, E, sub, n, sc, zp, k, int_fmt(qmin, qmax), out, threads);
 }
 
 /* qs_mse_price for a float format: fmax, min_exp, mbits (the zero points are 0) */
 int64_t qs_mse_price_fp(const float *x, int64_t E, const int64_t *sub, int64_t n,
                         const float *sc, const int32_t *zp, int64_t k, double fmax,
                         int64_t min_exp, int64_t mbits, double *out, int threads) {
-    return mse_price(x, E, sub, n, sc, zp, k, float_fmt(fmax, min_exp, mbits), out, threads);
+    return mse_price(x, NULL, E, sub, n, sc, zp, k, float_fmt(fmax, min_exp, mbits), out,
+                     threads);
+}
+
+/* qs_mse_price_fp weighted by w (as qs_mse_price_w) */
+int64_t qs_mse_price_fp_w(const float *x, const float *w, int64_t E, const int64_t *sub,
+                          int64_t n, const float *sc, const int32_t *zp, int64_t k, double fmax,
+                          int64_t min_exp, int64_t mbits, double *out, int threads) {
+    return mse_price(x, w, E, sub, n, sc, zp, k, float_fmt(fmax, min_exp, mbits), out,
+                     threads);
 }
 
 /* ---- one block of candidates through the selection rules (mse._State.step) */
@@ -177,7 +225,7 @@ typedef struct {
    and the previous qparams; nothing is stale. */
 static void init_unit(step_t *c, int64_t i, int64_t u) {
     float z = (float)c->izp[i];
-    double e = price1(c->x + u * c->E, c->E, c->isc[i], z, &c->m);
+    double e = price1(c->x + u * c->E, NULL, c->E, c->isc[i], z, &c->m);
     c->best[u] = e; c->perr[u] = e; c->psc[u] = c->isc[i]; c->pzp[u] = z;
     c->idx[u] = -1; c->stale[u] = 0; c->stopped[u] = 0;
 }
@@ -195,7 +243,7 @@ static void dense_unit(void *p, int64_t i, int tid) {
     for (int64_t j = 0; j < c->k; ++j) {
         int64_t o = j * c->n + i;
         float s = c->sc[o], z = (float)c->zp[o];
-        double e = (s == psc && z == pzp) ? perr : price1(xu, c->E, s, z, &c->m);
+        double e = (s == psc && z == pzp) ? perr : price1(xu, NULL, c->E, s, z, &c->m);
         c->err[o] = e;
         if (c->tie_last ? e <= lb : e < lb) { lb = e; any[j] = 1; }
         psc = s; pzp = z; perr = e;
@@ -223,7 +271,7 @@ static void walk_unit(void *p, int64_t i, int tid) {
         float s = c->sc[o], z = (float)c->zp[o];
         int same = s == psc && z == pzp;
         double e = c->err ? c->err[o] : same ? perr
-                 : price1(xu, c->E, s, z, &c->m);
+                 : price1(xu, NULL, c->E, s, z, &c->m);
         int better = c->tie_last ? e <= best : e < best;
         if (better) { best = e; idx = c->i0 + j; if (any) any[j] = 1; }
         if (c->patience > 0 && c->per_unit) {
