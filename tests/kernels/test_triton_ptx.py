@@ -21,11 +21,12 @@ pytest.importorskip("triton")
 
 #: kernel -> (signature, constexprs) of the launches to compile
 _F32 = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
-_PRICE = {"x_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32", "out_ptr": "*fp64", "U": "i32",
-          "E": "i32", "K": "i32", "stride_u": "i32", "qmin": "fp32", "qmax": "fp32",
-          "min_exp": "i32", "mbits": "i32", "BLOCK_U": "constexpr", "BLOCK_E": "constexpr",
-          "ONE_TILE": "constexpr", "FLOAT": "constexpr"}
-_PRICE_CONST = {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True}
+_PRICE = {"x_ptr": "*fp32", "w_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32",
+          "out_ptr": "*fp64", "U": "i32", "E": "i32", "K": "i32", "stride_u": "i32",
+          "stride_w": "i32", "qmin": "fp32", "qmax": "fp32", "min_exp": "i32", "mbits": "i32",
+          "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr",
+          "FLOAT": "constexpr", "WEIGHTED": "constexpr"}
+_PRICE_CONST = {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True, "WEIGHTED": False}
 CASES = {
     "fakequant._fake_quant_kernel": (
         {"x_ptr": "*bf16", "s_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32", "U": "i32",
@@ -37,6 +38,9 @@ CASES = {
     "mse._price_kernel:fp_tiles": (  # rows past one tile
         {**_PRICE, "z_ptr": "*fp32"}, {**_PRICE_CONST, "BLOCK_E": 1024, "ONE_TILE": False,
                                        "FLOAT": True}),
+    "mse._price_kernel:weighted": (  # the imatrix search's weights (WEIGHTED)
+        {**_PRICE, "z_ptr": "*fp32"}, {**_PRICE_CONST, "BLOCK_E": 1024, "ONE_TILE": False,
+                                       "FLOAT": True, "WEIGHTED": True}),
     "block_qparams._e8m0_kernel": (
         {**_F32, "emax": "i32", "fmax": "fp32", "MODE": "constexpr", "TOP": "constexpr",
          "BLOCK_N": "constexpr"}, {"MODE": 3, "TOP": 4.0, "BLOCK_N": 1024}),
@@ -81,7 +85,8 @@ def _compile_all() -> dict:
         src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options=dict(LAUNCH)).asm["ptx"]  # the launches' options
-        ops = re.findall(r"^\s*((?:div|fma|rcp|add|sub|mul)\.[a-z0-9.]*f32)\b", ptx,
+        # f64 too: the prices' float64 products and sums must not fuse either
+        ops = re.findall(r"^\s*((?:div|fma|rcp|add|sub|mul)\.[a-z0-9.]*f(?:32|64))\b", ptx,
                          re.MULTILINE)
         out[name] = sorted(set(ops))
     return out

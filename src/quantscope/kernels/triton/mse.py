@@ -7,7 +7,10 @@ under per-unit effective scales, MX and NVFP4 blocks; zero point 0). One kernel 
 ``err[k, u] = sum_e d ** 2``, ``d = fake_quant(x, scale[k, u], zp[k, u]) - x`` in float32
 rounded as ``qdq.fake_quantize_units`` (``_jit.fake_quant``, ``_jit.fake_quant_fp``),
 squared exactly in float64 and summed in float64: torch's float64 sum of its float32 errors
-up to the order of the sum (tests: 1e-12). The C kernel (``csrc/mse_search.c``,
+up to the order of the sum (tests: 1e-12). With ``weights`` ``w [U, E]`` (a ``WEIGHTED``
+constexpr of the same kernel): ``sum_e float64(w) * float64(d * d)``, the C kernel's weighted
+terms (the square rounded to float32), equal to its prices up to the order of the sum. The
+C kernel (``csrc/mse_search.c``,
 ``qs_mse_price`` / ``qs_mse_price_fp``) sums float32 squares, so the two agree to ~5e-7
 (its tests' bound), not bit for bit.
 
@@ -34,35 +37,52 @@ MAX_TILE = 8192
 
 
 @triton.jit
-def _candidate_error(x, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
-                     FLOAT: tl.constexpr):
-    """float64 ``fake_quant(x) - x`` under candidate ``k`` of rows ``rows``: an integer
-    format's (``z_ptr``: int32 zero points), or a float element format's (zero point 0,
-    ``qmax`` its max; ``z_ptr`` not read)."""
+def _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
+                    FLOAT: tl.constexpr, WEIGHTED: tl.constexpr):
+    """Each element's float64 term under candidate ``k`` of rows ``rows``: ``d ** 2`` of
+    ``d = fake_quant(x) - x`` (exact in float64), or weighted ``float64(w) * float64(d * d)``
+    (the square rounded to float32 as the C kernel rounds it, the product once: the weighted
+    search's arithmetic). An integer format's (``z_ptr``: int32 zero points), or a float
+    element format's (zero point 0, ``qmax`` its max; ``z_ptr`` not read)."""
     s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
     if FLOAT:
         q = fake_quant_fp(x, s, qmax, min_exp, mbits)
     else:
         z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
         q = fake_quant(x, s, z, qmin, qmax)
-    return (q - x).to(tl.float64)
+    if WEIGHTED:
+        d = q - x
+        return (d * d).to(tl.float64) * w.to(tl.float64)
+    d = (q - x).to(tl.float64)
+    return d * d
 
 
 @triton.jit
-def _price_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, qmin, qmax, min_exp, mbits,
-                  BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr, ONE_TILE: tl.constexpr,
-                  FLOAT: tl.constexpr):
+def _weights(wbase, cols, mask, x, WEIGHTED: tl.constexpr):
+    """The tile's weights (WEIGHTED), else ``x`` (never read: one return type)."""
+    w = x
+    if WEIGHTED:
+        w = tl.load(wbase + cols[None, :], mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
+def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride_w, qmin, qmax,
+                  min_exp, mbits, BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr,
+                  ONE_TILE: tl.constexpr, FLOAT: tl.constexpr, WEIGHTED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     rmask = rows < U
     base = x_ptr + rows[:, None].to(tl.int64) * stride_u
+    wbase = w_ptr + rows[:, None].to(tl.int64) * stride_w  # not read unless WEIGHTED
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_E)
         mask = rmask[:, None] & (cols[None, :] < E)
         x = tl.load(base + cols[None, :], mask=mask, other=0.0)
+        w = _weights(wbase, cols, mask, x, WEIGHTED)
         for k in range(K):
-            d = _candidate_error(x, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
-                                 FLOAT)
-            tl.store(out_ptr + k * U + rows, tl.sum(tl.where(mask, d * d, 0.0), axis=1),
+            t = _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
+                                mbits, FLOAT, WEIGHTED)
+            tl.store(out_ptr + k * U + rows, tl.sum(tl.where(mask, t, 0.0), axis=1),
                      mask=rmask)
     else:
         for k in range(K):
@@ -71,14 +91,17 @@ def _price_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, qmin, qmax, m
                 cols = e0 + tl.arange(0, BLOCK_E)
                 mask = rmask[:, None] & (cols[None, :] < E)
                 x = tl.load(base + cols[None, :], mask=mask, other=0.0)
-                d = _candidate_error(x, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
-                                     mbits, FLOAT)
-                acc += tl.where(mask, d * d, 0.0)
+                w = _weights(wbase, cols, mask, x, WEIGHTED)
+                t = _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
+                                    mbits, FLOAT, WEIGHTED)
+                acc += tl.where(mask, t, 0.0)
             tl.store(out_ptr + k * U + rows, tl.sum(acc, axis=1), mask=rmask)
 
 
-def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_e):
-    """The launch both element kinds share: ``zero_point`` None for a float format."""
+def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_e,
+           weights=None):
+    """The launch both element kinds share: ``zero_point`` None for a float format,
+    ``weights`` None unweighted."""
     U, E = units.shape
     K = scale.shape[0]
     out = torch.empty((K, U), dtype=torch.float64, device=units.device)
@@ -87,31 +110,32 @@ def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_
     one_tile = block_e is None and E <= MAX_TILE
     be = block_e or (triton.next_power_of_2(max(E, 1)) if one_tile else 1024)
     bu = block_u or max(1, min(triton.next_power_of_2(U), 2048 // be))
-    is_float = zero_point is None
+    is_float, weighted = zero_point is None, weights is not None
     _price_kernel[(triton.cdiv(U, bu),)](
-        units, scale, scale if is_float else zero_point, out, U, E, K, units.stride(0),
-        float(qmin), float(qmax), int(min_exp), int(mbits), BLOCK_U=bu, BLOCK_E=be,
-        ONE_TILE=one_tile, FLOAT=is_float, **LAUNCH)
+        units, weights if weighted else units, scale, scale if is_float else zero_point, out,
+        U, E, K, units.stride(0), weights.stride(0) if weighted else 0, float(qmin),
+        float(qmax), int(min_exp), int(mbits), BLOCK_U=bu, BLOCK_E=be, ONE_TILE=one_tile,
+        FLOAT=is_float, WEIGHTED=weighted, **LAUNCH)
     return out
 
 
 def mse_price_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-                  qmin: float, qmax: float, *, block_u: int | None = None,
-                  block_e: int | None = None) -> torch.Tensor:
+                  qmin: float, qmax: float, *, weights: torch.Tensor | None = None,
+                  block_u: int | None = None, block_e: int | None = None) -> torch.Tensor:
     """Float64 ``[K, U]`` squared errors of candidates ``scale`` (float32 ``[K, U]``) and
     ``zero_point`` (int32 ``[K, U]``), both contiguous, on float32 ``units [U, E]`` whose rows
-    are contiguous."""
-    return _price(units, scale, zero_point, qmin, qmax, 0, 0, block_u, block_e)
+    are contiguous (``weights``: float32 ``[U, E]``, rows contiguous, or None)."""
+    return _price(units, scale, zero_point, qmin, qmax, 0, 0, block_u, block_e, weights)
 
 
 def mse_price_fp(units: torch.Tensor, scale: torch.Tensor, fmax: float, min_exp: int,
-                 mbits: int, *, block_u: int | None = None,
-                 block_e: int | None = None) -> torch.Tensor:
+                 mbits: int, *, weights: torch.Tensor | None = None,
+                 block_u: int | None = None, block_e: int | None = None) -> torch.Tensor:
     """Float64 ``[K, U]`` squared errors of candidate effective scales ``scale`` (float32
     ``[K, U]``, contiguous) under a float element format (``FloatFormat``'s ``max``,
     ``min_exp`` and ``mbits``; zero point 0) on float32 ``units [U, E]`` whose rows are
-    contiguous."""
-    return _price(units, scale, None, -fmax, fmax, min_exp, mbits, block_u, block_e)
+    contiguous (``weights``: as :func:`mse_price_int`'s)."""
+    return _price(units, scale, None, -fmax, fmax, min_exp, mbits, block_u, block_e, weights)
 
 
 @triton.jit
