@@ -195,3 +195,36 @@ def test_opcheck_with_weights():
     weights = torch.rand(5, 40)
     torch.library.opcheck(ops.mse_price_int, (units, scale, zp, -8.0, 7.0, weights))
     torch.library.opcheck(ops.mse_price_fp, (units, scale, 6.0, 0, 1, weights))
+
+
+def _sequential(err, lo0, factors, patience):
+    """The rules one factor at a time (the search's definition): the chosen lo."""
+    best, lo, stale = err[0].clone(), lo0.clone(), 0
+    for f, e in zip(factors[1:], err[1:]):
+        better = e < best
+        best = torch.where(better, e, best)
+        lo = torch.where(better, lo0 * f, lo)
+        if patience is not None:
+            stale = 0 if bool(better.any()) else stale + 1
+            if stale >= patience:
+                break
+    return lo
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), k=st.integers(1, 12), units=st.integers(1, 6),
+       block=st.integers(1, 12), patience=st.sampled_from([None, 1, 2, 3]),
+       nan=st.booleans())
+def test_property_block_selection_is_the_sequential_walk(seed, k, units, block, patience, nan):
+    """weighted._select on blocks of rows chooses as the factor-by-factor walk: ties (few
+    distinct values) keep the earliest, NaN never wins, the global rule stops at the row."""
+    g = torch.Generator().manual_seed(seed)
+    err = torch.randint(0, 4, (k + 1, units), generator=g).double()
+    if nan:
+        err[torch.rand(err.shape, generator=g) < 0.2] = math.nan
+    lo0 = -torch.rand(units, generator=g) - 0.5
+    factors = [1.0] + [1 - i / 20 for i in range(1, k + 1)]
+    blocks = (err[i:i + block] for i in range(0, k + 1, block))
+    lo, hi = weighted._select(blocks, lo0, -lo0, factors, patience)
+    want = _sequential(err, lo0, factors, patience)
+    assert torch.equal(lo, want) and torch.equal(hi, -want)

@@ -15,6 +15,8 @@ Both go through :func:`~quantscope.qparams.qparams_from_range` and
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import kernels
@@ -93,7 +95,8 @@ def _candidate_qparams(lo0, hi0, f, spec):
 
 
 def _float32_errors(units, weights, spec, lo0, hi0, factors, norm):
-    """Each factor's ``sum w * |d|^norm`` in float32 (llm-compressor's arithmetic)."""
+    """Each factor's ``sum w * |d|^norm`` in float32 (llm-compressor's arithmetic), as
+    blocks of one factor."""
     # every candidate's error in one buffer: a fresh multi-megabyte tensor per candidate costs
     # its page faults again once calibration has fixed the mmap threshold (calibration/run/heap.py)
     buf = torch.empty_like(units, dtype=torch.float32)
@@ -101,7 +104,7 @@ def _float32_errors(units, weights, spec, lo0, hi0, factors, norm):
         scale, zp = _candidate_qparams(lo0, hi0, f, spec)
         d = fake_quantize_units(units, scale, zp.float(), spec, out=buf).sub_(units).abs_()
         d = d.pow_(norm)
-        yield (d if weights is None else d.mul_(weights)).sum(1)
+        yield (d if weights is None else d.mul_(weights)).sum(1)[None]
 
 
 #: a block of factors' qparams ``[k, U]`` holds at most this many candidates (the kernel
@@ -111,7 +114,7 @@ _BLOCK_CANDIDATES = 1 << 21
 
 def _float64_errors(units, weights, spec, lo0, hi0, factors):
     """Each factor's ``sum float64(w) * float64(d * d)``: blocks of factors priced by the ops
-    (or in torch where no kernel is built), yielded one factor at a time."""
+    (or in torch where no kernel is built), yielded ``[k, U]``."""
     units = units.float().contiguous()
     weights = None if weights is None else weights.float().contiguous()
     on_torch = units.device.type == "cpu" and not kernels.available("mse_search")
@@ -119,7 +122,7 @@ def _float64_errors(units, weights, spec, lo0, hi0, factors):
     for i in range(0, len(factors), k):
         qps = [_candidate_qparams(lo0, hi0, f, spec) for f in factors[i:i + k]]
         if on_torch:
-            yield from (_torch_error(units, weights, s, z, spec) for s, z in qps)
+            yield torch.stack([_torch_error(units, weights, s, z, spec) for s, z in qps])
             continue
         scale = torch.stack([s.reshape(-1) for s, _ in qps])
         if spec.is_float:
@@ -130,7 +133,7 @@ def _float64_errors(units, weights, spec, lo0, hi0, factors):
             zp = torch.stack([z.reshape(-1) for _, z in qps]).to(torch.int32)
             err = ops.mse_price_int(units, scale, zp, float(spec.qmin), float(spec.qmax),
                                     weights)
-        yield from err.unbind(0)
+        yield err
 
 
 def _torch_error(units, weights, scale, zp, spec):
@@ -139,26 +142,49 @@ def _torch_error(units, weights, scale, zp, spec):
     return d.square().double().sum(1) if weights is None else weighted_square_sums(d, weights)
 
 
-def _select(errors, lo0, hi0, factors, patience):
+def _select(blocks, lo0, hi0, factors, patience):
     """The first best factor per unit (the first, factor 1, the incumbent; strict ``<``),
-    stopping after ``patience`` factors in a row improve no unit (None: never)."""
-    best, stale = None, 0
-    for f, err in zip(factors, errors):
-        lo, hi = lo0 * f, hi0 * f
-        if best is None:
-            best = [err, lo.clone(), hi.clone()]
-            continue
-        better = err < best[0]
-        best[0] = torch.where(better, err, best[0])
-        best[1] = torch.where(better.reshape(lo.shape), lo, best[1])
-        best[2] = torch.where(better.reshape(hi.shape), hi, best[2])
-        if patience is not None:
-            stale = 0 if bool(better.any()) else stale + 1
-            if stale >= patience:
+    stopping after ``patience`` factors in a row improve no unit (None: never).
+
+    ``blocks``: the errors ``[k, U]`` of consecutive factors. Within a block the rules run on
+    whole rows: the first minimum of the rows is the sequential walk's choice (it moves only
+    on a strict decrease; NaN never wins), and the global rule reads "some unit improved at
+    row j" from the running minimum, one read back per block."""
+    best = idx = None
+    stale, i0 = 0, 0
+    for err in blocks:
+        if best is None:  # the incumbent's row
+            best, idx = err[0], torch.zeros(err.shape[1], dtype=torch.int64, device=err.device)
+            err, i0 = err[1:], 1
+        if err.shape[0]:
+            err = err.nan_to_num(nan=math.inf, posinf=math.inf)  # a NaN never wins
+            stop = _global_stop(err, best, patience, stale) if patience is not None else None
+            if stop is not None:
+                stale, rows = stop
+                err = err[:rows]
+            m, j = err.min(0)
+            better = m < best
+            best = torch.where(better, m, best)
+            idx = torch.where(better, j + i0, idx)
+            i0 += err.shape[0]
+            if stop is not None and stale >= patience:
                 break
-    if hasattr(errors, "close"):
-        errors.close()
-    return best[1], best[2]
+    if hasattr(blocks, "close"):
+        blocks.close()
+    f = torch.tensor(factors, dtype=torch.float32, device=lo0.device)[idx].reshape(lo0.shape)
+    return lo0 * f, hi0 * f
+
+
+def _global_stop(err, best, patience, stale):
+    """llm-compressor's global rule over a block: ``(stale, rows)``, the counter after the
+    block's first ``rows`` rows (all, or up to the one that stops the search)."""
+    before = torch.cat((best[None], torch.cummin(err, 0).values[:-1])).minimum(best)
+    improved = (err < before).any(1).tolist()
+    for j, any_better in enumerate(improved):
+        stale = 0 if any_better else stale + 1
+        if stale >= patience:
+            return stale, j + 1
+    return stale, len(improved)
 
 
 def _check_options(norm, expand, patience) -> None:
