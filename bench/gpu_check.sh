@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One run on a lent CUDA machine (issues 19 and 35). Issue 35 first: the Triton kernels' tests
 # compiled on the GPU (tests/kernels/test_triton_*.py: bitwise against the torch path, opcheck
-# on CUDA), then bench/gpu_triton.py (the quantscope:: ops against one torch.aminmax, today's
-# torch path and llm-compressor's Triton MSE search; markdown tables for docs/benchmarks.md).
+# on CUDA; the observers, the MSE engine and the block qparams on CUDA against the CPU's, a
+# CUDA graph replay), then bench/gpu_triton.py (every row of issue 35's table: the ops against
+# one torch.aminmax, the peers' GPU paths, the whole model; tables for docs/benchmarks.md).
 # Then issue 19's: every CUDA test, and bench_cuda.py. Needs python with torch (CUDA), triton,
 # pytest and hypothesis (the device image has them); quantscope from this checkout, C kernels
 # built here. llm-compressor comes from the wheelhouse .whl/ when present (bench/gpu_wheels.sh
@@ -37,7 +38,9 @@ for m in ('triton', 'llmcompressor', 'compressed_tensors'):
 "$py" -m quantscope.kernels 2>&1 | tail -2
 if [[ $steps == *,triton,* ]]; then
     timeout "${TRITON_TIMEOUT:-240}" "$py" -m pytest -p no:cacheprovider -rs \
-        tests/kernels/test_triton_kernels.py tests/kernels/test_triton_ops.py 2>&1 \
+        tests/kernels/test_triton_kernels.py tests/kernels/test_triton_ops.py \
+        tests/kernels/test_mse_ops_engine.py tests/observers/test_device_ops.py \
+        tests/core/test_qparams_ops.py 2>&1 \
         | tee "$out/triton_tests.log" | tail -15
 fi
 if [[ $steps == *,bench35,* ]]; then

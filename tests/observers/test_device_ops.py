@@ -111,3 +111,53 @@ def test_device_path_qparams_equal_the_cpu_observer(layout, monkeypatch):
     dev(x)
     a, b = cpu.calculate_qparams(), dev.calculate_qparams()
     assert torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name, layout", [("minmax", "channel-middle"), ("minmax", "tile"),
+                                          ("memoryless_minmax", "mxfp4"),
+                                          ("memoryless_minmax", "nvfp4"),
+                                          ("moving_average_minmax", "group-32"),
+                                          ("mse", "group-32"), ("mse", "nvfp4")])
+def test_cuda_observers_give_the_cpu_qparams(name, layout):
+    """On CUDA (the Triton ops) the observers' qparams equal the CPU observers' (the MSE
+    search: its chosen error within the prices' ~5e-7 of the CPU's)."""
+    spec, shape = LAYOUTS[layout]
+    batches = [_x(shape, torch.bfloat16, seed=s) for s in range(2)]
+    qps = []
+    for device in ("cpu", "cuda"):
+        obs = quantscope.get_observer(name, spec).to(device)
+        for b in batches:
+            obs(b.to(device))
+        qps.append(obs.calculate_qparams())
+    if name == "mse":
+        assert (qps[0].scale == qps[1].scale.cpu()).float().mean() > 0.95
+    else:
+        assert torch.equal(qps[0].scale, qps[1].scale.cpu())
+        assert torch.equal(qps[0].zero_point, qps[1].zero_point.cpu())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", MINMAX)
+def test_cuda_minmax_forward_replays_in_a_cuda_graph(name):
+    """An activation observer's forward captured once in a CUDA graph and replayed on new
+    data: no host read inside, the eager observer's state."""
+    spec, shape = LAYOUTS["channel-last"]
+    x = _x(shape, torch.bfloat16).cuda()
+    graphed, eager = (quantscope.get_observer(name, spec).cuda() for _ in range(2))
+    for obs in (graphed, eager):
+        obs(x)  # the first call sizes the state (and compiles the kernels) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed(x)
+    for s in range(3):
+        x.copy_(_x(shape, torch.bfloat16, seed=10 + s).cuda())
+        graph.replay()
+        eager(x)
+    torch.cuda.synchronize()
+    assert torch.equal(graphed.min_vals, eager.min_vals)
+    assert torch.equal(graphed.max_vals, eager.max_vals)
