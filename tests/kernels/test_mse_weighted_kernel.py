@@ -228,3 +228,26 @@ def test_property_block_selection_is_the_sequential_walk(seed, k, units, block, 
     lo, hi = weighted._select(blocks, lo0, -lo0, factors, patience)
     want = _sequential(err, lo0, factors, patience)
     assert torch.equal(lo, want) and torch.equal(hi, -want)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4_group_asym"])
+def test_candidates_are_priced_as_they_run_under_the_incumbents_global_scale(name):
+    """The chosen range is the first best of the candidates' reference errors, each candidate
+    quantized as its qparams run (NVFP4: under the min-max range's global amax)."""
+    spec = SPECS[name]
+    w, imp = _weight(6, rows=8, cols=128)
+    units = spec.layout.to_units(w).contiguous()
+    weights = weighted.importance_units(imp, w.shape, spec).contiguous()
+    factors = [1.0] + [1 - i / 16 for i in range(1, 8)]
+    lo0, hi0 = units.amin(1), units.amax(1)
+    ga = torch.maximum(lo0.abs(), hi0.abs()).max() if spec.scale.has_global_scale else None
+    errs = []
+    for f in factors:
+        qp = qparams_from_range(lo0 * f, hi0 * f, spec, global_amax=ga)
+        s = qp.effective_scale.expand_as(lo0).reshape(1, -1)
+        z = qp.zero_point.expand_as(lo0).reshape(1, -1).to(torch.int32)
+        errs.append(_reference(units, s, z, spec, weights)[0])
+    pick = torch.stack(errs).argmin(0)  # the first minimum
+    want = lo0 * torch.tensor(factors)[pick]
+    lo, _ = weighted_search(units, weights, spec, factors=factors[1:])
+    assert torch.equal(lo, want)
