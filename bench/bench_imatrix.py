@@ -146,7 +146,7 @@ def main():
                "err / min-max", "ranges = C kernel's"])
     names = {"kernel": "quantscope (C kernel, float64 sums)",
              "torch": "quantscope (torch path, same arithmetic)",
-             "float32": "quantscope before (torch loop, float32 sums)",
+             "float32": "quantscope, the float32 torch loop (the pricing before)",
              "theirs": "llm-compressor 0.14 imatrix_mse"}
     for k, name in names.items():
         if k not in s:
