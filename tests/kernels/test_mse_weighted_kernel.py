@@ -251,3 +251,24 @@ def test_candidates_are_priced_as_they_run_under_the_incumbents_global_scale(nam
     want = lo0 * torch.tensor(factors)[pick]
     lo, _ = weighted_search(units, weights, spec, factors=factors[1:])
     assert torch.equal(lo, want)
+
+
+def test_imatrix_observer_runs_the_global_scale_it_priced():
+    """NVFP4: the observer's qparams take the global amax the search priced every candidate
+    under (the min-max range's), not one derived from the chosen, shrunk ranges: with the
+    largest block's range shrunk, the two differ."""
+    from quantscope import presets
+    from quantscope.observers import get_observer
+    from quantscope.scales import nvfp4_global_scale
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(8, 64, generator=g)
+    w[0, :16] *= 8  # the largest block: its range shrinks (this seed: 10.43 -> 9.29)
+    amax = w.abs().max()
+    obs = get_observer("imatrix_mse", presets.NVFP4, importance=torch.rand(64, generator=g))
+    obs(w)
+    assert torch.equal(obs.global_amax(), amax)
+    assert torch.maximum(obs.max_vals, -obs.min_vals).max() < amax  # chosen ranges: another
+    qp = obs.calculate_qparams()
+    assert torch.equal(qp.global_scale.reshape(()),
+                       nvfp4_global_scale(amax, presets.NVFP4.format).reshape(()))

@@ -28,8 +28,8 @@ from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 from .mse import shrink_factors
 
-__all__ = ["imatrix_range", "importance_units", "output_clip_range", "output_error",
-           "weighted_search"]
+__all__ = ["imatrix_range", "importance_units", "incumbent_global_amax", "output_clip_range",
+           "output_error", "weighted_search"]
 
 
 def _check_spec(spec, who):
@@ -85,7 +85,7 @@ def _check_weights(units: torch.Tensor, weights: torch.Tensor | None) -> None:
                          f"{getattr(weights, 'shape', type(weights).__name__)}")
 
 
-def _incumbent_global_amax(lo0, hi0, spec):
+def incumbent_global_amax(lo0, hi0, spec):
     """NVFP4's global amax of the incumbent range (what its qparams derive), or None.
 
     Every candidate is priced under this one global scale: a global scale derived per
@@ -113,7 +113,7 @@ def _float32_errors(units, weights, spec, lo0, hi0, factors, norm):
     # every candidate's error in one buffer: a fresh multi-megabyte tensor per candidate costs
     # its page faults again once calibration has fixed the mmap threshold (calibration/run/heap.py)
     buf = torch.empty_like(units, dtype=torch.float32)
-    ga = _incumbent_global_amax(lo0, hi0, spec)
+    ga = incumbent_global_amax(lo0, hi0, spec)
     for f in factors:
         scale, zp = _candidate_qparams(lo0, hi0, f, spec, ga)
         d = fake_quantize_units(units, scale, zp.float(), spec, out=buf).sub_(units).abs_()
@@ -133,7 +133,7 @@ def _float64_errors(units, weights, spec, lo0, hi0, factors):
     weights = None if weights is None else weights.float().contiguous()
     on_torch = units.device.type == "cpu" and not kernels.available("mse_search")
     k = max(1, _BLOCK_CANDIDATES // max(1, units.shape[0]))
-    ga = _incumbent_global_amax(lo0, hi0, spec)
+    ga = incumbent_global_amax(lo0, hi0, spec)
     for i in range(0, len(factors), k):
         qps = [_candidate_qparams(lo0, hi0, f, spec, ga) for f in factors[i:i + k]]
         if on_torch:

@@ -13,7 +13,7 @@ import torch
 
 from ..comm import AVG
 from ..estimators.mse import shrink_factors
-from ..estimators.weighted import importance_units, weighted_search
+from ..estimators.weighted import importance_units, incumbent_global_amax, weighted_search
 from .base import Observer
 from .registry import register
 
@@ -48,13 +48,14 @@ class IMatrixMSEObserver(Observer):
         self.register_buffer("importance", torch.zeros(0) if importance is None else importance)
         self.register_buffer("min_vals", torch.zeros(0))
         self.register_buffer("max_vals", torch.zeros(0))
+        self.register_buffer("global_amax_val", torch.zeros(0))
         self._shape = None
 
     def _sized_buffers(self):
-        return ("min_vals", "max_vals")
+        return ("min_vals", "max_vals", "global_amax_val")
 
     def sync_plan(self):
-        return {"min_vals": AVG, "max_vals": AVG}
+        return {"min_vals": AVG, "max_vals": AVG, "global_amax_val": AVG}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.importance.numel()
@@ -69,6 +70,13 @@ class IMatrixMSEObserver(Observer):
         weights = importance_units(imp, self._shape, self.spec, units.device)
         self.min_vals, self.max_vals = weighted_search(units, weights, self.spec,
                                                        factors=self.factors, norm=self.norm)
+        # NVFP4: the global amax the candidates were priced under, so the qparams run them
+        ga = incumbent_global_amax(lo, hi, self.spec)
+        if ga is not None:
+            self.global_amax_val = ga.reshape(1)
 
     def calculate_range(self):
         return self.min_vals, self.max_vals
+
+    def global_amax(self):
+        return self.global_amax_val[0] if self.global_amax_val.numel() else None
