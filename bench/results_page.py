@@ -25,7 +25,7 @@ SEPARATOR = "---"
 HEADER_KEYS = ("date", "command", "machine", "load", "threads", "versions")
 #: results name -> section heading, in page order; the docs link `benchmarks.md#<anchor>`, so
 #: these headings stay. A name not listed (a new bench) follows them, headed by its name.
-SECTIONS = {"minmax": "minmax", "mse": "mse", "histogram": "histogram",
+SECTIONS = {"minmax": "minmax", "mse": "mse", "imatrix": "imatrix", "histogram": "histogram",
             "fakequant": "fakequant", "distributed": "distributed", "onnx": "onnx",
             "fusion_moe": "fusion and MoE", "memory": "memory", "goals": "goals",
             "gpu": "gpu", "cuda": "cuda", "auto": "auto"}
