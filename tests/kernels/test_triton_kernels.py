@@ -230,9 +230,10 @@ def test_nvfp4_block_scales_bitwise(device, global_amax):
 # ---- the MSE search's pricing --------------------------------------------------------------
 
 def _price_reference(units, scale, zp, spec):
-    """float64 sums of torch's float32 squared fake-quant errors, candidate by candidate."""
+    """float64 sums of torch's float32 squared fake-quant errors (``d.square()``, as
+    mse_tiles and the C kernel square them), candidate by candidate."""
     rows = [(fake_quantize_units(units, s[:, None], z[:, None].float(), spec) - units)
-            .double().square().sum(1) for s, z in zip(scale, zp, strict=True)]
+            .square().double().sum(1) for s, z in zip(scale, zp, strict=True)]
     return torch.stack(rows)
 
 
@@ -252,7 +253,7 @@ def test_mse_price_int(device, spec, U, E, blocks):
     got = mse.mse_price_int(units.to(device), scale.to(device), zp.to(device), spec.qmin,
                             spec.qmax, **blocks)
     assert got.dtype == torch.float64 and got.shape == want.shape
-    # the float64 sum of exact squares: equal up to its order (the C kernel's contract)
+    # the float64 sum of float32 squares: equal up to its order (the C kernel's contract)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0)
 
 

@@ -20,8 +20,8 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   fake-quant errors of every candidate on float32 ``units [U, E]``, integer formats (scale
   float32, zero_point int32 ``[K, U]``) and float element formats (``FloatFormat``'s max,
   min_exp, mbits; effective scales float32 ``[K, U]``): defined in :mod:`.price_ops` (the
-  C kernel on the CPU; the CUDA kernel sums exact float64 squares, the C one float32
-  squares: they agree to ~5e-7, not bit for bit).
+  C kernel on the CPU, Triton on CUDA: the same float32 squares summed in float64, so they
+  agree up to the order of the sum).
 * ``mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last)
   -> (idx, best)``: the search's selection rules (``estimators.mse_tiles._State``) over the
   priced ``[K, U]`` candidates: ``same[k, u]``, candidate ``k``'s qparams equal the previous

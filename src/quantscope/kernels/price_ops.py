@@ -12,18 +12,17 @@ implementation, a CUDA one, a fake one; bad input raises ``ValueError`` naming t
   fp6 / fp4 elements of MX and NVFP4 blocks) under candidate effective scales ``scale``
   (float32 ``[K, U]``; NVFP4's global scale folded in), the elements rounded as
   ``FloatFormat.round``.
-* ``weights`` (float32 ``[U, E]`` on ``units``' device, e.g. imatrix importance): each
-  element's term is ``float64(w) * float64(d * d)``, the square rounded to float32 as the C
-  kernel rounds it and the product once in float64, on every device (the weighted search's
-  arithmetic, :mod:`quantscope.estimators.weighted`): weighted prices agree across devices up
-  to the order of the float64 sum (1e-12).
+* Each element's term is ``float64(d * d)``, the square of the float32 error rounded to
+  float32 (as torch's ``d.square()``), summed in float64; with ``weights`` (float32 ``[U, E]``
+  on ``units``' device, e.g. imatrix importance) ``float64(w) * float64(d * d)``, the product
+  rounded once (the weighted search's arithmetic, :mod:`quantscope.estimators.weighted`). On
+  every device: prices agree across devices up to the order of the float64 sum (1e-12).
 
 CPU: the C kernel (``csrc/mse_search.c``: ``qs_mse_price`` / ``qs_mse_price_fp``, as
 ``estimators.mse_kernel.price`` calls it) where it is built and ``units`` is a contiguous
 CPU tensor, else the torch path (``qdq.fake_quantize_units`` one candidate at a time, float64
-sums of the float32 errors). CUDA: the Triton kernel (:mod:`.triton.mse`, exact float64
-squares); the torch path where triton is not installed. The C kernel sums float32 squares,
-so the devices agree to ~5e-7 without weights, not bit for bit.
+sums of the float32 squares). CUDA: the Triton kernel (:mod:`.triton.mse`, the same terms);
+the torch path where triton is not installed.
 
 It lives beside :mod:`.ops` rather than in it for the size rule (500 lines a module).
 """
@@ -159,7 +158,7 @@ def _torch_price(units: Tensor, scale: Tensor, zero_point: Tensor, bounds,
     for k in range(scale.shape[0]):
         d = fake_quantize_units(units, scale[k, :, None], zero_point[k, :, None].float(),
                                 bounds) - units
-        out[k] = d.double().square().sum(1) if weights is None \
+        out[k] = d.square().double().sum(1) if weights is None \
             else weighted_square_sums(d, weights)
     return out
 

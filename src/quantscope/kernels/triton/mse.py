@@ -4,15 +4,13 @@ error of every candidate ``(scale, zero_point)`` on every unit: integer formats
 under per-unit effective scales, MX and NVFP4 blocks; zero point 0). One kernel prices both
 (``FLOAT`` picks the element rounding), so their sums cannot drift apart.
 
-``err[k, u] = sum_e d ** 2``, ``d = fake_quant(x, scale[k, u], zp[k, u]) - x`` in float32
-rounded as ``qdq.fake_quantize_units`` (``_jit.fake_quant``, ``_jit.fake_quant_fp``),
-squared exactly in float64 and summed in float64: torch's float64 sum of its float32 errors
-up to the order of the sum (tests: 1e-12). With ``weights`` ``w [U, E]`` (a ``WEIGHTED``
-constexpr of the same kernel): ``sum_e float64(w) * float64(d * d)``, the C kernel's weighted
-terms (the square rounded to float32), equal to its prices up to the order of the sum. The
-C kernel (``csrc/mse_search.c``,
-``qs_mse_price`` / ``qs_mse_price_fp``) sums float32 squares, so the two agree to ~5e-7
-(its tests' bound), not bit for bit.
+``err[k, u] = sum_e float64(d * d)``, ``d = fake_quant(x, scale[k, u], zp[k, u]) - x`` in
+float32 rounded as ``qdq.fake_quantize_units`` (``_jit.fake_quant``, ``_jit.fake_quant_fp``),
+its square rounded to float32 and summed in float64: the terms of the C kernel
+(``csrc/mse_search.c``, ``qs_mse_price`` / ``qs_mse_price_fp``) and of the torch path
+(``mse_tiles._tile_error``), so the three agree up to the order of the float64 sum (tests:
+1e-12). With ``weights`` ``w [U, E]`` (a ``WEIGHTED`` constexpr of the same kernel):
+``sum_e float64(w) * float64(d * d)``, the C kernel's weighted terms.
 
 A program takes ``BLOCK_U`` units. Rows that fit one tile (``E <= BLOCK_E``) are loaded
 once and every candidate is priced on them in registers; longer rows are walked once per
@@ -39,10 +37,10 @@ MAX_TILE = 8192
 @triton.jit
 def _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
                     FLOAT: tl.constexpr, WEIGHTED: tl.constexpr):
-    """Each element's float64 term under candidate ``k`` of rows ``rows``: ``d ** 2`` of
-    ``d = fake_quant(x) - x`` (exact in float64), or weighted ``float64(w) * float64(d * d)``
-    (the square rounded to float32 as the C kernel rounds it, the product once: the weighted
-    search's arithmetic). An integer format's (``z_ptr``: int32 zero points), or a float
+    """Each element's float64 term under candidate ``k`` of rows ``rows``: ``float64(d * d)``
+    of ``d = fake_quant(x) - x`` (the square rounded to float32, as the C kernel and the torch
+    path round it), or weighted ``float64(w) * float64(d * d)`` (the product rounded once: the
+    weighted search's arithmetic). An integer format's (``z_ptr``: int32 zero points), or a float
     element format's (zero point 0, ``qmax`` its max; ``z_ptr`` not read)."""
     s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
     if FLOAT:
@@ -50,11 +48,10 @@ def _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, 
     else:
         z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
         q = fake_quant(x, s, z, qmin, qmax)
+    d = q - x
     if WEIGHTED:
-        d = q - x
         return (d * d).to(tl.float64) * w.to(tl.float64)
-    d = (q - x).to(tl.float64)
-    return d * d
+    return (d * d).to(tl.float64)
 
 
 @triton.jit
