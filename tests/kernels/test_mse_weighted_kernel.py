@@ -10,7 +10,6 @@ so the kernel's sum differs only by its rounding (1e-12)."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 from quantscope import kernels
 from quantscope.estimators import weighted
 from quantscope.estimators.weighted import weighted_search
-from quantscope.kernels import ops
+from quantscope.kernels import ops, price_ops
 from quantscope.layout import Channel, Group
 from quantscope.presets import MXFP4, NVFP4
 from quantscope.qdq import fake_quantize_units
@@ -99,8 +98,8 @@ def test_unit_weights_give_the_unweighted_prices_bit_for_bit(name):
 
 
 def _torch_path(monkeypatch):
-    """weighted_search's torch pricing (as where no kernel is built)."""
-    monkeypatch.setattr(weighted, "kernels", SimpleNamespace(available=lambda name: False))
+    """The ops' torch pricing (as where no kernel is built)."""
+    monkeypatch.setattr(price_ops, "_c_lib", lambda name: None)
 
 
 def _both(monkeypatch, units, weights, spec, **kw):

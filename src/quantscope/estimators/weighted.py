@@ -19,9 +19,7 @@ import math
 
 import torch
 
-from .. import kernels
 from ..kernels import ops
-from ..kernels.price_ops import weighted_square_sums
 from ..qdq import fake_quantize, fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
 from ..spec import QuantSpec
@@ -128,17 +126,13 @@ _BLOCK_CANDIDATES = 1 << 21
 
 def _float64_errors(units, weights, spec, lo0, hi0, factors):
     """Each factor's ``sum float64(w) * float64(d * d)``: blocks of factors priced by the ops
-    (or in torch where no kernel is built), yielded ``[k, U]``."""
+    (their torch path where no kernel is built), yielded ``[k, U]``."""
     units = units.float().contiguous()
     weights = None if weights is None else weights.float().contiguous()
-    on_torch = units.device.type == "cpu" and not kernels.available("mse_search")
     k = max(1, _BLOCK_CANDIDATES // max(1, units.shape[0]))
     ga = incumbent_global_amax(lo0, hi0, spec)
     for i in range(0, len(factors), k):
         qps = [_candidate_qparams(lo0, hi0, f, spec, ga) for f in factors[i:i + k]]
-        if on_torch:
-            yield torch.stack([_torch_error(units, weights, s, z, spec) for s, z in qps])
-            continue
         scale = torch.stack([s.reshape(-1) for s, _ in qps])
         if spec.is_float:
             fmt = spec.format
@@ -149,12 +143,6 @@ def _float64_errors(units, weights, spec, lo0, hi0, factors):
             err = ops.mse_price_int(units, scale, zp, float(spec.qmin), float(spec.qmax),
                                     weights)
         yield err
-
-
-def _torch_error(units, weights, scale, zp, spec):
-    """One candidate's float64 error in torch (no kernel): the kernel's terms."""
-    d = fake_quantize_units(units, scale, zp.float(), spec) - units
-    return d.square().double().sum(1) if weights is None else weighted_square_sums(d, weights)
 
 
 def _select(blocks, lo0, hi0, factors, patience):
