@@ -500,3 +500,59 @@ def test_hist_add_bitwise(device, dtype, absolute, U, E, bins, chunk):
                      chunk=chunk, block_e=256)
         got = got._replace(counts=counts.cpu())
     assert torch.equal(got.counts, want.counts) and int(want.counts.sum()) == 2 * U * E
+
+
+# ---- an observer's state step: the non-finite flag and the min / max state update ----------
+
+def _state_case(n, seed, bad):
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.randn(n, generator=g) * 3
+    hi = lo + torch.rand(n, generator=g)
+    if bad is not None:  # a unit whose min and max hold it (as a real min / max pair does)
+        lo[n // 2] = -math.inf if bad == "-inf" else float(bad)
+        hi[n // 2] = math.inf if bad == "inf" else (hi[n // 2] if bad == "-inf" else float(bad))
+    state_lo = torch.randn(n, generator=g)
+    state_hi = state_lo + 2
+    state_lo[n - 1] = math.nan  # a state that holds NaN keeps it, as torch.minimum does
+    return lo, hi, state_lo, state_hi
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise but for NaN payloads (torch's minimum and Triton's pick different NaN bits)."""
+    got = got.cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    _assert_bitwise(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("kind", ["min", "ema", "ema_lerp"])
+@pytest.mark.parametrize("c", [0.01, 0.3, 1 / 3])
+@pytest.mark.parametrize("n", [1, 1000, 2500])
+def test_state_update_is_update_state(device, kind, c, n):
+    from quantscope.kernels.triton import minmax
+    from quantscope.stats.minmax import UPDATES, update_state
+
+    lo, hi, slo, shi = _state_case(n, n, None)
+    want_lo, want_hi = slo.clone(), shi.clone()
+    update_state(kind, c, want_lo, want_hi, lo.clone(), hi.clone())  # the torch path (CPU)
+    got_lo, got_hi = slo.to(device), shi.to(device)
+    minmax.update_state(lo.to(device), hi.to(device), got_lo, got_hi, None, UPDATES[kind], c)
+    _same(got_lo, want_lo)
+    _same(got_hi, want_hi)
+
+
+@pytest.mark.parametrize("bad", [None, "nan", "inf", "-inf"])
+@pytest.mark.parametrize("n", [1, 3000])
+def test_state_records_non_finite_as_the_observers_check(device, bad, n):
+    """``seen`` set exactly where the observers' check (smallest min, largest max not finite)
+    sets it, and never cleared."""
+    from quantscope.kernels.triton import minmax
+
+    lo, hi, _, _ = _state_case(n, 7, bad)
+    want = bool(~torch.isfinite(torch.stack((lo.amin(), hi.amax()))).all())
+    seen = torch.zeros((), dtype=torch.bool, device=device)
+    minmax.update_state(lo.to(device), hi.to(device), None, None, seen, 0, 0.0)
+    assert bool(seen) == want
+    seen.fill_(True)
+    minmax.update_state(lo.isfinite().float().to(device), hi.isfinite().float().to(device), None,
+                        None, seen, 0, 0.0)
+    assert bool(seen)  # a finite batch does not clear it

@@ -57,6 +57,16 @@ CASES = {
         {"desc_ptr": "*i64", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "DTYPE": "constexpr",
          "BLOCK_U": "constexpr", "BLOCK_E": "constexpr"},
         {"DTYPE": "tl.bfloat16", "BLOCK_U": 8, "BLOCK_E": 512}),
+    "minmax._state_kernel": (  # the moving average: s + c * (b - s), no FMA
+        {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "slo_ptr": "*fp32", "shi_ptr": "*fp32",
+         "seen_ptr": "*i1", "n": "i32", "c": "fp32", "one_minus_c": "fp32",
+         "KIND": "constexpr", "RECORD": "constexpr", "BLOCK_N": "constexpr"},
+        {"KIND": 2, "RECORD": True, "BLOCK_N": 1024}),
+    "minmax._state_kernel:lerp": (  # s * (1 - c) + b * c
+        {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "slo_ptr": "*fp32", "shi_ptr": "*fp32",
+         "seen_ptr": "*i1", "n": "i32", "c": "fp32", "one_minus_c": "fp32",
+         "KIND": "constexpr", "RECORD": "constexpr", "BLOCK_N": "constexpr"},
+        {"KIND": 3, "RECORD": False, "BLOCK_N": 1024}),
     "histogram._hist_kernel": (
         {"x_ptr": "*bf16", "counts_ptr": "*i64", "exp_ptr": "*i64", "first_ptr": "*i64",
          "E": "i32", "stride_u": "i32", "chunk": "i32", "B": "i32", "ABSOLUTE": "constexpr",
@@ -107,6 +117,7 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["mse._price_kernel"]
     assert "div.rn.f32" in found["mse._price_kernel:fp"]
     assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
+    assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])
 
 
 if __name__ == "__main__":

@@ -74,10 +74,15 @@ def test_minmax_observers_read_bf16_through_the_op(name, layout):
     of a bf16 input."""
     spec, shape = LAYOUTS[layout]
     obs = quantscope.get_observer(name, spec).to("meta")
+    x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    obs(x)  # the first call sizes the state
     with _OpNames() as seen:
-        obs(torch.empty(shape, dtype=torch.bfloat16, device="meta"))
-    assert "quantscope.unit_minmax" in seen.names
-    assert "aten._to_copy" not in seen.names
+        obs(x)
+    assert {"quantscope.unit_minmax", "quantscope.record_non_finite"} <= seen.names
+    if obs.accumulates:
+        assert "quantscope.minmax_update" in seen.names
+    # no float32 copy of the input, and the non-finite check and state update are one op each
+    assert not seen.names & {"aten._to_copy", "aten.amin", "aten.isfinite", "aten.abs"}
 
 
 @pytest.mark.parametrize("name, spec, ops", [
@@ -94,6 +99,44 @@ def test_histogram_and_search_observers_call_the_ops(name, spec, ops):
     with _OpNames() as seen:
         obs(torch.empty(8, 64, device="meta"))
     assert ops <= seen.names
+
+
+def _state_args(kind):
+    g = torch.Generator().manual_seed(kind)
+    lo = torch.randn(40, generator=g)
+    hi = lo + 1
+    lo[3] = float("nan")
+    return lo, hi, torch.randn(40, generator=g), torch.randn(40, generator=g) + 3
+
+
+@pytest.mark.parametrize("kind", [1, 2, 3])
+def test_minmax_update_op(kind):
+    """``quantscope::minmax_update``: schema, fake and in-place state (opcheck); its CPU
+    implementation is ``update_state``'s torch path, bit for bit."""
+    lo, hi, slo, shi = _state_args(kind)
+    torch.library.opcheck(minmax.minmax_update, (lo, hi, slo.clone(), shi.clone(), kind, 0.25))
+    names = {v: k for k, v in minmax.UPDATES.items()}
+    want = (slo.clone(), shi.clone())
+    minmax._update_state(names[kind], 0.25, *want, lo.clone(), hi.clone())
+    got = (slo.clone(), shi.clone())
+    minmax.minmax_update(lo, hi, *got, kind, 0.25)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_record_non_finite_op():
+    lo, hi, _, _ = _state_args(1)
+    seen = torch.zeros((), dtype=torch.bool)
+    torch.library.opcheck(minmax.record_non_finite, (lo, hi, seen.clone()))
+    minmax.record_non_finite(lo, hi, seen)
+    assert bool(seen)
+    clean = torch.zeros((), dtype=torch.bool)
+    minmax.record_non_finite(hi.nan_to_num(), hi.nan_to_num(), clean)
+    assert not bool(clean)
+    with pytest.raises(ValueError, match="seen must be one bool"):
+        minmax.record_non_finite(lo, hi, torch.zeros(2))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        minmax.minmax_update(lo, hi, lo.clone(), hi.clone(), 7, 0.1)
 
 
 @pytest.mark.parametrize("layout", ["channel-middle", "tile", "nvfp4", "group-32"])
@@ -138,6 +181,21 @@ def test_cuda_observers_give_the_cpu_qparams(name, layout):
     else:
         assert torch.equal(qps[0].scale, qps[1].scale.cpu())
         assert torch.equal(qps[0].zero_point, qps[1].zero_point.cpu())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", [1, 2, 3])
+def test_cuda_state_ops_equal_the_cpu(kind):
+    lo, hi, slo, shi = _state_args(kind)
+    cpu, cuda = (slo.clone(), shi.clone()), (slo.cuda(), shi.cuda())
+    minmax.minmax_update(lo, hi, *cpu, kind, 0.01)
+    minmax.minmax_update(lo.cuda(), hi.cuda(), *cuda, kind, 0.01)
+    for a, b in zip(cuda, cpu):
+        a = a.cpu()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    seen = torch.zeros((), dtype=torch.bool, device="cuda")
+    minmax.record_non_finite(lo.cuda(), hi.cuda(), seen)
+    assert bool(seen)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

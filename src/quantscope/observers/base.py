@@ -34,7 +34,7 @@ from torch import nn
 from .. import kernels
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
-from ..stats.minmax import layout_minmax, unit_minmax
+from ..stats.minmax import layout_minmax, record_non_finite, unit_minmax
 from .sync import step_sync, sync_observers
 
 __all__ = ["NON_FINITE_MODES", "Observer"]
@@ -118,7 +118,8 @@ class Observer(nn.Module):
             units = units.masked_fill(bad, 0.0)
         ends = None  # smallest min and largest max, for the non-finite check
         if fast is None:
-            ends = torch.empty(2, device=units.device)
+            # the C kernels find them in their pass; off the CPU one op checks lo / hi after
+            ends = torch.empty(2) if units.device.type == "cpu" else None
             lo, hi = self._unit_minmax(units, count, ends)
         else:
             lo, hi = fast
@@ -159,6 +160,10 @@ class Observer(nn.Module):
         # NaN / inf reach a unit's min or max, and the smallest min / largest max then hold
         # them (NaN propagates; an all-(+inf) unit has min +inf, an all-(-inf) one max -inf):
         # two values to test (``ends``, when unit_minmax already found them)
+        if ends is None and lo.device.type != "cpu" and lo.dim() == 1 \
+                and lo.dtype == hi.dtype == torch.float32:
+            record_non_finite(lo, hi, self.seen_non_finite)  # one launch where torch takes ten
+            return
         if ends is None:
             ends = torch.stack((lo.amin(), hi.amax()))
         self.seen_non_finite |= ~torch.isfinite(ends).all()

@@ -20,8 +20,9 @@ import torch
 
 from .. import kernels
 from ..kernels import ops
+from ..kernels import triton as _triton
 
-__all__ = ["column_minmax", "ema_", "layout_minmax", "torch_unit_minmax",
+__all__ = ["column_minmax", "ema_", "layout_minmax", "minmax_update", "record_non_finite", "torch_unit_minmax",
            "unit_minmax"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
@@ -71,8 +72,19 @@ def update_state(kind: str, c: float, state_lo: torch.Tensor, state_hi: torch.Te
 
     ``"min"``: running min / max; ``"ema"``: ``s + c * (b - s)`` (torch.ao's expression);
     ``"ema_lerp"``: ``s * (1 - c) + b * c`` (llm-compressor's). The compiled kernel fuses
-    the same updates into its pass, rounded identically (tests compare them bitwise).
+    the same updates into its pass, rounded identically (tests compare them bitwise). Off the
+    CPU the op ``quantscope::minmax_update`` does it (one Triton launch on CUDA).
     """
+    if kind in UPDATES and lo.device.type != "cpu" and lo.dim() == 1 \
+            and all(t.dtype == torch.float32 and t.shape == lo.shape and t.is_contiguous()
+                    for t in (hi, state_lo, state_hi)) and lo.dtype == torch.float32:
+        minmax_update(lo, hi, state_lo, state_hi, UPDATES[kind], c)
+        return
+    _update_state(kind, c, state_lo, state_hi, lo, hi)
+
+
+def _update_state(kind, c, state_lo, state_hi, lo, hi) -> None:
+    """:func:`update_state` in torch."""
     if kind == "min":
         torch.minimum(state_lo, lo, out=state_lo)
         torch.maximum(state_hi, hi, out=state_hi)
@@ -215,3 +227,90 @@ def _op_layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tens
             return ops.unit_minmax(t.permute(0, 2, 1, 3))
     units = layout.to_units(x)
     return ops.unit_minmax(units) if units.numel() else None
+
+
+# ---- an observer's step off the CPU: one op each ----------------------------------------------
+
+def _check_ranges(who: str, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    if lo.dim() != 1 or lo.dtype != torch.float32 or hi.shape != lo.shape \
+            or hi.dtype != torch.float32 or hi.device != lo.device:
+        raise ValueError(f"quantscope::{who}: lo and hi must be float32 [n] tensors of one "
+                         f"shape and device, got {lo.dtype} {tuple(lo.shape)} on {lo.device} "
+                         f"and {hi.dtype} {tuple(hi.shape)} on {hi.device}")
+
+
+def _check_update(lo, hi, state_lo, state_hi, kind) -> None:
+    who = "minmax_update"
+    _check_ranges(who, lo, hi)
+    if kind not in UPDATES.values():
+        raise ValueError(f"quantscope::{who}: kind must be one of {UPDATES}, got {kind}")
+    for name, t in (("state_lo", state_lo), ("state_hi", state_hi)):
+        if t.shape != lo.shape or t.dtype != torch.float32 or t.device != lo.device \
+                or not t.is_contiguous():
+            raise ValueError(f"quantscope::{who}: {name} must be a contiguous float32 tensor "
+                             f"of lo's shape {tuple(lo.shape)} on {lo.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+
+
+def _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c) -> None:
+    _check_update(lo, hi, state_lo, state_hi, kind)
+    names = {v: k for k, v in UPDATES.items()}
+    _update_state(names[kind], c, state_lo, state_hi, lo.clone(), hi.clone())
+
+
+@torch.library.custom_op("quantscope::minmax_update", mutates_args=("state_lo", "state_hi"))
+def minmax_update(lo: torch.Tensor, hi: torch.Tensor, state_lo: torch.Tensor,
+                  state_hi: torch.Tensor, kind: int, c: float) -> None:
+    """:func:`update_state` (``kind``: its :data:`UPDATES` code) as one op: one Triton launch
+    on CUDA where the torch ops take two to six, rounded alike."""
+    _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c)
+
+
+@minmax_update.register_kernel("cuda")
+def _(lo, hi, state_lo, state_hi, kind, c):
+    kernel = _triton.launchers("minmax", lo)
+    if kernel is None:
+        return _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c)
+    _check_update(lo, hi, state_lo, state_hi, kind)
+    kernel.update_state(lo.contiguous(), hi.contiguous(), state_lo, state_hi, None, kind, c)
+    return None
+
+
+@minmax_update.register_fake
+def _(lo, hi, state_lo, state_hi, kind, c):
+    _check_update(lo, hi, state_lo, state_hi, kind)
+
+
+def _check_record(lo, hi, seen) -> None:
+    _check_ranges("record_non_finite", lo, hi)
+    if seen.numel() != 1 or seen.dtype != torch.bool or seen.device != lo.device:
+        raise ValueError(f"quantscope::record_non_finite: seen must be one bool on {lo.device}, "
+                         f"got {seen.dtype} {tuple(seen.shape)} on {seen.device}")
+
+
+def _torch_record_non_finite(lo, hi, seen) -> None:
+    _check_record(lo, hi, seen)
+    seen |= ~torch.isfinite(torch.stack((lo.amin(), hi.amax()))).all()
+
+
+@torch.library.custom_op("quantscope::record_non_finite", mutates_args=("seen",))
+def record_non_finite(lo: torch.Tensor, hi: torch.Tensor, seen: torch.Tensor) -> None:
+    """``seen`` (one bool) set where per-unit ``lo`` / ``hi`` hold NaN or an infinity (the
+    observers' non-finite check: their smallest min or largest max is not finite), in place,
+    with no host read: one Triton launch on CUDA where the torch ops take ten."""
+    _torch_record_non_finite(lo, hi, seen)
+
+
+@record_non_finite.register_kernel("cuda")
+def _(lo, hi, seen):
+    kernel = _triton.launchers("minmax", lo)
+    if kernel is None:
+        return _torch_record_non_finite(lo, hi, seen)
+    _check_record(lo, hi, seen)
+    kernel.update_state(lo.contiguous(), hi.contiguous(), None, None, seen, 0, 0.0)
+    return None
+
+
+@record_non_finite.register_fake
+def _(lo, hi, seen):
+    _check_record(lo, hi, seen)

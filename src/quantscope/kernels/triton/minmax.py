@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ._jit import LAUNCH
 
-__all__ = ["grouped_descriptors", "grouped_unit_minmax", "unit_minmax"]
+__all__ = ["grouped_descriptors", "grouped_unit_minmax", "unit_minmax", "update_state"]
 
 #: programs below which the elements are split into chunks (a few per SM of an H100)
 TARGET_PROGRAMS = 512
@@ -162,3 +162,60 @@ def grouped_unit_minmax(tensors: list[torch.Tensor], *, block_u: int | None = No
     _grouped_minmax_kernel[(desc.shape[0],)](desc, lo, hi, DTYPE=_POINTEE[tensors[0].dtype],
                                              BLOCK_U=bu, BLOCK_E=be, **LAUNCH)
     return lo, hi
+
+
+# ---- an observer's state update, fused ------------------------------------------------------
+
+#: the updates of ``stats.minmax.update_state`` (its ``UPDATES`` codes), and 0: none (the
+#: non-finite flag alone)
+NO_UPDATE, MIN, EMA, EMA_LERP = 0, 1, 2, 3
+
+
+@triton.jit
+def _update(s, b, c, one_minus_c, KIND: tl.constexpr, IS_LO: tl.constexpr):
+    """State ``s`` after batch ``b``, each float32 step rounded as ``update_state``'s ops."""
+    if KIND == 1:
+        if IS_LO:
+            return tl.minimum(s, b, propagate_nan=tl.PropagateNan.ALL)
+        return tl.maximum(s, b, propagate_nan=tl.PropagateNan.ALL)
+    if KIND == 2:  # s + c * (b - s)
+        return s + (b - s) * c
+    return s * one_minus_c + b * c  # KIND 3: s * (1 - c) + b * c
+
+
+@triton.jit
+def _state_kernel(lo_ptr, hi_ptr, slo_ptr, shi_ptr, seen_ptr, n, c, one_minus_c,
+                  KIND: tl.constexpr, RECORD: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    lo = tl.load(lo_ptr + offs, mask=mask, other=0.0)
+    hi = tl.load(hi_ptr + offs, mask=mask, other=0.0)
+    if RECORD:
+        # |x| < inf is false for NaN and +-inf; masked lanes read 0
+        finite = (tl.abs(lo) < float("inf")) & (tl.abs(hi) < float("inf"))
+        bad = tl.max((~finite).to(tl.int32), axis=0)
+        if bad > 0:  # every program that sees one stores the same True: no atomics needed
+            tl.store(seen_ptr, bad.to(tl.int1))
+    if KIND != 0:
+        slo = tl.load(slo_ptr + offs, mask=mask, other=0.0)
+        shi = tl.load(shi_ptr + offs, mask=mask, other=0.0)
+        tl.store(slo_ptr + offs, _update(slo, lo, c, one_minus_c, KIND, True), mask=mask)
+        tl.store(shi_ptr + offs, _update(shi, hi, c, one_minus_c, KIND, False), mask=mask)
+
+
+def update_state(lo: torch.Tensor, hi: torch.Tensor, state_lo: torch.Tensor | None,
+                 state_hi: torch.Tensor | None, seen: torch.Tensor | None, kind: int,
+                 c: float) -> None:
+    """In place, from per-unit ``lo`` / ``hi`` (contiguous float32 ``[n]``): ``seen`` (one
+    bool; None: not recorded) set where they hold NaN or an infinity, and the state
+    ``state_lo`` / ``state_hi`` updated (``kind``: the codes above, NO_UPDATE with no state;
+    ``c`` the moving average's constant: its float32, and that of ``1 - c``, as torch's ops
+    on a float32 tensor take the Python scalars)."""
+    n = lo.numel()
+    if n and (seen is not None or kind != NO_UPDATE):
+        c32 = float(torch.tensor(c, dtype=torch.float32))
+        one_minus_c32 = float(torch.tensor(1.0 - c, dtype=torch.float32))
+        _state_kernel[(triton.cdiv(n, 1024),)](
+            lo, hi, lo if state_lo is None else state_lo, hi if state_hi is None else state_hi,
+            lo if seen is None else seen, n, c32, one_minus_c32, KIND=int(kind),
+            RECORD=seen is not None, BLOCK_N=1024, **LAUNCH)
