@@ -233,7 +233,7 @@ def _engine(units, spec, norm, exact, backend):
     """The search engine: the C kernel on the CPU, the ops elsewhere (native searches of
     squared error that they price), else the torch tiles; ``backend`` forces one."""
     if exact or backend == "torch":
-        return mse_tiles.search  # compat: mse_compat.engine may still take it (search())
+        return mse_tiles.search  # for compat, mse_compat.engine may take over below
     if backend in (None, "kernel") and mse_kernel.usable(units, spec, norm):
         return mse_kernel.search
     if backend in (None, "ops") and mse_ops.usable(units, spec, norm) \
