@@ -556,3 +556,81 @@ def test_state_records_non_finite_as_the_observers_check(device, bad, n):
     minmax.update_state(lo.isfinite().float().to(device), hi.isfinite().float().to(device), None,
                         None, seen, 0, 0.0)
     assert bool(seen)  # a finite batch does not clear it
+
+
+# ---- the histogram's grid change (stats.histogram._update_grid) ----------------------------
+
+def _magnitude(draw_exp: int, mant: float) -> float:
+    """``mant * 2 ** draw_exp`` as a float32 (subnormals included, 2 ** -149 up)."""
+    return float(torch.tensor(math.ldexp(mant, draw_exp), dtype=torch.float32))
+
+
+_EXPS = st.one_of(st.integers(-149, -120), st.integers(-30, 30), st.integers(110, 125))
+_END = st.one_of(st.just(0.0), st.just(-0.0),
+                 st.builds(_magnitude, _EXPS, st.floats(1.0, 2.0, exclude_max=True)))
+
+
+@st.composite
+def _batches(draw, U):
+    """Per-unit batch min / max pairs: zero ranges, tiny and huge magnitudes, either sign."""
+    lo, hi = [], []
+    for _ in range(U):
+        a = draw(_END) * draw(st.sampled_from([-1.0, 1.0]))
+        b = draw(_END) * draw(st.sampled_from([-1.0, 1.0]))
+        lo.append(min(a, b))
+        hi.append(max(a, b))
+    return torch.tensor(lo), torch.tensor(hi)
+
+
+def _assert_same_state(got, want) -> None:
+    for name, a, b in zip(("counts", "exp", "first", "lo", "hi"), got, want):
+        a = a.cpu()
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        same = (a.view(torch.int32) == b.view(torch.int32)) if a.is_floating_point() else a == b
+        assert bool(same.all()), (name, a, b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(U=st.sampled_from([1, 5]), bins=st.sampled_from([2, 16, 128, 2048]),
+       absolute=st.booleans(), block=st.sampled_from([64, 1024]), data=st.data())
+def test_hist_regrid_is_update_grid(device, U, bins, absolute, block, data):
+    """The grid change in one launch equals ``_update_grid`` bit for bit (counts, exponent,
+    first bin, running lo / hi) along a run of batches from an empty state (E_MIN, +-inf):
+    growing ranges, zero ranges, magnitudes near E_MIN and E_MAX, counts in every bin."""
+    from quantscope.kernels.triton import histogram as tri
+    from quantscope.stats import histogram as H
+
+    state = H.empty_state(U, bins)
+    for step in range(data.draw(st.integers(1, 4), label="batches")):
+        lo, hi = data.draw(_batches(U), label=f"batch {step}")
+        want = H._update_grid(state, lo, hi, absolute)
+        got = tri.regrid(*(t.to(device) for t in (*state, lo, hi)), absolute, block=block)
+        _assert_same_state(got, want)
+        seed = data.draw(st.integers(0, 2 ** 31 - 1), label="counts")
+        more = torch.randint(0, 1 << 40, (U, bins), generator=torch.Generator().manual_seed(seed))
+        state = want._replace(counts=want.counts + more * (torch.rand(U, bins) < 0.5))
+
+
+def test_hist_regrid_constants_are_the_histograms():
+    from quantscope.kernels.triton import histogram as tri
+    from quantscope.stats import histogram as H
+
+    assert (tri.E_MIN.value, tri.E_MAX.value, tri.MAG_BITS.value) == \
+        (H.E_MIN, H.E_MAX, H._MAG_BITS)
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_hist_regrid_collapses_many_bins_into_few(device, absolute):
+    """A range that grows by 2 ** 40 moves all 2048 bins into one or two: the adds that land
+    on one bin (atomics within the program) sum exactly."""
+    from quantscope.kernels.triton import histogram as tri
+    from quantscope.stats import histogram as H
+
+    state = H._update_grid(H.empty_state(3, 2048), torch.tensor([-1.0, 0.0, -1e-3]),
+                           torch.tensor([1.0, 2.0, 0.0]), absolute)
+    state = state._replace(counts=torch.randint(1, 1 << 50, (3, 2048)))
+    lo, hi = torch.tensor([-2.0 ** 40, -3.0, -1e9]), torch.tensor([2.0 ** 41, 1e12, 5.0])
+    want = H._update_grid(state, lo, hi, absolute)
+    got = tri.regrid(*(t.to(device) for t in (*state, lo, hi)), absolute)
+    _assert_same_state(got, want)
+    assert (want.counts > 0).sum(1).max() <= 3  # the case it claims: a few bins take all

@@ -72,6 +72,12 @@ CASES = {
          "E": "i32", "stride_u": "i32", "chunk": "i32", "B": "i32", "ABSOLUTE": "constexpr",
          "NB": "constexpr", "BLOCK_E": "constexpr"},
         {"ABSOLUTE": True, "NB": 4096, "BLOCK_E": 1024}),
+    "histogram._regrid_kernel": (  # the grid change: float64 span / (B - 1), float32 fits
+        {"blo_ptr": "*fp32", "bhi_ptr": "*fp32", "counts_ptr": "*i64", "exp_ptr": "*i64",
+         "first_ptr": "*i64", "slo_ptr": "*fp32", "shi_ptr": "*fp32", "ncounts_ptr": "*i64",
+         "nexp_ptr": "*i64", "nfirst_ptr": "*i64", "nlo_ptr": "*fp32", "nhi_ptr": "*fp32",
+         "B": "i32", "ABSOLUTE": "constexpr", "BLOCK": "constexpr"},
+        {"ABSOLUTE": False, "BLOCK": 1024}),
 }
 
 
@@ -118,6 +124,7 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["mse._price_kernel:fp"]
     assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])
+    assert {"div.rn.f64", "sub.rn.f64"} <= set(found["histogram._regrid_kernel"])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ._jit import LAUNCH
 
-__all__ = ["MAX_BINS", "hist_add"]
+__all__ = ["MAX_BINS", "hist_add", "regrid"]
 
 #: the most bins a program's private histogram holds (registers)
 MAX_BINS = 1 << 14
@@ -69,3 +69,134 @@ def hist_add(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     _hist_kernel[(U, triton.cdiv(E, chunk))](
         units, counts, exp, first, E, units.stride(0), chunk, B, ABSOLUTE=bool(absolute),
         NB=triton.next_power_of_2(B + 1), BLOCK_E=block_e, **LAUNCH)
+
+
+# ---- the grid change of ``stats.histogram.update`` ------------------------------------------
+
+#: stats.histogram's E_MIN, E_MAX and _MAG_BITS (the kernels layer may not import stats; a
+#: test holds them equal): exponents with 2 ** e and 2 ** -e normal, bin indices below 2 ** 23
+E_MIN, E_MAX, MAG_BITS = tl.constexpr(-126), tl.constexpr(126), tl.constexpr(22)
+#: bins a program moves per step of the rebin loops
+REGRID_BLOCK = 1024
+
+
+@triton.jit
+def _pow2(e):
+    """Exactly ``2.0 ** e`` as float32 for integer ``e`` in [-126, 127], from the bits."""
+    return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fits(lo, hi, e, B):
+    """``histogram._fits``: the aligned grid of width ``2 ** e`` holds [lo, hi] in B bins."""
+    inv = _pow2(-e)
+    return (tl.floor(hi * inv) - tl.floor(lo * inv) + 1.0) <= B.to(tl.float32)
+
+
+@triton.jit
+def _ceil_log2(r):
+    """``ceil(log2(r))`` of a float64 ``r >= 0`` from its bits, with ``nan_to_num(0, E_MAX,
+    E_MIN)``'s ends (0: E_MIN; inf: E_MAX; NaN or negative: 0). Exact where torch's libm
+    ``log2`` may be a last ulp off: ``grid_exponent``'s fits test over guess + 1 .. guess - 2
+    finds the same exponent from either guess (the smallest fitting one is guess or guess - 1
+    of the exact value)."""
+    bits = r.to(tl.int64, bitcast=True)
+    field = ((bits >> 52) & 0x7FF).to(tl.int32)
+    mant = bits & 0xFFFFFFFFFFFFF
+    g = field - 1023 + (mant != 0).to(tl.int32)
+    g = tl.where(field == 0x7FF, tl.where(mant == 0, E_MAX, 0), g)
+    g = tl.where(bits < 0, 0, g)  # a negative span: log2 NaN
+    return tl.where((bits & 0x7FFFFFFFFFFFFFFF) == 0, E_MIN, g)  # +-0: log2 -inf
+
+
+@triton.jit
+def _frexp_exponent(a):
+    """``torch.frexp(a).exponent`` of a float32 ``a >= 0`` where it can matter: 0 for zero,
+    inf and NaN, ``field - 126`` for normal values; subnormals read -126 (frexp: below it,
+    and either way the exponent bound they give is below E_MIN)."""
+    field = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.where((a == 0.0) | (field == 0xFF), 0, field - 126)
+
+
+@triton.jit
+def _grid_exponent(lo, hi, B):
+    """``histogram.grid_exponent`` of one unit (float32 lo <= 0 <= hi): int32."""
+    span = hi.to(tl.float64) - lo.to(tl.float64)
+    guess = _ceil_log2(span / (B - 1).to(tl.float64))  # float64: div.rn.f64
+    guess = tl.minimum(tl.maximum(guess, E_MIN), E_MAX)
+    e = E_MAX
+    for d in tl.static_range(4):  # exact test around the estimate: guess + 1 .. guess - 2
+        cand = tl.minimum(tl.maximum(guess + 1 - d, E_MIN), E_MAX)
+        e = tl.where(_fits(lo, hi, cand, B), tl.minimum(e, cand), e)
+    amax = tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL)
+    mag = _frexp_exponent(amax) - 1 - MAG_BITS
+    return tl.minimum(tl.maximum(tl.maximum(e, mag), E_MIN), E_MAX)
+
+
+@triton.jit
+def _joined_range(blo_ptr, bhi_ptr, slo_ptr, shi_ptr, u, ABSOLUTE: tl.constexpr):
+    """``_update_grid``'s clamp (the grid holds zero; ``|x|``: [0, max |x|]) joined with the
+    state's range as ``torch.minimum`` / ``maximum`` do (NaN kept; a tie keeps the state's)."""
+    blo = tl.load(blo_ptr + u)
+    bhi = tl.load(bhi_ptr + u)
+    if ABSOLUTE:
+        h = tl.maximum(tl.abs(blo), tl.abs(bhi), propagate_nan=tl.PropagateNan.ALL)
+        lo = tl.full([], 0.0, tl.float32)
+    else:  # clamp(max=0) / clamp(min=0): NaN and -0 kept
+        lo = tl.where(blo > 0.0, 0.0, blo)
+        h = tl.where(bhi < 0.0, 0.0, bhi)
+    slo = tl.load(slo_ptr + u)
+    shi = tl.load(shi_ptr + u)
+    lo = tl.where(lo != lo, lo, tl.where(lo < slo, lo, slo))  # noqa: PLR0124
+    hi = tl.where(h != h, h, tl.where(shi < h, h, shi))  # noqa: PLR0124
+    return lo, hi
+
+
+@triton.jit
+def _regrid_kernel(blo_ptr, bhi_ptr, counts_ptr, exp_ptr, first_ptr, slo_ptr, shi_ptr,
+                   ncounts_ptr, nexp_ptr, nfirst_ptr, nlo_ptr, nhi_ptr, B,
+                   ABSOLUTE: tl.constexpr, BLOCK: tl.constexpr):
+    u = tl.program_id(0)
+    lo, hi = _joined_range(blo_ptr, bhi_ptr, slo_ptr, shi_ptr, u, ABSOLUTE)
+    old_e = tl.load(exp_ptr + u)
+    e = tl.maximum(old_e, _grid_exponent(lo, hi, B).to(tl.int64))
+    if ABSOLUTE:
+        first = e * 0
+    else:
+        first = tl.floor(lo * _pow2(-e)).to(tl.int64)
+    tl.store(nlo_ptr + u, lo)
+    tl.store(nhi_ptr + u, hi)
+    tl.store(nexp_ptr + u, e)
+    tl.store(nfirst_ptr + u, first)
+    # rebin: old bin i (absolute index old_first + i) goes whole into new bin
+    # floor((old_first + i) / 2 ** m) - first (an arithmetic shift), clamped; integer adds,
+    # so the order of the atomics cannot change the counts
+    m = tl.minimum(tl.maximum(e - old_e, 0), 62)
+    old_first = tl.load(first_ptr + u)
+    row = u.to(tl.int64) * B
+    for b0 in range(0, B, BLOCK):
+        i = b0 + tl.arange(0, BLOCK)
+        tl.store(ncounts_ptr + row + i, tl.zeros([BLOCK], tl.int64), mask=i < B)
+    tl.debug_barrier()  # the zeros stored (and visible to the block) before the first add
+    for b0 in range(0, B, BLOCK):
+        i = b0 + tl.arange(0, BLOCK)
+        c = tl.load(counts_ptr + row + i, mask=i < B, other=0)
+        k = ((old_first + i) >> m) - first
+        k = tl.minimum(tl.maximum(k, 0), B - 1)
+        tl.atomic_add(ncounts_ptr + row + k, c, mask=(i < B) & (c != 0), sem="relaxed")
+
+
+def regrid(counts: torch.Tensor, exp: torch.Tensor, first: torch.Tensor, lo: torch.Tensor,
+           hi: torch.Tensor, batch_lo: torch.Tensor, batch_hi: torch.Tensor, absolute: bool,
+           *, block: int = REGRID_BLOCK):
+    """``stats.histogram._update_grid`` in one launch, one program per unit: the new
+    ``(counts, exp, first, lo, hi)`` (fresh tensors) of the state ``counts [U, B]`` int64,
+    ``exp``, ``first`` int64 ``[U]``, ``lo``, ``hi`` float32 ``[U]`` (all contiguous) after a
+    batch of per-unit min / max ``batch_lo``, ``batch_hi`` (float32 ``[U]``)."""
+    U, B = counts.shape
+    new = (torch.empty_like(counts), torch.empty_like(exp), torch.empty_like(first),
+           torch.empty_like(lo), torch.empty_like(hi))
+    if U:
+        _regrid_kernel[(U,)](batch_lo, batch_hi, counts, exp, first, lo, hi, *new, B,
+                             ABSOLUTE=bool(absolute), BLOCK=block, **LAUNCH)
+    return new
