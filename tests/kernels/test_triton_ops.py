@@ -10,9 +10,17 @@ import torch
 from quantscope import QuantSpec
 from quantscope.kernels import ops
 from quantscope.qparams import qparams_from_range
-from quantscope.stats.hist_ops import hist_add
+from quantscope.stats import histogram as H
+from quantscope.stats.hist_ops import hist_add, hist_regrid
 
 CUDA = torch.cuda.is_available()
+
+
+def _hist_state(lo, hi, g):
+    """A 64-bin histogram state of half the batch's range, counts in every bin: the batch
+    (``lo``, ``hi``) then coarsens its grid."""
+    state = H._update_grid(H.empty_state(lo.shape[0], 64), lo / 2, hi / 2, False)
+    return state._replace(counts=torch.randint(0, 1000, (lo.shape[0], 64), generator=g))
 
 
 def _cases(device="cpu"):
@@ -38,6 +46,8 @@ def _cases(device="cpu"):
         "hist_add": (hist_add, (torch.zeros(6, 64, dtype=torch.int64), u,
                                 torch.full((6,), -4, dtype=torch.int64),
                                 torch.full((6,), -40, dtype=torch.int64), False)),
+        "hist_regrid": (hist_regrid, (*_hist_state(lo, hi, g), lo, hi, False)),
+        "hist_regrid_abs": (hist_regrid, (*_hist_state(lo, hi, g), lo, hi, True)),
         "e8m0_block_scales": (ops.e8m0_block_scales, (lo, hi, "fp4_e2m1", "even")),
         "nvfp4_block_scales": (ops.nvfp4_block_scales,
                                (lo, hi, torch.tensor([300.0]), "fp4_e2m1", 1e-8)),
@@ -90,6 +100,10 @@ def test_one_graph_under_compile():
     assert torch.equal(fn(*args), op(*args))
 
 
+def _int64s(n):
+    return (torch.zeros(3, dtype=torch.int64),) * n
+
+
 @pytest.mark.parametrize(("call", "match"), [
     (lambda: ops.unit_minmax(torch.zeros(3)), r"units must be a \[units, elements\] or"),
     (lambda: ops.unit_minmax(torch.zeros(3, 4, dtype=torch.int32)), "of float32, bfloat16"),
@@ -127,6 +141,14 @@ def test_one_graph_under_compile():
     (lambda: hist_add(torch.zeros(3, 8, dtype=torch.int64), torch.zeros(3, 4),
                       torch.zeros(3), torch.zeros(3, dtype=torch.int64), False),
      "exp must be an int64 tensor"),
+    (lambda: hist_regrid(torch.zeros(3, 8, dtype=torch.int64), *_int64s(2), torch.zeros(3),
+                         torch.zeros(3), torch.zeros(3), torch.zeros(4), False),
+     r"batch_hi must be a torch.float32 tensor of shape \(3,\)"),
+    (lambda: hist_regrid(torch.zeros(3, 8, dtype=torch.int64), *_int64s(2),
+                         torch.zeros(3, dtype=torch.float64), torch.zeros(3), torch.zeros(3),
+                         torch.zeros(3), False), "lo must be a torch.float32 tensor"),
+    (lambda: hist_regrid(torch.zeros(3, 8), *_int64s(2), *(torch.zeros(3),) * 4, True),
+     "counts must be a contiguous int64"),
     (lambda: ops.e8m0_block_scales(torch.zeros(3), torch.zeros(4), "fp4_e2m1", "floor"),
      "lo and hi must be float32 tensors of one shape"),
     (lambda: ops.e8m0_block_scales(torch.zeros(3), torch.zeros(3), "fp4_e2m1", "round"),
@@ -211,3 +233,19 @@ def test_ops_replay_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, qparams())
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_hist_regrid_cpu_is_update_grid(absolute):
+    """On the CPU the op is ``_update_grid`` (through the C kernel where it is built): the
+    same state, fresh tensors (the old state untouched)."""
+    g = torch.Generator().manual_seed(5)
+    lo, hi = torch.aminmax(torch.randn(4, 30, generator=g) * 7, dim=1)
+    state = _hist_state(lo, hi, g)
+    before = [t.clone() for t in state]
+    got = hist_regrid(*state, lo, hi, absolute)
+    want = H._update_grid(state, lo, hi, absolute)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(state, before))
+    assert not torch.equal(got[0], state.counts)  # the grid did change

@@ -219,3 +219,52 @@ def test_cuda_minmax_forward_replays_in_a_cuda_graph(name):
     torch.cuda.synchronize()
     assert torch.equal(graphed.min_vals, eager.min_vals)
     assert torch.equal(graphed.max_vals, eager.max_vals)
+
+
+class _OpCalls(TorchDispatchMode):
+    """How many times each op is dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("uint8", symmetric=False), QuantSpec("int8"),
+                                  QuantSpec("int8", Channel(0))], ids=str)
+def test_histogram_grid_change_is_one_op(spec):
+    """Off the CPU the histogram's grid change is ``quantscope::hist_regrid`` (one Triton
+    launch on CUDA), not the torch reference's some hundred one-element ops (log2, frexp,
+    floor, scatter_add, ...): a forward dispatches a handful of ops."""
+    obs = quantscope.get_observer("histogram", spec).to("meta")
+    x = torch.empty(8, 64, device="meta")
+    obs(x)  # the first call sizes the state
+    with _OpCalls() as seen:
+        obs(x)
+    assert seen.calls.get("quantscope.hist_regrid") == 1
+    assert seen.calls.get("quantscope.hist_add") == 1
+    assert not seen.calls.keys() & {"aten.log2", "aten.frexp", "aten.scatter_add",
+                                    "aten.floor", "aten.ceil"}
+    assert sum(seen.calls.values()) <= 16, seen.calls  # the torch grid change: ~120
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", [QuantSpec("uint8", symmetric=False),
+                                  QuantSpec("int8", Channel(0))], ids=str)
+def test_cuda_histogram_state_equals_the_cpu(spec):
+    """Three growing batches: the CUDA observer's histogram state (the Triton grid change
+    and binning) is the CPU observer's, bit for bit."""
+    batches = [_x((32, 64), seed=s) * 4.0 ** s for s in range(3)]
+    states = []
+    for device in ("cpu", "cuda"):
+        obs = quantscope.get_observer("histogram", spec).to(device)
+        for b in batches:
+            obs(b.to(device))
+        states.append([getattr(obs, n).cpu() for n in ("hist_counts", "hist_exp",
+                                                       "hist_first", "hist_lo", "hist_hi")])
+    for a, b in zip(*states, strict=True):
+        assert torch.equal(a, b)

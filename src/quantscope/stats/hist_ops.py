@@ -1,12 +1,19 @@
-"""``quantscope::hist_add``: histogram binning (:func:`.histogram.add_values`) as a
-``torch.library`` custom op, beside the ops of :mod:`quantscope.kernels.ops`.
+"""``quantscope::hist_add``: histogram binning (:func:`.histogram.add_values`), and
+``quantscope::hist_regrid``: the grid change before it (``histogram._update_grid``), as
+``torch.library`` custom ops, beside the ops of :mod:`quantscope.kernels.ops`.
 
 It lives here, not in ``kernels.ops``, because its CPU implementation is this package's
 ``histogram.bin_values`` (the C kernel, else the torch reference), which the kernels layer
 may not import; ``histogram.add_values`` calls it off the CPU (``torch.ops``: importing
 this package registers it). CUDA: the Triton kernel (:mod:`quantscope.kernels.triton.histogram`), the torch
-path where triton is not installed or the bins exceed its limit. The range growth before it
-(``histogram.update``'s grid change) is tensor math on the device already.
+path where triton is not installed or the bins exceed its limit.
+
+``hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)``: the state
+(``counts [U, B]`` int64, ``exp``, ``first`` int64 ``[U]``, ``lo``, ``hi`` float32 ``[U]``)
+after a batch of per-unit min / max ``batch_lo``, ``batch_hi`` (float32 ``[U]``) widened its
+range: fresh tensors, as ``_update_grid`` returns. ``histogram.update`` calls it off the
+CPU: one launch on CUDA (the Triton kernel) where the torch code is some hundred one-element
+ops. CPU: the C kernel (``hist_kernel.regrid``), else the torch code.
 
 ``hist_add(counts, units, exp, first, absolute)``: ``counts [U, B]`` int64 (contiguous,
 updated in place), ``units [U, E]`` float (bf16 / fp16 / fp32), ``exp``, ``first`` int64
@@ -19,9 +26,9 @@ import torch
 from torch import Tensor
 
 from ..kernels import triton as _triton
-from . import histogram
+from . import hist_kernel, histogram
 
-__all__ = ["hist_add"]
+__all__ = ["hist_add", "hist_regrid"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -71,3 +78,52 @@ def _(counts, units, exp, first, absolute):
 @hist_add.register_fake
 def _(counts, units, exp, first, absolute):
     _check(counts, units, exp, first)
+
+
+def _check_regrid(counts: Tensor, exp: Tensor, first: Tensor, lo: Tensor, hi: Tensor,
+                  batch_lo: Tensor, batch_hi: Tensor) -> None:
+    who = "quantscope::hist_regrid"
+    if counts.dim() != 2 or counts.dtype != torch.int64 or not counts.is_contiguous():
+        raise ValueError(f"{who}: counts must be a contiguous int64 [units, bins] tensor, got "
+                         f"{counts.dtype} {tuple(counts.shape)}")
+    U = counts.shape[0]
+    for name, t, dtype in (("exp", exp, torch.int64), ("first", first, torch.int64),
+                           ("lo", lo, torch.float32), ("hi", hi, torch.float32),
+                           ("batch_lo", batch_lo, torch.float32),
+                           ("batch_hi", batch_hi, torch.float32)):
+        if t.shape != (U,) or t.dtype != dtype or t.device != counts.device:
+            raise ValueError(f"{who}: {name} must be a {dtype} tensor of shape ({U},) on "
+                             f"{counts.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _torch_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
+    _check_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi)
+    state = histogram.HistState(counts, exp, first, lo, hi)
+    new = hist_kernel.regrid(state, batch_lo, batch_hi, absolute)
+    if new is None:
+        new = histogram._update_grid(state, batch_lo, batch_hi, absolute)
+    return tuple(new)
+
+
+@torch.library.custom_op("quantscope::hist_regrid", mutates_args=())
+def hist_regrid(counts: Tensor, exp: Tensor, first: Tensor, lo: Tensor, hi: Tensor,
+                batch_lo: Tensor, batch_hi: Tensor,
+                absolute: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _torch_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)
+
+
+@hist_regrid.register_kernel("cuda")
+def _(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
+    _check_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi)
+    if not _triton.available() or not _triton.runs_on(counts.device):
+        return _torch_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)
+    from ..kernels.triton import histogram as kernel
+
+    state = (t.contiguous() for t in (counts, exp, first, lo, hi, batch_lo, batch_hi))
+    return kernel.regrid(*state, absolute)
+
+
+@hist_regrid.register_fake
+def _(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
+    _check_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi)
+    return tuple(torch.empty_like(t) for t in (counts, exp, first, lo, hi))

@@ -241,9 +241,13 @@ def update(state: HistState, units: torch.Tensor, lo: torch.Tensor, hi: torch.Te
 
     No host synchronisation: the grid change is tensor math (on CPU a C kernel,
     :func:`.hist_kernel.regrid`: the same arithmetic without the fixed cost of some 60
-    one-element torch ops).
+    one-element torch ops; off the CPU the op ``quantscope::hist_regrid``, :mod:`.hist_ops`:
+    one Triton launch on CUDA).
     """
-    new = hist_kernel.regrid(state, lo, hi, absolute)
+    if units.device.type != "cpu":
+        new = torch.ops.quantscope.hist_regrid(*state, lo.float(), hi.float(), absolute)
+    else:
+        new = hist_kernel.regrid(state, lo, hi, absolute)
     state = HistState(*new) if new is not None else _update_grid(state, lo, hi, absolute)
     add_values(state.counts, units, state.exp, state.first, absolute)
     return state
