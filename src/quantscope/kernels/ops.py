@@ -34,9 +34,9 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   These two are defined in :mod:`quantscope.qparams`, beside their formulas, which call them
   off the CPU (this module builds on qparams, so it cannot be the other way round).
 
-Beside their torch references, in :mod:`quantscope.stats`: ``hist_add`` (histogram binning),
-``record_non_finite`` and ``minmax_update`` (an observer's non-finite flag and min-max state
-update).
+Beside their torch references, in :mod:`quantscope.stats`: ``hist_add`` and ``hist_regrid``
+(histogram binning and grid change), ``record_non_finite`` and ``minmax_update`` (an observer's
+non-finite flag and min-max state update).
 
 Bad input raises ``ValueError`` naming the argument, on every device.
 """

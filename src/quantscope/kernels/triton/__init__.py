@@ -1,5 +1,7 @@
 """Triton kernels: the CUDA implementations of the ops in :mod:`quantscope.kernels.ops`
-(and ``quantscope::hist_add``, :mod:`quantscope.stats.hist_ops`).
+(and the ops defined beside their torch references: ``hist_add`` and ``hist_regrid`` in
+:mod:`quantscope.stats.hist_ops`, ``record_non_finite`` and ``minmax_update`` in
+:mod:`quantscope.stats.minmax`, the block scales in :mod:`quantscope.qparams`).
 
 Each module here (``minmax``, ``fakequant``, ``block_qparams``, ``mse``, ``histogram``)
 holds ``triton.jit`` kernels and the plain Python launchers that size their grids; the ops
