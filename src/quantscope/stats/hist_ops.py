@@ -64,11 +64,8 @@ def hist_add(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor, absolute
 @hist_add.register_kernel("cuda")
 def _(counts, units, exp, first, absolute):
     _check(counts, units, exp, first)
-    if not _triton.available() or not _triton.runs_on(units.device):
-        return _torch_hist_add(counts, units, exp, first, absolute)
-    from ..kernels.triton import histogram as kernel
-
-    if counts.shape[1] + 1 > kernel.MAX_BINS:
+    kernel = _triton.launchers("histogram", units)
+    if kernel is None or counts.shape[1] + 1 > kernel.MAX_BINS:
         return _torch_hist_add(counts, units, exp, first, absolute)
     units = units if units.stride(1) == 1 else units.contiguous()
     kernel.hist_add(counts, units, exp.contiguous(), first.contiguous(), absolute)
@@ -115,10 +112,9 @@ def hist_regrid(counts: Tensor, exp: Tensor, first: Tensor, lo: Tensor, hi: Tens
 @hist_regrid.register_kernel("cuda")
 def _(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
     _check_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi)
-    if not _triton.available() or not _triton.runs_on(counts.device):
+    kernel = _triton.launchers("histogram", counts)
+    if kernel is None:
         return _torch_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)
-    from ..kernels.triton import histogram as kernel
-
     state = (t.contiguous() for t in (counts, exp, first, lo, hi, batch_lo, batch_hi))
     return kernel.regrid(*state, absolute)
 
