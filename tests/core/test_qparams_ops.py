@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_names import OpNames
 
 from quantscope import QuantSpec, presets, qparams
 from quantscope.layout import Block
@@ -49,21 +49,11 @@ def test_op_branch_is_the_torch_branch(name, given_amax):
         assert torch.equal(ours.global_scale, ref.global_scale)
 
 
-class _OpNames(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("name, op", [("mxfp4", "quantscope.e8m0_block_scales"),
                                       ("nvfp4", "quantscope.nvfp4_block_scales")])
 def test_off_the_cpu_qparams_call_the_op(name, op):
     lo, hi = (t.to("meta") for t in _ranges())
-    with _OpNames() as seen:
+    with OpNames() as seen:
         qp = qparams.qparams_from_range(lo, hi, SPECS[name], check_finite=False)
     assert op in seen.names
     assert qp.scale.shape == lo.shape and qp.scale.device.type == "meta"
@@ -71,6 +61,6 @@ def test_off_the_cpu_qparams_call_the_op(name, op):
 
 def test_integer_formats_keep_the_torch_branch_off_the_cpu():
     lo, hi = (t.to("meta") for t in _ranges())
-    with _OpNames() as seen:
+    with OpNames() as seen:
         qparams.qparams_from_range(lo, hi, QuantSpec("int8"), check_finite=False)
     assert not any(n.startswith("quantscope.") for n in seen.names)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_names import OpNames
 
 from quantscope import kernels, presets
 from quantscope.estimators import mse_search
@@ -94,24 +94,12 @@ def test_ops_engine_property(seed, rows, name, opt, log_scale):
                 mse_search(u, None, None, spec, backend="kernel", **OPTIONS[opt]))
 
 
-class _OpNames(TorchDispatchMode):
-    """The names of the ops dispatched under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("name, price", [("int4-channel", "quantscope.mse_price_int"),
                                          ("nvfp4", "quantscope.mse_price_fp")])
 def test_the_search_calls_the_ops(name, price):
     spec = SPECS[name]
     u = units_of(spec, weight())
-    with _OpNames() as seen:
+    with OpNames() as seen:
         mse_search(u, None, None, spec, backend="ops")
     assert {price, "quantscope.mse_select"} <= seen.names
 
@@ -121,7 +109,7 @@ def test_off_the_cpu_the_ops_engine_is_the_default():
     implementations) the default search runs the ops, with no host read-back."""
     spec = SPECS["int4-channel"]
     u = units_of(spec, weight()).to("meta")
-    with _OpNames() as seen:
+    with OpNames() as seen:
         res = mse_search(u, None, None, spec)
     assert "quantscope.mse_select" in seen.names
     assert res.lo.device.type == "meta" and res.lo.shape == (u.shape[0],)
@@ -131,7 +119,7 @@ def test_an_observer_off_the_cpu_calls_the_ops():
     """The native MSE observer on a device other than the CPU (meta: shapes only) takes its
     per-unit min / max and its search from the ops."""
     obs = get_observer("mse", SPECS["int4-channel"]).to("meta")
-    with _OpNames() as seen:
+    with OpNames() as seen:
         obs(weight().to("meta"))  # the search runs in forward (qparams read a flag back)
     assert {"quantscope.unit_minmax", "quantscope.mse_price_int",
             "quantscope.mse_select"} <= seen.names

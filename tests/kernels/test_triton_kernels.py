@@ -12,9 +12,6 @@ extra).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,10 +22,10 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton_interpreter import fresh_interpreter_test
 
 from quantscope import QuantSpec
 from quantscope.formats import get_format
-from quantscope.kernels import triton as qs_triton
 from quantscope.kernels.triton._jit import LAUNCH, fake_quant_fp, fp_round
 from quantscope.layout import Block
 from quantscope.qdq import fake_quantize_units
@@ -44,24 +41,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWar
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
-@pytest.fixture(scope="module")
-def device():
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if not qs_triton.runs_on(dev):
-        pytest.skip("triton was imported before TRITON_INTERPRET was set: these tests run in "
-                    "a child process (test_in_a_fresh_interpreter)")
-    return torch.device(dev)
-
-
-def test_in_a_fresh_interpreter():
-    """This file's tests in a child process under the interpreter, where this one cannot."""
-    if qs_triton.runs_on("cuda" if torch.cuda.is_available() else "cpu"):
-        pytest.skip("the kernels run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x",
-                          __file__], env=env, capture_output=True, text=True, check=False)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and " skipped" in run.stdout  # only this test skips there
+test_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -6,18 +6,15 @@ prices to 1e-12."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from triton_interpreter import fresh_interpreter_test
+
 from quantscope import QuantSpec, kernels
 from quantscope.kernels import ops
-from quantscope.kernels import triton as qs_triton
 from quantscope.kernels.price_ops import weighted_square_sums
 from quantscope.layout import Block
 from quantscope.qdq import fake_quantize_units
@@ -26,24 +23,7 @@ from quantscope.qparams import qparams_from_range
 NVFP4 = QuantSpec("fp4_e2m1", Block(16), scale="fp8_e4m3")
 
 
-@pytest.fixture(scope="module")
-def device():
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if not qs_triton.runs_on(dev):
-        pytest.skip("triton was imported before TRITON_INTERPRET was set: these tests run in "
-                    "a child process (test_in_a_fresh_interpreter)")
-    return torch.device(dev)
-
-
-def test_in_a_fresh_interpreter():
-    """This file's tests in a child process under the interpreter, where this one cannot."""
-    if qs_triton.runs_on("cuda" if torch.cuda.is_available() else "cpu"):
-        pytest.skip("the kernels run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x",
-                          __file__], env=env, capture_output=True, text=True, check=False)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout
+test_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
 
 
 def _candidates(units, spec, factors):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_names import OpNames
 
 import quantscope
 from quantscope import QuantSpec, presets
@@ -34,18 +34,6 @@ LAYOUTS = {
     "nvfp4": (presets.NVFP4, (8, 64)),
     "block-7": (QuantSpec("fp4_e2m1", Block(7), scale="fp8_e4m3"), (8, 63)),
 }
-
-
-class _OpNames(TorchDispatchMode):
-    """The names of the ops dispatched under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 def _x(shape, dtype=torch.float32, seed=0):
@@ -76,7 +64,7 @@ def test_minmax_observers_read_bf16_through_the_op(name, layout):
     obs = quantscope.get_observer(name, spec).to("meta")
     x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
     obs(x)  # the first call sizes the state
-    with _OpNames() as seen:
+    with OpNames() as seen:
         obs(x)
     assert {"quantscope.unit_minmax", "quantscope.record_non_finite"} <= seen.names
     if obs.accumulates:
@@ -96,7 +84,7 @@ def test_minmax_observers_read_bf16_through_the_op(name, layout):
 ])
 def test_histogram_and_search_observers_call_the_ops(name, spec, ops):
     obs = quantscope.get_observer(name, spec).to("meta")
-    with _OpNames() as seen:
+    with OpNames() as seen:
         obs(torch.empty(8, 64, device="meta"))
     assert ops <= seen.names
 
@@ -221,19 +209,6 @@ def test_cuda_minmax_forward_replays_in_a_cuda_graph(name):
     assert torch.equal(graphed.max_vals, eager.max_vals)
 
 
-class _OpCalls(TorchDispatchMode):
-    """How many times each op is dispatched under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("spec", [QuantSpec("uint8", symmetric=False), QuantSpec("int8"),
                                   QuantSpec("int8", Channel(0))], ids=str)
 def test_histogram_grid_change_is_one_op(spec):
@@ -243,7 +218,7 @@ def test_histogram_grid_change_is_one_op(spec):
     obs = quantscope.get_observer("histogram", spec).to("meta")
     x = torch.empty(8, 64, device="meta")
     obs(x)  # the first call sizes the state
-    with _OpCalls() as seen:
+    with OpNames() as seen:
         obs(x)
     assert seen.calls.get("quantscope.hist_regrid") == 1
     assert seen.calls.get("quantscope.hist_add") == 1
