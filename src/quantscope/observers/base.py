@@ -84,19 +84,11 @@ class Observer(nn.Module):
 
     # ------------------------------------------------------------------ observing
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{self.describe()}: expected a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{self.describe()}: expected a floating-point tensor, got {x.dtype}")
-        if x.numel() == 0:
+        if not self.check_input(x):
             if self.sync_every_step:  # still take part in the step's collectives
                 self.step_empty()
             return x
         layout = self.spec.layout
-        try:
-            layout.check(x.shape)
-        except ValueError as e:
-            raise ValueError(f"{self.describe()}: {e}") from None
         # the C kernels read float32; the ops (off the CPU) read bf16 / fp16 as they are
         x_read = x.detach() if x.device.type != "cpu" else x.detach().float()
         fast = None
@@ -104,14 +96,7 @@ class Observer(nn.Module):
             fast = layout_minmax(x_read, layout)  # min / max straight from x, no units copy
         units = layout.to_units(x_read.float()) if fast is None else None
         count = units.shape[0] if fast is None else fast[0].shape[0]
-        if self.accumulates and self._last_shape is not None:
-            before = layout.num_units(self._last_shape)
-            if before != count:
-                raise ValueError(
-                    f"{self.describe()}: {layout} gave {count} units for shape "
-                    f"{tuple(x.shape)}, but {before} before; a {self.name} observer keeps "
-                    f"per-unit state, so the unit count must not change (use a memoryless "
-                    f"observer for dynamic per-token ranges)")
+        self._check_unit_count(count, x.shape)
         if self.non_finite == "ignore":
             bad = ~torch.isfinite(units)
             self.non_finite_count += bad.sum()
@@ -131,6 +116,60 @@ class Observer(nn.Module):
         self._observe(units, lo, hi)
         self.count_batch(x)
         return x
+
+    def check_input(self, x: torch.Tensor) -> bool:
+        """Raise ``TypeError`` / ``ValueError`` naming this observer unless ``x`` is a
+        floating-point tensor its layout can take; False when ``x`` is empty (nothing to
+        observe)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.describe()}: expected a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{self.describe()}: expected a floating-point tensor, got {x.dtype}")
+        if x.numel() == 0:
+            return False
+        try:
+            self.spec.layout.check(x.shape)
+        except ValueError as e:
+            raise ValueError(f"{self.describe()}: {e}") from None
+        return True
+
+    def _check_unit_count(self, count: int, shape) -> None:
+        if self.accumulates and self._last_shape is not None:
+            layout = self.spec.layout
+            before = layout.num_units(self._last_shape)
+            if before != count:
+                raise ValueError(
+                    f"{self.describe()}: {layout} gave {count} units for shape "
+                    f"{tuple(shape)}, but {before} before; a {self.name} observer keeps "
+                    f"per-unit state, so the unit count must not change (use a memoryless "
+                    f"observer for dynamic per-token ranges)")
+
+    @property
+    def takes_minmax(self) -> bool:
+        """Whether :meth:`observe_minmax` can stand for ``forward``: the state follows from
+        the per-unit min / max alone (``needs_units = False``), non-finite input is an
+        error, and no step exchange runs in ``forward``."""
+        return not self.needs_units and self.non_finite == "error" and not self.sync_every_step
+
+    def observe_minmax(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """``forward(x)`` where ``x``'s per-unit ``lo`` / ``hi`` (float32 ``[U]``, the
+        layout's unit order, NaN propagated) were taken elsewhere, e.g. many weights' in one
+        grouped launch (:func:`quantscope.observers.observe_many`). The state may keep
+        ``lo`` / ``hi`` themselves (a memoryless observer does). Only where
+        :attr:`takes_minmax`; ``x`` must pass :meth:`check_input`."""
+        if not self.takes_minmax:
+            raise TypeError(f"{self.describe()}: observe_minmax needs an observer whose state "
+                            f"follows from the per-unit min / max (min-max family, "
+                            f"non_finite='error', no sync_every_step); call it on the tensor")
+        count = self.spec.layout.num_units(tuple(x.shape))
+        if lo.shape != (count,) or hi.shape != (count,):
+            raise ValueError(f"{self.describe()}: lo and hi must have the {count} units of "
+                             f"shape {tuple(x.shape)} under {self.spec.layout}, got "
+                             f"{tuple(lo.shape)} and {tuple(hi.shape)}")
+        self._check_unit_count(count, x.shape)
+        self._record_non_finite(lo, hi)
+        self._observe(None, lo, hi)
+        self.count_batch(x)
 
     def count_batch(self, x: torch.Tensor, direct: bool = False) -> None:
         """Count ``x``'s tokens into ``observed_tokens`` and record its shape (the end of
