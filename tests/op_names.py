@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -23,3 +24,28 @@ class OpNames(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
+
+
+class BlockingUploads(TorchDispatchMode):
+    """Records every blocking host-to-device copy dispatched under it (``found``: op names):
+    on CUDA such a copy waits for all the work queued before it (PyTorch synchronizes the
+    stream after a pageable copy with ``non_blocking=False``), so a pass that should run
+    ahead of the GPU must make none."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        if name in ("aten.to", "aten._to_copy", "aten.copy_"):
+            bound = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+            src = bound.get("src" if name == "aten.copy_" else "self")
+            dst = bound["self"].device if name == "aten.copy_" else bound.get("device")
+            if dst is None and isinstance(bound.get("other"), torch.Tensor):
+                dst = bound["other"].device  # Tensor.to(other)
+            if src.device.type == "cpu" and dst is not None and torch.device(dst).type != "cpu" \
+                    and not bound.get("non_blocking", False):
+                self.found.append(name)
+        return func(*args, **kwargs)

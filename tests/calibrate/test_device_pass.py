@@ -5,7 +5,9 @@ without waiting on the host).
 The ``meta`` device stands in for a GPU: any host read there fails in torch itself. The pass
 (every weight observed, every batch run through the model and its observers) must reach its
 end, the non-finite check that reads the observers' flags once, before anything reads a
-device value.
+device value. Nor does it upload anything blocking (a pageable host-to-device copy with
+``non_blocking=False`` makes the host wait for the GPU as a read does): batches of changing
+shapes, whose observers record each new shape, and the row samples kept for the report.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 import quantscope as qs
 from quantscope.calibration import preset
 from quantscope.calibration.run import observe
+from tests.op_names import BlockingUploads
 
 
 class _PassEnded(Exception):
@@ -27,7 +30,15 @@ class _PassEnded(Exception):
                                               ("nvfp4", "minmax"), ("w8a8", "mse"),
                                               ("mxfp4", "minmax")])
 def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch):
-    reached = []
+    reached, uploads = [], BlockingUploads()
+    real_tensor = torch.tensor
+
+    def tensor(data, *args, device=None, **kwargs):  # made on the host, then copied
+        if device is not None and torch.device(device).type != "cpu":
+            uploads.found.append("torch.tensor")
+        return real_tensor(data, *args, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
 
     def end_of_pass(slots):
         reached.append(len(list(slots)))
@@ -36,7 +47,8 @@ def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch):
     monkeypatch.setattr(observe, "check_finite", end_of_pass)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 32))
-    batches = [torch.empty(4, 128, device="meta") for _ in range(3)]
-    with pytest.raises(_PassEnded):
+    batches = [torch.empty(shape, device="meta") for shape in ((4, 128), (3, 128), (2, 5, 128))]
+    with pytest.raises(_PassEnded), uploads:
         qs.calibrate(model, batches, preset(scheme, observer), progress=False)
     assert reached and reached[0] > 0  # the pass ran to its end, with observers to check
+    assert uploads.found == []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .._numerics import upload
 from ..formats import FloatFormat, IntFormat
 from ..kernels import ops
 from ..qparams import qparams_from_range
@@ -72,8 +73,8 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     squared error) as ops: ``(lo, hi, error, index)`` per unit."""
     dev = units.device
     ext = list(extend) if extend and per_unit and patience is not None else []
-    f_lo = torch.tensor(list(f_lo) + ext, dtype=torch.float32, device=dev)
-    f_hi = torch.tensor(list(f_hi) + ext, dtype=torch.float32, device=dev)
+    f_lo = upload(list(f_lo) + ext, dev, torch.float32)
+    f_hi = upload(list(f_hi) + ext, dev, torch.float32)
     K, U = f_lo.shape[0], units.shape[0]
     step = max(1, chunk_elems * _QPARAMS_PER_TILE // (K + 1))
     err = torch.empty((K + 1, U), dtype=torch.float64, device=dev)

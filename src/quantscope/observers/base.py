@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from .._numerics import upload
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import layout_minmax, record_non_finite, unit_minmax
@@ -213,8 +214,7 @@ class Observer(nn.Module):
         shape = tuple(shape)
         if shape != self._last_shape:
             self._last_shape = shape
-            self.observed_shape = torch.tensor(shape, dtype=torch.int64,
-                                               device=self.observed_shape.device)
+            self.observed_shape = upload(shape, self.observed_shape.device, torch.int64)
 
     def _observe(self, units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """Update the statistics from float32 ``units [U, E]`` and its per-unit ``lo``, ``hi``.

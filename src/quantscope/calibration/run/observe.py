@@ -127,7 +127,7 @@ def make_observer(slot: Slot, key, for_auto: bool, owns=None):
         # distributed: only the owner rank observes a weight (the others get its state)
         if slot.role == "weight" and (owns is None or owns(slot.layer)):
             w = slot.module.weight.detach()
-            obs.to(w.device)
+            obs.to(w.device, non_blocking=True)  # no stream sync (quantscope._numerics)
             with torch.inference_mode():
                 obs(w)
     except (ValueError, TypeError) as e:
@@ -224,7 +224,7 @@ def _hook(slots: list[Slot], input_key: str | None = None):
             for key, obs in slot.observers.items():
                 t0 = time.perf_counter()
                 if obs.observed_tokens.device != x.device:
-                    obs.to(x.device)
+                    obs.to(x.device, non_blocking=True)
                 try:
                     obs(x)
                 except ValueError as e:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..._numerics import upload
+
 __all__ = ["RowSample", "capacities"]
 
 
@@ -43,7 +45,7 @@ class RowSample:
             return
         rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
         take = min(rows.shape[0], self.per_batch, self.capacity - self.count)
-        idx = torch.randperm(rows.shape[0], generator=self.generator)[:take].to(rows.device)
+        idx = upload(torch.randperm(rows.shape[0], generator=self.generator)[:take], rows.device)
         if self.buffer is None:
             self.buffer = rows.new_empty((self.capacity, rows.shape[1]))
         elif self.buffer.shape[1] != rows.shape[1]:
