@@ -121,7 +121,7 @@ def test_unit_minmax_four_d_views_are_the_layouts_units(device, dtype, shape, la
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_unit_minmax_one_launch_over_mixed_shapes(device, dtype):
     """One launch over tensors of mixed shapes (a strided one among them): each tensor's
-    rows' min / max, in order, NaN kept."""
+    rows' min / max in its own lo / hi, NaN kept."""
     from quantscope.kernels.triton import minmax
 
     g = torch.Generator().manual_seed(4)
@@ -129,11 +129,38 @@ def test_grouped_unit_minmax_one_launch_over_mixed_shapes(device, dtype):
           torch.randn(1, 300, generator=g), torch.randn(9, 20, generator=g)[:, :13]]
     ts = [t.to(dtype) for t in ts]
     ts[1][3, 2] = float("nan")
-    lo, hi = minmax.grouped_unit_minmax([t.to(device) for t in ts], block_u=4, block_e=16)
-    want = [torch.aminmax(t.float(), dim=1) for t in ts]
-    _assert_bitwise(lo, torch.cat([w[0] for w in want]))
-    _assert_bitwise(hi, torch.cat([w[1] for w in want]))
+    los, his = minmax.grouped_unit_minmax([t.to(device) for t in ts], block_u=4, block_e=16)
+    for t, lo, hi in zip(ts, los, his, strict=True):
+        want_lo, want_hi = torch.aminmax(t.float(), dim=1)
+        _assert_bitwise(lo, want_lo)
+        _assert_bitwise(hi, want_hi)
+    # each tensor's outputs are their own allocation (an observer keeps them as its state)
+    outs = [o for pair in zip(los, his) for o in pair]
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == len(outs)
+    assert all(o.untyped_storage().nbytes() == o.numel() * 4 for o in outs)
 
+
+
+def test_grouped_descriptors_go_up_without_a_blocking_copy():
+    """The descriptors reach the device by a non-blocking copy (a blocking one makes PyTorch
+    synchronize the stream: the host would wait for the GPU at every grouped launch); the
+    meta device stands in for a GPU."""
+    from op_names import BlockingUploads
+
+    from quantscope.kernels.triton import minmax
+
+    ts = [torch.zeros(5, 3), torch.zeros(2, 9)[:, :4]]
+    los, his = [torch.zeros(5), torch.zeros(2)], [torch.zeros(5), torch.zeros(2)]
+    host = minmax.grouped_descriptors(ts, los, his, block_u=4)
+    assert host.tolist() == [
+        [ts[0].data_ptr(), 0, 5, 3, 3, los[0].data_ptr(), his[0].data_ptr()],
+        [ts[0].data_ptr(), 4, 5, 3, 3, los[0].data_ptr(), his[0].data_ptr()],
+        [ts[1].data_ptr(), 0, 2, 4, 9, los[1].data_ptr(), his[1].data_ptr()]]
+    uploads = BlockingUploads()
+    with uploads:
+        desc = minmax._upload(host, torch.device("meta"))
+    assert desc.device.type == "meta" and desc.shape == host.shape
+    assert uploads.found == []
 
 # ---- integer fake-quant --------------------------------------------------------------------
 

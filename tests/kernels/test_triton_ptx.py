@@ -54,8 +54,8 @@ CASES = {
          "chunk": "i32", "splits": "i32", "BLOCK_U": "constexpr", "BLOCK_E": "constexpr",
          "FOUR_D": "constexpr"}, {"BLOCK_U": 8, "BLOCK_E": 512, "FOUR_D": True}),
     "minmax._grouped_minmax_kernel": (
-        {"desc_ptr": "*i64", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "DTYPE": "constexpr",
-         "BLOCK_U": "constexpr", "BLOCK_E": "constexpr"},
+        {"desc_ptr": "*i64", "DTYPE": "constexpr", "BLOCK_U": "constexpr",
+         "BLOCK_E": "constexpr"},
         {"DTYPE": "tl.bfloat16", "BLOCK_U": 8, "BLOCK_E": 512}),
     "minmax._state_kernel": (  # the moving average: s + c * (b - s), no FMA
         {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "slo_ptr": "*fp32", "shi_ptr": "*fp32",

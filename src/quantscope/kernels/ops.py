@@ -11,7 +11,8 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   units are no row view (a channel axis in the middle, tiles) read in place.
 * ``grouped_unit_minmax(units) -> (lo, hi)``: per-row min / max of a list of ``[U_i, E_i]``
   tensors of one dtype and device, in ONE launch on CUDA (a layer's or a model's weights of
-  mixed shapes): float32 ``[sum U_i]`` each, the tensors' rows in order.
+  mixed shapes): two lists, float32 ``[U_i]`` per tensor, each its own tensor (an observer
+  keeps them as its state: views of one buffer would make every state_dict carry it all).
 * ``fake_quant_int(units, scale, zero_point, qmin, qmax) -> out``: integer fake-quantization
   of ``units [U, E]`` with float32 per-unit ``scale`` / ``zero_point`` ``[U]``; float32
   ``[U, E]`` (``qdq.fake_quantize_units``).
@@ -128,14 +129,16 @@ def _check_group(units: list[Tensor]) -> None:
                              f"{tuple(t.shape)} on {t.device}")
 
 
-def _torch_grouped_unit_minmax(units: list[Tensor]) -> tuple[Tensor, Tensor]:
+def _torch_grouped_unit_minmax(units: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     _check_group(units)
     pairs = [_torch_unit_minmax(t) for t in units]
-    return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+# one lo / hi pair per tensor, not views of one buffer: an observer keeps its tensor's pair as
+# its state, and state_dict would carry (torch.save) or refuse (safetensors) a shared buffer
 @torch.library.custom_op("quantscope::grouped_unit_minmax", mutates_args=())
-def grouped_unit_minmax(units: list[Tensor]) -> tuple[Tensor, Tensor]:
+def grouped_unit_minmax(units: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     return _torch_grouped_unit_minmax(units)
 
 
@@ -152,8 +155,8 @@ def _(units):
 @grouped_unit_minmax.register_fake
 def _(units):
     _check_group(units)
-    out = units[0].new_empty(sum(t.shape[0] for t in units), dtype=torch.float32)
-    return out, torch.empty_like(out)
+    lo = [t.new_empty(t.shape[0], dtype=torch.float32) for t in units]
+    return lo, [torch.empty_like(t) for t in lo]
 
 
 # ---- fake_quant_int ------------------------------------------------------------------------

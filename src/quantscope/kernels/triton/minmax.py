@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._numerics import upload
 from ._jit import LAUNCH
 
 __all__ = ["grouped_descriptors", "grouped_unit_minmax", "unit_minmax", "update_state"]
@@ -104,18 +105,24 @@ def unit_minmax(units: torch.Tensor, *, block_u: int | None = None, block_e: int
     return lo.view(U, splits).amin(1), hi.view(U, splits).amax(1)  # amin / amax keep NaN
 
 
+#: int64 entries per program in a grouped launch's descriptors (see the kernel)
+DESC_WIDTH = tl.constexpr(7)
+
 #: the element type of a grouped launch's pointers, by torch dtype
 _POINTEE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _grouped_minmax_kernel(desc_ptr, lo_ptr, hi_ptr, DTYPE: tl.constexpr,
-                           BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr):
-    # this program's descriptor: tensor address, first row, rows, elements, row stride, output
-    d = desc_ptr + tl.program_id(0) * 6
+def _grouped_minmax_kernel(desc_ptr, DTYPE: tl.constexpr, BLOCK_U: tl.constexpr,
+                           BLOCK_E: tl.constexpr):
+    # this program's descriptor: tensor address, first row, rows, elements, row stride, and
+    # the addresses of its tensor's own lo / hi outputs
+    d = desc_ptr + tl.program_id(0) * DESC_WIDTH
     base = tl.load(d).to(tl.pointer_type(DTYPE))
     row0, U, E = tl.load(d + 1), tl.load(d + 2), tl.load(d + 3)
-    stride, out0 = tl.load(d + 4), tl.load(d + 5)
+    stride = tl.load(d + 4)
+    lo_ptr = tl.load(d + 5).to(tl.pointer_type(tl.float32))
+    hi_ptr = tl.load(d + 6).to(tl.pointer_type(tl.float32))
     rows = row0 + tl.arange(0, BLOCK_U)
     lo = tl.full([BLOCK_U, BLOCK_E], float("inf"), tl.float32)
     hi = tl.full([BLOCK_U, BLOCK_E], float("-inf"), tl.float32)
@@ -129,39 +136,49 @@ def _grouped_minmax_kernel(desc_ptr, lo_ptr, hi_ptr, DTYPE: tl.constexpr,
         hi = tl.maximum(hi, tl.where(mask, x, float("-inf")))
         nan = nan | (x != x).to(tl.int32)  # noqa: PLR0124 (the NaN test)
     has_nan = tl.max(nan, axis=1) > 0
-    out = out0 + rows
-    tl.store(lo_ptr + out, tl.where(has_nan, float("nan"), tl.min(lo, axis=1)), mask=rows < U)
-    tl.store(hi_ptr + out, tl.where(has_nan, float("nan"), tl.max(hi, axis=1)), mask=rows < U)
+    tl.store(lo_ptr + rows, tl.where(has_nan, float("nan"), tl.min(lo, axis=1)), mask=rows < U)
+    tl.store(hi_ptr + rows, tl.where(has_nan, float("nan"), tl.max(hi, axis=1)), mask=rows < U)
 
 
-def grouped_descriptors(tensors: list[torch.Tensor], block_u: int) -> torch.Tensor:
-    """int64 ``[programs, 6]`` on the host: per program of :func:`grouped_unit_minmax`, its
-    tensor's address, first row, rows, elements, row stride and first output; from the
-    tensors' shapes and addresses only (no device read)."""
-    rows, out0 = [], 0
-    for t in tensors:
+def grouped_descriptors(tensors: list[torch.Tensor], los: list[torch.Tensor],
+                        his: list[torch.Tensor], block_u: int) -> torch.Tensor:
+    """int64 ``[programs, DESC_WIDTH]`` on the host: per program of
+    :func:`grouped_unit_minmax`, its tensor's address, first row, rows, elements, row stride
+    and the addresses of the tensor's outputs ``los[i]`` / ``his[i]``; from shapes and
+    addresses only (no device read)."""
+    rows = []
+    for t, lo, hi in zip(tensors, los, his, strict=True):
         U, E = t.shape
-        rows += [(t.data_ptr(), r, U, E, t.stride(0), out0) for r in range(0, U, block_u)]
-        out0 += U
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
+        rows += [(t.data_ptr(), r, U, E, t.stride(0), lo.data_ptr(), hi.data_ptr())
+                 for r in range(0, U, block_u)]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, DESC_WIDTH.value)
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without a stream synchronization (``_numerics.upload``), pinned
+    first on CUDA: from pageable memory even a non-blocking copy may wait (the CUDA runtime's
+    rule); the caching host allocator keeps the pinned block until the copy is done."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        host = host.pin_memory()
+    return upload(host, device)
 
 
 def grouped_unit_minmax(tensors: list[torch.Tensor], *, block_u: int | None = None,
-                        block_e: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        block_e: int | None = None
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-row min / max of every ``[U_i, E_i]`` tensor (one dtype, rows contiguous, E_i >= 1)
-    in ONE launch: float32 ``[sum U_i]`` each, the tensors' rows in order."""
-    total = sum(t.shape[0] for t in tensors)
+    in ONE launch: two lists, float32 ``[U_i]`` per tensor, each tensor its own allocation."""
     device = tensors[0].device
-    lo = torch.empty(total, dtype=torch.float32, device=device)
-    hi = torch.empty_like(lo)
-    if not total:
-        return lo, hi
+    los = [torch.empty(t.shape[0], dtype=torch.float32, device=device) for t in tensors]
+    his = [torch.empty_like(lo) for lo in los]
+    if not sum(t.shape[0] for t in tensors):
+        return los, his
     be = block_e or min(triton.next_power_of_2(max(t.shape[1] for t in tensors)), 512)
     bu = block_u or max(1, 4096 // be)
-    desc = grouped_descriptors(tensors, bu).to(device)
-    _grouped_minmax_kernel[(desc.shape[0],)](desc, lo, hi, DTYPE=_POINTEE[tensors[0].dtype],
+    desc = _upload(grouped_descriptors(tensors, los, his, bu), device)
+    _grouped_minmax_kernel[(desc.shape[0],)](desc, DTYPE=_POINTEE[tensors[0].dtype],
                                              BLOCK_U=bu, BLOCK_E=be, **LAUNCH)
-    return lo, hi
+    return los, his
 
 
 # ---- an observer's state update, fused ------------------------------------------------------
