@@ -58,17 +58,20 @@ def test_op_layout_minmax_is_the_units_minmax(layout, dtype):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", MINMAX)
 def test_minmax_observers_read_bf16_through_the_op(name, layout):
-    """The min-max family off the CPU: one ``quantscope::unit_minmax``, and no float32 copy
-    of a bf16 input."""
+    """The min-max family off the CPU: a memoryless observer one ``quantscope::unit_minmax``,
+    an accumulating one its whole step in ``quantscope::minmax_observe``
+    (tests/observers/test_minmax_observe_op.py); no float32 copy of a bf16 input."""
     spec, shape = LAYOUTS[layout]
     obs = quantscope.get_observer(name, spec).to("meta")
     x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
     obs(x)  # the first call sizes the state
     with OpNames() as seen:
         obs(x)
-    assert {"quantscope.unit_minmax", "quantscope.record_non_finite"} <= seen.names
     if obs.accumulates:
-        assert "quantscope.minmax_update" in seen.names
+        assert "quantscope.minmax_observe" in seen.names
+        assert not seen.names & {"quantscope.unit_minmax", "quantscope.minmax_update"}
+    else:
+        assert {"quantscope.unit_minmax", "quantscope.record_non_finite"} <= seen.names
     # no float32 copy of the input, and the non-finite check and state update are one op each
     assert not seen.names & {"aten._to_copy", "aten.amin", "aten.isfinite", "aten.abs"}
 

@@ -38,9 +38,14 @@ from ..spec import QuantSpec
 from ..stats.minmax import layout_minmax, record_non_finite, unit_minmax
 from .sync import step_sync, sync_observers
 
-__all__ = ["NON_FINITE_MODES", "Observer"]
+__all__ = ["NON_FINITE_MODES", "Observer", "tokens_of"]
 
 NON_FINITE_MODES = ("error", "ignore")
+
+
+def tokens_of(x: torch.Tensor) -> int:
+    """How many tokens (rows of the last axis) ``x`` holds: what ``observed_tokens`` counts."""
+    return x.numel() // x.shape[-1] if x.dim() else 1
 
 
 class Observer(nn.Module):
@@ -177,7 +182,7 @@ class Observer(nn.Module):
         every ``forward``). ``direct``: a CPU counter is added through its memory
         (:func:`quantscope.kernels.write`), not by a tensor op, for a path that has just
         streamed a batch through the caches in C."""
-        tokens = x.numel() // x.shape[-1] if x.dim() else 1
+        tokens = tokens_of(x)
         count = self.observed_tokens
         if direct and kernels.plain(count, torch.int64):
             kernels.write(count, kernels.read(count)[0] + tokens)

@@ -8,8 +8,15 @@ import torch
 
 from ..comm import AVG, MAX, MIN
 from ..qparams import QParams, amax_of_range
-from ..stats.minmax import unit_minmax, update_state
-from .base import Observer
+from ..stats.minmax import (
+    UPDATES,
+    minmax_observe,
+    op_unit_count,
+    op_units,
+    unit_minmax,
+    update_state,
+)
+from .base import Observer, tokens_of
 from .registry import register
 
 __all__ = [
@@ -70,6 +77,34 @@ class MinMaxStateObserver(Observer):
         self._fused = True  # _observe: the state is already updated
         return unit_minmax(units, self._minmax_out(count), ends,
                            (kind, c, self.min_vals, self.max_vals))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        units = self._one_op_units(x)
+        if units is None:
+            return super().forward(x)
+        minmax_observe(units, self.min_vals, self.max_vals, self.seen_non_finite,
+                       self.observed_tokens, UPDATES[self.state_update],
+                       getattr(self, "averaging_constant", 0.0), tokens_of(x))
+        self.set_shape(x.shape)
+        return x
+
+    def _one_op_units(self, x) -> torch.Tensor | None:
+        """``x``'s units where ``forward``'s whole step can be the op ``minmax_observe`` (off
+        the CPU, once the state is sized: the common call of an activation observer), else
+        None (the general path, which also raises what is wrong with ``x``)."""
+        state = self.min_vals
+        if (self.state_update is None or not self.accumulates or not self.takes_minmax
+                or not isinstance(x, torch.Tensor) or x.device.type == "cpu"
+                or state.device != x.device or state.dim() != 1 or not state.numel()
+                or state.dtype != torch.float32 or not x.is_floating_point() or not x.numel()
+                or not all(t.is_contiguous() for t in (state, self.max_vals))):
+            return None
+        try:
+            self.spec.layout.check(x.shape)
+        except ValueError:
+            return None
+        units = op_units(x.detach(), self.spec.layout)
+        return units if units is not None and op_unit_count(units) == state.numel() else None
 
     def _observe(self, units, lo, hi):
         if self._fused:

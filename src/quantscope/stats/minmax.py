@@ -22,8 +22,8 @@ from .. import kernels
 from ..kernels import ops
 from ..kernels import triton as _triton
 
-__all__ = ["column_minmax", "ema_", "layout_minmax", "minmax_update", "record_non_finite", "torch_unit_minmax",
-           "unit_minmax"]
+__all__ = ["column_minmax", "ema_", "layout_minmax", "minmax_observe", "minmax_update", "op_unit_count",
+           "op_units", "record_non_finite", "torch_unit_minmax", "unit_minmax"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -210,23 +210,40 @@ def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] 
 
 def _op_layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`layout_minmax` off the CPU: the op reads the units where they lie."""
+    units = op_units(x, layout)
+    return None if units is None else ops.unit_minmax(units)
+
+
+#: the dtypes the ops read as they are
+_OP_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def op_units(x: torch.Tensor, layout) -> torch.Tensor | None:
+    """``x``'s units as the op ``quantscope::unit_minmax`` reads them: ``[U, E]``, or
+    ``[U1, U2, E1, E2]`` where they are no row view (a channel axis after the first, tiles),
+    in ``x``'s own float dtype; None where the op cannot (other dtypes, autograd, no units)."""
     from ..layout import Channel, Tile
 
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.requires_grad:
+    if x.dtype not in _OP_FLOATS or x.requires_grad:
         return None
     shape = x.shape
     if isinstance(layout, Channel) and x.dim() >= 2:
         a = layout.axis % x.dim()
         A, C, B = math.prod(shape[:a]), shape[a], math.prod(shape[a + 1:])
         if A > 1:  # units (1, c), elements (a, b)
-            return ops.unit_minmax(x.reshape(A, C, B).permute(1, 0, 2)[None])
+            return x.reshape(A, C, B).permute(1, 0, 2)[None]
     elif isinstance(layout, Tile) and x.dim() >= 2:
         R, C = shape[-2:]
         if R % layout.rows == 0 and C % layout.cols == 0:  # no padding: units (tile row, col)
             t = x.reshape(-1, layout.rows, C // layout.cols, layout.cols)
-            return ops.unit_minmax(t.permute(0, 2, 1, 3))
+            return t.permute(0, 2, 1, 3)
     units = layout.to_units(x)
-    return ops.unit_minmax(units) if units.numel() else None
+    return units if units.numel() else None
+
+
+def op_unit_count(units: torch.Tensor) -> int:
+    """How many units an :func:`op_units` view holds."""
+    return units.shape[0] if units.dim() == 2 else units.shape[0] * units.shape[1]
 
 
 # ---- an observer's step off the CPU: one op each ----------------------------------------------
@@ -314,3 +331,73 @@ def _(lo, hi, seen):
 @record_non_finite.register_fake
 def _(lo, hi, seen):
     _check_record(lo, hi, seen)
+
+
+# ---- an accumulating min-max observer's whole step: one op ------------------------------------
+
+def _check_observe(units, state_lo, state_hi, seen, tokens, kind) -> None:
+    who = "quantscope::minmax_observe"
+    if units.dim() not in (2, 4) or units.dtype not in _OP_FLOATS \
+            or math.prod(units.shape[units.dim() // 2:]) == 0:
+        raise ValueError(f"{who}: units must be a [units, elements] or [U1, U2, E1, E2] tensor "
+                         f"of float32, bfloat16 or float16 with elements (stats.minmax.op_units), "
+                         f"got {units.dtype} {tuple(units.shape)}")
+    n = op_unit_count(units)
+    for name, t in (("state_lo", state_lo), ("state_hi", state_hi)):
+        if t.shape != (n,) or t.dtype != torch.float32 or t.device != units.device \
+                or not t.is_contiguous():
+            raise ValueError(f"{who}: {name} must be a contiguous float32 tensor of the {n} "
+                             f"units on {units.device}, got {t.dtype} {tuple(t.shape)} on "
+                             f"{t.device}")
+    if kind not in UPDATES.values():
+        raise ValueError(f"{who}: kind must be one of {UPDATES}, got {kind}")
+    for name, t, dtype in (("seen", seen, torch.bool), ("tokens", tokens, torch.int64)):
+        if t.numel() != 1 or t.dtype != dtype or t.device != units.device:
+            raise ValueError(f"{who}: {name} must be one {dtype} on {units.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _torch_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count) -> None:
+    _check_observe(units, state_lo, state_hi, seen, tokens, kind)
+    lo, hi = ops.unit_minmax(units)
+    _torch_record_non_finite(lo, hi, seen)
+    _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c)
+    tokens.add_(count)
+
+
+def triton_minmax_observe(kernel, units, state_lo, state_hi, seen, tokens, kind, c,
+                          count) -> None:
+    """:func:`minmax_observe` by the Triton launchers ``kernel``: one min / max pass, then one
+    launch that records the non-finite flag and updates the state."""
+    lo, hi = kernel.unit_minmax(units)
+    kernel.update_state(lo, hi, state_lo, state_hi, seen, kind, c)
+    tokens.add_(count)
+
+
+@torch.library.custom_op("quantscope::minmax_observe",
+                         mutates_args=("state_lo", "state_hi", "seen", "tokens"))
+def minmax_observe(units: torch.Tensor, state_lo: torch.Tensor, state_hi: torch.Tensor,
+                   seen: torch.Tensor, tokens: torch.Tensor, kind: int, c: float,
+                   count: int) -> None:
+    """An accumulating min-max observer's ``forward`` as one op, in place: the per-unit
+    min / max of ``units`` (an :func:`op_units` view), ``seen`` set where they hold NaN or an
+    infinity (:func:`record_non_finite`), the state updated (:func:`minmax_update`, ``kind``
+    an :data:`UPDATES` code) and ``count`` tokens added to ``tokens``. The same arithmetic
+    as those ops one by one; one dispatch where they take three (on a GPU the host's time
+    per observer call is mostly dispatch)."""
+    _torch_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count)
+
+
+@minmax_observe.register_kernel("cuda")
+def _(units, state_lo, state_hi, seen, tokens, kind, c, count):
+    kernel = _triton.launchers("minmax", units)
+    if kernel is None:
+        return _torch_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count)
+    _check_observe(units, state_lo, state_hi, seen, tokens, kind)
+    triton_minmax_observe(kernel, units, state_lo, state_hi, seen, tokens, kind, c, count)
+    return None
+
+
+@minmax_observe.register_fake
+def _(units, state_lo, state_hi, seen, tokens, kind, c, count):
+    _check_observe(units, state_lo, state_hi, seen, tokens, kind)

@@ -1,0 +1,48 @@
+"""The Triton implementation of ``quantscope::minmax_observe`` (an accumulating min-max
+observer's step) bitwise against the op's CPU implementation, under the interpreter on CPU
+tensors (compiled on CUDA where a GPU is present)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import given, settings
+from triton_interpreter import fresh_interpreter_test
+
+from quantscope.kernels import triton as qs_triton
+from quantscope.stats import minmax
+
+test_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
+
+SHAPES = [(1, 3000), (7, 33), (64, 5), (2, 3, 4, 9)]  # one unit, rows, short rows, 4-D view
+
+
+def _state(units, seed):
+    n = minmax.op_unit_count(units)
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.randn(n, generator=g) - 1
+    return (lo, lo + 2 * torch.rand(n, generator=g), torch.zeros((), dtype=torch.bool),
+            torch.full((), 5, dtype=torch.int64))
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.sampled_from(SHAPES), kind=st.sampled_from(sorted(minmax.UPDATES.values())),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       c=st.sampled_from([0.01, 0.3, 1.0]), seed=st.integers(0, 10**6),
+       bad=st.sampled_from([None, float("nan"), float("inf"), float("-inf")]))
+def test_triton_step_is_the_cpu_op(device, shape, kind, dtype, c, seed, bad):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3
+    if bad is not None:
+        x.view(-1)[seed % x.numel()] = bad
+    units = x.to(dtype)
+    if units.dim() == 4:  # a strided [U1, U2, E1, E2] view, as op_units makes for tiles
+        units = units.permute(0, 2, 1, 3)
+    ref = _state(units, seed)
+    minmax.minmax_observe(units, *ref, kind, c, 11)
+    got = [t.to(device) for t in _state(units, seed)]
+    minmax.triton_minmax_observe(qs_triton.launchers("minmax", got[0]), units.to(device),
+                                 *got, kind, c, 11)
+    for a, b in zip(ref, got):
+        b = b.cpu()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
