@@ -15,7 +15,8 @@ and llm-compressor 0.14's ``memoryless_mse`` (its Triton backend on CUDA; carrie
 bench/gpu_wheels.sh), with each one's total squared error; the histogram observe + qparams (8
 growing bf16 batches; the native observer and the torch.ao compat class) against torch.ao's
 ``HistogramObserver`` on the same device; a layer's seven
-weights in one grouped launch (``quantscope::grouped_unit_minmax``); the NVFP4 block-scale
+weights in one grouped launch (``quantscope::grouped_unit_minmax``) and their observers
+through ``observe_many``; the NVFP4 block-scale
 search on a 2 size x size weight against llm-compressor's ``nvfp4_expanded_mse`` and
 ModelOpt's Triton fp8-scale sweep (bench/gpu_nvfp4.py); a random-weight ~1.2 B Llama's
 calibration against its plain forward and llm-compressor's ``oneshot`` (bench/gpu_model.py).
@@ -41,6 +42,7 @@ from quantscope.estimators.mse import mse_search
 from quantscope.formats import FP4_E2M1
 from quantscope.kernels import ops
 from quantscope.layout import Channel, Group
+from quantscope.observers import observe_many
 from quantscope.qparams import amax_of_range, qparams_from_range
 from quantscope.scales import nvfp4_global_scale
 
@@ -162,14 +164,21 @@ def bench_mse(size, device, repeat):
 
 def bench_grouped(size, device, repeat):
     """Per-channel min / max of a Llama layer's seven weights (hidden ``size``, MLP 2.6875x):
-    one grouped launch against one op per weight, and one ``aminmax`` per weight."""
+    one grouped launch against one op per weight, and one ``aminmax`` per weight; and the
+    seven memoryless int8 per-channel observers, forward each against ``observe_many`` (on
+    the CPU it calls forward: the rows there time the same path twice)."""
     mlp = int(size * 2.6875)
     shapes = [(size, size)] * 4 + [(mlp, size)] * 2 + [(size, mlp)]
     g = torch.Generator().manual_seed(3)
     ws = [torch.randn(*s, generator=g).to(device, torch.bfloat16) for s in shapes]
+    _check_grouped(ws)
+    spec = QuantSpec("int8", "channel")
+    observers = [qs.get_observer("memoryless_minmax", spec).to(device) for _ in ws]
     fns = {"aminmax per weight": lambda: [torch.aminmax(w) for w in ws],
            "unit_minmax per weight": lambda: [ops.unit_minmax(w) for w in ws],
-           "grouped_unit_minmax (one launch)": lambda: ops.grouped_unit_minmax(ws)}
+           "grouped_unit_minmax (one launch)": lambda: ops.grouped_unit_minmax(ws),
+           "7 observers, forward each": lambda: [o(w) for o, w in zip(observers, ws)],
+           "7 observers, observe_many": lambda: observe_many(list(zip(observers, ws)))}
     t = wall_medians(fns, device, repeat, 3)
     table = Table(f"a layer's 7 weights, per-channel min / max, bf16, hidden {size}, "
                   f"{device_name(device)}", ["method", "wall us", "device us",
@@ -178,6 +187,15 @@ def bench_grouped(size, device, repeat):
         table.add(name, us(t[name]), us(device_seconds(fn, device)),
                   t[name] / t["aminmax per weight"])
     table.print()
+
+
+def _check_grouped(ws):
+    """The grouped launch gives each weight the bits of its own op, in its own tensors."""
+    los, his = ops.grouped_unit_minmax(ws)
+    for w, lo, hi in zip(ws, los, his, strict=True):
+        want_lo, want_hi = ops.unit_minmax(w)
+        if not (torch.equal(lo, want_lo) and torch.equal(hi, want_hi)):
+            raise AssertionError(f"grouped_unit_minmax differs from unit_minmax on {tuple(w.shape)}")
 
 
 # ---- histogram observe ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Observers: ``torch.nn.Module`` s that watch tensors and compute qparams."""
 
 from .base import Observer
+from .grouped import observe_many
 from .histogram import (
     EntropyObserver,
     HistogramMSEObserver,
@@ -47,6 +48,7 @@ __all__ = [
     "StaticMinMaxObserver",
     "get_observer",
     "list_observers",
+    "observe_many",
     "observer_class",
     "register",
 ]
