@@ -230,13 +230,28 @@ def test_histogram_grid_change_is_one_op(spec):
     assert sum(seen.calls.values()) <= 16, seen.calls  # the torch grid change: ~120
 
 
+@pytest.mark.parametrize("name", ["histogram", "percentile", "kl"])
+def test_histogram_reads_bf16_units_as_they_are(name):
+    """Off the CPU the native grid's ops read bf16 units exactly: no float32 copy of the
+    batch. (The linear ``grid="first"`` computes in the units' dtype and keeps the copy.)"""
+    obs = quantscope.get_observer(name, QuantSpec("int8", Channel(0))).to("meta")
+    assert obs.units_in_input_dtype
+    assert not quantscope.get_observer(name, grid="first").units_in_input_dtype
+    x = torch.empty(16, 64, dtype=torch.bfloat16, device="meta")
+    obs(x)
+    with OpNames() as seen:
+        obs(x)
+    assert "quantscope.hist_add" in seen.names and "aten._to_copy" not in seen.names
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", [QuantSpec("uint8", symmetric=False),
                                   QuantSpec("int8", Channel(0))], ids=str)
-def test_cuda_histogram_state_equals_the_cpu(spec):
+def test_cuda_histogram_state_equals_the_cpu(spec, dtype):
     """Three growing batches: the CUDA observer's histogram state (the Triton grid change
-    and binning) is the CPU observer's, bit for bit."""
-    batches = [_x((32, 64), seed=s) * 4.0 ** s for s in range(3)]
+    and binning, bf16 read as it is) is the CPU observer's, bit for bit."""
+    batches = [(_x((32, 64), seed=s) * 4.0 ** s).to(dtype) for s in range(3)]
     states = []
     for device in ("cpu", "cuda"):
         obs = quantscope.get_observer("histogram", spec).to(device)

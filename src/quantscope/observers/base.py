@@ -69,6 +69,9 @@ class Observer(nn.Module):
     #: whether :meth:`_observe` reads ``units``; False (min-max family) lets forward take the
     #: per-unit min / max straight from the tensor and pass ``units=None``
     needs_units: bool = True
+    #: whether :meth:`_observe` takes ``units`` in the input's own float dtype off the CPU
+    #: (what it does with them reads bf16 / fp16 as they are: the ops); False: a float32 copy
+    units_in_input_dtype: bool = False
 
     def __init__(self, spec: QuantSpec | None = None, *, non_finite: str = "error"):
         super().__init__()
@@ -100,7 +103,9 @@ class Observer(nn.Module):
         fast = None
         if not self.needs_units and self.non_finite == "error":
             fast = layout_minmax(x_read, layout)  # min / max straight from x, no units copy
-        units = layout.to_units(x_read.float()) if fast is None else None
+        units = None
+        if fast is None:
+            units = layout.to_units(x_read if self.units_in_input_dtype else x_read.float())
         count = units.shape[0] if fast is None else fast[0].shape[0]
         self._check_unit_count(count, x.shape)
         if self.non_finite == "ignore":

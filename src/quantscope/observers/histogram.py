@@ -115,6 +115,13 @@ class HistogramObserverBase(Observer):
         return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi")
 
     @property
+    def units_in_input_dtype(self) -> bool:
+        # the native grid's ops (unit_minmax, hist_regrid, hist_add) read bf16 / fp16 units
+        # exactly; the linear first grid computes in the units' dtype, a step exchange
+        # gathers float32 units
+        return self.grid == "pow2" and not self.sync_every_step
+
+    @property
     def _linear(self) -> bool:
         # the native grid never reads the flag (no host sync in forward)
         return self.grid == "first" and bool(self.linear_grid)
