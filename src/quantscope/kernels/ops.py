@@ -37,7 +37,8 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
 
 Beside their torch references, in :mod:`quantscope.stats`: ``hist_add`` and ``hist_regrid``
 (histogram binning and grid change), ``record_non_finite`` and ``minmax_update`` (an observer's
-non-finite flag and min-max state update).
+non-finite flag and min-max state update), and ``minmax_observe`` (an accumulating min-max
+observer's whole ``forward``: those steps after its min / max, one dispatch).
 
 Bad input raises ``ValueError`` naming the argument, on every device.
 """
