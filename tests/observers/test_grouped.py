@@ -58,14 +58,16 @@ def _grouped_count(cases=CASES) -> int:
 
 # ---- the meta device: which ops run ------------------------------------------------------
 
-def test_one_grouped_launch_per_dtype_and_none_per_tensor():
+@pytest.mark.parametrize("inference", [False, True])
+def test_one_grouped_launch_per_dtype_and_none_per_tensor(inference):
     """Two dtypes on the meta device: two grouped launches, and ``unit_minmax`` only for the
     pairs forward reads another way (tiles, a channel axis past the first, padded blocks,
-    non-finite values ignored, another family); every state of forward's shape."""
+    non-finite values ignored, another family); every state of forward's shape; in inference
+    mode too (calibrate's, where views record no base)."""
     xs = _tensors(torch.float32, "meta") + _tensors(torch.bfloat16, "meta", seed=1)
     obs = _observers(device="meta") + _observers(device="meta")
     rec = OpNames()
-    with rec:
+    with rec, torch.inference_mode(inference):
         observe_many(list(zip(obs, xs)))
     assert rec.calls["quantscope.grouped_unit_minmax"] == 2
     assert rec.calls["quantscope.unit_minmax"] == 2 * sum(not c[-1] for c in CASES)
@@ -159,6 +161,23 @@ def test_each_state_its_own_memory(grouped_on_cpu):
     loaded = load(save(states))
     assert all(torch.equal(loaded[k], v) for k, v in states.items())
 
+
+
+def test_a_launchs_time_is_shared_by_elements(monkeypatch):
+    """Each pair is charged its share of a grouped launch by its elements (a clock that moves
+    only while the launch runs: 70 ticks over 10 + 20 + 40 elements)."""
+    clock = SimpleNamespace(now=0.0)
+
+    def launch(units):
+        clock.now += 70.0
+        los = [torch.empty(u.shape[0], device=u.device) for u in units]
+        return los, [torch.empty_like(t) for t in los]
+
+    monkeypatch.setattr(grouped, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(grouped, "ops", SimpleNamespace(grouped_unit_minmax=launch))
+    obs = [qs.get_observer("memoryless_minmax").to("meta") for _ in range(3)]
+    xs = [torch.empty(s, device="meta") for s in ((2, 5), (4, 5), (8, 5))]
+    assert observe_many(list(zip(obs, xs))) == [10.0, 20.0, 40.0]
 
 # ---- errors -------------------------------------------------------------------------------
 

@@ -35,11 +35,6 @@ def _launches(x: torch.Tensor) -> bool:
     return x.device.type != "cpu" and x.dtype in _DTYPES
 
 
-def _root(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose memory ``t`` views (``_base`` is always the first, never a view)."""
-    return t if t._base is None else t._base
-
-
 def row_units(observer: Observer, x: torch.Tensor) -> torch.Tensor | None:
     """``x``'s units under ``observer``'s layout as a ``[U, E]`` view of ``x`` with
     contiguous rows, where a grouped launch can take ``observer``'s share of it; None: the
@@ -50,7 +45,8 @@ def row_units(observer: Observer, x: torch.Tensor) -> torch.Tensor | None:
     # ask on a stand-in without data first: a layout that copies would copy the tensor itself
     probe = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     units = layout.to_units(probe)
-    if units.dim() != 2 or units.stride(1) != 1 or _root(units) is not probe:
+    # a view shares the probe's storage (``_base`` would do, but inference mode records none)
+    if units.dim() != 2 or units.stride(1) != 1 or not torch._C._is_alias_of(units, probe):
         return None
     return layout.to_units(x.detach())
 
