@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ...layout import Channel, Tensor
+from ...observers.grouped import observe_many
 from ...observers.registry import get_observer, observer_class
 from ...spec import QuantSpec
 from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
@@ -117,27 +118,62 @@ def _observed_spec(role_cfg: Role):
     return QuantSpec(role_cfg.spec.format, "tensor", symmetric=True)
 
 
-def make_observer(slot: Slot, key, for_auto: bool, owns=None):
+def make_observer(slot: Slot, key, for_auto: bool, owns=None, weights=None):
+    """Make ``slot``'s observer ``key`` (``for_auto``: a candidate of ``auto``, dropped into
+    ``slot.failed`` where it cannot take the spec or the weight; else the error raises). A
+    weight slot's observer also observes the weight (on its owner rank only: ``owns``), at
+    once, or, given the list ``weights``, later with the others (:func:`observe_weights`)."""
     if key in slot.observers or key in slot.failed:
         return
     name, spec, options = key
     t0 = time.perf_counter()
+    pending = []
     try:
         obs = get_observer(name, spec, **dict(options))
         # distributed: only the owner rank observes a weight (the others get its state)
         if slot.role == "weight" and (owns is None or owns(slot.layer)):
             w = slot.module.weight.detach()
             obs.to(w.device, non_blocking=True)  # no stream sync (quantscope._numerics)
-            with torch.inference_mode():
-                obs(w)
+            pending.append((slot, key, obs, w, for_auto))
     except (ValueError, TypeError) as e:
-        if not for_auto:
-            raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer {name!r} "
-                             f"with {spec}: {e}") from None
-        slot.failed[key] = str(e)  # auto drops a candidate that cannot take this spec
+        _observer_failed(slot, key, for_auto, e)
         return
-    slot.observers[key] = obs
+    slot.observers[key] = obs  # claimed now: another recipe asking for this key shares it
     slot.spent(key, t0)
+    if weights is None:
+        observe_weights(pending)
+    else:
+        weights.extend(pending)
+
+
+def _observer_failed(slot: Slot, key, for_auto: bool, error: Exception) -> None:
+    name, spec, _ = key
+    if not for_auto:
+        raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer {name!r} "
+                         f"with {spec}: {error}") from None
+    slot.observers.pop(key, None)
+    slot.seconds.pop(key, None)
+    slot.failed[key] = str(error)  # auto drops a candidate that cannot take this spec
+
+
+def observe_weights(weights) -> None:
+    """Every ``(slot, key, observer, weight, for_auto)`` of :func:`make_observer` observed
+    at once: off the CPU the weights' min / max in a few grouped launches
+    (:func:`~quantscope.observers.observe_many`), each observer's failure handled as
+    :func:`make_observer` handles it, its time (a launch's share by elements) counted."""
+    def failed(i, error):
+        slot, key, _, _, for_auto = weights[i]
+        _observer_failed(slot, key, for_auto, error)
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        seconds = observe_many([(obs, w) for _, _, obs, w, _ in weights], on_error=failed)
+    # this module's clock (the one the calibration's times read), shared as observe_many's
+    total, measured = time.perf_counter() - t0, sum(seconds)
+    for (slot, key, _, _, _), s in zip(weights, seconds, strict=True):
+        if key in slot.observers:
+            share = s / measured if measured else 1 / len(weights)
+            slot.seconds[key] = slot.seconds.get(key, 0.0) + total * share
 
 
 def observer_seconds(slots, *plans) -> float:
@@ -187,6 +223,7 @@ def check_shapes(model: nn.Module, recipes) -> None:
 def make_plan(model, recipes, candidates, owns=None):
     slots: dict[tuple[str, str], Slot] = {}
     plans = {}
+    weights = []  # observed together at the end (observe_weights)
     for label, recipe in recipes.items():
         plan = {}
         for layer, (module, roles) in recipe.match(model).items():
@@ -203,9 +240,10 @@ def make_plan(model, recipes, candidates, owns=None):
                         names = [cfg.observer]
                 for n in names:
                     make_observer(slot, observer_key(n, cfg, module), cfg.observer == AUTO,
-                                   owns)
+                                  owns, weights)
                 plan[(layer, role)] = (cfg, names)
         plans[label] = plan
+    observe_weights(weights)
     return slots, plans
 
 
