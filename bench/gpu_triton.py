@@ -195,7 +195,8 @@ def _check_grouped(ws):
     for w, lo, hi in zip(ws, los, his, strict=True):
         want_lo, want_hi = ops.unit_minmax(w)
         if not (torch.equal(lo, want_lo) and torch.equal(hi, want_hi)):
-            raise AssertionError(f"grouped_unit_minmax differs from unit_minmax on {tuple(w.shape)}")
+            raise AssertionError(f"grouped_unit_minmax differs from unit_minmax on "
+                                 f"{tuple(w.shape)}")
 
 
 # ---- histogram observe ---------------------------------------------------------------------

@@ -91,7 +91,8 @@ def observe_many(pairs: Iterable[tuple[Observer, torch.Tensor]],
 def _check_pairs(pairs: list) -> None:
     seen: dict[int, int] = {}
     for i, pair in enumerate(pairs):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], Observer)):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                and isinstance(pair[0], Observer)):
             raise TypeError(f"observe_many: pairs[{i}] must be an (Observer, tensor) pair, got "
                             f"{type(pair).__name__}")
         first = seen.setdefault(id(pair[0]), i)
