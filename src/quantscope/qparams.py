@@ -41,6 +41,7 @@ from torch import Tensor
 
 from . import kernels
 from ._numerics import true_div
+from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format
 from .kernels import triton as _triton
 from .scales import E8M0_MODES, ScaleEncoding, e8m0_scale, encode_scale, nvfp4_global_scale
@@ -290,13 +291,7 @@ def _torch_e8m0_block_scales(lo: Tensor, hi: Tensor, format: str, mode: str) -> 
     return e8m0_scale(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), get_format(format), mode)
 
 
-@torch.library.custom_op("quantscope::e8m0_block_scales", mutates_args=())
-def e8m0_block_scales_op(lo: Tensor, hi: Tensor, format: str, mode: str) -> Tensor:
-    return _torch_e8m0_block_scales(lo, hi, format, mode)
-
-
-@e8m0_block_scales_op.register_kernel("cuda")
-def _(lo, hi, format, mode):
+def _cuda_e8m0_block_scales(lo, hi, format, mode):
     kernel = _triton.launchers("block_qparams", lo)
     if kernel is None:
         return _torch_e8m0_block_scales(lo, hi, format, mode)
@@ -306,10 +301,14 @@ def _(lo, hi, format, mode):
                                     fmt.emax, fmt.mbits, fmt.max)
 
 
-@e8m0_block_scales_op.register_fake
-def _(lo, hi, format, mode):
+def _fake_e8m0_block_scales(lo, hi, format, mode):
     _check_e8m0(lo, hi, mode)
     return torch.empty_like(lo)
+
+
+e8m0_block_scales_op = define(
+    "e8m0_block_scales(Tensor lo, Tensor hi, str format, str mode) -> Tensor",
+    _torch_e8m0_block_scales, cuda=_cuda_e8m0_block_scales, fake=_fake_e8m0_block_scales)
 
 
 def _check_nvfp4(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str) -> FloatFormat:
@@ -334,14 +333,7 @@ def _torch_nvfp4_block_scales(lo: Tensor, hi: Tensor, global_scale: Tensor, form
     return nvfp4_block_scales(amax, global_scale.reshape(1), fmt, min_scale)
 
 
-@torch.library.custom_op("quantscope::nvfp4_block_scales", mutates_args=())
-def nvfp4_block_scales_op(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
-                          min_scale: float) -> Tensor:
-    return _torch_nvfp4_block_scales(lo, hi, global_scale, format, min_scale)
-
-
-@nvfp4_block_scales_op.register_kernel("cuda")
-def _(lo, hi, global_scale, format, min_scale):
+def _cuda_nvfp4_block_scales(lo, hi, global_scale, format, min_scale):
     kernel = _triton.launchers("block_qparams", lo)
     if kernel is None:
         return _torch_nvfp4_block_scales(lo, hi, global_scale, format, min_scale)
@@ -351,7 +343,12 @@ def _(lo, hi, global_scale, format, min_scale):
                                      min_scale)
 
 
-@nvfp4_block_scales_op.register_fake
-def _(lo, hi, global_scale, format, min_scale):
+def _fake_nvfp4_block_scales(lo, hi, global_scale, format, min_scale):
     _check_nvfp4(lo, hi, global_scale, format)
     return torch.empty_like(lo)
+
+
+nvfp4_block_scales_op = define(
+    "nvfp4_block_scales(Tensor lo, Tensor hi, Tensor global_scale, str format, "
+    "float min_scale) -> Tensor",
+    _torch_nvfp4_block_scales, cuda=_cuda_nvfp4_block_scales, fake=_fake_nvfp4_block_scales)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._oplib import define
 from ..qdq import fake_quantize_units
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
 from ..qparams import nvfp4_block_scales_op as nvfp4_block_scales
@@ -92,13 +93,7 @@ def _torch_unit_minmax(units: Tensor) -> tuple[Tensor, Tensor]:
     return lo.float(), hi.float()
 
 
-@torch.library.custom_op("quantscope::unit_minmax", mutates_args=())
-def unit_minmax(units: Tensor) -> tuple[Tensor, Tensor]:
-    return _torch_unit_minmax(units)
-
-
-@unit_minmax.register_kernel("cuda")
-def _(units):
+def _cuda_unit_minmax(units):
     kernel = _triton.launchers("minmax", units)
     if kernel is None:
         return _torch_unit_minmax(units)
@@ -106,12 +101,16 @@ def _(units):
     return kernel.unit_minmax(units)
 
 
-@unit_minmax.register_fake
-def _(units):
+def _fake_unit_minmax(units):
     _check_minmax(units)
     U = units.shape[0] if units.dim() == 2 else units.shape[0] * units.shape[1]
     out = units.new_empty(U, dtype=torch.float32)
     return out, torch.empty_like(out)
+
+
+unit_minmax = define(
+    "unit_minmax(Tensor units) -> (Tensor, Tensor)",
+    _torch_unit_minmax, cuda=_cuda_unit_minmax, fake=_fake_unit_minmax)
 
 
 # ---- grouped_unit_minmax -------------------------------------------------------------------
@@ -136,15 +135,7 @@ def _torch_grouped_unit_minmax(units: list[Tensor]) -> tuple[list[Tensor], list[
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-# one lo / hi pair per tensor, not views of one buffer: an observer keeps its tensor's pair as
-# its state, and state_dict would carry (torch.save) or refuse (safetensors) a shared buffer
-@torch.library.custom_op("quantscope::grouped_unit_minmax", mutates_args=())
-def grouped_unit_minmax(units: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    return _torch_grouped_unit_minmax(units)
-
-
-@grouped_unit_minmax.register_kernel("cuda")
-def _(units):
+def _cuda_grouped_unit_minmax(units):
     kernel = _triton.launchers("minmax", units[0]) if units else None
     if kernel is None:
         return _torch_grouped_unit_minmax(units)
@@ -153,11 +144,17 @@ def _(units):
                                        for t in units])
 
 
-@grouped_unit_minmax.register_fake
-def _(units):
+def _fake_grouped_unit_minmax(units):
     _check_group(units)
     lo = [t.new_empty(t.shape[0], dtype=torch.float32) for t in units]
     return lo, [torch.empty_like(t) for t in lo]
+
+
+# one lo / hi pair per tensor, not views of one buffer: an observer keeps its tensor's pair as
+# its state, and state_dict would carry (torch.save) or refuse (safetensors) a shared buffer
+grouped_unit_minmax = define(
+    "grouped_unit_minmax(Tensor[] units) -> (Tensor[], Tensor[])",
+    _torch_grouped_unit_minmax, cuda=_cuda_grouped_unit_minmax, fake=_fake_grouped_unit_minmax)
 
 
 # ---- fake_quant_int ------------------------------------------------------------------------
@@ -178,14 +175,7 @@ def _torch_fake_quant_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin
                                _IntBounds(float(qmin), float(qmax)))
 
 
-@torch.library.custom_op("quantscope::fake_quant_int", mutates_args=())
-def fake_quant_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
-                   qmax: float) -> Tensor:
-    return _torch_fake_quant_int(units, scale, zero_point, qmin, qmax)
-
-
-@fake_quant_int.register_kernel("cuda")
-def _(units, scale, zero_point, qmin, qmax):
+def _cuda_fake_quant_int(units, scale, zero_point, qmin, qmax):
     kernel = _triton.launchers("fakequant", units)
     if kernel is None:
         return _torch_fake_quant_int(units, scale, zero_point, qmin, qmax)
@@ -193,10 +183,15 @@ def _(units, scale, zero_point, qmin, qmax):
     return kernel.fake_quant_int(units, scale.contiguous(), zero_point.contiguous(), qmin, qmax)
 
 
-@fake_quant_int.register_fake
-def _(units, scale, zero_point, qmin, qmax):
+def _fake_fake_quant_int(units, scale, zero_point, qmin, qmax):
     _check_fake_quant(units, scale, zero_point, qmin, qmax)
     return units.new_empty(units.shape, dtype=torch.float32)
+
+
+fake_quant_int = define(
+    "fake_quant_int(Tensor units, Tensor scale, Tensor zero_point, float qmin, float qmax) "
+    "-> Tensor",
+    _torch_fake_quant_int, cuda=_cuda_fake_quant_int, fake=_fake_fake_quant_int)
 
 
 # ---- the MSE search's selection ------------------------------------------------------------
@@ -266,15 +261,7 @@ def _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_g
     return idx, best
 
 
-@torch.library.custom_op("quantscope::mse_select", mutates_args=())
-def mse_select(err: Tensor, same: Tensor, incumbent: Tensor, ext_start: int, patience: int,
-               per_unit: bool, use_global: bool, tie_last: bool) -> tuple[Tensor, Tensor]:
-    return _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global,
-                             tie_last)
-
-
-@mse_select.register_kernel("cuda")
-def _(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
+def _cuda_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
     kernel = _triton.launchers("mse", err)
     if kernel is None:
         return _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit,
@@ -286,7 +273,12 @@ def _(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last)
                              use_global, tie_last)
 
 
-@mse_select.register_fake
-def _(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
+def _fake_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
     _check_select(err, same, incumbent, ext_start)
     return (err.new_empty(err.shape[1], dtype=torch.int64), err.new_empty(err.shape[1]))
+
+
+mse_select = define(
+    "mse_select(Tensor err, Tensor same, Tensor incumbent, SymInt ext_start, SymInt patience, "
+    "bool per_unit, bool use_global, bool tie_last) -> (Tensor, Tensor)",
+    _torch_mse_select, cuda=_cuda_mse_select, fake=_fake_mse_select)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._oplib import define
 from ..formats import INT8, FloatFormat
 from ..qdq import fake_quantize_units
 from . import lib as _c_lib
@@ -174,19 +175,12 @@ def _torch_mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin:
         units, scale, zero_point, _IntBounds(float(qmin), float(qmax)), weights)
 
 
-@torch.library.custom_op("quantscope::mse_price_int", mutates_args=())
-def mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
-                  qmax: float, weights: Tensor | None = None) -> Tensor:
-    return _torch_mse_price_int(units, scale, zero_point, qmin, qmax, weights)
-
-
 def _rows(t: Tensor | None) -> Tensor | None:
     """``t`` with contiguous rows (what the Triton kernels read)."""
     return t if t is None or t.stride(1) == 1 else t.contiguous()
 
 
-@mse_price_int.register_kernel("cuda")
-def _(units, scale, zero_point, qmin, qmax, weights=None):
+def _cuda_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None):
     kernel = _triton.launchers("mse", units)
     if kernel is None:
         return _torch_mse_price_int(units, scale, zero_point, qmin, qmax, weights)
@@ -195,10 +189,15 @@ def _(units, scale, zero_point, qmin, qmax, weights=None):
                                 qmax, weights=_rows(weights))
 
 
-@mse_price_int.register_fake
-def _(units, scale, zero_point, qmin, qmax, weights=None):
+def _fake_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None):
     _check_price_int(units, scale, zero_point, qmin, qmax, weights)
     return units.new_empty(tuple(scale.shape), dtype=torch.float64)
+
+
+mse_price_int = define(
+    "mse_price_int(Tensor units, Tensor scale, Tensor zero_point, float qmin, float qmax, "
+    "Tensor? weights=None) -> Tensor",
+    _torch_mse_price_int, cuda=_cuda_mse_price_int, fake=_fake_mse_price_int)
 
 
 # ---- quantscope::mse_price_fp ---------------------------------------------------------------
@@ -214,14 +213,7 @@ def _torch_mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int,
                                                     weights)
 
 
-@torch.library.custom_op("quantscope::mse_price_fp", mutates_args=())
-def mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int, mbits: int,
-                 weights: Tensor | None = None) -> Tensor:
-    return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits, weights)
-
-
-@mse_price_fp.register_kernel("cuda")
-def _(units, scale, fmax, min_exp, mbits, weights=None):
+def _cuda_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None):
     kernel = _triton.launchers("mse", units)
     if kernel is None:
         return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits, weights)
@@ -230,7 +222,12 @@ def _(units, scale, fmax, min_exp, mbits, weights=None):
                                weights=_rows(weights))
 
 
-@mse_price_fp.register_fake
-def _(units, scale, fmax, min_exp, mbits, weights=None):
+def _fake_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None):
     _check_price_fp(units, scale, fmax, min_exp, mbits, weights)
     return units.new_empty(tuple(scale.shape), dtype=torch.float64)
+
+
+mse_price_fp = define(
+    "mse_price_fp(Tensor units, Tensor scale, float fmax, SymInt min_exp, SymInt mbits, "
+    "Tensor? weights=None) -> Tensor",
+    _torch_mse_price_fp, cuda=_cuda_mse_price_fp, fake=_fake_mse_price_fp)

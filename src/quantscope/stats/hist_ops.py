@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._oplib import define
 from ..kernels import triton as _triton
 from . import hist_kernel, histogram
 
@@ -56,13 +57,7 @@ def _torch_hist_add(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor,
     histogram.bin_values(counts, units.float(), exp, first, absolute)
 
 
-@torch.library.custom_op("quantscope::hist_add", mutates_args=("counts",))
-def hist_add(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor, absolute: bool) -> None:
-    _torch_hist_add(counts, units, exp, first, absolute)
-
-
-@hist_add.register_kernel("cuda")
-def _(counts, units, exp, first, absolute):
+def _cuda_hist_add(counts, units, exp, first, absolute):
     _check(counts, units, exp, first)
     kernel = _triton.launchers("histogram", units)
     if kernel is None or counts.shape[1] + 1 > kernel.MAX_BINS:
@@ -72,9 +67,13 @@ def _(counts, units, exp, first, absolute):
     return None
 
 
-@hist_add.register_fake
-def _(counts, units, exp, first, absolute):
+def _fake_hist_add(counts, units, exp, first, absolute):
     _check(counts, units, exp, first)
+
+
+hist_add = define(
+    "hist_add(Tensor(a!) counts, Tensor units, Tensor exp, Tensor first, bool absolute) -> ()",
+    _torch_hist_add, cuda=_cuda_hist_add, fake=_fake_hist_add)
 
 
 def _check_regrid(counts: Tensor, exp: Tensor, first: Tensor, lo: Tensor, hi: Tensor,
@@ -102,15 +101,7 @@ def _torch_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)
     return tuple(new)
 
 
-@torch.library.custom_op("quantscope::hist_regrid", mutates_args=())
-def hist_regrid(counts: Tensor, exp: Tensor, first: Tensor, lo: Tensor, hi: Tensor,
-                batch_lo: Tensor, batch_hi: Tensor,
-                absolute: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _torch_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)
-
-
-@hist_regrid.register_kernel("cuda")
-def _(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
+def _cuda_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
     _check_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi)
     kernel = _triton.launchers("histogram", counts)
     if kernel is None:
@@ -119,7 +110,12 @@ def _(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
     return kernel.regrid(*state, absolute)
 
 
-@hist_regrid.register_fake
-def _(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
+def _fake_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
     _check_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi)
     return tuple(torch.empty_like(t) for t in (counts, exp, first, lo, hi))
+
+
+hist_regrid = define(
+    "hist_regrid(Tensor counts, Tensor exp, Tensor first, Tensor lo, Tensor hi, Tensor batch_lo, "
+    "Tensor batch_hi, bool absolute) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _torch_hist_regrid, cuda=_cuda_hist_regrid, fake=_fake_hist_regrid)

@@ -19,6 +19,7 @@ import math
 import torch
 
 from .. import kernels
+from .._oplib import define
 from ..kernels import ops
 from ..kernels import triton as _triton
 
@@ -256,7 +257,7 @@ def _check_ranges(who: str, lo: torch.Tensor, hi: torch.Tensor) -> None:
                          f"and {hi.dtype} {tuple(hi.shape)} on {hi.device}")
 
 
-def _check_update(lo, hi, state_lo, state_hi, kind) -> None:
+def _check_update(lo, hi, state_lo, state_hi, kind, c=None) -> None:
     who = "minmax_update"
     _check_ranges(who, lo, hi)
     if kind not in UPDATES.values():
@@ -275,16 +276,7 @@ def _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c) -> None:
     _update_state(names[kind], c, state_lo, state_hi, lo.clone(), hi.clone())
 
 
-@torch.library.custom_op("quantscope::minmax_update", mutates_args=("state_lo", "state_hi"))
-def minmax_update(lo: torch.Tensor, hi: torch.Tensor, state_lo: torch.Tensor,
-                  state_hi: torch.Tensor, kind: int, c: float) -> None:
-    """:func:`update_state` (``kind``: its :data:`UPDATES` code) as one op: one Triton launch
-    on CUDA where the torch ops take two to six, rounded alike."""
-    _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c)
-
-
-@minmax_update.register_kernel("cuda")
-def _(lo, hi, state_lo, state_hi, kind, c):
+def _cuda_minmax_update(lo, hi, state_lo, state_hi, kind, c) -> None:
     kernel = _triton.launchers("minmax", lo)
     if kernel is None:
         return _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c)
@@ -293,9 +285,11 @@ def _(lo, hi, state_lo, state_hi, kind, c):
     return None
 
 
-@minmax_update.register_fake
-def _(lo, hi, state_lo, state_hi, kind, c):
-    _check_update(lo, hi, state_lo, state_hi, kind)
+#: :func:`update_state` (``kind``: its :data:`UPDATES` code) as one op: one Triton launch on
+#: CUDA where the torch ops take two to six, rounded alike.
+minmax_update = define(
+    "minmax_update(Tensor lo, Tensor hi, Tensor(a!) state_lo, Tensor(b!) state_hi, SymInt kind, "
+    "float c) -> ()", _torch_minmax_update, cuda=_cuda_minmax_update, fake=_check_update)
 
 
 def _check_record(lo, hi, seen) -> None:
@@ -310,16 +304,7 @@ def _torch_record_non_finite(lo, hi, seen) -> None:
     seen |= ~torch.isfinite(torch.stack((lo.amin(), hi.amax()))).all()
 
 
-@torch.library.custom_op("quantscope::record_non_finite", mutates_args=("seen",))
-def record_non_finite(lo: torch.Tensor, hi: torch.Tensor, seen: torch.Tensor) -> None:
-    """``seen`` (one bool) set where per-unit ``lo`` / ``hi`` hold NaN or an infinity (the
-    observers' non-finite check: their smallest min or largest max is not finite), in place,
-    with no host read: one Triton launch on CUDA where the torch ops take ten."""
-    _torch_record_non_finite(lo, hi, seen)
-
-
-@record_non_finite.register_kernel("cuda")
-def _(lo, hi, seen):
+def _cuda_record_non_finite(lo, hi, seen) -> None:
     kernel = _triton.launchers("minmax", lo)
     if kernel is None:
         return _torch_record_non_finite(lo, hi, seen)
@@ -328,14 +313,17 @@ def _(lo, hi, seen):
     return None
 
 
-@record_non_finite.register_fake
-def _(lo, hi, seen):
-    _check_record(lo, hi, seen)
+#: ``seen`` (one bool) set where per-unit ``lo`` / ``hi`` hold NaN or an infinity (the
+#: observers' non-finite check: their smallest min or largest max is not finite), in place,
+#: with no host read: one Triton launch on CUDA where the torch ops take ten.
+record_non_finite = define(
+    "record_non_finite(Tensor lo, Tensor hi, Tensor(a!) seen) -> ()", _torch_record_non_finite,
+    cuda=_cuda_record_non_finite, fake=_check_record)
 
 
 # ---- an accumulating min-max observer's whole step: one op ------------------------------------
 
-def _check_observe(units, state_lo, state_hi, seen, tokens, kind) -> None:
+def _check_observe(units, state_lo, state_hi, seen, tokens, kind, c=None, count=None) -> None:
     who = "quantscope::minmax_observe"
     if units.dim() not in (2, 4) or units.dtype not in _OP_FLOATS \
             or math.prod(units.shape[units.dim() // 2:]) == 0:
@@ -374,22 +362,7 @@ def triton_minmax_observe(kernel, units, state_lo, state_hi, seen, tokens, kind,
     tokens.add_(count)
 
 
-@torch.library.custom_op("quantscope::minmax_observe",
-                         mutates_args=("state_lo", "state_hi", "seen", "tokens"))
-def minmax_observe(units: torch.Tensor, state_lo: torch.Tensor, state_hi: torch.Tensor,
-                   seen: torch.Tensor, tokens: torch.Tensor, kind: int, c: float,
-                   count: int) -> None:
-    """An accumulating min-max observer's ``forward`` as one op, in place: the per-unit
-    min / max of ``units`` (an :func:`op_units` view), ``seen`` set where they hold NaN or an
-    infinity (:func:`record_non_finite`), the state updated (:func:`minmax_update`, ``kind``
-    an :data:`UPDATES` code) and ``count`` tokens added to ``tokens``. The same arithmetic
-    as those ops one by one; one dispatch where they take three (on a GPU the host's time
-    per observer call is mostly dispatch)."""
-    _torch_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count)
-
-
-@minmax_observe.register_kernel("cuda")
-def _(units, state_lo, state_hi, seen, tokens, kind, c, count):
+def _cuda_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count) -> None:
     kernel = _triton.launchers("minmax", units)
     if kernel is None:
         return _torch_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count)
@@ -398,6 +371,13 @@ def _(units, state_lo, state_hi, seen, tokens, kind, c, count):
     return None
 
 
-@minmax_observe.register_fake
-def _(units, state_lo, state_hi, seen, tokens, kind, c, count):
-    _check_observe(units, state_lo, state_hi, seen, tokens, kind)
+#: An accumulating min-max observer's ``forward`` as one op, in place: the per-unit min / max
+#: of ``units`` (an :func:`op_units` view), ``seen`` set where they hold NaN or an infinity
+#: (:func:`record_non_finite`), the state updated (:func:`minmax_update`, ``kind`` an
+#: :data:`UPDATES` code) and ``count`` tokens added to ``tokens``. The same arithmetic as
+#: those ops one by one; one dispatch where they take three (on a GPU the host's time per
+#: observer call is mostly dispatch).
+minmax_observe = define(
+    "minmax_observe(Tensor units, Tensor(a!) state_lo, Tensor(b!) state_hi, Tensor(c!) seen, "
+    "Tensor(d!) tokens, SymInt kind, float c, SymInt count) -> ()", _torch_minmax_observe,
+    cuda=_cuda_minmax_observe, fake=_check_observe)

@@ -1,0 +1,49 @@
+"""How quantscope defines its ``torch.library`` ops (namespace ``quantscope``).
+
+Each op is one schema with an implementation for every device (the torch path, or the C
+kernel on the CPU), optionally a CUDA one (the Triton kernel), and a fake one (output
+shapes, and the argument checks) that the ``meta`` device, ``FakeTensor``, ``torch.compile``
+and ``torch.export`` run. :func:`define` returns the op itself (an ``OpOverload``: call it).
+
+They are registered with ``torch.library.define`` / ``impl`` rather than the
+``torch.library.custom_op`` decorator, because of the host's time per call: the decorator
+wraps every call in Python autograd and in-place-view layers, about 10 us per call where
+the dispatcher alone takes under 2 (measured on the CPU with an empty op, inference mode
+or not). An observer call off the CPU is one to four ops, and on a GPU the host's time is
+what it costs the model. Nothing needs those layers: no op is differentiable (observers
+watch detached tensors), and the schemas' ``(a!)`` annotations say what each op writes,
+which is all ``torch.compile``'s functionalization reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["define"]
+
+
+def _defined(name: str) -> bool:
+    try:
+        getattr(torch.ops.quantscope, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def define(schema: str, impl: Callable, *, fake: Callable, cuda: Callable | None = None):
+    """Define ``quantscope::<schema>`` (e.g. ``"unit_minmax(Tensor units) -> (Tensor,
+    Tensor)"``): ``impl`` on every device, ``cuda`` instead on CUDA, ``fake`` on the meta
+    device and under fake tensors. Returns the op."""
+    name = schema[:schema.index("(")]
+    qualname = f"quantscope::{name}"
+    # torch keeps these registrations for the process; a module imported again (after
+    # sys.modules was cleared, or reloaded) registers its functions over the earlier ones
+    if not _defined(name):
+        torch.library.define(qualname, schema[len(name):])
+    torch.library.impl(qualname, "CompositeExplicitAutograd", impl)
+    if cuda is not None:
+        torch.library.impl(qualname, "CUDA", cuda)
+    torch.library.register_fake(qualname, fake)
+    return getattr(torch.ops.quantscope, name).default
