@@ -92,12 +92,14 @@ class MinMaxStateObserver(Observer):
         """``x``'s units where ``forward``'s whole step can be the op ``minmax_observe`` (off
         the CPU, once the state is sized: the common call of an activation observer), else
         None (the general path, which also raises what is wrong with ``x``)."""
-        state = self.min_vals
+        if not isinstance(x, torch.Tensor) or x.device.type == "cpu":  # the C kernels' path
+            return None
+        state, other = self.min_vals, self.max_vals
         if (self.state_update is None or not self.accumulates or not self.takes_minmax
-                or not isinstance(x, torch.Tensor) or x.device.type == "cpu"
-                or state.device != x.device or state.dim() != 1 or not state.numel()
-                or state.dtype != torch.float32 or not x.is_floating_point() or not x.numel()
-                or not all(t.is_contiguous() for t in (state, self.max_vals))):
+                or not x.is_floating_point() or not x.numel() or state.dim() != 1
+                or not state.numel() or not all(
+                    t.device == x.device and t.dtype == torch.float32 and t.is_contiguous()
+                    and t.shape == state.shape for t in (state, other))):
             return None
         try:
             self.spec.layout.check(x.shape)
