@@ -14,7 +14,8 @@ the int4 per-channel MSE search (``mse_search``'s default engine on CUDA: candid
 and llm-compressor 0.14's ``memoryless_mse`` (its Triton backend on CUDA; carried as wheels by
 bench/gpu_wheels.sh), with each one's total squared error; the histogram observe + qparams (8
 growing bf16 batches; the native observer and the torch.ao compat class) against torch.ao's
-``HistogramObserver`` on the same device; a layer's seven
+``HistogramObserver`` on the same device; an activation observer's call, host and wall time
+per call (what the whole-model row's "observers add <= 10 %" is made of); a layer's seven
 weights in one grouped launch (``quantscope::grouped_unit_minmax``) and their observers
 through ``observe_many``; the NVFP4 block-scale
 search on a 2 size x size weight against llm-compressor's ``nvfp4_expanded_mse`` and
@@ -34,7 +35,7 @@ import torch
 from common import Table
 from gpu_model import bench_model
 from gpu_nvfp4 import bench_nvfp4
-from gpu_timing import device_name, device_seconds, us, wall_medians
+from gpu_timing import device_name, device_seconds, sync, us, wall_medians
 
 import quantscope as qs
 from quantscope import QuantSpec
@@ -109,6 +110,49 @@ def bench_minmax(size, device, repeat):
                       t["observer"] / t["floor"],
                       None if obs_dev is None else obs_dev / floor_dev)
     table.print()
+
+
+# ---- an activation observer's call: the host's time -----------------------------------------
+
+def bench_calls(size, device, calls=200):
+    """The whole-model row's cost per observer call: a static activation observer (one
+    ``8 x 512 x size / 2`` bf16 batch, per tensor) called ``calls`` times back to back.
+    "host": the time to queue the calls (what the host spends; hidden behind the model's GPU
+    work while it is shorter), "wall": until the device has run them, per call; the floor is
+    one ``torch.aminmax`` (one read of the batch)."""
+    from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver
+
+    x = torch.randn(8, 512, size // 2, generator=torch.Generator().manual_seed(5)).to(
+        device, torch.bfloat16)
+    spec = QuantSpec("int8", "tensor")
+    native = {name: qs.get_observer(name, spec).to(device)
+              for name in ("static_minmax", "minmax", "histogram")}
+    ao_minmax, ao_hist = MinMaxObserver().to(device), HistogramObserver().to(device)
+    fns = {"torch.aminmax (floor)": lambda: torch.aminmax(x),
+           **{f"quantscope {n}": (lambda o=o: o(x)) for n, o in native.items()},
+           "torch.ao MinMaxObserver": lambda: ao_minmax(x),
+           "torch.ao HistogramObserver": lambda: ao_hist(x)}
+    table = Table(f"an activation observer's call, 8 x 512 x {size // 2} bf16 per tensor, "
+                  f"{calls} calls back to back, {device_name(device)}",
+                  ["method", "host us / call", "wall us / call", "wall / aminmax"])
+    timed = {}
+    with torch.inference_mode():
+        for name, fn in fns.items():
+            for _ in range(3):  # warm: state sized, kernels compiled
+                fn()
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host = time.perf_counter() - t0
+            sync(device)
+            timed[name] = (host / calls, (time.perf_counter() - t0) / calls)
+    floor = timed["torch.aminmax (floor)"][1]
+    for name, (host, wall) in timed.items():
+        table.add(name, us(host), us(wall), wall / floor)
+    table.print()
+    print("torch.ao's observers read their state back to the host in every call (its histogram "
+          "also on every range change), so their host time includes waiting for the device.\n")
 
 
 # ---- the int4 per-channel MSE search -------------------------------------------------------
@@ -251,7 +295,7 @@ def bench_histogram(size, device, repeat):
           "CPU, and its L2 search vectorized.\n")
 
 
-ROWS = ("minmax", "grouped", "mse", "histogram", "nvfp4", "model")
+ROWS = ("minmax", "calls", "grouped", "mse", "histogram", "nvfp4", "model")
 
 
 def _versions() -> dict:
@@ -301,6 +345,7 @@ def main():
     hidden = a.model_size or a.size // 2
     tokens = (64, 512) if hidden >= 2048 else (16, 64)
     calls = {"minmax": (bench_minmax, a.size, device, a.repeat),
+             "calls": (bench_calls, a.size, device),
              "grouped": (bench_grouped, a.size, device, a.repeat),
              "mse": (bench_mse, a.size, device, max(3, a.repeat // 3)),
              "histogram": (bench_histogram, a.size, device, max(3, a.repeat // 5)),
