@@ -146,6 +146,16 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
     return QParams(scale, zero, gs)
 
 
+def _int_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams | None:
+    """The integer branch with fp32 scales as the op ``quantscope::int_qparams`` (below: one
+    launch on CUDA, Triton); None where it does not apply."""
+    consts = kernels.qparams_consts(spec)
+    if consts is None or lo.requires_grad or hi.requires_grad or lo.numel() == 0:
+        return None
+    scale, zp = int_qparams_op(lo.float(), hi.float(), consts)
+    return QParams(scale, zp)
+
+
 def _block_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
                       global_amax) -> QParams | None:
     """The E8M0 (MX) and fp8-block (NVFP4) branches as the ops ``quantscope::e8m0_block_scales``
@@ -196,6 +206,8 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
         _check_finite(lo, hi, global_amax)
     if lo.device.type != "cpu":  # the ops (Triton on CUDA) where they apply
         qp = _block_qparams_op(lo, hi, spec, global_amax)
+        if qp is None:
+            qp = _int_qparams_op(lo, hi, spec)
         if qp is not None:
             return qp
     lo = lo.clamp(max=0)
@@ -229,8 +241,9 @@ def _block_qparams(amax: torch.Tensor, spec: QuantSpec, global_amax) -> QParams:
     return QParams(block, zero, gs.to(amax.device))
 
 
-#: NVFP4's block scale encoding
+#: NVFP4's block scale encoding; the integer formats' default one
 FP8_BLOCK = ScaleEncoding("fp8_e4m3")
+FP32_SCALE = ScaleEncoding("fp32")
 
 
 def nvfp4_block_scales(amax: torch.Tensor, global_scale: torch.Tensor, fmt, min_scale: float,
@@ -243,33 +256,39 @@ def nvfp4_block_scales(amax: torch.Tensor, global_scale: torch.Tensor, fmt, min_
 
 
 def _scale_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams:
-    """One scale per unit (fp32, fp16, bf16, pow2 encodings) from a range that holds zero:
-    symmetric ``amax / ((qmax - qmin) / 2)``, else ``(hi - lo) / (qmax - qmin)`` with the
-    zero point ``round(qmin - lo / scale)`` from the stored scale."""
-    fmt, enc = spec.format, spec.scale
+    """One scale per unit (fp32, fp16, bf16, pow2 encodings) from a range that holds zero."""
+    fmt = spec.format
     qmin, qmax = float(spec.qmin), float(spec.qmax)
-    if spec.symmetric:
+    zsym = 0 if fmt.signed else int(qmin + qmax + 1) // 2
+    return _affine_qparams(lo, hi, qmin, qmax, spec.min_scale, spec.symmetric, zsym,
+                           spec.scale)
+
+
+def _affine_qparams(lo, hi, qmin: float, qmax: float, min_scale: float, symmetric: bool,
+                    zsym: int, enc: ScaleEncoding) -> QParams:
+    """The integer formula (the one place of it; csrc/qs_qparams.h and the Triton
+    ``int_qparams`` mirror it, bitwise): symmetric ``amax / ((qmax - qmin) / 2)`` and the
+    zero point ``zsym``, else ``(hi - lo) / (qmax - qmin)`` with the zero point
+    ``round(qmin - lo / scale)`` from the stored scale; ``lo <= 0 <= hi``."""
+    if symmetric:
         scale = true_div(amax_of_range(lo, hi), (qmax - qmin) / 2)
     else:
         scale = true_div(hi - lo, qmax - qmin)
         # hi - lo overflows float32 only for ranges near its max: divide first there
         scale = torch.where(scale < math.inf, scale,
                             true_div(hi, qmax - qmin) - true_div(lo, qmax - qmin))
-    scale = encode_scale(scale.clamp(min=spec.min_scale), enc)
-    if spec.symmetric:
-        zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)
-        if fmt.signed:
-            return QParams(scale, zero)
-        return QParams(scale, torch.full_like(zero, int(qmin + qmax + 1) // 2))
+    scale = encode_scale(scale.clamp(min=min_scale), enc)
+    if symmetric:
+        return QParams(scale, torch.full(lo.shape, zsym, dtype=torch.int32, device=lo.device))
     zp = torch.round(qmin - lo / scale).clamp_(qmin, qmax)
     return QParams(scale, zp.to(torch.int32))
 
 
-# ---- the block scales as ops ---------------------------------------------------------------
-# ``quantscope::e8m0_block_scales`` / ``nvfp4_block_scales`` (kernels.ops lists them with the
-# other ops): the formulas above from per-block ranges, one Triton launch each on CUDA. They
-# live here because qparams_from_range calls them off the CPU, and kernels.ops builds on this
-# module.
+# ---- the qparams as ops ----------------------------------------------------------------------
+# ``quantscope::int_qparams`` / ``e8m0_block_scales`` / ``nvfp4_block_scales`` (kernels.ops
+# lists them with the other ops): the formulas above from per-unit ranges, one Triton launch
+# each on CUDA. They live here because qparams_from_range calls them off the CPU, and
+# kernels.ops builds on this module.
 
 def _check_ranges(lo: Tensor, hi: Tensor, who: str) -> None:
     if lo.dtype != torch.float32 or hi.dtype != torch.float32 or lo.shape != hi.shape \
@@ -352,3 +371,39 @@ nvfp4_block_scales_op = define(
     "nvfp4_block_scales(Tensor lo, Tensor hi, Tensor global_scale, str format, "
     "float min_scale) -> Tensor",
     _torch_nvfp4_block_scales, cuda=_cuda_nvfp4_block_scales, fake=_fake_nvfp4_block_scales)
+
+
+def _check_int(lo: Tensor, hi: Tensor, consts: list[float]) -> None:
+    _check_ranges(lo, hi, "int_qparams")
+    if len(consts) != 5 or not consts[0] < consts[1] or consts[3] not in (0.0, 1.0):
+        raise ValueError(f"quantscope::int_qparams: consts must be kernels.qparams_consts' "
+                         f"[qmin, qmax, min_scale, symmetric, zero point], got {consts}")
+
+
+def _torch_int_qparams(lo: Tensor, hi: Tensor, consts: list[float]) -> tuple[Tensor, Tensor]:
+    _check_int(lo, hi, consts)
+    qmin, qmax, min_scale, symmetric, zsym = consts
+    qp = _affine_qparams(lo.clamp(max=0), hi.clamp(min=0), qmin, qmax, min_scale,
+                         bool(symmetric), int(zsym), FP32_SCALE)
+    return qp.scale, qp.zero_point
+
+
+def _cuda_int_qparams(lo, hi, consts):
+    kernel = _triton.launchers("block_qparams", lo)
+    if kernel is None:
+        return _torch_int_qparams(lo, hi, consts)
+    _check_int(lo, hi, consts)
+    return kernel.int_qparams(lo.contiguous(), hi.contiguous(), *consts)
+
+
+def _fake_int_qparams(lo, hi, consts):
+    _check_int(lo, hi, consts)
+    return torch.empty_like(lo), torch.empty_like(lo, dtype=torch.int32)
+
+
+#: ``(scale, zero_point)`` of an integer format with fp32 scales from per-unit ranges
+#: (``consts``: :func:`quantscope.kernels.qparams_consts`), as ``qparams_from_range``'s
+#: integer branch gives them; float32 / int32 of ``lo``'s shape.
+int_qparams_op = define(
+    "int_qparams(Tensor lo, Tensor hi, float[] consts) -> (Tensor, Tensor)",
+    _torch_int_qparams, cuda=_cuda_int_qparams, fake=_fake_int_qparams)

@@ -1,4 +1,5 @@
-"""Off the CPU the MX and NVFP4 block qparams come from the ops (``quantscope::e8m0_block_scales``,
+"""Off the CPU the integer (fp32 scales), MX and NVFP4 qparams come from the ops
+(``quantscope::int_qparams``, ``quantscope::e8m0_block_scales``,
 ``quantscope::nvfp4_block_scales``: Triton on CUDA), bitwise the torch branch of
 ``qparams_from_range``. The ops' CPU implementations stand in for the device here (the Triton
 kernels are held to them under the interpreter in tests/kernels/test_triton_kernels.py); the
@@ -11,7 +12,7 @@ import torch
 from op_names import OpNames
 
 from quantscope import QuantSpec, presets, qparams
-from quantscope.layout import Block
+from quantscope.layout import Block, Channel, Group
 
 SPECS = {
     "mxfp4": presets.MXFP4,
@@ -59,8 +60,55 @@ def test_off_the_cpu_qparams_call_the_op(name, op):
     assert qp.scale.shape == lo.shape and qp.scale.device.type == "meta"
 
 
-def test_integer_formats_keep_the_torch_branch_off_the_cpu():
+@pytest.mark.parametrize("scale", ["bf16", "pow2"])
+def test_integer_formats_with_other_scales_keep_the_torch_branch_off_the_cpu(scale):
     lo, hi = (t.to("meta") for t in _ranges())
     with OpNames() as seen:
-        qparams.qparams_from_range(lo, hi, QuantSpec("int8"), check_finite=False)
+        qparams.qparams_from_range(lo, hi, QuantSpec("int8", scale=scale), check_finite=False)
     assert not any(n.startswith("quantscope.") for n in seen.names)
+
+
+INT_SPECS = {"int8": QuantSpec("int8"), "int8-asym": QuantSpec("int8", symmetric=False),
+             "uint8": QuantSpec("uint8"), "uint4-asym": QuantSpec("uint4", symmetric=False),
+             "int16-eps": QuantSpec("int16", eps=1e-2),
+             "int8-reduced": QuantSpec("int8", symmetric=False, quant_min=-64, quant_max=63)}
+
+
+@pytest.mark.parametrize("name", list(INT_SPECS))
+def test_int_op_branch_is_the_torch_branch(name):
+    """``quantscope::int_qparams`` (its CPU implementation standing in for the device's) gives
+    ``qparams_from_range``'s integer branch bit for bit."""
+    spec = INT_SPECS[name]
+    lo, hi = _ranges(seed=len(name))
+    lo[10], hi[11] = 0.5, -0.5  # ranges on one side of zero
+    ours = qparams._int_qparams_op(lo, hi, spec)
+    ref = qparams._scale_qparams(lo.clamp(max=0), hi.clamp(min=0), spec)
+    assert torch.equal(ours.scale, ref.scale)
+    assert torch.equal(ours.zero_point, ref.zero_point)
+    assert ours.global_scale is None
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8", scale="bf16"), presets.MXFP4,
+                                  QuantSpec("fp8_e4m3")], ids=str)
+def test_int_op_is_for_integer_formats_with_fp32_scales(spec):
+    lo, hi = _ranges(8)
+    assert qparams._int_qparams_op(lo, hi, spec) is None
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8", Channel(0)),
+                                  QuantSpec("int4", Group(128), symmetric=False)], ids=str)
+def test_off_the_cpu_integer_qparams_are_one_op(spec):
+    lo, hi = (t.to("meta") for t in _ranges())
+    with OpNames() as seen:
+        qp = qparams.qparams_from_range(lo, hi, spec, check_finite=False)
+    assert [n for n in seen.names if n.startswith("quantscope.")] == ["quantscope.int_qparams"]
+    assert sum(seen.calls.values()) <= 2, seen.calls  # the op (and a float32 view): was 9
+    assert qp.scale.dtype == torch.float32 and qp.zero_point.dtype == torch.int32
+
+
+def test_int_op_names_bad_arguments():
+    lo, hi = _ranges(8)
+    with pytest.raises(ValueError, match="consts must be"):
+        qparams.int_qparams_op(lo, hi, [1.0, 0.0, 1e-8, 0.0, 0.0])
+    with pytest.raises(ValueError, match="lo and hi"):
+        qparams.int_qparams_op(lo, hi[:4], [-8.0, 7.0, 1e-8, 0.0, 0.0])

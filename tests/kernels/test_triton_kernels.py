@@ -234,6 +234,32 @@ def test_nvfp4_block_scales_bitwise(device, global_amax):
     _assert_bitwise(got, want.scale)
 
 
+INT_SPECS = [QuantSpec("int8"), QuantSpec("int8", symmetric=False), QuantSpec("uint8"),
+             QuantSpec("uint8", symmetric=False), QuantSpec("int4", symmetric=False),
+             QuantSpec("int2"), QuantSpec("int8_narrow"), QuantSpec("int16", symmetric=False),
+             QuantSpec("uint16"), QuantSpec("int8", eps=1e-3),
+             QuantSpec("int4", symmetric=False, eps=1e-20),
+             QuantSpec("uint8", symmetric=False, quant_min=0, quant_max=127)]
+
+
+@pytest.mark.parametrize("spec", INT_SPECS, ids=str)
+def test_int_qparams_bitwise(device, spec):
+    """The integer branch's scale and zero point (``qparams._affine_qparams``) over ranges
+    from subnormal to near float32's max (the asymmetric span overflows there, and divides
+    first), empty ranges and ranges on one side of zero."""
+    from quantscope import kernels
+    from quantscope.kernels.triton import block_qparams
+
+    lo, hi = _ranges(3000, len(str(spec)))
+    lo[10:20], hi[20:30] = lo[10:20].abs(), -hi[20:30].abs()  # all positive / all negative
+    lo[30], hi[30] = -3.0e38, 3.0e38
+    want = qparams_from_range(lo, hi, spec)
+    scale, zp = block_qparams.int_qparams(lo.to(device), hi.to(device),
+                                          *kernels.qparams_consts(spec))
+    _assert_bitwise(scale, want.scale)
+    assert torch.equal(zp.cpu(), want.zero_point)
+
+
 # ---- the MSE search's pricing --------------------------------------------------------------
 
 def _price_reference(units, scale, zp, spec):

@@ -48,13 +48,15 @@ def _cases(device="cpu"):
                                 torch.full((6,), -40, dtype=torch.int64), False)),
         "hist_regrid": (hist_regrid, (*_hist_state(lo, hi, g), lo, hi, False)),
         "hist_regrid_abs": (hist_regrid, (*_hist_state(lo, hi, g), lo, hi, True)),
+        "int_qparams": (ops.int_qparams, (lo, hi, [-8.0, 7.0, 1e-8, 0.0, 0.0])),
+        "int_qparams_sym": (ops.int_qparams, (lo, hi, [0.0, 255.0, 1e-8, 1.0, 128.0])),
         "e8m0_block_scales": (ops.e8m0_block_scales, (lo, hi, "fp4_e2m1", "even")),
         "nvfp4_block_scales": (ops.nvfp4_block_scales,
                                (lo, hi, torch.tensor([300.0]), "fp4_e2m1", 1e-8)),
     }
     def to(a):
         if isinstance(a, list):
-            return [t.to(device) for t in a]
+            return [to(t) for t in a]
         return a.to(device) if isinstance(a, torch.Tensor) else a
 
     return {k: (op, tuple(to(a) for a in args)) for k, (op, args) in cases.items()}

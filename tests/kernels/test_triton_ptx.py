@@ -48,6 +48,10 @@ CASES = {
         {**_F32, "gs_ptr": "*fp32", "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32",
          "MIN_EXP": "constexpr", "MBITS": "constexpr", "BLOCK_N": "constexpr"},
         {"MIN_EXP": -6, "MBITS": 3, "BLOCK_N": 1024}),
+    "block_qparams._int_kernel": (
+        {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "scale_ptr": "*fp32", "zp_ptr": "*i32",
+         "n": "i32", "qmin": "fp32", "qmax": "fp32", "min_scale": "fp32", "zsym": "fp32",
+         "SYMMETRIC": "constexpr", "BLOCK_N": "constexpr"}, {"SYMMETRIC": False, "BLOCK_N": 1024}),
     "minmax._minmax_kernel": (
         {"x_ptr": "*fp16", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "U": "i32", "E": "i32",
          "U2": "i32", "E2": "i32", "su1": "i32", "su2": "i32", "se1": "i32", "se2": "i32",
@@ -123,6 +127,7 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["mse._price_kernel"]
     assert "div.rn.f32" in found["mse._price_kernel:fp"]
     assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
+    assert "div.rn.f32" in found["block_qparams._int_kernel"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])
     assert {"div.rn.f64", "sub.rn.f64"} <= set(found["histogram._regrid_kernel"])
 

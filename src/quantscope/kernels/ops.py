@@ -28,11 +28,14 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   priced ``[K, U]`` candidates: ``same[k, u]``, candidate ``k``'s qparams equal the previous
   one's (a plateau: not counted by per-unit patience); rows from ``ext_start`` on are the
   extension (per-unit rule only). ``patience < 0``: none. ``idx`` -1: the incumbent.
+* ``int_qparams(lo, hi, consts) -> (scale, zero_point)``: an integer format's fp32 scales and
+  int32 zero points of the ranges (``consts``: ``kernels.qparams_consts(spec)``), as
+  ``qparams_from_range`` gives them.
 * ``e8m0_block_scales(lo, hi, format, mode) -> scale``: MX scales of the ranges
   (``scales.e8m0_scale`` of their amax); float32 ranges of one shape.
 * ``nvfp4_block_scales(lo, hi, global_scale, format, min_scale) -> scale``: NVFP4's e4m3
   block scales under a float32 ``global_scale`` of one value (``qparams.nvfp4_block_scales``).
-  These two are defined in :mod:`quantscope.qparams`, beside their formulas, which call them
+  These three are defined in :mod:`quantscope.qparams`, beside their formulas, which call them
   off the CPU (this module builds on qparams, so it cannot be the other way round).
 
 Beside their torch references, in :mod:`quantscope.stats`: ``hist_add`` and ``hist_regrid``
@@ -51,11 +54,12 @@ from torch import Tensor
 from .._oplib import define
 from ..qdq import fake_quantize_units
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
+from ..qparams import int_qparams_op as int_qparams
 from ..qparams import nvfp4_block_scales_op as nvfp4_block_scales
 from . import triton as _triton
 from .price_ops import _IntBounds, mse_price_fp, mse_price_int
 
-__all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "mse_price_fp",
+__all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "int_qparams", "mse_price_fp",
            "mse_price_int", "mse_select", "nvfp4_block_scales", "unit_minmax"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,5 +1,12 @@
-"""MX (E8M0) and NVFP4 (fp8 e4m3 under a global scale) block scales from per-block ranges
-(Triton): the float32 steps of ``scales.e8m0_scale`` and ``qparams``' NVFP4 branch, bitwise.
+"""Qparams from per-unit ranges (Triton), the float32 steps of ``qparams.qparams_from_range``
+bitwise: the integer formats' fp32 scale and zero point (``qparams._affine_qparams``), and
+MX (E8M0) and NVFP4 (fp8 e4m3 under a global scale) block scales (``scales.e8m0_scale`` and
+the NVFP4 branch).
+
+Integer: with ``lo <= 0 <= hi`` (clamped), symmetric ``max(-lo, hi) / ((qmax - qmin) / 2)``
+and a fixed zero point, else ``(hi - lo) / (qmax - qmin)`` (divided first where that
+overflows) and ``round(qmin - lo / scale)`` clamped; the scale at least ``min_scale`` and
+within float32's subnormal minimum and maximum (``encode_scale``'s fp32). Blocks:
 
 ``amax = max(-min(lo, 0), max(hi, 0))`` per block, then
 
@@ -16,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, fp_round
+from ._jit import LAUNCH, fp_round, rint
 
-__all__ = ["e8m0_block_scales", "nvfp4_block_scales"]
+__all__ = ["e8m0_block_scales", "int_qparams", "nvfp4_block_scales"]
 
 BLOCK = 1024
 
@@ -109,3 +116,53 @@ def nvfp4_block_scales(lo: torch.Tensor, hi: torch.Tensor, global_scale: torch.T
             MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK,
             **LAUNCH)
     return out
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)  # NaN kept, as torch's
+
+
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _int_kernel(lo_ptr, hi_ptr, scale_ptr, zp_ptr, n, qmin, qmax, min_scale, zsym,
+                SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    lo = _min(tl.load(lo_ptr + offs, mask=mask, other=0.0), 0.0)
+    hi = _max(tl.load(hi_ptr + offs, mask=mask, other=0.0), 0.0)
+    span = qmax - qmin
+    if SYMMETRIC:
+        scale = tl.math.div_rn(_max(-lo, hi), span * 0.5)  # (qmax - qmin) / 2: exact
+    else:
+        scale = tl.math.div_rn(hi - lo, span)
+        scale = tl.where(scale < float("inf"), scale,
+                         tl.math.div_rn(hi, span) - tl.math.div_rn(lo, span))
+    # clamp(min=min_scale), then fp32's encoding: its smallest subnormal to its max
+    scale = _min(_max(_max(scale, min_scale), 1.401298464324817e-45), 3.4028234663852886e38)
+    tl.store(scale_ptr + offs, scale, mask=mask)
+    if SYMMETRIC:
+        zp = tl.zeros_like(scale) + zsym
+    else:
+        zp = _min(_max(rint(qmin - tl.math.div_rn(lo, scale)), qmin), qmax)
+    tl.store(zp_ptr + offs, zp.to(tl.int32), mask=mask)
+
+
+def int_qparams(lo: torch.Tensor, hi: torch.Tensor, qmin: float, qmax: float,
+                min_scale: float, symmetric: float, zsym: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 scales and int32 zero points of the ranges ``[lo, hi]`` (contiguous float32,
+    one shape) under ``kernels.qparams_consts``' constants."""
+    scale = torch.empty_like(lo)
+    zp = torch.empty_like(lo, dtype=torch.int32)
+    n = lo.numel()
+    if n:
+        _int_kernel[(triton.cdiv(n, BLOCK),)](lo, hi, scale, zp, n, float(qmin), float(qmax),
+                                              float(min_scale), float(zsym),
+                                              SYMMETRIC=bool(symmetric), BLOCK_N=BLOCK,
+                                              **LAUNCH)
+    return scale, zp
