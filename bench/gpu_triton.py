@@ -40,29 +40,19 @@ from gpu_timing import device_name, device_seconds, sync, us, wall_medians
 import quantscope as qs
 from quantscope import QuantSpec
 from quantscope.estimators.mse import mse_search
-from quantscope.formats import FP4_E2M1
 from quantscope.kernels import ops
 from quantscope.layout import Channel, Group
 from quantscope.observers import observe_many
-from quantscope.qparams import amax_of_range, qparams_from_range
-from quantscope.scales import nvfp4_global_scale
+from quantscope.qparams import qparams_from_range
 
 # ---- min-max + qparams ---------------------------------------------------------------------
 
-def _int_qparams(units, spec):
+def _qparams(units, spec):
+    """Min-max qparams of ``units`` by the public path: ``unit_minmax`` and
+    ``qparams_from_range`` (off the CPU one op each: ``int_qparams``,
+    ``e8m0_block_scales``, ``nvfp4_qparams``, the NVFP4 global scale found on the device)."""
     lo, hi = ops.unit_minmax(units)
     return qparams_from_range(lo, hi, spec, check_finite=False)
-
-
-def _mx(units):
-    lo, hi = ops.unit_minmax(units)
-    return ops.e8m0_block_scales(lo, hi, "fp4_e2m1", "floor")
-
-
-def _nvfp4(units, min_scale):
-    lo, hi = ops.unit_minmax(units)
-    gs = nvfp4_global_scale(amax_of_range(lo, hi).max(), FP4_E2M1).reshape(1)
-    return ops.nvfp4_block_scales(lo, hi, gs, "fp4_e2m1", min_scale)
 
 
 def _observer(spec, w):
@@ -79,15 +69,10 @@ def minmax_cases(w):
     specs = {"channel int8": QuantSpec("int8", Channel(0)),
              "group-128 int4": QuantSpec("int4", Group(128)),
              "MXFP4": qs.presets.MXFP4, "NVFP4": qs.presets.NVFP4}
-    return {
-        "channel int8": (lambda: _int_qparams(w, specs["channel int8"]),
-                         _observer(specs["channel int8"], w)),
-        "group-128 int4": (lambda: _int_qparams(w.view(-1, 128), specs["group-128 int4"]),
-                           _observer(specs["group-128 int4"], w)),
-        "MXFP4": (lambda: _mx(w.view(-1, 32)), _observer(specs["MXFP4"], w)),
-        "NVFP4": (lambda: _nvfp4(w.view(-1, 16), specs["NVFP4"].min_scale),
-                  _observer(specs["NVFP4"], w)),
-    }
+    units = {"channel int8": w, "group-128 int4": w.view(-1, 128), "MXFP4": w.view(-1, 32),
+             "NVFP4": w.view(-1, 16)}
+    return {name: (lambda u=units[name], s=spec: _qparams(u, s), _observer(spec, w))
+            for name, spec in specs.items()}
 
 
 def bench_minmax(size, device, repeat):

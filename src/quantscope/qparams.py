@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from ._numerics import true_div
+from ._numerics import true_div, upload
 from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format
 from .kernels import triton as _triton
@@ -159,8 +159,9 @@ def _int_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QPar
 def _block_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
                       global_amax) -> QParams | None:
     """The E8M0 (MX) and fp8-block (NVFP4) branches as the ops ``quantscope::e8m0_block_scales``
-    / ``nvfp4_block_scales`` (below: one launch each on CUDA, Triton); None where they do not
-    apply. Bitwise the torch branch (tests/core/test_qparams_ops.py)."""
+    / ``nvfp4_qparams`` (below: Triton on CUDA, one launch; NVFP4 two, or three with the
+    global amax to find); None where they do not apply. Bitwise the torch branch
+    (tests/core/test_qparams_ops.py)."""
     enc, fmt = spec.scale, spec.format
     if (enc.kind not in ("e8m0", "fp8_e4m3") or not isinstance(fmt, FloatFormat)
             or lo.requires_grad or hi.requires_grad or lo.numel() == 0):
@@ -169,11 +170,9 @@ def _block_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
     zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)
     if enc.kind == "e8m0":
         return QParams(e8m0_block_scales_op(lo, hi, fmt.name, enc.mode), zero)
-    if global_amax is None:
-        global_amax = amax_of_range(lo.clamp(max=0), hi.clamp(min=0)).max()
-    gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32,
-                                            device=lo.device), fmt).reshape(1)
-    block = nvfp4_block_scales_op(lo, hi, gs, fmt.name, spec.min_scale)
+    if global_amax is not None:
+        global_amax = upload(global_amax, lo.device, torch.float32).reshape(1)
+    block, gs = nvfp4_qparams_op(lo, hi, global_amax, fmt.name, spec.min_scale)
     return QParams(block, zero, gs)
 
 
@@ -330,12 +329,15 @@ e8m0_block_scales_op = define(
     _torch_e8m0_block_scales, cuda=_cuda_e8m0_block_scales, fake=_fake_e8m0_block_scales)
 
 
-def _check_nvfp4(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str) -> FloatFormat:
-    who = "nvfp4_block_scales"
+def _check_nvfp4(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
+                 who: str = "nvfp4_block_scales", scale_name: str = "global_scale"
+                 ) -> FloatFormat:
+    """The element format of NVFP4 ranges ``lo`` / ``hi`` under one float32 value
+    ``global_scale`` (None: none given), or the ``ValueError`` naming what is wrong."""
     _check_ranges(lo, hi, who)
-    if global_scale.numel() != 1 or global_scale.dtype != torch.float32 \
-            or global_scale.device != lo.device:
-        raise ValueError(f"quantscope::{who}: global_scale must be one float32 value on "
+    if global_scale is not None and (global_scale.numel() != 1 or global_scale.device != lo.device
+                                     or global_scale.dtype != torch.float32):
+        raise ValueError(f"quantscope::{who}: {scale_name} must be one float32 value on "
                          f"{lo.device}, got {global_scale.dtype} {tuple(global_scale.shape)} "
                          f"on {global_scale.device}")
     fmt = get_format(format)
@@ -407,3 +409,41 @@ def _fake_int_qparams(lo, hi, consts):
 int_qparams_op = define(
     "int_qparams(Tensor lo, Tensor hi, float[] consts) -> (Tensor, Tensor)",
     _torch_int_qparams, cuda=_cuda_int_qparams, fake=_fake_int_qparams)
+
+
+def _check_nvfp4_qparams(lo, hi, global_amax, format) -> FloatFormat:
+    return _check_nvfp4(lo, hi, global_amax, format, "nvfp4_qparams", "global_amax")
+
+
+def _torch_nvfp4_qparams(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str,
+                         min_scale: float) -> tuple[Tensor, Tensor]:
+    fmt = _check_nvfp4_qparams(lo, hi, global_amax, format)
+    if global_amax is None:
+        global_amax = amax_of_range(lo.clamp(max=0), hi.clamp(min=0)).max()
+    gs = nvfp4_global_scale(global_amax, fmt).reshape(1)
+    return _torch_nvfp4_block_scales(lo, hi, gs, format, min_scale), gs
+
+
+def _cuda_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
+    kernel = _triton.launchers("block_qparams", lo)
+    if kernel is None:
+        return _torch_nvfp4_qparams(lo, hi, global_amax, format, min_scale)
+    fmt = _check_nvfp4_qparams(lo, hi, global_amax, format)
+    lo, hi = lo.contiguous(), hi.contiguous()
+    amax = kernel.global_amax(lo, hi) if global_amax is None else global_amax.reshape(1)
+    return kernel.nvfp4_qparams(lo, hi, amax, fmt.max, FP8_E4M3.max, FP8_E4M3.min_exp,
+                                FP8_E4M3.mbits, min_scale)
+
+
+def _fake_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
+    _check_nvfp4_qparams(lo, hi, global_amax, format)
+    return torch.empty_like(lo), lo.new_empty(1)
+
+
+#: NVFP4's block scales and global scale (``[1]``) from per-block ranges, the global scale
+#: from ``global_amax`` (one float32 value), or None: the ranges' largest absolute value; as
+#: ``qparams_from_range``'s NVFP4 branch gives them, with no host read.
+nvfp4_qparams_op = define(
+    "nvfp4_qparams(Tensor lo, Tensor hi, Tensor? global_amax, str format, float min_scale) "
+    "-> (Tensor, Tensor)",
+    _torch_nvfp4_qparams, cuda=_cuda_nvfp4_qparams, fake=_fake_nvfp4_qparams)

@@ -51,12 +51,17 @@ def test_op_branch_is_the_torch_branch(name, given_amax):
 
 
 @pytest.mark.parametrize("name, op", [("mxfp4", "quantscope.e8m0_block_scales"),
-                                      ("nvfp4", "quantscope.nvfp4_block_scales")])
-def test_off_the_cpu_qparams_call_the_op(name, op):
+                                      ("nvfp4", "quantscope.nvfp4_qparams")])
+@pytest.mark.parametrize("given_amax", [False, True])
+def test_off_the_cpu_qparams_call_the_op(name, op, given_amax):
+    """One op and the zero points' zeros: NVFP4's global scale too is found on the device
+    (the torch ops for it were sixteen)."""
     lo, hi = (t.to("meta") for t in _ranges())
+    ga = torch.ones((), device="meta") if given_amax else None
     with OpNames() as seen:
-        qp = qparams.qparams_from_range(lo, hi, SPECS[name], check_finite=False)
-    assert op in seen.names
+        qp = qparams.qparams_from_range(lo, hi, SPECS[name], global_amax=ga, check_finite=False)
+    assert [n for n in seen.names if n.startswith("quantscope.")] == [op]
+    assert sum(seen.calls.values()) <= 3, seen.calls
     assert qp.scale.shape == lo.shape and qp.scale.device.type == "meta"
 
 

@@ -234,6 +234,46 @@ def test_nvfp4_block_scales_bitwise(device, global_amax):
     _assert_bitwise(got, want.scale)
 
 
+@pytest.mark.parametrize("global_amax", [None, 0.0, 1e-30, 3.0, 1e30, 1e39, float("nan")])
+def test_nvfp4_qparams_bitwise(device, global_amax):
+    """The block scales with the global scale computed in-kernel from the global amax (given,
+    or the ranges' largest found by one atomic per program): NVFP4's branch of
+    ``qparams_from_range``, both outputs; an amax of 0, NaN or past float32 included."""
+    from quantscope.formats import FP8_E4M3
+    from quantscope.kernels.triton import block_qparams
+    from quantscope.presets import NVFP4
+
+    lo, hi = _ranges(3000, 9)
+    lo, hi = lo.clamp(-1e6, 1e6), hi.clamp(-1e6, 1e6)
+    ga = None if global_amax is None else torch.tensor(global_amax)
+    want = qparams_from_range(lo, hi, NVFP4, global_amax=ga, check_finite=False)
+    amax = (block_qparams.global_amax(lo.to(device), hi.to(device)) if ga is None
+            else ga.float().reshape(1).to(device))
+    block, gs = block_qparams.nvfp4_qparams(
+        lo.to(device), hi.to(device), amax, NVFP4.format.max, FP8_E4M3.max, FP8_E4M3.min_exp,
+        FP8_E4M3.mbits, NVFP4.min_scale)
+    _assert_bitwise(block, want.scale)
+    _assert_bitwise(gs, want.global_scale)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -0.0])
+def test_global_amax_is_torchs_max(device, bad):
+    """The ranges' largest ``max(-min(lo, 0), max(hi, 0))``, NaN propagated (one in a
+    thousand ranges), over several programs."""
+    from quantscope.kernels.triton import block_qparams
+    from quantscope.qparams import amax_of_range
+
+    lo, hi = _ranges(5000, 4)
+    if bad is not None:
+        lo[1234], hi[4321] = bad, -bad if bad == bad else bad  # noqa: PLR0124
+    want = amax_of_range(lo.clamp(max=0), hi.clamp(min=0)).max().reshape(1)
+    got = block_qparams.global_amax(lo.to(device), hi.to(device))
+    if want.isnan().all():  # a NaN (its payload is not part of the contract)
+        assert got.isnan().all()
+    else:
+        _assert_bitwise(got, want)
+
+
 INT_SPECS = [QuantSpec("int8"), QuantSpec("int8", symmetric=False), QuantSpec("uint8"),
              QuantSpec("uint8", symmetric=False), QuantSpec("int4", symmetric=False),
              QuantSpec("int2"), QuantSpec("int8_narrow"), QuantSpec("int16", symmetric=False),

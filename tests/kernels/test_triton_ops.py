@@ -53,6 +53,9 @@ def _cases(device="cpu"):
         "e8m0_block_scales": (ops.e8m0_block_scales, (lo, hi, "fp4_e2m1", "even")),
         "nvfp4_block_scales": (ops.nvfp4_block_scales,
                                (lo, hi, torch.tensor([300.0]), "fp4_e2m1", 1e-8)),
+        "nvfp4_qparams": (ops.nvfp4_qparams, (lo, hi, None, "fp4_e2m1", 1e-8)),
+        "nvfp4_qparams_amax": (ops.nvfp4_qparams, (lo, hi, torch.tensor([7.0]), "fp4_e2m1",
+                                                   1e-8)),
     }
     def to(a):
         if isinstance(a, list):

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ._jit import LAUNCH, fp_round, rint
 
-__all__ = ["e8m0_block_scales", "int_qparams", "nvfp4_block_scales"]
+__all__ = ["e8m0_block_scales", "global_amax", "int_qparams", "nvfp4_block_scales", "nvfp4_qparams"]
 
 BLOCK = 1024
 
@@ -82,12 +82,67 @@ def _e8m0_kernel(lo_ptr, hi_ptr, out_ptr, n, emax, fmax, MODE: tl.constexpr,
 
 @triton.jit
 def _nvfp4_kernel(lo_ptr, hi_ptr, gs_ptr, out_ptr, n, fmax, bmax, min_scale,
-                  MIN_EXP: tl.constexpr, MBITS: tl.constexpr, BLOCK_N: tl.constexpr):
+                  gs_out_ptr, MIN_EXP: tl.constexpr, MBITS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, FROM_AMAX: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < n
-    x = tl.math.div_rn(_amax(lo_ptr, hi_ptr, offs, mask), fmax) * tl.load(gs_ptr)
+    if FROM_AMAX:  # gs_ptr holds the global amax: the global scale from it, as each program
+        gs = _global_scale(tl.load(gs_ptr), bmax * fmax)
+        if tl.program_id(0) == 0:
+            tl.store(gs_out_ptr, gs)
+    else:
+        gs = tl.load(gs_ptr)
+    x = tl.math.div_rn(_amax(lo_ptr, hi_ptr, offs, mask), fmax) * gs
     q = fp_round(x, bmax, MIN_EXP, MBITS)  # the e4m3 encoding of the block scale
     tl.store(out_ptr + offs, tl.where(q > 0.0, q, min_scale), mask=mask)
+
+
+@triton.jit
+def _global_scale(amax, top):
+    """``scales.nvfp4_global_scale``: ``top / amax`` as torch computes a number over a tensor
+    (the reciprocal, then the product: two roundings), amax past float32's max counted as
+    that max, 1 where the quotient is not finite or amax not positive (NaN included)."""
+    amax = tl.minimum(amax, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
+    gs = tl.math.div_rn(1.0, amax) * top
+    return tl.where((tl.abs(gs) < float("inf")) & (amax > 0.0), gs, 1.0)
+
+
+@triton.jit
+def _global_amax_kernel(lo_ptr, hi_ptr, out_ptr, n, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    amax = _amax(lo_ptr, hi_ptr, offs, mask) + 0.0  # >= +0 (-0 + 0 is +0) or NaN; masked: 0
+    # non-negative floats order as their int32 bits, and a positive NaN's lie above them
+    # all: the max of the bits (one NaN of any sign made the positive one) is the max
+    # that torch's propagates NaN through, taken by one atomic per program, in any order
+    bits = tl.where(amax != amax, 0x7FC00000, amax.to(tl.int32, bitcast=True))  # noqa: PLR0124
+    tl.atomic_max(out_ptr, tl.max(bits, axis=0))
+
+
+def global_amax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``amax_of_range(lo.clamp(max=0), hi.clamp(min=0)).max()`` of contiguous float32 ranges
+    (NaN propagated) as a float32 ``[1]`` on their device."""
+    out = torch.zeros(1, dtype=torch.int32, device=lo.device)
+    n = lo.numel()
+    if n:
+        _global_amax_kernel[(triton.cdiv(n, BLOCK),)](lo, hi, out, n, BLOCK_N=BLOCK, **LAUNCH)
+    return out.view(torch.float32)
+
+
+def nvfp4_qparams(lo: torch.Tensor, hi: torch.Tensor, global_amax: torch.Tensor, fmax: float,
+                  block_max: float, block_min_exp: int, block_mbits: int,
+                  min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`nvfp4_block_scales` with the global scale computed from ``global_amax`` (one
+    float32 value on the device) in the same launch: ``(block scales, global scale [1])``."""
+    out = torch.empty_like(lo)
+    gs = torch.ones(1, dtype=torch.float32, device=lo.device)
+    n = lo.numel()
+    if n:
+        _nvfp4_kernel[(triton.cdiv(n, BLOCK),)](
+            lo, hi, global_amax, out, n, float(fmax), float(block_max), float(min_scale), gs,
+            MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK,
+            FROM_AMAX=True, **LAUNCH)
+    return out, gs
 
 
 def e8m0_block_scales(lo: torch.Tensor, hi: torch.Tensor, mode: int, emax: int, mbits: int,
@@ -113,8 +168,8 @@ def nvfp4_block_scales(lo: torch.Tensor, hi: torch.Tensor, global_scale: torch.T
     if n:
         _nvfp4_kernel[(triton.cdiv(n, BLOCK),)](
             lo, hi, global_scale, out, n, float(fmax), float(block_max), float(min_scale),
-            MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK,
-            **LAUNCH)
+            global_scale, MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK,
+            FROM_AMAX=False, **LAUNCH)
     return out
 
 
