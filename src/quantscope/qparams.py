@@ -284,10 +284,11 @@ def _affine_qparams(lo, hi, qmin: float, qmax: float, min_scale: float, symmetri
 
 
 # ---- the qparams as ops ----------------------------------------------------------------------
-# ``quantscope::int_qparams`` / ``e8m0_block_scales`` / ``nvfp4_block_scales`` (kernels.ops
-# lists them with the other ops): the formulas above from per-unit ranges, one Triton launch
-# each on CUDA. They live here because qparams_from_range calls them off the CPU, and
-# kernels.ops builds on this module.
+# ``quantscope::int_qparams`` / ``e8m0_block_scales`` / ``nvfp4_block_scales`` /
+# ``nvfp4_qparams`` (kernels.ops lists them with the other ops): the formulas above from
+# per-unit ranges, one Triton launch each on CUDA (``nvfp4_qparams`` a second one where it
+# finds the global amax). They live here because qparams_from_range calls them off the CPU,
+# and kernels.ops builds on this module.
 
 def _check_ranges(lo: Tensor, hi: Tensor, who: str) -> None:
     if lo.dtype != torch.float32 or hi.dtype != torch.float32 or lo.shape != hi.shape \
