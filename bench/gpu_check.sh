@@ -39,8 +39,9 @@ for m in ('triton', 'llmcompressor', 'compressed_tensors'):
 if [[ $steps == *,triton,* ]]; then
     timeout "${TRITON_TIMEOUT:-240}" "$py" -m pytest -p no:cacheprovider -rs \
         tests/kernels/test_triton_kernels.py tests/kernels/test_triton_ops.py \
-        tests/kernels/test_triton_weighted.py \
+        tests/kernels/test_triton_weighted.py tests/kernels/test_triton_minmax_observe.py \
         tests/kernels/test_mse_ops_engine.py tests/observers/test_device_ops.py \
+        tests/observers/test_grouped.py tests/calibrate/test_grouped_weights.py \
         tests/core/test_qparams_ops.py 2>&1 \
         | tee "$out/triton_tests.log" | tail -15
 fi
