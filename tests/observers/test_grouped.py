@@ -223,3 +223,19 @@ def test_empty_tensors_are_not_observed():
 
 
 test_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_states_are_forwards(dtype):
+    """On CUDA (the compiled grouped launch through the op): every observer's state is what
+    its forward leaves, and its qparams."""
+    grouped_obs, ref = _observers(device="cuda"), _observers(device="cuda")
+    xs = _tensors(dtype, "cuda")
+    observe_many(list(zip(grouped_obs, xs)))
+    for o, x in zip(ref, xs):
+        o(x)
+    for got, want in zip(grouped_obs, ref):
+        _assert_same_state(got, want)
+        a, b = got.calculate_qparams(), want.calculate_qparams()
+        assert torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
