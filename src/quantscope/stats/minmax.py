@@ -258,6 +258,7 @@ def _check_ranges(who: str, lo: torch.Tensor, hi: torch.Tensor) -> None:
 
 
 def _check_update(lo, hi, state_lo, state_hi, kind, c=None) -> None:
+    # (``c``: the op's last argument; this check is the op's fake implementation too)
     who = "minmax_update"
     _check_ranges(who, lo, hi)
     if kind not in UPDATES.values():
@@ -324,6 +325,7 @@ record_non_finite = define(
 # ---- an accumulating min-max observer's whole step: one op ------------------------------------
 
 def _check_observe(units, state_lo, state_hi, seen, tokens, kind, c=None, count=None) -> None:
+    # (``c``, ``count``: the op's last arguments; this check is its fake implementation too)
     who = "quantscope::minmax_observe"
     if units.dim() not in (2, 4) or units.dtype not in _OP_FLOATS \
             or math.prod(units.shape[units.dim() // 2:]) == 0:
