@@ -12,6 +12,8 @@ shapes, whose observers record each new shape, and the row samples kept for the 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -52,3 +54,30 @@ def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch):
         qs.calibrate(model, batches, preset(scheme, observer), progress=False)
     assert reached and reached[0] > 0  # the pass ran to its end, with observers to check
     assert uploads.found == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scheme, observer", [("w8a8", "minmax"), ("w8a8", "histogram"),
+                                              ("nvfp4", "minmax")])
+def test_cuda_calibration_gives_the_cpus_qparams(scheme, observer):
+    """calibrate on CUDA (the weights in grouped launches, the activations through the ops):
+    the weights' qparams are the CPU's bit for bit; the activations' agree to the models'
+    own difference (CUDA's matmuls round otherwise than the CPU's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 64))
+    batches = [torch.randn(4, 16, 128) for _ in range(3)]
+    cals = [qs.calibrate(m, [b.to(device) for b in batches], preset(scheme, observer),
+                         progress=False)
+            for m, device in ((model, "cpu"), (copy.deepcopy(model).cuda(), "cuda"))]
+    for layer, roles in cals[0].states.items():
+        for role, want in roles.items():
+            got = cals[1].states[layer][role].qparams
+            if want.qparams is None:  # a role with no static qparams (dynamic)
+                assert got is None, (layer, role)
+                continue
+            a, b = want.qparams.scale, got.scale.cpu()
+            if role == "weight":
+                assert torch.equal(a, b), (layer, role)
+                assert torch.equal(want.qparams.zero_point, got.zero_point.cpu())
+            else:
+                torch.testing.assert_close(b, a, rtol=1e-3, atol=0)
