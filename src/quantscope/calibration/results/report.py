@@ -39,14 +39,18 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
     # one temporary of x's size at a time (a layer's weight is the largest tensor a
     # sequential run holds): the signal first, then the error in place on fake_quantize's
     # output (always fresh memory: quantize_units divides into a new tensor)
-    signal = float(xf.square().sum())
-    noise = float(fake_quantize(x.detach(), qp, spec).float().sub_(xf).square_().sum())
+    signal = xf.square().sum()
+    noise = fake_quantize(x.detach(), qp, spec).float().sub_(xf).square_().sum()
     units = spec.layout.to_units(xf)
     lo_e, hi_e = clip_edges(qp, spec, units.shape[0])
-    clipped = int(torch.count_nonzero((units < lo_e) | (units > hi_e)))  # no int64 copy
+    clipped = torch.count_nonzero((units < lo_e) | (units > hi_e))  # no int64 copy
+    # one read back for all seven (each read waits for the device; float64 holds them exactly)
+    signal, noise, clipped, clip_lo, clip_hi, x_min, x_max = torch.stack([
+        t.double() for t in (signal, noise, clipped, lo_e.min(), hi_e.max(), *torch.aminmax(xf))
+    ]).tolist()
     return {"sqnr_db": sqnr_db(signal, noise), "noise": noise, "signal": signal,
-            "clipped": clipped / max(x.numel(), 1), "clip_lo": float(lo_e.min()),
-            "clip_hi": float(hi_e.max()), "min": float(xf.min()), "max": float(xf.max()),
+            "clipped": int(clipped) / max(x.numel(), 1), "clip_lo": clip_lo,
+            "clip_hi": clip_hi, "min": x_min, "max": x_max,
             "units": int(units.shape[0]), "numel": int(x.numel())}
 
 

@@ -282,7 +282,7 @@ class _States:
 def stats_row(layer, role, state: RoleState, st: dict) -> dict:
     """The report's row of one role (``st``: :func:`~.report.tensor_stats` of its tensor)."""
     if state.lo is not None:
-        lo, hi = float(state.lo.min()), float(state.hi.max())
+        lo, hi = torch.stack((state.lo.min(), state.hi.max())).tolist()  # one read back
     else:
         lo, hi = st["min"], st["max"]
     return {"layer": layer, "role": role, "observer": state.observer,
@@ -294,7 +294,7 @@ def stats_row(layer, role, state: RoleState, st: dict) -> dict:
 
 def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
     x = x.detach().float().flatten()
-    lo, hi = float(x.min()), float(x.max())
+    lo, hi = torch.stack(torch.aminmax(x)).tolist()  # one read back
     if hi <= lo:
         hi = lo + 1.0
     counts = torch.histc(x, bins, lo, hi)
