@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))  # quantscope from this checkout in the peer's venv
@@ -52,14 +51,14 @@ def _ours(w, importance, mode):
     """quantscope's imatrix_mse observer: mode "kernel", "torch" (no kernel: the torch
     float64 path) or "float32" (the float32 torch loop this search had before)."""
     from quantscope import presets
-    from quantscope.estimators import weighted
+    from quantscope.kernels import price_ops
     from quantscope.observers import get_observer
     from quantscope.observers import imatrix as imatrix_observer
 
-    search, kernels = imatrix_observer.weighted_search, weighted.kernels
+    search, c_lib = imatrix_observer.weighted_search, price_ops._c_lib
     try:
-        if mode == "torch":
-            weighted.kernels = SimpleNamespace(available=lambda name: False)
+        if mode == "torch":  # the pricing op's torch path, as a build without the C kernel
+            price_ops._c_lib = lambda name: None
         if mode == "float32":
             imatrix_observer.weighted_search = functools.partial(search, float32_sums=True)
         obs = get_observer("imatrix_mse", presets.NVFP4, importance=importance)
@@ -67,7 +66,7 @@ def _ours(w, importance, mode):
         obs.qparams()
         return obs.calculate_range()
     finally:
-        imatrix_observer.weighted_search, weighted.kernels = search, kernels
+        imatrix_observer.weighted_search, price_ops._c_lib = search, c_lib
 
 
 def _theirs(w, importance, pm):
