@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parent / "src"))  # quantscope from this checkout in
 sys.path.insert(0, str(HERE))
 
 import torch
-from common import Table, compare
+from common import Table, add_sides, compare
 
 PEER_PY = Path(os.environ.get("QUANTSCOPE_PEER_PYTHON", HERE.parent / ".peers" / "bin" / "python"))
 REPEAT = int(os.environ.get("QUANTSCOPE_BENCH_REPEAT", "5"))
@@ -138,7 +138,6 @@ def main():
         if proc.returncode != 0:
             raise RuntimeError(f"bench_imatrix worker failed:\n{proc.stderr[-3000:]}")
         r = json.loads(Path(out).read_text())
-    s, e = r["seconds"], r["error"]
     t = Table(f"NVFP4 imatrix_mse (norm 2, factors 1.00 .. 0.81), {SHAPE[0]} x {SHAPE[1]} "
               "Gaussian weight, log-normal importance, one thread, interleaved call by call",
               ["side", "s", "llm-c s / side s", "weighted sq. error", "err / llm-c",
@@ -147,13 +146,7 @@ def main():
              "torch": "quantscope (torch path, same arithmetic)",
              "float32": "quantscope, the float32 torch loop (the pricing before)",
              "theirs": "llm-compressor 0.14 imatrix_mse"}
-    for k, name in names.items():
-        if k not in s:
-            continue
-        ratio = f"{s['theirs'] / s[k]:.1f}x" if "theirs" in s else "n/a"
-        rel = f"{e[k] / e['theirs']:.4f}" if "theirs" in e else "n/a"
-        t.add(name, f"{s[k]:.3g}", ratio, f"{e[k]:.6g}", rel, f"{e[k] / r['err_minmax']:.4f}",
-              str(r["same_as_kernel"][k]))
+    add_sides(t, names, r, lambda k: (str(r["same_as_kernel"][k]),))
     t.print()
     if r["peer_error"]:
         print(f"llm-compressor not measured: {r['peer_error']}")

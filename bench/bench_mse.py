@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import Table
+from common import Table, add_sides
 from mse_worker import LAYOUTS
 from safetensors.torch import save_file
 
@@ -182,19 +182,13 @@ def nvfp4_expanded(python: str) -> None:
     """nvfp4_expanded_mse on 1024 x 4096, one thread: C kernel vs torch path vs llm-compressor."""
     print("  nvfp4_expanded_mse 1024 x 4096, one thread, interleaved ...", flush=True)
     r = worker(python, "nvfp4")
-    s, e = r["seconds"], r["error"]
     t = Table("NVFP4 nvfp4_expanded_mse, 1024 x 4096 Gaussian weight, one thread, interleaved "
               "call by call (issue 35 item 6)",
               ["side", "s", "llm-c s / side s", "total sq. error", "err / llm-c",
                "err / min-max"])
     names = {"kernel": "quantscope (C kernel)", "torch": "quantscope (torch path)",
              "theirs": "llm-compressor"}
-    for k, name in names.items():
-        if k not in s:
-            continue
-        ratio = f"{s['theirs'] / s[k]:.1f}x" if "theirs" in s else "n/a"
-        rel = f"{e[k] / e['theirs']:.4f}" if "theirs" in e else "n/a"
-        t.add(name, f"{s[k]:.3g}", ratio, f"{e[k]:.6g}", rel, f"{e[k] / r['err_minmax']:.4f}")
+    add_sides(t, names, r)
     t.print()
     print(f"C kernel and torch path ranges bitwise equal: {r['same_ranges']}; load average "
           f"{r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end (1-minute).\n")

@@ -80,6 +80,20 @@ class Table:
         print(self.markdown(), flush=True)
 
 
+def add_sides(table: Table, names: dict, result: dict, extra=lambda side: ()) -> None:
+    """One row per side of ``names`` (key -> label) that ``result`` measured: its seconds,
+    llm-compressor's (``"theirs"``) over them, its error, over theirs and over min-max's
+    (``result``: ``seconds`` and ``error`` by side, ``err_minmax``), then ``extra(side)``."""
+    s, e = result["seconds"], result["error"]
+    for k, name in names.items():
+        if k not in s:
+            continue
+        ratio = f"{s['theirs'] / s[k]:.1f}x" if "theirs" in s else "n/a"
+        rel = f"{e[k] / e['theirs']:.4f}" if "theirs" in e else "n/a"
+        table.add(name, f"{s[k]:.3g}", ratio, f"{e[k]:.6g}", rel,
+                  f"{e[k] / result['err_minmax']:.4f}", *extra(k))
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         if v == 0:
