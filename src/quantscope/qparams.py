@@ -233,11 +233,18 @@ def _block_qparams(amax: torch.Tensor, spec: QuantSpec, global_amax) -> QParams:
     zero = torch.zeros(amax.shape, dtype=torch.int32, device=amax.device)
     if enc.kind == "e8m0":
         return QParams(e8m0_scale(amax, fmt, enc.mode), zero)
+    block, gs = _nvfp4_scales(amax, global_amax, fmt, spec.min_scale, enc)
+    return QParams(block, zero, gs.to(amax.device))
+
+
+def _nvfp4_scales(amax: torch.Tensor, global_amax, fmt, min_scale: float,
+                  encoding: ScaleEncoding | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's block scales and global scale (``[1]``) from the blocks' ``amax``; the global
+    amax defaults to the largest."""
     if global_amax is None:
         global_amax = amax.max() if amax.numel() else amax.new_zeros(())
     gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
-    block = nvfp4_block_scales(amax, gs, fmt, spec.min_scale, enc)
-    return QParams(block, zero, gs.to(amax.device))
+    return nvfp4_block_scales(amax, gs, fmt, min_scale, encoding or FP8_BLOCK), gs
 
 
 #: NVFP4's block scale encoding; the integer formats' default one
@@ -284,11 +291,10 @@ def _affine_qparams(lo, hi, qmin: float, qmax: float, min_scale: float, symmetri
 
 
 # ---- the qparams as ops ----------------------------------------------------------------------
-# ``quantscope::int_qparams`` / ``e8m0_block_scales`` / ``nvfp4_block_scales`` /
-# ``nvfp4_qparams`` (kernels.ops lists them with the other ops): the formulas above from
-# per-unit ranges, one Triton launch each on CUDA (``nvfp4_qparams`` a second one where it
-# finds the global amax). They live here because qparams_from_range calls them off the CPU,
-# and kernels.ops builds on this module.
+# ``quantscope::int_qparams`` / ``e8m0_block_scales`` / ``nvfp4_qparams`` (kernels.ops lists
+# them with the other ops): the formulas above from per-unit ranges, one Triton launch each
+# on CUDA (``nvfp4_qparams`` a second one where it finds the global amax). They live here
+# because qparams_from_range calls them off the CPU, and kernels.ops builds on this module.
 
 def _check_ranges(lo: Tensor, hi: Tensor, who: str) -> None:
     if lo.dtype != torch.float32 or hi.dtype != torch.float32 or lo.shape != hi.shape \
@@ -330,52 +336,6 @@ e8m0_block_scales_op = define(
     _torch_e8m0_block_scales, cuda=_cuda_e8m0_block_scales, fake=_fake_e8m0_block_scales)
 
 
-def _check_nvfp4(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
-                 who: str = "nvfp4_block_scales", scale_name: str = "global_scale"
-                 ) -> FloatFormat:
-    """The element format of NVFP4 ranges ``lo`` / ``hi`` under one float32 value
-    ``global_scale`` (None: none given), or the ``ValueError`` naming what is wrong."""
-    _check_ranges(lo, hi, who)
-    if global_scale is not None and (global_scale.numel() != 1 or global_scale.device != lo.device
-                                     or global_scale.dtype != torch.float32):
-        raise ValueError(f"quantscope::{who}: {scale_name} must be one float32 value on "
-                         f"{lo.device}, got {global_scale.dtype} {tuple(global_scale.shape)} "
-                         f"on {global_scale.device}")
-    fmt = get_format(format)
-    if not isinstance(fmt, FloatFormat):
-        raise ValueError(f"quantscope::{who}: format must be a float format, got "  # noqa: TRY004
-                         f"{format!r}")
-    return fmt
-
-
-def _torch_nvfp4_block_scales(lo: Tensor, hi: Tensor, global_scale: Tensor, format: str,
-                              min_scale: float) -> Tensor:
-    fmt = _check_nvfp4(lo, hi, global_scale, format)
-    amax = amax_of_range(lo.clamp(max=0), hi.clamp(min=0))
-    return nvfp4_block_scales(amax, global_scale.reshape(1), fmt, min_scale)
-
-
-def _cuda_nvfp4_block_scales(lo, hi, global_scale, format, min_scale):
-    kernel = _triton.launchers("block_qparams", lo)
-    if kernel is None:
-        return _torch_nvfp4_block_scales(lo, hi, global_scale, format, min_scale)
-    fmt = _check_nvfp4(lo, hi, global_scale, format)
-    return kernel.nvfp4_block_scales(lo.contiguous(), hi.contiguous(), global_scale.reshape(1),
-                                     fmt.max, FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits,
-                                     min_scale)
-
-
-def _fake_nvfp4_block_scales(lo, hi, global_scale, format, min_scale):
-    _check_nvfp4(lo, hi, global_scale, format)
-    return torch.empty_like(lo)
-
-
-nvfp4_block_scales_op = define(
-    "nvfp4_block_scales(Tensor lo, Tensor hi, Tensor global_scale, str format, "
-    "float min_scale) -> Tensor",
-    _torch_nvfp4_block_scales, cuda=_cuda_nvfp4_block_scales, fake=_fake_nvfp4_block_scales)
-
-
 def _check_int(lo: Tensor, hi: Tensor, consts: list[float]) -> None:
     _check_ranges(lo, hi, "int_qparams")
     if len(consts) != 5 or not consts[0] < consts[1] or consts[3] not in (0.0, 1.0):
@@ -412,24 +372,36 @@ int_qparams_op = define(
     _torch_int_qparams, cuda=_cuda_int_qparams, fake=_fake_int_qparams)
 
 
-def _check_nvfp4_qparams(lo, hi, global_amax, format) -> FloatFormat:
-    return _check_nvfp4(lo, hi, global_amax, format, "nvfp4_qparams", "global_amax")
+def _check_nvfp4(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str
+                 ) -> FloatFormat:
+    """The element format of NVFP4 ranges ``lo`` / ``hi`` under ``global_amax`` (one float32
+    value, or None), or the ``ValueError`` naming what is wrong."""
+    who = "nvfp4_qparams"
+    _check_ranges(lo, hi, who)
+    if global_amax is not None and (global_amax.numel() != 1 or global_amax.device != lo.device
+                                    or global_amax.dtype != torch.float32):
+        raise ValueError(f"quantscope::{who}: global_amax must be None or one float32 value on "
+                         f"{lo.device}, got {global_amax.dtype} {tuple(global_amax.shape)} on "
+                         f"{global_amax.device}")
+    fmt = get_format(format)
+    if not isinstance(fmt, FloatFormat):
+        raise ValueError(f"quantscope::{who}: format must be a float format, got "  # noqa: TRY004
+                         f"{format!r}")
+    return fmt
 
 
 def _torch_nvfp4_qparams(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str,
                          min_scale: float) -> tuple[Tensor, Tensor]:
-    fmt = _check_nvfp4_qparams(lo, hi, global_amax, format)
-    if global_amax is None:
-        global_amax = amax_of_range(lo.clamp(max=0), hi.clamp(min=0)).max()
-    gs = nvfp4_global_scale(global_amax, fmt).reshape(1)
-    return _torch_nvfp4_block_scales(lo, hi, gs, format, min_scale), gs
+    fmt = _check_nvfp4(lo, hi, global_amax, format)
+    return _nvfp4_scales(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), global_amax, fmt,
+                         min_scale)
 
 
 def _cuda_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
     kernel = _triton.launchers("block_qparams", lo)
     if kernel is None:
         return _torch_nvfp4_qparams(lo, hi, global_amax, format, min_scale)
-    fmt = _check_nvfp4_qparams(lo, hi, global_amax, format)
+    fmt = _check_nvfp4(lo, hi, global_amax, format)
     lo, hi = lo.contiguous(), hi.contiguous()
     amax = kernel.global_amax(lo, hi) if global_amax is None else global_amax.reshape(1)
     return kernel.nvfp4_qparams(lo, hi, amax, fmt.max, FP8_E4M3.max, FP8_E4M3.min_exp,
@@ -437,7 +409,7 @@ def _cuda_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
 
 
 def _fake_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
-    _check_nvfp4_qparams(lo, hi, global_amax, format)
+    _check_nvfp4(lo, hi, global_amax, format)
     return torch.empty_like(lo), lo.new_empty(1)
 
 

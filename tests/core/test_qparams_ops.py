@@ -1,6 +1,6 @@
 """Off the CPU the integer (fp32 scales), MX and NVFP4 qparams come from the ops
 (``quantscope::int_qparams``, ``quantscope::e8m0_block_scales``,
-``quantscope::nvfp4_block_scales``: Triton on CUDA), bitwise the torch branch of
+``quantscope::nvfp4_qparams``: Triton on CUDA), bitwise the torch branch of
 ``qparams_from_range``. The ops' CPU implementations stand in for the device here (the Triton
 kernels are held to them under the interpreter in tests/kernels/test_triton_kernels.py); the
 meta device proves the dispatch."""

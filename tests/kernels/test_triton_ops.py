@@ -51,8 +51,6 @@ def _cases(device="cpu"):
         "int_qparams": (ops.int_qparams, (lo, hi, [-8.0, 7.0, 1e-8, 0.0, 0.0])),
         "int_qparams_sym": (ops.int_qparams, (lo, hi, [0.0, 255.0, 1e-8, 1.0, 128.0])),
         "e8m0_block_scales": (ops.e8m0_block_scales, (lo, hi, "fp4_e2m1", "even")),
-        "nvfp4_block_scales": (ops.nvfp4_block_scales,
-                               (lo, hi, torch.tensor([300.0]), "fp4_e2m1", 1e-8)),
         "nvfp4_qparams": (ops.nvfp4_qparams, (lo, hi, None, "fp4_e2m1", 1e-8)),
         "nvfp4_qparams_amax": (ops.nvfp4_qparams, (lo, hi, torch.tensor([7.0]), "fp4_e2m1",
                                                    1e-8)),
@@ -163,10 +161,10 @@ def _int64s(n):
      "lo and hi must be float32 tensors of one shape"),
     (lambda: ops.e8m0_block_scales(torch.zeros(3), torch.zeros(3), "fp4_e2m1", "round"),
      "mode must be one of"),
-    (lambda: ops.nvfp4_block_scales(torch.zeros(3), torch.zeros(3), torch.ones(2), "fp4_e2m1",
-                                    1e-8), "global_scale must be one float32 value"),
-    (lambda: ops.nvfp4_block_scales(torch.zeros(3), torch.zeros(3), torch.ones(1), "int4",
-                                    1e-8), "format must be a float format"),
+    (lambda: ops.nvfp4_qparams(torch.zeros(3), torch.zeros(3), torch.ones(2), "fp4_e2m1",
+                               1e-8), "global_amax must be None or one float32 value"),
+    (lambda: ops.nvfp4_qparams(torch.zeros(3), torch.zeros(3), None, "int4", 1e-8),
+     "format must be a float format"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

@@ -26,9 +26,9 @@ _PRICE = {"x_ptr": "*fp32", "w_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32",
           "stride_w": "i32", "qmin": "fp32", "qmax": "fp32", "min_exp": "i32", "mbits": "i32",
           "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr",
           "FLOAT": "constexpr", "WEIGHTED": "constexpr"}
-_NVFP4 = {**_F32, "gs_ptr": "*fp32", "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32",
-          "gs_out_ptr": "*fp32", "MIN_EXP": "constexpr", "MBITS": "constexpr",
-          "BLOCK_N": "constexpr", "FROM_AMAX": "constexpr"}
+_NVFP4 = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "amax_ptr": "*fp32", "out_ptr": "*fp32",
+          "n": "i32", "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32", "gs_ptr": "*fp32",
+          "MIN_EXP": "constexpr", "MBITS": "constexpr", "BLOCK_N": "constexpr"}
 _PRICE_CONST = {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True, "WEIGHTED": False}
 CASES = {
     "fakequant._fake_quant_kernel": (
@@ -47,10 +47,8 @@ CASES = {
     "block_qparams._e8m0_kernel": (
         {**_F32, "emax": "i32", "fmax": "fp32", "MODE": "constexpr", "TOP": "constexpr",
          "BLOCK_N": "constexpr"}, {"MODE": 3, "TOP": 4.0, "BLOCK_N": 1024}),
-    "block_qparams._nvfp4_kernel": (
-        _NVFP4, {"MIN_EXP": -6, "MBITS": 3, "BLOCK_N": 1024, "FROM_AMAX": False}),
-    "block_qparams._nvfp4_kernel:from_amax": (  # the global scale from the amax, in-kernel
-        _NVFP4, {"MIN_EXP": -6, "MBITS": 3, "BLOCK_N": 1024, "FROM_AMAX": True}),
+    "block_qparams._nvfp4_kernel": (  # the global scale from the global amax, in-kernel
+        _NVFP4, {"MIN_EXP": -6, "MBITS": 3, "BLOCK_N": 1024}),
     "block_qparams._global_amax_kernel": (
         {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "out_ptr": "*i32", "n": "i32",
          "BLOCK_N": "constexpr"}, {"BLOCK_N": 1024}),
@@ -134,7 +132,7 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["mse._price_kernel:fp"]
     assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
     assert "div.rn.f32" in found["block_qparams._int_kernel"]
-    assert "div.rn.f32" in found["block_qparams._nvfp4_kernel:from_amax"]
+    assert "div.rn.f32" in found["block_qparams._nvfp4_kernel"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])
     assert {"div.rn.f64", "sub.rn.f64"} <= set(found["histogram._regrid_kernel"])
 

@@ -33,13 +33,11 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   ``qparams_from_range`` gives them.
 * ``e8m0_block_scales(lo, hi, format, mode) -> scale``: MX scales of the ranges
   (``scales.e8m0_scale`` of their amax); float32 ranges of one shape.
-* ``nvfp4_block_scales(lo, hi, global_scale, format, min_scale) -> scale``: NVFP4's e4m3
-  block scales under a float32 ``global_scale`` of one value (``qparams.nvfp4_block_scales``).
-* ``nvfp4_qparams(lo, hi, global_amax, format, min_scale) -> (scale, global_scale)``: the
-  same with the global scale computed on the device from ``global_amax`` (one float32 value,
-  or None: the ranges' largest absolute value), so NVFP4's qparams take no host read and no
-  chain of small ops.
-  These four are defined in :mod:`quantscope.qparams`, beside their formulas, which call them
+* ``nvfp4_qparams(lo, hi, global_amax, format, min_scale) -> (scale, global_scale)``:
+  NVFP4's e4m3 block scales (``qparams.nvfp4_block_scales``) and their global scale, computed
+  on the device from ``global_amax`` (one float32 value, or None: the ranges' largest
+  absolute value), so NVFP4's qparams take no host read and no chain of small ops.
+  These three are defined in :mod:`quantscope.qparams`, beside their formulas, which call them
   off the CPU (this module builds on qparams, so it cannot be the other way round).
 
 Beside their torch references, in :mod:`quantscope.stats`: ``hist_add`` and ``hist_regrid``
@@ -59,14 +57,12 @@ from .._oplib import define
 from ..qdq import fake_quantize_units
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
 from ..qparams import int_qparams_op as int_qparams
-from ..qparams import nvfp4_block_scales_op as nvfp4_block_scales
 from ..qparams import nvfp4_qparams_op as nvfp4_qparams
 from . import triton as _triton
 from .price_ops import _IntBounds, mse_price_fp, mse_price_int
 
-__all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "int_qparams", "mse_price_fp",
-           "mse_price_int", "mse_select", "nvfp4_block_scales", "nvfp4_qparams",
-           "unit_minmax"]
+__all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "int_qparams",
+           "mse_price_fp", "mse_price_int", "mse_select", "nvfp4_qparams", "unit_minmax"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

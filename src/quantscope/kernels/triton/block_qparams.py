@@ -14,7 +14,9 @@ within float32's subnormal minimum and maximum (``encode_scale``'s fp32). Blocks
   (0 floor, 1 ceil, 2 even, 3 rceil; ``scales.E8M0_MODES``' order), ``-127`` for an all-zero
   block, clamped to ``[-127, 127]``;
 * NVFP4: ``e4m3(amax / fmax * gs)`` (``_jit.fp_round``, the rounding of ``FloatFormat.round``
-  that the float MSE pricing uses too), ``min_scale`` where not positive.
+  that the float MSE pricing uses too), ``min_scale`` where not positive; the global scale
+  ``gs`` computed in the same launch from the global amax (given, or the blocks' largest,
+  found by :func:`global_amax`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import triton.language as tl
 
 from ._jit import LAUNCH, fp_round, rint
 
-__all__ = ["e8m0_block_scales", "global_amax", "int_qparams", "nvfp4_block_scales", "nvfp4_qparams"]
+__all__ = ["e8m0_block_scales", "global_amax", "int_qparams", "nvfp4_qparams"]
 
 BLOCK = 1024
 
@@ -81,23 +83,6 @@ def _e8m0_kernel(lo_ptr, hi_ptr, out_ptr, n, emax, fmax, MODE: tl.constexpr,
 
 
 @triton.jit
-def _nvfp4_kernel(lo_ptr, hi_ptr, gs_ptr, out_ptr, n, fmax, bmax, min_scale,
-                  gs_out_ptr, MIN_EXP: tl.constexpr, MBITS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, FROM_AMAX: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < n
-    if FROM_AMAX:  # gs_ptr holds the global amax: the global scale from it, as each program
-        gs = _global_scale(tl.load(gs_ptr), bmax * fmax)
-        if tl.program_id(0) == 0:
-            tl.store(gs_out_ptr, gs)
-    else:
-        gs = tl.load(gs_ptr)
-    x = tl.math.div_rn(_amax(lo_ptr, hi_ptr, offs, mask), fmax) * gs
-    q = fp_round(x, bmax, MIN_EXP, MBITS)  # the e4m3 encoding of the block scale
-    tl.store(out_ptr + offs, tl.where(q > 0.0, q, min_scale), mask=mask)
-
-
-@triton.jit
 def _global_scale(amax, top):
     """``scales.nvfp4_global_scale``: ``top / amax`` as torch computes a number over a tensor
     (the reciprocal, then the product: two roundings), amax past float32's max counted as
@@ -105,6 +90,21 @@ def _global_scale(amax, top):
     amax = tl.minimum(amax, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
     gs = tl.math.div_rn(1.0, amax) * top
     return tl.where((tl.abs(gs) < float("inf")) & (amax > 0.0), gs, 1.0)
+
+
+@triton.jit
+def _nvfp4_kernel(lo_ptr, hi_ptr, amax_ptr, out_ptr, n, fmax, bmax, min_scale, gs_ptr,
+                  MIN_EXP: tl.constexpr, MBITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    # the global scale from the global amax, in every program (one value: cheaper than a
+    # launch of its own); the first program stores it
+    gs = _global_scale(tl.load(amax_ptr), bmax * fmax)
+    if tl.program_id(0) == 0:
+        tl.store(gs_ptr, gs)
+    x = tl.math.div_rn(_amax(lo_ptr, hi_ptr, offs, mask), fmax) * gs
+    q = fp_round(x, bmax, MIN_EXP, MBITS)  # the e4m3 encoding of the block scale
+    tl.store(out_ptr + offs, tl.where(q > 0.0, q, min_scale), mask=mask)
 
 
 @triton.jit
@@ -132,16 +132,17 @@ def global_amax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 def nvfp4_qparams(lo: torch.Tensor, hi: torch.Tensor, global_amax: torch.Tensor, fmax: float,
                   block_max: float, block_min_exp: int, block_mbits: int,
                   min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`nvfp4_block_scales` with the global scale computed from ``global_amax`` (one
-    float32 value on the device) in the same launch: ``(block scales, global scale [1])``."""
+    """NVFP4's fp8 block scales of the ranges ``[lo, hi]`` (contiguous float32) and their
+    global scale, computed from ``global_amax`` (one float32 value on the device: read there,
+    never on the host) in the same launch: ``(block scales, global scale [1])``."""
     out = torch.empty_like(lo)
-    gs = torch.ones(1, dtype=torch.float32, device=lo.device)
+    gs = torch.empty(1, dtype=torch.float32, device=lo.device)
     n = lo.numel()
-    if n:
-        _nvfp4_kernel[(triton.cdiv(n, BLOCK),)](
-            lo, hi, global_amax, out, n, float(fmax), float(block_max), float(min_scale), gs,
-            MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK,
-            FROM_AMAX=True, **LAUNCH)
+    if not n:
+        return out, gs.fill_(1.0)  # no blocks: the global scale of an amax of 0
+    _nvfp4_kernel[(triton.cdiv(n, BLOCK),)](
+        lo, hi, global_amax, out, n, float(fmax), float(block_max), float(min_scale), gs,
+        MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK, **LAUNCH)
     return out, gs
 
 
@@ -155,21 +156,6 @@ def e8m0_block_scales(lo: torch.Tensor, hi: torch.Tensor, mode: int, emax: int, 
                                                MODE=int(mode), TOP=float(2 ** (mbits + 1)),
                                                BLOCK_N=BLOCK,
                                                **LAUNCH)
-    return out
-
-
-def nvfp4_block_scales(lo: torch.Tensor, hi: torch.Tensor, global_scale: torch.Tensor,
-                       fmax: float, block_max: float, block_min_exp: int, block_mbits: int,
-                       min_scale: float) -> torch.Tensor:
-    """Float32 fp8 block scales of the ranges ``[lo, hi]`` under ``global_scale`` (one float32
-    value on the device: read there, never on the host)."""
-    out = torch.empty_like(lo)
-    n = lo.numel()
-    if n:
-        _nvfp4_kernel[(triton.cdiv(n, BLOCK),)](
-            lo, hi, global_scale, out, n, float(fmax), float(block_max), float(min_scale),
-            global_scale, MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK,
-            FROM_AMAX=False, **LAUNCH)
     return out
 
 
