@@ -104,6 +104,35 @@ def test_the_search_calls_the_ops(name, price):
     assert {price, "quantscope.mse_select"} <= seen.names
 
 
+EXPANDED = OPTIONS["expanded"]
+
+
+@pytest.mark.parametrize(("opt", "fused"), [("expanded", True), ("no-patience", True),
+                                            ("native", False), ("tie-last", False),
+                                            ("global-rule", False)])
+def test_nvfp4_searches_without_patience_run_fused(opt, fused):
+    """NVFP4 searches whose rule keeps the first lowest error (no patience stops them:
+    ``nvfp4_expanded_mse``'s 1000 over 111 candidates, or none) are one op,
+    ``quantscope::nvfp4_search``; the others price every candidate and select."""
+    spec = SPECS["nvfp4"]
+    with OpNames() as seen:
+        mse_search(units_of(spec, weight()), None, None, spec, backend="ops", **OPTIONS[opt])
+    assert ("quantscope.nvfp4_search" in seen.names) == fused
+    assert ("quantscope.mse_price_fp" in seen.names) != fused
+
+
+def test_off_the_cpu_the_nvfp4_search_is_one_op():
+    """Off the CPU (meta: shapes only, through the fake implementations) the expanded NVFP4
+    search makes no ``[candidates, units]`` pricing: one fused op per global amax tried."""
+    spec = SPECS["nvfp4"]
+    u = units_of(spec, weight()).to("meta")
+    with OpNames() as seen:
+        res = mse_search(u, None, None, spec, **EXPANDED)
+    assert "quantscope.nvfp4_search" in seen.names
+    assert not {"quantscope.mse_price_fp", "quantscope.mse_select"} & seen.names
+    assert res.lo.device.type == "meta" and res.lo.shape == (u.shape[0],)
+
+
 def test_off_the_cpu_the_ops_engine_is_the_default():
     """On a device other than the CPU (meta here: shapes only, through the ops' fake
     implementations) the default search runs the ops, with no host read-back."""
@@ -137,14 +166,15 @@ def test_what_the_ops_engine_refuses():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["int4-channel", "nvfp4", "mxfp4"])
-def test_cuda_search_prices_as_the_cpu(name):
+@pytest.mark.parametrize("name, opt", [("int4-channel", "native"), ("nvfp4", "native"),
+                                       ("nvfp4", "expanded"), ("mxfp4", "native")])
+def test_cuda_search_prices_as_the_cpu(name, opt):
     """On CUDA the default engine is the ops' (Triton): the C kernel's terms summed in another
     order, so the same choices but for an exact tie broken by the last bits of a float64
     sum; the chosen errors agree to 1e-12."""
     spec = SPECS[name]
     u = units_of(spec, weight(rows=64, cols=256))
-    cpu = mse_search(u, None, None, spec, backend="kernel")
-    cuda = mse_search(u.cuda(), None, None, spec)
+    cpu = mse_search(u, None, None, spec, backend="kernel", **OPTIONS[opt])
+    cuda = mse_search(u.cuda(), None, None, spec, **OPTIONS[opt])
     torch.testing.assert_close(cuda.error.cpu(), cpu.error, rtol=1e-12, atol=0)
     assert (cuda.index.cpu() == cpu.index).float().mean() > 0.99

@@ -531,6 +531,99 @@ def test_mse_select_matches_the_search_state(device, per_unit, use_global, patie
     assert torch.equal(idx.cpu(), want_idx) and torch.equal(best.cpu(), want_best)
 
 
+# ---- NVFP4's lowest-error search, fused ----------------------------------------------------
+
+@triton.jit
+def _code_kernel(q_ptr, code_ptr, value_ptr, n, BLOCK: tl.constexpr):
+    from quantscope.kernels.triton.mse import _code, _value
+
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    c = _code(tl.load(q_ptr + offs, mask=mask, other=0.0), -6, 3, 512.0)
+    tl.store(code_ptr + offs, c, mask=mask)
+    tl.store(value_ptr + offs, _value(c, -6, 3, 512.0), mask=mask)
+
+
+def test_e4m3_codes_count_the_values_in_order(device):
+    """``_code`` numbers the non-negative e4m3 values 0, 1, ... in increasing order and
+    ``_value`` gives each back exactly: the fused search enumerates block scales by code."""
+    values = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.all(values[1:] > values[:-1])  # 0 .. 448, increasing
+    codes = torch.empty(127, dtype=torch.int32, device=device)
+    back = torch.empty(127, device=device)
+    _code_kernel[(1,)](values.to(device), codes, back, 127, BLOCK=128)
+    assert torch.equal(codes.cpu(), torch.arange(127, dtype=torch.int32))
+    _assert_bitwise(back, values)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(1.0001, 1.0625 - 1e-5), st.floats(-30, 30), st.integers(0, 2 ** 31 - 1))
+def test_finely_falling_factors_step_block_codes_by_at_most_one(ratio, log_ga, seed):
+    """The fused search's premise (torch, no kernel): factors that fall by less than
+    ``1 + 1/16`` from one to the next move a unit's e4m3 block scale (``qparams``' formula,
+    under any global scale) by 0 or 1 code, so a unit's distinct candidate scales are
+    every code between its first candidate's and its last's."""
+    from quantscope.formats import FP4_E2M1
+    from quantscope.qparams import nvfp4_block_scales, nvfp4_global_scale
+
+    g = torch.Generator().manual_seed(seed)
+    ga = torch.tensor(2.0 ** log_ga)
+    amax = ga * torch.rand(512, generator=g).pow(8)  # every block scale code, saturation too
+    amax[:4] = torch.tensor([0.0, float("inf"), 2.0 * ga, 1e-30])
+    f = torch.tensor([1.8 / ratio ** k for k in range(80)], dtype=torch.float32)
+    gs = nvfp4_global_scale(ga, FP4_E2M1).reshape(1)
+    block = nvfp4_block_scales(amax[None] * f[:, None], gs, FP4_E2M1, 0.0)
+    codes = block.to(torch.float8_e4m3fn).view(torch.uint8).long()
+    steps = codes[:-1] - codes[1:]
+    assert ((steps == 0) | (steps == 1)).all()
+
+
+def _nvfp4_search_case(kind: str):
+    """(units, lo, hi, factors, inc_lo, inc_hi, global_amax) of a search case."""
+    g = torch.Generator().manual_seed(len(kind))
+    U, E = (45, 16) if kind != "e12" else (30, 12)
+    units = torch.randn(U, E, generator=g) * torch.rand(U, 1, generator=g).pow(3).mul(4)
+    units[3] = 0.0  # codes 0: min_scale
+    units[4] *= 1e-6  # block scales below e4m3's subnormals
+    units[5, 2] = 40.0  # an outlier: shrinking pays
+    factors = {"expanded": [1.8 * (1 - i / 200) for i in range(111)],
+               "native": [1 - i / 100 for i in range(50)],
+               "coarse": [1.3, 0.95, 0.7, 0.45],  # codes that skip: every candidate priced
+               "rising": [0.5, 0.8, 1.0, 1.2]}.get(kind, [1 - i / 100 for i in range(20)])
+    lo, hi = torch.aminmax(units, dim=1)
+    ga = units.abs().max().reshape(1)
+    expand = 1.8 if kind == "expanded" else 1.0
+    if kind == "nan":
+        units[7, 1] = float("nan")
+        lo, hi = torch.aminmax(units, dim=1)
+    if kind == "huge":  # block scales saturate at e4m3's 448
+        ga = ga / 1e6
+    return (units, lo * expand, hi * expand, torch.tensor(factors), lo, hi, ga)
+
+
+@pytest.mark.parametrize("kind", ["expanded", "native", "coarse", "rising", "nan", "huge",
+                                  "e12"])
+@pytest.mark.parametrize("block_u", [None, 4])
+def test_nvfp4_search_is_price_then_select(device, kind, block_u):
+    """The fused search (each distinct block scale priced once where a unit's candidates
+    fall through consecutive codes; every candidate elsewhere) chooses what pricing every
+    candidate and selecting the first lowest chooses (``ops.nvfp4_search``'s definition)."""
+    from quantscope.formats import FP8_E4M3
+    from quantscope.kernels import ops
+    from quantscope.kernels.triton import mse
+
+    args = _nvfp4_search_case(kind)
+    fmt = get_format("fp4_e2m1")
+    want_idx, want_best = ops._torch_nvfp4_search(*args, "fp4_e2m1", 2.0 ** -9)
+    idx, best = mse.nvfp4_search(*(a.to(device) for a in args), fmt.max, fmt.min_exp,
+                                 fmt.mbits, FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits,
+                                 2.0 ** -9, block_u=block_u)
+    assert torch.equal(idx.cpu(), want_idx)
+    torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
+    if kind in ("expanded", "native", "coarse"):
+        assert (want_idx >= 0).any() and (want_idx < 0).any()  # both outcomes exercised
+
+
 # ---- histogram binning ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

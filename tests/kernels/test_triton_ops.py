@@ -54,6 +54,9 @@ def _cases(device="cpu"):
         "nvfp4_qparams": (ops.nvfp4_qparams, (lo, hi, None, "fp4_e2m1", 1e-8)),
         "nvfp4_qparams_amax": (ops.nvfp4_qparams, (lo, hi, torch.tensor([7.0]), "fp4_e2m1",
                                                    1e-8)),
+        "nvfp4_search": (ops.nvfp4_search, (u, lo * 1.8, hi * 1.8,
+                                            torch.tensor([1.8 * (1 - i / 200) for i in range(111)]),
+                                            lo, hi, torch.tensor([3.0]), "fp4_e2m1", 2.0 ** -9)),
     }
     def to(a):
         if isinstance(a, list):
@@ -165,6 +168,21 @@ def _int64s(n):
                                1e-8), "global_amax must be None or one float32 value"),
     (lambda: ops.nvfp4_qparams(torch.zeros(3), torch.zeros(3), None, "int4", 1e-8),
      "format must be a float format"),
+    (lambda: ops.nvfp4_search(torch.zeros(3, 16).double(), *(torch.zeros(3),) * 2,
+                              torch.ones(4), *(torch.zeros(3),) * 2, torch.ones(1), "fp4_e2m1",
+                              0.1), "nvfp4_search: units must be a 2-D"),
+    (lambda: ops.nvfp4_search(torch.zeros(3, 16), torch.zeros(3), torch.zeros(4), torch.ones(4),
+                              *(torch.zeros(3),) * 2, torch.ones(1), "fp4_e2m1", 0.1),
+     r"nvfp4_search: hi must be a float32 tensor of shape \(3,\)"),
+    (lambda: ops.nvfp4_search(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(0),
+                              *(torch.zeros(3),) * 2, torch.ones(1), "fp4_e2m1", 0.1),
+     "factors must be a non-empty 1-D float32"),
+    (lambda: ops.nvfp4_search(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
+                              *(torch.zeros(3),) * 2, torch.ones(2), "fp4_e2m1", 0.1),
+     "global_amax must be one float32 value"),
+    (lambda: ops.nvfp4_search(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
+                              *(torch.zeros(3),) * 2, torch.ones(1), "int4", 0.1),
+     "nvfp4_search: format must be a float format"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

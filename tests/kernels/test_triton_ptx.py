@@ -44,6 +44,16 @@ CASES = {
     "mse._price_kernel:weighted": (  # the imatrix search's weights (WEIGHTED)
         {**_PRICE, "z_ptr": "*fp32"}, {**_PRICE_CONST, "BLOCK_E": 1024, "ONE_TILE": False,
                                        "FLOAT": True, "WEIGHTED": True}),
+    "mse._nvfp4_search_kernel": (  # the fused NVFP4 search: codes, enumeration, bisection
+        {"x_ptr": "*fp32", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32",
+         "ilo_ptr": "*fp32", "ihi_ptr": "*fp32", "amax_ptr": "*fp32", "idx_ptr": "*i64",
+         "best_ptr": "*fp64", "U": "i32", "E": "i32", "K": "i32", "stride_u": "i32",
+         "fmax": "fp32", "min_exp": "i32", "mbits": "i32", "bmax": "fp32", "min_scale": "fp32",
+         "B_MIN_EXP": "constexpr", "B_MBITS": "constexpr", "SUB_STEPS": "constexpr",
+         "RATIO": "constexpr", "STEPS": "constexpr", "BLOCK_K": "constexpr",
+         "BLOCK_U": "constexpr", "BLOCK_E": "constexpr"},
+        {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.0625 - 1e-5, "STEPS": 8,
+         "BLOCK_K": 128, "BLOCK_U": 128, "BLOCK_E": 16}),
     "block_qparams._e8m0_kernel": (
         {**_F32, "emax": "i32", "fmax": "fp32", "MODE": "constexpr", "TOP": "constexpr",
          "BLOCK_N": "constexpr"}, {"MODE": 3, "TOP": 4.0, "BLOCK_N": 1024}),
@@ -132,6 +142,7 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["mse._price_kernel:fp"]
     assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
     assert "div.rn.f32" in found["block_qparams._int_kernel"]
+    assert "div.rn.f32" in found["mse._nvfp4_search_kernel"]
     assert "div.rn.f32" in found["block_qparams._nvfp4_kernel"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])
     assert {"div.rn.f64", "sub.rn.f64"} <= set(found["histogram._regrid_kernel"])

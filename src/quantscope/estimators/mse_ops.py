@@ -8,7 +8,9 @@ element formats: MX and NVFP4 blocks, NVFP4's global scale folded into the effec
 scale), and ``quantscope::mse_select`` then applies the rules of ``mse_tiles._State``. Each
 rule looks only at the candidates before the one it judges, so pricing them all and
 selecting afterwards chooses what the early-stopping searches choose, and nothing is read
-back to the host.
+back to the host. An NVFP4 search whose rules keep the first lowest error (no patience can
+stop it: ``nvfp4_expanded_mse``) is one op, ``quantscope::nvfp4_search``, which prices each
+distinct fp8 block scale once and makes no ``[candidates, units]`` tensor.
 
 The candidates' qparams still come from :func:`~quantscope.qparams.qparams_from_range`,
 in chunks of units (``[candidates, chunk]`` blocks of at most ``chunk_elems`` x 16
@@ -73,10 +75,51 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     squared error) as ops: ``(lo, hi, error, index)`` per unit."""
     dev = units.device
     ext = list(extend) if extend and per_unit and patience is not None else []
+    one_factor = list(f_lo) == list(f_hi)  # before the upload: no device comparison
     f_lo = upload(list(f_lo) + ext, dev, torch.float32)
     f_hi = upload(list(f_hi) + ext, dev, torch.float32)
-    K, U = f_lo.shape[0], units.shape[0]
+    K = f_lo.shape[0]
     step = max(1, chunk_elems * _QPARAMS_PER_TILE // (K + 1))
+    if one_factor and _lowest_nvfp4(spec, patience, tie, global_amax, K):
+        idx, best = _nvfp4_lowest(units, lo, hi, f_lo, incumbent, global_amax, spec, step)
+    else:
+        idx, best = _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie,
+                                      incumbent, global_amax, step, len(ext))
+    j, take = idx.clamp(min=0), idx >= 0
+    return (torch.where(take, lo * f_lo[j], incumbent[0]),
+            torch.where(take, hi * f_hi[j], incumbent[1]), best.float(), idx)
+
+
+def _lowest_nvfp4(spec, patience, tie, global_amax, K) -> bool:
+    """Whether the search is one ``quantscope::nvfp4_search`` runs fused: e4m3 block scales
+    under a given global amax (one factor for both ends: the caller's check), and rules
+    that keep the first
+    lowest error (a patience above the candidates' count stops no unit, nor the global
+    rule)."""
+    return (spec.scale.kind == "fp8_e4m3" and isinstance(spec.format, FloatFormat)
+            and global_amax is not None and tie == "first"
+            and (patience is None or patience > K))
+
+
+def _nvfp4_lowest(units, lo, hi, f, incumbent, global_amax, spec, step):
+    """``(idx, best)`` of :func:`_lowest_nvfp4`'s searches, chunk by chunk of units (the
+    op's CPU definition makes ``[candidates, chunk]`` qparams; on CUDA nothing that size)."""
+    U = units.shape[0]
+    ga = upload(global_amax, units.device, torch.float32).reshape(1)
+    idx = torch.empty(U, dtype=torch.int64, device=units.device)
+    best = torch.empty(U, dtype=torch.float64, device=units.device)
+    for a in range(0, U, step):
+        b = min(a + step, U)
+        idx[a:b], best[a:b] = ops.nvfp4_search(
+            units[a:b], lo[a:b], hi[a:b], f, incumbent[0][a:b], incumbent[1][a:b], ga,
+            spec.format.name, float(spec.min_scale))
+    return idx, best
+
+
+def _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie, incumbent,
+                      global_amax, step, n_ext):
+    """``(idx, best)``: every candidate priced into ``[K + 1, U]`` errors, then selected."""
+    dev, (K, U) = units.device, (f_lo.shape[0], units.shape[0])
     err = torch.empty((K + 1, U), dtype=torch.float64, device=dev)
     same = torch.empty((K, U), dtype=torch.bool, device=dev)
     for a in range(0, U, step):
@@ -85,9 +128,6 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
             units[a:b], lo[a:b], hi[a:b], f_lo, f_hi, (incumbent[0][a:b], incumbent[1][a:b]),
             spec, global_amax)
     # native per-unit patience waits for the global rule too, within the grid (mse_tiles)
-    idx, best = ops.mse_select(err[1:], same, err[0], K - len(ext),
-                               -1 if patience is None else int(patience), bool(per_unit),
-                               patience is not None, tie == "last")
-    j, take = idx.clamp(min=0), idx >= 0
-    return (torch.where(take, lo * f_lo[j], incumbent[0]),
-            torch.where(take, hi * f_hi[j], incumbent[1]), best.float(), idx)
+    return ops.mse_select(err[1:], same, err[0], K - n_ext,
+                          -1 if patience is None else int(patience), bool(per_unit),
+                          patience is not None, tie == "last")

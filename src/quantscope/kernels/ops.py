@@ -28,6 +28,15 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   priced ``[K, U]`` candidates: ``same[k, u]``, candidate ``k``'s qparams equal the previous
   one's (a plateau: not counted by per-unit patience); rows from ``ext_start`` on are the
   extension (per-unit rule only). ``patience < 0``: none. ``idx`` -1: the incumbent.
+* ``nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale)
+  -> (idx, best)``: an NVFP4 MSE search whose rule is the first lowest error (no patience
+  can stop it), fused: candidate ``k``'s block scales are ``nvfp4_qparams`` of
+  ``(lo * factors[k], hi * factors[k])`` under ``global_amax``, priced on ``units`` as
+  ``mse_price_fp`` prices them, and ``(idx, best)`` are ``mse_select``'s without patience
+  (the incumbent: ``(inc_lo, inc_hi)``, index -1). On CUDA one launch holds each tile of
+  units in registers and prices each distinct fp8 block scale once (a unit's candidates
+  fall through consecutive e4m3 codes: ~11 scales where the grid has 111 factors), no
+  ``[candidates, units]`` tensor made.
 * ``int_qparams(lo, hi, consts) -> (scale, zero_point)``: an integer format's fp32 scales and
   int32 zero points of the ranges (``consts``: ``kernels.qparams_consts(spec)``), as
   ``qparams_from_range`` gives them.
@@ -54,6 +63,7 @@ import torch
 from torch import Tensor
 
 from .._oplib import define
+from ..formats import FP8_E4M3, FloatFormat, get_format
 from ..qdq import fake_quantize_units
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
 from ..qparams import int_qparams_op as int_qparams
@@ -62,7 +72,8 @@ from . import triton as _triton
 from .price_ops import _IntBounds, mse_price_fp, mse_price_int
 
 __all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "int_qparams",
-           "mse_price_fp", "mse_price_int", "mse_select", "nvfp4_qparams", "unit_minmax"]
+           "mse_price_fp", "mse_price_int", "mse_select", "nvfp4_qparams", "nvfp4_search",
+           "unit_minmax"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -288,3 +299,68 @@ mse_select = define(
     "mse_select(Tensor err, Tensor same, Tensor incumbent, SymInt ext_start, SymInt patience, "
     "bool per_unit, bool use_global, bool tie_last) -> (Tensor, Tensor)",
     _torch_mse_select, cuda=_cuda_mse_select, fake=_fake_mse_select)
+
+
+# ---- NVFP4's lowest-error search, fused ----------------------------------------------------
+
+def _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format):
+    who = "nvfp4_search"
+    if units.dim() != 2 or units.dtype != torch.float32:
+        raise ValueError(f"quantscope::{who}: units must be a 2-D [units, elements] float32 "
+                         f"tensor, got {units.dtype} {tuple(units.shape)}")
+    for name, t in (("lo", lo), ("hi", hi), ("inc_lo", inc_lo), ("inc_hi", inc_hi)):
+        _check_per_unit(t, name, units.shape[0], units.device, who)
+    if factors.dim() != 1 or not factors.numel() or factors.dtype != torch.float32 \
+            or factors.device != units.device:
+        raise ValueError(f"quantscope::{who}: factors must be a non-empty 1-D float32 tensor "
+                         f"on {units.device}, got {factors.dtype} {tuple(factors.shape)} on "
+                         f"{factors.device}")
+    if global_amax.numel() != 1 or global_amax.dtype != torch.float32 \
+            or global_amax.device != units.device:
+        raise ValueError(f"quantscope::{who}: global_amax must be one float32 value on "
+                         f"{units.device}, got {global_amax.dtype} {tuple(global_amax.shape)} "
+                         f"on {global_amax.device}")
+    fmt = get_format(format)
+    if not isinstance(fmt, FloatFormat):
+        raise ValueError(f"quantscope::{who}: format must be a float format, got "  # noqa: TRY004
+                         f"{format!r}")
+    return fmt
+
+
+def _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                        min_scale):
+    """The definition: the incumbent's and every candidate's qparams (``nvfp4_qparams`` of
+    ``(lo * f, hi * f)``), priced (``mse_price_fp``), the first lowest kept
+    (``mse_select`` without patience)."""
+    fmt = _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
+    f = factors[:, None]
+    scale, gs = nvfp4_qparams(torch.cat((inc_lo[None], lo[None] * f)),
+                              torch.cat((inc_hi[None], hi[None] * f)), global_amax.reshape(1),
+                              format, min_scale)
+    err = mse_price_fp(units, (scale / gs).contiguous(), fmt.max, fmt.min_exp, fmt.mbits)
+    return _torch_mse_select(err[1:], torch.zeros_like(err[1:], dtype=torch.bool), err[0],
+                             err.shape[0] - 1, -1, False, False, False)
+
+
+def _cuda_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
+    kernel = _triton.launchers("mse", units)
+    if kernel is None or units.shape[1] > kernel.MAX_TILE or units.stride(1) != 1:
+        return _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax,
+                                   format, min_scale)
+    fmt = _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
+    return kernel.nvfp4_search(units, lo.contiguous(), hi.contiguous(), factors.contiguous(),
+                               inc_lo.contiguous(), inc_hi.contiguous(), global_amax.reshape(1),
+                               fmt.max, fmt.min_exp, fmt.mbits, FP8_E4M3.max, FP8_E4M3.min_exp,
+                               FP8_E4M3.mbits, min_scale)
+
+
+def _fake_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
+    _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
+    return (units.new_empty(units.shape[0], dtype=torch.int64),
+            units.new_empty(units.shape[0], dtype=torch.float64))
+
+
+nvfp4_search = define(
+    "nvfp4_search(Tensor units, Tensor lo, Tensor hi, Tensor factors, Tensor inc_lo, "
+    "Tensor inc_hi, Tensor global_amax, str format, float min_scale) -> (Tensor, Tensor)",
+    _torch_nvfp4_search, cuda=_cuda_nvfp4_search, fake=_fake_nvfp4_search)

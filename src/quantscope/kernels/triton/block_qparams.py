@@ -27,7 +27,8 @@ import triton.language as tl
 
 from ._jit import LAUNCH, fp_round, rint
 
-__all__ = ["e8m0_block_scales", "global_amax", "int_qparams", "nvfp4_qparams"]
+__all__ = ["e8m0_block_scales", "global_amax", "int_qparams", "nvfp4_block_code",
+           "nvfp4_qparams"]
 
 BLOCK = 1024
 
@@ -93,6 +94,13 @@ def _global_scale(amax, top):
 
 
 @triton.jit
+def nvfp4_block_code(amax, gs, fmax, bmax, MIN_EXP: tl.constexpr, MBITS: tl.constexpr):
+    """``qparams.nvfp4_block_scales``' e4m3 encoding of ``amax / fmax * gs`` (the block scale
+    before ``min_scale`` replaces a zero: ``where(q > 0, q, min_scale)``)."""
+    return fp_round(tl.math.div_rn(amax, fmax) * gs, bmax, MIN_EXP, MBITS)
+
+
+@triton.jit
 def _nvfp4_kernel(lo_ptr, hi_ptr, amax_ptr, out_ptr, n, fmax, bmax, min_scale, gs_ptr,
                   MIN_EXP: tl.constexpr, MBITS: tl.constexpr, BLOCK_N: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,8 +110,7 @@ def _nvfp4_kernel(lo_ptr, hi_ptr, amax_ptr, out_ptr, n, fmax, bmax, min_scale, g
     gs = _global_scale(tl.load(amax_ptr), bmax * fmax)
     if tl.program_id(0) == 0:
         tl.store(gs_ptr, gs)
-    x = tl.math.div_rn(_amax(lo_ptr, hi_ptr, offs, mask), fmax) * gs
-    q = fp_round(x, bmax, MIN_EXP, MBITS)  # the e4m3 encoding of the block scale
+    q = nvfp4_block_code(_amax(lo_ptr, hi_ptr, offs, mask), gs, fmax, bmax, MIN_EXP, MBITS)
     tl.store(out_ptr + offs, tl.where(q > 0.0, q, min_scale), mask=mask)
 
 

@@ -18,6 +18,12 @@ candidate (the unit's block stays in the cache). The selection rules (patience p
 global, ties) then run on the ``[K, U]`` prices: each depends only on the prices of the
 candidates before it, so pricing them all and selecting afterwards chooses what a search
 that stops early chooses.
+
+``nvfp4_search`` fuses an NVFP4 search whose rule is the first lowest error (no patience,
+as ``nvfp4_expanded_mse``'s): each program holds a tile of units, computes its candidates'
+e4m3 block scales itself and, where the factors fall finely enough that a unit's codes
+move by at most one per candidate, prices each distinct code once (~11 of 111 candidates),
+then bisects for the first candidate of the chosen code; elsewhere it prices every one.
 """
 
 from __future__ import annotations
@@ -27,31 +33,43 @@ import triton
 import triton.language as tl
 
 from ._jit import LAUNCH, fake_quant, fake_quant_fp
+from .block_qparams import _amax, _global_scale, nvfp4_block_code
 
-__all__ = ["mse_price_fp", "mse_price_int", "mse_select"]
+__all__ = ["mse_price_fp", "mse_price_int", "mse_select", "nvfp4_search"]
 
 #: the longest row priced from registers (one tile per unit)
 MAX_TILE = 8192
 
 
 @triton.jit
-def _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
-                    FLOAT: tl.constexpr, WEIGHTED: tl.constexpr):
-    """Each element's float64 term under candidate ``k`` of rows ``rows``: ``float64(d * d)``
-    of ``d = fake_quant(x) - x`` (the square rounded to float32, as the C kernel and the torch
+def _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT: tl.constexpr,
+          WEIGHTED: tl.constexpr):
+    """Each element's float64 term under per-row scales ``s`` (and zero points ``z``, an
+    integer format's; not read for a float one), ``[rows, 1]``: ``float64(d * d)`` of
+    ``d = fake_quant(x) - x`` (the square rounded to float32, as the C kernel and the torch
     path round it), or weighted ``float64(w) * float64(d * d)`` (the product rounded once: the
-    weighted search's arithmetic). An integer format's (``z_ptr``: int32 zero points), or a float
-    element format's (zero point 0, ``qmax`` its max; ``z_ptr`` not read)."""
-    s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
+    weighted search's arithmetic). An integer format's, or a float element format's (zero
+    point 0, ``qmax`` its max)."""
     if FLOAT:
         q = fake_quant_fp(x, s, qmax, min_exp, mbits)
     else:
-        z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
         q = fake_quant(x, s, z, qmin, qmax)
     d = q - x
     if WEIGHTED:
         return (d * d).to(tl.float64) * w.to(tl.float64)
     return (d * d).to(tl.float64)
+
+
+@triton.jit
+def _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
+                    FLOAT: tl.constexpr, WEIGHTED: tl.constexpr):
+    """:func:`_term` under candidate ``k`` of rows ``rows`` (``z_ptr``: int32 zero points,
+    not read for a float format)."""
+    s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
+    z = s
+    if not FLOAT:
+        z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
+    return _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT, WEIGHTED)
 
 
 @triton.jit
@@ -192,4 +210,126 @@ def mse_select(err: torch.Tensor, same: torch.Tensor, incumbent: torch.Tensor,
             0 if patience is None else int(patience), PER_UNIT=bool(per_unit),
             USE_GLOBAL=bool(use_global), HAS_PATIENCE=patience is not None,
             TIE_LAST=bool(tie_last), BLOCK_U=block_u, **LAUNCH)
+    return idx, best
+
+
+# ---- NVFP4's lowest-error search, fused -----------------------------------------------------
+
+@triton.jit
+def _code(q, MIN_EXP: tl.constexpr, MBITS: tl.constexpr, SUB_STEPS: tl.constexpr):
+    """The index of a non-negative value ``q`` of a small float format (float32 holding it
+    exactly) among the format's values in increasing order: 0 for 0, then the subnormals,
+    then the normals (``SUB_STEPS = 2 ** (MBITS - MIN_EXP)``, subnormals per unit)."""
+    bits = q.to(tl.int32, bitcast=True)
+    normal = (((bits >> 23) - 126 - MIN_EXP) << MBITS) | ((bits >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    return tl.where(q < 1.0 / SUB_STEPS * (1 << MBITS), (q * SUB_STEPS).to(tl.int32), normal)
+
+
+@triton.jit
+def _value(c, MIN_EXP: tl.constexpr, MBITS: tl.constexpr, SUB_STEPS: tl.constexpr):
+    """The value of index ``c`` (:func:`_code`'s inverse), exactly, as float32."""
+    normal = ((((c >> MBITS) + 126 + MIN_EXP) << 23) | ((c & ((1 << MBITS) - 1)) << (23 - MBITS)))
+    return tl.where(c < (1 << MBITS), c.to(tl.float32) * (1.0 / SUB_STEPS),
+                    normal.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _nvfp4_search_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, idx_ptr,
+                         best_ptr, U, E, K, stride_u, fmax, min_exp, mbits, bmax, min_scale,
+                         B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr,
+                         SUB_STEPS: tl.constexpr, RATIO: tl.constexpr, STEPS: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    rmask = rows < U
+    cols = tl.arange(0, BLOCK_E)
+    mask = rmask[:, None] & (cols[None, :] < E)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_u + cols[None, :], mask=mask,
+                other=0.0)
+    gs = _global_scale(tl.load(amax_ptr), bmax * fmax)
+    amax = _amax(lo_ptr, hi_ptr, rows, rmask)
+    # the incumbent's error: the running best, with index -1
+    q = nvfp4_block_code(_amax(ilo_ptr, ihi_ptr, rows, rmask), gs, fmax, bmax, B_MIN_EXP,
+                         B_MBITS)
+    s = tl.math.div_rn(tl.where(q > 0.0, q, min_scale), gs)[:, None]
+    best = tl.sum(tl.where(mask, _term(x, x, s, s, 0.0, fmax, min_exp, mbits, True, False),
+                           0.0), axis=1)
+    idx = tl.full([BLOCK_U], -1, tl.int64)
+    # candidate k's block scale is nvfp4_block_code(amax * f_k) (amax_of_range(lo * f, hi * f)
+    # is amax * f for f > 0). Where each factor is below the one before by less than the
+    # format's narrowest gap between rounding midpoints (1 + 2 ** -(B_MBITS + 1), e4m3: 1/16;
+    # less 1e-5 for the three float32 roundings before the encoding), no two midpoints lie
+    # between two candidates: a unit's codes fall by 0 or 1 from one candidate to the next,
+    # so its distinct scales are every code from the first candidate's to the last's
+    ks = tl.arange(0, BLOCK_K)
+    f = tl.load(f_ptr + ks, mask=ks < K, other=1.0)
+    f_next = tl.load(f_ptr + ks + 1, mask=ks + 1 < K, other=0.5)
+    fine = (ks + 1 >= K) | ((f_next > 0.0) & (f_next < f) & (f < f_next * RATIO))
+    first = _code(nvfp4_block_code(amax * tl.load(f_ptr), gs, fmax, bmax, B_MIN_EXP, B_MBITS),
+                  B_MIN_EXP, B_MBITS, SUB_STEPS)
+    last = _code(nvfp4_block_code(amax * tl.load(f_ptr + K - 1), gs, fmax, bmax, B_MIN_EXP,
+                                  B_MBITS), B_MIN_EXP, B_MBITS, SUB_STEPS)
+    span = tl.where(rmask, first - last, 0)
+    finite = (amax == amax) | ~rmask  # noqa: PLR0124  (a NaN range has no code order)
+    if (tl.min(fine.to(tl.int32)) == 1) & (tl.min(finite.to(tl.int32)) == 1):
+        # every distinct scale priced once, in the candidates' order (codes fall with k):
+        # the first lowest is the first candidate's that has it
+        best_code = tl.full([BLOCK_U], -1, tl.int32)
+        for j in range(tl.max(span) + 1):
+            c = first - j
+            v = _value(c, B_MIN_EXP, B_MBITS, SUB_STEPS)
+            s = tl.math.div_rn(tl.where(v > 0.0, v, min_scale), gs)[:, None]
+            err = tl.sum(tl.where(mask, _term(x, x, s, s, 0.0, fmax, min_exp, mbits, True,
+                                              False), 0.0), axis=1)
+            better = (j <= span) & (err < best)
+            best = tl.where(better, err, best)
+            best_code = tl.where(better, c, best_code)
+        # the first k whose code is the chosen one: codes fall with k, so bisect
+        lo_k = tl.zeros([BLOCK_U], tl.int32)
+        hi_k = tl.zeros([BLOCK_U], tl.int32) + (K - 1)
+        for _ in range(STEPS):
+            mid = (lo_k + hi_k) // 2
+            c = _code(nvfp4_block_code(amax * tl.load(f_ptr + mid), gs, fmax, bmax,
+                                       B_MIN_EXP, B_MBITS), B_MIN_EXP, B_MBITS, SUB_STEPS)
+            left = c <= best_code
+            hi_k = tl.where(left, mid, hi_k)
+            lo_k = tl.where(left, lo_k, mid + 1)
+        idx = tl.where(best_code >= 0, lo_k.to(tl.int64), idx)
+    else:  # a NaN range, or factors too far apart (codes may skip): every candidate priced
+        for k in range(K):
+            q = nvfp4_block_code(amax * tl.load(f_ptr + k), gs, fmax, bmax, B_MIN_EXP,
+                                 B_MBITS)
+            s = tl.math.div_rn(tl.where(q > 0.0, q, min_scale), gs)[:, None]
+            err = tl.sum(tl.where(mask, _term(x, x, s, s, 0.0, fmax, min_exp, mbits, True,
+                                              False), 0.0), axis=1)
+            better = err < best
+            best = tl.where(better, err, best)
+            idx = tl.where(better, k, idx)
+    tl.store(idx_ptr + rows, idx, mask=rmask)
+    tl.store(best_ptr + rows, best, mask=rmask)
+
+
+def nvfp4_search(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                 factors: torch.Tensor, inc_lo: torch.Tensor, inc_hi: torch.Tensor,
+                 global_amax: torch.Tensor, fmax: float, min_exp: int, mbits: int,
+                 block_max: float, block_min_exp: int, block_mbits: int, min_scale: float,
+                 *, block_u: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's lowest-error search in one launch (``kernels.ops``' ``nvfp4_search``):
+    ``(idx, best)`` per unit of float32 ``units [U, E]`` (rows contiguous, ``E <=
+    MAX_TILE``), ``lo`` / ``hi`` / ``inc_lo`` / ``inc_hi`` float32 ``[U]``, ``factors``
+    float32 ``[K]`` falling, ``global_amax`` one float32 value on the device."""
+    U, E = units.shape
+    K = factors.shape[0]
+    idx = torch.empty(U, dtype=torch.int64, device=units.device)
+    best = torch.empty(U, dtype=torch.float64, device=units.device)
+    if not U:
+        return idx, best
+    be = triton.next_power_of_2(max(E, 1))
+    bu = block_u or max(1, min(triton.next_power_of_2(U), 2048 // be))
+    _nvfp4_search_kernel[(triton.cdiv(U, bu),)](
+        units, lo, hi, factors, inc_lo, inc_hi, global_amax, idx, best, U, E, K,
+        units.stride(0), float(fmax), int(min_exp), int(mbits), float(block_max),
+        float(min_scale), B_MIN_EXP=int(block_min_exp), B_MBITS=int(block_mbits),
+        SUB_STEPS=float(2 ** (block_mbits - block_min_exp)),
+        RATIO=1.0 + 2.0 ** -(block_mbits + 1) - 1e-5, STEPS=max(1, (K - 1).bit_length()) + 1,
+        BLOCK_K=triton.next_power_of_2(K), BLOCK_U=bu, BLOCK_E=be, **LAUNCH)
     return idx, best
