@@ -28,7 +28,7 @@ HEADER_KEYS = ("date", "command", "machine", "load", "threads", "versions")
 SECTIONS = {"minmax": "minmax", "mse": "mse", "imatrix": "imatrix", "histogram": "histogram",
             "fakequant": "fakequant", "distributed": "distributed", "onnx": "onnx",
             "fusion_moe": "fusion and MoE", "memory": "memory", "goals": "goals",
-            "gpu": "gpu", "cuda": "cuda", "auto": "auto"}
+            "gpu": "gpu", "sass": "sass", "cuda": "cuda", "auto": "auto"}
 
 
 def format_result(name: str, header: dict[str, str], body: str) -> str:

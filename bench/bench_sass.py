@@ -1,0 +1,337 @@
+"""The GPU searches' instruction budgets, read from the compiled kernels (no GPU needed).
+
+Issue 35's GPU table waits for a lent GPU; this bench says beforehand what each search's
+kernel costs, from its machine code. Each Triton kernel is compiled here for an H100 / H200
+(sm_90) with the ptxas that Triton bundles, specialized as its launcher specializes it
+(pointers and sizes divisible by 16 marked so), and its SASS is counted: the instructions of
+the hot region (the candidates' loop, or the unrolled body) per element and candidate. The
+slow-path stubs of IEEE divisions (a branch over a call, taken when the operands are in the
+fast range: a few instructions around a call) are not counted; other branches are (libdevice's ``pow`` in llm-compressor's
+kernels has several, so their figures are upper bounds). Times the candidates each method
+prices per element in the issue's case, over the SM's issue rate (4 schedulers x 32 lanes
+per clock), this is each search's compute floor on an H200: a measurement can only be
+slower. MUFU (the reciprocal, log and exp unit) and F2F (float64 conversion) are shown
+apart: each runs at 16 lanes per clock per SM, an eighth of the issue rate.
+
+Peers' kernels (llm-compressor 0.14's ``mse_quant``, ModelOpt 0.47's
+``nvfp4_fp8_sweep``) are imported from the peers' venv (``.peers`` or
+$QUANTSCOPE_PEER_PYTHON's site-packages) and compiled with this venv's Triton. The
+candidate counts: quantscope's, counted from the ops its search calls on the CPU (the same
+engine runs on CUDA); llm-compressor's, from its observers' defaults (``int(maxshrink *
+grid)`` steps, all priced: the patience runs after pricing); ModelOpt's, its candidate list.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+PEER_PY = Path(os.environ.get("QUANTSCOPE_PEER_PYTHON", HERE.parent / ".peers" / "bin" / "python"))
+
+#: an H200 (or H100 SXM): 132 SMs at 1.98 GHz, each issuing 4 x 32 lane-instructions a clock
+SMS, CLOCK_HZ, LANES_PER_CLOCK = 132, 1.98e9, 128
+#: the MUFU and F2F pipes: 16 lanes a clock per SM
+SLOW_PIPE_LANES = 16
+HBM_BYTES_PER_S = 4.8e12
+
+_INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\w]*\s*(.*)")
+_TARGET = re.compile(r"0x([0-9a-f]+)")
+#: the longest slow-path stub (arguments moved, the call, the result moved back)
+_STUB = 8
+
+
+def _peer_site() -> str | None:
+    """The peers' site-packages (appended to sys.path: this venv's torch and triton stay)."""
+    try:
+        code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        return subprocess.run([str(PEER_PY), "-c", code],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def sass(fn, signature: dict, constexprs: dict, num_warps: int, div16=()) -> str:
+    """``fn`` compiled for sm_90 as its launcher would specialize it, disassembled."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quantscope.kernels.triton._jit import LAUNCH
+
+    names = fn.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items()
+             if t.startswith("*") or a in div16}
+    options = {"num_warps": num_warps}
+    if fn.__module__.startswith("quantscope"):
+        options.update(LAUNCH)  # our launches' options (no FMA contraction)
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                      attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"qs_sass_{os.getpid()}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    try:
+        return subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        cubin.unlink()
+
+
+def _parse(text: str) -> list[tuple]:
+    """(address, opcode, predicated, branch target) of each SASS instruction."""
+    ins = []
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            target = _TARGET.search(m.group(4))
+            ins.append((int(m.group(1), 16), m.group(3), bool(m.group(2)),
+                        int(target.group(1), 16) if target and m.group(3) == "BRA" else None))
+    return ins
+
+
+def _executed(region: list[tuple]) -> collections.Counter:
+    """Opcode counts of ``region`` less the division slow-path stubs it branches over."""
+    skipped = set()
+    for a, op, pred, t in region:
+        if op == "BRA" and pred and t is not None and t > a:
+            inside = [i for i in region if a < i[0] < t]
+            if len(inside) <= _STUB and any(i[1] == "CALL" for i in inside):
+                skipped.update(i[0] for i in inside)
+    return collections.Counter(op for a, op, _, _ in region if a not in skipped)
+
+
+def loops(text: str) -> list[collections.Counter]:
+    """Each loop's body (a backward branch back to its target), in address order."""
+    ins = _parse(text)
+    return [_executed([i for i in ins if t <= i[0] <= a])
+            for a, _, _, t in ins if t is not None and t < a]
+
+
+def hot_region(text: str) -> collections.Counter:
+    """Opcode counts of the hot region: the widest backward branch's loop, else the kernel up
+    to its first unconditional EXIT; forward branches over a CALL (a division's slow path,
+    skipped in its fast range) not counted."""
+    ins = _parse(text)
+    loops_ = [(a, t) for a, _, _, t in ins if t is not None and t < a]
+    if loops_:
+        start, end = min(loops_, key=lambda at: at[1] - at[0])[::-1]
+    else:
+        start = ins[0][0]
+        end = next(a for a, op, pred, _ in ins if op == "EXIT" and not pred)
+    return _executed([i for i in ins if start <= i[0] <= end])
+
+
+def ours_candidates(spec, units_shape, **search) -> int:
+    """Candidates quantscope's ops engine prices per unit (summed over its launches), counted
+    on the CPU: the ops and their choices are the same on CUDA."""
+    from quantscope.estimators.mse import mse_search
+    from quantscope.kernels import ops
+
+    priced = []
+    names = ("mse_price_int", "mse_price_fp")
+    saved = {n: getattr(ops, n) for n in names}
+
+    def wrap(name):
+        def call(units, scale, *args, **kwargs):
+            priced.append(scale.shape[0])
+            return saved[name](units, scale, *args, **kwargs)
+        return call
+    try:
+        for n in names:
+            setattr(ops, n, wrap(n))
+        mse_search(torch.randn(*units_shape), None, None, spec, backend="ops", **search)
+    finally:
+        for n, fn in saved.items():
+            setattr(ops, n, fn)
+    return sum(priced)
+
+
+_PRICE = {"x_ptr": "*fp32", "w_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32",
+          "out_ptr": "*fp64", "U": "i32", "E": "i32", "K": "i32", "stride_u": "i32",
+          "stride_w": "i32", "qmin": "fp32", "qmax": "fp32", "min_exp": "i32", "mbits": "i32",
+          "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr",
+          "FLOAT": "constexpr", "WEIGHTED": "constexpr"}
+_LLMC = {"observed_ptr": "*fp32", "min_base_ptr": "*fp32", "max_base_ptr": "*fp32",
+         "zp_base_ptr": "*fp32", "num_observations": "i32", "num_qparams": "i32",
+         "group_size": "i32", "q_min": "fp32", "q_max": "fp32", "norm": "fp32",
+         "scale_eps": "fp32", "QUANT_TYPE": "constexpr", "NUM_BITS": "constexpr",
+         "HAS_ZP": "constexpr", "SYMMETRIC": "constexpr", "SCALE_ROUND_TYPE": "constexpr",
+         "OBSERVED_DTYPE": "constexpr"}
+_LLMC_FORMAT = {"QUANT_TYPE": 0, "NUM_BITS": 4, "HAS_ZP": False, "SYMMETRIC": True,
+                "SCALE_ROUND_TYPE": 0, "OBSERVED_DTYPE": 0}
+
+
+def _fused_trips(spec, opts, rows=512, cols=4096, block_u=128) -> tuple[float, int]:
+    """The fused NVFP4 search's loop trips on a Gaussian weight: (codes priced per program
+    and global amax tried, summed over those tried, each the program's widest span + 1;
+    the global amaxes tried), from ``qparams``' formula on the first and last candidates."""
+    from quantscope.estimators.mse import _global_amaxes, shrink_factors
+    from quantscope.qparams import nvfp4_block_scales, nvfp4_global_scale
+
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    amax = w.reshape(-1, 16).abs().amax(1) * opts["expand"]
+    f = shrink_factors(opts["maxshrink"], opts["grid"], 1.0)
+    gas = _global_amaxes(w.abs().max(), spec, True, None)
+    trips = 0.0
+    for ga in gas:
+        gs = nvfp4_global_scale(ga, spec.format).reshape(1)
+        first, last = (nvfp4_block_scales(amax * f_k, gs, spec.format, spec.min_scale)
+                       .to(torch.float8_e4m3fn).view(torch.uint8).long() for f_k in (f[0], f[-1]))
+        span = (first - last).reshape(-1, block_u).amax(1)
+        trips += float(span.float().mean()) + 1
+    return trips, len(gas)
+
+
+def _fused_nvfp4_case(spec, opts) -> dict:
+    """The fused ``nvfp4_search``: per global amax, the incumbent and each program's codes
+    priced (the pricing loop), then a bisection; its candidates column counts the codes."""
+    from quantscope.kernels.triton import mse
+
+    trips, passes = _fused_trips(spec, opts)
+    K = int(opts["maxshrink"] * opts["grid"])
+    steps = max(1, (K - 1).bit_length()) + 1
+
+    def cost(text):
+        bodies = loops(text)
+        price = next(b for b in bodies if b["DADD"])  # the codes' loop (first pricing loop)
+        bisect = next(b for b in bodies if not b["DADD"])
+        per_thread = sum(price.values()) * (trips + passes) + sum(bisect.values()) * steps * passes
+        slow = (price["MUFU"] + price["F2F"]) * (trips + passes)
+        return per_thread / 16, slow / 16, trips + passes  # 16 elements a thread
+
+    return {"case": "NVFP4 search 8192 x 4096",
+            "who": "quantscope nvfp4_expanded_mse (fused nvfp4_search)",
+            "kernel": lambda: mse._nvfp4_search_kernel, "warps": 4, "cost": cost,
+            "sig": {"x_ptr": "*fp32", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32",
+                    "ilo_ptr": "*fp32", "ihi_ptr": "*fp32", "amax_ptr": "*fp32",
+                    "idx_ptr": "*i64", "best_ptr": "*fp64", "U": "i32", "E": "i32", "K": "i32",
+                    "stride_u": "i32", "fmax": "fp32", "min_exp": "i32", "mbits": "i32",
+                    "bmax": "fp32", "min_scale": "fp32", "B_MIN_EXP": "constexpr",
+                    "B_MBITS": "constexpr", "SUB_STEPS": "constexpr", "RATIO": "constexpr",
+                    "STEPS": "constexpr", "BLOCK_K": "constexpr", "BLOCK_U": "constexpr",
+                    "BLOCK_E": "constexpr"},
+            "const": {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0,
+                      "RATIO": 1.0625 - 1e-5, "STEPS": steps, "BLOCK_K": 128, "BLOCK_U": 128,
+                      "BLOCK_E": 16},
+            "div16": ("U", "E", "stride_u"), "elements": 8192 * 4096}
+
+
+def cases() -> list[dict]:
+    """Each kernel: how to compile it, the element-candidates one pass of its hot region
+    covers per thread, and the candidates it prices per element in the issue's case."""
+    from quantscope import presets
+    from quantscope.kernels.triton import mse
+    from quantscope.spec import QuantSpec
+
+    int4, nvfp4 = QuantSpec("int4"), presets.NVFP4
+    expanded = {"maxshrink": 1 - 0.8 / 1.8, "grid": 200, "patience": 1000, "expand": 1.8}
+    out = [
+        {"case": "MSE int4 per channel 4096 x 4096", "who": "quantscope mse_search (ops)",
+         "kernel": lambda: mse._price_kernel, "warps": 4, "per_pass": 4096 // 128,
+         "sig": _PRICE, "const": {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True,
+                                  "FLOAT": False, "WEIGHTED": False},
+         "div16": ("U", "E", "stride_u"),
+         "candidates": ours_candidates(int4, (64, 4096)), "elements": 4096 * 4096},
+        {"case": "NVFP4 search 8192 x 4096",
+         "who": "quantscope mse, NVFP4 (patience 5: every candidate priced, then selected)",
+         "kernel": lambda: mse._price_kernel, "warps": 4, "per_pass": 128 * 16 // 128,
+         "sig": {**_PRICE, "z_ptr": "*fp32"},
+         "const": {"BLOCK_U": 128, "BLOCK_E": 16, "ONE_TILE": True, "FLOAT": True,
+                   "WEIGHTED": False}, "div16": ("U", "E", "stride_u"),
+         "candidates": ours_candidates(nvfp4, (4096, 16)),
+         "elements": 8192 * 4096},
+    ]
+    out.append(_fused_nvfp4_case(nvfp4, expanded))
+    site = _peer_site()
+    if site is None:
+        return out
+    sys.path.append(site)
+    try:
+        # its logger's "no accelerator" warning at import: not this bench's output
+        os.environ.setdefault("LLM_COMPRESSOR_LOG_DISABLED", "true")
+        from llmcompressor.observers import mse_quant
+    except ImportError as exc:
+        print(f"llm-compressor's kernels not compiled: {exc}")
+    else:
+        out += [
+            {"case": "MSE int4 per channel 4096 x 4096",
+             "who": "llm-compressor memoryless_mse (Triton, split kernel)",
+             "kernel": lambda: mse_quant._grid_search_mse_triton_split_kernel, "warps": 4,
+             "per_pass": 20 * 512 // 128,  # 20 steps unrolled, 512 values per program
+             "sig": {**_LLMC, "partial_error_ptr": "*fp32", "grid_points_ptr": "*fp32"},
+             "const": {**_LLMC_FORMAT, "BLOCK_VALUES": 512, "NUM_CHUNKS": 8,
+                       "TOTAL_STEPS": 20}, "div16": ("num_qparams", "group_size"),
+             "candidates": int(0.20 * 100), "elements": 4096 * 4096},
+            {"case": "NVFP4 search 8192 x 4096",
+             "who": "llm-compressor nvfp4_expanded_mse (Triton, packed kernel)",
+             "kernel": lambda: mse_quant._grid_search_mse_triton_packed_kernel, "warps": 4,
+             "per_pass": 512 // 128,  # one step a loop pass, 32 blocks of 16 per program
+             "sig": {**_LLMC, "best_step_ptr": "*i32", "total_steps": "i32",
+                     "grid_points_ptr": "*fp32", "patience": "i32",
+                     "triton_error_buffer": "fp32"},
+             "const": {**_LLMC_FORMAT, "QUANT_TYPE": 1, "BLOCK_VALUES": 16,
+                       "TILE_QPARAMS": 32, "TOTAL_STEPS": 128},
+             "div16": ("num_qparams", "group_size"),
+             "candidates": int((1 - 0.8 / 1.8) * 200), "elements": 8192 * 4096},
+        ]
+    try:
+        from modelopt.torch.kernels.quantization.gemm import nvfp4_fp8_sweep as sweep
+    except ImportError as exc:
+        print(f"ModelOpt's kernel not compiled: {exc}")
+    else:
+        out.append(
+            {"case": "NVFP4 search 8192 x 4096",
+             "who": "ModelOpt fp8-scale sweep (Triton)",
+             "kernel": lambda: sweep._fp8_scale_sweep_kernel.fn, "warps": 8,
+             # its autotuner's pick for large tensors: 64 blocks of 16, 8 warps; unrolled
+             "per_pass": 126 * 64 * 16 // 256,
+             "sig": {"x_ptr": "*fp32", "candidates_ptr": "*fp32", "global_amax_ptr": "*fp32",
+                     "best_amax_ptr": "*fp32", "N_BLOCKS": "i32", "BLOCK_SIZE": "constexpr",
+                     "NUM_CANDIDATES": "constexpr", "BLOCKS_PER_PROGRAM": "constexpr"},
+             "const": {"BLOCK_SIZE": 16, "NUM_CANDIDATES": 126, "BLOCKS_PER_PROGRAM": 64},
+             "div16": ("N_BLOCKS",),
+             "candidates": int(sweep.fp8_scale_candidates("cpu").numel()),
+             "elements": 8192 * 4096})
+    return out
+
+
+def main() -> None:
+    from common import Table
+
+    table = Table("The searches' compute floors from their sm_90 SASS (H200: 132 SMs, "
+                  "1.98 GHz)",
+                  ["case", "kernel", "SASS / element-candidate", "MUFU + F2F / el.-cand.",
+                   "candidates / element", "SASS / element", "issue floor ms",
+                   "slow-pipe floor ms", "memory floor ms (fp32 read once)"])
+    lane_rate = SMS * CLOCK_HZ * LANES_PER_CLOCK
+    slow_rate = SMS * CLOCK_HZ * SLOW_PIPE_LANES
+    for c in cases():
+        text = sass(c["kernel"](), c["sig"], c["const"], c["warps"], c["div16"])
+        if "cost" in c:  # loops of their own trip counts: (SASS, slow, candidates) / element
+            total, slow_total, cands = c["cost"](text)
+            per, slow = total / cands, slow_total / cands
+        else:
+            ops = hot_region(text)
+            per = sum(ops.values()) / c["per_pass"]
+            slow = (ops["MUFU"] + ops["F2F"]) / c["per_pass"]
+            cands = c["candidates"]
+        work = c["elements"] * cands
+        table.add(c["case"], c["who"], f"{per:.1f}", f"{slow:.2f}", f"{cands:.4g}",
+                  f"{per * cands:.0f}", f"{work * per / lane_rate * 1e3:.2f}",
+                  f"{work * slow / slow_rate * 1e3:.2f}",
+                  f"{c['elements'] * 4 / HBM_BYTES_PER_S * 1e3:.3f}")
+    table.print()
+    print("A kernel's floor is the larger of its issue and slow-pipe floors; each search "
+          "reads its weight once (the memory floor), so all are compute-bound.")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()
