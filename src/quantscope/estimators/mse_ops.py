@@ -93,9 +93,8 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
 def _lowest_nvfp4(spec, patience, tie, global_amax, K) -> bool:
     """Whether the search is one ``quantscope::nvfp4_search`` runs fused: e4m3 block scales
     under a given global amax (one factor for both ends: the caller's check), and rules
-    that keep the first
-    lowest error (a patience above the candidates' count stops no unit, nor the global
-    rule)."""
+    that keep the first lowest error (a patience above the candidates' count stops no
+    unit, nor the global rule)."""
     return (spec.scale.kind == "fp8_e4m3" and isinstance(spec.format, FloatFormat)
             and global_amax is not None and tie == "first"
             and (patience is None or patience > K))
