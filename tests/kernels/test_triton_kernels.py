@@ -620,6 +620,10 @@ def test_nvfp4_search_is_price_then_select(device, kind, block_u):
                                  2.0 ** -9, block_u=block_u)
     assert torch.equal(idx.cpu(), want_idx)
     torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
+    # the op's CUDA implementation (the launcher's arguments from the formats) runs it alike
+    idx, best = ops._cuda_nvfp4_search(*(a.to(device) for a in args), "fp4_e2m1", 2.0 ** -9)
+    assert torch.equal(idx.cpu(), want_idx)
+    torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
     if kind in ("expanded", "native", "coarse"):
         assert (want_idx >= 0).any() and (want_idx < 0).any()  # both outcomes exercised
 
