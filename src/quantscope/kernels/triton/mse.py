@@ -234,6 +234,70 @@ def _value(c, MIN_EXP: tl.constexpr, MBITS: tl.constexpr, SUB_STEPS: tl.constexp
 
 
 @triton.jit
+def _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits):
+    """Each row's float64 error under the block scale ``q`` (e4m3, ``min_scale`` for 0) of
+    global scale ``gs``: the effective scale ``block / gs``, priced as ``mse_price_fp``."""
+    s = tl.math.div_rn(tl.where(q > 0.0, q, min_scale), gs)[:, None]
+    return tl.sum(tl.where(mask, _term(x, x, s, s, 0.0, fmax, min_exp, mbits, True, False),
+                           0.0), axis=1)
+
+
+@triton.jit
+def _candidate_code(amax, f, gs, fmax, bmax, B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr,
+                    SUB_STEPS: tl.constexpr):
+    """The block-scale code of the candidate of factor ``f`` (``amax_of_range(lo * f,
+    hi * f)`` is ``amax * f`` for ``f > 0``)."""
+    return _code(nvfp4_block_code(amax * f, gs, fmax, bmax, B_MIN_EXP, B_MBITS), B_MIN_EXP,
+                 B_MBITS, SUB_STEPS)
+
+
+@triton.jit
+def _lowest_by_codes(x, mask, rmask, amax, f_ptr, K, gs, best, fmax, min_exp, mbits, bmax,
+                     min_scale, B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr,
+                     SUB_STEPS: tl.constexpr, STEPS: tl.constexpr):
+    """``(idx, best)`` where each unit's candidate codes fall by 0 or 1 a candidate: every
+    code from the first candidate's to the last's priced once, in the candidates' order
+    (the first lowest is then the first candidate's that has it), then the first candidate
+    of the chosen code found by bisection (codes fall with k)."""
+    first = _candidate_code(amax, tl.load(f_ptr), gs, fmax, bmax, B_MIN_EXP, B_MBITS,
+                            SUB_STEPS)
+    last = _candidate_code(amax, tl.load(f_ptr + K - 1), gs, fmax, bmax, B_MIN_EXP, B_MBITS,
+                           SUB_STEPS)
+    span = tl.where(rmask, first - last, 0)
+    best_code = tl.full(first.shape, -1, tl.int32)
+    for j in range(tl.max(span) + 1):
+        c = first - j
+        err = _block_error(x, mask, _value(c, B_MIN_EXP, B_MBITS, SUB_STEPS), gs, min_scale,
+                           fmax, min_exp, mbits)
+        better = (j <= span) & (err < best)
+        best = tl.where(better, err, best)
+        best_code = tl.where(better, c, best_code)
+    lo_k = tl.zeros(first.shape, tl.int32)
+    hi_k = tl.zeros(first.shape, tl.int32) + (K - 1)
+    for _ in range(STEPS):
+        mid = (lo_k + hi_k) // 2
+        left = _candidate_code(amax, tl.load(f_ptr + mid), gs, fmax, bmax, B_MIN_EXP, B_MBITS,
+                               SUB_STEPS) <= best_code
+        hi_k = tl.where(left, mid, hi_k)
+        lo_k = tl.where(left, lo_k, mid + 1)
+    return tl.where(best_code >= 0, lo_k.to(tl.int64), -1), best
+
+
+@triton.jit
+def _lowest_by_candidates(x, mask, amax, f_ptr, K, gs, best, fmax, min_exp, mbits, bmax,
+                          min_scale, B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr):
+    """``(idx, best)`` with every candidate priced, in order (the first lowest kept)."""
+    idx = tl.full(best.shape, -1, tl.int64)
+    for k in range(K):
+        q = nvfp4_block_code(amax * tl.load(f_ptr + k), gs, fmax, bmax, B_MIN_EXP, B_MBITS)
+        err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits)
+        better = err < best
+        best = tl.where(better, err, best)
+        idx = tl.where(better, k, idx)
+    return idx, best
+
+
+@triton.jit
 def _nvfp4_search_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, idx_ptr,
                          best_ptr, U, E, K, stride_u, fmax, min_exp, mbits, bmax, min_scale,
                          B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr,
@@ -247,63 +311,26 @@ def _nvfp4_search_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_pt
                 other=0.0)
     gs = _global_scale(tl.load(amax_ptr), bmax * fmax)
     amax = _amax(lo_ptr, hi_ptr, rows, rmask)
-    # the incumbent's error: the running best, with index -1
-    q = nvfp4_block_code(_amax(ilo_ptr, ihi_ptr, rows, rmask), gs, fmax, bmax, B_MIN_EXP,
-                         B_MBITS)
-    s = tl.math.div_rn(tl.where(q > 0.0, q, min_scale), gs)[:, None]
-    best = tl.sum(tl.where(mask, _term(x, x, s, s, 0.0, fmax, min_exp, mbits, True, False),
-                           0.0), axis=1)
-    idx = tl.full([BLOCK_U], -1, tl.int64)
-    # candidate k's block scale is nvfp4_block_code(amax * f_k) (amax_of_range(lo * f, hi * f)
-    # is amax * f for f > 0). Where each factor is below the one before by less than the
-    # format's narrowest gap between rounding midpoints (1 + 2 ** -(B_MBITS + 1), e4m3: 1/16;
-    # less 1e-5 for the three float32 roundings before the encoding), no two midpoints lie
-    # between two candidates: a unit's codes fall by 0 or 1 from one candidate to the next,
-    # so its distinct scales are every code from the first candidate's to the last's
+    # the incumbent's error is the running best (index -1)
+    best = _block_error(x, mask, nvfp4_block_code(_amax(ilo_ptr, ihi_ptr, rows, rmask), gs,
+                                                  fmax, bmax, B_MIN_EXP, B_MBITS),
+                        gs, min_scale, fmax, min_exp, mbits)
+    # where each factor is below the one before by less than the format's narrowest gap
+    # between rounding midpoints (1 + 2 ** -(B_MBITS + 1), e4m3: 1/16; less 1e-5 for the
+    # three float32 roundings before the encoding), no two midpoints lie between two
+    # candidates: a unit's codes fall by 0 or 1 from one candidate to the next
     ks = tl.arange(0, BLOCK_K)
     f = tl.load(f_ptr + ks, mask=ks < K, other=1.0)
     f_next = tl.load(f_ptr + ks + 1, mask=ks + 1 < K, other=0.5)
     fine = (ks + 1 >= K) | ((f_next > 0.0) & (f_next < f) & (f < f_next * RATIO))
-    first = _code(nvfp4_block_code(amax * tl.load(f_ptr), gs, fmax, bmax, B_MIN_EXP, B_MBITS),
-                  B_MIN_EXP, B_MBITS, SUB_STEPS)
-    last = _code(nvfp4_block_code(amax * tl.load(f_ptr + K - 1), gs, fmax, bmax, B_MIN_EXP,
-                                  B_MBITS), B_MIN_EXP, B_MBITS, SUB_STEPS)
-    span = tl.where(rmask, first - last, 0)
     finite = (amax == amax) | ~rmask  # noqa: PLR0124  (a NaN range has no code order)
     if (tl.min(fine.to(tl.int32)) == 1) & (tl.min(finite.to(tl.int32)) == 1):
-        # every distinct scale priced once, in the candidates' order (codes fall with k):
-        # the first lowest is the first candidate's that has it
-        best_code = tl.full([BLOCK_U], -1, tl.int32)
-        for j in range(tl.max(span) + 1):
-            c = first - j
-            v = _value(c, B_MIN_EXP, B_MBITS, SUB_STEPS)
-            s = tl.math.div_rn(tl.where(v > 0.0, v, min_scale), gs)[:, None]
-            err = tl.sum(tl.where(mask, _term(x, x, s, s, 0.0, fmax, min_exp, mbits, True,
-                                              False), 0.0), axis=1)
-            better = (j <= span) & (err < best)
-            best = tl.where(better, err, best)
-            best_code = tl.where(better, c, best_code)
-        # the first k whose code is the chosen one: codes fall with k, so bisect
-        lo_k = tl.zeros([BLOCK_U], tl.int32)
-        hi_k = tl.zeros([BLOCK_U], tl.int32) + (K - 1)
-        for _ in range(STEPS):
-            mid = (lo_k + hi_k) // 2
-            c = _code(nvfp4_block_code(amax * tl.load(f_ptr + mid), gs, fmax, bmax,
-                                       B_MIN_EXP, B_MBITS), B_MIN_EXP, B_MBITS, SUB_STEPS)
-            left = c <= best_code
-            hi_k = tl.where(left, mid, hi_k)
-            lo_k = tl.where(left, lo_k, mid + 1)
-        idx = tl.where(best_code >= 0, lo_k.to(tl.int64), idx)
-    else:  # a NaN range, or factors too far apart (codes may skip): every candidate priced
-        for k in range(K):
-            q = nvfp4_block_code(amax * tl.load(f_ptr + k), gs, fmax, bmax, B_MIN_EXP,
-                                 B_MBITS)
-            s = tl.math.div_rn(tl.where(q > 0.0, q, min_scale), gs)[:, None]
-            err = tl.sum(tl.where(mask, _term(x, x, s, s, 0.0, fmax, min_exp, mbits, True,
-                                              False), 0.0), axis=1)
-            better = err < best
-            best = tl.where(better, err, best)
-            idx = tl.where(better, k, idx)
+        idx, best = _lowest_by_codes(x, mask, rmask, amax, f_ptr, K, gs, best, fmax, min_exp,
+                                     mbits, bmax, min_scale, B_MIN_EXP, B_MBITS, SUB_STEPS,
+                                     STEPS)
+    else:  # a NaN range, or factors too far apart (codes may skip)
+        idx, best = _lowest_by_candidates(x, mask, amax, f_ptr, K, gs, best, fmax, min_exp,
+                                          mbits, bmax, min_scale, B_MIN_EXP, B_MBITS)
     tl.store(idx_ptr + rows, idx, mask=rmask)
     tl.store(best_ptr + rows, best, mask=rmask)
 
