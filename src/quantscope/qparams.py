@@ -378,11 +378,23 @@ def _check_nvfp4(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str
     value, or None), or the ``ValueError`` naming what is wrong."""
     who = "nvfp4_qparams"
     _check_ranges(lo, hi, who)
-    if global_amax is not None and (global_amax.numel() != 1 or global_amax.device != lo.device
-                                    or global_amax.dtype != torch.float32):
-        raise ValueError(f"quantscope::{who}: global_amax must be None or one float32 value on "
-                         f"{lo.device}, got {global_amax.dtype} {tuple(global_amax.shape)} on "
-                         f"{global_amax.device}")
+    if global_amax is not None:
+        _check_global_amax(global_amax, lo.device, who, "None or ")
+    return _float_format(format, who)
+
+
+def _check_global_amax(global_amax: Tensor, device, who: str, alternative: str = "") -> None:
+    """``ValueError`` unless ``global_amax`` is one float32 value on ``device`` (the NVFP4
+    ops' argument; ``alternative`` names what else the op accepts)."""
+    if global_amax.numel() != 1 or global_amax.device != device \
+            or global_amax.dtype != torch.float32:
+        raise ValueError(f"quantscope::{who}: global_amax must be {alternative}one float32 "
+                         f"value on {device}, got {global_amax.dtype} "
+                         f"{tuple(global_amax.shape)} on {global_amax.device}")
+
+
+def _float_format(format: str, who: str) -> FloatFormat:
+    """The float element format named ``format``, or the ``ValueError`` naming it."""
     fmt = get_format(format)
     if not isinstance(fmt, FloatFormat):
         raise ValueError(f"quantscope::{who}: format must be a float format, got "  # noqa: TRY004

@@ -63,8 +63,9 @@ import torch
 from torch import Tensor
 
 from .._oplib import define
-from ..formats import FP8_E4M3, FloatFormat, get_format
+from ..formats import FP8_E4M3
 from ..qdq import fake_quantize_units
+from ..qparams import _check_global_amax, _float_format
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
 from ..qparams import int_qparams_op as int_qparams
 from ..qparams import nvfp4_qparams_op as nvfp4_qparams
@@ -315,16 +316,8 @@ def _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, for
         raise ValueError(f"quantscope::{who}: factors must be a non-empty 1-D float32 tensor "
                          f"on {units.device}, got {factors.dtype} {tuple(factors.shape)} on "
                          f"{factors.device}")
-    if global_amax.numel() != 1 or global_amax.dtype != torch.float32 \
-            or global_amax.device != units.device:
-        raise ValueError(f"quantscope::{who}: global_amax must be one float32 value on "
-                         f"{units.device}, got {global_amax.dtype} {tuple(global_amax.shape)} "
-                         f"on {global_amax.device}")
-    fmt = get_format(format)
-    if not isinstance(fmt, FloatFormat):
-        raise ValueError(f"quantscope::{who}: format must be a float format, got "  # noqa: TRY004
-                         f"{format!r}")
-    return fmt
+    _check_global_amax(global_amax, units.device, who)
+    return _float_format(format, who)
 
 
 def _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
