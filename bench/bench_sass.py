@@ -305,6 +305,12 @@ def cases() -> list[dict]:
 def main() -> None:
     from common import Table
 
+    try:
+        import triton  # noqa: F401  (the compiler and its bundled ptxas / cuobjdump)
+    except ImportError:
+        print("bench_sass: not run: needs triton (pip install 'quantscope[gpu]')")
+        return
+
     table = Table("The searches' compute floors from their sm_90 SASS (H200: 132 SMs, "
                   "1.98 GHz)",
                   ["case", "kernel", "SASS / element-candidate", "MUFU + F2F / el.-cand.",
