@@ -315,10 +315,10 @@ def _nvfp4_search_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_pt
     best = _block_error(x, mask, nvfp4_block_code(_amax(ilo_ptr, ihi_ptr, rows, rmask), gs,
                                                   fmax, bmax, B_MIN_EXP, B_MBITS),
                         gs, min_scale, fmax, min_exp, mbits)
-    # where each factor is below the one before by less than the format's narrowest gap
-    # between rounding midpoints (1 + 2 ** -(B_MBITS + 1), e4m3: 1/16; less 1e-5 for the
-    # three float32 roundings before the encoding), no two midpoints lie between two
-    # candidates: a unit's codes fall by 0 or 1 from one candidate to the next
+    # where each factor is below the one before by a ratio under that of the format's
+    # closest consecutive rounding midpoints (at least 1 + 2 ** -(B_MBITS + 1); e4m3's is
+    # 31 / 29; less 1e-5 for the three float32 roundings before the encoding), no two
+    # midpoints lie between two candidates: a unit's codes fall by 0 or 1 a candidate
     ks = tl.arange(0, BLOCK_K)
     f = tl.load(f_ptr + ks, mask=ks < K, other=1.0)
     f_next = tl.load(f_ptr + ks + 1, mask=ks + 1 < K, other=0.5)
