@@ -75,12 +75,11 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     squared error) as ops: ``(lo, hi, error, index)`` per unit."""
     dev = units.device
     ext = list(extend) if extend and per_unit and patience is not None else []
-    one_factor = list(f_lo) == list(f_hi)  # before the upload: no device comparison
     f_lo = upload(list(f_lo) + ext, dev, torch.float32)
     f_hi = upload(list(f_hi) + ext, dev, torch.float32)
     K = f_lo.shape[0]
     step = max(1, chunk_elems * _QPARAMS_PER_TILE // (K + 1))
-    if one_factor and _lowest_nvfp4(spec, patience, tie, global_amax, K):
+    if _lowest_nvfp4(spec, patience, tie, global_amax, K):
         idx, best = _nvfp4_lowest(units, lo, hi, f_lo, incumbent, global_amax, spec, step)
     else:
         idx, best = _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie,
@@ -91,12 +90,11 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
 
 
 def _lowest_nvfp4(spec, patience, tie, global_amax, K) -> bool:
-    """Whether the search is one ``quantscope::nvfp4_search`` runs fused: e4m3 block scales
-    under a given global amax (one factor for both ends: the caller's check), and rules
-    that keep the first lowest error (a patience above the candidates' count stops no
-    unit, nor the global rule)."""
-    return (spec.scale.kind == "fp8_e4m3" and isinstance(spec.format, FloatFormat)
-            and global_amax is not None and tie == "first"
+    """Whether the search is one ``quantscope::nvfp4_search`` runs fused: NVFP4 (fp8 block
+    scales under a given global amax; block scales are symmetric, so ``f_lo`` is ``f_hi``)
+    and rules that keep the first lowest error (a patience above the candidates' count stops
+    no unit, nor the global rule)."""
+    return (spec.scale.has_global_scale and global_amax is not None and tie == "first"
             and (patience is None or patience > K))
 
 
