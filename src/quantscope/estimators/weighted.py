@@ -181,8 +181,7 @@ def _select(blocks, lo0, hi0, factors, patience):
 def _global_stop(err, best, patience, stale):
     """llm-compressor's global rule over a block: ``(stale, rows)``, the counter after the
     block's first ``rows`` rows (all, or up to the one that stops the search)."""
-    before = torch.cat((best[None], torch.cummin(err, 0).values[:-1])).minimum(best)
-    improved = (err < before).any(1).tolist()
+    improved = ops.improved_rows(err, best).tolist()
     for j, any_better in enumerate(improved):
         stale = 0 if any_better else stale + 1
         if stale >= patience:

@@ -233,6 +233,14 @@ def _check_select(err, same, incumbent, ext_start) -> None:
                          f"{ext_start}")
 
 
+def improved_rows(err: Tensor, best: Tensor, tie_last: bool = False) -> Tensor:
+    """Which rows (candidates) of ``err [K, U]`` improve some unit on its running best,
+    starting from ``best [U]`` (strictly, or ``<=`` with ``tie_last``): what the global
+    rules (stop after ``patience`` rows improving no unit) count."""
+    before = torch.cat((best[None], err[:-1])).cummin(0).values  # each unit's best before
+    return ((err <= before) if tie_last else (err < before)).any(1)
+
+
 def _global_stop(err: Tensor, incumbent: Tensor, ext_start: int, patience: int,
                  tie_last: bool) -> Tensor:
     """The grid candidate after which the global rule has stopped (``ext_start`` if never),
@@ -243,8 +251,7 @@ def _global_stop(err: Tensor, incumbent: Tensor, ext_start: int, patience: int,
     K = grid.shape[0]
     if K == 0 or patience < 0:
         return torch.full((1,), K, dtype=torch.int64, device=err.device)
-    before = torch.cat((incumbent[None], grid[:-1])).cummin(0).values  # best before each
-    improved = ((grid <= before) if tie_last else (grid < before)).any(1)
+    improved = improved_rows(grid, incumbent, tie_last)
     k = torch.arange(K, device=err.device)
     last = torch.where(improved, k, -1).cummax(0).values
     hit = (k - last) >= patience
