@@ -95,13 +95,16 @@ def test_ops_engine_property(seed, rows, name, opt, log_scale):
 
 
 @pytest.mark.parametrize("name, price", [("int4-channel", "quantscope.mse_price_int"),
-                                         ("nvfp4", "quantscope.mse_price_fp")])
+                                         ("mxfp4", "quantscope.mse_price_fp"),
+                                         ("nvfp4", "quantscope.nvfp4_mse")])
 def test_the_search_calls_the_ops(name, price):
     spec = SPECS[name]
     u = units_of(spec, weight())
     with OpNames() as seen:
         mse_search(u, None, None, spec, backend="ops")
-    assert {price, "quantscope.mse_select"} <= seen.names
+    assert price in seen.names
+    # NVFP4's op selects too, from the errors it never writes out
+    assert ("quantscope.mse_select" in seen.names) != (name == "nvfp4")
 
 
 EXPANDED = OPTIONS["expanded"]
@@ -113,23 +116,32 @@ EXPANDED = OPTIONS["expanded"]
 def test_nvfp4_searches_without_patience_run_fused(opt, fused):
     """NVFP4 searches whose rule keeps the first lowest error (no patience stops them:
     ``nvfp4_expanded_mse``'s 1000 over 111 candidates, or none) are one op,
-    ``quantscope::nvfp4_search``; the others price every candidate and select."""
+    ``quantscope::nvfp4_search``; the others are ``quantscope::nvfp4_mse``, no pricing of
+    their own."""
     spec = SPECS["nvfp4"]
     with OpNames() as seen:
         mse_search(units_of(spec, weight()), None, None, spec, backend="ops", **OPTIONS[opt])
     assert ("quantscope.nvfp4_search" in seen.names) == fused
-    assert ("quantscope.mse_price_fp" in seen.names) != fused
+    assert ("quantscope.nvfp4_mse" in seen.names) != fused
+    assert not {"quantscope.mse_price_fp", "quantscope.mse_select"} & seen.names
 
 
 def test_off_the_cpu_the_nvfp4_search_is_one_op():
     """Off the CPU (meta: shapes only, through the fake implementations) the expanded NVFP4
-    search makes no ``[candidates, units]`` pricing: one fused op per global amax tried."""
+    search makes no ``[candidates, units]`` pricing: one fused op per global amax tried, as
+    a search with patience."""
     spec = SPECS["nvfp4"]
     u = units_of(spec, weight()).to("meta")
     with OpNames() as seen:
         res = mse_search(u, None, None, spec, **EXPANDED)
     assert "quantscope.nvfp4_search" in seen.names
-    assert not {"quantscope.mse_price_fp", "quantscope.mse_select"} & seen.names
+    assert not {"quantscope.nvfp4_mse", "quantscope.mse_select"} & seen.names
+    assert res.lo.device.type == "meta" and res.lo.shape == (u.shape[0],)
+    with OpNames() as seen:
+        res = mse_search(u, None, None, spec, **OPTIONS["native"])
+    assert "quantscope.nvfp4_mse" in seen.names
+    assert not {"quantscope.nvfp4_qparams", "quantscope.mse_price_fp",
+                "quantscope.mse_select"} & seen.names
     assert res.lo.device.type == "meta" and res.lo.shape == (u.shape[0],)
 
 

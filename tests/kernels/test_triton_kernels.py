@@ -531,11 +531,11 @@ def test_mse_select_matches_the_search_state(device, per_unit, use_global, patie
     assert torch.equal(idx.cpu(), want_idx) and torch.equal(best.cpu(), want_best)
 
 
-# ---- NVFP4's lowest-error search, fused ----------------------------------------------------
+# ---- NVFP4's searches: each distinct block scale priced once --------------------------------
 
 @triton.jit
 def _code_kernel(q_ptr, code_ptr, value_ptr, n, BLOCK: tl.constexpr):
-    from quantscope.kernels.triton.mse import _code, _value
+    from quantscope.kernels.triton.nvfp4 import _code, _value
 
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -581,15 +581,22 @@ def test_finely_falling_factors_step_block_codes_by_at_most_one(ratio, log_ga, s
 def _nvfp4_search_case(kind: str):
     """(units, lo, hi, factors, inc_lo, inc_hi, global_amax) of a search case."""
     g = torch.Generator().manual_seed(len(kind))
-    U, E = (45, 16) if kind != "e12" else (30, 12)
+    U, E = (30, 12) if kind == "e12" else (45, 16)
     units = torch.randn(U, E, generator=g) * torch.rand(U, 1, generator=g).pow(3).mul(4)
     units[3] = 0.0  # codes 0: min_scale
     units[4] *= 1e-6  # block scales below e4m3's subnormals
     units[5, 2] = 40.0  # an outlier: shrinking pays
+    units[6] = units[6].abs() + 0.5  # a range without 0 (a negative factor swaps its ends)
+    if kind == "exact":
+        return _nvfp4_exact_case(g)
     factors = {"expanded": [1.8 * (1 - i / 200) for i in range(111)],
                "native": [1 - i / 100 for i in range(50)],
                "coarse": [1.3, 0.95, 0.7, 0.45],  # codes that skip: every candidate priced
-               "rising": [0.5, 0.8, 1.0, 1.2]}.get(kind, [1 - i / 100 for i in range(20)])
+               "rising": [0.5, 0.8, 1.0, 1.2],
+               "one": [0.9], "negative": [-0.9],  # (lo * f, hi * f) swaps its ends
+               "inf": [float("inf")], "nan-factor": [1.0, float("nan"), 0.9],
+               "through-zero": [0.02, 0.01, 0.0, -0.01]}.get(
+                   kind, [1 - i / 100 for i in range(20)])
     lo, hi = torch.aminmax(units, dim=1)
     ga = units.abs().max().reshape(1)
     expand = 1.8 if kind == "expanded" else 1.0
@@ -601,8 +608,107 @@ def _nvfp4_search_case(kind: str):
     return (units, lo * expand, hi * expand, torch.tensor(factors), lo, hi, ga)
 
 
-@pytest.mark.parametrize("kind", ["expanded", "native", "coarse", "rising", "nan", "huge",
-                                  "e12"])
+def _nvfp4_exact_case(g):
+    """Units on the fp4 grid of an e4m3 block scale (global scale 1): the incumbent and the
+    first candidates price 0, every smaller scale clips the unit's +-6; so under ties kept
+    last each unit improves only while its first code lasts, and the global rule stops."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    q0 = torch.tensor([1.0, 0.875, 1.25, 2.0, 3.5, 0.5, 0.625, 5.0, 7.0])
+    units = grid[torch.randint(0, 8, (9, 16), generator=g)]
+    units *= torch.randint(0, 2, (9, 16), generator=g) * 2.0 - 1.0
+    units[:, 0] = 6.0
+    units *= q0[:, None]
+    lo, hi = torch.aminmax(units, dim=1)
+    return (units, lo, hi, torch.tensor([1 - i / 100 for i in range(50)]), lo, hi,
+            torch.tensor([448.0 * 6.0]))
+
+
+NVFP4_CASES = ["expanded", "native", "coarse", "rising", "nan", "huge", "e12", "one",
+               "negative", "through-zero", "inf", "nan-factor"]
+
+
+#: (ext_start, patience, per_unit, use_global, tie_last) of nvfp4_mse, by name; ext_start
+#: of 20 (or all candidates, fewer): the candidates after it are the per-unit extension
+NVFP4_RULES = {"native": (20, 5, True, True, False), "global-rule": (20, 3, False, True, False),
+               "tie-last": (20, 4, True, True, True), "no-patience": (20, -1, False, False, False),
+               "no-global": (20, 2, True, False, False)}
+
+
+def _check_nvfp4_mse(device, kind, rules, block_u):
+    from quantscope.kernels import ops
+    from quantscope.kernels.triton import nvfp4
+
+    args = _nvfp4_search_case(kind)
+    ext, patience, per_unit, use_global, tie_last = NVFP4_RULES[rules]
+    ext = min(ext, args[3].shape[0])
+    want_idx, want_best = ops._torch_nvfp4_mse(*args, "fp4_e2m1", 2.0 ** -9, ext, patience,
+                                               per_unit, use_global, tie_last)
+    fmt, dev_args = get_format("fp4_e2m1"), [a.to(device) for a in args]
+    seen = []
+
+    def stop(improved):  # the global rule's flags, as the kernel gathered them
+        seen.append(improved.cpu())
+        return ops._stop_after(improved, patience)
+
+    got = [nvfp4.nvfp4_mse(*dev_args, fmt.max, fmt.min_exp, fmt.mbits, 448.0, -6, 3, 2.0 ** -9,
+                           ext, None if patience < 0 else patience, per_unit, use_global,
+                           tie_last, stop, block_u=block_u),
+           # the op's CUDA implementation (the launcher's arguments from the formats)
+           ops._cuda_nvfp4_mse(*dev_args, "fp4_e2m1", 2.0 ** -9, ext, patience, per_unit,
+                               use_global, tie_last)]
+    for idx, best in got:
+        assert torch.equal(idx.cpu(), want_idx)
+        torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
+    err, _ = ops.nvfp4_price(*args, "fp4_e2m1", 2.0 ** -9)
+    G = ext if use_global and patience >= 0 else 0
+    assert torch.equal(seen[0], ops.improved_rows(err[1:G + 1], err[0], tie_last))
+    return want_idx
+
+
+@pytest.mark.parametrize("kind", NVFP4_CASES)
+def test_nvfp4_mse_is_price_then_select(device, kind):
+    """NVFP4's search under patience (each distinct block scale priced once into a scratch
+    where a unit's candidates fall through consecutive codes, every candidate elsewhere;
+    the global rule's flags per program; the candidates then walked in order, each error
+    read from its code's row) chooses what pricing every candidate (``nvfp4_price``) and
+    ``mse_select`` choose."""
+    idx = _check_nvfp4_mse(device, kind, "native", None)
+    if kind == "native":  # both outcomes exercised
+        assert (idx >= 0).any() and (idx < 0).any()
+
+
+@pytest.mark.parametrize("rules", list(NVFP4_RULES))
+@pytest.mark.parametrize("kind", ["native", "coarse", "nan", "exact"])
+@pytest.mark.parametrize("block_u", [None, 4])
+def test_nvfp4_mse_rules(device, kind, rules, block_u):
+    """Every rule set of ``mse_select`` (per-unit patience over plateaus, the global rule
+    from every program's flags, ties kept last, none) on codes and on candidates, over
+    programs of 4 units too (the global rule then spans programs)."""
+    _check_nvfp4_mse(device, kind, rules, block_u)
+
+
+def test_nvfp4_mse_plateaus_are_equal_stored_scales(device):
+    """A plateau (not counted by per-unit patience) is a candidate whose STORED block scale
+    equals the previous one's: e4m3 0 and 2 ** -9 both store ``min_scale`` 2 ** -9, so the
+    unit below goes on to its exact scale 3 * 2 ** -9 at the last candidate."""
+    from quantscope.kernels import ops
+
+    g = torch.Generator().manual_seed(0)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    units = grid[torch.randint(0, 8, (3, 16), generator=g)] * 2.0 ** -9 * 3
+    units[:, 0] = 6.0 * 2.0 ** -9 * 3  # global scale 1: block scale amax / 6 = 3 * 2 ** -9
+    lo, hi = torch.aminmax(units, dim=1)
+    # codes 0, 1, 1, 1, 3; the incumbent's 0
+    args = (units, lo, hi, torch.tensor([0.1, 0.2, 0.3, 0.45, 1.0]), lo * 0.1, hi * 0.1,
+            torch.tensor([448.0 * 6.0]), "fp4_e2m1", 2.0 ** -9, 5, 1, True, False, False)
+    want = ops._torch_nvfp4_mse(*args)
+    assert want[0].tolist() == [4, 4, 4] and want[1].tolist() == [0.0] * 3
+    idx, best = ops._cuda_nvfp4_mse(*(a.to(device) if isinstance(a, torch.Tensor) else a
+                                      for a in args))
+    assert torch.equal(idx.cpu(), want[0]) and torch.equal(best.cpu(), want[1])
+
+
+@pytest.mark.parametrize("kind", NVFP4_CASES)
 @pytest.mark.parametrize("block_u", [None, 4])
 def test_nvfp4_search_is_price_then_select(device, kind, block_u):
     """The fused search (each distinct block scale priced once where a unit's candidates
@@ -610,12 +716,12 @@ def test_nvfp4_search_is_price_then_select(device, kind, block_u):
     candidate and selecting the first lowest chooses (``ops.nvfp4_search``'s definition)."""
     from quantscope.formats import FP8_E4M3
     from quantscope.kernels import ops
-    from quantscope.kernels.triton import mse
+    from quantscope.kernels.triton import nvfp4
 
     args = _nvfp4_search_case(kind)
     fmt = get_format("fp4_e2m1")
     want_idx, want_best = ops._torch_nvfp4_search(*args, "fp4_e2m1", 2.0 ** -9)
-    idx, best = mse.nvfp4_search(*(a.to(device) for a in args), fmt.max, fmt.min_exp,
+    idx, best = nvfp4.nvfp4_search(*(a.to(device) for a in args), fmt.max, fmt.min_exp,
                                  fmt.mbits, FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits,
                                  2.0 ** -9, block_u=block_u)
     assert torch.equal(idx.cpu(), want_idx)

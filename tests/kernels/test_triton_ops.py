@@ -54,6 +54,9 @@ def _cases(device="cpu"):
         "nvfp4_qparams": (ops.nvfp4_qparams, (lo, hi, None, "fp4_e2m1", 1e-8)),
         "nvfp4_qparams_amax": (ops.nvfp4_qparams, (lo, hi, torch.tensor([7.0]), "fp4_e2m1",
                                                    1e-8)),
+        "nvfp4_mse": (ops.nvfp4_mse, (u, lo, hi, torch.tensor([1 - i / 100 for i in range(50)]),
+                                      lo, hi, torch.tensor([3.0]), "fp4_e2m1", 2.0 ** -9, 20, 5,
+                                      True, True, False)),
         "nvfp4_search": (ops.nvfp4_search, (u, lo * 1.8, hi * 1.8,
                                             torch.tensor([1.8 * (1 - i / 200) for i in range(111)]),
                                             lo, hi, torch.tensor([3.0]), "fp4_e2m1", 2.0 ** -9)),
@@ -96,7 +99,7 @@ def test_cuda_op_equals_cpu_op(name):
     if want is None:  # an op that writes its first argument (hist_add's counts)
         want, got = args[0], cuda_args[0]
     for w, g in zip(_flat(want), _flat(got), strict=True):
-        if w.dtype == torch.int64:
+        if w.dtype in (torch.int64, torch.bool):
             assert torch.equal(g.cpu(), w)
         elif w.dtype == torch.float64:
             torch.testing.assert_close(g.cpu(), w, rtol=1e-12, atol=0)
@@ -183,6 +186,12 @@ def _int64s(n):
     (lambda: ops.nvfp4_search(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
                               *(torch.zeros(3),) * 2, torch.ones(1), "int4", 0.1),
      "nvfp4_search: format must be a float format"),
+    (lambda: ops.nvfp4_mse(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4, 1),
+                           *(torch.zeros(3),) * 2, torch.ones(1), "fp4_e2m1", 0.1, 4, 5, True,
+                           True, False), "nvfp4_mse: factors must be a non-empty 1-D float32"),
+    (lambda: ops.nvfp4_mse(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
+                           *(torch.zeros(3),) * 2, torch.ones(1), "fp4_e2m1", 0.1, 5, 5, True,
+                           True, False), r"nvfp4_mse: ext_start must be in \[0, 4\], got 5"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

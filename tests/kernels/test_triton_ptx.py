@@ -26,6 +26,14 @@ _PRICE = {"x_ptr": "*fp32", "w_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32",
           "stride_w": "i32", "qmin": "fp32", "qmax": "fp32", "min_exp": "i32", "mbits": "i32",
           "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr",
           "FLOAT": "constexpr", "WEIGHTED": "constexpr"}
+#: what every kernel of kernels/triton/nvfp4.py takes (its ``_ranges``), and their constants
+_NVFP4_RANGES = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32", "ilo_ptr": "*fp32",
+                 "ihi_ptr": "*fp32", "amax_ptr": "*fp32", "U": "i32", "K": "i32",
+                 "fmax": "fp32", "bmax": "fp32", "B_MIN_EXP": "constexpr",
+                 "B_MBITS": "constexpr", "SUB_STEPS": "constexpr", "RATIO": "constexpr",
+                 "BLOCK_K": "constexpr", "BLOCK_U": "constexpr"}
+_NVFP4_CONST = {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.0625 - 1e-5,
+                "BLOCK_K": 64, "BLOCK_U": 128}
 _NVFP4 = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "amax_ptr": "*fp32", "out_ptr": "*fp32",
           "n": "i32", "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32", "gs_ptr": "*fp32",
           "MIN_EXP": "constexpr", "MBITS": "constexpr", "BLOCK_N": "constexpr"}
@@ -44,16 +52,23 @@ CASES = {
     "mse._price_kernel:weighted": (  # the imatrix search's weights (WEIGHTED)
         {**_PRICE, "z_ptr": "*fp32"}, {**_PRICE_CONST, "BLOCK_E": 1024, "ONE_TILE": False,
                                        "FLOAT": True, "WEIGHTED": True}),
-    "mse._nvfp4_search_kernel": (  # the fused NVFP4 search: codes, enumeration, bisection
-        {"x_ptr": "*fp32", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32",
-         "ilo_ptr": "*fp32", "ihi_ptr": "*fp32", "amax_ptr": "*fp32", "idx_ptr": "*i64",
-         "best_ptr": "*fp64", "U": "i32", "E": "i32", "K": "i32", "stride_u": "i32",
-         "fmax": "fp32", "min_exp": "i32", "mbits": "i32", "bmax": "fp32", "min_scale": "fp32",
-         "B_MIN_EXP": "constexpr", "B_MBITS": "constexpr", "SUB_STEPS": "constexpr",
-         "RATIO": "constexpr", "STEPS": "constexpr", "BLOCK_K": "constexpr",
-         "BLOCK_U": "constexpr", "BLOCK_E": "constexpr"},
-        {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.0625 - 1e-5, "STEPS": 8,
-         "BLOCK_K": 128, "BLOCK_U": 128, "BLOCK_E": 16}),
+    "nvfp4._search_kernel": (  # the fused NVFP4 search: codes, enumeration, bisection
+        {**_NVFP4_RANGES, "x_ptr": "*fp32", "idx_ptr": "*i64", "best_ptr": "*fp64",
+         "E": "i32", "stride_u": "i32", "min_exp": "i32", "mbits": "i32", "min_scale": "fp32",
+         "STEPS": "constexpr", "BLOCK_E": "constexpr"},
+        {**_NVFP4_CONST, "STEPS": 8, "BLOCK_K": 128, "BLOCK_E": 16}),
+    "nvfp4._price_kernel": (  # under patience: the codes into a scratch, the global flags
+        {**_NVFP4_RANGES, "x_ptr": "*fp32", "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
+         "flags_ptr": "*i8", "E": "i32", "G": "i32", "stride_u": "i32", "min_exp": "i32",
+         "mbits": "i32", "min_scale": "fp32", "TIE_LAST": "constexpr", "BLOCK_E": "constexpr"},
+        {**_NVFP4_CONST, "TIE_LAST": False, "BLOCK_E": 16}),
+    "nvfp4._select_kernel": (  # then the candidates walked under mse_select's rules
+        {**_NVFP4_RANGES, "inc_ptr": "*fp64", "scratch_ptr": "*fp64", "gstop_ptr": "*i64",
+         "idx_ptr": "*i64", "best_ptr": "*fp64", "ext_start": "i32", "patience": "i32",
+         "min_scale": "fp32", "PER_UNIT": "constexpr", "USE_GLOBAL": "constexpr",
+         "HAS_PATIENCE": "constexpr", "TIE_LAST": "constexpr"},
+        {**_NVFP4_CONST, "PER_UNIT": True, "USE_GLOBAL": True, "HAS_PATIENCE": True,
+         "TIE_LAST": False}),
     "block_qparams._e8m0_kernel": (
         {**_F32, "emax": "i32", "fmax": "fp32", "MODE": "constexpr", "TOP": "constexpr",
          "BLOCK_N": "constexpr"}, {"MODE": 3, "TOP": 4.0, "BLOCK_N": 1024}),
@@ -142,7 +157,8 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["mse._price_kernel:fp"]
     assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
     assert "div.rn.f32" in found["block_qparams._int_kernel"]
-    assert "div.rn.f32" in found["mse._nvfp4_search_kernel"]
+    for name in ("nvfp4._search_kernel", "nvfp4._price_kernel", "nvfp4._select_kernel"):
+        assert "div.rn.f32" in found[name], name
     assert "div.rn.f32" in found["block_qparams._nvfp4_kernel"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])
     assert {"div.rn.f64", "sub.rn.f64"} <= set(found["histogram._regrid_kernel"])

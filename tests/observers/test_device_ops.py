@@ -82,7 +82,7 @@ def test_minmax_observers_read_bf16_through_the_op(name, layout):
      {"quantscope.unit_minmax", "quantscope.hist_add"}),
     ("mse", QuantSpec("int4", Group(16)),
      {"quantscope.unit_minmax", "quantscope.mse_price_int", "quantscope.mse_select"}),
-    ("mse", presets.NVFP4, {"quantscope.mse_price_fp", "quantscope.mse_select"}),
+    ("mse", presets.NVFP4, {"quantscope.nvfp4_mse"}),  # fused: pricing and selection
     ("nvfp4_expanded_mse", presets.NVFP4, {"quantscope.nvfp4_search"}),  # fused: no patience
 ])
 def test_histogram_and_search_observers_call_the_ops(name, spec, ops):

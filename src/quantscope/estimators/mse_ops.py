@@ -4,18 +4,19 @@ The engine for units off the CPU (a CUDA tensor: the ops run their Triton kernel
 Where the C engine (:mod:`.mse_kernel`) walks unit by unit and stops each unit early, this
 one has no host loop to stop: every candidate of the grid and of its extension is priced
 (``quantscope::mse_price_int`` for integer formats, ``quantscope::mse_price_fp`` for float
-element formats: MX and NVFP4 blocks, NVFP4's global scale folded into the effective
-scale), and ``quantscope::mse_select`` then applies the rules of ``mse_tiles._State``. Each
-rule looks only at the candidates before the one it judges, so pricing them all and
-selecting afterwards chooses what the early-stopping searches choose, and nothing is read
-back to the host. An NVFP4 search whose rules keep the first lowest error (no patience can
-stop it: ``nvfp4_expanded_mse``) is one op, ``quantscope::nvfp4_search``, which prices each
-distinct fp8 block scale once and makes no ``[candidates, units]`` tensor.
+element formats such as MX blocks), and ``quantscope::mse_select`` then applies the rules
+of ``mse_tiles._State``. Each rule looks only at the candidates before the one it judges,
+so pricing them all and selecting afterwards chooses what the early-stopping searches
+choose, and nothing is read back to the host. NVFP4 searches are one op with their
+selection, which computes the candidates' block scales itself and prices each distinct one
+once: ``quantscope::nvfp4_search`` where the rules keep the first lowest error (no patience
+can stop them: ``nvfp4_expanded_mse``), ``quantscope::nvfp4_mse`` under any rules.
 
-The candidates' qparams still come from :func:`~quantscope.qparams.qparams_from_range`,
-in chunks of units (``[candidates, chunk]`` blocks of at most ``chunk_elems`` x 16
-values), and plateaus (a candidate whose encoded qparams equal the previous one's) are
-found from them as the torch path finds them. Errors are float64 sums of float32
+The other formats' candidate qparams come from
+:func:`~quantscope.qparams.qparams_from_range`, in chunks of units (``[candidates, chunk]``
+blocks of at most ``chunk_elems`` x 16 values), and plateaus (a candidate whose encoded
+qparams equal the previous one's) are found from them as the torch path finds them (the
+NVFP4 ops are defined by the same steps). Errors are float64 sums of float32
 fake-quant errors, as the other engines', so on the CPU (where the ops run the C kernel)
 this engine chooses what :mod:`.mse_kernel` chooses (tests compare them bit for bit).
 """
@@ -77,11 +78,11 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     ext = list(extend) if extend and per_unit and patience is not None else []
     f_lo = upload(list(f_lo) + ext, dev, torch.float32)
     f_hi = upload(list(f_hi) + ext, dev, torch.float32)
-    K = f_lo.shape[0]
-    step = max(1, chunk_elems * _QPARAMS_PER_TILE // (K + 1))
-    if _lowest_nvfp4(spec, patience, tie, global_amax, K):
-        idx, best = _nvfp4_lowest(units, lo, hi, f_lo, incumbent, global_amax, spec, step)
+    if spec.scale.has_global_scale and global_amax is not None:
+        idx, best = _nvfp4(units, lo, hi, f_lo, incumbent, global_amax, spec, patience,
+                           per_unit, tie, len(ext))
     else:
+        step = max(1, chunk_elems * _QPARAMS_PER_TILE // (f_lo.shape[0] + 1))
         idx, best = _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie,
                                       incumbent, global_amax, step, len(ext))
     j, take = idx.clamp(min=0), idx >= 0
@@ -89,28 +90,21 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
             torch.where(take, hi * f_hi[j], incumbent[1]), best.float(), idx)
 
 
-def _lowest_nvfp4(spec, patience, tie, global_amax, K) -> bool:
-    """Whether the search is one ``quantscope::nvfp4_search`` runs fused: NVFP4 (fp8 block
-    scales under a given global amax; block scales are symmetric, so ``f_lo`` is ``f_hi``)
-    and rules that keep the first lowest error (a patience above the candidates' count stops
-    no unit, nor the global rule)."""
-    return (spec.scale.has_global_scale and global_amax is not None and tie == "first"
-            and (patience is None or patience > K))
-
-
-def _nvfp4_lowest(units, lo, hi, f, incumbent, global_amax, spec, step):
-    """``(idx, best)`` of :func:`_lowest_nvfp4`'s searches, chunk by chunk of units (the
-    op's CPU definition makes ``[candidates, chunk]`` qparams; on CUDA nothing that size)."""
-    U = units.shape[0]
-    ga = upload(global_amax, units.device, torch.float32).reshape(1)
-    idx = torch.empty(U, dtype=torch.int64, device=units.device)
-    best = torch.empty(U, dtype=torch.float64, device=units.device)
-    for a in range(0, U, step):
-        b = min(a + step, U)
-        idx[a:b], best[a:b] = ops.nvfp4_search(
-            units[a:b], lo[a:b], hi[a:b], f, incumbent[0][a:b], incumbent[1][a:b], ga,
-            spec.format.name, float(spec.min_scale))
-    return idx, best
+def _nvfp4(units, lo, hi, f, incumbent, global_amax, spec, patience, per_unit, tie, n_ext):
+    """``(idx, best)`` of an NVFP4 search (fp8 block scales under a given global amax; block
+    scales are symmetric, so ``f_lo`` is ``f_hi``) as one op: ``nvfp4_search`` where the
+    rules keep the first lowest error (a patience above the candidates' count stops no
+    unit, nor the global rule), else ``nvfp4_mse``. Their CPU definitions make
+    ``[candidates, chunk]`` qparams; on CUDA nothing that size."""
+    K = f.shape[0]
+    args = (units, lo, hi, f, incumbent[0], incumbent[1],
+            upload(global_amax, units.device, torch.float32).reshape(1), spec.format.name,
+            float(spec.min_scale))
+    if tie == "first" and (patience is None or patience > K):
+        return ops.nvfp4_search(*args)
+    # native per-unit patience waits for the global rule too, within the grid (mse_tiles)
+    return ops.nvfp4_mse(*args, K - n_ext, -1 if patience is None else int(patience),
+                         bool(per_unit), patience is not None, tie == "last")
 
 
 def _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie, incumbent,

@@ -28,15 +28,19 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   priced ``[K, U]`` candidates: ``same[k, u]``, candidate ``k``'s qparams equal the previous
   one's (a plateau: not counted by per-unit patience); rows from ``ext_start`` on are the
   extension (per-unit rule only). ``patience < 0``: none. ``idx`` -1: the incumbent.
-* ``nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale)
-  -> (idx, best)``: an NVFP4 MSE search whose rule is the first lowest error (no patience
-  can stop it), fused: candidate ``k``'s block scales are ``nvfp4_qparams`` of
-  ``(lo * factors[k], hi * factors[k])`` under ``global_amax``, priced on ``units`` as
-  ``mse_price_fp`` prices them, and ``(idx, best)`` are ``mse_select``'s without patience
-  (the incumbent: ``(inc_lo, inc_hi)``, index -1). On CUDA one launch holds each tile of
-  units in registers and prices each distinct fp8 block scale once (a unit's candidates
-  fall through consecutive e4m3 codes: ~11 scales where the grid has 111 factors), no
-  ``[candidates, units]`` tensor made.
+* ``nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
+  ext_start, patience, per_unit, use_global, tie_last) -> (idx, best)``: an NVFP4 MSE
+  search: candidate ``k``'s block scales are ``nvfp4_qparams`` of ``(lo * factors[k], hi *
+  factors[k])`` under ``global_amax``, priced on ``units`` as ``mse_price_fp`` prices them
+  (the incumbent: ``(inc_lo, inc_hi)``; :func:`nvfp4_price`), then ``mse_select``'s rules
+  (the rest of the arguments are its). On CUDA (:mod:`.triton.nvfp4`) each distinct fp8
+  block scale is priced once (a unit's candidates fall through consecutive e4m3 codes: ~9
+  scales where the native grid has 50 factors) and no ``[candidates, units]`` tensor of
+  errors or qparams is made.
+* ``nvfp4_search(...) -> (idx, best)``, ``nvfp4_mse``'s first nine arguments: the search
+  whose rule is the first lowest error (no patience can stop it: ``nvfp4_expanded_mse``):
+  ``nvfp4_mse`` without patience, on CUDA in one launch (the codes priced in order, then a
+  bisection for the first candidate of the chosen code).
 * ``int_qparams(lo, hi, consts) -> (scale, zero_point)``: an integer format's fp32 scales and
   int32 zero points of the ranges (``consts``: ``kernels.qparams_consts(spec)``), as
   ``qparams_from_range`` gives them.
@@ -73,8 +77,8 @@ from . import triton as _triton
 from .price_ops import _IntBounds, mse_price_fp, mse_price_int
 
 __all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "int_qparams",
-           "mse_price_fp", "mse_price_int", "mse_select", "nvfp4_qparams", "nvfp4_search",
-           "unit_minmax"]
+           "mse_price_fp", "mse_price_int", "mse_select", "nvfp4_mse", "nvfp4_price",
+           "nvfp4_qparams", "nvfp4_search", "unit_minmax"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -248,11 +252,19 @@ def _global_stop(err: Tensor, incumbent: Tensor, ext_start: int, patience: int,
     is searching, so a unit improves at ``k`` exactly when ``err[k]`` beats its running
     best; the rule stops ``patience`` candidates after the last one that improved any."""
     grid = err[:ext_start]
-    K = grid.shape[0]
+    if grid.shape[0] == 0 or patience < 0:
+        return torch.full((1,), grid.shape[0], dtype=torch.int64, device=err.device)
+    return _stop_after(improved_rows(grid, incumbent, tie_last), patience)
+
+
+def _stop_after(improved: Tensor, patience: int) -> Tensor:
+    """The candidate after which the global rule stops (``len(improved)`` if never), as a
+    one-value int64 tensor: ``patience`` candidates after the last that ``improved`` some
+    unit (``patience < 0``: never)."""
+    K = improved.shape[0]
     if K == 0 or patience < 0:
-        return torch.full((1,), K, dtype=torch.int64, device=err.device)
-    improved = improved_rows(grid, incumbent, tie_last)
-    k = torch.arange(K, device=err.device)
+        return torch.full((1,), K, dtype=torch.int64, device=improved.device)
+    k = torch.arange(K, device=improved.device)
     last = torch.where(improved, k, -1).cummax(0).values
     hit = (k - last) >= patience
     first = hit.to(torch.int8).argmax()
@@ -309,10 +321,14 @@ mse_select = define(
     _torch_mse_select, cuda=_cuda_mse_select, fake=_fake_mse_select)
 
 
-# ---- NVFP4's lowest-error search, fused ----------------------------------------------------
+# ---- NVFP4's searches: each distinct fp8 block scale priced once -----------------------------
 
-def _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format):
-    who = "nvfp4_search"
+#: the definition's ``[candidates, chunk]`` qparams hold at most this many values
+_NVFP4_CHUNK = 1 << 22
+
+
+def _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                 ext_start=0):
     if units.dim() != 2 or units.dtype != torch.float32:
         raise ValueError(f"quantscope::{who}: units must be a 2-D [units, elements] float32 "
                          f"tensor, got {units.dtype} {tuple(units.shape)}")
@@ -324,38 +340,99 @@ def _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, for
                          f"on {units.device}, got {factors.dtype} {tuple(factors.shape)} on "
                          f"{factors.device}")
     _check_global_amax(global_amax, units.device, who)
+    if not 0 <= ext_start <= factors.shape[0]:
+        raise ValueError(f"quantscope::{who}: ext_start must be in [0, {factors.shape[0]}], "
+                         f"got {ext_start}")
     return _float_format(format, who)
+
+
+def nvfp4_price(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
+    """The NVFP4 searches' pricing, defined: float64 ``err [K + 1, U]`` (row 0 the incumbent
+    ``(inc_lo, inc_hi)``, row ``1 + k`` candidate ``k``: ``nvfp4_qparams`` of ``(lo *
+    factors[k], hi * factors[k])``, priced by ``mse_price_fp``) and ``same [K, U]`` (the
+    stored block scale equals the previous candidate's), chunk by chunk of units."""
+    fmt = _float_format(format, "nvfp4_price")
+    K, U = factors.shape[0], units.shape[0]
+    err = units.new_empty((K + 1, U), dtype=torch.float64)
+    same = units.new_empty((K, U), dtype=torch.bool)
+    f, ga = factors[:, None], global_amax.reshape(1)
+    step = max(1, _NVFP4_CHUNK // (K + 1))
+    for a in range(0, U, step):
+        b = min(a + step, U)
+        scale, gs = nvfp4_qparams(torch.cat((inc_lo[None, a:b], lo[None, a:b] * f)),
+                                  torch.cat((inc_hi[None, a:b], hi[None, a:b] * f)), ga, format,
+                                  min_scale)
+        err[:, a:b] = mse_price_fp(units[a:b], (scale / gs).contiguous(), fmt.max, fmt.min_exp,
+                                   fmt.mbits)
+        same[:, a:b] = scale[1:] == scale[:-1]
+    return err, same
+
+
+def _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
+                     ext_start, patience, per_unit, use_global, tie_last):
+    """The definition: ``mse_select`` of :func:`nvfp4_price`."""
+    _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                 ext_start)
+    err, same = nvfp4_price(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                            min_scale)
+    return _torch_mse_select(err[1:], same, err[0], ext_start, patience, per_unit, use_global,
+                             tie_last)
+
+
+def _triton_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
+                  *rules):
+    """``kernels.triton.nvfp4``'s launcher ``who`` on the op's arguments, or None where it
+    does not apply (no triton, rows longer than a tile or not contiguous)."""
+    kernel = _triton.launchers("nvfp4", units)
+    if kernel is None or units.shape[1] > kernel.MAX_TILE or units.stride(1) != 1:
+        return None
+    fmt = _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                       *rules[:1])
+    if rules:  # nvfp4_mse's: patience < 0 is None, and the global rule's stop
+        ext_start, patience, *flags = rules
+        rules = (ext_start, None if patience < 0 else patience, *flags,
+                 lambda improved: _stop_after(improved, patience))
+    return getattr(kernel, who)(
+        units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
+        inc_hi.contiguous(), global_amax.reshape(1), fmt.max, fmt.min_exp, fmt.mbits,
+        FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits, min_scale, *rules)
+
+
+def _cuda_nvfp4_mse(*args):
+    out = _triton_nvfp4("nvfp4_mse", *args)
+    return _torch_nvfp4_mse(*args) if out is None else out
+
+
+def _fake_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
+                    ext_start, *rules):
+    _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                 ext_start)
+    return (units.new_empty(units.shape[0], dtype=torch.int64),
+            units.new_empty(units.shape[0], dtype=torch.float64))
+
+
+nvfp4_mse = define(
+    "nvfp4_mse(Tensor units, Tensor lo, Tensor hi, Tensor factors, Tensor inc_lo, "
+    "Tensor inc_hi, Tensor global_amax, str format, float min_scale, SymInt ext_start, "
+    "SymInt patience, bool per_unit, bool use_global, bool tie_last) -> (Tensor, Tensor)",
+    _torch_nvfp4_mse, cuda=_cuda_nvfp4_mse, fake=_fake_nvfp4_mse)
 
 
 def _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                         min_scale):
-    """The definition: the incumbent's and every candidate's qparams (``nvfp4_qparams`` of
-    ``(lo * f, hi * f)``), priced (``mse_price_fp``), the first lowest kept
-    (``mse_select`` without patience)."""
-    fmt = _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
-    f = factors[:, None]
-    scale, gs = nvfp4_qparams(torch.cat((inc_lo[None], lo[None] * f)),
-                              torch.cat((inc_hi[None], hi[None] * f)), global_amax.reshape(1),
-                              format, min_scale)
-    err = mse_price_fp(units, (scale / gs).contiguous(), fmt.max, fmt.min_exp, fmt.mbits)
-    return _torch_mse_select(err[1:], torch.zeros_like(err[1:], dtype=torch.bool), err[0],
-                             err.shape[0] - 1, -1, False, False, False)
+    """The definition: ``nvfp4_mse`` without patience (the first lowest error kept)."""
+    _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
+    return _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                            min_scale, factors.shape[0], -1, False, False, False)
 
 
-def _cuda_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
-    kernel = _triton.launchers("mse", units)
-    if kernel is None or units.shape[1] > kernel.MAX_TILE or units.stride(1) != 1:
-        return _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax,
-                                   format, min_scale)
-    fmt = _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
-    return kernel.nvfp4_search(units, lo.contiguous(), hi.contiguous(), factors.contiguous(),
-                               inc_lo.contiguous(), inc_hi.contiguous(), global_amax.reshape(1),
-                               fmt.max, fmt.min_exp, fmt.mbits, FP8_E4M3.max, FP8_E4M3.min_exp,
-                               FP8_E4M3.mbits, min_scale)
+def _cuda_nvfp4_search(*args):
+    out = _triton_nvfp4("nvfp4_search", *args)
+    return _torch_nvfp4_search(*args) if out is None else out
 
 
 def _fake_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
-    _check_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
+    _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
     return (units.new_empty(units.shape[0], dtype=torch.int64),
             units.new_empty(units.shape[0], dtype=torch.float64))
 

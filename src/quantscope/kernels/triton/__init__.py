@@ -3,8 +3,8 @@
 :mod:`quantscope.stats.hist_ops`, ``record_non_finite`` and ``minmax_update`` in
 :mod:`quantscope.stats.minmax`, the block scales in :mod:`quantscope.qparams`).
 
-Each module here (``minmax``, ``fakequant``, ``block_qparams``, ``mse``, ``histogram``)
-holds ``triton.jit`` kernels and the plain Python launchers that size their grids; the ops
+Each module here (``minmax``, ``fakequant``, ``block_qparams``, ``mse``, ``nvfp4``,
+``histogram``) holds ``triton.jit`` kernels and the plain Python launchers that size their grids; the ops
 call the launchers with CUDA tensors. Under Triton's interpreter (``TRITON_INTERPRET=1`` in the environment
 before triton is first imported: triton decides the mode as it decorates each function,
 its own library's included) the same launchers run on CPU tensors, with numpy: how the

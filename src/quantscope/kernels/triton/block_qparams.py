@@ -27,17 +27,25 @@ import triton.language as tl
 
 from ._jit import LAUNCH, fp_round, rint
 
-__all__ = ["e8m0_block_scales", "global_amax", "int_qparams", "nvfp4_block_code",
+__all__ = ["amax_of", "e8m0_block_scales", "global_amax", "int_qparams", "nvfp4_block_code",
            "nvfp4_qparams"]
 
 BLOCK = 1024
 
 
 @triton.jit
-def _amax(lo_ptr, hi_ptr, offs, mask):
-    lo = tl.minimum(tl.load(lo_ptr + offs, mask=mask, other=0.0), 0.0, propagate_nan=tl.PropagateNan.ALL)
-    hi = tl.maximum(tl.load(hi_ptr + offs, mask=mask, other=0.0), 0.0, propagate_nan=tl.PropagateNan.ALL)
+def amax_of(lo, hi):
+    """``qparams.amax_of_range`` of the range widened to hold 0, as ``qparams_from_range``
+    widens it: ``max(-min(lo, 0), max(hi, 0))``, NaN kept."""
+    lo = tl.minimum(lo, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    hi = tl.maximum(hi, 0.0, propagate_nan=tl.PropagateNan.ALL)
     return tl.maximum(-lo, hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax(lo_ptr, hi_ptr, offs, mask):
+    return amax_of(tl.load(lo_ptr + offs, mask=mask, other=0.0),
+                   tl.load(hi_ptr + offs, mask=mask, other=0.0))
 
 
 @triton.jit
