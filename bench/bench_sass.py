@@ -168,35 +168,47 @@ _LLMC_FORMAT = {"QUANT_TYPE": 0, "NUM_BITS": 4, "HAS_ZP": False, "SYMMETRIC": Tr
                 "SCALE_ROUND_TYPE": 0, "OBSERVED_DTYPE": 0}
 
 
-def _fused_trips(spec, opts, rows=512, cols=4096, block_u=128) -> tuple[float, int]:
-    """The fused NVFP4 search's loop trips on a Gaussian weight: (codes priced per program
+def _code_trips(spec, factors, expand, rows=512, cols=4096, block_u=128) -> tuple[float, int]:
+    """The NVFP4 kernels' codes-loop trips on a Gaussian weight: (codes priced per program
     and global amax tried, summed over those tried, each the program's widest span + 1;
     the global amaxes tried), from ``qparams``' formula on the first and last candidates."""
-    from quantscope.estimators.mse import _global_amaxes, shrink_factors
+    from quantscope.estimators.mse import _global_amaxes
     from quantscope.qparams import nvfp4_block_scales, nvfp4_global_scale
 
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
-    amax = w.reshape(-1, 16).abs().amax(1) * opts["expand"]
-    f = shrink_factors(opts["maxshrink"], opts["grid"], 1.0)
+    amax = w.reshape(-1, 16).abs().amax(1) * expand
     gas = _global_amaxes(w.abs().max(), spec, True, None)
     trips = 0.0
     for ga in gas:
         gs = nvfp4_global_scale(ga, spec.format).reshape(1)
         first, last = (nvfp4_block_scales(amax * f_k, gs, spec.format, spec.min_scale)
-                       .to(torch.float8_e4m3fn).view(torch.uint8).long() for f_k in (f[0], f[-1]))
+                       .to(torch.float8_e4m3fn).view(torch.uint8).long()
+                       for f_k in (factors[0], factors[-1]))
         span = (first - last).reshape(-1, block_u).amax(1)
         trips += float(span.float().mean()) + 1
     return trips, len(gas)
 
 
+_NVFP4_RANGES = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32", "ilo_ptr": "*fp32",
+                 "ihi_ptr": "*fp32", "amax_ptr": "*fp32", "U": "i32", "K": "i32",
+                 "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32", "B_MIN_EXP": "constexpr",
+                 "B_MBITS": "constexpr", "SUB_STEPS": "constexpr", "RATIO": "constexpr",
+                 "BLOCK_K": "constexpr", "BLOCK_U": "constexpr"}
+_NVFP4_TILE = {"x_ptr": "*fp32", "E": "i32", "stride_u": "i32", "min_exp": "i32",
+               "mbits": "i32", "BLOCK_E": "constexpr"}
+_NVFP4_CONST = {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.0625 - 1e-5,
+                "BLOCK_K": 128, "BLOCK_U": 128}
+
+
 def _fused_nvfp4_case(spec, opts) -> dict:
     """The fused ``nvfp4_search``: per global amax, the incumbent and each program's codes
     priced (the pricing loop), then a bisection; its candidates column counts the codes."""
-    from quantscope.kernels.triton import mse
+    from quantscope.estimators.mse import shrink_factors
+    from quantscope.kernels.triton import nvfp4
 
-    trips, passes = _fused_trips(spec, opts)
-    K = int(opts["maxshrink"] * opts["grid"])
-    steps = max(1, (K - 1).bit_length()) + 1
+    factors = shrink_factors(opts["maxshrink"], opts["grid"], 1.0)
+    trips, passes = _code_trips(spec, factors, opts["expand"])
+    steps = max(1, (len(factors) - 1).bit_length()) + 1
 
     def cost(text):
         bodies = loops(text)
@@ -208,18 +220,48 @@ def _fused_nvfp4_case(spec, opts) -> dict:
 
     return {"case": "NVFP4 search 8192 x 4096",
             "who": "quantscope nvfp4_expanded_mse (fused nvfp4_search)",
-            "kernel": lambda: mse._nvfp4_search_kernel, "warps": 4, "cost": cost,
-            "sig": {"x_ptr": "*fp32", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32",
-                    "ilo_ptr": "*fp32", "ihi_ptr": "*fp32", "amax_ptr": "*fp32",
-                    "idx_ptr": "*i64", "best_ptr": "*fp64", "U": "i32", "E": "i32", "K": "i32",
-                    "stride_u": "i32", "fmax": "fp32", "min_exp": "i32", "mbits": "i32",
-                    "bmax": "fp32", "min_scale": "fp32", "B_MIN_EXP": "constexpr",
-                    "B_MBITS": "constexpr", "SUB_STEPS": "constexpr", "RATIO": "constexpr",
-                    "STEPS": "constexpr", "BLOCK_K": "constexpr", "BLOCK_U": "constexpr",
-                    "BLOCK_E": "constexpr"},
-            "const": {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0,
-                      "RATIO": 1.0625 - 1e-5, "STEPS": steps, "BLOCK_K": 128, "BLOCK_U": 128,
-                      "BLOCK_E": 16},
+            "kernel": lambda: nvfp4._search_kernel, "warps": 4, "cost": cost,
+            "sig": {**_NVFP4_RANGES, **_NVFP4_TILE, "idx_ptr": "*i64", "best_ptr": "*fp64",
+                    "STEPS": "constexpr"},
+            "const": {**_NVFP4_CONST, "STEPS": steps, "BLOCK_E": 16},
+            "div16": ("U", "E", "stride_u"), "elements": 8192 * 4096}
+
+
+def _nvfp4_mse_case(spec) -> dict:
+    """``nvfp4_mse`` under the native rules (patience 5, the grid's 20 factors and the
+    per-unit extension's 30): per global amax, its price kernel (the incumbent and each
+    program's codes priced, then the global rule's flags over the grid's candidates, one
+    unit a thread) and its select kernel (the 50 candidates walked, one unit a thread);
+    its candidates column counts the codes priced."""
+    from quantscope.kernels.triton import nvfp4
+
+    K, G = 50, 20
+    trips, passes = _code_trips(spec, [1 - i / 100 for i in range(K)], 1.0)
+    select_text = sass(nvfp4._select_kernel,
+                       {**_NVFP4_RANGES, "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
+                        "gstop_ptr": "*i64", "idx_ptr": "*i64", "best_ptr": "*fp64",
+                        "ext_start": "i32", "patience": "i32", "PER_UNIT": "constexpr",
+                        "USE_GLOBAL": "constexpr", "HAS_PATIENCE": "constexpr",
+                        "TIE_LAST": "constexpr"},
+                       {**_NVFP4_CONST, "BLOCK_K": 64, "PER_UNIT": True, "USE_GLOBAL": True,
+                        "HAS_PATIENCE": True, "TIE_LAST": False}, 4, ("U",))
+
+    def cost(text):
+        bodies = loops(text)
+        price = next(b for b in bodies if b["DADD"])  # the codes' loop (first pricing loop)
+        flags = [b for b in bodies if not b["DADD"]][-1]
+        select = max(loops(select_text), key=lambda b: sum(b.values()))
+        per_thread = (sum(price.values()) * (trips + passes) + sum(flags.values()) * G * passes
+                      + sum(select.values()) * K * passes)
+        slow = (price["MUFU"] + price["F2F"]) * (trips + passes)
+        return per_thread / 16, slow / 16, trips + passes  # 16 elements a thread
+
+    return {"case": "NVFP4 search 8192 x 4096",
+            "who": "quantscope mse, NVFP4 (patience 5: nvfp4_mse's two kernels)",
+            "kernel": lambda: nvfp4._price_kernel, "warps": 4, "cost": cost,
+            "sig": {**_NVFP4_RANGES, **_NVFP4_TILE, "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
+                    "flags_ptr": "*i8", "G": "i32", "TIE_LAST": "constexpr"},
+            "const": {**_NVFP4_CONST, "BLOCK_K": 64, "TIE_LAST": False, "BLOCK_E": 16},
             "div16": ("U", "E", "stride_u"), "elements": 8192 * 4096}
 
 
@@ -239,15 +281,8 @@ def cases() -> list[dict]:
                                   "FLOAT": False, "WEIGHTED": False},
          "div16": ("U", "E", "stride_u"),
          "candidates": ours_candidates(int4, (64, 4096)), "elements": 4096 * 4096},
-        {"case": "NVFP4 search 8192 x 4096",
-         "who": "quantscope mse, NVFP4 (patience 5: every candidate priced, then selected)",
-         "kernel": lambda: mse._price_kernel, "warps": 4, "per_pass": 128 * 16 // 128,
-         "sig": {**_PRICE, "z_ptr": "*fp32"},
-         "const": {"BLOCK_U": 128, "BLOCK_E": 16, "ONE_TILE": True, "FLOAT": True,
-                   "WEIGHTED": False}, "div16": ("U", "E", "stride_u"),
-         "candidates": ours_candidates(nvfp4, (4096, 16)),
-         "elements": 8192 * 4096},
     ]
+    out.append(_nvfp4_mse_case(nvfp4))
     out.append(_fused_nvfp4_case(nvfp4, expanded))
     site = _peer_site()
     if site is None:
