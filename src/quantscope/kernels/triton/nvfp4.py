@@ -298,7 +298,8 @@ def _consts(units, factors, block_max, block_min_exp, block_mbits, block_u):
         "B_MIN_EXP": int(block_min_exp), "B_MBITS": int(block_mbits),
         "SUB_STEPS": float(2 ** (block_mbits - block_min_exp)),
         "RATIO": 1.0 + 2.0 ** -(block_mbits + 1) - 1e-5,
-        "BLOCK_K": triton.next_power_of_2(factors.shape[0]), "BLOCK_U": bu, **LAUNCH}
+        # at least 64: fewer compiled variants (the factors' check is one vector op)
+        "BLOCK_K": max(64, triton.next_power_of_2(factors.shape[0])), "BLOCK_U": bu, **LAUNCH}
 
 
 def nvfp4_search(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
