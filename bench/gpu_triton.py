@@ -259,14 +259,18 @@ def bench_histogram(size, device, repeat):
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(16, tokens, size, generator=g) * (1 + i)).to(device, torch.bfloat16)
                for i in range(8)]  # a growing range: every batch widens it
+    as_float = [b.float() for b in batches]
     table = Table(f"histogram observe + qparams, 8 batches 16 x {tokens} x {size} bf16, growing "
                   f"range, {device_name(device)}",
-                  ["method", "wall ms", "device ms", "torch.ao / ours", "qparams = torch.ao's"])
+                  ["method", "wall ms", "device ms", "torch.ao / ours",
+                   "qparams = torch.ao's on the float32 values"])
     fns = {"quantscope native histogram (ops)": lambda: native_hist_observe(batches),
            "quantscope torch.ao HistogramObserver (compat)": lambda: ao_observe(Compat, batches),
-           "torch.ao HistogramObserver": lambda: ao_observe(HistogramObserver, batches)}
+           "torch.ao HistogramObserver": lambda: ao_observe(HistogramObserver, batches),
+           "torch.ao HistogramObserver, float32 copies": lambda: ao_observe(HistogramObserver,
+                                                                            as_float)}
     t = wall_medians(fns, device, repeat, 1)
-    ref = fns["torch.ao HistogramObserver"]()
+    ref = fns["torch.ao HistogramObserver, float32 copies"]()
     for name, fn in fns.items():
         d = device_seconds(fn, device, 1)
         qp = fn()
@@ -274,10 +278,17 @@ def bench_histogram(size, device, repeat):
         table.add(name, 1e3 * t[name], None if d is None else 1e3 * d,
                   t["torch.ao HistogramObserver"] / t[name], "yes" if same else "no")
     table.print()
-    print("The native histogram is quantscope's (aligned power-of-two grids, exact merges, its "
-          "own range choice), not torch.ao's algorithm: its qparams are not torch.ao's. The "
-          "compat class runs torch.ao's histogram step as torch.ao's own tensor ops off the "
-          "CPU, and its L2 search vectorized.\n")
+    ao = HistogramObserver(bins=2048).to(device)
+    for b in batches:
+        ao(b)
+    print(f"torch.ao bins bf16 batches in bf16 (torch.histc's positions and counts): its "
+          f"histogram holds {float(ao.histogram.sum()):.4g} of "
+          f"{sum(b.numel() for b in batches):.4g} values; the compat class counts every value, "
+          "as torch.ao counts the float32 copies (its qparams are compared with those). The "
+          "native histogram is quantscope's (aligned power-of-two grids, exact merges, its own "
+          "range choice), not torch.ao's algorithm: its qparams are not torch.ao's. The compat "
+          "class runs torch.ao's histogram step as torch.ao's own tensor ops off the CPU, and "
+          "its L2 search vectorized.\n")
 
 
 ROWS = ("minmax", "calls", "grouped", "mse", "histogram", "nvfp4", "model")
