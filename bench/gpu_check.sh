@@ -42,7 +42,7 @@ if [[ $steps == *,triton,* ]]; then
         tests/kernels/test_triton_weighted.py tests/kernels/test_triton_minmax_observe.py \
         tests/kernels/test_mse_ops_engine.py tests/observers/test_device_ops.py \
         tests/observers/test_grouped.py tests/calibrate/test_grouped_weights.py \
-        tests/calibrate/test_device_pass.py \
+        tests/calibrate/test_device_pass.py tests/compat/test_torch_ao_exact.py \
         tests/core/test_qparams_ops.py 2>&1 \
         | tee "$out/triton_tests.log" | tail -15
 fi

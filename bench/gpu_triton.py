@@ -287,8 +287,9 @@ def bench_histogram(size, device, repeat):
           "as torch.ao counts the float32 copies (its qparams are compared with those). The "
           "native histogram is quantscope's (aligned power-of-two grids, exact merges, its own "
           "range choice), not torch.ao's algorithm: its qparams are not torch.ao's. The compat "
-          "class runs torch.ao's histogram step as torch.ao's own tensor ops off the CPU, and "
-          "its L2 search vectorized.\n")
+          "class runs torch.ao's histogram step as torch.ao's own tensor ops off the CPU but "
+          "its histc (one Triton pass over the bf16 batch, quantscope::ao_histc), and its L2 "
+          "search vectorized.\n")
 
 
 ROWS = ("minmax", "calls", "grouped", "mse", "histogram", "nvfp4", "model")

@@ -310,3 +310,22 @@ def test_low_precision_batches_lose_no_counts(dtype):
     assert float(ref.histogram.sum()) != total
     if dtype == torch.bfloat16:
         assert float(ref.histogram.sum()) < 0.5 * total
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_histogram_on_cuda_equals_torch_on_cuda(dtype):
+    """On CUDA the histc is one Triton pass over the batch in its dtype
+    (``quantscope::ao_histc``): torch.ao's CUDA histogram of the float32 values, bitwise.
+    The range is set by the first batch (a widening one would move the old bins with
+    torch.bincount's float atomics, in an order neither side controls)."""
+    ref, ours = pair("HistogramObserver")
+    ref, ours = ref.cuda(), ours.cuda()
+    for i, x in enumerate(data(4, seed=5, shape=(64, 512))):
+        x = (x * (1.0 if i == 0 else 0.3)).clamp(-5, 5).cuda()
+        x[0, 0], x[0, 1] = -5.0, 5.0
+        ref(x.float() if dtype == torch.float32 else x.to(dtype).float())
+        ours(x.to(dtype))
+        same(ref.histogram, ours.histogram)
+        same(ref.min_val, ours.min_val)
+    same_qparams(ref, ours)

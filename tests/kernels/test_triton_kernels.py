@@ -762,6 +762,32 @@ def test_hist_add_bitwise(device, dtype, absolute, U, E, bins, chunk):
     assert torch.equal(got.counts, want.counts) and int(want.counts.sum()) == 2 * U * E
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "bins", "chunk"), [(5000, 2048, None), (3001, 100, 1024),
+                                                  (700, 7, 256)])
+def test_histc_is_torch_histc_of_the_float32_values(device, dtype, n, bins, chunk):
+    """``torch.histc`` of the float32 values (ATen's formula: the last bin holds ``hi``,
+    values outside ``[lo, hi]`` and NaN not counted), from the batch in its own dtype, over
+    several programs; the op's CUDA implementation alike."""
+    from quantscope.kernels.triton import histogram as tri
+    from quantscope.stats import ao_histogram
+
+    g = torch.Generator().manual_seed(n + bins)
+    x = (torch.randn(n, generator=g) * 3).to(dtype)
+    x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 2.5, -2.0, 1e-30])
+    lo, hi = -2.0, float(x[3])  # a value on each end, values beyond both
+    edges = lo + torch.arange(bins + 1) * ((hi - lo) / bins)  # where rounding decides the bin
+    edges = torch.cat((edges, edges.nextafter(torch.tensor(-9.0)), edges.nextafter(
+        torch.tensor(9.0))))
+    x = torch.cat((x, edges.to(dtype)))
+    want = torch.histc(x.float(), bins, min=lo, max=hi)
+    counts = torch.zeros(bins, dtype=torch.int64, device=device)
+    tri.histc(counts, x.to(device), lo, hi, chunk=chunk, block=256)
+    assert torch.equal(counts.cpu().float(), want) and want[-1] > 0 and want[0] > 0
+    got = ao_histogram._cuda_histc(x.to(device), bins, lo, hi)
+    assert torch.equal(got.cpu(), want)
+
+
 # ---- an observer's state step: the non-finite flag and the min / max state update ----------
 
 def _state_case(n, seed, bad):

@@ -11,6 +11,7 @@ from quantscope import QuantSpec
 from quantscope.kernels import ops
 from quantscope.qparams import qparams_from_range
 from quantscope.stats import histogram as H
+from quantscope.stats.ao_histogram import ao_histc
 from quantscope.stats.hist_ops import hist_add, hist_regrid
 
 CUDA = torch.cuda.is_available()
@@ -48,6 +49,8 @@ def _cases(device="cpu"):
                                 torch.full((6,), -40, dtype=torch.int64), False)),
         "hist_regrid": (hist_regrid, (*_hist_state(lo, hi, g), lo, hi, False)),
         "hist_regrid_abs": (hist_regrid, (*_hist_state(lo, hi, g), lo, hi, True)),
+        "ao_histc": (ao_histc, (u, 64, -1.5, 2.0)),
+        "ao_histc_bf16": (ao_histc, (u.bfloat16(), 100, -2.0, 1.0)),
         "int_qparams": (ops.int_qparams, (lo, hi, [-8.0, 7.0, 1e-8, 0.0, 0.0])),
         "int_qparams_sym": (ops.int_qparams, (lo, hi, [0.0, 255.0, 1e-8, 1.0, 128.0])),
         "e8m0_block_scales": (ops.e8m0_block_scales, (lo, hi, "fp4_e2m1", "even")),

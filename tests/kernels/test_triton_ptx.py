@@ -100,6 +100,10 @@ CASES = {
          "seen_ptr": "*i1", "n": "i32", "c": "fp32", "one_minus_c": "fp32",
          "KIND": "constexpr", "RECORD": "constexpr", "BLOCK_N": "constexpr"},
         {"KIND": 3, "RECORD": False, "BLOCK_N": 1024}),
+    "histogram._histc_kernel": (  # torch.histc's formula: an IEEE division
+        {"x_ptr": "*bf16", "counts_ptr": "*i64", "n": "i32", "lo": "fp32", "hi": "fp32",
+         "B": "i32", "chunk": "i32", "NB": "constexpr", "BLOCK": "constexpr"},
+        {"NB": 4096, "BLOCK": 1024}),
     "histogram._hist_kernel": (
         {"x_ptr": "*bf16", "counts_ptr": "*i64", "exp_ptr": "*i64", "first_ptr": "*i64",
          "E": "i32", "stride_u": "i32", "chunk": "i32", "B": "i32", "ABSOLUTE": "constexpr",
@@ -157,7 +161,8 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["mse._price_kernel:fp"]
     assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
     assert "div.rn.f32" in found["block_qparams._int_kernel"]
-    for name in ("nvfp4._search_kernel", "nvfp4._price_kernel", "nvfp4._select_kernel"):
+    for name in ("nvfp4._search_kernel", "nvfp4._price_kernel", "nvfp4._select_kernel",
+                 "histogram._histc_kernel"):
         assert "div.rn.f32" in found[name], name
     assert "div.rn.f32" in found["block_qparams._nvfp4_kernel"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])

@@ -252,8 +252,11 @@ class NonFiniteBatchError(ValueError, RuntimeError):
 
 def _binned(x: torch.Tensor) -> torch.Tensor:
     """The batch as the histogram bins it: bfloat16 / float16 as float32 (every value
-    counted; torch.ao's ``histc`` in those dtypes loses counts: see ``HistogramObserver``)."""
-    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    counted; torch.ao's ``histc`` in those dtypes loses counts: see ``HistogramObserver``).
+    A float32 copy on the CPU (the C path's input); elsewhere the batch as it is, which
+    ``ao_histogram.histc`` bins as float32 in one pass (``quantscope::ao_histc``)."""
+    low = x.dtype in (torch.bfloat16, torch.float16)
+    return x.float() if low and x.device.type == "cpu" else x
 
 
 def _observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -270,13 +273,20 @@ def _observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: tor
     return None if got is None or got is ao_histogram.NON_FINITE else got
 
 
+def _range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.aminmax(x)``, bf16 / fp16 ends as float32 (exactly: they are binned as
+    float32); float32 and float64 ends as they are (torch.ao bins float64 in float64)."""
+    lo, hi = torch.aminmax(x)
+    return (lo.float(), hi.float()) if x.dtype in (torch.bfloat16, torch.float16) else (lo, hi)
+
+
 def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor) -> None:
-    """torch.ao's histogram step by tensor ops (any device or dtype, ``x`` binned in its own
-    dtype, as torch.ao bins it; the reference the C path equals): ``inf`` dropped with
+    """torch.ao's histogram step by tensor ops (any device or dtype; float64 ``x`` binned in
+    float64, the others as float32; the reference the C path equals): ``inf`` dropped with
     torch.ao's warning, NaN a :class:`NonFiniteBatchError`."""
     x = x.detach()
-    x_lo, x_hi = torch.aminmax(x)
+    x_lo, x_hi = _range(x)
     if bool(x_lo.isnan()):  # torch.ao's histc raises here too (after poisoning its min / max)
         raise NonFiniteBatchError("HistogramObserver: the batch holds NaN; torch.ao's histogram "
                                   "cannot bin it (torch.histc: range of [nan, nan] is not "
@@ -286,7 +296,7 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
         x = x[x.abs() != math.inf]
         if x.numel() == 0:
             return
-        x_lo, x_hi = torch.aminmax(x)
+        x_lo, x_hi = _range(x)
     first = bool(lo == math.inf) or bool(hi == -math.inf)
     new = ao_histogram.update(None if first else hist, None if first else lo,
                               None if first else hi, x, x_lo, x_hi,
@@ -341,7 +351,8 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     (:mod:`quantscope.stats.ao_histogram`); the search is torch's, vectorized
     (:func:`quantscope.estimators.l2.l2_range`). Histogram, ``min_val`` / ``max_val``, scale
     and zero point equal torch.ao's bitwise (float32 batches on CPU take the C path; other
-    dtypes and devices torch.ao's own sequence of tensor ops).
+    devices torch.ao's own sequence of tensor ops, its ``histc`` as one Triton pass over the
+    batch in its dtype on CUDA: ``quantscope::ao_histc``).
 
     One deliberate difference: a bfloat16 or float16 batch is binned as its float32 values.
     torch.ao bins it in its own dtype (``torch.histc`` computes the bin positions and the

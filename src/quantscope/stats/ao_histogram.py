@@ -37,8 +37,11 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .. import kernels
+from .._oplib import define
+from ..kernels import triton as _triton
 
-__all__ = ["NON_FINITE", "UPSAMPLE_RATE", "fused", "histc", "observe", "update", "upscale"]
+__all__ = ["NON_FINITE", "UPSAMPLE_RATE", "ao_histc", "fused", "histc", "observe", "update",
+           "upscale"]
 
 #: torch.ao's ``upsample_rate``: pieces per old bin when the range grows
 UPSAMPLE_RATE = 16
@@ -51,13 +54,41 @@ def _kernel():
     return kernels.lib("ao_hist")
 
 
+def _torch_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
+    """``torch.histc`` of ``x``'s float32 values: float32 ``[bins]``."""
+    return torch.histc(x.float(), bins, min=lo, max=hi)
+
+
+def _cuda_histc(x, bins, lo, hi):
+    kernel = _triton.launchers("histogram", x)
+    if (kernel is None or not lo < hi or not math.isfinite(hi - lo) or bins + 1 > kernel.MAX_BINS
+            or x.numel() >= 1 << 31):  # torch's degenerate ranges, where it widens them
+        return _torch_histc(x, bins, lo, hi)
+    counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
+    kernel.histc(counts, x.contiguous(), lo, hi)
+    return counts.float()
+
+
+def _fake_histc(x, bins, lo, hi):
+    return x.new_empty(bins, dtype=torch.float32)
+
+
+#: ``ao_histc(x, bins, lo, hi) -> counts``: ``torch.histc`` of ``x``'s float32 values (fp32 /
+#: bf16 / fp16 ``x``; float32 ``[bins]`` counts). On CUDA one Triton pass reads ``x`` in its
+#: dtype (no float32 copy; ATen's formula, counted in int64: a bin holding ``2 ** 24`` values
+#: or more in one batch is rounded once, where ATen's float atomics round it in their order)
+ao_histc = define("ao_histc(Tensor x, int bins, float lo, float hi) -> Tensor", _torch_histc,
+                  cuda=_cuda_histc, fake=_fake_histc)
+
+
 def histc(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor | None = None,
           backend: str | None = None, threads: int | None = None,
           out: torch.Tensor | None = None) -> torch.Tensor:
     """``base + torch.histc(x, bins, min=lo, max=hi)`` (float32 ``[bins]``; ``base`` None:
     the histc alone; any shape of ``bins`` values), into ``out`` when given (the same;
-    returned; it may be ``base``). ``backend``: see :data:`quantscope.kernels.BACKENDS`;
-    ``threads``: the kernel's (default torch's; at least ``2 ** 18`` values each)."""
+    returned; it may be ``base``); bf16 / fp16 ``x`` binned as its float32 values.
+    ``backend``: see :data:`quantscope.kernels.BACKENDS`; ``threads``: the kernel's
+    (default torch's; at least ``2 ** 18`` values each)."""
     applies = (kernels.plain(x) and not x.requires_grad
                and (base is None or (kernels.plain(base) and base.numel() == bins))
                and (out is None or (kernels.plain(out) and out.numel() == bins)))
@@ -69,7 +100,10 @@ def histc(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor | None = None,
         if not lib.qs_ao_histc(x.data_ptr(), x.numel(), float(lo), float(hi), bins,
                                src.data_ptr(), res.data_ptr(), kernels.threads(threads)):
             return res
-    h = torch.histc(x, bins, min=float(lo), max=float(hi))
+    if x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        h = ao_histc(x, bins, float(lo), float(hi))
+    else:  # float64: torch.ao bins it in float64
+        h = torch.histc(x, bins, min=float(lo), max=float(hi))
     h = h if base is None else base.reshape(bins) + h
     return h if out is None else out.copy_(h.view(out.shape))
 

@@ -1,4 +1,5 @@
-"""Histogram binning on aligned power-of-two grids (Triton): ``stats.histogram.add_values``.
+"""Histogram binning on aligned power-of-two grids (Triton): ``stats.histogram.add_values``;
+and ``torch.histc``'s binning for the torch.ao compat histogram (:func:`histc`).
 
 A value ``x`` of unit ``u`` goes to bin ``clamp(floor(x * 2 ** -exp[u]) - first[u], 0, B - 1)``
 (``|x|`` for absolute histograms; NaN to bin 0), every step exact in float32 as in the torch
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from ._jit import LAUNCH
 
-__all__ = ["MAX_BINS", "hist_add", "regrid"]
+__all__ = ["MAX_BINS", "hist_add", "histc", "regrid"]
 
 #: the most bins a program's private histogram holds (registers)
 MAX_BINS = 1 << 14
@@ -69,6 +70,47 @@ def hist_add(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     _hist_kernel[(U, triton.cdiv(E, chunk))](
         units, counts, exp, first, E, units.stride(0), chunk, B, ABSOLUTE=bool(absolute),
         NB=triton.next_power_of_2(B + 1), BLOCK_E=block_e, **LAUNCH)
+
+
+# ---- torch.histc's binning (the torch.ao compat histogram) -------------------------------------
+
+@triton.jit
+def _histc_kernel(x_ptr, counts_ptr, n, lo, hi, B, chunk, NB: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * chunk
+    span = hi - lo
+    b_f = tl.cast(B, tl.float32)
+    local = tl.zeros([NB], tl.int32)
+    for e0 in range(0, chunk, BLOCK):
+        within = e0 + tl.arange(0, BLOCK)
+        offs = start + within
+        mask = (offs < n) & (within < chunk)
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        inside = mask & (v >= lo) & (v <= hi)  # NaN: outside
+        t = tl.math.div_rn((v - lo) * b_f, span)
+        b = tl.minimum(tl.where(inside, t, 0.0).to(tl.int32), B - 1)  # the last bin: ]..., hi]
+        local += tl.histogram(tl.where(inside, b, B), NB)  # the rest to the extra bin B
+    bins = tl.arange(0, NB)
+    tl.atomic_add(counts_ptr + bins, local.to(tl.int64), mask=(bins < B) & (local > 0))
+
+
+def histc(counts: torch.Tensor, x: torch.Tensor, lo: float, hi: float, *,
+          chunk: int | None = None, block: int = 1024) -> None:
+    """Add ``torch.histc(x.float(), B, min=lo, max=hi)`` (``lo < hi``, float32 values) to
+    ``counts [B]`` (int64, in place): bin ``trunc((v - lo) * B / (hi - lo))`` of each value
+    ``v`` in ``[lo, hi]``, float32 steps with an IEEE division (ATen's ``histc`` formula), the
+    value ``hi`` in the last bin; ``x`` contiguous, bf16 / fp16 / fp32, any shape."""
+    B, n = counts.shape[0], x.numel()
+    if B + 1 > MAX_BINS:
+        raise ValueError(f"kernels.triton.histogram: at most {MAX_BINS - 1} bins, got {B}")
+    if not n:
+        return
+    if chunk is None:  # enough programs to fill the GPU, each binning a fair share
+        chunk = triton.cdiv(triton.cdiv(n, max(1, min(triton.cdiv(n, MIN_CHUNK), 2048))),
+                            block) * block
+    _histc_kernel[(triton.cdiv(n, chunk),)](x, counts, n, float(lo), float(hi), B, chunk,
+                                            NB=triton.next_power_of_2(B + 1), BLOCK=block,
+                                            **LAUNCH)
 
 
 # ---- the grid change of ``stats.histogram.update`` ------------------------------------------
