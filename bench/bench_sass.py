@@ -200,6 +200,14 @@ _NVFP4_CONST = {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.06
                 "BLOCK_K": 128, "BLOCK_U": 128}
 
 
+def _codes_cost(price, codes: float, others=()) -> tuple[float, float, float]:
+    """(SASS, MUFU + F2F SASS, codes priced) per element of an NVFP4 kernel whose pricing loop
+    body ``price`` runs ``codes`` times a thread, and each other loop body of ``others``
+    (``(body, trips)``) its trips; 16 elements a thread (one unit)."""
+    per_thread = sum(price.values()) * codes + sum(sum(b.values()) * n for b, n in others)
+    return per_thread / 16, (price["MUFU"] + price["F2F"]) * codes / 16, codes
+
+
 def _fused_nvfp4_case(spec, opts) -> dict:
     """The fused ``nvfp4_search``: per global amax, the incumbent and each program's codes
     priced (the pricing loop), then a bisection; its candidates column counts the codes."""
@@ -214,9 +222,7 @@ def _fused_nvfp4_case(spec, opts) -> dict:
         bodies = loops(text)
         price = next(b for b in bodies if b["DADD"])  # the codes' loop (first pricing loop)
         bisect = next(b for b in bodies if not b["DADD"])
-        per_thread = sum(price.values()) * (trips + passes) + sum(bisect.values()) * steps * passes
-        slow = (price["MUFU"] + price["F2F"]) * (trips + passes)
-        return per_thread / 16, slow / 16, trips + passes  # 16 elements a thread
+        return _codes_cost(price, trips + passes, [(bisect, steps * passes)])
 
     return {"case": "NVFP4 search 8192 x 4096",
             "who": "quantscope nvfp4_expanded_mse (fused nvfp4_search)",
@@ -251,10 +257,7 @@ def _nvfp4_mse_case(spec) -> dict:
         price = next(b for b in bodies if b["DADD"])  # the codes' loop (first pricing loop)
         flags = [b for b in bodies if not b["DADD"]][-1]
         select = max(loops(select_text), key=lambda b: sum(b.values()))
-        per_thread = (sum(price.values()) * (trips + passes) + sum(flags.values()) * G * passes
-                      + sum(select.values()) * K * passes)
-        slow = (price["MUFU"] + price["F2F"]) * (trips + passes)
-        return per_thread / 16, slow / 16, trips + passes  # 16 elements a thread
+        return _codes_cost(price, trips + passes, [(flags, G * passes), (select, K * passes)])
 
     return {"case": "NVFP4 search 8192 x 4096",
             "who": "quantscope mse, NVFP4 (patience 5: nvfp4_mse's two kernels)",
