@@ -54,12 +54,22 @@ def _kernel():
     return kernels.lib("ao_hist")
 
 
+def _check_histc(x: torch.Tensor, bins: int) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"quantscope::ao_histc: x must be a float32, bfloat16 or float16 "
+                         f"tensor, got {x.dtype}")
+    if bins < 1:
+        raise ValueError(f"quantscope::ao_histc: bins must be a positive integer, got {bins}")
+
+
 def _torch_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
     """``torch.histc`` of ``x``'s float32 values: float32 ``[bins]``."""
+    _check_histc(x, bins)
     return torch.histc(x.float(), bins, min=lo, max=hi)
 
 
 def _cuda_histc(x, bins, lo, hi):
+    _check_histc(x, bins)
     kernel = _triton.launchers("histogram", x)
     if (kernel is None or not lo < hi or not math.isfinite(hi - lo) or bins + 1 > kernel.MAX_BINS
             or x.numel() >= 1 << 31):  # torch's degenerate ranges, where it widens them
@@ -70,6 +80,7 @@ def _cuda_histc(x, bins, lo, hi):
 
 
 def _fake_histc(x, bins, lo, hi):
+    _check_histc(x, bins)
     return x.new_empty(bins, dtype=torch.float32)
 
 
