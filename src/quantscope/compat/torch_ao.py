@@ -255,6 +255,7 @@ def _binned(x: torch.Tensor) -> torch.Tensor:
     counted; torch.ao's ``histc`` in those dtypes loses counts: see ``HistogramObserver``).
     A float32 copy on the CPU (the C path's input); elsewhere the batch as it is, which
     ``ao_histogram.histc`` bins as float32 in one pass (``quantscope::ao_histc``)."""
+    x = x.detach()  # as torch.ao: the state never joins the autograd graph
     low = x.dtype in (torch.bfloat16, torch.float16)
     return x.float() if low and x.device.type == "cpu" else x
 

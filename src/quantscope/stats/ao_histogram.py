@@ -112,7 +112,7 @@ def histc(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor | None = None,
                                src.data_ptr(), res.data_ptr(), kernels.threads(threads)):
             return res
     if x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        h = ao_histc(x, bins, float(lo), float(hi))
+        h = ao_histc(x.detach(), bins, float(lo), float(hi))  # counts: no autograd
     else:  # float64: torch.ao bins it in float64
         h = torch.histc(x, bins, min=float(lo), max=float(hi))
     h = h if base is None else base.reshape(bins) + h
