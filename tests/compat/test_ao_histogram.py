@@ -207,15 +207,16 @@ def test_upscale_kernel_equals_torch_ops_on_a_tiny_or_a_vast_widening(grow):
 
 def test_torch_path_alone_equals_torch_ao():
     ref = TorchHistogramObserver(bins=512)
-    state = (None, None, None)
+    hist, old = None, None
     g = torch.Generator().manual_seed(3)
     for s in (1.0, 2.0, 0.5, 7.0):
         x = torch.randn(4000, generator=g) * s
         ref(x)
-        lo, hi = torch.aminmax(x)
-        state = ao_histogram.update(*state, x, lo, hi, 512, backend="torch")
-        assert torch.equal(state[0], ref.histogram)
-        assert torch.equal(state[1], ref.min_val) and torch.equal(state[2], ref.max_val)
+        x_range = tuple(torch.aminmax(x)[i].item() for i in (0, 1))
+        hist, *ends = ao_histogram.update(hist, old, x, x_range, 512, backend="torch")
+        old = tuple(ends)
+        assert torch.equal(hist, ref.histogram)
+        assert old == (ref.min_val.item(), ref.max_val.item())
 
 
 @needs_kernel

@@ -329,3 +329,25 @@ def test_histogram_on_cuda_equals_torch_on_cuda(dtype):
         same(ref.histogram, ours.histogram)
         same(ref.min_val, ours.min_val)
     same_qparams(ref, ours)
+
+
+def test_histogram_tensor_path_reads_back_once_a_batch(monkeypatch):
+    """The torch path (other devices; float64 here) takes its decisions on the batch's and
+    the state's ends read back in one transfer, where torch.ao reads a flag back for each:
+    on a GPU each read waits for the device."""
+    reads = []
+    for name in ("__bool__", "item", "__float__", "tolist", "__int__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _n=name: reads.append(_n) or _real(self, *a))
+    ref, ours = pair("HistogramObserver")
+    batches = [x.double() for x in data(3, seed=9, shape=(40, 50))]  # the last two widen
+    for x in batches:
+        reads.clear()
+        ours(x)
+        assert reads == ["tolist"], reads
+    monkeypatch.undo()
+    for x in batches:
+        ref(x)
+    same(ref.histogram, ours.histogram)
+    same_qparams(ref, ours)

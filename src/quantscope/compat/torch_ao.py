@@ -274,21 +274,23 @@ def _observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: tor
     return None if got is None or got is ao_histogram.NON_FINITE else got
 
 
-def _range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.aminmax(x)``, bf16 / fp16 ends as float32 (exactly: they are binned as
-    float32); float32 and float64 ends as they are (torch.ao bins float64 in float64)."""
-    lo, hi = torch.aminmax(x)
-    return (lo.float(), hi.float()) if x.dtype in (torch.bfloat16, torch.float16) else (lo, hi)
+def _ends(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> list[float]:
+    """``torch.aminmax(x)`` and the state's ``lo``, ``hi``, read back in one transfer (four
+    floats: bf16 / fp16 ends exact in float32; float64 ends stay float64, as torch.ao bins
+    float64 batches in float64)."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.stack([t.reshape(()).to(wide) for t in (*torch.aminmax(x), lo, hi)]).tolist()
 
 
 def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor) -> None:
     """torch.ao's histogram step by tensor ops (any device or dtype; float64 ``x`` binned in
-    float64, the others as float32; the reference the C path equals): ``inf`` dropped with
-    torch.ao's warning, NaN a :class:`NonFiniteBatchError`."""
+    float64, the others as float32; the reference the C path equals), its decisions on the
+    ends read back once: ``inf`` dropped with torch.ao's warning, NaN a
+    :class:`NonFiniteBatchError`."""
     x = x.detach()
-    x_lo, x_hi = _range(x)
-    if bool(x_lo.isnan()):  # torch.ao's histc raises here too (after poisoning its min / max)
+    x_lo, x_hi, old_lo, old_hi = _ends(x, lo, hi)
+    if math.isnan(x_lo):  # torch.ao's histc raises here too (after poisoning its min / max)
         raise NonFiniteBatchError("HistogramObserver: the batch holds NaN; torch.ao's histogram "
                                   "cannot bin it (torch.histc: range of [nan, nan] is not "
                                   "finite); the observer's state is left as it was")
@@ -297,13 +299,14 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
         x = x[x.abs() != math.inf]
         if x.numel() == 0:
             return
-        x_lo, x_hi = _range(x)
-    first = bool(lo == math.inf) or bool(hi == -math.inf)
-    new = ao_histogram.update(None if first else hist, None if first else lo,
-                              None if first else hi, x, x_lo, x_hi,
-                              hist.numel())
-    for buf, value in zip((hist, lo, hi), new):
-        buf.copy_(value.reshape(buf.shape))
+        x_lo, x_hi, _, _ = _ends(x, lo, hi)
+    first = old_lo == math.inf or old_hi == -math.inf
+    new, new_lo, new_hi = ao_histogram.update(None if first else hist,
+                                              None if first else (old_lo, old_hi), x,
+                                              (x_lo, x_hi), hist.numel())
+    hist.copy_(new.reshape(hist.shape))
+    lo.fill_(new_lo)
+    hi.fill_(new_hi)
 
 
 @torch.library.custom_op("quantscope::ao_histogram_observe",

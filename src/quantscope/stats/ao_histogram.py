@@ -145,8 +145,9 @@ def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str |
     float32 tensors or Python floats holding float32 values)."""
     bins = hist.shape[0]
     rate = UPSAMPLE_RATE
-    lin = torch.linspace(orig_lo, orig_hi, bins * rate + 1)
-    bounds = torch.linspace(new_lo, new_hi, bins + 1)
+    # on the histogram's device, as torch.ao makes them (CUDA's linspace rounds its own way)
+    lin = torch.linspace(orig_lo, orig_hi, bins * rate + 1, device=hist.device)
+    bounds = torch.linspace(new_lo, new_hi, bins + 1, device=hist.device)
     applies = kernels.plain(hist) and lin.dtype == bounds.dtype == torch.float32
     lib = kernels.choose(backend, "ao_hist", "upscale", applies)
     if lib is not None:
@@ -154,29 +155,34 @@ def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str |
         lib.qs_ao_upscale(hist.data_ptr(), bins, rate, lin.data_ptr(), float(orig_lo),
                           float(orig_hi), bounds.data_ptr(), out.data_ptr())
         return out
-    bin_size = (torch.as_tensor(orig_hi) - torch.as_tensor(orig_lo)) / (bins * rate)
+    ends = torch.tensor([float(orig_lo), float(orig_hi)], dtype=torch.float32,
+                        device=hist.device)
+    bin_size = (ends[1] - ends[0]) / (bins * rate)
     mids = lin[:-1] + 0.5 * bin_size
     pieces = hist.repeat_interleave(rate) / rate
-    where = torch.bucketize(mids, bounds, right=True) - 1
-    where[where >= bins] = bins - 1
-    where[where < 0] = 0
+    # torch.ao's two masked assignments, as one clamp (the same indices, no host read)
+    where = (torch.bucketize(mids, bounds, right=True) - 1).clamp_(0, bins - 1)
     return torch.bincount(where, weights=pieces, minlength=bins)
 
 
-def update(hist: torch.Tensor | None, lo: torch.Tensor | None, hi: torch.Tensor | None,
-           x: torch.Tensor, x_lo: torch.Tensor, x_hi: torch.Tensor, bins: int,
-           backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def update(hist: torch.Tensor | None, old: tuple[float, float] | None, x: torch.Tensor,
+           x_range: tuple[float, float], bins: int, backend: str | None = None
+           ) -> tuple[torch.Tensor, float, float]:
     """torch.ao ``HistogramObserver.forward``'s state change: the new ``(histogram, min_val,
-    max_val)`` after the finite batch ``x`` with min / max ``x_lo``, ``x_hi`` (0-dim
-    float32); ``hist`` None: the first batch (``reset_histogram``). Fresh tensors; the
-    inputs are not modified."""
-    if hist is None:
-        return histc(x, bins, x_lo, x_hi, None, backend), x_lo.clone(), x_hi.clone()
-    new_lo, new_hi = torch.min(lo, x_lo), torch.max(hi, x_hi)
-    if bool(new_lo == lo) and bool(new_hi == hi):
-        return histc(x, bins, new_lo, new_hi, hist, backend), lo.clone(), hi.clone()
-    if bool(lo == hi):  # a one-value histogram: its total moves to that value's new bin
-        moved = torch.histc(lo, bins=bins, min=float(new_lo), max=float(new_hi)) * hist.sum()
+    max_val)`` after the finite batch ``x`` of min / max ``x_range``, from the histogram
+    ``hist`` on the range ``old`` (None: the first batch, ``reset_histogram``). The ends
+    are Python floats, so the decisions read nothing back from the device (torch.ao's take
+    a host read each); a fresh histogram, the inputs not modified."""
+    x_lo, x_hi = x_range
+    if old is None:
+        return histc(x, bins, x_lo, x_hi, None, backend), x_lo, x_hi
+    lo, hi = old
+    new_lo, new_hi = min(lo, x_lo), max(hi, x_hi)  # torch.min / max: the first on a tie
+    if new_lo == lo and new_hi == hi:
+        return histc(x, bins, lo, hi, hist, backend), lo, hi
+    if lo == hi:  # a one-value histogram: its total moves to that value's new bin
+        one = torch.tensor([lo], device=hist.device)
+        moved = torch.histc(one, bins=bins, min=new_lo, max=new_hi) * hist.sum()
     else:
         moved = upscale(hist, lo, hi, new_lo, new_hi, backend)
     return histc(x, bins, new_lo, new_hi, moved, backend), new_lo, new_hi
@@ -243,7 +249,6 @@ def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Ten
                                hist.data_ptr(), kernels.threads(threads)):
             return done(new_lo, new_hi)
     # rare: a one-value or an infinite range
-    moved, new_lo, new_hi = update(hist.view(bins), lo.view(()), hi.view(()), x,
-                                   torch.tensor(x_lo), torch.tensor(x_hi), bins)
+    moved, new_lo, new_hi = update(hist.view(bins), (old_lo, old_hi), x, (x_lo, x_hi), bins)
     hist.view(bins).copy_(moved)
-    return done(new_lo.item(), new_hi.item())
+    return done(new_lo, new_hi)
