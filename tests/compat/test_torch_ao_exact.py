@@ -331,6 +331,21 @@ def test_histogram_on_cuda_equals_torch_on_cuda(dtype):
     same_qparams(ref, ours)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_widening_histogram_on_cuda_matches_torch_on_cuda():
+    """Batches that widen the range move the old bins on the device (linspaces on the
+    state's device, as torch.ao's): the ends equal torch.ao's, the counts to the rounding
+    order of torch.bincount's float atomics, which neither side controls."""
+    ref, ours = pair("HistogramObserver")
+    ref, ours = ref.cuda(), ours.cuda()
+    for x in data(4, seed=6, shape=(64, 512)):
+        ref(x.cuda())
+        ours(x.cuda())
+        same(ref.min_val, ours.min_val)
+        same(ref.max_val, ours.max_val)
+        torch.testing.assert_close(ours.histogram, ref.histogram, rtol=1e-5, atol=1e-3)
+
+
 def test_histogram_tensor_path_reads_back_once_a_batch(monkeypatch):
     """The torch path (other devices; float64 here) takes its decisions on the batch's and
     the state's ends read back in one transfer, where torch.ao reads a flag back for each:
