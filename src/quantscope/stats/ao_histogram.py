@@ -11,7 +11,10 @@ torch.ao's, and its qparams follow from it: :func:`update` reproduces it bit for
 
 The torch path here is torch.ao's own sequence of ops (the reference, and the path for other
 devices, dtypes, degenerate ranges and batches of ``2 ** 24`` values or more, where torch's
-float32 counts saturate). On CPU the C kernels (``csrc/ao_hist.c``) do the same float32
+float32 counts saturate), its decisions taken on the ends as Python floats (:func:`update`:
+torch.ao reads a flag back from the device for each), its ``histc`` of float32, bfloat16 and
+float16 batches the op ``quantscope::ao_histc`` (torch.histc of the float32 values; one
+Triton pass on CUDA). On CPU the C kernels (``csrc/ao_hist.c``) do the same float32
 arithmetic: the ``histc`` pass (``trunc((x - lo) * bins / (hi - lo))`` per value, counted in
 int32 and added as float32, the way ATen's kernel counts: exact below ``2 ** 24``; split
 over torch's threads, each counting its share into its own bins) and the re-binning (torch's
