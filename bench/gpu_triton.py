@@ -290,7 +290,7 @@ def bench_histogram(size, device, repeat):
           "class runs torch.ao's histogram step as torch.ao's own tensor ops off the CPU, "
           "but its histc one Triton pass over the bf16 batch (quantscope::ao_histc) and its "
           "decisions on the ends read back once a batch (torch.ao: 8 to 18 reads), and its "
-          "L2 search vectorized (torch.ao's: ~970 reads).\n")
+          "L2 search vectorized (4 host reads; torch.ao's ~970).\n")
 
 
 ROWS = ("minmax", "calls", "grouped", "mse", "histogram", "nvfp4", "model")
