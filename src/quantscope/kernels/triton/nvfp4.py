@@ -266,8 +266,8 @@ def _select_kernel(lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, inc_ptr, s
         lo_ptr, hi_ptr, ilo_ptr, ihi_ptr, amax_ptr, f_ptr, U, K, fmax, bmax, B_MIN_EXP,
         B_MBITS, RATIO, BLOCK_K, BLOCK_U)
     U64 = tl.cast(U, tl.int64)
-    first = _code(_candidate(lo, hi, f_ptr, 0, gs, fmax, bmax, B_MIN_EXP, B_MBITS), B_MIN_EXP,
-                  B_MBITS, SUB_STEPS)
+    first, _ = _code_span(lo, hi, rmask, f_ptr, K, gs, fmax, bmax, B_MIN_EXP, B_MBITS,
+                          SUB_STEPS)
     best = tl.load(inc_ptr + rows, mask=rmask, other=0.0)
     idx = tl.full([BLOCK_U], -1, tl.int64)
     stale = tl.zeros([BLOCK_U], tl.int32)
