@@ -252,9 +252,9 @@ def _global_stop(err: Tensor, incumbent: Tensor, ext_start: int, patience: int,
     is searching, so a unit improves at ``k`` exactly when ``err[k]`` beats its running
     best; the rule stops ``patience`` candidates after the last one that improved any."""
     grid = err[:ext_start]
-    if grid.shape[0] == 0 or patience < 0:
-        return torch.full((1,), grid.shape[0], dtype=torch.int64, device=err.device)
-    return _stop_after(improved_rows(grid, incumbent, tie_last), patience)
+    improved = (improved_rows(grid, incumbent, tie_last) if patience >= 0
+                else grid.new_zeros(grid.shape[0], dtype=torch.bool))  # no rule: not read
+    return _stop_after(improved, patience)
 
 
 def _stop_after(improved: Tensor, patience: int) -> Tensor:
