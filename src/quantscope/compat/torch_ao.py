@@ -287,8 +287,7 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
     """torch.ao's histogram step by tensor ops (any device or dtype; float64 ``x`` binned in
     float64, the others as float32; the reference the C path equals), its decisions on the
     ends read back once: ``inf`` dropped with torch.ao's warning, NaN a
-    :class:`NonFiniteBatchError`."""
-    x = x.detach()
+    :class:`NonFiniteBatchError` (``x`` detached: :func:`_binned`'s)."""
     x_lo, x_hi, old_lo, old_hi = _ends(x, lo, hi)
     if math.isnan(x_lo):  # torch.ao's histc raises here too (after poisoning its min / max)
         raise NonFiniteBatchError("HistogramObserver: the batch holds NaN; torch.ao's histogram "
