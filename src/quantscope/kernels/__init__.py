@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from torch.autograd.graph import increment_version
 
+from ..formats import IntFormat
+
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "build_all",
            "cache_dir", "choose", "compiler", "contiguous", "disabled", "lib", "load", "plain",
            "qparams_consts", "read", "set_streaming", "streaming", "threads", "write"]
@@ -350,8 +352,6 @@ def qparams_consts(spec) -> list[float] | None:
     """``csrc/qs_qparams.h``'s constants for ``spec`` (qmin, qmax, min_scale, symmetric, the
     symmetric zero point), or None where it does not apply (float formats, scale encodings
     other than fp32): those price with qparams_from_range."""
-    from ..formats import IntFormat
-
     fmt = spec.format
     if not isinstance(fmt, IntFormat) or spec.scale.kind != "fp32":
         return None

@@ -20,6 +20,8 @@ separate ops never do).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 
 __all__ = ["available", "interpreted", "launchers", "runs_on"]
@@ -51,8 +53,13 @@ def runs_on(device) -> bool:
 def launchers(name: str, t):
     """The launchers of this package's module ``name`` when they run on tensor ``t``'s device
     here, else None (the op then takes its torch path)."""
-    if not available() or not runs_on(t.device):
-        return None
-    import importlib
+    return _launchers(name, t.device.type)
 
+
+@functools.cache
+def _launchers(name: str, device_type: str):
+    # cached: every op call asks, and the answer is fixed for the process (triton's mode is
+    # set when it is first imported); uncached it cost ~4 us of host time per op call
+    if not available() or not runs_on(device_type):
+        return None
     return importlib.import_module(f"{__name__}.{name}")
