@@ -29,7 +29,8 @@ E8M0 modes, with ``emax`` the element format's largest exponent
   (1 bit) for every element type, so they equal ours for MXFP4 only.
 * ``rceil`` (cuBLAS / NVIDIA, torchao ``RCEIL``; Quark has no such mode, whatever
   REFERENCES.md says): ``k = ceil(log2(amax / format_max))``, the smallest power of two that
-  keeps every element unclipped. Computed exactly; torchao's eager path takes a float32
+  keeps every element unclipped; ``2 ** -127`` where ``amax / format_max`` underflows to 0
+  (log2 -inf, as torchao). Computed exactly; torchao's eager path takes a float32
   ``log2`` and lands one binade low when ``amax / max`` lies within a rounding above a
   power of two.
 
@@ -181,7 +182,10 @@ def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Te
     elif mode == "even":
         k = _floor_log2_rounded(safe, fmt.mbits) - fmt.emax
     elif mode == "rceil":
-        k = _ceil_log2(true_div(safe, fmt.max))
+        q = true_div(safe, fmt.max)
+        # a quotient that underflows to 0 (amax a few float32 subnormals) has log2 -inf: the
+        # smallest scale, as torchao's RCEIL gives (frexp(0)'s exponent 0 would give 2 ** 0)
+        k = torch.where(q > 0, _ceil_log2(q), -127)
     else:
         raise ValueError(f"scale: unknown e8m0 mode {mode!r}; expected one of {E8M0_MODES}")
     k = torch.where(tiny, torch.full_like(k, -127), k).clamp_(-127, 127)

@@ -300,3 +300,21 @@ def test_torchao_rceil_rounds_log2_in_float32():
         s, _ = to_mx(x, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL)
     assert q.scale.flatten().tolist() == [2.0**-9, 1.0]
     assert get_fp_scale(s).flatten().tolist() == [2.0**-10, 1.0]
+
+
+@needs_torchao
+@pytest.mark.parametrize("mode", ["floor", "ceil", "even", "rceil"])
+def test_torchao_e8m0_scales_of_subnormal_blocks(mode):
+    """Blocks whose amax is a few float32 subnormals: every mode gives E8M0's least scale
+    ``2 ** -127``, as torchao. For rceil ``amax / max`` underflows to 0 (log2 -inf); frexp's
+    exponent of 0 would make it ``2 ** 0``, a wrong scale found by the MX search's tests."""
+    x = torch.zeros(4, 32)
+    x[:, 0] = torch.tensor([1.4e-45, -2.8e-45, 1e-40, 1.2e-38])
+    spec = QuantSpec("fp4_e2m1", Block(32), scale=f"e8m0:{mode}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s, _ = to_mx(x, torch.float4_e2m1fn_x2, 32, scaling_mode=ScaleCalculationMode(mode))
+    ao = get_fp_scale(s).flatten()
+    assert torch.equal(observe(x, spec).scale.flatten(), ao)
+    if mode == "rceil":
+        assert ao[:2].tolist() == [2.0 ** -127] * 2

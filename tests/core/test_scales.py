@@ -103,7 +103,8 @@ def e8m0_ref(amax: float, fmt, mode: str) -> float:
         else:  # rceil: the smallest 2**k with amax / 2**k <= max, ratio computed in float32
             ratio = float(np.float32(amax) / np.float32(fmt.max))
             m2, e2 = math.frexp(ratio)
-            k = e2 - 1 if m2 == 0.5 else e2
+            # a ratio that underflows to 0: every 2 ** k holds it, the least is the clamp's
+            k = -127 if ratio == 0 else (e2 - 1 if m2 == 0.5 else e2)
     return 2.0 ** min(max(k, -127), 127)
 
 

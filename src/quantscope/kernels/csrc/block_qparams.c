@@ -41,11 +41,12 @@ static inline float exp2i(int k) {
     return k >= -126 ? float_of((k + 127) << 23) : float_of(1 << (k + 149));
 }
 
-/* ceil(log2 x) for positive finite x (frexp: one less when the mantissa is exactly 0.5) */
+/* ceil(log2 x) for positive finite x (frexp: one less when the mantissa is exactly 0.5);
+   -127, E8M0's least, for x 0 (a quotient that underflowed: log2 -inf) */
 static inline int ceil_log2(float x) {
     float m;
     const int e = frexp_pos(x, &m);
-    return m == 0.5f ? e - 1 : e;
+    return x == 0.0f ? -127 : (m == 0.5f ? e - 1 : e);
 }
 
 #if defined(__AVX2__)
@@ -109,9 +110,12 @@ static inline __m256i e8m0_k8(int mode, __m256 safe, __m256 top, float fm, int e
         const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(r, top, _CMP_GE_OQ));
         return _mm256_sub_epi32(_mm256_sub_epi32(_mm256_sub_epi32(e, one), up), vem);
     }
-    __m256 my;  /* ceil_log2(safe / fm) */
-    const __m256i ey = frexp_pos8(_mm256_div_ps(safe, _mm256_set1_ps(fm)), &my);
-    return _mm256_add_epi32(ey, eq8(my, 0.5f));
+    __m256 my;  /* ceil_log2(safe / fm), -127 where the quotient underflowed to 0 */
+    const __m256 q = _mm256_div_ps(safe, _mm256_set1_ps(fm));
+    const __m256i ey = frexp_pos8(q, &my);
+    return _mm256_blendv_epi8(_mm256_add_epi32(ey, eq8(my, 0.5f)), _mm256_set1_epi32(-127),
+                              _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_setzero_ps(),
+                                                                _CMP_EQ_OQ)));
 }
 #endif
 

@@ -12,7 +12,7 @@ within float32's subnormal minimum and maximum (``encode_scale``'s fp32). Blocks
 
 * E8M0: ``2 ** k``, ``k`` from the exponent of ``amax`` read off its bits (frexp), per mode
   (0 floor, 1 ceil, 2 even, 3 rceil; ``scales.E8M0_MODES``' order), ``-127`` for an all-zero
-  block, clamped to ``[-127, 127]``;
+  block (rceil: where ``amax / fmax`` underflows to 0), clamped to ``[-127, 127]``;
 * NVFP4: ``e4m3(amax / fmax * gs)`` (``_jit.fp_round``, the rounding of ``FloatFormat.round``
   that the float MSE pricing uses too), ``min_scale`` where not positive; the global scale
   ``gs`` computed in the same launch from the global amax (given, or the blocks' largest,
@@ -27,8 +27,8 @@ import triton.language as tl
 
 from ._jit import LAUNCH, fp_round, rint
 
-__all__ = ["amax_of", "e8m0_block_scales", "global_amax", "int_qparams", "nvfp4_block_code",
-           "nvfp4_qparams"]
+__all__ = ["amax_of", "e8m0_block_scales", "e8m0_exponent", "exp2i", "global_amax",
+           "int_qparams", "nvfp4_block_code", "nvfp4_qparams"]
 
 BLOCK = 1024
 
@@ -60,7 +60,7 @@ def _frexp(x):
 
 
 @triton.jit
-def _exp2i(k):
+def exp2i(k):
     """Exactly 2 ** k as float32 for integer k in [-149, 127]."""
     normal = ((k + 127) << 23).to(tl.float32, bitcast=True)
     # the shift kept in [0, 22] on both branches: a shift past 31 is undefined on the GPU
@@ -69,11 +69,10 @@ def _exp2i(k):
 
 
 @triton.jit
-def _e8m0_kernel(lo_ptr, hi_ptr, out_ptr, n, emax, fmax, MODE: tl.constexpr,
-                 TOP: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < n
-    amax = _amax(lo_ptr, hi_ptr, offs, mask)
+def e8m0_exponent(amax, emax, fmax, MODE: tl.constexpr, TOP: tl.constexpr):
+    """``scales.e8m0_scale``'s exponent ``k`` of the blocks' ``amax`` (the scale is ``2 **
+    k``, :func:`exp2i`): per mode (module doc), ``-127`` for an all-zero block, clamped to
+    ``[-127, 127]``."""
     tiny = amax <= 0.0
     safe = tl.where(tiny, 1.0, amax)
     m, e = _frexp(safe)
@@ -84,11 +83,20 @@ def _e8m0_kernel(lo_ptr, hi_ptr, out_ptr, n, emax, fmax, MODE: tl.constexpr,
     elif MODE == 2:
         carry = tl.floor(m * TOP + 0.5) >= TOP  # TOP = 2 ** (mbits + 1)
         k = e - 1 + carry.to(tl.int32) - emax
-    else:
-        my, ey = _frexp(tl.math.div_rn(safe, fmax))
-        k = tl.where(my == 0.5, ey - 1, ey)
-    k = tl.minimum(tl.maximum(tl.where(tiny, -127, k), -127), 127)
-    tl.store(out_ptr + offs, _exp2i(k), mask=mask)
+    else:  # -127 where the quotient underflows to 0 (log2 -inf)
+        q = tl.math.div_rn(safe, fmax)
+        my, ey = _frexp(q)
+        k = tl.where(q == 0.0, -127, tl.where(my == 0.5, ey - 1, ey))
+    return tl.minimum(tl.maximum(tl.where(tiny, -127, k), -127), 127)
+
+
+@triton.jit
+def _e8m0_kernel(lo_ptr, hi_ptr, out_ptr, n, emax, fmax, MODE: tl.constexpr,
+                 TOP: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    k = e8m0_exponent(_amax(lo_ptr, hi_ptr, offs, mask), emax, fmax, MODE, TOP)
+    tl.store(out_ptr + offs, exp2i(k), mask=mask)
 
 
 @triton.jit
