@@ -38,7 +38,8 @@ for m in ('triton', 'llmcompressor', 'compressed_tensors'):
 "$py" -m quantscope.kernels 2>&1 | tail -2
 if [[ $steps == *,triton,* ]]; then
     timeout "${TRITON_TIMEOUT:-240}" "$py" -m pytest -p no:cacheprovider -rs \
-        tests/kernels/test_triton_kernels.py tests/kernels/test_triton_ops.py \
+        tests/kernels/test_triton_kernels.py tests/kernels/test_triton_block_search.py \
+        tests/kernels/test_triton_ops.py \
         tests/kernels/test_triton_weighted.py tests/kernels/test_triton_minmax_observe.py \
         tests/kernels/test_mse_ops_engine.py tests/observers/test_device_ops.py \
         tests/observers/test_grouped.py tests/calibrate/test_grouped_weights.py \

@@ -95,7 +95,8 @@ def test_ops_engine_property(seed, rows, name, opt, log_scale):
 
 
 @pytest.mark.parametrize("name, price", [("int4-channel", "quantscope.mse_price_int"),
-                                         ("mxfp4", "quantscope.mse_price_fp"),
+                                         ("mxfp4", "quantscope.mx_mse"),
+                                         ("mxfp8", "quantscope.mx_mse"),
                                          ("nvfp4", "quantscope.nvfp4_mse")])
 def test_the_search_calls_the_ops(name, price):
     spec = SPECS[name]
@@ -103,8 +104,8 @@ def test_the_search_calls_the_ops(name, price):
     with OpNames() as seen:
         mse_search(u, None, None, spec, backend="ops")
     assert price in seen.names
-    # NVFP4's op selects too, from the errors it never writes out
-    assert ("quantscope.mse_select" in seen.names) != (name == "nvfp4")
+    # the block-scale ops select too, from the errors they never write out
+    assert ("quantscope.mse_select" in seen.names) == (name == "int4-channel")
 
 
 EXPANDED = OPTIONS["expanded"]
@@ -145,6 +146,19 @@ def test_off_the_cpu_the_nvfp4_search_is_one_op():
     assert res.lo.device.type == "meta" and res.lo.shape == (u.shape[0],)
 
 
+def test_off_the_cpu_the_mx_search_is_one_op():
+    """Off the CPU (meta) the MX search is ``quantscope::mx_mse`` alone: no
+    ``[candidates, units]`` qparams or pricing."""
+    spec = SPECS["mxfp4"]
+    u = units_of(spec, weight()).to("meta")
+    with OpNames() as seen:
+        res = mse_search(u, None, None, spec)
+    assert "quantscope.mx_mse" in seen.names
+    assert not {"quantscope.e8m0_block_scales", "quantscope.mse_price_fp",
+                "quantscope.mse_select"} & seen.names
+    assert res.lo.device.type == "meta" and res.lo.shape == (u.shape[0],)
+
+
 def test_off_the_cpu_the_ops_engine_is_the_default():
     """On a device other than the CPU (meta here: shapes only, through the ops' fake
     implementations) the default search runs the ops, with no host read-back."""
@@ -179,7 +193,8 @@ def test_what_the_ops_engine_refuses():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name, opt", [("int4-channel", "native"), ("nvfp4", "native"),
-                                       ("nvfp4", "expanded"), ("mxfp4", "native")])
+                                       ("nvfp4", "expanded"), ("mxfp4", "native"),
+                                       ("mxfp8", "global-rule")])
 def test_cuda_search_prices_as_the_cpu(name, opt):
     """On CUDA the default engine is the ops' (Triton): the C kernel's terms summed in another
     order, so the same choices but for an exact tie broken by the last bits of a float64

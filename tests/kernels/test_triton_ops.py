@@ -63,6 +63,10 @@ def _cases(device="cpu"):
         "nvfp4_search": (ops.nvfp4_search, (u, lo * 1.8, hi * 1.8,
                                             torch.tensor([1.8 * (1 - i / 200) for i in range(111)]),
                                             lo, hi, torch.tensor([3.0]), "fp4_e2m1", 2.0 ** -9)),
+        "mx_mse": (ops.mx_mse, (u, lo, hi, torch.tensor([1 - i / 100 for i in range(50)]), lo,
+                                hi, "fp4_e2m1", "floor", 20, 5, True, True, False)),
+        "mx_mse_rceil": (ops.mx_mse, (u, lo * 1.8, hi * 1.8, torch.tensor([1.0, 0.5, 0.3]), lo,
+                                      hi, "fp8_e4m3", "rceil", 3, -1, False, False, True)),
     }
     def to(a):
         if isinstance(a, list):
@@ -198,6 +202,18 @@ def _int64s(n):
     (lambda: ops.nvfp4_mse(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
                            *(torch.zeros(3),) * 2, torch.ones(1), "fp4_e2m1", 0.1, 5, 5, True,
                            True, False), r"nvfp4_mse: ext_start must be in \[0, 4\], got 5"),
+    (lambda: ops.mx_mse(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
+                        *(torch.zeros(3),) * 2, "fp4_e2m1", "round", 4, 5, True, True, False),
+     "mx_mse: mode must be one of"),
+    (lambda: ops.mx_mse(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
+                        *(torch.zeros(3),) * 2, "int8", "floor", 4, 5, True, True, False),
+     "mx_mse: format must be a float format"),
+    (lambda: ops.mx_mse(torch.zeros(3, 16), torch.zeros(2), torch.zeros(3), torch.ones(4),
+                        *(torch.zeros(3),) * 2, "fp4_e2m1", "floor", 4, 5, True, True, False),
+     r"mx_mse: lo must be a float32 tensor of shape \(3,\)"),
+    (lambda: ops.mx_mse(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
+                        *(torch.zeros(3),) * 2, "fp4_e2m1", "floor", 7, 5, True, True, False),
+     r"mx_mse: ext_start must be in \[0, 4\], got 7"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

@@ -26,14 +26,26 @@ _PRICE = {"x_ptr": "*fp32", "w_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32",
           "stride_w": "i32", "qmin": "fp32", "qmax": "fp32", "min_exp": "i32", "mbits": "i32",
           "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr",
           "FLOAT": "constexpr", "WEIGHTED": "constexpr"}
-#: what every kernel of kernels/triton/nvfp4.py takes (its ``_ranges``), and their constants
-_NVFP4_RANGES = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32", "ilo_ptr": "*fp32",
+#: what every kernel of kernels/triton/block_search.py takes (its ``_ranges``), and their
+#: constants (NVFP4's e4m3 block scales; ``ENC`` / ``TOP`` for the kernels that take MX's too)
+_BLOCK_RANGES = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32", "ilo_ptr": "*fp32",
                  "ihi_ptr": "*fp32", "amax_ptr": "*fp32", "U": "i32", "K": "i32",
                  "fmax": "fp32", "bmax": "fp32", "B_MIN_EXP": "constexpr",
                  "B_MBITS": "constexpr", "SUB_STEPS": "constexpr", "RATIO": "constexpr",
                  "BLOCK_K": "constexpr", "BLOCK_U": "constexpr"}
+_ANY_BLOCK = {**_BLOCK_RANGES, "emax": "i32", "ENC": "constexpr", "TOP": "constexpr"}
 _NVFP4_CONST = {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.0625 - 1e-5,
                 "BLOCK_K": 64, "BLOCK_U": 128}
+_ENC = {"nvfp4": {"ENC": -1, "TOP": 4.0}, "mx": {"ENC": 3, "TOP": 4.0, "RATIO": 2.0 - 1e-5}}
+_PRICE_BLOCK = {**_ANY_BLOCK, "x_ptr": "*fp32", "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
+                "flags_ptr": "*i8", "E": "i32", "G": "i32", "stride_u": "i32", "min_exp": "i32",
+                "mbits": "i32", "min_scale": "fp32", "TIE_LAST": "constexpr",
+                "BLOCK_E": "constexpr"}
+_SELECT_BLOCK = {**_ANY_BLOCK, "inc_ptr": "*fp64", "scratch_ptr": "*fp64", "gstop_ptr": "*i64",
+                 "idx_ptr": "*i64", "best_ptr": "*fp64", "ext_start": "i32", "patience": "i32",
+                 "min_scale": "fp32", "PER_UNIT": "constexpr", "USE_GLOBAL": "constexpr",
+                 "HAS_PATIENCE": "constexpr", "TIE_LAST": "constexpr"}
+_SELECT_CONST = {"PER_UNIT": True, "USE_GLOBAL": True, "HAS_PATIENCE": True, "TIE_LAST": False}
 _NVFP4 = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "amax_ptr": "*fp32", "out_ptr": "*fp32",
           "n": "i32", "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32", "gs_ptr": "*fp32",
           "MIN_EXP": "constexpr", "MBITS": "constexpr", "BLOCK_N": "constexpr"}
@@ -52,23 +64,19 @@ CASES = {
     "mse._price_kernel:weighted": (  # the imatrix search's weights (WEIGHTED)
         {**_PRICE, "z_ptr": "*fp32"}, {**_PRICE_CONST, "BLOCK_E": 1024, "ONE_TILE": False,
                                        "FLOAT": True, "WEIGHTED": True}),
-    "nvfp4._search_kernel": (  # the fused NVFP4 search: codes, enumeration, bisection
-        {**_NVFP4_RANGES, "x_ptr": "*fp32", "idx_ptr": "*i64", "best_ptr": "*fp64",
+    "block_search._search_kernel": (  # the fused NVFP4 search: codes, enumeration, bisection
+        {**_BLOCK_RANGES, "x_ptr": "*fp32", "idx_ptr": "*i64", "best_ptr": "*fp64",
          "E": "i32", "stride_u": "i32", "min_exp": "i32", "mbits": "i32", "min_scale": "fp32",
          "STEPS": "constexpr", "BLOCK_E": "constexpr"},
         {**_NVFP4_CONST, "STEPS": 8, "BLOCK_K": 128, "BLOCK_E": 16}),
-    "nvfp4._price_kernel": (  # under patience: the codes into a scratch, the global flags
-        {**_NVFP4_RANGES, "x_ptr": "*fp32", "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
-         "flags_ptr": "*i8", "E": "i32", "G": "i32", "stride_u": "i32", "min_exp": "i32",
-         "mbits": "i32", "min_scale": "fp32", "TIE_LAST": "constexpr", "BLOCK_E": "constexpr"},
-        {**_NVFP4_CONST, "TIE_LAST": False, "BLOCK_E": 16}),
-    "nvfp4._select_kernel": (  # then the candidates walked under mse_select's rules
-        {**_NVFP4_RANGES, "inc_ptr": "*fp64", "scratch_ptr": "*fp64", "gstop_ptr": "*i64",
-         "idx_ptr": "*i64", "best_ptr": "*fp64", "ext_start": "i32", "patience": "i32",
-         "min_scale": "fp32", "PER_UNIT": "constexpr", "USE_GLOBAL": "constexpr",
-         "HAS_PATIENCE": "constexpr", "TIE_LAST": "constexpr"},
-        {**_NVFP4_CONST, "PER_UNIT": True, "USE_GLOBAL": True, "HAS_PATIENCE": True,
-         "TIE_LAST": False}),
+    "block_search._price_kernel": (  # under patience: the codes into a scratch, the flags
+        _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["nvfp4"], "TIE_LAST": False, "BLOCK_E": 16}),
+    "block_search._select_kernel": (  # then the candidates walked under mse_select's rules
+        _SELECT_BLOCK, {**_NVFP4_CONST, **_ENC["nvfp4"], **_SELECT_CONST}),
+    "block_search._price_kernel:mx": (  # MX's E8M0 scales (rceil: an IEEE division)
+        _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], "TIE_LAST": False, "BLOCK_E": 32}),
+    "block_search._select_kernel:mx": (
+        _SELECT_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], **_SELECT_CONST}),
     "block_qparams._e8m0_kernel": (
         {**_F32, "emax": "i32", "fmax": "fp32", "MODE": "constexpr", "TOP": "constexpr",
          "BLOCK_N": "constexpr"}, {"MODE": 3, "TOP": 4.0, "BLOCK_N": 1024}),
@@ -161,8 +169,9 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["mse._price_kernel:fp"]
     assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
     assert "div.rn.f32" in found["block_qparams._int_kernel"]
-    for name in ("nvfp4._search_kernel", "nvfp4._price_kernel", "nvfp4._select_kernel",
-                 "histogram._histc_kernel"):
+    for name in ("block_search._search_kernel", "block_search._price_kernel",
+                 "block_search._select_kernel", "block_search._price_kernel:mx",
+                 "block_search._select_kernel:mx", "histogram._histc_kernel"):
         assert "div.rn.f32" in found[name], name
     assert "div.rn.f32" in found["block_qparams._nvfp4_kernel"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])

@@ -4,19 +4,20 @@ The engine for units off the CPU (a CUDA tensor: the ops run their Triton kernel
 Where the C engine (:mod:`.mse_kernel`) walks unit by unit and stops each unit early, this
 one has no host loop to stop: every candidate of the grid and of its extension is priced
 (``quantscope::mse_price_int`` for integer formats, ``quantscope::mse_price_fp`` for float
-element formats such as MX blocks), and ``quantscope::mse_select`` then applies the rules
-of ``mse_tiles._State``. Each rule looks only at the candidates before the one it judges,
-so pricing them all and selecting afterwards chooses what the early-stopping searches
-choose, and nothing is read back to the host. NVFP4 searches are one op with their
+element formats), and ``quantscope::mse_select`` then applies the rules of
+``mse_tiles._State``. Each rule looks only at the candidates before the one it judges, so
+pricing them all and selecting afterwards chooses what the early-stopping searches choose,
+and nothing is read back to the host. Block-scale searches are one op with their
 selection, which computes the candidates' block scales itself and prices each distinct one
-once: ``quantscope::nvfp4_search`` where the rules keep the first lowest error (no patience
-can stop them: ``nvfp4_expanded_mse``), ``quantscope::nvfp4_mse`` under any rules.
+once: NVFP4's ``quantscope::nvfp4_search`` where the rules keep the first lowest error (no
+patience can stop them: ``nvfp4_expanded_mse``), ``quantscope::nvfp4_mse`` under any
+rules; MX's ``quantscope::mx_mse`` (E8M0 block scales, one factor for both ends).
 
 The other formats' candidate qparams come from
 :func:`~quantscope.qparams.qparams_from_range`, in chunks of units (``[candidates, chunk]``
 blocks of at most ``chunk_elems`` x 16 values), and plateaus (a candidate whose encoded
 qparams equal the previous one's) are found from them as the torch path finds them (the
-NVFP4 ops are defined by the same steps). Errors are float64 sums of float32
+block-scale ops are defined by the same steps). Errors are float64 sums of float32
 fake-quant errors, as the other engines', so on the CPU (where the ops run the C kernel)
 this engine chooses what :mod:`.mse_kernel` chooses (tests compare them bit for bit).
 """
@@ -76,11 +77,16 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     squared error) as ops: ``(lo, hi, error, index)`` per unit."""
     dev = units.device
     ext = list(extend) if extend and per_unit and patience is not None else []
+    one_factor = list(f_lo) == list(f_hi)  # (host lists) both ends scaled alike
     f_lo = upload(list(f_lo) + ext, dev, torch.float32)
     f_hi = upload(list(f_hi) + ext, dev, torch.float32)
     if spec.scale.has_global_scale and global_amax is not None:
         idx, best = _nvfp4(units, lo, hi, f_lo, incumbent, global_amax, spec, patience,
                            per_unit, tie, len(ext))
+    elif spec.scale.kind == "e8m0" and one_factor:
+        idx, best = ops.mx_mse(units, lo, hi, f_lo, *incumbent, spec.format.name,
+                               spec.scale.mode, *_rules(f_lo.shape[0] - len(ext), patience,
+                                                        per_unit, tie))
     else:
         step = max(1, chunk_elems * _QPARAMS_PER_TILE // (f_lo.shape[0] + 1))
         idx, best = _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie,
@@ -102,9 +108,14 @@ def _nvfp4(units, lo, hi, f, incumbent, global_amax, spec, patience, per_unit, t
             float(spec.min_scale))
     if tie == "first" and (patience is None or patience > K):
         return ops.nvfp4_search(*args)
+    return ops.nvfp4_mse(*args, *_rules(K - n_ext, patience, per_unit, tie))
+
+
+def _rules(ext_start, patience, per_unit, tie) -> tuple:
+    """``mse_select``'s rule arguments of the search's options."""
     # native per-unit patience waits for the global rule too, within the grid (mse_tiles)
-    return ops.nvfp4_mse(*args, K - n_ext, -1 if patience is None else int(patience),
-                         bool(per_unit), patience is not None, tie == "last")
+    return (ext_start, -1 if patience is None else int(patience), bool(per_unit),
+            patience is not None, tie == "last")
 
 
 def _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie, incumbent,
@@ -118,7 +129,4 @@ def _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie, 
         err[:, a:b], same[:, a:b] = _price_chunk(
             units[a:b], lo[a:b], hi[a:b], f_lo, f_hi, (incumbent[0][a:b], incumbent[1][a:b]),
             spec, global_amax)
-    # native per-unit patience waits for the global rule too, within the grid (mse_tiles)
-    return ops.mse_select(err[1:], same, err[0], K - n_ext,
-                          -1 if patience is None else int(patience), bool(per_unit),
-                          patience is not None, tie == "last")
+    return ops.mse_select(err[1:], same, err[0], *_rules(K - n_ext, patience, per_unit, tie))

@@ -28,15 +28,20 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   priced ``[K, U]`` candidates: ``same[k, u]``, candidate ``k``'s qparams equal the previous
   one's (a plateau: not counted by per-unit patience); rows from ``ext_start`` on are the
   extension (per-unit rule only). ``patience < 0``: none. ``idx`` -1: the incumbent.
+  Defined in :mod:`.select_ops`.
 * ``nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
   ext_start, patience, per_unit, use_global, tie_last) -> (idx, best)``: an NVFP4 MSE
   search: candidate ``k``'s block scales are ``nvfp4_qparams`` of ``(lo * factors[k], hi *
   factors[k])`` under ``global_amax``, priced on ``units`` as ``mse_price_fp`` prices them
   (the incumbent: ``(inc_lo, inc_hi)``; :func:`nvfp4_price`), then ``mse_select``'s rules
-  (the rest of the arguments are its). On CUDA (:mod:`.triton.nvfp4`) each distinct fp8
+  (the rest of the arguments are its). On CUDA (:mod:`.triton.block_search`) each distinct
   block scale is priced once (a unit's candidates fall through consecutive e4m3 codes: ~9
   scales where the native grid has 50 factors) and no ``[candidates, units]`` tensor of
   errors or qparams is made.
+* ``mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, patience,
+  per_unit, use_global, tie_last) -> (idx, best)``: the same for MX: block scales
+  ``e8m0_block_scales`` in ``mode`` (:func:`mx_price`); on CUDA 2-4 distinct E8M0 scales a
+  unit where the grid has 20-50 factors.
 * ``nvfp4_search(...) -> (idx, best)``, ``nvfp4_mse``'s first nine arguments: the search
   whose rule is the first lowest error (no patience can stop it: ``nvfp4_expanded_mse``):
   ``nvfp4_mse`` without patience, on CUDA in one launch (the codes priced in order, then a
@@ -67,18 +72,20 @@ import torch
 from torch import Tensor
 
 from .._oplib import define
-from ..formats import FP8_E4M3
 from ..qdq import fake_quantize_units
 from ..qparams import _check_global_amax, _float_format
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
 from ..qparams import int_qparams_op as int_qparams
 from ..qparams import nvfp4_qparams_op as nvfp4_qparams
+from ..scales import E8M0_MODES
 from . import triton as _triton
 from .price_ops import _IntBounds, mse_price_fp, mse_price_int
+from .select_ops import _torch_mse_select, improved_rows, mse_select, stop_after
 
-__all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "int_qparams",
-           "mse_price_fp", "mse_price_int", "mse_select", "nvfp4_mse", "nvfp4_price",
-           "nvfp4_qparams", "nvfp4_search", "unit_minmax"]
+__all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "improved_rows",
+           "int_qparams", "mse_price_fp", "mse_price_int", "mse_select", "mx_mse", "mx_price",
+           "nvfp4_mse", "nvfp4_price", "nvfp4_qparams", "nvfp4_search", "stop_after",
+           "unit_minmax"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -216,119 +223,13 @@ fake_quant_int = define(
     _torch_fake_quant_int, cuda=_cuda_fake_quant_int, fake=_fake_fake_quant_int)
 
 
-# ---- the MSE search's selection ------------------------------------------------------------
+# ---- the block-scale searches: each distinct block scale priced once -----------------------
 
-def _check_select(err, same, incumbent, ext_start) -> None:
-    who = "mse_select"
-    if err.dim() != 2 or err.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"quantscope::{who}: err must be a float32 or float64 [candidates, "
-                         f"units] tensor, got {err.dtype} {tuple(err.shape)}")
-    if same.shape != err.shape or same.dtype != torch.bool or same.device != err.device:
-        raise ValueError(f"quantscope::{who}: same must be a bool tensor of err's shape "
-                         f"{tuple(err.shape)} on {err.device}, got {same.dtype} "
-                         f"{tuple(same.shape)} on {same.device}")
-    if incumbent.shape != err.shape[1:] or incumbent.dtype != err.dtype \
-            or incumbent.device != err.device:
-        raise ValueError(f"quantscope::{who}: incumbent must be a {err.dtype} tensor of shape "
-                         f"({err.shape[1]},) on {err.device}, got {incumbent.dtype} "
-                         f"{tuple(incumbent.shape)} on {incumbent.device}")
-    if not 0 <= ext_start <= err.shape[0]:
-        raise ValueError(f"quantscope::{who}: ext_start must be in [0, {err.shape[0]}], got "
-                         f"{ext_start}")
+#: the definitions' ``[candidates, chunk]`` qparams hold at most this many values
+_BLOCK_CHUNK = 1 << 22
 
 
-def improved_rows(err: Tensor, best: Tensor, tie_last: bool = False) -> Tensor:
-    """Which rows (candidates) of ``err [K, U]`` improve some unit on its running best,
-    starting from ``best [U]`` (strictly, or ``<=`` with ``tie_last``): what the global
-    rules (stop after ``patience`` rows improving no unit) count."""
-    before = torch.cat((best[None], err[:-1])).cummin(0).values  # each unit's best before
-    return ((err <= before) if tie_last else (err < before)).any(1)
-
-
-def _global_stop(err: Tensor, incumbent: Tensor, ext_start: int, patience: int,
-                 tie_last: bool) -> Tensor:
-    """The grid candidate after which the global rule has stopped (``ext_start`` if never),
-    as a one-value int64 tensor on ``err``'s device (no host read): until then every unit
-    is searching, so a unit improves at ``k`` exactly when ``err[k]`` beats its running
-    best; the rule stops ``patience`` candidates after the last one that improved any."""
-    grid = err[:ext_start]
-    improved = (improved_rows(grid, incumbent, tie_last) if patience >= 0
-                else grid.new_zeros(grid.shape[0], dtype=torch.bool))  # no rule: not read
-    return _stop_after(improved, patience)
-
-
-def _stop_after(improved: Tensor, patience: int) -> Tensor:
-    """The candidate after which the global rule stops (``len(improved)`` if never), as a
-    one-value int64 tensor: ``patience`` candidates after the last that ``improved`` some
-    unit (``patience < 0``: never)."""
-    K = improved.shape[0]
-    if K == 0 or patience < 0:
-        return torch.full((1,), K, dtype=torch.int64, device=improved.device)
-    k = torch.arange(K, device=improved.device)
-    last = torch.where(improved, k, -1).cummax(0).values
-    hit = (k - last) >= patience
-    first = hit.to(torch.int8).argmax()
-    return torch.where(hit.any(), first, K).reshape(1)
-
-
-def _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global,
-                      tie_last):
-    """The rules of ``mse_tiles._State.step``, candidate by candidate over ``[U]`` vectors."""
-    _check_select(err, same, incumbent, ext_start)
-    gstop = _global_stop(err, incumbent, ext_start, patience, tie_last)[0]
-    U = err.shape[1]
-    best, idx = incumbent.clone(), torch.full((U,), -1, dtype=torch.int64, device=err.device)
-    stale = torch.zeros(U, dtype=torch.int64, device=err.device)
-    stopped = torch.zeros(U, dtype=torch.bool, device=err.device)
-    for i in range(err.shape[0]):
-        grid_row = use_global and i < ext_start
-        g_stopped = (gstop < i) & grid_row
-        if patience < 0:
-            active = torch.ones_like(stopped)
-        elif per_unit:
-            active = ~(stopped & (g_stopped if grid_row else True))
-        else:
-            active = ~g_stopped.expand_as(stopped)
-        better = active & ((err[i] <= best) if tie_last else (err[i] < best))
-        best = torch.where(better, err[i], best)
-        idx = torch.where(better, i, idx)
-        if patience >= 0 and per_unit:
-            stale = torch.where(better, 0, stale + (active & ~better & ~same[i]).long())
-            stopped |= stale >= patience
-    return idx, best
-
-
-def _cuda_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
-    kernel = _triton.launchers("mse", err)
-    if kernel is None:
-        return _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit,
-                                 use_global, tie_last)
-    _check_select(err, same, incumbent, ext_start)
-    gstop = _global_stop(err, incumbent, ext_start, patience, tie_last)
-    return kernel.mse_select(err.contiguous(), same.contiguous(), incumbent.contiguous(), gstop,
-                             ext_start, None if patience < 0 else patience, per_unit,
-                             use_global, tie_last)
-
-
-def _fake_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last):
-    _check_select(err, same, incumbent, ext_start)
-    return (err.new_empty(err.shape[1], dtype=torch.int64), err.new_empty(err.shape[1]))
-
-
-mse_select = define(
-    "mse_select(Tensor err, Tensor same, Tensor incumbent, SymInt ext_start, SymInt patience, "
-    "bool per_unit, bool use_global, bool tie_last) -> (Tensor, Tensor)",
-    _torch_mse_select, cuda=_cuda_mse_select, fake=_fake_mse_select)
-
-
-# ---- NVFP4's searches: each distinct fp8 block scale priced once -----------------------------
-
-#: the definition's ``[candidates, chunk]`` qparams hold at most this many values
-_NVFP4_CHUNK = 1 << 22
-
-
-def _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                 ext_start=0):
+def _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, format, ext_start=0):
     if units.dim() != 2 or units.dtype != torch.float32:
         raise ValueError(f"quantscope::{who}: units must be a 2-D [units, elements] float32 "
                          f"tensor, got {units.dtype} {tuple(units.shape)}")
@@ -339,33 +240,64 @@ def _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, forma
         raise ValueError(f"quantscope::{who}: factors must be a non-empty 1-D float32 tensor "
                          f"on {units.device}, got {factors.dtype} {tuple(factors.shape)} on "
                          f"{factors.device}")
-    _check_global_amax(global_amax, units.device, who)
     if not 0 <= ext_start <= factors.shape[0]:
         raise ValueError(f"quantscope::{who}: ext_start must be in [0, {factors.shape[0]}], "
                          f"got {ext_start}")
     return _float_format(format, who)
 
 
-def nvfp4_price(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
-    """The NVFP4 searches' pricing, defined: float64 ``err [K + 1, U]`` (row 0 the incumbent
-    ``(inc_lo, inc_hi)``, row ``1 + k`` candidate ``k``: ``nvfp4_qparams`` of ``(lo *
-    factors[k], hi * factors[k])``, priced by ``mse_price_fp``) and ``same [K, U]`` (the
-    stored block scale equals the previous candidate's), chunk by chunk of units."""
-    fmt = _float_format(format, "nvfp4_price")
+def _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                 ext_start=0):
+    fmt = _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, format, ext_start)
+    _check_global_amax(global_amax, units.device, who)
+    return fmt
+
+
+def _check_mx(who, units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start=0):
+    fmt = _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, format, ext_start)
+    if mode not in E8M0_MODES:
+        raise ValueError(f"quantscope::{who}: mode must be one of {E8M0_MODES}, got {mode!r}")
+    return fmt
+
+
+def _block_price(units, lo, hi, factors, inc_lo, inc_hi, fmt, scales):
+    """The block-scale searches' pricing, defined: float64 ``err [K + 1, U]`` (row 0 the
+    incumbent ``(inc_lo, inc_hi)``, row ``1 + k`` candidate ``k``: the block scales of ``(lo
+    * factors[k], hi * factors[k])``, priced by ``mse_price_fp``) and ``same [K, U]`` (the
+    stored block scale equals the previous candidate's), chunk by chunk of units;
+    ``scales(lo, hi)``: the stored and the effective block scales of ranges."""
     K, U = factors.shape[0], units.shape[0]
     err = units.new_empty((K + 1, U), dtype=torch.float64)
     same = units.new_empty((K, U), dtype=torch.bool)
-    f, ga = factors[:, None], global_amax.reshape(1)
-    step = max(1, _NVFP4_CHUNK // (K + 1))
+    f = factors[:, None]
+    step = max(1, _BLOCK_CHUNK // (K + 1))
     for a in range(0, U, step):
         b = min(a + step, U)
-        scale, gs = nvfp4_qparams(torch.cat((inc_lo[None, a:b], lo[None, a:b] * f)),
-                                  torch.cat((inc_hi[None, a:b], hi[None, a:b] * f)), ga, format,
-                                  min_scale)
-        err[:, a:b] = mse_price_fp(units[a:b], (scale / gs).contiguous(), fmt.max, fmt.min_exp,
+        stored, effective = scales(torch.cat((inc_lo[None, a:b], lo[None, a:b] * f)),
+                                   torch.cat((inc_hi[None, a:b], hi[None, a:b] * f)))
+        err[:, a:b] = mse_price_fp(units[a:b], effective.contiguous(), fmt.max, fmt.min_exp,
                                    fmt.mbits)
-        same[:, a:b] = scale[1:] == scale[:-1]
+        same[:, a:b] = stored[1:] == stored[:-1]
     return err, same
+
+
+def nvfp4_price(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
+    """:func:`_block_price` of NVFP4's block scales: ``nvfp4_qparams`` under
+    ``global_amax`` (effective: block / global scale)."""
+    def scales(lo, hi):
+        scale, gs = nvfp4_qparams(lo, hi, global_amax.reshape(1), format, min_scale)
+        return scale, scale / gs
+    return _block_price(units, lo, hi, factors, inc_lo, inc_hi,
+                        _float_format(format, "nvfp4_price"), scales)
+
+
+def mx_price(units, lo, hi, factors, inc_lo, inc_hi, format, mode):
+    """:func:`_block_price` of MX's block scales: ``e8m0_block_scales`` in ``mode``."""
+    def scales(lo, hi):
+        scale = e8m0_block_scales(lo, hi, format, mode)
+        return scale, scale
+    return _block_price(units, lo, hi, factors, inc_lo, inc_hi,
+                        _float_format(format, "mx_price"), scales)
 
 
 def _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
@@ -379,36 +311,46 @@ def _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format
                              tie_last)
 
 
-def _triton_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
-                  *rules):
-    """``kernels.triton.nvfp4``'s launcher ``who`` on the op's arguments, or None where it
-    does not apply (no triton, rows longer than a tile or not contiguous)."""
-    kernel = _triton.launchers("nvfp4", units)
+def _block_kernel(units):
+    """``kernels.triton.block_search``'s launchers where they apply to ``units`` (else None:
+    no triton, rows longer than a tile or not contiguous)."""
+    kernel = _triton.launchers("block_search", units)
     if kernel is None or units.shape[1] > kernel.MAX_TILE or units.stride(1) != 1:
         return None
-    fmt = _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                       *rules[:1])
-    if rules:  # nvfp4_mse's: patience < 0 is None, and the global rule's stop
-        ext_start, patience, *flags = rules
-        rules = (ext_start, None if patience < 0 else patience, *flags,
-                 lambda improved: _stop_after(improved, patience))
-    return getattr(kernel, who)(
+    return kernel
+
+
+def _launch_rules(ext_start, patience, per_unit, use_global, tie_last):
+    """The launcher's rule arguments of an op's: ``patience < 0`` is None, and the global
+    rule's stop from the kernels' flags."""
+    return (ext_start, None if patience < 0 else patience, per_unit, use_global, tie_last,
+            lambda improved: stop_after(improved, patience))
+
+
+def _cuda_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
+                    *rules):
+    kernel = _block_kernel(units)
+    if kernel is None:
+        return _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                                min_scale, *rules)
+    fmt = _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
+                       format, rules[0])
+    return kernel.block_mse(
         units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
         inc_hi.contiguous(), global_amax.reshape(1), fmt.max, fmt.min_exp, fmt.mbits,
-        FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits, min_scale, *rules)
+        kernel.NVFP4, min_scale, *_launch_rules(*rules))
 
 
-def _cuda_nvfp4_mse(*args):
-    out = _triton_nvfp4("nvfp4_mse", *args)
-    return _torch_nvfp4_mse(*args) if out is None else out
+def _fake_block_search(units, *_):
+    return (units.new_empty(units.shape[0], dtype=torch.int64),
+            units.new_empty(units.shape[0], dtype=torch.float64))
 
 
 def _fake_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
                     ext_start, *rules):
     _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                  ext_start)
-    return (units.new_empty(units.shape[0], dtype=torch.int64),
-            units.new_empty(units.shape[0], dtype=torch.float64))
+    return _fake_block_search(units)
 
 
 nvfp4_mse = define(
@@ -426,18 +368,58 @@ def _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, for
                             min_scale, factors.shape[0], -1, False, False, False)
 
 
-def _cuda_nvfp4_search(*args):
-    out = _triton_nvfp4("nvfp4_search", *args)
-    return _torch_nvfp4_search(*args) if out is None else out
+def _cuda_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
+    kernel = _block_kernel(units)
+    if kernel is None:
+        return _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+                                   min_scale)
+    fmt = _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
+                       format)
+    return kernel.nvfp4_search(
+        units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
+        inc_hi.contiguous(), global_amax.reshape(1), fmt.max, fmt.min_exp, fmt.mbits,
+        kernel.NVFP4, min_scale)
 
 
 def _fake_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
     _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
-    return (units.new_empty(units.shape[0], dtype=torch.int64),
-            units.new_empty(units.shape[0], dtype=torch.float64))
+    return _fake_block_search(units)
 
 
 nvfp4_search = define(
     "nvfp4_search(Tensor units, Tensor lo, Tensor hi, Tensor factors, Tensor inc_lo, "
     "Tensor inc_hi, Tensor global_amax, str format, float min_scale) -> (Tensor, Tensor)",
     _torch_nvfp4_search, cuda=_cuda_nvfp4_search, fake=_fake_nvfp4_search)
+
+
+def _torch_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, patience,
+                  per_unit, use_global, tie_last):
+    """The definition: ``mse_select`` of :func:`mx_price`."""
+    _check_mx("mx_mse", units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start)
+    err, same = mx_price(units, lo, hi, factors, inc_lo, inc_hi, format, mode)
+    return _torch_mse_select(err[1:], same, err[0], ext_start, patience, per_unit, use_global,
+                             tie_last)
+
+
+def _cuda_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, *rules):
+    kernel = _block_kernel(units)
+    if kernel is None:
+        return _torch_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, *rules)
+    fmt = _check_mx("mx_mse", units, lo, hi, factors, inc_lo, inc_hi, format, mode, rules[0])
+    enc = kernel.Encoding(E8M0_MODES.index(mode), emax=fmt.emax, mbits=fmt.mbits)
+    return kernel.block_mse(
+        units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
+        inc_hi.contiguous(), None, fmt.max, fmt.min_exp, fmt.mbits, enc, 0.0,
+        *_launch_rules(*rules))
+
+
+def _fake_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, *rules):
+    _check_mx("mx_mse", units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start)
+    return _fake_block_search(units)
+
+
+mx_mse = define(
+    "mx_mse(Tensor units, Tensor lo, Tensor hi, Tensor factors, Tensor inc_lo, "
+    "Tensor inc_hi, str format, str mode, SymInt ext_start, SymInt patience, bool per_unit, "
+    "bool use_global, bool tie_last) -> (Tensor, Tensor)",
+    _torch_mx_mse, cuda=_cuda_mx_mse, fake=_fake_mx_mse)

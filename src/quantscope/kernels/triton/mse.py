@@ -19,8 +19,9 @@ global, ties) then run on the ``[K, U]`` prices: each depends only on the prices
 candidates before it, so pricing them all and selecting afterwards chooses what a search
 that stops early chooses.
 
-NVFP4's searches price and select in kernels of their own (:mod:`.nvfp4`), which reuse
-this module's pricing term (``_term``) and selection rules (``select_step``).
+The block-scale searches (NVFP4, MX) price and select in kernels of their own
+(:mod:`.block_search`), which reuse this module's pricing term (``_term``) and selection
+rules (``select_step``).
 """
 
 from __future__ import annotations

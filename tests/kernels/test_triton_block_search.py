@@ -1,0 +1,375 @@
+"""The block-scale MSE searches' Triton kernels (quantscope.kernels.triton.block_search)
+against their definitions (``kernels.ops``: every candidate's block scales priced, then
+``mse_select``): NVFP4's e4m3 block scales under a global scale and MX's E8M0 ones, each
+distinct scale of a unit priced once where its candidates fall through consecutive codes.
+
+Run as tests/kernels/test_triton_kernels.py runs (the interpreter on the CPU without a
+GPU, compiled with one; a child process where triton was imported first).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton
+import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from triton_interpreter import fresh_interpreter_test
+
+from quantscope.formats import get_format
+from quantscope.scales import E8M0_MODES
+
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+
+
+test_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
+
+
+def _assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
+    bits = lambda t: t.float().cpu().view(torch.int32)
+    assert got.shape == want.shape and torch.equal(bits(got), bits(want))
+
+
+# ---- NVFP4's searches: each distinct block scale priced once --------------------------------
+
+@triton.jit
+def _code_kernel(q_ptr, code_ptr, value_ptr, n, BLOCK: tl.constexpr):
+    from quantscope.kernels.triton.block_search import _code, _value
+
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    c = _code(tl.load(q_ptr + offs, mask=mask, other=0.0), -6, 3, 512.0)
+    tl.store(code_ptr + offs, c, mask=mask)
+    tl.store(value_ptr + offs, _value(c, -6, 3, 512.0), mask=mask)
+
+
+def test_e4m3_codes_count_the_values_in_order(device):
+    """``_code`` numbers the non-negative e4m3 values 0, 1, ... in increasing order and
+    ``_value`` gives each back exactly: the fused search enumerates block scales by code."""
+    values = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.all(values[1:] > values[:-1])  # 0 .. 448, increasing
+    codes = torch.empty(127, dtype=torch.int32, device=device)
+    back = torch.empty(127, device=device)
+    _code_kernel[(1,)](values.to(device), codes, back, 127, BLOCK=128)
+    assert torch.equal(codes.cpu(), torch.arange(127, dtype=torch.int32))
+    _assert_bitwise(back, values)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(1.0001, 1.0625 - 1e-5), st.floats(-30, 30), st.integers(0, 2 ** 31 - 1))
+def test_finely_falling_factors_step_block_codes_by_at_most_one(ratio, log_ga, seed):
+    """The fused search's premise (torch, no kernel): factors that fall by less than
+    ``1 + 1/16`` from one to the next move a unit's e4m3 block scale (``qparams``' formula,
+    under any global scale) by 0 or 1 code, so a unit's distinct candidate scales are
+    every code between its first candidate's and its last's."""
+    from quantscope.formats import FP4_E2M1
+    from quantscope.qparams import nvfp4_block_scales, nvfp4_global_scale
+
+    g = torch.Generator().manual_seed(seed)
+    ga = torch.tensor(2.0 ** log_ga)
+    amax = ga * torch.rand(512, generator=g).pow(8)  # every block scale code, saturation too
+    amax[:4] = torch.tensor([0.0, float("inf"), 2.0 * ga, 1e-30])
+    f = torch.tensor([1.8 / ratio ** k for k in range(80)], dtype=torch.float32)
+    gs = nvfp4_global_scale(ga, FP4_E2M1).reshape(1)
+    block = nvfp4_block_scales(amax[None] * f[:, None], gs, FP4_E2M1, 0.0)
+    codes = block.to(torch.float8_e4m3fn).view(torch.uint8).long()
+    steps = codes[:-1] - codes[1:]
+    assert ((steps == 0) | (steps == 1)).all()
+
+
+def _nvfp4_search_case(kind: str):
+    """(units, lo, hi, factors, inc_lo, inc_hi, global_amax) of a search case."""
+    g = torch.Generator().manual_seed(len(kind))
+    U, E = (30, 12) if kind == "e12" else (45, 16)
+    units = torch.randn(U, E, generator=g) * torch.rand(U, 1, generator=g).pow(3).mul(4)
+    units[3] = 0.0  # codes 0: min_scale
+    units[4] *= 1e-6  # block scales below e4m3's subnormals
+    units[5, 2] = 40.0  # an outlier: shrinking pays
+    units[6] = units[6].abs() + 0.5  # a range without 0 (a negative factor swaps its ends)
+    if kind == "exact":
+        return _nvfp4_exact_case(g)
+    factors = {"expanded": [1.8 * (1 - i / 200) for i in range(111)],
+               "native": [1 - i / 100 for i in range(50)],
+               "coarse": [1.3, 0.95, 0.7, 0.45],  # codes that skip: every candidate priced
+               "rising": [0.5, 0.8, 1.0, 1.2],
+               "one": [0.9], "negative": [-0.9],  # (lo * f, hi * f) swaps its ends
+               "inf": [float("inf")], "nan-factor": [1.0, float("nan"), 0.9],
+               "through-zero": [0.02, 0.01, 0.0, -0.01]}.get(
+                   kind, [1 - i / 100 for i in range(20)])
+    lo, hi = torch.aminmax(units, dim=1)
+    ga = units.abs().max().reshape(1)
+    expand = 1.8 if kind == "expanded" else 1.0
+    if kind == "nan":
+        units[7, 1] = float("nan")
+        lo, hi = torch.aminmax(units, dim=1)
+    if kind == "huge":  # block scales saturate at e4m3's 448
+        ga = ga / 1e6
+    return (units, lo * expand, hi * expand, torch.tensor(factors), lo, hi, ga)
+
+
+def _nvfp4_exact_case(g):
+    """Units on the fp4 grid of an e4m3 block scale (global scale 1): the incumbent and the
+    first candidates price 0, every smaller scale clips the unit's +-6; so under ties kept
+    last each unit improves only while its first code lasts, and the global rule stops."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    q0 = torch.tensor([1.0, 0.875, 1.25, 2.0, 3.5, 0.5, 0.625, 5.0, 7.0])
+    units = grid[torch.randint(0, 8, (9, 16), generator=g)]
+    units *= torch.randint(0, 2, (9, 16), generator=g) * 2.0 - 1.0
+    units[:, 0] = 6.0
+    units *= q0[:, None]
+    lo, hi = torch.aminmax(units, dim=1)
+    return (units, lo, hi, torch.tensor([1 - i / 100 for i in range(50)]), lo, hi,
+            torch.tensor([448.0 * 6.0]))
+
+
+NVFP4_CASES = ["expanded", "native", "coarse", "rising", "nan", "huge", "e12", "one",
+               "negative", "through-zero", "inf", "nan-factor"]
+
+
+#: (ext_start, patience, per_unit, use_global, tie_last) of nvfp4_mse, by name; ext_start
+#: of 20 (or all candidates, fewer): the candidates after it are the per-unit extension
+NVFP4_RULES = {"native": (20, 5, True, True, False), "global-rule": (20, 3, False, True, False),
+               "tie-last": (20, 4, True, True, True), "no-patience": (20, -1, False, False, False),
+               "no-global": (20, 2, True, False, False)}
+
+
+def _check_nvfp4_mse(device, kind, rules, block_u):
+    from quantscope.kernels import ops
+    from quantscope.kernels.triton import block_search
+
+    args = _nvfp4_search_case(kind)
+    ext, patience, per_unit, use_global, tie_last = NVFP4_RULES[rules]
+    ext = min(ext, args[3].shape[0])
+    want_idx, want_best = ops._torch_nvfp4_mse(*args, "fp4_e2m1", 2.0 ** -9, ext, patience,
+                                               per_unit, use_global, tie_last)
+    fmt, dev_args = get_format("fp4_e2m1"), [a.to(device) for a in args]
+    seen = []
+
+    def stop(improved):  # the global rule's flags, as the kernel gathered them
+        seen.append(improved.cpu())
+        return ops.stop_after(improved, patience)
+
+    got = [block_search.block_mse(*dev_args, fmt.max, fmt.min_exp, fmt.mbits,
+                                  block_search.NVFP4, 2.0 ** -9, ext,
+                                  None if patience < 0 else patience, per_unit, use_global,
+                                  tie_last, stop, block_u=block_u),
+           # the op's CUDA implementation (the launcher's arguments from the formats)
+           ops._cuda_nvfp4_mse(*dev_args, "fp4_e2m1", 2.0 ** -9, ext, patience, per_unit,
+                               use_global, tie_last)]
+    for idx, best in got:
+        assert torch.equal(idx.cpu(), want_idx)
+        torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
+    err, _ = ops.nvfp4_price(*args, "fp4_e2m1", 2.0 ** -9)
+    G = ext if use_global and patience >= 0 else 0
+    assert torch.equal(seen[0], ops.improved_rows(err[1:G + 1], err[0], tie_last))
+    return want_idx
+
+
+@pytest.mark.parametrize("kind", NVFP4_CASES)
+def test_nvfp4_mse_is_price_then_select(device, kind):
+    """NVFP4's search under patience (each distinct block scale priced once into a scratch
+    where a unit's candidates fall through consecutive codes, every candidate elsewhere;
+    the global rule's flags per program; the candidates then walked in order, each error
+    read from its code's row) chooses what pricing every candidate (``nvfp4_price``) and
+    ``mse_select`` choose."""
+    idx = _check_nvfp4_mse(device, kind, "native", None)
+    if kind == "native":  # both outcomes exercised
+        assert (idx >= 0).any() and (idx < 0).any()
+
+
+@pytest.mark.parametrize("rules", list(NVFP4_RULES))
+@pytest.mark.parametrize("kind", ["native", "coarse", "nan", "exact"])
+@pytest.mark.parametrize("block_u", [None, 4])
+def test_nvfp4_mse_rules(device, kind, rules, block_u):
+    """Every rule set of ``mse_select`` (per-unit patience over plateaus, the global rule
+    from every program's flags, ties kept last, none) on codes and on candidates, over
+    programs of 4 units too (the global rule then spans programs)."""
+    _check_nvfp4_mse(device, kind, rules, block_u)
+
+
+def test_nvfp4_mse_plateaus_are_equal_stored_scales(device):
+    """A plateau (not counted by per-unit patience) is a candidate whose STORED block scale
+    equals the previous one's: e4m3 0 and 2 ** -9 both store ``min_scale`` 2 ** -9, so the
+    unit below goes on to its exact scale 3 * 2 ** -9 at the last candidate."""
+    from quantscope.kernels import ops
+
+    g = torch.Generator().manual_seed(0)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    units = grid[torch.randint(0, 8, (3, 16), generator=g)] * 2.0 ** -9 * 3
+    units[:, 0] = 6.0 * 2.0 ** -9 * 3  # global scale 1: block scale amax / 6 = 3 * 2 ** -9
+    lo, hi = torch.aminmax(units, dim=1)
+    # codes 0, 1, 1, 1, 3; the incumbent's 0
+    args = (units, lo, hi, torch.tensor([0.1, 0.2, 0.3, 0.45, 1.0]), lo * 0.1, hi * 0.1,
+            torch.tensor([448.0 * 6.0]), "fp4_e2m1", 2.0 ** -9, 5, 1, True, False, False)
+    want = ops._torch_nvfp4_mse(*args)
+    assert want[0].tolist() == [4, 4, 4] and want[1].tolist() == [0.0] * 3
+    idx, best = ops._cuda_nvfp4_mse(*(a.to(device) if isinstance(a, torch.Tensor) else a
+                                      for a in args))
+    assert torch.equal(idx.cpu(), want[0]) and torch.equal(best.cpu(), want[1])
+
+
+@pytest.mark.parametrize("kind", NVFP4_CASES)
+@pytest.mark.parametrize("block_u", [None, 4])
+def test_nvfp4_search_is_price_then_select(device, kind, block_u):
+    """The fused search (each distinct block scale priced once where a unit's candidates
+    fall through consecutive codes; every candidate elsewhere) chooses what pricing every
+    candidate and selecting the first lowest chooses (``ops.nvfp4_search``'s definition)."""
+    from quantscope.kernels import ops
+    from quantscope.kernels.triton import block_search
+
+    args = _nvfp4_search_case(kind)
+    fmt = get_format("fp4_e2m1")
+    want_idx, want_best = ops._torch_nvfp4_search(*args, "fp4_e2m1", 2.0 ** -9)
+    idx, best = block_search.nvfp4_search(*(a.to(device) for a in args), fmt.max,
+                                          fmt.min_exp, fmt.mbits, block_search.NVFP4,
+                                          2.0 ** -9, block_u=block_u)
+    assert torch.equal(idx.cpu(), want_idx)
+    torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
+    # the op's CUDA implementation (the launcher's arguments from the formats) runs it alike
+    idx, best = ops._cuda_nvfp4_search(*(a.to(device) for a in args), "fp4_e2m1", 2.0 ** -9)
+    assert torch.equal(idx.cpu(), want_idx)
+    torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
+    if kind in ("expanded", "native", "coarse"):
+        assert (want_idx >= 0).any() and (want_idx < 0).any()  # both outcomes exercised
+
+
+# ---- MX's search: each distinct E8M0 block scale priced once -------------------------------
+
+@triton.jit
+def _e8m0_code_kernel(q_ptr, code_ptr, value_ptr, n, BLOCK: tl.constexpr):
+    from quantscope.kernels.triton.block_search import _scale_code, _scale_value
+
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    c = _scale_code(tl.load(q_ptr + offs, mask=mask, other=1.0), 0, 0, 0, 1.0)
+    tl.store(code_ptr + offs, c, mask=mask)
+    tl.store(value_ptr + offs, _scale_value(c, 0, 0, 0, 1.0), mask=mask)
+
+
+def test_e8m0_codes_count_the_scales_in_order(device):
+    """``_scale_code`` numbers E8M0's scales ``2 ** -127`` (a float32 subnormal) ..
+    ``2 ** 127`` as 0, 1, ... and ``_scale_value`` gives each back exactly."""
+    values = torch.tensor([2.0 ** k for k in range(-127, 128)], dtype=torch.float32)
+    assert values[0] > 0 and torch.all(values[1:] == values[:-1] * 2)  # exact, subnormal too
+    codes = torch.empty(255, dtype=torch.int32, device=device)
+    back = torch.empty(255, device=device)
+    _e8m0_code_kernel[(1,)](values.to(device), codes, back, 255, BLOCK=256)
+    assert torch.equal(codes.cpu(), torch.arange(255, dtype=torch.int32))
+    _assert_bitwise(back, values)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(1.0001, 2.0 - 1e-4), st.sampled_from(E8M0_MODES),
+       st.sampled_from(["fp4_e2m1", "fp6_e3m2", "fp8_e4m3"]), st.floats(-100, 100),
+       st.integers(0, 2 ** 31 - 1))
+def test_finely_falling_factors_step_e8m0_codes_by_at_most_one(ratio, mode, name, log_s,
+                                                                 seed):
+    """The scratch's premise for MX (torch, no kernel): factors that fall by less than 2
+    from one to the next move a unit's E8M0 scale (``e8m0_block_scales``, any mode) by 0 or
+    1 code, so a unit's distinct scales are every code between its first candidate's and its
+    last's."""
+    from quantscope.kernels import ops
+
+    g = torch.Generator().manual_seed(seed)
+    amax = 2.0 ** log_s * torch.rand(256, generator=g).pow(8)
+    amax[:3] = torch.tensor([0.0, float("inf"), 1e-44])
+    f = torch.tensor([1.8 / ratio ** k for k in range(60)], dtype=torch.float32)
+    lo, hi = -amax[None] * f[:, None], amax[None] * f[:, None]
+    scale = ops.e8m0_block_scales(lo, hi, name, mode)
+    codes = (scale.view(torch.int32) >> 23) & 255  # exponent fields: 2 ** -127 reads 0
+    steps = codes[:-1] - codes[1:]
+    assert ((steps == 0) | (steps == 1)).all()
+
+
+def _mx_case(kind: str):
+    """(units, lo, hi, factors, inc_lo, inc_hi) of an MX search case: NVFP4's cases, and
+    factors coarser than E8M0's codes (``mx-coarse``: every candidate priced), units on an
+    fp4 grid under power-of-two scales (``mx-exact``: ties), subnormal units (``tiny``)."""
+    if kind in ("mx-coarse", "mx-exact", "tiny"):
+        units, lo, hi, factors, inc_lo, inc_hi, _ = _nvfp4_search_case("native")
+        if kind == "mx-exact":
+            g = torch.Generator().manual_seed(3)
+            grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+            units = grid[torch.randint(0, 8, (9, 16), generator=g)]
+            units[:, 0] = 6.0  # floor mode: scale 2 ** k, every element exact
+            units *= 2.0 ** torch.arange(-4, 5, dtype=torch.float32)[:, None]
+            lo, hi = torch.aminmax(units, dim=1)
+            inc_lo, inc_hi = lo, hi
+        elif kind == "tiny":
+            units = units * 1e-41  # float32 subnormals: scales clamp at 2 ** -127
+            lo, hi = torch.aminmax(units, dim=1)
+            inc_lo, inc_hi = lo, hi
+        else:
+            factors = torch.tensor([4.0, 1.5, 0.3, 0.1])
+        return units, lo, hi, factors, inc_lo, inc_hi
+    return _nvfp4_search_case(kind)[:6]
+
+
+MX_CASES = ["native", "expanded", "coarse", "rising", "nan", "e12", "one", "negative",
+            "through-zero", "inf", "nan-factor", "mx-coarse", "mx-exact", "tiny"]
+
+
+def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor"):
+    from quantscope.kernels import ops
+    from quantscope.kernels.triton import block_search
+
+    args = _mx_case(kind)
+    ext, patience, per_unit, use_global, tie_last = NVFP4_RULES[rules]
+    ext = min(ext, args[3].shape[0])
+    want_idx, want_best = ops._torch_mx_mse(*args, name, mode, ext, patience, per_unit,
+                                            use_global, tie_last)
+    fmt, dev_args = get_format(name), [a.to(device) for a in args]
+    enc = block_search.Encoding(E8M0_MODES.index(mode), emax=fmt.emax, mbits=fmt.mbits)
+    seen = []
+
+    def stop(improved):  # the global rule's flags, as the kernel gathered them
+        seen.append(improved.cpu())
+        return ops.stop_after(improved, patience)
+
+    got = [block_search.block_mse(*dev_args, None, fmt.max, fmt.min_exp, fmt.mbits, enc, 0.0,
+                                  ext, None if patience < 0 else patience, per_unit,
+                                  use_global, tie_last, stop, block_u=block_u),
+           # the op's CUDA implementation (the launcher's arguments from the format, mode)
+           ops._cuda_mx_mse(*dev_args, name, mode, ext, patience, per_unit, use_global,
+                            tie_last)]
+    for idx, best in got:
+        assert torch.equal(idx.cpu(), want_idx)
+        torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
+    err, _ = ops.mx_price(*args, name, mode)
+    G = ext if use_global and patience >= 0 else 0
+    assert torch.equal(seen[0], ops.improved_rows(err[1:G + 1], err[0], tie_last))
+    return want_idx
+
+
+@pytest.mark.parametrize("kind", MX_CASES)
+def test_mx_mse_is_price_then_select(device, kind):
+    """MX's search (each distinct E8M0 scale priced once into a scratch where a unit's
+    candidates fall through consecutive codes, every candidate elsewhere; then walked under
+    ``mse_select``'s rules) chooses what pricing every candidate (``mx_price``) and
+    ``mse_select`` choose."""
+    idx = _check_mx_mse(device, kind, "native", None)
+    if kind in ("expanded", "coarse", "mx-coarse"):  # both outcomes exercised
+        assert (idx >= 0).any() and (idx < 0).any()
+
+
+@pytest.mark.parametrize("mode", E8M0_MODES)
+@pytest.mark.parametrize("name", ["fp4_e2m1", "fp6_e3m2", "fp8_e4m3"])
+@pytest.mark.parametrize("kind", ["expanded", "mx-exact"])
+def test_mx_mse_modes_and_formats(device, mode, name, kind):
+    """Every E8M0 rounding mode on the MX element formats (the scale's exponent from the
+    format's emax, its mantissa bits for ``even``, its max for ``rceil``)."""
+    _check_mx_mse(device, kind, "native", None, name, mode)
+
+
+@pytest.mark.parametrize("rules", list(NVFP4_RULES))
+@pytest.mark.parametrize("kind", ["expanded", "mx-coarse", "mx-exact", "nan"])
+@pytest.mark.parametrize("block_u", [None, 4])
+def test_mx_mse_rules(device, kind, rules, block_u):
+    """Every rule set of ``mse_select`` on codes and on candidates, over programs of 4 units
+    too (the global rule then spans programs)."""
+    _check_mx_mse(device, kind, rules, block_u)
