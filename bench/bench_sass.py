@@ -168,42 +168,59 @@ _LLMC_FORMAT = {"QUANT_TYPE": 0, "NUM_BITS": 4, "HAS_ZP": False, "SYMMETRIC": Tr
                 "SCALE_ROUND_TYPE": 0, "OBSERVED_DTYPE": 0}
 
 
-def _code_trips(spec, factors, expand, rows=512, cols=4096, block_u=128) -> tuple[float, int]:
-    """The NVFP4 kernels' codes-loop trips on a Gaussian weight: (codes priced per program
-    and global amax tried, summed over those tried, each the program's widest span + 1;
-    the global amaxes tried), from ``qparams``' formula on the first and last candidates."""
+def _code_trips(spec, factors, expand, rows=512, cols=4096) -> tuple[float, int]:
+    """The block-scale kernels' codes-loop trips on a Gaussian weight: (codes priced per
+    program and global amax tried, summed over those tried, each the program's widest span
+    + 1; the global amaxes tried: NVFP4's 4, MX's one), from ``qparams``' formulas on the
+    first and last candidates."""
     from quantscope.estimators.mse import _global_amaxes
+    from quantscope.kernels import ops
     from quantscope.qparams import nvfp4_block_scales, nvfp4_global_scale
 
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
-    amax = w.reshape(-1, 16).abs().amax(1) * expand
-    gas = _global_amaxes(w.abs().max(), spec, True, None)
+    size = spec.layout.size
+    amax = w.reshape(-1, size).abs().amax(1) * expand
+    mx = spec.scale.kind == "e8m0"
+    gas = [None] if mx else _global_amaxes(w.abs().max(), spec, True, None)
     trips = 0.0
     for ga in gas:
-        gs = nvfp4_global_scale(ga, spec.format).reshape(1)
-        first, last = (nvfp4_block_scales(amax * f_k, gs, spec.format, spec.min_scale)
-                       .to(torch.float8_e4m3fn).view(torch.uint8).long()
-                       for f_k in (factors[0], factors[-1]))
-        span = (first - last).reshape(-1, block_u).amax(1)
+        if mx:  # E8M0 codes: the scales' exponent fields
+            first, last = ((ops.e8m0_block_scales(-amax * f, amax * f, spec.format.name,
+                                                  spec.scale.mode).view(torch.int32) >> 23)
+                           for f in (factors[0], factors[-1]))
+        else:
+            gs = nvfp4_global_scale(ga, spec.format).reshape(1)
+            first, last = (nvfp4_block_scales(amax * f, gs, spec.format, spec.min_scale)
+                           .to(torch.float8_e4m3fn).view(torch.uint8).long()
+                           for f in (factors[0], factors[-1]))
+        span = (first - last).reshape(-1, 2048 // size).amax(1)  # the launcher's BLOCK_U
         trips += float(span.float().mean()) + 1
     return trips, len(gas)
 
 
-_NVFP4_RANGES = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32", "ilo_ptr": "*fp32",
+#: the block-scale kernels' arguments (kernels/triton/block_search.py): their ``_ranges``'
+#: (``_ANY_BLOCK``: with MX's too), a tile of units, and NVFP4's / MX's constants
+_BLOCK_RANGES = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32", "ilo_ptr": "*fp32",
                  "ihi_ptr": "*fp32", "amax_ptr": "*fp32", "U": "i32", "K": "i32",
                  "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32", "B_MIN_EXP": "constexpr",
                  "B_MBITS": "constexpr", "SUB_STEPS": "constexpr", "RATIO": "constexpr",
                  "BLOCK_K": "constexpr", "BLOCK_U": "constexpr"}
-_NVFP4_TILE = {"x_ptr": "*fp32", "E": "i32", "stride_u": "i32", "min_exp": "i32",
-               "mbits": "i32", "BLOCK_E": "constexpr"}
+_ANY_BLOCK = {**_BLOCK_RANGES, "emax": "i32", "ENC": "constexpr", "TOP": "constexpr"}
+_TILE = {"x_ptr": "*fp32", "E": "i32", "stride_u": "i32", "min_exp": "i32", "mbits": "i32",
+         "BLOCK_E": "constexpr"}
 _NVFP4_CONST = {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.0625 - 1e-5,
                 "BLOCK_K": 128, "BLOCK_U": 128}
+_ENC = {"nvfp4": {**_NVFP4_CONST, "ENC": -1, "TOP": 4.0, "BLOCK_E": 16},
+        "mx": {**_NVFP4_CONST, "ENC": 0, "TOP": 4.0, "RATIO": 2.0 - 1e-5, "BLOCK_U": 64,
+               "BLOCK_E": 32}}
 
 
 def _codes_cost(price, codes: float, others=()) -> tuple[float, float, float]:
-    """(SASS, MUFU + F2F SASS, codes priced) per element of an NVFP4 kernel whose pricing loop
-    body ``price`` runs ``codes`` times a thread, and each other loop body of ``others``
-    (``(body, trips)``) its trips; 16 elements a thread (one unit)."""
+    """(SASS, MUFU + F2F SASS, codes priced) per element of a block-scale kernel whose
+    pricing loop body ``price`` runs ``codes`` times a thread, and each other loop body of
+    ``others`` (``(body, trips)``) its trips. A program's tile is 2048 elements over 128
+    threads: 16 a thread in the pricing loop; the per-unit loops run one unit a thread
+    (NVFP4: 128 units of 16) or a unit on two threads (MX: 64 of 32), 16 elements each."""
     per_thread = sum(price.values()) * codes + sum(sum(b.values()) * n for b, n in others)
     return per_thread / 16, (price["MUFU"] + price["F2F"]) * codes / 16, codes
 
@@ -212,7 +229,7 @@ def _fused_nvfp4_case(spec, opts) -> dict:
     """The fused ``nvfp4_search``: per global amax, the incumbent and each program's codes
     priced (the pricing loop), then a bisection; its candidates column counts the codes."""
     from quantscope.estimators.mse import shrink_factors
-    from quantscope.kernels.triton import nvfp4
+    from quantscope.kernels.triton import block_search
 
     factors = shrink_factors(opts["maxshrink"], opts["grid"], 1.0)
     trips, passes = _code_trips(spec, factors, opts["expand"])
@@ -226,31 +243,33 @@ def _fused_nvfp4_case(spec, opts) -> dict:
 
     return {"case": "NVFP4 search 8192 x 4096",
             "who": "quantscope nvfp4_expanded_mse (fused nvfp4_search)",
-            "kernel": lambda: nvfp4._search_kernel, "warps": 4, "cost": cost,
-            "sig": {**_NVFP4_RANGES, **_NVFP4_TILE, "idx_ptr": "*i64", "best_ptr": "*fp64",
+            "kernel": lambda: block_search._search_kernel, "warps": 4, "cost": cost,
+            "sig": {**_BLOCK_RANGES, **_TILE, "idx_ptr": "*i64", "best_ptr": "*fp64",
                     "STEPS": "constexpr"},
             "const": {**_NVFP4_CONST, "STEPS": steps, "BLOCK_E": 16},
             "div16": ("U", "E", "stride_u"), "elements": 8192 * 4096}
 
 
-def _nvfp4_mse_case(spec) -> dict:
-    """``nvfp4_mse`` under the native rules (patience 5, the grid's 20 factors and the
-    per-unit extension's 30): per global amax, its price kernel (the incumbent and each
-    program's codes priced, then the global rule's flags over the grid's candidates, one
-    unit a thread) and its select kernel (the 50 candidates walked, one unit a thread);
-    its candidates column counts the codes priced."""
-    from quantscope.kernels.triton import nvfp4
+def _block_mse_case(spec, enc: str, case: str, who: str, elements: int) -> dict:
+    """``nvfp4_mse`` / ``mx_mse`` under the native rules (patience 5, the grid's 20 factors
+    and the per-unit extension's 30): per global amax, the price kernel (the incumbent and
+    each program's codes priced, then the global rule's flags over the grid's candidates)
+    and the select kernel (the 50 candidates walked); the candidates column counts the
+    codes priced."""
+    from quantscope.kernels.triton import block_search
 
     K, G = 50, 20
     trips, passes = _code_trips(spec, [1 - i / 100 for i in range(K)], 1.0)
-    select_text = sass(nvfp4._select_kernel,
-                       {**_NVFP4_RANGES, "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
+    const = {**_ENC[enc], "BLOCK_K": 64}
+    select_text = sass(block_search._select_kernel,
+                       {**_ANY_BLOCK, "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
                         "gstop_ptr": "*i64", "idx_ptr": "*i64", "best_ptr": "*fp64",
                         "ext_start": "i32", "patience": "i32", "PER_UNIT": "constexpr",
                         "USE_GLOBAL": "constexpr", "HAS_PATIENCE": "constexpr",
                         "TIE_LAST": "constexpr"},
-                       {**_NVFP4_CONST, "BLOCK_K": 64, "PER_UNIT": True, "USE_GLOBAL": True,
-                        "HAS_PATIENCE": True, "TIE_LAST": False}, 4, ("U",))
+                       {k: v for k, v in const.items() if k != "BLOCK_E"} | {
+                           "PER_UNIT": True, "USE_GLOBAL": True, "HAS_PATIENCE": True,
+                           "TIE_LAST": False}, 4, ("U",))
 
     def cost(text):
         bodies = loops(text)
@@ -259,13 +278,12 @@ def _nvfp4_mse_case(spec) -> dict:
         select = max(loops(select_text), key=lambda b: sum(b.values()))
         return _codes_cost(price, trips + passes, [(flags, G * passes), (select, K * passes)])
 
-    return {"case": "NVFP4 search 8192 x 4096",
-            "who": "quantscope mse, NVFP4 (patience 5: nvfp4_mse's two kernels)",
-            "kernel": lambda: nvfp4._price_kernel, "warps": 4, "cost": cost,
-            "sig": {**_NVFP4_RANGES, **_NVFP4_TILE, "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
+    return {"case": case, "who": who, "kernel": lambda: block_search._price_kernel,
+            "warps": 4, "cost": cost,
+            "sig": {**_ANY_BLOCK, **_TILE, "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
                     "flags_ptr": "*i8", "G": "i32", "TIE_LAST": "constexpr"},
-            "const": {**_NVFP4_CONST, "BLOCK_K": 64, "TIE_LAST": False, "BLOCK_E": 16},
-            "div16": ("U", "E", "stride_u"), "elements": 8192 * 4096}
+            "const": {**const, "TIE_LAST": False}, "div16": ("U", "E", "stride_u"),
+            "elements": elements}
 
 
 def cases() -> list[dict]:
@@ -285,8 +303,23 @@ def cases() -> list[dict]:
          "div16": ("U", "E", "stride_u"),
          "candidates": ours_candidates(int4, (64, 4096)), "elements": 4096 * 4096},
     ]
-    out.append(_nvfp4_mse_case(nvfp4))
-    out.append(_fused_nvfp4_case(nvfp4, expanded))
+    mx_case = "MSE MXFP4 4096 x 4096 (native: patience 5)"
+    out += [
+        _block_mse_case(nvfp4, "nvfp4", "NVFP4 search 8192 x 4096",
+                        "quantscope mse, NVFP4 (patience 5: nvfp4_mse's two kernels)",
+                        8192 * 4096),
+        _fused_nvfp4_case(nvfp4, expanded),
+        # MX before mx_mse: every candidate's E8M0 scales priced (mse_price_fp), 50 and the
+        # incumbent
+        {"case": mx_case, "who": "quantscope mse, MXFP4, every candidate priced (before)",
+         "kernel": lambda: mse._price_kernel, "warps": 4, "per_pass": 32 * 64 // 128,
+         "sig": {**_PRICE, "z_ptr": "*fp32"},
+         "const": {"BLOCK_U": 64, "BLOCK_E": 32, "ONE_TILE": True, "FLOAT": True,
+                   "WEIGHTED": False}, "div16": ("U", "E", "stride_u"), "candidates": 51,
+         "elements": 4096 * 4096},
+        _block_mse_case(presets.MXFP4, "mx", mx_case,
+                        "quantscope mse, MXFP4 (mx_mse's two kernels)", 4096 * 4096),
+    ]
     site = _peer_site()
     if site is None:
         return out
