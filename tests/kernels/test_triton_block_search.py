@@ -213,6 +213,39 @@ def test_nvfp4_mse_plateaus_are_equal_stored_scales(device):
     assert torch.equal(idx.cpu(), want[0]) and torch.equal(best.cpu(), want[1])
 
 
+def test_nvfp4_flags_carry_a_nan_error_as_torch_cummin(device):
+    """The global rule's running best follows ``torch.cummin`` (``ops.improved_rows``): a
+    NaN error makes it NaN, and no later candidate then counts as improving. With
+    ``min_scale`` 0 a block scale coded 0 stores 0, and the unit's zeros price NaN (0 / 0):
+    candidate 0 here (factor 0.1); candidate 1 (code 1, exact) beats the incumbent (code 3)
+    but follows the NaN, so neither is flagged. A running minimum that drops NaN (the GPU's
+    plain ``min``) would flag candidate 1."""
+    from quantscope.formats import get_format
+    from quantscope.kernels import ops
+    from quantscope.kernels.triton import block_search
+
+    q = 2.0 ** -9
+    units = torch.zeros(2, 16)
+    units[:, 1] = 0.5 * q  # exact under the block scale q, lost under 3 q
+    units[:, 2] = 6.0 * q  # the amax: e4m3 code 1 (q) at factor 1, global scale 1
+    lo, hi = torch.aminmax(units, dim=1)
+    args = (units, lo, hi, torch.tensor([0.1, 1.0]), lo, hi * 3,
+            torch.tensor([448.0 * 6.0]))
+    err, _ = ops.nvfp4_price(*args, "fp4_e2m1", 0.0)
+    assert err[1].isnan().all() and (err[2] < err[0]).all()  # the case is what it says
+    want = ops.improved_rows(err[1:], err[0])
+    assert not want.any()
+    seen, fmt = [], get_format("fp4_e2m1")
+
+    def stop(improved):
+        seen.append(improved.cpu())
+        return ops.stop_after(improved, 5)
+
+    block_search.block_mse(*(a.to(device) for a in args), fmt.max, fmt.min_exp, fmt.mbits,
+                           block_search.NVFP4, 0.0, 2, 5, True, True, False, stop)
+    assert torch.equal(seen[0], want)
+
+
 @pytest.mark.parametrize("kind", NVFP4_CASES)
 @pytest.mark.parametrize("block_u", [None, 4])
 def test_nvfp4_search_is_price_then_select(device, kind, block_u):
