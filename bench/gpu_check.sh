@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One run on a lent CUDA machine (issues 19 and 35). Issue 35 first: the Triton kernels' tests
-# compiled on the GPU (tests/kernels/test_triton_*.py: bitwise against the torch path, opcheck
-# on CUDA; the observers, the MSE engine and the block qparams on CUDA against the CPU's, a
-# CUDA graph replay), then bench/gpu_triton.py (every row of issue 35's table: the ops against
-# one torch.aminmax, the peers' GPU paths, the whole model; tables for docs/benchmarks.md).
+# One run on a lent CUDA machine (issues 19 and 35). Issue 35 first: bench/gpu_triton.py
+# (every row of issue 35's table: the ops against one torch.aminmax, the peers' GPU paths, the
+# whole model; tables for docs/benchmarks.md), then the Triton kernels' tests compiled on the
+# GPU (tests/kernels/test_triton_*.py: bitwise against the torch path, opcheck on CUDA; the
+# observers, the MSE engine and the block qparams on CUDA against the CPU's, a CUDA graph
+# replay). The table first: it is what only a GPU run can give, and each test's kernel
+# variants compile there, so the tests are the step a short device call may cut.
 # Then issue 19's: every CUDA test, and bench_cuda.py. Needs python with torch (CUDA), triton,
 # pytest and hypothesis (the device image has them); quantscope from this checkout, C kernels
 # built here. llm-compressor comes from the wheelhouse .whl/ when present (bench/gpu_wheels.sh
@@ -11,16 +13,17 @@
 # Logs go to $OUT (default /tmp/gpu-check); the benches' results, under bench/run.py's header, to
 # $OUT/results/{gpu,cuda}.txt: copy them into bench/results/, then `make bench-docs`.
 # Usage: bash bench/gpu_check.sh
-# STEPS picks the steps, in this order: triton, bench35 (issue 35's, the default: about 3-6
+# STEPS picks the steps, in this order: bench35, triton (issue 35's, the default: about 3-6
 # minutes with the kernels' compiles; by estimate bench35 alone 2-4 minutes on an H200, the
-# NVFP4 and whole-model rows about half of it: BENCH35_TIMEOUT 360 s, so both steps fit one
-# 600 s device call), cuda, bench19 (issue 19's: up to 7.5 more minutes).
+# NVFP4 and whole-model rows about half of it: BENCH35_TIMEOUT 360 s and TRITON_TIMEOUT 220 s,
+# so both steps fit one 600 s device call), cuda, bench19 (issue 19's: up to 7.5 more
+# minutes).
 # QUANTSCOPE_GPU_ROWS=nvfp4,model (say) reruns only those rows of bench35.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-steps=",${STEPS:-triton,bench35},"
+steps=",${STEPS:-bench35,triton},"
 site=/tmp/gpu-check-site
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -36,8 +39,12 @@ for m in ('triton', 'llmcompressor', 'compressed_tensors'):
     print(m, __import__(m).__version__ if u.find_spec(m) else 'absent')"
 } 2>&1 | tee "$out/env.log"
 "$py" -m quantscope.kernels 2>&1 | tail -2
+if [[ $steps == *,bench35,* ]]; then
+    timeout "${BENCH35_TIMEOUT:-360}" "$py" bench/run.py --results "$out/results" gpu 2>&1 \
+        | tee "$out/gpu_triton.log"
+fi
 if [[ $steps == *,triton,* ]]; then
-    timeout "${TRITON_TIMEOUT:-240}" "$py" -m pytest -p no:cacheprovider -rs \
+    timeout "${TRITON_TIMEOUT:-220}" "$py" -m pytest -p no:cacheprovider -rs \
         tests/kernels/test_triton_kernels.py tests/kernels/test_triton_block_search.py \
         tests/kernels/test_triton_ops.py \
         tests/kernels/test_triton_weighted.py tests/kernels/test_triton_minmax_observe.py \
@@ -46,10 +53,6 @@ if [[ $steps == *,triton,* ]]; then
         tests/calibrate/test_device_pass.py tests/compat/test_torch_ao_exact.py \
         tests/core/test_qparams_ops.py 2>&1 \
         | tee "$out/triton_tests.log" | tail -15
-fi
-if [[ $steps == *,bench35,* ]]; then
-    timeout "${BENCH35_TIMEOUT:-360}" "$py" bench/run.py --results "$out/results" gpu 2>&1 \
-        | tee "$out/gpu_triton.log"
 fi
 # test files that import a package absent there (the peers, the demo data) fail to collect:
 # the others still run
