@@ -40,6 +40,7 @@ All four are tested against their definitions and bitwise against torchao's ``to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -114,13 +115,22 @@ def _exp2(k: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.to(torch.int32))
 
 
+def _frexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.frexp`` of positive float32 ``x``, with inf read as ``2 ** 128`` (its exponent
+    field's value: mantissa 0.5, exponent 129), as torchao and the kernels read it, so the
+    scales of an inf amax saturate high; ``torch.frexp(inf)`` is ``(inf, 0)``."""
+    mantissa, e = torch.frexp(x)
+    inf = x == math.inf
+    return torch.where(inf, 0.5, mantissa), torch.where(inf, 129, e)
+
+
 def _floor_log2(x: torch.Tensor) -> torch.Tensor:
-    """Exact ``floor(log2 x)`` for positive finite float32 x (via the exponent field)."""
-    return torch.frexp(x)[1] - 1
+    """Exact ``floor(log2 x)`` for positive float32 x (via the exponent field; inf: 128)."""
+    return _frexp(x)[1] - 1
 
 
 def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
-    mantissa, e = torch.frexp(x)
+    mantissa, e = _frexp(x)
     return torch.where(mantissa == 0.5, e - 1, e)
 
 
@@ -162,7 +172,7 @@ def _floor_log2_rounded(x: torch.Tensor, mbits: int) -> torch.Tensor:
     the mantissa rounds to 2. Computed on the mantissa, so amax near float32's max
     cannot overflow to inf.
     """
-    mantissa, e = torch.frexp(x)  # x = mantissa * 2**e, mantissa in [0.5, 1)
+    mantissa, e = _frexp(x)  # x = mantissa * 2**e, mantissa in [0.5, 1)
     carry = torch.floor(torch.ldexp(mantissa, torch.tensor(mbits + 1)) + 0.5) >= 2 ** (mbits + 1)
     return e - 1 + carry.to(e.dtype)
 
@@ -170,7 +180,9 @@ def _floor_log2_rounded(x: torch.Tensor, mbits: int) -> torch.Tensor:
 def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Tensor:
     """The E8M0 shared scale ``2 ** k`` of blocks with absolute maximum ``amax``.
 
-    An all-zero block (``amax == 0``) gets the smallest scale, ``2 ** -127``.
+    An all-zero block (``amax == 0``) gets the smallest scale, ``2 ** -127``; an inf amax
+    is read as ``2 ** 128`` (the scale saturates high) and a NaN one gets a NaN scale
+    (E8M0's NaN, 0xFF), as torchao's ``to_mx``.
     """
     amax = amax.float()
     tiny = amax <= 0
@@ -189,7 +201,7 @@ def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Te
     else:
         raise ValueError(f"scale: unknown e8m0 mode {mode!r}; expected one of {E8M0_MODES}")
     k = torch.where(tiny, torch.full_like(k, -127), k).clamp_(-127, 127)
-    return _exp2(k)
+    return torch.where(amax.isnan(), math.nan, _exp2(k))
 
 
 def nvfp4_global_scale(amax: torch.Tensor, fmt: Format, block_format: FloatFormat = FP8_E4M3):

@@ -8,6 +8,7 @@
 * torchao 0.18 ``to_mx``: E8M0 scales in all four modes and the dequantized values.
 """
 
+import math
 import warnings
 
 import pytest
@@ -318,3 +319,24 @@ def test_torchao_e8m0_scales_of_subnormal_blocks(mode):
     assert torch.equal(observe(x, spec).scale.flatten(), ao)
     if mode == "rceil":
         assert ao[:2].tolist() == [2.0 ** -127] * 2
+
+
+@needs_torchao
+@pytest.mark.parametrize("mode", ["floor", "ceil", "even", "rceil"])
+def test_torchao_e8m0_scales_of_non_finite_blocks(mode):
+    """A block holding inf gets torchao's scale (inf read through its exponent field: the
+    scale saturates high), one holding NaN a NaN scale (E8M0's 0xFF); ``torch.frexp(inf)``'s
+    exponent 0 made the first ``2 ** (-1 - emax)``. Reached with ``check_finite=False`` (the
+    searches' candidates past float32's max)."""
+    x = torch.zeros(3, 32)
+    x[:, 0] = torch.tensor([math.inf, -math.inf, math.nan])
+    x[2, 1] = 1.0
+    spec = QuantSpec("fp4_e2m1", Block(32), scale=f"e8m0:{mode}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s, _ = to_mx(x, torch.float4_e2m1fn_x2, 32, scaling_mode=ScaleCalculationMode(mode))
+    units = spec.layout.to_units(x)
+    ours = qparams_from_range(units.amin(1), units.amax(1), spec, check_finite=False).scale
+    ours_bits = (ours.flatten().view(torch.int32) >> 23) & 255  # the E8M0 code
+    assert ours_bits.tolist() == s.view(torch.uint8).flatten().tolist()
+    assert ours[2].isnan()

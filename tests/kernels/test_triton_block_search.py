@@ -323,9 +323,10 @@ def _mx_case(kind: str):
     """(units, lo, hi, factors, inc_lo, inc_hi) of an MX search case: NVFP4's cases, and
     factors coarser than E8M0's codes (``mx-coarse``: every candidate priced), units on an
     fp4 grid under power-of-two scales (``mx-exact``: ties), subnormal units (``tiny``), the
-    native grid from 1.8x the range (``mx-wide``). At most 64 factors each: compiled on a
+    native grid from 1.8x the range (``mx-wide``), candidates past float32's max
+    (``mx-overflow``: an inf amax's scale saturates high). At most 64 factors each: compiled on a
     GPU, each block of factors is a kernel variant of its own."""
-    if kind in ("mx-coarse", "mx-exact", "tiny", "mx-wide"):
+    if kind in ("mx-coarse", "mx-exact", "tiny", "mx-wide", "mx-overflow"):
         units, lo, hi, factors, inc_lo, inc_hi, _ = _nvfp4_search_case("native")
         if kind == "mx-exact":
             g = torch.Generator().manual_seed(3)
@@ -341,6 +342,11 @@ def _mx_case(kind: str):
             inc_lo, inc_hi = lo, hi
         elif kind == "mx-wide":  # from 1.8x the range down: both outcomes, 50 factors
             lo, hi = lo * 1.8, hi * 1.8
+        elif kind == "mx-overflow":  # the first candidates' ranges pass float32's max: inf
+            units = units / units.abs().amax(1, keepdim=True).clamp(min=1e-30) * 2.5e38
+            lo, hi = torch.aminmax(units, dim=1)
+            inc_lo, inc_hi = lo, hi
+            factors = torch.tensor([1.8 * (1 - i / 100) for i in range(50)])
         else:
             factors = torch.tensor([4.0, 1.5, 0.3, 0.1])
         return units, lo, hi, factors, inc_lo, inc_hi
@@ -348,7 +354,7 @@ def _mx_case(kind: str):
 
 
 MX_CASES = ["native", "mx-wide", "coarse", "rising", "nan", "e12", "one", "negative",
-            "through-zero", "inf", "nan-factor", "mx-coarse", "mx-exact", "tiny"]
+            "through-zero", "inf", "nan-factor", "mx-coarse", "mx-exact", "tiny", "mx-overflow"]
 
 
 def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor"):

@@ -208,10 +208,18 @@ def _ranges(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("fmt", ["fp4_e2m1", "fp6_e2m3", "fp6_e3m2", "fp8_e4m3", "int8_narrow"])
 @pytest.mark.parametrize("mode", E8M0_MODES)
 def test_e8m0_block_scales_bitwise(device, fmt, mode):
+    """Every mode on ranges over float32's span, and on blocks of inf (its exponent field:
+    the scale saturates high), NaN (a NaN scale) and a few subnormals (rceil's quotient
+    underflows): ``scales.e8m0_scale`` bitwise (torchao's, tests/core/test_peers_core.py)."""
     from quantscope.kernels.triton import block_qparams
 
     lo, hi = _ranges(3000, len(fmt) + E8M0_MODES.index(mode))
-    want = qparams_from_range(lo, hi, QuantSpec(fmt, Block(32), scale=f"e8m0:{mode}")).scale
+    inf, nan, sub = math.inf, math.nan, 2.0 ** -149
+    lo = torch.cat((lo, torch.tensor([-inf, 0.0, nan, -1.0, 0.0, -sub])))
+    hi = torch.cat((hi, torch.tensor([0.0, inf, 1.0, nan, 3 * sub, 2 * sub])))
+    want = qparams_from_range(lo, hi, QuantSpec(fmt, Block(32), scale=f"e8m0:{mode}"),
+                              check_finite=False).scale
+    assert want[-6:-4].isfinite().all() and want[-4:-2].isnan().all()
     f = get_format(fmt)
     got = block_qparams.e8m0_block_scales(lo.to(device), hi.to(device), E8M0_MODES.index(mode),
                                           f.emax, f.mbits, f.max)

@@ -10,9 +10,10 @@ within float32's subnormal minimum and maximum (``encode_scale``'s fp32). Blocks
 
 ``amax = max(-min(lo, 0), max(hi, 0))`` per block, then
 
-* E8M0: ``2 ** k``, ``k`` from the exponent of ``amax`` read off its bits (frexp), per mode
-  (0 floor, 1 ceil, 2 even, 3 rceil; ``scales.E8M0_MODES``' order), ``-127`` for an all-zero
-  block (rceil: where ``amax / fmax`` underflows to 0), clamped to ``[-127, 127]``;
+* E8M0: ``2 ** k``, ``k`` from the exponent of ``amax`` read off its bits (frexp; inf reads
+  as ``2 ** 128``), per mode (0 floor, 1 ceil, 2 even, 3 rceil; ``scales.E8M0_MODES``'
+  order), ``-127`` for an all-zero block (rceil: where ``amax / fmax`` underflows to 0),
+  clamped to ``[-127, 127]``; NaN for a NaN amax;
 * NVFP4: ``e4m3(amax / fmax * gs)`` (``_jit.fp_round``, the rounding of ``FloatFormat.round``
   that the float MSE pricing uses too), ``min_scale`` where not positive; the global scale
   ``gs`` computed in the same launch from the global amax (given, or the blocks' largest,
@@ -27,8 +28,8 @@ import triton.language as tl
 
 from ._jit import LAUNCH, fp_round, rint
 
-__all__ = ["amax_of", "e8m0_block_scales", "e8m0_exponent", "exp2i", "global_amax",
-           "int_qparams", "nvfp4_block_code", "nvfp4_qparams"]
+__all__ = ["amax_of", "e8m0_block_scales", "e8m0_exponent", "e8m0_scale", "exp2i",
+           "global_amax", "int_qparams", "nvfp4_block_code", "nvfp4_qparams"]
 
 BLOCK = 1024
 
@@ -91,12 +92,20 @@ def e8m0_exponent(amax, emax, fmax, MODE: tl.constexpr, TOP: tl.constexpr):
 
 
 @triton.jit
+def e8m0_scale(amax, emax, fmax, MODE: tl.constexpr, TOP: tl.constexpr):
+    """``scales.e8m0_scale``: ``2 ** k`` (:func:`e8m0_exponent`; an inf amax reads its
+    exponent field, 2 ** 128), NaN for a NaN amax."""
+    k = e8m0_exponent(amax, emax, fmax, MODE, TOP)
+    return tl.where(amax != amax, float("nan"), exp2i(k))  # noqa: PLR0124  (NaN test)
+
+
+@triton.jit
 def _e8m0_kernel(lo_ptr, hi_ptr, out_ptr, n, emax, fmax, MODE: tl.constexpr,
                  TOP: tl.constexpr, BLOCK_N: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < n
-    k = e8m0_exponent(_amax(lo_ptr, hi_ptr, offs, mask), emax, fmax, MODE, TOP)
-    tl.store(out_ptr + offs, exp2i(k), mask=mask)
+    scale = e8m0_scale(_amax(lo_ptr, hi_ptr, offs, mask), emax, fmax, MODE, TOP)
+    tl.store(out_ptr + offs, scale, mask=mask)
 
 
 @triton.jit

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ...formats import FP8_E4M3
 from ._jit import LAUNCH
-from .block_qparams import _amax, _global_scale, amax_of, e8m0_exponent, exp2i, nvfp4_block_code
+from .block_qparams import _amax, _global_scale, amax_of, e8m0_scale, exp2i, nvfp4_block_code
 from .mse import MAX_TILE, _term, select_step
 
 __all__ = ["MAX_TILE", "NVFP4", "Encoding", "block_mse", "nvfp4_search"]
@@ -82,17 +82,19 @@ def _scale_value(c, ENC: tl.constexpr, B_MIN_EXP: tl.constexpr, B_MBITS: tl.cons
 
 
 @triton.jit
-def _stored(q, min_scale):
-    """The block scale the qparams store for ``q``: ``min_scale`` where ``q`` is not positive
-    (NaN included; NVFP4's e4m3 0, never an E8M0 scale)."""
-    return tl.where(q > 0.0, q, min_scale)
+def _stored(q, min_scale, ENC: tl.constexpr):
+    """The block scale the qparams store for ``q``: NVFP4's ``min_scale`` where ``q`` is not
+    positive (e4m3 0, NaN included); an E8M0 scale as it is (NaN for a NaN amax)."""
+    if ENC < 0:
+        return tl.where(q > 0.0, q, min_scale)
+    return q
 
 
 @triton.jit
-def _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits):
+def _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC: tl.constexpr):
     """Each row's float64 error under the block scale ``q`` of global scale ``gs`` (MX: 1):
     the effective scale ``block / gs``, priced as ``mse_price_fp``."""
-    s = tl.math.div_rn(_stored(q, min_scale), gs)[:, None]
+    s = tl.math.div_rn(_stored(q, min_scale, ENC), gs)[:, None]
     return tl.sum(tl.where(mask, _term(x, x, s, s, 0.0, fmax, min_exp, mbits, True, False),
                            0.0), axis=1)
 
@@ -104,7 +106,7 @@ def _encode(amax, gs, fmax, bmax, emax, ENC: tl.constexpr, B_MIN_EXP: tl.constex
     e4m3 encoding of ``amax / fmax * gs``, or E8M0's ``2 ** k`` in mode ``ENC``."""
     if ENC < 0:
         return nvfp4_block_code(amax, gs, fmax, bmax, B_MIN_EXP, B_MBITS)
-    return exp2i(e8m0_exponent(amax, emax, fmax, ENC, TOP))
+    return e8m0_scale(amax, emax, fmax, ENC, TOP)
 
 
 @triton.jit
@@ -191,7 +193,7 @@ def _lowest_by_codes(x, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, 
     for j in range(tl.max(span) + 1):
         c = first - j
         err = _block_error(x, mask, _value(c, B_MIN_EXP, B_MBITS, SUB_STEPS), gs, min_scale,
-                           fmax, min_exp, mbits)
+                           fmax, min_exp, mbits, -1)
         better = (j <= span) & (err < best)
         best = tl.where(better, err, best)
         best_code = tl.where(better, c, best_code)
@@ -213,7 +215,7 @@ def _lowest_by_candidates(x, mask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, mb
     idx = tl.full(best.shape, -1, tl.int64)
     for k in range(K):
         q = _candidate(lo, hi, f_ptr, k, gs, fmax, bmax, 0, -1, B_MIN_EXP, B_MBITS, 0.0)
-        err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits)
+        err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, -1)
         better = err < best
         best = tl.where(better, err, best)
         idx = tl.where(better, k, idx)
@@ -231,7 +233,7 @@ def _search_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, idx
         B_MBITS, 0.0, RATIO, BLOCK_K, BLOCK_U)
     x, mask = _units(x_ptr, rows, rmask, E, stride_u, BLOCK_E)
     # the incumbent's error is the running best (index -1)
-    best = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits)
+    best = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, -1)
     if by_codes:
         idx, best = _lowest_by_codes(x, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax, min_exp,
                                      mbits, bmax, min_scale, B_MIN_EXP, B_MBITS, SUB_STEPS,
@@ -266,19 +268,19 @@ def _price_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, inc_
         B_MIN_EXP, B_MBITS, TOP, RATIO, BLOCK_K, BLOCK_U)
     x, mask = _units(x_ptr, rows, rmask, E, stride_u, BLOCK_E)
     U64 = tl.cast(U, tl.int64)  # row offsets: K * U may pass 2 ** 31
-    inc = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits)
+    inc = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, ENC)
     tl.store(inc_ptr + rows, inc, mask=rmask)
     first, span = _code_span(lo, hi, rmask, f_ptr, K, gs, fmax, bmax, emax, ENC, B_MIN_EXP,
                              B_MBITS, SUB_STEPS, TOP)
     if by_codes:  # code first - j into row j
         for j in range(tl.max(span) + 1):
             q = _scale_value(first - j, ENC, B_MIN_EXP, B_MBITS, SUB_STEPS)
-            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits)
+            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC)
             tl.store(scratch_ptr + j * U64 + rows, err, mask=rmask)
     else:  # candidate k into row k
         for k in range(K):
             q = _candidate(lo, hi, f_ptr, k, gs, fmax, bmax, emax, ENC, B_MIN_EXP, B_MBITS, TOP)
-            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits)
+            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC)
             tl.store(scratch_ptr + k * U64 + rows, err, mask=rmask)
     if G > 0:
         # the global rule's input (ops.improved_rows): which of the grid's first G
@@ -324,7 +326,7 @@ def _select_kernel(lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, inc_ptr, s
         q = _candidate(lo, hi, f_ptr, i, gs, fmax, bmax, emax, ENC, B_MIN_EXP, B_MBITS, TOP)
         e = _error_of(scratch_ptr, rows, rmask, U64, i, q, first, by_codes, ENC, B_MIN_EXP,
                       B_MBITS, SUB_STEPS)
-        same = _stored(q, min_scale) == _stored(q_prev, min_scale)
+        same = _stored(q, min_scale, ENC) == _stored(q_prev, min_scale, ENC)
         best, idx, stale, stopped = select_step(i, e, same, best, idx, stale, stopped, gstop,
                                                 ext_start, patience, PER_UNIT, USE_GLOBAL,
                                                 HAS_PATIENCE, TIE_LAST)
