@@ -38,25 +38,33 @@ def _assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
 # ---- NVFP4's searches: each distinct block scale priced once --------------------------------
 
 @triton.jit
-def _code_kernel(q_ptr, code_ptr, value_ptr, n, BLOCK: tl.constexpr):
-    from quantscope.kernels.triton.block_search import _code, _value
+def _code_kernel(q_ptr, code_ptr, value_ptr, n, ENC: tl.constexpr, BLOCK: tl.constexpr):
+    from quantscope.kernels.triton.block_search import _scale_code, _scale_value
 
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    c = _code(tl.load(q_ptr + offs, mask=mask, other=0.0), -6, 3, 512.0)
+    c = _scale_code(tl.load(q_ptr + offs, mask=mask, other=1.0), ENC, -6, 3, 512.0)
     tl.store(code_ptr + offs, c, mask=mask)
-    tl.store(value_ptr + offs, _value(c, -6, 3, 512.0), mask=mask)
+    tl.store(value_ptr + offs, _scale_value(c, ENC, -6, 3, 512.0), mask=mask)
 
 
-def test_e4m3_codes_count_the_values_in_order(device):
-    """``_code`` numbers the non-negative e4m3 values 0, 1, ... in increasing order and
-    ``_value`` gives each back exactly: the fused search enumerates block scales by code."""
-    values = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    assert torch.all(values[1:] > values[:-1])  # 0 .. 448, increasing
-    codes = torch.empty(127, dtype=torch.int32, device=device)
-    back = torch.empty(127, device=device)
-    _code_kernel[(1,)](values.to(device), codes, back, 127, BLOCK=128)
-    assert torch.equal(codes.cpu(), torch.arange(127, dtype=torch.int32))
+#: every block scale of each encoding, in increasing order: e4m3's 0 .. 448 (NVFP4, ENC -1),
+#: E8M0's 2 ** -127 (a float32 subnormal) .. 2 ** 127 (MX, ENC 0)
+_SCALES = {-1: torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float(),
+           0: torch.tensor([2.0 ** k for k in range(-127, 128)], dtype=torch.float32)}
+
+
+@pytest.mark.parametrize("enc", list(_SCALES))
+def test_block_scale_codes_count_the_scales_in_order(device, enc):
+    """``_scale_code`` numbers an encoding's block scales 0, 1, ... in increasing order and
+    ``_scale_value`` gives each back exactly: the searches enumerate block scales by code."""
+    values = _SCALES[enc]
+    n = values.numel()
+    assert values[0] >= 0 and torch.all(values[1:] > values[:-1])
+    codes = torch.empty(n, dtype=torch.int32, device=device)
+    back = torch.empty(n, device=device)
+    _code_kernel[(1,)](values.to(device), codes, back, n, ENC=enc, BLOCK=256)
+    assert torch.equal(codes.cpu(), torch.arange(n, dtype=torch.int32))
     _assert_bitwise(back, values)
 
 
@@ -272,29 +280,6 @@ def test_nvfp4_search_is_price_then_select(device, kind, block_u):
 
 
 # ---- MX's search: each distinct E8M0 block scale priced once -------------------------------
-
-@triton.jit
-def _e8m0_code_kernel(q_ptr, code_ptr, value_ptr, n, BLOCK: tl.constexpr):
-    from quantscope.kernels.triton.block_search import _scale_code, _scale_value
-
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
-    c = _scale_code(tl.load(q_ptr + offs, mask=mask, other=1.0), 0, 0, 0, 1.0)
-    tl.store(code_ptr + offs, c, mask=mask)
-    tl.store(value_ptr + offs, _scale_value(c, 0, 0, 0, 1.0), mask=mask)
-
-
-def test_e8m0_codes_count_the_scales_in_order(device):
-    """``_scale_code`` numbers E8M0's scales ``2 ** -127`` (a float32 subnormal) ..
-    ``2 ** 127`` as 0, 1, ... and ``_scale_value`` gives each back exactly."""
-    values = torch.tensor([2.0 ** k for k in range(-127, 128)], dtype=torch.float32)
-    assert values[0] > 0 and torch.all(values[1:] == values[:-1] * 2)  # exact, subnormal too
-    codes = torch.empty(255, dtype=torch.int32, device=device)
-    back = torch.empty(255, device=device)
-    _e8m0_code_kernel[(1,)](values.to(device), codes, back, 255, BLOCK=256)
-    assert torch.equal(codes.cpu(), torch.arange(255, dtype=torch.int32))
-    _assert_bitwise(back, values)
-
 
 @settings(max_examples=30, deadline=None)
 @given(st.floats(1.0001, 2.0 - 1e-4), st.sampled_from(E8M0_MODES),

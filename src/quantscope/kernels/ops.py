@@ -80,7 +80,7 @@ from ..qparams import nvfp4_qparams_op as nvfp4_qparams
 from ..scales import E8M0_MODES
 from . import triton as _triton
 from .price_ops import _IntBounds, mse_price_fp, mse_price_int
-from .select_ops import _torch_mse_select, improved_rows, mse_select, stop_after
+from .select_ops import _torch_mse_select, check_ext_start, improved_rows, mse_select, stop_after
 
 __all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "improved_rows",
            "int_qparams", "mse_price_fp", "mse_price_int", "mse_select", "mx_mse", "mx_price",
@@ -240,9 +240,7 @@ def _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, format, ext_start=
         raise ValueError(f"quantscope::{who}: factors must be a non-empty 1-D float32 tensor "
                          f"on {units.device}, got {factors.dtype} {tuple(factors.shape)} on "
                          f"{factors.device}")
-    if not 0 <= ext_start <= factors.shape[0]:
-        raise ValueError(f"quantscope::{who}: ext_start must be in [0, {factors.shape[0]}], "
-                         f"got {ext_start}")
+    check_ext_start(who, ext_start, factors.shape[0])
     return _float_format(format, who)
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from .._oplib import define
 from . import triton as _triton
 
-__all__ = ["improved_rows", "mse_select", "stop_after"]
+__all__ = ["check_ext_start", "improved_rows", "mse_select", "stop_after"]
 
 
 def _check_select(err, same, incumbent, ext_start) -> None:
@@ -32,8 +32,14 @@ def _check_select(err, same, incumbent, ext_start) -> None:
         raise ValueError(f"quantscope::{who}: incumbent must be a {err.dtype} tensor of shape "
                          f"({err.shape[1]},) on {err.device}, got {incumbent.dtype} "
                          f"{tuple(incumbent.shape)} on {incumbent.device}")
-    if not 0 <= ext_start <= err.shape[0]:
-        raise ValueError(f"quantscope::{who}: ext_start must be in [0, {err.shape[0]}], got "
+    check_ext_start(who, ext_start, err.shape[0])
+
+
+def check_ext_start(who: str, ext_start: int, candidates: int) -> None:
+    """``ValueError`` unless the extension's first row ``ext_start`` is in ``[0,
+    candidates]``."""
+    if not 0 <= ext_start <= candidates:
+        raise ValueError(f"quantscope::{who}: ext_start must be in [0, {candidates}], got "
                          f"{ext_start}")
 
 
