@@ -12,7 +12,8 @@ and bf16) by the ops against one ``torch.aminmax`` and the memoryless min-max ob
 the int4 per-channel MSE search (``mse_search``'s default engine on CUDA: candidates priced by
 ``quantscope::mse_price_int``, chosen by ``quantscope::mse_select``) against the torch path
 and llm-compressor 0.14's ``memoryless_mse`` (its Triton backend on CUDA; carried as wheels by
-bench/gpu_wheels.sh), with each one's total squared error; the histogram observe + qparams (8
+bench/gpu_wheels.sh), with each one's total squared error, and the MXFP4 search
+(``quantscope::mx_mse``) against the torch path; the histogram observe + qparams (8
 growing bf16 batches; the native observer and the torch.ao compat class) against torch.ao's
 ``HistogramObserver`` on the same device; an activation observer's call, host and wall time
 per call (what the whole-model row's "observers add <= 10 %" is made of); a layer's seven
@@ -186,6 +187,33 @@ def bench_mse(size, device, repeat):
                   t.get("llm-compressor memoryless_mse", float("nan")) / t[name])
     if why:
         table.add("llm-compressor memoryless_mse", "not run: " + why, "", "", "")
+    table.print()
+    bench_mse_mx(w, device, repeat)
+
+
+def bench_mse_mx(w, device, repeat):
+    """The native MSE search on MXFP4 blocks of ``w``: the ops engine (``quantscope::mx_mse``,
+    each block's distinct E8M0 scales priced once) against the torch path (a tile of ops per
+    candidate), their total squared errors equal (the same choices)."""
+    from quantscope.qdq import fake_quantize_units
+
+    spec, units = qs.presets.MXFP4, w.reshape(-1, 32)
+    fns = {"quantscope mse_search (ops: mx_mse)": lambda: mse_search(units, None, None, spec),
+           "quantscope torch path": lambda: mse_search(units, None, None, spec,
+                                                       backend="torch")}
+    t = wall_medians(fns, device, max(3, repeat // 3), 1)
+    table = Table(f"MSE search, MXFP4 (block 32, E8M0 floor), {tuple(w.shape)} fp32, "
+                  f"{device_name(device)}", ["method", "wall ms", "device ms",
+                                             "total squared error", "torch path / ours"])
+    first = next(iter(fns))
+    for name, fn in fns.items():
+        r = fn()
+        qp = qparams_from_range(r.lo, r.hi, spec, check_finite=False)
+        err = (fake_quantize_units(units, qp.effective_scale.reshape(-1, 1),
+                                   qp.zero_point.reshape(-1, 1).float(), spec) - units)
+        table.add(name, 1e3 * t[name], None if (d := device_seconds(fn, device, 1)) is None
+                  else 1e3 * d, float(err.double().square().sum()),
+                  t["quantscope torch path"] / t[first])
     table.print()
 
 
