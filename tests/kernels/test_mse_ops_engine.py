@@ -31,6 +31,8 @@ SPECS = {
     "nvfp4": presets.NVFP4,
     "mxfp4": presets.MXFP4,
     "mxfp8": presets.MXFP8,
+    "mxint8": presets.MXINT8,  # E8M0 scales over int elements: priced as integer formats
+    "bfp16": presets.BFP16,
 }
 OPTIONS = {
     "native": {},
