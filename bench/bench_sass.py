@@ -281,8 +281,10 @@ def _block_mse_case(spec, enc: str, case: str, who: str, elements: int) -> dict:
     return {"case": case, "who": who, "kernel": lambda: block_search._price_kernel,
             "warps": 4, "cost": cost,
             "sig": {**_ANY_BLOCK, **_TILE, "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
-                    "flags_ptr": "*i8", "G": "i32", "TIE_LAST": "constexpr"},
-            "const": {**const, "TIE_LAST": False}, "div16": ("U", "E", "stride_u"),
+                    "flags_ptr": "*i8", "G": "i32", "qmin": "fp32", "TIE_LAST": "constexpr",
+                    "FLOAT": "constexpr"},
+            "const": {**const, "TIE_LAST": False, "FLOAT": True},
+            "div16": ("U", "E", "stride_u"),
             "elements": elements}
 
 

@@ -99,6 +99,7 @@ def test_ops_engine_property(seed, rows, name, opt, log_scale):
 @pytest.mark.parametrize("name, price", [("int4-channel", "quantscope.mse_price_int"),
                                          ("mxfp4", "quantscope.mx_mse"),
                                          ("mxfp8", "quantscope.mx_mse"),
+                                         ("mxint8", "quantscope.mx_mse"),
                                          ("nvfp4", "quantscope.nvfp4_mse")])
 def test_the_search_calls_the_ops(name, price):
     spec = SPECS[name]

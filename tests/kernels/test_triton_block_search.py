@@ -359,9 +359,12 @@ def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor"):
         seen.append(improved.cpu())
         return ops.stop_after(improved, patience)
 
-    got = [block_search.block_mse(*dev_args, None, fmt.max, fmt.min_exp, fmt.mbits, enc, 0.0,
-                                  ext, None if patience < 0 else patience, per_unit,
-                                  use_global, tie_last, stop, block_u=block_u),
+    ints = not fmt.is_float
+    got = [block_search.block_mse(*dev_args, None, fmt.max, 0 if ints else fmt.min_exp,
+                                  0 if ints else fmt.mbits, enc, 0.0, ext,
+                                  None if patience < 0 else patience, per_unit, use_global,
+                                  tie_last, stop, qmin=float(fmt.qmin) if ints else None,
+                                  block_u=block_u),
            # the op's CUDA implementation (the launcher's arguments from the format, mode)
            ops._cuda_mx_mse(*dev_args, name, mode, ext, patience, per_unit, use_global,
                             tie_last)]
@@ -401,3 +404,14 @@ def test_mx_mse_rules(device, kind, rules, block_u):
     """Every rule set of ``mse_select`` on codes and on candidates, over programs of 4 units
     too (the global rule then spans programs)."""
     _check_mx_mse(device, kind, rules, block_u)
+
+
+@pytest.mark.parametrize("mode", ["floor", "even"])
+@pytest.mark.parametrize("name", ["int8_narrow", "int8"])
+@pytest.mark.parametrize("kind", ["mx-wide", "nan", "mx-overflow"])
+def test_mx_mse_integer_elements(device, mode, name, kind):
+    """E8M0 scales over signed integer elements (MXINT8, BFP16: ``int8_narrow``; ``int8``'s
+    qmin -128 too): the codes priced as ``mse_price_int`` prices them, zero point 0."""
+    idx = _check_mx_mse(device, kind, "native", None, name, mode)
+    if kind == "mx-wide":
+        assert (idx >= 0).any() and (idx < 0).any()

@@ -39,8 +39,8 @@ _NVFP4_CONST = {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.06
 _ENC = {"nvfp4": {"ENC": -1, "TOP": 4.0}, "mx": {"ENC": 3, "TOP": 4.0, "RATIO": 2.0 - 1e-5}}
 _PRICE_BLOCK = {**_ANY_BLOCK, "x_ptr": "*fp32", "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
                 "flags_ptr": "*i8", "E": "i32", "G": "i32", "stride_u": "i32", "min_exp": "i32",
-                "mbits": "i32", "min_scale": "fp32", "TIE_LAST": "constexpr",
-                "BLOCK_E": "constexpr"}
+                "mbits": "i32", "min_scale": "fp32", "qmin": "fp32", "TIE_LAST": "constexpr",
+                "FLOAT": "constexpr", "BLOCK_E": "constexpr"}
 _SELECT_BLOCK = {**_ANY_BLOCK, "inc_ptr": "*fp64", "scratch_ptr": "*fp64", "gstop_ptr": "*i64",
                  "idx_ptr": "*i64", "best_ptr": "*fp64", "ext_start": "i32", "patience": "i32",
                  "min_scale": "fp32", "PER_UNIT": "constexpr", "USE_GLOBAL": "constexpr",
@@ -70,11 +70,16 @@ CASES = {
          "STEPS": "constexpr", "BLOCK_E": "constexpr"},
         {**_NVFP4_CONST, "STEPS": 8, "BLOCK_K": 128, "BLOCK_E": 16}),
     "block_search._price_kernel": (  # under patience: the codes into a scratch, the flags
-        _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["nvfp4"], "TIE_LAST": False, "BLOCK_E": 16}),
+        _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["nvfp4"], "TIE_LAST": False, "FLOAT": True,
+                       "BLOCK_E": 16}),
     "block_search._select_kernel": (  # then the candidates walked under mse_select's rules
         _SELECT_BLOCK, {**_NVFP4_CONST, **_ENC["nvfp4"], **_SELECT_CONST}),
     "block_search._price_kernel:mx": (  # MX's E8M0 scales (rceil: an IEEE division)
-        _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], "TIE_LAST": False, "BLOCK_E": 32}),
+        _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], "TIE_LAST": False, "FLOAT": True,
+                       "BLOCK_E": 32}),
+    "block_search._price_kernel:mx_int": (  # over integer elements (MXINT8, BFP)
+        _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], "TIE_LAST": False, "FLOAT": False,
+                       "BLOCK_E": 32}),
     "block_search._select_kernel:mx": (
         _SELECT_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], **_SELECT_CONST}),
     "block_qparams._e8m0_kernel": (
@@ -171,7 +176,8 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["block_qparams._int_kernel"]
     for name in ("block_search._search_kernel", "block_search._price_kernel",
                  "block_search._select_kernel", "block_search._price_kernel:mx",
-                 "block_search._select_kernel:mx", "histogram._histc_kernel"):
+                 "block_search._price_kernel:mx_int", "block_search._select_kernel:mx",
+                 "histogram._histc_kernel"):
         assert "div.rn.f32" in found[name], name
     assert "div.rn.f32" in found["block_qparams._nvfp4_kernel"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])

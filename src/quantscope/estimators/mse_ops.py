@@ -11,8 +11,8 @@ and nothing is read back to the host. Block-scale searches are one op with their
 selection, which computes the candidates' block scales itself and prices each distinct one
 once: NVFP4's ``quantscope::nvfp4_search`` where the rules keep the first lowest error (no
 patience can stop them: ``nvfp4_expanded_mse``), ``quantscope::nvfp4_mse`` under any
-rules; MX's ``quantscope::mx_mse`` (E8M0 block scales over float elements, one factor for
-both ends; MXINT8 / BFP blocks are priced as the integer formats are).
+rules; MX's ``quantscope::mx_mse`` (E8M0 block scales over float or integer elements,
+MXINT8 and BFP included; one factor for both ends).
 
 The other formats' candidate qparams come from
 :func:`~quantscope.qparams.qparams_from_range`, in chunks of units (``[candidates, chunk]``
@@ -84,7 +84,7 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     if spec.scale.has_global_scale and global_amax is not None:
         idx, best = _nvfp4(units, lo, hi, f_lo, incumbent, global_amax, spec, patience,
                            per_unit, tie, len(ext))
-    elif spec.scale.kind == "e8m0" and isinstance(spec.format, FloatFormat) and one_factor:
+    elif spec.scale.kind == "e8m0" and one_factor and _format_bounds(spec):
         idx, best = ops.mx_mse(units, lo, hi, f_lo, *incumbent, spec.format.name,
                                spec.scale.mode, *_rules(f_lo.shape[0] - len(ext), patience,
                                                         per_unit, tie))
@@ -110,6 +110,13 @@ def _nvfp4(units, lo, hi, f, incumbent, global_amax, spec, patience, per_unit, t
     if tie == "first" and (patience is None or patience > K):
         return ops.nvfp4_search(*args)
     return ops.nvfp4_mse(*args, *_rules(K - n_ext, patience, per_unit, tie))
+
+
+def _format_bounds(spec: QuantSpec) -> bool:
+    """Whether the spec's codes are its format's (``mx_mse`` takes the format, not the
+    spec): an integer element's ``[qmin, qmax]``; always for float elements."""
+    fmt = spec.format
+    return not isinstance(fmt, IntFormat) or (spec.qmin, spec.qmax) == (fmt.qmin, fmt.qmax)
 
 
 def _rules(ext_start, patience, per_unit, tie) -> tuple:

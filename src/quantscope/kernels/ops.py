@@ -40,8 +40,9 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   errors or qparams is made.
 * ``mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, patience,
   per_unit, use_global, tie_last) -> (idx, best)``: the same for MX: block scales
-  ``e8m0_block_scales`` in ``mode`` (:func:`mx_price`); on CUDA 2-4 distinct E8M0 scales a
-  unit where the grid has 20-50 factors.
+  ``e8m0_block_scales`` in ``mode`` (:func:`mx_price`) over float or signed integer elements
+  (MXINT8, BFP: priced as ``mse_price_int`` prices them); on CUDA 2-4 distinct E8M0 scales
+  a unit where the grid has 20-50 factors.
 * ``nvfp4_search(...) -> (idx, best)``, ``nvfp4_mse``'s first nine arguments: the search
   whose rule is the first lowest error (no patience can stop it: ``nvfp4_expanded_mse``):
   ``nvfp4_mse`` without patience, on CUDA in one launch (the codes priced in order, then a
@@ -72,6 +73,7 @@ import torch
 from torch import Tensor
 
 from .._oplib import define
+from ..formats import IntFormat, get_format
 from ..qdq import fake_quantize_units
 from ..qparams import _check_global_amax, _float_format
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
@@ -229,7 +231,7 @@ fake_quant_int = define(
 _BLOCK_CHUNK = 1 << 22
 
 
-def _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, format, ext_start=0):
+def _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start=0):
     if units.dim() != 2 or units.dtype != torch.float32:
         raise ValueError(f"quantscope::{who}: units must be a 2-D [units, elements] float32 "
                          f"tensor, got {units.dtype} {tuple(units.shape)}")
@@ -241,40 +243,53 @@ def _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, format, ext_start=
                          f"on {units.device}, got {factors.dtype} {tuple(factors.shape)} on "
                          f"{factors.device}")
     check_ext_start(who, ext_start, factors.shape[0])
-    return _float_format(format, who)
 
 
 def _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                  ext_start=0):
-    fmt = _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, format, ext_start)
+    _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start)
     _check_global_amax(global_amax, units.device, who)
-    return fmt
+    return _float_format(format, who)
 
 
 def _check_mx(who, units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start=0):
-    fmt = _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, format, ext_start)
+    """MX's element format: a float format, or a signed integer one (MXINT8, BFP)."""
+    _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start)
     if mode not in E8M0_MODES:
         raise ValueError(f"quantscope::{who}: mode must be one of {E8M0_MODES}, got {mode!r}")
+    fmt = get_format(format)
+    if isinstance(fmt, IntFormat) and not fmt.signed:
+        raise ValueError(f"quantscope::{who}: format must be a float or a signed integer "
+                         f"format, got {format!r}")
     return fmt
+
+
+def _element_price(fmt):
+    """``price(units, effective scales)``: ``mse_price_fp`` under a float element format,
+    ``mse_price_int`` (zero points 0) under an integer one."""
+    if isinstance(fmt, IntFormat):
+        return lambda u, s: mse_price_int(u, s, torch.zeros_like(s, dtype=torch.int32),
+                                          float(fmt.qmin), float(fmt.qmax))
+    return lambda u, s: mse_price_fp(u, s, fmt.max, fmt.min_exp, fmt.mbits)
 
 
 def _block_price(units, lo, hi, factors, inc_lo, inc_hi, fmt, scales):
     """The block-scale searches' pricing, defined: float64 ``err [K + 1, U]`` (row 0 the
     incumbent ``(inc_lo, inc_hi)``, row ``1 + k`` candidate ``k``: the block scales of ``(lo
-    * factors[k], hi * factors[k])``, priced by ``mse_price_fp``) and ``same [K, U]`` (the
-    stored block scale equals the previous candidate's), chunk by chunk of units;
-    ``scales(lo, hi)``: the stored and the effective block scales of ranges."""
+    * factors[k], hi * factors[k])``, priced by ``mse_price_fp``, or ``mse_price_int`` for
+    integer elements) and ``same [K, U]`` (the stored block scale equals the previous
+    candidate's), chunk by chunk of units; ``scales(lo, hi)``: the stored and the effective
+    block scales of ranges."""
     K, U = factors.shape[0], units.shape[0]
     err = units.new_empty((K + 1, U), dtype=torch.float64)
     same = units.new_empty((K, U), dtype=torch.bool)
-    f = factors[:, None]
+    f, price = factors[:, None], _element_price(fmt)
     step = max(1, _BLOCK_CHUNK // (K + 1))
     for a in range(0, U, step):
         b = min(a + step, U)
         stored, effective = scales(torch.cat((inc_lo[None, a:b], lo[None, a:b] * f)),
                                    torch.cat((inc_hi[None, a:b], hi[None, a:b] * f)))
-        err[:, a:b] = mse_price_fp(units[a:b], effective.contiguous(), fmt.max, fmt.min_exp,
-                                   fmt.mbits)
+        err[:, a:b] = price(units[a:b], effective.contiguous())
         same[:, a:b] = stored[1:] == stored[:-1]
     return err, same
 
@@ -294,8 +309,7 @@ def mx_price(units, lo, hi, factors, inc_lo, inc_hi, format, mode):
     def scales(lo, hi):
         scale = e8m0_block_scales(lo, hi, format, mode)
         return scale, scale
-    return _block_price(units, lo, hi, factors, inc_lo, inc_hi,
-                        _float_format(format, "mx_price"), scales)
+    return _block_price(units, lo, hi, factors, inc_lo, inc_hi, get_format(format), scales)
 
 
 def _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
@@ -405,10 +419,13 @@ def _cuda_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, *rules):
         return _torch_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, *rules)
     fmt = _check_mx("mx_mse", units, lo, hi, factors, inc_lo, inc_hi, format, mode, rules[0])
     enc = kernel.Encoding(E8M0_MODES.index(mode), emax=fmt.emax, mbits=fmt.mbits)
+    # integer elements: [qmin, qmax], qmax their max (signed: E8M0 needs codes around 0)
+    ints = isinstance(fmt, IntFormat)
     return kernel.block_mse(
         units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
-        inc_hi.contiguous(), None, fmt.max, fmt.min_exp, fmt.mbits, enc, 0.0,
-        *_launch_rules(*rules))
+        inc_hi.contiguous(), None, fmt.max, 0 if ints else fmt.min_exp,
+        0 if ints else fmt.mbits, enc, 0.0, *_launch_rules(*rules),
+        qmin=float(fmt.qmin) if ints else None)
 
 
 def _fake_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, *rules):

@@ -91,11 +91,14 @@ def _stored(q, min_scale, ENC: tl.constexpr):
 
 
 @triton.jit
-def _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC: tl.constexpr):
+def _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC: tl.constexpr, qmin,
+                 FLOAT: tl.constexpr):
     """Each row's float64 error under the block scale ``q`` of global scale ``gs`` (MX: 1):
-    the effective scale ``block / gs``, priced as ``mse_price_fp``."""
+    the effective scale ``block / gs``, priced as ``mse_price_fp`` prices float elements
+    (``fmax``, ``min_exp``, ``mbits``), or, not ``FLOAT``, as ``mse_price_int`` prices integer
+    ones (MXINT8, BFP: ``[qmin, fmax]``, zero point 0)."""
     s = tl.math.div_rn(_stored(q, min_scale, ENC), gs)[:, None]
-    return tl.sum(tl.where(mask, _term(x, x, s, s, 0.0, fmax, min_exp, mbits, True, False),
+    return tl.sum(tl.where(mask, _term(x, x, s, 0.0, qmin, fmax, min_exp, mbits, FLOAT, False),
                            0.0), axis=1)
 
 
@@ -193,7 +196,7 @@ def _lowest_by_codes(x, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, 
     for j in range(tl.max(span) + 1):
         c = first - j
         err = _block_error(x, mask, _value(c, B_MIN_EXP, B_MBITS, SUB_STEPS), gs, min_scale,
-                           fmax, min_exp, mbits, -1)
+                           fmax, min_exp, mbits, -1, 0.0, True)
         better = (j <= span) & (err < best)
         best = tl.where(better, err, best)
         best_code = tl.where(better, c, best_code)
@@ -215,7 +218,7 @@ def _lowest_by_candidates(x, mask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, mb
     idx = tl.full(best.shape, -1, tl.int64)
     for k in range(K):
         q = _candidate(lo, hi, f_ptr, k, gs, fmax, bmax, 0, -1, B_MIN_EXP, B_MBITS, 0.0)
-        err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, -1)
+        err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, -1, 0.0, True)
         better = err < best
         best = tl.where(better, err, best)
         idx = tl.where(better, k, idx)
@@ -233,7 +236,7 @@ def _search_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, idx
         B_MBITS, 0.0, RATIO, BLOCK_K, BLOCK_U)
     x, mask = _units(x_ptr, rows, rmask, E, stride_u, BLOCK_E)
     # the incumbent's error is the running best (index -1)
-    best = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, -1)
+    best = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, -1, 0.0, True)
     if by_codes:
         idx, best = _lowest_by_codes(x, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax, min_exp,
                                      mbits, bmax, min_scale, B_MIN_EXP, B_MBITS, SUB_STEPS,
@@ -259,7 +262,8 @@ def _error_of(scratch_ptr, rows, rmask, U, k, q, first, by_codes, ENC: tl.conste
 @triton.jit
 def _price_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, inc_ptr,
                   scratch_ptr, flags_ptr, U, E, K, G, stride_u, fmax, min_exp, mbits, bmax,
-                  emax, min_scale, TIE_LAST: tl.constexpr, ENC: tl.constexpr,
+                  emax, min_scale, qmin, TIE_LAST: tl.constexpr, FLOAT: tl.constexpr,
+                  ENC: tl.constexpr,
                   B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr, SUB_STEPS: tl.constexpr,
                   TOP: tl.constexpr, RATIO: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -268,19 +272,21 @@ def _price_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, inc_
         B_MIN_EXP, B_MBITS, TOP, RATIO, BLOCK_K, BLOCK_U)
     x, mask = _units(x_ptr, rows, rmask, E, stride_u, BLOCK_E)
     U64 = tl.cast(U, tl.int64)  # row offsets: K * U may pass 2 ** 31
-    inc = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, ENC)
+    inc = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, ENC, qmin, FLOAT)
     tl.store(inc_ptr + rows, inc, mask=rmask)
     first, span = _code_span(lo, hi, rmask, f_ptr, K, gs, fmax, bmax, emax, ENC, B_MIN_EXP,
                              B_MBITS, SUB_STEPS, TOP)
     if by_codes:  # code first - j into row j
         for j in range(tl.max(span) + 1):
             q = _scale_value(first - j, ENC, B_MIN_EXP, B_MBITS, SUB_STEPS)
-            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC)
+            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC, qmin,
+                               FLOAT)
             tl.store(scratch_ptr + j * U64 + rows, err, mask=rmask)
     else:  # candidate k into row k
         for k in range(K):
             q = _candidate(lo, hi, f_ptr, k, gs, fmax, bmax, emax, ENC, B_MIN_EXP, B_MBITS, TOP)
-            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC)
+            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC, qmin,
+                               FLOAT)
             tl.store(scratch_ptr + k * U64 + rows, err, mask=rmask)
     if G > 0:
         # the global rule's input (ops.improved_rows): which of the grid's first G
@@ -404,14 +410,15 @@ def block_mse(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, factors: 
               inc_lo: torch.Tensor, inc_hi: torch.Tensor, global_amax: torch.Tensor | None,
               fmax: float, min_exp: int, mbits: int, enc: Encoding, min_scale: float,
               ext_start: int, patience: int | None, per_unit: bool, use_global: bool,
-              tie_last: bool, global_stop, *, block_u: int | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              tie_last: bool, global_stop, *, qmin: float | None = None,
+              block_u: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A block-scale search under ``mse_select``'s rules (``kernels.ops``' ``nvfp4_mse`` and
     ``mx_mse``), in two launches: ``(idx, best)``; arguments as :func:`nvfp4_search`'s
     (``enc`` NVFP4's or E8M0's; ``global_amax`` None for E8M0), then the rules'
     (``patience`` None: none), and ``global_stop(improved)``: the one-value int64 tensor of
     the candidate after which the global rule stops, from ``improved [G]`` (bool: the grid's
-    candidates that improve some unit)."""
+    candidates that improve some unit). ``qmin``: integer elements in ``[qmin, fmax]``
+    (MXINT8, BFP; ``min_exp`` and ``mbits`` not read), None for float elements."""
     (U, E), K = units.shape, factors.shape[0]
     dev = units.device
     idx = torch.empty(U, dtype=torch.int64, device=dev)
@@ -428,7 +435,8 @@ def block_mse(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, factors: 
     scales = (float(enc.block_max), int(enc.emax), float(min_scale))
     _price_kernel[grid](units, lo, hi, factors, inc_lo, inc_hi, global_amax, inc, scratch,
                         flags, U, E, K, G, units.stride(0), float(fmax), int(min_exp),
-                        int(mbits), *scales, TIE_LAST=bool(tie_last),
+                        int(mbits), *scales, 0.0 if qmin is None else float(qmin),
+                        TIE_LAST=bool(tie_last), FLOAT=qmin is None,
                         BLOCK_E=triton.next_power_of_2(max(E, 1)), **consts)
     gstop = global_stop(flags[:, :G].any(0))
     _select_kernel[grid](lo, hi, factors, inc_lo, inc_hi, global_amax, inc, scratch, gstop, idx,
