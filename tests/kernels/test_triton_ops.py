@@ -67,6 +67,8 @@ def _cases(device="cpu"):
                                 hi, "fp4_e2m1", "floor", 20, 5, True, True, False)),
         "mx_mse_rceil": (ops.mx_mse, (u, lo * 1.8, hi * 1.8, torch.tensor([1.0, 0.5, 0.3]), lo,
                                       hi, "fp8_e4m3", "rceil", 3, -1, False, False, True)),
+        "mx_mse_int": (ops.mx_mse, (u, lo, hi, torch.tensor([1 - i / 100 for i in range(50)]),
+                                    lo, hi, "int8_narrow", "even", 20, 5, True, True, False)),
     }
     def to(a):
         if isinstance(a, list):
@@ -206,8 +208,8 @@ def _int64s(n):
                         *(torch.zeros(3),) * 2, "fp4_e2m1", "round", 4, 5, True, True, False),
      "mx_mse: mode must be one of"),
     (lambda: ops.mx_mse(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
-                        *(torch.zeros(3),) * 2, "int8", "floor", 4, 5, True, True, False),
-     "mx_mse: format must be a float format"),
+                        *(torch.zeros(3),) * 2, "uint8", "floor", 4, 5, True, True, False),
+     "mx_mse: format must be a float or a signed integer format"),
     (lambda: ops.mx_mse(torch.zeros(3, 16), torch.zeros(2), torch.zeros(3), torch.ones(4),
                         *(torch.zeros(3),) * 2, "fp4_e2m1", "floor", 4, 5, True, True, False),
      r"mx_mse: lo must be a float32 tensor of shape \(3,\)"),
