@@ -84,6 +84,8 @@ def test_minmax_observers_read_bf16_through_the_op(name, layout):
      {"quantscope.unit_minmax", "quantscope.mse_price_int", "quantscope.mse_select"}),
     ("mse", presets.NVFP4, {"quantscope.nvfp4_mse"}),  # fused: pricing and selection
     ("nvfp4_expanded_mse", presets.NVFP4, {"quantscope.nvfp4_search"}),  # fused: no patience
+    ("mse", presets.MXFP4, {"quantscope.mx_mse"}),  # fused: each block's E8M0 scales once
+    ("memoryless_mse", presets.MXINT8, {"quantscope.mx_mse"}),  # integer elements too
 ])
 def test_histogram_and_search_observers_call_the_ops(name, spec, ops):
     obs = quantscope.get_observer(name, spec).to("meta")
