@@ -10,11 +10,12 @@ falls by 0 or 1 a candidate: its distinct scales are every code from its first c
 to its last's (NVFP4: ~9 for the native grid's 50 factors, ~11 for ``nvfp4_expanded_mse``'s
 111; MX: 2-4), and candidates of one code have one error. Each program holds a tile of
 units in registers, prices those codes once, and where the factors are coarser (or a
-range NaN) prices every candidate instead. The pricing is ``mse_price_fp``'s
-(``mse._term``), the selection ``mse_select``'s (``mse.select_step``).
+range NaN) prices every candidate instead. The pricing is ``mse_price_fp``'s, or
+``mse_price_int``'s for MX's integer elements (MXINT8, BFP; ``mse._term``), the selection
+``mse_select``'s (``mse.select_step``).
 
 The encoding is a compile-time constant, ``ENC``: -1 NVFP4, 0-3 E8M0 in ``scales.E8M0_MODES``'
-order (floor, ceil, even, rceil).
+order (floor, ceil, even, rceil); so is the element kind, ``FLOAT``.
 
 * ``nvfp4_search``: the first lowest error (no patience: ``nvfp4_expanded_mse``), one
   launch: the codes priced in order, then a bisection for the first candidate of the chosen
