@@ -40,6 +40,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .. import kernels
+from .._numerics import upload
 from .._oplib import define
 from ..kernels import triton as _triton
 
@@ -158,8 +159,7 @@ def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str |
         lib.qs_ao_upscale(hist.data_ptr(), bins, rate, lin.data_ptr(), float(orig_lo),
                           float(orig_hi), bounds.data_ptr(), out.data_ptr())
         return out
-    ends = torch.tensor([float(orig_lo), float(orig_hi)], dtype=torch.float32,
-                        device=hist.device)
+    ends = upload([float(orig_lo), float(orig_hi)], hist.device, torch.float32)
     bin_size = (ends[1] - ends[0]) / (bins * rate)
     mids = lin[:-1] + 0.5 * bin_size
     pieces = hist.repeat_interleave(rate) / rate
@@ -184,7 +184,7 @@ def update(hist: torch.Tensor | None, old: tuple[float, float] | None, x: torch.
     if new_lo == lo and new_hi == hi:
         return histc(x, bins, lo, hi, hist, backend), lo, hi
     if lo == hi:  # a one-value histogram: its total moves to that value's new bin
-        one = torch.tensor([lo], device=hist.device)
+        one = upload([lo], hist.device, torch.float32)
         moved = torch.histc(one, bins=bins, min=new_lo, max=new_hi) * hist.sum()
     else:
         moved = upscale(hist, lo, hi, new_lo, new_hi, backend)
