@@ -44,6 +44,7 @@ from quantscope.estimators.mse import mse_search
 from quantscope.kernels import ops
 from quantscope.layout import Channel, Group
 from quantscope.observers import observe_many
+from quantscope.qdq import fake_quantize_units
 from quantscope.qparams import qparams_from_range
 
 # ---- min-max + qparams ---------------------------------------------------------------------
@@ -144,11 +145,11 @@ def bench_calls(size, device, calls=200):
 # ---- the int4 per-channel MSE search -------------------------------------------------------
 
 def _total_error(units, spec, lo, hi):
+    """The float64 total squared fake-quant error of ``units`` under per-unit ranges."""
     qp = qparams_from_range(lo, hi, spec, check_finite=False)
-    scale = qp.effective_scale.reshape(-1).float().contiguous()
-    zp = qp.zero_point.reshape(-1).float().contiguous()
-    d = ops.fake_quant_int(units, scale, zp, float(spec.qmin), float(spec.qmax)) - units
-    return float(d.double().square().sum())
+    q = fake_quantize_units(units, qp.effective_scale.reshape(-1, 1),
+                            qp.zero_point.reshape(-1, 1).float(), spec)
+    return float((q - units).double().square().sum())
 
 
 def _llmc_call(w):
@@ -195,8 +196,6 @@ def bench_mse_mx(w, device, repeat):
     """The native MSE search on MXFP4 blocks of ``w``: the ops engine (``quantscope::mx_mse``,
     each block's distinct E8M0 scales priced once) against the torch path (a tile of ops per
     candidate), their total squared errors equal (the same choices)."""
-    from quantscope.qdq import fake_quantize_units
-
     spec, units = qs.presets.MXFP4, w.reshape(-1, 32)
     fns = {"quantscope mse_search (ops: mx_mse)": lambda: mse_search(units, None, None, spec),
            "quantscope torch path": lambda: mse_search(units, None, None, spec,
@@ -208,11 +207,8 @@ def bench_mse_mx(w, device, repeat):
     first = next(iter(fns))
     for name, fn in fns.items():
         r = fn()
-        qp = qparams_from_range(r.lo, r.hi, spec, check_finite=False)
-        err = (fake_quantize_units(units, qp.effective_scale.reshape(-1, 1),
-                                   qp.zero_point.reshape(-1, 1).float(), spec) - units)
         table.add(name, 1e3 * t[name], None if (d := device_seconds(fn, device, 1)) is None
-                  else 1e3 * d, float(err.double().square().sum()),
+                  else 1e3 * d, _total_error(units, spec, r.lo, r.hi),
                   t["quantscope torch path"] / t[first])
     table.print()
 
