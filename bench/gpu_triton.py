@@ -12,7 +12,9 @@ and bf16) by the ops against one ``torch.aminmax`` and the memoryless min-max ob
 the int4 per-channel MSE search (``mse_search``'s default engine on CUDA: candidates priced by
 ``quantscope::mse_price_int``, chosen by ``quantscope::mse_select``) against the torch path
 and llm-compressor 0.14's ``memoryless_mse`` (its Triton backend on CUDA; carried as wheels by
-bench/gpu_wheels.sh), with each one's total squared error, and the MXFP4 search
+bench/gpu_wheels.sh), with each one's total squared error, and quantscope's search under
+llm-compressor's rules (norm 2.4, global patience: the compat classes' search, on the ops
+and on the torch path), and the MXFP4 search
 (``quantscope::mx_mse``) against the torch path; the histogram observe + qparams (8
 growing bf16 batches; the native observer and the torch.ao compat class) against torch.ao's
 ``HistogramObserver`` on the same device; an activation observer's call, host and wall time
@@ -175,8 +177,13 @@ def bench_mse(size, device, repeat):
                   ["method", "wall ms", "device ms", "total squared error", "llm-compressor / ours"])
     # the default engine: the ops on CUDA (every candidate priced by one Triton launch, one
     # selection launch), the C kernel on the CPU
+    compat = {"compat": "llmcompressor", "norm": 2.4}  # the compat classes' search
     fns = {"quantscope mse_search (ops)": lambda: mse_search(w, None, None, spec),
-           "quantscope torch path": lambda: mse_search(w, None, None, spec, backend="torch")}
+           "quantscope torch path": lambda: mse_search(w, None, None, spec, backend="torch"),
+           "quantscope llm-compressor rules (ops)": lambda: mse_search(w, None, None, spec,
+                                                                       **compat),
+           "quantscope llm-compressor rules, torch path": lambda: mse_search(
+               w, None, None, spec, backend="torch", **compat)}
     llmc, why = _llmc_call(w)
     if llmc is not None:
         fns["llm-compressor memoryless_mse"] = llmc

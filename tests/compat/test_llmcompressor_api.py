@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
+from op_names import OpNames
 
 from quantscope.compat import llmcompressor as lc
 from quantscope.compat import llmcompressor_legacy as legacy
@@ -303,3 +304,20 @@ def test_fuse_weight_observers_refuses_mixed_groups():
     lc.fuse_weight_observers(_attention(["group", "group", "group"]))  # nothing to fuse
     with pytest.raises(AssertionError, match="non-TENSOR_GROUP"):
         lc.fuse_weight_observers(_attention(["tensor_group", "group", "tensor_group"]))
+
+
+@pytest.mark.parametrize("name, fields", [
+    ("memoryless_mse", {"num_bits": 4, "strategy": "channel"}),
+    ("nvfp4_expanded_mse", {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                            "group_size": 16})])
+def test_the_mse_search_off_the_cpu_runs_on_the_ops(name, fields):
+    """Off the CPU (meta here: shapes only, through the ops' fake implementations; Triton on
+    CUDA) the MSE classes' search prices every candidate in ``quantscope::`` ops and selects
+    under llm-compressor's rules in one op, where the CPU's torch path ran a loop of tiles."""
+    obs = lc.Observer.load_from_registry(name, base_name="weight", args={**INT8, **fields})
+    with OpNames() as seen:
+        obs(torch.randn(24, 64, device="meta"))
+    price = "quantscope.mse_price_fp" if fields.get("type") == "float" \
+        else "quantscope.mse_price_int"
+    assert {price, "quantscope.mse_select"} <= seen.names
+    assert obs.min_vals.device.type == "meta"

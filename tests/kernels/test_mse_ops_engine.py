@@ -15,8 +15,11 @@ from op_names import OpNames
 
 from quantscope import kernels, presets
 from quantscope.estimators import mse_search
+from quantscope.estimators.mse import range_error
 from quantscope.layout import Channel, Group
 from quantscope.observers import get_observer
+from quantscope.qdq import fake_quantize_units
+from quantscope.qparams import qparams_from_range
 from quantscope.spec import QuantSpec
 
 pytestmark = pytest.mark.skipif(not kernels.available("mse_search"),
@@ -186,12 +189,95 @@ def test_an_observer_off_the_cpu_calls_the_ops():
 
 def test_what_the_ops_engine_refuses():
     u = weight()
-    with pytest.raises(ValueError, match="backend='ops'"):
-        mse_search(u, None, None, SPECS["int4-channel"], backend="ops", norm=2.4)
-    with pytest.raises(ValueError, match="backend='ops'"):
-        mse_search(u, None, None, SPECS["int4-channel"], backend="ops", compat="llmcompressor")
+    with pytest.raises(ValueError, match="backend='ops' needs .* without autograd"):
+        mse_search(u.requires_grad_(), None, None, SPECS["int4-channel"], backend="ops")
     with pytest.raises(ValueError, match="backend must be one of"):
         mse_search(u, None, None, SPECS["int4-channel"], backend="triton")
+
+
+# ---- llm-compressor's search (compat) and other norms on the ops ---------------------------
+
+COMPAT = {"memoryless": {}, "patience-2": {"patience": 2, "maxshrink": 0.5, "grid": 20},
+          "expanded": {"maxshrink": 1 - 0.8 / 1.8, "grid": 200, "patience": 1000,
+                       "expand": 1.8}}
+
+
+def _compat_reference(u, spec, norm, maxshrink=0.2, grid=100.0, patience=5, expand=1.0):
+    """llm-compressor's rules, written out on float64 sums of torch's float32 ``|d| ** norm``
+    (the ops' prices, computed here independently): each candidate ``(lo * expand) * p``
+    in order; a unit's running minimum from float32's max (strict ``<``); stop after
+    ``patience`` candidates that improved no unit. Returns each unit's index."""
+    lo, hi = torch.aminmax(u, dim=1)
+    lo, hi = lo * expand, hi * expand
+    best = torch.full((u.shape[0],), torch.finfo(torch.float32).max, dtype=torch.float64)
+    idx, stale = torch.zeros(u.shape[0], dtype=torch.int64), 0
+    for i in range(int(maxshrink * grid)):
+        p = 1 - i / grid
+        qp = qparams_from_range(lo * p, hi * p, spec)
+        d = fake_quantize_units(u, qp.effective_scale.expand_as(lo)[:, None],
+                                qp.zero_point.float().expand_as(lo)[:, None], spec) - u
+        err = (d.square() if norm == 2 else d.abs().pow(norm)).double().sum(1)
+        better = err < best
+        best, idx = torch.where(better, err, best), torch.where(better, i, idx)
+        stale = 0 if bool(better.any()) else stale + 1
+        if stale >= patience:
+            break
+    return idx
+
+
+@pytest.mark.parametrize("opt", list(COMPAT))
+@pytest.mark.parametrize("norm", [2.4, 2.0, 1.0])
+@pytest.mark.parametrize("name", ["int4-channel", "int4-group32-asym", "uint3-channel-asym",
+                                  "nvfp4"])
+def test_compat_on_the_ops_is_llmcompressors_rules(name, norm, opt):
+    """``compat="llmcompressor"`` on the ops (the default off the CPU): its choices are
+    llm-compressor's rules applied to the ops' float64 prices, written out independently;
+    NVFP4 as they search it (float32 scales, no global scale)."""
+    spec = SPECS[name]
+    u = units_of(spec, weight(rows=30, seed=2))
+    with OpNames() as seen:
+        res = mse_search(u, None, None, spec, backend="ops", compat="llmcompressor", norm=norm,
+                         **COMPAT[opt])
+    assert "quantscope.mse_select" in seen.names
+    want = _compat_reference(u, spec.replace(scale="fp32") if name == "nvfp4" else spec, norm,
+                             **COMPAT[opt])
+    assert torch.equal(res.index, want)
+    p = torch.tensor([1 - i / COMPAT[opt].get("grid", 100.0) for i in range(int(
+        COMPAT[opt].get("maxshrink", 0.2) * COMPAT[opt].get("grid", 100.0)))])
+    lo, hi = torch.aminmax(u, dim=1)
+    e = COMPAT[opt].get("expand", 1.0)
+    assert torch.equal(res.lo, (lo * e) * p[want]) and torch.equal(res.hi, (hi * e) * p[want])
+
+
+@pytest.mark.parametrize("name", ["int4-channel", "int8-channel", "nvfp4"])
+def test_compat_on_the_ops_differs_from_torch_only_at_near_ties(name):
+    """Against the torch path (float32 sums, llm-compressor's own arithmetic on the CPU):
+    the same candidate wherever torch's errors of the two choices are not within float32
+    rounding of each other (n * 2^-24 relatively, n a unit's elements)."""
+    spec = SPECS[name]
+    u = units_of(spec, weight(rows=60, seed=5))
+    kw = {"compat": "llmcompressor", "norm": 2.4}
+    ours = mse_search(u, None, None, spec, backend="ops", **kw)
+    torch_path = mse_search(u, None, None, spec, backend="torch", **kw)
+    assert (ours.index == torch_path.index).float().mean() > 0.9
+    blind = spec.replace(scale="fp32") if name == "nvfp4" else spec
+    a = range_error(u, ours.lo, ours.hi, blind, 2.4).double()
+    b = range_error(u, torch_path.lo, torch_path.hi, blind, 2.4).double()
+    near = (a - b).abs() <= u.shape[1] * 2.0 ** -24 * torch.maximum(a, b)
+    assert bool((near | (ours.index == torch_path.index)).all())
+
+
+def test_other_norms_run_on_the_ops_off_the_cpu():
+    """Off the CPU (meta: shapes only) native and compat searches of any norm price on the
+    ops, with no host read; the block-scale ops price squares only, so NVFP4 at norm 2.4
+    prices every candidate."""
+    u = units_of(SPECS["nvfp4"], weight()).to("meta")
+    for kw in ({"norm": 2.4}, {"norm": 2.4, "compat": "llmcompressor"}):
+        with OpNames() as seen:
+            res = mse_search(u, None, None, SPECS["nvfp4"], **kw)
+        assert {"quantscope.mse_price_fp", "quantscope.mse_select"} <= seen.names
+        assert not {"quantscope.nvfp4_mse", "quantscope.nvfp4_search"} & seen.names
+        assert res.lo.device.type == "meta" and res.lo.shape == (u.shape[0],)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -208,3 +294,18 @@ def test_cuda_search_prices_as_the_cpu(name, opt):
     cuda = mse_search(u.cuda(), None, None, spec, **OPTIONS[opt])
     torch.testing.assert_close(cuda.error.cpu(), cpu.error, rtol=1e-12, atol=0)
     assert (cuda.index.cpu() == cpu.index).float().mean() > 0.99
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["int4-channel", "nvfp4"])
+@pytest.mark.parametrize("opt", ["memoryless", "expanded"])
+def test_cuda_compat_search_is_the_ops_on_the_cpu(name, opt):
+    """llm-compressor's search on CUDA: the ops' choices on the CPU (the same rules on the
+    same prices: CUDA's powf is within an ulp of the CPU's pow, so all but near ties)."""
+    spec = SPECS[name]
+    u = units_of(spec, weight(rows=64, cols=256))
+    kw = {"compat": "llmcompressor", "norm": 2.4, **COMPAT[opt]}
+    cpu = mse_search(u, None, None, spec, backend="ops", **kw)
+    cuda = mse_search(u.cuda(), None, None, spec, **kw)
+    assert (cuda.index.cpu() == cpu.index).float().mean() > 0.95
+    torch.testing.assert_close(cuda.error.cpu(), cpu.error, rtol=1e-5, atol=0)

@@ -294,11 +294,15 @@ def test_int_qparams_bitwise(device, spec):
 
 # ---- the MSE search's pricing --------------------------------------------------------------
 
-def _price_reference(units, scale, zp, spec):
+def _price_reference(units, scale, zp, spec, norm=2.0):
     """float64 sums of torch's float32 squared fake-quant errors (``d.square()``, as
-    mse_tiles and the C kernel square them), candidate by candidate."""
-    rows = [(fake_quantize_units(units, s[:, None], z[:, None].float(), spec) - units)
-            .square().double().sum(1) for s, z in zip(scale, zp, strict=True)]
+    mse_tiles and the C kernel square them; another ``norm``: ``d.abs().pow(norm)``, as
+    llm-compressor's error), candidate by candidate, on ``units``' device."""
+    def term(d):
+        return d.square() if norm == 2.0 else d.abs().pow(norm)
+
+    rows = [term(fake_quantize_units(units, s[:, None], z[:, None].float(), spec) - units)
+            .double().sum(1) for s, z in zip(scale, zp, strict=True)]
     return torch.stack(rows)
 
 
@@ -320,6 +324,39 @@ def test_mse_price_int(device, spec, U, E, blocks):
     assert got.dtype == torch.float64 and got.shape == want.shape
     # the float64 sum of float32 squares: equal up to its order (the C kernel's contract)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")  # log2(0)
+@pytest.mark.parametrize("norm", [1.0, 2.0, 3.0, 0.5, 1.5, 2.4])
+@pytest.mark.parametrize(("spec", "blocks"), [(QuantSpec("int4"), {}),
+                                              (QuantSpec("uint8", symmetric=False),
+                                               {"block_e": 16}),
+                                              (QuantSpec("fp4_e2m1"), {})], ids=str)
+def test_mse_price_norms(device, spec, blocks, norm):
+    """``|d| ** norm`` terms (llm-compressor's error: norm 2.4): torch's ``d.abs().pow(norm)``
+    on the same device, summed in float64. Norms 1, 2 and 3 are exact arithmetic, so equal up
+    to the sum's order; on CUDA so are the others (sqrtf, and libdevice's powf without
+    flush-to-zero, the functions torch's CUDA pow calls). The interpreter's powf is float64
+    exp2 / log2 and torch's CPU pow and sqrt are not always correctly rounded: an ulp or two
+    a term."""
+    from quantscope.kernels.triton import mse
+
+    g = torch.Generator().manual_seed(int(norm * 10))
+    units = (torch.randn(5, 40, generator=g) * 3).to(device)
+    units[0, :4] = 0.0  # |d| = 0: pow(0, norm) = 0
+    lo, hi = torch.aminmax(units, dim=1)
+    f = torch.linspace(1.0, 0.6, 6, device=device)[:, None]
+    qp = qparams_from_range(lo[None] * f, hi[None] * f, spec)
+    scale, zp = qp.effective_scale.contiguous(), qp.zero_point.to(torch.int32).contiguous()
+    want = _price_reference(units, scale, zp, spec, norm)
+    if spec.is_float:
+        fmt = spec.format
+        got = mse.mse_price_fp(units, scale, fmt.max, fmt.min_exp, fmt.mbits, norm=norm,
+                               **blocks)
+    else:
+        got = mse.mse_price_int(units, scale, zp, spec.qmin, spec.qmax, norm=norm, **blocks)
+    exact = norm in (1.0, 2.0, 3.0) or device.type == "cuda"
+    torch.testing.assert_close(got, want, rtol=1e-12 if exact else 1e-6, atol=0)
 
 
 # ---- float element formats: rounding, fake-quant and pricing ------------------------------

@@ -9,6 +9,7 @@ import torch
 
 from quantscope import QuantSpec
 from quantscope.kernels import ops
+from quantscope.qdq import fake_quantize_units
 from quantscope.qparams import qparams_from_range
 from quantscope.stats import histogram as H
 from quantscope.stats.ao_histogram import ao_histc
@@ -40,6 +41,10 @@ def _cases(device="cpu"):
         "fake_quant_int": (ops.fake_quant_int, (u, scale, zp, -8.0, 7.0)),
         "mse_price_int": (ops.mse_price_int, (u, cand.scale, cand.zero_point, -8.0, 7.0)),
         "mse_price_fp": (ops.mse_price_fp, (u, mx, 6.0, 0, 1)),  # fp4_e2m1, E8M0 scales
+        # llm-compressor's error |d| ** 2.4 (on the CPU: the torch path, not the C kernel)
+        "mse_price_int_norm": (ops.mse_price_int, (u, cand.scale, cand.zero_point, -8.0, 7.0,
+                                                   None, 2.4)),
+        "mse_price_fp_norm": (ops.mse_price_fp, (u, mx, 6.0, 0, 1, None, 3.0)),
         "mse_select": (ops.mse_select, (torch.rand(5, 6, generator=g, dtype=torch.float64),
                                         torch.rand(5, 6, generator=g) < 0.3,
                                         torch.ones(6, dtype=torch.float64), 4, 2, True, True,
@@ -155,6 +160,11 @@ def _int64s(n):
     (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 3), 6.0, 0, 24), "mbits must be"),
     (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 3), 6.0, -130, 1),
      r"min_exp must be in \[mbits - 126, 127\]"),
+    (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 3), 6.0, 0, 1, norm=0.0),
+     "mse_price_fp: norm must be a positive finite exponent, got 0.0"),
+    (lambda: ops.mse_price_int(torch.zeros(3, 4), torch.ones(2, 3),
+                               torch.zeros(2, 3, dtype=torch.int32), -8.0, 7.0,
+                               norm=float("inf")), "mse_price_int: norm must be a positive"),
     (lambda: ops.mse_select(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), 2, 1, True,
                             True, False), "same must be a bool tensor"),
     (lambda: ops.mse_select(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool),
@@ -271,6 +281,23 @@ def test_mse_price_fp_cuda_equals_cpu(name):
     want = ops.mse_price_fp(u, scale, *fmt)
     got = ops.mse_price_fp(u.cuda(), scale.cuda(), *fmt)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("norm", [2.4, 1.5, 0.5, 3.0])
+def test_mse_price_norms_cuda_are_torchs_cuda_pow(norm):
+    """llm-compressor's error ``|d| ** norm`` priced on CUDA: each term is torch's CUDA
+    ``d.abs().pow(norm)`` (libdevice's powf without flush-to-zero, sqrtf for 0.5), so the
+    prices equal torch's float64 sums of them up to the order (1e-12), where the CPU's pow
+    differs by an ulp a term."""
+    u, scale, *fmt = _fp_case("fp4_e2m1")
+    u = u.nan_to_num(0.0, 0.0, 0.0)
+    got = ops.mse_price_fp(u.cuda(), scale.cuda(), *fmt, norm=norm)
+    want = torch.stack([
+        (fake_quantize_units(u.cuda(), s.cuda()[:, None], torch.zeros(1, 1, device="cuda"),
+                             QuantSpec("fp4_e2m1")) - u.cuda()).abs().pow(norm).double().sum(1)
+        for s in scale])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

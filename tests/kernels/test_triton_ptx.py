@@ -3,7 +3,9 @@ and the float32 arithmetic that must round as torch's ops round is the IEEE inst
 
 In the PTX: divisions ``div.rn.f32`` (never ``div.full`` / ``div.approx`` / ``rcp``), no
 ``fma`` (every launch passes ``_jit.LAUNCH``: ``enable_fp_fusion=False``), and every f32 add / sub / mul carries
-``.rn``, which ptxas never contracts into an FMA. The compile runs in a child process
+``.rn``, which ptxas never contracts into an FMA. The one exception is libdevice's ``powf``
+(the pricing of llm-compressor's norm 2.4), whose FMAs are its algorithm, in torch's CUDA
+build too: compiled without flush-to-zero, as there. The compile runs in a child process
 without ``TRITON_INTERPRET`` (the interpreter's functions cannot be compiled).
 """
 
@@ -25,7 +27,7 @@ _PRICE = {"x_ptr": "*fp32", "w_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32",
           "out_ptr": "*fp64", "U": "i32", "E": "i32", "K": "i32", "stride_u": "i32",
           "stride_w": "i32", "qmin": "fp32", "qmax": "fp32", "min_exp": "i32", "mbits": "i32",
           "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr",
-          "FLOAT": "constexpr", "WEIGHTED": "constexpr"}
+          "FLOAT": "constexpr", "WEIGHTED": "constexpr", "NORM": "constexpr"}
 #: what every kernel of kernels/triton/block_search.py takes (its ``_ranges``), and their
 #: constants (NVFP4's e4m3 block scales; ``ENC`` / ``TOP`` for the kernels that take MX's too)
 _BLOCK_RANGES = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32", "ilo_ptr": "*fp32",
@@ -49,7 +51,8 @@ _SELECT_CONST = {"PER_UNIT": True, "USE_GLOBAL": True, "HAS_PATIENCE": True, "TI
 _NVFP4 = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "amax_ptr": "*fp32", "out_ptr": "*fp32",
           "n": "i32", "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32", "gs_ptr": "*fp32",
           "MIN_EXP": "constexpr", "MBITS": "constexpr", "BLOCK_N": "constexpr"}
-_PRICE_CONST = {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True, "WEIGHTED": False}
+_PRICE_CONST = {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True, "WEIGHTED": False,
+                "NORM": 2.0}
 CASES = {
     "fakequant._fake_quant_kernel": (
         {"x_ptr": "*bf16", "s_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32", "U": "i32",
@@ -64,6 +67,12 @@ CASES = {
     "mse._price_kernel:weighted": (  # the imatrix search's weights (WEIGHTED)
         {**_PRICE, "z_ptr": "*fp32"}, {**_PRICE_CONST, "BLOCK_E": 1024, "ONE_TILE": False,
                                        "FLOAT": True, "WEIGHTED": True}),
+    "mse._price_kernel:cube": (  # llm-compressor's norms: 3 is |d| * |d| * |d|, as torch's
+        _PRICE, {**_PRICE_CONST, "FLOAT": False, "NORM": 3.0}),
+    "mse._price_kernel:sqrt": (  # 0.5: torch's pow calls sqrt, the IEEE one on CUDA
+        _PRICE, {**_PRICE_CONST, "FLOAT": False, "NORM": 0.5}),
+    "mse._price_kernel:pow": (  # others: libdevice's powf, the function torch's CUDA pow calls
+        _PRICE, {**_PRICE_CONST, "FLOAT": False, "NORM": 2.4}),
     "block_search._search_kernel": (  # the fused NVFP4 search: codes, enumeration, bisection
         {**_BLOCK_RANGES, "x_ptr": "*fp32", "idx_ptr": "*i64", "best_ptr": "*fp64",
          "E": "i32", "stride_u": "i32", "min_exp": "i32", "mbits": "i32", "min_scale": "fp32",
@@ -152,8 +161,8 @@ def _compile_all() -> dict:
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options=dict(LAUNCH)).asm["ptx"]  # the launches' options
         # f64 too: the prices' float64 products and sums must not fuse either
-        ops = re.findall(r"^\s*((?:div|fma|rcp|add|sub|mul)\.[a-z0-9.]*f(?:32|64))\b", ptx,
-                         re.MULTILINE)
+        ops = re.findall(r"^\s*((?:div|fma|rcp|add|sub|mul|sqrt)\.[a-z0-9.]*f(?:32|64))\b",
+                         ptx, re.MULTILINE)
         out[name] = sorted(set(ops))
     return out
 
@@ -165,14 +174,20 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(found) == set(CASES)
+    # powf is a library function: its own FMAs are its algorithm, in torch's build too; without
+    # flush-to-zero (_jit.LAUNCH), as torch's CUDA build compiles it
+    pow_ops = found.pop("mse._price_kernel:pow")
+    assert "fma.rn.f32" in pow_ops and "fma.rn.ftz.f32" not in pow_ops, pow_ops
+    assert {"div.rn.f32", "add.rn.f64"} <= set(pow_ops)
     for name, ops in found.items():
         assert not [op for op in ops if op.startswith(("fma", "rcp"))], (name, ops)
-        assert all(op.startswith(("div.rn.", "add.rn.", "sub.rn.", "mul.rn.")) for op in ops), \
-            (name, ops)
+        assert all(op.startswith(("div.rn.", "add.rn.", "sub.rn.", "mul.rn.", "sqrt.rn."))
+                   for op in ops), (name, ops)
     assert "div.rn.f32" in found["fakequant._fake_quant_kernel"]
     assert "div.rn.f32" in found["mse._price_kernel"]
     assert "div.rn.f32" in found["mse._price_kernel:fp"]
     assert "div.rn.f32" in found["mse._price_kernel:fp_tiles"]
+    assert "sqrt.rn.f32" in found["mse._price_kernel:sqrt"]
     assert "div.rn.f32" in found["block_qparams._int_kernel"]
     for name in ("block_search._search_kernel", "block_search._price_kernel",
                  "block_search._select_kernel", "block_search._price_kernel:mx",

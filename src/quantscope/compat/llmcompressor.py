@@ -19,7 +19,11 @@ The seed's earlier generation (``forward`` returns ``(scale, zero_point)``) is
 
 The search (MSE), the qparams formulas and the spec translation are quantscope's
 (:func:`~quantscope.estimators.mse.mse_search` in llm-compressor's exact mode,
-:func:`~quantscope.qparams.qparams_from_range`, :func:`llmcompressor_spec`).
+:func:`~quantscope.qparams.qparams_from_range`, :func:`llmcompressor_spec`). The search is
+their eager one bit for bit on the CPU; off it, the same rules on the ``quantscope::`` ops
+(Triton on CUDA), which may keep the other candidate of a near tie
+(:mod:`quantscope.estimators.mse_ops`). ``triton_error_buffer`` (their CUDA kernel's
+per-group patience) is kept, not followed: the rules do not depend on the device.
 """
 
 from __future__ import annotations

@@ -7,16 +7,17 @@ keeps the best per unit. Every candidate goes through
 computed), so an encoded scale (E8M0, fp8 under NVFP4's global scale, power of
 two, fp16) is scored as it will run, not as a float32 idealisation.
 
-This module holds the entry points and the choice of candidates; three engines run a
+This module holds the entry points and the choice of candidates; four engines run a
 search with the same rules: :mod:`.mse_tiles` in torch (``[candidates, units,
 elements]`` tiles, any device); for integer and float element formats on CPU (squared
 error, not ``compat``; MX and NVFP4 blocks included), the C kernel :mod:`.mse_kernel`,
 which prices candidates unit by unit summing the exact fake-quant error in float64 (only
-the candidates' qparams, from ``qparams_from_range``, are computed in torch); and for
-``compat="llmcompressor"``
-(integer formats, float32 CPU units), :mod:`.mse_compat`: a C kernel prices every
-candidate with a proven bound on its distance to torch's float32 error, and torch
-recomputes only the near ties, so the choices are the torch path's bit for bit.
+the candidates' qparams, from ``qparams_from_range``, are computed in torch); for
+``compat="llmcompressor"`` (integer formats, float32 CPU units), :mod:`.mse_compat`: a C
+kernel prices every candidate with a proven bound on its distance to torch's float32
+error, and torch recomputes only the near ties, so the choices are the torch path's bit
+for bit; and off the CPU, :mod:`.mse_ops`: the ``quantscope::`` ops (Triton on CUDA) price
+every candidate in one pass and select in one op (any norm, ``compat`` included).
 ``backend="torch"`` forces the tiles.
 
 Selection rules (all evaluated on ``[U]`` vectors, candidate by candidate):
@@ -119,8 +120,8 @@ def _check(units, lo, hi, spec, norm):
     if not isinstance(units, torch.Tensor) or units.dim() != 2:
         raise ValueError(f"mse_search: units must be a 2-D [units, elements] tensor, got "
                          f"{getattr(units, 'shape', type(units).__name__)}")
-    if not (isinstance(norm, (int, float)) and norm > 0):
-        raise ValueError(f"mse_search: norm must be a positive number, got {norm!r}")
+    if not (isinstance(norm, (int, float)) and 0 < norm < math.inf):
+        raise ValueError(f"mse_search: norm must be a positive finite number, got {norm!r}")
     units = units.float()
     if lo is None or hi is None:
         lo, hi = unit_minmax(units)
@@ -183,7 +184,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
             and NVFP4; ``norm=2``, float32 CPU units, not ``compat``), else torch;
             ``"torch"`` forces the torch tiles; ``"kernel"`` requires the kernel;
             ``"ops"`` the ``quantscope::`` ops (:mod:`.mse_ops`: every candidate priced in
-            one pass, then selected; the default off the CPU, Triton on CUDA). The
+            one pass, then selected; any norm, ``compat`` included; the default off the
+            CPU, Triton on CUDA). The
             kernel scores ``sum((fake_quant(x) - x) ** 2)`` summed in float64; torch
             scores the same quantizer in float32 by a rounding identity.
             With ``compat="llmcompressor"`` the kernel is :mod:`.mse_compat`'s (integer
@@ -218,7 +220,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
           "chunk_candidates": chunk_candidates, "early_stop": early_stop,
           "incumbent": None if exact else (base_lo, base_hi), "extend": extend}
     search_spec = spec if encoding_aware else _blind(spec)
-    if exact:  # the kernel prices, torch settles near ties: the torch path's choices
+    if exact and search is mse_tiles.search:  # the kernel prices, torch settles near ties
         search = mse_compat.engine(units, search_spec, kw, len(f_lo), backend) or search
     results = [search(units, lo, hi, search_spec, f_lo, f_hi, global_amax=ga, **kw)
                for ga in gas]
@@ -230,20 +232,23 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
 
 
 def _engine(units, spec, norm, exact, backend):
-    """The search engine: the C kernel on the CPU, the ops elsewhere (native searches of
-    squared error that they price), else the torch tiles; ``backend`` forces one."""
-    if exact or backend == "torch":
-        return mse_tiles.search  # for compat, mse_compat.engine may take over below
-    if backend in (None, "kernel") and mse_kernel.usable(units, spec, norm):
+    """The search engine: on the CPU the C kernel (native, squared error), off it the ops
+    (the formats they price, any norm, compat included), else the torch tiles;
+    ``backend`` forces one. For compat on the CPU, ``mse_compat.engine`` may take over from
+    the tiles (:func:`mse_search`)."""
+    if backend == "torch" or exact and backend == "kernel":
+        return mse_tiles.search
+    if backend in (None, "kernel") and not exact and mse_kernel.usable(units, spec, norm):
         return mse_kernel.search
     if backend in (None, "ops") and mse_ops.usable(units, spec, norm) \
             and (backend == "ops" or units.device.type != "cpu"):
         return mse_ops.search
     if backend is not None:
+        kernel = "; norm=2, no compat, on the CPU, and a C compiler" if backend == "kernel" \
+            else ""
         raise ValueError(f"mse_search: backend={backend!r} needs an integer format without a "
-                         f"global scale or a float element format, norm=2, float32 units "
-                         f"without autograd, no compat"
-                         f"{' on the CPU, and a C compiler' if backend == 'kernel' else ''}")
+                         f"global scale or a float element format, float32 units without "
+                         f"autograd{kernel}")
     return mse_tiles.search
 
 
@@ -259,9 +264,6 @@ def _check_options(compat, tie, patience, expand, backend):
         raise ValueError(f"mse_search: expand must be a number >= 1.0, got {expand!r}")
     if backend not in BACKENDS:
         raise ValueError(f"mse_search: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "ops" and compat is not None:
-        raise ValueError("mse_search: backend='ops' runs native searches; compat='llmcompressor' "
-                         "runs on backend None, 'kernel' or 'torch'")
 
 
 def _candidates(factors, maxshrink, grid, expand, extend_to, per_unit, patience, two_ends,

@@ -21,6 +21,16 @@ qparams equal the previous one's) are found from them as the torch path finds th
 block-scale ops are defined by the same steps). Errors are float64 sums of float32
 fake-quant errors, as the other engines', so on the CPU (where the ops run the C kernel)
 this engine chooses what :mod:`.mse_kernel` chooses (tests compare them bit for bit).
+
+Other norms and llm-compressor's search (``compat="llmcompressor"``: no incumbent, the first
+candidate always wins, global patience; norm 2.4) run here too, priced by the same ops:
+float64 sums of torch's float32 ``|d| ** norm``. The torch path sums those terms in float32,
+in an order its reduction picks per device and shape, so where two candidates' errors lie
+within float32 rounding of each other (about ``n * 2^-24`` relatively, ``n`` a unit's
+elements) this engine may pick the other one. On the CPU, :mod:`.mse_compat` settles such
+ties in torch and reproduces the torch path bit for bit; on CUDA no sum order is the
+reference (llm-compressor's own CUDA backend is a Triton kernel with rules of its own), and
+this engine is the default there.
 """
 
 from __future__ import annotations
@@ -38,61 +48,74 @@ __all__ = ["search", "usable"]
 #: a chunk's ``[candidates, units]`` qparams hold at most this many times ``chunk_elems``
 #: values: the qparams are [K, U] where the tiles were [K, U, E]
 _QPARAMS_PER_TILE = 16
+#: llm-compressor's initial best error: the first candidate always wins
+_FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
     """Whether the ops price this search: integer formats without a global scale or float
-    element formats, squared error, float32 units, no autograd."""
+    element formats (any norm), float32 units, no autograd."""
     fmt = spec.format
     return ((isinstance(fmt, IntFormat) and not spec.scale.has_global_scale
              or isinstance(fmt, FloatFormat))
-            and float(norm) == 2.0 and units.dtype == torch.float32
-            and not units.requires_grad)
+            and units.dtype == torch.float32 and not units.requires_grad)
 
 
 def _price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-           spec: QuantSpec) -> torch.Tensor:
+           spec: QuantSpec, norm: float) -> torch.Tensor:
     """float64 ``[K, n]`` errors of effective scales / zero points ``[K, n]`` on ``units``."""
     if spec.is_float:
         fmt = spec.format
-        return ops.mse_price_fp(units, scale, float(fmt.max), int(fmt.min_exp), int(fmt.mbits))
-    return ops.mse_price_int(units, scale, zero_point, float(spec.qmin), float(spec.qmax))
+        return ops.mse_price_fp(units, scale, float(fmt.max), int(fmt.min_exp), int(fmt.mbits),
+                                norm=norm)
+    return ops.mse_price_int(units, scale, zero_point, float(spec.qmin), float(spec.qmax),
+                             norm=norm)
 
 
-def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax):
-    """Errors ``[1 + K, n]`` of the incumbent (row 0) and the candidates on units ``n``, and
+def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax, norm):
+    """Errors ``[1 + K, n]`` of the incumbent (row 0; None: none, and the row is float32's
+    max, which the first finite candidate beats) and the candidates on units ``n``, and
     ``same [K, n]``: candidate ``k``'s encoded qparams equal row ``k``'s (the previous)."""
-    lo_c = torch.cat((incumbent[0][None], lo[None] * f_lo[:, None]))
-    hi_c = torch.cat((incumbent[1][None], hi[None] * f_hi[:, None]))
+    first = (lo, hi) if incumbent is None else incumbent  # its qparams: only for `same`
+    lo_c = torch.cat((first[0][None], lo[None] * f_lo[:, None]))
+    hi_c = torch.cat((first[1][None], hi[None] * f_hi[:, None]))
     qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax, check_finite=False)
     scale = qp.effective_scale.expand_as(lo_c).contiguous()
     zp = qp.zero_point.expand_as(lo_c).to(torch.int32).contiguous()
     enc = qp.scale.expand_as(lo_c)
     same = (enc[1:] == enc[:-1]) & (zp[1:] == zp[:-1])
-    return _price(units, scale, zp, spec), same
+    if incumbent is None:
+        err = _price(units, scale[1:], zp[1:], spec, norm)
+        return torch.cat((torch.full_like(err[:1], _FLT_MAX), err)), same
+    return _price(units, scale, zp, spec, norm), same
 
 
 def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumbent,
-           global_amax, chunk_elems, extend=(), **_):
+           global_amax, chunk_elems, norm=2.0, extend=(), **_):
     """``mse_tiles.search`` (same arguments, same choices for native searches: an incumbent,
-    squared error) as ops: ``(lo, hi, error, index)`` per unit."""
+    squared error) as ops: ``(lo, hi, error, index)`` per unit. Without an incumbent
+    (llm-compressor's search, ``compat``) the first candidate always wins, and near ties
+    may fall otherwise than in torch's float32 sums (module doc)."""
     dev = units.device
     ext = list(extend) if extend and per_unit and patience is not None else []
     one_factor = list(f_lo) == list(f_hi)  # (host lists) both ends scaled alike
     f_lo = upload(list(f_lo) + ext, dev, torch.float32)
     f_hi = upload(list(f_hi) + ext, dev, torch.float32)
-    if spec.scale.has_global_scale and global_amax is not None:
+    blocks = incumbent is not None and float(norm) == 2.0  # what the block ops price
+    if blocks and spec.scale.has_global_scale and global_amax is not None:
         idx, best = _nvfp4(units, lo, hi, f_lo, incumbent, global_amax, spec, patience,
                            per_unit, tie, len(ext))
-    elif spec.scale.kind == "e8m0" and one_factor and _format_bounds(spec):
+    elif blocks and spec.scale.kind == "e8m0" and one_factor and _format_bounds(spec):
         idx, best = ops.mx_mse(units, lo, hi, f_lo, *incumbent, spec.format.name,
                                spec.scale.mode, *_rules(f_lo.shape[0] - len(ext), patience,
                                                         per_unit, tie))
     else:
         step = max(1, chunk_elems * _QPARAMS_PER_TILE // (f_lo.shape[0] + 1))
         idx, best = _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie,
-                                      incumbent, global_amax, step, len(ext))
+                                      incumbent, global_amax, step, len(ext), norm)
     j, take = idx.clamp(min=0), idx >= 0
+    if incumbent is None:  # no candidate priced below float32's max: the first, as torch's
+        incumbent = (lo * f_lo[0], hi * f_hi[0])
     return (torch.where(take, lo * f_lo[j], incumbent[0]),
             torch.where(take, hi * f_hi[j], incumbent[1]), best.float(), idx)
 
@@ -127,14 +150,14 @@ def _rules(ext_start, patience, per_unit, tie) -> tuple:
 
 
 def _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie, incumbent,
-                      global_amax, step, n_ext):
+                      global_amax, step, n_ext, norm):
     """``(idx, best)``: every candidate priced into ``[K + 1, U]`` errors, then selected."""
     dev, (K, U) = units.device, (f_lo.shape[0], units.shape[0])
     err = torch.empty((K + 1, U), dtype=torch.float64, device=dev)
     same = torch.empty((K, U), dtype=torch.bool, device=dev)
     for a in range(0, U, step):
         b = min(a + step, U)
+        inc = None if incumbent is None else (incumbent[0][a:b], incumbent[1][a:b])
         err[:, a:b], same[:, a:b] = _price_chunk(
-            units[a:b], lo[a:b], hi[a:b], f_lo, f_hi, (incumbent[0][a:b], incumbent[1][a:b]),
-            spec, global_amax)
+            units[a:b], lo[a:b], hi[a:b], f_lo, f_hi, inc, spec, global_amax, norm)
     return ops.mse_select(err[1:], same, err[0], *_rules(K - n_ext, patience, per_unit, tie))

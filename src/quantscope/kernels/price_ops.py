@@ -3,11 +3,11 @@
 :mod:`quantscope.kernels.ops` with the other ops (whose contract they follow: a CPU
 implementation, a CUDA one, a fake one; bad input raises ``ValueError`` naming the argument).
 
-* ``mse_price_int(units, scale, zero_point, qmin, qmax, weights=None) -> err``: float64
-  ``[K, U]`` squared fake-quant errors of candidates ``scale`` (float32) / ``zero_point``
-  (int32) ``[K, U]`` on float32 ``units [U, E]``.
-* ``mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None) -> err``: the same for a
-  float element
+* ``mse_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0) -> err``:
+  float64 ``[K, U]`` squared fake-quant errors of candidates ``scale`` (float32) /
+  ``zero_point`` (int32) ``[K, U]`` on float32 ``units [U, E]``.
+* ``mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0) -> err``: the
+  same for a float element
   format given by ``FloatFormat``'s ``max``, ``min_exp`` and ``mbits`` (zero point 0: fp8 /
   fp6 / fp4 elements of MX and NVFP4 blocks) under candidate effective scales ``scale``
   (float32 ``[K, U]``; NVFP4's global scale folded in), the elements rounded as
@@ -17,10 +17,17 @@ implementation, a CUDA one, a fake one; bad input raises ``ValueError`` naming t
   on ``units``' device, e.g. imatrix importance) ``float64(w) * float64(d * d)``, the product
   rounded once (the weighted search's arithmetic, :mod:`quantscope.estimators.weighted`). On
   every device: prices agree across devices up to the order of the float64 sum (1e-12).
+* ``norm`` (positive; llm-compressor's searches use 2.4): each term is ``float64(|d| **
+  norm)``, the float32 power as torch's ``d.abs().pow(norm)`` computes it on the op's device.
+  Norms 1, 2 and 3 are exact arithmetic on every device; the others are the device's
+  functions (0.5 a square root): torch's on the CPU (its AVX-512 float32 ``sqrt`` and ``pow``
+  are not always correctly rounded), CUDA's ``sqrtf`` / ``powf`` in the Triton kernel (what
+  torch's CUDA ``pow`` calls), an ulp or so apart, so prices agree across devices to about
+  1e-7 for those norms.
 
 CPU: the C kernel (``csrc/mse_search.c``: ``qs_mse_price`` / ``qs_mse_price_fp``, as
-``estimators.mse_kernel.price`` calls it) where it is built and ``units`` is a contiguous
-CPU tensor, else the torch path (``qdq.fake_quantize_units`` one candidate at a time, float64
+``estimators.mse_kernel.price`` calls it) where it is built, ``units`` is a contiguous
+CPU tensor and ``norm`` is 2, else the torch path (``qdq.fake_quantize_units`` one candidate at a time, float64
 sums of the float32 squares). CUDA: the Triton kernel (:mod:`.triton.mse`, the same terms);
 the torch path where triton is not installed.
 
@@ -103,17 +110,25 @@ def _check_price(who: str, units: Tensor, scale: Tensor, zero_point: Tensor | No
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-def _check_price_int(units, scale, zero_point, qmin, qmax, weights=None) -> None:
+def _check_norm(who: str, norm: float) -> None:
+    if not 0.0 < norm < math.inf:
+        raise ValueError(f"quantscope::{who}: norm must be a positive finite exponent, "
+                         f"got {norm}")
+
+
+def _check_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0) -> None:
     _check_price("mse_price_int", units, scale, zero_point)
     _check_weights("mse_price_int", units, weights)
+    _check_norm("mse_price_int", norm)
     if not qmin < qmax:
         raise ValueError(f"quantscope::mse_price_int: qmin must be below qmax, got {qmin} and "
                          f"{qmax}")
 
 
-def _check_price_fp(units, scale, fmax, min_exp, mbits, weights=None) -> None:
+def _check_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0) -> None:
     _check_price("mse_price_fp", units, scale, None)
     _check_weights("mse_price_fp", units, weights)
+    _check_norm("mse_price_fp", norm)
     who = "quantscope::mse_price_fp"
     if not 0.0 < fmax < math.inf:
         raise ValueError(f"{who}: fmax must be the format's largest value, positive and finite, "
@@ -128,12 +143,12 @@ def _check_price_fp(units, scale, fmax, min_exp, mbits, weights=None) -> None:
 # ---- the CPU implementations both share ----------------------------------------------------
 
 def _c_price(entry: str, units: Tensor, scale: Tensor, zero_point: Tensor, *fmt,
-             weights: Tensor | None = None) -> Tensor | None:
+             weights: Tensor | None = None, norm: float = 2.0) -> Tensor | None:
     """The C kernel's prices (``entry``: ``qs_mse_price_w`` or ``qs_mse_price_fp_w``, with
-    ``weights`` or without), or None where it does not run (not built, or ``units`` no
-    contiguous CPU tensor)."""
+    ``weights`` or without), or None where it does not run (not built, ``units`` no
+    contiguous CPU tensor, or a norm other than 2)."""
     K, U = scale.shape
-    lib = _c_lib("mse_search") if _plain(units) and U and K else None
+    lib = _c_lib("mse_search") if _plain(units) and U and K and norm == 2.0 else None
     if lib is None:
         return None
     out = torch.empty((K, U), dtype=torch.float64)
@@ -152,27 +167,29 @@ def weighted_square_sums(d: Tensor, weights: Tensor) -> Tensor:
 
 
 def _torch_price(units: Tensor, scale: Tensor, zero_point: Tensor, bounds,
-                 weights: Tensor | None = None) -> Tensor:
-    """float64 sums of the squared float32 fake-quant errors (weighted: as
-    :func:`weighted_square_sums`), one candidate at a time (one ``[U, E]`` temporary)."""
+                 weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
+    """float64 sums of the float32 fake-quant errors' squares (``norm``: ``|d| ** norm``,
+    torch's float32 ``pow``; weighted: ``float64(w)`` times each), one candidate at a time
+    (one ``[U, E]`` temporary)."""
     out = torch.empty(tuple(scale.shape), dtype=torch.float64, device=units.device)
     for k in range(scale.shape[0]):
         d = fake_quantize_units(units, scale[k, :, None], zero_point[k, :, None].float(),
                                 bounds) - units
-        out[k] = d.square().double().sum(1) if weights is None \
-            else weighted_square_sums(d, weights)
+        t = (d.square() if norm == 2.0 else d.abs_().pow_(norm)).double()
+        out[k] = (t if weights is None else t.mul_(weights.double())).sum(1)
     return out
 
 
 # ---- quantscope::mse_price_int --------------------------------------------------------------
 
 def _torch_mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
-                         qmax: float, weights: Tensor | None = None) -> Tensor:
-    _check_price_int(units, scale, zero_point, qmin, qmax, weights)
+                         qmax: float, weights: Tensor | None = None,
+                         norm: float = 2.0) -> Tensor:
+    _check_price_int(units, scale, zero_point, qmin, qmax, weights, norm)
     out = _c_price("qs_mse_price_w", units, scale, zero_point, float(qmin), float(qmax),
-                   weights=weights)
+                   weights=weights, norm=norm)
     return out if out is not None else _torch_price(
-        units, scale, zero_point, _IntBounds(float(qmin), float(qmax)), weights)
+        units, scale, zero_point, _IntBounds(float(qmin), float(qmax)), weights, norm)
 
 
 def _rows(t: Tensor | None) -> Tensor | None:
@@ -180,54 +197,54 @@ def _rows(t: Tensor | None) -> Tensor | None:
     return t if t is None or t.stride(1) == 1 else t.contiguous()
 
 
-def _cuda_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None):
+def _cuda_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0):
     kernel = _triton.launchers("mse", units)
     if kernel is None:
-        return _torch_mse_price_int(units, scale, zero_point, qmin, qmax, weights)
-    _check_price_int(units, scale, zero_point, qmin, qmax, weights)
+        return _torch_mse_price_int(units, scale, zero_point, qmin, qmax, weights, norm)
+    _check_price_int(units, scale, zero_point, qmin, qmax, weights, norm)
     return kernel.mse_price_int(_rows(units), scale.contiguous(), zero_point.contiguous(), qmin,
-                                qmax, weights=_rows(weights))
+                                qmax, weights=_rows(weights), norm=norm)
 
 
-def _fake_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None):
-    _check_price_int(units, scale, zero_point, qmin, qmax, weights)
+def _fake_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0):
+    _check_price_int(units, scale, zero_point, qmin, qmax, weights, norm)
     return units.new_empty(tuple(scale.shape), dtype=torch.float64)
 
 
 mse_price_int = define(
     "mse_price_int(Tensor units, Tensor scale, Tensor zero_point, float qmin, float qmax, "
-    "Tensor? weights=None) -> Tensor",
+    "Tensor? weights=None, float norm=2.0) -> Tensor",
     _torch_mse_price_int, cuda=_cuda_mse_price_int, fake=_fake_mse_price_int)
 
 
 # ---- quantscope::mse_price_fp ---------------------------------------------------------------
 
 def _torch_mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int,
-                        mbits: int, weights: Tensor | None = None) -> Tensor:
-    _check_price_fp(units, scale, fmax, min_exp, mbits, weights)
+                        mbits: int, weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
+    _check_price_fp(units, scale, fmax, min_exp, mbits, weights, norm)
     # zero points: the C kernel's argument, which float formats ignore (as the torch path)
     zero = torch.zeros(tuple(scale.shape), dtype=torch.int32, device=units.device)
     fmt = (float(fmax), int(min_exp), int(mbits))
-    out = _c_price("qs_mse_price_fp_w", units, scale, zero, *fmt, weights=weights)
+    out = _c_price("qs_mse_price_fp_w", units, scale, zero, *fmt, weights=weights, norm=norm)
     return out if out is not None else _torch_price(units, scale, zero, _FloatBounds(*fmt),
-                                                    weights)
+                                                    weights, norm)
 
 
-def _cuda_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None):
+def _cuda_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0):
     kernel = _triton.launchers("mse", units)
     if kernel is None:
-        return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits, weights)
-    _check_price_fp(units, scale, fmax, min_exp, mbits, weights)
+        return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits, weights, norm)
+    _check_price_fp(units, scale, fmax, min_exp, mbits, weights, norm)
     return kernel.mse_price_fp(_rows(units), scale.contiguous(), fmax, min_exp, mbits,
-                               weights=_rows(weights))
+                               weights=_rows(weights), norm=norm)
 
 
-def _fake_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None):
-    _check_price_fp(units, scale, fmax, min_exp, mbits, weights)
+def _fake_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0):
+    _check_price_fp(units, scale, fmax, min_exp, mbits, weights, norm)
     return units.new_empty(tuple(scale.shape), dtype=torch.float64)
 
 
 mse_price_fp = define(
     "mse_price_fp(Tensor units, Tensor scale, float fmax, SymInt min_exp, SymInt mbits, "
-    "Tensor? weights=None) -> Tensor",
+    "Tensor? weights=None, float norm=2.0) -> Tensor",
     _torch_mse_price_fp, cuda=_cuda_mse_price_fp, fake=_fake_mse_price_fp)

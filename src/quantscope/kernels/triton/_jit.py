@@ -5,9 +5,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: every launch: no FMA contraction (the torch ops round each step on its own: ``a * b + c``
-#: must round twice, as they do)
-LAUNCH = {"enable_fp_fusion": False}
+from . import interpreted
+
+
+def _launch_options() -> dict:
+    """No FMA contraction (the torch ops round each step on its own: ``a * b + c`` must
+    round twice, as they do), and libdevice without flush-to-zero where this Triton can say
+    so (``enable_reflect_ftz``, an option since late 2025): its default flushes subnormals inside
+    libdevice's functions, which makes its ``powf`` differ from the one torch's CUDA build
+    calls by an ulp or so (an older Triton refuses an option it does not know)."""
+    options = {"enable_fp_fusion": False}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # a build without the NVIDIA backend
+        return options
+    if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__:
+        options["enable_reflect_ftz"] = False
+    return options
+
+
+#: every launch's options
+LAUNCH = _launch_options()
 
 
 @triton.jit
@@ -62,3 +80,37 @@ def fake_quant_fp(x, s, fmax, min_exp, mbits):
     """``fp_round(x / s) * s``: ``qdq.fake_quantize_units`` of a float element format (zero
     point 0) under the effective scale ``s``, each float32 step rounded as its torch op."""
     return fp_round(tl.math.div_rn(x, s), fmax, min_exp, mbits) * s
+
+
+if interpreted():  # the interpreter runs no libdevice
+    @triton.jit
+    def _powf(a, n):
+        return tl.exp2(tl.log2(a.to(tl.float64)) * n).to(tl.float32)
+else:
+    from triton.language.extra.cuda import libdevice
+
+    @triton.jit
+    def _powf(a, n):
+        return libdevice.pow(a, n)
+
+
+@triton.jit
+def norm_term(d, NORM: tl.constexpr):
+    """``|d| ** NORM`` in float32 as torch's ``d.abs().pow(NORM)`` computes it on CUDA: the
+    exponents torch special-cases (1: ``|d|``; 2: ``d * d``; 3: ``|d| * |d| * |d|``; 0.5:
+    the IEEE square root), any other by CUDA's ``powf`` (libdevice's ``__nv_powf``, which
+    torch's CUDA ``pow`` calls with the exponent rounded to float32). Under the interpreter,
+    which has no libdevice, that ``powf`` is float64 ``exp2(log2)`` rounded to float32
+    (within an ulp of it; tests hold the norms other than 1, 2, 3 to a tolerance)."""
+    if NORM == 2.0:
+        t = d * d
+    elif NORM == 1.0:
+        t = tl.abs(d)
+    elif NORM == 3.0:
+        a = tl.abs(d)
+        t = a * a * a
+    elif NORM == 0.5:
+        t = tl.sqrt_rn(tl.abs(d))
+    else:
+        t = _powf(tl.abs(d), NORM)
+    return t

@@ -99,8 +99,8 @@ def _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC: tl.conste
     (``fmax``, ``min_exp``, ``mbits``), or, not ``FLOAT``, as ``mse_price_int`` prices integer
     ones (MXINT8, BFP: ``[qmin, fmax]``, zero point 0)."""
     s = tl.math.div_rn(_stored(q, min_scale, ENC), gs)[:, None]
-    return tl.sum(tl.where(mask, _term(x, x, s, 0.0, qmin, fmax, min_exp, mbits, FLOAT, False),
-                           0.0), axis=1)
+    t = _term(x, x, s, 0.0, qmin, fmax, min_exp, mbits, FLOAT, False, 2.0)
+    return tl.sum(tl.where(mask, t, 0.0), axis=1)
 
 
 @triton.jit

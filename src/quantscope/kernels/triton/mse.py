@@ -10,7 +10,9 @@ its square rounded to float32 and summed in float64: the terms of the C kernel
 (``csrc/mse_search.c``, ``qs_mse_price`` / ``qs_mse_price_fp``) and of the torch path
 (``mse_tiles._tile_error``), so the three agree up to the order of the float64 sum (tests:
 1e-12). With ``weights`` ``w [U, E]`` (a ``WEIGHTED`` constexpr of the same kernel):
-``sum_e float64(w) * float64(d * d)``, the C kernel's weighted terms.
+``sum_e float64(w) * float64(d * d)``, the C kernel's weighted terms. Another ``norm`` (a
+``NORM`` constexpr: llm-compressor's 2.4) prices ``float64(|d| ** norm)``, the float32 power
+as torch's CUDA ``pow`` rounds it (``_jit.norm_term``).
 
 A program takes ``BLOCK_U`` units. Rows that fit one tile (``E <= BLOCK_E``) are loaded
 once and every candidate is priced on them in registers; longer rows are walked once per
@@ -30,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, fake_quant, fake_quant_fp
+from ._jit import LAUNCH, fake_quant, fake_quant_fp, norm_term
 
 __all__ = ["MAX_TILE", "mse_price_fp", "mse_price_int", "mse_select", "select_step"]
 
@@ -40,33 +42,34 @@ MAX_TILE = 8192
 
 @triton.jit
 def _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT: tl.constexpr,
-          WEIGHTED: tl.constexpr):
+          WEIGHTED: tl.constexpr, NORM: tl.constexpr):
     """Each element's float64 term under per-row scales ``s`` (and zero points ``z``, an
     integer format's; not read for a float one), ``[rows, 1]``: ``float64(d * d)`` of
     ``d = fake_quant(x) - x`` (the square rounded to float32, as the C kernel and the torch
-    path round it), or weighted ``float64(w) * float64(d * d)`` (the product rounded once: the
-    weighted search's arithmetic). An integer format's, or a float element format's (zero
-    point 0, ``qmax`` its max)."""
+    path round it; another ``NORM``: ``|d| ** NORM`` rounded to float32), or weighted
+    ``float64(w) * float64(d * d)`` (the product rounded once: the weighted search's
+    arithmetic). An integer format's, or a float element format's (zero point 0, ``qmax``
+    its max)."""
     if FLOAT:
         q = fake_quant_fp(x, s, qmax, min_exp, mbits)
     else:
         q = fake_quant(x, s, z, qmin, qmax)
-    d = q - x
+    t = norm_term(q - x, NORM).to(tl.float64)
     if WEIGHTED:
-        return (d * d).to(tl.float64) * w.to(tl.float64)
-    return (d * d).to(tl.float64)
+        return t * w.to(tl.float64)
+    return t
 
 
 @triton.jit
 def _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
-                    FLOAT: tl.constexpr, WEIGHTED: tl.constexpr):
+                    FLOAT: tl.constexpr, WEIGHTED: tl.constexpr, NORM: tl.constexpr):
     """:func:`_term` under candidate ``k`` of rows ``rows`` (``z_ptr``: int32 zero points,
     not read for a float format)."""
     s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
     z = s
     if not FLOAT:
         z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
-    return _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT, WEIGHTED)
+    return _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT, WEIGHTED, NORM)
 
 
 @triton.jit
@@ -81,7 +84,8 @@ def _weights(wbase, cols, mask, x, WEIGHTED: tl.constexpr):
 @triton.jit
 def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride_w, qmin, qmax,
                   min_exp, mbits, BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr,
-                  ONE_TILE: tl.constexpr, FLOAT: tl.constexpr, WEIGHTED: tl.constexpr):
+                  ONE_TILE: tl.constexpr, FLOAT: tl.constexpr, WEIGHTED: tl.constexpr,
+                  NORM: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     rmask = rows < U
     base = x_ptr + rows[:, None].to(tl.int64) * stride_u
@@ -93,7 +97,7 @@ def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride
         w = _weights(wbase, cols, mask, x, WEIGHTED)
         for k in range(K):
             t = _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
-                                mbits, FLOAT, WEIGHTED)
+                                mbits, FLOAT, WEIGHTED, NORM)
             tl.store(out_ptr + k * U + rows, tl.sum(tl.where(mask, t, 0.0), axis=1),
                      mask=rmask)
     else:
@@ -105,13 +109,13 @@ def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride
                 x = tl.load(base + cols[None, :], mask=mask, other=0.0)
                 w = _weights(wbase, cols, mask, x, WEIGHTED)
                 t = _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
-                                    mbits, FLOAT, WEIGHTED)
+                                    mbits, FLOAT, WEIGHTED, NORM)
                 acc += tl.where(mask, t, 0.0)
             tl.store(out_ptr + k * U + rows, tl.sum(acc, axis=1), mask=rmask)
 
 
 def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_e,
-           weights=None):
+           weights=None, norm=2.0):
     """The launch both element kinds share: ``zero_point`` None for a float format,
     ``weights`` None unweighted."""
     U, E = units.shape
@@ -127,27 +131,30 @@ def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_
         units, weights if weighted else units, scale, scale if is_float else zero_point, out,
         U, E, K, units.stride(0), weights.stride(0) if weighted else 0, float(qmin),
         float(qmax), int(min_exp), int(mbits), BLOCK_U=bu, BLOCK_E=be, ONE_TILE=one_tile,
-        FLOAT=is_float, WEIGHTED=weighted, **LAUNCH)
+        FLOAT=is_float, WEIGHTED=weighted, NORM=float(norm), **LAUNCH)
     return out
 
 
 def mse_price_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                   qmin: float, qmax: float, *, weights: torch.Tensor | None = None,
-                  block_u: int | None = None, block_e: int | None = None) -> torch.Tensor:
-    """Float64 ``[K, U]`` squared errors of candidates ``scale`` (float32 ``[K, U]``) and
-    ``zero_point`` (int32 ``[K, U]``), both contiguous, on float32 ``units [U, E]`` whose rows
-    are contiguous (``weights``: float32 ``[U, E]``, rows contiguous, or None)."""
-    return _price(units, scale, zero_point, qmin, qmax, 0, 0, block_u, block_e, weights)
+                  norm: float = 2.0, block_u: int | None = None,
+                  block_e: int | None = None) -> torch.Tensor:
+    """Float64 ``[K, U]`` squared (``norm``: ``|d| ** norm``) errors of candidates ``scale``
+    (float32 ``[K, U]``) and ``zero_point`` (int32 ``[K, U]``), both contiguous, on float32
+    ``units [U, E]`` whose rows are contiguous (``weights``: float32 ``[U, E]``, rows
+    contiguous, or None)."""
+    return _price(units, scale, zero_point, qmin, qmax, 0, 0, block_u, block_e, weights, norm)
 
 
 def mse_price_fp(units: torch.Tensor, scale: torch.Tensor, fmax: float, min_exp: int,
-                 mbits: int, *, weights: torch.Tensor | None = None,
+                 mbits: int, *, weights: torch.Tensor | None = None, norm: float = 2.0,
                  block_u: int | None = None, block_e: int | None = None) -> torch.Tensor:
-    """Float64 ``[K, U]`` squared errors of candidate effective scales ``scale`` (float32
-    ``[K, U]``, contiguous) under a float element format (``FloatFormat``'s ``max``,
-    ``min_exp`` and ``mbits``; zero point 0) on float32 ``units [U, E]`` whose rows are
-    contiguous (``weights``: as :func:`mse_price_int`'s)."""
-    return _price(units, scale, None, -fmax, fmax, min_exp, mbits, block_u, block_e, weights)
+    """Float64 ``[K, U]`` squared (``norm``: ``|d| ** norm``) errors of candidate effective
+    scales ``scale`` (float32 ``[K, U]``, contiguous) under a float element format
+    (``FloatFormat``'s ``max``, ``min_exp`` and ``mbits``; zero point 0) on float32
+    ``units [U, E]`` whose rows are contiguous (``weights``: as :func:`mse_price_int`'s)."""
+    return _price(units, scale, None, -fmax, fmax, min_exp, mbits, block_u, block_e, weights,
+                  norm)
 
 
 @triton.jit
