@@ -249,6 +249,19 @@ def test_compat_on_the_ops_is_llmcompressors_rules(name, norm, opt):
     assert torch.equal(res.lo, (lo * e) * p[want]) and torch.equal(res.hi, (hi * e) * p[want])
 
 
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), rows=st.integers(6, 12),
+       name=st.sampled_from(["int4-channel", "int4-group32-asym", "uint3-channel-asym"]),
+       norm=st.sampled_from([2.4, 2.0, 1.5]), opt=st.sampled_from(list(COMPAT)),
+       log_scale=st.floats(-20, 20))
+def test_compat_on_the_ops_property(seed, rows, name, norm, opt, log_scale):
+    spec = SPECS[name]
+    u = units_of(spec, weight(rows=rows, seed=seed) * 2.0 ** log_scale)
+    res = mse_search(u, None, None, spec, backend="ops", compat="llmcompressor", norm=norm,
+                     **COMPAT[opt])
+    assert torch.equal(res.index, _compat_reference(u, spec, norm, **COMPAT[opt]))
+
+
 @pytest.mark.parametrize("name", ["int4-channel", "int8-channel", "nvfp4"])
 def test_compat_on_the_ops_differs_from_torch_only_at_near_ties(name):
     """Against the torch path (float32 sums, llm-compressor's own arithmetic on the CPU):
@@ -265,6 +278,24 @@ def test_compat_on_the_ops_differs_from_torch_only_at_near_ties(name):
     b = range_error(u, torch_path.lo, torch_path.hi, blind, 2.4).double()
     near = (a - b).abs() <= u.shape[1] * 2.0 ** -24 * torch.maximum(a, b)
     assert bool((near | (ours.index == torch_path.index)).all())
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "int4-group32-asym"])
+def test_native_norms_on_the_ops_are_the_torch_paths_but_near_ties(name):
+    """A native search of norm 2.4 (per-unit patience, the extension, the incumbent) on the
+    ops against the torch tiles (float32 sums): the same ranges but where two candidates'
+    errors lie within float32 rounding, so the same total error to float32's precision.
+    (Ranges, not indices: the tiles price the incumbent and candidate 0, the same qparams
+    under MX, in tiles of other shapes, and their float32 sums can differ in the last bit.)"""
+    spec = SPECS[name]
+    u = units_of(spec, weight(rows=60, seed=7))
+    ours = mse_search(u, None, None, spec, backend="ops", norm=2.4)
+    torch_path = mse_search(u, None, None, spec, backend="torch", norm=2.4)
+    same = (ours.lo == torch_path.lo) & (ours.hi == torch_path.hi)
+    assert same.float().mean() > 0.9
+    a = range_error(u, ours.lo, ours.hi, spec, 2.4).double()
+    b = range_error(u, torch_path.lo, torch_path.hi, spec, 2.4).double()
+    torch.testing.assert_close(a.sum(), b.sum(), rtol=u.shape[1] * 2.0 ** -24, atol=0)
 
 
 def test_other_norms_run_on_the_ops_off_the_cpu():

@@ -15,7 +15,7 @@ from triton_interpreter import fresh_interpreter_test
 
 from quantscope import QuantSpec, kernels
 from quantscope.kernels import ops
-from quantscope.kernels.price_ops import weighted_square_sums
+from quantscope.kernels.price_ops import price_sums
 from quantscope.layout import Block
 from quantscope.qdq import fake_quantize_units
 from quantscope.qparams import qparams_from_range
@@ -37,8 +37,8 @@ def _candidates(units, spec, factors):
 
 
 def _reference(units, scale, zp, spec, weights):
-    rows = [weighted_square_sums(fake_quantize_units(units, s[:, None], z[:, None].float(), spec)
-                                 - units, weights) for s, z in zip(scale, zp, strict=True)]
+    rows = [price_sums(fake_quantize_units(units, s[:, None], z[:, None].float(), spec)
+                       - units, weights) for s, z in zip(scale, zp, strict=True)]
     return torch.stack(rows)
 
 

@@ -26,9 +26,9 @@ implementation, a CUDA one, a fake one; bad input raises ``ValueError`` naming t
   1e-7 for those norms.
 
 CPU: the C kernel (``csrc/mse_search.c``: ``qs_mse_price`` / ``qs_mse_price_fp``, as
-``estimators.mse_kernel.price`` calls it) where it is built, ``units`` is a contiguous
-CPU tensor and ``norm`` is 2, else the torch path (``qdq.fake_quantize_units`` one candidate at a time, float64
-sums of the float32 squares). CUDA: the Triton kernel (:mod:`.triton.mse`, the same terms);
+``estimators.mse_kernel.price`` calls it) where it is built, ``units`` is a contiguous CPU
+tensor and ``norm`` is 2, else the torch path (``qdq.fake_quantize_units`` one candidate at
+a time, then :func:`price_sums`). CUDA: the Triton kernel (:mod:`.triton.mse`, the same terms);
 the torch path where triton is not installed.
 
 It lives beside :mod:`.ops` rather than in it for the size rule (500 lines a module).
@@ -50,7 +50,7 @@ from . import plain as _plain
 from . import threads as _threads
 from . import triton as _triton
 
-__all__ = ["mse_price_fp", "mse_price_int", "weighted_square_sums"]
+__all__ = ["mse_price_fp", "mse_price_int", "price_sums"]
 
 
 @dataclass(frozen=True)
@@ -160,23 +160,23 @@ def _c_price(entry: str, units: Tensor, scale: Tensor, zero_point: Tensor, *fmt,
     return out
 
 
-def weighted_square_sums(d: Tensor, weights: Tensor) -> Tensor:
-    """``sum_e float64(w) * float64(d * d)`` per row of float32 ``d`` (the weighted prices'
-    arithmetic: the C kernel's float32 squares, weighted and summed in float64)."""
-    return d.square().double().mul_(weights.double()).sum(1)
+def price_sums(d: Tensor, weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
+    """The prices' arithmetic on float32 errors ``d [n, E]``, per row: ``sum_e float64(t)``,
+    ``t`` the float32 ``d * d`` (another ``norm``: torch's float32 ``|d| ** norm``), with
+    ``weights`` ``sum_e float64(w) * float64(t)``, summed in float64."""
+    t = (d.square() if norm == 2.0 else d.abs().pow(norm)).double()
+    return (t if weights is None else t.mul_(weights.double())).sum(1)
 
 
 def _torch_price(units: Tensor, scale: Tensor, zero_point: Tensor, bounds,
                  weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
-    """float64 sums of the float32 fake-quant errors' squares (``norm``: ``|d| ** norm``,
-    torch's float32 ``pow``; weighted: ``float64(w)`` times each), one candidate at a time
+    """:func:`price_sums` of each candidate's fake-quant errors, one candidate at a time
     (one ``[U, E]`` temporary)."""
     out = torch.empty(tuple(scale.shape), dtype=torch.float64, device=units.device)
     for k in range(scale.shape[0]):
         d = fake_quantize_units(units, scale[k, :, None], zero_point[k, :, None].float(),
                                 bounds) - units
-        t = (d.square() if norm == 2.0 else d.abs_().pow_(norm)).double()
-        out[k] = (t if weights is None else t.mul_(weights.double())).sum(1)
+        out[k] = price_sums(d, weights, norm)
     return out
 
 

@@ -11,9 +11,9 @@ from . import interpreted
 def _launch_options() -> dict:
     """No FMA contraction (the torch ops round each step on its own: ``a * b + c`` must
     round twice, as they do), and libdevice without flush-to-zero where this Triton can say
-    so (``enable_reflect_ftz``, an option since late 2025): its default flushes subnormals inside
-    libdevice's functions, which makes its ``powf`` differ from the one torch's CUDA build
-    calls by an ulp or so (an older Triton refuses an option it does not know)."""
+    so (``enable_reflect_ftz``, an option since late 2025): its default flushes subnormals
+    inside libdevice's functions, which makes its ``powf`` differ from the one torch's CUDA
+    build calls by an ulp or so (an older Triton refuses an option it does not know)."""
     options = {"enable_fp_fusion": False}
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
