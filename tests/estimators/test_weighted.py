@@ -54,6 +54,33 @@ def test_uniform_weights_none_equals_ones():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("norm", [2.4, 3.0])
+def test_other_norms_price_on_the_ops(norm):
+    """A norm other than 2 (llm-compressor's imatrix uses 3): float64 sums of
+    ``w * |d| ** norm`` (torch's float32 power), one ``mse_price_int`` a block of factors;
+    each unit's choice the first lowest of those sums, written out here."""
+    from op_names import OpNames
+
+    from quantscope.qdq import fake_quantize_units
+    from quantscope.qparams import qparams_from_range
+
+    u = _units(2)
+    w = torch.rand_like(u) + 0.1
+    factors = [0.95, 0.9, 0.8, 0.7]
+    with OpNames() as seen:
+        lo, hi = weighted_search(u, w, INT4, factors=factors, norm=norm)
+    assert "quantscope.mse_price_int" in seen.names
+    lo0, hi0 = u.amin(1), u.amax(1)
+    errs = []
+    for f in [1.0, *factors]:
+        qp = qparams_from_range(lo0 * f, hi0 * f, INT4)
+        d = fake_quantize_units(u, qp.effective_scale.reshape(-1, 1),
+                                qp.zero_point.float().reshape(-1, 1), INT4) - u
+        errs.append((d.abs().pow(norm).double() * w.double()).sum(1))
+    f = torch.tensor([1.0, *factors])[torch.stack(errs).argmin(0)]
+    assert torch.equal(lo, lo0 * f) and torch.equal(hi, hi0 * f)
+
+
 def test_zero_factor_is_a_candidate():
     u = torch.zeros(2, 8)
     lo, hi = weighted_search(u, None, INT4, factors=[0.0])

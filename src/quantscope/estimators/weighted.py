@@ -50,14 +50,14 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
     factors that improved no unit (reads flags back to the host once per block of factors
     priced); None tries every factor.
 
-    The arithmetic: norm 2 (unless ``float32_sums``) sums ``float64(w) * float64(d * d)``
-    in float64, ``d`` the float32 fake-quant error and its square rounded to float32 (the
-    unweighted native search's terms, weighted), priced by ``quantscope::mse_price_int`` /
-    ``mse_price_fp`` (the C kernel on CPU, Triton on CUDA) a block of factors at a time, or
-    by the same formula in torch where no kernel is built. Other norms, and
-    ``float32_sums`` (llm-compressor's arithmetic, for its compat class), sum
-    ``w * |d|^norm`` in float32, one factor at a time. A format with a global scale (NVFP4)
-    prices every candidate under the incumbent's global scale (its qparams' own).
+    The arithmetic: sums of ``float64(w) * float64(d * d)`` in float64, ``d`` the float32
+    fake-quant error and its square rounded to float32 (the unweighted native search's
+    terms, weighted; another norm: torch's float32 ``|d| ** norm``), priced by
+    ``quantscope::mse_price_int`` / ``mse_price_fp`` a block of factors at a time (on CPU
+    the C kernel for norm 2, the same formula in torch otherwise; Triton on CUDA).
+    ``float32_sums`` (llm-compressor's arithmetic, for its compat class) sums
+    ``w * |d|^norm`` in float32 instead, one factor at a time. A format with a global scale
+    (NVFP4) prices every candidate under the incumbent's global scale (its qparams' own).
     """
     _check_options(norm, expand, patience)
     factors = shrink_factors() if factors is None else list(factors)
@@ -68,10 +68,10 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
     if expand != 1.0:
         lo0, hi0 = lo0 * expand, hi0 * expand
     factors = [1.0, *factors]
-    if float(norm) == 2.0 and not float32_sums:
-        errors = _float64_errors(units, weights, spec, lo0, hi0, factors)
-    else:
+    if float32_sums:
         errors = _float32_errors(units, weights, spec, lo0, hi0, factors, norm)
+    else:
+        errors = _float64_errors(units, weights, spec, lo0, hi0, factors, float(norm))
     return _select(errors, lo0, hi0, factors, patience)
 
 
@@ -124,9 +124,10 @@ def _float32_errors(units, weights, spec, lo0, hi0, factors, norm):
 _BLOCK_CANDIDATES = 1 << 21
 
 
-def _float64_errors(units, weights, spec, lo0, hi0, factors):
-    """Each factor's ``sum float64(w) * float64(d * d)``: blocks of factors priced by the ops
-    (their torch path where no kernel is built), yielded ``[k, U]``."""
+def _float64_errors(units, weights, spec, lo0, hi0, factors, norm):
+    """Each factor's ``sum float64(w) * float64(d * d)`` (``norm``: ``|d| ** norm``): blocks
+    of factors priced by the ops (their torch path where no kernel is built or the norm is
+    not 2), yielded ``[k, U]``."""
     units = units.float().contiguous()
     weights = None if weights is None else weights.float().contiguous()
     k = max(1, _BLOCK_CANDIDATES // max(1, units.shape[0]))
@@ -137,11 +138,11 @@ def _float64_errors(units, weights, spec, lo0, hi0, factors):
         if spec.is_float:
             fmt = spec.format
             err = ops.mse_price_fp(units, scale, float(fmt.max), int(fmt.min_exp),
-                                   int(fmt.mbits), weights)
+                                   int(fmt.mbits), weights, norm)
         else:
             zp = torch.stack([z.reshape(-1) for _, z in qps]).to(torch.int32)
             err = ops.mse_price_int(units, scale, zp, float(spec.qmin), float(spec.qmax),
-                                    weights)
+                                    weights, norm)
         yield err
 
 
