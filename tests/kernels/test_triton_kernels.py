@@ -355,7 +355,9 @@ def test_mse_price_norms(device, spec, blocks, norm):
                                **blocks)
     else:
         got = mse.mse_price_int(units, scale, zp, spec.qmin, spec.qmax, norm=norm, **blocks)
-    exact = norm in (1.0, 2.0, 3.0) or device.type == "cuda"
+    # a Triton without enable_reflect_ftz flushes subnormals inside powf: an ulp or so off
+    cuda_powf = device.type == "cuda" and (norm == 0.5 or "enable_reflect_ftz" in LAUNCH)
+    exact = norm in (1.0, 2.0, 3.0) or cuda_powf
     torch.testing.assert_close(got, want, rtol=1e-12 if exact else 1e-6, atol=0)
 
 

@@ -290,6 +290,10 @@ def test_mse_price_norms_cuda_are_torchs_cuda_pow(norm):
     ``d.abs().pow(norm)`` (libdevice's powf without flush-to-zero, sqrtf for 0.5), so the
     prices equal torch's float64 sums of them up to the order (1e-12), where the CPU's pow
     differs by an ulp a term."""
+    from quantscope.kernels.triton._jit import LAUNCH
+
+    if norm not in (0.5, 3.0) and "enable_reflect_ftz" not in LAUNCH:
+        pytest.skip("this Triton cannot compile libdevice without flush-to-zero")
     u, scale, *fmt = _fp_case("fp4_e2m1")
     u = u.nan_to_num(0.0, 0.0, 0.0)
     got = ops.mse_price_fp(u.cuda(), scale.cuda(), *fmt, norm=norm)
