@@ -206,23 +206,25 @@ def _compat_reference(u, spec, norm, maxshrink=0.2, grid=100.0, patience=5, expa
     """llm-compressor's rules, written out on float64 sums of torch's float32 ``|d| ** norm``
     (the ops' prices, computed here independently): each candidate ``(lo * expand) * p``
     in order; a unit's running minimum from float32's max (strict ``<``); stop after
-    ``patience`` candidates that improved no unit. Returns each unit's index."""
+    ``patience`` candidates that improved no unit. Returns each unit's index and range."""
     lo, hi = torch.aminmax(u, dim=1)
     lo, hi = lo * expand, hi * expand
     best = torch.full((u.shape[0],), torch.finfo(torch.float32).max, dtype=torch.float64)
     idx, stale = torch.zeros(u.shape[0], dtype=torch.int64), 0
+    best_lo, best_hi = lo.clone(), hi.clone()
     for i in range(int(maxshrink * grid)):
-        p = 1 - i / grid
+        p = torch.tensor(1 - i / grid)  # float32, as the search's factors
         qp = qparams_from_range(lo * p, hi * p, spec)
         d = fake_quantize_units(u, qp.effective_scale.expand_as(lo)[:, None],
                                 qp.zero_point.float().expand_as(lo)[:, None], spec) - u
         err = (d.square() if norm == 2 else d.abs().pow(norm)).double().sum(1)
         better = err < best
         best, idx = torch.where(better, err, best), torch.where(better, i, idx)
+        best_lo, best_hi = torch.where(better, lo * p, best_lo), torch.where(better, hi * p, best_hi)
         stale = 0 if bool(better.any()) else stale + 1
         if stale >= patience:
             break
-    return idx
+    return idx, best_lo, best_hi
 
 
 @pytest.mark.parametrize("opt", list(COMPAT))
@@ -239,14 +241,10 @@ def test_compat_on_the_ops_is_llmcompressors_rules(name, norm, opt):
         res = mse_search(u, None, None, spec, backend="ops", compat="llmcompressor", norm=norm,
                          **COMPAT[opt])
     assert "quantscope.mse_select" in seen.names
-    want = _compat_reference(u, spec.replace(scale="fp32") if name == "nvfp4" else spec, norm,
-                             **COMPAT[opt])
-    assert torch.equal(res.index, want)
-    p = torch.tensor([1 - i / COMPAT[opt].get("grid", 100.0) for i in range(int(
-        COMPAT[opt].get("maxshrink", 0.2) * COMPAT[opt].get("grid", 100.0)))])
-    lo, hi = torch.aminmax(u, dim=1)
-    e = COMPAT[opt].get("expand", 1.0)
-    assert torch.equal(res.lo, (lo * e) * p[want]) and torch.equal(res.hi, (hi * e) * p[want])
+    idx, lo, hi = _compat_reference(u, spec.replace(scale="fp32") if name == "nvfp4" else spec,
+                                    norm, **COMPAT[opt])
+    assert torch.equal(res.index, idx)
+    assert torch.equal(res.lo, lo) and torch.equal(res.hi, hi)
 
 
 @settings(max_examples=12, deadline=None)
@@ -259,7 +257,7 @@ def test_compat_on_the_ops_property(seed, rows, name, norm, opt, log_scale):
     u = units_of(spec, weight(rows=rows, seed=seed) * 2.0 ** log_scale)
     res = mse_search(u, None, None, spec, backend="ops", compat="llmcompressor", norm=norm,
                      **COMPAT[opt])
-    assert torch.equal(res.index, _compat_reference(u, spec, norm, **COMPAT[opt]))
+    assert torch.equal(res.index, _compat_reference(u, spec, norm, **COMPAT[opt])[0])
 
 
 @pytest.mark.parametrize("name", ["int4-channel", "int8-channel", "nvfp4"])
