@@ -120,8 +120,7 @@ def _check(units, lo, hi, spec, norm):
     if not isinstance(units, torch.Tensor) or units.dim() != 2:
         raise ValueError(f"mse_search: units must be a 2-D [units, elements] tensor, got "
                          f"{getattr(units, 'shape', type(units).__name__)}")
-    if not (isinstance(norm, (int, float)) and 0 < norm < math.inf):
-        raise ValueError(f"mse_search: norm must be a positive finite number, got {norm!r}")
+    check_number("mse_search", "norm", norm, 0.0, lo_open=True)
     units = units.float()
     if lo is None or hi is None:
         lo, hi = unit_minmax(units)
@@ -236,7 +235,7 @@ def _engine(units, spec, norm, exact, backend):
     (the formats they price, any norm, compat included), else the torch tiles;
     ``backend`` forces one. For compat on the CPU, ``mse_compat.engine`` may take over from
     the tiles (:func:`mse_search`)."""
-    if backend == "torch" or exact and backend == "kernel":
+    if backend == "torch" or (exact and backend == "kernel"):
         return mse_tiles.search
     if backend in (None, "kernel") and not exact and mse_kernel.usable(units, spec, norm):
         return mse_kernel.search

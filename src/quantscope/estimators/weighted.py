@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from .._checks import check_number
 from ..kernels import ops
 from ..qdq import fake_quantize, fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
@@ -191,8 +192,7 @@ def _global_stop(err, best, patience, stale):
 
 
 def _check_options(norm, expand, patience) -> None:
-    if not (isinstance(norm, (int, float)) and norm > 0):
-        raise ValueError(f"imatrix_range: norm must be a positive number, got {norm!r}")
+    check_number("imatrix_range", "norm", norm, 0.0, lo_open=True)
     if isinstance(expand, bool) or not isinstance(expand, (int, float)) \
             or not 0 < expand < float("inf"):
         raise ValueError(f"imatrix_range: expand must be a finite positive number, "

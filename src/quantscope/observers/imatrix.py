@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_number
 from ..comm import AVG
 from ..estimators.mse import shrink_factors
 from ..estimators.weighted import importance_units, incumbent_global_amax, weighted_search
@@ -40,9 +41,7 @@ class IMatrixMSEObserver(Observer):
                  maxshrink: float = 0.2, grid: float = 100, norm: float = 2.0, **kwargs):
         super().__init__(spec, **kwargs)
         self.factors = shrink_factors(maxshrink, grid)
-        if not (isinstance(norm, (int, float)) and norm > 0):
-            raise ValueError(f"IMatrixMSEObserver: norm must be a positive number, got {norm!r}")
-        self.norm = float(norm)
+        self.norm = check_number("IMatrixMSEObserver", "norm", norm, 0.0, lo_open=True)
         if importance is not None:
             importance = torch.as_tensor(importance, dtype=torch.float32).flatten()
         self.register_buffer("importance", torch.zeros(0) if importance is None else importance)
