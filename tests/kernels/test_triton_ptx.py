@@ -199,5 +199,35 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert {"div.rn.f64", "sub.rn.f64"} <= set(found["histogram._regrid_kernel"])
 
 
+def _jit_float_literals():
+    """(file:line, value) of each float literal in a ``@triton.jit`` function here."""
+    import ast
+    import pathlib
+
+    import quantscope.kernels.triton as package
+
+    for path in sorted(pathlib.Path(package.__file__).parent.glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef) and any(
+                    ast.unparse(d).startswith("triton.jit") for d in fn.decorator_list):
+                yield from ((f"{path.name}:{node.lineno}", node.value) for node in ast.walk(fn)
+                            if isinstance(node, ast.Constant) and type(node.value) is float)
+
+
+def test_jit_float_literals_are_float32_to_every_triton():
+    """A float literal outside float32's normal range (a subnormal, say) is a float64 constant
+    to the Tritons before 3.7 or so (3.6 is on the lent GPU machines' image): ``tl.maximum(x,
+    1.4e-45)`` would then compute in float64, and ``div_rn`` refuses it at compile time. Such a
+    constant is written typed (``tl.full([], v, tl.float32)``)."""
+    import math
+
+    literals = list(_jit_float_literals())
+    assert any(value == 0.5 for _, value in literals)  # the scan sees the kernels' literals
+    odd = [(where, value) for where, value in literals
+           if value != 0 and math.isfinite(value)
+           and not 2.0 ** -126 <= abs(value) <= (2 - 2.0 ** -23) * 2.0 ** 127]
+    assert not odd, odd
+
+
 if __name__ == "__main__":
     print(json.dumps(_compile_all()))
