@@ -73,6 +73,12 @@ CASES = {
         _PRICE, {**_PRICE_CONST, "FLOAT": False, "NORM": 0.5}),
     "mse._price_kernel:pow": (  # others: libdevice's powf, the function torch's CUDA pow calls
         _PRICE, {**_PRICE_CONST, "FLOAT": False, "NORM": 2.4}),
+    "mse._select_kernel": (  # the selection rules over the priced candidates
+        {"err_ptr": "*fp64", "same_ptr": "*u8", "inc_ptr": "*fp64", "gstop_ptr": "*i64",
+         "idx_ptr": "*i64", "best_ptr": "*fp64", "U": "i32", "K": "i32", "ext_start": "i32",
+         "patience": "i32", "PER_UNIT": "constexpr", "USE_GLOBAL": "constexpr",
+         "HAS_PATIENCE": "constexpr", "TIE_LAST": "constexpr", "BLOCK_U": "constexpr"},
+        {**_SELECT_CONST, "BLOCK_U": 128}),
     "block_search._search_kernel": (  # the fused NVFP4 search: codes, enumeration, bisection
         {**_BLOCK_RANGES, "x_ptr": "*fp32", "idx_ptr": "*i64", "best_ptr": "*fp64",
          "E": "i32", "stride_u": "i32", "min_exp": "i32", "mbits": "i32", "min_scale": "fp32",
