@@ -63,6 +63,17 @@ def test_names_from_transformers_mapping():
                      "lm_head": "lm_head"}
 
 
+def test_names_without_apply_renamings(monkeypatch):
+    """transformers before 5.2x has the renamings but no ``apply_renamings``: the disk names
+    must not fall back to the model's own (an export that vLLM's loader could not match)."""
+    from transformers import core_model_loading
+
+    monkeypatch.delattr(core_model_loading, "apply_renamings", raising=False)
+    model, _ = mixtral()
+    assert checkpoint_names(model, ["model.layers.1.mlp.gate"]) == {
+        "model.layers.1.mlp.gate": "model.layers.1.block_sparse_moe.gate"}
+
+
 @pytest.mark.parametrize("preset", ["w8a8", "w4a16", "fp8", "nvfp4"])
 def test_experts_written_per_expert(preset, tmp_path):
     model, batches = mixtral()

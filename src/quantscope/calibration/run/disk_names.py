@@ -52,7 +52,7 @@ def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
     names = list(names)
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
+        from transformers.core_model_loading import PrefixChange, WeightRenaming
 
         convs = getattr(model, "_weight_conversions", None)
         if convs is None:  # as save_pretrained does for a model not from from_pretrained
@@ -62,4 +62,12 @@ def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
                      if isinstance(r, WeightRenaming)]
     except (ImportError, AttributeError, KeyError, TypeError):  # older transformers
         return {n: n for n in names}
-    return {n: apply_renamings(f"{n}.weight", renamings).removesuffix(".weight") for n in names}
+    return {n: _renamed(f"{n}.weight", renamings).removesuffix(".weight") for n in names}
+
+
+def _renamed(key: str, renamings) -> str:
+    """``key`` through every renaming in turn, as save_pretrained renames it (transformers'
+    ``apply_renamings``, which releases before 5.2x lack: each renaming's own method)."""
+    for renaming in renamings:
+        key, _ = renaming.rename_source_key(key)
+    return key
