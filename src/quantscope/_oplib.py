@@ -23,6 +23,10 @@ import torch
 
 __all__ = ["define"]
 
+#: the registrations' library (``allow_override``: torch before 2.12 refuses, by default, a
+#: second function for an op and dispatch key, which a re-imported module registers)
+_LIB = torch.library.Library("quantscope", "FRAGMENT")
+
 
 def _defined(name: str) -> bool:
     try:
@@ -42,8 +46,8 @@ def define(schema: str, impl: Callable, *, fake: Callable, cuda: Callable | None
     # sys.modules was cleared, or reloaded) registers its functions over the earlier ones
     if not _defined(name):
         torch.library.define(qualname, schema[len(name):])
-    torch.library.impl(qualname, "CompositeExplicitAutograd", impl)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd", allow_override=True)
     if cuda is not None:
-        torch.library.impl(qualname, "CUDA", cuda)
-    torch.library.register_fake(qualname, fake)
+        _LIB.impl(name, cuda, "CUDA", allow_override=True)
+    torch.library.register_fake(qualname, fake, allow_override=True)
     return getattr(torch.ops.quantscope, name).default
