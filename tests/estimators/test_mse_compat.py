@@ -24,6 +24,13 @@ pytestmark = pytest.mark.skipif(not kernels.available("mse_pnorm"),
                                 reason="no C compiler (or QUANTSCOPE_NO_KERNEL): torch path only")
 
 NORMS = (2.4, 1.5, 2.0, 3.0, 1.0)
+#: whether the bound of the norms other than 1, 2 and 3 was measured on this torch and CPU
+#: (``mse_compat._SCANNED``); elsewhere the engine steps aside for them, and the tests check that
+SCANNED = (torch.__version__.startswith(mse_compat._SCANNED[0])
+           and torch.backends.cpu.get_cpu_capability() in mse_compat._SCANNED[1])
+scanned_only = pytest.mark.skipif(
+    not SCANNED, reason=f"the bound of norms 2.4 and 1.5 was measured on torch "
+                        f"{mse_compat._SCANNED[0]}x only")
 FORMATS = ("int2", "int4", "int8", "uint4", "uint8")
 CSRC = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
 
@@ -118,6 +125,8 @@ def _same(a, b):
 
 
 def _check(u, lo, hi, spec, backend="kernel", engine=True, **kw):
+    if not SCANNED and kw["norm"] not in mse_compat._TILE_FREE:
+        backend, engine = None, False  # the engine must step aside: the torch path's answer
     ref = mse_search(u, lo, hi, spec, compat="llmcompressor", backend="torch", **kw)
     mse_compat.STATS["units"] = 0
     got = mse_search(u, lo, hi, spec, compat="llmcompressor", backend=backend, **kw)
@@ -183,6 +192,8 @@ def test_every_branch_of_the_kernel(variant, norm):
 @pytest.mark.parametrize("norm", (2.4, 2.0))
 def test_a_loose_bound_settles_everything_in_torch(monkeypatch, tie, norm):
     """With a bound 10 % wide nearly every decision is unsure: the answers must not move."""
+    if norm == 2.4 and not SCANNED:
+        pytest.skip(scanned_only.kwargs["reason"])
     monkeypatch.setattr(mse_compat, "tolerance", lambda n, p: (0.1, 1e-30))
     for seed in range(6):
         u, lo, hi, spec = _units("int4", (48, 128), seed, symmetric=seed % 2 == 0,
@@ -272,6 +283,7 @@ def test_rows_sum_alike_in_any_tile_and_thread_count():
         torch.set_num_threads(threads)
 
 
+@scanned_only
 def test_where_it_applies_and_backends(monkeypatch):
     u, lo, hi, spec = _units("int4", (16, 128), 0)
     assert mse_compat.applies(u, spec, 2.4, 20, 1 << 20, None)
@@ -317,6 +329,7 @@ def test_non_finite_errors_fall_back_to_torch():
     _check(u, lo, hi, spec, norm=2.4, engine=False)
 
 
+@scanned_only
 def test_error_is_computed_on_first_access():
     u, lo, hi, spec = _units("int4", (8, 128), 2)
     ref = mse_search(u, lo, hi, spec, compat="llmcompressor", norm=2.4, backend="torch")
