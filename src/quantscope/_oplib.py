@@ -5,8 +5,8 @@ kernel on the CPU), optionally a CUDA one (the Triton kernel), and a fake one (o
 shapes, and the argument checks) that the ``meta`` device, ``FakeTensor``, ``torch.compile``
 and ``torch.export`` run. :func:`define` returns the op itself (an ``OpOverload``: call it).
 
-They are registered with ``torch.library.define`` / ``impl`` rather than the
-``torch.library.custom_op`` decorator, because of the host's time per call: the decorator
+They are registered with ``torch.library.define`` and a ``Library``'s ``impl`` rather than
+the ``torch.library.custom_op`` decorator, because of the host's time per call: the decorator
 wraps every call in Python autograd and in-place-view layers, about 10 us per call where
 the dispatcher alone takes under 2 (measured on the CPU with an empty op, inference mode
 or not). An observer call off the CPU is one to four ops, and on a GPU the host's time is
