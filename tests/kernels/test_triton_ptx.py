@@ -221,10 +221,11 @@ def _jit_float_literals():
 
 
 def test_jit_float_literals_are_float32_to_every_triton():
-    """A float literal outside float32's normal range (a subnormal, say) is a float64 constant
-    to the Tritons before 3.7 or so (3.6 is on the lent GPU machines' image): ``tl.maximum(x,
-    1.4e-45)`` would then compute in float64, and ``div_rn`` refuses it at compile time. Such a
-    constant is written typed (``tl.full([], v, tl.float32)``)."""
+    """Triton types a float literal outside float32's normal range (a subnormal, say) as
+    float64. Triton 3.9 then casts it to a float32 operand's type; Triton 3.6 (on the lent GPU
+    machines' image) computes ``tl.maximum(x, 1.4e-45)`` in float64, and ``div_rn`` refuses
+    the result at compile time. Such a constant is written as its float32 bits
+    (``tl.full([], 1, tl.int32).to(tl.float32, bitcast=True)``)."""
     import math
 
     literals = list(_jit_float_literals())

@@ -67,7 +67,7 @@ def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
 
 def _renamed(key: str, renamings) -> str:
     """``key`` through every renaming in turn, as save_pretrained renames it (transformers'
-    ``apply_renamings``, which releases before 5.2x lack: each renaming's own method)."""
+    ``apply_renamings``, which 5.17 lacks: each renaming's own method)."""
     for renaming in renamings:
         key, _ = renaming.rename_source_key(key)
     return key

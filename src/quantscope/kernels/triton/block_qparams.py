@@ -215,8 +215,8 @@ def _int_kernel(lo_ptr, hi_ptr, scale_ptr, zp_ptr, n, qmin, qmax, min_scale, zsy
         scale = tl.math.div_rn(hi - lo, span)
         scale = tl.where(scale < float("inf"), scale,
                          tl.math.div_rn(hi, span) - tl.math.div_rn(lo, span))
-    # clamp(min=min_scale), then fp32's encoding: its smallest subnormal (bits 1: a literal
-    # below fp32's normal range is fp64 to Triton 3.6) to its max
+    # clamp(min=min_scale), then fp32's encoding: its smallest subnormal (as bits: Triton 3.6
+    # computes a max with a literal below fp32's normal range in fp64) to its max
     tiny = tl.full([], 1, tl.int32).to(tl.float32, bitcast=True)
     scale = _min(_max(_max(scale, min_scale), tiny), 3.4028234663852886e38)
     tl.store(scale_ptr + offs, scale, mask=mask)
