@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._checks import check_number
 from .._oplib import define
 from ..formats import INT8, FloatFormat
 from ..qdq import fake_quantize_units
@@ -110,16 +111,10 @@ def _check_price(who: str, units: Tensor, scale: Tensor, zero_point: Tensor | No
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-def _check_norm(who: str, norm: float) -> None:
-    if not 0.0 < norm < math.inf:
-        raise ValueError(f"quantscope::{who}: norm must be a positive finite exponent, "
-                         f"got {norm}")
-
-
 def _check_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0) -> None:
     _check_price("mse_price_int", units, scale, zero_point)
     _check_weights("mse_price_int", units, weights)
-    _check_norm("mse_price_int", norm)
+    check_number("quantscope::mse_price_int", "norm", norm, 0.0, lo_open=True)
     if not qmin < qmax:
         raise ValueError(f"quantscope::mse_price_int: qmin must be below qmax, got {qmin} and "
                          f"{qmax}")
@@ -128,7 +123,7 @@ def _check_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.
 def _check_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0) -> None:
     _check_price("mse_price_fp", units, scale, None)
     _check_weights("mse_price_fp", units, weights)
-    _check_norm("mse_price_fp", norm)
+    check_number("quantscope::mse_price_fp", "norm", norm, 0.0, lo_open=True)
     who = "quantscope::mse_price_fp"
     if not 0.0 < fmax < math.inf:
         raise ValueError(f"{who}: fmax must be the format's largest value, positive and finite, "
