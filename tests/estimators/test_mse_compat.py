@@ -24,10 +24,9 @@ pytestmark = pytest.mark.skipif(not kernels.available("mse_pnorm"),
                                 reason="no C compiler (or QUANTSCOPE_NO_KERNEL): torch path only")
 
 NORMS = (2.4, 1.5, 2.0, 3.0, 1.0)
-#: whether the bound of the norms other than 1, 2 and 3 was measured on this torch and CPU
-#: (``mse_compat._SCANNED``); elsewhere the engine steps aside for them, and the tests check that
-SCANNED = (torch.__version__.startswith(mse_compat._SCANNED[0])
-           and torch.backends.cpu.get_cpu_capability() in mse_compat._SCANNED[1])
+#: whether the bounds of norms 2.4 and 1.5 were measured on this torch and CPU; elsewhere the
+#: engine steps aside for them, and the tests check that
+SCANNED = mse_compat.scanned()
 scanned_only = pytest.mark.skipif(
     not SCANNED, reason=f"the bound of norms 2.4 and 1.5 was measured on torch "
                         f"{mse_compat._SCANNED[0]}x only")

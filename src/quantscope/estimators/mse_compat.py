@@ -53,7 +53,8 @@ from ..formats import IntFormat
 from ..qparams import qparams_from_range
 from . import mse_tiles
 
-__all__ = ["RHO", "STATS", "applies", "engine", "price", "search", "tolerance"]
+__all__ = ["RHO", "STATS", "applies", "engine", "price", "scanned", "search",
+           "tolerance"]
 
 #: per-term relative error allowed for torch's float32 ``|d| ** norm`` (normal results).
 #: 2.4 and 1.5: exhaustive scans (bench/scan_torch_pow.py) of torch 2.13's pow over all
@@ -93,6 +94,13 @@ def _vector_only(numel: int) -> bool:
     return -(-numel // t) % 64 == 0
 
 
+def scanned() -> bool:
+    """Whether the bounds of the norms whose torch ``pow`` is not exact arithmetic (``RHO``
+    past ``_TILE_FREE``) were measured on this torch and CPU (``_SCANNED``)."""
+    return (torch.__version__.startswith(_SCANNED[0])
+            and torch.backends.cpu.get_cpu_capability() in _SCANNED[1])
+
+
 def applies(units, spec, norm, total, chunk_elems, chunk_candidates) -> bool:
     """Whether this engine reproduces the torch path here (module doc)."""
     if not (isinstance(spec.format, IntFormat) and spec.scale.kind == "fp32"
@@ -104,8 +112,7 @@ def applies(units, spec, norm, total, chunk_elems, chunk_candidates) -> bool:
         return False
     if float(norm) in _TILE_FREE:
         return True
-    if not (torch.__version__.startswith(_SCANNED[0])
-            and torch.backends.cpu.get_cpu_capability() in _SCANNED[1]):
+    if not scanned():
         return False  # RHO is a measured bound: only where it was measured
     return n_elems % 64 == 0 and all(map(_vector_only, mse_tiles.tile_numels(
         n_units, n_elems, total, chunk_elems, chunk_candidates)))
