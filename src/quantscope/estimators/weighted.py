@@ -127,8 +127,8 @@ _BLOCK_CANDIDATES = 1 << 21
 
 def _float64_errors(units, weights, spec, lo0, hi0, factors, norm):
     """Each factor's ``sum float64(w) * float64(d * d)`` (``norm``: ``|d| ** norm``): blocks
-    of factors priced by the ops (their torch path where no kernel is built or the norm is
-    not 2), yielded ``[k, U]``."""
+    of factors priced by the ops (Triton on CUDA; on the CPU the C kernel for norm 2, else
+    their torch path), yielded ``[k, U]``."""
     units = units.float().contiguous()
     weights = None if weights is None else weights.float().contiguous()
     k = max(1, _BLOCK_CANDIDATES // max(1, units.shape[0]))
