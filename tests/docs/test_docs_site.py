@@ -48,12 +48,16 @@ def test_every_public_function_and_class_has_a_docstring():
 
 
 def test_the_docstring_check_can_fail(monkeypatch):
+    # a page of its own: patching a real module's function would leak into every module
+    # first imported while the patch holds (``from ..qparams import qparams_from_range``)
     def undocumented():
         pass
 
-    monkeypatch.setattr(importlib.import_module("quantscope.qparams"), "qparams_from_range",
-                        undocumented)
-    assert "quantscope.qparams.qparams_from_range" in _undocumented()
+    page = types.ModuleType("quantscope._undocumented_example")
+    page.__all__, page.undocumented = ["undocumented"], undocumented
+    monkeypatch.setitem(sys.modules, page.__name__, page)
+    monkeypatch.setitem(PAGES, "example", ["_undocumented_example"])
+    assert _undocumented() == ["quantscope._undocumented_example.undocumented"]
 
 
 def test_the_pages_cover_every_top_level_name():
