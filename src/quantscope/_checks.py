@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["check_int", "check_number"]
+import torch
+
+__all__ = ["check_int", "check_number", "check_per_unit"]
 
 
 def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int:
@@ -33,3 +35,10 @@ def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,
         raise ValueError(f"{who}: {name} must be a finite number in {left}{lo}, {hi}], "
                          f"got {value!r}")
     return float(value)
+
+
+def check_per_unit(who: str, name: str, t: torch.Tensor, units: int, device) -> None:
+    """``t``: one float32 value per unit, shape ``(units,)``, on ``device``."""
+    if t.shape != (units,) or t.dtype != torch.float32 or t.device != device:
+        raise ValueError(f"{who}: {name} must be a float32 tensor of shape ({units},) on "
+                         f"{device}, got {t.dtype} {tuple(t.shape)} on {t.device}")

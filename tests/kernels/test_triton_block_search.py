@@ -146,16 +146,26 @@ NVFP4_RULES = {"native": (20, 5, True, True, False), "global-rule": (20, 3, Fals
                "no-global": (20, 2, True, False, False)}
 
 
-def _check_nvfp4_mse(device, kind, rules, block_u):
-    from quantscope.kernels import ops
+def _importance(units: torch.Tensor) -> torch.Tensor:
+    """Weights as an imatrix gives them: positive, spread over decades, some 0."""
+    g = torch.Generator().manual_seed(units.numel())
+    w = torch.exp(torch.randn(units.shape, generator=g) * 1.5)
+    return w.masked_fill_(torch.rand(units.shape, generator=g) < 0.1, 0.0)
+
+
+def _check_nvfp4_mse(device, kind, rules, block_u, weighted=False):
+    from quantscope.kernels import block_ops, ops
     from quantscope.kernels.triton import block_search
 
     args = _nvfp4_search_case(kind)
+    w = _importance(args[0]) if weighted else None
     ext, patience, per_unit, use_global, tie_last = NVFP4_RULES[rules]
     ext = min(ext, args[3].shape[0])
-    want_idx, want_best = ops._torch_nvfp4_mse(*args, "fp4_e2m1", 2.0 ** -9, ext, patience,
-                                               per_unit, use_global, tie_last)
+    want_idx, want_best = block_ops._torch_nvfp4_mse(*args, "fp4_e2m1", 2.0 ** -9, ext,
+                                                     patience, per_unit, use_global, tie_last,
+                                                     w)
     fmt, dev_args = get_format("fp4_e2m1"), [a.to(device) for a in args]
+    dev_w = None if w is None else w.to(device)
     seen = []
 
     def stop(improved):  # the global rule's flags, as the kernel gathered them
@@ -165,14 +175,14 @@ def _check_nvfp4_mse(device, kind, rules, block_u):
     got = [block_search.block_mse(*dev_args, fmt.max, fmt.min_exp, fmt.mbits,
                                   block_search.NVFP4, 2.0 ** -9, ext,
                                   None if patience < 0 else patience, per_unit, use_global,
-                                  tie_last, stop, block_u=block_u),
+                                  tie_last, stop, weights=dev_w, block_u=block_u),
            # the op's CUDA implementation (the launcher's arguments from the formats)
-           ops._cuda_nvfp4_mse(*dev_args, "fp4_e2m1", 2.0 ** -9, ext, patience, per_unit,
-                               use_global, tie_last)]
+           block_ops._cuda_nvfp4_mse(*dev_args, "fp4_e2m1", 2.0 ** -9, ext, patience,
+                                     per_unit, use_global, tie_last, dev_w)]
     for idx, best in got:
         assert torch.equal(idx.cpu(), want_idx)
         torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
-    err, _ = ops.nvfp4_price(*args, "fp4_e2m1", 2.0 ** -9)
+    err, _ = ops.nvfp4_price(*args, "fp4_e2m1", 2.0 ** -9, w)
     G = ext if use_global and patience >= 0 else 0
     assert torch.equal(seen[0], ops.improved_rows(err[1:G + 1], err[0], tie_last))
     return want_idx
@@ -204,7 +214,7 @@ def test_nvfp4_mse_plateaus_are_equal_stored_scales(device):
     """A plateau (not counted by per-unit patience) is a candidate whose STORED block scale
     equals the previous one's: e4m3 0 and 2 ** -9 both store ``min_scale`` 2 ** -9, so the
     unit below goes on to its exact scale 3 * 2 ** -9 at the last candidate."""
-    from quantscope.kernels import ops
+    from quantscope.kernels import block_ops
 
     g = torch.Generator().manual_seed(0)
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -214,9 +224,9 @@ def test_nvfp4_mse_plateaus_are_equal_stored_scales(device):
     # codes 0, 1, 1, 1, 3; the incumbent's 0
     args = (units, lo, hi, torch.tensor([0.1, 0.2, 0.3, 0.45, 1.0]), lo * 0.1, hi * 0.1,
             torch.tensor([448.0 * 6.0]), "fp4_e2m1", 2.0 ** -9, 5, 1, True, False, False)
-    want = ops._torch_nvfp4_mse(*args)
+    want = block_ops._torch_nvfp4_mse(*args)
     assert want[0].tolist() == [4, 4, 4] and want[1].tolist() == [0.0] * 3
-    idx, best = ops._cuda_nvfp4_mse(*(a.to(device) if isinstance(a, torch.Tensor) else a
+    idx, best = block_ops._cuda_nvfp4_mse(*(a.to(device) if isinstance(a, torch.Tensor) else a
                                       for a in args))
     assert torch.equal(idx.cpu(), want[0]) and torch.equal(best.cpu(), want[1])
 
@@ -260,23 +270,63 @@ def test_nvfp4_search_is_price_then_select(device, kind, block_u):
     """The fused search (each distinct block scale priced once where a unit's candidates
     fall through consecutive codes; every candidate elsewhere) chooses what pricing every
     candidate and selecting the first lowest chooses (``ops.nvfp4_search``'s definition)."""
-    from quantscope.kernels import ops
+    _check_nvfp4_search(device, kind, block_u, False)
+
+
+@pytest.mark.parametrize("kind", ["expanded", "native", "coarse", "nan", "huge", "e12"])
+def test_weighted_nvfp4_search(device, kind):
+    """The same weighted (an imatrix search: each term times its element's weight)."""
+    _check_nvfp4_search(device, kind, None, True)
+
+
+def _check_nvfp4_search(device, kind, block_u, weighted):
+    from quantscope.kernels import block_ops
     from quantscope.kernels.triton import block_search
 
     args = _nvfp4_search_case(kind)
+    w = _importance(args[0]) if weighted else None
     fmt = get_format("fp4_e2m1")
-    want_idx, want_best = ops._torch_nvfp4_search(*args, "fp4_e2m1", 2.0 ** -9)
-    idx, best = block_search.nvfp4_search(*(a.to(device) for a in args), fmt.max,
-                                          fmt.min_exp, fmt.mbits, block_search.NVFP4,
-                                          2.0 ** -9, block_u=block_u)
+    want_idx, want_best = block_ops._torch_nvfp4_search(*args, "fp4_e2m1", 2.0 ** -9, w)
+    dev_args = [a.to(device) for a in args]
+    dev_w = None if w is None else w.to(device)
+    idx, best = block_search.nvfp4_search(*dev_args, fmt.max, fmt.min_exp, fmt.mbits,
+                                          block_search.NVFP4, 2.0 ** -9, weights=dev_w,
+                                          block_u=block_u)
     assert torch.equal(idx.cpu(), want_idx)
     torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
     # the op's CUDA implementation (the launcher's arguments from the formats) runs it alike
-    idx, best = ops._cuda_nvfp4_search(*(a.to(device) for a in args), "fp4_e2m1", 2.0 ** -9)
+    idx, best = block_ops._cuda_nvfp4_search(*dev_args, "fp4_e2m1", 2.0 ** -9, dev_w)
     assert torch.equal(idx.cpu(), want_idx)
     torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
     if kind in ("expanded", "native", "coarse"):
         assert (want_idx >= 0).any() and (want_idx < 0).any()  # both outcomes exercised
+
+
+@pytest.mark.parametrize("rules", ["native", "global-rule"])
+@pytest.mark.parametrize("kind", ["native", "coarse"])
+def test_weighted_nvfp4_mse_rules(device, kind, rules):
+    """The weighted search under every rule set, on codes and on candidates, over programs
+    of 4 units (the global rule's flags from the weighted errors)."""
+    _check_nvfp4_mse(device, kind, rules, 4, weighted=True)
+
+
+def test_weights_move_the_choices():
+    """The cases above can tell weights from none: the definition, weighted, chooses
+    otherwise for some units (so a kernel that dropped the weights would fail them)."""
+    from quantscope.kernels import block_ops
+
+    for kind in ("native", "expanded"):
+        args = _nvfp4_search_case(kind)
+        plain, _ = block_ops._torch_nvfp4_search(*args, "fp4_e2m1", 2.0 ** -9)
+        weighted, _ = block_ops._torch_nvfp4_search(*args, "fp4_e2m1", 2.0 ** -9,
+                                                    _importance(args[0]))
+        assert (plain != weighted).sum() >= 3
+    args = _mx_case("native")
+    for name, moved in (("fp4_e2m1", 1), ("int8_narrow", 3)):
+        plain, _ = block_ops._torch_mx_mse(*args, name, "floor", 20, 5, True, True, False)
+        weighted, _ = block_ops._torch_mx_mse(*args, name, "floor", 20, 5, True, True, False,
+                                              _importance(args[0]))
+        assert (plain != weighted).sum() >= moved
 
 
 # ---- MX's search: each distinct E8M0 block scale priced once -------------------------------
@@ -342,16 +392,19 @@ MX_CASES = ["native", "mx-wide", "coarse", "rising", "nan", "e12", "one", "negat
             "through-zero", "inf", "nan-factor", "mx-coarse", "mx-exact", "tiny", "mx-overflow"]
 
 
-def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor"):
-    from quantscope.kernels import ops
+def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor",
+                  weighted=False):
+    from quantscope.kernels import block_ops, ops
     from quantscope.kernels.triton import block_search
 
     args = _mx_case(kind)
+    w = _importance(args[0]) if weighted else None
     ext, patience, per_unit, use_global, tie_last = NVFP4_RULES[rules]
     ext = min(ext, args[3].shape[0])
-    want_idx, want_best = ops._torch_mx_mse(*args, name, mode, ext, patience, per_unit,
-                                            use_global, tie_last)
+    want_idx, want_best = block_ops._torch_mx_mse(*args, name, mode, ext, patience, per_unit,
+                                                  use_global, tie_last, w)
     fmt, dev_args = get_format(name), [a.to(device) for a in args]
+    dev_w = None if w is None else w.to(device)
     enc = block_search.Encoding(E8M0_MODES.index(mode), emax=fmt.emax, mbits=fmt.mbits)
     seen = []
 
@@ -364,14 +417,14 @@ def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor"):
                                   0 if ints else fmt.mbits, enc, 0.0, ext,
                                   None if patience < 0 else patience, per_unit, use_global,
                                   tie_last, stop, qmin=float(fmt.qmin) if ints else None,
-                                  block_u=block_u),
+                                  weights=dev_w, block_u=block_u),
            # the op's CUDA implementation (the launcher's arguments from the format, mode)
-           ops._cuda_mx_mse(*dev_args, name, mode, ext, patience, per_unit, use_global,
-                            tie_last)]
+           block_ops._cuda_mx_mse(*dev_args, name, mode, ext, patience, per_unit, use_global,
+                                  tie_last, dev_w)]
     for idx, best in got:
         assert torch.equal(idx.cpu(), want_idx)
         torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
-    err, _ = ops.mx_price(*args, name, mode)
+    err, _ = ops.mx_price(*args, name, mode, w)
     G = ext if use_global and patience >= 0 else 0
     assert torch.equal(seen[0], ops.improved_rows(err[1:G + 1], err[0], tie_last))
     return want_idx
@@ -415,3 +468,10 @@ def test_mx_mse_integer_elements(device, name, mode, kind):
     idx = _check_mx_mse(device, kind, "native", None, name, mode)
     if kind == "mx-wide":
         assert (idx >= 0).any() and (idx < 0).any()
+
+
+@pytest.mark.parametrize(("name", "mode"), [("fp4_e2m1", "floor"), ("int8_narrow", "even")])
+@pytest.mark.parametrize("kind", ["native", "mx-coarse"])
+def test_weighted_mx_mse(device, name, mode, kind):
+    """MX's search weighted, over float and integer elements, on codes and on candidates."""
+    _check_mx_mse(device, kind, "native", None, name, mode, weighted=True)

@@ -39,10 +39,15 @@ _ANY_BLOCK = {**_BLOCK_RANGES, "emax": "i32", "ENC": "constexpr", "TOP": "conste
 _NVFP4_CONST = {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.0625 - 1e-5,
                 "BLOCK_K": 64, "BLOCK_U": 128}
 _ENC = {"nvfp4": {"ENC": -1, "TOP": 4.0}, "mx": {"ENC": 3, "TOP": 4.0, "RATIO": 2.0 - 1e-5}}
-_PRICE_BLOCK = {**_ANY_BLOCK, "x_ptr": "*fp32", "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
-                "flags_ptr": "*i8", "E": "i32", "G": "i32", "stride_u": "i32", "min_exp": "i32",
-                "mbits": "i32", "min_scale": "fp32", "qmin": "fp32", "TIE_LAST": "constexpr",
-                "FLOAT": "constexpr", "BLOCK_E": "constexpr"}
+#: the block kernels' tile of units and its weights (``WEIGHTED``: an imatrix search)
+_BLOCK_UNITS = {"x_ptr": "*fp32", "w_ptr": "*fp32", "E": "i32", "stride_u": "i32",
+                "stride_w": "i32", "WEIGHTED": "constexpr", "BLOCK_E": "constexpr"}
+_PRICE_BLOCK = {**_ANY_BLOCK, **_BLOCK_UNITS, "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
+                "flags_ptr": "*i8", "G": "i32", "min_exp": "i32", "mbits": "i32",
+                "min_scale": "fp32", "qmin": "fp32", "TIE_LAST": "constexpr",
+                "FLOAT": "constexpr"}
+_SEARCH_BLOCK = {**_BLOCK_RANGES, **_BLOCK_UNITS, "idx_ptr": "*i64", "best_ptr": "*fp64",
+                 "min_exp": "i32", "mbits": "i32", "min_scale": "fp32", "STEPS": "constexpr"}
 _SELECT_BLOCK = {**_ANY_BLOCK, "inc_ptr": "*fp64", "scratch_ptr": "*fp64", "gstop_ptr": "*i64",
                  "idx_ptr": "*i64", "best_ptr": "*fp64", "ext_start": "i32", "patience": "i32",
                  "min_scale": "fp32", "PER_UNIT": "constexpr", "USE_GLOBAL": "constexpr",
@@ -80,21 +85,22 @@ CASES = {
          "HAS_PATIENCE": "constexpr", "TIE_LAST": "constexpr", "BLOCK_U": "constexpr"},
         {**_SELECT_CONST, "BLOCK_U": 128}),
     "block_search._search_kernel": (  # the fused NVFP4 search: codes, enumeration, bisection
-        {**_BLOCK_RANGES, "x_ptr": "*fp32", "idx_ptr": "*i64", "best_ptr": "*fp64",
-         "E": "i32", "stride_u": "i32", "min_exp": "i32", "mbits": "i32", "min_scale": "fp32",
-         "STEPS": "constexpr", "BLOCK_E": "constexpr"},
-        {**_NVFP4_CONST, "STEPS": 8, "BLOCK_K": 128, "BLOCK_E": 16}),
+        _SEARCH_BLOCK, {**_NVFP4_CONST, "STEPS": 8, "BLOCK_K": 128, "BLOCK_E": 16,
+                        "WEIGHTED": False}),
+    "block_search._search_kernel:weighted": (  # an imatrix search's weights
+        _SEARCH_BLOCK, {**_NVFP4_CONST, "STEPS": 8, "BLOCK_K": 128, "BLOCK_E": 16,
+                        "WEIGHTED": True}),
     "block_search._price_kernel": (  # under patience: the codes into a scratch, the flags
         _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["nvfp4"], "TIE_LAST": False, "FLOAT": True,
-                       "BLOCK_E": 16}),
+                       "BLOCK_E": 16, "WEIGHTED": False}),
     "block_search._select_kernel": (  # then the candidates walked under mse_select's rules
         _SELECT_BLOCK, {**_NVFP4_CONST, **_ENC["nvfp4"], **_SELECT_CONST}),
     "block_search._price_kernel:mx": (  # MX's E8M0 scales (rceil: an IEEE division)
         _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], "TIE_LAST": False, "FLOAT": True,
-                       "BLOCK_E": 32}),
+                       "BLOCK_E": 32, "WEIGHTED": False}),
     "block_search._price_kernel:mx_int": (  # over integer elements (MXINT8, BFP)
         _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], "TIE_LAST": False, "FLOAT": False,
-                       "BLOCK_E": 32}),
+                       "BLOCK_E": 32, "WEIGHTED": True}),
     "block_search._select_kernel:mx": (
         _SELECT_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], **_SELECT_CONST}),
     "block_qparams._e8m0_kernel": (
@@ -198,8 +204,12 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     for name in ("block_search._search_kernel", "block_search._price_kernel",
                  "block_search._select_kernel", "block_search._price_kernel:mx",
                  "block_search._price_kernel:mx_int", "block_search._select_kernel:mx",
-                 "histogram._histc_kernel"):
+                 "block_search._search_kernel:weighted", "histogram._histc_kernel"):
         assert "div.rn.f32" in found[name], name
+    for name in ("mse._price_kernel:weighted", "block_search._search_kernel:weighted",
+                 "block_search._price_kernel:mx_int"):  # float64(w) * float64(d * d)
+        assert "mul.rn.f64" in found[name], name
+    assert "mul.rn.f64" not in found["block_search._search_kernel"]
     assert "div.rn.f32" in found["block_qparams._nvfp4_kernel"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])
     assert {"div.rn.f64", "sub.rn.f64"} <= set(found["histogram._regrid_kernel"])

@@ -31,23 +31,25 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   extension (per-unit rule only). ``patience < 0``: none. ``idx`` -1: the incumbent.
   Defined in :mod:`.select_ops`.
 * ``nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
-  ext_start, patience, per_unit, use_global, tie_last) -> (idx, best)``: an NVFP4 MSE
-  search: candidate ``k``'s block scales are ``nvfp4_qparams`` of ``(lo * factors[k], hi *
-  factors[k])`` under ``global_amax``, priced on ``units`` as ``mse_price_fp`` prices them
-  (the incumbent: ``(inc_lo, inc_hi)``; :func:`nvfp4_price`), then ``mse_select``'s rules
-  (the rest of the arguments are its). On CUDA (:mod:`.triton.block_search`) each distinct
+  ext_start, patience, per_unit, use_global, tie_last, weights=None) -> (idx, best)``: an
+  NVFP4 MSE search: candidate ``k``'s block scales are ``nvfp4_qparams`` of ``(lo *
+  factors[k], hi * factors[k])`` under ``global_amax``, priced on ``units`` as
+  ``mse_price_fp`` prices them, ``weights`` included (the incumbent: ``(inc_lo, inc_hi)``;
+  :func:`nvfp4_price`), then ``mse_select``'s rules (the rest of the arguments are its). On CUDA (:mod:`.triton.block_search`) each distinct
   block scale is priced once (a unit's candidates fall through consecutive e4m3 codes: ~9
   scales where the native grid has 50 factors) and no ``[candidates, units]`` tensor of
   errors or qparams is made.
 * ``mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, patience,
-  per_unit, use_global, tie_last) -> (idx, best)``: the same for MX: block scales
+  per_unit, use_global, tie_last, weights=None) -> (idx, best)``: the same for MX: block scales
   ``e8m0_block_scales`` in ``mode`` (:func:`mx_price`) over float or signed integer elements
   (MXINT8, BFP: priced as ``mse_price_int`` prices them); on CUDA 2-4 distinct E8M0 scales
   a unit where the grid has 20-50 factors.
-* ``nvfp4_search(...) -> (idx, best)``, ``nvfp4_mse``'s first nine arguments: the search
+* ``nvfp4_search(...) -> (idx, best)``, ``nvfp4_mse``'s first nine arguments and
+  ``weights``: the search
   whose rule is the first lowest error (no patience can stop it: ``nvfp4_expanded_mse``):
   ``nvfp4_mse`` without patience, on CUDA in one launch (the codes priced in order, then a
   bisection for the first candidate of the chosen code).
+  These three are defined in :mod:`.block_ops`.
 * ``int_qparams(lo, hi, consts) -> (scale, zero_point)``: an integer format's fp32 scales and
   int32 zero points of the ranges (``consts``: ``kernels.qparams_consts(spec)``), as
   ``qparams_from_range`` gives them.
@@ -73,17 +75,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_per_unit
 from .._oplib import define
-from ..formats import IntFormat, get_format
 from ..qdq import fake_quantize_units
-from ..qparams import _check_global_amax, _float_format
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
 from ..qparams import int_qparams_op as int_qparams
 from ..qparams import nvfp4_qparams_op as nvfp4_qparams
-from ..scales import E8M0_MODES
 from . import triton as _triton
+from .block_ops import mx_mse, mx_price, nvfp4_mse, nvfp4_price, nvfp4_search
 from .price_ops import _IntBounds, mse_price_fp, mse_price_int
-from .select_ops import _torch_mse_select, check_ext_start, improved_rows, mse_select, stop_after
+from .select_ops import improved_rows, mse_select, stop_after
 
 __all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "improved_rows",
            "int_qparams", "mse_price_fp", "mse_price_int", "mse_select", "mx_mse", "mx_price",
@@ -97,12 +98,6 @@ def _check_units(units: Tensor, who: str) -> None:
     if units.dim() != 2 or units.dtype not in _FLOATS:
         raise ValueError(f"quantscope::{who}: units must be a 2-D [units, elements] tensor of "
                          f"float32, bfloat16 or float16, got {units.dtype} {tuple(units.shape)}")
-
-
-def _check_per_unit(t: Tensor, name: str, units: int, device, who: str) -> None:
-    if t.shape != (units,) or t.dtype != torch.float32 or t.device != device:
-        raise ValueError(f"quantscope::{who}: {name} must be a float32 tensor of shape "
-                         f"({units},) on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 # ---- unit_minmax ---------------------------------------------------------------------------
@@ -194,8 +189,8 @@ grouped_unit_minmax = define(
 def _check_fake_quant(units, scale, zero_point, qmin, qmax) -> None:
     who = "fake_quant_int"
     _check_units(units, who)
-    _check_per_unit(scale, "scale", units.shape[0], units.device, who)
-    _check_per_unit(zero_point, "zero_point", units.shape[0], units.device, who)
+    check_per_unit(f"quantscope::{who}", "scale", scale, units.shape[0], units.device)
+    check_per_unit(f"quantscope::{who}", "zero_point", zero_point, units.shape[0], units.device)
     if not qmin < qmax:
         raise ValueError(f"quantscope::{who}: qmin must be below qmax, got {qmin} and {qmax}")
 
@@ -224,218 +219,3 @@ fake_quant_int = define(
     "fake_quant_int(Tensor units, Tensor scale, Tensor zero_point, float qmin, float qmax) "
     "-> Tensor",
     _torch_fake_quant_int, cuda=_cuda_fake_quant_int, fake=_fake_fake_quant_int)
-
-
-# ---- the block-scale searches: each distinct block scale priced once -----------------------
-
-#: the definitions' ``[candidates, chunk]`` qparams hold at most this many values
-_BLOCK_CHUNK = 1 << 22
-
-
-def _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start=0):
-    if units.dim() != 2 or units.dtype != torch.float32:
-        raise ValueError(f"quantscope::{who}: units must be a 2-D [units, elements] float32 "
-                         f"tensor, got {units.dtype} {tuple(units.shape)}")
-    for name, t in (("lo", lo), ("hi", hi), ("inc_lo", inc_lo), ("inc_hi", inc_hi)):
-        _check_per_unit(t, name, units.shape[0], units.device, who)
-    if factors.dim() != 1 or not factors.numel() or factors.dtype != torch.float32 \
-            or factors.device != units.device:
-        raise ValueError(f"quantscope::{who}: factors must be a non-empty 1-D float32 tensor "
-                         f"on {units.device}, got {factors.dtype} {tuple(factors.shape)} on "
-                         f"{factors.device}")
-    check_ext_start(who, ext_start, factors.shape[0])
-
-
-def _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                 ext_start=0):
-    _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start)
-    _check_global_amax(global_amax, units.device, who)
-    return _float_format(format, who)
-
-
-def _check_mx(who, units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start=0):
-    """MX's element format: a float format, or a signed integer one (MXINT8, BFP)."""
-    _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start)
-    if mode not in E8M0_MODES:
-        raise ValueError(f"quantscope::{who}: mode must be one of {E8M0_MODES}, got {mode!r}")
-    fmt = get_format(format)
-    if isinstance(fmt, IntFormat) and not fmt.signed:
-        raise ValueError(f"quantscope::{who}: format must be a float or a signed integer "
-                         f"format, got {format!r}")
-    return fmt
-
-
-def _element_price(fmt):
-    """``price(units, effective scales)``: ``mse_price_fp`` under a float element format,
-    ``mse_price_int`` (zero points 0) under an integer one."""
-    if isinstance(fmt, IntFormat):
-        return lambda u, s: mse_price_int(u, s, torch.zeros_like(s, dtype=torch.int32),
-                                          float(fmt.qmin), float(fmt.qmax))
-    return lambda u, s: mse_price_fp(u, s, fmt.max, fmt.min_exp, fmt.mbits)
-
-
-def _block_price(units, lo, hi, factors, inc_lo, inc_hi, fmt, scales):
-    """The block-scale searches' pricing, defined: float64 ``err [K + 1, U]`` (row 0 the
-    incumbent ``(inc_lo, inc_hi)``, row ``1 + k`` candidate ``k``: the block scales of ``(lo
-    * factors[k], hi * factors[k])``, priced by ``mse_price_fp``, or ``mse_price_int`` for
-    integer elements) and ``same [K, U]`` (the stored block scale equals the previous
-    candidate's), chunk by chunk of units; ``scales(lo, hi)``: the stored and the effective
-    block scales of ranges."""
-    K, U = factors.shape[0], units.shape[0]
-    err = units.new_empty((K + 1, U), dtype=torch.float64)
-    same = units.new_empty((K, U), dtype=torch.bool)
-    f, price = factors[:, None], _element_price(fmt)
-    step = max(1, _BLOCK_CHUNK // (K + 1))
-    for a in range(0, U, step):
-        b = min(a + step, U)
-        stored, effective = scales(torch.cat((inc_lo[None, a:b], lo[None, a:b] * f)),
-                                   torch.cat((inc_hi[None, a:b], hi[None, a:b] * f)))
-        err[:, a:b] = price(units[a:b], effective.contiguous())
-        same[:, a:b] = stored[1:] == stored[:-1]
-    return err, same
-
-
-def nvfp4_price(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
-    """:func:`_block_price` of NVFP4's block scales: ``nvfp4_qparams`` under
-    ``global_amax`` (effective: block / global scale)."""
-    def scales(lo, hi):
-        scale, gs = nvfp4_qparams(lo, hi, global_amax.reshape(1), format, min_scale)
-        return scale, scale / gs
-    return _block_price(units, lo, hi, factors, inc_lo, inc_hi,
-                        _float_format(format, "nvfp4_price"), scales)
-
-
-def mx_price(units, lo, hi, factors, inc_lo, inc_hi, format, mode):
-    """:func:`_block_price` of MX's block scales: ``e8m0_block_scales`` in ``mode``."""
-    def scales(lo, hi):
-        scale = e8m0_block_scales(lo, hi, format, mode)
-        return scale, scale
-    return _block_price(units, lo, hi, factors, inc_lo, inc_hi, get_format(format), scales)
-
-
-def _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
-                     ext_start, patience, per_unit, use_global, tie_last):
-    """The definition: ``mse_select`` of :func:`nvfp4_price`."""
-    _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                 ext_start)
-    err, same = nvfp4_price(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                            min_scale)
-    return _torch_mse_select(err[1:], same, err[0], ext_start, patience, per_unit, use_global,
-                             tie_last)
-
-
-def _block_kernel(units):
-    """``kernels.triton.block_search``'s launchers where they apply to ``units`` (else None:
-    no triton, rows longer than a tile or not contiguous)."""
-    kernel = _triton.launchers("block_search", units)
-    if kernel is None or units.shape[1] > kernel.MAX_TILE or units.stride(1) != 1:
-        return None
-    return kernel
-
-
-def _launch_rules(ext_start, patience, per_unit, use_global, tie_last):
-    """The launcher's rule arguments of an op's: ``patience < 0`` is None, and the global
-    rule's stop from the kernels' flags."""
-    return (ext_start, None if patience < 0 else patience, per_unit, use_global, tie_last,
-            lambda improved: stop_after(improved, patience))
-
-
-def _cuda_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
-                    *rules):
-    kernel = _block_kernel(units)
-    if kernel is None:
-        return _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                                min_scale, *rules)
-    fmt = _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
-                       format, rules[0])
-    return kernel.block_mse(
-        units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
-        inc_hi.contiguous(), global_amax.reshape(1), fmt.max, fmt.min_exp, fmt.mbits,
-        kernel.NVFP4, min_scale, *_launch_rules(*rules))
-
-
-def _fake_block_search(units):
-    return (units.new_empty(units.shape[0], dtype=torch.int64),
-            units.new_empty(units.shape[0], dtype=torch.float64))
-
-
-def _fake_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
-                    ext_start, *rules):
-    _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                 ext_start)
-    return _fake_block_search(units)
-
-
-nvfp4_mse = define(
-    "nvfp4_mse(Tensor units, Tensor lo, Tensor hi, Tensor factors, Tensor inc_lo, "
-    "Tensor inc_hi, Tensor global_amax, str format, float min_scale, SymInt ext_start, "
-    "SymInt patience, bool per_unit, bool use_global, bool tie_last) -> (Tensor, Tensor)",
-    _torch_nvfp4_mse, cuda=_cuda_nvfp4_mse, fake=_fake_nvfp4_mse)
-
-
-def _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                        min_scale):
-    """The definition: ``nvfp4_mse`` without patience (the first lowest error kept)."""
-    _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
-    return _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                            min_scale, factors.shape[0], -1, False, False, False)
-
-
-def _cuda_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
-    kernel = _block_kernel(units)
-    if kernel is None:
-        return _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                                   min_scale)
-    fmt = _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
-                       format)
-    return kernel.nvfp4_search(
-        units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
-        inc_hi.contiguous(), global_amax.reshape(1), fmt.max, fmt.min_exp, fmt.mbits,
-        kernel.NVFP4, min_scale)
-
-
-def _fake_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale):
-    _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format)
-    return _fake_block_search(units)
-
-
-nvfp4_search = define(
-    "nvfp4_search(Tensor units, Tensor lo, Tensor hi, Tensor factors, Tensor inc_lo, "
-    "Tensor inc_hi, Tensor global_amax, str format, float min_scale) -> (Tensor, Tensor)",
-    _torch_nvfp4_search, cuda=_cuda_nvfp4_search, fake=_fake_nvfp4_search)
-
-
-def _torch_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, patience,
-                  per_unit, use_global, tie_last):
-    """The definition: ``mse_select`` of :func:`mx_price`."""
-    _check_mx("mx_mse", units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start)
-    err, same = mx_price(units, lo, hi, factors, inc_lo, inc_hi, format, mode)
-    return _torch_mse_select(err[1:], same, err[0], ext_start, patience, per_unit, use_global,
-                             tie_last)
-
-
-def _cuda_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, *rules):
-    kernel = _block_kernel(units)
-    if kernel is None:
-        return _torch_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, *rules)
-    fmt = _check_mx("mx_mse", units, lo, hi, factors, inc_lo, inc_hi, format, mode, rules[0])
-    enc = kernel.Encoding(E8M0_MODES.index(mode), emax=fmt.emax, mbits=fmt.mbits)
-    # integer elements: [qmin, qmax], qmax their max (signed: E8M0 needs codes around 0)
-    ints = isinstance(fmt, IntFormat)
-    return kernel.block_mse(
-        units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
-        inc_hi.contiguous(), None, fmt.max, 0 if ints else fmt.min_exp,
-        0 if ints else fmt.mbits, enc, 0.0, *_launch_rules(*rules),
-        qmin=float(fmt.qmin) if ints else None)
-
-
-def _fake_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, *rules):
-    _check_mx("mx_mse", units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start)
-    return _fake_block_search(units)
-
-
-mx_mse = define(
-    "mx_mse(Tensor units, Tensor lo, Tensor hi, Tensor factors, Tensor inc_lo, "
-    "Tensor inc_hi, str format, str mode, SymInt ext_start, SymInt patience, bool per_unit, "
-    "bool use_global, bool tie_last) -> (Tensor, Tensor)",
-    _torch_mx_mse, cuda=_cuda_mx_mse, fake=_fake_mx_mse)

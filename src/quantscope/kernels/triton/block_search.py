@@ -12,7 +12,8 @@ to its last's (NVFP4: ~9 for the native grid's 50 factors, ~11 for ``nvfp4_expan
 units in registers, prices those codes once, and where the factors are coarser (or a
 range NaN) prices every candidate instead. The pricing is ``mse_price_fp``'s, or
 ``mse_price_int``'s for MX's integer elements (MXINT8, BFP; ``mse._term``), the selection
-``mse_select``'s (``mse.select_step``).
+``mse_select``'s (``mse.select_step``). With ``weights`` (an imatrix search's importance,
+a ``WEIGHTED`` constexpr) each element's term is weighted as ``mse_price_fp`` weights it.
 
 The encoding is a compile-time constant, ``ENC``: -1 NVFP4, 0-3 E8M0 in ``scales.E8M0_MODES``'
 order (floor, ceil, even, rceil); so is the element kind, ``FLOAT``.
@@ -39,7 +40,7 @@ import triton.language as tl
 from ...formats import FP8_E4M3
 from ._jit import LAUNCH
 from .block_qparams import _amax, _global_scale, amax_of, e8m0_scale, exp2i, nvfp4_block_code
-from .mse import MAX_TILE, _term, select_step
+from .mse import MAX_TILE, _term, _weights, select_step
 
 __all__ = ["MAX_TILE", "NVFP4", "Encoding", "block_mse", "nvfp4_search"]
 
@@ -92,14 +93,15 @@ def _stored(q, min_scale, ENC: tl.constexpr):
 
 
 @triton.jit
-def _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC: tl.constexpr, qmin,
-                 FLOAT: tl.constexpr):
+def _block_error(x, w, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC: tl.constexpr, qmin,
+                 FLOAT: tl.constexpr, WEIGHTED: tl.constexpr):
     """Each row's float64 error under the block scale ``q`` of global scale ``gs`` (MX: 1):
     the effective scale ``block / gs``, priced as ``mse_price_fp`` prices float elements
     (``fmax``, ``min_exp``, ``mbits``), or, not ``FLOAT``, as ``mse_price_int`` prices integer
-    ones (MXINT8, BFP: ``[qmin, fmax]``, zero point 0)."""
+    ones (MXINT8, BFP: ``[qmin, fmax]``, zero point 0); ``WEIGHTED``: each term times its
+    weight ``w``."""
     s = tl.math.div_rn(_stored(q, min_scale, ENC), gs)[:, None]
-    t = _term(x, x, s, 0.0, qmin, fmax, min_exp, mbits, FLOAT, False, 2.0)
+    t = _term(x, w, s, 0.0, qmin, fmax, min_exp, mbits, FLOAT, WEIGHTED, 2.0)
     return tl.sum(tl.where(mask, t, 0.0), axis=1)
 
 
@@ -160,13 +162,16 @@ def _ranges(lo_ptr, hi_ptr, ilo_ptr, ihi_ptr, amax_ptr, f_ptr, U, K, fmax, bmax,
 
 
 @triton.jit
-def _units(x_ptr, rows, rmask, E, stride_u, BLOCK_E: tl.constexpr):
-    """The program's tile of units, in registers, and its mask."""
+def _units(x_ptr, w_ptr, rows, rmask, E, stride_u, stride_w, BLOCK_E: tl.constexpr,
+           WEIGHTED: tl.constexpr):
+    """The program's tile of units, in registers, its weights (``WEIGHTED``; else ``x``,
+    never read) and its mask."""
     cols = tl.arange(0, BLOCK_E)
     mask = rmask[:, None] & (cols[None, :] < E)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_u + cols[None, :], mask=mask,
                 other=0.0)
-    return x, mask
+    w = _weights(w_ptr + rows[:, None].to(tl.int64) * stride_w, cols, mask, x, WEIGHTED)
+    return x, w, mask
 
 
 @triton.jit
@@ -185,9 +190,9 @@ def _code_span(lo, hi, rmask, f_ptr, K, gs, fmax, bmax, emax, ENC: tl.constexpr,
 # ---- the first lowest error, NVFP4: one launch ---------------------------------------------
 
 @triton.jit
-def _lowest_by_codes(x, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, mbits, bmax,
-                     min_scale, B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr,
-                     SUB_STEPS: tl.constexpr, STEPS: tl.constexpr):
+def _lowest_by_codes(x, w, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, mbits,
+                     bmax, min_scale, B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr,
+                     SUB_STEPS: tl.constexpr, STEPS: tl.constexpr, WEIGHTED: tl.constexpr):
     """``(idx, best)`` of ``by_codes`` programs: every distinct code priced once, in the
     candidates' order (the first lowest is then the first candidate's that has it), then
     the first candidate of the chosen code found by bisection (codes fall with k)."""
@@ -196,8 +201,8 @@ def _lowest_by_codes(x, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, 
     best_code = tl.full(first.shape, -1, tl.int32)
     for j in range(tl.max(span) + 1):
         c = first - j
-        err = _block_error(x, mask, _value(c, B_MIN_EXP, B_MBITS, SUB_STEPS), gs, min_scale,
-                           fmax, min_exp, mbits, -1, 0.0, True)
+        err = _block_error(x, w, mask, _value(c, B_MIN_EXP, B_MBITS, SUB_STEPS), gs,
+                           min_scale, fmax, min_exp, mbits, -1, 0.0, True, WEIGHTED)
         better = (j <= span) & (err < best)
         best = tl.where(better, err, best)
         best_code = tl.where(better, c, best_code)
@@ -213,13 +218,15 @@ def _lowest_by_codes(x, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, 
 
 
 @triton.jit
-def _lowest_by_candidates(x, mask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, mbits, bmax,
-                          min_scale, B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr):
+def _lowest_by_candidates(x, w, mask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, mbits, bmax,
+                          min_scale, B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr,
+                          WEIGHTED: tl.constexpr):
     """``(idx, best)`` with every candidate priced, in order (the first lowest kept)."""
     idx = tl.full(best.shape, -1, tl.int64)
     for k in range(K):
         q = _candidate(lo, hi, f_ptr, k, gs, fmax, bmax, 0, -1, B_MIN_EXP, B_MBITS, 0.0)
-        err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, -1, 0.0, True)
+        err = _block_error(x, w, mask, q, gs, min_scale, fmax, min_exp, mbits, -1, 0.0, True,
+                           WEIGHTED)
         better = err < best
         best = tl.where(better, err, best)
         idx = tl.where(better, k, idx)
@@ -227,24 +234,26 @@ def _lowest_by_candidates(x, mask, lo, hi, f_ptr, K, gs, best, fmax, min_exp, mb
 
 
 @triton.jit
-def _search_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, idx_ptr,
-                   best_ptr, U, E, K, stride_u, fmax, min_exp, mbits, bmax, min_scale,
-                   B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr, SUB_STEPS: tl.constexpr,
-                   RATIO: tl.constexpr, STEPS: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr):
+def _search_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, idx_ptr,
+                   best_ptr, U, E, K, stride_u, stride_w, fmax, min_exp, mbits, bmax,
+                   min_scale, WEIGHTED: tl.constexpr, B_MIN_EXP: tl.constexpr,
+                   B_MBITS: tl.constexpr, SUB_STEPS: tl.constexpr, RATIO: tl.constexpr,
+                   STEPS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_U: tl.constexpr,
+                   BLOCK_E: tl.constexpr):
     rows, rmask, lo, hi, gs, q_inc, by_codes = _ranges(
         lo_ptr, hi_ptr, ilo_ptr, ihi_ptr, amax_ptr, f_ptr, U, K, fmax, bmax, 0, -1, B_MIN_EXP,
         B_MBITS, 0.0, RATIO, BLOCK_K, BLOCK_U)
-    x, mask = _units(x_ptr, rows, rmask, E, stride_u, BLOCK_E)
+    x, w, mask = _units(x_ptr, w_ptr, rows, rmask, E, stride_u, stride_w, BLOCK_E, WEIGHTED)
     # the incumbent's error is the running best (index -1)
-    best = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, -1, 0.0, True)
+    best = _block_error(x, w, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, -1, 0.0, True,
+                        WEIGHTED)
     if by_codes:
-        idx, best = _lowest_by_codes(x, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax, min_exp,
-                                     mbits, bmax, min_scale, B_MIN_EXP, B_MBITS, SUB_STEPS,
-                                     STEPS)
+        idx, best = _lowest_by_codes(x, w, mask, rmask, lo, hi, f_ptr, K, gs, best, fmax,
+                                     min_exp, mbits, bmax, min_scale, B_MIN_EXP, B_MBITS,
+                                     SUB_STEPS, STEPS, WEIGHTED)
     else:  # a NaN range, or factors too far apart (codes may skip)
-        idx, best = _lowest_by_candidates(x, mask, lo, hi, f_ptr, K, gs, best, fmax, min_exp,
-                                          mbits, bmax, min_scale, B_MIN_EXP, B_MBITS)
+        idx, best = _lowest_by_candidates(x, w, mask, lo, hi, f_ptr, K, gs, best, fmax, min_exp,
+                                          mbits, bmax, min_scale, B_MIN_EXP, B_MBITS, WEIGHTED)
     tl.store(idx_ptr + rows, idx, mask=rmask)
     tl.store(best_ptr + rows, best, mask=rmask)
 
@@ -261,33 +270,34 @@ def _error_of(scratch_ptr, rows, rmask, U, k, q, first, by_codes, ENC: tl.conste
 
 
 @triton.jit
-def _price_kernel(x_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, inc_ptr,
-                  scratch_ptr, flags_ptr, U, E, K, G, stride_u, fmax, min_exp, mbits, bmax,
-                  emax, min_scale, qmin, TIE_LAST: tl.constexpr, FLOAT: tl.constexpr,
-                  ENC: tl.constexpr,
+def _price_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_ptr, inc_ptr,
+                  scratch_ptr, flags_ptr, U, E, K, G, stride_u, stride_w, fmax, min_exp, mbits,
+                  bmax, emax, min_scale, qmin, TIE_LAST: tl.constexpr, FLOAT: tl.constexpr,
+                  WEIGHTED: tl.constexpr, ENC: tl.constexpr,
                   B_MIN_EXP: tl.constexpr, B_MBITS: tl.constexpr, SUB_STEPS: tl.constexpr,
                   TOP: tl.constexpr, RATIO: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr):
     rows, rmask, lo, hi, gs, q_inc, by_codes = _ranges(
         lo_ptr, hi_ptr, ilo_ptr, ihi_ptr, amax_ptr, f_ptr, U, K, fmax, bmax, emax, ENC,
         B_MIN_EXP, B_MBITS, TOP, RATIO, BLOCK_K, BLOCK_U)
-    x, mask = _units(x_ptr, rows, rmask, E, stride_u, BLOCK_E)
+    x, w, mask = _units(x_ptr, w_ptr, rows, rmask, E, stride_u, stride_w, BLOCK_E, WEIGHTED)
     U64 = tl.cast(U, tl.int64)  # row offsets: K * U may pass 2 ** 31
-    inc = _block_error(x, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, ENC, qmin, FLOAT)
+    inc = _block_error(x, w, mask, q_inc, gs, min_scale, fmax, min_exp, mbits, ENC, qmin, FLOAT,
+                       WEIGHTED)
     tl.store(inc_ptr + rows, inc, mask=rmask)
     first, span = _code_span(lo, hi, rmask, f_ptr, K, gs, fmax, bmax, emax, ENC, B_MIN_EXP,
                              B_MBITS, SUB_STEPS, TOP)
     if by_codes:  # code first - j into row j
         for j in range(tl.max(span) + 1):
             q = _scale_value(first - j, ENC, B_MIN_EXP, B_MBITS, SUB_STEPS)
-            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC, qmin,
-                               FLOAT)
+            err = _block_error(x, w, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC, qmin,
+                               FLOAT, WEIGHTED)
             tl.store(scratch_ptr + j * U64 + rows, err, mask=rmask)
     else:  # candidate k into row k
         for k in range(K):
             q = _candidate(lo, hi, f_ptr, k, gs, fmax, bmax, emax, ENC, B_MIN_EXP, B_MBITS, TOP)
-            err = _block_error(x, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC, qmin,
-                               FLOAT)
+            err = _block_error(x, w, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC, qmin,
+                               FLOAT, WEIGHTED)
             tl.store(scratch_ptr + k * U64 + rows, err, mask=rmask)
     if G > 0:
         # the global rule's input (ops.improved_rows): which of the grid's first G
@@ -371,6 +381,11 @@ class Encoding(NamedTuple):
 NVFP4 = Encoding(-1, FP8_E4M3.max, FP8_E4M3.min_exp, FP8_E4M3.mbits)
 
 
+def _or(weights, units):
+    """The weights' pointer argument: ``units`` where there are none (never read)."""
+    return units if weights is None else weights
+
+
 def _consts(units, factors, enc: Encoding, block_u):
     """``(grid, constexprs)`` the launches share."""
     U, E = units.shape
@@ -386,23 +401,26 @@ def _consts(units, factors, enc: Encoding, block_u):
 def nvfp4_search(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                  factors: torch.Tensor, inc_lo: torch.Tensor, inc_hi: torch.Tensor,
                  global_amax: torch.Tensor, fmax: float, min_exp: int, mbits: int,
-                 enc: Encoding, min_scale: float, *, block_u: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 enc: Encoding, min_scale: float, *, weights: torch.Tensor | None = None,
+                 block_u: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4's lowest-error search in one launch (``kernels.ops``' ``nvfp4_search``):
     ``(idx, best)`` per unit of float32 ``units [U, E]`` (rows contiguous, ``E <=
     MAX_TILE``), ``lo`` / ``hi`` / ``inc_lo`` / ``inc_hi`` float32 ``[U]``, ``factors``
     float32 ``[K]``, ``global_amax`` one float32 value on the device, the element format's
-    ``fmax``, ``min_exp``, ``mbits``, and ``enc`` :data:`NVFP4`."""
+    ``fmax``, ``min_exp``, ``mbits``, and ``enc`` :data:`NVFP4`; ``weights``: float32 ``[U,
+    E]``, rows contiguous, or None."""
     (U, E), K = units.shape, factors.shape[0]
     idx = torch.empty(U, dtype=torch.int64, device=units.device)
     best = torch.empty(U, dtype=torch.float64, device=units.device)
     if U:
         grid, consts = _consts(units, factors, enc, block_u)
         del consts["ENC"], consts["TOP"]  # NVFP4 only
+        w = _or(weights, units)
         _search_kernel[grid](
-            units, lo, hi, factors, inc_lo, inc_hi, global_amax, idx, best, U, E, K,
-            units.stride(0), float(fmax), int(min_exp), int(mbits), float(enc.block_max),
-            float(min_scale), STEPS=max(1, (K - 1).bit_length()) + 1,
+            units, w, lo, hi, factors, inc_lo, inc_hi, global_amax, idx, best, U, E, K,
+            units.stride(0), w.stride(0), float(fmax),
+            int(min_exp), int(mbits), float(enc.block_max), float(min_scale),
+            WEIGHTED=weights is not None, STEPS=max(1, (K - 1).bit_length()) + 1,
             BLOCK_E=triton.next_power_of_2(max(E, 1)), **consts)
     return idx, best
 
@@ -412,14 +430,16 @@ def block_mse(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, factors: 
               fmax: float, min_exp: int, mbits: int, enc: Encoding, min_scale: float,
               ext_start: int, patience: int | None, per_unit: bool, use_global: bool,
               tie_last: bool, global_stop, *, qmin: float | None = None,
-              block_u: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              weights: torch.Tensor | None = None, block_u: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A block-scale search under ``mse_select``'s rules (``kernels.ops``' ``nvfp4_mse`` and
     ``mx_mse``), in two launches: ``(idx, best)``; arguments as :func:`nvfp4_search`'s
     (``enc`` NVFP4's or E8M0's; ``global_amax`` None for E8M0), then the rules'
     (``patience`` None: none), and ``global_stop(improved)``: the one-value int64 tensor of
     the candidate after which the global rule stops, from ``improved [G]`` (bool: the grid's
     candidates that improve some unit). ``qmin``: integer elements in ``[qmin, fmax]``
-    (MXINT8, BFP; ``min_exp`` and ``mbits`` not read), None for float elements."""
+    (MXINT8, BFP; ``min_exp`` and ``mbits`` not read), None for float elements;
+    ``weights`` as :func:`nvfp4_search`'s."""
     (U, E), K = units.shape, factors.shape[0]
     dev = units.device
     idx = torch.empty(U, dtype=torch.int64, device=dev)
@@ -434,10 +454,12 @@ def block_mse(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, factors: 
     scratch = torch.empty((K, U), dtype=torch.float64, device=dev)
     flags = torch.zeros((grid[0], max(G, 1)), dtype=torch.int8, device=dev)
     scales = (float(enc.block_max), int(enc.emax), float(min_scale))
-    _price_kernel[grid](units, lo, hi, factors, inc_lo, inc_hi, global_amax, inc, scratch,
-                        flags, U, E, K, G, units.stride(0), float(fmax), int(min_exp),
-                        int(mbits), *scales, 0.0 if qmin is None else float(qmin),
+    w = _or(weights, units)
+    _price_kernel[grid](units, w, lo, hi, factors, inc_lo, inc_hi, global_amax, inc, scratch,
+                        flags, U, E, K, G, units.stride(0), w.stride(0), float(fmax),
+                        int(min_exp), int(mbits), *scales, 0.0 if qmin is None else float(qmin),
                         TIE_LAST=bool(tie_last), FLOAT=qmin is None,
+                        WEIGHTED=weights is not None,
                         BLOCK_E=triton.next_power_of_2(max(E, 1)), **consts)
     gstop = global_stop(flags[:, :G].any(0))
     _select_kernel[grid](lo, hi, factors, inc_lo, inc_hi, global_amax, inc, scratch, gstop, idx,
