@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantscope import presets
 from quantscope.estimators.mse import range_error
-from quantscope.estimators.weighted import weighted_search
-from quantscope.layout import Channel
+from quantscope.estimators.weighted import _engine_search, importance_units, weighted_search
+from quantscope.layout import Channel, Group
 from quantscope.spec import QuantSpec
 
 INT4 = QuantSpec("int4", Channel(0))
@@ -99,3 +100,68 @@ def test_zero_factor_is_a_candidate():
 def test_bad_options_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         weighted_search(_units(), None, INT4, **kwargs)
+
+
+ENGINE_SPECS = {"nvfp4": presets.NVFP4, "mxfp4": presets.MXFP4, "mxint8": presets.MXINT8,
+                "fp8-channel": QuantSpec("fp8_e4m3", Channel(0)), "int4-channel": INT4,
+                "int4-group16-asym": QuantSpec("int4", Group(16), symmetric=False)}
+
+
+def _imatrix_case(spec, seed=3):
+    """A weight's units under ``spec`` and per-element importance (log-normal, some 0)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16, 64, generator=g) * torch.rand(16, 1, generator=g).add_(0.05)
+    w[1, 3], w[2] = 9.0, 0.0  # an outlier; all-zero units
+    imp = torch.exp(torch.randn(64, generator=g) * 1.5)
+    imp[::7] = 0.0
+    return spec.layout.to_units(w), importance_units(imp, w.shape, spec)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("norm", [2.0, 2.4])
+@pytest.mark.parametrize("name", list(ENGINE_SPECS))
+def test_the_engine_search_off_the_cpu_chooses_what_the_blocks_of_factors_choose(name, norm,
+                                                                                 weighted):
+    """Off the CPU the search (no patience) is the MSE engine's ops: block-scale formats in
+    one op that prices each distinct block scale once on CUDA. Run here on the CPU (where
+    the ops are their definitions) it gives the ranges of the path the CPU runs (blocks of
+    factors priced, then the first lowest kept) bit for bit, and it runs those ops."""
+    from op_names import OpNames
+
+    spec = ENGINE_SPECS[name]
+    units, w = _imatrix_case(spec)
+    w = w if weighted else None
+    factors = [1 - i / 100 for i in range(1, 20)] + [0.5]
+    want = weighted_search(units, w, spec, factors=factors, norm=norm)
+    lo0, hi0 = units.amin(1), units.amax(1)
+    with OpNames() as seen:
+        got = _engine_search(units, w, spec, lo0, hi0, factors, norm)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if weighted or spec.scale.kind != "e8m0":  # (unweighted, MX keeps every min-max scale)
+        assert (want[1] != hi0).any() and (want[1] == hi0).any()  # both outcomes
+    if norm == 2.0 and spec.scale.is_block:
+        op = "nvfp4_search" if spec.scale.has_global_scale else "mx_mse"
+        assert f"quantscope.{op}" in seen.names
+
+
+def test_importance_moves_the_engine_search():
+    """The case above can tell weights from none on every path it compares."""
+    for spec in (presets.NVFP4, presets.MXFP4, INT4):
+        units, w = _imatrix_case(spec)
+        lo0, hi0 = units.amin(1), units.amax(1)
+        factors = [1 - i / 100 for i in range(1, 20)]
+        plain = _engine_search(units, None, spec, lo0, hi0, factors, 2.0)
+        weighted = _engine_search(units, w, spec, lo0, hi0, factors, 2.0)
+        assert not torch.equal(plain[1], weighted[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(ENGINE_SPECS))
+def test_cuda_weighted_search_is_the_cpu_search(name):
+    """On CUDA (the engine's Triton kernels) the ranges are the CPU's up to the order of the
+    float64 sums: near ties may fall the other way, nothing else."""
+    spec = ENGINE_SPECS[name]
+    units, w = _imatrix_case(spec)
+    cpu = weighted_search(units, w, spec)
+    cuda = weighted_search(units.cuda(), w.cuda(), spec)
+    assert (cuda[1].cpu() == cpu[1]).float().mean() > 0.95

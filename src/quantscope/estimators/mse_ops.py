@@ -62,17 +62,17 @@ def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
 
 
 def _price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-           spec: QuantSpec, norm: float) -> torch.Tensor:
+           spec: QuantSpec, norm: float, weights: torch.Tensor | None) -> torch.Tensor:
     """float64 ``[K, n]`` errors of effective scales / zero points ``[K, n]`` on ``units``."""
     if spec.is_float:
         fmt = spec.format
         return ops.mse_price_fp(units, scale, float(fmt.max), int(fmt.min_exp), int(fmt.mbits),
-                                norm=norm)
+                                weights, norm)
     return ops.mse_price_int(units, scale, zero_point, float(spec.qmin), float(spec.qmax),
-                             norm=norm)
+                             weights, norm)
 
 
-def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax, norm):
+def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax, norm, weights):
     """Errors ``[1 + K, n]`` of the incumbent (row 0; None: none, and the row is float32's
     max, which the first finite candidate beats) and the candidates on units ``n``, and
     ``same [K, n]``: candidate ``k``'s encoded qparams equal row ``k``'s (the previous)."""
@@ -85,17 +85,18 @@ def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax, norm):
     enc = qp.scale.expand_as(lo_c)
     same = (enc[1:] == enc[:-1]) & (zp[1:] == zp[:-1])
     if incumbent is None:
-        err = _price(units, scale[1:], zp[1:], spec, norm)
+        err = _price(units, scale[1:], zp[1:], spec, norm, weights)
         return torch.cat((torch.full_like(err[:1], _FLT_MAX), err)), same
-    return _price(units, scale, zp, spec, norm), same
+    return _price(units, scale, zp, spec, norm, weights), same
 
 
 def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumbent,
-           global_amax, chunk_elems, norm=2.0, extend=(), **_):
+           global_amax, chunk_elems, norm=2.0, extend=(), weights=None, **_):
     """``mse_tiles.search`` (same arguments, same choices for native searches: an incumbent,
     squared error) as ops: ``(lo, hi, error, index)`` per unit. Without an incumbent
     (llm-compressor's search, ``compat``) the first candidate always wins, and near ties
-    may fall otherwise than in torch's float32 sums (module doc)."""
+    may fall otherwise than in torch's float32 sums (module doc). ``weights``: float32
+    ``[U, E]`` (contiguous) weighting each element's term (an imatrix search), or None."""
     dev = units.device
     ext = list(extend) if extend and per_unit and patience is not None else []
     one_factor = list(f_lo) == list(f_hi)  # (host lists) both ends scaled alike
@@ -104,15 +105,15 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     blocks = incumbent is not None and float(norm) == 2.0  # what the block ops price
     if blocks and spec.scale.has_global_scale and global_amax is not None:
         idx, best = _nvfp4(units, lo, hi, f_lo, incumbent, global_amax, spec, patience,
-                           per_unit, tie, len(ext))
+                           per_unit, tie, len(ext), weights)
     elif blocks and spec.scale.kind == "e8m0" and one_factor and _format_bounds(spec):
         idx, best = ops.mx_mse(units, lo, hi, f_lo, *incumbent, spec.format.name,
                                spec.scale.mode, *_rules(f_lo.shape[0] - len(ext), patience,
-                                                        per_unit, tie))
+                                                        per_unit, tie), weights)
     else:
         step = max(1, chunk_elems * _QPARAMS_PER_TILE // (f_lo.shape[0] + 1))
         idx, best = _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie,
-                                      incumbent, global_amax, step, len(ext), norm)
+                                      incumbent, global_amax, step, len(ext), norm, weights)
     j, take = idx.clamp(min=0), idx >= 0
     if incumbent is None:  # no candidate priced below float32's max: the first, as torch's
         incumbent = (lo * f_lo[0], hi * f_hi[0])
@@ -120,7 +121,8 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
             torch.where(take, hi * f_hi[j], incumbent[1]), best.float(), idx)
 
 
-def _nvfp4(units, lo, hi, f, incumbent, global_amax, spec, patience, per_unit, tie, n_ext):
+def _nvfp4(units, lo, hi, f, incumbent, global_amax, spec, patience, per_unit, tie, n_ext,
+           weights):
     """``(idx, best)`` of an NVFP4 search (fp8 block scales under a given global amax; block
     scales are symmetric, so ``f_lo`` is ``f_hi``) as one op: ``nvfp4_search`` where the
     rules keep the first lowest error (a patience above the candidates' count stops no
@@ -131,8 +133,8 @@ def _nvfp4(units, lo, hi, f, incumbent, global_amax, spec, patience, per_unit, t
             upload(global_amax, units.device, torch.float32).reshape(1), spec.format.name,
             float(spec.min_scale))
     if tie == "first" and (patience is None or patience > K):
-        return ops.nvfp4_search(*args)
-    return ops.nvfp4_mse(*args, *_rules(K - n_ext, patience, per_unit, tie))
+        return ops.nvfp4_search(*args, weights)
+    return ops.nvfp4_mse(*args, *_rules(K - n_ext, patience, per_unit, tie), weights)
 
 
 def _format_bounds(spec: QuantSpec) -> bool:
@@ -150,7 +152,7 @@ def _rules(ext_start, patience, per_unit, tie) -> tuple:
 
 
 def _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie, incumbent,
-                      global_amax, step, n_ext, norm):
+                      global_amax, step, n_ext, norm, weights):
     """``(idx, best)``: every candidate priced into ``[K + 1, U]`` errors, then selected."""
     dev, (K, U) = units.device, (f_lo.shape[0], units.shape[0])
     err = torch.empty((K + 1, U), dtype=torch.float64, device=dev)
@@ -159,5 +161,6 @@ def _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie, 
         b = min(a + step, U)
         inc = None if incumbent is None else (incumbent[0][a:b], incumbent[1][a:b])
         err[:, a:b], same[:, a:b] = _price_chunk(
-            units[a:b], lo[a:b], hi[a:b], f_lo, f_hi, inc, spec, global_amax, norm)
+            units[a:b], lo[a:b], hi[a:b], f_lo, f_hi, inc, spec, global_amax, norm,
+            None if weights is None else weights[a:b])
     return ops.mse_select(err[1:], same, err[0], *_rules(K - n_ext, patience, per_unit, tie))

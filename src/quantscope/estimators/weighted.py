@@ -25,7 +25,8 @@ from ..qdq import fake_quantize, fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
-from .mse import shrink_factors
+from . import mse_ops
+from .mse import DEFAULT_CHUNK_ELEMS, shrink_factors
 
 __all__ = ["imatrix_range", "importance_units", "incumbent_global_amax", "output_clip_range",
            "output_error", "weighted_search"]
@@ -59,6 +60,10 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
     ``float32_sums`` (llm-compressor's arithmetic, for its compat class) sums
     ``w * |d|^norm`` in float32 instead, one factor at a time. A format with a global scale
     (NVFP4) prices every candidate under the incumbent's global scale (its qparams' own).
+
+    Off the CPU, without patience or ``float32_sums``, the search is the MSE engine's
+    (:func:`_engine_search`): the same prices and choices, in one op where the format has
+    block scales (on CUDA each distinct block scale of a unit priced once).
     """
     _check_options(norm, expand, patience)
     factors = shrink_factors() if factors is None else list(factors)
@@ -68,6 +73,10 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
     lo0, hi0 = unit_minmax(units)
     if expand != 1.0:
         lo0, hi0 = lo0 * expand, hi0 * expand
+    if not float32_sums and patience is None and units.device.type != "cpu":
+        units = units.float().contiguous()
+        if mse_ops.usable(units, spec, norm):
+            return _engine_search(units, weights, spec, lo0, hi0, factors, float(norm))
     factors = [1.0, *factors]
     if float32_sums:
         errors = _float32_errors(units, weights, spec, lo0, hi0, factors, norm)
@@ -82,6 +91,19 @@ def _check_weights(units: torch.Tensor, weights: torch.Tensor | None) -> None:
         raise ValueError(f"weighted_search: weights must be None or a tensor of units' shape "
                          f"{tuple(units.shape)} (one weight per element), got "
                          f"{getattr(weights, 'shape', type(weights).__name__)}")
+
+
+def _engine_search(units, weights, spec, lo0, hi0, factors, norm):
+    """:func:`weighted_search` as the MSE engine of the ops runs it (``mse_ops.search``): the
+    incumbent ``(lo0, hi0)``, candidates ``(lo0 * f, hi0 * f)`` under the incumbent's global
+    scale, the first lowest error kept, NaN never chosen; :func:`_select`'s rules without
+    patience, on the same prices (tests compare the two bit for bit)."""
+    weights = None if weights is None else weights.float().contiguous()
+    lo, hi, _, _ = mse_ops.search(
+        units, lo0, hi0, spec, factors, factors, patience=None, per_unit=False, tie="first",
+        incumbent=(lo0, hi0), global_amax=incumbent_global_amax(lo0, hi0, spec),
+        chunk_elems=DEFAULT_CHUNK_ELEMS, norm=norm, weights=weights)
+    return lo, hi
 
 
 def incumbent_global_amax(lo0, hi0, spec):
