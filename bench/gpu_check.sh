@@ -51,7 +51,7 @@ if [[ $steps == *,triton,* ]]; then
         tests/kernels/test_mse_ops_engine.py tests/observers/test_device_ops.py \
         tests/observers/test_grouped.py tests/calibrate/test_grouped_weights.py \
         tests/calibrate/test_device_pass.py tests/compat/test_torch_ao_exact.py \
-        tests/core/test_qparams_ops.py 2>&1 \
+        tests/core/test_qparams_ops.py tests/estimators/test_weighted.py 2>&1 \
         | tee "$out/triton_tests.log" | tail -15
 fi
 # test files that import a package absent there (the peers, the demo data) fail to collect:

@@ -86,6 +86,11 @@ def test_minmax_observers_read_bf16_through_the_op(name, layout):
     ("nvfp4_expanded_mse", presets.NVFP4, {"quantscope.nvfp4_search"}),  # fused: no patience
     ("mse", presets.MXFP4, {"quantscope.mx_mse"}),  # fused: each block's E8M0 scales once
     ("memoryless_mse", presets.MXINT8, {"quantscope.mx_mse"}),  # integer elements too
+    # the importance-weighted search: the same engine, weights priced in the same ops
+    ("imatrix_mse", presets.NVFP4, {"quantscope.nvfp4_search"}),
+    ("imatrix_mse", presets.MXFP4, {"quantscope.mx_mse"}),
+    ("imatrix_mse", QuantSpec("int4", Group(16)),
+     {"quantscope.mse_price_int", "quantscope.mse_select"}),
 ])
 def test_histogram_and_search_observers_call_the_ops(name, spec, ops):
     obs = quantscope.get_observer(name, spec).to("meta")
@@ -157,10 +162,12 @@ CUDA = torch.cuda.is_available()
                                           ("memoryless_minmax", "mxfp4"),
                                           ("memoryless_minmax", "nvfp4"),
                                           ("moving_average_minmax", "group-32"),
-                                          ("mse", "group-32"), ("mse", "nvfp4")])
+                                          ("mse", "group-32"), ("mse", "nvfp4"),
+                                          ("imatrix_mse", "nvfp4"), ("imatrix_mse", "mxfp4")])
 def test_cuda_observers_give_the_cpu_qparams(name, layout):
     """On CUDA (the Triton ops) the observers' qparams equal the CPU observers' (the MSE
-    search: its chosen error within the prices' ~5e-7 of the CPU's)."""
+    searches, importance-weighted too: near ties may fall otherwise, the float64 sums
+    running in another order)."""
     spec, shape = LAYOUTS[layout]
     batches = [_x(shape, torch.bfloat16, seed=s) for s in range(2)]
     qps = []
@@ -169,7 +176,7 @@ def test_cuda_observers_give_the_cpu_qparams(name, layout):
         for b in batches:
             obs(b.to(device))
         qps.append(obs.calculate_qparams())
-    if name == "mse":
+    if name.endswith("mse"):
         assert (qps[0].scale == qps[1].scale.cpu()).float().mean() > 0.95
     else:
         assert torch.equal(qps[0].scale, qps[1].scale.cpu())
