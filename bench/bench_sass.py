@@ -168,11 +168,13 @@ _LLMC_FORMAT = {"QUANT_TYPE": 0, "NUM_BITS": 4, "HAS_ZP": False, "SYMMETRIC": Tr
                 "SCALE_ROUND_TYPE": 0, "OBSERVED_DTYPE": 0}
 
 
-def _code_trips(spec, factors, expand, rows=512, cols=4096) -> tuple[float, int]:
+def _code_trips(spec, factors, expand, rows=512, cols=4096, one_global=False
+                ) -> tuple[float, int]:
     """The block-scale kernels' codes-loop trips on a Gaussian weight: (codes priced per
     program and global amax tried, summed over those tried, each the program's widest span
-    + 1; the global amaxes tried: NVFP4's 4, MX's one), from ``qparams``' formulas on the
-    first and last candidates."""
+    + 1; the global amaxes tried: NVFP4's 4, or with ``one_global`` the weight's amax (the
+    imatrix search's), MX's one), from ``qparams``' formulas on the first and last
+    candidates."""
     from quantscope.estimators.mse import _global_amaxes
     from quantscope.kernels import ops
     from quantscope.qparams import nvfp4_block_scales, nvfp4_global_scale
@@ -181,7 +183,8 @@ def _code_trips(spec, factors, expand, rows=512, cols=4096) -> tuple[float, int]
     size = spec.layout.size
     amax = w.reshape(-1, size).abs().amax(1) * expand
     mx = spec.scale.kind == "e8m0"
-    gas = [None] if mx else _global_amaxes(w.abs().max(), spec, True, None)
+    gas = [None] if mx else [w.abs().max()] if one_global else \
+        _global_amaxes(w.abs().max(), spec, True, None)
     trips = 0.0
     for ga in gas:
         if mx:  # E8M0 codes: the scales' exponent fields
@@ -206,7 +209,8 @@ _BLOCK_RANGES = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32", "ilo_pt
                  "B_MBITS": "constexpr", "SUB_STEPS": "constexpr", "RATIO": "constexpr",
                  "BLOCK_K": "constexpr", "BLOCK_U": "constexpr"}
 _ANY_BLOCK = {**_BLOCK_RANGES, "emax": "i32", "ENC": "constexpr", "TOP": "constexpr"}
-_TILE = {"x_ptr": "*fp32", "E": "i32", "stride_u": "i32", "min_exp": "i32", "mbits": "i32",
+_TILE = {"x_ptr": "*fp32", "w_ptr": "*fp32", "E": "i32", "stride_u": "i32",
+         "stride_w": "i32", "min_exp": "i32", "mbits": "i32", "WEIGHTED": "constexpr",
          "BLOCK_E": "constexpr"}
 _NVFP4_CONST = {"B_MIN_EXP": -6, "B_MBITS": 3, "SUB_STEPS": 512.0, "RATIO": 1.0625 - 1e-5,
                 "BLOCK_K": 128, "BLOCK_U": 128}
@@ -225,14 +229,14 @@ def _codes_cost(price, codes: float, others=()) -> tuple[float, float, float]:
     return per_thread / 16, (price["MUFU"] + price["F2F"]) * codes / 16, codes
 
 
-def _fused_nvfp4_case(spec, opts) -> dict:
+def _fused_nvfp4_case(spec, factors, expand, who, case="NVFP4 search 8192 x 4096",
+                      weighted=False) -> dict:
     """The fused ``nvfp4_search``: per global amax, the incumbent and each program's codes
-    priced (the pricing loop), then a bisection; its candidates column counts the codes."""
-    from quantscope.estimators.mse import shrink_factors
+    priced (the pricing loop), then a bisection; its candidates column counts the codes.
+    ``weighted``: the imatrix search's (one global amax, each term weighted)."""
     from quantscope.kernels.triton import block_search
 
-    factors = shrink_factors(opts["maxshrink"], opts["grid"], 1.0)
-    trips, passes = _code_trips(spec, factors, opts["expand"])
+    trips, passes = _code_trips(spec, factors, expand, one_global=weighted)
     steps = max(1, (len(factors) - 1).bit_length()) + 1
 
     def cost(text):
@@ -241,12 +245,11 @@ def _fused_nvfp4_case(spec, opts) -> dict:
         bisect = next(b for b in bodies if not b["DADD"])
         return _codes_cost(price, trips + passes, [(bisect, steps * passes)])
 
-    return {"case": "NVFP4 search 8192 x 4096",
-            "who": "quantscope nvfp4_expanded_mse (fused nvfp4_search)",
+    return {"case": case, "who": who,
             "kernel": lambda: block_search._search_kernel, "warps": 4, "cost": cost,
             "sig": {**_BLOCK_RANGES, **_TILE, "idx_ptr": "*i64", "best_ptr": "*fp64",
                     "STEPS": "constexpr"},
-            "const": {**_NVFP4_CONST, "STEPS": steps, "BLOCK_E": 16},
+            "const": {**_NVFP4_CONST, "STEPS": steps, "BLOCK_E": 16, "WEIGHTED": weighted},
             "div16": ("U", "E", "stride_u"), "elements": 8192 * 4096}
 
 
@@ -283,7 +286,7 @@ def _block_mse_case(spec, enc: str, case: str, who: str, elements: int) -> dict:
             "sig": {**_ANY_BLOCK, **_TILE, "inc_ptr": "*fp64", "scratch_ptr": "*fp64",
                     "flags_ptr": "*i8", "G": "i32", "qmin": "fp32", "TIE_LAST": "constexpr",
                     "FLOAT": "constexpr"},
-            "const": {**const, "TIE_LAST": False, "FLOAT": True},
+            "const": {**const, "TIE_LAST": False, "FLOAT": True, "WEIGHTED": False},
             "div16": ("U", "E", "stride_u"),
             "elements": elements}
 
@@ -292,6 +295,7 @@ def cases() -> list[dict]:
     """Each kernel: how to compile it, the element-candidates one pass of its hot region
     covers per thread, and the candidates it prices per element in the issue's case."""
     from quantscope import presets
+    from quantscope.estimators.mse import shrink_factors
     from quantscope.kernels.triton import mse
     from quantscope.spec import QuantSpec
 
@@ -315,11 +319,27 @@ def cases() -> list[dict]:
          "elements": 4096 * 4096},
     ]
     mx_case = "MSE MXFP4 4096 x 4096 (native: patience 5)"
+    imatrix_case = "NVFP4 imatrix search 8192 x 4096 (20 factors, weighted)"
     out += [
         _block_mse_case(nvfp4, "nvfp4", "NVFP4 search 8192 x 4096",
                         "quantscope mse, NVFP4 (patience 5: nvfp4_mse's two kernels)",
                         8192 * 4096),
-        _fused_nvfp4_case(nvfp4, expanded),
+        _fused_nvfp4_case(nvfp4, shrink_factors(expanded["maxshrink"], expanded["grid"], 1.0),
+                          expanded["expand"],
+                          "quantscope nvfp4_expanded_mse (fused nvfp4_search)"),
+        # the importance-weighted search (imatrix_mse: 1.00 .. 0.81 under the weight's
+        # global amax): before, every factor priced by the weighted mse_price_fp (20 and
+        # the incumbent); now the fused search, weighted
+        {"case": imatrix_case,
+         "who": "quantscope imatrix_mse, every candidate priced (before)",
+         "kernel": lambda: mse._price_kernel, "warps": 4, "per_pass": 16 * 128 // 128,
+         "sig": {**_PRICE, "z_ptr": "*fp32"},
+         "const": {"BLOCK_U": 128, "BLOCK_E": 16, "ONE_TILE": True, "FLOAT": True,
+                   "WEIGHTED": True, "NORM": 2.0}, "div16": ("U", "E", "stride_u"),
+         "candidates": len(shrink_factors()) + 1, "elements": 8192 * 4096},
+        _fused_nvfp4_case(nvfp4, shrink_factors(), 1.0,
+                          "quantscope imatrix_mse (fused nvfp4_search, weighted)",
+                          imatrix_case, weighted=True),
         # MX before mx_mse: every candidate's E8M0 scales priced (mse_price_fp), 50 and the
         # incumbent
         {"case": mx_case, "who": "quantscope mse, MXFP4, every candidate priced (before)",
