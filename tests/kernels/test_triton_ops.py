@@ -33,6 +33,7 @@ def _cases(device="cpu"):
     cand = qparams_from_range(lo[None] * f, hi[None] * f, QuantSpec("int4", symmetric=False))
     scale, zp = torch.rand(6, generator=g) + 0.05, torch.randint(-3, 3, (6,), generator=g).float()
     mx = torch.exp2(torch.floor(torch.log2(hi.abs().maximum(lo.abs())[None] * f / 6.0)))
+    w = torch.rand(6, 40, generator=g).mul_(4)  # importance: per-element weights
     cases = {
         "unit_minmax": (ops.unit_minmax, (u,)),
         "unit_minmax_bf16": (ops.unit_minmax, (u.bfloat16(),)),
@@ -74,6 +75,18 @@ def _cases(device="cpu"):
                                       hi, "fp8_e4m3", "rceil", 3, -1, False, False, True)),
         "mx_mse_int": (ops.mx_mse, (u, lo, hi, torch.tensor([1 - i / 100 for i in range(50)]),
                                     lo, hi, "int8_narrow", "even", 20, 5, True, True, False)),
+        # the importance-weighted searches (imatrix_mse): each term times its weight
+        "nvfp4_mse_weighted": (ops.nvfp4_mse, (u, lo, hi, torch.tensor([1 - i / 100
+                                                                         for i in range(50)]),
+                                               lo, hi, torch.tensor([3.0]), "fp4_e2m1",
+                                               2.0 ** -9, 20, 5, True, True, False, w)),
+        "nvfp4_search_weighted": (ops.nvfp4_search, (u, lo, hi, torch.tensor([1 - i / 100
+                                                                              for i in range(20)]),
+                                                     lo, hi, torch.tensor([3.0]), "fp4_e2m1",
+                                                     2.0 ** -9, w)),
+        "mx_mse_weighted": (ops.mx_mse, (u, lo, hi, torch.tensor([1 - i / 100 for i in range(50)]),
+                                         lo, hi, "int8_narrow", "even", 50, -1, False, False,
+                                         False, w)),
     }
     def to(a):
         if isinstance(a, list):
@@ -226,6 +239,14 @@ def _int64s(n):
     (lambda: ops.mx_mse(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
                         *(torch.zeros(3),) * 2, "fp4_e2m1", "floor", 7, 5, True, True, False),
      r"mx_mse: ext_start must be in \[0, 4\], got 7"),
+    (lambda: ops.nvfp4_search(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
+                              *(torch.zeros(3),) * 2, torch.ones(1), "fp4_e2m1", 0.1,
+                              torch.ones(3, 8)),
+     r"nvfp4_search: weights must be None or a float32 \(3, 16\) tensor"),
+    (lambda: ops.mx_mse(torch.zeros(3, 16), *(torch.zeros(3),) * 2, torch.ones(4),
+                        *(torch.zeros(3),) * 2, "fp4_e2m1", "floor", 4, 5, True, True, False,
+                        torch.ones(3, 16).double()),
+     r"mx_mse: weights must be None or a float32 \(3, 16\) tensor"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
