@@ -18,7 +18,8 @@
 # NVFP4 and whole-model rows about half of it: BENCH35_TIMEOUT 360 s and TRITON_TIMEOUT 220 s,
 # so both steps fit one 600 s device call), cuda, bench19 (issue 19's: up to 7.5 more
 # minutes).
-# QUANTSCOPE_GPU_ROWS=nvfp4,model (say) reruns only those rows of bench35.
+# QUANTSCOPE_GPU_ROWS=nvfp4,model (say) reruns only those rows of bench35; imatrix (a row
+# outside the issue's table, run only when named) times the weighted NVFP4 search.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
