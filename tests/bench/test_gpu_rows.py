@@ -77,3 +77,17 @@ def test_rows_option_names_what_it_expects(bench_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         gpu_triton.main()
     assert "--rows: unknown ['x']" in capsys.readouterr().err
+
+
+def test_imatrix_row_dry_run(bench_path, capsys):
+    """The asked-for imatrix row: our two paths choose alike (the CPU runs one path for both,
+    a GPU its fused search and the blocks of factors), the peer runs or says why not."""
+    from gpu_imatrix import OURS, bench_imatrix
+
+    bench_imatrix(32, torch.device("cpu"), 1)
+    rows = _rows(capsys.readouterr().out)
+    assert rows[OURS][0][-2:] == ["1.000", "1.000"]
+    before = rows["quantscope imatrix_mse, blocks of factors (the path before)"][0]
+    assert float(before[0]) > 0 and before[-1] == "1.000"
+    peer = rows["llm-compressor 0.14 imatrix_mse"][0]
+    assert peer[0].startswith("not run:") or float(peer[0]) > 0
