@@ -271,3 +271,23 @@ def test_imatrix_observer_runs_the_global_scale_it_priced():
     qp = obs.calculate_qparams()
     assert torch.equal(qp.global_scale.reshape(()),
                        nvfp4_global_scale(amax, presets.NVFP4.format).reshape(()))
+
+
+def test_imatrix_observer_reads_its_units_once_for_their_ranges(monkeypatch):
+    """The observer hands the search the per-unit min / max its forward found (no second
+    pass over the weight), and chooses what the search finds from the units alone."""
+    from quantscope.estimators.weighted import importance_units
+    from quantscope.observers import get_observer
+
+    g = torch.Generator().manual_seed(3)
+    w, imp = torch.randn(8, 64, generator=g), torch.rand(64, generator=g)
+    want = weighted_search(NVFP4.layout.to_units(w), importance_units(imp, w.shape, NVFP4),
+                           NVFP4)
+
+    def read_again(*args, **kwargs):
+        raise AssertionError("the search read the units for their ranges again")
+
+    monkeypatch.setattr(weighted, "unit_minmax", read_again)
+    obs = get_observer("imatrix_mse", NVFP4, importance=imp)
+    obs(w)
+    assert torch.equal(obs.min_vals, want[0]) and torch.equal(obs.max_vals, want[1])

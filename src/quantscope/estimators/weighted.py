@@ -39,8 +39,9 @@ def _check_spec(spec, who):
 
 def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: QuantSpec, *,
                     factors=None, norm: float = 2.0, expand: float = 1.0,
-                    patience: int | None = None,
-                    float32_sums: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    patience: int | None = None, float32_sums: bool = False,
+                    ranges: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-unit ``(lo, hi)`` among the min-max range times ``expand``, shrunk by ``factors``,
     minimising ``sum weights * |Q(u) - u|^norm`` (``units`` and ``weights`` both ``[U, E]``;
     ``weights`` None: uniform). The range times ``expand`` (factor 1) is the incumbent
@@ -60,6 +61,8 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
     ``float32_sums`` (llm-compressor's arithmetic, for its compat class) sums
     ``w * |d|^norm`` in float32 instead, one factor at a time. A format with a global scale
     (NVFP4) prices every candidate under the incumbent's global scale (its qparams' own).
+    ``ranges``: the units' per-unit ``(min, max)`` where the caller has them (an observer's
+    forward found them), so the units are not read for them again.
 
     Off the CPU, without patience or ``float32_sums``, the search is the MSE engine's
     (:func:`_engine_search`): the same prices and choices, in one op where the format has
@@ -70,7 +73,7 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
     if not factors or any(not (0 <= f <= 1) for f in factors):
         raise ValueError(f"imatrix_range: factors must be in [0, 1], got {factors!r}")
     _check_weights(units, weights)
-    lo0, hi0 = unit_minmax(units)
+    lo0, hi0 = unit_minmax(units) if ranges is None else ranges
     if expand != 1.0:
         lo0, hi0 = lo0 * expand, hi0 * expand
     if not float32_sums and patience is None and units.device.type != "cpu":

@@ -68,7 +68,8 @@ class IMatrixMSEObserver(Observer):
         imp = self.importance if self.importance.numel() else None
         weights = importance_units(imp, self._shape, self.spec, units.device)
         self.min_vals, self.max_vals = weighted_search(units, weights, self.spec,
-                                                       factors=self.factors, norm=self.norm)
+                                                       factors=self.factors, norm=self.norm,
+                                                       ranges=(lo, hi))
         # NVFP4: the global amax the candidates were priced under, so the qparams run them
         ga = incumbent_global_amax(lo, hi, self.spec)
         if ga is not None:
