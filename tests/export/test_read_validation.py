@@ -129,6 +129,21 @@ def test_damaged_config_is_refused_naming_the_field(exported, tmp_path, edit, fi
     assert "config.json" in str(e.value)
 
 
+@pytest.mark.parametrize("key, value", [("model_type", None), ("num_attention_heads", 0)])
+def test_config_transformers_cannot_read_is_refused_naming_the_file(exported, tmp_path, key,
+                                                                     value):
+    # found by `make fuzz`: transformers' own error for a null model_type names no file (and
+    # empty_model let its ZeroDivisionError through)
+    from quantscope.calibration.run.checkpoint import empty_model
+
+    folder = _copy(exported, tmp_path / "bad")
+    _edit_config(folder, lambda c: c.__setitem__(key, value))
+    for read, who in ((Calibration.from_compressed_tensors, "from_compressed_tensors"),
+                      (empty_model, "empty_model")):
+        with pytest.raises(ValueError, match=rf"{who}: .*config.json: transformers cannot"):
+            read(folder)
+
+
 @pytest.mark.parametrize("damage", [b"", b"\xff" * 8 + b"{}", b"\x10\x00\x00\x00\x00\x00\x00\x00[1,2]"
                                     + b" " * 11, b"\x02\x00\x00\x00\x00\x00\x00\x00{}"])
 def test_damaged_safetensors_is_refused_by_both_readers(exported, tmp_path, damage):

@@ -82,13 +82,11 @@ def _meta_model(path: str, config: dict):
 
     where = f"from_compressed_tensors: {os.path.join(path, 'config.json')}"
     cls = model_class(config.get("architectures") or [], where)
+    cfg = load_config(path, "from_compressed_tensors")  # its errors name the file
+    cfg.quantization_config = None  # build the plain float skeleton; nothing is loaded
     try:
-        cfg = load_config(path, "from_compressed_tensors")
-        cfg.quantization_config = None  # build the plain float skeleton; nothing is loaded
         with torch.device("meta"):
             return cls(cfg)
-    except ValueError:  # ours (remote code refused) or transformers' own, with its reason
-        raise
     except Exception as e:  # noqa: BLE001 -- a damaged config fails deep in transformers
         # (its strict dataclasses, KeyError on a rope type, AttributeError on a dtype)
         raise ValueError(f"{where}: transformers cannot build {cls.__name__} from it "

@@ -74,8 +74,16 @@ def load_config(path, who: str = "load", trust_remote_code: bool = False):
     import transformers
 
     check_no_remote_code(path, who, trust_remote_code, ("config.json",))
-    return transformers.AutoConfig.from_pretrained(os.fspath(path),
-                                                   trust_remote_code=trust_remote_code)
+    try:
+        return transformers.AutoConfig.from_pretrained(os.fspath(path),
+                                                       trust_remote_code=trust_remote_code)
+    except OSError:  # no config.json: transformers names the folder
+        raise
+    except Exception as e:  # noqa: BLE001 -- a damaged config fails deep in transformers
+        # (a ValueError on a null model_type that names no file, a KeyError ...)
+        file = os.path.join(os.fspath(path), "config.json")
+        raise ValueError(f"{who}: {file}: transformers cannot read it "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def load_tokenizer(path, who: str = "load", trust_remote_code: bool = False, **kwargs):
