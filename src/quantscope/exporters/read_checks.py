@@ -45,7 +45,6 @@ def read_quant_config(path, who: str) -> tuple[Path, dict, dict]:
     return cfg_file, config, qc
 
 
-
 def compressor(fmt, where: str):
     """compressed-tensors' compressor of the format ``fmt`` (a name or its enum)."""
     from compressed_tensors.compressors import BaseCompressor
@@ -65,7 +64,9 @@ def parse_quant_config(cfg_file, qc: dict, who: str):
     try:
         qconfig = QuantizationConfig.model_validate(
             {k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
-    except ValueError as e:  # pydantic's ValidationError is one
+    except (ValueError, KeyError, TypeError) as e:  # pydantic's ValidationError is a
+        # ValueError; compressed-tensors raises KeyError on a group that is no scheme
+        # (read as a preset's name)
         raise ValueError(f"{who}: {cfg_file}: quantization_config is not valid: {e}") from None
     where = f"{who}: {cfg_file}: quantization_config"
     if str(getattr(qconfig.format, "value", qconfig.format)) not in ("None", "mixed-precision"):
@@ -74,6 +75,7 @@ def parse_quant_config(cfg_file, qc: dict, who: str):
         if scheme.format is not None:
             compressor(scheme.format, f"{where}.config_groups.{name}")
     return qconfig
+
 
 def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int]]]:
     """name -> (file, dtype, shape) of every tensor in the folder's safetensors files,
