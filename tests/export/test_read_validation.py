@@ -115,6 +115,10 @@ def test_architectures_never_call_other_transformers_functions(exported, tmp_pat
     (lambda c: next(iter(c["quantization_config"]["config_groups"].values())).__setitem__(
         "targets", ["NoSuchLayer"]), "targets"),
     (lambda c: c["quantization_config"].__setitem__("config_groups", 3), "config_groups"),
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+     .__setitem__("num_bits", 99), "config_groups.group_0: .*bits"),  # make fuzz
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"].update(
+        weights=None, input_activations=None), "config_groups.group_0: .*at least one"),
     (lambda c: c["quantization_config"]["config_groups"].__setitem__("group_0", []),
      "quantization_config is not valid"),  # make fuzz: compressed-tensors 0.20.1, a KeyError
     (lambda c: c.__setitem__("quantscope", 5), None),

@@ -153,12 +153,15 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
 
     where = f"from_compressed_tensors: {cfg_path}: config_groups.{gname}"
     roles = {_ROLE[k]: getattr(scheme, k) for k in _ROLE if getattr(scheme, k) is not None}
-    specs = {r: llmcompressor_spec(a, r) for r, a in roles.items()}
-    observers = {r: (a.observer or "minmax") for r, a in roles.items()}
-    rule = Rule(tuple(scheme.targets), **{
-        r: Role(specs[r], "memoryless_minmax" if a.dynamic is True else observers[r],
-                a.dynamic if a.dynamic in (True, False) else str(a.dynamic))
-        for r, a in roles.items()})
+    try:  # args compressed-tensors accepts and quantscope has no format for (num_bits 99)
+        specs = {r: llmcompressor_spec(a, r) for r, a in roles.items()}
+        observers = {r: (a.observer or "minmax") for r, a in roles.items()}
+        rule = Rule(tuple(scheme.targets), **{
+            r: Role(specs[r], "memoryless_minmax" if a.dynamic is True else observers[r],
+                    a.dynamic if a.dynamic in (True, False) else str(a.dynamic))
+            for r, a in roles.items()})
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     decoder = compressor(scheme.format or qconfig.format, f"{where}.format")
     matched = list(match_named_modules(model, scheme.targets, qconfig.ignore))
     if not matched:
