@@ -94,3 +94,22 @@ def test_a_missing_expert_tensor_is_named(saved, tmp_path):
                                          r"\.experts\.(gate_up|down)_proj'"):
         load_params(skeleton, {n for n, _ in skeleton.named_parameters()},
                     Checkpoint(tmp_path), "cpu")
+
+
+def test_a_damaged_expert_count_is_named_not_listed(saved, tmp_path):
+    # a 3-D experts parameter of 10**11 experts builds on the meta device at no cost: its
+    # 10**11 per-expert checkpoint keys must not be listed before the checkpoint is found
+    # too small for them
+    import json
+    import shutil
+
+    kind, _, _, path = saved
+    folder = shutil.copytree(path, tmp_path / "damaged")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_local_experts" if kind == "mixtral" else "num_experts"] = 226_112_355_091
+    (folder / "config.json").write_text(json.dumps(cfg))
+    skeleton = empty_model(folder)
+    with pytest.raises(ValueError, match=r"checkpoint has no tensor 'model\.layers\.0\.mlp"
+                                         r"\.experts\.(gate_up|down)_proj'"):
+        load_params(skeleton, {n for n, _ in skeleton.named_parameters()},
+                    Checkpoint(folder), "cpu")

@@ -107,3 +107,23 @@ def test_an_expert_with_only_gate_quantized_is_refused(tmp_path):
                                          r"one of w1 / w3"):
         Calibration.from_compressed_tensors(tmp_path / "ct")
 
+
+
+@pytest.mark.parametrize("key", ["num_local_experts", "num_hidden_layers"])
+def test_a_config_far_larger_than_its_checkpoint_is_refused(tmp_path, key):
+    # make fuzz: num_local_experts 226_112_355_091 built that many expert modules on the
+    # meta device until the host ran out of memory
+    from quantscope.calibration.run.checkpoint import empty_model
+
+    model, batches = mixtral()
+    calibrate(model, batches, "w8a8", progress=False).export(model, tmp_path / "ct")
+    cfg_file = tmp_path / "ct" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg[key] = 226_112_355_091 if key == "num_local_experts" else 10**7
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"ct/config\.json: the model it describes has more "
+                                         r"than \d+ parameters, where the checkpoint holds"):
+        Calibration.from_compressed_tensors(tmp_path / "ct")
+    if key == "num_hidden_layers":  # a 3-D experts parameter is one parameter at any size
+        with pytest.raises(ValueError, match=r"empty_model: .*config\.json: the model"):
+            empty_model(tmp_path / "ct")

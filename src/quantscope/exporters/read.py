@@ -77,20 +77,32 @@ def _load_tensors(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _meta_model(path: str, config: dict):
-    from ..calibration.run.hf_loader import load_config, model_class
+def _meta_model(path: str, config: dict, tensors: int):
+    """``(model, experts)``: the float skeleton ``config.json`` describes, on the meta
+    device, given the per-expert modules the exporter writes (``experts``:
+    :func:`unfuse_for_reading`'s record); no larger than ``tensors`` tensors can hold."""
+    from ..calibration.run.hf_loader import (
+        ConfigTooLarge,
+        load_config,
+        model_class,
+        parameter_budget,
+    )
 
     where = f"from_compressed_tensors: {os.path.join(path, 'config.json')}"
     cls = model_class(config.get("architectures") or [], where)
     cfg = load_config(path, "from_compressed_tensors")  # its errors name the file
     cfg.quantization_config = None  # build the plain float skeleton; nothing is loaded
-    try:
-        with torch.device("meta"):
-            return cls(cfg)
-    except Exception as e:  # noqa: BLE001 -- a damaged config fails deep in transformers
-        # (its strict dataclasses, KeyError on a rope type, AttributeError on a dtype)
-        raise ValueError(f"{where}: transformers cannot build {cls.__name__} from it "
-                         f"({type(e).__name__}: {e})") from None
+    with parameter_budget(tensors, where):
+        try:
+            with torch.device("meta"):
+                model = cls(cfg)
+        except ConfigTooLarge:
+            raise
+        except Exception as e:  # noqa: BLE001 -- a damaged config fails deep in transformers
+            # (its strict dataclasses, KeyError on a rope type, AttributeError on a dtype)
+            raise ValueError(f"{where}: transformers cannot build {cls.__name__} from it "
+                             f"({type(e).__name__}: {e})") from None
+        return model, unfuse_for_reading(model)
 
 
 _KV_SCALE = {"k_scale": "key", "v_scale": "value"}
@@ -232,8 +244,7 @@ def read_compressed_tensors(path):
     cfg_path, config, qc = read_quant_config(path, "from_compressed_tensors")
     qconfig = parse_quant_config(cfg_path, qc, "from_compressed_tensors")
     tensors = _load_tensors(path)
-    model = _meta_model(path, config)
-    experts = unfuse_for_reading(model)  # the per-expert modules the exporter wrote
+    model, experts = _meta_model(path, config, len(tensors))
     tensors = _module_names(model, tensors, qconfig)
     states = {}
     rules = [_read_group(g, scheme, qconfig, model, tensors, states, cfg_path)

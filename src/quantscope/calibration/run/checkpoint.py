@@ -34,7 +34,7 @@ def empty_model(path, task: str | None = None) -> nn.Module:
     model's folder is ``quantscope.demo.models.resolve_model_path(name)``."""
     import transformers
 
-    from .hf_loader import load_config
+    from .hf_loader import load_config, parameter_budget
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -44,9 +44,12 @@ def empty_model(path, task: str | None = None) -> nn.Module:
     task = task or model_task(path)
     auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
             else transformers.AutoModel)
-    with torch.device("meta"):  # nothing allocated, not even transiently (RLIMIT_DATA)
-        model = auto.from_config(config, trust_remote_code=False)
     ckpt = Checkpoint(path)
+    # nothing allocated, not even transiently (RLIMIT_DATA); no more modules than the
+    # checkpoint has tensors for (a damaged num_hidden_layers)
+    with parameter_budget(len(ckpt.where), f"empty_model: {path / 'config.json'}"), \
+            torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=False)
     for module in model.modules():  # buffers are small: from the checkpoint, or computed
         meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
         for n in meta:
@@ -153,17 +156,19 @@ def _disk_source(model, names: list[str], ckpt: Checkpoint, disk: dict):
         on_disk = f"{disk.get(owner, owner)}.{attr}"
         if on_disk in ckpt.where:
             return [on_disk], _first
-        parts = _expert_parts(model, model.get_submodule(owner), attr, disk.get(owner, owner))
+        parts = _expert_parts(model, model.get_submodule(owner), attr, disk.get(owner, owner),
+                              len(ckpt.where))
         if parts is not None and all(k in ckpt.where for k in parts[0]):
             return parts
     raise ValueError(f"calibrate: checkpoint has no tensor {names[0]!r} (nor under the names "
                      f"transformers writes it with)")
 
 
-def _expert_parts(model, module, attr: str, on_disk: str):
+def _expert_parts(model, module, attr: str, on_disk: str, tensors: int):
     """``(keys, build)`` of a 3-D experts parameter from the checkpoint's per-expert tensors
     (``<experts>.<e>.w1.weight`` ...): the exporter's layout (:mod:`quantscope.exporters.
-    experts`) read back: gate rows then up rows, transposed where the module is."""
+    experts`) read back: gate rows then up rows, transposed where the module is. None where
+    the checkpoint's ``tensors`` are too few to hold them all."""
     names = expert_names(model) if is_experts_3d(module) else None
     if names is None:
         return None
@@ -175,6 +180,8 @@ def _expert_parts(model, module, attr: str, on_disk: str):
     if shards is None:
         return None
     count = getattr(module, f"{base}_proj").shape[0]
+    if count * len(shards) > tensors:  # a damaged num_local_experts: no list of 10**11 keys
+        return None
     keys = [f"{on_disk}.{e}.{s}.{suffix}" for e in range(count) for s in shards]
     flip = getattr(module, "is_transposed", False) and suffix == "weight"
 

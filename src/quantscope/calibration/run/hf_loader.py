@@ -9,15 +9,46 @@ needs its own code is refused before transformers sees it, with an error naming 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
-__all__ = ["RemoteCodeRefused", "check_no_remote_code", "load_config", "load_tokenizer",
-           "model_class", "pretrained"]
+__all__ = ["ConfigTooLarge", "RemoteCodeRefused", "check_no_remote_code", "load_config",
+           "load_tokenizer", "model_class", "parameter_budget", "pretrained"]
 
 
 class RemoteCodeRefused(ValueError):
     """A folder needs its own Python code and ``trust_remote_code`` was not passed."""
+
+
+class ConfigTooLarge(ValueError):
+    """A config describes a model far larger than the checkpoint beside it."""
+
+
+@contextlib.contextmanager
+def parameter_budget(tensors: int, where: str):
+    """Refuse, inside the block, a model build that registers far more parameters than the
+    checkpoint's ``tensors``. Every parameter of a checkpoint's model is on disk (a few tied,
+    a few registered twice), so a damaged size (num_hidden_layers, num_local_experts of
+    10**11) is caught before it builds millions of modules: on the meta device they cost
+    no tensor memory, only Python objects, enough of them to exhaust the host's."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    limit, count = 8 * tensors + 1024, 0
+
+    def count_one(module, name, param):
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise ConfigTooLarge(
+                f"{where}: the model it describes has more than {limit} parameters, where "
+                f"the checkpoint holds {tensors} tensors (a damaged size: layers, experts?)")
+
+    handle = register_module_parameter_registration_hook(count_one)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _read_json(path: str, who: str) -> dict:
