@@ -88,7 +88,9 @@ test-memory: venv
 # them with the small derandomized "ci" profile); counts per test in runs/fuzz-stats.jsonl
 fuzz: venv
 	mkdir -p runs && rm -f runs/fuzz-stats.jsonl
-	HYPOTHESIS_PROFILE=fuzz QUANTSCOPE_FUZZ_STATS=runs/fuzz-stats.jsonl QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) \
+	# 8 GB of address space a worker: a case that would exhaust the host's memory fails as a
+	# MemoryError with its draws, not as a worker the kernel kills (and a hung run)
+	ulimit -v 8000000 && HYPOTHESIS_PROFILE=fuzz QUANTSCOPE_FUZZ_STATS=runs/fuzz-stats.jsonl QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) \
 		$(PY) -m pytest -p no:cacheprovider -n 2 tests/robustness/test_fuzz*.py
 	cat runs/fuzz-stats.jsonl
 
