@@ -45,8 +45,8 @@ def empty_model(path, task: str | None = None) -> nn.Module:
     auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
             else transformers.AutoModel)
     ckpt = Checkpoint(path)
-    # nothing allocated, not even transiently (RLIMIT_DATA); no more modules than the
-    # checkpoint has tensors for (a damaged num_hidden_layers)
+    # nothing allocated, not even transiently (RLIMIT_DATA); no model far larger than the
+    # checkpoint holds tensors for (a damaged num_hidden_layers)
     with parameter_budget(len(ckpt.where), f"empty_model: {path / 'config.json'}"), \
             torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=False)
