@@ -108,7 +108,6 @@ def test_an_expert_with_only_gate_quantized_is_refused(tmp_path):
         Calibration.from_compressed_tensors(tmp_path / "ct")
 
 
-
 @pytest.mark.parametrize("key", ["num_local_experts", "num_hidden_layers"])
 def test_a_config_far_larger_than_its_checkpoint_is_refused(tmp_path, key):
     # make fuzz: num_local_experts 226_112_355_091 built that many expert modules on the
