@@ -160,7 +160,6 @@ def test_damaged_safetensors_is_refused_by_both_readers(exported, tmp_path, dama
             read(folder)
 
 
-
 def _group(c):
     return next(iter(c["quantization_config"]["config_groups"].values()))
 
