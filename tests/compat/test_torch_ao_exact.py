@@ -129,6 +129,23 @@ def test_is_dynamic_accepted_and_refused_as_torch(kind):
 
 
 @pytest.mark.parametrize("kind", CLASSES)
+@pytest.mark.parametrize("extra", [{}, {"is_dynamic": True},
+                                   {"qscheme": torch.per_channel_affine},
+                                   {"qscheme": torch.per_tensor_affine}])
+def test_several_wrong_arguments_raise_what_torch_raises_first(kind, extra):
+    """torch.ao checks the qscheme, then ``is_dynamic``, then the dtype: with several wrong,
+    the first one's exception type is torch's. A wrong dtype is an ``AssertionError`` as
+    torch's and a ``ValueError`` as quantscope's."""
+    kw = {"dtype": torch.float16, **extra}
+    with pytest.raises(Exception) as want:
+        getattr(tq, kind)(**kw)
+    with pytest.raises(want.type) as got:
+        getattr(qa, kind)(**kw)
+    if want.type is AssertionError:
+        assert isinstance(got.value, ValueError) and "dtype must be one of" in str(got.value)
+
+
+@pytest.mark.parametrize("kind", CLASSES)
 def test_buffers_modified_in_place(kind):
     ours = getattr(qa, kind)(dtype=torch.qint8)
     before = [id(v) for v in ours._buffers.values()]

@@ -10,6 +10,9 @@ into the other, and ``torch.jit.script``). What quantscope adds:
 
 * the registry names (``get_observer("torch.ao:HistogramObserver")``) and :attr:`spec`,
   the :class:`QuantSpec` the arguments mean;
+* clearer messages for the arguments torch refuses, in torch's order and with its
+  exception types (a wrong ``dtype`` is :class:`UnsupportedDtypeError`, torch's
+  ``AssertionError`` and a ``ValueError``);
 * in :class:`HistogramObserver`, torch.ao's two slow steps replaced by quantscope's,
   bitwise equal: ``forward`` runs :mod:`quantscope.stats.ao_histogram` (one C pass per
   batch, in place on the buffers), and the non-linear search runs
@@ -60,6 +63,7 @@ __all__ = [
     "NonFiniteBatchError",
     "PerChannelMinMaxObserver",
     "TorchAOObserver",
+    "UnsupportedDtypeError",
     "torch_ao_spec",
 ]
 
@@ -99,12 +103,15 @@ _ALLOWED_DTYPES = (torch.qint8, torch.quint8, torch.quint4x2, torch.qint32, torc
                    torch.float8_e4m3fn, torch.uint16)
 
 
-def _check_arguments(cls, dtype, qscheme) -> None:
-    """Clear errors for what torch.ao refuses with a bare assertion or a terse message (the
-    same cases: torch's own checks run next)."""
+class UnsupportedDtypeError(ValueError, AssertionError):
+    """A ``dtype`` torch.ao's observers refuse: an ``AssertionError`` as torch.ao's, and a
+    ``ValueError`` as quantscope's bad-argument errors."""
+
+
+def _check_qscheme(cls, qscheme) -> None:
+    """A clear error for a qscheme of the other class family (torch's terse
+    ``NotImplementedError``, the same case and type: torch.ao checks it first too)."""
     name = cls.__name__
-    if dtype not in _ALLOWED_DTYPES:
-        raise ValueError(f"{name}: dtype must be one of {list(_ALLOWED_DTYPES)}, got {dtype!r}")
     per_channel = qscheme in _PER_CHANNEL
     if cls.per_channel is False and per_channel:
         use = f"; use {cls.per_channel_class}" if cls.per_channel_class else ""
@@ -157,8 +164,15 @@ class TorchAOObserver:
         torch_class = next(c for c in type(self).__mro__ if c.__module__ == _ao.__name__)
         bound = inspect.signature(torch_class.__init__).bind(self, *args, **kwargs)
         bound.apply_defaults()
-        _check_arguments(type(self), bound.arguments["dtype"], bound.arguments["qscheme"])
-        super().__init__(*args, **kwargs)
+        _check_qscheme(type(self), bound.arguments["qscheme"])
+        dtype = bound.arguments["dtype"]
+        try:  # torch.ao's own order of checks: is_dynamic (NotImplementedError), then dtype
+            super().__init__(*args, **kwargs)
+        except AssertionError as e:
+            if dtype in _ALLOWED_DTYPES:
+                raise
+            raise UnsupportedDtypeError(f"{type(self).__name__}: dtype must be one of "
+                                        f"{list(_ALLOWED_DTYPES)}, got {dtype!r}") from e
 
     @classmethod
     def with_args(cls, **kwargs) -> _Constructor:
