@@ -12,6 +12,8 @@ import torch
 from torch.ao import quantization as tq
 
 from quantscope.compat import torch_ao as qa
+from quantscope.estimators.l2 import l2_range
+from quantscope.stats.histogram import Hist
 
 CLASSES = ["MinMaxObserver", "MovingAverageMinMaxObserver", "PerChannelMinMaxObserver",
            "MovingAveragePerChannelMinMaxObserver", "HistogramObserver"]
@@ -143,6 +145,20 @@ def test_several_wrong_arguments_raise_what_torch_raises_first(kind, extra):
         getattr(qa, kind)(**kw)
     if want.type is AssertionError:
         assert isinstance(got.value, ValueError) and "dtype must be one of" in str(got.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.qint32, torch.int32])
+@pytest.mark.parametrize("qscheme", [torch.per_tensor_affine, torch.per_tensor_symmetric])
+def test_histogram_of_int32_codes_equals_torch(dtype, qscheme):
+    """int32 codes search with ``dst_nbins = 2 ** 32`` (torch.ao's ``2 ** bits``), on the C
+    walk (the class's) and on the torch path."""
+    ref, ours = pair("HistogramObserver", dtype=dtype, qscheme=qscheme)
+    observe((ref, ours), [x ** 3 for x in data(3, seed=5)])
+    assert ours.dst_nbins == 2 ** 32
+    same_qparams(ref, ours)
+    hist = Hist(ours.histogram[None], ours.min_val.reshape(1), ours.max_val.reshape(1))
+    for a, b in zip(ref._non_linear_param_search(), l2_range(hist, 2 ** 32, backend="torch")):
+        same(a.reshape(1), b)
 
 
 @pytest.mark.parametrize("kind", CLASSES)

@@ -332,8 +332,9 @@ def _l2_range_kernel(lib, hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, tor
 
 
 def check_dst_nbins(who: str, dst_nbins) -> int:
-    """``dst_nbins`` (torch.ao's quantized bin count) as an int in ``[2, 2 ** 16]``."""
-    return check_int(who, "dst_nbins", dst_nbins, 2, 1 << 16)
+    """``dst_nbins`` (torch.ao's quantized bin count, ``2 ** bits`` of its dtype) as an int in
+    ``[2, 2 ** 32]`` (int32's, the widest torch.ao observes)."""
+    return check_int(who, "dst_nbins", dst_nbins, 2, 1 << 32)
 
 
 def default_dst_nbins(spec) -> int:
