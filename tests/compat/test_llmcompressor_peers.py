@@ -12,7 +12,8 @@ import torch
 pytestmark = pytest.mark.peers
 
 pytest.importorskip("llmcompressor")
-from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from llmcompressor.observers import Observer as TheirObserver
 
 import quantscope.integrations.llmcompressor  # noqa: F401  (registers quantscope_<name>)
@@ -141,6 +142,25 @@ def test_registry_assigned_statistics_sync_as_llmcompressor(monkeypatch, name, e
     assert obs.sync_activation_stats() == ["handle", "handle"]
     assert [op.name if hasattr(op, "name") else str(op).split(".")[-1] for op in calls] == \
         expected
+
+
+#: compressed-tensors' presets with a static scheme (MXFP8's E8M0 scales round the amax with
+#: fp4's one mantissa bit in compressed-tensors, with e4m3's three in quantscope: see
+#: quantscope.scales)
+PRESETS = sorted(set(PRESET_SCHEMES) - {"UNQUANTIZED", "MXFP8", "MXFP8A16"})
+
+
+@pytest.mark.parametrize("name", NAMES + ["nvfp4_expanded_mse"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_on_float32_weights_as_llmcompressor(preset, name):
+    """Every preset's weight args, every observer: the same qparams bit for bit (MX
+    searches price E8M0 scales as encoded, as llm-compressor does)."""
+    args = preset_name_to_scheme(preset, ["Linear"]).weights
+    torch.manual_seed(0)
+    w = torch.randn(128, 256) * 0.05
+    mine, theirs = _pair(name, "weight", args.model_dump())
+    mine(w), theirs(w)
+    _same_qparams(mine.get_qparams(), theirs.get_qparams())
 
 
 @pytest.mark.parametrize("prefix", ["", "quantscope_"])

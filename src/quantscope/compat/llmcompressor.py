@@ -158,7 +158,7 @@ class MemorylessMSEObserver(Observer):
         lo, hi = unit_minmax(units)
         res = mse_search(units, lo, hi, self._search_spec, maxshrink=self.maxshrink,
                          grid=self.grid, norm=self.norm, patience=self.patience,
-                         expand=self.expand, per_unit_patience=False, encoding_aware=False,
+                         expand=self.expand, per_unit_patience=False,
                          compat="llmcompressor")
         dtype = observed.dtype if observed.is_floating_point() else torch.float32
         return res.lo.reshape(shape).to(dtype), res.hi.reshape(shape).to(dtype)

@@ -174,7 +174,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
             stop improving (None: the grid only). llm-compressor's 20-step grid ends at
             0.81x, short of the int4 optimum of Gaussian-like rows (about 0.75x).
         compat: ``"llmcompressor"``: their exact search (global patience, their error sum,
-            no min-max incumbent, fp32 scales without the global scale for NVFP4).
+            no min-max incumbent, fp32 scales without the global scale for NVFP4, other
+            scale encodings as encoded; ``encoding_aware`` is then ignored).
         chunk_elems: elements per ``[candidates, units, elements]`` tile.
         early_stop: break once every unit stopped (default: on CPU; elsewhere the same
             answer is computed without a host sync).
@@ -199,8 +200,11 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
     _check_options(compat, tie, patience, expand, backend)
     exact = compat == "llmcompressor"
     search = _engine(units, spec, norm, exact, backend)
-    if exact:  # their search: global patience, their grid, fp32 scales (NVFP4: no global)
-        per_unit_patience, encoding_aware, independent_ends, extend_to = False, False, False, None
+    if exact:  # their search: global patience, their grid; NVFP4's block scales in float32
+        # without the global scale (llm-compressor drops tensor_group's scale_dtype to search);
+        # other encodings (MX's E8M0, bf16 scales) are priced as encoded, as theirs are
+        per_unit_patience, independent_ends, extend_to = False, False, None
+        encoding_aware = not spec.scale.has_global_scale
     f_lo, f_hi, patience_used, extend = _candidates(
         factors, maxshrink, grid, expand, extend_to, per_unit_patience, patience,
         independent_ends and not spec.symmetric, ends_grid)
