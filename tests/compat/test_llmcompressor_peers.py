@@ -163,6 +163,35 @@ def test_presets_on_float32_weights_as_llmcompressor(preset, name):
     _same_qparams(mine.get_qparams(), theirs.get_qparams())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_on_low_precision_weights_within_one_rounding(preset, dtype):
+    """bfloat16 / float16 min-max: the same dtypes (NVFP4's scales float32, as
+    compressed-tensors' product with its float32 global scale); values within what
+    computing in float32 and rounding once (quantscope) instead of rounding after each
+    operation in the weight's dtype (compressed-tensors) can move: one unit in the last
+    place of the dtype, one fp8 step of an NVFP4 block scale, one zero-point code."""
+    args = preset_name_to_scheme(preset, ["Linear"]).weights
+    torch.manual_seed(0)
+    w = (torch.randn(128, 256) * 0.05).to(dtype)
+    mine, theirs = _pair("memoryless_minmax", "weight", args.model_dump())
+    mine(w), theirs(w)
+    a, b = mine.get_qparams(), theirs.get_qparams()
+    for key in ("scale", "zero_point", "global_scale"):
+        assert (a[key] is None) == (b[key] is None), key
+        if a[key] is not None:
+            assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+    eps = torch.finfo(dtype).eps
+    fp8_block = args.strategy == "tensor_group"
+    rel = ((a["scale"].double() - b["scale"].double()).abs() / b["scale"].double()).max()
+    assert rel <= (2 ** -3 if fp8_block else eps)
+    assert (a["zero_point"].float() - b["zero_point"].float()).abs().max() <= 1
+    if fp8_block:
+        assert abs(a["global_scale"].item() / b["global_scale"].item() - 1) <= eps
+    if args.symmetric and args.type == "int":  # one division: the same rounding
+        _same_qparams(a, b)
+
+
 @pytest.mark.parametrize("prefix", ["", "quantscope_"])
 def test_mse_attributes_and_errors(prefix):
     ours = lc.Observer if not prefix else TheirObserver

@@ -24,6 +24,21 @@ their eager one bit for bit on the CPU; off it, the same rules on the ``quantsco
 (Triton on CUDA), which may keep the other candidate of a near tie
 (:mod:`quantscope.estimators.mse_ops`). ``triton_error_buffer`` (their CUDA kernel's
 per-group patience) is kept, not followed: the rules do not depend on the device.
+
+Where the results differ from llm-compressor's, by choice:
+
+* bfloat16 / float16 statistics: compressed-tensors computes qparams in that dtype (a
+  rounding after each operation) and llm-compressor's MSE search prices candidates in it;
+  quantscope computes in float32 and rounds once. The dtypes are theirs; min-max scales
+  differ by at most one unit in the last place of the dtype (NVFP4's block scales by one
+  fp8 step), zero points by one code; symmetric integer scales are equal. The MSE search
+  may stop at another candidate (their bfloat16 error sums cannot tell near ones apart).
+  float32 statistics: bit for bit.
+* MXFP8: compressed-tensors rounds the block amax with fp4's one mantissa bit for every
+  element type; quantscope's E8M0 ``even`` rule uses the element's own (three for e4m3),
+  so a block whose amax has a mantissa in ``[1.5, 1.9375)`` gets half their scale.
+* asymmetric fp8 (``type="float", symmetric=False``) is refused: a float format has no
+  zero point in quantscope.
 """
 
 from __future__ import annotations

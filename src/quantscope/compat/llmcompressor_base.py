@@ -195,12 +195,15 @@ def fused_amax(statistics: list[dict]) -> torch.Tensor:
 def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, base_name: str,
                           global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' ``calculate_qparams`` of per-qparam ranges, by quantscope's formulas:
-    the scale in the statistics' float dtype (float32 for integer statistics), the zero point
-    in the args' ``zp_dtype``; a ``tensor_group`` scale without ``scale_dtype`` (or of
-    integers) is the float32 scale times the global scale, as compressed-tensors leaves it."""
+    the scale in the statistics' float dtype (float32 for integer statistics; for
+    ``tensor_group``, float32 always: compressed-tensors multiplies by its float32 global
+    scale), the zero point in the args' ``zp_dtype``; a ``tensor_group`` scale without
+    ``scale_dtype`` (or of integers) is the float32 scale times the global scale, as
+    compressed-tensors leaves it."""
     spec = llmcompressor_spec(args, base_name)
     shape = tuple(min_vals.shape)
-    dtype = min_vals.dtype if min_vals.is_floating_point() else torch.float32
+    float_stats = min_vals.is_floating_point() and global_amax is None
+    dtype = min_vals.dtype if float_stats else torch.float32
     lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
     if scales_times_global_scale(args):
         qp = qparams_from_range(lo, hi, spec.replace(layout=Channel(0), scale="fp32"))
