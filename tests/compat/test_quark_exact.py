@@ -360,6 +360,8 @@ def test_get_scale_against_quark(dtype, mode):
                                 "group_size": 8, "symmetric": False}, (4, 16, 3)),
     ("PerGroupMinMaxObserver", {"dtype": "fp8_e4m3", "qscheme": "per_group", "ch_axis": -1,
                                 "group_size": 16}, (4, 32)),
+    ("PerGroupMinMaxObserver", {"dtype": "fp8_e5m2", "qscheme": "per_group", "ch_axis": 0,
+                                "group_size": 4}, (4, 8, 16)),
     ("PerTensorMinMaxObserver", {"dtype": "uint8", "symmetric": False}, (4, 32)),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -138,7 +138,11 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
 
     def _calculate_qparams(self):
         if self.spec.is_float:  # Quark's float rule (quant_max_first_level, eps fill)
-            scale, zp = self.calculate_fp8_quant_parameters(self.min_val, self.max_val)
+            lo, hi = self.min_vals, self.max_vals  # quantscope's order: shaped once, below
+            if not self.has_observed:
+                lo, hi = self.min_val, self.max_val
+            scale, zp = self.calculate_fp8_quant_parameters(lo.to(self._input_dtype),
+                                                            hi.to(self._input_dtype))
             return self._quark_shape(scale), self._quark_shape(zp)
         if not self.has_observed:
             return _quark_int_default()
