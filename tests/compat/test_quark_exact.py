@@ -376,3 +376,18 @@ def test_minmax_families_against_quark(name, kw, shape, dtype):
     for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
         assert a.dtype == b.dtype, (a.dtype, b.dtype)
         same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("dtype, symmetric", [("uint8", False), ("int8", True), ("uint4", False)])
+def test_histogram_pro_qparams_as_quark_returns_them(dtype, symmetric):
+    """Quark's Pro returns torch.ao's ``_calculate_qparams``: ``(1,)`` tensors, the zero
+    point int64 when symmetric, else int32; the values bit for bit (one batch)."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerTensorHistogramObserverPro", dtype=dtype, symmetric=symmetric)
+    x = batches((16, 32))[1]
+    theirs(x)
+    ours(x)
+    for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape == (1,), (a, b)
+        same(a, b)

@@ -16,7 +16,7 @@ MX rule (bitwise Quark's ``even_round``). Integer ranges go through the native q
 match Quark's ``calculate_int_quant_params`` bit for bit on float32 input.
 
 ``(scale, zero_point)`` come in Quark's shapes: 0-dim per tensor (``min_val`` / ``max_val``
-too), ``(C,)`` per channel,
+too; ``PerTensorHistogramObserverPro``: torch.ao's ``(1,)``), ``(C,)`` per channel,
 ``(rows, groups)`` per group / block (rows in Quark's order); the scale in ``scale_type``'s
 dtype when it is float32 / float16 / bfloat16, else in the dtype Quark computes it in (the
 input's; float32 for e8m0 'even' and e4m3); the zero point int32 for integers, a float zero

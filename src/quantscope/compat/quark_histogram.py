@@ -164,3 +164,10 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
         if enum_name(self.dtype) not in ("uint4", "int8", "uint8"):
             raise ValueError("PerTensorHistogramObserverPro only supports 4bit and 8bit")
         self.reduce_range = reduce_range
+
+    def _calculate_qparams(self):
+        """As torch.ao's ``_calculate_qparams`` returns them to Quark's wrapper: shape
+        ``(1,)``, the zero point int64 when symmetric (torch.ao's zeros), else int32. Before
+        data ``ValueError`` (Quark's wrapper returns a NaN scale there)."""
+        scale, zp = super()._calculate_qparams()
+        return scale.reshape(1), zp.reshape(1).to(torch.int64 if self.spec.symmetric else torch.int32)
