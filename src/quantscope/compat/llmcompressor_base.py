@@ -202,8 +202,8 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
     compressed-tensors leaves it."""
     spec = llmcompressor_spec(args, base_name)
     shape = tuple(min_vals.shape)
-    float_stats = min_vals.is_floating_point() and global_amax is None
-    dtype = min_vals.dtype if float_stats else torch.float32
+    keep_dtype = min_vals.is_floating_point() and global_amax is None
+    dtype = min_vals.dtype if keep_dtype else torch.float32
     lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
     if scales_times_global_scale(args):
         qp = qparams_from_range(lo, hi, spec.replace(layout=Channel(0), scale="fp32"))

@@ -57,7 +57,8 @@ class MemorylessMSEObserver(Observer):
         maxshrink, grid, patience, expand: the candidate grid (see
             :func:`~quantscope.estimators.mse.mse_search`).
         norm: error exponent; default 2 (2.4 with ``compat="llmcompressor"``).
-        per_unit_patience, encoding_aware: native rules (default on; off in compat mode).
+        per_unit_patience, encoding_aware: native rules (default on; in compat mode
+            llm-compressor's: global patience, NVFP4 priced with float32 scales).
         independent_ends: asymmetric specs search both ends on a 2-D grid.
         global_grid: NVFP4 global-scale candidates (default 4; 1 = the observed amax only).
         compat: None or ``"llmcompressor"`` (their exact search).
