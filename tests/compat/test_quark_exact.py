@@ -7,6 +7,7 @@ the peers' venv); the others check the same rules against values computed from t
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -390,4 +391,26 @@ def test_histogram_pro_qparams_as_quark_returns_them(dtype, symmetric):
     ours(x)
     for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape == (1,), (a, b)
+        same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw", [
+    ("PerTensorMinMaxObserver", {}),
+    ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}),
+    ("PerGroupMinMaxObserver", {"qscheme": "per_group", "ch_axis": -1, "group_size": 4}),
+])
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "fp8_e4m3"])
+def test_qparams_before_data_as_quark(name, kw, dtype):
+    """Before any data, Quark's defaults in Quark's shapes: ``(1,)`` integers, ``()`` fp8,
+    ``(1, 1)`` per group."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    if dtype != "fp8_e4m3":
+        kw = {**kw, "symmetric": dtype == "int8"}
+    theirs, ours = twins(name, dtype=dtype, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Quark warns that no data was observed
+        want = theirs._calculate_qparams()
+    for a, b in zip(ours._calculate_qparams(), want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
         same(a, b)

@@ -39,6 +39,7 @@ import sys
 
 import torch
 
+from ..layout import Group
 from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
 from ..observers.minmax import PlaceholderObserver as _NativePlaceholder
 from ..observers.registry import register
@@ -137,15 +138,15 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
             StaticMinMaxObserver._observe(self, units, lo, hi)
 
     def _calculate_qparams(self):
+        if not self.has_observed:  # Quark's answers, in its shapes: (1, 1) per group
+            scale, zp = (self.calculate_fp8_quant_parameters(self.min_val, self.max_val)
+                         if self.spec.is_float else _quark_int_default())
+            grouped = isinstance(self.spec.layout, Group)
+            return (scale.reshape(1, 1), zp.reshape(1, 1)) if grouped else (scale, zp)
         if self.spec.is_float:  # Quark's float rule (quant_max_first_level, eps fill)
-            lo, hi = self.min_vals, self.max_vals  # quantscope's order: shaped once, below
-            if not self.has_observed:
-                lo, hi = self.min_val, self.max_val
-            scale, zp = self.calculate_fp8_quant_parameters(lo.to(self._input_dtype),
-                                                            hi.to(self._input_dtype))
+            scale, zp = self.calculate_fp8_quant_parameters(
+                self.min_vals.to(self._input_dtype), self.max_vals.to(self._input_dtype))
             return self._quark_shape(scale), self._quark_shape(zp)
-        if not self.has_observed:
-            return _quark_int_default()
         return super()._calculate_qparams()
 
     min_val = property(lambda self: self._stat("min_val", float("inf")),
