@@ -229,7 +229,6 @@ class PerBlockBFPObserver(_DynamicOrStatic):
     """BFP16: blocks of 8, shared exponent with the overflow check ('even' E8M0, int8 codes)."""
 
 
-
 if _QUARK_OBSERVERS in sys.modules:  # Quark came first: join it now
     register_with_quark()
 elif _JoinQuarkOnImport not in sys.meta_path:

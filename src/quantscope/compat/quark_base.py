@@ -181,13 +181,12 @@ class QuarkObserver:
 
     def _quark_shape(self, t: torch.Tensor) -> torch.Tensor:
         """A per-unit (or qparam-shaped) tensor in Quark's shape: 0-dim per tensor, ``(C,)``
-        per channel, ``(rows, groups)`` per group / block."""
+        per channel, ``(rows, groups)`` per group / block (after data: before it each caller
+        gives Quark's own answer)."""
         if isinstance(self.spec.layout, Tensor) and t.numel() == 1:
             return t.reshape(())
         if isinstance(self.spec.layout, Tensor | Channel):
             return t.reshape(-1)
-        if not self.has_observed:
-            return t.reshape(-1, 1)
         return _quark_rows(t.reshape(self.spec.layout.qparam_shape(self.shape)), self.shape,
                            self.spec.layout.axis)
 
