@@ -126,3 +126,20 @@ def test_a_config_far_larger_than_its_checkpoint_is_refused(tmp_path, key):
     if key == "num_hidden_layers":  # a 3-D experts parameter is one parameter at any size
         with pytest.raises(ValueError, match=r"empty_model: .*config\.json: the model"):
             empty_model(tmp_path / "ct")
+
+
+def test_a_one_output_layer_with_several_packed_zero_points_reads_back(tmp_path):
+    # Qwen2-MoE's shared_expert_gate (out_features 1) packs its int4 zero points into one
+    # row; compressed-tensors 0.20.1 could not unpack that row once it held several groups
+    from quantscope import Group, QuantSpec
+    from quantscope.calibration import Recipe, Role, Rule
+
+    model, batches = _qwen2_moe()
+    spec = QuantSpec("int4", Group(32), symmetric=False)
+    recipe = Recipe((Rule(("Linear",), weight=Role(spec, "minmax")),), ("lm_head",), "w4g32")
+    calib = calibrate(model, batches, recipe, progress=False)
+    calib.export(model, tmp_path / "ct")
+    back = Calibration.from_compressed_tensors(tmp_path / "ct")
+    gate = "model.layers.0.mlp.shared_expert_gate"
+    assert back.states[gate]["weight"].qparams.zero_point.shape == (1, 4)
+    assert back.states[gate]["weight"].quantizes_like(calib.states[gate]["weight"])

@@ -179,3 +179,105 @@ def test_check_validates_the_config_as_the_reader_does(exported, tmp_path, edit,
         with pytest.raises(ValueError, match=field) as e:
             read(folder)
         assert "config.json" in str(e.value)
+
+
+def _tensors(folder):
+    (f,) = folder.glob("*.safetensors")
+    return load_file(f)
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("num_bits", 4, (r"weight holds codes in \[-\d+, \d+\], outside the config's weights "
+                     r"\(int4 .*\) range \[-8, 7\]")),
+    ("num_bits", 16, (r"weight is torch.int8 \[32, 32\], but the config's weights "
+                      r"\(int16 .*\) are stored as torch.int16")),
+    ("type", "float", r"format 'int-quantized' does not store the config's weights \(fp8"),
+])
+def test_a_config_that_contradicts_the_stored_weights_is_refused(exported, tmp_path, field,
+                                                                  value, why):
+    # issue 37 probing: the w8a8 int8 codes read as an int4 (or fp8) calibration, the int8
+    # scales carried over: apply() was 0.067 off compressed-tensors' own decompression
+    folder = _copy(exported, tmp_path / "bad")
+    _edit_config(folder, lambda c: _group(c)["weights"].__setitem__(field, value))
+    with pytest.raises(ValueError, match=rf"model.layers.0.self_attn.q_proj: {why}"):
+        Calibration.from_compressed_tensors(folder)
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda t: t.reshape(1, -1), r"weight_scale has shape \[1, 32\], expected \[32, 1\]"),
+    (lambda t: t.to(torch.int32) + 1, r"weight_scale is torch.int32, not a floating-point"),
+])
+def test_a_scale_of_another_shape_or_dtype_is_refused_not_reshaped(exported, tmp_path, edit,
+                                                                    why):
+    # a [1, out] per-channel scale was reshaped to [out, 1]: compressed-tensors broadcasts it
+    # along the input features, so the two readers' weights differed by 40 % of the max
+    folder = _copy(exported, tmp_path / "bad")
+    _edit_tensor(folder, _W, edit)
+    with pytest.raises(ValueError, match=rf"q_proj.{why}"):
+        Calibration.from_compressed_tensors(folder)
+
+
+def test_a_tensor_in_two_files_is_refused_by_both_readers(exported, tmp_path):
+    # the reader merged the files in name order: a second copy won over the one a runtime
+    # loads
+    folder = _copy(exported, tmp_path / "bad")
+    save_file({_W: _tensors(folder)[_W] * 4}, folder / "zz-extra.safetensors")
+    for read in (Calibration.from_compressed_tensors, check):
+        with pytest.raises(ValueError, match=rf"tensor '{_W}' is in both .*model.safetensors "
+                                             rf"and .*zz-extra.safetensors"):
+            read(folder)
+
+
+@pytest.fixture(scope="module")
+def exported_nvfp4_kv(tmp_path_factory):
+    """The tiny Llama exported NVFP4 weights, and (a second folder) FP8 with KV scales."""
+    model, batches = tiny_llama()
+    out = tmp_path_factory.mktemp("ct")
+    for name in ("nvfp4", "fp8-kv"):
+        calibrate(model, batches, name, progress=False).export(model, out / name)
+    return out
+
+
+def test_nvfp4_without_its_weight_global_scale_is_refused(exported_nvfp4_kv, tmp_path):
+    # it read as global scale None, and apply() zeroed the layer
+    folder = _copy(exported_nvfp4_kv / "nvfp4", tmp_path / "bad")
+    _edit_tensor_set(folder, lambda t: t.pop(_W.replace("weight_scale", "weight_global_scale")))
+    with pytest.raises(ValueError, match=r"q_proj has no weight_global_scale"):
+        Calibration.from_compressed_tensors(folder)
+
+
+def test_nvfp4_packed_as_fp4_read_as_fp8_is_refused(exported_nvfp4_kv, tmp_path):
+    folder = _copy(exported_nvfp4_kv / "nvfp4", tmp_path / "bad")
+    _edit_config(folder, lambda c: _group(c)["weights"].__setitem__("num_bits", 8))
+    with pytest.raises(ValueError, match=r"format 'nvfp4-pack-quantized' does not store the "
+                                         r"config's weights \(fp8_e4m3"):
+        Calibration.from_compressed_tensors(folder)
+
+
+_ATTN = "model.layers.0.self_attn"
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda t: t.__setitem__(f"{_ATTN}.k_scale", torch.tensor([1.0, 2.0])),
+     rf"{_ATTN}.k_scale has shape \[2\], expected \[1\]"),
+    (lambda t: t.pop(f"{_ATTN}.v_scale"), rf"{_ATTN} has no v_scale beside its other"),
+    (lambda t: t.__setitem__("model.layers.7.self_attn.k_scale", torch.tensor([1.0])),
+     r"'model.layers.7.self_attn.k_scale' belongs to no layer of the model"),
+    (lambda t: [t.pop(k) for k in list(t) if k.endswith(("k_scale", "v_scale"))],
+     r"kv_cache_scheme is static but no layer has a k_scale / v_scale"),
+])
+def test_damaged_kv_cache_scales_are_refused(exported_nvfp4_kv, tmp_path, edit, why):
+    # each read without a word (a cache left in float, a layer the model lacks) or raised a
+    # bare RuntimeError
+    folder = _copy(exported_nvfp4_kv / "fp8-kv", tmp_path / "bad")
+    assert f"{_ATTN}.k_scale" in _tensors(folder)
+    _edit_tensor_set(folder, edit)
+    with pytest.raises(ValueError, match=why):
+        Calibration.from_compressed_tensors(folder)
+
+
+def _edit_tensor_set(folder, fn):
+    (f,) = folder.glob("*.safetensors")
+    t = load_file(f)
+    fn(t)
+    save_file(t, f, metadata={"format": "pt"})

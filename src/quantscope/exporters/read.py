@@ -14,6 +14,7 @@ the checkpoint does, and the report and compare tools work on it.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -26,10 +27,12 @@ from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
 from .read_checks import (
     SCALE_LEAVES,
     compressor,
+    fmt_name,
     parse_quant_config,
     read_quant_config,
     safetensors_headers,
     scale_problem,
+    storage_problem,
 )
 from .registry import register_reader
 
@@ -108,9 +111,11 @@ def _meta_model(path: str, config: dict, tensors: int):
 _KV_SCALE = {"k_scale": "key", "v_scale": "value"}
 
 
-def _read_kv_cache(args, tensors, states):
+def _read_kv_cache(args, tensors, states, modules):
     """The KV cache's ``key`` / ``value`` states from ``<attention>.k_scale`` / ``v_scale``
-    (into ``states``); returns the recipe's ``kv_cache`` Role (None without a scheme)."""
+    (into ``states``); returns the recipe's ``kv_cache`` Role (None without a scheme). Each
+    attention layer of ``modules`` with one of the two scales must have both: the other
+    cache would run in float without a word."""
     from ..calibration.recipe import Role
     from ..calibration.results.result import RoleState
 
@@ -119,13 +124,47 @@ def _read_kv_cache(args, tensors, states):
     spec = llmcompressor_spec(args, "input")
     observer = args.observer or "minmax"
     qshape = spec.layout.qparam_shape((1, 1))
+    read = {}
     for key, value in tensors.items():
         layer, _, name = key.rpartition(".")
         if name in _KV_SCALE:
-            qp = QParams(value.float().reshape(qshape), torch.zeros(qshape, dtype=torch.int32))
-            states.setdefault(layer, {})[_KV_SCALE[name]] = RoleState(
+            if layer not in modules:
+                raise ValueError(f"from_compressed_tensors: tensor {key!r} belongs to no "
+                                 f"layer of the model built from config.json")
+            qp = QParams(_qparam(value, qshape, layer, name, spec),
+                         torch.zeros(qshape, dtype=torch.int32))
+            read.setdefault(layer, {})[_KV_SCALE[name]] = RoleState(
                 spec, observer, observer, False, qparams=qp)
+    if not read and args.dynamic is False:
+        raise ValueError("from_compressed_tensors: kv_cache_scheme is static but no layer "
+                         "has a k_scale / v_scale")
+    for layer, roles in read.items():
+        missing = [name for name, role in _KV_SCALE.items() if role not in roles]
+        if missing:
+            raise ValueError(f"from_compressed_tensors: {layer} has no {missing[0]} beside "
+                             f"its other KV-cache scale")
+        states.setdefault(layer, {}).update(roles)
     return Role(spec, observer)
+
+
+def _qparam(t: torch.Tensor, qshape, module: str, key: str, spec) -> torch.Tensor:
+    """``t`` in quantscope's ``qshape``, which is the shape compressed-tensors writes (a
+    per-tensor value: any shape of one element). Another shape, a scale of an integer dtype
+    or a zero point that is no integer of the format is refused, never reshaped or cast."""
+    if tuple(t.shape) != tuple(qshape) and not t.numel() == 1 == math.prod(qshape):
+        raise ValueError(f"from_compressed_tensors: {module}.{key} has shape "
+                         f"{list(t.shape)}, expected {list(qshape)}")
+    if key.endswith("zero_point"):
+        whole = not t.is_floating_point() or bool((t == t.round()).all())
+        if t.numel() and not (whole and spec.qmin <= float(t.min()) <= float(t.max())
+                              <= spec.qmax):
+            raise ValueError(f"from_compressed_tensors: {module}.{key} holds values that are "
+                             f"no integers in [{int(spec.qmin)}, {int(spec.qmax)}] ({spec})")
+        return t.to(torch.int32).reshape(qshape)
+    if not t.is_floating_point():
+        raise ValueError(f"from_compressed_tensors: {module}.{key} is {t.dtype}, not a "
+                         f"floating-point scale")
+    return t.float().reshape(qshape)
 
 
 def _state(st, role, module, local, args, spec, observer, weight_shape):
@@ -136,25 +175,51 @@ def _state(st, role, module, local, args, spec, observer, weight_shape):
         return RoleState(spec, "memoryless_minmax", "memoryless_minmax", True)
     base = {"weight": "weight", "input": "input", "output": "output"}[role]
     get = (lambda n: st.get(f"{base}_{n}"))
+    gs = get("global_scale")
+    if gs is None and spec.scale.has_global_scale:
+        raise ValueError(f"from_compressed_tensors: {module} has no {base}_global_scale")
     if dynamic == "local":
-        gs = get("global_scale")
-        if gs is None:
-            raise ValueError(f"from_compressed_tensors: {module} has no {base}_global_scale")
         return RoleState(spec, observer, observer, "local",
-                         global_amax=_global_amax(gs, spec))
+                         global_amax=_global_amax(_qparam(gs, (1,), module,
+                                                          f"{base}_global_scale", spec), spec))
     scale = get("scale")
     if scale is None:
         raise ValueError(f"from_compressed_tensors: {module} has no {base}_scale")
     shape = weight_shape if role == "weight" else (1, local)
     qshape = spec.layout.qparam_shape(shape)
     zp = get("zero_point")
-    zp = torch.zeros(qshape, dtype=torch.int32) if zp is None else \
-        zp.to(torch.int32).reshape(qshape)
-    gsc = get("global_scale")
-    qp = QParams(scale.float().reshape(qshape), zp,
-                 None if gsc is None else gsc.float().reshape(1))
+    qp = QParams(_qparam(scale, qshape, module, f"{base}_scale", spec),
+                 torch.zeros(qshape, dtype=torch.int32) if zp is None else
+                 _qparam(zp, qshape, module, f"{base}_zero_point", spec),
+                 None if gs is None else _qparam(gs, (1,), module, f"{base}_global_scale",
+                                                 spec))
     return RoleState(spec, observer, observer, False, qparams=qp,
                      shape=tuple(weight_shape) if role == "weight" else None)
+
+
+def _ct_unpackable(stored: dict) -> dict:
+    """``stored`` with a one-row packed zero point (a layer of <= 8 outputs, Qwen2-MoE's
+    ``shared_expert_gate``) laid out column-first: compressed-tensors 0.20.1 unpacks it
+    through a transposed view that it cannot reinterpret as bytes ("self.stride(-1) must be
+    1"); the same values in that layout unpack (0.19 unpacks either)."""
+    zp = stored.get("weight_zero_point")
+    if zp is None or zp.dtype != torch.int32 or zp.dim() != 2 or zp.shape[0] != 1:
+        return stored
+    column_first = torch.empty_strided(zp.shape, (1, 1), dtype=zp.dtype).copy_(zp)
+    return {**stored, "weight_zero_point": column_first}
+
+
+def _read_module(name, wshape, stored, roles, specs, observers, fmt, scheme) -> dict:
+    """One module's role states from its ``stored`` tensors (local names); the weight's are
+    decoded by compressed-tensors' compressor after checking they are what it writes."""
+    local = stored
+    if "weight" in roles:
+        local = compressor(fmt, "format").decompress(_ct_unpackable(stored), scheme)
+        why = storage_problem(stored, local, fmt, scheme, specs["weight"], wshape)
+        if why:
+            raise ValueError(f"from_compressed_tensors: {name}: {why}")
+    return {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0], roles[r],
+                      specs[r], observers[r], wshape) for r in roles}
 
 
 def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
@@ -174,7 +239,8 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
             for r, a in roles.items()})
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    decoder = compressor(scheme.format or qconfig.format, f"{where}.format")
+    fmt = scheme.format or qconfig.format
+    compressor(fmt, f"{where}.format")  # a known format, or an error naming the field
     matched = list(match_named_modules(model, scheme.targets, qconfig.ignore))
     if not matched:
         raise ValueError(f"{where}.targets: {scheme.targets} match no layer of the model")
@@ -183,12 +249,8 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
         local = {k[len(prefix):]: v for k, v in tensors.items()
                  if k.startswith(prefix) and "." not in k[len(prefix):]}
         try:
-            if "weight" in roles:
-                local = decoder.decompress(local, scheme)
-            wshape = tuple(module.weight.shape)
-            states[name] = {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0],
-                                      roles[r], specs[r], observers[r], wshape)
-                            for r in roles}
+            states[name] = _read_module(name, tuple(module.weight.shape), local, roles, specs,
+                                        observers, fmt, scheme)
         except ValueError as e:  # a missing or misshapen tensor: name the files it is not in
             tensor_files = os.path.join(os.path.dirname(cfg_path), "*.safetensors")
             msg = str(e).removeprefix("from_compressed_tensors: ")
@@ -249,7 +311,8 @@ def read_compressed_tensors(path):
     states = {}
     rules = [_read_group(g, scheme, qconfig, model, tensors, states, cfg_path)
              for g, scheme in qconfig.config_groups.items()]
-    kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states)
+    kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states,
+                              dict(model.named_modules()))
     if not states:
         raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
                          f"groups' targets")
@@ -261,6 +324,6 @@ def read_compressed_tensors(path):
     record = config.get("quantscope")
     source = record.get("model") if isinstance(record, dict) else None
     info = {"model": source if isinstance(source, str) and os.path.isdir(source) else path,
-            "checkpoint": path, "format": str(getattr(qconfig.format, "value", qconfig.format))}
+            "checkpoint": path, "format": fmt_name(qconfig.format)}
     return Calibration(recipe, states, os.path.basename(os.path.normpath(path)), info=info)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SCALE_LEAVES", "compressor", "parse_quant_config", "read_quant_config",
-           "safetensors_headers", "scale_problem"]
+__all__ = ["SCALE_LEAVES", "compressor", "fmt_name", "parse_quant_config", "read_quant_config",
+           "safetensors_headers", "scale_problem", "storage_problem"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
 #: flips signs at run time)
@@ -45,11 +45,16 @@ def read_quant_config(path, who: str) -> tuple[Path, dict, dict]:
     return cfg_file, config, qc
 
 
+def fmt_name(fmt) -> str:
+    """A compressed-tensors format's name (``fmt``: the name or its enum)."""
+    return str(getattr(fmt, "value", fmt))
+
+
 def compressor(fmt, where: str):
     """compressed-tensors' compressor of the format ``fmt`` (a name or its enum)."""
     from compressed_tensors.compressors import BaseCompressor
 
-    name = str(getattr(fmt, "value", fmt))
+    name = fmt_name(fmt)
     try:
         return BaseCompressor.get_value_from_registry(name)
     except (KeyError, ValueError):
@@ -69,7 +74,7 @@ def parse_quant_config(cfg_file, qc: dict, who: str):
         # (read as a preset's name)
         raise ValueError(f"{who}: {cfg_file}: quantization_config is not valid: {e}") from None
     where = f"{who}: {cfg_file}: quantization_config"
-    if str(getattr(qconfig.format, "value", qconfig.format)) not in ("None", "mixed-precision"):
+    if fmt_name(qconfig.format) not in ("None", "mixed-precision"):
         compressor(qconfig.format, where)
     for name, scheme in qconfig.config_groups.items():
         if scheme.format is not None:
@@ -101,6 +106,8 @@ def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int
                 all(isinstance(d, int) and d >= 0 for d in meta["shape"])
             if not ok:
                 raise ValueError(f"{who}: {f}: tensor {name!r} has no valid dtype and shape")
+            if name in out:  # which copy a runtime loads depends on its index: neither is safe
+                raise ValueError(f"{who}: tensor {name!r} is in both {out[name][0]} and {f}")
             out[name] = (f, meta["dtype"], meta["shape"])
     return out
 
@@ -114,4 +121,43 @@ def scale_problem(name: str, tensor: torch.Tensor) -> str | None:
     bad = t <= 0
     if bool(bad.any()):
         return f"{name} holds a scale <= 0 ({float(t[bad].reshape(-1)[0])!r})"
+    return None
+
+
+def storage_problem(stored: dict, decompressed: dict, fmt, scheme, spec,
+                    weight_shape) -> str | None:
+    """Why a module's stored weight tensors are not what compressed-tensors writes for the
+    config's ``weights`` args (a config edited to other ``num_bits`` / ``type`` than the
+    data), or None. compressed-tensors' own compressor, run on a zero weight of the module's
+    shape with the read scales, gives the names, dtypes and shapes it writes; int codes
+    stored unpacked must lie in the format's range."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    # the format's own rule for the weights args it stores (an NVFP4 packer decodes fp4
+    # whatever num_bits says); its rules on activations are set aside: older writers stored
+    # weight-only int8 as int-quantized
+    neutral = scheme.model_copy(update={"input_activations": QuantizationArgs(num_bits=8)})
+    decoder = compressor(fmt, "format")
+    if not decoder.can_compress(torch.nn.Linear, neutral):
+        return f"format {fmt_name(fmt)!r} does not store the config's weights ({spec})"
+    probe = {k: v for k, v in decompressed.items() if k != "weight"}
+    probe["weight"] = torch.zeros(weight_shape)
+    try:
+        expected = decoder.compress(probe, scheme)
+    except Exception as e:  # noqa: BLE001 -- compressed-tensors raises many types
+        return f"compressed-tensors cannot store its weights as the config says ({e})"
+    for key, want in expected.items():
+        got = stored.get(key)
+        if got is None:
+            continue
+        if got.dtype != want.dtype or got.shape != want.shape or (
+                key == "weight_shape" and not torch.equal(got, want)):
+            return (f"{key} is {got.dtype} {list(got.shape)}, but the config's weights "
+                    f"({spec}) are stored as {want.dtype} {list(want.shape)}")
+    codes = stored.get("weight")
+    if codes is not None and not codes.is_floating_point() and codes.numel():
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < spec.qmin or hi > spec.qmax:
+            return (f"weight holds codes in [{lo}, {hi}], outside the config's weights "
+                    f"({spec}) range [{int(spec.qmin)}, {int(spec.qmax)}]")
     return None
