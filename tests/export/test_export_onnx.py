@@ -296,3 +296,26 @@ def test_a_model_torch_cannot_export_is_one_clear_line(tmp_path):
                       example_inputs=batches[0])
     assert "\n" not in str(err.value) and len(str(err.value)) < 600
     assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize("weight", ["int8", "uint8"])
+@pytest.mark.parametrize("inp", ["int8", "uint8", "int16"])
+def test_8bit_groups_beside_an_8bit_input_are_refused_before_writing(tmp_path, weight, inp):
+    """Issue 37 probing: the graph exported, then ORT failed in ``MatMulIntegerToFloat``
+    ("Per-column quantization parameter of batched matrix should have same dimension"). The
+    pair is refused before anything is written; with a 16-bit input ORT runs it exactly."""
+    from quantscope import Group, QuantSpec, Tensor
+
+    model, batches = _mlp()
+    recipe = Recipe(Rule(("Linear",), weight=Role(QuantSpec(weight, Group(32)), "minmax"),
+                         input=Role(QuantSpec(inp, Tensor()), "minmax")))
+    calib = calibrate(model, batches, recipe, progress=False)
+    if inp == "int16":
+        got, ref, _ = _run_mlp(model, calib, tmp_path / "m.onnx", batches[1])
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+        return
+    with pytest.raises(ValueError, match=r"onnx export: 0: 8-bit per-group weights with an "
+                                         r"8-bit static input"):
+        export.export(calib, model, tmp_path / "m.onnx", format="onnx",
+                      example_inputs=batches[1])
+    assert not (tmp_path / "m.onnx").exists()

@@ -23,7 +23,8 @@ What the graph cannot express is a ``ValueError`` naming the layer before anythi
 written: float formats (fp8 / fp4 / MX / NVFP4), run-time (dynamic) activation scales,
 per-token or per-channel activations, clipped activation ranges (``quant_min`` /
 ``quant_max`` narrower than the storage type: ``QuantizeLinear`` saturates to the type),
-output roles.
+output roles, and 8-bit per-group weights beside an 8-bit static input (ORT has no kernel
+for the pair it fuses them into).
 """
 
 from __future__ import annotations
@@ -335,6 +336,23 @@ def _check_exportable(states) -> None:
                 raise ValueError(f"onnx export: {layer}.input is quantized at run time "
                                  f"(dynamic={state.dynamic!r}); this exporter writes static "
                                  f"activation scales only")
+        _check_ort_runs(layer, roles)
+
+
+def _check_ort_runs(layer, roles) -> None:
+    """ORT fuses 8-bit per-group weights and an 8-bit static input into
+    ``MatMulIntegerToFloat``, which has no per-group scales: the session fails at run time
+    (onnxruntime 1.32; 4-bit groups or a 16-bit input it runs)."""
+    from ..layout import Group
+
+    weight, inp = roles.get("weight"), roles.get("input")
+    if weight is None or inp is None or not isinstance(weight.spec.layout, Group):
+        return
+    if _storage(weight.spec, layer, "weight")[1] == 8 == _storage(inp.spec, layer, "input")[1]:
+        raise ValueError(f"onnx export: {layer}: 8-bit per-group weights with an 8-bit "
+                         f"static input: ONNX Runtime fuses the pair into "
+                         f"MatMulIntegerToFloat, which has no per-group scales, and fails at "
+                         f"run time; use per-channel weights, 4-bit groups or a 16-bit input")
 
 
 def _insert_qdq(onnx, graph, model, states, uint8: bool) -> None:
