@@ -287,6 +287,29 @@ def test_min_max_classes_record_non_finite_as_torch_and_qparams_refuses_it(kind)
         ours.qparams()
 
 
+@pytest.mark.parametrize("kind", CLASSES)
+def test_qparams_refuses_a_finite_range_whose_scale_overflows(kind):
+    # probing: [-3e38, 3e38] is finite, but its asymmetric scale is inf (NaN for the
+    # histogram); torch.ao's calculate_qparams returns it, quantscope's qparams() returned it
+    # too, and fake_quantize with it gave NaN
+    ref, ours = pair(kind)
+    x = torch.tensor([[3.0e38, -3.0e38], [1.0, 2.0]])
+    observe((ref, ours), [x])
+    for a, b in zip(ref.calculate_qparams(), ours.calculate_qparams()):
+        assert a.dtype == b.dtype and torch.equal(a.nan_to_num(), b.nan_to_num())  # torch.ao's
+    with pytest.raises(ValueError, match=r"gives a scale float32 cannot hold"):
+        ours.qparams()
+
+
+def test_a_batch_of_only_plus_inf_is_observed_non_finite_data():
+    # it left min_val at +inf, and qparams() said nothing was observed
+    ours = qa.MinMaxObserver()
+    ours(torch.tensor([float("inf"), float("inf")]))
+    assert ours.has_observed
+    with pytest.raises(ValueError, match="observed NaN or inf"):
+        ours.qparams()
+
+
 def test_histogram_nan_batch_is_a_runtime_error_as_torch_and_a_value_error():
     ours = qa.HistogramObserver()
     ours(torch.randn(100))

@@ -62,6 +62,9 @@ def test_with_args_and_observer_base():
     calls = []
     lazy = qa.MinMaxObserver.with_callable_args(dtype=lambda: calls.append(1) or torch.qint8)
     assert lazy().dtype == torch.qint8 and lazy().dtype == torch.qint8 and len(calls) == 2
+    chained = qa.HistogramObserver.with_args(bins=64).with_callable_args(eps=lambda: 1e-3)
+    assert chained.__name__ == "HistogramObserver"
+    assert chained().bins == 64 and chained().eps == torch.tensor([1e-3])
 
 
 @pytest.mark.parametrize("kind", list(OBSERVERS))
@@ -146,6 +149,12 @@ PT2E = {
                (qt.MinMaxObserver, qt.PerChannelMinMaxObserver)),
     "histogram": ((pt2e.HistogramObserver.with_args(bins=256), pt2e.PerChannelMinMaxObserver),
                   (qt.HistogramObserver.with_args(bins=256), qt.PerChannelMinMaxObserver)),
+    # probing: with_callable_args after with_args lost the class's __name__, which pt2e
+    # reads (AttributeError in prepare_pt2e)
+    "callable_args": ((pt2e.MinMaxObserver, pt2e.PerChannelMinMaxObserver.with_args(
+                           eps=1e-4).with_callable_args(eps=lambda: 1e-5)),
+                      (qt.MinMaxObserver, qt.PerChannelMinMaxObserver.with_args(
+                          eps=1e-4).with_callable_args(eps=lambda: 1e-5))),
 }
 
 

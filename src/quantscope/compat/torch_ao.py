@@ -134,6 +134,11 @@ class _Constructor(_ao._PartialWrapper):
         out.callable_args = dict(self.callable_args)
         return out
 
+    def with_callable_args(self, **kwargs) -> _Constructor:
+        out = _Constructor(self.p)
+        out.callable_args = {**self.callable_args, **kwargs}
+        return out
+
 
 class _ScriptName:
     """The TorchScript name of this module's classes: ``__torch__.quantscope.compat.torch_ao.
@@ -182,9 +187,7 @@ class TorchAOObserver:
     @classmethod
     def with_callable_args(cls, **kwargs) -> _Constructor:
         """As torch.ao's: each value is called at construction time."""
-        out = _Constructor(functools.partial(cls))
-        out.callable_args = dict(kwargs)
-        return out
+        return _Constructor(functools.partial(cls)).with_callable_args(**kwargs)
 
     def reset(self) -> None:
         """Back to the state of a new observer, in place (quantscope's name; torch.ao's
@@ -208,7 +211,8 @@ class TorchAOObserver:
     def qparams(self) -> QParams:
         """torch.ao's ``calculate_qparams()`` as quantscope's :class:`QParams` (one value per
         unit, for :func:`quantscope.fake_quantize` with :attr:`spec`): ``ValueError`` before
-        any data and for a NaN / inf range (torch.ao returns its defaults or inf there)."""
+        any data, for a NaN / inf range and for a range whose scale overflows float32
+        (torch.ao returns its defaults, NaN or inf there)."""
         who = type(self).__name__
         if not self.has_observed:
             raise ValueError(f"{who}: qparams() called before any tensor was observed")
@@ -220,13 +224,18 @@ class TorchAOObserver:
                                       f"points; use calculate_qparams()")
         _ = self.spec  # ValueError for the dtypes quantscope has no format for
         scale, zero_point = self.calculate_qparams()
+        if not bool(torch.isfinite(scale).all()):  # a range wider than float32's max
+            raise ValueError(f"{who}: the observed range (min_val {self.min_val.tolist()}, "
+                             f"max_val {self.max_val.tolist()}) gives a scale float32 cannot "
+                             f"hold ({scale.reshape(-1).tolist()[:4]})")
         return QParams(scale.reshape(-1).float(), zero_point.reshape(-1).to(torch.int32))
 
     @property
     def has_observed(self) -> bool:
-        """Whether a batch has been observed since construction or the last reset."""
-        lo = self.min_val
-        return lo.numel() > 0 and bool((lo != math.inf).any())
+        """Whether a batch has been observed since construction or the last reset (one of
+        only +inf leaves ``min_val`` at its start, not ``max_val``)."""
+        lo, hi = self.min_val, self.max_val
+        return lo.numel() > 0 and bool((lo != math.inf).any() | (hi != -math.inf).any())
 
 
 @register("torch.ao:MinMaxObserver")
