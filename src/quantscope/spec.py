@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from .formats import FloatFormat, Format, IntFormat, get_format
 from .layout import Block, Layout, parse_layout
 from .scales import ScaleEncoding
@@ -67,8 +69,9 @@ class QuantSpec:
                 f"element format, got {fmt.name}")
         if self.eps is not None and not (isinstance(self.eps, (int, float))
                                          and not isinstance(self.eps, bool)
-                                         and 0 < self.eps < math.inf):
-            raise ValueError(f"QuantSpec.eps must be a positive number (finite), got {self.eps!r}")
+                                         and 0 < _as_float32(self.eps) < math.inf):
+            raise ValueError(f"QuantSpec.eps must be a positive number that float32 holds "
+                             f"(scales are float32: 1e-45 to 3.4e38), got {self.eps!r}")
         for name in ("quant_min", "quant_max"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -122,3 +125,9 @@ class QuantSpec:
     @classmethod
     def from_dict(cls, d: dict) -> QuantSpec:
         return cls(**d)
+
+
+def _as_float32(x: float) -> float:
+    """``x`` rounded to float32 (0 below its smallest subnormal, inf above its max)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))

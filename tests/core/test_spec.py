@@ -32,6 +32,10 @@ from quantscope.scales import ScaleEncoding
     ({"eps": 0.0}, r"QuantSpec\.eps must be a positive number"),
     ({"eps": -1e-3}, r"QuantSpec\.eps"),
     ({"eps": "small"}, r"QuantSpec\.eps"),
+    # probing: 1e39 passed and the fp16 / fp8 scale paths raised a bare RuntimeError; 1e-50
+    # is 0 in float32 (a zero scale)
+    ({"eps": 1e39}, r"QuantSpec\.eps must be a positive number that float32 holds"),
+    ({"eps": 1e-50}, r"QuantSpec\.eps must be a positive number that float32 holds"),
     ({"symmetric": 1}, r"QuantSpec\.symmetric must be True or False"),
     ({"scale": "fp64"}, r"scale: unknown kind 'fp64'"),
     ({"scale": "pow2:even"}, r"scale: mode 'even' is not valid for kind 'pow2'"),
