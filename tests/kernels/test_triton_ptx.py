@@ -136,7 +136,7 @@ CASES = {
         {"KIND": 3, "RECORD": False, "BLOCK_N": 1024}),
     "histogram._histc_kernel": (  # torch.histc's formula: an IEEE division
         {"x_ptr": "*bf16", "counts_ptr": "*i64", "n": "i32", "lo": "fp32", "hi": "fp32",
-         "B": "i32", "chunk": "i32", "NB": "constexpr", "BLOCK": "constexpr"},
+         "span": "fp32", "B": "i32", "chunk": "i32", "NB": "constexpr", "BLOCK": "constexpr"},
         {"NB": 4096, "BLOCK": 1024}),
     "histogram._hist_kernel": (
         {"x_ptr": "*bf16", "counts_ptr": "*i64", "exp_ptr": "*i64", "first_ptr": "*i64",

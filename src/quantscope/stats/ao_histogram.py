@@ -75,7 +75,8 @@ def _torch_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tens
 def _cuda_histc(x, bins, lo, hi):
     _check_histc(x, bins)
     kernel = _triton.launchers("histogram", x)
-    if (kernel is None or not lo < hi or not math.isfinite(hi - lo) or bins + 1 > kernel.MAX_BINS
+    span = kernel.float32_ends(lo, hi)[2] if kernel is not None else math.nan
+    if (not 0 < span < math.inf or bins + 1 > kernel.MAX_BINS
             or x.numel() >= 1 << 31):  # torch's degenerate ranges, where it widens them
         return _torch_histc(x, bins, lo, hi)
     counts = torch.zeros(bins, dtype=torch.int64, device=x.device)

@@ -11,13 +11,14 @@ order of the adds cannot change them, and the result equals the torch path bit f
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ._jit import LAUNCH
 
-__all__ = ["MAX_BINS", "hist_add", "histc", "regrid"]
+__all__ = ["MAX_BINS", "float32_ends", "hist_add", "histc", "regrid"]
 
 #: the most bins a program's private histogram holds (registers)
 MAX_BINS = 1 << 14
@@ -74,11 +75,19 @@ def hist_add(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
 
 # ---- torch.histc's binning (the torch.ao compat histogram) -------------------------------------
 
+def float32_ends(lo: float, hi: float) -> tuple[float, float, float]:
+    """``(lo, hi, hi - lo)`` as ATen's ``histc`` holds them for float32 values: each in
+    float32 (the span inf where it overflows). Computed here, not in the kernel: Triton's
+    interpreter keeps scalar arguments in float64."""
+    lo32, hi32 = np.float32(lo), np.float32(hi)
+    with np.errstate(over="ignore"):
+        return float(lo32), float(hi32), float(hi32 - lo32)
+
+
 @triton.jit
-def _histc_kernel(x_ptr, counts_ptr, n, lo, hi, B, chunk, NB: tl.constexpr,
+def _histc_kernel(x_ptr, counts_ptr, n, lo, hi, span, B, chunk, NB: tl.constexpr,
                   BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * chunk
-    span = hi - lo
     b_f = tl.cast(B, tl.float32)
     local = tl.zeros([NB], tl.int32)
     for e0 in range(0, chunk, BLOCK):
@@ -96,7 +105,8 @@ def _histc_kernel(x_ptr, counts_ptr, n, lo, hi, B, chunk, NB: tl.constexpr,
 
 def histc(counts: torch.Tensor, x: torch.Tensor, lo: float, hi: float, *,
           chunk: int | None = None, block: int = 1024) -> None:
-    """Add ``torch.histc(x.float(), B, min=lo, max=hi)`` (``lo < hi``, float32 values) to
+    """Add ``torch.histc(x.float(), B, min=lo, max=hi)`` (``lo < hi`` and a finite
+    :func:`float32_ends` span) to
     ``counts [B]`` (int64, in place): bin ``trunc((v - lo) * B / (hi - lo))`` of each value
     ``v`` in ``[lo, hi]``, float32 steps with an IEEE division (ATen's ``histc`` formula), the
     value ``hi`` in the last bin; ``x`` contiguous, bf16 / fp16 / fp32, any shape."""
@@ -108,7 +118,7 @@ def histc(counts: torch.Tensor, x: torch.Tensor, lo: float, hi: float, *,
     if chunk is None:  # enough programs to fill the GPU, each binning a fair share
         chunk = triton.cdiv(triton.cdiv(n, max(1, min(triton.cdiv(n, MIN_CHUNK), 2048))),
                             block) * block
-    _histc_kernel[(triton.cdiv(n, chunk),)](x, counts, n, float(lo), float(hi), B, chunk,
+    _histc_kernel[(triton.cdiv(n, chunk),)](x, counts, n, *float32_ends(lo, hi), B, chunk,
                                             NB=triton.next_power_of_2(B + 1), BLOCK=block,
                                             **LAUNCH)
 
