@@ -244,7 +244,8 @@ def _nvfp4_scales(amax: torch.Tensor, global_amax, fmt, min_scale: float,
     if global_amax is None:
         global_amax = amax.max() if amax.numel() else amax.new_zeros(())
     gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
-    return nvfp4_block_scales(amax, gs, fmt, min_scale, encoding or FP8_BLOCK), gs
+    # the 0-d global scale: the block scales keep amax's shape (0-d included, as the kernels')
+    return nvfp4_block_scales(amax, gs.reshape(()), fmt, min_scale, encoding or FP8_BLOCK), gs
 
 
 #: NVFP4's block scale encoding; the integer formats' default one

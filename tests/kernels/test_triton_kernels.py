@@ -75,6 +75,17 @@ def test_unit_minmax_bitwise(device, dtype, U, E, blocks):
     _assert_bitwise(hi, want_hi)
 
 
+def test_unit_minmax_of_no_units_is_empty(device):
+    # probing: the launcher divided by its program count (0), and the torch path could not
+    # reshape a 4-D view of no units
+    from quantscope.kernels import ops
+    from quantscope.kernels.triton import minmax
+
+    for x in (torch.empty(0, 5), torch.empty(0, 3, 2, 2), torch.empty(2, 0, 2, 2)):
+        for lo, hi in (minmax.unit_minmax(x.to(device)), ops._torch_unit_minmax(x)):
+            assert lo.shape == hi.shape == (0,) and lo.dtype == torch.float32
+
+
 def test_unit_minmax_strided(device):
     from quantscope.kernels.triton import minmax
 
@@ -180,6 +191,8 @@ def test_fake_quant_int_bitwise(device, dtype, spec):
     zp = torch.randint(int(spec.qmin), int(spec.qmax) + 1, (U,), generator=g).float()
     if spec.symmetric:
         zp.zero_()
+    zp[2] = 0.0  # small negatives round to the code -0, which torch.clamp keeps at qmin 0
+    u[2, :4] = (-0.1 * scale[2]).to(dtype)
     u[1, 0] = float("nan")
     want = fake_quantize_units(u.float(), scale[:, None], zp[:, None], spec)
     got = fakequant.fake_quant_int(u.to(device), scale.to(device), zp.to(device),

@@ -14,6 +14,7 @@ from quantscope.qparams import qparams_from_range
 from quantscope.stats import histogram as H
 from quantscope.stats.ao_histogram import ao_histc
 from quantscope.stats.hist_ops import hist_add, hist_regrid
+from quantscope.stats.minmax import record_non_finite
 
 CUDA = torch.cuda.is_available()
 
@@ -61,6 +62,12 @@ def _cases(device="cpu"):
         "int_qparams_sym": (ops.int_qparams, (lo, hi, [0.0, 255.0, 1e-8, 1.0, 128.0])),
         "e8m0_block_scales": (ops.e8m0_block_scales, (lo, hi, "fp4_e2m1", "even")),
         "nvfp4_qparams": (ops.nvfp4_qparams, (lo, hi, None, "fp4_e2m1", 1e-8)),
+        # probing: the CPU answered a 0-d range with block scales of shape [1]
+        "nvfp4_qparams_0d": (ops.nvfp4_qparams, (lo[0], hi[0], None, "fp4_e2m1", 1e-8)),
+        # probing: no units divided by zero in the launcher; the CPU failed on amin of nothing
+        "unit_minmax_empty": (ops.unit_minmax, (u[:0],)),
+        "record_non_finite_empty": (record_non_finite, (lo[:0], hi[:0],
+                                                        torch.zeros(1, dtype=torch.bool))),
         "nvfp4_qparams_amax": (ops.nvfp4_qparams, (lo, hi, torch.tensor([7.0]), "fp4_e2m1",
                                                    1e-8)),
         "nvfp4_mse": (ops.nvfp4_mse, (u, lo, hi, torch.tensor([1 - i / 100 for i in range(50)]),

@@ -115,7 +115,8 @@ def _check_minmax(units: Tensor) -> None:
 def _torch_unit_minmax(units: Tensor) -> tuple[Tensor, Tensor]:
     _check_minmax(units)
     if units.dim() == 4:
-        units = units.reshape(units.shape[0] * units.shape[1], -1)  # a copy where strided
+        u1, u2, e1, e2 = units.shape
+        units = units.reshape(u1 * u2, e1 * e2)  # a copy where strided (-1: not with 0 units)
     lo, hi = torch.aminmax(units, dim=1)  # the torch path (stats.minmax.torch_unit_minmax)
     return lo.float(), hi.float()
 

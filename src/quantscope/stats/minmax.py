@@ -302,7 +302,8 @@ def _check_record(lo, hi, seen) -> None:
 
 def _torch_record_non_finite(lo, hi, seen) -> None:
     _check_record(lo, hi, seen)
-    seen |= ~torch.isfinite(torch.stack((lo.amin(), hi.amax()))).all()
+    if lo.numel():  # no units: nothing to record (amin of nothing is an error)
+        seen |= ~torch.isfinite(torch.stack((lo.amin(), hi.amax()))).all()
 
 
 def _cuda_record_non_finite(lo, hi, seen) -> None:

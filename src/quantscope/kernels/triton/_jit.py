@@ -43,13 +43,20 @@ def rint(t):
 
 
 @triton.jit
-def fake_quant(x, s, z, qmin, qmax):
+def fake_quant(x, s, z, qmin, qmax, ZERO_SIGN: tl.constexpr = False):
     """``(clamp(rint(x / s + z), qmin, qmax) - z) * s``: ``qdq.fake_quantize_units`` of
     an integer format, each float32 step rounded as its torch op (IEEE division; the clamp
-    keeps NaN, as ``torch.clamp``)."""
+    keeps NaN, as ``torch.clamp``). ``ZERO_SIGN``: the clamp keeps a ``-0`` code at
+    ``qmin = 0`` as ``torch.clamp`` does (a compare and a select each side, where IEEE
+    min / max are one instruction and return ``+0``: the same value, which an error sum
+    cannot tell apart; the fake-quantized output's bits can)."""
     t = rint(tl.math.div_rn(x, s) + z)
-    t = tl.minimum(tl.maximum(t, qmin, propagate_nan=tl.PropagateNan.ALL), qmax,
-                   propagate_nan=tl.PropagateNan.ALL)
+    if ZERO_SIGN:
+        t = tl.where(t < qmin, qmin, t)
+        t = tl.where(t > qmax, qmax, t)
+    else:
+        t = tl.minimum(tl.maximum(t, qmin, propagate_nan=tl.PropagateNan.ALL), qmax,
+                       propagate_nan=tl.PropagateNan.ALL)
     return (t - z) * s
 
 

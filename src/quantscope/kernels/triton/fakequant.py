@@ -27,7 +27,8 @@ def _fake_quant_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, stride_u, stride_e, q
     x = tl.load(x_ptr + r64 * stride_u + c64 * stride_e, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + rows, mask=rows < U, other=1.0)[:, None]
     z = tl.load(z_ptr + rows, mask=rows < U, other=0.0)[:, None]
-    tl.store(out_ptr + r64 * E + c64, fake_quant(x, s, z, qmin, qmax), mask=mask)
+    tl.store(out_ptr + r64 * E + c64, fake_quant(x, s, z, qmin, qmax, ZERO_SIGN=True),
+             mask=mask)
 
 
 def fake_quant_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,

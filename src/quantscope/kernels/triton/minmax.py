@@ -93,6 +93,9 @@ def unit_minmax(units: torch.Tensor, *, block_u: int | None = None, block_e: int
         U1, U2, E1, E2 = units.shape
         U, E = U1 * U2, E1 * E2
         su1, su2, se1, se2 = units.stride()
+    if U == 0:  # no program to launch (and none to split the elements among)
+        lo = torch.empty(0, dtype=torch.float32, device=units.device)
+        return lo, torch.empty_like(lo)
     bu, be = _blocks(U, E, block_e, block_u)
     chunk, splits = _split(U, E, bu, be, splits)
     lo = torch.empty(U * splits, dtype=torch.float32, device=units.device)
