@@ -163,6 +163,20 @@ def test_a_saved_smoothed_calibration_smooths_a_fresh_model_alike(tmp_path):
         torch.testing.assert_close(_logits(fresh, batches), want, rtol=0, atol=0)
 
 
+def test_a_smoothing_scale_of_another_length_is_refused_naming_the_module():
+    # probing: a hand-edited scale of 3 values failed deep in reapply (a size mismatch)
+    from quantscope.calibration.choice.smooth import reapply
+
+    model, batches = _llama()
+    calib = calibrate(model, batches, "w8a8", observer="minmax", smooth=0.8)
+    name = next(iter(calib.smoothing))
+    calib.smoothing[name] = torch.ones(3)
+    fresh, _ = _llama()
+    with pytest.raises(ValueError, match=rf"smooth: the calibration's scale for '{name}' has "
+                                         rf"shape \(3,\); this model's .* takes \d+ channels"):
+        reapply(fresh, calib)
+
+
 def test_every_recipe_of_one_pass_carries_the_smoothing():
     from quantscope.calibration import calibrate_many
 

@@ -315,6 +315,15 @@ def _edit(path, meta=None, tensors=None):
                                "0/weight/zero_point": torch.zeros(3, dtype=torch.int32)}),
      "0/weight/scale"),
     (None, lambda t: t.update({"0/weight/zero_point": torch.zeros(16)}), "zero_point"),
+    # probing: a per-tensor activation scale of 3 values loaded, and failed in apply()
+    (None, lambda t: t.update({"0/input/scale": torch.ones(3), "0/input/zero_point":
+                               torch.zeros(3, dtype=t["0/input/zero_point"].dtype)}),
+     r"0/input/scale: 3 values, but Tensor\(\) has one unit"),
+    # probing: a NaN / zero SmoothQuant scale loaded, and reapply() wrote NaN weights
+    (None, lambda t: t.update({"#smooth/norm": torch.tensor([1.0, float("nan")])}),
+     "#smooth/norm: must be finite and > 0"),
+    (None, lambda t: t.update({"#smooth/norm": torch.tensor([1.0, 0.0])}), "#smooth/norm"),
+    (None, lambda t: t.update({"#smooth/norm": torch.ones(2, 2)}), "#smooth/norm: expected a 1-D"),
 ])
 def test_damaged_calibration_named(saved, meta, tensors, where):
     _edit(saved, meta, tensors)

@@ -269,7 +269,13 @@ def reapply(model: nn.Module, calibration) -> None:
                          f"does not have as a smoothable module")
     for m in mappings:
         if m.previous in scales:
-            _write(modules, _new_params(modules, m, torch.as_tensor(scales[m.previous])))
+            s = torch.as_tensor(scales[m.previous])
+            channels = modules[m.balance[0]].weight.shape[1]
+            if s.shape != (channels,):
+                raise ValueError(f"smooth: the calibration's scale for {m.previous!r} has shape "
+                                 f"{tuple(s.shape)}; this model's {m.balance[0]} takes "
+                                 f"{channels} channels")
+            _write(modules, _new_params(modules, m, s))
 
 
 def _write(modules: dict[str, nn.Module], new: dict[str, torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from ...layout import Tensor
 from ...qparams import QParams
 from ...spec import QuantSpec
 from ..recipe import Recipe
@@ -91,9 +92,22 @@ def load(path, device="cpu") -> Calibration:
             states.setdefault(layer, {})[role] = _role_state(
                 d, tensors, f"{layer}/{role}", lambda k, m, w=where: bad(meta_path, f"{w}.{k}", m),
                 lambda k, m: bad(tensor_path, k, m))
-    smoothing = {k[len(SMOOTH):]: t for k, t in tensors.items() if k.startswith(SMOOTH)}
+    smoothing = {k[len(SMOOTH):]: _smoothing_scale(t, k, lambda k, m: bad(tensor_path, k, m))
+                 for k, t in tensors.items() if k.startswith(SMOOTH)}
     return Calibration(recipe, states, meta.get("label", ""), info=meta.get("info", {}),
                        smoothing=smoothing)
+
+
+def _smoothing_scale(t: torch.Tensor, key: str, bad_tensor) -> torch.Tensor:
+    """A SmoothQuant scale, checked: one finite value > 0 per channel (reapply divides the
+    weights by it)."""
+    if not t.dtype.is_floating_point or t.dim() != 1 or not t.numel():
+        raise bad_tensor(key, f"expected a 1-D float tensor of channel scales, got {t.dtype} "
+                              f"{tuple(t.shape)}")
+    if not bool((torch.isfinite(t) & (t > 0)).all()):
+        raise bad_tensor(key, "must be finite and > 0 (a NaN, inf or zero scale divides the "
+                              "weights into NaN)")
+    return t
 
 
 def _role_state(d, tensors, key, bad_meta, bad_tensor) -> RoleState:
@@ -172,7 +186,9 @@ def _role_qparams(get, key, spec, shape, dyn, bad_tensor) -> QParams | None:
     scale = get("scale", required=dyn is False, positive=True)
     if scale is None:
         return None
-    units = None if shape is None else spec.layout.num_units(shape)
+    # a per-tensor role has one unit whatever it saw; others are counted on the shape saved
+    units = 1 if isinstance(spec.layout, Tensor) else (
+        None if shape is None else spec.layout.num_units(shape))
     zp = get("zero_point", required=True, integer=True)
     if zp.shape != scale.shape:
         raise bad_tensor(f"{key}/zero_point", f"shape {tuple(zp.shape)} differs from the "
@@ -181,8 +197,8 @@ def _role_qparams(get, key, spec, shape, dyn, bad_tensor) -> QParams | None:
         raise bad_tensor(f"{key}/zero_point", f"outside the code range [{spec.qmin}, "
                                               f"{spec.qmax}] of {spec}")
     if units is not None and scale.numel() != units:
-        raise bad_tensor(f"{key}/scale", f"{scale.numel()} values, but {spec.layout} on "
-                                         f"shape {shape} has {units} units")
+        where = "has one unit" if shape is None else f"on shape {shape} has {units} units"
+        raise bad_tensor(f"{key}/scale", f"{scale.numel()} values, but {spec.layout} {where}")
     gs = get("global_scale", required=spec.scale.has_global_scale, positive=True)
     if gs is not None and gs.numel() != 1:
         raise bad_tensor(f"{key}/global_scale", f"expected one value, got {gs.numel()}")
