@@ -404,6 +404,19 @@ def test_fisher_weights_by_hand():
     assert torch.allclose(got, g.square().mean(0), rtol=1e-5)
 
 
+def test_fisher_default_loss_takes_the_batches_own_labels():
+    # probing: HF collators' batches carry labels; the default loss passed labels= twice
+    # (a bare TypeError)
+    model, batches = _llama()
+    labeled = [{**b, "labels": b["input_ids"].flip(1)} for b in batches]
+    layers = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    got = fisher_weights(model, labeled, layers)
+    want = fisher_weights(model, labeled, layers, lambda out, batch: out.loss)
+    assert all(torch.equal(got[k], want[k]) for k in layers)
+    other = fisher_weights(model, batches, layers)  # no labels: the inputs, padding left out
+    assert not torch.equal(got[layers[0]], other[layers[0]])
+
+
 # ----------------------------------------------------------------------------- estimators
 def test_imatrix_range_by_hand():
     torch.manual_seed(0)

@@ -41,8 +41,9 @@ IMATRIX = "imatrix"
 def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, torch.Tensor]:
     """Per layer, the mean squared gradient of the loss w.r.t. each output feature.
 
-    ``loss(output, batch) -> scalar tensor``; by default the model's own loss with the
-    inputs as labels (a causal LM's next-token loss; padded positions ignored).
+    ``loss(output, batch) -> scalar tensor``; by default the model's own loss on the batch's
+    ``labels``, or without them the inputs as labels (a causal LM's next-token loss; padded
+    positions ignored).
     """
     mods = {name: model.get_submodule(name) for name in layers}
     sums = {name: None for name in mods}
@@ -75,10 +76,8 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
                     if not (isinstance(batch, dict) or hasattr(batch, "keys")):
                         raise ValueError("fisher_weights: the default loss needs dict batches "
                                          "(input_ids); pass loss=callable(output, batch)")
-                    labels = batch["input_ids"].clone()
-                    if "attention_mask" in batch:
-                        labels[batch["attention_mask"] == 0] = -100
-                    value = getattr(model(**batch, labels=labels), "loss", None)
+                    value = getattr(model(**{**batch, "labels": _labels(batch)}), "loss",
+                                    None)
                     if value is None:
                         raise ValueError("fisher_weights: the model returns no loss; pass "
                                          "loss=callable(output, batch)")
@@ -89,6 +88,17 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
             h.remove()
         model.train(was)
     return {n: s / counts[n] for n, s in sums.items() if s is not None}
+
+
+def _labels(batch) -> torch.Tensor:
+    """The default loss's labels: the batch's own (a data collator's), else its input ids
+    with padding left out."""
+    if "labels" in batch:
+        return batch["labels"]
+    labels = batch["input_ids"].clone()
+    if "attention_mask" in batch:
+        labels[batch["attention_mask"] == 0] = -100
+    return labels
 
 
 # ----------------------------------------------------------------------------- joint choice
