@@ -367,3 +367,24 @@ def test_save_is_atomic(saved, monkeypatch):
         c.save(saved)
     assert _contents(saved) == before  # the old calibration is intact, no temporary left beside it
     assert not [n for n in os.listdir(os.path.dirname(saved)) if n.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("recipe", ["w4a16", "w8a8-dynamic", "mxfp4"])
+def test_a_nan_weight_is_an_error_naming_its_layer(recipe):
+    # probing: the weight observer's error named no layer (an activation's does)
+    m = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128)).eval()
+    with torch.no_grad():
+        m[2].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"calibrate: layer '2' weight: .*NaN or inf"):
+        calibrate(m, [torch.randn(4, 128)], recipe, progress=False)
+
+
+def test_apply_to_a_module_without_a_weight_names_it():
+    # probing: a hand-edited calibration's weight role on an activation: a bare AttributeError
+    import dataclasses
+
+    m = nn.Sequential(nn.Linear(32, 32), nn.ReLU()).eval()
+    c = calibrate(m, [torch.randn(4, 32)], "w8a8", progress=False)
+    c.states = {"1": {"weight": dataclasses.replace(c.states["0"]["weight"], shape=None)}}
+    with pytest.raises(ValueError, match=r"apply: 1 \(ReLU\) has no weight tensor"):
+        c.apply(m)

@@ -123,7 +123,11 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                                  f"another model?)") from None
             for role, state in roles.items():
                 if role == "weight":
-                    w = module.weight
+                    w = getattr(module, "weight", None)
+                    if not isinstance(w, torch.Tensor):
+                        raise ValueError(f"apply: {name} ({type(module).__name__}) has no "
+                                         f"weight tensor to quantize (calibrated on another "
+                                         f"model?)")
                     if state.shape is not None and tuple(w.shape) != tuple(state.shape):
                         raise ValueError(
                             f"apply: {name}.weight has shape {tuple(w.shape)}, but was "

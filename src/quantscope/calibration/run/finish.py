@@ -242,7 +242,10 @@ class _States:
     def state_of(self, obs, cfg, skey, shape):
         if skey not in self.made:
             t0 = time.perf_counter()
-            self.made[skey] = _state_from(obs, cfg, shape)
+            try:
+                self.made[skey] = _state_from(obs, cfg, shape)
+            except ValueError as e:  # the observer's own error (NaN in a weight) names no layer
+                raise ValueError(f"calibrate: layer {skey[0]!r} {skey[1]}: {e}") from None
             self.slots[skey[:2]].spent(skey[2], t0)  # the qparams: the observer's time
         return replace(self.made[skey], requested=cfg.observer)
 
