@@ -51,3 +51,46 @@ def test_llmcompressor_nvfp4_checkpoint(tmp_path):
     problems = check(out)
     assert [(p["group"], p["tensor"]) for p in problems] == [
         ("model.layers.0.self_attn.qkv_proj", "weight_global_scale")]
+
+
+def test_llmcompressor_nvfp4_checkpoint_of_a_bf16_model_reads_back(tmp_path):
+    # llm-compressor computes a bf16 model's input global scales in bf16: 620.0 is no value
+    # 448 * 6 / amax takes in float32 for any amax, and the reader raised. It now reads the
+    # nearest (one float32 ulp off) and says so.
+    pytest.importorskip("llmcompressor")
+    import warnings
+
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from safetensors.torch import load_file
+    from tiny_models import tokenizer as _tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantscope.calibration import Calibration
+    from quantscope.scales import nvfp4_global_scale
+
+    tok = _tokenizer(pad=True)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok))
+    src = tmp_path / "float"
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    tok.save_pretrained(src)
+    model = LlamaForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    ids = torch.randint(0, len(tok), (4, 16))
+    data = [{"input_ids": r.tolist(), "attention_mask": [1] * 16} for r in ids]
+    oneshot(model=model, processor=tok, dataset=Dataset.from_list(data),
+            recipe=QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=["lm_head"]),
+            num_calibration_samples=4, max_seq_length=16)
+    out = tmp_path / "nvfp4"
+    model.save_pretrained(out, save_compressed=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = Calibration.from_compressed_tensors(out)
+    stored = load_file(next(out.glob("*.safetensors")))
+    assert len(back.states) == 7
+    for layer, roles in back.states.items():
+        want = stored[f"{layer}.input_global_scale"].float().reshape(())
+        got = nvfp4_global_scale(roles["input"].global_amax, roles["input"].spec.format)
+        assert abs(float(got - want)) <= float(torch.nextafter(want, want * 2) - want), layer

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 
@@ -41,17 +42,25 @@ __all__ = ["read_compressed_tensors"]
 _ROLE = {"weights": "weight", "input_activations": "input", "output_activations": "output"}
 
 
-def _global_amax(gs: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """An amax whose NVFP4 global scale is exactly ``gs`` (``448 * 6 / amax`` inverted, then
-    nudged by ulps where float32 division does not round-trip)."""
+def _global_amax(gs: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
+    """An amax whose NVFP4 global scale is ``gs`` (``448 * 6 / amax`` inverted, then nudged by
+    ulps where float32 does not round-trip). A scale that no float32 amax gives (a bf16
+    model's: llm-compressor computes it in bf16) reads as the nearest one, with a warning."""
     gs = gs.float().reshape(())
     amax = (nvfp4_global_scale(torch.ones(()), spec.format) / gs).reshape(())
+    near = None
     for _ in range(8):
         got = nvfp4_global_scale(amax, spec.format)
         if torch.equal(got, gs):
             return amax
+        if near is None or abs(float(got - gs)) < abs(float(near[1] - gs)):
+            near = (amax, got)
         amax = torch.nextafter(amax, amax * 2 if got > gs else amax / 2)
-    raise ValueError(f"compressed-tensors: no amax gives the global scale {float(gs)!r}")
+    warnings.warn(f"from_compressed_tensors: {where}: no float32 amax gives the global scale "
+                  f"{float(gs)!r} (one computed in bf16?); read as {float(near[1])!r}, the "
+                  f"nearest quantscope's formula gives: a few run-time block scales may round "
+                  f"otherwise than the runtime's", stacklevel=2)
+    return near[0]
 
 
 def _load_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -181,7 +190,8 @@ def _state(st, role, module, local, args, spec, observer, weight_shape):
     if dynamic == "local":
         return RoleState(spec, observer, observer, "local",
                          global_amax=_global_amax(_qparam(gs, (1,), module,
-                                                          f"{base}_global_scale", spec), spec))
+                                                          f"{base}_global_scale", spec), spec,
+                                                  f"{module}.{base}_global_scale"))
     scale = get("scale")
     if scale is None:
         raise ValueError(f"from_compressed_tensors: {module} has no {base}_scale")
