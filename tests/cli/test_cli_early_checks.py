@@ -42,3 +42,55 @@ def test_compare_checks_every_recipe_before_the_float_evaluation(tiny_bert, tmp_
                    "--no-progress", "--device", "cpu", "--no-plots"])
     err = capsys.readouterr().err
     assert rc == 2 and "does not divide" in err and "evaluating float" not in err, err
+
+
+def _absent_device() -> str:
+    """A CUDA device this machine does not have: one past the last (cuda:0 without CUDA)."""
+    return f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 7}"
+
+
+@pytest.mark.parametrize("flag", [["--threads", "-1"], ["--device", "bogus"],
+                                  ["--device", "CUDA"], ["--device", "absent"]])
+@pytest.mark.parametrize("command", ["calibrate", "compare"])
+def test_threads_and_device_stop_before_the_model_loads(tiny_bert, tmp_path, capsys, command,
+                                                        flag):
+    flag = [f if f != "absent" else _absent_device() for f in flag]
+    extra = ["--observers", "minmax", "--no-plots"] if command == "compare" else []
+    rc = cli.main([command, "--model", tiny_bert, *flag, *extra, "--calib-docs", "2",
+                   "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"error: {flag[0]}" in err and flag[1] in err, err
+    assert "loading" not in err and not (tmp_path / "run").exists(), err
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda:x", "absent"])
+def test_evaluate_checks_device_before_loading(tmp_path, capsys, device):
+    device = _absent_device() if device == "absent" else device
+    (tmp_path / "run" / "qparams").mkdir(parents=True)  # a run folder; never read this far
+    (tmp_path / "run" / "qparams" / "quantscope.json").write_text("{}")
+    rc = cli.main(["evaluate", str(tmp_path / "run"), "--device", device, "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: --device" in err and device in err, err
+    assert "loading" not in err, err
+
+
+def test_device_is_checked_against_the_devices_torch_sees(monkeypatch):
+    from quantscope.cli.checks import UsageError
+    from quantscope.cli.running import resolve_device
+
+    assert resolve_device("cpu") == "cpu" and resolve_device("auto") in ("cpu", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == "cuda:1" and resolve_device("cuda") == "cuda"
+    with pytest.raises(UsageError, match=r"--device cuda:2: this machine has 2 cuda devices"):
+        resolve_device("cuda:2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match="--device cuda: this torch sees no cuda device"):
+        resolve_device("cuda")
+
+
+def test_threads_zero_is_torchs_choice():
+    from quantscope.cli.checks import check_resource_args
+
+    args = cli.build_parser().parse_args(["calibrate", "--threads", "0", "--device", "cuda:1"])
+    check_resource_args(args)  # the spelling only: whether cuda:1 is there comes later

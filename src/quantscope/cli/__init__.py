@@ -30,7 +30,7 @@ import sys
 import warnings
 
 from . import calibrate, compare, export, formats
-from .checks import UsageError, check_positive
+from .checks import UsageError, check_positive, check_resource_args
 from .compare import compare_rows
 from .names import KV_CACHE_NAMES, OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 
@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     try:
         check_positive(args, "calib_docs", "max_length", "batch_size", "eval_max_length",
                         "sample_tokens", "group_size")
+        check_resource_args(args)
         budget = getattr(args, "sample_budget_mb", None)
         if budget is not None and not (0 < budget < float("inf")):
             raise UsageError(f"--sample-budget-mb must be a positive number of MB, got {budget}")

@@ -10,7 +10,7 @@ import time
 from .checks import UsageError, check_model_arg, check_out, check_recipe_args, run_qparams
 from .names import TASKS
 from .options import add_common, add_recipe_args
-from .recipes import build_recipe, float_note
+from .recipes import build_recipe, float_note, observer_label
 from .running import (
     Evaluator,
     Phases,
@@ -62,8 +62,7 @@ def cmd_calibrate(args) -> int:
         return 0
     t = time.perf_counter()
     q = phases.run("evaluating quantized", lambda: ev.quantized(calib))
-    observer = "/".join(dict.fromkeys(
-        o for o in (args.weight_observer, args.input_observer) if o)) or args.observer
+    observer = observer_label(args, rec)
     calib.label = f"{rec.name}/{observer}"
     calib.info.update(setup, eval_seconds=round(time.perf_counter() - t, 2))
     metrics = {**q, **{f"{k}_fp32": v for k, v in fp.items()}}
@@ -115,6 +114,7 @@ def cmd_evaluate(args) -> int:
         raise UsageError(f"evaluate: {args.run!r} is not a folder")
     qdir = run_qparams(args.run)
     check_model_arg(args.model)
+    device = resolve_device(args.device)  # before the qparams and the model load
     from ..calibration import load
     from ..demo import models
 
@@ -128,7 +128,7 @@ def cmd_evaluate(args) -> int:
     task = args.task or info.get("task") or models.model_task(path)
     max_length = args.eval_max_length or info.get("eval_max_length", 256)
     model, tok = phases.run(f"loading {models.model_name(path)} ({task})", lambda: (
-        models.load_model(path, resolve_device(args.device), task=task)))
+        models.load_model(path, device, task=task)))
     ev = Evaluator(task, model, tok, max_length, not (args.no_progress or args.json))
     fp = phases.run("evaluating float", ev.reference)
     if calib.smoothing:  # calibrated on SmoothQuant's weights: the same function

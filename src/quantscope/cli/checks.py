@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 
 from .names import DEMO_MODELS, OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 
@@ -32,6 +33,25 @@ def check_positive(args, *names) -> None:
         v = getattr(args, n, None)
         if v is not None and v < 1:
             raise UsageError(f"--{n.replace('_', '-')} must be a positive integer, got {v}")
+
+
+#: the kinds of device --device takes, with an optional index (``cuda:1``); whether this
+#: machine has that device is asked of torch once the names are checked (running.resolve_device)
+DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu")
+
+
+def check_resource_args(args) -> None:
+    """``--threads`` and ``--device`` of any command that takes them, before torch is
+    imported (torch's own errors name neither flag, and come after the model has loaded)."""
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 0:
+        raise UsageError(f"--threads must be 0 (torch's choice) or a positive number of "
+                         f"threads, got {threads}")
+    device = getattr(args, "device", None)
+    if device is not None and device != "auto" and not re.fullmatch(
+            rf"({'|'.join(DEVICE_KINDS)})(:\d+)?", device):
+        raise UsageError(f"--device must be auto, {', '.join(DEVICE_KINDS)} or one of them "
+                         f"with an index (cuda:1), got {device!r}")
 
 
 def check_model_arg(path) -> None:

@@ -31,6 +31,9 @@ OBSERVER_NAMES = (
 TASKS = ("causal-lm", "embedding")
 DEMO_MODELS = ("minilm", "smollm2-135m")
 DEFAULT_OBSERVERS = "minmax,mse,percentile,entropy,mix,auto"
+#: the modules a preset or scheme quantizes unless --targets says otherwise (a recipe file's
+#: rules name their own)
+DEFAULT_TARGETS = ("Linear",)
 #: left in float unless --ignore says otherwise: the output head and the pooler (unused by
 #: mean-pooled embeddings), as the peers' recipes leave them; embeddings are not Linear
 DEFAULT_IGNORE = ["*pooler*", "*lm_head*"]

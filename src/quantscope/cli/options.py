@@ -8,6 +8,7 @@ import argparse
 from .names import (
     DEFAULT_IGNORE,
     DEFAULT_OBSERVERS,
+    DEFAULT_TARGETS,
     DEMO_MODELS,
     KV_CACHE_NAMES,
     RECIPE_NAMES,
@@ -63,11 +64,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_target_args(p: argparse.ArgumentParser) -> None:
     """Which modules are quantized, and how the recipe adapts to them."""
     r = p.add_argument_group("what is quantized")
-    r.add_argument("--targets", nargs="+", default=["Linear"], metavar="PATTERN",
-                   help="modules quantized: class names, name globs or re:regex (default: Linear)")
+    # None: not given (a recipe file's rules keep their own targets)
+    r.add_argument("--targets", nargs="+", default=None, metavar="PATTERN",
+                   help=f"modules quantized: class names, name globs or re:regex (default: "
+                        f"{' '.join(DEFAULT_TARGETS)}; with --recipe-file, the modules its "
+                        f"rules take, which --targets narrows)")
     r.add_argument("--ignore", nargs="*", default=DEFAULT_IGNORE, metavar="PATTERN",
                    help=f"modules left in float (default: {' '.join(DEFAULT_IGNORE)}: the output "
-                        f"head and pooler stay float, as the peers' recipes leave them)")
+                        f"head and pooler stay float, as the peers' recipes leave them; with "
+                        f"--recipe-file, added to its ignore list)")
     r.add_argument("--group-size", type=int, default=None, metavar="N",
                    help="the group size of grouped weights (W4A16 ...; default: the recipe's)")
     r.add_argument("--kv-cache", choices=KV_CACHE_NAMES, default=None,
@@ -100,9 +105,10 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                         "W4A8, FP8, FP8_DYNAMIC, NVFP4, MXFP4 ... (as llm-compressor names them)")
     g.add_argument("--recipe-file", default=None, metavar="FILE",
                    help="a recipe as JSON or YAML, the structure of Recipe.to_dict()")
-    g.add_argument("--observer", default="minmax",
+    # None: not given (a recipe file's roles keep their own observers)
+    g.add_argument("--observer", default=None,
                    help="observer of every calibrated role: a registry name or 'auto' "
-                        "(default: minmax)")
+                        "(default: minmax; with --recipe-file, the file's observers)")
     g.add_argument("--weight-observer", default=None, help="observer of the weights only")
     g.add_argument("--input-observer", default=None, help="observer of the input activations")
     add_activation_args(g)

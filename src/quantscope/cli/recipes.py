@@ -4,9 +4,10 @@ group size, KV cache and observers, checked against the model's layers."""
 from __future__ import annotations
 
 import json
+import re
 
 from .checks import UsageError
-from .names import RECIPE_NAMES
+from .names import DEFAULT_TARGETS, RECIPE_NAMES
 
 
 def build_recipe(args, model, observer=None, recipe_name=None):
@@ -15,11 +16,11 @@ def build_recipe(args, model, observer=None, recipe_name=None):
 
     from ..calibration import recipe as R
 
-    observer = observer or args.observer
-    kw = {"targets": tuple(args.targets), "ignore": tuple(args.ignore or ())}
+    observer = observer or args.observer or "minmax"
+    kw = {"targets": tuple(args.targets or DEFAULT_TARGETS), "ignore": tuple(args.ignore or ())}
     name = recipe_name or args.recipe
     if getattr(args, "recipe_file", None):
-        rec = _read_recipe_file(args.recipe_file)
+        rec = adjust_recipe_file(_read_recipe_file(args.recipe_file), args, model)
     elif name is not None and name.lower() in RECIPE_NAMES:
         rec = R.preset(name, observer, **kw)
     else:
@@ -41,6 +42,59 @@ def build_recipe(args, model, observer=None, recipe_name=None):
     except ValueError as e:
         raise UsageError(str(e)) from None
     return rec
+
+
+def adjust_recipe_file(rec, args, model):
+    """A recipe file as the flags adjust it: ``--ignore``'s patterns (by default the output
+    head and pooler) join its ignore list, ``--observer`` replaces every calibrated role's
+    observer as it builds a preset's, ``--targets`` narrows its rules. Flags not given leave
+    the file as it is."""
+    from dataclasses import replace
+
+    rec = replace(rec, ignore=tuple(dict.fromkeys(rec.ignore + tuple(args.ignore or ()))))
+    if args.observer:
+        rec = rec.with_observer(args.observer)
+    if args.targets:
+        rec = _narrow(rec, model, args.targets)
+    return rec
+
+
+def _narrow(rec, model, targets):
+    """Each rule of ``rec`` restricted to the modules it takes that ``targets`` also match.
+    A rule's targets are alternatives, so the intersection is written as the modules' exact
+    names: the saved recipe says what was quantized. Rules left with no module are dropped."""
+    from dataclasses import replace
+
+    from ..calibration.recipe import _matches
+
+    taken = [[] for _ in rec.rules]
+    for name, module in model.named_modules():
+        if not name or any(_matches(p, name, module) for p in rec.ignore):
+            continue
+        first = next((i for i, r in enumerate(rec.rules)
+                      if any(_matches(t, name, module) for t in r.targets)), None)
+        if first is not None and any(_matches(t, name, module) for t in targets):
+            # a name with glob characters is matched as a regex of itself, exactly
+            taken[first].append(name if not set(name) & set("*?[") and not name.startswith(
+                "re:") else "re:" + re.escape(name))
+    rules = tuple(replace(r, targets=tuple(t)) for r, t in zip(rec.rules, taken) if t)
+    if not rules:
+        file_targets = [t for r in rec.rules for t in r.targets]
+        raise UsageError(f"--targets {' '.join(targets)}: no module that recipe {rec.name!r}'s "
+                         f"rules take (targets {file_targets}, ignore {list(rec.ignore)}) "
+                         f"matches it; --targets narrows a recipe file's rules")
+    return replace(rec, rules=rules)
+
+
+def observer_label(args, rec) -> str:
+    """The observers the summary and the report name: the flags' (a preset is built from
+    them), or for a recipe file the ones its calibrated roles run (weight/input/output)."""
+    if getattr(args, "recipe_file", None):
+        return "/".join(dict.fromkeys(role.observer for r in rec.rules
+                                      for role in r.roles().values()
+                                      if role.dynamic is not True)) or "none (all dynamic)"
+    return "/".join(dict.fromkeys(o for o in (args.weight_observer, args.input_observer)
+                                  if o)) or args.observer or "minmax"
 
 
 def _read_recipe_file(path):

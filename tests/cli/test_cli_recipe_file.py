@@ -1,0 +1,137 @@
+"""``calibrate --recipe-file``: --ignore (and its default, the output head), --targets and
+--observer adjust the file's recipe as docs/guide/command-line.md says, and the summary names
+the observers the file's roles run."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantscope import cli
+
+transformers = pytest.importorskip("transformers")
+data = pytest.importorskip("quantscope.demo.data")
+try:
+    data.test_data_dir()
+except FileNotFoundError:
+    pytest.skip("gensim's test data (the Lee corpus) is not installed", allow_module_level=True)
+
+from tiny_models import tokenizer as _tokenizer
+
+FAST = ["--calib-docs", "4", "--max-length", "16", "--batch-size", "2", "--eval-max-length",
+        "16", "--device", "cpu", "--threads", "1", "--no-progress"]
+INT8_CHANNEL = {"spec": {"format": "int8", "layout": "channel:0"},
+                "observer": "memoryless_minmax", "dynamic": False}
+INT8_TENSOR = {"spec": {"format": "int8", "layout": "tensor"}, "observer": "minmax",
+               "dynamic": False}
+PLAIN = {"name": "mine", "rules": [{"targets": ["Linear"], "weight": INT8_CHANNEL,
+                                    "input": INT8_TENSOR}]}
+# attention weights only, then every other Linear with its input: the first rule wins
+TWO_RULES = {"name": "two", "ignore": ["*.o_proj"], "rules": [
+    {"targets": ["*.self_attn.*"], "weight": INT8_CHANNEL},
+    {"targets": ["Linear"], "weight": INT8_CHANNEL, "input": INT8_TENSOR}]}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-recipe-file")
+    tok = _tokenizer(pad=False)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   architectures=["LlamaForCausalLM"])
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _recipe_file(tmp_path, recipe) -> str:
+    path = tmp_path / f"{recipe['name']}.json"
+    path.write_text(json.dumps(recipe))
+    return str(path)
+
+
+def _built(llama_dir, *argv):
+    """The recipe ``calibrate ARGV`` builds, and what it quantizes: {layer: set of roles}."""
+    from quantscope.cli.checks import check_recipe_args
+    from quantscope.cli.recipes import build_recipe
+    from quantscope.demo import models
+
+    args = cli.build_parser().parse_args(["calibrate", "--model", llama_dir, *argv])
+    check_recipe_args(args)
+    model, _ = models.load_model(llama_dir, "cpu")
+    rec = build_recipe(args, model)
+    return rec, {n: set(roles) for n, (_, roles) in rec.match(model).items()}
+
+
+def test_the_output_head_stays_float_unless_ignore_says_otherwise(llama_dir, tmp_path):
+    f = _recipe_file(tmp_path, PLAIN)
+    rec, layers = _built(llama_dir, "--recipe-file", f)
+    assert "lm_head" not in layers and "lm_head" in "".join(rec.ignore)
+    assert len(layers) == 14  # 7 Linear in each of the 2 decoder layers
+    _, layers = _built(llama_dir, "--recipe-file", f, "--ignore")
+    assert "lm_head" in layers
+
+
+def test_ignore_joins_the_files_ignore_list(llama_dir, tmp_path):
+    rec, layers = _built(llama_dir, "--recipe-file", _recipe_file(tmp_path, TWO_RULES),
+                         "--ignore", "lm_head", "model.layers.0.mlp.down_proj")
+    assert rec.ignore == ("*.o_proj", "lm_head", "model.layers.0.mlp.down_proj")
+    assert not {"lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj"
+                } & set(layers)
+
+
+def test_targets_narrow_each_rule_first_rule_winning(llama_dir, tmp_path):
+    rec, layers = _built(llama_dir, "--recipe-file", _recipe_file(tmp_path, TWO_RULES),
+                         "--targets", "model.layers.1.*")
+    assert all(n.startswith("model.layers.1.") for n in layers) and len(layers) == 6
+    assert layers["model.layers.1.self_attn.q_proj"] == {"weight"}  # rule 1: weights only
+    assert layers["model.layers.1.mlp.up_proj"] == {"weight", "input"}
+    assert "model.layers.1.self_attn.o_proj" not in layers  # the file's ignore still holds
+    # the saved recipe names the modules it took
+    assert rec.rules[0].targets == tuple(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")
+
+
+def test_targets_matching_none_of_the_files_modules_stop_early(llama_dir, tmp_path, capsys):
+    rc = cli.main(["calibrate", "--model", llama_dir, "--recipe-file",
+                   _recipe_file(tmp_path, PLAIN), "--targets", "Conv2d",
+                   "--out", str(tmp_path / "run"), *FAST])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--targets Conv2d: no module that recipe 'mine'" in err, err
+    assert "evaluating float" not in err and not (tmp_path / "run").exists()
+
+
+def test_observer_replaces_the_files_observers(llama_dir, tmp_path):
+    f = _recipe_file(tmp_path, PLAIN)
+    rec, _ = _built(llama_dir, "--recipe-file", f)
+    assert (rec.rules[0].weight.observer, rec.rules[0].input.observer) == (
+        "memoryless_minmax", "minmax")  # the file's, when --observer is not given
+    rec, _ = _built(llama_dir, "--recipe-file", f, "--observer", "mse")
+    assert (rec.rules[0].weight.observer, rec.rules[0].input.observer) == (
+        "memoryless_mse", "mse")
+    rec, _ = _built(llama_dir, "--recipe-file", f, "--observer", "mse", "--weight-observer",
+                    "minmax")
+    assert (rec.rules[0].weight.observer, rec.rules[0].input.observer) == ("minmax", "mse")
+
+
+def test_calibrate_with_a_recipe_file_saves_and_says_what_ran(llama_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    rc = cli.main(["calibrate", "--model", llama_dir, "--recipe-file",
+                   _recipe_file(tmp_path, PLAIN), "--ignore", "lm_head",
+                   "model.layers.0.mlp.down_proj", "--targets", "model.layers.1.*",
+                   "--observer", "mse", "--out", str(run), *FAST])
+    out = capsys.readouterr().out
+    assert rc == 0
+    meta = json.loads(Path(run, "qparams", "quantscope.json").read_text())
+    layers = meta["layers"]
+    assert layers and all(n.startswith("model.layers.1.") for n in layers)
+    assert layers["model.layers.1.mlp.down_proj"]["input"]["observer"] == "mse"
+    assert meta["recipe"]["ignore"] == ["lm_head", "model.layers.0.mlp.down_proj"]
+    assert "mine, observer memoryless_mse/mse" in out
+    assert "left in float: model.layers.0.mlp.down_proj, lm_head" in out
+    # without --observer the summary names the file's observers, not the flag's default
+    rc = cli.main(["calibrate", "--model", llama_dir, "--recipe-file",
+                   _recipe_file(tmp_path, PLAIN), "--out", str(run), *FAST])
+    assert rc == 0 and "mine, observer memoryless_minmax/minmax" in capsys.readouterr().out
