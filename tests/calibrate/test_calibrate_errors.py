@@ -96,3 +96,88 @@ def test_a_ranks_shard_names_the_batch_by_its_place_among_all():
     batches[2][0, 0] = float("nan")
     with pytest.raises(ValueError, match="calibration batch 5 "):
         observe_batches(model, batches, slots, 64, False, 0, batch_index=lambda i: 2 * i + 1)
+
+
+def test_time_groups_naming_no_recipe_fail_before_any_forward():
+    from quantscope.calibration import Runtime
+
+    with pytest.raises(ValueError, match=r"Runtime\.time_groups\['g'\] names 'nope'.*\['w8a8'\]"):
+        calibrate(_NoForward(), [torch.randn(2, 96)], "w8a8", progress=False,
+                  runtime=Runtime(time_groups={"g": ["w8a8", "nope"]}))
+
+
+def test_recipes_of_one_name_are_refused_not_dropped():
+    """A list is labelled by name: the second ``w8a8`` would replace the first."""
+    with pytest.raises(ValueError, match="two recipes are named 'w8a8'"):
+        calibrate_many(_NoForward(), [torch.randn(2, 96)],
+                       [preset("w8a8"), preset("w8a8", "percentile")], progress=False)
+
+
+def _weight_rule(targets=("Linear",)):
+    from quantscope.calibration import Role, Rule
+    from quantscope.spec import QuantSpec
+
+    return Rule(targets, weight=Role(QuantSpec("int8", "channel:0"), "memoryless_minmax"))
+
+
+def _recipe(**fields):
+    from quantscope.calibration import Recipe
+
+    return Recipe(_weight_rule(), **fields)
+
+
+def test_a_recipe_file_reads_a_string_as_one_pattern_as_recipe_does():
+    from quantscope.calibration import Recipe
+
+    d = {"rules": [dict(_weight_rule().to_dict(), targets="Linear")],
+         "ignore": "model.layers.0.mlp.down_proj", "split": "*.k_proj", "fuse": "*.[qkv]_proj"}
+    made = Recipe(_weight_rule("Linear"), ignore="model.layers.0.mlp.down_proj",
+                  split="*.k_proj", fuse="*.[qkv]_proj")
+    assert Recipe.from_dict(d) == made
+    assert (made.ignore, made.split, made.fuse, made.rules[0].targets) == (
+        ("model.layers.0.mlp.down_proj",), ("*.k_proj",), (("*.[qkv]_proj",),), ("Linear",))
+    assert Recipe.from_dict(made.to_dict()) == made
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda: preset("w8a8", targets=[nn.Linear]), r"Rule\.targets .*by name: 'Linear'"),
+    (lambda: preset("w8a8", ignore=[nn.ReLU]), r"Recipe\.ignore .*'ReLU'"),
+    (lambda: _weight_rule([1]), r"Rule\.targets must hold strings"),
+    (lambda: _weight_rule(5), r"Rule\.targets must be a pattern string or a list"),
+    (lambda: _weight_rule(None), r"Rule\.targets must name at least one"),
+    (lambda: _recipe(split=3), r"Recipe\.split must be a pattern string or a list"),
+    (lambda: _recipe(fuse=[("*.q_proj", nn.Linear)]), r"Recipe\.fuse groups must hold"),
+])
+def test_targets_and_ignore_must_be_strings(make, said):
+    with pytest.raises(ValueError, match=said):
+        make()
+
+
+def test_no_ignore_list_is_none():
+    assert preset("w8a8", ignore=None) == preset("w8a8")
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    (5, " must be a mapping"), ("abc", " must be a mapping"), ([("a", 1, 2)], " must be a mapping"),
+    ({1: 0.5}, ": keyword names must be strings"),
+    ({"averaging_constant": [0.5]}, r"\['averaging_constant'\] must be hashable"),
+])
+def test_role_options_are_a_mapping_of_names_to_hashable_values(options, said):
+    from quantscope.calibration import Role
+    from quantscope.spec import QuantSpec
+
+    with pytest.raises(ValueError, match=r"Role\.options" + said):
+        Role(QuantSpec("int8"), "minmax", options=options)
+
+
+def test_role_options_as_pairs_calibrate_as_the_mapping():
+    from quantscope.calibration import Recipe, Role, Rule
+    from quantscope.spec import QuantSpec
+
+    pairs = Role(QuantSpec("int8"), "minmax", options=[("averaging_constant", 0.5)])
+    mapping = Role(QuantSpec("int8"), "minmax", options={"averaging_constant": 0.5})
+    assert pairs == mapping and pairs.options == (("averaging_constant", 0.5),)
+    assert Role(QuantSpec("int8"), options=None).options == ()
+    batches = [torch.randn(8, 16) for _ in range(3)]
+    cal = calibrate(_mlp(), batches, Recipe(Rule(("Linear",), input=pairs)), progress=False)
+    assert cal.states["0"]["input"].qparams is not None

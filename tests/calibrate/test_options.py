@@ -54,6 +54,12 @@ def _llama(seed=0):
     (lambda: Sequential(cache_budget_mb=math.inf), "Sequential.cache_budget_mb"),
     (lambda: Runtime(missing="drop"), "Runtime.missing"),
     (lambda: Runtime(time_groups=["a"]), "Runtime.time_groups"),
+    (lambda: Runtime(time_groups={"g": "w8a8"}), "Runtime.time_groups"),  # not its letters
+    (lambda: MoE(all_experts="no"), "MoE.all_experts"),  # would read as True
+    (lambda: MoE(all_experts=1), "MoE.all_experts"),
+    (lambda: Sequential(device="bogus", checkpoint="ckpt"), "Sequential.device"),
+    (lambda: Sequential(device="cuda:x", checkpoint="ckpt"), "Sequential.device"),
+    (lambda: Sequential(device="cpu"), "Sequential.device"),  # moves nothing without it
 ])
 def test_each_object_validates_its_fields(make, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -171,3 +177,45 @@ def test_the_cli_builds_the_objects():
     assert got["auto"] == Auto(("minmax",), "tensor", score_tokens=16)
     assert got["outliers"] == Outliers(0.5, 1, "float")
     assert got["runtime"] == Runtime() and got["progress"] is False
+
+
+def test_sequential_device_is_a_torch_device_and_flat_keywords_set_it_with_checkpoint():
+    assert Sequential(device="cpu", checkpoint="c").device == torch.device("cpu")
+    # device= without checkpoint= is refused: the two flat keywords are applied together
+    with pytest.warns(DeprecationWarning):
+        o = from_keywords(Options(sequential=Sequential()), {"device": "cpu", "checkpoint": "c"})
+    assert (o.sequential.device, o.sequential.checkpoint) == (torch.device("cpu"), "c")
+
+
+@pytest.mark.parametrize(("device", "count", "said"), [
+    ("cuda", 0, "this torch sees no cuda device"),
+    ("cuda:7", 2, r"this machine has 2 cuda devices \(cuda:0 to cuda:1\)"),
+])
+def test_a_device_this_torch_cannot_use_is_refused_when_calibration_starts(
+        monkeypatch, tmp_path, device, count, said):
+    """Before the checkpoint is read or any block runs (the folder is empty), not silently
+    on the CPU; the object itself is made (options may be written on another machine)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    seq = Sequential(device=device, checkpoint=tmp_path)
+    model, batches = _llama()
+    with pytest.raises(ValueError, match=r"Sequential\.device " + device + ": " + said):
+        calibrate(model, batches, "w8a8", progress=False, sequential=seq)
+
+
+def test_sequential_device_places_the_checkpoints_weights(tmp_path):
+    from quantscope.calibration.run.checkpoint import empty_model
+
+    model, batches = _llama()
+    model.save_pretrained(tmp_path)
+    whole = calibrate(model, batches, "w8a8", progress=False)
+    seq = calibrate(empty_model(tmp_path), batches, "w8a8", progress=False,
+                    sequential=Sequential(checkpoint=tmp_path, device="cpu"))
+    assert seq.quantizes_like(whole)
+
+
+def test_time_groups_name_recipe_labels():
+    model, batches = _llama()
+    out = calibrate_many(model, batches, {"a": "w8a8", "b": "w4a16"}, progress=False,
+                         runtime=Runtime(time_groups={"both": ("a", "b")}))
+    assert set(out["a"].info["group_seconds"]) == {"both"}

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import torch
+
 from .choice.sensitivity import FALLBACK_MODES
 from .choice.smooth import check as _check_alpha
 from .run.finish import MISSING_POLICIES
@@ -130,6 +132,9 @@ class MoE:
     min_tokens: int = MIN_TOKENS
 
     def __post_init__(self):
+        if not isinstance(self.all_experts, bool):  # "no" or 0.5 would read as True
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
+                f"calibrate: MoE.all_experts must be True or False, got {self.all_experts!r}")
         _positive_int("MoE", "min_tokens (expert_min_tokens)", self.min_tokens)
 
 
@@ -175,7 +180,11 @@ class Sequential:
         cache_budget_mb: the memory the blocks' cached activations may take before they
             spill to disk (None: the default of :mod:`.sequential`).
         cache_dir: where they spill (None: the system's temporary folder).
-        device: where each block runs (None: where it is).
+        device: where the weights loaded from ``checkpoint`` go, so where the blocks run (a
+            torch device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; None: the CPU, where
+            safetensors reads them); the batches must be there too. Needs ``checkpoint``:
+            weights already loaded stay where they are. Checked against the devices this
+            torch sees when calibration starts (:meth:`check_device`).
     """
 
     mode: str = "float"
@@ -193,6 +202,18 @@ class Sequential:
                               or not math.isfinite(b) or b < 0):
             raise ValueError(f"calibrate: Sequential.cache_budget_mb must be a finite number "
                              f"of MB >= 0, got {b!r}")
+        if self.device is not None:
+            object.__setattr__(self, "device", _device(self.device))
+            if self.checkpoint is None:  # it would move nothing: say so rather than ignore it
+                raise ValueError(f"calibrate: Sequential.device ({self.device}) is where the "
+                                 f"weights loaded from checkpoint go; give checkpoint= too, or "
+                                 f"move the model to {self.device} before calibrating")
+
+    def check_device(self) -> None:
+        """Raises unless this torch can use :attr:`device` (at the start of a calibration,
+        not when made: the options may be written on another machine)."""
+        if self.device is not None:
+            check_device(self.device, "calibrate: Sequential.device")
 
     def keywords(self) -> dict:
         """:func:`~.sequential.calibrate_sequential`'s keywords."""
@@ -222,9 +243,12 @@ class Runtime:
 
     def __post_init__(self):
         _one_of("Runtime", "missing", self.missing, MISSING_POLICIES)
-        if self.time_groups is not None and not isinstance(self.time_groups, dict):
-            raise ValueError(f"calibrate: Runtime.time_groups must be a dict of label lists, "
-                             f"got {self.time_groups!r}")
+        groups = self.time_groups
+        # each group a list of labels, read twice (a string would be its letters)
+        if groups is not None and (not isinstance(groups, dict) or not all(
+                isinstance(labels, (list, tuple, set, frozenset)) for labels in groups.values())):
+            raise ValueError(f"calibrate: Runtime.time_groups must be a dict of label lists "
+                             f"({{'name': ['label', ...]}}), got {groups!r}")
 
 
 _KINDS = {"sampling": Sampling, "auto": Auto, "moe": MoE, "outliers": Outliers,
@@ -253,10 +277,13 @@ class Options:
     def but(self, **changes) -> Options:
         """A copy with fields of the objects changed: ``but(sampling__seed=1, progress=False)``."""
         top = {k: v for k, v in changes.items() if "__" not in k}
+        nested = {}
         for key, value in changes.items():
             if "__" in key:
                 kind, name = key.split("__")
-                top[kind] = replace(top.get(kind, getattr(self, kind)), **{name: value})
+                nested.setdefault(kind, {})[name] = value
+        for kind, values in nested.items():  # together: fields checked against each other
+            top[kind] = replace(top.get(kind, getattr(self, kind)), **values)
         return replace(self, **top)
 
 
@@ -275,6 +302,37 @@ KEYWORDS = {
     "distributed": ("runtime", "distributed"), "group": ("runtime", "group"),
     "missing": ("runtime", "missing"), "time_groups": ("runtime", "time_groups"),
 }
+
+
+def _device(value) -> torch.device:
+    """``Sequential.device`` as a ``torch.device`` (whether this torch has it: later)."""
+    if isinstance(value, torch.device):
+        return value
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError, ValueError) as e:
+        reason = str(e).splitlines()[0]
+        raise ValueError(f"calibrate: Sequential.device must be a torch device such as 'cpu', "
+                         f"'cuda' or 'cuda:1', got {value!r} ({reason})") from None
+
+
+def check_device(device: torch.device, who: str) -> None:
+    """Raises a ValueError that starts with ``who`` unless this torch sees ``device`` (its
+    type, and its index among that type's devices); the command line's ``--device`` too."""
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
+    count = (backend.device_count() if backend is not None
+             and getattr(backend, "is_available", lambda: False)() else 0)
+    if not count:
+        cuda = device.type == "cuda" and torch.version.cuda is None
+        raise ValueError(f"{who} {device}: this torch sees no {device.type} device (torch "
+                         f"{torch.__version__}{', built without CUDA' if cuda else ''}); cpu "
+                         f"runs here")
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{who} {device}: this machine has {count} {device.type} "
+                         f"device{'s' if count > 1 else ''} ({device.type}:0 to "
+                         f"{device.type}:{count - 1})")
 
 
 def as_sequential(value) -> Sequential | None:

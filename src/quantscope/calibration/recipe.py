@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -60,7 +61,8 @@ class Role:
             from each tensor at run time, as llm-compressor's ``dynamic=True``:
             no calibration) or ``"local"`` (NVFP4 activations: the global scale is
             calibrated, block scales are computed at run time).
-        options: keyword options for the observer (``{"averaging_constant": 0.1}``).
+        options: keyword options for the observer (``{"averaging_constant": 0.1}``, or
+            its ``(name, value)`` pairs); kept as a sorted tuple of pairs (hashable).
     """
 
     spec: QuantSpec
@@ -75,8 +77,7 @@ class Role:
             raise ValueError(f"Role.observer must be an observer name, got {self.observer!r}")
         if self.dynamic not in DYNAMIC_MODES:
             raise ValueError(f"Role.dynamic must be one of {DYNAMIC_MODES}, got {self.dynamic!r}")
-        if isinstance(self.options, dict):
-            object.__setattr__(self, "options", tuple(sorted(self.options.items())))
+        object.__setattr__(self, "options", _role_options(self.options))
 
     @property
     def needs_data(self) -> bool:
@@ -90,7 +91,50 @@ class Role:
     @classmethod
     def from_dict(cls, d: dict) -> Role:
         return cls(QuantSpec.from_dict(d["spec"]), d["observer"], d["dynamic"],
-                   tuple(sorted(d.get("options", {}).items())))
+                   d.get("options"))
+
+
+def _role_options(options) -> tuple:
+    """``Role.options`` as sorted ``(name, value)`` pairs: the observers are keyed by them,
+    so the names must be keywords and the values hashable. None: no options."""
+    if options is None:
+        return ()
+    pairs = (options.items() if isinstance(options, Mapping)
+             else options if isinstance(options, (tuple, list)) else None)
+    if pairs is None or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+        raise ValueError(f"Role.options must be a mapping of observer keyword names to values "
+                         f"({{'averaging_constant': 0.1}}), got {options!r}")
+    options = dict(pairs)
+    for name, value in options.items():
+        if not isinstance(name, str):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
+                f"Role.options: keyword names must be strings, got {name!r}")
+        try:
+            hash(value)
+        except TypeError:
+            raise ValueError(f"Role.options[{name!r}] must be hashable (a tuple, not a list: "
+                             f"observers are shared by their options), got {value!r}") from None
+    return tuple(sorted(options.items()))
+
+
+def _patterns(owner: str, value) -> tuple[str, ...]:
+    """``value`` as a tuple of module name patterns: a string is one pattern, None none."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    try:
+        value = tuple(value)
+    except TypeError:
+        raise ValueError(f"{owner} must be a pattern string or a list of them, got "
+                         f"{value!r}") from None
+    for p in value:
+        if not isinstance(p, str):
+            hint = f" (write the class by name: {p.__name__!r})" if isinstance(p, type) else ""
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
+                f"{owner} must hold strings: a module class name, a glob on the module's "
+                f"name or 're:' and a regular expression; got {p!r}{hint}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -103,9 +147,7 @@ class Rule:
     output: Role | None = None
 
     def __post_init__(self):
-        if isinstance(self.targets, str):
-            object.__setattr__(self, "targets", (self.targets,))
-        object.__setattr__(self, "targets", tuple(self.targets))
+        object.__setattr__(self, "targets", _patterns("Rule.targets", self.targets))
         if not self.targets:
             raise ValueError("Rule.targets must name at least one module type or name pattern")
         if self.weight is None and self.input is None and self.output is None:
@@ -121,7 +163,7 @@ class Rule:
 
     @classmethod
     def from_dict(cls, d: dict) -> Rule:
-        return cls(tuple(d["targets"]),
+        return cls(d["targets"],
                    **{r: (None if d.get(r) is None else Role.from_dict(d[r])) for r in ROLES})
 
 
@@ -163,13 +205,14 @@ class Recipe:
         if isinstance(self.rules, Rule):
             object.__setattr__(self, "rules", (self.rules,))
         object.__setattr__(self, "rules", tuple(self.rules))
-        if isinstance(self.ignore, str):
-            object.__setattr__(self, "ignore", (self.ignore,))
-        object.__setattr__(self, "ignore", tuple(self.ignore))
-        object.__setattr__(self, "fuse", tuple((p,) if isinstance(p, str) else tuple(p)
-                                               for p in self.fuse))
-        object.__setattr__(self, "split", (self.split,) if isinstance(self.split, str)
-                           else tuple(self.split))
+        object.__setattr__(self, "ignore", _patterns("Recipe.ignore", self.ignore))
+        fuse = (self.fuse,) if isinstance(self.fuse, str) else self.fuse or ()  # one group
+        if not isinstance(fuse, (tuple, list)):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
+                f"Recipe.fuse must be a list of groups of name patterns, got {fuse!r}")
+        object.__setattr__(self, "fuse", tuple(_patterns("Recipe.fuse groups", p)
+                                               for p in fuse))
+        object.__setattr__(self, "split", _patterns("Recipe.split", self.split))
         if not isinstance(self.fusion, bool):
             raise TypeError(f"Recipe.fusion must be True or False, got {self.fusion!r}")
         object.__setattr__(self, "kv_cache", kv_cache_role(self.kv_cache))
@@ -223,8 +266,7 @@ class Recipe:
             if role is None or role.dynamic is True:
                 return role
             name = weight_observer(observer) if kind == "weight" else observer
-            opts = () if name != observer else tuple(sorted(options.items()))
-            return replace(role, observer=name, options=opts)
+            return replace(role, observer=name, options=options if name == observer else ())
         rules = tuple(replace(r, **{k: swap(getattr(r, k), k) for k in ROLES})
                       for r in self.rules)
         # the KV cache takes a named observer: auto leaves it as it is
@@ -244,10 +286,11 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, d: dict) -> Recipe:
-        return cls(tuple(Rule.from_dict(r) for r in d["rules"]), tuple(d.get("ignore", ())),
-                   d.get("name", "custom"), d.get("fusion", True),
-                   tuple(tuple(p) for p in d.get("fuse", ())), tuple(d.get("split", ())),
-                   None if d.get("kv_cache") is None else Role.from_dict(d["kv_cache"]))
+        # patterns as written: Recipe reads a string as one pattern, as when made in Python
+        kv = d.get("kv_cache")
+        return cls(tuple(Rule.from_dict(r) for r in d["rules"]), d.get("ignore", ()),
+                   d.get("name", "custom"), d.get("fusion", True), d.get("fuse", ()),
+                   d.get("split", ()), None if kv is None else Role.from_dict(kv))
 
 
 #: ``kv_cache=`` names: the KV cache format vLLM's ``kv_cache_dtype`` takes
@@ -360,13 +403,12 @@ def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
     key = str(name).lower()
     if key not in RECIPES:
         raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(RECIPES)}")
-    rule = replace(RECIPES[key](observer), targets=tuple([targets] if isinstance(targets, str)
-                                                         else targets))
-    recipe = Recipe((rule,), tuple([ignore] if isinstance(ignore, str) else ignore), key)
+    # Rule and Recipe read targets / ignore (a string is one pattern, None no ignore list)
+    recipe = Recipe((replace(RECIPES[key](observer), targets=targets),), ignore, key)
     recipe = recipe.with_observer(observer, **options)
     kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
     if isinstance(kv_cache, str):  # a format name: observed as the activations are
-        kv_cache = replace(kv_cache_role(kv_cache), options=tuple(sorted(options.items())),
+        kv_cache = replace(kv_cache_role(kv_cache), options=options,
                            observer="minmax" if observer == AUTO else observer)
     return replace(recipe, kv_cache=kv_cache)
 
@@ -389,7 +431,7 @@ def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
     if key not in PRESET_SCHEMES or not PRESET_SCHEMES[key]:
         raise ValueError(f"recipe: unknown scheme {name!r}; expected one of "
                          f"{sorted(k for k, v in PRESET_SCHEMES.items() if v)}")
-    targets = tuple([targets] if isinstance(targets, str) else targets)
+    targets = _patterns("targets", targets)
     s = QuantizationScheme(targets=list(targets), **PRESET_SCHEMES[key])
     roles = {}
     for role, args in (("weight", s.weights), ("input", s.input_activations),
@@ -399,8 +441,7 @@ def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
         dynamic = args.dynamic if isinstance(args.dynamic, bool) else "local"
         obs = "memoryless_minmax" if dynamic is True else observer
         roles[role] = Role(llmcompressor_spec(args, role), obs, dynamic)
-    recipe = Recipe((Rule(targets, **roles),), tuple([ignore] if isinstance(ignore, str)
-                                                    else ignore), key)
+    recipe = Recipe((Rule(targets, **roles),), ignore, key)
     return recipe.with_observer(observer, **options)
 
 

@@ -33,22 +33,14 @@ def resolve_device(name: str) -> str:
     spelling is checked before torch is imported: checks.check_resource_args)."""
     import torch
 
+    from ..calibration.options import check_device
+
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cpu":
-        return name
-    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
-    count = backend.device_count() if backend is not None and backend.is_available() else 0
-    if not count:
-        build = f"torch {torch.__version__}" + (", built without CUDA" if device.type == "cuda"
-                                                and torch.version.cuda is None else "")
-        raise UsageError(f"--device {name}: this torch sees no {device.type} device ({build}); "
-                         f"--device cpu runs here")
-    if device.index is not None and device.index >= count:
-        raise UsageError(f"--device {name}: this machine has {count} {device.type} device"
-                         f"{'s' if count > 1 else ''} ({device.type}:0 to "
-                         f"{device.type}:{count - 1})")
+    try:
+        check_device(torch.device(name), "--device")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return name
 
 

@@ -156,7 +156,7 @@ def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[st
             batches = list(batches)
             fisher = _fisher_weights(model, batches, recipes, opts.auto)
         # MoE experts become Linear views for the whole calibration (moe.py); restored after
-        with _moe.attach(model, bool(opts.moe.all_experts)) as experts:
+        with _moe.attach(model, opts.moe.all_experts) as experts:
             experts.min_tokens = opts.moe.min_tokens
             if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
                 return _calibrate_distributed(model, batches, recipes, opts, t0, experts)
@@ -202,6 +202,12 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
             raise ValueError("calibrate: sequential and distributed calibration do not combine")
         if opts.runtime.time_groups:
             raise ValueError("calibrate: Runtime.time_groups is not available with sequential")
+        seq.check_device()
+    for name, labels in (opts.runtime.time_groups or {}).items():
+        unknown = [label for label in labels if label not in recipes]
+        if unknown:
+            raise ValueError(f"calibrate: Runtime.time_groups[{name!r}] names {unknown[0]!r}, "
+                             f"which is not a recipe label; the labels are {list(recipes)}")
     return recipes
 
 
@@ -222,7 +228,12 @@ def _as_recipes(recipes) -> dict[str, Recipe]:
         recipes = [recipes]
     if not isinstance(recipes, dict):
         recipes = [_as_recipe(r, None) for r in recipes]
-        recipes = {r.name: r for r in recipes}
+        names = [r.name for r in recipes]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:  # labelled by name, the later one would replace the earlier
+            raise ValueError(f"calibrate: two recipes are named {twice!r}; give each its own "
+                             f"name, or label them with a dict {{label: recipe}}")
+        recipes = dict(zip(names, recipes))
     else:
         recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
     if not recipes:
