@@ -195,3 +195,18 @@ def test_spill_files_are_read_without_unpickling_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         cache.get(0)
     assert not marker.exists()
+
+
+def test_auto_chooses_the_head_by_its_output_error():
+    # probing: the head runs on replayed block outputs fed by batch order; auto's "model"
+    # metric forwarded it again and scored one batch's logits against another's (a shape
+    # error with batches of different lengths, wrong scores without). There the head
+    # chooses as metric "output" does in a whole-model pass.
+    model = _model(tied=False, layers=2)
+    seq = calibrate(model, _batches(), "w8a8", observer="auto", progress=False,
+                    sequential=True)
+    whole = calibrate(model, _batches(), "w8a8", observer="auto", auto_metric="output",
+                      progress=False)
+    _assert_same(whole, seq, layers={"lm_head"})
+    assert {st.observer for st in seq.states["lm_head"].values()} == {
+        st.observer for st in whole.states["lm_head"].values()}

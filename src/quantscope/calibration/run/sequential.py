@@ -400,7 +400,7 @@ def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hi
             yield batch
 
     with _no_kv_cache(model):
-        got = calibrate_many(model, indexed(), todo, progress=False, **options)
+        got = calibrate_many(model, indexed(), todo, progress=False, replayed=True, **options)
     for k, c in got.items():
         run.parts[k].append(c)
 

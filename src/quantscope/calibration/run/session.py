@@ -142,10 +142,20 @@ def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[st
         if opts.sequential is not None:
             # every piece calibrates with the other options (none of the outliers' ones)
             inner = opts.but(sequential=None, runtime__time_groups=None)
+
+            def piece(m, b, r, progress=False, replayed=False):
+                # the head runs on the blocks' replayed outputs, fed by batch order: auto's
+                # whole-model metrics forward it again (all batches, row pieces) and would
+                # read the wrong batch's; there it chooses by its layers' output error
+                metric = inner.auto.metric
+                if replayed and metric in ("model", "fisher"):
+                    metric = "output"
+                return calibrate_with(m, b, r, inner.but(progress=progress,
+                                                         auto__metric=metric))
+
             return _sequential.calibrate_sequential(
-                lambda m, b, r, progress=False: calibrate_with(m, b, r,
-                                                               inner.but(progress=progress)),
-                model, batches, recipes, progress=opts.progress, **opts.sequential.keywords())
+                piece, model, batches, recipes, progress=opts.progress,
+                **opts.sequential.keywords())
         if opts.auto.metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
             # the outliers' steps go around the whole choice (_around), not each pass
             return _auto.calibrate_end_to_end(calibrate_with, model, batches, recipes,
