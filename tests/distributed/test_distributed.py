@@ -249,6 +249,17 @@ def _scenarios(r, w, group=None):
     except ValueError as e:
         out["mismatch"] = str(e)
 
+    # step-synced observers given other unit counts on each rank: one error everywhere (the
+    # min-max family's range exchange aborted gloo: SIGABRT, found by probing)
+    for family in ("minmax", "percentile"):
+        obs = quantscope.get_observer(family, QuantSpec(layout=Channel(-1)))
+        obs.sync_every_step, obs.sync_group = True, group
+        try:
+            obs(torch.randn(4, 16 if r == 0 else 8))
+            out[f"units_{family}"] = None
+        except ValueError as e:
+            out[f"units_{family}"] = str(e)
+
     # NaN on one rank: the same error on every rank, no hang
     obs = quantscope.get_observer("static_minmax", QuantSpec())
     x = _batches(1, seed=3)[0]
@@ -506,6 +517,13 @@ def test_different_observers_same_error_everywhere(results):
     w, res = results
     msgs = [res[r]["mismatch"] for r in range(w)]
     assert all(m is not None and "different observers" in m for m in msgs), msgs
+
+
+def test_step_sync_of_other_unit_counts_is_one_error_everywhere(results):
+    w, res = results
+    for family in ("minmax", "percentile"):
+        msgs = [res[r][f"units_{family}"] for r in range(w)]
+        assert all(m is not None and "between 8 and 16 units" in m for m in msgs), msgs
 
 
 def test_nan_on_one_rank_same_error_everywhere(results):

@@ -282,11 +282,15 @@ def step_sync(obs, units, lo, hi, group=None):
     E = units.shape[1] if has else 0
     bad = bool(has) and not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all())
     if getattr(obs, "step_sync_range_only", False):
-        h = torch.tensor([U, int(has), int(bad)], dtype=torch.int64, device=dev)
+        # the largest and (negated) smallest unit count of the ranks with data: vectors of
+        # other lengths would abort the backend's reduction (gloo: SIGABRT), not raise
+        h = torch.tensor([U, -U if has else -(1 << 62), int(has), int(bad)], dtype=torch.int64,
+                         device=dev)
         all_reduce(h, dist.ReduceOp.MAX, group)
-        U, any_has, any_bad = (int(v) for v in h)
+        U, least, any_has, any_bad = (int(v) for v in h)
         if not any_has:
             return None
+        _same_units(obs, U, -least)
         v = (torch.cat([-lo, hi]) if has else torch.full((2 * U,), float("-inf"))).to(dev)
         all_reduce(v, dist.ReduceOp.MAX, group)
         ref = lo if has else obs.observed_tokens
@@ -298,9 +302,7 @@ def step_sync(obs, units, lo, hi, group=None):
     if not bool(h[:, 2].any()):
         return None
     Us = h[:, 0][h[:, 2].bool()]
-    if not bool((Us == Us[0]).all()):
-        raise ValueError(f"sync: {obs.describe()} got {Us.tolist()} units on different ranks in one "
-                         f"step; sync_every_step needs the same units on every rank")
+    _same_units(obs, int(Us.max()), int(Us.min()))
     U, Emax = int(Us[0]), int(h[:, 1].max())
     pad = torch.zeros(U, Emax, device=dev)
     if has:
@@ -311,6 +313,15 @@ def step_sync(obs, units, lo, hi, group=None):
     g = g.to(ref.device)
     glo, ghi = unit_minmax(g)
     return g, glo, ghi
+
+
+def _same_units(obs, most: int, least: int) -> None:
+    """Raise (on every rank: each read the same exchange) unless the ranks with data this
+    step had one unit count."""
+    if most != least:
+        raise ValueError(f"sync: {obs.describe()} got between {least} and {most} units on "
+                         f"different ranks in one step; sync_every_step needs the same units "
+                         f"on every rank")
 
 
 def empty_step(observers, group=None) -> None:
