@@ -260,6 +260,19 @@ def _scenarios(r, w, group=None):
         except ValueError as e:
             out[f"units_{family}"] = str(e)
 
+    # Horizon's EMA histogram mode with an interval left unfinished: each rank folded its
+    # own batches in after the sync, so the ranks disagreed (found by probing)
+    def ema():
+        return quantscope.get_observer("percentile", QuantSpec(), bins=128,
+                                       averaging_constant=0.5, update_interval=2)
+
+    own, synced = ema(), ema()
+    for x in qd.shard(_batches(2 * w + 1, seed=11), group):
+        own(x)
+        synced(x)
+    synced.sync(group)
+    out["ema_hist"] = {"own": own.calculate_range(), "synced": synced.calculate_range()}
+
     # NaN on one rank: the same error on every rank, no hang
     obs = quantscope.get_observer("static_minmax", QuantSpec())
     x = _batches(1, seed=3)[0]
@@ -524,6 +537,16 @@ def test_step_sync_of_other_unit_counts_is_one_error_everywhere(results):
     for family in ("minmax", "percentile"):
         msgs = [res[r][f"units_{family}"] for r in range(w)]
         assert all(m is not None and "between 8 and 16 units" in m for m in msgs), msgs
+
+
+def test_ema_histogram_syncs_the_mean_of_the_ranks_own_averages(results):
+    w, res = results
+    lo, hi = res[0]["ema_hist"]["synced"]
+    for r in range(w):
+        assert all(torch.equal(a, b) for a, b in zip(res[r]["ema_hist"]["synced"], (lo, hi)))
+    for got, k in ((lo, 0), (hi, 1)):
+        want = torch.stack([res[r]["ema_hist"]["own"][k] for r in range(w)]).mean(0)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 def test_nan_on_one_rank_same_error_everywhere(results):
