@@ -1,6 +1,6 @@
 """Small models built in place for tests that span packages (no download, no real weights):
-a word-level tokenizer, a random-weight BERT folder with MiniLM's tokenizer, and a
-random-weight Mixtral whose routers starve one expert."""
+a word-level tokenizer, random-weight BERT (with MiniLM's tokenizer) and Llama folders, and
+a random-weight Mixtral whose routers starve one expert."""
 
 import math
 
@@ -47,6 +47,35 @@ def bert_folder(path, **config):
     for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(src / f, path / f)
     return path
+
+
+def llama_folder(path, **config):
+    """A saved random-weight Llama (2 layers of width 64 unless ``config`` says otherwise)
+    with :func:`tokenizer` (no padding token), as ``--model`` takes it; returns ``path``."""
+    import transformers
+
+    torch.manual_seed(0)
+    tok = tokenizer(pad=False)
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, **config}
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), **config)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def require_lee_corpus():
+    """Skip the calling test module where gensim's test data (the Lee corpus, the demo's
+    evaluation text) is not installed; call at module level."""
+    import pytest
+
+    data = pytest.importorskip("quantscope.demo.data")
+    try:
+        data.test_data_dir()
+    except FileNotFoundError:
+        pytest.skip("gensim's test data (the Lee corpus) is not installed",
+                    allow_module_level=True)
 
 
 def starve(router, expert=STARVED):

@@ -12,27 +12,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
-data = pytest.importorskip("quantscope.demo.data")
-try:
-    data.test_data_dir()
-except FileNotFoundError:
-    pytest.skip("gensim's test data (the Lee corpus) is not installed", allow_module_level=True)
+from tiny_models import llama_folder, require_lee_corpus
 
-from tiny_models import tokenizer as _tokenizer
+require_lee_corpus()
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama-cli")
-    tok = _tokenizer(pad=False)
-    assert tok.pad_token is None
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64,
-                                   architectures=["LlamaForCausalLM"])
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
+    path = llama_folder(tmp_path_factory.mktemp("tiny-llama-cli"),
+                        architectures=["LlamaForCausalLM"])
+    assert transformers.AutoTokenizer.from_pretrained(path).pad_token is None
     return str(path)
 
 

@@ -6,18 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from quantscope import cli
 
 transformers = pytest.importorskip("transformers")
-data = pytest.importorskip("quantscope.demo.data")
-try:
-    data.test_data_dir()
-except FileNotFoundError:
-    pytest.skip("gensim's test data (the Lee corpus) is not installed", allow_module_level=True)
+from tiny_models import llama_folder, require_lee_corpus
 
-from tiny_models import tokenizer as _tokenizer
+require_lee_corpus()
 
 FAST = ["--calib-docs", "4", "--max-length", "16", "--batch-size", "2", "--eval-max-length",
         "16", "--device", "cpu", "--threads", "1", "--no-progress"]
@@ -35,16 +30,8 @@ TWO_RULES = {"name": "two", "ignore": ["*.o_proj"], "rules": [
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama-recipe-file")
-    tok = _tokenizer(pad=False)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64,
-                                   architectures=["LlamaForCausalLM"])
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return str(llama_folder(tmp_path_factory.mktemp("tiny-llama-recipe-file"),
+                            architectures=["LlamaForCausalLM"]))
 
 
 def _recipe_file(tmp_path, recipe) -> str:

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from tiny_models import tokenizer as _tokenizer
+from tiny_models import llama_folder
 
 from quantscope.demo import models
 from quantscope.exporters.atomic import MARKER, atomic_dir, atomic_file, check_writable_target
@@ -19,15 +19,8 @@ from quantscope.exporters.atomic import MARKER, atomic_dir, atomic_file, check_w
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tok = _tokenizer(pad=False)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return llama_folder(tmp_path_factory.mktemp("tiny-llama"), hidden_size=32,
+                        intermediate_size=64)
 
 
 def test_task_follows_the_config(tmp_path, llama_dir):
