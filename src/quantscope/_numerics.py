@@ -14,9 +14,17 @@ staged before the call returns (the CUDA runtime's rule), so the source may go a
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["true_div", "upload"]
+__all__ = ["as_float32", "true_div", "upload"]
+
+
+def as_float32(x: float) -> float:
+    """The Python number ``x`` rounded to float32, as torch rounds a scalar argument into a
+    float32 kernel (0 below the smallest subnormal, inf past the largest value)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 def true_div(t: torch.Tensor, c: float) -> torch.Tensor:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import numpy as np
-
+from ._numerics import as_float32
 from .formats import FloatFormat, Format, IntFormat, get_format
 from .layout import Block, Layout, parse_layout
 from .scales import ScaleEncoding
@@ -69,7 +68,7 @@ class QuantSpec:
                 f"element format, got {fmt.name}")
         if self.eps is not None and not (isinstance(self.eps, (int, float))
                                          and not isinstance(self.eps, bool)
-                                         and 0 < _as_float32(self.eps) < math.inf):
+                                         and 0 < as_float32(self.eps) < math.inf):
             raise ValueError(f"QuantSpec.eps must be a positive number that float32 holds "
                              f"(scales are float32: 1e-45 to 3.4e38), got {self.eps!r}")
         for name in ("quant_min", "quant_max"):
@@ -125,9 +124,3 @@ class QuantSpec:
     @classmethod
     def from_dict(cls, d: dict) -> QuantSpec:
         return cls(**d)
-
-
-def _as_float32(x: float) -> float:
-    """``x`` rounded to float32 (0 below its smallest subnormal, inf above its max)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(x))

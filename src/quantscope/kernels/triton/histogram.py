@@ -11,11 +11,11 @@ order of the adds cannot change them, and the result equals the torch path bit f
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from ..._numerics import as_float32
 from ._jit import LAUNCH
 
 __all__ = ["MAX_BINS", "float32_ends", "hist_add", "histc", "regrid"]
@@ -79,9 +79,9 @@ def float32_ends(lo: float, hi: float) -> tuple[float, float, float]:
     """``(lo, hi, hi - lo)`` as ATen's ``histc`` holds them for float32 values: each in
     float32 (the span inf where it overflows). Computed here, not in the kernel: Triton's
     interpreter keeps scalar arguments in float64."""
-    lo32, hi32 = np.float32(lo), np.float32(hi)
-    with np.errstate(over="ignore"):
-        return float(lo32), float(hi32), float(hi32 - lo32)
+    lo32, hi32 = as_float32(lo), as_float32(hi)
+    # float64 holds 53 >= 2 * 24 + 2 bits: its difference rounded to float32 is float32's own
+    return lo32, hi32, as_float32(hi32 - lo32)
 
 
 @triton.jit
