@@ -229,19 +229,16 @@ class Recipe:
         """
         found = {}
         for name, module in model.named_modules():
-            if not name or any(_matches(p, name, module) for p in self.ignore):
+            rule = self.rule_for(name, module)
+            if rule is None:
                 continue
-            for rule in self.rules:
-                if any(_matches(t, name, module) for t in rule.targets):
-                    roles = rule.roles()
-                    if "weight" in roles and not isinstance(
-                            getattr(module, "weight", None), nn.Parameter):
-                        raise ValueError(
-                            f"recipe {self.name!r}: module {name!r} ({type(module).__name__}) "
-                            f"matches {rule.targets} with a weight role but has no weight "
-                            f"parameter")
-                    found[name] = (module, roles)
-                    break
+            roles = rule.roles()
+            if "weight" in roles and not isinstance(getattr(module, "weight", None),
+                                                    nn.Parameter):
+                raise ValueError(
+                    f"recipe {self.name!r}: module {name!r} ({type(module).__name__}) "
+                    f"matches {rule.targets} with a weight role but has no weight parameter")
+            found[name] = (module, roles)
         if self.kv_cache is not None:
             from .structure.kv_cache import attention_modules
 
@@ -258,6 +255,14 @@ class Recipe:
                 f"{f' (ignore {list(self.ignore)})' if self.ignore else ''}; the model's module "
                 f"types are {kinds}")
         return found
+
+    def rule_for(self, name: str, module: nn.Module) -> Rule | None:
+        """The rule that takes the module ``name``: the first whose targets match it, None
+        where the ignore list holds it or no rule does (the root module: never)."""
+        if not name or any(_matches(p, name, module) for p in self.ignore):
+            return None
+        return next((r for r in self.rules if any(_matches(t, name, module)
+                                                   for t in r.targets)), None)
 
     def with_observer(self, observer: str, **options) -> Recipe:
         """A copy whose calibrated roles (not dynamic ones) use ``observer``

@@ -69,14 +69,12 @@ def _narrow(rec, model, targets):
 
     taken = [[] for _ in rec.rules]
     for name, module in model.named_modules():
-        if not name or any(_matches(p, name, module) for p in rec.ignore):
-            continue
-        first = next((i for i, r in enumerate(rec.rules)
-                      if any(_matches(t, name, module) for t in r.targets)), None)
-        if first is not None and any(_matches(t, name, module) for t in targets):
+        rule = rec.rule_for(name, module)
+        if rule is not None and any(_matches(t, name, module) for t in targets):
             # a name with glob characters is matched as a regex of itself, exactly
-            taken[first].append(name if not set(name) & set("*?[") and not name.startswith(
-                "re:") else "re:" + re.escape(name))
+            exact = name if not set(name) & set("*?[") and not name.startswith("re:") \
+                else "re:" + re.escape(name)
+            taken[rec.rules.index(rule)].append(exact)
     rules = tuple(replace(r, targets=tuple(t)) for r, t in zip(rec.rules, taken) if t)
     if not rules:
         file_targets = [t for r in rec.rules for t in r.targets]
