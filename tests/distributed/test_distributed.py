@@ -79,7 +79,8 @@ def _families():
 
 def _qp(obs):
     qp = obs.calculate_qparams()
-    return {"scale": qp.scale.clone(), "zp": qp.zero_point.clone(), "tokens": obs.observed_tokens}
+    return {"scale": qp.scale.clone(), "zp": qp.zero_point.clone(),
+            "tokens": obs.observed_tokens.clone()}  # the counter is updated in place
 
 
 def _record(obs):
@@ -272,6 +273,37 @@ def _scenarios(r, w, group=None):
         synced(x)
     synced.sync(group)
     out["ema_hist"] = {"own": own.calculate_range(), "synced": synced.calculate_range()}
+
+    # syncing again (found by probing: each sync summed the token counters once more):
+    # nothing new is a no-op; batches observed since add only each rank's increments; a
+    # histogram observed since its sync, or a reset on some ranks only, raises everywhere
+    batches = _batches(2 * w, seed=13)
+    for fam in ("static_minmax", "minmax", "percentile"):
+        obs = quantscope.get_observer(fam, QuantSpec(layout=Channel(-1)), **fams[fam])
+        ref = quantscope.get_observer(fam, QuantSpec(layout=Channel(-1)), **fams[fam])
+        step = fam == "minmax"  # exact moving average: every rank's batch of a step together
+        obs.sync_every_step, obs.sync_group = step, group
+        for part in (batches[:w], batches[w:]):
+            obs(part[r])
+            for x in [torch.cat(part)] if step else part:
+                ref(x)
+            try:
+                obs.sync(group)
+                obs.sync(group)
+                out[f"again/{fam}/{len(out)}"] = {"got": _record(obs), "ref": _record(ref)}
+            except ValueError as e:
+                out[f"again/{fam}/{len(out)}"] = str(e)
+    obs = quantscope.get_observer("static_minmax", QuantSpec())
+    obs(batches[r])
+    obs.sync(group)
+    if r == 0:
+        obs.reset()
+        obs(batches[0])
+    try:
+        obs.sync(group)
+        out["again/reset"] = None
+    except ValueError as e:
+        out["again/reset"] = str(e)
 
     # NaN on one rank: the same error on every rank, no hang
     obs = quantscope.get_observer("static_minmax", QuantSpec())
@@ -491,7 +523,8 @@ def _same(a, b):
 
 def test_qparams_equal_single_process(results):
     w, res = results
-    keys = [k for k in res[0] if "/" in k and not k.endswith("/range")]
+    keys = [k for k in res[0] if "/" in k and not k.endswith("/range")
+            and not k.startswith("again/")]
     assert len(keys) >= 12
     for k in keys:
         for r in range(w):
@@ -547,6 +580,20 @@ def test_ema_histogram_syncs_the_mean_of_the_ranks_own_averages(results):
     for got, k in ((lo, 0), (hi, 1)):
         want = torch.stack([res[r]["ema_hist"]["own"][k] for r in range(w)]).mean(0)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_sync_again_adds_only_what_is_new(results):
+    w, res = results
+    for r in range(w):
+        for fam in ("static_minmax", "minmax", "percentile"):
+            first, later = (v for k, v in res[r].items() if k.startswith(f"again/{fam}/"))
+            _same(first["got"], first["ref"])
+            if fam == "percentile":  # observed since its sync
+                assert isinstance(later, str) and "observed after its last sync" in later, later
+            else:
+                _same(later["got"], later["ref"])
+        msg = res[r]["again/reset"]
+        assert msg is not None and "on some ranks only" in msg, msg
 
 
 def test_nan_on_one_rank_same_error_everywhere(results):

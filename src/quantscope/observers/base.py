@@ -293,6 +293,7 @@ class Observer(nn.Module):
             else:
                 buf.zero_()
         self._last_shape = None
+        self._synced = None
 
     # -------------------------------------------------------------- distributed
     #: exchange every call's statistic across processes before the update (exact moving
@@ -300,6 +301,9 @@ class Observer(nn.Module):
     sync_every_step: bool = False
     #: process group of the step exchange (None: the default group)
     sync_group = None
+    #: the counters as of the last sync (set by :mod:`quantscope.observers.sync`, which
+    #: tells from them what a later sync adds); None: not synced since the last reset / load
+    _synced: dict | None = None
 
     #: in ``sync_every_step`` mode, exchange only each step's per-unit range (min-max
     #: observers); False: gather the step's units from every rank
@@ -354,6 +358,7 @@ class Observer(nn.Module):
                 setattr(self, name, torch.empty_like(state_dict[key], dtype=old.dtype,
                                                      device=old.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._synced = None  # a loaded state is this rank's own until the next sync
         # the Python mirror of the shape comes from the saved tensors (readable even when
         # this observer lives on the meta device); a state without them leaves it alone
         tokens, shape = (state_dict.get(prefix + k) for k in ("observed_tokens", "observed_shape"))

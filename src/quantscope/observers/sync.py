@@ -34,6 +34,9 @@ from ..stats.minmax import unit_minmax
 __all__ = ["empty_step", "step_sync", "sync_observers"]
 
 _MAXD = 8  # dims recorded per shape in the header
+_COUNTERS = ("observed_tokens", "non_finite_count")  # the base's counters: always summed
+# an observer's state since its last sync on this rank (the header carries it)
+_FRESH, _SYNCED, _OBSERVED_SINCE = 0, 1, 2
 
 
 def _identity(op: Op, dtype: torch.dtype):
@@ -108,6 +111,11 @@ def sync_observers(observers: Iterable, group=None) -> None:
     ``session.observers()`` of the same model and recipe). Collectives: a tiny check that
     they do, one ``all_gather`` of headers, one ``all_reduce`` of histogram grids if there
     are histograms, and one ``all_reduce`` per (reduction, dtype) bucket (usually 2-3).
+
+    Syncing again is safe: an observer no rank has updated since its last sync is left
+    alone, and one observed further counts only what each rank added since (min / max are
+    idempotent; the counters sum the ranks' increments). A histogram observed after its
+    sync raises: its counts would be counted once per rank (sync once, after the last batch).
     """
     observers = list(observers)
     reset_stats()
@@ -117,29 +125,46 @@ def sync_observers(observers: Iterable, group=None) -> None:
     plans = [_plan(o) for o in observers]
     _check_same_plans(observers, plans, dev, group)
     allh = _exchange_headers(observers, plans, dev, group)
-    work = _decide(observers, plans, allh, dist.get_rank(group))
+    me = dist.get_rank(group)
+    work = _decide(observers, plans, allh, me)
     extra = _sync_customs(work, dev, group)
-    _reduce_buckets(_buckets(work, extra), dev, group)
+    _reduce_buckets(_buckets(work, extra, me), dev, group)
+    for obs, *_ in work:
+        _mark_synced(obs)
+
+
+def _mark_synced(obs) -> None:
+    """Remember the counters every rank now holds: a later sync tells from them whether the
+    observer saw data since (any batch adds tokens; reset() and loading forget the mark),
+    and sums only each rank's increments on top of them."""
+    obs._synced = {n: getattr(obs, n).clone() for n in _COUNTERS}
 
 
 def _exchange_headers(observers, plans, dev, group) -> list[list[int]]:
     """1. one all_gather of every rank's header: ``[has_observed, seen_non_finite,
-    step_synced, last shape, shape per buffer]`` per observer; ``[world][L]`` ints."""
-    rows = []
+    step_synced, state since the last sync, last shape, shape per buffer]`` per observer;
+    ``[world][L]`` ints."""
+    rows, at, since = [], [], []
     for obs, plan in zip(observers, plans):
         seen = obs.has_observed
-        rows += [int(seen), int(bool(obs.seen_non_finite)), int(obs.sync_every_step)]
+        if obs._synced is not None:  # 1 + whether it counted tokens since: set on the device
+            at.append(len(rows) + 3)
+            since.append(obs.observed_tokens.ne(obs._synced["observed_tokens"]).to(dev))
+        rows += [int(seen), int(bool(obs.seen_non_finite)), int(obs.sync_every_step), _FRESH]
         rows += _encode_shape(obs.shape if seen else ())
         for name in _names(plan):
             rows += _encode_shape(getattr(obs, name).shape if seen else ())
     header = torch.tensor(rows, dtype=torch.int64, device=dev)
+    if at:
+        header[at] = torch.stack(since).to(torch.int64) + _SYNCED
     return all_gather(header, group).cpu().tolist()  # plain Python: cheap decisions
 
 
 def _decide(observers, plans, allh, me) -> list[tuple]:
     """2. decisions from the headers, identical on every rank (so errors are too): fills
     the state of a rank that saw nothing with each reduction's identity; returns
-    ``[(obs, plan, observed_locally, n_observed, step_synced)]`` of the observers to sync."""
+    ``[(obs, plan, observed_locally, n_observed, step_synced, again)]`` of the observers to
+    sync (``again``: synced before, so the counters sum only the increments since)."""
     pos = 0
     work = []
     for obs, plan in zip(observers, plans):
@@ -153,12 +178,14 @@ def _decide_one(obs, plan, allh, pos, me):
     seen_r = [row[pos] for row in allh]
     nonfinite = any(row[pos + 1] for row in allh)
     steps = [row[pos + 2] for row in allh]
+    states = {row[pos + 3] for row in allh}
     step_synced = any(steps)
     if step_synced and not all(steps):
         raise ValueError(f"sync: {obs.describe()} has sync_every_step set on some ranks only")
+    again = _again(obs, plan, states, step_synced)
     seen_ranks = [r for r, v in enumerate(seen_r) if v]
-    shape = _decode_shape(allh[seen_ranks[-1]][pos + 3:]) if seen_ranks else None
-    pos += 3 + 1 + _MAXD
+    shape = _decode_shape(allh[seen_ranks[-1]][pos + 4:]) if seen_ranks else None
+    pos += 4 + 1 + _MAXD
     shapes = {}
     for name in _names(plan):
         block = [allh[r][pos:pos + 1 + _MAXD] for r in seen_ranks]
@@ -173,13 +200,30 @@ def _decide_one(obs, plan, allh, pos, me):
     n_seen = len(seen_ranks)
     if nonfinite:
         obs.seen_non_finite = torch.ones_like(obs.seen_non_finite)
-    if n_seen == 0:
+    if n_seen == 0 or states == {_SYNCED}:  # nothing anywhere, or already the same everywhere
         return pos, None
     observed = bool(seen_r[me])
     if not observed and not step_synced:  # agreed shapes, filled with the identity
         _fill_identity(obs, plan, shapes)
     obs.set_shape(shape)
-    return pos, (obs, plan, observed, n_seen, step_synced)
+    return pos, (obs, plan, observed, n_seen, step_synced, again)
+
+
+def _again(obs, plan, states, step_synced) -> bool:
+    """Whether this is a sync after an earlier one (every rank holds the same synced state,
+    plus what it observed since); raises where that cannot be reduced exactly."""
+    if _FRESH not in states:
+        if not step_synced and any(isinstance(it, CustomSync) for it in plan) \
+                and _OBSERVED_SINCE in states:
+            raise ValueError(
+                f"sync: {obs.describe()} was observed after its last sync; its histogram "
+                f"counts would be counted once per rank. Sync once, after the last batch "
+                f"(or reset() the observer on every rank and observe again)")
+        return True
+    if states != {_FRESH}:
+        raise ValueError(f"sync: {obs.describe()} was reset or loaded on some ranks only since "
+                         f"its last sync; reset (or load) it on every rank")
+    return False
 
 
 def _fill_identity(obs, plan, shapes) -> None:
@@ -196,7 +240,7 @@ def _sync_customs(work, dev, group) -> dict[int, list]:
     """3. custom syncs (histograms): agree on the grid in one MAX all_reduce, re-bin
     exactly; returns ``{id(obs): [(buffer, Op)]}`` of the buffers that now reduce plainly."""
     groups: dict = {}  # same-kind customs are handled together (one batched re-bin)
-    for obs, plan, _, _, step in work:
+    for obs, plan, _, _, step, _ in work:
         for it in plan:
             if isinstance(it, CustomSync) and not step:
                 groups.setdefault(it.batch_key(obs), []).append((obs, it))
@@ -216,20 +260,22 @@ def _sync_customs(work, dev, group) -> dict[int, list]:
     return extra
 
 
-def _buckets(work, extra) -> dict[tuple, list]:
-    """4. ``(reduction, dtype) -> [(obs, name, op, n_seen, observed)]``: MIN folds into MAX
-    by negation, AVG into SUM; the base's counters always sum."""
+def _buckets(work, extra, me) -> dict[tuple, list]:
+    """4. ``(reduction, dtype) -> [(obs, name, op, n_seen, observed, base)]``: MIN folds
+    into MAX by negation, AVG into SUM; the base's counters always sum. ``base``: the synced
+    value a rank other than 0 takes off its counter in a sync after an earlier one."""
     buckets: dict[tuple, list] = {}
 
-    def add(obs, name, op, n_seen, observed):
+    def add(obs, name, op, n_seen, observed, base=None):
         buf = getattr(obs, name)
         red = dist.ReduceOp.SUM if op in (SUM, AVG) else dist.ReduceOp.MAX
         dtype = torch.uint8 if buf.dtype == torch.bool else buf.dtype
-        buckets.setdefault((red, dtype), []).append((obs, name, op, n_seen, observed))
+        buckets.setdefault((red, dtype), []).append((obs, name, op, n_seen, observed, base))
 
-    for obs, plan, observed, n_seen, step in work:
-        add(obs, "observed_tokens", SUM, n_seen, observed)
-        add(obs, "non_finite_count", SUM, n_seen, observed)
+    for obs, plan, observed, n_seen, step, again in work:
+        for name in _COUNTERS:
+            base = obs._synced[name] if again and me else None
+            add(obs, name, SUM, n_seen, observed, base)
         if step:  # the state is already global after every step
             continue
         for it in plan:
@@ -244,8 +290,10 @@ def _reduce_buckets(buckets, dev, group) -> None:
     """5. one all_reduce per bucket of flattened, concatenated buffers."""
     for (red, dtype), entries in buckets.items():
         parts = []
-        for obs, name, op, n_seen, observed in entries:
+        for obs, name, op, n_seen, observed, base in entries:
             v = getattr(obs, name).detach().reshape(-1).to(dtype)
+            if base is not None:
+                v = v - base.reshape(-1).to(v)
             if op is MIN:
                 v = -v
             elif op is AVG and not observed:
@@ -254,7 +302,7 @@ def _reduce_buckets(buckets, dev, group) -> None:
         flat = torch.cat(parts).to(dev)
         all_reduce(flat, red, group)
         flat = flat.to(parts[0].device)  # a bucket holds at least one entry
-        for (obs, name, op, n_seen, _), v in zip(entries,
+        for (obs, name, op, n_seen, *_), v in zip(entries,
                                                   flat.split([p.numel() for p in parts])):
             if op is MIN:
                 v = -v
