@@ -36,6 +36,30 @@ def _per_unit(qparams: QParams, spec: QuantSpec, shape) -> tuple[torch.Tensor, t
     return scale.reshape(units, 1).float(), qparams.zero_point.reshape(units, 1).float()
 
 
+def _check_qparams(qparams: QParams, spec: QuantSpec, who: str) -> None:
+    """Raise unless ``qparams`` can run: finite positive scales (and global scale), integer
+    zero points in the code range (0 for float formats), as torch's fake-quantize demands.
+    One host read; the library's own callers, whose qparams come from the formulas, skip
+    it (``check=False``: no read, so a CUDA graph can hold the call)."""
+    if not isinstance(qparams, QParams):
+        raise TypeError(f"{who}: qparams must be a QParams, got {type(qparams).__name__}")
+    zp = qparams.zero_point
+    lo, hi = (0, 0) if spec.is_float else (spec.qmin, spec.qmax)
+    off = (zp < lo) | (zp > hi)
+    if zp.is_floating_point():  # NaN included
+        off |= zp != torch.round(zp)
+    tests = {"scale": ~(torch.isfinite(qparams.scale) & (qparams.scale > 0)), "zero_point": off}
+    if qparams.global_scale is not None:
+        gs = qparams.global_scale
+        tests["global_scale"] = ~(torch.isfinite(gs) & (gs > 0))
+    bad = torch.stack([t.any().cpu() for t in tests.values()]).tolist()
+    for (name, _), b in zip(tests.items(), bad):
+        if b:
+            want = ("finite and > 0" if name != "zero_point" else
+                    f"integers in the code range [{lo}, {hi}] of {spec}")
+            raise ValueError(f"{who}: qparams.{name} must be {want}")
+
+
 def _fits(t: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether ``other`` broadcasts into ``t`` in place (its shape does not grow ``t``)."""
     return torch.broadcast_shapes(t.shape, getattr(other, "shape", ())) == t.shape
@@ -92,22 +116,34 @@ def _check_input(x: torch.Tensor, who: str):
         raise TypeError(f"{who}: x must be a floating-point tensor, got {x.dtype}")
 
 
-def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
+def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
+             check: bool = True) -> torch.Tensor:
     """Quantization codes of ``x`` as float32, shaped like ``x``.
 
     Integer formats give integer-valued codes in ``[qmin, qmax]``; float formats
     give their representable values (cast them with ``.to(torch.float8_e4m3fn)``
-    to store fp8).
+    to store fp8). ``check``: raise ``ValueError`` on qparams that cannot run (a scale
+    not finite and positive, a zero point off the code range); one host read.
     """
     _check_input(x, "quantize")
+    if check:
+        _check_qparams(qparams, spec, "quantize")
     scale, zp = _per_unit(qparams, spec, x.shape)
     u = spec.layout.to_units(x.float())
     return spec.layout.to_shape(quantize_units(u, scale, zp, spec), x.shape)
 
 
 def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Values of codes ``q`` (as returned by :func:`quantize`), in ``dtype``."""
+               dtype: torch.dtype = torch.float32, *, check: bool = True) -> torch.Tensor:
+    """Values of codes ``q`` (as returned by :func:`quantize`, or stored integer codes), in
+    the floating-point ``dtype``; ``check`` as in :func:`quantize`."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"dequantize: q must be a torch.Tensor, got {type(q).__name__}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dequantize: dtype must be a floating-point torch.dtype (the values "
+                        f"are not codes), got {dtype!r}")
+    if check:
+        _check_qparams(qparams, spec, "dequantize")
     scale, zp = _per_unit(qparams, spec, q.shape)
     u = spec.layout.to_units(q.float())
     out = _saturate(dequantize_units(u, scale, zp), dtype)
@@ -115,16 +151,18 @@ def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
 
 
 def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
-                  ste: bool = False) -> torch.Tensor:
+                  ste: bool = False, check: bool = True) -> torch.Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype (QDQ).
 
     With ``ste=True`` the result carries a straight-through gradient for
     quantization-aware training: ``d out / d x`` is 1 where ``x`` lies inside the
     quantizer's range and 0 where it was clipped. For integers "inside" means the
     rounded code is in ``[qmin, qmax]``, exactly ``torch.ao``'s FakeQuantize mask;
-    for float formats ``|x / scale| <= max``.
+    for float formats ``|x / scale| <= max``. ``check`` as in :func:`quantize`.
     """
     _check_input(x, "fake_quantize")
+    if check:
+        _check_qparams(qparams, spec, "fake_quantize")
     scale, zp = _per_unit(qparams, spec, x.shape)
     u = spec.layout.to_units(x.detach().float())
     out = _saturate(fake_quantize_units(u, scale, zp, spec), x.dtype)

@@ -11,7 +11,8 @@ returns the scale, zero point and (NVFP4) global scale of a :class:`QuantSpec`:
 * Asymmetric: ``scale = (hi - lo) / (qmax - qmin)``,
   ``zero_point = clamp(round(qmin - lo / scale), qmin, qmax)``, rounded half to even.
 * The scale is then stored in its encoding (:mod:`~quantscope.scales`) and kept at
-  least ``eps``; the zero point is computed from the stored scale.
+  least ``eps`` (NVFP4: a block scale that rounds to 0 becomes ``eps``, an e4m3 value; E8M0
+  scales take none); the zero point is computed from the stored scale.
 * MX (E8M0): ``2 ** k`` per the encoding's mode. NVFP4: a global scale from the
   tensor's amax and e4m3 block scales ``amax_block / format_max * global``; the
   scale that runs is ``block_scale / global_scale``.

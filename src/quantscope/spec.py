@@ -5,12 +5,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import torch
+
 from ._numerics import as_float32
 from .formats import FloatFormat, Format, IntFormat, get_format
 from .layout import Block, Layout, parse_layout
 from .scales import ScaleEncoding
 
 __all__ = ["QuantSpec"]
+
+
+def _is_e4m3(v: float) -> bool:
+    """Whether ``v`` is a positive finite fp8 e4m3 value (what an NVFP4 block scale holds)."""
+    t = torch.tensor(float(v), dtype=torch.float32)
+    return 0 < float(v) <= 448 and bool(t.to(torch.float8_e4m3fn).float() == t)
 
 
 @dataclass(frozen=True)
@@ -25,7 +33,10 @@ class QuantSpec:
             otherwise an integer zero point from the range. Float formats are symmetric.
         scale: how scales are stored (``"fp32"``, ``"pow2:round"``, ``"e8m0:floor"``,
             ``"fp8_e4m3"`` for NVFP4); see :mod:`~quantscope.scales`.
-        eps: smallest scale; default float32's eps (fp8's eps for fp8 block scales).
+        eps: the smallest scale: every fp32 / fp16 / bf16 / pow2 scale is at least ``eps``
+            (default float32's eps). With fp8 block scales (NVFP4) it is the block scale of
+            a block whose scale rounds to 0, so an e4m3 value (default 0.125, fp8's eps, as
+            compressed-tensors); E8M0 scales (MX) take none (an all-zero block gets 2**-127).
         quant_min, quant_max: a narrower integer code range than the format's
             (torch.ao's ``reduce_range`` or custom ranges).
     """
@@ -71,6 +82,13 @@ class QuantSpec:
                                          and 0 < as_float32(self.eps) < math.inf):
             raise ValueError(f"QuantSpec.eps must be a positive number that float32 holds "
                              f"(scales are float32: 1e-45 to 3.4e38), got {self.eps!r}")
+        if self.eps is not None and scale.kind == "e8m0":
+            raise ValueError(f"QuantSpec.eps: E8M0 block scales ({scale}) take no eps (an all-"
+                             f"zero block gets 2**-127); leave it None, got {self.eps!r}")
+        if self.eps is not None and scale.kind == "fp8_e4m3" and not _is_e4m3(self.eps):
+            raise ValueError(f"QuantSpec.eps: with fp8 block scales it is the e4m3 scale of a "
+                             f"block whose scale rounds to 0: need an e4m3 value in (0, 448] "
+                             f"(default 0.125), got {self.eps!r}")
         for name in ("quant_min", "quant_max"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):

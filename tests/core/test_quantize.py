@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from quantscope import QuantSpec, dequantize, fake_quantize, presets, qparams_from_range, quantize
 from quantscope.layout import Block, Channel, Group, Tensor, Tile, Token
 from quantscope.qdq import fake_quantize_units
+from quantscope.qparams import QParams
 
 SPECS = {name: presets.get(name) for name in sorted(presets.PRESETS)}
 SPECS.update({
@@ -204,6 +205,40 @@ def test_errors():
         quantize([1.0, 2.0], q, spec)
     with pytest.raises(ValueError, match="Group: size 128 does not divide 100"):
         fake_quantize(torch.randn(4, 100), q, presets.INT4_GROUP128)
+
+
+def _qp(spec, scale, zero_point, global_scale=None):
+    return QParams(torch.tensor(scale, dtype=torch.float32), torch.tensor(zero_point),
+                   None if global_scale is None else torch.tensor([global_scale]))
+
+
+@pytest.mark.parametrize("fn", [quantize, fake_quantize, dequantize])
+@pytest.mark.parametrize(("spec", "qp", "field"), [
+    # probing: a zero / negative / NaN / inf scale gave NaN or sign-flipped values, a zero
+    # point off the code range or between integers shifted every value, silently
+    (presets.INT8_PER_CHANNEL, ([0.1, 0.0], [0, 0]), "scale"),
+    (presets.INT8_PER_CHANNEL, ([0.1, -0.01], [0, 0]), "scale"),
+    (presets.INT8_PER_CHANNEL, ([0.1, float("nan")], [0, 0]), "scale"),
+    (presets.INT8_PER_CHANNEL, ([0.1, float("inf")], [0, 0]), "scale"),
+    (QuantSpec("uint8", Channel(0), symmetric=False), ([0.1, 0.1], [0, 300]), "zero_point"),
+    (QuantSpec("int8", Channel(0), symmetric=False), ([0.1, 0.1], [0.5, 0.0]), "zero_point"),
+    (QuantSpec("fp8", Channel(0)), ([0.1, 0.1], [0, 1]), "zero_point"),
+    (presets.NVFP4, ([[0.5]] * 2, [[0]] * 2, 0.0), "global_scale"),
+])
+def test_qparams_that_cannot_run_raise_naming_the_field(fn, spec, qp, field):
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match=rf"{fn.__name__}: qparams\.{field} must be"):
+        fn(x, _qp(spec, *qp), spec)
+    fn(x, _qp(spec, *qp), spec, check=False)  # the library's own callers skip the host read
+
+
+def test_dequantize_checks_its_arguments():
+    spec = presets.INT8_PER_CHANNEL
+    q = observe(torch.randn(4, 8), spec)
+    with pytest.raises(TypeError, match="dequantize: q must be a torch.Tensor"):
+        dequantize([1, 2], q, spec)
+    with pytest.raises(TypeError, match="dequantize: dtype must be a floating-point"):
+        dequantize(torch.zeros(4, 8), q, spec, dtype=torch.int8)  # truncated values before
 
 
 @st.composite

@@ -36,6 +36,14 @@ from quantscope.scales import ScaleEncoding
     # is 0 in float32 (a zero scale)
     ({"eps": 1e39}, r"QuantSpec\.eps must be a positive number that float32 holds"),
     ({"eps": 1e-50}, r"QuantSpec\.eps must be a positive number that float32 holds"),
+    # probing: E8M0 scales ignored eps; NVFP4 stored a non-e4m3 eps as a block scale (500 >
+    # e4m3's max), which an fp8 export then changed
+    ({"format": "fp4", "layout": "block:32", "scale": "e8m0", "eps": 0.5},
+     r"QuantSpec\.eps: E8M0 block scales \(e8m0:floor\) take no eps"),
+    ({"format": "fp4", "layout": "block:16", "scale": "fp8_e4m3", "eps": 0.1},
+     r"QuantSpec\.eps: with fp8 block scales .* e4m3 value in \(0, 448\]"),
+    ({"format": "fp4", "layout": "block:16", "scale": "fp8_e4m3", "eps": 512.0},
+     r"QuantSpec\.eps: with fp8 block scales"),
     ({"symmetric": 1}, r"QuantSpec\.symmetric must be True or False"),
     ({"scale": "fp64"}, r"scale: unknown kind 'fp64'"),
     ({"scale": "pow2:even"}, r"scale: mode 'even' is not valid for kind 'pow2'"),
@@ -61,6 +69,7 @@ def test_defaults_and_normalisation():
     assert s.layout == Channel(1) and s.scale == ScaleEncoding("pow2", "floor")
     assert (s.qmin, s.qmax, s.min_scale) == (-64, 63, 1e-6)
     assert QuantSpec("fp4", "block:16", scale="fp8_e4m3").min_scale == 0.125
+    assert QuantSpec("fp4", "block:16", scale="fp8_e4m3", eps=2 ** -9).min_scale == 2 ** -9
     assert QuantSpec("fp8").is_float and QuantSpec("int4_narrow").qmin == -7
 
 
