@@ -59,6 +59,20 @@ def test_edited_global_scales_are_flagged(tmp_path, capsys):
     assert "model.layers.0.mlp.up_proj=9.25" in out
 
 
+def test_shards_of_different_schemes_are_flagged(tmp_path, capsys):
+    # found by probing: keep_float made up_proj's input dynamic (no input scale) and kept
+    # gate_proj's static; the check compared only values both held and said they agree
+    t = nvfp4_checkpoint(1)
+    del t[MLP.format(0, "up_proj") + ".input_global_scale"]
+    d = write(tmp_path / "mixed", t)
+    problems = check(d)
+    assert [(p["group"], p["tensor"], p["held_by"]) for p in problems] == [
+        ("model.layers.0.mlp.gate_up_proj", "input_global_scale", [MLP.format(0, "gate_proj")])]
+    assert main(["check", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "held by model.layers.0.mlp.gate_proj but not by model.layers.0.mlp.up_proj" in out
+
+
 def test_fp8_weight_scales_shared_int8_widened(tmp_path):
     t = {}
     for p, s in (("q_proj", 0.5), ("k_proj", 0.25), ("v_proj", 0.5)):

@@ -10,7 +10,8 @@ shards' values differ, the served model is not the model that was evaluated.
 
 :func:`check` reads ``config.json`` (its ``quantization_config``) and the safetensors
 files of any compressed-tensors checkpoint -- quantscope's or another toolkit's -- and
-returns the fused groups whose shards disagree, plus any scale that is NaN, inf or <= 0 (per-channel and group scales too).
+returns the fused groups whose shards disagree (in a shared scale's value, or in holding it
+at all: shards of different schemes), plus any scale that is NaN, inf or <= 0 (per-channel and group scales too).
 Only the scale tensors are read.
 """
 
@@ -61,8 +62,9 @@ def check(path) -> list[dict]:
     """The problems of the compressed-tensors checkpoint at ``path`` (empty: consistent).
 
     Each problem is ``{"group": fused layer name, "layers": [shard layers], "tensor":
-    scale name, "values": {layer: value}}`` for shards that disagree, or ``{"tensor":
-    name, "values": {...}, "non_finite": True}`` for a NaN / inf scale.
+    scale name, "values": {layer: value}}`` for shards that disagree (with ``"held_by":
+    [layers]`` where only some shards hold the scale: their schemes differ), or
+    ``{"tensor": name, "values": {...}, "non_finite": True}`` for a NaN / inf scale.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -98,7 +100,13 @@ def check(path) -> list[dict]:
             continue
         for leaf in SHARED:
             names = [f"{layer}.{leaf}" for layer in layers]
-            if not all(n in entries for n in names):
+            held = [layer for layer, n in zip(layers, names) if n in entries]
+            if held and len(held) < len(layers):  # the shards' schemes differ (static input
+                # on some, dynamic or none on others): the fused layer serves one of them
+                problems.append({"group": f"{parent}.{fused}" if parent else fused,
+                                 "layers": layers, "tensor": leaf, "values": {},
+                                 "held_by": held})
+            if len(held) < len(layers):
                 continue
             if any(math.prod(entries[n][2] or [1]) != 1 for n in names):
                 continue  # per-channel / group scales: each shard keeps its own rows
@@ -120,7 +128,12 @@ def format_problems(problems: list[dict]) -> str:
     lines = []
     for p in problems:
         vals = ", ".join(f"{k}={v:.9g}" for k, v in p["values"].items())
-        if p.get("non_finite"):
+        if p.get("held_by") is not None:
+            others = [layer for layer in p["layers"] if layer not in p["held_by"]]
+            lines.append(f"{p['group']}: {p['tensor']} is held by {', '.join(p['held_by'])} "
+                         f"but not by {', '.join(others)}: the fused shards' schemes differ, "
+                         f"and the fused layer runs one scheme")
+        elif p.get("non_finite"):
             # "why" names the tensor itself
             lines.append(p["why"] if p.get("why") else f"{p['tensor']}: not finite ({vals})")
         else:
