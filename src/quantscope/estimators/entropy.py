@@ -93,13 +93,19 @@ MAX_BITS = 16
 
 
 def check_options(who: str = "entropy", *, num_bits: int = 8, start_bin: int = 128,
-                  stride: int = 1, smooth: int = 1) -> None:
+                  stride: int = 1, smooth: int = 1, bins: int | None = None) -> None:
     """Raise ``ValueError`` naming the option unless every one is in range (the C kernel
-    indexes with them: a negative ``start_bin`` would read outside the histogram)."""
+    indexes with them: a negative ``start_bin`` would read outside the histogram), and,
+    given ``bins``, unless ``start_bin <= bins`` (TensorRT / ModelOpt fail there too: no
+    candidate threshold, ``argmin`` of nothing)."""
     check_int(who, "num_bits", num_bits, 2, MAX_BITS)
     check_int(who, "start_bin", start_bin, 0)
     check_int(who, "stride", stride, 1)
     check_int(who, "smooth", smooth, 1)
+    if bins is not None and start_bin > bins:
+        raise ValueError(f"{who}: start_bin={start_bin} leaves no candidate threshold in a "
+                         f"histogram of bins={bins}; use bins >= start_bin or a smaller "
+                         f"start_bin")
 
 
 def _candidates(start_bin: int, bins: int, stride: int, device) -> torch.Tensor:
@@ -123,13 +129,10 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     also be :data:`_LAST`. When the kernel ran it wrote each unit's last-argmin bin into
     ``pick`` (if given), where no divergence is finite -1, or with ``fallback`` one past the
     unit's last non-empty bin."""
-    check_options(num_bits=num_bits, start_bin=start_bin, stride=stride)
     U, B = counts.shape
+    check_options(num_bits=num_bits, start_bin=start_bin, stride=stride, bins=B)
     dev = counts.device
     nq = 1 << (num_bits - 1 + int(unsigned))
-    if not len(range(start_bin, B + 1, stride)):
-        raise ValueError(f"entropy: start_bin {start_bin} leaves no candidate in a histogram "
-                         f"of {B} bins")
     if stop is None:
         stop = torch.full((U,), B, device=dev)
     elif stop is not _LAST:
@@ -274,8 +277,10 @@ def entropy_amax(hist: Hist, *, num_bits: int = 8, unsigned: bool = False, start
                  trim: bool = True) -> torch.Tensor:
     """Per-unit ``amax`` minimising KL (last minimum), ``edges[i]`` of the ``|x|`` histogram.
 
-    ``trim`` ends each unit's candidates at its last non-empty bin. A unit with fewer
-    bins than ``start_bin`` (or no data) gets the right edge of its last non-empty bin.
+    ``trim`` ends each unit's candidates at its last non-empty bin. A unit whose data ends
+    below bin ``start_bin`` (or with no data) gets the right edge of its last non-empty bin;
+    a histogram of fewer than ``start_bin`` bins is a ``ValueError`` (no candidate at all,
+    as in TensorRT / ModelOpt: observers refuse it at construction).
     """
     check_options(smooth=smooth)
     h = fold_abs(hist)

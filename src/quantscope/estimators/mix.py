@@ -19,13 +19,35 @@ from ..stats.histogram import Hist, fold_abs
 from .entropy import entropy_range
 from .histogram_mse import histogram_mse_range, occupied_range
 from .l2 import default_dst_nbins, l2_finalists
-from .percentile import percentile_range
+from .percentile import check_convention, check_percentile, percentile_range
 from .scorer import HistogramScorer
 
-__all__ = ["MIX_CANDIDATES", "MIX_PERCENTILES", "mix_range"]
+__all__ = ["MIX_CANDIDATES", "MIX_PERCENTILES", "check_options", "mix_range"]
 
 MIX_PERCENTILES = (99.9, 99.99, 99.999, 99.9999)
 MIX_CANDIDATES = ("percentile", "minmax", "mse", "entropy", "l2")
+
+
+def check_options(who: str = "mix", *, candidates=MIX_CANDIDATES, percentiles=MIX_PERCENTILES,
+                  convention: str = "center") -> tuple[tuple, tuple[float, ...]]:
+    """``(candidates, percentiles)`` as tuples, or an error naming the bad argument (observers
+    check at construction, not after calibration)."""
+    try:
+        if isinstance(candidates, str) or isinstance(percentiles, str):  # not chars
+            raise TypeError
+        candidates, percentiles = tuple(candidates), tuple(percentiles)
+    except TypeError:
+        raise TypeError(f"{who}: candidates and percentiles must be sequences, got "
+                        f"{candidates!r} and {percentiles!r}") from None
+    if not candidates or not set(candidates) <= set(MIX_CANDIDATES):
+        raise ValueError(f"{who}: candidates must be a non-empty subset of {MIX_CANDIDATES}, "
+                         f"got {candidates!r}")
+    if set(candidates) == {"percentile"} and not percentiles:  # no range left to choose from
+        raise ValueError(f"{who}: percentiles must not be empty when 'percentile' is the only "
+                         f"candidate")
+    percentiles = tuple(check_percentile(who, "percentiles", p) for p in percentiles)
+    check_convention(who, convention)
+    return candidates, percentiles
 
 
 def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
@@ -35,10 +57,8 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
     """Per-unit ``(lo, hi)`` of the best candidate; ``lo``, ``hi`` are the data's min / max
     (default: the occupied bins' edges). With ``return_choice`` also the index ``[U]``
     of the winner in the candidate list (percentiles first, then the others in order)."""
-    unknown = set(candidates) - set(MIX_CANDIDATES)
-    if unknown or not candidates:
-        raise ValueError(f"mix: candidates must be a non-empty subset of {MIX_CANDIDATES}, "
-                         f"got {candidates!r}")
+    candidates, percentiles = check_options(candidates=candidates, percentiles=percentiles,
+                                            convention=convention)
     if lo is None or hi is None:
         lo, hi = occupied_range(hist)
     los, his = [], []

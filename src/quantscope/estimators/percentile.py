@@ -26,22 +26,41 @@ asymmetric option intends).
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..stats.histogram import Hist, fold_abs
 
-__all__ = ["CONVENTIONS", "percentile_range", "percentile_value"]
+__all__ = ["CONVENTIONS", "check_convention", "check_percentile", "percentile_range",
+           "percentile_value"]
 
 CONVENTIONS = {"lower": 0.0, "center": 0.5, "upper": 1.0,
                "quark": 0.0, "modelopt": 0.0, "tensorrt": 0.0, "horizon": 0.5, "centre": 0.5}
 
 
+def check_percentile(who: str, name: str, value) -> float:
+    """``value`` as a float in ``(0, 100]``: ``TypeError`` naming ``name`` for a bool or a
+    non-number (``"99"``, ``True``: ``<`` would fail bare, or take True as 1), else
+    ``ValueError`` out of range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{who}: {name} must be a number in (0, 100], got "
+                        f"{type(value).__name__} {value!r}")
+    if not 0 < value <= 100:  # NaN too
+        raise ValueError(f"{who}: {name} must be in (0, 100], got {value!r}")
+    return float(value)
+
+
+def check_convention(who: str, convention) -> str:
+    """``convention`` if it is one of :data:`CONVENTIONS`, else ``ValueError`` naming it."""
+    if not isinstance(convention, str) or convention not in CONVENTIONS:
+        raise ValueError(f"{who}: convention must be one of {sorted(CONVENTIONS)}, "
+                         f"got {convention!r}")
+    return convention
+
+
 def _offset(convention: str) -> float:
-    try:
-        return CONVENTIONS[convention]
-    except KeyError:
-        raise ValueError(f"percentile: convention must be one of {sorted(CONVENTIONS)}, "
-                         f"got {convention!r}") from None
+    return CONVENTIONS[check_convention("percentile", convention)]
 
 
 def percentile_value(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor,
@@ -71,8 +90,8 @@ def percentile_range(hist: Hist, percentile: float = 99.99, *, symmetric: bool =
     p = torch.as_tensor(percentile, dtype=torch.float64)
     ps = p.tolist()  # the fractions in Python floats: the same float64 steps, no tensor ops
     ps = [ps] if p.dim() == 0 else ps
-    if not all(0 < v <= 100 for v in ps):
-        raise ValueError(f"percentile: percentile must be in (0, 100], got {percentile!r}")
+    for v in ps:
+        check_percentile("percentile", "percentile", v)
     off = _offset(convention)
     dev = hist.counts.device
     if symmetric:

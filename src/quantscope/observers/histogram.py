@@ -14,7 +14,10 @@ range is asked for. Two ways to combine batches:
 
 Symmetric specs histogram ``|x|`` (the estimators' reference form), asymmetric ones
 the signed values; ``histogram`` (torch.ao's search) always histograms signed values.
-Ranges are clipped to the data's min / max (symmetric specs: to +-max |x|).
+Ranges are clipped to the data's min / max (symmetric specs: to +-max |x|), both ends
+into that interval and in order, so the range is valid and holds the data's value when the
+estimate falls inside one bin (constant data gives ``(x, x)``, as torch.ao's
+``HistogramObserver``).
 
 ``grid="first"`` is for the compat classes: the first batch is binned as torch.ao /
 Quark bin it (``torch.histc`` over its min / max, or ``[0, max |x|]``); later batches
@@ -40,7 +43,8 @@ from ..estimators.entropy import entropy_range
 from ..estimators.histogram_mse import histogram_mse_range
 from ..estimators.l2 import check_dst_nbins, default_dst_nbins, l2_polished_range
 from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
-from ..estimators.percentile import CONVENTIONS, percentile_range
+from ..estimators.mix import check_options as check_mix_options
+from ..estimators.percentile import check_convention, check_percentile, percentile_range
 from ..formats import IntFormat
 from ..qparams import amax_of_range
 from ..stats import hist_kernel
@@ -263,10 +267,17 @@ class HistogramObserverBase(Observer):
         return self.min_vals, self.max_vals
 
     def _clip(self, lo, hi):
+        # both ends into [blo, bhi] and in order: a tail estimate inside one bin (constant
+        # data, or the lower convention's left edge of the bin holding both percentiles) may
+        # lie past the data or cross the other end; clipping each end to its own side alone
+        # gave lo > hi, a range without the data's min
         blo, bhi = self._bounds()
-        return torch.maximum(lo, blo), torch.minimum(hi, bhi)
+        lo, hi = lo.clamp(blo, bhi), hi.clamp(blo, bhi)
+        return torch.minimum(lo, hi), torch.maximum(lo, hi)
 
     def calculate_range(self):
+        if not self.has_observed or bool(self.seen_non_finite):
+            self.check_ready()  # the error calculate_qparams gives (not an IndexError / NaN)
         if self.averaging_constant is None:
             return self._estimated()
         if self._pending or self.ema_lo.numel() == 0:  # batches since the last estimate
@@ -341,13 +352,9 @@ class PercentileObserver(HistogramObserverBase):
     def __init__(self, spec=None, *, percentile: float = 99.99, convention: str = "center",
                  **kwargs):
         super().__init__(spec, **kwargs)
-        if not 0 < percentile <= 100:
-            raise ValueError(f"{type(self).__name__}: percentile must be in (0, 100], got "
-                             f"{percentile!r}")
-        if convention not in CONVENTIONS:
-            raise ValueError(f"{type(self).__name__}: convention must be one of "
-                             f"{sorted(CONVENTIONS)}, got {convention!r}")
-        self.percentile, self.convention = float(percentile), convention
+        who = type(self).__name__
+        self.percentile = check_percentile(who, "percentile", percentile)
+        self.convention = check_convention(who, convention)
 
     def _estimate(self, hist):
         return percentile_range(hist, self.percentile, symmetric=self.spec.symmetric,
@@ -393,7 +400,7 @@ class EntropyObserver(HistogramObserverBase):
         self.num_bits = bits if num_bits is None else num_bits
         self.unsigned = unsigned
         check_entropy_options(type(self).__name__, num_bits=self.num_bits, start_bin=start_bin,
-                              stride=stride, smooth=smooth)
+                              stride=stride, smooth=smooth, bins=self.bins)
         self.start_bin, self.stride, self.smooth = start_bin, stride, smooth
         self.copy_zero_bin = copy_zero_bin
 
@@ -448,9 +455,13 @@ class MixObserver(HistogramObserverBase):
     def __init__(self, spec=None, *, percentiles=MIX_PERCENTILES, candidates=MIX_CANDIDATES,
                  convention: str = "center", start_bin: int = 128, **kwargs):
         super().__init__(spec, **kwargs)
-        self.percentiles, self.candidates = tuple(percentiles), tuple(candidates)
+        who = type(self).__name__
+        self.candidates, self.percentiles = check_mix_options(
+            who, candidates=candidates, percentiles=percentiles, convention=convention)
         self.convention = convention
-        self.start_bin = check_int(type(self).__name__, "start_bin", start_bin, 0)
+        self.start_bin = check_int(who, "start_bin", start_bin, 0)
+        if "entropy" in self.candidates:  # its search needs a candidate (as EntropyObserver)
+            check_entropy_options(who, start_bin=self.start_bin, bins=self.bins)
 
     def _estimate(self, hist):
         return mix_range(hist, self.spec, lo=self.min_vals, hi=self.max_vals,
