@@ -209,6 +209,69 @@ def test_qparams_keep_the_statistics_float_dtype():
     assert scale.dtype == torch.bfloat16 and zp.dtype == torch.int8
 
 
+def test_tiny_scales_are_kept_and_zero_scales_become_eps():
+    # compressed-tensors replaces only a scale that is 0 by eps: a tiny range keeps
+    # amax / 127.5; an all-zero unit gets float32's eps (float64's for float64 statistics)
+    lo = torch.tensor([-2.0e-6, 0.0])
+    hi = torch.tensor([2.5e-6, 0.0])
+    scale, _ = qparams_of_statistics(lo, hi, dict(INT8), "input", None)
+    assert scale.tolist() == [torch.tensor(2.5e-6) / 127.5, torch.finfo(torch.float32).eps]
+    scale, _ = qparams_of_statistics(lo.double(), hi.double(), dict(INT8), "input", None)
+    assert scale[1].item() == torch.finfo(torch.float64).eps
+
+
+def test_all_zero_asymmetric_unit_gets_zero_point_0():
+    # their zero point qmin - 0 / 0 is NaN, which the cast to int8 makes 0
+    lo, hi = torch.tensor([0.0, -1.0]), torch.tensor([0.0, 3.0])
+    scale, zp = qparams_of_statistics(lo, hi, {**INT8, "symmetric": False}, "input", None)
+    assert zp.tolist() == [0, round(-128 + 1.0 / (4.0 / 255))]
+    assert scale[0].item() == torch.finfo(torch.float32).eps
+
+
+def test_nvfp4_all_zero_block_without_scale_dtype_gets_float32_eps():
+    # scale_dtype None: float32 block scales times the global scale; a 0 one becomes eps
+    fields = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+              "group_size": 16}
+    w = torch.cat([torch.full((1, 16), 3.0), torch.zeros(1, 16)])
+    qp = _obs("memoryless_minmax", "weight", **fields)(w).get_qparams()
+    gs = 448 * 6 / 3.0
+    assert qp["scale"].reshape(-1).tolist() == [
+        (torch.tensor(3.0) / 6 * torch.tensor(gs)).item(), torch.finfo(torch.float32).eps]
+
+
+def test_nvfp4_input_zero_point_keeps_the_statistics_shape():
+    # compressed-tensors broadcasts the scale with the [1] global scale, not the zero point
+    fields = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+              "group_size": 16, "dynamic": "local"}
+    obs = _obs("static_minmax", "input", **fields)
+    obs.min_vals, obs.max_vals = torch.tensor(-2.0), torch.tensor(3.0)
+    qp = obs.get_qparams()
+    assert qp["scale"].shape == (1,) and qp["zero_point"].shape == ()
+
+
+@pytest.mark.parametrize("name", ["memoryless_minmax", "minmax", "memoryless_mse", "mse"])
+def test_float64_beyond_float32_range_is_refused_by_name(name):
+    obs = _obs(name, "weight", strategy="tensor")
+    with pytest.raises(ValueError, match=r"\('weight'\): float64 values beyond float32's "
+                                         r"range"):
+        obs(torch.randn(4, 8, dtype=torch.float64) * 1e300)
+    obs = _obs(name, "input", strategy="tensor")
+    obs.min_vals = torch.tensor([-1e300], dtype=torch.float64)
+    obs.max_vals = torch.tensor([1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=type(obs).__name__ + r" \('input'\): float64"):
+        obs.get_qparams()
+
+
+def test_registered_names_are_compressed_tensors_standardized():
+    # compressed-tensors' standardize_lookup_name: "_" and " " as "-", lower case
+    names = lc.Observer.registered_names()
+    assert "memoryless-minmax" in names and "nvfp4-expanded-mse" in names
+    assert not any("_" in n for n in names)
+    for spelling in ("memoryless_minmax", "memoryless-minmax", "Memoryless MinMax"):
+        obs = lc.Observer.load_from_registry(spelling, base_name="input", args=dict(INT8))
+        assert type(obs) is lc.MemorylessMinMaxObserver
+
+
 # --------------------------------------------------------------------------- imatrix
 def _imatrix(module, **kwargs):
     obs = lc.IMatrixMSEObserver("weight", {"num_bits": 4, "symmetric": True,

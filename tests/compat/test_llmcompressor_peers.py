@@ -325,3 +325,63 @@ def test_compat_imatrix_bitwise_as_llmcompressor(name, kwargs, fields, weighted)
     assert torch.equal(mine.min_vals, theirs.min_vals)
     assert torch.equal(mine.max_vals, theirs.max_vals)
     _same_qparams(mine.get_qparams(), theirs.get_qparams())
+
+
+# ----------------------------------------------------------- eps, zero units, shapes, names
+EDGE_ARGS = [
+    _fields(num_bits=8, type="int", symmetric=True, strategy="tensor"),
+    _fields(num_bits=8, type="int", symmetric=False, strategy="channel"),
+    _fields(num_bits=16, type="int", symmetric=False, strategy="channel"),
+    _fields(num_bits=8, type="int", symmetric=True, strategy="channel", scale_dtype=torch.float16),
+    _fields(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16),
+    _fields(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+            scale_dtype=torch.float8_e4m3fn),
+]
+
+
+@pytest.mark.parametrize("name", ["memoryless_minmax", "memoryless_mse"])
+@pytest.mark.parametrize("fields", EDGE_ARGS, ids=lambda f: "-".join(
+    str(f.get(k)) for k in ("num_bits", "strategy", "symmetric", "scale_dtype")))
+def test_tiny_and_all_zero_units_as_llmcompressor(name, fields):
+    """Tiny scales are kept, only 0 ones become compressed-tensors' eps (of scale_dtype or the
+    scale's dtype); an all-zero asymmetric unit's zero point is their NaN cast (0)."""
+    w = torch.randn(4, 48, generator=torch.Generator().manual_seed(0))
+    w[1] = 0
+    w[2] *= 1e-6
+    w[3] = w[3].abs() * 1e-30  # positive only: an fp16 scale_dtype rounds its scale to 0
+    mine, theirs = _pair(name, "weight", fields)
+    mine(w), theirs(w)
+    _same_qparams(mine.get_qparams(), theirs.get_qparams())
+
+
+@pytest.mark.parametrize("fields", [EDGE_ARGS[0], EDGE_ARGS[1], EDGE_ARGS[4]],
+                         ids=["int8-tensor", "int8-asym-channel", "nvfp4"])
+def test_float64_scale_dtype_and_zero_units_as_llmcompressor(fields):
+    # float64 statistics: their dtype (tensor_group's too) and eps; values within float32's
+    # rounding (quantscope computes in float32)
+    w = torch.randn(4, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    w[1] = 0
+    mine, theirs = _pair("memoryless_minmax", "weight", fields)
+    mine(w), theirs(w)
+    a, b = mine.get_qparams(), theirs.get_qparams()
+    assert a["scale"].dtype == b["scale"].dtype == torch.float64
+    assert torch.allclose(a["scale"], b["scale"], rtol=2 ** -22, atol=0)
+    assert torch.equal(a["zero_point"], b["zero_point"])
+
+
+@pytest.mark.parametrize("name", ["memoryless_minmax", "static_minmax", "minmax", "mse"])
+def test_nvfp4_input_qparam_shapes_as_llmcompressor(name):
+    mine, theirs = _pair(name, "input", EDGE_ARGS[4])
+    for x in (torch.randn(4, 48, generator=torch.Generator().manual_seed(2)),) * 2:
+        mine(x), theirs(x)
+    _same_qparams(mine.get_qparams(), theirs.get_qparams(), exact=False)
+
+
+def test_registered_names_as_llmcompressor():
+    theirs = [n for n in TheirObserver.registered_names() if not n.startswith("quantscope")]
+    assert sorted(lc.Observer.registered_names()) == sorted(theirs)
+    for spelling in ("imatrix_mse", "imatrix-mse", "IMatrix MSE"):
+        mine = lc.Observer.load_from_registry(spelling, base_name="weight",
+                                              args=QuantizationArgs(num_bits=8))
+        assert type(mine).__name__ == type(TheirObserver.load_from_registry(
+            spelling, base_name="weight", args=QuantizationArgs(num_bits=8))).__name__

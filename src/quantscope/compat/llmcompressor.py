@@ -33,7 +33,10 @@ Where the results differ from llm-compressor's, by choice:
   differ by at most one unit in the last place of the dtype (NVFP4's block scales by one
   fp8 step), zero points by one code; symmetric integer scales are equal. The MSE search
   may stop at another candidate (their bfloat16 error sums cannot tell near ones apart).
-  float32 statistics: bit for bit.
+  float32 statistics: bit for bit (tiny scales kept, only 0 ones made their eps).
+* float64 statistics: the scales are float64 (their dtype and eps) but computed in float32
+  (quantscope's formulas are float32): within float32's rounding; finite values beyond
+  float32's range raise ``ValueError`` naming the observer.
 * MXFP8: compressed-tensors rounds the block amax with fp4's one mantissa bit for every
   element type; quantscope's E8M0 ``even`` rule uses the element's own (three for e4m3),
   so a block whose amax has a mantissa in ``[1.5, 1.9375)`` gets half their scale.

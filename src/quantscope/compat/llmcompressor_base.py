@@ -25,6 +25,7 @@ from ..formats import FP4_E2M1
 from ..layout import Channel
 from ..qparams import amax_of_range, qparams_from_range
 from ..scales import nvfp4_global_scale
+from ..spec import QuantSpec
 from ..stats.minmax import ema_
 from . import enum_name, field
 from .llmcompressor_parts import FusionHandler, flatten_for_calibration
@@ -39,7 +40,8 @@ _REGISTRY: dict[str, object] = {}
 
 
 def _lookup_name(name: str) -> str:
-    return name.replace("-", "_").lower()
+    """compressed-tensors' ``standardize_lookup_name``: "_" and " " as "-", lower case."""
+    return name.replace("_", "-").replace(" ", "-").lower()
 
 
 def _as_args(args):
@@ -88,7 +90,7 @@ class Observer(torch.nn.Module):
         """The observer registered as ``name``, constructed with ``kwargs``."""
         key = _lookup_name(name)
         if key not in _REGISTRY:
-            raise KeyError(f"Unable to find {name} registered under type {cls}. Registered "
+            raise KeyError(f"Unable to find {key} registered under type {cls}. Registered "
                            f"values for {cls}: {sorted(_REGISTRY)}")
         return _REGISTRY[key](**kwargs)
 
@@ -135,6 +137,7 @@ class Observer(torch.nn.Module):
     def get_qparams(self) -> dict:
         """``{"scale", "zero_point", "global_scale"}`` from the statistics, which it deletes."""
         assert self.has_statistics, _NO_STATISTICS
+        self._check_float32_range(self.min_vals, self.max_vals)
         amax = None
         if enum_name(field(self.args, "strategy")) == "tensor_group":
             amax = fused_amax(self.fusion_handler.get_fused_statistics())
@@ -149,10 +152,23 @@ class Observer(torch.nn.Module):
         """Update the statistics from ``observed`` (a weight once); returns the observer."""
         if observed.numel() == 0 or (self.is_weight_obs and self.has_statistics):
             return self
+        self._check_float32_range(observed)
         self.update_statistics_from_observed(
             flatten_for_calibration(observed, self.base_name, self.args))
         self.fusion_handler.get_fused_statistics()
         return self
+
+    def _check_float32_range(self, *values: torch.Tensor) -> None:
+        """Refuse finite float64 values float32 cannot hold: the qparams are computed in it."""
+        for value in values:
+            if value.dtype != torch.float64:  # no device work (or host read) otherwise
+                continue
+            big = value.abs() > torch.finfo(torch.float32).max
+            if bool((big & value.isfinite()).any()):
+                raise ValueError(
+                    f"llmcompressor observer {type(self).__name__} ({self.base_name!r}): float64 "
+                    f"values beyond float32's range (|x| > 3.4e38) are not supported (quantscope "
+                    f"computes qparams in float32), got max |x| = {value.abs().max().item():.3g}")
 
     def sync_activation_stats(self) -> list:
         """All-reduce the ``_act_sync_dict`` statistics across ranks; the async handles."""
@@ -192,27 +208,74 @@ def fused_amax(statistics: list[dict]) -> torch.Tensor:
                         for s in statistics]).max()
 
 
+#: the smallest positive float32: as the spec's min scale it changes only zero scales, which
+#: then stand out (compressed-tensors replaces exact zeros by eps, keeps tiny scales)
+_ZERO_STAND_IN = 2.0 ** -149
+
+
+def _scale_dtype(args) -> torch.dtype | None:
+    value = field(args, "scale_dtype")
+    return getattr(torch, value.removeprefix("torch.")) if isinstance(value, str) else value
+
+
+def _ct_eps(args, dtype: torch.dtype) -> float:
+    """compressed-tensors' ``_get_dtype_eps`` of ``scale_dtype`` (else the scales' dtype)."""
+    dtype = _scale_dtype(args) or dtype
+    if dtype == torch.float8_e4m3fn:
+        return 0.125
+    return torch.finfo(dtype).eps if dtype.is_floating_point else 1.0
+
+
+def _ct_spec(args, base_name: str) -> QuantSpec:
+    """The spec whose float32 scales compressed-tensors computes before it rounds them to a
+    float ``scale_dtype`` (NVFP4's fp8 and MX's E8M0 block scales are encoded in the spec)."""
+    spec = llmcompressor_spec(args, base_name)
+    if scales_times_global_scale(args):  # float32 scales, then times the global scale
+        spec = spec.replace(layout=Channel(0), scale="fp32")
+    if spec.scale.is_block:  # their own eps: never 0
+        return spec
+    return spec.replace(scale="fp32", eps=_ZERO_STAND_IN)
+
+
 def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, base_name: str,
                           global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' ``calculate_qparams`` of per-qparam ranges, by quantscope's formulas:
     the scale in the statistics' float dtype (float32 for integer statistics; for
-    ``tensor_group``, float32 always: compressed-tensors multiplies by its float32 global
-    scale), the zero point in the args' ``zp_dtype``; a ``tensor_group`` scale without
-    ``scale_dtype`` (or of integers) is the float32 scale times the global scale, as
-    compressed-tensors leaves it."""
-    spec = llmcompressor_spec(args, base_name)
+    ``tensor_group``, that dtype promoted with float32: compressed-tensors multiplies by its
+    float32 global scale, which also broadcasts the scale, not the zero point, to ``[1]``),
+    the zero point (from the float32 scale) in the args' ``zp_dtype``; a ``tensor_group``
+    scale without ``scale_dtype`` (or of integers) is the float32 scale times the global
+    scale, as compressed-tensors leaves it. A float ``scale_dtype`` rounds the scale as
+    theirs (to 0 below its range); a scale that is 0 becomes their eps of ``scale_dtype`` or
+    the scale's dtype, and its zero point their ``qmin - lo / 0`` cast to an integer: 0
+    where ``lo`` is 0 (NaN), else ``qmax``."""
+    spec = _ct_spec(args, base_name)
     shape = tuple(min_vals.shape)
-    keep_dtype = min_vals.is_floating_point() and global_amax is None
-    dtype = min_vals.dtype if keep_dtype else torch.float32
+    if global_amax is not None:
+        dtype = torch.promote_types(min_vals.dtype, torch.float32)
+    else:
+        dtype = min_vals.dtype if min_vals.is_floating_point() else torch.float32
     lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
     if scales_times_global_scale(args):
-        qp = qparams_from_range(lo, hi, spec.replace(layout=Channel(0), scale="fp32"))
+        qp = qparams_from_range(lo, hi, spec)
         scale = qp.scale * global_scale_of(global_amax)
     else:
         qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)
         scale = qp.scale
+    if (sd := _scale_dtype(args)) is not None and sd.is_floating_point:
+        info = torch.finfo(sd)  # their round_to_quantized_type_dtype
+        scale = scale.clamp(info.min, info.max).to(sd)
+    zero_scale = (qp.scale <= _ZERO_STAND_IN).reshape(shape)
     scale = scale.reshape(shape).to(dtype)
-    zero = qp.zero_point.reshape(shape).to(zp_dtype(args, spec))
+    if global_amax is not None:  # their product with the [1] global scale
+        scale = scale.reshape(torch.broadcast_shapes(shape, (1,)))
+    zero_scale = zero_scale | (scale == 0)  # 0 also where a dtype rounds a scale to it
+    scale = torch.where(zero_scale, torch.tensor(_ct_eps(args, dtype), dtype=dtype), scale)
+    zero = qp.zero_point.reshape(shape)
+    if not spec.symmetric:
+        at_zero = torch.where(min_vals >= 0, 0, int(spec.qmax))
+        zero = torch.where(zero_scale.reshape(shape), at_zero, zero)
+    zero = zero.to(zp_dtype(args, spec))
     if scale.ndim == 0:
         scale, zero = scale.reshape(1), zero.reshape(1)
     return scale, zero
