@@ -25,7 +25,7 @@ The C kernels that search ranges carry one copy of the integer branch with fp32 
 Against the peers (tests/core/test_peers_core.py): compressed-tensors' ``calculate_qparams``
 gives bitwise the same scales and zero points (int, fp8, fp6, fp4, NVFP4, its MX = our
 ``e8m0:even``), except that it *replaces* a zero scale by eps where we clamp every scale
-below eps (so a tiny but non-zero range differs) and gives NaN zero points for an
+below eps (so a tiny but non-zero range differs) and gives zero point 0 (a NaN cast) for an
 all-zero asymmetric range. torch.ao's ``_calculate_qparams``: bitwise the same scales;
 its zero point ``qmin - round(lo / scale)`` equals ours except where ``lo / scale`` is a
 tie with odd ``qmin``, or within float32 rounding of a tie. Symmetric unsigned ranges
