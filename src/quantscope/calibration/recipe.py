@@ -19,6 +19,7 @@ histogram observers' weights min-max (:func:`weight_observer`).
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -29,19 +30,8 @@ from .. import presets
 from ..layout import Tensor
 from ..spec import QuantSpec
 
-__all__ = [
-    "AUTO",
-    "DEFAULT_CANDIDATES",
-    "KV_CACHE",
-    "PRESETS",
-    "RECIPES",
-    "ROLES",
-    "Recipe",
-    "Role",
-    "Rule",
-    "preset",
-    "weight_observer",
-]
+__all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
+           "Role", "Rule", "preset", "weight_observer"]
 
 ROLES = ("weight", "input", "output")
 AUTO = "auto"
@@ -271,7 +261,8 @@ class Recipe:
             if role is None or role.dynamic is True:
                 return role
             name = weight_observer(observer) if kind == "weight" else observer
-            return replace(role, observer=name, options=options if name == observer else ())
+            kept = options if name == observer else _accepted(name, observer, options)
+            return replace(role, observer=name, options=kept)
         rules = tuple(replace(r, **{k: swap(getattr(r, k), k) for k in ROLES})
                       for r in self.rules)
         # the KV cache takes a named observer: auto leaves it as it is
@@ -319,6 +310,19 @@ def kv_cache_role(kv_cache) -> Role | None:
     if role is not None and role.observer == AUTO:
         raise ValueError("Recipe.kv_cache: name an observer (auto does not choose KV scales)")
     return role
+
+
+def _accepted(name: str, observer: str, options: dict) -> dict:
+    """Of the ``options`` given for ``observer``, those its memoryless variant ``name`` takes
+    (an MSE search's ``maxshrink``, not a moving average's ``averaging_constant``)."""
+    from ..observers.registry import observer_class
+
+    if name != f"memoryless_{observer}":  # another observer: the options are not its own
+        return {}
+    named = {p.name for c in observer_class(name).__mro__ if "__init__" in c.__dict__
+             for p in inspect.signature(c.__init__).parameters.values()
+             if p.kind == p.KEYWORD_ONLY}
+    return {k: v for k, v in options.items() if k in named}
 
 
 def weight_observer(name: str) -> str:
@@ -398,13 +402,22 @@ KV_PRESETS = {"fp8-kv": "fp8"}
 PRESETS = RECIPES
 
 
-def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
+def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
            kv_cache=None, **options) -> Recipe:
-    """A preset recipe by name (:data:`RECIPES`) for modules ``targets`` minus ``ignore``;
-    ``kv_cache="fp8"`` also calibrates the KV cache with ``observer`` (min-max for
-    ``auto``), or as a :class:`Role` says (``fp8-kv`` is ``fp8`` with ``kv_cache="fp8"``)."""
-    if isinstance(name, Recipe):
-        return name
+    """A preset recipe by name (:data:`RECIPES`) with ``observer`` (``minmax`` by default) for
+    modules ``targets`` (``Linear``) minus ``ignore``; ``kv_cache="fp8"`` also calibrates the
+    KV cache with ``observer`` (min-max for ``auto``), or as a :class:`Role` says (``fp8-kv`` is
+    ``fp8`` with ``kv_cache="fp8"``). A :class:`Recipe` as ``name`` comes back as it is, or
+    :meth:`Recipe.with_observer` ``(observer, **options)``; the other arguments raise then."""
+    if isinstance(name, Recipe):  # nothing given beside it is dropped silently
+        given = [k for k, v in (("targets=", targets), ("ignore=", ignore), ("kv_cache=", kv_cache),
+                                ("options without observer=", observer is None and options)) if v]
+        if given:
+            raise ValueError(f"preset: {given[0]} given with Recipe {name.name!r}: only observer= "
+                             f"and its options apply to one (change it with dataclasses.replace)")
+        return name if observer is None else name.with_observer(observer, **options)
+    observer = "minmax" if observer is None else observer
+    targets = ("Linear",) if targets is None else targets
     key = str(name).lower()
     if key not in RECIPES:
         raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(RECIPES)}")
@@ -416,7 +429,6 @@ def preset(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
         kv_cache = replace(kv_cache_role(kv_cache), options=options,
                            observer="minmax" if observer == AUTO else observer)
     return replace(recipe, kv_cache=kv_cache)
-
 
 
 def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),

@@ -28,7 +28,7 @@ from torch import nn
 from ..recipe import AUTO, Recipe
 from ..results.apply import apply
 from ..results.result import Calibration
-from ..run.batches import forward_batch
+from ..run.batches import eval_mode, forward_batch
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
 
@@ -111,13 +111,8 @@ class OutputDivergence:
         self.forwards = sum(r is None for r in known)
 
     def _run(self, batch):
-        was = self.model.training
-        self.model.eval()
-        try:
-            with torch.inference_mode():
-                out = forward_batch(self.model, batch)
-        finally:
-            self.model.train(was)
+        with eval_mode(self.model), torch.inference_mode():
+            out = forward_batch(self.model, batch)
         return out if self.loss is not None else _summary(out, batch)
 
     def on(self, k: int) -> float:
@@ -160,7 +155,11 @@ def _tokens(b) -> int:
     if mask is not None:
         return int(mask.sum())
     t = b if isinstance(b, torch.Tensor) else (b[0] if isinstance(b, (tuple, list)) else None)
-    return t.shape[:-1].numel() if isinstance(t, torch.Tensor) and t.dim() > 1 else 1
+    if not isinstance(t, torch.Tensor):
+        return 1
+    if not (t.is_floating_point() or t.is_complex()):  # token ids: every entry is a token
+        return max(t.numel(), 1)
+    return t.shape[:-1].numel() if t.dim() > 1 else 1  # features: one token per row
 
 
 def score_batches(batches, tokens: int):

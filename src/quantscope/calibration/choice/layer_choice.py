@@ -25,7 +25,7 @@ from ...estimators.weighted import imatrix_range
 from ...qparams import qparams_from_range
 from ..results.apply import qdq_tensor
 from ..results.result import RoleState
-from ..run.batches import forward_batch
+from ..run.batches import eval_mode, forward_batch
 
 __all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
            "joint_choice", "layer_pick"]
@@ -43,51 +43,62 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
 
     ``loss(output, batch) -> scalar tensor``; by default the model's own loss on the batch's
     ``labels``, or without them the inputs as labels (a causal LM's next-token loss; padded
-    positions ignored).
+    positions ignored). The gradients are taken w.r.t. the layers' outputs only: no
+    parameter's ``.grad`` is written, and on a frozen model (``requires_grad_(False)``) the
+    layers' weights require grad for the call only, their flags restored after.
     """
     mods = {name: model.get_submodule(name) for name in layers}
     sums = {name: None for name in mods}
     counts = dict.fromkeys(mods, 0)
-    handles = []
+    caught: list[tuple[str, torch.Tensor]] = []  # this batch's (layer, output)
 
     def hook_for(name):
         def fwd(module, args, out):
-            if not (isinstance(out, torch.Tensor) and out.requires_grad):
-                return
-
-            def grad(g):
-                g = g.detach().float().reshape(-1, g.shape[-1]).square()
-                sums[name] = g.sum(0) if sums[name] is None else sums[name] + g.sum(0)
-                counts[name] += g.shape[0]
-            out.register_hook(grad)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                caught.append((name, out))
         return fwd
 
-    was = model.training
-    model.eval()
+    # the outputs need a graph to the loss; the users' frozen weights are thawed meanwhile
+    frozen = [p for m in mods.values() for p in m.parameters(recurse=False)
+              if not p.requires_grad and p.is_floating_point()]
+    handles = [m.register_forward_hook(hook_for(name)) for name, m in mods.items()]
     try:
-        for name, m in mods.items():
-            handles.append(m.register_forward_hook(hook_for(name)))
-        for batch in batches:
-            model.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                if loss is not None:
-                    value = loss(forward_batch(model, batch), batch)
-                else:
-                    if not (isinstance(batch, dict) or hasattr(batch, "keys")):
-                        raise ValueError("fisher_weights: the default loss needs dict batches "
-                                         "(input_ids); pass loss=callable(output, batch)")
-                    value = getattr(model(**{**batch, "labels": _labels(batch)}), "loss",
-                                    None)
-                    if value is None:
-                        raise ValueError("fisher_weights: the model returns no loss; pass "
-                                         "loss=callable(output, batch)")
-                value.backward()
-        model.zero_grad(set_to_none=True)
+        for p in frozen:
+            p.requires_grad_(True)
+        with eval_mode(model):
+            for batch in batches:
+                caught.clear()
+                with torch.enable_grad():
+                    value = _loss_of(model, batch, loss)
+                    grads = torch.autograd.grad(value, [o for _, o in caught],
+                                                allow_unused=True) if caught else ()
+                for (name, _), g in zip(caught, grads):
+                    if g is None:
+                        continue
+                    g = g.detach().float().reshape(-1, g.shape[-1]).square()
+                    sums[name] = g.sum(0) if sums[name] is None else sums[name] + g.sum(0)
+                    counts[name] += g.shape[0]
     finally:
+        caught.clear()
         for h in handles:
             h.remove()
-        model.train(was)
+        for p in frozen:
+            p.requires_grad_(False)
     return {n: s / counts[n] for n, s in sums.items() if s is not None}
+
+
+def _loss_of(model, batch, loss):
+    """The scalar loss :func:`fisher_weights` differentiates on ``batch``."""
+    if loss is not None:
+        return loss(forward_batch(model, batch), batch)
+    if not (isinstance(batch, dict) or hasattr(batch, "keys")):
+        raise ValueError("fisher_weights: the default loss needs dict batches "
+                         "(input_ids); pass loss=callable(output, batch)")
+    value = getattr(model(**{**batch, "labels": _labels(batch)}), "loss", None)
+    if value is None:
+        raise ValueError("fisher_weights: the model returns no loss; pass "
+                         "loss=callable(output, batch)")
+    return value
 
 
 def _labels(batch) -> torch.Tensor:

@@ -147,7 +147,7 @@ def _layer_errors(model, batches, todo):
     import torch
 
     from ..results.apply import input_name, module_input, qdq_tensor
-    from ..run.batches import forward_batch
+    from ..run.batches import eval_mode, forward_batch
 
     err: dict[tuple[str, str], float] = {}
     ref: dict[str, float] = {}
@@ -173,18 +173,15 @@ def _layer_errors(model, batches, todo):
 
     handles = [m.register_forward_pre_hook(hook_for(layer, m, st), with_kwargs=True)
                for layer, (m, st) in todo.items()]
-    was = model.training
-    model.eval()
     n = 0
     try:
-        with torch.inference_mode():
+        with eval_mode(model), torch.inference_mode():
             for batch in batches:
                 forward_batch(model, batch)
                 n += 1
     finally:
         for h in handles:
             h.remove()
-        model.train(was)
     return err, ref, n
 
 

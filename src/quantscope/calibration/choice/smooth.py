@@ -47,10 +47,10 @@ from torch.func import functional_call
 from ... import comm as qd
 from ...stats.minmax import column_minmax
 from ..results.apply import input_name, module_input
-from ..run.batches import forward_batch
+from ..run.batches import eval_mode, forward_batch
 
 __all__ = ["MAPPINGS", "MIN_SCALE", "Mapping", "channel_ranges", "check", "find_mappings",
-           "reapply", "smooth", "smoothing_scales"]
+           "reapply", "restore", "smooth", "smoothing_scales"]
 
 #: ``(previous module, balanced Linears)`` as name suffixes within one decoder layer
 MAPPINGS = (
@@ -116,8 +116,8 @@ def _width(module: nn.Module) -> int | None:
 def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distributed: bool = False,
                    group=None) -> dict[str, torch.Tensor]:
     """``max - min`` of every input channel of each mapping's balanced Linears over
-    ``batches`` (one forward each); with ``distributed`` inside a process group, the range
-    across its ranks (every rank must call it then)."""
+    ``batches`` (one forward each, in eval mode); with ``distributed`` inside a process group,
+    the range across its ranks (every rank must call it then)."""
     modules = dict(model.named_modules())
     lo, hi = {}, {}
 
@@ -135,8 +135,9 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distribut
         hook(m.previous, input_name(modules[m.balance[0]])), with_kwargs=True)
         for m in mappings]
     try:
-        for batch in batches:
-            forward_batch(model, batch)
+        with eval_mode(model):  # as the calibration pass (dropout: random ranges)
+            for batch in batches:
+                forward_batch(model, batch)
     finally:
         for h in handles:
             h.remove()
@@ -229,12 +230,13 @@ def check(alpha, sequential: bool = False) -> None:
 
 @torch.no_grad()
 def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool = False,
-           group=None) -> dict:
+           group=None, originals: dict | None = None) -> dict:
     """Smooth ``model`` in place (module doc) with ranges from ``batches`` (``distributed``:
     reduced over ``group``'s ranks, as :func:`~.session.calibrate_many` 's); returns
     ``{"alpha", "smoothed": [previous module names], "skipped": [names failing the probe or
     never run], "scales": {name: [C] float32}}``. ``alpha`` in ``[0, 1]``: 0 leaves the
-    activations, 1 moves all of their range into the weights."""
+    activations, 1 moves all of their range into the weights. ``originals``, a dict, receives
+    a CPU copy of every parameter before it is changed, for :func:`restore`."""
     check(alpha)
     mappings = find_mappings(model)
     ranges = channel_ranges(model, batches, mappings, distributed, group) if mappings else {}
@@ -250,6 +252,9 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
         if not _probe_holds(modules, m, new):
             skipped.append(m.previous)
             continue
+        if originals is not None:
+            for k in new:
+                originals.setdefault(k, model.get_parameter(k).detach().to("cpu", copy=True))
         _write(modules, new)
         done.append(m.previous)
         scales[m.previous] = s.cpu()
@@ -276,6 +281,13 @@ def reapply(model: nn.Module, calibration) -> None:
                                  f"{tuple(s.shape)}; this model's {m.balance[0]} takes "
                                  f"{channels} channels")
             _write(modules, _new_params(modules, m, s))
+
+
+@torch.no_grad()
+def restore(model: nn.Module, originals: dict[str, torch.Tensor]) -> None:
+    """Undo :func:`smooth` exactly: each parameter back to its value in ``originals``."""
+    for k, v in originals.items():
+        model.get_parameter(k).copy_(v)
 
 
 def _write(modules: dict[str, nn.Module], new: dict[str, torch.Tensor]) -> None:

@@ -3,9 +3,24 @@ detection, auto's scoring, sensitivity) uses."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-__all__ = ["forward_batch", "map_tensors", "tensors_in"]
+__all__ = ["check_batches", "eval_mode", "forward_batch", "map_tensors", "tensors_in"]
+
+
+@contextmanager
+def eval_mode(model):
+    """``model`` and all its submodules in eval mode inside; on leaving, every module's own
+    ``training`` flag as it was (``model.train(was)`` would set them all to the root's)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, was in modes:
+            m.training = was
 
 
 def forward_batch(model, batch):
@@ -16,6 +31,15 @@ def forward_batch(model, batch):
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def check_batches(batches, who: str = "calibrate") -> None:
+    """Raise unless ``batches`` is an iterable of batches: one dict (a tokenizer's output)
+    would be iterated over its key strings, each fed to the model as a batch."""
+    if isinstance(batches, dict) or hasattr(batches, "keys"):
+        raise TypeError(f"{who}: batches must be an iterable of batches, got one "
+                        f"{type(batches).__name__} (a single batch); wrap it in a list: "
+                        f"[batch]")
 
 
 def tensors_in(value):

@@ -28,7 +28,7 @@ from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
 from ..results.apply import input_name, module_input
 from ..structure import fusion, kv_cache
 from . import heap
-from .batches import forward_batch
+from .batches import eval_mode, forward_batch
 from .samples import RowSample, capacities
 
 # the activation rows kept for auto and the report, all layers together (see docs/memory.md)
@@ -335,7 +335,6 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
     gen = torch.Generator().manual_seed(seed)
     _make_samples(unique_slots(slots.values()), sample_tokens, sample_budget_mb, total, gen)
     handles = []
-    was_training = model.training
     n = 0
     try:
         for entry in by_module.values():
@@ -349,15 +348,14 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
         if kv:
             handles.append(SimpleNamespace(remove=kv_cache.attach(
                 model, {layer: _kv_observer(roles) for layer, roles in kv.items()})))
-        model.eval()
-        n = _forward_all(model, batches, total, progress, batch_index)
+        with eval_mode(model):
+            n = _forward_all(model, batches, total, progress, batch_index)
         check_finite(slots.values())
     finally:
         for h in handles:
             h.remove()
         for slot in slots.values():
             slot.last = None
-        model.train(was_training)
     return n
 
 

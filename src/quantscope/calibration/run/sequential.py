@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from . import heap
-from .batches import map_tensors, tensors_in
+from .batches import eval_mode, map_tensors, tensors_in
 from .block_order import NotAChain, check_disjoint, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, unload_params
 
@@ -249,6 +249,20 @@ def _check_mode(mode, recipes, options, cache_budget_mb):
     return mode, cache_budget_mb
 
 
+@contextlib.contextmanager
+def _restoring(run, layers, originals):
+    """Whatever happens inside: the model's own blocks back in ``layers``, the loaded
+    weights unloaded, the spill folder removed."""
+    try:
+        yield
+    finally:
+        for j, block in enumerate(originals):
+            layers[j] = block
+        for names in list(run.loaded):
+            run.unload(names)
+        shutil.rmtree(run.folder, ignore_errors=True)
+
+
 def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float",
                          checkpoint=None, blocks=None, cache_budget_mb=None,
                          cache_dir=None, device=None, progress=True, **options):
@@ -269,10 +283,8 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
                [int(cache_budget_mb * 2**20)], tempfile.mkdtemp(prefix="quantscope-seq-",
                                                                dir=cache_dir),
                {label: [] for label in recipes})
-    was_training = model.training
-    model.eval()
     originals = list(layers)
-    try:
+    with eval_mode(model), _restoring(run, layers, originals):
         hidden, context, n, order = _first_inputs(run, batches, name, layers, outside)
         spilled, as_tuple = 0, False
         for k, j in enumerate(order):
@@ -290,13 +302,6 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
         _calibrate_rest(run, batches, name, layers, outside, hidden, as_tuple, recipes,
                         calibrate_many, options)
         spilled += hidden.spilled + context.spilled
-    finally:
-        for j, block in enumerate(originals):
-            layers[j] = block
-        for names in list(run.loaded):
-            run.unload(names)
-        shutil.rmtree(run.folder, ignore_errors=True)
-        model.train(was_training)
     seconds = round(time.perf_counter() - t0, 3)
     out = {}
     for label, recipe in recipes.items():

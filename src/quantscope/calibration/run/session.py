@@ -9,8 +9,9 @@ whose model output is closest to the float model's (:mod:`.auto`); per layer, th
 candidates with the least error in the layer's output (``"joint"``, ``"fisher"``,
 ``"output"``) or in the tensor itself (``"tensor"``).
 
-Hooks are removed in a ``finally``, whatever happens; the model's train / eval
-mode is restored; forwards run under ``torch.inference_mode``.
+Hooks are removed in a ``finally``, whatever happens; each module's own train / eval
+mode is restored, and a SmoothQuant that ran is undone if the call raises; forwards run under
+``torch.inference_mode``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..structure import kv_cache
 from ..structure import moe as _moe
 from . import gather
 from . import sequential as _sequential
+from .batches import check_batches
 from .finish import build_states
 from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
@@ -135,6 +137,7 @@ def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[st
     t0 = time.perf_counter()
     if batches is None:
         batches = []
+    check_batches(batches)
     _check_kv_cache(model, recipes)
     check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
 
@@ -177,18 +180,25 @@ def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[st
 
 def _around(model, batches, run, outliers: Outliers, runtime: Runtime):
     """``run(batches)``, the calibration itself, with what goes around it: SmoothQuant
-    before (ranges from the first batch), the float fallback after (ranked on it)."""
-    smoothed = None
-    if outliers.smooth is not None:
-        first, batches = _peek(batches)
-        smoothed = _smooth.smooth(model, [] if first is None else [first], outliers.smooth,
-                                  distributed=runtime.distributed, group=runtime.group)
-    if not outliers.keep_float:
-        out = run(batches)
-    else:
-        first, batches = _peek(batches)
-        out = {k: fall_back(model, first, c, outliers.keep_float, outliers.fallback)
-               for k, c in run(batches).items()}
+    before (ranges from the first batch), the float fallback after (ranked on it). A call
+    that raises leaves the weights unsmoothed: their values from before are kept (a CPU
+    copy of the smoothed ones) until it returns."""
+    smoothed, originals = None, {}
+    try:
+        if outliers.smooth is not None:
+            first, batches = _peek(batches)
+            smoothed = _smooth.smooth(model, [] if first is None else [first], outliers.smooth,
+                                      distributed=runtime.distributed, group=runtime.group,
+                                      originals=originals)
+        if not outliers.keep_float:
+            out = run(batches)
+        else:
+            first, batches = _peek(batches)
+            out = {k: fall_back(model, first, c, outliers.keep_float, outliers.fallback)
+                   for k, c in run(batches).items()}
+    except BaseException:
+        _smooth.restore(model, originals)
+        raise
     if smoothed is not None:
         scales = smoothed.pop("scales")
         for c in out.values():
@@ -418,6 +428,7 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
             divergence.
         roles: which roles to measure.
     """
+    check_batches(batches, "sensitivity")
     if calibration is None:
         calibration = calibrate(model, batches if calib_batches is None else calib_batches,
                                 recipe, observer=observer, progress=progress)

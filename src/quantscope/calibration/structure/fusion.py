@@ -32,7 +32,7 @@ from torch import nn
 from ...layout import Block, Channel, Group, Tensor
 from ..recipe import _matches
 from ..results.result import RoleState
-from ..run.batches import forward_batch
+from ..run.batches import eval_mode, forward_batch
 
 __all__ = ["find_groups", "join_weights", "peek", "shares_weight_scale", "split_state"]
 
@@ -89,18 +89,15 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
         return pre
 
     handles = []
-    was_training = model.training
     try:
         for name in names:
             handles.append(model.get_submodule(name).register_forward_pre_hook(
                 hook_for(name), with_kwargs=True))
-        model.eval()
-        with torch.inference_mode():
+        with eval_mode(model), torch.inference_mode():
             forward_batch(model, batch)
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
         recent.clear()
     seen, groups = set(), []
     for members in order:  # a module called twice keeps its first group
