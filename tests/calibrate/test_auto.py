@@ -13,6 +13,7 @@ from quantscope import presets
 from quantscope.calibration import apply, calibrate, calibrate_many, keep_float, preset, sensitivity
 from quantscope.calibration.choice.auto import OutputDivergence
 from quantscope.calibration.choice.layer_choice import fisher_weights, imatrix_state, joint_choice
+from quantscope.calibration.choice.sensitivity import Sensitivity
 from quantscope.estimators.mse import shrink_factors
 from quantscope.estimators.weighted import imatrix_range, output_clip_range
 from quantscope.qdq import fake_quantize
@@ -522,6 +523,27 @@ def test_keep_float_restores_float_exactly_for_the_chosen_tensors():
         keep_float(calib, s, -1)
     with pytest.raises(ValueError, match="mode"):
         keep_float(calib, s, 1, mode="half")
+
+
+def test_keep_float_takes_a_fused_groups_shared_input_whole():
+    # found by probing: keep_float made up_proj's input dynamic and kept gate_proj's static,
+    # but the runtime's gate_up_proj runs one input scheme (vLLM serves gate's)
+    model, batches = _llama()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    groups = {g["layers"][0].rsplit(".", 1)[0]: g["layers"] for g in calib.info["fusion_groups"]}
+    attn0 = groups["model.layers.0.self_attn"]
+    rows = [{"layer": layer, "role": "input"} for layer in
+            ("lm_head", attn0[2], attn0[0], "model.layers.1.mlp.down_proj")]
+    for mode in ("float", "dynamic"):
+        kept = keep_float(calib, Sensitivity(rows), 3, mode=mode)
+        assert kept.info["keep_float"]["n"] == 3  # the group counted once
+        assert kept.info["keep_float"]["tensors"] == [
+            "lm_head input", *(f"{layer} input" for layer in attn0),
+            "model.layers.1.mlp.down_proj input"]
+        for layer in attn0:  # the members' inputs all fall back alike
+            st = kept.states[layer].get("input")
+            assert (st is None) if mode == "float" else st.dynamic is True
+        assert kept.states["model.layers.0.mlp.gate_proj"]["input"].dynamic is False
 
 
 def test_calibrate_keep_float_is_keep_float_of_the_layer_ranking():

@@ -243,15 +243,23 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     """A copy of ``calibration`` whose ``n`` most sensitive activations (input / output
     roles, ranked by ``sens``; those already dynamic do not count) are not statically
     quantized: left in float (``mode="float"``) or quantized per token at run time in the same
-    format (``"dynamic"``). Weights are kept.
+    format (``"dynamic"``). Weights are kept. A fused group's shared input (q / k / v,
+    gate / up: one input of the runtime's fused layer) counts once and falls back whole: a
+    fused layer runs one scheme (``info["keep_float"]["tensors"]`` lists every member).
     """
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
     if mode not in FALLBACK_MODES:
         raise ValueError(f"keep_float: mode must be one of {FALLBACK_MODES}, got {mode!r}")
     static = set(_static_activations(calibration))
-    ranked = [(r["layer"], r["role"]) for r in sens.rows if (r["layer"], r["role"]) in static]
-    chosen = ranked[:n]
+    together = _shared_inputs(calibration)
+    picks: list[tuple[tuple[str, str], ...]] = []
+    for r in sens.rows:
+        key = (r["layer"], r["role"])
+        unit = together.get(key, (key,))
+        if key in static and unit not in picks and len(picks) < n:
+            picks.append(unit)
+    chosen = [key for unit in picks for key in unit if key in static]
     states = {layer: dict(roles) for layer, roles in calibration.states.items()}
     for layer, role in chosen:
         new = _fallback_state(states[layer][role], mode)
@@ -260,10 +268,21 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
         else:
             states[layer][role] = new
     states = {layer: roles for layer, roles in states.items() if roles}
-    info = dict(calibration.info, keep_float={"n": len(chosen), "mode": mode,
+    info = dict(calibration.info, keep_float={"n": len(picks), "mode": mode,
                                               "tensors": [f"{a} {b}" for a, b in chosen]})
     return Calibration(calibration.recipe, states, calibration.label, calibration.stats,
                        calibration.histograms, info)
+
+
+def _shared_inputs(calibration: Calibration) -> dict[tuple[str, str], tuple]:
+    """``(layer, "input") -> every member's (layer, "input")`` of the fused groups that share
+    their input (``info["fusion_groups"]``)."""
+    out = {}
+    for g in calibration.info.get("fusion_groups", ()):
+        if g.get("input") == "shared":
+            unit = tuple((layer, "input") for layer in g["layers"])
+            out.update(dict.fromkeys(unit, unit))
+    return out
 
 
 def check_fallback(n, mode, sequential: bool = False) -> None:
