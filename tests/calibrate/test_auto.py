@@ -80,6 +80,27 @@ def test_sensitivity_equals_direct_one_tensor_quantization():
     assert s.rows[0]["divergence"] > 0
 
 
+def test_sensitivity_of_a_recipe_keeps_its_observers():
+    # found by probing: sensitivity() calibrated a Recipe with observer="minmax" (its own
+    # default), measuring other observers than calibrate(recipe) runs
+    model, batches = _llama()
+    recipe = preset("w8a8", "percentile", bins=256)
+    calls = []
+    measure_ = quantscope.calibration.run.session.measure
+
+    def spy(model, batches, calibration, *args):
+        calls.append({role: st.observer for roles in calibration.states.values()
+                      for role, st in roles.items()})
+        return measure_(model, batches, calibration, *args)
+
+    quantscope.calibration.run.session.measure = spy
+    try:
+        sensitivity(model, batches[:1], recipe, roles=("input",))
+    finally:
+        quantscope.calibration.run.session.measure = measure_
+    assert calls == [{"weight": "memoryless_minmax", "input": "percentile"}]
+
+
 def test_sensitivity_encoder_cosine_and_user_loss(tmp_path):
     model = _Mlp().eval()
     batches = [torch.randn(4, 5, 16) for _ in range(2)]

@@ -412,7 +412,7 @@ def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None 
 
 
 def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibration | None
-                = None, calib_batches=None, observer: str = "minmax", loss=None,
+                = None, calib_batches=None, observer: str | None = None, loss=None,
                 roles=("weight", "input"), progress: bool = False) -> Sensitivity:
     """Per layer and role, how much the model's output moves when only that tensor is
     quantized, on held-out ``batches``.
@@ -423,6 +423,8 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
         recipe: the recipe whose tensors are measured (ignored if ``calibration`` given).
         calibration: a :class:`Calibration` to measure (default: ``recipe`` calibrated with
             ``observer`` on ``calib_batches``).
+        observer: as :func:`calibrate`'s: None keeps a :class:`Recipe`'s observers (min-max
+            for a preset name).
         calib_batches: calibration batches (default: ``batches``).
         loss: ``callable(output, reference_output, batch) -> float`` replacing the default
             divergence.
