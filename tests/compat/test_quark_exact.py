@@ -187,6 +187,42 @@ def test_scale_format_e5m3_accepted_and_unknown_refused():
         quark.quark_spec(fp8(scale_format="e5m3"))
 
 
+@pytest.mark.parametrize("name, qspec", [
+    *[("PerBlockMXObserver", mx(f, scale_calculation_mode=m)) for f, m in [
+        ("e8m0", "even"), ("e8m0", "floor"), ("e8m0", "ceil"), ("e4m3", None), ("e5m3", None),
+        ("float32", None)]],
+    ("PerTensorMinMaxObserver", fp8()),
+    ("PerGroupMinMaxObserver", fp8(qscheme="per_group", group_size=16, ch_axis=-1)),
+    ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0}),
+    ("PerTensorMinMaxObserver", {"dtype": "uint8", "symmetric": False}),
+    ("PerBlockBFPObserver", {"dtype": "bfp16", "group_size": 8, "ch_axis": -1}),
+    ("PerTensorPercentileObserver", {"dtype": "int8"}),
+    ("PerTensorMSEObserver", {"dtype": "int8"}),
+])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_or_inf_raise_at_calculate_qparams(name, qspec, bad):
+    """docs/guide/observers.md: NaN / inf raise a ValueError naming the observer."""
+    obs = getattr(quark, name)(qspec)
+    x = batches((2, 64))[0]
+    x[1, 3] = bad
+    obs(x)
+    with pytest.raises(ValueError, match=f"{name}.*NaN or inf"):
+        obs.calculate_qparams()
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+def test_mse_asymmetric_on_all_negative_data_raises(dtype):
+    """Quark's search prices (0, centre) and asserts min <= max; here a ValueError naming the
+    observer (not a scale that maps every value to 0)."""
+    obs = quark.PerTensorMSEObserver({"dtype": dtype, "symmetric": False})
+    obs(-torch.rand(32, 64, generator=torch.Generator().manual_seed(0)) * 3 - 0.5)
+    with pytest.raises(ValueError, match="PerTensorMSEObserver.*negative"):
+        obs.calculate_qparams()
+    sym = quark.PerTensorMSEObserver({"dtype": dtype, "symmetric": True})
+    sym(-torch.rand(32, 64) - 0.5)  # |x| from 0: fine
+    assert sym.calculate_qparams()[0] > 0.5 / 128
+
+
 # ------------------------------------------------------- against the installed Quark
 def quark_cfg(**kw):
     from quark.torch.quantization.config.config import QTensorConfig
@@ -413,4 +449,131 @@ def test_qparams_before_data_as_quark(name, kw, dtype):
         want = theirs._calculate_qparams()
     for a, b in zip(ours._calculate_qparams(), want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+        same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw", [
+    ("PerTensorMinMaxObserver", {}),
+    ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}),
+    ("PerGroupMinMaxObserver", {"qscheme": "per_group", "ch_axis": -1, "group_size": 32}),
+    ("PerTensorMSEObserver", {}),
+    ("PerTensorPercentileObserver", {}),
+    ("PerTensorHistogramObserverPro", {}),
+])
+@pytest.mark.parametrize("dtype", ["uint8", "uint4"])
+def test_unsigned_symmetric_zero_point_is_zero_as_quark(name, kw, dtype):
+    """Quark's ``calculate_int_quant_params`` returns zero points 0 whenever symmetric."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins(name, dtype=dtype, symmetric=True, **kw)
+    x = batches((4, 64))[1]
+    theirs(x)
+    ours(x)
+    if name != "PerTensorHistogramObserverPro":  # torch.ao's qparams there (a known difference)
+        for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+            assert a.dtype == b.dtype, (a.dtype, b.dtype)
+            same(a, b)
+    lo, hi = torch.tensor([-1.0, -3.0]), torch.tensor([2.0, 0.5])
+    for a, b in zip(ours.calculate_int_quant_params(lo, hi),
+                    theirs.calculate_int_quant_params(lo, hi), strict=True):
+        same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw", [
+    ("PerTensorMinMaxObserver", {}),
+    ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}),
+    ("PerGroupMinMaxObserver", {"qscheme": "per_group", "ch_axis": -1, "group_size": 32}),
+    ("PerTensorMSEObserver", {}),
+    ("PerTensorPercentileObserver", {}),
+    ("PerTensorHistogramObserverPro", {}),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_scale_dtype_as_quark(name, kw, dtype):
+    """Quark's scale dtype without a ``scale_type``: a per-tensor integer scale is lifted to
+    float32 by Quark's float32 eps, histogram observers bin ``x.float()``, per channel /
+    group keep the input's dtype."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins(name, dtype="int8", symmetric=True, **kw)
+    x = batches((4, 64))[1].to(dtype)
+    theirs(x)
+    ours(x)
+    for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        if dtype != torch.float64 or "MinMax" not in name:  # float64: computed in float32
+            same(a, b)
+    lo, hi = -x.abs().amax(-1).to(dtype), x.abs().amax(-1).to(dtype)
+    for rng in ((lo, hi), (lo[0], hi[0]), (torch.tensor(0), hi[0].float())):
+        for a, b in zip(ours.calculate_int_quant_params(*rng),
+                        theirs.calculate_int_quant_params(*rng), strict=True):
+            assert a.dtype == b.dtype, (rng, a.dtype, b.dtype)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name", ["PerTensorPercentileObserver", "PerTensorMSEObserver"])
+@pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False), ("int8", False)])
+def test_histogram_edges_are_quarks_linspace(name, dtype, symmetric):
+    """Quark's edges are ``torch.linspace(lo, hi, bins + 1)`` (not ``lo + i * width``): the
+    edges, and the percentile / MSE thresholds read from them, bit for bit."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins(name, dtype=dtype, symmetric=symmetric)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g) * 1.5 + (0.5 if symmetric else 0.0)
+    theirs(x)
+    ours(x)
+    same(ours.calib_bin_edges, theirs.calib_bin_edges)
+    same(ours.calib_hist, theirs.calib_hist)
+    for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        same(a, b)
+
+
+@pytest.mark.peers
+def test_per_group_state_and_range_qparams_shapes_as_quark():
+    """Quark's per-group ``min_val`` / ``max_val`` are flat; a given range's qparams come back
+    ``(-1, groups)``."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerGroupMinMaxObserver", dtype="uint4", qscheme="per_group", ch_axis=1,
+                         group_size=8, symmetric=False)
+    x = batches((4, 16, 3))[1]
+    theirs(x)
+    ours(x)
+    same(ours.min_val, theirs.min_val)
+    same(ours.max_val, theirs.max_val)
+    for a, b in zip(ours.calculate_qparams(theirs.min_val, theirs.max_val),
+                    theirs.calculate_qparams(theirs.min_val, theirs.max_val), strict=True):
+        same(a, b)
+
+
+@pytest.mark.peers
+def test_bfp_amax_and_int32_zero_point_as_quark():
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerBlockBFPObserver", dtype="bfp16", qscheme="per_group", ch_axis=-1,
+                         group_size=8)
+    for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)  # before data: Quark's eps
+        same(a, b)
+    g = torch.Generator().manual_seed(7)  # |x| in [1, 1.9): no block overflows, so Quark's
+    x = (1 + 0.9 * torch.rand(8, 64, generator=g)) * torch.randn(8, 64, generator=g).sign()
+    theirs(x)  # amax is the block absmax
+    ours(x)
+    same(ours.amax, theirs.amax)
+    for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False), ("fp8_e4m3", True)])
+def test_percentile_on_all_zero_data_as_quark(dtype, symmetric):
+    """Quark's zero-mass histogram gives the range ``zeros(1)``: qparams of shape ``(1,)``."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    kw = {} if dtype.startswith("fp8") else {"symmetric": symmetric}
+    theirs, ours = twins("PerTensorPercentileObserver", dtype=dtype, **kw)
+    theirs(torch.zeros(4, 8))
+    ours(torch.zeros(4, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = theirs._calculate_qparams()
+    for a, b in zip(ours._calculate_qparams(), want, strict=True):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
         same(a, b)

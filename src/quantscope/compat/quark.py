@@ -13,20 +13,28 @@ when the first level is set (the second stage of a two-level scheme), e4m3 is Qu
 NVFP4 rounding, e5m3 rounds to Quark's unsigned E5M3 (:data:`FP8_E5M3`), e8m0 'floor' / 'ceil'
 are Quark's formulas (:func:`quark_e8m0_scale`: eps for a zero block), e8m0 'even' the native
 MX rule (bitwise Quark's ``even_round``). Integer ranges go through the native qparams, which
-match Quark's ``calculate_int_quant_params`` bit for bit on float32 input.
+match Quark's ``calculate_int_quant_params`` bit for bit on float32 input; as there, a
+symmetric range has zero point 0, unsigned formats too. NaN / inf raise a ``ValueError``
+naming the observer at ``calculate_qparams()`` on every scale rule; so does an asymmetric
+``PerTensorMSEObserver`` whose candidates are negative (all-negative data: Quark asserts).
+Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``.
 
 ``(scale, zero_point)`` come in Quark's shapes: 0-dim per tensor (``min_val`` / ``max_val``
 too; ``PerTensorHistogramObserverPro``: torch.ao's ``(1,)``), ``(C,)`` per channel,
-``(rows, groups)`` per group / block (rows in Quark's order); the scale in ``scale_type``'s
-dtype when it is float32 / float16 / bfloat16, else in the dtype Quark computes it in (the
-input's; float32 for e8m0 'even' and e4m3); the zero point int32 for integers, a float zero
-tensor for float and block formats.
+``(rows, groups)`` per group / block (rows in Quark's order; per-group ``min_val`` /
+``max_val`` flat, as Quark's); the scale in ``scale_type``'s dtype when it is float32 /
+float16 / bfloat16, else in the dtype Quark computes it in (the input's, promoted to float32
+for a per-tensor integer scale by Quark's float32 eps; float32 for the histogram observers,
+e8m0 'even' and e4m3); the zero point int32 for integers and BFP16, a float zero tensor for
+float and MX formats.
 
-Known differences: ``round_method`` other than half_even is not supported; integer scales of a bfloat16 /
-float16 input are computed in float32 and then cast (Quark computes an asymmetric range in
-the input's dtype, which can differ in the last bits); per-group ``min_val`` / ``max_val`` of
-a 3-D+ tensor grouped along an inner axis list the groups in quantscope's order (the qparams
-use Quark's); ``zero_point_type`` float32 is not supported; BFP16 uses the native 'even' E8M0
+Known differences: ``round_method`` other than half_even is not supported; the histogram MSE
+search prices candidates in float64 (Quark's float32 mean can tie two candidates and take the
+first); integer scales of a bfloat16 / float16 / float64 input are computed in float32 and
+then cast (Quark computes float64 ranges, and asymmetric half ones, in the input's dtype,
+which can differ in the last bits); ``PerTensorHistogramObserverPro`` with a symmetric
+unsigned dtype gives the native mid code (128 for uint8; torch.ao's custom range gives 127);
+``zero_point_type`` float32 is not supported; BFP16 uses the native 'even' E8M0
 rule, which bumps the exponent when the block's largest magnitude rounds to 128 on either sign
 (Quark checks positive overflow only, and keeps doubling its running amax across calls).
 """
@@ -144,6 +152,7 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
             grouped = isinstance(self.spec.layout, Group)
             return (scale.reshape(1, 1), zp.reshape(1, 1)) if grouped else (scale, zp)
         if self.spec.is_float:  # Quark's float rule (quant_max_first_level, eps fill)
+            self.check_ready()  # NaN / inf raise here too, as on the native path
             scale, zp = self.calculate_fp8_quant_parameters(
                 self.min_vals.to(self._input_dtype), self.max_vals.to(self._input_dtype))
             return self._quark_shape(scale), self._quark_shape(zp)
@@ -186,21 +195,32 @@ class PerChannelMinMaxObserver(_DynamicOrStatic):
 
 @register("quark:PerGroupMinMaxObserver")
 class PerGroupMinMaxObserver(_DynamicOrStatic):
-    """Min / max per group of ``group_size`` along ``ch_axis``, of the last call (as Quark's)."""
+    """Min / max per group of ``group_size`` along ``ch_axis``, of the last call (as Quark's:
+    ``min_val`` / ``max_val`` flat ``(rows * groups,)``, the qparams ``(rows, groups)``)."""
 
     always_memoryless = True
+    _flat_stats = True
+
+    def calculate_qparams(self, min_val: torch.Tensor | None = None,
+                          max_val: torch.Tensor | None = None):
+        """As Quark's: a given flat range's qparams come back ``(-1, groups)``, ``groups``
+        that of the last observed tensor (1 before data)."""
+        out = super().calculate_qparams(min_val, max_val)
+        if min_val is None and max_val is None:
+            return out
+        layout = self.spec.layout
+        groups = self.shape[layout.axis] // layout.size if self.has_observed and layout.size > 0 else 1
+        return tuple(t.reshape(-1, groups) for t in out)
 
 
-@register("quark:PerBlockMXObserver")
-class PerBlockMXObserver(_DynamicOrStatic):
-    """Per-block absmax (``amax``, ``(rows, blocks)``); the scale by ``scale_format``: E8M0
-    by ``scale_calculation_mode`` (MX, the native rule), else Quark's float32 / e4m3 / e5m3."""
+class _BlockAmax(_DynamicOrStatic):
+    """Quark's block observers' ``amax``."""
 
     @property
     def amax(self) -> torch.Tensor:
         """Per-block absolute maximum, ``(rows, blocks)``; ``tensor(0.)`` before data."""
         if "amax" in self._deleted:
-            raise AttributeError("PerBlockMXObserver has no attribute 'amax'")
+            raise AttributeError(f"{type(self).__name__} has no attribute 'amax'")
         if not self.has_observed:
             return torch.tensor(0.0)
         amax = torch.maximum(-self.min_vals, self.max_vals).to(self._input_dtype)
@@ -210,12 +230,20 @@ class PerBlockMXObserver(_DynamicOrStatic):
     def amax(self) -> None:
         self._delete("amax")
 
+
+@register("quark:PerBlockMXObserver")
+class PerBlockMXObserver(_BlockAmax):
+    """Per-block absmax (``amax``, ``(rows, blocks)``); the scale by ``scale_format``: E8M0
+    by ``scale_calculation_mode`` (MX, the native rule), else Quark's float32 / e4m3 / e5m3."""
+
     def _calculate_qparams(self):
         fmt = self.scale_format or "e8m0"
         if fmt == "e8m0" and (self.scale_calculation_mode or "even") == "even":
             # the native MX path (one pass over the state); Quark's even_round gives float32
             scale, zp = QuarkObserver._calculate_qparams(self)
             return scale.float().to(self.scale_torch_dtype), zp.float()
+        if self.has_observed:
+            self.check_ready()  # NaN / inf raise here too, as on the native path
         scale = self.get_scale(self.amax, self.eps, fmt)
         return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
 
@@ -225,8 +253,15 @@ class PerBlockMXObserver(_DynamicOrStatic):
 
 
 @register("quark:PerBlockBFPObserver")
-class PerBlockBFPObserver(_DynamicOrStatic):
-    """BFP16: blocks of 8, shared exponent with the overflow check ('even' E8M0, int8 codes)."""
+class PerBlockBFPObserver(_BlockAmax):
+    """BFP16: blocks of 8, shared exponent with the overflow check ('even' E8M0, int8 codes);
+    ``amax`` the per-block absmax (Quark's doubles where a block overflows), int32 zeros."""
+
+    def _calculate_qparams(self):
+        if not self.has_observed:  # Quark's formula on its amax tensor(0.): eps
+            return torch.tensor(self.eps), torch.tensor(0, dtype=torch.int32)
+        scale, zp = super()._calculate_qparams()
+        return scale, zp.to(torch.int32)
 
 
 if _QUARK_OBSERVERS in sys.modules:  # Quark came first: join it now

@@ -132,6 +132,15 @@ def _quark_int_default() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([1.0]), torch.tensor([0])
 
 
+def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor) -> torch.dtype:
+    """The dtype of Quark's integer scale of a range (no ``scale_type``): the range's (float32
+    for an integer one), lifted to float32 when the range is 0-dim, as Quark's clamp by its
+    0-dim float32 eps buffer promotes it (a 1-dim+ half range keeps its dtype)."""
+    dtype = torch.result_type(min_val, max_val)
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    return dtype if min_val.dim() or max_val.dim() else torch.promote_types(dtype, torch.float32)
+
+
 def _quark_rows(t: torch.Tensor, shape, axis: int) -> torch.Tensor:
     """Per-group values shaped ``(dims but axis..., groups)`` as Quark's ``(rows, groups)``:
     Quark swaps ``axis`` with the last dim before it flattens the rows, so for a 3-D or
@@ -147,6 +156,11 @@ class QuarkObserver:
 
     Keywords after ``device`` go to the native observer's constructor.
     """
+
+    #: Quark keeps min / max in the input's dtype (its histograms bin ``x.float()`` instead)
+    _keeps_input_dtype = True
+    #: Quark's per-group min_val / max_val are flat ``(rows * groups,)``, in its row order
+    _flat_stats = False
 
     def __init__(self, qspec, device: torch.device | None = None, **native):
         super().__init__(quark_spec(qspec), **native)
@@ -168,7 +182,7 @@ class QuarkObserver:
             self.to(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._input_dtype = x.dtype  # Quark keeps its statistics in the input's dtype
+        self._input_dtype = x.dtype if self._keeps_input_dtype else torch.float32
         return super().forward(x)
 
     @property
@@ -193,9 +207,12 @@ class QuarkObserver:
     def _calculate_qparams(self):
         qp = self.qparams()
         scale, zp = self._quark_shape(qp.effective_scale), self._quark_shape(qp.zero_point)
+        scale = scale.to(self._scale_dtype)
         if self.spec.is_float or self.spec.scale.is_block:
-            zp = torch.zeros_like(scale)
-        return scale.to(self._scale_dtype), zp
+            return scale, torch.zeros_like(scale)
+        if self.spec.symmetric:  # Quark: zero points 0 when symmetric, unsigned too
+            zp = torch.zeros_like(zp)
+        return scale.to(self.scale_torch_dtype or _quark_int_scale_dtype(scale, scale)), zp
 
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
                           max_val: torch.Tensor | None = None):
@@ -217,7 +234,12 @@ class QuarkObserver:
                 and bool(max_val == float("-inf"))):
             return _quark_int_default()
         qp = qparams_from_range(min_val.float(), max_val.float(), self.spec)
-        return qp.scale.to(self.scale_torch_dtype or min_val.dtype), qp.zero_point.to(torch.int32)
+        zp = qp.zero_point.to(torch.int32)
+        if self.spec.symmetric:  # Quark's zeros (the native rule: uint8's mid code 128)
+            zp = torch.zeros_like(zp)
+        # the value in the range's dtype (Quark computes there), then Quark's promotion
+        scale = qp.scale.to(torch.result_type(min_val, max_val))
+        return scale.to(self.scale_torch_dtype or _quark_int_scale_dtype(min_val, max_val)), zp
 
     def calculate_fp8_quant_parameters(self, min_val: torch.Tensor, max_val: torch.Tensor):
         """Quark's float ``(scale, zeros)``: ``amax / quant_max`` of the range (divided by
@@ -249,7 +271,8 @@ class QuarkObserver:
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         if not self.has_observed:
             return torch.tensor(empty)
-        return self._quark_shape(getattr(self, name + "s")).to(self._input_dtype)
+        stat = self._quark_shape(getattr(self, name + "s")).to(self._input_dtype)
+        return stat.reshape(-1) if self._flat_stats else stat
 
     def _delete(self, name: str) -> None:
         self._deleted.add(name)

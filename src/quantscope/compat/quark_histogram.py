@@ -22,6 +22,14 @@ __all__ = [
 ]
 
 
+def _quark_edges(hist) -> torch.Tensor:
+    """Quark's bin edges ``torch.linspace(lo, hi, bins + 1)`` per row ``[U, B + 1]``: torch's
+    linspace counts its upper half down from ``hi``, so ``lo + i * width`` differs in the last
+    bits (and with it the percentile / MSE thresholds, which are edges or centres)."""
+    return torch.stack([torch.linspace(lo, hi, hist.bins + 1, device=hist.lo.device)
+                        for lo, hi in zip(hist.lo.tolist(), hist.hi.tolist(), strict=True)])
+
+
 class _QuarkHistogram(QuarkObserver):
     """Quark's histogram family: ``(qspec, device=None)``, 2048 bins, the first batch binned
     as Quark bins it (``|x|`` from 0 when symmetric, else ``[min, max]``); batches inside
@@ -30,6 +38,7 @@ class _QuarkHistogram(QuarkObserver):
 
     _num_bins = 2048
     _skip_zeros = False
+    _keeps_input_dtype = False  # Quark bins x.float(): float32 ranges and scales
 
     def __init__(self, qspec, device: torch.device | None = None, **native):
         native.setdefault("grid", "first")
@@ -50,7 +59,7 @@ class _QuarkHistogram(QuarkObserver):
     def calib_bin_edges(self) -> torch.Tensor:
         if not self.has_observed:
             return torch.tensor([])
-        e = self.current_histogram().edges()
+        e = _quark_edges(self.current_histogram())
         return e[0] if e.shape[0] == 1 else e
 
 
@@ -75,7 +84,13 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
         super().__init__(qspec, device, **native)
 
     def _estimate(self, hist):
-        return self.get_min_max_by_percentile(hist.counts, hist.edges(), self.percentile)
+        return self.get_min_max_by_percentile(hist.counts, _quark_edges(hist), self.percentile)
+
+    def _calculate_qparams(self):
+        scale, zp = super()._calculate_qparams()
+        if self.has_observed and int(self.current_histogram().counts.sum()) <= 0:
+            return scale.reshape(1), zp.reshape(1)  # Quark's zero-mass range is zeros(1)
+        return scale, zp
 
     def get_min_max_by_percentile(self, histogram: torch.Tensor, bin_edges: torch.Tensor,
                                   percentile: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +131,7 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
     """Quark's histogram-MSE observer: candidates ``(0, centre_i)`` for ``i >= start_bin`` (2045)."""
 
     def _estimate(self, hist):
-        return self.get_min_max_by_mse(hist.counts, hist.edges())
+        return self.get_min_max_by_mse(hist.counts, _quark_edges(hist))
 
     def get_min_max_by_mse(self, calib_hist: torch.Tensor, calib_bin_edges: torch.Tensor,
                            stride: int = 1, start_bin: int = 2045
@@ -137,6 +152,11 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
         start = min(start_bin, max(0, n - 1))
         idx = torch.arange(start, n, stride, device=centers.device)
         amax = centers[:, idx]
+        if not self.spec.symmetric and bool((amax < 0).any()):  # Quark: an AssertionError
+            raise ValueError(
+                f"{self.describe()}: the asymmetric MSE search prices ranges (0, centre) of the "
+                f"top bins, and a centre is negative ({amax.min().item():.6g}): the data is "
+                f"(nearly) all negative; use a symmetric qspec or PerTensorMinMaxObserver")
         zero = torch.zeros_like(amax)
         h = Hist(counts.round().long(), edges[:, 0], edges[:, -1], self.spec.symmetric)
         err = histogram_error(h, zero, amax, self.spec, centers=centers)
@@ -169,5 +189,6 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
         """As torch.ao's ``_calculate_qparams`` returns them to Quark's wrapper: shape
         ``(1,)``, the zero point int64 when symmetric (torch.ao's zeros), else int32. Before
         data ``ValueError`` (Quark's wrapper returns a NaN scale there)."""
-        scale, zp = super()._calculate_qparams()
-        return scale.reshape(1), zp.reshape(1).to(torch.int64 if self.spec.symmetric else torch.int32)
+        qp = self.qparams()  # torch.ao's: float32 scale, mid-code zero point if symmetric
+        zp = qp.zero_point.reshape(1).to(torch.int64 if self.spec.symmetric else torch.int32)
+        return qp.effective_scale.float().reshape(1), zp
