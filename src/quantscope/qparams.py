@@ -195,6 +195,10 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     if lo.shape != hi.shape:
         raise ValueError(f"qparams_from_range: lo and hi must have one shape, got "
                          f"{tuple(lo.shape)} and {tuple(hi.shape)}")
+    if global_amax is not None and torch.as_tensor(global_amax).numel() != 1:
+        raise ValueError(f"qparams_from_range: global_amax must be one value (the whole "
+                         f"tensor's absolute maximum), got shape "
+                         f"{tuple(torch.as_tensor(global_amax).shape)}")
     # the integer branch in C for any CPU ranges: one call costs less than the torch
     # branch's dozen small ops at every count (one unit: 12 against 44-55 us)
     qp = _int_qparams_kernel(lo, hi, spec) if lo.numel() else None

@@ -158,6 +158,10 @@ def test_nvfp4_global_and_block_scales():
 def test_errors_and_qparams_helpers():
     with pytest.raises(ValueError, match="lo and hi must have one shape"):
         qparams_from_range(torch.zeros(3), torch.zeros(4), QuantSpec())
+    # probing: two values gave a bare RuntimeError from a reshape deep inside
+    with pytest.raises(ValueError, match=r"global_amax must be one value .* got shape \(2,\)"):
+        qparams_from_range(-torch.ones(2), torch.ones(2), presets.NVFP4,
+                           global_amax=torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="must be finite"):
         qparams_from_range(torch.tensor([float("nan")]), torch.zeros(1), QuantSpec())
     with pytest.raises(ValueError, match="must be finite"):
