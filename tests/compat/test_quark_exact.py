@@ -452,15 +452,19 @@ def test_qparams_before_data_as_quark(name, kw, dtype):
         same(a, b)
 
 
-@pytest.mark.peers
-@pytest.mark.parametrize("name, kw", [
+#: Quark's integer observers, each with the arguments of its granularity
+INT_CLASSES = [
     ("PerTensorMinMaxObserver", {}),
     ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}),
     ("PerGroupMinMaxObserver", {"qscheme": "per_group", "ch_axis": -1, "group_size": 32}),
     ("PerTensorMSEObserver", {}),
     ("PerTensorPercentileObserver", {}),
     ("PerTensorHistogramObserverPro", {}),
-])
+]
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw", INT_CLASSES)
 @pytest.mark.parametrize("dtype", ["uint8", "uint4"])
 def test_unsigned_symmetric_zero_point_is_zero_as_quark(name, kw, dtype):
     """Quark's ``calculate_int_quant_params`` returns zero points 0 whenever symmetric."""
@@ -480,14 +484,7 @@ def test_unsigned_symmetric_zero_point_is_zero_as_quark(name, kw, dtype):
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize("name, kw", [
-    ("PerTensorMinMaxObserver", {}),
-    ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}),
-    ("PerGroupMinMaxObserver", {"qscheme": "per_group", "ch_axis": -1, "group_size": 32}),
-    ("PerTensorMSEObserver", {}),
-    ("PerTensorPercentileObserver", {}),
-    ("PerTensorHistogramObserverPro", {}),
-])
+@pytest.mark.parametrize("name, kw", INT_CLASSES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_scale_dtype_as_quark(name, kw, dtype):
     """Quark's scale dtype without a ``scale_type``: a per-tensor integer scale is lifted to
