@@ -132,14 +132,17 @@ def test_keep_float_leaves_the_ranked_activations_dynamic(llama_dir, tmp_path, c
     assert "--keep-float: 3 activations dynamic instead of static" in printed.out
     calib = load(Path(out, "qparams"))  # saved and loaded: the dynamic states survive
     kept = calib.info["keep_float"]
-    assert kept["n"] == 3 and kept["mode"] == "dynamic" and len(kept["tensors"]) == 3
+    assert kept["n"] == 3 and kept["mode"] == "dynamic" and len(kept["tensors"]) >= 3
     for t in kept["tensors"]:
         layer, role = t.rsplit(" ", 1)
         st = calib.states[layer][role]
         assert st.dynamic is True and type(st.spec.layout).__name__ == "Token"
+    for g in calib.info["fusion_groups"]:  # a fused group's shared input falls back whole
+        inside = {f"{layer} input" in kept["tensors"] for layer in g["layers"]}
+        assert len(inside) == 1, g
     static = [(n, r) for n, rs in calib.states.items() for r, st in rs.items()
               if r != "weight" and st.dynamic is not True]
-    assert len(static) == 14 - 3  # 2 layers x 7 Linears' inputs
+    assert len(static) == 14 - len(kept["tensors"])  # 2 layers x 7 Linears' inputs
     for bad, msg in ((["--keep-float", "-1"], "--keep-float must be"),
                      (["--keep-float", "1", "--sequential"], "not with --sequential")):
         rc = cli.main(["calibrate", "--model", llama_dir, "--recipe", "w8a8", *bad,

@@ -81,8 +81,10 @@ def cmd_calibrate(args) -> int:
         print(f"  {note}")
     kept = calib.info.get("keep_float", {})
     if kept.get("n"):
+        whole = len(kept["tensors"]) - kept["n"]  # a fused group's shared input: its members
         print(f"  --keep-float: {kept['n']} activations {kept['mode']} instead of static "
-              f"(first: {kept['tensors'][0]}; all in qparams/quantscope.json)")
+              + (f"({len(kept['tensors'])} layers' inputs, fused groups whole; " if whole else "(")
+              + f"first: {kept['tensors'][0]}; all in qparams/quantscope.json)")
     smoothed = calib.info.get("smooth")
     if smoothed:
         print(f"  --smooth {smoothed['alpha']:g}: {len(smoothed['smoothed'])} modules' outputs "
