@@ -310,15 +310,18 @@ def _check_ranges(lo: Tensor, hi: Tensor, who: str) -> None:
                          f"{hi.dtype} {tuple(hi.shape)} on {hi.device}")
 
 
-def _check_e8m0(lo: Tensor, hi: Tensor, mode: str) -> None:
+def _check_e8m0(lo: Tensor, hi: Tensor, format: str, mode: str) -> None:
     _check_ranges(lo, hi, "e8m0_block_scales")
+    get_format(format)  # a bad name raises here, on every device and in the fake
     if mode not in E8M0_MODES:
         raise ValueError(f"quantscope::e8m0_block_scales: mode must be one of {E8M0_MODES}, "
                          f"got {mode!r}")
 
 
 def _torch_e8m0_block_scales(lo: Tensor, hi: Tensor, format: str, mode: str) -> Tensor:
-    _check_e8m0(lo, hi, mode)
+    _check_e8m0(lo, hi, format, mode)
+    # contiguous like the Triton kernel's and the fake's outputs, whatever lo's strides
+    lo, hi = lo.contiguous(), hi.contiguous()
     return e8m0_scale(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), get_format(format), mode)
 
 
@@ -326,15 +329,15 @@ def _cuda_e8m0_block_scales(lo, hi, format, mode):
     kernel = _triton.launchers("block_qparams", lo)
     if kernel is None:
         return _torch_e8m0_block_scales(lo, hi, format, mode)
-    _check_e8m0(lo, hi, mode)
+    _check_e8m0(lo, hi, format, mode)
     fmt = get_format(format)
     return kernel.e8m0_block_scales(lo.contiguous(), hi.contiguous(), E8M0_MODES.index(mode),
                                     fmt.emax, fmt.mbits, fmt.max)
 
 
 def _fake_e8m0_block_scales(lo, hi, format, mode):
-    _check_e8m0(lo, hi, mode)
-    return torch.empty_like(lo)
+    _check_e8m0(lo, hi, format, mode)
+    return lo.new_empty(lo.shape)
 
 
 e8m0_block_scales_op = define(
@@ -352,6 +355,7 @@ def _check_int(lo: Tensor, hi: Tensor, consts: list[float]) -> None:
 def _torch_int_qparams(lo: Tensor, hi: Tensor, consts: list[float]) -> tuple[Tensor, Tensor]:
     _check_int(lo, hi, consts)
     qmin, qmax, min_scale, symmetric, zsym = consts
+    lo, hi = lo.contiguous(), hi.contiguous()  # contiguous outputs, as the kernel's and fake's
     qp = _affine_qparams(lo.clamp(max=0), hi.clamp(min=0), qmin, qmax, min_scale,
                          bool(symmetric), int(zsym), FP32_SCALE)
     return qp.scale, qp.zero_point
@@ -367,7 +371,7 @@ def _cuda_int_qparams(lo, hi, consts):
 
 def _fake_int_qparams(lo, hi, consts):
     _check_int(lo, hi, consts)
-    return torch.empty_like(lo), torch.empty_like(lo, dtype=torch.int32)
+    return lo.new_empty(lo.shape), lo.new_empty(lo.shape, dtype=torch.int32)
 
 
 #: ``(scale, zero_point)`` of an integer format with fp32 scales from per-unit ranges

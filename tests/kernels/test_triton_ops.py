@@ -41,6 +41,15 @@ def _cases(device="cpu"):
         "unit_minmax_tiles": (ops.unit_minmax, (u.view(3, 2, 5, 8).permute(0, 2, 1, 3),)),
         "grouped_unit_minmax": (ops.grouped_unit_minmax, ([u, u[:4, :7], u.t()],)),
         "fake_quant_int": (ops.fake_quant_int, (u, scale, zp, -8.0, 7.0)),
+        # probing: a transposed input gave the CPU output its strides, the fake contiguous
+        # ones (opcheck failed, torch.compile crashed); likewise a transposed range's zp
+        "fake_quant_int_strided": (ops.fake_quant_int, (u.t().contiguous().t(), scale, zp,
+                                                        -8.0, 7.0)),
+        "int_qparams_sym_strided": (ops.int_qparams, (lo.view(2, 3).t(), hi.view(2, 3).t(),
+                                                      [0.0, 255.0, 1e-8, 1.0, 128.0])),
+        "e8m0_block_scales_strided": (ops.e8m0_block_scales, (lo.view(2, 3).t(),
+                                                              hi.view(2, 3).t(), "fp4_e2m1",
+                                                              "even")),
         "mse_price_int": (ops.mse_price_int, (u, cand.scale, cand.zero_point, -8.0, 7.0)),
         "mse_price_fp": (ops.mse_price_fp, (u, mx, 6.0, 0, 1)),  # fp4_e2m1, E8M0 scales
         # llm-compressor's error |d| ** 2.4 (on the CPU: the torch path, not the C kernel)
@@ -258,6 +267,14 @@ def _int64s(n):
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_a_bad_format_is_refused_on_the_meta_device_too():
+    # probing: e8m0_block_scales checked its format on the CPU only; meta / fake accepted it
+    for dev in ("cpu", "meta"):
+        with pytest.raises(ValueError, match="format: unknown name 'nonsense'"):
+            ops.e8m0_block_scales(torch.zeros(3, device=dev), torch.zeros(3, device=dev),
+                                  "nonsense", "floor")
 
 
 FP_FORMATS = ["fp4_e2m1", "fp6_e3m2", "fp6_e2m3", "fp8_e4m3", "fp8_e5m2"]

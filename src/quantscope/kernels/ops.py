@@ -199,7 +199,8 @@ def _check_fake_quant(units, scale, zero_point, qmin, qmax) -> None:
 def _torch_fake_quant_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
                           qmax: float) -> Tensor:
     _check_fake_quant(units, scale, zero_point, qmin, qmax)
-    return fake_quantize_units(units.float(), scale[:, None], zero_point[:, None],
+    # a contiguous result whatever the units' strides, as the Triton kernel's and the fake's
+    return fake_quantize_units(units.float().contiguous(), scale[:, None], zero_point[:, None],
                                _IntBounds(float(qmin), float(qmax)))
 
 
