@@ -29,6 +29,7 @@ range or adds error.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -44,6 +45,22 @@ def _axis(axis: int, shape: tuple[int, ...], who: str) -> int:
             f"{who}: axis {axis} is out of range for a tensor of shape {tuple(shape)} "
             f"(expected -{nd} <= axis < {nd})")
     return axis % nd
+
+
+def _int_axis(layout, who: str) -> None:
+    """Check ``layout.axis`` at construction and store it as a plain ``int``.
+
+    numpy / torch integers are accepted (``operator.index``); bools are refused, since
+    ``True`` would silently mean axis 1.
+    """
+    axis = layout.axis
+    try:
+        if isinstance(axis, bool):
+            raise TypeError
+        value = operator.index(axis)
+    except TypeError:
+        raise ValueError(f"{who}: axis must be an integer, got {axis!r}") from None
+    object.__setattr__(layout, "axis", value)
 
 
 #: layout kind (the name in ``"group:128"``) -> class; filled by each class's ``kind``
@@ -125,6 +142,9 @@ class Channel(Layout):
     def from_arg(cls, arg):
         return cls(int(arg) if arg else 0)
 
+    def __post_init__(self):
+        _int_axis(self, "Channel")
+
     def spec_name(self):
         return f"channel:{self.axis}"
 
@@ -180,6 +200,7 @@ class _Segments(Layout):
     def __post_init__(self):
         if not isinstance(self.size, int) or self.size <= 0:
             raise ValueError(f"{self._name}: size must be a positive integer, got {self.size!r}")
+        _int_axis(self, self._name)
 
     def _geometry(self, shape):
         if len(shape) == 0:

@@ -335,6 +335,23 @@ def test_the_torchscript_ops_pass_torch_library_opcheck():
         same(a, b)
 
 
+def test_float64_state_searches_in_float64_as_torch():
+    """After ``.double()`` torch.ao compares and prices its search in float64: the eager
+    class, a scripted one (quantscope::ao_histogram_search) and the op equal it bitwise,
+    and the op's fake gives the real output's dtype (opcheck)."""
+    ref, ours = (o.double() for o in pair("HistogramObserver", bins=64))
+    scripted = torch.jit.script(qa.HistogramObserver(bins=64)).double()
+    observe((ref, ours, scripted), [x.double() for x in data(3, seed=11, shape=(16, 16))])
+    for o in (ours, scripted):
+        same(ref.histogram, o.histogram)
+        for a, b in zip(ref._non_linear_param_search(), o._non_linear_param_search()):
+            same(a, b)
+        same_qparams(ref, o)
+    args = (ours.histogram, ours.min_val, ours.max_val, ours.dst_nbins)
+    torch.library.opcheck(torch.ops.quantscope.ao_histogram_search.default, args)
+    assert torch.ops.quantscope.ao_histogram_search(*args)[0].dtype == torch.float64
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_histogram_of_other_float_dtypes_equals_torch(dtype):
     """float64 batches are binned as torch.ao bins them; bfloat16 / float16 ones as torch.ao

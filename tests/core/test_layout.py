@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -150,6 +151,22 @@ def test_errors_name_the_argument(make, shape, match):
     with pytest.raises(ValueError, match=match):
         layout = make()
         layout.check(shape)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Channel("0"), lambda: Channel(1.0), lambda: Channel(True), lambda: Channel(None),
+    lambda: Group(4, axis="a"), lambda: Group(4, axis=False), lambda: Block(32, axis=1.0),
+])
+def test_axis_must_be_an_integer(make):
+    # checked at construction, not left to fail (or silently pass, True == 1) at use
+    with pytest.raises(ValueError, match="axis must be an integer"):
+        make()
+
+
+def test_axis_accepts_numpy_and_torch_integers():
+    assert Channel(np.int64(1)) == Channel(1) and type(Channel(np.int64(1)).axis) is int
+    assert Group(4, axis=np.int32(0)).spec_name() == "group:4:0"
+    assert Block(8, axis=torch.tensor(0)).qparam_shape((16, 3)) == (3, 2)
 
 
 def test_parse_layout():

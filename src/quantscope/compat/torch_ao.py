@@ -16,7 +16,8 @@ into the other, and ``torch.jit.script``). What quantscope adds:
 * in :class:`HistogramObserver`, torch.ao's two slow steps replaced by quantscope's,
   bitwise equal: ``forward`` runs :mod:`quantscope.stats.ao_histogram` (one C pass per
   batch, in place on the buffers), and the non-linear search runs
-  :func:`quantscope.estimators.l2.l2_range` (vectorized, where torch loops in Python).
+  :func:`quantscope.estimators.l2.l2_range` (vectorized, where torch loops in Python;
+  a float64 state, after ``.double()``, runs torch.ao's own float64 loop, at its speed).
 
 The min-max classes keep torch's code as it is: one ``aminmax`` per batch is the floor,
 and torch's TorchScript-able code is what ``torch.jit.script`` needs.
@@ -341,9 +342,28 @@ def _observe_op(x: torch.Tensor, histogram: torch.Tensor, min_val: torch.Tensor,
         _observe_tensors(x, histogram, min_val, max_val)
 
 
+class _AOSearch:
+    """torch.ao's own search code, run on given buffers (what :func:`_search` needs for a
+    float64 state: the vectorized search compares and prices in float32, as torch.ao does
+    for its float32 buffers)."""
+
+    _get_norm = _ao.HistogramObserver._get_norm
+    _compute_quantization_error = _ao.HistogramObserver._compute_quantization_error
+    _non_linear_param_search = _ao.HistogramObserver._non_linear_param_search
+
+    def __init__(self, histogram, min_val, max_val, dst_nbins):
+        self.histogram, self.min_val, self.max_val = histogram, min_val, max_val
+        self.bins, self.dst_nbins = histogram.numel(), dst_nbins
+
+
 def _search(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor,
             dst_nbins: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.ao's ``_non_linear_param_search`` (0-dim ``new_min``, ``new_max``), vectorized."""
+    """torch.ao's ``_non_linear_param_search`` (0-dim ``new_min``, ``new_max``), vectorized;
+    a float64 state runs torch.ao's own loop (it compares and prices in float64 there)."""
+    if torch.float64 in (histogram.dtype, min_val.dtype, max_val.dtype):
+        ao = _AOSearch(histogram, min_val, max_val, dst_nbins)
+        new_lo, new_hi = ao._non_linear_param_search()
+        return new_lo.reshape(()).clone(), new_hi.reshape(()).clone()
     hist = Hist(histogram.float().reshape(1, -1), min_val.reshape(1), max_val.reshape(1))
     with torch.inference_mode():
         new_lo, new_hi = l2_range(hist, dst_nbins)
@@ -364,7 +384,8 @@ def _(x, histogram, min_val, max_val):
 
 @_search_op.register_fake
 def _(histogram, min_val, max_val, dst_nbins):
-    return min_val.new_empty(()), max_val.new_empty(())
+    dtype = torch.promote_types(min_val.dtype, max_val.dtype)  # new_min = min_val + width * bin
+    return min_val.new_empty((), dtype=dtype), max_val.new_empty((), dtype=dtype)
 
 
 @register("torch.ao:HistogramObserver")
@@ -378,7 +399,10 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     (:func:`quantscope.estimators.l2.l2_range`). Histogram, ``min_val`` / ``max_val``, scale
     and zero point equal torch.ao's bitwise (float32 batches on CPU take the C path; other
     devices torch.ao's own sequence of tensor ops, its ``histc`` as one Triton pass over the
-    batch in its dtype on CUDA: ``quantscope::ao_histc``).
+    batch in its dtype on CUDA: ``quantscope::ao_histc``). After ``.double()`` torch.ao
+    searches in float64 (float64 thresholds and densities, float64 ``new_min`` /
+    ``new_max``); there the search is torch.ao's own code, so those equal too, at torch.ao's
+    speed.
 
     One deliberate difference: a bfloat16 or float16 batch is binned as its float32 values.
     torch.ao bins it in its own dtype (``torch.histc`` computes the bin positions and the
