@@ -197,7 +197,9 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         :class:`SearchResult` ``(lo, hi)`` with ``.error``, ``.global_amax``, ``.index``.
     """
     units, lo, hi = _check(units, lo, hi, spec, norm)
-    _check_options(compat, tie, patience, expand, backend)
+    _check_options(compat, tie, patience, expand, backend, chunk_elems,
+                   per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
+                   independent_ends=independent_ends)
     exact = compat == "llmcompressor"
     search = _engine(units, spec, norm, exact, backend)
     if exact:  # their search: global patience, their grid; NVFP4's block scales in float32
@@ -255,7 +257,18 @@ def _engine(units, spec, norm, exact, backend):
     return mse_tiles.search
 
 
-def _check_options(compat, tie, patience, expand, backend):
+def _check_chunk(who, chunk_elems):
+    # a tile of zero or fewer elements prices nothing (or loops with step 0)
+    if chunk_elems is not None:
+        check_int(who, "chunk_elems", chunk_elems, 1)
+
+
+def _check_options(compat, tie, patience, expand, backend, chunk_elems=None, **flags):
+    for name, value in flags.items():  # a string such as "no" would be silently truthy
+        if not isinstance(value, bool):
+            raise TypeError(f"mse_search: {name} must be a bool, got {type(value).__name__} "
+                            f"{value!r}")
+    _check_chunk("mse_search", chunk_elems)
     if compat not in (None, "llmcompressor"):
         raise ValueError(f"mse_search: compat must be None or 'llmcompressor', got {compat!r}")
     if tie not in ("first", "last"):
@@ -332,6 +345,7 @@ def range_error(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Q
     the largest of ``|lo|, |hi|``).
     """
     units, lo, hi = _check(units, lo, hi, spec, norm)
+    _check_chunk("range_error", chunk_elems)
     if chunk_elems is None:
         chunk_elems = min(DEFAULT_CHUNK_ELEMS, max(units.numel() // 2, _MIN_CHUNK_ELEMS))
     qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)

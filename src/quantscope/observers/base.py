@@ -286,8 +286,11 @@ class Observer(nn.Module):
             warnings.warn(f"{self.describe()}: ignored {count} NaN / inf values", stacklevel=3)
 
     def reset(self) -> None:
-        """Forget everything observed."""
+        """Forget everything observed (buffers that hold settings are kept)."""
+        keep = self._setting_buffers()
         for name, buf in self.named_buffers(recurse=False):
+            if name in keep:
+                continue  # a constructor setting (e.g. imatrix importance), not observed state
             if name in self._sized_buffers() or name == "observed_shape":
                 setattr(self, name, buf.new_zeros((0,) * max(buf.dim(), 1)))
             else:
@@ -341,6 +344,11 @@ class Observer(nn.Module):
         """Buffers whose shape follows the data (resized on first use and on load)."""
         return ()
 
+    def _setting_buffers(self) -> tuple[str, ...]:
+        """Buffers that hold a setting given to the constructor, not observed state:
+        :meth:`reset` keeps them; on load they take the saved shape, like sized buffers."""
+        return ()
+
     def _resize(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """Make buffer ``name`` the shape and device of ``like`` (zero-filled) and return it."""
         buf = getattr(self, name)
@@ -350,8 +358,9 @@ class Observer(nn.Module):
         return buf
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._check_loaded_units(state_dict, prefix)
         # sized buffers take the saved shape before the copy, so a fresh observer loads any state
-        for name in (*self._sized_buffers(), "observed_shape"):
+        for name in (*self._sized_buffers(), *self._setting_buffers(), "observed_shape"):
             key = prefix + name
             if key in state_dict and getattr(self, name).shape != state_dict[key].shape:
                 old = getattr(self, name)
@@ -364,6 +373,27 @@ class Observer(nn.Module):
         tokens, shape = (state_dict.get(prefix + k) for k in ("observed_tokens", "observed_shape"))
         if tokens is not None and shape is not None and not tokens.is_meta and not shape.is_meta:
             self._last_shape = tuple(shape.tolist()) if int(tokens) > 0 else None
+
+    def _check_loaded_units(self, state_dict, prefix) -> None:
+        """Raise ``ValueError`` naming this observer unless the saved per-unit range fits this
+        layout for the saved shape (else ``qparams()`` fails later with a bare reshape)."""
+        tokens, shape = (state_dict.get(prefix + k) for k in ("observed_tokens", "observed_shape"))
+        if tokens is None or shape is None or tokens.is_meta or shape.is_meta or not int(tokens):
+            return
+        shape = tuple(shape.tolist())
+        try:
+            units = self.spec.layout.num_units(shape)
+        except ValueError as e:
+            raise ValueError(f"{self.describe()}: cannot load a state observed with shape "
+                             f"{shape}: {e}") from None
+        for name in ("min_vals", "max_vals"):
+            t = state_dict.get(prefix + name)
+            if name in self._sized_buffers() and t is not None and not t.is_meta \
+                    and t.numel() not in (0, units):
+                raise ValueError(
+                    f"{self.describe()}: cannot load a state whose {name} has {t.numel()} "
+                    f"units; shape {shape} under {self.spec.layout} has {units} (the state "
+                    f"was saved by an observer of another layout)")
 
     def _averaging_constant(self, c: float | None, *, optional: bool = False) -> float | None:
         """Validate an EMA constant (``None`` allowed where the moving average is optional)."""

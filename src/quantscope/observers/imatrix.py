@@ -53,6 +53,10 @@ class IMatrixMSEObserver(Observer):
     def _sized_buffers(self):
         return ("min_vals", "max_vals", "global_amax_val")
 
+    def _setting_buffers(self):
+        # the user's importance is a setting: reset keeps it, a load takes the saved one
+        return ("importance",)
+
     def sync_plan(self):
         return {"min_vals": AVG, "max_vals": AVG, "global_amax_val": AVG}
 

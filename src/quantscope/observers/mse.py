@@ -187,7 +187,7 @@ class LinearMSEObserver(MovingAverageMSEObserver):
     """Horizon's MSE observer: a linear search ``amax * (1 - 0.01 i)``, then an EMA.
 
     ``stride`` thins the 95 candidates; the error is L2 and the last minimum wins.
-    Symmetric ranges only (Horizon is symmetric).
+    Symmetric specs only (Horizon is symmetric): an asymmetric spec is a ``ValueError``.
     """
 
     def __init__(self, spec=None, *, stride: int = 1, averaging_constant: float = 0.01,
@@ -195,6 +195,9 @@ class LinearMSEObserver(MovingAverageMSEObserver):
         self.stride = stride
         super().__init__(spec, averaging_constant=averaging_constant, chunk_elems=chunk_elems,
                          **kwargs)
+        if not self.spec.symmetric:  # its (-amax, amax) candidates would waste half the grid
+            raise ValueError(f"{type(self).__name__}: searches symmetric ranges only, got the "
+                             f"asymmetric spec {self.spec}; use memoryless_mse / mse for it")
 
     def _search(self, units, lo, hi):
         return linear_search(units, lo, hi, self.spec, stride=self.stride,
