@@ -125,3 +125,25 @@ def test_nvfp4_mse_guarantee_is_what_the_guide_says():
     assert e_default.sum() <= e_mm.sum()
     assert bool((e_default > e_mm).any())  # per unit it can be worse: the doc must not promise it
     assert torch.all(e_one <= e_mm)
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half(),
+                                  lambda m: m.double()])
+def test_a_module_cast_keeps_the_state_float32(cast):
+    # found by probing: model.to(torch.bfloat16) with an observer attached rounded its running
+    # max 3.1416 to 3.140625 (inward: the true max clipped) and kept accumulating in bf16
+    lin = torch.nn.Linear(8, 8)
+    lin.obs = get_observer("static_minmax", QuantSpec("int8", "tensor"))
+    ref = get_observer("static_minmax", QuantSpec("int8", "tensor"))
+    a = torch.randn(4, 8)
+    a[0, 0] = 3.1416
+    lin.obs(a)
+    ref(a)
+    cast(lin)
+    assert lin.weight.dtype != torch.float32  # the module was cast, its observer's state not
+    assert {b.dtype for b in (lin.obs.min_vals, lin.obs.max_vals)} == {torch.float32}
+    b = torch.randn(4, 8).to(lin.weight.dtype)
+    lin.obs(b)
+    ref(b)
+    assert torch.equal(lin.obs.max_vals, ref.max_vals)
+    assert torch.equal(lin.obs.qparams().scale, ref.qparams().scale)

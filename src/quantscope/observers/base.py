@@ -340,6 +340,18 @@ class Observer(nn.Module):
             self._observe(units, lo, hi)
 
     # ------------------------------------------------------------------ helpers
+    def _apply(self, fn, recurse=True):
+        # a module cast (model.to(torch.bfloat16) with the observer attached, .half()) moves
+        # the state but keeps its dtypes: float32 statistics rounded to bf16 would clip
+        # ranges inward and go on accumulating in bf16
+        before = {n: b for n, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for n, old in before.items():
+            new = self._buffers.get(n)
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[n] = old.to(new.device)
+        return self
+
     def _sized_buffers(self) -> tuple[str, ...]:
         """Buffers whose shape follows the data (resized on first use and on load)."""
         return ()
