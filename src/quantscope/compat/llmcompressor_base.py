@@ -29,7 +29,7 @@ from ..spec import QuantSpec
 from ..stats.minmax import ema_
 from . import enum_name, field
 from .llmcompressor_parts import FusionHandler, flatten_for_calibration
-from .llmcompressor_spec import llmcompressor_spec, scales_times_global_scale, zp_dtype
+from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_global_scale, zp_dtype
 
 __all__ = ["Observer", "fused_amax", "global_scale_of", "lerp", "qparams_of_statistics",
            "statistics_units"]
@@ -213,14 +213,9 @@ def fused_amax(statistics: list[dict]) -> torch.Tensor:
 _ZERO_STAND_IN = 2.0 ** -149
 
 
-def _scale_dtype(args) -> torch.dtype | None:
-    value = field(args, "scale_dtype")
-    return getattr(torch, value.removeprefix("torch.")) if isinstance(value, str) else value
-
-
 def _ct_eps(args, dtype: torch.dtype) -> float:
     """compressed-tensors' ``_get_dtype_eps`` of ``scale_dtype`` (else the scales' dtype)."""
-    dtype = _scale_dtype(args) or dtype
+    dtype = scale_dtype(args) or dtype
     if dtype == torch.float8_e4m3fn:
         return 0.125
     return torch.finfo(dtype).eps if dtype.is_floating_point else 1.0
@@ -262,7 +257,7 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
     else:
         qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)
         scale = qp.scale
-    if (sd := _scale_dtype(args)) is not None and sd.is_floating_point:
+    if (sd := scale_dtype(args)) is not None and sd.is_floating_point:
         info = torch.finfo(sd)  # their round_to_quantized_type_dtype
         scale = scale.clamp(info.min, info.max).to(sd)
     zero_scale = (qp.scale <= _ZERO_STAND_IN).reshape(shape)

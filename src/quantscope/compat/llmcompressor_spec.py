@@ -17,11 +17,23 @@ from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..spec import QuantSpec
 from . import enum_name, field
 
-__all__ = ["llmcompressor_spec", "scales_times_global_scale", "zp_dtype"]
+__all__ = ["llmcompressor_spec", "scale_dtype", "scales_times_global_scale", "zp_dtype"]
 
 _FLOATS = {8: "fp8_e4m3", 6: "fp6_e2m3", 4: "fp4_e2m1"}
-_SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-                 "float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def scale_dtype(args) -> torch.dtype | None:
+    """The args' ``scale_dtype`` as a torch dtype (a name such as ``"torch.float16"`` or
+    ``"uint8"`` too), None when not set: the one place it is parsed."""
+    value = field(args, "scale_dtype")
+    if not isinstance(value, str):
+        return value
+    dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):  # a name no dtype has: a bad value
+        raise ValueError(  # noqa: TRY004
+            f"llmcompressor: scale_dtype must name a torch dtype, got {value!r}")
+    return dtype
 
 
 def _block_structure(value):
@@ -44,7 +56,7 @@ def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | No
     strategy = enum_name(field(args, "strategy"))
     if strategy is None:  # compressed-tensors' default: group if a group size is given
         strategy = "group" if group_size not in (None, -1) else "tensor"
-    scale_dtype = field(args, "scale_dtype")
+    sdtype = scale_dtype(args)
     if kind == "float":
         if bits not in _FLOATS:
             raise ValueError(f"llmcompressor: float num_bits must be one of {list(_FLOATS)}, "
@@ -63,8 +75,8 @@ def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | No
         if not group_size or group_size < 1:
             raise ValueError(f"llmcompressor: strategy {strategy} needs a positive group_size, "
                              f"got {group_size!r}")
-        mx = (kind == "float" and group_size == 32 and scale_dtype in (torch.uint8, "uint8")
-              and strategy == "group")
+        mx = kind == "float" and group_size == 32 and sdtype == torch.uint8 \
+            and strategy == "group"
         if strategy == "tensor_group" and kind == "int":
             layout = Group(group_size, -1)  # fp32 scales; the caller applies the global scale
         elif strategy == "tensor_group":
@@ -82,12 +94,10 @@ def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | No
     else:
         raise ValueError(f"llmcompressor: unknown strategy {strategy!r}; expected tensor, "
                          f"channel, group, tensor_group, block, token or attn_head")
-    if scale == "fp32" and scale_dtype is not None:
-        key = scale_dtype if isinstance(scale_dtype, torch.dtype) else str(scale_dtype)
-        key = key.removeprefix("torch.") if isinstance(key, str) else key
-        if key in (torch.float8_e4m3fn, "float8_e4m3fn"):
+    if scale == "fp32" and sdtype is not None:
+        if sdtype == torch.float8_e4m3fn:
             raise ValueError("llmcompressor: fp8 scales need strategy tensor_group (NVFP4)")
-        scale = _SCALE_DTYPES.get(key, "fp32")
+        scale = _SCALE_DTYPES.get(sdtype, "fp32")
     return QuantSpec(fmt, layout, symmetric=symmetric, scale=scale)
 
 

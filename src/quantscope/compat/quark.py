@@ -208,8 +208,7 @@ class PerGroupMinMaxObserver(_DynamicOrStatic):
         out = super().calculate_qparams(min_val, max_val)
         if min_val is None and max_val is None:
             return out
-        layout = self.spec.layout
-        groups = self.shape[layout.axis] // layout.size if self.has_observed and layout.size > 0 else 1
+        groups = self.spec.layout.qparam_shape(self.shape)[-1] if self.has_observed else 1
         return tuple(t.reshape(-1, groups) for t in out)
 
 
