@@ -10,9 +10,10 @@ module                     what importing it does
                            ``QuantizationSpec`` helpers
 =========================  ==================================================================
 
-No Quark module: Quark 0.13's ``QTensorConfig`` accepts only its own observer classes (it
-checks ``observer_cls`` against a closed tuple), so there is nothing to plug into; the
-Quark-signature classes stay in :mod:`quantscope.compat.quark`.
+No Quark module: Quark 0.13's ``QTensorConfig`` accepts only the classes in its observer sets,
+and the Quark-signature classes of :mod:`quantscope.compat.quark` join those sets themselves
+(``register_with_quark``, run whichever of the two is imported first), so there is nothing
+more to plug in.
 
 Each module imports its toolkit at the top: importing it without the toolkit installed is a
 ``ModuleNotFoundError`` naming the toolkit.

@@ -27,8 +27,9 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   and llm-compressor's fusion and offloading keep working.
 * NVFP4 (``tensor_group``): the global scale is llm-compressor's rule over the fusion group
   (the largest amax of the fused observers), where each quantscope observer contributes the
-  amax its ranges were chosen under (the tensor's absmax for the MSE search, which scores
-  candidates with the e4m3 block scales that run); min-max ranges give llm-compressor's own.
+  amax its ranges were chosen under (for the MSE search the global amax it searched, which
+  may exceed the tensor's absmax: candidates are scored with the e4m3 block scales that run
+  under it, docs/guide/observers.md); min-max ranges give llm-compressor's own.
 * Group activation order (``actorder``) is GPTQ's business: llm-compressor's observers see
   the columns unpermuted, and so does the plugin.
 * ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
