@@ -13,7 +13,7 @@ from quantscope.calibration.results.apply import qdq_tensor
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_models import STARVED, mixtral, starve
+from tiny_models import STARVED, mixtral, qwen2_moe, starve
 
 
 def experts_of(model):
@@ -226,6 +226,57 @@ def test_modulelist_experts():
     assert torch.equal(g1, g3)
     with pytest.raises(ValueError, match="all_experts"):
         calibrate(model, batches, "w8a8", progress=False, all_experts=True)
+
+
+class DenseMoe(OldMoe):
+    """A soft MoE: every expert (and the router) reads the same tensor."""
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        w = torch.softmax(self.gate(flat), -1)
+        out = sum(expert(flat) * w[:, e, None] for e, expert in enumerate(self.experts))
+        return out.reshape(x.shape)
+
+
+def nvfp4_global_scale(*weights):
+    """The NVFP4 weight global scale of a min-max observer: 448 * 6 / absmax."""
+    return 448 * 6 / torch.cat([w.detach().float() for w in weights]).abs().amax()
+
+
+def test_experts_reading_one_tensor_fuse_only_their_own_w1_w3():
+    torch.manual_seed(0)
+    model = nn.Sequential(DenseMoe()).eval()
+    calib = calibrate(model, [torch.randn(2, 8, 64)], "nvfp4", progress=False)
+    groups = [tuple(g["layers"]) for g in calib.info["fusion_groups"]]
+    assert groups == [(f"0.experts.{e}.w1", f"0.experts.{e}.w3") for e in range(4)]
+    for e, ex in enumerate(model[0].experts):
+        own = nvfp4_global_scale(ex.w1.weight, ex.w3.weight)
+        for proj in ("w1", "w3"):
+            gs = calib.states[f"0.experts.{e}.{proj}"]["weight"].qparams.global_scale
+            torch.testing.assert_close(gs.float().reshape(()), own)
+
+
+@pytest.mark.parametrize("make", [mixtral, qwen2_moe])
+def test_all_experts_keeps_each_experts_own_scales(make):
+    """all_experts=True feeds every expert (and a shared expert) one tensor: still no fusion
+    group joins two experts or an expert and another layer; each expert's weight global
+    scale is its own, as in routed mode."""
+    model, batches = make()
+    calibs = {ae: calibrate(model, batches, "nvfp4", progress=False, all_experts=ae)
+              for ae in (False, True)}
+    for calib in calibs.values():
+        groups = [set(g["layers"]) for g in calib.info["fusion_groups"]]
+        assert not any(".experts." in m for g in groups for m in g), groups
+        for i, layer in enumerate(model.model.layers):
+            if hasattr(layer.mlp, "shared_expert"):  # its gate / up still one group
+                pair = {f"model.layers.{i}.mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj")}
+                assert any(pair <= g for g in groups), groups
+    for name, ex in experts_of(model):
+        for e in range(ex.gate_up_proj.shape[0]):
+            own = nvfp4_global_scale(ex.gate_up_proj[e])
+            for calib in calibs.values():
+                gs = calib.states[f"{name}.{e}.gate_up_proj"]["weight"].qparams.global_scale
+                torch.testing.assert_close(gs.float().reshape(()), own)
 
 
 def test_unreachable_weights_are_named():

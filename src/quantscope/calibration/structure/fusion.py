@@ -8,9 +8,11 @@ path) one per-tensor weight scale: see ``docs/runtime-fusion.md``.
 
 Groups are **found, not listed**: :func:`find_groups` runs one forward with hooks and
 groups the layers whose input is the same tensor (the same object, or a view of the
-same data) among the last few inputs seen. A recipe adds groups (``Recipe.fuse``:
-tuples of name patterns, members bucketed by their parent module) and splits members
-out (``Recipe.split``).
+same data) among the last few inputs seen, never joining two MoE experts nor an expert
+and another layer (``owners``: a runtime fuses only one expert's own ``w1`` / ``w3``, while
+every expert reads the same tensor under ``MoE(all_experts=True)``). A recipe adds groups
+(``Recipe.fuse``: tuples of name patterns, members bucketed by their parent module) and
+splits members out (``Recipe.split``).
 
 Sharing (done by the session): a group's static / local input role is one slot that
 observes the members' inputs once each (the same tensor is observed once), so its
@@ -63,9 +65,10 @@ def same_input(a, b) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same(a, b)
 
 
-def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
+def find_groups(model: nn.Module, batch, names, owners=None) -> list[tuple[str, ...]]:
     """Groups (2+ members, in call order) of the modules ``names`` whose forward input is
-    the same tensor in one forward of ``batch``."""
+    the same tensor in one forward of ``batch``; ``owners`` (name -> the MoE expert it
+    belongs to, absent for a non-expert) splits a group by owner."""
     names = list(names)
     if batch is None or len(names) < 2:
         return []
@@ -103,9 +106,16 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
     for members in order:  # a module called twice keeps its first group
         members = [m for m in members if m not in seen]
         seen.update(members)
-        if len(members) > 1:
-            groups.append(tuple(members))
+        groups += _by_owner(members, owners or {})
     return groups
+
+
+def _by_owner(members: list[str], owners: dict) -> list[tuple[str, ...]]:
+    """``members`` split by owner (in call order), groups of 2+ kept."""
+    parts: dict = {}
+    for m in members:
+        parts.setdefault(owners.get(m), []).append(m)
+    return [tuple(p) for p in parts.values() if len(p) > 1]
 
 
 def _parent(name: str) -> str:
