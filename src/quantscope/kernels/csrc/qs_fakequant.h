@@ -22,8 +22,8 @@ static inline float dq1(float v, float s, float z, float qmin, float qmax) {
     float t = v / s;
     t = t + z;
     t = nearbyintf(t);
-    t = t > qmin ? t : qmin;
-    t = t < qmax ? t : qmax;
+    t = t < qmin ? qmin : t;  /* NaN kept, as torch.clamp keeps it (0 / 0) */
+    t = t > qmax ? qmax : t;
     float d = (t - z) * s;
     return d - v;
 }
@@ -58,7 +58,7 @@ static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf 
     vf t = _mm512_div_ps(v, s);
     if (!zero) t = _mm512_add_ps(t, z);
     t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+    t = _mm512_min_ps(hi, _mm512_max_ps(lo, t));  /* NaN kept: the 2nd operand */
     if (!zero) t = _mm512_sub_ps(t, z);
     return _mm512_sub_ps(_mm512_mul_ps(t, s), v);
 }
@@ -100,7 +100,7 @@ static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf 
     vf t = _mm256_div_ps(v, s);
     if (!zero) t = _mm256_add_ps(t, z);
     t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+    t = _mm256_min_ps(hi, _mm256_max_ps(lo, t));  /* NaN kept: the 2nd operand */
     if (!zero) t = _mm256_sub_ps(t, z);
     return _mm256_sub_ps(_mm256_mul_ps(t, s), v);
 }
