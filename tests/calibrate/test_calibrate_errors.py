@@ -181,3 +181,64 @@ def test_role_options_as_pairs_calibrate_as_the_mapping():
     batches = [torch.randn(8, 16) for _ in range(3)]
     cal = calibrate(_mlp(), batches, Recipe(Rule(("Linear",), input=pairs)), progress=False)
     assert cal.states["0"]["input"].qparams is not None
+
+
+# --- load: a scale of the right count but the wrong shape quantizes other units ---
+
+def _group_calibration(tmp_path):
+    from quantscope import Group, QuantSpec
+    from quantscope.calibration import Recipe, Role, Rule
+
+    recipe = Recipe((Rule(("Linear",), weight=Role(QuantSpec("int4", Group(32)), "minmax")),),
+                    (), "int4-g32")
+    cal = calibrate(_mlp(width_in=64), [torch.randn(4, 64) for _ in range(2)], recipe,
+                    progress=False)
+    cal.save(tmp_path / "cal")
+    return cal, tmp_path / "cal" / "qparams.safetensors"
+
+
+@pytest.mark.parametrize("reshape", [
+    lambda t: t.T,                                   # (2, 32) for (32, 2)
+    lambda t: t.reshape(-1),                         # (64,)
+    lambda t: t.T.reshape(*t.T.shape, 1),            # (2, 32, 1)
+], ids=["transposed", "flattened", "3d"])
+def test_load_refuses_a_scale_of_the_right_count_but_another_shape(tmp_path, reshape):
+    """Probe: load compared only the number of values; a transposed (2, 32) scale of a
+    (32, 64) weight in groups of 32 loaded and its QDQ quantized other groups."""
+    from safetensors.torch import load_file, save_file
+
+    from quantscope.calibration import load
+
+    cal, path = _group_calibration(tmp_path)
+    assert tuple(cal.states["0"]["weight"].qparams.scale.shape) == (32, 64 // 32)
+    tensors = load_file(path)
+    for field in ("scale", "zero_point"):
+        tensors[f"0/weight/{field}"] = reshape(tensors[f"0/weight/{field}"]).contiguous()
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"0/weight/scale: shape \(\d+(, \d+)*,?\), but "
+                                         r"Group\(size=32.* on shape \(32, 64\) has scales "
+                                         r"of shape \(32, 2\)"):
+        load(tmp_path / "cal")
+
+
+def test_load_takes_a_per_tensor_scale_stored_as_a_scalar(tmp_path):
+    """One value per tensor is one value in either shape, () or (1,): both load, and QDQ
+    is the same."""
+    from safetensors.torch import load_file, save_file
+
+    from quantscope.calibration import load
+    from quantscope.calibration.results.apply import qdq_tensor
+
+    model = _mlp()
+    cal = calibrate(model, [torch.randn(4, 16) for _ in range(2)], "w8a8", progress=False)
+    cal.save(tmp_path / "cal")
+    path = tmp_path / "cal" / "qparams.safetensors"
+    tensors = load_file(path)
+    assert tensors["0/input/scale"].numel() == 1
+    for field in ("scale", "zero_point"):
+        tensors[f"0/input/{field}"] = tensors[f"0/input/{field}"].reshape(())
+    save_file(tensors, path)
+    back = load(tmp_path / "cal")
+    x = torch.randn(4, 16)
+    assert torch.equal(qdq_tensor(x, back.states["0"]["input"]),
+                       qdq_tensor(x, cal.states["0"]["input"]))

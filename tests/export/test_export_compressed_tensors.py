@@ -337,6 +337,64 @@ def test_tied_weight_is_refused(llama, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("layout", ["group:16", "channel"])
+def test_fp4_with_fp32_scales_is_refused_not_written_as_nvfp4(bert, tmp_path, layout):
+    """Probe: fp4 in groups of 16 with fp32 scales (no global scale) was written as
+    nvfp4-pack-quantized, its scales cast to e4m3 (other weights after decompression); per
+    channel it failed inside compressed-tensors naming no layer. compressed-tensors writes
+    fp4 only as NVFP4 or MXFP4: refused, allow_lossy or not."""
+    model, _, batches = bert
+    spec = QuantSpec("fp4_e2m1", layout)
+    assert spec.scale.kind == "fp32"
+    cal = calibrate(model, batches, _recipe(Role(spec, "minmax")), progress=False)
+    for allow_lossy in (False, True):
+        with pytest.raises(ValueError, match=r"layer 'encoder\.layer\.0\.attention\.self\."
+                                             r"query' weight: fp4_e2m1 .* with fp32 scales "
+                                             r"\(compressed-tensors writes fp4 only as NVFP4"):
+            quantscope.export(cal, model, tmp_path / "ct", allow_lossy=allow_lossy)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(("recipe", "block"), [("nvfp4", 16), ("mxfp4", 32)])
+def test_fp4_blocks_that_do_not_tile_the_columns_are_refused_naming_the_layer(tmp_path,
+                                                                             recipe, block):
+    """Probe: 88 columns calibrate in NVFP4 / MX blocks (the last one partial), but
+    compressed-tensors packs whole blocks only and failed with a message naming no layer."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=88, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=40, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    assert 88 % block
+    cal = calibrate(model, [{"input_ids": torch.randint(0, 40, (2, 8))}], preset(recipe),
+                    progress=False)
+    with pytest.raises(ValueError, match=rf"layer 'model\.layers\.0\.mlp\.down_proj' weight: "
+                                         rf"88 columns .* not a multiple of the block size "
+                                         rf"{block}"):
+        quantscope.export(cal, model, tmp_path / "ct", allow_lossy=True)
+    assert os.listdir(tmp_path) == []
+
+
+def test_channel_minus_2_weights_write_as_channel_0(bert, tmp_path):
+    """Probe: Channel(-2) was refused as having no equivalent; on a 2-D weight it is the rows,
+    Channel(0): the same checkpoint tensors, strategy channel."""
+    from safetensors.torch import load_file
+
+    from quantscope import Channel
+
+    model, _, batches = bert
+    tensors = {}
+    for axis in (0, -2):
+        spec = QuantSpec("int8", Channel(axis))
+        cal = calibrate(model, batches, _recipe(Role(spec, "minmax")), progress=False)
+        out = quantscope.export(cal, model, tmp_path / f"ct{axis}")
+        groups = _config(out)["quantization_config"]["config_groups"]
+        assert [g["weights"]["strategy"] for g in groups.values()] == ["channel"]
+        tensors[axis] = load_file(os.path.join(out, "model.safetensors"))
+    assert tensors[0].keys() == tensors[-2].keys()
+    assert all(torch.equal(tensors[0][k], tensors[-2][k]) for k in tensors[0])
+
+
 def test_existing_folder_is_refused_without_overwrite(bert, tmp_path):
     model, _, batches = bert
     cal = calibrate(model, batches, preset("w8a8-dynamic"), progress=False)

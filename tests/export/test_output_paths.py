@@ -145,6 +145,46 @@ def test_export_run_refuses_its_inputs_before_loading(tmp_path):
     assert _tree(tmp_path) == before
 
 
+def test_overwrite_never_replaces_a_file_quantscope_did_not_export(tmp_path):
+    """Probe: an ONNX export with overwrite=True replaced the model's own model.safetensors
+    (the guard let any file not named .onnx be replaced, as a report). An exported file is
+    replaced only when it is quantscope's ONNX file; reports and plots still are replaced."""
+    model = _model_folder(tmp_path / "m")
+    before = _tree(model)
+    for name in ("model.safetensors", "config.json"):
+        with pytest.raises(ValueError, match="is not an ONNX file quantscope exported"):
+            check_writable_target(model / name, overwrite=True, kind="file", inputs=[model])
+        with pytest.raises(ValueError, match="is not an ONNX file quantscope exported"), \
+                atomic_file(model / name, kind="file"):
+            pass
+    assert _tree(model) == before
+    report = tmp_path / "report.txt"
+    report.write_text("an earlier report")
+    with atomic_file(report) as t:  # kind="report": replaced as open(path, "w") would
+        Path(t).write_text("new")
+    assert report.read_text() == "new"
+
+
+def test_onnx_export_with_overwrite_leaves_the_model_weights(tmp_path):
+    pytest.importorskip("onnx")
+    import transformers
+    from tiny_models import llama_folder
+
+    from quantscope import export
+
+    folder = llama_folder(tmp_path / "llama")
+    before = _tree(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    batch = {"input_ids": torch.randint(0, 10, (1, 6))}
+    cal = calibrate(model, [batch], "w8a8", progress=False)
+    for name in ("model.safetensors", "tokenizer.json"):
+        with pytest.raises(ValueError, match=r"model\.safetensors|tokenizer\.json"):
+            export(cal, model, folder / name, format="onnx", overwrite=True,
+                   example_inputs=batch)
+    assert _tree(folder) == before
+    transformers.AutoModelForCausalLM.from_pretrained(folder)  # still loads
+
+
 # --- rows 13 and 19: an ONNX file output is replaced by --overwrite; modes follow the umask ---
 
 @pytest.fixture

@@ -8,7 +8,8 @@ through here:
   working folder; an existing non-empty output is replaced only with ``overwrite`` and only
   when quantscope wrote it (its :data:`MARKER` file, or the metadata file of a format
   quantscope writes; an ONNX file's ``quantscope`` metadata entry), so ``--overwrite`` can
-  never delete a model or a user's folder. Other files (reports, plots) are replaced as
+  never delete a model, its weights file or a user's folder. Reports and plots
+  (``kind="report"``, what :func:`atomic_file` writes by default) are replaced as
   ``open(path, "w")`` replaces them.
 - :func:`atomic_dir` / :func:`atomic_file` write under a temporary name in the target's own
   directory (a rename within one file system is atomic; the name starts with ``.`` so
@@ -112,14 +113,14 @@ def _check_not_an_input(path: str, inputs) -> None:
 def _check_replaceable(path: str, overwrite: bool, kind: str) -> None:
     if kind == "folder" and not os.path.isdir(path):
         raise ValueError(f"output {path!r} exists and is not a folder")
-    if kind == "file" and os.path.isdir(path):
+    if kind != "folder" and os.path.isdir(path):
         raise ValueError(f"output {path!r} is a folder; expected a file path")
     if os.path.isdir(path) and not os.listdir(path):
         return  # an empty folder holds nothing to lose
     if not overwrite:
         raise ValueError(f"output {path!r} exists and is not empty; pass overwrite=True "
                          f"(--overwrite) to replace it")
-    if kind == "file" and not path.endswith(".onnx"):
+    if kind == "report":
         return  # a report, a plot: replaced as open(path, "w") replaces it
     if not written_by_quantscope(path):
         what = ("an ONNX file quantscope exported" if kind == "file" else
@@ -132,10 +133,12 @@ def _check_replaceable(path: str, overwrite: bool, kind: str) -> None:
 def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder",
                           inputs=()) -> str:
     """The one output-path guard (module doc): refuse early what would fail late or destroy
-    something. ``kind``: ``"folder"`` or ``"file"``; ``inputs``: the paths the command reads.
-    Returns the absolute path."""
-    if kind not in ("folder", "file"):
-        raise ValueError(f"kind must be 'folder' or 'file', got {kind!r}")
+    something. ``kind``: ``"folder"``; ``"file"``, a file quantscope exports (an ONNX
+    model: replaced only when it carries quantscope's metadata, never another file such as
+    the model's own weights); or ``"report"``, a report or plot (replaced like
+    ``open(path, "w")``); ``inputs``: the paths the command reads. Returns the absolute path."""
+    if kind not in ("folder", "file", "report"):
+        raise ValueError(f"kind must be 'folder', 'file' or 'report', got {kind!r}")
     path = os.path.abspath(os.fspath(path))
     _check_not_an_input(path, inputs)
     if os.path.lexists(path):
@@ -278,9 +281,11 @@ def atomic_dir(path, *, overwrite: bool = False, inputs=()):
 
 
 @contextlib.contextmanager
-def atomic_file(path, *, overwrite: bool = True, inputs=()):
-    """Yield a temporary file path beside ``path``; on success it replaces ``path``."""
-    path = check_writable_target(path, overwrite=overwrite, kind="file", inputs=inputs)
+def atomic_file(path, *, overwrite: bool = True, inputs=(), kind: str = "report"):
+    """Yield a temporary file path beside ``path``; on success it replaces ``path``.
+    ``kind``: ``"report"`` (a report, a plot) or ``"file"`` (an export: see
+    :func:`check_writable_target`)."""
+    path = check_writable_target(path, overwrite=overwrite, kind=kind, inputs=inputs)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)

@@ -126,22 +126,38 @@ def _strategy_args(state, layer: str, role: str, lossy: _Lossy) -> dict:
         if not (fmt.name == "fp4_e2m1" and isinstance(lay, Block) and lay.size == 16
                 and lay.axis in (-1, 1)):
             raise _unsupported(layer, role, f"{spec} (fp8 block scales: NVFP4 only)")
+        _whole_blocks(state, layer, role, 16)
         return {"strategy": "tensor_group", "group_size": 16, "scale_dtype": torch.float8_e4m3fn,
                 "zp_dtype": torch.float8_e4m3fn}
     if enc.kind == "e8m0":  # MX: E8M0 exponents, group 32
         if not (fmt.name == "fp4_e2m1" and isinstance(lay, Block) and lay.size == 32
                 and lay.axis in (-1, 1)):
             raise _unsupported(layer, role, f"{spec} (MX: mxfp4 blocks of 32 only)")
+        _whole_blocks(state, layer, role, 32)
         if state.dynamic and enc.mode != "even":
             # the runtime computes activation scales itself, with the 'even' rule
             lossy(layer, role, f"run-time MX scales with the E8M0 {enc.mode!r} rule",
                   "let the runtime use compressed-tensors' 'even' rule")
         return {"strategy": "group", "group_size": 32, "scale_dtype": torch.uint8,
                 "zp_dtype": torch.uint8}
+    if fmt.name == "fp4_e2m1":  # its fp4 compressors write e4m3 or e8m0 scales, nothing else
+        raise _unsupported(layer, role, f"{spec} with {enc} scales (compressed-tensors "
+                                        f"writes fp4 only as NVFP4: fp8 e4m3 scales of blocks "
+                                        f"of 16 under an fp32 global scale, or as MXFP4: e8m0 "
+                                        f"scales of blocks of 32)")
     if enc.kind != "fp32":
         lossy(layer, role, f"{enc} scale encoding",
               "store the same scale values as fp32 (the encoding is not recorded)")
     return _layout_args(state, layer, role)
+
+
+def _whole_blocks(state, layer: str, role: str, size: int) -> None:
+    """compressed-tensors packs NVFP4 / MX weights in whole blocks of their last axis only."""
+    if state.shape is not None and state.shape[-1] % size:
+        raise ValueError(f"export compressed-tensors: layer {layer!r} {role}: "
+                         f"{state.shape[-1]} columns (shape {tuple(state.shape)}) are not a "
+                         f"multiple of the block size {size}; compressed-tensors packs whole "
+                         f"blocks only (ignore the layer in the recipe)")
 
 
 def _layout_args(state, layer: str, role: str) -> dict:
@@ -149,8 +165,8 @@ def _layout_args(state, layer: str, role: str) -> dict:
     lay, shape = state.spec.layout, state.shape
     if isinstance(lay, Tensor):
         return {"strategy": "tensor"}
-    if isinstance(lay, Channel) and role == "weight" and lay.axis == 0 \
-            and shape is not None and len(shape) == 2:
+    if isinstance(lay, Channel) and role == "weight" and shape is not None \
+            and len(shape) == 2 and lay.axis % 2 == 0:  # rows: axis 0 or -2
         return {"strategy": "channel"}
     if isinstance(lay, Group) and lay.g_idx is None and lay.axis in (-1, 1):
         return {"strategy": "group", "group_size": lay.size}
@@ -178,19 +194,32 @@ def _check_module(model: nn.Module, layer: str, roles: dict) -> nn.Module:
     return module
 
 
-def _tied(model: nn.Module, layers) -> None:
-    """A quantized weight shared with another module would be written compressed for one and
-    float for the other: refuse it (e.g. a tied lm_head: ignore it, or untie)."""
+def tied_weights(model: nn.Module, layers) -> dict[str, list[str]]:
+    """``{layer: the other modules holding its weight}`` for each of ``layers`` whose weight
+    Parameter another module shares (a tied lm_head). An exporter that writes the weight
+    quantized for ``layer`` would leave it float for the others, unlike ``apply()``, which
+    quantizes the one shared Parameter: every exporter refuses these."""
     owners = defaultdict(list)
-    for name, module in model.named_modules(remove_duplicate=False):
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for name, module in modules.items():
         w = getattr(module, "weight", None)
         if isinstance(w, nn.Parameter):
             owners[id(w)].append(name)
+    tied = {}
     for layer in layers:
-        names = owners[id(model.get_submodule(layer).weight)]
-        if len(names) > 1:
-            raise _unsupported(layer, "weight", f"a weight tied with {sorted(set(names) - {layer})} "
-                                                f"(leave it in float: ignore it in the recipe)")
+        w = getattr(modules.get(layer), "weight", None)
+        others = sorted(set(owners[id(w)]) - {layer}) if isinstance(w, nn.Parameter) else []
+        if others:
+            tied[layer] = others
+    return tied
+
+
+def _tied(model: nn.Module, layers) -> None:
+    """A quantized weight shared with another module would be written compressed for one and
+    float for the other: refuse it (e.g. a tied lm_head: ignore it, or untie)."""
+    for layer, others in tied_weights(model, layers).items():
+        raise _unsupported(layer, "weight", f"a weight tied with {others} "
+                                            f"(leave it in float: ignore it in the recipe)")
 
 
 def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> None:

@@ -30,11 +30,13 @@ for the pair it fuses them into).
 from __future__ import annotations
 
 import ast
+import os
 
 import numpy as np
 import torch
 
 from .atomic import atomic_file, check_writable_target
+from .compressed_tensors import tied_weights
 from .registry import register
 
 __all__ = ["DISABLED_OPTIMIZERS", "FLOAT_MATMULNBITS", "PRECISE_U8U8", "export_onnx", "int8_dot_product",
@@ -308,9 +310,12 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     if not isinstance(opset, int) or opset < 21:
         raise ValueError(f"onnx export: opset must be an integer >= 21 (int4 and block_size), "
                          f"got {opset!r}")
-    path = check_writable_target(path, overwrite=overwrite, kind="file")
+    # the model's folder is an input; overwrite replaces only an ONNX file quantscope wrote
+    inputs = _model_folders(calibration, model)
+    path = check_writable_target(path, overwrite=overwrite, kind="file", inputs=inputs)
     states = calibration.states if hasattr(calibration, "states") else calibration
     _check_exportable(states)  # before the (slow) export
+    _check_untied(model, states)
     model, example_inputs = _float32(model, example_inputs)
     proto = _export_float(model, example_inputs, opset)
     _insert_qdq(onnx, proto.graph, model, states, uint8)
@@ -318,9 +323,26 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     mark = proto.metadata_props.add()  # what lets overwrite=True replace this file later
     mark.key, mark.value = "quantscope", "onnx export"
     onnx.checker.check_model(proto)
-    with atomic_file(path, overwrite=overwrite) as tmp:
+    with atomic_file(path, overwrite=overwrite, kind="file", inputs=inputs) as tmp:
         onnx.save(proto, tmp)
     return path
+
+
+def _model_folders(calibration, model) -> list[str]:
+    """The folders ``model`` was loaded from (its config's name, the calibration's record)."""
+    info = getattr(calibration, "info", None) or {}
+    paths = (info.get("model"), getattr(getattr(model, "config", None), "_name_or_path", None))
+    return [os.fspath(p) for p in paths if isinstance(p, (str, os.PathLike)) and os.path.isdir(p)]
+
+
+def _check_untied(model, states) -> None:
+    """The graph dequantizes a weight for its MatMul alone; a module sharing it (a tied
+    lm_head's embedding) would keep the float tensor, unlike ``apply()``: refuse it."""
+    layers = [layer for layer, roles in states.items() if "weight" in roles]
+    for layer, others in tied_weights(model, layers).items():
+        raise ValueError(f"onnx export: {layer}.weight is tied with {others}: the graph would "
+                         f"quantize it for {layer} alone; leave it in float (ignore {layer} in "
+                         f"the recipe) or untie the weights")
 
 
 def _check_exportable(states) -> None:

@@ -12,6 +12,7 @@ with no recalibration.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -181,14 +182,22 @@ def _tensor_reader(tensors, key, dyn, bad_tensor):
     return get
 
 
+def _scale_shape(spec, shape) -> tuple[int, ...] | None:
+    """The shape of a role's scales: the layout's qparam shape on the calibrated weight shape;
+    a per-tensor role has one value whatever it saw (``(1,)``, or stored as a scalar); None
+    where no shape was recorded (activations)."""
+    if isinstance(spec.layout, Tensor):
+        return (1,)
+    return None if shape is None else tuple(spec.layout.qparam_shape(shape))
+
+
 def _role_qparams(get, key, spec, shape, dyn, bad_tensor) -> QParams | None:
     """The stored qparams of a role (None for a run-time role), checked against its spec."""
     scale = get("scale", required=dyn is False, positive=True)
     if scale is None:
         return None
-    # a per-tensor role has one unit whatever it saw; others are counted on the shape saved
-    units = 1 if isinstance(spec.layout, Tensor) else (
-        None if shape is None else spec.layout.num_units(shape))
+    want = _scale_shape(spec, shape)
+    units = None if want is None else math.prod(want)
     zp = get("zero_point", required=True, integer=True)
     if zp.shape != scale.shape:
         raise bad_tensor(f"{key}/zero_point", f"shape {tuple(zp.shape)} differs from the "
@@ -199,6 +208,11 @@ def _role_qparams(get, key, spec, shape, dyn, bad_tensor) -> QParams | None:
     if units is not None and scale.numel() != units:
         where = "has one unit" if shape is None else f"on shape {shape} has {units} units"
         raise bad_tensor(f"{key}/scale", f"{scale.numel()} values, but {spec.layout} {where}")
+    if want is not None and tuple(scale.shape) != want and not (want == (1,) and not scale.dim()):
+        on = "" if shape is None else f" on shape {shape}"
+        raise bad_tensor(f"{key}/scale", f"shape {tuple(scale.shape)}, but {spec.layout}{on} "
+                                         f"has scales of shape {want} (the same values in "
+                                         f"another shape would quantize other units)")
     gs = get("global_scale", required=spec.scale.has_global_scale, positive=True)
     if gs is not None and gs.numel() != 1:
         raise bad_tensor(f"{key}/global_scale", f"expected one value, got {gs.numel()}")
