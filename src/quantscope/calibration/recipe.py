@@ -482,10 +482,14 @@ def with_group_size(recipe: Recipe, size: int) -> Recipe:
 
 
 def with_role_observer(recipe: Recipe, role: str, observer: str) -> Recipe:
-    """A copy of ``recipe`` whose calibrated ``role`` (weight / input / output) runs
-    ``observer`` exactly as named (no memoryless substitution: the caller chose it)."""
+    """A copy of ``recipe`` whose calibrated ``role`` (weight / input / output) runs ``observer``
+    as named (the caller chose it: no memoryless variant); a ValueError where none calibrates."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    held = [getattr(r, role) for r in recipe.rules if getattr(r, role) is not None]
+    if all(h.dynamic is True for h in held):  # no role the observer would calibrate
+        raise ValueError(f"recipe {recipe.name!r} has " + (f"no {role} role" if not held else
+                         f"dynamic {role}s, quantized at run time: none is calibrated"))
 
     def swap(r):
         if r is None or r.dynamic is True:

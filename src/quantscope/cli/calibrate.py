@@ -7,10 +7,17 @@ import json
 import os
 import time
 
-from .checks import UsageError, check_model_arg, check_out, check_recipe_args, run_qparams
+from .checks import (
+    UsageError,
+    check_calib_file,
+    check_model_arg,
+    check_out,
+    check_recipe_args,
+    run_qparams,
+)
 from .names import TASKS
 from .options import add_common, add_recipe_args
-from .recipes import build_recipe, float_note, observer_label
+from .recipes import build_recipe, float_note, observer_label, read_recipe_file
 from .running import (
     Evaluator,
     Phases,
@@ -48,7 +55,10 @@ def add_evaluate_parser(sub) -> None:
 def cmd_calibrate(args) -> int:
     check_recipe_args(args)
     check_model_arg(args.model)
+    check_calib_file(args)
     check_out(args.out, command_inputs(args))
+    if args.recipe_file:  # read now (its Recipe imports torch), before the model loads
+        read_recipe_file(args.recipe_file)
     from ..calibration import calibrate
 
     phases = Phases(quiet=getattr(args, "rank", 0) != 0)
@@ -62,7 +72,7 @@ def cmd_calibrate(args) -> int:
         return 0
     t = time.perf_counter()
     q = phases.run("evaluating quantized", lambda: ev.quantized(calib))
-    observer = observer_label(args, rec)
+    observer = observer_label(rec)
     calib.label = f"{rec.name}/{observer}"
     calib.info.update(setup, eval_seconds=round(time.perf_counter() - t, 2))
     metrics = {**q, **{f"{k}_fp32": v for k, v in fp.items()}}

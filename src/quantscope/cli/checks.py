@@ -14,11 +14,18 @@ class UsageError(Exception):
     """A mistake in the command line: one line on stderr, exit code 2."""
 
 
-def closest(name: str, names, what: str) -> UsageError:
+def suggest(name: str, names, shown: int | None = None) -> str:
+    """The closest of ``names`` as a question, else the names (the first ``shown`` of them)."""
+    names = list(names)
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
-    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
-            else f"expected one of {', '.join(names)}")
-    return UsageError(f"unknown {what} {name!r}; {hint}")
+    if close:
+        return f"did you mean {' or '.join(repr(c) for c in close)}?"
+    more = f" and {len(names) - shown} more" if shown is not None and len(names) > shown else ""
+    return f"expected one of {', '.join(names[:shown])}{more}"
+
+
+def closest(name: str, names, what: str) -> UsageError:
+    return UsageError(f"unknown {what} {name!r}; {suggest(name, names)}")
 
 
 def check_name(name: str, names, what: str, fold=str.lower) -> str:
@@ -26,6 +33,58 @@ def check_name(name: str, names, what: str, fold=str.lower) -> str:
     if fold(name) not in by:
         raise closest(name, list(names), what)
     return by[fold(name)]
+
+
+def check_recipe_name(name: str, kind: str | None = None) -> str:
+    """A recipe name as its registry spells it: a quantscope preset (``kind="preset"``,
+    ``--recipe``: lower case, any case accepted), a compressed-tensors scheme (``"scheme"``,
+    ``--scheme``: upper case, any case accepted) or, where one flag takes both (``compare
+    --recipes``: ``kind=None``), either, told apart by the exact spelling: ``w8a8`` is the
+    preset (static inputs), ``W8A8`` the scheme (dynamic per-token inputs). The spelling
+    returned says which one :func:`.recipes.build_recipe` builds."""
+    if kind == "preset":
+        return check_name(name, RECIPE_NAMES, "recipe")
+    if kind == "scheme":
+        return check_name(name, SCHEME_NAMES, "scheme", str.upper)
+    return check_name(name, RECIPE_NAMES + SCHEME_NAMES, "recipe or scheme", str)
+
+
+def check_distinct(flag: str, names) -> None:
+    """A comma-separated list that names one thing twice would merge its configurations."""
+    twice = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+    if twice:
+        raise UsageError(f"{flag} names {', '.join(map(repr, twice))} more than once; give "
+                         f"each once")
+
+
+def check_input_file(flag: str, path: str) -> None:
+    """A file a command reads, before anything loads: missing, a folder, and not a regular
+    file (a device such as /dev/null, a pipe) are three different mistakes."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a folder; expected a file")
+    if not os.path.exists(path):
+        raise UsageError(f"{flag} {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise UsageError(f"{flag} {path!r} is not a regular file")
+
+
+def calib_documents(path: str) -> list[str]:
+    """``--calib-file``'s documents: UTF-8 text, one per non-empty line."""
+    from ..demo.data import read_corpus
+
+    try:
+        return read_corpus(path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--calib-file: {e}") from None
+
+
+def check_calib_file(args) -> None:
+    """``--calib-file`` read before the model loads (no torch needed): a file that is not
+    UTF-8 text, or holds none, fails at once."""
+    path = getattr(args, "calib_file", None)
+    if path is not None:
+        check_input_file("--calib-file", path)
+        calib_documents(path)
 
 
 def check_positive(args, *names) -> None:
@@ -82,11 +141,11 @@ def check_recipe_args(args) -> None:
         raise UsageError(f"give one of --recipe, --scheme, --recipe-file (got "
                          f"{', '.join('--' + g.replace('_', '-') for g in given)})")
     if args.recipe:
-        args.recipe = check_name(args.recipe, RECIPE_NAMES, "recipe")
+        args.recipe = check_recipe_name(args.recipe, "preset")
     if args.scheme:
-        args.scheme = check_name(args.scheme, SCHEME_NAMES, "scheme", str.upper)
-    if args.recipe_file and not os.path.isfile(args.recipe_file):
-        raise UsageError(f"--recipe-file {args.recipe_file!r} does not exist")
+        args.scheme = check_recipe_name(args.scheme, "scheme")
+    if args.recipe_file:  # its content is read before the model loads: recipes.read_recipe_file
+        check_input_file("--recipe-file", args.recipe_file)
     if not given:
         args.recipe = "w8a8"
     for flag in ("observer", "weight_observer", "input_observer"):

@@ -8,8 +8,18 @@ import os
 import sys
 import time
 
-from .checks import UsageError, check_activation_args, check_model_arg, check_name, check_out
-from .names import OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
+from .checks import (
+    UsageError,
+    check_activation_args,
+    check_calib_file,
+    check_distinct,
+    check_model_arg,
+    check_name,
+    check_out,
+    check_recipe_name,
+    suggest,
+)
+from .names import OBSERVER_NAMES
 from .options import add_common, add_recipes_args
 from .recipes import build_recipe
 from .running import Phases, calibration_options, command_inputs, load_setup
@@ -92,8 +102,8 @@ def compare_rows(report: dict) -> tuple[list[str], list[list]]:
 def cmd_compare(args) -> int:
     recipes, observers = _check_compare_args(args)
     phases = Phases(quiet=getattr(args, "rank", 0) != 0)
-    model, batches, ev, fp, setup, plan = load_setup(args, phases, lambda m: {
-        f"{r}/{o}": build_recipe(args, m, o, r) for r in recipes for o in observers})
+    model, batches, ev, fp, setup, plan = load_setup(
+        args, phases, lambda m: _plan(args, m, recipes, observers))
     if args.smooth is not None:
         setup["smooth"] = args.smooth
     candidates = [o for o in observers if o != "auto"] or None
@@ -129,16 +139,35 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     observers = [o.strip() for o in args.observers.split(",") if o.strip()]
     if not recipes or not observers:
         raise UsageError("compare: need at least one recipe and one observer")
-    # a quantscope preset wins over the scheme of the same letters (w8a8 is static, W8A8 not)
-    recipes = [check_name(r, SCHEME_NAMES + RECIPE_NAMES, "recipe or scheme") for r in recipes]
+    # spelt exactly, as calibrate's --recipe / --scheme spell them: w8a8 is the quantscope
+    # preset (static inputs), W8A8 compressed-tensors' scheme (dynamic inputs)
+    recipes = [check_recipe_name(r) for r in recipes]
     observers = [check_name(o, OBSERVER_NAMES, "observer", str) for o in observers]
+    check_distinct("--recipes", recipes)
+    check_distinct("--observers", observers)
     check_activation_args(args)
     if args.score_tokens < 1:
         raise UsageError(f"--score-tokens must be a positive number of tokens, got "
                          f"{args.score_tokens}")
     check_model_arg(args.model)
+    check_calib_file(args)
     check_out(args.out, command_inputs(args))
     return recipes, observers
+
+
+def _plan(args, model, recipes, observers) -> dict:
+    """Every configuration's recipe, checked against the model's layers, and --plot-layer
+    against the layers whose input they quantize: once the model is loaded, not once every
+    configuration has been calibrated and evaluated."""
+    plan = {f"{r}/{o}": build_recipe(args, model, o, r) for r in recipes for o in observers}
+    if args.plot_layer is not None and not args.no_plots:
+        layers = list(dict.fromkeys(name for rec in plan.values()
+                                    for name, (_, roles) in rec.match(model).items()
+                                    if "input" in roles))
+        if args.plot_layer not in layers:
+            raise UsageError(f"--plot-layer {args.plot_layer!r} is not a layer whose input "
+                             f"the recipes quantize; {suggest(args.plot_layer, layers, 8)}")
+    return plan
 
 
 def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
@@ -182,7 +211,7 @@ def _title(setup: dict) -> str:
 def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: float,
                   eval_seconds: float) -> None:
     """report.json, report.md (the table, the timings, the plots) and the plots, written
-    whole into ``--out`` or not at all."""
+    whole into ``--out`` or not at all; a plot that fails is a warning, never a lost report."""
     from ..calibration.results.report import markdown_table
     from ..exporters.atomic import atomic_dir
 
@@ -201,40 +230,61 @@ def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: 
 
 def _plots(report: dict, out: str, layer: str | None, role: str = "input",
            recipe: str | None = None) -> list[str]:
+    """The plots' lines of report.md; where matplotlib is missing or a plot fails, a warning
+    and the lines of those drawn before: the report, computed already, is written all the same."""
     from ..calibration.results import plots
 
+    lines = []
     try:
         layer = layer or plots.pick_layer(report, role)
-        lines = []
         if layer is not None:
             plots.plot_histogram(report, layer, os.path.join(out, "hist.png"), role, recipe)
             lines.append(f"![{layer} {role} histogram](hist.png)")
         plots.plot_sqnr(report, os.path.join(out, "sqnr.png"))
         lines.append("![SQNR per layer](sqnr.png)")
         return lines
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 -- whatever a plot raises, the report is kept
         print(f"warning: no plots: {e}", file=sys.stderr)
-        return []
+        return lines  # those drawn before
 
 
-def cmd_plot(args) -> int:
-    path = args.run
-    if os.path.isdir(path):
-        path = os.path.join(path, "report.json")
+def _read_report(run: str) -> tuple[str, dict]:
+    path = os.path.join(run, "report.json") if os.path.isdir(run) else run
     if not os.path.isfile(path):
-        raise UsageError(f"plot: {args.run!r} is not a compare run directory or report.json "
+        raise UsageError(f"plot: {run!r} is not a compare run directory or report.json "
                          f"(no {path})")
     with open(path) as f:
         report = json.load(f)
     if "runs" not in report:
         raise UsageError(f"plot: {path} is not a compare report (no 'runs')")
+    return path, report
+
+
+def _plot_layer(args, report: dict) -> str:
+    """--recipe and --layer checked against the report, before --out is made."""
+    from ..calibration.results import plots
+
+    recipes = plots.report_recipes(report)
+    if args.recipe is not None and args.recipe not in recipes:
+        raise UsageError(f"--recipe {args.recipe!r}: no run of the report has it; "
+                         f"{suggest(args.recipe, recipes)}")
+    layer = args.layer or plots.pick_layer(report, args.role)
+    if layer is None:
+        raise UsageError(f"plot: the report has no static {args.role} activations")
+    layers = plots.histogram_layers(report, args.role)
+    if layer not in layers:
+        raise UsageError(f"--layer {layer!r}: the report has no {args.role} histogram of it; "
+                         f"{suggest(layer, layers, 8)}")
+    return layer
+
+
+def cmd_plot(args) -> int:
+    path, report = _read_report(args.run)
+    layer = _plot_layer(args, report)
     out = args.out or os.path.dirname(os.path.abspath(path))
     os.makedirs(out, exist_ok=True)
     from ..calibration.results import plots
 
-    layer = args.layer or plots.pick_layer(report, args.role)
-    if layer is None:
-        raise UsageError(f"plot: the report has no static {args.role} activations")
     plots.plot_histogram(report, layer, os.path.join(out, "hist.png"), args.role, args.recipe)
     plots.plot_sqnr(report, os.path.join(out, "sqnr.png"))
     print(f"wrote {out}/hist.png ({layer} {args.role}) and {out}/sqnr.png")

@@ -35,8 +35,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto",
                    help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     g.add_argument("--calib-file", metavar="PATH", default=None,
-                   help="calibration text, one document per line (default: gensim's "
-                        "lee_background.cor, 300 news documents)")
+                   help="calibration text, UTF-8, one document per line (default: "
+                        "gensim's lee_background.cor, 300 news documents)")
     g.add_argument("--calib-docs", type=int, default=32, metavar="N",
                    help="documents taken evenly from the calibration text (default: 32)")
     g.add_argument("--max-length", type=int, default=128, metavar="T",
@@ -110,7 +110,9 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                    help="observer of every calibrated role: a registry name or 'auto' "
                         "(default: minmax; with --recipe-file, the file's observers)")
     g.add_argument("--weight-observer", default=None, help="observer of the weights only")
-    g.add_argument("--input-observer", default=None, help="observer of the input activations")
+    g.add_argument("--input-observer", default=None,
+                   help="observer of the input activations (an error where the recipe "
+                        "calibrates none: W4A16 has no input role, dynamic inputs none)")
     add_activation_args(g)
 
 
@@ -135,8 +137,10 @@ def add_recipes_args(p: argparse.ArgumentParser) -> None:
     """Several recipes, each calibrated with each observer."""
     g = p.add_argument_group("recipe (one of --recipe, --scheme, --recipe-file)")
     g.add_argument("--recipes", default="w8a8,w4a8",
-                   help=f"comma-separated presets ({', '.join(RECIPE_NAMES)}) or scheme "
-                        f"names (W8A8, W4A16, FP8 ...); default: w8a8,w4a8")
+                   help=f"comma-separated quantscope presets, lower case "
+                        f"({', '.join(RECIPE_NAMES)}), or compressed-tensors scheme names as "
+                        f"it spells them (W8A8, W4A16, FP8 ...): w8a8 is the preset (static "
+                        f"inputs), W8A8 the scheme (dynamic inputs); default: w8a8,w4a8")
     g.add_argument("--observers", default=DEFAULT_OBSERVERS,
                    help=f"comma-separated observer names; 'auto' chooses per layer among "
                         f"the others (default: {DEFAULT_OBSERVERS})")

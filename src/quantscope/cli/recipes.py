@@ -20,8 +20,8 @@ def build_recipe(args, model, observer=None, recipe_name=None):
     kw = {"targets": tuple(args.targets or DEFAULT_TARGETS), "ignore": tuple(args.ignore or ())}
     name = recipe_name or args.recipe
     if getattr(args, "recipe_file", None):
-        rec = adjust_recipe_file(_read_recipe_file(args.recipe_file), args, model)
-    elif name is not None and name.lower() in RECIPE_NAMES:
+        rec = adjust_recipe_file(read_recipe_file(args.recipe_file), args, model)
+    elif name in RECIPE_NAMES:  # spelt as checks.check_recipe_name returns it: W8A8 is a scheme
         rec = R.preset(name, observer, **kw)
     else:
         rec = R.scheme(name or args.scheme, observer, **kw)
@@ -30,10 +30,8 @@ def build_recipe(args, model, observer=None, recipe_name=None):
     if getattr(args, "kv_cache", None):
         rec = replace(rec, kv_cache=replace(R.kv_cache_role(args.kv_cache), observer=(
             "minmax" if observer == R.AUTO else observer)))
-    if getattr(args, "weight_observer", None):
-        rec = R.with_role_observer(rec, "weight", args.weight_observer)
-    if getattr(args, "input_observer", None):
-        rec = R.with_role_observer(rec, "input", args.input_observer)
+    for role in ("weight", "input"):
+        rec = _role_observer(rec, role, getattr(args, f"{role}_observer", None))
     rec = _indivisible(rec, model, args.on_indivisible)
     from ..calibration.run.observe import check_shapes
 
@@ -42,6 +40,20 @@ def build_recipe(args, model, observer=None, recipe_name=None):
     except ValueError as e:
         raise UsageError(str(e)) from None
     return rec
+
+
+def _role_observer(rec, role: str, observer: str | None):
+    """``--weight-observer`` / ``--input-observer``: an error where the recipe calibrates no
+    such role (W4A16 has no input; w8a8-dynamic's inputs are quantized at run time)."""
+    from ..calibration.recipe import with_role_observer
+
+    if observer is None:
+        return rec
+    try:
+        return with_role_observer(rec, role, observer)
+    except ValueError as e:
+        raise UsageError(f"--{role}-observer {observer}: {e}; leave it out (--observer sets "
+                         f"every calibrated role)") from None
 
 
 def adjust_recipe_file(rec, args, model):
@@ -84,31 +96,48 @@ def _narrow(rec, model, targets):
     return replace(rec, rules=rules)
 
 
-def observer_label(args, rec) -> str:
-    """The observers the summary and the report name: the flags' (a preset is built from
-    them), or for a recipe file the ones its calibrated roles run (weight/input/output)."""
-    if getattr(args, "recipe_file", None):
-        return "/".join(dict.fromkeys(role.observer for r in rec.rules
-                                      for role in r.roles().values()
-                                      if role.dynamic is not True)) or "none (all dynamic)"
-    return "/".join(dict.fromkeys(o for o in (args.weight_observer, args.input_observer)
-                                  if o)) or args.observer or "minmax"
+def observer_label(rec) -> str:
+    """The observers the summary and the saved label name: those the built recipe's
+    calibrated roles run (weight/input/output, as the recipe holds them: ``--observer mse``
+    runs ``memoryless_mse`` on weights), never a flag's that no role took."""
+    return "/".join(dict.fromkeys(role.observer for r in rec.rules
+                                  for role in r.roles().values()
+                                  if role.dynamic is not True)) or "none (all dynamic)"
 
 
-def _read_recipe_file(path):
+def _recipe_text(path: str):
+    """The data of a recipe file: JSON, else YAML (safe_load: plain data, no objects)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--recipe-file {path!r}: cannot read it as UTF-8 text ({e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        json_error = e
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError(f"--recipe-file {path!r} is not JSON ({json_error}), and YAML needs "
+                         f"pyyaml") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        if path.lower().endswith(".json"):  # YAML's message would describe another syntax
+            raise UsageError(f"--recipe-file {path!r} is not valid JSON: {json_error}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UsageError(f"--recipe-file {path!r} parses as neither JSON nor plain YAML: "
+                         f"{getattr(e, 'problem', None) or e}{where}") from None
+
+
+def read_recipe_file(path: str):
+    """``--recipe-file``'s :class:`Recipe`, read before the model loads; a file that does not
+    parse or does not hold a recipe is a UsageError naming the flag and the file."""
     from ..calibration.recipe import Recipe
 
-    with open(path) as f:
-        text = f.read()
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            import yaml
-        except ImportError:
-            raise UsageError(f"--recipe-file {path!r} is not JSON, and YAML needs pyyaml"
-                             ) from None
-        d = yaml.safe_load(text)
+    d = _recipe_text(path)
     try:
         return Recipe.from_dict(d)
     except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .checks import UsageError
+from .checks import UsageError, calib_documents
 
 
 class Phases:
@@ -105,7 +105,7 @@ def load_setup(args, phases: Phases, prepare=None):
     model, tok = phases.run(f"loading {models.model_name(path)} ({task})",
                             lambda: models.load_model(path, device, task=task))
     prepared = prepare(model) if prepare is not None else None
-    docs = data.read_corpus(args.calib_file) if args.calib_file else data.lee_background()
+    docs = calib_documents(args.calib_file) if args.calib_file else data.lee_background()
     step = max(1, len(docs) // args.calib_docs)
     calib = docs[::step][: args.calib_docs]
     batches = models.token_batches(tok, calib, args.max_length, args.batch_size, device,

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: the CLI reads --calib-file before torch loads
+    import torch
 
 __all__ = ["lee_background", "lee_documents", "lee_pairs", "read_corpus", "test_data_dir"]
 
@@ -34,13 +36,22 @@ def test_data_dir() -> str:
     return path
 
 
-def read_corpus(path: str) -> list[str]:
-    """One document per non-empty line; the Lee files are latin-1 (as gensim reads them)."""
+def read_corpus(path: str, encoding: str = "UTF-8") -> list[str]:
+    """One document per non-empty line of a text file in ``encoding``: UTF-8 (a byte-order
+    mark is dropped), as text is written today; the Lee files are latin-1 (``lee.cor``
+    holds a 0xa3 pound sign), as gensim reads them."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"corpus file {path!r} does not exist")
     with open(path, "rb") as f:
-        docs = [line.decode("latin-1").strip() for line in f]
-    docs = [d for d in docs if d]
+        raw = f.read()
+    try:  # decoded whole, split at "\n" only: a line is never cut inside a character
+        text = raw.decode(encoding).removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"corpus file {path!r} is not {encoding} text: byte "
+                         f"0x{raw[e.start]:02x} at offset {e.start} (line {line}) {e.reason}; "
+                         f"save it as {encoding}") from None
+    docs = [d for d in (line.strip() for line in text.split("\n")) if d]
     if not docs:
         raise ValueError(f"corpus file {path!r} holds no text")
     return docs
@@ -48,16 +59,18 @@ def read_corpus(path: str) -> list[str]:
 
 def lee_background() -> list[str]:
     """The 300 calibration documents."""
-    return read_corpus(os.path.join(test_data_dir(), "lee_background.cor"))
+    return read_corpus(os.path.join(test_data_dir(), "lee_background.cor"), "latin-1")
 
 
 def lee_documents() -> list[str]:
     """The 50 evaluation documents."""
-    return read_corpus(os.path.join(test_data_dir(), "lee.cor"))
+    return read_corpus(os.path.join(test_data_dir(), "lee.cor"), "latin-1")
 
 
 def lee_pairs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(i, j, score)`` of the 1,225 human-scored document pairs (``i < j``)."""
+    import torch
+
     path = os.path.join(test_data_dir(), "similarities0-1.txt")
     with open(path) as f:
         rows = [[float(v) for v in line.split()] for line in f if line.strip()]

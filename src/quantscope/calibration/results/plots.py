@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["pick_layer", "plot_histogram", "plot_sqnr"]
+__all__ = ["histogram_layers", "pick_layer", "plot_histogram", "plot_sqnr", "report_recipes"]
 
 
 def _plt():
@@ -33,6 +33,17 @@ def _short(layer: str) -> str:
             .replace("output.dense", "ffn.down"))
 
 
+def report_recipes(report: dict) -> list[str]:
+    """The recipes of a report's runs, in its order."""
+    return list(dict.fromkeys(r["recipe"] for r in report["runs"].values() if r.get("recipe")))
+
+
+def histogram_layers(report: dict, role: str = "input") -> list[str]:
+    """The layers with a ``role`` activation histogram in a report."""
+    return [k.rsplit("/", 1)[0] for k in report.get("histograms", {})
+            if k.rsplit("/", 1)[1] == role]
+
+
 def pick_layer(report: dict, role: str = "input") -> str | None:
     """The layer whose SQNR differs most between observers (where the choice matters most)."""
     spread = {}
@@ -48,12 +59,14 @@ def pick_layer(report: dict, role: str = "input") -> str | None:
 def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
                    recipe: str | None = None) -> str:
     """Histogram of ``layer``'s ``role`` activations with each run's clipping range; PNG."""
-    plt = _plt()
     hist = report.get("histograms", {}).get(f"{layer}/{role}")
     if hist is None:
-        known = sorted({k.rsplit("/", 1)[0] for k in report.get("histograms", {})})
         raise ValueError(f"plot: no {role} histogram for layer {layer!r}; layers with one: "
-                         f"{known}")
+                         f"{sorted(histogram_layers(report, role))}")
+    if recipe is not None and recipe not in report_recipes(report):  # else: no range drawn
+        raise ValueError(f"plot: no run of recipe {recipe!r}; the report's recipes: "
+                         f"{report_recipes(report)}")
+    plt = _plt()
     counts = hist["counts"]
     n = len(counts)
     width = (hist["hi"] - hist["lo"]) / n

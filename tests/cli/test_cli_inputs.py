@@ -1,0 +1,232 @@
+"""What the command line reads and names: --calib-file (UTF-8) and --recipe-file checked
+before the model loads, scheme names in `compare --recipes`, observer flags that no role
+takes, `compare --plot-layer` and `plot --recipe / --layer` checked before the work they
+would waste, and the label naming the observers the recipe runs."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quantscope import cli
+
+transformers = pytest.importorskip("transformers")
+from tiny_models import llama_folder, require_lee_corpus
+
+require_lee_corpus()
+
+FAST = ["--calib-docs", "2", "--max-length", "8", "--batch-size", "2", "--eval-max-length",
+        "8", "--device", "cpu", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return str(llama_folder(tmp_path_factory.mktemp("tiny-llama-inputs"),
+                            architectures=["LlamaForCausalLM"]))
+
+
+def _run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ------------------------------------------------------------------ --calib-file, --recipe-file
+
+def test_calib_file_is_read_as_utf8_text(llama_dir, tmp_path, capsys, monkeypatch):
+    from quantscope.demo import models
+
+    docs = ["Café naïve résumé in Zürich", "東京の天気は晴れです"]
+    f = tmp_path / "calib.txt"
+    f.write_text("\n".join(docs) + "\n", encoding="utf-8")
+    fed = []
+
+    def stop(tok, calib, *a, **k):  # what the tokenizer is given; then stop the run
+        fed.extend(calib)
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(models, "token_batches", stop)
+    rc, _, err = _run(capsys, "calibrate", "--model", llama_dir, "--calib-file", str(f),
+                      "--out", str(tmp_path / "run"), *FAST)
+    assert rc == 2 and "stop here" in err, err
+    assert fed == docs
+
+
+def test_a_calib_file_that_is_not_utf8_stops_before_the_model_loads(llama_dir, tmp_path,
+                                                                    capsys):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("café\nabc\n".encode("latin-1"))
+    rc, _, err = _run(capsys, "calibrate", "--model", llama_dir, "--calib-file", str(f),
+                      "--out", str(tmp_path / "run"), *FAST)
+    assert rc == 2, err
+    assert f"--calib-file: corpus file {str(f)!r} is not UTF-8 text: byte 0xe9 at offset 3" \
+        in err, err
+    assert "loading" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command,flag", [("calibrate", "--calib-file"),
+                                          ("calibrate", "--recipe-file"),
+                                          ("compare", "--calib-file")])
+@pytest.mark.parametrize("kind,said", [("folder", "is a folder"),
+                                       ("device", "is not a regular file"),
+                                       ("missing", "does not exist")])
+def test_input_files_say_what_is_wrong_before_the_model_loads(llama_dir, tmp_path, capsys,
+                                                              command, flag, kind, said):
+    path = {"folder": str(tmp_path), "device": "/dev/null",
+            "missing": str(tmp_path / "none.txt")}[kind]
+    extra = ["--observers", "minmax", "--no-plots"] if command == "compare" else []
+    rc, _, err = _run(capsys, command, "--model", llama_dir, flag, path, *extra,
+                      "--out", str(tmp_path / "run"), *FAST)
+    assert rc == 2 and f"error: {flag} {path!r} {said}" in err, err
+    assert "loading" not in err, err
+
+
+@pytest.mark.parametrize("name,text,said", [
+    ("bad.json", '{"rules": [1, 2', "is not valid JSON: Expecting ',' delimiter"),
+    ("bad.yaml", "rules: [\n", "parses as neither JSON nor plain YAML"),
+    ("evil.yaml", "!!python/object/apply:os.system ['true']\n",
+     "parses as neither JSON nor plain YAML: could not determine a constructor")])
+def test_a_recipe_file_that_does_not_parse_stops_before_the_model_loads(
+        llama_dir, tmp_path, capsys, name, text, said):
+    f = tmp_path / name
+    f.write_text(text)
+    rc, _, err = _run(capsys, "calibrate", "--model", llama_dir, "--recipe-file", str(f),
+                      "--out", str(tmp_path / "run"), *FAST)
+    assert rc == 2 and f"error: --recipe-file {str(f)!r} {said}" in err, err
+    assert "loading" not in err, err
+
+
+# ------------------------------------------------------------------ compare --recipes
+
+def test_recipe_names_resolve_by_their_exact_spelling_in_compare():
+    from quantscope.cli.checks import UsageError, check_recipe_name
+
+    assert check_recipe_name("W8A8") == "W8A8" and check_recipe_name("w8a8") == "w8a8"
+    assert check_recipe_name("FP8") == "FP8" and check_recipe_name("fp8") == "fp8"
+    # calibrate's flags say which registry: any case there
+    assert check_recipe_name("w8a8", "scheme") == "W8A8"
+    assert check_recipe_name("W8A8", "preset") == "w8a8"
+    with pytest.raises(UsageError, match="unknown recipe or scheme 'W8a8'; did you mean"):
+        check_recipe_name("W8a8")
+
+
+def test_compare_runs_the_scheme_a_scheme_name_names(llama_dir, tmp_path, capsys):
+    from quantscope.calibration.recipe import preset, scheme
+
+    out = tmp_path / "cmp"
+    rc, _, err = _run(capsys, "compare", "--model", llama_dir, "--recipes", "W8A8,w8a8",
+                      "--observers", "minmax", "--no-plots", "--out", str(out), *FAST)
+    assert rc == 0, err
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    assert set(runs) == {"W8A8/minmax", "w8a8/minmax"}
+    for label, rec in (("W8A8/minmax", scheme("W8A8")), ("w8a8/minmax", preset("w8a8"))):
+        dynamic = {r["dynamic"] for r in runs[label]["layers"] if r["role"] == "input"}
+        assert dynamic == {rec.rules[0].input.dynamic}, label
+
+
+@pytest.mark.parametrize("flag,names,twice", [("--recipes", "w8a8,w4a8,w8a8", "w8a8"),
+                                              ("--observers", "minmax,mse,minmax", "minmax")])
+def test_compare_names_given_twice_are_an_error(tmp_path, capsys, flag, names, twice):
+    other = {"--recipes": ["--observers", "minmax"], "--observers": ["--recipes", "w8a8"]}
+    rc, _, err = _run(capsys, "compare", flag, names, *other[flag],
+                      "--out", str(tmp_path / "cmp"))
+    assert rc == 2 and f"error: {flag} names {twice!r} more than once" in err, err
+
+
+# ------------------------------------------------------------------ compare --plot-layer
+
+def test_a_plot_layer_typo_stops_before_the_float_evaluation(llama_dir, tmp_path, capsys):
+    rc, _, err = _run(capsys, "compare", "--model", llama_dir, "--recipes", "w8a8",
+                      "--observers", "minmax", "--plot-layer", "model.layers.0.mlp.dwon_proj",
+                      "--out", str(tmp_path / "cmp"), *FAST)
+    assert rc == 2, err
+    assert "error: --plot-layer 'model.layers.0.mlp.dwon_proj'" in err, err
+    assert "did you mean 'model.layers.0.mlp.down_proj'" in err, err
+    assert "evaluating float" not in err and "calibrating" not in err, err
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_a_failing_plot_never_loses_the_report(llama_dir, tmp_path, capsys, monkeypatch):
+    from quantscope.calibration.results import plots
+
+    def fail(*a, **k):
+        raise RuntimeError("the plot failed")
+    monkeypatch.setattr(plots, "plot_histogram", fail)
+    out = tmp_path / "cmp"
+    rc, _, err = _run(capsys, "compare", "--model", llama_dir, "--recipes", "w8a8",
+                      "--observers", "minmax", "--plot-layer", "model.layers.0.mlp.down_proj",
+                      "--out", str(out), *FAST)
+    assert rc == 0 and "warning: no plots: the plot failed" in err, err
+    assert set(json.loads((out / "report.json").read_text())["runs"]) == {"w8a8/minmax"}
+    assert "w8a8" in (out / "report.md").read_text()
+
+
+# ------------------------------------------------------------------ observer flags, label
+
+@pytest.mark.parametrize("recipe,why", [
+    ("w4a16", "recipe 'w4a16' has no input role"),
+    ("w8a8-dynamic", "recipe 'w8a8-dynamic' has dynamic inputs, quantized at run time")])
+def test_an_input_observer_no_role_takes_is_an_error(llama_dir, tmp_path, capsys, recipe, why):
+    rc, _, err = _run(capsys, "calibrate", "--model", llama_dir, "--recipe", recipe,
+                      "--input-observer", "mse", "--out", str(tmp_path / "run"), *FAST)
+    assert rc == 2 and f"error: --input-observer mse: {why}" in err, err
+    assert "evaluating float" not in err and not (tmp_path / "run").exists()
+
+
+def test_with_role_observer_refuses_a_role_no_rule_calibrates():
+    from quantscope.calibration.recipe import preset, with_role_observer
+
+    with pytest.raises(ValueError, match="recipe 'w4a16' has no input role"):
+        with_role_observer(preset("w4a16"), "input", "mse")
+    with pytest.raises(ValueError, match="recipe 'w8a8-dynamic' has dynamic inputs"):
+        with_role_observer(preset("w8a8-dynamic"), "input", "mse")
+    rec = with_role_observer(preset("w8a8-dynamic"), "weight", "mse")
+    assert rec.rules[0].weight.observer == "mse"
+
+
+@pytest.mark.parametrize("flags", [["--recipe", "w4a16", "--observer", "mse", "--group-size",
+                                    "32"],
+                                   ["--recipe", "w8a8", "--weight-observer", "minmax",
+                                    "--input-observer", "mse"]])
+def test_the_label_names_the_observers_the_recipe_runs(llama_dir, tmp_path, capsys, flags):
+    run = tmp_path / "run"
+    rc, out, err = _run(capsys, "calibrate", "--model", llama_dir, *flags, "--out", str(run),
+                        *FAST)
+    assert rc == 0, err
+    meta = json.loads((run / "qparams" / "quantscope.json").read_text())
+    rule = meta["recipe"]["rules"][0]
+    ran = "/".join(dict.fromkeys(rule[k]["observer"] for k in ("weight", "input")
+                                 if rule[k] and rule[k]["dynamic"] is not True))
+    assert meta["label"] == f"{flags[1]}/{ran}"
+    assert f"{flags[1]}, observer {ran}" in out
+    assert (run / "report.md").read_text().startswith(f"# quantscope report: {flags[1]}/{ran}")
+
+
+# ------------------------------------------------------------------ plot --recipe, --layer
+
+REPORT = {"runs": {"w8a8/minmax": {
+    "recipe": "w8a8", "observer": "minmax",
+    "layers": [{"layer": "l0", "role": "input", "sqnr_db": 30.0, "dynamic": False,
+                "requested": "minmax", "observer": "minmax", "clip_lo": -1.0,
+                "clip_hi": 1.0}]}},
+    "histograms": {"l0/input": {"counts": [1, 4, 4, 1], "lo": -1.5, "hi": 1.5}}}
+
+
+@pytest.mark.parametrize("flag,value,said", [
+    ("--recipe", "W8A8", "--recipe 'W8A8': no run of the report has it; did you mean 'w8a8'"),
+    ("--layer", "l1", "--layer 'l1': the report has no input histogram of it")])
+def test_plot_checks_recipe_and_layer_before_writing(tmp_path, capsys, flag, value, said):
+    (tmp_path / "report.json").write_text(json.dumps(REPORT))
+    out = tmp_path / "plots"
+    rc, _, err = _run(capsys, "plot", str(tmp_path), flag, value, "--out", str(out))
+    assert rc == 2 and f"error: {said}" in err, err
+    assert not out.exists()
+
+
+def test_plot_histogram_refuses_a_recipe_no_run_has(tmp_path):
+    pytest.importorskip("matplotlib")
+    from quantscope.calibration.results import plots
+
+    with pytest.raises(ValueError, match="no run of recipe 'w8a9'"):
+        plots.plot_histogram(REPORT, "l0", str(tmp_path / "h.png"), recipe="w8a9")
+    assert Path(plots.plot_histogram(REPORT, "l0", str(tmp_path / "h.png"),
+                                     recipe="w8a8")).is_file()
