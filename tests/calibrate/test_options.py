@@ -57,6 +57,12 @@ def _llama(seed=0):
     (lambda: Runtime(time_groups={"g": "w8a8"}), "Runtime.time_groups"),  # not its letters
     (lambda: MoE(all_experts="no"), "MoE.all_experts"),  # would read as True
     (lambda: MoE(all_experts=1), "MoE.all_experts"),
+    (lambda: Runtime(distributed="no"), "Runtime.distributed"),  # as MoE.all_experts
+    (lambda: Runtime(distributed=1), "Runtime.distributed"),
+    (lambda: Options(progress="no"), "Options.progress"),
+    (lambda: Auto(candidates=3), "Auto.candidates"),  # not iterable: named, not a bare error
+    (lambda: Sampling(seed=2**64), "Sampling.seed"),  # torch.manual_seed's overflow, named
+    (lambda: Sampling(seed=-(2**63) - 1), "Sampling.seed"),
     (lambda: Sequential(device="bogus", checkpoint="ckpt"), "Sequential.device"),
     (lambda: Sequential(device="cuda:x", checkpoint="ckpt"), "Sequential.device"),
     (lambda: Sequential(device="cpu"), "Sequential.device"),  # moves nothing without it
@@ -69,6 +75,27 @@ def test_each_object_validates_its_fields(make, field):
 def test_seed_must_be_an_integer():
     with pytest.raises(TypeError, match=r"Sampling\.seed"):
         Sampling(seed=1.5)
+    with pytest.raises(TypeError, match=r"Sampling\.seed"):
+        Sampling(seed=True)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 2**64 - 1])
+def test_every_seed_torch_takes_is_accepted(seed):
+    """The ends of torch.manual_seed's documented range [-0x8000_0000_0000_0000,
+    0xffff_ffff_ffff_ffff]: torch itself takes them, and so does the calibration."""
+    torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    calibrate(model, [torch.randn(4, 8)], "w8a8", sampling=Sampling(seed=seed), progress=False)
+
+
+def test_candidates_from_a_generator_are_kept():
+    """Checked as a tuple, so the check does not consume a generator (stored as () before)."""
+    a = Auto(candidates=(n for n in ["mse", "minmax"]), metric="tensor")
+    assert a.candidates == ("mse", "minmax")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    c = calibrate(model, [torch.randn(4, 8)], "w8a8", observer="auto", auto=a, progress=False)
+    chosen = {row["observer"] for row in c.report().rows}
+    assert chosen <= {"mse", "minmax", "memoryless_mse", "memoryless_minmax"}, chosen
 
 
 def test_objects_are_frozen_and_options_hold_their_kinds():
@@ -79,6 +106,19 @@ def test_objects_are_frozen_and_options_hold_their_kinds():
     assert Auto(candidates=["minmax", "mse"]).candidates == ("minmax", "mse")
     o = Options().but(sampling__seed=4, progress=False)
     assert (o.sampling.seed, o.sampling.tokens, o.progress) == (4, 2048, False)
+
+
+def test_but_names_a_path_it_cannot_follow():
+    with pytest.raises(ValueError, match=r"sequential__mode: sequential is None \(off\)"):
+        Options().but(sequential__mode="quantized")  # changing a field does not turn it on
+    o = Options().but(sequential=Sequential(), sequential__mode="quantized")
+    assert o.sequential == Sequential(mode="quantized")
+    with pytest.raises(TypeError, match="'a__b__c' is not object__field"):
+        Options().but(a__b__c=1)
+    with pytest.raises(TypeError, match="'sampling__seed__x': Sampling has no field 'seed__x'"):
+        Options().but(sampling__seed__x=1)
+    with pytest.raises(TypeError, match="'progress__x' is not object__field"):
+        Options().but(progress__x=1)
 
 
 def test_sequential_shorthands():
@@ -103,6 +143,25 @@ def test_keywords_map_with_one_warning_naming_the_new_spelling():
     text = str(got[0].message)
     assert "Sampling(tokens=...)" in text and "Auto(metric=...)" in text
     assert (o.sampling.tokens, o.auto.metric, o.outliers.smooth) == (7, "joint", 0.5)
+
+
+@pytest.mark.parametrize(("objects", "keywords", "said"), [
+    ({"outliers": Outliers(keep_float=1)}, {"keep_float": 0},
+     r"keep_float=0 and outliers=Outliers\(keep_float=1\) both set outliers\.keep_float"),
+    ({"sampling": Sampling(tokens=5, seed=7)}, {"sample_tokens": 10},
+     r"sample_tokens=10 and sampling=Sampling\(tokens=5\) both set sampling\.tokens"),
+])
+def test_an_object_and_a_keyword_for_the_same_field_are_refused(objects, keywords, said):
+    """Neither silently wins (the keyword did)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    with pytest.raises(ValueError, match=said):
+        calibrate(model, [torch.randn(4, 8)], "w8a8", progress=False, **objects, **keywords)
+
+
+def test_a_keyword_beside_an_object_that_leaves_its_field_alone_applies():
+    with pytest.warns(DeprecationWarning):
+        o = from_keywords(Options(outliers=Outliers(smooth=0.5)), {"keep_float": 2})
+    assert o.outliers == Outliers(smooth=0.5, keep_float=2)
 
 
 def test_bad_keywords_are_refused():

@@ -40,10 +40,19 @@ __all__ = ["AUTO_METRICS", "Auto", "MoE", "Options", "Outliers", "Runtime", "Sam
 #: :mod:`.auto`
 AUTO_METRICS = ("model", "joint", "fisher", "tensor", "output")
 
+#: the seeds ``torch.Generator.manual_seed`` takes (a negative one wraps to 2**64 + seed)
+SEED_RANGE = (-0x8000_0000_0000_0000, 0xFFFF_FFFF_FFFF_FFFF)
+
 
 def _positive_int(owner: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"calibrate: {owner}.{name} must be a positive integer, got {value!r}")
+
+
+def _bool(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):  # "no" or 0.5 would read as True
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
+            f"calibrate: {owner}.{name} must be True or False, got {value!r}")
 
 
 def _one_of(owner: str, name: str, value, allowed) -> None:
@@ -77,6 +86,10 @@ class Sampling:
                              f"positive number of MB, got {b!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"calibrate: Sampling.seed must be an integer, got {self.seed!r}")
+        low, high = SEED_RANGE
+        if not low <= self.seed <= high:  # else the pass would fail naming no field
+            raise ValueError(f"calibrate: Sampling.seed must be in [{low}, {high}] (what "
+                             f"torch.manual_seed takes), got {self.seed!r}")
 
 
 @dataclass(frozen=True)
@@ -107,10 +120,12 @@ class Auto:
     def __post_init__(self):
         c = self.candidates
         if c is not None:
-            if isinstance(c, str) or not all(isinstance(n, str) for n in c):
+            # a tuple first: checking a generator would consume it
+            names = tuple(c) if not isinstance(c, str) and hasattr(c, "__iter__") else None
+            if names is None or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"calibrate: Auto.candidates must be a list of observer "
                                  f"names, got {c!r}")
-            object.__setattr__(self, "candidates", tuple(c))
+            object.__setattr__(self, "candidates", names)
         _one_of("Auto", "metric (auto_metric)", self.metric, AUTO_METRICS)
         if self.loss is not None and not callable(self.loss):
             raise ValueError(f"calibrate: Auto.loss must be callable, got {self.loss!r}")
@@ -132,9 +147,7 @@ class MoE:
     min_tokens: int = MIN_TOKENS
 
     def __post_init__(self):
-        if not isinstance(self.all_experts, bool):  # "no" or 0.5 would read as True
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
-                f"calibrate: MoE.all_experts must be True or False, got {self.all_experts!r}")
+        _bool("MoE", "all_experts", self.all_experts)
         _positive_int("MoE", "min_tokens (expert_min_tokens)", self.min_tokens)
 
 
@@ -242,6 +255,7 @@ class Runtime:
     time_groups: dict | None = None
 
     def __post_init__(self):
+        _bool("Runtime", "distributed", self.distributed)
         _one_of("Runtime", "missing", self.missing, MISSING_POLICIES)
         groups = self.time_groups
         # each group a list of labels, read twice (a string would be its letters)
@@ -273,18 +287,39 @@ class Options:
             if not isinstance(value, kind) and not (name == "sequential" and value is None):
                 raise TypeError(f"calibrate: {name} must be a {kind.__name__}, got "
                                 f"{type(value).__name__}")
+        _bool("Options", "progress", self.progress)
 
     def but(self, **changes) -> Options:
-        """A copy with fields of the objects changed: ``but(sampling__seed=1, progress=False)``."""
+        """A copy with fields of the objects changed: ``but(sampling__seed=1, progress=False)``.
+        ``sequential__...`` needs a :class:`Sequential` (here or in ``changes``): None is off,
+        and changing a field does not turn it on."""
         top = {k: v for k, v in changes.items() if "__" not in k}
         nested = {}
         for key, value in changes.items():
             if "__" in key:
-                kind, name = key.split("__")
+                kind, name = _path(key)
                 nested.setdefault(kind, {})[name] = value
         for kind, values in nested.items():  # together: fields checked against each other
-            top[kind] = replace(top.get(kind, getattr(self, kind)), **values)
+            owner = top.get(kind, getattr(self, kind))
+            if owner is None:
+                raise ValueError(f"Options.but: {kind}__{next(iter(values))}: {kind} is None "
+                                 f"(off); pass {kind}={_KINDS[kind].__name__}(...) instead")
+            top[kind] = replace(owner, **values)
         return replace(self, **top)
+
+
+def _path(key: str) -> tuple[str, str]:
+    """``"object__field"`` of :meth:`Options.but` as (object, field); anything else is a
+    ``TypeError`` naming it, as an unknown keyword would be."""
+    kind, _, name = key.partition("__")
+    if kind not in _KINDS:
+        raise TypeError(f"Options.but: {key!r} is not object__field (one level, objects: "
+                        f"{', '.join(_KINDS)})")
+    names = [f.name for f in fields(_KINDS[kind])]
+    if name not in names:
+        raise TypeError(f"Options.but: {key!r}: {_KINDS[kind].__name__} has no field "
+                        f"{name!r} (fields: {', '.join(names)})")
+    return kind, name
 
 
 #: the flat keywords of before, each the field it became: (object, field)
@@ -363,7 +398,8 @@ def _outside_quantscope() -> int:
 
 def from_keywords(options: Options, keywords: dict) -> Options:
     """``options`` with the flat keywords of before applied (one ``DeprecationWarning``
-    naming the new spelling of each); an unknown keyword is a ``TypeError``."""
+    naming the new spelling of each); an unknown keyword is a ``TypeError``, one that sets a
+    field its object sets too a ``ValueError``."""
     if not keywords:
         return options
     unknown = sorted(set(keywords) - set(KEYWORDS))
@@ -373,9 +409,24 @@ def from_keywords(options: Options, keywords: dict) -> Options:
     if options.sequential is None and any(KEYWORDS[k][0] == "sequential" for k in keywords):
         raise TypeError("calibrate: checkpoint, blocks, cache_budget_mb, cache_dir and device "
                         "are options of sequential calibration; pass sequential=True")
+    _check_not_set_twice(options, keywords)
     spelled = [f"{k}= -> {_KINDS[KEYWORDS[k][0]].__name__}({KEYWORDS[k][1]}=...)"
                for k in keywords]
     warnings.warn(f"calibrate: keyword options are deprecated, pass the option objects of "
                   f"quantscope.calibration.options: {'; '.join(spelled)}", DeprecationWarning,
                   stacklevel=_outside_quantscope())
     return options.but(**{f"{KEYWORDS[k][0]}__{KEYWORDS[k][1]}": v for k, v in keywords.items()})
+
+
+def _check_not_set_twice(options: Options, keywords: dict) -> None:
+    """Raises if a flat keyword sets a field its option object already sets, rather than let
+    one silently win. A field at its default counts as not set: the entry points fill in
+    default objects, so an object's default field cannot be told from one not given."""
+    for key, given in keywords.items():
+        kind, name = KEYWORDS[key]
+        default = next(f.default for f in fields(_KINDS[kind]) if f.name == name)
+        value = getattr(getattr(options, kind), name)
+        if value is not default and value != default:
+            raise ValueError(f"calibrate: {key}={given!r} and {kind}={_KINDS[kind].__name__}"
+                             f"({name}={value!r}) both set {kind}.{name}; pass it once (the "
+                             f"keyword is deprecated)")
