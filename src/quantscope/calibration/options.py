@@ -6,7 +6,10 @@ error names the field), and the session carries them as one :class:`Options` val
 
     calibrate(model, batches, "w8a8", observer="auto",
               sampling=Sampling(tokens=4096, seed=1), auto=Auto(metric="joint"),
-              outliers=Outliers(smooth=0.8, keep_float=4), sequential=Sequential(blocks="layers"))
+              outliers=Outliers(smooth=0.8, keep_float=4))
+    calibrate(model, batches, "w4a16", sequential=Sequential(blocks="model.layers"))
+
+(``Outliers`` needs the whole model's forward, so it does not combine with ``sequential``.)
 
 A new capability adds a field to one of them. The keywords of the flat signature
 (``sample_tokens=``, ``auto_metric=``, ``smooth=`` ...) still work through one path,
