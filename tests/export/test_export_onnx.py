@@ -359,3 +359,70 @@ def test_a_weight_tied_with_another_module_is_refused(tmp_path):
     with torch.no_grad(), calib.apply(model):
         ref = model(ids).numpy()
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+_WEIGHTS = {  # name: (weight spec, ONNX type, bits per stored code)
+    "int8": ("int8", True, "Channel", "INT8", 8),
+    "uint8-shift": ("int8", True, "Channel", "UINT8", 8),
+    "int4": ("int4", True, "Group", "INT4", 4),
+    "int4-tensor": ("int4", True, "Tensor", "INT4", 4),
+    "uint4-asym": ("uint4", False, "Group", "UINT4", 4),
+    "int16": ("int16", True, "Channel", "INT16", 16),
+}
+
+
+def _weight_only(kind):
+    import quantscope
+
+    fmt, sym, layout, _, _ = _WEIGHTS[kind]
+    layout = {"Channel": quantscope.Channel(0), "Group": quantscope.Group(32),
+              "Tensor": quantscope.Tensor()}[layout]
+    spec = quantscope.QuantSpec(fmt, layout, symmetric=sym)
+    return Recipe(Rule(("Linear",), weight=Role(spec, "minmax")))
+
+
+@pytest.mark.parametrize("kind", list(_WEIGHTS))
+def test_weight_codes_are_stored_as_raw_bytes_equal_to_quantize(tmp_path, kind):
+    """Probe: each int8 weight code took 5.5 bytes in the file (``int32_data`` varints, a
+    negative code 10), the "int8" model larger than the float32 one. The codes are raw
+    little-endian bytes: one per 8-bit code, two per 16-bit, half a byte per 4-bit code (two a
+    byte), and read back by onnx they are :func:`quantscope.qdq.quantize`'s codes (+128 where
+    ``uint8=True`` moves int8 to uint8), negative ones included."""
+    from quantscope.qdq import quantize
+
+    model, batches = _mlp()
+    calib = calibrate(model, batches, _weight_only(kind), progress=False)
+    path = tmp_path / "m.onnx"
+    export.export(calib, model, path, format="onnx", example_inputs=batches[0],
+                  uint8=kind == "uint8-shift")
+    inits = {t.name: t for t in onnx.load(str(path)).graph.initializer}
+    _, _, _, onnx_type, bits = _WEIGHTS[kind]
+    for layer, roles in calib.states.items():
+        t = inits[f"{layer}.weight_q"]
+        numel = int(np.prod(t.dims))
+        assert onnx.TensorProto.DataType.Name(t.data_type) == onnx_type
+        assert len(t.raw_data) == -(-numel * bits // 8) and len(t.int32_data) == 0
+        assert t.ByteSize() < numel * bits / 8 + 100  # the codes, a name and the dims
+        state = roles["weight"]
+        weight = model.get_submodule(layer).weight.detach().float()
+        codes = quantize(weight, state.qparams, state.spec).to(torch.int64).numpy()
+        codes = codes + 128 if kind == "uint8-shift" else codes
+        stored = onnx.numpy_helper.to_array(t).astype(np.int64)
+        transposed = stored.shape != codes.shape  # a MatMul's [in, out] (256 != 128)
+        np.testing.assert_array_equal(stored, codes.T if transposed else codes)
+        assert codes.min() < 0 or kind in ("uint8-shift", "uint4-asym")
+        zp = onnx.numpy_helper.to_array(inits[f"{layer}.weight_zero_point"]).astype(np.int64)
+        ref_zp = state.qparams.zero_point.to(torch.int64).numpy() + (kind == "uint8-shift") * 128
+        if ref_zp.size > 1:  # [out, groups], stored as the codes are
+            ref_zp = ref_zp.reshape(codes.shape[0], -1).T if transposed else ref_zp
+        np.testing.assert_array_equal(zp.reshape(-1), ref_zp.reshape(-1))
+
+
+@pytest.mark.parametrize("kind", ["int4-tensor", "uint4-asym", "int16"])
+def test_4_and_16_bit_weights_equal_fake_quant(tmp_path, kind):
+    """Weight-only int4 per tensor (one zero point: an odd count of nibbles), uint4 asymmetric
+    groups and int16 per channel run in ORT as quantscope's fake-quant, to float rounding."""
+    model, batches = _mlp()
+    calib = calibrate(model, batches, _weight_only(kind), progress=False)
+    got, ref, _ = _run_mlp(model, calib, tmp_path / "m.onnx", batches[1])
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got - ref).max()

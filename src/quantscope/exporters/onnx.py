@@ -6,7 +6,8 @@ For each calibrated Linear (found through the module name the dynamo exporter re
 each node, ``pkg.torch.onnx.name_scopes``, and checked against the weight's values):
 
 - the weight is stored as integer codes (int4 / int8 / int16 or unsigned; codes from
-  :func:`quantscope.qdq.quantize`, the one quantizer) feeding ``DequantizeLinear`` with
+  :func:`quantscope.qdq.quantize`, the one quantizer; raw bytes, int4 two per byte:
+  :mod:`.onnx_tensors`) feeding ``DequantizeLinear`` with
   ``axis`` (per channel) or ``block_size`` (per group, opset 21);
 - a static input gets its own ``QuantizeLinear -> DequantizeLinear`` pair on that Linear's
   input alone. Pairs are never shared between q / k / v: each MatMul then sees the
@@ -37,6 +38,7 @@ import torch
 
 from .atomic import atomic_file, check_writable_target
 from .compressed_tensors import tied_weights
+from .onnx_tensors import code_tensor
 from .registry import register
 
 __all__ = ["DISABLED_OPTIMIZERS", "FLOAT_MATMULNBITS", "PRECISE_U8U8", "export_onnx", "int8_dot_product",
@@ -168,11 +170,9 @@ def _weight_dq(layer, state, weight: torch.Tensor, transposed: bool, prefix: str
         codes = codes.T
     dtype, codes, zp = _unsigned(dtype, codes, zp, shift)
     names = [f"{prefix}.weight_q", f"{prefix}.weight_scale", f"{prefix}.weight_zero_point"]
-    inits = [helper.make_tensor(names[0], dtype, list(codes.shape),
-                                codes.contiguous().reshape(-1).tolist()),
+    inits = [code_tensor(names[0], dtype, codes),  # raw bytes: 1 per int8 code, 1/2 per int4
              numpy_helper.from_array(np.ascontiguousarray(scale.numpy()), names[1]),
-             helper.make_tensor(names[2], dtype, list(zp.shape),
-                                zp.contiguous().reshape(-1).tolist())]
+             code_tensor(names[2], dtype, zp)]
     out = f"{prefix}.weight_dq"
     node = helper.make_node("DequantizeLinear", names, [out], name=f"{prefix}/weight_dq",
                             **attrs)
@@ -206,7 +206,7 @@ def _input_qdq(layer, state, source: str, prefix: str, shift: bool):
     names = [f"{prefix}.input_scale", f"{prefix}.input_zero_point"]
     inits = [numpy_helper.from_array(
                  qp.effective_scale.detach().float().reshape(()).numpy().copy(), names[0]),
-             helper.make_tensor(names[1], dtype, [], [int(zp)])]
+             code_tensor(names[1], dtype, zp)]
     q = helper.make_node("QuantizeLinear", [source, *names], [f"{prefix}.input_q"],
                          name=f"{prefix}/input_q")
     dq = helper.make_node("DequantizeLinear", [f"{prefix}.input_q", *names],
