@@ -236,8 +236,10 @@ def test_report_values_equal_direct_computation():
         err = fake_quantize(w, st.qparams, st.spec) - w
         sqnr = 10 * math.log10(float(w.square().sum()) / float(err.square().sum()))
         assert rows[(layer, "weight")]["sqnr_db"] == pytest.approx(sqnr, rel=1e-6)
-        scale = st.qparams.scale  # [out, 1]
-        clipped = ((w < -128 * scale) | (w > 127 * scale)).float().mean()
+        # clipped: the code rounding gives (half to even) is past [-128, 127]; min-max's
+        # positive absmax is 127.5 steps, rounds to 128 and is clipped, its negative is not
+        code = torch.round(w / st.qparams.scale)  # scale [out, 1]
+        clipped = ((code < -128) | (code > 127)).float().mean()
         assert rows[(layer, "weight")]["clipped"] == pytest.approx(float(clipped))
         assert rows[(layer, "weight")]["lo"] == pytest.approx(float(w.min()))
     x = torch.cat(b)
@@ -246,12 +248,33 @@ def test_report_values_equal_direct_computation():
     r = rows[("up", "input")]
     assert r["sqnr_db"] == pytest.approx(10 * math.log10(float(x.square().sum())
                                                          / float(err.square().sum())), rel=1e-5)
-    assert r["clipped"] == pytest.approx(float((x > 127 * st.qparams.scale).float().mean()))
+    code = torch.round(x / st.qparams.scale)
+    assert r["clipped"] == pytest.approx(float(((code < -128) | (code > 127)).float().mean()))
     assert r["numel"] == x.numel()
     summary = c.report().summary
     assert summary["weight"]["layers"] == 3
     assert summary["input"]["mean_sqnr_db"] == pytest.approx(
         sum(rows[(n, "input")]["sqnr_db"] for n in ("up", "down", "head")) / 3)
+
+
+def test_report_clipped_is_what_rounding_alone_would_not_give():
+    # found by probing: fp8 min-max weights were reported clipped, though min-max covers
+    # every value (448 x scale in float32 is 1 ulp below some channels' absmax)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256)).eval()
+    x = torch.randn(1024, 64)  # enough values that percentile (99.99 %) clips some
+    # past the range by more than rounding: int8 codes beyond [-128.5, 127.5]; fp8 e4m3's
+    # beyond 464, half way from 448 to 480 (its step there is 32)
+    for recipe, past in (("fp8", lambda u: u.abs() > 464),
+                         ("w8a8", lambda u: (u > 127.5) | (u < -128.5))):
+        calib = calibrate(model, [x], preset(recipe, "percentile"), sample_tokens=10_000,
+                          progress=False)
+        rows = {r["role"]: r for r in calib.report().rows}
+        if recipe == "fp8":  # min-max weights (int8's positive absmax is 127.5 steps: clipped)
+            assert rows["weight"]["clipped"] == 0
+        n = int(past(x.double() / calib.states["0"]["input"].qparams.scale.double()).sum())
+        assert rows["input"]["numel"] == x.numel() and n > 0
+        assert rows["input"]["clipped"] * x.numel() == n, recipe
 
 
 def test_report_markdown_and_json(tmp_path):

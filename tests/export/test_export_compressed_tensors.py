@@ -355,6 +355,20 @@ def test_fp4_with_fp32_scales_is_refused_not_written_as_nvfp4(bert, tmp_path, la
     assert os.listdir(tmp_path) == []
 
 
+def test_nvfp4_input_with_a_global_scale_from_each_call_is_refused(bert, tmp_path):
+    """vLLM's NVFP4 layer reads a calibrated input_global_scale; an NVFP4 input whose global
+    scale comes from each call (dynamic=True: keep_float's "dynamic" fallback) was written as
+    tensor_group "dynamic": true with no input_global_scale."""
+    model, _, batches = bert
+    nv = P.NVFP4
+    cal = calibrate(model, batches, _recipe(Role(nv, "memoryless_minmax"),
+                                            Role(nv, "memoryless_minmax", True)), progress=False)
+    with pytest.raises(ValueError, match=r"layer 'encoder\.layer\.0\.attention\.self\.query' "
+                                         r"input: .* global scale from each call"):
+        quantscope.export(cal, model, tmp_path / "ct")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize(("recipe", "block"), [("nvfp4", 16), ("mxfp4", 32)])
 def test_fp4_blocks_that_do_not_tile_the_columns_are_refused_naming_the_layer(tmp_path,
                                                                              recipe, block):

@@ -127,6 +127,11 @@ def _strategy_args(state, layer: str, role: str, lossy: _Lossy) -> dict:
                 and lay.axis in (-1, 1)):
             raise _unsupported(layer, role, f"{spec} (fp8 block scales: NVFP4 only)")
         _whole_blocks(state, layer, role, 16)
+        if state.dynamic is True:  # vLLM's NVFP4 layer reads a calibrated input_global_scale
+            raise _unsupported(layer, role, f"{spec} with its global scale from each call "
+                                            f"(NVFP4 activations run with a calibrated global "
+                                            f"scale: dynamic='local'; keep_float(mode='float') "
+                                            f"leaves such an input in float)")
         return {"strategy": "tensor_group", "group_size": 16, "scale_dtype": torch.float8_e4m3fn,
                 "zp_dtype": torch.float8_e4m3fn}
     if enc.kind == "e8m0":  # MX: E8M0 exponents, group 32

@@ -52,37 +52,51 @@ def _mask(batch):
 
 
 def _summary(out, batch):
-    """What a divergence compares, from a model output: next-token log-probabilities of the
-    real positions (causal LM), mean-pooled normalised embeddings (encoder), or the tensor."""
+    """What a divergence compares, from a model output: the next-token logits of the real
+    positions (causal LM; float32, their log-probabilities taken in float64 where compared),
+    mean-pooled normalised embeddings (encoder, float64: ``[rows, hidden]``), or the tensor."""
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, dict):
         logits = out.get("logits")
     mask = _mask(batch)
     if logits is not None:
-        logits = logits.float()
-        if mask is not None:
-            keep = mask.bool()
-            if logits.dim() == 3 and keep.shape == logits.shape[:2]:
-                return ("kl", torch.log_softmax(logits[keep], -1))
-        return ("kl", torch.log_softmax(logits.reshape(-1, logits.shape[-1]), -1))
+        rows = logits.reshape(-1, logits.shape[-1])
+        if mask is not None and logits.dim() == 3 and mask.shape == logits.shape[:2]:
+            rows = logits[mask.bool()]
+        # a copy: a stored reference keeps no view of the whole output alive
+        return ("kl", rows.to(torch.float32, copy=True))
     hidden = getattr(out, "last_hidden_state", None)
     if hidden is None:
         hidden = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"auto: cannot compare model outputs of type {type(out).__name__}; "
                          f"pass loss=callable(output, reference_output, batch)")
-    hidden = hidden.float()
+    hidden = hidden.double()
     if hidden.dim() == 3:
         m = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None
-             else mask.to(hidden.dtype))
+             else mask).to(hidden.dtype)
         hidden = (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
     return ("cos", torch.nn.functional.normalize(hidden.reshape(hidden.shape[0], -1), dim=-1))
 
 
+#: logits whose KL :func:`_divergence` computes at once: its float64 temporaries (three
+#: of this many values, 128 MiB each) do not grow with the scoring tokens
+KL_CHUNK = 2 ** 24
+
+
 def _divergence(kind, q, ref):
-    if kind == "kl":  # KL(p_ref || p_q), mean over positions
-        return float((ref.exp() * (ref - q)).sum(-1).mean())
-    return float((1 - (q * ref).sum(-1)).mean())
+    """KL(p_ref || p_q) of next-token logits, or ``1 - cosine``, mean over positions; in
+    float64, each position's at least 0 as its true value is (float32's rounding left a
+    near-zero KL as likely negative as positive, float64's still does below 1e-15)."""
+    if kind != "kl":
+        return float((1 - (q * ref).sum(-1)).clamp_(min=0).mean())
+    total = torch.zeros((), dtype=torch.float64, device=q.device)
+    step = max(1, KL_CHUNK // max(q.shape[-1], 1))
+    for i in range(0, q.shape[0], step):
+        r = torch.log_softmax(ref[i:i + step].double(), -1)
+        d = r - torch.log_softmax(q[i:i + step].double(), -1)
+        total += (r.exp_() * d).sum(-1).clamp_(min=0).sum()
+    return float(total / q.shape[0])
 
 
 class OutputDivergence:
@@ -256,7 +270,8 @@ def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_
            pieces: dict | None = None):
     """The configuration (``{name: states}``) with the least mean divergence, scored piece by
     piece (each of ``div.batches``): after each piece, a candidate whose mean so far exceeds
-    ``drop`` times the best mean so far is dropped, unscored on the later pieces (an early
+    ``drop`` times the best mean so far (``best + (drop - 1) |best|``: the best always stays)
+    is dropped, unscored on the later pieces (an early
     choice: such a candidate cannot catch up unless the pieces disagree by that factor).
     Ties keep ``first`` (min-max). Returns ``(best, {name: (mean, pieces scored)})``;
     ``pieces`` (a dict) receives each candidate's divergence piece by piece."""
@@ -270,7 +285,8 @@ def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_
             totals[n] += d
             seen[n] += 1
         best = min(totals[n] / seen[n] for n in alive)
-        alive = [n for n in alive if totals[n] / seen[n] <= drop * best]
+        # ``drop`` times the best, measured from the best: a best below 0 (rounding) stays
+        alive = [n for n in alive if totals[n] / seen[n] <= best + (drop - 1) * abs(best)]
     best = min(alive, key=lambda n: (totals[n] / seen[n], n != first))
     return best, {n: (totals[n] / seen[n], seen[n]) for n in configs}
 

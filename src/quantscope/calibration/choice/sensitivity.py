@@ -225,9 +225,12 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
 
 
 def _fallback_state(st: RoleState, mode: str) -> RoleState | None:
+    """The state a fallen-back activation runs: none (float), or its format with scales
+    from each call: per token, or, for a block-scale spec (NVFP4), its own blocks with the
+    global scale of each call too (a block scale needs its Block layout)."""
     if mode == "float":
         return None
-    spec = replace(st.spec, layout=Token())
+    spec = st.spec if st.spec.scale.is_block else replace(st.spec, layout=Token())
     return RoleState(spec, "memoryless_minmax", st.requested, True, ())
 
 
@@ -243,9 +246,12 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     """A copy of ``calibration`` whose ``n`` most sensitive activations (input / output
     roles, ranked by ``sens``; those already dynamic do not count) are not statically
     quantized: left in float (``mode="float"``) or quantized per token at run time in the same
-    format (``"dynamic"``). Weights are kept. A fused group's shared input (q / k / v,
+    format (``"dynamic"``; a block-scale format such as NVFP4 keeps its blocks, its global
+    scale then from each call too). Weights are kept. A fused group's shared input (q / k / v,
     gate / up: one input of the runtime's fused layer) counts once and falls back whole: a
     fused layer runs one scheme (``info["keep_float"]["tensors"]`` lists every member).
+    Their report rows and histograms go (the report lists them apart); the rest, smoothing
+    included, is the calibration's.
     """
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
@@ -270,8 +276,13 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     states = {layer: roles for layer, roles in states.items() if roles}
     info = dict(calibration.info, keep_float={"n": len(picks), "mode": mode,
                                               "tensors": [f"{a} {b}" for a, b in chosen]})
-    return Calibration(calibration.recipe, states, calibration.label, calibration.stats,
-                       calibration.histograms, info)
+    # the report describes what apply() runs: the static rows of the tensors taken out go
+    # (their calibration-time samples are gone: a dynamic one's figures are not known);
+    # every other field (smoothing, ...) is the calibration's own
+    out = set(chosen)
+    return replace(calibration, states=states, info=info,
+                   stats=[r for r in calibration.stats if (r["layer"], r["role"]) not in out],
+                   histograms={k: h for k, h in calibration.histograms.items() if k not in out})
 
 
 def _shared_inputs(calibration: Calibration) -> dict[tuple[str, str], tuple]:

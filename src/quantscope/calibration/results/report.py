@@ -2,23 +2,25 @@
 
 For each quantized tensor (a weight, or a sample of the activations seen during
 calibration): the SQNR ``10 log10(sum x^2 / sum (x - qdq(x))^2)`` in dB, the
-fraction of values outside the quantizer's representable range (clipped), the
-observer's range and the observer used. A summary averages over layers; tables
-print with ``rich`` when it is installed, else as plain text, and save as
-markdown and JSON.
+fraction of values QDQ clamps (clipped: their rounded code is outside the range), the
+observer's range and the observer used. Rows describe what ``apply`` runs: activations
+``keep_float`` took out of static quantization have none (a "Fallback" table lists them).
+A summary averages over layers; tables print with ``rich`` when it is installed, else as
+plain text, and save as markdown and JSON.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
 
 from ...observers.runtime import runtime_qparams
-from ...qdq import clip_edges, fake_quantize
+from ...qdq import _per_unit, clip_edges, fake_quantize, quantize_units
 
 __all__ = [
     "Report",
@@ -43,7 +45,7 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
     noise = fake_quantize(x.detach(), qp, spec, check=False).float().sub_(xf).square_().sum()
     units = spec.layout.to_units(xf)
     lo_e, hi_e = clip_edges(qp, spec, units.shape[0])
-    clipped = torch.count_nonzero((units < lo_e) | (units > hi_e))  # no int64 copy
+    clipped = _clipped(units, qp, spec, x.shape)
     # one read back for all seven (each read waits for the device; float64 holds them exactly)
     signal, noise, clipped, clip_lo, clip_hi, x_min, x_max = torch.stack([
         t.double() for t in (signal, noise, clipped, lo_e.min(), hi_e.max(), *torch.aminmax(xf))
@@ -52,6 +54,18 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
             "clipped": int(clipped) / max(x.numel(), 1), "clip_lo": clip_lo,
             "clip_hi": clip_hi, "min": x_min, "max": x_max,
             "units": int(units.shape[0]), "numel": int(x.numel())}
+
+
+def _clipped(units: torch.Tensor, qp, spec, shape) -> torch.Tensor:
+    """How many of ``units`` QDQ clips: those whose code, computed as QDQ computes it but not
+    clamped, leaves ``[qmin, qmax]``. A value that rounding alone puts on the range's edge is
+    not clipped (fp8 min-max: the absmax, 1 ulp past ``448 x scale`` in float32)."""
+    scale, zp = _per_unit(qp, spec, shape)
+    fmt = replace(spec.format, max=math.inf) if spec.is_float else spec.format
+    unclamped = SimpleNamespace(is_float=spec.is_float, format=fmt, qmin=-math.inf,
+                                qmax=math.inf)
+    codes = quantize_units(units, scale, zp, unclamped)
+    return torch.count_nonzero((codes < spec.qmin) | (codes > spec.qmax))  # no int64 copy
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -206,7 +220,8 @@ class Report:
             print_table(headers, rows, f"{self.label}: {title.lower()}", file)
 
     def _sections(self):
-        """Extra tables from ``info``: fusion groups, MoE experts, unreachable weights."""
+        """Extra tables from ``info``: fusion groups, MoE experts, the activations
+        ``keep_float`` took out of static quantization, unreachable weights."""
         out = []
         if self.info.get("fusion_groups"):
             out.append(("Fusion groups", ["layers", "weight", "input"],
@@ -216,6 +231,11 @@ class Report:
             out.append(("MoE experts", ["experts module", "expert", "tokens", "rule"],
                         [[e["module"], str(e["expert"]), str(e["tokens"]), e["rule"]]
                          for e in self.info["experts"]]))
+        kept = self.info.get("keep_float")
+        if kept and kept.get("tensors"):  # keep_float: taken out of the static rows above
+            runs = {"float": "float", "dynamic": "dynamic (scales from each call)"}
+            out.append(("Fallback (keep_float)", ["tensor", "runs"],
+                        [[t, runs.get(kept["mode"], kept["mode"])] for t in kept["tensors"]]))
         if self.info.get("unreached"):
             out.append(("Not quantized (unreachable)", ["weight", "why"],
                         [[u["name"], u["why"]] for u in self.info["unreached"]]))
