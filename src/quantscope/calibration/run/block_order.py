@@ -11,13 +11,16 @@ output; a torch-function mode notes every other use of a block's output. Where p
 input through cannot work (blocks that change its shape, or return tuples) a second trace
 gives zeros shaped as each block's output, found by running the block on the meta device.
 A chain in any order is followed; anything else is refused with an error naming the block,
-as is a weighted module shared by two blocks (:func:`check_disjoint`).
+as is a weighted module shared by two blocks (:func:`check_disjoint`). Each call's other
+arguments are kept (:func:`split_contexts`): blocks of one model may take different ones
+(Gemma's sliding-window and full-attention layers each their own mask).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 
 import torch
 from torch import nn
@@ -25,8 +28,8 @@ from torch.overrides import TorchFunctionMode
 
 from .batches import forward_batch, map_tensors, tensors_in
 
-__all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "recorders", "refuse",
-           "trace_batches"]
+__all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "fill", "recorders",
+           "refuse", "split_contexts", "trace_batches"]
 
 #: reading these tells nothing of a tensor's values: not a use of a block's output
 _METADATA = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_meta",
@@ -38,7 +41,8 @@ _METADATA = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_meta",
 class Trace:
     """One forward's block calls: ``calls[k] = (block index, index of the call whose output
     is its input, or None)``, ``inputs[k]`` / ``outputs[k]`` the tensors it took and gave;
-    ``used``: the calls whose output something other than a block read. A plain trace
+    ``used``: the calls whose output something other than a block read; ``contexts[k]``
+    its arguments besides the hidden states (:func:`_replayable`). A plain trace
     passes each input through; a ``shaped`` one gives zeros shaped as the block's output
     (its tuple too), from a run of the block on the meta device: for blocks that change the
     shape of their input or return tuples."""
@@ -48,7 +52,7 @@ class Trace:
     outputs: list = dataclasses.field(default_factory=list)
     inputs: list = dataclasses.field(default_factory=list)
     used: set = dataclasses.field(default_factory=set)
-    first: tuple | None = None  # the first call's (args, kwargs)
+    contexts: list = dataclasses.field(default_factory=list)
     inside: bool = False  # a recorder is running: its own ops are no use
 
     def call(self, j: int, block: nn.Module, args: tuple, kwargs: dict, name: str):
@@ -57,12 +61,14 @@ class Trace:
             raise TypeError(f"calibrate: sequential=True: block {name}.{j} was called without "
                             f"a tensor as its first argument ({type(h).__name__}); name "
                             f"other blocks with blocks='...' or use sequential=False")
-        if self.first is None:
-            kwargs = dict(kwargs)
-            for k in ("past_key_values", "past_key_value"):  # no KV cache across passes
-                if k in kwargs:
-                    kwargs[k] = None
-            self.first = (args, kwargs)
+        args, kwargs = _replayable(args, kwargs)
+        context = (args[1:], kwargs) if args else (
+            (), {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        for t in tensors_in(context):  # a block's output as another's argument: not a chain
+            k = self.output_index(t)
+            if k is not None:
+                self.used.add(k)
+        self.contexts.append(context)
         self.calls.append((j, self.output_index(h)))
         self.inputs.append(h)
         self.inside = True
@@ -78,6 +84,77 @@ class Trace:
 
     def order(self) -> list[int]:
         return [j for j, _ in self.calls]
+
+
+def _is_kv_cache(value) -> bool:
+    cache_utils = sys.modules.get("transformers.cache_utils")  # not imported: no Cache made
+    return cache_utils is not None and isinstance(value, cache_utils.Cache)
+
+
+def _replayable(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block call's arguments without the KV cache (a transformers ``Cache`` under any
+    name, transformers 5's ``cache=`` too; ``use_cache`` False): a block runs more than once
+    per batch (its calibration, its outputs' pass, auto's scoring), and would attend over the
+    keys its own earlier runs left in the cache."""
+    args = tuple(None if _is_kv_cache(a) else a for a in args)
+    kwargs = {k: None if _is_kv_cache(v) or k in ("past_key_values", "past_key_value")
+              else False if k == "use_cache" else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+class _Ref:
+    """A tensor of a batch's context list (:func:`split_contexts`), by its index."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+
+def _map_leaves(fn, value):
+    """``value`` with ``fn`` applied to everything that is not a tuple, list or dict."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_leaves(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_leaves(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+def _same(a, b) -> bool:
+    """Two templates alike: the same nesting, tensor indices and other objects (``is``)."""
+    if isinstance(a, _Ref) or isinstance(b, _Ref):
+        return isinstance(a, _Ref) and isinstance(b, _Ref) and a.k == b.k
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a is b
+
+
+def split_contexts(trace: Trace) -> tuple[list, tuple, dict]:
+    """``(tensors, first, own)``: every block call's other arguments as the distinct tensors
+    they hold (each once: blocks of one kind share their mask) and templates (``(args,
+    kwargs)``, each tensor as its index in ``tensors``): the first call's, and ``own[j]``
+    for block ``j`` where its call's differs from the first's (Gemma's layers alternate)."""
+    tensors, index = [], {}
+
+    def ref(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if id(v) not in index:
+            index[id(v)] = len(tensors)
+            tensors.append(v)
+        return _Ref(index[id(v)])
+
+    templates = [_map_leaves(ref, c) for c in trace.contexts]
+    own = {j: t for (j, _), t in zip(trace.calls[1:], templates[1:])
+           if not _same(t, templates[0])}
+    return tensors, templates[0], own
+
+
+def fill(template, tensors: list):
+    """A template of :func:`split_contexts` with its tensors back."""
+    return _map_leaves(lambda v: tensors[v.k] if isinstance(v, _Ref) else v, template)
 
 
 class _NoShape(Exception):
@@ -243,8 +320,9 @@ def chain_order(trace: Trace, count: int, name: str) -> list[int]:
 
 
 def trace_batches(model, batches, name: str, layers, shaped: bool, keep) -> tuple[list, int]:
-    """Every batch's forward with the blocks recorded; ``keep(i, args, kwargs)`` gets batch
-    ``i``'s first block call's inputs. ``(order, number of batches)``: the blocks' order,
+    """Every batch's forward with the blocks recorded; ``keep(i, trace)`` gets batch ``i``'s
+    trace (its first block's input, every block's other arguments).
+    ``(order, number of batches)``: the blocks' order,
     the same for every batch, or :class:`NotAChain`."""
     order, n = None, 0
     for batch in batches:
@@ -269,7 +347,7 @@ def trace_batches(model, batches, name: str, layers, shaped: bool, keep) -> tupl
             raise refuse(name, f"the forward calls them in the order {got} for batch {n} "
                                f"but {order} for batch 0", trace)
         order = got
-        keep(n, *trace.first)
+        keep(n, trace)
         n += 1
     if n == 0:
         raise ValueError("calibrate: batches is empty: sequential calibration needs at "

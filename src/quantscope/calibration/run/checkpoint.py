@@ -61,28 +61,47 @@ def empty_model(path, task: str | None = None) -> nn.Module:
                                  f"{type(module).__name__} built on the meta device")
             init(module)  # transformers' own initializer (rotary tables ...)
     for name, b in model.named_buffers():
-        if name in ckpt.where:
-            b.copy_(ckpt.get(name))
+        key = _key(model, name, ckpt)
+        if key is not None:
+            b.copy_(ckpt.get(key))
     model.eval()
     return model
 
 
+#: a sharded checkpoint's map of tensor names to files, as transformers writes it
+INDEX = "model.safetensors.index.json"
+
+
 class Checkpoint:
-    """The tensors of a folder's ``*.safetensors`` files, read one at a time (mmap)."""
+    """The tensors of a folder's ``*.safetensors`` files, read one at a time (mmap): those
+    its ``model.safetensors.index.json`` names, as transformers reads them, else every file
+    (a tensor in two of them refused: which one the model is made of cannot be told)."""
 
     def __init__(self, path):
         path = Path(path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        index = path / INDEX
+        files = _indexed(index) if index.is_file() else {
+            f: None for f in (sorted(path.glob("*.safetensors")) if path.is_dir() else [path])}
         if not files or not all(f.is_file() for f in files):
-            raise ValueError(f"calibrate: checkpoint {str(path)!r} has no .safetensors files")
+            raise ValueError(f"calibrate: checkpoint {str(path)!r} has no .safetensors files"
+                             if not files or not index.is_file() else f"calibrate: {index} names "
+                             f"{sorted(str(f) for f in files if not f.is_file())}, not files")
         from safetensors import safe_open
 
         self._open = safe_open
         self.where = {}
-        for f in files:
+        for f, names in files.items():
             with safe_open(f, "pt") as st:
-                for k in st.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                    self.where[k] = f
+                keys = set(st.keys())
+            for k in sorted(keys) if names is None else names:
+                if k not in keys:
+                    raise ValueError(f"calibrate: {index} puts tensor {k!r} in {str(f)!r}, "
+                                     f"which does not hold it")
+                if k in self.where:
+                    raise ValueError(f"calibrate: checkpoint tensor {k!r} is in both "
+                                     f"{str(self.where[k])!r} and {str(f)!r}; keep one file "
+                                     f"or list the shards in {INDEX}")
+                self.where[k] = f
 
     def get(self, name: str) -> torch.Tensor:
         return self.get_many([name])[name]
@@ -141,25 +160,53 @@ def _first(tensors):
     return tensors[0]
 
 
+def _indexed(index: Path) -> dict:
+    """``{file: [its tensor names]}`` from a sharded checkpoint's index (its ``weight_map``)."""
+    with open(index) as f:
+        data = json.load(f)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ValueError(f"calibrate: {index} has no weight_map of tensor names to files")
+    files = {}
+    for k, v in weight_map.items():
+        files.setdefault(index.parent / v, []).append(k)
+    return files
+
+
+def _key(model, name: str, ckpt: Checkpoint) -> str | None:
+    """The checkpoint's key for the model's tensor ``name``: the name itself, else (as
+    transformers' loader does) with the model's ``base_model_prefix`` added (a base model
+    from a task model's checkpoint: ``bert.embeddings...``) or removed (a task model from a
+    base model's). None where none is there."""
+    prefix = getattr(model, "base_model_prefix", "")
+    for key in (name, *((f"{prefix}.{name}", name.removeprefix(f"{prefix}."))
+                        if prefix else ())):
+        if key in ckpt.where:
+            return key
+    return None
+
+
 def _disk_source(model, names: list[str], ckpt: Checkpoint, disk: dict):
     """``(checkpoint keys, build)``: where the parameter called ``names`` (its tied aliases
     too) lies in ``ckpt`` and how its value is built from them: its own name, else the name
     transformers writes it under (:func:`.disk_names.checkpoint_names`; ``disk`` caches
     them), else, for a 3-D experts parameter, its per-expert tensors stacked."""
     for n in names:
-        if n in ckpt.where:
-            return [n], _first
+        if _key(model, n, ckpt) is not None:
+            return [_key(model, n, ckpt)], _first
     if not disk:
         disk.update(checkpoint_names(model, [m for m, _ in model.named_modules() if m]))
     for n in names:
         owner, _, attr = n.rpartition(".")
-        on_disk = f"{disk.get(owner, owner)}.{attr}"
-        if on_disk in ckpt.where:
+        on_disk = _key(model, f"{disk.get(owner, owner)}.{attr}", ckpt)
+        if on_disk is not None:
             return [on_disk], _first
         parts = _expert_parts(model, model.get_submodule(owner), attr, disk.get(owner, owner),
                               len(ckpt.where))
-        if parts is not None and all(k in ckpt.where for k in parts[0]):
-            return parts
+        keys = [_key(model, k, ckpt) for k in parts[0]] if parts is not None else [None]
+        if None not in keys:
+            return keys, parts[1]
     raise ValueError(f"calibrate: checkpoint has no tensor {names[0]!r} (nor under the names "
                      f"transformers writes it with)")
 

@@ -5,8 +5,10 @@ The model's blocks (the largest ``nn.ModuleList`` of identical modules, e.g. a d
 
 1. the model runs on every batch with each block standing in by a pass-through that
    records the call order (:mod:`.block_order`: a chain in any order is followed, anything
-   else refused), and the first block's inputs are caught, positional and keyword
-   (attention mask, position embeddings);
+   else refused), and the first block's inputs are caught, and every block's other
+   arguments, positional and keyword (attention mask, position embeddings: each block its
+   own, as Gemma's sliding-window and full-attention layers take different masks), without
+   the KV cache;
 2. each block is loaded (from ``checkpoint``'s safetensors, memory-mapped, when the model
    is an empty skeleton: :func:`.checkpoint.empty_model`), calibrated over the cached inputs of all
    batches with the ordinary observers (:func:`~.session.calibrate_many` on that block
@@ -43,7 +45,7 @@ from torch import nn
 
 from . import heap
 from .batches import eval_mode, map_tensors, tensors_in
-from .block_order import NotAChain, check_disjoint, trace_batches
+from .block_order import NotAChain, check_disjoint, fill, split_contexts, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, unload_params
 
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "find_blocks"]
@@ -121,6 +123,30 @@ class _Cache:
             f.unlink()
 
 
+class _Contexts:
+    """Each block's arguments besides its hidden states, per batch: their distinct tensors
+    in ``tensors`` (a :class:`_Cache`: in memory or spilled, read back ``weights_only``),
+    the rest in memory as templates (:func:`.block_order.split_contexts`): the first block's,
+    and a block's own only where it differs. Anything besides tensors (flags, sizes, objects
+    of the model's own) thus stays in memory, whatever the budget."""
+
+    def __init__(self, tensors: _Cache):
+        self.tensors, self.templates = tensors, {}
+
+    def put(self, i: int, trace) -> None:
+        listed, first, own = split_contexts(trace)
+        self.tensors.put(i, listed)
+        self.templates[i] = (first, own)
+
+    def get(self, j: int, i: int) -> tuple[tuple, dict]:
+        first, own = self.templates[i]
+        return fill(own.get(j, first), self.tensors.get(i))
+
+    def clear(self) -> None:
+        self.tensors.clear()
+        self.templates.clear()
+
+
 def _nbytes(value) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_in(value))
 
@@ -140,9 +166,10 @@ class _Replay(nn.Module):
 
 class _Piece(nn.Module):
     """One block under its full name (``model.layers.3``), so recipes match it as in the
-    whole model; ``forward(i)`` runs the block on batch ``i``'s cached inputs."""
+    whole model; ``forward(i)`` runs the block on batch ``i``'s cached inputs;
+    ``context(i)``: its other arguments."""
 
-    def __init__(self, name: str, block: nn.Module, inputs: _Cache, context: _Cache):
+    def __init__(self, name: str, block: nn.Module, inputs: _Cache, context):
         super().__init__()
         *path, last = name.split(".")
         holder = self
@@ -155,7 +182,7 @@ class _Piece(nn.Module):
         self.as_tuple = False
 
     def forward(self, i):
-        args, kwargs = self.context.get(i)
+        args, kwargs = self.context(i)
         out = self.block(self.inputs.get(i), *args, **kwargs)
         self.as_tuple = isinstance(out, tuple)
         h = out[0] if self.as_tuple else out
@@ -291,7 +318,7 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
             full, block = f"{name}.{j}", originals[j]
             nxt, as_tuple = _calibrate_block(
                 run, full, block, {p for p in params if p.startswith(full + ".")}, hidden,
-                context, n, recipes, mode, calibrate_many, options)
+                functools.partial(context.get, j), n, recipes, mode, calibrate_many, options)
             spilled += hidden.spilled
             hidden.clear()
             hidden = nxt
@@ -301,7 +328,7 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
             print()
         _calibrate_rest(run, batches, name, layers, outside, hidden, as_tuple, recipes,
                         calibrate_many, options)
-        spilled += hidden.spilled + context.spilled
+        spilled += hidden.spilled + context.tensors.spilled
     seconds = round(time.perf_counter() - t0, 3)
     out = {}
     for label, recipe in recipes.items():
@@ -315,8 +342,9 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
 
 def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
     """``(hidden, context, n, order)``: the first block's inputs for each of the ``n``
-    batches (hidden states, and the other positional / keyword arguments), and the order in
-    which the forward calls the blocks (:mod:`.block_order`: a chain, or refused)."""
+    batches, every block's other positional / keyword arguments (:class:`_Contexts`), and
+    the order in which the forward calls the blocks (:mod:`.block_order`: a chain, or
+    refused)."""
     model = run.model
     with _no_kv_cache(model), torch.inference_mode():
         outer = {p for p in outside if _param(model, p).device.type == "meta"}
@@ -326,7 +354,7 @@ def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
             # blocks that change their input's shape or return tuples break a pass-through
             # trace: then a shaped one (each block run on the meta device) decides
             for shaped in (False, True):
-                hidden, context = run.cache("a"), run.cache("ctx")
+                hidden, context = run.cache("a"), _Contexts(run.cache("ctx"))
                 try:
                     order, n = trace_batches(model, batches, name, layers, shaped,
                                              functools.partial(_keep, hidden, context))
@@ -342,10 +370,10 @@ def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
     return hidden, context, n, order
 
 
-def _keep(hidden, context, i: int, args: tuple, kwargs: dict) -> None:
-    """Batch ``i``'s first block inputs into the caches."""
-    hidden.put(i, args[0] if args else kwargs.pop("hidden_states"))
-    context.put(i, (args[1:], kwargs))
+def _keep(hidden, context, i: int, trace) -> None:
+    """Batch ``i``'s first block input and every block's other arguments into the caches."""
+    hidden.put(i, trace.inputs[0])
+    context.put(i, trace)
 
 
 def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, context, n,
