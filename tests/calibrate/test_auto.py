@@ -472,6 +472,17 @@ def test_fisher_default_loss_takes_the_batches_own_labels():
     assert not torch.equal(got[layers[0]], other[layers[0]])
 
 
+def test_model_metric_auto_keeps_the_options_each_candidate_takes():
+    """Every candidate (and its weight variant) is built with the observer options it takes;
+    a name none takes (a typo) is refused, not dropped."""
+    model, batches = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8)).eval(), [torch.randn(8, 16)]
+    c = calibrate(model, batches, preset("w8a8", "auto", non_finite="ignore"), progress=False)
+    assert {s.options for roles in c.states.values() for s in roles.values()} == {
+        (("non_finite", "ignore"),)}
+    with pytest.raises(ValueError, match=r"'auto' option\(s\) \['non_finte'\] taken by none"):
+        calibrate(model, batches, preset("w8a8", "auto", non_finte="ignore"), progress=False)
+
+
 # ----------------------------------------------------------------------------- estimators
 def test_imatrix_range_by_hand():
     torch.manual_seed(0)

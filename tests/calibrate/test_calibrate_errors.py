@@ -242,3 +242,56 @@ def test_load_takes_a_per_tensor_scale_stored_as_a_scalar(tmp_path):
     x = torch.randn(4, 16)
     assert torch.equal(qdq_tensor(x, back.states["0"]["input"]),
                        qdq_tensor(x, cal.states["0"]["input"]))
+
+
+def _nan_column(model, layer=0, column=3):
+    """``model[layer]``'s output gets NaN in ``column`` (its next layer's input)."""
+    def hook(module, args, out):
+        out = out.clone()
+        out[:, column] = float("nan")
+        return out
+    model[layer].register_forward_hook(hook)
+    return model
+
+
+def test_non_finite_ignore_reads_nan_as_zero_in_the_report_too():
+    """observers.md: with ``non_finite="ignore"`` NaN / inf are read as zero, with a warning.
+    The sample the report and the histogram read follows: the calibration completes."""
+    import math
+
+    model = _nan_column(_mlp())
+    batch = torch.randn(8, 16)
+    with torch.no_grad():
+        x = torch.relu(model[0](batch)).nan_to_num(0.0)  # layer 2's input, NaN read as zero
+    with pytest.warns(UserWarning, match="ignored 8 NaN / inf values"):
+        c = calibrate(model, [batch], preset("w8a8", non_finite="ignore"), progress=False)
+    # torch.ao's symmetric int8 scale: amax / ((qmax - qmin) / 2)
+    assert torch.allclose(c.states["2"]["input"].qparams.scale, x.abs().max() / 127.5)
+    assert all(math.isfinite(r["sqnr_db"]) for r in c.stats if r["role"] == "input")
+    assert sum(c.histograms[("2", "input")]["counts"]) == x.numel()
+
+
+def _overflowing(model):
+    with torch.no_grad():
+        model[0].weight[0].fill_(3e38)  # row 0 of layer 0's output overflows to inf
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["w8a8-dynamic", "mxfp4"])
+def test_a_dynamic_role_seeing_inf_names_the_layer(recipe):
+    with pytest.raises(ValueError, match=r"calibrate: layer '2' input: a calibration batch "
+                                         r"brought NaN or inf values \(dynamic role"):
+        calibrate(_overflowing(_mlp(32)), [torch.rand(4, 32) + 0.1], recipe, progress=False)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8-dynamic", "mxfp4"])
+def test_a_dynamic_role_passes_nan_through_at_run_time(recipe):
+    """Run-time (per-token / per-block) qparams: a NaN row stays NaN, as in the float model,
+    and the other rows are quantized as they would be without it."""
+    model = _mlp(32)
+    c = calibrate(model, [torch.randn(4, 32)], recipe, progress=False)
+    x = torch.randn(4, 32)
+    x[0, 0] = float("nan")
+    with torch.no_grad(), c.apply(model):
+        y, clean = model(x), model(x[1:])
+    assert y[0].isnan().all() and torch.equal(y[1:], clean)

@@ -313,11 +313,11 @@ def kv_cache_role(kv_cache) -> Role | None:
 
 
 def _accepted(name: str, observer: str, options: dict) -> dict:
-    """Of the ``options`` given for ``observer``, those its memoryless variant ``name`` takes
-    (an MSE search's ``maxshrink``, not a moving average's ``averaging_constant``)."""
+    """Of the ``options`` given for ``observer``, those ``name`` (it, or its memoryless variant)
+    takes (an MSE search's ``maxshrink``, not a moving average's ``averaging_constant``)."""
     from ..observers.registry import observer_class
 
-    if name != f"memoryless_{observer}":  # another observer: the options are not its own
+    if name not in (observer, f"memoryless_{observer}"):  # another: the options are not its own
         return {}
     named = {p.name for c in observer_class(name).__mro__ if "__init__" in c.__dict__
              for p in inspect.signature(c.__init__).parameters.values()

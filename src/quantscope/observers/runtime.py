@@ -33,7 +33,11 @@ def runtime_qparams(x: torch.Tensor, state) -> QParams:
         return qp.reshape(spec.layout.qparam_shape(x.shape))
     obs = get_observer(state.observer, spec, **dict(state.options)).to(x.device)
     obs(x.detach())
-    return obs.calculate_qparams()
+    # the observer's range, without its check_ready (a read-back per forward that raises on
+    # NaN / inf): NaN input stays NaN output, as in the float model and the branch above
+    lo, hi = obs.calculate_range()
+    qp = qparams_from_range(lo, hi, spec, global_amax=obs.global_amax(), check_finite=False)
+    return qp.reshape(spec.layout.qparam_shape(x.shape))
 
 
 def qdq_tensor(x: torch.Tensor, state) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..recipe import AUTO, Recipe
+from ..recipe import AUTO, ROLES, Recipe, _accepted
 from ..results.apply import apply
 from ..results.result import Calibration
 from ..run.batches import eval_mode, forward_batch
@@ -363,7 +363,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     names = list(dict.fromkeys(_candidates("input", candidates)))
     for label in autos:
         for n in names:
-            expanded[(label, n)] = recipes[label].with_observer(n)
+            expanded[(label, n)] = _with_candidate(recipes[label], n)
+        _check_options(recipes[label], label, [expanded[(label, n)] for n in names], names)
     # each auto recipe's time so far: the pass with every candidate's observers, once each
     groups = {label: [(label, n) for n in names] for label in autos}
     plan = score_plan(batches, score_tokens) if autos else []
@@ -439,6 +440,36 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
         row for n, c in configs.items() for row in c.stats
         if roles.get(row["role"], best) == n)]
     return Calibration(recipe, states, label, stats, chosen.histograms, info)
+
+
+def _with_candidate(recipe: Recipe, n: str) -> Recipe:
+    """``recipe`` with candidate observer ``n`` (:meth:`Recipe.with_observer`), each swapped
+    role keeping those of its own options (``non_finite``...) its new observer takes."""
+    new = recipe.with_observer(n)
+
+    def keep(old, role):
+        if role is None or role is old:  # a dynamic role: not swapped
+            return role
+        return replace(role, options=_accepted(role.observer, role.observer, dict(old.options)))
+    rules = tuple(replace(r, **{k: keep(getattr(o, k), getattr(r, k)) for k in ROLES})
+                  for o, r in zip(recipe.rules, new.rules))
+    return replace(new, rules=rules, kv_cache=keep(recipe.kv_cache, new.kv_cache))
+
+
+def _roles(recipe: Recipe):
+    return [r for rule in recipe.rules for r in rule.roles().values()] + [recipe.kv_cache]
+
+
+def _check_options(recipe: Recipe, label, candidates: list[Recipe], names) -> None:
+    """Raise ``ValueError`` for an option of ``recipe``'s roles that no candidate observer
+    takes (a misspelt name would otherwise be dropped without a word)."""
+    given = {k for r in _roles(recipe) if r is not None and r.dynamic is not True
+             for k, _ in r.options}
+    taken = {k for c in candidates for r in _roles(c) if r is not None for k, _ in r.options}
+    if given - taken:
+        raise ValueError(f"calibrate: recipe {label!r}: observer 'auto' option(s) "
+                         f"{sorted(given - taken)} taken by none of its candidate observers "
+                         f"{names} (nor their weight variants)")
 
 
 def _has_auto(recipe: Recipe) -> bool:

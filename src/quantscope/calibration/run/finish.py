@@ -8,6 +8,7 @@ records the roles that saw no data under the ``missing`` policy.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -144,11 +145,23 @@ def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts
             missing="skip", fisher=None):
     """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
     ``auto_metric`` "joint" / "fisher", by :func:`.layer_choice.joint_choice`)."""
-    built = _States(slots, auto_metric, fisher)
+    built = _States(slots, auto_metric, fisher, _ignoring(slots, plans))
     results = {label: built.recipe(plan, groups, experts, missing)
                for label, plan in plans.items()}
     hists = {key: _histogram(x) for key, x in built.data.items() if key[1] != "weight"}
     return results, hists
+
+
+def _ignoring(slots, plans) -> set:
+    """The slots (by id) every role of which reads NaN / inf as zero (``non_finite="ignore"``):
+    their samples, read by ``auto``, the report and the histograms, are zeroed as the
+    observers read them (a slot with a role in mode "error" keeps them, for its error)."""
+    ignores = {}
+    for plan in plans.values():
+        for key, (cfg, _) in plan.items():
+            ign = dict(cfg.options).get("non_finite") == "ignore"
+            ignores[id(slots[key])] = ignores.get(id(slots[key]), True) and ign
+    return {sid for sid, ign in ignores.items() if ign}
 
 
 class _States:
@@ -156,7 +169,7 @@ class _States:
     recipe that asks for an observer another already used gets the same state, stats and
     ``auto`` error): one state per observer, keyed ``(layer, role, observer key, dynamic)``."""
 
-    def __init__(self, slots, auto_metric, fisher):
+    def __init__(self, slots, auto_metric, fisher, ignoring=frozenset()):
         self.slots, self.auto_metric, self.fisher = slots, auto_metric, fisher
         self.data = {}  # what each role's states are scored on
         for key, slot in slots.items():
@@ -164,6 +177,9 @@ class _States:
                 self.data[key] = slot.module.weight.detach()
             elif slot.sample is not None and slot.sample.count:
                 self.data[key] = slot.sample.rows()  # a view of the slot's buffer: no copy
+                if id(slot) in ignoring:  # in place (the pass's samples are inference tensors)
+                    with torch.inference_mode():
+                        self.data[key].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         self.cache = {}  # the report's tensor stats of each state
         self.made = {}  # one state per observer, shared by every recipe (and auto) that uses it
         self.errors = {}  # what auto minimises, per state
@@ -236,7 +252,7 @@ class _States:
     def stats_of(self, key, skey, state):
         if skey not in self.cache:
             x = self.data.get(key)
-            self.cache[skey] = None if x is None else tensor_stats(x, state)
+            self.cache[skey] = None if x is None else _stats(key, x, state)
         return self.cache[skey]
 
     def state_of(self, obs, cfg, skey, shape):
@@ -280,6 +296,23 @@ class _States:
             self.joint[key] = layer_choice.layer_pick(layer, plan, self.slots, self.data,
                                                       self.state_of, self.fisher)
         return self.joint[key]
+
+
+def _stats(key, x, state) -> dict:
+    """:func:`~.report.tensor_stats` of role ``key`` (``(layer, role)``), errors naming it. A
+    run-time (dynamic) role has no observer to catch NaN / inf during the pass: its sample's
+    range (the report's, read back with the rest) does."""
+    try:
+        st = tensor_stats(x, state)
+    except ValueError as e:
+        raise ValueError(f"calibrate: layer {key[0]!r} {key[1]}: {e}") from None
+    if state.dynamic is True and not (math.isfinite(st["min"]) and math.isfinite(st["max"])):
+        raise ValueError(
+            f"calibrate: layer {key[0]!r} {key[1]}: a calibration batch brought NaN or inf "
+            f"values (dynamic role, observer {state.observer!r}); fix the batches (or what "
+            f"makes the model produce them), or give the role options={{'non_finite': "
+            f"'ignore'}} to read them as zero")
+    return st
 
 
 def stats_row(layer, role, state: RoleState, st: dict) -> dict:
