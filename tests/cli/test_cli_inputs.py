@@ -230,3 +230,54 @@ def test_plot_histogram_refuses_a_recipe_no_run_has(tmp_path):
         plots.plot_histogram(REPORT, "l0", str(tmp_path / "h.png"), recipe="w8a9")
     assert Path(plots.plot_histogram(REPORT, "l0", str(tmp_path / "h.png"),
                                      recipe="w8a8")).is_file()
+
+
+# ------------------------------------------------------------------ relative input paths
+
+def test_a_run_records_absolute_inputs_so_export_elsewhere_uses_the_same_model(
+        llama_dir, tmp_path, capsys, monkeypatch):
+    # found by probing: a run calibrated with `--model llama` recorded "llama"; `export` of
+    # that run from another folder holding another "llama" wrote those weights silently
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quantscope.calibration import load
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    shutil.copytree(llama_dir, a / "llama")
+    shutil.copytree(llama_dir, b / "llama")
+    (f,) = (b / "llama").glob("*.safetensors")
+    save_file({k: v * 1.5 for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    (a / "docs.txt").write_text("one calibration line\nanother calibration line\n")
+    monkeypatch.chdir(a)
+    rc, _, err = _run(capsys, "calibrate", "--model", "llama", "--calib-file", "docs.txt",
+                      "--recipe", "w8a8", "--out", "runs/r", *FAST)
+    assert rc == 0, err
+    info = load(a / "runs" / "r" / "qparams").info
+    assert info["model"] == str((a / "llama").resolve())
+    assert info["calib_file"] == str((a / "docs.txt").resolve())
+    monkeypatch.chdir(b)  # another working folder, with another model of the same name
+    rc, _, err = _run(capsys, "export", "../A/runs/r", "--out", str(tmp_path / "exported"))
+    assert rc == 0, err
+    key = "model.embed_tokens.weight"  # float: copied from the model the export loaded
+    (src,) = (a / "llama").glob("*.safetensors")
+    assert load_file(tmp_path / "exported" / "model.safetensors")[key].equal(
+        load_file(src)[key])
+
+
+def test_export_format_takes_any_case_and_an_existing_file_is_said_to_exist(tmp_path, capsys):
+    # found by probing: `--format ONNX` was an unknown format while other names take any
+    # case, and an existing 0-byte --out file "exists and is not empty"
+    run = tmp_path / "run" / "qparams"
+    run.mkdir(parents=True)
+    (run / "quantscope.json").write_text("{}")  # a run as far as the checks before loading go
+    out = tmp_path / "model.onnx"
+    out.write_bytes(b"")
+    rc, _, err = _run(capsys, "export", str(tmp_path / "run"), "--format", "ONNX",
+                      "--out", str(out))
+    assert rc == 2
+    assert f"--out: output {str(out)!r} exists; pass overwrite=True" in err, err
+    rc, _, err = _run(capsys, "export", str(tmp_path / "run"), "--format", "onnxx",
+                      "--out", str(out))
+    assert rc == 2 and "unknown format 'onnxx'" in err and "'onnx'" in err, err

@@ -13,11 +13,12 @@ ATTN = "model.layers.{}.self_attn.{}"
 MLP = "model.layers.{}.mlp.{}"
 
 
-def write(folder, tensors, method="compressed-tensors"):
+def write(folder, tensors, method="compressed-tensors", groups=None,
+          fmt="nvfp4-pack-quantized"):
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {"model_type": "llama",
-           "quantization_config": {"quant_method": method, "format": "nvfp4-pack-quantized",
-                                   "config_groups": {}}}
+           "quantization_config": {"quant_method": method, "format": fmt,
+                                   "config_groups": groups or {}}}
     (folder / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
@@ -86,6 +87,36 @@ def test_fp8_weight_scales_shared_int8_widened(tmp_path):
     assert [(p["group"], p["tensor"]) for p in problems] == [
         ("model.layers.0.self_attn.qkv_proj", "weight_scale")]
     assert problems[0]["values"][ATTN.format(0, "k_proj")] == 0.25
+
+
+def _fp8_group(targets, strategy):
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+               "strategy": strategy}
+    if strategy == "block":
+        weights["block_structure"] = [128, 128]
+    return {"targets": targets, "weights": weights, "format": "float-quantized"}
+
+
+_BLOCK = {"group_0": _fp8_group(["Linear"], "block")}
+_TENSOR = {"group_0": _fp8_group(["Linear"], "tensor")}
+# compressed-tensors' precedence: a name pattern's group over a class name's
+_BLOCK_BY_NAME = {"group_0": _fp8_group(["Linear"], "tensor"),
+                  "group_1": _fp8_group([r"re:.*self_attn\.[qkv]_proj$"], "block")}
+
+
+@pytest.mark.parametrize("groups, flagged", [(_BLOCK, False), (_TENSOR, True),
+                                             (_BLOCK_BY_NAME, False)])
+def test_fp8_weight_scales_are_shared_only_for_per_tensor_weights(tmp_path, groups, flagged):
+    # found by probing: llm-compressor's FP8_BLOCK of a 128-wide model has one 128 x 128
+    # block per q/k/v shard, its [1, 1] block scale was taken for a per-tensor scale and
+    # `check` exited 1; vLLM re-quantizes shards to one scale only for strategy TENSOR
+    t = {}
+    for p, s in (("q_proj", 0.5), ("k_proj", 0.25), ("v_proj", 0.5)):
+        t[f"{ATTN.format(0, p)}.weight"] = torch.zeros(128, 128).to(torch.float8_e4m3fn)
+        t[f"{ATTN.format(0, p)}.weight_scale"] = torch.tensor([[s]])
+    problems = check(write(tmp_path / "fp8", t, groups=groups, fmt="float-quantized"))
+    assert [(p["group"], p["tensor"]) for p in problems] == (
+        [("model.layers.0.self_attn.qkv_proj", "weight_scale")] if flagged else [])
 
 
 def test_moe_and_mla_shards(tmp_path):

@@ -281,3 +281,92 @@ def _edit_tensor_set(folder, fn):
     t = load_file(f)
     fn(t)
     save_file(t, f, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def exported_schemes(tmp_path_factory):
+    """The tiny Llama exported as compressed-tensors' MXFP4A16 (E8M0 scales as uint8 codes),
+    FP8_DYNAMIC (float8 weights) and W4A16_ASYM (packed int4 zero points)."""
+    from quantscope.calibration.recipe import scheme, with_group_size
+
+    model, batches = tiny_llama()
+    out = tmp_path_factory.mktemp("ct")
+    for name in ("MXFP4A16", "FP8_DYNAMIC", "W4A16_ASYM"):
+        recipe = scheme(name, ignore=("lm_head",))
+        if name == "W4A16_ASYM":
+            recipe = with_group_size(recipe, 16)  # the tiny model's 32 columns
+        calibrate(model, batches, recipe, progress=False).export(model, out / name)
+    return out
+
+
+def test_an_e8m0_nan_code_is_refused_by_both_readers(exported_schemes, tmp_path):
+    # found by probing: the uint8 code 255 (E8M0 NaN, OCP MX v1.0 5.4.1) was checked as the
+    # integer 255.0, read as the scale inf, and apply() gave non-finite weights
+    folder = _copy(exported_schemes / "MXFP4A16", tmp_path / "bad")
+    assert _tensors(folder)[_W].dtype == torch.uint8
+    _edit_tensor(folder, _W, lambda t: t.index_put_((torch.tensor(0), torch.tensor(0)),
+                                                    torch.tensor(255, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match=rf"model.safetensors: {_W} holds NaN or inf \(nan\)"):
+        Calibration.from_compressed_tensors(folder)
+    assert [(p["tensor"], p.get("non_finite")) for p in check(folder)] == [(_W, True)]
+
+
+def test_an_e8m0_zero_code_is_the_scale_2_to_the_minus_127(exported_schemes, tmp_path):
+    # code 0 is 2 ** -127 (an all-zero block's scale), not the scale 0
+    folder = _copy(exported_schemes / "MXFP4A16", tmp_path / "zero")
+    _edit_tensor(folder, _W, lambda t: t.index_put_((torch.tensor(0), torch.tensor(0)),
+                                                    torch.tensor(0, dtype=torch.uint8)))
+    assert check(folder) == []
+    calib = Calibration.from_compressed_tensors(folder)
+    scale = calib.states["model.layers.0.self_attn.q_proj"]["weight"].qparams.scale
+    assert float(scale.reshape(-1)[0]) == 2.0 ** -127
+
+
+def test_decoded_scales_are_checked_too(exported_schemes, tmp_path, monkeypatch):
+    # the stored codes are checked as loaded; what compressed-tensors decodes them to is
+    # checked again (code 255 decodes to inf), whoever loaded the tensors
+    from pathlib import Path
+
+    from quantscope.exporters import read
+
+    folder = _copy(exported_schemes / "MXFP4A16", tmp_path / "bad")
+    _edit_tensor(folder, _W, lambda t: t.index_put_((torch.tensor(0), torch.tensor(0)),
+                                                    torch.tensor(255, dtype=torch.uint8)))
+    monkeypatch.setattr(read, "_load_tensors", lambda p: load_file(Path(p, "model.safetensors")))
+    with pytest.raises(ValueError, match=r"self_attn.q_proj: weight_scale holds NaN or inf"):
+        Calibration.from_compressed_tensors(folder)
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_a_float8_nan_weight_code_is_refused(exported_schemes, tmp_path, code):
+    # found by probing: int codes out of range were refused, float8 NaN codes read without a
+    # word (compressed-tensors decompresses them to NaN weights)
+    folder = _copy(exported_schemes / "FP8_DYNAMIC", tmp_path / "bad")
+    key = _W.replace("weight_scale", "weight")
+    assert _tensors(folder)[key].dtype == torch.float8_e4m3fn
+
+    def nan_code(t):
+        t.view(torch.uint8)[1, 2] = code
+        return t
+    _edit_tensor(folder, key, nan_code)
+    with pytest.raises(ValueError, match=r"\*.safetensors: model.layers.0.self_attn.q_proj: "
+                                         r"weight holds 1 NaN / inf codes \(the first at "
+                                         r"\[1, 2\]\)"):
+        Calibration.from_compressed_tensors(folder)
+
+
+def test_a_zero_point_of_another_dtype_is_refused_naming_layer_and_tensor(exported_schemes,
+                                                                          tmp_path):
+    # found by probing: compressed-tensors' own text ("Expected torch.int32 but got
+    # torch.int8, Aborting unpack.") came through, naming neither
+    folder = _copy(exported_schemes / "W4A16_ASYM", tmp_path / "bad")
+    key = _W.replace("weight_scale", "weight_zero_point")
+    packed = _tensors(folder)[key]
+    assert packed.dtype == torch.int32
+    rows, groups = _tensors(folder)[_W].shape  # the unpacked zero points' shape
+    _edit_tensor(folder, key, lambda t: torch.zeros(rows, groups, dtype=torch.int8))
+    with pytest.raises(ValueError, match=(
+            rf"\*.safetensors: model.layers.0.self_attn.q_proj: weight_zero_point is "
+            rf"torch.int8 \[{rows}, {groups}\], but the config's weights \(int4 .*\) are "
+            rf"stored as torch.int32 \[{packed.shape[0]}, {packed.shape[1]}\]")):
+        Calibration.from_compressed_tensors(folder)

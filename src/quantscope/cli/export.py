@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .checks import UsageError, check_model_arg, closest, run_qparams
+from .checks import UsageError, check_model_arg, check_name, run_qparams
 from .running import Phases
 
 #: what each format writes, where it is not a folder
@@ -46,8 +46,7 @@ def cmd_export(args) -> int:
     from ..exporters import FORMATS
     from ..exporters.atomic import check_writable_target
 
-    if args.format not in FORMATS:
-        raise closest(args.format, sorted(FORMATS), "format")
+    args.format = check_name(args.format, sorted(FORMATS), "format")  # any case, as names
     try:  # the run and the model are inputs: --out may never replace them
         check_writable_target(args.out, overwrite=args.overwrite, kind=OUTPUT_KIND.get(
             args.format, "folder"), inputs=[args.run, qparams, args.model])

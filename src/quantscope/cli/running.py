@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from .checks import UsageError, calib_documents
 
@@ -115,9 +116,11 @@ def load_setup(args, phases: Phases, prepare=None):
     fp = None
     if getattr(args, "rank", 0) == 0:  # only rank 0 evaluates (under torchrun)
         fp = phases.run("evaluating float", ev.reference)
-    setup = {"model": str(path), "name": models.model_name(path), "task": task,
+    # absolute: evaluate / export of the run from another folder load this model, this data
+    calib_file = str(Path(args.calib_file).resolve()) if args.calib_file else None
+    setup = {"model": str(Path(path).resolve()), "name": models.model_name(path), "task": task,
              "device": device,
-             "calib_file": args.calib_file, "calib_docs": len(calib), "calib_tokens": tokens,
+             "calib_file": calib_file, "calib_docs": len(calib), "calib_tokens": tokens,
              "max_length": args.max_length, "batch_size": args.batch_size,
              "eval_docs": len(ev.docs), "eval_max_length": args.eval_max_length,
              "seed": args.seed}

@@ -118,7 +118,8 @@ def _check_replaceable(path: str, overwrite: bool, kind: str) -> None:
     if os.path.isdir(path) and not os.listdir(path):
         return  # an empty folder holds nothing to lose
     if not overwrite:
-        raise ValueError(f"output {path!r} exists and is not empty; pass overwrite=True "
+        state = "exists and is not empty" if os.path.isdir(path) else "exists"  # a file
+        raise ValueError(f"output {path!r} {state}; pass overwrite=True "
                          f"(--overwrite) to replace it")
     if kind == "report":
         return  # a report, a plot: replaced as open(path, "w") replaces it

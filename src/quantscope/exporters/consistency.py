@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from .read_checks import (
     read_quant_config,
     safetensors_headers,
     scale_problem,
+    scale_values,
 )
 
 __all__ = ["FUSED", "check", "format_problems"]
@@ -48,14 +50,62 @@ _FLOAT8 = {"F8_E4M3", "F8_E5M2"}
 
 
 def _read(entries, name) -> torch.Tensor:
+    """The scales tensor ``name`` stands for, as float32 (E8M0 codes decoded)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(entries[name][0]), framework="pt") as f:
-            return f.get_tensor(name).float()
+            return scale_values(f.get_tensor(name))
     except (SafetensorError, RuntimeError, OSError) as e:
         raise ValueError(f"check: {entries[name][0]}: tensor {name!r} cannot be read "
                          f"({e})") from None
+
+
+def _matches(pattern: str, name: str) -> bool:
+    try:
+        return re.match(pattern, name) is not None
+    except re.error:  # a pattern compressed-tensors would refuse matches nothing here
+        return False
+
+
+def _weight_strategies(qc: dict):
+    """``layer -> strategy`` of the weights of the config group that quantizes the layer,
+    matched as compressed-tensors matches targets (exact names, then ``re:`` patterns, then
+    class names: a target without a dot); None where the config cannot tell."""
+    groups = qc.get("config_groups")
+    rows = []
+    for group in (groups.values() if isinstance(groups, dict) else ()):
+        weights = group.get("weights") if isinstance(group, dict) else None
+        targets = group.get("targets") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and isinstance(targets, list):
+            # no strategy: compressed-tensors infers one (tensor, or group with a group size)
+            strategy = weights.get("strategy")
+            rows += [(str(t), str(strategy).lower() if strategy else None) for t in targets]
+
+    def of(layer: str) -> str | None:
+        for hit in (lambda t: t == layer,
+                    lambda t: t.startswith("re:") and _matches(t[3:], layer),
+                    lambda t: not t.startswith("re:") and "." not in t):
+            found = {s for t, s in rows if hit(t)}
+            if found:
+                return found.pop() if len(found) == 1 else None
+        return None
+    return of
+
+
+def _held_once(leaf: str, layers, entries, strategy) -> bool:
+    """Whether the fused layer holds one ``leaf`` for its shards. A weight scale only of
+    float8 per-tensor weights (vLLM re-quantizes those shards to the largest; block and
+    channel scales stay each shard's own, a one-block shard's [1, 1] too; int8 per-tensor
+    scales are widened per channel); another scale where it is one value."""
+    if leaf == "weight_scale":
+        if not all(entries.get(f"{layer}.weight", (None, None))[1] in _FLOAT8
+                   for layer in layers):
+            return False
+        known = {strategy(layer) for layer in layers}
+        if None not in known:  # the config says; else the scale's size tells
+            return known == {"tensor"}
+    return all(math.prod(entries[f"{layer}.{leaf}"][2] or [1]) == 1 for layer in layers)
 
 
 def check(path) -> list[dict]:
@@ -77,6 +127,7 @@ def check(path) -> list[dict]:
         raise FileNotFoundError(f"check: {str(path)!r} holds no .safetensors files")
     if not entries:
         raise ValueError(f"check: the .safetensors files of {str(path)!r} hold no tensor")
+    strategy = _weight_strategies(qc)
     problems = []
     shard_of = {s: (fused, s) for fused, shards in FUSED.items() for s in shards}
     groups: dict[tuple[str, str], dict[str, str]] = {}  # (parent, fused) -> {shard: layer}
@@ -106,14 +157,8 @@ def check(path) -> list[dict]:
                 problems.append({"group": f"{parent}.{fused}" if parent else fused,
                                  "layers": layers, "tensor": leaf, "values": {},
                                  "held_by": held})
-            if len(held) < len(layers):
+            if len(held) < len(layers) or not _held_once(leaf, layers, entries, strategy):
                 continue
-            if any(math.prod(entries[n][2] or [1]) != 1 for n in names):
-                continue  # per-channel / group scales: each shard keeps its own rows
-            if leaf == "weight_scale" and not all(
-                    entries.get(f"{layer}.weight", (None, None))[1] in _FLOAT8
-                    for layer in layers):
-                continue  # int8 per-tensor weight scales are widened per channel by vLLM
             vals = {layer: float(_read(entries, n).reshape(-1)[0])
                     for layer, n in zip(layers, names)}
             finite = [v for v in vals.values() if math.isfinite(v)]

@@ -219,13 +219,41 @@ def _ct_unpackable(stored: dict) -> dict:
     return {**stored, "weight_zero_point": column_first}
 
 
+def _decompress(name, stored, fmt, scheme, spec, wshape) -> dict:
+    """compressed-tensors' decoding of a module's weight tensors. Its refusals name no layer
+    nor tensor ("Expected torch.int32 but got torch.int8"): the stored tensor that is not
+    what it writes is found by :func:`storage_problem` on neutral qparams of the spec's shapes."""
+    try:
+        return compressor(fmt, "format").decompress(_ct_unpackable(stored), scheme)
+    except ValueError as e:
+        qshape = spec.layout.qparam_shape(wshape)
+        neutral = {"weight_scale": torch.ones(qshape), "weight_global_scale": torch.ones(1),
+                   "weight_zero_point": torch.zeros(qshape, dtype=torch.int8)}
+        probe = {k: v for k, v in neutral.items() if k in stored}
+        why = storage_problem(stored, probe, fmt, scheme, spec, wshape) or (
+            "its tensors are not what the format stores")
+        raise ValueError(f"from_compressed_tensors: {name}: {why} (compressed-tensors: "
+                         f"{e})") from None
+
+
+def _decoded_scale_problem(local: dict) -> str | None:
+    """Why a decoded scale cannot be used: the stored ones were checked as stored
+    (:func:`_load_tensors`), these as compressed-tensors decodes them (E8M0 to float)."""
+    for key, value in local.items():
+        why = scale_problem(key, value) if key in SCALE_LEAVES else None
+        if why:
+            return why
+    return None
+
+
 def _read_module(name, wshape, stored, roles, specs, observers, fmt, scheme) -> dict:
     """One module's role states from its ``stored`` tensors (local names); the weight's are
     decoded by compressed-tensors' compressor after checking they are what it writes."""
     local = stored
     if "weight" in roles:
-        local = compressor(fmt, "format").decompress(_ct_unpackable(stored), scheme)
-        why = storage_problem(stored, local, fmt, scheme, specs["weight"], wshape)
+        local = _decompress(name, stored, fmt, scheme, specs["weight"], wshape)
+        why = storage_problem(stored, local, fmt, scheme, specs["weight"], wshape) or \
+            _decoded_scale_problem(local)
         if why:
             raise ValueError(f"from_compressed_tensors: {name}: {why}")
     return {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0], roles[r],

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["SCALE_LEAVES", "compressor", "fmt_name", "parse_quant_config", "read_quant_config",
-           "safetensors_headers", "scale_problem", "storage_problem"]
+           "safetensors_headers", "scale_problem", "scale_values", "storage_problem"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
 #: flips signs at run time)
@@ -112,9 +112,18 @@ def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int
     return out
 
 
+def scale_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The scales a stored scale tensor stands for, as float32: a uint8 one holds MX's E8M0
+    codes (compressed-tensors' MXFP4 scales), read by torch's E8M0 dtype (code 255 is NaN,
+    OCP MX v1.0 5.4.1), not as the integers 0..255."""
+    if tensor.dtype == torch.uint8:
+        return tensor.view(torch.float8_e8m0fnu).float()
+    return tensor.float()
+
+
 def scale_problem(name: str, tensor: torch.Tensor) -> str | None:
     """Why the scale tensor ``name`` cannot be used (None when it is finite and > 0)."""
-    t = tensor.float()
+    t = scale_values(tensor)
     bad = ~torch.isfinite(t)
     if bool(bad.any()):
         return f"{name} holds NaN or inf ({float(t[bad].reshape(-1)[0])!r})"
@@ -155,7 +164,13 @@ def storage_problem(stored: dict, decompressed: dict, fmt, scheme, spec,
             return (f"{key} is {got.dtype} {list(got.shape)}, but the config's weights "
                     f"({spec}) are stored as {want.dtype} {list(want.shape)}")
     codes = stored.get("weight")
-    if codes is not None and not codes.is_floating_point() and codes.numel():
+    if codes is not None and codes.is_floating_point():  # float8 codes: NaN codes exist
+        bad = ~torch.isfinite(codes.float())
+        if bool(bad.any()):
+            at = [int(i) for i in bad.nonzero()[0]]
+            return (f"weight holds {int(bad.sum())} NaN / inf codes (the first at {at}): "
+                    f"the layer's weights ({spec}) would run as NaN")
+    elif codes is not None and codes.numel():
         lo, hi = int(codes.min()), int(codes.max())
         if lo < spec.qmin or hi > spec.qmax:
             return (f"weight holds codes in [{lo}, {hi}], outside the config's weights "
