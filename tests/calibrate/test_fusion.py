@@ -256,3 +256,36 @@ def test_deepseek_mla_group_found_without_names():
     gs = {float(calib.states[m]["weight"].qparams.global_scale) for m in mla}
     assert len(gs) == 1
     assert sum(r["tokens"] for r in calib.info["experts"]) == 2 * 8 * 2
+
+
+def test_a_group_stays_within_one_parent_module():
+    """T5's cross-attention k / v of every decoder block read the same tensor (the
+    encoder's output); the runtime fuses each block's own pair, so a group never spans
+    two blocks (it did: one NVFP4 global scale for four layers of two blocks)."""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=64, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                num_decoder_layers=2, num_heads=4)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "decoder_input_ids": ids}
+    cal = calibrate(model, [batch], preset("nvfp4", ignore=("lm_head",)), progress=False)
+    cross = [g for g in cal.info["fusion_groups"] if "EncDecAttention.k" in g["layers"][0]]
+    assert [g["layers"] for g in cross] == [
+        [f"decoder.block.{i}.layer.1.EncDecAttention.{p}" for p in "kv"] for i in range(2)]
+    for i in range(2):  # each pair's global scale: its own pair's amax (NVFP4: 448 * 6 / amax)
+        attn = model.decoder.block[i].layer[1].EncDecAttention
+        amax = torch.cat([attn.k.weight, attn.v.weight]).abs().max()
+        gs = cal.states[f"decoder.block.{i}.layer.1.EncDecAttention.k"]["weight"].qparams
+        assert torch.equal(gs.global_scale, (448 * 6 / amax.float()).reshape(1))
+
+
+def test_a_class_target_covers_its_subclasses():
+    """compressed-tensors matches a class target against the module's class hierarchy:
+    "Linear" covers Falcon's FalconLinear (an nn.Linear subclass). Only the class name was
+    compared: Falcon's blocks stayed float while the exported config said "Linear"."""
+    class MyLinear(torch.nn.Linear):
+        pass
+
+    model = torch.nn.Sequential(MyLinear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    assert set(preset("w8a8").match(model)) == {"0", "2"}
+    assert set(preset("w8a8", targets="MyLinear").match(model)) == {"0"}

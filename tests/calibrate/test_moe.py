@@ -322,6 +322,27 @@ def test_conv3d_is_not_unreached():
     assert "unreached" not in calib.info
 
 
+def test_a_stack_of_one_is_not_unreached_experts():
+    """ViT's cls_token (1, 1, H) and position embeddings (1, N, H) are 3-D parameters of a
+    module quantscope does not run, but no stack of experts (several along dim 0): they were
+    warned about as weights a Linear recipe targets."""
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cls_token = nn.Parameter(torch.randn(1, 1, 16))
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.proj(x + self.cls_token[0, 0])
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        calib = calibrate(nn.Sequential(Embed()).eval(), [torch.randn(4, 16)], "w8a8",
+                          progress=False)
+    assert not any("cannot reach" in str(w.message) for w in got)
+    assert "unreached" not in calib.info
+
+
 def test_save_load_apply_experts(moe_model, tmp_path):
     from quantscope.calibration import load
 

@@ -160,8 +160,8 @@ class Rule:
 def _matches(pattern: str, name: str, module: nn.Module) -> bool:
     if pattern.startswith("re:"):
         return re.fullmatch(pattern[3:], name) is not None
-    cls = type(module)
-    if pattern in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+    if any(pattern in (c.__name__, f"{c.__module__}.{c.__qualname__}")  # a subclass too,
+           for c in type(module).__mro__):  # as compressed-tensors matches (FalconLinear)
         return True
     return fnmatch.fnmatchcase(name, pattern)
 

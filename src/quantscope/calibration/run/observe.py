@@ -420,10 +420,9 @@ def unique_slots(slots):
     return list({id(s): s for s in slots}.values())
 
 
-def share_group_inputs(model, batches, recipes, slots, experts=None):
-    """Find the fusion groups (one detection forward of the first batch; no group spans
-    two of ``experts``' experts) and give each group one input slot; returns
-    ``(batches, groups)``, batches unconsumed."""
+def share_group_inputs(model, batches, recipes, slots):
+    """Find the fusion groups (one detection forward of the first batch) and give each
+    group one input slot; returns ``(batches, groups)``, batches unconsumed."""
     opts = {(r.fusion, r.fuse, r.split) for r in recipes.values()}
     if len(opts) > 1:
         raise ValueError(f"calibrate_many: the recipes' fusion options (fusion, fuse, split) "
@@ -436,8 +435,7 @@ def share_group_inputs(model, batches, recipes, slots, experts=None):
     names = [n for n in names if getattr(modules[n], "weight", None) is not None
              and modules[n].weight.dim() == 2]
     first, batches = fusion.peek(batches)
-    owners = experts.layers if experts is not None else None
-    found = fusion.find_groups(model, first, names, owners)
+    found = fusion.find_groups(model, first, names)
     groups = fusion.edit_groups(found, names, modules, fuse, split)
     for group in groups:
         keys = [(m, "input") for m in group if (m, "input") in slots]

@@ -275,7 +275,7 @@ def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher
     batches (skipped where no recipe needs them)."""
     sampling = opts.sampling
     slots, plans = make_plan(model, recipes, opts.auto.candidates)
-    batches, groups = share_group_inputs(model, batches, recipes, slots, experts)
+    batches, groups = share_group_inputs(model, batches, recipes, slots)
     experts.reset_counts()
     needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                      for s in slots.values())
@@ -351,7 +351,7 @@ def _calibrate_distributed(model, batches, recipes, opts: Options, t0, experts):
     with qd.all_or_none("planning", group):
         slots, plans = make_plan(model, recipes, opts.auto.candidates,
                                  owns=lambda l: owners.get(l, me) == me)
-        batches, groups = share_group_inputs(model, batches, recipes, slots, experts)
+        batches, groups = share_group_inputs(model, batches, recipes, slots)
     experts.reset_counts()
     failed = gather.gather_failures({k: s.failed for k, s in slots.items() if s.role == "weight"},
                                 group)

@@ -8,9 +8,9 @@ path) one per-tensor weight scale: see ``docs/runtime-fusion.md``.
 
 Groups are **found, not listed**: :func:`find_groups` runs one forward with hooks and
 groups the layers whose input is the same tensor (the same object, or a view of the
-same data) among the last few inputs seen, never joining two MoE experts nor an expert
-and another layer (``owners``: a runtime fuses only one expert's own ``w1`` / ``w3``, while
-every expert reads the same tensor under ``MoE(all_experts=True)``). A recipe adds groups
+same data) among the last few inputs seen, within one parent module (a runtime fuses one
+module's shards: every expert reads the same tensor under ``MoE(all_experts=True)``, and
+T5's decoder blocks all read the encoder's output). A recipe adds groups
 (``Recipe.fuse``: tuples of name patterns, members bucketed by their parent module) and
 splits members out (``Recipe.split``).
 
@@ -65,10 +65,9 @@ def same_input(a, b) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same(a, b)
 
 
-def find_groups(model: nn.Module, batch, names, owners=None) -> list[tuple[str, ...]]:
-    """Groups (2+ members, in call order) of the modules ``names`` whose forward input is
-    the same tensor in one forward of ``batch``; ``owners`` (name -> the MoE expert it
-    belongs to, absent for a non-expert) splits a group by owner."""
+def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
+    """Groups (2+ members, in call order) of the modules ``names`` of one parent module whose
+    forward input is the same tensor in one forward of ``batch``."""
     names = list(names)
     if batch is None or len(names) < 2:
         return []
@@ -106,15 +105,19 @@ def find_groups(model: nn.Module, batch, names, owners=None) -> list[tuple[str, 
     for members in order:  # a module called twice keeps its first group
         members = [m for m in members if m not in seen]
         seen.update(members)
-        groups += _by_owner(members, owners or {})
+        groups += _by_parent(members)
     return groups
 
 
-def _by_owner(members: list[str], owners: dict) -> list[tuple[str, ...]]:
-    """``members`` split by owner (in call order), groups of 2+ kept."""
+def _by_parent(members: list[str]) -> list[tuple[str, ...]]:
+    """``members`` split by parent module (in call order), groups of 2+ kept: a runtime
+    fuses the shards of one module (one attention's q / k / v, one MLP's or one expert's
+    gate / up), never layers of two modules that read one tensor (every expert under
+    ``MoE(all_experts=True)``, T5's cross-attention k / v of every decoder block reading the
+    encoder's output, Falcon's parallel attention and MLP, a router beside its experts)."""
     parts: dict = {}
     for m in members:
-        parts.setdefault(owners.get(m), []).append(m)
+        parts.setdefault(_parent(m), []).append(m)
     return [tuple(p) for p in parts.values() if len(p) > 1]
 
 

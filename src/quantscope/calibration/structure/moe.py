@@ -304,7 +304,7 @@ def unreached(model: nn.Module, recipe) -> list[dict]:
                 or any(_matches(p, name, module) for p in recipe.ignore)):
             continue  # torch's own layers (Conv3d ...) are not what a Linear target covers
         for pname, p in module.named_parameters(recurse=False):
-            if p.dim() < 3:
+            if p.dim() < 3 or p.shape[0] == 1:  # experts stack several (ViT's cls_token: one)
                 continue
             if "Linear" in targets or any(_matches(t, name, module) for t in targets):
                 out.append({"name": f"{name}.{pname}" if name else pname,
