@@ -117,3 +117,23 @@ def test_int_op_names_bad_arguments():
         qparams.int_qparams_op(lo, hi, [1.0, 0.0, 1e-8, 0.0, 0.0])
     with pytest.raises(ValueError, match="lo and hi"):
         qparams.int_qparams_op(lo, hi[:4], [-8.0, 7.0, 1e-8, 0.0, 0.0])
+
+
+def test_c_kernel_paths_under_torch_compile_equal_eager():
+    """A ctypes kernel takes raw pointers: under torch.compile, Dynamo freed a tensor made
+    in the traced region and passed only as ``data_ptr()`` (the kernel's constants) before
+    the call after its graph break ran, so every int8 channel scale came out eps. While
+    tracing, quantscope.kernels.lib gives None: the traced torch path, bitwise the same."""
+    spec = QuantSpec("int8", "channel")
+    g = torch.Generator().manual_seed(0)
+    lo0, hi0 = -torch.rand(64, generator=g) * 3, torch.rand(64, generator=g) * 3
+    f = torch.tensor([1.0, 0.9, 0.8, 0.7])
+
+    def scales(lo0, hi0, f):
+        qp = qparams.qparams_from_range(lo0[None] * f[:, None], hi0[None] * f[:, None], spec,
+                                        check_finite=False)
+        return qp.scale, qp.zero_point
+
+    want = scales(lo0, hi0, f)
+    got = torch.compile(scales, backend="inductor")(lo0, hi0, f)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

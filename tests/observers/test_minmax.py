@@ -526,3 +526,19 @@ def test_fused_state_update_equals_torch(name, kind, monkeypatch):
     assert fused[0][3].isnan()
     with pytest.raises(ValueError, match="update_state"):
         stats.update_state("median", 0.0, *fused, *fused)
+
+
+@pytest.mark.parametrize("name", ["minmax", "static_minmax"])
+def test_running_state_under_inductor_equals_eager(name):
+    """Under torch.compile (Inductor) the first call's state, a clone of the scratch the
+    module caches, got the scratch's own buffer: the next in-place EMA step zeroed it.
+    Compiled, the scratch is not cached."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    eager = quantscope.get_observer(name, QuantSpec("int8", "tensor"))
+    compiled = quantscope.get_observer(name, QuantSpec("int8", "tensor"))
+    step = torch.compile(compiled, backend="inductor")
+    for i in range(3):
+        eager(x * (i + 1))
+        step(x * (i + 1))
+    assert torch.equal(compiled.min_vals, eager.min_vals)
+    assert torch.equal(compiled.max_vals, eager.max_vals)

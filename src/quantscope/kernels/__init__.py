@@ -247,7 +247,11 @@ def load(name: str, argtypes: dict[str, list], source: Path | None = None,
 
 
 def lib(name: str) -> ctypes.CDLL | None:
-    """The shipped library ``name`` (a key of :data:`SIGNATURES`), or None (torch path)."""
+    """The shipped library ``name`` (a key of :data:`SIGNATURES`), or None (torch path): also
+    while ``torch.compile`` traces, since Dynamo frees a tensor passed only as ``data_ptr()``
+    before the ctypes call after its graph break runs (the torch path is bitwise the same)."""
+    if torch.compiler.is_compiling():
+        return None
     return load(name, SIGNATURES[name])
 
 

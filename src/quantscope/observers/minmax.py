@@ -49,8 +49,10 @@ class MinMaxStateObserver(Observer):
 
     def _minmax_out(self, count):
         # a scratch pair reused across calls: the state is updated from it, never aliases it
-        scratch = getattr(self, "_scratch", None)
         dev = self.min_vals.device
+        if torch.compiler.is_compiling():  # Inductor gave a cached scratch and the state
+            return torch.empty(count, device=dev), torch.empty(count, device=dev)  # one buffer
+        scratch = getattr(self, "_scratch", None)
         if scratch is None or scratch[0].shape != (count,) or scratch[0].device != dev:
             scratch = self._scratch = (torch.empty(count, device=dev),
                                        torch.empty(count, device=dev))
