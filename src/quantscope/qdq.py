@@ -73,15 +73,18 @@ def _fits(t: torch.Tensor, other: torch.Tensor) -> bool:
 
 
 def quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-                   spec: QuantSpec, out: torch.Tensor | None = None) -> torch.Tensor:
+                   spec: QuantSpec, out: torch.Tensor | None = None, *,
+                   clamp: bool = True) -> torch.Tensor:
     """Codes of float32 ``u [U, E]`` with per-unit ``scale``, ``zero_point`` (``[U, 1]`` or
-    broadcastable); ``out``: a float32 ``[U, E]`` buffer to compute them in (not ``u``)."""
+    broadcastable); ``out``: a float32 ``[U, E]`` buffer to compute them in (not ``u``).
+    ``clamp=False``: rounded alike but not clamped to the code range (what would clip)."""
     # a fresh tensor (or out): the steps below work in place on it
     t = u / scale if out is None else torch.div(u, scale, out=out)
+    unbounded = () if clamp else (-math.inf, math.inf)
     if spec.is_float:
-        return spec.format.round(t, inplace=True)
+        return spec.format.round(t, *unbounded, inplace=True)
     t = t.add_(zero_point) if _fits(t, zero_point) else t + zero_point
-    return spec.format.round(t, spec.qmin, spec.qmax, inplace=True)
+    return spec.format.round(t, *(unbounded or (spec.qmin, spec.qmax)), inplace=True)
 
 
 def dequantize_units(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor):

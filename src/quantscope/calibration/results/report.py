@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -57,14 +56,11 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
 
 
 def _clipped(units: torch.Tensor, qp, spec, shape) -> torch.Tensor:
-    """How many of ``units`` QDQ clips: those whose code, computed as QDQ computes it but not
+    """How many of ``units`` QDQ clips: those whose code, rounded as QDQ rounds it but not
     clamped, leaves ``[qmin, qmax]``. A value that rounding alone puts on the range's edge is
     not clipped (fp8 min-max: the absmax, 1 ulp past ``448 x scale`` in float32)."""
     scale, zp = _per_unit(qp, spec, shape)
-    fmt = replace(spec.format, max=math.inf) if spec.is_float else spec.format
-    unclamped = SimpleNamespace(is_float=spec.is_float, format=fmt, qmin=-math.inf,
-                                qmax=math.inf)
-    codes = quantize_units(units, scale, zp, unclamped)
+    codes = quantize_units(units, scale, zp, spec, clamp=False)
     return torch.count_nonzero((codes < spec.qmin) | (codes > spec.qmax))  # no int64 copy
 
 
