@@ -255,14 +255,15 @@ class Recipe:
                                                    for t in r.targets)), None)
 
     def with_observer(self, observer: str, **options) -> Recipe:
-        """A copy whose calibrated roles (not dynamic ones) use ``observer``
-        (weights: :func:`weight_observer` of it); ``options`` go to that observer."""
+        """A copy whose calibrated roles (not dynamic) run ``observer`` (weights: its
+        :func:`weight_observer`) with ``options`` and those of their own it takes."""
         def swap(role, kind):
             if role is None or role.dynamic is True:
                 return role
             name = weight_observer(observer) if kind == "weight" else observer
             kept = options if name == observer else _accepted(name, observer, options)
-            return replace(role, observer=name, options=kept)
+            own = dict(role.options) if name == AUTO else _accepted(name, name, dict(role.options))
+            return replace(role, observer=name, options={**own, **kept})
         rules = tuple(replace(r, **{k: swap(getattr(r, k), k) for k in ROLES})
                       for r in self.rules)
         # the KV cache takes a named observer: auto leaves it as it is

@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..recipe import AUTO, ROLES, Recipe, _accepted
+from ..recipe import AUTO, Recipe
 from ..results.apply import apply
 from ..results.result import Calibration
 from ..run.batches import eval_mode, forward_batch
@@ -363,7 +363,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     names = list(dict.fromkeys(_candidates("input", candidates)))
     for label in autos:
         for n in names:
-            expanded[(label, n)] = _with_candidate(recipes[label], n)
+            expanded[(label, n)] = recipes[label].with_observer(n)
         _check_options(recipes[label], label, [expanded[(label, n)] for n in names], names)
     # each auto recipe's time so far: the pass with every candidate's observers, once each
     groups = {label: [(label, n) for n in names] for label in autos}
@@ -440,20 +440,6 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
         row for n, c in configs.items() for row in c.stats
         if roles.get(row["role"], best) == n)]
     return Calibration(recipe, states, label, stats, chosen.histograms, info)
-
-
-def _with_candidate(recipe: Recipe, n: str) -> Recipe:
-    """``recipe`` with candidate observer ``n`` (:meth:`Recipe.with_observer`), each swapped
-    role keeping those of its own options (``non_finite``...) its new observer takes."""
-    new = recipe.with_observer(n)
-
-    def keep(old, role):
-        if role is None or role is old:  # a dynamic role: not swapped
-            return role
-        return replace(role, options=_accepted(role.observer, role.observer, dict(old.options)))
-    rules = tuple(replace(r, **{k: keep(getattr(o, k), getattr(r, k)) for k in ROLES})
-                  for o, r in zip(recipe.rules, new.rules))
-    return replace(new, rules=rules, kv_cache=keep(recipe.kv_cache, new.kv_cache))
 
 
 def _roles(recipe: Recipe):
