@@ -295,3 +295,12 @@ def test_a_dynamic_role_passes_nan_through_at_run_time(recipe):
     with torch.no_grad(), c.apply(model):
         y, clean = model(x), model(x[1:])
     assert y[0].isnan().all() and torch.equal(y[1:], clean)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8-dynamic"])
+@pytest.mark.parametrize("empty", [list, lambda: iter([]), lambda: (b for b in [])])
+def test_auto_on_empty_batches_says_so(recipe, empty):
+    """``observer="auto"`` scores on the model's outputs: with no batch it says what is empty
+    (it read the first scoring batch of an empty list, an IndexError)."""
+    with pytest.raises(ValueError, match="batches is empty.*observer='auto'"):
+        calibrate(_mlp(), empty(), recipe, observer="auto", progress=False)

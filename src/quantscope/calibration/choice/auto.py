@@ -359,6 +359,10 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
                                       opts.auto.loss)
     batches = list(batches)
     autos = [label for label, r in recipes.items() if _has_auto(r)]
+    if autos and not batches:
+        raise ValueError("calibrate: batches is empty: observer='auto' scores its candidates "
+                         "on the model's outputs (Auto(metric='model')); give calibration "
+                         "batches, or choose per tensor with Auto(metric='tensor')")
     expanded = {label: r for label, r in recipes.items() if label not in autos}
     names = list(dict.fromkeys(_candidates("input", candidates)))
     for label in autos:
