@@ -61,6 +61,7 @@ __all__ = [
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "MovingAveragePerChannelMinMaxObserver",
+    "NoBinsError",
     "NonFiniteBatchError",
     "PerChannelMinMaxObserver",
     "TorchAOObserver",
@@ -131,8 +132,10 @@ class _Constructor(_ao._PartialWrapper):
         return self.p.func.__name__
 
     def with_args(self, **kwargs) -> _Constructor:
+        # torch.ao wraps the whole constructor, so a later value outranks an earlier
+        # callable one of the same name (never called then): the last mention wins
         out = _Constructor(functools.partial(self.p, **kwargs))
-        out.callable_args = dict(self.callable_args)
+        out.callable_args = {k: f for k, f in self.callable_args.items() if k not in kwargs}
         return out
 
     def with_callable_args(self, **kwargs) -> _Constructor:
@@ -274,6 +277,18 @@ class NonFiniteBatchError(ValueError, RuntimeError):
     (``torch.histc``'s), and a ``ValueError`` as quantscope's bad-input errors."""
 
 
+class NoBinsError(ValueError, RuntimeError):
+    """``HistogramObserver(bins=0)`` observing a batch: a ``RuntimeError`` as torch.ao's
+    (``torch.histc``'s; its constructor takes 0), and a ``ValueError`` as quantscope's
+    bad-argument errors."""
+
+
+def _check_bins(hist: torch.Tensor) -> None:
+    if hist.numel() == 0:
+        raise NoBinsError("HistogramObserver: bins must be a positive integer to observe a "
+                          "batch, got 0 (torch.ao's torch.histc refuses it too)")
+
+
 def _binned(x: torch.Tensor) -> torch.Tensor:
     """The batch as the histogram bins it: bfloat16 / float16 as float32 (every value
     counted; torch.ao's ``histc`` in those dtypes loses counts: see ``HistogramObserver``).
@@ -285,16 +300,18 @@ def _binned(x: torch.Tensor) -> torch.Tensor:
 
 
 def _observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                  one_read: bool) -> bool | None:
+                  one_read: bool, rate) -> bool | None:
     """torch.ao's histogram step for a finite float32 CPU batch, in C and in place on the
-    buffers (:func:`quantscope.stats.ao_histogram.observe`): whether the range widened, or
-    None where the C path does not apply (nothing written)."""
+    buffers (:func:`quantscope.stats.ao_histogram.observe`; ``rate``: the observer's
+    ``upsample_rate``): whether the range widened, or None where the C path does not apply
+    (nothing written)."""
     if not (x.dtype == torch.float32 and x.is_cpu and hist.is_cpu and lo.dim() == 0
             and kernels.plain(lo) and kernels.plain(hi)):
         return None
     old_lo, old_hi = kernels.read(lo)[0], kernels.read(hi)[0]
     first = old_lo == math.inf or old_hi == -math.inf  # torch.ao's is_uninitialized
-    got = ao_histogram.observe(hist, lo, hi, kernels.contiguous(x), first, one_read=one_read)
+    got = ao_histogram.observe(hist, lo, hi, kernels.contiguous(x), first, one_read=one_read,
+                               rate=rate)
     return None if got is None or got is ao_histogram.NON_FINITE else got
 
 
@@ -307,26 +324,28 @@ def _ends(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> list[float]:
 
 
 def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
-                     hi: torch.Tensor) -> None:
+                     hi: torch.Tensor, rate) -> None:
     """torch.ao's histogram step by tensor ops (any device or dtype; float64 ``x`` binned in
     float64, the others as float32; the reference the C path equals), its decisions on the
-    ends read back once: ``inf`` dropped with torch.ao's warning, NaN a
-    :class:`NonFiniteBatchError` (``x`` detached: :func:`_binned`'s)."""
+    ends read back once: ``inf`` dropped with torch.ao's warning, then no bins a
+    :class:`NoBinsError` and NaN a :class:`NonFiniteBatchError`, in torch.ao's order
+    (``x`` detached: :func:`_binned`'s; ``rate``: the observer's ``upsample_rate``)."""
     x_lo, x_hi, old_lo, old_hi = _ends(x, lo, hi)
-    if math.isnan(x_lo):  # torch.ao's histc raises here too (after poisoning its min / max)
-        raise NonFiniteBatchError("HistogramObserver: the batch holds NaN; torch.ao's histogram "
-                                  "cannot bin it (torch.histc: range of [nan, nan] is not "
-                                  "finite); the observer's state is left as it was")
-    if x_lo == -math.inf or x_hi == math.inf:
+    if x_lo == -math.inf or x_hi == math.inf:  # (NaN: aminmax gives NaN at both ends)
         warnings.warn("torch.inf detected in input tensor, ignoring input", stacklevel=3)
         x = x[x.abs() != math.inf]
         if x.numel() == 0:
             return
         x_lo, x_hi, _, _ = _ends(x, lo, hi)
+    _check_bins(hist)  # torch.ao's histc checks its bins before its range
+    if math.isnan(x_lo):  # torch.ao's histc raises here too (after poisoning its min / max)
+        raise NonFiniteBatchError("HistogramObserver: the batch holds NaN; torch.ao's histogram "
+                                  "cannot bin it (torch.histc: range of [nan, nan] is not "
+                                  "finite); the observer's state is left as it was")
     first = old_lo == math.inf or old_hi == -math.inf
     new, new_lo, new_hi = ao_histogram.update(None if first else hist,
                                               None if first else (old_lo, old_hi), x,
-                                              (x_lo, x_hi), hist.numel())
+                                              (x_lo, x_hi), hist.numel(), rate=rate)
     hist.copy_(new.reshape(hist.shape))
     lo.fill_(new_lo)
     hi.fill_(new_hi)
@@ -335,11 +354,11 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
 @torch.library.custom_op("quantscope::ao_histogram_observe",
                          mutates_args=("histogram", "min_val", "max_val"))
 def _observe_op(x: torch.Tensor, histogram: torch.Tensor, min_val: torch.Tensor,
-                max_val: torch.Tensor) -> None:
+                max_val: torch.Tensor, upsample_rate: int = 16) -> None:
     """TorchScript's way into :func:`_observe_fast` / :func:`_observe_tensors`."""
     x = _binned(x)
-    if x.numel() and _observe_fast(x, histogram, min_val, max_val, True) is None:
-        _observe_tensors(x, histogram, min_val, max_val)
+    if x.numel() and _observe_fast(x, histogram, min_val, max_val, True, upsample_rate) is None:
+        _observe_tensors(x, histogram, min_val, max_val, upsample_rate)
 
 
 class _AOSearch:
@@ -378,7 +397,7 @@ def _search_op(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Te
 
 
 @_observe_op.register_fake
-def _(x, histogram, min_val, max_val):
+def _(x, histogram, min_val, max_val, upsample_rate=16):
     return None
 
 
@@ -427,17 +446,18 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
         if not torch.jit.is_scripting():
             return self._forward_eager(x_orig)
         torch.ops.quantscope.ao_histogram_observe(x_orig, self.histogram, self.min_val,
-                                                  self.max_val)
+                                                  self.max_val, self.upsample_rate)
         return x_orig
 
     def _forward_eager(self, x_orig):
         if x_orig.numel() == 0:
             return x_orig
         x = _binned(x_orig)
+        rate = self.upsample_rate  # torch.ao's attribute: settable after construction
         widened = _observe_fast(x, self.histogram, self.min_val, self.max_val,
-                                not self._widened[0])
+                                not self._widened[0], rate)
         if widened is None:
-            _observe_tensors(x, self.histogram, self.min_val, self.max_val)
+            _observe_tensors(x, self.histogram, self.min_val, self.max_val, rate)
         else:
             self._widened[0] = widened
         return x_orig

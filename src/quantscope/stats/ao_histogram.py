@@ -4,10 +4,11 @@ torch.ao keeps ``bins`` float32 counts between the running ``min_val`` and ``max
 A batch inside that range is added with ``torch.histc`` on the same grid; a batch that
 widens the range is binned with ``histc`` over the new range, and the old counts are moved
 there approximately (``_upscale_histogram``): each old bin is split into ``upsample_rate``
-(16) pieces of a sixteenth of its count at the pieces' mid points, and each piece goes whole
-to the new bin holding its mid point (``bucketize`` + weighted ``bincount``, float32). The
-result depends on the batch order and is not an exact histogram of the data, but it is
-torch.ao's, and its qparams follow from it: :func:`update` reproduces it bit for bit.
+pieces (the observer's attribute, 16 unless set) of that share of its count at the pieces'
+mid points, and each piece goes whole to the new bin holding its mid point (``bucketize``
++ weighted ``bincount``, float32). The result depends on the batch order and is not an
+exact histogram of the data, but it is torch.ao's, and its qparams follow from it:
+:func:`update` reproduces it bit for bit.
 
 The torch path here is torch.ao's own sequence of ops (the reference, and the path for other
 devices, dtypes, degenerate ranges and batches of ``2 ** 24`` values or more, where torch's
@@ -47,7 +48,7 @@ from ..kernels import triton as _triton
 __all__ = ["NON_FINITE", "UPSAMPLE_RATE", "ao_histc", "fused", "histc", "observe", "update",
            "upscale"]
 
-#: torch.ao's ``upsample_rate``: pieces per old bin when the range grows
+#: torch.ao's default ``upsample_rate``: pieces per old bin when the range grows
 UPSAMPLE_RATE = 16
 
 #: what :func:`observe` returns for a batch holding NaN or an infinity (left out of the state)
@@ -143,17 +144,24 @@ def fused(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor, threads: int |
     return None if miss == 2 else ((mm[0], mm[1]), None if miss else out)
 
 
-def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str | None = None
-            ) -> torch.Tensor:
+def _c_rate(rate) -> bool:
+    """Whether the C kernels take this ``upsample_rate`` (a positive int; torch.ao's own ops
+    decide what any other value does, errors included)."""
+    return type(rate) is int and rate > 0
+
+
+def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str | None = None,
+            rate=UPSAMPLE_RATE) -> torch.Tensor:
     """torch.ao's ``_upscale_histogram``: ``hist`` on ``[orig_lo, orig_hi]`` moved onto
-    ``len(hist)`` bins over ``[new_lo, new_hi]`` (see the module doc; the ends are 0-dim
-    float32 tensors or Python floats holding float32 values)."""
+    ``len(hist)`` bins over ``[new_lo, new_hi]``, ``rate`` pieces per old bin (the observer's
+    ``upsample_rate``; see the module doc; the ends are 0-dim float32 tensors or Python
+    floats holding float32 values)."""
     bins = hist.shape[0]
-    rate = UPSAMPLE_RATE
     # on the histogram's device, as torch.ao makes them (CUDA's linspace rounds its own way)
     lin = torch.linspace(orig_lo, orig_hi, bins * rate + 1, device=hist.device)
     bounds = torch.linspace(new_lo, new_hi, bins + 1, device=hist.device)
-    applies = kernels.plain(hist) and lin.dtype == bounds.dtype == torch.float32
+    applies = (kernels.plain(hist) and lin.dtype == bounds.dtype == torch.float32
+               and _c_rate(rate))
     lib = kernels.choose(backend, "ao_hist", "upscale", applies)
     if lib is not None:
         out = torch.empty(bins)
@@ -170,11 +178,12 @@ def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str |
 
 
 def update(hist: torch.Tensor | None, old: tuple[float, float] | None, x: torch.Tensor,
-           x_range: tuple[float, float], bins: int, backend: str | None = None
-           ) -> tuple[torch.Tensor, float, float]:
+           x_range: tuple[float, float], bins: int, backend: str | None = None,
+           rate=UPSAMPLE_RATE) -> tuple[torch.Tensor, float, float]:
     """torch.ao ``HistogramObserver.forward``'s state change: the new ``(histogram, min_val,
     max_val)`` after the finite batch ``x`` of min / max ``x_range``, from the histogram
-    ``hist`` on the range ``old`` (None: the first batch, ``reset_histogram``). The ends
+    ``hist`` on the range ``old`` (None: the first batch, ``reset_histogram``), a widened
+    range re-binned with ``rate`` pieces per old bin (:func:`upscale`). The ends
     are Python floats, so the decisions read nothing back from the device (torch.ao's take
     a host read each); a fresh histogram, the inputs not modified."""
     x_lo, x_hi = x_range
@@ -188,20 +197,21 @@ def update(hist: torch.Tensor | None, old: tuple[float, float] | None, x: torch.
         one = upload([lo], hist.device, torch.float32)
         moved = torch.histc(one, bins=bins, min=new_lo, max=new_hi) * hist.sum()
     else:
-        moved = upscale(hist, lo, hi, new_lo, new_hi, backend)
+        moved = upscale(hist, lo, hi, new_lo, new_hi, backend, rate)
     return histc(x, bins, new_lo, new_hi, moved, backend), new_lo, new_hi
 
 
 def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Tensor,
-            first: bool = False, one_read: bool = True, threads: int | None = None
-            ) -> bool | str | None:
+            first: bool = False, one_read: bool = True, threads: int | None = None,
+            rate=UPSAMPLE_RATE) -> bool | str | None:
     """torch.ao ``HistogramObserver.forward``'s state change on the C path, in place (as
     torch.ao's ``copy_`` into its buffers): ``hist`` (its counts, float32, any shape of
     ``bins`` values), ``lo`` / ``hi`` (its ``min_val`` / ``max_val``, float32, one value
     each) become the state after the contiguous CPU float32 batch ``x`` (any shape): the
     values :func:`update` gives after ``torch.aminmax(x)``. ``first``: the first batch (the
     state's values are not read). ``one_read``: try the batch on the current range first
-    (:func:`fused`; a miss costs one histc pass).
+    (:func:`fused`; a miss costs one histc pass). ``rate``: the observer's ``upsample_rate``
+    (:func:`upscale`).
 
     Returns whether the range changed (True for the first batch); :data:`NON_FINITE` for a
     batch holding NaN or an infinity, and None where the kernel does not apply: in both,
@@ -212,6 +222,7 @@ def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Ten
     lib = _kernel()
     n, bins = x.numel(), hist.numel()
     if (lib is None or not kernels.plain(x) or not 0 < n < 1 << 24 or not kernels.plain(hist)
+            or bins == 0 or not _c_rate(rate)
             or not (kernels.plain(lo) and kernels.plain(hi) and lo.numel() == hi.numel() == 1)):
         return None
 
@@ -229,7 +240,7 @@ def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Ten
     # a batch after one that widened the range likely widens it too: the old bins' pieces
     # (torch.ao's linspace) are made now, among this call's first ops, rather than after the
     # min / max pass, where an op runs cold (~25 us a batch)
-    pieces = bins * UPSAMPLE_RATE + 1
+    pieces = bins * rate + 1
     lin = torch.linspace(old_lo, old_hi, pieces) if movable and not one_read else None
     if got is None:
         mm = (ctypes.c_float * 2)()
@@ -248,11 +259,12 @@ def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Ten
     if movable:  # the old bins moved and the batch binned in one call
         lin = torch.linspace(old_lo, old_hi, pieces) if lin is None else lin
         bounds = torch.linspace(new_lo, new_hi, bins + 1)
-        if not lib.qs_ao_widen(hist.data_ptr(), bins, UPSAMPLE_RATE, lin.data_ptr(), old_lo,
+        if not lib.qs_ao_widen(hist.data_ptr(), bins, rate, lin.data_ptr(), old_lo,
                                old_hi, bounds.data_ptr(), x.data_ptr(), n, new_lo, new_hi,
                                hist.data_ptr(), kernels.threads(threads)):
             return done(new_lo, new_hi)
     # rare: a one-value or an infinite range
-    moved, new_lo, new_hi = update(hist.view(bins), (old_lo, old_hi), x, (x_lo, x_hi), bins)
+    moved, new_lo, new_hi = update(hist.view(bins), (old_lo, old_hi), x, (x_lo, x_hi), bins,
+                                   rate=rate)
     hist.view(bins).copy_(moved)
     return done(new_lo, new_hi)
