@@ -17,6 +17,7 @@ import contextlib
 import enum
 import itertools
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ __all__ = [
     "MIN",
     "SUM",
     "CustomSync",
+    "LocalError",
     "Op",
     "SyncStats",
     "all_gather",
@@ -40,6 +42,7 @@ __all__ = [
     "is_distributed",
     "is_main",
     "last_stats",
+    "raise_on_all",
     "rank",
     "reset_stats",
     "shard",
@@ -181,6 +184,19 @@ def all_sum(value: int, group=None) -> int:
     return int(t)
 
 
+class LocalError(contextlib.AbstractContextManager):
+    """Keeps (``error``) the exception a local step raised, for :func:`raise_on_all` to
+    raise on every rank once the ranks have exchanged whether it failed anywhere."""
+
+    error: Exception | None = None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if isinstance(error, Exception):
+            self.error = error
+            return True  # re-raised by raise_on_all, after the ranks agree
+        return False
+
+
 @contextlib.contextmanager
 def all_or_none(what: str = "a step", group=None):
     """Run a local step so that if it raises on any rank, it raises on every rank.
@@ -190,22 +206,49 @@ def all_or_none(what: str = "a step", group=None):
     block every rank exchanges one flag: the failing rank re-raises its own error,
     the others raise ``RuntimeError`` naming the failing ranks.
     """
-    err = None
-    try:
+    local = LocalError()
+    with local:
         yield
-    except Exception as e:  # noqa: BLE001 -- re-raised below, after the ranks agree
-        err = e
     if not is_distributed(group):
-        if err is not None:
-            raise err
+        if local.error is not None:
+            raise local.error
         return
-    flags = all_gather(torch.tensor([int(err is not None)], dtype=torch.int64,
-                                     device=group_device(group)), group).reshape(-1).cpu()
-    if err is not None:
-        raise err
-    if bool(flags.any()):
-        bad = torch.nonzero(flags).reshape(-1).tolist()
+    flags = all_gather(torch.tensor([int(local.error is not None)], dtype=torch.int64,
+                                     device=group_device(group)), group)
+    raise_on_all(local.error, bool(flags.any()), what, group)
+
+
+def raise_on_all(error: Exception | None, failed: bool, what: str, group=None,
+                 same_type: bool = False) -> None:
+    """The raising half of :func:`all_or_none`, for callers that exchange the flag in a
+    collective of their own: ``failed`` (the same on every rank) says whether a local step
+    raised on some rank; ``error`` is this rank's. The failing ranks re-raise their error;
+    the others raise ``RuntimeError`` naming them or, with ``same_type``, the exception type
+    and message of the first failing rank. One more exchange, only when some rank failed."""
+    if not failed:
+        return
+    errs: list = [None] * world_size(group)
+    mine = None if error is None else (type(error).__module__, type(error).__qualname__,
+                                       str(error))
+    dist.all_gather_object(errs, mine, group=group)
+    if error is not None:
+        raise error
+    bad = [r for r, e in enumerate(errs) if e is not None]
+    if not same_type:
         raise RuntimeError(f"distributed: {what} failed on rank(s) {bad}; see their error")
+    raise _rebuilt(*errs[bad[0]], f" ({what} failed on rank(s) {bad})")
+
+
+def _rebuilt(module: str, qualname: str, message: str, where: str) -> Exception:
+    """A peer's exception from its type's name (looked up among the modules already
+    imported here, never imported) and message; RuntimeError where that cannot be built."""
+    cls = sys.modules.get(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        with contextlib.suppress(Exception):
+            return cls(message + where)
+    return RuntimeError(f"{module}.{qualname}: {message}{where}")
 
 
 def group_device(group) -> torch.device:

@@ -22,11 +22,13 @@ from ..comm import (
     MIN,
     SUM,
     CustomSync,
+    LocalError,
     Op,
     all_gather,
     all_reduce,
     group_device,
     is_distributed,
+    raise_on_all,
     reset_stats,
 )
 from ..stats.minmax import unit_minmax
@@ -37,6 +39,7 @@ _MAXD = 8  # dims recorded per shape in the header
 _COUNTERS = ("observed_tokens", "non_finite_count")  # the base's counters: always summed
 # an observer's state since its last sync on this rank (the header carries it)
 _FRESH, _SYNCED, _OBSERVED_SINCE = 0, 1, 2
+_FAILED = 1 << 32  # in the plan check: the local part failed here (above any crc32)
 
 
 def _identity(op: Op, dtype: torch.dtype):
@@ -55,6 +58,8 @@ def _plan(obs) -> list:
     try:
         plan = obs.sync_plan()
     except NotImplementedError:
+        if _declares_plan(obs):
+            raise  # the observer's own reason (e.g. grid='first' histograms)
         raise NotImplementedError(
             f"{type(obs).__name__}: the observer does not declare how its state syncs "
             f"across processes; implement sync_plan() (formerly _sync_plan) returning "
@@ -67,6 +72,14 @@ def _plan(obs) -> list:
             raise TypeError(f"{type(obs).__name__}.sync_plan(): expected (buffer, Op) pairs "
                             f"or CustomSync objects, got {it!r}")
     return items
+
+
+def _declares_plan(obs) -> bool:
+    """Whether the observer's class overrides :meth:`Observer.sync_plan` (told by name:
+    base imports this module, which cannot import it back)."""
+    f = getattr(type(obs), "sync_plan", None)
+    return (getattr(f, "__module__", None), getattr(f, "__qualname__", None)) \
+        != (f"{__package__}.base", "Observer.sync_plan")
 
 
 def _names(plan) -> list[str]:
@@ -88,19 +101,39 @@ def _decode_shape(row) -> tuple[int, ...]:
     return tuple(int(v) for v in row[1:1 + int(row[0])])
 
 
-def _check_same_plans(observers, plans, dev, group) -> None:
+def _signature(observers, plans) -> str:
+    """What every rank must agree on, per observer: its class, spec and bins (they give the
+    state its meaning: a histogram of |x| or of x, a format's range) and its plan, each
+    buffer with its reduction and each custom sync with its settings (``absolute``)."""
+    def item(it):
+        if isinstance(it, CustomSync):  # its plain settings (no object reprs: ids differ)
+            return type(it).__name__, tuple(it.names), sorted(
+                (k, v) for k, v in vars(it).items() if isinstance(v, (bool, int, float, str)))
+        return it[0], it[1].value
+
+    return repr([(type(o).__name__, str(getattr(o, "spec", None)), getattr(o, "bins", None),
+                  [item(it) for it in p]) for o, p in zip(observers, plans)])
+
+
+def _check_same_plans(observers, plans, local: LocalError, dev, group) -> None:
     """One tiny all_reduce: every rank must sync the same observers with the same plans
-    (else the header all_gather would mismatch); a difference raises on every rank."""
-    text = repr([(type(o).__name__, _names(p)) for o, p in zip(observers, plans)])
-    sig = zlib.crc32(text.encode())
+    (else the header all_gather would mismatch); a difference raises on every rank. It also
+    carries whether the local part (``local``: plans, header) failed on a rank: then every
+    rank raises that error (:func:`~quantscope.comm.raise_on_all`), no rank waits."""
+    failed = local.error is not None
+    sig = _FAILED if failed else zlib.crc32(_signature(observers, plans).encode())
     t = torch.tensor([len(observers), -len(observers), sig, -sig], dtype=torch.int64,
                      device=dev)
     all_reduce(t, dist.ReduceOp.MAX, group)
-    if int(t[0]) != -int(t[1]) or int(t[2]) != -int(t[3]):
+    raise_on_all(local.error, int(t[2]) >= _FAILED, "sync", group, same_type=True)
+    if int(t[0]) != -int(t[1]):
         raise ValueError(f"sync: the ranks sync different observers ({len(observers)} here, "
-                         f"between {-int(t[1])} and {int(t[0])} on the ranks) or different "
-                         f"state; every rank must pass the same observers in the same order")
-
+                         f"between {-int(t[1])} and {int(t[0])} on the ranks); every rank must "
+                         f"pass the same observers in the same order")
+    if int(t[2]) != -int(t[3]):
+        raise ValueError("sync: the ranks sync different observers (their classes, specs, bins "
+                         "or sync plans differ); every rank must pass the same observers, "
+                         "configured alike, in the same order")
 
 
 # ------------------------------------------------------------------------ full sync
@@ -116,15 +149,22 @@ def sync_observers(observers: Iterable, group=None) -> None:
     alone, and one observed further counts only what each rank added since (min / max are
     idempotent; the counters sum the ranks' increments). A histogram observed after its
     sync raises: its counts would be counted once per rank (sync once, after the last batch).
+
+    An error of the local part on one rank (a plan, e.g. a histogram folding its last
+    batches into its average; a header) raises on every rank: the failing rank its own, the
+    others the same exception type and message, naming the failing ranks.
     """
     observers = list(observers)
     reset_stats()
     if not observers or not is_distributed(group):
         return
     dev = group_device(group)
-    plans = [_plan(o) for o in observers]
-    _check_same_plans(observers, plans, dev, group)
-    allh = _exchange_headers(observers, plans, dev, group)
+    plans = header = None
+    with LocalError() as local:  # local steps: an error on one rank raises on every rank
+        plans = [_plan(o) for o in observers]
+        header = _header(observers, plans, dev)
+    _check_same_plans(observers, plans, local, dev, group)
+    allh = all_gather(header, group).cpu().tolist()  # plain Python: cheap decisions
     me = dist.get_rank(group)
     work = _decide(observers, plans, allh, me)
     extra = _sync_customs(work, dev, group)
@@ -140,10 +180,9 @@ def _mark_synced(obs) -> None:
     obs._synced = {n: getattr(obs, n).clone() for n in _COUNTERS}
 
 
-def _exchange_headers(observers, plans, dev, group) -> list[list[int]]:
-    """1. one all_gather of every rank's header: ``[has_observed, seen_non_finite,
-    step_synced, state since the last sync, last shape, shape per buffer]`` per observer;
-    ``[world][L]`` ints."""
+def _header(observers, plans, dev) -> torch.Tensor:
+    """1. this rank's header, all_gathered: ``[has_observed, seen_non_finite, step_synced,
+    state since the last sync, last shape, shape per buffer]`` per observer; int64."""
     rows, at, since = [], [], []
     for obs, plan in zip(observers, plans):
         seen = obs.has_observed
@@ -157,7 +196,7 @@ def _exchange_headers(observers, plans, dev, group) -> list[list[int]]:
     header = torch.tensor(rows, dtype=torch.int64, device=dev)
     if at:
         header[at] = torch.stack(since).to(torch.int64) + _SYNCED
-    return all_gather(header, group).cpu().tolist()  # plain Python: cheap decisions
+    return header
 
 
 def _decide(observers, plans, allh, me) -> list[tuple]:
