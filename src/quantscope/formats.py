@@ -104,7 +104,9 @@ class FloatFormat:
     ``max`` is the largest finite value (it encodes the format's NaN / inf
     convention: e4m3fn has no inf and gives up one mantissa code to NaN, so its
     max is 448 rather than 480). Below ``2 ** min_exp`` values are subnormal:
-    spaced ``2 ** (min_exp - mbits)`` apart down to zero.
+    spaced ``2 ** (min_exp - mbits)`` apart down to zero. :meth:`round` builds that step as
+    a normal float32, so a format needs ``min_exp - mbits >= -126`` (ebits up to 7; 8 with
+    mbits 0 only): a bfloat16-like e8m7 raises ``ValueError``.
     """
 
     name: str
@@ -115,6 +117,28 @@ class FloatFormat:
 
     is_float = True
     signed = True
+
+    def __post_init__(self):
+        for name in ("ebits", "mbits"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(  # noqa: TRY004 (every invalid field is a ValueError)
+                    f"FloatFormat.{name} must be an integer, got {v!r}")
+        if self.ebits < 1 or self.mbits < 0:
+            raise ValueError(f"FloatFormat: need ebits >= 1 and mbits >= 0, got ebits="
+                             f"{self.ebits}, mbits={self.mbits}")
+        # round's step 2 ** (e - mbits) is built as a normal float32 (as in the C kernels)
+        if self.min_exp - self.mbits < -126:
+            raise ValueError(
+                f"FloatFormat {self.name!r}: the smallest step 2 ** (min_exp - mbits) = "
+                f"2 ** {self.min_exp - self.mbits} (ebits={self.ebits}, mbits={self.mbits}) "
+                f"must be a normal float32 (at least 2 ** -126), as round and the C kernels "
+                f"build it: use fewer ebits or mbits")
+        # round clamps float32 values at max: it must be a finite float32 itself
+        if isinstance(self.max, bool) or not isinstance(self.max, (int, float)) \
+                or not 0 < self.max <= torch.finfo(torch.float32).max:
+            raise ValueError(f"FloatFormat.max must be a positive finite number float32 holds "
+                             f"(the largest finite value), got {self.max!r}")
 
     @property
     def bias(self) -> int:

@@ -38,7 +38,9 @@ class QuantSpec:
             a block whose scale rounds to 0, so an e4m3 value (default 0.125, fp8's eps, as
             compressed-tensors); E8M0 scales (MX) take none (an all-zero block gets 2**-127).
         quant_min, quant_max: a narrower integer code range than the format's
-            (torch.ao's ``reduce_range`` or custom ranges).
+            (torch.ao's ``reduce_range`` or custom ranges); it must include 0 (the zero
+            point is a code), and block scales (E8M0) take no narrower one: their exponent
+            is sized for the format's full range.
     """
 
     format: Format | str = "int8"
@@ -89,20 +91,36 @@ class QuantSpec:
             raise ValueError(f"QuantSpec.eps: with fp8 block scales it is the e4m3 scale of a "
                              f"block whose scale rounds to 0: need an e4m3 value in (0, 448] "
                              f"(default 0.125), got {self.eps!r}")
+        self._check_code_range(fmt, scale)
+
+    def _check_code_range(self, fmt: Format, scale: ScaleEncoding) -> None:
+        """quant_min / quant_max: integers, a sub-range of an integer format's codes that
+        holds 0, and narrower only without a block scale (its exponent comes from emax)."""
         for name in ("quant_min", "quant_max"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"QuantSpec.quant_min/quant_max: need integers or None, got "
                                  f"{name}={v!r}")
-        if self.quant_min is not None or self.quant_max is not None:
-            if not isinstance(fmt, IntFormat):
-                raise ValueError(
-                    f"QuantSpec.quant_min/quant_max apply to integer formats only, got {fmt.name}")
-            lo, hi = self.qmin, self.qmax
-            if not (fmt.qmin <= lo < hi <= fmt.qmax) or int(lo) != lo or int(hi) != hi:
-                raise ValueError(
-                    f"QuantSpec.quant_min/quant_max: need integers with {fmt.qmin} <= quant_min "
-                    f"< quant_max <= {fmt.qmax} for {fmt.name}, got [{lo}, {hi}]")
+        if self.quant_min is None and self.quant_max is None:
+            return
+        if not isinstance(fmt, IntFormat):
+            raise ValueError(  # noqa: TRY004 (issue 2: every invalid field is a ValueError)
+                f"QuantSpec.quant_min/quant_max apply to integer formats only, got {fmt.name}")
+        lo, hi = self.qmin, self.qmax
+        if not (fmt.qmin <= lo < hi <= fmt.qmax) or int(lo) != lo or int(hi) != hi:
+            raise ValueError(
+                f"QuantSpec.quant_min/quant_max: need integers with {fmt.qmin} <= quant_min "
+                f"< quant_max <= {fmt.qmax} for {fmt.name}, got [{lo}, {hi}]")
+        # the zero point must be a code (torch.ao: "range must include 0")
+        if not lo <= 0 <= hi:
+            raise ValueError(f"QuantSpec.quant_min/quant_max: the code range must include 0 "
+                             f"(quant_min <= 0 <= quant_max), got [{lo}, {hi}]")
+        # an E8M0 exponent is sized for the format's full range (emax): a narrower one clips
+        if scale.is_block and (lo, hi) != (fmt.qmin, fmt.qmax):
+            raise ValueError(
+                f"QuantSpec.quant_min/quant_max: block scale {scale} sizes its exponent from "
+                f"{fmt.name}'s full range (emax {fmt.emax}) and cannot honour a narrower code "
+                f"range; drop quant_min/quant_max or use a smaller format, got [{lo}, {hi}]")
 
     @property
     def qmin(self) -> float:

@@ -574,3 +574,46 @@ def test_percentile_on_all_zero_data_as_quark(dtype, symmetric):
     for a, b in zip(ours._calculate_qparams(), want, strict=True):
         assert a.dtype == b.dtype, (a.dtype, b.dtype)
         same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("kw", [{"dtype": "mx", "mx_element_dtype": "int8"},
+                                {"dtype": "int8", "scale_format": "e8m0", "symmetric": True},
+                                {"dtype": "mx", "mx_element_dtype": "fp8_e4m3"}],
+                         ids=["mx-int8", "int8-e8m0", "mx-fp8"])
+def test_per_block_mx_observer_refuses_what_quark_refuses(kw):
+    """Quark asserts fp4 / fp6 / fp8 dtypes; ours refuses the integer elements alike (an
+    AssertionError) and takes Quark's MX dtype with a float element (Quark's older form)."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    from quark.torch.quantization.config.type import Dtype
+    from quark.torch.quantization.observer import observer as qo
+
+    kw = {**kw, "mx_element_dtype": Dtype(kw["mx_element_dtype"])} if "mx_element_dtype" in kw \
+        else kw
+    c = quark_cfg(observer_cls=qo.PerBlockMXObserver, qscheme="per_group", group_size=32,
+                  ch_axis=-1, **kw)
+    with pytest.raises(AssertionError):
+        qo.PerBlockMXObserver(c)
+    if kw["dtype"] == "mx" and kw["mx_element_dtype"] == Dtype.fp8_e4m3:
+        assert quark.PerBlockMXObserver(c).spec.format.name == "fp8_e4m3"
+    else:
+        with pytest.raises(AssertionError, match="float elements only"):
+            quark.PerBlockMXObserver(c)
+
+
+@pytest.mark.peers
+def test_mxint8_even_rounds_6_fraction_bits_where_quark_rounds_8():
+    """The documented difference: on int8 elements Quark's even_round keeps 8 fraction bits
+    (get_dtype_params), quantscope's rule 6 (OCP MXINT8's 1.6); on float ones they agree."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    from quark.torch.quantization.utils import even_round
+
+    from quantscope.formats import get_format
+    from quantscope.scales import e8m0_scale
+
+    amax = torch.tensor([1.9921875, 1.999])  # 1 + 127/128 rounds up on 6 bits, not on 8
+    # Quark's int8 emax is 0 (its shared exponent; ours is that over the codes' 2 ** 6)
+    ours = e8m0_scale(amax, get_format("int8_narrow"), "even") * 64
+    assert ours.tolist() == [2.0, 2.0] and even_round(amax, "int8").tolist() == [1.0, 2.0]
+    assert torch.equal(e8m0_scale(amax, get_format("fp8_e4m3"), "even"),
+                       even_round(amax, "fp8_e4m3"))

@@ -196,3 +196,39 @@ def test_inplace_rounding_gives_the_same_values(f):
     y = x.clone()
     out = f.round(y, inplace=True)
     assert torch.equal(out, expect) and out.data_ptr() == y.data_ptr()  # y itself, rounded
+
+
+# probing: an e8m7 (bfloat16-like) FloatFormat was accepted, and its subnormal step
+# 2 ** (min_exp - mbits) = 2 ** -133 is no normal float32: small inputs came out NaN or 0
+@pytest.mark.parametrize("args,match", [
+    (("bf16like", 8, 7, 3.3895313892515355e38),
+     r"FloatFormat 'bf16like': .*2 \*\* -133 .*must be a normal float32"),
+    (("e9m0", 9, 0, 1.0), r"2 \*\* -254 .*normal float32"),
+    (("e0m3", 0, 3, 1.0), r"need ebits >= 1 and mbits >= 0"),
+    (("e2m-1", 2, -1, 1.0), r"need ebits >= 1 and mbits >= 0"),
+    (("x", 2.0, 1, 6.0), r"FloatFormat\.ebits must be an integer"),
+    (("x", 2, True, 6.0), r"FloatFormat\.mbits must be an integer"),
+    (("x", 2, 1, 0.0), r"FloatFormat\.max must be a positive finite number"),
+    (("x", 2, 1, float("inf")), r"FloatFormat\.max must be a positive finite number"),
+    (("x", 8, 0, 2.0 ** 128), r"FloatFormat\.max must be a positive finite number float32"),
+    (("x", 2, 1, float("nan")), r"FloatFormat\.max must be a positive finite number"),
+])
+def test_float_format_outside_the_roundings_construction_raises(args, match):
+    with pytest.raises(ValueError, match=match):
+        FloatFormat(*args)
+
+
+@pytest.mark.parametrize("ebits, mbits", [(7, 3), (8, 0), (6, 9)])
+def test_float_formats_at_the_edge_round_to_their_table(ebits, mbits):
+    """min_exp - mbits = -65, -126 and -39: still built, and every value (subnormals down to
+    the smallest step included) maps to itself, every midpoint to its even neighbour (with
+    mbits 0 every mantissa field is 0: no tie rule to check)."""
+    f = FloatFormat(f"e{ebits}m{mbits}", ebits, mbits, 2.0 ** (2 ** (ebits - 1) - 1))
+    values, even = value_table(f)
+    values, even = values[: values.index(f.max) + 1], even[: values.index(f.max) + 1]
+    t = torch.tensor(values)
+    assert t[1].item() == 2.0 ** (1 - f.bias - mbits) > 0  # the smallest step, exact
+    assert torch.equal(f.round(torch.cat([t, -t])), torch.cat([t, -t]))
+    lo, hi = t[:-1], t[1:]
+    expect = torch.where(torch.tensor(even[:-1]), lo, hi)
+    assert mbits == 0 or torch.equal(f.round((lo + hi) / 2), expect)

@@ -29,6 +29,18 @@ from quantscope.scales import ScaleEncoding
     ({"format": "uint4", "quant_min": -1}, r"QuantSpec\.quant_min/quant_max.*uint4"),
     ({"quant_min": -10.5}, r"QuantSpec\.quant_min/quant_max: need integers"),
     ({"format": "fp8", "quant_max": 100}, r"integer formats only"),
+    # probing: a range without 0 was accepted and its zero point fell outside it (torch.ao:
+    # "Used-specified quantization range must include 0.")
+    ({"quant_min": -100, "quant_max": -1},
+     r"QuantSpec\.quant_min/quant_max: the code range must include 0 .*\[-100, -1\]"),
+    ({"quant_min": 1, "quant_max": 100, "symmetric": False}, r"must include 0"),
+    ({"format": "uint8", "quant_min": 1, "symmetric": False}, r"must include 0 .*\[1, 255\]"),
+    # probing: an E8M0 block scale sized its exponent for int8's full range (emax 6) and
+    # silently clipped every code past a narrower quant_max
+    ({"format": "int8", "layout": "block:4", "scale": "e8m0:floor", "quant_min": -64,
+      "quant_max": 63}, r"QuantSpec\.quant_min/quant_max: block scale e8m0:floor .*\(emax 6\)"),
+    ({"format": "int8_narrow", "layout": "block:32", "scale": "e8m0:even", "quant_max": 100},
+     r"block scale e8m0:even .*narrower code range"),
     ({"eps": 0.0}, r"QuantSpec\.eps must be a positive number"),
     ({"eps": -1e-3}, r"QuantSpec\.eps"),
     ({"eps": "small"}, r"QuantSpec\.eps"),
@@ -113,3 +125,14 @@ def test_specs_and_recipes_are_named_apart_and_old_names_stay():
     # the same name may be a spec and a recipe (nvfp4): the table says which it is
     assert isinstance(presets.SPECS["nvfp4"], QuantSpec)
     assert isinstance(C.RECIPES["nvfp4"]("minmax"), C.Rule)
+
+
+def test_code_ranges_that_hold_0_and_full_block_ranges_stay_accepted():
+    # 0 at an end of the range (torch.ao's quint8 reduce_range [0, 127]) is a code
+    assert QuantSpec("uint8", symmetric=False, quant_min=0, quant_max=127).qmin == 0
+    assert QuantSpec("int8", quant_min=0, quant_max=127).qmax == 127
+    # a power-of-two scale is computed from the range (amax / ((qmax - qmin) / 2)): kept
+    assert QuantSpec("int8", scale="pow2:ceil", quant_min=-64, quant_max=63).qmax == 63
+    # an E8M0 spec given its format's own range is the spec without one
+    mx = QuantSpec("int8_narrow", Block(32), scale="e8m0", quant_min=-127, quant_max=127)
+    assert (mx.qmin, mx.qmax) == (presets.MXINT8.qmin, presets.MXINT8.qmax)

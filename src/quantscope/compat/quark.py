@@ -12,7 +12,11 @@ Scales follow Quark's ``get_scale``: float32 divides by ``quant_max_first_level 
 when the first level is set (the second stage of a two-level scheme), e4m3 is Quark's two-level
 NVFP4 rounding, e5m3 rounds to Quark's unsigned E5M3 (:data:`FP8_E5M3`), e8m0 'floor' / 'ceil'
 are Quark's formulas (:func:`quark_e8m0_scale`: eps for a zero block), e8m0 'even' the native
-MX rule (bitwise Quark's ``even_round``). Integer ranges go through the native qparams, which
+MX rule (bitwise Quark's ``even_round`` for float elements, the only ones Quark's
+``PerBlockMXObserver`` takes: an integer element raises :class:`UnsupportedElementError`, an
+``AssertionError`` as Quark's; for int8 elements quantscope's rule rounds the block max to the
+element's 6 fraction bits, OCP MXINT8's 1.6 layout, where Quark's ``fake_quantize_mx`` rounds
+to 8). Integer ranges go through the native qparams, which
 match Quark's ``calculate_int_quant_params`` bit for bit on float32 input; as there, a
 symmetric range has zero point 0, unsigned formats too. NaN / inf raise a ``ValueError``
 naming the observer at ``calculate_qparams()`` on every scale rule; so does an asymmetric
@@ -51,9 +55,11 @@ from ..layout import Group
 from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
 from ..observers.minmax import PlaceholderObserver as _NativePlaceholder
 from ..observers.registry import register
+from . import enum_name
 from .quark_base import (
     FP8_E5M3,
     QuarkObserver,
+    UnsupportedElementError,
     _quark_int_default,
     quark_e8m0_scale,
     quark_float_scale,
@@ -80,6 +86,7 @@ __all__ = [
     "PlaceholderObserver",
     "QuarkObserver",
     "UniformScalingObserver",
+    "UnsupportedElementError",
     "quark_e8m0_scale",
     "quark_float_scale",
     "quark_spec",
@@ -233,7 +240,18 @@ class _BlockAmax(_DynamicOrStatic):
 @register("quark:PerBlockMXObserver")
 class PerBlockMXObserver(_BlockAmax):
     """Per-block absmax (``amax``, ``(rows, blocks)``); the scale by ``scale_format``: E8M0
-    by ``scale_calculation_mode`` (MX, the native rule), else Quark's float32 / e4m3 / e5m3."""
+    by ``scale_calculation_mode`` (MX, the native rule), else Quark's float32 / e4m3 / e5m3.
+    Float elements only, as Quark's: an integer one (MXINT8) raises
+    :class:`UnsupportedElementError`, an ``AssertionError`` as Quark's."""
+
+    def __init__(self, qspec, device: torch.device | None = None, **native):
+        super().__init__(qspec, device, **native)
+        if not self.spec.is_float:  # Quark asserts fp4 / fp6 / fp8 elements
+            raise UnsupportedElementError(
+                f"{type(self).__name__}: Quark's PerBlockMXObserver takes float elements only "
+                f"(fp4, fp6_e2m3, fp6_e3m2, fp8_e4m3, fp8_e5m2), got {self.spec.format.name} "
+                f"(dtype {enum_name(self.dtype)!r}); MXINT8 runs natively "
+                f"(quantscope.presets.MXINT8), BFP16 as PerBlockBFPObserver")
 
     def _calculate_qparams(self):
         fmt = self.scale_format or "e8m0"

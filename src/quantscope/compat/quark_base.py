@@ -12,7 +12,8 @@ from ..scales import e8m0_scale
 from ..spec import QuantSpec
 from . import enum_name, field
 
-__all__ = ["FP8_E5M3", "QuarkObserver", "quark_e8m0_scale", "quark_float_scale", "quark_spec"]
+__all__ = ["FP8_E5M3", "QuarkObserver", "UnsupportedElementError", "quark_e8m0_scale",
+           "quark_float_scale", "quark_spec"]
 
 #: Quark's unsigned E5M3 (bias 15, subnormals down to 2 ** -17, largest 1.75 * 2 ** 16: the
 #: top code is not a number): the scale format of AMD's FP4 and of its second-level scales
@@ -24,6 +25,11 @@ _FLOAT = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp6_e3m2": "fp6_e3m2"
           "fp6_e2m3": "fp6_e2m3", "fp4": "fp4_e2m1", "fp8_e5m3": FP8_E5M3}
 _CAST = {"float16", "bfloat16"}
 _SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class UnsupportedElementError(ValueError, AssertionError):
+    """An element dtype Quark's ``PerBlockMXObserver`` refuses (an integer one): an
+    ``AssertionError`` as Quark's, and a ``ValueError`` as quantscope's bad-argument errors."""
 
 
 def quark_spec(qspec) -> QuantSpec:
@@ -258,7 +264,7 @@ class QuarkObserver:
                                      first_level=self.quant_max_first_level,
                                      dtype=self.scale_torch_dtype)
         mode = self.scale_calculation_mode or "even"
-        if mode == "even":  # Quark's even_round is the native rule, bit for bit
+        if mode == "even":  # the native rule: Quark's even_round bit for bit on float elements
             return e8m0_scale(amax, self.spec.format, "even")
         return quark_e8m0_scale(amax, self.spec.format.emax, mode, eps=eps)
 
