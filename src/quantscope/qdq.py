@@ -115,7 +115,9 @@ def _saturate(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     finite value when ``amax`` is near it (65504 in float16, float32's max). Such values
     saturate at that max, as the float formats' own rounding does, rather than become inf.
     """
-    fmax = torch.finfo(dtype).max if dtype.is_floating_point else torch.finfo(t.dtype).max
+    fmax = torch.finfo(t.dtype).max  # float64's max is not a float32 bound: float32's is
+    if dtype.is_floating_point:
+        fmax = min(fmax, torch.finfo(dtype).max)
     return t.clamp_(-fmax, fmax)
 
 
@@ -167,8 +169,11 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     With ``ste=True`` the result carries a straight-through gradient for
     quantization-aware training: ``d out / d x`` is 1 where ``x`` lies inside the
     quantizer's range and 0 where it was clipped. For integers "inside" means the
-    rounded code is in ``[qmin, qmax]``, exactly ``torch.ao``'s FakeQuantize mask;
-    for float formats ``|x / scale| <= max``. ``check`` as in :func:`quantize`.
+    rounded code ``round(x / scale + zero_point)``, before clamping, is in ``[qmin, qmax]``:
+    ``torch.ao``'s FakeQuantize rule, on quantscope's own rounding, which divides by the
+    scale where torch.ao multiplies by its reciprocal (so where ``x / scale`` lands on a
+    rounding tie the two masks can differ at the range's ends); for float formats
+    ``|x / scale| <= max``. ``check`` as in :func:`quantize`.
     """
     _check_input(x, "fake_quantize")
     if check:

@@ -147,6 +147,21 @@ def test_low_precision_inputs_equal_float32_of_the_same_values(name, dtype):
     assert dequantize(quantize(x, q, spec), q, spec, dtype=dtype).dtype == dtype
 
 
+@pytest.mark.parametrize("name", ["int8-channel", "int4-g128-asym", "fp8", "mxfp4", "nvfp4",
+                                  "int8-token"])
+def test_float64_inputs_equal_float32_of_the_same_values(name):
+    """Computed in float32 as every dtype (float64's max was the saturation bound: a float32
+    clamp cannot hold it and raised)."""
+    spec = SPECS[name]
+    x = torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    q = observe(x.float(), spec)
+    out = fake_quantize(x, q, spec)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, fake_quantize(x.float(), q, spec).double())
+    deq = dequantize(quantize(x, q, spec), q, spec, dtype=torch.float64)
+    assert deq.dtype == torch.float64 and torch.equal(deq, out)
+
+
 @pytest.mark.parametrize("spec", [QuantSpec("int8", symmetric=False), QuantSpec("int4", Group(8)),
                                   presets.FP8_PER_CHANNEL, presets.MXFP4], ids=str)
 def test_ste_gradient_is_one_inside_and_zero_where_clipped(spec):
