@@ -23,7 +23,9 @@ quantization (GPTQ / AWQ checkpoints, compressed-tensors) defines groups to
 tile the axis exactly and a ragged last group has no agreed scale position.
 Blocks and tiles are padded with zeros instead, as MX / NVFP4 and
 block-wise fp8 define: zero is always representable, so padding never moves a
-range or adds error.
+range or adds error. Statistics that count values take the padding back out
+(:meth:`Layout.padded_parts`: histogram observers see a padded unit as its real
+values alone).
 """
 
 from __future__ import annotations
@@ -113,6 +115,15 @@ class Layout:
     def pads(self) -> bool:
         """Whether units may carry zero padding beyond the tensor's values."""
         return False
+
+    def padded_parts(self, units: torch.Tensor, shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The units of ``units = to_units(x)`` (``x.shape == shape``) that carry padding, in
+        groups of one real length: ``(indices [P] on units' device, real values [P, E'])``,
+        each unit holding ``E - E'`` padding zeros; ``[]`` when none does. Read from the
+        shape alone (no host sync): statistics that count values (histograms) take the
+        padding out with it.
+        """
+        return []
 
 
 @dataclass(frozen=True)
@@ -241,6 +252,14 @@ class _Segments(Layout):
     def pads(self):
         return self._pad
 
+    def padded_parts(self, units, shape):
+        _, n, count = self._geometry(shape)
+        real = n - (count - 1) * self.size  # the last segment of every line holds the padding
+        if real == self.size:
+            return []
+        idx = torch.arange(count - 1, units.shape[0], count, device=units.device)
+        return [(idx, units.reshape(-1, count, self.size)[:, -1, :real])]
+
 
 @dataclass(frozen=True)
 class Group(_Segments):
@@ -357,6 +376,20 @@ class Tile(Layout):
     @property
     def pads(self):
         return True
+
+    def padded_parts(self, units, shape):
+        r, c, rt, ct = self._geometry(shape)
+        rv, cv = r - (rt - 1) * self.rows, c - (ct - 1) * self.cols  # the edge tiles' real sizes
+        if rv == self.rows and cv == self.cols:
+            return []
+        u = units.reshape(-1, rt, ct, self.rows, self.cols)
+        tiles = torch.arange(units.shape[0], device=units.device).view(-1, rt, ct)
+        parts = [(tiles[:, -1, -1], u[:, -1, -1, :rv, :cv])]  # the corner
+        if cv < self.cols and rt > 1:  # the last tile column above it
+            parts.append((tiles[:, :-1, -1], u[:, :-1, -1, :, :cv]))
+        if rv < self.rows and ct > 1:  # the last tile row left of it
+            parts.append((tiles[:, -1, :-1], u[:, -1, :-1, :rv, :]))
+        return [(i.reshape(-1), v.reshape(i.numel(), -1)) for i, v in parts]
 
 
 def parse_layout(value: str | Layout) -> Layout:

@@ -22,10 +22,14 @@ every candidate in one pass and select in one op (any norm, ``compat`` included)
 
 Selection rules (all evaluated on ``[U]`` vectors, candidate by candidate):
 
-* ``per_unit_patience=True`` (native): a unit stops after ``patience``
-  consecutive candidates that did not improve it; candidates whose encoded
-  qparams equal the previous candidate's do not count (an E8M0 or fp8 scale is
-  flat over many factors, and a plateau is not evidence the search is done).
+* ``per_unit_patience=True`` (native): a unit stops once it has had ``patience``
+  consecutive candidates that did not improve it (candidates whose encoded
+  qparams equal the previous candidate's do not count: an E8M0 or fp8 scale is
+  flat over many factors, and a plateau is not evidence the search is done)
+  *and* the global rule below has stopped: a unit never stops before
+  llm-compressor would stop it, so while other units of the tensor still improve
+  it goes on, and its result can depend on them. Past the grid (``extend_to``)
+  only its own patience counts.
 * ``per_unit_patience=False`` (llm-compressor): the search stops after
   ``patience`` consecutive candidates that improved no unit at all.
 * ``tie="first"`` keeps the earliest best (strict ``<``); ``"last"`` the latest (``<=``, Horizon).

@@ -50,6 +50,7 @@ from ..qparams import amax_of_range
 from ..stats import hist_kernel
 from ..stats import histogram as H
 from ..stats.histogram_sync import HistogramSync
+from ..stats.minmax import padded_minmax_
 from .base import Observer
 from .registry import register
 
@@ -110,10 +111,10 @@ class HistogramObserverBase(Observer):
         self.register_buffer("linear_grid", torch.zeros((), dtype=torch.bool))
         self.register_buffer("pending", torch.zeros((), dtype=torch.int64))
         self._pending = 0  # a Python mirror of ``pending``: forward never reads it back
-        # [(units, their contiguous copy, the fused pass's state or None)] from _unit_minmax,
-        # for _observe (a list: assigning a module attribute goes through
-        # nn.Module.__setattr__, a few us every batch)
-        self._pass = [None]
+        # [(units, their contiguous copy, the fused pass's state or None, their padded parts)]
+        # from _unit_minmax, for _observe, and the shape forward read (a list: assigning a
+        # module attribute goes through nn.Module.__setattr__, a few us every batch)
+        self._pass = [None, None]
 
     def _sized_buffers(self):
         return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi")
@@ -158,14 +159,20 @@ class HistogramObserverBase(Observer):
                 f"of histograms (limit {self.max_hist_bytes / 2**30:.1f} GiB: max_hist_bytes); "
                 f"use a coarser layout or fewer bins")
 
+    def forward(self, x):
+        self._pass[1] = getattr(x, "shape", None)  # which units are padded (_padding)
+        return super().forward(x)
+
     def _unit_minmax(self, units, count, ends):
         self._check_size(count)
         # one read of the batch for a one-unit histogram: the min / max and the histogram
         # update together (stats.hist_kernel.fused_update); strided units (a channel axis
         # that is not the first) copied once for both passes. Kept for _observe.
         self._pass[0] = None
-        if self.sync_every_step:  # step_sync hands _observe other units
-            return super()._unit_minmax(units, count, ends)
+        if self.sync_every_step:  # step_sync hands _observe other units (across ranks)
+            lo, hi = super()._unit_minmax(units, count, ends)
+            self._pass[0] = (units, units, None, self._padding(units, lo, hi))
+            return lo, hi
         dense = units
         if units.device.type == "cpu" and not units.is_contiguous():
             dense = units.contiguous()
@@ -180,14 +187,21 @@ class HistogramObserverBase(Observer):
             new = H.HistState(*state)
         else:
             lo, hi = super()._unit_minmax(dense, count, ends)
-        self._pass[0] = (units, dense, new)
+        self._pass[0] = (units, dense, new, self._padding(dense, lo, hi))
         return lo, hi
 
+    def _padding(self, units, lo, hi):
+        """The padded parts of ``units`` (``Layout.padded_parts``); a padded unit's ``lo`` /
+        ``hi`` become its real values' (the padding zeros are no data), in place."""
+        shape, layout = self._pass[1], self.spec.layout
+        parts = layout.padded_parts(units, shape) if layout.pads and shape is not None else []
+        return padded_minmax_(parts, lo, hi)
+
     def _observe(self, units, lo, hi):
-        fused = None
+        fused, parts = None, []
         stash, self._pass[0] = self._pass[0], None
         if stash is not None and stash[0] is units:
-            _, units, fused = stash
+            _, units, fused, parts = stash
         U = units.shape[0]
         if self.min_vals.shape[0] != U:
             self.min_vals, self.max_vals = lo.clone(), hi.clone()
@@ -199,19 +213,18 @@ class HistogramObserverBase(Observer):
         if self.hist_counts.shape[0] != U:  # after an EMA step reset
             self._set_state(H.empty_state(U, self.bins, units.device))
         if fused is None and self._linear:
-            self._observe_linear(units, lo, hi)
+            self._observe_linear(units, lo, hi, parts)
         else:  # fused: the update already ran in _unit_minmax
             self._set_state(fused if fused is not None else
                             H.update(self._state(), units, lo, hi, self._absolute))
-            if self.skip_zeros:
-                self._drop_zeros(units, -self.hist_first)
+            self._drop_zeros(units, parts)
         if self.averaging_constant is not None:
             self.pending += 1
             self._pending += 1
             if self._pending % self.update_interval == 0:
                 self._ema_step()
 
-    def _observe_linear(self, units, lo, hi):
+    def _observe_linear(self, units, lo, hi, parts):
         if self._absolute:
             lo, hi = torch.zeros_like(hi), torch.maximum(lo.abs(), hi.abs())
             units = units.abs()
@@ -220,14 +233,10 @@ class HistogramObserverBase(Observer):
         elif bool(((lo < self.hist_lo) | (hi > self.hist_hi)).any()):
             self._leave_linear(lo, hi)
             self._set_state(H.update(self._state(), units, lo, hi, self._absolute))
-            if self.skip_zeros:
-                self._drop_zeros(units, -self.hist_first)
+            self._drop_zeros(units, parts)
             return
         self.hist_counts += H.linear_counts(units, self.hist_lo, self.hist_hi, self.bins)
-        if self.skip_zeros:
-            span = self.hist_hi - self.hist_lo
-            zb = ((0 - self.hist_lo) * self.bins / span).trunc().clamp(0, self.bins - 1)
-            self._drop_zeros(units, zb.long())
+        self._drop_zeros(units, parts, linear=True)
 
     def _leave_linear(self, lo, hi):
         # one approximate step: each first-grid bin moves to the native bin of its centre
@@ -241,10 +250,19 @@ class HistogramObserverBase(Observer):
         self._set_state(H.HistState(counts, e, first, glo, ghi))
         self.linear_grid.fill_(False)
 
-    def _drop_zeros(self, units, zero_bin):
-        zeros = (units == 0).sum(1)
-        self.hist_counts.scatter_add_(1, zero_bin.clamp(0, self.bins - 1)[:, None],
-                                      -zeros[:, None])
+    def _drop_zeros(self, units, parts, linear=False):
+        """Take zeros back out of the histogram just updated with ``units``: all of them
+        (``skip_zeros``), else the padding's (``parts``, :meth:`_padding`)."""
+        n = (units == 0).sum(1) if self.skip_zeros else H.padding_zeros(units, parts)
+        if n is None:
+            return
+        if linear:  # the bin histc counted a zero in, if any (0 may lie outside the grid)
+            hit = H.linear_counts(units.new_zeros(units.shape[0], 1), self.hist_lo,
+                                  self.hist_hi, self.bins)
+            n, zero_bin = n * hit.sum(1), hit.argmax(1)
+        else:
+            zero_bin = -self.hist_first  # floor(0 * 2 ** -e) - first
+        self.hist_counts.scatter_add_(1, zero_bin.clamp(0, self.bins - 1)[:, None], -n[:, None])
 
     def _ema_step(self):
         lo, hi = self._estimated()

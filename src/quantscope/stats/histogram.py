@@ -48,6 +48,7 @@ __all__ = [
     "grid_first",
     "linear_counts",
     "merge",
+    "padding_zeros",
     "pow2",
     "rebin",
     "update",
@@ -211,6 +212,18 @@ def _bin(t, first, bins, absolute):
         t.abs_()  # |x| * 2**-e == |x * 2**-e|: exact, and no extra copy of the data
     # NaN (non-finite input, reported by the observer later) to bin 0: a defined index
     return t.floor_().sub_(first).clamp_(0, bins - 1).nan_to_num_(0.0).to(torch.int32)
+
+
+def padding_zeros(units: torch.Tensor, parts) -> torch.Tensor | None:
+    """How many padding zeros every unit of ``units [U, E]`` holds (int64 ``[U]``), from its
+    padded ``parts`` (:meth:`quantscope.layout.Layout.padded_parts`); None: no padding. An
+    observer takes them out of the bin of zero after :func:`update` (no host sync)."""
+    if not parts:
+        return None
+    n = torch.zeros(units.shape[0], dtype=torch.int64, device=units.device)
+    for idx, vals in parts:
+        n.index_fill_(0, idx, units.shape[1] - vals.shape[1])
+    return n
 
 
 def empty_state(units: int, bins: int, device=None) -> HistState:

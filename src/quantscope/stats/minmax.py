@@ -24,7 +24,7 @@ from ..kernels import ops
 from ..kernels import triton as _triton
 
 __all__ = ["column_minmax", "ema_", "layout_minmax", "minmax_observe", "minmax_update", "op_unit_count",
-           "op_units", "record_non_finite", "torch_unit_minmax", "unit_minmax"]
+           "op_units", "padded_minmax_", "record_non_finite", "torch_unit_minmax", "unit_minmax"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -207,6 +207,17 @@ def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] 
         return lo.reshape(-1), hi.reshape(-1)
     return None
 
+
+
+def padded_minmax_(parts, lo: torch.Tensor, hi: torch.Tensor) -> list:
+    """Set the per-unit ``lo`` / ``hi`` of the padded units in ``parts`` (in place; see
+    :meth:`quantscope.layout.Layout.padded_parts`) to their real values' min / max, for
+    statistics to which the padding zeros are no data; returns ``parts``."""
+    for idx, vals in parts:
+        real_lo, real_hi = torch.aminmax(vals, dim=1)
+        lo.index_copy_(0, idx, real_lo.to(lo.dtype))
+        hi.index_copy_(0, idx, real_hi.to(hi.dtype))
+    return parts
 
 
 def _op_layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
