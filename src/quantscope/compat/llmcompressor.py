@@ -31,7 +31,10 @@ Where the results differ from llm-compressor's, by choice:
   rounding after each operation) and llm-compressor's MSE search prices candidates in it;
   quantscope computes in float32 and rounds once. The dtypes are theirs; min-max scales
   differ by at most one unit in the last place of the dtype (NVFP4's block scales by one
-  fp8 step), zero points by one code; symmetric integer scales are equal. The MSE search
+  fp8 step); symmetric integer scales are equal. Zero points come, as theirs, from the scale
+  rounded to the dtype; for formats of up to 8 bits they differ by at most two codes
+  (bfloat16) or one (float16), more for wider formats and for float16 scales below 2 ** -14
+  (subnormal: one step of theirs is then a large part of the scale). The MSE search
   may stop at another candidate (their bfloat16 error sums cannot tell near ones apart).
   float32 statistics: bit for bit (tiny scales kept, only 0 ones made their eps).
 * float64 statistics: the scales are float64 (their dtype and eps) but computed in float32
@@ -64,7 +67,7 @@ from .llmcompressor_parts import (
     flatten_for_calibration,
     fuse_weight_observers,
 )
-from .llmcompressor_spec import llmcompressor_spec
+from .llmcompressor_spec import llmcompressor_spec, search_spec
 
 __all__ = [
     "FUSED_LAYER_NAMES",
@@ -164,7 +167,7 @@ class MemorylessMSEObserver(Observer):
         self.expand = kw.get("expand", expand)
         if self.expand < 1.0:
             raise ValueError(f"expand value must be at least 1.0, got {self.expand}")
-        spec = llmcompressor_spec(self.args, self.base_name)
+        spec = search_spec(self.args, self.base_name)  # tensor_group's scale_dtype dropped
         block = spec.scale.is_block and self.is_weight_obs
         self._search_spec = spec.replace(
             layout=Block(spec.layout.size) if block else Channel(0),

@@ -232,15 +232,31 @@ def _ct_spec(args, base_name: str) -> QuantSpec:
     return spec.replace(scale="fp32", eps=_ZERO_STAND_IN)
 
 
+#: the scale encodings of the half-precision statistics dtypes
+_HALF_SCALES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _zero_points(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, dtype: torch.dtype,
+                 qp) -> torch.Tensor:
+    """The zero points of the scales in the statistics' ``dtype``, as compressed-tensors' (it
+    computes them in that dtype, before any ``scale_dtype`` rounding): from the scale rounded
+    to bfloat16 / float16 for half-precision statistics, else ``qp``'s own."""
+    encoding = _HALF_SCALES.get(dtype)
+    if encoding is None or spec.symmetric or spec.scale.is_block:
+        return qp.zero_point
+    return qparams_from_range(lo, hi, spec.replace(scale=encoding)).zero_point
+
+
 def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, base_name: str,
                           global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' ``calculate_qparams`` of per-qparam ranges, by quantscope's formulas:
     the scale in the statistics' float dtype (float32 for integer statistics; for
     ``tensor_group``, that dtype promoted with float32: compressed-tensors multiplies by its
     float32 global scale, which also broadcasts the scale, not the zero point, to ``[1]``),
-    the zero point (from the float32 scale) in the args' ``zp_dtype``; a ``tensor_group``
-    scale without ``scale_dtype`` (or of integers) is the float32 scale times the global
-    scale, as compressed-tensors leaves it. A float ``scale_dtype`` rounds the scale as
+    the zero point (from the scale in the statistics' dtype, as theirs) in the args'
+    ``zp_dtype``; a ``tensor_group`` scale of integers, or whose ``scale_dtype`` is not
+    float8_e4m3fn, is the float32 scale times the global scale, as compressed-tensors
+    computes it. A float ``scale_dtype`` rounds the scale as
     theirs (to 0 below its range); a scale that is 0 becomes their eps of ``scale_dtype`` or
     the scale's dtype, and its zero point their ``qmin - lo / 0`` cast to an integer: 0
     where ``lo`` is 0 (NaN), else ``qmax``."""
@@ -266,7 +282,7 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
         scale = scale.reshape(torch.broadcast_shapes(shape, (1,)))
     zero_scale = zero_scale | (scale == 0)  # 0 also where a dtype rounds a scale to it
     scale = torch.where(zero_scale, torch.tensor(_ct_eps(args, dtype), dtype=dtype), scale)
-    zero = qp.zero_point.reshape(shape)
+    zero = _zero_points(lo, hi, spec, min_vals.dtype, qp).reshape(shape)
     if not spec.symmetric:
         at_zero = torch.where(min_vals >= 0, 0, int(spec.qmax))
         zero = torch.where(zero_scale.reshape(shape), at_zero, zero)

@@ -32,7 +32,7 @@ from ..layout import Channel
 from . import enum_name, field
 from .llmcompressor_base import statistics_units
 from .llmcompressor_parts import flatten_for_calibration
-from .llmcompressor_spec import llmcompressor_spec
+from .llmcompressor_spec import search_spec
 
 __all__ = ["IMatrixMixin", "imatrix_search"]
 
@@ -148,7 +148,7 @@ class IMatrixMixin:
         return self._search(observed, None)
 
     def _search(self, observed, importance):
-        spec = llmcompressor_spec(self.args, self.base_name)
+        spec = search_spec(self.args, self.base_name)  # tensor_group's scale_dtype dropped
         spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
                             else spec.scale)
         return imatrix_search(observed, importance, spec,

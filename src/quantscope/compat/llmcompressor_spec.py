@@ -17,7 +17,8 @@ from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..spec import QuantSpec
 from . import enum_name, field
 
-__all__ = ["llmcompressor_spec", "scale_dtype", "scales_times_global_scale", "zp_dtype"]
+__all__ = ["llmcompressor_spec", "scale_dtype", "scales_times_global_scale", "search_spec",
+           "zp_dtype"]
 
 _FLOATS = {8: "fp8_e4m3", 6: "fp6_e2m3", 4: "fp4_e2m1"}
 _SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -48,6 +49,20 @@ def _block_structure(value):
 def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | None = None
                        ) -> QuantSpec:
     """The :class:`QuantSpec` of a ``QuantizationArgs`` (or dict) for ``base_name`` (the one translation)."""
+    return _translate(args, base_name, g_idx, scale_dtype(args))
+
+
+def search_spec(args, base_name: str = "weight") -> QuantSpec:
+    """The spec llm-compressor 0.14's MSE and imatrix searches price candidates with: a
+    ``tensor_group`` one as without its ``scale_dtype`` (they drop it to search, mse_quant.py
+    and imatrix.py: float32 candidate scales)."""
+    tensor_group = enum_name(field(args, "strategy")) == "tensor_group"
+    return _translate(args, base_name, None, None if tensor_group else scale_dtype(args))
+
+
+def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.dtype | None
+               ) -> QuantSpec:
+    """:func:`llmcompressor_spec` with the scale dtype given."""
     bits = int(field(args, "num_bits", 8))
     kind = enum_name(field(args, "type")) or "int"
     symmetric = field(args, "symmetric", True)
@@ -56,7 +71,6 @@ def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | No
     strategy = enum_name(field(args, "strategy"))
     if strategy is None:  # compressed-tensors' default: group if a group size is given
         strategy = "group" if group_size not in (None, -1) else "tensor"
-    sdtype = scale_dtype(args)
     if kind == "float":
         if bits not in _FLOATS:
             raise ValueError(f"llmcompressor: float num_bits must be one of {list(_FLOATS)}, "
@@ -77,8 +91,8 @@ def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | No
                              f"got {group_size!r}")
         mx = kind == "float" and group_size == 32 and sdtype == torch.uint8 \
             and strategy == "group"
-        if strategy == "tensor_group" and kind == "int":
-            layout = Group(group_size, -1)  # fp32 scales; the caller applies the global scale
+        if strategy == "tensor_group" and not _fp8_block_scales(kind, sdtype):
+            layout = Group(group_size, -1)  # the caller applies the global scale
         elif strategy == "tensor_group":
             layout, scale = Block(group_size), "fp8_e4m3"
         elif mx:
@@ -101,14 +115,25 @@ def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | No
     return QuantSpec(fmt, layout, symmetric=symmetric, scale=scale)
 
 
+def _fp8_block_scales(kind: str, sdtype: torch.dtype | None) -> bool:
+    """Whether a ``tensor_group`` spec encodes fp8 e4m3 block scales under the global scale
+    (NVFP4): float elements whose ``scale_dtype`` is float8_e4m3fn (NVFP4's presets) or unset.
+    Another float ``scale_dtype`` (float16, bfloat16) is what compressed-tensors rounds the
+    float32 scales times the global scale to: no fp8 step in between."""
+    if kind != "float":
+        return False
+    return sdtype is None or sdtype == torch.float8_e4m3fn or not sdtype.is_floating_point
+
+
 def scales_times_global_scale(args) -> bool:
-    """A ``tensor_group`` spec whose scales compressed-tensors leaves in float32 times the
-    global scale: integer elements, or no ``scale_dtype`` (NVFP4's presets set float8_e4m3fn,
-    whose block scales :func:`llmcompressor_spec` encodes)."""
+    """A ``tensor_group`` spec whose scales compressed-tensors computes as float32 scales times
+    the global scale, then rounds to a float ``scale_dtype`` if set: integer elements, no
+    ``scale_dtype``, or a float one other than float8_e4m3fn (NVFP4's presets set that, whose
+    block scales :func:`llmcompressor_spec` encodes)."""
     if enum_name(field(args, "strategy")) != "tensor_group":
         return False
-    kind = enum_name(field(args, "type")) or "int"
-    return kind == "int" or field(args, "scale_dtype") is None
+    sdtype = scale_dtype(args)
+    return sdtype is None or not _fp8_block_scales(enum_name(field(args, "type")) or "int", sdtype)
 
 
 def zp_dtype(args, spec: QuantSpec) -> torch.dtype:
