@@ -21,7 +21,11 @@ match Quark's ``calculate_int_quant_params`` bit for bit on float32 input; as th
 symmetric range has zero point 0, unsigned formats too. NaN / inf raise a ``ValueError``
 naming the observer at ``calculate_qparams()`` on every scale rule; so does an asymmetric
 ``PerTensorMSEObserver`` whose candidates are negative (all-negative data: Quark asserts).
-Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``.
+Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged for a
+constant batch as Quark's. ``PerBlockMXObserver`` zero-pads the last block of an axis the group
+size does not divide; a static ``PerChannelMinMaxObserver`` / ``PerBlockMXObserver`` starts
+over when the channel count / Quark's ``(rows, blocks)`` change, as Quark's (the other static
+classes raise ``ValueError`` when their unit count changes).
 
 ``(scale, zero_point)`` come in Quark's shapes: 0-dim per tensor (``min_val`` / ``max_val``
 too; ``PerTensorHistogramObserverPro``: torch.ao's ``(1,)``), ``(C,)`` per channel,
@@ -40,13 +44,16 @@ which can differ in the last bits); ``PerTensorHistogramObserverPro`` with a sym
 unsigned dtype gives the native mid code (128 for uint8; torch.ao's custom range gives 127);
 ``zero_point_type`` float32 is not supported; BFP16 uses the native 'even' E8M0
 rule, which bumps the exponent when the block's largest magnitude rounds to 128 on either sign
-(Quark checks positive overflow only, and keeps doubling its running amax across calls).
+(Quark checks positive overflow only, and keeps doubling its running amax across calls), and
+whose smallest scale is ``2 ** -127`` (Quark's formula goes subnormal for blocks below
+``2 ** -120``; a zero block gets eps in both).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import math
 import sys
 
 import torch
@@ -146,6 +153,27 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
     def accumulates(self):
         return not (self.is_dynamic or self.always_memoryless)
 
+    def _quark_state_key(self, shape: tuple[int, ...]):
+        """What Quark's static state is shaped by for a tensor of ``shape``: a class that
+        returns one starts over when it changes, as Quark's; None (the default): Quark keeps
+        the state, and a changed unit count raises."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._starts_over(x):
+            tokens = self.observed_tokens.clone()  # Quark counts tokens apart from the state
+            self.reset()
+            self.observed_tokens.copy_(tokens)
+        return super().forward(x)
+
+    def _starts_over(self, x) -> bool:
+        if not (self.accumulates and self.has_observed and isinstance(x, torch.Tensor)
+                and x.numel() and self._quark_state_key(self.shape) is not None):
+            return False
+        try:
+            return self._quark_state_key(tuple(x.shape)) != self._quark_state_key(self.shape)
+        except (ValueError, IndexError):  # forward says what is wrong with x
+            return False
+
     def _observe(self, units, lo, hi):
         if not self.accumulates:
             MemorylessMinMaxObserver._observe(self, units, lo, hi)
@@ -193,7 +221,11 @@ class PerTensorMinMaxObserver(_DynamicOrStatic):
 
 @register("quark:PerChannelMinMaxObserver")
 class PerChannelMinMaxObserver(_DynamicOrStatic):
-    """Running (static) or last (dynamic) min / max per channel along ``ch_axis``."""
+    """Running (static) or last (dynamic) min / max per channel along ``ch_axis``; a static
+    one starts over when the channel count changes, as Quark's."""
+
+    def _quark_state_key(self, shape):
+        return self.spec.layout.num_units(shape)  # Quark compares its min_val's numel
 
     def reset_min_max_vals(self) -> None:
         self._require("min_val", "max_val")
@@ -225,8 +257,7 @@ class _BlockAmax(_DynamicOrStatic):
     @property
     def amax(self) -> torch.Tensor:
         """Per-block absolute maximum, ``(rows, blocks)``; ``tensor(0.)`` before data."""
-        if "amax" in self._deleted:
-            raise AttributeError(f"{type(self).__name__} has no attribute 'amax'")
+        self._check_present("amax")
         if not self.has_observed:
             return torch.tensor(0.0)
         amax = torch.maximum(-self.min_vals, self.max_vals).to(self._input_dtype)
@@ -242,7 +273,11 @@ class PerBlockMXObserver(_BlockAmax):
     """Per-block absmax (``amax``, ``(rows, blocks)``); the scale by ``scale_format``: E8M0
     by ``scale_calculation_mode`` (MX, the native rule), else Quark's float32 / e4m3 / e5m3.
     Float elements only, as Quark's: an integer one (MXINT8) raises
-    :class:`UnsupportedElementError`, an ``AssertionError`` as Quark's."""
+    :class:`UnsupportedElementError`, an ``AssertionError`` as Quark's. The last block of an
+    axis the group size does not divide is padded with zeros, and a static one starts over
+    when its ``(rows, blocks)`` change, as Quark's."""
+
+    _pads_blocks = True
 
     def __init__(self, qspec, device: torch.device | None = None, **native):
         super().__init__(qspec, device, **native)
@@ -264,6 +299,10 @@ class PerBlockMXObserver(_BlockAmax):
         scale = self.get_scale(self.amax, self.eps, fmt)
         return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
 
+    def _quark_state_key(self, shape):
+        n = shape[self.spec.layout.axis]  # Quark's amax: (rows, blocks), the last padded
+        return math.prod(shape) // n, -(-n // self.spec.layout.size)
+
     def reset_min_max_vals(self) -> None:
         self._require("amax")
         super().reset_min_max_vals()
@@ -278,7 +317,10 @@ class PerBlockBFPObserver(_BlockAmax):
         if not self.has_observed:  # Quark's formula on its amax tensor(0.): eps
             return torch.tensor(self.eps), torch.tensor(0, dtype=torch.int32)
         scale, zp = super()._calculate_qparams()
-        return scale, zp.to(torch.int32)
+        # Quark fills eps where its 2 ** (floor(log2 amax) - 6) underflows to 0 (a zero
+        # block): its floor formula, unfilled (eps=0), finds them
+        zero = quark_e8m0_scale(self.amax.float(), self.spec.format.emax, "floor", eps=0.0) == 0
+        return scale.masked_fill(zero, self.eps), zp.to(torch.int32)
 
 
 if _QUARK_OBSERVERS in sys.modules:  # Quark came first: join it now

@@ -32,10 +32,13 @@ class UnsupportedElementError(ValueError, AssertionError):
     ``AssertionError`` as Quark's, and a ``ValueError`` as quantscope's bad-argument errors."""
 
 
-def quark_spec(qspec) -> QuantSpec:
+def quark_spec(qspec, *, pad_blocks: bool = False) -> QuantSpec:
     """The :class:`QuantSpec` of a Quark ``QTensorConfig`` (object or dict; the one translation).
 
     Casts (float16 / bfloat16) give an fp32 per-tensor spec: they need no range.
+    ``pad_blocks``: a float32-scaled per_group qspec takes the padding :class:`Block` layout
+    (Quark's block observers pad the last block), not :class:`Group` (its per-group one
+    refuses a group size that does not divide the axis).
     """
     dtype = enum_name(field(qspec, "dtype"))
     qscheme = enum_name(field(qspec, "qscheme")) or "per_tensor"
@@ -87,7 +90,7 @@ def quark_spec(qspec) -> QuantSpec:
     elif qscheme == "per_group":
         if not group_size:
             raise ValueError("quark: qscheme per_group needs a group_size")
-        layout = Group(group_size, -1 if ch_axis is None else ch_axis)
+        layout = (Block if pad_blocks else Group)(group_size, -1 if ch_axis is None else ch_axis)
     else:
         raise ValueError(f"quark: qscheme must be per_tensor, per_channel or per_group, got "
                          f"{qscheme!r}")
@@ -167,9 +170,11 @@ class QuarkObserver:
     _keeps_input_dtype = True
     #: Quark's per-group min_val / max_val are flat ``(rows * groups,)``, in its row order
     _flat_stats = False
+    #: Quark's block observers pad the last block of an axis the group size does not divide
+    _pads_blocks = False
 
     def __init__(self, qspec, device: torch.device | None = None, **native):
-        super().__init__(quark_spec(qspec), **native)
+        super().__init__(quark_spec(qspec, pad_blocks=self._pads_blocks), **native)
         self.qspec = qspec
         self.dtype = field(qspec, "dtype")
         self.is_dynamic = bool(field(qspec, "is_dynamic"))
@@ -273,8 +278,7 @@ class QuarkObserver:
 
     def _stat(self, name: str, empty: float) -> torch.Tensor:
         """A statistic as Quark shows it: ``tensor(empty)`` before data / after a reset."""
-        if name in self._deleted:
-            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        self._check_present(name)
         if not self.has_observed:
             return torch.tensor(empty)
         stat = self._quark_shape(getattr(self, name + "s")).to(self._input_dtype)
@@ -282,6 +286,11 @@ class QuarkObserver:
 
     def _delete(self, name: str) -> None:
         self._deleted.add(name)
+
+    def _check_present(self, name: str) -> None:
+        """Quark's AttributeError for a statistic deleted with ``del`` (until a reset)."""
+        if name in self._deleted:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def _require(self, *names: str) -> None:
         """Quark raises RuntimeError when reset_state finds a statistic deleted."""

@@ -2,6 +2,9 @@
 
 Quark's recorder, percentile, histogram-MSE and torch.ao-backed ("Pro") observers over the
 native histogram observers, with Quark's ``(qspec, device=None)`` signature and qparams.
+As Quark's: a constant batch's top bin edge is nudged (``x_min == x_max``), the estimate is
+priced unclipped, and ``min_val`` / ``max_val`` hold the range the last qparams priced
+(``inf`` / ``-inf`` before; never set on ``PerTensorHistogramObserverPro``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from ..layout import Tensor
 from ..observers.histogram import HistogramObserverBase, L2HistogramObserver
 from ..observers.registry import register
 from . import enum_name
-from .quark_base import QuarkObserver
+from .quark_base import _F32_EPS, QuarkObserver
 
 __all__ = [
     "PerTensorHistogramObserver",
@@ -28,6 +31,11 @@ def _quark_edges(hist) -> torch.Tensor:
     bits (and with it the percentile / MSE thresholds, which are edges or centres)."""
     return torch.stack([torch.linspace(lo, hi, hist.bins + 1, device=hist.lo.device)
                         for lo, hi in zip(hist.lo.tolist(), hist.hi.tolist(), strict=True)])
+
+
+def _quark_zero(like: torch.Tensor) -> torch.Tensor:
+    """Quark's lower end of a range from 0: ``torch.tensor(0)`` (int64) on ``like``'s device."""
+    return torch.tensor(0, device=like.device)
 
 
 class _QuarkHistogram(QuarkObserver):
@@ -46,6 +54,47 @@ class _QuarkHistogram(QuarkObserver):
         native.setdefault("skip_zeros", self._skip_zeros)
         super().__init__(qspec, device, **native)
         self.symmetric = self.spec.symmetric
+        self._priced: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _observe_linear(self, units, lo, hi, *rest):
+        return super()._observe_linear(units, lo, self._quark_hi(lo, hi), *rest)
+
+    def _quark_hi(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """Quark's top of a batch's bins: for constant input (its ``x_min == x_max``: ``lo ==
+        hi``, or all zeros when symmetric) ``x_min + max(|x_min|, 1) * bins * eps`` in
+        float64, so linspace's edges stay strictly increasing in float32."""
+        x_min = torch.zeros_like(lo) if self._absolute else lo
+        x_max = torch.maximum(lo.abs(), hi.abs()) if self._absolute else hi
+        span = x_min.double().abs().clamp(min=1.0) * self.bins * _F32_EPS
+        span = span.clamp(min=torch.finfo(torch.float32).tiny)
+        return torch.where(x_min == x_max, (x_min.double() + span).float(), hi)
+
+    def _clip(self, lo, hi):
+        # Quark prices its estimate as it is: not clipped to the data (a constant batch's
+        # nudged top bin centre lies above it), and stores it in min_val / max_val
+        self._priced = self._quark_range(lo, hi)
+        return lo.clone(), hi.clone()
+
+    def _quark_range(self, lo: torch.Tensor, hi: torch.Tensor):
+        """Quark's ``min_val`` / ``max_val`` of an estimate ``[1]``: 0-dim."""
+        return lo.reshape(()).clone(), hi.reshape(()).clone()
+
+    min_val = property(lambda self: self._priced_end("min_val", float("inf")),
+                       doc="The range the last qparams priced (Quark's); ``tensor(inf)`` before.",
+                       fdel=lambda self: self._delete("min_val"))
+    max_val = property(lambda self: self._priced_end("max_val", float("-inf")),
+                       doc="The range the last qparams priced (Quark's); ``tensor(-inf)`` before.",
+                       fdel=lambda self: self._delete("max_val"))
+
+    def _priced_end(self, name: str, empty: float) -> torch.Tensor:
+        self._check_present(name)
+        if self._priced is None:
+            return torch.tensor(empty)
+        return self._priced[name == "max_val"]
+
+    def reset(self) -> None:
+        super().reset()
+        self._priced = None
 
     @property
     def calib_hist(self) -> torch.Tensor:
@@ -88,9 +137,18 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
 
     def _calculate_qparams(self):
         scale, zp = super()._calculate_qparams()
-        if self.has_observed and int(self.current_histogram().counts.sum()) <= 0:
+        if self.has_observed and self._zero_mass():
             return scale.reshape(1), zp.reshape(1)  # Quark's zero-mass range is zeros(1)
         return scale, zp
+
+    def _zero_mass(self) -> bool:
+        return int(self.current_histogram().counts.sum()) <= 0
+
+    def _quark_range(self, lo, hi):
+        if self._zero_mass():  # Quark returns zeros(1) before its branches
+            return torch.zeros(1, device=hi.device), torch.zeros(1, device=hi.device)
+        lo, hi = super()._quark_range(lo, hi)
+        return (_quark_zero(hi) if self.spec.symmetric else lo), hi
 
     def get_min_max_by_percentile(self, histogram: torch.Tensor, bin_edges: torch.Tensor,
                                   percentile: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +190,10 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
 
     def _estimate(self, hist):
         return self.get_min_max_by_mse(hist.counts, _quark_edges(hist))
+
+    def _quark_range(self, lo, hi):
+        hi = super()._quark_range(lo, hi)[1]
+        return _quark_zero(hi), hi
 
     def get_min_max_by_mse(self, calib_hist: torch.Tensor, calib_bin_edges: torch.Tensor,
                            stride: int = 1, start_bin: int = 2045
@@ -184,6 +246,16 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
         if enum_name(self.dtype) not in ("uint4", "int8", "uint8"):
             raise ValueError("PerTensorHistogramObserverPro only supports 4bit and 8bit")
         self.reduce_range = reduce_range
+
+    # Quark's wrapper never sets its own min_val / max_val (torch.ao's observer holds the range)
+    min_val = property(lambda self: self._never_set("min_val", float("inf")),
+                       fdel=lambda self: self._delete("min_val"))
+    max_val = property(lambda self: self._never_set("max_val", float("-inf")),
+                       fdel=lambda self: self._delete("max_val"))
+
+    def _never_set(self, name: str, value: float) -> torch.Tensor:
+        self._check_present(name)
+        return torch.tensor(value, device=self.observed_tokens.device)
 
     def _calculate_qparams(self):
         """As torch.ao's ``_calculate_qparams`` returns them to Quark's wrapper: shape
