@@ -156,7 +156,7 @@ def test_horizon_matches_torch_ao_symmetric_qint8(cls, ao, kw):
 
 
 def test_horizon_min_max_per_channel_by_ch_axis_and_errors():
-    obs = horizon.MinMaxObserver(ch_axis=0, dtype="qint16")
+    obs = horizon.MinMaxObserver(ch_axis=0, dtype="qint16", qscheme=torch.per_channel_symmetric)
     obs(torch.randn(3, 4))
     s, _ = obs.calculate_qparams()
     assert s.shape == (3,) and obs.quant_min == -32768

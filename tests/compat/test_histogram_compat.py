@@ -99,20 +99,23 @@ def test_horizon_smoothing_is_a_centred_mean_over_valid_candidates():
 
 
 def test_horizon_observers_are_emas_of_per_interval_estimates():
+    """KL every ``update_interval`` batches on the interval's histogram, then an EMA of the
+    thresholds. Each interval's first batch holds its range, so Horizon's histogram of the
+    interval ([0, max |x|] of its first batch) is that of one batch holding both."""
     torch.manual_seed(3)
-    batches = [torch.randn(32, 64) * s for s in (1.0, 3.0, 2.0, 0.5)]
+    batches = [torch.randn(32, 64) * s for s in (3.0, 1.0, 2.0, 0.5)]
+    batches[0][0, 0], batches[2][0, 0] = 12.0, 8.0  # the first batch of each its largest
     obs = hz.KLObserver(update_interval=2, averaging_constant=0.5)
     ref = None
     for k in range(0, 4, 2):
-        one = qs.get_observer("entropy", qs.QuantSpec(), bins=512, smooth=9)
+        one = hz.KLObserver()
+        one(torch.cat(batches[k:k + 2]))
         for b in batches[k:k + 2]:
-            one(b)
             obs(b)
-        r = one.calculate_range()[1]
+        r = one.calculate_qparams()[0].double()
         ref = r.clone() if ref is None else ref + 0.5 * (r - ref)
     s, zp = obs.calculate_qparams()
-    expect = qs.qparams_from_range(-ref, ref, qs.QuantSpec()).scale
-    assert torch.allclose(s, expect.reshape(-1), rtol=1e-6) and int(zp) == 0
+    assert torch.allclose(s.double(), ref, rtol=1e-6) and int(zp) == 0
     for cls in (hz.PercentileObserver, hz.MixObserver):
         o = cls(ch_axis=1, qscheme=torch.per_channel_symmetric)
         for b in batches:

@@ -104,13 +104,23 @@ def test_averaging_constant_histograms(cls, c):
     o = cls(averaging_constant=c)
     for x in xs:
         o(x)
-    if cls is hz.PercentileObserver:
-        est = [percentile_amax(x) for x in xs]
-    elif cls is hz.MSEObserver:
-        est = [mse_amax(x) for x in xs]
-    else:  # KL / Mix: the class's own one-batch estimate
-        est = [single_batch_amax(cls, x) for x in xs]
-    close(scale_of(o), [ema(est, c) / 127.5])
+    if cls is hz.KLObserver:  # a threshold of |x|: its EMA
+        close(scale_of(o), [ema([single_batch_amax(cls, x) for x in xs], c) / 127.5])
+        return
+    ends = [signed_ends(cls, x) for x in xs]  # the EMA of each signed end
+    lo, hi = ema([e[0] for e in ends], c), ema([e[1] for e in ends], c)
+    close(scale_of(o), [max(-lo, hi) / 127.5])
+
+
+def signed_ends(cls, x):
+    """Horizon's ends of one batch: its min / max clipped at the batch's clip ``c``
+    (Percentile, Mix: ``max(min, -c)``, ``min(max, c)``) or scaled by MSE's factor."""
+    lo, hi = float(x.min()), float(x.max())
+    if cls is hz.MSEObserver:
+        f = mse_amax(x) / float(x.abs().max())
+        return lo * f, hi * f
+    c = percentile_amax(x) if cls is hz.PercentileObserver else single_batch_amax(cls, x)
+    return max(lo, -c), min(hi, c)
 
 
 @pytest.mark.parametrize("cls", WITH_CH_AXIS)
@@ -221,7 +231,10 @@ def test_kl_bins_sets_the_histogram():
 
 
 def test_kl_update_interval_estimates_on_the_merged_histogram():
+    """Each interval's first batch holds its range: Horizon's interval histogram ([0, max
+    |x|] of its first batch) is then that of one batch holding both."""
     xs = batches(4)
+    xs[1], xs[3] = xs[0].flip(0) * 0.6, xs[2].flip(1) * 0.8
     o = hz.KLObserver(update_interval=2, averaging_constant=1.0)
     one = []
     for k in (0, 2):

@@ -337,17 +337,25 @@ def test_moving_average_mse_is_an_ema_of_the_searches():
 
 
 def test_horizon_compat_mse_observer():
-    x = weight()
+    """Horizon's MSEObserver: per batch the native linear search's factor ``f`` of each
+    channel, then an EMA of each signed end times it (``min * f``, ``max * f``)."""
     h = horizon.MSEObserver(stride=2, averaging_constant=0.5, ch_axis=0,
                             qscheme=torch.per_channel_symmetric)
-    native = get_observer("linear_mse", QuantSpec("int8", Channel(0)), stride=2,
-                          averaging_constant=0.5)
+    lo = hi = amax = None
     for s in range(2):
-        h(weight(seed=s))
-        native(weight(seed=s))
+        w = weight(seed=s)
+        h(w)
+        one = get_observer("linear_mse", QuantSpec("int8", Channel(0)), stride=2)
+        one(w)
+        a = one.calculate_range()[1]
+        f = a / w.abs().amax(1)
+        ends = (w.amin(1) * f, w.amax(1) * f)
+        lo, hi = ends if lo is None else (lo + 0.5 * (ends[0] - lo), hi + 0.5 * (ends[1] - hi))
+        amax = a if amax is None else amax + 0.5 * (a - amax)
     scale, zp = h.calculate_qparams()
-    assert scale.shape == (x.shape[0],) and zp.dtype == torch.int64 and (zp == 0).all()
-    assert torch.equal(scale, native.qparams().scale.reshape(-1))
+    assert scale.shape == (w.shape[0],) and zp.dtype == torch.int64 and (zp == 0).all()
+    assert torch.allclose(scale, torch.maximum(-lo, hi) / 127.5, rtol=1e-6)
+    assert not torch.allclose(scale, amax / 127.5, rtol=1e-6)  # not an EMA of max |x| * f
 
 
 def test_bad_arguments_are_named():

@@ -2,16 +2,28 @@
 
 Horizon is symmetric only: ``scale = max(-lo, hi) / ((quant_max - quant_min) / 2)``
 (torch.ao's symmetric rule; qint8 divides by 127.5), zero point 0.
-``ch_axis=-1`` means per tensor, any other axis per channel. ``is_sync_quantize``
-all-reduces every batch's min (MIN) and max (MAX) across processes before the
-statistics are updated. ``calculate_qparams()`` returns ``(scale, zero_point)``:
+``qscheme`` decides the granularity: ``per_tensor_symmetric`` with a negative ``ch_axis``,
+``per_channel_symmetric`` with a non-negative one (other pairs raise
+:class:`HorizonArgumentError`, as Horizon asserts). Percentile, MSE and Mix average each
+batch's signed ends (``max(min, -clip)``, ``min(max, clip)``), KL ``(-amax, amax)``.
+``is_sync_quantize`` all-reduces every batch's min (MIN) and max (MAX) across processes
+before the statistics are updated. ``calculate_qparams()`` returns ``(scale, zero_point)``:
 float32 scale and int64 zero point of shape ``(1,)`` per tensor, ``(C,)`` per channel.
+Known differences: a KL interval whose later batches exceed its first batch's range is
+re-binned once, approximately (Horizon appends bins of the same width); MSE with
+``stride > 1`` uses the factor ``1 - 0.01 * i * stride`` of the candidate it prices (Horizon's
+default path multiplies the candidate's position in the strided list by 0.01, its parallel
+path by the right factor); Mix ranks its percentile candidates by the error on its
+histogram (Horizon: the exact L2 error on the batch).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..estimators.entropy import horizon_entropy_amax
+from ..estimators.mix import mix_range
+from ..estimators.mse import SearchResult
 from ..layout import Channel, Tensor
 from ..observers.histogram import EntropyObserver
 from ..observers.histogram import MixObserver as _NativeMix
@@ -22,6 +34,7 @@ from ..observers.registry import register
 from ..spec import QuantSpec
 
 __all__ = [
+    "HorizonArgumentError",
     "HorizonObserver",
     "KLObserver",
     "MSEObserver",
@@ -35,6 +48,11 @@ __all__ = [
 
 _FORMATS = {"qint8": "int8", "qint16": "int16", "qint4": "int4", "qint32": None}
 _SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
+
+
+class HorizonArgumentError(ValueError, AssertionError):
+    """An argument Horizon's observers assert against: an ``AssertionError`` as Horizon's, and
+    a ``ValueError`` as quantscope's bad-argument errors."""
 
 
 def _dtype_name(dtype) -> str:
@@ -51,12 +69,18 @@ def horizon_spec(dtype="qint8", qscheme=torch.per_tensor_symmetric, ch_axis=-1, 
         supported = [k for k, v in _FORMATS.items() if v]
         raise ValueError(f"horizon: dtype must be one of {supported}, got {dtype!r}")
     if qscheme not in _SYMMETRIC:
-        raise ValueError(f"horizon: observers are symmetric only; qscheme must be one of "
-                         f"{list(_SYMMETRIC)}, got {qscheme!r}")
+        raise HorizonArgumentError(f"horizon: observers are symmetric only; qscheme must be "
+                                   f"one of {list(_SYMMETRIC)}, got {qscheme!r}")
     if (quant_min is None) != (quant_max is None):
         raise ValueError(f"horizon: give both quant_min and quant_max, got {quant_min!r} and "
                          f"{quant_max!r}")
-    layout = Tensor() if ch_axis is None or ch_axis == -1 else Channel(ch_axis)
+    per_channel = qscheme == torch.per_channel_symmetric
+    axis = -1 if ch_axis is None else ch_axis
+    if per_channel != (axis >= 0):  # Horizon's ObserverBase asserts the pair
+        want = "non-negative" if per_channel else "negative"
+        raise HorizonArgumentError(f"horizon: ch_axis should be {want} with qscheme={qscheme}, "
+                                   f"got ch_axis={ch_axis!r}")
+    layout = Channel(axis) if per_channel else Tensor()
     return QuantSpec(_FORMATS[name], layout, symmetric=True, quant_min=quant_min,
                      quant_max=quant_max)
 
@@ -142,19 +166,59 @@ class KLObserver(HorizonObserver, EntropyObserver):
     def __init__(self, bins=512, update_interval=1, averaging_constant=0.01, ch_axis=-1,
                  dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
                  quant_max=None, is_sync_quantize=False, factory_kwargs=None, **kwargs):
+        if not isinstance(bins, int) or bins < 256:  # Horizon asserts bins >= 256
+            raise HorizonArgumentError(f"horizon KLObserver: bins must be an integer >= 256 "
+                                       f"(Horizon's minimum; the search starts at start_bin "
+                                       f"128), got {bins!r}")
         kwargs.setdefault("smooth", 9)
+        kwargs.setdefault("grid", "first")  # Horizon's [0, max |x|] grid of the first batch
         super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
                          quant_max=quant_max, is_sync_quantize=is_sync_quantize,
                          factory_kwargs=factory_kwargs, bins=bins,
                          update_interval=update_interval,
                          averaging_constant=averaging_constant, **kwargs)
 
+    def _estimate(self, hist):
+        amax = horizon_entropy_amax(hist, num_bits=self.num_bits, start_bin=self.start_bin,
+                                    stride=self.stride, smooth=self.smooth)
+        return -amax, amax
+
+
+class _SignedEnds:
+    """Mixin (before the native histogram class): Horizon clips each batch's signed min / max
+    at the estimate, ``(max(min, -clip), min(max, clip))``, and averages those ends."""
+
+    _window = None  # the signed (min, max) of the batches since the last estimate
+
+    def _observe(self, units, lo, hi):
+        w = self._window
+        fresh = w is None or w[0].shape != lo.shape
+        self._window = (lo.clone(), hi.clone()) if fresh else \
+            (torch.minimum(w[0], lo), torch.maximum(w[1], hi))
+        super()._observe(units, lo, hi)
+
+    def _ema_step(self):
+        super()._ema_step()
+        self._window = None
+
+    def reset(self):
+        super().reset()
+        self._window = None
+
+    def _window_or_data(self):
+        return self._window if self._window is not None else (self.min_vals, self.max_vals)
+
+    def _clip(self, lo, hi):
+        lo, hi = super()._clip(lo, hi)  # into +-max |x|
+        wlo, whi = self._window_or_data()
+        return torch.maximum(lo, wlo), torch.minimum(hi, whi)
+
 
 @register("horizon:PercentileObserver")
-class PercentileObserver(HorizonObserver, _NativePercentile):
+class PercentileObserver(HorizonObserver, _SignedEnds, _NativePercentile):
     """Horizon's PercentileObserver: each batch's ``|x|`` histogram (``bins`` over
     ``[0, max |x|]``, width ``w``), the centre ``(i + 0.5) w`` of the first bin where the
-    cumulative share reaches ``percentile``, then an EMA."""
+    cumulative share reaches ``percentile``, then an EMA of the signed ends it clips."""
 
     def __init__(self, percentile=99.99, bins=2048, averaging_constant=0.01, ch_axis=-1,
                  dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
@@ -168,9 +232,10 @@ class PercentileObserver(HorizonObserver, _NativePercentile):
 
 
 @register("horizon:MixObserver")
-class MixObserver(HorizonObserver, _NativeMix):
+class MixObserver(HorizonObserver, _SignedEnds, _NativeMix):
     """Horizon's MixObserver: per batch, the percentile among 99.9 .. 99.9999 with the least
-    quantization error, then an EMA (``candidates`` adds quantscope's others)."""
+    quantization error, then an EMA of the signed ends it clips (``candidates`` adds
+    quantscope's others)."""
 
     def __init__(self, averaging_constant=0.01, bins=2048, ch_axis=-1, dtype="qint8",
                  qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
@@ -183,17 +248,19 @@ class MixObserver(HorizonObserver, _NativeMix):
                          averaging_constant=averaging_constant, **kwargs)
 
     def _estimate(self, hist):
-        # Horizon thresholds |x|: both sides clip at max |x| before the EMA (the native mix
-        # clips each side at the signed min / max, so the EMA of a skewed batch is lopsided)
-        lo, hi = _NativeMix._estimate(self, hist)
-        amax = torch.maximum(-lo, hi)
-        return -amax, amax
+        # Horizon clips each candidate at this batch's signed min / max (get_min_max_of_
+        # percentile_observer), not at the running ones the native mix reads
+        lo, hi = self._window_or_data()
+        return mix_range(hist, self.spec, lo=lo, hi=hi, percentiles=self.percentiles,
+                         candidates=self.candidates, convention=self.convention,
+                         start_bin=self.start_bin)
 
 
 @register("horizon:MSEObserver")
 class MSEObserver(HorizonObserver, _NativeLinearMSE):
     """Horizon's MSEObserver: candidates ``amax * (1 - 0.01 i)``, i in range(0, 95, stride),
-    L2 error, the last minimum, then an EMA (c = 0.01) of the chosen range."""
+    L2 error, the last minimum, then an EMA (c = 0.01) of the batch's signed ends times the
+    chosen factor (``min * f``, ``max * f``)."""
 
     def __init__(self, stride=1, averaging_constant=0.01, ch_axis=-1, dtype="qint8",
                  qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
@@ -202,3 +269,11 @@ class MSEObserver(HorizonObserver, _NativeLinearMSE):
                          quant_max=quant_max, is_sync_quantize=is_sync_quantize,
                          factory_kwargs=factory_kwargs, stride=stride,
                          averaging_constant=averaging_constant, **kwargs)
+
+    def _search(self, units, lo, hi):
+        res = super()._search(units, lo, hi)
+        if res.index is None:
+            return res
+        # Horizon scales the signed ends by the chosen factor: best_min = min * (1 - 0.01 i)
+        f = 1.0 - res.index * (0.01 * self.stride)
+        return SearchResult(lo * f, hi * f, index=res.index)

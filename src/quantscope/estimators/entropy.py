@@ -40,12 +40,17 @@ of the bins whose count differs from the previous non-empty bin's). Other equal
 divergences (thresholds whose groups differ but whose KL is the same in exact arithmetic)
 stay decided by rounding, in the loop as here.
 
-Horizon's KLObserver options: ``smooth`` (9) averages each divergence with its
-neighbours (a centred window over the valid candidates; any infinite divergence in
-the window makes the average infinite) before the argmin.
+``smooth`` averages each divergence with its neighbours (a centred window over the valid
+candidates; any infinite divergence in the window makes the average infinite) before the
+argmin. Horizon's KLObserver has its own rule, :func:`horizon_entropy_amax`.
 
 On quantscope's own histograms the candidates run up to the last non-empty bin
 (TensorRT's histogram ends at the data's maximum).
+
+A candidate with no counts below its threshold (after ``h[0] = h[1]``) scores infinite
+here; ModelOpt 0.47's ``compute_amax("entropy")`` gets NaN from ``scipy.stats.entropy``
+there (an all-zero ``P``) and ``np.argmin`` returns the first NaN, so it picks that
+candidate (data on quarter steps up to 4: ModelOpt 0.25, quantscope 4.0).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from .. import kernels
 from .._checks import check_int
 from ..stats.histogram import Hist, fold_abs
 
-__all__ = ["entropy_amax", "entropy_divergences", "entropy_range"]
+__all__ = ["entropy_amax", "entropy_divergences", "entropy_range", "horizon_entropy_amax"]
 
 _BUDGET = 1 << 18
 
@@ -306,3 +311,56 @@ def entropy_range(hist: Hist, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     amax = entropy_amax(hist, **kwargs)
     return -amax, amax
 
+
+def horizon_entropy_amax(hist: Hist, *, num_bits: int = 8, start_bin: int = 128, stride: int = 1,
+                         smooth: int = 9) -> torch.Tensor:
+    """Per-unit ``amax`` of Horizon's KLObserver (observer_v2 ``_compute_amax_entropy``).
+
+    TensorRT's ``P`` and ``Q`` (``h[0] = h[1]``, every bin up to the histogram's end a
+    candidate), but the divergence is ``sum p log(p / (q + 1e-10))`` of the normalised
+    counts (``_entropy_torch``: finite where ``P > 0 = Q``), the ``smooth``-wide windows are
+    summed only where full (``range(len(div) - smooth - 1)``), the last minimum wins and
+    ``amax = edges[j * stride + start_bin + smooth // 2]``.
+    """
+    check_options("horizon_entropy", num_bits=num_bits, start_bin=start_bin, stride=stride,
+                  smooth=smooth)
+    h = fold_abs(hist)
+    B = h.counts.shape[1]
+    cand = _candidates(start_bin, B, stride, h.counts.device)
+    windows = len(cand) - smooth - 1
+    if windows < 1:  # Horizon: argmin of no window
+        raise ValueError(f"horizon_entropy: {len(cand)} candidate thresholds (bins={B}, "
+                         f"start_bin={start_bin}, stride={stride}) leave no full smooth={smooth} "
+                         f"window; Horizon needs bins >= 256")
+    kl = _horizon_divergences(h.counts, 1 << (num_bits - 1), cand)
+    sums = kl.unfold(-1, smooth, 1)[:, :windows].sum(-1)
+    j = windows - 1 - sums.flip(-1).argmin(-1)  # the last minimum
+    return h.lo + (j * stride + start_bin + smooth // 2) * h.width
+
+
+def _horizon_divergences(counts: torch.Tensor, nq: int, cand: torch.Tensor) -> torch.Tensor:
+    """Horizon's ``_entropy_torch(P, Q)`` of every candidate ``[U, C]``, dense (float64)."""
+    U, B = counts.shape
+    b = counts.to(torch.float64, copy=True)
+    if B > 1:
+        b[:, 0] = b[:, 1]
+    k = torch.arange(B, device=b.device)
+    total = b.sum(1, keepdim=True)
+    out = []
+    step = max(1, _BUDGET * 16 // max(1, U * (B + nq)))
+    for c in cand.split(step):  # chunks of candidates bound the [U, c, B] work
+        inside = k[None, :] < c[:, None]  # [c, B]
+        grp = torch.where(inside, k[None, :] * nq // c[:, None], 0)  # np.digitize's group
+        full = (b[:, None, :] > 0) & inside  # the bins Q spreads over
+        val = torch.where(full, b[:, None, :], 0.0)
+        idx = grp.expand(U, -1, -1)
+        G = val.new_zeros(U, len(c), nq).scatter_add_(2, idx, val)
+        n = val.new_zeros(U, len(c), nq).scatter_add_(2, idx, full.double())
+        q = torch.where(full, (G / n.clamp(min=1)).gather(2, idx), 0.0)
+        p = torch.where(inside, b[:, None, :], 0.0)
+        beyond = total - b.cumsum(1).gather(1, (c - 1).expand(U, -1))  # counts past c
+        p.scatter_add_(2, (c - 1)[None, :, None].expand(U, -1, 1), beyond[..., None])
+        p = p / torch.where(p.sum(-1, keepdim=True) != 0, p.sum(-1, keepdim=True), 1.0)
+        q = q / torch.where(q.sum(-1, keepdim=True) != 0, q.sum(-1, keepdim=True), 1.0) + 1e-10
+        out.append((-q * torch.special.entr(p / q)).sum(-1))
+    return torch.cat(out, -1)

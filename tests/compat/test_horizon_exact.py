@@ -1,0 +1,162 @@
+"""compat.horizon against Horizon observer_v2's own formulas, written out here (the plugin is
+not installable): KL's ``_compute_amax_entropy``, the signed ends Percentile / MSE / Mix
+average, and the ``qscheme`` / ``ch_axis`` / ``bins`` assertions of its constructors."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from quantscope.compat import horizon as hz
+
+
+# ------------------------------------------------------------------ Horizon's formulas
+def _entropy(pk, qk):  # _entropy_torch
+    pk = pk / pk.sum() if pk.sum() != 0 else pk
+    qk = (qk / qk.sum() if qk.sum() != 0 else qk) + 1e-10
+    return torch.sum(-qk * torch.special.entr(pk / qk))
+
+
+def kl_amax(hist, edges, nq=128, start=128):
+    """_compute_amax_entropy, loop for loop (stride 1)."""
+    bins = hist.clone()
+    bins[0] = bins[1]
+    bn = bins.numpy()
+    div = []
+    for i in range(start, len(bins) + 1):
+        dens = np.zeros(nq)
+        d = np.digitize(range(i), np.linspace(0, i, nq + 1)) - 1
+        d[bn[:i] == 0] = -1
+        for k, g in enumerate(d):
+            if g != -1:
+                dens[g] += bn[k]
+        for key, val in Counter(d).items():
+            if key != -1:
+                dens[key] /= val
+        q = np.array([dens[g] if g != -1 else 0.0 for g in d])
+        p = bins[:i].clone()
+        p[-1] += torch.sum(bins[i:])
+        div.append(_entropy(p.double(), torch.from_numpy(q)))
+    div = torch.as_tensor(div)
+    sm = torch.as_tensor([torch.sum(div[j:j + 9]) for j in range(len(div) - 9 - 1)][::-1])
+    return edges[len(sm) - 1 - torch.argmin(sm) + start + 4]
+
+
+def kl_observer_amax(x, bins=512):
+    a = x.detach().float().abs()
+    return kl_amax(torch.histc(a, bins, 0.0, a.max()), torch.linspace(0, a.max(), bins + 1))
+
+
+def percentile_ends(x, p=99.99, bins=2048):
+    mn, mx = torch.aminmax(x)
+    r = torch.max(-mn, mx)
+    h = torch.histc(x.abs(), bins=bins, min=0.0, max=r)
+    clip = (torch.searchsorted(torch.cumsum(h, 0), p / 100 * x.numel()) + 0.5) * (r / bins)
+    return max(mn, -clip), min(mx, clip)
+
+
+def mse_ends(x):
+    mn, mx = torch.aminmax(x)
+    errs = []
+    for i in range(95):
+        s = torch.max(-mn, mx) * (1 - 0.01 * i) / 127.5
+        errs.append(torch.linalg.norm(torch.round(x / s).clamp(-128, 127) * s - x))
+    last = 94 - int(torch.argmin(torch.stack(errs[::-1])))
+    return mn * (1.0 - last * 0.01), mx * (1.0 - last * 0.01)
+
+
+def ema_scale(ends, c):
+    lo, hi = ends[0]
+    for a, b in ends[1:]:
+        lo, hi = lo + c * (a - lo), hi + c * (b - hi)
+    return float(torch.max(-lo, hi) / 127.5)
+
+
+def heavy(seed, shape=(64, 128)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    return x ** 3 if seed % 2 else x
+
+
+# ------------------------------------------------------------------------------ KL
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("bins", [256, 512])
+def test_kl_observer_is_horizons_compute_amax_entropy(seed, bins):
+    x = heavy(seed)
+    o = hz.KLObserver(bins=bins)
+    o(x)
+    want = float(kl_observer_amax(x, bins)) / 127.5
+    assert float(o.calculate_qparams()[0]) == pytest.approx(want, rel=1e-6)
+
+
+def test_kl_ema_of_per_interval_thresholds():
+    xs = [heavy(s) * (1 + s) for s in range(3)]
+    o = hz.KLObserver(averaging_constant=0.5)
+    for x in xs:
+        o(x)
+    amax = [kl_observer_amax(x) for x in xs]
+    want = ema_scale([(-a, a) for a in amax], 0.5)
+    assert float(o.calculate_qparams()[0]) == pytest.approx(want, rel=1e-6)
+
+
+# ----------------------------------------------------------------- signed ends (EMA)
+SKEWED = [torch.linspace(-10, 1, 1001), torch.linspace(-1, 10, 1001),
+          torch.linspace(-3, 0.5, 777)]
+
+
+@pytest.mark.parametrize("cls, ends", [(hz.PercentileObserver, percentile_ends),
+                                       (hz.MSEObserver, mse_ends)])
+def test_signed_ends_are_averaged(cls, ends):
+    o = cls(averaging_constant=0.5)
+    for b in SKEWED:
+        o(b)
+    want = ema_scale([ends(b) for b in SKEWED], 0.5)
+    assert float(o.calculate_qparams()[0]) == pytest.approx(want, rel=1e-6)
+
+
+def test_mix_signed_ends_are_averaged():
+    ps = (99.9, 99.95, 99.99, 99.993, 99.995, 99.997, 99.999, 99.9995, 99.9999)
+
+    def best(x):  # get_min_max_of_percentile_observer, then the least L2 error
+        cands = [percentile_ends(x, p) for p in ps]
+        err = [torch.linalg.norm(x - torch.round(x / s).clamp(-128, 127) * s)
+               for s in (torch.max(-lo, hi) / 127.5 for lo, hi in cands)]
+        return cands[int(np.argmin(err))]
+
+    # batches where the histogram's error ranks the candidates as Horizon's exact L2 does
+    # (on linspace(-10, 1) quantscope's histogram score picks another percentile)
+    xs = SKEWED[1:] + [torch.linspace(-0.5, 4, 1001)]
+    o = hz.MixObserver(averaging_constant=0.5)
+    for b in xs:
+        o(b)
+    want = ema_scale([best(b) for b in xs], 0.5)
+    assert float(o.calculate_qparams()[0]) == pytest.approx(want, rel=1e-5)
+
+
+# ------------------------------------------------------------------------ assertions
+@pytest.mark.parametrize("make", [
+    lambda: hz.MinMaxObserver(qscheme=torch.per_channel_symmetric),
+    lambda: hz.MinMaxObserver(ch_axis=0),
+    lambda: hz.MovingAveragePerChannelMinMaxObserver(ch_axis=-1),
+    lambda: hz.horizon_spec(ch_axis=1),
+])
+def test_qscheme_and_ch_axis_must_agree(make):
+    with pytest.raises(ValueError, match="ch_axis should be") as err:
+        make()
+    assert isinstance(err.value, AssertionError)
+
+
+def test_qscheme_decides_granularity():
+    o = hz.MinMaxObserver(ch_axis=1, qscheme=torch.per_channel_symmetric)
+    o(torch.randn(4, 8))
+    assert o.calculate_qparams()[0].shape == (8,)
+
+
+def test_kl_bins_below_256_is_refused():
+    with pytest.raises(ValueError, match="bins must be an integer >= 256") as err:
+        hz.KLObserver(bins=200)
+    assert isinstance(err.value, AssertionError)
+    hz.KLObserver(bins=256)
