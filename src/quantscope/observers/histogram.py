@@ -381,17 +381,23 @@ class PercentileObserver(HistogramObserverBase):
 
 @register("histogram_mse")
 class HistogramMSEObserver(HistogramObserverBase):
-    """Clip at the bin centre (from ``start_bin``, every ``stride``) with the least squared
-    quantization error of the histogram (ModelOpt / Quark)."""
+    """Clip at the bin centre (from ``start_bin``, every ``stride``, up to the data's range)
+    with the least squared quantization error of the histogram (ModelOpt / Quark).
+    ``refine``: 16 (default) searches coarse-to-fine, None scores every candidate (the exact
+    argmin; see :func:`~quantscope.estimators.histogram_mse.histogram_mse_range`)."""
 
-    def __init__(self, spec=None, *, start_bin: int = 128, stride: int = 1, **kwargs):
+    def __init__(self, spec=None, *, start_bin: int = 128, stride: int = 1,
+                 refine: int | None = 16, **kwargs):
         super().__init__(spec, **kwargs)
         self.start_bin = check_int(type(self).__name__, "start_bin", start_bin, 0)
         self.stride = check_int(type(self).__name__, "stride", stride, 1)
+        self.refine = None if refine is None else \
+            check_int(type(self).__name__, "refine", refine, 1)
 
     def _estimate(self, hist):
+        # bounds: the range _clip keeps, so the range scored is the range that runs
         return histogram_mse_range(hist, self.spec, start_bin=self.start_bin, stride=self.stride,
-                                   bounds=self._bounds())
+                                   refine=self.refine, bounds=self._bounds())
 
 
 def _kl_bits(spec):
