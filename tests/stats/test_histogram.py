@@ -191,7 +191,8 @@ def test_numpy_reference_of_the_grid_exponent():
     for lo, hi, bins in [(-1.0, 1.0, 16), (0.0, 100.0, 2048), (-3.5, 0.0, 64), (0.0, 0.0, 16)]:
         e = int(H.grid_exponent(torch.tensor([lo]), torch.tensor([hi]), bins))
         amax = max(abs(lo), abs(hi))
-        floor_mag = np.frexp(amax)[1] - 1 - 22  # frexp(0) has exponent 0
+        # float32's 23 fraction bits below amax's exponent; an all-zero range has no floor
+        floor_mag = np.frexp(amax)[1] - 1 - 22 if amax > 0 else -126
         ok = [k for k in range(-126, 127)
               if np.floor(hi / 2.0**k) - np.floor(lo / 2.0**k) + 1 <= bins and k >= floor_mag]
         assert e == ok[0]

@@ -12,7 +12,11 @@ origin (zero) and widths are powers of two:
 * ``e`` is the smallest exponent whose grid holds the unit's range and zero in
   ``bins`` bins (and at least ``exponent(amax) - 22``, so bin indices stay
   below ``2 ** 23``); it depends only on the range seen, so the same data in any
-  batch order, or split across processes and merged, gives the same counts.
+  batch order, or split across processes and merged, gives the same counts. One limit:
+  a negative value below ``2 ** (e - 150)`` (a unit whose data spans more than about
+  ``2 ** 140``) makes ``x * 2 ** -e`` underflow to ``-0``, so it counts in bin 0 or bin
+  -1 depending on the grid it was binned on; both hold values within ``2 ** e`` of zero
+  (the running min / max are unaffected).
 
 Memory is fixed: ``bins`` counts per unit; the range occupies between half and
 all of them. ``absolute=True`` histograms ``|x|`` from zero (``first = 0``).
@@ -133,7 +137,8 @@ def grid_exponent(lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor
         cand = (guess + d).clamp(E_MIN, E_MAX)
         e = torch.where(_fits(lo, hi, cand, bins), torch.minimum(e, cand), e)
     amax = torch.maximum(lo.abs(), hi.abs())
-    mag = torch.frexp(amax).exponent.long() - 1 - _MAG_BITS
+    # the magnitude floor only where there is a magnitude: frexp(0) reads 0, not -inf
+    mag = torch.where(amax > 0, torch.frexp(amax).exponent.long() - 1 - _MAG_BITS, E_MIN)
     return torch.maximum(e, mag).clamp(E_MIN, E_MAX)
 
 
@@ -237,13 +242,16 @@ def empty_state(units: int, bins: int, device=None) -> HistState:
 
 def _regrid(state: HistState, lo, hi, bins, absolute, exp=None) -> HistState:
     """``state`` re-binned onto the grid of its range joined with ``[lo, hi]`` (and at least
-    exponent ``exp``, another histogram's, for a merge)."""
+    exponent ``exp``, another histogram's, for a merge); where the joined range is empty
+    (a merge of two empty states) the state stays :func:`empty_state`'s."""
     lo = torch.minimum(state.lo, lo)
     hi = torch.maximum(state.hi, hi)
     e = torch.maximum(state.exp, grid_exponent(lo, hi, bins))
     if exp is not None:
         e = torch.maximum(e, exp)
-    first = grid_first(lo, e, absolute)
+    empty = lo > hi
+    e = e.masked_fill(empty, E_MIN)
+    first = grid_first(lo, e, absolute).masked_fill(empty, 0)
     counts = rebin(state.counts, state.exp, state.first, e, first)
     return HistState(counts, e, first, lo, hi)
 
@@ -279,7 +287,9 @@ def _update_grid(state: HistState, lo, hi, absolute: bool) -> HistState:
 def merge(a: HistState, b: HistState, absolute: bool = False) -> HistState:
     """Exact merge: both re-binned onto the common grid of the union, counts added.
 
-    ``merge(a, b)`` equals, bitwise, the state of one observer that saw both data sets.
+    ``merge(a, b)`` equals, bitwise, the state of one observer that saw both data sets
+    (up to a negative value below ``2 ** (e - 150)``, which counts in bin 0 or -1 by the
+    grid it was binned on: see the module doc); two empty states merge to an empty one.
     """
     bins = a.counts.shape[1]
     if b.counts.shape != a.counts.shape:

@@ -55,7 +55,8 @@ static int64_t grid_exponent(float lo, float hi, int64_t bins) {
     float amax = a < b ? b : a;
     int ex = 0;
     frexpf(amax, &ex);
-    int64_t mag = (int64_t)ex - 1 - MAG_BITS;
+    /* the magnitude floor only where there is a magnitude: frexpf(0) reads 0, not -inf */
+    int64_t mag = amax > 0.0f ? (int64_t)ex - 1 - MAG_BITS : E_MIN;
     return clampe(e > mag ? e : mag);
 }
 

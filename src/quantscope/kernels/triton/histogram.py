@@ -181,7 +181,8 @@ def _grid_exponent(lo, hi, B):
         cand = tl.minimum(tl.maximum(guess + 1 - d, E_MIN), E_MAX)
         e = tl.where(_fits(lo, hi, cand, B), tl.minimum(e, cand), e)
     amax = tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL)
-    mag = _frexp_exponent(amax) - 1 - MAG_BITS
+    # the magnitude floor only where there is a magnitude: frexp(0) reads 0, not -inf
+    mag = tl.where(amax > 0.0, _frexp_exponent(amax) - 1 - MAG_BITS, E_MIN)
     return tl.minimum(tl.maximum(tl.maximum(e, mag), E_MIN), E_MAX)
 
 
