@@ -28,6 +28,7 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/compat/test_quark_shapes_zero_const.py tests/compat/test_llmc_scale_dtype.py \
 	tests/export/test_check_peers.py tests/export/test_export_ct_peers.py \
 	tests/integrations/test_integrations_llmcompressor.py tests/calibrate/test_smooth_peers.py \
+	tests/calibrate/test_scheme_observers.py \
 	tests/bench/test_gpu_rows_peers.py
 
 .PHONY: venv peers test test-memory fuzz demo demo-quick demo-readme bench bench-docs lint kernels kernels-check docs sizes

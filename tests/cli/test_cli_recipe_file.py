@@ -122,3 +122,16 @@ def test_calibrate_with_a_recipe_file_saves_and_says_what_ran(llama_dir, tmp_pat
     rc = cli.main(["calibrate", "--model", llama_dir, "--recipe-file",
                    _recipe_file(tmp_path, PLAIN), "--out", str(run), *FAST])
     assert rc == 0 and "mine, observer memoryless_minmax/minmax" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, want", [
+    (("--recipe", "nvfp4"), "static_minmax"),  # llm-compressor's NVFP4 inputs
+    (("--recipe", "nvfp4", "--observer", "minmax"), "minmax"),
+    (("--recipe", "w8a8"), "minmax"),
+    (("--scheme", "FP8"), "static_minmax"),  # compressed-tensors' FP8 scheme names it
+])
+def test_without_observer_the_preset_or_scheme_chooses_the_input_observer(llama_dir, argv, want):
+    """The command line gave every role minmax where no --observer was given, so its nvfp4 /
+    FP8 inputs were a moving average where calibrate()'s are the scheme's running max."""
+    rec, _ = _built(llama_dir, *argv)
+    assert rec.rules[0].input.observer == want

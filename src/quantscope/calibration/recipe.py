@@ -19,7 +19,6 @@ histogram observers' weights min-max (:func:`weight_observer`).
 from __future__ import annotations
 
 import fnmatch
-import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -29,12 +28,12 @@ from torch import nn
 from .. import presets
 from ..layout import Tensor
 from ..spec import QuantSpec
+from .role_observers import AUTO, observed, weight_observer
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
-           "Role", "Rule", "preset", "weight_observer"]
+           "Role", "Rule", "preset", "scheme", "weight_observer"]
 
 ROLES = ("weight", "input", "output")
-AUTO = "auto"
 #: what ``observer="auto"`` chooses from (those registered; weights take memoryless variants)
 DEFAULT_CANDIDATES = ("minmax", "mse", "percentile", "entropy", "mix", "histogram_mse")
 DYNAMIC_MODES = (False, True, "local")
@@ -257,17 +256,11 @@ class Recipe:
     def with_observer(self, observer: str, **options) -> Recipe:
         """A copy whose calibrated roles (not dynamic) run ``observer`` (weights: its
         :func:`weight_observer`) with ``options`` and those of their own it takes."""
-        def swap(role, kind):
-            if role is None or role.dynamic is True:
-                return role
-            name = weight_observer(observer) if kind == "weight" else observer
-            kept = options if name == observer else _accepted(name, observer, options)
-            own = dict(role.options) if name == AUTO else _accepted(name, name, dict(role.options))
-            return replace(role, observer=name, options={**own, **kept})
-        rules = tuple(replace(r, **{k: swap(getattr(r, k), k) for k in ROLES})
-                      for r in self.rules)
+        rules = tuple(replace(r, **{k: observed(getattr(r, k), k, observer, options)
+                                    for k in ROLES}) for r in self.rules)
         # the KV cache takes a named observer: auto leaves it as it is
-        kv = self.kv_cache if observer == AUTO else swap(self.kv_cache, "key")
+        kv = self.kv_cache if observer == AUTO else observed(self.kv_cache, "key", observer,
+                                                             options)
         return replace(self, rules=rules, name=self.name, kv_cache=kv)
 
     @property
@@ -311,46 +304,6 @@ def kv_cache_role(kv_cache) -> Role | None:
     if role is not None and role.observer == AUTO:
         raise ValueError("Recipe.kv_cache: name an observer (auto does not choose KV scales)")
     return role
-
-
-def _accepted(name: str, observer: str, options: dict) -> dict:
-    """Of the ``options`` given for ``observer``, those ``name`` (it, or its memoryless variant)
-    takes (an MSE search's ``maxshrink``, not a moving average's ``averaging_constant``)."""
-    from ..observers.registry import observer_class
-
-    if name not in (observer, f"memoryless_{observer}"):  # another: the options are not its own
-        return {}
-    named = {p.name for c in observer_class(name).__mro__ if "__init__" in c.__dict__
-             for p in inspect.signature(c.__init__).parameters.values()
-             if p.kind == p.KEYWORD_ONLY}
-    return {k: v for k, v in options.items() if k in named}
-
-
-def weight_observer(name: str) -> str:
-    """The observer a weight role runs when a recipe is built from observer ``name``.
-
-    Weights are observed once: a name with a memoryless variant uses it (``minmax`` ->
-    ``memoryless_minmax``, ``mse`` -> ``memoryless_mse``). Histogram observers
-    (percentile, entropy, mix, ...) are activation calibrators -- TensorRT and Horizon
-    pair them with max calibration of weights -- so their weights use
-    ``memoryless_minmax``. ``auto`` stays ``auto``. A :class:`Role` written by hand runs
-    the observer it names.
-    """
-    from ..observers.registry import observer_class
-
-    if name == AUTO:
-        return name
-    cls = observer_class(name)
-    if cls.memoryless:
-        return name
-    try:
-        observer_class(f"memoryless_{name}")
-        return f"memoryless_{name}"
-    except ValueError:
-        pass
-    if cls.family == "histogram":
-        return "memoryless_minmax"
-    return name
 
 
 _INT8_ACT = QuantSpec("int8", Tensor())
@@ -397,6 +350,9 @@ RECIPES = {
 }
 #: presets that also calibrate the KV cache, and its format
 KV_PRESETS = {"fp8-kv": "fp8"}
+#: presets whose inputs run their own observer when none is given: llm-compressor's NVFP4
+#: scheme calibrates the input global scale on the running max of all batches
+INPUT_OBSERVERS = {"nvfp4": "static_minmax"}
 
 
 #: the earlier name of :data:`RECIPES`
@@ -405,7 +361,8 @@ PRESETS = RECIPES
 
 def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
            kv_cache=None, **options) -> Recipe:
-    """A preset recipe by name (:data:`RECIPES`) with ``observer`` (``minmax`` by default) for
+    """A preset recipe by name (:data:`RECIPES`) with ``observer`` (by default ``minmax``, and
+    for ``nvfp4``'s inputs ``static_minmax`` as in llm-compressor: :data:`INPUT_OBSERVERS`) for
     modules ``targets`` (``Linear``) minus ``ignore``; ``kv_cache="fp8"`` also calibrates the
     KV cache with ``observer`` (min-max for ``auto``), or as a :class:`Role` says (``fp8-kv`` is
     ``fp8`` with ``kv_cache="fp8"``). A :class:`Recipe` as ``name`` comes back as it is, or
@@ -417,14 +374,18 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
             raise ValueError(f"preset: {given[0]} given with Recipe {name.name!r}: only observer= "
                              f"and its options apply to one (change it with dataclasses.replace)")
         return name if observer is None else name.with_observer(observer, **options)
+    key = str(name).lower()
+    own_input = INPUT_OBSERVERS.get(key) if observer is None else None
     observer = "minmax" if observer is None else observer
     targets = ("Linear",) if targets is None else targets
-    key = str(name).lower()
     if key not in RECIPES:
         raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(RECIPES)}")
     # Rule and Recipe read targets / ignore (a string is one pattern, None no ignore list)
     recipe = Recipe((replace(RECIPES[key](observer), targets=targets),), ignore, key)
-    recipe = recipe.with_observer(observer, **options)
+    (rule,) = recipe.with_observer(observer, **options).rules
+    if own_input:  # the observer llm-compressor's scheme gives these inputs
+        rule = replace(rule, input=observed(rule.input, "input", own_input, options))
+    recipe = replace(recipe, rules=(rule,))
     kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
     if isinstance(kv_cache, str):  # a format name: observed as the activations are
         kv_cache = replace(kv_cache_role(kv_cache), options=options,
@@ -432,12 +393,21 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
     return replace(recipe, kv_cache=kv_cache)
 
 
-def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(),
+def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignore=(),
            **options) -> Recipe:
     """A recipe from a compressed-tensors preset scheme name (``W8A8``, ``W4A16``,
     ``W4A16_ASYM``, ``FP8``, ``FP8_DYNAMIC``, ``NVFP4``, ``MXFP4`` ... : its
     ``PRESET_SCHEMES``), with the same weight and activation specs and dynamic modes, as
-    compressed-tensors defines them. Needs the ``compressed-tensors`` package."""
+    compressed-tensors defines them. Needs the ``compressed-tensors`` package.
+
+    With ``observer`` None each calibrated role runs the scheme's own observer, as
+    llm-compressor's oneshot does (``FP8`` and ``NVFP4`` inputs: ``static_minmax``, the running
+    max over all batches; a role naming none: ``minmax``), weights its
+    :func:`~quantscope.calibration.recipe.weight_observer`, ``options`` going to them as
+    :meth:`~quantscope.calibration.recipe.Recipe.with_observer` gives them. An ``observer``
+    runs on every calibrated role instead (``Recipe.with_observer(observer, **options)``).
+    Dynamic roles (``dynamic=True``) are quantized at run time: no observer.
+    """
     try:
         from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, QuantizationScheme
     except ImportError:
@@ -457,10 +427,28 @@ def scheme(name: str, observer: str = "minmax", *, targets=("Linear",), ignore=(
         if args is None:
             continue
         dynamic = args.dynamic if isinstance(args.dynamic, bool) else "local"
-        obs = "memoryless_minmax" if dynamic is True else observer
-        roles[role] = Role(llmcompressor_spec(args, role), obs, dynamic)
-    recipe = Recipe((Rule(targets, **roles),), ignore, key)
-    return recipe.with_observer(observer, **options)
+        if dynamic is True:  # computed at run time: nothing to observe
+            roles[role] = Role(llmcompressor_spec(args, role), "memoryless_minmax", True)
+            continue
+        own = _own_observer(key, role, args.observer) if observer is None else observer
+        roles[role] = observed(Role(llmcompressor_spec(args, role), own, dynamic), role, own,
+                               options)
+    return Recipe((Rule(targets, **roles),), ignore, key)
+
+
+def _own_observer(key: str, role: str, name: str | None) -> str:
+    """quantscope's observer for the one compressed-tensors names (``minmax`` where it names
+    none: llm-compressor's default); a ValueError where quantscope registers no such name."""
+    from ..observers.registry import observer_class
+
+    if name is None:
+        return "minmax"
+    try:
+        observer_class(name)
+    except ValueError:
+        raise ValueError(f"scheme {key!r}: its {role} observer {name!r} is not one quantscope "
+                         f"registers; pass observer= to choose one") from None
+    return name
 
 
 def with_group_size(recipe: Recipe, size: int) -> Recipe:

@@ -108,7 +108,8 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     # None: not given (a recipe file's roles keep their own observers)
     g.add_argument("--observer", default=None,
                    help="observer of every calibrated role: a registry name or 'auto' "
-                        "(default: minmax; with --recipe-file, the file's observers)")
+                        "(default: the preset's or scheme's own, minmax unless it names "
+                        "another; with --recipe-file, the file's observers)")
     g.add_argument("--weight-observer", default=None, help="observer of the weights only")
     g.add_argument("--input-observer", default=None,
                    help="observer of the input activations (an error where the recipe "

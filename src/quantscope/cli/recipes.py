@@ -16,7 +16,7 @@ def build_recipe(args, model, observer=None, recipe_name=None):
 
     from ..calibration import recipe as R
 
-    observer = observer or args.observer or "minmax"
+    observer = observer or args.observer  # None: each preset's / scheme's own observers
     kw = {"targets": tuple(args.targets or DEFAULT_TARGETS), "ignore": tuple(args.ignore or ())}
     name = recipe_name or args.recipe
     if getattr(args, "recipe_file", None):
@@ -29,7 +29,7 @@ def build_recipe(args, model, observer=None, recipe_name=None):
         rec = R.with_group_size(rec, args.group_size)
     if getattr(args, "kv_cache", None):
         rec = replace(rec, kv_cache=replace(R.kv_cache_role(args.kv_cache), observer=(
-            "minmax" if observer == R.AUTO else observer)))
+            "minmax" if observer in (None, R.AUTO) else observer)))
     for role in ("weight", "input"):
         rec = _role_observer(rec, role, getattr(args, f"{role}_observer", None))
     rec = _indivisible(rec, model, args.on_indivisible)

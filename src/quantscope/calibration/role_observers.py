@@ -1,0 +1,65 @@
+"""Which observer, with which options, a recipe's role runs when a recipe is built from one
+observer name (:meth:`~quantscope.calibration.recipe.Recipe.with_observer`, the presets and
+schemes): weights take the name's memoryless variant, and each role keeps the options of its
+own the new observer takes."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+
+__all__ = ["AUTO", "observed", "weight_observer"]
+
+AUTO = "auto"
+
+
+def weight_observer(name: str) -> str:
+    """The observer a weight role runs when a recipe is built from observer ``name``.
+
+    Weights are observed once: a name with a memoryless variant uses it (``minmax`` ->
+    ``memoryless_minmax``, ``mse`` -> ``memoryless_mse``). Histogram observers
+    (percentile, entropy, mix, ...) are activation calibrators -- TensorRT and Horizon
+    pair them with max calibration of weights -- so their weights use
+    ``memoryless_minmax``. ``auto`` stays ``auto``. A :class:`Role` written by hand runs
+    the observer it names.
+    """
+    from ..observers.registry import observer_class
+
+    if name == AUTO:
+        return name
+    cls = observer_class(name)
+    if cls.memoryless:
+        return name
+    try:
+        observer_class(f"memoryless_{name}")
+        return f"memoryless_{name}"
+    except ValueError:
+        pass
+    if cls.family == "histogram":
+        return "memoryless_minmax"
+    return name
+
+
+def _accepted(name: str, observer: str, options: dict) -> dict:
+    """Of the ``options`` given for ``observer``, those ``name`` (it, or its memoryless variant)
+    takes (an MSE search's ``maxshrink``, not a moving average's ``averaging_constant``)."""
+    from ..observers.registry import observer_class
+
+    if name not in (observer, f"memoryless_{observer}"):  # another: the options are not its own
+        return {}
+    named = {p.name for c in observer_class(name).__mro__ if "__init__" in c.__dict__
+             for p in inspect.signature(c.__init__).parameters.values()
+             if p.kind == p.KEYWORD_ONLY}
+    return {k: v for k, v in options.items() if k in named}
+
+
+def observed(role, kind: str, observer: str, options: dict):
+    """``role`` (of ``kind``: weight, input ...) running ``observer`` (weights: its
+    :func:`weight_observer`) with ``options`` and those of its own it takes; a dynamic role
+    (nothing observed) or None as it is."""
+    if role is None or role.dynamic is True:
+        return role
+    name = weight_observer(observer) if kind == "weight" else observer
+    kept = options if name == observer else _accepted(name, observer, options)
+    own = dict(role.options) if name == AUTO else _accepted(name, name, dict(role.options))
+    return replace(role, observer=name, options={**own, **kept})
