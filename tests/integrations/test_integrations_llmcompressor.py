@@ -84,11 +84,12 @@ def _args(**kw):
     return QuantizationArgs(**{"num_bits": 8, "type": "int", "symmetric": True, **kw})
 
 
-def _oneshot(cls, path, weights, inputs=None, pipeline="sequential", save=None):
-    """Run oneshot with one config group on every Linear but lm_head; return the model."""
+def _oneshot(cls, path, weights, inputs=None, pipeline="sequential", save=None, **modifier):
+    """Run oneshot with one config group on every Linear but lm_head (the modifier's other
+    fields from ``modifier``); return the model."""
     model = cls.from_pretrained(path)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
-    mod = QuantizationModifier(config_groups={"g": scheme}, ignore=["lm_head"])
+    mod = QuantizationModifier(config_groups={"g": scheme}, ignore=["lm_head"], **modifier)
     oneshot(model=model, recipe=mod, dataset=_loader(), pipeline=pipeline, output_dir=save,
             processor=_tokenizer())
     return model
@@ -339,6 +340,31 @@ def test_oneshot_w4a16_checkpoint_loads_with_transformers(tmp_path):
             want = quantscope.get_observer("mse", llmcompressor_spec(w4_args, "weight"))
             want(w)
             assert torch.equal(scale, want.qparams().scale), key
+
+
+def test_oneshot_weight_only_quantscope_imatrix_calibrates_when_asked(tmp_path):
+    # with oneshot's default pipeline ("independent": inferred from the modifiers)
+    # llm-compressor calibrates a weight-only recipe only for its own imatrix names
+    # (QuantizationMixin._set_requires_calibration_data); with requires_calibration_data=True
+    # quantscope_imatrix_mse gets the same importance and gives imatrix_mse's weight qparams,
+    # without it the refusal says what to pass
+    cls = _llama(tmp_path / "llama")
+
+    def run(observer, strict=False, **modifier):
+        w = _args(num_bits=4, strategy="group", group_size=16, observer=observer,
+                  observer_kwargs={"strict": strict})
+        return _qparams(_oneshot(cls, tmp_path / "llama", w, pipeline="independent",
+                                 **modifier))
+
+    theirs = run("imatrix_mse", strict=True)
+    assert sum(k.endswith("weight_scale") for k in theirs) == 2 * 7
+    _assert_bitwise(theirs, run("quantscope_imatrix_mse", strict=True,
+                                requires_calibration_data=True))
+    hint = r"no importance data available .*requires_calibration_data=True"
+    with pytest.raises(ValueError, match=hint):
+        run("quantscope_imatrix_mse", strict=True)
+    with pytest.warns(UserWarning, match=hint):
+        run("quantscope_imatrix_mse")
 
 
 # ----------------------------------------------------------------------------- DDP

@@ -16,6 +16,8 @@ uniform search with a warning. Options and their checks are llm-compressor's (ma
 ``sum(importance * |fake_quant(x) - x| ** norm)`` per unit with fp32 scales (the global
 scale cancels), llm-compressor's global patience: quantscope's
 :func:`~quantscope.estimators.weighted.weighted_search` with its ``expand`` and ``patience``.
+The range comes back in the observed dtype (float32 for integer data), as llm-compressor's
+and the MSE compat's do, so the scales keep the weight's dtype.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .llmcompressor_base import statistics_units
 from .llmcompressor_parts import flatten_for_calibration
 from .llmcompressor_spec import search_spec
 
-__all__ = ["IMatrixMixin", "imatrix_search"]
+__all__ = ["IMatrixMixin", "imatrix_search", "statistics_dtype"]
 
 _DEFAULTS = {"maxshrink": 0.95, "patience": 5, "grid": 20, "norm": 3.0, "strict": False,
              "expand": 1.0}
@@ -44,6 +46,8 @@ class IMatrixMixin:
     """Importance collection and validation (put it before the observer base class)."""
 
     _stats_attrs: ClassVar[list[str]] = ["min_vals", "max_vals", "_imatrix_sum", "_imatrix_count"]
+    #: appended to "no importance data available" (what the caller can do about it)
+    _no_data_hint: ClassVar[str] = ""
 
     def _init_imatrix(self, kwargs: dict, defaults: dict | None = None) -> None:
         opts = {**_DEFAULTS, **(defaults or {})}
@@ -114,7 +118,7 @@ class IMatrixMixin:
         if strategy == "tensor":
             return self._refuse("TENSOR strategy not supported", NotImplementedError)
         if self._imatrix_sum is None or int(self._imatrix_count) == 0:
-            return self._refuse("no importance data available")
+            return self._refuse(f"no importance data available{self._no_data_hint}")
         imp = self._imatrix_sum / self._imatrix_count.float()
         for bad, what in ((~torch.isfinite(imp), "contains non-finite values"),
                           (imp < 0, "contains negative values")):
@@ -169,4 +173,11 @@ def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec
     factors = [1 - i / grid for i in range(1, max(1, int(maxshrink * grid)) + 1)]
     lo, hi = weighted_search(units, weights, spec, factors=factors, norm=norm, expand=expand,
                              patience=patience or None, float32_sums=True)
-    return lo.reshape(shape), hi.reshape(shape)
+    dtype = statistics_dtype(observed)
+    return lo.reshape(shape).to(dtype), hi.reshape(shape).to(dtype)
+
+
+def statistics_dtype(observed: torch.Tensor) -> torch.dtype:
+    """The dtype of llm-compressor's ``min_vals`` / ``max_vals`` for ``observed``: its own,
+    float32 for integer data (compressed-tensors then computes the scales in it)."""
+    return observed.dtype if observed.is_floating_point() else torch.float32

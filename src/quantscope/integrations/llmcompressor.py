@@ -50,7 +50,9 @@ message. ``quantscope_imatrix_mse`` is :class:`QuantscopeIMatrixObserver`: llm-c
 ``imatrix_mse`` contract (``attach`` hook, options, checks, ``strict``) with quantscope's
 search code (:mod:`quantscope.compat.llmcompressor_imatrix`); where it falls back to
 "uniform MSE" (no valid importance, not ``strict``) it runs ``quantscope_memoryless_mse``'s
-search over its own grid (:meth:`QuantscopeIMatrixObserver.uniform_range`).
+search over its own grid (:meth:`QuantscopeIMatrixObserver.uniform_range`). In a weight-only
+recipe pass ``requires_calibration_data=True`` to ``QuantizationModifier``: llm-compressor
+turns calibration on by itself only for its own imatrix observer names.
 
 Registration is explicit (import this module before ``oneshot``): llm-compressor has no
 plugin entry point. To have it in every process of an environment, add a ``.pth`` file
@@ -71,7 +73,7 @@ from llmcompressor.observers.helpers import flatten_for_calibration
 from torch import distributed as dist
 
 from ..compat.llmcompressor_base import statistics_units
-from ..compat.llmcompressor_imatrix import IMatrixMixin
+from ..compat.llmcompressor_imatrix import IMatrixMixin, statistics_dtype
 from ..compat.llmcompressor_spec import llmcompressor_spec
 from ..layout import Block, Channel
 from ..observers.registry import list_observers, observer_class
@@ -142,7 +144,7 @@ class QuantscopeObserver(Observer):
         shape = tuple(observed.shape[1:-1])
         units = observed.movedim(0, -2).reshape(math.prod(shape), -1)
         # integer data (llm-compressor observes it) is calibrated on its float32 values
-        dtype = observed.dtype if observed.is_floating_point() else torch.float32
+        dtype = statistics_dtype(observed)
         self.quantscope(units.to(dtype))
         self._qparam_shape, self._dtype, self._range = shape, dtype, None
         self._assigned = {}
@@ -263,6 +265,14 @@ class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
     _act_sync_dict: ClassVar[dict] = {"_imatrix_sum": dist.ReduceOp.SUM,
                                       "_imatrix_count": dist.ReduceOp.SUM}
     quantscope_name = "imatrix_mse"
+    # llm-compressor turns calibration on for a weight-only recipe by a fixed list of its own
+    # observer names (QuantizationMixin._set_requires_calibration_data), which no attribute
+    # or registry entry extends: say how to turn it on
+    _no_data_hint: ClassVar[str] = (
+        " (no forward pass reached the layer while the observer was attached; llm-compressor "
+        "runs calibration for a weight-only recipe by itself only for its own imatrix_mse / "
+        "nvfp4_expanded_imatrix names: pass requires_calibration_data=True to "
+        "QuantizationModifier, and a dataset to oneshot)")
 
     def __init__(self, base_name: str, args, **observer_kwargs):
         super().__init__(base_name, args, **observer_kwargs)
@@ -280,7 +290,7 @@ class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
         (0: all candidates) and ``expand``; the ``norm`` given in ``observer_kwargs``, else
         memoryless_mse's (2: llm-compressor's 3.0 is the default of its weighted score)."""
         units, shape = statistics_units(observed)
-        dtype = observed.dtype if observed.is_floating_point() else torch.float32
+        dtype = statistics_dtype(observed)
         uniform = observer_class("memoryless_mse")(
             units_spec(self.args, self.base_name), maxshrink=self.maxshrink, grid=self.grid,
             patience=self.patience or None, expand=self.expand,
