@@ -23,10 +23,16 @@ What may be smoothed (:data:`MAPPINGS`): a decoder layer's ``input_layernorm`` i
 ``q_proj`` / ``k_proj`` / ``v_proj``, its ``post_attention_layernorm`` into ``gate_proj`` /
 ``up_proj`` (llm-compressor's default mappings), and a gated MLP's ``up_proj`` into its
 ``down_proj`` (``down(act(gate(x)) * up(x))`` is linear in ``up``'s output; the mapping
-AWQ uses, and the one SmolLM2 needs most). Each mapping found is checked on a probe before
-the model is touched: the balanced layers' outputs of a random input must stay the same
-(to float rounding) with the new parameters, so a norm that is not ``x * weight (+ bias)``
-(Gemma's ``x * (1 + weight)``) or an MLP that is not gated is left alone, not broken.
+AWQ uses, and the one SmolLM2 needs most). Names match by suffix only, so each mapping
+found is checked twice before the model is touched. Its data flow, by hooks in the forward
+that measures the ranges: every balanced Linear must read exactly the previous module's
+output (the same tensor, or one bit for bit equal) and no other Linear may read it, so a
+norm that also feeds the MLP (Cohere's and Phi's parallel blocks) or whose output is not the
+MLP's input (OLMo2's post-norm ``post_attention_layernorm``) is left alone. And a probe: the
+balanced layers' outputs of a random input must stay the same (to float rounding) with the
+new parameters, so a norm that is not ``x * weight (+ bias)`` (Gemma's ``x * (1 + weight)``)
+or an MLP that is not gated is left alone, not broken. ``info["why"]`` says why each
+skipped mapping was.
 
 :func:`smooth` changes the model's parameters in place, as llm-compressor does: calibrate,
 apply, evaluate and export that same model object. A calibration made with ``smooth=``
@@ -38,6 +44,7 @@ smooths a freshly loaded copy of the float model alike, as ``quantscope evaluate
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -114,12 +121,15 @@ def _width(module: nn.Module) -> int | None:
 
 @torch.no_grad()
 def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distributed: bool = False,
-                   group=None) -> dict[str, torch.Tensor]:
+                   group=None, flow: dict | None = None) -> dict[str, torch.Tensor]:
     """``max - min`` of every input channel of each mapping's balanced Linears over
     ``batches`` (one forward each, in eval mode); with ``distributed`` inside a process group,
-    the range across its ranks (every rank must call it then)."""
+    the range across its ranks (every rank must call it then). ``flow``, a dict, receives
+    ``{previous: why}`` for each mapping whose data flow does not fit (:class:`_Flow`), in
+    the same forward."""
     modules = dict(model.named_modules())
     lo, hi = {}, {}
+    tracer = _Flow(modules, mappings) if flow is not None else None
 
     def hook(key, keyword):
         def f(_module, args, kwargs):
@@ -134,25 +144,111 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distribut
     handles = [modules[m.balance[0]].register_forward_pre_hook(
         hook(m.previous, input_name(modules[m.balance[0]])), with_kwargs=True)
         for m in mappings]
+    handles += tracer.hooks() if tracer is not None else []
     try:
         with eval_mode(model):  # as the calibration pass (dropout: random ranges)
             for batch in batches:
+                if tracer is not None:
+                    tracer.reset()
                 forward_batch(model, batch)
     finally:
         for h in handles:
             h.remove()
+    why = tracer.why if tracer is not None else {}
     if distributed and qd.is_distributed(group):  # every rank must smooth alike
         # one collective for every mapping: the mins and the negated maxes, reduced by MIN
+        # (and, with flow, 1 where the data flow fits, 0 where it does not)
         widths = [modules[m.balance[0]].in_features for m in mappings]
         flat = torch.cat([t for m, w in zip(mappings, widths) for t in (
             lo.get(m.previous, torch.full((w,), float("inf"))).cpu(),
-            -hi.get(m.previous, torch.full((w,), float("-inf"))).cpu())])
+            -hi.get(m.previous, torch.full((w,), float("-inf"))).cpu())]
+            + ([torch.tensor([float(m.previous not in why) for m in mappings])]
+               if tracer is not None else []))
         flat = flat.to(qd.group_device(group))
         qd.all_reduce(flat, torch.distributed.ReduceOp.MIN, group)
-        parts = flat.cpu().split([w for w in widths for _ in (0, 1)])
+        parts = flat.cpu().split([w for w in widths for _ in (0, 1)]
+                                 + ([len(mappings)] if tracer is not None else []))
         for k, m in enumerate(mappings):
             lo[m.previous], hi[m.previous] = parts[2 * k], -parts[2 * k + 1]
+            if tracer is not None and not parts[-1][k] and m.previous not in why:
+                why[m.previous] = "its data flow does not fit on another rank"
+    if flow is not None:
+        flow.update(why)
     return {k: hi[k] - lo[k] for k in hi}
+
+
+def _scope(m: Mapping) -> str:
+    """The decoder layer's prefix of ``m`` (the part before :data:`MAPPINGS`' suffix)."""
+    for prev, _ in MAPPINGS:
+        if m.previous == prev or m.previous.endswith("." + prev):
+            return m.previous[: len(m.previous) - len(prev)]
+    return m.previous
+
+
+def _same(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """``x`` is ``out``, or holds the same values bit for bit (a copy, a view)."""
+    return x is out or (x.numel() == out.numel() and x.dtype == out.dtype
+                        and x.device == out.device and torch.equal(x.reshape(-1),
+                                                                   out.reshape(-1)))
+
+
+class _Flow:
+    """Who reads each mapping's ``previous`` output, by hooks in the ranges forward. Matching
+    names promise nothing: Cohere's and Phi's ``input_layernorm`` feeds the MLP too, OLMo2's
+    ``post_attention_layernorm`` normalizes the attention output while the MLP reads the
+    residual. Scaling such a norm changes the function, so a mapping is kept only if every
+    balanced Linear reads exactly that output (a norm's; a Linear's ``previous`` is checked
+    with its parent on the probe) and no other Linear reads it."""
+
+    def __init__(self, modules: dict[str, nn.Module], mappings: list[Mapping]):
+        self.modules = modules
+        self.maps = {m.previous: m for m in mappings}
+        self.owner = {b: m.previous for m in mappings for b in m.balance
+                      if not isinstance(modules[m.previous], nn.Linear)}
+        self.scope = {m.previous: _scope(m) for m in mappings}
+        self.why: dict[str, str] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        # held: the outputs of one decoder layer only (the copies compared bit for bit; all
+        # layers' would keep every activation alive); live: every output, by identity
+        self.held: dict[str, torch.Tensor] = {}
+        self.live: dict[int, tuple[str, weakref.ref]] = {}
+
+    def hooks(self) -> list:
+        hs = [self.modules[p].register_forward_hook(self._wrote(p)) for p in self.maps]
+        return hs + [mod.register_forward_pre_hook(self._read(n, input_name(mod)), with_kwargs=True)
+                     for n, mod in self.modules.items() if isinstance(mod, nn.Linear)]
+
+    def _wrote(self, prev: str):
+        def f(_module, _args, out):
+            scope = self.scope[prev]
+            self.held = {p: t for p, t in self.held.items() if self.scope[p] == scope}
+            if isinstance(out, torch.Tensor):
+                self.held[prev] = out
+                self.live[id(out)] = (prev, weakref.ref(out))
+        return f
+
+    def _sources(self, x) -> set[str]:
+        """The mappings whose ``previous`` output ``x`` is."""
+        if not isinstance(x, torch.Tensor):
+            return set()
+        hit = self.live.get(id(x))
+        found = {hit[0]} if hit is not None and hit[1]() is x else set()
+        return found | {p for p, t in self.held.items() if p not in found and _same(x, t)}
+
+    def _read(self, name: str, keyword: str | None):
+        def f(_module, args, kwargs):
+            read = self._sources(module_input(args, kwargs, keyword))
+            for prev in read:
+                if name not in self.maps[prev].balance:
+                    self.why.setdefault(prev, f"its output also feeds {name}, which the "
+                                              f"mapping does not balance")
+            own = self.owner.get(name)
+            if own is not None and own not in read:
+                self.why.setdefault(own, f"the balanced layer {name} reads another tensor "
+                                         f"than its output")
+        return f
 
 
 def smoothing_scales(ranges: torch.Tensor, weights: list[torch.Tensor],
@@ -233,24 +329,31 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
            group=None, originals: dict | None = None) -> dict:
     """Smooth ``model`` in place (module doc) with ranges from ``batches`` (``distributed``:
     reduced over ``group``'s ranks, as :func:`~.session.calibrate_many` 's); returns
-    ``{"alpha", "smoothed": [previous module names], "skipped": [names failing the probe or
-    never run], "scales": {name: [C] float32}}``. ``alpha`` in ``[0, 1]``: 0 leaves the
-    activations, 1 moves all of their range into the weights. ``originals``, a dict, receives
-    a CPU copy of every parameter before it is changed, for :func:`restore`."""
+    ``{"alpha", "smoothed": [previous module names], "skipped": [names left as they were],
+    "why": {skipped name: reason}, "scales": {name: [C] float32}}``. A mapping is skipped
+    when it never ran or saw NaN / inf, when its data flow does not fit (:class:`_Flow`) or
+    when the probe rejects it. ``alpha`` in ``[0, 1]``: 0 leaves the activations, 1 moves all
+    of their range into the weights. ``originals``, a dict, receives a CPU copy of every
+    parameter before it is changed, for :func:`restore`."""
     check(alpha)
     mappings = find_mappings(model)
-    ranges = channel_ranges(model, batches, mappings, distributed, group) if mappings else {}
+    flow: dict[str, str] = {}
+    ranges = (channel_ranges(model, batches, mappings, distributed, group, flow=flow)
+              if mappings else {})
     modules = dict(model.named_modules())
-    done, skipped, scales = [], [], {}
+    done, why, scales = [], {}, {}
     for m in mappings:
         r = ranges.get(m.previous)
-        if r is None or not bool(torch.isfinite(r).all()):
-            skipped.append(m.previous)  # never ran, or saw NaN / inf: nothing to go by
+        if r is None or not bool(torch.isfinite(r).all()):  # nothing to go by
+            why[m.previous] = "never ran" if r is None else "saw NaN or inf"
+            continue
+        if m.previous in flow:  # scaling it would change what other layers compute
+            why[m.previous] = flow[m.previous]
             continue
         s = smoothing_scales(r, [modules[b].weight for b in m.balance], alpha)
         new = _new_params(modules, m, s)
         if not _probe_holds(modules, m, new):
-            skipped.append(m.previous)
+            why[m.previous] = "the probe's outputs changed with the new parameters"
             continue
         if originals is not None:
             for k in new:
@@ -258,7 +361,8 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
         _write(modules, new)
         done.append(m.previous)
         scales[m.previous] = s.cpu()
-    return {"alpha": float(alpha), "smoothed": done, "skipped": skipped, "scales": scales}
+    return {"alpha": float(alpha), "smoothed": done, "skipped": list(why), "why": why,
+            "scales": scales}
 
 
 @torch.no_grad()
