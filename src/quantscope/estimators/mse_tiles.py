@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import IntFormat
+from ..kernels.select_ops import beats
 from ..qdq import fake_quantize_units
 from ..qparams import qparams_from_range
 from ..spec import QuantSpec
@@ -141,7 +142,7 @@ class _State:
             active = ~stopped
         else:
             active = ~self.g_stopped.expand_as(stopped)
-        better = active & ((e <= best_err) if tie == "last" else (e < best_err))
+        better = active & beats(e, best_err, tie == "last")
         put("err", torch.where(better, e, best_err))
         put("idx", torch.where(better, i, get(self.idx)))
         put("lo", torch.where(better, lo, get(self.lo)))

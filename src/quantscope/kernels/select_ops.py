@@ -15,7 +15,16 @@ from torch import Tensor
 from .._oplib import define
 from . import triton as _triton
 
-__all__ = ["check_ext_start", "improved_rows", "mse_select", "stop_after"]
+__all__ = ["beats", "check_ext_start", "improved_rows", "mse_select", "stop_after"]
+
+
+def beats(err: Tensor, best: Tensor, tie_last: bool) -> Tensor:
+    """Where error ``err`` replaces the running ``best``: strictly lower, or ``<=`` with
+    ``tie_last``, but never a non-finite error (an overflowed one ties every other
+    overflowed one, and ``<=`` would keep the last of them)."""
+    if tie_last:
+        return (err <= best) & (err < float("inf"))
+    return err < best
 
 
 def _check_select(err, same, incumbent, ext_start) -> None:
@@ -48,7 +57,7 @@ def improved_rows(err: Tensor, best: Tensor, tie_last: bool = False) -> Tensor:
     starting from ``best [U]`` (strictly, or ``<=`` with ``tie_last``): what the global
     rules (stop after ``patience`` rows improving no unit) count."""
     before = torch.cat((best[None], err[:-1])).cummin(0).values  # each unit's best before
-    return ((err <= before) if tie_last else (err < before)).any(1)
+    return beats(err, before, tie_last).any(1)
 
 
 def _global_stop(err: Tensor, incumbent: Tensor, ext_start: int, patience: int,
@@ -95,7 +104,7 @@ def _torch_mse_select(err, same, incumbent, ext_start, patience, per_unit, use_g
             active = ~(stopped & (g_stopped if grid_row else True))
         else:
             active = ~g_stopped.expand_as(stopped)
-        better = active & ((err[i] <= best) if tie_last else (err[i] < best))
+        better = active & beats(err[i], best, tie_last)
         best = torch.where(better, err[i], best)
         idx = torch.where(better, i, idx)
         if patience >= 0 and per_unit:

@@ -221,6 +221,12 @@ typedef struct {
     int64_t gstop;    /* candidates j >= gstop see the global rule stopped */
 } step_t;
 
+/* Error e replaces the running best: strictly lower, or <= with tie_last, but never a
+   non-finite e (overflowed errors tie each other; <= would keep the last of them). */
+static inline int beats(double e, double best, int tie_last) {
+    return tie_last ? e <= best && e < INFINITY : e < best;
+}
+
 /* The state of a unit before any candidate: the incumbent (index -1) is the best so far
    and the previous qparams; nothing is stale. */
 static void init_unit(step_t *c, int64_t i, int64_t u) {
@@ -245,7 +251,7 @@ static void dense_unit(void *p, int64_t i, int tid) {
         float s = c->sc[o], z = (float)c->zp[o];
         double e = (s == psc && z == pzp) ? perr : price1(xu, NULL, c->E, s, z, &c->m);
         c->err[o] = e;
-        if (c->tie_last ? e <= lb : e < lb) { lb = e; any[j] = 1; }
+        if (beats(e, lb, c->tie_last)) { lb = e; any[j] = 1; }
         psc = s; pzp = z; perr = e;
     }
 }
@@ -272,7 +278,7 @@ static void walk_unit(void *p, int64_t i, int tid) {
         int same = s == psc && z == pzp;
         double e = c->err ? c->err[o] : same ? perr
                  : price1(xu, NULL, c->E, s, z, &c->m);
-        int better = c->tie_last ? e <= best : e < best;
+        int better = beats(e, best, c->tie_last);
         if (better) { best = e; idx = c->i0 + j; if (any) any[j] = 1; }
         if (c->patience > 0 && c->per_unit) {
             if (better) stale = 0;

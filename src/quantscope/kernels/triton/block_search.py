@@ -311,7 +311,7 @@ def _price_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_pt
             e = _error_of(scratch_ptr, rows, rmask, U64, k, q, first, by_codes, ENC, B_MIN_EXP,
                           B_MBITS, SUB_STEPS)
             if TIE_LAST:
-                improved = e <= best
+                improved = (e <= best) & (e < float("inf"))  # as select_step
             else:
                 improved = e < best
             best = tl.minimum(best, e, propagate_nan=tl.PropagateNan.ALL)  # torch's cummin

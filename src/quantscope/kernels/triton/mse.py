@@ -178,7 +178,7 @@ def select_step(i, e, same, best, idx, stale, stopped, gstop, ext_start, patienc
     else:
         active = ~(stopped | g_stopped)
     if TIE_LAST:
-        better = active & (e <= best)
+        better = active & (e <= best) & (e < float("inf"))  # never a non-finite error
     else:
         better = active & (e < best)
     best = tl.where(better, e, best)

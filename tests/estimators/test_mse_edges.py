@@ -1,0 +1,242 @@
+"""Edges of the MSE range searches: overflowing errors, the expanded grid's incumbent, and
+the power-of-two search's ties (Quark's rule)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from quantscope import kernels
+from quantscope.estimators import mse_search, pow2_search
+from quantscope.kernels import ops
+from quantscope.presets import NVFP4
+from quantscope.qdq import fake_quantize_units
+from quantscope.qparams import qparams_from_range
+from quantscope.spec import QuantSpec
+from quantscope.stats.minmax import unit_minmax
+
+_KERNEL = pytest.param("kernel", marks=pytest.mark.skipif(
+    not kernels.available("mse_search"), reason="no C compiler (or QUANTSCOPE_NO_KERNEL)"))
+BACKENDS = ["torch", "ops", _KERNEL]
+LINEAR = [1 - 0.01 * i for i in range(95)]  # linear_search's candidates
+
+
+def _true_error(units, lo, hi, spec):
+    """Per-unit float64 squared error of the quantizer of ``(lo, hi)``: no float32 square."""
+    qp = qparams_from_range(lo, hi, spec)
+    scale = qp.effective_scale.expand_as(lo)[:, None]
+    q = fake_quantize_units(units, scale, qp.zero_point.float()[:, None], spec)
+    return (q.double() - units.double()).pow(2).sum(-1)
+
+
+def _huge_units():
+    """Unit 0 ordinary, units 1 and 2 so large that every float32 squared error overflows."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g)
+    x[1:] *= 1e22
+    return x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rule", [{"patience": None}, {"patience": 2, "per_unit_patience": False},
+                                  {"patience": 2}])
+def test_overflowed_errors_never_replace_the_best(backend, rule):
+    # linear_search's search (tie last) on weights whose every candidate's error is inf:
+    # no inf candidate replaces the min-max incumbent, so the range is min-max's
+    spec = QuantSpec("int8", "tensor")
+    x = _huge_units()
+    lo, hi = unit_minmax(x)
+    amax = torch.maximum(-lo, hi)
+    res = mse_search(x, -amax, amax, spec, factors=LINEAR, tie="last", global_grid=1,
+                     backend=backend, **rule)
+    assert torch.isinf(res.error[1:]).all()  # the case: every error overflowed
+    assert res.index[1:].tolist() == [-1, -1]
+    assert torch.equal(res.hi[1:], amax[1:]) and torch.equal(res.lo[1:], -amax[1:])
+    got = _true_error(x, res.lo, res.hi, spec)
+    minmax = _true_error(x, -amax, amax, spec)
+    assert torch.isfinite(got).all() and (got <= minmax).all()
+    # the finite unit is searched as before: the same choice on every backend
+    ref = mse_search(x[:1], -amax[:1], amax[:1], spec, factors=LINEAR, tie="last",
+                     global_grid=1, backend="torch", **rule)
+    assert res.index[0] == ref.index[0] and torch.equal(res.error[:1], ref.error)
+
+
+def test_linear_search_overflow_not_worse_than_minmax():
+    from quantscope.estimators import linear_search
+    spec = QuantSpec("int8", "tensor")
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)).reshape(1, -1) * 1e22
+    res = linear_search(x, None, None, spec)
+    lo, hi = unit_minmax(x)
+    amax = torch.maximum(-lo, hi)
+    assert _true_error(x, res.lo, res.hi, spec) <= _true_error(x, -amax, amax, spec)
+
+
+def test_select_op_keeps_a_finite_best_over_inf():
+    inf = float("inf")
+    err = torch.tensor([[inf, 2.0, inf], [1.0, inf, inf], [inf, inf, inf]],
+                       dtype=torch.float64)
+    same = torch.zeros_like(err, dtype=torch.bool)
+    incumbent = torch.tensor([inf, 3.0, inf], dtype=torch.float64)
+    idx, best = ops.mse_select(err, same, incumbent, 3, -1, True, False, True)
+    assert idx.tolist() == [1, 0, -1] and best.tolist() == [1.0, 2.0, inf]
+    idx, _ = ops.mse_select(err[2:], same[2:], incumbent, 1, -1, True, False, True)
+    assert idx.tolist() == [-1, -1, -1]
+
+
+def _expand_case():
+    """Units whose min / max do not survive ``(v * 1.8) / 1.8`` in float32."""
+    v = torch.linspace(1.0, 3.0, 4001)
+    off = v[(v * 1.8) / 1.8 != v][:8]
+    assert off.numel() == 8  # the case exists
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(8, 32, generator=g) * 2 - 1  # inside (-1, 1): the ends are set below
+    x[:, 0], x[:, 1] = -off, off.flip(0)
+    return x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expanded_incumbent_is_minmax_bitwise(backend):
+    # candidates far inside the range lose to the incumbent, which must be min-max itself
+    spec = QuantSpec("int8", "channel", symmetric=False)
+    x = _expand_case()
+    lo, hi = unit_minmax(x)
+    res = mse_search(x, lo, hi, spec, expand=1.8, factors=[0.2, 0.25], patience=None,
+                     backend=backend)
+    assert res.index.tolist() == [-1] * 8
+    assert torch.equal(res.lo, lo) and torch.equal(res.hi, hi)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expanded_search_never_worse_than_minmax(backend):
+    spec = QuantSpec("int8", "channel", symmetric=False)
+    x = _expand_case()
+    lo, hi = unit_minmax(x)
+    res = mse_search(x, lo, hi, spec, maxshrink=1 - 0.8 / 1.8, grid=200, patience=1000,
+                     expand=1.8, backend=backend)
+    assert (res.error.double() <= _true_error(x, lo, hi, spec)).all()
+
+
+def test_expanded_nvfp4_global_amax_is_the_tensors():
+    spec = NVFP4
+    x = _expand_case().reshape(-1, 16)
+    lo, hi = unit_minmax(x)
+    res = mse_search(x, lo, hi, spec, expand=1.8, global_grid=1, patience=None,
+                     factors=[1.0, 0.9])
+    assert res.global_amax.item() == max(-lo.min().item(), hi.max().item())
+
+
+def _quark_pow2(x: torch.Tensor, spec: QuantSpec) -> float:
+    """Quark's PerTensorPowOf2MinMSEObserver from its formula: the min-max power-of-two
+    scale ``2 ** -pos``, then ``2 ** -(pos + i - 2)`` for ``i = 0 .. 4`` (the largest
+    first), each scored by ``sum((clamp(round(x / s), qmin, qmax) * s - x) ** 2)``, the
+    first strict minimum kept."""
+    lo, hi = unit_minmax(x.reshape(1, -1))
+    s0 = qparams_from_range(lo, hi, spec).scale.item()
+    pos = -round(math.log2(s0))
+    best, chosen = float("inf"), s0
+    for i in range(5):
+        s = 2.0 ** -(pos + i - 2)
+        d = torch.clamp(torch.round(x / s), spec.qmin, spec.qmax) * s - x
+        err = float(d.pow(2).sum())
+        if err < best:
+            best, chosen = err, s
+    return chosen
+
+
+def _pow2_cases():
+    yield torch.tensor([[0.75, -0.5, 0.25, 0.0, 0.125, -0.625]])  # exact at 4x, 2x and 1x
+    yield torch.tensor([[1.0, -1.0, 0.5, 0.25]])
+    yield torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("backend", [None, "torch", "ops"])
+def test_pow2_ties_as_quark(backend):
+    spec = QuantSpec("int8", "tensor", scale="pow2:round")
+    for x in _pow2_cases():
+        u = x.reshape(1, -1)
+        lo, hi = unit_minmax(u)
+        res = mse_search(u, lo, hi, spec, factors=[4.0, 2.0, 1.0, 0.5, 0.25], patience=None,
+                         global_grid=1, incumbent=False, backend=backend)
+        got = qparams_from_range(res.lo, res.hi, spec).scale.item()
+        assert got == _quark_pow2(x, spec)
+        assert pow2_search(u, lo, hi, spec).index.tolist() == res.index.tolist()
+
+
+def test_pow2_search_exact_tie_keeps_the_largest_scale():
+    spec = QuantSpec("int8", "tensor", scale="pow2:round")
+    u = torch.tensor([[0.75, -0.5, 0.25, 0.0, 0.125, -0.625]])
+    res = pow2_search(u, None, None, spec)
+    assert res.index.tolist() == [0]  # factor 4: every one of 4x, 2x, 1x is exact
+
+
+def test_mse_search_incumbent_must_be_bool():
+    spec = QuantSpec("int8", "tensor")
+    with pytest.raises(TypeError, match="incumbent must be a bool"):
+        mse_search(torch.ones(1, 4), None, None, spec, incumbent="no")
+
+
+@pytest.mark.peers
+def test_pow2_mse_matches_quark_observer():
+    pytest.importorskip("quark")
+    from quark.torch.quantization.config.config import QTensorConfig
+    from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType
+    from quark.torch.quantization.observer import observer as qo
+
+    import quantscope
+    spec = QuantSpec("int8", "tensor", scale="pow2:round")
+    cfg = QTensorConfig(dtype=Dtype.int8, qscheme=QSchemeType.per_tensor, symmetric=True,
+                        round_method=RoundType.half_even, scale_type=ScaleType.float,
+                        is_dynamic=False, observer_cls=qo.PerTensorPowOf2MinMSEObserver)
+    for x in _pow2_cases():
+        theirs = qo.PerTensorPowOf2MinMSEObserver(cfg)
+        theirs(x)
+        ours = quantscope.get_observer("pow2_mse", spec)
+        ours(x)
+        assert ours.qparams().scale.item() == float(theirs._calculate_qparams()[0])
+
+
+def _triton_device():
+    """CUDA, or the CPU under Triton's interpreter (tests/conftest.py sets it); else skip."""
+    import os
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton compiled without a GPU: no interpreter")
+    return "cpu"
+
+
+@pytest.mark.parametrize("use_global", [False, True])
+def test_triton_select_keeps_a_finite_best_over_inf(use_global):
+    from quantscope.kernels import select_ops
+    from quantscope.kernels.triton import mse
+
+    dev, inf = _triton_device(), float("inf")
+    err = torch.tensor([[inf, 2.0, inf], [1.0, inf, inf], [inf, inf, inf]],
+                       dtype=torch.float64)
+    same = torch.zeros_like(err, dtype=torch.bool)
+    inc = torch.tensor([inf, 3.0, inf], dtype=torch.float64)
+    patience = 2 if use_global else None
+    gstop = select_ops._global_stop(err, inc, 3, patience or -1, True)
+    want = ops.mse_select(err, same, inc, 3, patience or -1, False, use_global, True)
+    idx, best = mse.mse_select(err.to(dev), same.to(dev), inc.to(dev), gstop.to(dev), 3,
+                               patience, False, use_global, True, block_u=16)
+    assert idx.cpu().tolist() == [1, 0, -1] and torch.equal(idx.cpu(), want[0])
+    assert torch.equal(best.cpu(), want[1])
+
+
+@pytest.mark.parametrize("use_global", [False, True])
+def test_triton_mx_search_never_takes_an_overflowed_candidate(use_global):
+    from quantscope.kernels import block_ops
+
+    dev = _triton_device()
+    x = _huge_units().reshape(-1, 32)[2:].contiguous().to(dev)  # every error overflows
+    lo, hi = unit_minmax(x)
+    f = torch.tensor(LINEAR[:20], device=dev)
+    rules = (20, 2 if use_global else -1, False, use_global, True)
+    want = block_ops._torch_mx_mse(x, lo, hi, f, lo, hi, "fp8_e4m3", "floor", *rules)
+    got = block_ops._cuda_mx_mse(x, lo, hi, f, lo, hi, "fp8_e4m3", "floor", *rules)
+    assert want[0].tolist() == [-1] * x.shape[0]
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
