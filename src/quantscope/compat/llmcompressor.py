@@ -59,7 +59,7 @@ from ..estimators.mse import mse_search
 from ..layout import Block, Channel
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
-from .llmcompressor_base import Observer, lerp, statistics_units
+from .llmcompressor_base import Observer, lerp, statistics_dtype, statistics_units
 from .llmcompressor_imatrix import IMatrixMixin
 from .llmcompressor_parts import (
     FUSED_LAYER_NAMES,
@@ -181,7 +181,7 @@ class MemorylessMSEObserver(Observer):
                          grid=self.grid, norm=self.norm, patience=self.patience,
                          expand=self.expand, per_unit_patience=False,
                          compat="llmcompressor")
-        dtype = observed.dtype if observed.is_floating_point() else torch.float32
+        dtype = statistics_dtype(observed)
         return res.lo.reshape(shape).to(dtype), res.hi.reshape(shape).to(dtype)
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:

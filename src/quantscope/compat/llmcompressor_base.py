@@ -32,7 +32,7 @@ from .llmcompressor_parts import FusionHandler, flatten_for_calibration
 from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_global_scale, zp_dtype
 
 __all__ = ["Observer", "fused_amax", "global_scale_of", "lerp", "qparams_of_statistics",
-           "statistics_units"]
+           "statistics_dtype", "statistics_units"]
 
 _NO_STATISTICS = "No statistics available. Call observer(value) first."
 #: name -> class or factory, shared by every subclass (llm-compressor's registry is too)
@@ -181,6 +181,12 @@ class Observer(torch.nn.Module):
         return handles
 
 
+def statistics_dtype(observed: torch.Tensor) -> torch.dtype:
+    """The dtype of llm-compressor's ``min_vals`` / ``max_vals`` for ``observed``: its own,
+    float32 for integer data (compressed-tensors then computes the scales in it)."""
+    return observed.dtype if observed.is_floating_point() else torch.float32
+
+
 def statistics_units(observed: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``(observations, *qparam_shape, elements)`` as ``[qparams, observations * elements]``,
     and the qparam shape."""
@@ -265,7 +271,7 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
     if global_amax is not None:
         dtype = torch.promote_types(min_vals.dtype, torch.float32)
     else:
-        dtype = min_vals.dtype if min_vals.is_floating_point() else torch.float32
+        dtype = statistics_dtype(min_vals)
     lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
     if scales_times_global_scale(args):
         qp = qparams_from_range(lo, hi, spec)

@@ -32,11 +32,11 @@ import torch
 from ..estimators.weighted import weighted_search
 from ..layout import Channel
 from . import enum_name, field
-from .llmcompressor_base import statistics_units
+from .llmcompressor_base import statistics_dtype, statistics_units
 from .llmcompressor_parts import flatten_for_calibration
 from .llmcompressor_spec import search_spec
 
-__all__ = ["IMatrixMixin", "imatrix_search", "statistics_dtype"]
+__all__ = ["IMatrixMixin", "imatrix_search"]
 
 _DEFAULTS = {"maxshrink": 0.95, "patience": 5, "grid": 20, "norm": 3.0, "strict": False,
              "expand": 1.0}
@@ -176,8 +176,3 @@ def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec
     dtype = statistics_dtype(observed)
     return lo.reshape(shape).to(dtype), hi.reshape(shape).to(dtype)
 
-
-def statistics_dtype(observed: torch.Tensor) -> torch.dtype:
-    """The dtype of llm-compressor's ``min_vals`` / ``max_vals`` for ``observed``: its own,
-    float32 for integer data (compressed-tensors then computes the scales in it)."""
-    return observed.dtype if observed.is_floating_point() else torch.float32

@@ -72,8 +72,8 @@ from llmcompressor.observers import Observer
 from llmcompressor.observers.helpers import flatten_for_calibration
 from torch import distributed as dist
 
-from ..compat.llmcompressor_base import statistics_units
-from ..compat.llmcompressor_imatrix import IMatrixMixin, statistics_dtype
+from ..compat.llmcompressor_base import statistics_dtype, statistics_units
+from ..compat.llmcompressor_imatrix import IMatrixMixin
 from ..compat.llmcompressor_spec import llmcompressor_spec
 from ..layout import Block, Channel
 from ..observers.registry import list_observers, observer_class
