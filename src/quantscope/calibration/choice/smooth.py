@@ -76,11 +76,13 @@ _PROBE_ROWS = 8
 @dataclass
 class Mapping:
     """One smoothable pair: ``previous`` produces the input of every Linear in ``balance``
-    (``parent`` contains both; it is run on the probe when ``previous`` is a Linear)."""
+    (``parent`` contains both; it is run on the probe when ``previous`` is a Linear;
+    ``prefix``: the names' common part before :data:`MAPPINGS`' suffixes)."""
 
     previous: str
     balance: tuple[str, ...]
     parent: str
+    prefix: str = ""
 
 
 def find_mappings(model: nn.Module) -> list[Mapping]:
@@ -104,7 +106,7 @@ def find_mappings(model: nn.Module) -> list[Mapping]:
                 parent = (prefix + balance[0]).rsplit(".", 1)[0]
                 if name.rsplit(".", 1)[0] != parent:
                     continue
-            found.append(Mapping(name, tuple(prefix + b for b in balance), parent))
+            found.append(Mapping(name, tuple(prefix + b for b in balance), parent, prefix))
     return found
 
 
@@ -177,14 +179,6 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distribut
     return {k: hi[k] - lo[k] for k in hi}
 
 
-def _scope(m: Mapping) -> str:
-    """The decoder layer's prefix of ``m`` (the part before :data:`MAPPINGS`' suffix)."""
-    for prev, _ in MAPPINGS:
-        if m.previous == prev or m.previous.endswith("." + prev):
-            return m.previous[: len(m.previous) - len(prev)]
-    return m.previous
-
-
 def _same(x: torch.Tensor, out: torch.Tensor) -> bool:
     """``x`` is ``out``, or holds the same values bit for bit (a copy, a view)."""
     return x is out or (x.numel() == out.numel() and x.dtype == out.dtype
@@ -205,7 +199,7 @@ class _Flow:
         self.maps = {m.previous: m for m in mappings}
         self.owner = {b: m.previous for m in mappings for b in m.balance
                       if not isinstance(modules[m.previous], nn.Linear)}
-        self.scope = {m.previous: _scope(m) for m in mappings}
+        self.scope = {m.previous: m.prefix for m in mappings}
         self.why: dict[str, str] = {}
         self.reset()
 
