@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import tempfile
 import traceback
@@ -23,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 from tiny_models import bert_folder
 
 import quantscope
@@ -37,14 +37,6 @@ pytestmark = pytest.mark.dist
 # hung): the spawned processes fail only when none of them, nor their children, used any CPU
 # for STALL seconds. A collective that waits for a dead peer fails sooner (60 s, below).
 STALL = 120
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def _batches(n, seed=0, shape=(3, 5, 8)):
@@ -481,7 +473,7 @@ def _exited(p) -> bool:
 
 def _spawn(w):
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(w, _port(), tmp), nprocs=w, join=False)
+        ctx = mp.spawn(_worker, args=(w, free_port(), tmp), nprocs=w, join=False)
 
         def kill():
             for p in ctx.processes:
@@ -700,7 +692,7 @@ def test_torchrun_cli_matches_one_process(tmp_path):
             "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()), "-m", "quantscope",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "quantscope",
            *args, "--out", str(tmp_path / "run2")]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)

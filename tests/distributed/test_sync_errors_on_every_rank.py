@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 
 import quantscope
 from quantscope import comm
@@ -30,14 +30,6 @@ from quantscope.spec import QuantSpec
 pytestmark = pytest.mark.dist
 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def _error(fn) -> str | None:
@@ -144,7 +136,7 @@ def _worker(r, w, port, tmp):
 @pytest.fixture(scope="module")
 def ranks():
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(2, _port(), tmp), nprocs=2, join=False)
+        ctx = mp.spawn(_worker, args=(2, free_port(), tmp), nprocs=2, join=False)
         deadline = time.monotonic() + 6 * TIMEOUT
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 
 import pytest
 import torch
+from ports import free_port
 
 pytestmark = pytest.mark.peers
 
@@ -368,12 +368,6 @@ def test_oneshot_weight_only_quantscope_imatrix_calibrates_when_asked(tmp_path):
 
 
 # ----------------------------------------------------------------------------- DDP
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank, port, out):
     try:
         import torch.distributed as dist
@@ -402,7 +396,7 @@ def _ddp_worker(rank, port, out):
 def test_ddp_statistics_reduce_exactly(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_ddp_worker, args=(_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     g = torch.Generator().manual_seed(7)
     batches = [torch.randn(2, 5, 64, generator=g) * (i + 1) for i in range(4)]
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
