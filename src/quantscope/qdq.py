@@ -168,12 +168,11 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
 
     With ``ste=True`` the result carries a straight-through gradient for
     quantization-aware training: ``d out / d x`` is 1 where ``x`` lies inside the
-    quantizer's range and 0 where it was clipped. For integers "inside" means the
-    rounded code ``round(x / scale + zero_point)``, before clamping, is in ``[qmin, qmax]``:
-    ``torch.ao``'s FakeQuantize rule, on quantscope's own rounding, which divides by the
+    quantizer's range and 0 where it was clipped (:func:`inside_range`). For integers that
+    is ``torch.ao``'s FakeQuantize rule on quantscope's own rounding, which divides by the
     scale where torch.ao multiplies by its reciprocal (so where ``x / scale`` lands on a
-    rounding tie the two masks can differ at the range's ends); for float formats
-    ``|x / scale| <= max``. ``check`` as in :func:`quantize`.
+    rounding tie the two masks can differ at the range's ends). ``check`` as in
+    :func:`quantize`.
     """
     _check_input(x, "fake_quantize")
     if check:
@@ -184,9 +183,18 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     out = spec.layout.to_shape(out, x.shape).to(x.dtype)
     if not ste:
         return out
-    t = u / scale if spec.is_float else torch.round(u / scale + zp)
-    inside = spec.layout.to_shape((t >= spec.qmin) & (t <= spec.qmax), x.shape)
-    return out + (x - x.detach()) * inside
+    inside = spec.layout.to_shape(inside_range(u, scale, zp, spec), x.shape)
+    # where, not a product: at x = +-inf, (x - x) * 0 is NaN
+    return out + torch.where(inside, x - x.detach(), 0)
+
+
+def inside_range(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                 spec: QuantSpec) -> torch.Tensor:
+    """Where QDQ does not clip ``u``: its code, rounded as QDQ rounds it but not clamped, lies
+    in ``[qmin, qmax]``. A value that rounding alone puts on the range's edge is inside (fp8
+    min-max: the absmax, 1 ulp past ``448 x scale`` in float32); +-inf and NaN are not."""
+    codes = quantize_units(u, scale, zero_point, spec, clamp=False)
+    return (codes >= spec.qmin) & (codes <= spec.qmax)
 
 
 def clip_edges(qparams: QParams, spec, units: int) -> tuple[torch.Tensor, torch.Tensor]:

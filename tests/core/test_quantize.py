@@ -4,6 +4,8 @@ The reference here broadcasts the qparams against the tensor in its own shape (w
 kernel consuming the checkpoint does), independently of the layouts' units view.
 """
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -173,8 +175,10 @@ def test_ste_gradient_is_one_inside_and_zero_where_clipped(spec):
     assert torch.equal(out.detach(), fake_quantize(xs.detach(), q, spec))
     out.sum().backward()
     s = scale_like(q, spec, x)
-    if spec.is_float:
-        clipped = (xs.detach() / s).abs() > spec.format.max
+    if spec.is_float:  # rounding to the nearest value: inside up to half the top step past max
+        fmt = spec.format
+        top_step = 2.0 ** (fmt.emax - fmt.mbits)
+        clipped = (xs.detach() / s).abs() > fmt.max + top_step / 2
     else:
         zp = scale_like(q.__class__(q.zero_point.float(), q.zero_point), spec, x)
         t = torch.round(xs.detach() / s + zp)
@@ -182,6 +186,39 @@ def test_ste_gradient_is_one_inside_and_zero_where_clipped(spec):
     assert clipped.any() and (~clipped).any()
     assert torch.equal(xs.grad, (~clipped).float())
     assert not fake_quantize(xs, q, spec).requires_grad
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-g128-asym", "fp8", "nvfp4"])
+def test_ste_forward_keeps_infinities_saturated(name):
+    """The straight-through term adds 0 where a value clips, not ``(x - x) * 0``: that is NaN
+    at +-inf (an fp16 activation overflowed), where the forward saturates."""
+    spec = SPECS[name]
+    w = torch.randn(4, 128, generator=torch.Generator().manual_seed(4))
+    q = observe(w, spec)
+    x = w.clone()
+    x[0, :3] = torch.tensor([math.inf, -math.inf, 1.0])
+    xs = x.requires_grad_()
+    out = fake_quantize(xs, q, spec, ste=True)
+    assert torch.equal(out.detach(), fake_quantize(x.detach(), q, spec))
+    assert torch.isfinite(out).all()
+    out.sum().backward()
+    assert xs.grad[0, :2].tolist() == [0.0, 0.0] and xs.grad[0, 2] == 1.0
+
+
+def test_ste_passes_the_gradient_of_values_rounded_onto_the_range_end():
+    """fp8 min-max maps an absmax such as 0.896 1 ulp past ``448 x scale`` in float32; it
+    rounds to 448 without clipping (the report does not count it clipped either): gradient 1,
+    as torch.ao's mask passes a code that rounds onto ``quant_max``."""
+    spec = presets.FP8_PER_CHANNEL
+    amax = torch.tensor([0.8960914611816406, 1.9458763599395752, 2.057272434234619, 1.0])
+    w = torch.rand(4, 64, generator=torch.Generator().manual_seed(6)) * 0.5
+    w[:, 7] = amax
+    q = observe(w, spec)
+    s = scale_like(q, spec, w)
+    assert ((w / s).abs() > spec.format.max).sum() == 3  # the case: past 448 by rounding
+    xs = w.clone().requires_grad_()
+    fake_quantize(xs, q, spec, ste=True).sum().backward()
+    assert torch.equal(xs.grad, torch.ones_like(w))
 
 
 def test_ste_matches_torch_ao_fake_quantize_gradient():

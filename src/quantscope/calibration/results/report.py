@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from ...observers.runtime import runtime_qparams
-from ...qdq import _per_unit, clip_edges, fake_quantize, quantize_units
+from ...qdq import _per_unit, clip_edges, fake_quantize, inside_range
 
 __all__ = [
     "Report",
@@ -56,12 +56,9 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
 
 
 def _clipped(units: torch.Tensor, qp, spec, shape) -> torch.Tensor:
-    """How many of ``units`` QDQ clips: those whose code, rounded as QDQ rounds it but not
-    clamped, leaves ``[qmin, qmax]``. A value that rounding alone puts on the range's edge is
-    not clipped (fp8 min-max: the absmax, 1 ulp past ``448 x scale`` in float32)."""
+    """How many of ``units`` QDQ clips (outside :func:`~quantscope.qdq.inside_range`)."""
     scale, zp = _per_unit(qp, spec, shape)
-    codes = quantize_units(units, scale, zp, spec, clamp=False)
-    return torch.count_nonzero((codes < spec.qmin) | (codes > spec.qmax))  # no int64 copy
+    return units.numel() - torch.count_nonzero(inside_range(units, scale, zp, spec))
 
 
 def sqnr_db(signal: float, noise: float) -> float:
