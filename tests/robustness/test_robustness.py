@@ -253,6 +253,33 @@ def test_missing_policy(missing):  # deliverable 2: an MoE expert no token reach
         assert list(c.states["1"]) == ["weight"]  # its weight-only scheme
 
 
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8-dynamic", "fp8-dynamic", "mxfp4"])
+def test_an_embeddings_token_ids_are_no_input_role(recipe):
+    """An Embedding's input is token ids: a rule's input role skips it. Dynamic recipes kept it
+    and apply() failed on the ids; static ones reported it missing (missing='error' raised,
+    'float' left the whole Embedding in float)."""
+    import warnings
+
+    from quantscope.calibration import Runtime, preset
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 16)).eval()
+    batches = [torch.randint(0, 50, (2, 8)) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reported missing
+        c = calibrate(m, batches, preset(recipe, targets=("Linear", "Embedding")),
+                      progress=False, runtime=Runtime(missing="error"))
+    assert list(c.states["0"]) == ["weight"] and "input" in c.states["1"]
+    ids, seen = batches[0], []
+    w = c.states["0"]["weight"]
+    hook = m[0].register_forward_hook(lambda mod, args, out: seen.append(out))
+    with torch.no_grad(), c.apply(m):
+        out = m(ids)
+    hook.remove()
+    assert torch.equal(seen[0], fake_quantize(m[0].weight, w.qparams, w.spec)[ids])
+    assert torch.isfinite(out).all() and out.shape == (2, 8, 16)
+
+
 def test_missing_policy_validated():
     with pytest.raises(ValueError, match="missing"):
         calibrate(_lin(), [torch.randn(2, 32)], "w8a8", progress=False, missing="ignore")

@@ -37,6 +37,8 @@ ROLES = ("weight", "input", "output")
 #: what ``observer="auto"`` chooses from (those registered; weights take memoryless variants)
 DEFAULT_CANDIDATES = ("minmax", "mse", "percentile", "entropy", "mix", "histogram_mse")
 DYNAMIC_MODES = (False, True, "local")
+#: modules whose input is indices, not an activation: a rule's input role skips them
+_INDEXED = (nn.Embedding, nn.EmbeddingBag)
 
 
 @dataclass(frozen=True)
@@ -222,12 +224,15 @@ class Recipe:
             if rule is None:
                 continue
             roles = rule.roles()
+            if isinstance(module, _INDEXED):  # its input is token ids: no activation there
+                roles.pop("input", None)
             if "weight" in roles and not isinstance(getattr(module, "weight", None),
                                                     nn.Parameter):
                 raise ValueError(
                     f"recipe {self.name!r}: module {name!r} ({type(module).__name__}) "
                     f"matches {rule.targets} with a weight role but has no weight parameter")
-            found[name] = (module, roles)
+            if roles:
+                found[name] = (module, roles)
         if self.kv_cache is not None:
             from .structure.kv_cache import attention_modules
 
