@@ -47,7 +47,7 @@ fi
 if [[ $steps == *,triton,* ]]; then
     timeout "${TRITON_TIMEOUT:-220}" "$py" -m pytest -p no:cacheprovider -rs \
         tests/kernels/test_triton_kernels.py tests/kernels/test_triton_block_search.py \
-        tests/kernels/test_triton_ops.py \
+        tests/kernels/test_triton_ops.py tests/kernels/test_triton_large.py \
         tests/kernels/test_triton_weighted.py tests/kernels/test_triton_minmax_observe.py \
         tests/kernels/test_mse_ops_engine.py tests/observers/test_device_ops.py \
         tests/observers/test_grouped.py tests/calibrate/test_grouped_weights.py \

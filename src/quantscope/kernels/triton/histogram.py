@@ -30,7 +30,7 @@ MIN_CHUNK = 1 << 13
 def _hist_kernel(x_ptr, counts_ptr, exp_ptr, first_ptr, E, stride_u, chunk, B,
                  ABSOLUTE: tl.constexpr, NB: tl.constexpr, BLOCK_E: tl.constexpr):
     u = tl.program_id(0)
-    start = tl.program_id(1) * chunk
+    start = tl.program_id(1).to(tl.int64) * chunk  # a unit may pass 2 ** 31 elements
     e = tl.load(exp_ptr + u).to(tl.int32)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # exactly 2 ** -e
     first = tl.load(first_ptr + u).to(tl.float32)

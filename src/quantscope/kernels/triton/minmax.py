@@ -31,7 +31,7 @@ def _minmax_kernel(x_ptr, lo_ptr, hi_ptr, U, E, U2, E2, su1, su2, se1, se2, chun
                    BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr, FOUR_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     split = tl.program_id(1)
-    start = split * chunk
+    start = split.to(tl.int64) * chunk  # a unit may pass 2 ** 31 elements (a 405B lm_head)
     if FOUR_D:  # unit (u1, u2), element (e1, e2) of a [U1, U2, E1, E2] view
         r64 = rows.to(tl.int64)
         row_off = (r64 // U2) * su1 + (r64 % U2) * su2

@@ -65,10 +65,11 @@ def _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, 
                     FLOAT: tl.constexpr, WEIGHTED: tl.constexpr, NORM: tl.constexpr):
     """:func:`_term` under candidate ``k`` of rows ``rows`` (``z_ptr``: int32 zero points,
     not read for a float format)."""
-    s = tl.load(s_ptr + k * U + rows, mask=rmask, other=1.0)[:, None]
+    row = tl.cast(k, tl.int64) * U  # K * U may pass 2 ** 31
+    s = tl.load(s_ptr + row + rows, mask=rmask, other=1.0)[:, None]
     z = s
     if not FLOAT:
-        z = tl.load(z_ptr + k * U + rows, mask=rmask, other=0).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + row + rows, mask=rmask, other=0).to(tl.float32)[:, None]
     return _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT, WEIGHTED, NORM)
 
 
@@ -88,6 +89,7 @@ def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride
                   NORM: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     rmask = rows < U
+    U64 = tl.cast(U, tl.int64)  # the output's row offsets: K * U may pass 2 ** 31
     base = x_ptr + rows[:, None].to(tl.int64) * stride_u
     wbase = w_ptr + rows[:, None].to(tl.int64) * stride_w  # not read unless WEIGHTED
     if ONE_TILE:
@@ -98,7 +100,7 @@ def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride
         for k in range(K):
             t = _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
                                 mbits, FLOAT, WEIGHTED, NORM)
-            tl.store(out_ptr + k * U + rows, tl.sum(tl.where(mask, t, 0.0), axis=1),
+            tl.store(out_ptr + k * U64 + rows, tl.sum(tl.where(mask, t, 0.0), axis=1),
                      mask=rmask)
     else:
         for k in range(K):
@@ -111,7 +113,7 @@ def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride
                 t = _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
                                     mbits, FLOAT, WEIGHTED, NORM)
                 acc += tl.where(mask, t, 0.0)
-            tl.store(out_ptr + k * U + rows, tl.sum(acc, axis=1), mask=rmask)
+            tl.store(out_ptr + k * U64 + rows, tl.sum(acc, axis=1), mask=rmask)
 
 
 def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_e,
@@ -200,11 +202,12 @@ def _select_kernel(err_ptr, same_ptr, inc_ptr, gstop_ptr, idx_ptr, best_ptr, U, 
     stale = tl.zeros([BLOCK_U], tl.int32)
     stopped = tl.zeros([BLOCK_U], tl.int1)
     gstop = tl.load(gstop_ptr)
+    U64 = tl.cast(U, tl.int64)  # the tables' row offsets: K * U may pass 2 ** 31
     for i in range(K):
-        e = tl.load(err_ptr + i * U + rows, mask=rmask, other=0.0)
+        e = tl.load(err_ptr + i * U64 + rows, mask=rmask, other=0.0)
         same = stopped
         if HAS_PATIENCE and PER_UNIT:
-            same = tl.load(same_ptr + i * U + rows, mask=rmask, other=0) != 0
+            same = tl.load(same_ptr + i * U64 + rows, mask=rmask, other=0) != 0
         best, idx, stale, stopped = select_step(i, e, same, best, idx, stale, stopped, gstop,
                                                 ext_start, patience, PER_UNIT, USE_GLOBAL,
                                                 HAS_PATIENCE, TIE_LAST)
