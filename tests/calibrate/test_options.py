@@ -66,6 +66,9 @@ def _llama(seed=0):
     (lambda: Sequential(device="bogus", checkpoint="ckpt"), "Sequential.device"),
     (lambda: Sequential(device="cuda:x", checkpoint="ckpt"), "Sequential.device"),
     (lambda: Sequential(device="cpu"), "Sequential.device"),  # moves nothing without it
+    (lambda: Sequential(checkpoint=5), "Sequential.checkpoint"),  # failed inside the pass
+    (lambda: Sequential(cache_dir=5), "Sequential.cache_dir"),
+    (lambda: Sequential(blocks=["layers"]), "Sequential.blocks"),
 ])
 def test_each_object_validates_its_fields(make, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -260,6 +263,21 @@ def test_a_device_this_torch_cannot_use_is_refused_when_calibration_starts(
     model, batches = _llama()
     with pytest.raises(ValueError, match=r"Sequential\.device " + device + ": " + said):
         calibrate(model, batches, "w8a8", progress=False, sequential=seq)
+
+
+def test_a_cache_dir_this_machine_lacks_is_refused_when_calibration_starts(tmp_path):
+    model, batches = _llama()
+    seq = Sequential(cache_dir=tmp_path / "absent")
+    with pytest.raises(ValueError, match=r"Sequential\.cache_dir .*absent.* not an existing"):
+        calibrate(model, batches, "w8a8", progress=False, sequential=seq)
+
+
+@pytest.mark.parametrize("name", ["sampling", "auto", "moe", "outliers", "runtime"])
+@pytest.mark.parametrize("value", [{}, 0, [], "", False])
+def test_a_falsy_value_of_another_type_is_refused_not_taken_for_the_defaults(name, value):
+    model, batches = _llama()
+    with pytest.raises(TypeError, match=name):
+        calibrate(model, batches, "w8a8", progress=False, **{name: value})
 
 
 def test_sequential_device_places_the_checkpoints_weights(tmp_path):

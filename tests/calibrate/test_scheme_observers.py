@@ -39,13 +39,15 @@ def test_fp8_scheme_inputs_take_the_running_max_of_all_batches():
     assert torch.equal(st.qparams.scale.reshape(()), (_amax() / FP8_E4M3.max).reshape(()))
 
 
-@pytest.mark.parametrize("recipe", [lambda: scheme("NVFP4"), lambda: preset("nvfp4")],
-                         ids=["scheme", "preset"])
+@pytest.mark.parametrize("recipe", [lambda: scheme("NVFP4"), lambda: preset("nvfp4"),
+                                    lambda: "nvfp4"], ids=["scheme", "preset", "name"])
 def test_nvfp4_inputs_take_the_running_max_of_all_batches(recipe):
-    rule = recipe().rules[0]
+    """Also by name (``calibrate(model, batches, "nvfp4")``: it ran minmax)."""
+    rule = preset(recipe()).rules[0]
     assert (rule.weight.observer, rule.input.observer) == ("memoryless_minmax", "static_minmax")
     assert rule.input.dynamic == "local"
     st = _input_state(recipe())
+    assert st.observer == "static_minmax"
     assert st.global_amax.item() == _amax().item()
     # the global scale llm-compressor writes: fp8 max * fp4 max / amax of every batch
     want = torch.tensor(FP8_E4M3.max * FP4_MAX) / _amax()

@@ -195,12 +195,12 @@ class Sequential:
         blocks: the ``nn.ModuleList`` of blocks, by name (None: found).
         cache_budget_mb: the memory the blocks' cached activations may take before they
             spill to disk (None: the default of :mod:`.sequential`).
-        cache_dir: where they spill (None: the system's temporary folder).
+        cache_dir: the existing folder they spill to (None: the system's temporary folder).
         device: where the weights loaded from ``checkpoint`` go, so where the blocks run (a
             torch device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; None: the CPU, where
             safetensors reads them); the batches must be there too. Needs ``checkpoint``:
             weights already loaded stay where they are. Checked against the devices this
-            torch sees when calibration starts (:meth:`check_device`).
+            torch sees when calibration starts (:meth:`check_here`).
     """
 
     mode: str = "float"
@@ -218,6 +218,14 @@ class Sequential:
                               or not math.isfinite(b) or b < 0):
             raise ValueError(f"calibrate: Sequential.cache_budget_mb must be a finite number "
                              f"of MB >= 0, got {b!r}")
+        for name in ("checkpoint", "cache_dir"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise ValueError(f"calibrate: Sequential.{name} must be a path (str or "
+                                 f"os.PathLike) or None, got {type(v).__name__} {v!r}")
+        if self.blocks is not None and not isinstance(self.blocks, str):
+            raise ValueError(f"calibrate: Sequential.blocks must be the name of the blocks' "
+                             f"nn.ModuleList (a str) or None, got {self.blocks!r}")
         if self.device is not None:
             object.__setattr__(self, "device", _device(self.device))
             if self.checkpoint is None:  # it would move nothing: say so rather than ignore it
@@ -225,9 +233,13 @@ class Sequential:
                                  f"weights loaded from checkpoint go; give checkpoint= too, or "
                                  f"move the model to {self.device} before calibrating")
 
-    def check_device(self) -> None:
-        """Raises unless this torch can use :attr:`device` (at the start of a calibration,
-        not when made: the options may be written on another machine)."""
+    def check_here(self) -> None:
+        """Raises unless this machine has :attr:`cache_dir` and this torch can use
+        :attr:`device` (at the start of a calibration, not when made: the options may be
+        written on another machine)."""
+        if self.cache_dir is not None and not os.path.isdir(self.cache_dir):
+            raise ValueError(f"calibrate: Sequential.cache_dir {os.fspath(self.cache_dir)!r} "
+                             f"is not an existing folder (the cached activations spill there)")
         if self.device is not None:
             check_device(self.device, "calibrate: Sequential.device")
 

@@ -66,7 +66,7 @@ __all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_m
 
 def _as_recipe(recipe, observer) -> Recipe:
     if isinstance(recipe, str):
-        recipe = preset(recipe, observer or "minmax")
+        recipe = preset(recipe, observer)  # None: the preset's own (nvfp4 inputs differ)
     elif not isinstance(recipe, Recipe):
         raise TypeError(f"calibrate: recipe must be a preset name or a Recipe, got "
                         f"{type(recipe).__name__}")
@@ -125,9 +125,12 @@ def calibrate_many(model: nn.Module, batches, recipes, *, sampling: Sampling | N
 def _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywords) -> Options:
     """The entry points' arguments as one :class:`~.options.Options` (defaults where None;
     the deprecated flat keywords applied, warning at the entry point's caller)."""
-    opts = Options(sampling or Sampling(), auto or Auto(), moe or MoE(),
-                   outliers or Outliers(), as_sequential(sequential), runtime or Runtime(),
-                   progress)
+    def given(value, default):  # `or` would take {} or 0 for "not given" and run defaults
+        return default() if value is None else value
+
+    opts = Options(given(sampling, Sampling), given(auto, Auto), given(moe, MoE),
+                   given(outliers, Outliers), as_sequential(sequential),
+                   given(runtime, Runtime), progress)
     return from_keywords(opts, keywords)
 
 
@@ -222,7 +225,7 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
             raise ValueError("calibrate: sequential and distributed calibration do not combine")
         if opts.runtime.time_groups:
             raise ValueError("calibrate: Runtime.time_groups is not available with sequential")
-        seq.check_device()
+        seq.check_here()
     for name, labels in (opts.runtime.time_groups or {}).items():
         unknown = [label for label in labels if label not in recipes]
         if unknown:
