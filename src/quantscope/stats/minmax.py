@@ -7,7 +7,9 @@ On CPU, for large contiguous float32 units, :func:`unit_minmax` therefore runs
 a small C kernel (one read, both extremes, NaN propagated, threads over units),
 compiled on first use by :mod:`quantscope.kernels`. Without a compiler, for small inputs,
 or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give identical results
-(tests compare them bitwise). Off the CPU it calls the op ``quantscope::unit_minmax``
+(tests compare them bitwise), up to the sign of a zero extreme: where -0.0 and +0.0 tie
+for a unit's min or max, which comes back depends on the vector width (torch's too; they
+compare equal and give the same qparams). Off the CPU it calls the op ``quantscope::unit_minmax``
 (:mod:`quantscope.kernels.ops`: one Triton read on CUDA, bf16 / fp16 read as they are, and
 the layouts whose units are no row view read in place).
 """
