@@ -280,6 +280,13 @@ def test_a_falsy_value_of_another_type_is_refused_not_taken_for_the_defaults(nam
         calibrate(model, batches, "w8a8", progress=False, **{name: value})
 
 
+def test_an_unknown_auto_candidate_is_named_as_one():
+    model, batches = _llama()
+    with pytest.raises(ValueError, match=r"Auto\.candidates names 'nosuch': .*unknown observer"):
+        calibrate(model, batches, "w8a8", observer="auto", progress=False,
+                  auto=Auto(candidates=["minmax", "nosuch"]))
+
+
 def test_sequential_device_places_the_checkpoints_weights(tmp_path):
     from quantscope.calibration.run.checkpoint import empty_model
 

@@ -78,9 +78,9 @@ def candidates_for(role: str, candidates) -> list[str]:
             continue
         try:
             observer_class(n)
-        except ValueError:
+        except ValueError as e:
             if explicit:
-                raise
+                raise ValueError(f"calibrate: Auto.candidates names {n!r}: {e}") from None
             continue
         out.append(weight_observer(n) if role == "weight" else n)
     if not out:
