@@ -22,6 +22,7 @@ __all__ = [
     "dequantize_units",
     "fake_quantize",
     "fake_quantize_units",
+    "inside_range",
     "quantize",
     "quantize_units",
 ]
