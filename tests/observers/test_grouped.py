@@ -145,6 +145,30 @@ def test_states_are_forwards_bit_for_bit(grouped_on_cpu, dtype):
     assert bool(obs[1].seen_non_finite)
 
 
+QUARK_CHANNEL = {"dtype": "fp8_e4m3", "qscheme": "per_channel", "ch_axis": 0,
+                 "is_dynamic": False, "symmetric": True}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_observer_whose_forward_adds_steps_is_not_grouped(grouped_on_cpu, dtype):
+    """Quark's forward keeps the input dtype (its scales' dtype) and starts a static
+    per-channel state over on a new channel count: observe_minmax would skip both (bf16
+    scales came back float32; the second shape raised), so such a class goes through its
+    forward."""
+    got = qs.get_observer("quark:PerChannelMinMaxObserver", qspec=QUARK_CHANNEL)
+    want = qs.get_observer("quark:PerChannelMinMaxObserver", qspec=QUARK_CHANNEL)
+    assert not got.takes_minmax and qs.get_observer("static_minmax").takes_minmax
+    g = torch.Generator().manual_seed(3)
+    for shape in ((8, 16), (4, 16)):
+        x = torch.randn(*shape, generator=g).to(dtype)
+        observe_many([(got, x)])
+        want(x)
+        _assert_same_state(got, want)
+        (gs, gz), (ws, wz) = got.calculate_qparams(), want.calculate_qparams()
+        assert gs.dtype == ws.dtype == dtype and torch.equal(gs, ws) and torch.equal(gz, wz)
+    assert grouped_on_cpu == []  # no launch: forward's path
+
+
 def test_each_state_its_own_memory(grouped_on_cpu):
     """A memoryless observer keeps the launch's lo / hi as its state: each its own storage
     of its own size, so all the observers' states save together (safetensors refuses shared

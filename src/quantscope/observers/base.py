@@ -38,9 +38,18 @@ from ..spec import QuantSpec
 from ..stats.minmax import layout_minmax, record_non_finite, unit_minmax
 from .sync import step_sync, sync_observers
 
-__all__ = ["NON_FINITE_MODES", "Observer", "tokens_of"]
+__all__ = ["NON_FINITE_MODES", "Observer", "only_observes", "tokens_of"]
 
 NON_FINITE_MODES = ("error", "ignore")
+
+
+def only_observes(forward):
+    """Marks a ``forward`` whose every step :meth:`Observer.observe_minmax` also takes (a
+    faster route to the same state at most). A subclass overriding ``forward`` without it
+    (Quark's keeps the input dtype and starts over on a new shape) is observed through its
+    ``forward``, never grouped: :attr:`Observer.takes_minmax`."""
+    forward.only_observes = True
+    return forward
 
 
 def tokens_of(x: torch.Tensor) -> int:
@@ -92,6 +101,7 @@ class Observer(nn.Module):
         self._last_shape: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ observing
+    @only_observes
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.check_input(x):
             if self.sync_every_step:  # still take part in the step's collectives
@@ -159,8 +169,10 @@ class Observer(nn.Module):
     def takes_minmax(self) -> bool:
         """Whether :meth:`observe_minmax` can stand for ``forward``: the state follows from
         the per-unit min / max alone (``needs_units = False``), non-finite input is an
-        error, and no step exchange runs in ``forward``."""
-        return not self.needs_units and self.non_finite == "error" and not self.sync_every_step
+        error, no step exchange runs in ``forward``, and ``forward`` does nothing else
+        (:func:`only_observes`)."""
+        return (not self.needs_units and self.non_finite == "error" and not self.sync_every_step
+                and getattr(type(self).forward, "only_observes", False))
 
     def observe_minmax(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """``forward(x)`` where ``x``'s per-unit ``lo`` / ``hi`` (float32 ``[U]``, the

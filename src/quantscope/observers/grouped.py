@@ -58,7 +58,10 @@ def observe_many(pairs: Iterable[tuple[Observer, torch.Tensor]],
     not change any result.
 
     Every pair is validated first (``check_input``: the ``TypeError`` / ``ValueError`` that
-    forward raises), before anything is observed. ``on_error(i, error)``: called instead of
+    forward raises for the tensor itself), before anything is observed; an error that depends
+    on an observer's state (a unit count other than before, an imatrix importance of another
+    length) comes when its pair is observed, after pairs before it. ``on_error(i, error)``:
+    called instead of
     raising for a ``TypeError`` / ``ValueError`` of pair ``i`` (validating or observing it),
     which is then left out. Returns the seconds spent on each pair, a grouped launch shared
     over its pairs by their elements (wall time: off the CPU, the launches' only).

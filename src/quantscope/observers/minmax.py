@@ -16,7 +16,7 @@ from ..stats.minmax import (
     unit_minmax,
     update_state,
 )
-from .base import Observer, tokens_of
+from .base import Observer, only_observes, tokens_of
 from .registry import register
 
 __all__ = [
@@ -80,6 +80,7 @@ class MinMaxStateObserver(Observer):
         return unit_minmax(units, self._minmax_out(count), ends,
                            (kind, c, self.min_vals, self.max_vals))
 
+    @only_observes  # the op minmax_observe: forward's own steps in one launch
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         units = self._one_op_units(x)
         if units is None:
