@@ -47,3 +47,25 @@ def test_sqnr_plot_merges_coinciding_lines(tmp_path, monkeypatch):
     plots.plot_sqnr(report, str(tmp_path / "s.png"))
     assert sorted(labels) == ["minmax", "minmax = mse", "mse"]
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_the_picked_layer_is_where_one_recipes_observers_differ_most():
+    """Not where recipes differ (int8 against fp8: 15 dB on every layer, whatever the
+    observer); the drawn recipe's observers decide, and nvfp4's calibrated ('local') inputs
+    count as plot_histogram draws them."""
+    from quantscope.calibration.results import plots
+
+    sqnr = {("w8a8", "minmax"): {"a": 46.5, "b": 40.0}, ("w8a8", "mse"): {"a": 46.5, "b": 41.0},
+            ("fp8", "minmax"): {"a": 31.0, "b": 30.0}, ("fp8", "mse"): {"a": 32.2, "b": 30.1},
+            ("nvfp4", "minmax"): {"a": 20.0, "b": 20.0}, ("nvfp4", "mse"): {"a": 23.0, "b": 20.0}}
+
+    def rows(values, dynamic):
+        return [{"layer": k, "role": "input", "sqnr_db": v, "dynamic": dynamic}
+                for k, v in values.items()]
+    report = {"runs": {f"{r}/{o}": {"recipe": r, "observer": o,
+                                    "layers": rows(v, "local" if r == "nvfp4" else False)}
+                       for (r, o), v in sqnr.items()}}
+    assert plots.pick_layer(report) == "b"  # w8a8's observers: 1 dB at b, 0 at a
+    assert plots.pick_layer(report, recipe="w8a8") == "b"
+    assert plots.pick_layer(report, recipe="fp8") == "a"
+    assert plots.pick_layer(report, recipe="nvfp4") == "a"

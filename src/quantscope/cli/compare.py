@@ -236,7 +236,7 @@ def _plots(report: dict, out: str, layer: str | None, role: str = "input",
 
     lines = []
     try:
-        layer = layer or plots.pick_layer(report, role)
+        layer = layer or plots.pick_layer(report, role, recipe)
         if layer is not None:
             plots.plot_histogram(report, layer, os.path.join(out, "hist.png"), role, recipe)
             lines.append(f"![{layer} {role} histogram](hist.png)")
@@ -268,7 +268,7 @@ def _plot_layer(args, report: dict) -> str:
     if args.recipe is not None and args.recipe not in recipes:
         raise UsageError(f"--recipe {args.recipe!r}: no run of the report has it; "
                          f"{suggest(args.recipe, recipes)}")
-    layer = args.layer or plots.pick_layer(report, args.role)
+    layer = args.layer or plots.pick_layer(report, args.role, args.recipe)
     if layer is None:
         raise UsageError(f"plot: the report has no static {args.role} activations")
     layers = plots.histogram_layers(report, args.role)

@@ -44,16 +44,29 @@ def histogram_layers(report: dict, role: str = "input") -> list[str]:
             if k.rsplit("/", 1)[1] == role]
 
 
-def pick_layer(report: dict, role: str = "input") -> str | None:
-    """The layer whose SQNR differs most between observers (where the choice matters most)."""
+def pick_layer(report: dict, role: str = "input", recipe: str | None = None) -> str | None:
+    """The layer whose SQNR differs most between the observers of ``recipe`` (the one
+    :func:`plot_histogram` draws: by default the first run's), where the choice matters most;
+    a gap between recipes (int8 against fp8) is not a choice of observer."""
+    recipe = _drawn_recipe(report, recipe)
     spread = {}
     for run in report["runs"].values():
+        if recipe is not None and run.get("recipe") != recipe:
+            continue
         for r in run["layers"]:
-            if r["role"] == role and r["sqnr_db"] is not None and not r["dynamic"]:
+            if r["role"] == role and r["sqnr_db"] is not None and r["dynamic"] is not True:
                 spread.setdefault(r["layer"], []).append(r["sqnr_db"])
     if not spread:
         return None
     return max(spread, key=lambda k: max(spread[k]) - min(spread[k]))
+
+
+def _drawn_recipe(report: dict, recipe: str | None) -> str | None:
+    """``recipe``, else the first run's: recipes often share activation specs, so one
+    recipe's ranges suffice."""
+    if recipe is None:
+        recipe = next(iter(report["runs"].values())).get("recipe")
+    return recipe
 
 
 def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
@@ -75,8 +88,7 @@ def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
     ax.bar(centers, [max(c, 0.8) if c else 0 for c in counts], width=width, color="0.55",
            log=True, label="activations (sample)")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    if recipe is None:  # recipes often share activation specs: one recipe's lines suffice
-        recipe = next(iter(report["runs"].values())).get("recipe")
+    recipe = _drawn_recipe(report, recipe)
     xs = [hist["lo"], hist["hi"]]
     # observers whose ranges coincide share one pair of lines and one legend entry, and every
     # entry states its range: a line drawn exactly under another is never a lost legend entry
