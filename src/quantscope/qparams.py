@@ -45,7 +45,14 @@ from ._numerics import true_div, upload
 from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format
 from .kernels import triton as _triton
-from .scales import E8M0_MODES, ScaleEncoding, e8m0_scale, encode_scale, nvfp4_global_scale
+from .scales import (
+    E8M0_MODES,
+    ScaleEncoding,
+    e8m0_scale,
+    encode_scale,
+    nvfp4_global_scale,
+    smallest_scale_at_least,
+)
 from .spec import QuantSpec
 
 __all__ = ["QParams", "amax_of_range", "nvfp4_block_scales", "qparams_from_range"]
@@ -289,7 +296,7 @@ def _affine_qparams(lo, hi, qmin: float, qmax: float, min_scale: float, symmetri
         # hi - lo overflows float32 only for ranges near its max: divide first there
         scale = torch.where(scale < math.inf, scale,
                             true_div(hi, qmax - qmin) - true_div(lo, qmax - qmin))
-    scale = encode_scale(scale.clamp(min=min_scale), enc)
+    scale = encode_scale(scale.clamp(min=smallest_scale_at_least(min_scale, enc)), enc)
     if symmetric:
         return QParams(scale, torch.full(lo.shape, zsym, dtype=torch.int32, device=lo.device))
     zp = torch.round(qmin - lo / scale).clamp_(qmin, qmax)

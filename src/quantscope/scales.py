@@ -40,6 +40,7 @@ All four are tested against their definitions and bitwise against torchao's ``to
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ __all__ = [
     "e8m0_scale",
     "encode_scale",
     "nvfp4_global_scale",
+    "smallest_scale_at_least",
 ]
 
 SCALE_KINDS = ("fp32", "fp16", "bf16", "pow2", "e8m0", "fp8_e4m3")
@@ -163,6 +165,24 @@ def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
     if kind == "fp8_e4m3":
         return FP8_E4M3.round(scale)
     raise ValueError(f"scale: encode_scale does not take {kind!r}; E8M0 scales come from e8m0_scale")
+
+
+@functools.lru_cache(maxsize=64)
+def smallest_scale_at_least(eps: float, encoding: ScaleEncoding) -> float:
+    """The smallest scale ``encoding`` stores that is at least ``eps`` (in float32): the
+    clamp before :func:`encode_scale` that keeps an encoded scale at least ``eps`` (clamping
+    at ``eps`` itself, its encoding may round below it: bf16 0.001 -> 0.000999; encoding is
+    monotonic, so values above an encoded bound encode at or above it)."""
+    floor = torch.tensor([eps], dtype=torch.float32)
+    got = encode_scale(floor, encoding)
+    if got >= floor:
+        return float(got)
+    if encoding.kind == "pow2":
+        return float(got) * 2
+    # the next value up of the stored dtype: positive floats order as their bit patterns
+    dtype, bits = {"fp16": (torch.float16, torch.int16), "bf16": (torch.bfloat16, torch.int16),
+                   "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8)}[encoding.kind]
+    return float(got.to(dtype).view(bits).add(1).view(dtype).float())
 
 
 def _floor_log2_rounded(x: torch.Tensor, mbits: int) -> torch.Tensor:

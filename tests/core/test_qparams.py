@@ -114,6 +114,37 @@ def test_eps_is_the_smallest_scale():
     assert q.scale.tolist() == pytest.approx([1e-3, 1e-3, 1 / 127.5])
 
 
+def _smallest_stored_at_least(eps: float, scale: str) -> float:
+    """By enumeration: every positive value of the 16-bit dtype, or the powers of two."""
+    e = torch.tensor(eps, dtype=torch.float32)
+    if scale.startswith("pow2"):
+        values = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
+    else:
+        dtype = torch.float16 if scale == "fp16" else torch.bfloat16
+        values = torch.arange(1, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype).float()
+        values = values[values.isfinite()]
+    return float(values[values >= e].min())
+
+
+@pytest.mark.parametrize("scale", ["fp16", "bf16", "pow2:floor", "pow2:round", "pow2:ceil"])
+@pytest.mark.parametrize("eps", [1e-3, 8e-8, 0.13 / 127.5, None])
+def test_an_encoded_scale_is_at_least_eps(scale, eps):
+    """Clamped at eps and then encoded, a scale could round below it (bf16 eps 0.001 ->
+    0.000999, pow2:floor of 0.00102 -> 2 ** -10): it is the smallest stored value >= eps."""
+    spec = QuantSpec("int8", scale=scale, eps=eps)
+    eps32 = float(torch.tensor(spec.min_scale, dtype=torch.float32))
+    lo = torch.tensor([0.0, -1e-9, -0.13, -1.0, -3e4])
+    q = qparams_from_range(lo, -lo, spec)
+    assert (q.scale >= eps32).all()
+    floor = _smallest_stored_at_least(spec.min_scale, scale)
+    assert q.scale[:2].tolist() == [floor, floor]  # the ranges below eps
+    plain = qparams_from_range(lo, -lo, QuantSpec("int8", eps=eps))  # fp32 scales
+    from quantscope.scales import encode_scale
+
+    want = torch.maximum(encode_scale(plain.scale, spec.scale), torch.tensor(floor))
+    assert torch.equal(q.scale, want)
+
+
 @pytest.mark.parametrize("spec", [presets.MXFP8, presets.MXFP4, presets.MXFP6_E3M2, presets.MXINT8,
                                   presets.BFP16, presets.MXFP4.replace(scale="e8m0:rceil")],
                          ids=str)
