@@ -171,6 +171,27 @@ def test_pow2_search_exact_tie_keeps_the_largest_scale():
     assert res.index.tolist() == [0]  # factor 4: every one of 4x, 2x, 1x is exact
 
 
+def _huge(k: int) -> torch.Tensor:
+    """Finite float32 values whose squared errors overflow float32 (max |x| ~ 2 ** k)."""
+    return torch.randn(4, 32, generator=torch.Generator().manual_seed(k)) * 2.0 ** k
+
+
+@pytest.mark.parametrize("k", [64, 80, 123])
+def test_pow2_search_keeps_min_max_where_no_error_is_finite(k):
+    """Quark's best starts as min-max with an infinite error: no candidate beats it. The
+    first candidate (4x min-max, 16x its error) stood instead, and past 2 ** 122 its range
+    overflowed float32 into a 'lo and hi must be finite' error."""
+    spec = QuantSpec("int8", "tensor", scale="pow2:round")
+    x = _huge(k)
+    u = x.reshape(1, -1)
+    lo, hi = unit_minmax(u)
+    res = pow2_search(u, None, None, spec)
+    assert qparams_from_range(res.lo, res.hi, spec).scale.item() == _quark_pow2(x, spec)
+    if k > 64:  # (at 2 ** 64 the smaller scales' errors are still finite)
+        assert torch.equal(res.lo, lo) and torch.equal(res.hi, hi)
+        assert res.index.tolist() == [2]
+
+
 def test_mse_search_incumbent_must_be_bool():
     spec = QuantSpec("int8", "tensor")
     with pytest.raises(TypeError, match="incumbent must be a bool"):
@@ -189,7 +210,7 @@ def test_pow2_mse_matches_quark_observer():
     cfg = QTensorConfig(dtype=Dtype.int8, qscheme=QSchemeType.per_tensor, symmetric=True,
                         round_method=RoundType.half_even, scale_type=ScaleType.float,
                         is_dynamic=False, observer_cls=qo.PerTensorPowOf2MinMSEObserver)
-    for x in _pow2_cases():
+    for x in (*_pow2_cases(), _huge(64), _huge(80)):  # 80: every error inf, min-max stands
         theirs = qo.PerTensorPowOf2MinMSEObserver(cfg)
         theirs(x)
         ours = quantscope.get_observer("pow2_mse", spec)

@@ -429,9 +429,16 @@ def pow2_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor |
     binades, so the candidates are the factors ``4, 2, 1, 1/2, 1/4`` (span 2), the
     first strict minimum winning as in Quark (which tries the largest scale first): no
     separate min-max incumbent, factor 1 (min-max) is the middle candidate, so the
-    result is still never worse than min-max.
+    result is still never worse than min-max. Where no candidate's error is finite (values
+    past ~1e19: their squares overflow float32), min-max stands, as in Quark, whose best
+    starts as min-max with an infinite error (the first candidate would be 4x it).
     """
     check_int("pow2_search", "span", span, 0, MAX_SPAN)
-    return mse_search(units, lo, hi, spec, factors=[math.ldexp(1.0, -k) for k in range(-span, span + 1)],
-                      norm=norm, patience=None, global_grid=1, chunk_elems=chunk_elems,
-                      incumbent=False)
+    units, lo, hi = _check(units, lo, hi, spec, norm)
+    res = mse_search(units, lo, hi, spec,
+                     factors=[math.ldexp(1.0, -k) for k in range(-span, span + 1)], norm=norm,
+                     patience=None, global_grid=1, chunk_elems=chunk_elems, incumbent=False)
+    unpriced = ~(res.error < torch.finfo(torch.float32).max)  # the initial best stood
+    return SearchResult(torch.where(unpriced, lo, res.lo), torch.where(unpriced, hi, res.hi),
+                        res.error, res.global_amax,
+                        torch.where(unpriced, span, res.index))
