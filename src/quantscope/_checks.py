@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["check_int", "check_number", "check_per_unit"]
+__all__ = ["check_float32_range", "check_int", "check_number", "check_per_unit"]
 
 
 def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int:
@@ -42,3 +42,18 @@ def check_per_unit(who: str, name: str, t: torch.Tensor, units: int, device) -> 
     if t.shape != (units,) or t.dtype != torch.float32 or t.device != device:
         raise ValueError(f"{who}: {name} must be a float32 tensor of shape ({units},) on "
                          f"{device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def check_float32_range(who: str, *values: torch.Tensor) -> None:
+    """Refuse finite float64 values float32 cannot hold: statistics and qparams are float32,
+    where they would turn inf (and read as NaN / inf input). One check, and host read, per
+    float64 tensor; none for other dtypes."""
+    for value in values:
+        if value.dtype != torch.float64:
+            continue
+        big = value.abs() > torch.finfo(torch.float32).max
+        if bool((big & value.isfinite()).any()):
+            raise ValueError(
+                f"{who}: float64 values beyond float32's range (|x| > 3.4e38) are not "
+                f"supported (quantscope computes statistics and qparams in float32), got "
+                f"max |x| = {value[value.isfinite()].abs().max().item():.3g}")

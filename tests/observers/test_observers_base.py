@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import warnings
 
 import pytest
@@ -203,6 +204,22 @@ def test_float64_input_is_observed_in_float32():
     obs = make("static_minmax", QuantSpec())
     obs(torch.tensor([1.0, -2.0], dtype=torch.float64))
     assert obs.min_vals.dtype == torch.float32 and obs.min_vals.item() == -2.0
+
+
+@pytest.mark.parametrize("name", ["static_minmax", "memoryless_mse", "histogram", "percentile"])
+@pytest.mark.parametrize("non_finite", ["error", "ignore"])
+def test_float64_values_past_float32_are_refused_not_read_as_inf(name, non_finite):
+    """They turned inf in float32: 'observed NaN or inf' for finite input, and ignore mode
+    dropped them as if NaN / inf (the range of the rest, a warning about NaN / inf)."""
+    x = torch.randn(8, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[3, 3] = 1e300
+    obs = make(name, QuantSpec(), non_finite=non_finite)
+    with pytest.raises(ValueError, match=r"float64 values beyond float32's range .* 1e\+300"):
+        obs(x)
+    assert not obs.has_observed
+    x[3, 3] = math.inf  # inf itself is non-finite input, as before
+    obs(x)
+    assert obs.has_observed
 
 
 # --------------------------------------------------------------- no host sync

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import distributed as dist
 
+from .._checks import check_float32_range
 from ..formats import FP4_E2M1
 from ..layout import Channel
 from ..qparams import amax_of_range, qparams_from_range
@@ -159,16 +160,8 @@ class Observer(torch.nn.Module):
         return self
 
     def _check_float32_range(self, *values: torch.Tensor) -> None:
-        """Refuse finite float64 values float32 cannot hold: the qparams are computed in it."""
-        for value in values:
-            if value.dtype != torch.float64:  # no device work (or host read) otherwise
-                continue
-            big = value.abs() > torch.finfo(torch.float32).max
-            if bool((big & value.isfinite()).any()):
-                raise ValueError(
-                    f"llmcompressor observer {type(self).__name__} ({self.base_name!r}): float64 "
-                    f"values beyond float32's range (|x| > 3.4e38) are not supported (quantscope "
-                    f"computes qparams in float32), got max |x| = {value.abs().max().item():.3g}")
+        check_float32_range(f"llmcompressor observer {type(self).__name__} "
+                            f"({self.base_name!r})", *values)
 
     def sync_activation_stats(self) -> list:
         """All-reduce the ``_act_sync_dict`` statistics across ranks; the async handles."""

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from .._checks import check_float32_range
 from .._numerics import upload
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
@@ -140,8 +141,8 @@ class Observer(nn.Module):
 
     def check_input(self, x: torch.Tensor) -> bool:
         """Raise ``TypeError`` / ``ValueError`` naming this observer unless ``x`` is a
-        floating-point tensor its layout can take; False when ``x`` is empty (nothing to
-        observe)."""
+        floating-point tensor its layout can take (float64: within float32's range); False
+        when ``x`` is empty (nothing to observe)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.describe()}: expected a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
@@ -152,6 +153,9 @@ class Observer(nn.Module):
             self.spec.layout.check(x.shape)
         except ValueError as e:
             raise ValueError(f"{self.describe()}: {e}") from None
+        # read as float32: a finite float64 past its range would turn inf, then read as
+        # NaN / inf input (non_finite='ignore' would drop it as such)
+        check_float32_range(self.describe(), x)
         return True
 
     def _check_unit_count(self, count: int, shape) -> None:
