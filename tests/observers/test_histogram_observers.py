@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.ao.quantization import HistogramObserver as TorchHistogramObserver
 
-from quantscope import QuantSpec
+import quantscope
+from quantscope import QuantSpec, Tensor
 from quantscope.estimators import entropy_amax
 from quantscope.observers.histogram import (
     EntropyObserver,
@@ -175,3 +176,20 @@ def test_percentile_rejects_bad_percentile_naming_it(bad, err):
 def test_percentile_takes_numbers(p):
     o = PercentileObserver(percentile=p)
     assert o.percentile == float(p) and type(o.percentile) is float
+
+
+@pytest.mark.parametrize("make", [
+    lambda: quantscope.get_observer("percentile", QuantSpec("int8", Tensor()),
+                                    averaging_constant=0.1),
+    lambda: quantscope.get_observer("horizon:KLObserver")])  # EMA by default
+def test_ema_histograms_record_inf_in_forward_and_raise_at_qparams(make):
+    """As every observer does: the EMA step in forward estimated on the inf range and raised
+    'histogram observers take |x| < 2**126 ... use a min-max or MSE observer' (which refuse
+    inf too) mid-forward, in a model's hook."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    x[10, 7] = float("inf")
+    obs = make()
+    obs(x)
+    obs(torch.randn(64, 256))
+    with pytest.raises(ValueError, match="observed NaN or inf values"):
+        obs.calculate_qparams()

@@ -221,7 +221,8 @@ class HistogramObserverBase(Observer):
         if self.averaging_constant is not None:
             self.pending += 1
             self._pending += 1
-            if self._pending % self.update_interval == 0:
+            # after NaN / inf no estimate: calculate_qparams raises the error forward records
+            if self._pending % self.update_interval == 0 and not bool(self.seen_non_finite):
                 self._ema_step()
 
     def _observe_linear(self, units, lo, hi, parts):
