@@ -210,3 +210,42 @@ def test_auto_chooses_the_head_by_its_output_error():
     _assert_same(whole, seq, layers={"lm_head"})
     assert {st.observer for st in seq.states["lm_head"].values()} == {
         st.observer for st in whole.states["lm_head"].values()}
+
+
+def test_the_skeleton_gets_its_own_parameters_back(saved):
+    """The same meta Parameter objects (their requires_grad, references a caller holds):
+    unloading made new ones with requires_grad=False."""
+    _, path = saved
+    skeleton = empty_model(path)
+    before = dict(skeleton.named_parameters(remove_duplicate=False))
+    assert all(p.requires_grad for p in before.values())
+    calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True, checkpoint=path)
+    after = dict(skeleton.named_parameters(remove_duplicate=False))
+    assert after.keys() == before.keys()
+    assert all(after[n] is p for n, p in before.items())
+
+
+def test_a_bad_tensor_leaves_nothing_loaded(saved, tmp_path):
+    """A block's tensors are all read and checked before any is set: a wrong shape left the
+    ones before it loaded, and a later calibration (loading only what is on meta) used them,
+    from the bad checkpoint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, path = saved
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    sd = load_file(bad / "model.safetensors")
+    sd["model.layers.1.self_attn.q_proj.weight"] *= 10  # another checkpoint's values
+    sd["model.layers.1.mlp.up_proj.weight"] = torch.zeros(7, 7)  # and a damaged tensor
+    save_file(sd, bad / "model.safetensors", metadata={"format": "pt"})
+    skeleton = empty_model(path)
+    with pytest.raises(ValueError, match=r"up_proj.weight' gives shape \(7, 7\)"):
+        calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True, checkpoint=bad)
+    assert all(p.device.type == "meta" for p in skeleton.parameters())
+    again = calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
+                      checkpoint=path)
+    fresh = calibrate(empty_model(path), _batches(), "w8a8", progress=False, sequential=True,
+                      checkpoint=path)
+    _assert_same(again, fresh)

@@ -124,11 +124,15 @@ def is_meta(module: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in module.parameters())
 
 
-def load_params(model, names: set[str], ckpt: Checkpoint | None, device) -> None:
-    """Give the parameters called ``names`` (full names) their checkpoint values. A name the
-    checkpoint lacks takes the value of a tied alias (``lm_head.weight`` is
-    ``embed_tokens.weight``), or of the tensors transformers writes it as
-    (:func:`_disk_source`: a renamed module, an MoE's per-expert tensors)."""
+def load_params(model, names: set[str], ckpt: Checkpoint | None,
+                device) -> dict[str, nn.Parameter]:
+    """Give the parameters called ``names`` (full names) that are on the meta device their
+    checkpoint values. A name the checkpoint lacks takes the value of a tied alias
+    (``lm_head.weight`` is ``embed_tokens.weight``), or of the tensors transformers writes it
+    as (:func:`_disk_source`: a renamed module, an MoE's per-expert tensors). Every tensor is
+    read and checked before any is set: a bad one leaves the model as it was. Returns
+    ``{name: the meta parameter it replaced}`` (tied aliases too): what
+    :func:`unload_params` puts back."""
     aliases = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
@@ -151,9 +155,14 @@ def load_params(model, names: set[str], ckpt: Checkpoint | None, device) -> None
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"calibrate: checkpoint tensor {keys[0]!r} gives shape "
                                  f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
-            done[id(p)] = nn.Parameter(t.to(device=device, dtype=p.dtype), requires_grad=False)
-            for alias in aliases[id(p)]:  # tied names stay one tensor (unload_params too)
-                _set_param(model, alias, done[id(p)])
+            done[id(p)] = p, nn.Parameter(t.to(device=device, dtype=p.dtype),
+                                          requires_grad=False)
+    replaced = {}
+    for key, (p, loaded) in done.items():
+        for alias in aliases[key]:  # tied names stay one tensor
+            _set_param(model, alias, loaded)
+            replaced[alias] = p
+    return replaced
 
 
 def _first(tensors):
@@ -245,13 +254,9 @@ def _set_param(model, name, value) -> None:
     model.get_submodule(owner)._parameters[attr] = value
 
 
-def unload_params(model, names: set[str]) -> None:
-    """Back to the meta device (tied aliases follow, before or after ``names`` in the model:
-    one object per tensor)."""
-    params = list(model.named_parameters(remove_duplicate=False))
-    done = {id(p): None for n, p in params if n in names}
-    for n, p in params:
-        if id(p) in done:
-            if done[id(p)] is None:
-                done[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
-            _set_param(model, n, done[id(p)])
+def unload_params(model, replaced: dict[str, nn.Parameter]) -> None:
+    """Put back the meta parameters :func:`load_params` replaced: the same objects (their
+    ``requires_grad``, the references a caller holds, tied aliases one tensor), and only
+    those (a parameter the model held loaded before stays)."""
+    for name, p in replaced.items():
+        _set_param(model, name, p)

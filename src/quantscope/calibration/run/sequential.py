@@ -240,13 +240,15 @@ class _Run:
     parts: dict
     loaded: list = dataclasses.field(default_factory=list)
 
-    def load(self, names: set[str]) -> None:
-        load_params(self.model, names, self.ckpt, self.device)
-        self.loaded.append(names)
+    def load(self, names: set[str]) -> dict:
+        """Load ``names`` (those on the meta device); returns what :meth:`unload` takes."""
+        replaced = load_params(self.model, names, self.ckpt, self.device)
+        self.loaded.append(replaced)
+        return replaced
 
-    def unload(self, names: set[str]) -> None:
-        unload_params(self.model, names)
-        self.loaded.remove(names)
+    def unload(self, replaced: dict) -> None:
+        unload_params(self.model, replaced)
+        self.loaded.remove(replaced)
 
     def cache(self, tag: str) -> _Cache:
         return _Cache(self.budget, self.folder, tag)
@@ -347,8 +349,7 @@ def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
     refused)."""
     model = run.model
     with _no_kv_cache(model), torch.inference_mode():
-        outer = {p for p in outside if _param(model, p).device.type == "meta"}
-        run.load(outer)
+        outer = run.load(outside)
         try:
             first = None
             # blocks that change their input's shape or return tuples break a pass-through
@@ -382,7 +383,7 @@ def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, contex
     ``(its outputs' cache, whether the block returns a tuple)``."""
     load = is_meta(block)
     if load:
-        run.load(mine)
+        loaded = run.load(mine)
     piece = _Piece(full, block, hidden, context)
     nxt = run.cache("b" if hidden.tag == "a" else "a")
     todo = {k: _for_piece(r, piece) for k, r in recipes.items() if _matches(r, piece)}
@@ -404,7 +405,7 @@ def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, contex
             if handle is not None:
                 handle.remove()
     if load:
-        run.unload(mine)
+        run.unload(loaded)
         # the block's weights (views of the checkpoint's mapping) can stay referenced from
         # reference cycles of the calibration's objects until a collection: collect now, or
         # the unloaded blocks' mappings accumulate (a block in memory has none to release)
@@ -422,7 +423,7 @@ def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hi
     todo = {k: _for_piece(r, rest) for k, r in recipes.items() if _matches(r, rest)}
     if not todo:
         return
-    run.load({p for p in outside if _param(model, p).device.type == "meta"})
+    run.load(outside)
     state = {"i": 0}
     for j in range(len(layers)):
         layers[j] = _Replay(hidden, state, as_tuple)
@@ -436,10 +437,6 @@ def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hi
         got = calibrate_many(model, indexed(), todo, progress=False, replayed=True, **options)
     for k, c in got.items():
         run.parts[k].append(c)
-
-
-def _param(model, name):
-    return model.get_parameter(name)
 
 
 def _has_auto(recipe) -> bool:
