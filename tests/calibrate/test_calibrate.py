@@ -126,6 +126,26 @@ def test_qdq_output_equals_direct_computation_and_is_reversible():
     assert torch.equal(m(x), ref)
 
 
+@pytest.mark.parametrize("inner_first", [False, True])
+def test_apply_refuses_a_weight_another_apply_holds(inner_first):
+    """A model nested in an applied one (or holding one) took the fake-quantized weights for
+    the float ones: removing in the order applied lost the float weights."""
+    inner = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+    outer = nn.Sequential(inner, nn.Linear(8, 4))
+    x = [torch.randn(4, 16, generator=torch.Generator().manual_seed(0))]
+    c_inner, c_outer = (calibrate(m, x, "w8a8", progress=False) for m in (inner, outer))
+    snap = {k: v.clone() for k, v in outer.state_dict().items()}
+    first, second = ((c_inner, inner), (c_outer, outer))[::1 if inner_first else -1]
+    handle = first[0].apply(first[1])
+    with pytest.raises(ValueError, match=r"0\.weight is already fake-quantized by another"):
+        second[0].apply(second[1])
+    handle.remove()
+    assert same_state(outer, snap) and no_hooks(outer)  # the refused one left nothing
+    with second[0].apply(second[1]):  # once the first is removed
+        pass
+    assert same_state(outer, snap)
+
+
 def test_dynamic_per_token_qdq():
     m, b = make()
     c = calibrate(m, b, "w8a8-dynamic", progress=False)

@@ -15,6 +15,7 @@ all go through it.
 from __future__ import annotations
 
 import inspect
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -29,6 +30,11 @@ from .role_state import RoleState
 __all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "runtime_qparams"]
 
 _ATTR = "_quantscope_qdq"
+#: id -> handle of every weight an active handle fake-quantized: another apply() reaching it
+#: (through a model nested in the first, or holding it) would save its QDQ values as the
+#: float ones. A handle holds its weights, so their ids stay theirs until remove(); a handle
+#: dropped without remove() leaves the table with it (weak values).
+_APPLIED: weakref.WeakValueDictionary[int, QDQHandle] = weakref.WeakValueDictionary()
 
 
 class QDQHandle:
@@ -51,6 +57,7 @@ class QDQHandle:
         with torch.no_grad():
             for param, original in reversed(self._weights):
                 param.copy_(original)
+                _APPLIED.pop(id(param), None)
         self._weights.clear()
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
@@ -132,10 +139,16 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                         raise ValueError(
                             f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
                             f"calibrated with shape {tuple(state.shape)}")
+                    if _APPLIED.get(id(w), handle) is not handle:
+                        raise ValueError(
+                            f"apply: {name}.weight is already fake-quantized by another "
+                            f"apply() (on a model holding this module, or held by it); "
+                            f"remove() that one first")
                     with torch.no_grad():
                         original = w.detach().clone()
                         qdq = qdq_tensor(w.detach(), state.to(w.device))
                         handle._weights.append((w, original))
+                        _APPLIED[id(w)] = handle
                         w.copy_(qdq)
                 elif role == "input":
                     handle._hooks.append(module.register_forward_pre_hook(
