@@ -40,13 +40,12 @@ All four are tested against their definitions and bitwise against torchao's ``to
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from ._numerics import true_div
+from ._numerics import as_float32, true_div
 from .formats import FP8_E4M3, FloatFormat, Format
 
 __all__ = [
@@ -167,12 +166,14 @@ def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
     raise ValueError(f"scale: encode_scale does not take {kind!r}; E8M0 scales come from e8m0_scale")
 
 
-@functools.lru_cache(maxsize=64)
 def smallest_scale_at_least(eps: float, encoding: ScaleEncoding) -> float:
     """The smallest scale ``encoding`` stores that is at least ``eps`` (in float32): the
     clamp before :func:`encode_scale` that keeps an encoded scale at least ``eps`` (clamping
     at ``eps`` itself, its encoding may round below it: bf16 0.001 -> 0.000999; encoding is
-    monotonic, so values above an encoded bound encode at or above it)."""
+    monotonic, so values above an encoded bound encode at or above it). float32 scales: in
+    Python (no tensor op where torch.compile traces the qparams)."""
+    if encoding.kind == "fp32":
+        return as_float32(eps)
     floor = torch.tensor([eps], dtype=torch.float32)
     got = encode_scale(floor, encoding)
     if got >= floor:
