@@ -193,12 +193,7 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
             return self._quark_shape(scale), self._quark_shape(zp)
         return super()._calculate_qparams()
 
-    min_val = property(lambda self: self._stat("min_val", float("inf")),
-                       doc="Running (or last) minimum; ``tensor(inf)`` before data.",
-                       fdel=lambda self: self._delete("min_val"))
-    max_val = property(lambda self: self._stat("max_val", float("-inf")),
-                       doc="Running (or last) maximum; ``tensor(-inf)`` before data.",
-                       fdel=lambda self: self._delete("max_val"))
+    min_val, max_val = QuarkObserver.ends("_stat", "Running (or last) minimum / maximum")
 
 
 @register("quark:PlaceholderObserver")

@@ -287,6 +287,16 @@ class QuarkObserver:
     def _delete(self, name: str) -> None:
         self._deleted.add(name)
 
+    @staticmethod
+    def ends(getter: str, what: str) -> tuple[property, property]:
+        """Quark's ``min_val`` / ``max_val`` (deletable, as Quark's attributes):
+        ``self.<getter>(name, empty)``, ``tensor(+-inf)`` before data; ``what`` their doc."""
+        def end(name: str, empty: float) -> property:
+            return property(lambda self: getattr(self, getter)(name, empty),
+                            doc=f"{what}; ``tensor({empty})`` before.",
+                            fdel=lambda self: self._delete(name))
+        return end("min_val", float("inf")), end("max_val", float("-inf"))
+
     def _check_present(self, name: str) -> None:
         """Quark's AttributeError for a statistic deleted with ``del`` (until a reset)."""
         if name in self._deleted:

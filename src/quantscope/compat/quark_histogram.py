@@ -79,12 +79,8 @@ class _QuarkHistogram(QuarkObserver):
         """Quark's ``min_val`` / ``max_val`` of an estimate ``[1]``: 0-dim."""
         return lo.reshape(()).clone(), hi.reshape(()).clone()
 
-    min_val = property(lambda self: self._priced_end("min_val", float("inf")),
-                       doc="The range the last qparams priced (Quark's); ``tensor(inf)`` before.",
-                       fdel=lambda self: self._delete("min_val"))
-    max_val = property(lambda self: self._priced_end("max_val", float("-inf")),
-                       doc="The range the last qparams priced (Quark's); ``tensor(-inf)`` before.",
-                       fdel=lambda self: self._delete("max_val"))
+    min_val, max_val = QuarkObserver.ends("_priced_end",
+                                          "The range the last qparams priced (Quark's)")
 
     def _priced_end(self, name: str, empty: float) -> torch.Tensor:
         self._check_present(name)
