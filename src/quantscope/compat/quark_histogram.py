@@ -243,11 +243,8 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
             raise ValueError("PerTensorHistogramObserverPro only supports 4bit and 8bit")
         self.reduce_range = reduce_range
 
-    # Quark's wrapper never sets its own min_val / max_val (torch.ao's observer holds the range)
-    min_val = property(lambda self: self._never_set("min_val", float("inf")),
-                       fdel=lambda self: self._delete("min_val"))
-    max_val = property(lambda self: self._never_set("max_val", float("-inf")),
-                       fdel=lambda self: self._delete("max_val"))
+    min_val, max_val = QuarkObserver.ends(
+        "_never_set", "Never set by Quark's wrapper (torch.ao's observer holds the range)")
 
     def _never_set(self, name: str, value: float) -> torch.Tensor:
         self._check_present(name)
