@@ -221,3 +221,32 @@ def test_compare_score_tokens_reach_auto(llama_dir, tmp_path, capsys):
     assert cli.main(["compare", "--model", llama_dir, "--score-tokens", "0", "--out",
                      str(tmp_path / "bad"), *FAST]) == 2
     assert "--score-tokens must be a positive number" in capsys.readouterr().err
+
+
+def test_compare_group_size_changes_the_grouped_recipes(llama_dir, tmp_path, capsys):
+    from quantscope import cli
+
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", "--model", llama_dir, "--recipes", "w8a8,W4A16", "--observers",
+                     "minmax", "--group-size", "32", "--out", str(out), "--no-progress",
+                     "--no-plots", *FAST]) == 0
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    specs = {label: {row["spec"] for row in run["layers"] if row["role"] == "weight"}
+             for label, run in runs.items()}
+    assert specs["W4A16/minmax"] == {"int4 group:32 sym"}
+    assert all("group" not in s for s in specs["w8a8/minmax"])
+    assert cli.main(["compare", "--model", llama_dir, "--recipes", "w8a8", "--observers",
+                     "minmax", "--group-size", "32", "--out", str(tmp_path / "bad"),
+                     *FAST]) == 2
+    assert "--group-size 32: none of --recipes w8a8 has grouped weights" in capsys.readouterr().err
+
+
+def test_compare_table_prints_a_non_finite_metric_as_a_dash():
+    from quantscope.cli.compare import compare_rows
+
+    # the report's JSON holds a NaN / inf metric as None
+    report = {"fp32": {"perplexity": 12.5}, "runs": {"w8a8/minmax": {
+        "recipe": "w8a8", "observer": "minmax", "metrics": {"perplexity": None},
+        "summary": {}, "info": {}}}}
+    _, rows = compare_rows(report)
+    assert rows[1][:4] == ["w8a8", "minmax", "-", "-"]

@@ -468,11 +468,18 @@ def with_group_size(recipe: Recipe, size: int) -> Recipe:
             return role
         layout = replace(role.spec.layout, size=size)
         return replace(role, spec=replace(role.spec, layout=layout))
-    if not any(isinstance(role.spec.layout, Group) for r in recipe.rules
-               for role in r.roles().values()):
+    if not has_groups(recipe):
         raise ValueError(f"recipe {recipe.name!r} has no grouped role for a group size to change")
     rules = tuple(replace(r, **{k: regroup(getattr(r, k)) for k in ROLES}) for r in recipe.rules)
     return replace(recipe, rules=rules)
+
+
+def has_groups(recipe: Recipe) -> bool:
+    """Whether a role of ``recipe`` has a ``Group`` layout (a size ``with_group_size`` sets)."""
+    from ..layout import Group
+
+    return any(isinstance(role.spec.layout, Group) for r in recipe.rules
+               for role in r.roles().values())
 
 
 def with_role_observer(recipe: Recipe, role: str, observer: str) -> Recipe:

@@ -70,7 +70,9 @@ def compare_rows(report: dict) -> tuple[list[str], list[list]]:
     ``auto``, every candidate's observers once, then the choice (scoring forwards, searches)."""
     fp = report["fp32"]
     causal = "perplexity" in fp
+    # a metric that was NaN or inf is None in the report (strict JSON): printed "-"
     f = lambda v, d: "-" if v is None else f"{v:.{d}f}"
+    delta = lambda v, ref, d: "-" if v is None or ref is None else f"{v - ref:+.{d}f}"
     tail_headers = ["calib s", "weight SQNR dB", "input SQNR dB", "input clipped %",
                     "auto chose (weight; input)"]
     if causal:
@@ -92,10 +94,10 @@ def compare_rows(report: dict) -> tuple[list[str], list[list]]:
                 f(100 * i["mean_clipped"], 3) if i else "-", chose]
         if causal:
             rows.append([run["recipe"], run["observer"], f(m["perplexity"], 2),
-                         f"{m['perplexity'] - fp['perplexity']:+.2f}", *tail])
+                         delta(m["perplexity"], fp["perplexity"], 2), *tail])
         else:
             rows.append([run["recipe"], run["observer"], f(m["lee_r"], 4),
-                         f"{m['lee_r'] - fp['lee_r']:+.4f}", f(m["cosine"], 4), *tail])
+                         delta(m["lee_r"], fp["lee_r"], 4), f(m["cosine"], 4), *tail])
     return headers, rows
 
 
@@ -159,7 +161,13 @@ def _plan(args, model, recipes, observers) -> dict:
     """Every configuration's recipe, checked against the model's layers, and --plot-layer
     against the layers whose input they quantize: once the model is loaded, not once every
     configuration has been calibrated and evaluated."""
-    plan = {f"{r}/{o}": build_recipe(args, model, o, r) for r in recipes for o in observers}
+    from ..calibration.recipe import has_groups
+
+    plan = {f"{r}/{o}": build_recipe(args, model, o, r, groups_optional=True)
+            for r in recipes for o in observers}
+    if args.group_size is not None and not any(map(has_groups, plan.values())):
+        raise UsageError(f"--group-size {args.group_size}: none of --recipes "
+                         f"{', '.join(recipes)} has grouped weights to change")
     if args.plot_layer is not None and not args.no_plots:
         layers = list(dict.fromkeys(name for rec in plan.values()
                                     for name, (_, roles) in rec.match(model).items()

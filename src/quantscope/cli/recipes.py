@@ -10,8 +10,10 @@ from .checks import UsageError
 from .names import DEFAULT_TARGETS, RECIPE_NAMES
 
 
-def build_recipe(args, model, observer=None, recipe_name=None):
-    """The recipe the flags describe, checked against the model's layers."""
+def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=False):
+    """The recipe the flags describe, checked against the model's layers. With
+    ``groups_optional`` (compare's list of recipes) ``--group-size`` leaves a recipe without
+    grouped roles as it is; the caller checks that some recipe has them."""
     from dataclasses import replace
 
     from ..calibration import recipe as R
@@ -25,7 +27,7 @@ def build_recipe(args, model, observer=None, recipe_name=None):
         rec = R.preset(name, observer, **kw)
     else:
         rec = R.scheme(name or args.scheme, observer, **kw)
-    if args.group_size is not None:
+    if args.group_size is not None and not (groups_optional and not R.has_groups(rec)):
         rec = R.with_group_size(rec, args.group_size)
     if getattr(args, "kv_cache", None):
         rec = replace(rec, kv_cache=replace(R.kv_cache_role(args.kv_cache), observer=(
