@@ -71,12 +71,20 @@ class QParams:
 
     ``scale`` is float32 (for NVFP4 it holds the e4m3 block scales); ``zero_point``
     is int32; ``global_scale`` is a float32 tensor of shape ``(1,)`` or None.
-    The scale that multiplies a code is :attr:`effective_scale`.
+    The scale that multiplies a code is :attr:`effective_scale`. Tensors given in a
+    float8 dtype, as compressed-tensors stores NVFP4 block scales and fp8 zero points,
+    are read as float32 (every value exact): torch does no arithmetic in float8.
     """
 
     scale: torch.Tensor
     zero_point: torch.Tensor
     global_scale: torch.Tensor | None = None
+
+    def __post_init__(self):
+        for name in ("scale", "zero_point", "global_scale"):
+            t = getattr(self, name)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() == 1:
+                setattr(self, name, t.float())
 
     @property
     def effective_scale(self) -> torch.Tensor:

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from quantscope import QuantSpec, fake_quantize, presets, qparams_from_range
+from quantscope import QParams, QuantSpec, fake_quantize, presets, qparams_from_range
 from quantscope.layout import Block, Channel, Group, Tensor, Tile, Token
 
 with warnings.catch_warnings():
@@ -126,6 +126,10 @@ def test_compressed_tensors_nvfp4(seed):
     assert (ct_zp.float() == 0).all() and (q.zero_point == 0).all()
     out = ct_fake_quantize(x, ct_scale, ct_zp, args, global_scale=gs)
     assert torch.equal(fake_quantize(x, q, presets.NVFP4), out)
+    # the tensors as a compressed-tensors checkpoint stores them: float8 scales and zero points
+    e4m3 = torch.float8_e4m3fn
+    stored = QParams(ct_scale.to(e4m3), ct_zp.to(e4m3), gs)
+    assert torch.equal(fake_quantize(x, stored, presets.NVFP4), out)
 
 
 def test_group_gidx_against_compressed_tensors_on_permuted_columns():
