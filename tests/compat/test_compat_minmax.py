@@ -290,6 +290,22 @@ def test_llmcompressor_translation():
         spec({"strategy": "group"})
 
 
+def test_llmcompressor_placeholder_g_idx_is_column_order():
+    """compressed-tensors registers ``weight_g_idx`` as -1s until GPTQ fills it, which
+    llm-compressor reads as column order (``-1 in g_idx``): the scales of groups of columns."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 32)
+    args = {"num_bits": 4, "strategy": "group", "group_size": 8}
+    expect = w.reshape(4, 4, 8).abs().amax(-1) / 7.5  # symmetric int4: absmax / ((7 - -8) / 2)
+    lin = torch.nn.Linear(32, 4, bias=False)
+    lin.weight_g_idx = torch.full((32,), -1, dtype=torch.int32)
+    for obs, call in ((llmcompressor.StaticMinMaxObserver("weight", args, module=lin), {}),
+                      (llmcompressor.StaticMinMaxObserver("weight", args),
+                       {"g_idx": lin.weight_g_idx})):
+        scale, _ = obs(w, **call)
+        torch.testing.assert_close(scale, expect, rtol=0, atol=1e-7)
+
+
 # ----------------------------------------------------------------------- quark
 def qk(**kw):
     base = {"dtype": "int8", "qscheme": "per_tensor", "symmetric": True, "is_dynamic": False}

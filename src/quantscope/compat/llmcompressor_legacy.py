@@ -45,7 +45,7 @@ from ..observers.mse import MovingAverageMSEObserver as _NativeMSE
 from ..observers.mse import NVFP4ExpandedMSEObserver as _NativeNVFP4MSE
 from ..observers.registry import observer_class, register
 from . import enum_name, field
-from .llmcompressor_spec import llmcompressor_spec, zp_dtype
+from .llmcompressor_spec import filled_g_idx, llmcompressor_spec, zp_dtype
 
 __all__ = [
     "LLMCompressorObserver",
@@ -99,8 +99,9 @@ class Observer:
     def forward(self, observed: torch.Tensor, g_idx: torch.Tensor | None = None,
                 global_scale: torch.Tensor | None = None):
         """Observe ``observed`` and return ``(scale, zero_point)`` for it."""
-        if g_idx is not None and isinstance(self.spec.layout, Group):
-            self.spec = self.spec.replace(layout=Group(self.spec.layout.size, -1, g_idx))
+        if g_idx is not None and isinstance(self.spec.layout, Group):  # -1s: column order
+            self.spec = self.spec.replace(layout=Group(self.spec.layout.size, -1,
+                                                       filled_g_idx(g_idx)))
         if global_scale is not None:
             raise NotImplementedError("llmcompressor: pass NVFP4 tensors whole; the global "
                                       "scale is derived from the observed absmax")

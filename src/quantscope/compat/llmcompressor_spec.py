@@ -49,7 +49,13 @@ def _block_structure(value):
 def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | None = None
                        ) -> QuantSpec:
     """The :class:`QuantSpec` of a ``QuantizationArgs`` (or dict) for ``base_name`` (the one translation)."""
-    return _translate(args, base_name, g_idx, scale_dtype(args))
+    return _translate(args, base_name, filled_g_idx(g_idx), scale_dtype(args))
+
+
+def filled_g_idx(g_idx: torch.Tensor | None) -> torch.Tensor | None:
+    """``g_idx``, or None (column order) where it holds -1: compressed-tensors' placeholder
+    until GPTQ fills it, read as column order by llm-compressor (``-1 in g_idx``)."""
+    return None if g_idx is None or bool((g_idx == -1).any()) else g_idx
 
 
 def search_spec(args, base_name: str = "weight") -> QuantSpec:
