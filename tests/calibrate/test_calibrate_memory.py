@@ -117,7 +117,7 @@ def test_full_budget_reproduces_the_list_and_cat_sample(model, monkeypatch):
                 if slot.sample is not None:
                     rows = x.detach().reshape(-1, x.shape[-1])
                     s = slot.sample
-                    take = min(rows.shape[0], s.per_batch, s.capacity - s.count)
+                    take = min(rows.shape[0], s._share(), s.capacity - s.count)
                     idx = torch.randperm(rows.shape[0], generator=s.generator)[:take]
                     seen.setdefault(id(slot), []).append(rows.index_select(0, idx))
                     s.count += take
@@ -209,3 +209,16 @@ def test_batches_are_streamed_from_an_iterator(model):
     assert streamed.info["batches"] == 5
     assert at_forward == [1, 1, 2, 3, 4, 5]  # the detection forward, then one batch each
     _assert_same_qparams(streamed, calibrate(model, batches(5), recipe, progress=False))
+
+
+def test_a_dataloader_is_sampled_as_its_list(model, samples):
+    """A DataLoader has a length: its sample is spread over every batch as a list's is
+    (the fusion detection's peek kept the length), not drawn from the first batches."""
+    from torch.utils.data import DataLoader
+
+    recipe = preset("w8a8", "minmax", ignore=["lm_head"])
+    listed = calibrate(model, batches(20), recipe, progress=False, sample_tokens=40)
+    loader = DataLoader(batches(20), batch_size=None)
+    loaded = calibrate(model, loader, recipe, progress=False, sample_tokens=40)
+    assert loaded.stats == listed.stats
+    assert {s.batches for s in samples} == {20}

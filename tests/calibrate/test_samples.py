@@ -8,20 +8,39 @@ def test_row_sample_takes_the_same_rows_as_select_and_cat():
     """Per batch: the first ``take`` of one randperm of the batch's rows, as the list-and-cat
     sampling it replaces drew them (same generator, same draws)."""
     xs = [torch.randn(3, 10, 8) for _ in range(4)]
-    s = RowSample(capacity=50, per_batch=13, generator=torch.Generator().manual_seed(0))
+    s = RowSample(capacity=50, batches=4, generator=torch.Generator().manual_seed(0))
     gen, ref, n = torch.Generator().manual_seed(0), [], 0
-    for x in xs:
+    for k, x in enumerate(xs, 1):
         s.add(x)
         rows = x.reshape(-1, 8)
-        take = min(rows.shape[0], 13, 50 - n)
+        take = [12, 25, 37, 50][k - 1] - n  # floor(50 k / 4) rows after k batches
         ref.append(rows[torch.randperm(rows.shape[0], generator=gen)[:take]])
         n += take
     assert torch.equal(s.rows(), torch.cat(ref)) and s.count == 50 == n
     assert s.nbytes == 50 * 8 * 4  # one buffer, allocated once
 
 
+def test_row_sample_spreads_over_every_batch():
+    """Every batch gives its share (64 rows over 20 batches: 3 or 4 each, none left out); a
+    batch with fewer rows than its share leaves the rest to the next."""
+    s = RowSample(64, 20, torch.Generator().manual_seed(0))
+    taken = []
+    for _ in range(20):
+        before = s.count
+        s.add(torch.randn(2, 10, 4))
+        taken.append(s.count - before)
+    assert s.count == 64 and set(taken) == {3, 4}
+    s = RowSample(8, 2, torch.Generator())
+    s.add(torch.randn(1, 4))
+    s.add(torch.randn(10, 4))
+    assert s.count == 8  # 1 row, then 7
+    s = RowSample(16, None, torch.Generator())  # a stream: an eighth per batch
+    s.add(torch.randn(10, 4))
+    assert s.count == 2
+
+
 def test_row_sample_empty_and_width_change():
-    s = RowSample(4, 4, torch.Generator())
+    s = RowSample(4, 1, torch.Generator())
     s.add(torch.empty(0, 5))
     assert s.rows() is None and s.nbytes == 0
     s.add(torch.randn(2, 5))

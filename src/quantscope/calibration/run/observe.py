@@ -11,7 +11,6 @@ one input slot; :func:`observe_batches` runs the forwards with the hooks that fe
 from __future__ import annotations
 
 import contextvars
-import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -399,16 +398,14 @@ def _kv_observer(roles: dict[str, list[Slot]]):
 
 def _make_samples(slots, sample_tokens, budget_mb, total, gen):
     """One fixed row buffer per sampled slot, all of them within ``budget_mb``: rows are
-    drawn evenly from every batch (``capacity / batches`` each) when the count is known."""
+    drawn evenly from every batch when their number (``total``) is known."""
     sampled = [s for s in slots if s.role != "weight" and s.needs_sample]
     if not sampled:
         return
     caps = capacities({id(s): _activation_width(s.module, s.role) for s in sampled},
                       sample_tokens, max(int(sample_budget(budget_mb) * 2**20), 1))
     for s in sampled:
-        cap = caps[id(s)]
-        per_batch = math.ceil(cap / total) if total else max(1, cap // 8)
-        s.sample = RowSample(cap, per_batch, gen)
+        s.sample = RowSample(caps[id(s)], total, gen)
 
 
 def sample_budget(budget_mb) -> float:

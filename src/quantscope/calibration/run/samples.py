@@ -1,8 +1,8 @@
 """Activation rows kept during calibration, in fixed buffers under one memory budget.
 
 ``auto`` and the report score candidates on a sample of each layer's activations. The
-sample is drawn per batch (``per_batch`` random rows of each batch until ``capacity``
-rows), into one buffer allocated on first use: memory is bounded up front and nothing is
+sample is drawn per batch (random rows of each batch, spread evenly over every batch where
+their number is known, until ``capacity`` rows), into one buffer allocated on first use: memory is bounded up front and nothing is
 concatenated afterwards. :func:`capacities` divides a total budget among the sampled
 tensors by their width, so the sample memory does not grow with the number of layers,
 observers or recipes.
@@ -33,18 +33,30 @@ def capacities(widths: dict, max_rows: int, budget_bytes: int, itemsize: int = 4
 
 
 class RowSample:
-    """Up to ``capacity`` rows of the ``[..., width]`` tensors passed to :meth:`add`."""
+    """Up to ``capacity`` rows of the ``[..., width]`` tensors passed to :meth:`add`, spread
+    over ``batches`` calls: after the ``k``-th, ``capacity * k // batches`` rows (a batch with
+    fewer rows leaves its share to the next). ``batches`` None (a stream of unknown length):
+    an eighth of the capacity per call."""
 
-    def __init__(self, capacity: int, per_batch: int, generator: torch.Generator):
-        self.capacity, self.per_batch, self.generator = capacity, per_batch, generator
+    def __init__(self, capacity: int, batches: int | None, generator: torch.Generator):
+        self.capacity, self.batches, self.generator = capacity, batches, generator
         self.buffer: torch.Tensor | None = None
-        self.count = 0
+        self.count = self.calls = 0
+
+    def _share(self) -> int:
+        """Rows the next call may add."""
+        self.calls += 1
+        if not self.batches:
+            return max(1, self.capacity // 8)
+        return min(self.calls, self.batches) * self.capacity // self.batches - self.count
 
     def add(self, x: torch.Tensor) -> None:
         if self.count >= self.capacity or x.numel() == 0:
             return
         rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-        take = min(rows.shape[0], self.per_batch, self.capacity - self.count)
+        take = min(rows.shape[0], self._share(), self.capacity - self.count)
+        if take <= 0:
+            return
         idx = upload(torch.randperm(rows.shape[0], generator=self.generator)[:take], rows.device)
         if self.buffer is None:
             self.buffer = rows.new_empty((self.capacity, rows.shape[1]))
@@ -57,7 +69,7 @@ class RowSample:
     @classmethod
     def holding(cls, rows: torch.Tensor) -> RowSample:
         """A full sample made of ``rows`` (e.g. merged from several processes)."""
-        out = cls(rows.shape[0], rows.shape[0], torch.Generator())
+        out = cls(rows.shape[0], 1, torch.Generator())
         out.buffer, out.count = rows, rows.shape[0]
         return out
 

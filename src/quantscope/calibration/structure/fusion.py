@@ -44,7 +44,9 @@ WINDOW = 8
 
 
 def peek(batches):
-    """``(first batch or None, batches)`` with nothing consumed from ``batches``."""
+    """``(first batch or None, batches)`` with nothing consumed from ``batches``: a stream
+    stays one (no list of all the batches) and keeps its source's length (a DataLoader's),
+    over which the activation sample is spread."""
     if isinstance(batches, (list, tuple)):
         return (batches[0] if batches else None), batches
     it = iter(batches)
@@ -52,7 +54,21 @@ def peek(batches):
         first = next(it)
     except StopIteration:
         return None, []
-    return first, itertools.chain([first], it)  # streamed: no list of all the batches
+    rest = itertools.chain([first], it)
+    return first, (_Sized(rest, len(batches)) if hasattr(batches, "__len__") else rest)
+
+
+class _Sized:
+    """An iterator with the length of the iterable it was read from."""
+
+    def __init__(self, it, n: int):
+        self.it, self.n = it, n
+
+    def __iter__(self):
+        return self.it
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
