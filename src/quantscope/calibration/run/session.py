@@ -434,6 +434,7 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
         roles: which roles to measure.
     """
     check_batches(batches, "sensitivity")
+    batches = list(batches)  # a generator: read by the calibration, then by the measure
     if calibration is None:
         calibration = calibrate(model, batches if calib_batches is None else calib_batches,
                                 recipe, observer=observer, progress=progress)
