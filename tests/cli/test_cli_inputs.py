@@ -281,3 +281,12 @@ def test_export_format_takes_any_case_and_an_existing_file_is_said_to_exist(tmp_
     rc, _, err = _run(capsys, "export", str(tmp_path / "run"), "--format", "onnxx",
                       "--out", str(out))
     assert rc == 2 and "unknown format 'onnxx'" in err and "'onnx'" in err, err
+
+
+@pytest.mark.parametrize("n,expect", [(3, [0, 3, 6]), (6, [0, 1, 3, 5, 6, 8]),
+                                      (10, list(range(10))), (12, list(range(10)))])
+def test_calib_docs_are_taken_evenly_from_the_whole_text(n, expect):
+    from quantscope.cli.running import spread
+
+    # floor(i * 10 / n): --calib-docs 6 of 10 reaches the last documents (it took the first 6)
+    assert spread(list(range(10)), n) == expect

@@ -90,6 +90,12 @@ def metric_line(primary: str, fp: float, q: float) -> str:
     return f"Lee r: float {fp:.4f} -> quantized {q:.4f} ({q - fp:+.4f})"
 
 
+def spread(docs: list, n: int) -> list:
+    """``n`` of ``docs`` taken evenly over all of them (every ``len / n``-th), in order."""
+    n = min(n, len(docs))
+    return [docs[i * len(docs) // n] for i in range(n)]
+
+
 def load_setup(args, phases: Phases, prepare=None):
     """Model, calibration batches, evaluator, the float model's metrics, the run's settings
     and ``prepare(model)``: run once the model is loaded, before any forward (the recipe and
@@ -107,8 +113,7 @@ def load_setup(args, phases: Phases, prepare=None):
                             lambda: models.load_model(path, device, task=task))
     prepared = prepare(model) if prepare is not None else None
     docs = calib_documents(args.calib_file) if args.calib_file else data.lee_background()
-    step = max(1, len(docs) // args.calib_docs)
-    calib = docs[::step][: args.calib_docs]
+    calib = spread(docs, args.calib_docs)
     batches = models.token_batches(tok, calib, args.max_length, args.batch_size, device,
                                    args.seed)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
