@@ -518,3 +518,23 @@ def test_vllm_serves_the_export_like_transformers(llama, tmp_path):
         got = llm.generate({"prompt_token_ids": prompt},
                            vllm.SamplingParams(max_tokens=4, temperature=0))
     assert got[0].outputs[0].token_ids[:2] == hf[:2]
+
+
+@pytest.mark.parametrize("tile", [(48, 32), (32, 48), (256, 256)])
+def test_fp8_tiles_with_a_partial_last_tile_load_in_transformers(llama, tmp_path, tile):
+    """Probe: a partial last column tile was refused as 'no compressed-tensors equivalent';
+    compressed-tensors pads partial tiles both ways (llm-compressor writes block-128 on a
+    64-wide model): one e4m3 scale per tile, ceil'd, and transformers runs it as apply()."""
+    model, _, batches = llama
+    spec = QuantSpec("fp8_e4m3", f"tile:{tile[0]}x{tile[1]}")
+    cal = calibrate(model, batches, _recipe(Role(spec, "memoryless_minmax"), ignore=["lm_head"]),
+                    progress=False)
+    out = cal.export(model, tmp_path / "ct")
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        scale = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale")  # [128, 256]
+    assert scale.shape == (-(-128 // tile[0]), -(-256 // tile[1]))
+    with torch.inference_mode():
+        got = _out(_loaded(out, transformers.AutoModelForCausalLM), batches[0])
+    _compare(got, _applied(cal, model, batches[0]), True)

@@ -177,8 +177,8 @@ def _layout_args(state, layer: str, role: str) -> dict:
         return {"strategy": "group", "group_size": lay.size}
     if isinstance(lay, Token) and state.dynamic is True:
         return {"strategy": "token"}
-    if isinstance(lay, Tile) and role == "weight" and shape is not None \
-            and len(shape) == 2 and shape[1] % lay.cols == 0:
+    if isinstance(lay, Tile) and role == "weight" and shape is not None and len(shape) == 2:
+        # partial tiles (last rows or columns) as compressed-tensors pads them: ceil'd scales
         return {"strategy": "block", "block_structure": [lay.rows, lay.cols]}
     raise _unsupported(layer, role, f"layout {lay} (with {state.spec}, dynamic={state.dynamic})")
 
