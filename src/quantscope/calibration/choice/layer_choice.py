@@ -21,8 +21,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ...estimators.weighted import imatrix_range
+from ...estimators.weighted import imatrix_range, incumbent_global_amax
 from ...qparams import qparams_from_range
+from ...stats.minmax import unit_minmax
 from ..results.apply import qdq_tensor
 from ..results.result import RoleState
 from ..run.batches import eval_mode, forward_batch
@@ -115,9 +116,15 @@ def _labels(batch) -> torch.Tensor:
 # ----------------------------------------------------------------------------- joint choice
 def imatrix_state(w: torch.Tensor, importance: torch.Tensor, base: RoleState) -> RoleState:
     """The weight state of the importance-weighted MSE search under ``base``'s spec
-    (``importance``: the mean ``x^2`` of each input channel)."""
-    lo, hi = imatrix_range(w, importance, base.spec)
-    qp = qparams_from_range(lo, hi, base.spec).reshape(base.spec.layout.qparam_shape(w.shape))
+    (``importance``: the mean ``x^2`` of each input channel). A format with a global scale
+    (NVFP4) runs the min-max range's, the one the search priced every candidate under (as the
+    ``imatrix_mse`` observer does): the chosen ranges' own would move every block scale."""
+    spec = base.spec
+    lo, hi = imatrix_range(w, importance, spec)
+    ga = (incumbent_global_amax(*unit_minmax(spec.layout.to_units(w.detach().float())), spec)
+          if spec.scale.has_global_scale else None)
+    qp = qparams_from_range(lo, hi, spec, global_amax=ga).reshape(
+        spec.layout.qparam_shape(w.shape))
     return replace(base, observer=IMATRIX, qparams=qp, lo=lo, hi=hi)
 
 
@@ -127,6 +134,13 @@ def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
     """``(i, j, error)``: the weight state ``i`` and input state ``j`` with the lowest
     ``sum_o c_o ||X W^T - Q_j(X) Q_i(W)^T||_o^2`` found by coordinate descent (start: the
     first of each list, min-max by convention). Exhaustive when either list has one entry."""
+    i, j, err = _descent(x, w, w_states, x_states, out_weights, rounds)
+    return i, j, err(i, j)
+
+
+def _descent(x, w, w_states, x_states, out_weights, rounds):
+    """:func:`joint_choice`'s ``(i, j, err)``, ``err(a, b)`` the cached error of a pair (the
+    last step priced every input under weight ``i``: a fusion group sums those)."""
     x, w = x.float(), w.float()
     ref = x @ w.T
     wq = [None] * len(w_states)
@@ -149,13 +163,15 @@ def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
     for _ in range(max(1, rounds)):
         i = min(range(len(w_states)), key=lambda a: (err(a, j), a))
         j = min(range(len(x_states)), key=lambda b: (err(i, b), b))
-    return i, j, err(i, j)
+    return i, j, err
 
 
 def layer_pick(layer, plan, slots, data, state_of, fisher=None):
     """For the session: the ``{"weight": state, "input": state}`` :func:`joint_choice` picks
-    among ``layer``'s candidate observers (plus the ``imatrix`` weight search), or None where
-    the layer has no static input, 2-D weight and input sample."""
+    among ``layer``'s candidate observers (plus the ``imatrix`` weight search), with
+    ``"input_errors"``: ``{state key: error}`` of every input candidate under the picked
+    weight (a fusion group's one input is the least total over its members); None where the
+    layer has no static input, 2-D weight and input sample."""
     from ..run.observe import observer_key as _observer_key
 
     if (layer, "weight") not in plan or (layer, "input") not in plan:
@@ -168,17 +184,18 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
         return None
 
     def states(role, cfg, names, shape):
+        """``[(state key, state)]``, min-max first: the descent starts from it, ties keep it"""
         slot, out = slots[(layer, role)], []
         for n in names:
             okey = _observer_key(n, cfg)
             if okey in slot.observers:
-                out.append(state_of(slot.observers[okey], cfg, (layer, role, okey, cfg.dynamic),
-                                    shape))
-        # min-max first: coordinate descent starts from it and ties keep it
-        return sorted(out, key=lambda st: not st.observer.endswith("minmax"))
+                skey = (layer, role, okey, cfg.dynamic)
+                out.append((skey, state_of(slot.observers[okey], cfg, skey, shape)))
+        return sorted(out, key=lambda ks: not ks[1].observer.endswith("minmax"))
 
-    ws = states("weight", wcfg, wnames, tuple(w.shape))
-    xs = states("input", xcfg, xnames, None)
+    ws = [st for _, st in states("weight", wcfg, wnames, tuple(w.shape))]
+    keyed = states("input", xcfg, xnames, None)
+    xkeys, xs = [k for k, _ in keyed], [st for _, st in keyed]
     if not ws or not xs:
         return None
     if len(wnames) > 1:
@@ -187,5 +204,6 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
         except ValueError:  # a layout the weighted search cannot take: not a candidate
             pass
     c = None if fisher is None else fisher.get(layer)
-    i, j, _ = joint_choice(x[:JOINT_ROWS], w, ws, xs, c)
-    return {"weight": ws[i], "input": xs[j]}
+    i, j, err = _descent(x[:JOINT_ROWS], w, ws, xs, c, 1)
+    return {"weight": ws[i], "input": xs[j],
+            "input_errors": {k: err(i, b) for b, k in enumerate(xkeys)}}

@@ -25,10 +25,11 @@ from ..structure import fusion, moe
 from .observe import observer_key
 
 
-def _share_inputs(states, rows, plan, slots, groups, made, errors, cache) -> None:
+def _share_inputs(states, rows, plan, slots, groups, made, errors, stats_of) -> None:
     """``auto`` in a fusion group: its one input slot gets one observer for all members,
     the candidate with the least total error over them (``auto_metric="output"`` weighs
-    each member's own weights, so members alone could choose differently)."""
+    each member's own weights, "joint" / "fisher" its own picked weight, so members alone
+    could choose differently)."""
     for group in groups:
         members = [m for m in group if (m, "input") in plan]
         cfg, names = plan[(members[0], "input")] if members else (None, ())
@@ -46,9 +47,10 @@ def _share_inputs(states, rows, plan, slots, groups, made, errors, cache) -> Non
             for m in members:
                 skey = (m, "input", okey, cfg.dynamic)
                 states[m]["input"] = replace(made[skey], requested=cfg.observer)
-                if (m, "input") in at and cache.get(skey) is not None:
-                    rows[at[(m, "input")]] = stats_row(m, "input", states[m]["input"],
-                                                       cache[skey])
+                st = (stats_of((m, "input"), skey, states[m]["input"]) if (m, "input") in at
+                      else None)
+                if st is not None:
+                    rows[at[(m, "input")]] = stats_row(m, "input", states[m]["input"], st)
 
 
 def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
@@ -198,7 +200,9 @@ class _States:
             states.setdefault(layer, {})[role] = state
             if st is not None:
                 rows.append(stats_row(layer, role, state, st))
-        _share_inputs(states, rows, plan, self.slots, groups, self.made, self.errors, self.cache)
+        _share_inputs(states, rows, plan, self.slots, groups, self.made,
+                      self.joint_errors(plan) if self.auto_metric in layer_choice.LAYER_METRICS
+                      else self.errors, self.stats_of)
         shared = _share_weights(states, rows, plan, self.slots, groups)
         per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
         floats = {g["layer"] for g in absent if g["fallback"] == "float layer"}
@@ -285,6 +289,17 @@ class _States:
             err = float(e.square().sum())
         self.errors[skey] = err
         return err
+
+    def joint_errors(self, plan) -> dict:
+        """The joint error of each input candidate of ``plan``'s layers under the layer's
+        picked weight, by state key: what a fusion group's one input minimises the sum of
+        (the picks are cached: no error is computed again)."""
+        out = {}
+        for (layer, role), (_, names) in plan.items():
+            pick = self.joint_pick(plan, layer) if role == "input" and len(names) > 1 else None
+            if pick is not None:
+                out.update(pick["input_errors"])
+        return out
 
     def joint_pick(self, plan, layer):
         """The (weight, input) states :func:`.layer_choice.joint_choice` picks for ``layer``,
