@@ -32,17 +32,20 @@ __all__ = ["InputImportance", "imatrix_config", "imatrix_rows"]
 
 
 class InputImportance:
-    """Mean ``x^2`` per input channel of each of ``layers`` (2-D weights, ``[out, in]``),
-    gathered by forward pre-hooks (from construction to :meth:`remove`) over the rows of
-    the calibration pass's forwards (:func:`.observe.in_pass`), and of those run inside
-    :meth:`counting`."""
+    """Mean ``x^2`` per input channel of each of ``layers`` (Linear-like: ``in_features``,
+    a 2-D weight ``[out, in]``), gathered by forward pre-hooks (from construction to
+    :meth:`remove`) over the floating-point rows of the calibration pass's forwards
+    (:func:`.observe.in_pass`), and of those run inside :meth:`counting`. Other modules get
+    none (as llm-compressor's imatrix skips modules without ``in_features``): an Embedding's
+    input is token ids, whose square weighs nothing."""
 
     def __init__(self, model: nn.Module, layers):
         modules = dict(model.named_modules())
         self.sums, self.rows, self.handles, self.live = {}, {}, [], False
         for name in layers:
             w = getattr(modules.get(name), "weight", None)
-            if isinstance(w, torch.Tensor) and w.dim() == 2:
+            if (isinstance(w, torch.Tensor) and w.dim() == 2
+                    and getattr(modules[name], "in_features", None) == w.shape[1]):
                 self.sums[name] = torch.zeros(w.shape[1], dtype=torch.float64)
                 self.rows[name] = 0
                 self.handles.append(modules[name].register_forward_pre_hook(
@@ -52,7 +55,7 @@ class InputImportance:
         def hook(module, args, kwargs):
             x = module_input(args, kwargs, keyword)
             if (not (self.live or in_pass()) or not isinstance(x, torch.Tensor) or x.dim() < 1
-                    or x.shape[-1] != self.sums[name].numel()):
+                    or not x.is_floating_point() or x.shape[-1] != self.sums[name].numel()):
                 return
             x = x.detach().reshape(-1, x.shape[-1])
             if self.sums[name].device != x.device:  # once: sums stay where the inputs are,

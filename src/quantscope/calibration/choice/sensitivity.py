@@ -141,12 +141,35 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
                               "seconds": round(time.perf_counter() - t0, 2)})
 
 
+def _outputs(mod, x, states):
+    """``(float output, {role: output with only that role quantized})`` of up to
+    :data:`LAYER_ROWS` rows of ``x``, ``mod``'s input: an Embedding's lookup of its ids (only
+    its weight is quantized), else ``x W^T``."""
+    import torch.nn.functional as F
+
+    from ..results.apply import qdq_tensor
+
+    w = mod.weight.detach()
+    if isinstance(mod, nn.Embedding):
+        ids = x.detach().reshape(-1)
+        ids = ids[:: max(1, ids.numel() // LAYER_ROWS)][:LAYER_ROWS]
+        return F.embedding(ids, w.float()), {
+            role: F.embedding(ids, qdq_tensor(w, st).float())
+            for role, st in states.items() if role == "weight"}
+    x = x.detach().reshape(-1, x.shape[-1])
+    x = x[:: max(1, x.shape[0] // LAYER_ROWS)][:LAYER_ROWS].float()
+    w32 = w.float()
+    return x @ w32.T, {role: (qdq_tensor(x, st).float() @ w32.T if role == "input"
+                              else x @ qdq_tensor(w, st).float().T)
+                       for role, st in states.items()}
+
+
 def _layer_errors(model, batches, todo):
     """``(squared output errors per (layer, role), squared outputs per layer, batches)``
     over ``batches``, hooks on the layers of ``todo`` (``{layer: (module, {role: state})}``)."""
     import torch
 
-    from ..results.apply import input_name, module_input, qdq_tensor
+    from ..results.apply import input_name, module_input
     from ..run.batches import eval_mode, forward_batch
 
     err: dict[tuple[str, str], float] = {}
@@ -159,14 +182,9 @@ def _layer_errors(model, batches, todo):
             x = module_input(args, kwargs, key)
             if not isinstance(x, torch.Tensor) or not x.numel():
                 return
-            x = x.detach().reshape(-1, x.shape[-1])
-            x = x[:: max(1, x.shape[0] // LAYER_ROWS)][:LAYER_ROWS].float()
-            w = mod.weight.detach().float()
-            y = x @ w.T
+            y, qs = _outputs(mod, x, states)
             ref[layer] = ref.get(layer, 0.0) + float(y.double().square().sum())
-            for role, st in states.items():
-                q = (qdq_tensor(x, st).float() @ w.T if role == "input"
-                     else x @ qdq_tensor(mod.weight.detach(), st).float().T)
+            for role, q in qs.items():
                 err[(layer, role)] = err.get((layer, role), 0.0) + float(
                     (q - y).double().square().sum())
         return hook
@@ -193,7 +211,8 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     per batch of ``batches`` (e.g. calibration batches). One forward per batch, against
     ``2 x layers + 1`` for :func:`~.session.sensitivity`; it does not see what an error does
     downstream, but on SmolLM2 its first 16 inputs are the ones whose fallback matters
-    (docs/benchmarks.md). Layers with a 2-D weight only."""
+    (docs/benchmarks.md). Layers with a 2-D weight only; an Embedding's output is its lookup,
+    ``||Q(W)[ids] - W[ids]||^2 / ||W[ids]||^2`` (its input, the token ids, is not ranked)."""
     import torch
 
     if not isinstance(calibration, Calibration):
@@ -204,8 +223,8 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     for layer, rs in calibration.states.items():
         module = model.get_submodule(layer)
         w = getattr(module, "weight", None)
-        mine = {r: st for r, st in rs.items() if r in roles and r in ("weight", "input")
-                and st is not None}
+        kinds = ("weight",) if isinstance(module, nn.Embedding) else ("weight", "input")
+        mine = {r: st for r, st in rs.items() if r in roles and r in kinds and st is not None}
         if mine and isinstance(w, torch.Tensor) and w.dim() == 2:
             todo[layer] = (module, mine)
     if not todo:
