@@ -2,13 +2,14 @@
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
-from quantscope import fake_quantize, qparams_from_range
-from quantscope.calibration import PRESETS, calibrate
+from quantscope import Channel, QuantSpec, fake_quantize, qparams_from_range
+from quantscope.calibration import PRESETS, calibrate, preset
 from quantscope.calibration.results.apply import qdq_tensor
 
 transformers = pytest.importorskip("transformers")
@@ -88,7 +89,8 @@ def test_every_expert_calibrated_and_applied(moe_model, preset):
 
 
 def test_expert_inputs_quantized_as_their_qparams_say(moe_model):
-    """Under apply, an expert's input is fake-quantized with its own static scale."""
+    """Under apply, an expert's input is fake-quantized with its state's static scale (the
+    one its experts module shares: test_moe_shared_inputs.py)."""
     model, batches = moe_model
     calib = calibrate(model, batches, "w8a8", progress=False)
     name, ex = experts_of(model)[0]
@@ -104,7 +106,7 @@ def test_expert_inputs_quantized_as_their_qparams_say(moe_model):
         st = calib.states[f"{name}.1.gate_up_proj"]
         w = child.weight.detach()
         # a hook registered after apply's sees the input apply's hook quantized: it is on
-        # the expert's own int8 grid (its scale), and the output is that input times W^T
+        # the expert's int8 grid (its state's scale), and the output is that input times W^T
         x = seen["x"]
         scale = st["input"].qparams.scale
         assert torch.equal(fake_quantize(x, st["input"].qparams, st["input"].spec), x)
@@ -127,13 +129,20 @@ def test_no_token_expert_gets_pooled_range(moe_model):
 
 
 def test_few_token_experts_shrunk_toward_pooled(moe_model):
+    """Per-channel static inputs (per-tensor ones end as the module's one range, as vLLM
+    serves them: test_moe_shared_inputs.py) keep each expert's shrunk range."""
     model, batches = moe_model
-    own = calibrate(model, batches, "w8a8", progress=False, expert_min_tokens=1)
+    base = preset("w8a8")
+    rule = base.rules[0]
+    recipe = replace(base, rules=(replace(rule, input=replace(
+        rule.input, spec=QuantSpec("int8", Channel(-1)))),))
+    own = calibrate(model, batches, recipe, progress=False, expert_min_tokens=1)
     big = 10_000
-    shrunk = calibrate(model, batches, "w8a8", progress=False, expert_min_tokens=big)
+    shrunk = calibrate(model, batches, recipe, progress=False, expert_min_tokens=big)
     name = experts_of(model)[0][0]
     counts = {r["expert"]: r["tokens"] for r in shrunk.info["experts"] if r["module"] == name}
     states = [own.states[f"{name}.{e}.down_proj"]["input"] for e in range(3)]
+    assert not torch.equal(states[0].hi, states[1].hi)  # the experts' own ranges
     phi = torch.stack([s.hi for s in states]).amax(0)
     for e in range(3):
         w = counts[e] / big

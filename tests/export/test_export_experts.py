@@ -117,3 +117,37 @@ def test_experts_without_per_expert_checkpoint_names_refused(tmp_path, monkeypat
     with pytest.raises(ValueError, match=r"experts module 'model\.layers\.0\.mlp\.experts'"):
         calib.export(model, tmp_path / "ct")
     assert not (tmp_path / "ct").exists()
+
+
+@pytest.mark.parametrize("preset, leaf", [("fp8", "input_scale"),
+                                          ("nvfp4", "input_global_scale")])
+def test_check_flags_experts_whose_input_scales_differ(preset, leaf, tmp_path, capsys):
+    """vLLM's fused MoE layer keeps one input scale for all experts' w13 and one for their w2
+    (FP8: ``w13_input_scale.max()``; FlashInfer NVFP4: one input global scale): experts of one
+    module that disagree are flagged, per module and input, naming each expert's value."""
+    from safetensors.torch import save_file
+
+    from quantscope.cli import main
+
+    model, batches = mixtral()
+    calib = calibrate(model, batches, preset, progress=False)
+    calib.export(model, tmp_path / "ct")
+    assert check(tmp_path / "ct") == []
+    (f,) = (tmp_path / "ct").glob("*.safetensors")
+    tensors = _tensors(tmp_path / "ct")
+    module = "model.layers.1.block_sparse_moe.experts"
+    for shard in ("w1", "w3", "w2"):  # expert 2's w1 / w3 still agree with each other
+        key = f"{module}.2.{shard}.{leaf}"
+        tensors[key] = tensors[key] * 2
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    problems = check(tmp_path / "ct")
+    assert sorted((p["group"], p["tensor"], p["experts"]) for p in problems) == [
+        (module, leaf, "w13"), (module, leaf, "w2")]
+    w2 = next(p for p in problems if p["experts"] == "w2")
+    assert w2["values"] == {f"{module}.{e}.w2": float(tensors[f"{module}.{e}.w2.{leaf}"])
+                            for e in range(4)}
+    assert len(set(w2["values"].values())) == 2
+    assert main(["check", str(tmp_path / "ct")]) == 1
+    out = capsys.readouterr().out
+    assert f"{module}: {leaf} differs across the experts' w2 inputs" in out
+    assert f"{module}.2.w2=" in out

@@ -6,7 +6,10 @@ DeepSeek's ``q_a_proj`` / ``kv_a_proj_with_mqa`` into one ``fused_qkv_a_proj``. 
 layer keeps **one** of each per-tensor scale: the largest NVFP4 ``weight_global_scale``
 and ``input_global_scale``, the largest static ``input_scale``, and for FP8 per-tensor
 weights the largest ``weight_scale`` (the other shards are re-quantized to it). Where the
-shards' values differ, the served model is not the model that was evaluated.
+shards' values differ, the served model is not the model that was evaluated. A fused MoE
+layer also keeps one input scale for all its experts' ``w13`` and one for their ``w2``
+(vLLM's FP8 MoE: ``input_scale.max()``; its FlashInfer NVFP4 MoE: one
+``input_global_scale``), so the experts of one module must agree on those too.
 
 :func:`check` reads ``config.json`` (its ``quantization_config``) and the safetensors
 files of any compressed-tensors checkpoint -- quantscope's or another toolkit's -- and
@@ -42,6 +45,13 @@ FUSED: dict[str, tuple[str, ...]] = {
     "w13": ("w1", "w3"),
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
 }
+
+#: input scales a fused MoE layer holds once for all its experts (per w13, per w2)
+EXPERT_SHARED = ("input_scale", "input_global_scale")
+#: ``<experts module>.<expert>.<shard>``: the per-expert layers vLLM's loader stacks
+_EXPERT = re.compile(r"^(.*experts)\.(\d+)\.([^.]+)$")
+#: an expert's shards whose inputs the fused ``w13`` reads (the others: ``w2``)
+_W13 = frozenset(("gate_proj", "up_proj", "w1", "w3"))
 
 #: per-tensor scales a fused layer holds once; weight_scale only where the runtime
 #: re-quantizes shards to one scale (float8 weights: vLLM's FP8 path), not int8 (widened)
@@ -108,13 +118,36 @@ def _held_once(leaf: str, layers, entries, strategy) -> bool:
     return all(math.prod(entries[f"{layer}.{leaf}"][2] or [1]) == 1 for layer in layers)
 
 
+def _expert_problems(entries) -> list[dict]:
+    """The experts modules whose experts disagree on an input scale the fused MoE layer
+    holds once (:data:`EXPERT_SHARED`), one problem per module, slot and scale."""
+    slots: dict[tuple[str, str, str], list[str]] = {}  # (module, w13 / shard, leaf) -> layers
+    for name in entries:
+        layer, _, leaf = name.rpartition(".")
+        hit = _EXPERT.match(layer) if leaf in EXPERT_SHARED else None
+        if hit and math.prod(entries[name][2] or [1]) == 1:
+            slot = "w13" if hit.group(3) in _W13 else hit.group(3)
+            slots.setdefault((hit.group(1), slot, leaf), []).append(layer)
+    problems = []
+    for (module, slot, leaf), layers in sorted(slots.items()):
+        vals = {layer: float(_read(entries, f"{layer}.{leaf}").reshape(-1)[0])
+                for layer in sorted(layers)}
+        finite = [v for v in vals.values() if math.isfinite(v)]
+        if len(set(finite)) > 1:
+            problems.append({"group": module, "layers": list(vals), "tensor": leaf,
+                             "values": vals, "experts": slot})
+    return problems
+
+
 def check(path) -> list[dict]:
     """The problems of the compressed-tensors checkpoint at ``path`` (empty: consistent).
 
     Each problem is ``{"group": fused layer name, "layers": [shard layers], "tensor":
     scale name, "values": {layer: value}}`` for shards that disagree (with ``"held_by":
     [layers]`` where only some shards hold the scale: their schemes differ), or
-    ``{"tensor": name, "values": {...}, "non_finite": True}`` for a NaN / inf scale.
+    ``{"tensor": name, "values": {...}, "non_finite": True}`` for a NaN / inf scale, and
+    ``{"group": experts module, "experts": "w13" or the down shard, ...}`` for experts that
+    disagree on an input scale the fused MoE layer holds once.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -165,7 +198,7 @@ def check(path) -> list[dict]:
             if len(set(vals.values())) > 1 and finite:
                 problems.append({"group": f"{parent}.{fused}" if parent else fused,
                                  "layers": layers, "tensor": leaf, "values": vals})
-    return problems
+    return problems + _expert_problems(entries)
 
 
 def format_problems(problems: list[dict]) -> str:
@@ -178,6 +211,11 @@ def format_problems(problems: list[dict]) -> str:
             lines.append(f"{p['group']}: {p['tensor']} is held by {', '.join(p['held_by'])} "
                          f"but not by {', '.join(others)}: the fused shards' schemes differ, "
                          f"and the fused layer runs one scheme")
+        elif p.get("experts"):
+            kernels = " (vLLM's FlashInfer NVFP4 MoE)" if "global" in p["tensor"] else ""
+            lines.append(f"{p['group']}: {p['tensor']} differs across the experts' "
+                         f"{p['experts']} inputs, which the fused MoE layer{kernels} "
+                         f"quantizes with one scale: {vals}")
         elif p.get("non_finite"):
             # "why" names the tensor itself
             lines.append(p["why"] if p.get("why") else f"{p['tensor']}: not finite ({vals})")

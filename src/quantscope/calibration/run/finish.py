@@ -204,11 +204,27 @@ class _States:
                       self.joint_errors(plan) if self.auto_metric in layer_choice.LAYER_METRICS
                       else self.errors, self.stats_of)
         shared = _share_weights(states, rows, plan, self.slots, groups)
-        per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
+        per_expert = []
+        if experts:
+            before = {(l, r): st for l, rs in states.items() for r, st in rs.items()}
+            per_expert = moe.shrink(states, experts, experts.min_tokens)
+            self._restat(states, rows, before)
         floats = {g["layer"] for g in absent if g["fallback"] == "float layer"}
         states = {k: v for k, v in states.items() if k not in floats}
         rows = [r for r in rows if r["layer"] not in floats]
         return states, rows, shared, per_expert, absent
+
+    def _restat(self, states, rows, before) -> None:
+        """The report rows of the expert roles :func:`moe.shrink` changed (shrunk, or given
+        their module's one input range): the statistics of the qparams served."""
+        at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
+        for layer, roles in states.items():
+            for role, state in roles.items():
+                x = self.data.get((layer, role))
+                if state is not before.get((layer, role)) and (layer, role) in at and \
+                        x is not None:
+                    rows[at[(layer, role)]] = stats_row(layer, role, state,
+                                                        _stats((layer, role), x, state))
 
     def role_state(self, plan, layer, role, cfg, names, experts):
         """``(state, stats)`` of one role: the joint choice, the run-time (dynamic) state, or

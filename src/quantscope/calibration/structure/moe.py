@@ -21,6 +21,12 @@ pooled range of its layer's experts (the min / max merge of their ranges):
 ``range = w * own + (1 - w) * pooled`` with ``w = n / min_tokens``, so none (``n = 0``)
 gets the pooled range. ``all_experts=True`` makes every expert observe every token while
 the block's output stays the routed one (llm-compressor's ``calibrate_all_experts``).
+
+**One input scale per experts module.** A runtime's fused MoE keeps one static input scale
+for all experts' ``w13`` and one for their ``w2`` (vLLM's FP8 MoE: ``input_scale.max()``;
+its FlashInfer NVFP4 MoE: the largest ``1 / input_global_scale``), so :func:`shrink` ends by
+giving every expert of a module the widest range of its experts (the pooled one) for each
+static per-tensor input and NVFP4 input global amax: what ``apply()`` runs is what is served.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from ...layout import Tensor
 from ...qparams import qparams_from_range
 
-__all__ = ["Experts", "attach", "shrink", "unreached"]
+__all__ = ["Experts", "attach", "share_inputs", "shrink", "unreached"]
 
 #: ``n`` below which an expert's activation range is shrunk toward the pooled one
 #: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
@@ -261,7 +268,40 @@ def shrink(states: dict, experts: Experts, min_tokens: int) -> list[dict]:
                 continue
             states[layer][role] = _blend(state if e in seen else template, pooled,
                                          w if e in seen else 0.0)
+    share_inputs(states, by_key)
     return report
+
+
+#: an expert's layers whose inputs the runtime's fused ``w13`` reads (the rest: ``w2``)
+_W13 = frozenset({"gate_up_proj", "gate_proj", "up_proj", "w1", "w3"})
+
+
+def _held_once(state) -> bool:
+    """Whether the runtime's fused experts hold one value of this activation role per module:
+    a static per-tensor scale (vLLM's FP8 MoE keeps ``input_scale.max()``) or an NVFP4 input
+    global scale (its FlashInfer NVFP4 MoE keeps the max of ``1 / input_global_scale``)."""
+    if state is None or state.dynamic is True:
+        return False
+    if state.dynamic == "local":
+        return state.global_amax is not None
+    return state.qparams is not None and isinstance(state.spec.layout, Tensor)
+
+
+def share_inputs(states: dict, by_key: dict) -> None:
+    """Give the experts of each module one range (in place) for every input role the runtime
+    holds once (:func:`_held_once`): the widest of theirs, their ``gate_up`` inputs one and
+    their ``down`` inputs another. ``by_key``: ``(module, layer, role) -> {expert: layer}``."""
+    slots: dict[tuple[str, str, str], list[str]] = {}
+    for (mod, proj, role), members in by_key.items():
+        slot = "w13" if proj in _W13 else proj
+        slots.setdefault((mod, slot, role), []).extend(members.values())
+    for (_, _, role), layers in slots.items():
+        members = [states[layer][role] for layer in layers]
+        if not all(_held_once(s) and s.spec == members[0].spec for s in members):
+            continue  # schemes differ: the runtime cannot fuse them (check names it)
+        pooled = _pooled(members)
+        for layer, state in zip(layers, members):
+            states[layer][role] = _blend(state, pooled, 0.0)
 
 
 def _has_range(state) -> bool:
