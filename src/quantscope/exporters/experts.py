@@ -17,10 +17,15 @@ interleaved ``gate_up_proj``, for one) is refused, naming the module.
 Reading such a checkpoint back is the inverse: :func:`unfuse_for_reading` gives the model
 skeleton the per-expert modules, :func:`disk_to_module` maps the disk names back onto them,
 and :func:`fuse_expert_states` joins gate and up into the ``gate_up_proj`` state of the
-calibration that was exported (rows concatenated; shared per-tensor values must agree).
+calibration that was exported (rows concatenated; shared per-tensor values must agree, but
+for float8 per-tensor weight scales: other toolkits calibrate gate and up apart, and vLLM
+re-quantizes both to the larger scale, ``process_fp8_weight_tensor_strategy_moe``, so the
+larger is read, with a warning).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -147,9 +152,17 @@ def _same(a, b, what: str) -> None:
         raise ValueError(what)
 
 
-def _join_rows(gate, up, layer: str):
+def _widens(spec) -> bool:
+    """Whether the runtime joins gate and up weight scales that differ: a float8 per-tensor
+    scale (vLLM re-quantizes w1 / w3 to the larger); a global scale (NVFP4: vLLM takes w1's)
+    or an int scale is never reconciled, so those must agree."""
+    return fusion.shares_weight_scale(spec) and not spec.scale.has_global_scale
+
+
+def _join_rows(gate, up, layer: str, widened: list | None = None):
     """The ``gate_up_proj`` weight state from its gate and up halves: per-row values
-    concatenated (:func:`fusion.split_state` inverted), one-value ones shared."""
+    concatenated (:func:`fusion.split_state` inverted), one-value ones shared (differing
+    float8 per-tensor scales: the larger, noted in ``widened`` as ``(layer, gate, up)``)."""
     from dataclasses import replace
 
     qg, qu = gate.qparams, up.qparams
@@ -157,22 +170,26 @@ def _join_rows(gate, up, layer: str):
         _same(gate, up, f"{layer}: gate and up weights are quantized differently")
         return gate
 
-    def join(a, b, what):
+    def join(a, b, what, widen=False):
         if a is None and b is None:
             return None
         if a is None or b is None or (a.numel() == 1) != (b.numel() == 1):
             raise ValueError(f"{layer}: gate and up hold {what} of different layouts")
         if a.numel() == 1:
-            if not torch.equal(a, b):
+            if torch.equal(a, b):
+                return a.clone()
+            if not widen:
                 raise ValueError(f"{layer}: gate and up hold different per-tensor {what} "
                                  f"({float(a)!r}, {float(b)!r}); the model's fused experts "
                                  f"take one")
-            return a.clone()
+            if widened is not None:
+                widened.append((layer, float(a), float(b)))
+            return torch.maximum(a, b)
         return torch.cat([a, b], 0)
 
     if gate.spec != up.spec or gate.dynamic != up.dynamic:
         raise ValueError(f"{layer}: gate and up weights are quantized differently")
-    qp = type(qg)(join(qg.scale, qu.scale, "weight scales"),
+    qp = type(qg)(join(qg.scale, qu.scale, "weight scales", _widens(gate.spec)),
                   join(qg.zero_point, qu.zero_point, "zero points"),
                   join(qg.global_scale, qu.global_scale, "global scales"))
     shape = None if gate.shape is None or up.shape is None else \
@@ -180,13 +197,13 @@ def _join_rows(gate, up, layer: str):
     return replace(gate, qparams=qp, shape=shape)
 
 
-def _join_roles(gate: dict, up: dict, layer: str) -> dict:
+def _join_roles(gate: dict, up: dict, layer: str, widened: list | None = None) -> dict:
     if set(gate) != set(up):
         raise ValueError(f"{layer}: gate has roles {sorted(gate)} but up {sorted(up)}")
     out = {}
     for role, state in gate.items():
         if role == "weight":
-            out[role] = _join_rows(state, up[role], layer)
+            out[role] = _join_rows(state, up[role], layer, widened)
         else:  # one input for both halves (the runtime's w13 reads one tensor)
             _same(state, up[role], f"{layer}: gate and up hold different {role} "
                                    f"quantizers; the model's fused experts take one")
@@ -194,12 +211,23 @@ def _join_roles(gate: dict, up: dict, layer: str) -> dict:
     return out
 
 
+def _warn_widened(widened: list, where: str) -> None:
+    """One warning for every gate / up pair read with the larger of two weight scales."""
+    if not widened:
+        return
+    layer, g, u = widened[0]
+    more = f" (and {len(widened) - 1} more experts)" if len(widened) > 1 else ""
+    warnings.warn(f"{layer}: gate and up hold different float8 per-tensor weight scales "
+                  f"({g!r}, {u!r}){more}; read with the larger of each pair, the scale vLLM "
+                  f"serves (it re-quantizes w1 / w3 to it)", stacklevel=3)
+
+
 def fuse_expert_states(found: dict, states: dict, where: str = "from_compressed_tensors"
                        ) -> dict:
     """``states`` read under the per-expert names (``<experts>.<e>.w1`` ...) renamed and
     joined into the calibration's (``<experts>.<e>.gate_up_proj`` / ``down_proj``):
     :func:`unfuse_experts` inverted. ``found``: :func:`unfuse_for_reading`'s answer."""
-    out = dict(states)
+    out, widened = dict(states), []
     for name, (n, (gate, up, down), gated) in found.items():
         for e in range(n):
             base = f"{name}.{e}"
@@ -216,5 +244,6 @@ def fuse_expert_states(found: dict, states: dict, where: str = "from_compressed_
             if g is None or u is None:
                 raise ValueError(f"{layer}: only one of {gate} / {up} is quantized; the "
                                  f"model's fused gate_up_proj is one layer")
-            out[f"{base}.gate_up_proj"] = _join_roles(g, u, layer)
+            out[f"{base}.gate_up_proj"] = _join_roles(g, u, layer, widened)
+    _warn_widened(widened, where)
     return out
