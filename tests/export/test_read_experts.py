@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from quantscope.calibration import Calibration, calibrate
+from quantscope.calibration.recipe import scheme
 from quantscope.scales import nvfp4_global_scale
 
 transformers = pytest.importorskip("transformers")
@@ -75,20 +76,25 @@ def _rewrite(folder, fn):
     tensors = load_file(f)
     fn(tensors)
     save_file(tensors, f, metadata={"format": "pt"})
+    return tensors
 
 
-def test_gate_and_up_that_disagree_are_refused(tmp_path):
+@pytest.mark.parametrize("recipe, leaf, said", [
+    ("fp8", "input_scale", "input"),
+    # an NVFP4 weight global scale is never reconciled (vLLM takes w1's)
+    ("nvfp4", "weight_global_scale", "per-tensor global scales")])
+def test_gate_and_up_that_disagree_are_refused(tmp_path, recipe, leaf, said):
     model, batches = mixtral()
-    calib = calibrate(model, batches, "fp8", progress=False)
+    calib = calibrate(model, batches, recipe, progress=False)
     calib.export(model, tmp_path / "ct")
-    key = "model.layers.0.block_sparse_moe.experts.1.w3.input_scale"
+    key = f"model.layers.0.block_sparse_moe.experts.1.w3.{leaf}"
 
     def double(tensors):
         tensors[key] = tensors[key] * 2
 
     _rewrite(tmp_path / "ct", double)
     with pytest.raises(ValueError, match=r"experts model\.layers\.0\.mlp\.experts\.1: gate "
-                                         r"and up hold different input"):
+                                         rf"and up hold different {said}"):
         Calibration.from_compressed_tensors(tmp_path / "ct")
 
 
@@ -143,3 +149,57 @@ def test_a_one_output_layer_with_several_packed_zero_points_reads_back(tmp_path)
     gate = "model.layers.0.mlp.shared_expert_gate"
     assert back.states[gate]["weight"].qparams.zero_point.shape == (1, 4)
     assert back.states[gate]["weight"].quantizes_like(calib.states[gate]["weight"])
+
+
+# llm-compressor's FP8 checkpoints calibrate an expert's gate and up apart, so their per-tensor
+# float8 weight_scales differ; vLLM serves them re-quantized to the larger of the two
+# (process_fp8_weight_tensor_strategy_moe), and from_compressed_tensors reads the larger.
+# Scales vLLM does not reconcile stay refused (test_gate_and_up_that_disagree_are_refused).
+IGNORE = ["lm_head", r"re:.*mlp\.gate$"]
+DISK = "model.layers.{}.block_sparse_moe.experts.{}.{}"
+
+
+def _up_scaled_apart(tensors, factor=3.0):
+    """Every expert's w3 re-quantized under its own scale, ``factor`` times w1's: the shape of
+    an llm-compressor FP8 checkpoint (gate and up observed apart)."""
+    for key in [k for k in tensors if k.endswith(".w3.weight_scale")]:
+        codes = key[:-len("_scale")]
+        old = tensors[key].float()
+        new = old * factor
+        tensors[codes] = (tensors[codes].float() * old / new).to(torch.float8_e4m3fn)
+        tensors[key] = new.to(tensors[key].dtype)
+
+
+def _fp8_qdq(w, scale):
+    """float8 e4m3 quantize-dequantize of ``w`` with the per-tensor ``scale`` (torch's cast)."""
+    return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
+def test_fp8_gate_and_up_scales_that_differ_read_as_the_larger(tmp_path):
+    model, batches = mixtral()
+    calibrate(model, batches, scheme("FP8", ignore=IGNORE), progress=False).export(
+        model, tmp_path / "ct")
+    tensors = _rewrite(tmp_path / "ct", _up_scaled_apart)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        back = Calibration.from_compressed_tensors(tmp_path / "ct")
+    ours = [str(w.message) for w in got if "weight scales" in str(w.message)]
+    assert len(ours) == 1, ours  # once for the whole checkpoint
+    g0 = float(tensors[DISK.format(0, 0, "w1.weight_scale")])
+    u0 = float(tensors[DISK.format(0, 0, "w3.weight_scale")])
+    assert "model.layers.0.mlp.experts.0" in ours[0]
+    assert repr(g0) in ours[0] and repr(u0) in ours[0]
+    ex0 = model.model.layers[0].mlp.experts
+    snap = ex0.gate_up_proj.detach().clone()
+    with back.apply(model):
+        served = ex0.gate_up_proj.detach().clone()
+    for i in range(2):
+        for e in range(4):
+            g = tensors[DISK.format(i, e, "w1.weight_scale")].float().reshape(())
+            u = tensors[DISK.format(i, e, "w3.weight_scale")].float().reshape(())
+            assert u > g
+            st = back.states[f"model.layers.{i}.mlp.experts.{e}.gate_up_proj"]["weight"]
+            assert torch.equal(st.qparams.scale.float().reshape(()), torch.maximum(g, u))
+    for e in range(4):  # apply(): gate and up rows on the larger scale, as vLLM serves them
+        u = tensors[DISK.format(0, e, "w3.weight_scale")].float().reshape(())
+        torch.testing.assert_close(served[e], _fp8_qdq(snap[e], u), rtol=0, atol=0)
