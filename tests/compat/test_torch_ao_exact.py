@@ -352,6 +352,25 @@ def test_float64_state_searches_in_float64_as_torch():
     assert torch.ops.quantscope.ao_histogram_search(*args)[0].dtype == torch.float64
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_and_bfloat16_state_searches_as_torch(dtype):
+    """``model.half()`` / ``.bfloat16()`` with the observer attached casts torch.ao's
+    buffers: torch.ao then searches in that dtype; the eager and scripted classes equal it
+    bitwise (float32 batches, before and after the cast)."""
+    ref, ours = pair("HistogramObserver", bins=256)
+    scripted = torch.jit.script(qa.HistogramObserver(bins=256))
+    first, *rest = data(3, seed=5, shape=(64, 64))
+    observe((ref, ours, scripted), [first])
+    for o in (ref, ours, scripted):
+        o.to(dtype)  # what .half() / .bfloat16() do (a ScriptModule has only .to)
+    for batches in ([], rest):  # right after the cast, then after more batches
+        observe((ref, ours, scripted), batches)
+        for o in (ours, scripted):
+            same(ref.histogram, o.histogram)
+            same(ref.min_val, o.min_val)
+            same_qparams(ref, o)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_histogram_of_other_float_dtypes_equals_torch(dtype):
     """float64 batches are binned as torch.ao bins them; bfloat16 / float16 ones as torch.ao

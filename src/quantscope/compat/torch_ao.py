@@ -17,7 +17,8 @@ into the other, and ``torch.jit.script``). What quantscope adds:
   bitwise equal: ``forward`` runs :mod:`quantscope.stats.ao_histogram` (one C pass per
   batch, in place on the buffers), and the non-linear search runs
   :func:`quantscope.estimators.l2.l2_range` (vectorized, where torch loops in Python;
-  a float64 state, after ``.double()``, runs torch.ao's own float64 loop, at its speed).
+  a state of another dtype, after ``.double()``, ``.half()`` or ``.bfloat16()``, runs
+  torch.ao's own loop, at its speed).
 
 The min-max classes keep torch's code as it is: one ``aminmax`` per batch is the floor,
 and torch's TorchScript-able code is what ``torch.jit.script`` needs.
@@ -363,8 +364,8 @@ def _observe_op(x: torch.Tensor, histogram: torch.Tensor, min_val: torch.Tensor,
 
 class _AOSearch:
     """torch.ao's own search code, run on given buffers (what :func:`_search` needs for a
-    float64 state: the vectorized search compares and prices in float32, as torch.ao does
-    for its float32 buffers)."""
+    state not all float32: the vectorized search compares and prices in float32, as torch.ao
+    does for its float32 buffers only)."""
 
     _get_norm = _ao.HistogramObserver._get_norm
     _compute_quantization_error = _ao.HistogramObserver._compute_quantization_error
@@ -378,8 +379,9 @@ class _AOSearch:
 def _search(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor,
             dst_nbins: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.ao's ``_non_linear_param_search`` (0-dim ``new_min``, ``new_max``), vectorized;
-    a float64 state runs torch.ao's own loop (it compares and prices in float64 there)."""
-    if torch.float64 in (histogram.dtype, min_val.dtype, max_val.dtype):
+    a state not all float32 (after ``.double()``, ``.half()``, ``.bfloat16()``) runs
+    torch.ao's own loop: it compares and prices in the state's dtype there."""
+    if any(t.dtype != torch.float32 for t in (histogram, min_val, max_val)):
         ao = _AOSearch(histogram, min_val, max_val, dst_nbins)
         new_lo, new_hi = ao._non_linear_param_search()
         return new_lo.reshape(()).clone(), new_hi.reshape(()).clone()
@@ -418,10 +420,10 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     (:func:`quantscope.estimators.l2.l2_range`). Histogram, ``min_val`` / ``max_val``, scale
     and zero point equal torch.ao's bitwise (float32 batches on CPU take the C path; other
     devices torch.ao's own sequence of tensor ops, its ``histc`` as one Triton pass over the
-    batch in its dtype on CUDA: ``quantscope::ao_histc``). After ``.double()`` torch.ao
-    searches in float64 (float64 thresholds and densities, float64 ``new_min`` /
-    ``new_max``); there the search is torch.ao's own code, so those equal too, at torch.ao's
-    speed.
+    batch in its dtype on CUDA: ``quantscope::ao_histc``). After ``.double()``, ``.half()``
+    or ``.bfloat16()`` torch.ao searches in the state's dtype (its thresholds, densities and
+    ``new_min`` / ``new_max``); there the search is torch.ao's own code, so those equal too,
+    at torch.ao's speed.
 
     One deliberate difference: a bfloat16 or float16 batch is binned as its float32 values.
     torch.ao bins it in its own dtype (``torch.histc`` computes the bin positions and the
