@@ -507,6 +507,24 @@ def test_scale_dtype_as_quark(name, kw, dtype):
 
 
 @pytest.mark.peers
+@pytest.mark.parametrize("name, kw", INT_CLASSES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reloaded_state_gives_quarks_qparams(name, kw, dtype):
+    """The input dtype travels with the state: a fresh observer loading it gives the qparams
+    Quark's observer gives on the data, dtype and values."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins(name, dtype="int8", symmetric=True, **kw)
+    x = batches((4, 64))[1].to(dtype)
+    theirs(x)
+    ours(x)
+    back = getattr(quark, name)(ours.qspec)
+    back.load_state_dict(ours.state_dict())
+    for a, b in zip(back._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        same(a, b)
+
+
+@pytest.mark.peers
 @pytest.mark.parametrize("name", ["PerTensorPercentileObserver", "PerTensorMSEObserver"])
 @pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False), ("int8", False)])
 def test_histogram_edges_are_quarks_linspace(name, dtype, symmetric):

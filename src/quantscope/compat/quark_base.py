@@ -196,6 +196,23 @@ class QuarkObserver:
         self._input_dtype = x.dtype if self._keeps_input_dtype else torch.float32
         return super().forward(x)
 
+    def _state_record(self) -> dict:
+        # the input dtype sets Quark's scale / min_val dtype: the state keeps it for a reload
+        return {**super()._state_record(),
+                "input_dtype": str(self._input_dtype).removeprefix("torch.")}
+
+    def set_extra_state(self, state) -> None:
+        """Take the saved input dtype back (a state saved without it keeps this one's)."""
+        super().set_extra_state(state)
+        name = (self._read_record(state) or {}).get("input_dtype")
+        if name is None:
+            return
+        dtype = getattr(torch, str(name), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"{self.describe()}: the state's input_dtype must be a torch "
+                             f"floating-point dtype, got {name!r}")
+        self._input_dtype = dtype
+
     @property
     def _scale_dtype(self) -> torch.dtype:
         return self.scale_torch_dtype or self._input_dtype

@@ -13,7 +13,8 @@ Rules every subclass keeps:
 
 * State lives in registered buffers, so ``state_dict()`` saves it, ``.to()``
   moves it and ``torch.distributed`` can reduce it. Buffers whose size depends
-  on the data start empty and are resized on first use and on load.
+  on the data start empty and are resized on first use and on load. ``_extra_state``
+  records what they mean (layout, ``|x|`` histogram): a state of another meaning won't load.
 * No host synchronisation in ``forward``: no ``.item()``, no Python branch on a
   tensor value. Non-finite input is therefore *recorded* in forward (from the
   per-unit min / max, which NaN and inf reach) and reported by
@@ -25,6 +26,7 @@ Rules every subclass keeps:
 
 from __future__ import annotations
 
+import json
 import warnings
 from typing import ClassVar
 
@@ -34,6 +36,7 @@ from torch import nn
 from .. import kernels
 from .._checks import check_float32_range
 from .._numerics import upload
+from ..layout import parse_layout
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import layout_minmax, record_non_finite, unit_minmax
@@ -42,6 +45,7 @@ from .sync import step_sync, sync_observers
 __all__ = ["NON_FINITE_MODES", "Observer", "only_observes", "tokens_of"]
 
 NON_FINITE_MODES = ("error", "ignore")
+_RECORD = "_extra_state"  # torch's key of get_extra_state's value
 
 
 def only_observes(forward):
@@ -51,6 +55,14 @@ def only_observes(forward):
     ``forward``, never grouped: :attr:`Observer.takes_minmax`."""
     forward.only_observes = True
     return forward
+
+
+def _saved_shape(state_dict, prefix) -> tuple[int, ...] | None:
+    """The shape a saved observer state last observed (None: nothing observed, or unreadable)."""
+    tokens, shape = (state_dict.get(prefix + k) for k in ("observed_tokens", "observed_shape"))
+    if tokens is None or shape is None or tokens.is_meta or shape.is_meta or not int(tokens):
+        return None
+    return tuple(shape.tolist())
 
 
 def tokens_of(x: torch.Tensor) -> int:
@@ -385,8 +397,10 @@ class Observer(nn.Module):
             setattr(self, name, buf)
         return buf
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
         self._check_loaded_units(state_dict, prefix)
+        self._check_loaded_record(state_dict, prefix)
         # sized buffers take the saved shape before the copy, so a fresh observer loads any state
         for name in (*self._sized_buffers(), *self._setting_buffers(), "observed_shape"):
             key = prefix + name
@@ -394,7 +408,9 @@ class Observer(nn.Module):
                 old = getattr(self, name)
                 setattr(self, name, torch.empty_like(state_dict[key], dtype=old.dtype,
                                                      device=old.device))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        missing_keys[:] = [k for k in missing_keys if k != prefix + _RECORD]  # saved before it
         self._synced = None  # a loaded state is this rank's own until the next sync
         # the Python mirror of the shape comes from the saved tensors (readable even when
         # this observer lives on the meta device); a state without them leaves it alone
@@ -405,10 +421,9 @@ class Observer(nn.Module):
     def _check_loaded_units(self, state_dict, prefix) -> None:
         """Raise ``ValueError`` naming this observer unless the saved per-unit range fits this
         layout for the saved shape (else ``qparams()`` fails later with a bare reshape)."""
-        tokens, shape = (state_dict.get(prefix + k) for k in ("observed_tokens", "observed_shape"))
-        if tokens is None or shape is None or tokens.is_meta or shape.is_meta or not int(tokens):
+        shape = _saved_shape(state_dict, prefix)
+        if shape is None:
             return
-        shape = tuple(shape.tolist())
         try:
             units = self.spec.layout.num_units(shape)
         except ValueError as e:
@@ -422,6 +437,45 @@ class Observer(nn.Module):
                     f"{self.describe()}: cannot load a state whose {name} has {t.numel()} "
                     f"units; shape {shape} under {self.spec.layout} has {units} (the state "
                     f"was saved by an observer of another layout)")
+
+    def _state_record(self) -> dict:
+        """What the state means (layout; histograms: of ``|x|``?), saved with it; a subclass
+        adds entries it takes back in ``set_extra_state``."""
+        absolute = getattr(self, "_absolute", None)  # histogram observers set it
+        return {"layout": self.spec.layout.spec_name(),
+                **({} if absolute is None else {"absolute": bool(absolute)})}
+
+    def get_extra_state(self) -> torch.Tensor:
+        # JSON in a uint8 tensor: the state stays all tensors (safetensors saves it)
+        data = bytearray(json.dumps(self._state_record(), sort_keys=True).encode())
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        """A subclass takes its own entries back here (the base's were checked before)."""
+
+    def _read_record(self, state) -> dict | None:
+        if not isinstance(state, torch.Tensor) or state.is_meta:
+            return None  # no record (saved before it: loads as then), or one on meta
+        try:
+            return dict(json.loads(bytes(state.reshape(-1).tolist())))
+        except (ValueError, TypeError):
+            raise ValueError(f"{self.describe()}: the state's {_RECORD} is no record") from None
+
+    def _check_loaded_record(self, state_dict, prefix) -> None:
+        """``ValueError`` naming both for a state saved under a layout of other units for the
+        saved shape, or binning ``|x|`` where this one bins ``x`` (or the reverse)."""
+        saved, mine = self._read_record(state_dict.get(prefix + _RECORD)), self._state_record()
+        if saved is None:
+            return
+        layout, shape = saved.get("layout", mine["layout"]), _saved_shape(state_dict, prefix)
+        if layout != mine["layout"] and shape is not None and \
+                parse_layout(layout).qparam_shape(shape) != self.spec.layout.qparam_shape(shape):
+            raise ValueError(f"{self.describe()}: cannot load a state saved under layout "
+                             f"{layout!r}; this observer's layout is {mine['layout']!r}")
+        if "absolute" in mine and saved.get("absolute", mine["absolute"]) != mine["absolute"]:
+            what = ("x (asymmetric)", "|x| (symmetric)")
+            raise ValueError(f"{self.describe()}: cannot load a histogram of {what[saved['absolute']]}"
+                             f" into this one's, of {what[mine['absolute']]}")
 
     def _averaging_constant(self, c: float | None, *, optional: bool = False) -> float | None:
         """Validate an EMA constant (``None`` allowed where the moving average is optional)."""

@@ -1,0 +1,115 @@
+"""A saved state records what it means (layout; whether a histogram bins |x|): a state of
+another meaning with as many units is a ValueError naming both, not silently wrong qparams."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from quantscope import QuantSpec
+from quantscope.observers import get_observer
+
+RECORD = "_extra_state"
+
+
+def _matrix():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 8, generator=g) * torch.arange(1, 9.0)  # columns of growing scale
+
+
+def _observed(name, spec, x):
+    obs = get_observer(name, spec)
+    obs(x)
+    return obs
+
+
+def _state(obs):
+    return {k: v.clone() for k, v in obs.state_dict().items()}
+
+
+def _same_state(a, b):
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), a
+
+
+def test_channel_state_of_another_axis_is_a_value_error():
+    x = _matrix()
+    saved = _observed("static_minmax", QuantSpec("int8", "channel:0"), x)
+    other = _observed("static_minmax", QuantSpec("int8", "channel:1"), x * 2)
+    before = _state(other)
+    with pytest.raises(ValueError, match=r"StaticMinMaxObserver.*saved under layout "
+                                         r"'channel:0'.*layout is 'channel:1'"):
+        other.load_state_dict(saved.state_dict())
+    _same_state(before, _state(other))  # checked before anything was copied
+
+
+@pytest.mark.parametrize("name", ["percentile", "histogram_mse", "mix"])
+@pytest.mark.parametrize("saved_symmetric", [True, False])
+def test_histogram_of_abs_x_into_one_of_x_is_a_value_error(name, saved_symmetric):
+    x = _matrix()
+    sym, asym = QuantSpec("int8"), QuantSpec("uint8", symmetric=False)
+    saved = _observed(name, sym if saved_symmetric else asym, x)
+    into = get_observer(name, asym if saved_symmetric else sym)
+    match = r"\|x\| \(symmetric\).*of x \(asymmetric\)" if saved_symmetric else \
+        r"of x \(asymmetric\).*of \|x\| \(symmetric\)"
+    with pytest.raises(ValueError, match=type(into).__name__ + ".*" + match):
+        into.load_state_dict(saved.state_dict())
+
+
+@pytest.mark.parametrize("name", ["entropy", "l2_histogram"])
+def test_histogram_of_one_kind_whatever_the_symmetry_loads(name):
+    """entropy bins |x| and l2_histogram x for either symmetry: a state of the other loads."""
+    x = _matrix()
+    saved = _observed(name, QuantSpec("int8"), x)
+    into = get_observer(name, QuantSpec("uint8", symmetric=False))
+    into.load_state_dict(saved.state_dict())
+    want = _observed(name, QuantSpec("uint8", symmetric=False), x)
+    for a, b in zip(into.range_and_qparams()[:2], want.range_and_qparams()[:2]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("saved, into", [("channel:-1", "channel:1"), ("token", "channel:0"),
+                                         ("group:4", "group:4:1")])
+def test_another_name_for_the_same_units_loads(saved, into):
+    x = _matrix()
+    src = _observed("static_minmax", QuantSpec("int8", saved), x)
+    dst = get_observer("static_minmax", QuantSpec("int8", into))
+    dst.load_state_dict(src.state_dict())
+    want = _observed("static_minmax", QuantSpec("int8", into), x)
+    assert torch.equal(dst.qparams().scale, want.qparams().scale)
+
+
+def test_state_saved_without_the_record_loads_strictly_as_before():
+    x = _matrix()
+    saved = _observed("static_minmax", QuantSpec("int8", "channel:0"), x)
+    old = {k: v for k, v in saved.state_dict().items() if k != RECORD}
+    same = get_observer("static_minmax", QuantSpec("int8", "channel:0"))
+    same.load_state_dict(old)  # strict: the missing record is no missing key
+    assert torch.equal(same.qparams().scale, saved.qparams().scale)
+    get_observer("static_minmax", QuantSpec("int8", "channel:1")).load_state_dict(old)
+
+
+def test_record_is_a_tensor_saved_by_safetensors_and_weights_only_load():
+    from safetensors.torch import load, save
+
+    x = _matrix()
+    saved = _observed("percentile", QuantSpec("int8", "channel:1"), x)
+    state = saved.state_dict()
+    assert state[RECORD].dtype == torch.uint8
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    for loaded in (load(save(dict(state))), torch.load(buf, weights_only=True)):
+        back = get_observer("percentile", QuantSpec("int8", "channel:1"))
+        back.load_state_dict(loaded)
+        assert torch.equal(back.qparams().scale, saved.qparams().scale)
+
+
+def test_a_damaged_record_is_a_value_error_naming_the_observer():
+    saved = _observed("static_minmax", QuantSpec("int8"), _matrix())
+    state = saved.state_dict()
+    state[RECORD] = torch.tensor([255, 0, 1], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"StaticMinMaxObserver.*_extra_state is no record"):
+        get_observer("static_minmax", QuantSpec("int8")).load_state_dict(state)
