@@ -136,6 +136,81 @@ def test_mix_signed_ends_are_averaged():
     assert float(o.calculate_qparams()[0]) == pytest.approx(want, rel=1e-5)
 
 
+def interval_ends(ends, xs):
+    """Per interval of two batches whose first holds the range (Horizon's interval histogram
+    is then that of one batch holding both), the signed ends of the interval."""
+    return [ends(torch.cat(xs[k:k + 2])) for k in range(0, len(xs), 2)]
+
+
+# per interval a wide batch, then a narrow one inside its range
+WIDE_FIRST = [x for w in (heavy(1), heavy(3) * 2) for x in (w, w.flip(0) * 0.25)]
+
+
+@pytest.mark.parametrize("cls", [hz.PercentileObserver, hz.MixObserver])
+def test_state_dict_round_trips_mid_interval(cls):
+    """Saved after an interval's first batch, loaded into a new observer and continued: the
+    interval's signed min / max (the window the ends are clipped to) comes back too."""
+    def make():
+        return cls(update_interval=2, averaging_constant=0.5)
+
+    ref = make()
+    for x in WIDE_FIRST:
+        ref(x)
+    for cut in (1, 3):  # mid-interval (the window holds the wide batch), in the second too
+        a = make()
+        for x in WIDE_FIRST[:cut]:
+            a(x)
+        b = make()
+        b.load_state_dict(a.state_dict())
+        for x in WIDE_FIRST[cut:]:
+            b(x)
+        assert torch.equal(b.calculate_qparams()[0], ref.calculate_qparams()[0]), cut
+    if cls is hz.PercentileObserver:  # Horizon's formula
+        want = ema_scale(interval_ends(percentile_ends, WIDE_FIRST), 0.5)
+        assert float(ref.calculate_qparams()[0]) == pytest.approx(want, rel=1e-6)
+    # reset forgets the window with the rest: the narrow batches alone, as a fresh observer's
+    a, fresh = make(), make()
+    a(WIDE_FIRST[0])
+    a.reset()
+    for o in (a, fresh):
+        o(WIDE_FIRST[1])
+        o(WIDE_FIRST[3])
+    assert torch.equal(a.calculate_qparams()[0], fresh.calculate_qparams()[0])
+
+
+def test_state_saved_without_the_window_still_loads():
+    """A state saved before the window was state (no window keys) loads strictly; at an
+    interval's end the window is empty anyway, so the result is the uninterrupted one."""
+    a = hz.PercentileObserver(update_interval=2, averaging_constant=0.5)
+    for x in WIDE_FIRST[:2]:
+        a(x)
+    sd = {k: v for k, v in a.state_dict().items() if not k.startswith("window_")}
+    b = hz.PercentileObserver(update_interval=2, averaging_constant=0.5)
+    b.load_state_dict(sd)
+    for x in WIDE_FIRST[2:]:
+        b(x)
+    want = ema_scale(interval_ends(percentile_ends, WIDE_FIRST), 0.5)
+    assert float(b.calculate_qparams()[0]) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("cls, ends", [(hz.PercentileObserver, percentile_ends),
+                                       (hz.KLObserver, None)])
+def test_reading_qparams_mid_interval_changes_nothing(cls, ends):
+    """A read after an interval's first batch neither commits it nor starts a new one: the
+    later result is the EMA of whole intervals."""
+    o = cls(update_interval=2, averaging_constant=0.5)
+    for i, x in enumerate(WIDE_FIRST):
+        o(x)
+        if i % 2 == 0:
+            o.calculate_qparams()
+    if ends is None:
+        amax = [kl_observer_amax(torch.cat(WIDE_FIRST[k:k + 2])) for k in (0, 2)]
+        want = ema_scale([(-a, a) for a in amax], 0.5)
+    else:
+        want = ema_scale(interval_ends(ends, WIDE_FIRST), 0.5)
+    assert float(o.calculate_qparams()[0]) == pytest.approx(want, rel=1e-6)
+
+
 # ------------------------------------------------------------------------ assertions
 @pytest.mark.parametrize("make", [
     lambda: hz.MinMaxObserver(qscheme=torch.per_channel_symmetric),

@@ -492,6 +492,32 @@ def test_averaging_constant_is_an_ema_of_per_batch_estimates():
     assert torch.equal(saved.calculate_range()[1], two.calculate_range()[1])
 
 
+@pytest.mark.parametrize("name", ["percentile", "entropy"])
+def test_reading_qparams_mid_interval_changes_nothing(name):
+    """A read in mid-interval returns the EMA with the pending batches' estimate averaged in,
+    and leaves the interval whole: every estimate is still that of update_interval batches."""
+    g = torch.Generator().manual_seed(9)
+    bs = [torch.randn(64, 64, generator=g) * s for s in (1.0, 4.0, 1.0, 4.0)]
+
+    def fresh(batches):  # one accumulated estimate (no averaging) of these batches
+        o = qs.get_observer(name, qs.QuantSpec())
+        for b in batches:
+            o(b)
+        return torch.stack(o.calculate_range())
+
+    c = 0.5
+    r0, r1 = fresh(bs[:2]), fresh(bs[2:])
+    want_mid = {0: fresh(bs[:1]), 1: r0, 2: r0.lerp(fresh(bs[2:3]), c), 3: r0.lerp(r1, c)}
+    o = qs.get_observer(name, qs.QuantSpec(), averaging_constant=c, update_interval=2)
+    for i, b in enumerate(bs):
+        o(b)
+        for _ in range(2):  # reading twice: the same value
+            assert torch.allclose(torch.stack(o.calculate_range()), want_mid[i], rtol=1e-6), i
+        o.calculate_qparams()
+    assert int(o.pending) == 0
+    assert torch.allclose(torch.stack(o.calculate_range()), r0.lerp(r1, c), rtol=1e-6)
+
+
 def test_registry_names():
     names = qs.list_observers()
     for n in ("percentile", "histogram_mse", "entropy", "kl", "histogram", "mix"):

@@ -188,30 +188,49 @@ class _SignedEnds:
     """Mixin (before the native histogram class): Horizon clips each batch's signed min / max
     at the estimate, ``(max(min, -clip), min(max, clip))``, and averages those ends."""
 
-    _window = None  # the signed (min, max) of the batches since the last estimate
+    _WINDOW = ("window_lo", "window_hi")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the signed (min, max) of the batches since the last estimate (empty: none): state,
+        # so save / load, reset and .to() take it with the histogram it belongs to
+        for name in self._WINDOW:
+            self.register_buffer(name, torch.zeros(0))
+
+    def _sized_buffers(self):
+        return (*super()._sized_buffers(), *self._WINDOW)
 
     def _observe(self, units, lo, hi):
-        w = self._window
-        fresh = w is None or w[0].shape != lo.shape
-        self._window = (lo.clone(), hi.clone()) if fresh else \
-            (torch.minimum(w[0], lo), torch.maximum(w[1], hi))
+        if self.window_lo.shape != lo.shape:  # the interval's first batch
+            self.window_lo, self.window_hi = lo.clone(), hi.clone()
+        else:
+            torch.minimum(self.window_lo, lo, out=self.window_lo)
+            torch.maximum(self.window_hi, hi, out=self.window_hi)
         super()._observe(units, lo, hi)
 
     def _ema_step(self):
         super()._ema_step()
-        self._window = None
-
-    def reset(self):
-        super().reset()
-        self._window = None
+        self.window_lo, self.window_hi = (self.window_lo.new_zeros(0) for _ in self._WINDOW)
 
     def _window_or_data(self):
-        return self._window if self._window is not None else (self.min_vals, self.max_vals)
+        if self.window_lo.numel():
+            return self.window_lo, self.window_hi
+        return self.min_vals, self.max_vals
 
     def _clip(self, lo, hi):
         lo, hi = super()._clip(lo, hi)  # into +-max |x|
         wlo, whi = self._window_or_data()
         return torch.maximum(lo, wlo), torch.minimum(hi, whi)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              *args, **kwargs):
+        keys = [prefix + n for n in self._WINDOW]
+        old = prefix + "pending" in state_dict and not any(k in state_dict for k in keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, *args, **kwargs)
+        if old:  # saved before the window was state: an empty window (the data's min / max)
+            self.window_lo, self.window_hi = (self.window_lo.new_zeros(0) for _ in keys)
+            missing_keys[:] = [k for k in missing_keys if k not in keys]
 
 
 @register("horizon:PercentileObserver")

@@ -265,14 +265,17 @@ class HistogramObserverBase(Observer):
             zero_bin = -self.hist_first  # floor(0 * 2 ** -e) - first
         self.hist_counts.scatter_add_(1, zero_bin.clamp(0, self.bins - 1)[:, None], -n[:, None])
 
-    def _ema_step(self):
+    def _averaged(self):
+        """The EMA with the histogram's estimate averaged in, as new tensors (state unchanged)."""
         lo, hi = self._estimated()
-        if self.ema_lo.shape != lo.shape:
-            self.ema_lo, self.ema_hi = lo.clone(), hi.clone()
-        else:
-            self.ema_lo.lerp_(lo, self.averaging_constant)
-            self.ema_hi.lerp_(hi, self.averaging_constant)
-        self._set_state(H.empty_state(lo.shape[0], self.bins, lo.device))
+        if self.ema_lo.shape != lo.shape:  # the first estimate initialises
+            return lo.clone(), hi.clone()
+        c = self.averaging_constant
+        return self.ema_lo.lerp(lo, c), self.ema_hi.lerp(hi, c)
+
+    def _ema_step(self):
+        self.ema_lo, self.ema_hi = self._averaged()
+        self._set_state(H.empty_state(self.ema_lo.shape[0], self.bins, self.ema_lo.device))
         self.linear_grid.fill_(self.grid == "first")
         self.pending.zero_()
         self._pending = 0
@@ -300,7 +303,7 @@ class HistogramObserverBase(Observer):
         if self.averaging_constant is None:
             return self._estimated()
         if self._pending or self.ema_lo.numel() == 0:  # batches since the last estimate
-            self._ema_step()
+            return self._averaged()  # on temporaries: a read leaves the interval whole
         return self.ema_lo, self.ema_hi
 
     def _estimate(self, hist: H.Hist) -> tuple[torch.Tensor, torch.Tensor]:
