@@ -144,7 +144,11 @@ class Tensor(Layout):
 
 @dataclass(frozen=True)
 class Channel(Layout):
-    """One scale per index of ``axis`` (output channels of a Linear / Conv weight by default)."""
+    """One scale per index of ``axis`` (output channels of a Linear / Conv weight by default).
+
+    A ConvTranspose weight is ``[in, out / groups, *k]``: calibration plans a rule's
+    ``Channel(0)`` weight there as ``Channel(1)``, its output channels (and refuses it with
+    groups > 1, where no axis holds them)."""
 
     axis: int = 0
     kind: ClassVar[str] = "channel"

@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextvars
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import torch
 from torch import nn
+from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 
 from ...layout import Channel, Tensor
 from ...observers.grouped import observe_many
@@ -53,6 +54,7 @@ class Slot:
     observers: dict = field(default_factory=dict)
     sample: RowSample | None = None  # rows for auto and the report, made by observe_batches
     needs_sample: bool = False
+    per_tensor: bool = True  # every role on it has a per-tensor layout (a conv: channel rows)
     failed: dict = field(default_factory=dict)
     also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
     last: object = None  # the input last observed, so a group's shared input counts once
@@ -182,9 +184,29 @@ def observer_seconds(slots, *plans) -> float:
     return sum(slot.seconds.get(key, 0.0) for (_, key), slot in used.items())
 
 
-def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> None:
-    """Raise ``ValueError`` naming the layer, role and sizes unless ``cfg``'s spec can take
-    the module's weight (or its activations' width): known from the module alone."""
+def module_role(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
+    """``cfg`` as ``module`` takes it. A ConvTranspose weight is ``[in, out / groups, *k]``:
+    per-channel (``Channel(0)``, output channels of a Linear / Conv weight) means its axis 1
+    there (torchao's pt2e axis for conv-transpose); with groups > 1 an output channel is no
+    index of one axis, so it is refused (as torch.ao refuses per-channel observers there)."""
+    lay = cfg.spec.layout
+    if (role != "weight" or not isinstance(module, _ConvTransposeNd)
+            or not isinstance(lay, Channel) or lay.axis % module.weight.dim() != 0):
+        return cfg
+    if module.groups != 1:
+        raise ValueError(
+            f"calibrate: layer {layer!r} ({type(module).__name__}, groups={module.groups}) "
+            f"weight: per-channel {cfg.spec} needs groups == 1 (a grouped ConvTranspose "
+            f"weight [in, out / groups, *k] has no axis of output channels); use a "
+            f"per-tensor weight layout or ignore the layer")
+    return replace(cfg, spec=replace(cfg.spec, layout=Channel(1)))
+
+
+def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
+    """The role as the module takes it (:func:`module_role`). Raise ``ValueError`` naming
+    the layer, role and sizes unless its spec can take the module's weight (or its
+    activations' width): known from the module alone."""
+    cfg = module_role(layer, role, cfg, module)
     spec = cfg.spec
     if role == "weight":
         shape = tuple(module.weight.shape)
@@ -193,7 +215,7 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Non
         except ValueError as e:
             raise ValueError(f"calibrate: layer {layer!r} weight of shape {shape} "
                              f"cannot take {spec}: {e}") from None
-        return
+        return cfg
     if cfg.dynamic is False:
         _check_static_layout(layer, role, spec)
     width = _activation_width(module, role)
@@ -203,6 +225,7 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Non
         except ValueError as e:
             raise ValueError(f"calibrate: layer {layer!r} {role} of width {width} "
                              f"cannot take {spec}: {e}") from None
+    return cfg
 
 
 def check_shapes(model: nn.Module, recipes) -> None:
@@ -227,10 +250,11 @@ def make_plan(model, recipes, candidates, owns=None):
         plan = {}
         for layer, (module, roles) in recipe.match(model).items():
             for role, cfg in roles.items():
-                check_role_shape(layer, role, cfg, module)
+                cfg = check_role_shape(layer, role, cfg, module)
                 slot = slots.setdefault((layer, role), Slot(layer, role, module))
                 if role in ("input", "output"):  # the KV cache is not sampled
                     slot.needs_sample = True
+                    slot.per_tensor &= isinstance(cfg.spec.layout, Tensor)
                 names = []
                 if cfg.dynamic is not True:
                     if cfg.observer == AUTO:
@@ -270,10 +294,7 @@ def _hook(slots: list[Slot], input_key: str | None = None):
                 _count_bad_call(slot, key, obs)
                 slot.spent(key, t0)
             if slot.sample is not None:
-                try:
-                    slot.sample.add(x)
-                except ValueError as e:
-                    raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: {e}") from None
+                slot.sample.add(x)
 
     def pre(module, args, kwargs):  # the input, positional or keyword (``lin(input=x)``)
         observe(module_input(args, kwargs, input_key))
@@ -402,10 +423,28 @@ def _make_samples(slots, sample_tokens, budget_mb, total, gen):
     sampled = [s for s in slots if s.role != "weight" and s.needs_sample]
     if not sampled:
         return
-    caps = capacities({id(s): _activation_width(s.module, s.role) for s in sampled},
+    axes = {id(s): _sample_axis(s) for s in sampled}
+    caps = capacities({id(s): _sample_width(s, axes[id(s)]) for s in sampled},
                       sample_tokens, max(int(sample_budget(budget_mb) * 2**20), 1))
     for s in sampled:
-        s.sample = RowSample(caps[id(s)], total, gen)
+        s.sample = RowSample(caps[id(s)], total, gen, axes[id(s)], skip_other_widths=True)
+
+
+def _sample_axis(slot: Slot) -> int:
+    """The axis a slot's sampled rows run along. A conv's activations are ``[N, C, *S]``
+    with S (image size, audio length) free to vary by batch: per tensor (what the report
+    and ``auto`` apply to them ignores the row shape) their rows run along the channels, a
+    width every batch has. Else along the last dim, where layouts (channel:-1, group,
+    token) put their units; a batch of another width is then left out of the sample."""
+    if isinstance(slot.module, _ConvNd) and slot.per_tensor:
+        return -1 - len(slot.module.kernel_size)
+    return -1
+
+
+def _sample_width(slot: Slot, axis: int):
+    if axis != -1:
+        return slot.module.in_channels if slot.role == "input" else slot.module.out_channels
+    return _activation_width(slot.module, slot.role)
 
 
 def sample_budget(budget_mb) -> float:

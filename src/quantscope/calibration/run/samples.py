@@ -10,6 +10,8 @@ observers or recipes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..._numerics import upload
@@ -33,13 +35,21 @@ def capacities(widths: dict, max_rows: int, budget_bytes: int, itemsize: int = 4
 
 
 class RowSample:
-    """Up to ``capacity`` rows of the ``[..., width]`` tensors passed to :meth:`add`, spread
-    over ``batches`` calls: after the ``k``-th, ``capacity * k // batches`` rows (a batch with
-    fewer rows leaves its share to the next). ``batches`` None (a stream of unknown length):
-    an eighth of the capacity per call."""
+    """Up to ``capacity`` rows of the tensors passed to :meth:`add`, spread over ``batches``
+    calls: after the ``k``-th, ``capacity * k // batches`` rows (a batch with fewer rows
+    leaves its share to the next). ``batches`` None (a stream of unknown length): an eighth
+    of the capacity per call.
 
-    def __init__(self, capacity: int, batches: int | None, generator: torch.Generator):
+    A row runs along ``axis`` (its size is the width): the last dim of a Linear's
+    ``[..., features]``, or a conv's channel axis (``-3`` for ``[N, C, H, W]``), whose size
+    is fixed where H and W vary by batch. A batch of another width than the first one's
+    raises ``ValueError``, or, with ``skip_other_widths``, is left out (its share passes to
+    the next)."""
+
+    def __init__(self, capacity: int, batches: int | None, generator: torch.Generator,
+                 axis: int = -1, skip_other_widths: bool = False):
         self.capacity, self.batches, self.generator = capacity, batches, generator
+        self.axis, self.skip_other_widths = axis, skip_other_widths
         self.buffer: torch.Tensor | None = None
         self.count = self.calls = 0
 
@@ -53,18 +63,33 @@ class RowSample:
     def add(self, x: torch.Tensor) -> None:
         if self.count >= self.capacity or x.numel() == 0:
             return
-        rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-        take = min(rows.shape[0], self._share(), self.capacity - self.count)
+        rows = self._rows(x.detach())
+        n, width = math.prod(rows.shape[:-1]), rows.shape[-1]
+        take = min(n, self._share(), self.capacity - self.count)
         if take <= 0:
             return
-        idx = upload(torch.randperm(rows.shape[0], generator=self.generator)[:take], rows.device)
         if self.buffer is None:
-            self.buffer = rows.new_empty((self.capacity, rows.shape[1]))
-        elif self.buffer.shape[1] != rows.shape[1]:
-            raise ValueError(f"sample: rows of width {rows.shape[1]} after rows of width "
+            self.buffer = rows.new_empty((self.capacity, width))
+        elif self.buffer.shape[1] != width:
+            if self.skip_other_widths:
+                return
+            raise ValueError(f"sample: rows of width {width} after rows of width "
                              f"{self.buffer.shape[1]}")
-        torch.index_select(rows, 0, idx, out=self.buffer[self.count:self.count + take])
+        idx = upload(torch.randperm(n, generator=self.generator)[:take], rows.device)
+        out = self.buffer[self.count:self.count + take]
+        if rows.is_contiguous():  # a view as [n, width]: no copy of the batch
+            torch.index_select(rows.reshape(n, width), 0, idx, out=out)
+        else:  # a conv's channel rows of NCHW: only the rows taken are gathered
+            out.copy_(rows[torch.unravel_index(idx, rows.shape[:-1])])
         self.count += take
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A view of ``x`` as ``[..., width]``, the width along :attr:`axis` last."""
+        if not x.dim():
+            return x.reshape(1, 1)
+        if x.dim() < -self.axis:  # fewer dims than the axis needs: rows of the last dim
+            return x
+        return x.movedim(self.axis, -1)
 
     @classmethod
     def holding(cls, rows: torch.Tensor) -> RowSample:
