@@ -222,3 +222,21 @@ def test_a_dataloader_is_sampled_as_its_list(model, samples):
     loaded = calibrate(model, loader, recipe, progress=False, sample_tokens=40)
     assert loaded.stats == listed.stats
     assert {s.batches for s in samples} == {20}
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_a_dataloader_without_a_length_is_a_stream(model, fusion):
+    """A DataLoader over an IterableDataset has ``__len__`` but raises on it: it is read as
+    a generator is (it failed in the fusion detection's peek, and without fusion groups)."""
+    from dataclasses import replace
+
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(batches(4))
+
+    recipe = replace(preset("w8a8", "minmax", ignore=["lm_head"]), fusion=fusion)
+    streamed = calibrate(model, DataLoader(Stream(), batch_size=None), recipe, progress=False)
+    assert streamed.info["batches"] == 4
+    _assert_same_qparams(streamed, calibrate(model, batches(4), recipe, progress=False))

@@ -42,6 +42,15 @@ def check_batches(batches, who: str = "calibrate") -> None:
                         f"[batch]")
 
 
+def batch_count(batches) -> int | None:
+    """How many batches ``batches`` holds, or None where it cannot say (a generator; a
+    DataLoader over an IterableDataset, whose ``len()`` raises ``TypeError``)."""
+    try:
+        return len(batches)
+    except TypeError:
+        return None
+
+
 def tensors_in(value):
     """The tensors of a nested tuple / list / dict (a batch, a block's arguments or output)."""
     if isinstance(value, torch.Tensor):

@@ -28,7 +28,7 @@ from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
 from ..results.apply import input_name, module_input
 from ..structure import fusion, kv_cache
 from . import heap
-from .batches import eval_mode, forward_batch
+from .batches import batch_count, eval_mode, forward_batch
 from .samples import RowSample, capacities
 
 # the activation rows kept for auto and the report, all layers together (see docs/memory.md)
@@ -351,7 +351,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
             by_module[id(module)][slot.role].append(slot)
     if not by_module and not kv:
         return 0
-    total = len(batches) if hasattr(batches, "__len__") else None
+    total = batch_count(batches)
     gen = torch.Generator().manual_seed(seed)
     _make_samples(unique_slots(slots.values()), sample_tokens, sample_budget_mb, total, gen)
     handles = []

@@ -34,7 +34,7 @@ from torch import nn
 from ...layout import Block, Channel, Group, Tensor
 from ..recipe import _matches
 from ..results.result import RoleState
-from ..run.batches import eval_mode, forward_batch
+from ..run.batches import batch_count, eval_mode, forward_batch
 
 __all__ = ["find_groups", "join_weights", "peek", "shares_weight_scale", "split_state"]
 
@@ -54,8 +54,8 @@ def peek(batches):
         first = next(it)
     except StopIteration:
         return None, []
-    rest = itertools.chain([first], it)
-    return first, (_Sized(rest, len(batches)) if hasattr(batches, "__len__") else rest)
+    rest, n = itertools.chain([first], it), batch_count(batches)
+    return first, (rest if n is None else _Sized(rest, n))
 
 
 class _Sized:
