@@ -240,3 +240,14 @@ def test_a_dataloader_without_a_length_is_a_stream(model, fusion):
     streamed = calibrate(model, DataLoader(Stream(), batch_size=None), recipe, progress=False)
     assert streamed.info["batches"] == 4
     _assert_same_qparams(streamed, calibrate(model, batches(4), recipe, progress=False))
+
+
+def test_smoothing_keeps_a_dataloaders_length(model, samples):
+    """SmoothQuant's peek at the first batch kept no length either (session's own copy of
+    the peek): the sample of a DataLoader was drawn as a generator's."""
+    from torch.utils.data import DataLoader
+
+    recipe = preset("w8a8", "minmax", ignore=["lm_head"])
+    calibrate(model, DataLoader(batches(20), batch_size=None), recipe, progress=False,
+              sample_tokens=40, smooth=0.5)
+    assert {s.batches for s in samples} == {20}

@@ -16,7 +16,6 @@ mode is restored, and a SmoothQuant that ran is undone if the call raises; forwa
 
 from __future__ import annotations
 
-import itertools
 import time
 import warnings
 
@@ -44,6 +43,7 @@ from ..recipe import AUTO, Recipe, preset
 from ..results.result import Calibration
 from ..structure import kv_cache
 from ..structure import moe as _moe
+from ..structure.fusion import peek
 from . import gather
 from . import sequential as _sequential
 from .batches import check_batches
@@ -189,14 +189,14 @@ def _around(model, batches, run, outliers: Outliers, runtime: Runtime):
     smoothed, originals = None, {}
     try:
         if outliers.smooth is not None:
-            first, batches = _peek(batches)
+            first, batches = peek(batches)
             smoothed = _smooth.smooth(model, [] if first is None else [first], outliers.smooth,
                                       distributed=runtime.distributed, group=runtime.group,
                                       originals=originals)
         if not outliers.keep_float:
             out = run(batches)
         else:
-            first, batches = _peek(batches)
+            first, batches = peek(batches)
             out = {k: fall_back(model, first, c, outliers.keep_float, outliers.fallback)
                    for k, c in run(batches).items()}
     except BaseException:
@@ -233,15 +233,6 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
                              f"which is not a recipe label; the labels are {list(recipes)}")
     return recipes
 
-
-def _peek(batches):
-    """``(first batch, batches)`` with nothing consumed: a list stays a list; an iterator
-    goes on from its first batch."""
-    if isinstance(batches, (list, tuple)):
-        return (batches[0] if batches else None), batches
-    it = iter(batches)
-    first = next(it, None)
-    return first, ([] if first is None else itertools.chain([first], it))
 
 
 def _as_recipes(recipes) -> dict[str, Recipe]:
