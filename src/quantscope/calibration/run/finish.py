@@ -144,10 +144,12 @@ def _missing(layer, role, slot, names, cfg, policy, experts=None):
 
 
 def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None,
-            missing="skip", fisher=None):
+            missing="skip", fisher=None, non_finite=frozenset()):
     """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
-    ``auto_metric`` "joint" / "fisher", by :func:`.layer_choice.joint_choice`)."""
-    built = _States(slots, auto_metric, fisher, _ignoring(slots, plans))
+    ``auto_metric`` "joint" / "fisher", by :func:`.layer_choice.joint_choice`).
+    ``non_finite``: the slot keys whose rows brought NaN / inf on some process (distributed:
+    a rank may hold none of those rows, or none at all), checked as its own sample is."""
+    built = _States(slots, auto_metric, fisher, _ignoring(slots, plans), non_finite)
     results = {label: built.recipe(plan, groups, experts, missing)
                for label, plan in plans.items()}
     hists = {key: _histogram(x) for key, x in built.data.items() if key[1] != "weight"}
@@ -171,8 +173,10 @@ class _States:
     recipe that asks for an observer another already used gets the same state, stats and
     ``auto`` error): one state per observer, keyed ``(layer, role, observer key, dynamic)``."""
 
-    def __init__(self, slots, auto_metric, fisher, ignoring=frozenset()):
+    def __init__(self, slots, auto_metric, fisher, ignoring=frozenset(), non_finite=frozenset()):
         self.slots, self.auto_metric, self.fisher = slots, auto_metric, fisher
+        # another process's NaN / inf, where this one's rows do not show it (ignored alike)
+        self.non_finite = {k for k in non_finite if id(slots[k]) not in ignoring}
         self.data = {}  # what each role's states are scored on
         for key, slot in slots.items():
             if slot.role == "weight":
@@ -241,6 +245,8 @@ class _States:
                                                         cfg), state)
         if cfg.dynamic is True:
             state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
+            if (layer, role) in self.non_finite:
+                raise _non_finite_error((layer, role), state)
             return state, self.stats_of((layer, role), (layer, role, "dynamic", cfg), state)
         best = self.best_candidate(layer, role, slot, cfg, names, shape)
         if best is None and experts is not None and layer in experts.layers:
@@ -338,12 +344,17 @@ def _stats(key, x, state) -> dict:
     except ValueError as e:
         raise ValueError(f"calibrate: layer {key[0]!r} {key[1]}: {e}") from None
     if state.dynamic is True and not (math.isfinite(st["min"]) and math.isfinite(st["max"])):
-        raise ValueError(
-            f"calibrate: layer {key[0]!r} {key[1]}: a calibration batch brought NaN or inf "
-            f"values (dynamic role, observer {state.observer!r}); fix the batches (or what "
-            f"makes the model produce them), or give the role options={{'non_finite': "
-            f"'ignore'}} to read them as zero")
+        raise _non_finite_error(key, state)
     return st
+
+
+def _non_finite_error(key, state) -> ValueError:
+    """The error of a run-time (dynamic) role ``key`` whose input brought NaN or inf."""
+    return ValueError(
+        f"calibrate: layer {key[0]!r} {key[1]}: a calibration batch brought NaN or inf "
+        f"values (dynamic role, observer {state.observer!r}); fix the batches (or what "
+        f"makes the model produce them), or give the role options={{'non_finite': "
+        f"'ignore'}} to read them as zero")
 
 
 def stats_row(layer, role, state: RoleState, st: dict) -> dict:

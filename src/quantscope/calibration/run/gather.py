@@ -66,22 +66,32 @@ def weight_owners(model: torch.nn.Module, names=None, group=None) -> dict[str, i
     return assign_by_size(sizes, group=group)
 
 
+#: the dtypes a sample's rows travel back to, by code (float32 for any other)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _dtype_code(t: torch.Tensor | None) -> int:
+    return _DTYPES.index(t.dtype) if t is not None and t.dtype in _DTYPES else 0
+
+
 def gather_samples(samples: dict, limit: int, group=None) -> dict:
     """``{key: [row tensors]}`` of every rank, merged on every rank: per key, the rows of
-    rank 0, then rank 1 ..., cut to ``limit`` rows. Every rank passes the same keys.
+    rank 0, then rank 1 ..., cut to ``limit`` rows, in the dtype of the first rank that has
+    rows (a rank without rows of its own casts them alike, so every rank scores the same
+    values). Every rank passes the same keys.
 
-    Two tensor all_gathers (row counts and widths, then one flat float32 payload per rank),
-    not pickled objects: activation samples are tens of MB and pickling them dominates.
+    Two tensor all_gathers (row counts, widths and dtypes, then one flat float32 payload per
+    rank), not pickled objects: activation samples are tens of MB and pickling them dominates.
     """
     if not is_distributed(group):
         return samples
     dev = group_device(group)
     keys = list(samples)
     local = [torch.cat(samples[k]) if samples[k] else None for k in keys]
-    head = torch.tensor([[0, 0] if t is None else [t.shape[0], t[0].numel()] for t in local],
-                        dtype=torch.int64, device=dev).reshape(-1)
-    heads = all_gather(head, group).cpu().reshape(-1, len(keys), 2).tolist()  # [W, K, 2]
-    sizes = [sum(n * w for n, w in h) for h in heads]
+    head = torch.tensor([[0, 0, 0] if t is None else [t.shape[0], t[0].numel(), _dtype_code(t)]
+                         for t in local], dtype=torch.int64, device=dev).reshape(-1)
+    heads = all_gather(head, group).cpu().reshape(-1, len(keys), 3).tolist()  # [W, K, 3]
+    sizes = [sum(n * w for n, w, _ in h) for h in heads]
     payload = torch.zeros(max(sizes), dtype=torch.float32, device=dev)
     if sizes[dist.get_rank(group)]:
         flat = torch.cat([t.reshape(-1).float() for t in local if t is not None])
@@ -90,18 +100,18 @@ def gather_samples(samples: dict, limit: int, group=None) -> dict:
     merged = {}
     offsets = [0] * len(heads)
     for i, k in enumerate(keys):
-        parts = []
+        parts, dtype = [], None
         for r, h in enumerate(heads):
-            n, w = h[i]
+            n, w, code = h[i]
             if n:
                 parts.append(allp[r, offsets[r]:offsets[r] + n * w].reshape(n, w))
                 offsets[r] += n * w
+                dtype = _DTYPES[code] if dtype is None else dtype
         like = local[i]
         if parts:
-            rows = torch.cat(parts)[:limit]
+            rows = torch.cat(parts)[:limit].to(dtype)
             if like is not None:
-                rows = rows.to(device=like.device, dtype=like.dtype).reshape(-1,
-                                                                            *like.shape[1:])
+                rows = rows.to(like.device).reshape(-1, *like.shape[1:])
             merged[k] = [rows.clone()]
         else:
             merged[k] = []

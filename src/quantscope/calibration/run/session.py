@@ -20,6 +20,7 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ... import comm as qd
@@ -280,13 +281,13 @@ def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher
 
 
 def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes=1,
-              groups=(), experts=None, model=None, fisher=None):
+              groups=(), experts=None, model=None, fisher=None, non_finite=frozenset()):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
         results, hists = build_states(slots, plans, recipes, opts.auto.metric, groups, experts,
-                                      opts.runtime.missing, fisher)
+                                      opts.runtime.missing, fisher, non_finite)
     seconds = time.perf_counter() - t0
     # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
     common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())
@@ -360,7 +361,7 @@ def _calibrate_distributed(model, batches, recipes, opts: Options, t0, experts):
     # 'auto' decides on the sampled rows, so every rank needs the same sample: gather it;
     # otherwise the sample only feeds the report, which rank 0 makes from its own rows
     auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())
-    n = 0
+    n, bad = 0, set()
     if needs_data:
         with qd.all_or_none("calibration", group):
             n = observe_batches(model, qd.shard(batches, group), slots,
@@ -368,8 +369,8 @@ def _calibrate_distributed(model, batches, recipes, opts: Options, t0, experts):
                      opts.progress and qd.is_main(group), seed + me,
                      sample_budget(sampling.budget_mb) / world if auto else sampling.budget_mb,
                      batch_index=lambda i: i * world + me)  # qd.shard's round robin
-        n = qd.all_sum(n, group)
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
+        n, bad = _global_counts(n, acts, group)
         sync_observers([o for s in unique_slots(acts.values()) for o in s.observers.values()],
                           group)
         if auto:
@@ -384,7 +385,27 @@ def _calibrate_distributed(model, batches, recipes, opts: Options, t0, experts):
     for counts in experts.counts.values():  # every rank reports the global counts
         counts[:] = [qd.all_sum(c, group) for c in counts]
     return _conclude(slots, plans, recipes, n, needs_data, t0, opts, world, groups, experts,
-                     model)
+                     model, non_finite=bad)
+
+
+def _global_counts(n, acts, group):
+    """``(batches, slot keys whose rows brought NaN / inf)`` over every rank, each activation
+    slot's ``calls`` made the total over the ranks (what ``missing`` reports), in one SUM
+    all_reduce. The NaN flags are read from each rank's own rows before rank 0 alone keeps
+    them (no ``auto``), so that a dynamic role's NaN raises on every rank, not where it fell."""
+    dev = qd.group_device(group)
+    own = unique_slots(acts.values())
+    rows = [None if s.sample is None else s.sample.rows() for s in own]
+    flags = [torch.zeros((), dtype=torch.int64, device=dev) if x is None  # read back below
+             else (~torch.isfinite(x)).any().to(device=dev, dtype=torch.int64) for x in rows]
+    counts = torch.tensor([n] + [s.calls for s in own], dtype=torch.int64, device=dev)
+    t = torch.cat([counts, torch.stack(flags)]) if own else counts
+    qd.all_reduce(t, dist.ReduceOp.SUM, group)
+    t = t.tolist()
+    for s, calls in zip(own, t[1:1 + len(own)]):
+        s.calls = calls
+    bad = {id(s) for s, f in zip(own, t[1 + len(own):]) if f}
+    return t[0], {k for k, s in acts.items() if id(s) in bad}
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,
