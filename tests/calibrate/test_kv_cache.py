@@ -181,3 +181,53 @@ def test_export_writes_vllm_kv_scales(tmp_path):
             if st.qparams is not None:
                 assert torch.equal(back.states[name][role].qparams.scale.reshape(-1),
                                    st.qparams.scale.reshape(-1)), (name, role)
+
+
+def tiny_gemma3_vlm():
+    torch.manual_seed(0)
+    text = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, head_dim=16, sliding_window=8)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=299, boi_token_index=297,
+                                    eoi_token_index=298)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(0, 290, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, 2:6] = 299
+    pixels = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "pixel_values": pixels, "token_type_ids": (ids == 299).long()}
+
+
+def test_only_cached_attention_gets_kv_roles():
+    """The KV cache holds the decoder's keys and values: a VLM's vision tower (bidirectional,
+    never cached) gets no key / value roles, and apply() leaves it as it was."""
+    model, batch = tiny_gemma3_vlm()
+    calib = calibrate(model, [batch], preset("fp8-kv", ignore=["lm_head"]), progress=False)
+    text = {f"model.language_model.layers.{i}.self_attn" for i in range(2)}
+    assert {n for n, r in calib.states.items() if "key" in r} == text
+    kv = Calibration(calib.recipe, {n: r for n, r in calib.states.items() if "key" in r}, "kv")
+    vision = model.model.vision_tower
+    with torch.inference_mode():
+        ref = vision(pixel_values=batch["pixel_values"]).last_hidden_state
+        with kv.apply(model):
+            assert torch.equal(vision(pixel_values=batch["pixel_values"]).last_hidden_state, ref)
+
+
+def test_encoder_attention_is_not_the_kv_cache():
+    from quantscope.calibration.structure.kv_cache import attention_modules
+
+    cfg = transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2,
+                                  encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=50)
+    bart = transformers.BartForConditionalGeneration(cfg)
+    # the decoder's self-attention only: not the encoder's, nor the cross-attention
+    assert list(attention_modules(bart)) == ["model.decoder.layers.0.self_attn"]
+    siglip = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14)).eval()
+    with pytest.raises(ValueError, match="sets kv_cache but the model has no attention module"):
+        calibrate(siglip, [{"pixel_values": torch.randn(1, 3, 28, 28)}],
+                  preset("fp8-kv"), progress=False)

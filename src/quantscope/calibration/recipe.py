@@ -207,8 +207,8 @@ class Recipe:
         if not isinstance(self.fusion, bool):
             raise TypeError(f"Recipe.fusion must be True or False, got {self.fusion!r}")
         object.__setattr__(self, "kv_cache", kv_cache_role(self.kv_cache))
-        if not self.rules:
-            raise ValueError("Recipe.rules: a recipe needs at least one rule")
+        if not self.rules and self.kv_cache is None:  # a KV-cache-only recipe has none
+            raise ValueError("Recipe.rules: a recipe needs at least one rule or a kv_cache")
         for r in self.rules:
             if not isinstance(r, Rule):
                 raise TypeError(f"Recipe.rules must hold Rule objects, got {type(r).__name__}")

@@ -352,8 +352,6 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     format cannot express, before anything is written.
     """
     _ct()
-    from compressed_tensors.compressors import ModelCompressor
-
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"export compressed-tensors: model must be a transformers "
                         f"PreTrainedModel (it writes a Hugging Face folder), got "
@@ -379,9 +377,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         warnings.warn("export compressed-tensors (allow_lossy): " + "; ".join(lossy.notes),
                       stacklevel=2)
     _attach_kv_scales(work, kv)
-    compressor = ModelCompressor.from_pretrained_model(work)
-    if kv_args is not None:
-        compressor.quantization_config.kv_cache_scheme = kv_args
+    compressor = _compressor(work, kv_args)
     compressor.compress_model(work)
     with atomic_dir(path, overwrite=overwrite, inputs=[source]) as tmp:  # never the source
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
@@ -390,6 +386,26 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         if source is not None:
             _copy_extras(source, tmp)
     return path
+
+
+def _compressor(work: nn.Module, kv_args):
+    """compressed-tensors' ``ModelCompressor`` of the schemes attached to ``work``, with the
+    ``kv_cache_scheme``. A KV-cache-only calibration attaches no scheme (compressed-tensors
+    then has no config): its config is empty ``config_groups`` beside the
+    ``kv_cache_scheme``, as llm-compressor writes it."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    compressor = ModelCompressor.from_pretrained_model(work)
+    if kv_args is None:
+        return compressor
+    if compressor.quantization_config is None:
+        compressor.quantization_config = QuantizationConfig(
+            config_groups={}, format=CompressionFormat.dense.value,
+            quantization_status=QuantizationStatus.COMPRESSED)
+    compressor.quantization_config.kv_cache_scheme = kv_args
+    return compressor
 
 
 def _attach_schemes(work: nn.Module, groups, states, lossy: _Lossy) -> None:

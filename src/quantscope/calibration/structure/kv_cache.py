@@ -12,11 +12,16 @@ callback (roles ``"key"`` / ``"value"`` of the attention module); ``apply()``
 fake-quantizes through it.
 
 Attention modules are found as transformers builds them: a module with ``k_proj`` and
-``v_proj`` children and a ``config`` carrying ``_attn_implementation``.
+``v_proj`` children and a ``config`` carrying ``_attn_implementation``, whose keys and values
+a cache holds: causal (``is_causal`` not False) and taking the cache in its ``forward``
+(compressed-tensors' ``is_cached_attention_module`` rule, with transformers 5.24's ``cache``
+name). An encoder's attention (a VLM's SigLIP vision tower, an encoder-decoder's encoder and
+its cross-attention) gets no KV-cache roles: no runtime caches it.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -27,6 +32,8 @@ __all__ = ["ROLES", "attach", "attention_modules"]
 
 ROLES = ("key", "value")
 _PREFIX = "quantscope_kv_"
+#: the forward argument that hands an attention module the cache, by transformers version
+_CACHE_ARGS = ("past_key_value", "past_key_values", "cache")
 #: id(attention module) -> callback(role, tensor) -> tensor, while attached
 _ACTIVE: dict[int, Callable[[str, torch.Tensor], torch.Tensor]] = {}
 
@@ -36,7 +43,20 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules()
             if isinstance(getattr(m, "k_proj", None), nn.Module)
             and isinstance(getattr(m, "v_proj", None), nn.Module)
-            and hasattr(getattr(m, "config", None), "_attn_implementation")}
+            and hasattr(getattr(m, "config", None), "_attn_implementation") and _cached(m)}
+
+
+def _cached(module: nn.Module) -> bool:
+    """Whether a runtime caches ``module``'s keys and values: not an encoder's bidirectional
+    attention (``is_causal`` False: SigLIP, an encoder-decoder's encoder and cross-attention),
+    and its forward takes the cache (compressed-tensors gives only those a KV scale)."""
+    if getattr(module, "is_causal", True) is False:
+        return False
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # an uninspectable forward: as compressed-tensors, skip it
+        return False
+    return any(p in params for p in _CACHE_ARGS)
 
 
 def _wrapper(impl: str):
