@@ -1,6 +1,6 @@
 """Small models built in place for tests that span packages (no download, no real weights):
-a word-level tokenizer, random-weight BERT (with MiniLM's tokenizer) and Llama folders, and
-a random-weight Mixtral whose routers starve one expert."""
+a word-level tokenizer, random-weight BERT (with MiniLM's tokenizer) and Llama folders, a
+Llama in memory, and a random-weight Mixtral whose routers starve one expert."""
 
 import math
 
@@ -87,6 +87,20 @@ def starve(router, expert=STARVED):
         top, idx = torch.topk(probs, mod.top_k, -1)
         return out[0], top / top.sum(-1, keepdim=True), idx
     return router.register_forward_hook(hook)
+
+
+def llama(seed=0):
+    """A 2-layer Llama (hidden 64, GQA: 2 key / value heads), in memory; 3 batches."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+    return model, batches
 
 
 def mixtral(seed=0):

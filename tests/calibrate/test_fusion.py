@@ -12,6 +12,8 @@ from quantscope.observers.registry import get_observer
 
 transformers = pytest.importorskip("transformers")
 
+import tiny_models
+
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 FP8_TENSOR = Recipe((Rule(("Linear",), weight=Role(presets.FP8_PER_TENSOR, "memoryless_minmax"),
@@ -19,17 +21,11 @@ FP8_TENSOR = Recipe((Rule(("Linear",), weight=Role(presets.FP8_PER_TENSOR, "memo
 
 
 def llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   vocab_size=100)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model, batches = tiny_models.llama(seed)
     with torch.no_grad():  # members with clearly different ranges, so sharing shows
         for layer in model.model.layers:
             layer.self_attn.k_proj.weight.mul_(3.0)
             layer.mlp.up_proj.weight.mul_(0.25)
-    batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
-               for i in range(3)]
     return model, batches
 
 

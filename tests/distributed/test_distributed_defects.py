@@ -10,18 +10,11 @@ process group's timeout is short, so a rank left waiting fails in seconds, not m
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-import time
-import traceback
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from ports import free_port
+from ports import rank_results, spawn_ranks
 
 import quantscope
 from quantscope import comm
@@ -117,39 +110,14 @@ def _missing_calls() -> dict:
     return out
 
 
-def _worker(r, w, port, tmp):
-    torch.set_num_threads(1)
-    out = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r,
-                                world_size=w, timeout=datetime.timedelta(seconds=TIMEOUT))
-        for scenario in (_bf16_auto, _dynamic_nan, _missing_calls):
-            out.update(scenario())
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 -- any failure goes back to the parent
-        out["crash"] = traceback.format_exc()
-    torch.save(out, os.path.join(tmp, f"rank{r}.pt"))
+def _scenarios(r, out):
+    for scenario in (_bf16_auto, _dynamic_nan, _missing_calls):
+        out.update(scenario())
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(2, free_port(), tmp), nprocs=2, join=False)
-        deadline = time.monotonic() + 6 * TIMEOUT
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail("the spawned ranks hung")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
-                for r in range(2)]
-
-
-def _got(ranks, key) -> list:
-    """Both ranks' result of scenario ``key``; fails with a rank's crash if it has none."""
-    for r, out in enumerate(ranks):
-        assert key in out, f"rank {r} crashed before {key!r}:\n{out.get('crash')}"
-    return [out[key] for out in ranks]
+    return spawn_ranks(_scenarios, 2, TIMEOUT)
 
 
 def _same_scales(a: dict, b: dict) -> bool:
@@ -159,35 +127,35 @@ def _same_scales(a: dict, b: dict) -> bool:
 
 def test_auto_on_a_bf16_model_gives_every_rank_the_one_process_qparams(ranks):
     # the batch's rows reach rank 1 through the float32 payload: it scores them as bf16 too
-    one = _got(ranks, "bf16_auto/False")
+    one = rank_results(ranks, "bf16_auto/False")
     assert _same_scales(one[0], one[1])
-    for r, got in enumerate(_got(ranks, "bf16_auto/True")):
+    for r, got in enumerate(rank_results(ranks, "bf16_auto/True")):
         assert _same_scales(got, one[r]), (r, got, one[r])
 
 
 @pytest.mark.parametrize("where", [0, 1])
 def test_a_dynamic_roles_nan_raises_the_same_error_on_every_rank(ranks, where):
-    one = _got(ranks, f"nan/{where}/error/False")
+    one = rank_results(ranks, f"nan/{where}/error/False")
     assert one[0] is not None and one[0].startswith(
         "ValueError: calibrate: layer '0' input: a calibration batch brought NaN or inf")
-    assert _got(ranks, f"nan/{where}/error/True") == one
+    assert rank_results(ranks, f"nan/{where}/error/True") == one
 
 
 @pytest.mark.parametrize("where", [0, 1])
 def test_a_dynamic_roles_ignored_nan_raises_on_no_rank(ranks, where):
-    assert _got(ranks, f"nan/{where}/ignore/False") == [None, None]
-    assert _got(ranks, f"nan/{where}/ignore/True") == [None, None]
+    assert rank_results(ranks, f"nan/{where}/ignore/False") == [None, None]
+    assert rank_results(ranks, f"nan/{where}/ignore/True") == [None, None]
 
 
 def test_the_ranks_stay_in_step_after_a_dynamic_roles_nan(ranks):
-    assert _got(ranks, "nan/after") == [1 + 2] * 2
+    assert rank_results(ranks, "nan/after") == [1 + 2] * 2
 
 
 def test_missing_reports_the_calls_of_every_rank(ranks):
-    one = _got(ranks, "missing/False")
+    one = rank_results(ranks, "missing/False")
     assert one[0] == [{"layer": "b", "role": "input", "calls": 3,  # once per batch
                        "fallback": "input not quantized"}]
-    assert _got(ranks, "missing/True") == one
-    err = _got(ranks, "missing_error/False")
+    assert rank_results(ranks, "missing/True") == one
+    err = rank_results(ranks, "missing_error/False")
     assert err[0] is not None and "was called 3 times but saw no tokens" in err[0]
-    assert _got(ranks, "missing_error/True") == err
+    assert rank_results(ranks, "missing_error/True") == err

@@ -9,17 +9,9 @@ group's timeout is short, so a rank left waiting fails the scenario in seconds, 
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-import time
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from ports import free_port
+from ports import rank_results, spawn_ranks
 
 import quantscope
 from quantscope import comm
@@ -112,46 +104,21 @@ def _calibrate_fails_on_one_rank(group) -> str | None:
                                     progress=False, distributed=True, group=group))
 
 
-def _worker(r, w, port, tmp):
-    torch.set_num_threads(1)
-    out = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r,
-                                world_size=w, timeout=datetime.timedelta(seconds=TIMEOUT))
-        # first the scenarios after which the ranks stay in step even when they go wrong
-        obs = quantscope.get_observer("percentile", QuantSpec(), grid="first")
-        obs(torch.randn(8, 16))
-        out["grid_first"] = _error(obs.sync)
-        out.update(_mismatches(r))
-        out["mismatch/after"] = _synced_range(r)
-        out.update(_one_rank_fails(r))
-        out["calibrate"] = _calibrate_fails_on_one_rank(None)
-        out["calibrate/after"] = _synced_range(r)
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 -- any failure goes back to the parent
-        out["crash"] = traceback.format_exc()
-    torch.save(out, os.path.join(tmp, f"rank{r}.pt"))
+def _scenarios(r, out):
+    # first the scenarios after which the ranks stay in step even when they go wrong
+    obs = quantscope.get_observer("percentile", QuantSpec(), grid="first")
+    obs(torch.randn(8, 16))
+    out["grid_first"] = _error(obs.sync)
+    out.update(_mismatches(r))
+    out["mismatch/after"] = _synced_range(r)
+    out.update(_one_rank_fails(r))
+    out["calibrate"] = _calibrate_fails_on_one_rank(None)
+    out["calibrate/after"] = _synced_range(r)
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(2, free_port(), tmp), nprocs=2, join=False)
-        deadline = time.monotonic() + 6 * TIMEOUT
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail("the spawned ranks hung")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
-                for r in range(2)]
-
-
-def _got(ranks, key) -> list:
-    """Both ranks' result of scenario ``key``; fails with a rank's crash if it has none."""
-    for r, out in enumerate(ranks):
-        assert key in out, f"rank {r} crashed before {key!r}:\n{out.get('crash')}"
-    return [out[key] for out in ranks]
+    return spawn_ranks(_scenarios, 2, TIMEOUT)
 
 
 @pytest.mark.parametrize(("key", "message"), [
@@ -163,7 +130,7 @@ def _got(ranks, key) -> list:
 def test_an_error_on_one_rank_raises_the_same_error_on_every_rank(ranks, key, message):
     # rank 0 raises its own error; rank 1, which would wait in a collective, the same type
     # and message, naming the failing rank
-    got = _got(ranks, key)
+    got = rank_results(ranks, key)
     assert got[0].startswith(message), got[0]
     assert got[1] == f"{got[0]} (sync failed on rank(s) [0])"
 
@@ -171,18 +138,18 @@ def test_an_error_on_one_rank_raises_the_same_error_on_every_rank(ranks, key, me
 @pytest.mark.parametrize("key", ["9d", "ema_huge", "mismatch", "calibrate"])
 def test_the_ranks_stay_in_step_after_the_error(ranks, key):
     # rank r observed [r, -2r]: the global range is the same on both ranks
-    assert _got(ranks, f"{key}/after") == [(-2.0, 1.0)] * 2
+    assert rank_results(ranks, f"{key}/after") == [(-2.0, 1.0)] * 2
 
 
 @pytest.mark.parametrize("key", ["sym_vs_asym", "int8_vs_fp8", "absolute", "bins"])
 def test_observers_configured_differently_raise_on_every_rank(ranks, key):
-    for got in _got(ranks, key):
+    for got in rank_results(ranks, key):
         assert got is not None and got.startswith(
             "ValueError: sync: the ranks sync different observers"), got
 
 
 def test_the_observers_own_reason_is_kept(ranks):
-    for got in _got(ranks, "grid_first"):
+    for got in rank_results(ranks, "grid_first"):
         assert got.startswith("NotImplementedError: ") and "grid='first' histograms" in got, got
 
 

@@ -19,6 +19,8 @@ import torch
 pytest.importorskip("llmcompressor")
 transformers = pytest.importorskip("transformers")
 
+import tiny_models
+
 import quantscope
 from quantscope import QuantSpec, Tensor
 from quantscope import presets as P
@@ -163,14 +165,7 @@ _KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   vocab_size=100)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
-               for i in range(3)]
-    return model, batches
+    return tiny_models.llama()
 
 
 def test_kv_cache_export_equals_llm_compressor_and_loads_quantized(llama, tmp_path):

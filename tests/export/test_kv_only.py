@@ -13,16 +13,7 @@ from quantscope.qparams import qparams_from_range
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-
-def tiny_llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   vocab_size=100)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
-               for i in range(3)]
-    return model, batches
+from tiny_models import llama
 
 
 def test_a_recipe_calibrating_the_kv_cache_needs_no_rule():
@@ -38,7 +29,7 @@ def test_kv_cache_only_export_is_llm_compressors_layout_and_reads_back(tmp_path)
     from compressed_tensors.quantization import QuantizationArgs
     from safetensors.torch import load_file
 
-    model, batches = tiny_llama()
+    model, batches = llama()
     calib = calibrate(model, batches,
                       preset("w8a8", targets=["nothing_matches_this"], kv_cache="fp8"),
                       progress=False)
