@@ -179,11 +179,13 @@ def _plan(args, model, recipes, observers) -> dict:
 
 
 def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
-    """Every configuration of ``plan`` calibrated in one pass over the batches."""
+    """Every configuration of ``plan`` calibrated in one pass over the batches, in the plan's
+    order (--recipes by --observers: ``auto`` is decided after the others, not listed so)."""
     from ..calibration import calibrate_many
 
-    return phases.run(f"calibrating {len(plan)} configurations in one pass", lambda: (
+    calibs = phases.run(f"calibrating {len(plan)} configurations in one pass", lambda: (
         calibrate_many(model, batches, plan, **calibration_options(args, candidates))))
+    return {label: calibs[label] for label in plan}
 
 
 def _evaluate_all(calibs: dict, ev, phases) -> dict:
