@@ -203,3 +203,27 @@ def test_fp8_gate_and_up_scales_that_differ_read_as_the_larger(tmp_path):
     for e in range(4):  # apply(): gate and up rows on the larger scale, as vLLM serves them
         u = tensors[DISK.format(0, e, "w3.weight_scale")].float().reshape(())
         torch.testing.assert_close(served[e], _fp8_qdq(snap[e], u), rtol=0, atol=0)
+
+
+def test_experts_under_other_names_are_named_in_the_error(tmp_path):
+    """llm-compressor 0.14 writes Mixtral's experts as gate_proj / up_proj / down_proj where
+    transformers' (and vLLM's) Mixtral names are w1 / w3 / w2: the reader said "KeyError:
+    'weight'" of the expected layer; it says that layer has no tensor, and which tensor of the
+    folder names no module."""
+    model, batches = mixtral()
+    calibrate(model, batches, "w8a8", progress=False).export(model, tmp_path / "ct")
+    shards = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+    def rename(tensors):
+        for key in [k for k in tensors if ".experts." in k]:
+            new = key
+            for a, b in shards.items():
+                new = new.replace(a, b)
+            tensors[new] = tensors.pop(key)
+
+    _rewrite(tmp_path / "ct", rename)
+    with pytest.raises(ValueError, match=r"layer model\.layers\.0\.mlp\.experts\.0\.w1 has no "
+                                         r"tensor in the folder; the folder's 'model\.layers\.\d"
+                                         r"\.block_sparse_moe\.experts\.\d\.(gate|up|down)_proj"
+                                         r"\.\w+' names no module"):
+        Calibration.from_compressed_tensors(tmp_path / "ct")

@@ -286,6 +286,9 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
         prefix = f"{name}."
         local = {k[len(prefix):]: v for k, v in tensors.items()
                  if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if not local:
+            raise ValueError(f"{where}: layer {name} has no tensor in the folder"
+                             f"{_stray(tensors, model)}")
         try:
             states[name] = _read_module(name, tuple(module.weight.shape), local, roles, specs,
                                         observers, fmt, scheme)
@@ -299,6 +302,16 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
             raise ValueError(f"{where}: layer {name}: its tensors do not fit the group's "
                              f"scheme ({type(e).__name__}: {e})") from None
     return rule
+
+
+def _stray(tensors, model) -> str:
+    """A note naming a tensor of the folder that no module of ``model`` holds, if any: the
+    folder names its layers otherwise than the model built from config.json does."""
+    modules = dict(model.named_modules())
+    stray = next((k for k in tensors if k.rpartition(".")[0] not in modules), None)
+    return "" if stray is None else (
+        f"; the folder's {stray!r} names no module of the model built from config.json "
+        f"(another toolkit's layer names?)")
 
 
 def _refuse_unread(tensors, states, path):
