@@ -2,7 +2,8 @@
 
 * :func:`imatrix_range`: the MSE grid search over a weight's ranges with each input
   channel's error weighted by its importance, the mean ``x^2`` of that channel over the
-  calibration activations (llama.cpp's imatrix, llm-compressor's ``imatrix_mse``).
+  calibration activations (llama.cpp's imatrix, llm-compressor's ``imatrix_mse``);
+  :func:`imatrix_qparams` also gives the qparams that run what it priced.
   Weighting the squared error of column ``j`` by ``E[x_j^2]`` makes the score the
   expected squared error of the layer's output under uncorrelated inputs:
   ``E||x (W - Q(W))^T||^2 = sum_ij E[x_j^2] (W - Q(W))_ij^2`` when ``E[x_i x_j] = 0``.
@@ -28,8 +29,8 @@ from ..stats.minmax import unit_minmax
 from . import mse_ops
 from .mse import DEFAULT_CHUNK_ELEMS, shrink_factors
 
-__all__ = ["imatrix_range", "importance_units", "incumbent_global_amax", "output_clip_range",
-           "output_error", "weighted_search"]
+__all__ = ["imatrix_qparams", "imatrix_range", "importance_units", "incumbent_global_amax",
+           "output_clip_range", "output_error", "weighted_search"]
 
 
 def _check_spec(spec, who):
@@ -258,13 +259,32 @@ def imatrix_range(w: torch.Tensor, importance: torch.Tensor | None, spec: QuantS
             so the weighted error never exceeds min-max's.
         norm: the error exponent.
     """
+    return _imatrix(w, importance, spec, factors, norm)[:2]
+
+
+def imatrix_qparams(w: torch.Tensor, importance: torch.Tensor | None, spec: QuantSpec, *,
+                    factors=None, norm: float = 2.0):
+    """:func:`imatrix_range`'s ``(lo, hi)`` and the ``QParams`` (per unit) that run what the
+    search priced: NVFP4 under the min-max range's global scale (:func:`incumbent_global_amax`),
+    not the chosen ranges' own, which would move every block scale."""
+    lo, hi, lo0, hi0 = _imatrix(w, importance, spec, factors, norm)
+    return lo, hi, qparams_from_range(lo, hi, spec,
+                                      global_amax=incumbent_global_amax(lo0, hi0, spec))
+
+
+def _imatrix(w, importance, spec, factors, norm):
+    """``(lo, hi, lo0, hi0)``: the search's ranges and the min-max ones it started from."""
     _check_spec(spec, "imatrix_range")
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise ValueError(f"imatrix_range: w must be a 2-D weight [out, in], got "
                          f"{getattr(w, 'shape', type(w).__name__)}")
     w = w.detach().float()
     weights = importance_units(importance, w.shape, spec, w.device)
-    return weighted_search(spec.layout.to_units(w), weights, spec, factors=factors, norm=norm)
+    units = spec.layout.to_units(w)
+    lo0, hi0 = unit_minmax(units)
+    lo, hi = weighted_search(units, weights, spec, factors=factors, norm=norm,
+                             ranges=(lo0, hi0))
+    return lo, hi, lo0, hi0
 
 
 def output_error(x: torch.Tensor, w_q: torch.Tensor, spec: QuantSpec, lo: torch.Tensor,

@@ -51,7 +51,7 @@ EXPERT_SHARED = ("input_scale", "input_global_scale")
 #: ``<experts module>.<expert>.<shard>``: the per-expert layers vLLM's loader stacks
 _EXPERT = re.compile(r"^(.*experts)\.(\d+)\.([^.]+)$")
 #: an expert's shards whose inputs the fused ``w13`` reads (the others: ``w2``)
-_W13 = frozenset(("gate_proj", "up_proj", "w1", "w3"))
+_W13 = frozenset(FUSED["gate_up_proj"] + FUSED["w13"])
 
 #: per-tensor scales a fused layer holds once; weight_scale only where the runtime
 #: re-quantizes shards to one scale (float8 weights: vLLM's FP8 path), not int8 (widened)

@@ -21,9 +21,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ...estimators.weighted import imatrix_range, incumbent_global_amax
-from ...qparams import qparams_from_range
-from ...stats.minmax import unit_minmax
+from ...estimators.weighted import imatrix_qparams
 from ..results.apply import qdq_tensor
 from ..results.result import RoleState
 from ..run.batches import eval_mode, forward_batch
@@ -116,16 +114,11 @@ def _labels(batch) -> torch.Tensor:
 # ----------------------------------------------------------------------------- joint choice
 def imatrix_state(w: torch.Tensor, importance: torch.Tensor, base: RoleState) -> RoleState:
     """The weight state of the importance-weighted MSE search under ``base``'s spec
-    (``importance``: the mean ``x^2`` of each input channel). A format with a global scale
-    (NVFP4) runs the min-max range's, the one the search priced every candidate under (as the
-    ``imatrix_mse`` observer does): the chosen ranges' own would move every block scale."""
-    spec = base.spec
-    lo, hi = imatrix_range(w, importance, spec)
-    ga = (incumbent_global_amax(*unit_minmax(spec.layout.to_units(w.detach().float())), spec)
-          if spec.scale.has_global_scale else None)
-    qp = qparams_from_range(lo, hi, spec, global_amax=ga).reshape(
-        spec.layout.qparam_shape(w.shape))
-    return replace(base, observer=IMATRIX, qparams=qp, lo=lo, hi=hi)
+    (``importance``: the mean ``x^2`` of each input channel), with the qparams the search
+    priced (:func:`~quantscope.estimators.weighted.imatrix_qparams`)."""
+    lo, hi, qp = imatrix_qparams(w, importance, base.spec)
+    return replace(base, observer=IMATRIX, qparams=qp.reshape(base.spec.layout.qparam_shape(
+        w.shape)), lo=lo, hi=hi)
 
 
 def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
