@@ -159,7 +159,7 @@ def _widens(spec) -> bool:
     return fusion.shares_weight_scale(spec) and not spec.scale.has_global_scale
 
 
-def _join_rows(gate, up, layer: str, widened: list | None = None):
+def _join_rows(gate, up, layer: str, widened: list):
     """The ``gate_up_proj`` weight state from its gate and up halves: per-row values
     concatenated (:func:`fusion.split_state` inverted), one-value ones shared (differing
     float8 per-tensor scales: the larger, noted in ``widened`` as ``(layer, gate, up)``)."""
@@ -182,8 +182,7 @@ def _join_rows(gate, up, layer: str, widened: list | None = None):
                 raise ValueError(f"{layer}: gate and up hold different per-tensor {what} "
                                  f"({float(a)!r}, {float(b)!r}); the model's fused experts "
                                  f"take one")
-            if widened is not None:
-                widened.append((layer, float(a), float(b)))
+            widened.append((layer, float(a), float(b)))
             return torch.maximum(a, b)
         return torch.cat([a, b], 0)
 
@@ -197,7 +196,7 @@ def _join_rows(gate, up, layer: str, widened: list | None = None):
     return replace(gate, qparams=qp, shape=shape)
 
 
-def _join_roles(gate: dict, up: dict, layer: str, widened: list | None = None) -> dict:
+def _join_roles(gate: dict, up: dict, layer: str, widened: list) -> dict:
     if set(gate) != set(up):
         raise ValueError(f"{layer}: gate has roles {sorted(gate)} but up {sorted(up)}")
     out = {}
@@ -211,7 +210,7 @@ def _join_roles(gate: dict, up: dict, layer: str, widened: list | None = None) -
     return out
 
 
-def _warn_widened(widened: list, where: str) -> None:
+def _warn_widened(widened: list) -> None:
     """One warning for every gate / up pair read with the larger of two weight scales."""
     if not widened:
         return
@@ -245,5 +244,5 @@ def fuse_expert_states(found: dict, states: dict, where: str = "from_compressed_
                 raise ValueError(f"{layer}: only one of {gate} / {up} is quantized; the "
                                  f"model's fused gate_up_proj is one layer")
             out[f"{base}.gate_up_proj"] = _join_roles(g, u, layer, widened)
-    _warn_widened(widened, where)
+    _warn_widened(widened)
     return out
