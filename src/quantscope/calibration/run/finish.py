@@ -25,7 +25,7 @@ from ..structure import fusion, moe
 from .observe import observer_key
 
 
-def _share_inputs(states, rows, plan, slots, groups, made, errors, stats_of) -> None:
+def _share_inputs(states, plan, slots, groups, made, errors) -> None:
     """``auto`` in a fusion group: its one input slot gets one observer for all members,
     the candidate with the least total error over them (``auto_metric="output"`` weighs
     each member's own weights, "joint" / "fisher" its own picked weight, so members alone
@@ -43,17 +43,12 @@ def _share_inputs(states, rows, plan, slots, groups, made, errors, stats_of) -> 
                 totals[okey] = sum(errs)
         if totals:
             okey = min(totals, key=totals.get)
-            at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
             for m in members:
-                skey = (m, "input", okey, cfg.dynamic)
-                states[m]["input"] = replace(made[skey], requested=cfg.observer)
-                st = (stats_of((m, "input"), skey, states[m]["input"]) if (m, "input") in at
-                      else None)
-                if st is not None:
-                    rows[at[(m, "input")]] = stats_row(m, "input", states[m]["input"], st)
+                states[m]["input"] = replace(made[(m, "input", okey, cfg.dynamic)],
+                                             requested=cfg.observer)
 
 
-def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
+def _share_weights(states, plan, slots, groups) -> list[dict]:
     """Each group's weights, where the runtime shares a weight scale, observed concatenated
     by one observer (``auto``: the candidate with the least total error) and split back per
     member; returns what was done per group (for the report)."""
@@ -93,12 +88,8 @@ def _share_weights(states, rows, plan, slots, groups) -> list[dict]:
             if best is None or err < best[1]:
                 best = (state, err)
         parts = fusion.split_state(best[0], [tuple(m.weight.shape) for m in mods])
-        at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
-        for m, mod, st in zip(members, mods, parts):
+        for m, st in zip(members, parts):
             states[m]["weight"] = st
-            if (m, "weight") in at:
-                rows[at[(m, "weight")]] = stats_row(m, "weight", st,
-                                                    tensor_stats(mod.weight.detach(), st))
         entry["weight"] = f"shared ({best[0].observer})"
     return done
 
@@ -204,23 +195,23 @@ class _States:
             states.setdefault(layer, {})[role] = state
             if st is not None:
                 rows.append(stats_row(layer, role, state, st))
-        _share_inputs(states, rows, plan, self.slots, groups, self.made,
+        # what follows may give a role another state (a fusion group's one input or shared
+        # weight scale, an expert's shrunk or module-wide range): its row is made again
+        before = {(layer, role): st for layer, rs in states.items() for role, st in rs.items()}
+        _share_inputs(states, plan, self.slots, groups, self.made,
                       self.joint_errors(plan) if self.auto_metric in layer_choice.LAYER_METRICS
-                      else self.errors, self.stats_of)
-        shared = _share_weights(states, rows, plan, self.slots, groups)
-        per_expert = []
-        if experts:
-            before = {(l, r): st for l, rs in states.items() for r, st in rs.items()}
-            per_expert = moe.shrink(states, experts, experts.min_tokens)
-            self._restat(states, rows, before)
+                      else self.errors)
+        shared = _share_weights(states, plan, self.slots, groups)
+        per_expert = moe.shrink(states, experts, experts.min_tokens) if experts else []
+        self._restat(states, rows, before)
         floats = {g["layer"] for g in absent if g["fallback"] == "float layer"}
         states = {k: v for k, v in states.items() if k not in floats}
         rows = [r for r in rows if r["layer"] not in floats]
         return states, rows, shared, per_expert, absent
 
     def _restat(self, states, rows, before) -> None:
-        """The report rows of the expert roles :func:`moe.shrink` changed (shrunk, or given
-        their module's one input range): the statistics of the qparams served."""
+        """The report rows of the roles whose state changed since ``before`` (the states the
+        rows were made for): the statistics of the qparams served."""
         at = {(r["layer"], r["role"]): i for i, r in enumerate(rows)}
         for layer, roles in states.items():
             for role, state in roles.items():
