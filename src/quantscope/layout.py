@@ -107,6 +107,16 @@ class Layout:
     def num_units(self, shape) -> int:
         return math.prod(self.qparam_shape(shape))
 
+    def same_units(self, other: Layout, shape) -> bool:
+        """Whether ``other`` cuts a tensor of ``shape`` into this layout's units, in this order
+        (``"group:4:1"`` does ``"group:4"``'s on a 2-D tensor; ``"group:4:0"`` does not, though
+        its qparam shape is the same on a square one). Runs along an axis (groups, blocks,
+        tiles) must agree in size and axis: their qparam shape hides the axis."""
+        shape = tuple(shape)
+        if self.qparam_shape(shape) != other.qparam_shape(shape):
+            return False
+        return _runs(self, len(shape)) == _runs(other, len(shape))
+
     def check(self, shape) -> None:
         """Raise ``ValueError`` naming layout and shape if the tensor cannot take this layout."""
         self.qparam_shape(tuple(shape))
@@ -394,6 +404,15 @@ class Tile(Layout):
         if rv < self.rows and ct > 1:  # the last tile row left of it
             parts.append((tiles[:, -1, :-1], u[:, -1, :-1, :rv, :]))
         return [(i.reshape(-1), v.reshape(i.numel(), -1)) for i, v in parts]
+
+
+def _runs(layout: Layout, ndim: int) -> tuple | None:
+    """The runs a layout cuts along an axis (a group's are a block's), ``None`` for others."""
+    if isinstance(layout, _Segments):
+        return "runs", layout.size, layout.axis % ndim
+    if isinstance(layout, Tile):
+        return "tiles", layout.rows, layout.cols
+    return None
 
 
 def parse_layout(value: str | Layout) -> Layout:

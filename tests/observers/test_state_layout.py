@@ -45,6 +45,18 @@ def test_channel_state_of_another_axis_is_a_value_error():
     _same_state(before, _state(other))  # checked before anything was copied
 
 
+@pytest.mark.parametrize("saved, into", [("group:4:0", "group:4"), ("block:4:0", "block:4"),
+                                         ("tile:2x4", "tile:4x2")])
+def test_runs_along_another_axis_are_a_value_error_though_the_qparam_shape_agrees(saved, into):
+    """On a square matrix groups down the columns have the qparam shape of groups along the
+    rows, but other units: their ranges would land on the wrong values."""
+    x = _matrix()
+    src = _observed("static_minmax", QuantSpec("int8", saved), x)
+    dst = get_observer("static_minmax", QuantSpec("int8", into))
+    with pytest.raises(ValueError, match=rf"saved under layout '{saved}'.*layout is '{into}'"):
+        dst.load_state_dict(src.state_dict())
+
+
 @pytest.mark.parametrize("name", ["percentile", "histogram_mse", "mix"])
 @pytest.mark.parametrize("saved_symmetric", [True, False])
 def test_histogram_of_abs_x_into_one_of_x_is_a_value_error(name, saved_symmetric):
@@ -71,7 +83,7 @@ def test_histogram_of_one_kind_whatever_the_symmetry_loads(name):
 
 
 @pytest.mark.parametrize("saved, into", [("channel:-1", "channel:1"), ("token", "channel:0"),
-                                         ("group:4", "group:4:1")])
+                                         ("group:4", "group:4:1"), ("group:4", "block:4:1")])
 def test_another_name_for_the_same_units_loads(saved, into):
     x = _matrix()
     src = _observed("static_minmax", QuantSpec("int8", saved), x)
@@ -107,9 +119,13 @@ def test_record_is_a_tensor_saved_by_safetensors_and_weights_only_load():
         assert torch.equal(back.qparams().scale, saved.qparams().scale)
 
 
-def test_a_damaged_record_is_a_value_error_naming_the_observer():
-    saved = _observed("static_minmax", QuantSpec("int8"), _matrix())
+@pytest.mark.parametrize("name", ["static_minmax", "percentile"])
+@pytest.mark.parametrize("record", [bytes([255, 0, 1]), b'{"layout": "tensor", "absolute": "no"}',
+                                    b'{"layout": "tensor", "absolute": 2}', b'{"layout": 5}'])
+def test_a_damaged_record_is_a_value_error_naming_the_observer(name, record):
+    saved = _observed(name, QuantSpec("int8"), _matrix())
     state = saved.state_dict()
-    state[RECORD] = torch.tensor([255, 0, 1], dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"StaticMinMaxObserver.*_extra_state is no record"):
-        get_observer("static_minmax", QuantSpec("int8")).load_state_dict(state)
+    state[RECORD] = torch.tensor(list(record), dtype=torch.uint8)
+    into = get_observer(name, QuantSpec("int8"))
+    with pytest.raises(ValueError, match=type(into).__name__ + r".*_extra_state is no record"):
+        into.load_state_dict(state)

@@ -7,6 +7,7 @@ import torch
 
 from ..formats import FloatFormat
 from ..layout import Block, Channel, Group, Tensor
+from ..observers import record
 from ..qparams import qparams_from_range
 from ..scales import e8m0_scale
 from ..spec import QuantSpec
@@ -204,7 +205,7 @@ class QuarkObserver:
     def set_extra_state(self, state) -> None:
         """Take the saved input dtype back (a state saved without it keeps this one's)."""
         super().set_extra_state(state)
-        name = (self._read_record(state) or {}).get("input_dtype")
+        name = (record.decode(state, self.describe()) or {}).get("input_dtype")
         if name is None:
             return
         dtype = getattr(torch, str(name), None)

@@ -26,7 +26,6 @@ Rules every subclass keeps:
 
 from __future__ import annotations
 
-import json
 import warnings
 from typing import ClassVar
 
@@ -36,16 +35,15 @@ from torch import nn
 from .. import kernels
 from .._checks import check_float32_range
 from .._numerics import upload
-from ..layout import parse_layout
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import layout_minmax, record_non_finite, unit_minmax
+from . import record
 from .sync import step_sync, sync_observers
 
 __all__ = ["NON_FINITE_MODES", "Observer", "only_observes", "tokens_of"]
 
 NON_FINITE_MODES = ("error", "ignore")
-_RECORD = "_extra_state"  # torch's key of get_extra_state's value
 
 
 def only_observes(forward):
@@ -55,14 +53,6 @@ def only_observes(forward):
     ``forward``, never grouped: :attr:`Observer.takes_minmax`."""
     forward.only_observes = True
     return forward
-
-
-def _saved_shape(state_dict, prefix) -> tuple[int, ...] | None:
-    """The shape a saved observer state last observed (None: nothing observed, or unreadable)."""
-    tokens, shape = (state_dict.get(prefix + k) for k in ("observed_tokens", "observed_shape"))
-    if tokens is None or shape is None or tokens.is_meta or shape.is_meta or not int(tokens):
-        return None
-    return tuple(shape.tolist())
 
 
 def tokens_of(x: torch.Tensor) -> int:
@@ -400,7 +390,7 @@ class Observer(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         self._check_loaded_units(state_dict, prefix)
-        self._check_loaded_record(state_dict, prefix)
+        record.check(state_dict, prefix, self._state_record(), self.spec.layout, self.describe())
         # sized buffers take the saved shape before the copy, so a fresh observer loads any state
         for name in (*self._sized_buffers(), *self._setting_buffers(), "observed_shape"):
             key = prefix + name
@@ -410,7 +400,7 @@ class Observer(nn.Module):
                                                      device=old.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        missing_keys[:] = [k for k in missing_keys if k != prefix + _RECORD]  # saved before it
+        missing_keys[:] = [k for k in missing_keys if k != prefix + record.RECORD]  # older state
         self._synced = None  # a loaded state is this rank's own until the next sync
         # the Python mirror of the shape comes from the saved tensors (readable even when
         # this observer lives on the meta device); a state without them leaves it alone
@@ -421,7 +411,7 @@ class Observer(nn.Module):
     def _check_loaded_units(self, state_dict, prefix) -> None:
         """Raise ``ValueError`` naming this observer unless the saved per-unit range fits this
         layout for the saved shape (else ``qparams()`` fails later with a bare reshape)."""
-        shape = _saved_shape(state_dict, prefix)
+        shape = record.saved_shape(state_dict, prefix)
         if shape is None:
             return
         try:
@@ -446,36 +436,10 @@ class Observer(nn.Module):
                 **({} if absolute is None else {"absolute": bool(absolute)})}
 
     def get_extra_state(self) -> torch.Tensor:
-        # JSON in a uint8 tensor: the state stays all tensors (safetensors saves it)
-        data = bytearray(json.dumps(self._state_record(), sort_keys=True).encode())
-        return torch.frombuffer(data, dtype=torch.uint8)
+        return record.encode(self._state_record())
 
     def set_extra_state(self, state) -> None:
         """A subclass takes its own entries back here (the base's were checked before)."""
-
-    def _read_record(self, state) -> dict | None:
-        if not isinstance(state, torch.Tensor) or state.is_meta:
-            return None  # no record (saved before it: loads as then), or one on meta
-        try:
-            return dict(json.loads(bytes(state.reshape(-1).tolist())))
-        except (ValueError, TypeError):
-            raise ValueError(f"{self.describe()}: the state's {_RECORD} is no record") from None
-
-    def _check_loaded_record(self, state_dict, prefix) -> None:
-        """``ValueError`` naming both for a state saved under a layout of other units for the
-        saved shape, or binning ``|x|`` where this one bins ``x`` (or the reverse)."""
-        saved, mine = self._read_record(state_dict.get(prefix + _RECORD)), self._state_record()
-        if saved is None:
-            return
-        layout, shape = saved.get("layout", mine["layout"]), _saved_shape(state_dict, prefix)
-        if layout != mine["layout"] and shape is not None and \
-                parse_layout(layout).qparam_shape(shape) != self.spec.layout.qparam_shape(shape):
-            raise ValueError(f"{self.describe()}: cannot load a state saved under layout "
-                             f"{layout!r}; this observer's layout is {mine['layout']!r}")
-        if "absolute" in mine and saved.get("absolute", mine["absolute"]) != mine["absolute"]:
-            what = ("x (asymmetric)", "|x| (symmetric)")
-            raise ValueError(f"{self.describe()}: cannot load a histogram of {what[saved['absolute']]}"
-                             f" into this one's, of {what[mine['absolute']]}")
 
     def _averaging_constant(self, c: float | None, *, optional: bool = False) -> float | None:
         """Validate an EMA constant (``None`` allowed where the moving average is optional)."""
