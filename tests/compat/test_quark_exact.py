@@ -635,3 +635,51 @@ def test_mxint8_even_rounds_6_fraction_bits_where_quark_rounds_8():
     assert ours.tolist() == [2.0, 2.0] and even_round(amax, "int8").tolist() == [1.0, 2.0]
     assert torch.equal(e8m0_scale(amax, get_format("fp8_e4m3"), "even"),
                        even_round(amax, "fp8_e4m3"))
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw", [
+    ("UniformScalingObserver", {"dtype": "int8", "symmetric": True}),
+    ("UniformScalingObserver", {"dtype": "uint8", "symmetric": False}),
+    ("UniformScalingObserver", {"dtype": "fp8_e4m3"}),
+    ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0,
+                                  "symmetric": True}),
+    ("PerGroupMinMaxObserver", {"dtype": "int4", "qscheme": "per_group", "ch_axis": 1,
+                                "group_size": 16, "symmetric": True}),
+    ("PerBlockMXObserver", {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1,
+                            "group_size": 16, "scale_format": "e8m0",
+                            "scale_calculation_mode": "floor"}),
+    ("PerBlockBFPObserver", {"dtype": "bfp16", "qscheme": "per_group", "ch_axis": -1,
+                             "group_size": 8})])
+@pytest.mark.parametrize("positional", [False, True])
+def test_eps_argument_as_quark_uses_or_drops_it(name, kw, positional):
+    """Quark's uniform-scaling base and block observers take ``eps`` (the scale of a zero
+    range); its per-channel / per-group ones take it and drop it: the same scales here."""
+    from quark.torch.quantization.observer import observer as qo
+
+    base = name == "UniformScalingObserver"  # Quark's configs name only its subclasses
+    cfg = quark_cfg(observer_cls=quark.PerTensorMinMaxObserver if base else getattr(quark, name),
+                    **kw)
+    args, kwargs = ((cfg, None, 1e-3), {}) if positional else ((cfg,), {"eps": 1e-3})
+    theirs, ours = getattr(qo, name)(*args, **kwargs), getattr(quark, name)(*args, **kwargs)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    x[0] = 0.0  # zero units: where eps becomes the scale
+    if base:  # its qparams of given ranges, a zero one among them
+        lo, hi = x.amin(1), x.amax(1)
+        pairs = zip(ours.calculate_qparams(lo, hi), theirs.calculate_qparams(lo, hi), strict=True)
+    else:
+        theirs(x)
+        ours(x)
+        pairs = zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True)
+    for a, b in pairs:
+        same(a, b)
+
+
+@pytest.mark.peers
+def test_eps_argument_refused_where_quark_has_none():
+    from quark.torch.quantization.observer import observer as qo
+
+    cfg = quark_cfg(observer_cls=quark.PerTensorMinMaxObserver, dtype="int8", symmetric=True)
+    for cls in (qo.PerTensorMinMaxObserver, quark.PerTensorMinMaxObserver):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'eps'"):
+            cls(cfg, eps=1e-3)

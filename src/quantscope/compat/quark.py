@@ -208,6 +208,8 @@ class PlaceholderObserver(QuarkObserver, _NativePlaceholder):
 class UniformScalingObserver(_DynamicOrStatic):
     """Quark's base of uniform int / fp8 scaling: min / max over the spec's layout."""
 
+    _eps_argument = "used"
+
 
 @register("quark:PerTensorMinMaxObserver")
 class PerTensorMinMaxObserver(_DynamicOrStatic):
@@ -218,6 +220,8 @@ class PerTensorMinMaxObserver(_DynamicOrStatic):
 class PerChannelMinMaxObserver(_DynamicOrStatic):
     """Running (static) or last (dynamic) min / max per channel along ``ch_axis``; a static
     one starts over when the channel count changes, as Quark's."""
+
+    _eps_argument = "ignored"
 
     def _quark_state_key(self, shape):
         return self.spec.layout.num_units(shape)  # Quark compares its min_val's numel
@@ -232,6 +236,7 @@ class PerGroupMinMaxObserver(_DynamicOrStatic):
     """Min / max per group of ``group_size`` along ``ch_axis``, of the last call (as Quark's:
     ``min_val`` / ``max_val`` flat ``(rows * groups,)``, the qparams ``(rows, groups)``)."""
 
+    _eps_argument = "ignored"
     always_memoryless = True
     _flat_stats = True
 
@@ -272,10 +277,12 @@ class PerBlockMXObserver(_BlockAmax):
     axis the group size does not divide is padded with zeros, and a static one starts over
     when its ``(rows, blocks)`` change, as Quark's."""
 
+    _eps_argument = "used"
     _pads_blocks = True
 
-    def __init__(self, qspec, device: torch.device | None = None, **native):
-        super().__init__(qspec, device, **native)
+    def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
+                 **native):
+        super().__init__(qspec, device, eps, **native)
         if not self.spec.is_float:  # Quark asserts fp4 / fp6 / fp8 elements
             raise UnsupportedElementError(
                 f"{type(self).__name__}: Quark's PerBlockMXObserver takes float elements only "
@@ -307,6 +314,8 @@ class PerBlockMXObserver(_BlockAmax):
 class PerBlockBFPObserver(_BlockAmax):
     """BFP16: blocks of 8, shared exponent with the overflow check ('even' E8M0, int8 codes);
     ``amax`` the per-block absmax (Quark's doubles where a block overflows), int32 zeros."""
+
+    _eps_argument = "used"
 
     def _calculate_qparams(self):
         if not self.has_observed:  # Quark's formula on its amax tensor(0.): eps

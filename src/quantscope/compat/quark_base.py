@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 
 from ..formats import FloatFormat
@@ -174,8 +177,21 @@ class QuarkObserver:
     #: Quark's block observers pad the last block of an axis the group size does not divide
     _pads_blocks = False
 
-    def __init__(self, qspec, device: torch.device | None = None, **native):
-        super().__init__(quark_spec(qspec, pad_blocks=self._pads_blocks), **native)
+    #: what the class does with Quark's ``eps`` argument: "used" (Quark's uniform-scaling
+    #: base, block MX / BFP), "ignored" (its per-channel / per-group take it and drop it in
+    #: their ``super().__init__``), "refused" (the others have none)
+    _eps_argument: ClassVar[str] = "refused"
+
+    def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
+                 **native):
+        spec = quark_spec(qspec, pad_blocks=self._pads_blocks)
+        if eps is not None and self._eps_argument == "refused":
+            raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword "
+                            f"argument 'eps'")
+        used = eps is not None and self._eps_argument == "used"
+        if used and spec.scale.kind != "e8m0":  # the smallest int / float32 scale
+            spec = dataclasses.replace(spec, eps=eps)
+        super().__init__(spec, **native)
         self.qspec = qspec
         self.dtype = field(qspec, "dtype")
         self.is_dynamic = bool(field(qspec, "is_dynamic"))
@@ -188,7 +204,7 @@ class QuarkObserver:
         self._input_dtype = torch.float32
         #: set by a two-level scheme on its second stage: float32 scales divide by it too
         self.quant_max_first_level: float | None = None
-        self.eps = _F32_EPS
+        self.eps = float(eps) if used else _F32_EPS  # e8m0 modes 'floor' / 'ceil', BFP: 0 -> eps
         self._deleted: set[str] = set()
         if device is not None:
             self.to(device)
