@@ -39,6 +39,16 @@ def test_row_sample_spreads_over_every_batch():
     assert s.count == 2
 
 
+def test_an_empty_batch_leaves_its_share_to_the_next():
+    """7 batches for 64 rows, the 4th empty: the batches after it take its share (64 kept,
+    as with a 1-row batch there), not a sample one batch short."""
+    s = RowSample(64, 7, torch.Generator().manual_seed(0))
+    for k in range(7):
+        s.add(torch.randn(0 if k == 3 else 40, 16))
+        assert s.count == (k if k == 3 else k + 1) * 64 // 7  # floor(64 k / 7) after batch k
+    assert s.count == 64
+
+
 def test_row_sample_empty_and_width_change():
     s = RowSample(4, 1, torch.Generator())
     s.add(torch.empty(0, 5))

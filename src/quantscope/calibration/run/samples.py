@@ -61,11 +61,14 @@ class RowSample:
         return min(self.calls, self.batches) * self.capacity // self.batches - self.count
 
     def add(self, x: torch.Tensor) -> None:
-        if self.count >= self.capacity or x.numel() == 0:
+        if self.count >= self.capacity:
+            return
+        share = self._share()  # an empty batch counts too: later batches take its share
+        if x.numel() == 0:
             return
         rows = self._rows(x.detach())
         n, width = math.prod(rows.shape[:-1]), rows.shape[-1]
-        take = min(n, self._share(), self.capacity - self.count)
+        take = min(n, share, self.capacity - self.count)
         if take <= 0:
             return
         if self.buffer is None:
