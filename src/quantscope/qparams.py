@@ -152,7 +152,7 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
         if lib.qs_block_amax_max(lo.data_ptr(), hi.data_ptr(), lo.numel(), amax.data_ptr()):
             return None
         global_amax = amax
-    elif not bool((torch.as_tensor(global_amax).abs() < math.inf).all()):
+    elif not _is_amax(global_amax):
         return None  # the torch branch says what is wrong
     gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
     if gs.numel() != 1 or lib.qs_nvfp4_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(),
@@ -241,9 +241,15 @@ def _check_finite(lo: torch.Tensor, hi: torch.Tensor, global_amax) -> None:
     # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN compares false
     if not bool((torch.stack((lo, hi)).abs() < math.inf).all()):
         raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
-    if global_amax is not None and not bool(
-            (torch.as_tensor(global_amax).abs() < math.inf).all()):
-        raise ValueError(f"qparams_from_range: global_amax must be finite, got {global_amax!r}")
+    if global_amax is not None and not _is_amax(global_amax):
+        raise ValueError(f"qparams_from_range: global_amax must be finite and >= 0 (an "
+                         f"absolute maximum), got {global_amax!r}")
+
+
+def _is_amax(global_amax) -> bool:
+    """Whether ``global_amax`` is finite and not negative (NaN compares false)."""
+    g = torch.as_tensor(global_amax)
+    return bool(((g >= 0) & (g < math.inf)).all())
 
 
 def _block_qparams(amax: torch.Tensor, spec: QuantSpec, global_amax) -> QParams:

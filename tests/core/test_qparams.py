@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from quantscope import QParams, QuantSpec, fake_quantize, presets, qparams_from_range
 from quantscope.formats import FP4_E2M1, FP8_E4M3
+from quantscope.qparams import KERNEL_MIN_UNITS
 from quantscope.scales import e8m0_scale
 
 ONES = torch.ones(5)
@@ -195,6 +196,13 @@ def test_errors_and_qparams_helpers():
                            global_amax=torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="must be finite"):
         qparams_from_range(torch.tensor([float("nan")]), torch.zeros(1), QuantSpec())
+    # an absolute maximum below 0 is no amax (it read as an all-zero tensor's: global scale
+    # 1): on the torch branch and on the C one (from KERNEL_MIN_UNITS units)
+    for units in (2, KERNEL_MIN_UNITS):
+        for bad in (-0.03, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=r"global_amax must be finite and >= 0"):
+                qparams_from_range(-torch.ones(units), torch.ones(units), presets.NVFP4,
+                                   global_amax=torch.tensor(bad))
     with pytest.raises(ValueError, match="must be finite"):
         qparams_from_range(torch.zeros(1), torch.tensor([float("inf")]), QuantSpec())
     q = qparams_from_range(-torch.ones(2, 3), torch.ones(2, 3), QuantSpec())
