@@ -26,7 +26,7 @@ E8M0 modes, with ``emax`` the element format's largest exponent
   element's mantissa width, half up, first, then ``floor``: the exponent moves up exactly
   when the largest element would round past the binade. For int8 codes this is BFP16's
   overflow check. compressed-tensors' MX scales are this rule with the fp4 mantissa
-  (1 bit) for every element type, so they equal ours for MXFP4 only.
+  (1 bit) for MXFP4 and MXFP8 and E2M3's for MXFP6 (0.20): ours but for MXFP8.
 * ``rceil`` (cuBLAS / NVIDIA, torchao ``RCEIL``; Quark has no such mode, whatever
   REFERENCES.md says): ``k = ceil(log2(amax / format_max))``, the smallest power of two that
   keeps every element unclipped; ``2 ** -127`` where ``amax / format_max`` underflows to 0
