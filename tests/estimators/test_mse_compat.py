@@ -150,6 +150,17 @@ def test_search_is_the_torch_path_bit_for_bit(fmt, norm, symmetric, tie, patienc
            grid=grid[1])
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_strided_units_search_as_their_contiguous_copy(norm):
+    """A transposed view of the units: the torch path summed in its memory order (974 of
+    2000 errors and one choice differed from the kernel's, which reads a copy)."""
+    u = torch.randn(128, 2000, generator=torch.Generator().manual_seed(5)).t()
+    spec = QuantSpec("int4", Channel(), symmetric=False)
+    got = _check(u, None, None, spec, backend=None, engine=False, norm=norm)
+    assert _same(got, mse_search(u.contiguous(), None, None, spec, compat="llmcompressor",
+                                 backend="torch", norm=norm))
+
+
 @pytest.mark.parametrize("threads", (2, 3, 4))
 @settings(max_examples=15, deadline=None)
 @given(norm=st.sampled_from((2.4, 1.5, 2.0)), rows=st.integers(1, 80),

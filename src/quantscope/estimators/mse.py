@@ -130,7 +130,8 @@ def _check(units, lo, hi, spec, norm):
         raise ValueError(f"mse_search: units must be a 2-D [units, elements] tensor, got "
                          f"{getattr(units, 'shape', type(units).__name__)}")
     check_number("mse_search", "norm", norm, 0.0, lo_open=True)
-    units = units.float()
+    # contiguous: the torch tiles' float32 sums follow the memory order, the kernels copy
+    units = units.float().contiguous()
     if lo is None or hi is None:
         lo, hi = unit_minmax(units)
     lo = torch.as_tensor(lo, dtype=torch.float32, device=units.device).reshape(-1)
