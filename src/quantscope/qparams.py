@@ -436,6 +436,7 @@ def _float_format(format: str, who: str) -> FloatFormat:
 def _torch_nvfp4_qparams(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str,
                          min_scale: float) -> tuple[Tensor, Tensor]:
     fmt = _check_nvfp4(lo, hi, global_amax, format)
+    lo, hi = lo.contiguous(), hi.contiguous()  # contiguous outputs, as the kernel's and fake's
     return _nvfp4_scales(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), global_amax, fmt,
                          min_scale)
 
@@ -453,7 +454,7 @@ def _cuda_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
 
 def _fake_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
     _check_nvfp4(lo, hi, global_amax, format)
-    return torch.empty_like(lo), lo.new_empty(1)
+    return lo.new_empty(lo.shape), lo.new_empty(1)
 
 
 #: NVFP4's block scales and global scale (``[1]``) from per-block ranges, the global scale

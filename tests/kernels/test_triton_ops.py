@@ -71,6 +71,8 @@ def _cases(device="cpu"):
         "int_qparams_sym": (ops.int_qparams, (lo, hi, [0.0, 255.0, 1e-8, 1.0, 128.0])),
         "e8m0_block_scales": (ops.e8m0_block_scales, (lo, hi, "fp4_e2m1", "even")),
         "nvfp4_qparams": (ops.nvfp4_qparams, (lo, hi, None, "fp4_e2m1", 1e-8)),
+        "nvfp4_qparams_strided": (ops.nvfp4_qparams, (lo.view(2, 3).t(), hi.view(2, 3).t(),
+                                                      None, "fp4_e2m1", 1e-8)),
         # probing: the CPU answered a 0-d range with block scales of shape [1]
         "nvfp4_qparams_0d": (ops.nvfp4_qparams, (lo[0], hi[0], None, "fp4_e2m1", 1e-8)),
         # probing: no units divided by zero in the launcher; the CPU failed on amin of nothing
@@ -116,6 +118,16 @@ def _cases(device="cpu"):
 def test_opcheck(name):
     op, args = _cases()[name]
     torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name", [n for n in _cases() if n.endswith("qparams_strided")
+                                  or n == "e8m0_block_scales_strided"])
+def test_qparams_ops_give_contiguous_outputs_for_strided_ranges(name):
+    """The Triton kernels write contiguous outputs: the CPU implementation and the fake give
+    the same strides (else a compiled graph expects strides the GPU does not give)."""
+    op, args = _cases()[name]
+    assert not args[0].is_contiguous()
+    assert all(t.is_contiguous() for t in _flat(op(*args)))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
