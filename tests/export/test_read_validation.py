@@ -370,3 +370,95 @@ def test_a_zero_point_of_another_dtype_is_refused_naming_layer_and_tensor(export
             rf"torch.int8 \[{rows}, {groups}\], but the config's weights \(int4 .*\) are "
             rf"stored as torch.int32 \[{packed.shape[0]}, {packed.shape[1]}\]")):
         Calibration.from_compressed_tensors(folder)
+
+
+_Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("leaf, value, why", [
+    ("weight_zero_point", torch.full((32, 1), 3, dtype=torch.int8),
+     r"the config's weight \(int8 channel:0 sym\) is symmetric: it has no zero point"),
+    ("weight_zero_point", torch.full((32, 1), 3.0),
+     r"the config's weight \(int8 channel:0 sym\) is symmetric: it has no zero point"),
+    ("weight_zero_point", torch.zeros(32, 1, dtype=torch.int8),
+     r"the config's weight \(int8 channel:0 sym\) is symmetric"),
+    ("input_zero_point", torch.zeros(1, dtype=torch.int8),
+     r"the config's input \(int8 tensor sym\) is symmetric"),
+    ("weight_global_scale", torch.tensor([7.0]),
+     r"the config's weight \(int8 channel:0 sym\) has no global scale"),
+    ("bogus_scale", torch.ones(1), r"the config's scheme has no such tensor"),
+    ("output_scale", torch.ones(1), r"the config's scheme has no such tensor"),
+])
+def test_a_quantization_tensor_the_scheme_has_not_is_refused(exported, tmp_path, leaf, value,
+                                                             why):
+    # found by probing: a zero point or a global scale on a symmetric int8 layer was read and
+    # applied (logits 0.002-0.005 off), while compressed-tensors never writes one (its
+    # compressors drop a symmetric zero point) and transformers' runtime ignores it; an
+    # unknown *_scale was dropped without a word
+    folder = _copy(exported, tmp_path / "bad")
+    assert f"{_Q}.{leaf}" not in _tensors(folder)
+    _edit_tensor_set(folder, lambda t: t.__setitem__(f"{_Q}.{leaf}", value))
+    with pytest.raises(ValueError, match=(
+            rf"\*.safetensors: {_Q}: {leaf} is stored, but {why}.*compressed-tensors writes "
+            rf"only \['input_scale', 'weight_scale'\]")):
+        Calibration.from_compressed_tensors(folder)
+
+
+@pytest.mark.parametrize("key, why", [
+    (f"{_ATTN}.k_scale", (r"is a KV-cache scale, but quantization_config has no "
+                          r"kv_cache_scheme")),
+    ("model.layers.7.mlp.x.weight_zero_point", r"belongs to no layer of the model"),
+])
+def test_a_quantization_tensor_no_layer_reads_is_refused(exported, tmp_path, key, why):
+    # both were dropped without a word (docs/SECURITY.md: refused rather than dropped)
+    folder = _copy(exported, tmp_path / "bad")
+    _edit_tensor_set(folder, lambda t: t.__setitem__(key, torch.ones(1)))
+    with pytest.raises(ValueError, match=rf"tensor '{key}' {why}"):
+        Calibration.from_compressed_tensors(folder)
+
+
+@pytest.fixture(scope="module")
+def exported_asym(tmp_path_factory):
+    """The tiny Llama exported with asymmetric int8 weights (per channel) and inputs (static
+    per tensor): int-quantized, integer zero points."""
+    from quantscope import Channel, QuantSpec, Tensor
+    from quantscope.calibration import Recipe, Role, Rule
+
+    model, batches = tiny_llama()
+    recipe = Recipe((Rule(("Linear",),
+                          weight=Role(QuantSpec("int8", Channel(0), symmetric=False), "minmax"),
+                          input=Role(QuantSpec("int8", Tensor(), symmetric=False), "minmax")),),
+                    ("lm_head",), "asym")
+    calib = calibrate(model, batches, recipe, progress=False)
+    out = tmp_path_factory.mktemp("ct") / "asym"
+    calib.export(model, out)
+    return calib, out
+
+
+def test_asymmetric_zero_points_read_back(exported_asym):
+    calib, folder = exported_asym
+    back = Calibration.from_compressed_tensors(folder)
+    for role in ("weight", "input"):
+        want, got = calib.states[_Q][role].qparams, back.states[_Q][role].qparams
+        assert bool(want.zero_point.ne(0).any())  # the check below is on real zero points
+        assert torch.equal(got.zero_point, want.zero_point.to(torch.int32).reshape(
+            got.zero_point.shape))
+
+
+@pytest.mark.parametrize("leaf, why", [
+    ("weight_zero_point", (r"weight_zero_point is torch.float32 \[32, 1\], but the "
+                           r"config's weights \(int8 channel:0 asym\) are stored as "
+                           r"torch.int8 \[32, 1\]")),
+    ("input_zero_point", (r"input_zero_point is torch.float32, but compressed-tensors stores "
+                          r"the config's input zero points \(int8 tensor asym\) as "
+                          r"torch.int8")),
+])
+def test_a_float_zero_point_of_an_integer_scheme_is_refused(exported_asym, tmp_path, leaf,
+                                                            why):
+    # found by probing: compressed-tensors writes the int8 zero points as int8 (its
+    # ``zp_dtype``); a float32 copy of them was read as if it were
+    folder = _copy(exported_asym[1], tmp_path / "bad")
+    assert _tensors(folder)[f"{_Q}.{leaf}"].dtype == torch.int8
+    _edit_tensor(folder, f"{_Q}.{leaf}", lambda t: t.float())
+    with pytest.raises(ValueError, match=rf"{_Q}[:.] ?{why}"):
+        Calibration.from_compressed_tensors(folder)

@@ -198,6 +198,11 @@ def _state(st, role, module, local, args, spec, observer, weight_shape):
     shape = weight_shape if role == "weight" else (1, local)
     qshape = spec.layout.qparam_shape(shape)
     zp = get("zero_point")
+    if zp is not None and role != "weight" and zp.dtype != args.zp_dtype:  # the weight's:
+        # storage_problem, packed or not
+        raise ValueError(f"from_compressed_tensors: {module}.{base}_zero_point is {zp.dtype}, "
+                         f"but compressed-tensors stores the config's {role} zero points "
+                         f"({spec}) as {args.zp_dtype}")
     qp = QParams(_qparam(scale, qshape, module, f"{base}_scale", spec),
                  torch.zeros(qshape, dtype=torch.int32) if zp is None else
                  _qparam(zp, qshape, module, f"{base}_zero_point", spec),
@@ -246,6 +251,49 @@ def _decoded_scale_problem(local: dict) -> str | None:
     return None
 
 
+_QPARAM_ENDS = ("_scale", "_zero_point")
+_ZERO_POINTS = ("weight_zero_point", "input_zero_point", "output_zero_point")
+
+
+def _qparam_leaves(roles: dict, specs: dict) -> set[str]:
+    """The quantization tensors compressed-tensors writes for a layer of ``roles`` (name ->
+    args): a static role's scale, its zero point only where asymmetric (its compressors drop
+    a symmetric one), a global scale only where the format has one (NVFP4), none for a
+    dynamic role (NVFP4's ``local`` one: its global scale)."""
+    out = set()
+    for role, args in roles.items():
+        if args.dynamic is True:
+            continue
+        if specs[role].scale.has_global_scale:
+            out.add(f"{role}_global_scale")
+        if args.dynamic is False:
+            out.add(f"{role}_scale")
+            if not args.symmetric:
+                out.add(f"{role}_zero_point")
+    return out
+
+
+def _unexpected_qparam(stored: dict, roles: dict, specs: dict, keep) -> str | None:
+    """Why a quantization tensor of a read layer is none its scheme has (a zero point on a
+    symmetric role, a global scale off NVFP4, a scale of no role), or None: compressed-tensors
+    never writes one and its runtime ignores it, so reading it would run otherwise. ``keep``:
+    the leaves read elsewhere (the layer's own parameters, KV-cache scales)."""
+    want = _qparam_leaves(roles, specs)
+    for leaf in stored:
+        if not leaf.endswith(_QPARAM_ENDS) or leaf in want or leaf in keep:
+            continue
+        role = leaf.partition("_")[0]
+        if role in roles and leaf.endswith("_zero_point") and roles[role].symmetric:
+            why = f"the config's {role} ({specs[role]}) is symmetric: it has no zero point"
+        elif role in roles and leaf.endswith("_global_scale"):
+            why = f"the config's {role} ({specs[role]}) has no global scale"
+        else:
+            why = f"the config's scheme has no such tensor (its roles: {', '.join(roles)})"
+        return (f"{leaf} is stored, but {why}; compressed-tensors writes only "
+                f"{sorted(want)} for this layer's quantization")
+    return None
+
+
 def _read_module(name, wshape, stored, roles, specs, observers, fmt, scheme) -> dict:
     """One module's role states from its ``stored`` tensors (local names); the weight's are
     decoded by compressed-tensors' compressor after checking they are what it writes."""
@@ -289,7 +337,13 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
         if not local:
             raise ValueError(f"{where}: layer {name} has no tensor in the folder"
                              f"{_stray(tensors, model)}")
+        keep = {n for n, _ in module.named_parameters(recurse=False)} | \
+            {n for n, _ in module.named_buffers(recurse=False)} | \
+            (set(_KV_SCALE) if qconfig.kv_cache_scheme is not None else set())
         try:
+            why = _unexpected_qparam(local, roles, specs, keep)
+            if why:
+                raise ValueError(f"from_compressed_tensors: {name}: {why}")
             states[name] = _read_module(name, tuple(module.weight.shape), local, roles, specs,
                                         observers, fmt, scheme)
         except ValueError as e:  # a missing or misshapen tensor: name the files it is not in
@@ -314,12 +368,19 @@ def _stray(tensors, model) -> str:
         f"(another toolkit's layer names?)")
 
 
-def _refuse_unread(tensors, states, path):
+def _refuse_unread(tensors, grouped, kv_cache, path):
     """A quantization tensor that no read module owns (a layer the model lacks, one the
-    targets miss) would be dropped without a word: refuse instead."""
+    targets miss, a KV-cache scale without a ``kv_cache_scheme``) would be dropped without a
+    word: refuse instead. ``grouped``: the layers the config groups read (their tensors are
+    checked there); the KV-cache scales of a scheme are checked by :func:`_read_kv_cache`."""
     for key in tensors:
         layer, _, leaf = key.rpartition(".")
-        if leaf in SCALE_LEAVES and leaf not in ("k_scale", "v_scale") and layer not in states:
+        if layer in grouped or (kv_cache is not None and leaf in _KV_SCALE):
+            continue
+        if leaf in _KV_SCALE:
+            raise ValueError(f"from_compressed_tensors: {path}: tensor {key!r} is a KV-cache "
+                             f"scale, but quantization_config has no kv_cache_scheme")
+        if leaf in SCALE_LEAVES or leaf in _ZERO_POINTS:
             raise ValueError(
                 f"from_compressed_tensors: {path}: tensor {key!r} belongs to no layer of the "
                 f"model built from config.json that the config groups' targets match")
@@ -362,12 +423,13 @@ def read_compressed_tensors(path):
     states = {}
     rules = [_read_group(g, scheme, qconfig, model, tensors, states, cfg_path)
              for g, scheme in qconfig.config_groups.items()]
+    grouped = set(states)
     kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states,
                               dict(model.named_modules()))
     if not states:
         raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
                          f"groups' targets")
-    _refuse_unread(tensors, states, path)
+    _refuse_unread(tensors, grouped, kv_cache, path)
     # the per-expert states back onto the model's 3-D experts, as calibrate named them
     states = fuse_expert_states(experts, states, f"from_compressed_tensors: {path}")
     recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors",

@@ -150,6 +150,9 @@ def storage_problem(stored: dict, decompressed: dict, fmt, scheme, spec,
     if not decoder.can_compress(torch.nn.Linear, neutral):
         return f"format {fmt_name(fmt)!r} does not store the config's weights ({spec})"
     probe = {k: v for k, v in decompressed.items() if k != "weight"}
+    if "weight_zero_point" in probe:  # as compressed-tensors holds it (``zp_dtype``): the
+        # one it writes is that, or that packed; a float one would pass through unchecked
+        probe["weight_zero_point"] = probe["weight_zero_point"].to(scheme.weights.zp_dtype)
     probe["weight"] = torch.zeros(weight_shape)
     try:
         expected = decoder.compress(probe, scheme)
