@@ -63,18 +63,25 @@ static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf 
     return _mm512_sub_ps(_mm512_mul_ps(t, s), v);
 }
 /* fq1 of VW lanes (min / max with the operands in the order that keeps a NaN, as clamp_).
-   It multiplies by 1 / step where fq1 divides by the step: a power of two whose inverse is
-   a normal float32 (the field is capped at 254 << 23, which changes the step only for an
-   inf or NaN t, whose quotient it leaves inf or NaN), so both are exact and the bits equal. */
+   It multiplies by 1 / step where fq1 divides by the step: a power of two whose inverse,
+   field 254 - e_step, is a normal float32 for a step up to 2 ** 126 (the field is capped at
+   254 << 23, which changes the step only for an inf or NaN t, whose quotient it leaves inf
+   or NaN), so both are exact and the bits equal. A step of 2 ** 127 (mbits 0: t in the top
+   binade, inf or NaN, or min_exp 127) has a subnormal inverse, which that pattern makes 0:
+   those lanes divide by fq1's step (uncapped: inf / inf is NaN there, as in fq1), on a
+   branch that normal steps never take. */
 static inline __attribute__((always_inline)) vf fqv(vf v, vf s, __m512i mf, __m512i sh,
                                                     vf top, vf bottom) {
     vf t = _mm512_div_ps(v, s);
     __m512i field = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(0x7F800000));
-    field = _mm512_min_epi32(_mm512_max_epi32(field, mf), _mm512_set1_epi32(254 << 23));
-    __m512i step = _mm512_sub_epi32(field, sh);
+    field = _mm512_max_epi32(field, mf);
+    __m512i step = _mm512_sub_epi32(_mm512_min_epi32(field, _mm512_set1_epi32(254 << 23)), sh);
     vf st = _mm512_castsi512_ps(step);
     vf rst = _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_set1_epi32(254 << 23), step));
-    vf q = _mm512_roundscale_ps(_mm512_mul_ps(t, rst), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf u = _mm512_mul_ps(t, rst);
+    __mmask16 big = _mm512_cmpeq_epi32_mask(step, _mm512_set1_epi32(254 << 23));
+    if (big) u = _mm512_mask_div_ps(u, big, t, _mm512_castsi512_ps(_mm512_sub_epi32(field, sh)));
+    vf q = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm512_min_ps(top, _mm512_max_ps(bottom, _mm512_mul_ps(q, st)));
     return _mm512_sub_ps(_mm512_mul_ps(q, s), v);
 }
@@ -104,15 +111,21 @@ static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf 
     if (!zero) t = _mm256_sub_ps(t, z);
     return _mm256_sub_ps(_mm256_mul_ps(t, s), v);
 }
+/* as the AVX-512 fqv: the lanes with a step of 2 ** 127 divide, blended in */
 static inline __attribute__((always_inline)) vf fqv(vf v, vf s, __m256i mf, __m256i sh,
                                                     vf top, vf bottom) {
     vf t = _mm256_div_ps(v, s);
     __m256i field = _mm256_and_si256(_mm256_castps_si256(t), _mm256_set1_epi32(0x7F800000));
-    field = _mm256_min_epi32(_mm256_max_epi32(field, mf), _mm256_set1_epi32(254 << 23));
-    __m256i step = _mm256_sub_epi32(field, sh);
+    field = _mm256_max_epi32(field, mf);
+    __m256i step = _mm256_sub_epi32(_mm256_min_epi32(field, _mm256_set1_epi32(254 << 23)), sh);
     vf st = _mm256_castsi256_ps(step);
     vf rst = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(254 << 23), step));
-    vf q = _mm256_round_ps(_mm256_mul_ps(t, rst), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf u = _mm256_mul_ps(t, rst);
+    __m256i big = _mm256_cmpeq_epi32(step, _mm256_set1_epi32(254 << 23));
+    if (!_mm256_testz_si256(big, big))
+        u = _mm256_blendv_ps(u, _mm256_div_ps(t, _mm256_castsi256_ps(_mm256_sub_epi32(field, sh))),
+                             _mm256_castsi256_ps(big));
+    vf q = _mm256_round_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm256_min_ps(top, _mm256_max_ps(bottom, _mm256_mul_ps(q, st)));
     return _mm256_sub_ps(_mm256_mul_ps(q, s), v);
 }
