@@ -110,6 +110,23 @@ def test_architectures_never_call_other_transformers_functions(exported, tmp_pat
     assert not called
 
 
+@pytest.mark.parametrize("where", ["top", "group"])
+def test_a_format_naming_a_python_file_runs_nothing(exported, tmp_path, where):
+    """compressed-tensors' registry executes a ``"file.py:value"`` name: a config.json's
+    format must never reach it (the file here would leave a mark)."""
+    plugin, mark = tmp_path / "plugin.py", tmp_path / "ran"
+    plugin.write_text(f"open({str(mark)!r}, 'w').close()\nx = 1\n")
+    name = f"{plugin}:x"
+    folder = _copy(exported, tmp_path / "bad")
+    _edit_config(folder, lambda c: c["quantization_config"].__setitem__("format", name)
+                 if where == "top" else next(iter(c["quantization_config"]["config_groups"]
+                                                  .values())).__setitem__("format", name))
+    for read in (Calibration.from_compressed_tensors, check):  # a group's: an enum there
+        with pytest.raises(ValueError, match=r"(?s)no compressed-tensors format|format.*Input"):
+            read(folder)
+    assert not mark.exists()
+
+
 @pytest.mark.parametrize("edit, field", [
     (lambda c: c["quantization_config"].__setitem__("format", "bogus-format"), "format"),
     (lambda c: next(iter(c["quantization_config"]["config_groups"].values())).__setitem__(

@@ -55,10 +55,13 @@ def compressor(fmt, where: str):
     from compressed_tensors.compressors import BaseCompressor
 
     name = fmt_name(fmt)
-    try:
-        return BaseCompressor.get_value_from_registry(name)
-    except (KeyError, ValueError):
-        raise ValueError(f"{where}: format {name!r} is no compressed-tensors format") from None
+    # only a registered name reaches the registry: it would execute a "file.py:value" name
+    # (a checkpoint's config.json would run code)
+    known = {*BaseCompressor.registered_names(), *BaseCompressor.registered_aliases()}
+    if not isinstance(name, str) or name.replace("_", "-").lower() not in known:
+        raise ValueError(f"{where}: format {name!r} is no compressed-tensors format "
+                         f"(expected one of {sorted(known)})")
+    return BaseCompressor.get_value_from_registry(name)
 
 
 def parse_quant_config(cfg_file, qc: dict, who: str):
