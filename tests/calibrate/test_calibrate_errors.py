@@ -304,3 +304,153 @@ def test_auto_on_empty_batches_says_so(recipe, empty):
     (it read the first scoring batch of an empty list, an IndexError)."""
     with pytest.raises(ValueError, match="batches is empty.*observer='auto'"):
         calibrate(_mlp(), empty(), recipe, observer="auto", progress=False)
+
+
+# --- load: every stored tensor is what save writes for its role, and nothing else ---
+
+def _saved_w8a8(tmp_path):
+    """A w8a8 calibration saved to ``tmp_path / "cal"``; its model and the tensors file."""
+    model = _mlp()
+    cal = calibrate(model, [torch.randn(4, 16) for _ in range(2)], "w8a8", progress=False)
+    cal.save(tmp_path / "cal")
+    return model, cal, tmp_path / "cal" / "qparams.safetensors"
+
+
+def _edit(path, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def test_load_refuses_a_global_scale_under_a_spec_without_one(tmp_path):
+    """Probe: a ``0/weight/global_scale`` added to an int8 folder loaded, and QDQ divided the
+    scales by it (the output moved)."""
+    from quantscope.calibration import load
+
+    _, cal, path = _saved_w8a8(tmp_path)
+    assert not cal.states["0"]["weight"].spec.scale.has_global_scale
+    _edit(path, lambda t: t.__setitem__("0/weight/global_scale", torch.tensor([7.0])))
+    with pytest.raises(ValueError, match=r"0/weight/global_scale: role layers\.0\.weight "
+                                         r"\(int8 channel:0 sym, dynamic=False\) stores no "
+                                         r"'global_scale'"):
+        load(tmp_path / "cal")
+
+
+@pytest.mark.parametrize(("field", "dtype", "expected"), [
+    ("scale", torch.float16, torch.float32), ("scale", torch.float64, torch.float32),
+    ("scale", torch.bfloat16, torch.float32), ("zero_point", torch.int64, torch.int32),
+    ("lo", torch.float64, torch.float32)])
+def test_load_refuses_a_dtype_save_does_not_write(tmp_path, field, dtype, expected):
+    """save writes the qparams' own dtypes (QParams: float32 scales, int32 zero points) and
+    float32 ranges; a float16 scale loaded and QDQ ran with its rounded values."""
+    from quantscope.calibration import load
+
+    path = _saved_w8a8(tmp_path)[2]
+    _edit(path, lambda t: t.__setitem__(f"0/weight/{field}", t[f"0/weight/{field}"].to(dtype)))
+    with pytest.raises(ValueError, match=rf"0/weight/{field}: dtype {dtype} \(expected "
+                                         rf"{expected}"):
+        load(tmp_path / "cal")
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: t.__setitem__("0/weight/lo", t["0/weight/hi"] + 1),
+     r"0/weight/lo: above hi in some unit"),
+    (lambda t: (t.__setitem__("0/weight/lo", t["0/weight/lo"][:3]),
+                t.__setitem__("0/weight/hi", t["0/weight/hi"][:3])),
+     r"0/weight/lo: 3 values, expected one range per unit of the role: 32"),
+], ids=["lo-above-hi", "3-ranges-for-32-channels"])
+def test_load_refuses_ranges_that_are_not_the_roles(tmp_path, edit, match):
+    from quantscope.calibration import load
+
+    _, cal, path = _saved_w8a8(tmp_path)
+    assert cal.states["0"]["weight"].qparams.scale.numel() == 32  # Linear(16, 32), per channel
+    _edit(path, edit)
+    with pytest.raises(ValueError, match=match):
+        load(tmp_path / "cal")
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: t.__setitem__("9/weight/scale", torch.ones(1)),
+     r"9/weight/scale: no role layers\.9\.weight in quantscope\.json reads it"),
+    (lambda t: t.__setitem__("0/weight/bogus", torch.ones(1)),
+     (r"0/weight/bogus: role layers\.0\.weight .* stores no 'bogus' \(expected only "
+      r"\['hi', 'lo', 'scale', 'zero_point'\]\)")),
+    (lambda t: t.__setitem__("0/input/global_amax", torch.tensor(7.0)),
+     r"0/input/global_amax: role layers\.0\.input .*dynamic=False\) stores no 'global_amax'"),
+], ids=["unknown-layer", "unknown-field", "field-of-another-mode"])
+def test_load_refuses_a_tensor_no_role_reads(tmp_path, edit, match):
+    from quantscope.calibration import load
+
+    _saved_w8a8(tmp_path)
+    _edit(tmp_path / "cal" / "qparams.safetensors", edit)
+    with pytest.raises(ValueError, match=match):
+        load(tmp_path / "cal")
+
+
+@pytest.mark.parametrize("drop", [("2",), ("0", "input")], ids=["layer", "role"])
+def test_load_refuses_a_layer_or_role_removed_from_the_json(tmp_path, drop):
+    """Probe: deleting layer 2 (or layer 0's input) from quantscope.json while its tensors
+    stayed loaded the rest, and that layer ran in float without a word."""
+    import json
+
+    from quantscope.calibration import load
+
+    _saved_w8a8(tmp_path)
+    meta_path = tmp_path / "cal" / "quantscope.json"
+    meta = json.loads(meta_path.read_text())
+    if len(drop) == 1:
+        del meta["layers"][drop[0]]
+    else:
+        del meta["layers"][drop[0]][drop[1]]
+    meta_path.write_text(json.dumps(meta))
+    role = "(weight|input)" if len(drop) == 1 else drop[1]
+    with pytest.raises(ValueError, match=rf"{drop[0]}/{role}/\w+: no role layers\.{drop[0]}\."
+                                         rf"{role} in quantscope\.json reads it"):
+        load(tmp_path / "cal")
+
+
+@pytest.mark.parametrize(("fmt", "symmetric_zero"), [("int8", 0), ("uint8", 128)])
+def test_load_refuses_a_zero_point_off_a_symmetric_specs(tmp_path, fmt, symmetric_zero):
+    """A symmetric spec's zero point is fixed (0; torch.ao's 128 for quint8): an edited one
+    inside the code range loaded and moved the output."""
+    from quantscope import QuantSpec
+    from quantscope.calibration import Recipe, Role, Rule, load
+
+    spec = QuantSpec(fmt, "channel", symmetric=True)
+    cal = calibrate(_mlp(), [torch.randn(4, 16)], Recipe(Rule(("Linear",),
+                                                              weight=Role(spec, "minmax"))),
+                    progress=False)
+    assert bool((cal.states["0"]["weight"].qparams.zero_point == symmetric_zero).all())
+    cal.save(tmp_path / "cal")
+    assert load(tmp_path / "cal").quantizes_like(cal)  # as saved, it loads
+    _edit(tmp_path / "cal" / "qparams.safetensors",
+          lambda t: t.__setitem__("0/weight/zero_point", t["0/weight/zero_point"] + 3))
+    with pytest.raises(ValueError, match=rf"0/weight/zero_point: {fmt} channel:0 sym is "
+                                         rf"symmetric: every zero point is {symmetric_zero}"):
+        load(tmp_path / "cal")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("fmt", "layout", "symmetric", "scale"), [
+    ("int8", "group:32", True, "fp16"), ("uint8", "tensor", False, "bf16"),
+    ("uint8", "channel", True, "pow2:round"), ("int4", "group:32", False, "pow2:floor"),
+    ("int8", "block:32", True, "e8m0:even"), ("fp4_e2m1", "block:16", True, "fp8_e4m3")])
+def test_load_takes_what_save_writes_for_each_scale_encoding(tmp_path, fmt, layout, symmetric,
+                                                              scale, dtype):
+    """The stricter checks refuse nothing save writes: scales stored in another encoding
+    (fp16, bf16, pow2, E8M0, NVFP4's e4m3 block scales and global scale), unsigned symmetric
+    zero points, a bf16 model's ranges; weight and input roles alike."""
+    from quantscope import QuantSpec
+    from quantscope.calibration import Recipe, Role, Rule, load
+
+    spec = QuantSpec(fmt, layout, symmetric=symmetric, scale=scale)
+    act = spec.replace(layout="tensor") if not spec.scale.is_block else None
+    recipe = Recipe(Rule(("Linear",), weight=Role(spec, "minmax"),
+                         input=None if act is None else Role(act, "minmax")))
+    model = _mlp(width_in=64).to(dtype)
+    cal = calibrate(model, [torch.randn(4, 64, dtype=dtype) for _ in range(2)], recipe,
+                    progress=False)
+    cal.save(tmp_path / "cal")
+    assert load(tmp_path / "cal").quantizes_like(cal)

@@ -11,6 +11,7 @@ with no recalibration.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import os
 import torch
 
 from ...layout import Tensor
-from ...qparams import QParams
+from ...qparams import QParams, qparams_from_range
 from ...spec import QuantSpec
 from ..recipe import Recipe
 from .result import Calibration
@@ -42,9 +43,11 @@ def load(path, device="cpu") -> Calibration:
     """Read a calibration written by :func:`save`; ``calibration.apply(model)`` applies it.
 
     Everything is checked before anything is returned: the format and version, every
-    field's type, every tensor's dtype, shape (against its spec and the calibrated weight
-    shape), finiteness and range (scales > 0, zero points inside the code range). A damaged
-    or edited folder raises ``ValueError`` naming the file and the key.
+    field's type, every tensor's dtype (the one save writes), shape (against its spec and the
+    calibrated weight shape), finiteness and range (scales > 0, lo <= hi, zero points inside
+    the code range, a symmetric spec's fixed one), and that each tensor belongs to a role of
+    the JSON and its mode. A damaged or edited folder raises ``ValueError`` naming the file
+    and the key.
     """
     _, load_file = safetensors()
     SafetensorError = _safetensor_error()
@@ -84,7 +87,7 @@ def load(path, device="cpu") -> Calibration:
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:  # no path in theirs
         raise _Damaged(f"load: {tensor_path}: not a readable safetensors file "
                        f"({type(e).__name__}: {e})") from None
-    states = {}
+    states, used = {}, set()
     for layer, roles in meta["layers"].items():
         if not isinstance(roles, dict):
             raise bad(meta_path, f"layers.{layer}", "expected a dict of roles")
@@ -92,18 +95,39 @@ def load(path, device="cpu") -> Calibration:
             where = f"layers.{layer}.{role}"
             states.setdefault(layer, {})[role] = _role_state(
                 d, tensors, f"{layer}/{role}", lambda k, m, w=where: bad(meta_path, f"{w}.{k}", m),
-                lambda k, m: bad(tensor_path, k, m))
+                lambda k, m: bad(tensor_path, k, m), used)
+    _refuse_stray(tensors, used, states, lambda k, m: bad(tensor_path, k, m))
     smoothing = {k[len(SMOOTH):]: _smoothing_scale(t, k, lambda k, m: bad(tensor_path, k, m))
                  for k, t in tensors.items() if k.startswith(SMOOTH)}
     return Calibration(recipe, states, meta.get("label", ""), info=meta.get("info", {}),
                        smoothing=smoothing)
 
 
+def _refuse_stray(tensors, used, states, bad_tensor) -> None:
+    """Refuse a tensor no role read: one of a layer or role deleted from the JSON (that layer
+    would run in float without a word), a field its mode does not store, or a key added.
+    Besides the roles, save writes only SmoothQuant's ``#smooth/`` scales."""
+    for k in tensors:
+        if k in used or k.startswith(SMOOTH):
+            continue
+        owner, _, field = k.rpartition("/")
+        layer, _, role = owner.partition("/")
+        if role not in states.get(layer, {}):
+            raise bad_tensor(k, f"no role layers.{layer}.{role} in {META} reads it (expected "
+                                f"only the '{{layer}}/{{role}}/{{field}}' tensors of its roles "
+                                f"and '{SMOOTH}' scales; a role left out of {META} would run "
+                                f"in float)")
+        st = states[layer][role]
+        read = sorted(u.rpartition("/")[2] for u in used if u.rpartition("/")[0] == owner)
+        raise bad_tensor(k, f"role layers.{layer}.{role} ({st.spec}, dynamic={st.dynamic!r}) "
+                            f"stores no {field!r} (expected only {read or 'no tensor'})")
+
+
 def _smoothing_scale(t: torch.Tensor, key: str, bad_tensor) -> torch.Tensor:
     """A SmoothQuant scale, checked: one finite value > 0 per channel (reapply divides the
     weights by it)."""
-    if not t.dtype.is_floating_point or t.dim() != 1 or not t.numel():
-        raise bad_tensor(key, f"expected a 1-D float tensor of channel scales, got {t.dtype} "
+    if t.dtype != torch.float32 or t.dim() != 1 or not t.numel():  # save writes .float()
+        raise bad_tensor(key, f"expected a 1-D float32 tensor of channel scales, got {t.dtype} "
                               f"{tuple(t.shape)}")
     if not bool((torch.isfinite(t) & (t > 0)).all()):
         raise bad_tensor(key, "must be finite and > 0 (a NaN, inf or zero scale divides the "
@@ -111,18 +135,40 @@ def _smoothing_scale(t: torch.Tensor, key: str, bad_tensor) -> torch.Tensor:
     return t
 
 
-def _role_state(d, tensors, key, bad_meta, bad_tensor) -> RoleState:
+#: the dtype of stored ranges (lo / hi, global amax): observers give float32 ``[U]`` ranges,
+#: and qparams_from_range computes in float32
+_RANGE = torch.float32
+
+
+def _role_state(d, tensors, key, bad_meta, bad_tensor, used) -> RoleState:
     spec, dyn, options, shape = _role_meta(d, bad_meta)
-    get = _tensor_reader(tensors, key, dyn, bad_tensor)
-    qp = _role_qparams(get, key, spec, shape, dyn, bad_tensor)
-    gam = get("global_amax", required=dyn == "local", nonneg=True)
+    get = _tensor_reader(tensors, key, dyn, bad_tensor, used)
+    # each mode reads only what save writes for it: run-time roles store no qparams, and
+    # "local" ones only the whole-tensor amax (a stray scale is then refused, not applied)
+    qp = _role_qparams(get, key, spec, shape, bad_tensor) if dyn is False else None
+    gam = get("global_amax", _RANGE, required=True, nonneg=True) if dyn == "local" else None
     if gam is not None and gam.numel() != 1:
         raise bad_tensor(f"{key}/global_amax", f"expected one value, got {gam.numel()}")
-    lo, hi = get("lo"), get("hi")
-    if (lo is None) != (hi is None) or (lo is not None and lo.shape != hi.shape):
-        raise bad_tensor(f"{key}/hi", "lo and hi must both be present, with one shape")
+    lo, hi = (None, None) if dyn is True else _role_range(get, key, qp, bad_tensor)
     return RoleState(spec, d["observer"], d["requested"], dyn,
                      tuple(sorted(options.items())), qp, gam, lo, hi, shape)
+
+
+def _role_range(get, key, qp, bad_tensor):
+    """``(lo, hi)`` of a role, both or neither: one range per unit (the scale's units; one
+    whole-tensor range without stored qparams), ``lo <= hi``."""
+    lo, hi = get("lo", _RANGE), get("hi", _RANGE)
+    if (lo is None) != (hi is None) or (lo is not None and lo.shape != hi.shape):
+        raise bad_tensor(f"{key}/hi", "lo and hi must both be present, with one shape")
+    if lo is None:
+        return None, None
+    units = 1 if qp is None else qp.scale.numel()
+    if lo.numel() != units:
+        raise bad_tensor(f"{key}/lo", f"{lo.numel()} values, expected one range per unit of "
+                                      f"the role: {units}")
+    if not bool((lo <= hi).all()):
+        raise bad_tensor(f"{key}/lo", "above hi in some unit (a range is lo <= hi)")
+    return lo, hi
 
 
 def _role_meta(d, bad_meta):
@@ -158,20 +204,21 @@ def _role_meta(d, bad_meta):
     return spec, dyn, options, shape
 
 
-def _tensor_reader(tensors, key, dyn, bad_tensor):
-    """``get(field, ...)``: the role's tensor ``key/field``, checked (dtype, finite, sign)."""
+def _tensor_reader(tensors, key, dyn, bad_tensor, used):
+    """``get(field, dtype, ...)``: the role's tensor ``key/field``, checked (dtype, finite,
+    sign); its key joins ``used``."""
 
-    def get(field, *, required=False, integer=False, positive=False, nonneg=False):
+    def get(field, dtype, *, required=False, positive=False, nonneg=False):
         name = f"{key}/{field}"
         t = tensors.get(name)
         if t is None:
             if required:
                 raise bad_tensor(name, f"missing (dynamic={dyn!r} needs it)")
             return None
-        if integer != (not t.dtype.is_floating_point) or t.dtype == torch.bool:
-            raise bad_tensor(name, f"dtype {t.dtype} (expected "
-                                   f"{'an integer' if integer else 'a float'} tensor)")
-        if not integer and not bool(torch.isfinite(t).all()):
+        used.add(name)
+        if t.dtype != dtype:
+            raise bad_tensor(name, f"dtype {t.dtype} (expected {dtype}, as save writes it)")
+        if dtype.is_floating_point and not bool(torch.isfinite(t).all()):
             raise bad_tensor(name, "holds NaN or inf")
         if positive and not bool((t > 0).all()):
             raise bad_tensor(name, f"must be > 0, got min {float(t.min())}")
@@ -180,6 +227,13 @@ def _tensor_reader(tensors, key, dyn, bad_tensor):
         return t
 
     return get
+
+
+@functools.lru_cache(maxsize=256)
+def _written(spec: QuantSpec) -> QParams:
+    """The qparams the one formula gives ``spec`` (on an all-zero range): the dtypes save
+    writes for it, and a symmetric spec's zero point (0, or mid-range for unsigned formats)."""
+    return qparams_from_range(torch.zeros(1), torch.zeros(1), spec)
 
 
 def _scale_shape(spec, shape) -> tuple[int, ...] | None:
@@ -191,20 +245,22 @@ def _scale_shape(spec, shape) -> tuple[int, ...] | None:
     return None if shape is None else tuple(spec.layout.qparam_shape(shape))
 
 
-def _role_qparams(get, key, spec, shape, dyn, bad_tensor) -> QParams | None:
-    """The stored qparams of a role (None for a run-time role), checked against its spec."""
-    scale = get("scale", required=dyn is False, positive=True)
-    if scale is None:
-        return None
+def _role_qparams(get, key, spec, shape, bad_tensor) -> QParams:
+    """The stored qparams of a static role, checked against its spec."""
+    ref = _written(spec)
+    scale = get("scale", ref.scale.dtype, required=True, positive=True)
     want = _scale_shape(spec, shape)
     units = None if want is None else math.prod(want)
-    zp = get("zero_point", required=True, integer=True)
+    zp = get("zero_point", ref.zero_point.dtype, required=True)
     if zp.shape != scale.shape:
         raise bad_tensor(f"{key}/zero_point", f"shape {tuple(zp.shape)} differs from the "
                                               f"scale's {tuple(scale.shape)}")
     if zp.numel() and not bool(((zp >= spec.qmin) & (zp <= spec.qmax)).all()):
         raise bad_tensor(f"{key}/zero_point", f"outside the code range [{spec.qmin}, "
                                               f"{spec.qmax}] of {spec}")
+    if spec.symmetric and not bool((zp == int(ref.zero_point)).all()):  # on any device
+        raise bad_tensor(f"{key}/zero_point", f"{spec} is symmetric: every zero point is "
+                                              f"{int(ref.zero_point)}")
     if units is not None and scale.numel() != units:
         where = "has one unit" if shape is None else f"on shape {shape} has {units} units"
         raise bad_tensor(f"{key}/scale", f"{scale.numel()} values, but {spec.layout} {where}")
@@ -213,7 +269,15 @@ def _role_qparams(get, key, spec, shape, dyn, bad_tensor) -> QParams | None:
         raise bad_tensor(f"{key}/scale", f"shape {tuple(scale.shape)}, but {spec.layout}{on} "
                                          f"has scales of shape {want} (the same values in "
                                          f"another shape would quantize other units)")
-    gs = get("global_scale", required=spec.scale.has_global_scale, positive=True)
-    if gs is not None and gs.numel() != 1:
+    return QParams(scale, zp, _global_scale(get, key, spec, ref, bad_tensor))
+
+
+def _global_scale(get, key, spec, ref, bad_tensor) -> torch.Tensor | None:
+    """NVFP4's one global scale. Not read under a spec without one, so that a stored one
+    is refused as a stray tensor (QDQ would divide the scales by it)."""
+    if ref.global_scale is None:
+        return None
+    gs = get("global_scale", ref.global_scale.dtype, required=True, positive=True)
+    if gs.numel() != 1:
         raise bad_tensor(f"{key}/global_scale", f"expected one value, got {gs.numel()}")
-    return QParams(scale, zp, gs)
+    return gs
