@@ -203,6 +203,50 @@ def test_seed_generation_returns_the_same_qparams():
     assert torch.equal(scale, qp["scale"]) and torch.equal(zp, qp["zero_point"])
 
 
+
+def _legacy(name="memoryless_minmax", **fields):
+    return legacy.Observer.load_from_registry(name, base_name="weight", args=fields)
+
+
+@pytest.mark.parametrize("fields", [{**INT8, "strategy": "channel"},
+                                    {**INT8, "symmetric": False, "strategy": "tensor"}])
+def test_seed_get_qparams_of_observed_is_forwards_tuple(fields):
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))
+    scale, zp = _legacy(**fields)(x)
+    for call in (lambda o: o.get_qparams(observed=x), lambda o: o.get_qparams(x, None, None)):
+        got = call(_legacy(**fields))
+        assert isinstance(got, tuple)
+        assert torch.equal(got[0], scale) and torch.equal(got[1], zp)
+    if fields["symmetric"]:  # compressed-tensors: 2 * amax / (qmax - qmin), zero point 0
+        expected = x.abs().amax(1, keepdim=True) / 127.5
+        expected_zp = torch.zeros_like(zp)
+    else:  # (max - min) / 255 over a range holding 0, zero point qmin - round(min / scale)
+        lo, hi = x.min().clamp(max=0), x.max().clamp(min=0)
+        expected = ((hi - lo) / 255).reshape(1)
+        expected_zp = torch.round(-128 - lo / expected).to(torch.int8)
+    torch.testing.assert_close(got[0], expected)
+    assert torch.equal(got[1], expected_zp)
+
+
+def test_seed_get_qparams_takes_g_idx_and_keeps_the_dict_without_arguments():
+    fields = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+              "group_size": 16}
+    w = torch.randn(4, 32, generator=torch.Generator().manual_seed(4))
+    g_idx = torch.arange(32) % 2  # columns interleaved between the two groups
+    obs = _legacy(**fields)
+    scale, zp = obs.get_qparams(observed=w, g_idx=g_idx)
+    expected = torch.stack([w[:, g_idx == g].abs().amax(1) for g in (0, 1)], 1) / 7.5
+    torch.testing.assert_close(scale, expected)
+    assert torch.equal(zp, torch.zeros_like(zp))
+    assert torch.equal(scale, _legacy(**fields)(w, g_idx=g_idx)[0])
+    qp = obs.get_qparams()  # no argument: the documented dict of the stored qparams
+    assert set(qp) == {"scale", "zero_point", "global_scale"} and torch.equal(qp["scale"], scale)
+    with pytest.raises(ValueError, match="g_idx and global_scale need observed"):
+        obs.get_qparams(g_idx=g_idx)
+    with pytest.raises(NotImplementedError, match="pass NVFP4 tensors whole"):
+        obs.get_qparams(observed=w, global_scale=torch.ones(1))
+
+
 def test_qparams_keep_the_statistics_float_dtype():
     lo, hi = torch.tensor([-1.0], dtype=torch.bfloat16), torch.tensor([3.0], dtype=torch.bfloat16)
     scale, zp = qparams_of_statistics(lo, hi, dict(INT8), "input", None)
@@ -270,6 +314,76 @@ def test_registered_names_are_compressed_tensors_standardized():
     for spelling in ("memoryless_minmax", "memoryless-minmax", "Memoryless MinMax"):
         obs = lc.Observer.load_from_registry(spelling, base_name="input", args=dict(INT8))
         assert type(obs) is lc.MemorylessMinMaxObserver
+
+
+
+def _fresh_registry():
+    """A subclass: its own registry (compressed-tensors keys registries by class)."""
+    return type("Base", (lc.Observer,), {})
+
+
+def test_register_defaults_to_the_standardized_class_name_and_takes_aliases():
+    base = _fresh_registry()
+
+    @base.register()
+    class Probe_One(lc.MemorylessMinMaxObserver):
+        pass
+
+    @base.register("Probe Two", alias=["two_b", "Two C"])
+    class ProbeTwo(lc.MemorylessMinMaxObserver):
+        pass
+
+    assert base.registered_names() == ["probe-one", "probe-two"]
+    assert sorted(base.registered_aliases()) == ["two-b", "two-c"]
+    assert base.get_value_from_registry("PROBE_ONE") is Probe_One
+    obs = base.load_from_registry("two c", base_name="input", args=dict(INT8))
+    assert type(obs) is ProbeTwo
+    assert base.registered_names() != lc.Observer.registered_names()  # kept apart
+    assert type(base)("Sub", (base,), {}).registered_names() == []
+
+
+def test_taken_names_and_aliases_are_refused_and_change_nothing():
+    with pytest.raises(KeyError, match="Attempting to register alias minmax as minmax however "
+                                       "minmax has already been registered as minmax"):
+        lc.Observer.register("MinMax")(lc.MemorylessMinMaxObserver)
+    assert lc.Observer.get_value_from_registry("minmax") is lc.MinMaxObserver
+    base = _fresh_registry()
+    base.register("a", alias="b")(lc.MinMaxObserver)
+    for name, alias, taken in (("c", ["d", "B"], "b"), ("b", None, "b"), ("a", None, "a")):
+        with pytest.raises(KeyError, match=f"alias {taken} as {name.lower()} however {taken} "
+                                           "has already been registered as a"):
+            base.register(name, alias=alias)(lc.StaticMinMaxObserver)
+    with pytest.raises(KeyError, match="register alias e, that is identical to the "
+                                       "standardized name: e"):
+        base.register("e", alias="E")(lc.StaticMinMaxObserver)
+    assert base.registered_names() == ["a"] and base.registered_aliases() == ["b"]
+    with pytest.raises(KeyError, match="Unable to find d registered under type"):
+        base.get_value_from_registry("d")
+
+
+def test_registry_requires_subclass_checks_registering_and_loading():
+    base = _fresh_registry()
+    base.register("outside")(lc.MinMaxObserver)
+    base.registry_requires_subclass = True
+    with pytest.raises(ValueError, match="is not a subclass of the class it is registered"):
+        base.get_value_from_registry("outside")
+    with pytest.raises(ValueError, match="is not a subclass"):
+        base.register("other")(lc.StaticMinMaxObserver)
+    sub = base.register("inside")(type("Inside", (base,), {}))
+    assert base.get_value_from_registry("inside") is sub
+    assert base.registered_names() == ["outside", "inside"]
+
+
+def test_registry_runs_no_file_named_in_a_registry_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # compressed-tensors would execute plug.py here
+    mark = tmp_path / "ran"
+    (tmp_path / "plug.py").write_text(f"open({str(mark)!r}, 'w').close()\nprobe = 1\n")
+    for name in ("plug.py:probe", "Plug.py:PROBE", "a:b:c"):
+        with pytest.raises(ValueError, match="runs no file a registry name points to"):
+            lc.Observer.get_value_from_registry(name)
+        with pytest.raises(ValueError, match="runs no file"):
+            lc.Observer.load_from_registry(name, base_name="weight", args={"num_bits": 8})
+    assert not mark.exists()
 
 
 # --------------------------------------------------------------------------- imatrix

@@ -385,3 +385,142 @@ def test_registered_names_as_llmcompressor():
                                               args=QuantizationArgs(num_bits=8))
         assert type(mine).__name__ == type(TheirObserver.load_from_registry(
             spelling, base_name="weight", args=QuantizationArgs(num_bits=8))).__name__
+
+
+# ------------------------------------------------------------------ registry (RegistryMixin)
+class _Probe:
+    pass
+
+
+class _Other:
+    pass
+
+
+def _outcome(base, step):
+    """A step's value, or its exception as (type, message) with the registering class's and
+    the method owner's names taken out (theirs is RegistryMixin, ours Observer)."""
+    try:
+        return step(base)
+    except Exception as exc:  # noqa: BLE001  every outcome is compared
+        message = str(exc).replace(str(base), "<base>")
+        message = message.replace("RegistryMixin.", "").replace("Observer.", "")
+        # their "already registered as" prints an empty dict (an indexing slip); ours the name
+        return type(exc).__name__, message.split(" has already been registered as")[0]
+
+
+def _same_outcomes(steps):
+    """The steps on a fresh subclass of each Observer (its own registry, as theirs keys it)."""
+    mine = type("Base", (lc.Observer,), {})
+    theirs = type("Base", (TheirObserver,), {})
+    got = [[_outcome(base, step) for step in steps] for base in (mine, theirs)]
+    assert got[0] == got[1]
+    return got[1]
+
+
+def _name(value):
+    return value.__name__
+
+
+def test_registry_default_name_as_compressed_tensors():
+    got = _same_outcomes([
+        lambda b: _name(b.register()(_Probe)),
+        lambda b: b.registered_names(),
+        lambda b: _name(b.get_value_from_registry("_PROBE")),
+        lambda b: _name(b.get_value_from_registry("-probe")),
+        lambda b: b.get_value_from_registry("probe"),
+    ])
+    assert got[1] == ["-probe"] and got[4][0] == "KeyError"
+
+
+def test_registry_names_and_aliases_as_compressed_tensors():
+    got = _same_outcomes([
+        lambda b: _name(b.register("Probe Obs_A", alias=["alias_one", "Alias Two"])(_Probe)),
+        lambda b: b.registered_names(),
+        lambda b: sorted(b.registered_aliases()),
+        lambda b: [_name(b.get_value_from_registry(n))
+                   for n in ("ALIAS_ONE", "alias two", "probe_obs_a")],
+        lambda b: b.register("other", alias="alias-one")(_Other),   # alias taken
+        lambda b: b.register("Probe-Obs-A")(_Other),                # name taken
+        lambda b: b.register("probe_obs_a")(_Probe),                # even by the same value
+        lambda b: b.register("dup", alias="DUP")(_Other),           # alias is the name
+        lambda b: b.register("alias two")(_Other),                  # name taken as an alias
+        lambda b: _name(b.register(alias=("o1", "O 2"))(_Other)),   # default name, tuple
+        lambda b: (b.registered_names(), sorted(b.registered_aliases())),
+        lambda b: type(b.load_from_registry("o-2", base_name="input",
+                                            args=QuantizationArgs(num_bits=8))).__name__,
+    ])
+    assert got[2] == ["alias-one", "alias-two"]
+    assert [g[0] for g in got[4:9]] == ["KeyError"] * 5
+    assert got[10] == (["probe-obs-a", "-other"], ["alias-one", "alias-two", "o-2", "o1"])
+
+
+def test_registry_register_value_as_compressed_tensors():
+    got = _same_outcomes([
+        lambda b: b.register_value(_Probe, None),
+        lambda b: b.register_value(_Other),                         # name is required
+        lambda b: b.register_value(_Other, "o", alias="p"),
+        lambda b: (b.registered_names(), b.registered_aliases()),
+        lambda b: _name(b.get_value_from_registry("P")),
+    ])
+    assert got[1][0] == "TypeError" and got[3] == (["-probe", "o"], ["p"])
+
+
+def test_registry_requires_subclass_as_compressed_tensors():
+    def strict(base, flag=True):
+        base.registry_requires_subclass = flag
+        return base
+
+    got = _same_outcomes([
+        lambda b: strict(b).register("n")(_Probe),
+        lambda b: _name(strict(b).register("sub")(type("Sub", (b,), {}))),
+        lambda b: _name(b.get_value_from_registry("sub")),
+        lambda b: _name(strict(b, False).register("plain")(_Other)),
+        lambda b: strict(b).get_value_from_registry("plain"),
+    ])
+    assert got[0][0] == "ValueError" and got[4][0] == "ValueError"
+
+
+def test_registry_is_per_registering_class_as_compressed_tensors():
+    got = _same_outcomes([
+        lambda b: _name(b.register("only-base")(_Probe)),
+        lambda b: type("Sub", (b,), {}).registered_names(),
+        lambda b: type("Sub", (b,), {}).get_value_from_registry("only-base"),
+        lambda b: "only-base" in b.__mro__[1].registered_names(),
+    ])
+    assert got[1] == [] and got[2][0] == "KeyError" and got[3] is False
+
+
+def test_registry_runs_no_file_where_compressed_tensors_does(tmp_path, monkeypatch):
+    """A deliberate difference: theirs executes a "file.py:value" name, ours refuses it (a
+    name read from a config would run code)."""
+    monkeypatch.chdir(tmp_path)
+    mark = tmp_path / "ran"
+    (tmp_path / "plug.py").write_text(f"open({str(mark)!r}, 'w').close()\nmyobs = 1\n")
+    with pytest.raises(ValueError, match="runs no file"):
+        lc.Observer.get_value_from_registry("plug.py:myobs")
+    assert not mark.exists()
+    assert TheirObserver.get_value_from_registry("plug.py:myobs") == 1 and mark.exists()
+
+
+def test_builtin_names_cannot_be_taken_as_in_llmcompressor():
+    for base in (lc.Observer, TheirObserver):
+        with pytest.raises(KeyError, match="Attempting to register alias minmax as minmax "
+                                           "however minmax has already been registered as"):
+            base.register("MinMax")(_Other)
+        assert base.get_value_from_registry("minmax").__name__ == "MinMaxObserver"
+        with pytest.warns(UserWarning, match="'fouroversix' observer is an alias"):
+            obs = base.load_from_registry("FourOverSix", base_name="weight",
+                                          args=QuantizationArgs(num_bits=4, type="float"))
+        assert type(obs).__name__ == "NVFP4ExpandedMSEObserver"
+    assert lc.Observer.registered_aliases() == TheirObserver.registered_aliases() == []
+
+
+def test_refused_registration_keeps_no_alias_unlike_compressed_tensors():
+    # chosen difference: theirs registers the aliases before it checks the name
+    mine = type("Base", (lc.Observer,), {})
+    theirs = type("Base", (TheirObserver,), {})
+    for base in (mine, theirs):
+        base.register("taken")(_Probe)
+        with pytest.raises(KeyError, match="taken has already been registered"):
+            base.register("taken", alias="fresh")(_Other)
+    assert mine.registered_aliases() == [] and theirs.registered_aliases() == ["fresh"]

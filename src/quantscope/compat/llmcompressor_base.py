@@ -36,13 +36,75 @@ __all__ = ["Observer", "fused_amax", "global_scale_of", "lerp", "qparams_of_stat
            "statistics_dtype", "statistics_units"]
 
 _NO_STATISTICS = "No statistics available. Call observer(value) first."
-#: name -> class or factory, shared by every subclass (llm-compressor's registry is too)
-_REGISTRY: dict[str, object] = {}
+#: per class that registers (compressed-tensors keys its registry by the class ``register``
+#: is called on): standardized name -> value, and name or alias -> standardized name
+_REGISTRY: dict[type, dict[str, object]] = {}
+_ALIASES: dict[type, dict[str, str]] = {}
 
 
 def _lookup_name(name: str) -> str:
     """compressed-tensors' ``standardize_lookup_name``: "_" and " " as "-", lower case."""
     return name.replace("_", "-").replace(" ", "-").lower()
+
+
+def _alias_names(alias) -> list[str]:
+    """``alias`` (None, a name or several) as a list of standardized names."""
+    if alias is None:
+        return []
+    return [_lookup_name(a) for a in ([alias] if isinstance(alias, str) else alias)]
+
+
+def _check_subclass(parent: type, value) -> None:
+    if not issubclass(value, parent):  # ValueError: compressed-tensors' type
+        raise ValueError(  # noqa: TRY004
+            f"class {value} is not a subclass of the class it is registered for: {parent}.")
+
+
+def _register(parent: type, value, name: str | None, alias) -> None:
+    """Add ``value`` under ``name`` (default its ``__name__``) and its aliases, checked as
+    compressed-tensors checks them (same errors, same order) but all before any change: a
+    refused registration leaves the registry as it was (theirs keeps the aliases it got to)."""
+    name = _lookup_name(value.__name__ if name is None else name)
+    aliases = _alias_names(alias)
+    if name in aliases:
+        raise KeyError(f"Attempting to register alias {name}, that is identical to the "
+                       f"standardized name: {name}.")
+    taken = dict(_ALIASES.get(parent, {}))
+    for key in [*aliases, name]:  # the name is its own alias, so a taken name is refused
+        if key in taken:
+            raise KeyError(f"Attempting to register alias {key} as {name} however {key} "
+                           f"has already been registered as {taken[key]}")
+        taken[key] = name
+    if parent.registry_requires_subclass:
+        _check_subclass(parent, value)
+    _ALIASES[parent] = taken
+    _REGISTRY.setdefault(parent, {})[name] = value
+
+
+def _lookup(parent: type, name: str):
+    """The value registered to ``parent`` as ``name`` or an alias of it (standardized, as
+    theirs)."""
+    if ":" in name:  # theirs executes the file: a name read from a config would run code
+        raise ValueError(f"registry name {name!r}: quantscope runs no file a registry name "
+                         f"points to (compressed-tensors' 'file.py:value' form); import the "
+                         f"module and register its value instead")
+    name = _ALIASES.get(parent, {}).get(_lookup_name(name), _lookup_name(name))
+    value = _REGISTRY.get(parent, {}).get(name)
+    if value is None:
+        raise KeyError(f"Unable to find {name} registered under type {parent}.\n"
+                       f"Registered values for {parent}: {_names(parent)}\n"
+                       f"Registered aliases for {parent}: {_aliases(parent)}")
+    if parent.registry_requires_subclass:
+        _check_subclass(parent, value)
+    return value
+
+
+def _names(parent: type) -> list[str]:
+    return list(_REGISTRY.get(parent, {}))
+
+
+def _aliases(parent: type) -> list[str]:
+    return list(set(_ALIASES.get(parent, {})) - set(_names(parent)))
 
 
 def _as_args(args):
@@ -74,26 +136,43 @@ class Observer(torch.nn.Module):
         self.fusion_handler = FusionHandler(self)
 
     # ------------------------------------------------------------------ registry
+    #: True: only subclasses of the registering class may be registered and loaded
+    registry_requires_subclass: ClassVar[bool] = False
+
     @classmethod
-    def register(cls, name: str):
-        """Class decorator: make a class (or factory) loadable by ``name``."""
+    def register(cls, name: str | None = None, alias: list[str] | str | None = None):
+        """Class decorator: register a class (or factory) to ``cls`` as ``name`` (default its
+        ``__name__``) and ``alias`` (names standardized; a taken one raises ``KeyError``)."""
         def add(value):
-            _REGISTRY[_lookup_name(name)] = value
+            cls.register_value(value, name=name, alias=alias)
             return value
         return add
 
     @classmethod
-    def registered_names(cls) -> list[str]:
-        return sorted(_REGISTRY)
+    def register_value(cls, value, name: str | None, alias: list[str] | str | None = None):
+        """Register ``value`` to ``cls`` as ``name`` (None: its ``__name__``) and ``alias``."""
+        _register(cls, value, name, alias)
+
+    @classmethod
+    def get_value_from_registry(cls, name: str):
+        """The value registered to ``cls`` as ``name`` or an alias (``KeyError`` if none); a
+        ``"file.py:value"`` name, which compressed-tensors executes, is a ``ValueError``."""
+        return _lookup(cls, name)
 
     @classmethod
     def load_from_registry(cls, name: str, **kwargs) -> Observer:
         """The observer registered as ``name``, constructed with ``kwargs``."""
-        key = _lookup_name(name)
-        if key not in _REGISTRY:
-            raise KeyError(f"Unable to find {key} registered under type {cls}. Registered "
-                           f"values for {cls}: {sorted(_REGISTRY)}")
-        return _REGISTRY[key](**kwargs)
+        return cls.get_value_from_registry(name)(**kwargs)
+
+    @classmethod
+    def registered_names(cls) -> list[str]:
+        """The names registered to ``cls``, in registration order."""
+        return _names(cls)
+
+    @classmethod
+    def registered_aliases(cls) -> list[str]:
+        """The aliases registered to ``cls`` (names excluded)."""
+        return _aliases(cls)
 
     # ---------------------------------------------------------------- statistics
     @property

@@ -26,7 +26,8 @@ attn_head       ``Channel(1)`` of ``[batch, heads, seq, head_dim]``
 ==============  =================================================================
 
 Calling an observer observes the tensor and returns ``(scale, zero_point)`` as
-llm-compressor's observers did; ``get_qparams()`` returns the newer dict with
+llm-compressor's observers did, and so does ``get_qparams(observed=...)``, as in that
+generation; ``get_qparams()`` without arguments returns the newer dict with
 ``global_scale``. Known difference: compressed-tensors' MXFP8 rounds the block
 amax with fp4's mantissa width before taking the exponent; quantscope uses the
 element format's own (e4m3: 3 bits).
@@ -111,8 +112,13 @@ class Observer:
         qp = self.get_qparams()
         return qp["scale"], qp["zero_point"]
 
-    def get_qparams(self) -> dict:
-        """``{"scale", "zero_point", "global_scale"}`` from the statistics (the newer API).
+    def get_qparams(self, observed: torch.Tensor | None = None,
+                    g_idx: torch.Tensor | None = None,
+                    global_scale: torch.Tensor | None = None):
+        """Without arguments, ``{"scale", "zero_point", "global_scale"}`` from the statistics
+        (the newer API); with ``observed``, the seed generation's call: :meth:`forward`'s
+        ``(scale, zero_point)`` (``observed`` observed first, ``g_idx`` / ``global_scale``
+        as there).
 
         The zero point comes in compressed-tensors' ``zp_dtype`` (int8 for int8 / int4,
         float8_e4m3fn for float formats, unless ``args.zp_dtype`` says otherwise).
@@ -123,6 +129,11 @@ class Observer:
         versions: a caller that wrote into them makes it a miss, so a write is never seen by
         the next call (but it is by the other holder of the tensors).
         """
+        if observed is not None:
+            return self.forward(observed, g_idx, global_scale)
+        if g_idx is not None or global_scale is not None:  # they only apply to observed data
+            raise ValueError("get_qparams: g_idx and global_scale need observed=...; call "
+                             "get_qparams() without them for the stored qparams' dict")
         key, dtype, hit = self._state_key(), self._zp_dtype(), self._qp_cache[0]
         if (key is not None and hit is not None and hit[1] == dtype and _same_key(hit[0], key)
                 and all(t._version == v for t, v in hit[3])):
