@@ -655,7 +655,7 @@ def test_mxint8_even_rounds_6_fraction_bits_where_quark_rounds_8():
 def test_eps_argument_as_quark_uses_or_drops_it(name, kw, positional):
     """Quark's uniform-scaling base and block observers take ``eps`` (the scale of a zero
     range); its per-channel / per-group ones take it and drop it: the same scales here."""
-    from quark.torch.quantization.observer import observer as qo
+    qo = pytest.importorskip("quark.torch.quantization.observer.observer")
 
     base = name == "UniformScalingObserver"  # Quark's configs name only its subclasses
     cfg = quark_cfg(observer_cls=quark.PerTensorMinMaxObserver if base else getattr(quark, name),
@@ -677,9 +677,148 @@ def test_eps_argument_as_quark_uses_or_drops_it(name, kw, positional):
 
 @pytest.mark.peers
 def test_eps_argument_refused_where_quark_has_none():
-    from quark.torch.quantization.observer import observer as qo
+    qo = pytest.importorskip("quark.torch.quantization.observer.observer")
 
     cfg = quark_cfg(observer_cls=quark.PerTensorMinMaxObserver, dtype="int8", symmetric=True)
     for cls in (qo.PerTensorMinMaxObserver, quark.PerTensorMinMaxObserver):
         with pytest.raises(TypeError, match="unexpected keyword argument 'eps'"):
             cls(cfg, eps=1e-3)
+
+
+# ------------------------------------------------------ Quark's public attributes (peers)
+_UNIFORM = ["symmetric", "scale_type", "qscheme", "is_dynamic", "zero_point_type",
+            "quant_min", "quant_max"]
+_ATTRIBUTE_CASES = [
+    ("PerTensorMinMaxObserver", {"dtype": "int8", "symmetric": True}, _UNIFORM),
+    ("PerTensorMinMaxObserver", {"dtype": "uint8", "symmetric": False}, _UNIFORM),
+    ("PerTensorMinMaxObserver", {"dtype": "fp8_e4m3"}, _UNIFORM),
+    ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0,
+                                  "symmetric": True}, [*_UNIFORM, "ch_axis"]),
+    ("PerGroupMinMaxObserver", {"dtype": "int4", "qscheme": "per_group", "ch_axis": 1,
+                                "group_size": 16, "symmetric": False},
+     [*_UNIFORM, "ch_axis", "group_size", "group_count"]),
+    ("PerBlockMXObserver", {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1,
+                            "group_size": 32, "scale_format": "e8m0"},
+     ["block_size", "axis", "mx_element_dtype", "is_dynamic", "eps"]),
+    ("PerBlockBFPObserver", {"dtype": "bfp16", "qscheme": "per_group", "ch_axis": -1,
+                             "group_size": 8}, ["block_size", "axis", "is_dynamic", "eps"]),
+    ("PerTensorHistogramObserver", {"dtype": "int8", "symmetric": True}, _UNIFORM),
+    ("PerTensorPercentileObserver", {"dtype": "uint8", "symmetric": False}, _UNIFORM),
+    ("PerTensorMSEObserver", {"dtype": "fp8_e4m3"}, _UNIFORM),
+    ("PerTensorHistogramObserverPro", {"dtype": "uint8", "symmetric": False}, _UNIFORM),
+]
+
+
+def same_attribute(ours, theirs, name):
+    a, b = getattr(ours, name), getattr(theirs, name)
+    assert type(a) is type(b) and a == b, (name, a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw, names", _ATTRIBUTE_CASES,
+                         ids=[f"{c[0]}-{c[1]['dtype']}" for c in _ATTRIBUTE_CASES])
+def test_public_attributes_as_quarks_constructor_sets_them(name, kw, names):
+    """The attributes Quark's constructors set, with Quark's values and types (group_count:
+    that of the last observed tensor, kept by a reset); the uniform-scaling classes' eps is
+    Quark's non-persistent float32 buffer (kept by a reset, not in the state dict)."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins(name, **kw)
+    for n in names:
+        same_attribute(ours, theirs, n)
+    x = batches((4, 64))[0]
+    theirs(x)
+    ours(x)
+    for n in names:
+        same_attribute(ours, theirs, n)
+    if not isinstance(theirs.eps, torch.Tensor):
+        return
+    same(ours.eps, theirs.eps)
+    assert dict(ours.named_buffers())["eps"] is ours.eps and "eps" not in ours.state_dict()
+    ours.reset_state()
+    same(ours.eps, theirs.eps)
+    assert ours.to("meta").eps.device.type == "meta"
+
+
+@pytest.mark.peers
+def test_group_count_follows_the_last_tensor_and_survives_a_reset_as_quarks():
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerGroupMinMaxObserver", dtype="int4", qscheme="per_group",
+                         ch_axis=-1, group_size=8, symmetric=True)
+    for shape in ((4, 64), (2, 16)):
+        theirs(torch.randn(shape))
+        ours(torch.randn(shape))
+        same_attribute(ours, theirs, "group_count")
+    theirs.reset_state()
+    ours.reset_state()
+    same_attribute(ours, theirs, "group_count")
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw", [
+    ("PerTensorMinMaxObserver", {"dtype": "int8", "symmetric": True}),
+    ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0,
+                                  "symmetric": True}),
+    ("PerTensorMinMaxObserver", {"dtype": "fp8_e4m3"}),
+    ("PerTensorHistogramObserver", {"dtype": "int8", "symmetric": True}),
+    ("PerTensorHistogramObserverPro", {"dtype": "int8", "symmetric": True})])
+def test_extra_repr_as_quarks(name, kw):
+    """Quark's ``min_val=..., max_val=...`` (0-dim ranges print as numbers)."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins(name, **kw)
+    assert ours.extra_repr() == theirs.extra_repr()  # before data: inf / -inf
+    x = batches((4, 32))[0]
+    theirs(x)
+    ours(x)
+    assert ours.extra_repr() == theirs.extra_repr()
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_placeholder_extra_repr_as_quarks(dtype):
+    qo = pytest.importorskip("quark.torch.quantization.observer.observer")
+    c = quark_cfg(observer_cls=qo.PlaceholderObserver, dtype=dtype)  # Quark's only, for casts
+    assert quark.PlaceholderObserver(c).extra_repr() == qo.PlaceholderObserver(c).extra_repr()
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name, kw", [
+    ("PerTensorMinMaxObserver", {"dtype": "fp4", "scale_format": "float32"}),
+    ("PerGroupMinMaxObserver", {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1,
+                                "group_size": 16, "scale_format": "e5m3"}),
+    ("PerGroupMinMaxObserver", {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1,
+                                "group_size": 16, "scale_format": "e4m3"}),
+    ("PerGroupMinMaxObserver", {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1,
+                                "group_size": 16, "scale_format": "e8m0",
+                                "scale_calculation_mode": "floor"})])
+def test_calculate_fp4_quant_parameters_as_quarks(name, kw):
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins(name, **kw)
+    g = torch.Generator().manual_seed(8)
+    lo, hi = -torch.rand(64, generator=g) * 5, torch.rand(64, generator=g) * 3
+    lo[:2], hi[:2] = 0.0, 0.0  # zero ranges: eps
+    for a, b in zip(ours.calculate_fp4_quant_parameters(lo, hi),
+                    theirs.calculate_fp4_quant_parameters(lo, hi), strict=True):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False),
+                                              ("fp8_e4m3", True), ("fp8_e5m2", True)])
+def test_mse_candidate_quantizers_as_quarks(dtype, symmetric):
+    """PerTensorMSEObserver's ``int_fake_tensor_quant`` / ``scaling_fp8``: Quark's results."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    kw = {} if dtype.startswith("fp8") else {"symmetric": symmetric}
+    theirs, ours = twins("PerTensorMSEObserver", dtype=dtype, **kw)
+    centers = torch.linspace(-3.0, 5.0, 2049)[:-1] + 1 / 512
+    for amax in (centers[-1], centers[1500], torch.tensor(1e-3)):
+        if dtype.startswith("fp8"):
+            a, b = ours.scaling_fp8(centers, amax), theirs.scaling_fp8(centers, amax)
+        else:
+            zero = torch.tensor(0)
+            a = ours.int_fake_tensor_quant(centers, zero, amax)
+            b = theirs.int_fake_tensor_quant(centers, zero, amax)
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if not dtype.startswith("fp8"):
+        with pytest.raises(ValueError, match="Supported fp8 formats"):
+            ours.scaling_fp8(centers, centers[-1])

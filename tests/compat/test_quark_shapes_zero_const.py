@@ -195,3 +195,31 @@ def test_recorder_and_pro_min_val_max_val_as_quark(name):
         ours._calculate_qparams()
         same(ours.min_val, theirs.min_val)
         same(ours.max_val, theirs.max_val)
+
+
+@pytest.mark.parametrize("dtype, bits", [("int8", 8), ("int4", 4), ("uint8", 8), ("uint4", 4)])
+def test_quant_min_max_are_the_integer_range(dtype, bits):
+    o = quark.PerTensorMinMaxObserver({"dtype": dtype, "symmetric": False})
+    signed = not dtype.startswith("u")
+    want = (-2 ** (bits - 1), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
+    assert (o.quant_min, o.quant_max) == want and type(o.quant_min) is int
+
+
+@pytest.mark.parametrize("name, qspec", [
+    ("PerTensorMinMaxObserver", {"dtype": "fp8_e4m3"}),
+    ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0}),
+    ("PerTensorMSEObserver", {"dtype": "int8"})])
+def test_eps_buffer_is_float32_eps_kept_by_reset_and_never_saved(name, qspec):
+    """Quark's eps buffer: float32 ``finfo.eps``, not in the state dict (the keys are the
+    native observer's), kept by a reset, moved by ``.to()``."""
+    from quantscope.observers.histogram import HistogramObserverBase
+    from quantscope.observers.minmax import StaticMinMaxObserver
+
+    o = getattr(quark, name)(qspec)
+    assert o.eps.dtype == torch.float32 and o.eps.item() == torch.finfo(torch.float32).eps
+    o(randn(4, 16))
+    native = (HistogramObserverBase if "MSE" in name else StaticMinMaxObserver)(o.spec)
+    assert set(o.state_dict()) == set(native.state_dict())
+    o.reset()
+    assert o.eps.item() == torch.finfo(torch.float32).eps
+    assert o.to("meta").eps.is_meta

@@ -62,7 +62,7 @@ from ..layout import Group
 from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
 from ..observers.minmax import PlaceholderObserver as _NativePlaceholder
 from ..observers.registry import register
-from . import enum_name
+from . import enum_name, field
 from .quark_base import (
     FP8_E5M3,
     QuarkObserver,
@@ -200,6 +200,8 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
 class PlaceholderObserver(QuarkObserver, _NativePlaceholder):
     """For float16 / bfloat16 casts: passes tensors through, no qparams."""
 
+    _quark_base = None
+
     def _calculate_qparams(self):
         return None
 
@@ -223,6 +225,9 @@ class PerChannelMinMaxObserver(_DynamicOrStatic):
 
     _eps_argument = "ignored"
 
+    def _quark_attributes(self, qspec) -> dict:
+        return {**super()._quark_attributes(qspec), "ch_axis": field(qspec, "ch_axis")}
+
     def _quark_state_key(self, shape):
         return self.spec.layout.num_units(shape)  # Quark compares its min_val's numel
 
@@ -240,19 +245,29 @@ class PerGroupMinMaxObserver(_DynamicOrStatic):
     always_memoryless = True
     _flat_stats = True
 
+    def _quark_attributes(self, qspec) -> dict:
+        # group_count: 1 until a tensor is observed (set_shape), kept by a reset, as Quark's
+        return {**super()._quark_attributes(qspec), "ch_axis": field(qspec, "ch_axis"),
+                "group_size": field(qspec, "group_size"), "group_count": 1}
+
+    def set_shape(self, shape):
+        super().set_shape(shape)
+        self.group_count = self.spec.layout.qparam_shape(tuple(shape))[-1]
+
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
                           max_val: torch.Tensor | None = None):
-        """As Quark's: a given flat range's qparams come back ``(-1, groups)``, ``groups``
-        that of the last observed tensor (1 before data)."""
+        """As Quark's: a given flat range's qparams come back ``(-1, group_count)``, the
+        group count of the last observed tensor (1 before any)."""
         out = super().calculate_qparams(min_val, max_val)
         if min_val is None and max_val is None:
             return out
-        groups = self.spec.layout.qparam_shape(self.shape)[-1] if self.has_observed else 1
-        return tuple(t.reshape(-1, groups) for t in out)
+        return tuple(t.reshape(-1, self.group_count) for t in out)
 
 
 class _BlockAmax(_DynamicOrStatic):
-    """Quark's block observers' ``amax``."""
+    """Quark's block observers' ``amax`` (and attributes: block_size, axis, eps a float)."""
+
+    _quark_base = "block"
 
     @property
     def amax(self) -> torch.Tensor:
@@ -279,6 +294,10 @@ class PerBlockMXObserver(_BlockAmax):
 
     _eps_argument = "used"
     _pads_blocks = True
+
+    def _quark_attributes(self, qspec) -> dict:
+        return {**super()._quark_attributes(qspec),
+                "mx_element_dtype": field(qspec, "mx_element_dtype")}
 
     def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
                  **native):

@@ -17,7 +17,7 @@ from ..spec import QuantSpec
 from . import enum_name, field
 
 __all__ = ["FP8_E5M3", "QuarkObserver", "UnsupportedElementError", "quark_e8m0_scale",
-           "quark_float_scale", "quark_spec"]
+           "quark_float_scale", "quark_qmin_qmax", "quark_spec"]
 
 #: Quark's unsigned E5M3 (bias 15, subnormals down to 2 ** -17, largest 1.75 * 2 ** 16: the
 #: top code is not a number): the scale format of AMD's FP4 and of its second-level scales
@@ -154,6 +154,29 @@ def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor) -> torc
     return dtype if min_val.dim() or max_val.dim() else torch.promote_types(dtype, torch.float32)
 
 
+def quark_qmin_qmax(dtype) -> tuple[int | float | None, int | float | None]:
+    """Quark's ``calculate_qmin_qmax(dtype)`` (its observers' ``quant_min`` / ``quant_max``):
+    ints for the integer and fp8 e4m3 / e5m2 dtypes, floats for the others (unsigned E5M3
+    from 0); ``(None, None)`` where Quark defines none (mx, bfp16: its function raises)."""
+    name = enum_name(dtype)
+    if name in _CAST:
+        info = torch.finfo(getattr(torch, name))
+        return info.min, info.max
+    if name == "fp8_e5m3":
+        return 0.0, FP8_E5M3.max
+    if name not in _INT and name not in _FLOAT:
+        return None, None
+    fmt = quark_spec({"dtype": name}).format
+    if name in _INT or name in ("fp8_e4m3", "fp8_e5m2"):
+        return int(fmt.qmin), int(fmt.qmax)
+    return float(fmt.qmin), float(fmt.qmax)
+
+
+def _quark_amax(min_val: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
+    """Quark's amax of a range: the larger of ``|min(min_val, 0)|`` and ``max(max_val, 0)``."""
+    return torch.maximum(min_val.clamp(max=0).abs(), max_val.clamp(min=0))
+
+
 def _quark_rows(t: torch.Tensor, shape, axis: int) -> torch.Tensor:
     """Per-group values shaped ``(dims but axis..., groups)`` as Quark's ``(rows, groups)``:
     Quark swaps ``axis`` with the last dim before it flattens the rows, so for a 3-D or
@@ -181,6 +204,10 @@ class QuarkObserver:
     #: base, block MX / BFP), "ignored" (its per-channel / per-group take it and drop it in
     #: their ``super().__init__``), "refused" (the others have none)
     _eps_argument: ClassVar[str] = "refused"
+    #: the Quark base whose public attributes the constructor sets: "uniform"
+    #: (UniformScalingObserver: symmetric ... quant_min / quant_max, eps a non-persistent
+    #: float32 buffer), "block" (PerBlockMX / BFP: block_size, axis, eps a float), None
+    _quark_base: ClassVar[str | None] = "uniform"
 
     def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
                  **native):
@@ -204,10 +231,40 @@ class QuarkObserver:
         self._input_dtype = torch.float32
         #: set by a two-level scheme on its second stage: float32 scales divide by it too
         self.quant_max_first_level: float | None = None
-        self.eps = float(eps) if used else _F32_EPS  # e8m0 modes 'floor' / 'ceil', BFP: 0 -> eps
+        for name, value in self._quark_attributes(qspec).items():
+            setattr(self, name, value)
+        eps = float(eps) if used else _F32_EPS  # the scale of a zero range / block
+        if self._quark_base == "uniform":  # Quark's buffer: moves with .to(), never saved
+            self.register_buffer("eps", torch.tensor(eps), persistent=False)
+        else:
+            self.eps = eps
         self._deleted: set[str] = set()
         if device is not None:
             self.to(device)
+
+    def _quark_attributes(self, qspec) -> dict:
+        """The public attributes Quark's constructor of this class sets (eps, dtype,
+        is_dynamic and the scale settings apart), with Quark's values; a class adds its own."""
+        if self._quark_base == "block":
+            return {"block_size": field(qspec, "group_size"), "axis": field(qspec, "ch_axis")}
+        if self._quark_base is None:
+            return {}
+        quant_min, quant_max = quark_qmin_qmax(self.dtype)
+        return {"symmetric": field(qspec, "symmetric"), "scale_type": field(qspec, "scale_type"),
+                "qscheme": field(qspec, "qscheme"),
+                "zero_point_type": field(qspec, "zero_point_type"),
+                "quant_min": quant_min, "quant_max": quant_max}
+
+    def _setting_buffers(self) -> tuple[str, ...]:
+        # Quark's eps buffer is a constructor setting: a reset keeps it
+        return (*super()._setting_buffers(), *(("eps",) if "eps" in self._buffers else ()))
+
+    def extra_repr(self) -> str:
+        """Quark's: the range (uniform scaling), the dtype (placeholder); the block classes
+        (none in Quark) keep quantscope's ``spec=...``."""
+        if self._quark_base == "uniform":
+            return f"min_val={self.min_val}, max_val={self.max_val}"
+        return f"dtype={self.dtype}" if self._quark_base is None else super().extra_repr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._input_dtype = x.dtype if self._keeps_input_dtype else torch.float32
@@ -289,11 +346,19 @@ class QuarkObserver:
     def calculate_fp8_quant_parameters(self, min_val: torch.Tensor, max_val: torch.Tensor):
         """Quark's float ``(scale, zeros)``: ``amax / quant_max`` of the range (divided by
         ``quant_max_first_level`` too when it is set), zeros -> eps."""
-        amax = torch.maximum(min_val.clamp(max=0).abs(), max_val.clamp(min=0))
-        scale = quark_float_scale(amax, self.spec.format.qmax, "float32", eps=self.eps,
+        amax = _quark_amax(min_val, max_val)
+        eps = self.eps.to(amax.device) if isinstance(self.eps, torch.Tensor) else self.eps
+        scale = quark_float_scale(amax, self.spec.format.qmax, "float32", eps=eps,
                                   first_level=self.quant_max_first_level,
                                   dtype=self.scale_torch_dtype)
         return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
+
+    def calculate_fp4_quant_parameters(self, min_val: torch.Tensor, max_val: torch.Tensor):
+        """Quark's: :meth:`get_scale` of the range's amax in ``scale_format`` (zeros -> eps),
+        a zero left -> float32 eps; zeros as the zero point."""
+        scale = self.get_scale(_quark_amax(min_val, max_val), self.eps, self.scale_format)
+        zero_point = torch.zeros_like(scale)
+        return scale.masked_fill(scale == 0.0, _F32_EPS).to(self.scale_torch_dtype), zero_point
 
     def get_scale(self, amax: torch.Tensor, eps, scale_format: str) -> torch.Tensor:
         """Quark's ``get_scale``: the scale of ``amax`` in ``scale_format`` (e8m0 by

@@ -25,6 +25,9 @@ __all__ = [
 ]
 
 
+_FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def _quark_edges(hist) -> torch.Tensor:
     """Quark's bin edges ``torch.linspace(lo, hi, bins + 1)`` per row ``[U, B + 1]``: torch's
     linspace counts its upper half down from ``hi``, so ``lo + i * width`` differs in the last
@@ -53,7 +56,6 @@ class _QuarkHistogram(QuarkObserver):
         native.setdefault("bins", self._num_bins)
         native.setdefault("skip_zeros", self._skip_zeros)
         super().__init__(qspec, device, **native)
-        self.symmetric = self.spec.symmetric
         self._priced: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _observe_linear(self, units, lo, hi, *rest):
@@ -221,6 +223,23 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
         best = amax.gather(1, err.argmin(-1, keepdim=True))[:, 0]
         mn = torch.zeros_like(best)
         return (mn[0], best[0]) if one else (mn, best)
+
+    def int_fake_tensor_quant(self, X: torch.Tensor, min_value: torch.Tensor,
+                              max_value: torch.Tensor) -> torch.Tensor:
+        """Quark's: ``X`` fake-quantized with the integer qparams of ``[min_value, max_value]``."""
+        scale, zero_point = self.calculate_int_quant_params(min_value, max_value)
+        return torch.fake_quantize_per_tensor_affine(
+            X, scale.to(torch.float), zero_point.to(torch.int), self.quant_min, self.quant_max)
+
+    def scaling_fp8(self, X: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """Quark's: ``X`` scaled to ``amax``, clamped to the fp8 range, cast through fp8."""
+        fp8 = _FP8_DTYPES.get(enum_name(self.dtype))
+        if fp8 is None:
+            raise ValueError(f"Invalid dtype {self.dtype}. Supported fp8 formats: fp8_e4m3, "
+                             f"fp8_e5m2.")
+        scale = amax / self.quant_max
+        clamped = torch.clamp(X / scale, min=self.quant_min, max=self.quant_max)
+        return clamped.to(fp8).to(X.dtype) * scale
 
 
 @register("quark:PerTensorHistogramObserverPro")
