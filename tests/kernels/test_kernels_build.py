@@ -159,3 +159,60 @@ def test_cache_key_has_no_host_name(fresh, monkeypatch):
     monkeypatch.setattr(kernels, "_libs", {})
     kernels.lib("entropy")
     assert {p.name for p in fresh.glob("entropy-*.so")} == first
+
+
+@needs_cc
+def test_truncated_cached_library_is_rebuilt(tmp_path):
+    """A library cut short in the cache (a full disk, an interrupted copy) is rebuilt, not
+    mapped: ctypes loads a truncated file and the process dies (SIGBUS) when it runs the
+    missing code. Both steps run in child processes: a crash fails the test, not pytest."""
+    env = {k: v for k, v in os.environ.items() if k != "QUANTSCOPE_NO_KERNEL"}
+    env.update(QUANTSCOPE_CACHE=str(tmp_path), CC=CC, PYTHONPATH=str(ROOT / "src"))
+    code = ("import torch; from quantscope import kernels; lib = kernels.lib('unit_minmax'); "
+            "x = torch.randn(4, 64); lo, hi, ends = torch.empty(4), torch.empty(4), "
+            "torch.empty(2); lib.qs_unit_minmax(x.data_ptr(), 4, 64, lo.data_ptr(), "
+            "hi.data_ptr(), ends.data_ptr(), 1, 0, 0.0, None, None, 0); "
+            "ref = torch.aminmax(x, dim=1); "
+            "print(torch.equal(lo, ref.min) and torch.equal(hi, ref.max))")
+
+    def run():
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, check=False, timeout=300)
+
+    first = run()
+    assert (first.returncode, first.stdout.strip()) == (0, "True"), first.stderr
+    (built,) = tmp_path.glob("unit_minmax-*.so")
+    size = built.stat().st_size
+    with open(built, "r+b") as f:
+        f.truncate(size // 2)
+    second = run()
+    assert (second.returncode, second.stdout.strip()) == (0, "True"), second.stderr
+    assert built.stat().st_size == size
+
+
+def _unwritable_cache(kind, tmp_path):
+    if kind == "proc":  # mkdir there fails with FileNotFoundError, as a missing compiler does
+        if not os.path.isdir("/proc/self"):
+            pytest.skip("no /proc")
+        return "/proc/quantscope-cache"
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    return str(blocker / "cache")
+
+
+@needs_cc
+@pytest.mark.parametrize("kind", ["proc", "under_a_file"])
+def test_unwritable_cache_folder_is_named_once(fresh, monkeypatch, tmp_path, kind):
+    """An unusable $QUANTSCOPE_CACHE is said as such (not as a missing compiler), once, and
+    the callers run their torch path."""
+    folder = _unwritable_cache(kind, tmp_path)
+    monkeypatch.setenv("QUANTSCOPE_CACHE", folder)
+    monkeypatch.setenv("CC", CC)
+    said = f"cannot write its kernel cache folder {re.escape(repr(folder))}"
+    with pytest.warns(kernels.KernelWarning, match=said) as record:
+        libs = kernels.lib("unit_minmax"), kernels.lib("entropy")
+    assert libs == (None, None)
+    assert len(record) == 1 and "no C compiler" not in str(record[0].message)
+    x = torch.randn(4, 1 << 16)
+    lo, hi = minmax.unit_minmax(x)
+    assert torch.equal(lo, x.amin(1)) and torch.equal(hi, x.amax(1))

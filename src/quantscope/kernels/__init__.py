@@ -15,9 +15,12 @@ them); this package only builds, loads and types the libraries (:data:`SIGNATURE
 declaration of every exported function).
 
 No kernel (the callers use their torch path): ``QUANTSCOPE_NO_KERNEL=1``, Windows, no
-compiler, or a failed build. The last two are said once per process (a
-:class:`KernelWarning`). A cached library that does not load (truncated, corrupt, another
-architecture) is rebuilt, once.
+compiler, an unwritable cache folder, or a failed build. These are said once per process
+(a :class:`KernelWarning`). A cached library that does not load (truncated, corrupt, another
+architecture) is rebuilt, once: each build records its size and SHA-256 next to it
+(``<library>.so.sha256``), and a library that does not match that record is rebuilt before
+it is loaded, since ctypes maps a truncated file without complaint and the process dies
+(SIGBUS) when it runs code past the file's end.
 
 Why build at run time rather than at install (a setuptools extension, or
 ``torch.utils.cpp_extension``): see docs/benchmarks.md, "How the kernels are built".
@@ -127,6 +130,10 @@ class KernelWarning(RuntimeWarning):
     """A kernel could not be built: quantscope runs its (slower) torch path instead."""
 
 
+class _CacheError(OSError):
+    """The cache folder cannot be made or written (not a compiler or build problem)."""
+
+
 _libs: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 _warned = False
@@ -181,19 +188,53 @@ def _warn_once(message: str) -> None:
                       "QUANTSCOPE_NO_KERNEL=1 silences this.", KernelWarning, stacklevel=4)
 
 
+def _seal(target: Path) -> Path:
+    """Where the build of ``target`` records its size and SHA-256."""
+    return target.with_name(target.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    data = path.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def _intact(target: Path) -> bool:
+    """Whether ``target`` is the complete file its build recorded (a missing record, as
+    left by an older quantscope or a crash between the two renames, is not)."""
+    try:
+        return _seal(target).read_text() == _digest(target)
+    except OSError:
+        return False
+
+
+def _scratch(folder: Path) -> tempfile.TemporaryDirectory:
+    """A temporary folder inside the cache ``folder`` (the same file system, so that
+    ``os.replace`` from it is atomic); a :class:`_CacheError` naming ``folder`` if it cannot
+    be made or written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return tempfile.TemporaryDirectory(dir=folder)
+    except OSError as e:
+        raise _CacheError(f"cannot write its kernel cache folder {str(folder)!r} ({e}); "
+                          "set QUANTSCOPE_CACHE to a writable folder") from e
+
+
 def _build(name: str, source: Path, cc: list[str], include: Path) -> Path:
-    """The cached library built from ``source`` (built now unless cached)."""
+    """The cached library built from ``source`` (built now unless cached and intact)."""
     texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(include.glob("*.h"))]
     key = hashlib.sha256(b"\0".join([*texts, "\0".join([*FLAGS, *cc, _cpu_id()]).encode()]))
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
-    if target.exists():
+    if _intact(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
+    with _scratch(target.parent) as tmp:
+        out, seal = Path(tmp) / target.name, Path(tmp) / _seal(target).name
         subprocess.run([*cc, *FLAGS, f"-I{include}", str(source), "-o", str(out), "-lm"],
                        check=True, capture_output=True, text=True, timeout=300)
+        seal.write_text(_digest(out))
         os.replace(out, target)  # atomic: concurrent builders agree
+        # the record last: a reader never trusts a library its record does not match (two
+        # builders racing leave at worst a mismatch, which the next process rebuilds)
+        os.replace(seal, _seal(target))
     return target
 
 
@@ -237,6 +278,8 @@ def load(name: str, argtypes: dict[str, list], source: Path | None = None,
                     _warn_once(f"quantscope could not build its C kernel {name!r} "
                                f"({' '.join(map(str, e.cmd[:1]))} exited {e.returncode}: "
                                + " | ".join(tail) + ")")
+                except _CacheError as e:
+                    _warn_once(f"quantscope {e}")
                 except FileNotFoundError as e:
                     _warn_once(f"quantscope found no C compiler for its kernels ({e})")
                 except (OSError, AttributeError, subprocess.SubprocessError) as e:
