@@ -232,6 +232,66 @@ def test_plot_histogram_refuses_a_recipe_no_run_has(tmp_path):
                                      recipe="w8a8")).is_file()
 
 
+PNG = b"\x89PNG\r\n\x1a\n"  # the PNG signature
+
+
+def test_plot_replaces_a_planted_symlink_instead_of_writing_through_it(tmp_path, capsys):
+    # found by probing: savefig(path) followed RUN/hist.png -> a user's file and wrote a PNG
+    # over it; the plot now replaces the link, the file it pointed at is left as it was
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").write_text(json.dumps(REPORT))
+    victim = tmp_path / "notes.txt"
+    victim.write_text("precious user data\n")
+    (run / "hist.png").symlink_to(victim)
+    (run / "sqnr.png").symlink_to(victim)
+    rc, _, err = _run(capsys, "plot", str(run))
+    assert rc == 0, err
+    assert victim.read_text() == "precious user data\n"
+    for name in ("hist.png", "sqnr.png"):
+        assert not (run / name).is_symlink() and (run / name).read_bytes()[:8] == PNG
+
+
+def test_plot_functions_replace_a_symlink_for_library_callers(tmp_path):
+    pytest.importorskip("matplotlib")
+    from quantscope.calibration.results import plots
+
+    victim = tmp_path / "notes.txt"
+    victim.write_text("keep")
+    (tmp_path / "s.png").symlink_to(victim)
+    assert plots.plot_sqnr(REPORT, str(tmp_path / "s.png")) == str(tmp_path / "s.png")
+    assert victim.read_text() == "keep" and not (tmp_path / "s.png").is_symlink()
+    with pytest.raises(ValueError, match="is the input"):
+        plots.plot_sqnr(REPORT, str(victim), inputs=[str(victim)])
+    assert victim.read_text() == "keep"
+
+
+def test_plot_refuses_to_write_over_its_own_input(tmp_path, capsys):
+    # found by probing: `plot run2/sqnr.png` (the report under that name) drew sqnr.png over
+    # the report it read, since --out defaults to the report's folder
+    pytest.importorskip("matplotlib")
+    report = tmp_path / "sqnr.png"
+    report.write_text(json.dumps(REPORT))
+    rc, _, err = _run(capsys, "plot", str(report))
+    assert rc == 2, err
+    assert (f"error: --out (default: the report's folder): output '{report}' is the input "
+            f"'{report}'") in err, err
+    assert json.loads(report.read_text()) == REPORT
+    assert not (tmp_path / "hist.png").exists()  # both checked before either is drawn
+
+
+def test_plot_writes_both_pngs_into_a_new_out_folder(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "report.json").write_text(json.dumps(REPORT))
+    out = tmp_path / "a" / "plots"
+    rc, stdout, err = _run(capsys, "plot", str(tmp_path), "--out", str(out))
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["hist.png", "sqnr.png"]  # no temporaries
+    assert all((out / n).read_bytes()[:8] == PNG for n in ("hist.png", "sqnr.png"))
+    assert f"wrote {out}/hist.png (l0 input)" in stdout
+
+
 # ------------------------------------------------------------------ relative input paths
 
 def test_a_run_records_absolute_inputs_so_export_elsewhere_uses_the_same_model(

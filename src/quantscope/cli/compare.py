@@ -288,14 +288,29 @@ def _plot_layer(args, report: dict) -> str:
     return layer
 
 
+def _plot_targets(args, out: str, report_path: str) -> tuple[str, str]:
+    """hist.png and sqnr.png in ``out``, both checked before either is drawn (neither may be
+    the report read, nor a folder), so a refused one never leaves the other rewritten."""
+    from ..exporters.atomic import check_writable_target
+
+    targets = tuple(os.path.join(out, name) for name in ("hist.png", "sqnr.png"))
+    try:
+        for target in targets:
+            check_writable_target(target, overwrite=True, kind="report", inputs=[report_path])
+    except ValueError as e:
+        where = "--out" if args.out else "--out (default: the report's folder)"
+        raise UsageError(f"{where}: {e}") from None
+    return targets
+
+
 def cmd_plot(args) -> int:
     path, report = _read_report(args.run)
     layer = _plot_layer(args, report)
     out = args.out or os.path.dirname(os.path.abspath(path))
-    os.makedirs(out, exist_ok=True)
+    hist, sqnr = _plot_targets(args, out, path)
     from ..calibration.results import plots
 
-    plots.plot_histogram(report, layer, os.path.join(out, "hist.png"), args.role, args.recipe)
-    plots.plot_sqnr(report, os.path.join(out, "sqnr.png"))
+    plots.plot_histogram(report, layer, hist, args.role, args.recipe, inputs=[path])
+    plots.plot_sqnr(report, sqnr, inputs=[path])
     print(f"wrote {out}/hist.png ({layer} {args.role}) and {out}/sqnr.png")
     return 0

@@ -6,7 +6,8 @@
 * :func:`plot_sqnr`: SQNR per layer for each observer, one panel per recipe and role.
 
 Both read the JSON report of a comparison (``report.json``), so ``quantscope plot``
-redraws them without the model.
+redraws them without the model, and write through :func:`quantscope.exporters.atomic.atomic_file`
+(``inputs``: the paths the caller read, never overwritten).
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ def _plt():
     except ImportError:
         raise ImportError("plots need matplotlib: pip install 'quantscope[plot]'") from None
     return plt
+
+
+def _save(plt, fig, path, inputs=()) -> str:
+    """``fig`` as PNG at ``path``: drawn into a temporary file that then replaces ``path``, so
+    a symlink there is replaced rather than written through, and ``path`` is never one of
+    ``inputs`` (:func:`~quantscope.exporters.atomic.check_writable_target`)."""
+    from ...exporters.atomic import atomic_file
+
+    try:
+        with atomic_file(path, inputs=inputs) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
+    return path
 
 
 def _short(layer: str) -> str:
@@ -70,7 +85,7 @@ def _drawn_recipe(report: dict, recipe: str | None) -> str | None:
 
 
 def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
-                   recipe: str | None = None) -> str:
+                   recipe: str | None = None, *, inputs=()) -> str:
     """Histogram of ``layer``'s ``role`` activations with each run's clipping range; PNG."""
     hist = report.get("histograms", {}).get(f"{layer}/{role}")
     if hist is None:
@@ -119,12 +134,10 @@ def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
                  fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, inputs)
 
 
-def plot_sqnr(report: dict, path: str) -> str:
+def plot_sqnr(report: dict, path: str, *, inputs=()) -> str:
     """SQNR per layer for each observer: one panel per (recipe, role), each with its legend;
     observers whose SQNR coincides on every layer (weights that all take min-max) share one
     line labelled ``a = b``; PNG."""
@@ -160,6 +173,4 @@ def plot_sqnr(report: dict, path: str) -> str:
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, inputs)
