@@ -88,6 +88,96 @@ def test_outputs_written_before_the_marker_are_still_recognised(tmp_path):
     assert not written_by_quantscope(tmp_path / "other")
 
 
+def _strip_marks(folder: Path) -> Path:
+    """``folder`` as a quantscope from before the marker file wrote it."""
+    for mark in folder.rglob(MARKER):
+        mark.unlink()
+    return folder
+
+
+def _llama(folder: Path):
+    """The model of a Llama folder and its calibration."""
+    pytest.importorskip("compressed_tensors")
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    cal = calibrate(model, [{"input_ids": torch.randint(0, 10, (1, 6))}], "w8a8",
+                    progress=False)
+    return model, cal
+
+
+def _llama_export(folder: Path, out: Path, **kw):
+    from quantscope import export
+
+    model, cal = _llama(folder)
+    return export(cal, model, out, **kw)
+
+
+def _old_outputs(tmp_path: Path, cal) -> dict:
+    """One output of each kind quantscope wrote before the marker, by its own writers."""
+    import types
+
+    from tiny_models import llama_folder
+
+    from quantscope.cli.calibrate import save_run
+    from quantscope.cli.compare import _write_report
+    from quantscope.cli.running import Phases
+
+    cal.save(tmp_path / "calibration")
+    save_run(str(tmp_path / "run"), cal, cal.report({}), Phases(quiet=True))
+    run = {**cal.report({}).to_dict(), "recipe": "w8a8", "observer": "minmax"}
+    report = {"setup": {"model": str(tmp_path / "m")}, "runs": {"w8a8/minmax": run},
+              "histograms": {f"{k[0]}/{k[1]}": v for k, v in cal.histograms.items()}}
+    args = types.SimpleNamespace(out=str(tmp_path / "compare"), no_plots=False,
+                                 plot_layer=None, model=None)
+    _write_report(args, report, ["a"], [["1"]], "title", 1.0, 1.0)
+    llama = llama_folder(tmp_path / "llama")
+    _llama_export(llama, tmp_path / "export", max_shard_size="10KB")  # sharded
+    return {k: _strip_marks(tmp_path / k) for k in ("calibration", "run", "compare", "export")}
+
+
+def test_old_outputs_of_every_kind_are_still_replaced(tmp_path):
+    cal = _calibration()
+    old = _old_outputs(tmp_path, cal)
+    assert {p.name for p in (tmp_path / "compare").iterdir()} >= {"hist.png", "sqnr.png"}
+    assert len(list((tmp_path / "export").glob("model-*-of-*.safetensors"))) > 1
+    assert (tmp_path / "export" / "tokenizer.json").is_file()
+    for kind, folder in old.items():
+        assert written_by_quantscope(folder), kind
+        cal.save(folder)  # replaced: a calibration with the marker now
+        assert load(folder).states.keys() == cal.states.keys()
+        assert written_by_quantscope(folder)
+
+
+def test_an_old_outputs_metadata_beside_other_files_is_no_mark(tmp_path, capsys):
+    """Probe (legacy_mark_delete.py): a model folder with a calibration saved inside it at
+    qparams/ counted as quantscope's run (its qparams/quantscope.json), and Calibration.save
+    or export --overwrite deleted the weights, the tokenizer and the notes. An older output is
+    recognised only when it holds nothing but what that kind of output consists of."""
+    from tiny_models import llama_folder
+
+    cal = _calibration()
+    model = llama_folder(tmp_path / "my-llama")
+    (model / "NOTES.md").write_text("my notes")
+    cal.save(model / "qparams")  # the calibration kept beside its model
+    cal.save(tmp_path / "run" / "qparams")
+    kinds = _old_outputs(tmp_path / "old", cal)
+    for folder in kinds.values():  # an older output with a file of the user's beside it
+        (folder / "NOTES.md").write_text("my notes")
+    for folder in [model, *kinds.values()]:
+        before = _tree(folder)
+        assert not written_by_quantscope(folder), folder
+        with pytest.raises(ValueError, match=f"output '{folder}' exists and is not a folder "
+                                             f"quantscope wrote"):
+            cal.save(folder)
+        assert cli.main(["export", str(tmp_path / "run"), "--model",
+                         str(tmp_path / "old" / "llama"), "--out", str(folder),
+                         "--overwrite"]) == 2
+        assert f"'{folder}' exists and is not a folder quantscope wrote" in \
+            capsys.readouterr().err
+        assert _tree(folder) == before
+
+
 def test_an_output_that_is_or_contains_an_input_is_refused(tmp_path):
     model = _model_folder(tmp_path / "models" / "m")
     for out in (model, model.parent, tmp_path):
@@ -248,6 +338,72 @@ def test_written_folders_and_files_follow_the_umask(run_of_tiny_bert, tmp_path, 
     with atomic_file(tmp_path / "report.json") as t:
         Path(t).write_text("{}")
     assert stat.S_IMODE((tmp_path / "report.json").stat().st_mode) == 0o600
+
+
+def test_export_copies_only_the_model_folders_tokenizer_files(tmp_path, umask_022):
+    """Probe (export_info_model.py): the compressed-tensors export copied every file of the
+    folder the calibration's quantscope.json named (any folder), followed links, and made a
+    0600 key 0644. It copies the model folder's tokenizer files, generation config and chat
+    template only, from a folder with a config.json, never through a link, with their modes."""
+    from tiny_models import llama_folder
+
+    from quantscope import export
+
+    folder = llama_folder(tmp_path / "llama")
+    private = tmp_path / "private"
+    private.mkdir()
+    for where in (private, folder):
+        (where / "id_rsa").write_text("-----BEGIN PRIVATE KEY-----")
+        os.chmod(where / "id_rsa", 0o600)
+    (folder / "NOTES.md").write_text("my notes")
+    (folder / "special_tokens_map.json").symlink_to(private / "id_rsa")
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    os.chmod(folder / "tokenizer_config.json", 0o600)  # the user's: it stays theirs
+    model, cal = _llama(folder)
+    out = Path(export(cal, model, tmp_path / "ct"))
+    names = set(os.listdir(out))
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= names
+    assert not names & {"id_rsa", "NOTES.md", "special_tokens_map.json"}
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == \
+            stat.S_IMODE((folder / name).stat().st_mode), name
+    assert stat.S_IMODE((out / "tokenizer_config.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((out / "config.json").stat().st_mode) == 0o644  # written: the umask's
+    # the calibration's record names a folder: one without a config.json gives nothing, a
+    # model folder its tokenizer files only; the live model's folder comes first
+    for record in (private, folder):
+        cal.info["model"] = str(record)
+        model.config._name_or_path = str(tmp_path / "elsewhere")
+        out = Path(export(cal, model, tmp_path / f"from-{record.name}"))
+        assert "id_rsa" not in os.listdir(out)
+        assert json.loads((out / "config.json").read_text())["quantscope"]["model"] == (
+            str(folder) if record == folder else None)
+    with pytest.raises(ValueError, match=f"model_path '{private}' is not a model folder"):
+        export(cal, model, tmp_path / "ct2", model_path=str(private))
+
+
+def test_export_copies_a_hugging_face_snapshots_linked_tokenizer(tmp_path):
+    """A Hugging Face cache snapshot holds links into its repository's blobs/: those are the
+    folder's own files (copied, by content); a link out of the repository is not."""
+    from tiny_models import llama_folder
+
+    from quantscope import export
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = llama_folder(repo / "snapshots" / "abc123")
+    (repo / "blobs").mkdir()
+    (tmp_path / "id_rsa").write_text("-----BEGIN PRIVATE KEY-----")
+    for i, name in enumerate(("tokenizer.json", "tokenizer_config.json")):
+        blob = repo / "blobs" / f"blob{i}"
+        os.replace(snapshot / name, blob)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    (snapshot / "special_tokens_map.json").symlink_to(tmp_path / "id_rsa")
+    model, cal = _llama(snapshot)
+    out = Path(export(cal, model, tmp_path / "ct"))
+    for i, name in enumerate(("tokenizer.json", "tokenizer_config.json")):
+        assert not (out / name).is_symlink()
+        assert (out / name).read_bytes() == (repo / "blobs" / f"blob{i}").read_bytes()
+    assert "special_tokens_map.json" not in os.listdir(out)
 
 
 # --- row 18: writers racing on one folder ---

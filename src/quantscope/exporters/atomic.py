@@ -6,8 +6,9 @@ through here:
 - :func:`check_writable_target`, the one output-path guard: an output may not be, or lie
   above, an input of the command (the model, the run, the calibration file) or the current
   working folder; an existing non-empty output is replaced only with ``overwrite`` and only
-  when quantscope wrote it (its :data:`MARKER` file, or the metadata file of a format
-  quantscope writes; an ONNX file's ``quantscope`` metadata entry), so ``--overwrite`` can
+  when quantscope wrote it (its :data:`MARKER` file; in a folder written before the marker
+  existed, the metadata file of a format quantscope writes, with nothing beside what that
+  format consists of; an ONNX file's ``quantscope`` metadata entry), so ``--overwrite`` can
   never delete a model, its weights file or a user's folder. Reports and plots
   (``kind="report"``, what :func:`atomic_file` writes by default) are replaced as
   ``open(path, "w")`` replaces them.
@@ -17,7 +18,8 @@ through here:
   names in one step (Linux ``renameat2``), the target always exists, whatever other
   processes write to it at once; elsewhere writers take a lock on the parent folder.
 - What is written gets the modes of any file the user writes (their umask), not the private
-  0700 / 0600 of :mod:`tempfile`: a server running as another user can read an export.
+  0700 / 0600 of :mod:`tempfile`: a server running as another user can read an export. Files
+  copied in from elsewhere (an export's tokenizer) keep their own modes: never widened.
 """
 
 from __future__ import annotations
@@ -25,32 +27,67 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fnmatch
 import json
 import os
 import shutil
 import tempfile
 
-__all__ = ["MARKER", "atomic_dir", "atomic_file", "check_writable_target",
+__all__ = ["EXPORT_EXTRAS", "MARKER", "atomic_dir", "atomic_file", "check_writable_target",
            "written_by_quantscope"]
 
 #: the file every folder :func:`atomic_dir` writes holds: what ``overwrite`` may replace
 MARKER = ".quantscope-output"
-# outputs written before the marker existed: the metadata file each format carried
-# (a calibration, a calibrate run, an export, a compare run)
-_LEGACY_MARKS = (("quantscope.json", "format"), (os.path.join("qparams", "quantscope.json"),
-                                                  "format"), ("config.json", "quantscope"),
-                 ("report.json", "runs"))
+#: what a compressed-tensors export copies from the source model folder (patterns), and
+#: nothing else (a model folder may hold notes, keys, other weights): the tokenizer's files
+#: as transformers' ``save_pretrained`` writes them (its config, special and added tokens,
+#: vocabularies, merges, sentencepiece models), the chat template and the generation config
+EXPORT_EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "*.model",
+                 "*.spm", "chat_template.jinja", "chat_template.json", "generation_config.json")
+# the files of an export folder: the model's save_pretrained (config, safetensors, sharded or
+# not) and the copied extras (an older export without the marker is recognised by them)
+_EXPORT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
+                 "model-*-of-*.safetensors", *EXPORT_EXTRAS)
 _RETRIES = 100  # swaps lost to other writers before giving up (each loss is another's win)
 
 
+def _legacy_kinds():
+    """Outputs written before the marker existed: ``(metadata file, its key, the files that
+    kind of output consists of)``, the files as each writer writes them (patterns, relative
+    to the folder). The metadata file alone is no proof: a model folder with a calibration
+    saved inside it at ``qparams/`` holds ``qparams/quantscope.json`` too."""
+    calibration = ("quantscope.json", "qparams.safetensors", MARKER)  # Calibration.save
+    return (("quantscope.json", "format", calibration),
+            # a `quantscope calibrate --out` run: its calibration in qparams/ and the report
+            ("qparams/quantscope.json", "format",
+             ("qparams", *(f"qparams/{n}" for n in calibration), "report.json", "report.md")),
+            ("config.json", "quantscope", _EXPORT_FILES),  # a compressed-tensors export
+            # a `quantscope compare` run: its report and plots
+            ("report.json", "runs", ("report.json", "report.md", "hist.png", "sqnr.png")))
+
+
 def written_by_quantscope(path) -> bool:
-    """Whether the existing ``path`` is an earlier output of quantscope (see :data:`MARKER`)."""
+    """Whether the existing ``path`` is an earlier output of quantscope (see :data:`MARKER`):
+    the marker, or an older output's metadata file in a folder holding nothing else than
+    that kind of output consists of."""
     path = os.fspath(path)
     if os.path.isfile(path):
         return path.endswith(".onnx") and _onnx_written_by_quantscope(path)
     if os.path.isfile(os.path.join(path, MARKER)):
         return True
-    return any(_json_has(os.path.join(path, name), key) for name, key in _LEGACY_MARKS)
+    return any(_json_has(os.path.join(path, name), key) and _holds_only(path, files)
+               for name, key, files in _legacy_kinds())
+
+
+def _holds_only(top: str, patterns) -> bool:
+    """Whether every file and folder under ``top`` matches one of ``patterns``."""
+    for root, dirs, files in os.walk(top):
+        for name in dirs + files:
+            rel = os.path.relpath(os.path.join(root, name), top).replace(os.sep, "/")
+            if not any(fnmatch.fnmatchcase(rel, p) for p in patterns):
+                return False
+    return True
 
 
 def _json_has(path: str, key: str) -> bool:
@@ -172,17 +209,21 @@ def _umask() -> int:
     return mask
 
 
-def _public_modes(top: str) -> None:
-    """The modes any file the user writes gets (tempfile's are private: 0700 / 0600)."""
+def _public_modes(top: str, keep=()) -> None:
+    """The modes any file the user writes gets (tempfile's are private: 0700 / 0600); the
+    files named in ``keep`` (relative to ``top``: copied from elsewhere) keep their own, so
+    a private file copied in stays private."""
     mask = _umask()
     if os.path.isfile(top):
         os.chmod(top, 0o666 & ~mask)
         return
     os.chmod(top, 0o777 & ~mask)
+    kept = {os.path.join(top, name) for name in keep}
     for root, dirs, files in os.walk(top):
         for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
-            if not os.path.islink(os.path.join(root, name)):  # never what a link points at
-                os.chmod(os.path.join(root, name), mode & ~mask)
+            p = os.path.join(root, name)
+            if not os.path.islink(p) and p not in kept:  # never what a link points at
+                os.chmod(p, mode & ~mask)
 
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
@@ -261,11 +302,13 @@ def _remove(path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path, *, overwrite: bool = False, inputs=()):
+def atomic_dir(path, *, overwrite: bool = False, inputs=(), keep_modes=()):
     """Yield a fresh temporary folder; on success it replaces ``path``, on error it is removed.
 
     ``with atomic_dir(out) as tmp: write files into tmp``. ``path`` passes
     :func:`check_writable_target` (with ``inputs``) first, and gets the :data:`MARKER`.
+    ``keep_modes``: the names (relative to the folder; a list may be filled inside the
+    block) of files copied from elsewhere, which keep their modes instead of the umask's.
     """
     path = check_writable_target(path, overwrite=overwrite, inputs=inputs)
     parent = os.path.dirname(path)
@@ -275,7 +318,7 @@ def atomic_dir(path, *, overwrite: bool = False, inputs=()):
         yield tmp
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump({"written_by": "quantscope", "version": _version()}, f)
-        _public_modes(tmp)
+        _public_modes(tmp, keep_modes)
         _swap_in(tmp, path, overwrite, "folder")
     finally:
         _remove(tmp)  # the failed build, or the replaced folder

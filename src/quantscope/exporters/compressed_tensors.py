@@ -9,10 +9,10 @@ compressed-tensors' ``ModelCompressor`` packs the weights (int8 ``int-quantized`
 ``pack-quantized``, fp8 ``float-quantized``, ``nvfp4-pack-quantized``,
 ``mxfp4-pack-quantized``): no bit is packed here. The model's own ``save_pretrained``
 writes the (sharded) safetensors and ``ModelCompressor.update_config`` the
-``quantization_config``; the source folder's tokenizer and other files are copied beside
-them. All of it happens on a deep copy of the model inside
-:func:`~quantscope.exporters.atomic.atomic_dir`, so the caller's model is untouched and a
-failure leaves nothing behind.
+``quantization_config``; the source model folder's tokenizer, generation config and chat
+template (``EXPORT_EXTRAS``, nothing else) are copied beside them. All of it happens on a
+deep copy of the model inside :func:`~quantscope.exporters.atomic.atomic_dir`, so the caller's
+model is untouched and a failure leaves nothing behind.
 
 Conventions (the same numbers on both sides, checked in tests/export/test_export_compressed_tensors.py):
 an int or fp8 scale is the scale that multiplies a code; NVFP4's ``weight_scale`` is the e4m3
@@ -25,6 +25,7 @@ activation amax; MX scales are powers of two, stored as E8M0 exponents.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import os
 import shutil
@@ -36,15 +37,12 @@ from torch import nn
 from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import nvfp4_global_scale
-from .atomic import atomic_dir, check_writable_target
+from .atomic import EXPORT_EXTRAS, atomic_dir, check_writable_target
 from .experts import checkpoint_names, unfuse_experts
 from .registry import register
 
 __all__ = ["export_compressed_tensors", "quant_args"]
 
-#: the files of a model folder that the export writes itself (never copied from the source)
-_WRITTEN = ("config.json", "model.safetensors", "model.safetensors.index.json",
-            "pytorch_model.bin", "pytorch_model.bin.index.json", "recipe.yaml")
 _ARG_NAME = {"weight": "weights", "input": "input_activations", "output": "output_activations"}
 
 
@@ -307,23 +305,50 @@ def _groups(states, lossy):
 
 
 def _source_dir(calibration, model, model_path):
-    path = model_path or calibration.info.get("model") or getattr(
-        getattr(model, "config", None), "_name_or_path", None)
-    if path and os.path.isdir(path):
-        return os.fspath(path)
+    """The model folder (one with a config.json) whose ``EXPORT_EXTRAS`` the export
+    copies: ``model_path``, else the folder the model was loaded from, else the
+    calibration's record."""
     if model_path:
-        raise ValueError(f"export: model_path {model_path!r} is not a folder")
+        if not _is_model_folder(model_path):
+            raise ValueError(f"export: model_path {model_path!r} is not a model folder (a "
+                             f"folder with a config.json)")
+        return os.fspath(model_path)
+    # the live model's own folder first: it is the model being exported; the calibration's
+    # record is only a file's say (another machine's path, or anyone's edit of the file)
+    for path in (getattr(getattr(model, "config", None), "_name_or_path", None),
+                 calibration.info.get("model")):
+        if isinstance(path, (str, os.PathLike)) and path and _is_model_folder(path):
+            return os.fspath(path)
     return None
 
 
+def _is_model_folder(path) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _own_file(src: str, p: str) -> bool:
+    """Whether ``p``, a name in the model folder ``src``, is the folder's own file: a plain
+    file, or a link into the folder's own tree (a Hugging Face cache snapshot links every
+    file into its repository's ``blobs/``), never a link elsewhere (a key, a user's notes)."""
+    if not os.path.isfile(p):
+        return False
+    if not os.path.islink(p):
+        return True
+    root = os.path.realpath(src)
+    if os.path.basename(os.path.dirname(root)) == "snapshots":  # models--org--name/snapshots/rev
+        root = os.path.dirname(os.path.dirname(root))
+    return os.path.realpath(p).startswith(root + os.sep)
+
+
 def _copy_extras(src: str, dst: str) -> list[str]:
-    """Tokenizer, generation config, chat template ... of the source folder (not weights)."""
+    """The ``EXPORT_EXTRAS`` of the source folder (tokenizer, generation config, chat
+    template), with their own modes; only the folder's own files (:func:`_own_file`), never
+    what ``dst`` has."""
     copied = []
     for name in sorted(os.listdir(src)):
         p = os.path.join(src, name)
-        if (not os.path.isfile(p) or name in _WRITTEN or name.startswith(".")
-                or name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5",
-                                  ".msgpack", ".onnx"))):
+        if not any(fnmatch.fnmatchcase(name, pat) for pat in EXPORT_EXTRAS) \
+                or not _own_file(src, p):
             continue
         if not os.path.exists(os.path.join(dst, name)):
             shutil.copy2(p, os.path.join(dst, name))
@@ -344,8 +369,9 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         allow_lossy: write what compressed-tensors cannot express exactly in its nearest form
             (fp32 values of power-of-two scales, the runtime's MX rule) instead of raising;
             what changed is in ``config.json``'s ``quantscope.lossy`` and a warning.
-        model_path: the source model folder whose tokenizer and other files are copied
-            (default: ``calibration.info["model"]``, then ``model.config._name_or_path``).
+        model_path: the source model folder (with a config.json) whose tokenizer,
+            generation config and chat template (``EXPORT_EXTRAS``) are copied (default: the
+            folder ``model.config._name_or_path`` names, then ``calibration.info["model"]``).
         max_shard_size: as transformers' ``save_pretrained``.
 
     Returns the path. Raises ``ValueError`` naming the layer and the feature for anything the
@@ -379,12 +405,14 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     _attach_kv_scales(work, kv)
     compressor = _compressor(work, kv_args)
     compressor.compress_model(work)
-    with atomic_dir(path, overwrite=overwrite, inputs=[source]) as tmp:  # never the source
+    copied = []  # their modes stay: a private tokenizer file is not made readable
+    with atomic_dir(path, overwrite=overwrite, inputs=[source],  # never the source
+                    keep_modes=copied) as tmp:
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
         _annotate(tmp, calibration, lossy.notes, source, work)
         if source is not None:
-            _copy_extras(source, tmp)
+            copied += _copy_extras(source, tmp)
     return path
 
 
