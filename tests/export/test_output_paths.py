@@ -72,6 +72,10 @@ def test_overwrite_replaces_only_quantscope_outputs(tmp_path):
     assert written_by_quantscope(tmp_path / "cal")
     cal.save(tmp_path / "cal")  # its own earlier output: replaced
     assert load(tmp_path / "cal").states.keys() == cal.states.keys()
+    before = _tree(tmp_path / "cal")
+    with pytest.raises(ValueError, match="exists"):  # as SECURITY.md says: refused
+        cal.save(tmp_path / "cal", overwrite=False)
+    assert _tree(tmp_path / "cal") == before
 
 
 def test_outputs_written_before_the_marker_are_still_recognised(tmp_path):

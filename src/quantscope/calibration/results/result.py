@@ -54,9 +54,11 @@ class Calibration:
         return Report(self.label or self.recipe.name, self.recipe.name, self.stats,
                       dict(metrics or {}), self.info)
 
-    def save(self, path):
-        """qparams to ``path/qparams.safetensors`` and specs to ``path/quantscope.json``."""
-        return _save(self, path)
+    def save(self, path, *, overwrite: bool = True):
+        """qparams to ``path/qparams.safetensors`` and specs to ``path/quantscope.json``,
+        atomically; an earlier calibration at ``path`` is replaced (``overwrite=False``
+        refuses it), never a folder quantscope did not write."""
+        return _save(self, path, overwrite=overwrite)
 
     def export(self, model, path, format: str = "compressed-tensors", **options):
         """Write this calibration applied to ``model`` in a runtime's ``format``
