@@ -458,3 +458,30 @@ def test_histogram_tensor_path_reads_back_once_a_batch(monkeypatch):
         ref(x)
     same(ref.histogram, ours.histogram)
     same_qparams(ref, ours)
+
+
+def test_compiled_histogram_observer_is_torch_aos_bit_for_bit():
+    """dynamo skips torch.ao's observers (they run eagerly); ours was traced, and inductor's
+    linspace in the re-binning of a widened range moved counts (2 bins of 2048 off)."""
+    torch.manual_seed(8)
+    batches = [torch.randn(512) * float(torch.rand(1) * 10) + float(torch.randn(1) * 3)
+               for _ in range(2)]
+    ours, ref = qa.HistogramObserver(), tq.HistogramObserver()
+    compiled = torch.compile(ours)
+    for x in batches:
+        compiled(x)
+        ref(x)
+    for name in ("histogram", "min_val", "max_val"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    assert all(torch.equal(a, b) for a, b in zip(ours.calculate_qparams(),
+                                                 ref.calculate_qparams(), strict=True))
+
+
+@pytest.mark.parametrize("kind", ["HistogramObserver", "MinMaxObserver"])
+def test_state_made_in_inference_mode_refuses_updates_outside_it_as_torch(kind):
+    for cls in (getattr(tq, kind), getattr(qa, kind)):
+        with torch.inference_mode():
+            obs = cls()
+            obs(torch.randn(64))
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            obs(torch.randn(64) * 3)

@@ -309,6 +309,8 @@ def _observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: tor
     if not (x.dtype == torch.float32 and x.is_cpu and hist.is_cpu and lo.dim() == 0
             and kernels.plain(lo) and kernels.plain(hi)):
         return None
+    if hist.is_inference() and not torch.is_inference_mode_enabled():
+        return None  # the tensor path raises, as torch.ao's in-place update does
     old_lo, old_hi = kernels.read(lo)[0], kernels.read(hi)[0]
     first = old_lo == math.inf or old_hi == -math.inf  # torch.ao's is_uninitialized
     got = ao_histogram.observe(hist, lo, hi, kernels.contiguous(x), first, one_read=one_read,
@@ -391,6 +393,10 @@ def _search(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tenso
     return new_lo.reshape(()).clone(), new_hi.reshape(()).clone()
 
 
+#: the search as the observer runs it eagerly: never traced (see ``_forward_eager``)
+_eager_search = torch.compiler.disable(_search)
+
+
 @torch.library.custom_op("quantscope::ao_histogram_search", mutates_args=())
 def _search_op(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor,
                dst_nbins: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -451,6 +457,9 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
                                                   self.max_val, self.upsample_rate)
         return x_orig
 
+    # never traced, as dynamo skips torch.ao's own observers: compiled, its re-binning's
+    # linspace rounds otherwise and the histogram stops being torch.ao's
+    @torch.compiler.disable
     def _forward_eager(self, x_orig):
         if x_orig.numel() == 0:
             return x_orig
@@ -466,6 +475,6 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
 
     def _non_linear_param_search(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not torch.jit.is_scripting():
-            return _search(self.histogram, self.min_val, self.max_val, self.dst_nbins)
+            return _eager_search(self.histogram, self.min_val, self.max_val, self.dst_nbins)
         return torch.ops.quantscope.ao_histogram_search(self.histogram, self.min_val,
                                                         self.max_val, self.dst_nbins)
