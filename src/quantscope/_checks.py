@@ -8,10 +8,13 @@ C, a hang or a silently different result).
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 
-__all__ = ["check_float32_range", "check_int", "check_number", "check_per_unit"]
+__all__ = ["check_float32_range", "check_int", "check_number", "check_per_unit",
+           "outside_quantscope"]
 
 
 def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int:
@@ -57,3 +60,14 @@ def check_float32_range(who: str, *values: torch.Tensor) -> None:
                 f"{who}: float64 values beyond float32's range (|x| > 3.4e38) are not "
                 f"supported (quantscope computes statistics and qparams in float32), got "
                 f"max |x| = {value[value.isfinite()].abs().max().item():.3g}")
+
+
+def outside_quantscope() -> int:
+    """The ``stacklevel`` of the first caller outside the quantscope package (whichever entry
+    point it called), so that a warning names the user's line and Python's default filters
+    show it in ``__main__``."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level

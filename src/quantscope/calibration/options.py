@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .._checks import outside_quantscope
 from .choice.sensitivity import FALLBACK_MODES
 from .choice.smooth import check as _check_alpha
 from .run.finish import MISSING_POLICIES
@@ -400,17 +400,6 @@ def as_sequential(value) -> Sequential | None:
                      f"got {value!r}")
 
 
-def _outside_quantscope() -> int:
-    """The ``stacklevel`` of the first caller outside the quantscope package (whichever entry
-    point it called: ``calibrate``, ``calibrate_many``, the callable package), so that the
-    warning names the user's line and Python's default filters show it in ``__main__``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def from_keywords(options: Options, keywords: dict) -> Options:
     """``options`` with the flat keywords of before applied (one ``DeprecationWarning``
     naming the new spelling of each); an unknown keyword is a ``TypeError``, one that sets a
@@ -429,7 +418,7 @@ def from_keywords(options: Options, keywords: dict) -> Options:
                for k in keywords]
     warnings.warn(f"calibrate: keyword options are deprecated, pass the option objects of "
                   f"quantscope.calibration.options: {'; '.join(spelled)}", DeprecationWarning,
-                  stacklevel=_outside_quantscope())
+                  stacklevel=outside_quantscope())
     return options.but(**{f"{KEYWORDS[k][0]}__{KEYWORDS[k][1]}": v for k, v in keywords.items()})
 
 

@@ -29,11 +29,11 @@ import fnmatch
 import json
 import os
 import shutil
-from collections import defaultdict
 
 import torch
 from torch import nn
 
+from ..calibration.structure.tied import tied_weights
 from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import nvfp4_global_scale
@@ -195,26 +195,6 @@ def _check_module(model: nn.Module, layer: str, roles: dict) -> nn.Module:
         raise ValueError(f"export compressed-tensors: {layer}.weight has shape "
                          f"{tuple(module.weight.shape)}, calibrated with {st.shape}")
     return module
-
-
-def tied_weights(model: nn.Module, layers) -> dict[str, list[str]]:
-    """``{layer: the other modules holding its weight}`` for each of ``layers`` whose weight
-    Parameter another module shares (a tied lm_head). An exporter that writes the weight
-    quantized for ``layer`` would leave it float for the others, unlike ``apply()``, which
-    quantizes the one shared Parameter: every exporter refuses these."""
-    owners = defaultdict(list)
-    modules = dict(model.named_modules(remove_duplicate=False))
-    for name, module in modules.items():
-        w = getattr(module, "weight", None)
-        if isinstance(w, nn.Parameter):
-            owners[id(w)].append(name)
-    tied = {}
-    for layer in layers:
-        w = getattr(modules.get(layer), "weight", None)
-        others = sorted(set(owners[id(w)]) - {layer}) if isinstance(w, nn.Parameter) else []
-        if others:
-            tied[layer] = others
-    return tied
 
 
 def _tied(model: nn.Module, layers) -> None:

@@ -36,8 +36,8 @@ import os
 import numpy as np
 import torch
 
+from ..calibration.structure.tied import tied_weights
 from .atomic import atomic_file, check_writable_target
-from .compressed_tensors import tied_weights
 from .onnx_tensors import code_tensor
 from .registry import register
 

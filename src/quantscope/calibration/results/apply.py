@@ -1,9 +1,9 @@
 """Apply calibrated qparams to a model as fake quantization (QDQ), reversibly.
 
 Weights are replaced in place by ``fake_quantize(weight)`` (the same Parameter
-object, so tied or shared references stay valid); activations are
-fake-quantized by forward hooks. :meth:`QDQHandle.remove` removes the hooks and
-copies the saved float weights back, bit for bit.
+object, so tied or shared references stay valid; QDQ'd once, however many modules share
+it); activations are fake-quantized by forward hooks. :meth:`QDQHandle.remove` removes
+the hooks and copies the saved float weights back, bit for bit.
 
 :func:`runtime_qparams` is the one place that decides the qparams a role uses on
 a given tensor: the calibrated ones (static), ones computed from the tensor
@@ -15,6 +15,8 @@ all go through it.
 from __future__ import annotations
 
 import inspect
+import sys
+import warnings
 import weakref
 from types import SimpleNamespace
 
@@ -22,9 +24,11 @@ import torch
 from torch import nn
 
 # the quantizer of a role lives below calibration/ (report and apply both use it): re-exported
+from ..._checks import outside_quantscope
 from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
 from ..structure import kv_cache
+from ..structure.tied import tied_weights
 from .role_state import RoleState
 
 __all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "runtime_qparams"]
@@ -113,13 +117,18 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
     """Fake-quantize ``model`` with ``{layer: {role: RoleState}}``; returns the undo handle.
 
     Raises ``ValueError`` naming the layer if the model lacks a module or a weight
-    has another shape than the one calibrated; nothing is left applied then.
+    has another shape than the one calibrated, if layers sharing one weight Parameter (tied)
+    have states that quantize it differently, or if the model is a ``torch.compile``
+    wrapper; nothing is left applied then. A shared weight is fake-quantized once; the
+    modules sharing it without a state are named in a warning.
     """
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("apply: this model already has quantscope QDQ applied; call remove() "
                          "on the handle first")
+    refuse_compiled(model, "apply")
     handle = QDQHandle(model)
     kv: dict[str, dict[str, RoleState]] = {}  # attention layer -> key / value states
+    weights: dict[int, tuple[torch.Tensor, list]] = {}  # id -> (Parameter, [(layer, state)])
     try:
         _attach_experts(model, states, handle)
         for name, roles in states.items():
@@ -130,26 +139,8 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                                  f"another model?)") from None
             for role, state in roles.items():
                 if role == "weight":
-                    w = getattr(module, "weight", None)
-                    if not isinstance(w, torch.Tensor):
-                        raise ValueError(f"apply: {name} ({type(module).__name__}) has no "
-                                         f"weight tensor to quantize (calibrated on another "
-                                         f"model?)")
-                    if state.shape is not None and tuple(w.shape) != tuple(state.shape):
-                        raise ValueError(
-                            f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
-                            f"calibrated with shape {tuple(state.shape)}")
-                    if _APPLIED.get(id(w), handle) is not handle:
-                        raise ValueError(
-                            f"apply: {name}.weight is already fake-quantized by another "
-                            f"apply() (on a model holding this module, or held by it); "
-                            f"remove() that one first")
-                    with torch.no_grad():
-                        original = w.detach().clone()
-                        qdq = qdq_tensor(w.detach(), state.to(w.device))
-                        handle._weights.append((w, original))
-                        _APPLIED[id(w)] = handle
-                        w.copy_(qdq)
+                    w = _checked_weight(name, module, state, handle)
+                    weights.setdefault(id(w), (w, []))[1].append((name, state.to(w.device)))
                 elif role == "input":
                     handle._hooks.append(module.register_forward_pre_hook(
                         _input_hook(state.to(_device(module)), input_name(module)),
@@ -161,6 +152,7 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                     kv.setdefault(name, {})[role] = state.to(_device(module))
                 else:
                     raise ValueError(f"apply: unknown role {role!r} for {name!r}")
+        _qdq_weights(model, weights.values(), handle)
         if kv:
             handle._hooks.append(SimpleNamespace(remove=kv_cache.attach(
                 model, {name: _kv_qdq(roles) for name, roles in kv.items()})))
@@ -169,6 +161,81 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
         raise
     setattr(model, _ATTR, handle)
     return handle
+
+
+def refuse_compiled(model: nn.Module, who: str) -> None:
+    """Refuse a ``torch.compile(module)`` wrapper (``OptimizedModule``), as the model or one of
+    its submodules: once it ran, its cached graphs skip hooks added later (dynamo does not
+    guard on module hooks by default), so activations would go unobserved or unquantized
+    without a word. ``module.compile()`` in place keeps calling them: accepted."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing compiled
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    if compiled is None:
+        return
+    found = [name for name, module in model.named_modules() if isinstance(module, compiled)]
+    if found:
+        where, inner = ("model", "model._orig_mod") if not found[0] else (
+            f"submodule {found[0]!r}", f"{found[0]}._orig_mod")
+        raise ValueError(
+            f"{who}: the {where} is a torch.compile'd module (OptimizedModule): its compiled "
+            f"graphs do not run forward hooks added after it ran, so activations would be "
+            f"neither observed nor fake-quantized; pass the module it wraps ({inner}) and "
+            f"torch.compile after apply()")
+
+
+def _checked_weight(name: str, module: nn.Module, state: RoleState, handle) -> torch.Tensor:
+    """``module``'s weight, which ``state`` fake-quantizes: raises naming ``name`` if it has
+    none, another shape than calibrated, or another apply() holds it."""
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(  # noqa: TRY004 (a model that does not fit: as apply's others)
+            f"apply: {name} ({type(module).__name__}) has no weight tensor to quantize "
+            f"(calibrated on another model?)")
+    if state.shape is not None and tuple(w.shape) != tuple(state.shape):
+        raise ValueError(f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
+                         f"calibrated with shape {tuple(state.shape)}")
+    if _APPLIED.get(id(w), handle) is not handle:
+        raise ValueError(f"apply: {name}.weight is already fake-quantized by another apply() "
+                         f"(on a model holding this module, or held by it); remove() that "
+                         f"one first")
+    return w
+
+
+def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
+    """Fake-quantize each weight once, whatever number of layers share it (a tied lm_head):
+    their states must quantize alike (QDQ twice would compound, matching neither), and
+    the modules sharing it without a state are named (they run it fake-quantized too)."""
+    for w, owners in weights:
+        (first, state), *rest = owners
+        for other, st in rest:
+            if not st.quantizes_like(state):
+                raise ValueError(
+                    f"apply: {first}.weight and {other}.weight are one tied Parameter with "
+                    f"different weight qparams ({state.spec} vs {st.spec}); one QDQ cannot "
+                    f"be both: ignore one of the layers in the recipe, or untie the weights")
+    _warn_tied(model, [owners[0][0] for _, owners in weights],
+               {name for _, owners in weights for name, _ in owners})
+    with torch.no_grad():
+        for w, ((_, state), *_) in weights:
+            original = w.detach().clone()
+            handle._weights.append((w, original))
+            _APPLIED[id(w)] = handle
+            w.copy_(qdq_tensor(w.detach(), state))
+
+
+def _warn_tied(model: nn.Module, layers: list[str], done: set[str]) -> None:
+    """One warning naming the modules that share the weight of one of ``layers`` (one per
+    Parameter) without a state of their own (not in ``done``)."""
+    silent = {layer: sorted(set(others) - done)
+              for layer, others in tied_weights(model, layers).items()}
+    silent = {layer: others for layer, others in silent.items() if others}
+    if silent:
+        said = "; ".join(f"{layer}.weight is also the weight of {others}"
+                         for layer, others in silent.items())
+        warnings.warn(f"apply: {said} (tied): those modules run it fake-quantized too, "
+                      f"though the calibration and its report do not cover them; ignore "
+                      f"the layer in the recipe, or untie the weights, to keep them float",
+                      stacklevel=outside_quantscope())
 
 
 def _kv_qdq(states: dict[str, RoleState]):

@@ -41,6 +41,7 @@ from ..options import (
     from_keywords,
 )
 from ..recipe import AUTO, Recipe, preset
+from ..results.apply import refuse_compiled
 from ..results.result import Calibration
 from ..structure import kv_cache
 from ..structure import moe as _moe
@@ -216,6 +217,7 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
     own fields when made), before any hook is attached or batch run."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
+    refuse_compiled(model, "calibrate")  # its hooks would see no activation
     recipes = _as_recipes(recipes)
     seq = opts.sequential
     if seq is not None:
@@ -446,6 +448,7 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
         roles: which roles to measure.
     """
     check_batches(batches, "sensitivity")
+    refuse_compiled(model, "sensitivity")
     batches = list(batches)  # a generator: read by the calibration, then by the measure
     if calibration is None:
         calibration = calibrate(model, batches if calib_batches is None else calib_batches,
