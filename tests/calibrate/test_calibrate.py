@@ -363,6 +363,27 @@ def test_recipe_targets_ignore_and_regex():
     assert Recipe.from_dict(custom.to_dict()) == custom
 
 
+@pytest.mark.parametrize(("targets", "ignore"), [
+    (["Linear"], ["re:.*mlp.gate"]), (["Linear"], ["re:layers.0.self_attn"]),
+    (["re:.*proj", "re:layers.0.mlp.gate$"], []), (["re:.*mlp\\."], ["re:.*up"])])
+def test_regex_targets_and_ignores_match_from_the_start_as_compressed_tensors(targets, ignore):
+    """``re:`` patterns as llm-compressor users write them select the modules
+    compressed-tensors does: ``re.match`` (anchored at the start only), not ``re.fullmatch``."""
+    match = pytest.importorskip("compressed_tensors.utils.match")
+
+    def layer():
+        mlp, attn, block = nn.Module(), nn.Module(), nn.Module()
+        mlp.gate, mlp.gate_proj, mlp.up_proj = nn.Linear(8, 4), nn.Linear(8, 8), nn.Linear(8, 8)
+        attn.q_proj = nn.Linear(8, 8)
+        block.mlp, block.self_attn = mlp, attn
+        return block
+    m = nn.Module()
+    m.layers = nn.ModuleList([layer()])
+    want = sorted(n for n, _ in match.match_named_modules(m, targets, ignore))
+    rule = Rule(tuple(targets), weight=Role(QuantSpec("int8", Channel(0)), "memoryless_minmax"))
+    assert sorted(Recipe(rule, ignore).match(m)) == want
+
+
 # --------------------------------------------------------------------------- bad input
 def test_recipe_matching_nothing():
     m, b = make()

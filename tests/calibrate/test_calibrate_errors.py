@@ -160,7 +160,8 @@ def test_no_ignore_list_is_none():
 @pytest.mark.parametrize(("options", "said"), [
     (5, " must be a mapping"), ("abc", " must be a mapping"), ([("a", 1, 2)], " must be a mapping"),
     ({1: 0.5}, ": keyword names must be strings"),
-    ({"averaging_constant": [0.5]}, r"\['averaging_constant'\] must be hashable"),
+    ({"averaging_constant": {0.5}}, r"\['averaging_constant'\] must be hashable"),
+    ({"averaging_constant": [{"a": 1}]}, r"\['averaging_constant'\] must be hashable"),
 ])
 def test_role_options_are_a_mapping_of_names_to_hashable_values(options, said):
     from quantscope.calibration import Role
@@ -181,6 +182,83 @@ def test_role_options_as_pairs_calibrate_as_the_mapping():
     batches = [torch.randn(8, 16) for _ in range(3)]
     cal = calibrate(_mlp(), batches, Recipe(Rule(("Linear",), input=pairs)), progress=False)
     assert cal.states["0"]["input"].qparams is not None
+
+
+def test_tuple_options_survive_json_and_save_load(tmp_path):
+    """JSON (and YAML) hold a tuple as a list: from_dict reads lists back as tuples, nested ones
+    too, so a saved calibration whose mix role has percentiles loads, and a file can give them."""
+    import json
+
+    from quantscope.calibration import Recipe, Role, Rule
+    from quantscope.calibration.results.io import load
+    from quantscope.spec import QuantSpec
+
+    mix = Role(QuantSpec("int8"), "mix", options={"percentiles": (99.9, 99.99)})
+    rec = Recipe(Rule(("Linear",), weight=Role(QuantSpec("int8", "channel"), "memoryless_minmax"),
+                      input=mix))
+    assert Recipe.from_dict(json.loads(json.dumps(rec.to_dict()))) == rec
+    kinds = Role(QuantSpec("int8"), options={"a": ((1, 2.5), "x"), "b": None, "c": True, "d": 3})
+    assert Role.from_dict(json.loads(json.dumps(kinds.to_dict()))) == kinds
+    assert Role.from_dict(kinds.to_dict()) == kinds
+    cal = calibrate(_mlp(), [torch.randn(8, 16) for _ in range(2)], rec, progress=False)
+    cal.save(tmp_path / "cal")
+    back = load(tmp_path / "cal")
+    assert back.recipe == rec and back.quantizes_like(cal)
+    for layer, roles in cal.states.items():  # the states' options too: tuples, as calibrated
+        for role, state in roles.items():
+            assert back.states[layer][role].options == state.options, (layer, role)
+
+
+@pytest.mark.parametrize("dynamic", [1, 0, 1.0, 0.0, "true", None])
+def test_role_dynamic_is_true_false_or_local_not_an_equal_number(dynamic):
+    """1 == True, but calibration asks ``dynamic is True``: 1 was calibrated static."""
+    from quantscope.calibration import Role
+    from quantscope.spec import QuantSpec
+
+    with pytest.raises(ValueError, match=r"Role\.dynamic must be one of \(False, True, 'local'\), "
+                                         rf"got {dynamic!r}"):
+        Role(QuantSpec("int8", "token"), "memoryless_minmax", dynamic)
+    with pytest.raises(ValueError, match=r"Role\.dynamic must be one of"):
+        Role.from_dict({"spec": {"format": "int8"}, "dynamic": dynamic})
+
+
+_W = {"spec": {"format": "int8", "layout": "channel"}}
+
+
+@pytest.mark.parametrize(("d", "said"), [
+    ({"rules": [{"weight": _W}], "ignores": ["*mlp*"]}, r"Recipe: unknown key 'ignores'"),
+    ({"rules": [{"weight": _W}], "kv-cache": "fp8"}, r"Recipe: unknown key 'kv-cache'"),
+    ({"rules": [{"weight": _W}, {"weight": _W, "inputs": _W}]},
+     (r"Recipe\.rules\[1\]: unknown key 'inputs'; the known keys are \['targets', 'weight', "
+     r"'input', 'output'\]")),
+    ({"rules": [{"input": {**_W, "option": {"averaging_constant": 0.5}}}]},
+     (r"Recipe\.rules\[0\]\.input: unknown key 'option'; the known keys are \['spec', "
+     r"'observer', 'dynamic', 'options'\]")),
+    ({"rules": [{"weight": {"observer": "minmax"}}]}, r"Recipe\.rules\[0\]\.weight: missing key 'spec'"),
+    ({"ignore": []}, r"Recipe: missing key 'rules'"),
+    ({"rules": {"weight": _W}}, r"Recipe\.rules must be a list of rules, got dict"),
+    ({"rules": ["Linear"]}, r"Recipe\.rules\[0\] must be a mapping with keys"),
+])
+def test_from_dict_refuses_unknown_and_missing_keys(d, said):
+    from quantscope.calibration import Recipe
+
+    with pytest.raises(ValueError, match=said):
+        Recipe.from_dict(d)
+
+
+def test_from_dict_keys_are_what_to_dict_writes_and_omitted_ones_take_the_defaults():
+    from dataclasses import fields
+
+    from quantscope.calibration import Recipe, Role, Rule
+    from quantscope.spec import QuantSpec
+
+    rec = preset("fp8-kv")
+    for obj in (rec, rec.rules[0], rec.rules[0].weight):
+        assert set(obj.to_dict()) == {f.name for f in fields(obj)}, type(obj).__name__
+    assert Role.from_dict({"spec": {"format": "int8"}}) == Role(QuantSpec("int8"))
+    assert Rule.from_dict({"input": {"spec": {"format": "int8"}}}) == Rule(
+        input=Role(QuantSpec("int8")))
+    assert Recipe.from_dict({"rules": [], "kv_cache": "fp8"}) == Recipe((), kv_cache="fp8")
 
 
 # --- load: a scale of the right count but the wrong shape quantizes other units ---

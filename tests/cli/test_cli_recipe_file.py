@@ -135,3 +135,29 @@ def test_without_observer_the_preset_or_scheme_chooses_the_input_observer(llama_
     FP8 inputs were a moving average where calibrate()'s are the scheme's running max."""
     rec, _ = _built(llama_dir, *argv)
     assert rec.rules[0].input.observer == want
+
+
+@pytest.mark.parametrize(("recipe", "said"), [
+    ({**PLAIN, "ignores": ["*.mlp.*"]}, r"unknown key 'ignores'"),
+    ({**TWO_RULES, "rules": [TWO_RULES["rules"][0], {**TWO_RULES["rules"][1], "inputs": INT8_TENSOR}]},
+     r"Recipe\.rules\[1\]: unknown key 'inputs'"),
+])
+def test_a_misspelt_key_in_a_recipe_file_is_refused_not_dropped(tmp_path, recipe, said):
+    """A misspelt key was dropped: the file ran as if it were absent (no ignore list, no
+    input role)."""
+    from quantscope.cli.checks import UsageError
+    from quantscope.cli.recipes import read_recipe_file
+
+    with pytest.raises(UsageError, match=r"--recipe-file '.*': not a recipe \(ValueError: .*" + said):
+        read_recipe_file(_recipe_file(tmp_path, recipe))
+
+
+def test_a_recipe_file_may_leave_out_a_roles_observer_dynamic_and_options(tmp_path):
+    from quantscope.calibration import Recipe, Role, Rule
+    from quantscope.cli.recipes import read_recipe_file
+    from quantscope.spec import QuantSpec
+
+    spec = {"format": "int8", "layout": "tensor"}
+    got = read_recipe_file(_recipe_file(tmp_path, {"name": "short", "rules": [
+        {"targets": ["Linear"], "input": {"spec": spec}}]}))
+    assert got == Recipe(Rule(("Linear",), input=Role(QuantSpec.from_dict(spec))), name="short")

@@ -3,7 +3,8 @@
 A :class:`Recipe` is a list of :class:`Rule` s. A rule names its modules by
 ``targets`` (a module class name such as ``"Linear"``, a glob on the module's
 name such as ``"encoder.layer.*.attention.*"``, or a regular expression on the
-name prefixed ``"re:"``, as llm-compressor writes them) and gives a
+name prefixed ``"re:"``, matched from the name's start as compressed-tensors matches
+llm-compressor's: ``re.match``, not ``re.fullmatch``) and gives a
 :class:`Role` for each tensor it quantizes: ``weight``, ``input`` (the
 activation entering the module) and ``output`` (the one leaving it). The first
 rule that matches a module wins; ``ignore`` (same syntax) removes modules.
@@ -28,6 +29,7 @@ from torch import nn
 from .. import presets
 from ..layout import Tensor
 from ..spec import QuantSpec
+from .recipe_dict import fields_from, role_options
 from .role_observers import AUTO, observed, weight_observer
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
@@ -66,9 +68,10 @@ class Role:
             raise TypeError(f"Role.spec must be a QuantSpec, got {type(self.spec).__name__}")
         if not isinstance(self.observer, str) or not self.observer:
             raise ValueError(f"Role.observer must be an observer name, got {self.observer!r}")
-        if self.dynamic not in DYNAMIC_MODES:
+        # by identity: 1 == True, but everything downstream asks `dynamic is True`
+        if not (self.dynamic is True or self.dynamic is False or self.dynamic == "local"):
             raise ValueError(f"Role.dynamic must be one of {DYNAMIC_MODES}, got {self.dynamic!r}")
-        object.__setattr__(self, "options", _role_options(self.options))
+        object.__setattr__(self, "options", role_options(self.options))
 
     @property
     def needs_data(self) -> bool:
@@ -80,32 +83,14 @@ class Role:
                 "options": dict(self.options)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Role:
-        return cls(QuantSpec.from_dict(d["spec"]), d["observer"], d["dynamic"],
-                   d.get("options"))
+    def from_dict(cls, d: dict, where: str = "Role") -> Role:
+        """The role :meth:`to_dict` wrote (``observer``, ``dynamic`` and ``options`` may be
+        left out: the defaults); ``where`` names it in errors."""
+        return cls(**fields_from(cls, d, where, spec=lambda s, _: QuantSpec.from_dict(s)))
 
 
-def _role_options(options) -> tuple:
-    """``Role.options`` as sorted ``(name, value)`` pairs: the observers are keyed by them,
-    so the names must be keywords and the values hashable. None: no options."""
-    if options is None:
-        return ()
-    pairs = (options.items() if isinstance(options, Mapping)
-             else options if isinstance(options, (tuple, list)) else None)
-    if pairs is None or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
-        raise ValueError(f"Role.options must be a mapping of observer keyword names to values "
-                         f"({{'averaging_constant': 0.1}}), got {options!r}")
-    options = dict(pairs)
-    for name, value in options.items():
-        if not isinstance(name, str):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
-                f"Role.options: keyword names must be strings, got {name!r}")
-        try:
-            hash(value)
-        except TypeError:
-            raise ValueError(f"Role.options[{name!r}] must be hashable (a tuple, not a list: "
-                             f"observers are shared by their options), got {value!r}") from None
-    return tuple(sorted(options.items()))
+def _optional_role(d, where: str) -> Role | None:
+    return None if d is None else Role.from_dict(d, where)
 
 
 def _patterns(owner: str, value) -> tuple[str, ...]:
@@ -153,14 +138,20 @@ class Rule:
                    for r, v in ((r, getattr(self, r)) for r in ROLES)}}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Rule:
-        return cls(d["targets"],
-                   **{r: (None if d.get(r) is None else Role.from_dict(d[r])) for r in ROLES})
+    def from_dict(cls, d: dict, where: str = "Rule") -> Rule:
+        return cls(**fields_from(cls, d, where, **dict.fromkeys(ROLES, _optional_role)))
+
+
+def _rules(rules, where: str) -> tuple[Rule, ...]:
+    if not isinstance(rules, (list, tuple)):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
+            f"{where} must be a list of rules, got {type(rules).__name__}")
+    return tuple(Rule.from_dict(r, f"{where}[{i}]") for i, r in enumerate(rules))
 
 
 def _matches(pattern: str, name: str, module: nn.Module) -> bool:
     if pattern.startswith("re:"):
-        return re.fullmatch(pattern[3:], name) is not None
+        return re.match(pattern[3:], name) is not None  # from the start, as compressed-tensors
     if any(pattern in (c.__name__, f"{c.__module__}.{c.__qualname__}")  # a subclass too,
            for c in type(module).__mro__):  # as compressed-tensors matches (FalconLinear)
         return True
@@ -281,11 +272,10 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, d: dict) -> Recipe:
-        # patterns as written: Recipe reads a string as one pattern, as when made in Python
-        kv = d.get("kv_cache")
-        return cls(tuple(Rule.from_dict(r) for r in d["rules"]), d.get("ignore", ()),
-                   d.get("name", "custom"), d.get("fusion", True), d.get("fuse", ()),
-                   d.get("split", ()), None if kv is None else Role.from_dict(kv))
+        # patterns as written: Recipe reads a string as one pattern, as when made in Python,
+        # and a kv_cache format name ("fp8") as kv_cache_role does
+        kv = lambda v, at: Role.from_dict(v, at) if isinstance(v, Mapping) else v
+        return cls(**fields_from(cls, d, "Recipe", rules=_rules, kv_cache=kv))
 
 
 #: ``kv_cache=`` names: the KV cache format vLLM's ``kv_cache_dtype`` takes

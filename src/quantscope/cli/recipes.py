@@ -87,7 +87,7 @@ def _narrow(rec, model, targets):
         if rule is not None and any(_matches(t, name, module) for t in targets):
             # a name with glob characters is matched as a regex of itself, exactly
             exact = name if not set(name) & set("*?[") and not name.startswith("re:") \
-                else "re:" + re.escape(name)
+                else "re:" + re.escape(name) + r"\Z"  # re.match: the end anchored too
             taken[rec.rules.index(rule)].append(exact)
     rules = tuple(replace(r, targets=tuple(t)) for r, t in zip(rec.rules, taken) if t)
     if not rules:

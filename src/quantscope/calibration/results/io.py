@@ -22,6 +22,7 @@ from ...layout import Tensor
 from ...qparams import QParams, qparams_from_range
 from ...spec import QuantSpec
 from ..recipe import Recipe
+from ..recipe_dict import role_options
 from .result import Calibration
 from .role_state import RoleState
 from .saving import FORMAT, META, SMOOTH, TENSORS, VERSION, safetensors, save
@@ -151,7 +152,7 @@ def _role_state(d, tensors, key, bad_meta, bad_tensor, used) -> RoleState:
         raise bad_tensor(f"{key}/global_amax", f"expected one value, got {gam.numel()}")
     lo, hi = (None, None) if dyn is True else _role_range(get, key, qp, bad_tensor)
     return RoleState(spec, d["observer"], d["requested"], dyn,
-                     tuple(sorted(options.items())), qp, gam, lo, hi, shape)
+                     options, qp, gam, lo, hi, shape)
 
 
 def _role_range(get, key, qp, bad_tensor):
@@ -191,6 +192,10 @@ def _role_meta(d, bad_meta):
     options = d.get("options", {})
     if not isinstance(options, dict):
         raise bad_meta("options", f"expected a dict, got {options!r}")
+    try:  # as a recipe reads them: JSON's lists back as the tuples they were
+        options = role_options(options)
+    except ValueError as e:
+        raise bad_meta("options", str(e)) from None
     shape = d["shape"]
     if shape is not None and not (isinstance(shape, list) and all(
             type(n) is int and n >= 0 for n in shape)):
