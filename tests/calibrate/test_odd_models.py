@@ -194,3 +194,24 @@ def test_tied_llama_embedding_and_lm_head_with_two_states_is_refused():
     with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight and lm_head\.weight are "
                                          r"one tied Parameter"):
         calib.apply(m)
+
+
+def test_one_module_under_two_names_is_not_tied():
+    """A module registered twice (``self.again = self.block``) shares its weight with itself
+    only: applying warns of no tie (it named the alias as another holder)."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Linear(16, 16)
+            self.again = self.block
+
+        def forward(self, x):
+            return self.again(torch.relu(self.block(x)))
+
+    m = Twice().eval()
+    cal = calibrate(m, [torch.randn(4, 16) for _ in range(2)], "w8a8", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = cal.apply(m)
+    handle.remove()

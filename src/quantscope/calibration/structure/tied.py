@@ -23,8 +23,11 @@ def tied_weights(model: nn.Module, layers) -> dict[str, list[str]]:
             owners[id(w)].append(name)
     tied = {}
     for layer in layers:
-        w = getattr(modules.get(layer), "weight", None)
-        others = sorted(set(owners[id(w)]) - {layer}) if isinstance(w, nn.Parameter) else []
+        module = modules.get(layer)
+        w = getattr(module, "weight", None)
+        # another module holding it; the layer's own module under a second name is no other
+        others = sorted(n for n in owners[id(w)] if modules[n] is not module) \
+            if isinstance(w, nn.Parameter) else []
         if others:
             tied[layer] = others
     return tied
