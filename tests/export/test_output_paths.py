@@ -146,6 +146,10 @@ def test_old_outputs_of_every_kind_are_still_replaced(tmp_path):
     assert {p.name for p in (tmp_path / "compare").iterdir()} >= {"hist.png", "sqnr.png"}
     assert len(list((tmp_path / "export").glob("model-*-of-*.safetensors"))) > 1
     assert (tmp_path / "export" / "tokenizer.json").is_file()
+    # the export then copied every top-level file of the model folder but weights (probe:
+    # a Hugging Face model's README.md and sentence-transformers' configs)
+    for name in ("README.md", "modules.json", "sentence_bert_config.json"):
+        (tmp_path / "export" / name).write_text("{}")
     for kind, folder in old.items():
         assert written_by_quantscope(folder), kind
         cal.save(folder)  # replaced: a calibration with the marker now
@@ -166,8 +170,13 @@ def test_an_old_outputs_metadata_beside_other_files_is_no_mark(tmp_path, capsys)
     cal.save(model / "qparams")  # the calibration kept beside its model
     cal.save(tmp_path / "run" / "qparams")
     kinds = _old_outputs(tmp_path / "old", cal)
-    for folder in kinds.values():  # an older output with a file of the user's beside it
-        (folder / "NOTES.md").write_text("my notes")
+    for kind, folder in kinds.items():  # an older output with a file of the user's beside it
+        if kind == "export":  # it copied any top-level file but weights: a folder, a weight
+            (folder / "notes").mkdir()
+            (folder / "notes" / "NOTES.md").write_text("my notes")
+            (folder / "pytorch_model.bin").write_bytes(b"weights")
+        else:
+            (folder / "NOTES.md").write_text("my notes")
     for folder in [model, *kinds.values()]:
         before = _tree(folder)
         assert not written_by_quantscope(folder), folder

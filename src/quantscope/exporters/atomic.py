@@ -45,24 +45,22 @@ MARKER = ".quantscope-output"
 EXPORT_EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "*.model",
                  "*.spm", "chat_template.jinja", "chat_template.json", "generation_config.json")
-# the files of an export folder: the model's save_pretrained (config, safetensors, sharded or
-# not) and the copied extras (an older export without the marker is recognised by them)
-_EXPORT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
-                 "model-*-of-*.safetensors", *EXPORT_EXTRAS)
+#: the weight files the export copied from the source folder before EXPORT_EXTRAS: none
+_OLD_UNCOPIED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
 _RETRIES = 100  # swaps lost to other writers before giving up (each loss is another's win)
 
 
 def _legacy_kinds():
     """Outputs written before the marker existed: ``(metadata file, its key, the files that
-    kind of output consists of)``, the files as each writer writes them (patterns, relative
-    to the folder). The metadata file alone is no proof: a model folder with a calibration
+    kind of output consists of)``, the files as each writer wrote them (patterns relative
+    to the folder, or a test of a relative path). The metadata file alone is no proof: a model folder with a calibration
     saved inside it at ``qparams/`` holds ``qparams/quantscope.json`` too."""
     calibration = ("quantscope.json", "qparams.safetensors", MARKER)  # Calibration.save
     return (("quantscope.json", "format", calibration),
             # a `quantscope calibrate --out` run: its calibration in qparams/ and the report
             ("qparams/quantscope.json", "format",
              ("qparams", *(f"qparams/{n}" for n in calibration), "report.json", "report.md")),
-            ("config.json", "quantscope", _EXPORT_FILES),  # a compressed-tensors export
+            ("config.json", "quantscope", _old_export_file),  # a compressed-tensors export
             # a `quantscope compare` run: its report and plots
             ("report.json", "runs", ("report.json", "report.md", "hist.png", "sqnr.png")))
 
@@ -80,12 +78,25 @@ def written_by_quantscope(path) -> bool:
                for name, key, files in _legacy_kinds())
 
 
-def _holds_only(top: str, patterns) -> bool:
-    """Whether every file and folder under ``top`` matches one of ``patterns``."""
+def _old_export_file(rel: str, is_dir: bool) -> bool:
+    """A file an older compressed-tensors export wrote: the model's ``save_pretrained``
+    (config, safetensors, sharded or not), or a top-level file it copied from the source
+    folder, as it copied them then: any but hidden ones and weights (a README.md too)."""
+    if fnmatch.fnmatchcase(rel, "model-*-of-*.safetensors") or rel in (
+            "model.safetensors", "model.safetensors.index.json"):
+        return True
+    return not is_dir and "/" not in rel and not rel.startswith(".") \
+        and not rel.endswith(_OLD_UNCOPIED)
+
+
+def _holds_only(top: str, allowed) -> bool:
+    """Whether every file and folder under ``top`` is ``allowed``: one of its patterns, or
+    ``allowed(relative path, is_dir)``."""
     for root, dirs, files in os.walk(top):
-        for name in dirs + files:
+        for name, is_dir in [(d, True) for d in dirs] + [(f, False) for f in files]:
             rel = os.path.relpath(os.path.join(root, name), top).replace(os.sep, "/")
-            if not any(fnmatch.fnmatchcase(rel, p) for p in patterns):
+            if not (allowed(rel, is_dir) if callable(allowed)
+                    else any(fnmatch.fnmatchcase(rel, p) for p in allowed)):
                 return False
     return True
 
