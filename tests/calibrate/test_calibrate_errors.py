@@ -532,3 +532,15 @@ def test_load_takes_what_save_writes_for_each_scale_encoding(tmp_path, fmt, layo
                     progress=False)
     cal.save(tmp_path / "cal")
     assert load(tmp_path / "cal").quantizes_like(cal)
+
+
+@pytest.mark.parametrize("name", ["torch.ao:MinMaxObserver", "torch.ao:HistogramObserver",
+                                  "quark:PerTensorMinMaxObserver"])
+def test_a_compat_class_in_a_preset_is_a_value_error_naming_it(name):
+    """torch.ao's compat classes have none of quantscope's observer flags: building a preset
+    with one raised AttributeError ('memoryless'), where the others say what is wrong."""
+    from quantscope.calibration import preset
+
+    with pytest.raises(ValueError, match=f"'{name}' is a compat class configured by its own "
+                                         f"arguments"):
+        calibrate(_mlp(), [torch.randn(8, 16)], preset("w8a8", name), progress=False)

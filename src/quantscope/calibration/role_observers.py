@@ -27,15 +27,15 @@ def weight_observer(name: str) -> str:
 
     if name == AUTO:
         return name
-    cls = observer_class(name)
-    if cls.memoryless:
+    cls = observer_class(name)  # torch.ao's compat classes are torch.ao's: no such flags
+    if getattr(cls, "memoryless", False):
         return name
     try:
         observer_class(f"memoryless_{name}")
         return f"memoryless_{name}"
     except ValueError:
         pass
-    if cls.family == "histogram":
+    if getattr(cls, "family", None) == "histogram":
         return "memoryless_minmax"
     return name
 
