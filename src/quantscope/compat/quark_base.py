@@ -11,7 +11,7 @@ import torch
 from ..formats import FloatFormat
 from ..layout import Block, Channel, Group, Tensor
 from ..observers import record
-from ..qparams import qparams_from_range
+from ..qparams import amax_of_range, qparams_from_range
 from ..scales import e8m0_scale
 from ..spec import QuantSpec
 from . import enum_name, field
@@ -170,11 +170,6 @@ def quark_qmin_qmax(dtype) -> tuple[int | float | None, int | float | None]:
     if name in _INT or name in ("fp8_e4m3", "fp8_e5m2"):
         return int(fmt.qmin), int(fmt.qmax)
     return float(fmt.qmin), float(fmt.qmax)
-
-
-def _quark_amax(min_val: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
-    """Quark's amax of a range: the larger of ``|min(min_val, 0)|`` and ``max(max_val, 0)``."""
-    return torch.maximum(min_val.clamp(max=0).abs(), max_val.clamp(min=0))
 
 
 def _quark_rows(t: torch.Tensor, shape, axis: int) -> torch.Tensor:
@@ -346,7 +341,7 @@ class QuarkObserver:
     def calculate_fp8_quant_parameters(self, min_val: torch.Tensor, max_val: torch.Tensor):
         """Quark's float ``(scale, zeros)``: ``amax / quant_max`` of the range (divided by
         ``quant_max_first_level`` too when it is set), zeros -> eps."""
-        amax = _quark_amax(min_val, max_val)
+        amax = amax_of_range(min_val.clamp(max=0), max_val.clamp(min=0))  # Quark's amax
         eps = self.eps.to(amax.device) if isinstance(self.eps, torch.Tensor) else self.eps
         scale = quark_float_scale(amax, self.spec.format.qmax, "float32", eps=eps,
                                   first_level=self.quant_max_first_level,
@@ -356,7 +351,8 @@ class QuarkObserver:
     def calculate_fp4_quant_parameters(self, min_val: torch.Tensor, max_val: torch.Tensor):
         """Quark's: :meth:`get_scale` of the range's amax in ``scale_format`` (zeros -> eps),
         a zero left -> float32 eps; zeros as the zero point."""
-        scale = self.get_scale(_quark_amax(min_val, max_val), self.eps, self.scale_format)
+        amax = amax_of_range(min_val.clamp(max=0), max_val.clamp(min=0))
+        scale = self.get_scale(amax, self.eps, self.scale_format)
         zero_point = torch.zeros_like(scale)
         return scale.masked_fill(scale == 0.0, _F32_EPS).to(self.scale_torch_dtype), zero_point
 
