@@ -50,21 +50,6 @@ _OLD_UNCOPIED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpac
 _RETRIES = 100  # swaps lost to other writers before giving up (each loss is another's win)
 
 
-def _legacy_kinds():
-    """Outputs written before the marker existed: ``(metadata file, its key, the files that
-    kind of output consists of)``, the files as each writer wrote them (patterns relative
-    to the folder, or a test of a relative path). The metadata file alone is no proof: a model folder with a calibration
-    saved inside it at ``qparams/`` holds ``qparams/quantscope.json`` too."""
-    calibration = ("quantscope.json", "qparams.safetensors", MARKER)  # Calibration.save
-    return (("quantscope.json", "format", calibration),
-            # a `quantscope calibrate --out` run: its calibration in qparams/ and the report
-            ("qparams/quantscope.json", "format",
-             ("qparams", *(f"qparams/{n}" for n in calibration), "report.json", "report.md")),
-            ("config.json", "quantscope", _old_export_file),  # a compressed-tensors export
-            # a `quantscope compare` run: its report and plots
-            ("report.json", "runs", ("report.json", "report.md", "hist.png", "sqnr.png")))
-
-
 def written_by_quantscope(path) -> bool:
     """Whether the existing ``path`` is an earlier output of quantscope (see :data:`MARKER`):
     the marker, or an older output's metadata file in a folder holding nothing else than
@@ -75,7 +60,7 @@ def written_by_quantscope(path) -> bool:
     if os.path.isfile(os.path.join(path, MARKER)):
         return True
     return any(_json_has(os.path.join(path, name), key) and _holds_only(path, files)
-               for name, key, files in _legacy_kinds())
+               for name, key, files in _LEGACY_KINDS)
 
 
 def _old_export_file(rel: str, is_dir: bool) -> bool:
@@ -87,6 +72,21 @@ def _old_export_file(rel: str, is_dir: bool) -> bool:
         return True
     return not is_dir and "/" not in rel and not rel.startswith(".") \
         and not rel.endswith(_OLD_UNCOPIED)
+
+
+_CALIBRATION = ("quantscope.json", "qparams.safetensors", MARKER)  # Calibration.save
+#: outputs written before the marker existed: (metadata file, its key, the files that kind
+#: of output consists of, as its writer wrote them: patterns relative to the folder, or a
+#: test of a relative path). The metadata file alone is no proof: a model folder with a
+#: calibration saved inside it at ``qparams/`` holds ``qparams/quantscope.json`` too.
+_LEGACY_KINDS = (
+    ("quantscope.json", "format", _CALIBRATION),
+    # a `quantscope calibrate --out` run: its calibration in qparams/ and the report
+    ("qparams/quantscope.json", "format",
+     ("qparams", *(f"qparams/{n}" for n in _CALIBRATION), "report.json", "report.md")),
+    ("config.json", "quantscope", _old_export_file),  # a compressed-tensors export
+    # a `quantscope compare` run: its report and plots
+    ("report.json", "runs", ("report.json", "report.md", "hist.png", "sqnr.png")))
 
 
 def _holds_only(top: str, allowed) -> bool:
