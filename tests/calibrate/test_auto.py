@@ -922,3 +922,19 @@ def test_auto_on_cuda_makes_the_cpu_choice_with_the_cpu_scales():
             # weights: the same tensors; inputs: activations to the GPU's last bits
             torch.testing.assert_close(g.cpu(), st.qparams.scale, atol=0,
                                        rtol=1e-5 if role == "weight" else 1e-3)
+
+
+def test_model_metric_sees_a_one_output_head():
+    # found by probing: each row's single output normalised to +-1, so every candidate
+    # scored 0 and auto chose blind; the batch's column is compared as one vector
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)).eval()
+    x = torch.randn(32, 16)
+    calib = calibrate(model, [x], "w8a8", progress=False)
+    with torch.no_grad():
+        ref = model(x).double().flatten()
+        with apply(model, calib.states):
+            q = model(x).double().flatten()
+    want = 1 - float(torch.dot(q, ref) / (q.norm() * ref.norm()))
+    assert want > 0
+    assert OutputDivergence(model, [x]).of(calib.states) == pytest.approx(want, rel=1e-6)

@@ -54,7 +54,8 @@ def _mask(batch):
 def _summary(out, batch):
     """What a divergence compares, from a model output: the next-token logits of the real
     positions (causal LM; float32, their log-probabilities taken in float64 where compared),
-    mean-pooled normalised embeddings (encoder, float64: ``[rows, hidden]``), or the tensor."""
+    mean-pooled normalised embeddings (encoder, float64: ``[rows, hidden]``), or the tensor;
+    an output of one value per row (a regression head) as one vector over the batch."""
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, dict):
         logits = out.get("logits")
@@ -76,7 +77,10 @@ def _summary(out, batch):
         m = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None
              else mask).to(hidden.dtype)
         hidden = (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
-    return ("cos", torch.nn.functional.normalize(hidden.reshape(hidden.shape[0], -1), dim=-1))
+    rows = hidden.reshape(hidden.shape[0], -1)
+    if rows.shape[1] == 1:  # one value a row has no direction: the batch's column is the vector
+        rows = rows.reshape(1, -1)
+    return ("cos", torch.nn.functional.normalize(rows, dim=-1))
 
 
 #: logits whose KL :func:`_divergence` computes at once: its float64 temporaries (three
