@@ -498,3 +498,15 @@ def test_the_mse_search_off_the_cpu_runs_on_the_ops(name, fields):
         else "quantscope.mse_price_int"
     assert {price, "quantscope.mse_select"} <= seen.names
     assert obs.min_vals.device.type == "meta"
+
+
+def test_an_attached_observer_is_no_target_of_compressed_tensors_matching():
+    # found by probing: llm-compressor's Observer is a compressed-tensors InternalModule, so a
+    # pattern matching every module skips the observer attached to a layer; ours was matched
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.utils.match import match_named_modules
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model[0].register_module("weight_observer", _obs("memoryless_minmax", "weight"))
+    assert isinstance(model[0].weight_observer, ct.InternalModule)
+    assert [n for n, _ in match_named_modules(model, ["re:.*"])] == ["", "0"]

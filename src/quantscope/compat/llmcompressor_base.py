@@ -14,6 +14,7 @@ of llm-compressor's API binds a ``dist``).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from types import SimpleNamespace
 from typing import ClassVar
@@ -114,7 +115,18 @@ def _as_args(args):
     return args
 
 
-class Observer(torch.nn.Module):
+def _internal_module() -> type:
+    """compressed-tensors' ``InternalModule`` where it is installed, as llm-compressor's
+    ``Observer`` subclasses it: its target matching (``match_named_modules``) skips an observer
+    attached to a layer; ``nn.Module`` without it."""
+    if importlib.util.find_spec("compressed_tensors") is None:
+        return torch.nn.Module
+    from compressed_tensors import InternalModule
+
+    return InternalModule
+
+
+class Observer(_internal_module()):
     """llm-compressor 0.14's observer base: ``(base_name, args, **observer_kwargs)``.
 
     Subclasses implement :meth:`update_statistics_from_observed` on the
