@@ -472,6 +472,19 @@ def test_fisher_default_loss_takes_the_batches_own_labels():
     assert not torch.equal(got[layers[0]], other[layers[0]])
 
 
+def test_fisher_weights_under_inference_mode_are_the_normal_ones():
+    # found by probing: under inference_mode no graph was built, the weights came out empty
+    # and auto(metric="fisher") chose by the unweighted error without a word
+    model, batches = _llama()
+    layers = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    want = fisher_weights(model, batches, layers)
+    with torch.inference_mode():
+        made_here = [{k: v.clone() for k, v in b.items()} for b in batches]  # inference tensors
+        got = fisher_weights(model, made_here, layers)
+    assert got.keys() == want.keys() == set(layers)
+    assert all(torch.equal(got[k], want[k]) for k in layers)
+
+
 def test_model_metric_auto_keeps_the_options_each_candidate_takes():
     """Every candidate (and its weight variant) is built with the observer options it takes;
     a name none takes (a typo) is refused, not dropped."""

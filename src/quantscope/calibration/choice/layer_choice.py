@@ -24,7 +24,7 @@ from torch import nn
 from ...estimators.weighted import imatrix_qparams
 from ..results.apply import qdq_tensor
 from ..results.result import RoleState
-from ..run.batches import eval_mode, forward_batch
+from ..run.batches import eval_mode, forward_batch, map_tensors
 
 __all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
            "joint_choice", "layer_pick"]
@@ -64,11 +64,12 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
     try:
         for p in frozen:
             p.requires_grad_(True)
-        with eval_mode(model):
+        # a graph needs normal mode: calibrate is often called under inference_mode
+        with eval_mode(model), torch.inference_mode(False):
             for batch in batches:
                 caught.clear()
                 with torch.enable_grad():
-                    value = _loss_of(model, batch, loss)
+                    value = _loss_of(model, _saveable(batch), loss)
                     grads = torch.autograd.grad(value, [o for _, o in caught],
                                                 allow_unused=True) if caught else ()
                 for (name, _), g in zip(caught, grads):
@@ -84,6 +85,14 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
         for p in frozen:
             p.requires_grad_(False)
     return {n: s / counts[n] for n, s in sums.items() if s is not None}
+
+
+def _saveable(batch):
+    """``batch`` with its inference tensors (made under ``inference_mode``) cloned: autograd
+    cannot save those for backward."""
+    if hasattr(batch, "keys") and not isinstance(batch, dict):  # a tokenizer's BatchEncoding
+        batch = dict(batch)
+    return map_tensors(lambda t: t.clone() if t.is_inference() else t, batch)
 
 
 def _loss_of(model, batch, loss):
