@@ -31,6 +31,8 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         --target "$site" .whl/*.whl 2>&1 | tail -3
 fi
 export PYTHONPATH="$PWD/src:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}:$site" PYTHONUNBUFFERED=1
+# the device reaches no hub: nothing may wait on one (the model is built from a config)
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   "$py" -c "import platform, torch; print('python', platform.python_version(), 'torch',
 torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name()

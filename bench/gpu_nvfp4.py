@@ -41,12 +41,13 @@ def _observer(name, w):
 
 def _llmcompressor(w):
     from mse_worker import NVFP4_CASE  # llm-compressor's NVFP4 weight scheme, one place
-    from peer_llmcompressor_mse import observe, quant_args
+    from peer_llmcompressor_mse import search, weight_observer
 
-    args = quant_args(NVFP4_CASE)
+    obs = weight_observer(NVFP4_CASE)  # built once, as ours
 
     def call():
-        (lo, hi), _ = observe(w, NVFP4_CASE, args)
+        lo, hi = search(obs, w)
+        obs.get_qparams()  # their qparams, as ours computes its own
         return lo.reshape(-1), hi.reshape(-1), None  # their global scale: from these ranges
     return call
 

@@ -62,3 +62,17 @@ def device_name(device):
 def failure(e: BaseException) -> str:
     """A peer's failure as one short table cell."""
     return f"not run: {type(e).__name__}: {e}"[:200].replace("\n", " ").replace("|", "/")
+
+
+def runnable(fns: dict) -> tuple[dict, dict]:
+    """``(name -> call, name -> why not)``: each call tried once, so that one method that
+    cannot run on this device (a peer's kernel without this dtype) costs its row only."""
+    ok, skipped = {}, {}
+    for name, fn in fns.items():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (say why in the table, go on)
+            skipped[name] = failure(e)
+        else:
+            ok[name] = fn
+    return ok, skipped

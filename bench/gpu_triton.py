@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import time
 import traceback
 
@@ -40,7 +41,7 @@ from common import Table
 from gpu_imatrix import bench_imatrix
 from gpu_model import bench_model
 from gpu_nvfp4 import bench_nvfp4
-from gpu_timing import device_name, device_seconds, sync, us, wall_medians
+from gpu_timing import device_name, device_seconds, runnable, sync, us, wall_medians
 
 import quantscope as qs
 from quantscope import QuantSpec
@@ -119,15 +120,19 @@ def bench_calls(size, device, calls=200):
     native = {name: qs.get_observer(name, spec).to(device)
               for name in ("static_minmax", "minmax", "histogram")}
     ao_minmax, ao_hist = MinMaxObserver().to(device), HistogramObserver().to(device)
+    # CUDA's torch.histc has no bf16 kernel: torch.ao's observers get a float32 copy there
+    # (made once, outside the timing: their figures leave out the cast)
+    xa, of = (x, "") if device.type == "cpu" else (x.float(), ", float32 copy")
     fns = {"torch.aminmax (floor)": lambda: torch.aminmax(x),
            **{f"quantscope {n}": (lambda o=o: o(x)) for n, o in native.items()},
-           "torch.ao MinMaxObserver": lambda: ao_minmax(x),
-           "torch.ao HistogramObserver": lambda: ao_hist(x)}
+           f"torch.ao MinMaxObserver{of}": lambda: ao_minmax(xa),
+           f"torch.ao HistogramObserver{of}": lambda: ao_hist(xa)}
     table = Table(f"an activation observer's call, 8 x 512 x {size // 2} bf16 per tensor, "
                   f"{calls} calls back to back, {device_name(device)}",
                   ["method", "host us / call", "wall us / call", "wall / aminmax"])
     timed = {}
     with torch.inference_mode():
+        fns, skipped = runnable(fns)
         for name, fn in fns.items():
             for _ in range(3):  # warm: state sized, kernels compiled
                 fn()
@@ -141,6 +146,8 @@ def bench_calls(size, device, calls=200):
     floor = timed["torch.aminmax (floor)"][1]
     for name, (host, wall) in timed.items():
         table.add(name, us(host), us(wall), wall / floor)
+    for name, why in skipped.items():
+        table.add(name, why, "", "")
     table.print()
     print("torch.ao's observers read their state back to the host in every call (its histogram "
           "also on every range change), so their host time includes waiting for the device.\n")
@@ -157,19 +164,34 @@ def _total_error(units, spec, lo, hi):
 
 
 def _llmc_call(w):
-    """llm-compressor's memoryless_mse, int4 per channel, or the reason it cannot run."""
+    """llm-compressor's memoryless_mse, int4 per channel (the observer built once, its search
+    timed alone, as ours), or the reason it cannot run."""
     try:
-        from peer_llmcompressor_mse import observe
+        from peer_llmcompressor_mse import search, weight_observer
 
-        case = {"observer": "memoryless_mse", "num_bits": 4, "strategy": "channel"}
-        observe(w, case)
+        obs = weight_observer({"observer": "memoryless_mse", "num_bits": 4,
+                               "strategy": "channel"})
+        search(obs, w)
     except Exception as e:  # noqa: BLE001 (any failure of the carried peer: say it, go on)
         return None, f"{type(e).__name__}: {e}"[:160]
 
     def call():
-        (lo, hi), _ = observe(w, case)
+        lo, hi = search(obs, w)
         return lo.reshape(-1), hi.reshape(-1)
     return call, None
+
+
+def _llmc_backend(w) -> str:
+    """Which of llm-compressor's MSE grid searches runs on ``w``: its Triton kernel, or its
+    eager torch loop (a failed Triton import falls back without a word)."""
+    try:
+        from compressed_tensors.quantization.quant_args import QuantizationArgs
+        from llmcompressor.observers.mse_quant import _mse_triton_req
+
+        triton = _mse_triton_req(w, QuantizationArgs(num_bits=4, strategy="channel"))
+    except Exception as e:  # noqa: BLE001
+        return f"backend unknown ({type(e).__name__})"
+    return "Triton backend" if triton else "eager backend"
 
 
 def bench_mse(size, device, repeat):
@@ -187,16 +209,18 @@ def bench_mse(size, device, repeat):
            "quantscope llm-compressor rules, torch path": lambda: mse_search(
                w, None, None, spec, backend="torch", **compat)}
     llmc, why = _llmc_call(w)
+    peer = "llm-compressor memoryless_mse"
     if llmc is not None:
-        fns["llm-compressor memoryless_mse"] = llmc
+        peer = f"{peer} ({_llmc_backend(w)})"
+        fns[peer] = llmc
     t = wall_medians(fns, device, repeat, 1)
     for name, fn in fns.items():
         lo, hi = fn()[:2]
         table.add(name, 1e3 * t[name], None if (d := device_seconds(fn, device, 1)) is None
                   else 1e3 * d, _total_error(w, spec, lo, hi),
-                  t.get("llm-compressor memoryless_mse", float("nan")) / t[name])
+                  t.get(peer, float("nan")) / t[name])
     if why:
-        table.add("llm-compressor memoryless_mse", "not run: " + why, "", "", "")
+        table.add(peer, "not run: " + why, "", "", "")
     table.print()
     bench_mse_mx(w, device, repeat)
 
@@ -297,26 +321,33 @@ def bench_histogram(size, device, repeat):
                   f"range, {device_name(device)}",
                   ["method", "wall ms", "device ms", "torch.ao / ours",
                    "qparams = torch.ao's on the float32 values"])
+    peer = "torch.ao HistogramObserver, float32 copies"
     fns = {"quantscope native histogram (ops)": lambda: native_hist_observe(batches),
            "quantscope torch.ao HistogramObserver (compat)": lambda: ao_observe(Compat, batches),
            "torch.ao HistogramObserver": lambda: ao_observe(HistogramObserver, batches),
-           "torch.ao HistogramObserver, float32 copies": lambda: ao_observe(HistogramObserver,
-                                                                            as_float)}
-    t = wall_medians(fns, device, repeat, 1)
-    ref = fns["torch.ao HistogramObserver, float32 copies"]()
+           peer: lambda: ao_observe(HistogramObserver, as_float)}
+    # CUDA's torch.histc has no bf16 kernel: there torch.ao runs on the float32 copies only
+    # (made outside the timing), the ratio's reference
+    fns, skipped = runnable(fns)  # each run once: the warm-up
+    t = wall_medians(fns, device, repeat, 0)
+    ref = fns[peer]()
     for name, fn in fns.items():
         d = device_seconds(fn, device, 1)
         qp = fn()
         same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(qp, ref))
         table.add(name, 1e3 * t[name], None if d is None else 1e3 * d,
-                  t["torch.ao HistogramObserver"] / t[name], "yes" if same else "no")
+                  t.get("torch.ao HistogramObserver", t[peer]) / t[name], "yes" if same else "no")
+    for name, why in skipped.items():
+        table.add(name, why, "", "", "")
     table.print()
-    ao = HistogramObserver(bins=2048).to(device)
-    for b in batches:
-        ao(b)
-    print(f"torch.ao bins bf16 batches in bf16 (torch.histc's positions and counts): its "
-          f"histogram holds {float(ao.histogram.sum()):.4g} of "
-          f"{sum(b.numel() for b in batches):.4g} values; the compat class counts every value, "
+    if "torch.ao HistogramObserver" in fns:
+        ao = HistogramObserver(bins=2048).to(device)
+        for b in batches:
+            ao(b)
+        print(f"torch.ao bins bf16 batches in bf16 (torch.histc's positions and counts): its "
+              f"histogram holds {float(ao.histogram.sum()):.4g} of "
+              f"{sum(b.numel() for b in batches):.4g} values.")
+    print("The compat class counts every value, "
           "as torch.ao counts the float32 copies (its qparams are compared with those). The "
           "native histogram is quantscope's (aligned power-of-two grids, exact merges, its own "
           "range choice), not torch.ao's algorithm: its qparams are not torch.ao's. The compat "
@@ -341,6 +372,12 @@ def _versions() -> dict:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[dist] = "absent"
+    try:  # the NVIDIA driver, for docs/benchmarks.md (torch knows only its CUDA version)
+        versions["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=False).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        versions["driver"] = "unknown"
     return versions
 
 

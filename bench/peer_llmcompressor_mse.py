@@ -30,17 +30,30 @@ def quant_args(case):
                             observer=case["observer"])
 
 
+def weight_observer(case, args=None):
+    """llm-compressor's weight observer of ``case``, as its registry builds it."""
+    from llmcompressor.observers import Observer
+
+    args = quant_args(case) if args is None else args
+    return Observer.load_from_registry(case["observer"], base_name="weight",
+                                       args=args.model_copy(deep=True),
+                                       **case.get("observer_kwargs", {}))
+
+
+def search(obs, x):
+    """``obs``'s search alone on ``x`` (a weight observer keeps its first statistics: they
+    go first): ``(min_vals, max_vals)``."""
+    obs.delete_statistics(check_fused=False)
+    obs(x)
+    return obs.min_vals, obs.max_vals
+
+
 def observe(x, case, args=None):
     """A fresh llm-compressor observer fed ``x`` once: (min_vals, max_vals), qparams.
 
     What one weight costs; the statistics are read before ``get_qparams``, which deletes them.
     """
-    from llmcompressor.observers import Observer
-
-    args = quant_args(case) if args is None else args
-    obs = Observer.load_from_registry(case["observer"], base_name="weight",
-                                      args=args.model_copy(deep=True),
-                                      **case.get("observer_kwargs", {}))
+    obs = weight_observer(case, args)
     obs(x)
     stats = obs.min_vals, obs.max_vals
     return stats, obs.get_qparams()

@@ -97,8 +97,11 @@ def peer_versions() -> dict[str, str]:
 
 def git_rev() -> str:
     def git(*args):
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True,
-                              check=False).stdout
+        try:  # a device image may have no git
+            return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True,
+                                  check=False).stdout
+        except OSError:
+            return ""
     rev = git("rev-parse", "--short", "HEAD").strip() or "unknown"
     dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "bench").strip()
     return rev + (" with local changes" if dirty else "")
