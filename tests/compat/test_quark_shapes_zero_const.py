@@ -210,16 +210,12 @@ def test_quant_min_max_are_the_integer_range(dtype, bits):
     ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0}),
     ("PerTensorMSEObserver", {"dtype": "int8"})])
 def test_eps_buffer_is_float32_eps_kept_by_reset_and_never_saved(name, qspec):
-    """Quark's eps buffer: float32 ``finfo.eps``, not in the state dict (the keys are the
-    native observer's), kept by a reset, moved by ``.to()``."""
-    from quantscope.observers.histogram import HistogramObserverBase
-    from quantscope.observers.minmax import StaticMinMaxObserver
-
+    """Quark's eps buffer: float32 ``finfo.eps``, not in the state dict (empty, as Quark's),
+    kept by a reset, moved by ``.to()``."""
     o = getattr(quark, name)(qspec)
     assert o.eps.dtype == torch.float32 and o.eps.item() == torch.finfo(torch.float32).eps
     o(randn(4, 16))
-    native = (HistogramObserverBase if "MSE" in name else StaticMinMaxObserver)(o.spec)
-    assert set(o.state_dict()) == set(native.state_dict())
+    assert "eps" in dict(o.named_buffers()) and o.state_dict() == {}
     o.reset()
     assert o.eps.item() == torch.finfo(torch.float32).eps
     assert o.to("meta").eps.is_meta

@@ -40,7 +40,13 @@ Known differences: ``round_method`` other than half_even is not supported; the h
 search prices candidates in float64 (Quark's float32 mean can tie two candidates and take the
 first); integer scales of a bfloat16 / float16 / float64 input are computed in float32 and
 then cast (Quark computes float64 ranges, and asymmetric half ones, in the input's dtype,
-which can differ in the last bits); ``PerTensorHistogramObserverPro`` with a symmetric
+which can differ in the last bits), and so are the scales after a module cast (``.half()``,
+``.double()``: the dtypes are Quark's, eps, ``min_val`` / ``max_val`` and scales in the cast's
+dtype; a histogram observer keeps that dtype where Quark's returns to float32 once a batch
+widens its bins); ``reset_state`` forgets the histogram and the BFP16 amax (Quark's keeps
+them and merges the next batch); ``PerTensorHistogramObserverPro`` saves the native state
+(Quark's saves torch.ao's ``histogram.*``, a grid quantscope's does not keep; the other
+classes save nothing, as Quark's); ``PerTensorHistogramObserverPro`` with a symmetric
 unsigned dtype gives the native mid code (128 for uint8; torch.ao's custom range gives 127);
 ``zero_point_type`` float32 is not supported; BFP16 uses the native 'even' E8M0
 rule, which bumps the exponent when the block's largest magnitude rounds to 128 on either sign

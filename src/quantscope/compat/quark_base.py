@@ -10,7 +10,6 @@ import torch
 
 from ..formats import FloatFormat
 from ..layout import Block, Channel, Group, Tensor
-from ..observers import record
 from ..qparams import amax_of_range, qparams_from_range
 from ..scales import e8m0_scale
 from ..spec import QuantSpec
@@ -145,13 +144,15 @@ def _quark_int_default() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([1.0]), torch.tensor([0])
 
 
-def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor) -> torch.dtype:
+def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor,
+                           eps_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype of Quark's integer scale of a range (no ``scale_type``): the range's (float32
-    for an integer one), lifted to float32 when the range is 0-dim, as Quark's clamp by its
-    0-dim float32 eps buffer promotes it (a 1-dim+ half range keeps its dtype)."""
+    for an integer one), promoted with its eps buffer's dtype (float32 unless a module cast
+    changed it) when the range is 0-dim, as Quark's clamp by that 0-dim buffer promotes it
+    (a 1-dim+ range keeps its dtype)."""
     dtype = torch.result_type(min_val, max_val)
     dtype = dtype if dtype.is_floating_point else torch.float32
-    return dtype if min_val.dim() or max_val.dim() else torch.promote_types(dtype, torch.float32)
+    return dtype if min_val.dim() or max_val.dim() else torch.promote_types(dtype, eps_dtype)
 
 
 def quark_qmin_qmax(dtype) -> tuple[int | float | None, int | float | None]:
@@ -188,8 +189,12 @@ class QuarkObserver:
     Keywords after ``device`` go to the native observer's constructor.
     """
 
-    #: Quark keeps min / max in the input's dtype (its histograms bin ``x.float()`` instead)
+    #: Quark keeps min / max in the input's dtype (its histograms bin ``x.float()`` instead:
+    #: float32, or the dtype of a module cast, which converts their bin edges)
     _keeps_input_dtype = True
+    #: False: Quark's state_dict has no key of this class (its buffers are non-persistent);
+    #: True: the native state is saved (Pro, whose torch.ao child Quark saves)
+    _saves_state: ClassVar[bool] = False
     #: Quark's per-group min_val / max_val are flat ``(rows * groups,)``, in its row order
     _flat_stats = False
     #: Quark's block observers pad the last block of an axis the group size does not divide
@@ -223,6 +228,7 @@ class QuarkObserver:
         #: Quark's: None unless scale_type is float32 / float16 / bfloat16 (then the scale
         #: keeps the dtype Quark computes it in: the input's, float32 for e8m0 'even' / e4m3)
         self.scale_torch_dtype = _SCALE_DTYPES.get(scale_type)
+        #: the dtype of Quark's min_val / max_val: the last input's, or a module cast's
         self._input_dtype = torch.float32
         #: set by a two-level scheme on its second stage: float32 scales divide by it too
         self.quant_max_first_level: float | None = None
@@ -262,25 +268,39 @@ class QuarkObserver:
         return f"dtype={self.dtype}" if self._quark_base is None else super().extra_repr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._input_dtype = x.dtype if self._keeps_input_dtype else torch.float32
+        if self._keeps_input_dtype:  # Quark's range takes each batch's dtype
+            self._input_dtype = x.dtype
         return super().forward(x)
 
-    def _state_record(self) -> dict:
-        # the input dtype sets Quark's scale / min_val dtype: the state keeps it for a reload
-        return {**super()._state_record(),
-                "input_dtype": str(self._input_dtype).removeprefix("torch.")}
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Quark registers its statistics (and eps) non-persistent: its state_dict is empty
+        if self._saves_state:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
 
-    def set_extra_state(self, state) -> None:
-        """Take the saved input dtype back (a state saved without it keeps this one's)."""
-        super().set_extra_state(state)
-        name = (record.decode(state, self.describe()) or {}).get("input_dtype")
-        if name is None:
-            return
-        dtype = getattr(torch, str(name), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"{self.describe()}: the state's input_dtype must be a torch "
-                             f"floating-point dtype, got {name!r}")
-        self._input_dtype = dtype
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """Quark's: nothing of its own to load (so Quark's empty state loads strictly and
+        leaves the state as it is); ``strict`` flags any key under this prefix, as torch."""
+        if self._saves_state:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        elif strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix)
+                                   and k[len(prefix):].split(".", 1)[0] not in self._modules)
+
+    def _apply(self, fn, recurse=True):
+        """A floating-point module cast (``.half()``, ``.double()``, ``.to(dtype)``) converts
+        Quark's min_val / max_val / eps buffers, so its scales come in that dtype (min-max
+        classes: until the next batch, whose dtype the range takes); the native statistics
+        keep their dtype (:meth:`Observer._apply`), the values read here follow Quark's."""
+        super()._apply(fn, recurse)
+        eps = self._buffers.get("eps")  # the uniform-scaling classes' (Quark's buffers)
+        if eps is not None:
+            dtype = fn(eps).dtype  # what the cast makes of a float buffer (fn: torch's)
+            if dtype != eps.dtype and dtype.is_floating_point:
+                self._buffers["eps"] = eps.to(dtype)
+                self._input_dtype = dtype
+        return self
 
     @property
     def _scale_dtype(self) -> torch.dtype:
@@ -309,7 +329,7 @@ class QuarkObserver:
             return scale, torch.zeros_like(scale)
         if self.spec.symmetric:  # Quark: zero points 0 when symmetric, unsigned too
             zp = torch.zeros_like(zp)
-        return scale.to(self.scale_torch_dtype or _quark_int_scale_dtype(scale, scale)), zp
+        return scale.to(self.scale_torch_dtype or self._int_scale_dtype(scale, scale)), zp
 
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
                           max_val: torch.Tensor | None = None):
@@ -336,13 +356,19 @@ class QuarkObserver:
             zp = torch.zeros_like(zp)
         # the value in the range's dtype (Quark computes there), then Quark's promotion
         scale = qp.scale.to(torch.result_type(min_val, max_val))
-        return scale.to(self.scale_torch_dtype or _quark_int_scale_dtype(min_val, max_val)), zp
+        return scale.to(self.scale_torch_dtype or self._int_scale_dtype(min_val, max_val)), zp
+
+    def _int_scale_dtype(self, min_val: torch.Tensor, max_val: torch.Tensor) -> torch.dtype:
+        eps = self.eps.dtype if isinstance(self.eps, torch.Tensor) else torch.float32
+        return _quark_int_scale_dtype(min_val, max_val, eps)
 
     def calculate_fp8_quant_parameters(self, min_val: torch.Tensor, max_val: torch.Tensor):
         """Quark's float ``(scale, zeros)``: ``amax / quant_max`` of the range (divided by
         ``quant_max_first_level`` too when it is set), zeros -> eps."""
         amax = amax_of_range(min_val.clamp(max=0), max_val.clamp(min=0))  # Quark's amax
-        eps = self.eps.to(amax.device) if isinstance(self.eps, torch.Tensor) else self.eps
+        if isinstance(self.eps, torch.Tensor):  # Quark moves its eps buffer to the range
+            self.eps = self.eps.to(min_val.dtype).to(min_val.device)
+        eps = self.eps
         scale = quark_float_scale(amax, self.spec.format.qmax, "float32", eps=eps,
                                   first_level=self.quant_max_first_level,
                                   dtype=self.scale_torch_dtype)
@@ -375,7 +401,7 @@ class QuarkObserver:
         """A statistic as Quark shows it: ``tensor(empty)`` before data / after a reset."""
         self._check_present(name)
         if not self.has_observed:
-            return torch.tensor(empty)
+            return torch.tensor(empty, dtype=self._input_dtype)
         stat = self._quark_shape(getattr(self, name + "s")).to(self._input_dtype)
         return stat.reshape(-1) if self._flat_stats else stat
 
@@ -411,3 +437,5 @@ class QuarkObserver:
         """Forget the statistics: ``min_val`` / ``max_val`` read ``inf`` / ``-inf`` again."""
         self.reset()
         self._deleted.clear()
+        if self._keeps_input_dtype:  # Quark's reset puts float32 inf / -inf back
+            self._input_dtype = torch.float32

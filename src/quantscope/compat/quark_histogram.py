@@ -49,7 +49,7 @@ class _QuarkHistogram(QuarkObserver):
 
     _num_bins = 2048
     _skip_zeros = False
-    _keeps_input_dtype = False  # Quark bins x.float(): float32 ranges and scales
+    _keeps_input_dtype = False  # Quark bins x.float(): float32 edges, unless a module cast
 
     def __init__(self, qspec, device: torch.device | None = None, **native):
         native.setdefault("grid", "first")
@@ -78,8 +78,10 @@ class _QuarkHistogram(QuarkObserver):
         return lo.clone(), hi.clone()
 
     def _quark_range(self, lo: torch.Tensor, hi: torch.Tensor):
-        """Quark's ``min_val`` / ``max_val`` of an estimate ``[1]``: 0-dim."""
-        return lo.reshape(()).clone(), hi.reshape(()).clone()
+        """Quark's ``min_val`` / ``max_val`` of an estimate ``[1]``: 0-dim, in its bin edges'
+        dtype (float32, or a module cast's)."""
+        return (lo.reshape(()).to(self._input_dtype, copy=True),
+                hi.reshape(()).to(self._input_dtype, copy=True))
 
     min_val, max_val = QuarkObserver.ends("_priced_end",
                                           "The range the last qparams priced (Quark's)")
@@ -247,8 +249,13 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
     """Quark's wrapper of torch.ao's HistogramObserver (256 bins, non-linear L2 search).
 
     ``upsample_rate`` is accepted and unused (torch >= 2.5 dropped it too); custom
-    quant ranges make torch ignore ``reduce_range``, so it is accepted and unused.
+    quant ranges make torch ignore ``reduce_range``, so it is accepted and unused. Its
+    state_dict is the native observer's (Quark's holds its torch.ao child's ``histogram.*``,
+    a state quantscope's grid cannot hold: a widening batch re-bins approximately there).
     """
+
+    _saves_state = True
+    _keeps_input_dtype = False  # torch.ao's state: float32, or a module cast's dtype
 
     def __init__(self, qspec, device: torch.device | None = None, bins: int = 256,
                  reduce_range: bool = False, upsample_rate: int = 384, **native):
@@ -267,7 +274,7 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
 
     def _never_set(self, name: str, value: float) -> torch.Tensor:
         self._check_present(name)
-        return torch.tensor(value, device=self.observed_tokens.device)
+        return torch.tensor(value, dtype=self._input_dtype, device=self.observed_tokens.device)
 
     def _calculate_qparams(self):
         """As torch.ao's ``_calculate_qparams`` returns them to Quark's wrapper: shape
@@ -275,4 +282,4 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
         data ``ValueError`` (Quark's wrapper returns a NaN scale there)."""
         qp = self.qparams()  # torch.ao's: float32 scale, mid-code zero point if symmetric
         zp = qp.zero_point.reshape(1).to(torch.int64 if self.spec.symmetric else torch.int32)
-        return qp.effective_scale.float().reshape(1), zp
+        return qp.effective_scale.to(self._input_dtype).reshape(1), zp
