@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from triton_interpreter import fresh_interpreter_test
 
 from quantscope.formats import get_format
+from quantscope.kernels.triton.block_search import _scale_code, _scale_value
 from quantscope.scales import E8M0_MODES
 
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -39,8 +40,8 @@ def _assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @triton.jit
 def _code_kernel(q_ptr, code_ptr, value_ptr, n, ENC: tl.constexpr, BLOCK: tl.constexpr):
-    from quantscope.kernels.triton.block_search import _scale_code, _scale_value
-
+    # its helpers come from the module's imports: Triton's compiler refuses an import in a
+    # kernel's body (the interpreter runs one)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     c = _scale_code(tl.load(q_ptr + offs, mask=mask, other=1.0), ENC, -6, 3, 512.0)

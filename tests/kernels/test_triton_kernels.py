@@ -200,6 +200,26 @@ def test_fake_quant_int_bitwise(device, dtype, spec):
     _assert_bitwise(got, want)
 
 
+def test_fake_quant_int_grid_fits_cudas_limits(monkeypatch):
+    """Found by a compile review: the element blocks went on CUDA's second grid axis (65535
+    programs at most), so a unit of 2**26 elements failed to launch on a GPU (the interpreter
+    has no limit). Here 70000 element blocks of one element each: the launch is recorded."""
+    from quantscope.kernels.triton import fakequant
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(fakequant, "_fake_quant_kernel", Recorder())
+    fakequant.fake_quant_int(torch.zeros(2, 70000), torch.ones(2), torch.zeros(2), -8.0, 7.0,
+                             block_u=1, block_e=1)
+    (grid,) = grids
+    assert grid[0] == 2 * 70000 < 2 ** 31 and all(n <= 65535 for n in grid[1:])
+
+
 # ---- MX (E8M0) and NVFP4 block scales ------------------------------------------------------
 
 def _ranges(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

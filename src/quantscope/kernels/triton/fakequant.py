@@ -20,8 +20,11 @@ __all__ = ["fake_quant_int"]
 @triton.jit
 def _fake_quant_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, stride_u, stride_e, qmin, qmax,
                        BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
-    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    # one grid axis (CUDA's first takes 2**31 - 1 programs, the others 65535: a per-tensor
+    # unit of 2**26 elements has more element blocks than that)
+    col_blocks = tl.cdiv(E, BLOCK_E)
+    rows = (tl.program_id(0) // col_blocks) * BLOCK_U + tl.arange(0, BLOCK_U)
+    cols = (tl.program_id(0) % col_blocks) * BLOCK_E + tl.arange(0, BLOCK_E)
     mask = (rows[:, None] < U) & (cols[None, :] < E)
     r64, c64 = rows[:, None].to(tl.int64), cols[None, :].to(tl.int64)
     x = tl.load(x_ptr + r64 * stride_u + c64 * stride_e, mask=mask, other=0.0).to(tl.float32)
@@ -40,7 +43,7 @@ def fake_quant_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     out = torch.empty((U, E), dtype=torch.float32, device=units.device)
     be = block_e or min(triton.next_power_of_2(max(E, 1)), 1024)
     bu = block_u or max(1, min(triton.next_power_of_2(max(U, 1)), 4096 // be))
-    grid = (triton.cdiv(U, bu), triton.cdiv(E, be))
+    grid = (triton.cdiv(U, bu) * triton.cdiv(E, be),)
     if U and E:
         _fake_quant_kernel[grid](units, scale, zero_point, out, U, E, units.stride(0),
                                  units.stride(1), float(qmin), float(qmax),

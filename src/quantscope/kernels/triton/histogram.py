@@ -142,7 +142,7 @@ def _pow2(e):
 def _fits(lo, hi, e, B):
     """``histogram._fits``: the aligned grid of width ``2 ** e`` holds [lo, hi] in B bins."""
     inv = _pow2(-e)
-    return (tl.floor(hi * inv) - tl.floor(lo * inv) + 1.0) <= B.to(tl.float32)
+    return (tl.floor(hi * inv) - tl.floor(lo * inv) + 1.0) <= tl.cast(B, tl.float32)
 
 
 @triton.jit
@@ -174,7 +174,7 @@ def _frexp_exponent(a):
 def _grid_exponent(lo, hi, B):
     """``histogram.grid_exponent`` of one unit (float32 lo <= 0 <= hi): int32."""
     span = hi.to(tl.float64) - lo.to(tl.float64)
-    guess = _ceil_log2(span / (B - 1).to(tl.float64))  # float64: div.rn.f64
+    guess = _ceil_log2(span / tl.cast(B - 1, tl.float64))  # float64: div.rn.f64
     guess = tl.minimum(tl.maximum(guess, E_MIN), E_MAX)
     e = E_MAX
     for d in tl.static_range(4):  # exact test around the estimate: guess + 1 .. guess - 2
