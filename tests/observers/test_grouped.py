@@ -263,3 +263,24 @@ def test_cuda_states_are_forwards(dtype):
         _assert_same_state(got, want)
         a, b = got.calculate_qparams(), want.calculate_qparams()
         assert torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replays_grouped_minmax_on_new_values():
+    """Found by a review: the grouped launch reads a descriptor table copied from host memory,
+    which a CUDA graph would replay from a buffer reused since; under capture the op launches
+    per tensor, so a replay reads the inputs' new values."""
+    from quantscope.kernels import ops
+
+    xs = [torch.randn(64, 96, device="cuda"), torch.randn(8, 32, device="cuda")]
+    ops.grouped_unit_minmax(xs)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        los, his = ops.grouped_unit_minmax(xs)
+    for x in xs:
+        x.copy_(torch.randn_like(x) * 3)
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, lo, hi in zip(xs, los, his):
+        assert torch.equal(lo, x.amin(1)) and torch.equal(hi, x.amax(1))

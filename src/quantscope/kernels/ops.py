@@ -168,6 +168,11 @@ def _cuda_grouped_unit_minmax(units):
     if kernel is None:
         return _torch_grouped_unit_minmax(units)
     _check_group(units)
+    if torch.cuda.is_current_stream_capturing():
+        # the one launch reads a descriptor table copied from host memory: a CUDA graph would
+        # replay that copy from a host buffer reused since; one launch per tensor there
+        pairs = [_cuda_unit_minmax(t) for t in units]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
     return kernel.grouped_unit_minmax([t if t.stride(1) == 1 else t.contiguous()
                                        for t in units])
 
