@@ -3,7 +3,8 @@
 Weights are replaced in place by ``fake_quantize(weight)`` (the same Parameter
 object, so tied or shared references stay valid; QDQ'd once, however many modules share
 it); activations are fake-quantized by forward hooks. :meth:`QDQHandle.remove` removes
-the hooks and copies the saved float weights back, bit for bit.
+the hooks and copies the saved float weights back, bit for bit, into the weights the model
+holds then (after ``model.to(dtype)``: cast to it, as ``.to()`` casts).
 
 :func:`runtime_qparams` is the one place that decides the qparams a role uses on
 a given tensor: the calibrated ones (static), ones computed from the tensor
@@ -14,10 +15,12 @@ all go through it.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 import warnings
 import weakref
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -31,14 +34,38 @@ from ..structure import kv_cache
 from ..structure.tied import tied_weights
 from .role_state import RoleState
 
-__all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "runtime_qparams"]
+__all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "refuse_applied",
+           "runtime_qparams"]
 
 _ATTR = "_quantscope_qdq"
-#: id -> handle of every weight an active handle fake-quantized: another apply() reaching it
-#: (through a model nested in the first, or holding it) would save its QDQ values as the
-#: float ones. A handle holds its weights, so their ids stay theirs until remove(); a handle
-#: dropped without remove() leaves the table with it (weak values).
-_APPLIED: weakref.WeakValueDictionary[int, QDQHandle] = weakref.WeakValueDictionary()
+#: the active handles: another apply() reaching one of their weights (through a model nested
+#: in the first, or holding it) would save its QDQ values as the float ones (:func:`_held`).
+#: A handle dropped without remove() leaves the set with it (weak).
+_APPLIED: weakref.WeakSet[QDQHandle] = weakref.WeakSet()
+
+
+@dataclass
+class _Saved:
+    """One fake-quantized weight and its float values. Where the weight lives is looked up
+    when needed, not held: ``model.to()`` gives modules new tensors (new Parameters under
+    ``torch.__future__.set_overwrite_module_params_on_conversion``), and an expert view's
+    storage parts from its 3-D parameter's then."""
+
+    owner: nn.Module  # the module holding the weight, or the 3-D experts module
+    name: str  # its attribute: ``weight``, or the 3-D parameter's name
+    expert: int | None  # the expert's index into that parameter; None: the whole tensor
+    original: torch.Tensor  # the float values, as apply() found them
+
+    def param(self) -> torch.Tensor:
+        return getattr(self.owner, self.name)
+
+    def target(self) -> torch.Tensor:
+        """The weight as the model holds it now (an expert's ``[out, in]`` slice)."""
+        if self.expert is None:
+            return self.param()
+        from ..structure import moe
+
+        return moe.expert_weight(self.owner, self.name, self.expert)
 
 
 class QDQHandle:
@@ -50,7 +77,8 @@ class QDQHandle:
     def __init__(self, model: nn.Module):
         self.model = model
         self._hooks: list = []
-        self._weights: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._weights: list[_Saved] = []
+        self._wired: list[str] = []  # what a deepcopy of the model cannot carry (__deepcopy__)
         self.active = True
 
     def remove(self) -> None:
@@ -59,13 +87,30 @@ class QDQHandle:
             h.remove()
         self._hooks.clear()
         with torch.no_grad():
-            for param, original in reversed(self._weights):
-                param.copy_(original)
-                _APPLIED.pop(id(param), None)
+            for saved in reversed(self._weights):
+                saved.target().copy_(saved.original)  # casts, as model.to(dtype) did
         self._weights.clear()
+        self._wired.clear()
+        _APPLIED.discard(self)
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
         self.active = False
+
+    def __deepcopy__(self, memo):
+        """A deepcopy of the applied model gets its own handle, over its own weights; refused
+        where QDQ is wired to the model's modules by identity (MoE expert views and their
+        routed forward, the KV-cache routing): the copy would run or undo the original's."""
+        if self._wired:
+            raise TypeError(
+                f"deepcopy: the model has quantscope QDQ applied through {self._wired[0]}, "
+                f"which a copy cannot carry (it would stay wired to the original); deepcopy "
+                f"the model before apply() or after remove(), then apply the calibration to "
+                f"the copy")
+        new = memo[id(self)] = type(self).__new__(type(self))
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        if new.active:
+            _APPLIED.add(new)  # the nested-apply refusal covers the copy's weights too
+        return new
 
     def __enter__(self):
         return self
@@ -128,9 +173,10 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
     refuse_compiled(model, "apply")
     handle = QDQHandle(model)
     kv: dict[str, dict[str, RoleState]] = {}  # attention layer -> key / value states
-    weights: dict[int, tuple[torch.Tensor, list]] = {}  # id -> (Parameter, [(layer, state)])
+    weights: dict[int, tuple[torch.Tensor, tuple, list]] = {}  # id -> (w, where, [(layer, st)])
+    held = _held()
     try:
-        _attach_experts(model, states, handle)
+        experts = _attach_experts(model, states, handle)
         for name, roles in states.items():
             try:
                 module = model.get_submodule(name)
@@ -139,8 +185,9 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                                  f"another model?)") from None
             for role, state in roles.items():
                 if role == "weight":
-                    w = _checked_weight(name, module, state, handle)
-                    weights.setdefault(id(w), (w, []))[1].append((name, state.to(w.device)))
+                    w = _checked_weight(name, module, state, held)
+                    weights.setdefault(id(w), (w, _where(name, module, experts), []))[2].append(
+                        (name, state.to(w.device)))
                 elif role == "input":
                     handle._hooks.append(module.register_forward_pre_hook(
                         _input_hook(state.to(_device(module)), input_name(module)),
@@ -156,11 +203,37 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
         if kv:
             handle._hooks.append(SimpleNamespace(remove=kv_cache.attach(
                 model, {name: _kv_qdq(roles) for name, roles in kv.items()})))
+            handle._wired.append("the KV cache (attention routed by module identity)")
     except BaseException:
         handle.remove()
         raise
+    _APPLIED.add(handle)
     setattr(model, _ATTR, handle)
     return handle
+
+
+def refuse_applied(model: nn.Module, who: str) -> None:
+    """Refuse a model with quantscope QDQ applied (to it, a module of it, or a model holding
+    it): calibrating it would observe the fake-quantized weights and activations."""
+    held = _held()
+    if (any(getattr(m, _ATTR, None) is not None for m in model.modules())
+            or any(id(p) in held for p in model.parameters())):
+        raise ValueError(f"{who}: the model has quantscope QDQ applied (calibration.apply); "
+                         f"remove() the handle first: calibrating a fake-quantized model gives "
+                         f"ranges of the quantized values")
+
+
+def _held() -> set[int]:
+    """The ids of the weights (and 3-D expert parameters) the active handles fake-quantized,
+    as the models hold them now (looked up, so valid while the models hold them)."""
+    return {id(s.param()) for h in list(_APPLIED) for s in h._weights}
+
+
+def _where(name: str, module: nn.Module, experts) -> tuple:
+    """Where ``name``'s weight lives for :class:`_Saved`: ``(owner, attribute, expert)``."""
+    if experts is not None and name in experts.layers:
+        return experts.source(name)
+    return module, "weight", None
 
 
 def refuse_compiled(model: nn.Module, who: str) -> None:
@@ -183,9 +256,9 @@ def refuse_compiled(model: nn.Module, who: str) -> None:
             f"torch.compile after apply()")
 
 
-def _checked_weight(name: str, module: nn.Module, state: RoleState, handle) -> torch.Tensor:
+def _checked_weight(name: str, module: nn.Module, state: RoleState, held) -> torch.Tensor:
     """``module``'s weight, which ``state`` fake-quantizes: raises naming ``name`` if it has
-    none, another shape than calibrated, or another apply() holds it."""
+    none, another shape than calibrated, or another apply() holds it (in ``held``)."""
     w = getattr(module, "weight", None)
     if not isinstance(w, torch.Tensor):
         raise ValueError(  # noqa: TRY004 (a model that does not fit: as apply's others)
@@ -194,7 +267,7 @@ def _checked_weight(name: str, module: nn.Module, state: RoleState, handle) -> t
     if state.shape is not None and tuple(w.shape) != tuple(state.shape):
         raise ValueError(f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
                          f"calibrated with shape {tuple(state.shape)}")
-    if _APPLIED.get(id(w), handle) is not handle:
+    if id(w) in held:
         raise ValueError(f"apply: {name}.weight is already fake-quantized by another apply() "
                          f"(on a model holding this module, or held by it); remove() that "
                          f"one first")
@@ -205,7 +278,7 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
     """Fake-quantize each weight once, whatever number of layers share it (a tied lm_head):
     their states must quantize alike (QDQ twice would compound, matching neither), and
     the modules sharing it without a state are named (they run it fake-quantized too)."""
-    for w, owners in weights:
+    for w, _, owners in weights:
         (first, state), *rest = owners
         for other, st in rest:
             if not st.quantizes_like(state):
@@ -213,13 +286,11 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
                     f"apply: {first}.weight and {other}.weight are one tied Parameter with "
                     f"different weight qparams ({state.spec} vs {st.spec}); one QDQ cannot "
                     f"be both: ignore one of the layers in the recipe, or untie the weights")
-    _warn_tied(model, [owners[0][0] for _, owners in weights],
-               {name for _, owners in weights for name, _ in owners})
+    _warn_tied(model, [owners[0][0] for _, _, owners in weights],
+               {name for _, _, owners in weights for name, _ in owners})
     with torch.no_grad():
-        for w, ((_, state), *_) in weights:
-            original = w.detach().clone()
-            handle._weights.append((w, original))
-            _APPLIED[id(w)] = handle
+        for w, where, ((_, state), *_) in weights:
+            handle._weights.append(_Saved(*where, w.detach().clone()))
             w.copy_(qdq_tensor(w.detach(), state))
 
 
@@ -245,18 +316,21 @@ def _kv_qdq(states: dict[str, RoleState]):
     return callback
 
 
-def _attach_experts(model: nn.Module, states, handle: QDQHandle) -> None:
+def _attach_experts(model: nn.Module, states, handle: QDQHandle):
     """MoE experts held as 3-D parameters are QDQ'd through per-expert Linear views
-    (:mod:`~quantscope.calibration.structure.moe`), attached until the handle is removed."""
+    (:mod:`~quantscope.calibration.structure.moe`), attached until the handle is removed;
+    returns the :class:`~quantscope.calibration.structure.moe.Experts` (None: none used)."""
     from ..structure import moe
 
     if not any(moe.is_experts_3d(m) for m in model.modules()):
-        return
+        return None
     experts = moe.attach(model, count=False)
     if any(name in experts.layers for name in states):
         handle._hooks.append(experts)  # its remove() detaches the views
-    else:
-        experts.detach()
+        handle._wired.append("MoE experts (3-D parameters run through per-expert views)")
+        return experts
+    experts.detach()
+    return None
 
 
 def _device(module: nn.Module) -> torch.device:

@@ -41,7 +41,7 @@ from ..options import (
     from_keywords,
 )
 from ..recipe import AUTO, Recipe, preset
-from ..results.apply import refuse_compiled
+from ..results.apply import refuse_applied, refuse_compiled
 from ..results.result import Calibration
 from ..structure import kv_cache
 from ..structure import moe as _moe
@@ -218,6 +218,7 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_compiled(model, "calibrate")  # its hooks would see no activation
+    refuse_applied(model, "calibrate")  # its observers would see the QDQ values
     recipes = _as_recipes(recipes)
     seq = opts.sequential
     if seq is not None:
@@ -449,6 +450,7 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
     """
     check_batches(batches, "sensitivity")
     refuse_compiled(model, "sensitivity")
+    refuse_applied(model, "sensitivity")
     batches = list(batches)  # a generator: read by the calibration, then by the measure
     if calibration is None:
         calibration = calibrate(model, batches if calib_batches is None else calib_batches,

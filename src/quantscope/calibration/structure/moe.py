@@ -39,7 +39,7 @@ from torch import nn
 from ...layout import Tensor
 from ...qparams import qparams_from_range
 
-__all__ = ["Experts", "attach", "share_inputs", "shrink", "unreached"]
+__all__ = ["Experts", "attach", "expert_weight", "share_inputs", "shrink", "unreached"]
 
 #: ``n`` below which an expert's activation range is shrunk toward the pooled one
 #: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
@@ -81,16 +81,27 @@ class _Expert(nn.Module):
 
     def __init__(self, parent: nn.Module, e: int):
         super().__init__()
-        gated = is_gated(parent)
-        up_name = "gate_up_proj" if gated else "up_proj"
-        t = getattr(parent, "is_transposed", False)
-        for name in (up_name, "down_proj"):
-            w = getattr(parent, name).data[e]
+        for child in ("gate_up_proj", "down_proj"):
+            name = _source(parent, child)
             b = getattr(parent, f"{name}_bias", None) if getattr(parent, "has_bias", False) \
                 else None
-            self.add_module("gate_up_proj" if name == up_name else name,
-                            _view_linear(w.t() if t else w, None if b is None else b.data[e]))
-        self.gated = gated
+            self.add_module(child, _view_linear(expert_weight(parent, name, e),
+                                                None if b is None else b.data[e]))
+        self.gated = is_gated(parent)
+
+
+def _source(parent: nn.Module, child: str) -> str:
+    """The 3-D parameter of ``parent`` that an expert's ``child`` Linear views."""
+    if child == "gate_up_proj":
+        return "gate_up_proj" if is_gated(parent) else "up_proj"
+    return child
+
+
+def expert_weight(parent: nn.Module, name: str, e: int) -> torch.Tensor:
+    """Expert ``e``'s ``[out, in]`` weight: a view of the slice of ``parent``'s 3-D parameter
+    ``name``, as it holds it now."""
+    w = getattr(parent, name).data[e]
+    return w.t() if getattr(parent, "is_transposed", False) else w
 
 
 def _activate(parent, expert: _Expert, h: torch.Tensor) -> torch.Tensor:
@@ -136,6 +147,13 @@ class Experts:
     counts: dict = field(default_factory=dict)  # experts module name -> [tokens per expert]
     layers: dict = field(default_factory=dict)  # expert Linear name -> (module, expert index)
     _undo: list = field(default_factory=list)
+
+    def source(self, layer: str) -> tuple[nn.Module, str, int]:
+        """``(experts module, 3-D parameter name, expert index)`` whose slice the expert
+        Linear ``layer`` views (:func:`expert_weight`)."""
+        name, e = self.layers[layer]
+        parent = self.model.get_submodule(name)
+        return parent, _source(parent, layer.rpartition(".")[2]), e
 
     def reset_counts(self) -> None:
         for c in self.counts.values():
@@ -198,8 +216,10 @@ def attach(model: nn.Module, all_experts: bool = False, count: bool = True) -> E
                 had = "forward" in module.__dict__
                 old = module.__dict__.get("forward")
                 module.forward = _routed_forward(module, n, counts, all_experts)
+                hook = module.register_state_dict_post_hook(_drop_views(n))
 
-                def undo(module=module, n=n, had=had, old=old):
+                def undo(module=module, n=n, had=had, old=old, hook=hook):
+                    hook.remove()
                     for e in range(n):
                         module._modules.pop(str(e), None)
                     if had:
@@ -215,6 +235,16 @@ def attach(model: nn.Module, all_experts: bool = False, count: bool = True) -> E
         ex.detach()
         raise
     return ex
+
+
+def _drop_views(n: int):
+    """A ``state_dict`` post-hook leaving out the per-expert views' keys: the 3-D parameters
+    hold the same values, and a model without views would refuse the keys when loading."""
+    def hook(module, state_dict, prefix, local_metadata):
+        views = tuple(f"{prefix}{e}." for e in range(n))
+        for key in [k for k in state_dict if k.startswith(views)]:
+            del state_dict[key]
+    return hook
 
 
 def _list_layers(name: str, module: nn.ModuleList):

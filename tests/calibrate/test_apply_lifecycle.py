@@ -1,0 +1,151 @@
+"""A QDQ handle over the model's life: cast after apply, deepcopied, calibrated again."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from quantscope.calibration import Recipe, calibrate, sensitivity
+
+transformers = pytest.importorskip("transformers")
+
+from tiny_models import llama, mixtral
+
+
+def dense(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 32, generator=g) for _ in range(3)]
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same(model, snap):
+    sd = model.state_dict()
+    return sd.keys() == snap.keys() and all(torch.equal(sd[k], snap[k]) for k in snap)
+
+
+@pytest.fixture(scope="module")
+def moe_calib():
+    model, data = mixtral()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return calibrate(model, data, "w8a8", progress=False), data
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_remove_after_a_cast_restores_the_experts_3d_weights(moe_calib, dtype):
+    """The 3-D expert parameters, QDQ'd through per-expert views, come back as the float
+    model cast to ``dtype`` (``.to()`` had given the views storage of their own)."""
+    calib, _ = moe_calib
+    model, _ = mixtral()
+    want = {k: v.to(dtype) for k, v in snapshot(model).items()}
+    experts = model.model.layers[0].mlp.experts
+    handle = calib.apply(model)
+    assert not torch.equal(experts.down_proj.to(dtype), want["model.layers.0.mlp.experts.down_proj"])
+    model.to(dtype)
+    handle.remove()
+    assert same(model, want)
+
+
+def test_remove_restores_the_parameters_a_cast_replaced():
+    """Under torch's overwrite-on-conversion flag ``.to()`` puts new Parameters in the model:
+    remove() restores those, not the ones apply saw."""
+    model = dense()
+    calib = calibrate(model, batches(), "w8a8", progress=False)
+    want = {k: v.to(torch.bfloat16) for k, v in snapshot(model).items()}
+    was = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        handle = calib.apply(model)
+        before = model[0].weight
+        model.to(torch.bfloat16)
+        assert model[0].weight is not before
+        handle.remove()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(was)
+    assert same(model, want)
+
+
+def test_a_deepcopy_of_a_dense_applied_model_has_its_own_handle():
+    model, x = dense(), batches()[0]
+    calib = calibrate(model, batches(), "w8a8", progress=False)
+    float_snap, y_float = snapshot(model), model(x)
+    handle = calib.apply(model)
+    y_q, q_snap = model(x), snapshot(model)
+    dup = copy.deepcopy(model)
+    assert torch.equal(dup(x), y_q)  # the same QDQ, weights and activation hooks
+    outer = calibrate(nn.Sequential(dense()), batches(), "w8a8", progress=False)
+    with pytest.raises(ValueError, match=r"0\.0\.weight is already fake-quantized by another"):
+        outer.apply(nn.Sequential(dup))  # the copy's weights are held by the copy's handle
+    dup._quantscope_qdq.remove()
+    assert same(dup, float_snap) and torch.equal(dup(x), y_float)
+    assert same(model, q_snap) and torch.equal(model(x), y_q)  # the original still applied
+    handle.remove()
+    assert same(model, float_snap)
+
+
+def test_a_deepcopy_of_an_applied_moe_model_is_refused(moe_calib):
+    calib, data = moe_calib
+    model, _ = mixtral()
+    snap = snapshot(model)
+    with calib.apply(model), torch.no_grad():
+        y_q = model(data[0]).logits
+        with pytest.raises(TypeError, match=r"MoE experts.*deepcopy the model before apply\(\) "
+                                            r"or after remove\(\)"):
+            copy.deepcopy(model)
+        assert torch.equal(model(data[0]).logits, y_q)  # the original still applied
+    assert same(model, snap)
+    copy.deepcopy(model)  # after remove(): a plain model
+
+
+def test_a_deepcopy_of_a_model_with_kv_cache_qdq_is_refused():
+    model, data = llama()
+    calib = calibrate(model, data, Recipe((), kv_cache="fp8"), progress=False)
+    with torch.no_grad():
+        y_float = model(data[0]).logits
+        with calib.apply(model):
+            y_q = model(data[0]).logits
+            with pytest.raises(TypeError, match=r"KV cache.*then apply the calibration to the "
+                                                r"copy"):
+                copy.deepcopy(model)
+            assert torch.equal(model(data[0]).logits, y_q)
+        assert not torch.equal(y_q, y_float)  # the KV QDQ did something
+        assert torch.equal(model(data[0]).logits, y_float)
+
+
+def test_calibrate_refuses_an_applied_model():
+    """Its observers would see the fake-quantized weights and activations."""
+    model = dense()
+    calib = calibrate(model, batches(), "w8a8", progress=False)
+    with calib.apply(model):
+        for target in (model, model[0], nn.Sequential(model)):  # nested either way
+            with pytest.raises(ValueError, match=r"calibrate: the model has quantscope QDQ "
+                                                 r"applied \(calibration.apply\); remove\(\)"):
+                calibrate(target, batches(), "w8a8", progress=False)
+        with pytest.raises(ValueError, match=r"sensitivity: the model has quantscope QDQ"):
+            sensitivity(model, batches(), "w8a8")
+    calibrate(model, batches(), "w8a8", progress=False)  # after remove()
+
+
+def test_an_applied_moe_state_dict_loads_strictly_into_a_fresh_model(moe_calib):
+    """The per-expert views are left out of ``state_dict``: the 3-D parameters hold them."""
+    calib, _ = moe_calib
+    model, _ = mixtral()
+    keys = set(model.state_dict())
+    with calib.apply(model):
+        sd = model.state_dict()
+        assert set(sd) == keys
+        fresh, _ = mixtral(seed=1)
+        fresh.load_state_dict(sd, strict=True)
+        assert same(fresh, sd)
+        view = model.model.layers[0].mlp.experts._modules["1"].gate_up_proj.weight
+        assert torch.equal(fresh.model.layers[0].mlp.experts.gate_up_proj[1], view)  # QDQ'd
