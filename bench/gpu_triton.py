@@ -236,13 +236,12 @@ def bench_mse_mx(w, device, repeat):
     t = wall_medians(fns, device, max(3, repeat // 3), 1)
     table = Table(f"MSE search, MXFP4 (block 32, E8M0 floor), {tuple(w.shape)} fp32, "
                   f"{device_name(device)}", ["method", "wall ms", "device ms",
-                                             "total squared error", "torch path / ours"])
-    first = next(iter(fns))
+                                             "total squared error", "torch path / this"])
     for name, fn in fns.items():
         r = fn()
         table.add(name, 1e3 * t[name], None if (d := device_seconds(fn, device, 1)) is None
                   else 1e3 * d, _total_error(units, spec, r.lo, r.hi),
-                  t["quantscope torch path"] / t[first])
+                  t["quantscope torch path"] / t[name])
     table.print()
 
 
