@@ -24,7 +24,7 @@ from torch import nn
 from ...estimators.weighted import imatrix_qparams
 from ..results.apply import qdq_tensor
 from ..results.result import RoleState
-from ..run.batches import eval_mode, forward_batch, map_tensors
+from ..run.batches import eval_mode, forward_batch, map_tensors, tensors_in
 
 __all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
            "joint_choice", "layer_pick"]
@@ -88,10 +88,10 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
 
 
 def _saveable(batch):
-    """``batch`` with its inference tensors (made under ``inference_mode``) cloned: autograd
-    cannot save those for backward."""
-    if hasattr(batch, "keys") and not isinstance(batch, dict):  # a tokenizer's BatchEncoding
-        batch = dict(batch)
+    """``batch`` with its inference tensors (made under ``inference_mode``) cloned, its type
+    kept for the loss: autograd cannot save those for backward. Without any, the batch."""
+    if not any(t.is_inference() for t in tensors_in(batch)):
+        return batch
     return map_tensors(lambda t: t.clone() if t.is_inference() else t, batch)
 
 

@@ -3,6 +3,8 @@ detection, auto's scoring, sensitivity) uses."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping, MutableMapping
 from contextlib import contextmanager
 
 import torch
@@ -52,23 +54,32 @@ def batch_count(batches) -> int | None:
 
 
 def tensors_in(value):
-    """The tensors of a nested tuple / list / dict (a batch, a block's arguments or output)."""
+    """The tensors of a nested tuple / list / mapping (a batch, a block's arguments or
+    output)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for v in value:
             yield from tensors_in(v)
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
         for v in value.values():
             yield from tensors_in(v)
 
 
 def map_tensors(fn, value):
-    """``value`` with ``fn`` applied to each of its tensors, the nesting kept."""
+    """``value`` with ``fn`` applied to each of its tensors, the nesting kept (a namedtuple
+    and a mapping that is no dict, a tokenizer's ``BatchEncoding``, keep their type)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: by position
+        return type(value)(*(map_tensors(fn, v) for v in value))
     if isinstance(value, (tuple, list)):
         return type(value)(map_tensors(fn, v) for v in value)
     if isinstance(value, dict):
         return {k: map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, MutableMapping):  # its own copy, its other attributes kept
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = map_tensors(fn, v)
+        return out
     return value
