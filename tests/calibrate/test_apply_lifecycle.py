@@ -75,6 +75,48 @@ def test_remove_restores_the_parameters_a_cast_replaced():
     assert same(model, want)
 
 
+class TiedLM(nn.Module):
+    """An embedding and an lm_head holding one weight Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.l1 = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.l1(self.emb(x)))
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_remove_after_a_cast_restores_every_holder_of_a_tied_weight(overwrite):
+    """A cast under the overwrite-on-conversion flag gives the embedding and the lm_head a
+    Parameter each (the tie splits): remove() restores both to the float weight cast to
+    bfloat16; without the flag the tie holds and its one Parameter is restored."""
+    model, x = TiedLM(), torch.randint(0, 16, (2, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tied lm_head warning
+        calib = calibrate(model, [x], "w8a8", progress=False)
+    want = model.emb.weight.detach().clone().to(torch.bfloat16)
+    others = {k: v.to(torch.bfloat16) for k, v in snapshot(model.l1).items()}
+    was = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle = calib.apply(model)
+        assert not torch.equal(model.emb.weight.to(torch.bfloat16), want)  # QDQ'd
+        model.to(torch.bfloat16)
+        assert (model.head.weight is model.emb.weight) is not overwrite
+        handle.remove()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(was)
+    assert torch.equal(model.emb.weight, want)
+    assert torch.equal(model.head.weight, want)
+    assert same(model.l1, others)
+
+
 def test_a_deepcopy_of_a_dense_applied_model_has_its_own_handle():
     model, x = dense(), batches()[0]
     calib = calibrate(model, batches(), "w8a8", progress=False)

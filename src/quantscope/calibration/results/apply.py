@@ -4,7 +4,8 @@ Weights are replaced in place by ``fake_quantize(weight)`` (the same Parameter
 object, so tied or shared references stay valid; QDQ'd once, however many modules share
 it); activations are fake-quantized by forward hooks. :meth:`QDQHandle.remove` removes
 the hooks and copies the saved float weights back, bit for bit, into the weights the model
-holds then (after ``model.to(dtype)``: cast to it, as ``.to()`` casts).
+holds then (after ``model.to(dtype)``: cast to it, as ``.to()`` casts; in every module that
+held it, should a cast have split a tie).
 
 :func:`runtime_qparams` is the one place that decides the qparams a role uses on
 a given tensor: the calibrated ones (static), ones computed from the tensor
@@ -48,24 +49,32 @@ _APPLIED: weakref.WeakSet[QDQHandle] = weakref.WeakSet()
 class _Saved:
     """One fake-quantized weight and its float values. Where the weight lives is looked up
     when needed, not held: ``model.to()`` gives modules new tensors (new Parameters under
-    ``torch.__future__.set_overwrite_module_params_on_conversion``), and an expert view's
-    storage parts from its 3-D parameter's then."""
+    ``torch.__future__.set_overwrite_module_params_on_conversion``, one per module: a tie
+    splits), and an expert view's storage parts from its 3-D parameter's then."""
 
-    owner: nn.Module  # the module holding the weight, or the 3-D experts module
-    name: str  # its attribute: ``weight``, or the 3-D parameter's name
+    # every (module, attribute) holding the weight at apply time (a tied one: several), or
+    # the 3-D experts module and its parameter's name
+    holders: list[tuple[nn.Module, str]]
     expert: int | None  # the expert's index into that parameter; None: the whole tensor
     original: torch.Tensor  # the float values, as apply() found them
 
-    def param(self) -> torch.Tensor:
-        return getattr(self.owner, self.name)
+    def params(self) -> list[torch.Tensor]:
+        """The weight as the holders hold it now, once per distinct tensor (one while a tie
+        holds)."""
+        now = {}
+        for module, name in self.holders:
+            t = getattr(module, name)
+            now.setdefault(id(t), t)
+        return list(now.values())
 
-    def target(self) -> torch.Tensor:
+    def targets(self) -> list[torch.Tensor]:
         """The weight as the model holds it now (an expert's ``[out, in]`` slice)."""
         if self.expert is None:
-            return self.param()
+            return self.params()
         from ..structure import moe
 
-        return moe.expert_weight(self.owner, self.name, self.expert)
+        (owner, name), = self.holders
+        return [moe.expert_weight(owner, name, self.expert)]
 
 
 class QDQHandle:
@@ -88,7 +97,8 @@ class QDQHandle:
         self._hooks.clear()
         with torch.no_grad():
             for saved in reversed(self._weights):
-                saved.target().copy_(saved.original)  # casts, as model.to(dtype) did
+                for t in saved.targets():
+                    t.copy_(saved.original)  # casts, as model.to(dtype) did
         self._weights.clear()
         self._wired.clear()
         _APPLIED.discard(self)
@@ -226,7 +236,7 @@ def refuse_applied(model: nn.Module, who: str) -> None:
 def _held() -> set[int]:
     """The ids of the weights (and 3-D expert parameters) the active handles fake-quantized,
     as the models hold them now (looked up, so valid while the models hold them)."""
-    return {id(s.param()) for h in list(_APPLIED) for s in h._weights}
+    return {id(p) for h in list(_APPLIED) for s in h._weights for p in s.params()}
 
 
 def _where(name: str, module: nn.Module, experts) -> tuple:
@@ -288,10 +298,24 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
                     f"be both: ignore one of the layers in the recipe, or untie the weights")
     _warn_tied(model, [owners[0][0] for _, _, owners in weights],
                {name for _, _, owners in weights for name, _ in owners})
+    holders = _holders(model)
     with torch.no_grad():
-        for w, where, ((_, state), *_) in weights:
-            handle._weights.append(_Saved(*where, w.detach().clone()))
+        for w, (owner, name, expert), ((_, state), *_) in weights:
+            # a module's weight: every module holding it (a cast may split the tie)
+            held = [(owner, name)] if expert is not None else holders.get(id(w), [(owner, name)])
+            handle._weights.append(_Saved(held, expert, w.detach().clone()))
             w.copy_(qdq_tensor(w.detach(), state))
+
+
+def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """``{id(parameter): [(module, attribute), ...]}``: every place ``model`` holds each of its
+    Parameters (a tied one: several)."""
+    out: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((module, name))
+    return out
 
 
 def _warn_tied(model: nn.Module, layers: list[str], done: set[str]) -> None:
