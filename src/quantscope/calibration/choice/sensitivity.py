@@ -16,6 +16,7 @@ cost trade-off over ``n`` (a table and a Pareto plot).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field, replace
@@ -213,12 +214,31 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     downstream, but on SmolLM2 its first 16 inputs are the ones whose fallback matters
     (docs/benchmarks.md). Layers with a 2-D weight only; an Embedding's output is its lookup,
     ``||Q(W)[ids] - W[ids]||^2 / ||W[ids]||^2`` (its input, the token ids, is not ranked)."""
-    import torch
 
     if not isinstance(calibration, Calibration):
         raise TypeError(f"layer_sensitivity: calibration must be a Calibration, got "
                         f"{type(calibration).__name__}")
     t0 = time.perf_counter()
+    with _expert_views(model):  # the calibration names MoE experts by their views
+        todo = _ranked(model, calibration, roles)
+        err, ref, n = _layer_errors(model, batches, todo)
+    if n == 0:
+        raise ValueError("layer_sensitivity: batches is empty")
+    rows = [{"layer": layer, "role": role, "observer": todo[layer][1][role].observer,
+             "divergence": e / max(ref.get(layer, 0.0), 1e-30)}
+            for (layer, role), e in err.items()]
+    rows.sort(key=lambda r: -r["divergence"])
+    for k, r in enumerate(rows, 1):
+        r["rank"] = k
+    return Sensitivity(rows, {"metric": "relative layer output error", "forwards": n,
+                              "batches": n, "seconds": round(time.perf_counter() - t0, 2)})
+
+
+def _ranked(model: nn.Module, calibration: Calibration, roles) -> dict:
+    """:func:`_layer_errors`'s ``{layer: (module, {role: state})}``: the calibration's tensors
+    of ``roles`` that :func:`layer_sensitivity` ranks (a 2-D weight layer's)."""
+    import torch
+
     todo = {}
     for layer, rs in calibration.states.items():
         module = model.get_submodule(layer)
@@ -230,17 +250,18 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     if not todo:
         raise ValueError(f"layer_sensitivity: the calibration quantizes no 2-D weight layer's "
                          f"tensor of roles {roles}")
-    err, ref, n = _layer_errors(model, batches, todo)
-    if n == 0:
-        raise ValueError("layer_sensitivity: batches is empty")
-    rows = [{"layer": layer, "role": role, "observer": todo[layer][1][role].observer,
-             "divergence": e / max(ref.get(layer, 0.0), 1e-30)}
-            for (layer, role), e in err.items()]
-    rows.sort(key=lambda r: -r["divergence"])
-    for k, r in enumerate(rows, 1):
-        r["rank"] = k
-    return Sensitivity(rows, {"metric": "relative layer output error", "forwards": n,
-                              "batches": n, "seconds": round(time.perf_counter() - t0, 2)})
+    return todo
+
+
+def _expert_views(model: nn.Module):
+    """MoE experts held as 3-D parameters as the per-expert Linear views a calibration names
+    (``...experts.0.down_proj``), attached until the ``with`` block ends (as ``apply()`` does);
+    nothing to attach otherwise."""
+    from ..structure import moe
+
+    if not any(moe.is_experts_3d(m) for m in model.modules()):
+        return contextlib.nullcontext()
+    return moe.attach(model, count=False)
 
 
 def _fallback_state(st: RoleState, mode: str) -> RoleState | None:
@@ -355,15 +376,17 @@ def fallback_curve(model: nn.Module, calibration: Calibration, sens: Sensitivity
 
     Returns rows ``{"n", "quality", "float_macs_pct", "tensors"}``.
     """
-    total = sum(_macs(model, layer) for layer, _ in _static_activations(calibration)) or 1
+    with _expert_views(model):  # MoE experts' layers are their views; apply() attaches its own
+        macs = {layer: _macs(model, layer) for layer, _ in _static_activations(calibration)}
+    total = sum(macs[layer] for layer, _ in _static_activations(calibration)) or 1
     out = []
     for n in ns:
         c = keep_float(calibration, sens, n, mode=mode)
         with c.apply(model):
             q = float(evaluate(model))
         kept = c.info["keep_float"]["tensors"]
-        macs = sum(_macs(model, t.rsplit(" ", 1)[0]) for t in kept)
-        out.append({"n": n, "quality": q, "float_macs_pct": round(100 * macs / total, 2),
+        fell = sum(macs[t.rsplit(" ", 1)[0]] for t in kept)
+        out.append({"n": n, "quality": q, "float_macs_pct": round(100 * fell / total, 2),
                     "tensors": kept})
     return out
 
