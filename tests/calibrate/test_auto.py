@@ -951,3 +951,87 @@ def test_model_metric_sees_a_one_output_head():
     want = 1 - float(torch.dot(q, ref) / (q.norm() * ref.norm()))
     assert want > 0
     assert OutputDivergence(model, [x]).of(calib.states) == pytest.approx(want, rel=1e-6)
+
+
+def test_keep_float_on_3d_moe_experts_ranks_through_the_expert_views():
+    """``Outliers(keep_float=1)`` on a Mixtral whose experts are 3-D parameters: the ranking
+    runs on the per-expert views the calibration names (``...experts.0.down_proj``), the
+    input whose quantization moves its layer's output most (``||Q(X) W^T - X W^T||^2 /
+    ||X W^T||^2`` on the first batch, computed here) runs float, and the model is left with
+    the parameters and modules it had (no view attached)."""
+    import torch.nn.functional as F
+    from tiny_models import mixtral
+
+    from quantscope.calibration import Outliers
+    from quantscope.calibration.choice.sensitivity import fallback_curve, layer_sensitivity
+    from quantscope.calibration.results.apply import qdq_tensor
+    from quantscope.calibration.structure import moe
+
+    model, data = mixtral()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = [n for n, _ in model.named_modules()]
+    base = calibrate(model, data, "w8a8", progress=False)
+    kept = calibrate(model, data, "w8a8", outliers=Outliers(keep_float=1, fallback="float"),
+                     progress=False)
+    assert [n for n, _ in model.named_modules()] == names
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+    static = [layer for layer, rs in base.states.items() if "input" in rs]
+    xs = {}
+    with moe.attach(model, count=False), torch.no_grad():
+        hooks = [model.get_submodule(layer).register_forward_pre_hook(
+            lambda m, a, layer=layer: xs.setdefault(layer, []).append(a[0].reshape(
+                -1, a[0].shape[-1]))) for layer in static]
+        model(data[0])
+        for h in hooks:
+            h.remove()
+        errs, macs = {}, {layer: model.get_submodule(layer).weight.numel() for layer in static}
+        for layer, x in xs.items():
+            x, w = torch.cat(x), model.get_submodule(layer).weight.double()
+            y = x.double() @ w.T
+            q = qdq_tensor(x, base.states[layer]["input"]).double() @ w.T
+            errs[layer] = float((q - y).square().sum() / y.square().sum())
+    top = max(errs, key=errs.get)
+    assert ".experts." in top  # the case the views are needed for
+    assert kept.info["keep_float"]["tensors"] == [f"{top} input"]
+    assert "input" not in kept.states[top] and "input" in base.states[top]
+    # applied: the fallen-back layer's input reaches it unquantized (its weight QDQ'd)
+    seen = {}
+    with kept.apply(model), torch.no_grad():
+        view = model.get_submodule(top)
+        pre = view.register_forward_pre_hook(lambda m, a: seen.update(x=a[0]), prepend=True)
+        post = view.register_forward_hook(lambda m, a, y: seen.update(y=(a[0], y)))
+        model(data[0])
+        pre.remove()
+        post.remove()
+        assert torch.equal(seen["y"][0], seen["x"])
+        assert torch.equal(seen["y"][1], F.linear(seen["x"], view.weight))
+    # the ranking and the fallback curve, called directly, reach the expert layers too
+    sens = layer_sensitivity(model, data[:1], base, roles=("input",))
+    assert sens.top(1) == [(top, "input")]
+    (row,) = fallback_curve(model, base, sens, lambda m: 0.0, ns=(1,))
+    assert row["float_macs_pct"] == round(100 * macs[top] / sum(macs.values()), 2)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert [n for n, _ in model.named_modules()] == names
+
+
+def test_model_metric_sees_a_hugging_face_regression_head():
+    # found by probing: num_labels=1 logits took the KL branch, where one class's
+    # log-softmax is 0 whatever the model does: every candidate scored 0
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=4, intermediate_size=64, num_labels=1)
+    model = transformers.BertForSequenceClassification(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 100, (8, 12), generator=g)}
+    calib = calibrate(model, [batch], "w8a8", progress=False)
+    with torch.no_grad():
+        ref = model(**batch).logits.double().flatten()
+        with apply(model, calib.states):
+            q = model(**batch).logits.double().flatten()
+    want = 1 - float(torch.dot(q, ref) / (q.norm() * ref.norm()))
+    assert want > 0
+    assert OutputDivergence(model, [batch]).of(calib.states) == pytest.approx(want, rel=1e-6)

@@ -55,18 +55,19 @@ def _summary(out, batch):
     """What a divergence compares, from a model output: the next-token logits of the real
     positions (causal LM; float32, their log-probabilities taken in float64 where compared),
     mean-pooled normalised embeddings (encoder, float64: ``[rows, hidden]``), or the tensor;
-    an output of one value per row (a regression head) as one vector over the batch."""
+    an output of one value per row (a regression head, HF's ``num_labels=1`` logits too) as
+    one vector over the batch."""
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, dict):
         logits = out.get("logits")
     mask = _mask(batch)
-    if logits is not None:
+    if logits is not None and logits.shape[-1] > 1:  # one logit (a regression head): no KL
         rows = logits.reshape(-1, logits.shape[-1])
         if mask is not None and logits.dim() == 3 and mask.shape == logits.shape[:2]:
             rows = logits[mask.bool()]
         # a copy: a stored reference keeps no view of the whole output alive
         return ("kl", rows.to(torch.float32, copy=True))
-    hidden = getattr(out, "last_hidden_state", None)
+    hidden = logits if logits is not None else getattr(out, "last_hidden_state", None)
     if hidden is None:
         hidden = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(hidden, torch.Tensor):
