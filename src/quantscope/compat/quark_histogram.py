@@ -36,6 +36,28 @@ def _quark_edges(hist) -> torch.Tensor:
                         for lo, hi in zip(hist.lo.tolist(), hist.hi.tolist(), strict=True)])
 
 
+def _quark_widen(edges: torch.Tensor, x_min: float, x_max: float) -> torch.Tensor:
+    """Quark's edges after a batch ``[x_min, x_max]`` (Python floats, as Quark's): bins of the
+    first batch's width appended below / above (its ``torch.arange`` calls, so its float32
+    edges), the last edge the first on or past ``x_max``."""
+    if x_min < edges[0]:
+        width = (edges[1] - edges[0]).item()
+        edges = torch.arange(x_min - width, edges[-1].item(), width, device=edges.device)
+    if x_max > edges[-1]:
+        width = (edges[1] - edges[0]).item()
+        edges = torch.arange(edges[0].item(), x_max + width, width, device=edges.device)
+    return edges
+
+
+def _onto(hist, row: int, edges: torch.Tensor) -> torch.Tensor:
+    """Row ``row``'s counts moved onto ``edges`` ``[B' + 1]``: each bin whole into the bin of
+    its centre (the native grid is the coarser one: it holds the widened range in ``bins``)."""
+    edges = edges.to(hist.lo.device)
+    idx = torch.bucketize(hist.centers()[row], edges, right=True) - 1
+    counts = torch.zeros(edges.numel() - 1, dtype=hist.counts.dtype, device=edges.device)
+    return counts.scatter_add_(0, idx.clamp_(0, edges.numel() - 2), hist.counts[row])
+
+
 def _quark_zero(like: torch.Tensor) -> torch.Tensor:
     """Quark's lower end of a range from 0: ``torch.tensor(0)`` (int64) on ``like``'s device."""
     return torch.tensor(0, device=like.device)
@@ -44,8 +66,10 @@ def _quark_zero(like: torch.Tensor) -> torch.Tensor:
 class _QuarkHistogram(QuarkObserver):
     """Quark's histogram family: ``(qspec, device=None)``, 2048 bins, the first batch binned
     as Quark bins it (``|x|`` from 0 when symmetric, else ``[min, max]``); batches inside
-    that range add on the same grid (Quark appends bins when the range grows: quantscope
-    moves the counts once to its exact fixed-size grid instead)."""
+    that range add on the same grid. Quark appends bins of the first width when the range
+    grows: quantscope moves the counts once to its exact fixed-size grid, keeps Quark's edges
+    (``_widened``, per row) and reads its counts onto them (approximately: each native bin
+    into the Quark bin of its centre), so the searches price Quark's candidates."""
 
     _num_bins = 2048
     _skip_zeros = False
@@ -57,19 +81,54 @@ class _QuarkHistogram(QuarkObserver):
         native.setdefault("skip_zeros", self._skip_zeros)
         super().__init__(qspec, device, **native)
         self._priced: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._widened: list[torch.Tensor] | None = None  # Quark's edges once a batch widened
+
+    def _observe(self, units, lo, hi):
+        super()._observe(units, lo, hi)
+        if self._linear:  # still (or again, after an EMA step) the first grid
+            self._widened = None
+        elif self._widened is not None:  # None: native from the start (grid="pow2")
+            x_min, x_max = self._quark_ends(lo, hi)
+            self._widened = [_quark_widen(e, a, b) for e, a, b in
+                             zip(self._widened, x_min.tolist(), x_max.tolist(), strict=True)]
+
+    def _leave_linear(self, lo, hi):
+        # Quark's edges so far, the first batch's: _observe widens them by this batch
+        self._widened = list(_quark_edges(self.current_histogram()))
+        super()._leave_linear(lo, hi)
+
+    def _quark_rows(self, hist) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Quark's ``(calib_hist, calib_bin_edges)``: all rows ``[U, B]`` / ``[U, B + 1]`` on
+        the first grid, one pair ``[1, B']`` / ``[1, B' + 1]`` per row once widened."""
+        if self._widened is None:
+            return [(hist.counts, _quark_edges(hist))]
+        return [(_onto(hist, u, e)[None], e.to(hist.lo.device)[None])
+                for u, e in enumerate(self._widened)]
+
+    def _estimate(self, hist):
+        ends = [self._search(c, e) for c, e in self._quark_rows(hist)]
+        return torch.cat([lo for lo, _ in ends]), torch.cat([hi for _, hi in ends])
+
+    def _search(self, counts: torch.Tensor, edges: torch.Tensor):
+        raise NotImplementedError
 
     def _observe_linear(self, units, lo, hi, *rest):
         return super()._observe_linear(units, lo, self._quark_hi(lo, hi), *rest)
 
     def _quark_hi(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        """Quark's top of a batch's bins: for constant input (its ``x_min == x_max``: ``lo ==
-        hi``, or all zeros when symmetric) ``x_min + max(|x_min|, 1) * bins * eps`` in
-        float64, so linspace's edges stay strictly increasing in float32."""
+        """Quark's top of a batch's bins in float32, so linspace's edges stay strictly
+        increasing (:meth:`_quark_ends`)."""
+        return self._quark_ends(lo, hi)[1].float()
+
+    def _quark_ends(self, lo: torch.Tensor, hi: torch.Tensor):
+        """Quark's ``x_min`` / ``x_max`` of a batch (float64, as its Python floats): ``|x|``
+        from 0 when symmetric; for constant input (``x_min == x_max``: ``lo == hi``, or all
+        zeros when symmetric) the top is ``x_min + max(|x_min|, 1) * bins * eps``."""
         x_min = torch.zeros_like(lo) if self._absolute else lo
         x_max = torch.maximum(lo.abs(), hi.abs()) if self._absolute else hi
         span = x_min.double().abs().clamp(min=1.0) * self.bins * _F32_EPS
         span = span.clamp(min=torch.finfo(torch.float32).tiny)
-        return torch.where(x_min == x_max, (x_min.double() + span).float(), hi)
+        return x_min.double(), torch.where(x_min == x_max, x_min.double() + span, x_max.double())
 
     def _clip(self, lo, hi):
         # Quark prices its estimate as it is: not clipped to the data (a constant batch's
@@ -95,21 +154,28 @@ class _QuarkHistogram(QuarkObserver):
     def reset(self) -> None:
         super().reset()
         self._priced = None
+        self._widened = None
+
+    def _calib(self, which: int) -> torch.Tensor:
+        if not self.has_observed:
+            return torch.tensor([])
+        rows = [pair[which] for pair in self._quark_rows(self.current_histogram())]
+        if len({r.shape[-1] for r in rows}) > 1:
+            raise ValueError(f"{self.describe()}: a widening batch gave the rows Quark's grids "
+                             f"of different lengths; calib_hist / calib_bin_edges need one")
+        t = torch.cat(rows)
+        return t[0] if t.shape[0] == 1 else t
 
     @property
     def calib_hist(self) -> torch.Tensor:
-        """Counts as Quark holds them (float32; ``[bins]`` per tensor, ``[units, bins]`` else)."""
-        if not self.has_observed:
-            return torch.tensor([])
-        c = self.current_histogram().counts.float()
-        return c[0] if c.shape[0] == 1 else c
+        """Counts as Quark holds them (float32; ``[bins]`` per tensor, ``[units, bins]`` else;
+        more bins once a batch widened the range, as Quark's)."""
+        return self._calib(0).float()
 
     @property
     def calib_bin_edges(self) -> torch.Tensor:
-        if not self.has_observed:
-            return torch.tensor([])
-        e = _quark_edges(self.current_histogram())
-        return e[0] if e.shape[0] == 1 else e
+        """Quark's edges: the first batch's linspace, then its appended bins."""
+        return self._calib(1)
 
 
 @register("quark:PerTensorHistogramObserver")
@@ -132,8 +198,8 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
         self.percentile = 99.99999999
         super().__init__(qspec, device, **native)
 
-    def _estimate(self, hist):
-        return self.get_min_max_by_percentile(hist.counts, _quark_edges(hist), self.percentile)
+    def _search(self, counts, edges):
+        return self.get_min_max_by_percentile(counts, edges, self.percentile)
 
     def _calculate_qparams(self):
         scale, zp = super()._calculate_qparams()
@@ -188,8 +254,8 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
 class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
     """Quark's histogram-MSE observer: candidates ``(0, centre_i)`` for ``i >= start_bin`` (2045)."""
 
-    def _estimate(self, hist):
-        return self.get_min_max_by_mse(hist.counts, _quark_edges(hist))
+    def _search(self, counts, edges):
+        return self.get_min_max_by_mse(counts, edges)
 
     def _quark_range(self, lo, hi):
         hi = super()._quark_range(lo, hi)[1]
