@@ -48,7 +48,14 @@ them and merges the next batch); ``PerTensorHistogramObserverPro`` saves the nat
 (Quark's saves torch.ao's ``histogram.*``, a grid quantscope's does not keep; the other
 classes save nothing, as Quark's); ``PerTensorHistogramObserverPro`` with a symmetric
 unsigned dtype gives the native mid code (128 for uint8; torch.ao's custom range gives 127);
-``zero_point_type`` float32 is not supported; BFP16 uses the native 'even' E8M0
+``zero_point_type`` float32 is not supported; once a batch widens a histogram observer's
+range, its edges are Quark's bit for bit (bins of the first batch's width appended; each
+later batch's ends are read to the host to extend them, as Quark's Python floats are) but
+its counts are re-binned approximately (each bin of quantscope's power-of-two grid into the
+Quark bin of its centre: the percentile and MSE scales within about ``2 ** -7`` of Quark's),
+and where an asymmetric batch widens the range downward Quark adds its old counts at the
+new grid's first bins (misplaced; its MSE search can then fail), quantscope where they
+were; BFP16 uses the native 'even' E8M0
 rule, which bumps the exponent when the block's largest magnitude rounds to 128 on either sign
 (Quark checks positive overflow only, and keeps doubling its running amax across calls), and
 whose smallest scale is ``2 ** -127`` (Quark's formula goes subnormal for blocks below

@@ -295,11 +295,11 @@ class QuarkObserver:
         keep their dtype (:meth:`Observer._apply`), the values read here follow Quark's."""
         super()._apply(fn, recurse)
         eps = self._buffers.get("eps")  # the uniform-scaling classes' (Quark's buffers)
-        if eps is not None:
-            dtype = fn(eps).dtype  # what the cast makes of a float buffer (fn: torch's)
-            if dtype != eps.dtype and dtype.is_floating_point:
-                self._buffers["eps"] = eps.to(dtype)
-                self._input_dtype = dtype
+        if eps is not None:  # each buffer cast from its own dtype (fn: torch's cast)
+            self._buffers["eps"] = eps.to(fn(eps).dtype)
+            ranges = fn(torch.empty((), dtype=self._input_dtype, device=eps.device)).dtype
+            if ranges.is_floating_point:
+                self._input_dtype = ranges
         return self
 
     @property
