@@ -88,3 +88,13 @@ def test_no_module_swaps_its_class_after_every_module_loads():
     r = _run(code)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[-1]) > 50  # the walk did import the package's modules
+
+
+def test_reading_a_checkpoint_imports_no_compressed_tensors():
+    # compressed-tensors takes ~3 s to import: the reader (quantscope check / export) needs only
+    # its spec translation, not compat.llmcompressor's observers (which subclass its
+    # InternalModule)
+    r = _run("import sys, quantscope.exporters.read, quantscope.cli\n"
+             "print('compressed_tensors' in sys.modules)\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == "False"

@@ -408,7 +408,7 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
     except ImportError:
         raise ImportError("recipes from scheme names need compressed-tensors: pip install "
                           "'quantscope[peers]'") from None
-    from ..compat.llmcompressor import llmcompressor_spec
+    from ..compat.llmcompressor_spec import llmcompressor_spec
 
     key = str(name).upper()
     if key not in PRESET_SCHEMES or not PRESET_SCHEMES[key]:

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..compat.llmcompressor import llmcompressor_spec
+from ..compat.llmcompressor_spec import llmcompressor_spec
 from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
