@@ -25,6 +25,7 @@ from torch import nn
 
 from ...layout import Token
 from ..results.result import Calibration, RoleState
+from ..structure import moe
 from .auto import OutputDivergence
 
 __all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "layer_sensitivity",
@@ -257,9 +258,7 @@ def _expert_views(model: nn.Module):
     """MoE experts held as 3-D parameters as the per-expert Linear views a calibration names
     (``...experts.0.down_proj``), attached until the ``with`` block ends (as ``apply()`` does);
     nothing to attach otherwise."""
-    from ..structure import moe
-
-    if not any(moe.is_experts_3d(m) for m in model.modules()):
+    if not moe.has_experts_3d(model):
         return contextlib.nullcontext()
     return moe.attach(model, count=False)
 

@@ -31,7 +31,7 @@ from torch import nn
 from ..._checks import outside_quantscope
 from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
-from ..structure import kv_cache
+from ..structure import kv_cache, moe
 from ..structure.tied import tied_weights
 from .role_state import RoleState
 
@@ -71,8 +71,6 @@ class _Saved:
         """The weight as the model holds it now (an expert's ``[out, in]`` slice)."""
         if self.expert is None:
             return self.params()
-        from ..structure import moe
-
         (owner, name), = self.holders
         return [moe.expert_weight(owner, name, self.expert)]
 
@@ -344,9 +342,7 @@ def _attach_experts(model: nn.Module, states, handle: QDQHandle):
     """MoE experts held as 3-D parameters are QDQ'd through per-expert Linear views
     (:mod:`~quantscope.calibration.structure.moe`), attached until the handle is removed;
     returns the :class:`~quantscope.calibration.structure.moe.Experts` (None: none used)."""
-    from ..structure import moe
-
-    if not any(moe.is_experts_3d(m) for m in model.modules()):
+    if not moe.has_experts_3d(model):
         return None
     experts = moe.attach(model, count=False)
     if any(name in experts.layers for name in states):

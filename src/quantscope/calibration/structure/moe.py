@@ -39,7 +39,8 @@ from torch import nn
 from ...layout import Tensor
 from ...qparams import qparams_from_range
 
-__all__ = ["Experts", "attach", "expert_weight", "share_inputs", "shrink", "unreached"]
+__all__ = ["Experts", "attach", "expert_weight", "has_experts_3d", "share_inputs", "shrink",
+           "unreached"]
 
 #: ``n`` below which an expert's activation range is shrunk toward the pooled one
 #: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
@@ -194,6 +195,11 @@ class Experts:
                    for e, item in enumerate(module)]
         self._undo.append(lambda: [h.remove() for h in handles])
         self.counts[name] = counts
+
+
+def has_experts_3d(model: nn.Module) -> bool:
+    """Whether ``model`` holds MoE experts as 3-D parameters (:func:`attach` gives them views)."""
+    return any(is_experts_3d(m) for m in model.modules())
 
 
 def attach(model: nn.Module, all_experts: bool = False, count: bool = True) -> Experts:
