@@ -165,7 +165,8 @@ def _total_error(units, spec, lo, hi):
 
 def _llmc_call(w):
     """llm-compressor's memoryless_mse, int4 per channel (the observer built once, its search
-    timed alone, as ours), or the reason it cannot run."""
+    timed alone, as ours), and which of its backends runs; or None and the reason it cannot
+    run."""
     try:
         from peer_llmcompressor_mse import search, weight_observer
 
@@ -178,17 +179,16 @@ def _llmc_call(w):
     def call():
         lo, hi = search(obs, w)
         return lo.reshape(-1), hi.reshape(-1)
-    return call, None
+    return call, _llmc_backend(obs, w)
 
 
-def _llmc_backend(w) -> str:
-    """Which of llm-compressor's MSE grid searches runs on ``w``: its Triton kernel, or its
-    eager torch loop (a failed Triton import falls back without a word)."""
+def _llmc_backend(obs, w) -> str:
+    """Which of llm-compressor's MSE grid searches ``obs`` runs on ``w``: its Triton kernel, or
+    its eager torch loop (a failed Triton import falls back without a word)."""
     try:
-        from compressed_tensors.quantization.quant_args import QuantizationArgs
         from llmcompressor.observers.mse_quant import _mse_triton_req
 
-        triton = _mse_triton_req(w, QuantizationArgs(num_bits=4, strategy="channel"))
+        triton = _mse_triton_req(w, obs.args)
     except Exception as e:  # noqa: BLE001
         return f"backend unknown ({type(e).__name__})"
     return "Triton backend" if triton else "eager backend"
@@ -208,10 +208,10 @@ def bench_mse(size, device, repeat):
                                                                        **compat),
            "quantscope llm-compressor rules, torch path": lambda: mse_search(
                w, None, None, spec, backend="torch", **compat)}
-    llmc, why = _llmc_call(w)
+    llmc, said = _llmc_call(w)  # said: the backend that runs, or why none does
     peer = "llm-compressor memoryless_mse"
     if llmc is not None:
-        peer = f"{peer} ({_llmc_backend(w)})"
+        peer, said = f"{peer} ({said})", None
         fns[peer] = llmc
     t = wall_medians(fns, device, repeat, 1)
     for name, fn in fns.items():
@@ -219,8 +219,8 @@ def bench_mse(size, device, repeat):
         table.add(name, 1e3 * t[name], None if (d := device_seconds(fn, device, 1)) is None
                   else 1e3 * d, _total_error(w, spec, lo, hi),
                   t.get(peer, float("nan")) / t[name])
-    if why:
-        table.add(peer, "not run: " + why, "", "", "")
+    if said:
+        table.add(peer, "not run: " + said, "", "", "")
     table.print()
     bench_mse_mx(w, device, repeat)
 
