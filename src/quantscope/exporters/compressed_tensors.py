@@ -33,6 +33,7 @@ import shutil
 import torch
 from torch import nn
 
+from ..calibration.structure.placement import check_placement
 from ..calibration.structure.tied import tied_weights
 from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
@@ -364,6 +365,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
                         f"{type(model).__name__}")
     if not calibration.states:
         raise ValueError("export compressed-tensors: the calibration quantizes no layer")
+    check_placement(model, "export compressed-tensors")
     path = check_writable_target(path, overwrite=overwrite)
     lossy = _Lossy(allow_lossy)
     work = copy.deepcopy(model).cpu()

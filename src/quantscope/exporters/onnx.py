@@ -36,6 +36,7 @@ import os
 import numpy as np
 import torch
 
+from ..calibration.structure.placement import check_placement
 from ..calibration.structure.tied import tied_weights
 from .atomic import atomic_file, check_writable_target
 from .onnx_tensors import code_tensor
@@ -314,6 +315,7 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     inputs = _model_folders(calibration, model)
     path = check_writable_target(path, overwrite=overwrite, kind="file", inputs=inputs)
     states = calibration.states if hasattr(calibration, "states") else calibration
+    check_placement(model, "onnx export")
     _check_exportable(states)  # before the (slow) export
     _check_untied(model, states)
     model, example_inputs = _float32(model, example_inputs)

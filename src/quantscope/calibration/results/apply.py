@@ -32,6 +32,7 @@ from ..._checks import outside_quantscope
 from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
 from ..structure import kv_cache, moe
+from ..structure.placement import check_placement
 from ..structure.tied import tied_weights
 from .role_state import RoleState
 
@@ -179,6 +180,7 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
         raise ValueError("apply: this model already has quantscope QDQ applied; call remove() "
                          "on the handle first")
     refuse_compiled(model, "apply")
+    check_placement(model, "apply")
     handle = QDQHandle(model)
     kv: dict[str, dict[str, RoleState]] = {}  # attention layer -> key / value states
     weights: dict[int, tuple[torch.Tensor, tuple, list]] = {}  # id -> (w, where, [(layer, st)])

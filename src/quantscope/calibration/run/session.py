@@ -46,6 +46,7 @@ from ..results.result import Calibration
 from ..structure import kv_cache
 from ..structure import moe as _moe
 from ..structure.fusion import peek
+from ..structure.placement import check_placement
 from . import gather
 from . import sequential as _sequential
 from .batches import check_batches
@@ -221,6 +222,7 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
     refuse_applied(model, "calibrate")  # its observers would see the QDQ values
     recipes = _as_recipes(recipes)
     seq = opts.sequential
+    check_placement(model, "calibrate", calibrating=True, skeleton=seq is not None)
     if seq is not None:
         if opts.outliers.keep_float:
             check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)
@@ -451,6 +453,7 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
     check_batches(batches, "sensitivity")
     refuse_compiled(model, "sensitivity")
     refuse_applied(model, "sensitivity")
+    check_placement(model, "sensitivity")
     batches = list(batches)  # a generator: read by the calibration, then by the measure
     if calibration is None:
         calibration = calibrate(model, batches if calib_batches is None else calib_batches,
