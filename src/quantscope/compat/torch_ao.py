@@ -51,6 +51,7 @@ from torch.ao.quantization.utils import calculate_qmin_qmax
 from .. import kernels
 from ..estimators.l2 import l2_range
 from ..layout import Channel, Tensor
+from ..observers.base import dtensor_error, is_dtensor
 from ..observers.registry import register
 from ..qparams import QParams
 from ..spec import QuantSpec
@@ -461,6 +462,8 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     # linspace rounds otherwise and the histogram stops being torch.ao's
     @torch.compiler.disable
     def _forward_eager(self, x_orig):
+        if is_dtensor(x_orig):  # the kernels read its local shard's memory as the whole
+            raise dtensor_error("HistogramObserver", x_orig)
         if x_orig.numel() == 0:
             return x_orig
         x = _binned(x_orig)

@@ -26,6 +26,7 @@ Rules every subclass keeps:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import ClassVar
 
@@ -41,7 +42,8 @@ from ..stats.minmax import layout_minmax, record_non_finite, unit_minmax
 from . import record
 from .sync import step_sync, sync_observers
 
-__all__ = ["NON_FINITE_MODES", "Observer", "only_observes", "tokens_of"]
+__all__ = ["NON_FINITE_MODES", "Observer", "dtensor_error", "is_dtensor", "only_observes",
+           "tokens_of"]
 
 NON_FINITE_MODES = ("error", "ignore")
 
@@ -53,6 +55,25 @@ def only_observes(forward):
     ``forward``, never grouped: :attr:`Observer.takes_minmax`."""
     forward.only_observes = True
     return forward
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 / tensor-parallel
+    weight). Runs per forward, so a plain tensor (an activation) costs one type test;
+    never imports the DTensor module (none can exist before it is imported)."""
+    if type(x) is torch.Tensor:
+        return False
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(x, cls)
+
+
+def dtensor_error(who: str, x) -> TypeError:
+    """What an observer named ``who`` raises for a DTensor ``x``: its ops see one rank's
+    shard, so the statistics would be that shard's, or fail deep inside with no name."""
+    return TypeError(f"{who}: got a DTensor (placements {tuple(x.placements)}), which holds "
+                     f"this rank's shard of a distributed tensor; pass x.full_tensor() to "
+                     f"observe the whole tensor (on every rank) or x.to_local() to observe "
+                     f"this rank's part knowingly")
 
 
 def tokens_of(x: torch.Tensor) -> int:
@@ -142,11 +163,13 @@ class Observer(nn.Module):
         return x
 
     def check_input(self, x: torch.Tensor) -> bool:
-        """Raise ``TypeError`` / ``ValueError`` naming this observer unless ``x`` is a
-        floating-point tensor its layout can take (float64: within float32's range); False
-        when ``x`` is empty (nothing to observe)."""
+        """Raise ``TypeError`` / ``ValueError`` naming this observer unless ``x`` is a plain
+        (not a DTensor) floating-point tensor its layout can take (float64: within float32's
+        range); False when ``x`` is empty (nothing to observe)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.describe()}: expected a torch.Tensor, got {type(x).__name__}")
+        if type(x) is not torch.Tensor and is_dtensor(x):  # (activations: one type test)
+            raise dtensor_error(self.describe(), x)
         if not x.is_floating_point():
             raise TypeError(f"{self.describe()}: expected a floating-point tensor, got {x.dtype}")
         if x.numel() == 0:

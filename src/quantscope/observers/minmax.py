@@ -16,7 +16,7 @@ from ..stats.minmax import (
     unit_minmax,
     update_state,
 )
-from .base import Observer, only_observes, tokens_of
+from .base import Observer, is_dtensor, only_observes, tokens_of
 from .registry import register
 
 __all__ = [
@@ -95,8 +95,8 @@ class MinMaxStateObserver(Observer):
         """``x``'s units where ``forward``'s whole step can be the op ``minmax_observe`` (off
         the CPU, once the state is sized: the common call of an activation observer), else
         None (the general path, which also raises what is wrong with ``x``)."""
-        if not isinstance(x, torch.Tensor) or x.device.type == "cpu":  # the C kernels' path
-            return None
+        if not isinstance(x, torch.Tensor) or x.device.type == "cpu" or is_dtensor(x):
+            return None  # the C kernels' path, or the general path's checks
         state, other = self.min_vals, self.max_vals
         if (self.state_update is None or not self.accumulates or not self.takes_minmax
                 or not x.is_floating_point() or not x.numel() or state.dim() != 1
