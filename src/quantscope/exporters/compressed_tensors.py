@@ -24,6 +24,7 @@ activation amax; MX scales are powers of two, stored as E8M0 exponents.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import json
@@ -386,7 +387,8 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
                       stacklevel=2)
     _attach_kv_scales(work, kv)
     compressor = _compressor(work, kv_args)
-    compressor.compress_model(work)
+    with _this_process_only():
+        compressor.compress_model(work)
     copied = []  # their modes stay: a private tokenizer file is not made readable
     with atomic_dir(path, overwrite=overwrite, inputs=[source],  # never the source
                     keep_modes=copied) as tmp:
@@ -396,6 +398,17 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         if source is not None:
             copied += _copy_extras(source, tmp)
     return path
+
+
+def _this_process_only():
+    """compressed-tensors' ``compress_model`` shares its work among the ranks of an initialised
+    process group (a collective), but only rank 0 exports (the registry's rule): the others
+    are not in this call, so it would wait forever. Its context to compress in one process."""
+    try:
+        from compressed_tensors.offload import as_single_threaded
+    except ImportError:  # a version that never compresses in parallel
+        return contextlib.nullcontext()
+    return as_single_threaded()
 
 
 def _compressor(work: nn.Module, kv_args):

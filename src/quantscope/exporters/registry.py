@@ -9,12 +9,21 @@ This module sits in the core layer (beside :mod:`.atomic`, and like
 :mod:`quantscope.observers.registry`, it holds names, not the formats' code), so that
 ``Calibration.export`` and ``Calibration.from_compressed_tensors`` reach a format through
 it without importing the export layer.
+
+Inside a process group of more than one process, every registered writer writes on rank 0
+only, as transformers' ``save_pretrained`` (which writes no weights elsewhere): the other
+ranks return the path at once, with no collective (:func:`register` wraps the writer, so no
+format can forget it).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 from collections.abc import Callable
+
+from .. import comm
 
 __all__ = ["FORMATS", "READERS", "exporter", "reader", "register", "register_reader"]
 
@@ -33,11 +42,25 @@ _readers: dict[str, Callable] = {}
 
 
 def register(name: str):
-    """Decorator: ``@register("onnx") def export_onnx(calibration, model, path, **options)``."""
+    """Decorator: ``@register("onnx") def export_onnx(calibration, model, path, **options)``;
+    the writer it returns (and registers) writes on rank 0 only (module doc)."""
     def deco(fn):
-        _writers[name] = fn
-        return fn
+        _writers[name] = _on_rank_zero(fn)
+        return _writers[name]
     return deco
+
+
+def _on_rank_zero(write: Callable) -> Callable:
+    """``write(calibration, model, path, **options)`` run on rank 0 (or outside a process
+    group of several); another rank writes nothing and returns ``path`` as rank 0 does (its
+    absolute path), at once: no collective, so a caller that exports on rank 0 alone does not
+    hang, and ranks sharing one path do not race (a reader waits at a barrier)."""
+    @functools.wraps(write)
+    def writer(calibration, model, path, **options):
+        if not comm.is_main():
+            return os.path.abspath(os.fspath(path))
+        return write(calibration, model, path, **options)
+    return writer
 
 
 def register_reader(name: str):

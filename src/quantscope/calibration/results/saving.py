@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+from ... import comm
 from ...exporters.atomic import atomic_dir
 from .report import json_safe
 
@@ -37,7 +38,12 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
     held before (an existing ``path`` is replaced if quantscope wrote it, never another
     folder, nor the working folder: :func:`~quantscope.exporters.atomic.check_writable_target`;
     ``overwrite=False`` refuses it).
+
+    Inside a process group of several processes only rank 0 writes (as the exporters and
+    transformers' ``save_pretrained``); the others return ``path`` at once, with no collective.
     """
+    if not comm.is_main():
+        return str(path)
     save_file, _ = safetensors()
     tensors, layers = {}, {}
     for layer, roles in calibration.states.items():
