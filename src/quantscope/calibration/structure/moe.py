@@ -174,6 +174,24 @@ class Experts:
     def __exit__(self, *exc):
         self.detach()
 
+    def _attach_3d(self, name, module, count):
+        n = (module.gate_up_proj if hasattr(module, "gate_up_proj") else module.up_proj).shape[0]
+        if any(str(e) in module._modules for e in range(n)):
+            raise ValueError(f"calibrate: experts module {name!r} already has "
+                             f"per-expert children (quantscope QDQ still applied?)")
+        counts = [0] * n if count else None
+        # the undo goes first: an exception (Ctrl-C) part way leaves nothing on the module
+        hooks: list = []
+        self._undo.append(_undo_3d(module, n, hooks))
+        for e in range(n):
+            module.add_module(str(e), _Expert(module, e))
+            for proj in ("gate_up_proj", "down_proj"):
+                self.layers[f"{name}.{e}.{proj}"] = (name, e)
+        module.forward = _routed_forward(module, n, counts, self.all_experts)
+        hooks.append(module.register_state_dict_post_hook(_drop_views(n)))
+        if counts is not None:
+            self.counts[name] = counts
+
     def _attach_list(self, name, module):
         if self.all_experts:
             raise ValueError(f"calibrate: all_experts=True needs a transformers-5 experts module; "
@@ -209,38 +227,30 @@ def attach(model: nn.Module, all_experts: bool = False, count: bool = True) -> E
     try:
         for name, module in list(model.named_modules()):
             if is_experts_3d(module):
-                n = (module.gate_up_proj if hasattr(module, "gate_up_proj")
-                     else module.up_proj).shape[0]
-                if any(str(e) in module._modules for e in range(n)):
-                    raise ValueError(f"calibrate: experts module {name!r} already has "
-                                     f"per-expert children (quantscope QDQ still applied?)")
-                counts = [0] * n if count else None
-                for e in range(n):
-                    module.add_module(str(e), _Expert(module, e))
-                    for proj in ("gate_up_proj", "down_proj"):
-                        ex.layers[f"{name}.{e}.{proj}"] = (name, e)
-                had = "forward" in module.__dict__
-                old = module.__dict__.get("forward")
-                module.forward = _routed_forward(module, n, counts, all_experts)
-                hook = module.register_state_dict_post_hook(_drop_views(n))
-
-                def undo(module=module, n=n, had=had, old=old, hook=hook):
-                    hook.remove()
-                    for e in range(n):
-                        module._modules.pop(str(e), None)
-                    if had:
-                        module.forward = old
-                    else:
-                        module.__dict__.pop("forward", None)
-                ex._undo.append(undo)
-                if counts is not None:
-                    ex.counts[name] = counts
+                ex._attach_3d(name, module, count)
             elif isinstance(module, nn.ModuleList) and name.endswith("experts") and count:
                 ex._attach_list(name, module)
     except BaseException:
         ex.detach()
         raise
     return ex
+
+
+def _undo_3d(module: nn.Module, n: int, hooks: list):
+    """The undo of :meth:`Experts._attach_3d` on ``module``, made before it changes anything:
+    it removes whatever is in place of the views, the forward swap and ``hooks``."""
+    had, old = "forward" in module.__dict__, module.__dict__.get("forward")
+
+    def undo():
+        while hooks:
+            hooks.pop().remove()
+        for e in range(n):
+            module._modules.pop(str(e), None)
+        if had:
+            module.forward = old
+        else:
+            module.__dict__.pop("forward", None)
+    return undo
 
 
 def _drop_views(n: int):
