@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,8 +35,11 @@ ROLES = ("key", "value")
 _PREFIX = "quantscope_kv_"
 #: the forward argument that hands an attention module the cache, by transformers version
 _CACHE_ARGS = ("past_key_value", "past_key_values", "cache")
-#: id(attention module) -> callback(role, tensor) -> tensor, while attached
-_ACTIVE: dict[int, Callable[[str, torch.Tensor], torch.Tensor]] = {}
+#: attention module -> callback(role, tensor) -> tensor, while attached; weak, as apply()'s
+#: registry: a model dropped with its QDQ handle never removed takes its entries with it
+#: (the callbacks hold role states, never the module)
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, Callable[[str, torch.Tensor], torch.Tensor]] = \
+    weakref.WeakKeyDictionary()
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -63,7 +67,7 @@ def _wrapper(impl: str):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def attention(module, query, key, value, *args, **kwargs):
-        callback = _ACTIVE.get(id(module))
+        callback = _ACTIVE.get(module)
         if callback is not None:
             key, value = callback("key", key), callback("value", value)
         if impl == "eager":  # the modeling file's own eager function
@@ -113,9 +117,9 @@ def attach(model: nn.Module,
             cfg._attn_implementation = _register(impl)
             undo.append(lambda cfg=cfg, was=was: setattr(cfg, "_attn_implementation", was))
         for name, callback in callbacks.items():
-            key = id(modules[name])
-            _ACTIVE[key] = callback
-            undo.append(lambda key=key: _ACTIVE.pop(key, None))
+            module = modules[name]
+            _ACTIVE[module] = callback
+            undo.append(lambda module=module: _ACTIVE.pop(module, None))
     except BaseException:
         detach()
         raise
