@@ -227,3 +227,60 @@ def test_a_linear_called_by_keyword_is_seen_and_smoothed():
     assert [n for n in info["smoothed"] if n.endswith("mlp.up_proj")] == [
         "model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
     torch.testing.assert_close(_logits(model, batches), ref, rtol=1e-3, atol=1e-3)
+
+
+def test_the_probe_runs_without_the_models_forward_hooks():
+    """A user's hook written for ``[batch, seq, hidden]`` (raising on the probe's 2-D rows)
+    changes nothing: the same smoothing, and the hooks see only the real batches."""
+    from quantscope.calibration import Outliers
+
+    model, batches = _llama()
+    want = calibrate(model, batches, "w8a8", outliers=Outliers(smooth=0.8), progress=False)
+    model, batches = _llama()
+    shapes = []
+
+    def logger(module, args, out):
+        b, t, h = out.shape  # a ValueError on 2-D data
+        shapes.append((b, t, h))
+
+    def spy(module, args):
+        shapes.append(tuple(args[0].shape))
+    mlps = [layer.mlp for layer in model.model.layers]
+    handles = [m.register_forward_hook(logger) for m in mlps]
+    handles += [m.up_proj.register_forward_pre_hook(spy) for m in mlps]
+    try:
+        dicts = [m._forward_hooks for m in mlps]
+        got = calibrate(model, batches, "w8a8", outliers=Outliers(smooth=0.8), progress=False)
+        # the hooks are back where they were: the same dicts, the same hooks
+        assert all(m._forward_hooks is d and list(d.values()) == [logger]
+                   for m, d in zip(mlps, dicts))
+    finally:
+        for h in handles:
+            h.remove()
+    assert got.info["smooth"] == want.info["smooth"] and got.info["smooth"]["skipped"] == []
+    assert got.smoothing.keys() == want.smoothing.keys()
+    assert all(torch.equal(got.smoothing[k], want.smoothing[k]) for k in want.smoothing)
+    assert shapes and set(shapes) == {(2, 12, 32)}
+
+
+class _TwoArgMLP(nn.Module):
+    """A gated MLP whose forward takes a second argument: the probe cannot run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.down_proj = nn.Linear(16, 8)
+
+    def forward(self, x, scale):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)) * scale
+
+
+def test_a_probe_that_cannot_run_is_named_not_called_a_change():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.mlp = _TwoArgMLP()
+    model.forward = lambda x: model.mlp(x, 2.0)
+    info = smooth(model, [torch.randn(4, 8)], 0.5)
+    assert info["skipped"] == ["mlp.up_proj"]
+    assert info["why"]["mlp.up_proj"].startswith(
+        "the probe could not run mlp on one [8, 8] tensor (TypeError: ")

@@ -28,9 +28,10 @@ found is checked twice before the model is touched. Its data flow, by hooks in t
 that measures the ranges: every balanced Linear must read exactly the previous module's
 output (the same tensor, or one bit for bit equal) and no other Linear may read it, so a
 norm that also feeds the MLP (Cohere's and Phi's parallel blocks) or whose output is not the
-MLP's input (OLMo2's post-norm ``post_attention_layernorm``) is left alone. And a probe: the
-balanced layers' outputs of a random input must stay the same (to float rounding) with the
-new parameters, so a norm that is not ``x * weight (+ bias)`` (Gemma's ``x * (1 + weight)``)
+MLP's input (OLMo2's post-norm ``post_attention_layernorm``) is left alone. And a probe (run
+with the model's forward hooks set aside: a user's see only real batches): the balanced
+layers' outputs of a random input must stay the same (to float rounding) with the new
+parameters, so a norm that is not ``x * weight (+ bias)`` (Gemma's ``x * (1 + weight)``)
 or an MLP that is not gated is left alone, not broken. ``info["why"]`` says why each
 skipped mapping was.
 
@@ -45,6 +46,8 @@ smooths a freshly loaded copy of the float model alike, as ``quantscope evaluate
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -270,10 +273,11 @@ def _new_params(modules: dict[str, nn.Module], m: Mapping,
     return new
 
 
-def _probe_holds(modules: dict[str, nn.Module], m: Mapping, new: dict[str, torch.Tensor]) -> bool:
-    """The balanced Linears' outputs of a random input are the same with ``new`` (the
-    previous module as a norm: ``linear(norm(x))``; as a Linear: its parent, e.g. the MLP,
-    whole)."""
+def _probe_why(modules: dict[str, nn.Module], m: Mapping,
+               new: dict[str, torch.Tensor]) -> str | None:
+    """Why the probe rejects ``new``, None if it holds: the balanced Linears' outputs of a
+    random input must be the same with ``new`` (the previous module as a norm:
+    ``linear(norm(x))``; as a Linear: its parent, e.g. the MLP, whole)."""
     prev = modules[m.previous]
     p0 = next(prev.parameters())
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -282,26 +286,47 @@ def _probe_holds(modules: dict[str, nn.Module], m: Mapping, new: dict[str, torch
         x = torch.randn(_PROBE_ROWS, prev.in_features, generator=gen).to(p0)
         local = {k[len(m.parent) + 1:]: v for k, v in new.items()}
         try:
-            before, after = parent(x), functional_call(parent, local, (x,))
-        except (TypeError, RuntimeError, ValueError):  # not a module run on one tensor
-            return False
+            with _hooks_aside(parent):
+                before, after = parent(x), functional_call(parent, local, (x,))
+        except (TypeError, RuntimeError, ValueError) as e:  # not a module run on one tensor
+            return (f"the probe could not run {m.parent} on one [{_PROBE_ROWS}, "
+                    f"{prev.in_features}] tensor ({type(e).__name__}: {e})")
         pairs = [(before, after)]
     else:
         x = torch.randn(_PROBE_ROWS, _width(prev), generator=gen).to(p0)
         local = {k[len(m.previous) + 1:]: v for k, v in new.items() if k.startswith(
             m.previous + ".") and k[len(m.previous) + 1:] in ("weight", "bias")}
-        y0, y1 = prev(x), functional_call(prev, local, (x,))
+        with _hooks_aside(prev):
+            y0, y1 = prev(x), functional_call(prev, local, (x,))
         pairs = [(torch.nn.functional.linear(y0, modules[b].weight, modules[b].bias),
                   torch.nn.functional.linear(y1, new[f"{b}.weight"], modules[b].bias))
                  for b in m.balance]
     for a, b in pairs:
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and bool(torch.isfinite(b).all())):
-            return False
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"the probe's run of {m.parent} returned {type(a).__name__}, not a tensor"
         tol = 1e-3 if a.dtype == torch.float32 else 2e-2
-        if float((a.float() - b.float()).norm()) > tol * max(float(a.float().norm()), 1e-12):
-            return False
-    return True
+        if (a.shape != b.shape or not bool(torch.isfinite(b).all())
+                or float((a.float() - b.float()).norm()) > tol * max(float(a.float().norm()),
+                                                                      1e-12)):
+            return "the probe's outputs changed with the new parameters"
+    return None
+
+
+@contextmanager
+def _hooks_aside(module: nn.Module):
+    """Run the probe without the forward hooks and pre-hooks of ``module`` and its submodules
+    (a user's, e.g. a logger: quantscope's own are off the model while :func:`smooth` runs):
+    they were written for the model's batches, not the probe's random 2-D rows. The same
+    dicts are put back. torch's global hooks stay: swapping process-wide state would hide
+    them from another thread's model."""
+    kept = [(m, m._forward_hooks, m._forward_pre_hooks) for m in module.modules()]
+    try:
+        for m, _, _ in kept:
+            m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
+        yield
+    finally:
+        for m, post, pre in kept:
+            m._forward_hooks, m._forward_pre_hooks = post, pre
 
 
 def check(alpha, sequential: bool = False) -> None:
@@ -346,8 +371,9 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
             continue
         s = smoothing_scales(r, [modules[b].weight for b in m.balance], alpha)
         new = _new_params(modules, m, s)
-        if not _probe_holds(modules, m, new):
-            why[m.previous] = "the probe's outputs changed with the new parameters"
+        rejected = _probe_why(modules, m, new)
+        if rejected is not None:
+            why[m.previous] = rejected
             continue
         if originals is not None:
             for k in new:
