@@ -152,6 +152,7 @@ def _indivisible(rec, model, policy: str):
     sizes that would divide it, or (``policy == "float"``) those layers added to ``ignore``."""
     from dataclasses import replace
 
+    from ..calibration.run.observe import module_role
     from ..layout import Group
 
     bad = {}
@@ -159,9 +160,10 @@ def _indivisible(rec, model, policy: str):
         role = roles.get("weight")
         if role is None or not isinstance(role.spec.layout, Group):
             continue
-        width = module.weight.shape[role.spec.layout.axis]
-        if width % role.spec.layout.size:
-            bad[layer] = (width, role.spec.layout.size)
+        lay = module_role(layer, "weight", role, module).spec.layout  # a Conv1D's transposed
+        width = module.weight.shape[lay.axis]
+        if width % lay.size:
+            bad[layer] = (width, lay.size)
     if not bad:
         return rec
     if policy == "float":

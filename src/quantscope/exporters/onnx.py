@@ -36,6 +36,7 @@ import os
 import numpy as np
 import torch
 
+from ..calibration.structure.conv1d import is_conv1d
 from ..calibration.structure.placement import check_placement
 from ..calibration.structure.tied import tied_weights
 from .atomic import atomic_file, check_writable_target
@@ -318,6 +319,7 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     check_placement(model, "onnx export")
     _check_exportable(states)  # before the (slow) export
     _check_untied(model, states)
+    _check_linear(model, states)
     model, example_inputs = _float32(model, example_inputs)
     proto = _export_float(model, example_inputs, opset)
     _insert_qdq(onnx, proto.graph, model, states, uint8)
@@ -345,6 +347,16 @@ def _check_untied(model, states) -> None:
         raise ValueError(f"onnx export: {layer}.weight is tied with {others}: the graph would "
                          f"quantize it for {layer} alone; leave it in float (ignore {layer} in "
                          f"the recipe) or untie the weights")
+
+
+def _check_linear(model, states) -> None:
+    """transformers' Conv1D (GPT-2's) exports as a MatMul by its ``[in, out]`` weight as is,
+    with its per-channel scales on axis 1, a layout this Linear writer has no form for."""
+    modules = dict(model.named_modules())
+    found = [n for n in states if is_conv1d(modules.get(n))]
+    if found:
+        raise ValueError(f"onnx export: layer {found[0]!r} is a transformers Conv1D (weight "
+                         f"[in, out]), which this exporter does not write; leave it in float")
 
 
 def _check_exportable(states) -> None:

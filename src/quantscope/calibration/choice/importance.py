@@ -25,6 +25,7 @@ from ..results.report import tensor_stats
 from ..results.result import Calibration
 from ..run.finish import stats_row
 from ..run.observe import in_pass
+from ..structure.conv1d import is_conv1d
 from ..structure.fusion import shares_weight_scale
 from .layer_choice import IMATRIX, imatrix_state
 
@@ -33,20 +34,20 @@ __all__ = ["InputImportance", "imatrix_config", "imatrix_rows"]
 
 class InputImportance:
     """Mean ``x^2`` per input channel of each of ``layers`` (Linear-like: ``in_features``,
-    a 2-D weight ``[out, in]``), gathered by forward pre-hooks (from construction to
-    :meth:`remove`) over the floating-point rows of the calibration pass's forwards
-    (:func:`.observe.in_pass`), and of those run inside :meth:`counting`. Other modules get
-    none (as llm-compressor's imatrix skips modules without ``in_features``): an Embedding's
-    input is token ids, whose square weighs nothing."""
+    a 2-D weight ``[out, in]``, or transformers' Conv1D, weight ``[in, out]``), gathered by
+    forward pre-hooks (from construction to :meth:`remove`) over the floating-point rows of
+    the calibration pass's forwards (:func:`.observe.in_pass`), and of those run inside
+    :meth:`counting`. Other modules get none (as llm-compressor's imatrix skips modules
+    without ``in_features``): an Embedding's input is token ids, whose square weighs nothing."""
 
     def __init__(self, model: nn.Module, layers):
         modules = dict(model.named_modules())
         self.sums, self.rows, self.handles, self.live = {}, {}, [], False
         for name in layers:
             w = getattr(modules.get(name), "weight", None)
-            if (isinstance(w, torch.Tensor) and w.dim() == 2
-                    and getattr(modules[name], "in_features", None) == w.shape[1]):
-                self.sums[name] = torch.zeros(w.shape[1], dtype=torch.float64)
+            width = _in_width(modules.get(name), w)
+            if width is not None:
+                self.sums[name] = torch.zeros(width, dtype=torch.float64)
                 self.rows[name] = 0
                 self.handles.append(modules[name].register_forward_pre_hook(
                     self._hook(name, input_name(modules[name])), with_kwargs=True))
@@ -105,6 +106,15 @@ class InputImportance:
         return {n: (self.sums[n] / self.rows[n]).float() for n in names if self.rows[n]}
 
 
+def _in_width(module, w) -> int | None:
+    """A Linear-like module's input width (its weight's ``[out, in]``, a Conv1D's ``[in, out]``)."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    if is_conv1d(module):
+        return w.shape[0]
+    return w.shape[1] if getattr(module, "in_features", None) == w.shape[1] else None
+
+
 def imatrix_config(model: nn.Module, base: Calibration, importance: dict) -> Calibration | None:
     """``base`` with each weight the importance-weighted search can take replaced by the
     search's state (``observer="imatrix"``; the others kept), without report rows (those of
@@ -124,7 +134,7 @@ def imatrix_config(model: nn.Module, base: Calibration, importance: dict) -> Cal
                 or shares_weight_scale(st.spec)):
             continue
         try:
-            new = imatrix_state(w.detach(), imp, st)
+            new = imatrix_state(w.detach(), imp, st, is_conv1d(modules[layer]))
         except ValueError:  # a layout the weighted search cannot take
             continue
         states[layer]["weight"], changed = new, True

@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 from ...estimators.weighted import imatrix_qparams
+from ...layout import Tile
 from ..results.apply import qdq_tensor
 from ..results.result import RoleState
 from ..run.batches import eval_mode, forward_batch, map_tensors, tensors_in
+from ..structure.conv1d import is_conv1d, linear_output, transposed_layout
 
 __all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
            "joint_choice", "layer_pick"]
@@ -121,13 +123,21 @@ def _labels(batch) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- joint choice
-def imatrix_state(w: torch.Tensor, importance: torch.Tensor, base: RoleState) -> RoleState:
+def imatrix_state(w: torch.Tensor, importance: torch.Tensor, base: RoleState,
+                  conv1d: bool = False) -> RoleState:
     """The weight state of the importance-weighted MSE search under ``base``'s spec
     (``importance``: the mean ``x^2`` of each input channel), with the qparams the search
-    priced (:func:`~quantscope.estimators.weighted.imatrix_qparams`)."""
-    lo, hi, qp = imatrix_qparams(w, importance, base.spec)
+    priced (:func:`~quantscope.estimators.weighted.imatrix_qparams`). ``conv1d``: ``w`` is a
+    Conv1D's ``[in, out]``, searched as the Linear ``w.T`` under the layout transposed back
+    (the same units in the same order; not tiles, whose order transposes)."""
+    spec, shape = base.spec, tuple(w.shape)
+    if conv1d:
+        if isinstance(spec.layout, Tile):
+            raise ValueError("imatrix: a Conv1D's weight tiles are not searched")
+        w, spec = w.T, replace(spec, layout=transposed_layout(spec.layout))
+    lo, hi, qp = imatrix_qparams(w, importance, spec)
     return replace(base, observer=IMATRIX, qparams=qp.reshape(base.spec.layout.qparam_shape(
-        w.shape)), lo=lo, hi=hi)
+        shape)), lo=lo, hi=hi)
 
 
 def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
@@ -140,11 +150,12 @@ def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
     return i, j, err(i, j)
 
 
-def _descent(x, w, w_states, x_states, out_weights, rounds):
+def _descent(x, w, w_states, x_states, out_weights, rounds, conv1d=False):
     """:func:`joint_choice`'s ``(i, j, err)``, ``err(a, b)`` the cached error of a pair (the
-    last step priced every input under weight ``i``: a fusion group sums those)."""
+    last step priced every input under weight ``i``: a fusion group sums those). ``conv1d``:
+    ``w`` is a Conv1D's ``W^T`` (``[in, out]``), quantized as held, output ``x @ w``."""
     x, w = x.float(), w.float()
-    ref = x @ w.T
+    ref = linear_output(x, w, conv1d)
     wq = [None] * len(w_states)
     xq = [None] * len(x_states)
     cache = {}
@@ -155,7 +166,7 @@ def _descent(x, w, w_states, x_states, out_weights, rounds):
                 wq[i] = qdq_tensor(w, w_states[i]).float()
             if xq[j] is None:
                 xq[j] = qdq_tensor(x, x_states[j]).float()
-            e = (xq[j] @ wq[i].T - ref).square()
+            e = (linear_output(xq[j], wq[i], conv1d) - ref).square()
             if out_weights is not None:
                 e = e * out_weights
             cache[(i, j)] = float(e.double().sum())
@@ -180,9 +191,10 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
         return None
     (wcfg, wnames), (xcfg, xnames) = plan[(layer, "weight")], plan[(layer, "input")]
     w = slots[(layer, "weight")].module.weight.detach()
+    conv1d = is_conv1d(slots[(layer, "weight")].module)  # w: [in, out]
     x = data.get((layer, "input"))
     if (wcfg.dynamic is not False or xcfg.dynamic is not False or w.dim() != 2 or x is None
-            or x.shape[-1] != w.shape[1]):
+            or x.shape[-1] != w.shape[0 if conv1d else 1]):
         return None
 
     def states(role, cfg, names, shape):
@@ -202,10 +214,10 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
         return None
     if len(wnames) > 1:
         try:
-            ws.append(imatrix_state(w, x.float().square().mean(0), ws[0]))
+            ws.append(imatrix_state(w, x.float().square().mean(0), ws[0], conv1d))
         except ValueError:  # a layout the weighted search cannot take: not a candidate
             pass
     c = None if fisher is None else fisher.get(layer)
-    i, j, err = _descent(x[:JOINT_ROWS], w, ws, xs, c, 1)
+    i, j, err = _descent(x[:JOINT_ROWS], w, ws, xs, c, 1, conv1d)
     return {"weight": ws[i], "input": xs[j],
             "input_errors": {k: err(i, b) for b, k in enumerate(xkeys)}}

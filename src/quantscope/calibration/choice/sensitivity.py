@@ -26,6 +26,7 @@ from torch import nn
 from ...layout import Token
 from ..results.result import Calibration, RoleState
 from ..structure import moe
+from ..structure.conv1d import is_conv1d, linear_output
 from .auto import OutputDivergence
 
 __all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "layer_sensitivity",
@@ -146,7 +147,7 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
 def _outputs(mod, x, states):
     """``(float output, {role: output with only that role quantized})`` of up to
     :data:`LAYER_ROWS` rows of ``x``, ``mod``'s input: an Embedding's lookup of its ids (only
-    its weight is quantized), else ``x W^T``."""
+    its weight is quantized), else ``x W^T`` (a Conv1D holds ``W^T``: ``x @ weight``)."""
     import torch.nn.functional as F
 
     from ..results.apply import qdq_tensor
@@ -160,10 +161,11 @@ def _outputs(mod, x, states):
             for role, st in states.items() if role == "weight"}
     x = x.detach().reshape(-1, x.shape[-1])
     x = x[:: max(1, x.shape[0] // LAYER_ROWS)][:LAYER_ROWS].float()
-    w32 = w.float()
-    return x @ w32.T, {role: (qdq_tensor(x, st).float() @ w32.T if role == "input"
-                              else x @ qdq_tensor(w, st).float().T)
-                       for role, st in states.items()}
+    w32, t = w.float(), is_conv1d(mod)
+    return linear_output(x, w32, t), {
+        role: (linear_output(qdq_tensor(x, st).float(), w32, t) if role == "input"
+               else linear_output(x, qdq_tensor(w, st).float(), t))
+        for role, st in states.items()}
 
 
 def _layer_errors(model, batches, todo):

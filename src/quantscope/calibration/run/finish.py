@@ -22,6 +22,7 @@ from ..results.apply import qdq_tensor
 from ..results.report import tensor_stats
 from ..results.result import RoleState
 from ..structure import fusion, moe
+from ..structure.conv1d import is_conv1d, linear_output
 from .observe import observer_key
 
 
@@ -292,13 +293,14 @@ class _States:
         module = self.slots[(layer, role)].module
         w = getattr(module, "weight", None)
         x = self.data.get((layer, "input"))
+        t = is_conv1d(module)  # its weight is [in, out]
         if (self.auto_metric == "output" and role in ("weight", "input") and w is not None
-                and w.dim() == 2 and x is not None and x.shape[-1] == w.shape[1]):
+                and w.dim() == 2 and x is not None and x.shape[-1] == w.shape[0 if t else 1]):
             w, x = w.detach().float(), x.float()
             if role == "input":
-                e = (qdq_tensor(x, state).float() - x) @ w.T
+                e = linear_output(qdq_tensor(x, state).float() - x, w, t)
             else:
-                e = x @ (qdq_tensor(w, state).float() - w).T
+                e = linear_output(x, qdq_tensor(w, state).float() - w, t)
             err = float(e.square().sum())
         self.errors[skey] = err
         return err

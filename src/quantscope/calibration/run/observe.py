@@ -27,6 +27,7 @@ from ...spec import QuantSpec
 from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
 from ..results.apply import input_name, module_input
 from ..structure import fusion, kv_cache
+from ..structure.conv1d import is_conv1d, transposed_layout
 from . import heap
 from .batches import batch_count, eval_mode, forward_batch
 from .samples import RowSample, capacities
@@ -101,8 +102,9 @@ def _check_static_layout(layer: str, role: str, spec) -> None:
 
 
 def _activation_width(module: nn.Module, role: str):
-    attr = "in_features" if role == "input" else "out_features"
-    return getattr(module, attr, None)
+    if is_conv1d(module):  # no in_ / out_features: its weight is [in, out]
+        return module.weight.shape[0 if role == "input" else 1]
+    return getattr(module, "in_features" if role == "input" else "out_features", None)
 
 
 def observer_key(name, role_cfg: Role, module=None):
@@ -185,11 +187,13 @@ def observer_seconds(slots, *plans) -> float:
 
 
 def module_role(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
-    """``cfg`` as ``module`` takes it. A ConvTranspose weight is ``[in, out / groups, *k]``:
-    per-channel (``Channel(0)``, output channels of a Linear / Conv weight) means its axis 1
-    there (torchao's pt2e axis for conv-transpose); with groups > 1 an output channel is no
-    index of one axis, so it is refused (as torch.ao refuses per-channel observers there)."""
+    """``cfg`` as ``module`` takes it. A Conv1D weight (Linear's transposed) takes the layout
+    transposed; a ConvTranspose weight ``[in, out / groups, *k]`` per-channel (``Channel(0)``)
+    on axis 1 (torchao's pt2e axis), refused with groups > 1, where an output channel is no
+    index of one axis (as torch.ao refuses per-channel observers there)."""
     lay = cfg.spec.layout
+    if role == "weight" and is_conv1d(module):
+        return replace(cfg, spec=replace(cfg.spec, layout=transposed_layout(lay)))
     if (role != "weight" or not isinstance(module, _ConvTransposeNd)
             or not isinstance(lay, Channel) or lay.axis % module.weight.dim() != 0):
         return cfg
@@ -255,12 +259,8 @@ def make_plan(model, recipes, candidates, owns=None):
                 if role in ("input", "output"):  # the KV cache is not sampled
                     slot.needs_sample = True
                     slot.per_tensor &= isinstance(cfg.spec.layout, Tensor)
-                names = []
-                if cfg.dynamic is not True:
-                    if cfg.observer == AUTO:
-                        names = candidates_for(role, candidates)
-                    else:
-                        names = [cfg.observer]
+                names = [] if cfg.dynamic is True else (
+                    candidates_for(role, candidates) if cfg.observer == AUTO else [cfg.observer])
                 for n in names:
                     make_observer(slot, observer_key(n, cfg, module), cfg.observer == AUTO,
                                   owns, weights)
@@ -354,8 +354,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
     total = batch_count(batches)
     gen = torch.Generator().manual_seed(seed)
     _make_samples(unique_slots(slots.values()), sample_tokens, sample_budget_mb, total, gen)
-    handles = []
-    n = 0
+    handles, n = [], 0
     try:
         for entry in by_module.values():
             module = entry["module"]
@@ -468,8 +467,8 @@ def share_group_inputs(model, batches, recipes, slots):
         return batches, []
     modules = dict(model.named_modules())
     names = [n for n in modules if (n, "weight") in slots or (n, "input") in slots]
-    names = [n for n in names if getattr(modules[n], "weight", None) is not None
-             and modules[n].weight.dim() == 2]
+    names = [n for n in names if getattr(modules[n], "weight", None) is not None  # Linear's
+             and modules[n].weight.dim() == 2 and not is_conv1d(modules[n])]  # [out, in]
     first, batches = fusion.peek(batches)
     found = fusion.find_groups(model, first, names)
     groups = fusion.edit_groups(found, names, modules, fuse, split)
