@@ -37,3 +37,12 @@ def forbid_host_sync(monkeypatch):
             monkeypatch.setattr(torch.Tensor, n, guard(n))
 
     return arm
+
+
+@pytest.fixture
+def meta_as_device(monkeypatch):
+    """Let ``calibrate`` take a model on the ``meta`` device, standing in for a GPU (any host
+    read there fails in torch itself); a user's meta model holds no data and is refused."""
+    from quantscope.calibration.run import session
+
+    monkeypatch.setattr(session, "check_placement", lambda *args, **kwargs: None)

@@ -31,7 +31,7 @@ class _PassEnded(Exception):
 @pytest.mark.parametrize("scheme, observer", [("w8a8", "minmax"), ("w8a8", "histogram"),
                                               ("nvfp4", "minmax"), ("w8a8", "mse"),
                                               ("mxfp4", "minmax")])
-def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch):
+def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch, meta_as_device):
     reached, uploads = [], BlockingUploads()
     real_tensor = torch.tensor
 

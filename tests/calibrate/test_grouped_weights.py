@@ -73,7 +73,7 @@ class _PassEnded(Exception):
     pass
 
 
-def test_calibrate_takes_the_grouped_path(monkeypatch):
+def test_calibrate_takes_the_grouped_path(monkeypatch, meta_as_device):
     """The whole calibration on the meta device: its weight pass is one grouped launch."""
     def end_of_pass(slots):
         raise _PassEnded
