@@ -427,3 +427,19 @@ def test_docs_llmcompressor_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for where, code in mine:
         exec(compile(code, where, "exec"), {"__name__": "__docs_example__"})  # noqa: S102
+
+
+def test_observer_state_follows_the_data_device():
+    """llm-compressor's observers keep no state before data, so theirs run wherever the data
+    is (a module placed after its observer was made; model_free_ptq's pass on the meta
+    device). Ours moves its state to the data's device (it raised a device mismatch)."""
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    theirs = Observer.load_from_registry("memoryless_minmax", base_name="weight", args=args)
+    ours = Observer.load_from_registry("quantscope_memoryless_minmax", base_name="weight",
+                                       args=args.model_copy())
+    w = torch.empty(16, 64, device="meta")
+    theirs(w)
+    ours(w)
+    assert theirs.min_vals.device.type == "meta"
+    assert {b.device.type for b in ours.quantscope.buffers()} == {"meta"}
+    assert ours.quantscope.has_observed

@@ -206,11 +206,11 @@ def test_a_launchs_time_is_shared_by_elements(monkeypatch):
 # ---- errors -------------------------------------------------------------------------------
 
 def test_bad_input_raises_as_forward_before_anything_is_observed():
-    obs = _observers()
+    obs = _observers(device="meta")
     xs = _tensors(torch.float32, "meta")
     bad = torch.zeros(24, 60, device="meta")  # group size 16 does not divide 60
     with pytest.raises(ValueError) as want:
-        _observers()[1](bad)
+        _observers(device="meta")[1](bad)
     with pytest.raises(ValueError) as got:
         observe_many([(o, bad if i == 1 else x) for i, (o, x) in enumerate(zip(obs, xs))])
     assert str(got.value) == str(want.value)

@@ -145,6 +145,11 @@ class QuantscopeObserver(Observer):
         units = observed.movedim(0, -2).reshape(math.prod(shape), -1)
         # integer data (llm-compressor observes it) is calibrated on its float32 values
         dtype = statistics_dtype(observed)
+        if self.quantscope.seen_non_finite.device != units.device:
+            # llm-compressor's observers keep no state before data: theirs goes where the
+            # data is (a module placed after its observer was made, model_free_ptq's meta
+            # pass), so ours follows it there
+            self.quantscope.to(units.device)
         self.quantscope(units.to(dtype))
         self._qparam_shape, self._dtype, self._range = shape, dtype, None
         self._assigned = {}

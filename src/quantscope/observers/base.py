@@ -172,6 +172,10 @@ class Observer(nn.Module):
             raise dtensor_error(self.describe(), x)
         if not x.is_floating_point():
             raise TypeError(f"{self.describe()}: expected a floating-point tensor, got {x.dtype}")
+        if x.device != self.seen_non_finite.device:  # the state does not follow the input
+            raise ValueError(f"{self.describe()}: input on {x.device}, the observer's state on "
+                             f"{self.seen_non_finite.device}; move the observer first: "
+                             f".to({str(x.device)!r})")
         if x.numel() == 0:
             return False
         try:
