@@ -274,6 +274,11 @@ def _checked_weight(name: str, module: nn.Module, state: RoleState, held) -> tor
         raise ValueError(  # noqa: TRY004 (a model that does not fit: as apply's others)
             f"apply: {name} ({type(module).__name__}) has no weight tensor to quantize "
             f"(calibrated on another model?)")
+    if w is not module._parameters.get("weight", module._buffers.get("weight")):
+        raise ValueError(  # weight_norm's hook or a parametrization: a copy_ would be lost
+            f"apply: {name}.weight ({type(module).__name__}) is computed at each forward (a "
+            f"parametrization such as weight_norm), not a tensor the module holds; fold it "
+            f"first (torch.nn.utils.parametrize.remove_parametrizations) or ignore the layer")
     if state.shape is not None and tuple(w.shape) != tuple(state.shape):
         raise ValueError(f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
                          f"calibrated with shape {tuple(state.shape)}")
