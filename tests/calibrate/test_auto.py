@@ -274,7 +274,7 @@ def test_imatrix_config_replaces_the_weights_it_can_search():
         assert new["weight"].observer == "imatrix"
         assert torch.equal(new["weight"].lo, want.lo) and torch.equal(new["weight"].hi, want.hi)
     assert got.stats == []  # the rows only for a configuration auto keeps
-    rows = imatrix_rows(model, got)
+    rows = imatrix_rows(model, got, base)
     assert [(r["layer"], r["role"], r["observer"]) for r in rows] == [
         (n, "weight", "imatrix") for n in base.states]
     # without importance nothing changes: no configuration
@@ -1035,3 +1035,34 @@ def test_model_metric_sees_a_hugging_face_regression_head():
     want = 1 - float(torch.dot(q, ref) / (q.norm() * ref.norm()))
     assert want > 0
     assert OutputDivergence(model, [batch]).of(calib.states) == pytest.approx(want, rel=1e-6)
+
+
+def test_imatrix_rows_keep_the_weights_the_search_left():
+    """A configuration whose imatrix weights auto keeps reports every quantized weight: the
+    searched ones with their new rows, those the search cannot take (a convolution) with the
+    base configuration's (their rows were dropped: 20 tensors quantized, 18 rows)."""
+    from torch import nn
+
+    from quantscope.calibration.choice.importance import imatrix_config, imatrix_rows
+
+    class ConvThenLinear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv1d(8, 8, 3, padding=1), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).transpose(1, 2))
+
+    torch.manual_seed(0)
+    model = ConvThenLinear().eval()
+    batches = [torch.randn(2, 8, 10) for _ in range(2)]
+    base = calibrate(model, batches, preset("w8a8", targets=["Conv1d", "Linear"]),
+                     progress=False)
+    imp = {"fc": torch.rand(8) + 0.1}
+    got = imatrix_config(model, base, imp)
+    assert got.states["fc"]["weight"].observer == "imatrix"
+    assert got.states["conv"]["weight"] is base.states["conv"]["weight"]
+    rows = {r["layer"]: r for r in imatrix_rows(model, got, base)}
+    assert sorted(rows) == ["conv", "fc"] and rows["fc"]["observer"] == "imatrix"
+    assert rows["conv"] == next(r for r in base.stats
+                                if r["layer"] == "conv" and r["role"] == "weight")

@@ -429,7 +429,7 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
         configs = {**configs, IMATRIX: extra}
     roles, trials = choose_roles(score, configs, best, per_piece[best], alive)
     if roles.get("weight") == IMATRIX:  # its report rows, made for the kept weights only
-        extra.stats = imatrix_rows(model, extra)
+        extra.stats = imatrix_rows(model, extra, configs[names[0]])
     chosen = configs[best]
     supplier = {role: configs[n] for role, n in roles.items()}
     states = {layer: {role: replace(supplier.get(role, chosen).states[layer][role],

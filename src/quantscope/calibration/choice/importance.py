@@ -141,10 +141,17 @@ def imatrix_config(model: nn.Module, base: Calibration, importance: dict) -> Cal
     return Calibration(base.recipe, states, base.label) if changed else None
 
 
-def imatrix_rows(model: nn.Module, config: Calibration) -> list[dict]:
-    """The report rows of ``config``'s imatrix weights (made only for the configuration
-    ``auto`` keeps: a weight-sized QDQ each)."""
+def imatrix_rows(model: nn.Module, config: Calibration, base: Calibration) -> list[dict]:
+    """The weight report rows of ``config`` (:func:`imatrix_config` of ``base``): made for its
+    imatrix weights (only for the configuration ``auto`` keeps: a weight-sized QDQ each),
+    ``base``'s for the weights the search left as they were (convolutions, embeddings)."""
     modules = dict(model.named_modules())
-    return [stats_row(layer, "weight", st, tensor_stats(modules[layer].weight.detach(), st))
-            for layer, roles in config.states.items()
-            if (st := roles.get("weight")) is not None and st.observer == IMATRIX]
+    rows, searched = [], set()
+    for layer, roles in config.states.items():
+        st = roles.get("weight")
+        if st is not None and st.observer == IMATRIX:
+            searched.add(layer)
+            rows.append(stats_row(layer, "weight", st,
+                                  tensor_stats(modules[layer].weight.detach(), st)))
+    return rows + [row for row in base.stats
+                   if row["role"] == "weight" and row["layer"] not in searched]
