@@ -14,9 +14,9 @@ held in memory; two placements hold less, and are refused up front, naming the p
 
 from __future__ import annotations
 
-import sys
-
 from torch import nn
+
+from ...observers.base import is_dtensor
 
 __all__ = ["check_placement"]
 
@@ -32,13 +32,12 @@ def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
     them), but not under accelerate's offload hooks, which would move the loaded weights
     back to the meta device after each forward."""
     also = f", or {_SEQUENTIAL}" if calibrating or skeleton else ""
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     for prefix, module in model.named_modules():
         offloaded = hasattr(module, "_hf_hook")  # accelerate's hook on a dispatched model
         for name, t in [*module.named_parameters(recurse=False),
                         *module.named_buffers(recurse=False)]:
             full = f"{prefix}.{name}" if prefix else name
-            if dtensor is not None and isinstance(t, dtensor):
+            if is_dtensor(t):
                 raise ValueError(
                     f"{who}: {full!r} is a DTensor sharded across ranks ({t.placements}, by "
                     f"FSDP2 or tensor parallelism): quantscope works on whole tensors; load the "
