@@ -34,7 +34,7 @@ import shutil
 import torch
 from torch import nn
 
-from ..calibration.structure.placement import check_placement
+from ..calibration.structure.placement import check_placement, held_weight
 from ..calibration.structure.tied import tied_weights
 from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
@@ -369,6 +369,10 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     check_placement(model, "export compressed-tensors")
     path = check_writable_target(path, overwrite=overwrite)
     lossy = _Lossy(allow_lossy)
+    modules = dict(model.named_modules())  # (MoE experts' per-expert names are not there)
+    for layer in (n for n, roles in calibration.states.items() if "weight" in roles):
+        if layer in modules:  # before the deepcopy, which a pruned weight fails
+            held_weight("export compressed-tensors", layer, modules[layer])
     work = copy.deepcopy(model).cpu()
     # MoE experts under the checkpoint's per-expert names (vLLM's loader reads those)
     states, kv = _split_kv(unfuse_experts(work, calibration.states))

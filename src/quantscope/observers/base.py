@@ -170,6 +170,9 @@ class Observer(nn.Module):
             raise TypeError(f"{self.describe()}: expected a torch.Tensor, got {type(x).__name__}")
         if type(x) is not torch.Tensor and is_dtensor(x):  # (activations: one type test)
             raise dtensor_error(self.describe(), x)
+        if x.layout != torch.strided:
+            raise TypeError(f"{self.describe()}: expected a dense tensor, got {x.layout}; "
+                            f"pass x.to_dense()")
         if not x.is_floating_point():
             raise TypeError(f"{self.describe()}: expected a floating-point tensor, got {x.dtype}")
         if x.device != self.seen_non_finite.device:  # the state does not follow the input

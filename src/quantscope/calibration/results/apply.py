@@ -32,7 +32,7 @@ from ..._checks import outside_quantscope
 from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
 from ..structure import kv_cache, moe
-from ..structure.placement import check_placement
+from ..structure.placement import check_placement, held_weight, plain
 from ..structure.tied import tied_weights
 from .role_state import RoleState
 
@@ -196,8 +196,8 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
             for role, state in roles.items():
                 if role == "weight":
                     w = _checked_weight(name, module, state, held)
-                    weights.setdefault(id(w), (w, _where(name, module, experts), []))[2].append(
-                        (name, state.to(w.device)))
+                    same = weights.setdefault(_memory(w), (w, _where(name, module, experts), []))
+                    same[2].append((name, state.to(w.device)))
                 elif role == "input":
                     handle._hooks.append(module.register_forward_pre_hook(
                         _input_hook(state.to(_device(module)), input_name(module)),
@@ -227,16 +227,27 @@ def refuse_applied(model: nn.Module, who: str) -> None:
     it): calibrating it would observe the fake-quantized weights and activations."""
     held = _held()
     if (any(getattr(m, _ATTR, None) is not None for m in model.modules())
-            or any(id(p) in held for p in model.parameters())):
+            or any(_memory(p) in held for p in model.parameters())):
         raise ValueError(f"{who}: the model has quantscope QDQ applied (calibration.apply); "
                          f"remove() the handle first: calibrating a fake-quantized model gives "
                          f"ranges of the quantized values")
 
 
-def _held() -> set[int]:
-    """The ids of the weights (and 3-D expert parameters) the active handles fake-quantized,
-    as the models hold them now (looked up, so valid while the models hold them)."""
-    return {id(p) for h in list(_APPLIED) for s in h._weights for p in s.params()}
+def _held() -> set:
+    """The weights (and 3-D expert parameters) the active handles fake-quantized, as the
+    models hold them now (looked up, so valid while the models hold them), by
+    :func:`_memory`."""
+    return {_memory(p) for h in list(_APPLIED) for s in h._weights for p in s.params()}
+
+
+def _memory(t: torch.Tensor):
+    """Which values ``t`` is: distinct Parameters over the same memory (another model's
+    weights loaded with ``load_state_dict(..., assign=True)``) are one weight to quantize
+    once and restore once."""
+    if not t.numel() or not plain(t):  # (no memory to tell apart; none to read)
+        return id(t)
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            tuple(t.stride()))
 
 
 def _where(name: str, module: nn.Module, experts) -> tuple:
@@ -269,22 +280,16 @@ def refuse_compiled(model: nn.Module, who: str) -> None:
 def _checked_weight(name: str, module: nn.Module, state: RoleState, held) -> torch.Tensor:
     """``module``'s weight, which ``state`` fake-quantizes: raises naming ``name`` if it has
     none, another shape than calibrated, or another apply() holds it (in ``held``)."""
-    w = getattr(module, "weight", None)
-    if not isinstance(w, torch.Tensor):
-        raise ValueError(  # noqa: TRY004 (a model that does not fit: as apply's others)
-            f"apply: {name} ({type(module).__name__}) has no weight tensor to quantize "
-            f"(calibrated on another model?)")
-    if w is not module._parameters.get("weight", module._buffers.get("weight")):
-        raise ValueError(  # weight_norm's hook or a parametrization: a copy_ would be lost
-            f"apply: {name}.weight ({type(module).__name__}) is computed at each forward (a "
-            f"parametrization such as weight_norm), not a tensor the module holds; fold it "
-            f"first (torch.nn.utils.parametrize.remove_parametrizations) or ignore the layer")
+    w = held_weight("apply", name, module)
+    if w is None:
+        raise ValueError(f"apply: {name} ({type(module).__name__}) has no weight tensor to "
+                         f"quantize (calibrated on another model?)")
     if state.shape is not None and tuple(w.shape) != tuple(state.shape):
         raise ValueError(f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
                          f"calibrated with shape {tuple(state.shape)}")
-    if id(w) in held:
+    if _memory(w) in held:
         raise ValueError(f"apply: {name}.weight is already fake-quantized by another apply() "
-                         f"(on a model holding this module, or held by it); remove() that "
+                         f"(on a model holding this module, held by it, or sharing its memory); remove() that "
                          f"one first")
     return w
 
@@ -298,8 +303,8 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
         for other, st in rest:
             if not st.quantizes_like(state):
                 raise ValueError(
-                    f"apply: {first}.weight and {other}.weight are one tied Parameter with "
-                    f"different weight qparams ({state.spec} vs {st.spec}); one QDQ cannot "
+                    f"apply: {first}.weight and {other}.weight are one weight (a tied "
+                    f"Parameter, or one memory) with different weight qparams ({state.spec} vs {st.spec}); one QDQ cannot "
                     f"be both: ignore one of the layers in the recipe, or untie the weights")
     _warn_tied(model, [owners[0][0] for _, _, owners in weights],
                {name for _, _, owners in weights for name, _ in owners})

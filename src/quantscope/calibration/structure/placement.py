@@ -14,11 +14,12 @@ held in memory; two placements hold less, and are refused up front, naming the p
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ...observers.base import is_dtensor
 
-__all__ = ["check_placement"]
+__all__ = ["check_placement", "held_weight", "plain"]
 
 _SEQUENTIAL = ("calibrate it block by block from its checkpoint: calibrate(empty_model(folder), "
                "..., sequential=Sequential(checkpoint=folder))")
@@ -37,12 +38,18 @@ def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
         for name, t in [*module.named_parameters(recurse=False),
                         *module.named_buffers(recurse=False)]:
             full = f"{prefix}.{name}" if prefix else name
-            if is_dtensor(t):
+            if is_dtensor(t):  # (a tensor subclass too, with a message of its own)
                 raise ValueError(
                     f"{who}: {full!r} is a DTensor sharded across ranks ({t.placements}, by "
                     f"FSDP2 or tensor parallelism): quantscope works on whole tensors; load the "
                     f"whole model on each rank (calibrate's Runtime(distributed=True) splits "
                     f"the batches instead: docs/guide/distributed.md)")
+            if isinstance(t, nn.Parameter) and not plain(t):
+                raise ValueError(
+                    f"{who}: {full!r} is a tensor of type {type(t).__name__} ({t.layout}), not "
+                    f"a dense one (a torchao-quantized or sparse weight): quantscope reads float "
+                    f"values; give the layer a dense float weight (e.g. its dequantize()) or "
+                    f"ignore it")
             if t.device.type != "meta" or (skeleton and not offloaded):
                 continue
             if offloaded:
@@ -52,3 +59,32 @@ def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
                     f"model without offload{also}")
             raise ValueError(f"{who}: {full!r} is on the meta device (no data); load the "
                              f"weights{also}")
+
+
+def plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds its values as a dense tensor: strided, and no tensor subclass with
+    a dispatch of its own (a torchao-quantized weight holds codes and scales). For a model's
+    parameters: a traced observer's input is a FakeTensor, a subclass of that kind."""
+    return (t.layout == torch.strided
+            and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
+def held_weight(who: str, layer: str, module: nn.Module):
+    """``module``'s weight as a tensor it holds, which fake-quantizing writes into: raises
+    ``ValueError`` naming ``layer`` where a write would be lost (a weight computed at each
+    forward: weight_norm, pruning, any parametrization) or cannot be made (an expanded
+    tensor, whose elements share memory). None where the module has no weight tensor."""
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        return None
+    if w is not module._parameters.get("weight", module._buffers.get("weight")):
+        raise ValueError(
+            f"{who}: {layer}.weight ({type(module).__name__}) is computed at each forward (a "
+            f"parametrization such as weight_norm, or pruning), not a tensor the module holds; "
+            f"fold it first (torch.nn.utils.parametrize.remove_parametrizations, "
+            f"torch.nn.utils.prune.remove) or ignore the layer")
+    if torch._debug_has_internal_overlap(w) == 1:  # 1: certainly overlapping (stride 0)
+        raise ValueError(f"{who}: {layer}.weight has elements sharing memory (an expanded "
+                         f"tensor, stride {tuple(w.stride())}): no value of it can be "
+                         f"quantized alone; give the layer a weight of its own (.clone())")
+    return w

@@ -1,0 +1,131 @@
+"""Weights that are not a dense float tensor of their own, as users bring them: each is
+quantized as the plain weight would be, or refused naming the layer, and never left in
+float or fake-quantized twice without a word.
+
+* torchao-quantized (tensor subclasses) and sparse weights: refused by calibrate / apply
+  (they failed inside torch / torchao, naming nothing); a sparse input to an observer too.
+* a weight computed at each forward (pruning, a parametrization): refused by the export as by
+  apply (the export failed in its deepcopy or in compressed-tensors).
+* an expanded weight (its elements share memory): refused by apply (torch's write error).
+* distinct Parameters over one memory (``load_state_dict(..., assign=True)`` of an applied
+  model's weights; two layers given one tensor): one weight, QDQ'd once, held once (apply
+  accepted the second model and saved its fake-quantized values as float; two layers with
+  different qparams compounded both QDQs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+import quantscope
+from quantscope.calibration import Recipe, Role, Rule
+from quantscope.observers.runtime import qdq_tensor
+
+BATCHES = [torch.randn(4, 128)]
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128)).eval()
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torchao_quantized_weights_are_refused_by_name():
+    torchao = pytest.importorskip("torchao.quantization")
+    model = _mlp()
+    torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
+    with pytest.raises(ValueError, match=r"calibrate: '0\.weight' is a tensor of type \w+ .*"
+                                         r"not a dense one \(a torchao-quantized"):
+        quantscope.calibrate(model, BATCHES, "w8a8", progress=False)
+    calibration = quantscope.calibrate(_mlp(), BATCHES, "w8a8", progress=False)
+    with pytest.raises(ValueError, match=r"apply: '0\.weight' is a tensor of type"):
+        calibration.apply(model)
+
+
+def test_sparse_weights_and_inputs_are_refused():
+    model = _mlp()
+    model[0].weight = nn.Parameter(model[0].weight.detach().to_sparse_csr())
+    with pytest.raises(ValueError, match=r"'0\.weight' is a tensor of type Parameter "
+                                         r"\(torch\.sparse_csr\)"):
+        quantscope.calibrate(model, BATCHES, "w8a8", progress=False)
+    obs = quantscope.get_observer("memoryless_minmax", quantscope.QuantSpec("int8", "channel"))
+    with pytest.raises(TypeError, match=r"expected a dense tensor, got torch\.sparse_coo; "
+                                        r"pass x\.to_dense\(\)"):
+        obs(torch.eye(4).to_sparse())
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_export_refuses_a_computed_weight_before_writing(tmp_path):
+    model = _tiny_llama()
+    calibration = quantscope.calibrate(model, [torch.randint(0, 50, (1, 6))], "w8a8",
+                                       progress=False)
+    prune.l1_unstructured(model.model.layers[0].mlp.down_proj, "weight", amount=0.5)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"export compressed-tensors: model\.layers\.0\.mlp\."
+                                         r"down_proj\.weight \(Linear\) is computed at each "
+                                         r"forward"):
+        quantscope.export(calibration, model, out)
+    assert not out.exists()
+
+
+def test_apply_refuses_an_expanded_weight():
+    model = _mlp()
+    model[0].weight = nn.Parameter(torch.randn(1, 128).expand(128, 128))
+    calibration = quantscope.calibrate(model, BATCHES, "w8a8", progress=False)
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"apply: 0\.weight has elements sharing memory "
+                                         r"\(an expanded tensor, stride \(0, 1\)\)"):
+        calibration.apply(model)
+    assert _same(before, _state(model))
+
+
+def test_a_model_over_an_applied_models_memory_is_refused():
+    a = _mlp()
+    float_a = _state(a)
+    calibration = quantscope.calibrate(a, BATCHES, "w8a8", progress=False)
+    handle = calibration.apply(a)
+    b = _mlp(seed=1)
+    b.load_state_dict(a.state_dict(), assign=True)  # other Parameters, a's memory
+    assert b[0].weight is not a[0].weight
+    with pytest.raises(ValueError, match=r"already fake-quantized by another apply\(\)"):
+        calibration.apply(b)
+    with pytest.raises(ValueError, match=r"calibrate: the model has quantscope QDQ applied"):
+        quantscope.calibrate(b, BATCHES, "w8a8", progress=False)
+    handle.remove()
+    assert _same(float_a, _state(a))  # before: b's "float" copy was a's QDQ values
+
+
+def test_two_layers_over_one_memory_are_one_weight():
+    model = _mlp()
+    model[2].weight = nn.Parameter(model[0].weight.detach())  # another Parameter, one memory
+    float_w = model[0].weight.detach().clone()
+    mixed = Recipe((Rule(("0",), weight=Role(quantscope.QuantSpec("int8", "channel"),
+                                              "memoryless_minmax")),
+                    Rule(("2",), weight=Role(quantscope.QuantSpec("fp8_e4m3", "channel"),
+                                             "memoryless_minmax"))))
+    calibration = quantscope.calibrate(model, BATCHES, mixed, progress=False)
+    with pytest.raises(ValueError, match=r"apply: 0\.weight and 2\.weight are one weight "
+                                         r"\(a tied Parameter, or one memory\)"):
+        calibration.apply(model)
+    assert torch.equal(model[0].weight, float_w)
+    same = quantscope.calibrate(model, BATCHES, "w8a8", progress=False)
+    with same.apply(model):  # alike qparams: QDQ'd once, not twice
+        want = qdq_tensor(float_w, same.states["0"]["weight"])
+        assert torch.equal(model[0].weight, want) and torch.equal(model[2].weight, want)
+    assert torch.equal(model[0].weight, float_w)
