@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...qparams import QParams
+from ...scales import nvfp4_global_scale
 from ...spec import QuantSpec
 
 __all__ = ["RoleState"]
@@ -36,11 +37,14 @@ class RoleState:
 
     def quantizes_like(self, other: RoleState) -> bool:
         """Whether QDQ with ``other`` is the same as with this state: equal spec, mode,
-        qparams and global amax (the observer that found them does not matter)."""
+        qparams and the global scale of the global amax (the observer that found them does
+        not matter; a checkpoint's reader finds an amax giving its stored global scale,
+        which may lie an ulp from the calibrated one)."""
         def tensors(st):
-            qp = st.qparams
+            qp, amax = st.qparams, st.global_amax
             return ((None, None, None) if qp is None else (qp.scale, qp.zero_point,
-                                                           qp.global_scale)) + (st.global_amax,)
+                                                           qp.global_scale)) + (
+                None if amax is None else nvfp4_global_scale(amax, st.spec.format),)
         return (self.spec == other.spec and self.dynamic == other.dynamic
                 and all(a is b or (a is not None and b is not None and a.shape == b.shape
                                    and a.dtype == b.dtype and torch.equal(a, b))
