@@ -129,7 +129,9 @@ def main(argv=None) -> int:
         if args.debug:
             raise
         where = f" (rank {args.rank})" if args.world > 1 else ""
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = " ".join(str(e).split()) or type(e).__name__  # every line of it, as one
+        if len(msg) > 500:
+            msg = msg[:500] + " ... (--debug shows all)"
         kind = "" if isinstance(e, (UsageError, FileNotFoundError, ValueError)) else (
             f"{type(e).__name__}: ")
         print(f"quantscope {args.command}: error{where}: {kind}{msg}", file=sys.stderr)

@@ -7,7 +7,7 @@ import json
 import re
 
 from .checks import UsageError
-from .names import DEFAULT_TARGETS, RECIPE_NAMES
+from .names import DEFAULT_IGNORE, DEFAULT_TARGETS, RECIPE_NAMES
 
 
 def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=False):
@@ -19,7 +19,7 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
     from ..calibration import recipe as R
 
     observer = observer or args.observer  # None: each preset's / scheme's own observers
-    kw = {"targets": tuple(args.targets or DEFAULT_TARGETS), "ignore": tuple(args.ignore or ())}
+    kw = {"targets": tuple(args.targets or DEFAULT_TARGETS), "ignore": ignored(args, model)}
     name = recipe_name or args.recipe
     if getattr(args, "recipe_file", None):
         rec = adjust_recipe_file(read_recipe_file(args.recipe_file), args, model)
@@ -44,6 +44,21 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
     return rec
 
 
+def ignored(args, model) -> tuple[str, ...]:
+    """``--ignore``'s patterns; by default (DEFAULT_IGNORE) also the module the model names
+    its output head, whatever its name (Whisper's ``proj_out``, GPT-NeoX's ``embed_out``)."""
+    from ..calibration.recipe import _matches
+
+    patterns = tuple(args.ignore or ())
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if args.ignore != DEFAULT_IGNORE or head is None:
+        return patterns
+    names = [n for n, m in model.named_modules() if m is head]
+    if not names or any(_matches(p, names[0], head) for p in patterns):
+        return patterns
+    return patterns + (names[0],)
+
+
 def _role_observer(rec, role: str, observer: str | None):
     """``--weight-observer`` / ``--input-observer``: an error where the recipe calibrates no
     such role (W4A16 has no input; w8a8-dynamic's inputs are quantized at run time)."""
@@ -65,7 +80,7 @@ def adjust_recipe_file(rec, args, model):
     the file as it is."""
     from dataclasses import replace
 
-    rec = replace(rec, ignore=tuple(dict.fromkeys(rec.ignore + tuple(args.ignore or ()))))
+    rec = replace(rec, ignore=tuple(dict.fromkeys(rec.ignore + ignored(args, model))))
     if args.observer:
         rec = rec.with_observer(args.observer)
     if args.targets:

@@ -111,6 +111,7 @@ def load_setup(args, phases: Phases, prepare=None):
     task = args.task or models.model_task(path)
     model, tok = phases.run(f"loading {models.model_name(path)} ({task})",
                             lambda: models.load_model(path, device, task=task))
+    _check_text_model(model, path)
     prepared = prepare(model) if prepare is not None else None
     docs = calib_documents(args.calib_file) if args.calib_file else data.lee_background()
     calib = spread(docs, args.calib_docs)
@@ -132,6 +133,18 @@ def load_setup(args, phases: Phases, prepare=None):
     if task == "embedding":
         setup["eval_pairs"] = len(ev.pairs[0])
     return model, batches, ev, fp, setup, prepared
+
+
+def _check_text_model(model, path) -> None:
+    """The command line feeds text (token ids) to a causal LM or a text encoder: refuse, before
+    an evaluation fails inside the model, an encoder-decoder (T5, Whisper) or a model whose
+    input is not token ids (ViT's pixel_values, an audio model's input_values)."""
+    takes = getattr(model, "main_input_name", "input_ids")
+    if getattr(model.config, "is_encoder_decoder", False) or takes != "input_ids":
+        kind = "an encoder-decoder" if takes == "input_ids" else f"a model of {takes}"
+        raise UsageError(f"model {str(path)!r} ({type(model).__name__}) is {kind}; the command "
+                         f"line calibrates causal LMs and text encoders on text: calibrate it "
+                         f"from Python, quantscope.calibrate(model, batches, recipe)")
 
 
 def command_inputs(args) -> list:
