@@ -94,3 +94,17 @@ def test_threads_zero_is_torchs_choice():
 
     args = cli.build_parser().parse_args(["calibrate", "--threads", "0", "--device", "cuda:1"])
     check_resource_args(args)  # the spelling only: whether cuda:1 is there comes later
+
+
+def test_on_indivisible_float_that_leaves_nothing_says_so(tiny_bert, tmp_path, capsys):
+    """Width 48 and 96 layers under groups of 64: every one indivisible. '--on-indivisible
+    float' would leave them all in float: said as such (it was 'no module matches targets'
+    with an ignore list of every layer)."""
+    rc = cli.main(["calibrate", "--model", tiny_bert, "--scheme", "W4A16", "--group-size", "64",
+                   "--on-indivisible", "float", "--out", str(tmp_path / "run"), "--no-progress",
+                   "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert ("--on-indivisible float leaves every layer the recipe takes in float: layer "
+            "'encoder.layer.0.attention.self.query' has width 48") in err, err
+    assert "evaluating float" not in err and not (tmp_path / "run").exists()

@@ -181,14 +181,20 @@ def _indivisible(rec, model, policy: str):
             bad[layer] = (width, lay.size)
     if not bad:
         return rec
-    if policy == "float":
-        return replace(rec, ignore=rec.ignore + tuple(bad))
     layer, (width, size) = next(iter(bad.items()))
     divisors = [d for d in (16, 32, 64, 96, 128, 192, 256) if width % d == 0]
-    raise UsageError(f"layer {layer!r} has width {width}, which group size {size} does not "
-                     f"divide ({len(bad)} such layers); --group-size "
-                     f"{' / '.join(map(str, divisors)) or '(none of 16..256)'} would, or "
-                     f"--on-indivisible float leaves them in float")
+    said = (f"layer {layer!r} has width {width}, which group size {size} does not divide "
+            f"({len(bad)} such layers); --group-size "
+            f"{' / '.join(map(str, divisors)) or '(none of 16..256)'} would")
+    if policy == "float":
+        kept = replace(rec, ignore=rec.ignore + tuple(bad))
+        try:
+            kept.match(model)  # (raises where it matches no module; rec's own errors came)
+        except ValueError:
+            raise UsageError(f"--on-indivisible float leaves every layer the recipe takes in "
+                             f"float: {said}") from None
+        return kept
+    raise UsageError(f"{said}, or --on-indivisible float leaves them in float")
 
 
 
