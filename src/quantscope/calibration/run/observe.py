@@ -259,8 +259,12 @@ def make_plan(model, recipes, candidates, owns=None):
                 if role in ("input", "output"):  # the KV cache is not sampled
                     slot.needs_sample = True
                     slot.per_tensor &= isinstance(cfg.spec.layout, Tensor)
-                names = [] if cfg.dynamic is True else (
-                    candidates_for(role, candidates) if cfg.observer == AUTO else [cfg.observer])
+                names = []
+                if cfg.dynamic is not True:
+                    if cfg.observer == AUTO:
+                        names = candidates_for(role, candidates)
+                    else:
+                        names = [cfg.observer]
                 for n in names:
                     make_observer(slot, observer_key(n, cfg, module), cfg.observer == AUTO,
                                   owns, weights)
@@ -354,7 +358,8 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
     total = batch_count(batches)
     gen = torch.Generator().manual_seed(seed)
     _make_samples(unique_slots(slots.values()), sample_tokens, sample_budget_mb, total, gen)
-    handles, n = [], 0
+    handles = []
+    n = 0
     try:
         for entry in by_module.values():
             module = entry["module"]
