@@ -2,8 +2,8 @@
 quantized as the plain weight would be, or refused naming the layer, and never left in
 float or fake-quantized twice without a word.
 
-* torchao-quantized (tensor subclasses) and sparse weights: refused by calibrate / apply
-  (they failed inside torch / torchao, naming nothing); a sparse input to an observer too.
+* sparse weights: refused by calibrate (they failed inside torch, naming nothing); a sparse
+  input to an observer too (torchao-quantized weights: test_placement.py).
 * a weight computed at each forward (pruning, a parametrization): refused by the export as by
   apply (the export failed in its deepcopy or in compressed-tensors).
 * an expanded weight (its elements share memory): refused by apply (torch's write error).
@@ -37,18 +37,6 @@ def _state(model):
 
 def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_torchao_quantized_weights_are_refused_by_name():
-    torchao = pytest.importorskip("torchao.quantization")
-    model = _mlp()
-    torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
-    with pytest.raises(ValueError, match=r"calibrate: '0\.weight' is a tensor of type \w+ .*"
-                                         r"not a dense one \(a torchao-quantized"):
-        quantscope.calibrate(model, BATCHES, "w8a8", progress=False)
-    calibration = quantscope.calibrate(_mlp(), BATCHES, "w8a8", progress=False)
-    with pytest.raises(ValueError, match=r"apply: '0\.weight' is a tensor of type"):
-        calibration.apply(model)
 
 
 def test_sparse_weights_and_inputs_are_refused():
@@ -129,3 +117,8 @@ def test_two_layers_over_one_memory_are_one_weight():
         want = qdq_tensor(float_w, same.states["0"]["weight"])
         assert torch.equal(model[0].weight, want) and torch.equal(model[2].weight, want)
     assert torch.equal(model[0].weight, float_w)
+    handle = same.apply(model)
+    model.to(torch.float64)  # each Parameter gets memory of its own: both are restored
+    handle.remove()
+    assert torch.equal(model[0].weight, float_w.double())
+    assert torch.equal(model[2].weight, float_w.double())

@@ -183,7 +183,7 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
     check_placement(model, "apply")
     handle = QDQHandle(model)
     kv: dict[str, dict[str, RoleState]] = {}  # attention layer -> key / value states
-    weights: dict[int, tuple[torch.Tensor, tuple, list]] = {}  # id -> (w, where, [(layer, st)])
+    weights: dict = {}  # _memory(w) -> (w, where, [(layer, st)])
     held = _held()
     try:
         experts = _attach_experts(model, states, handle)
@@ -227,7 +227,7 @@ def refuse_applied(model: nn.Module, who: str) -> None:
     it): calibrating it would observe the fake-quantized weights and activations."""
     held = _held()
     if (any(getattr(m, _ATTR, None) is not None for m in model.modules())
-            or any(_memory(p) in held for p in model.parameters())):
+            or (held and any(_memory(p) in held for p in model.parameters()))):
         raise ValueError(f"{who}: the model has quantscope QDQ applied (calibration.apply); "
                          f"remove() the handle first: calibrating a fake-quantized model gives "
                          f"ranges of the quantized values")
@@ -289,8 +289,8 @@ def _checked_weight(name: str, module: nn.Module, state: RoleState, held) -> tor
                          f"calibrated with shape {tuple(state.shape)}")
     if _memory(w) in held:
         raise ValueError(f"apply: {name}.weight is already fake-quantized by another apply() "
-                         f"(on a model holding this module, held by it, or sharing its memory); remove() that "
-                         f"one first")
+                         f"(on a model holding this module, held by it, or sharing its "
+                         f"memory); remove() that one first")
     return w
 
 
@@ -304,27 +304,29 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
             if not st.quantizes_like(state):
                 raise ValueError(
                     f"apply: {first}.weight and {other}.weight are one weight (a tied "
-                    f"Parameter, or one memory) with different weight qparams ({state.spec} vs {st.spec}); one QDQ cannot "
-                    f"be both: ignore one of the layers in the recipe, or untie the weights")
+                    f"Parameter, or one memory) with different weight qparams ({state.spec} "
+                    f"vs {st.spec}); one QDQ cannot be both: ignore one of the layers in the "
+                    f"recipe, or untie the weights")
     _warn_tied(model, [owners[0][0] for _, _, owners in weights],
                {name for _, _, owners in weights for name, _ in owners})
     holders = _holders(model)
     with torch.no_grad():
         for w, (owner, name, expert), ((_, state), *_) in weights:
-            # a module's weight: every module holding it (a cast may split the tie)
-            held = [(owner, name)] if expert is not None else holders.get(id(w), [(owner, name)])
-            handle._weights.append(_Saved(held, expert, w.detach().clone()))
+            # a module's weight: every module holding its memory (a cast may split the tie)
+            places = [(owner, name)] if expert is not None else holders.get(
+                _memory(w), [(owner, name)])
+            handle._weights.append(_Saved(places, expert, w.detach().clone()))
             w.copy_(qdq_tensor(w.detach(), state))
 
 
-def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    """``{id(parameter): [(module, attribute), ...]}``: every place ``model`` holds each of its
-    Parameters (a tied one: several)."""
-    out: dict[int, list[tuple[nn.Module, str]]] = {}
+def _holders(model: nn.Module) -> dict:
+    """``{_memory(parameter): [(module, attribute), ...]}``: every place ``model`` holds each
+    weight (a tied one, or distinct Parameters over its memory: several)."""
+    out: dict = {}
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
-                out.setdefault(id(p), []).append((module, name))
+                out.setdefault(_memory(p), []).append((module, name))
     return out
 
 

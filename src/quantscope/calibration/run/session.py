@@ -219,10 +219,10 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_compiled(model, "calibrate")  # its hooks would see no activation
-    refuse_applied(model, "calibrate")  # its observers would see the QDQ values
-    recipes = _as_recipes(recipes)
     seq = opts.sequential
     check_placement(model, "calibrate", calibrating=True, skeleton=seq is not None)
+    refuse_applied(model, "calibrate")  # its observers would see the QDQ values
+    recipes = _as_recipes(recipes)
     if seq is not None:
         if opts.outliers.keep_float:
             check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)

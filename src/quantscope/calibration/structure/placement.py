@@ -28,8 +28,8 @@ _SEQUENTIAL = ("calibrate it block by block from its checkpoint: calibrate(empty
 def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
                     skeleton: bool = False) -> None:
     """Raise ``ValueError`` naming the first parameter or buffer of ``model`` that is a
-    DTensor or lies on the meta device (``calibrating``: the error suggests a sequential
-    calibration). ``skeleton``: meta tensors are expected (a sequential calibration loads
+    DTensor or lies on the meta device, or the first parameter that is no dense tensor
+    (:func:`plain`) (``calibrating``: the error suggests a sequential calibration). ``skeleton``: meta tensors are expected (a sequential calibration loads
     them), but not under accelerate's offload hooks, which would move the loaded weights
     back to the meta device after each forward."""
     also = f", or {_SEQUENTIAL}" if calibrating or skeleton else ""
