@@ -85,6 +85,25 @@ def test_export_refuses_offloaded_weights(tmp_path):
     assert not out.exists()
 
 
+def _refused(model, layer: str, said: str) -> None:
+    """calibrate, and apply of the plain model's calibration, refuse ``model`` naming
+    ``layer``'s weight as ``said``."""
+    with pytest.raises(ValueError, match=rf"calibrate: '{layer}\.weight' {said}"):
+        quantscope.calibrate(model, BATCHES, "w8a8", progress=False)
+    calibration = quantscope.calibrate(_mlp(), BATCHES, "w8a8", progress=False)
+    with pytest.raises(ValueError, match=rf"apply: '{layer}\.weight' {said}"):
+        calibration.apply(model)
+
+
+def test_torchao_quantized_weights_refused():
+    """A torchao-quantized weight (a tensor subclass of codes and scales) failed inside
+    torchao, naming nothing."""
+    torchao = pytest.importorskip("torchao.quantization")
+    model = _mlp()
+    torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
+    _refused(model, "0", r"is a tensor of type \w+ .*not a dense one \(a torchao-quantized")
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     import torch.distributed as dist
@@ -101,9 +120,4 @@ def test_dtensor_weights_refused(one_rank_group):
     model = _mlp()
     mesh = init_device_mesh("cpu", (1,))
     model[2].weight = nn.Parameter(distribute_tensor(model[2].weight.detach(), mesh, [Shard(0)]))
-    with pytest.raises(ValueError, match=r"calibrate: '2\.weight' is a DTensor sharded across "
-                                         r"ranks \(\(Shard\(dim=0\),\)"):
-        quantscope.calibrate(model, BATCHES, "w8a8", progress=False)
-    calibration = quantscope.calibrate(_mlp(), BATCHES, "w8a8", progress=False)
-    with pytest.raises(ValueError, match=r"apply: '2\.weight' is a DTensor"):
-        calibration.apply(model)
+    _refused(model, "2", r"is a DTensor sharded across ranks \(\(Shard\(dim=0\),\)")
