@@ -46,7 +46,7 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
 
 def ignored(args, model) -> tuple[str, ...]:
     """``--ignore``'s patterns; by default (DEFAULT_IGNORE) also the module the model names
-    its output head, whatever its name (Whisper's ``proj_out``, GPT-NeoX's ``embed_out``)."""
+    its output head, whatever its name (Whisper's ``proj_out``)."""
     from ..calibration.recipe import _matches
 
     patterns = tuple(args.ignore or ())

@@ -168,7 +168,7 @@ class Observer(nn.Module):
         range); False when ``x`` is empty (nothing to observe)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.describe()}: expected a torch.Tensor, got {type(x).__name__}")
-        if type(x) is not torch.Tensor and is_dtensor(x):  # (activations: one type test)
+        if is_dtensor(x):
             raise dtensor_error(self.describe(), x)
         if x.layout != torch.strided:
             raise TypeError(f"{self.describe()}: expected a dense tensor, got {x.layout}; "
