@@ -108,3 +108,31 @@ def test_on_indivisible_float_that_leaves_nothing_says_so(tiny_bert, tmp_path, c
     assert ("--on-indivisible float leaves every layer the recipe takes in float: layer "
             "'encoder.layer.0.attention.self.query' has width 48") in err, err
     assert "evaluating float" not in err and not (tmp_path / "run").exists()
+
+
+def test_default_lengths_are_truncated_to_a_small_models_positions(tiny_bert, tmp_path, capsys):
+    """The defaults (--max-length 128, --eval-max-length 256) exceed the 64 positions of this
+    BERT: the run truncates to 64 and says so, where the model failed inside its embeddings."""
+    out = tmp_path / "run"
+    rc = cli.main(["calibrate", "--model", tiny_bert, "--calib-docs", "2", "--no-progress",
+                   "--device", "cpu", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "--max-length 128: the model takes 64 positions" in err, err
+    assert "--eval-max-length 256: the model takes 64 positions" in err, err
+    rc = cli.main(["evaluate", str(out), "--no-progress", "--device", "cpu",
+                   "--eval-max-length", "100"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "--eval-max-length 100: the model takes 64 positions" in err, err
+
+
+def test_roberta_positions_start_after_its_padding_row():
+    from quantscope.cli.running import positions
+
+    cfg = transformers.RobertaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=66, pad_token_id=1)
+    assert positions(transformers.RobertaModel(cfg)) == 64  # ids 2 .. 65
+    assert positions(transformers.BertModel(transformers.BertConfig(
+        vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=66))) == 66

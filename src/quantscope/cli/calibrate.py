@@ -23,6 +23,7 @@ from .running import (
     Phases,
     calibration_options,
     command_inputs,
+    fit_length,
     load_setup,
     metric_line,
     resolve_device,
@@ -141,6 +142,7 @@ def cmd_evaluate(args) -> int:
     max_length = args.eval_max_length or info.get("eval_max_length", 256)
     model, tok = phases.run(f"loading {models.model_name(path)} ({task})", lambda: (
         models.load_model(path, device, task=task)))
+    max_length = fit_length(model, max_length, "--eval-max-length", phases)
     ev = Evaluator(task, model, tok, max_length, not (args.no_progress or args.json))
     fp = phases.run("evaluating float", ev.reference)
     if calib.smoothing:  # calibrated on SmoothQuant's weights: the same function

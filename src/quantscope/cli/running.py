@@ -112,6 +112,8 @@ def load_setup(args, phases: Phases, prepare=None):
     model, tok = phases.run(f"loading {models.model_name(path)} ({task})",
                             lambda: models.load_model(path, device, task=task))
     _check_text_model(model, path)
+    args.max_length = fit_length(model, args.max_length, "--max-length", phases)
+    args.eval_max_length = fit_length(model, args.eval_max_length, "--eval-max-length", phases)
     prepared = prepare(model) if prepare is not None else None
     docs = calib_documents(args.calib_file) if args.calib_file else data.lee_background()
     calib = spread(docs, args.calib_docs)
@@ -145,6 +147,31 @@ def _check_text_model(model, path) -> None:
         raise UsageError(f"model {str(path)!r} ({type(model).__name__}) is {kind}; the command "
                          f"line calibrates causal LMs and text encoders on text: calibrate it "
                          f"from Python, quantscope.calibrate(model, batches, recipe)")
+
+
+def positions(model) -> int | None:
+    """The tokens a model's position embeddings hold (``config.max_position_embeddings``),
+    None when its config does not say."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(n, int):
+        return None
+    import torch
+
+    for m in model.modules():  # RoBERTa's positions count from after its padding row
+        if isinstance(m, torch.nn.Embedding) and m.num_embeddings == n and m.padding_idx is not None:
+            return n - m.padding_idx - 1
+    return n
+
+
+def fit_length(model, length: int, flag: str, phases: Phases) -> int:
+    """``length`` tokens, or fewer when the model holds fewer positions (a small BERT): longer
+    documents are truncated to what the model can take, and the run says so."""
+    n = positions(model)
+    if n is None or length <= n:
+        return length
+    phases.say(f"{flag} {length}: the model takes {n} positions, so documents are truncated "
+               f"to {n} tokens")
+    return n
 
 
 def command_inputs(args) -> list:
