@@ -128,15 +128,22 @@ def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> 
     return QParams(scale, zp)
 
 
+def _block_kernel_applies(spec: QuantSpec) -> bool:
+    """Whether the block kernels compute ``spec``'s qparams: E8M0 scales over float or
+    integer elements (MX, MXINT8, BFP16: the kernels take the format's emax, mbits and max),
+    fp8 block scales over float elements (NVFP4)."""
+    kind = spec.scale.kind
+    return kind == "e8m0" or (kind == "fp8_e4m3" and isinstance(spec.format, FloatFormat))
+
+
 def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
                           global_amax) -> QParams | None:
     """The E8M0 (MX) and fp8-block (NVFP4) branches in C over float32 CPU ranges; None where
     it does not apply (no kernel, other encodings or devices, a NaN / inf range: the torch
     branch then raises or computes). Bitwise the torch branch (tests/kernels/test_block_qparams.py)."""
     enc, fmt = spec.scale, spec.format
-    if (enc.kind not in ("e8m0", "fp8_e4m3") or not isinstance(fmt, FloatFormat)
-            or lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
-            or (lib := kernels.lib("block_qparams")) is None):
+    if (not _block_kernel_applies(spec) or lo.device.type != "cpu" or lo.requires_grad
+            or hi.requires_grad or (lib := kernels.lib("block_qparams")) is None):
         return None
     lo, hi = lo.contiguous(), hi.contiguous()
     scale = torch.empty(lo.shape, dtype=torch.float32)
@@ -179,8 +186,8 @@ def _block_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
     global amax to find); None where they do not apply. Bitwise the torch branch
     (tests/core/test_qparams_ops.py)."""
     enc, fmt = spec.scale, spec.format
-    if (enc.kind not in ("e8m0", "fp8_e4m3") or not isinstance(fmt, FloatFormat)
-            or lo.requires_grad or hi.requires_grad or lo.numel() == 0):
+    if (not _block_kernel_applies(spec) or lo.requires_grad or hi.requires_grad
+            or lo.numel() == 0):
         return None
     lo, hi = lo.float(), hi.float()
     zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)

@@ -20,6 +20,8 @@ SPECS = {
     "mxfp8": presets.MXFP8,
     "mxfp4-even": QuantSpec("fp4_e2m1", Block(32), scale="e8m0:even"),
     "nvfp4": presets.NVFP4,
+    "mxint8": presets.MXINT8,
+    "bfp16": presets.BFP16,
     "nvfp4-e3m2": QuantSpec("fp6_e3m2", Block(16), scale="fp8_e4m3"),
 }
 
@@ -51,6 +53,7 @@ def test_op_branch_is_the_torch_branch(name, given_amax):
 
 
 @pytest.mark.parametrize("name, op", [("mxfp4", "quantscope.e8m0_block_scales"),
+                                      ("bfp16", "quantscope.e8m0_block_scales"),
                                       ("nvfp4", "quantscope.nvfp4_qparams")])
 @pytest.mark.parametrize("given_amax", [False, True])
 def test_off_the_cpu_qparams_call_the_op(name, op, given_amax):
