@@ -45,6 +45,11 @@ def torch_unit_minmax(units: torch.Tensor, out=None) -> tuple[torch.Tensor, torc
         out[0].copy_(lo.reshape(1))
         out[1].copy_(hi.reshape(1))
         return out
+    if units.device.type == "cpu" and not units.is_contiguous():
+        # strided units (a slice, a transposed view): amin and amax vectorize along the
+        # memory where aminmax(dim=1) walks element by element (6x slower, found by probing)
+        lo, hi = (None, None) if out is None else out
+        return torch.amin(units, 1, out=lo), torch.amax(units, 1, out=hi)
     if out is None:
         return torch.aminmax(units, dim=1)
     torch.aminmax(units, dim=1, out=out)
@@ -183,7 +188,7 @@ def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] 
     from ..layout import Channel, Tile
 
     if not _use_kernel(x) or _kernel() is None:
-        return None
+        return _transposed_minmax(x, layout)
     shape = x.shape
     if isinstance(layout, Channel) and x.dim() >= 2:
         a = layout.axis % x.dim()
@@ -209,6 +214,18 @@ def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] 
         return lo.reshape(-1), hi.reshape(-1)
     return None
 
+
+
+def _transposed_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-channel ranges of a transposed matrix (``w.t()``) read from the memory it views:
+    its channels are the columns or the rows of that contiguous matrix."""
+    from ..layout import Channel
+
+    if not (isinstance(layout, Channel) and x.dim() == 2 and _use_kernel(x.t())
+            and _kernel() is not None):
+        return None
+    m = x.t()
+    return column_minmax(m) if layout.axis % 2 == 0 else unit_minmax(m)
 
 
 def padded_minmax_(parts, lo: torch.Tensor, hi: torch.Tensor) -> list:
