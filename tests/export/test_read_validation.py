@@ -479,3 +479,39 @@ def test_a_float_zero_point_of_an_integer_scheme_is_refused(exported_asym, tmp_p
     _edit_tensor(folder, f"{_Q}.{leaf}", lambda t: t.float())
     with pytest.raises(ValueError, match=rf"{_Q}[:.] ?{why}"):
         Calibration.from_compressed_tensors(folder)
+
+
+_GPTQ_RECIPE = """default_stage:
+  default_modifiers:
+    SmoothQuantModifier:
+      smoothing_strength: 0.8
+    GPTQModifier:
+      targets: [Linear]
+      ignore: [lm_head]
+      scheme: W8A8
+"""
+
+
+@pytest.mark.parametrize("recipe, warned", [
+    (_GPTQ_RECIPE, "GPTQModifier, SmoothQuantModifier"),
+    (_GPTQ_RECIPE.replace("SmoothQuantModifier:\n      smoothing_strength: 0.8\n    ", "")
+     .replace("GPTQModifier", "QuantizationModifier"), None),
+    ("# GPTQModifier: in a comment only\n", None),
+])
+def test_a_checkpoint_whose_recipe_rewrote_the_weights_is_read_with_a_warning(
+        exported, tmp_path, recipe, warned):
+    # found by probing: qparams read from llm-compressor's GPTQ checkpoint, applied to the
+    # float model, ran 0.18 off transformers' load of it, without a word
+    import warnings
+
+    folder = _copy(exported, tmp_path / "llmc")
+    (folder / "recipe.yaml").write_text(recipe)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        back = Calibration.from_compressed_tensors(folder)
+    texts = [str(w.message) for w in seen if "changes the weights" in str(w.message)]
+    if warned is None:
+        assert texts == []
+    else:
+        assert len(texts) == 1 and f"was made by {warned} (its recipe.yaml)" in texts[0]
+    assert back.states.keys() == Calibration.from_compressed_tensors(exported).states.keys()

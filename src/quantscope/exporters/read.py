@@ -31,6 +31,7 @@ from .read_checks import (
     fmt_name,
     parse_quant_config,
     read_quant_config,
+    rewriting_modifiers,
     safetensors_headers,
     scale_problem,
     storage_problem,
@@ -403,13 +404,26 @@ def _module_names(model, tensors: dict, qconfig) -> dict:
     return out
 
 
+def _warn_rewritten(path: str) -> None:
+    rewriting = rewriting_modifiers(path)
+    if rewriting:
+        warnings.warn(
+            f"from_compressed_tensors: {path} was made by {', '.join(rewriting)} (its "
+            f"recipe.yaml), which changes the weights before quantizing them: these qparams "
+            f"applied to the float model do not run it as the checkpoint does (load the "
+            f"checkpoint itself for that)", stacklevel=3)
+
+
 @register_reader("compressed-tensors")
 def read_compressed_tensors(path):
     """The :class:`~quantscope.calibration.Calibration` a compressed-tensors folder holds.
 
-    ``calibration.apply(model)`` on the float model runs it as the checkpoint does
-    (``info["model"]``: the source model the exporter recorded, else ``path``, which
-    transformers loads decompressed).
+    ``calibration.apply(model)`` on the float model runs it as the checkpoint does where the
+    checkpoint's weights are the float ones rounded with these qparams (quantscope's exports,
+    llm-compressor's ``QuantizationModifier``): ``info["model"]`` is the source model the
+    exporter recorded, else ``path``, which transformers loads decompressed. GPTQ, AWQ or
+    SmoothQuant change the weights before rounding them; their qparams are read all the
+    same, with a warning naming the modifier (from the folder's ``recipe.yaml``).
     """
     from ..calibration.recipe import Recipe
     from ..calibration.results.result import Calibration
@@ -434,6 +448,7 @@ def read_compressed_tensors(path):
     states = fuse_expert_states(experts, states, f"from_compressed_tensors: {path}")
     recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors",
                     kv_cache=kv_cache)
+    _warn_rewritten(path)
     record = config.get("quantscope")
     source = record.get("model") if isinstance(record, dict) else None
     info = {"model": source if isinstance(source, str) and os.path.isdir(source) else path,

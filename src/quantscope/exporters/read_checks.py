@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["SCALE_LEAVES", "compressor", "fmt_name", "parse_quant_config", "read_quant_config",
-           "safetensors_headers", "scale_problem", "scale_values", "storage_problem"]
+           "rewriting_modifiers", "safetensors_headers", "scale_problem", "scale_values",
+           "storage_problem"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
 #: flips signs at run time)
@@ -182,3 +183,24 @@ def storage_problem(stored: dict, decompressed: dict, fmt, scheme, spec,
             return (f"weight holds codes in [{lo}, {hi}], outside the config's weights "
                     f"({spec}) range [{int(spec.qmin)}, {int(spec.qmax)}]")
     return None
+
+
+#: llm-compressor modifiers that quantize the weights as they are (their qparams are the
+#: whole story); any other ``...Modifier`` of a recipe changes the weights first (GPTQ, AWQ,
+#: SmoothQuant, SpinQuant, pruning)
+_QPARAMS_ONLY = ("QuantizationModifier",)
+
+
+def rewriting_modifiers(path) -> list[str]:
+    """The modifiers in the folder's ``recipe.yaml`` (llm-compressor writes it beside the
+    checkpoint) that change the weights before quantizing them: the checkpoint's codes are
+    then no rounding of the float model's weights. Read as text (a ``Name:`` key ending in
+    ``Modifier``), never run; [] without a readable recipe."""
+    import re
+
+    try:
+        text = (Path(path) / "recipe.yaml").read_text(errors="replace")
+    except OSError:
+        return []
+    names = re.findall(r"^\s*(\w+Modifier)\s*:", text, flags=re.MULTILINE)
+    return sorted({n for n in names if n not in _QPARAMS_ONLY})
