@@ -139,6 +139,18 @@ _lock = threading.Lock()
 _warned = False
 
 
+def _after_fork_in_child() -> None:
+    """A child forked while another thread built or loaded a kernel (a DataLoader worker,
+    a 'fork' pool) inherits ``_lock`` held by a thread it does not have: a fresh lock (the
+    child builds or loads that kernel itself; the cache's writes are atomic)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def cache_dir() -> Path:
     """Where built kernels are kept (per user)."""
     root = os.environ.get("QUANTSCOPE_CACHE") or os.path.join(

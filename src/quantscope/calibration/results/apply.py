@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -44,6 +45,17 @@ _ATTR = "_quantscope_qdq"
 #: in the first, or holding it) would save its QDQ values as the float ones (:func:`_held`).
 #: A handle dropped without remove() leaves the set with it (weak).
 _APPLIED: weakref.WeakSet[QDQHandle] = weakref.WeakSet()
+#: apply() and remove() in other threads (on other models) add to and discard from it while
+#: one thread reads it
+_APPLIED_LOCK = threading.Lock()
+
+
+def _track(handle: QDQHandle, active: bool) -> None:
+    with _APPLIED_LOCK:
+        if active:
+            _APPLIED.add(handle)
+        else:
+            _APPLIED.discard(handle)
 
 
 @dataclass
@@ -100,7 +112,7 @@ class QDQHandle:
                     t.copy_(saved.original)  # casts, as model.to(dtype) did
         self._weights.clear()
         self._wired.clear()
-        _APPLIED.discard(self)
+        _track(self, False)
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
         self.active = False
@@ -118,7 +130,7 @@ class QDQHandle:
         new = memo[id(self)] = type(self).__new__(type(self))
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         if new.active:
-            _APPLIED.add(new)  # the nested-apply refusal covers the copy's weights too
+            _track(new, True)  # the nested-apply refusal covers the copy's weights too
         return new
 
     def __enter__(self):
@@ -217,7 +229,7 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
     except BaseException:
         handle.remove()
         raise
-    _APPLIED.add(handle)
+    _track(handle, True)
     setattr(model, _ATTR, handle)
     return handle
 
@@ -237,7 +249,9 @@ def _held() -> set:
     """The weights (and 3-D expert parameters) the active handles fake-quantized, as the
     models hold them now (looked up, so valid while the models hold them), by
     :func:`_memory`."""
-    return {_memory(p) for h in list(_APPLIED) for s in h._weights for p in s.params()}
+    with _APPLIED_LOCK:
+        handles = list(_APPLIED)
+    return {_memory(p) for h in handles for s in h._weights for p in s.params()}
 
 
 def _memory(t: torch.Tensor):
