@@ -50,6 +50,7 @@ from ..structure.placement import check_placement
 from . import gather
 from . import sequential as _sequential
 from .batches import check_batches
+from .exclusive import calibrating
 from .finish import build_states
 from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
@@ -139,6 +140,13 @@ def _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywo
 
 def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[str, Calibration]:
     """:func:`calibrate_many` with its options as one :class:`~.options.Options` value."""
+    with calibrating(model):
+        return _calibrate_with(model, batches, recipes, opts)
+
+
+def _calibrate_with(model, batches, recipes, opts: Options) -> dict[str, Calibration]:
+    """:func:`calibrate_with` inside its guard: the sequential pieces and auto's end-to-end
+    candidates calibrate through here, on the model (or a block of it) the call holds."""
     recipes = _checked(model, recipes, opts)
     t0 = time.perf_counter()
     if batches is None:
@@ -159,7 +167,7 @@ def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[st
                 metric = inner.auto.metric
                 if replayed and metric in ("model", "fisher"):
                     metric = "output"
-                return calibrate_with(m, b, r, inner.but(progress=progress,
+                return _calibrate_with(m, b, r, inner.but(progress=progress,
                                                          auto__metric=metric))
 
             return _sequential.calibrate_sequential(
@@ -167,7 +175,7 @@ def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[st
                 **opts.sequential.keywords())
         if opts.auto.metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
             # the outliers' steps go around the whole choice (_around), not each pass
-            return _auto.calibrate_end_to_end(calibrate_with, model, batches, recipes,
+            return _auto.calibrate_end_to_end(_calibrate_with, model, batches, recipes,
                                               opts.but(outliers=Outliers(),
                                                        runtime__time_groups=None))
         fisher = None

@@ -1,0 +1,127 @@
+"""quantscope under threads, forks and re-entrant calls (found by probing): apply / remove on
+separate models in two threads, a fork while another thread holds the kernels' build lock,
+and calibrate called on a model its own running calibration holds."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import quantscope
+from quantscope import kernels
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def _batches(n=2, scale=1.0):
+    g = torch.Generator().manual_seed(1)
+    return [scale * torch.randn(4, 16, generator=g) for _ in range(n)]
+
+
+def test_apply_and_remove_in_two_threads_on_their_own_models():
+    # apply() read the set of active handles while the other thread's apply() / remove()
+    # changed it: "RuntimeError: Set changed size during iteration"
+    models = [_tiny(i) for i in range(2)]
+    calibs = [quantscope.calibrate(m, _batches(), "w8a8", progress=False) for m in models]
+    others = [_tiny(9) for _ in range(300)]  # other applied models keep the set large
+    keep = [calibs[0].apply(m) for m in others]
+    errors, stop = [], threading.Event()
+
+    def loop(i):
+        while not stop.is_set():
+            try:
+                calibs[i].apply(models[i]).remove()
+            except Exception as e:  # noqa: BLE001 (reported by the test)
+                errors.append(repr(e))
+                stop.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: widens the window the race needs
+    try:
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        stop.wait(3.0)
+        stop.set()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+        for h in keep:
+            h.remove()
+    assert errors == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_child_forked_while_the_kernel_lock_is_held_loads_its_kernels():
+    # a DataLoader worker forked while another thread built a kernel inherited the lock
+    # held by a thread it does not have, and hung at its first observer
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with kernels._lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: load a kernel as if for the first time
+        kernels._libs.pop("unit_minmax", None)
+        kernels.lib("unit_minmax")
+        os._exit(0)
+    release.set()
+    holder.join()
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung loading a kernel")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+@pytest.mark.parametrize("inner", ["model", "submodule"])
+def test_calibrate_inside_its_own_calibration_of_the_model_is_refused(inner):
+    # the outer calibration's observers recorded the inner call's batches: its input scale
+    # 5x too large, without a word
+    model = _tiny()
+    calls = []
+
+    def hook(module, args, out):
+        if not calls:
+            calls.append(1)
+            target = model if inner == "model" else model[0]
+            quantscope.calibrate(target, _batches(scale=100.0), "w8a8", progress=False)
+
+    handle = model[2].register_forward_hook(hook)
+    with pytest.raises(ValueError, match="is being calibrated by a call that has not returned"):
+        quantscope.calibrate(model, _batches(), "w8a8", progress=False)
+    handle.remove()
+    # the refused call released the model: it calibrates as a model never hooked does
+    again = quantscope.calibrate(model, _batches(), "w8a8", progress=False)
+    assert again.quantizes_like(quantscope.calibrate(_tiny(), _batches(), "w8a8",
+                                                     progress=False))
+
+
+def test_calibrate_of_another_model_inside_a_calibration_runs():
+    model, other = _tiny(), _tiny(3)
+    got = {}
+
+    def hook(module, args, out):
+        if not got:
+            got["inner"] = quantscope.calibrate(other, _batches(), "w8a8", progress=False)
+
+    model[0].register_forward_hook(hook)
+    quantscope.calibrate(model, _batches(), "w8a8", progress=False)
+    alone = quantscope.calibrate(_tiny(3), _batches(), "w8a8", progress=False)
+    assert got["inner"].quantizes_like(alone)
