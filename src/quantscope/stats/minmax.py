@@ -245,7 +245,7 @@ def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor
     lo, hi = torch.empty(runs, trail), torch.empty(runs, trail)
     for i in range(runs):
         _column_kernel(lib, slabs[i], lo[i], hi[i])
-    unit_order = (lambda t: t.view(lead, n // size, trail).transpose(1, 2).reshape(-1))
+    unit_order = lambda t: t.view(lead, n // size, trail).transpose(1, 2).reshape(-1)
     return unit_order(lo), unit_order(hi)
 
 
@@ -254,9 +254,9 @@ def _transposed_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Ten
     its channels are the columns or the rows of that contiguous matrix."""
     from ..layout import Channel
 
-    if not (isinstance(layout, Channel) and x.dim() == 2 and _use_kernel(x.t())
-            and _kernel() is not None):
-        return None
+    if not (isinstance(layout, Channel) and x.dim() == 2 and -2 <= layout.axis < 2
+            and _use_kernel(x.t()) and _kernel() is not None):
+        return None  # (an axis out of range: the units path says so)
     m = x.t()
     return column_minmax(m) if layout.axis % 2 == 0 else unit_minmax(m)
 
