@@ -168,7 +168,7 @@ def _calibrate_with(model, batches, recipes, opts: Options) -> dict[str, Calibra
                 if replayed and metric in ("model", "fisher"):
                     metric = "output"
                 return _calibrate_with(m, b, r, inner.but(progress=progress,
-                                                         auto__metric=metric))
+                                                          auto__metric=metric))
 
             return _sequential.calibrate_sequential(
                 piece, model, batches, recipes, progress=opts.progress,
