@@ -125,6 +125,21 @@ def test_find_blocks():
         find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
+def test_find_blocks_skips_lists_inside_blocks():
+    # found by probing: transformers 4.x's MoE experts (a ModuleList of 4 in each of 2
+    # layers) were taken as the blocks, and sequential calibration refused the model
+    from torch import nn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    model = nn.Module()
+    model.layers = nn.ModuleList(Layer() for _ in range(2))
+    assert find_blocks(model)[0] == "layers"
+
+
 def test_errors(saved):
     model, path = saved
     with pytest.raises(ValueError, match="pass checkpoint="):

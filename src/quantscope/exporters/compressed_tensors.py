@@ -34,6 +34,7 @@ import shutil
 import torch
 from torch import nn
 
+from .._versions import require
 from ..calibration.structure.placement import check_placement, held_weight
 from ..calibration.structure.tied import tied_weights
 from ..formats import FloatFormat, IntFormat
@@ -49,11 +50,7 @@ _ARG_NAME = {"weight": "weights", "input": "input_activations", "output": "outpu
 
 
 def _ct():
-    try:
-        import compressed_tensors  # noqa: F401
-    except ImportError:
-        raise ImportError("export to compressed-tensors needs the compressed-tensors package: "
-                          "pip install 'quantscope[model]'") from None
+    require("compressed-tensors", "export to compressed-tensors")
 
 
 class _Lossy:

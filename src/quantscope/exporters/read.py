@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from .._versions import require
 from ..compat.llmcompressor_spec import llmcompressor_spec
 from ..qparams import QParams
 from ..scales import nvfp4_global_scale
@@ -428,6 +429,8 @@ def read_compressed_tensors(path):
     from ..calibration.recipe import Recipe
     from ..calibration.results.result import Calibration
 
+    for dist in ("compressed-tensors", "transformers"):
+        require(dist, "from_compressed_tensors")
     path = os.fspath(path)
     cfg_path, config, qc = read_quant_config(path, "from_compressed_tensors")
     qconfig = parse_quant_config(cfg_path, qc, "from_compressed_tensors")

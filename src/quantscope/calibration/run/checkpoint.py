@@ -34,7 +34,10 @@ def empty_model(path, task: str | None = None) -> nn.Module:
     model's folder is ``quantscope.demo.models.resolve_model_path(name)``."""
     import transformers
 
+    from ..._versions import require
     from .hf_loader import load_config, parameter_budget
+
+    require("transformers", "empty_model")  # older ones leave the rotary tables unset
 
     path = Path(path)
     if not (path / "config.json").is_file():

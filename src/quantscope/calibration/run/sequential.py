@@ -58,8 +58,10 @@ DEFAULT_CACHE_BUDGET_MB = 512
 
 # ---------------------------------------------------------------- finding the blocks
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.ModuleList]:
-    """``(name, module list)`` of the model's repeated blocks: ``blocks`` if given, else the
-    ``nn.ModuleList`` with the most children all of one class (ties: the most parameters)."""
+    """``(name, module list)`` of the model's repeated blocks: ``blocks`` if given, else of
+    the outermost ``nn.ModuleList`` s whose children are all of one class, the one with the
+    most children (ties: the most parameters); not a list inside a block (an MoE layer's
+    experts, more than the layers in a small model)."""
     modules = dict(model.named_modules())
     if blocks is not None:
         found = modules.get(blocks)
@@ -68,12 +70,16 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
             raise ValueError(f"calibrate: blocks={blocks!r} is not a non-empty nn.ModuleList "
                              f"of the model; its module lists are {lists}")
         return blocks, found
+    lists = [n for n, m in modules.items()
+             if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
     best, key = None, None
-    for name, m in modules.items():
-        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
-            k = (len(m), sum(p.numel() for p in m.parameters()))
-            if key is None or k > key:
-                best, key = name, k
+    for name in lists:
+        if any(name.startswith(f"{outer}.") for outer in lists):
+            continue  # inside a block of another list
+        m = modules[name]
+        k = (len(m), sum(p.numel() for p in m.parameters()))
+        if key is None or k > key:
+            best, key = name, k
     if best is None:
         raise ValueError("calibrate: sequential=True found no nn.ModuleList of repeated blocks "
                          "in the model; name them with blocks='...'")

@@ -29,6 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..._versions import require
+
 __all__ = ["ROLES", "attach", "attention_modules"]
 
 ROLES = ("key", "value")
@@ -96,6 +98,8 @@ def attach(model: nn.Module,
     """Route the key and value states of the attention modules named in ``callbacks``
     (``{name: callback(role, tensor) -> tensor}``) through their callbacks; returns the
     undo (idempotent), which restores every config's attention implementation."""
+    if callbacks:  # older transformers run some attention classes around the interface
+        require("transformers", "KV-cache calibration")
     modules = attention_modules(model)
     missing = sorted(set(callbacks) - set(modules))
     if missing:
