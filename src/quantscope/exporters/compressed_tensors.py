@@ -473,6 +473,7 @@ def _annotate(folder: str, calibration, notes: list[str], source, work) -> None:
     for names in lists:
         names[:] = [disk.get(n, n) for n in names]
     cfg["quantscope"] = {"recipe": calibration.recipe.name, "label": calibration.label,
-                         "lossy": notes, "model": source}
+                         "lossy": notes, "model": source,
+                         "smoothed": bool(calibration.smoothing)}
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)

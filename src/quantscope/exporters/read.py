@@ -405,14 +405,20 @@ def _module_names(model, tensors: dict, qconfig) -> dict:
     return out
 
 
-def _warn_rewritten(path: str) -> None:
-    rewriting = rewriting_modifiers(path)
+def _rewritten(path: str, record) -> bool:
+    """Whether the checkpoint's weights were changed before they were rounded (its
+    ``recipe.yaml`` names GPTQ, AWQ, SmoothQuant ...; quantscope's record says smoothed),
+    warning so: its qparams do not run the original float model as the checkpoint does."""
+    rewriting = [f"{m} (its recipe.yaml)" for m in rewriting_modifiers(path)]
+    if isinstance(record, dict) and record.get("smoothed"):
+        rewriting.append("quantscope's SmoothQuant (its config's quantscope record)")
     if rewriting:
         warnings.warn(
-            f"from_compressed_tensors: {path} was made by {', '.join(rewriting)} (its "
-            f"recipe.yaml), which changes the weights before quantizing them: these qparams "
-            f"applied to the float model do not run it as the checkpoint does (load the "
-            f"checkpoint itself for that)", stacklevel=3)
+            f"from_compressed_tensors: {path} was made by {', '.join(rewriting)}, which "
+            f"changes the weights before quantizing them: these qparams applied to the "
+            f"original float model do not run it as the checkpoint does; applied to the "
+            f"checkpoint loaded decompressed (info['model']) they do", stacklevel=3)
+    return bool(rewriting)
 
 
 @register_reader("compressed-tensors")
@@ -422,9 +428,11 @@ def read_compressed_tensors(path):
     ``calibration.apply(model)`` on the float model runs it as the checkpoint does where the
     checkpoint's weights are the float ones rounded with these qparams (quantscope's exports,
     llm-compressor's ``QuantizationModifier``): ``info["model"]`` is the source model the
-    exporter recorded, else ``path``, which transformers loads decompressed. GPTQ, AWQ or
-    SmoothQuant change the weights before rounding them; their qparams are read all the
-    same, with a warning naming the modifier (from the folder's ``recipe.yaml``).
+    exporter recorded, else ``path`` (transformers loads it decompressed given
+    ``quantization_config=CompressedTensorsConfig(run_compressed=False)``). GPTQ, AWQ or
+    SmoothQuant change the weights before rounding them (the folder's ``recipe.yaml`` names
+    the modifier, quantscope's record says ``smoothed``): their qparams are read all the
+    same, with a warning, and ``info["model"]`` is ``path``.
     """
     from ..calibration.recipe import Recipe
     from ..calibration.results.result import Calibration
@@ -451,9 +459,10 @@ def read_compressed_tensors(path):
     states = fuse_expert_states(experts, states, f"from_compressed_tensors: {path}")
     recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors",
                     kv_cache=kv_cache)
-    _warn_rewritten(path)
     record = config.get("quantscope")
     source = record.get("model") if isinstance(record, dict) else None
+    if _rewritten(path, record):
+        source = None  # the float source runs otherwise: the checkpoint is the model
     info = {"model": source if isinstance(source, str) and os.path.isdir(source) else path,
             "checkpoint": path, "format": fmt_name(qconfig.format)}
     return Calibration(recipe, states, os.path.basename(os.path.normpath(path)), info=info)
