@@ -149,7 +149,7 @@ class Observer(nn.Module):
         ends = None  # smallest min and largest max, for the non-finite check
         if fast is None:
             # the C kernels find them in their pass; off the CPU one op checks lo / hi after
-            ends = torch.empty(2) if units.device.type == "cpu" else None
+            ends = torch.empty(2, dtype=torch.float32) if units.device.type == "cpu" else None
             lo, hi = self._unit_minmax(units, count, ends)
         else:
             lo, hi = fast

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -49,13 +50,15 @@ class MinMaxStateObserver(Observer):
 
     def _minmax_out(self, count):
         # a scratch pair reused across calls: the state is updated from it, never aliases it
-        dev = self.min_vals.device
+        # (float32, as the units the kernels read, whatever torch's default dtype)
+        new = functools.partial(torch.empty, count, device=self.min_vals.device,
+                                dtype=torch.float32)
         if torch.compiler.is_compiling():  # Inductor gave a cached scratch and the state
-            return torch.empty(count, device=dev), torch.empty(count, device=dev)  # one buffer
+            return new(), new()  # one buffer
         scratch = getattr(self, "_scratch", None)
-        if scratch is None or scratch[0].shape != (count,) or scratch[0].device != dev:
-            scratch = self._scratch = (torch.empty(count, device=dev),
-                                       torch.empty(count, device=dev))
+        if scratch is None or scratch[0].shape != (count,) or \
+                scratch[0].device != self.min_vals.device:
+            scratch = self._scratch = (new(), new())
         return scratch
 
     #: the step statistic is the per-unit min / max (quantscope.distributed step sync)

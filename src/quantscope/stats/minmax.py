@@ -65,6 +65,11 @@ def _threads(numel: int, rows: int) -> int:
     return max(1, min(kernels.threads(), rows, numel // THREAD_MIN_NUMEL))
 
 
+def _f32(*shape: int) -> torch.Tensor:
+    """A CPU float32 buffer for the kernels to write (whatever torch's default dtype)."""
+    return torch.empty(shape, dtype=torch.float32)
+
+
 def _use_kernel(x: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
             and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad)
@@ -147,8 +152,8 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
         if update is not None:
             update_state(update[0], update[1], update[2], update[3], lo, hi)
         return lo, hi
-    lo, hi = out if out is not None else (torch.empty(U), torch.empty(U))
-    scratch = ends if ends is not None else torch.empty(2)
+    lo, hi = out if out is not None else (_f32(U), _f32(U))
+    scratch = ends if ends is not None else _f32(2)
     threads = _threads(U * E, U)
     mode, c, slo, shi = (0, 0.0, 0, 0) if update is None else (
         UPDATES[update[0]], float(update[1]), update[2].data_ptr(), update[3].data_ptr())
@@ -164,7 +169,7 @@ def column_minmax(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if lib is None:
         return torch.aminmax(m, dim=0) if R else (m.new_full((C,), float("inf")),
                                                   m.new_full((C,), float("-inf")))
-    lo, hi = torch.empty(C), torch.empty(C)
+    lo, hi = _f32(C), _f32(C)
     _column_kernel(lib, m, lo, hi)
     return lo, hi
 
@@ -242,7 +247,7 @@ def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor
     if a == x.dim() - 1 or n % size or size < 2 or trail < 16 or runs > MAX_SEGMENT_RUNS:
         return None  # units are rows of x already, a padded tail (zeros), or small slabs
     slabs, lib = x.view(runs, size, trail), _kernel()
-    lo, hi = torch.empty(runs, trail), torch.empty(runs, trail)
+    lo, hi = _f32(runs, trail), _f32(runs, trail)
     for i in range(runs):
         _column_kernel(lib, slabs[i], lo[i], hi[i])
     unit_order = lambda t: t.view(lead, n // size, trail).transpose(1, 2).reshape(-1)
