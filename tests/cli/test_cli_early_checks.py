@@ -136,3 +136,9 @@ def test_roberta_positions_start_after_its_padding_row():
     assert positions(transformers.BertModel(transformers.BertConfig(
         vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=66))) == 66
+    # a word embedding of as many rows, with a padding row, is no position table (found by
+    # review: 0 positions with the padding token last)
+    for pad in (0, 63):
+        assert positions(transformers.BertModel(transformers.BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=64, pad_token_id=pad))) == 64

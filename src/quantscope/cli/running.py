@@ -153,12 +153,14 @@ def positions(model) -> int | None:
     """The tokens a model's position embeddings hold (``config.max_position_embeddings``),
     None when its config does not say."""
     n = getattr(model.config, "max_position_embeddings", None)
-    if not isinstance(n, int):
+    if not isinstance(n, int) or n < 1:
         return None
     import torch
 
+    words = model.get_input_embeddings()
     for m in model.modules():  # RoBERTa's positions count from after its padding row
-        if isinstance(m, torch.nn.Embedding) and m.num_embeddings == n and m.padding_idx is not None:
+        if isinstance(m, torch.nn.Embedding) and m is not words and m.num_embeddings == n \
+                and m.padding_idx is not None and n - m.padding_idx - 1 >= 1:
             return n - m.padding_idx - 1
     return n
 
