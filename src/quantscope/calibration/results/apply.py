@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import sys
 import threading
 import warnings
@@ -48,6 +49,15 @@ _APPLIED: weakref.WeakSet[QDQHandle] = weakref.WeakSet()
 #: apply() and remove() in other threads (on other models) add to and discard from it while
 #: one thread reads it
 _APPLIED_LOCK = threading.Lock()
+
+
+def _new_lock_in_child() -> None:  # a fork while another thread held it: never released there
+    global _APPLIED_LOCK
+    _APPLIED_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _track(handle: QDQHandle, active: bool) -> None:

@@ -5,6 +5,7 @@ its batches to the running call's observers."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 
@@ -17,6 +18,15 @@ __all__ = ["calibrating"]
 #: the running call's observers
 _BUSY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _BUSY_LOCK = threading.Lock()
+
+
+def _new_lock_in_child() -> None:  # a fork while another thread held it: never released there
+    global _BUSY_LOCK
+    _BUSY_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 @contextlib.contextmanager
