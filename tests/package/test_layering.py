@@ -19,7 +19,7 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "quantscope"
 
 LAYERS = [
-    ("core", ["_checks", "_numerics", "_oplib", "_versions", "formats", "scales", "layout", "spec", "qparams", "qdq",
+    ("core", ["_checks", "_numerics", "_oplib", "_versions", "_locks", "formats", "scales", "layout", "spec", "qparams", "qdq",
               "presets", "comm", "kernels", "exporters.atomic", "exporters.registry"]),
     ("stats", ["stats"]),
     ("estimators", ["estimators"]),

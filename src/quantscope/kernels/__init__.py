@@ -38,13 +38,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import warnings
 from pathlib import Path
 
 import torch
 from torch.autograd.graph import increment_version
 
+from .._locks import ForkSafeLock
 from ..formats import IntFormat
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "build_all",
@@ -135,20 +135,10 @@ class _CacheError(OSError):
 
 
 _libs: dict[str, ctypes.CDLL | None] = {}
-_lock = threading.Lock()
+# a child forked while another thread built a kernel builds or loads it itself (the cache's
+# writes are atomic)
+_lock = ForkSafeLock()
 _warned = False
-
-
-def _after_fork_in_child() -> None:
-    """A child forked while another thread built or loaded a kernel (a DataLoader worker,
-    a 'fork' pool) inherits ``_lock`` held by a thread it does not have: a fresh lock (the
-    child builds or loads that kernel itself; the cache's writes are atomic)."""
-    global _lock
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def cache_dir() -> Path:

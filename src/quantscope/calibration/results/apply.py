@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 import sys
-import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from torch import nn
 
 # the quantizer of a role lives below calibration/ (report and apply both use it): re-exported
 from ..._checks import outside_quantscope
+from ..._locks import ForkSafeLock
 from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
 from ..structure import kv_cache, moe
@@ -48,16 +47,7 @@ _ATTR = "_quantscope_qdq"
 _APPLIED: weakref.WeakSet[QDQHandle] = weakref.WeakSet()
 #: apply() and remove() in other threads (on other models) add to and discard from it while
 #: one thread reads it
-_APPLIED_LOCK = threading.Lock()
-
-
-def _new_lock_in_child() -> None:  # a fork while another thread held it: never released there
-    global _APPLIED_LOCK
-    _APPLIED_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
+_APPLIED_LOCK = ForkSafeLock()
 
 
 def _track(handle: QDQHandle, active: bool) -> None:

@@ -5,11 +5,11 @@ its batches to the running call's observers."""
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 import weakref
 
 from torch import nn
+
+from ..._locks import ForkSafeLock
 
 __all__ = ["calibrating"]
 
@@ -17,16 +17,7 @@ __all__ = ["calibrating"]
 #: them before it returns (from a forward hook, or another thread) would feed its batches to
 #: the running call's observers
 _BUSY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_BUSY_LOCK = threading.Lock()
-
-
-def _new_lock_in_child() -> None:  # a fork while another thread held it: never released there
-    global _BUSY_LOCK
-    _BUSY_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
+_BUSY_LOCK = ForkSafeLock()
 
 
 @contextlib.contextmanager
