@@ -14,17 +14,35 @@ staged before the call returns (the CUDA runtime's rule), so the source may go a
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 __all__ = ["as_float32", "true_div", "upload"]
 
 
+#: float32's largest value and the spacing of its subnormals
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY_STEP = -149
+
+
 def as_float32(x: float) -> float:
-    """The Python number ``x`` rounded to float32, as torch rounds a scalar argument into a
-    float32 kernel (0 below the smallest subnormal, inf past the largest value)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(x))
+    """The Python number ``x`` rounded to float32 (to nearest, ties to even), as torch rounds
+    a scalar argument into a float32 kernel (0 below half the smallest subnormal, inf past
+    the largest value). In Python's double arithmetic: the CPU's flush-to-zero mode
+    (``torch.set_flush_denormal(True)``) does not make float32's subnormals 0 here."""
+    try:
+        x = float(x)
+    except OverflowError:  # an int past double's range
+        return math.inf if x > 0 else -math.inf
+    if x == 0 or not math.isfinite(x):
+        return x
+    if abs(x) >= 2.0 ** 128:  # past float32's largest value and half its spacing there
+        return math.copysign(math.inf, x)
+    step = max(math.frexp(x)[1] - 24, _F32_TINY_STEP)  # float32's spacing at |x|
+    y = math.copysign(math.ldexp(round(math.ldexp(x, -step)), step), x)  # ties to even
+    return y if abs(y) <= _F32_MAX else math.copysign(math.inf, x)
 
 
 def true_div(t: torch.Tensor, c: float) -> torch.Tensor:
