@@ -22,7 +22,7 @@ import torch
 __all__ = ["as_float32", "true_div", "upload"]
 
 
-#: float32's largest value and the spacing of its subnormals
+#: float32's largest value, and the exponent of its subnormals' spacing (2 ** -149)
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY_STEP = -149
 
