@@ -317,7 +317,7 @@ def _l2_range_kernel(lib, hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, tor
     step = min(8, cap)
     while True:
         s, e, n = walk.chunk_raw(step)
-        terms = torch.empty(U, step, Bn, dtype=torch.float32)
+        terms = kernels.buffer(U, step, Bn)
         lib.qs_l2_terms(walk.counts.data_ptr(), lo.data_ptr(), hi.data_ptr(), s.data_ptr(),
                         e.data_ptr(), terms.data_ptr(), U, step, Bn, dst_nbins)
         norms = terms.sum(-1).double()  # torch's float32 sum, as torch.ao's norm.sum()
@@ -325,7 +325,7 @@ def _l2_range_kernel(lib, hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, tor
                             walk.fs.data_ptr(), walk.st.data_ptr(), U, step):
             break
         step = min(2 * step, cap)
-    new_lo, new_hi = torch.empty(2, U, dtype=torch.float32).unbind(0)
+    new_lo, new_hi = kernels.buffer(2, U).unbind(0)
     lib.qs_l2_result(lo.data_ptr(), hi.data_ptr(), walk.st.data_ptr(), new_lo.data_ptr(),
                      new_hi.data_ptr(), U, Bn)
     return new_lo, new_hi

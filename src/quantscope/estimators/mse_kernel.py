@@ -128,7 +128,7 @@ class KernelState:
         self.idx = torch.empty(n, dtype=torch.int64)
         self.stale = torch.empty(n, dtype=torch.int64)
         self.stopped = torch.empty(n, dtype=torch.bool)
-        self.psc, self.pzp = torch.empty((2, n), dtype=torch.float32).unbind(0)  # the previous candidate's qparams
+        self.psc, self.pzp = kernels.buffer(2, n).unbind(0)  # the previous candidate's qparams
         self.g = torch.zeros(2, dtype=torch.int64)  # the global rule: stale count, stopped
 
     def step(self, i0, scale, zp, *, patience, per_unit, tie, use_global, units=None,

@@ -65,7 +65,7 @@ class HistogramScorer:
             # room for every bin when that is small, else a first call counts the occupied
             n = B if U * B * points <= ELEMENT_BUDGET else \
                 _kernel().qs_points(*args, None, None, U, B, points)
-            x = torch.empty(U * n * points, dtype=torch.float32)
+            x = kernels.buffer(U * n * points)
             w = torch.empty(U * n * points, dtype=torch.float64)
             m = _kernel().qs_points(*args, x.data_ptr(), w.data_ptr(), U, B, points)
             self._flat = (x[:U * m * points].view(U, m * points),
@@ -167,7 +167,7 @@ class HistogramScorer:
                 s, z = self._qparams(*line.ranges(), torch_only=True)
             idx = torch.empty(U, dtype=torch.long)
             err = torch.empty(U, dtype=torch.float64)
-            blo, bhi = torch.empty(2, U, dtype=torch.float32).unbind(0)
+            blo, bhi = kernels.buffer(2, U).unbind(0)
             lvt = _as_tensor(lv)
             _kernel().qs_line_search(x.data_ptr(), w.data_ptr(), *map(_ptr, f), _ptr(s),
                                      _ptr(z), self._q.data_ptr(), idx.data_ptr(), err.data_ptr(),

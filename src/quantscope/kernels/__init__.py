@@ -47,7 +47,8 @@ from torch.autograd.graph import increment_version
 from .._locks import ForkSafeLock
 from ..formats import IntFormat
 
-__all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "build_all",
+__all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "buffer",
+           "build_all",
            "cache_dir", "choose", "compiler", "contiguous", "disabled", "lib", "load", "plain",
            "qparams_consts", "read", "set_streaming", "streaming", "threads", "write"]
 
@@ -349,6 +350,12 @@ def set_streaming(on: bool) -> None:
     """Allow or forbid streaming stores (see :func:`streaming`)."""
     global _streaming
     _streaming = bool(on)
+
+
+def buffer(*shape: int, zero: bool = False) -> torch.Tensor:
+    """A float32 CPU tensor for a kernel to write into (``zero``: zero-filled), whatever
+    torch's default dtype and device: the kernels write float32 host memory."""
+    return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device="cpu")
 
 
 def plain(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:

@@ -111,9 +111,9 @@ def histc(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor | None = None,
                and (out is None or (kernels.plain(out) and out.numel() == bins)))
     lib = kernels.choose(backend, "ao_hist", "histc", applies)
     if lib is not None:
-        res = torch.empty(bins, dtype=torch.float32) if out is None else out
+        res = kernels.buffer(bins) if out is None else out
         src = base if base is not None else (res.zero_() if out is not None
-                                             else torch.zeros(bins, dtype=torch.float32))
+                                             else kernels.buffer(bins, zero=True))
         if not lib.qs_ao_histc(x.data_ptr(), x.numel(), float(lo), float(hi), bins,
                                src.data_ptr(), res.data_ptr(), kernels.threads(threads)):
             return res
@@ -138,7 +138,7 @@ def fused(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor, threads: int |
     if (lib is None or not kernels.plain(x) or not kernels.plain(base) or base.numel() != bins
             or (out is not None and not (kernels.plain(out) and out.numel() == bins))):
         return None
-    out, mm = torch.empty(bins, dtype=torch.float32) if out is None else out, (ctypes.c_float * 2)()
+    out, mm = kernels.buffer(bins) if out is None else out, (ctypes.c_float * 2)()
     miss = lib.qs_ao_fused(x.data_ptr(), x.numel(), float(lo), float(hi), bins, base.data_ptr(),
                            out.data_ptr(), mm, kernels.threads(threads))
     return None if miss == 2 else ((mm[0], mm[1]), None if miss else out)
@@ -164,7 +164,7 @@ def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str |
                and _c_rate(rate))
     lib = kernels.choose(backend, "ao_hist", "upscale", applies)
     if lib is not None:
-        out = torch.empty(bins, dtype=torch.float32)
+        out = kernels.buffer(bins)
         lib.qs_ao_upscale(hist.data_ptr(), bins, rate, lin.data_ptr(), float(orig_lo),
                           float(orig_hi), bounds.data_ptr(), out.data_ptr())
         return out

@@ -94,8 +94,7 @@ def _state_ok(state, U, B) -> bool:
 
 def _new_state(U, B):
     return (torch.zeros(U, B, dtype=torch.int64), torch.empty(U, dtype=torch.int64),
-            torch.empty(U, dtype=torch.int64), torch.empty(U, dtype=torch.float32),
-            torch.empty(U, dtype=torch.float32))
+            torch.empty(U, dtype=torch.int64), kernels.buffer(U), kernels.buffer(U))
 
 
 def regrid(state, lo: torch.Tensor, hi: torch.Tensor, absolute: bool):
@@ -129,8 +128,8 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
         return None
     new = _new_state(1, B)
     if ends is None or ends.shape != (2,) or not kernels.plain(ends, torch.float32):
-        ends = torch.empty(2, dtype=torch.float32)
-    lo, hi = torch.empty(1, dtype=torch.float32), torch.empty(1, dtype=torch.float32)
+        ends = kernels.buffer(2)
+    lo, hi = kernels.buffer(1), kernels.buffer(1)
     miss = lib.qs_hist_fused(units.data_ptr(), units.shape[1], B, int(absolute),
                              *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
                              lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), kernels.threads(threads))

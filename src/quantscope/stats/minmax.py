@@ -65,11 +65,6 @@ def _threads(numel: int, rows: int) -> int:
     return max(1, min(kernels.threads(), rows, numel // THREAD_MIN_NUMEL))
 
 
-def _f32(*shape: int) -> torch.Tensor:
-    """A CPU float32 buffer for the kernels to write (whatever torch's default dtype)."""
-    return torch.empty(shape, dtype=torch.float32)
-
-
 def _use_kernel(x: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
             and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad)
@@ -152,8 +147,8 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
         if update is not None:
             update_state(update[0], update[1], update[2], update[3], lo, hi)
         return lo, hi
-    lo, hi = out if out is not None else (_f32(U), _f32(U))
-    scratch = ends if ends is not None else _f32(2)
+    lo, hi = out if out is not None else (kernels.buffer(U), kernels.buffer(U))
+    scratch = ends if ends is not None else kernels.buffer(2)
     threads = _threads(U * E, U)
     mode, c, slo, shi = (0, 0.0, 0, 0) if update is None else (
         UPDATES[update[0]], float(update[1]), update[2].data_ptr(), update[3].data_ptr())
@@ -169,7 +164,7 @@ def column_minmax(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if lib is None:
         return torch.aminmax(m, dim=0) if R else (m.new_full((C,), float("inf")),
                                                   m.new_full((C,), float("-inf")))
-    lo, hi = _f32(C), _f32(C)
+    lo, hi = kernels.buffer(C), kernels.buffer(C)
     _column_kernel(lib, m, lo, hi)
     return lo, hi
 
@@ -247,7 +242,7 @@ def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor
     if a == x.dim() - 1 or n % size or size < 2 or trail < 16 or runs > MAX_SEGMENT_RUNS:
         return None  # units are rows of x already, a padded tail (zeros), or small slabs
     slabs, lib = x.view(runs, size, trail), _kernel()
-    lo, hi = _f32(runs, trail), _f32(runs, trail)
+    lo, hi = kernels.buffer(runs, trail), kernels.buffer(runs, trail)
     for i in range(runs):  # one C call per run: torch's amin / amax over the view take 2.4x
         _column_kernel(lib, slabs[i], lo[i], hi[i])
     unit_order = lambda t: t.view(lead, n // size, trail).transpose(1, 2).reshape(-1)
