@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -29,6 +28,13 @@ __all__ = [
 ]
 
 
+def _pair(count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[count]`` float32 tensors (as the units the kernels read, whatever torch's
+    default dtype)."""
+    return (torch.empty(count, device=device, dtype=torch.float32),
+            torch.empty(count, device=device, dtype=torch.float32))
+
+
 class MinMaxStateObserver(Observer):
     """An observer whose state is a per-unit ``min_vals`` / ``max_vals`` pair.
 
@@ -50,15 +56,12 @@ class MinMaxStateObserver(Observer):
 
     def _minmax_out(self, count):
         # a scratch pair reused across calls: the state is updated from it, never aliases it
-        # (float32, as the units the kernels read, whatever torch's default dtype)
-        new = functools.partial(torch.empty, count, device=self.min_vals.device,
-                                dtype=torch.float32)
+        dev = self.min_vals.device
         if torch.compiler.is_compiling():  # Inductor gave a cached scratch and the state
-            return new(), new()  # one buffer
+            return _pair(count, dev)  # one buffer
         scratch = getattr(self, "_scratch", None)
-        if scratch is None or scratch[0].shape != (count,) or \
-                scratch[0].device != self.min_vals.device:
-            scratch = self._scratch = (new(), new())
+        if scratch is None or scratch[0].shape != (count,) or scratch[0].device != dev:
+            scratch = self._scratch = _pair(count, dev)
         return scratch
 
     #: the step statistic is the per-unit min / max (quantscope.distributed step sync)
