@@ -82,7 +82,7 @@ def _minmax_works():
     x = torch.randn(4, 64)
     lo, hi, ends = torch.empty(4), torch.empty(4), torch.empty(2)
     lib.qs_unit_minmax(x.data_ptr(), 4, 64, lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), 1, 0,
-                       0.0, None, None, 0)
+                       0.0, None, None, 0, 0)
     ref = torch.aminmax(x, dim=1)
     assert torch.equal(lo, ref.min) and torch.equal(hi, ref.max)
 
@@ -171,7 +171,7 @@ def test_truncated_cached_library_is_rebuilt(tmp_path):
     code = ("import torch; from quantscope import kernels; lib = kernels.lib('unit_minmax'); "
             "x = torch.randn(4, 64); lo, hi, ends = torch.empty(4), torch.empty(4), "
             "torch.empty(2); lib.qs_unit_minmax(x.data_ptr(), 4, 64, lo.data_ptr(), "
-            "hi.data_ptr(), ends.data_ptr(), 1, 0, 0.0, None, None, 0); "
+            "hi.data_ptr(), ends.data_ptr(), 1, 0, 0.0, None, None, 0, 0); "
             "ref = torch.aminmax(x, dim=1); "
             "print(torch.equal(lo, ref.min) and torch.equal(hi, ref.max))")
 

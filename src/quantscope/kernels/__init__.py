@@ -67,8 +67,8 @@ _P, _I, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_doubl
 #: functions, all of which return ``int64``
 SIGNATURES: dict[str, dict[str, list]] = {
     "unit_minmax": {
-        "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P, _INT],
-        "qs_col_minmax": [_P, _I, _I, _P, _P, _P, _INT],
+        "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P, _INT, _INT],
+        "qs_col_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT],
     },
     "hist_kernel": {
         "qs_hist_bin": [_P, _I, _I, _I, _P, _P, _P, _INT, _INT],

@@ -38,7 +38,7 @@ from .._checks import check_float32_range
 from .._numerics import upload
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
-from ..stats.minmax import layout_minmax, record_non_finite, unit_minmax
+from ..stats.minmax import KERNEL_DTYPES, layout_minmax, record_non_finite, unit_minmax
 from . import record
 from .sync import step_sync, sync_observers
 
@@ -132,14 +132,17 @@ class Observer(nn.Module):
                 self.step_empty()
             return x
         layout = self.spec.layout
-        # the C kernels read float32; the ops (off the CPU) read bf16 / fp16 as they are
-        x_read = x.detach() if x.device.type != "cpu" else x.detach().float()
+        minmax_only = not self.needs_units and self.non_finite == "error"
+        # bf16 / fp16 are read as they are where the reader takes them (the C min / max
+        # kernel and the ops, where the units only feed the min / max; off the CPU, the ops
+        # of a class with units_in_input_dtype); everything else reads a float32 copy
+        as_is = x.dtype in KERNEL_DTYPES and (
+            minmax_only or (x.device.type != "cpu" and self.units_in_input_dtype))
+        x_read = x.detach() if as_is else x.detach().float()
         fast = None
-        if not self.needs_units and self.non_finite == "error":
+        if minmax_only:
             fast = layout_minmax(x_read, layout)  # min / max straight from x, no units copy
-        units = None
-        if fast is None:
-            units = layout.to_units(x_read if self.units_in_input_dtype else x_read.float())
+        units = None if fast is not None else layout.to_units(x_read)
         count = units.shape[0] if fast is None else fast[0].shape[0]
         self._check_unit_count(count, x.shape)
         if self.non_finite == "ignore":

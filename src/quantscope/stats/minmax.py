@@ -3,9 +3,10 @@
 torch reduces a whole tensor (``torch.aminmax(x)``) in one vectorized read, but
 per-row reductions are slower: ``torch.aminmax(u, dim=1)`` is not vectorized
 (6-9x the whole-tensor time on CPU) and ``amin`` + ``amax`` read the data twice.
-On CPU, for large contiguous float32 units, :func:`unit_minmax` therefore runs
-a small C kernel (one read, both extremes, NaN propagated, threads over units),
-compiled on first use by :mod:`quantscope.kernels`. Without a compiler, for small inputs,
+On CPU, for large contiguous float32, bf16 or fp16 units, :func:`unit_minmax` therefore
+runs a small C kernel (one read, both extremes, NaN propagated, threads over units; bf16 /
+fp16 widened exactly as they are read, never copied to float32), compiled on first use by
+:mod:`quantscope.kernels`. Without a compiler, for small inputs,
 or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give identical results
 (tests compare them bitwise), up to the sign of a zero extreme: where -0.0 and +0.0 tie
 for a unit's min or max, which comes back depends on the vector width (torch's too; they
@@ -65,9 +66,32 @@ def _threads(numel: int, rows: int) -> int:
     return max(1, min(kernels.threads(), rows, numel // THREAD_MIN_NUMEL))
 
 
+#: the element types the C kernel reads, by its code (csrc/unit_minmax.c)
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def _use_kernel(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+    return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.is_contiguous()
             and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad)
+
+
+def _result_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of per-unit min / max of ``dtype`` units: float32 for the kernel's element
+    types (exact: a bf16 / fp16 value is a float32), the units' own otherwise."""
+    return torch.float32 if dtype in KERNEL_DTYPES else dtype
+
+
+def _torch_path(units: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`torch_unit_minmax` on the CPU with :func:`unit_minmax`'s result dtype: half
+    units reduce in their own dtype and only the results widen (not the data)."""
+    if units.dtype == _result_dtype(units.dtype):
+        return torch_unit_minmax(units, out)
+    lo, hi = torch_unit_minmax(units)
+    if out is None:
+        return lo.float(), hi.float()
+    out[0].copy_(lo)
+    out[1].copy_(hi)
+    return out
 
 
 #: state updates :func:`unit_minmax` can fuse into its pass (see :func:`update_state`)
@@ -118,7 +142,8 @@ def ema_(kind: str, c: float, state: torch.Tensor, batch: torch.Tensor) -> None:
 def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ends: torch.Tensor | None = None, update: tuple | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of every row of ``units [U, E]`` as two ``[U]`` tensors (NaN propagates).
+    """Min and max of every row of ``units [U, E]`` as two ``[U]`` tensors (NaN propagates):
+    float32 for float32 / bf16 / fp16 units, the units' dtype for others.
 
     ``out``: two ``[U]`` tensors to write into (observers pass their previous ones: fresh
     multi-megabyte outputs cost page faults that, for blocks of 8 or 16, take longer than
@@ -129,7 +154,7 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     on the kernel path; the returned ``lo`` / ``hi`` are then scratch.
     """
     U, E = units.shape
-    if out is not None and not all(o.shape == (U,) and o.dtype == units.dtype
+    if out is not None and not all(o.shape == (U,) and o.dtype == _result_dtype(units.dtype)
                                    and o.device == units.device and o.is_contiguous()
                                    for o in out):
         out = None
@@ -140,7 +165,7 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     if lib is None or not fusable or (ends is not None and (
             ends.shape != (2,) or ends.dtype != torch.float32 or ends.device.type != "cpu")):
         # on the CPU torch itself: the op's dispatch (~11 us) outweighs a small reduction
-        lo, hi = torch_unit_minmax(units, out) if units.device.type == "cpu" else \
+        lo, hi = _torch_path(units, out) if units.device.type == "cpu" else \
             ops.unit_minmax(units)
         if ends is not None:
             ends.copy_(torch.stack((lo.amin(), hi.amax())))
@@ -153,36 +178,43 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     mode, c, slo, shi = (0, 0.0, 0, 0) if update is None else (
         UPDATES[update[0]], float(update[1]), update[2].data_ptr(), update[3].data_ptr())
     lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), scratch.data_ptr(),
-                       threads, mode, c, slo, shi, int(kernels.streaming()))
+                       threads, mode, c, slo, shi, int(kernels.streaming()),
+                       KERNEL_DTYPES[units.dtype])
     return lo, hi
 
 
 def column_minmax(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of every column of ``m [R, C]`` as two ``[C]`` tensors (NaN propagates)."""
+    """Min and max of every column of ``m [R, C]`` as two ``[C]`` tensors (NaN propagates),
+    of :func:`unit_minmax`'s result dtype."""
     R, C = m.shape
     lib = _kernel() if R >= 2 and _use_kernel(m) else None
     if lib is None:
-        return torch.aminmax(m, dim=0) if R else (m.new_full((C,), float("inf")),
-                                                  m.new_full((C,), float("-inf")))
+        dtype = _result_dtype(m.dtype)
+        if not R:
+            return (m.new_full((C,), float("inf"), dtype=dtype),
+                    m.new_full((C,), float("-inf"), dtype=dtype))
+        lo, hi = torch.aminmax(m, dim=0)
+        return lo.to(dtype), hi.to(dtype)
     lo, hi = kernels.buffer(C), kernels.buffer(C)
     _column_kernel(lib, m, lo, hi)
     return lo, hi
 
 
 def _column_kernel(lib, m: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-    """The C column reduction of a contiguous float32 ``m [R >= 2, C]`` into ``lo`` / ``hi``
-    (contiguous float32 ``[C]``, rows of a larger tensor included)."""
+    """The C column reduction of a contiguous ``m [R >= 2, C]`` (a kernel dtype) into ``lo`` /
+    ``hi`` (contiguous float32 ``[C]``, rows of a larger tensor included)."""
     R, C = m.shape
     threads = _threads(R * C, R)
     work = torch.empty(threads * 3 * C, dtype=torch.float32)
-    lib.qs_col_minmax(m.data_ptr(), R, C, lo.data_ptr(), hi.data_ptr(), work.data_ptr(), threads)
+    lib.qs_col_minmax(m.data_ptr(), R, C, lo.data_ptr(), hi.data_ptr(), work.data_ptr(), threads,
+                      KERNEL_DTYPES[m.dtype])
 
 
 def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per-unit ``(lo, hi)`` (float32) of ``x`` under ``layout`` without a float32 copy of
     its units.
 
-    On the CPU, for float32 ``x`` and the layouts whose units are not a row view of ``x``
+    On the CPU, for float32 / bf16 / fp16 ``x`` and the layouts whose units are not a row view of ``x``
     (a channel axis other than the first, groups or blocks along an axis before the last,
     tiles, a transposed matrix's channels): the C kernel's reductions over reshapes of ``x``
     itself. Elsewhere, any float ``x``: the op ``quantscope::unit_minmax`` on a

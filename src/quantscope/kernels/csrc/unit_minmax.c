@@ -4,9 +4,60 @@
 #include <stdint.h>
 #include <math.h>
 #include <pthread.h>
+#include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+
+/* The input's element type (quantscope.stats.minmax passes the code). bf16 / fp16 are
+   widened to float32 a piece at a time into a buffer that stays in L1, exactly (every bf16 /
+   fp16 value is a float32), so a half tensor is read once from memory at half the bytes and
+   never copied to float32 there. */
+enum { QS_F32 = 0, QS_BF16 = 1, QS_F16 = 2 };
+
+/* floats widened at a time (8 KiB on the stack) */
+#define PIECE 2048
+
+/* One fp16 as float32 (exact: subnormal halves become normal floats). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t w;
+    float f;
+    if (e == 0x1f) w = s | 0x7f800000u | (m << 13);         /* inf, NaN */
+    else if (e) w = s | ((e + 112) << 23) | (m << 13);     /* normal: rebias 15 -> 127 */
+    else {                                                  /* zero, subnormal: m * 2**-24 */
+        f = (float)m * 0x1p-24f;
+        memcpy(&w, &f, 4);
+        w |= s;
+    }
+    memcpy(&f, &w, 4);
+    return f;
+}
+
+/* n bf16 / fp16 at h as float32 into out. */
+static void widen(const uint16_t *h, int dt, int64_t n, float *out) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    if (dt == QS_BF16)
+        for (; i + 8 <= n; i += 8) {  /* bf16 is float32's upper half */
+            __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i)));
+            _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+#ifdef __F16C__
+    else
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+#endif
+    for (; i < n; ++i) {
+        if (dt == QS_BF16) {
+            const uint32_t w = (uint32_t)h[i] << 16;
+            memcpy(out + i, &w, 4);
+        } else {
+            out[i] = f16_to_f32(h[i]);
+        }
+    }
+}
 
 /* The running ends of a share of rows: the smallest min and largest max, and whether some
    row held NaN (then both ends are NaN, as torch's amin / amax of the per-row results). */
@@ -165,6 +216,41 @@ static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, f
     for (int64_t u = u0; u < u1; ++u) row(x + u * E, E, lo + u, hi + u, e);  /* the rest */
 }
 
+/* rows() of a [U, E] matrix of any element type: bf16 / fp16 rows are widened a piece at
+   a time (whole rows where they fit in one, else each row piece by piece). */
+static void rows_of(const void *x, int dt, int64_t E, int64_t u0, int64_t u1, float *lo,
+                    float *hi, ends_t *e, int streaming) {
+    if (dt == QS_F32) {
+        rows((const float *)x, E, u0, u1, lo, hi, e, streaming);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)x;
+    float buf[PIECE];
+    if (E <= PIECE) {
+        const int64_t k = PIECE / E;
+        for (int64_t u = u0; u < u1; u += k) {
+            const int64_t n = u1 - u < k ? u1 - u : k;
+            widen(h + u * E, dt, n * E, buf);
+            rows(buf, E, 0, n, lo + u, hi + u, e, 0);
+        }
+        return;
+    }
+    for (int64_t u = u0; u < u1; ++u) {
+        float l = INFINITY, g = -INFINITY, pl, ph;
+        int bad = 0;
+        for (int64_t j = 0; j < E; j += PIECE) {
+            const int64_t n = E - j < PIECE ? E - j : PIECE;
+            widen(h + u * E + j, dt, n, buf);
+            row(buf, n, &pl, &ph, e);  /* NaN in both ends where the piece holds one */
+            bad |= pl != pl;
+            l = pl < l ? pl : l;
+            g = ph > g ? ph : g;
+        }
+        lo[u] = bad ? NAN : l;
+        hi[u] = bad ? NAN : g;
+    }
+}
+
 /* Column min / max of rows [r0, r1) of a contiguous [R, C] float32 matrix into lo / hi / nan
    (length C, initialised by the caller): vertical, so every load is a full vector. */
 static void cols(const float *x, int64_t C, int64_t r0, int64_t r1, float *lo, float *hi,
@@ -191,17 +277,44 @@ static void cols(const float *x, int64_t C, int64_t r0, int64_t r1, float *lo, f
     }
 }
 
-typedef struct { const float *x; int64_t C, r0, r1; float *lo, *hi; int32_t *nan; } cjob_t;
+/* cols() of any element type: bf16 / fp16 rows widened a piece at a time. */
+static void cols_of(const void *x, int dt, int64_t C, int64_t r0, int64_t r1, float *lo,
+                    float *hi, int32_t *nan) {
+    if (dt == QS_F32) {
+        cols((const float *)x, C, r0, r1, lo, hi, nan);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)x;
+    float buf[PIECE];
+    if (C <= PIECE) {
+        const int64_t k = PIECE / C;
+        for (int64_t r = r0; r < r1; r += k) {
+            const int64_t n = r1 - r < k ? r1 - r : k;
+            widen(h + r * C, dt, n * C, buf);
+            cols(buf, C, 0, n, lo, hi, nan);
+        }
+        return;
+    }
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < C; c += PIECE) {
+            const int64_t n = C - c < PIECE ? C - c : PIECE;
+            widen(h + r * C + c, dt, n, buf);
+            cols(buf, n, 0, 1, lo + c, hi + c, nan + c);
+        }
+}
+
+typedef struct { const void *x; int dt; int64_t C, r0, r1; float *lo, *hi; int32_t *nan; } cjob_t;
 
 static void *crun(void *p) {
     cjob_t *j = (cjob_t *)p;
-    cols(j->x, j->C, j->r0, j->r1, j->lo, j->hi, j->nan);
+    cols_of(j->x, j->dt, j->C, j->r0, j->r1, j->lo, j->hi, j->nan);
     return NULL;
 }
 
-/* Per-column min / max of [R, C]; work (threads x 3C floats) is scratch from the caller. */
-void qs_col_minmax(const float *x, int64_t R, int64_t C, float *lo, float *hi, float *work,
-                   int threads) {
+/* Per-column min / max of [R, C] of element type dt; work (threads x 3C floats) is scratch
+   from the caller. */
+void qs_col_minmax(const void *x, int64_t R, int64_t C, float *lo, float *hi, float *work,
+                   int threads, int dt) {
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
     cjob_t jobs[QS_MAXT];
@@ -209,7 +322,7 @@ void qs_col_minmax(const float *x, int64_t R, int64_t C, float *lo, float *hi, f
         float *l = work + (int64_t)t * 3 * C, *h = l + C;
         int32_t *n = (int32_t *)(h + C);
         for (int64_t c = 0; c < C; ++c) { l[c] = INFINITY; h[c] = -INFINITY; n[c] = 0; }
-        jobs[t] = (cjob_t){x, C, R * t / threads, R * (t + 1) / threads, l, h, n};
+        jobs[t] = (cjob_t){x, dt, C, R * t / threads, R * (t + 1) / threads, l, h, n};
     }
     qs_run_jobs(crun, jobs, sizeof jobs[0], threads);
     for (int64_t c = 0; c < C; ++c) {
@@ -227,7 +340,7 @@ void qs_col_minmax(const float *x, int64_t R, int64_t C, float *lo, float *hi, f
 }
 
 typedef struct {
-    const float *x; int64_t E, u0, u1; float *lo, *hi; float ends[2];
+    const void *x; int dt; int64_t E, u0, u1; float *lo, *hi; float ends[2];
     int mode; float c, omc; float *slo, *shi; int streaming;
 } job_t;
 
@@ -247,7 +360,7 @@ static float upd(int mode, float s, float b, float c, float omc, int is_min) {
 static void *run(void *p) {
     job_t *j = (job_t *)p;
     ends_t e = {INFINITY, -INFINITY, 0};
-    rows(j->x, j->E, j->u0, j->u1, j->lo, j->hi, &e, j->streaming);
+    rows_of(j->x, j->dt, j->E, j->u0, j->u1, j->lo, j->hi, &e, j->streaming);
     if (j->mode)
         for (int64_t u = j->u0; u < j->u1; ++u) {
             j->slo[u] = upd(j->mode, j->slo[u], j->lo[u], j->c, j->omc, 1);
@@ -259,13 +372,14 @@ static void *run(void *p) {
     return NULL;
 }
 
-void qs_unit_minmax(const float *x, int64_t U, int64_t E, float *lo, float *hi, float *ends,
-                    int threads, int mode, double c, float *slo, float *shi, int streaming) {
+void qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi, float *ends,
+                    int threads, int mode, double c, float *slo, float *shi, int streaming,
+                    int dt) {
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
     job_t jobs[QS_MAXT];
     for (int t = 0; t < threads; ++t)
-        jobs[t] = (job_t){x, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0},
+        jobs[t] = (job_t){x, dt, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0},
                           mode, (float)c, (float)(1.0 - c), slo, shi,
                           streaming && !mode}; /* a state update reads lo / hi right away */
     qs_run_jobs(run, jobs, sizeof jobs[0], threads);
