@@ -312,6 +312,20 @@ def _scenarios(r, w, group=None):
     obs.sync()
     out["nan_step"] = _record(obs)
 
+    # step sync of tensors large enough for the min-max family's direct path, which takes
+    # lo / hi without the units: it passed no units, read as "no data on this rank" (every
+    # rank: TypeError; found by review), fp32 and bf16 (read by the kernel as they are)
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(40)
+        xs = [(torch.randn(64, 2048, generator=g) * (i + 1)).to(dtype) for i in range(w)]
+        obs = quantscope.get_observer("minmax", QuantSpec(layout=Channel(-1)))
+        obs.sync_every_step, obs.sync_group = True, group
+        ref = quantscope.get_observer("minmax", QuantSpec(layout=Channel(-1)))
+        obs(xs[r])
+        ref(torch.cat(xs))
+        obs.sync()
+        out[f"direct/{dtype}"] = {"got": _record(obs), "ref": _record(ref)}
+
     # calibration helpers: a failure on one rank raises on every rank; counts; samples
     try:
         with qd.all_or_none("observing", group):

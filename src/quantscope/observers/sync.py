@@ -354,7 +354,8 @@ def _reduce_buckets(buckets, dev, group) -> None:
 
 def step_sync(obs, units, lo, hi, group=None):
     """Exchange one step's statistic of ``obs`` (called by ``Observer.forward`` in
-    ``sync_every_step`` mode); ``units`` None: this rank has no data this step.
+    ``sync_every_step`` mode); ``lo`` None: this rank has no data this step (``units`` is
+    also None where forward took ``lo`` / ``hi`` straight from the tensor: min-max).
 
     Returns the global ``(units, lo, hi)`` of the step, or None when no rank had data.
     Observers whose step statistic is the range (``step_sync_range_only = True``:
@@ -362,11 +363,11 @@ def step_sync(obs, units, lo, hi, group=None):
     others gather the units, concatenated along the elements in rank order.
     """
     if not is_distributed(group):
-        return None if units is None else (units, lo, hi)
+        return None if lo is None else (units, lo, hi)
     dev = group_device(group)
-    has = units is not None
-    U = units.shape[0] if has else 0
-    E = units.shape[1] if has else 0
+    has = lo is not None
+    U = lo.shape[0] if has else 0
+    E = units.shape[1] if units is not None else 0
     bad = bool(has) and not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all())
     if getattr(obs, "step_sync_range_only", False):
         # the largest and (negated) smallest unit count of the ranks with data: vectors of
