@@ -11,11 +11,15 @@ import warnings
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 
 from quantscope import kernels
 from quantscope.stats import minmax
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the test extra's backport
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(kernels.CSRC.glob("*.c")) + sorted((ROOT / "tests" / "kernels" / "csrc").glob("*.c"))

@@ -8,10 +8,14 @@ import re
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 
 from quantscope import _versions
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the test extra's backport
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
