@@ -176,6 +176,8 @@ def test_presets_on_low_precision_weights_within_one_rounding(preset, dtype):
     w = (torch.randn(128, 256) * 0.05).to(dtype)
     mine, theirs = _pair("memoryless_minmax", "weight", args.model_dump())
     mine(w), theirs(w)
+    assert mine.min_vals.dtype == theirs.min_vals.dtype == dtype  # their statistics' dtype
+    assert torch.equal(mine.min_vals, theirs.min_vals)
     a, b = mine.get_qparams(), theirs.get_qparams()
     for key in ("scale", "zero_point", "global_scale"):
         assert (a[key] is None) == (b[key] is None), key

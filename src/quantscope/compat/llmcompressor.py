@@ -135,8 +135,8 @@ def _min_max(observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     units, shape = statistics_units(observed)
     if not observed.is_floating_point():  # integer data: amin / amax keep its dtype
         return units.amin(-1).reshape(shape), units.amax(-1).reshape(shape)
-    lo, hi = unit_minmax(units)
-    return lo.reshape(shape), hi.reshape(shape)
+    lo, hi = unit_minmax(units)  # float32 for bf16 / fp16 units: exact in their dtype
+    return lo.reshape(shape).to(units.dtype), hi.reshape(shape).to(units.dtype)
 
 
 def _default_error_buffer(args) -> float:
