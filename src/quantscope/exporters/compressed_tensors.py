@@ -24,7 +24,6 @@ activation amax; MX scales are powers of two, stored as E8M0 exponents.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import fnmatch
 import json
@@ -41,6 +40,7 @@ from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import nvfp4_global_scale
 from .atomic import EXPORT_EXTRAS, atomic_dir, check_writable_target
+from .ct_compress import compress, ct_compressor
 from .experts import checkpoint_names, unfuse_experts
 from .registry import register
 
@@ -387,9 +387,8 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         warnings.warn("export compressed-tensors (allow_lossy): " + "; ".join(lossy.notes),
                       stacklevel=2)
     _attach_kv_scales(work, kv)
-    compressor = _compressor(work, kv_args)
-    with _this_process_only():
-        compressor.compress_model(work)
+    compressor = ct_compressor(work, kv_args)
+    compress(compressor, work)
     copied = []  # their modes stay: a private tokenizer file is not made readable
     with atomic_dir(path, overwrite=overwrite, inputs=[source],  # never the source
                     keep_modes=copied) as tmp:
@@ -399,37 +398,6 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         if source is not None:
             copied += _copy_extras(source, tmp)
     return path
-
-
-def _this_process_only():
-    """compressed-tensors' ``compress_model`` shares its work among the ranks of an initialised
-    process group (a collective), but only rank 0 exports (the registry's rule): the others
-    are not in this call, so it would wait forever. Its context to compress in one process."""
-    try:
-        from compressed_tensors.offload import as_single_threaded
-    except ImportError:  # a version that never compresses in parallel
-        return contextlib.nullcontext()
-    return as_single_threaded()
-
-
-def _compressor(work: nn.Module, kv_args):
-    """compressed-tensors' ``ModelCompressor`` of the schemes attached to ``work``, with the
-    ``kv_cache_scheme``. A KV-cache-only calibration attaches no scheme (compressed-tensors
-    then has no config): its config is empty ``config_groups`` beside the
-    ``kv_cache_scheme``, as llm-compressor writes it."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.config import CompressionFormat
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
-
-    compressor = ModelCompressor.from_pretrained_model(work)
-    if kv_args is None:
-        return compressor
-    if compressor.quantization_config is None:
-        compressor.quantization_config = QuantizationConfig(
-            config_groups={}, format=CompressionFormat.dense.value,
-            quantization_status=QuantizationStatus.COMPRESSED)
-    compressor.quantization_config.kv_cache_scheme = kv_args
-    return compressor
 
 
 def _attach_schemes(work: nn.Module, groups, states, lossy: _Lossy) -> None:
