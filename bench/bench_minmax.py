@@ -14,6 +14,9 @@ Each case times, interleaved on the same tensor (bench/common.compare):
   dynamic path (``compute_dynamic_scales_and_zp``: amin / amax over the last dim);
 * the floor: ``torch.aminmax(x)`` over the whole tensor, one read of the same data.
 
+The last cases repeat three in bf16, as an LLM's tensors come (quantscope reads them as they
+are; the floor is ``torch.aminmax`` of the bf16 tensor).
+
 ``vs floor`` is quantscope's observe time over the floor (goal: <= 1.5); ``peer / qs`` is
 the peer's time over quantscope's for the same work (observe, and observe + qparams).
 """
@@ -54,6 +57,7 @@ def cases():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4096, 4096, generator=g)
     a = torch.randn(16, 512, 4096, generator=g)
+    wb, ab = w.bfloat16(), a.bfloat16()  # as an LLM's weights and activations come
     # name, tensor, quantscope spec, torch.ao view [units, elements], CT args, LC base name
     return [
         ("per-channel", w, QuantSpec("int8", Channel(0)), w,
@@ -62,10 +66,20 @@ def cases():
          {"num_bits": 4, "strategy": "group", "group_size": 128}, "weight"),
         ("per-token", a, QuantSpec("int8", Token()), a.view(-1, 4096),
          {"num_bits": 8, "strategy": "token", "dynamic": True}, "input"),
-        ("MXFP4 block 32", w, presets.MXFP4, w.view(-1, 32),
+        # E8M0 'even', as compressed-tensors rounds MX scales (the mxfp4 preset's 'floor' is
+        # OCP's rule: the same work, other scales)
+        ("MXFP4 block 32", w, QuantSpec("fp4_e2m1", presets.MXFP4.layout, scale="e8m0:even"),
+         w.view(-1, 32),
          {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
           "scale_dtype": torch.uint8}, "weight"),
         ("NVFP4 block 16", w, presets.NVFP4, w.view(-1, 16),
+         {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+          "scale_dtype": torch.float8_e4m3fn}, "weight"),
+        ("per-channel bf16", wb, QuantSpec("int8", Channel(0)), wb,
+         {"num_bits": 8, "strategy": "channel"}, "weight"),
+        ("per-token bf16", ab, QuantSpec("int8", Token()), ab.view(-1, 4096),
+         {"num_bits": 8, "strategy": "token", "dynamic": True}, "input"),
+        ("NVFP4 block 16 bf16", wb, presets.NVFP4, wb.view(-1, 16),
          {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
           "scale_dtype": torch.float8_e4m3fn}, "weight"),
     ]
@@ -108,10 +122,11 @@ def ct_observer(ct, fields, base, x):
 
 
 def main(repeat: int = 9, threads: int | None = None) -> None:
-    """Print the table; ``threads`` (or env QUANTSCOPE_BENCH_THREADS) sets torch's threads."""
-    threads = threads or int(os.environ.get("QUANTSCOPE_BENCH_THREADS", "0") or 0)
-    if threads:
-        torch.set_num_threads(threads)
+    """Print the table; ``threads`` (or env QUANTSCOPE_BENCH_THREADS; default 1) sets torch's
+    threads."""
+    # one thread unless told: stable ratios on a shared 2-core machine (as the other benches)
+    threads = threads or int(os.environ.get("QUANTSCOPE_BENCH_THREADS") or 1)
+    torch.set_num_threads(threads)
     ct = _ct()
     lc_name = "llm-compressor" if ct and ct[3] is not None else "llm-compressor (CT path)"
     print(f"compiled min/max kernel: {kernels.available('unit_minmax')}; threads {torch.get_num_threads()}; "

@@ -81,9 +81,10 @@ def _versions(packages) -> dict[str, str]:
 
 
 def peer_versions() -> dict[str, str]:
-    """The peers' packages in QUANTSCOPE_PEER_PYTHON's environment ({} without one)."""
-    python = os.environ.get("QUANTSCOPE_PEER_PYTHON")
-    if not python:
+    """The peers' packages in QUANTSCOPE_PEER_PYTHON's environment, else ``.peers``' (where
+    the benches look for it), {} without one."""
+    python = os.environ.get("QUANTSCOPE_PEER_PYTHON") or str(HERE.parent / ".peers" / "bin" / "python")
+    if not os.path.exists(python):
         return {}
     code = (f"import json, sys; sys.path.insert(0, {str(HERE)!r}); from run import _versions; "
             f"print(json.dumps(_versions({list(PEER_PACKAGES)!r})))")
@@ -153,18 +154,20 @@ def run_one(name: str, common: dict[str, str], results: Path) -> None:
     module = importlib.import_module(EXTRA.get(name, f"bench_{name}"))
     start, load0, sink = time.time(), os.getloadavg()[0], []
     argv, sys.argv = sys.argv, [module.__file__]  # a bench's own argparse sees no arguments
+    threads = torch.get_num_threads()  # a bench that pins its own leaves the next one alone
     try:
         with tee_stdout(sink):
             module.main()
     finally:
         sys.argv = argv
+        torch.set_num_threads(threads)
     seconds = time.time() - start
     versions_run, end_rev = common["versions"], git_rev()
     if end_rev != common["rev"]:  # the checkout changed under the bench (children import it anew)
         versions_run = versions_run.replace(f"(git {common['rev']})",
                                             f"(git {common['rev']} at the start, {end_rev} at the end)")
     header = {"date": f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, "
-                      f"{seconds / 60:.0f} min {seconds % 60:.0f} s",
+                      f"{int(seconds // 60)} min {seconds % 60:.0f} s",
               "command": f"python bench/run.py {name}",
               "load": f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
                       "(1-minute load average)",
