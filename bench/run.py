@@ -166,8 +166,9 @@ def run_one(name: str, common: dict[str, str], results: Path) -> None:
     if end_rev != common["rev"]:  # the checkout changed under the bench (children import it anew)
         versions_run = versions_run.replace(f"(git {common['rev']})",
                                             f"(git {common['rev']} at the start, {end_rev} at the end)")
+    minutes, secs = divmod(round(seconds), 60)
     header = {"date": f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, "
-                      f"{int(seconds // 60)} min {seconds % 60:.0f} s",
+                      f"{minutes} min {secs} s",
               "command": f"python bench/run.py {name}",
               "load": f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
                       "(1-minute load average)",

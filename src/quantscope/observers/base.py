@@ -38,7 +38,7 @@ from .._checks import check_float32_range
 from .._numerics import upload
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
-from ..stats.minmax import KERNEL_DTYPES, layout_minmax, record_non_finite, unit_minmax
+from ..stats.minmax import MINMAX_DTYPES, layout_minmax, record_non_finite, unit_minmax
 from . import record
 from .sync import step_sync, sync_observers
 
@@ -104,6 +104,8 @@ class Observer(nn.Module):
     needs_units: bool = True
     #: whether :meth:`_observe` takes ``units`` in the input's own float dtype off the CPU
     #: (what it does with them reads bf16 / fp16 as they are: the ops); False: a float32 copy
+    #: (the min-max family's units are in the input's dtype on every device: only the
+    #: per-unit min / max read them)
     units_in_input_dtype: bool = False
 
     def __init__(self, spec: QuantSpec | None = None, *, non_finite: str = "error"):
@@ -133,10 +135,10 @@ class Observer(nn.Module):
             return x
         layout = self.spec.layout
         minmax_only = not self.needs_units and self.non_finite == "error"
-        # bf16 / fp16 are read as they are where the reader takes them (the C min / max
-        # kernel and the ops, where the units only feed the min / max; off the CPU, the ops
-        # of a class with units_in_input_dtype); everything else reads a float32 copy
-        as_is = x.dtype in KERNEL_DTYPES and (
+        # bf16 / fp16 read as they are: on every device where only the per-unit min / max
+        # read the data (the C kernel, the ops); off the CPU also where the class's own ops
+        # take them (units_in_input_dtype). Everything else reads a float32 copy.
+        as_is = x.dtype in MINMAX_DTYPES and (
             minmax_only or (x.device.type != "cpu" and self.units_in_input_dtype))
         x_read = x.detach() if as_is else x.detach().float()
         fast = None
@@ -278,7 +280,8 @@ class Observer(nn.Module):
             self.observed_shape = upload(shape, self.observed_shape.device, torch.int64)
 
     def _observe(self, units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        """Update the statistics from float32 ``units [U, E]`` and its per-unit ``lo``, ``hi``.
+        """Update the statistics from ``units [U, E]`` (float32; the min-max family's in the
+        input's dtype, unread) and its per-unit ``lo``, ``hi`` (float32).
 
         ``units`` is None when the class sets ``needs_units = False`` and the layout has a
         direct min / max path (:func:`~quantscope.stats.minmax.layout_minmax`).

@@ -26,8 +26,9 @@ from .._oplib import define
 from ..kernels import ops
 from ..kernels import triton as _triton
 
-__all__ = ["column_minmax", "ema_", "layout_minmax", "minmax_observe", "minmax_update", "op_unit_count",
-           "op_units", "padded_minmax_", "record_non_finite", "torch_unit_minmax", "unit_minmax"]
+__all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "column_minmax", "ema_", "layout_minmax",
+           "minmax_observe", "minmax_update", "op_unit_count", "op_units", "padded_minmax_",
+           "record_non_finite", "torch_unit_minmax", "unit_minmax"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -38,7 +39,8 @@ def _kernel():
 
 
 def torch_unit_minmax(units: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`unit_minmax` (any device, any float dtype)."""
+    """The torch reference of :func:`unit_minmax` (any device, any float dtype), in the
+    units' dtype: :func:`unit_minmax` returns bf16 / fp16 results widened to float32."""
     if units.shape[0] == 1:  # a full reduction is much faster than one along a dim
         lo, hi = torch.aminmax(units)
         if out is None:
@@ -68,6 +70,9 @@ def _threads(numel: int, rows: int) -> int:
 
 #: the element types the C kernel reads, by its code (csrc/unit_minmax.c)
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: the float dtypes every per-unit min / max path reads as they are: the C kernel on the
+#: CPU, the ops off it (min / max of bf16 / fp16 values are exact in float32)
+MINMAX_DTYPES = tuple(KERNEL_DTYPES)
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
@@ -81,7 +86,7 @@ def _result_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in KERNEL_DTYPES else dtype
 
 
-def _torch_path(units: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
+def _torch_minmax_f32(units: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_unit_minmax` on the CPU with :func:`unit_minmax`'s result dtype: half
     units reduce in their own dtype and only the results widen (not the data)."""
     if units.dtype == _result_dtype(units.dtype):
@@ -165,7 +170,7 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     if lib is None or not fusable or (ends is not None and (
             ends.shape != (2,) or ends.dtype != torch.float32 or ends.device.type != "cpu")):
         # on the CPU torch itself: the op's dispatch (~11 us) outweighs a small reduction
-        lo, hi = _torch_path(units, out) if units.device.type == "cpu" else \
+        lo, hi = _torch_minmax_f32(units, out) if units.device.type == "cpu" else \
             ops.unit_minmax(units)
         if ends is not None:
             ends.copy_(torch.stack((lo.amin(), hi.amax())))
@@ -214,12 +219,12 @@ def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] 
     """Per-unit ``(lo, hi)`` (float32) of ``x`` under ``layout`` without a float32 copy of
     its units.
 
-    On the CPU, for float32 / bf16 / fp16 ``x`` and the layouts whose units are not a row view of ``x``
-    (a channel axis other than the first, groups or blocks along an axis before the last,
-    tiles, a transposed matrix's channels): the C kernel's reductions over reshapes of ``x``
-    itself. Elsewhere, any float ``x``: the op ``quantscope::unit_minmax`` on a
-    view of ``x`` (the units as ``[U1, U2, E1, E2]`` for those layouts), or on its units in
-    its own dtype. Always in the units' order (``layout.to_units`` order; tests check both
+    On the CPU, for float32 / bf16 / fp16 ``x`` and the layouts whose units are not a row view
+    of ``x`` (a channel axis other than the first, groups or blocks along an axis before the
+    last, tiles, a transposed matrix's channels): the C kernel's reductions over reshapes of
+    ``x`` itself. Elsewhere, any float ``x``: the op ``quantscope::unit_minmax`` on a view of
+    ``x`` (the units as ``[U1, U2, E1, E2]`` for those layouts), or on its units in its own
+    dtype. Always in the units' order (``layout.to_units`` order; tests check both
     agree). None: no such path here, build the float32 units instead.
     """
     if x.device.type != "cpu":
@@ -311,7 +316,7 @@ def _op_layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tens
 
 
 #: the dtypes the ops read as they are
-_OP_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_OP_FLOATS = MINMAX_DTYPES
 
 
 def op_units(x: torch.Tensor, layout) -> torch.Tensor | None:
