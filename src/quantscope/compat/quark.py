@@ -18,7 +18,10 @@ MX rule (bitwise Quark's ``even_round`` for float elements, the only ones Quark'
 element's 6 fraction bits, OCP MXINT8's 1.6 layout, where Quark's ``fake_quantize_mx`` rounds
 to 8). Integer ranges go through the native qparams, which
 match Quark's ``calculate_int_quant_params`` bit for bit on float32 input; as there, a
-symmetric range has zero point 0, unsigned formats too. NaN / inf raise a ``ValueError``
+symmetric range has zero point 0, unsigned formats too; the fp6 dtypes on the min-max classes
+(and fp4 on ``PerGroupMinMaxObserver``), which Quark prices with that integer formula, raise
+:class:`UnsupportedElementError` (an ``AssertionError`` as Quark's) once data is seen
+(before, Quark's ``([1.], [0])``). NaN / inf raise a ``ValueError``
 naming the observer at ``calculate_qparams()`` on every scale rule; so does an asymmetric
 ``PerTensorMSEObserver`` whose candidates are negative (all-negative data: Quark asserts).
 Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged for a
@@ -39,12 +42,13 @@ float and MX formats.
 Known differences: ``round_method`` other than half_even is not supported; the histogram MSE
 search prices candidates in float64 (Quark's float32 mean can tie two candidates and take the
 first); integer scales of a bfloat16 / float16 / float64 input are computed in float32 and
-then cast (Quark computes float64 ranges, and asymmetric half ones, in the input's dtype,
-which can differ in the last bits), and so are the scales after a module cast (``.half()``,
-``.double()``: the dtypes are Quark's, eps, ``min_val`` / ``max_val`` and scales in the cast's
-dtype; a histogram observer keeps that dtype where Quark's returns to float32 once a batch
-widens its bins); ``reset_state`` forgets the histogram and the BFP16 amax (Quark's keeps
-them and merges the next batch); ``PerTensorHistogramObserverPro`` saves the native state
+then cast to its dtype, then to ``scale_type``'s as Quark's (Quark computes float64 ranges,
+and asymmetric half ones, in the input's dtype, which can differ in the last bits), and so
+are the scales after a module cast (``.half()``, ``.double()``: the dtypes are Quark's, eps,
+``min_val`` / ``max_val`` and scales in the cast's dtype; a histogram observer keeps that
+dtype where Quark's returns to float32 once a batch widens its bins); ``reset_state`` forgets
+the histogram and the BFP16 amax (Quark's keeps them and merges the next batch);
+``PerTensorHistogramObserverPro`` saves the native state
 (Quark's saves torch.ao's ``histogram.*``, a grid quantscope's does not keep; the other
 classes save nothing, as Quark's); ``PerTensorHistogramObserverPro`` with a symmetric
 unsigned dtype gives the native mid code (128 for uint8; torch.ao's custom range gives 127);
@@ -55,11 +59,16 @@ its counts are re-binned approximately (each bin of quantscope's power-of-two gr
 Quark bin of its centre: the percentile and MSE scales within about ``2 ** -7`` of Quark's),
 and where an asymmetric batch widens the range downward Quark adds its old counts at the
 new grid's first bins (misplaced; its MSE search can then fail), quantscope where they
-were; BFP16 uses the native 'even' E8M0
-rule, which bumps the exponent when the block's largest magnitude rounds to 128 on either sign
-(Quark checks positive overflow only, and keeps doubling its running amax across calls), and
-whose smallest scale is ``2 ** -127`` (Quark's formula goes subnormal for blocks below
-``2 ** -120``; a zero block gets eps in both).
+were; BFP16 takes Quark's ``2 ** (floor(log2 amax) - 6)`` in the input's dtype (a bfloat16 /
+float16 log2 can round up to the next power, as Quark's; eps where it is 0 there) of the amax
+doubled where the native 'even' E8M0 rule bumps the exponent, when the block's largest
+magnitude rounds to 128 on either sign (Quark checks positive overflow only, and keeps doubling
+its running amax across calls), and its smallest scale is the native ``2 ** -127`` (Quark's
+formula goes subnormal for blocks below ``2 ** -120``, and infinite where the doubled amax
+overflows, a float16 block near 65504; a zero block gets eps in both);
+``PerTensorHistogramObserverPro`` bins a bfloat16 / float16 batch as its float32 values (Quark's
+hands it to torch.ao, which bins it in that dtype and loses counts: quantscope's gives Quark's
+answer for the batch's float32 copy).
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ import importlib
 import importlib.machinery
 import math
 import sys
+from typing import ClassVar
 
 import torch
 
@@ -161,6 +171,9 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
 
     #: Quark's per-group observer overwrites on every call, dynamic or not
     always_memoryless = False
+    #: the float dtypes Quark prices with its integer formula (its quant_min assert fails
+    #: once data is seen): fp6 (and fp4 in its per-group class)
+    _quark_int_priced: ClassVar[tuple[str, ...]] = ("fp6_e2m3", "fp6_e3m2")
 
     @property
     def accumulates(self):
@@ -193,7 +206,16 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
         else:
             StaticMinMaxObserver._observe(self, units, lo, hi)
 
+    def calculate_qparams(self, min_val: torch.Tensor | None = None,
+                          max_val: torch.Tensor | None = None):
+        if enum_name(self.dtype) in self._quark_int_priced and (
+                min_val is not None or max_val is not None):
+            return self.calculate_int_quant_params(min_val, max_val)
+        return super().calculate_qparams(min_val, max_val)
+
     def _calculate_qparams(self):
+        if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert
+            return self.calculate_qparams(self.min_val, self.max_val)
         if not self.has_observed:  # Quark's answers, in its shapes: (1, 1) per group
             scale, zp = (self.calculate_fp8_quant_parameters(self.min_val, self.max_val)
                          if self.spec.is_float else _quark_int_default())
@@ -257,6 +279,7 @@ class PerGroupMinMaxObserver(_DynamicOrStatic):
     _eps_argument = "ignored"
     always_memoryless = True
     _flat_stats = True
+    _quark_int_priced = ("fp4", "fp6_e2m3", "fp6_e3m2")
 
     def _quark_attributes(self, qspec) -> dict:
         # group_count: 1 until a tensor is observed (set_shape), kept by a reset, as Quark's
@@ -281,6 +304,7 @@ class _BlockAmax(_DynamicOrStatic):
     """Quark's block observers' ``amax`` (and attributes: block_size, axis, eps a float)."""
 
     _quark_base = "block"
+    _quark_int_priced = ()  # Quark's block classes price their own dtypes
 
     @property
     def amax(self) -> torch.Tensor:
@@ -351,12 +375,29 @@ class PerBlockBFPObserver(_BlockAmax):
 
     def _calculate_qparams(self):
         if not self.has_observed:  # Quark's formula on its amax tensor(0.): eps
-            return torch.tensor(self.eps), torch.tensor(0, dtype=torch.int32)
-        scale, zp = super()._calculate_qparams()
-        # Quark fills eps where its 2 ** (floor(log2 amax) - 6) underflows to 0 (a zero
-        # block): its floor formula, unfilled (eps=0), finds them
-        zero = quark_e8m0_scale(self.amax.float(), self.spec.format.emax, "floor", eps=0.0) == 0
-        return scale.masked_fill(zero, self.eps), zp.to(torch.int32)
+            return (torch.tensor(self.eps).to(self.scale_torch_dtype),
+                    torch.tensor(0, dtype=torch.int32))
+        native, zp = super()._calculate_qparams()  # float32, with the overflow bump
+        amax = self.amax
+        scale = self._quark_floor(amax, native.to(amax.dtype))
+        return scale.to(self.scale_torch_dtype), zp.to(torch.int32)
+
+    def _quark_floor(self, amax: torch.Tensor, native: torch.Tensor) -> torch.Tensor:
+        """Quark's ``2 ** (floor(log2 amax) - 6)`` in ``amax``'s dtype (a half log2 can round
+        up to the next integer: a scale that never overflows), of the amax doubled where its
+        forward finds the block overflowing; eps where it is 0 there. Where it is subnormal
+        (float32 / bfloat16 blocks below ``2 ** -120``), or infinite (the doubled amax of a
+        float16 block near 65504 overflows: Quark's scale is inf), the native scale."""
+        emax = self.spec.format.emax
+        floor = quark_e8m0_scale(amax, emax, "floor", eps=0.0)  # eps=0: finds the zeros
+        flushed = floor.to(self.scale_torch_dtype or floor.dtype) == 0
+        # Quark's overflow: codes of 128 (``native``, the 'even' rule, bumped), or a scale
+        # scale_type's dtype flushes to 0 (float16 below 2 ** -24) on a block its
+        # fake-quantization does not round to 0
+        bumped = (floor > 0) & ((native == 2 * floor) | (flushed & (amax > 2.0 ** -127)))
+        floor = quark_e8m0_scale(torch.where(bumped, 2 * amax, amax), emax, "floor", eps=0.0)
+        floor = torch.where(torch.isinf(floor), native, floor)  # never an infinite scale
+        return torch.maximum(native, floor).masked_fill(floor == 0, self.eps)
 
 
 if _QUARK_OBSERVERS in sys.modules:  # Quark came first: join it now

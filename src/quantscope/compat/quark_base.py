@@ -31,8 +31,9 @@ _SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 
 
 class UnsupportedElementError(ValueError, AssertionError):
-    """An element dtype Quark's ``PerBlockMXObserver`` refuses (an integer one): an
-    ``AssertionError`` as Quark's, and a ``ValueError`` as quantscope's bad-argument errors."""
+    """An element dtype a Quark observer refuses (an integer one in ``PerBlockMXObserver``, a
+    float one Quark prices with its integer formula): an ``AssertionError`` as Quark's, and a
+    ``ValueError`` as quantscope's bad-argument errors."""
 
 
 def quark_spec(qspec, *, pad_blocks: bool = False) -> QuantSpec:
@@ -324,11 +325,15 @@ class QuarkObserver:
     def _calculate_qparams(self):
         qp = self.qparams()
         scale, zp = self._quark_shape(qp.effective_scale), self._quark_shape(qp.zero_point)
-        scale = scale.to(self._scale_dtype)
-        if self.spec.is_float or self.spec.scale.is_block:
+        if self.spec.scale.is_block:  # float32 (Quark's even_round): the class casts it
+            return scale, torch.zeros_like(scale)
+        if self.spec.is_float:  # Quark divides in scale_type's dtype
+            scale = scale.to(self._scale_dtype)
             return scale, torch.zeros_like(scale)
         if self.spec.symmetric:  # Quark: zero points 0 when symmetric, unsigned too
             zp = torch.zeros_like(zp)
+        # Quark computes in the range's dtype, then casts to scale_type's (or promotes it)
+        scale = scale.to(self._input_dtype)
         return scale.to(self.scale_torch_dtype or self._int_scale_dtype(scale, scale)), zp
 
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
@@ -342,14 +347,18 @@ class QuarkObserver:
 
     def calculate_int_quant_params(self, min_val: torch.Tensor, max_val: torch.Tensor):
         """Quark's integer ``(scale, zero_point)`` of a range (any shape; int32 zero points);
-        a range never observed (``inf``, ``-inf`` or empty) gives Quark's ``([1.], [0])``."""
-        if self.spec.is_float:
-            raise ValueError(f"calculate_int_quant_params needs an integer dtype, the qspec "
-                             f"has {enum_name(self.dtype)!r}")
+        a range never observed (``inf``, ``-inf`` or empty) gives Quark's ``([1.], [0])``
+        (checked first, as Quark's), a float dtype :class:`UnsupportedElementError`."""
         if min_val.numel() == 0 or max_val.numel() == 0 or (
                 min_val.dim() == 0 and bool(min_val == float("inf"))
                 and bool(max_val == float("-inf"))):
             return _quark_int_default()
+        if self.spec.is_float:  # Quark asserts an integer quant_min / quant_max
+            raise UnsupportedElementError(
+                f"{type(self).__name__}: calculate_int_quant_params (where Quark's class prices "
+                f"this dtype) needs an integer dtype, the qspec has {enum_name(self.dtype)!r}: "
+                f"Quark's asserts an integer quant_min / quant_max (fp4 groups: "
+                f"PerBlockMXObserver)")
         qp = qparams_from_range(min_val.float(), max_val.float(), self.spec)
         zp = qp.zero_point.to(torch.int32)
         if self.spec.symmetric:  # Quark's zeros (the native rule: uint8's mid code 128)

@@ -318,6 +318,11 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
     quant ranges make torch ignore ``reduce_range``, so it is accepted and unused. Its
     state_dict is the native observer's (Quark's holds its torch.ao child's ``histogram.*``,
     a state quantscope's grid cannot hold: a widening batch re-bins approximately there).
+    A deliberate difference, as in :class:`quantscope.compat.torch_ao.HistogramObserver`: a
+    bfloat16 / float16 batch is binned as its float32 values, so the qparams are Quark's for
+    the batch's float32 copy. Quark's hands the half batch to torch.ao, which bins it in that
+    dtype (``torch.histc`` rounds the bin positions and the counts there: its bins stop
+    counting near 256 values in bfloat16, 2048 in float16).
     """
 
     _saves_state = True
