@@ -225,7 +225,7 @@ def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] 
     ``x`` itself. Elsewhere, any float ``x``: the op ``quantscope::unit_minmax`` on a view of
     ``x`` (the units as ``[U1, U2, E1, E2]`` for those layouts), or on its units in its own
     dtype. Always in the units' order (``layout.to_units`` order; tests check both
-    agree). None: no such path here, build the float32 units instead.
+    agree). None: no such path here, build the units instead.
     """
     if x.device.type != "cpu":
         return _op_layout_minmax(x, layout)
