@@ -214,6 +214,27 @@ def test_other_names_give_quantscope_qparams(name, case):
     assert torch.equal(got["zero_point"].reshape(-1).float(), want.zero_point.reshape(-1).float())
 
 
+@pytest.mark.parametrize("name", ["mse", "memoryless_mse"])
+def test_nvfp4_searched_amax_past_the_float16_range_keeps_its_global_scale(name):
+    """An fp16 weight near the top of fp16's range: the MSE search's global amax (up to about
+    1.4x the absmax) has no fp16 value; it read inf, so the global scale was 0 and the
+    checkpoint dequantized to NaN. It is the native observer's global scale."""
+    args = QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="tensor_group",
+                            group_size=16, scale_dtype=torch.float8_e4m3fn,
+                            zp_dtype=torch.float8_e4m3fn)
+    t = torch.randn(48, 64, generator=torch.Generator().manual_seed(3))
+    w = (t / t.abs().max() * 60000.0).half()
+    ours = Observer.load_from_registry(f"quantscope_{name}", base_name="weight",
+                                       args=args.model_copy())
+    ours(w)
+    native = quantscope.get_observer(name, llmcompressor_spec(args, "weight"))
+    native(w)
+    assert native.global_amax() > torch.finfo(torch.float16).max  # the case: past fp16
+    got = ours.get_qparams()["global_scale"]
+    assert torch.isfinite(got).all() and (got > 0).all()
+    assert torch.equal(got, native.qparams().global_scale)
+
+
 def test_fused_nvfp4_weights_share_the_global_scale():
     from llmcompressor.observers.fusion import FusionHandler
 

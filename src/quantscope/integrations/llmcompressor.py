@@ -205,7 +205,11 @@ class QuantscopeObserver(Observer):
         stats = super().get_statistics()
         amax = self.quantscope.global_amax()
         if amax is not None:  # the amax the ranges were searched under (NVFP4 MSE)
-            stats["global_amax"] = amax.reshape(()).to(self._dtype)
+            # in the observed dtype, as llm-compressor's statistics, where it holds it: a
+            # searched amax past float16's 65504 read inf there, a global scale of 0 (the
+            # checkpoint dequantized to NaN; found by probing), so float32 then
+            amax, half = amax.reshape(()).float(), amax.reshape(()).to(self._dtype)
+            stats["global_amax"] = half if bool(torch.isfinite(half)) else amax
         return stats
 
     def get_global_scale(self) -> torch.Tensor | None:
