@@ -18,8 +18,10 @@ MX rule (bitwise Quark's ``even_round`` for float elements, the only ones Quark'
 element's 6 fraction bits, OCP MXINT8's 1.6 layout, where Quark's ``fake_quantize_mx`` rounds
 to 8). Integer ranges go through the native qparams, which
 match Quark's ``calculate_int_quant_params`` bit for bit on float32 input; as there, a
-symmetric range has zero point 0, unsigned formats too; the fp6 dtypes on the min-max classes
-(and fp4 on ``PerGroupMinMaxObserver``), which Quark prices with that integer formula, raise
+symmetric range has zero point 0, unsigned formats too, and ``scale_format`` is not read
+(e8m0 / e4m3 give the plain scales); fp4 with no ``scale_format`` raises a ``ValueError`` on
+the per-tensor / per-channel classes, as Quark's ``get_scale``; the fp6 dtypes on the min-max
+classes (and fp4 on ``PerGroupMinMaxObserver``), which Quark prices with that integer formula, raise
 :class:`UnsupportedElementError` (an ``AssertionError`` as Quark's) once data is seen
 (before, Quark's ``([1.], [0])``). NaN / inf raise a ``ValueError``
 naming the observer at ``calculate_qparams()`` on every scale rule; so does an asymmetric
@@ -208,14 +210,16 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
 
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
                           max_val: torch.Tensor | None = None):
-        if enum_name(self.dtype) in self._quark_int_priced and (
-                min_val is not None or max_val is not None):
-            return self.calculate_int_quant_params(min_val, max_val)
+        if min_val is not None or max_val is not None:
+            if enum_name(self.dtype) in self._quark_int_priced:
+                return self.calculate_int_quant_params(min_val, max_val)
+            self._check_fp4_scale_format()
         return super().calculate_qparams(min_val, max_val)
 
     def _calculate_qparams(self):
         if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert
             return self.calculate_qparams(self.min_val, self.max_val)
+        self._check_fp4_scale_format()
         if not self.has_observed:  # Quark's answers, in its shapes: (1, 1) per group
             scale, zp = (self.calculate_fp8_quant_parameters(self.min_val, self.max_val)
                          if self.spec.is_float else _quark_int_default())
@@ -227,6 +231,15 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
                 self.min_vals.to(self._input_dtype), self.max_vals.to(self._input_dtype))
             return self._quark_shape(scale), self._quark_shape(zp)
         return super()._calculate_qparams()
+
+    def _check_fp4_scale_format(self) -> None:
+        """Quark's uniform classes price fp4 with ``get_scale(scale_format)``, which raises
+        ValueError (before data too) when the qspec has none: so does this one."""
+        if (self._quark_base == "uniform" and enum_name(self.dtype) == "fp4"
+                and self.scale_format is None):
+            raise ValueError(f"{type(self).__name__}: dtype 'fp4' needs a scale_format (e8m0, "
+                             f"e4m3, e5m3 or float32), got None: Quark's get_scale has no "
+                             f"default for it")
 
     min_val, max_val = QuarkObserver.ends("_stat", "Running (or last) minimum / maximum")
 

@@ -36,13 +36,15 @@ class UnsupportedElementError(ValueError, AssertionError):
     ``ValueError`` as quantscope's bad-argument errors."""
 
 
-def quark_spec(qspec, *, pad_blocks: bool = False) -> QuantSpec:
+def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False) -> QuantSpec:
     """The :class:`QuantSpec` of a Quark ``QTensorConfig`` (object or dict; the one translation).
 
     Casts (float16 / bfloat16) give an fp32 per-tensor spec: they need no range.
     ``pad_blocks``: a float32-scaled per_group qspec takes the padding :class:`Block` layout
     (Quark's block observers pad the last block), not :class:`Group` (its per-group one
-    refuses a group size that does not divide the axis).
+    refuses a group size that does not divide the axis). ``uniform``: the spec of Quark's
+    uniform-scaling observers, whose ``calculate_int_quant_params`` never reads
+    ``scale_format``: an integer dtype takes float32 scales whatever it says.
     """
     dtype = enum_name(field(qspec, "dtype"))
     qscheme = enum_name(field(qspec, "qscheme")) or "per_tensor"
@@ -51,6 +53,8 @@ def quark_spec(qspec, *, pad_blocks: bool = False) -> QuantSpec:
     symmetric = field(qspec, "symmetric")
     symmetric = True if symmetric is None else bool(symmetric)
     scale_format = enum_name(field(qspec, "scale_format")) or "float32"
+    if uniform and dtype in _INT:  # Quark's integer formula: plain amax-based scales
+        scale_format = "float32"
     mode = enum_name(field(qspec, "scale_calculation_mode")) or "even"
     round_method = enum_name(field(qspec, "round_method"))
     if round_method not in (None, "half_even", "8"):
@@ -212,7 +216,8 @@ class QuarkObserver:
 
     def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
                  **native):
-        spec = quark_spec(qspec, pad_blocks=self._pads_blocks)
+        spec = quark_spec(qspec, pad_blocks=self._pads_blocks,
+                          uniform=self._quark_base == "uniform")
         if eps is not None and self._eps_argument == "refused":
             raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword "
                             f"argument 'eps'")
