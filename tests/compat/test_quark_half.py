@@ -1,7 +1,8 @@
 """compat.quark against AMD Quark 0.13 on bfloat16 / float16 input: the dtypes Quark computes
 its scales in (MX's float32 even_round, BFP16's floor formula in the input's dtype, integer
-scales in the range's dtype before ``scale_type``), and the float dtypes Quark prices with its
-integer formula (it asserts).
+scales in the range's dtype before ``scale_type``), the float dtypes Quark prices with its
+integer formula (it asserts), and, on every input dtype, the ``scale_format`` that formula
+never reads (integer dtypes) or that fp4 cannot do without.
 
 Every test imports Quark and compares with its own classes (the peers' venv).
 """
