@@ -20,8 +20,9 @@ to 8). Integer ranges go through the native qparams, which
 match Quark's ``calculate_int_quant_params`` bit for bit on float32 input; as there, a
 symmetric range has zero point 0, unsigned formats too, and ``scale_format`` is not read
 (e8m0 / e4m3 give the plain scales); fp4 with no ``scale_format`` raises a ``ValueError`` on
-the per-tensor / per-channel classes, as Quark's ``get_scale``; the fp6 dtypes on the min-max
-classes (and fp4 on ``PerGroupMinMaxObserver``), which Quark prices with that integer formula, raise
+the per-tensor / per-channel min-max classes, as Quark's ``get_scale``; the fp6 dtypes on the
+min-max classes (and fp4 on ``PerGroupMinMaxObserver``), which Quark prices with that integer
+formula, raise
 :class:`UnsupportedElementError` (an ``AssertionError`` as Quark's) once data is seen
 (before, Quark's ``([1.], [0])``). NaN / inf raise a ``ValueError``
 naming the observer at ``calculate_qparams()`` on every scale rule; so does an asymmetric
@@ -405,8 +406,8 @@ class PerBlockBFPObserver(_BlockAmax):
         floor = quark_e8m0_scale(amax, emax, "floor", eps=0.0)  # eps=0: finds the zeros
         flushed = floor.to(self.scale_torch_dtype or floor.dtype) == 0
         # Quark's overflow: codes of 128 (``native``, the 'even' rule, bumped), or a scale
-        # scale_type's dtype flushes to 0 (float16 below 2 ** -24) on a block its
-        # fake-quantization does not round to 0
+        # that scale_type's dtype flushes to 0 (float16 below 2 ** -24), whose codes Quark's
+        # forward finds overflowing, on a block its fake-quantization does not round to 0
         bumped = (floor > 0) & ((native == 2 * floor) | (flushed & (amax > 2.0 ** -127)))
         floor = quark_e8m0_scale(torch.where(bumped, 2 * amax, amax), emax, "floor", eps=0.0)
         floor = torch.where(torch.isinf(floor), native, floor)  # never an infinite scale

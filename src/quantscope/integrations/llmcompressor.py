@@ -207,7 +207,8 @@ class QuantscopeObserver(Observer):
         if amax is not None:  # the amax the ranges were searched under (NVFP4 MSE)
             # in the observed dtype, as llm-compressor's statistics, where it holds it: a
             # searched amax past float16's 65504 read inf there, a global scale of 0 (the
-            # checkpoint dequantized to NaN; found by probing), so float32 then
+            # checkpoint dequantized to NaN; found by probing), so float32 then (one that
+            # rounds down to 65504 stays float16, a hair low)
             amax, half = amax.reshape(()).float(), amax.reshape(()).to(self._dtype)
             stats["global_amax"] = half if bool(torch.isfinite(half)) else amax
         return stats
