@@ -39,6 +39,19 @@ def same(theirs, ours):
     assert torch.equal(ours, theirs), (theirs, ours)
 
 
+def both_raise(theirs, ours, exc, our_exc, match):
+    """Quark's class raises ``exc`` and ours ``our_exc`` (matching ``match``) from
+    ``_calculate_qparams()`` and from ``calculate_qparams(min_val, max_val)``."""
+    with pytest.raises(exc):
+        theirs._calculate_qparams()
+    with pytest.raises(our_exc, match=match):
+        ours._calculate_qparams()
+    with pytest.raises(exc):
+        theirs.calculate_qparams(theirs.min_val, theirs.max_val)
+    with pytest.raises(our_exc, match=match):
+        ours.calculate_qparams(ours.min_val, ours.max_val)
+
+
 def bfp(**kw):
     return twins("PerBlockBFPObserver", dtype="bfp16", qscheme="per_group", group_size=8,
                  ch_axis=-1, **kw)
@@ -152,14 +165,8 @@ def test_float_dtypes_quark_prices_as_integers_raise_as_quark(name, dtype, extra
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
     theirs(x)
     ours(x)
-    with pytest.raises(AssertionError):
-        theirs._calculate_qparams()
-    with pytest.raises(AssertionError, match=rf"{name}: .*integer dtype.*'{dtype}'"):
-        ours._calculate_qparams()
-    with pytest.raises(AssertionError):
-        theirs.calculate_qparams(theirs.min_val, theirs.max_val)
-    with pytest.raises(quark.UnsupportedElementError, match=rf"{name}: .*'{dtype}'"):
-        ours.calculate_qparams(ours.min_val, ours.max_val)
+    both_raise(theirs, ours, AssertionError, quark.UnsupportedElementError,
+               rf"{name}: .*integer dtype.*'{dtype}'")
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -219,14 +226,8 @@ def test_fp4_without_scale_format_raises_as_quark(name, extra):
         if seen:
             theirs(x)
             ours(x)
-        with pytest.raises(ValueError):
-            theirs._calculate_qparams()
-        with pytest.raises(ValueError, match=rf"{name}: dtype 'fp4' needs a scale_format"):
-            ours._calculate_qparams()
-        with pytest.raises(ValueError):
-            theirs.calculate_qparams(theirs.min_val, theirs.max_val)
-        with pytest.raises(ValueError, match=rf"{name}: dtype 'fp4' needs a scale_format"):
-            ours.calculate_qparams(ours.min_val, ours.max_val)
+        both_raise(theirs, ours, ValueError, ValueError,
+                   rf"{name}: dtype 'fp4' needs a scale_format")
     _, plain = twins(name, dtype="fp4", scale_format="float32", **extra)
     plain(x)  # with float32 the scale is amax / 6, as Quark's
     amax = x.abs().amax(dim=None if name == "PerTensorMinMaxObserver" else 1)
