@@ -232,3 +232,95 @@ def test_fp4_without_scale_format_raises_as_quark(name, extra):
     plain(x)  # with float32 the scale is amax / 6, as Quark's
     amax = x.abs().amax(dim=None if name == "PerTensorMinMaxObserver" else 1)
     assert torch.equal(plain._calculate_qparams()[0], amax / 6.0)
+
+
+HISTOGRAMS = ["PerTensorHistogramObserver", "PerTensorPercentileObserver",
+              "PerTensorMSEObserver"]
+
+
+@pytest.mark.parametrize("name", HISTOGRAMS)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_histogram_fp4_without_scale_format_raises_as_quark(name, symmetric):
+    """Quark's histogram classes price fp4 with get_scale(scale_format) (MSE: its search
+    refuses fp4 first, after data): ValueError before data, after it and on a given range."""
+    theirs, ours = twins(name, dtype="fp4", symmetric=symmetric)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    lo, hi = torch.tensor(-1.0), torch.tensor(2.0)
+    for seen in (False, True):
+        if seen:
+            theirs(x)
+            ours(x)
+        after_mse = seen and name == "PerTensorMSEObserver"
+        # Quark's percentile class, before data, fails on an attribute its forward sets
+        with pytest.raises(AttributeError if name == HISTOGRAMS[1] and not seen else ValueError):
+            theirs._calculate_qparams()
+        with pytest.raises(ValueError, match=rf"{name}: " + (
+                "Quark's MSE search prices dtypes .*'fp4'" if after_mse
+                else "dtype 'fp4' needs a scale_format")):
+            ours._calculate_qparams()
+        with pytest.raises(ValueError):
+            theirs.calculate_qparams(lo, hi)
+        with pytest.raises(ValueError, match=rf"{name}: dtype 'fp4' needs a scale_format"):
+            ours.calculate_qparams(lo, hi)
+
+
+@pytest.mark.parametrize("name", HISTOGRAMS[1:])
+@pytest.mark.parametrize("dtype", ["fp6_e2m3", "fp6_e3m2"])
+@pytest.mark.parametrize("scale_format", [None, "float32"])
+def test_histogram_fp6_raises_as_quark(name, dtype, scale_format):
+    """Quark prices fp6 with its integer formula (the quant_min assert) on a given range and
+    on its percentile estimate; its MSE search refuses fp6 first (ValueError)."""
+    kw = {} if scale_format is None else {"scale_format": scale_format}
+    theirs, ours = twins(name, dtype=dtype, **kw)
+    lo, hi = torch.tensor(-1.0), torch.tensor(2.0)
+    with pytest.raises(AssertionError):
+        theirs.calculate_qparams(lo, hi)
+    with pytest.raises(quark.UnsupportedElementError, match=rf"{name}: .*integer dtype.*"
+                                                            rf"'{dtype}'"):
+        ours.calculate_qparams(lo, hi)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    theirs(x)
+    ours(x)
+    if name == "PerTensorMSEObserver":
+        exc, our_exc, match = ValueError, ValueError, rf"{name}: Quark's MSE search .*'{dtype}'"
+    else:
+        exc, our_exc = AssertionError, quark.UnsupportedElementError
+        match = rf"{name}: .*integer dtype.*'{dtype}'"
+    with pytest.raises(exc):
+        theirs._calculate_qparams()
+    with pytest.raises(our_exc, match=match):
+        ours._calculate_qparams()
+    if name == "PerTensorPercentileObserver":  # Quark stores its estimate before it asserts
+        same(theirs.max_val, ours.max_val)
+
+
+@pytest.mark.parametrize("dtype", ["int2", "int16", "fp8_e5m3"])
+def test_mse_search_refuses_the_dtypes_quarks_refuses(dtype):
+    """Quark's MSE search fake-quantizes int4 / uint4 / int8 / uint8 / fp8_e4m3 / fp8_e5m2
+    only: another dtype is a ValueError once data is seen; a given range is still priced."""
+    theirs, ours = twins("PerTensorMSEObserver", dtype=dtype, symmetric=True)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    theirs(x)
+    ours(x)
+    with pytest.raises(ValueError, match="Invalid dtype"):
+        theirs._calculate_qparams()
+    with pytest.raises(ValueError, match=rf"PerTensorMSEObserver: .*'{dtype}'"):
+        ours._calculate_qparams()
+    lo, hi = torch.tensor(-1.0), torch.tensor(2.0)
+    for a, b in zip(theirs.calculate_qparams(lo, hi), ours.calculate_qparams(lo, hi),
+                    strict=True):
+        same(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["fp4", "fp6_e2m3"])
+def test_histogram_pro_refuses_float_dtypes_as_quark(dtype):
+    """Quark's Pro (torch.ao's observer) takes uint4 / int8 / uint8 only, at construction."""
+    from quark.torch.quantization.config.config import QTensorConfig
+    from quark.torch.quantization.config.type import Dtype, QSchemeType
+
+    c = QTensorConfig(dtype=Dtype(dtype), qscheme=QSchemeType.per_tensor,
+                      observer_cls=quark.PerTensorHistogramObserverPro)
+    with pytest.raises(ValueError, match="4bit and 8bit"):
+        qo.PerTensorHistogramObserverPro(c)
+    with pytest.raises(ValueError, match="4bit and 8bit"):
+        quark.PerTensorHistogramObserverPro(c)

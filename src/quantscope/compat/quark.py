@@ -20,11 +20,13 @@ to 8). Integer ranges go through the native qparams, which
 match Quark's ``calculate_int_quant_params`` bit for bit on float32 input; as there, a
 symmetric range has zero point 0, unsigned formats too, and ``scale_format`` is not read
 (e8m0 / e4m3 give the plain scales); fp4 with no ``scale_format`` raises a ``ValueError`` on
-the per-tensor / per-channel min-max classes, as Quark's ``get_scale``; the fp6 dtypes on the
-min-max classes (and fp4 on ``PerGroupMinMaxObserver``), which Quark prices with that integer
-formula, raise
-:class:`UnsupportedElementError` (an ``AssertionError`` as Quark's) once data is seen
-(before, Quark's ``([1.], [0])``). NaN / inf raise a ``ValueError``
+the per-tensor / per-channel min-max and the histogram classes (before data too), as Quark's
+``get_scale``; the fp6 dtypes on those classes (and fp4 on ``PerGroupMinMaxObserver``), which
+Quark prices with that integer formula, raise :class:`UnsupportedElementError` (an
+``AssertionError`` as Quark's) on a given range and once data is seen (before, the min-max
+classes give Quark's ``([1.], [0])``). ``PerTensorMSEObserver``'s search, as Quark's, prices
+int4 / uint4 / int8 / uint8 / fp8_e4m3 / fp8_e5m2 only: another dtype raises ``ValueError``
+at ``calculate_qparams()`` once data is seen. NaN / inf raise a ``ValueError``
 naming the observer at ``calculate_qparams()`` on every scale rule; so does an asymmetric
 ``PerTensorMSEObserver`` whose candidates are negative (all-negative data: Quark asserts).
 Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged for a
@@ -80,7 +82,6 @@ import importlib
 import importlib.machinery
 import math
 import sys
-from typing import ClassVar
 
 import torch
 
@@ -174,9 +175,6 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
 
     #: Quark's per-group observer overwrites on every call, dynamic or not
     always_memoryless = False
-    #: the float dtypes Quark prices with its integer formula (its quant_min assert fails
-    #: once data is seen): fp6 (and fp4 in its per-group class)
-    _quark_int_priced: ClassVar[tuple[str, ...]] = ("fp6_e2m3", "fp6_e3m2")
 
     @property
     def accumulates(self):
@@ -209,14 +207,6 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
         else:
             StaticMinMaxObserver._observe(self, units, lo, hi)
 
-    def calculate_qparams(self, min_val: torch.Tensor | None = None,
-                          max_val: torch.Tensor | None = None):
-        if min_val is not None or max_val is not None:
-            if enum_name(self.dtype) in self._quark_int_priced:
-                return self.calculate_int_quant_params(min_val, max_val)
-            self._check_fp4_scale_format()
-        return super().calculate_qparams(min_val, max_val)
-
     def _calculate_qparams(self):
         if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert
             return self.calculate_qparams(self.min_val, self.max_val)
@@ -232,15 +222,6 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
                 self.min_vals.to(self._input_dtype), self.max_vals.to(self._input_dtype))
             return self._quark_shape(scale), self._quark_shape(zp)
         return super()._calculate_qparams()
-
-    def _check_fp4_scale_format(self) -> None:
-        """Quark's uniform classes price fp4 with ``get_scale(scale_format)``, which raises
-        ValueError (before data too) when the qspec has none: so does this one."""
-        if (self._quark_base == "uniform" and enum_name(self.dtype) == "fp4"
-                and self.scale_format is None):
-            raise ValueError(f"{type(self).__name__}: dtype 'fp4' needs a scale_format (e8m0, "
-                             f"e4m3, e5m3 or float32), got None: Quark's get_scale has no "
-                             f"default for it")
 
     min_val, max_val = QuarkObserver.ends("_stat", "Running (or last) minimum / maximum")
 

@@ -209,6 +209,9 @@ class QuarkObserver:
     #: base, block MX / BFP), "ignored" (its per-channel / per-group take it and drop it in
     #: their ``super().__init__``), "refused" (the others have none)
     _eps_argument: ClassVar[str] = "refused"
+    #: the float dtypes Quark prices with its integer formula (its quant_min assert fails
+    #: once data is seen): fp6 (and fp4 in its per-group class; none in its block classes)
+    _quark_int_priced: ClassVar[tuple[str, ...]] = ("fp6_e2m3", "fp6_e3m2")
     #: the Quark base whose public attributes the constructor sets: "uniform"
     #: (UniformScalingObserver: symmetric ... quant_min / quant_max, eps a non-persistent
     #: float32 buffer), "block" (PerBlockMX / BFP: block_size, axis, eps a float), None
@@ -346,9 +349,21 @@ class QuarkObserver:
         """Quark's ``calculate_qparams()``; with ``(min_val, max_val)`` it prices a given range."""
         if min_val is None and max_val is None:
             return self._calculate_qparams()
+        if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert
+            return self.calculate_int_quant_params(min_val, max_val)
+        self._check_fp4_scale_format()
         if self.spec.is_float:
             return self.calculate_fp8_quant_parameters(min_val, max_val)
         return self.calculate_int_quant_params(min_val, max_val)
+
+    def _check_fp4_scale_format(self) -> None:
+        """Quark's uniform classes price fp4 with ``get_scale(scale_format)``, which raises
+        ValueError (before data too) when the qspec has none: so does this one."""
+        if (self._quark_base == "uniform" and enum_name(self.dtype) == "fp4"
+                and self.scale_format is None):
+            raise ValueError(f"{type(self).__name__}: dtype 'fp4' needs a scale_format (e8m0, "
+                             f"e4m3, e5m3 or float32), got None: Quark's get_scale has no "
+                             f"default for it")
 
     def calculate_int_quant_params(self, min_val: torch.Tensor, max_val: torch.Tensor):
         """Quark's integer ``(scale, zero_point)`` of a range (any shape; int32 zero points);

@@ -26,6 +26,8 @@ __all__ = [
 
 
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+#: the dtypes Quark's MSE search prices (its integer and fp8 fake-quantizers)
+_MSE_DTYPES = {"int4", "uint4", "int8", "uint8", *_FP8_DTYPES}
 
 
 def _quark_edges(hist) -> torch.Tensor:
@@ -111,6 +113,18 @@ class _QuarkHistogram(QuarkObserver):
 
     def _search(self, counts: torch.Tensor, edges: torch.Tensor):
         raise NotImplementedError
+
+    def _calculate_qparams(self):
+        if not self.has_observed:
+            self._check_fp4_scale_format()  # Quark's get_scale raises before data too
+            return super()._calculate_qparams()
+        # Quark's order: the estimate (MSE's search refuses its dtypes), then its pricing,
+        # which refuses fp4 without scale_format and the dtypes of its integer formula
+        qparams = super()._calculate_qparams()
+        if enum_name(self.dtype) in self._quark_int_priced:
+            self.calculate_int_quant_params(*self._priced)  # raises, as Quark's assert
+        self._check_fp4_scale_format()
+        return qparams
 
     def _observe_linear(self, units, lo, hi, *rest):
         return super()._observe_linear(units, lo, self._quark_hi(lo, hi), *rest)
@@ -265,10 +279,15 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
                            stride: int = 1, start_bin: int = 2045
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Quark's function, vectorized over candidates (and rows): the first centre with the
-        least ``sum((q(c) - c) ** 2 * count)``; returns ``(0, amax)``."""
+        least ``sum((q(c) - c) ** 2 * count)``; returns ``(0, amax)``. Quark's dtypes only:
+        int4, uint4, int8, uint8, fp8_e4m3, fp8_e5m2 (others: ValueError, as Quark's)."""
         from ..estimators.error import histogram_error
         from ..stats.histogram import Hist
 
+        if enum_name(self.dtype) not in _MSE_DTYPES:
+            raise ValueError(f"{type(self).__name__}: Quark's MSE search prices dtypes "
+                             f"{sorted(_MSE_DTYPES)}, got {enum_name(self.dtype)!r}: use "
+                             f"PerTensorPercentileObserver or PerTensorMinMaxObserver")
         if calib_bin_edges.shape[-1] < 2:
             raise ValueError(f"calib_bin_edges must have at least 2 elements, got "
                              f"{calib_bin_edges.shape[-1]}")
