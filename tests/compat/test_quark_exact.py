@@ -178,6 +178,17 @@ def test_no_data_qparams_are_quark_defaults():
     assert torch.equal(s, torch.tensor(torch.finfo(torch.float32).eps)) and not z.any()
 
 
+def test_mx_observer_without_scale_format_is_float32_before_and_after_data():
+    """No scale_format reads as float32 (quark_spec's default) on both sides of the data."""
+    none = quark.PerBlockMXObserver({k: v for k, v in mx("e8m0").items() if k != "scale_format"})
+    f32 = quark.PerBlockMXObserver(mx("float32"))
+    x = batches((4, 64))[0]
+    for _ in range(2):
+        for a, b in zip(none._calculate_qparams(), f32._calculate_qparams(), strict=True):
+            assert torch.equal(a, b)
+        none(x), f32(x)
+
+
 def test_scale_format_e5m3_accepted_and_unknown_refused():
     spec = quark.quark_spec(mx("e5m3"))
     assert spec.layout.size == 16 and spec.format.name == "fp4_e2m1"
@@ -435,11 +446,15 @@ def test_histogram_pro_qparams_as_quark_returns_them(dtype, symmetric):
     ("PerTensorMinMaxObserver", {}),
     ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}),
     ("PerGroupMinMaxObserver", {"qscheme": "per_group", "ch_axis": -1, "group_size": 4}),
+    ("PerGroupMinMaxObserver", {"qscheme": "per_group", "ch_axis": -1, "group_size": 32,
+                                "scale_format": "e8m0", "scale_calculation_mode": "even"}),
+    ("PerTensorHistogramObserver", {}),
 ])
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "fp8_e4m3"])
 def test_qparams_before_data_as_quark(name, kw, dtype):
     """Before any data, Quark's defaults in Quark's shapes: ``(1,)`` integers, ``()`` fp8,
-    ``(1, 1)`` per group."""
+    ``(1, 1)`` per group (e8m0-scaled groups too); the histogram recorder as the min-max
+    classes (Quark's prices the range it never set)."""
     pytest.importorskip("quark.torch.quantization.observer.observer")
     if dtype != "fp8_e4m3":
         kw = {**kw, "symmetric": dtype == "int8"}
@@ -450,6 +465,24 @@ def test_qparams_before_data_as_quark(name, kw, dtype):
     for a, b in zip(ours._calculate_qparams(), want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
         same(a, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("mode", ["even", "floor", "ceil"])
+@pytest.mark.parametrize("dtype", ["fp4", "fp8_e4m3"])
+def test_mx_qparams_before_data_as_quark(mode, dtype):
+    """``PerBlockMXObserver`` before data: Quark's E8M0 of its ``amax`` 0, ``2 ** -127``
+    (the 'even' rule included), with float zeros."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerBlockMXObserver", dtype=dtype, qscheme="per_group", ch_axis=-1,
+                         group_size=32, scale_format="e8m0", scale_calculation_mode=mode)
+    for fresh in (True, False):
+        for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+            same(a, b)
+        x = batches((4, 64))[0]
+        theirs(x), ours(x)
+        theirs.reset_min_max_vals(), ours.reset_min_max_vals()  # before data again
 
 
 #: Quark's integer observers, each with the arguments of its granularity

@@ -26,7 +26,13 @@ Quark prices with that integer formula, raise :class:`UnsupportedElementError` (
 ``AssertionError`` as Quark's) on a given range and once data is seen (before, the min-max
 classes give Quark's ``([1.], [0])``). ``PerTensorMSEObserver``'s search, as Quark's, prices
 int4 / uint4 / int8 / uint8 / fp8_e4m3 / fp8_e5m2 only: another dtype raises ``ValueError``
-at ``calculate_qparams()`` once data is seen. NaN / inf raise a ``ValueError``
+at ``calculate_qparams()`` once data is seen. Before any data the min-max classes and
+the histogram recorder return Quark's answers in its shapes (``([1.], [0])`` for integers,
+``(eps, 0.)`` for fp8, ``(1, 1)`` per group), ``PerBlockMXObserver`` Quark's scale of its
+``amax`` 0 (``2 ** -127`` for E8M0); the percentile, MSE and Pro classes raise a
+``ValueError`` (Quark's raise an ``AttributeError``, and Pro's returns a NaN scale).
+``PerBlockMXObserver`` with no ``scale_format`` gives float32 scales (E8M0 for the dtype
+``mx``), as :func:`quark_spec` reads it (Quark's untested branch returns integer exponents). NaN / inf raise a ``ValueError``
 naming the observer at ``calculate_qparams()`` on every scale rule; so does an asymmetric
 ``PerTensorMSEObserver`` whose candidates are negative (all-negative data: Quark asserts).
 Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged for a
@@ -85,7 +91,6 @@ import sys
 
 import torch
 
-from ..layout import Group
 from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
 from ..observers.minmax import PlaceholderObserver as _NativePlaceholder
 from ..observers.registry import register
@@ -94,7 +99,6 @@ from .quark_base import (
     FP8_E5M3,
     QuarkObserver,
     UnsupportedElementError,
-    _quark_int_default,
     quark_e8m0_scale,
     quark_float_scale,
     quark_spec,
@@ -211,11 +215,8 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
         if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert
             return self.calculate_qparams(self.min_val, self.max_val)
         self._check_fp4_scale_format()
-        if not self.has_observed:  # Quark's answers, in its shapes: (1, 1) per group
-            scale, zp = (self.calculate_fp8_quant_parameters(self.min_val, self.max_val)
-                         if self.spec.is_float else _quark_int_default())
-            grouped = isinstance(self.spec.layout, Group)
-            return (scale.reshape(1, 1), zp.reshape(1, 1)) if grouped else (scale, zp)
+        if not self.has_observed:
+            return self._quark_before_data()
         if self.spec.is_float:  # Quark's float rule (quant_max_first_level, eps fill)
             self.check_ready()  # NaN / inf raise here too, as on the native path
             scale, zp = self.calculate_fp8_quant_parameters(
@@ -342,8 +343,10 @@ class PerBlockMXObserver(_BlockAmax):
                 f"(quantscope.presets.MXINT8), BFP16 as PerBlockBFPObserver")
 
     def _calculate_qparams(self):
-        fmt = self.scale_format or "e8m0"
-        if fmt == "e8m0" and (self.scale_calculation_mode or "even") == "even":
+        # no scale_format: the rule quark_spec read (E8M0 for the legacy dtype 'mx', else float32)
+        fmt = self.scale_format or ("e8m0" if self.spec.scale.is_block else "float32")
+        even = fmt == "e8m0" and (self.scale_calculation_mode or "even") == "even"
+        if even and self.has_observed:
             # the native MX path (one pass over the state); Quark's even_round gives float32
             scale, zp = QuarkObserver._calculate_qparams(self)
             return scale.float().to(self.scale_torch_dtype), zp.float()

@@ -391,6 +391,14 @@ class QuarkObserver:
         eps = self.eps.dtype if isinstance(self.eps, torch.Tensor) else torch.float32
         return _quark_int_scale_dtype(min_val, max_val, eps)
 
+    def _quark_before_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What Quark's uniform classes return before any data (their range is ``(inf,
+        -inf)``), in its shapes: ``(1, 1)`` per group / block."""
+        scale, zp = (self.calculate_fp8_quant_parameters(self.min_val, self.max_val)
+                     if self.spec.is_float else _quark_int_default())
+        grouped = isinstance(self.spec.layout, Group | Block)
+        return (scale.reshape(1, 1), zp.reshape(1, 1)) if grouped else (scale, zp)
+
     def calculate_fp8_quant_parameters(self, min_val: torch.Tensor, max_val: torch.Tensor):
         """Quark's float ``(scale, zeros)``: ``amax / quant_max`` of the range (divided by
         ``quant_max_first_level`` too when it is set), zeros -> eps."""

@@ -195,10 +195,16 @@ class _QuarkHistogram(QuarkObserver):
 @register("quark:PerTensorHistogramObserver")
 class PerTensorHistogramObserver(_QuarkHistogram, HistogramObserverBase):
     """Quark's histogram recorder. Quark's own never sets a range (scale 1); here the range is
-    the data's min / max, so the class is usable on its own."""
+    the data's min / max, so the class is usable on its own (before data: Quark's answer)."""
 
     def _estimate(self, hist):
         return self.min_vals, self.max_vals
+
+    def _calculate_qparams(self):
+        if not self.has_observed:
+            self._check_fp4_scale_format()
+            return self._quark_before_data()
+        return super()._calculate_qparams()
 
 
 @register("quark:PerTensorPercentileObserver")
