@@ -102,8 +102,8 @@ class Observer(nn.Module):
     #: whether :meth:`_observe` reads ``units``; False (min-max family) lets forward take the
     #: per-unit min / max straight from the tensor and pass ``units=None``
     needs_units: bool = True
-    #: whether :meth:`_observe` takes ``units`` in the input's own float dtype off the CPU
-    #: (what it does with them reads bf16 / fp16 as they are: the ops); False: a float32 copy
+    #: whether :meth:`_observe` takes ``units`` in the input's own float dtype (what it does
+    #: with them reads bf16 / fp16 exactly: the ops, the C kernels); False: a float32 copy
     #: (the min-max family's units are in the input's dtype on every device: only the
     #: per-unit min / max read them)
     units_in_input_dtype: bool = False
@@ -135,11 +135,10 @@ class Observer(nn.Module):
             return x
         layout = self.spec.layout
         minmax_only = not self.needs_units and self.non_finite == "error"
-        # bf16 / fp16 read as they are: on every device where only the per-unit min / max
-        # read the data (the C kernel, the ops); off the CPU also where the class's own ops
-        # take them (units_in_input_dtype). Everything else reads a float32 copy.
-        as_is = x.dtype in MINMAX_DTYPES and (
-            minmax_only or (x.device.type != "cpu" and self.units_in_input_dtype))
+        # bf16 / fp16 read as they are where only the per-unit min / max read the data (the
+        # C kernel, the ops) or the class's own code takes them (units_in_input_dtype).
+        # Everything else reads a float32 copy.
+        as_is = x.dtype in MINMAX_DTYPES and (minmax_only or self.units_in_input_dtype)
         x_read = x.detach() if as_is else x.detach().float()
         fast = None
         if minmax_only:

@@ -54,7 +54,7 @@ def _check(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor) -> None:
 def _torch_hist_add(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor,
                     absolute: bool) -> None:
     _check(counts, units, exp, first)
-    histogram.bin_values(counts, units.float(), exp, first, absolute)
+    histogram.bin_values(counts, units, exp, first, absolute)
 
 
 def _cuda_hist_add(counts, units, exp, first, absolute):

@@ -186,8 +186,9 @@ def add_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
 
 def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
                first: torch.Tensor, absolute: bool = False) -> torch.Tensor:
-    """:func:`add_values` here, without the op: on the CPU (float32, contiguous) a C kernel
-    (:mod:`.hist_kernel`), else the torch code below, the reference it equals."""
+    """:func:`add_values` here, without the op: on the CPU (float32 / bf16 / fp16) a C
+    kernel (:mod:`.hist_kernel`), else the torch code below, the reference it equals (it
+    reads bf16 / fp16 exactly too: the products with ``2 ** -e`` are float32)."""
     if hist_kernel.bin_values(counts, units, exp, first, absolute):
         return counts
     return _add_values_torch(counts, units, exp, first, absolute)
