@@ -77,7 +77,8 @@ def quantize_units(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
                    spec: QuantSpec, out: torch.Tensor | None = None, *,
                    clamp: bool = True) -> torch.Tensor:
     """Codes of float32 ``u [U, E]`` with per-unit ``scale``, ``zero_point`` (``[U, 1]`` or
-    broadcastable); ``out``: a float32 ``[U, E]`` buffer to compute them in (not ``u``).
+    broadcastable); ``out``: a float32 ``[U, E]`` buffer to compute them in (``u`` itself
+    only where the caller no longer needs it).
     ``clamp=False``: rounded alike but not clamped to the code range (what would clip)."""
     # a fresh tensor (or out): the steps below work in place on it
     t = u / scale if out is None else torch.div(u, scale, out=out)
@@ -180,7 +181,9 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
         _check_qparams(qparams, spec, "fake_quantize")
     scale, zp = _per_unit(qparams, spec, x.shape)
     u = spec.layout.to_units(x.detach().float())
-    out = _saturate(fake_quantize_units(u, scale, zp, spec), x.dtype)
+    # a half x's float32 copy is this call's own: QDQ runs in it (one fresh tensor fewer)
+    own = x.dtype != torch.float32 and not ste
+    out = _saturate(fake_quantize_units(u, scale, zp, spec, u if own else None), x.dtype)
     out = spec.layout.to_shape(out, x.shape).to(x.dtype)
     if not ste:
         return out

@@ -164,6 +164,24 @@ def test_float64_inputs_equal_float32_of_the_same_values(name):
     assert deq.dtype == torch.float64 and torch.equal(deq, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.float32],
+                         ids=str)
+@pytest.mark.parametrize("spec", [QuantSpec("int8", Channel(-1)), QuantSpec("int8", Channel(1)),
+                                  QuantSpec("uint4", Group(8, axis=1), symmetric=False),
+                                  QuantSpec("int8", Block(24, 1)), QuantSpec("int8", Tile(8, 16)),
+                                  presets.NVFP4, presets.FP8_PER_CHANNEL], ids=str)
+def test_qdq_of_a_non_float32_input_runs_in_its_own_copy(spec, dtype):
+    """A bf16 / fp16 / float64 ``x``'s QDQ runs in place in the float32 copy it takes (strided
+    and padded layouts too): the float32 copy's result, and ``x`` untouched (a float32 ``x``
+    is no copy: its QDQ must not run in place)."""
+    x = (torch.randn(4, 40, 32, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    before = x.clone()
+    q = observe(x.float(), spec)
+    out = fake_quantize(x, q, spec)
+    assert torch.equal(x, before)
+    assert torch.equal(out, fake_quantize(x.float(), q, spec).to(dtype))
+
+
 @pytest.mark.parametrize("spec", [QuantSpec("int8", symmetric=False), QuantSpec("int4", Group(8)),
                                   presets.FP8_PER_CHANNEL, presets.MXFP4], ids=str)
 def test_ste_gradient_is_one_inside_and_zero_where_clipped(spec):
