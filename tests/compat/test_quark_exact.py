@@ -485,6 +485,26 @@ def test_mx_qparams_before_data_as_quark(mode, dtype):
         theirs.reset_min_max_vals(), ours.reset_min_max_vals()  # before data again
 
 
+@pytest.mark.peers
+@pytest.mark.parametrize("dtype, extra", [
+    ("int8", {"symmetric": True}), ("fp8_e4m3", {}),
+    ("fp8_e4m3", {"scale_format": "e8m0", "scale_calculation_mode": "even"}),
+    ("fp4", {"scale_format": "e8m0", "scale_calculation_mode": "even"}),
+    ("fp4", {"scale_format": "e4m3"})])
+def test_per_group_refuses_a_group_size_that_does_not_divide_the_axis(dtype, extra):
+    """Quark's per-group class raises ValueError at forward for 40 columns in groups of 32,
+    whatever the scale format (block formats take a padding layout here: refused too)."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerGroupMinMaxObserver", dtype=dtype, qscheme="per_group",
+                         ch_axis=-1, group_size=32, **extra)
+    x = batches((4, 40))[0]
+    with pytest.raises(ValueError):
+        theirs(x)
+    with pytest.raises(ValueError, match="not divisible by group_size=32|does not divide 40"):
+        ours(x)
+    ours(batches((4, 64))[0])  # a dividing width is observed
+
+
 #: Quark's integer observers, each with the arguments of its granularity
 INT_CLASSES = [
     ("PerTensorMinMaxObserver", {}),

@@ -37,7 +37,8 @@ naming the observer at ``calculate_qparams()`` on every scale rule; so does an a
 ``PerTensorMSEObserver`` whose candidates are negative (all-negative data: Quark asserts).
 Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged for a
 constant batch as Quark's. ``PerBlockMXObserver`` zero-pads the last block of an axis the group
-size does not divide; a static ``PerChannelMinMaxObserver`` / ``PerBlockMXObserver`` starts
+size does not divide, ``PerGroupMinMaxObserver`` refuses it (``ValueError``, block scale
+formats too), as Quark's; a static ``PerChannelMinMaxObserver`` / ``PerBlockMXObserver`` starts
 over when the channel count / Quark's ``(rows, blocks)`` change, as Quark's (the other static
 classes raise ``ValueError`` when their unit count changes).
 
@@ -281,6 +282,15 @@ class PerGroupMinMaxObserver(_DynamicOrStatic):
         # group_count: 1 until a tensor is observed (set_shape), kept by a reset, as Quark's
         return {**super()._quark_attributes(qspec), "ch_axis": field(qspec, "ch_axis"),
                 "group_size": field(qspec, "group_size"), "group_count": 1}
+
+    def check_input(self, x: torch.Tensor) -> bool:
+        ok = super().check_input(x)
+        n = x.shape[self.spec.layout.axis] if ok else 0
+        if n % self.group_size:  # Quark's refuses the padded tail its block scales' layout takes
+            raise ValueError(f"{self.describe()}: the {n} elements along ch_axis="
+                             f"{self.ch_axis} are not divisible by group_size="
+                             f"{self.group_size}, as Quark's PerGroupMinMaxObserver requires")
+        return ok
 
     def set_shape(self, shape):
         super().set_shape(shape)
