@@ -505,6 +505,26 @@ def test_per_group_refuses_a_group_size_that_does_not_divide_the_axis(dtype, ext
     ours(batches((4, 64))[0])  # a dividing width is observed
 
 
+@pytest.mark.peers
+@pytest.mark.parametrize("fmt", ["e8m0", "e4m3", "e5m3"])
+@pytest.mark.parametrize("name, kw", [
+    ("PerTensorMinMaxObserver", {}),
+    ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}),
+    ("PerTensorPercentileObserver", {}), ("PerTensorMSEObserver", {})])
+def test_fp8_per_tensor_and_channel_ignore_scale_format_as_quark(name, kw, fmt):
+    """Quark's fp8 formula on a per-tensor / per-channel range never reads scale_format
+    (plain amax / 448): accepted, and the same qparams (quantscope refused the qspec). One
+    batch: a widening one re-bins the histograms approximately (documented)."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins(name, dtype="fp8_e4m3", scale_format=fmt, **kw,
+                         **({"scale_calculation_mode": "even"} if fmt == "e8m0" else {}))
+    x = batches((4, 64))[0]
+    theirs(x), ours(x)
+    for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        same(a, b)
+
+
 #: Quark's integer observers, each with the arguments of its granularity
 INT_CLASSES = [
     ("PerTensorMinMaxObserver", {}),

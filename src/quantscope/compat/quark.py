@@ -19,7 +19,7 @@ element's 6 fraction bits, OCP MXINT8's 1.6 layout, where Quark's ``fake_quantiz
 to 8). Integer ranges go through the native qparams, which
 match Quark's ``calculate_int_quant_params`` bit for bit on float32 input; as there, a
 symmetric range has zero point 0, unsigned formats too, and ``scale_format`` is not read
-(e8m0 / e4m3 give the plain scales); fp4 with no ``scale_format`` raises a ``ValueError`` on
+(e8m0 / e4m3 give the plain scales; so on an fp8 per-tensor / per-channel range); fp4 with no ``scale_format`` raises a ``ValueError`` on
 the per-tensor / per-channel min-max and the histogram classes (before data too), as Quark's
 ``get_scale``; the fp6 dtypes on those classes (and fp4 on ``PerGroupMinMaxObserver``), which
 Quark prices with that integer formula, raise :class:`UnsupportedElementError` (an

@@ -43,8 +43,9 @@ def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False) -> Qua
     ``pad_blocks``: a float32-scaled per_group qspec takes the padding :class:`Block` layout
     (Quark's block observers pad the last block), not :class:`Group` (its per-group one
     refuses a group size that does not divide the axis). ``uniform``: the spec of Quark's
-    uniform-scaling observers, whose ``calculate_int_quant_params`` never reads
-    ``scale_format``: an integer dtype takes float32 scales whatever it says.
+    uniform-scaling observers, whose ``calculate_int_quant_params`` (and fp8 formula on a
+    per-tensor / per-channel range) never reads ``scale_format``: an integer dtype, and fp8
+    there, take float32 scales whatever it says.
     """
     dtype = enum_name(field(qspec, "dtype"))
     qscheme = enum_name(field(qspec, "qscheme")) or "per_tensor"
@@ -53,7 +54,9 @@ def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False) -> Qua
     symmetric = field(qspec, "symmetric")
     symmetric = True if symmetric is None else bool(symmetric)
     scale_format = enum_name(field(qspec, "scale_format")) or "float32"
-    if uniform and dtype in _INT:  # Quark's integer formula: plain amax-based scales
+    if uniform and (dtype in _INT or (dtype.startswith("fp8") and qscheme != "per_group")):
+        # Quark's integer formula, and its fp8 one on a per-tensor / per-channel range,
+        # never read scale_format: plain amax-based scales
         scale_format = "float32"
     mode = enum_name(field(qspec, "scale_calculation_mode")) or "even"
     round_method = enum_name(field(qspec, "round_method"))
