@@ -281,6 +281,27 @@ def test_nvfp4_qparams_bitwise(device, global_amax):
     _assert_bitwise(gs, want.global_scale)
 
 
+@pytest.mark.parametrize("global_amax", [None, 7.0])
+def test_nvfp4_qparams_of_no_blocks_keeps_the_global_scale(device, global_amax):
+    """No blocks (an empty tensor): the global scale still comes from ``global_amax``
+    (448 * 6 / 7 for 7; 1 for the amax 0 of no ranges), as the CPU op's (found by probing:
+    the launcher returned 1 without a launch)."""
+    from quantscope.formats import FP8_E4M3
+    from quantscope.kernels import ops
+    from quantscope.kernels.triton import block_qparams
+    from quantscope.presets import NVFP4
+
+    lo = torch.empty(0)
+    ga = None if global_amax is None else torch.tensor([global_amax])
+    want = ops.nvfp4_qparams(lo, lo, ga, "fp4_e2m1", NVFP4.min_scale)  # the CPU op
+    lo = lo.to(device)
+    amax = block_qparams.global_amax(lo, lo) if ga is None else ga.to(device)
+    block, gs = block_qparams.nvfp4_qparams(lo, lo, amax, NVFP4.format.max, FP8_E4M3.max,
+                                            FP8_E4M3.min_exp, FP8_E4M3.mbits, NVFP4.min_scale)
+    assert block.shape == (0,)
+    _assert_bitwise(gs, want[1])
+
+
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -0.0])
 def test_global_amax_is_torchs_max(device, bad):
     """The ranges' largest ``max(-min(lo, 0), max(hi, 0))``, NaN propagated (one in a

@@ -170,9 +170,8 @@ def nvfp4_qparams(lo: torch.Tensor, hi: torch.Tensor, global_amax: torch.Tensor,
     out = torch.empty_like(lo)
     gs = torch.empty(1, dtype=torch.float32, device=lo.device)
     n = lo.numel()
-    if not n:
-        return out, gs.fill_(1.0)  # no blocks: the global scale of an amax of 0
-    _nvfp4_kernel[(triton.cdiv(n, BLOCK),)](
+    # one program at least: with no blocks it still stores the global scale of global_amax
+    _nvfp4_kernel[(max(1, triton.cdiv(n, BLOCK)),)](
         lo, hi, global_amax, out, n, float(fmax), float(block_max), float(min_scale), gs,
         MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK, **LAUNCH)
     return out, gs
