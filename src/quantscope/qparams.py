@@ -41,7 +41,8 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from ._numerics import true_div, upload
+from ._checks import check_number
+from ._numerics import _F32_MAX, true_div, upload
 from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format
 from .kernels import triton as _triton
@@ -378,6 +379,13 @@ def _check_int(lo: Tensor, hi: Tensor, consts: list[float]) -> None:
     if len(consts) != 5 or not consts[0] < consts[1] or consts[3] not in (0.0, 1.0):
         raise ValueError(f"quantscope::int_qparams: consts must be kernels.qparams_consts' "
                          f"[qmin, qmax, min_scale, symmetric, zero point], got {consts}")
+    qmin, qmax, min_scale, _, zsym = consts
+    who = "quantscope::int_qparams"  # (Python floats: checked with no device read)
+    check_number(who, "consts[0] (qmin)", qmin, -math.inf)
+    check_number(who, "consts[1] (qmax)", qmax, -math.inf)
+    # QuantSpec.eps's rule: positive and float32 (0 would divide the zero point by 0)
+    check_number(who, "consts[2] (min_scale)", min_scale, 0.0, _F32_MAX, lo_open=True)
+    check_number(who, "consts[4] (the symmetric zero point)", zsym, qmin, qmax)
 
 
 def _torch_int_qparams(lo: Tensor, hi: Tensor, consts: list[float]) -> tuple[Tensor, Tensor]:
@@ -410,14 +418,17 @@ int_qparams_op = define(
     _torch_int_qparams, cuda=_cuda_int_qparams, fake=_fake_int_qparams)
 
 
-def _check_nvfp4(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str
-                 ) -> FloatFormat:
+def _check_nvfp4(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str,
+                 min_scale: float) -> FloatFormat:
     """The element format of NVFP4 ranges ``lo`` / ``hi`` under ``global_amax`` (one float32
     value, or None), or the ``ValueError`` naming what is wrong."""
     who = "nvfp4_qparams"
     _check_ranges(lo, hi, who)
-    if global_amax is not None:
+    if global_amax is not None:  # (its value unchecked: that would be a device read)
         _check_global_amax(global_amax, lo.device, who, "None or ")
+    # a float32 number; 0 too: a block scale that rounds to 0 then stays 0 (the block
+    # searches' NaN tests price such blocks, tests/kernels/test_triton_block_search.py)
+    check_number(f"quantscope::{who}", "min_scale", min_scale, 0.0, _F32_MAX)
     return _float_format(format, who)
 
 
@@ -442,7 +453,7 @@ def _float_format(format: str, who: str) -> FloatFormat:
 
 def _torch_nvfp4_qparams(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str,
                          min_scale: float) -> tuple[Tensor, Tensor]:
-    fmt = _check_nvfp4(lo, hi, global_amax, format)
+    fmt = _check_nvfp4(lo, hi, global_amax, format, min_scale)
     lo, hi = lo.contiguous(), hi.contiguous()  # contiguous outputs, as the kernel's and fake's
     return _nvfp4_scales(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), global_amax, fmt,
                          min_scale)
@@ -452,7 +463,7 @@ def _cuda_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
     kernel = _triton.launchers("block_qparams", lo)
     if kernel is None:
         return _torch_nvfp4_qparams(lo, hi, global_amax, format, min_scale)
-    fmt = _check_nvfp4(lo, hi, global_amax, format)
+    fmt = _check_nvfp4(lo, hi, global_amax, format, min_scale)
     lo, hi = lo.contiguous(), hi.contiguous()
     amax = kernel.global_amax(lo, hi) if global_amax is None else global_amax.reshape(1)
     return kernel.nvfp4_qparams(lo, hi, amax, fmt.max, FP8_E4M3.max, FP8_E4M3.min_exp,
@@ -460,7 +471,7 @@ def _cuda_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
 
 
 def _fake_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
-    _check_nvfp4(lo, hi, global_amax, format)
+    _check_nvfp4(lo, hi, global_amax, format, min_scale)
     return lo.new_empty(lo.shape), lo.new_empty(1)
 
 

@@ -72,10 +72,12 @@ Bad input raises ``ValueError`` naming the argument, on every device.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from .._checks import check_per_unit
+from .._checks import check_number, check_per_unit
 from .._oplib import define
 from ..qdq import fake_quantize_units
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
@@ -195,8 +197,11 @@ grouped_unit_minmax = define(
 def _check_fake_quant(units, scale, zero_point, qmin, qmax) -> None:
     who = "fake_quant_int"
     _check_units(units, who)
+    # scale's values (NaN, 0) go unchecked: reading them would sync the host with the device
     check_per_unit(f"quantscope::{who}", "scale", scale, units.shape[0], units.device)
     check_per_unit(f"quantscope::{who}", "zero_point", zero_point, units.shape[0], units.device)
+    check_number(f"quantscope::{who}", "qmin", qmin, -math.inf)
+    check_number(f"quantscope::{who}", "qmax", qmax, -math.inf)
     if not qmin < qmax:
         raise ValueError(f"quantscope::{who}: qmin must be below qmax, got {qmin} and {qmax}")
 

@@ -41,7 +41,8 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .. import kernels
-from .._numerics import upload
+from .._checks import check_number
+from .._numerics import _F32_MAX, upload
 from .._oplib import define
 from ..kernels import triton as _triton
 
@@ -59,22 +60,27 @@ def _kernel():
     return kernels.lib("ao_hist")
 
 
-def _check_histc(x: torch.Tensor, bins: int) -> None:
+def _check_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> None:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"quantscope::ao_histc: x must be a float32, bfloat16 or float16 "
                          f"tensor, got {x.dtype}")
     if bins < 1:
         raise ValueError(f"quantscope::ao_histc: bins must be a positive integer, got {bins}")
+    # torch.histc's rule (a float32 range, lo == hi allowed: it widens it), here in the fake
+    # too, so that a traced call fails where the real one would; Python floats: no device read
+    who = "quantscope::ao_histc"
+    check_number(who, "lo", lo, -_F32_MAX, _F32_MAX)
+    check_number(who, "hi", hi, lo, _F32_MAX)
 
 
 def _torch_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
     """``torch.histc`` of ``x``'s float32 values: float32 ``[bins]``."""
-    _check_histc(x, bins)
+    _check_histc(x, bins, lo, hi)
     return torch.histc(x.float(), bins, min=lo, max=hi)
 
 
 def _cuda_histc(x, bins, lo, hi):
-    _check_histc(x, bins)
+    _check_histc(x, bins, lo, hi)
     kernel = _triton.launchers("histogram", x)
     span = kernel.float32_ends(lo, hi)[2] if kernel is not None else math.nan
     if (not 0 < span < math.inf or bins + 1 > kernel.MAX_BINS
@@ -86,7 +92,7 @@ def _cuda_histc(x, bins, lo, hi):
 
 
 def _fake_histc(x, bins, lo, hi):
-    _check_histc(x, bins)
+    _check_histc(x, bins, lo, hi)
     return x.new_empty(bins, dtype=torch.float32)
 
 

@@ -77,8 +77,8 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     if (lib is None or units.requires_grad or not units.is_cpu or units.dtype not in _READS
             or units.dim() != 2 or units.shape[0] != U or not kernels.plain(counts, torch.int64)
             or not kernels.plain(exp, torch.int64) or not kernels.plain(first, torch.int64)
-            or exp.shape != (U,) or first.shape != (U,) or B > MAX_BINS):
-        return False
+            or exp.shape != (U,) or first.shape != (U,) or not 1 <= B <= MAX_BINS):
+        return False  # (no bins: the C kernel's last bin, -1, would be written)
     if units.numel() == 0:
         return True
     if units.dtype != torch.float32:
@@ -135,8 +135,9 @@ def regrid(state, lo: torch.Tensor, hi: torch.Tensor, absolute: bool):
     path decides (no kernel, NaN / inf, other dtypes or devices)."""
     lib = _kernel()
     U, B = state[0].shape
-    if (lib is None or not _state_ok(state, U, B) or lo.shape != (U,) or hi.shape != (U,)
-            or not kernels.plain(lo, torch.float32) or not kernels.plain(hi, torch.float32)):
+    if (lib is None or B < 1 or not _state_ok(state, U, B) or lo.shape != (U,)
+            or hi.shape != (U,) or not kernels.plain(lo, torch.float32)
+            or not kernels.plain(hi, torch.float32)):
         return None
     new = _new_state(U, B)
     if lib.qs_hist_regrid(U, B, int(absolute), lo.data_ptr(), hi.data_ptr(),
@@ -155,7 +156,7 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
     if lib is None or units.dim() != 2 or units.shape[0] != 1:
         return None
     B = state[0].shape[1]
-    if (B > MAX_BINS or units.requires_grad or not kernels.plain(units, torch.float32)
+    if (not 1 <= B <= MAX_BINS or units.requires_grad or not kernels.plain(units, torch.float32)
             or not _state_ok(state, 1, B)):
         return None
     new = _new_state(1, B)

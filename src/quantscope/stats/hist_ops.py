@@ -34,12 +34,20 @@ __all__ = ["hist_add", "hist_regrid"]
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _check_counts(who: str, counts: Tensor) -> int:
+    """The number of units of ``counts``, or the ``ValueError``: a contiguous int64
+    ``[units, bins]`` tensor with at least one bin (with none the C kernel's last bin, -1,
+    is written out of bounds)."""
+    if counts.dim() != 2 or counts.dtype != torch.int64 or not counts.is_contiguous() \
+            or counts.shape[1] < 1:
+        raise ValueError(f"{who}: counts must be a contiguous int64 [units, bins] tensor with "
+                         f"bins >= 1, got {counts.dtype} {tuple(counts.shape)}")
+    return counts.shape[0]
+
+
 def _check(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor) -> None:
     who = "quantscope::hist_add"
-    if counts.dim() != 2 or counts.dtype != torch.int64 or not counts.is_contiguous():
-        raise ValueError(f"{who}: counts must be a contiguous int64 [units, bins] tensor, got "
-                         f"{counts.dtype} {tuple(counts.shape)}")
-    U = counts.shape[0]
+    U = _check_counts(who, counts)
     if units.dim() != 2 or units.shape[0] != U or units.dtype not in _FLOATS \
             or units.device != counts.device:
         raise ValueError(f"{who}: units must be a float32 / bfloat16 / float16 [{U}, elements] "
@@ -79,10 +87,7 @@ hist_add = define(
 def _check_regrid(counts: Tensor, exp: Tensor, first: Tensor, lo: Tensor, hi: Tensor,
                   batch_lo: Tensor, batch_hi: Tensor) -> None:
     who = "quantscope::hist_regrid"
-    if counts.dim() != 2 or counts.dtype != torch.int64 or not counts.is_contiguous():
-        raise ValueError(f"{who}: counts must be a contiguous int64 [units, bins] tensor, got "
-                         f"{counts.dtype} {tuple(counts.shape)}")
-    U = counts.shape[0]
+    U = _check_counts(who, counts)
     for name, t, dtype in (("exp", exp, torch.int64), ("first", first, torch.int64),
                            ("lo", lo, torch.float32), ("hi", hi, torch.float32),
                            ("batch_lo", batch_lo, torch.float32),

@@ -22,6 +22,7 @@ import math
 import torch
 
 from .. import kernels
+from .._checks import check_number
 from .._oplib import define
 from ..kernels import ops
 from ..kernels import triton as _triton
@@ -357,12 +358,22 @@ def _check_ranges(who: str, lo: torch.Tensor, hi: torch.Tensor) -> None:
                          f"and {hi.dtype} {tuple(hi.shape)} on {hi.device}")
 
 
-def _check_update(lo, hi, state_lo, state_hi, kind, c=None) -> None:
-    # (``c``: the op's last argument; this check is the op's fake implementation too)
+def _check_kind(who: str, kind, c) -> None:
+    """``kind`` an :data:`UPDATES` code; ``c`` (no device read) the observers' averaging
+    constant, in (0, 1], for the moving averages, finite for ``"min"`` (unread: 0.0)."""
+    if kind not in UPDATES.values():
+        raise ValueError(f"{who}: kind must be one of {UPDATES}, got {kind}")
+    if kind == UPDATES["min"]:
+        check_number(who, "c", c, -math.inf)
+    else:
+        check_number(who, "c (the averaging constant)", c, 0.0, 1.0, lo_open=True)
+
+
+def _check_update(lo, hi, state_lo, state_hi, kind, c) -> None:
+    # (this check is the op's fake implementation too)
     who = "minmax_update"
     _check_ranges(who, lo, hi)
-    if kind not in UPDATES.values():
-        raise ValueError(f"quantscope::{who}: kind must be one of {UPDATES}, got {kind}")
+    _check_kind(f"quantscope::{who}", kind, c)
     for name, t in (("state_lo", state_lo), ("state_hi", state_hi)):
         if t.shape != lo.shape or t.dtype != torch.float32 or t.device != lo.device \
                 or not t.is_contiguous():
@@ -372,7 +383,7 @@ def _check_update(lo, hi, state_lo, state_hi, kind, c=None) -> None:
 
 
 def _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c) -> None:
-    _check_update(lo, hi, state_lo, state_hi, kind)
+    _check_update(lo, hi, state_lo, state_hi, kind, c)
     names = {v: k for k, v in UPDATES.items()}
     _update_state(names[kind], c, state_lo, state_hi, lo.clone(), hi.clone())
 
@@ -381,7 +392,7 @@ def _cuda_minmax_update(lo, hi, state_lo, state_hi, kind, c) -> None:
     kernel = _triton.launchers("minmax", lo)
     if kernel is None:
         return _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c)
-    _check_update(lo, hi, state_lo, state_hi, kind)
+    _check_update(lo, hi, state_lo, state_hi, kind, c)
     kernel.update_state(lo.contiguous(), hi.contiguous(), state_lo, state_hi, None, kind, c)
     return None
 
@@ -425,8 +436,8 @@ record_non_finite = define(
 
 # ---- an accumulating min-max observer's whole step: one op ------------------------------------
 
-def _check_observe(units, state_lo, state_hi, seen, tokens, kind, c=None, count=None) -> None:
-    # (``c``, ``count``: the op's last arguments; this check is its fake implementation too)
+def _check_observe(units, state_lo, state_hi, seen, tokens, kind, c, count) -> None:
+    # (this check is the op's fake implementation too)
     who = "quantscope::minmax_observe"
     if units.dim() not in (2, 4) or units.dtype not in _OP_FLOATS \
             or math.prod(units.shape[units.dim() // 2:]) == 0:
@@ -440,16 +451,19 @@ def _check_observe(units, state_lo, state_hi, seen, tokens, kind, c=None, count=
             raise ValueError(f"{who}: {name} must be a contiguous float32 tensor of the {n} "
                              f"units on {units.device}, got {t.dtype} {tuple(t.shape)} on "
                              f"{t.device}")
-    if kind not in UPDATES.values():
-        raise ValueError(f"{who}: kind must be one of {UPDATES}, got {kind}")
+    _check_kind(who, kind, c)
     for name, t, dtype in (("seen", seen, torch.bool), ("tokens", tokens, torch.int64)):
         if t.numel() != 1 or t.dtype != dtype or t.device != units.device:
             raise ValueError(f"{who}: {name} must be one {dtype} on {units.device}, got "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    # a SymInt count (traced from the input's shape) is a size, never negative; the real
+    # call checks the int it becomes
+    if isinstance(count, int) and count < 0:
+        raise ValueError(f"{who}: count (tokens to add) must be >= 0, got {count}")
 
 
 def _torch_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count) -> None:
-    _check_observe(units, state_lo, state_hi, seen, tokens, kind)
+    _check_observe(units, state_lo, state_hi, seen, tokens, kind, c, count)
     lo, hi = ops.unit_minmax(units)
     _torch_record_non_finite(lo, hi, seen)
     _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c)
@@ -469,7 +483,7 @@ def _cuda_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count
     kernel = _triton.launchers("minmax", units)
     if kernel is None:
         return _torch_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count)
-    _check_observe(units, state_lo, state_hi, seen, tokens, kind)
+    _check_observe(units, state_lo, state_hi, seen, tokens, kind, c, count)
     triton_minmax_observe(kernel, units, state_lo, state_hi, seen, tokens, kind, c, count)
     return None
 

@@ -1,0 +1,193 @@
+"""Bad arguments to the ``quantscope::`` ops raise ``ValueError`` naming the op and the
+argument, in the real implementation and the fake (``meta``) one alike, before any kernel
+runs and without a host read: histograms with no bins (the C kernel wrote bin -1, a heap
+corruption) and the Python scalars (``min_scale``, ``qmin`` / ``qmax``, the averaging
+constant ``c``, ``count``, ``histc``'s ``lo`` / ``hi``), which gave NaN or garbage."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from quantscope import qparams as Q
+from quantscope.kernels import ops
+from quantscope.stats import ao_histogram as A
+from quantscope.stats import hist_kernel, hist_ops, histogram
+from quantscope.stats import minmax as M
+
+NAN, INF = math.nan, math.inf
+DEVICES = ["cpu", "meta"]  # meta: the fake implementation, as torch.compile traces it
+INT4 = [-8.0, 7.0, 1e-8, 0.0, 0.0]  # kernels.qparams_consts' [qmin, qmax, min_scale, sym, zp]
+
+
+def _consts(i, value):
+    consts = list(INT4)
+    consts[i] = value
+    return consts
+
+
+def _raises(call, op, name, forbid_host_sync):
+    forbid_host_sync()  # the checks read nothing back from the device
+    with pytest.raises(ValueError, match=rf"quantscope::{op}: {name}") as err:
+        call()
+    return err
+
+
+# ---- histograms with no bins -------------------------------------------------------------------
+
+class _NoKernel:
+    """A kernel library whose every call fails the test (instead of writing out of bounds)."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"hist_kernel called the C kernel {name} with no bins")
+
+
+def _binned(*args, **kwargs):
+    raise AssertionError("hist_add reached histogram.bin_values with no bins")
+
+
+@pytest.fixture
+def no_c_kernel(monkeypatch):
+    monkeypatch.setattr(hist_kernel, "_kernel", _NoKernel)
+    monkeypatch.setattr(histogram, "bin_values", _binned)
+
+
+def _hist_args(device, bins):
+    int64 = torch.zeros(3, dtype=torch.int64, device=device)
+    return torch.zeros(3, bins, dtype=torch.int64, device=device), int64, int64.clone()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hist_add_refuses_counts_without_bins(device, forbid_host_sync, no_c_kernel):
+    counts, exp, first = _hist_args(device, 0)
+    units = torch.randn(3, 64).to(device)
+    err = _raises(lambda: hist_ops.hist_add(counts, units, exp, first, False), "hist_add",
+                  "counts", forbid_host_sync)
+    assert "bins >= 1" in str(err.value) and "(3, 0)" in str(err.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hist_regrid_refuses_counts_without_bins(device, forbid_host_sync, no_c_kernel):
+    counts, exp, first = _hist_args(device, 0)
+    f32 = torch.zeros(3, device=device)
+    _raises(lambda: hist_ops.hist_regrid(counts, exp, first, f32, f32, f32, f32 + 1, False),
+            "hist_regrid", "counts", forbid_host_sync)
+
+
+def test_hist_kernel_does_not_apply_without_bins(no_c_kernel):
+    counts, exp, first = _hist_args("cpu", 0)
+    f32 = torch.zeros(3)
+    assert hist_kernel.bin_values(counts, torch.randn(3, 64), exp, first, False) is False
+    assert hist_kernel.regrid((counts, exp, first, f32, f32), f32, f32 + 1, False) is None
+    one = (counts[:1], exp[:1], first[:1], f32[:1], f32[:1])
+    assert hist_kernel.fused_update(one, torch.randn(1, 64), False) is None
+
+
+def test_hist_add_with_one_bin_still_counts():
+    counts, exp, first = _hist_args("cpu", 1)
+    hist_ops.hist_add(counts, torch.zeros(3, 5), exp, first, False)
+    assert counts.tolist() == [[5], [5], [5]]
+
+
+# ---- int_qparams / nvfp4_qparams ---------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("i", "value", "name"), [
+    (2, NAN, "min_scale"), (2, -1.0, "min_scale"), (2, 0.0, "min_scale"), (2, INF, "min_scale"),
+    (2, 1e39, "min_scale"), (1, INF, "qmax"), (0, -INF, "qmin"), (4, NAN, "the symmetric zero point"),
+    (4, 100.0, "the symmetric zero point")])
+def test_int_qparams_refuses_bad_consts(device, i, value, name, forbid_host_sync):
+    lo, hi = -torch.ones(4, device=device), torch.ones(4, device=device)
+    _raises(lambda: Q.int_qparams_op(lo, hi, _consts(i, value)), "int_qparams",
+            rf"consts\[{i}\] \({name}", forbid_host_sync)
+
+
+def test_int_qparams_takes_what_qparams_consts_gives():
+    from quantscope import QuantSpec, kernels
+
+    for spec in (QuantSpec("int8"), QuantSpec("uint8"), QuantSpec("int4", symmetric=False),
+                 QuantSpec("int8", quant_min=-127, quant_max=127),
+                 QuantSpec("uint8", quant_max=127, eps=1e-30)):
+        scale, _ = Q.int_qparams_op(-torch.ones(2), torch.ones(2), kernels.qparams_consts(spec))
+        assert scale.gt(0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("min_scale", [NAN, -1.0, INF, 1e39])
+def test_nvfp4_qparams_refuses_bad_min_scale(device, min_scale, forbid_host_sync):
+    lo, hi = -torch.ones(4, device=device), torch.ones(4, device=device)
+    _raises(lambda: Q.nvfp4_qparams_op(lo, hi, None, "fp4", min_scale), "nvfp4_qparams",
+            "min_scale", forbid_host_sync)
+
+
+# ---- minmax_update / minmax_observe ------------------------------------------------------------
+
+EMA, MIN = M.UPDATES["ema"], M.UPDATES["min"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("kind", "c"), [(EMA, NAN), (EMA, 5.0), (EMA, 0.0), (EMA, -0.5),
+                                         (M.UPDATES["ema_lerp"], INF), (MIN, NAN)])
+def test_minmax_update_refuses_bad_c(device, kind, c, forbid_host_sync):
+    lo, hi = -torch.ones(4, device=device), torch.ones(4, device=device)
+    state = torch.zeros(4, device=device), torch.zeros(4, device=device)
+    _raises(lambda: M.minmax_update(lo, hi, *state, kind, c), "minmax_update", r"c\b",
+            forbid_host_sync)
+
+
+def _observe_args(device):
+    return (torch.randn(4, 8).to(device), torch.zeros(4, device=device),
+            torch.zeros(4, device=device), torch.zeros(1, dtype=torch.bool, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("c", "count", "name"), [(NAN, 8, r"c\b"), (1.5, 8, r"c\b"),
+                                                  (0.5, -1, "count")])
+def test_minmax_observe_refuses_bad_scalars(device, c, count, name, forbid_host_sync):
+    args = _observe_args(device)
+    _raises(lambda: M.minmax_observe(*args, EMA, c, count), "minmax_observe", name,
+            forbid_host_sync)
+
+
+def test_minmax_ops_take_the_observers_constants():
+    """The observers pass 0.0 as ``c`` for ``"min"`` and their averaging constant (0, 1]."""
+    args = _observe_args("cpu")
+    M.minmax_observe(*args, MIN, 0.0, 8)
+    M.minmax_observe(*args, EMA, 1.0, 0)
+    assert args[4].item() == 8
+    M.minmax_update(-torch.ones(4), torch.ones(4), args[1], args[2], EMA, 0.01)
+
+
+# ---- fake_quant_int ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("qmin", "qmax", "name"), [(-INF, 7.0, "qmin"), (NAN, 7.0, "qmin"),
+                                                    (-8.0, INF, "qmax"), (-8.0, NAN, "qmax")])
+def test_fake_quant_int_refuses_bad_bounds(device, qmin, qmax, name, forbid_host_sync):
+    units = torch.randn(4, 8).to(device)
+    scale, zp = torch.ones(4, device=device), torch.zeros(4, device=device)
+    _raises(lambda: ops.fake_quant_int(units, scale, zp, qmin, qmax), "fake_quant_int", name,
+            forbid_host_sync)
+
+
+# ---- ao_histc ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("lo", "hi", "name"), [(1.0, 0.0, "hi"), (NAN, 1.0, "lo"),
+                                                (0.0, NAN, "hi"), (-INF, 0.0, "lo"),
+                                                (0.0, INF, "hi"), (0.0, 1e39, "hi")])
+def test_ao_histc_refuses_what_torch_histc_refuses(device, lo, hi, name, forbid_host_sync):
+    with pytest.raises(RuntimeError):  # torch.histc's own refusal: the fake now agrees
+        torch.histc(torch.ones(3), 8, lo, hi)
+    x = torch.ones(3, device=device)
+    _raises(lambda: A.ao_histc(x, 8, lo, hi), "ao_histc", f"{name} must be",
+            forbid_host_sync)
+
+
+def test_ao_histc_takes_an_empty_range_as_torch_histc_does():
+    x = torch.tensor([1.0, 1.0, 2.0])
+    assert torch.equal(A.ao_histc(x, 4, 1.0, 1.0), torch.histc(x, 4, 1.0, 1.0))
+    assert A.ao_histc(x.to("meta"), 4, 1.0, 1.0).shape == (4,)
