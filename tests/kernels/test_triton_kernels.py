@@ -700,6 +700,16 @@ def test_histc_of_a_span_past_float32_is_torch_histc(device):
     assert torch.equal(ao_histogram._cuda_histc(x.to(device), 4, -3e38, 3e38).cpu(), want)
 
 
+def test_histc_whose_bin_position_overflows_float32_is_torch_histc(device):
+    """A finite span whose ``(x - lo) * bins`` passes float32's max: the kernel's bin of an
+    infinite position lost 4 of 5 values (found by probing); torch's own result there."""
+    from quantscope.stats import ao_histogram
+
+    x = torch.tensor([-3.0e38, -1.0e38, -1.0, -0.5, 0.0])
+    want = torch.histc(x, 3, min=-3.4e38, max=0.0)
+    assert torch.equal(ao_histogram._cuda_histc(x.to(device), 3, -3.4e38, 0.0).cpu(), want)
+
+
 # ---- an observer's state step: the non-finite flag and the min / max state update ----------
 
 def _state_case(n, seed, bad):

@@ -83,8 +83,10 @@ def _cuda_histc(x, bins, lo, hi):
     _check_histc(x, bins, lo, hi)
     kernel = _triton.launchers("histogram", x)
     span = kernel.float32_ends(lo, hi)[2] if kernel is not None else math.nan
-    if (not 0 < span < math.inf or bins + 1 > kernel.MAX_BINS
-            or x.numel() >= 1 << 31):  # torch's degenerate ranges, where it widens them
+    # torch's degenerate ranges (where it widens them), and spans where (x - lo) * bins can
+    # overflow float32 (torch's bins then are its own): the torch path
+    if (not 0 < span < math.inf or span * bins > _F32_MAX or bins + 1 > kernel.MAX_BINS
+            or x.numel() >= 1 << 31):
         return _torch_histc(x, bins, lo, hi)
     counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
     kernel.histc(counts, x.contiguous(), lo, hi)
