@@ -426,10 +426,14 @@ def _check_nvfp4(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str
     _check_ranges(lo, hi, who)
     if global_amax is not None:  # (its value unchecked: that would be a device read)
         _check_global_amax(global_amax, lo.device, who, "None or ")
+    _check_nvfp4_min_scale(who, min_scale)
+    return _float_format(format, who)
+
+
+def _check_nvfp4_min_scale(who: str, min_scale: float) -> None:
     # a float32 number; 0 too: a block scale that rounds to 0 then stays 0 (the block
     # searches' NaN tests price such blocks, tests/kernels/test_triton_block_search.py)
     check_number(f"quantscope::{who}", "min_scale", min_scale, 0.0, _F32_MAX)
-    return _float_format(format, who)
 
 
 def _check_global_amax(global_amax: Tensor, device, who: str, alternative: str = "") -> None:

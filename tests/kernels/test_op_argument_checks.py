@@ -191,3 +191,18 @@ def test_ao_histc_takes_an_empty_range_as_torch_histc_does():
     x = torch.tensor([1.0, 1.0, 2.0])
     assert torch.equal(A.ao_histc(x, 4, 1.0, 1.0), torch.histc(x, 4, 1.0, 1.0))
     assert A.ao_histc(x.to("meta"), 4, 1.0, 1.0).shape == (4,)
+
+
+# ---- nvfp4_mse / nvfp4_search: their CUDA paths launch Triton without nvfp4_qparams' check ---
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["nvfp4_mse", "nvfp4_search"])
+@pytest.mark.parametrize("min_scale", [NAN, -1.0, INF])
+def test_nvfp4_searches_refuse_bad_min_scale(device, op, min_scale, forbid_host_sync):
+    units = torch.randn(4, 16).to(device)
+    lo, hi = units.amin(1), units.amax(1)
+    factors, ga = torch.ones(3, device=device), torch.ones(1, device=device)
+    args = (units, lo, hi, factors, lo, hi, ga, "fp4_e2m1", min_scale)
+    call = (lambda: ops.nvfp4_mse(*args, 3, -1, False, False, False)) if op == "nvfp4_mse" \
+        else (lambda: ops.nvfp4_search(*args))
+    _raises(call, op, "min_scale", forbid_host_sync)

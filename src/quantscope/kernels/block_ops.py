@@ -23,7 +23,7 @@ import torch
 from .._checks import check_per_unit
 from .._oplib import define
 from ..formats import IntFormat, get_format
-from ..qparams import _check_global_amax, _float_format
+from ..qparams import _check_global_amax, _check_nvfp4_min_scale, _float_format
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
 from ..qparams import nvfp4_qparams_op as nvfp4_qparams
 from ..scales import E8M0_MODES
@@ -52,10 +52,11 @@ def _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start=0, weigh
     _check_weights(who, units, weights)
 
 
-def _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
+def _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
                  ext_start=0, weights=None):
     _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start, weights)
     _check_global_amax(global_amax, units.device, who)
+    _check_nvfp4_min_scale(who, min_scale)
     return _float_format(format, who)
 
 
@@ -153,7 +154,7 @@ def _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format
                      ext_start, patience, per_unit, use_global, tie_last, weights=None):
     """The definition: ``mse_select`` of :func:`nvfp4_price`."""
     _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                 ext_start, weights)
+                 min_scale, ext_start, weights)
     err, same = nvfp4_price(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                             min_scale, weights)
     return _torch_mse_select(err[1:], same, err[0], ext_start, patience, per_unit, use_global,
@@ -168,7 +169,7 @@ def _cuda_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
         return _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                                 min_scale, *rules, weights)
     fmt = _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
-                       format, ext_start, weights)
+                       format, min_scale, ext_start, weights)
     return kernel.block_mse(
         units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
         inc_hi.contiguous(), global_amax.reshape(1), fmt.max, fmt.min_exp, fmt.mbits,
@@ -178,7 +179,7 @@ def _cuda_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
 def _fake_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
                     ext_start, patience, per_unit, use_global, tie_last, weights=None):
     _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                 ext_start, weights)
+                 min_scale, ext_start, weights)
     return _fake_block_search(units)
 
 
@@ -194,7 +195,7 @@ def _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, for
                         min_scale, weights=None):
     """The definition: ``nvfp4_mse`` without patience (the first lowest error kept)."""
     _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                 weights=weights)
+                 min_scale, weights=weights)
     return _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                             min_scale, factors.shape[0], -1, False, False, False, weights)
 
@@ -206,7 +207,7 @@ def _cuda_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, form
         return _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                                    min_scale, weights)
     fmt = _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
-                       format, weights=weights)
+                       format, min_scale, weights=weights)
     return kernel.nvfp4_search(
         units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
         inc_hi.contiguous(), global_amax.reshape(1), fmt.max, fmt.min_exp, fmt.mbits,
@@ -216,7 +217,7 @@ def _cuda_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, form
 def _fake_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
                        weights=None):
     _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
-                 weights=weights)
+                 min_scale, weights=weights)
     return _fake_block_search(units)
 
 
