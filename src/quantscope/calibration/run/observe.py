@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextvars
 import time
-import weakref
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
@@ -58,7 +57,7 @@ class Slot:
     per_tensor: bool = True  # every role on it has a per-tensor layout (a conv: channel rows)
     failed: dict = field(default_factory=dict)
     also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
-    last: object = None  # the input last observed, so a group's shared input counts once
+    last: object = None  # fusion.mark of the input last observed: a group's counts once
     calls: int = 0  # forwards that reached the hook, empty ones included
     # which batch fed each call that reached the observers, and per observer how many of
     # those calls came after (or at) its first NaN / inf: that batch, named without a sync
@@ -281,9 +280,9 @@ def _hook(slots: list[Slot], input_key: str | None = None):
         for slot in slots:
             slot.calls += 1
             if slot.also:  # a fusion group's slot: q, k and v read one tensor, observe it once
-                if fusion.same_input(slot.last and slot.last(), x):
+                if fusion.seen(slot.last, x):  # detection's rule: a fresh view is the same
                     continue
-                slot.last = weakref.ref(x)  # a strong ref would keep every group's input alive
+                slot.last = fusion.mark(x)
             if slot.observers:
                 slot.batch_of_call.append(_BATCH.get())
             for key, obs in slot.observers.items():

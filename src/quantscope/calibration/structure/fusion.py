@@ -26,6 +26,7 @@ tensor holds, and search observers then minimise the group's total error.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import replace
 
 import torch
@@ -33,8 +34,9 @@ from torch import nn
 
 from ...layout import Block, Channel, Group, Tensor
 from ..recipe import _matches
+from ..results.apply import input_name, module_input
 from ..results.result import RoleState
-from ..run.batches import batch_count, eval_mode, forward_batch
+from ..run.batches import batch_count, eval_mode, forward_batch, map_tensors
 
 __all__ = ["find_groups", "join_weights", "peek", "shares_weight_scale", "split_state"]
 
@@ -71,14 +73,44 @@ class _Sized:
         return self.n
 
 
+def _where(x: torch.Tensor) -> tuple:
+    """Which elements ``x`` reads, and how: its data pointer, shape, strides, dtype and
+    version (an in-place change between two calls makes a new input; inference tensors,
+    what an inference-mode forward makes, keep no version)."""
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype,
+            None if x.is_inference() else x._version)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same tensor object, or a view of the same data with the same shape and strides."""
-    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
-                      and a.stride() == b.stride() and a.dtype == b.dtype)
+    """The same tensor object, or a view of the same data with the same shape and strides.
+    An empty tensor is only itself: every empty tensor has data pointer 0 (an MoE expert
+    given no token, and its down_proj, would read "the same" input)."""
+    return a is b or (a.numel() > 0 and b.numel() > 0 and _where(a) == _where(b))
 
 
 def same_input(a, b) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same(a, b)
+
+
+def mark(x: torch.Tensor):
+    """What :func:`seen` later compares with ``x``, holding no reference to its memory.
+
+    A weak reference to ``x``'s storage, not to ``x``: members given fresh views of one
+    tensor (``q(x.view(..))``, ``k(x.view(..))``) free the first view before the next runs,
+    while the storage lives on with ``x``; and memory cannot be reused while its storage
+    lives, so a live storage with the same :func:`_where` is the same data (as detection's
+    strong references make sure). A strong reference would keep every group's input alive
+    until its next call, in the next batch. An empty input (observing it changes nothing)
+    is never marked."""
+    if x.numel() == 0:
+        return None
+    return weakref.ref(x.untyped_storage()), _where(x)
+
+
+def seen(last, x: torch.Tensor) -> bool:
+    """Whether ``x`` is the tensor :func:`mark` made ``last`` from (by :func:`_same`'s rule)."""
+    return (last is not None and x.numel() > 0 and last[0]() is not None
+            and last[1] == _where(x))
 
 
 def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
@@ -91,8 +123,10 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
     order: list[list[str]] = []
 
     def hook_for(name):
+        key = input_name(model.get_submodule(name))  # the input calibration observes
+
         def pre(module, args, kwargs):
-            x = args[0] if args else next(iter(kwargs.values()), None)
+            x = module_input(args, kwargs, key)
             if not isinstance(x, torch.Tensor):
                 return
             for t, members in recent:
@@ -112,7 +146,9 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
             handles.append(model.get_submodule(name).register_forward_pre_hook(
                 hook_for(name), with_kwargs=True))
         with eval_mode(model), torch.inference_mode():
-            forward_batch(model, batch)
+            # a copy: a forward that changes its input in place leaves the batch as the
+            # observed pass would, which then sees it untouched
+            forward_batch(model, map_tensors(torch.clone, batch))
     finally:
         for h in handles:
             h.remove()

@@ -203,9 +203,13 @@ class Experts:
             setattr(lin, _MARK, True)
             self._undo.append(lambda lin=lin: lin.__dict__.pop(_MARK, None))
 
+        from ..results.apply import input_name, module_input  # apply imports this module
+
         def counter(e):
+            key = input_name(module[e])  # the input calibration observes
+
             def pre(mod, args, kwargs):
-                x = args[0] if args else next(iter(kwargs.values()), None)
+                x = module_input(args, kwargs, key)
                 if isinstance(x, torch.Tensor) and x.dim():
                     counts[e] += x.numel() // x.shape[-1]
             return pre
