@@ -198,13 +198,14 @@ class LocalError(contextlib.AbstractContextManager):
 
 
 @contextlib.contextmanager
-def all_or_none(what: str = "a step", group=None):
+def all_or_none(what: str = "a step", group=None, same_type: bool = False):
     """Run a local step so that if it raises on any rank, it raises on every rank.
 
     Without this, a rank that fails (bad input, a layer that cannot take a spec)
     leaves the others waiting in their next collective until the timeout. After the
     block every rank exchanges one flag: the failing rank re-raises its own error,
-    the others raise ``RuntimeError`` naming the failing ranks.
+    the others raise ``RuntimeError`` naming the failing ranks or, with ``same_type``,
+    the first failing rank's exception type and message (:func:`raise_on_all`).
     """
     local = LocalError()
     with local:
@@ -215,7 +216,7 @@ def all_or_none(what: str = "a step", group=None):
         return
     flags = all_gather(torch.tensor([int(local.error is not None)], dtype=torch.int64,
                                      device=group_device(group)), group)
-    raise_on_all(local.error, bool(flags.any()), what, group)
+    raise_on_all(local.error, bool(flags.any()), what, group, same_type)
 
 
 def raise_on_all(error: Exception | None, failed: bool, what: str, group=None,

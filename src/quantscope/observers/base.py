@@ -40,7 +40,7 @@ from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import MINMAX_DTYPES, layout_minmax, record_non_finite, unit_minmax
 from . import record
-from .sync import step_sync, sync_observers
+from .sync import loaded_mark, step_sync, sync_observers, synced_record
 
 __all__ = ["NON_FINITE_MODES", "Observer", "dtensor_error", "is_dtensor", "only_observes",
            "tokens_of"]
@@ -357,8 +357,8 @@ class Observer(nn.Module):
     sync_every_step: bool = False
     #: process group of the step exchange (None: the default group)
     sync_group = None
-    #: the counters as of the last sync (set by :mod:`quantscope.observers.sync`, which
-    #: tells from them what a later sync adds); None: not synced since the last reset / load
+    #: the counters as of the last sync (set, and saved with the state, by
+    #: :mod:`quantscope.observers.sync`: a later sync adds what came since); None: unsynced
     _synced: dict | None = None
 
     #: in ``sync_every_step`` mode, exchange only each step's per-unit range (min-max
@@ -436,7 +436,7 @@ class Observer(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         missing_keys[:] = [k for k in missing_keys if k != prefix + record.RECORD]  # older state
-        self._synced = None  # a loaded state is this rank's own until the next sync
+        self._synced = loaded_mark(self, state_dict, prefix)  # None: this rank's own state
         # the Python mirror of the shape comes from the saved tensors (readable even when
         # this observer lives on the meta device); a state without them leaves it alone
         tokens, shape = (state_dict.get(prefix + k) for k in ("observed_tokens", "observed_shape"))
@@ -467,7 +467,7 @@ class Observer(nn.Module):
         """What the state means (layout; histograms: of ``|x|``?), saved with it; a subclass
         adds entries it takes back in ``set_extra_state``."""
         absolute = getattr(self, "_absolute", None)  # histogram observers set it
-        return {"layout": self.spec.layout.spec_name(),
+        return {"layout": self.spec.layout.spec_name(), **synced_record(self),
                 **({} if absolute is None else {"absolute": bool(absolute)})}
 
     def get_extra_state(self) -> torch.Tensor:

@@ -82,6 +82,9 @@ class HistogramObserverBase(Observer):
 
     #: histogram of |x| rather than x (None: |x| for symmetric specs)
     absolute: bool | None = None
+    #: sync_every_step: the step's padding zeros per unit (None: none), this rank's, then
+    #: every rank's (step_sync sums them; the gathered units no longer tell)
+    _step_zeros: torch.Tensor | None = None
 
     def __init__(self, spec=None, *, bins: int = 2048, averaging_constant: float | None = None,
                  update_interval: int = 1, grid: str = "pow2", skip_zeros: bool = False,
@@ -169,9 +172,9 @@ class HistogramObserverBase(Observer):
         # update together (stats.hist_kernel.fused_update); strided units (a channel axis
         # that is not the first) copied once for both passes. Kept for _observe.
         self._pass[0] = None
-        if self.sync_every_step:  # step_sync hands _observe other units (across ranks)
+        if self.sync_every_step:  # step_sync takes this rank's real lo / hi and padding
             lo, hi = super()._unit_minmax(units, count, ends)
-            self._pass[0] = (units, units, None, self._padding(units, lo, hi))
+            self._step_zeros = H.padding_zeros(units, self._padding(units, lo, hi))
             return lo, hi
         dense = units
         if units.device.type == "cpu" and not units.is_contiguous():
@@ -202,6 +205,7 @@ class HistogramObserverBase(Observer):
         stash, self._pass[0] = self._pass[0], None
         if stash is not None and stash[0] is units:
             _, units, fused, parts = stash
+        zeros = self._step_zeros if self.sync_every_step else H.padding_zeros(units, parts)
         U = units.shape[0]
         if self.min_vals.shape[0] != U:
             self.min_vals, self.max_vals = lo.clone(), hi.clone()
@@ -213,11 +217,10 @@ class HistogramObserverBase(Observer):
         if self.hist_counts.shape[0] != U:  # after an EMA step reset
             self._set_state(H.empty_state(U, self.bins, units.device))
         if fused is None and self._linear:
-            self._observe_linear(units, lo, hi, parts)
+            self._observe_linear(units, lo, hi, zeros)
         else:  # fused: the update already ran in _unit_minmax
-            self._set_state(fused if fused is not None else
-                            H.update(self._state(), units, lo, hi, self._absolute))
-            self._drop_zeros(units, parts)
+            self._set_state(fused or H.update(self._state(), units, lo, hi, self._absolute))
+            self._drop_zeros(units, zeros)
         if self.averaging_constant is not None:
             self.pending += 1
             self._pending += 1
@@ -225,7 +228,7 @@ class HistogramObserverBase(Observer):
             if self._pending % self.update_interval == 0 and not bool(self.seen_non_finite):
                 self._ema_step()
 
-    def _observe_linear(self, units, lo, hi, parts):
+    def _observe_linear(self, units, lo, hi, zeros):
         if self._absolute:
             lo, hi = torch.zeros_like(hi), torch.maximum(lo.abs(), hi.abs())
             units = units.abs()
@@ -234,10 +237,10 @@ class HistogramObserverBase(Observer):
         elif bool(((lo < self.hist_lo) | (hi > self.hist_hi)).any()):
             self._leave_linear(lo, hi)
             self._set_state(H.update(self._state(), units, lo, hi, self._absolute))
-            self._drop_zeros(units, parts)
+            self._drop_zeros(units, zeros)
             return
         self.hist_counts += H.linear_counts(units, self.hist_lo, self.hist_hi, self.bins)
-        self._drop_zeros(units, parts, linear=True)
+        self._drop_zeros(units, zeros, linear=True)
 
     def _leave_linear(self, lo, hi):
         # one approximate step: each first-grid bin moves to the native bin of its centre
@@ -251,10 +254,10 @@ class HistogramObserverBase(Observer):
         self._set_state(H.HistState(counts, e, first, glo, ghi))
         self.linear_grid.fill_(False)
 
-    def _drop_zeros(self, units, parts, linear=False):
+    def _drop_zeros(self, units, zeros, linear=False):
         """Take zeros back out of the histogram just updated with ``units``: all of them
-        (``skip_zeros``), else the padding's (``parts``, :meth:`_padding`)."""
-        n = (units == 0).sum(1) if self.skip_zeros else H.padding_zeros(units, parts)
+        (``skip_zeros``), else the padding's (``zeros``: per unit, or None)."""
+        n = (units == 0).sum(1) if self.skip_zeros else zeros
         if n is None:
             return
         if linear:  # the bin histc counted a zero in, if any (0 may lie outside the grid)

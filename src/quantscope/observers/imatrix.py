@@ -17,6 +17,7 @@ from ..estimators.mse import shrink_factors
 from ..estimators.weighted import importance_units, incumbent_global_amax, weighted_search
 from .base import Observer
 from .registry import register
+from .sync import step_sync
 
 __all__ = ["IMatrixMSEObserver"]
 
@@ -24,6 +25,10 @@ __all__ = ["IMatrixMSEObserver"]
 @register("imatrix_mse")
 class IMatrixMSEObserver(Observer):
     """The importance-weighted MSE range of the last weight observed (memoryless).
+
+    With ``sync_every_step`` a step's weights are the ranks' tensors together (e.g. the
+    output-channel shards of one weight): the range is one process's on their
+    concatenation; each rank's per-element importance is gathered beside its units.
 
     Args:
         spec: the weight's quantizer (per channel or per group along the input dim).
@@ -49,6 +54,7 @@ class IMatrixMSEObserver(Observer):
         self.register_buffer("max_vals", torch.zeros(0))
         self.register_buffer("global_amax_val", torch.zeros(0))
         self._shape = None
+        self._local_weights = None  # sync_every_step: this step's, until gathered
 
     def _sized_buffers(self):
         return ("min_vals", "max_vals", "global_amax_val")
@@ -66,11 +72,27 @@ class IMatrixMSEObserver(Observer):
             raise ValueError(f"{self.describe()}: importance has {n} values, the tensor's last "
                              f"dim is {x.shape[-1] if x.dim() else 0}")
         self._shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
+        self._local_weights = None
         return super().forward(x)
 
-    def _observe(self, units, lo, hi):
+    def _weights(self, device):
         imp = self.importance if self.importance.numel() else None
-        weights = importance_units(imp, self._shape, self.spec, units.device)
+        return importance_units(imp, self._shape, self.spec, device)
+
+    def _unit_minmax(self, units, count, ends):
+        if self.sync_every_step:  # this rank's own: only it knows its shape
+            self._local_weights = self._weights(units.device)
+        return super()._unit_minmax(units, count, ends)
+
+    def _step_weights(self):
+        """The weights of a step's gathered units: every rank's own, gathered as its units
+        were (in rank order; a rank without data this step sends none)."""
+        w, self._local_weights = self._local_weights, None
+        z = None if w is None else w.new_zeros(w.shape[0])
+        return step_sync(self, w, z, z, self.sync_group)[0]
+
+    def _observe(self, units, lo, hi):
+        weights = self._step_weights() if self.sync_every_step else self._weights(units.device)
         self.min_vals, self.max_vals = weighted_search(units, weights, self.spec,
                                                        factors=self.factors, norm=self.norm,
                                                        ranges=(lo, hi))

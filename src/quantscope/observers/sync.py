@@ -31,7 +31,7 @@ from ..comm import (
     raise_on_all,
     reset_stats,
 )
-from ..stats.minmax import unit_minmax
+from . import record
 
 __all__ = ["empty_step", "step_sync", "sync_observers"]
 
@@ -55,15 +55,20 @@ def _identity(op: Op, dtype: torch.dtype):
 
 def _plan(obs) -> list:
     """The observer's declared plan as ``[(name, Op) | CustomSync]``."""
+    declared = getattr(obs, "sync_plan", None)  # None: no quantscope Observer (torch.ao's)
     try:
-        plan = obs.sync_plan()
+        if declared is None:
+            raise NotImplementedError
+        plan = declared()
     except NotImplementedError:
-        if _declares_plan(obs):
+        if declared is not None and _declares_plan(obs):
             raise  # the observer's own reason (e.g. grid='first' histograms)
         raise NotImplementedError(
             f"{type(obs).__name__}: the observer does not declare how its state syncs "
             f"across processes; implement sync_plan() (formerly _sync_plan) returning "
             f"{{buffer: MIN|MAX|SUM|AVG}}"
+            + ("" if declared is not None else " (it is no quantscope Observer: observers "
+               "of quantscope.get_observer sync)")
         ) from None
     items = list(plan.items()) if isinstance(plan, dict) else list(plan)
     for it in items:
@@ -175,9 +180,31 @@ def sync_observers(observers: Iterable, group=None) -> None:
 
 def _mark_synced(obs) -> None:
     """Remember the counters every rank now holds: a later sync tells from them whether the
-    observer saw data since (any batch adds tokens; reset() and loading forget the mark),
-    and sums only each rank's increments on top of them."""
+    observer saw data since (any batch adds tokens; reset() forgets the mark, a saved
+    state keeps it: :func:`synced_record`), and sums only each rank's increments on top."""
     obs._synced = {n: getattr(obs, n).clone() for n in _COUNTERS}
+
+
+def synced_record(obs) -> dict:
+    """The mark of :func:`_mark_synced` as an entry of the saved state's record: a state
+    loaded from it on every rank is the same synced state there, as after the sync itself,
+    so a later sync adds only what each rank observed since (not the state once per rank)."""
+    mark = obs._synced
+    return {} if mark is None else {"synced": [int(mark[n]) for n in _COUNTERS]}
+
+
+def loaded_mark(obs, state_dict, prefix) -> dict | None:
+    """The sync mark of a state being loaded (None: it was not synced; then it is this
+    rank's own)."""
+    saved = record.decode(state_dict.get(prefix + record.RECORD), obs.describe()) or {}
+    mark = saved.get("synced")
+    if mark is None:
+        return None
+    if not (isinstance(mark, list) and len(mark) == len(_COUNTERS)
+            and all(type(v) is int for v in mark)):
+        raise ValueError(f"{obs.describe()}: the state's record has a damaged sync mark")
+    return {n: torch.tensor(v, dtype=torch.int64, device=getattr(obs, n).device)
+            for n, v in zip(_COUNTERS, mark)}
 
 
 def _header(observers, plans, dev) -> torch.Tensor:
@@ -386,21 +413,35 @@ def step_sync(obs, units, lo, hi, group=None):
         if any_bad:
             glo = glo + float("nan")
         return (units if has else glo.reshape(U, 1)), glo, ghi
+    return _gather_step(obs, units, lo, hi, (U, E, has), dev, group)
+
+
+def _gather_step(obs, units, lo, hi, sizes, dev, group):
+    """:func:`step_sync` of observers that read the units: gathers every rank's units,
+    concatenated along the elements in rank order, and the step's per-unit lo / hi."""
+    U, E, has = sizes
     h = all_gather(torch.tensor([U, E, int(has)], dtype=torch.int64, device=dev), group).cpu()
     if not bool(h[:, 2].any()):
         return None
     Us = h[:, 0][h[:, 2].bool()]
     _same_units(obs, int(Us.max()), int(Us.min()))
     U, Emax = int(Us[0]), int(h[:, 1].max())
-    pad = torch.zeros(U, Emax, device=dev)
+    # each rank's lo / hi and padding-zero count go with its units: only the rank knows its
+    # padding (from its shape), and an observer to which padding is no data (histograms:
+    # ``_step_zeros``) took it out of lo / hi already; the gathered units cannot tell
+    pad = torch.zeros(U, 3 + Emax, device=dev)
     if has:
-        pad[:, :E] = units.to(dev)
-    allu = all_gather(pad, group)
+        zeros = getattr(obs, "_step_zeros", None)
+        pad[:, 0], pad[:, 1] = lo.to(dev), hi.to(dev)
+        pad[:, 2] = 0 if zeros is None else zeros.to(dev)
+        pad[:, 3:3 + E] = units.to(dev)
     ref = units if has else obs.observed_tokens
-    g = torch.cat([allu[r, :, :int(h[r, 1])] for r in range(len(h)) if int(h[r, 2])], dim=1)
-    g = g.to(ref.device)
-    glo, ghi = unit_minmax(g)
-    return g, glo, ghi
+    allu = all_gather(pad, group)[h[:, 2].bool().to(dev)].to(ref.device)
+    g = torch.cat([allu[i, :, 3:3 + e] for i, e in enumerate(h[h[:, 2].bool(), 1].tolist())],
+                  dim=1)
+    if hasattr(obs, "_step_zeros"):  # every rank's padding zeros, for the histogram to drop
+        obs._step_zeros = allu[:, :, 2].sum(0).to(torch.int64)
+    return g, allu[:, :, 0].amin(0), allu[:, :, 1].amax(0)
 
 
 def _same_units(obs, most: int, least: int) -> None:

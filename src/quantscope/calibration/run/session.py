@@ -376,7 +376,8 @@ def _calibrate_distributed(model, batches, recipes, opts: Options, t0, experts):
     auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())
     n, bad = 0, set()
     if needs_data:
-        with qd.all_or_none("calibration", group):
+        # same_type: a batch's NaN in a static role is the one-process ValueError everywhere
+        with qd.all_or_none("calibration", group, same_type=True):
             n = observe_batches(model, qd.shard(batches, group), slots,
                      -(-sample_tokens // world) if auto else sample_tokens,
                      opts.progress and qd.is_main(group), seed + me,
