@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ... import comm as qd
-from ..results.apply import input_name, module_input
 from ..results.report import tensor_stats
 from ..results.result import Calibration
+from ..run.batches import input_name, module_input
 from ..run.finish import stats_row
 from ..run.observe import in_pass
 from ..structure.conv1d import is_conv1d

@@ -173,8 +173,7 @@ def _layer_errors(model, batches, todo):
     over ``batches``, hooks on the layers of ``todo`` (``{layer: (module, {role: state})}``)."""
     import torch
 
-    from ..results.apply import input_name, module_input
-    from ..run.batches import eval_mode, forward_batch
+    from ..run.batches import eval_mode, forward_batch, input_name, module_input
 
     err: dict[tuple[str, str], float] = {}
     ref: dict[str, float] = {}

@@ -56,8 +56,7 @@ from torch.func import functional_call
 
 from ... import comm as qd
 from ...stats.minmax import column_minmax
-from ..results.apply import input_name, module_input
-from ..run.batches import eval_mode, forward_batch
+from ..run.batches import eval_mode, forward_batch, input_name, module_input
 
 __all__ = ["MAPPINGS", "MIN_SCALE", "Mapping", "channel_ranges", "check", "find_mappings",
            "reapply", "restore", "smooth", "smoothing_scales"]

@@ -17,7 +17,6 @@ all go through it.
 from __future__ import annotations
 
 import copy
-import inspect
 import sys
 import warnings
 import weakref
@@ -32,6 +31,7 @@ from ..._checks import outside_quantscope
 from ..._locks import ForkSafeLock
 from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
+from ..run.batches import input_name, module_input
 from ..structure import kv_cache, moe
 from ..structure.placement import check_placement, held_weight, plain
 from ..structure.tied import tied_weights
@@ -138,26 +138,6 @@ class QDQHandle:
 
     def __exit__(self, *exc):
         self.remove()
-
-
-def input_name(module: nn.Module) -> str | None:
-    """The name of ``module.forward``'s first parameter (``input`` for ``nn.Linear``): where
-    its input is when a caller passes it as a keyword (``lin(input=x)``)."""
-    try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    for p in params:
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            return p.name
-    return None
-
-
-def module_input(args: tuple, kwargs: dict, name: str | None):
-    """A module call's input: the first positional argument, else the keyword ``name``."""
-    if args:
-        return args[0]
-    return kwargs.get(name) if name is not None else None
 
 
 def _input_hook(state, name):

@@ -4,12 +4,14 @@ detection, auto's scoring, sensitivity) uses."""
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping, MutableMapping
 from contextlib import contextmanager
 
 import torch
 
-__all__ = ["check_batches", "eval_mode", "forward_batch", "map_tensors", "tensors_in"]
+__all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "map_tensors",
+           "module_input", "tensors_in"]
 
 
 @contextmanager
@@ -83,3 +85,23 @@ def map_tensors(fn, value):
             out[k] = map_tensors(fn, v)
         return out
     return value
+
+
+def input_name(module: torch.nn.Module) -> str | None:
+    """The name of ``module.forward``'s first parameter (``input`` for ``nn.Linear``): where
+    its input is when a caller passes it as a keyword (``lin(input=x)``)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return p.name
+    return None
+
+
+def module_input(args: tuple, kwargs: dict, name: str | None):
+    """A module call's input: the first positional argument, else the keyword ``name``."""
+    if args:
+        return args[0]
+    return kwargs.get(name) if name is not None else None

@@ -34,9 +34,15 @@ from torch import nn
 
 from ...layout import Block, Channel, Group, Tensor
 from ..recipe import _matches
-from ..results.apply import input_name, module_input
 from ..results.result import RoleState
-from ..run.batches import batch_count, eval_mode, forward_batch, map_tensors
+from ..run.batches import (
+    batch_count,
+    eval_mode,
+    forward_batch,
+    input_name,
+    map_tensors,
+    module_input,
+)
 
 __all__ = ["find_groups", "join_weights", "peek", "shares_weight_scale", "split_state"]
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from ...layout import Tensor
 from ...qparams import qparams_from_range
+from ..run.batches import input_name, module_input
 
 __all__ = ["Experts", "attach", "expert_weight", "has_experts_3d", "share_inputs", "shrink",
            "unreached"]
@@ -202,8 +203,6 @@ class Experts:
             lin = self.model.get_submodule(layer)
             setattr(lin, _MARK, True)
             self._undo.append(lambda lin=lin: lin.__dict__.pop(_MARK, None))
-
-        from ..results.apply import input_name, module_input  # apply imports this module
 
         def counter(e):
             key = input_name(module[e])  # the input calibration observes
