@@ -1,6 +1,9 @@
 import pytest
 import torch
+from torch import nn
 
+from quantscope.calibration import Sampling, calibrate
+from quantscope.calibration.run import observe
 from quantscope.calibration.run.samples import RowSample, capacities
 
 
@@ -67,3 +70,48 @@ def test_capacities_share_one_budget():
     assert set(capacities(widths, 2048, 1).values()) == {1}
     with pytest.raises(ValueError, match="must be positive"):
         capacities(widths, 0, 1)
+
+
+def test_calls_from_one_batch_share_its_rows():
+    """A layer called 3 times per forward: the batch each call names, not the call count,
+    marks a new batch, so 60 rows over 6 batches are 10 from each (not 30, 30, then none);
+    the stream's eighth is per batch too."""
+    s = RowSample(60, 6, torch.Generator().manual_seed(0))
+    taken = []
+    for b in range(6):
+        before = s.count
+        for _ in range(3):
+            s.add(torch.randn(64, 4), batch=b)
+        taken.append(s.count - before)
+    assert taken == [10] * 6
+    s = RowSample(16, None, torch.Generator())
+    for _ in range(3):
+        s.add(torch.randn(10, 4), batch=0)
+    assert s.count == 2
+
+
+def test_a_layer_called_several_times_is_sampled_from_every_batch(monkeypatch):
+    """End to end: the sample of a Linear called 3 times per forward holds rows of all 6
+    batches (docs/memory.md: spread evenly over all of them)."""
+    made = []
+
+    class Spy(RowSample):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    class Thrice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.cell(x) + self.cell(x) + self.cell(x)
+
+    monkeypatch.setattr(observe, "RowSample", Spy)
+    # batch k's rows are all k (plus noise), so a sampled row tells its batch
+    data = [torch.full((64, 4), float(k)) + 0.01 * torch.randn(64, 4) for k in range(6)]
+    calibrate(Thrice(), data, "w8a8", sampling=Sampling(tokens=60), progress=False)
+    (sample,) = made
+    batch_of_row = sample.rows()[:, 0].round().long()
+    assert torch.bincount(batch_of_row, minlength=6).tolist() == [10] * 6

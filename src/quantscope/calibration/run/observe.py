@@ -24,11 +24,10 @@ from ...observers.grouped import observe_many
 from ...observers.registry import get_observer, observer_class
 from ...spec import QuantSpec
 from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
-from ..results.apply import input_name, module_input
 from ..structure import fusion, kv_cache
 from ..structure.conv1d import is_conv1d, transposed_layout
 from . import heap
-from .batches import batch_count, eval_mode, forward_batch
+from .batches import batch_count, eval_mode, forward_batch, input_name, module_input
 from .samples import RowSample, capacities
 
 # the activation rows kept for auto and the report, all layers together (see docs/memory.md)
@@ -297,7 +296,7 @@ def _hook(slots: list[Slot], input_key: str | None = None):
                 _count_bad_call(slot, key, obs)
                 slot.spent(key, t0)
             if slot.sample is not None:
-                slot.sample.add(x)
+                slot.sample.add(x, _BATCH.get())
 
     def pre(module, args, kwargs):  # the input, positional or keyword (``lin(input=x)``)
         observe(module_input(args, kwargs, input_key))

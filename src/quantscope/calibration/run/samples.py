@@ -36,9 +36,11 @@ def capacities(widths: dict, max_rows: int, budget_bytes: int, itemsize: int = 4
 
 class RowSample:
     """Up to ``capacity`` rows of the tensors passed to :meth:`add`, spread over ``batches``
-    calls: after the ``k``-th, ``capacity * k // batches`` rows (a batch with fewer rows
+    batches: after the ``k``-th, ``capacity * k // batches`` rows (a batch with fewer rows
     leaves its share to the next). ``batches`` None (a stream of unknown length): an eighth
-    of the capacity per call.
+    of the capacity per batch. A batch is what :meth:`add`'s ``batch`` names (the calibration
+    batch being forwarded: a layer called several times per forward shares that batch's
+    rows among its calls); without it, each call counts as a batch.
 
     A row runs along ``axis`` (its size is the width): the last dim of a Linear's
     ``[..., features]``, or a conv's channel axis (``-3`` for ``[N, C, H, W]``), whose size
@@ -51,19 +53,23 @@ class RowSample:
         self.capacity, self.batches, self.generator = capacity, batches, generator
         self.axis, self.skip_other_widths = axis, skip_other_widths
         self.buffer: torch.Tensor | None = None
-        self.count = self.calls = 0
+        self.count = self.seen = 0  # seen: the batches so far
+        self._batch, self._batch_start = None, 0  # the batch now and the count before it
 
-    def _share(self) -> int:
-        """Rows the next call may add."""
-        self.calls += 1
+    def _share(self, batch=None) -> int:
+        """Rows the next call, from ``batch``, may add."""
+        if batch is None or batch != self._batch:  # a new batch (unnamed: each call)
+            self.seen += 1
+            self._batch, self._batch_start = batch, self.count
         if not self.batches:
-            return max(1, self.capacity // 8)
-        return min(self.calls, self.batches) * self.capacity // self.batches - self.count
+            return max(1, self.capacity // 8) - (self.count - self._batch_start)
+        return min(self.seen, self.batches) * self.capacity // self.batches - self.count
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, batch=None) -> None:
+        """Rows of ``x``, which batch ``batch`` (its number, or None) brought."""
         if self.count >= self.capacity:
             return
-        share = self._share()  # an empty batch counts too: later batches take its share
+        share = self._share(batch)  # an empty batch counts too: later batches take its share
         if x.numel() == 0:
             return
         rows = self._rows(x.detach())
