@@ -384,6 +384,33 @@ def test_auto_on_empty_batches_says_so(recipe, empty):
         calibrate(_mlp(), empty(), recipe, observer="auto", progress=False)
 
 
+
+class _EmptyWeight(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.a, self.z = nn.Linear(6, 6), nn.Linear(*shape)
+        self.z_in = shape[0]
+
+    def forward(self, x):
+        return self.a(x), self.z(x[..., :self.z_in])
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+@pytest.mark.parametrize("shape, observer", [((6, 0), "minmax"), ((0, 6), "minmax"),
+                                             ((6, 0), "auto")])
+def test_a_linear_with_an_empty_weight_is_named(shape, observer):
+    """A Linear of 0 in or out features: its weight has nothing to quantize. The error names
+    the layer and says so (not "no candidate observer could take ...: {}"); ignoring the
+    layer calibrates the rest."""
+    batches = [torch.randn(3, 6)]
+    with pytest.raises(ValueError, match=r"layer 'z' weight: its weight \[\d, \d\] is empty "
+                                         r"\(0 elements: nothing to quantize\).*ignore=\['z'\]"):
+        calibrate(_EmptyWeight(shape), batches, "w8a8", observer=observer, progress=False)
+    c = calibrate(_EmptyWeight(shape), batches, preset("w8a8", observer, ignore=["z"]),
+                  progress=False)
+    assert set(c.states) == {"a"}
+
+
 # --- load: every stored tensor is what save writes for its role, and nothing else ---
 
 def _saved_w8a8(tmp_path):

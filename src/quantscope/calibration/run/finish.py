@@ -241,6 +241,10 @@ class _States:
                 raise _non_finite_error((layer, role), state)
             return state, self.stats_of((layer, role), (layer, role, "dynamic", cfg), state)
         best = self.best_candidate(layer, role, slot, cfg, names, shape)
+        if best is None and shape is not None and 0 in shape:  # observers skip empty tensors
+            raise ValueError(f"calibrate: layer {layer!r} weight: its weight {list(shape)} is "
+                             f"empty (0 elements: nothing to quantize); leave the layer out of "
+                             f"the recipe (ignore=[{layer!r}]) or give it features")
         if best is None and experts is not None and layer in experts.layers:
             return None, None
         if best is None:
