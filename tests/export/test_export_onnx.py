@@ -231,6 +231,49 @@ def test_bf16_and_fp16_models_export_as_float32_graphs_ort_runs(tmp_path, dtype,
     assert sum(counts.get(k, 0) for k in qonnx.INTEGER_KERNELS) == 2, counts
 
 
+class _CastsToBf16(torch.nn.Module):
+    """A float32 Linear, then a bf16 one its forward casts the activation to explicitly."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(256, 128)
+        self.b = torch.nn.Linear(128, 256).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)).to(torch.bfloat16)).float()
+
+
+def test_a_cast_to_bf16_in_the_forward_exports_a_float32_graph_ort_runs(tmp_path):
+    """Probe: ``x.to(torch.bfloat16)`` in the forward survived the float32 copy as a Cast to
+    bf16 feeding ``b``'s QuantizeLinear; onnx.checker passed and ORT refused the file
+    ("QuantizeLinear bound to different types"). The cast now casts to float32 like the rest
+    of the graph: ORT runs it, equal to the fake-quant model within bf16 rounding."""
+    model = _CastsToBf16().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(2, 6, 256, generator=g) for _ in range(3)]
+    calib = calibrate(model, batches, preset("w8a8", "minmax"), progress=False)
+    got, ref, counts = _run_mlp(model, calib, tmp_path / "m.onnx", batches[1])
+    assert model.b.weight.dtype == torch.bfloat16
+    assert np.abs(got - ref).max() <= 2e-2 * np.abs(ref).max(), np.abs(got - ref).max()
+    assert sum(counts.get(k, 0) for k in qonnx.INTEGER_KERNELS) == 2, counts
+
+
+@pytest.mark.parametrize(("recipe", "op"), [("w8a8", "QuantizeLinear"), ("w4a16", "MatMul")])
+def test_a_float64_model_is_refused_before_writing(tmp_path, recipe, op):
+    """Probe follow-up: a float64 model's graph passed onnx.checker, then ORT refused it
+    (QuantizeLinear takes no double; a weight-only MatMul got double beside a float32
+    DequantizeLinear). Refused, naming the layer, and nothing is written."""
+    model, batches = _mlp()
+    model, batches = model.double(), [b.double() for b in batches]
+    calib = calibrate(model, batches, preset(recipe, "minmax"), progress=False)
+    with pytest.raises(ValueError, match=rf"onnx export: 0: {op} reads .* as double, and "
+                                         rf"ONNX Runtime's quantized kernels take float32 only"):
+        export.export(calib, model, tmp_path / "m.onnx", format="onnx",
+                      example_inputs=batches[0])
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("recipe", ["w8a16", "w4a16"])
 def test_weight_only_matmulnbits_equals_fake_quant_to_float_rounding(tmp_path, recipe):
     """Issue 37: ORT fuses weight-only DQ -> MatMul into ``MatMulNBits``, whose default

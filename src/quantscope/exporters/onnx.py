@@ -40,7 +40,7 @@ from ..calibration.structure.conv1d import is_conv1d
 from ..calibration.structure.placement import check_placement
 from ..calibration.structure.tied import tied_weights
 from .atomic import atomic_file, check_writable_target
-from .onnx_tensors import code_tensor
+from .onnx_tensors import check_float32_quantize, code_tensor, float32_graph, float32_model
 from .registry import register
 
 __all__ = ["DISABLED_OPTIMIZERS", "FLOAT_MATMULNBITS", "PRECISE_U8U8", "export_onnx", "int8_dot_product",
@@ -216,30 +216,6 @@ def _input_qdq(layer, state, source: str, prefix: str, shift: bool):
     return inits, [q, dq], f"{prefix}.input_dq"
 
 
-def _float32(model, example_inputs):
-    """``model`` and its inputs in float32: a copy where any parameter or buffer is bf16 /
-    fp16. ONNX Runtime's CPU ``QuantizeLinear`` takes float32 scales only and has no bf16
-    kernels (issue 37: a bf16 graph passed onnx.checker, then ORT refused it), so the graph
-    computes in float32; the weight codes are those of the same values (bf16 / fp16 -> fp32
-    is exact)."""
-    import copy
-
-    low = {torch.bfloat16, torch.float16}
-    if not any(t.dtype in low for t in (*model.parameters(), *model.buffers())):
-        return model, example_inputs
-
-    def cast(v):
-        return v.float() if isinstance(v, torch.Tensor) and v.dtype in low else v
-
-    if isinstance(example_inputs, dict):
-        example_inputs = {k: cast(v) for k, v in example_inputs.items()}
-    elif isinstance(example_inputs, (tuple, list)):
-        example_inputs = tuple(cast(v) for v in example_inputs)
-    else:
-        example_inputs = cast(example_inputs)
-    return copy.deepcopy(model).float(), example_inputs
-
-
 class _NoCache:
     """A transformers model's ``config.use_cache`` off while exporting: a causal LM then returns
     its logits alone, not a ``DynamicCache`` torch.export cannot trace (issue 37)."""
@@ -320,13 +296,16 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     _check_exportable(states)  # before the (slow) export
     _check_untied(model, states)
     _check_linear(model, states)
-    model, example_inputs = _float32(model, example_inputs)
+    given, (model, example_inputs) = model, float32_model(model, example_inputs)
     proto = _export_float(model, example_inputs, opset)
+    if model is not given:  # a bf16 / fp16 model made float32: its forward's casts too
+        float32_graph(proto.graph)
     _insert_qdq(onnx, proto.graph, model, states, uint8)
     _drop_unused_initializers(proto.graph)
     mark = proto.metadata_props.add()  # what lets overwrite=True replace this file later
     mark.key, mark.value = "quantscope", "onnx export"
     onnx.checker.check_model(proto)
+    check_float32_quantize(proto)  # what the checker passes and ORT refuses (issue 37)
     with atomic_file(path, overwrite=overwrite, kind="file", inputs=inputs) as tmp:
         onnx.save(proto, tmp)
     return path
