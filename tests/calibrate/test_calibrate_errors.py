@@ -397,7 +397,7 @@ class _EmptyWeight(nn.Module):
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 @pytest.mark.parametrize("shape, observer", [((6, 0), "minmax"), ((0, 6), "minmax"),
-                                             ((6, 0), "auto")])
+                                             ((6, 0), "auto"), ((0, 6), "auto")])
 def test_a_linear_with_an_empty_weight_is_named(shape, observer):
     """A Linear of 0 in or out features: its weight has nothing to quantize. The error names
     the layer and says so (not "no candidate observer could take ...: {}"); ignoring the

@@ -56,7 +56,8 @@ class InputImportance:
         def hook(module, args, kwargs):
             x = module_input(args, kwargs, keyword)
             if (not (self.live or in_pass()) or not isinstance(x, torch.Tensor) or x.dim() < 1
-                    or not x.is_floating_point() or x.shape[-1] != self.sums[name].numel()):
+                    or not x.is_floating_point() or x.shape[-1] != self.sums[name].numel()
+                    or x.numel() == 0):  # nothing to count (reshape(-1, 0) cannot size it)
                 return
             x = x.detach().reshape(-1, x.shape[-1])
             if self.sums[name].device != x.device:  # once: sums stay where the inputs are,
