@@ -92,6 +92,7 @@ import sys
 
 import torch
 
+from ..layout import Block
 from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
 from ..observers.minmax import PlaceholderObserver as _NativePlaceholder
 from ..observers.registry import register
@@ -285,11 +286,11 @@ class PerGroupMinMaxObserver(_DynamicOrStatic):
 
     def check_input(self, x: torch.Tensor) -> bool:
         ok = super().check_input(x)
-        n = x.shape[self.spec.layout.axis] if ok else 0
-        if n % self.group_size:  # Quark's refuses the padded tail its block scales' layout takes
-            raise ValueError(f"{self.describe()}: the {n} elements along ch_axis="
-                             f"{self.ch_axis} are not divisible by group_size="
-                             f"{self.group_size}, as Quark's PerGroupMinMaxObserver requires")
+        layout = self.spec.layout  # a block scale format's: it pads, Quark's class refuses
+        if ok and isinstance(layout, Block) and x.shape[layout.axis] % layout.size:
+            raise ValueError(f"{self.describe()}: the {x.shape[layout.axis]} elements along "
+                             f"ch_axis={layout.axis} are not divisible by group_size="
+                             f"{layout.size}, as Quark's PerGroupMinMaxObserver requires")
         return ok
 
     def set_shape(self, shape):
