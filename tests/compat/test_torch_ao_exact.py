@@ -485,3 +485,17 @@ def test_state_made_in_inference_mode_refuses_updates_outside_it_as_torch(kind):
             obs(torch.randn(64))
         with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
             obs(torch.randn(64) * 3)
+
+
+def test_histogram_refuses_a_float64_batch_past_its_float32_state():
+    """torch.ao stores +inf (and later returns a NaN scale); the compat class raised torch's
+    'cannot be converted to type float without overflow' with the histogram and min_val
+    already written. Now a ValueError naming the range, and the state left as it was."""
+    obs = qa.HistogramObserver()
+    obs(torch.tensor([-2.0, 3.0]))
+    before = {k: v.clone() for k, v in obs.state_dict().items()}
+    with pytest.raises(ValueError, match=r"range \[-1, 4e\+38\] exceeds the observer's "
+                                         r"torch.float32 state"):
+        obs(torch.tensor([-1.0, 4e38], dtype=torch.float64))
+    for k, v in obs.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -33,7 +33,12 @@ Non-finite input as torch.ao: the min-max classes record it (their :meth:`qparam
 raises ``ValueError``); :class:`HistogramObserver` drops ``inf`` values with a warning and
 raises on NaN in ``forward`` (:class:`NonFiniteBatchError`, a ``RuntimeError`` as torch's
 ``histc`` error; torch.ao has already written NaN into ``min_val`` / ``max_val`` by then,
-quantscope leaves the state as it was). The C path hands such a batch to the tensor path.
+quantscope leaves the state as it was, as after any batch it refuses: no bins, an integer
+dtype, and a float64 batch past its float32 state, a ``ValueError`` where torch.ao stores
+``inf`` and later returns a NaN scale). The C path hands such a batch to the tensor path.
+Known differences of :class:`HistogramObserver` beyond these: ``bins`` is read at
+construction (torch.ao's reads a later assignment too); a zero ``min_val`` / ``max_val`` may
+differ from torch.ao's in its sign (equal qparams).
 """
 
 from __future__ import annotations
@@ -347,6 +352,11 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
                                   "cannot bin it (torch.histc: range of [nan, nan] is not "
                                   "finite); the observer's state is left as it was")
     first = old_lo == math.inf or old_hi == -math.inf
+    top = torch.finfo(lo.dtype).max
+    if max(-x_lo, x_hi) > top:  # a float64 batch past the state's float32 (torch.ao: inf)
+        raise ValueError(f"HistogramObserver: the batch's range [{x_lo:.6g}, {x_hi:.6g}] "
+                         f"exceeds the observer's {lo.dtype} state (|x| <= {top:.6g}); the "
+                         f"observer's state is left as it was")
     new, new_lo, new_hi = ao_histogram.update(None if first else hist,
                                               None if first else (old_lo, old_hi), x,
                                               (x_lo, x_hi), hist.numel(), rate=rate)
