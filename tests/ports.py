@@ -60,3 +60,13 @@ def rank_results(ranks: list[dict], key) -> list:
     for r, out in enumerate(ranks):
         assert key in out, f"rank {r} crashed before {key!r}:\n{out.get('crash')}"
     return [out[key] for out in ranks]
+
+
+def error_text(fn, *args, **kwargs) -> str | None:
+    """``fn(*args, **kwargs)``'s exception as ``"Type: message"`` (None: it returned): what a
+    rank reports for the parent to compare across ranks."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- the parent compares the ranks' errors
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from ports import rank_results, spawn_ranks
+from ports import error_text, rank_results, spawn_ranks
 
 import quantscope
 from quantscope import comm
@@ -25,13 +25,6 @@ pytestmark = pytest.mark.dist
 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 
-
-def _error(fn, *args, **kwargs) -> str | None:
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 -- the parent compares the ranks' errors
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _scales(cal) -> dict:
@@ -73,7 +66,7 @@ def _dynamic_nan() -> dict:
         for label, recipe in (("error", "w8a8-dynamic"),
                               ("ignore", _ignoring_nan("w8a8-dynamic"))):
             for d in (False, True):
-                out[f"nan/{where}/{label}/{d}"] = _error(
+                out[f"nan/{where}/{label}/{d}"] = error_text(
                     quantscope.calibrate, model, batches, recipe, progress=False,
                     runtime=Runtime(distributed=d))
     out["nan/after"] = comm.all_sum(comm.rank() + 1)  # the ranks are still in step
@@ -104,7 +97,7 @@ def _missing_calls() -> dict:
                                        progress=False,
                                        runtime=Runtime(distributed=d, missing="skip"))
         out[f"missing/{d}"] = cal.info["missing"]
-        out[f"missing_error/{d}"] = _error(
+        out[f"missing_error/{d}"] = error_text(
             quantscope.calibrate, model, batches, "w8a8", observer="static_minmax",
             progress=False, runtime=Runtime(distributed=d, missing="error"))
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ports import rank_results, spawn_ranks
+from ports import error_text, rank_results, spawn_ranks
 
 import quantscope
 from quantscope import comm
@@ -23,13 +23,6 @@ pytestmark = pytest.mark.dist
 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 
-
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 -- the parent compares the ranks' errors
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _synced_range(r):
@@ -46,7 +39,7 @@ def _one_rank_fails(r) -> dict:
     obs = quantscope.get_observer("static_minmax", QuantSpec())
     if r == 0:
         obs(torch.randn(*(1,) * 8, 4))
-    out["9d"] = _error(obs.sync)
+    out["9d"] = error_text(obs.sync)
     out["9d/after"] = _synced_range(r)
     # a moving-average histogram folds its pending batches in sync_plan: |x| too large on 0
     obs = quantscope.get_observer("percentile", QuantSpec(), bins=64, averaging_constant=0.5,
@@ -55,7 +48,7 @@ def _one_rank_fails(r) -> dict:
     if r == 0:
         x[0, 0] = 1e38
     obs(x)
-    out["ema_huge"] = _error(obs.sync)
+    out["ema_huge"] = error_text(obs.sync)
     out["ema_huge/after"] = _synced_range(r)
     return out
 
@@ -90,7 +83,7 @@ def _mismatches(r) -> dict:
         obs = _make(name, spec, **opts)
         if r == 0 or key != "bins":  # bins: rank 1 saw nothing (it would take rank 0's)
             obs(x)
-        out[key] = _error(obs.sync)
+        out[key] = error_text(obs.sync)
     return out
 
 
@@ -100,7 +93,7 @@ def _calibrate_fails_on_one_rank(group) -> str | None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 4))
     batches = [torch.randn(*(1,) * 8, 8), torch.randn(2, 8)]  # rank 0 takes the 9-D one
-    return _error(lambda: calibrate(model, batches, "w8a8", observer="static_minmax",
+    return error_text(lambda: calibrate(model, batches, "w8a8", observer="static_minmax",
                                     progress=False, distributed=True, group=group))
 
 
@@ -108,7 +101,7 @@ def _scenarios(r, out):
     # first the scenarios after which the ranks stay in step even when they go wrong
     obs = quantscope.get_observer("percentile", QuantSpec(), grid="first")
     obs(torch.randn(8, 16))
-    out["grid_first"] = _error(obs.sync)
+    out["grid_first"] = error_text(obs.sync)
     out.update(_mismatches(r))
     out["mismatch/after"] = _synced_range(r)
     out.update(_one_rank_fails(r))

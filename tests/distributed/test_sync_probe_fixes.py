@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ports import rank_results, spawn_ranks
+from ports import error_text, rank_results, spawn_ranks
 
 import quantscope
 from quantscope import QuantSpec, comm
@@ -26,13 +26,6 @@ pytestmark = pytest.mark.dist
 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 
-
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 -- the parent compares the ranks' errors
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _x(seed, shape, shift=0.0):
@@ -90,7 +83,7 @@ def _load_then_sync(r) -> dict:
         resumed.sync()  # no rank fed it: the same state
         idle = int(resumed.observed_tokens)
         resumed(b[r])
-        err = _error(resumed.sync)
+        err = error_text(resumed.sync)
         ref = quantscope.get_observer(fam, QuantSpec())
         for x in a + b:
             ref(x)
@@ -106,7 +99,7 @@ def _static_nan(r) -> dict:
                                 torch.nn.Linear(8, 4)).eval()
     batches = [_x(i, (2, 8)) for i in range(2)]
     batches[1][0, 0] = float("nan")
-    return {f"nan/{d}": _error(lambda d=d: quantscope.calibrate(
+    return {f"nan/{d}": error_text(lambda d=d: quantscope.calibrate(
         model, batches, "w8a8", progress=False, runtime=Runtime(distributed=d)))
         for d in (False, True)} | {"nan/after": comm.all_sum(r + 1)}
 
@@ -114,7 +107,7 @@ def _static_nan(r) -> dict:
 def _torch_ao(r) -> dict:
     obs = torch_ao.HistogramObserver()
     obs(_x(r, (4, 8)))
-    return {"ao": _error(lambda: qd.sync_observers([obs]))}
+    return {"ao": error_text(lambda: qd.sync_observers([obs]))}
 
 
 def _scenarios(r, out):
