@@ -436,9 +436,9 @@ def _gather_step(obs, units, lo, hi, sizes, dev, group):
         pad[:, 2] = 0 if zeros is None else zeros.to(dev)
         pad[:, 3:3 + E] = units.to(dev)
     ref = units if has else obs.observed_tokens
-    allu = all_gather(pad, group)[h[:, 2].bool().to(dev)].to(ref.device)
-    g = torch.cat([allu[i, :, 3:3 + e] for i, e in enumerate(h[h[:, 2].bool(), 1].tolist())],
-                  dim=1)
+    fed = [r for r in range(len(h)) if int(h[r, 2])]  # from the host header: no device read
+    allu = all_gather(pad, group)[fed].to(ref.device)
+    g = torch.cat([allu[i, :, 3:3 + int(h[r, 1])] for i, r in enumerate(fed)], dim=1)
     if hasattr(obs, "_step_zeros"):  # every rank's padding zeros, for the histogram to drop
         obs._step_zeros = allu[:, :, 2].sum(0).to(torch.int64)
     return g, allu[:, :, 0].amin(0), allu[:, :, 1].amax(0)
