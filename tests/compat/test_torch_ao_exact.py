@@ -499,3 +499,19 @@ def test_histogram_refuses_a_float64_batch_past_its_float32_state():
         obs(torch.tensor([-1.0, 4e38], dtype=torch.float64))
     for k, v in obs.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_histogram_bins_set_before_the_first_batch_as_torch_ao():
+    """torch.ao's forward bins into ``self.bins``: set after construction, it sizes the
+    histogram (quantscope's kept 2048 bins and its qparams raised torch.ao's bins check)."""
+    xs = [torch.randn(500, generator=torch.Generator().manual_seed(s)) * (1 + 2 * s)
+          for s in range(2)]
+    theirs, ours = tq.HistogramObserver(), qa.HistogramObserver()
+    for o in (theirs, ours):
+        o.bins = 128
+        for x in xs:
+            o(x)
+    assert ours.histogram.shape == theirs.histogram.shape == (128,)
+    assert torch.equal(ours.histogram, theirs.histogram)
+    for a, b in zip(ours.calculate_qparams(), theirs.calculate_qparams(), strict=True):
+        assert torch.equal(a, b)

@@ -36,9 +36,10 @@ raises on NaN in ``forward`` (:class:`NonFiniteBatchError`, a ``RuntimeError`` a
 quantscope leaves the state as it was, as after any batch it refuses: no bins, an integer
 dtype, and a float64 batch past its float32 state, a ``ValueError`` where torch.ao stores
 ``inf`` and later returns a NaN scale). The C path hands such a batch to the tensor path.
-Known differences of :class:`HistogramObserver` beyond these: ``bins`` is read at
-construction (torch.ao's reads a later assignment too); a zero ``min_val`` / ``max_val`` may
-differ from torch.ao's in its sign (equal qparams).
+Known differences of :class:`HistogramObserver` beyond these: ``bins`` set after
+construction takes effect before the first batch, as torch.ao's (after it, torch.ao's
+raises on the size mismatch, quantscope's keeps its bins); a zero ``min_val`` / ``max_val``
+may differ from torch.ao's in its sign (equal qparams).
 """
 
 from __future__ import annotations
@@ -476,6 +477,8 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
             raise dtensor_error("HistogramObserver", x_orig)
         if x_orig.numel() == 0:
             return x_orig
+        if self.bins != self.histogram.numel() and math.isinf(float(self.min_val)):
+            self.histogram.resize_(self.bins).zero_()  # torch.ao's histc reads a set bins too
         x = _binned(x_orig)
         rate = self.upsample_rate  # torch.ao's attribute: settable after construction
         widened = _observe_fast(x, self.histogram, self.min_val, self.max_val,
