@@ -571,3 +571,27 @@ def test_a_compat_class_in_a_preset_is_a_value_error_naming_it(name):
     with pytest.raises(ValueError, match=f"'{name}' is a compat class configured by its own "
                                          f"arguments"):
         calibrate(_mlp(), [torch.randn(8, 16)], preset("w8a8", name), progress=False)
+
+
+@pytest.mark.parametrize("value", [0.3, 0.375])
+def test_load_refuses_a_scale_its_encoding_cannot_store(tmp_path, value):
+    """Probe: an MXFP4 weight scale edited to 0.3 (E8M0 stores powers of two) loaded, and
+    apply quantized with it; the load now names the tensor."""
+    from quantscope.calibration import load
+
+    model = _mlp()
+    cal = calibrate(model, [torch.randn(4, 16) for _ in range(2)], "mxfp4", progress=False)
+    cal.save(tmp_path / "cal")
+    key = next(k for k in _keys(tmp_path / "cal" / "qparams.safetensors")
+               if k.endswith("weight/scale"))
+    _edit(tmp_path / "cal" / "qparams.safetensors",
+          lambda t: t[key].view(-1).__setitem__(0, value))
+    with pytest.raises(ValueError, match=rf"{key}: holds {value}\d*, a value its e8m0:\w+ "
+                                         rf"encoding cannot store"):
+        load(tmp_path / "cal")
+
+
+def _keys(path):
+    from safetensors.torch import load_file
+
+    return sorted(load_file(path))

@@ -20,6 +20,7 @@ import torch
 
 from ...layout import Tensor
 from ...qparams import QParams, qparams_from_range
+from ...scales import ScaleEncoding, encode_scale
 from ...spec import QuantSpec
 from ..recipe import Recipe
 from ..recipe_dict import role_options
@@ -45,10 +46,11 @@ def load(path, device="cpu") -> Calibration:
 
     Everything is checked before anything is returned: the format and version, every
     field's type, every tensor's dtype (the one save writes), shape (against its spec and the
-    calibrated weight shape), finiteness and range (scales > 0, lo <= hi, zero points inside
-    the code range, a symmetric spec's fixed one), and that each tensor belongs to a role of
-    the JSON and its mode. A damaged or edited folder raises ``ValueError`` naming the file
-    and the key.
+    calibrated weight shape), finiteness and range (scales > 0 and held by their encoding:
+    powers of two for pow2 / E8M0, lo <= hi, zero points inside the code range, a symmetric
+    spec's fixed one), and that each tensor belongs to a role of the JSON and its mode. A
+    damaged or edited folder raises ``ValueError`` naming the file and the key; an edit that
+    stays a valid value (an int8 scale doubled) is not detected.
     """
     _, load_file = safetensors()
     SafetensorError = _safetensor_error()
@@ -274,7 +276,22 @@ def _role_qparams(get, key, spec, shape, bad_tensor) -> QParams:
         raise bad_tensor(f"{key}/scale", f"shape {tuple(scale.shape)}, but {spec.layout}{on} "
                                          f"has scales of shape {want} (the same values in "
                                          f"another shape would quantize other units)")
+    _check_encoded(scale, spec, key, bad_tensor)
     return QParams(scale, zp, _global_scale(get, key, spec, ref, bad_tensor))
+
+
+def _check_encoded(scale, spec, key, bad_tensor) -> None:
+    """Every stored scale is one its encoding holds: a power of two for pow2 / E8M0, an
+    fp16 / bf16 value for those (an edited 0.3 in an MXFP4 folder loaded and was applied).
+    fp32 holds any; NVFP4's fp8 block scales are not checked (its ``min_scale`` floor)."""
+    kind = spec.scale.kind
+    if kind in ("fp32", "fp8_e4m3"):
+        return
+    enc = ScaleEncoding("pow2", "floor") if kind in ("pow2", "e8m0") else spec.scale
+    off = encode_scale(scale, enc) != scale
+    if bool(off.any()):
+        raise bad_tensor(f"{key}/scale", f"holds {float(scale[off][0])!r}, a value its "
+                                         f"{spec.scale} encoding cannot store")
 
 
 def _global_scale(get, key, spec, ref, bad_tensor) -> torch.Tensor | None:
