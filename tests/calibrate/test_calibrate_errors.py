@@ -595,3 +595,16 @@ def _keys(path):
     from safetensors.torch import load_file
 
     return sorted(load_file(path))
+
+
+@pytest.mark.parametrize(("device", "match"), [
+    ("meta", "device 'meta' holds no values"), ("bogus", "device 'bogus' is not a torch device"),
+    *([] if torch.cuda.is_available() else [("cuda", "device 'cuda': CUDA is not available")])])
+def test_load_names_a_bad_device_not_the_file(tmp_path, device, match):
+    """Probe: load(path, device=...) reported the intact file as 'not a readable safetensors
+    file' when the device was the problem."""
+    from quantscope.calibration import load
+
+    _saved_w8a8(tmp_path)
+    with pytest.raises(ValueError, match=rf"^load: {match}"):
+        load(tmp_path / "cal", device=device)

@@ -54,6 +54,7 @@ def load(path, device="cpu") -> Calibration:
     """
     _, load_file = safetensors()
     SafetensorError = _safetensor_error()
+    device = _load_device(device)
     meta_path, tensor_path = os.path.join(path, META), os.path.join(path, TENSORS)
     for p in (meta_path, tensor_path):
         if not os.path.isfile(p):
@@ -241,6 +242,21 @@ def _written(spec: QuantSpec) -> QParams:
     """The qparams the one formula gives ``spec`` (on an all-zero range): the dtypes save
     writes for it, and a symmetric spec's zero point (0, or mid-range for unsigned formats)."""
     return qparams_from_range(torch.zeros(1), torch.zeros(1), spec)
+
+
+def _load_device(device) -> torch.device:
+    """``load``'s ``device``, or the ``ValueError`` naming it (safetensors' own error would
+    blame the file)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"load: device {device!r} is not a torch device ({e})") from None
+    if dev.type == "meta":
+        raise ValueError("load: device 'meta' holds no values, and load checks them; load to "
+                         "'cpu' (the default), apply moves the qparams to the model's device")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"load: device {device!r}: CUDA is not available here")
+    return dev
 
 
 def _scale_shape(spec, shape) -> tuple[int, ...] | None:
