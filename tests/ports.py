@@ -25,9 +25,9 @@ def spawn_ranks(scenarios, world: int, timeout_s: float) -> list[dict]:
     it had; a run past a few timeouts (a rank left waiting) kills the ranks and fails the
     test instead of hanging."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_rank_main, args=(world, free_port(), tmp, scenarios, timeout_s),
-                       nprocs=world, join=False)
-        deadline = time.monotonic() + 6 * timeout_s
+        ctx = mp.spawn(_rank_main, args=(world, tmp, scenarios, timeout_s), nprocs=world,
+                       join=False)
+        deadline = time.monotonic() + 6 * timeout_s + _START_S
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
                 for p in ctx.processes:
@@ -37,7 +37,24 @@ def spawn_ranks(scenarios, world: int, timeout_s: float) -> list[dict]:
                 for r in range(world)]
 
 
-def _rank_main(r, world, port, tmp, scenarios, timeout_s):
+#: seconds a spawned rank may take to start (its imports, on a loaded machine) before the
+#: group's short timeout applies
+_START_S = 120
+
+
+def _all_started(tmp, r, world) -> None:
+    """Wait until every rank has started: the group's timeout then measures collectives, not
+    a peer still importing (under ``make test``'s load that took past 20 s, and the waiting
+    rank's init timed out)."""
+    open(os.path.join(tmp, f"started{r}"), "w").close()
+    deadline = time.monotonic() + _START_S
+    while not all(os.path.exists(os.path.join(tmp, f"started{i}")) for i in range(world)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {r}: a peer did not start within {_START_S} s")
+        time.sleep(0.05)
+
+
+def _rank_main(r, world, tmp, scenarios, timeout_s):
     import datetime
     import traceback
 
@@ -46,12 +63,18 @@ def _rank_main(r, world, port, tmp, scenarios, timeout_s):
     torch.set_num_threads(1)
     out = {}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        _all_started(tmp, r, world)
+        # a file store in the spawn's own folder: no port that a parallel test could take
+        # between choosing it and binding it
+        store = f"file://{os.path.join(tmp, 'store')}"
+        dist.init_process_group("gloo", init_method=store, rank=r, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
         scenarios(r, out)
-        dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- any failure goes back to the parent
         out["crash"] = traceback.format_exc()
+    finally:  # a group left alive aborts the process at exit ('terminate called ...')
+        if dist.is_initialized():
+            dist.destroy_process_group()
     torch.save(out, os.path.join(tmp, f"rank{r}.pt"))
 
 
