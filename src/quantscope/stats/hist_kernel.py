@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from .minmax import MINMAX_DTYPES
 
 __all__ = ["bin_values", "fused_update", "regrid"]
 
@@ -74,7 +75,7 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     are widened a piece at a time (exact: every value is a float32)."""
     lib = _kernel()
     U, B = counts.shape
-    if (lib is None or units.requires_grad or not units.is_cpu or units.dtype not in _READS
+    if (lib is None or units.requires_grad or not units.is_cpu or units.dtype not in MINMAX_DTYPES
             or units.dim() != 2 or units.shape[0] != U or not kernels.plain(counts, torch.int64)
             or not kernels.plain(exp, torch.int64) or not kernels.plain(first, torch.int64)
             or exp.shape != (U,) or first.shape != (U,) or not 1 <= B <= MAX_BINS):
@@ -88,9 +89,6 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     # times faster than the torch ops on the strided view
     _bin(lib, counts, units.contiguous(), exp, first, absolute, threads)
     return True
-
-
-_READS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _bin(lib, counts, units, exp, first, absolute, threads) -> None:

@@ -28,11 +28,9 @@ from torch import Tensor
 from .._oplib import define
 from ..kernels import triton as _triton
 from . import hist_kernel, histogram
+from .minmax import MINMAX_DTYPES
 
 __all__ = ["hist_add", "hist_regrid"]
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def _check_counts(who: str, counts: Tensor) -> int:
     """The number of units of ``counts``, or the ``ValueError``: a contiguous int64
@@ -48,7 +46,7 @@ def _check_counts(who: str, counts: Tensor) -> int:
 def _check(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor) -> None:
     who = "quantscope::hist_add"
     U = _check_counts(who, counts)
-    if units.dim() != 2 or units.shape[0] != U or units.dtype not in _FLOATS \
+    if units.dim() != 2 or units.shape[0] != U or units.dtype not in MINMAX_DTYPES \
             or units.device != counts.device:
         raise ValueError(f"{who}: units must be a float32 / bfloat16 / float16 [{U}, elements] "
                          f"tensor on {counts.device}, got {units.dtype} {tuple(units.shape)} "

@@ -72,7 +72,8 @@ def _threads(numel: int, rows: int) -> int:
 #: the element types the C kernel reads, by its code (csrc/unit_minmax.c)
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: the float dtypes every per-unit min / max path reads as they are: the C kernel on the
-#: CPU, the ops off it (min / max of bf16 / fp16 values are exact in float32)
+#: CPU, the ops off it (min / max of bf16 / fp16 values are exact in float32); the
+#: histogram binning reads the same ones
 MINMAX_DTYPES = tuple(KERNEL_DTYPES)
 
 
@@ -316,17 +317,13 @@ def _op_layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tens
     return None if units is None else ops.unit_minmax(units)
 
 
-#: the dtypes the ops read as they are
-_OP_FLOATS = MINMAX_DTYPES
-
-
 def op_units(x: torch.Tensor, layout) -> torch.Tensor | None:
     """``x``'s units as the op ``quantscope::unit_minmax`` reads them: ``[U, E]``, or
     ``[U1, U2, E1, E2]`` where they are no row view (a channel axis after the first, tiles),
     in ``x``'s own float dtype; None where the op cannot (other dtypes, autograd, no units)."""
     from ..layout import Channel, Tile
 
-    if x.dtype not in _OP_FLOATS or x.requires_grad:
+    if x.dtype not in MINMAX_DTYPES or x.requires_grad:
         return None
     shape = x.shape
     if isinstance(layout, Channel) and x.dim() >= 2:
@@ -439,7 +436,7 @@ record_non_finite = define(
 def _check_observe(units, state_lo, state_hi, seen, tokens, kind, c, count) -> None:
     # (this check is the op's fake implementation too)
     who = "quantscope::minmax_observe"
-    if units.dim() not in (2, 4) or units.dtype not in _OP_FLOATS \
+    if units.dim() not in (2, 4) or units.dtype not in MINMAX_DTYPES \
             or math.prod(units.shape[units.dim() // 2:]) == 0:
         raise ValueError(f"{who}: units must be a [units, elements] or [U1, U2, E1, E2] tensor "
                          f"of float32, bfloat16 or float16 with elements (stats.minmax.op_units), "
