@@ -96,7 +96,8 @@ def test_hist_add_with_one_bin_still_counts():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("i", "value", "name"), [
     (2, NAN, "min_scale"), (2, -1.0, "min_scale"), (2, 0.0, "min_scale"), (2, INF, "min_scale"),
-    (2, 1e39, "min_scale"), (1, INF, "qmax"), (0, -INF, "qmin"), (4, NAN, "the symmetric zero point"),
+    (2, 1e39, "min_scale"), (1, INF, "qmax"), (0, -INF, "qmin"),
+    (4, NAN, "the symmetric zero point"),
     (4, 100.0, "the symmetric zero point")])
 def test_int_qparams_refuses_bad_consts(device, i, value, name, forbid_host_sync):
     lo, hi = -torch.ones(4, device=device), torch.ones(4, device=device)

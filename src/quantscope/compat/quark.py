@@ -16,31 +16,32 @@ MX rule (bitwise Quark's ``even_round`` for float elements, the only ones Quark'
 ``PerBlockMXObserver`` takes: an integer element raises :class:`UnsupportedElementError`, an
 ``AssertionError`` as Quark's; for int8 elements quantscope's rule rounds the block max to the
 element's 6 fraction bits, OCP MXINT8's 1.6 layout, where Quark's ``fake_quantize_mx`` rounds
-to 8). Integer ranges go through the native qparams, which
-match Quark's ``calculate_int_quant_params`` bit for bit on float32 input; as there, a
-symmetric range has zero point 0, unsigned formats too, and ``scale_format`` is not read
-(e8m0 / e4m3 give the plain scales; so on an fp8 per-tensor / per-channel range); fp4 with no ``scale_format`` raises a ``ValueError`` on
-the per-tensor / per-channel min-max and the histogram classes (before data too), as Quark's
-``get_scale``; the fp6 dtypes on those classes (and fp4 on ``PerGroupMinMaxObserver``), which
-Quark prices with that integer formula, raise :class:`UnsupportedElementError` (an
-``AssertionError`` as Quark's) on a given range and once data is seen (before, the min-max
-classes give Quark's ``([1.], [0])``). ``PerTensorMSEObserver``'s search, as Quark's, prices
-int4 / uint4 / int8 / uint8 / fp8_e4m3 / fp8_e5m2 only: another dtype raises ``ValueError``
-at ``calculate_qparams()`` once data is seen. Before any data the min-max classes and
-the histogram recorder return Quark's answers in its shapes (``([1.], [0])`` for integers,
-``(eps, 0.)`` for fp8, ``(1, 1)`` per group), ``PerBlockMXObserver`` Quark's scale of its
-``amax`` 0 (``2 ** -127`` for E8M0); the percentile, MSE and Pro classes raise a
-``ValueError`` (Quark's raise an ``AttributeError``, and Pro's returns a NaN scale).
-``PerBlockMXObserver`` with no ``scale_format`` gives float32 scales (E8M0 for the dtype
-``mx``), as :func:`quark_spec` reads it (Quark's untested branch returns integer exponents). NaN / inf raise a ``ValueError``
-naming the observer at ``calculate_qparams()`` on every scale rule; so does an asymmetric
-``PerTensorMSEObserver`` whose candidates are negative (all-negative data: Quark asserts).
-Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged for a
-constant batch as Quark's. ``PerBlockMXObserver`` zero-pads the last block of an axis the group
-size does not divide, ``PerGroupMinMaxObserver`` refuses it (``ValueError``, block scale
-formats too), as Quark's; a static ``PerChannelMinMaxObserver`` / ``PerBlockMXObserver`` starts
-over when the channel count / Quark's ``(rows, blocks)`` change, as Quark's (the other static
-classes raise ``ValueError`` when their unit count changes).
+to 8). Integer ranges go through the native qparams, which match Quark's
+``calculate_int_quant_params`` bit for bit on float32 input; as there, a symmetric range has
+zero point 0, unsigned formats too, and ``scale_format`` is not read (e8m0 / e4m3 give the
+plain scales; so on an fp8 per-tensor / per-channel range); fp4 with no ``scale_format`` raises
+a ``ValueError`` on the per-tensor / per-channel min-max and the histogram classes (before data
+too), as Quark's ``get_scale``; the fp6 dtypes on those classes (and fp4 on
+``PerGroupMinMaxObserver``), which Quark prices with that integer formula, raise
+:class:`UnsupportedElementError` (an ``AssertionError`` as Quark's) on a given range and once
+data is seen (before, the min-max classes give Quark's ``([1.], [0])``).
+``PerTensorMSEObserver``'s search, as Quark's, prices int4 / uint4 / int8 / uint8 / fp8_e4m3 /
+fp8_e5m2 only: another dtype raises ``ValueError`` at ``calculate_qparams()`` once data is
+seen. Before any data the min-max classes and the histogram recorder return Quark's answers in
+its shapes (``([1.], [0])`` for integers, ``(eps, 0.)`` for fp8, ``(1, 1)`` per group),
+``PerBlockMXObserver`` Quark's scale of its ``amax`` 0 (``2 ** -127`` for E8M0); the
+percentile, MSE and Pro classes raise a ``ValueError`` (Quark's raise an ``AttributeError``,
+and Pro's returns a NaN scale). ``PerBlockMXObserver`` with no ``scale_format`` gives float32
+scales (E8M0 for the dtype ``mx``), as :func:`quark_spec` reads it (Quark's untested branch
+returns integer exponents). NaN / inf raise a ``ValueError`` naming the observer at
+``calculate_qparams()`` on every scale rule; so does an asymmetric ``PerTensorMSEObserver``
+whose candidates are negative (all-negative data: Quark asserts). Histogram edges are Quark's
+``torch.linspace(lo, hi, bins + 1)``, the top one nudged for a constant batch as Quark's.
+``PerBlockMXObserver`` zero-pads the last block of an axis the group size does not divide,
+``PerGroupMinMaxObserver`` refuses it (``ValueError``, block scale formats too), as Quark's; a
+static ``PerChannelMinMaxObserver`` / ``PerBlockMXObserver`` starts over when the channel count
+/ Quark's ``(rows, blocks)`` change, as Quark's (the other static classes raise ``ValueError``
+when their unit count changes).
 
 ``(scale, zero_point)`` come in Quark's shapes: 0-dim per tensor (``min_val`` / ``max_val``
 too; ``PerTensorHistogramObserverPro``: torch.ao's ``(1,)``), ``(C,)`` per channel,
