@@ -436,8 +436,9 @@ def _annotate(folder: str, calibration, notes: list[str], source, work) -> None:
         cfg = json.load(f)
     qc = cfg["quantization_config"]
     lists = [g["targets"] for g in qc.get("config_groups", {}).values()] + [qc.get("ignore", [])]
-    disk = checkpoint_names(work, {n for names in lists for n in names
-                                   if not n.startswith("re:") and "." in n})
+    # module names only (not class names such as "Linear", nor "re:" patterns)
+    modules = dict(work.named_modules())
+    disk = checkpoint_names(work, {n for names in lists for n in names if n in modules})
     for names in lists:
         names[:] = [disk.get(n, n) for n in names]
     cfg["quantscope"] = {"recipe": calibration.recipe.name, "label": calibration.label,

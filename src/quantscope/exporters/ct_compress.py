@@ -22,7 +22,8 @@ def ct_compressor(work: nn.Module, kv_args):
     from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
-    compressor = ModelCompressor.from_pretrained_model(work)
+    with _module_names(work):
+        compressor = ModelCompressor.from_pretrained_model(work)
     if kv_args is None:
         return compressor
     if compressor.quantization_config is None:
@@ -31,6 +32,21 @@ def ct_compressor(work: nn.Module, kv_args):
             quantization_status=QuantizationStatus.COMPRESSED)
     compressor.quantization_config.kv_cache_scheme = kv_args
     return compressor
+
+
+@contextlib.contextmanager
+def _module_names(work: nn.Module):
+    """The config's names as ``work``'s modules name them: compressed-tensors renames its
+    ignore list to the checkpoint's names itself where the model carries transformers' load
+    conversions (0.20 by weight key, 0.19 by module name), and the export renames targets and
+    ignore together, once (``_annotate``): a second renaming is not idempotent (Llava's
+    ``lm_head`` became ``language_model.model.lm_head``, a name no tensor has)."""
+    convs = work.__dict__.pop("_weight_conversions", None)
+    try:
+        yield
+    finally:
+        if convs is not None:
+            work._weight_conversions = convs
 
 
 def compress(compressor, work: nn.Module) -> None:

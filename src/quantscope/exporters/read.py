@@ -300,6 +300,10 @@ def _read_module(name, wshape, stored, roles, specs, observers, fmt, scheme) -> 
     """One module's role states from its ``stored`` tensors (local names); the weight's are
     decoded by compressed-tensors' compressor after checking they are what it writes."""
     local = stored
+    if "weight" in roles and "weight_scale" not in stored:
+        raise ValueError(f"from_compressed_tensors: {name}: its group quantizes the weight, but "
+                         f"no weight_scale is stored (only {sorted(stored)}): a layer kept in "
+                         f"float that the config's ignore does not name?")
     if "weight" in roles:
         local = _decompress(name, stored, fmt, scheme, specs["weight"], wshape)
         why = storage_problem(stored, local, fmt, scheme, specs["weight"], wshape) or \

@@ -1,0 +1,76 @@
+"""compressed-tensors export of a model whose checkpoint names differ from its module names
+(Llava: ``language_model.*`` on disk, ``model.language_model.*`` in memory): the config's
+``ignore`` names the tensors on disk, renamed once, whether the model came from
+``from_pretrained`` (compressed-tensors renames the list itself then) or was built in memory."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("compressed_tensors")
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors.torch")
+
+import quantscope
+from quantscope.calibration import Calibration, calibrate, preset
+
+IGNORE = ("re:.*vision_tower.*", "re:.*multi_modal_projector.*", "lm_head",
+          "model.language_model.layers.0.mlp.down_proj")
+ON_DISK = {"language_model.model.layers.0.mlp.down_proj", "language_model.lm_head"}
+
+
+def _config():
+    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    vocab_size=128, max_position_embeddings=64)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=2,
+                                           image_size=32, patch_size=16)
+    return transformers.LlavaConfig(text_config=text, vision_config=vision,
+                                    image_token_index=127)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llava") / "src"
+    transformers.LlavaForConditionalGeneration(_config()).save_pretrained(path)
+    return path
+
+
+def _export(model, source, out):
+    batches = [{"input_ids": torch.randint(0, 120, (2, 12), generator=torch.Generator()
+                                           .manual_seed(1))}]
+    calib = calibrate(model.eval(), batches, preset("fp8-dynamic", ignore=IGNORE),
+                      progress=False)
+    quantscope.export(calib, model, out, model_path=source)
+    with open(out / "config.json") as f:
+        ignore = json.load(f)["quantization_config"]["ignore"]
+    layers = {k.rpartition(".")[0] for k in safetensors.load_file(out / "model.safetensors")}
+    return ignore, layers
+
+
+@pytest.mark.parametrize("how", ["from_pretrained", "in_memory"])
+def test_ignore_names_the_tensors_on_disk(source, tmp_path, how):
+    cls = transformers.LlavaForConditionalGeneration
+    model = cls.from_pretrained(source) if how == "from_pretrained" else cls(_config())
+    ignore, layers = _export(model, source, tmp_path / "out")
+    assert ON_DISK <= set(ignore)
+    assert [n for n in ignore if n not in layers] == []
+    read = Calibration.from_compressed_tensors(tmp_path / "out")
+    assert "model.language_model.layers.0.mlp.down_proj" not in read.states
+    assert "model.language_model.layers.0.mlp.up_proj" in read.states
+
+
+def test_a_float_layer_the_ignore_misses_is_named(source, tmp_path):
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(source)
+    _export(model, source, tmp_path / "out")
+    cfg_path = tmp_path / "out" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    ignore = cfg["quantization_config"]["ignore"]
+    ignore[:] = [n for n in ignore if not n.endswith("layers.0.mlp.down_proj")]
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj: .*no weight_scale is "
+                                         r"stored .*ignore does not name"):
+        Calibration.from_compressed_tensors(tmp_path / "out")
