@@ -116,12 +116,32 @@ def test_horizon_observers_are_emas_of_per_interval_estimates():
         ref = r.clone() if ref is None else ref + 0.5 * (r - ref)
     s, zp = obs.calculate_qparams()
     assert torch.allclose(s.double(), ref, rtol=1e-6) and int(zp) == 0
-    for cls in (hz.PercentileObserver, hz.MixObserver):
-        o = cls(ch_axis=1, qscheme=torch.per_channel_symmetric)
-        for b in batches:
-            o(b)
-        s, zp = o.calculate_qparams()
-        assert s.shape == (64,) and bool((s > 0).all()) and zp.dtype == torch.int64
+    for cls in (hz.PercentileObserver, hz.MixObserver):  # per tensor only, as Horizon's
+        with pytest.raises(hz.HorizonArgumentError, match="per_tensor_symmetric"):
+            cls(ch_axis=1, qscheme=torch.per_channel_symmetric)
+
+
+def test_horizon_reads_finished_intervals_and_defaults_before_data():
+    """Horizon's ``calculate_qparams``: the ends of the finished intervals (a KL interval
+    still open is not read), and ``(1.0, 0)`` with a warning before any ends."""
+    torch.manual_seed(4)
+    batches = [torch.randn(32, 64) * s for s in (3.0, 1.0, 2.0)]
+    for cls in (hz.MinMaxObserver, hz.PercentileObserver, hz.KLObserver, hz.MSEObserver,
+                hz.MixObserver):
+        with pytest.warns(UserWarning, match="default scale 1.0"):
+            s, zp = cls().calculate_qparams()
+        assert s.tolist() == [1.0] and zp.tolist() == [0] and zp.dtype == torch.int64
+    obs, done = hz.KLObserver(update_interval=2), hz.KLObserver(update_interval=2)
+    for b in batches[:2]:
+        obs(b)
+        done(b)
+    obs(batches[2])  # opens the second interval
+    assert torch.equal(obs.calculate_qparams()[0], done.calculate_qparams()[0])
+    one = hz.KLObserver(update_interval=2)
+    one(batches[0])
+    with pytest.warns(UserWarning, match="no update_interval finished"):
+        s, _ = one.calculate_qparams()
+    assert s.tolist() == [1.0]
 
 
 def test_registry_names_of_the_compat_classes():

@@ -4,17 +4,17 @@ Horizon's plugin has no public test suite; REFERENCES.md has its rules: symmetri
 ``scale = amax / ((quant_max - quant_min) / 2)``, an EMA (c 0.01) of each batch's estimate,
 percentile on each batch's ``|x|`` histogram (bin centre), MSE over ``amax * (1 - 0.01 i)``
 (``i`` in ``range(0, 95, stride)``, the last least L2 error), KL every ``update_interval``
-batches, Mix among percentiles 99.9 .. 99.9999, ``is_sync_quantize`` all-reducing min / max.
+batches, Mix among percentiles 99.9 .. 99.9999, ``is_sync_quantize`` all-reducing each rank's
+averaged min / max (MIN / MAX) when the qparams are read.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import inspect
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ports import rank_results, spawn_ranks
 
 from quantscope.compat import horizon as hz
 
@@ -22,7 +22,9 @@ MINMAX = [hz.MinMaxObserver, hz.MovingAverageMinMaxObserver,
           hz.MovingAveragePerChannelMinMaxObserver]
 HIST = [hz.PercentileObserver, hz.MSEObserver, hz.KLObserver, hz.MixObserver]
 ALL = MINMAX + HIST
-WITH_CH_AXIS = [c for c in ALL if c is not hz.MovingAverageMinMaxObserver]
+PER_TENSOR_ONLY = [hz.PercentileObserver, hz.KLObserver, hz.MixObserver]  # Horizon asserts it
+WITH_CH_AXIS = [c for c in ALL if c is not hz.MovingAverageMinMaxObserver
+                and c not in PER_TENSOR_ONLY]
 
 
 def batches(n=3, shape=(32, 64), seed=0):
@@ -193,6 +195,36 @@ def test_qscheme_is_symmetric_only(cls):
         cls(qscheme=torch.per_channel_affine)
 
 
+@pytest.mark.parametrize("cls", PER_TENSOR_ONLY)
+def test_per_tensor_only_classes_refuse_per_channel(cls):
+    with pytest.raises(ValueError, match="only per_tensor_symmetric") as err:
+        cls(ch_axis=0, qscheme=torch.per_channel_symmetric)
+    assert isinstance(err.value, AssertionError)  # Horizon's assert
+
+
+HORIZON_ARGS = ["ch_axis", "dtype", "qscheme", "quant_min", "quant_max", "is_sync_quantize",
+                "factory_kwargs"]
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_positional_order_is_horizons(cls):
+    """Horizon's positional parameters, in its order: each class's own, then
+    ``averaging_constant`` and the base's (MovingAverageMinMaxObserver has no ``ch_axis``)."""
+    own = {hz.PercentileObserver: ["percentile", "bins"], hz.MSEObserver: ["stride"],
+           hz.KLObserver: ["bins", "update_interval"]}.get(cls, [])
+    base = [a for a in HORIZON_ARGS if cls is not hz.MovingAverageMinMaxObserver
+            or a != "ch_axis"]
+    params = inspect.signature(cls).parameters.values()
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == [*own, "averaging_constant", *base]
+
+
+def test_mix_takes_horizons_arguments_by_position():
+    o = hz.MixObserver(0.5, -1, "qint16")
+    o(batches(1)[0])
+    assert (o.averaging_constant, o.ch_axis, o.quant_max, o.bins) == (0.5, -1, 32767, 2048)
+
+
 @pytest.mark.parametrize("cls", ALL)
 def test_factory_kwargs_device(cls):
     o = cls(factory_kwargs={"device": "meta"})
@@ -259,37 +291,41 @@ def test_mix_bins_and_percentile_candidates(bins):
 
 # ------------------------------------------------------- is_sync_quantize (two processes)
 SYNCED = [hz.MinMaxObserver, hz.MovingAveragePerChannelMinMaxObserver, hz.PercentileObserver,
-          hz.MSEObserver]
+          hz.MSEObserver, hz.KLObserver, hz.MixObserver]
 
 
-def _sync_worker(rank, world, init, out):
-    torch.distributed.init_process_group("gloo", init_method=init, rank=rank,
-                                         world_size=world)
-    try:
-        res = {}
-        for cls in SYNCED:
-            o = cls(is_sync_quantize=True, averaging_constant=0.3)
-            for step in range(3):
-                o(batches(1, seed=10 * step + rank)[0])
-            res[cls.__name__] = o.calculate_qparams()[0]
-        torch.save(res, os.path.join(out, f"{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
+def _rank_batch(step, rank):
+    # the ranks lean to opposite sides, swapping every step: the order of EMA and MIN / MAX
+    # matters
+    return batches(1, seed=10 * step + rank)[0] * (1 if (step + rank) % 2 else -1)
 
 
-def test_is_sync_quantize_reduces_every_batch_across_processes():
-    with tempfile.TemporaryDirectory() as tmp:
-        init = "file://" + os.path.join(tmp, "rendezvous")
-        mp.spawn(_sync_worker, args=(2, init, tmp), nprocs=2, join=True)
-        got = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
+def _sync_scenarios(rank, out):
     for cls in SYNCED:
-        # one process seeing both ranks' batches of each step: the all-reduced statistics
-        ref = cls(averaging_constant=0.3)
-        alone = cls(averaging_constant=0.3)
+        o = cls(is_sync_quantize=True, averaging_constant=0.3)
         for step in range(3):
-            ref(torch.cat([batches(1, seed=10 * step + r)[0] for r in range(2)], dim=1))
-            alone(batches(1, seed=10 * step)[0])
-        want = ref.calculate_qparams()[0]
+            o(_rank_batch(step, rank))
+        out[cls.__name__] = o.calculate_qparams()[0]
+
+
+@pytest.mark.dist
+def test_is_sync_quantize_reduces_each_ranks_averaged_ends_at_read():
+    got = spawn_ranks(_sync_scenarios, 2, 30)
+    for cls in SYNCED:
+        # Horizon: each rank's own EMA (here: one process per rank, unsynced), then MIN / MAX
+        ends = []
         for r in range(2):
-            close(got[r][cls.__name__], want)
-        assert not torch.allclose(alone.calculate_qparams()[0], want)
+            alone = cls(averaging_constant=0.3)
+            for step in range(3):
+                alone(_rank_batch(step, r))
+            ends.append(alone.calculate_range())
+        lo = torch.minimum(ends[0][0], ends[1][0])
+        hi = torch.maximum(ends[0][1], ends[1][1])
+        want = torch.maximum(-lo, hi) / 127.5
+        for scale in rank_results(got, cls.__name__):
+            close(scale, want)
+        # an EMA of each step's merged ends (a sync before every update) differs
+        step_synced = cls(averaging_constant=0.3)
+        for step in range(3):
+            step_synced(torch.cat([_rank_batch(step, r) for r in range(2)], dim=1))
+        assert not torch.allclose(step_synced.calculate_qparams()[0], want, rtol=1e-4)

@@ -190,30 +190,31 @@ def _scenarios(r, w, group=None):
                     "got": {**obs.state(), "tokens": obs.observed_tokens},
                     "ref": {**ref.state(), "tokens": ref.observed_tokens}}
 
-    # the seeds' flags: Horizon is_sync_quantize (per-batch MIN / MAX before the EMA) and
-    # llm-compressor's sync_activation_stats (static MIN / MAX, minmax AVG)
+    # the seeds' flags: Horizon is_sync_quantize (each rank's own EMA, MIN / MAX of the
+    # averaged ends at read time) and llm-compressor's sync_activation_stats (static MIN /
+    # MAX, minmax AVG)
     from quantscope.compat import horizon
     from quantscope.compat import llmcompressor_legacy as llmcompressor  # the seed's API
 
     batches = _batches(w + 1, seed=5)
-    steps = -(-len(batches) // w)
-    hz = horizon.MovingAveragePerChannelMinMaxObserver(ch_axis=2, is_sync_quantize=True,
-                                                       averaging_constant=0.2)
-    hz.sync_group = group
-    hz_ref = horizon.MovingAveragePerChannelMinMaxObserver(ch_axis=2, averaging_constant=0.2)
-    for t in range(steps):
-        idx = t * w + r
-        hz(batches[idx] if idx < len(batches) else batches[0][:0])
-        hz_ref(torch.cat(batches[t * w:(t + 1) * w]))
-    out["horizon"] = {"got": hz.calculate_qparams(), "ref": hz_ref.calculate_qparams()}
-    hp = horizon.PercentileObserver(bins=128, averaging_constant=0.3, is_sync_quantize=True)
-    hp.sync_group = group
-    hp_ref = horizon.PercentileObserver(bins=128, averaging_constant=0.3)
-    for t in range(steps):  # per-batch percentile of the global batch, then the EMA
-        idx = t * w + r
-        hp(batches[idx] if idx < len(batches) else batches[0][:0])
-        hp_ref(torch.cat(batches[t * w:(t + 1) * w]))
-    out["horizon_percentile"] = {"got": hp.calculate_qparams(), "ref": hp_ref.calculate_qparams()}
+
+    def horizon_pair(make):
+        obs = make(is_sync_quantize=True)
+        obs.sync_group = group
+        refs = [make() for _ in range(w)]  # every rank's own EMA, in this process
+        for i, x in enumerate(batches):
+            refs[i % w](x)
+            if i % w == r:
+                obs(x)
+        ends = [torch.stack([getattr(o, n) for o in refs]) for n in obs._ENDS]
+        for name, e, pick in zip(obs._ENDS, ends, (torch.amin, torch.amax)):
+            setattr(refs[0], name, pick(e, dim=0))
+        return {"got": obs.calculate_qparams(), "ref": refs[0].calculate_qparams()}
+
+    out["horizon"] = horizon_pair(lambda **kw: horizon.MovingAveragePerChannelMinMaxObserver(
+        ch_axis=2, averaging_constant=0.2, **kw))
+    out["horizon_percentile"] = horizon_pair(lambda **kw: horizon.PercentileObserver(
+        bins=128, averaging_constant=0.3, **kw))
     args = {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}
     lc = llmcompressor.StaticMinMaxObserver("input", args)
     lc.sync_group = group

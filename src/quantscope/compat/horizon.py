@@ -4,11 +4,20 @@ Horizon is symmetric only: ``scale = max(-lo, hi) / ((quant_max - quant_min) / 2
 (torch.ao's symmetric rule; qint8 divides by 127.5), zero point 0.
 ``qscheme`` decides the granularity: ``per_tensor_symmetric`` with a negative ``ch_axis``,
 ``per_channel_symmetric`` with a non-negative one (other pairs raise
-:class:`HorizonArgumentError`, as Horizon asserts). Percentile, MSE and Mix average each
-batch's signed ends (``max(min, -clip)``, ``min(max, clip)``), KL ``(-amax, amax)``.
-``is_sync_quantize`` all-reduces every batch's min (MIN) and max (MAX) across processes
-before the statistics are updated. ``calculate_qparams()`` returns ``(scale, zero_point)``:
-float32 scale and int64 zero point of shape ``(1,)`` per tensor, ``(C,)`` per channel.
+:class:`HorizonArgumentError`, as Horizon asserts; Percentile, KL and Mix take
+``per_tensor_symmetric`` only). Percentile, MSE and Mix average each batch's signed ends
+(``max(min, -clip)``, ``min(max, clip)``), KL ``(-amax, amax)``.
+``is_sync_quantize`` is Horizon's sync at read time: ``forward`` stays local (each rank
+averages its own batches), and ``calculate_qparams()``, inside an initialised process group
+(``sync_group``, default the default group), all-reduces the averaged ends in place (the
+min with MIN, the max with MAX) and computes the qparams from them: every call of it is a
+collective, and the merged ends are what later batches average into. As Horizon's, a read
+takes the ends of the finished intervals (KL's ``update_interval``: the batches of an
+unfinished one wait), and before there are any (no data, or no KL interval finished)
+returns the default ``(1.0, 0)`` with a warning; such a rank takes no part in the
+all-reduce, so the other ranks wait for it in theirs: read once every rank has ends.
+``calculate_qparams()`` returns ``(scale, zero_point)``: float32 scale and int64 zero point
+of shape ``(1,)`` per tensor, ``(C,)`` per channel.
 Known differences: a KL interval whose later batches exceed its first batch's range is
 re-binned once, approximately (Horizon appends bins of the same width); MSE with
 ``stride > 1`` uses the factor ``1 - 0.01 * i * stride`` of the candidate it prices (Horizon's
@@ -19,8 +28,12 @@ histogram (Horizon: the exact L2 error on the batch).
 
 from __future__ import annotations
 
-import torch
+import warnings
 
+import torch
+import torch.distributed as dist
+
+from ..comm import all_reduce, is_distributed
 from ..estimators.entropy import horizon_entropy_amax
 from ..estimators.mix import mix_range
 from ..estimators.mse import SearchResult
@@ -91,27 +104,55 @@ class HorizonObserver:
     Keywords it does not know go to the native observer's constructor.
     """
 
+    #: the buffers holding the averaged ends (Horizon's ``min_val`` / ``max_val``)
+    _ENDS = ("min_vals", "max_vals")
+    #: Horizon's class asserts ``qscheme == per_tensor_symmetric``
+    _PER_TENSOR_ONLY = False
+
     def __init__(self, *, ch_axis=-1, dtype="qint8", qscheme=torch.per_tensor_symmetric,
                  quant_min=None, quant_max=None, is_sync_quantize=False, factory_kwargs=None,
                  **native):
         spec = horizon_spec(dtype, qscheme, ch_axis, quant_min, quant_max)
+        if self._PER_TENSOR_ONLY and qscheme != torch.per_tensor_symmetric:
+            raise HorizonArgumentError(f"horizon {type(self).__name__}: only "
+                                       f"per_tensor_symmetric qscheme is supported (Horizon "
+                                       f"asserts it), got {qscheme!r}")
         super().__init__(spec, **native)
         self.ch_axis, self.dtype, self.qscheme = ch_axis, dtype, qscheme
         self.quant_min, self.quant_max = int(spec.qmin), int(spec.qmax)
         self.is_sync_quantize = bool(is_sync_quantize)
-        # every batch's min / max is all-reduced (MIN / MAX) before the EMA update, through
-        # quantscope.distributed's step sync: a rank without data this step calls the
-        # observer with an empty tensor instead of leaving the others waiting
-        self.sync_every_step = self.is_sync_quantize
         device = (factory_kwargs or {}).get("device")
         if device is not None:
             self.to(device)
 
+    def _ends(self):
+        return tuple(getattr(self, n) for n in self._ENDS)
+
     def calculate_qparams(self):
-        if self.is_sync_quantize:  # counters and shape (a rank that saw nothing gets them)
-            self.sync()
+        """Horizon's: the qparams of the averaged ends, all-reduced in place first under
+        ``is_sync_quantize``; before there are ends (no data, or no KL interval finished) its
+        default ``(1.0, 0)`` with a warning (without joining the all-reduce, as Horizon)."""
+        lo, hi = self._ends()
+        if not lo.numel():
+            warnings.warn(f"horizon {type(self).__name__}: no averaged min / max yet (no "
+                          f"data, or no update_interval finished); returning the default "
+                          f"scale 1.0 and zero point 0", stacklevel=2)
+            return (torch.ones(1, device=lo.device),
+                    torch.zeros(1, dtype=torch.int64, device=lo.device))
+        if self.is_sync_quantize and is_distributed(self.sync_group):
+            all_reduce(lo, dist.ReduceOp.MIN, self.sync_group)
+            all_reduce(hi, dist.ReduceOp.MAX, self.sync_group)
         qp = self.qparams()
         return qp.scale.reshape(-1), qp.zero_point.reshape(-1).to(torch.int64)
+
+    def calculate_range(self):
+        """The averaged ends of the finished intervals, as Horizon's ``min_val`` / ``max_val``
+        (the batches of an unfinished KL interval wait for it to finish)."""
+        lo, hi = self._ends()
+        if not lo.numel():
+            return super().calculate_range()  # the native error
+        self.check_ready()  # NaN / inf seen: quantscope's clear error, not a NaN scale
+        return lo, hi
 
     def reset_min_max_vals(self) -> None:
         self.reset()
@@ -162,6 +203,9 @@ class KLObserver(HorizonObserver, EntropyObserver):
     """Horizon's KLObserver: a ``bins``-bin ``|x|`` histogram accumulated over
     ``update_interval`` batches, KL threshold (start bin 128, divergences smoothed over 9
     candidates), then an EMA of the thresholds."""
+
+    _ENDS = ("ema_lo", "ema_hi")
+    _PER_TENSOR_ONLY = True
 
     def __init__(self, bins=512, update_interval=1, averaging_constant=0.01, ch_axis=-1,
                  dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
@@ -239,6 +283,9 @@ class PercentileObserver(HorizonObserver, _SignedEnds, _NativePercentile):
     ``[0, max |x|]``, width ``w``), the centre ``(i + 0.5) w`` of the first bin where the
     cumulative share reaches ``percentile``, then an EMA of the signed ends it clips."""
 
+    _ENDS = ("ema_lo", "ema_hi")
+    _PER_TENSOR_ONLY = True
+
     def __init__(self, percentile=99.99, bins=2048, averaging_constant=0.01, ch_axis=-1,
                  dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
                  quant_max=None, is_sync_quantize=False, factory_kwargs=None, **kwargs):
@@ -254,11 +301,14 @@ class PercentileObserver(HorizonObserver, _SignedEnds, _NativePercentile):
 class MixObserver(HorizonObserver, _SignedEnds, _NativeMix):
     """Horizon's MixObserver: per batch, the percentile among 99.9 .. 99.9999 with the least
     quantization error, then an EMA of the signed ends it clips (``candidates`` adds
-    quantscope's others)."""
+    quantscope's others; ``bins``, keyword only, the histogram's: Horizon's 2048)."""
 
-    def __init__(self, averaging_constant=0.01, bins=2048, ch_axis=-1, dtype="qint8",
+    _ENDS = ("ema_lo", "ema_hi")
+    _PER_TENSOR_ONLY = True
+
+    def __init__(self, averaging_constant=0.01, ch_axis=-1, dtype="qint8",
                  qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
-                 is_sync_quantize=False, factory_kwargs=None, **kwargs):
+                 is_sync_quantize=False, factory_kwargs=None, *, bins=2048, **kwargs):
         kwargs.setdefault("candidates", ("percentile",))
         kwargs.setdefault("grid", "first")  # each batch's own [0, max |x|] grid, as Horizon
         super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,

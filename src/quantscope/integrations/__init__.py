@@ -5,9 +5,11 @@ module                     what importing it does
 =========================  ==================================================================
 ``llmcompressor``          registers every quantscope observer in llm-compressor's ``Observer``
                            registry as ``quantscope_<name>`` (``observer: quantscope_histogram``)
-``torchao``                nothing to register: the :mod:`quantscope.compat.torch_ao` classes
-                           are torch.ao observers; it holds the QConfig / pt2e
-                           ``QuantizationSpec`` helpers
+``torchao``                registers :class:`~quantscope.compat.torch_ao.TorchAOObserver` (the
+                           base of the :mod:`quantscope.compat.torch_ao` classes) as a virtual
+                           subclass of torchao's pt2e ``ObserverBase``, which ``prepare_pt2e``
+                           / ``convert_pt2e`` test with ``isinstance``; it re-exports those
+                           classes for a ``QuantizationSpec``'s ``observer_or_fake_quant_ctr``
 =========================  ==================================================================
 
 No Quark module: Quark 0.13's ``QTensorConfig`` accepts only the classes in its observer sets,
