@@ -133,7 +133,7 @@ class HorizonObserver:
         ``is_sync_quantize``; before there are ends (no data, or no KL interval finished) its
         default ``(1.0, 0)`` with a warning (without joining the all-reduce, as Horizon)."""
         lo, hi = self._ends()
-        if not lo.numel():
+        if not lo.numel() and not bool(self.seen_non_finite):  # (NaN / inf: the clear error)
             warnings.warn(f"horizon {type(self).__name__}: no averaged min / max yet (no "
                           f"data, or no update_interval finished); returning the default "
                           f"scale 1.0 and zero point 0", stacklevel=2)
