@@ -37,6 +37,7 @@ __all__ = [
     "FloatFormat",
     "Format",
     "IntFormat",
+    "format_to_json",
     "get_format",
 ]
 
@@ -214,10 +215,13 @@ _ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "e5
             "fp4": "fp4_e2m1", "e2m1": "fp4_e2m1", "e3m2": "fp6_e3m2", "e2m3": "fp6_e2m3"}
 
 
-def get_format(name: str | Format) -> Format:
-    """A format by name: ``int8``, ``uint4``, ``int5``, ``int8_narrow``, ``fp8_e4m3``, ``fp4`` ..."""
+def get_format(name: str | Format | dict) -> Format:
+    """A format by name: ``int8``, ``uint4``, ``int5``, ``int8_narrow``, ``fp8_e4m3``, ``fp4`` ...,
+    or a custom float format from the dict of its fields (what :func:`format_to_json` writes)."""
     if isinstance(name, (IntFormat, FloatFormat)):
         return name
+    if isinstance(name, dict):
+        return _float_format_from_dict(name)
     key = _ALIASES.get(str(name).lower(), str(name).lower())
     if key in FORMATS:
         return FORMATS[key]
@@ -232,3 +236,34 @@ def get_format(name: str | Format) -> Format:
         f"format: unknown name {name!r}; expected intN / uintN (N = 2..16, optional '_narrow') "
         f"or one of {sorted(k for k in FORMATS if k.startswith('fp'))}"
     )
+
+
+_FLOAT_FIELDS = ("name", "ebits", "mbits", "max")
+
+
+def format_to_json(fmt: Format) -> str | dict:
+    """A JSON-able ``fmt`` that :func:`get_format` reads back as an equal format: its name
+    where the name reads back as ``fmt`` (every integer and built-in float format), else a
+    custom float format's fields (its torch dtype by name)."""
+    try:
+        if get_format(fmt.name) == fmt:
+            return fmt.name
+    except ValueError:
+        pass  # a custom name: its fields below
+    dtype = None if fmt.torch_dtype is None else str(fmt.torch_dtype).removeprefix("torch.")
+    return {**{k: getattr(fmt, k) for k in _FLOAT_FIELDS}, "torch_dtype": dtype}
+
+
+def _float_format_from_dict(d: dict) -> FloatFormat:
+    """The :class:`FloatFormat` of :func:`format_to_json`'s dict (validated by FloatFormat)."""
+    if not set(_FLOAT_FIELDS) <= d.keys() <= {*_FLOAT_FIELDS, "torch_dtype"}:
+        raise ValueError(f"format: a dict describes a FloatFormat by the fields "
+                         f"{list(_FLOAT_FIELDS)} (and optionally torch_dtype), got keys "
+                         f"{sorted(d)}")
+    dtype = d.get("torch_dtype")
+    if dtype is not None:
+        dtype = getattr(torch, str(dtype), None) if isinstance(dtype, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"format: torch_dtype must be None or a torch dtype's name "
+                             f"('float8_e4m3fn'), got {d['torch_dtype']!r}")
+    return FloatFormat(**{**d, "torch_dtype": dtype})

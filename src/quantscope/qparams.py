@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from ._checks import check_number
+from ._checks import check_float32_range, check_number
 from ._numerics import _F32_MAX, true_div, upload
 from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format
@@ -211,8 +211,12 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     A NaN / inf range raises ``ValueError``. That check reads a flag back from the
     device; code on a hot path whose ranges come from data already checked
     upstream (a search inside an observer's forward, which records non-finite input
-    itself; run-time dynamic quantization) passes ``check_finite=False``.
+    itself; run-time dynamic quantization) passes ``check_finite=False``. So does the
+    refusal of float64 values past float32's range (they would turn inf below).
     """
+    if check_finite:
+        check_float32_range("qparams_from_range",
+                            *(t for t in (lo, hi) if isinstance(t, torch.Tensor)))
     lo = torch.as_tensor(lo, dtype=torch.float32)
     hi = torch.as_tensor(hi, dtype=torch.float32, device=lo.device)
     if lo.shape != hi.shape:

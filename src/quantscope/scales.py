@@ -29,10 +29,11 @@ E8M0 modes, with ``emax`` the element format's largest exponent
   (1 bit) for MXFP4 and MXFP8 and E2M3's for MXFP6 (0.20): ours but for MXFP8.
 * ``rceil`` (cuBLAS / NVIDIA, torchao ``RCEIL``; Quark has no such mode, whatever
   REFERENCES.md says): ``k = ceil(log2(amax / format_max))``, the smallest power of two that
-  keeps every element unclipped; ``2 ** -127`` where ``amax / format_max`` underflows to 0
-  (log2 -inf, as torchao). Computed exactly; torchao's eager path takes a float32
-  ``log2`` and lands one binade low when ``amax / max`` lies within a rounding above a
-  power of two.
+  keeps every element unclipped. Computed exactly, from the exponents and mantissas of
+  ``amax`` and ``format_max`` (no rounded quotient); torchao's eager path takes a float32
+  ``amax / max`` and its ``log2``, and lands one binade low when the quotient lies within a
+  rounding above a power of two, or is a float32 subnormal that rounds down onto ``2 ** -127``
+  (the scale byte 0x00 where ours is 0x01).
 
 All four are tested against their definitions and bitwise against torchao's ``to_mx``
 (tests/core/test_scales.py, tests/core/test_peers_core.py).
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._numerics import as_float32, true_div
+from ._numerics import as_float32
 from .formats import FP8_E4M3, FloatFormat, Format
 
 __all__ = [
@@ -215,10 +216,12 @@ def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Te
     elif mode == "even":
         k = _floor_log2_rounded(safe, fmt.mbits) - fmt.emax
     elif mode == "rceil":
-        q = true_div(safe, fmt.max)
-        # a quotient that underflows to 0 (amax a few float32 subnormals) has log2 -inf: the
-        # smallest scale, as torchao's RCEIL gives (frexp(0)'s exponent 0 would give 2 ** 0)
-        k = torch.where(q > 0, _ceil_log2(q), -127)
+        # no quotient to round (a float32 amax / max rounds onto 2 ** -127 where subnormal):
+        # amax / max = (ma / mf) * 2 ** (ea - ef) with ma / mf in (0.5, 2), so the ceil of its
+        # log2 is ea - ef, plus 1 where ma > mf; an inf amax gets the largest scale, as torchao
+        mf, ef = math.frexp(as_float32(fmt.max))
+        ma, ea = _frexp(safe)
+        k = torch.where(safe < math.inf, ea - ef + (ma > mf).to(ea.dtype), 127)
     else:
         raise ValueError(f"scale: unknown e8m0 mode {mode!r}; expected one of {E8M0_MODES}")
     k = torch.where(tiny, torch.full_like(k, -127), k).clamp_(-127, 127)

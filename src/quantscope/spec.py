@@ -7,10 +7,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._numerics import as_float32
-from .formats import FloatFormat, Format, IntFormat, get_format
+from ._numerics import _F32_MAX, as_float32
+from .formats import FloatFormat, Format, IntFormat, format_to_json, get_format
 from .layout import Block, Layout, parse_layout
-from .scales import ScaleEncoding
+from .scales import ScaleEncoding, encode_scale
 
 __all__ = ["QuantSpec"]
 
@@ -26,17 +26,19 @@ class QuantSpec:
     """A quantization scheme: element format, layout, symmetry and scale encoding.
 
     Args:
-        format: an :class:`~quantscope.formats.IntFormat` / :class:`FloatFormat` or its
-            name (``"int8"``, ``"uint4"``, ``"fp8_e4m3"``, ``"fp4"``...).
+        format: an :class:`~quantscope.formats.IntFormat` / :class:`FloatFormat`, its
+            name (``"int8"``, ``"uint4"``, ``"fp8_e4m3"``, ``"fp4"``...) or, for a custom
+            float format, the dict of its fields that ``to_dict`` writes.
         layout: a :mod:`~quantscope.layout` object or its name (``"channel"``, ``"group:128"``).
         symmetric: zero point fixed at 0 (mid-range for unsigned formats) if True;
             otherwise an integer zero point from the range. Float formats are symmetric.
         scale: how scales are stored (``"fp32"``, ``"pow2:round"``, ``"e8m0:floor"``,
             ``"fp8_e4m3"`` for NVFP4); see :mod:`~quantscope.scales`.
         eps: the smallest scale: every fp32 / fp16 / bf16 / pow2 scale is at least ``eps``
-            (default float32's eps). With fp8 block scales (NVFP4) it is the block scale of
-            a block whose scale rounds to 0, so an e4m3 value (default 0.125, fp8's eps, as
-            compressed-tensors); E8M0 scales (MX) take none (an all-zero block gets 2**-127).
+            (default float32's eps; one above the encoding's largest scale is refused).
+            With fp8 block scales (NVFP4) it is the block scale of a block whose scale
+            rounds to 0, so an e4m3 value (default 0.125, fp8's eps, as compressed-tensors);
+            E8M0 scales (MX) take none (an all-zero block gets 2**-127).
         quant_min, quant_max: a narrower integer code range than the format's
             (torch.ao's ``reduce_range`` or custom ranges); it must include 0 (the zero
             point is a code), and block scales (E8M0) take no narrower one: their exponent
@@ -91,6 +93,13 @@ class QuantSpec:
             raise ValueError(f"QuantSpec.eps: with fp8 block scales it is the e4m3 scale of a "
                              f"block whose scale rounds to 0: need an e4m3 value in (0, 448] "
                              f"(default 0.125), got {self.eps!r}")
+        if self.eps is not None and scale.kind in ("fp16", "bf16", "pow2"):
+            # every scale is at least eps: the encoding must store one (its largest is what
+            # it stores for float32's max)
+            top = float(encode_scale(torch.tensor([_F32_MAX]), scale))
+            if as_float32(self.eps) > top:
+                raise ValueError(f"QuantSpec.eps: {self.eps!r} is above the largest {scale} "
+                                 f"scale ({top:.8g}); no stored scale would be at least eps")
         self._check_code_range(fmt, scale)
 
     def _check_code_range(self, fmt: Format, scale: ScaleEncoding) -> None:
@@ -153,7 +162,7 @@ class QuantSpec:
 
     def to_dict(self) -> dict:
         """A JSON-able description (``QuantSpec.from_dict`` reads it back; g_idx is not kept)."""
-        return {"format": self.format.name, "layout": self.layout.spec_name(),
+        return {"format": format_to_json(self.format), "layout": self.layout.spec_name(),
                 "symmetric": self.symmetric, "scale": str(self.scale), "eps": self.eps,
                 "quant_min": self.quant_min, "quant_max": self.quant_max}
 

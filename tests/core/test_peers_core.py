@@ -295,16 +295,19 @@ def test_torchao_floor_presets_are_ocp_mx():
 @needs_torchao
 def test_torchao_rceil_rounds_log2_in_float32():
     """amax / max just above a power of two: torchao's float32 log2 rounds down onto the power
-    (so its scale is one binade low and the block saturates); ours is the exact ceil."""
-    x = torch.zeros(2, 32)
-    x[:, 0] = torch.tensor([448 * 2.0**-10 * (1 + 2.0**-23), 448.0])
+    (so its scale is one binade low and the block saturates); ours is the exact ceil. So does
+    its float32 quotient where it is subnormal (just above 2 ** -127: scale byte 0x00 for our
+    0x01)."""
+    x = torch.zeros(3, 32)
+    x[:, 0] = torch.tensor([448 * 2.0**-10 * (1 + 2.0**-23), 448.0, 448 * 2.0**-127])
+    x[2, 0] = torch.nextafter(x[2, 0], torch.tensor(1.0))
     spec = QuantSpec("fp8_e4m3", Block(32), scale="e8m0:rceil")
     q = observe(x, spec)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         s, _ = to_mx(x, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL)
-    assert q.scale.flatten().tolist() == [2.0**-9, 1.0]
-    assert get_fp_scale(s).flatten().tolist() == [2.0**-10, 1.0]
+    assert q.scale.flatten().tolist() == [2.0**-9, 1.0, 2.0**-126]
+    assert get_fp_scale(s).flatten().tolist() == [2.0**-10, 1.0, 2.0**-127]
 
 
 @needs_torchao

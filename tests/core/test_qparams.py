@@ -220,3 +220,17 @@ def test_asymmetric_range_near_float32_max_keeps_its_scale():
     assert torch.isfinite(q.scale).all()
     assert q.scale[0] == hi[0] / 255 - lo[0] / 255 and q.scale[1] == 2 / 255
     assert torch.equal(q.zero_point, torch.round(-128 - lo / q.scale).int())
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(), QuantSpec("fp4", "block:32", scale="e8m0")],
+                         ids=str)
+def test_float64_ranges_past_float32_say_so(spec):
+    """probing: a finite float64 range past float32's max read "must be finite (got NaN or
+    inf)" (the float32 conversion made it inf); the observers' float32-range message now."""
+    lo = torch.tensor([-1e300] + [0.0] * 31, dtype=torch.float64)
+    hi = torch.ones(32, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"qparams_from_range: float64 values beyond float32's "
+                                         r"range .* max \|x\| = 1e\+300"):
+        qparams_from_range(lo, hi, spec)
+    q = qparams_from_range(lo.clamp(min=-3e38), hi, spec)  # float64 within float32: taken
+    assert q.scale.isfinite().all()

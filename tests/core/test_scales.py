@@ -1,6 +1,7 @@
 """Scale encodings against their definitions, computed independently in exact Python arithmetic."""
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -100,11 +101,10 @@ def e8m0_ref(amax: float, fmt, mode: str) -> float:
             step = 2.0 ** (e - 1 - fmt.mbits)
             r = math.floor(amax / step + 0.5) * step  # half away from zero (positive)
             k = math.frexp(r)[1] - 1 - fmt.emax
-        else:  # rceil: the smallest 2**k with amax / 2**k <= max, ratio computed in float32
-            ratio = float(np.float32(amax) / np.float32(fmt.max))
-            m2, e2 = math.frexp(ratio)
-            # a ratio that underflows to 0: every 2 ** k holds it, the least is the clamp's
-            k = -127 if ratio == 0 else (e2 - 1 if m2 == 0.5 else e2)
+        else:  # rceil: the smallest 2**k with amax <= max * 2**k, in exact fractions
+            k = e - math.frexp(fmt.max)[1] - 2  # below it: amax / max >= 2 ** (e - ef - 1)
+            while Fraction(fmt.max) * Fraction(2) ** k < Fraction(amax):
+                k += 1
     return 2.0 ** min(max(k, -127), 127)
 
 
@@ -118,6 +118,18 @@ def test_e8m0_modes_match_their_definitions(fmt, mode):
     # every scale is a power of two in [2**-127, 2**127]
     m, _ = torch.frexp(got)
     assert (m == 0.5).all() and (got >= 2.0**-127).all() and (got <= 2.0**127).all()
+
+
+@pytest.mark.parametrize("fmt", ELEMENTS, ids=lambda f: f.name)
+def test_e8m0_rceil_is_exact_where_the_quotient_is_subnormal(fmt):
+    """amax just above max * 2 ** -127 (and -128, -126): a float32 amax / max is subnormal and
+    rounded onto the power of two below, which gave 2 ** -127 (scale byte 0x00, as torchao's
+    RCEIL) where the exact rule, the smallest unclipping scale, is 2 ** -126."""
+    edge = torch.tensor([fmt.max * 2.0**k for k in (-128, -127, -126)])
+    amax = torch.cat([edge, torch.nextafter(edge, torch.tensor(math.inf))])
+    got = e8m0_scale(amax, fmt, "rceil")
+    assert got.tolist() == [2.0**-127, 2.0**-127, 2.0**-126, 2.0**-127, 2.0**-126, 2.0**-125]
+    assert (amax / got <= fmt.max).all()  # never clips
 
 
 @pytest.mark.parametrize("fmt", ELEMENTS, ids=lambda f: f.name)

@@ -1,11 +1,15 @@
 """QuantSpec validation and the presets."""
 
+import json
+
 import pytest
 import torch
 
 from quantscope import QuantSpec, presets
-from quantscope.formats import FP4_E2M1, INT4, INT8, IntFormat
+from quantscope.compat.quark_base import FP8_E5M3
+from quantscope.formats import FP4_E2M1, INT4, INT8, FloatFormat, IntFormat
 from quantscope.layout import Block, Channel, Group, Tensor, Token
+from quantscope.qparams import qparams_from_range
 from quantscope.scales import ScaleEncoding
 
 
@@ -56,6 +60,15 @@ from quantscope.scales import ScaleEncoding
      r"QuantSpec\.eps: with fp8 block scales .* e4m3 value in \(0, 448\]"),
     ({"format": "fp4", "layout": "block:16", "scale": "fp8_e4m3", "eps": 512.0},
      r"QuantSpec\.eps: with fp8 block scales"),
+    # probing: an eps past the encoding's largest scale gave fp16 scales of 65504 < eps and a
+    # RuntimeError (overflow) from qparams_from_range under pow2
+    ({"scale": "fp16", "eps": 1e5}, r"QuantSpec\.eps: 100000\.0 is above the largest fp16 sc"),
+    ({"scale": "fp16", "eps": 1e5}, r"scale \(65504\); no stored scale would be at least eps"),
+    ({"scale": "bf16", "eps": 3.4e38}, r"QuantSpec\.eps: .*largest bf16 scale \(3\.38953"),
+    ({"scale": "pow2:round", "eps": 3e38}, r"largest pow2:round scale \(1\.7014118e\+38\)"),
+    ({"format": {"name": "x", "ebits": 4}}, r"format: a dict describes a FloatFormat"),
+    ({"format": {"name": "x", "ebits": 4, "mbits": 3, "max": 240.0, "torch_dtype": "int9"}},
+     r"format: torch_dtype must be None or a torch dtype's name"),
     ({"symmetric": 1}, r"QuantSpec\.symmetric must be True or False"),
     ({"scale": "fp64"}, r"scale: unknown kind 'fp64'"),
     ({"scale": "pow2:even"}, r"scale: mode 'even' is not valid for kind 'pow2'"),
@@ -95,6 +108,37 @@ def test_replace_validates_and_dict_round_trip():
         assert QuantSpec.from_dict(spec.to_dict()) == spec
     assert str(presets.INT4_GROUP128_ASYM) == "int4 group:128 asym"
     assert str(presets.MXFP4) == "fp4_e2m1 block:32 sym scale=e8m0:floor"
+
+
+def test_eps_up_to_the_encodings_largest_scale_is_kept():
+    for scale, eps in (("fp16", 65504.0), ("bf16", 3.3e38), ("pow2:ceil", 2.0**127)):
+        spec = QuantSpec("int8", scale=scale, eps=eps)
+        assert qparams_from_range(torch.tensor(-1.0), torch.tensor(1.0), spec).scale >= eps
+
+
+@pytest.mark.parametrize("fmt", [
+    FloatFormat("fp6_e3m2_nosat", 3, 2, 24.0),
+    FloatFormat("fp8_e4m3", 4, 3, 240.0, torch.float8_e4m3fnuz),  # a built-in's name, other max
+    FloatFormat("fp8", 4, 3, 448.0),  # an alias's name
+    FP8_E5M3,  # Quark's unsigned-scale e5m3
+], ids=lambda f: f.name)
+def test_custom_float_formats_round_trip_through_json(fmt):
+    """probing: to_dict wrote only the format's name, which read back as the built-in of that
+    name (max 448 for 240) or raised on a custom name."""
+    spec = QuantSpec(fmt, "channel")
+    d = json.loads(json.dumps(spec.to_dict()))
+    assert isinstance(d["format"], dict)
+    back = QuantSpec.from_dict(d)
+    assert back == spec and back.format.max == fmt.max and back.format.torch_dtype == fmt.torch_dtype
+
+
+def test_built_in_formats_keep_their_name_in_dicts():
+    """Saved specs name their format; a built-in FloatFormat equal to FP8_E4M3 reads as a name."""
+    for fmt in ("int8", "uint4", "int5_narrow", "fp8_e4m3", "fp4"):
+        assert QuantSpec(fmt).to_dict()["format"] == QuantSpec(fmt).format.name
+    same = FloatFormat("fp8_e4m3", 4, 3, 448.0, torch.float8_e4m3fn)
+    assert QuantSpec(same).to_dict()["format"] == "fp8_e4m3"
+    assert QuantSpec.from_dict({**QuantSpec("fp4").to_dict(), "format": "fp4_e2m1"}).format == FP4_E2M1
 
 
 def test_presets():

@@ -38,6 +38,11 @@ def _ranges(seed, n):
     for at in (slice(6 * k + 1, 6 * k + 9), slice(n - 3, n)):
         m = at.stop - at.start
         lo[at], hi[at] = -torch.arange(m) * 2.0 ** -149, torch.arange(1, m + 1) * 2.0 ** -149
+    # just above max * 2 ** -127 of the specs' formats: rceil's amax / max is a float32
+    # subnormal there, which rounded onto 2 ** -127 (the exact scale is 2 ** -126)
+    edge = torch.tensor([6.0, 448.0, 28.0, 127.0, 7.0]) * 2.0**-127
+    lo[6 * k + 9:6 * k + 19] = 0.0
+    hi[6 * k + 9:6 * k + 19] = torch.cat([edge, torch.nextafter(edge, torch.ones(()))])
     return lo, hi
 
 
@@ -84,6 +89,19 @@ def test_kernel_equals_the_torch_branch_on_random_ranges(seed, spec):
     finally:
         mp.undo()
     assert torch.equal(got.scale, want.scale) and torch.equal(got.zero_point, want.zero_point)
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.scale.mode == "rceil"], ids=str)
+def test_rceil_of_subnormal_quotients_in_the_scalar_loop(spec, monkeypatch):
+    """The scalar loop (fewer than 8 blocks) on amax just above max * 2 ** -127 (a float32
+    amax / max rounds onto 2 ** -127 there) and on inf, against the torch branch."""
+    edge = spec.format.max * 2.0 ** torch.tensor([-127.0, -128.0, -126.0])
+    hi = torch.cat([torch.nextafter(edge, torch.ones(())), torch.tensor([1.0, 3e38])])
+    lo = torch.zeros_like(hi)
+    got = qparams._block_qparams_kernel(lo, hi, spec, None)
+    assert torch.equal(got.scale, _torch_branch(monkeypatch, lo, hi, spec).scale)
+    assert got.scale[0] == 2.0**-126
 
 
 @pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[-1]], ids=str)

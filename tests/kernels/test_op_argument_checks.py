@@ -174,6 +174,41 @@ def test_fake_quant_int_refuses_bad_bounds(device, qmin, qmax, name, forbid_host
             forbid_host_sync)
 
 
+# probing: fractional bounds were taken, and gave codes that are not integers (3.5, 7.25)
+FRACTIONAL = [(-3.5, 3.5, "qmin must be an integer code"), (-8.0, 7.25, "qmax must be an integer"),
+              (-8.0, 7.0 + 2**-40, "qmax must be an integer")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("qmin", "qmax", "name"), FRACTIONAL)
+def test_fake_quant_int_refuses_fractional_bounds(device, qmin, qmax, name, forbid_host_sync):
+    units = torch.randn(4, 8).to(device)
+    scale, zp = torch.ones(4, device=device), torch.zeros(4, device=device)
+    _raises(lambda: ops.fake_quant_int(units, scale, zp, qmin, qmax), "fake_quant_int", name,
+            forbid_host_sync)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("qmin", "qmax", "name"),
+                         [*FRACTIONAL, (-INF, 7.0, "qmin must be a finite"), (-8.0, NAN, "qmax")])
+def test_mse_price_int_refuses_bad_bounds(device, qmin, qmax, name, forbid_host_sync):
+    units = torch.randn(4, 8).to(device)
+    scale = torch.ones(2, 4, device=device)
+    zp = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    _raises(lambda: ops.mse_price_int(units, scale, zp, qmin, qmax), "mse_price_int", name,
+            forbid_host_sync)
+
+
+def test_whole_float_bounds_stay_accepted():
+    """The callers pass ``float(spec.qmin)``: whole floats are integer codes."""
+    units = torch.tensor([[10.0, -10.0, 0.26]])
+    out = ops.fake_quant_int(units, torch.ones(1), torch.zeros(1), -4.0, 3.0)
+    assert out.tolist() == [[3.0, -4.0, 0.0]]
+    err = ops.mse_price_int(units, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32),
+                            -4.0, 3.0)
+    assert err.shape == (1, 1)
+
+
 # ---- ao_histc ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)

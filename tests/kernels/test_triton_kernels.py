@@ -243,17 +243,21 @@ def _ranges(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_e8m0_block_scales_bitwise(device, fmt, mode):
     """Every mode on ranges over float32's span, and on blocks of inf (its exponent field:
     the scale saturates high), NaN (a NaN scale) and a few subnormals (rceil's quotient
-    underflows): ``scales.e8m0_scale`` bitwise (torchao's, tests/core/test_peers_core.py)."""
+    underflows; rceil's is a subnormal just above 2 ** -127, which a rounded quotient took
+    onto it): ``scales.e8m0_scale`` bitwise (torchao's, tests/core/test_peers_core.py)."""
     from quantscope.kernels.triton import block_qparams
 
+    f = get_format(fmt)
     lo, hi = _ranges(3000, len(fmt) + E8M0_MODES.index(mode))
+    edge = f.max * 2.0 ** torch.tensor([-127.0, -128.0, -126.0])
+    lo = torch.cat((lo, torch.zeros(6)))
+    hi = torch.cat((hi, edge, torch.nextafter(edge, torch.ones(()))))
     inf, nan, sub = math.inf, math.nan, 2.0 ** -149
     lo = torch.cat((lo, torch.tensor([-inf, 0.0, nan, -1.0, 0.0, -sub])))
     hi = torch.cat((hi, torch.tensor([0.0, inf, 1.0, nan, 3 * sub, 2 * sub])))
     want = qparams_from_range(lo, hi, QuantSpec(fmt, Block(32), scale=f"e8m0:{mode}"),
                               check_finite=False).scale
     assert want[-6:-4].isfinite().all() and want[-4:-2].isnan().all()
-    f = get_format(fmt)
     got = block_qparams.e8m0_block_scales(lo.to(device), hi.to(device), E8M0_MODES.index(mode),
                                           f.emax, f.mbits, f.max)
     _assert_bitwise(got, want)

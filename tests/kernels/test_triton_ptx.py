@@ -95,7 +95,7 @@ CASES = {
                        "BLOCK_E": 16, "WEIGHTED": False}),
     "block_search._select_kernel": (  # then the candidates walked under mse_select's rules
         _SELECT_BLOCK, {**_NVFP4_CONST, **_ENC["nvfp4"], **_SELECT_CONST}),
-    "block_search._price_kernel:mx": (  # MX's E8M0 scales (rceil: an IEEE division)
+    "block_search._price_kernel:mx": (  # MX's E8M0 scales (rceil: MODE 3 below)
         _PRICE_BLOCK, {**_NVFP4_CONST, **_ENC["mx"], "TIE_LAST": False, "FLOAT": True,
                        "BLOCK_E": 32, "WEIGHTED": False}),
     "block_search._price_kernel:mx_int": (  # over integer elements (MXINT8, BFP)
@@ -203,9 +203,12 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["block_qparams._int_kernel"]
     for name in ("block_search._search_kernel", "block_search._price_kernel",
                  "block_search._select_kernel", "block_search._price_kernel:mx",
-                 "block_search._price_kernel:mx_int", "block_search._select_kernel:mx",
-                 "block_search._search_kernel:weighted", "histogram._histc_kernel"):
+                 "block_search._price_kernel:mx_int", "block_search._search_kernel:weighted",
+                 "histogram._histc_kernel"):
         assert "div.rn.f32" in found[name], name
+    # E8M0 rceil divides nothing: ceil(log2(amax / fmax)) from both exponents and mantissas
+    for name in ("block_search._select_kernel:mx", "block_qparams._e8m0_kernel"):
+        assert not [op for op in found[name] if op.startswith("div")], (name, found[name])
     for name in ("mse._price_kernel:weighted", "block_search._search_kernel:weighted",
                  "block_search._price_kernel:mx_int"):  # float64(w) * float64(d * d)
         assert "mul.rn.f64" in found[name], name

@@ -41,14 +41,6 @@ static inline float exp2i(int k) {
     return k >= -126 ? float_of((k + 127) << 23) : float_of(1 << (k + 149));
 }
 
-/* ceil(log2 x) for positive finite x (frexp: one less when the mantissa is exactly 0.5);
-   -127, E8M0's least, for x 0 (a quotient that underflowed: log2 -inf) */
-static inline int ceil_log2(float x) {
-    float m;
-    const int e = frexp_pos(x, &m);
-    return x == 0.0f ? -127 : (m == 0.5f ? e - 1 : e);
-}
-
 #if defined(__AVX2__)
 /* block_amax of 8 ranges: min / max take their operands in the order that makes their
    compare the scalar one (vminps(a, b) is a < b ? a : b), so the bits are the same */
@@ -95,8 +87,8 @@ static inline __m256 exp2i8(__m256i k) {
 }
 
 /* the exponent k of 8 blocks' E8M0 scales before the clamp, from safe = their amax (1 where
-   it is 0), per mode as the scalar loop's K */
-static inline __m256i e8m0_k8(int mode, __m256 safe, __m256 top, float fm, int em) {
+   it is 0), per mode as the scalar loop's K; fmax = mf * 2**ef (frexp) */
+static inline __m256i e8m0_k8(int mode, __m256 safe, __m256 top, float mf, int ef, int em) {
     const __m256i one = _mm256_set1_epi32(1), vem = _mm256_set1_epi32(em);
     __m256 m;
     const __m256i e = frexp_pos8(safe, &m);
@@ -110,25 +102,26 @@ static inline __m256i e8m0_k8(int mode, __m256 safe, __m256 top, float fm, int e
         const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(r, top, _CMP_GE_OQ));
         return _mm256_sub_epi32(_mm256_sub_epi32(_mm256_sub_epi32(e, one), up), vem);
     }
-    __m256 my;  /* ceil_log2(safe / fm), -127 where the quotient underflowed to 0 */
-    const __m256 q = _mm256_div_ps(safe, _mm256_set1_ps(fm));
-    const __m256i ey = frexp_pos8(q, &my);
-    return _mm256_blendv_epi8(_mm256_add_epi32(ey, eq8(my, 0.5f)), _mm256_set1_epi32(-127),
-                              _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_setzero_ps(),
-                                                                _CMP_EQ_OQ)));
+    /* rceil: e - ef + (m > mf), 127 where safe is not below inf (the scalar loop's K) */
+    const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_set1_ps(mf), _CMP_GT_OQ));
+    const __m256 inf = _mm256_cmp_ps(safe, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ);
+    return _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(ef)), gt),
+                              _mm256_set1_epi32(127), _mm256_castps_si256(inf));
 }
 #endif
 
 /* E8M0 scales 2**k of n blocks with ranges [lo, hi]; mode 0 floor, 1 ceil, 2 even (mbits
-   fraction bits rounded half away), 3 rceil (ceil log2(amax / fmax)); emax the element
-   format's. Returns 1 when a range holds NaN or inf (checked in the same pass: the scales
-   are then written but meaningless) or the mode is unknown. The AVX2 loop is the scalar
-   one lane for lane. */
+   fraction bits rounded half away), 3 rceil (ceil log2(amax / fmax), exactly: with amax =
+   m * 2**e and fmax = mf * 2**ef, m / mf lies in (0.5, 2), so it is e - ef + (m > mf));
+   emax the element format's. Returns 1 when a range holds NaN or inf (checked in the same
+   pass: the scales are then written but meaningless) or the mode is unknown. The AVX2 loop
+   is the scalar one lane for lane. */
 int64_t qs_e8m0_qparams(const float *lo, const float *hi, int64_t n, int64_t mode,
                         int64_t emax, int64_t mbits, double fmax, float *scale) {
     if (mode < 0 || mode > 3) return 1;
-    const float top = exp2i((int)mbits + 1), fm = (float)fmax;
-    const int em = (int)emax;
+    const float top = exp2i((int)mbits + 1);
+    float mf;
+    const int em = (int)emax, ef = frexp_pos((float)fmax, &mf);
     int bad = 0;
     int64_t i = 0;
 #if defined(__AVX2__)
@@ -140,7 +133,7 @@ int64_t qs_e8m0_qparams(const float *lo, const float *hi, int64_t n, int64_t mod
         nonfinite = _mm256_or_ps(nonfinite, nonfinite8(l, h));
         const __m256 amax = block_amax8(l, h);
         const __m256 none = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_LE_OQ);
-        __m256i k = e8m0_k8((int)mode, _mm256_blendv_ps(amax, one, none), vtop, fm, em);
+        __m256i k = e8m0_k8((int)mode, _mm256_blendv_ps(amax, one, none), vtop, mf, ef, em);
         k = _mm256_blendv_epi8(k, kmin, _mm256_castps_si256(none));
         k = _mm256_min_epi32(_mm256_max_epi32(k, kmin), kmax);
         _mm256_storeu_ps(scale + i, exp2i8(k));
@@ -164,7 +157,7 @@ int64_t qs_e8m0_qparams(const float *lo, const float *hi, int64_t n, int64_t mod
     if (mode == 0) { E8M0_LOOP(e - 1 - em) }
     else if (mode == 1) { E8M0_LOOP((m == 0.5f ? e - 1 : e) - em) }
     else if (mode == 2) { E8M0_LOOP(e - 1 + (floorf(m * top + 0.5f) >= top) - em) }
-    else { E8M0_LOOP(ceil_log2(safe / fm)) }
+    else { E8M0_LOOP(safe < INFINITY ? e - ef + (m > mf) : 127) }
 #undef E8M0_LOOP
     return bad;
 }

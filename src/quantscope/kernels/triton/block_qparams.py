@@ -12,8 +12,8 @@ within float32's subnormal minimum and maximum (``encode_scale``'s fp32). Blocks
 
 * E8M0: ``2 ** k``, ``k`` from the exponent of ``amax`` read off its bits (frexp; inf reads
   as ``2 ** 128``), per mode (0 floor, 1 ceil, 2 even, 3 rceil; ``scales.E8M0_MODES``'
-  order), ``-127`` for an all-zero block (rceil: where ``amax / fmax`` underflows to 0),
-  clamped to ``[-127, 127]``; NaN for a NaN amax;
+  order; rceil from the exponents and mantissas of ``amax`` and ``fmax``, no quotient),
+  ``-127`` for an all-zero block, clamped to ``[-127, 127]``; NaN for a NaN amax;
 * NVFP4: ``e4m3(amax / fmax * gs)`` (``_jit.fp_round``, the rounding of ``FloatFormat.round``
   that the float MSE pricing uses too), ``min_scale`` where not positive; the global scale
   ``gs`` computed in the same launch from the global amax (given, or the blocks' largest,
@@ -84,10 +84,9 @@ def e8m0_exponent(amax, emax, fmax, MODE: tl.constexpr, TOP: tl.constexpr):
     elif MODE == 2:
         carry = tl.floor(m * TOP + 0.5) >= TOP  # TOP = 2 ** (mbits + 1)
         k = e - 1 + carry.to(tl.int32) - emax
-    else:  # -127 where the quotient underflows to 0 (log2 -inf)
-        q = tl.math.div_rn(safe, fmax)
-        my, ey = _frexp(q)
-        k = tl.where(q == 0.0, -127, tl.where(my == 0.5, ey - 1, ey))
+    else:  # exact: amax / fmax = (m / mf) * 2 ** (e - ef), m / mf in (0.5, 2); inf: 127
+        mf, ef = _frexp(fmax + tl.zeros_like(safe))
+        k = tl.where(safe < float("inf"), e - ef + (m > mf).to(tl.int32), 127)
     return tl.minimum(tl.maximum(tl.where(tiny, -127, k), -127), 127)
 
 
