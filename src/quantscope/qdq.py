@@ -14,6 +14,7 @@ import math
 import torch
 
 from .qparams import QParams
+from .scales import not_encoded
 from .spec import QuantSpec
 
 __all__ = [
@@ -46,6 +47,10 @@ def _check_qparams(qparams: QParams, spec: QuantSpec, who: str) -> None:
     it (``check=False``: no read, so a CUDA graph can hold the call)."""
     if not isinstance(qparams, QParams):
         raise TypeError(f"{who}: qparams must be a QParams, got {type(qparams).__name__}")
+    if (qparams.global_scale is None) == spec.scale.has_global_scale:
+        # QDQ divides the block scales by a global scale: without one NVFP4's run 1 / gs off
+        raise ValueError(f"{who}: qparams.global_scale must be "
+                         f"{'given' if spec.scale.has_global_scale else 'None'} for {spec}")
     zp = qparams.zero_point
     lo, hi = (0, 0) if spec.is_float else (spec.qmin, spec.qmax)
     # one aminmax pass per tensor (NaN propagates and fails every comparison): the check
@@ -55,6 +60,8 @@ def _check_qparams(qparams: QParams, spec: QuantSpec, who: str) -> None:
              ("zero_point", zp)) if t is not None and t.numel()}
     tests = {name: ~((mn > 0) & (mx < math.inf)) for name, (mn, mx) in ends.items()
              if name != "zero_point"}
+    if "scale" in tests:  # a scale its encoding cannot store (an MX scale of 0.3)
+        tests["scale"] |= not_encoded(qparams.scale, spec.scale).any()
     if "zero_point" in ends:
         mn, mx = ends["zero_point"]
         tests["zero_point"] = ~((mn >= lo) & (mx <= hi))
@@ -63,8 +70,9 @@ def _check_qparams(qparams: QParams, spec: QuantSpec, who: str) -> None:
     bad = torch.stack(list(tests.values())).tolist() if tests else []
     for name, b in zip(tests, bad):
         if b:
-            want = ("finite and > 0" if name != "zero_point" else
-                    f"integers in the code range [{lo}, {hi}] of {spec}")
+            want = {"zero_point": f"integers in the code range [{lo}, {hi}] of {spec}",
+                    "scale": f"finite, > 0 and values its {spec.scale} encoding stores"
+                    }.get(name, "finite and > 0")
             raise ValueError(f"{who}: qparams.{name} must be {want}")
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "ScaleEncoding",
     "e8m0_scale",
     "encode_scale",
+    "not_encoded",
     "nvfp4_global_scale",
     "smallest_scale_at_least",
 ]
@@ -165,6 +166,16 @@ def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
     if kind == "fp8_e4m3":
         return FP8_E4M3.round(scale)
     raise ValueError(f"scale: encode_scale does not take {kind!r}; E8M0 scales come from e8m0_scale")
+
+
+def not_encoded(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
+    """Where ``scale`` holds a value ``encoding`` cannot store (a bool tensor): not a power of
+    two for pow2 / E8M0, not an fp16 / bf16 value for those. fp32 holds any; NVFP4's fp8
+    block scales are not judged (a block whose scale rounds to 0 takes ``min_scale``)."""
+    if encoding.kind in ("fp32", "fp8_e4m3"):
+        return torch.zeros(scale.shape, dtype=torch.bool, device=scale.device)
+    exact = ScaleEncoding("pow2", "floor") if encoding.kind in ("pow2", "e8m0") else encoding
+    return encode_scale(scale, exact) != scale
 
 
 def smallest_scale_at_least(eps: float, encoding: ScaleEncoding) -> float:

@@ -294,9 +294,20 @@ def _qp(spec, scale, zero_point, global_scale=None):
     (QuantSpec("int8", Channel(0), symmetric=False), ([0.1, 0.1], [0.5, 0.0]), "zero_point"),
     (QuantSpec("fp8", Channel(0)), ([0.1, 0.1], [0, 1]), "zero_point"),
     (presets.NVFP4, ([[0.5]] * 2, [[0]] * 2, 0.0), "global_scale"),
+    # probing: a missing global scale ran NVFP4 with scales 1 / gs off (a stray one divided
+    # other specs' scales), and scales their encoding cannot store ran as given
+    (presets.NVFP4, ([[0.5]] * 2, [[0]] * 2), "global_scale"),
+    (presets.INT8_PER_CHANNEL, ([0.1, 0.1], [0, 0], 2.0), "global_scale"),
+    (presets.MXFP4, ([[0.5]] * 2, [[0]] * 2), None),  # (a power of two: runs)
+    (presets.MXFP4, ([[0.3]] * 2, [[0]] * 2), "scale"),
+    (QuantSpec("int8", Channel(0), scale="pow2:round"), ([0.25, 0.3], [0, 0]), "scale"),
+    (QuantSpec("int8", Channel(0), scale="bf16"), ([0.25, 0.1], [0, 0]), "scale"),
 ])
 def test_qparams_that_cannot_run_raise_naming_the_field(fn, spec, qp, field):
-    x = torch.randn(2, 16)
+    x = torch.randn(2, 32 if spec is presets.MXFP4 else 16)  # two units
+    if field is None:
+        fn(x, _qp(spec, *qp), spec)
+        return
     with pytest.raises(ValueError, match=rf"{fn.__name__}: qparams\.{field} must be"):
         fn(x, _qp(spec, *qp), spec)
     fn(x, _qp(spec, *qp), spec, check=False)  # the library's own callers skip the host read

@@ -20,7 +20,7 @@ import torch
 
 from ...layout import Tensor
 from ...qparams import QParams, qparams_from_range
-from ...scales import ScaleEncoding, encode_scale
+from ...scales import not_encoded
 from ...spec import QuantSpec
 from ..recipe import Recipe
 from ..recipe_dict import role_options
@@ -297,14 +297,9 @@ def _role_qparams(get, key, spec, shape, bad_tensor) -> QParams:
 
 
 def _check_encoded(scale, spec, key, bad_tensor) -> None:
-    """Every stored scale is one its encoding holds: a power of two for pow2 / E8M0, an
-    fp16 / bf16 value for those (an edited 0.3 in an MXFP4 folder loaded and was applied).
-    fp32 holds any; NVFP4's fp8 block scales are not checked (its ``min_scale`` floor)."""
-    kind = spec.scale.kind
-    if kind in ("fp32", "fp8_e4m3"):
-        return
-    enc = ScaleEncoding("pow2", "floor") if kind in ("pow2", "e8m0") else spec.scale
-    off = encode_scale(scale, enc) != scale
+    """Every stored scale is one its encoding holds (an edited 0.3 in an MXFP4 folder loaded
+    and was applied)."""
+    off = not_encoded(scale, spec.scale)
     if bool(off.any()):
         raise bad_tensor(f"{key}/scale", f"holds {float(scale[off][0])!r}, a value its "
                                          f"{spec.scale} encoding cannot store")
