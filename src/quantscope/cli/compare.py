@@ -98,7 +98,21 @@ def compare_rows(report: dict) -> tuple[list[str], list[list]]:
         else:
             rows.append([run["recipe"], run["observer"], f(m["lee_r"], 4),
                          delta(m["lee_r"], fp["lee_r"], 4), f(m["cosine"], 4), *tail])
-    return headers, rows
+    return _kv_column(report, headers, rows)
+
+
+def _kv_column(report: dict, headers: list[str], rows: list[list]):
+    """A "KV cache" column (the specs and how many tensors) where a configuration quantizes
+    the KV cache: those tensors are not sampled, so no SQNR column counts them."""
+    runs = list(report["runs"].values())
+    if not any(run.get("kv_cache") for run in runs):
+        return headers, rows
+    def cell(run):
+        kv = run.get("kv_cache") or []
+        specs = ", ".join(dict.fromkeys(r["spec"] for r in kv))
+        return f"{specs} ({len(kv)} tensor{'s' * (len(kv) != 1)})" if kv else "-"
+    return [*headers, "KV cache"], [rows[0] + [""]] + [r + [cell(run)]
+                                                      for r, run in zip(rows[1:], runs)]
 
 
 def cmd_compare(args) -> int:
@@ -116,7 +130,7 @@ def cmd_compare(args) -> int:
     calib_seconds = time.perf_counter() - t
     t = time.perf_counter()
     runs = _evaluate_all(calibs, ev, phases)
-    histograms = next(iter(calibs.values())).histograms  # one pass: every recipe shares them
+    histograms = _histograms(calibs)
     eval_seconds = time.perf_counter() - t
     report = {"setup": setup, "fp32": fp, "candidates": candidates,
               "timings": {"calibration_seconds": round(calib_seconds, 2),
@@ -125,13 +139,25 @@ def cmd_compare(args) -> int:
               "histograms": {f"{k[0]}/{k[1]}": v for k, v in histograms.items()}}
     headers, rows = compare_rows(report)
     title = _title(setup)
-    _write_report(args, report, headers, rows, title, calib_seconds, eval_seconds)
+    drawn = _write_report(args, report, headers, rows, title, calib_seconds, eval_seconds)
     from ..calibration.results.report import print_table
 
     print_table(headers, rows, title)
+    plotted = f" and plots ({', '.join(drawn)})" if drawn else ""
     print(f"calibration {calib_seconds:.1f} s (one pass), evaluation {eval_seconds:.1f} s; "
-          f"wrote {args.out}/report.md, report.json{'' if args.no_plots else ' and plots'}")
+          f"wrote {args.out}/report.md, report.json{plotted}")
     return 0
+
+
+def _histograms(calibs: dict) -> dict:
+    """The activation histograms of every configuration, together: one pass, so a tensor's
+    histogram is the same in each; ``keep_float`` took its fallen-back tensors out of its own
+    configuration's, which another configuration may keep static (and plot)."""
+    out = {}
+    for calib in calibs.values():
+        for key, hist in calib.histograms.items():
+            out.setdefault(key, hist)
+    return out
 
 
 def _check_compare_args(args) -> tuple[list[str], list[str]]:
@@ -219,43 +245,48 @@ def _title(setup: dict) -> str:
 
 
 def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: float,
-                  eval_seconds: float) -> None:
+                  eval_seconds: float) -> list[str]:
     """report.json, report.md (the table, the timings, the plots) and the plots, written
-    whole into ``--out`` or not at all; a plot that fails is a warning, never a lost report."""
+    whole into ``--out`` or not at all; a plot that fails is a warning, never a lost report.
+    Returns the names of the plots drawn."""
     from ..calibration.results.report import markdown_table
     from ..exporters.atomic import atomic_dir
 
     md = [f"# {title}", "", markdown_table(headers, rows), "",
           (f"Calibration (one pass, all observers): {calib_seconds:.1f} s; evaluation: "
            f"{eval_seconds:.1f} s."), ""]
+    drawn = []
     with atomic_dir(args.out, overwrite=True,
                     inputs=[report["setup"]["model"], *command_inputs(args)]) as tmp:
         with open(os.path.join(tmp, "report.json"), "w") as f:
             json.dump(report, f, indent=1)
         if not args.no_plots:
-            md += _plots(report, tmp, args.plot_layer)
+            drawn = _plots(report, tmp, args.plot_layer)
+            md += [f"![{alt}]({name})" for name, alt in drawn]
         with open(os.path.join(tmp, "report.md"), "w") as f:
             f.write("\n".join(md))
+    return [name for name, _ in drawn]
 
 
 def _plots(report: dict, out: str, layer: str | None, role: str = "input",
-           recipe: str | None = None) -> list[str]:
-    """The plots' lines of report.md; where matplotlib is missing or a plot fails, a warning
-    and the lines of those drawn before: the report, computed already, is written all the same."""
+           recipe: str | None = None) -> list[tuple[str, str]]:
+    """The plots drawn, ``(file name, caption)``; where matplotlib is missing or a plot
+    fails, a warning and those drawn before: the report, computed already, is written all
+    the same."""
     from ..calibration.results import plots
 
-    lines = []
+    drawn = []
     try:
         layer = layer or plots.pick_layer(report, role, recipe)
         if layer is not None:
             plots.plot_histogram(report, layer, os.path.join(out, "hist.png"), role, recipe)
-            lines.append(f"![{layer} {role} histogram](hist.png)")
+            drawn.append(("hist.png", f"{layer} {role} histogram"))
         plots.plot_sqnr(report, os.path.join(out, "sqnr.png"))
-        lines.append("![SQNR per layer](sqnr.png)")
-        return lines
+        drawn.append(("sqnr.png", "SQNR per layer"))
+        return drawn
     except Exception as e:  # noqa: BLE001 -- whatever a plot raises, the report is kept
-        print(f"warning: no plots: {e}", file=sys.stderr)
-        return lines  # those drawn before
+        print(f"warning: no {'more ' if drawn else ''}plots: {e}", file=sys.stderr)
+        return drawn  # those drawn before
 
 
 def _read_report(run: str) -> tuple[str, dict]:
@@ -280,7 +311,8 @@ def _plot_layer(args, report: dict) -> str:
                          f"{suggest(args.recipe, recipes)}")
     layer = args.layer or plots.pick_layer(report, args.role, args.recipe)
     if layer is None:
-        raise UsageError(f"plot: the report has no static {args.role} activations")
+        raise UsageError(f"plot: the report has no static {args.role} activations with a "
+                         f"histogram")
     layers = plots.histogram_layers(report, args.role)
     if layer not in layers:
         raise UsageError(f"--layer {layer!r}: the report has no {args.role} histogram of it; "

@@ -28,7 +28,7 @@ from torch import nn
 from ..recipe import AUTO, Recipe
 from ..results.apply import apply
 from ..results.result import Calibration
-from ..run.batches import eval_mode, forward_batch
+from ..run.batches import eval_mode, forward_batch, tensors_in
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
 
@@ -111,10 +111,12 @@ class OutputDivergence:
     known, as :func:`_summary` gives them, None where not). ``loss(output, reference_output,
     batch) -> float`` replaces the default: KL divergence of the next-token distributions
     for a model with ``logits`` (causal LM), ``1 - cosine`` of the mean-pooled embeddings
-    otherwise. Each call runs one forward per batch (under ``inference_mode``).
+    otherwise. Each call runs one forward per batch (under ``inference_mode``). ``who``:
+    the function named in errors (``auto``'s scoring, ``sensitivity``).
     """
 
-    def __init__(self, model: nn.Module, batches, loss=None, references=None):
+    def __init__(self, model: nn.Module, batches, loss=None, references=None, who="auto"):
+        self.who = who
         if not isinstance(model, nn.Module):
             raise TypeError(f"OutputDivergence: model must be an nn.Module, got "
                             f"{type(model).__name__}")
@@ -141,10 +143,20 @@ class OutputDivergence:
         d = (float(self.loss(out, ref, batch)) if self.loss is not None
              else _divergence(out[0], out[1], ref[1]))
         if not math.isfinite(d):
-            raise ValueError(f"auto: the output divergence is {d} (non-finite output of the "
-                             f"quantized model?)")
+            raise self._non_finite(k, d)
         self.forwards += 1
         return d
+
+    def _non_finite(self, k: int, d: float) -> ValueError:
+        """The error of a non-finite divergence on batch ``k``: the batch's (NaN / inf in it,
+        or in the float model's output on it, as calibrate says of a calibration batch),
+        else the quantized model's."""
+        if not all(map(_finite, (self.batches[k], self.references[k]))):
+            return ValueError(f"{self.who}: batch {k} (counting from 0) brought NaN or inf "
+                              f"values (the float model's output on it is not finite); fix "
+                              f"that batch (or what makes the model produce them)")
+        return ValueError(f"{self.who}: the output divergence on batch {k} (counting from 0) "
+                          f"is {d}: the quantized model's output is not finite there")
 
     def __call__(self) -> float:
         """The mean divergence of the model as it is now (e.g. under QDQ) over the batches."""
@@ -155,6 +167,12 @@ class OutputDivergence:
         batches, or on batch ``k`` alone."""
         with apply(self.model, states):
             return self() if k is None else self.on(k)
+
+
+def _finite(value) -> bool:
+    """Whether every floating tensor of ``value`` (a batch, an output) is finite."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors_in(value)
+               if t.is_floating_point() or t.is_complex())
 
 
 def _rows(batch) -> int | None:

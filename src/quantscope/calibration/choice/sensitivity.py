@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from dataclasses import dataclass, field, replace
 
 from torch import nn
 
 from ...layout import Token
+from ..results.report import write_text
 from ..results.result import Calibration, RoleState
 from ..structure import moe
 from ..structure.conv1d import is_conv1d, linear_output
@@ -63,7 +65,7 @@ class Sensitivity:
         text = (f"Sensitivity ({self.info.get('metric', '')}; {self.info.get('forwards', '?')} "
                 f"forwards, {self.info.get('seconds', 0):.1f} s)\n\n{text}\n")
         if path is not None:
-            _write(path, text)
+            write_text(path, text)
         return text
 
     def to_dict(self) -> dict:
@@ -72,7 +74,7 @@ class Sensitivity:
     def to_json(self, path=None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
-            _write(path, text)
+            write_text(path, text)
         return text
 
     def plot(self, path, top: int = 40) -> None:
@@ -101,13 +103,6 @@ def _save(fig, path) -> None:
         fig.savefig(tmp, dpi=120, format="png")
 
 
-def _write(path, text: str) -> None:
-    from ...exporters.atomic import atomic_file
-
-    with atomic_file(path) as tmp, open(tmp, "w") as f:
-        f.write(text)
-
-
 def _metric_name(div: OutputDivergence) -> str:
     if div.loss is not None:
         return "loss"
@@ -122,7 +117,7 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
         raise TypeError(f"sensitivity: calibration must be a Calibration, got "
                         f"{type(calibration).__name__}")
     t0 = time.perf_counter()
-    div = OutputDivergence(model, batches, loss)
+    div = OutputDivergence(model, batches, loss, who="sensitivity")
     todo = [(layer, role, st) for layer, rs in calibration.states.items()
             for role, st in rs.items() if role in roles]
     if not todo:
@@ -177,6 +172,7 @@ def _layer_errors(model, batches, todo):
 
     err: dict[tuple[str, str], float] = {}
     ref: dict[str, float] = {}
+    n = 0
 
     def hook_for(layer, module, states):
         key = input_name(module)
@@ -186,15 +182,22 @@ def _layer_errors(model, batches, todo):
             if not isinstance(x, torch.Tensor) or not x.numel():
                 return
             y, qs = _outputs(mod, x, states)
-            ref[layer] = ref.get(layer, 0.0) + float(y.double().square().sum())
+            r = float(y.double().square().sum())
+            if not math.isfinite(r):  # float64 sums of float32 squares: NaN / inf in x or W
+                raise _non_finite(layer, n, "brought NaN or inf values (the float layer's "
+                                  "output is not finite); fix that batch (or what makes the "
+                                  "model produce them)")
+            ref[layer] = ref.get(layer, 0.0) + r
             for role, q in qs.items():
-                err[(layer, role)] = err.get((layer, role), 0.0) + float(
-                    (q - y).double().square().sum())
+                e = float((q - y).double().square().sum())
+                if not math.isfinite(e):
+                    raise _non_finite(layer, n, f"makes the output with only its {role} "
+                                      f"quantized not finite")
+                err[(layer, role)] = err.get((layer, role), 0.0) + e
         return hook
 
     handles = [m.register_forward_pre_hook(hook_for(layer, m, st), with_kwargs=True)
                for layer, (m, st) in todo.items()]
-    n = 0
     try:
         with eval_mode(model), torch.inference_mode():
             for batch in batches:
@@ -204,6 +207,11 @@ def _layer_errors(model, batches, todo):
         for h in handles:
             h.remove()
     return err, ref, n
+
+
+def _non_finite(layer: str, batch: int, what: str) -> ValueError:
+    return ValueError(f"layer_sensitivity: layer {layer!r}: batch {batch} (counting from 0) "
+                      f"{what}")
 
 
 def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,

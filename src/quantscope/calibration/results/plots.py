@@ -62,14 +62,18 @@ def histogram_layers(report: dict, role: str = "input") -> list[str]:
 def pick_layer(report: dict, role: str = "input", recipe: str | None = None) -> str | None:
     """The layer whose SQNR differs most between the observers of ``recipe`` (the one
     :func:`plot_histogram` draws: by default the first run's), where the choice matters most;
-    a gap between recipes (int8 against fp8) is not a choice of observer."""
+    a gap between recipes (int8 against fp8) is not a choice of observer. Where the report
+    has histograms, only layers with a ``role`` one count (those :func:`plot_histogram` can
+    draw); None if there is no such layer."""
     recipe = _drawn_recipe(report, recipe)
+    drawable = set(histogram_layers(report, role)) if "histograms" in report else None
     spread = {}
     for run in report["runs"].values():
         if recipe is not None and run.get("recipe") != recipe:
             continue
         for r in run["layers"]:
-            if r["role"] == role and r["sqnr_db"] is not None and r["dynamic"] is not True:
+            if (r["role"] == role and r["sqnr_db"] is not None and r["dynamic"] is not True
+                    and (drawable is None or r["layer"] in drawable)):
                 spread.setdefault(r["layer"], []).append(r["sqnr_db"])
     if not spread:
         return None
@@ -141,12 +145,14 @@ def plot_sqnr(report: dict, path: str, *, inputs=()) -> str:
     """SQNR per layer for each observer: one panel per (recipe, role), each with its legend;
     observers whose SQNR coincides on every layer (weights that all take min-max) share one
     line labelled ``a = b``; PNG."""
-    plt = _plt()
     panels = {}
     for label, run in report["runs"].items():
         for r in run["layers"]:
             panels.setdefault((run.get("recipe", ""), r["role"]), {}).setdefault(
                 run.get("observer", label), []).append(r)
+    if not panels:  # e.g. a KV-cache-only recipe: its tensors are not sampled, no SQNR
+        raise ValueError("plot: no run of the report has a layer row (an SQNR) to plot")
+    plt = _plt()
     order = list(dict.fromkeys(k[0] for k in panels))  # recipes in the report's order
     keys = sorted(panels, key=lambda k: (order.index(k[0]), {"weight": 0, "input": 1}.get(k[1], 2)))
     cols = len({k[1] for k in keys})

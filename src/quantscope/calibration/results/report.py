@@ -4,7 +4,8 @@ For each quantized tensor (a weight, or a sample of the activations seen during
 calibration): the SQNR ``10 log10(sum x^2 / sum (x - qdq(x))^2)`` in dB, the
 fraction of values QDQ clamps (clipped: their rounded code is outside the range), the
 observer's range and the observer used. Rows describe what ``apply`` runs: activations
-``keep_float`` took out of static quantization have none (a "Fallback" table lists them).
+``keep_float`` took out of static quantization have none (a "Fallback" table lists them);
+the KV cache, which the pass does not sample, has a table of its own (spec, scale, range).
 A summary averages over layers; tables print with ``rich`` when it is installed, else as
 plain text, and save as markdown and JSON.
 """
@@ -25,10 +26,12 @@ __all__ = [
     "Report",
     "format_table",
     "json_safe",
+    "kv_cache_rows",
     "markdown_table",
     "print_table",
     "summarize",
     "tensor_stats",
+    "write_text",
 ]
 
 
@@ -40,8 +43,8 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
     # one temporary of x's size at a time (a layer's weight is the largest tensor a
     # sequential run holds): the signal first, then the error in place on fake_quantize's
     # output (always fresh memory: quantize_units divides into a new tensor)
-    signal = xf.square().sum()
-    noise = fake_quantize(x.detach(), qp, spec, check=False).float().sub_(xf).square_().sum()
+    signal = _square_sum(xf)
+    noise = _square_sum(fake_quantize(x.detach(), qp, spec, check=False).float().sub_(xf))
     units = spec.layout.to_units(xf)
     lo_e, hi_e = clip_edges(qp, spec, units.shape[0])
     clipped = _clipped(units, qp, spec, x.shape)
@@ -53,6 +56,20 @@ def tensor_stats(x: torch.Tensor, state) -> dict:
             "clipped": int(clipped) / max(x.numel(), 1), "clip_lo": clip_lo,
             "clip_hi": clip_hi, "min": x_min, "max": x_max,
             "units": int(units.shape[0]), "numel": int(x.numel())}
+
+
+#: elements per float64 chunk of :func:`_square_sum` (32 MiB of float64 at a time)
+_CHUNK = 1 << 22
+
+
+def _square_sum(t: torch.Tensor) -> torch.Tensor:
+    """``sum(t^2)`` in float64, squared in float64 too (a finite float32 value past ~1.8e19
+    squares to inf in float32), a chunk at a time: never a float64 copy of all of ``t``."""
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for chunk in flat.split(_CHUNK):
+        total += chunk.double().square_().sum()
+    return total
 
 
 def _clipped(units: torch.Tensor, qp, spec, shape) -> torch.Tensor:
@@ -146,6 +163,15 @@ def print_table(headers: list[str], rows: list[list], title: str | None = None, 
     Console(file=file, width=max(80, width + 1)).print(table)
 
 
+def write_text(path, text: str) -> None:
+    """``text`` to ``path`` through :func:`~quantscope.exporters.atomic.atomic_file`: written
+    whole or not at all, and a symlink at ``path`` replaced, never written through."""
+    from ...exporters.atomic import atomic_file
+
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+
+
 LAYER_HEADERS = ["layer", "role", "observer", "SQNR dB", "clipped %", "lo", "hi", "units"]
 
 
@@ -154,15 +180,58 @@ def _layer_rows(rows):
              r["hi"], r["units"]] for r in rows]
 
 
+KV_HEADERS = ["layer", "role", "spec", "observer", "scale", "lo", "hi"]
+
+
+def kv_cache_rows(states: dict) -> list[dict]:
+    """The KV-cache tensors ``states`` quantizes (roles ``key`` / ``value``), one row each:
+    spec, observer, scale and range. The pass does not sample the cache, so no SQNR."""
+    from ..structure.kv_cache import ROLES
+
+    rows = []
+    for layer, roles in states.items():
+        for role, st in roles.items():
+            if role not in ROLES:
+                continue
+            scale = None if st.qparams is None else st.qparams.scale
+            ends = {"scale_min": None if scale is None else scale.min(),
+                    "scale_max": None if scale is None else scale.max(),
+                    "lo": None if st.lo is None else st.lo.min(),
+                    "hi": None if st.hi is None else st.hi.max()}
+            known = {k: t for k, t in ends.items() if t is not None}
+            if known:  # one read back for the row
+                ends.update(zip(known, torch.stack([t.double() for t in known.values()])
+                                .tolist()))
+            rows.append({"layer": layer, "role": role, "spec": str(st.spec),
+                         "observer": st.observer, "requested": st.requested,
+                         "dynamic": st.dynamic, **ends})
+    return rows
+
+
+def _kv_cells(rows):
+    def scale(r):
+        if r["scale_min"] is None:
+            return "per call"
+        a, b = f"{r['scale_min']:.4g}", f"{r['scale_max']:.4g}"
+        return a if a == b else f"{a} .. {b}"
+    return [[r["layer"], r["role"], r["spec"], r["observer"], scale(r),
+             "-" if r["lo"] is None else _num(r["lo"]), "-" if r["hi"] is None else _num(r["hi"])]
+            for r in rows]
+
+
 @dataclass
 class Report:
-    """The report of one calibration: ``rows`` (one per layer and role), summary, metrics."""
+    """The report of one calibration: ``rows`` (one per layer and role), summary, metrics;
+    ``kv_cache`` the KV-cache tensors it quantizes (:func:`kv_cache_rows`: no SQNR) and
+    ``notes`` what the report lacks and why (a loaded calibration: no statistics)."""
 
     label: str
     recipe: str
     rows: list[dict]
     metrics: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    kv_cache: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def summary(self) -> dict:
@@ -170,13 +239,13 @@ class Report:
 
     def to_dict(self) -> dict:
         return json_safe({"label": self.label, "recipe": self.recipe, "metrics": self.metrics,
-                           "info": self.info, "summary": self.summary, "layers": self.rows})
+                           "info": self.info, "summary": self.summary, "layers": self.rows,
+                           "kv_cache": self.kv_cache, "notes": self.notes})
 
     def to_json(self, path=None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
-            with open(path, "w") as f:
-                f.write(text + "\n")
+            write_text(path, text + "\n")
         return text
 
     def summary_rows(self):
@@ -190,6 +259,7 @@ class Report:
 
     def to_markdown(self, path=None) -> str:
         parts = [f"# quantscope report: {self.label}", ""]
+        parts += [f"Note: {n}\n" for n in self.notes]
         if self.metrics:
             parts += [markdown_table(list(self.metrics), [self._metric_cells()]), ""]
         parts += ["## Summary", "", markdown_table(self.SUMMARY_HEADERS, self.summary_rows()),
@@ -198,8 +268,7 @@ class Report:
             parts += [f"## {title}", "", markdown_table(headers, rows), ""]
         text = "\n".join(parts)
         if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
+            write_text(path, text)
         return text
 
     def print(self, layers: bool = True, file=None) -> None:
@@ -211,10 +280,13 @@ class Report:
                         file)
         for title, headers, rows in self._sections():
             print_table(headers, rows, f"{self.label}: {title.lower()}", file)
+        for n in self.notes:
+            print(f"{self.label}: note: {n}", file=file)
 
     def _sections(self):
-        """Extra tables from ``info``: fusion groups, MoE experts, the activations
-        ``keep_float`` took out of static quantization, unreachable weights."""
+        """Extra tables: from ``info`` fusion groups and MoE experts, the KV cache, from
+        ``info`` again the activations ``keep_float`` took out of static quantization and
+        unreachable weights."""
         out = []
         if self.info.get("fusion_groups"):
             out.append(("Fusion groups", ["layers", "weight", "input"],
@@ -224,6 +296,8 @@ class Report:
             out.append(("MoE experts", ["experts module", "expert", "tokens", "rule"],
                         [[e["module"], str(e["expert"]), str(e["tokens"]), e["rule"]]
                          for e in self.info["experts"]]))
+        if self.kv_cache:
+            out.append(("KV cache (not sampled: no SQNR)", KV_HEADERS, _kv_cells(self.kv_cache)))
         kept = self.info.get("keep_float")
         if kept and kept.get("tensors"):  # keep_float: taken out of the static rows above
             runs = {"float": "float", "dynamic": "dynamic (scales from each call)"}

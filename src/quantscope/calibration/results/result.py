@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ...exporters.registry import exporter, reader
+from ..structure import kv_cache
 from .apply import apply as _apply
-from .report import Report
+from .report import Report, kv_cache_rows
 from .role_state import RoleState
 from .saving import save as _save
 
@@ -50,9 +51,17 @@ class Calibration:
                 and all(torch.equal(s, other.smoothing[k]) for k, s in self.smoothing.items()))
 
     def report(self, metrics: dict | None = None):
-        """The :class:`~quantscope.calibration.results.report.Report` of this calibration."""
+        """The :class:`~quantscope.calibration.results.report.Report` of this calibration.
+        A saved one keeps no statistics (only qparams and specs): loaded, its report has no
+        layer rows, and a note says so."""
+        notes = []
+        if not self.stats and any(r not in kv_cache.ROLES for rs in self.states.values()
+                                  for r in rs):
+            notes.append("no layer statistics (SQNR, clipped): they are computed on the "
+                         "calibration's samples, which a saved calibration does not keep "
+                         "(calibrate again for them)")
         return Report(self.label or self.recipe.name, self.recipe.name, self.stats,
-                      dict(metrics or {}), self.info)
+                      dict(metrics or {}), self.info, kv_cache_rows(self.states), notes)
 
     def save(self, path, *, overwrite: bool = True):
         """qparams to ``path/qparams.safetensors`` and specs to ``path/quantscope.json``,

@@ -39,13 +39,16 @@ class RoleState:
         """Whether QDQ with ``other`` is the same as with this state: equal spec, mode,
         qparams and the global scale of the global amax (the observer that found them does
         not matter; a checkpoint's reader finds an amax giving its stored global scale,
-        which may lie an ulp from the calibrated one)."""
+        which may lie an ulp from the calibrated one). A run-time (``dynamic=True``) role's
+        observer and options are what computes its qparams at each call: they must match."""
         def tensors(st):
             qp, amax = st.qparams, st.global_amax
             return ((None, None, None) if qp is None else (qp.scale, qp.zero_point,
                                                            qp.global_scale)) + (
                 None if amax is None else nvfp4_global_scale(amax, st.spec.format),)
         return (self.spec == other.spec and self.dynamic == other.dynamic
+                and (self.dynamic is not True or (self.observer == other.observer and
+                                                  dict(self.options) == dict(other.options)))
                 and all(a is b or (a is not None and b is not None and a.shape == b.shape
                                    and a.dtype == b.dtype and torch.equal(a, b))
                         for a, b in zip(tensors(self), tensors(other))))

@@ -1,0 +1,77 @@
+"""`quantscope compare` / `plot` as a probe found them wanting: --keep-float's histograms
+kept for the configurations that still quantize those inputs statically, the KV cache in the
+table, and no claim of plots that were not drawn."""
+
+import json
+
+import pytest
+
+from quantscope import cli
+
+transformers = pytest.importorskip("transformers")
+from tiny_models import llama_folder, require_lee_corpus
+
+require_lee_corpus()
+
+FAST = ["--calib-docs", "4", "--max-length", "16", "--batch-size", "2", "--eval-max-length",
+        "32", "--device", "cpu", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return str(llama_folder(tmp_path_factory.mktemp("tiny-llama-compare"),
+                            architectures=["LlamaForCausalLM"]))
+
+
+def _run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_keep_float_keeps_the_histograms_other_recipes_plot(llama_dir, tmp_path, capsys):
+    from quantscope.calibration.results import plots
+
+    out = tmp_path / "cmp"
+    rc, _, err = _run(capsys, "compare", "--model", llama_dir, "--recipes", "w8a8,fp8",
+                      "--observers", "minmax,mse", "--keep-float", "2", "--out", str(out),
+                      *FAST)
+    assert rc == 0, err
+    report = json.loads((out / "report.json").read_text())
+    kept = next(iter(report["runs"].values()))["info"]["keep_float"]["tensors"]
+    assert kept  # the first configuration took some inputs out...
+    drawable = set(plots.histogram_layers(report))
+    for label, run in report["runs"].items():  # ...which the others may keep static
+        static = {r["layer"] for r in run["layers"] if r["role"] == "input" and not r["dynamic"]}
+        assert static <= drawable, (label, sorted(static - drawable))
+    for recipe in ("w8a8", "fp8"):
+        rc, got, err = _run(capsys, "plot", str(out), "--recipe", recipe, "--out",
+                            str(tmp_path / f"plots-{recipe}"))
+        assert rc == 0, err
+        assert (tmp_path / f"plots-{recipe}" / "hist.png").is_file(), got
+
+
+def test_a_kv_cache_only_compare_lists_the_cache_and_claims_no_plots(llama_dir, tmp_path,
+                                                                     capsys):
+    out = tmp_path / "cmp"
+    rc, got, err = _run(capsys, "compare", "--model", llama_dir, "--recipes", "w8a8",
+                        "--observers", "minmax", "--targets", "nomatch", "--kv-cache", "fp8",
+                        "--out", str(out), *FAST)
+    assert rc == 0, err
+    assert "warning: no plots: plot: no run of the report has a layer row" in err, err
+    assert "and plots" not in got and not (out / "sqnr.png").exists()
+    assert "report.json" in got
+    run = json.loads((out / "report.json").read_text())["runs"]["w8a8/minmax"]
+    assert run["layers"] == [] and {r["role"] for r in run["kv_cache"]} == {"key", "value"}
+    md = (out / "report.md").read_text()
+    assert "| KV cache |" in md and "fp8_e4m3 tensor sym (4 tensors)" in md, md
+
+
+def test_compare_with_plots_names_them(llama_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "cmp"
+    rc, got, err = _run(capsys, "compare", "--model", llama_dir, "--recipes", "w8a8",
+                        "--observers", "minmax", "--out", str(out), *FAST)
+    assert rc == 0, err
+    assert "and plots (hist.png, sqnr.png)" in got, got
+    assert "KV cache" not in got  # no configuration quantizes it: no column
