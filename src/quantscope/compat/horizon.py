@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from ..comm import all_reduce, is_distributed
 from ..estimators.entropy import horizon_entropy_amax
-from ..estimators.mix import mix_range
 from ..estimators.mse import SearchResult
 from ..layout import Channel, Tensor
 from ..observers.histogram import EntropyObserver
@@ -230,51 +229,15 @@ class KLObserver(HorizonObserver, EntropyObserver):
 
 class _SignedEnds:
     """Mixin (before the native histogram class): Horizon clips each batch's signed min / max
-    at the estimate, ``(max(min, -clip), min(max, clip))``, and averages those ends."""
+    at the estimate, ``(max(min, -clip), min(max, clip))``, and averages those ends (the
+    interval's min / max: the native EMA mode's window)."""
 
-    _WINDOW = ("window_lo", "window_hi")
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # the signed (min, max) of the batches since the last estimate (empty: none): state,
-        # so save / load, reset and .to() take it with the histogram it belongs to
-        for name in self._WINDOW:
-            self.register_buffer(name, torch.zeros(0))
-
-    def _sized_buffers(self):
-        return (*super()._sized_buffers(), *self._WINDOW)
-
-    def _observe(self, units, lo, hi):
-        if self.window_lo.shape != lo.shape:  # the interval's first batch
-            self.window_lo, self.window_hi = lo.clone(), hi.clone()
-        else:
-            torch.minimum(self.window_lo, lo, out=self.window_lo)
-            torch.maximum(self.window_hi, hi, out=self.window_hi)
-        super()._observe(units, lo, hi)
-
-    def _ema_step(self):
-        super()._ema_step()
-        self.window_lo, self.window_hi = (self.window_lo.new_zeros(0) for _ in self._WINDOW)
-
-    def _window_or_data(self):
-        if self.window_lo.numel():
-            return self.window_lo, self.window_hi
-        return self.min_vals, self.max_vals
+    signed_ends = True
 
     def _clip(self, lo, hi):
         lo, hi = super()._clip(lo, hi)  # into +-max |x|
-        wlo, whi = self._window_or_data()
+        wlo, whi = self._data_range()
         return torch.maximum(lo, wlo), torch.minimum(hi, whi)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              *args, **kwargs):
-        keys = [prefix + n for n in self._WINDOW]
-        old = prefix + "pending" in state_dict and not any(k in state_dict for k in keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                      missing_keys, *args, **kwargs)
-        if old:  # saved before the window was state: an empty window (the data's min / max)
-            self.window_lo, self.window_hi = (self.window_lo.new_zeros(0) for _ in keys)
-            missing_keys[:] = [k for k in missing_keys if k not in keys]
 
 
 @register("horizon:PercentileObserver")
@@ -315,14 +278,6 @@ class MixObserver(HorizonObserver, _SignedEnds, _NativeMix):
                          quant_max=quant_max, is_sync_quantize=is_sync_quantize,
                          factory_kwargs=factory_kwargs, bins=bins,
                          averaging_constant=averaging_constant, **kwargs)
-
-    def _estimate(self, hist):
-        # Horizon clips each candidate at this batch's signed min / max (get_min_max_of_
-        # percentile_observer), not at the running ones the native mix reads
-        lo, hi = self._window_or_data()
-        return mix_range(hist, self.spec, lo=lo, hi=hi, percentiles=self.percentiles,
-                         candidates=self.candidates, convention=self.convention,
-                         start_bin=self.start_bin)
 
 
 @register("horizon:MSEObserver")

@@ -59,9 +59,11 @@ import torch
 
 from .. import kernels
 from .._checks import check_int
+from ..formats import IntFormat
 from ..stats.histogram import Hist, fold_abs
 
-__all__ = ["entropy_amax", "entropy_divergences", "entropy_range", "horizon_entropy_amax"]
+__all__ = ["entropy_amax", "entropy_divergences", "entropy_range", "horizon_entropy_amax",
+           "spec_bits"]
 
 _BUDGET = 1 << 18
 
@@ -97,12 +99,32 @@ def entropy_divergences(counts: torch.Tensor, *, num_bits: int = 8, unsigned: bo
 MAX_BITS = 16
 
 
+def spec_bits(spec) -> tuple[int, bool]:
+    """``(num_bits, unsigned)`` of the KL for a spec: the integer format's bits (else 8,
+    TensorRT's default), and TensorRT's unsigned mode (``2 ** bits`` levels over
+    ``[0, amax]``) only where the quantizer's codes may all lie on one side of zero: an
+    unsigned format with a free zero point (asymmetric; non-negative data put it at 0). A
+    symmetric unsigned spec has its zero point mid-range (uint8: 128), codes on both sides,
+    the signed format's quantizer: ``2 ** (bits - 1)`` levels per side, as every signed
+    format."""
+    fmt = spec.format
+    if isinstance(fmt, IntFormat):
+        return fmt.bits, not fmt.signed and not spec.symmetric
+    return 8, False
+
+
 def check_options(who: str = "entropy", *, num_bits: int = 8, start_bin: int = 128,
-                  stride: int = 1, smooth: int = 1, bins: int | None = None) -> None:
+                  stride: int = 1, smooth: int = 1, bins: int | None = None,
+                  copy_zero_bin: bool = True) -> None:
     """Raise ``ValueError`` naming the option unless every one is in range (the C kernel
     indexes with them: a negative ``start_bin`` would read outside the histogram), and,
     given ``bins``, unless ``start_bin <= bins`` (TensorRT / ModelOpt fail there too: no
-    candidate threshold, ``argmin`` of nothing)."""
+    candidate threshold, ``argmin`` of nothing); ``copy_zero_bin`` is True or False (a
+    string such as ``"no"`` would pass as true, or fail later in ``int()``)."""
+    if not isinstance(copy_zero_bin, bool):
+        # a ValueError, as check_int's for the other options
+        raise ValueError(  # noqa: TRY004
+            f"{who}: copy_zero_bin must be True or False, got {copy_zero_bin!r}")
     check_int(who, "num_bits", num_bits, 2, MAX_BITS)
     check_int(who, "start_bin", start_bin, 0)
     check_int(who, "stride", stride, 1)

@@ -2,7 +2,9 @@
 
 Candidates (Horizon's MixObserver tries the percentiles; quantscope adds the
 other estimators): the percentiles 99.9, 99.99, 99.999 and 99.9999, the min / max,
-the histogram-MSE range, the entropy (KL) range, and torch.ao's L2 search with the
+the histogram-MSE range, the entropy (KL) range (the entropy observer's bits and unsigned
+mode for the spec, :func:`~quantscope.estimators.entropy.spec_bits`), and torch.ao's L2
+search with the
 ``histogram`` observer's polish (its three finalists): 10 ranges per unit. All are
 scored by the one scoring function,
 :func:`~quantscope.estimators.error.histogram_error` (one prepared
@@ -16,7 +18,7 @@ import torch
 
 from ..spec import QuantSpec
 from ..stats.histogram import Hist, fold_abs
-from .entropy import entropy_range
+from .entropy import entropy_range, spec_bits
 from .histogram_mse import histogram_mse_range, occupied_range
 from .l2 import default_dst_nbins, l2_finalists
 from .percentile import check_convention, check_percentile, percentile_range
@@ -77,7 +79,8 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
     if "mse" in candidates:
         one.append(histogram_mse_range(own, spec, start_bin=start_bin, bounds=(lo, hi)))
     if "entropy" in candidates:
-        one.append(entropy_range(habs, start_bin=start_bin))
+        bits, unsigned = spec_bits(spec)  # the entropy observer's KL for this spec
+        one.append(entropy_range(habs, num_bits=bits, unsigned=unsigned, start_bin=start_bin))
     for a, b in one:
         los.append(a[:, None])
         his.append(b[:, None])

@@ -1,10 +1,16 @@
 """Percentile ranges from a histogram, with the references' bin conventions.
 
 The bin ``i`` that holds the percentile ``p`` is the first whose cumulative count reaches
-``p`` percent of the total, compared as ``100 * count >= p * total`` in float64 on int64
-counts: exact, so where ``p`` percent of the total is a whole count (99.9 % of 40000 is
-39960) it is reached at the bin that reaches that count (``p / 100 * total`` would round
-past it: ``99.9 / 100`` is above 0.999 in float64). The value reported for it differs
+``p`` percent of the total. ``p`` is read as the decimal it prints as (``repr``: the
+shortest decimal of the float, what the user wrote), ``num / den``, and the test is
+``count * (100 * den) >= num * total`` in float64 on int64 counts: exact while both
+products stay below ``2 ** 53`` (totals up to about ``9e9`` for the percentiles 99.9 ..
+99.9999, ``den = 10 ** 4``), so where ``p`` percent of the total is a whole count (99.9 %
+of 41000 is 40959) it is reached at the bin that reaches that count. The float itself would
+miss it: ``99.9`` is above the decimal 99.9, and ``99.9 * 41000`` rounds to
+``4095900.0000000005``. Past ``2 ** 53`` (or for a decimal of more digits than that
+allows) the test is the float one, ``100 * count >= p * total`` (one rounding), as for
+percents given as tensors (:func:`percentile_value`). The value reported for it differs
 between the references; ``convention`` selects it:
 
 =================  ====================================  ==========================
@@ -26,7 +32,9 @@ asymmetric option intends).
 
 from __future__ import annotations
 
+import math
 import numbers
+from fractions import Fraction
 
 import torch
 
@@ -66,20 +74,39 @@ def _offset(convention: str) -> float:
 def percentile_value(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor,
                      percent, convention: str = "center") -> torch.Tensor:
     """Per unit, the value (by ``convention``) of the first bin whose cumulative count reaches
-    ``percent`` percent of the total. ``percent`` is a float or a ``[U, K]`` tensor (then
-    ``[U, K]``)."""
+    ``percent`` percent of the total. ``percent`` is a float (read as its decimal: see the
+    module doc) or a ``[U, K]`` tensor (then ``[U, K]``; compared as its float64 values)."""
     off = _offset(convention)
-    pct = torch.as_tensor(percent, dtype=torch.float64, device=counts.device)
-    squeeze = pct.dim() == 0
-    v = _values(counts, lo, width, pct.reshape(1, 1) if squeeze else pct, off)
+    if isinstance(percent, torch.Tensor):
+        pct = percent.to(dtype=torch.float64, device=counts.device)
+        squeeze, den = pct.dim() == 0, 1
+    else:
+        nums, den = _scaled([_decimal(percent)], [float(percent)])
+        pct, squeeze = torch.tensor(nums, dtype=torch.float64, device=counts.device), True
+    v = _values(counts, lo, width, pct.reshape(1, 1) if squeeze else pct, den, off)
     return v[:, 0] if squeeze else v
 
 
-def _values(counts, lo, width, pct, off):
-    # [U, K] values of the bins reaching ``pct`` percent ([U, K] or [1, K], float64) of the
-    # total: 100 * count >= pct * total (the module doc says why not count >= pct / 100 * total)
+def _decimal(p: float) -> Fraction:
+    """The decimal ``p`` prints as (the shortest that reads back as ``p``), exactly."""
+    return Fraction(repr(float(p)))
+
+
+def _scaled(fracs: list[Fraction], floats: list[float]) -> tuple[list[float], int]:
+    """``(nums, den)``, ``nums[k] / den == fracs[k]`` with every number exact in float64 and
+    ``100 * den`` too; where that cannot be, ``(floats, 1)`` (the float test)."""
+    den = math.lcm(*(f.denominator for f in fracs))
+    nums = [f.numerator * (den // f.denominator) for f in fracs]
+    if 100 * den >= 2**53 or max(nums) >= 2**53:
+        return list(floats), 1
+    return [float(n) for n in nums], den
+
+
+def _values(counts, lo, width, num, den, off):
+    # [U, K] values of the bins reaching num / den percent (num: [U, K] or [1, K], float64)
+    # of the total: count * 100 den >= num * total, exact below 2 ** 53 (the module doc)
     cum = counts.cumsum(-1).double()
-    i = torch.searchsorted(cum * 100, pct * cum[:, -1:], right=False)
+    i = torch.searchsorted(cum * (100 * den), num * cum[:, -1:], right=False)
     i = i.clamp_(max=counts.shape[-1] - 1).float()
     return lo[:, None] + (i + off) * width[:, None]
 
@@ -94,17 +121,20 @@ def percentile_range(hist: Hist, percentile: float = 99.99, *, symmetric: bool =
         check_percentile("percentile", "percentile", v)
     off = _offset(convention)
     dev = hist.counts.device
+    dec = [_decimal(v) for v in ps]  # the decimals the user wrote (module doc)
     if symmetric:
         h = fold_abs(hist)
-        pct = torch.tensor([ps], dtype=torch.float64, device=dev)
-        amax = _values(h.counts, h.lo, h.width, pct, off)
+        nums, den = _scaled(dec, ps)
+        pct = torch.tensor([nums], dtype=torch.float64, device=dev)
+        amax = _values(h.counts, h.lo, h.width, pct, den, off)
         amax = amax[:, 0] if p.dim() == 0 else amax
         return -amax, amax
     # both tails in one pass, each at (100 + p) / 2 percent from its own end: the upper on the
     # counts, the lower on the reversed counts (from -hi, negated back)
-    pct = torch.tensor([[(100 + v) / 2 for v in ps]], dtype=torch.float64, device=dev)
+    nums, den = _scaled([(100 + f) / 2 for f in dec], [(100 + v) / 2 for v in ps])
+    pct = torch.tensor([nums], dtype=torch.float64, device=dev)
     U, w = hist.counts.shape[0], hist.width
     v = _values(torch.cat([hist.counts, hist.counts.flip(-1)]), torch.cat([hist.lo, -hist.hi]),
-                torch.cat([w, w]), pct, off)
+                torch.cat([w, w]), pct, den, off)
     v = v[:, 0] if p.dim() == 0 else v
     return -v[U:], v[:U]

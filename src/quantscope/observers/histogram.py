@@ -8,16 +8,20 @@ range is asked for. Two ways to combine batches:
   power-of-two grid, independent of batch order, mergeable across processes);
   estimate once, at ``calculate_qparams``;
 * ``averaging_constant=c`` (Horizon's mode): every ``update_interval`` batches,
-  estimate the range on the histogram of those batches, then
-  ``range += c * (estimate - range)`` (the first estimate initialises) and start a
-  new histogram. This runs the estimator inside ``forward``.
+  estimate the range on the histogram of those batches (bounded by their own min / max),
+  then ``range += c * (estimate - range)`` (the first estimate initialises) and start a
+  new histogram (:mod:`.histogram_ema`). This runs the estimator inside ``forward``.
 
 Symmetric specs histogram ``|x|`` (the estimators' reference form), asymmetric ones
 the signed values; ``histogram`` (torch.ao's search) always histograms signed values.
 Ranges are clipped to the data's min / max (symmetric specs: to +-max |x|), both ends
-into that interval and in order, so the range is valid and holds the data's value when the
-estimate falls inside one bin (constant data gives ``(x, x)``, as torch.ao's
-``HistogramObserver``).
+into that interval and in order, so the range is valid. For asymmetric specs it holds the
+data's value when the estimate falls inside one bin (constant data gives ``(x, x)``, as
+torch.ao's ``HistogramObserver``); for symmetric ones only ``max |x|`` bounds it, so an
+estimate inside one bin can fall short of ``max |x|`` by up to a bin (the percentile's bin
+centre; ``histogram``'s signed range: constant -3.0 gives ``(-2.998, -2.969)``). Clipping
+to the signed min / max there would move ``histogram``'s ranges wherever an end lies past
+the data (a bin edge past min or max: many per-tensor results, by up to a bin).
 
 ``grid="first"`` is for the compat classes: the first batch is binned as torch.ao /
 Quark bin it (``torch.histc`` over its min / max, or ``[0, max |x|]``); later batches
@@ -39,19 +43,19 @@ import torch
 from .._checks import check_int
 from ..comm import AVG, MAX, MIN
 from ..estimators.entropy import check_options as check_entropy_options
-from ..estimators.entropy import entropy_range
+from ..estimators.entropy import entropy_range, spec_bits
 from ..estimators.histogram_mse import histogram_mse_range
 from ..estimators.l2 import check_dst_nbins, default_dst_nbins, l2_polished_range
 from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
 from ..estimators.mix import check_options as check_mix_options
 from ..estimators.percentile import check_convention, check_percentile, percentile_range
-from ..formats import IntFormat
 from ..qparams import amax_of_range
 from ..stats import hist_kernel
 from ..stats import histogram as H
 from ..stats.histogram_sync import HistogramSync
 from ..stats.minmax import padded_minmax_
 from .base import Observer
+from .histogram_ema import WINDOW, IntervalAverage
 from .registry import register
 
 __all__ = [
@@ -66,7 +70,7 @@ __all__ = [
 _STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
 
 
-class HistogramObserverBase(Observer):
+class HistogramObserverBase(IntervalAverage, Observer):
     """Base of the histogram observers: keeps the histogram, asks :meth:`_estimate` for ranges.
 
     Args:
@@ -113,6 +117,7 @@ class HistogramObserverBase(Observer):
             self.register_buffer(name, torch.zeros(0, dtype=dtype))
         self.register_buffer("linear_grid", torch.zeros((), dtype=torch.bool))
         self.register_buffer("pending", torch.zeros((), dtype=torch.int64))
+        self._register_window()
         self._pending = 0  # a Python mirror of ``pending``: forward never reads it back
         # [(units, their contiguous copy, the fused pass's state or None, their padded parts)]
         # from _unit_minmax, for _observe, and the shape forward read (a list: assigning a
@@ -120,7 +125,7 @@ class HistogramObserverBase(Observer):
         self._pass = [None, None]
 
     def _sized_buffers(self):
-        return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi")
+        return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi", *WINDOW)
 
     @property
     def units_in_input_dtype(self) -> bool:
@@ -222,11 +227,7 @@ class HistogramObserverBase(Observer):
             self._set_state(fused or H.update(self._state(), units, lo, hi, self._absolute))
             self._drop_zeros(units, zeros)
         if self.averaging_constant is not None:
-            self.pending += 1
-            self._pending += 1
-            # after NaN / inf no estimate: calculate_qparams raises the error forward records
-            if self._pending % self.update_interval == 0 and not bool(self.seen_non_finite):
-                self._ema_step()
+            self._interval_batch(lo, hi)
 
     def _observe_linear(self, units, lo, hi, zeros):
         if self._absolute:
@@ -268,28 +269,15 @@ class HistogramObserverBase(Observer):
             zero_bin = -self.hist_first  # floor(0 * 2 ** -e) - first
         self.hist_counts.scatter_add_(1, zero_bin.clamp(0, self.bins - 1)[:, None], -n[:, None])
 
-    def _averaged(self):
-        """The EMA with the histogram's estimate averaged in, as new tensors (state unchanged)."""
-        lo, hi = self._estimated()
-        if self.ema_lo.shape != lo.shape:  # the first estimate initialises
-            return lo.clone(), hi.clone()
-        c = self.averaging_constant
-        return self.ema_lo.lerp(lo, c), self.ema_hi.lerp(hi, c)
-
-    def _ema_step(self):
-        self.ema_lo, self.ema_hi = self._averaged()
-        self._set_state(H.empty_state(self.ema_lo.shape[0], self.bins, self.ema_lo.device))
-        self.linear_grid.fill_(self.grid == "first")
-        self.pending.zero_()
-        self._pending = 0
-
     # --------------------------------------------------------------- ranges
     def _bounds(self):
-        """The range an estimate is clipped to: the data's min / max (symmetric: +-max |x|)."""
+        """The range an estimate is clipped to: the data's min / max (symmetric: +-max |x|),
+        in the EMA mode the interval's (:meth:`_data_range`)."""
+        lo, hi = self._data_range()
         if self.spec.symmetric:  # the range that matters is max |x|, on either side
-            amax = amax_of_range(self.min_vals, self.max_vals)
+            amax = amax_of_range(lo, hi)
             return -amax, amax
-        return self.min_vals, self.max_vals
+        return lo, hi
 
     def _clip(self, lo, hi):
         # both ends into [blo, bhi] and in order: a tail estimate inside one bin (constant
@@ -354,12 +342,6 @@ class HistogramObserverBase(Observer):
         self.linear_grid.fill_(False)
         self._pending = 0
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        pending = state_dict.get(prefix + "pending")
-        if pending is not None and not pending.is_meta:
-            self._pending = int(pending)
-
     def extra_repr(self):
         extra = f", averaging_constant={self.averaging_constant}" \
             if self.averaging_constant is not None else ""
@@ -407,19 +389,17 @@ class HistogramMSEObserver(HistogramObserverBase):
                                    refine=self.refine, bounds=self._bounds())
 
 
-def _kl_bits(spec):
-    fmt = spec.format
-    if isinstance(fmt, IntFormat):
-        return fmt.bits, not fmt.signed
-    return 8, False  # TensorRT's default for other formats
-
-
 @register("entropy", "kl")
 class EntropyObserver(HistogramObserverBase):
     """TensorRT's entropy calibration: the ``|x|`` threshold minimising KL(P || Q).
 
     ``num_bits`` (default: the integer format's bits, else 8), ``start_bin`` 128,
-    ``stride`` 1, ``smooth`` (Horizon: 9), ``copy_zero_bin`` (TensorRT's ``h[0] = h[1]``).
+    ``stride`` 1, ``smooth`` (Horizon: 9), ``copy_zero_bin`` (True or False: TensorRT's
+    ``h[0] = h[1]``). TensorRT's unsigned mode (``2 ** num_bits`` levels over ``[0, amax]``)
+    is for a quantizer whose codes lie on one side of zero: an unsigned format with a free
+    zero point (asymmetric). Every other spec gets ``2 ** (num_bits - 1)`` levels per side,
+    symmetric unsigned ones too (uint8's zero point 128: the quantizer of int8)
+    (:func:`~quantscope.estimators.entropy.spec_bits`).
     """
 
     absolute = True
@@ -427,11 +407,11 @@ class EntropyObserver(HistogramObserverBase):
     def __init__(self, spec=None, *, start_bin: int = 128, stride: int = 1, smooth: int = 1,
                  num_bits: int | None = None, copy_zero_bin: bool = True, **kwargs):
         super().__init__(spec, **kwargs)
-        bits, unsigned = _kl_bits(self.spec)
+        bits, self.unsigned = spec_bits(self.spec)
         self.num_bits = bits if num_bits is None else num_bits
-        self.unsigned = unsigned
         check_entropy_options(type(self).__name__, num_bits=self.num_bits, start_bin=start_bin,
-                              stride=stride, smooth=smooth, bins=self.bins)
+                              stride=stride, smooth=smooth, bins=self.bins,
+                              copy_zero_bin=copy_zero_bin)
         self.start_bin, self.stride, self.smooth = start_bin, stride, smooth
         self.copy_zero_bin = copy_zero_bin
 
@@ -495,6 +475,7 @@ class MixObserver(HistogramObserverBase):
             check_entropy_options(who, start_bin=self.start_bin, bins=self.bins)
 
     def _estimate(self, hist):
-        return mix_range(hist, self.spec, lo=self.min_vals, hi=self.max_vals,
+        lo, hi = self._data_range()  # the interval's in the EMA mode
+        return mix_range(hist, self.spec, lo=lo, hi=hi,
                          percentiles=self.percentiles, candidates=self.candidates,
                          convention=self.convention, start_bin=self.start_bin)
