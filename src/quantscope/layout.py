@@ -223,7 +223,7 @@ class _Segments(Layout):
     _name: str = ""
 
     def __post_init__(self):
-        if not isinstance(self.size, int) or self.size <= 0:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
             raise ValueError(f"{self._name}: size must be a positive integer, got {self.size!r}")
         _int_axis(self, self._name)
 
@@ -359,7 +359,7 @@ class Tile(Layout):
     def __post_init__(self):
         for name in ("rows", "cols"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:  # True is no size
                 raise ValueError(f"Tile: {name} must be a positive integer, got {v!r}")
 
     def _geometry(self, shape):

@@ -19,8 +19,6 @@ histogram observers' weights min-max (:func:`weight_observer`).
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -29,7 +27,9 @@ from torch import nn
 from .. import presets
 from ..layout import Tensor
 from ..spec import QuantSpec
-from .recipe_dict import fields_from, role_options
+from .recipe_dict import fields_from, own_options, role_options
+from .recipe_dict import matches as _matches
+from .recipe_dict import patterns as _patterns
 from .role_observers import AUTO, observed, weight_observer
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
@@ -53,7 +53,8 @@ class Role:
         dynamic: False (static qparams from calibration), True (qparams computed
             from each tensor at run time, as llm-compressor's ``dynamic=True``:
             no calibration) or ``"local"`` (NVFP4 activations: the global scale is
-            calibrated, block scales are computed at run time).
+            calibrated, block scales are computed at run time; a spec with no global scale
+            raises).
         options: keyword options for the observer (``{"averaging_constant": 0.1}``, or
             its ``(name, value)`` pairs); kept as a sorted tuple of pairs (hashable).
     """
@@ -71,6 +72,11 @@ class Role:
         # by identity: 1 == True, but everything downstream asks `dynamic is True`
         if not (self.dynamic is True or self.dynamic is False or self.dynamic == "local"):
             raise ValueError(f"Role.dynamic must be one of {DYNAMIC_MODES}, got {self.dynamic!r}")
+        if self.dynamic == "local" and not self.spec.scale.has_global_scale:
+            # elsewhere the calibrated range would go unused (compressed-tensors refuses it too)
+            raise ValueError(f"Role.dynamic: 'local' (a calibrated global scale, block scales "
+                             f"at run time) needs fp8 block scales under a global scale "
+                             f"(NVFP4), got {self.spec}; use True or False")
         object.__setattr__(self, "options", role_options(self.options))
 
     @property
@@ -86,31 +92,20 @@ class Role:
     def from_dict(cls, d: dict, where: str = "Role") -> Role:
         """The role :meth:`to_dict` wrote (``observer``, ``dynamic`` and ``options`` may be
         left out: the defaults); ``where`` names it in errors."""
-        return cls(**fields_from(cls, d, where, spec=lambda s, _: QuantSpec.from_dict(s)))
+        return cls(**fields_from(cls, d, where, spec=_spec_from))
+
+
+def _spec_from(d, where: str) -> QuantSpec:
+    """The spec ``QuantSpec.to_dict`` wrote, read key by key as the levels above it."""
+    d = fields_from(QuantSpec, d, where)
+    try:
+        return QuantSpec.from_dict(d)
+    except ValueError as e:  # QuantSpec names the field, this the role it belongs to
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _optional_role(d, where: str) -> Role | None:
     return None if d is None else Role.from_dict(d, where)
-
-
-def _patterns(owner: str, value) -> tuple[str, ...]:
-    """``value`` as a tuple of module name patterns: a string is one pattern, None none."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    try:
-        value = tuple(value)
-    except TypeError:
-        raise ValueError(f"{owner} must be a pattern string or a list of them, got "
-                         f"{value!r}") from None
-    for p in value:
-        if not isinstance(p, str):
-            hint = f" (write the class by name: {p.__name__!r})" if isinstance(p, type) else ""
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
-                f"{owner} must hold strings: a module class name, a glob on the module's "
-                f"name or 're:' and a regular expression; got {p!r}{hint}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -147,15 +142,6 @@ def _rules(rules, where: str) -> tuple[Rule, ...]:
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
             f"{where} must be a list of rules, got {type(rules).__name__}")
     return tuple(Rule.from_dict(r, f"{where}[{i}]") for i, r in enumerate(rules))
-
-
-def _matches(pattern: str, name: str, module: nn.Module) -> bool:
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None  # from the start, as compressed-tensors
-    if any(pattern in (c.__name__, f"{c.__module__}.{c.__qualname__}")  # a subclass too,
-           for c in type(module).__mro__):  # as compressed-tensors matches (FalconLinear)
-        return True
-    return fnmatch.fnmatchcase(name, pattern)
 
 
 @dataclass(frozen=True)
@@ -233,8 +219,16 @@ class Recipe:
                 found[n] = (m, {**found.get(n, (m, {}))[1], "key": self.kv_cache,
                                 "value": self.kv_cache})
         if not found:
-            kinds = sorted({type(m).__name__ for _, m in model.named_modules()})
             targets = [t for r in self.rules for t in r.targets]
+            named = [(n, m) for n, m in model.named_modules() if n]  # ignored ones too
+            if (any(_matches(t, "", model) for t in targets)
+                    and not any(_matches(t, n, m) for n, m in named for t in targets)):
+                raise ValueError(
+                    f"recipe {self.name!r}: only the model itself ({type(model).__name__}) "
+                    f"matches targets {targets}, and the root module is never quantized (a "
+                    f"layer is named by its path in the model): wrap it, e.g. "
+                    f"nn.Sequential(model)")
+            kinds = sorted({type(m).__name__ for _, m in model.named_modules()})
             raise ValueError(
                 f"recipe {self.name!r}: no module matches targets {targets}"
                 f"{f' (ignore {list(self.ignore)})' if self.ignore else ''}; the model's module "
@@ -379,6 +373,7 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
     recipe = Recipe((replace(RECIPES[key](observer), targets=targets),), ignore, key)
     (rule,) = recipe.with_observer(observer, **options).rules
     if own_input:  # the observer llm-compressor's scheme gives these inputs
+        own_options(f"preset {key!r}", "input", own_input, options)
         rule = replace(rule, input=observed(rule.input, "input", own_input, options))
     recipe = replace(recipe, rules=(rule,))
     kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
@@ -393,13 +388,17 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
     """A recipe from a compressed-tensors preset scheme name (``W8A8``, ``W4A16``,
     ``W4A16_ASYM``, ``FP8``, ``FP8_DYNAMIC``, ``NVFP4``, ``MXFP4`` ... : its
     ``PRESET_SCHEMES``), with the same weight and activation specs and dynamic modes, as
-    compressed-tensors defines them. Needs the ``compressed-tensors`` package.
+    compressed-tensors defines them, but for 8-bit MX (``MXFP8`` ...): its E8M0 scales round
+    the block amax with e4m3's mantissa, not fp4's as compressed-tensors does (half its scale
+    where the amax mantissa lies in [1.75, 1.9375): docs/guide/pipelines.md). Needs the
+    ``compressed-tensors`` package.
 
     With ``observer`` None each calibrated role runs the scheme's own observer, as
     llm-compressor's oneshot does (``FP8`` and ``NVFP4`` inputs: ``static_minmax``, the running
     max over all batches; a role naming none: ``minmax``), weights its
     :func:`~quantscope.calibration.recipe.weight_observer`, ``options`` going to them as
-    :meth:`~quantscope.calibration.recipe.Recipe.with_observer` gives them. An ``observer``
+    :meth:`~quantscope.calibration.recipe.Recipe.with_observer` gives them (an option an
+    activation's own observer does not take is a ``ValueError``: name the observer). An ``observer``
     runs on every calibrated role instead (``Recipe.with_observer(observer, **options)``).
     Dynamic roles (``dynamic=True``) are quantized at run time: no observer.
     """
@@ -426,6 +425,8 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
             roles[role] = Role(llmcompressor_spec(args, role), "memoryless_minmax", True)
             continue
         own = _own_observer(key, role, args.observer) if observer is None else observer
+        if observer is None and role != "weight":
+            own_options(f"scheme {key!r}", role, own, options)
         roles[role] = observed(Role(llmcompressor_spec(args, role), own, dynamic), role, own,
                                options)
     return Recipe((Rule(targets, **roles),), ignore, key)
@@ -450,7 +451,7 @@ def with_group_size(recipe: Recipe, size: int) -> Recipe:
     """A copy of ``recipe`` whose grouped roles (``Group`` layouts) use groups of ``size``."""
     from ..layout import Group
 
-    if not isinstance(size, int) or size < 1:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:  # True is no size
         raise ValueError(f"group size must be a positive integer, got {size!r}")
 
     def regroup(role):

@@ -1,13 +1,17 @@
 """Recipes as plain data: the dicts :meth:`Recipe.to_dict
 <quantscope.calibration.recipe.Recipe.to_dict>` writes and a ``--recipe-file`` holds (JSON or
-YAML), read back key by key, and a role's observer options, checked and made hashable."""
+YAML), read back key by key; a role's observer options, checked and made hashable; and the
+module name patterns of ``targets`` / ``ignore``, checked when a recipe is built."""
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Mapping
 from dataclasses import MISSING, fields
+from functools import lru_cache
 
-__all__ = ["fields_from", "role_options"]
+__all__ = ["fields_from", "matches", "own_options", "patterns", "role_options"]
 
 
 def fields_from(cls, d, where: str, **read) -> dict:
@@ -59,3 +63,59 @@ def _frozen(value):
     if isinstance(value, list) or type(value) is tuple:
         return tuple(_frozen(v) for v in value)
     return value
+
+
+def own_options(where: str, role: str, observer: str, options: dict) -> None:
+    """Raise ``ValueError`` for an option of ``options`` (given with no observer named) that
+    ``observer``, the one a preset or scheme runs on its ``role`` then, does not take: it would
+    otherwise fail at calibration (weights are not checked: their memoryless variant keeps the
+    options it takes, as a named observer's do)."""
+    from .role_observers import _accepted
+
+    extra = sorted(set(options) - set(_accepted(observer, observer, options)))
+    if extra:
+        raise ValueError(f"{where}: option {extra[0]!r} is not one the {role} observer "
+                         f"{observer!r} takes ({observer} runs there when no observer is "
+                         f"given); name the observer it is for (observer='minmax', ...)")
+
+
+@lru_cache(maxsize=1024)
+def _regex(expr: str) -> re.Pattern:
+    return re.compile(expr)  # once per pattern: matched against every module name
+
+
+def patterns(owner: str, value) -> tuple[str, ...]:
+    """``value`` as a tuple of module name patterns: a string is one pattern, None none; a
+    ``re:`` pattern that does not compile is a ValueError naming ``owner`` and it."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        value = tuple(value)
+    except TypeError:
+        raise ValueError(f"{owner} must be a pattern string or a list of them, got "
+                         f"{value!r}") from None
+    for p in value:
+        if not isinstance(p, str):
+            hint = f" (write the class by name: {p.__name__!r})" if isinstance(p, type) else ""
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
+                f"{owner} must hold strings: a module class name, a glob on the module's "
+                f"name or 're:' and a regular expression; got {p!r}{hint}")
+        if p.startswith("re:"):
+            try:
+                _regex(p[3:])
+            except re.error as e:
+                raise ValueError(f"{owner}: {p!r} is not a valid regular expression "
+                                 f"({e})") from None
+    return value
+
+
+def matches(pattern: str, name: str, module) -> bool:
+    """Whether ``pattern`` (of :func:`patterns`) takes the module ``module`` named ``name``."""
+    if pattern.startswith("re:"):
+        return _regex(pattern[3:]).match(name) is not None  # from the start, as compressed-tensors
+    if any(pattern in (c.__name__, f"{c.__module__}.{c.__qualname__}")  # a subclass too,
+           for c in type(module).__mro__):  # as compressed-tensors matches (FalconLinear)
+        return True
+    return fnmatch.fnmatchcase(name, pattern)
