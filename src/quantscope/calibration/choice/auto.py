@@ -100,7 +100,8 @@ def _divergence(kind, q, ref):
     for i in range(0, q.shape[0], step):
         r = torch.log_softmax(ref[i:i + step].double(), -1)
         d = r - torch.log_softmax(q[i:i + step].double(), -1)
-        total += (r.exp_() * d).sum(-1).clamp_(min=0).sum()
+        banned = r.isneginf()  # p = 0 (a -inf logit): 0 log 0 = 0, not 0 * (-inf - -inf)
+        total += r.exp_().mul_(d).masked_fill_(banned, 0.0).sum(-1).clamp_(min=0).sum()
     return float(total / q.shape[0])
 
 
@@ -151,7 +152,7 @@ class OutputDivergence:
         """The error of a non-finite divergence on batch ``k``: the batch's (NaN / inf in it,
         or in the float model's output on it, as calibrate says of a calibration batch),
         else the quantized model's."""
-        if not all(map(_finite, (self.batches[k], self.references[k]))):
+        if not (_finite(self.batches[k]) and _finite(self.references[k], logits=True)):
             return ValueError(f"{self.who}: batch {k} (counting from 0) brought NaN or inf "
                               f"values (the float model's output on it is not finite); fix "
                               f"that batch (or what makes the model produce them)")
@@ -169,9 +170,12 @@ class OutputDivergence:
             return self() if k is None else self.on(k)
 
 
-def _finite(value) -> bool:
-    """Whether every floating tensor of ``value`` (a batch, an output) is finite."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors_in(value)
+def _finite(value, logits: bool = False) -> bool:
+    """Whether every floating tensor of ``value`` (a batch, an output) is finite; ``logits``:
+    -inf allowed (a banned token's logit: probability 0)."""
+    def ok(t):
+        return ~(t.isnan() | t.isposinf()) if logits else torch.isfinite(t)
+    return all(bool(ok(t).all()) for t in tensors_in(value)
                if t.is_floating_point() or t.is_complex())
 
 
@@ -251,16 +255,23 @@ class _FloatOutputs:
 
     def __init__(self, model, batches, plan):
         self.plan, self.batches = plan, batches
-        firsts = {i: _first_tensor(batches[i]) for i, _, _ in plan}
-        self.want = {id(t): i for i, t in firsts.items() if t is not None}
+        # a batch by the identities of all its tensors: the first alone is not its own (a
+        # mask shared by every batch, first in each dict, took the last batch's index and
+        # scored the candidates against the first batch's float output, found by probing);
+        # batches of the same tensors have the same float output
+        self.want = {}
+        for i, _, _ in plan:
+            if (key := _identity(batches[i])) is not None:
+                self.want.setdefault(key, []).append(i)
         self.got = {}
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, out):
-        t = _first_tensor(kwargs if kwargs else args)
-        i = None if t is None else self.want.get(id(t))
-        if i is None or i in self.got:
-            return
+        for i in self.want.get(_identity(kwargs if kwargs else args), ()):
+            if i not in self.got:
+                self._catch(i, out)
+
+    def _catch(self, i, out):
         for k, (j, a, b) in enumerate(self.plan):
             if j != i:
                 continue
@@ -277,16 +288,9 @@ class _FloatOutputs:
         return [self.got.get(i, {}).get(k) for k, (i, _, _) in enumerate(self.plan)]
 
 
-def _first_tensor(x):
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, dict) or hasattr(x, "keys"):
-        x = list(x.values())
-    if isinstance(x, (tuple, list)):
-        for v in x:
-            if isinstance(v, torch.Tensor):
-                return v
-    return None
+def _identity(x) -> tuple[int, ...] | None:
+    """The ids of the tensors of a batch (or of a forward's arguments), None without any."""
+    return tuple(map(id, tensors_in(x))) or None
 
 
 def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_FACTOR,

@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -301,7 +302,7 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     Their report rows and histograms go (the report lists them apart); the rest, smoothing
     included, is the calibration's.
     """
-    if not isinstance(n, int) or n < 0:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
     if mode not in FALLBACK_MODES:
         raise ValueError(f"keep_float: mode must be one of {FALLBACK_MODES}, got {mode!r}")
@@ -313,6 +314,10 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
         unit = together.get(key, (key,))
         if key in static and unit not in picks and len(picks) < n:
             picks.append(unit)
+    if len(picks) < n:  # fewer than asked: say so, not a silent smaller fallback
+        warnings.warn(f"keep_float: {n} activations asked for, {len(picks)} kept float: the "
+                      f"ranking holds only {len(picks)} of the calibration's static "
+                      f"activations (a ranking of weights only has none)", stacklevel=2)
     chosen = [key for unit in picks for key in unit if key in static]
     states = {layer: dict(roles) for layer, roles in calibration.states.items()}
     for layer, role in chosen:

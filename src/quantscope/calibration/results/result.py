@@ -16,7 +16,7 @@ from .saving import save as _save
 __all__ = ["Calibration", "RoleState"]
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: ``==`` is identity, quantizes_like compares
 class Calibration:
     """The result of :func:`quantscope.calibrate` for one recipe.
 
