@@ -34,8 +34,8 @@ def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,
         v = float(value)
         ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
     if not ok:
-        left = "(" if lo_open else "["
-        raise ValueError(f"{who}: {name} must be a finite number in {left}{lo}, {hi}], "
+        left, right = "(" if lo_open else "[", ")" if hi == math.inf else "]"
+        raise ValueError(f"{who}: {name} must be a finite number in {left}{lo}, {hi}{right}, "
                          f"got {value!r}")
     return float(value)
 

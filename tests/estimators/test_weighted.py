@@ -95,7 +95,7 @@ def test_zero_factor_is_a_candidate():
     ({"patience": 1.5}, "patience must be a positive integer or None"),
     ({"factors": [1.1]}, r"factors must be in \[0, 1\]"),
     ({"factors": [-0.5]}, r"factors must be in \[0, 1\]"),
-    ({"norm": 0}, r"norm must be a finite number in \(0.0, inf\]"),
+    ({"norm": 0}, r"norm must be a finite number in \(0.0, inf\)"),
     ({"norm": float("inf")}, "norm must be a finite number")])
 def test_bad_options_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -202,7 +202,7 @@ def _int64s(n):
     (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 3), 6.0, -130, 1),
      r"min_exp must be in \[mbits - 126, 127\]"),
     (lambda: ops.mse_price_fp(torch.zeros(3, 4), torch.ones(2, 3), 6.0, 0, 1, norm=0.0),
-     r"mse_price_fp: norm must be a finite number in \(0.0, inf\], got 0.0"),
+     r"mse_price_fp: norm must be a finite number in \(0.0, inf\), got 0.0"),
     (lambda: ops.mse_price_int(torch.zeros(3, 4), torch.ones(2, 3),
                                torch.zeros(2, 3, dtype=torch.int32), -8.0, 7.0,
                                norm=float("inf")), "mse_price_int: norm must be a finite number"),

@@ -31,7 +31,9 @@ Where the results differ from llm-compressor's, by choice:
   rounding after each operation) and llm-compressor's MSE search prices candidates in it;
   quantscope computes in float32 and rounds once. The dtypes are theirs; min-max scales
   differ by at most one unit in the last place of the dtype (NVFP4's block scales by one
-  fp8 step); symmetric integer scales are equal. Zero points come, as theirs, from the scale
+  fp8 step, its float32 global scale from theirs, computed in the dtype, by one unit of
+  the dtype); symmetric integer scales are equal (``tensor_group``: with their global
+  scale, computed in the dtype, as theirs). Zero points come, as theirs, from the scale
   rounded to the dtype; for formats of up to 8 bits they differ by at most two codes
   (bfloat16) or one (float16), more for wider formats and for float16 scales below 2 ** -14
   (subnormal: one step of theirs is then a large part of the scale). The MSE search
@@ -44,7 +46,11 @@ Where the results differ from llm-compressor's, by choice:
   element type; quantscope's E8M0 ``even`` rule uses the element's own (three for e4m3),
   so a block whose amax has a mantissa in ``[1.5, 1.9375)`` gets half their scale.
 * asymmetric fp8 (``type="float", symmetric=False``) is refused: a float format has no
-  zero point in quantscope.
+  zero point in quantscope; so is an integer ``scale_dtype`` outside MX (compressed-tensors
+  rounds such scales to integers, a scale encoding quantscope does not have).
+* integer tensors under the MSE searches: llm-compressor casts each fake-quantized
+  candidate back to the integer dtype (truncating) before pricing it; quantscope prices
+  the float32 fake-quantized values, so the chosen range can differ.
 """
 
 from __future__ import annotations
@@ -59,7 +65,13 @@ from ..estimators.mse import mse_search
 from ..layout import Block, Channel
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
-from .llmcompressor_base import Observer, lerp, statistics_dtype, statistics_units
+from .llmcompressor_base import (
+    Observer,
+    check_expanded_range,
+    lerp,
+    statistics_dtype,
+    statistics_units,
+)
 from .llmcompressor_imatrix import IMatrixMixin
 from .llmcompressor_parts import (
     FUSED_LAYER_NAMES,
@@ -148,7 +160,8 @@ def _default_error_buffer(args) -> float:
 
 @Observer.register("memoryless_mse")
 class MemorylessMSEObserver(Observer):
-    """llm-compressor's MSE grid search, exactly (global patience, norm 2.4, their error sum)."""
+    """llm-compressor's MSE grid search, exactly on float tensors (global patience, norm 2.4,
+    their error sum)."""
 
     _act_sync_dict: ClassVar[dict] = {}
     #: (maxshrink, patience, grid, norm, triton_error_buffer, expand) defaults
@@ -177,6 +190,7 @@ class MemorylessMSEObserver(Observer):
         units, shape = statistics_units(observed)
         units = units.float()
         lo, hi = unit_minmax(units)
+        check_expanded_range(self, lo, hi, self.expand)
         res = mse_search(units, lo, hi, self._search_spec, maxshrink=self.maxshrink,
                          grid=self.grid, norm=self.norm, patience=self.patience,
                          expand=self.expand, per_unit_patience=False,

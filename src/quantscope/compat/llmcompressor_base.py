@@ -14,6 +14,7 @@ of llm-compressor's API binds a ``dist``).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ import torch
 from torch import distributed as dist
 
 from .._checks import check_float32_range
-from ..formats import FP4_E2M1
+from ..formats import FP4_E2M1, FP8_E4M3
 from ..layout import Channel
 from ..qparams import amax_of_range, qparams_from_range
 from ..scales import nvfp4_global_scale
@@ -33,8 +34,8 @@ from . import enum_name, field
 from .llmcompressor_parts import FusionHandler, flatten_for_calibration
 from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_global_scale, zp_dtype
 
-__all__ = ["Observer", "fused_amax", "global_scale_of", "lerp", "qparams_of_statistics",
-           "statistics_dtype", "statistics_units"]
+__all__ = ["Observer", "check_expanded_range", "fused_amax", "global_scale_of", "lerp",
+           "qparams_of_statistics", "statistics_dtype", "statistics_units"]
 
 _NO_STATISTICS = "No statistics available. Call observer(value) first."
 #: per class that registers (compressed-tensors keys its registry by the class ``register``
@@ -223,21 +224,31 @@ class Observer(_internal_module()):
         """NVFP4's global scale over the fusion group (None unless ``tensor_group``)."""
         if enum_name(field(self.args, "strategy")) != "tensor_group":
             return None
-        return global_scale_of(fused_amax(self.fusion_handler.get_fused_statistics()))
+        return self._fused_global_scale(self.fusion_handler.get_fused_statistics())
+
+    def _fused_global_scale(self, statistics: list[dict]) -> torch.Tensor:
+        """The global scale of a fusion group's statistics; scales that compressed-tensors
+        multiplies by it (:func:`scales_times_global_scale`) see it computed, as theirs, in
+        the statistics' (promoted) dtype."""
+        dtype = None
+        if scales_times_global_scale(self.args):
+            dtype = functools.reduce(torch.promote_types,
+                                     [t.dtype for s in statistics for t in s.values()])
+        return global_scale_of(fused_amax(statistics), dtype)
 
     @torch.no_grad()
     def get_qparams(self) -> dict:
         """``{"scale", "zero_point", "global_scale"}`` from the statistics, which it deletes."""
         assert self.has_statistics, _NO_STATISTICS
         self._check_float32_range(self.min_vals, self.max_vals)
-        amax = None
+        amax = global_scale = None
         if enum_name(field(self.args, "strategy")) == "tensor_group":
-            amax = fused_amax(self.fusion_handler.get_fused_statistics())
+            statistics = self.fusion_handler.get_fused_statistics()
+            amax, global_scale = fused_amax(statistics), self._fused_global_scale(statistics)
         scale, zero = qparams_of_statistics(self.min_vals, self.max_vals, self.args,
                                             self.base_name, amax)
         self.delete_statistics()
-        return {"scale": scale, "zero_point": zero,
-                "global_scale": None if amax is None else global_scale_of(amax)}
+        return {"scale": scale, "zero_point": zero, "global_scale": global_scale}
 
     @torch.no_grad()
     def forward(self, observed: torch.Tensor) -> Observer:
@@ -265,6 +276,19 @@ class Observer(_internal_module()):
         return handles
 
 
+def check_expanded_range(observer, lo: torch.Tensor, hi: torch.Tensor, expand: float) -> None:
+    """Refuse finite ranges that a search's ``expand`` takes past float32 (llm-compressor's
+    then returns NaN scales, silently), naming ``observer``."""
+    if expand == 1.0 or lo.is_meta:  # meta: shapes only, nothing to read
+        return
+    amax = torch.maximum(lo.abs(), hi.abs())
+    if bool((amax.isfinite() & ~(amax * expand).isfinite()).any()):
+        raise ValueError(
+            f"llmcompressor observer {type(observer).__name__} ({observer.base_name!r}): "
+            f"expand={expand} takes the observed range past float32's max (max |x| = "
+            f"{amax[amax.isfinite()].max().item():.3g}); llm-compressor returns NaN scales")
+
+
 def statistics_dtype(observed: torch.Tensor) -> torch.dtype:
     """The dtype of llm-compressor's ``min_vals`` / ``max_vals`` for ``observed``: its own,
     float32 for integer data (compressed-tensors then computes the scales in it)."""
@@ -279,17 +303,32 @@ def statistics_units(observed: torch.Tensor) -> tuple[torch.Tensor, tuple[int, .
 
 
 def lerp(start: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
-    """``start * (1 - weight) + end * weight`` in new tensors (integer data in float32)."""
-    dtype = torch.promote_types(start.dtype, end.dtype)
-    dtype = dtype if dtype.is_floating_point else torch.float32
-    state = start.to(dtype, copy=True)
-    ema_("ema_lerp", weight, state, end.to(dtype, copy=True))
+    """``start * (1 - weight) + end * weight`` in new tensors (integer data in float32), each
+    product rounded in its operand's dtype before the sum promotes them, as llm-compressor's
+    (a bfloat16 state met by a float32 batch)."""
+    start, end = (t if t.is_floating_point() else t.float() for t in (start, end))
+    if start.dtype != end.dtype:
+        start, end = start * (1.0 - weight), end * weight
+        return start.to(torch.promote_types(start.dtype, end.dtype)).add_(end)
+    state = start.clone()
+    ema_("ema_lerp", weight, state, end.clone())
     return state
 
 
-def global_scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' ``generate_gparam(-amax, amax)``: fp8 max times fp4 max over amax."""
-    return nvfp4_global_scale(amax.reshape(1), FP4_E2M1)
+#: the scale encodings of the half-precision statistics dtypes
+_HALF_SCALES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def global_scale_of(amax: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """compressed-tensors' ``generate_gparam(-amax, amax)``: fp8 max times fp4 max over amax,
+    float32; for a bfloat16 / float16 ``dtype`` theirs runs that expression in the dtype (a
+    Python number over a tensor: the amax's reciprocal, then the product, each rounded to
+    it; 1 where that is not finite, their fallback)."""
+    if dtype not in _HALF_SCALES:
+        return nvfp4_global_scale(amax.reshape(1), FP4_E2M1)
+    half = amax.reshape(1).to(dtype)
+    gs = ((FP8_E4M3.max * FP4_E2M1.max) / half).float()
+    return torch.where(torch.isfinite(gs) & (half > 0), gs, torch.ones_like(gs))
 
 
 def fused_amax(statistics: list[dict]) -> torch.Tensor:
@@ -320,10 +359,6 @@ def _ct_spec(args, base_name: str) -> QuantSpec:
     if spec.scale.is_block:  # their own eps: never 0
         return spec
     return spec.replace(scale="fp32", eps=_ZERO_STAND_IN)
-
-
-#: the scale encodings of the half-precision statistics dtypes
-_HALF_SCALES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _zero_points(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, dtype: torch.dtype,
@@ -359,7 +394,9 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
     lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
     if scales_times_global_scale(args):
         qp = qparams_from_range(lo, hi, spec)
-        scale = qp.scale * global_scale_of(global_amax)
+        # theirs: the scale in the half-precision statistics' dtype, times the float32 global
+        local = qp.scale.to(min_vals.dtype) if min_vals.dtype in _HALF_SCALES else qp.scale
+        scale = local.float() * global_scale_of(global_amax, min_vals.dtype)
     else:
         qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)
         scale = qp.scale

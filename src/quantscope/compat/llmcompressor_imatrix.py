@@ -32,7 +32,7 @@ import torch
 from ..estimators.weighted import weighted_search
 from ..layout import Channel
 from . import enum_name, field
-from .llmcompressor_base import statistics_dtype, statistics_units
+from .llmcompressor_base import check_expanded_range, statistics_dtype, statistics_units
 from .llmcompressor_parts import flatten_for_calibration
 from .llmcompressor_spec import search_spec
 
@@ -152,6 +152,7 @@ class IMatrixMixin:
         return self._search(observed, None)
 
     def _search(self, observed, importance):
+        check_expanded_range(self, observed.amin(), observed.amax(), self.expand)
         spec = search_spec(self.args, self.base_name)  # tensor_group's scale_dtype dropped
         spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
                             else spec.scale)
@@ -170,7 +171,9 @@ def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec
     units = units.float()
     weights = None if importance is None else \
         importance.movedim(0, -2).reshape(units.shape).float()
-    factors = [1 - i / grid for i in range(1, max(1, int(maxshrink * grid)) + 1)]
+    # a grid below 1 gives factors p < 0, a range (p * min, p * max) that their qparams
+    # clamp to (0, 0): priced as p = 0, never better than p = 1, so their result is kept
+    factors = [max(0.0, 1 - i / grid) for i in range(1, max(1, int(maxshrink * grid)) + 1)]
     lo, hi = weighted_search(units, weights, spec, factors=factors, norm=norm, expand=expand,
                              patience=patience or None, float32_sums=True)
     dtype = statistics_dtype(observed)

@@ -18,8 +18,9 @@ tensor          ``Tensor()``
 channel         ``Channel(0)`` for weights (rows), ``Channel(-1)`` for activations
 group           ``Group(group_size, g_idx)`` (g_idx from the call or ``module.weight_g_idx``);
                 MX when float, group 32 and ``scale_dtype`` uint8 (E8M0 'even')
-tensor_group    ``Block(group_size)`` with fp8 block scales under a global scale (NVFP4);
-                ``Group(group_size)`` for integers or a float16 / bfloat16 ``scale_dtype``
+tensor_group    ``Block(group_size)`` with fp8 block scales under a global scale (NVFP4:
+                fp4 elements, ``scale_dtype`` float8_e4m3fn or unset); ``Group(group_size)``
+                otherwise (integers, fp8 / fp6 elements, a float16 / bfloat16 ``scale_dtype``)
 block           ``Tile(*block_structure)``
 token           ``Token()``
 attn_head       ``Channel(1)`` of ``[batch, heads, seq, head_dim]``

@@ -115,10 +115,21 @@ def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.d
         raise ValueError(f"llmcompressor: unknown strategy {strategy!r}; expected tensor, "
                          f"channel, group, tensor_group, block, token or attn_head")
     if scale == "fp32" and sdtype is not None:
-        if sdtype == torch.float8_e4m3fn:
-            raise ValueError("llmcompressor: fp8 scales need strategy tensor_group (NVFP4)")
+        _check_scale_dtype(sdtype, strategy)
         scale = _SCALE_DTYPES.get(sdtype, "fp32")
     return QuantSpec(fmt, layout, symmetric=symmetric, scale=scale)
+
+
+def _check_scale_dtype(sdtype: torch.dtype, strategy: str) -> None:
+    """Refuse a ``scale_dtype`` quantscope has no scale encoding for: fp8 outside
+    ``tensor_group`` and integers outside MX (compressed-tensors rounds those scales to
+    integers, clamped to the dtype's range)."""
+    if sdtype == torch.float8_e4m3fn and strategy != "tensor_group":
+        raise ValueError("llmcompressor: fp8 scales need strategy tensor_group (NVFP4)")
+    if not sdtype.is_floating_point:
+        raise ValueError(f"llmcompressor: scale_dtype {sdtype} (integer scales) is supported "
+                         f"only for MX (float elements, strategy group, group_size 32, "
+                         f"scale_dtype torch.uint8); quantscope has no integer scale encoding")
 
 
 def _fp8_block_scales(kind: str, sdtype: torch.dtype | None) -> bool:
@@ -126,20 +137,22 @@ def _fp8_block_scales(kind: str, sdtype: torch.dtype | None) -> bool:
     (NVFP4): float elements whose ``scale_dtype`` is float8_e4m3fn (NVFP4's presets) or unset.
     Another float ``scale_dtype`` (float16, bfloat16) is what compressed-tensors rounds the
     float32 scales times the global scale to: no fp8 step in between."""
-    if kind != "float":
-        return False
-    return sdtype is None or sdtype == torch.float8_e4m3fn or not sdtype.is_floating_point
+    return kind == "float" and sdtype in (None, torch.float8_e4m3fn)
 
 
 def scales_times_global_scale(args) -> bool:
     """A ``tensor_group`` spec whose scales compressed-tensors computes as float32 scales times
     the global scale, then rounds to a float ``scale_dtype`` if set: integer elements, no
-    ``scale_dtype``, or a float one other than float8_e4m3fn (NVFP4's presets set that, whose
-    block scales :func:`llmcompressor_spec` encodes)."""
+    ``scale_dtype``, a float one other than float8_e4m3fn, or fp8 / fp6 elements (their
+    scale is ``amax / element max`` times compressed-tensors' fp4-based global scale, not
+    the block scale of :func:`llmcompressor_spec`'s ``Block``, whose global scale is the
+    element's own); only NVFP4's (fp4 elements, fp8 scales) are the spec's."""
     if enum_name(field(args, "strategy")) != "tensor_group":
         return False
     sdtype = scale_dtype(args)
-    return sdtype is None or not _fp8_block_scales(enum_name(field(args, "type")) or "int", sdtype)
+    nvfp4 = int(field(args, "num_bits", 8)) == 4 and \
+        _fp8_block_scales(enum_name(field(args, "type")) or "int", sdtype)
+    return sdtype is None or not nvfp4
 
 
 def zp_dtype(args, spec: QuantSpec) -> torch.dtype:

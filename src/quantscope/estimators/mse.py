@@ -123,6 +123,35 @@ def shrink_factors(maxshrink: float = 0.2, grid: float = 100, expand: float = 1.
     return [1 - i / grid for i in range(steps)]
 
 
+#: compat searches, as the native ones: llm-compressor sets no bound, but candidates a grid
+#: finer than this prices lie closer than float32 errors tell apart, and settling their near
+#: ties costs quadratic time (grid 1e5: 20,000 candidates, 65 s on a 16 x 64 weight)
+MAX_COMPAT_CANDIDATES = MAX_CANDIDATES
+
+
+def _compat_factors(maxshrink, grid, expand) -> list[float]:
+    """llm-compressor's candidates as theirs accepts them: ``maxshrink`` 0 or
+    ``maxshrink * grid < 1`` give none (their search then keeps the min-max range)."""
+    grid = check_number("mse_search", "grid", grid, 0, lo_open=True)
+    maxshrink = check_number("mse_search", "maxshrink", maxshrink, 0, 1)
+    check_number("mse_search", "expand", expand, 0, lo_open=True)
+    steps = int(maxshrink * grid)
+    if steps > MAX_COMPAT_CANDIDATES:
+        raise ValueError(f"mse_search: maxshrink * grid = {maxshrink * grid} gives {steps} "
+                         f"candidates; at most {MAX_COMPAT_CANDIDATES} (a coarser grid)")
+    return [1 - i / grid for i in range(steps)]
+
+
+def _compat_patience(patience):
+    """llm-compressor's patience as an integer: it stops once ``no_improve >= patience``,
+    a count from 1, so any number up to 1 acts as 1 and 4.5 as 5; inf or NaN never stop."""
+    if patience is None or isinstance(patience, bool) or not isinstance(patience, (int, float)):
+        return patience  # None: try all; other values: refused by _check_options
+    if math.isnan(patience) or patience == math.inf:
+        return None
+    return max(1, math.ceil(patience))
+
+
 def _check(units, lo, hi, spec, norm):
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"mse_search: spec must be a QuantSpec, got {type(spec).__name__}")
@@ -211,6 +240,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         :class:`SearchResult` ``(lo, hi)`` with ``.error``, ``.global_amax``, ``.index``.
     """
     units, lo, hi = _check(units, lo, hi, spec, norm)
+    if compat == "llmcompressor":
+        patience = _compat_patience(patience)
     _check_options(compat, tie, patience, expand, backend, chunk_elems,
                    per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
                    independent_ends=independent_ends, incumbent=incumbent)
@@ -223,7 +254,11 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         encoding_aware = not spec.scale.has_global_scale
     f_lo, f_hi, patience_used, extend = _candidates(
         factors, maxshrink, grid, expand, extend_to, per_unit_patience, patience,
-        independent_ends and not spec.symmetric, ends_grid)
+        independent_ends and not spec.symmetric, ends_grid, exact)
+    if not f_lo:  # llm-compressor's search without steps: the (expanded) min-max range
+        return SearchResult(lo * expand, hi * expand,
+                            torch.full_like(lo, torch.finfo(torch.float32).max), None,
+                            torch.full(lo.shape, -1, dtype=torch.int64, device=lo.device))
     base_lo, base_hi = lo, hi  # min-max itself: (lo * expand) / expand can be an ulp off
     if expand != 1.0:
         lo, hi = lo * expand, hi * expand  # llm-compressor's order: (lo * expand) * p
@@ -298,11 +333,13 @@ def _check_options(compat, tie, patience, expand, backend, chunk_elems=None, **f
 
 
 def _candidates(factors, maxshrink, grid, expand, extend_to, per_unit, patience, two_ends,
-                ends_grid):
+                ends_grid, exact=False):
     """``(f_lo, f_hi, patience, extend)``: each candidate's factor per end, the patience
     that applies to them, and the factors of the per-unit extension (see ``extend_to``)."""
     extend = []
-    if factors is None:
+    if factors is None and exact:
+        factors = _compat_factors(maxshrink, grid, expand)
+    elif factors is None:
         factors = shrink_factors(maxshrink, grid, expand)
         if extend_to is not None and per_unit and patience is not None:
             if not (isinstance(extend_to, (int, float)) and 0 < extend_to < 1):
