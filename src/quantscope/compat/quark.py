@@ -16,10 +16,20 @@ MX rule (bitwise Quark's ``even_round`` for float elements, the only ones Quark'
 ``PerBlockMXObserver`` takes: an integer element raises :class:`UnsupportedElementError`, an
 ``AssertionError`` as Quark's; for int8 elements quantscope's rule rounds the block max to the
 element's 6 fraction bits, OCP MXINT8's 1.6 layout, where Quark's ``fake_quantize_mx`` rounds
-to 8). Integer ranges go through the native qparams, which match Quark's
-``calculate_int_quant_params`` bit for bit on float32 input; as there, a symmetric range has
+to 8). Integer ranges take the native scale, which matches Quark's
+``calculate_int_quant_params`` bit for bit on float32 input, and Quark's asymmetric zero point
+``qmin - round(min / scale)`` (the native ``round(qmin - min / scale)`` is a code off on some
+int16 ranges); as there, a symmetric range has
 zero point 0, unsigned formats too, and ``scale_format`` is not read (e8m0 / e4m3 give the
-plain scales; so on an fp8 per-tensor / per-channel range); fp4 with no ``scale_format`` raises
+plain scales; so on an fp8 per-tensor / per-channel range). The histogram classes price an fp8
+(and float32-scaled fp4) estimate with the min-max classes' rule, Quark's
+``calculate_fp8_quant_parameters`` (only an exact 0 becomes eps; a half ``scale_type`` casts
+the amax before dividing), and with ``symmetric=False`` bin fp8 over ``[min, max]`` and take
+Quark's asymmetric estimate, as Quark's. ``_num_observed_tokens`` is Quark's count (the rows
+with a non-zero of each 2-D+ batch: its api warns of MoE experts that saw none), counted by
+``forward``, never reset; a static ``PerBlockMXObserver`` / ``PerBlockBFPObserver``'s amax
+promotes its dtype with each batch's, as Quark's ``torch.max``. fp4 with no ``scale_format``
+raises
 a ``ValueError`` on the per-tensor / per-channel min-max and the histogram classes (before data
 too), as Quark's ``get_scale``; the fp6 dtypes on those classes (and fp4 on
 ``PerGroupMinMaxObserver``), which Quark prices with that integer formula, raise
@@ -35,8 +45,9 @@ and Pro's returns a NaN scale). ``PerBlockMXObserver`` with no ``scale_format`` 
 scales (E8M0 for the dtype ``mx``), as :func:`quark_spec` reads it (Quark's untested branch
 returns integer exponents). NaN / inf raise a ``ValueError`` naming the observer at
 ``calculate_qparams()`` on every scale rule; so does an asymmetric ``PerTensorMSEObserver``
-whose candidates are negative (all-negative data: Quark asserts). Histogram edges are Quark's
-``torch.linspace(lo, hi, bins + 1)``, the top one nudged for a constant batch as Quark's.
+whose candidates are negative (all-negative data: Quark asserts; on fp8 Quark's gives a zero
+scale). Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged
+for a constant batch as Quark's.
 ``PerBlockMXObserver`` zero-pads the last block of an axis the group size does not divide,
 ``PerGroupMinMaxObserver`` refuses it (``ValueError``, block scale formats too), as Quark's; a
 static ``PerChannelMinMaxObserver`` / ``PerBlockMXObserver`` starts over when the channel count
@@ -65,7 +76,12 @@ the histogram and the BFP16 amax (Quark's keeps them and merges the next batch);
 (Quark's saves torch.ao's ``histogram.*``, a grid quantscope's does not keep; the other
 classes save nothing, as Quark's); ``PerTensorHistogramObserverPro`` with a symmetric
 unsigned dtype gives the native mid code (128 for uint8; torch.ao's custom range gives 127);
-``zero_point_type`` float32 is not supported; once a batch widens a histogram observer's
+``zero_point_type`` float32 raises ``ValueError`` where Quark's would give float zero points
+(an asymmetric integer dtype; Pro ignores it, as Quark's); a module cast (``.half()``) after
+a float32 batch keeps the exact float32 ``min_val`` / ``max_val`` where Quark's rounds its
+buffers through the cast's dtype (so does a float32 batch after a bfloat16 one there, copied
+into that buffer), so a later ``.float()`` or batch prices the unrounded range; once a batch
+widens a histogram observer's
 range, its edges are Quark's bit for bit (bins of the first batch's width appended; each
 later batch's ends are read to the host to extend them, as Quark's Python floats are) but
 its counts are re-binned approximately (each bin of quantscope's power-of-two grid into the
@@ -313,6 +329,15 @@ class _BlockAmax(_DynamicOrStatic):
 
     _quark_base = "block"
     _quark_int_priced = ()  # Quark's block classes price their own dtypes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Quark's static amax is torch.max(running amax, batch's): the dtypes promote
+        keeps = self.accumulates and self.has_observed and not self._starts_over(x)
+        running = self._input_dtype
+        out = super().forward(x)
+        if keeps and self._input_dtype.is_floating_point:
+            self._input_dtype = torch.promote_types(running, self._input_dtype)
+        return out
 
     @property
     def amax(self) -> torch.Tensor:

@@ -219,6 +219,8 @@ class QuarkObserver:
     #: (UniformScalingObserver: symmetric ... quant_min / quant_max, eps a non-persistent
     #: float32 buffer), "block" (PerBlockMX / BFP: block_size, axis, eps a float), None
     _quark_base: ClassVar[str | None] = "uniform"
+    #: False: Quark's class never reads ``zero_point_type`` (Pro: torch.ao's zero points)
+    _reads_zero_point_type: ClassVar[bool] = True
 
     def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
                  **native):
@@ -230,6 +232,11 @@ class QuarkObserver:
         used = eps is not None and self._eps_argument == "used"
         if used and spec.scale.kind != "e8m0":  # the smallest int / float32 scale
             spec = dataclasses.replace(spec, eps=eps)
+        zero_point_type = enum_name(field(qspec, "zero_point_type"))  # float32: Quark's
+        if (zero_point_type not in (None, "int32") and self._reads_zero_point_type  # -min/scale
+                and not (spec.is_float or spec.symmetric)):
+            raise ValueError(f"quark: zero_point_type {zero_point_type!r} is not supported; "
+                             f"quantscope's asymmetric zero points are int32")
         super().__init__(spec, **native)
         self.qspec = qspec
         self.dtype = field(qspec, "dtype")
@@ -252,6 +259,7 @@ class QuarkObserver:
         else:
             self.eps = eps
         self._deleted: set[str] = set()
+        self._quark_tokens: int | torch.Tensor = 0
         if device is not None:
             self.to(device)
 
@@ -282,7 +290,10 @@ class QuarkObserver:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._keeps_input_dtype:  # Quark's range takes each batch's dtype
             self._input_dtype = x.dtype
-        return super().forward(x)
+        out = super().forward(x)
+        if x.dim() >= 2 and x.numel():  # Quark's count (MoE): rows with a non-zero; no reset
+            self._quark_tokens = self._quark_tokens + x.ne(0).any(-1).sum()
+        return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # Quark registers its statistics (and eps) non-persistent: its state_dict is empty
@@ -320,7 +331,7 @@ class QuarkObserver:
 
     @property
     def _num_observed_tokens(self) -> int:
-        return int(self.observed_tokens)
+        return int(self._quark_tokens)  # Quark's rule (forward)
 
     def _quark_shape(self, t: torch.Tensor) -> torch.Tensor:
         """A per-unit (or qparam-shaped) tensor in Quark's shape: 0-dim per tensor, ``(C,)``
@@ -334,7 +345,7 @@ class QuarkObserver:
                            self.spec.layout.axis)
 
     def _calculate_qparams(self):
-        qp = self.qparams()
+        lo, _, qp = self.range_and_qparams()
         scale, zp = self._quark_shape(qp.effective_scale), self._quark_shape(qp.zero_point)
         if self.spec.scale.is_block:  # float32 (Quark's even_round): the class casts it
             return scale, torch.zeros_like(scale)
@@ -343,6 +354,8 @@ class QuarkObserver:
             return scale, torch.zeros_like(scale)
         if self.spec.symmetric:  # Quark: zero points 0 when symmetric, unsigned too
             zp = torch.zeros_like(zp)
+        else:
+            zp = self._quark_zero_point(self._quark_shape(lo.reshape(qp.scale.shape)), scale)
         # Quark computes in the range's dtype, then casts to scale_type's (or promotes it)
         scale = scale.to(self._input_dtype)
         return scale.to(self.scale_torch_dtype or self._int_scale_dtype(scale, scale)), zp
@@ -383,12 +396,18 @@ class QuarkObserver:
                 f"Quark's asserts an integer quant_min / quant_max (fp4 groups: "
                 f"PerBlockMXObserver)")
         qp = qparams_from_range(min_val.float(), max_val.float(), self.spec)
-        zp = qp.zero_point.to(torch.int32)
-        if self.spec.symmetric:  # Quark's zeros (the native rule: uint8's mid code 128)
-            zp = torch.zeros_like(zp)
+        # symmetric: Quark's zeros (the native rule: uint8's mid code 128)
+        zp = (torch.zeros_like(qp.zero_point, dtype=torch.int32) if self.spec.symmetric
+              else self._quark_zero_point(min_val.float(), qp.scale))
         # the value in the range's dtype (Quark computes there), then Quark's promotion
         scale = qp.scale.to(torch.result_type(min_val, max_val))
         return scale.to(self.scale_torch_dtype or self._int_scale_dtype(min_val, max_val)), zp
+
+    def _quark_zero_point(self, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Quark's ``qmin - round(min(lo, 0) / scale)``, clamped, int32 (the native rounds
+        ``qmin - lo / scale`` whole: a code off where float32 rounds that sum, int16)."""
+        qmin, qmax = int(self.spec.qmin), int(self.spec.qmax)
+        return (qmin - torch.round(lo.clamp(max=0) / scale).to(torch.int32)).clamp(qmin, qmax)
 
     def _int_scale_dtype(self, min_val: torch.Tensor, max_val: torch.Tensor) -> torch.dtype:
         eps = self.eps.dtype if isinstance(self.eps, torch.Tensor) else torch.float32
@@ -435,7 +454,7 @@ class QuarkObserver:
         return quark_e8m0_scale(amax, self.spec.format.emax, mode, eps=eps)
 
     def record_observed_tokens(self, batch_tensor: torch.Tensor) -> None:
-        """Quark's FakeQuantize calls this; ``forward`` already counted the tokens."""
+        """Quark's FakeQuantize calls this; ``forward`` counts the tokens by Quark's rule."""
 
     def _stat(self, name: str, empty: float) -> torch.Tensor:
         """A statistic as Quark shows it: ``tensor(empty)`` before data / after a reset."""

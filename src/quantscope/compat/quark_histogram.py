@@ -9,12 +9,14 @@ priced unclipped, and ``min_val`` / ``max_val`` hold the range the last qparams 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..layout import Tensor
 from ..observers.histogram import HistogramObserverBase, L2HistogramObserver
 from ..observers.registry import register
-from . import enum_name
+from . import enum_name, field
 from .quark_base import _F32_EPS, QuarkObserver
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
 ]
 
 
+_F32_TRUE_MIN = 2.0 ** -149  # float32's smallest subnormal: the least eps QuantSpec takes
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: the dtypes Quark's MSE search prices (its integer and fp8 fake-quantizers)
 _MSE_DTYPES = {"int4", "uint4", "int8", "uint8", *_FP8_DTYPES}
@@ -81,6 +84,9 @@ class _QuarkHistogram(QuarkObserver):
         native.setdefault("grid", "first")
         native.setdefault("bins", self._num_bins)
         native.setdefault("skip_zeros", self._skip_zeros)
+        symmetric = field(qspec, "symmetric")
+        if symmetric is not None and not symmetric:  # Quark bins [min, max] (fp8 too)
+            self.absolute = False
         super().__init__(qspec, device, **native)
         self._priced: tuple[torch.Tensor, torch.Tensor] | None = None
         self._widened: list[torch.Tensor] | None = None  # Quark's edges once a batch widened
@@ -124,6 +130,8 @@ class _QuarkHistogram(QuarkObserver):
         if enum_name(self.dtype) in self._quark_int_priced:
             self.calculate_int_quant_params(*self._priced)  # raises, as Quark's assert
         self._check_fp4_scale_format()
+        if self.spec.is_float:  # Quark's float rule on the range it priced (as min-max's)
+            return self.calculate_fp8_quant_parameters(*self._priced)
         return qparams
 
     def _observe_linear(self, units, lo, hi, *rest):
@@ -234,7 +242,7 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
         if self._zero_mass():  # Quark returns zeros(1) before its branches
             return torch.zeros(1, device=hi.device), torch.zeros(1, device=hi.device)
         lo, hi = super()._quark_range(lo, hi)
-        return (_quark_zero(hi) if self.spec.symmetric else lo), hi
+        return (_quark_zero(hi) if self._absolute else lo), hi
 
     def get_min_max_by_percentile(self, histogram: torch.Tensor, bin_edges: torch.Tensor,
                                   percentile: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +262,7 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
         def first(mask, default):
             return torch.where(mask, ar, B).amin(-1).where(mask.any(-1), default)
 
-        if not self.spec.symmetric:
+        if not self._absolute:  # Quark's symmetric=False branch (fp8 too: its [min, max] bins)
             side = (100.0 - percentile) / 200.0
             up = first(cdf >= torch.tensor(side).float(), B - 1)
             low = first(cdf <= torch.tensor(1 - side).float(), 0)
@@ -305,14 +313,17 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
         start = min(start_bin, max(0, n - 1))
         idx = torch.arange(start, n, stride, device=centers.device)
         amax = centers[:, idx]
-        if not self.spec.symmetric and bool((amax < 0).any()):  # Quark: an AssertionError
+        if not self._absolute and bool((amax < 0).any()):  # Quark: an AssertionError
             raise ValueError(
                 f"{self.describe()}: the asymmetric MSE search prices ranges (0, centre) of the "
                 f"top bins, and a centre is negative ({amax.min().item():.6g}): the data is "
                 f"(nearly) all negative; use a symmetric qspec or PerTensorMinMaxObserver")
         zero = torch.zeros_like(amax)
-        h = Hist(counts.round().long(), edges[:, 0], edges[:, -1], self.spec.symmetric)
-        err = histogram_error(h, zero, amax, self.spec, centers=centers)
+        h = Hist(counts.round().long(), edges[:, 0], edges[:, -1], self._absolute)
+        spec = self.spec
+        if spec.is_float:  # Quark's scaling_fp8 divides by amax / qmax unclamped (no eps)
+            spec = dataclasses.replace(spec, eps=_F32_TRUE_MIN)
+        err = histogram_error(h, zero, amax, spec, centers=centers)
         best = amax.gather(1, err.argmin(-1, keepdim=True))[:, 0]
         mn = torch.zeros_like(best)
         return (mn[0], best[0]) if one else (mn, best)
@@ -352,6 +363,7 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
 
     _saves_state = True
     _keeps_input_dtype = False  # torch.ao's state: float32, or a module cast's dtype
+    _reads_zero_point_type = False
 
     def __init__(self, qspec, device: torch.device | None = None, bins: int = 256,
                  reduce_range: bool = False, upsample_rate: int = 384, **native):
