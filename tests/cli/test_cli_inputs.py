@@ -8,27 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from quantscope import cli
-
 transformers = pytest.importorskip("transformers")
-from tiny_models import llama_folder, require_lee_corpus
+from cli_helpers import run_cli as _run
+from tiny_models import require_lee_corpus
 
 require_lee_corpus()
 
 FAST = ["--calib-docs", "2", "--max-length", "8", "--batch-size", "2", "--eval-max-length",
         "8", "--device", "cpu", "--threads", "1", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return str(llama_folder(tmp_path_factory.mktemp("tiny-llama-inputs"),
-                            architectures=["LlamaForCausalLM"]))
-
-
-def _run(capsys, *argv):
-    rc = cli.main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 # ------------------------------------------------------------------ --calib-file, --recipe-file

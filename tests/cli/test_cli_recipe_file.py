@@ -10,7 +10,7 @@ import pytest
 from quantscope import cli
 
 transformers = pytest.importorskip("transformers")
-from tiny_models import llama_folder, require_lee_corpus
+from tiny_models import require_lee_corpus
 
 require_lee_corpus()
 
@@ -26,12 +26,6 @@ PLAIN = {"name": "mine", "rules": [{"targets": ["Linear"], "weight": INT8_CHANNE
 TWO_RULES = {"name": "two", "ignore": ["*.o_proj"], "rules": [
     {"targets": ["*.self_attn.*"], "weight": INT8_CHANNEL},
     {"targets": ["Linear"], "weight": INT8_CHANNEL, "input": INT8_TENSOR}]}
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return str(llama_folder(tmp_path_factory.mktemp("tiny-llama-recipe-file"),
-                            architectures=["LlamaForCausalLM"]))
 
 
 def _recipe_file(tmp_path, recipe) -> str:

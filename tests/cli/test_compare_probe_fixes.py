@@ -6,27 +6,14 @@ import json
 
 import pytest
 
-from quantscope import cli
-
 transformers = pytest.importorskip("transformers")
-from tiny_models import llama_folder, require_lee_corpus
+from cli_helpers import run_cli as _run
+from tiny_models import require_lee_corpus
 
 require_lee_corpus()
 
 FAST = ["--calib-docs", "4", "--max-length", "16", "--batch-size", "2", "--eval-max-length",
         "32", "--device", "cpu", "--threads", "1", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return str(llama_folder(tmp_path_factory.mktemp("tiny-llama-compare"),
-                            architectures=["LlamaForCausalLM"]))
-
-
-def _run(capsys, *argv):
-    rc = cli.main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def test_keep_float_keeps_the_histograms_other_recipes_plot(llama_dir, tmp_path, capsys):
