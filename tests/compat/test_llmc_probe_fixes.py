@@ -90,7 +90,7 @@ def test_a_grid_past_the_candidate_bound_is_refused_naming_it():
     fields = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel",
               "observer_kwargs": {"grid": 1e5, "patience": 3}}
     ours = _pair("memoryless_mse", fields)[1]
-    with pytest.raises(ValueError, match=r"gives 20000 candidates; at most 10000"):
+    with pytest.raises(ValueError, match=r"gives 20000 candidates; need 0 to 10000"):
         ours(_weight(0))
 
 

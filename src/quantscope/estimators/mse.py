@@ -108,37 +108,24 @@ MAX_CANDIDATES = 10_000
 MAX_SPAN = 32
 
 
-def shrink_factors(maxshrink: float = 0.2, grid: float = 100, expand: float = 1.0) -> list[float]:
+def shrink_factors(maxshrink: float = 0.2, grid: float = 100, expand: float = 1.0, *,
+                   none_ok: bool = False) -> list[float]:
     """llm-compressor's candidates ``p = 1 - i / grid`` for ``i < int(maxshrink * grid)``.
 
     The range searched is ``(lo * expand) * p``; ``expand`` is applied to the base range.
+    ``none_ok``: llm-compressor's compat search, which takes ``maxshrink`` 0 and
+    ``maxshrink * grid < 1`` (no candidate: their search keeps the min-max range). Both
+    searches stop at :data:`MAX_CANDIDATES` (theirs sets no bound, but candidates of a finer
+    grid lie closer than float32 errors tell apart, and settling their near ties costs
+    quadratic time: grid 1e5, 20,000 candidates, took 65 s on a 16 x 64 weight).
     """
     grid = check_number("mse_search", "grid", grid, 0, lo_open=True)
-    maxshrink = check_number("mse_search", "maxshrink", maxshrink, 0, 1, lo_open=True)
+    maxshrink = check_number("mse_search", "maxshrink", maxshrink, 0, 1, lo_open=not none_ok)
     check_number("mse_search", "expand", expand, 0, lo_open=True)
-    steps = int(maxshrink * grid)
-    if not 1 <= steps <= MAX_CANDIDATES:
+    steps, least = int(maxshrink * grid), 0 if none_ok else 1
+    if not least <= steps <= MAX_CANDIDATES:
         raise ValueError(f"mse_search: maxshrink * grid = {maxshrink * grid} gives {steps} "
-                         f"candidates; need 1 to {MAX_CANDIDATES}")
-    return [1 - i / grid for i in range(steps)]
-
-
-#: compat searches, as the native ones: llm-compressor sets no bound, but candidates a grid
-#: finer than this prices lie closer than float32 errors tell apart, and settling their near
-#: ties costs quadratic time (grid 1e5: 20,000 candidates, 65 s on a 16 x 64 weight)
-MAX_COMPAT_CANDIDATES = MAX_CANDIDATES
-
-
-def _compat_factors(maxshrink, grid, expand) -> list[float]:
-    """llm-compressor's candidates as theirs accepts them: ``maxshrink`` 0 or
-    ``maxshrink * grid < 1`` give none (their search then keeps the min-max range)."""
-    grid = check_number("mse_search", "grid", grid, 0, lo_open=True)
-    maxshrink = check_number("mse_search", "maxshrink", maxshrink, 0, 1)
-    check_number("mse_search", "expand", expand, 0, lo_open=True)
-    steps = int(maxshrink * grid)
-    if steps > MAX_COMPAT_CANDIDATES:
-        raise ValueError(f"mse_search: maxshrink * grid = {maxshrink * grid} gives {steps} "
-                         f"candidates; at most {MAX_COMPAT_CANDIDATES} (a coarser grid)")
+                         f"candidates; need {least} to {MAX_CANDIDATES} (a coarser grid)")
     return [1 - i / grid for i in range(steps)]
 
 
@@ -338,7 +325,7 @@ def _candidates(factors, maxshrink, grid, expand, extend_to, per_unit, patience,
     that applies to them, and the factors of the per-unit extension (see ``extend_to``)."""
     extend = []
     if factors is None and exact:
-        factors = _compat_factors(maxshrink, grid, expand)
+        factors = shrink_factors(maxshrink, grid, expand, none_ok=True)
     elif factors is None:
         factors = shrink_factors(maxshrink, grid, expand)
         if extend_to is not None and per_unit and patience is not None:
