@@ -27,9 +27,7 @@ from torch import nn
 from .. import presets
 from ..layout import Tensor
 from ..spec import QuantSpec
-from .recipe_dict import fields_from, own_options, role_options
-from .recipe_dict import matches as _matches
-from .recipe_dict import patterns as _patterns
+from .recipe_dict import fields_from, matches, own_options, patterns, role_options
 from .role_observers import AUTO, observed, weight_observer
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
@@ -118,7 +116,7 @@ class Rule:
     output: Role | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "targets", _patterns("Rule.targets", self.targets))
+        object.__setattr__(self, "targets", patterns("Rule.targets", self.targets))
         if not self.targets:
             raise ValueError("Rule.targets must name at least one module type or name pattern")
         if self.weight is None and self.input is None and self.output is None:
@@ -173,14 +171,14 @@ class Recipe:
         if isinstance(self.rules, Rule):
             object.__setattr__(self, "rules", (self.rules,))
         object.__setattr__(self, "rules", tuple(self.rules))
-        object.__setattr__(self, "ignore", _patterns("Recipe.ignore", self.ignore))
+        object.__setattr__(self, "ignore", patterns("Recipe.ignore", self.ignore))
         fuse = (self.fuse,) if isinstance(self.fuse, str) else self.fuse or ()  # one group
         if not isinstance(fuse, (tuple, list)):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
                 f"Recipe.fuse must be a list of groups of name patterns, got {fuse!r}")
-        object.__setattr__(self, "fuse", tuple(_patterns("Recipe.fuse groups", p)
+        object.__setattr__(self, "fuse", tuple(patterns("Recipe.fuse groups", p)
                                                for p in fuse))
-        object.__setattr__(self, "split", _patterns("Recipe.split", self.split))
+        object.__setattr__(self, "split", patterns("Recipe.split", self.split))
         if not isinstance(self.fusion, bool):
             raise TypeError(f"Recipe.fusion must be True or False, got {self.fusion!r}")
         object.__setattr__(self, "kv_cache", kv_cache_role(self.kv_cache))
@@ -214,15 +212,15 @@ class Recipe:
             from .structure.kv_cache import attention_modules
 
             attention = {n: m for n, m in attention_modules(model).items()
-                         if not any(_matches(p, n, m) for p in self.ignore)}
+                         if not any(matches(p, n, m) for p in self.ignore)}
             for n, m in attention.items():  # (none at all: calibrate_many says so)
                 found[n] = (m, {**found.get(n, (m, {}))[1], "key": self.kv_cache,
                                 "value": self.kv_cache})
         if not found:
             targets = [t for r in self.rules for t in r.targets]
             named = [(n, m) for n, m in model.named_modules() if n]  # ignored ones too
-            if (any(_matches(t, "", model) for t in targets)
-                    and not any(_matches(t, n, m) for n, m in named for t in targets)):
+            if (any(matches(t, "", model) for t in targets)
+                    and not any(matches(t, n, m) for n, m in named for t in targets)):
                 raise ValueError(
                     f"recipe {self.name!r}: only the model itself ({type(model).__name__}) "
                     f"matches targets {targets}, and the root module is never quantized (a "
@@ -238,9 +236,9 @@ class Recipe:
     def rule_for(self, name: str, module: nn.Module) -> Rule | None:
         """The rule that takes the module ``name``: the first whose targets match it, None
         where the ignore list holds it or no rule does (the root module: never)."""
-        if not name or any(_matches(p, name, module) for p in self.ignore):
+        if not name or any(matches(p, name, module) for p in self.ignore):
             return None
-        return next((r for r in self.rules if any(_matches(t, name, module)
+        return next((r for r in self.rules if any(matches(t, name, module)
                                                    for t in r.targets)), None)
 
     def with_observer(self, observer: str, **options) -> Recipe:
@@ -413,7 +411,7 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
     if key not in PRESET_SCHEMES or not PRESET_SCHEMES[key]:
         raise ValueError(f"recipe: unknown scheme {name!r}; expected one of "
                          f"{sorted(k for k, v in PRESET_SCHEMES.items() if v)}")
-    targets = _patterns("targets", targets)
+    targets = patterns("targets", targets)
     s = QuantizationScheme(targets=list(targets), **PRESET_SCHEMES[key])
     roles = {}
     for role, args in (("weight", s.weights), ("input", s.input_activations),

@@ -47,14 +47,14 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
 def ignored(args, model) -> tuple[str, ...]:
     """``--ignore``'s patterns; by default (DEFAULT_IGNORE) also the module the model names
     its output head, whatever its name (Whisper's ``proj_out``)."""
-    from ..calibration.recipe import _matches
+    from ..calibration.recipe_dict import matches
 
     patterns = tuple(args.ignore or ())
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if args.ignore != DEFAULT_IGNORE or head is None:
         return patterns
     names = [n for n, m in model.named_modules() if m is head]
-    if not names or any(_matches(p, names[0], head) for p in patterns):
+    if not names or any(matches(p, names[0], head) for p in patterns):
         return patterns
     return patterns + (names[0],)
 
@@ -94,12 +94,12 @@ def _narrow(rec, model, targets):
     names: the saved recipe says what was quantized. Rules left with no module are dropped."""
     from dataclasses import replace
 
-    from ..calibration.recipe import _matches
+    from ..calibration.recipe_dict import matches
 
     taken = [[] for _ in rec.rules]
     for name, module in model.named_modules():
         rule = rec.rule_for(name, module)
-        if rule is not None and any(_matches(t, name, module) for t in targets):
+        if rule is not None and any(matches(t, name, module) for t in targets):
             # a name with glob characters is matched as a regex of itself, exactly
             exact = name if not set(name) & set("*?[") and not name.startswith("re:") \
                 else "re:" + re.escape(name) + r"\Z"  # re.match: the end anchored too
@@ -200,10 +200,10 @@ def _indivisible(rec, model, policy: str):
 
 def float_note(rec, model) -> str:
     """Which modules the ignore list left in float (a short list)."""
-    from ..calibration.recipe import _matches
+    from ..calibration.recipe_dict import matches
 
     names = [n for n, m in model.named_modules()
-             if n and any(_matches(p, n, m) for p in rec.ignore)]
+             if n and any(matches(p, n, m) for p in rec.ignore)]
     top = [n for n in names if not any(n.startswith(m + ".") for m in names)]
     if not top:
         return ""

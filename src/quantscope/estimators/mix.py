@@ -4,9 +4,8 @@ Candidates (Horizon's MixObserver tries the percentiles; quantscope adds the
 other estimators): the percentiles 99.9, 99.99, 99.999 and 99.9999, the min / max,
 the histogram-MSE range, the entropy (KL) range (the entropy observer's bits and unsigned
 mode for the spec, :func:`~quantscope.estimators.entropy.spec_bits`), and torch.ao's L2
-search with the
-``histogram`` observer's polish (its three finalists): 10 ranges per unit. All are
-scored by the one scoring function,
+search with the ``histogram`` observer's polish (its three finalists): 10 ranges per unit.
+All are scored by the one scoring function,
 :func:`~quantscope.estimators.error.histogram_error` (one prepared
 :class:`~quantscope.estimators.scorer.HistogramScorer`), with each bin's count spread over
 4 points inside it.

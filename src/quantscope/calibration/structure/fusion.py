@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ...layout import Block, Channel, Group, Tensor
-from ..recipe import _matches
+from ..recipe_dict import matches
 from ..results.result import RoleState
 from ..run.batches import (
     batch_count,
@@ -192,7 +192,7 @@ def edit_groups(groups, names, modules: dict, fuse=(), split=()) -> list[tuple[s
         patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
         by_parent: dict[str, list[str]] = {}
         for n in names:
-            if any(_matches(p, n, modules[n]) for p in patterns):
+            if any(matches(p, n, modules[n]) for p in patterns):
                 by_parent.setdefault(_parent(n), []).append(n)
         for members in by_parent.values():
             if len(members) < 2:
@@ -200,7 +200,7 @@ def edit_groups(groups, names, modules: dict, fuse=(), split=()) -> list[tuple[s
             groups = [[m for m in g if m not in members] for g in groups]
             groups.append(members)
     for p in split:
-        groups = [[m for m in g if not _matches(p, m, modules[m])] for g in groups]
+        groups = [[m for m in g if not matches(p, m, modules[m])] for g in groups]
     return [tuple(g) for g in groups if len(g) > 1]
 
 

@@ -384,18 +384,18 @@ def unreached(model: nn.Module, recipe) -> list[dict]:
     """Weights that ``recipe``'s targets would cover (Linear-class targets, or a name
     pattern matching the module) that quantscope cannot quantize: ≥3-D parameters of
     modules it does not know how to run expert by expert."""
-    from ..recipe import _matches
+    from ..recipe_dict import matches
 
     targets = [t for r in recipe.rules for t in r.targets]
     out = []
     for name, module in model.named_modules():
         if (is_experts_3d(module) or type(module).__module__.startswith("torch.nn")
-                or any(_matches(p, name, module) for p in recipe.ignore)):
+                or any(matches(p, name, module) for p in recipe.ignore)):
             continue  # torch's own layers (Conv3d ...) are not what a Linear target covers
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() < 3 or p.shape[0] == 1:  # experts stack several (ViT's cls_token: one)
                 continue
-            if "Linear" in targets or any(_matches(t, name, module) for t in targets):
+            if "Linear" in targets or any(matches(t, name, module) for t in targets):
                 out.append({"name": f"{name}.{pname}" if name else pname,
                             "why": f"{p.dim()}-D parameter of {type(module).__name__}, not an "
                                    f"experts module quantscope can run expert by expert"})
