@@ -80,6 +80,17 @@ def test_an_integer_scale_dtype_outside_mx_is_refused_naming_it(fields):
         ours.get_qparams()
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float64], ids=str)
+def test_a_float_scale_dtype_without_an_encoding_is_refused_naming_it(dtype):
+    # it gave float32 scales silently where theirs rounds them to the dtype
+    fields = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+              "scale_dtype": dtype}
+    ours = _pair("memoryless_minmax", fields)[1]
+    with pytest.raises(ValueError, match=rf"scale_dtype {dtype} has no quantscope scale"):
+        ours(_weight(0))
+        ours.get_qparams()
+
+
 MSE_OPTIONS = [{"patience": 0}, {"patience": 5.0}, {"patience": 2.5}, {"maxshrink": 0.0},
                {"grid": 0.5}, {"grid": 5e3, "patience": 3}]
 

@@ -122,10 +122,15 @@ def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.d
 
 def _check_scale_dtype(sdtype: torch.dtype, strategy: str) -> None:
     """Refuse a ``scale_dtype`` quantscope has no scale encoding for: fp8 outside
-    ``tensor_group`` and integers outside MX (compressed-tensors rounds those scales to
-    integers, clamped to the dtype's range)."""
+    ``tensor_group``, other floats than float32 / float16 / bfloat16 / float8_e4m3fn (their
+    scales would be float32 silently), and integers outside MX (compressed-tensors rounds
+    those scales to integers, clamped to the dtype's range)."""
     if sdtype == torch.float8_e4m3fn and strategy != "tensor_group":
         raise ValueError("llmcompressor: fp8 scales need strategy tensor_group (NVFP4)")
+    if sdtype.is_floating_point and sdtype not in (*_SCALE_DTYPES, torch.float8_e4m3fn):
+        raise ValueError(f"llmcompressor: scale_dtype {sdtype} has no quantscope scale "
+                         f"encoding; use float32, float16, bfloat16 or (tensor_group) "
+                         f"float8_e4m3fn")
     if not sdtype.is_floating_point:
         raise ValueError(f"llmcompressor: scale_dtype {sdtype} (integer scales) is supported "
                          f"only for MX (float elements, strategy group, group_size 32, "
