@@ -206,8 +206,8 @@ def _scenarios(r, w, group=None):
             refs[i % w](x)
             if i % w == r:
                 obs(x)
-        ends = [torch.stack([getattr(o, n) for o in refs]) for n in obs._ENDS]
-        for name, e, pick in zip(obs._ENDS, ends, (torch.amin, torch.amax)):
+        ends = [torch.stack([getattr(o, n) for o in refs]) for n in obs.end_names]
+        for name, e, pick in zip(obs.end_names, ends, (torch.amin, torch.amax)):
             setattr(refs[0], name, pick(e, dim=0))
         return {"got": obs.calculate_qparams(), "ref": refs[0].calculate_qparams()}
 

@@ -37,7 +37,7 @@ from ..comm import all_reduce, is_distributed
 from ..estimators.entropy import horizon_entropy_amax
 from ..estimators.mse import SearchResult
 from ..layout import Channel, Tensor
-from ..observers.histogram import EntropyObserver
+from ..observers.histogram import EntropyObserver, HistogramObserverBase
 from ..observers.histogram import MixObserver as _NativeMix
 from ..observers.histogram import PercentileObserver as _NativePercentile
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
@@ -103,16 +103,21 @@ class HorizonObserver:
     Keywords it does not know go to the native observer's constructor.
     """
 
-    #: the buffers holding the averaged ends (Horizon's ``min_val`` / ``max_val``)
-    _ENDS = ("min_vals", "max_vals")
-    #: Horizon's class asserts ``qscheme == per_tensor_symmetric``
-    _PER_TENSOR_ONLY = False
+    @property
+    def end_names(self) -> tuple[str, str]:
+        """The buffers holding the averaged ends (Horizon's ``min_val`` / ``max_val``): the
+        histogram classes average their estimates (``ema_lo`` / ``ema_hi``), the others the
+        batches' min / max."""
+        if isinstance(self, HistogramObserverBase):
+            return ("ema_lo", "ema_hi")
+        return ("min_vals", "max_vals")
 
     def __init__(self, *, ch_axis=-1, dtype="qint8", qscheme=torch.per_tensor_symmetric,
                  quant_min=None, quant_max=None, is_sync_quantize=False, factory_kwargs=None,
                  **native):
         spec = horizon_spec(dtype, qscheme, ch_axis, quant_min, quant_max)
-        if self._PER_TENSOR_ONLY and qscheme != torch.per_tensor_symmetric:
+        # Horizon's histogram classes (KL, Percentile, Mix) assert per_tensor_symmetric
+        if isinstance(self, HistogramObserverBase) and qscheme != torch.per_tensor_symmetric:
             raise HorizonArgumentError(f"horizon {type(self).__name__}: only "
                                        f"per_tensor_symmetric qscheme is supported (Horizon "
                                        f"asserts it), got {qscheme!r}")
@@ -125,7 +130,7 @@ class HorizonObserver:
             self.to(device)
 
     def _ends(self):
-        return tuple(getattr(self, n) for n in self._ENDS)
+        return tuple(getattr(self, n) for n in self.end_names)
 
     def calculate_qparams(self):
         """Horizon's: the qparams of the averaged ends, all-reduced in place first under
@@ -203,9 +208,6 @@ class KLObserver(HorizonObserver, EntropyObserver):
     ``update_interval`` batches, KL threshold (start bin 128, divergences smoothed over 9
     candidates), then an EMA of the thresholds."""
 
-    _ENDS = ("ema_lo", "ema_hi")
-    _PER_TENSOR_ONLY = True
-
     def __init__(self, bins=512, update_interval=1, averaging_constant=0.01, ch_axis=-1,
                  dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
                  quant_max=None, is_sync_quantize=False, factory_kwargs=None, **kwargs):
@@ -246,9 +248,6 @@ class PercentileObserver(HorizonObserver, _SignedEnds, _NativePercentile):
     ``[0, max |x|]``, width ``w``), the centre ``(i + 0.5) w`` of the first bin where the
     cumulative share reaches ``percentile``, then an EMA of the signed ends it clips."""
 
-    _ENDS = ("ema_lo", "ema_hi")
-    _PER_TENSOR_ONLY = True
-
     def __init__(self, percentile=99.99, bins=2048, averaging_constant=0.01, ch_axis=-1,
                  dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
                  quant_max=None, is_sync_quantize=False, factory_kwargs=None, **kwargs):
@@ -265,9 +264,6 @@ class MixObserver(HorizonObserver, _SignedEnds, _NativeMix):
     """Horizon's MixObserver: per batch, the percentile among 99.9 .. 99.9999 with the least
     quantization error, then an EMA of the signed ends it clips (``candidates`` adds
     quantscope's others; ``bins``, keyword only, the histogram's: Horizon's 2048)."""
-
-    _ENDS = ("ema_lo", "ema_hi")
-    _PER_TENSOR_ONLY = True
 
     def __init__(self, averaging_constant=0.01, ch_axis=-1, dtype="qint8",
                  qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
