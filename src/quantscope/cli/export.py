@@ -102,7 +102,9 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
     if calibration.smoothing:  # calibrated on SmoothQuant's weights: write those
         reapply(float_model, calibration)
     if format == "onnx":  # a traced graph: the exporter runs the model on an example batch
-        example = dict(tokenizer(["quantscope exports this model."], return_tensors="pt"))
+        # of two equal sentences: torch.export fixes a dimension of size 1 (a batch-1 graph
+        # fails on other batch sizes), and equal lengths need no pad token
+        example = dict(tokenizer(["quantscope exports this model."] * 2, return_tensors="pt"))
         return export(calibration, float_model, out, format=format, overwrite=overwrite,
                       example_inputs=example)
     return export(calibration, float_model, out, format=format, overwrite=overwrite,

@@ -55,8 +55,8 @@ def written_by_quantscope(path) -> bool:
     the marker, or an older output's metadata file in a folder holding nothing else than
     that kind of output consists of."""
     path = os.fspath(path)
-    if os.path.isfile(path):
-        return path.endswith(".onnx") and _onnx_written_by_quantscope(path)
+    if os.path.isfile(path):  # an ONNX export, whatever its name: by its metadata entry
+        return _onnx_written_by_quantscope(path)
     if os.path.isfile(os.path.join(path, MARKER)):
         return True
     return any(_json_has(os.path.join(path, name), key) and _holds_only(path, files)
@@ -119,7 +119,16 @@ def _json_has(path: str, key: str) -> bool:
 
 
 def _onnx_written_by_quantscope(path: str) -> bool:
+    """Whether ``path`` is an ONNX model with quantscope's ``quantscope`` metadata entry. Only
+    a file that can be one is parsed: under protobuf's 2 GiB and starting as ``onnx.save``
+    starts a model (``ir_version``, field 1, varint: byte 0x08), so a weights file is not
+    read whole."""
     try:
+        if os.path.getsize(path) >= 2**31:
+            return False
+        with open(path, "rb") as f:
+            if f.read(1) != b"\x08":
+                return False
         import onnx
 
         proto = onnx.load(path, load_external_data=False)

@@ -1,9 +1,14 @@
 """ONNX QDQ export: the float model from torch's ONNX exporter, quantscope's qparams inserted
-as QuantizeLinear / DequantizeLinear, shaped so ONNX Runtime runs every Linear as an integer
-kernel.
+as QuantizeLinear / DequantizeLinear (:mod:`.onnx_graph`), shaped so ONNX Runtime
+(:func:`session`) runs a quantized Linear on an integer kernel where it has one:
+8-bit per-tensor / per-channel weights with an 8-bit static input as ``MatMulIntegerToFloat``,
+weight-only Linears and 16-bit inputs as ``MatMulNBits``. ORT has no kernel for 4-bit
+weights with an 8-bit input: those run as a float ``MatMul`` on the dequantized weight
+(values equal; :func:`integer_kernel_counts` reports such float fallbacks).
 
 For each calibrated Linear (found through the module name the dynamo exporter records on
-each node, ``pkg.torch.onnx.name_scopes``, and checked against the weight's values):
+each node, ``pkg.torch.onnx.name_scopes``, and checked against the weight's values; a Linear
+called more than once gets its Q/DQ nodes at every call):
 
 - the weight is stored as integer codes (int4 / int8 / int16 or unsigned; codes from
   :func:`quantscope.qdq.quantize`, the one quantizer; raw bytes, int4 two per byte:
@@ -11,11 +16,16 @@ each node, ``pkg.torch.onnx.name_scopes``, and checked against the weight's valu
   ``axis`` (per channel) or ``block_size`` (per group, opset 21);
 - a static input gets its own ``QuantizeLinear -> DequantizeLinear`` pair on that Linear's
   input alone. Pairs are never shared between q / k / v: each MatMul then sees the
-  ``DQ(int) x DQ(int)`` pattern ORT fuses into ``MatMulIntegerToFloat`` / ``QLinearMatMul``.
+  ``DQ(int) x DQ(int)`` pattern ORT fuses into ``MatMulIntegerToFloat`` / ``QLinearMatMul``;
+- a Linear on a 2-D input (torch exports a ``Gemm``) is written as ``MatMul`` + ``Add``.
 
 Scales are written as quantscope computed them (compressed-tensors' ``absmax / 127.5`` stays
-``/ 127.5``); ``QuantizeLinear`` computes ``saturate(round_half_even(x / scale) + zp)``, the
-same arithmetic as :func:`~quantscope.qdq.fake_quantize`. int8 codes are stored as
+``/ 127.5``). ``QuantizeLinear`` computes ``saturate(round_half_even(x / scale) + zp)``,
+adding the zero point to the rounded integer; :func:`~quantscope.qdq.fake_quantize` (as
+compressed-tensors and vLLM) rounds ``x / scale + zp`` in float32. With ``zp = 0`` the two
+are equal; with a zero point a code differs by one where ``x / scale`` is a tie (odd ``zp``)
+or within float32 rounding of ``x / scale + zp`` of one (about 1e-5 of the values).
+int8 codes are stored as
 int8: on x86 CPUs with VNNI ORT's int8 kernel is exact and fast; without VNNI it saturates,
 and :func:`session` sets the ORT option that runs the exact u8u8 kernel instead
 (:data:`PRECISE_U8U8`; ``uint8=True`` stores uint8 codes, exact in any session).
@@ -24,34 +34,38 @@ What the graph cannot express is a ``ValueError`` naming the layer before anythi
 written: float formats (fp8 / fp4 / MX / NVFP4), run-time (dynamic) activation scales,
 per-token or per-channel activations, clipped activation ranges (``quant_min`` /
 ``quant_max`` narrower than the storage type: ``QuantizeLinear`` saturates to the type),
-output roles, and 8-bit per-group weights beside an 8-bit static input (ORT has no kernel
-for the pair it fuses them into).
+output roles, a calibrated module without a 2-D weight (a block), and 8-bit per-group weights
+beside an 8-bit static input (ORT has no kernel for the pair it fuses them into).
 """
 
 from __future__ import annotations
 
-import ast
 import os
+import re
+import warnings
 
-import numpy as np
 import torch
 
 from ..calibration.structure.conv1d import is_conv1d
 from ..calibration.structure.placement import check_placement
 from ..calibration.structure.tied import tied_weights
 from .atomic import atomic_file, check_writable_target
-from .onnx_tensors import check_float32_quantize, code_tensor, float32_graph, float32_model
+from .onnx_graph import insert_qdq
+from .onnx_graph import storage as _storage
+from .onnx_tensors import check_float32_quantize, float32_graph, float32_model
 from .registry import register
 
 __all__ = ["DISABLED_OPTIMIZERS", "FLOAT_MATMULNBITS", "PRECISE_U8U8", "export_onnx", "int8_dot_product",
            "integer_kernel_counts", "session", "session_options"]
 
-#: ORT fusions that change results: MatMulScaleFusion folds a Mul by a constant into the
+#: ORT fusions :func:`session` turns off. MatMulScaleFusion folds a Mul by a constant into the
 #: MatMul's float alpha, which reorders the float products (issue 15 saw MiniLM W8A8 results
-#: move by up to 0.3 with it on). On the tiny test BERT the default
-#: session was exact too; it stays off because the integer kernels apply the scales
-#: themselves, so turning it off costs no integer kernel.
-DISABLED_OPTIMIZERS = ("MatMulScaleFusion",)
+#: move by up to 0.3 with it on); it costs no integer kernel, which applies the scales itself.
+#: MatMulAddFusion makes a 2-D ``MatMul`` + ``Add`` (a Linear on a 2-D input; the export
+#: writes no ``Gemm`` for a quantized Linear) a ``Gemm`` before the QDQ fusions run, and ORT
+#: runs a QDQ ``Gemm`` with a float bias as a float ``Gemm`` / ``FusedGemm``; with it off such
+#: a Linear runs as ``MatMulIntegerToFloat`` like one on a 3-D input.
+DISABLED_OPTIMIZERS = ("MatMulScaleFusion", "MatMulAddFusion")
 
 #: ORT session config entry: on x86 without VNNI, ORT's kernel for int8 weights
 #: (``vpmaddubsw``) saturates int16 sums of product pairs (MiniLM W8A8 0.69 of the output's
@@ -70,7 +84,7 @@ FLOAT_MATMULNBITS = ("session.qdq_matmulnbits_accuracy_level", "1")
 
 #: the ops ORT runs a quantized MatMul as
 INTEGER_KERNELS = ("MatMulIntegerToFloat", "QLinearMatMul", "DynamicQuantizeMatMul",
-                   "MatMulInteger", "MatMulNBits")
+                   "MatMulInteger", "MatMulNBits", "QGemm")
 
 
 def _onnx():
@@ -80,140 +94,6 @@ def _onnx():
         raise ImportError("ONNX export needs the onnx extra: pip install 'quantscope[onnx]'") \
             from e
     return onnx
-
-
-def _storage(spec, layer: str, role: str):
-    """The ONNX integer type that holds every code of ``spec``."""
-    onnx = _onnx()
-    TP = onnx.TensorProto
-    if spec.is_float:
-        raise ValueError(f"onnx export: {layer}.{role} uses {spec.format}; this exporter writes "
-                         f"integer formats only (float formats: fp8 / fp4 / MX / NVFP4 are not "
-                         f"supported)")
-    lo, hi = int(spec.qmin), int(spec.qmax)
-    for bits, signed_t, unsigned_t in ((4, TP.INT4, TP.UINT4), (8, TP.INT8, TP.UINT8),
-                                      (16, TP.INT16, TP.UINT16)):
-        if lo >= -(2 ** (bits - 1)) and hi <= 2 ** (bits - 1) - 1:
-            return signed_t, bits, True
-        if lo >= 0 and hi <= 2 ** bits - 1:
-            return unsigned_t, bits, False
-    raise ValueError(f"onnx export: {layer}.{role}: codes [{lo}, {hi}] fit no ONNX integer type")
-
-
-def _calibrated_scope(node, states) -> str | None:
-    """The innermost module the exporter recorded ``node`` under that ``states`` calibrates
-    (the scopes run from the root module down to the op's own name, e.g. ``linear_1``)."""
-    for p in node.metadata_props:
-        if p.key == "pkg.torch.onnx.name_scopes":
-            return next((s for s in reversed(ast.literal_eval(p.value)) if s in states), None)
-    return None
-
-
-def _weight_view(init_array: np.ndarray, weight: np.ndarray, node) -> bool | None:
-    """Whether the node's initializer is ``weight`` transposed (True), as is (False), or
-    another tensor (None)."""
-    trans_b = any(a.name == "transB" and a.i for a in node.attribute)
-    if node.op_type == "MatMul" or (node.op_type == "Gemm" and not trans_b):
-        return True if init_array.shape == weight.T.shape and np.array_equal(
-            init_array, weight.T) else None
-    return False if init_array.shape == weight.shape and np.array_equal(
-        init_array, weight) else None
-
-
-def _unsigned(dtype, codes: torch.Tensor | None, zp: torch.Tensor, shift: bool):
-    """int8 codes and zero point moved by +128 to uint8 when ``shift``: the same values
-    (``(q + 128) - (zp + 128) == q - zp``), the same saturation, but ONNX Runtime then runs
-    its u8u8 kernel in any session: exact on every x86 CPU, never the int8 dot-product
-    (VNNI) kernel. See :data:`PRECISE_U8U8` for the default int8 storage."""
-    TP = _onnx().TensorProto
-    if shift and dtype == TP.INT8:
-        return TP.UINT8, None if codes is None else codes + 128, zp + 128
-    return dtype, codes, zp
-
-
-def _weight_dq(layer, state, weight: torch.Tensor, transposed: bool, prefix: str,
-               shift: bool):
-    """Initializers (codes, scale, zero point) and the DequantizeLinear node of one weight."""
-    onnx = _onnx()
-    from onnx import helper, numpy_helper
-
-    from ..layout import Channel, Group, Tensor
-    from ..qdq import quantize
-
-    spec = state.spec
-    if state.dynamic is not False or state.qparams is None:
-        raise ValueError(f"onnx export: {layer}.weight has no static qparams "
-                         f"(dynamic={state.dynamic!r})")
-    dtype, _, _ = _storage(spec, layer, "weight")
-    qp = state.qparams
-    codes = quantize(weight.detach().float(), qp, spec).to(torch.int32)  # [out, in]
-    scale = qp.effective_scale.detach().float()
-    zp = qp.zero_point.detach().to(torch.int32)
-    layout = spec.layout
-    out_f, in_f = weight.shape
-    attrs = {}
-    if isinstance(layout, Tensor):
-        scale, zp = scale.reshape(()), zp.reshape(())
-    elif isinstance(layout, Channel) and layout.axis % 2 == 0:
-        scale, zp = scale.reshape(out_f), zp.reshape(out_f)
-        attrs["axis"] = 1 if transposed else 0
-    elif isinstance(layout, Group) and layout.axis % 2 == 1 and layout.g_idx is None:
-        scale = scale.reshape(out_f, in_f // layout.size)
-        zp = zp.reshape(out_f, in_f // layout.size)
-        if transposed:
-            scale, zp = scale.T, zp.T
-        attrs["axis"] = 0 if transposed else 1
-        attrs["block_size"] = layout.size
-    else:
-        raise ValueError(f"onnx export: {layer}.weight: layout {layout} has no DequantizeLinear "
-                         f"form (expected per-tensor, per-output-channel or per-group along "
-                         f"the input features without g_idx)")
-    if transposed:
-        codes = codes.T
-    dtype, codes, zp = _unsigned(dtype, codes, zp, shift)
-    names = [f"{prefix}.weight_q", f"{prefix}.weight_scale", f"{prefix}.weight_zero_point"]
-    inits = [code_tensor(names[0], dtype, codes),  # raw bytes: 1 per int8 code, 1/2 per int4
-             numpy_helper.from_array(np.ascontiguousarray(scale.numpy()), names[1]),
-             code_tensor(names[2], dtype, zp)]
-    out = f"{prefix}.weight_dq"
-    node = helper.make_node("DequantizeLinear", names, [out], name=f"{prefix}/weight_dq",
-                            **attrs)
-    del onnx
-    return inits, node, out
-
-
-def _input_qdq(layer, state, source: str, prefix: str, shift: bool):
-    """Initializers and the QuantizeLinear -> DequantizeLinear pair of one static input."""
-    from onnx import helper, numpy_helper
-
-    from ..layout import Tensor
-
-    spec = state.spec
-    if state.dynamic is not False or state.qparams is None:
-        raise ValueError(f"onnx export: {layer}.input is quantized at run time "
-                         f"(dynamic={state.dynamic!r}); this exporter writes static activation "
-                         f"scales only")
-    if not isinstance(spec.layout, Tensor):  # a spec the graph cannot express, not a bad type
-        raise ValueError(  # noqa: TRY004
-            f"onnx export: {layer}.input: layout {spec.layout} is not per-tensor; "
-            f"static activations export per tensor only")
-    dtype, bits, signed = _storage(spec, layer, "input")
-    full = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
-    if bits == 4 or (int(spec.qmin), int(spec.qmax)) != full:
-        raise ValueError(f"onnx export: {layer}.input: codes [{int(spec.qmin)}, "
-                         f"{int(spec.qmax)}] are not a full int8 / uint8 / int16 range, which "
-                         f"QuantizeLinear saturates to")
-    qp = state.qparams
-    dtype, _, zp = _unsigned(dtype, None, qp.zero_point.reshape(()).to(torch.int32), shift)
-    names = [f"{prefix}.input_scale", f"{prefix}.input_zero_point"]
-    inits = [numpy_helper.from_array(
-                 qp.effective_scale.detach().float().reshape(()).numpy().copy(), names[0]),
-             code_tensor(names[1], dtype, zp)]
-    q = helper.make_node("QuantizeLinear", [source, *names], [f"{prefix}.input_q"],
-                         name=f"{prefix}/input_q")
-    dq = helper.make_node("DequantizeLinear", [f"{prefix}.input_q", *names],
-                          [f"{prefix}.input_dq"], name=f"{prefix}/input_dq")
-    return inits, [q, dq], f"{prefix}.input_dq"
 
 
 class _NoCache:
@@ -234,35 +114,68 @@ class _NoCache:
 
 
 def _export_float(model, example_inputs, opset: int):
-    """The float model as an ``onnx.ModelProto`` (torch's dynamo exporter; every input
-    dimension dynamic; a transformers model without its KV cache)."""
+    """The float model as an ``onnx.ModelProto`` (torch's dynamo exporter; every dimension
+    of every input tensor dynamic; a transformers model without its KV cache)."""
     if isinstance(example_inputs, dict):
-        args, kwargs, tensors = (), dict(example_inputs), dict(example_inputs)
+        args, kwargs = (), dict(example_inputs)
     elif isinstance(example_inputs, torch.Tensor):
-        args, kwargs, tensors = (example_inputs,), {}, None
+        args, kwargs = (example_inputs,), {}
     elif isinstance(example_inputs, (tuple, list)):
-        args, kwargs, tensors = tuple(example_inputs), {}, None
+        args, kwargs = tuple(example_inputs), {}
     else:
         raise TypeError(f"onnx export: example_inputs must be a tensor, a tuple of tensors or "
                          f"a dict of keyword tensors, got {type(example_inputs).__name__}")
+    _warn_specialized(example_inputs)
     auto = torch.export.Dim.AUTO
-    if tensors is not None:
-        dynamic = {k: {d: auto for d in range(v.dim())} for k, v in tensors.items()}
-    else:
-        dynamic = tuple({d: auto for d in range(a.dim())} for a in args)
+    # a non-tensor entry (None for an optional argument, a flag) is a constant of the graph
+    dynamic = torch.utils._pytree.tree_map(
+        lambda v: {d: auto for d in range(v.dim())} if isinstance(v, torch.Tensor) else None,
+        kwargs if kwargs else args)
     try:
         with torch.no_grad(), _NoCache(model):
             program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True,
                                         opset_version=opset, dynamic_shapes=dynamic,
                                         optimize=True, verbose=False)
     except Exception as e:  # torch's exporter raises many types, each pages long
-        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         raise ValueError(
             f"onnx export: torch.onnx could not export {type(model).__name__} "
-            f"({type(e).__name__}: {first[:200]}); supported: models torch.export can trace "
+            f"({_root_cause(e)}); supported: models torch.export can trace "
             f"whose forward returns tensors (a transformers model exports without its KV "
             f"cache: a causal LM's output is its logits)") from e
     return program.model_proto
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _root_cause(e: BaseException) -> str:
+    """``Type: first line`` of the innermost exception in ``e``'s chain (torch wraps the
+    real cause in banners), terminal colour codes removed."""
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        if inner is None:
+            break
+        e = inner
+    lines = (_ANSI.sub("", ln).strip() for ln in str(e).splitlines())
+    return f"{type(e).__name__}: {next((ln for ln in lines if ln), '')[:200]}".rstrip(": ")
+
+
+def _warn_specialized(example_inputs) -> None:
+    """One warning naming each example tensor with a dimension of size 0 or 1: torch.export
+    specializes such a dimension to that size (the ONNX input still declares it dynamic), and
+    a graph that depends on it fails on other sizes (a tiny Llama exported from a batch-1
+    example fails on batch 3 in ORT; a BERT happens to run)."""
+    flat, _ = torch.utils._pytree.tree_flatten_with_path(example_inputs)
+    small = [f"example_inputs{torch.utils._pytree.keystr(key)} {tuple(v.shape)} dimension "
+             f"{[d for d, n in enumerate(v.shape) if n <= 1]}"
+             for key, v in flat if isinstance(v, torch.Tensor) and min(v.shape, default=2) <= 1]
+    if small:
+        warnings.warn(f"onnx export: size 0 or 1 in {'; '.join(small)}: torch.export "
+                      f"specializes such sizes, so the graph may run only with that size "
+                      f"there; give an example with size >= 2 in every dimension that varies "
+                      f"(batch, sequence)", UserWarning, stacklevel=4)
 
 
 @register("onnx")
@@ -271,10 +184,12 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     """Write ``model`` with ``calibration``'s qparams as an ONNX QDQ graph at ``path``.
 
     ``example_inputs``: what ``model`` is called with (a tensor, a tuple, or a dict of
-    keyword tensors such as a tokenizer's output); every dimension is exported dynamic.
+    keyword tensors such as a tokenizer's output; ``None`` or a constant for a non-tensor
+    argument); every dimension of every tensor is exported dynamic, but torch.export fixes a
+    dimension of size 0 or 1 to that size (a warning names it: give sizes >= 2).
     ``uint8``: store int8 codes as uint8 with the zero point moved by 128 (the same values):
     exact in any ORT session on any x86 CPU, but never ORT's fast VNNI kernel (see
-    :func:`_unsigned`); the default int8 storage is exact in :func:`session`
+    :func:`.onnx_graph.unsigned`); the default int8 storage is exact in :func:`session`
     (:data:`PRECISE_U8U8` where the CPU lacks VNNI) and fast on VNNI CPUs. Returns the path.
     Run it with :func:`session` (ONNX Runtime with the options that keep its results equal
     to quantscope's fake-quant).
@@ -294,14 +209,13 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     states = calibration.states if hasattr(calibration, "states") else calibration
     check_placement(model, "onnx export")
     _check_exportable(states)  # before the (slow) export
-    _check_untied(model, states)
     _check_linear(model, states)
+    _check_untied(model, states)
     given, (model, example_inputs) = model, float32_model(model, example_inputs)
     proto = _export_float(model, example_inputs, opset)
     if model is not given:  # a bf16 / fp16 model made float32: its forward's casts too
         float32_graph(proto.graph)
-    _insert_qdq(onnx, proto.graph, model, states, uint8)
-    _drop_unused_initializers(proto.graph)
+    insert_qdq(onnx, proto.graph, model, states, uint8)
     mark = proto.metadata_props.add()  # what lets overwrite=True replace this file later
     mark.key, mark.value = "quantscope", "onnx export"
     onnx.checker.check_model(proto)
@@ -329,13 +243,25 @@ def _check_untied(model, states) -> None:
 
 
 def _check_linear(model, states) -> None:
-    """transformers' Conv1D (GPT-2's) exports as a MatMul by its ``[in, out]`` weight as is,
-    with its per-channel scales on axis 1, a layout this Linear writer has no form for."""
+    """Every calibrated layer is a module of ``model`` with a 2-D weight (a Linear), not a
+    container (an input role on a block) nor another model's name; transformers' Conv1D
+    (GPT-2's) exports as a MatMul by its ``[in, out]`` weight as is, with its per-channel
+    scales on axis 1, a layout this Linear writer has no form for."""
     modules = dict(model.named_modules())
-    found = [n for n in states if is_conv1d(modules.get(n))]
-    if found:
-        raise ValueError(f"onnx export: layer {found[0]!r} is a transformers Conv1D (weight "
-                         f"[in, out]), which this exporter does not write; leave it in float")
+    for n in states:
+        module = modules.get(n)
+        if module is None:
+            raise ValueError(f"onnx export: layer {n!r} of the calibration is not a module of "
+                             f"this {type(model).__name__} (a calibration of another model?)")
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"onnx export: layer {n!r} is a {type(module).__name__} without a "
+                             f"2-D weight: only Linear layers export (quantize the Linears "
+                             f"inside a block, not the block)")
+        if is_conv1d(module):
+            raise ValueError(f"onnx export: layer {n!r} is a transformers Conv1D (weight "
+                             f"[in, out]), which this exporter does not write; leave it in "
+                             f"float")
 
 
 def _check_exportable(states) -> None:
@@ -368,58 +294,6 @@ def _check_ort_runs(layer, roles) -> None:
                          f"static input: ONNX Runtime fuses the pair into "
                          f"MatMulIntegerToFloat, which has no per-group scales, and fails at "
                          f"run time; use per-channel weights, 4-bit groups or a 16-bit input")
-
-
-def _insert_qdq(onnx, graph, model, states, uint8: bool) -> None:
-    """Each calibrated layer's MatMul / Gemm gets its input QDQ and weight DQ nodes; every
-    calibrated layer must map to exactly one such node."""
-    inits = {t.name: t for t in graph.initializer}
-    found: set[str] = set()
-    new_nodes, new_inits = [], []
-    for node in graph.node:
-        layer = _calibrated_scope(node, states) if node.op_type in ("MatMul", "Gemm") else None
-        roles = states.get(layer) if layer is not None else None
-        if roles is None or len(node.input) < 2 or node.input[1] not in inits:
-            new_nodes.append(node)
-            continue
-        if layer in found:
-            raise ValueError(f"onnx export: {layer} maps to more than one MatMul / Gemm node")
-        weight = model.get_submodule(layer).weight.detach().float()
-        transposed = _weight_view(onnx.numpy_helper.to_array(inits[node.input[1]]),
-                                  weight.numpy(), node)
-        if transposed is None:
-            raise ValueError(f"onnx export: {layer}: the exported node {node.name!r} does not "
-                             f"multiply by {layer}.weight")
-        found.add(layer)
-        prefix = layer
-        if "input" in roles:
-            i, qdq, out = _input_qdq(layer, roles["input"], node.input[0], prefix, uint8)
-            new_inits += i
-            new_nodes += qdq
-            node.input[0] = out
-        if "weight" in roles:
-            i, dq, out = _weight_dq(layer, roles["weight"], weight, transposed, prefix,
-                                      uint8)
-            new_inits += i
-            new_nodes.append(dq)
-            node.input[1] = out
-        new_nodes.append(node)
-    missing = sorted(set(states) - found)
-    if missing:
-        raise ValueError(f"onnx export: no MatMul / Gemm node found for {missing[:5]} "
-                         f"(calibrated layers must be Linear modules the exporter keeps)")
-    del graph.node[:]
-    graph.node.extend(new_nodes)
-    graph.initializer.extend(new_inits)
-
-
-def _drop_unused_initializers(graph) -> None:
-    """The float weights the DQ nodes replaced (an initializer no node reads, and no output)."""
-    used = {i for n in graph.node for i in n.input}
-    keep = [t for t in graph.initializer if t.name in used or t.name in
-            {o.name for o in graph.output}]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
 
 
 def session_options(threads: int | None = None, optimized_model_path: str | None = None):
@@ -468,12 +342,13 @@ def session(path, threads: int | None = None, optimized_model_path: str | None =
 
 
 def integer_kernel_counts(optimized_model_path) -> dict[str, int]:
-    """Op counts of an optimized graph: each integer MatMul kernel and the plain float
-    ``MatMul`` / ``Gemm`` left."""
+    """Op counts of an optimized graph: every op that multiplies matrices, each integer
+    kernel (:data:`INTEGER_KERNELS`) and each float one left (``MatMul``, ``Gemm``,
+    ``FusedMatMul``, ``FusedGemm``, ...), so that no float fallback goes uncounted."""
     onnx = _onnx()
     proto = onnx.load(str(optimized_model_path), load_external_data=False)
     counts: dict[str, int] = {}
     for n in proto.graph.node:
-        if n.op_type in (*INTEGER_KERNELS, "MatMul", "Gemm", "FusedMatMul"):
+        if "MatMul" in n.op_type or "Gemm" in n.op_type:
             counts[n.op_type] = counts.get(n.op_type, 0) + 1
     return counts

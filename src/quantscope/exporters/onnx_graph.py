@@ -1,0 +1,270 @@
+"""The QDQ rewrite of the ONNX export: each calibrated Linear's ``MatMul`` / ``Gemm`` in the
+float graph gets its weight ``DequantizeLinear`` and its input ``QuantizeLinear ->
+DequantizeLinear`` (see :mod:`.onnx` for the forms and what ORT runs them as).
+
+A Linear's nodes are found through the module name the dynamo exporter records on each node
+(``pkg.torch.onnx.name_scopes``) and checked against the weight's values. A Linear called
+more than once has one ``MatMul`` / ``Gemm`` per call: each gets its own input Q/DQ pair and
+its own weight ``DequantizeLinear``, all reading the layer's one set of weight codes, as
+``apply()`` quantizes every call with the layer's qparams. A ``Gemm`` (a Linear on a 2-D
+input) is written as ``MatMul`` (+ ``Add`` for the bias): ONNX Runtime fuses the QDQ
+``MatMul`` into its integer kernels and leaves a QDQ ``Gemm`` with a float bias in float.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import numpy as np
+import torch
+
+from .onnx_tensors import code_tensor
+
+_SCOPES = "pkg.torch.onnx.name_scopes"
+
+
+def storage(spec, layer: str, role: str):
+    """The ONNX integer type that holds every code of ``spec``: (type, bits, signed)."""
+    from onnx import TensorProto as TP
+
+    if spec.is_float:
+        raise ValueError(f"onnx export: {layer}.{role} uses {spec.format}; this exporter writes "
+                         f"integer formats only (float formats: fp8 / fp4 / MX / NVFP4 are not "
+                         f"supported)")
+    lo, hi = int(spec.qmin), int(spec.qmax)
+    for bits, signed_t, unsigned_t in ((4, TP.INT4, TP.UINT4), (8, TP.INT8, TP.UINT8),
+                                      (16, TP.INT16, TP.UINT16)):
+        if lo >= -(2 ** (bits - 1)) and hi <= 2 ** (bits - 1) - 1:
+            return signed_t, bits, True
+        if lo >= 0 and hi <= 2 ** bits - 1:
+            return unsigned_t, bits, False
+    raise ValueError(f"onnx export: {layer}.{role}: codes [{lo}, {hi}] fit no ONNX integer type")
+
+
+def _scopes(node) -> list[str]:
+    """The module names the exporter recorded ``node`` under, root first, its op's last."""
+    for p in node.metadata_props:
+        if p.key == _SCOPES:
+            return list(ast.literal_eval(p.value))
+    return []
+
+
+def _weight_view(init_array: np.ndarray, weight: np.ndarray, node) -> bool | None:
+    """Whether the node's initializer is ``weight`` transposed (True), as is (False), or
+    another tensor (None)."""
+    trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+    if node.op_type == "MatMul" or (node.op_type == "Gemm" and not trans_b):
+        return True if init_array.shape == weight.T.shape and np.array_equal(
+            init_array, weight.T) else None
+    return False if init_array.shape == weight.shape and np.array_equal(
+        init_array, weight) else None
+
+
+def unsigned(dtype, codes: torch.Tensor | None, zp: torch.Tensor, shift: bool):
+    """int8 codes and zero point moved by +128 to uint8 when ``shift``: the same values
+    (``(q + 128) - (zp + 128) == q - zp``), the same saturation, but ONNX Runtime then runs
+    its u8u8 kernel in any session: exact on every x86 CPU, never the int8 dot-product
+    (VNNI) kernel. See :data:`.onnx.PRECISE_U8U8` for the default int8 storage."""
+    from onnx import TensorProto as TP
+
+    if shift and dtype == TP.INT8:
+        return TP.UINT8, None if codes is None else codes + 128, zp + 128
+    return dtype, codes, zp
+
+
+def _weight_dq(layer, state, weight: torch.Tensor, transposed: bool, prefix: str,
+               shift: bool):
+    """Initializers (codes, scale, zero point) and the DequantizeLinear node of one weight."""
+    from onnx import helper, numpy_helper
+
+    from ..layout import Channel, Group, Tensor
+    from ..qdq import quantize
+
+    spec = state.spec
+    if state.dynamic is not False or state.qparams is None:
+        raise ValueError(f"onnx export: {layer}.weight has no static qparams "
+                         f"(dynamic={state.dynamic!r})")
+    dtype, _, _ = storage(spec, layer, "weight")
+    qp = state.qparams
+    codes = quantize(weight.detach().float(), qp, spec).to(torch.int32)  # [out, in]
+    scale = qp.effective_scale.detach().float()
+    zp = qp.zero_point.detach().to(torch.int32)
+    layout = spec.layout
+    out_f, in_f = weight.shape
+    attrs = {}
+    if isinstance(layout, Tensor):
+        scale, zp = scale.reshape(()), zp.reshape(())
+    elif isinstance(layout, Channel) and layout.axis % 2 == 0:
+        scale, zp = scale.reshape(out_f), zp.reshape(out_f)
+        attrs["axis"] = 1 if transposed else 0
+    elif isinstance(layout, Group) and layout.axis % 2 == 1 and layout.g_idx is None:
+        scale = scale.reshape(out_f, in_f // layout.size)
+        zp = zp.reshape(out_f, in_f // layout.size)
+        if transposed:
+            scale, zp = scale.T, zp.T
+        attrs["axis"] = 0 if transposed else 1
+        attrs["block_size"] = layout.size
+    else:
+        raise ValueError(f"onnx export: {layer}.weight: layout {layout} has no DequantizeLinear "
+                         f"form (expected per-tensor, per-output-channel or per-group along "
+                         f"the input features without g_idx)")
+    if transposed:
+        codes = codes.T
+    dtype, codes, zp = unsigned(dtype, codes, zp, shift)
+    names = [f"{prefix}.weight_q", f"{prefix}.weight_scale", f"{prefix}.weight_zero_point"]
+    inits = [code_tensor(names[0], dtype, codes),  # raw bytes: 1 per int8 code, 1/2 per int4
+             numpy_helper.from_array(np.ascontiguousarray(scale.numpy()), names[1]),
+             code_tensor(names[2], dtype, zp)]
+    out = f"{prefix}.weight_dq"
+    node = helper.make_node("DequantizeLinear", names, [out], name=f"{prefix}/weight_dq",
+                            **attrs)
+    return inits, node, out
+
+
+def _input_qdq(layer, state, source: str, prefix: str, shift: bool):
+    """Initializers and the QuantizeLinear -> DequantizeLinear pair of one static input."""
+    from onnx import helper, numpy_helper
+
+    from ..layout import Tensor
+
+    spec = state.spec
+    if state.dynamic is not False or state.qparams is None:
+        raise ValueError(f"onnx export: {layer}.input is quantized at run time "
+                         f"(dynamic={state.dynamic!r}); this exporter writes static activation "
+                         f"scales only")
+    if not isinstance(spec.layout, Tensor):  # a spec the graph cannot express, not a bad type
+        raise ValueError(  # noqa: TRY004
+            f"onnx export: {layer}.input: layout {spec.layout} is not per-tensor; "
+            f"static activations export per tensor only")
+    dtype, bits, signed = storage(spec, layer, "input")
+    full = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
+    if bits == 4 or (int(spec.qmin), int(spec.qmax)) != full:
+        raise ValueError(f"onnx export: {layer}.input: codes [{int(spec.qmin)}, "
+                         f"{int(spec.qmax)}] are not a full int8 / uint8 / int16 range, which "
+                         f"QuantizeLinear saturates to")
+    qp = state.qparams
+    dtype, _, zp = unsigned(dtype, None, qp.zero_point.reshape(()).to(torch.int32), shift)
+    names = [f"{prefix}.input_scale", f"{prefix}.input_zero_point"]
+    inits = [numpy_helper.from_array(
+                 qp.effective_scale.detach().float().reshape(()).numpy().copy(), names[0]),
+             code_tensor(names[1], dtype, zp)]
+    q = helper.make_node("QuantizeLinear", [source, *names], [f"{prefix}.input_q"],
+                         name=f"{prefix}/input_q")
+    dq = helper.make_node("DequantizeLinear", [f"{prefix}.input_q", *names],
+                          [f"{prefix}.input_dq"], name=f"{prefix}/input_dq")
+    return inits, [q, dq], f"{prefix}.input_dq"
+
+
+def _plain_gemm(node) -> bool:
+    """A ``Gemm`` that is ``A @ B (+ C)``: alpha = beta = 1, A not transposed."""
+    attrs = {a.name: a for a in node.attribute}
+    return node.op_type == "Gemm" and not (attrs.get("transA") and attrs["transA"].i) and all(
+        k not in attrs or attrs[k].f == 1.0 for k in ("alpha", "beta"))
+
+
+def _as_matmul(node) -> list:
+    """``node`` (a plain Gemm whose weight input is already the ``[in, out]`` DQ output) as
+    ``MatMul`` then ``Add`` of its bias, under its name scopes."""
+    from onnx import helper
+
+    bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    out = node.output[0]
+    mm = helper.make_node("MatMul", list(node.input[:2]), [f"{out}_matmul" if bias else out],
+                          name=node.name)
+    nodes = [mm] if bias is None else [
+        mm, helper.make_node("Add", [mm.output[0], bias], [out], name=f"{node.name}/bias")]
+    for n in nodes:
+        n.metadata_props.extend(node.metadata_props)
+    return nodes
+
+
+class _Rewrite:
+    """The new node list and initializers of :func:`insert_qdq`."""
+
+    def __init__(self, onnx, graph, model, states, shift: bool):
+        self.onnx, self.model, self.states, self.shift = onnx, model, states, shift
+        self.inits = {t.name: t for t in graph.initializer}
+        self.calls: dict[str, int] = {}  # layer -> its MatMul / Gemm nodes rewritten so far
+        self.weights: dict[tuple[str, bool], object] = {}  # (layer, transposed) -> first DQ
+        self.nodes: list = []
+        self.new_inits: list = []
+
+    def node(self, node) -> None:
+        layer = next((s for s in reversed(_scopes(node)) if s in self.states), None) \
+            if node.op_type in ("MatMul", "Gemm") else None
+        if layer is None or len(node.input) < 2 or node.input[1] not in self.inits:
+            self.nodes.append(node)
+            return
+        roles = self.states[layer]
+        weight = self.model.get_submodule(layer).weight.detach().float()
+        transposed = _weight_view(self.onnx.numpy_helper.to_array(self.inits[node.input[1]]),
+                                  weight.numpy(), node)
+        if transposed is None:
+            raise ValueError(f"onnx export: {layer}: the exported node {node.name!r} does not "
+                             f"multiply by {layer}.weight")
+        matmul = _plain_gemm(node) and "weight" in roles
+        if matmul:  # the weight DQ is written [in, out] for the MatMul
+            transposed = True
+        k = self.calls[layer] = self.calls.get(layer, -1) + 1
+        prefix = layer if k == 0 else f"{layer}.call{k}"
+        if "input" in roles:
+            i, qdq, out = _input_qdq(layer, roles["input"], node.input[0], prefix, self.shift)
+            self.new_inits += i
+            self.nodes += qdq
+            node.input[0] = out
+        if "weight" in roles:
+            node.input[1] = self._weight(layer, roles["weight"], weight, transposed, prefix)
+        self.nodes += _as_matmul(node) if matmul else [node]
+
+    def _weight(self, layer, state, weight, transposed: bool, prefix: str) -> str:
+        """The output of a new weight DequantizeLinear; a layer's later calls read the
+        codes its first one wrote (one DQ node per call: ORT fuses each with its MatMul)."""
+        first = self.weights.get((layer, transposed))
+        if first is None:
+            i, first, _ = _weight_dq(layer, state, weight, transposed, prefix, self.shift)
+            self.new_inits += i
+            self.weights[(layer, transposed)] = first
+        dq = self.onnx.helper.make_node("DequantizeLinear", list(first.input),
+                                        [f"{prefix}.weight_dq"], name=f"{prefix}/weight_dq")
+        dq.attribute.extend(first.attribute)
+        self.nodes.append(dq)
+        return dq.output[0]
+
+
+def insert_qdq(onnx, graph, model, states, shift: bool) -> None:
+    """Each calibrated layer's MatMul / Gemm nodes (one per call) get their input QDQ and
+    weight DQ nodes; a layer with none is a ``ValueError`` naming it."""
+    rewrite = _Rewrite(onnx, graph, model, states, shift)
+    for node in graph.node:
+        rewrite.node(node)
+    missing = sorted(set(states) - set(rewrite.calls))
+    if missing:
+        _missing_error(graph, missing)
+    del graph.node[:]
+    graph.node.extend(rewrite.nodes)
+    graph.initializer.extend(rewrite.new_inits)
+    drop_unused_initializers(graph)
+
+
+def _missing_error(graph, missing: list[str]) -> None:
+    """Why a calibrated Linear has no MatMul / Gemm: never called as a module (nothing is
+    recorded under its name), or called without multiplying by its weight initializer."""
+    seen = {s for n in graph.node for s in _scopes(n)}
+    never = [m for m in missing if m not in seen]
+    if never:
+        raise ValueError(
+            f"onnx export: {never[:5]} never called as a module in the forward (an unused "
+            f"layer, or one whose weight another module reads directly, as "
+            f"nn.MultiheadAttention reads out_proj.weight): the graph has no node of its own "
+            f"to quantize; leave it out of the recipe (ignore it) or call the layer itself")
+    raise ValueError(f"onnx export: the nodes of {missing[:5]} include no MatMul / Gemm "
+                     f"multiplying by the layer's weight (a constant initializer)")
+
+
+def drop_unused_initializers(graph) -> None:
+    """The float weights the DQ nodes replaced (an initializer no node reads, and no output)."""
+    used = {i for n in graph.node for i in n.input}
+    keep = [t for t in graph.initializer if t.name in used or t.name in
+            {o.name for o in graph.output}]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
