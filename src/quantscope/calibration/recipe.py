@@ -171,6 +171,8 @@ class Recipe:
         if isinstance(self.rules, Rule):
             object.__setattr__(self, "rules", (self.rules,))
         object.__setattr__(self, "rules", tuple(self.rules))
+        if not isinstance(self.name, str):  # it labels reports and names the saved recipe
+            raise TypeError(f"Recipe.name must be a string, got {self.name!r}")
         object.__setattr__(self, "ignore", patterns("Recipe.ignore", self.ignore))
         fuse = (self.fuse,) if isinstance(self.fuse, str) else self.fuse or ()  # one group
         if not isinstance(fuse, (tuple, list)):

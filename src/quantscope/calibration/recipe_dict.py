@@ -70,9 +70,9 @@ def own_options(where: str, role: str, observer: str, options: dict) -> None:
     ``observer``, the one a preset or scheme runs on its ``role`` then, does not take: it would
     otherwise fail at calibration (weights are not checked: their memoryless variant keeps the
     options it takes, as a named observer's do)."""
-    from .role_observers import _accepted
+    from .role_observers import unknown_options
 
-    extra = sorted(set(options) - set(_accepted(observer, observer, options)))
+    extra = unknown_options(observer, options)
     if extra:
         raise ValueError(f"{where}: option {extra[0]!r} is not one the {role} observer "
                          f"{observer!r} takes ({observer} runs there when no observer is "

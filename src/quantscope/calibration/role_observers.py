@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import replace
 
-__all__ = ["AUTO", "observed", "weight_observer"]
+__all__ = ["AUTO", "observed", "unknown_options", "weight_observer"]
 
 AUTO = "auto"
 
@@ -51,6 +51,12 @@ def _accepted(name: str, observer: str, options: dict) -> dict:
              for p in inspect.signature(c.__init__).parameters.values()
              if p.kind == p.KEYWORD_ONLY}
     return {k: v for k, v in options.items() if k in named}
+
+
+def unknown_options(observer: str, options: dict) -> list[str]:
+    """The names in ``options`` that ``observer``'s class takes no keyword-only argument of,
+    sorted."""
+    return sorted(set(options) - set(_accepted(observer, observer, options)))
 
 
 def observed(role, kind: str, observer: str, options: dict):

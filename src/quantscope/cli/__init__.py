@@ -93,7 +93,10 @@ def _quiet_third_parties() -> None:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage error (2) or --help (0): the code
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
     if args.command is None:
         parser.print_help()
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 
 from .checks import (
@@ -104,8 +105,9 @@ def cmd_calibrate(args) -> int:
                  else ""))
     print(f"  calibration {calib.info.get('calibration_seconds', 0):.1f} s, total "
           f"{time.perf_counter() - t0:.1f} s")
-    print(f"  report: {args.out}/report.md   next: quantscope evaluate {args.out} | "
-          f"quantscope export {args.out} --out DIR")
+    run = shlex.quote(args.out)  # the commands shown run as pasted into a shell
+    print(f"  report: {args.out}/report.md   next: quantscope evaluate {run} | "
+          f"quantscope export {run} --out DIR")
     return 0
 
 

@@ -4,6 +4,7 @@ a :class:`UsageError` (one line on stderr, exit code 2), with the closest names 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 
@@ -119,8 +120,17 @@ def check_model_arg(path) -> None:
     if not os.path.exists(path):
         raise UsageError(f"--model {path!r} does not exist (a Hugging Face model folder, or one "
                          f"of the demo models {', '.join(DEMO_MODELS)})")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
         raise UsageError(f"--model {path!r} is not a Hugging Face model folder (no config.json)")
+    try:  # read here, so a damaged file is named (transformers' errors do not name it)
+        with open(config, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--model {path!r}: {config} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--model {path!r}: {config} holds a {type(data).__name__}, not a "
+                         f"JSON object")
 
 
 def check_out(path, inputs=()) -> None:

@@ -294,9 +294,12 @@ def _read_report(run: str) -> tuple[str, dict]:
     if not os.path.isfile(path):
         raise UsageError(f"plot: {run!r} is not a compare run directory or report.json "
                          f"(no {path})")
-    with open(path) as f:
-        report = json.load(f)
-    if "runs" not in report:
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # else a bare parser message
+        raise UsageError(f"plot: {path} is not valid JSON ({e})") from None
+    if not isinstance(report, dict) or "runs" not in report:
         raise UsageError(f"plot: {path} is not a compare report (no 'runs')")
     return path, report
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import re
 
-from .checks import UsageError
-from .names import DEFAULT_IGNORE, DEFAULT_TARGETS, RECIPE_NAMES
+from .checks import UsageError, check_name
+from .names import DEFAULT_IGNORE, DEFAULT_TARGETS, OBSERVER_NAMES, RECIPE_NAMES
 
 
 def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=False):
@@ -156,10 +156,33 @@ def read_recipe_file(path: str):
 
     d = _recipe_text(path)
     try:
-        return Recipe.from_dict(d)
+        rec = Recipe.from_dict(d)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UsageError(f"--recipe-file {path!r}: not a recipe ({type(e).__name__}: {e}); "
                          f"expected the structure of Recipe.to_dict()") from None
+    _check_observers(rec, path)
+    return rec
+
+
+def _check_observers(rec, path: str) -> None:
+    """The observers a recipe file's roles run, and their options, checked as ``--observer``
+    is (closest names), before the model loads: calibrate would only meet them after it."""
+    from ..calibration.role_observers import AUTO, unknown_options
+
+    roles = [(f"rules[{i}].{k}", role) for i, r in enumerate(rec.rules)
+             for k, role in r.roles().items()] + [("kv_cache", rec.kv_cache)]
+    for where, role in roles:
+        if role is None or role.dynamic is True:  # quantized at run time: no observer runs
+            continue
+        name = check_name(role.observer, OBSERVER_NAMES,  # any case, as the registry's
+                          f"observer (--recipe-file {path!r}, {where})")
+        if name == AUTO or ":" in name:  # auto's candidates and a toolkit's own keywords
+            continue
+        unknown = unknown_options(name, dict(role.options))
+        if unknown:
+            raise UsageError(f"--recipe-file {path!r}, {where}: observer {name!r} takes no "
+                             f"option {', '.join(map(repr, unknown))} (its options are "
+                             f"its class's keyword-only arguments)")
 
 
 def _indivisible(rec, model, policy: str):
@@ -170,19 +193,21 @@ def _indivisible(rec, model, policy: str):
     from ..calibration.run.observe import module_role
     from ..layout import Group
 
-    bad = {}
+    bad, widths = {}, set()
     for layer, (module, roles) in rec.match(model).items():
         role = roles.get("weight")
         if role is None or not isinstance(role.spec.layout, Group):
             continue
         lay = module_role(layer, "weight", role, module).spec.layout  # a Conv1D's transposed
         width = module.weight.shape[lay.axis]
+        widths.add(width)
         if width % lay.size:
             bad[layer] = (width, lay.size)
     if not bad:
         return rec
     layer, (width, size) = next(iter(bad.items()))
-    divisors = [d for d in (16, 32, 64, 96, 128, 192, 256) if width % d == 0]
+    # sizes that divide every grouped layer: one that fits only this one fails on the next
+    divisors = [d for d in (16, 32, 64, 96, 128, 192, 256) if all(w % d == 0 for w in widths)]
     said = (f"layer {layer!r} has width {width}, which group size {size} does not divide "
             f"({len(bad)} such layers); --group-size "
             f"{' / '.join(map(str, divisors)) or '(none of 16..256)'} would")

@@ -109,6 +109,7 @@ def load_setup(args, phases: Phases, prepare=None):
     device = resolve_device(args.device)
     path = models.resolve_model_path(args.model)
     task = args.task or models.model_task(path)
+    check_text_config(path, task)  # before the tokenizer: an image model has none
     model, tok = phases.run(f"loading {models.model_name(path)} ({task})",
                             lambda: models.load_model(path, device, task=task))
     _check_text_model(model, path)
@@ -137,14 +138,36 @@ def load_setup(args, phases: Phases, prepare=None):
     return model, batches, ev, fp, setup, prepared
 
 
+def check_text_config(path, task: str) -> None:
+    """:func:`_check_text_class` from the folder's config and the class ``task`` loads, before
+    anything else of the folder is read; a config transformers maps to no class of that task
+    is checked once the model is loaded."""
+    from transformers.models.auto import modeling_auto
+
+    from ..calibration.run.hf_loader import load_config
+
+    config = load_config(path, "--model")  # never runs the folder's code
+    mapping = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING if task == "causal-lm"
+               else modeling_auto.MODEL_MAPPING)
+    try:
+        cls = mapping[type(config)]
+    except KeyError:
+        return
+    _check_text_class(cls, config, path)
+
+
 def _check_text_model(model, path) -> None:
+    _check_text_class(type(model), model.config, path)
+
+
+def _check_text_class(cls, config, path) -> None:
     """The command line feeds text (token ids) to a causal LM or a text encoder: refuse, before
     an evaluation fails inside the model, an encoder-decoder (T5, Whisper) or a model whose
     input is not token ids (ViT's pixel_values, an audio model's input_values)."""
-    takes = getattr(model, "main_input_name", "input_ids")
-    if getattr(model.config, "is_encoder_decoder", False) or takes != "input_ids":
+    takes = getattr(cls, "main_input_name", "input_ids")
+    if getattr(config, "is_encoder_decoder", False) or takes != "input_ids":
         kind = "an encoder-decoder" if takes == "input_ids" else f"a model of {takes}"
-        raise UsageError(f"model {str(path)!r} ({type(model).__name__}) is {kind}; the command "
+        raise UsageError(f"model {str(path)!r} ({cls.__name__}) is {kind}; the command "
                          f"line calibrates causal LMs and text encoders on text: calibrate it "
                          f"from Python, quantscope.calibrate(model, batches, recipe)")
 

@@ -171,7 +171,7 @@ def load_model(path=None, device="cpu", dtype=None, task: str | None = None,
         raise ValueError(f"load_model: task must be one of {TASKS}, got {task!r}")
     tf = _transformers()
     check_no_remote_code(path, "load_model", trust_remote_code)  # before anything is read
-    tokenizer = load_tokenizer(path, "load_model", trust_remote_code)
+    tokenizer = _tokenizer(path, trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"model {str(path)!r}: the tokenizer has neither a padding nor an "
@@ -182,6 +182,26 @@ def load_model(path=None, device="cpu", dtype=None, task: str | None = None,
     cls = tf.AutoModelForCausalLM if task == "causal-lm" else tf.AutoModel
     model = pretrained(cls, path, "load_model", trust_remote_code, **kwargs).to(device).eval()
     return model, tokenizer
+
+
+#: the files a saved tokenizer consists of (one of them at least: ``save_pretrained`` writes
+#: tokenizer_config.json, the vocabulary files depend on the tokenizer)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
+                    "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
+def _tokenizer(path: Path, trust_remote_code: bool):
+    """The folder's tokenizer; a folder with no tokenizer files says so (transformers' error
+    would name the converters it tried, sentencepiece, tiktoken)."""
+    try:
+        return load_tokenizer(path, "load_model", trust_remote_code)
+    except Exception:  # whatever transformers raises for a missing tokenizer
+        if any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise
+        raise ValueError(f"model {str(path)!r} has no tokenizer files (expected one of "
+                         f"{', '.join(_TOKENIZER_FILES)}, as the tokenizer's save_pretrained "
+                         f"writes them): save the model's tokenizer into the folder"
+                         ) from None
 
 
 def token_batches(tokenizer, docs: list[str], max_length: int, batch_size: int = 1,

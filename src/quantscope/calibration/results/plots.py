@@ -84,6 +84,8 @@ def _drawn_recipe(report: dict, recipe: str | None) -> str | None:
     """``recipe``, else the first run's: recipes often share activation specs, so one
     recipe's ranges suffice."""
     if recipe is None:
+        if not report["runs"]:  # (else a bare StopIteration)
+            raise ValueError("plot: the report has no runs: nothing to plot")
         recipe = next(iter(report["runs"].values())).get("recipe")
     return recipe
 
