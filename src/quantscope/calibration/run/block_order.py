@@ -11,9 +11,13 @@ output; a torch-function mode notes every other use of a block's output. Where p
 input through cannot work (blocks that change its shape, or return tuples) a second trace
 gives zeros shaped as each block's output, found by running the block on the meta device.
 A chain in any order is followed; anything else is refused with an error naming the block,
-as is a weighted module shared by two blocks (:func:`check_disjoint`). Each call's other
-arguments are kept (:func:`split_contexts`): blocks of one model may take different ones
-(Gemma's sliding-window and full-attention layers each their own mask).
+as is a weighted module shared by two blocks (:func:`check_disjoint`) and a tuple output
+whose other items are read (T5's ``position_bias``: the replay gives hidden states only).
+Each call's other arguments are kept (:func:`split_contexts`): blocks of one model may take
+different ones (Gemma's sliding-window and full-attention layers each their own mask).
+Weighted modules outside the blocks compute as usual until every block has been called
+(one the forward calls between the blocks on the batch feeds them its values), then give
+only their output's shape (:func:`_shape_only`).
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ class Trace:
     """One forward's block calls: ``calls[k] = (block index, index of the call whose output
     is its input, or None)``, ``inputs[k]`` / ``outputs[k]`` the tensors it took and gave;
     ``used``: the calls whose output something other than a block read; ``contexts[k]``
-    its arguments besides the hidden states (:func:`_replayable`). A plain trace
+    its arguments besides the hidden states (:func:`_replayable`); ``extras[k]`` the other
+    tensors of a tuple output and ``extra_used`` the calls one of which was read (the
+    replay gives the hidden states only), with where. A plain trace
     passes each input through; a ``shaped`` one gives zeros shaped as the block's output
     (its tuple too), from a run of the block on the meta device: for blocks that change the
     shape of their input or return tuples."""
@@ -53,6 +59,10 @@ class Trace:
     inputs: list = dataclasses.field(default_factory=list)
     used: set = dataclasses.field(default_factory=set)
     contexts: list = dataclasses.field(default_factory=list)
+    extras: list = dataclasses.field(default_factory=list)
+    extra_used: dict = dataclasses.field(default_factory=dict)
+    count: int = 0  # the blocks: the rest of the model runs shape only once all were called
+    first: object = None  # a copy of the first call's input, as it was then
     inside: bool = False  # a recorder is running: its own ops are no use
 
     def call(self, j: int, block: nn.Module, args: tuple, kwargs: dict, name: str):
@@ -64,11 +74,11 @@ class Trace:
         args, kwargs = _replayable(args, kwargs)
         context = (args[1:], kwargs) if args else (
             (), {k: v for k, v in kwargs.items() if k != "hidden_states"})
-        for t in tensors_in(context):  # a block's output as another's argument: not a chain
-            k = self.output_index(t)
-            if k is not None:
-                self.used.add(k)
+        # a block's output as another's argument: not a chain
+        self.note(context, f"passed to block {name}.{j} as an argument")
         self.contexts.append(context)
+        if not self.calls:  # a plain trace passes it through (its storage): the forward
+            self.first = h.clone()  # may change that in place after the blocks (h += ...)
         self.calls.append((j, self.output_index(h)))
         self.inputs.append(h)
         self.inside = True
@@ -77,10 +87,21 @@ class Trace:
         finally:
             self.inside = False
         self.outputs.append(out[0] if isinstance(out, tuple) else out)
+        self.extras.append(list(tensors_in(out[1:])) if isinstance(out, tuple) else [])
         return out
 
     def output_index(self, t) -> int | None:
         return next((k for k, o in enumerate(self.outputs) if o is t), None)
+
+    def note(self, value, where: str) -> None:
+        """The block outputs among ``value``'s tensors are read (by ``where``)."""
+        for t in tensors_in(value):
+            k = self.output_index(t)
+            if k is not None:
+                self.used.add(k)
+            k = next((k for k, ts in enumerate(self.extras) if any(e is t for e in ts)), None)
+            if k is not None:
+                self.extra_used.setdefault(k, where)
 
     def order(self) -> list[int]:
         return [j for j, _ in self.calls]
@@ -202,10 +223,7 @@ class _Uses(TorchFunctionMode):
         name = getattr(getattr(func, "__self__", None), "__name__", None) \
             if getattr(func, "__name__", None) == "__get__" else getattr(func, "__name__", None)
         if not self.trace.inside and name not in _METADATA and self.trace.outputs:
-            for t in tensors_in((args, kwargs)):
-                k = self.trace.output_index(t)
-                if k is not None:
-                    self.trace.used.add(k)
+            self.trace.note((args, kwargs), f"read by {name}")
         return func(*args, **kwargs)
 
 
@@ -214,20 +232,19 @@ def _free_zeros(shape, dtype, device):
     return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
-def _shape_only(module: nn.Module, trace: Trace):
-    """``module``'s forward for the trace: computed as usual until the first block is called
-    (its values feed the blocks); after, only its output's shape (the meta device) and the
-    block outputs it reads. The head of a language model would otherwise compute every
-    batch's logits (batch x tokens x vocabulary floats) only to be thrown away."""
+def _shape_only(module: nn.Module, trace: Trace, name: str):
+    """``module``'s forward for the trace: computed as usual until every block has been
+    called (its values may feed the blocks: embeddings before them, a module called between
+    them on the batch); after, only its output's shape (the meta device) and the block
+    outputs it reads. The head of a language model would otherwise compute every batch's
+    logits (batch x tokens x vocabulary floats) only to be thrown away."""
     forward = module.forward
 
     def shape_only(*args, **kwargs):
-        if not trace.calls or trace.inside:  # inside: the meta run of this very call
+        # inside: the meta run of this very call
+        if len(trace.calls) < trace.count or trace.inside:
             return forward(*args, **kwargs)
-        for t in tensors_in((args, kwargs)):
-            k = trace.output_index(t)
-            if k is not None:
-                trace.used.add(k)
+        trace.note((args, kwargs), f"read by {name}")
         device = next(module.parameters(recurse=False)).device
         device = next((t.device for t in tensors_in((args, kwargs))), device)
         trace.inside = True
@@ -245,24 +262,25 @@ def _shape_only(module: nn.Module, trace: Trace):
 def recorders(layers: nn.ModuleList, name: str, trace: Trace, model: nn.Module | None = None):
     """Every block of ``layers`` replaced by a recorder into ``trace`` and every use of their
     outputs noted, for the ``with`` block; the blocks back after. The weighted modules of
-    ``model`` outside the blocks give only their output's shape once the blocks have begun
-    (:func:`_shape_only`)."""
+    ``model`` outside the blocks give only their output's shape once every block has been
+    called (:func:`_shape_only`)."""
     originals = list(layers)
-    outside = [m for n, m in (model.named_modules() if model is not None else ())
+    outside = [(n, m) for n, m in (model.named_modules() if model is not None else ())
                if n != name and not n.startswith(name + ".") and not name.startswith(n + ".")
                and next(m.parameters(recurse=False), None) is not None]
     # an instance attribute (nn.Module.__call__ calls it); one set before (accelerate's
     # hooks) is put back
-    before = [m.__dict__.get("forward") for m in outside]
+    before = [m.__dict__.get("forward") for _, m in outside]
+    trace.count = len(layers)
     for j in range(len(layers)):
         layers[j] = _Recorder(j, originals[j], trace, name)
-    for m in outside:
-        m.forward = _shape_only(m, trace)
+    for n, m in outside:
+        m.forward = _shape_only(m, trace, n)
     try:
         with _Uses(trace):
             yield trace
     finally:
-        for m, f in zip(outside, before):
+        for (_, m), f in zip(outside, before):
             if f is None:
                 del m.forward
             else:
@@ -316,6 +334,11 @@ def chain_order(trace: Trace, count: int, name: str) -> list[int]:
             raise refuse(name, f"the output of block {name}.{j} is read elsewhere than by "
                                f"block {name}.{nxt} (a residual or a sum over the blocks)",
                          trace)
+    if trace.extra_used:
+        k = min(trace.extra_used)
+        raise refuse(name, f"block {name}.{trace.calls[k][0]} returns a tuple whose other "
+                           f"items are {trace.extra_used[k]} (as T5's position_bias), while "
+                           f"the blocks are replayed with their hidden states only", trace)
     return trace.order()
 
 

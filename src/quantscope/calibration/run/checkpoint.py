@@ -5,15 +5,19 @@ safetensors read a few tensors at a time (memory-mapped), for sequential calibra
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..._checks import outside_quantscope
 from ..structure.moe import is_experts_3d, is_gated
 from .disk_names import checkpoint_names, expert_names
 
-__all__ = ["Checkpoint", "empty_model", "is_meta", "load_params", "model_task", "unload_params"]
+__all__ = ["Checkpoint", "empty_model", "is_meta", "load_params", "model_task", "unload_params",
+           "warn_unused"]
 
 
 def model_task(path) -> str:
@@ -94,8 +98,12 @@ class Checkpoint:
         self._open = safe_open
         self.where = {}
         for f, names in files.items():
-            with safe_open(f, "pt") as st:
-                keys = set(st.keys())
+            try:
+                with safe_open(f, "pt") as st:
+                    keys = set(st.keys())
+            except Exception as e:  # safetensors' own error names no file (a truncated shard)
+                raise ValueError(f"calibrate: checkpoint file {str(f)!r} is not a readable "
+                                 f"safetensors file ({type(e).__name__}: {e})") from e
             for k in sorted(keys) if names is None else names:
                 if k not in keys:
                     raise ValueError(f"calibrate: {index} puts tensor {k!r} in {str(f)!r}, "
@@ -174,8 +182,11 @@ def _first(tensors):
 
 def _indexed(index: Path) -> dict:
     """``{file: [its tensor names]}`` from a sharded checkpoint's index (its ``weight_map``)."""
-    with open(index) as f:
-        data = json.load(f)
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"calibrate: {index} is not valid JSON ({e})") from e
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -250,6 +261,35 @@ def _expert_parts(model, module, attr: str, on_disk: str, tensors: int):
         return torch.stack([r.t() if flip else r for r in rows])
 
     return keys, build
+
+
+def warn_unused(model, ckpt: Checkpoint, path) -> None:
+    """Warn, as transformers reports unexpected keys, naming the checkpoint tensors no
+    parameter or buffer of ``model`` is read from (another model's checkpoint whose shapes
+    fit: a Qwen2's q / k / v biases in a Llama, a deeper model's extra layers). Left out, as
+    transformers does: the model class's ``_keys_to_ignore_on_load_unexpected``, and
+    tensors named as one of the model's buffers (rotary tables older versions saved)."""
+    claimed, disk = set(), {}
+    aliases = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    for names in aliases.values():
+        try:
+            claimed.update(_disk_source(model, names, ckpt, disk)[0])
+        except ValueError:  # not in the checkpoint: a parameter held in memory
+            pass
+    buffers = {n.rpartition(".")[2] for n, _ in model.named_buffers()}
+    claimed.update(_key(model, n, ckpt) for n, _ in model.named_buffers())
+    ignore = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_unexpected",
+                                             None) or ()]
+    unused = sorted(k for k in ckpt.where if k not in claimed
+                    and k.rpartition(".")[2] not in buffers
+                    and not any(r.search(k) for r in ignore))
+    if unused:
+        warnings.warn(f"calibrate: checkpoint {str(path)!r} holds {len(unused)} tensors unused "
+                      f"by the model ({', '.join(unused[:5])}"
+                      f"{', ...' if len(unused) > 5 else ''}): is it this model's checkpoint?",
+                      stacklevel=outside_quantscope())
 
 
 def _set_param(model, name, value) -> None:

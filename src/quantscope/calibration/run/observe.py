@@ -28,7 +28,7 @@ from ..structure import fusion, kv_cache
 from ..structure.conv1d import is_conv1d, transposed_layout
 from . import heap
 from .batches import batch_count, eval_mode, forward_batch, input_name, module_input
-from .samples import RowSample, capacities
+from .samples import RowSample, capacities, generator_for
 
 # the activation rows kept for auto and the report, all layers together (see docs/memory.md)
 DEFAULT_SAMPLE_BUDGET_MB = 64
@@ -354,8 +354,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
     if not by_module and not kv:
         return 0
     total = batch_count(batches)
-    gen = torch.Generator().manual_seed(seed)
-    _make_samples(unique_slots(slots.values()), sample_tokens, sample_budget_mb, total, gen)
+    _make_samples(unique_slots(slots.values()), sample_tokens, sample_budget_mb, total, seed)
     handles = []
     n = 0
     try:
@@ -419,9 +418,10 @@ def _kv_observer(roles: dict[str, list[Slot]]):
     return callback
 
 
-def _make_samples(slots, sample_tokens, budget_mb, total, gen):
+def _make_samples(slots, sample_tokens, budget_mb, total, seed):
     """One fixed row buffer per sampled slot, all of them within ``budget_mb``: rows are
-    drawn evenly from every batch when their number (``total``) is known."""
+    drawn evenly from every batch when their number (``total``) is known, each slot's by a
+    generator of its own (:func:`.samples.generator_for`)."""
     sampled = [s for s in slots if s.role != "weight" and s.needs_sample]
     if not sampled:
         return
@@ -429,7 +429,8 @@ def _make_samples(slots, sample_tokens, budget_mb, total, gen):
     caps = capacities({id(s): _sample_width(s, axes[id(s)]) for s in sampled},
                       sample_tokens, max(int(sample_budget(budget_mb) * 2**20), 1))
     for s in sampled:
-        s.sample = RowSample(caps[id(s)], total, gen, axes[id(s)], skip_other_widths=True)
+        s.sample = RowSample(caps[id(s)], total, generator_for(seed, f"{s.layer}:{s.role}"),
+                             axes[id(s)], skip_other_widths=True)
 
 
 def _sample_axis(slot: Slot) -> int:

@@ -11,12 +11,13 @@ observers or recipes.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
 from ..._numerics import upload
 
-__all__ = ["RowSample", "capacities"]
+__all__ = ["RowSample", "capacities", "generator_for"]
 
 
 def capacities(widths: dict, max_rows: int, budget_bytes: int, itemsize: int = 4) -> dict:
@@ -32,6 +33,15 @@ def capacities(widths: dict, max_rows: int, budget_bytes: int, itemsize: int = 4
     total = sum((w or widest) for w in widths.values()) * itemsize
     rows = max(1, min(max_rows, budget_bytes // max(total, 1)))
     return dict.fromkeys(widths, rows)
+
+
+def generator_for(seed: int, name: str) -> torch.Generator:
+    """The random rows of the tensor called ``name``: a generator of its own, from ``seed``
+    and the name (not one shared in the order the layers are reached), so that a layer's
+    sample is the same whatever else is calibrated with it (sequential calibration's pieces
+    reach the layers in another order than the whole-model pass)."""
+    mixed = (seed + zlib.crc32(name.encode()) * 0x9E37_79B9_7F4A_7C15) % 2**64
+    return torch.Generator().manual_seed(mixed)
 
 
 class RowSample:

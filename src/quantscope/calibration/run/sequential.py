@@ -34,19 +34,20 @@ import functools
 import gc
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from . import heap
-from .batches import eval_mode, map_tensors, tensors_in
-from .block_order import NotAChain, check_disjoint, fill, split_contexts, trace_batches
-from .checkpoint import Checkpoint, is_meta, load_params, unload_params
+from .batches import batch_count, eval_mode
+from .block_order import NotAChain, check_disjoint, trace_batches
+from .checkpoint import Checkpoint, is_meta, load_params, unload_params, warn_unused
+from .seq_cache import Cache, Contexts
+
+_Cache = Cache  # its name before it moved (tests import it)
 
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "find_blocks"]
 
@@ -86,87 +87,37 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
     return best, modules[best]
 
 
-# ---------------------------------------------------------------- cached activations
-class _Cache:
-    """Per-batch values (tensors, tuples and dicts of them) in memory while their total
-    stays within the shared ``budget`` (bytes, a one-item list), else in files."""
-
-    def __init__(self, budget: list, folder: str, tag: str):
-        self.budget, self.folder, self.tag = budget, folder, tag
-        self.mem, self.size, self.spilled = {}, {}, 0
-
-    def put(self, i: int, value) -> None:
-        self.drop(i)
-        value = map_tensors(torch.Tensor.detach, value)
-        nbytes = _nbytes(value)
-        if nbytes <= self.budget[0]:
-            self.mem[i], self.size[i] = value, nbytes
-            self.budget[0] -= nbytes
-            return
-        path = os.path.join(self.folder, f"{self.tag}-{i}.pt")
-        torch.save(value, path + ".tmp")
-        os.replace(path + ".tmp", path)  # a file is whole or absent
-        self.spilled += 1
-
-    def get(self, i: int):
-        if i in self.mem:
-            return self.mem[i]
-        # weights_only: the file holds tensors, tuples, dicts and plain values, and even our
-        # own spill file is never unpickled as code (docs/SECURITY.md)
-        return torch.load(os.path.join(self.folder, f"{self.tag}-{i}.pt"), weights_only=True)
-
-    def drop(self, i: int) -> None:
-        if i in self.mem:
-            del self.mem[i]
-            self.budget[0] += self.size.pop(i)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(self.folder, f"{self.tag}-{i}.pt"))
-
-    def clear(self) -> None:
-        for i in list(self.mem):
-            self.drop(i)
-        for f in Path(self.folder).glob(f"{self.tag}-*.pt"):
-            f.unlink()
-
-
-class _Contexts:
-    """Each block's arguments besides its hidden states, per batch: their distinct tensors
-    in ``tensors`` (a :class:`_Cache`: in memory or spilled, read back ``weights_only``),
-    the rest in memory as templates (:func:`.block_order.split_contexts`): the first block's,
-    and a block's own only where it differs. Anything besides tensors (flags, sizes, objects
-    of the model's own) thus stays in memory, whatever the budget."""
-
-    def __init__(self, tensors: _Cache):
-        self.tensors, self.templates = tensors, {}
-
-    def put(self, i: int, trace) -> None:
-        listed, first, own = split_contexts(trace)
-        self.tensors.put(i, listed)
-        self.templates[i] = (first, own)
-
-    def get(self, j: int, i: int) -> tuple[tuple, dict]:
-        first, own = self.templates[i]
-        return fill(own.get(j, first), self.tensors.get(i))
-
-    def clear(self) -> None:
-        self.tensors.clear()
-        self.templates.clear()
-
-
-def _nbytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors_in(value))
-
-
 # ---------------------------------------------------------------- the pieces
-class _Replay(nn.Module):
-    """Stands in for every block: returns the last block's cached output of batch ``i``."""
+class _Indexed:
+    """``items`` read in order, the index of the one now out in ``i``; its length only where
+    ``known`` (the whole-model pass on a generator spreads its row samples as over a stream
+    of unknown length: the pieces must too)."""
 
-    def __init__(self, outputs: _Cache, state: dict, as_tuple: bool):
+    def __init__(self, items, known: bool):
+        self.items, self.known, self.i = items, known, 0
+
+    def __iter__(self):
+        for i, item in enumerate(self.items):
+            self.i = i
+            yield item
+
+    def __len__(self) -> int:
+        if not self.known:
+            raise TypeError("the calibration batches have no length")
+        return len(self.items)
+
+
+class _Replay(nn.Module):
+    """Stands in for every block: returns the last block's cached output of the batch
+    ``batches`` (an :class:`_Indexed`) has out now."""
+
+    def __init__(self, outputs: Cache, batches: _Indexed, as_tuple: bool):
         super().__init__()
-        self.outputs, self.state, self.as_tuple = outputs, state, as_tuple
+        self.outputs, self.batches, self.as_tuple = outputs, batches, as_tuple
 
     def forward(self, *args, **kwargs):
-        h = self.outputs.get(self.state["i"])
+        # a copy: the forward may change it in place (h += ...) and run a batch twice
+        h = self.outputs.get(self.batches.i).clone()
         return (h,) if self.as_tuple else h
 
 
@@ -175,7 +126,7 @@ class _Piece(nn.Module):
     whole model; ``forward(i)`` runs the block on batch ``i``'s cached inputs;
     ``context(i)``: its other arguments."""
 
-    def __init__(self, name: str, block: nn.Module, inputs: _Cache, context):
+    def __init__(self, name: str, block: nn.Module, inputs: Cache, context):
         super().__init__()
         *path, last = name.split(".")
         holder = self
@@ -184,12 +135,13 @@ class _Piece(nn.Module):
             holder = getattr(holder, part)
         holder.add_module(last, block)
         self.block, self.inputs, self.context = block, inputs, context
-        self.outputs: _Cache | None = None  # where forward records its outputs, if set
-        self.as_tuple = False
+        self.outputs: Cache | None = None  # where forward records its outputs, if set
+        self.as_tuple = self.copy_inputs = False
 
     def forward(self, i):
         args, kwargs = self.context(i)
-        out = self.block(self.inputs.get(i), *args, **kwargs)
+        h = self.inputs.get(i)
+        out = self.block(h.clone() if self.copy_inputs else h, *args, **kwargs)
         self.as_tuple = isinstance(out, tuple)
         h = out[0] if self.as_tuple else out
         if self.outputs is not None:
@@ -236,7 +188,7 @@ def _no_kv_cache(model):
 class _Run:
     """What one sequential calibration holds while it runs: the model and where its weights
     come from, the parameters it loaded (unloaded at the end), the activation caches'
-    shared budget and folder, and each recipe's calibrated pieces."""
+    shared budget and folder, and each recipe's calibrated pieces (``(name, Calibration)``)."""
 
     model: nn.Module
     ckpt: Checkpoint | None
@@ -256,8 +208,8 @@ class _Run:
         unload_params(self.model, replaced)
         self.loaded.remove(replaced)
 
-    def cache(self, tag: str) -> _Cache:
-        return _Cache(self.budget, self.folder, tag)
+    def cache(self, tag: str) -> Cache:
+        return Cache(self.budget, self.folder, tag)
 
 
 def _check_mode(mode, recipes, options, cache_budget_mb):
@@ -308,8 +260,10 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
     mode, cache_budget_mb = _check_mode(mode, recipes, options, cache_budget_mb)
     t0 = time.perf_counter()
     heap.prepare()  # freed weights and activations go back to the system (heap.py)
-    if iter(batches) is batches:  # read twice (first block's inputs, then the head): keep them
-        batches = list(batches)
+    # the pieces see the batches' number as the whole-model pass does (their samples spread so)
+    known = batch_count(batches) is not None
+    if not isinstance(batches, (list, tuple)):  # read twice (first block's inputs, then the
+        batches = list(batches)  # head): a DataLoader's second pass would shuffle again
     name, layers = find_blocks(model, blocks)
     check_disjoint(model, name, layers)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -318,6 +272,8 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
                [int(cache_budget_mb * 2**20)], tempfile.mkdtemp(prefix="quantscope-seq-",
                                                                dir=cache_dir),
                {label: [] for label in recipes})
+    if run.ckpt is not None:
+        warn_unused(model, run.ckpt, checkpoint)
     originals = list(layers)
     with eval_mode(model), _restoring(run, layers, originals):
         hidden, context, n, order = _first_inputs(run, batches, name, layers, outside)
@@ -326,7 +282,8 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
             full, block = f"{name}.{j}", originals[j]
             nxt, as_tuple = _calibrate_block(
                 run, full, block, {p for p in params if p.startswith(full + ".")}, hidden,
-                functools.partial(context.get, j), n, recipes, mode, calibrate_many, options)
+                functools.partial(context.get, j), _Indexed(range(n), known), recipes, mode,
+                calibrate_many, options)
             spilled += hidden.spilled
             hidden.clear()
             hidden = nxt
@@ -334,8 +291,8 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
                 print(f"\rcalibrating {full} ({k + 1}/{len(originals)})", end="", flush=True)
         if progress:
             print()
-        _calibrate_rest(run, batches, name, layers, outside, hidden, as_tuple, recipes,
-                        calibrate_many, options)
+        _calibrate_rest(run, _Indexed(batches, known), name, layers, outside, hidden,
+                        as_tuple, recipes, calibrate_many, options)
         spilled += hidden.spilled + context.tensors.spilled
     seconds = round(time.perf_counter() - t0, 3)
     out = {}
@@ -350,9 +307,9 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
 
 def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
     """``(hidden, context, n, order)``: the first block's inputs for each of the ``n``
-    batches, every block's other positional / keyword arguments (:class:`_Contexts`), and
-    the order in which the forward calls the blocks (:mod:`.block_order`: a chain, or
-    refused)."""
+    batches, every block's other positional / keyword arguments
+    (:class:`.seq_cache.Contexts`), and the order in which the forward calls the blocks
+    (:mod:`.block_order`: a chain, or refused)."""
     model = run.model
     with _no_kv_cache(model), torch.inference_mode():
         outer = run.load(outside)
@@ -361,7 +318,7 @@ def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
             # blocks that change their input's shape or return tuples break a pass-through
             # trace: then a shaped one (each block run on the meta device) decides
             for shaped in (False, True):
-                hidden, context = run.cache("a"), _Contexts(run.cache("ctx"))
+                hidden, context = run.cache("a"), Contexts(run.cache("ctx"))
                 try:
                     order, n = trace_batches(model, batches, name, layers, shaped,
                                              functools.partial(_keep, hidden, context))
@@ -379,14 +336,15 @@ def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
 
 def _keep(hidden, context, i: int, trace) -> None:
     """Batch ``i``'s first block input and every block's other arguments into the caches."""
-    hidden.put(i, trace.inputs[0])
+    hidden.put(i, trace.first)
     context.put(i, trace)
 
 
-def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, context, n,
+def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, context, batches,
                      recipes, mode, calibrate_many, options):
-    """Load, calibrate (each recipe that takes something in it) and unload one block; returns
-    ``(its outputs' cache, whether the block returns a tuple)``."""
+    """Load, calibrate (each recipe that takes something in it) and unload one block on
+    ``batches`` (:class:`_Indexed` batch numbers); returns ``(its outputs' cache, whether
+    the block returns a tuple)``."""
     load = is_meta(block)
     if load:
         loaded = run.load(mine)
@@ -397,15 +355,20 @@ def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, contex
     # the outputs come with the calibration's own forwards, unless those are not the
     # block's plain forwards (auto's scoring, or the quantized block's outputs wanted)
     piece.outputs = nxt if mode == "float" and not auto else None
-    got = calibrate_many(piece, list(range(n)), todo, progress=False, **options) if todo else {}
+    # a block may change its input in place (h += ...): the calibration's forwards get a
+    # copy, as it may run a batch twice (the fusion groups' detection forward of the first
+    # batch, auto's scoring) and a second pass may follow; that pass, the last, gets none
+    piece.copy_inputs = True
+    got = calibrate_many(piece, batches, todo, progress=False, **options) if todo else {}
+    piece.copy_inputs = False
     for k, c in got.items():
-        run.parts[k].append(c)
+        run.parts[k].append((full, c))
     if piece.outputs is None or not todo:  # the outputs, by their own pass
         handle = got[next(iter(todo))].apply(piece) if todo and mode == "quantized" else None
         piece.outputs = nxt
         try:
             with torch.inference_mode():
-                for i in range(n):
+                for i in range(len(batches.items)):
                     piece(i)
         finally:
             if handle is not None:
@@ -430,19 +393,12 @@ def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hi
     if not todo:
         return
     run.load(outside)
-    state = {"i": 0}
     for j in range(len(layers)):
-        layers[j] = _Replay(hidden, state, as_tuple)
-
-    def indexed():
-        for i, batch in enumerate(batches):
-            state["i"] = i
-            yield batch
-
+        layers[j] = _Replay(hidden, batches, as_tuple)
     with _no_kv_cache(model):
-        got = calibrate_many(model, indexed(), todo, progress=False, replayed=True, **options)
+        got = calibrate_many(model, batches, todo, progress=False, replayed=True, **options)
     for k, c in got.items():
-        run.parts[k].append(c)
+        run.parts[k].append(("rest", c))
 
 
 def _has_auto(recipe) -> bool:
@@ -463,14 +419,22 @@ def _without_blocks(model, name):
 
 
 def _merge(Calibration, recipe, label, parts, n, seconds, sequential):
+    """One :class:`Calibration` of the ``(piece name, Calibration)`` ``parts``: their states,
+    report rows and histograms, and the info the whole-model pass records: its lists joined,
+    the MoE threshold, and auto's end-to-end choice of each block (``"model"``: per block)."""
     states, rows, hists, info = {}, [], {}, {"batches": n, "calibration_seconds": seconds,
                                              "sequential": sequential}
-    for c in parts:
+    for piece, c in parts:
         states.update(c.states)
         rows.extend(c.stats)
         hists.update(c.histograms)
         for k in ("missing", "unreached", "fusion_groups", "experts"):
             if k in c.info:
                 info.setdefault(k, []).extend(c.info[k])
+        if "expert_min_tokens" in c.info:
+            info["expert_min_tokens"] = c.info["expert_min_tokens"]
+        if "auto" in c.info:
+            info.setdefault("auto", {"metric": c.info["auto"]["metric"], "blocks": {}})
+            info["auto"]["blocks"][piece] = c.info["auto"]
     json.dumps(sequential)  # the info stays serializable
     return Calibration(recipe, states, label, rows, hists, info)

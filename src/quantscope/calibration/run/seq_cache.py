@@ -1,0 +1,86 @@
+"""The activations sequential calibration (:mod:`.sequential`) caches per batch: each
+block's hidden states (:class:`Cache`, in memory within a shared budget, else spilled to
+files) and every block's other arguments (:class:`Contexts`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+from .batches import map_tensors, tensors_in
+from .block_order import fill, split_contexts
+
+__all__ = ["Cache", "Contexts"]
+
+
+class Cache:
+    """Per-batch values (tensors, tuples and dicts of them) in memory while their total
+    stays within the shared ``budget`` (bytes, a one-item list), else in files."""
+
+    def __init__(self, budget: list, folder: str, tag: str):
+        self.budget, self.folder, self.tag = budget, folder, tag
+        self.mem, self.size, self.spilled = {}, {}, 0
+
+    def put(self, i: int, value) -> None:
+        self.drop(i)
+        value = map_tensors(torch.Tensor.detach, value)
+        nbytes = _nbytes(value)
+        if nbytes <= self.budget[0]:
+            self.mem[i], self.size[i] = value, nbytes
+            self.budget[0] -= nbytes
+            return
+        path = os.path.join(self.folder, f"{self.tag}-{i}.pt")
+        torch.save(value, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a file is whole or absent
+        self.spilled += 1
+
+    def get(self, i: int):
+        if i in self.mem:
+            return self.mem[i]
+        # weights_only: the file holds tensors, tuples, dicts and plain values, and even our
+        # own spill file is never unpickled as code (docs/SECURITY.md)
+        return torch.load(os.path.join(self.folder, f"{self.tag}-{i}.pt"), weights_only=True)
+
+    def drop(self, i: int) -> None:
+        if i in self.mem:
+            del self.mem[i]
+            self.budget[0] += self.size.pop(i)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.folder, f"{self.tag}-{i}.pt"))
+
+    def clear(self) -> None:
+        for i in list(self.mem):
+            self.drop(i)
+        for f in Path(self.folder).glob(f"{self.tag}-*.pt"):
+            f.unlink()
+
+
+class Contexts:
+    """Each block's arguments besides its hidden states, per batch: their distinct tensors
+    in ``tensors`` (a :class:`Cache`: in memory or spilled, read back ``weights_only``),
+    the rest in memory as templates (:func:`.block_order.split_contexts`): the first block's,
+    and a block's own only where it differs. Anything besides tensors (flags, sizes, objects
+    of the model's own) thus stays in memory, whatever the budget."""
+
+    def __init__(self, tensors: Cache):
+        self.tensors, self.templates = tensors, {}
+
+    def put(self, i: int, trace) -> None:
+        listed, first, own = split_contexts(trace)
+        self.tensors.put(i, listed)
+        self.templates[i] = (first, own)
+
+    def get(self, j: int, i: int) -> tuple[tuple, dict]:
+        first, own = self.templates[i]
+        return fill(own.get(j, first), self.tensors.get(i))
+
+    def clear(self) -> None:
+        self.tensors.clear()
+        self.templates.clear()
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
