@@ -34,10 +34,12 @@ raises ``ValueError``); :class:`HistogramObserver` drops ``inf`` values with a w
 raises on NaN in ``forward`` (:class:`NonFiniteBatchError`, a ``RuntimeError`` as torch's
 ``histc`` error; torch.ao has already written NaN into ``min_val`` / ``max_val`` by then,
 quantscope leaves the state as it was, as after any batch it refuses: no bins, an integer
-dtype, and a float64 batch past its float32 state, a ``ValueError`` where torch.ao stores
-``inf`` and later returns a NaN scale). The C path hands such a batch to the tensor path.
-Known differences of :class:`HistogramObserver` beyond these: ``bins`` set after
-construction takes effect before the first batch, as torch.ao's (after it, torch.ao's
+dtype, and a range that rounds to ``inf`` in the state's dtype (a float64 batch past a
+float32 state, 65520 in a ``.half()`` one: a range that rounds to its max is stored as max,
+as torch.ao's), a ``ValueError`` where torch.ao stores ``inf`` and later returns a NaN
+scale). The C path hands such a batch to the tensor path. Known differences of
+:class:`HistogramObserver` beyond these: ``bins`` set after construction takes effect
+before the first batch, eager or scripted, as torch.ao's (after it, torch.ao's
 raises on the size mismatch, quantscope's keeps its bins); a zero ``min_val`` / ``max_val``
 may differ from torch.ao's in its sign (equal qparams).
 """
@@ -302,6 +304,7 @@ def _binned(x: torch.Tensor) -> torch.Tensor:
     counted; torch.ao's ``histc`` in those dtypes loses counts: see ``HistogramObserver``).
     A float32 copy on the CPU (the C path's input); elsewhere the batch as it is, which
     ``ao_histogram.histc`` bins as float32 in one pass (``quantscope::ao_histc``)."""
+    ao_histogram.check_dense("HistogramObserver", x)
     x = x.detach()  # as torch.ao: the state never joins the autograd graph
     low = x.dtype in (torch.bfloat16, torch.float16)
     return x.float() if low and x.device.type == "cpu" else x
@@ -325,14 +328,6 @@ def _observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: tor
     return None if got is None or got is ao_histogram.NON_FINITE else got
 
 
-def _ends(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> list[float]:
-    """``torch.aminmax(x)`` and the state's ``lo``, ``hi``, read back in one transfer (four
-    floats: bf16 / fp16 ends exact in float32; float64 ends stay float64, as torch.ao bins
-    float64 batches in float64)."""
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.stack([t.reshape(()).to(wide) for t in (*torch.aminmax(x), lo, hi)]).tolist()
-
-
 def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor, rate) -> None:
     """torch.ao's histogram step by tensor ops (any device or dtype; float64 ``x`` binned in
@@ -340,30 +335,31 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
     ends read back once: ``inf`` dropped with torch.ao's warning, then no bins a
     :class:`NoBinsError` and NaN a :class:`NonFiniteBatchError`, in torch.ao's order
     (``x`` detached: :func:`_binned`'s; ``rate``: the observer's ``upsample_rate``)."""
-    x_lo, x_hi, old_lo, old_hi = _ends(x, lo, hi)
+    x_lo, x_hi, old_lo, old_hi = ao_histogram.ends(x, lo, hi)
     if x_lo == -math.inf or x_hi == math.inf:  # (NaN: aminmax gives NaN at both ends)
         warnings.warn("torch.inf detected in input tensor, ignoring input", stacklevel=3)
         x = x[x.abs() != math.inf]
         if x.numel() == 0:
             return
-        x_lo, x_hi, _, _ = _ends(x, lo, hi)
+        x_lo, x_hi, _, _ = ao_histogram.ends(x, lo, hi)
     _check_bins(hist)  # torch.ao's histc checks its bins before its range
     if math.isnan(x_lo):  # torch.ao's histc raises here too (after poisoning its min / max)
         raise NonFiniteBatchError("HistogramObserver: the batch holds NaN; torch.ao's histogram "
                                   "cannot bin it (torch.histc: range of [nan, nan] is not "
                                   "finite); the observer's state is left as it was")
     first = old_lo == math.inf or old_hi == -math.inf
-    top = torch.finfo(lo.dtype).max
-    if max(-x_lo, x_hi) > top:  # a float64 batch past the state's float32 (torch.ao: inf)
+    top = torch.finfo(lo.dtype).max  # past it: rounded to it, or to inf (torch.ao stores inf)
+    if max(-x_lo, x_hi) > top and ao_histogram.rounds_to_inf(max(-x_lo, x_hi), lo.dtype):
         raise ValueError(f"HistogramObserver: the batch's range [{x_lo:.6g}, {x_hi:.6g}] "
-                         f"exceeds the observer's {lo.dtype} state (|x| <= {top:.6g}); the "
-                         f"observer's state is left as it was")
+                         f"exceeds the observer's {lo.dtype} state (rounds to inf past its "
+                         f"max {top:.6g}); the observer's state is left as it was")
     new, new_lo, new_hi = ao_histogram.update(None if first else hist,
                                               None if first else (old_lo, old_hi), x,
-                                              (x_lo, x_hi), hist.numel(), rate=rate)
+                                              (x_lo, x_hi), hist.numel(), rate=rate,
+                                              dtype=lo.dtype)
     hist.copy_(new.reshape(hist.shape))
-    lo.fill_(new_lo)
-    hi.fill_(new_hi)
+    lo.fill_(min(max(new_lo, -top), top))  # max as torch.ao's copy_ rounds (fill_ refuses)
+    hi.fill_(min(max(new_hi, -top), top))
 
 
 @torch.library.custom_op("quantscope::ao_histogram_observe",
@@ -371,8 +367,10 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
 def _observe_op(x: torch.Tensor, histogram: torch.Tensor, min_val: torch.Tensor,
                 max_val: torch.Tensor, upsample_rate: int = 16) -> None:
     """TorchScript's way into :func:`_observe_fast` / :func:`_observe_tensors`."""
+    if not x.numel():  # torch.ao's first check, as in eager
+        return
     x = _binned(x)
-    if x.numel() and _observe_fast(x, histogram, min_val, max_val, True, upsample_rate) is None:
+    if _observe_fast(x, histogram, min_val, max_val, True, upsample_rate) is None:
         _observe_tensors(x, histogram, min_val, max_val, upsample_rate)
 
 
@@ -440,8 +438,8 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     devices torch.ao's own sequence of tensor ops, its ``histc`` as one Triton pass over the
     batch in its dtype on CUDA: ``quantscope::ao_histc``). After ``.double()``, ``.half()``
     or ``.bfloat16()`` torch.ao searches in the state's dtype (its thresholds, densities and
-    ``new_min`` / ``new_max``); there the search is torch.ao's own code, so those equal too,
-    at torch.ao's speed.
+    ``new_min`` / ``new_max``) and re-bins a widened range in it (as here); there the search
+    is torch.ao's own code, so those equal too, at torch.ao's speed.
 
     One deliberate difference: a bfloat16 or float16 batch is binned as its float32 values.
     torch.ao bins it in its own dtype (``torch.histc`` computes the bin positions and the
@@ -465,9 +463,16 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if not torch.jit.is_scripting():
             return self._forward_eager(x_orig)
+        self._fit_bins(x_orig)
         torch.ops.quantscope.ao_histogram_observe(x_orig, self.histogram, self.min_val,
                                                   self.max_val, self.upsample_rate)
         return x_orig
+
+    def _fit_bins(self, x: torch.Tensor) -> None:
+        """A ``bins`` set before the first non-empty batch sizes the histogram, as torch.ao's."""
+        if (x.numel() > 0 and self.bins != self.histogram.numel()
+                and math.isinf(float(self.min_val))):
+            self.histogram.resize_(self.bins).zero_()
 
     # never traced, as dynamo skips torch.ao's own observers: compiled, its re-binning's
     # linspace rounds otherwise and the histogram stops being torch.ao's
@@ -477,8 +482,7 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
             raise dtensor_error("HistogramObserver", x_orig)
         if x_orig.numel() == 0:
             return x_orig
-        if self.bins != self.histogram.numel() and math.isinf(float(self.min_val)):
-            self.histogram.resize_(self.bins).zero_()  # torch.ao's histc reads a set bins too
+        self._fit_bins(x_orig)
         x = _binned(x_orig)
         rate = self.upsample_rate  # torch.ao's attribute: settable after construction
         widened = _observe_fast(x, self.histogram, self.min_val, self.max_val,

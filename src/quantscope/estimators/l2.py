@@ -273,6 +273,9 @@ def l2_range(hist: Hist, dst_nbins: int = 256, *, backend: str | None = None
     :func:`l2_path` instead of the C walk (:data:`quantscope.kernels.BACKENDS`)."""
     check_dst_nbins("l2_range", dst_nbins)
     U, Bn = hist.counts.shape
+    if Bn < 1:  # no range to walk (the walk's bin width divides by the bins)
+        raise ValueError(f"l2_range: the histogram needs at least one bin, got counts of "
+                         f"shape {tuple(hist.counts.shape)}")
     dev = hist.counts.device
     lib = kernels.choose(backend, "l2_walk", "l2_range", dev.type == "cpu" and U > 0)
     if lib is not None:

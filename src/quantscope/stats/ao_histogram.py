@@ -46,8 +46,8 @@ from .._numerics import _F32_MAX, upload
 from .._oplib import define
 from ..kernels import triton as _triton
 
-__all__ = ["NON_FINITE", "UPSAMPLE_RATE", "ao_histc", "fused", "histc", "observe", "update",
-           "upscale"]
+__all__ = ["NON_FINITE", "UPSAMPLE_RATE", "ao_histc", "check_dense", "ends", "fused", "histc",
+           "observe", "rounds_to_inf", "update", "upscale"]
 
 #: torch.ao's default ``upsample_rate``: pieces per old bin when the range grows
 UPSAMPLE_RATE = 16
@@ -152,6 +152,37 @@ def fused(x: torch.Tensor, bins: int, lo, hi, base: torch.Tensor, threads: int |
     return None if miss == 2 else ((mm[0], mm[1]), None if miss else out)
 
 
+def check_dense(who: str, x: torch.Tensor) -> None:
+    """torch.ao's refusal of a sparse, mkldnn or nested batch (its ``aminmax`` has no kernel
+    for them; the C path would read their memory as dense values), of torch's type for that
+    layout, naming the argument."""
+    if x.layout == torch.strided and not x.is_nested:
+        return
+    kind = "a nested" if x.is_nested else f"a {x.layout}"
+    try:
+        torch.aminmax(x)  # torch.ao's first op on the batch: its error type
+    except (NotImplementedError, RuntimeError) as e:
+        cls = NotImplementedError if isinstance(e, NotImplementedError) else RuntimeError
+        raise cls(f"{who}: x must be a dense (strided) tensor, got {kind} tensor "
+                  f"(torch.ao refuses it too: {str(e).splitlines()[0]})") from e
+    raise NotImplementedError(f"{who}: x must be a dense (strided) tensor, got {kind} tensor")
+
+
+def ends(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> list[float]:
+    """``torch.aminmax(x)`` and the state's ``lo``, ``hi``, read back in one transfer (four
+    floats: bf16 / fp16 / float32 exact in float32; float64 where the batch or the state is,
+    as torch.ao compares them in float64)."""
+    wide = torch.float64 if torch.float64 in (x.dtype, lo.dtype, hi.dtype) else torch.float32
+    return torch.stack([t.reshape(()).to(wide) for t in (*torch.aminmax(x), lo, hi)]).tolist()
+
+
+def rounds_to_inf(value: float, dtype: torch.dtype) -> bool:
+    """Whether torch.ao's ``copy_`` of ``value`` into its ``dtype`` state stores an infinity
+    (torch's own conversion: a float64 reaches a 16-bit float through float32, so no bound
+    in float64 says it for every value)."""
+    return bool(torch.tensor(value, dtype=torch.float64).to(dtype).isinf())
+
+
 def _c_rate(rate) -> bool:
     """Whether the C kernels take this ``upsample_rate`` (a positive int; torch.ao's own ops
     decide what any other value does, errors included)."""
@@ -159,16 +190,16 @@ def _c_rate(rate) -> bool:
 
 
 def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str | None = None,
-            rate=UPSAMPLE_RATE) -> torch.Tensor:
+            rate=UPSAMPLE_RATE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """torch.ao's ``_upscale_histogram``: ``hist`` on ``[orig_lo, orig_hi]`` moved onto
     ``len(hist)`` bins over ``[new_lo, new_hi]``, ``rate`` pieces per old bin (the observer's
-    ``upsample_rate``; see the module doc; the ends are 0-dim float32 tensors or Python
-    floats holding float32 values)."""
+    ``upsample_rate``; see the module doc; the ends are 0-dim tensors or Python floats
+    holding values of ``dtype``, the state's: torch.ao computes the pieces' width in it)."""
     bins = hist.shape[0]
     # on the histogram's device, as torch.ao makes them (CUDA's linspace rounds its own way)
     lin = torch.linspace(orig_lo, orig_hi, bins * rate + 1, device=hist.device)
     bounds = torch.linspace(new_lo, new_hi, bins + 1, device=hist.device)
-    applies = (kernels.plain(hist) and lin.dtype == bounds.dtype == torch.float32
+    applies = (kernels.plain(hist) and lin.dtype == bounds.dtype == dtype == torch.float32
                and _c_rate(rate))
     lib = kernels.choose(backend, "ao_hist", "upscale", applies)
     if lib is not None:
@@ -176,8 +207,8 @@ def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str |
         lib.qs_ao_upscale(hist.data_ptr(), bins, rate, lin.data_ptr(), float(orig_lo),
                           float(orig_hi), bounds.data_ptr(), out.data_ptr())
         return out
-    ends = upload([float(orig_lo), float(orig_hi)], hist.device, torch.float32)
-    bin_size = (ends[1] - ends[0]) / (bins * rate)
+    orig = upload([float(orig_lo), float(orig_hi)], hist.device, dtype)
+    bin_size = (orig[1] - orig[0]) / (bins * rate)
     mids = lin[:-1] + 0.5 * bin_size
     pieces = hist.repeat_interleave(rate) / rate
     # torch.ao's two masked assignments, as one clamp (the same indices, no host read)
@@ -187,13 +218,15 @@ def upscale(hist: torch.Tensor, orig_lo, orig_hi, new_lo, new_hi, backend: str |
 
 def update(hist: torch.Tensor | None, old: tuple[float, float] | None, x: torch.Tensor,
            x_range: tuple[float, float], bins: int, backend: str | None = None,
-           rate=UPSAMPLE_RATE) -> tuple[torch.Tensor, float, float]:
+           rate=UPSAMPLE_RATE, dtype: torch.dtype = torch.float32
+           ) -> tuple[torch.Tensor, float, float]:
     """torch.ao ``HistogramObserver.forward``'s state change: the new ``(histogram, min_val,
     max_val)`` after the finite batch ``x`` of min / max ``x_range``, from the histogram
     ``hist`` on the range ``old`` (None: the first batch, ``reset_histogram``), a widened
-    range re-binned with ``rate`` pieces per old bin (:func:`upscale`). The ends
-    are Python floats, so the decisions read nothing back from the device (torch.ao's take
-    a host read each); a fresh histogram, the inputs not modified."""
+    range re-binned with ``rate`` pieces per old bin (:func:`upscale`), in the state's
+    ``dtype`` (``min_val``'s, as torch.ao's). The ends are Python floats, so the decisions
+    read nothing back from the device (torch.ao's take a host read each); a fresh histogram,
+    the inputs not modified."""
     x_lo, x_hi = x_range
     if old is None:
         return histc(x, bins, x_lo, x_hi, None, backend), x_lo, x_hi
@@ -202,10 +235,10 @@ def update(hist: torch.Tensor | None, old: tuple[float, float] | None, x: torch.
     if new_lo == lo and new_hi == hi:
         return histc(x, bins, lo, hi, hist, backend), lo, hi
     if lo == hi:  # a one-value histogram: its total moves to that value's new bin
-        one = upload([lo], hist.device, torch.float32)
+        one = upload([lo], hist.device, dtype)  # torch.ao bins its min_val, of that dtype
         moved = torch.histc(one, bins=bins, min=new_lo, max=new_hi) * hist.sum()
     else:
-        moved = upscale(hist, lo, hi, new_lo, new_hi, backend, rate)
+        moved = upscale(hist, lo, hi, new_lo, new_hi, backend, rate, dtype)
     return histc(x, bins, new_lo, new_hi, moved, backend), new_lo, new_hi
 
 
