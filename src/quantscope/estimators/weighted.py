@@ -29,8 +29,8 @@ from ..stats.minmax import unit_minmax
 from . import mse_ops
 from .mse import DEFAULT_CHUNK_ELEMS, shrink_factors
 
-__all__ = ["imatrix_qparams", "imatrix_range", "importance_units", "incumbent_global_amax",
-           "output_clip_range", "output_error", "weighted_search"]
+__all__ = ["check_importance", "imatrix_qparams", "imatrix_range", "importance_units",
+           "incumbent_global_amax", "output_clip_range", "output_error", "weighted_search"]
 
 
 def _check_spec(spec, who):
@@ -229,10 +229,19 @@ def _check_options(norm, expand, patience) -> None:
                          f"got {patience!r}")
 
 
+def check_importance(who: str, importance: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``who`` unless ``importance`` is finite and non-negative
+    (reads the values back: once per importance, never per forward)."""
+    if not importance.is_meta and (not bool(torch.isfinite(importance).all())
+                                   or bool((importance < 0).any())):
+        raise ValueError(f"{who}: importance must be finite and non-negative")
+
+
 def importance_units(importance: torch.Tensor | None, shape, spec: QuantSpec,
-                     device=None) -> torch.Tensor:
+                     device=None, *, checked: bool = False) -> torch.Tensor:
     """``importance`` (one value per input channel, the last dim of ``shape``) as the
-    ``[U, E]`` per-element weights of ``spec``'s layout; ones if None."""
+    ``[U, E]`` per-element weights of ``spec``'s layout; ones if None. ``checked``: the
+    values were validated already (:func:`check_importance`), so no read-back here."""
     shape = tuple(shape)
     if importance is None:
         return spec.layout.to_units(torch.ones(shape, device=device))
@@ -240,8 +249,8 @@ def importance_units(importance: torch.Tensor | None, shape, spec: QuantSpec,
     if importance.numel() != shape[-1]:
         raise ValueError(f"imatrix_range: importance must have one value per input channel "
                          f"({shape[-1]}), got {importance.numel()}")
-    if not torch.isfinite(importance).all() or (importance < 0).any():
-        raise ValueError("imatrix_range: importance must be finite and non-negative")
+    if not checked:
+        check_importance("imatrix_range", importance)
     return spec.layout.to_units(importance.expand(shape).contiguous())
 
 

@@ -1,27 +1,25 @@
 """The observer base: a ``torch.nn.Module`` that watches tensors and yields qparams.
 
-``forward(x)`` validates ``x``, maps it to the spec layout's ``[units, elements]``
-view in float32, takes the per-unit min / max (the one pass every family needs)
-and hands all three to :meth:`Observer._observe`. It returns ``x`` itself, so an
-observer can sit in a forward hook or inside a model.
+``forward(x)`` validates ``x``, maps it to the spec layout's ``[units, elements]`` view in
+float32, takes the per-unit min / max (the one pass every family needs) and hands all three to
+:meth:`Observer._observe`; it returns ``x`` itself (an observer can sit in a hook or a model).
 
-``calculate_qparams()`` asks :meth:`Observer.calculate_range` for per-unit
-``(lo, hi)`` and turns it into :class:`~quantscope.QParams` shaped for the
-layout of the last observed tensor.
+``calculate_qparams()`` asks :meth:`Observer.calculate_range` for per-unit ``(lo, hi)`` and
+turns it into :class:`~quantscope.QParams` shaped for the layout of the last observed tensor.
 
 Rules every subclass keeps:
 
-* State lives in registered buffers, so ``state_dict()`` saves it, ``.to()``
-  moves it and ``torch.distributed`` can reduce it. Buffers whose size depends
-  on the data start empty and are resized on first use and on load. ``_extra_state``
-  records what they mean (layout, ``|x|`` histogram): a state of another meaning won't load.
-* No host synchronisation in ``forward``: no ``.item()``, no Python branch on a
-  tensor value. Non-finite input is therefore *recorded* in forward (from the
-  per-unit min / max, which NaN and inf reach) and reported by
-  ``calculate_qparams`` as a ``ValueError`` naming the observer. With
-  ``non_finite="ignore"`` NaN / inf are replaced by zero before anything is
-  recorded (zero is always inside the range), counted, and a warning says how
-  many were ignored, as torch.ao and TensorRT do.
+* State lives in registered buffers, so ``state_dict()`` saves it, ``.to()`` moves it and
+  ``torch.distributed`` can reduce it. Buffers whose size depends on the data start empty, are
+  resized on first use and on load, and keep their tensor objects (:meth:`Observer._store`:
+  torch.export keeps only in-place buffer writes, a CUDA graph replays on their memory).
+  ``_extra_state`` records what they mean (layout, ``|x|`` histogram): no other meaning loads.
+* No host synchronisation in ``forward``: no ``.item()``, no Python branch on a tensor value.
+  Non-finite input is therefore *recorded* in forward (from the per-unit min / max, which NaN
+  and inf reach) and reported by ``calculate_qparams`` as a ``ValueError`` naming the
+  observer. With ``non_finite="ignore"`` NaN / inf are replaced by zero before anything is
+  recorded (zero is always inside the range), counted, and a warning says how many were
+  ignored, as torch.ao and TensorRT do.
 """
 
 from __future__ import annotations
@@ -414,13 +412,16 @@ class Observer(nn.Module):
         :meth:`reset` keeps them; on load they take the saved shape, like sized buffers."""
         return ()
 
-    def _resize(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Make buffer ``name`` the shape and device of ``like`` (zero-filled) and return it."""
-        buf = getattr(self, name)
-        if buf.shape != like.shape:
-            buf = torch.zeros_like(like, dtype=buf.dtype)
-            setattr(self, name, buf)
-        return buf
+    def _store(self, names, values) -> None:
+        """Buffers ``names`` take ``values`` as the same tensor objects (see the module doc)."""
+        bufs = [self._buffers[n] for n in names]
+        if bufs[0].is_cpu and not torch.compiler.is_compiling():  # eager: no copy, no checks
+            for b, v in zip(bufs, values):
+                b.data = v
+        elif all(b.shape == v.shape and b.dtype == v.dtype for b, v in zip(bufs, values)):
+            torch._foreach_copy_(bufs, list(values))  # in place: one launch on CUDA
+        else:  # a first batch, a new unit count
+            self._buffers.update(zip(names, values))  # not __setattr__: microseconds each
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

@@ -144,10 +144,7 @@ class HistogramObserverBase(IntervalAverage, Observer):
         return H.HistState(*(self._buffers[n] for n in _STATE))
 
     def _set_state(self, state: H.HistState) -> None:
-        # into the buffer dict directly: nn.Module.__setattr__ costs microseconds per buffer,
-        # a tenth of a one-millisecond batch over the five
-        for n, v in zip(_STATE, state):
-            self._buffers[n] = v
+        self._store(_STATE, state)  # the same tensors: torch.export / CUDA graphs keep them
 
     def current_histogram(self) -> H.Hist:
         """The histogram observed so far (since the last estimate in the EMA mode)."""

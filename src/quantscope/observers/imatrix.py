@@ -14,7 +14,12 @@ import torch
 from .._checks import check_number
 from ..comm import AVG
 from ..estimators.mse import shrink_factors
-from ..estimators.weighted import importance_units, incumbent_global_amax, weighted_search
+from ..estimators.weighted import (
+    check_importance,
+    importance_units,
+    incumbent_global_amax,
+    weighted_search,
+)
 from .base import Observer
 from .registry import register
 from .sync import step_sync
@@ -47,8 +52,9 @@ class IMatrixMSEObserver(Observer):
         super().__init__(spec, **kwargs)
         self.factors = shrink_factors(maxshrink, grid)
         self.norm = check_number("IMatrixMSEObserver", "norm", norm, 0.0, lo_open=True)
-        if importance is not None:
+        if importance is not None:  # a constant: checked here once, not in every forward
             importance = torch.as_tensor(importance, dtype=torch.float32).flatten()
+            check_importance(self.describe(), importance)
         self.register_buffer("importance", torch.zeros(0) if importance is None else importance)
         self.register_buffer("min_vals", torch.zeros(0))
         self.register_buffer("max_vals", torch.zeros(0))
@@ -62,6 +68,11 @@ class IMatrixMSEObserver(Observer):
     def _setting_buffers(self):
         # the user's importance is a setting: reset keeps it, a load takes the saved one
         return ("importance",)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.importance.numel():  # a loaded setting: checked as the constructor's is
+            check_importance(self.describe(), self.importance)
 
     def sync_plan(self):
         return {"min_vals": AVG, "max_vals": AVG, "global_amax_val": AVG}
@@ -77,7 +88,7 @@ class IMatrixMSEObserver(Observer):
 
     def _weights(self, device):
         imp = self.importance if self.importance.numel() else None
-        return importance_units(imp, self._shape, self.spec, device)
+        return importance_units(imp, self._shape, self.spec, device, checked=True)
 
     def _unit_minmax(self, units, count, ends):
         if self.sync_every_step:  # this rank's own: only it knows its shape
@@ -93,13 +104,13 @@ class IMatrixMSEObserver(Observer):
 
     def _observe(self, units, lo, hi):
         weights = self._step_weights() if self.sync_every_step else self._weights(units.device)
-        self.min_vals, self.max_vals = weighted_search(units, weights, self.spec,
-                                                       factors=self.factors, norm=self.norm,
-                                                       ranges=(lo, hi))
+        mn, mx = weighted_search(units, weights, self.spec, factors=self.factors, norm=self.norm,
+                                 ranges=(lo, hi))
+        self._store(("min_vals", "max_vals"), (mn, mx))  # the same tensors: torch.export keeps them
         # NVFP4: the global amax the candidates were priced under, so the qparams run them
         ga = incumbent_global_amax(lo, hi, self.spec)
         if ga is not None:
-            self.global_amax_val = ga.reshape(1)
+            self._store(("global_amax_val",), (ga.reshape(1),))
 
     def calculate_range(self):
         return self.min_vals, self.max_vals
