@@ -424,9 +424,14 @@ def test_existing_folder_is_refused_without_overwrite(bert, tmp_path):
     assert os.listdir(target) == ["keep.txt"]
     (target / "keep.txt").unlink()
     quantscope.export(cal, model, target)  # an empty folder holds nothing to lose
-    (target / "stale.txt").write_text("from the earlier export")
+    # a file added to an earlier export is not quantscope's to delete: refused, named
+    (target / "stale.txt").write_text("added after the export")
+    with pytest.raises(ValueError, match=r"did not write there \(stale\.txt\)"):
+        quantscope.export(cal, model, target, overwrite=True)
+    assert "stale.txt" in os.listdir(target)
+    (target / "stale.txt").unlink()
     quantscope.export(cal, model, target, overwrite=True)
-    assert "stale.txt" not in os.listdir(target) and "config.json" in os.listdir(target)
+    assert "config.json" in os.listdir(target)
     assert sorted(os.listdir(tmp_path)) == ["ct"]  # no temporary folder left
 
 

@@ -9,7 +9,12 @@ through here:
   when quantscope wrote it (its :data:`MARKER` file; in a folder written before the marker
   existed, the metadata file of a format quantscope writes, with nothing beside what that
   format consists of; an ONNX file's ``quantscope`` metadata entry), so ``--overwrite`` can
-  never delete a model, its weights file or a user's folder. Reports and plots
+  never delete a model, its weights file or a user's folder. The marker lists what
+  quantscope wrote there: a folder holding anything else (a user's notes) is refused, not
+  replaced. An output folder or exported file that is a symbolic link is written through:
+  its target (which passes the same guard) is replaced, the link kept; a report's or plot's
+  link is replaced itself, so a link planted in a run folder never leads a plot over a
+  user's file. A file path ending in a separator (a folder meant) is refused. Reports and plots
   (``kind="report"``, what :func:`atomic_file` writes by default) are replaced as
   ``open(path, "w")`` replaces them.
 - :func:`atomic_dir` / :func:`atomic_file` write under a temporary name in the target's own
@@ -58,7 +63,7 @@ def written_by_quantscope(path) -> bool:
     if os.path.isfile(path):  # an ONNX export, whatever its name: by its metadata entry
         return _onnx_written_by_quantscope(path)
     if os.path.isfile(os.path.join(path, MARKER)):
-        return True
+        return not _unlisted(path)
     return any(_json_has(os.path.join(path, name), key) and _holds_only(path, files)
                for name, key, files in _LEGACY_KINDS)
 
@@ -89,16 +94,76 @@ _LEGACY_KINDS = (
     ("report.json", "runs", ("report.json", "report.md", "hist.png", "sqnr.png")))
 
 
-def _holds_only(top: str, allowed) -> bool:
-    """Whether every file and folder under ``top`` is ``allowed``: one of its patterns, or
-    ``allowed(relative path, is_dir)``."""
+def _entries(top: str, enter=None):
+    """``(relative path, is_dir)`` of every file and folder under ``top`` (``/``-separated,
+    links not followed); a folder for which ``enter(rel)`` is false is not walked into."""
     for root, dirs, files in os.walk(top):
         for name, is_dir in [(d, True) for d in dirs] + [(f, False) for f in files]:
             rel = os.path.relpath(os.path.join(root, name), top).replace(os.sep, "/")
-            if not (allowed(rel, is_dir) if callable(allowed)
-                    else any(fnmatch.fnmatchcase(rel, p) for p in allowed)):
-                return False
-    return True
+            yield rel, is_dir
+            if is_dir and enter is not None and not enter(rel):
+                dirs.remove(name)
+
+
+def _holds_only(top: str, allowed) -> bool:
+    """Whether every file and folder under ``top`` is ``allowed``: one of its patterns, or
+    ``allowed(relative path, is_dir)``."""
+    return all(allowed(rel, is_dir) if callable(allowed)
+               else any(fnmatch.fnmatchcase(rel, p) for p in allowed)
+               for rel, is_dir in _entries(top))
+
+
+def _marker_data(folder: str) -> dict:
+    try:
+        with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _listed(folder: str):
+    """The names (relative, ``/``) the folder's :data:`MARKER` lists as quantscope's, or None
+    where it lists none (a marker an earlier version wrote: the marker alone counts)."""
+    names = _marker_data(folder).get("files")
+    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else None
+
+
+def _unlisted(folder: str) -> list[str]:
+    """What ``folder`` holds beyond the names its marker lists (a file the user added):
+    replacing the folder would delete it. An unlisted folder that is itself a whole output
+    of quantscope (a calibration saved into a run) is quantscope's, not the user's."""
+    listed = _listed(folder)
+    if listed is None:
+        return []
+    listed.add(MARKER)
+    extra = []
+    for rel, is_dir in _entries(folder, enter=listed.__contains__):
+        full = os.path.join(folder, rel)
+        if rel not in listed and not (is_dir and not os.path.islink(full) and os.path.isfile(
+                os.path.join(full, MARKER)) and written_by_quantscope(full)):
+            extra.append(rel + "/" * is_dir)
+    return extra
+
+
+def _write_marker(folder: str, names) -> None:
+    """The :data:`MARKER` of ``folder``, listing ``names``: replaced in one step."""
+    data = {"written_by": "quantscope", "version": _version(), **_marker_data(folder),
+            "files": sorted(set(names) - {MARKER})}
+    fd, tmp = tempfile.mkstemp(prefix=f".{MARKER}.", suffix=".tmp", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    _public_modes(tmp)
+    os.replace(tmp, os.path.join(folder, MARKER))
+
+
+def _record(path: str) -> None:
+    """A file written into a folder whose marker lists its names (a plot redrawn into a
+    compare run) is quantscope's too: listed, so replacing the folder may delete it."""
+    folder, name = os.path.split(path)
+    listed = _listed(folder)
+    if listed is not None and name not in listed:
+        _write_marker(folder, listed | {name})
 
 
 def _json_has(path: str, key: str) -> bool:
@@ -180,6 +245,12 @@ def _check_replaceable(path: str, overwrite: bool, kind: str) -> None:
                          f"(--overwrite) to replace it")
     if kind == "report":
         return  # a report, a plot: replaced as open(path, "w") replaces it
+    extra = _unlisted(path) if kind == "folder" else []
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise ValueError(f"output {path!r} holds what quantscope did not write there "
+                         f"({', '.join(extra[:3])}{more}): replacing it would delete that; "
+                         f"move it out of the folder or choose another output")
     if not written_by_quantscope(path):
         what = ("an ONNX file quantscope exported" if kind == "file" else
                 f"a folder quantscope wrote (it has no {MARKER} file)")
@@ -197,11 +268,16 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
     ``open(path, "w")``); ``inputs``: the paths the command reads. Returns the absolute path."""
     if kind not in ("folder", "file", "report"):
         raise ValueError(f"kind must be 'folder', 'file' or 'report', got {kind!r}")
-    path = os.path.abspath(os.fspath(path))
+    given = os.fsdecode(os.fspath(path))
+    if kind != "folder" and (given.endswith(tuple(filter(None, (os.sep, os.altsep))))
+                             or os.path.basename(given) in (".", "..")):
+        raise ValueError(f"output {given!r} is a folder path; expected a file path")
+    path = os.path.abspath(given)
     _check_not_an_input(path, inputs)
-    if os.path.lexists(path):
-        _check_replaceable(path, overwrite, kind)
-    probe = os.path.dirname(path)
+    target = _through_link(path, kind)
+    if os.path.lexists(target):
+        _check_replaceable(target, overwrite, kind)
+    probe = os.path.dirname(target)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
@@ -214,6 +290,13 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
         raise PermissionError(f"output {path!r}: {probe!r} is not writable ({e.strerror})"
                               ) from None
     return path
+
+
+def _through_link(path: str, kind: str) -> str:
+    """Where writing ``path`` lands: for a folder or an exported file, a symbolic link's
+    target (``--out runs/latest``: replacing the link would lose it and leave the run it
+    points at stale; the target passes the guard); else ``path``, a report's link replaced."""
+    return os.path.realpath(path) if kind != "report" and os.path.islink(path) else path
 
 
 def _umask() -> int:
@@ -330,14 +413,14 @@ def atomic_dir(path, *, overwrite: bool = False, inputs=(), keep_modes=()):
     ``keep_modes``: the names (relative to the folder; a list may be filled inside the
     block) of files copied from elsewhere, which keep their modes instead of the umask's.
     """
-    path = check_writable_target(path, overwrite=overwrite, inputs=inputs)
+    path = _through_link(check_writable_target(path, overwrite=overwrite, inputs=inputs),
+                         "folder")
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     try:
         yield tmp
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({"written_by": "quantscope", "version": _version()}, f)
+        _write_marker(tmp, [rel for rel, _ in _entries(tmp)])  # complete: what is ours
         _public_modes(tmp, keep_modes)
         _swap_in(tmp, path, overwrite, "folder")
     finally:
@@ -349,7 +432,8 @@ def atomic_file(path, *, overwrite: bool = True, inputs=(), kind: str = "report"
     """Yield a temporary file path beside ``path``; on success it replaces ``path``.
     ``kind``: ``"report"`` (a report, a plot) or ``"file"`` (an export: see
     :func:`check_writable_target`)."""
-    path = check_writable_target(path, overwrite=overwrite, kind=kind, inputs=inputs)
+    path = _through_link(check_writable_target(path, overwrite=overwrite, kind=kind,
+                                               inputs=inputs), kind)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
@@ -358,6 +442,8 @@ def atomic_file(path, *, overwrite: bool = True, inputs=(), kind: str = "report"
         yield tmp
         _public_modes(tmp)
         os.replace(tmp, path)  # a file: one atomic step, the target always exists
+        with contextlib.suppress(OSError):  # unlisted, the folder is refused, never lost
+            _record(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
