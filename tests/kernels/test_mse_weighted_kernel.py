@@ -215,7 +215,7 @@ def _sequential(err, lo0, factors, patience):
        block=st.integers(1, 12), patience=st.sampled_from([None, 1, 2, 3]),
        nan=st.booleans())
 def test_property_block_selection_is_the_sequential_walk(seed, k, units, block, patience, nan):
-    """weighted._select on blocks of rows chooses as the factor-by-factor walk: ties (few
+    """weighted.select_candidates on blocks of rows chooses as the factor-by-factor walk: ties (few
     distinct values) keep the earliest, NaN never wins, the global rule stops at the row."""
     g = torch.Generator().manual_seed(seed)
     err = torch.randint(0, 4, (k + 1, units), generator=g).double()
@@ -224,7 +224,7 @@ def test_property_block_selection_is_the_sequential_walk(seed, k, units, block, 
     lo0 = -torch.rand(units, generator=g) - 0.5
     factors = [1.0] + [1 - i / 20 for i in range(1, k + 1)]
     blocks = (err[i:i + block] for i in range(0, k + 1, block))
-    lo, hi = weighted._select(blocks, lo0, -lo0, factors, patience)
+    lo, hi = weighted.select_candidates(blocks, lo0, -lo0, factors, patience)
     want = _sequential(err, lo0, factors, patience)
     assert torch.equal(lo, want) and torch.equal(hi, -want)
 

@@ -37,7 +37,11 @@ Where the results differ from llm-compressor's, by choice:
   rounded to the dtype; for formats of up to 8 bits they differ by at most two codes
   (bfloat16) or one (float16), more for wider formats and for float16 scales below 2 ** -14
   (subnormal: one step of theirs is then a large part of the scale). The MSE search
-  may stop at another candidate (their bfloat16 error sums cannot tell near ones apart).
+  may stop at another candidate (their bfloat16 error sums cannot tell near ones apart);
+  the imatrix search prices each candidate as it is emitted (:mod:`.llmcompressor_imatrix`).
+* NaN / inf input raises ``ValueError`` ("observed NaN or inf values", naming the observer)
+  in ``forward``, as quantscope's native observers refuse it; llm-compressor's give NaN /
+  inf scales.
   float32 statistics: bit for bit (tiny scales kept, only 0 ones made their eps).
 * float64 statistics: the scales are float64 (their dtype and eps) but computed in float32
   (quantscope's formulas are float32): within float32's rounding; finite values beyond

@@ -34,8 +34,9 @@ from . import enum_name, field
 from .llmcompressor_parts import FusionHandler, flatten_for_calibration
 from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_global_scale, zp_dtype
 
-__all__ = ["Observer", "check_expanded_range", "fused_amax", "global_scale_of", "lerp",
-           "qparams_of_statistics", "statistics_dtype", "statistics_units"]
+__all__ = ["HALF_SCALES", "Observer", "check_expanded_range", "check_finite_statistics",
+           "fused_amax", "global_scale_of", "lerp", "qparams_of_statistics", "statistics_dtype",
+           "statistics_units"]
 
 _NO_STATISTICS = "No statistics available. Call observer(value) first."
 #: per class that registers (compressed-tensors keys its registry by the class ``register``
@@ -229,17 +230,20 @@ class Observer(_internal_module()):
     def _fused_global_scale(self, statistics: list[dict]) -> torch.Tensor:
         """The global scale of a fusion group's statistics; scales that compressed-tensors
         multiplies by it (:func:`scales_times_global_scale`) see it computed, as theirs, in
-        the statistics' (promoted) dtype."""
+        the statistics' (promoted) dtype: the ranges', not imatrix's float32 / int64 sums."""
         dtype = None
         if scales_times_global_scale(self.args):
-            dtype = functools.reduce(torch.promote_types,
-                                     [t.dtype for s in statistics for t in s.values()])
+            dtype = functools.reduce(torch.promote_types, [
+                s[name].dtype for s in statistics for name in ("min_vals", "max_vals")])
         return global_scale_of(fused_amax(statistics), dtype)
 
     @torch.no_grad()
     def get_qparams(self) -> dict:
         """``{"scale", "zero_point", "global_scale"}`` from the statistics, which it deletes."""
         assert self.has_statistics, _NO_STATISTICS
+        # activations here, not in forward: no host read while the model runs (NaN / inf
+        # stay in the statistics)
+        check_finite_statistics(self, self.min_vals, self.max_vals)
         self._check_float32_range(self.min_vals, self.max_vals)
         amax = global_scale = None
         if enum_name(field(self.args, "strategy")) == "tensor_group":
@@ -256,14 +260,15 @@ class Observer(_internal_module()):
         if observed.numel() == 0 or (self.is_weight_obs and self.has_statistics):
             return self
         self._check_float32_range(observed)
+        if self.is_weight_obs:  # a weight, once: its searches would pass NaN over silently
+            check_finite_statistics(self, observed)
         self.update_statistics_from_observed(
             flatten_for_calibration(observed, self.base_name, self.args))
         self.fusion_handler.get_fused_statistics()
         return self
 
     def _check_float32_range(self, *values: torch.Tensor) -> None:
-        check_float32_range(f"llmcompressor observer {type(self).__name__} "
-                            f"({self.base_name!r})", *values)
+        check_float32_range(_who(self), *values)
 
     def sync_activation_stats(self) -> list:
         """All-reduce the ``_act_sync_dict`` statistics across ranks; the async handles."""
@@ -276,6 +281,20 @@ class Observer(_internal_module()):
         return handles
 
 
+def _who(observer) -> str:
+    return f"llmcompressor observer {type(observer).__name__} ({observer.base_name!r})"
+
+
+def check_finite_statistics(observer, *values: torch.Tensor) -> None:
+    """Refuse non-finite statistics (NaN / inf in an observed value reach them and stay) when
+    qparams are made of them, naming ``observer``, as quantscope's native observers refuse
+    them (llm-compressor's turn them into NaN / inf scales silently). One host read of the
+    per-qparam values."""
+    if any(not v.is_meta and not bool(torch.isfinite(v).all()) for v in values):
+        raise ValueError(f"{_who(observer)}: observed NaN or inf values; fix the input "
+                         f"(llm-compressor's own observers give NaN / inf qparams from them)")
+
+
 def check_expanded_range(observer, lo: torch.Tensor, hi: torch.Tensor, expand: float) -> None:
     """Refuse finite ranges that a search's ``expand`` takes past float32 (llm-compressor's
     then returns NaN scales, silently), naming ``observer``."""
@@ -284,9 +303,9 @@ def check_expanded_range(observer, lo: torch.Tensor, hi: torch.Tensor, expand: f
     amax = torch.maximum(lo.abs(), hi.abs())
     if bool((amax.isfinite() & ~(amax * expand).isfinite()).any()):
         raise ValueError(
-            f"llmcompressor observer {type(observer).__name__} ({observer.base_name!r}): "
-            f"expand={expand} takes the observed range past float32's max (max |x| = "
-            f"{amax[amax.isfinite()].max().item():.3g}); llm-compressor returns NaN scales")
+            f"{_who(observer)}: expand={expand} takes the observed range past float32's max "
+            f"(max |x| = {amax[amax.isfinite()].max().item():.3g}); llm-compressor returns "
+            f"NaN scales")
 
 
 def statistics_dtype(observed: torch.Tensor) -> torch.dtype:
@@ -316,7 +335,7 @@ def lerp(start: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
 
 
 #: the scale encodings of the half-precision statistics dtypes
-_HALF_SCALES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+HALF_SCALES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def global_scale_of(amax: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -324,7 +343,7 @@ def global_scale_of(amax: torch.Tensor, dtype: torch.dtype | None = None) -> tor
     float32; for a bfloat16 / float16 ``dtype`` theirs runs that expression in the dtype (a
     Python number over a tensor: the amax's reciprocal, then the product, each rounded to
     it; 1 where that is not finite, their fallback)."""
-    if dtype not in _HALF_SCALES:
+    if dtype not in HALF_SCALES:
         return nvfp4_global_scale(amax.reshape(1), FP4_E2M1)
     half = amax.reshape(1).to(dtype)
     gs = ((FP8_E4M3.max * FP4_E2M1.max) / half).float()
@@ -366,7 +385,7 @@ def _zero_points(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, dtype: tor
     """The zero points of the scales in the statistics' ``dtype``, as compressed-tensors' (it
     computes them in that dtype, before any ``scale_dtype`` rounding): from the scale rounded
     to bfloat16 / float16 for half-precision statistics, else ``qp``'s own."""
-    encoding = _HALF_SCALES.get(dtype)
+    encoding = HALF_SCALES.get(dtype)
     if encoding is None or spec.symmetric or spec.scale.is_block:
         return qp.zero_point
     return qparams_from_range(lo, hi, spec.replace(scale=encoding)).zero_point
@@ -395,7 +414,7 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
     if scales_times_global_scale(args):
         qp = qparams_from_range(lo, hi, spec)
         # theirs: the scale in the half-precision statistics' dtype, times the float32 global
-        local = qp.scale.to(min_vals.dtype) if min_vals.dtype in _HALF_SCALES else qp.scale
+        local = qp.scale.to(min_vals.dtype) if min_vals.dtype in HALF_SCALES else qp.scale
         scale = local.float() * global_scale_of(global_amax, min_vals.dtype)
     else:
         qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)

@@ -9,7 +9,10 @@ and before a search the importance ``sum / count`` is validated as llm-compresso
 it (weights only, not ``tensor``, present, finite, non-negative, not all zero, one value per
 input column): a failed check raises under ``strict`` and otherwise falls back to the
 uniform search with a warning. Options and their checks are llm-compressor's (maxshrink
-0.95, patience 5, grid 20, norm 3.0, expand 1.0).
+0.95, patience 5, grid 20, norm 3.0, expand 1.0), in the forms it takes (a float patience:
+5.0, as a YAML recipe gives it); an ``expand`` that is not a finite positive number (theirs
+takes it and returns meaningless ranges) is refused when the observer is made, as are
+``norm=True`` and a non-finite ``norm``.
 
 :func:`imatrix_search` is the search: candidates ``p * expand * [min, max]`` for
 ``p = 1 - i / grid``, ``i = 0 .. max(1, int(maxshrink * grid))``, scored by
@@ -17,7 +20,11 @@ uniform search with a warning. Options and their checks are llm-compressor's (ma
 scale cancels), llm-compressor's global patience: quantscope's
 :func:`~quantscope.estimators.weighted.weighted_search` with its ``expand`` and ``patience``.
 The range comes back in the observed dtype (float32 for integer data), as llm-compressor's
-and the MSE compat's do, so the scales keep the weight's dtype.
+and the MSE compat's do, so the scales keep the weight's dtype. For bfloat16 / float16
+weights (outside ``tensor_group``) each candidate is priced as it is emitted, as
+llm-compressor prices its own: its range rounded to the dtype, the scale in the dtype and
+the zero point from that scale (float32 qparams there chose ranges whose emitted qparams
+erred more than llm-compressor's in 16 of 20 seeds, int4 asymmetric g16).
 """
 
 from __future__ import annotations
@@ -29,10 +36,17 @@ from typing import ClassVar
 
 import torch
 
-from ..estimators.weighted import weighted_search
+from ..estimators.mse import compat_patience
+from ..estimators.weighted import float32_errors, select_candidates, weighted_search
 from ..layout import Channel
+from ..stats.minmax import unit_minmax
 from . import enum_name, field
-from .llmcompressor_base import check_expanded_range, statistics_dtype, statistics_units
+from .llmcompressor_base import (
+    HALF_SCALES,
+    check_expanded_range,
+    statistics_dtype,
+    statistics_units,
+)
 from .llmcompressor_parts import flatten_for_calibration
 from .llmcompressor_spec import search_spec
 
@@ -62,10 +76,12 @@ class IMatrixMixin:
             raise ValueError(f"patience must be >= 0, got {self.patience}")
         if not 0 <= self.maxshrink <= 1:
             raise ValueError(f"maxshrink must be in [0, 1], got {self.maxshrink}")
-        norm = self.norm
-        if isinstance(norm, bool) or not isinstance(norm, (int, float)) \
-                or not math.isfinite(norm) or norm <= 0:
-            raise ValueError(f"norm must be a finite positive number, got {norm}")
+        _check_positive("norm", self.norm)
+        _check_positive("expand", self.expand)  # theirs takes <= 0: ranges of nothing
+        #: the search's patience: theirs stops when ``patience > 0 and no_improve >=
+        #: patience``, any number (5.0 from a recipe), as the compat MSE's reads it
+        self._search_patience = compat_patience(float(self.patience)) \
+            if self.patience > 0 else None
 
     def _hooks_disabled(self) -> bool:
         """Whether llm-compressor's pipeline has paused hooks (``HooksMixin.disable_hooks``)
@@ -156,17 +172,29 @@ class IMatrixMixin:
         spec = search_spec(self.args, self.base_name)  # tensor_group's scale_dtype dropped
         spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
                             else spec.scale)
+        # tensor_group scales are emitted times a global scale: not priced in the dtype
+        tensor_group = enum_name(field(self.args, "strategy")) == "tensor_group"
         return imatrix_search(observed, importance, spec,
-                              maxshrink=self.maxshrink, patience=self.patience,
-                              grid=self.grid, norm=self.norm, expand=self.expand)
+                              maxshrink=self.maxshrink, patience=self._search_patience,
+                              grid=self.grid, norm=self.norm, expand=self.expand,
+                              emitted=None if tensor_group else observed.dtype)
+
+
+def _check_positive(name: str, value) -> None:
+    """llm-compressor's check of ``norm`` (a finite positive number), with its message."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite positive number, got {value}")
 
 
 def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec, *,
-                   maxshrink: float, patience: int, grid: float, norm: float,
-                   expand: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   maxshrink: float, patience: int | None, grid: float, norm: float,
+                   expand: float = 1.0, emitted: torch.dtype | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm-compressor 0.14's importance-weighted grid search (see the module docstring), run
     by :func:`~quantscope.estimators.weighted.weighted_search`: its incumbent is their first
-    candidate (``p = 1``, the range times ``expand``), the factors their others."""
+    candidate (``p = 1``, the range times ``expand``), the factors their others. ``emitted``:
+    the dtype the range is emitted in; bfloat16 / float16 price each candidate so."""
     units, shape = statistics_units(observed)
     units = units.float()
     weights = None if importance is None else \
@@ -174,8 +202,28 @@ def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec
     # a grid below 1 gives factors p < 0, a range (p * min, p * max) that their qparams
     # clamp to (0, 0): priced as p = 0, never better than p = 1, so their result is kept
     factors = [max(0.0, 1 - i / grid) for i in range(1, max(1, int(maxshrink * grid)) + 1)]
-    lo, hi = weighted_search(units, weights, spec, factors=factors, norm=norm, expand=expand,
-                             patience=patience or None, float32_sums=True)
+    if emitted in HALF_SCALES:
+        lo, hi = _emitted_search(units, weights, spec, factors, norm, expand, patience, emitted)
+    else:
+        lo, hi = weighted_search(units, weights, spec, factors=factors, norm=norm,
+                                 expand=expand, patience=patience, float32_sums=True)
     dtype = statistics_dtype(observed)
     return lo.reshape(shape).to(dtype), hi.reshape(shape).to(dtype)
 
+
+def _emitted_search(units, weights, spec, factors, norm, expand, patience, dtype):
+    """``weighted_search(..., float32_sums=True)`` pricing each candidate as ``get_qparams``
+    emits it for ``dtype`` statistics: the range rounded to ``dtype``, its scale encoded in
+    ``dtype`` (a ``scale_dtype``'s encoding kept) and the zero point from that scale."""
+    if spec.scale.kind == "fp32":
+        spec = spec.replace(scale=HALF_SCALES[dtype])
+    lo0, hi0 = unit_minmax(units)
+    if expand != 1.0:
+        lo0, hi0 = lo0 * expand, hi0 * expand
+    factors = [1.0, *factors]  # the incumbent first, as weighted_search
+
+    def errors():
+        for f in factors:  # select_candidates' float32 products, then rounded
+            lo, hi = ((t * f).to(dtype).float() for t in (lo0, hi0))
+            yield from float32_errors(units, weights, spec, lo, hi, [1.0], norm)
+    return select_candidates(errors(), lo0, hi0, factors, patience)

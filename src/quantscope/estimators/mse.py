@@ -129,7 +129,7 @@ def shrink_factors(maxshrink: float = 0.2, grid: float = 100, expand: float = 1.
     return [1 - i / grid for i in range(steps)]
 
 
-def _compat_patience(patience):
+def compat_patience(patience):
     """llm-compressor's patience as an integer: it stops once ``no_improve >= patience``,
     a count from 1, so any number up to 1 acts as 1 and 4.5 as 5; inf or NaN never stop."""
     if patience is None or isinstance(patience, bool) or not isinstance(patience, (int, float)):
@@ -228,7 +228,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
     """
     units, lo, hi = _check(units, lo, hi, spec, norm)
     if compat == "llmcompressor":
-        patience = _compat_patience(patience)
+        patience = compat_patience(patience)
     _check_options(compat, tie, patience, expand, backend, chunk_elems,
                    per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
                    independent_ends=independent_ends, incumbent=incumbent)

@@ -83,10 +83,10 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
             return _engine_search(units, weights, spec, lo0, hi0, factors, float(norm))
     factors = [1.0, *factors]
     if float32_sums:
-        errors = _float32_errors(units, weights, spec, lo0, hi0, factors, norm)
+        errors = float32_errors(units, weights, spec, lo0, hi0, factors, norm)
     else:
         errors = _float64_errors(units, weights, spec, lo0, hi0, factors, float(norm))
-    return _select(errors, lo0, hi0, factors, patience)
+    return select_candidates(errors, lo0, hi0, factors, patience)
 
 
 def _check_weights(units: torch.Tensor, weights: torch.Tensor | None) -> None:
@@ -100,8 +100,8 @@ def _check_weights(units: torch.Tensor, weights: torch.Tensor | None) -> None:
 def _engine_search(units, weights, spec, lo0, hi0, factors, norm):
     """:func:`weighted_search` as the MSE engine of the ops runs it (``mse_ops.search``): the
     incumbent ``(lo0, hi0)``, candidates ``(lo0 * f, hi0 * f)`` under the incumbent's global
-    scale, the first lowest error kept, NaN never chosen; :func:`_select`'s rules without
-    patience, on the same prices (tests compare the two bit for bit)."""
+    scale, the first lowest error kept, NaN never chosen; :func:`select_candidates`'s rules
+    without patience, on the same prices (tests compare the two bit for bit)."""
     weights = None if weights is None else weights.float().contiguous()
     lo, hi, _, _ = mse_ops.search(
         units, lo0, hi0, spec, factors, factors, patience=None, per_unit=False, tie="first",
@@ -132,7 +132,7 @@ def _candidate_qparams(lo0, hi0, f, spec, global_amax=None):
             qp.zero_point.expand_as(lo).reshape(-1, 1))
 
 
-def _float32_errors(units, weights, spec, lo0, hi0, factors, norm):
+def float32_errors(units, weights, spec, lo0, hi0, factors, norm):
     """Each factor's ``sum w * |d|^norm`` in float32 (llm-compressor's arithmetic), as
     blocks of one factor."""
     # every candidate's error in one buffer: a fresh multi-megabyte tensor per candidate costs
@@ -173,7 +173,7 @@ def _float64_errors(units, weights, spec, lo0, hi0, factors, norm):
         yield err
 
 
-def _select(blocks, lo0, hi0, factors, patience):
+def select_candidates(blocks, lo0, hi0, factors, patience):
     """The first best factor per unit (the first, factor 1, the incumbent; strict ``<``),
     stopping after ``patience`` factors in a row improve no unit (None: never).
 

@@ -50,7 +50,9 @@ message. ``quantscope_imatrix_mse`` is :class:`QuantscopeIMatrixObserver`: llm-c
 ``imatrix_mse`` contract (``attach`` hook, options, checks, ``strict``) with quantscope's
 search code (:mod:`quantscope.compat.llmcompressor_imatrix`); where it falls back to
 "uniform MSE" (no valid importance, not ``strict``) it runs ``quantscope_memoryless_mse``'s
-search over its own grid (:meth:`QuantscopeIMatrixObserver.uniform_range`). In a weight-only
+search over its own grid (:meth:`QuantscopeIMatrixObserver.uniform_range`), or, for a grid
+that search does not run, llm-compressor's own unweighted one. A NaN / inf weight raises
+"observed NaN or inf values" as the other ``quantscope_*`` observers do. In a weight-only
 recipe pass ``requires_calibration_data=True`` to ``QuantizationModifier``: llm-compressor
 turns calibration on by itself only for its own imatrix observer names.
 
@@ -72,7 +74,11 @@ from llmcompressor.observers import Observer
 from llmcompressor.observers.helpers import flatten_for_calibration
 from torch import distributed as dist
 
-from ..compat.llmcompressor_base import statistics_dtype, statistics_units
+from ..compat.llmcompressor_base import (
+    check_finite_statistics,
+    statistics_dtype,
+    statistics_units,
+)
 from ..compat.llmcompressor_imatrix import IMatrixMixin
 from ..compat.llmcompressor_spec import llmcompressor_spec
 from ..layout import Block, Channel
@@ -289,22 +295,42 @@ class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
         self._init_imatrix(self.args.observer_kwargs)
         #: the NVFP4 global amax the uniform fallback's ranges were searched under
         self._global_amax: torch.Tensor | None = None
+        #: memoryless_mse's options for the fallback; None where it refuses this grid
+        self._uniform_options = self._memoryless_options()
+
+    def _memoryless_options(self) -> dict | None:
+        """``quantscope_memoryless_mse``'s options of this observer's grid (its patience as
+        the search reads it), checked now: None for a grid llm-compressor takes and
+        memoryless_mse refuses (``maxshrink * grid < 1``, ``expand < 1``, over its 10,000
+        candidates), which :meth:`uniform_range` then searches as llm-compressor does."""
+        options = {"maxshrink": self.maxshrink, "grid": self.grid, "expand": self.expand,
+                   "patience": self._search_patience,
+                   "norm": self.args.observer_kwargs.get("norm")}
+        try:  # memoryless_mse checks its options when made (a search of one element)
+            observer_class("memoryless_mse")(units_spec(self.args, self.base_name), **options)
+        except ValueError:
+            return None
+        return options
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
         self._global_amax = None
-        self.min_vals, self.max_vals = self.imatrix_range(observed)
+        lo, hi = self.imatrix_range(observed)
+        check_finite_statistics(self, lo, hi)  # the other quantscope_* observers refuse too
+        self.min_vals, self.max_vals = lo, hi
 
     def uniform_range(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Without valid importance, ``quantscope_memoryless_mse``'s search (quantscope's
         native rules) over this observer's grid: its ``maxshrink``, ``grid``, ``patience``
         (0: all candidates) and ``expand``; the ``norm`` given in ``observer_kwargs``, else
-        memoryless_mse's (2: llm-compressor's 3.0 is the default of its weighted score)."""
+        memoryless_mse's (2: llm-compressor's 3.0 is the default of its weighted score). A
+        grid memoryless_mse refuses (see :meth:`_memoryless_options`): llm-compressor's own
+        unweighted search, as the compat ``imatrix_mse`` falls back."""
+        if self._uniform_options is None:
+            return super().uniform_range(observed)
         units, shape = statistics_units(observed)
         dtype = statistics_dtype(observed)
         uniform = observer_class("memoryless_mse")(
-            units_spec(self.args, self.base_name), maxshrink=self.maxshrink, grid=self.grid,
-            patience=self.patience or None, expand=self.expand,
-            norm=self.args.observer_kwargs.get("norm"))
+            units_spec(self.args, self.base_name), **self._uniform_options).to(units.device)
         uniform(units.to(dtype))
         lo, hi = uniform.calculate_range()
         self._global_amax = uniform.global_amax()
