@@ -8,7 +8,7 @@ or a :class:`CustomSync` such as a histogram that first agrees on a common grid)
 collectives:
 
 0. one tiny ``all_reduce`` checking that every rank syncs the same observers (class,
-   spec, bins, sync plan) and that the local planning succeeded everywhere: an error on one
+   spec, bins, sync plan; a rank passing none takes part too) and that the local planning succeeded everywhere: an error on one
    rank (a header it cannot encode, a histogram folding its last batches into its average)
    raises on every rank, the same exception type and message;
 1. one ``all_gather`` of a small fixed-length int64 header per rank (whether the

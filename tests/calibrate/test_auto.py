@@ -290,6 +290,7 @@ def test_choose_drops_a_far_worse_candidate_after_the_first_piece():
     class Fake:  # divergence per (config, piece), recorded
         def __init__(self):
             self.batches, self.calls = [0, 1, 2], []
+            self.pieces = len(self.batches)
 
         def of(self, states, k):
             self.calls.append((states, k))
@@ -313,6 +314,7 @@ def test_choose_keeps_the_best_when_its_divergence_is_below_zero():
 
     class Fake:
         batches = (0, 1)
+        pieces = 2
 
         def of(self, states, k):
             return {"a": [-1e-9, -1e-9], "b": [-2e-9, -2e-9], "c": [1.0, 1.0]}[states][k]
@@ -360,6 +362,7 @@ def test_choose_roles_finds_the_pair_no_whole_configuration_has():
     class Fake:  # the same divergence on each of 3 pieces
         def __init__(self):
             self.batches, self.calls = [0, 1, 2], []
+            self.pieces = len(self.batches)
 
         def of(self, states, k):
             key = (states["l0"]["weight"].observer, states["l0"]["input"].observer)

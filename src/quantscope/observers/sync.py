@@ -161,14 +161,17 @@ def sync_observers(observers: Iterable, group=None) -> None:
     """
     observers = list(observers)
     reset_stats()
-    if not observers or not is_distributed(group):
+    if not is_distributed(group):
         return
     dev = group_device(group)
     plans = header = None
     with LocalError() as local:  # local steps: an error on one rank raises on every rank
         plans = [_plan(o) for o in observers]
         header = _header(observers, plans, dev)
+    # even with no observers here: a peer that has some waits in this check
     _check_same_plans(observers, plans, local, dev, group)
+    if not observers:  # none on any rank (the check passed)
+        return
     allh = all_gather(header, group).cpu().tolist()  # plain Python: cheap decisions
     me = dist.get_rank(group)
     work = _decide(observers, plans, allh, me)

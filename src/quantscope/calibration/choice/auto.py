@@ -29,6 +29,7 @@ from ..recipe import AUTO, Recipe
 from ..results.apply import apply
 from ..results.result import Calibration
 from ..run.batches import eval_mode, forward_batch, tensors_in
+from ..run.gather import share_pieces
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
 
@@ -131,6 +132,7 @@ class OutputDivergence:
         known = list(references or [None] * len(self.batches))
         self.references = [self._run(b) if r is None else r for b, r in zip(self.batches, known)]
         self.forwards = sum(r is None for r in known)
+        self.pieces, self.ranks = len(self.batches), None  # across ranks: share_pieces
 
     def _run(self, batch):
         with eval_mode(self.model), torch.inference_mode():
@@ -165,9 +167,12 @@ class OutputDivergence:
 
     def of(self, states, k: int | None = None) -> float:
         """The divergence with ``states`` (``{layer: {role: RoleState}}``) applied: over all
-        batches, or on batch ``k`` alone."""
-        with apply(self.model, states):
-            return self() if k is None else self.on(k)
+        batches, or on batch ``k`` alone (every rank's piece ``k``, where ``ranks``)."""
+        def here():
+            with apply(self.model, states):
+                return self() if k is None else self.on(k)
+        return here() if self.ranks is None or k is None else self.ranks.piece(
+            here if k < len(self.batches) else None)
 
 
 def _finite(value, logits: bool = False) -> bool:
@@ -296,7 +301,7 @@ def _identity(x) -> tuple[int, ...] | None:
 def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_FACTOR,
            pieces: dict | None = None):
     """The configuration (``{name: states}``) with the least mean divergence, scored piece by
-    piece (each of ``div.batches``): after each piece, a candidate whose mean so far exceeds
+    piece (``div.pieces``): after each piece, a candidate whose mean so far exceeds
     ``drop`` times the best mean so far (``best + (drop - 1) |best|``: the best always stays)
     is dropped, unscored on the later pieces (an early
     choice: such a candidate cannot catch up unless the pieces disagree by that factor).
@@ -305,7 +310,7 @@ def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_
     totals, seen = dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0)
     pieces = {} if pieces is None else pieces
     alive = list(configs)
-    for k in range(len(div.batches)):
+    for k in range(div.pieces):
         for n in alive:
             d = div.of(configs[n], k)
             pieces.setdefault(n, []).append(d)
@@ -351,7 +356,7 @@ def choose_roles(div: OutputDivergence, configs: dict, best: str, best_pieces: l
             states = {layer: {r: configs[trial[r]].states[layer][r] for r in rs}
                       for layer, rs in chosen.items()}
             got = []
-            for k in range(len(div.batches)):
+            for k in range(div.pieces):
                 got.append(div.of(states, k))
                 if sum(got) > sum(kept[:k + 1]):
                     break
@@ -419,6 +424,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         with (importance.counting() if importance is not None and not importance.seen()
               else contextlib.nullcontext()):
             score = OutputDivergence(model, pieces, loss, refs)
+        if opts.runtime.distributed:  # ranks scoring their own batches: the same choice
+            share_pieces(score, opts.runtime.group)
         means = {} if importance is None else importance.means(
             opts.runtime.distributed, opts.runtime.group)
     finally:
@@ -445,7 +452,7 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
     names, per_piece = list(configs), {}
     best, scores = choose(score, {n: c.states for n, c in configs.items()}, names[0],
                           pieces=per_piece)
-    alive = [n for n in names if scores[n][1] == len(score.batches)]
+    alive = [n for n in names if scores[n][1] == score.pieces]
     extra = imatrix_config(model, configs[names[0]], means) if means else None
     if extra is not None:  # the weighted weight search: a weight candidate of the role step
         configs = {**configs, IMATRIX: extra}
@@ -464,7 +471,7 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
                     "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},
                     "role_pieces": {k: p for k, (_, p) in trials.items()},
                     "pieces_scored": {k: p for k, (_, p) in scores.items()},
-                    "score_pieces": len(score.batches),
+                    "score_pieces": score.pieces,
                     "score_tokens": sum(_tokens(b) for b in score.batches),
                     "score_forwards": score.forwards}
     stats = [dict(r, requested=AUTO) for r in (

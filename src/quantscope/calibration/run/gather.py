@@ -10,13 +10,17 @@ a process group every function returns its input. Re-exported by
 from __future__ import annotations
 
 import heapq
+import math
+import zlib
 
 import torch
 import torch.distributed as dist
 
-from ...comm import all_gather, group_device, is_distributed, world_size
+from ...comm import LocalError, all_gather, group_device, is_distributed, raise_on_all, world_size
+from .batches import tensors_in
 
-__all__ = ["assign_by_size", "gather_failures", "gather_qparams", "gather_samples",
+__all__ = ["RankPieces", "assign_by_size", "check_same_slots", "check_same_weights",
+           "gather_failures", "gather_qparams", "gather_samples", "share_pieces",
            "weight_owners"]
 
 
@@ -80,8 +84,11 @@ def gather_samples(samples: dict, limit: int, group=None) -> dict:
     rows (a rank without rows of its own casts them alike, so every rank scores the same
     values). Every rank passes the same keys.
 
-    Two tensor all_gathers (row counts, widths and dtypes, then one flat float32 payload per
-    rank), not pickled objects: activation samples are tens of MB and pickling them dominates.
+    Two tensor all_gathers (row counts, widths and dtypes, then one flat payload per rank),
+    not pickled objects: activation samples are tens of MB and pickling them dominates. The
+    payload is float32 (exact for float32, bfloat16 and float16 rows), float64 where any
+    rank has float64 rows: those come back as sent, not rounded (or beyond float32's range
+    made inf).
     """
     if not is_distributed(group):
         return samples
@@ -92,9 +99,11 @@ def gather_samples(samples: dict, limit: int, group=None) -> dict:
                          for t in local], dtype=torch.int64, device=dev).reshape(-1)
     heads = all_gather(head, group).cpu().reshape(-1, len(keys), 3).tolist()  # [W, K, 3]
     sizes = [sum(n * w for n, w, _ in h) for h in heads]
-    payload = torch.zeros(max(sizes), dtype=torch.float32, device=dev)
+    wide = any(_DTYPES[c] == torch.float64 for h in heads for n, _, c in h if n)
+    kind = torch.float64 if wide else torch.float32  # the same on every rank (from heads)
+    payload = torch.zeros(max(sizes), dtype=kind, device=dev)
     if sizes[dist.get_rank(group)]:
-        flat = torch.cat([t.reshape(-1).float() for t in local if t is not None])
+        flat = torch.cat([t.reshape(-1).to(kind) for t in local if t is not None])
         payload[:flat.numel()] = flat.to(dev)
     allp = all_gather(payload, group)
     merged = {}
@@ -130,3 +139,108 @@ def gather_failures(local: dict, group=None) -> dict:
         for k, v in part.items():
             merged.setdefault(k, {}).update(v)
     return merged
+
+
+def check_same_slots(keys, group=None) -> None:
+    """Raise the same ``ValueError`` on every rank unless every rank plans the same
+    ``(layer, role)`` keys (their recipes match the same layers): the later exchanges pair
+    the ranks' slots key by key. One tiny all_gather; names the first differing key."""
+    if not is_distributed(group):
+        return
+    keys = sorted(keys)
+    crc = zlib.crc32(repr(keys).encode())
+    got = all_gather(torch.tensor([crc, len(keys)], dtype=torch.int64,
+                                  device=group_device(group)), group).cpu()
+    if bool((got == got[0]).all()):
+        return
+    every: list = [None] * world_size(group)  # only on a mismatch: name the difference
+    dist.all_gather_object(every, keys, group=group)
+    sets = [set(k) for k in every]
+    odd = min(set().union(*sets) - set.intersection(*sets), default=None)
+    which = [r for r, k in enumerate(sets) if odd in k]
+    raise ValueError(f"calibrate: the ranks' recipes match different layers (layer {odd[0]!r} "
+                     f"{odd[1]} is planned on rank(s) {which} only; slots per rank "
+                     f"{[len(k) for k in every]}); every rank must calibrate the same model "
+                     f"with the same recipes" if odd else
+                     "calibrate: the ranks' recipes match different layers")
+
+
+def check_same_weights(weights: dict, group=None) -> None:
+    """Raise the same ``ValueError`` on every rank unless every rank holds the same weights
+    (``{layer: tensor}``, the same layers everywhere: :func:`check_same_slots`): each weight
+    is observed on its owner rank only (:func:`weight_owners`), so ranks holding different
+    checkpoints (or dtypes) would get a silent mix. One all_gather of each weight's sum and
+    norm (reduced where it lives, accumulated in float32: float64 made it 16x slower on the
+    CPU), size and dtype; sums agree to rounding (1e-6 of their bound), size and dtype
+    exactly. Names the first differing layer. Cost: docs/guide/distributed.md."""
+    if not is_distributed(group) or not weights:
+        return
+    dev, f32 = group_device(group), torch.float32
+    names = sorted(weights)
+    ws = [weights[n].detach() for n in names]
+    sums = torch.stack([torch.stack([torch.sum(v, dtype=f32), torch.linalg.vector_norm(
+        v, dtype=f32)]).to(dev, torch.float64)
+        for v in (w if w.dtype in _DTYPES else w.float() for w in ws)])  # fp8: a copy
+    meta = torch.tensor([[w.numel(), _DTYPES.index(w.dtype) + 1 if w.dtype in _DTYPES else 0]
+                         for w in ws], dtype=torch.float64, device=dev)
+    got = all_gather(torch.cat([sums, meta], 1), group).cpu()  # [W, L, 4]
+    ref = got[0]
+    scale = ref[:, 1] * ref[:, 2].sqrt()  # |sum| <= norm * sqrt(n)
+    bad = ((got[:, :, 2:] != ref[:, 2:]).any(-1) | ((got[:, :, 0] - ref[:, 0]).abs() >
+                                                     1e-6 * scale + math.ulp(0.0))
+           | ((got[:, :, 1] - ref[:, 1]).abs() > 1e-6 * ref[:, 1] + math.ulp(0.0)))
+    if not bool(bad.any()):
+        return
+    i = int(bad.any(0).nonzero()[0])  # the first layer (by name) that differs, and where
+    rank = int(bad[:, i].nonzero()[0])
+    dtypes = ["other", *[str(d).removeprefix("torch.") for d in _DTYPES]]
+    say = [f"{dtypes[int(got[r, i, 3])]}, sum {float(got[r, i, 0]):.6g}" for r in (0, rank)]
+    raise ValueError(f"calibrate: the ranks hold different weights: layer {names[i]!r} is "
+                     f"{say[0]} on rank 0 but {say[1]} on rank {rank}; every rank must load "
+                     f"the same checkpoint in the same dtype (each weight is observed on one "
+                     f"rank only and shared)")
+
+
+class RankPieces:
+    """``auto``'s model-level scoring across ranks that score different pieces (each passed
+    its own batches): piece ``k`` is every rank's piece ``k`` (ranks with fewer pieces add
+    nothing), their divergences summed and scaled by ``count / total`` pieces, so that the
+    mean over the ``count`` piece indices that :func:`~..choice.auto.choose` takes is the
+    mean over every rank's pieces: what one process scoring all of them gets (up to the
+    summation's rounding; its early drops see the pieces in another order). Every rank
+    gets the same value, so every rank chooses the same."""
+
+    def __init__(self, counts: list[int], group=None):
+        self.group, self.count = group, max(counts)
+        self.scale = self.count / sum(counts)
+
+    def piece(self, score) -> float:
+        """This rank's ``score()`` (None: no piece here) with every other rank's, in one
+        all_gather; an error of one rank's score raises on every rank."""
+        local = LocalError()
+        with local:
+            value = 0.0 if score is None else float(score())
+        t = torch.tensor([value, float(local.error is not None)], dtype=torch.float64,
+                         device=group_device(self.group))
+        got = all_gather(t, self.group).cpu()
+        raise_on_all(local.error, bool(got[:, 1].any()), "auto's scoring", self.group, True)
+        return float(got[:, 0].sum()) * self.scale
+
+
+def share_pieces(div, group=None) -> None:
+    """Make ``div`` (an :class:`~..choice.auto.OutputDivergence`) score across the ranks
+    (:class:`RankPieces`) where they hold different scoring pieces; where every rank holds
+    the same (the same batches passed everywhere) each scores alone, as one process, with
+    no exchange. One tiny all_gather (a CRC of each rank's pieces)."""
+    if not is_distributed(group):
+        return
+    crc = 0
+    for t in (t for b in div.batches for t in tensors_in(b)):
+        crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
+        t = t.detach().reshape(-1).contiguous().cpu()
+        crc = zlib.crc32(t.view(torch.uint8).numpy().tobytes(), crc)
+    got = all_gather(torch.tensor([crc, len(div.batches)], dtype=torch.int64,
+                                  device=group_device(group)), group).cpu()
+    if not bool((got == got[0]).all()):
+        div.ranks = RankPieces(got[:, 1].tolist(), group)
+        div.pieces = div.ranks.count

@@ -16,15 +16,14 @@ mode is restored, and a SmoothQuant that ran is undone if the call raises; forwa
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ... import comm as qd
-from ...observers.sync import sync_observers
 from ..choice import auto as _auto
 from ..choice import layer_choice
 from ..choice import smooth as _smooth
@@ -40,16 +39,16 @@ from ..options import (
     as_sequential,
     from_keywords,
 )
-from ..recipe import AUTO, Recipe, preset
+from ..recipe import Recipe, preset
 from ..results.apply import refuse_applied, refuse_compiled
 from ..results.result import Calibration
 from ..structure import kv_cache
 from ..structure import moe as _moe
 from ..structure.fusion import peek
 from ..structure.placement import check_placement
-from . import gather
 from . import sequential as _sequential
 from .batches import check_batches
+from .dist_pass import calibrate_distributed
 from .exclusive import calibrating
 from .finish import build_states
 from .observe import (
@@ -58,11 +57,9 @@ from .observe import (
     make_plan,
     observe_batches,
     observer_seconds,
-    sample_budget,
     share_group_inputs,
     unique_slots,
 )
-from .samples import RowSample
 
 __all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many",
            "calibrate_with", "sensitivity"]
@@ -147,13 +144,17 @@ def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[st
 def _calibrate_with(model, batches, recipes, opts: Options) -> dict[str, Calibration]:
     """:func:`calibrate_with` inside its guard: the sequential pieces and auto's end-to-end
     candidates calibrate through here, on the model (or a block of it) the call holds."""
-    recipes = _checked(model, recipes, opts)
     t0 = time.perf_counter()
     if batches is None:
         batches = []
-    check_batches(batches)
-    _check_kv_cache(model, recipes)
-    check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
+    # distributed: a check failing on one rank (its recipe, its batches) raises on every rank
+    # here, not with the others waiting in the planning's collectives
+    with (qd.all_or_none("calibrate's checks", opts.runtime.group, same_type=True)
+          if opts.runtime.distributed else contextlib.nullcontext()):
+        recipes = _checked(model, recipes, opts)
+        check_batches(batches)
+        _check_kv_cache(model, recipes)
+        check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
 
     def run(batches):  # the calibration itself; keep_float's ranking follows it
         if opts.sequential is not None:
@@ -186,7 +187,8 @@ def _calibrate_with(model, batches, recipes, opts: Options) -> dict[str, Calibra
         with _moe.attach(model, opts.moe.all_experts) as experts:
             experts.min_tokens = opts.moe.min_tokens
             if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
-                return _calibrate_distributed(model, batches, recipes, opts, t0, experts)
+                return calibrate_distributed(model, batches, recipes, opts, t0, experts,
+                                             _conclude)
             return _calibrate_local(model, batches, recipes, opts, t0, experts, fisher)
 
     return _around(model, batches, run, opts.outliers, opts.runtime)
@@ -336,90 +338,6 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
             info["processes"] = processes
         out[label] = Calibration(recipe, states, label, rows, hists, info)
     return out
-
-
-def _calibrate_distributed(model, batches, recipes, opts: Options, t0, experts):
-    """``calibrate_many`` across the ranks of ``group``, every rank returning the same result.
-
-    Batches are sharded round-robin; each weight is observed by one rank (balanced by
-    size) and its state shared; after the local forwards, the activation observers are
-    synced (exact for min / max and histograms, AVG for moving averages: see
-    :mod:`quantscope.distributed`). With ``auto`` the sampled rows are gathered so every
-    rank decides on the same data; otherwise the report rows (activation SQNR, clipping)
-    come from rank 0's own sample and are empty on the other ranks. Local steps run under
-    :func:`~quantscope.distributed.all_or_none`: an error on one rank raises on all.
-    """
-    group, sampling = opts.runtime.group, opts.sampling
-    sample_tokens, seed = sampling.tokens, sampling.seed
-    world = qd.world_size(group)
-    quantized = {layer for r in recipes.values()
-                 for layer, (_, roles) in r.match(model).items() if "weight" in roles}
-    owners = gather.weight_owners(model, quantized, group)
-    me = qd.rank(group)
-    with qd.all_or_none("planning", group):
-        slots, plans = make_plan(model, recipes, opts.auto.candidates,
-                                 owns=lambda l: owners.get(l, me) == me)
-        batches, groups = share_group_inputs(model, batches, recipes, slots)
-    experts.reset_counts()
-    failed = gather.gather_failures({k: s.failed for k, s in slots.items() if s.role == "weight"},
-                                group)
-    for k, f in failed.items():  # a candidate that failed on its owner is dropped everywhere
-        slots[k].failed.update(f)
-        for key in f:
-            slots[k].observers.pop(key, None)
-    sync_observers([o for s in slots.values() if s.role == "weight"
-                       for o in s.observers.values()], group)
-    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
-                     for s in slots.values())
-    # 'auto' decides on the sampled rows, so every rank needs the same sample: gather it;
-    # otherwise the sample only feeds the report, which rank 0 makes from its own rows
-    auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())
-    n, bad = 0, set()
-    if needs_data:
-        # same_type: a batch's NaN in a static role is the one-process ValueError everywhere
-        with qd.all_or_none("calibration", group, same_type=True):
-            n = observe_batches(model, qd.shard(batches, group), slots,
-                     -(-sample_tokens // world) if auto else sample_tokens,
-                     opts.progress and qd.is_main(group), seed + me,
-                     sample_budget(sampling.budget_mb) / world if auto else sampling.budget_mb,
-                     batch_index=lambda i: i * world + me)  # qd.shard's round robin
-        acts = {k: s for k, s in slots.items() if s.role != "weight"}
-        n, bad = _global_counts(n, acts, group)
-        sync_observers([o for s in unique_slots(acts.values()) for o in s.observers.values()],
-                          group)
-        if auto:
-            local = {k: [] if s.sample is None or not s.sample.count else [s.sample.rows()]
-                     for k, s in acts.items()}
-            merged = gather.gather_samples(local, sample_tokens, group)
-            for k, rows in merged.items():
-                acts[k].sample = RowSample.holding(rows[0]) if rows else None
-        elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
-            for s in acts.values():
-                s.sample = None
-    for counts in experts.counts.values():  # every rank reports the global counts
-        counts[:] = [qd.all_sum(c, group) for c in counts]
-    return _conclude(slots, plans, recipes, n, needs_data, t0, opts, world, groups, experts,
-                     model, non_finite=bad)
-
-
-def _global_counts(n, acts, group):
-    """``(batches, slot keys whose rows brought NaN / inf)`` over every rank, each activation
-    slot's ``calls`` made the total over the ranks (what ``missing`` reports), in one SUM
-    all_reduce. The NaN flags are read from each rank's own rows before rank 0 alone keeps
-    them (no ``auto``), so that a dynamic role's NaN raises on every rank, not where it fell."""
-    dev = qd.group_device(group)
-    own = unique_slots(acts.values())
-    rows = [None if s.sample is None else s.sample.rows() for s in own]
-    flags = [torch.zeros((), dtype=torch.int64, device=dev) if x is None  # read back below
-             else (~torch.isfinite(x)).any().to(device=dev, dtype=torch.int64) for x in rows]
-    counts = torch.tensor([n] + [s.calls for s in own], dtype=torch.int64, device=dev)
-    t = torch.cat([counts, torch.stack(flags)]) if own else counts
-    qd.all_reduce(t, dist.ReduceOp.SUM, group)
-    t = t.tolist()
-    for s, calls in zip(own, t[1:1 + len(own)]):
-        s.calls = calls
-    bad = {id(s) for s, f in zip(own, t[1 + len(own):]) if f}
-    return t[0], {k for k, s in acts.items() if id(s) in bad}
 
 
 def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None = None,

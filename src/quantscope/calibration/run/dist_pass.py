@@ -1,0 +1,114 @@
+"""The data-parallel pass of :func:`~.session.calibrate_many` (``Runtime(distributed=True)``
+inside a process group): batches sharded round-robin, each weight observed on its owner
+rank, the observers synced, ``auto``'s samples gathered; before any of it, the ranks check
+that they plan the same slots on the same weights (a rank given another recipe or
+checkpoint raises, with every other rank, rather than leaving them waiting or mixing).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ... import comm as qd
+from ...observers.sync import sync_observers
+from ..recipe import AUTO
+from . import gather
+from .observe import make_plan, observe_batches, sample_budget, share_group_inputs, unique_slots
+from .samples import RowSample
+
+__all__ = ["calibrate_distributed"]
+
+
+def _plan(model, batches, recipes, opts, group):
+    """Every rank's plan, checked alike everywhere: the same ``(layer, role)`` slots, the same
+    weights (:func:`~.gather.check_same_weights`), the weight candidates that failed on their
+    owner dropped on every rank. Returns ``(slots, plans, batches, fusion groups)``."""
+    quantized = {layer for r in recipes.values()
+                 for layer, (_, roles) in r.match(model).items() if "weight" in roles}
+    owners = gather.weight_owners(model, quantized, group)
+    me = qd.rank(group)
+    with qd.all_or_none("planning", group):
+        slots, plans = make_plan(model, recipes, opts.auto.candidates,
+                                 owns=lambda l: owners.get(l, me) == me)
+        batches, groups = share_group_inputs(model, batches, recipes, slots)
+    gather.check_same_slots(slots, group)  # the exchanges below pair the slots by key
+    weights = {k: s for k, s in slots.items() if s.role == "weight"}
+    gather.check_same_weights({k[0]: s.module.weight for k, s in weights.items()}, group)
+    failed = gather.gather_failures({k: s.failed for k, s in weights.items()}, group)
+    for k, f in failed.items():  # a candidate that failed on its owner is dropped everywhere
+        slots[k].failed.update(f)
+        for key in f:
+            slots[k].observers.pop(key, None)
+    sync_observers([o for s in weights.values() for o in s.observers.values()], group)
+    return slots, plans, batches, groups
+
+
+def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
+    """``calibrate_many`` across the ranks of ``group``, every rank returning the same result
+    (``conclude``: the session's ``_conclude``, which builds it from the synced slots).
+
+    Batches are sharded round-robin; each weight is observed by one rank (balanced by
+    size) and its state shared; after the local forwards, the activation observers are
+    synced (exact for min / max and histograms, AVG for moving averages: see
+    :mod:`quantscope.distributed`). With ``auto`` the sampled rows are gathered so every
+    rank decides on the same data; otherwise the report rows (activation SQNR, clipping)
+    come from rank 0's own sample and are empty on the other ranks. Local steps run under
+    :func:`~quantscope.distributed.all_or_none`: an error on one rank raises on all.
+    """
+    group, sampling = opts.runtime.group, opts.sampling
+    sample_tokens, seed = sampling.tokens, sampling.seed
+    world, me = qd.world_size(group), qd.rank(group)
+    slots, plans, batches, groups = _plan(model, batches, recipes, opts, group)
+    experts.reset_counts()
+    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
+                     for s in slots.values())
+    # 'auto' decides on the sampled rows, so every rank needs the same sample: gather it;
+    # otherwise the sample only feeds the report, which rank 0 makes from its own rows
+    auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())
+    n, bad = 0, set()
+    if needs_data:
+        # same_type: a batch's NaN in a static role is the one-process ValueError everywhere
+        with qd.all_or_none("calibration", group, same_type=True):
+            n = observe_batches(model, qd.shard(batches, group), slots,
+                     -(-sample_tokens // world) if auto else sample_tokens,
+                     opts.progress and qd.is_main(group), seed + me,
+                     sample_budget(sampling.budget_mb) / world if auto else sampling.budget_mb,
+                     batch_index=lambda i: i * world + me)  # qd.shard's round robin
+        acts = {k: s for k, s in slots.items() if s.role != "weight"}
+        n, bad = _global_counts(n, acts, group)
+        sync_observers([o for s in unique_slots(acts.values()) for o in s.observers.values()],
+                          group)
+        if auto:
+            local = {k: [] if s.sample is None or not s.sample.count else [s.sample.rows()]
+                     for k, s in acts.items()}
+            merged = gather.gather_samples(local, sample_tokens, group)
+            for k, rows in merged.items():
+                acts[k].sample = RowSample.holding(rows[0]) if rows else None
+        elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
+            for s in acts.values():
+                s.sample = None
+    for counts in experts.counts.values():  # every rank reports the global counts
+        counts[:] = [qd.all_sum(c, group) for c in counts]
+    return conclude(slots, plans, recipes, n, needs_data, t0, opts, world, groups, experts,
+                    model, non_finite=bad)
+
+
+def _global_counts(n, acts, group):
+    """``(batches, slot keys whose rows brought NaN / inf)`` over every rank, each activation
+    slot's ``calls`` made the total over the ranks (what ``missing`` reports), in one SUM
+    all_reduce. The NaN flags are read from each rank's own rows before rank 0 alone keeps
+    them (no ``auto``), so that a dynamic role's NaN raises on every rank, not where it fell."""
+    dev = qd.group_device(group)
+    own = unique_slots(acts.values())
+    rows = [None if s.sample is None else s.sample.rows() for s in own]
+    flags = [torch.zeros((), dtype=torch.int64, device=dev) if x is None  # read back below
+             else (~torch.isfinite(x)).any().to(device=dev, dtype=torch.int64) for x in rows]
+    counts = torch.tensor([n] + [s.calls for s in own], dtype=torch.int64, device=dev)
+    t = torch.cat([counts, torch.stack(flags)]) if own else counts
+    qd.all_reduce(t, dist.ReduceOp.SUM, group)
+    t = t.tolist()
+    for s, calls in zip(own, t[1:1 + len(own)]):
+        s.calls = calls
+    bad = {id(s) for s, f in zip(own, t[1 + len(own):]) if f}
+    return t[0], {k for k, s in acts.items() if id(s) in bad}
