@@ -389,12 +389,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
 
     candidates, score_tokens, loss = (opts.auto.candidates, opts.auto.score_tokens,
                                       opts.auto.loss)
-    batches = list(batches)
+    batches = list(batches)  # not empty where a recipe has auto (calibrate's checks)
     autos = [label for label, r in recipes.items() if _has_auto(r)]
-    if autos and not batches:
-        raise ValueError("calibrate: batches is empty: observer='auto' scores its candidates "
-                         "on the model's outputs (Auto(metric='model')); give calibration "
-                         "batches, or choose per tensor with Auto(metric='tensor')")
     expanded = {label: r for label, r in recipes.items() if label not in autos}
     names = list(dict.fromkeys(_candidates("input", candidates)))
     for label in autos:

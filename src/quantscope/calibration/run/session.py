@@ -153,6 +153,13 @@ def _calibrate_with(model, batches, recipes, opts: Options) -> dict[str, Calibra
           if opts.runtime.distributed else contextlib.nullcontext()):
         recipes = _checked(model, recipes, opts)
         check_batches(batches)
+        if opts.auto.metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
+            batches = list(batches)  # read twice: calibrated on, then scored on
+            if not batches:
+                raise ValueError("calibrate: batches is empty: observer='auto' scores its "
+                                 "candidates on the model's outputs (Auto(metric='model')); "
+                                 "give calibration batches, or choose per tensor with "
+                                 "Auto(metric='tensor')")
         _check_kv_cache(model, recipes)
         check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
 
