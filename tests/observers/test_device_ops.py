@@ -221,6 +221,34 @@ def test_cuda_minmax_forward_replays_in_a_cuda_graph(name):
     assert torch.equal(graphed.max_vals, eager.max_vals)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["percentile", "histogram", "entropy"])
+def test_cuda_histogram_forward_replays_in_a_cuda_graph(name):
+    """A histogram observer's forward captured once in a CUDA graph and replayed on batches
+    whose range grows (each replay re-bins on the device): no host read inside, the state
+    written into the captured buffers (``Observer._store``), the eager observer's qparams."""
+    spec, shape = QuantSpec("int8"), (4, 16, 32)
+    x = _x(shape, torch.bfloat16).cuda()
+    graphed, eager = (quantscope.get_observer(name, spec).cuda() for _ in range(2))
+    for obs in (graphed, eager):
+        obs(x)  # the first call sizes the state (and compiles the kernels) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed(x)
+    for s in range(3):
+        x.copy_(_x(shape, torch.bfloat16, seed=10 + s).cuda() * 1.5 ** (s + 1))
+        graph.replay()
+        eager(x)
+    torch.cuda.synchronize()
+    for key, value in eager.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(graphed.state_dict()[key], value), key
+    ours, theirs = graphed.calculate_qparams(), eager.calculate_qparams()
+    assert torch.equal(ours.scale, theirs.scale)
+    assert torch.equal(ours.zero_point, theirs.zero_point)
+
+
 @pytest.mark.parametrize("spec", [QuantSpec("uint8", symmetric=False), QuantSpec("int8"),
                                   QuantSpec("int8", Channel(0))], ids=str)
 def test_histogram_grid_change_is_one_op(spec):
