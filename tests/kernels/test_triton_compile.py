@@ -73,3 +73,18 @@ def test_kernels_compile_for_a_gpu():
     if run.stdout.startswith("unavailable"):
         pytest.skip(f"this Triton has no ahead-of-time compile: {run.stdout}")
     assert run.returncode == 0 and run.stdout.strip() == "compiled", run.stdout + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_launchers_take_only_their_device(interpret):
+    """Compiled, the launchers take CUDA tensors only (a meta, mps or xpu tensor takes the
+    op's other path, not a Triton launch); interpreted, CPU tensors only."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    code = ("from quantscope.kernels import triton as t\n"
+            "print(*(t.runs_on(d) for d in ('cuda', 'cpu', 'meta', 'mps', 'xpu')))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, timeout=120)
+    expected = ["False", "True", *["False"] * 3] if interpret else ["True", *["False"] * 4]
+    assert run.stdout.split() == expected
