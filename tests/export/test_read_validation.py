@@ -281,7 +281,7 @@ _ATTN = "model.layers.0.self_attn"
     (lambda t: t.__setitem__("model.layers.7.self_attn.k_scale", torch.tensor([1.0])),
      r"'model.layers.7.self_attn.k_scale' belongs to no layer of the model"),
     (lambda t: [t.pop(k) for k in list(t) if k.endswith(("k_scale", "v_scale"))],
-     r"kv_cache_scheme is static but no layer has a k_scale / v_scale"),
+     r"kv_cache_scheme is static but the attention modules \['model.layers.0.self_attn'"),
 ])
 def test_damaged_kv_cache_scales_are_refused(exported_nvfp4_kv, tmp_path, edit, why):
     # each read without a word (a cache left in float, a layer the model lacks) or raised a

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .._versions import require
+from ..calibration.structure.kv_cache import attention_modules
 from ..calibration.structure.placement import check_placement, held_weight
 from ..calibration.structure.tied import tied_weights
 from ..formats import FloatFormat, IntFormat
@@ -272,6 +273,20 @@ def _kv_args(kv, lossy):
     return next(iter(args.values()), None)
 
 
+def _kv_everywhere(work: nn.Module, kv) -> None:
+    """A KV cache calibrated on every cached attention module or on none: the one
+    ``kv_cache_scheme`` applies to all of them (compressed-tensors never reads ``ignore``
+    for it; vLLM has no per-layer KV dtype), so a module without scales would run its cache
+    with an uninitialised (compressed-tensors) or 1.0 (vLLM) scale where apply() keeps it float."""
+    missing = sorted(set(attention_modules(work)) - set(kv)) if kv else []
+    if missing:
+        raise ValueError(f"export compressed-tensors: the KV cache is calibrated, but the "
+                         f"attention modules {missing} have no KV-cache scales (ignored in "
+                         f"the recipe?); a checkpoint's one kv_cache_scheme quantizes every "
+                         f"attention's cache: calibrate the KV cache of all attention layers "
+                         f"or of none")
+
+
 def _groups(states, lossy):
     """``{args triple: [layers]}``: layers with identical quantization share a config group."""
     groups: dict = {}
@@ -374,6 +389,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     # MoE experts under the checkpoint's per-expert names (vLLM's loader reads those)
     states, kv = _split_kv(unfuse_experts(work, calibration.states))
     kv_args = _kv_args(kv, lossy)
+    _kv_everywhere(work, kv)
     for layer, roles in states.items():
         _check_module(work, layer, roles)
     _tied(work, [layer for layer, roles in states.items() if "weight" in roles])

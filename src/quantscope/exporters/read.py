@@ -28,8 +28,10 @@ from ..spec import QuantSpec
 from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
 from .read_checks import (
     SCALE_LEAVES,
+    check_kv_scheme,
     compressor,
     fmt_name,
+    kv_scale_layer,
     parse_quant_config,
     read_quant_config,
     rewriting_modifiers,
@@ -122,33 +124,36 @@ def _meta_model(path: str, config: dict, tensors: int):
 _KV_SCALE = {"k_scale": "key", "v_scale": "value"}
 
 
-def _read_kv_cache(args, tensors, states, modules):
+def _read_kv_cache(args, tensors, states, model):
     """The KV cache's ``key`` / ``value`` states from ``<attention>.k_scale`` / ``v_scale``
     (into ``states``); returns the recipe's ``kv_cache`` Role (None without a scheme). Each
-    attention layer of ``modules`` with one of the two scales must have both: the other
+    attention layer of ``model`` with one of the two scales must have both: the other
     cache would run in float without a word."""
     from ..calibration.recipe import Role
     from ..calibration.results.result import RoleState
+    from ..calibration.structure.kv_cache import attention_modules
 
     if args is None:
         return None
+    check_kv_scheme(args, "from_compressed_tensors")
+    modules, attention = dict(model.named_modules()), attention_modules(model)
     spec = llmcompressor_spec(args, "input")
     observer = args.observer or "minmax"
     qshape = spec.layout.qparam_shape((1, 1))
     read = {}
     for key, value in tensors.items():
-        layer, _, name = key.rpartition(".")
+        name = key.rpartition(".")[2]
         if name in _KV_SCALE:
-            if layer not in modules:
-                raise ValueError(f"from_compressed_tensors: tensor {key!r} belongs to no "
-                                 f"layer of the model built from config.json")
+            layer = kv_scale_layer(key, modules, attention, "from_compressed_tensors")
             qp = QParams(_qparam(value, qshape, layer, name, spec),
                          torch.zeros(qshape, dtype=torch.int32))
             read.setdefault(layer, {})[_KV_SCALE[name]] = RoleState(
                 spec, observer, observer, False, qparams=qp)
-    if not read and args.dynamic is False:
-        raise ValueError("from_compressed_tensors: kv_cache_scheme is static but no layer "
-                         "has a k_scale / v_scale")
+    unscaled = sorted(set(attention) - set(read))
+    if unscaled:  # the runtime quantizes every cache with the one scheme; apply() could not
+        raise ValueError(f"from_compressed_tensors: kv_cache_scheme is static but the "
+                         f"attention modules {unscaled[:3]}{' ...' if len(unscaled) > 3 else ''}"
+                         f" have no k_scale / v_scale")
     for layer, roles in read.items():
         missing = [name for name, role in _KV_SCALE.items() if role not in roles]
         if missing:
@@ -453,8 +458,7 @@ def read_compressed_tensors(path):
     rules = [_read_group(g, scheme, qconfig, model, tensors, states, cfg_path)
              for g, scheme in qconfig.config_groups.items()]
     grouped = set(states)
-    kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states,
-                              dict(model.named_modules()))
+    kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states, model)
     if not states:
         raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
                          f"groups' targets")

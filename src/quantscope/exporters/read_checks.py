@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SCALE_LEAVES", "compressor", "fmt_name", "parse_quant_config", "read_quant_config",
-           "rewriting_modifiers", "safetensors_headers", "scale_problem", "scale_values",
-           "storage_problem"]
+__all__ = ["SCALE_LEAVES", "check_kv_scheme", "compressor", "fmt_name", "kv_scale_layer",
+           "parse_quant_config", "read_quant_config", "rewriting_modifiers",
+           "safetensors_headers", "scale_problem", "scale_values", "storage_problem"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
 #: flips signs at run time)
@@ -84,6 +84,34 @@ def parse_quant_config(cfg_file, qc: dict, who: str):
         if scheme.format is not None:
             compressor(scheme.format, f"{where}.config_groups.{name}")
     return qconfig
+
+
+def check_kv_scheme(args, who: str) -> None:
+    """Refuse a ``kv_cache_scheme`` quantscope cannot run: its KV cache takes static scales
+    only (``Recipe.kv_cache`` refuses dynamic ones). Read as static, a dynamic scheme's
+    stored scales would pass for calibrated ones, or, with none, ``apply()`` would leave the
+    cache in float without a word."""
+    if args is not None and args.dynamic is not False:
+        raise ValueError(f"{who}: quantization_config.kv_cache_scheme.dynamic is "
+                         f"{args.dynamic!r}: quantscope's KV cache supports static scales "
+                         f"only (k_scale / v_scale calibrated once, dynamic: false)")
+
+
+def kv_scale_layer(key: str, modules: dict, attention: dict, who: str) -> str:
+    """The layer of the KV-cache scale tensor ``key`` (``<layer>.k_scale`` / ``v_scale``):
+    one of ``modules`` (the model's), and one of ``attention`` (its cached attention modules,
+    :func:`~quantscope.calibration.structure.kv_cache.attention_modules`), else refused:
+    ``apply()`` could not run it, and the pair check would name the wrong problem."""
+    layer = key.rpartition(".")[0]
+    if layer not in modules:
+        raise ValueError(f"{who}: tensor {key!r} belongs to no layer of the model built from "
+                         f"config.json")
+    if layer not in attention:
+        raise ValueError(f"{who}: tensor {key!r} is on {layer} "
+                         f"({type(modules[layer]).__name__}), which is no cached attention "
+                         f"module: k_scale / v_scale belong to attention modules "
+                         f"(e.g. {sorted(attention)[:2] or 'none in this model'})")
+    return layer
 
 
 def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int]]]:

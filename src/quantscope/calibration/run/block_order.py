@@ -11,8 +11,9 @@ output; a torch-function mode notes every other use of a block's output. Where p
 input through cannot work (blocks that change its shape, or return tuples) a second trace
 gives zeros shaped as each block's output, found by running the block on the meta device.
 A chain in any order is followed; anything else is refused with an error naming the block,
-as is a weighted module shared by two blocks (:func:`check_disjoint`) and a tuple output
-whose other items are read (T5's ``position_bias``: the replay gives hidden states only).
+as is a weighted module shared by two blocks (:func:`check_disjoint`), a tuple output
+whose other items are read (T5's ``position_bias``: the replay gives hidden states only) and
+a batch carrying a KV cache that holds a prefix (the replay runs without the cache).
 Each call's other arguments are kept (:func:`split_contexts`): blocks of one model may take
 different ones (Gemma's sliding-window and full-attention layers each their own mask).
 Weighted modules outside the blocks compute as usual until every block has been called
@@ -110,6 +111,22 @@ class Trace:
 def _is_kv_cache(value) -> bool:
     cache_utils = sys.modules.get("transformers.cache_utils")  # not imported: no Cache made
     return cache_utils is not None and isinstance(value, cache_utils.Cache)
+
+
+def _prefix_cache(batch) -> tuple[str, int] | None:
+    """``(argument, tokens)`` of a batch's KV cache that already holds tokens (a prefix the
+    blocks attend to, with a mask that covers it), if any: no replay without the cache
+    (:func:`_replayable`) can equal the whole pass on it. An empty cache changes nothing."""
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        items = batch.items()
+    elif isinstance(batch, (tuple, list)):
+        items = ((f"argument {i}", v) for i, v in enumerate(batch))
+    else:
+        items = ()
+    for name, value in items:
+        if _is_kv_cache(value) and value.get_seq_length() > 0:
+            return name, value.get_seq_length()
+    return None
 
 
 def _replayable(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -349,6 +366,13 @@ def trace_batches(model, batches, name: str, layers, shaped: bool, keep) -> tupl
     the same for every batch, or :class:`NotAChain`."""
     order, n = None, 0
     for batch in batches:
+        prefix = _prefix_cache(batch)
+        if prefix is not None:
+            raise ValueError(f"calibrate: sequential=True: batch {n}'s argument {prefix[0]!r} "
+                             f"is a KV cache (past_key_values) already holding {prefix[1]} "
+                             f"tokens; the blocks are replayed without a cache, so their "
+                             f"attention would miss that prefix. Calibrate with "
+                             f"sequential=False, which observes the cached keys too")
         trace = Trace(shaped)
         with recorders(layers, name, trace, model):
             try:

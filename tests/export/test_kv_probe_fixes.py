@@ -1,0 +1,107 @@
+"""KV-cache scales in a compressed-tensors folder (probe s14/kvcache): the export refuses a
+KV cache calibrated on some attention modules only, and the reader refuses a dynamic
+``kv_cache_scheme`` and k_scale / v_scale on a module that is no attention."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from quantscope.calibration import Calibration, Recipe, calibrate
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from safetensors.torch import load_file, save_file
+from tiny_models import llama
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def kv_only(tmp_path_factory):
+    """A tiny Llama's KV-cache-only export (every attention's k_scale / v_scale)."""
+    model, batches = llama()
+    out = tmp_path_factory.mktemp("ct") / "kv"
+    calibrate(model, batches, Recipe((), kv_cache="fp8"), progress=False).export(model, out)
+    return out
+
+
+def _edited(src, dst, tensors=None, config=None):
+    shutil.copytree(src, dst)
+    (f,) = dst.glob("*.safetensors")
+    if tensors:
+        t = load_file(f)
+        tensors(t)
+        save_file(t, f, metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_kv_cache_on_some_attention_layers_only_is_refused(tmp_path):
+    # it wrote layer 0's scales only under a kv_cache_scheme that compressed-tensors applies
+    # to every attention: layer 1 loaded with an uninitialised k_scale (logits 0.3 off)
+    model, batches = llama()
+    calib = calibrate(model, batches,
+                      Recipe((), ignore=["model.layers.1.self_attn"], kv_cache="fp8"),
+                      progress=False)
+    assert set(calib.states) == {"model.layers.0.self_attn"}
+    with pytest.raises(ValueError, match=r"attention modules \['model\.layers\.1\.self_attn'\] "
+                                         r"have no KV-cache scales.*all attention layers or "
+                                         r"of none"):
+        calib.export(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["with-scales", "without-scales"])
+def test_a_dynamic_kv_cache_scheme_is_refused(kv_only, tmp_path, keep):
+    # it read as static: stored scales passed for calibrated ones, or (none) a kv_cache
+    # Role without states, apply() leaving the cache float without a word
+    def drop(t):
+        for k in [k for k in t if k.endswith(("k_scale", "v_scale"))]:
+            t.pop(k)
+
+    folder = _edited(kv_only, tmp_path / "dyn", None if keep else drop,
+                     lambda qc: qc["kv_cache_scheme"].__setitem__("dynamic", True))
+    with pytest.raises(ValueError, match=r"kv_cache_scheme\.dynamic is True: quantscope's KV "
+                                         r"cache supports static scales only"):
+        Calibration.from_compressed_tensors(folder)
+
+
+_MLP = "model.layers.0.mlp"
+
+
+@pytest.mark.parametrize("leaves", [("k_scale", "v_scale"), ("k_scale",)],
+                         ids=["pair", "lone-k"])
+def test_kv_scales_on_a_module_that_is_no_attention_are_refused(kv_only, tmp_path, leaves):
+    # the pair read as the mlp's key / value states (apply() failed later); a lone k_scale
+    # was refused as "has no v_scale", which names the wrong problem
+    def add(t):
+        for leaf in leaves:
+            t[f"{_MLP}.{leaf}"] = torch.tensor([0.01])
+
+    folder = _edited(kv_only, tmp_path / "mlp", add)
+    with pytest.raises(ValueError, match=rf"'{_MLP}\.k_scale' is on {_MLP} \(LlamaMLP\), "
+                                         rf"which is no cached attention module: k_scale / "
+                                         rf"v_scale belong to attention modules"):
+        Calibration.from_compressed_tensors(folder)
+
+
+def test_the_fixed_checks_leave_a_whole_kv_cache_export_readable(kv_only):
+    back = Calibration.from_compressed_tensors(kv_only)
+    assert set(back.states) == {f"model.layers.{i}.self_attn" for i in range(2)}
+    assert back.recipe.kv_cache.dynamic is False
+
+
+def test_a_folder_with_kv_scales_on_some_attention_layers_only_is_refused(kv_only, tmp_path):
+    # read without a word: apply() kept layer 1's cache in float where the runtime quantizes
+    # it with the one kv_cache_scheme (and an uninitialised or 1.0 scale)
+    folder = _edited(kv_only, tmp_path / "partial", lambda t: [
+        t.pop(f"model.layers.1.self_attn.{leaf}") for leaf in ("k_scale", "v_scale")])
+    with pytest.raises(ValueError, match=r"attention modules \['model\.layers\.1\.self_attn'\] "
+                                         r"have no k_scale / v_scale"):
+        Calibration.from_compressed_tensors(folder)
