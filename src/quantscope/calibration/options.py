@@ -21,6 +21,8 @@ A new capability adds a field to one of them. The keywords of the flat signature
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 import warnings
 from collections.abc import Callable
@@ -42,14 +44,42 @@ __all__ = ["AUTO_METRICS", "Auto", "MoE", "Options", "Outliers", "Runtime", "Sam
 #: what ``auto`` can minimise (see :class:`Auto`); "model", "joint" and "fisher" live in
 #: :mod:`.auto`
 AUTO_METRICS = ("model", "joint", "fisher", "tensor", "output")
+#: the metrics that call :attr:`Auto.loss`
+LOSS_METRICS = ("model", "fisher")
 
 #: the seeds ``torch.Generator.manual_seed`` takes (a negative one wraps to 2**64 + seed)
 SEED_RANGE = (-0x8000_0000_0000_0000, 0xFFFF_FFFF_FFFF_FFFF)
 
 
-def _positive_int(owner: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"calibrate: {owner}.{name} must be a positive integer, got {value!r}")
+def _integer(value) -> int | None:
+    """``value`` as a Python int if it is an integer (numpy's too; not a bool, which would
+    read as 0 / 1), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return operator.index(value)
+
+
+def _number(value) -> int | float | None:
+    """``value`` as a Python int or float if it is a real number (numpy's too; not a bool),
+    else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return _integer(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def _set(obj, name: str, value) -> None:
+    """Stores a checked field's plain Python value (a frozen dataclass)."""
+    object.__setattr__(obj, name, value)
+
+
+def _positive_int(obj, name: str, shown: str | None = None) -> None:
+    """Checks ``obj.name`` and stores it as a Python int; ``shown``: the field in messages."""
+    value = getattr(obj, name)
+    n = _integer(value)
+    if n is None or n < 1:
+        raise ValueError(f"calibrate: {type(obj).__name__}.{shown or name} must be a positive "
+                         f"integer, got {value!r}")
+    _set(obj, name, n)
 
 
 def _bool(owner: str, name: str, value) -> None:
@@ -81,18 +111,22 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        _positive_int("Sampling", "tokens", self.tokens)
+        _positive_int(self, "tokens")
         b = self.budget_mb
-        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
-                              or not math.isfinite(b) or b <= 0):
-            raise ValueError(f"calibrate: Sampling.budget_mb (sample_budget_mb) must be a "
-                             f"positive number of MB, got {b!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if b is not None:
+            mb = _number(b)
+            if mb is None or not math.isfinite(mb) or mb <= 0:
+                raise ValueError(f"calibrate: Sampling.budget_mb (sample_budget_mb) must be a "
+                                 f"positive number of MB, got {b!r}")
+            _set(self, "budget_mb", mb)
+        seed = _integer(self.seed)
+        if seed is None:
             raise TypeError(f"calibrate: Sampling.seed must be an integer, got {self.seed!r}")
         low, high = SEED_RANGE
-        if not low <= self.seed <= high:  # else the pass would fail naming no field
+        if not low <= seed <= high:  # else the pass would fail naming no field
             raise ValueError(f"calibrate: Sampling.seed must be in [{low}, {high}] (what "
                              f"torch.manual_seed takes), got {self.seed!r}")
+        _set(self, "seed", seed)
 
 
 @dataclass(frozen=True)
@@ -111,7 +145,8 @@ class Auto:
             (was ``auto_metric=``).
         loss: for ``"model"``, ``callable(output, reference_output, batch) -> float``
             replacing the default divergence; for ``"fisher"``,
-            ``callable(output, batch) -> scalar tensor`` (default: the model's own loss).
+            ``callable(output, batch) -> scalar tensor`` (default: the model's own loss);
+            the other metrics call none, so refuse one.
         score_tokens: calibration tokens the ``"model"`` and ``"fisher"`` metrics run on.
     """
 
@@ -128,11 +163,18 @@ class Auto:
             if names is None or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"calibrate: Auto.candidates must be a list of observer "
                                  f"names, got {c!r}")
-            object.__setattr__(self, "candidates", names)
+            if not names:  # else it fails once calibration starts, naming no field
+                raise ValueError("calibrate: Auto.candidates is empty; give at least one "
+                                 "observer name, or None for the default candidates")
+            _set(self, "candidates", names)
         _one_of("Auto", "metric (auto_metric)", self.metric, AUTO_METRICS)
         if self.loss is not None and not callable(self.loss):
             raise ValueError(f"calibrate: Auto.loss must be callable, got {self.loss!r}")
-        _positive_int("Auto", "score_tokens", self.score_tokens)
+        if self.loss is not None and self.metric not in LOSS_METRICS:  # never called there
+            raise ValueError(f"calibrate: Auto.loss is used only by metric "
+                             f"{' or '.join(map(repr, LOSS_METRICS))}; metric={self.metric!r} "
+                             f"would ignore it (drop loss=, or choose one of those metrics)")
+        _positive_int(self, "score_tokens")
 
 
 @dataclass(frozen=True)
@@ -151,7 +193,7 @@ class MoE:
 
     def __post_init__(self):
         _bool("MoE", "all_experts", self.all_experts)
-        _positive_int("MoE", "min_tokens (expert_min_tokens)", self.min_tokens)
+        _positive_int(self, "min_tokens", "min_tokens (expert_min_tokens)")
 
 
 @dataclass(frozen=True)
@@ -175,11 +217,12 @@ class Outliers:
     fallback: str = "dynamic"
 
     def __post_init__(self):
-        _check_alpha(self.smooth)
-        k = self.keep_float
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        _set(self, "smooth", _check_alpha(self.smooth))
+        k = _integer(self.keep_float)
+        if k is None or k < 0:
             raise ValueError(f"calibrate: Outliers.keep_float must be a non-negative integer, "
-                             f"got {k!r}")
+                             f"got {self.keep_float!r}")
+        _set(self, "keep_float", k)
         _one_of("Outliers", "fallback", self.fallback, FALLBACK_MODES)
 
 
@@ -213,11 +256,12 @@ class Sequential:
     def __post_init__(self):
         _one_of("Sequential", "mode", self.mode, MODES)
         b = self.cache_budget_mb
-        # bool is an int to Python (True would be 1 MB); inf / NaN have no byte count
-        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
-                              or not math.isfinite(b) or b < 0):
-            raise ValueError(f"calibrate: Sequential.cache_budget_mb must be a finite number "
-                             f"of MB >= 0, got {b!r}")
+        if b is not None:  # inf / NaN have no byte count
+            mb = _number(b)
+            if mb is None or not math.isfinite(mb) or mb < 0:
+                raise ValueError(f"calibrate: Sequential.cache_budget_mb must be a finite "
+                                 f"number of MB >= 0, got {b!r}")
+            _set(self, "cache_budget_mb", mb)
         for name in ("checkpoint", "cache_dir"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, os.PathLike)):
@@ -271,6 +315,7 @@ class Runtime:
 
     def __post_init__(self):
         _bool("Runtime", "distributed", self.distributed)
+        _check_group(self.group)
         _one_of("Runtime", "missing", self.missing, MISSING_POLICIES)
         groups = self.time_groups
         # each group a list of labels, read twice (a string would be its letters)
@@ -278,6 +323,17 @@ class Runtime:
                 isinstance(labels, (list, tuple, set, frozenset)) for labels in groups.values())):
             raise ValueError(f"calibrate: Runtime.time_groups must be a dict of label lists "
                              f"({{'name': ['label', ...]}}), got {groups!r}")
+
+
+def _check_group(group) -> None:
+    """``Runtime.group``: None or a ``torch.distributed`` process group (else the pass fails
+    inside torch.distributed, naming no field)."""
+    if group is None:
+        return
+    dist = torch.distributed
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"calibrate: Runtime.group must be a torch.distributed ProcessGroup "
+                        f"or None (the default group), got {type(group).__name__} {group!r}")
 
 
 _KINDS = {"sampling": Sampling, "auto": Auto, "moe": MoE, "outliers": Outliers,

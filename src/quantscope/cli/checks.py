@@ -177,6 +177,22 @@ def check_activation_args(args) -> None:
     if args.keep_float and getattr(args, "sequential", None):
         raise UsageError("--keep-float ranks the activations with a forward of the whole "
                          "model: not with --sequential")
+    check_seed(args)  # calibrate and compare both come here, after every name
+
+
+def check_seed(args) -> None:
+    """``--seed`` in the range ``Sampling(seed=)`` takes (torch's), before the model loads:
+    torch's own overflow comes after it and names no flag. Imports torch: call it after the
+    checks that need none."""
+    seed = getattr(args, "seed", None)
+    if seed is None:
+        return
+    from ..calibration.options import SEED_RANGE
+
+    low, high = SEED_RANGE
+    if not low <= seed <= high:
+        raise UsageError(f"--seed must be in [{low}, {high}] (what torch.manual_seed takes), "
+                         f"got {seed}")
 
 
 def run_qparams(run: str) -> str:

@@ -408,7 +408,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     try:
         try:
             calibs = calibrate_with(model, batches, expanded, opts.but(
-                auto__metric="tensor", runtime__time_groups=groups))
+                auto__metric="tensor", auto__loss=None, runtime__time_groups=groups))
         finally:
             refs = caught.references() if caught is not None else None
         out = {label: c for label, c in calibs.items() if label in recipes}

@@ -45,6 +45,7 @@ smooths a freshly loaded copy of the float model alike, as ``quantscope evaluate
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -328,11 +329,12 @@ def _hooks_aside(module: nn.Module):
             m._forward_hooks, m._forward_pre_hooks = post, pre
 
 
-def check(alpha, sequential: bool = False) -> None:
-    """Raise unless ``alpha`` is None or a number in ``[0, 1]`` (and not with sequential)."""
+def check(alpha, sequential: bool = False) -> float | None:
+    """``alpha`` as a Python float (None stays None); raises unless it is a real number in
+    ``[0, 1]`` (numpy's too, not a bool) and, with ``sequential``, unless it is None."""
     if alpha is None:
-        return
-    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+        return None
+    if (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
             or not 0 <= alpha <= 1):
         raise ValueError(f"smooth: alpha must be a number in [0, 1] (llm-compressor's "
                          f"smoothing_strength), got {alpha!r}")
@@ -340,6 +342,7 @@ def check(alpha, sequential: bool = False) -> None:
         raise ValueError("calibrate: smooth needs the whole model in one forward; it is not "
                          "available with sequential (smooth the model first with "
                          "quantscope.calibration.choice.smooth.smooth)")
+    return float(alpha)
 
 
 @torch.no_grad()
@@ -353,7 +356,7 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
     when the probe rejects it. ``alpha`` in ``[0, 1]``: 0 leaves the activations, 1 moves all
     of their range into the weights. ``originals``, a dict, receives a CPU copy of every
     parameter before it is changed, for :func:`restore`."""
-    check(alpha)
+    alpha = check(alpha)
     mappings = find_mappings(model)
     flow: dict[str, str] = {}
     ranges = (channel_ranges(model, batches, mappings, distributed, group, flow=flow)

@@ -129,8 +129,9 @@ def _missing(layer, role, slot, names, cfg, policy, experts=None):
     what = (f"was called {slot.calls} times but saw no tokens (0 rows)" if slot.calls else
             "was never called during calibration (is the module used by the model's forward?)")
     if policy == "error":
-        raise ValueError(f"calibrate: layer {layer!r} {role} {what}; pass missing='skip' or "
-                         f"missing='float' to calibrate the rest without it")
+        raise ValueError(f"calibrate: layer {layer!r} {role} {what}; pass "
+                         f"runtime=Runtime(missing='skip') or Runtime(missing='float') to "
+                         f"calibrate the rest without it")
     fallback = "float layer" if policy == "float" else f"{role} not quantized"
     return {"layer": layer, "role": role, "calls": slot.calls, "fallback": fallback}
 

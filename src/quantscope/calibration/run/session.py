@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -172,11 +173,10 @@ def _calibrate_with(model, batches, recipes, opts: Options) -> dict[str, Calibra
                 # the head runs on the blocks' replayed outputs, fed by batch order: auto's
                 # whole-model metrics forward it again (all batches, row pieces) and would
                 # read the wrong batch's; there it chooses by its layers' output error
-                metric = inner.auto.metric
-                if replayed and metric in ("model", "fisher"):
-                    metric = "output"
-                return _calibrate_with(m, b, r, inner.but(progress=progress,
-                                                          auto__metric=metric))
+                auto = inner.auto
+                if replayed and auto.metric in ("model", "fisher"):  # "output" calls no loss
+                    auto = replace(auto, metric="output", loss=None)
+                return _calibrate_with(m, b, r, inner.but(progress=progress, auto=auto))
 
             return _sequential.calibrate_sequential(
                 piece, model, batches, recipes, progress=opts.progress,

@@ -1,0 +1,169 @@
+"""Probe fixes of the option objects (quantscope.calibration.options): Runtime.group, Auto's
+unchecked values, numpy scalars, the missing-role advice and the auto roles' documentation."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from quantscope.calibration import Auto, MoE, Outliers, Runtime, Sampling, Sequential, calibrate
+from quantscope.calibration.options import Options
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)).eval()
+    return model, [torch.randn(8, 32) for _ in range(3)]
+
+
+@pytest.mark.parametrize("group", [5, "world", object()])
+def test_runtime_group_must_be_a_process_group(group):
+    # probing: group=5 was accepted; the pass then raised AttributeError inside
+    # torch.distributed ('int' object has no attribute 'size'), naming no option
+    with pytest.raises(TypeError, match=r"Runtime\.group must be a torch\.distributed "
+                                        r"ProcessGroup or None"):
+        Runtime(distributed=True, group=group)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch without torch.distributed")
+def test_runtime_group_takes_a_real_process_group(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        group = dist.new_group([0])
+        assert Runtime(distributed=True, group=group).group is group
+    finally:
+        dist.destroy_process_group()
+    assert Runtime(distributed=True).group is None
+
+
+def test_auto_candidates_must_not_be_empty():
+    # probing: Auto(candidates=[]) failed only once calibration started, naming no field
+    for empty in ([], (), iter(())):
+        with pytest.raises(ValueError, match=r"Auto\.candidates is empty"):
+            Auto(candidates=empty)
+
+
+@pytest.mark.parametrize("metric", ["tensor", "joint", "output"])
+def test_a_loss_no_metric_calls_is_refused(metric):
+    # probing: Auto(metric="tensor", loss=f) calibrated without ever calling f
+    with pytest.raises(ValueError, match=rf"Auto\.loss .*metric={metric!r}"):
+        Auto(metric=metric, loss=lambda *args: 0.0)
+
+
+@pytest.mark.parametrize("metric", ["model", "fisher"])
+def test_the_metrics_that_call_a_loss_take_one(metric):
+    assert Auto(metric=metric, loss=lambda *args: 0.0).metric == metric
+
+
+def test_options_but_revalidates_the_loss():
+    opts = Options(auto=Auto(metric="fisher", loss=lambda out, batch: out.sum()))
+    assert opts.but(auto__metric="model").auto.loss is opts.auto.loss
+    with pytest.raises(ValueError, match=r"Auto\.loss"):
+        opts.but(auto__metric="tensor")
+
+
+def test_sequential_head_drops_the_loss_it_does_not_call():
+    """The sequential head chooses by metric "output" (it runs on replayed outputs): the
+    user's "model" loss is for the blocks, not a reason to refuse the head."""
+    from tiny_models import llama
+
+    (model, batches), calls = llama(), []
+
+    def loss(out, ref, batch):
+        calls.append(1)
+        return float((out - ref).square().mean())  # the logits
+
+    c = calibrate(model, batches, "w8a8", observer="auto", progress=False, sequential=True,
+                  auto=Auto(candidates=["minmax", "mse"], loss=loss))
+    assert calls and "lm_head" in c.states
+
+
+def test_model_metric_still_calls_its_loss():
+    model, batches = _mlp()
+    calls = []
+
+    def loss(out, ref, batch):
+        calls.append(1)
+        return float((out - ref).square().mean())
+
+    c = calibrate(model, batches, "w8a8", observer="auto", progress=False,
+                  auto=Auto(candidates=["minmax", "mse"], loss=loss))
+    assert calls and c.info["auto"]["chose"] in ("minmax", "mse")
+
+
+@pytest.mark.parametrize(("make", "field", "want"), [
+    (lambda: Sampling(tokens=np.int64(5)), "tokens", 5),
+    (lambda: Sampling(seed=np.int64(1)), "seed", 1),
+    (lambda: Sampling(seed=np.uint64(2**64 - 1)), "seed", 2**64 - 1),
+    (lambda: Sampling(budget_mb=np.float32(8.5)), "budget_mb", 8.5),
+    (lambda: Sampling(budget_mb=np.int32(8)), "budget_mb", 8),
+    (lambda: Auto(score_tokens=np.int16(64)), "score_tokens", 64),
+    (lambda: MoE(min_tokens=np.uint8(3)), "min_tokens", 3),
+    (lambda: Outliers(smooth=np.float64(0.5)), "smooth", 0.5),
+    (lambda: Outliers(smooth=np.float32(0.5)), "smooth", 0.5),
+    (lambda: Outliers(keep_float=np.int64(2)), "keep_float", 2),
+    (lambda: Sequential(cache_budget_mb=np.float32(0.25)), "cache_budget_mb", 0.25),
+])
+def test_numpy_scalars_are_taken_as_python_numbers(make, field, want):
+    # probing: Sampling(tokens=np.int64(5)) 'must be a positive integer, got np.int64(5)';
+    # Outliers(smooth=np.float32(0.5)) refused while np.float64(0.5) passed
+    value = getattr(make(), field)
+    assert value == want and type(value) is type(want)
+
+
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda: Sampling(tokens=np.int64(0)), r"Sampling\.tokens"),
+    (lambda: Sampling(tokens=np.bool_(True)), r"Sampling\.tokens"),
+    (lambda: Sampling(tokens=np.float64(5.0)), r"Sampling\.tokens"),
+    (lambda: Sampling(budget_mb=np.float32("nan")), r"Sampling\.budget_mb"),
+    (lambda: Outliers(smooth=np.float32(1.5)), "alpha"),
+    (lambda: Outliers(smooth=True), "alpha"),
+    (lambda: Outliers(keep_float=np.int64(-1)), r"Outliers\.keep_float"),
+    (lambda: Sequential(cache_budget_mb=np.float64("inf")), r"Sequential\.cache_budget_mb"),
+])
+def test_numpy_scalars_out_of_range_are_still_refused(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_a_numpy_float_seed_is_not_an_integer():
+    with pytest.raises(TypeError, match=r"Sampling\.seed"):
+        Sampling(seed=np.float64(1.0))
+
+
+class _Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def test_missing_error_advises_the_runtime_option():
+    # probing: it advised missing='skip', the deprecated flat keyword
+    with pytest.raises(ValueError, match=r"pass runtime=Runtime\(missing='skip'\) or "
+                                         r"Runtime\(missing='float'\)"):
+        calibrate(_Unused(), [torch.randn(2, 8)], "w8a8", progress=False,
+                  runtime=Runtime(missing="error"))
+    Runtime(missing="skip")  # the advice's spelling is the option's own
+
+
+def test_choosing_guide_says_what_auto_roles_hold():
+    # probing: it called info["auto"]["roles"] 'the observer chosen for weights and inputs';
+    # it is the configuration each role came from ('mix' weights run memoryless_minmax)
+    text = (ROOT / "docs" / "guide" / "choosing.md").read_text()
+    assert "the observer chosen for weights and inputs" not in text
+    line = next(x for x in text.splitlines() if 'print(calib.info["auto"]["roles"])' in x)
+    assert "configuration" in line
+    assert 'calib.states[layer][role].observer' in text
