@@ -13,8 +13,25 @@ import sys
 
 import torch
 
-__all__ = ["check_float32_range", "check_int", "check_number", "check_per_unit",
-           "outside_quantscope"]
+from .spec import QuantSpec
+
+__all__ = ["check_float32_range", "check_int", "check_number", "check_per_unit", "check_real",
+           "check_spec", "outside_quantscope"]
+
+
+def check_spec(who: str, spec) -> None:
+    """``TypeError`` unless ``spec`` is a :class:`~quantscope.QuantSpec` (a format name such
+    as ``"int8"`` is not: ``QuantSpec("int8")`` is)."""
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{who}: spec must be a QuantSpec, got {type(spec).__name__}")
+
+
+def check_real(who: str, **values) -> None:
+    """``TypeError`` on a complex tensor among ``values`` (by name): torch's casts to float32
+    drop the imaginary part with only a warning, so the real part alone would run."""
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor) and value.is_complex():
+            raise TypeError(f"{who}: {name} must be a real tensor, got {value.dtype}")
 
 
 def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int:

@@ -5,6 +5,12 @@ formats round to their nearest value and saturate) and ``x' = (q - zero_point) *
 computed in float32 on the layout's ``[units, elements]`` view, whatever the
 input dtype; results come back in the tensor's shape, saturated to the dtype's finite
 range (see :func:`_saturate`). An empty tensor gives an empty result.
+
+``qparams`` are shaped ``spec.layout.qparam_shape(x.shape)`` (leading 1s aside: a 3-D
+activation's scales apply to its 2-D rows) or flat ``(units,)`` (any one value for a single
+unit), with a global scale of one value or None; another shape (another
+layout's, in another order), a spec that is not a :class:`QuantSpec` or a complex tensor
+raises ``ValueError`` / ``TypeError``, with ``check=False`` too (no host read).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import math
 
 import torch
 
+from ._checks import check_real, check_spec
 from .qparams import QParams
 from .scales import not_encoded
 from .spec import QuantSpec
@@ -29,24 +36,61 @@ __all__ = [
 ]
 
 
-def _per_unit(qparams: QParams, spec: QuantSpec, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    units = spec.layout.num_units(shape)
+def _per_unit(qparams: QParams, spec: QuantSpec, shape, who: str = "qparams"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[units, 1]`` float32 scale and zero point, after the checks that read nothing back
+    (so ``check=False`` keeps them): the types, and each tensor shaped
+    ``layout.qparam_shape(shape)`` or flat ``(units,)`` (what ``qparams_from_range`` gives on
+    flat ranges); a count alone would take another layout's qparams in another order."""
+    _check_fields(qparams, spec, who)
+    qshape = tuple(spec.layout.qparam_shape(shape))
+    units = math.prod(qshape)
     scale = qparams.effective_scale
     if scale.numel() != units or qparams.zero_point.numel() != units:
         raise ValueError(
             f"qparams: scale has {scale.numel()} values and zero_point "
             f"{qparams.zero_point.numel()}, but {spec.layout} on a tensor of shape "
             f"{tuple(shape)} has {units} units")
+    for name in ("scale", "zero_point"):
+        got = tuple(getattr(qparams, name).shape)
+        # leading 1s aside: a [B, T, C] activation's (1, 1, C) scales run on its [N, C] rows
+        if units > 1 and _lstrip_ones(got) not in (_lstrip_ones(qshape), (units,)):
+            raise ValueError(f"{who}: qparams.{name} must have shape {qshape} ({spec.layout} "
+                             f"on a tensor of shape {tuple(shape)}) or ({units},), got {got}")
     return scale.reshape(units, 1).float(), qparams.zero_point.reshape(units, 1).float()
+
+
+def _lstrip_ones(shape: tuple) -> tuple:
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def _check_fields(qparams: QParams, spec: QuantSpec, who: str) -> None:
+    """``TypeError`` / ``ValueError`` on a spec or qparams of the wrong kind: real tensors, a
+    global scale of one value (or None)."""
+    check_spec(who, spec)
+    if not isinstance(qparams, QParams):
+        raise TypeError(f"{who}: qparams must be a QParams, got {type(qparams).__name__}")
+    for name in ("scale", "zero_point", "global_scale"):
+        t = getattr(qparams, name)
+        if t is None and name == "global_scale":
+            continue
+        if not isinstance(t, torch.Tensor) or t.is_complex():
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{who}: qparams.{name} must be a real torch.Tensor, got {got}")
+    gs = qparams.global_scale
+    if gs is not None and gs.numel() != 1:  # more would broadcast into the block scales
+        raise ValueError(f"{who}: qparams.global_scale must have one value (shape (1,)), got "
+                         f"shape {tuple(gs.shape)}")
 
 
 def _check_qparams(qparams: QParams, spec: QuantSpec, who: str) -> None:
     """Raise unless ``qparams`` can run: finite positive scales (and global scale), integer
     zero points in the code range (0 for float formats), as torch's fake-quantize demands.
     One host read; the library's own callers, whose qparams come from the formulas, skip
-    it (``check=False``: no read, so a CUDA graph can hold the call)."""
-    if not isinstance(qparams, QParams):
-        raise TypeError(f"{who}: qparams must be a QParams, got {type(qparams).__name__}")
+    it (``check=False``: no read, so a CUDA graph can hold the call). After
+    :func:`_per_unit`, which checks the types and shapes."""
     if (qparams.global_scale is None) == spec.scale.has_global_scale:
         # QDQ divides the block scales by a global scale: without one NVFP4's run 1 / gs off
         raise ValueError(f"{who}: qparams.global_scale must be "
@@ -148,9 +192,9 @@ def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     not finite and positive, a zero point off the code range); one host read.
     """
     _check_input(x, "quantize")
+    scale, zp = _per_unit(qparams, spec, x.shape, "quantize")
     if check:
         _check_qparams(qparams, spec, "quantize")
-    scale, zp = _per_unit(qparams, spec, x.shape)
     u = spec.layout.to_units(x.float())
     return spec.layout.to_shape(quantize_units(u, scale, zp, spec), x.shape)
 
@@ -164,9 +208,10 @@ def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dequantize: dtype must be a floating-point torch.dtype (the values "
                         f"are not codes), got {dtype!r}")
+    check_real("dequantize", q=q)
+    scale, zp = _per_unit(qparams, spec, q.shape, "dequantize")
     if check:
         _check_qparams(qparams, spec, "dequantize")
-    scale, zp = _per_unit(qparams, spec, q.shape)
     u = spec.layout.to_units(q.float())
     out = _saturate(dequantize_units(u, scale, zp), dtype)
     return spec.layout.to_shape(out, q.shape).to(dtype)
@@ -185,9 +230,9 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     :func:`quantize`.
     """
     _check_input(x, "fake_quantize")
+    scale, zp = _per_unit(qparams, spec, x.shape, "fake_quantize")
     if check:
         _check_qparams(qparams, spec, "fake_quantize")
-    scale, zp = _per_unit(qparams, spec, x.shape)
     u = spec.layout.to_units(x.detach().float())
     # a half x's float32 copy is this call's own: QDQ runs in it (one fresh tensor fewer)
     own = x.dtype != torch.float32 and not ste

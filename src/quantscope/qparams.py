@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from ._checks import check_float32_range, check_number
+from ._checks import check_float32_range, check_number, check_real, check_spec
 from ._numerics import _F32_MAX, true_div, upload
 from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format
@@ -208,12 +208,14 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     ``global_amax`` is NVFP4's whole-tensor absolute maximum; by default the
     largest ``max(|lo|, |hi|)`` over the units given (all blocks of one tensor).
 
-    A NaN / inf range raises ``ValueError``. That check reads a flag back from the
-    device; code on a hot path whose ranges come from data already checked
-    upstream (a search inside an observer's forward, which records non-finite input
-    itself; run-time dynamic quantization) passes ``check_finite=False``. So does the
+    A NaN / inf range, or ``lo > hi``, raises ``ValueError``. That check reads a flag back;
+    code on a hot path whose ranges come from data already checked upstream (a search in an
+    observer's forward, which records non-finite input itself; run-time dynamic
+    quantization) passes ``check_finite=False``, which also skips the
     refusal of float64 values past float32's range (they would turn inf below).
     """
+    check_spec("qparams_from_range", spec)
+    check_real("qparams_from_range", lo=lo, hi=hi)
     if check_finite:
         check_float32_range("qparams_from_range",
                             *(t for t in (lo, hi) if isinstance(t, torch.Tensor)))
@@ -231,10 +233,10 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     qp = _int_qparams_kernel(lo, hi, spec) if lo.numel() else None
     if qp is None and lo.numel() >= KERNEL_MIN_UNITS:
         qp = _block_qparams_kernel(lo, hi, spec, global_amax)
+    if check_finite:  # after the C kernels, which refuse NaN / inf themselves
+        _check_finite(lo, hi, global_amax, finite=qp is None)
     if qp is not None:
         return qp
-    if check_finite:
-        _check_finite(lo, hi, global_amax)
     if lo.device.type != "cpu":  # the ops (Triton on CUDA) where they apply
         qp = _block_qparams_op(lo, hi, spec, global_amax)
         if qp is None:
@@ -248,11 +250,17 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     return _scale_qparams(lo, hi, spec)
 
 
-def _check_finite(lo: torch.Tensor, hi: torch.Tensor, global_amax) -> None:
-    """Raise ``ValueError`` on a NaN / inf range or global amax (one read back each)."""
-    # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN compares false
-    if not bool((torch.stack((lo, hi)).abs() < math.inf).all()):
-        raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
+def _check_finite(lo: torch.Tensor, hi: torch.Tensor, global_amax, finite: bool = True) -> None:
+    """Raise ``ValueError`` on a NaN / inf range (unless ``finite=False``: known finite), on
+    ``lo > hi``, or on a NaN / inf global amax (one read back each)."""
+    ordered = (lo <= hi).all()
+    if finite:  # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN fails
+        isfinite = (torch.stack((lo, hi)).abs() < math.inf).all()
+        ordered, isfinite = torch.stack((ordered, isfinite)).tolist()  # one read for both
+        if not isfinite:
+            raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
+    if not ordered:
+        raise ValueError("qparams_from_range: lo must be <= hi in every unit")
     if global_amax is not None and not _is_amax(global_amax):
         raise ValueError(f"qparams_from_range: global_amax must be finite and >= 0 (an "
                          f"absolute maximum), got {global_amax!r}")

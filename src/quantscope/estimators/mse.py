@@ -49,7 +49,7 @@ import math
 
 import torch
 
-from .._checks import check_int, check_number
+from .._checks import check_int, check_number, check_spec
 from ..qdq import fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
 from ..spec import QuantSpec
@@ -140,8 +140,7 @@ def compat_patience(patience):
 
 
 def _check(units, lo, hi, spec, norm):
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"mse_search: spec must be a QuantSpec, got {type(spec).__name__}")
+    check_spec("mse_search", spec)
     if not isinstance(units, torch.Tensor) or units.dim() != 2:
         raise ValueError(f"mse_search: units must be a 2-D [units, elements] tensor, got "
                          f"{getattr(units, 'shape', type(units).__name__)}")

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .._checks import check_number
+from .._checks import check_number, check_spec
 from ..kernels import ops
 from ..qdq import fake_quantize, fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
@@ -31,11 +31,6 @@ from .mse import DEFAULT_CHUNK_ELEMS, shrink_factors
 
 __all__ = ["check_importance", "imatrix_qparams", "imatrix_range", "importance_units",
            "incumbent_global_amax", "output_clip_range", "output_error", "weighted_search"]
-
-
-def _check_spec(spec, who):
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"{who}: spec must be a QuantSpec, got {type(spec).__name__}")
 
 
 def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: QuantSpec, *,
@@ -283,7 +278,7 @@ def imatrix_qparams(w: torch.Tensor, importance: torch.Tensor | None, spec: Quan
 
 def _imatrix(w, importance, spec, factors, norm):
     """``(lo, hi, lo0, hi0)``: the search's ranges and the min-max ones it started from."""
-    _check_spec(spec, "imatrix_range")
+    check_spec("imatrix_range", spec)
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise ValueError(f"imatrix_range: w must be a 2-D weight [out, in], got "
                          f"{getattr(w, 'shape', type(w).__name__)}")
@@ -331,7 +326,7 @@ def output_clip_range(x: torch.Tensor, w_q: torch.Tensor, spec: QuantSpec, candi
     Returns ``(index, lo, hi, errors)``: the first best candidate, its range and every
     candidate's error.
     """
-    _check_spec(spec, "output_clip_range")
+    check_spec("output_clip_range", spec)
     x = x.detach().float().reshape(-1, x.shape[-1])
     w_q = w_q.detach().float()
     if w_q.dim() != 2 or w_q.shape[1] != x.shape[1]:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from .._checks import check_float32_range
+from .._checks import check_float32_range, check_spec
 from .._numerics import upload
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
@@ -110,9 +110,7 @@ class Observer(nn.Module):
         super().__init__()
         if spec is None:
             spec = QuantSpec()
-        if not isinstance(spec, QuantSpec):
-            raise TypeError(f"{type(self).__name__}: spec must be a QuantSpec, got "
-                            f"{type(spec).__name__}")
+        check_spec(type(self).__name__, spec)
         if non_finite not in NON_FINITE_MODES:
             raise ValueError(f"{type(self).__name__}: non_finite must be one of "
                              f"{NON_FINITE_MODES}, got {non_finite!r}")
