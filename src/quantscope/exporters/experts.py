@@ -12,7 +12,8 @@ are the matching rows of the fused state, and whose per-tensor ones (global scal
 input scale, per-tensor weight scale) are the shared value, as the runtime's ``w13`` needs.
 The on-disk names come from transformers' own checkpoint conversion mapping for the model
 type; a model type whose checkpoints keep the 3-D tensors (no such mapping: gpt-oss's
-interleaved ``gate_up_proj``, for one) is refused, naming the module.
+interleaved ``gate_up_proj``, for one) is refused, naming the module, unless the
+calibration holds no state of it: then it is written in float, as the model holds it.
 
 Reading such a checkpoint back is the inverse: :func:`unfuse_for_reading` gives the model
 skeleton the per-expert modules, :func:`disk_to_module` maps the disk names back onto them,
@@ -32,7 +33,7 @@ from torch import nn
 
 from ..calibration.run.disk_names import checkpoint_names, expert_names
 from ..calibration.structure import fusion
-from ..calibration.structure.moe import is_experts_3d, is_gated
+from ..calibration.structure.moe import is_gated, is_routed
 
 __all__ = ["checkpoint_names", "disk_to_module", "expert_names", "fuse_expert_states",
            "unfuse_experts", "unfuse_for_reading"]
@@ -90,14 +91,18 @@ def unfuse_experts(model: nn.Module, states: dict) -> dict:
     names = expert_names(model)
     out = dict(states)
     for name, module in list(model.named_modules()):
-        if not is_experts_3d(module):
+        if not is_routed(module):  # the only ones a calibration holds states of
             continue
-        if names is None:
+        if names is None or not getattr(module, "is_concatenated", True):
+            if not any(k.startswith(f"{name}.") for k in states):
+                continue  # in float: written as the model holds it
+            why = ("transformers maps no per-expert names onto them" if names is None
+                   else "their gate and up rows are interleaved")
             raise ValueError(
                 f"export compressed-tensors: experts module {name!r} "
-                f"({type(model).__name__}): its checkpoints keep 3-D expert tensors "
-                f"(transformers maps no per-expert names onto them), which compressed-tensors "
-                f"cannot compress; leave the experts in float (ignore them in the recipe)")
+                f"({type(model).__name__}): its checkpoints keep 3-D expert tensors ({why}), "
+                f"which compressed-tensors cannot compress; leave the experts in float "
+                f"(ignore them in the recipe)")
         gate, up, down = names
         n = (module.gate_up_proj if hasattr(module, "gate_up_proj") else module.up_proj).shape[0]
         experts = nn.ModuleList([_expert_module(module, e, names) for e in range(n)])
@@ -137,7 +142,7 @@ def unfuse_for_reading(model: nn.Module) -> dict[str, tuple[int, tuple[str, str,
     names = expert_names(model)
     found = {}
     for name, module in model.named_modules():
-        if is_experts_3d(module):
+        if is_routed(module):
             gated = is_gated(module)
             n = (module.gate_up_proj if gated else module.up_proj).shape[0]
             found[name] = (n, names, gated)

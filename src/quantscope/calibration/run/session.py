@@ -191,7 +191,7 @@ def _calibrate_with(model, batches, recipes, opts: Options) -> dict[str, Calibra
             batches = list(batches)
             fisher = _fisher_weights(model, batches, recipes, opts.auto)
         # MoE experts become Linear views for the whole calibration (moe.py); restored after
-        with _moe.attach(model, opts.moe.all_experts) as experts:
+        with _moe.attach(model, opts.moe.all_experts, recipes=recipes.values()) as experts:
             experts.min_tokens = opts.moe.min_tokens
             if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
                 return calibrate_distributed(model, batches, recipes, opts, t0, experts,

@@ -10,7 +10,9 @@ Groups are **found, not listed**: :func:`find_groups` runs one forward with hook
 groups the layers whose input is the same tensor (the same object, or a view of the
 same data) among the last few inputs seen, within one parent module (a runtime fuses one
 module's shards: every expert reads the same tensor under ``MoE(all_experts=True)``, and
-T5's decoder blocks all read the encoder's output). A recipe adds groups
+T5's decoder blocks all read the encoder's output). An expert of a ``ModuleList`` of
+experts that the detection batch routed no token to takes its siblings' groups. A recipe
+adds groups
 (``Recipe.fuse``: tuples of name patterns, members bucketed by their parent module) and
 splits members out (``Recipe.split``).
 
@@ -164,7 +166,38 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
         members = [m for m in members if m not in seen]
         seen.update(members)
         groups += _by_parent(members)
-    return groups
+    return groups + _sibling_groups(model, groups, names)
+
+
+def _expert_of(model: nn.Module, name: str) -> str | None:
+    """The item of a ``ModuleList`` of experts (``...experts.<e>``) that holds ``name``."""
+    parts = name.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        owner = ".".join(parts[:k - 1])
+        if (parts[k - 1].isdigit() and parts[k - 2:k - 1] and parts[k - 2].endswith("experts")
+                and isinstance(model.get_submodule(owner), nn.ModuleList)):
+            return ".".join(parts[:k])
+    return None
+
+
+def _sibling_groups(model: nn.Module, groups, names) -> list[tuple[str, ...]]:
+    """The groups found in one expert of a ``ModuleList`` of experts, given (by relative
+    name) to its siblings that have those layers and no group of theirs: the detection
+    forward runs only the experts the first batch routes tokens to, and the runtime fuses
+    every expert's ``w1`` / ``w3`` alike."""
+    names, taken, out = set(names), {m for g in groups for m in g}, []
+    for group in groups:
+        item = _expert_of(model, group[0])
+        if item is None:
+            continue
+        owner = item.rpartition(".")[0]
+        rel = [m[len(item):] for m in group]
+        for e in range(len(model.get_submodule(owner))):
+            sib = tuple(f"{owner}.{e}{r}" for r in rel)
+            if all(m in names and m not in taken for m in sib):
+                out.append(sib)
+                taken.update(sib)
+    return out
 
 
 def _by_parent(members: list[str]) -> list[tuple[str, ...]]:

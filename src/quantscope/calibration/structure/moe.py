@@ -19,7 +19,7 @@ already visible; only their token counts are taken here.
 expert that saw ``n < min_tokens`` tokens gets its activation ranges shrunk toward the
 pooled range of its layer's experts (the min / max merge of their ranges):
 ``range = w * own + (1 - w) * pooled`` with ``w = n / min_tokens``, so none (``n = 0``)
-gets the pooled range. ``all_experts=True`` makes every expert observe every token while
+gets the pooled range. ``MoE(all_experts=True)`` makes every expert observe every token while
 the block's output stays the routed one (llm-compressor's ``calibrate_all_experts``).
 
 **One input scale per experts module.** A runtime's fused MoE keeps one static input scale
@@ -31,6 +31,7 @@ static per-tensor input and NVFP4 input global amax: what ``apply()`` runs is wh
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -57,6 +58,19 @@ def is_experts_3d(module: nn.Module) -> bool:
     return (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter)
             and up.dim() == 3 and down.dim() == 3 and up.shape[0] == down.shape[0])
 
+
+def is_routed(module: nn.Module) -> bool:
+    """A 3-D experts module that :func:`attach` can run expert by expert: its forward takes
+    transformers' routing (``hidden_states, top_k_index, top_k_weights``). Llama4's text
+    experts, for one, take ``hidden_states`` alone (every expert sees its own rows): their
+    forward is left as it is, and :func:`unreached` names their weights."""
+    if not is_experts_3d(module):
+        return False
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
 def is_gated(module: nn.Module) -> bool:
@@ -133,6 +147,8 @@ def _routed_forward(parent, n_exp: int, counts: list[int] | None, all_experts: b
                     hidden_states[tok])))
             else:
                 continue
+            if getattr(parent, "has_post_expert_norm", False):  # transformers' eager order
+                y = parent.post_expert_norm(y)
             y = y * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
@@ -195,7 +211,8 @@ class Experts:
 
     def _attach_list(self, name, module):
         if self.all_experts:
-            raise ValueError(f"calibrate: all_experts=True needs a transformers-5 experts module; "
+            raise ValueError(f"calibrate: moe=MoE(all_experts=True) needs a transformers-5 experts "
+                             f"module (3-D parameters); "
                              f"{name!r} is a ModuleList of experts, whose block routes them itself")
         counts = [0] * len(module)
         for layer, e in _list_layers(name, module):
@@ -220,17 +237,29 @@ class Experts:
 
 def has_experts_3d(model: nn.Module) -> bool:
     """Whether ``model`` holds MoE experts as 3-D parameters (:func:`attach` gives them views)."""
-    return any(is_experts_3d(m) for m in model.modules())
+    return any(is_routed(m) for m in model.modules())
 
 
-def attach(model: nn.Module, all_experts: bool = False, count: bool = True) -> Experts:
+def _ignored(name: str, module: nn.Module, recipes) -> bool:
+    """Whether no recipe of ``recipes`` takes any view :func:`attach` would give ``module``."""
+    probe = nn.Linear(1, 1, device="meta")
+    n = (module.gate_up_proj if hasattr(module, "gate_up_proj") else module.up_proj).shape[0]
+    return all(r.rule_for(f"{name}.{e}.{proj}", probe) is None for r in recipes
+               for e in range(n) for proj in ("gate_up_proj", "down_proj"))
+
+
+def attach(model: nn.Module, all_experts: bool = False, count: bool = True,
+           recipes=()) -> Experts:
     """Make every expert of ``model`` visible as Linear layers (see the module docstring);
-    ``count``: count each expert's tokens. Undo with :meth:`Experts.detach`."""
+    ``count``: count each expert's tokens; ``recipes``: when given, a 3-D experts module none
+    of them quantizes keeps its own forward. Undo with :meth:`Experts.detach`."""
     ex = Experts(model, all_experts)
+    recipes = list(recipes)
     try:
         for name, module in list(model.named_modules()):
-            if is_experts_3d(module):
-                ex._attach_3d(name, module, count)
+            if is_routed(module):
+                if not (recipes and _ignored(name, module, recipes)):
+                    ex._attach_3d(name, module, count)
             elif isinstance(module, nn.ModuleList) and name.endswith("experts") and count:
                 ex._attach_list(name, module)
     except BaseException:
@@ -389,7 +418,7 @@ def unreached(model: nn.Module, recipe) -> list[dict]:
     targets = [t for r in recipe.rules for t in r.targets]
     out = []
     for name, module in model.named_modules():
-        if (is_experts_3d(module) or type(module).__module__.startswith("torch.nn")
+        if (is_routed(module) or type(module).__module__.startswith("torch.nn")
                 or any(matches(p, name, module) for p in recipe.ignore)):
             continue  # torch's own layers (Conv3d ...) are not what a Linear target covers
         for pname, p in module.named_parameters(recurse=False):

@@ -1,0 +1,39 @@
+"""Experts the export cannot write per expert (gpt-oss: 3-D on disk) but that the calibration
+left in float are written as the model holds them."""
+
+import pytest
+import torch
+
+from quantscope.calibration import calibrate, preset
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+
+def gpt_oss():
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
+                                    layer_types=["full_attention"])
+    return transformers.GptOssForCausalLM(cfg).eval(), [torch.randint(0, 100, (1, 6))]
+
+
+@pytest.mark.parametrize("ignore", [["re:.*experts.*"], ["*experts*"]])
+def test_gpt_oss_experts_ignored_export_in_float(ignore, tmp_path):
+    from safetensors.torch import load_file
+
+    model, batches = gpt_oss()
+    calib = calibrate(model, batches, preset("w8a8", ignore=ignore), progress=False)
+    assert not any("experts" in k for k in calib.states)
+    calib.export(model, tmp_path / "ct")
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(tensors[key], model.state_dict()[key])
+
+
+def test_gpt_oss_experts_quantized_still_refused(tmp_path):
+    model, batches = gpt_oss()
+    calib = calibrate(model, batches, "w8a8", progress=False)
+    with pytest.raises(ValueError, match=r"experts module 'model\.layers\.0\.mlp\.experts'"):
+        calib.export(model, tmp_path / "ct")
