@@ -140,27 +140,42 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
                               "seconds": round(time.perf_counter() - t0, 2)})
 
 
+def _is_conv(module) -> bool:
+    """A convolution whose output :func:`_outputs` computes with the module's own
+    ``_conv_forward`` (stride, padding, groups ...); a transposed one is not ranked."""
+    return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+
+
+def _sample(x):
+    """Up to :data:`LAYER_ROWS` of ``x``'s rows (its first dimension), spread over it."""
+    return x[:: max(1, x.shape[0] // LAYER_ROWS)][:LAYER_ROWS]
+
+
 def _outputs(mod, x, states):
     """``(float output, {role: output with only that role quantized})`` of up to
     :data:`LAYER_ROWS` rows of ``x``, ``mod``'s input: an Embedding's lookup of its ids (only
-    its weight is quantized), else ``x W^T`` (a Conv1D holds ``W^T``: ``x @ weight``)."""
+    its weight is quantized), a convolution's output without bias on up to as many samples,
+    else ``x W^T`` (a Conv1D holds ``W^T``: ``x @ weight``)."""
     import torch.nn.functional as F
 
     from ..results.apply import qdq_tensor
 
     w = mod.weight.detach()
     if isinstance(mod, nn.Embedding):
-        ids = x.detach().reshape(-1)
-        ids = ids[:: max(1, ids.numel() // LAYER_ROWS)][:LAYER_ROWS]
+        ids = _sample(x.detach().reshape(-1))
         return F.embedding(ids, w.float()), {
             role: F.embedding(ids, qdq_tensor(w, st).float())
             for role, st in states.items() if role == "weight"}
-    x = x.detach().reshape(-1, x.shape[-1])
-    x = x[:: max(1, x.shape[0] // LAYER_ROWS)][:LAYER_ROWS].float()
-    w32, t = w.float(), is_conv1d(mod)
-    return linear_output(x, w32, t), {
-        role: (linear_output(qdq_tensor(x, st).float(), w32, t) if role == "input"
-               else linear_output(x, qdq_tensor(w, st).float(), t))
+    if _is_conv(mod):  # a row is a sample (its whole map); an unbatched input is one
+        x = x.detach() if x.dim() == w.dim() else x.detach().unsqueeze(0)
+        out = lambda a, b: mod._conv_forward(a, b, None)
+    else:
+        x, t = x.detach().reshape(-1, x.shape[-1]), is_conv1d(mod)
+        out = lambda a, b: linear_output(a, b, t)
+    x, w32 = _sample(x).float(), w.float()
+    return out(x, w32), {
+        role: (out(qdq_tensor(x, st).float(), w32) if role == "input"
+               else out(x, qdq_tensor(w, st).float()))
         for role, st in states.items()}
 
 
@@ -223,7 +238,9 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     per batch of ``batches`` (e.g. calibration batches). One forward per batch, against
     ``2 x layers + 1`` for :func:`~.session.sensitivity`; it does not see what an error does
     downstream, but on SmolLM2 its first 16 inputs are the ones whose fallback matters
-    (docs/benchmarks.md). Layers with a 2-D weight only; an Embedding's output is its lookup,
+    (docs/benchmarks.md). Layers with a 2-D weight and convolutions (``Conv1d`` / ``2d`` /
+    ``3d``: their output without bias, ``conv(X, W)``, on up to as many samples; a transposed
+    one is not ranked); an Embedding's output is its lookup,
     ``||Q(W)[ids] - W[ids]||^2 / ||W[ids]||^2`` (its input, the token ids, is not ranked)."""
 
     if not isinstance(calibration, Calibration):
@@ -247,7 +264,7 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
 
 def _ranked(model: nn.Module, calibration: Calibration, roles) -> dict:
     """:func:`_layer_errors`'s ``{layer: (module, {role: state})}``: the calibration's tensors
-    of ``roles`` that :func:`layer_sensitivity` ranks (a 2-D weight layer's)."""
+    of ``roles`` that :func:`layer_sensitivity` ranks (a 2-D weight layer's, a conv's)."""
     import torch
 
     todo = {}
@@ -256,12 +273,17 @@ def _ranked(model: nn.Module, calibration: Calibration, roles) -> dict:
         w = getattr(module, "weight", None)
         kinds = ("weight",) if isinstance(module, nn.Embedding) else ("weight", "input")
         mine = {r: st for r, st in rs.items() if r in roles and r in kinds and st is not None}
-        if mine and isinstance(w, torch.Tensor) and w.dim() == 2:
+        if mine and isinstance(w, torch.Tensor) and (w.dim() == 2 or _is_conv(module)):
             todo[layer] = (module, mine)
     if not todo:
-        raise ValueError(f"layer_sensitivity: the calibration quantizes no 2-D weight layer's "
-                         f"tensor of roles {roles}")
+        raise _NothingRanked(f"layer_sensitivity: the calibration quantizes no tensor of roles "
+                             f"{roles} of a layer it ranks (a 2-D weight layer's: Linear, "
+                             f"Conv1D, an Embedding's weight; a Conv1d / 2d / 3d's)")
     return todo
+
+
+class _NothingRanked(ValueError):
+    """No tensor of the calibration that :func:`layer_sensitivity` ranks."""
 
 
 def _expert_views(model: nn.Module):
@@ -372,7 +394,14 @@ def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
         # nothing the ranking sees (weight-only or dynamic schemes): no forward
         return keep_float(calibration, Sensitivity([]), 0, mode=mode)
     # only the inputs are ranked: keep_float takes out activations, never weights
-    sens = layer_sensitivity(model, [batch], calibration, roles=("input",))
+    try:
+        sens = layer_sensitivity(model, [batch], calibration, roles=("input",))
+    except _NothingRanked:
+        raise ValueError(f"calibrate: Outliers(keep_float={n}) ranks the static inputs of "
+                         f"Linear layers (a 2-D weight) and of Conv1d / 2d / 3d (not "
+                         f"transposed); the calibration quantizes none. Rank them yourself: "
+                         f"quantscope.keep_float(calibration, quantscope.sensitivity(...), "
+                         f"n)") from None
     return keep_float(calibration, sens, n, mode=mode)
 
 

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from .batches import forward_batch, map_tensors, tensors_in
 
-__all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "fill", "recorders",
+__all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "fill", "free_zeros", "recorders",
            "refuse", "split_contexts", "trace_batches"]
 
 #: reading these tells nothing of a tensor's values: not a use of a block's output
@@ -244,7 +244,7 @@ class _Uses(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _free_zeros(shape, dtype, device):
+def free_zeros(shape, dtype, device):
     """Zeros that take no memory (one element, expanded)."""
     return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
@@ -266,7 +266,7 @@ def _shape_only(module: nn.Module, trace: Trace, name: str):
         device = next((t.device for t in tensors_in((args, kwargs))), device)
         trace.inside = True
         try:
-            return _shaped_output(module, args, kwargs, device, _free_zeros)
+            return _shaped_output(module, args, kwargs, device, free_zeros)
         except _NoShape:
             return forward(*args, **kwargs)
         finally:

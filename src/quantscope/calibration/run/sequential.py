@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from . import heap
-from .batches import batch_count, eval_mode
-from .block_order import NotAChain, check_disjoint, trace_batches
+from .batches import batch_count, eval_mode, map_tensors
+from .block_order import NotAChain, check_disjoint, free_zeros, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, unload_params, warn_unused
 from .seq_cache import Cache, Contexts
 
@@ -109,16 +109,18 @@ class _Indexed:
 
 class _Replay(nn.Module):
     """Stands in for every block: returns the last block's cached output of the batch
-    ``batches`` (an :class:`_Indexed`) has out now."""
+    ``batches`` (an :class:`_Indexed`) has out now; where the block returned a tuple, a
+    tuple as long, its other items from ``rest`` (:meth:`_Piece.forward`)."""
 
-    def __init__(self, outputs: Cache, batches: _Indexed, as_tuple: bool):
+    def __init__(self, outputs: Cache, batches: _Indexed, rest: dict):
         super().__init__()
-        self.outputs, self.batches, self.as_tuple = outputs, batches, as_tuple
+        self.outputs, self.batches, self.rest = outputs, batches, rest
 
     def forward(self, *args, **kwargs):
         # a copy: the forward may change it in place (h += ...) and run a batch twice
         h = self.outputs.get(self.batches.i).clone()
-        return (h,) if self.as_tuple else h
+        rest = self.rest.get(self.batches.i)
+        return h if rest is None else (h, *rest)
 
 
 class _Piece(nn.Module):
@@ -136,14 +138,21 @@ class _Piece(nn.Module):
         holder.add_module(last, block)
         self.block, self.inputs, self.context = block, inputs, context
         self.outputs: Cache | None = None  # where forward records its outputs, if set
-        self.as_tuple = self.copy_inputs = False
+        self.copy_inputs = False
+        # batch -> the other items of a tuple output (None: not a tuple), for the replay
+        self.rest: dict = {}
 
     def forward(self, i):
         args, kwargs = self.context(i)
         h = self.inputs.get(i)
         out = self.block(h.clone() if self.copy_inputs else h, *args, **kwargs)
-        self.as_tuple = isinstance(out, tuple)
-        h = out[0] if self.as_tuple else out
+        tup = isinstance(out, tuple)
+        # the parent may unpack a tuple (h, aux = block(h)): the replay gives one as long.
+        # The trace refused reading the other items' values (block_order), so their tensors
+        # are free zeros of their shape (metadata may be read), other objects as they were
+        self.rest[i] = map_tensors(lambda t: free_zeros(t.shape, t.dtype, t.device),
+                                   out[1:]) if tup else None
+        h = out[0] if tup else out
         if self.outputs is not None:
             self.outputs.put(i, h)
         return h
@@ -277,10 +286,10 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
     originals = list(layers)
     with eval_mode(model), _restoring(run, layers, originals):
         hidden, context, n, order = _first_inputs(run, batches, name, layers, outside)
-        spilled, as_tuple = 0, False
+        spilled, rest = 0, {}
         for k, j in enumerate(order):
             full, block = f"{name}.{j}", originals[j]
-            nxt, as_tuple = _calibrate_block(
+            nxt, rest = _calibrate_block(
                 run, full, block, {p for p in params if p.startswith(full + ".")}, hidden,
                 functools.partial(context.get, j), _Indexed(range(n), known), recipes, mode,
                 calibrate_many, options)
@@ -292,7 +301,7 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
         if progress:
             print()
         _calibrate_rest(run, _Indexed(batches, known), name, layers, outside, hidden,
-                        as_tuple, recipes, calibrate_many, options)
+                        rest, recipes, calibrate_many, options)
         spilled += hidden.spilled + context.tensors.spilled
     seconds = round(time.perf_counter() - t0, 3)
     out = {}
@@ -343,8 +352,8 @@ def _keep(hidden, context, i: int, trace) -> None:
 def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, context, batches,
                      recipes, mode, calibrate_many, options):
     """Load, calibrate (each recipe that takes something in it) and unload one block on
-    ``batches`` (:class:`_Indexed` batch numbers); returns ``(its outputs' cache, whether
-    the block returns a tuple)``."""
+    ``batches`` (:class:`_Indexed` batch numbers); returns ``(its outputs' cache, the other
+    items of its tuple outputs by batch)`` (:attr:`_Piece.rest`)."""
     load = is_meta(block)
     if load:
         loaded = run.load(mine)
@@ -380,13 +389,13 @@ def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, contex
         # the unloaded blocks' mappings accumulate (a block in memory has none to release)
         gc.collect()
     heap.trim()  # the block's activations' heap pages back to the system
-    return nxt, piece.as_tuple
+    return nxt, piece.rest
 
 
 def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hidden,
-                    as_tuple: bool, recipes, calibrate_many, options) -> None:
+                    extras: dict, recipes, calibrate_many, options) -> None:
     """The parts outside the blocks (final norm, head ...), on the last block's cached
-    outputs: every block replaced by a replay of them."""
+    outputs: every block replaced by a replay of them (``extras``: :attr:`_Piece.rest`)."""
     model = run.model
     rest = _without_blocks(model, name)
     todo = {k: _for_piece(r, rest) for k, r in recipes.items() if _matches(r, rest)}
@@ -394,7 +403,7 @@ def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hi
         return
     run.load(outside)
     for j in range(len(layers)):
-        layers[j] = _Replay(hidden, batches, as_tuple)
+        layers[j] = _Replay(hidden, batches, extras)
     with _no_kv_cache(model):
         got = calibrate_many(model, batches, todo, progress=False, replayed=True, **options)
     for k, c in got.items():
