@@ -198,12 +198,9 @@ def test_cuda_state_ops_equal_the_cpu(kind):
     assert bool(seen)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("name", MINMAX)
-def test_cuda_minmax_forward_replays_in_a_cuda_graph(name):
-    """An activation observer's forward captured once in a CUDA graph and replayed on new
-    data: no host read inside, the eager observer's state."""
-    spec, shape = LAYOUTS["channel-last"]
+def _graphed_and_eager(name, spec, shape, grow=1.0):
+    """Two observers ``name``: one's forward captured once in a CUDA graph and replayed on
+    three new batches (each ``grow`` times the last's range), the other called eagerly."""
     x = _x(shape, torch.bfloat16).cuda()
     graphed, eager = (quantscope.get_observer(name, spec).cuda() for _ in range(2))
     for obs in (graphed, eager):
@@ -213,10 +210,19 @@ def test_cuda_minmax_forward_replays_in_a_cuda_graph(name):
     with torch.cuda.graph(graph):
         graphed(x)
     for s in range(3):
-        x.copy_(_x(shape, torch.bfloat16, seed=10 + s).cuda())
+        x.copy_(_x(shape, torch.bfloat16, seed=10 + s).cuda() * grow ** (s + 1))
         graph.replay()
         eager(x)
     torch.cuda.synchronize()
+    return graphed, eager
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", MINMAX)
+def test_cuda_minmax_forward_replays_in_a_cuda_graph(name):
+    """An activation observer's forward captured once in a CUDA graph and replayed on new
+    data: no host read inside, the eager observer's state."""
+    graphed, eager = _graphed_and_eager(name, *LAYOUTS["channel-last"])
     assert torch.equal(graphed.min_vals, eager.min_vals)
     assert torch.equal(graphed.max_vals, eager.max_vals)
 
@@ -227,20 +233,7 @@ def test_cuda_histogram_forward_replays_in_a_cuda_graph(name):
     """A histogram observer's forward captured once in a CUDA graph and replayed on batches
     whose range grows (each replay re-bins on the device): no host read inside, the state
     written into the captured buffers (``Observer._store``), the eager observer's qparams."""
-    spec, shape = QuantSpec("int8"), (4, 16, 32)
-    x = _x(shape, torch.bfloat16).cuda()
-    graphed, eager = (quantscope.get_observer(name, spec).cuda() for _ in range(2))
-    for obs in (graphed, eager):
-        obs(x)  # the first call sizes the state (and compiles the kernels) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed(x)
-    for s in range(3):
-        x.copy_(_x(shape, torch.bfloat16, seed=10 + s).cuda() * 1.5 ** (s + 1))
-        graph.replay()
-        eager(x)
-    torch.cuda.synchronize()
+    graphed, eager = _graphed_and_eager(name, QuantSpec("int8"), (4, 16, 32), grow=1.5)
     for key, value in eager.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(graphed.state_dict()[key], value), key
