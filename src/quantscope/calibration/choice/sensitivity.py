@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
+import operator
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -269,7 +271,7 @@ def _ranked(model: nn.Module, calibration: Calibration, roles) -> dict:
 
     todo = {}
     for layer, rs in calibration.states.items():
-        module = model.get_submodule(layer)
+        module = _module(model, layer, "layer_sensitivity")
         w = getattr(module, "weight", None)
         kinds = ("weight",) if isinstance(module, nn.Embedding) else ("weight", "input")
         mine = {r: st for r, st in rs.items() if r in roles and r in kinds and st is not None}
@@ -280,6 +282,15 @@ def _ranked(model: nn.Module, calibration: Calibration, roles) -> dict:
                              f"{roles} of a layer it ranks (a 2-D weight layer's: Linear, "
                              f"Conv1D, an Embedding's weight; a Conv1d / 2d / 3d's)")
     return todo
+
+
+def _module(model: nn.Module, layer: str, who: str) -> nn.Module:
+    """``model``'s module ``layer``; raises as ``apply()`` does where it has none."""
+    try:
+        return model.get_submodule(layer)
+    except AttributeError:
+        raise ValueError(f"{who}: the model has no module {layer!r} (calibrated on another "
+                         f"model?)") from None
 
 
 class _NothingRanked(ValueError):
@@ -322,12 +333,18 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     gate / up: one input of the runtime's fused layer) counts once and falls back whole: a
     fused layer runs one scheme (``info["keep_float"]["tensors"]`` lists every member).
     Their report rows and histograms go (the report lists them apart); the rest, smoothing
-    included, is the calibration's.
+    included, is the calibration's. On a calibration with a fallback already, this one adds
+    to it, in the same ``mode`` (``info["keep_float"]`` then counts and lists both).
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:  # numpy's too
         raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
+    n = operator.index(n)
     if mode not in FALLBACK_MODES:
         raise ValueError(f"keep_float: mode must be one of {FALLBACK_MODES}, got {mode!r}")
+    earlier = calibration.info.get("keep_float") or {"n": 0, "mode": mode, "tensors": []}
+    if earlier["tensors"] and earlier["mode"] != mode:  # info / the report: one mode for all
+        raise ValueError(f"keep_float: the calibration's earlier fallback runs "
+                         f"{earlier['mode']!r}; a second one must too, got mode={mode!r}")
     static = set(_static_activations(calibration))
     together = _shared_inputs(calibration)
     picks: list[tuple[tuple[str, str], ...]] = []
@@ -349,8 +366,10 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
         else:
             states[layer][role] = new
     states = {layer: roles for layer, roles in states.items() if roles}
-    info = dict(calibration.info, keep_float={"n": len(picks), "mode": mode,
-                                              "tensors": [f"{a} {b}" for a, b in chosen]})
+    # a second fallback adds to the first: info and the report list every tensor taken out
+    info = dict(calibration.info, keep_float={
+        "n": earlier["n"] + len(picks), "mode": mode,
+        "tensors": list(earlier["tensors"]) + [f"{a} {b}" for a, b in chosen]})
     # the report describes what apply() runs: the static rows of the tensors taken out go
     # (their calibration-time samples are gone: a dynamic one's figures are not known);
     # every other field (smoothing, ...) is the calibration's own
@@ -391,7 +410,13 @@ def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
         raise ValueError("calibrate: keep_float needs a batch to rank the activations on, "
                          "and batches is empty")
     if not any(role == "input" for _, role in _static_activations(calibration)):
-        # nothing the ranking sees (weight-only or dynamic schemes): no forward
+        # nothing the ranking sees (weight-only, dynamic or static-output schemes): no
+        # forward, and no silent smaller fallback
+        warnings.warn(f"calibrate: Outliers(keep_float={n}) ranks only static inputs, and the "
+                      f"calibration quantizes none (weight-only, dynamic, or static outputs): "
+                      f"no activation kept float. Rank the outputs yourself: "
+                      f"quantscope.keep_float(calibration, quantscope.sensitivity(..., "
+                      f"roles=('output',)), n)", stacklevel=3)
         return keep_float(calibration, Sensitivity([]), 0, mode=mode)
     # only the inputs are ranked: keep_float takes out activations, never weights
     try:
@@ -406,7 +431,7 @@ def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
 
 
 def _macs(model: nn.Module, layer: str) -> int:
-    w = getattr(model.get_submodule(layer), "weight", None)
+    w = getattr(_module(model, layer, "fallback_curve"), "weight", None)
     return 0 if w is None else w.numel()
 
 

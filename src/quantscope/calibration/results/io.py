@@ -6,7 +6,10 @@ recipe and, per layer and role, the spec, the observer used and the dynamic
 mode, and the format's name and ``version`` (checked on load). Written atomically
 (:func:`~quantscope.exporters.atomic.atomic_dir`). :func:`load` gives back a
 :class:`Calibration` whose ``apply(model)`` restores exactly the QDQ model that was saved,
-with no recalibration.
+with no recalibration, on the weights it was calibrated on: a SmoothQuant calibration's
+(``smoothing``, saved beside the qparams) are the smoothed ones, so smooth a freshly loaded
+float model first with :func:`~quantscope.calibration.choice.smooth.reapply` (as
+``quantscope evaluate`` / ``export`` do); ``apply`` refuses a model it can tell is not.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...exporters.registry import exporter, reader
+from ...layout import Block, Channel, Group, Tensor
 from ..structure import kv_cache
 from .apply import apply as _apply
 from .report import Report, kv_cache_rows
@@ -36,7 +37,12 @@ class Calibration:
     smoothing: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def apply(self, model):
-        """Fake-quantize ``model`` (QDQ); returns a handle whose ``remove()`` undoes it."""
+        """Fake-quantize ``model`` (QDQ); returns a handle whose ``remove()`` undoes it. A
+        calibration with ``smoothing`` belongs to the smoothed weights: a model whose
+        weights are recognisably not smoothed (a freshly loaded float model: smooth it first
+        with :func:`.smooth.reapply`) is refused, unchanged."""
+        if self.smoothing:
+            _check_smoothed(model, self)
         return _apply(model, self.states)
 
     def quantizes_like(self, other: Calibration) -> bool:
@@ -84,3 +90,48 @@ class Calibration:
         n = sum(len(r) for r in self.states.values())
         return (f"Calibration({self.label or self.recipe.name!r}, {len(self.states)} layers, "
                 f"{n} quantized tensors)")
+
+
+def _check_smoothed(model, calibration: Calibration) -> None:
+    """Raises if ``model``'s weights are not the smoothed ones ``calibration`` was made on.
+    No forward: each smoothed mapping's first balanced Linear (only that mapping changes its
+    columns) has its weight's range per calibrated unit (``lo`` / ``hi``, per tensor, channel
+    or row segment) compared with the model's weight as it is and times the scales (as
+    :func:`.smooth.reapply` would make it); a model closer to the latter is not smoothed.
+    Mappings the model lacks, or weights without a range to compare, are not checked."""
+    from ..choice.smooth import find_mappings
+
+    for m in find_mappings(model):
+        s = calibration.smoothing.get(m.previous)
+        st = calibration.states.get(m.balance[0], {}).get("weight")
+        if s is None or st is None or st.lo is None or st.hi is None:
+            continue
+        w = model.get_submodule(m.balance[0]).weight
+        if w.is_meta or not _row_units(st, w):
+            continue
+        with torch.no_grad():
+            r = torch.maximum(st.lo.abs(), st.hi.abs()).to(w.device, torch.float32).reshape(-1)
+            w = w.detach().float()
+            if _off(w * s.to(w.device, torch.float32), r) < 0.5 * _off(w, r):
+                raise ValueError(
+                    f"apply: the calibration was made on SmoothQuant-smoothed weights "
+                    f"(calibration.smoothing), but this model's {m.balance[0]}.weight is not "
+                    f"smoothed (a freshly loaded float model?); smooth it first with "
+                    f"quantscope.calibration.choice.smooth.reapply(model, calibration) (it "
+                    f"changes the parameters in place), as quantscope evaluate / export do")
+
+
+def _row_units(st: RoleState, w: torch.Tensor) -> bool:
+    """Whether ``st``'s units are contiguous in ``w`` read row by row (the whole tensor,
+    its rows, or segments of them): ``w.reshape(units, -1)`` then groups them."""
+    layout, n = st.spec.layout, st.lo.numel()
+    rows = (isinstance(layout, Tensor) or (isinstance(layout, Channel) and layout.axis in (0, -2))
+            or (isinstance(layout, (Group, Block)) and layout.axis in (-1, 1)))
+    return rows and w.dim() == 2 and n == st.hi.numel() and w.numel() % n == 0
+
+
+def _off(w: torch.Tensor, r: torch.Tensor) -> float:
+    """Median ``|log|`` of the ratio of ``w``'s absolute range per unit to the calibrated
+    one, ``r``: 0 for the weights a min-max observer saw, small for a clipping one's."""
+    a = w.abs().reshape(r.numel(), -1).amax(1)
+    return float((a.clamp(min=1e-30) / r.clamp(min=1e-30)).log().abs().median())

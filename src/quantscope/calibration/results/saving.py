@@ -42,6 +42,9 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
     Inside a process group of several processes only rank 0 writes (as the exporters and
     transformers' ``save_pretrained``); the others return ``path`` at once, with no collective.
     """
+    if not isinstance(calibration.label, str):  # load() reads back a str: refuse, not write
+        raise TypeError(f"save: the calibration's label must be a str, got "
+                        f"{calibration.label!r}; set calibration.label to one")
     if not comm.is_main():
         return str(path)
     save_file, _ = safetensors()

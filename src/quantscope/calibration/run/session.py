@@ -272,6 +272,13 @@ def _as_recipes(recipes) -> dict[str, Recipe]:
                              f"name, or label them with a dict {{label: recipe}}")
         recipes = dict(zip(names, recipes))
     else:
+        # a label is saved with the calibration, and load() reads back a str; auto labels
+        # the candidates it expands a recipe into (label, observer), never returned
+        bad = [k for k in recipes if not isinstance(k, str) and not (
+            isinstance(k, tuple) and len(k) == 2 and all(isinstance(x, str) for x in k))]
+        if bad:
+            raise TypeError(f"calibrate: a recipe label must be a str, got {bad[0]!r} "
+                            f"({type(bad[0]).__name__}); label it {str(bad[0])!r}")
         recipes = {k: _as_recipe(r, None) for k, r in recipes.items()}
     if not recipes:
         raise ValueError("calibrate: no recipe given")
