@@ -29,7 +29,9 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   (the largest amax of the fused observers), where each quantscope observer contributes the
   amax its ranges were chosen under (for the MSE search the global amax it searched, which
   may exceed the tensor's absmax: candidates are scored with the e4m3 block scales that run
-  under it, docs/guide/observers.md); min-max ranges give llm-compressor's own.
+  under it, docs/guide/observers.md), reported to llm-compressor's own observers in the group
+  too, so a mixed group shares one global scale; min-max ranges give llm-compressor's own.
+* MX (E8M0) ranges are handed over in float32, not the observed dtype (:func:`range_dtype`).
 * Group activation order (``actorder``) is GPTQ's business: llm-compressor's observers see
   the columns unpermuted, and so does the plugin.
 * ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
@@ -68,12 +70,13 @@ from typing import ClassVar
 
 import torch
 from compressed_tensors.quantization import QuantizationStrategy
-from compressed_tensors.quantization.utils import generate_gparam
+from compressed_tensors.quantization.utils import generate_gparam, should_generate_mx_scales
 from compressed_tensors.registry.registry import standardize_lookup_name
 from llmcompressor.observers import Observer
 from llmcompressor.observers.helpers import flatten_for_calibration
 from torch import distributed as dist
 
+from .._checks import check_number
 from ..compat.llmcompressor_base import (
     check_finite_statistics,
     statistics_dtype,
@@ -126,9 +129,13 @@ class QuantscopeObserver(Observer):
             return kwargs
         fp4 = self.args.type == "float" and self.args.num_bits == 4
         self.triton_error_buffer = kwargs.pop("triton_error_buffer", 1.00 if fp4 else 0.30)
-        self.expand = kwargs.get("expand", 1.0)
-        if self.expand < 1.0:
-            raise ValueError(f"expand value must be at least 1.0, got {self.expand}")
+        expand = kwargs.get("expand", 1.0)
+        number = isinstance(expand, (int, float)) and not isinstance(expand, bool)
+        if number and expand < 1.0:
+            raise ValueError(f"expand value must be at least 1.0, got {expand}")
+        # a YAML string or NaN: name the observer and the option, not a failed comparison
+        self.expand = check_number(f"observer {PREFIX}{self.quantscope_name}",
+                                   "observer_kwargs['expand']", expand, 1.0)
         return kwargs
 
     # ----------------------------------------------------------------- observing
@@ -198,14 +205,24 @@ class QuantscopeObserver(Observer):
 
     def _current_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         # quantscope's range, shaped and typed as llm-compressor's min_vals / max_vals
-        # (the observed dtype: its own observers keep min / max in it)
+        # (see range_dtype)
         if self._range is None:
             self.quantscope.check_ready()
             lo, hi = self.quantscope.calculate_range()
             # copies: the quantscope observer updates its buffers in place
-            self._range = (lo.reshape(self._qparam_shape).to(self._dtype, copy=True),
-                           hi.reshape(self._qparam_shape).to(self._dtype, copy=True))
+            dtype = range_dtype(self.args, self._dtype)
+            self._range = (lo.reshape(self._qparam_shape).to(dtype, copy=True),
+                           hi.reshape(self._qparam_shape).to(dtype, copy=True))
         return self._range
+
+    @torch.no_grad()
+    def get_qparams(self) -> dict:
+        qparams = Observer.get_qparams(self)
+        if should_generate_mx_scales(self.args):
+            # the MX range went in float32 (range_dtype); the scale, a power of two, is kept
+            # in the observed dtype as llm-compressor's own (its GPTQ rounds in that dtype)
+            qparams["scale"] = qparams["scale"].to(self._dtype)
+        return qparams
 
     def get_statistics(self) -> dict[str, torch.Tensor]:
         stats = super().get_statistics()
@@ -216,7 +233,7 @@ class QuantscopeObserver(Observer):
             # checkpoint dequantized to NaN; found by probing), so float32 then (one that
             # rounds down to 65504 stays float16, a hair low)
             amax, half = amax.reshape(()).float(), amax.reshape(()).to(self._dtype)
-            stats["global_amax"] = half if bool(torch.isfinite(half)) else amax
+            _report_global_amax(stats, half if bool(torch.isfinite(half)) else amax)
         return stats
 
     def get_global_scale(self) -> torch.Tensor | None:
@@ -253,6 +270,25 @@ class QuantscopeObserver(Observer):
 
     def extra_repr(self) -> str:
         return f"base_name={self.base_name!r}, quantscope={self.quantscope_name!r}"
+
+
+def range_dtype(args, observed: torch.dtype) -> torch.dtype:
+    """The dtype the range is handed to llm-compressor in: the observed one, as its own
+    observers keep min / max (compressed-tensors then computes the scales in it, as
+    quantscope's spec does), except for MX scales: compressed-tensors rounds the range to a
+    power of two by its mantissa (up from 1.75), and a searched range (a shrunk absmax, not
+    a data value) rounded to bfloat16 can cross that boundary (1.7475 read 1.75: twice the
+    scale searched); in float32 it rounds as the search priced it."""
+    return torch.float32 if should_generate_mx_scales(args) else observed
+
+
+def _report_global_amax(stats: dict, amax: torch.Tensor) -> None:
+    """Add the global amax the ranges were searched under to ``stats``. They feed only the
+    fusion group's NVFP4 global scale (``FusionHandler.get_fused_statistics``), and
+    llm-compressor's own observers there take the largest ``-min_vals`` / ``max_vals``: they
+    are reported as ``-amax`` / ``amax``, so those siblings share the global scale too."""
+    stats["global_amax"] = amax
+    stats["min_vals"], stats["max_vals"] = -amax, amax
 
 
 def units_spec(args, base_name: str):
@@ -295,6 +331,7 @@ class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
         self._init_imatrix(self.args.observer_kwargs)
         #: the NVFP4 global amax the uniform fallback's ranges were searched under
         self._global_amax: torch.Tensor | None = None
+        self._dtype = torch.float32  # the observed dtype (statistics_dtype)
         #: memoryless_mse's options for the fallback; None where it refuses this grid
         self._uniform_options = self._memoryless_options()
 
@@ -313,7 +350,7 @@ class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
         return options
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
-        self._global_amax = None
+        self._global_amax, self._dtype = None, statistics_dtype(observed)
         lo, hi = self.imatrix_range(observed)
         check_finite_statistics(self, lo, hi)  # the other quantscope_* observers refuse too
         self.min_vals, self.max_vals = lo, hi
@@ -334,15 +371,17 @@ class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
         uniform(units.to(dtype))
         lo, hi = uniform.calculate_range()
         self._global_amax = uniform.global_amax()
+        dtype = range_dtype(self.args, dtype)
         return lo.reshape(shape).to(dtype), hi.reshape(shape).to(dtype)
 
     def get_statistics(self) -> dict[str, torch.Tensor]:
         stats = super().get_statistics()
         if self._global_amax is not None:  # the fallback's, as quantscope_memoryless_mse's
-            stats["global_amax"] = self._global_amax.reshape(())
+            _report_global_amax(stats, self._global_amax.reshape(()))
         return stats
 
     get_global_scale = QuantscopeObserver.get_global_scale
+    get_qparams = QuantscopeObserver.get_qparams
 
     def delete_statistics(self, check_fused: bool = True) -> None:
         super().delete_statistics(check_fused)
