@@ -16,7 +16,7 @@ from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from llmcompressor.observers import Observer
 from llmcompressor.observers.fusion import FusionHandler
-from test_integrations_llmcompressor import _loader, _tokenizer
+from test_integrations_llmcompressor import _llama, _loader, _tokenizer
 
 import quantscope
 import quantscope.integrations.llmcompressor as qsl
@@ -93,14 +93,7 @@ def test_mixed_fusion_group_shares_one_global_scale(seed):
 
 
 def test_mixed_fusion_group_oneshot(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    model = _llama(tmp_path).from_pretrained(tmp_path)
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight.mul_(3.0)  # q holds the largest
     recipe = QuantizationModifier(config_groups={
