@@ -88,6 +88,11 @@ class _QuarkHistogram(QuarkObserver):
         if symmetric is not None and not symmetric:  # Quark bins [min, max] (fp8 too)
             self.absolute = False
         super().__init__(qspec, device, **native)
+        if not isinstance(self.spec.layout, Tensor):  # else a reshape error at qparams time
+            raise ValueError(  # noqa: TRY004 (a value of qspec's qscheme, not a type)
+                f"{type(self).__name__}: Quark's histogram observers are per tensor (its "
+                f"config refuses them per channel / group), got qscheme "
+                f"{field(qspec, 'qscheme')!r}")
         self._priced: tuple[torch.Tensor, torch.Tensor] | None = None
         self._widened: list[torch.Tensor] | None = None  # Quark's edges once a batch widened
 
