@@ -45,6 +45,7 @@ from ..run.batches import (
     map_tensors,
     module_input,
 )
+from .moe import is_expert_list
 
 __all__ = ["find_groups", "join_weights", "peek", "shares_weight_scale", "split_state"]
 
@@ -174,8 +175,7 @@ def _expert_of(model: nn.Module, name: str) -> str | None:
     parts = name.split(".")
     for k in range(len(parts) - 1, 0, -1):
         owner = ".".join(parts[:k - 1])
-        if (parts[k - 1].isdigit() and parts[k - 2:k - 1] and parts[k - 2].endswith("experts")
-                and isinstance(model.get_submodule(owner), nn.ModuleList)):
+        if parts[k - 1].isdigit() and k > 1 and is_expert_list(owner, model.get_submodule(owner)):
             return ".".join(parts[:k])
     return None
 

@@ -41,8 +41,8 @@ from ...layout import Tensor
 from ...qparams import qparams_from_range
 from ..run.batches import input_name, module_input
 
-__all__ = ["Experts", "attach", "expert_weight", "has_experts_3d", "share_inputs", "shrink",
-           "unreached"]
+__all__ = ["Experts", "attach", "expert_weight", "has_experts_3d", "is_expert_list", "is_routed",
+           "share_inputs", "shrink", "unreached"]
 
 #: ``n`` below which an expert's activation range is shrunk toward the pooled one
 #: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
@@ -57,6 +57,12 @@ def is_experts_3d(module: nn.Module) -> bool:
     down = getattr(module, "down_proj", None)
     return (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter)
             and up.dim() == 3 and down.dim() == 3 and up.shape[0] == down.shape[0])
+
+
+def is_expert_list(name: str, module: nn.Module) -> bool:
+    """An older checkpoint's experts: a ``ModuleList`` named ``...experts`` (its items'
+    Linears are already visible; :func:`attach` counts their tokens)."""
+    return isinstance(module, nn.ModuleList) and name.endswith("experts")
 
 
 def is_routed(module: nn.Module) -> bool:
@@ -260,7 +266,7 @@ def attach(model: nn.Module, all_experts: bool = False, count: bool = True,
             if is_routed(module):
                 if not (recipes and _ignored(name, module, recipes)):
                     ex._attach_3d(name, module, count)
-            elif isinstance(module, nn.ModuleList) and name.endswith("experts") and count:
+            elif is_expert_list(name, module) and count:
                 ex._attach_list(name, module)
     except BaseException:
         ex.detach()
