@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ...exporters.registry import exporter, reader
-from ...layout import Block, Channel, Group, Tensor
 from ..structure import kv_cache
 from .apply import apply as _apply
 from .report import Report, kv_cache_rows
@@ -95,8 +94,8 @@ class Calibration:
 def _check_smoothed(model, calibration: Calibration) -> None:
     """Raises if ``model``'s weights are not the smoothed ones ``calibration`` was made on.
     No forward: each smoothed mapping's first balanced Linear (only that mapping changes its
-    columns) has its weight's range per calibrated unit (``lo`` / ``hi``, per tensor, channel
-    or row segment) compared with the model's weight as it is and times the scales (as
+    columns) has its weight's range per calibrated unit (``lo`` / ``hi``, the spec's layout)
+    compared with the model's weight as it is and times the scales (as
     :func:`.smooth.reapply` would make it); a model closer to the latter is not smoothed.
     Mappings the model lacks, or weights without a range to compare, are not checked."""
     from ..choice.smooth import find_mappings
@@ -107,12 +106,12 @@ def _check_smoothed(model, calibration: Calibration) -> None:
         if s is None or st is None or st.lo is None or st.hi is None:
             continue
         w = model.get_submodule(m.balance[0]).weight
-        if w.is_meta or not _row_units(st, w):
+        if w.is_meta or w.dim() != 2 or st.spec.layout.num_units(w.shape) != st.lo.numel():
             continue
         with torch.no_grad():
             r = torch.maximum(st.lo.abs(), st.hi.abs()).to(w.device, torch.float32).reshape(-1)
             w = w.detach().float()
-            if _off(w * s.to(w.device, torch.float32), r) < 0.5 * _off(w, r):
+            if _off(w * s.to(w.device, torch.float32), r, st) < 0.5 * _off(w, r, st):
                 raise ValueError(
                     f"apply: the calibration was made on SmoothQuant-smoothed weights "
                     f"(calibration.smoothing), but this model's {m.balance[0]}.weight is not "
@@ -121,17 +120,9 @@ def _check_smoothed(model, calibration: Calibration) -> None:
                     f"changes the parameters in place), as quantscope evaluate / export do")
 
 
-def _row_units(st: RoleState, w: torch.Tensor) -> bool:
-    """Whether ``st``'s units are contiguous in ``w`` read row by row (the whole tensor,
-    its rows, or segments of them): ``w.reshape(units, -1)`` then groups them."""
-    layout, n = st.spec.layout, st.lo.numel()
-    rows = (isinstance(layout, Tensor) or (isinstance(layout, Channel) and layout.axis in (0, -2))
-            or (isinstance(layout, (Group, Block)) and layout.axis in (-1, 1)))
-    return rows and w.dim() == 2 and n == st.hi.numel() and w.numel() % n == 0
-
-
-def _off(w: torch.Tensor, r: torch.Tensor) -> float:
-    """Median ``|log|`` of the ratio of ``w``'s absolute range per unit to the calibrated
-    one, ``r``: 0 for the weights a min-max observer saw, small for a clipping one's."""
-    a = w.abs().reshape(r.numel(), -1).amax(1)
+def _off(w: torch.Tensor, r: torch.Tensor, st: RoleState) -> float:
+    """Median ``|log|`` of the ratio of ``w``'s absolute range per unit of ``st``'s layout
+    to the calibrated one, ``r``: 0 for the weights a min-max observer saw, small for a
+    clipping one's."""
+    a = st.spec.layout.to_units(w).abs().amax(1)
     return float((a.clamp(min=1e-30) / r.clamp(min=1e-30)).log().abs().median())
