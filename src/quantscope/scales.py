@@ -50,6 +50,7 @@ from ._numerics import as_float32
 from .formats import FP8_E4M3, FloatFormat, Format
 
 __all__ = [
+    "E8M0_EXPONENTS",
     "E8M0_MODES",
     "POW2_MODES",
     "SCALE_KINDS",
@@ -64,6 +65,8 @@ __all__ = [
 SCALE_KINDS = ("fp32", "fp16", "bf16", "pow2", "e8m0", "fp8_e4m3")
 POW2_MODES = ("round", "floor", "ceil")
 E8M0_MODES = ("floor", "ceil", "even", "rceil")
+#: the exponents ``k`` of the scales ``2 ** k`` an E8M0 byte stores (255 is NaN)
+E8M0_EXPONENTS = (-127, 127)
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -170,11 +173,15 @@ def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
 
 def not_encoded(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
     """Where ``scale`` holds a value ``encoding`` cannot store (a bool tensor): not a power of
-    two for pow2 / E8M0, not an fp16 / bf16 value for those. fp32 holds any; NVFP4's fp8
-    block scales are not judged (a block whose scale rounds to 0 takes ``min_scale``)."""
-    if encoding.kind in ("fp32", "fp8_e4m3"):
+    two for pow2, not one in ``2 ** E8M0_EXPONENTS`` for E8M0 (2**-149 would wrap its byte),
+    not an fp16 / bf16 value for those, not an e4m3 value in (0, 448] for fp8 block scales
+    (every one the formula gives is, ``min_scale`` included: QuantSpec holds eps to e4m3).
+    fp32 holds any."""
+    if encoding.kind == "fp32":
         return torch.zeros(scale.shape, dtype=torch.bool, device=scale.device)
-    exact = ScaleEncoding("pow2", "floor") if encoding.kind in ("pow2", "e8m0") else encoding
+    if encoding.kind == "e8m0":
+        return _exp2(_floor_log2(scale).clamp_(*E8M0_EXPONENTS)) != scale
+    exact = ScaleEncoding("pow2", "floor") if encoding.kind == "pow2" else encoding
     return encode_scale(scale, exact) != scale
 
 
@@ -235,7 +242,7 @@ def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Te
         k = torch.where(safe < math.inf, ea - ef + (ma > mf).to(ea.dtype), 127)
     else:
         raise ValueError(f"scale: unknown e8m0 mode {mode!r}; expected one of {E8M0_MODES}")
-    k = torch.where(tiny, torch.full_like(k, -127), k).clamp_(-127, 127)
+    k = torch.where(tiny, torch.full_like(k, E8M0_EXPONENTS[0]), k).clamp_(*E8M0_EXPONENTS)
     return torch.where(amax.isnan(), math.nan, _exp2(k))
 
 

@@ -39,7 +39,7 @@ from ..calibration.structure.placement import check_placement, held_weight
 from ..calibration.structure.tied import tied_weights
 from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
-from ..scales import nvfp4_global_scale
+from ..scales import not_encoded, nvfp4_global_scale
 from .atomic import EXPORT_EXTRAS, atomic_dir, check_writable_target
 from .ct_compress import compress, ct_compressor
 from .experts import checkpoint_names, unfuse_experts
@@ -214,6 +214,7 @@ def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> Non
         values["global_scale"] = nvfp4_global_scale(state.global_amax, state.spec.format)
     else:
         qp = state.qparams
+        _check_encoded(qp.scale, state.spec.scale, layer, base)
         values["scale"] = qp.scale
         values["zero_point"] = qp.zero_point
         if qp.global_scale is not None:
@@ -236,6 +237,18 @@ def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> Non
                   f"round it to {param.dtype}")
         with torch.no_grad():
             param.data = cast
+
+
+def _check_encoded(scale: torch.Tensor, encoding, layer: str, base: str) -> None:
+    """Refuse a block scale its encoding cannot store: compressed-tensors would write another
+    one without a word (an fp8 cast rounds or saturates it, an E8M0 byte wraps 2**-149 to
+    2**107), so the checkpoint would not run the scales apply() runs. quantscope's formulas
+    never give one; an in-memory edit can."""
+    off = not_encoded(scale, encoding) if encoding.is_block else None
+    if off is not None and bool(off.any()):
+        raise ValueError(f"export compressed-tensors: layer {layer!r} {base}_scale holds "
+                         f"{float(scale[off].reshape(-1)[0])!r}, a value its {encoding} "
+                         f"encoding cannot store (it would be written as another)")
 
 
 _KV_SCALE = {"key": "k_scale", "value": "v_scale"}

@@ -52,6 +52,11 @@ def _global_amax(gs: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
     model's: llm-compressor computes it in bf16) reads as the nearest one, with a warning."""
     gs = gs.float().reshape(())
     amax = (nvfp4_global_scale(torch.ones(()), spec.format) / gs).reshape(())
+    if not bool(torch.isfinite(amax)):  # a tiny scale: save() would write an amax load refuses
+        least = nvfp4_global_scale(torch.tensor(torch.finfo(torch.float32).max), spec.format)
+        raise ValueError(f"from_compressed_tensors: {where} = {float(gs)!r} gives an amax of "
+                         f"inf (below {float(least)!r}, the global scale of float32's "
+                         f"largest amax)")
     near = None
     for _ in range(8):
         got = nvfp4_global_scale(amax, spec.format)

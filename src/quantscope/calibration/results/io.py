@@ -50,8 +50,9 @@ def load(path, device="cpu") -> Calibration:
     Everything is checked before anything is returned: the format and version, every
     field's type, every tensor's dtype (the one save writes), shape (against its spec and the
     calibrated weight shape), finiteness and range (scales > 0 and held by their encoding:
-    powers of two for pow2 / E8M0, lo <= hi, zero points inside the code range, a symmetric
-    spec's fixed one), and that each tensor belongs to a role of the JSON and its mode. A
+    powers of two for pow2, within 2**-127..2**127 for E8M0, e4m3 values up to 448 for
+    NVFP4's block scales; lo <= hi, zero points inside the code range, a symmetric spec's
+    fixed one), and that each tensor belongs to a role of the JSON and its mode. A
     damaged or edited folder raises ``ValueError`` naming the file and the key; an edit that
     stays a valid value (an int8 scale doubled) is not detected.
     """
