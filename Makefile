@@ -26,7 +26,8 @@ PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pyt
 PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_compat.py \
 	tests/compat/test_llmcompressor_peers.py tests/compat/test_quark_exact.py \
 	tests/compat/test_quark_shapes_zero_const.py tests/compat/test_quark_half.py \
-	tests/compat/test_quark_probe_fixes.py \
+	tests/compat/test_quark_probe_fixes.py tests/compat/test_quark_histogram_grids.py \
+	tests/compat/test_quark_probe_fixes_2.py \
 	tests/compat/test_llmc_scale_dtype.py tests/compat/test_llmc_probe_fixes.py \
 	tests/compat/test_llmc_imatrix_probe_fixes.py \
 	tests/compat/test_llmc_imatrix_dtypes.py tests/estimators/test_mse_edges.py \

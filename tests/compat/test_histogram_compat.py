@@ -58,8 +58,13 @@ def test_quark_mse_function_equals_a_loop_of_its_steps(fmt):
     centers = (edges[1:] + edges[:-1]) / 2
     mses = []
     for i in range(1800, 2048, 3):  # Quark's loop: candidate (0, centre_i), error * count
-        qp = qs.qparams_from_range(torch.zeros(1), centers[i].reshape(1), obs.spec)
-        q = qs.fake_quantize(centers, qp, qs.QuantSpec(obs.spec.format, symmetric=True))
+        if fmt == "fp8_e4m3":
+            qp = qs.qparams_from_range(torch.zeros(1), centers[i].reshape(1), obs.spec)
+            q = qs.fake_quantize(centers, qp, qs.QuantSpec(obs.spec.format, symmetric=True))
+        else:  # Quark's symmetric integer rule: zero point 0 (uint8 too), half the code span
+            scale = float(centers[i] / ((obs.quant_max - obs.quant_min) / 2))
+            q = torch.fake_quantize_per_tensor_affine(centers, scale, 0, obs.quant_min,
+                                                      obs.quant_max)
         mses.append(float(((q - centers).double() ** 2 * hist.double()).mean()))
     assert float(amax) == float(centers[1800 + 3 * int(np.argmin(mses))])
 

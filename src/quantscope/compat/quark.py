@@ -4,7 +4,11 @@
 qscheme (per_tensor / per_channel / per_group), ch_axis, group_size, symmetric,
 round_method, scale_type, scale_format (float32 / e8m0 / e4m3 / e5m3),
 scale_calculation_mode (even / floor / ceil), mx_element_dtype, is_dynamic.
-Enums or their string values both work. These classes join Quark's observer sets
+Enums or their string values both work. A class takes its own granularity only, as Quark's
+config (another ``qscheme`` raises ``ValueError``; a qspec without one takes the class's), a
+float16 / bfloat16 cast dtype only on ``PlaceholderObserver``, per-channel needs a
+``ch_axis`` and ``PerBlockMXObserver`` one too (:class:`QuarkAssertionError`, an
+``AssertionError`` as Quark's). These classes join Quark's observer sets
 (``OBSERVER_CLASSES``, ``PER_TENSOR_OBSERVERS`` ...) when Quark is loaded, before or after this
 module, so a ``QTensorConfig(observer_cls=...)`` accepts them (:func:`register_with_quark`).
 
@@ -16,8 +20,11 @@ MX rule (bitwise Quark's ``even_round`` for float elements, the only ones Quark'
 ``PerBlockMXObserver`` takes: an integer element raises :class:`UnsupportedElementError`, an
 ``AssertionError`` as Quark's; for int8 elements quantscope's rule rounds the block max to the
 element's 6 fraction bits, OCP MXINT8's 1.6 layout, where Quark's ``fake_quantize_mx`` rounds
-to 8). Integer ranges take the native scale, which matches Quark's
-``calculate_int_quant_params`` bit for bit on float32 input, and Quark's asymmetric zero point
+to 8). fp4 per tensor / per channel takes these scale formats too, on the min-max classes,
+as Quark's ``calculate_fp4_quant_parameters`` (a zero left: float32 eps). Integer ranges take
+the native scale, which matches Quark's ``calculate_int_quant_params`` bit for bit on
+float32 input (an integer-typed range is priced in float32, as Quark's division promotes
+it), and Quark's asymmetric zero point
 ``qmin - round(min / scale)`` (the native ``round(qmin - min / scale)`` is a code off on some
 int16 ranges); as there, a symmetric range has
 zero point 0, unsigned formats too, and ``scale_format`` is not read (e8m0 / e4m3 give the
@@ -45,9 +52,19 @@ and Pro's returns a NaN scale). ``PerBlockMXObserver`` with no ``scale_format`` 
 scales (E8M0 for the dtype ``mx``), as :func:`quark_spec` reads it (Quark's untested branch
 returns integer exponents). NaN / inf raise a ``ValueError`` naming the observer at
 ``calculate_qparams()`` on every scale rule; so does an asymmetric ``PerTensorMSEObserver``
-whose candidates are negative (all-negative data: Quark asserts; on fp8 Quark's gives a zero
-scale). Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged
-for a constant batch as Quark's.
+with a negative integer candidate or a negative fp8 choice (all-negative data: Quark asserts
+on integers; on fp8 Quark's gives a zero scale). Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged
+for a constant batch as Quark's; once a batch widens the range the percentile and MSE classes
+keep Quark's own grid beside the native one (bins of the first width appended, every later
+batch binned over all of them, each batch's ends read to the host as Quark's Python floats
+are), so counts, edges and scales are Quark's bit for bit, its quirks included: a batch that
+widens the range downward has the old counts added to the new grid's first bins, and where
+Quark's ``arange`` gives an edge more or less than its bin count the MSE search raises a
+``ValueError`` (Quark's fails on the sizes). The percentile class takes a batch's range from
+its non-zero values, as Quark's; the MSE class prices a symmetric unsigned candidate with
+zero point 0 and an asymmetric fp8 one below 0 as its magnitude, as Quark's;
+``PerTensorHistogramObserverPro`` gives torch.ao's qparams of the custom code range Quark
+hands it (``reduce_range`` halves it; a symmetric uint8's zero point its lower midpoint, 127).
 ``PerBlockMXObserver`` zero-pads the last block of an axis the group size does not divide,
 ``PerGroupMinMaxObserver`` refuses it (``ValueError``, block scale formats too), as Quark's; a
 static ``PerChannelMinMaxObserver`` / ``PerBlockMXObserver`` starts over when the channel count
@@ -74,27 +91,28 @@ dtype where Quark's returns to float32 once a batch widens its bins); ``reset_st
 the histogram and the BFP16 amax (Quark's keeps them and merges the next batch);
 ``PerTensorHistogramObserverPro`` saves the native state
 (Quark's saves torch.ao's ``histogram.*``, a grid quantscope's does not keep; the other
-classes save nothing, as Quark's); ``PerTensorHistogramObserverPro`` with a symmetric
-unsigned dtype gives the native mid code (128 for uint8; torch.ao's custom range gives 127);
-``zero_point_type`` float32 raises ``ValueError`` where Quark's would give float zero points
+classes save nothing, as Quark's); ``zero_point_type`` float32 raises ``ValueError`` where Quark's would give float zero points
 (an asymmetric integer dtype; Pro ignores it, as Quark's); a module cast (``.half()``) after
 a float32 batch keeps the exact float32 ``min_val`` / ``max_val`` where Quark's rounds its
 buffers through the cast's dtype (so does a float32 batch after a bfloat16 one there, copied
-into that buffer), so a later ``.float()`` or batch prices the unrounded range; once a batch
-widens a histogram observer's
-range, its edges are Quark's bit for bit (bins of the first batch's width appended; each
-later batch's ends are read to the host to extend them, as Quark's Python floats are) but
-its counts are re-binned approximately (each bin of quantscope's power-of-two grid into the
-Quark bin of its centre: the percentile and MSE scales within about ``2 ** -7`` of Quark's),
-and where an asymmetric batch widens the range downward Quark adds its old counts at the
-new grid's first bins (misplaced; its MSE search can then fail), quantscope where they
-were; BFP16 takes Quark's ``2 ** (floor(log2 amax) - 6)`` in the input's dtype (a bfloat16 /
+into that buffer), so a later ``.float()`` or batch prices the unrounded range; the histogram
+MSE search's float64 error can take a candidate Quark's float32 mean orders within its
+rounding behind another; Quark's percentile observer skips zeros, and an all-zero *first*
+batch starts no grid in quantscope's (the first batch with data does) where Quark's starts
+one at ``[0, 4200 eps]`` and grows it in steps of that width (asymmetric: it fails on the
+next batch); BFP16 takes Quark's ``2 ** (floor(log2 amax) - 6)`` in the input's dtype (a bfloat16 /
 float16 log2 can round up to the next power, as Quark's; eps where it is 0 there) of the amax
 doubled where the native 'even' E8M0 rule bumps the exponent, when the block's largest
 magnitude rounds to 128 on either sign (Quark checks positive overflow only, and keeps doubling
 its running amax across calls), and its smallest scale is the native ``2 ** -127`` (Quark's
 formula goes subnormal for blocks below ``2 ** -120``, and infinite where the doubled amax
 overflows, a float16 block near 65504; a zero block gets eps in both);
+an all-zero tensor with ``scale_format`` e4m3 (NVFP4's two levels) gets the native NVFP4 answer
+(global scale 1, each block the smallest e4m3 scale: ``0.125``, or ``eps`` when given) where
+Quark's divides by its zero global amax and returns NaN scales; ``calculate_qparams(min_val,
+max_val)`` with ``min_val > max_val`` raises quantscope's ``ValueError`` message as
+:class:`InvertedRangeError`, also an ``AssertionError`` and a ``RuntimeError`` (Quark's types
+on a 0-dim / wider range);
 ``PerTensorHistogramObserverPro`` bins a bfloat16 / float16 batch as its float32 values (Quark's
 hands it to torch.ao, which bins it in that dtype and loses counts: quantscope's gives Quark's
 answer for the batch's float32 copy).
@@ -113,9 +131,12 @@ from ..layout import Block
 from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
 from ..observers.minmax import PlaceholderObserver as _NativePlaceholder
 from ..observers.registry import register
+from ..qparams import amax_of_range
 from . import enum_name, field
 from .quark_base import (
     FP8_E5M3,
+    InvertedRangeError,
+    QuarkAssertionError,
     QuarkObserver,
     UnsupportedElementError,
     quark_e8m0_scale,
@@ -131,6 +152,7 @@ from .quark_histogram import (
 
 __all__ = [
     "FP8_E5M3",
+    "InvertedRangeError",
     "PerBlockBFPObserver",
     "PerBlockMXObserver",
     "PerChannelMinMaxObserver",
@@ -141,6 +163,7 @@ __all__ = [
     "PerTensorMinMaxObserver",
     "PerTensorPercentileObserver",
     "PlaceholderObserver",
+    "QuarkAssertionError",
     "QuarkObserver",
     "UniformScalingObserver",
     "UnsupportedElementError",
@@ -198,6 +221,7 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
 
     #: Quark's per-group observer overwrites on every call, dynamic or not
     always_memoryless = False
+    _fp4_scale_formats = True
 
     @property
     def accumulates(self):
@@ -236,9 +260,9 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
         self._check_fp4_scale_format()
         if not self.has_observed:
             return self._quark_before_data()
-        if self.spec.is_float:  # Quark's float rule (quant_max_first_level, eps fill)
+        if self.spec.is_float:  # Quark's float rules (quant_max_first_level, eps fill)
             self.check_ready()  # NaN / inf raise here too, as on the native path
-            scale, zp = self.calculate_fp8_quant_parameters(
+            scale, zp = self._calculate_float_qparams(
                 self.min_vals.to(self._input_dtype), self.max_vals.to(self._input_dtype))
             return self._quark_shape(scale), self._quark_shape(zp)
         return super()._calculate_qparams()
@@ -267,6 +291,8 @@ class UniformScalingObserver(_DynamicOrStatic):
 class PerTensorMinMaxObserver(_DynamicOrStatic):
     """Running (static) or last (dynamic) per-tensor min / max."""
 
+    _quark_qscheme = "per_tensor"
+
 
 @register("quark:PerChannelMinMaxObserver")
 class PerChannelMinMaxObserver(_DynamicOrStatic):
@@ -274,6 +300,7 @@ class PerChannelMinMaxObserver(_DynamicOrStatic):
     one starts over when the channel count changes, as Quark's."""
 
     _eps_argument = "ignored"
+    _quark_qscheme = "per_channel"
 
     def _quark_attributes(self, qspec) -> dict:
         return {**super()._quark_attributes(qspec), "ch_axis": field(qspec, "ch_axis")}
@@ -292,6 +319,7 @@ class PerGroupMinMaxObserver(_DynamicOrStatic):
     ``min_val`` / ``max_val`` flat ``(rows * groups,)``, the qparams ``(rows, groups)``)."""
 
     _eps_argument = "ignored"
+    _quark_qscheme = "per_group"
     always_memoryless = True
     _flat_stats = True
     _quark_int_priced = ("fp4", "fp6_e2m3", "fp6_e3m2")
@@ -328,6 +356,7 @@ class _BlockAmax(_DynamicOrStatic):
     """Quark's block observers' ``amax`` (and attributes: block_size, axis, eps a float)."""
 
     _quark_base = "block"
+    _quark_qscheme = "per_group"
     _quark_int_priced = ()  # Quark's block classes price their own dtypes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -345,7 +374,8 @@ class _BlockAmax(_DynamicOrStatic):
         self._check_present("amax")
         if not self.has_observed:
             return torch.tensor(0.0)
-        amax = torch.maximum(-self.min_vals, self.max_vals).to(self._input_dtype)
+        # abs: a zero block's +0.0, as Quark's abs().max() (max(-0., 0.) can be -0.0)
+        amax = amax_of_range(self.min_vals, self.max_vals).abs().to(self._input_dtype)
         return self._quark_shape(amax)
 
     @amax.deleter
@@ -371,6 +401,9 @@ class PerBlockMXObserver(_BlockAmax):
 
     def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
                  **native):
+        if field(qspec, "ch_axis") is None:  # Quark asserts it (the axis of its blocks)
+            raise QuarkAssertionError(f"{type(self).__name__}: the qspec needs a ch_axis (the "
+                                      f"axis of the blocks), as Quark's asserts")
         super().__init__(qspec, device, eps, **native)
         if not self.spec.is_float:  # Quark asserts fp4 / fp6 / fp8 elements
             raise UnsupportedElementError(

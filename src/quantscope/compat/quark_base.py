@@ -8,20 +8,26 @@ from typing import ClassVar
 
 import torch
 
-from ..formats import FloatFormat
 from ..layout import Block, Channel, Group, Tensor
 from ..qparams import amax_of_range, qparams_from_range
 from ..scales import e8m0_scale
 from ..spec import QuantSpec
 from . import enum_name, field
+from .quark_scales import (
+    _F32_EPS,
+    FP8_E5M3,
+    InvertedRangeError,
+    QuarkAssertionError,
+    UnsupportedElementError,
+    _quark_int_default,
+    _quark_int_scale_dtype,
+    quark_e8m0_scale,
+    quark_float_scale,
+)
 
-__all__ = ["FP8_E5M3", "QuarkObserver", "UnsupportedElementError", "quark_e8m0_scale",
-           "quark_float_scale", "quark_qmin_qmax", "quark_spec"]
-
-#: Quark's unsigned E5M3 (bias 15, subnormals down to 2 ** -17, largest 1.75 * 2 ** 16: the
-#: top code is not a number): the scale format of AMD's FP4 and of its second-level scales
-FP8_E5M3 = FloatFormat("fp8_e5m3", 5, 3, 114688.0)
-_F32_EPS = torch.finfo(torch.float32).eps
+__all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "QuarkObserver",
+           "UnsupportedElementError", "quark_e8m0_scale", "quark_float_scale", "quark_qmin_qmax",
+           "quark_spec"]
 
 _INT = {"int2", "int3", "int4", "int8", "int16", "uint4", "uint8"}
 _FLOAT = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp6_e3m2": "fp6_e3m2",
@@ -30,25 +36,24 @@ _CAST = {"float16", "bfloat16"}
 _SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class UnsupportedElementError(ValueError, AssertionError):
-    """An element dtype a Quark observer refuses (an integer one in ``PerBlockMXObserver``, a
-    float one Quark prices with its integer formula): an ``AssertionError`` as Quark's, and a
-    ``ValueError`` as quantscope's bad-argument errors."""
-
-
-def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False) -> QuantSpec:
+def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False,
+               qscheme: str | None = None, fp4_scale_formats: bool = False) -> QuantSpec:
     """The :class:`QuantSpec` of a Quark ``QTensorConfig`` (object or dict; the one translation).
 
-    Casts (float16 / bfloat16) give an fp32 per-tensor spec: they need no range.
+    Casts (float16 / bfloat16) give a placeholder int8 per-tensor spec that nothing prices:
+    Quark takes them with ``PlaceholderObserver`` only (its other observers refuse them).
     ``pad_blocks``: a float32-scaled per_group qspec takes the padding :class:`Block` layout
     (Quark's block observers pad the last block), not :class:`Group` (its per-group one
     refuses a group size that does not divide the axis). ``uniform``: the spec of Quark's
     uniform-scaling observers, whose ``calculate_int_quant_params`` (and fp8 formula on a
     per-tensor / per-channel range) never reads ``scale_format``: an integer dtype, and fp8
-    there, take float32 scales whatever it says.
+    there, take float32 scales whatever it says. ``qscheme``: the one of a qspec without one
+    (the class's granularity; else per_tensor). ``fp4_scale_formats``: fp4 per tensor / per
+    channel takes an e8m0 / e4m3 / e5m3 ``scale_format`` (a float32-scaled spec: the observer
+    prices it with Quark's ``get_scale``), as Quark's min-max classes.
     """
     dtype = enum_name(field(qspec, "dtype"))
-    qscheme = enum_name(field(qspec, "qscheme")) or "per_tensor"
+    qscheme = enum_name(field(qspec, "qscheme")) or qscheme or "per_tensor"
     ch_axis = field(qspec, "ch_axis")
     group_size = field(qspec, "group_size")
     symmetric = field(qspec, "symmetric")
@@ -83,6 +88,9 @@ def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False) -> Qua
     else:
         raise ValueError(f"quark: dtype {dtype!r} is not supported; expected one of "
                          f"{sorted(_INT | set(_FLOAT) | _CAST | {'mx', 'bfp16'})}")
+    if (scale_format in ("e8m0", "e4m3", "e5m3") and fp4_scale_formats and dtype == "fp4"
+            and qscheme in ("per_tensor", "per_channel")):
+        scale_format = "float32"  # the observer prices it with Quark's get_scale
     if scale_format in ("e8m0", "e4m3", "e5m3"):  # block scales: MX, NVFP4, AMD FP4
         if qscheme != "per_group" or not group_size:
             raise ValueError(f"quark: scale_format {scale_format!r} needs qscheme per_group "
@@ -94,73 +102,25 @@ def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False) -> Qua
     if scale_format != "float32":
         raise ValueError(f"quark: scale_format must be float32, e8m0, e4m3 or e5m3, got "
                          f"{scale_format!r}")
-    if qscheme == "per_tensor":
-        layout = Tensor()
-    elif qscheme == "per_channel":
-        layout = Channel(0 if ch_axis is None else ch_axis)
-    elif qscheme == "per_group":
-        if not group_size:
-            raise ValueError("quark: qscheme per_group needs a group_size")
-        layout = (Block if pad_blocks else Group)(group_size, -1 if ch_axis is None else ch_axis)
-    else:
-        raise ValueError(f"quark: qscheme must be per_tensor, per_channel or per_group, got "
-                         f"{qscheme!r}")
+    layout = _quark_layout(qscheme, ch_axis, group_size, pad_blocks)
     return QuantSpec(fmt, layout, symmetric=symmetric if dtype in _INT else True)
 
 
-def quark_e8m0_scale(amax: torch.Tensor, emax: int, mode: str, *, eps=_F32_EPS) -> torch.Tensor:
-    """Quark's E8M0 ``floor`` / ``ceil`` scale ``2 ** (floor / ceil(log2 amax) - emax)``, in
-    ``amax``'s dtype, not clamped to E8M0's range; a zero amax gives ``eps`` (Quark's fill).
-    Its ``even`` mode is the native MX rule."""
-    if mode not in ("floor", "ceil"):
-        raise ValueError(f"Unsupported scale_calculation_mode: {mode!r}; expected even, "
-                         f"floor or ceil")
-    rounding = torch.floor if mode == "floor" else torch.ceil
-    scale = torch.pow(2, rounding(torch.log2(amax)) - emax)
-    return scale.masked_fill(scale == 0.0, eps)
-
-
-def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *,
-                      eps=_F32_EPS, first_level: float | None = None,
-                      dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Quark's ``get_scale`` for float32, e4m3 and e5m3 scales of ``amax`` (any shape).
-
-    float32: ``amax / (first_level * quant_max)`` in one division when ``first_level``
-    (Quark's ``quant_max_first_level``) is set, else ``amax / quant_max``; zeros -> ``eps``.
-    e5m3: ``amax / quant_max``, zeros -> ``eps``, rounded to :data:`FP8_E5M3`. e4m3: NVFP4's
-    two levels, the global amax being that of the ``amax`` given (Quark's order of operations,
-    so the fp8 rounding sees the same float32 values). ``dtype``: Quark's ``scale_type``.
-    """
-    if scale_format == "float32":
-        amax = amax if dtype is None else amax.to(dtype)
-        scale = torch.div(amax, quant_max if first_level is None else first_level * quant_max)
-        return scale.masked_fill(scale == 0.0, eps)
-    if scale_format == "e5m3":
-        scale = torch.div(amax, quant_max)
-        scale = scale.masked_fill(scale == 0.0, eps)
-        return FP8_E5M3.round(scale, 0.0, FP8_E5M3.max).to(scale.dtype)
-    if scale_format == "e4m3":
-        two_level = 448.0 * (quant_max / amax.max().float())
-        scale = (amax.float() / quant_max * two_level).to(torch.float8_e4m3fn).float() / two_level
-        return scale if dtype is None else scale.to(dtype)
-    raise ValueError(f"quark: scale_format must be float32, e4m3 or e5m3 here (e8m0 is the "
-                     f"native MX rule), got {scale_format!r}")
-
-
-def _quark_int_default() -> tuple[torch.Tensor, torch.Tensor]:
-    # Quark's answer for a range never observed (it warns and returns these)
-    return torch.tensor([1.0]), torch.tensor([0])
-
-
-def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor,
-                           eps_dtype: torch.dtype = torch.float32) -> torch.dtype:
-    """The dtype of Quark's integer scale of a range (no ``scale_type``): the range's (float32
-    for an integer one), promoted with its eps buffer's dtype (float32 unless a module cast
-    changed it) when the range is 0-dim, as Quark's clamp by that 0-dim buffer promotes it
-    (a 1-dim+ range keeps its dtype)."""
-    dtype = torch.result_type(min_val, max_val)
-    dtype = dtype if dtype.is_floating_point else torch.float32
-    return dtype if min_val.dim() or max_val.dim() else torch.promote_types(dtype, eps_dtype)
+def _quark_layout(qscheme: str, ch_axis, group_size, pad_blocks: bool):
+    """The layout of a float32-scaled qscheme (quark_spec's)."""
+    if qscheme == "per_tensor":
+        return Tensor()
+    if qscheme == "per_channel":
+        if ch_axis is None:  # Quark's observer raises this at its first batch
+            raise ValueError("quark: qscheme per_channel needs a ch_axis (Quark's observer: "
+                             "'ch_axis cannot be None')")
+        return Channel(ch_axis)
+    if qscheme == "per_group":
+        if not group_size:
+            raise ValueError("quark: qscheme per_group needs a group_size")
+        return (Block if pad_blocks else Group)(group_size, -1 if ch_axis is None else ch_axis)
+    raise ValueError(f"quark: qscheme must be per_tensor, per_channel or per_group, got "
+                     f"{qscheme!r}")
 
 
 def quark_qmin_qmax(dtype) -> tuple[int | float | None, int | float | None]:
@@ -221,11 +181,17 @@ class QuarkObserver:
     _quark_base: ClassVar[str | None] = "uniform"
     #: False: Quark's class never reads ``zero_point_type`` (Pro: torch.ao's zero points)
     _reads_zero_point_type: ClassVar[bool] = True
+    #: the granularity Quark's class fixes (its config refuses another qscheme); None: any
+    _quark_qscheme: ClassVar[str | None] = None
+    #: True: fp4 per tensor / channel takes a block scale_format (Quark's min-max classes)
+    _fp4_scale_formats: ClassVar[bool] = False
 
     def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
                  **native):
-        spec = quark_spec(qspec, pad_blocks=self._pads_blocks,
-                          uniform=self._quark_base == "uniform")
+        self._check_qspec(qspec)
+        spec = quark_spec(qspec, pad_blocks=self._pads_blocks, qscheme=self._quark_qscheme,
+                          uniform=self._quark_base == "uniform",
+                          fp4_scale_formats=self._fp4_scale_formats)
         if eps is not None and self._eps_argument == "refused":
             raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword "
                             f"argument 'eps'")
@@ -262,6 +228,18 @@ class QuarkObserver:
         self._quark_tokens: int | torch.Tensor = 0
         if device is not None:
             self.to(device)
+
+    def _check_qspec(self, qspec) -> None:
+        """Quark's refusals of a qspec its class cannot take: a cast dtype (its config:
+        PlaceholderObserver only), another granularity than the class's (its config)."""
+        name, dtype = type(self).__name__, enum_name(field(qspec, "dtype"))
+        if dtype in _CAST and self._quark_base is not None:
+            raise ValueError(f"{name}: dtype {dtype!r} is a cast with no range to price; Quark "
+                             f"takes it with PlaceholderObserver only")
+        qscheme = enum_name(field(qspec, "qscheme"))
+        if qscheme not in (None, self._quark_qscheme) and self._quark_qscheme is not None:
+            raise ValueError(f"{name}: qscheme {qscheme!r} contradicts the class, which takes "
+                             f"{self._quark_qscheme!r} only (Quark's config refuses it)")
 
     def _quark_attributes(self, qspec) -> dict:
         """The public attributes Quark's constructor of this class sets (eps, dtype,
@@ -369,8 +347,14 @@ class QuarkObserver:
             return self.calculate_int_quant_params(min_val, max_val)
         self._check_fp4_scale_format()
         if self.spec.is_float:
-            return self.calculate_fp8_quant_parameters(min_val, max_val)
+            return self._calculate_float_qparams(min_val, max_val)
         return self.calculate_int_quant_params(min_val, max_val)
+
+    def _calculate_float_qparams(self, min_val: torch.Tensor, max_val: torch.Tensor):
+        # Quark's dispatch: fp4 by get_scale(scale_format), the other float dtypes by fp8's
+        if enum_name(self.dtype) == "fp4":
+            return self.calculate_fp4_quant_parameters(min_val, max_val)
+        return self.calculate_fp8_quant_parameters(min_val, max_val)
 
     def _check_fp4_scale_format(self) -> None:
         """Quark's uniform classes price fp4 with ``get_scale(scale_format)``, which raises
@@ -395,12 +379,19 @@ class QuarkObserver:
                 f"this dtype) needs an integer dtype, the qspec has {enum_name(self.dtype)!r}: "
                 f"Quark's asserts an integer quant_min / quant_max (fp4 groups: "
                 f"PerBlockMXObserver)")
-        qp = qparams_from_range(min_val.float(), max_val.float(), self.spec)
+        try:
+            qp = qparams_from_range(min_val.float(), max_val.float(), self.spec)
+        except ValueError as e:  # Quark asserts min <= max: its exception type too
+            if bool((min_val > max_val).any()) and not bool(min_val.isnan().any()):
+                raise InvertedRangeError(*e.args) from None
+            raise
         # symmetric: Quark's zeros (the native rule: uint8's mid code 128)
         zp = (torch.zeros_like(qp.zero_point, dtype=torch.int32) if self.spec.symmetric
               else self._quark_zero_point(min_val.float(), qp.scale))
-        # the value in the range's dtype (Quark computes there), then Quark's promotion
-        scale = qp.scale.to(torch.result_type(min_val, max_val))
+        # the value in the range's dtype (Quark computes there; float32 for an integer
+        # range, whose division promotes), then Quark's promotion
+        work = torch.result_type(min_val, max_val)
+        scale = qp.scale.to(work if work.is_floating_point else torch.float32)
         return scale.to(self.scale_torch_dtype or self._int_scale_dtype(min_val, max_val)), zp
 
     def _quark_zero_point(self, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -416,7 +407,7 @@ class QuarkObserver:
     def _quark_before_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What Quark's uniform classes return before any data (their range is ``(inf,
         -inf)``), in its shapes: ``(1, 1)`` per group / block."""
-        scale, zp = (self.calculate_fp8_quant_parameters(self.min_val, self.max_val)
+        scale, zp = (self._calculate_float_qparams(self.min_val, self.max_val)
                      if self.spec.is_float else _quark_int_default())
         grouped = isinstance(self.spec.layout, Group | Block)
         return (scale.reshape(1, 1), zp.reshape(1, 1)) if grouped else (scale, zp)
@@ -444,6 +435,8 @@ class QuarkObserver:
     def get_scale(self, amax: torch.Tensor, eps, scale_format: str) -> torch.Tensor:
         """Quark's ``get_scale``: the scale of ``amax`` in ``scale_format`` (e8m0 by
         ``scale_calculation_mode``, float32, e4m3, e5m3) for this qspec's element format."""
+        if scale_format == "e4m3" and amax.numel() and bool(amax.max() == 0):
+            return self._nvfp4_zero_scale(amax)
         if scale_format != "e8m0":
             return quark_float_scale(amax, self.spec.format.qmax, scale_format, eps=eps,
                                      first_level=self.quant_max_first_level,
@@ -452,6 +445,13 @@ class QuarkObserver:
         if mode == "even":  # the native rule: Quark's even_round bit for bit on float elements
             return e8m0_scale(amax, self.spec.format, "even")
         return quark_e8m0_scale(amax, self.spec.format.emax, mode, eps=eps)
+
+    def _nvfp4_zero_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The native NVFP4 scales of an all-zero tensor (global scale 1, block scales the
+        smallest): Quark's two levels divide by its zero global amax (NaN scales)."""
+        spec = QuantSpec(self.spec.format, Block(1, -1), scale="fp8_e4m3", eps=self.spec.eps)
+        zeros = torch.zeros(amax.numel(), 1, device=amax.device)
+        return qparams_from_range(zeros, zeros, spec).effective_scale.reshape(amax.shape)
 
     def record_observed_tokens(self, batch_tensor: torch.Tensor) -> None:
         """Quark's FakeQuantize calls this; ``forward`` counts the tokens by Quark's rule."""

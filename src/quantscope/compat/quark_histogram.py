@@ -41,26 +41,46 @@ def _quark_edges(hist) -> torch.Tensor:
                         for lo, hi in zip(hist.lo.tolist(), hist.hi.tolist(), strict=True)])
 
 
-def _quark_widen(edges: torch.Tensor, x_min: float, x_max: float) -> torch.Tensor:
-    """Quark's edges after a batch ``[x_min, x_max]`` (Python floats, as Quark's): bins of the
-    first batch's width appended below / above (its ``torch.arange`` calls, so its float32
-    edges), the last edge the first on or past ``x_max``."""
-    if x_min < edges[0]:
-        width = (edges[1] - edges[0]).item()
-        edges = torch.arange(x_min - width, edges[-1].item(), width, device=edges.device)
-    if x_max > edges[-1]:
-        width = (edges[1] - edges[0]).item()
-        edges = torch.arange(edges[0].item(), x_max + width, width, device=edges.device)
-    return edges
+@dataclasses.dataclass
+class _QuarkGrid:
+    """Quark's histogram of one row once a batch left its first range: its counts
+    (``calib_hist``, float32), edges (``calib_bin_edges``) and ``_num_bins``, which Quark
+    keeps apart from the edges (its ``arange`` may give one edge more or less)."""
+
+    counts: torch.Tensor
+    edges: torch.Tensor
+    bins: int
+
+    def grow(self, x: torch.Tensor, x_min: float, x_max: float) -> None:
+        """Quark's step for a batch ``x`` (float32, zeros dropped if skipped) with ends
+        ``[x_min, x_max]`` (Python floats, compared and subtracted in the edges' float32):
+        bins of the current width appended below / above, then the batch binned over all
+        bins and the old counts added to the first ones (also where the range grew below:
+        Quark's order)."""
+        edges = self.edges
+        if x_min < edges[0]:
+            width = (edges[1] - edges[0]).item()
+            self.bins += int(((edges[0] - x_min) / width).ceil().item())
+            edges = torch.arange(x_min - width, edges[-1].item(), width, device=edges.device)
+        if x_max > edges[-1]:
+            width = (edges[1] - edges[0]).item()
+            self.bins += int(((x_max - edges[-1]) / width).ceil().item())
+            edges = torch.arange(edges[0].item(), x_max + width, width, device=edges.device)
+        counts = torch.histc(x.to(edges.device), bins=self.bins, min=edges[0].item(),
+                             max=edges[-1].item())
+        counts[:self.counts.numel()] += self.counts
+        self.counts, self.edges = counts, edges
 
 
-def _onto(hist, row: int, edges: torch.Tensor) -> torch.Tensor:
-    """Row ``row``'s counts moved onto ``edges`` ``[B' + 1]``: each bin whole into the bin of
-    its centre (the native grid is the coarser one: it holds the widened range in ``bins``)."""
-    edges = edges.to(hist.lo.device)
-    idx = torch.bucketize(hist.centers()[row], edges, right=True) - 1
-    counts = torch.zeros(edges.numel() - 1, dtype=hist.counts.dtype, device=edges.device)
-    return counts.scatter_add_(0, idx.clamp_(0, edges.numel() - 2), hist.counts[row])
+def _nonzero_ends(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+    """Each row's min / max over its non-zero values (Quark's ``x[x != 0]``); 0 / 0 for a
+    row of zeros (Quark's ``safe_min`` / ``safe_max``)."""
+    nonzero = units.ne(0)
+    inf = torch.tensor(float("inf"), dtype=units.dtype, device=units.device)
+    some = nonzero.any(1)
+    nz_lo = torch.where(nonzero, units, inf).amin(1).where(some, 0).to(lo.dtype)
+    nz_hi = torch.where(nonzero, units, -inf).amax(1).where(some, 0).to(hi.dtype)
+    return nz_lo, nz_hi
 
 
 def _quark_zero(like: torch.Tensor) -> torch.Tensor:
@@ -71,10 +91,10 @@ def _quark_zero(like: torch.Tensor) -> torch.Tensor:
 class _QuarkHistogram(QuarkObserver):
     """Quark's histogram family: ``(qspec, device=None)``, 2048 bins, the first batch binned
     as Quark bins it (``|x|`` from 0 when symmetric, else ``[min, max]``); batches inside
-    that range add on the same grid. Quark appends bins of the first width when the range
-    grows: quantscope moves the counts once to its exact fixed-size grid, keeps Quark's edges
-    (``_widened``, per row) and reads its counts onto them (approximately: each native bin
-    into the Quark bin of its centre), so the searches price Quark's candidates."""
+    that range add on the same grid. Once a batch leaves that range Quark appends bins of the
+    first width and bins every batch over all of them: quantscope then keeps Quark's grid
+    (``_grids``, one :class:`_QuarkGrid` per row) beside its own, so the searches price
+    Quark's counts and candidates exactly (Quark's grid grows without bound, as Quark's)."""
 
     _num_bins = 2048
     _skip_zeros = False
@@ -94,29 +114,35 @@ class _QuarkHistogram(QuarkObserver):
                 f"config refuses them per channel / group), got qscheme "
                 f"{field(qspec, 'qscheme')!r}")
         self._priced: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._widened: list[torch.Tensor] | None = None  # Quark's edges once a batch widened
+        self._grids: list[_QuarkGrid] | None = None  # Quark's grid once a batch widened
 
     def _observe(self, units, lo, hi):
+        if self.skip_zeros:  # Quark drops the zeros before it takes the batch's min / max
+            lo, hi = _nonzero_ends(units, lo, hi)
         super()._observe(units, lo, hi)
         if self._linear:  # still (or again, after an EMA step) the first grid
-            self._widened = None
-        elif self._widened is not None:  # None: native from the start (grid="pow2")
+            self._grids = None
+        elif self._grids is not None:  # None: native from the start (grid="pow2")
             x_min, x_max = self._quark_ends(lo, hi)
-            self._widened = [_quark_widen(e, a, b) for e, a, b in
-                             zip(self._widened, x_min.tolist(), x_max.tolist(), strict=True)]
+            rows = units.float().abs() if self._absolute else units.float()
+            for grid, row, a, b in zip(self._grids, rows, x_min.tolist(), x_max.tolist(),
+                                       strict=True):
+                grid.grow(row[row != 0] if self.skip_zeros else row, a, b)
 
     def _leave_linear(self, lo, hi):
-        # Quark's edges so far, the first batch's: _observe widens them by this batch
-        self._widened = list(_quark_edges(self.current_histogram()))
+        # Quark's grid so far, the first batch's: _observe grows it by this batch
+        hist = self.current_histogram()
+        self._grids = [_QuarkGrid(c.float(), e, self.bins)
+                       for c, e in zip(hist.counts, _quark_edges(hist), strict=True)]
         super()._leave_linear(lo, hi)
 
     def _quark_rows(self, hist) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Quark's ``(calib_hist, calib_bin_edges)``: all rows ``[U, B]`` / ``[U, B + 1]`` on
         the first grid, one pair ``[1, B']`` / ``[1, B' + 1]`` per row once widened."""
-        if self._widened is None:
+        if self._grids is None:
             return [(hist.counts, _quark_edges(hist))]
-        return [(_onto(hist, u, e)[None], e.to(hist.lo.device)[None])
-                for u, e in enumerate(self._widened)]
+        device = hist.lo.device  # the module may have moved since (a Python list)
+        return [(g.counts.to(device)[None], g.edges.to(device)[None]) for g in self._grids]
 
     def _estimate(self, hist):
         ends = [self._search(c, e) for c, e in self._quark_rows(hist)]
@@ -140,6 +166,11 @@ class _QuarkHistogram(QuarkObserver):
         return qparams
 
     def _observe_linear(self, units, lo, hi, *rest):
+        if self.skip_zeros and not bool(self.hist_counts.any()) and bool(units.ne(0).any()):
+            # only skipped zeros so far (Quark's grid [0, bins * eps]): the first batch with
+            # data starts the grid, where Quark's grows that one in steps of its width (or
+            # fails, asymmetric)
+            self.hist_lo.fill_(float("inf"))
         return super()._observe_linear(units, lo, self._quark_hi(lo, hi), *rest)
 
     def _quark_hi(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -181,7 +212,7 @@ class _QuarkHistogram(QuarkObserver):
     def reset(self) -> None:
         super().reset()
         self._priced = None
-        self._widened = None
+        self._grids = None
 
     def _calib(self, which: int) -> torch.Tensor:
         if not self.has_observed:
@@ -310,6 +341,11 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
         if calib_bin_edges.shape[-1] < 2:
             raise ValueError(f"calib_bin_edges must have at least 2 elements, got "
                              f"{calib_bin_edges.shape[-1]}")
+        if calib_hist.shape[-1] != calib_bin_edges.shape[-1] - 1:  # Quark: a size mismatch
+            raise ValueError(
+                f"{self.describe()}: Quark's grid has {calib_hist.shape[-1]} bins and "
+                f"{calib_bin_edges.shape[-1]} edges (a widening batch's arange gave an edge more "
+                f"or less than its bin count); Quark's MSE search fails here too")
         one = calib_hist.dim() == 1
         counts = calib_hist.reshape(-1, calib_hist.shape[-1])
         edges = calib_bin_edges.float().reshape(-1, calib_bin_edges.shape[-1])
@@ -318,20 +354,37 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
         start = min(start_bin, max(0, n - 1))
         idx = torch.arange(start, n, stride, device=centers.device)
         amax = centers[:, idx]
-        if not self._absolute and bool((amax < 0).any()):  # Quark: an AssertionError
-            raise ValueError(
-                f"{self.describe()}: the asymmetric MSE search prices ranges (0, centre) of the "
-                f"top bins, and a centre is negative ({amax.min().item():.6g}): the data is "
-                f"(nearly) all negative; use a symmetric qspec or PerTensorMinMaxObserver")
-        zero = torch.zeros_like(amax)
+        if not self.spec.is_float:  # Quark's int pricing asserts 0 <= centre
+            self._refuse_negative(amax)
         h = Hist(counts.round().long(), edges[:, 0], edges[:, -1], self._absolute)
-        spec = self.spec
-        if spec.is_float:  # Quark's scaling_fp8 divides by amax / qmax unclamped (no eps)
-            spec = dataclasses.replace(spec, eps=_F32_TRUE_MIN)
-        err = histogram_error(h, zero, amax, spec, centers=centers)
+        err = histogram_error(h, torch.zeros_like(amax), *self._mse_priced(amax),
+                              centers=centers)
         best = amax.gather(1, err.argmin(-1, keepdim=True))[:, 0]
+        self._refuse_negative(best)  # fp8: Quark's scale of (0, best < 0) is 0
         mn = torch.zeros_like(best)
         return (mn[0], best[0]) if one else (mn, best)
+
+    def _refuse_negative(self, amax: torch.Tensor) -> None:
+        if bool((amax < 0).any()):
+            raise ValueError(
+                f"{self.describe()}: with symmetric=False Quark's MSE search prices ranges "
+                f"(0, centre) of the top bins of [min, max], and a centre is negative "
+                f"({amax.min().item():.6g}): the data is (nearly) all negative; use a "
+                f"symmetric qspec or PerTensorMinMaxObserver")
+
+    def _mse_priced(self, amax: torch.Tensor):
+        """The top ends and spec under which quantscope's pricing of ``(0, amax)`` is
+        Quark's. fp8: ``scaling_fp8`` divides by ``amax / qmax`` unclamped (no eps), and a
+        negative ``amax`` (asymmetric bins below 0) prices as ``|amax|``: the signs cancel
+        exactly. A symmetric unsigned int: zero point 0 and scale ``amax / ((qmax - qmin) /
+        2)`` over ``[qmin, qmax]``, the asymmetric grid of ``(0, 2 amax)`` (``2 amax`` exact,
+        so the quotient rounds the same)."""
+        spec = self.spec
+        if spec.is_float:
+            return amax.abs(), dataclasses.replace(spec, eps=_F32_TRUE_MIN)
+        if spec.symmetric and self.quant_min == 0:
+            return 2 * amax, dataclasses.replace(spec, symmetric=False)
+        return amax, spec
 
     def int_fake_tensor_quant(self, X: torch.Tensor, min_value: torch.Tensor,
                               max_value: torch.Tensor) -> torch.Tensor:
@@ -355,8 +408,9 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
 class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
     """Quark's wrapper of torch.ao's HistogramObserver (256 bins, non-linear L2 search).
 
-    ``upsample_rate`` is accepted and unused (torch >= 2.5 dropped it too); custom
-    quant ranges make torch ignore ``reduce_range``, so it is accepted and unused. Its
+    ``upsample_rate`` is accepted and unused (torch >= 2.5 dropped it too); ``reduce_range``
+    halves the code range, as torch.ao halves the custom range Quark gives it (the search's
+    256 destination bins stay). Its
     state_dict is the native observer's (Quark's holds its torch.ao child's ``histogram.*``,
     a state quantscope's grid cannot hold: a widening batch re-bins approximately there).
     A deliberate difference, as in :class:`quantscope.compat.torch_ao.HistogramObserver`: a
@@ -381,6 +435,10 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
         if enum_name(self.dtype) not in ("uint4", "int8", "uint8"):
             raise ValueError("PerTensorHistogramObserverPro only supports 4bit and 8bit")
         self.reduce_range = reduce_range
+        # Quark hands torch.ao its code range as a custom one: reduce_range halves it
+        half = 2 if reduce_range else 1
+        self.spec = dataclasses.replace(self.spec, quant_min=self.quant_min // half,
+                                        quant_max=self.quant_max // half)
 
     min_val, max_val = QuarkObserver.ends(
         "_never_set", "Never set by Quark's wrapper (torch.ao's observer holds the range)")
@@ -391,8 +449,14 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
 
     def _calculate_qparams(self):
         """As torch.ao's ``_calculate_qparams`` returns them to Quark's wrapper: shape
-        ``(1,)``, the zero point int64 when symmetric (torch.ao's zeros), else int32. Before
-        data ``ValueError`` (Quark's wrapper returns a NaN scale there)."""
+        ``(1,)``, the zero point int64 when symmetric (torch.ao's zeros, or for uint8 the
+        lower midpoint of the code range), else int32. Before data ``ValueError`` (Quark's
+        wrapper returns a NaN scale there)."""
         qp = self.qparams()  # torch.ao's: float32 scale, mid-code zero point if symmetric
-        zp = qp.zero_point.reshape(1).to(torch.int64 if self.spec.symmetric else torch.int32)
+        if self.spec.symmetric:  # torch.ao's of a custom range: quint8's lower midpoint, else 0
+            mid = (self.spec.quant_min + self.spec.quant_max) // 2
+            zp = qp.zero_point.new_full((1,), mid if enum_name(self.dtype) == "uint8" else 0,
+                                        dtype=torch.int64)
+        else:
+            zp = qp.zero_point.reshape(1).to(torch.int32)
         return qp.effective_scale.to(self._input_dtype).reshape(1), zp

@@ -1,0 +1,89 @@
+"""AMD Quark's scale formulas and its error types (part of :mod:`quantscope.compat.quark`,
+which re-exports the public names)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FloatFormat
+
+__all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "UnsupportedElementError",
+           "quark_e8m0_scale", "quark_float_scale"]
+
+#: Quark's unsigned E5M3 (bias 15, subnormals down to 2 ** -17, largest 1.75 * 2 ** 16: the
+#: top code is not a number): the scale format of AMD's FP4 and of its second-level scales
+FP8_E5M3 = FloatFormat("fp8_e5m3", 5, 3, 114688.0)
+_F32_EPS = torch.finfo(torch.float32).eps
+
+
+class QuarkAssertionError(ValueError, AssertionError):
+    """A qspec or argument Quark's observer asserts against: an ``AssertionError`` as Quark's,
+    and a ``ValueError`` as quantscope's bad-argument errors."""
+
+
+class UnsupportedElementError(QuarkAssertionError):
+    """An element dtype a Quark observer refuses (an integer one in ``PerBlockMXObserver``, a
+    float one Quark prices with its integer formula): an ``AssertionError`` as Quark's, and a
+    ``ValueError`` as quantscope's bad-argument errors."""
+
+
+class InvertedRangeError(ValueError, AssertionError, RuntimeError):
+    """``min_val > max_val`` given to ``calculate_qparams``: Quark asserts (``AssertionError``
+    on a 0-dim range, ``RuntimeError`` from ``torch._assert_async`` on a wider one); a
+    ``ValueError`` as quantscope's bad-argument errors."""
+
+
+def quark_e8m0_scale(amax: torch.Tensor, emax: int, mode: str, *, eps=_F32_EPS) -> torch.Tensor:
+    """Quark's E8M0 ``floor`` / ``ceil`` scale ``2 ** (floor / ceil(log2 amax) - emax)``, in
+    ``amax``'s dtype, not clamped to E8M0's range; a zero amax gives ``eps`` (Quark's fill).
+    Quark's ``even`` mode is the native MX rule: :func:`quantscope.scales.e8m0_scale`."""
+    if mode not in ("floor", "ceil"):
+        raise ValueError(f"Unsupported scale_calculation_mode: {mode!r}; quark_e8m0_scale takes "
+                         f"'floor' or 'ceil' (Quark's 'even' is the native MX rule, "
+                         f"quantscope.scales.e8m0_scale(amax, fmt, 'even'))")
+    rounding = torch.floor if mode == "floor" else torch.ceil
+    scale = torch.pow(2, rounding(torch.log2(amax)) - emax)
+    return scale.masked_fill(scale == 0.0, eps)
+
+
+def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *,
+                      eps=_F32_EPS, first_level: float | None = None,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Quark's ``get_scale`` for float32, e4m3 and e5m3 scales of ``amax`` (any shape).
+
+    float32: ``amax / (first_level * quant_max)`` in one division when ``first_level``
+    (Quark's ``quant_max_first_level``) is set, else ``amax / quant_max``; zeros -> ``eps``.
+    e5m3: ``amax / quant_max``, zeros -> ``eps``, rounded to :data:`FP8_E5M3`. e4m3: NVFP4's
+    two levels, the global amax being that of the ``amax`` given (Quark's order of operations,
+    so the fp8 rounding sees the same float32 values). ``dtype``: Quark's ``scale_type``.
+    """
+    if scale_format == "float32":
+        amax = amax if dtype is None else amax.to(dtype)
+        scale = torch.div(amax, quant_max if first_level is None else first_level * quant_max)
+        return scale.masked_fill(scale == 0.0, eps)
+    if scale_format == "e5m3":
+        scale = torch.div(amax, quant_max)
+        scale = scale.masked_fill(scale == 0.0, eps)
+        return FP8_E5M3.round(scale, 0.0, FP8_E5M3.max).to(scale.dtype)
+    if scale_format == "e4m3":
+        two_level = 448.0 * (quant_max / amax.max().float())
+        scale = (amax.float() / quant_max * two_level).to(torch.float8_e4m3fn).float() / two_level
+        return scale if dtype is None else scale.to(dtype)
+    raise ValueError(f"quark: scale_format must be float32, e4m3 or e5m3 here (e8m0 is the "
+                     f"native MX rule), got {scale_format!r}")
+
+
+def _quark_int_default() -> tuple[torch.Tensor, torch.Tensor]:
+    # Quark's answer for a range never observed (it warns and returns these)
+    return torch.tensor([1.0]), torch.tensor([0])
+
+
+def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor,
+                           eps_dtype: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype of Quark's integer scale of a range (no ``scale_type``): the range's (float32
+    for an integer one), promoted with its eps buffer's dtype (float32 unless a module cast
+    changed it) when the range is 0-dim, as Quark's clamp by that 0-dim buffer promotes it
+    (a 1-dim+ range keeps its dtype)."""
+    dtype = torch.result_type(min_val, max_val)
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    return dtype if min_val.dim() or max_val.dim() else torch.promote_types(dtype, eps_dtype)
