@@ -150,11 +150,22 @@ def test_old_outputs_of_every_kind_are_still_replaced(tmp_path):
     # a Hugging Face model's README.md and sentence-transformers' configs)
     for name in ("README.md", "modules.json", "sentence_bert_config.json"):
         (tmp_path / "export" / name).write_text("{}")
+    from quantscope.cli.calibrate import save_run
+    from quantscope.cli.running import Phases
+
+    # each replaced by its own kind of output only (a calibration never deletes an export)
+    rewrite = {"calibration": cal.save,
+               "run": lambda f: save_run(str(f), cal, cal.report({}), Phases(quiet=True)),
+               "export": lambda f: _llama_export(tmp_path / "llama", f, overwrite=True)}
     for kind, folder in old.items():
         assert written_by_quantscope(folder), kind
-        cal.save(folder)  # replaced: a calibration with the marker now
-        assert load(folder).states.keys() == cal.states.keys()
-        assert written_by_quantscope(folder)
+        if kind != "calibration":
+            with pytest.raises(ValueError, match="not a calibration"):
+                cal.save(folder)
+        if kind in rewrite:
+            rewrite[kind](folder)  # replaced: with the marker now
+            assert written_by_quantscope(folder)
+    assert load(old["calibration"]).states.keys() == cal.states.keys()
 
 
 def test_an_old_outputs_metadata_beside_other_files_is_no_mark(tmp_path, capsys):

@@ -130,6 +130,10 @@ def test_a_config_far_larger_than_its_checkpoint_is_refused(tmp_path, key):
                                          r"than \d+ parameters, where the checkpoint holds"):
         Calibration.from_compressed_tensors(tmp_path / "ct")
     if key == "num_hidden_layers":  # a 3-D experts parameter is one parameter at any size
+        with pytest.raises(ValueError, match=r"is quantized"):  # a checkpoint of codes
+            empty_model(tmp_path / "ct")
+        del cfg["quantization_config"]  # a float checkpoint's config: the size guard
+        cfg_file.write_text(json.dumps(cfg))
         with pytest.raises(ValueError, match=r"empty_model: .*config\.json: the model"):
             empty_model(tmp_path / "ct")
 

@@ -117,7 +117,7 @@ def save_run(out: str, calib, report, phases, inputs=()) -> None:
     from ..exporters.atomic import atomic_dir
 
     def write():
-        with atomic_dir(out, overwrite=True, inputs=inputs) as tmp:
+        with atomic_dir(out, overwrite=True, inputs=inputs, what="calibrate-run") as tmp:
             calib.save(os.path.join(tmp, "qparams"))
             report.to_json(os.path.join(tmp, "report.json"))
             report.to_markdown(os.path.join(tmp, "report.md"))

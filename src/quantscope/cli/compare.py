@@ -256,7 +256,7 @@ def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: 
           (f"Calibration (one pass, all observers): {calib_seconds:.1f} s; evaluation: "
            f"{eval_seconds:.1f} s."), ""]
     drawn = []
-    with atomic_dir(args.out, overwrite=True,
+    with atomic_dir(args.out, overwrite=True, what="compare-run",
                     inputs=[report["setup"]["model"], *command_inputs(args)]) as tmp:
         with open(os.path.join(tmp, "report.json"), "w") as f:
             json.dump(report, f, indent=1)

@@ -48,8 +48,9 @@ def cmd_export(args) -> int:
 
     args.format = check_name(args.format, sorted(FORMATS), "format")  # any case, as names
     try:  # the run and the model are inputs: --out may never replace them
-        check_writable_target(args.out, overwrite=args.overwrite, kind=OUTPUT_KIND.get(
-            args.format, "folder"), inputs=[args.run, qparams, args.model])
+        kind = OUTPUT_KIND.get(args.format, "folder")
+        check_writable_target(args.out, overwrite=args.overwrite, kind=kind, inputs=[
+            args.run, qparams, args.model], what=args.format if kind == "folder" else None)
     except (OSError, ValueError) as e:
         raise UsageError(f"--out: {e}") from None
     phases = Phases()
@@ -96,8 +97,9 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
         raise ValueError(f"export: {run_dir} does not record its model; pass model= (--model)")
     path = models.resolve_model_path(source)
     # before the (slow) load: the run and the model are inputs, never to be replaced
-    check_writable_target(out, overwrite=overwrite, kind="file" if format == "onnx" else
-                          "folder", inputs=[run_dir, qdir, path])
+    kind = OUTPUT_KIND.get(format, "folder")
+    check_writable_target(out, overwrite=overwrite, kind=kind, inputs=[run_dir, qdir, path],
+                          what=format if kind == "folder" else None)
     float_model, tokenizer = models.load_model(path, task=calibration.info.get("task"))
     if calibration.smoothing:  # calibrated on SmoothQuant's weights: write those
         reapply(float_model, calibration)

@@ -11,7 +11,10 @@ through here:
   format consists of; an ONNX file's ``quantscope`` metadata entry), so ``--overwrite`` can
   never delete a model, its weights file or a user's folder. The marker lists what
   quantscope wrote there: a folder holding anything else (a user's notes) is refused, not
-  replaced. An output folder or exported file that is a symbolic link is written through:
+  replaced. A folder is replaced only by an output of the same kind (:func:`output_kind`,
+  recorded in the marker: a calibration never replaces an export, nor an export a run), so
+  saving onto the export a calibration was read from never deletes the model. An output
+  folder or exported file that is a symbolic link is written through:
   its target (which passes the same guard) is replaced, the link kept; a report's or plot's
   link is replaced itself, so a link planted in a run folder never leads a plot over a
   user's file. A file path ending in a separator (a folder meant) is refused. Reports and plots
@@ -39,7 +42,7 @@ import shutil
 import tempfile
 
 __all__ = ["EXPORT_EXTRAS", "MARKER", "atomic_dir", "atomic_file", "check_writable_target",
-           "written_by_quantscope"]
+           "output_kind", "written_by_quantscope"]
 
 #: the file every folder :func:`atomic_dir` writes holds: what ``overwrite`` may replace
 MARKER = ".quantscope-output"
@@ -65,7 +68,7 @@ def written_by_quantscope(path) -> bool:
     if os.path.isfile(os.path.join(path, MARKER)):
         return not _unlisted(path)
     return any(_json_has(os.path.join(path, name), key) and _holds_only(path, files)
-               for name, key, files in _LEGACY_KINDS)
+               for _, name, key, files in _LEGACY_KINDS)
 
 
 def _old_export_file(rel: str, is_dir: bool) -> bool:
@@ -80,18 +83,37 @@ def _old_export_file(rel: str, is_dir: bool) -> bool:
 
 
 _CALIBRATION = ("quantscope.json", "qparams.safetensors", MARKER)  # Calibration.save
-#: outputs written before the marker existed: (metadata file, its key, the files that kind
+#: outputs written before the marker existed: (kind, metadata file, its key, the files that kind
 #: of output consists of, as its writer wrote them: patterns relative to the folder, or a
 #: test of a relative path). The metadata file alone is no proof: a model folder with a
 #: calibration saved inside it at ``qparams/`` holds ``qparams/quantscope.json`` too.
 _LEGACY_KINDS = (
-    ("quantscope.json", "format", _CALIBRATION),
+    ("calibration", "quantscope.json", "format", _CALIBRATION),
     # a `quantscope calibrate --out` run: its calibration in qparams/ and the report
-    ("qparams/quantscope.json", "format",
+    ("calibrate-run", "qparams/quantscope.json", "format",
      ("qparams", *(f"qparams/{n}" for n in _CALIBRATION), "report.json", "report.md")),
-    ("config.json", "quantscope", _old_export_file),  # a compressed-tensors export
+    ("compressed-tensors", "config.json", "quantscope", _old_export_file),
     # a `quantscope compare` run: its report and plots
-    ("report.json", "runs", ("report.json", "report.md", "hist.png", "sqnr.png")))
+    ("compare-run", "report.json", "runs", ("report.json", "report.md", "hist.png", "sqnr.png")))
+#: the kinds of folder quantscope writes, told by their metadata file (first match wins:
+#: an export's config.json is a model's too), and what messages call them
+_KINDS = (*((kind, name, key) for kind, name, key, _ in _LEGACY_KINDS),
+          ("model", "config.json", None))
+_KIND_NAMES = {"calibration": "a calibration", "calibrate-run": "a `quantscope calibrate` run",
+               "compressed-tensors": "a compressed-tensors export",
+               "compare-run": "a `quantscope compare` run", "model": "a model folder"}
+
+
+def output_kind(folder) -> str | None:
+    """What kind of output ``folder`` is (a key of :data:`_KIND_NAMES`): the kind its
+    :data:`MARKER` records, else (a marker written before kinds were recorded, or none) the
+    kind its metadata file tells; None where neither tells."""
+    folder = os.fspath(folder)
+    kind = _marker_data(folder).get("kind")
+    if isinstance(kind, str):
+        return kind
+    return next((k for k, name, key in _KINDS if _json_has(os.path.join(folder, name), key)),
+                None)
 
 
 def _entries(top: str, enter=None):
@@ -146,10 +168,11 @@ def _unlisted(folder: str) -> list[str]:
     return extra
 
 
-def _write_marker(folder: str, names) -> None:
-    """The :data:`MARKER` of ``folder``, listing ``names``: replaced in one step."""
+def _write_marker(folder: str, names, kind: str | None = None) -> None:
+    """The :data:`MARKER` of ``folder``, listing ``names`` (and recording ``kind``, the
+    :func:`output_kind`, where given): replaced in one step."""
     data = {"written_by": "quantscope", "version": _version(), **_marker_data(folder),
-            "files": sorted(set(names) - {MARKER})}
+            **({"kind": kind} if kind else {}), "files": sorted(set(names) - {MARKER})}
     fd, tmp = tempfile.mkstemp(prefix=f".{MARKER}.", suffix=".tmp", dir=folder)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
@@ -176,6 +199,8 @@ def _json_has(path: str, key: str) -> bool:
         return False
     if not isinstance(data, dict):
         return False
+    if key is None:  # any JSON object (a model's config.json)
+        return True
     if key == "format":
         return data.get("format") == "quantscope-calibration"
     if key == "runs":  # compare's report: its setup and one entry per recipe / observer
@@ -232,7 +257,7 @@ def _check_not_an_input(path: str, inputs) -> None:
                              f"choose another output")
 
 
-def _check_replaceable(path: str, overwrite: bool, kind: str) -> None:
+def _check_replaceable(path: str, overwrite: bool, kind: str, what: str | None = None) -> None:
     if kind == "folder" and not os.path.isdir(path):
         raise ValueError(f"output {path!r} exists and is not a folder")
     if kind != "folder" and os.path.isdir(path):
@@ -257,15 +282,23 @@ def _check_replaceable(path: str, overwrite: bool, kind: str) -> None:
         raise ValueError(f"output {path!r} exists and is not {what}: overwrite replaces only "
                          f"quantscope's own earlier outputs; choose another output or remove "
                          f"it yourself")
+    held = output_kind(path) if kind == "folder" and what is not None else None
+    if held is not None and held != what:  # a calibration saved onto the export it read
+        raise ValueError(f"output {path!r} holds {_KIND_NAMES.get(held, held)} quantscope "
+                         f"wrote, not {_KIND_NAMES.get(what, what)}: overwrite replaces only "
+                         f"an earlier output of the same kind; choose another output or "
+                         f"remove it yourself")
 
 
 def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder",
-                          inputs=()) -> str:
+                          inputs=(), what: str | None = None) -> str:
     """The one output-path guard (module doc): refuse early what would fail late or destroy
     something. ``kind``: ``"folder"``; ``"file"``, a file quantscope exports (an ONNX
     model: replaced only when it carries quantscope's metadata, never another file such as
     the model's own weights); or ``"report"``, a report or plot (replaced like
-    ``open(path, "w")``); ``inputs``: the paths the command reads. Returns the absolute path."""
+    ``open(path, "w")``); ``inputs``: the paths the command reads; ``what``: the kind of
+    folder to be written (:func:`output_kind`), which an existing folder of another kind is
+    refused for (None: not checked here). Returns the absolute path."""
     if kind not in ("folder", "file", "report"):
         raise ValueError(f"kind must be 'folder', 'file' or 'report', got {kind!r}")
     given = os.fsdecode(os.fspath(path))
@@ -276,7 +309,7 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
     _check_not_an_input(path, inputs)
     target = _through_link(path, kind)
     if os.path.lexists(target):
-        _check_replaceable(target, overwrite, kind)
+        _check_replaceable(target, overwrite, kind, what)
     probe = os.path.dirname(target)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -362,18 +395,18 @@ def _parent_lock(parent: str):
         os.close(fd)
 
 
-def _swap_in(tmp: str, path: str, overwrite: bool, kind: str) -> None:
+def _swap_in(tmp: str, path: str, overwrite: bool, kind: str, what: str | None) -> None:
     """Put ``tmp`` at ``path``; the old ``path`` ends at ``tmp`` (removed by the caller)."""
     for _ in range(_RETRIES):
         try:
             if not os.path.lexists(path):
                 if _renameat2(tmp, path, _RENAME_NOREPLACE):
                     return
-                return _swap_locked(tmp, path, overwrite, kind)
-            _check_replaceable(path, overwrite, kind)  # another writer's may have come
+                return _swap_locked(tmp, path, overwrite, kind, what)
+            _check_replaceable(path, overwrite, kind, what)  # another writer's may have come
             if _renameat2(tmp, path, _RENAME_EXCHANGE):
                 return
-            return _swap_locked(tmp, path, overwrite, kind)
+            return _swap_locked(tmp, path, overwrite, kind, what)
         except FileExistsError:
             continue  # another writer created it meanwhile: it is there now, exchange
         except FileNotFoundError:
@@ -382,13 +415,13 @@ def _swap_in(tmp: str, path: str, overwrite: bool, kind: str) -> None:
                        f"this one tried to; write one output from one process at a time")
 
 
-def _swap_locked(tmp: str, path: str, overwrite: bool, kind: str) -> None:
+def _swap_locked(tmp: str, path: str, overwrite: bool, kind: str, what: str | None) -> None:
     parent = os.path.dirname(path)
     with _parent_lock(parent):
         if not os.path.lexists(path):
             os.rename(tmp, path)
             return
-        _check_replaceable(path, overwrite, kind)
+        _check_replaceable(path, overwrite, kind, what)
         old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
         os.rename(path, os.path.join(old, "x"))
         os.rename(tmp, path)
@@ -405,24 +438,27 @@ def _remove(path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path, *, overwrite: bool = False, inputs=(), keep_modes=()):
+def atomic_dir(path, *, overwrite: bool = False, inputs=(), keep_modes=(), what=None):
     """Yield a fresh temporary folder; on success it replaces ``path``, on error it is removed.
 
     ``with atomic_dir(out) as tmp: write files into tmp``. ``path`` passes
     :func:`check_writable_target` (with ``inputs``) first, and gets the :data:`MARKER`.
     ``keep_modes``: the names (relative to the folder; a list may be filled inside the
     block) of files copied from elsewhere, which keep their modes instead of the umask's.
+    ``what``: the kind of output written (:func:`output_kind`; default: told from what the
+    block wrote), recorded in the marker: an existing folder of another kind is refused.
     """
-    path = _through_link(check_writable_target(path, overwrite=overwrite, inputs=inputs),
-                         "folder")
+    path = _through_link(check_writable_target(path, overwrite=overwrite, inputs=inputs,
+                                               what=what), "folder")
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     try:
         yield tmp
-        _write_marker(tmp, [rel for rel, _ in _entries(tmp)])  # complete: what is ours
+        what = what or output_kind(tmp)
+        _write_marker(tmp, [rel for rel, _ in _entries(tmp)], what)  # complete: what is ours
         _public_modes(tmp, keep_modes)
-        _swap_in(tmp, path, overwrite, "folder")
+        _swap_in(tmp, path, overwrite, "folder", what)
     finally:
         _remove(tmp)  # the failed build, or the replaced folder
 

@@ -47,6 +47,8 @@ from .registry import register
 
 __all__ = ["export_compressed_tensors", "quant_args"]
 
+KIND = "compressed-tensors"  # the format name, and the kind of folder it writes (atomic)
+
 _ARG_NAME = {"weight": "weights", "input": "input_activations", "output": "output_activations"}
 
 
@@ -363,7 +365,7 @@ def _copy_extras(src: str, dst: str) -> list[str]:
     return copied
 
 
-@register("compressed-tensors")
+@register(KIND)
 def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite: bool = False,
                               allow_lossy: bool = False, model_path=None,
                               max_shard_size="5GB") -> str:
@@ -392,7 +394,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     if not calibration.states:
         raise ValueError("export compressed-tensors: the calibration quantizes no layer")
     check_placement(model, "export compressed-tensors")
-    path = check_writable_target(path, overwrite=overwrite)
+    path = check_writable_target(path, overwrite=overwrite, what=KIND)  # before the work
     lossy = _Lossy(allow_lossy)
     modules = dict(model.named_modules())  # (MoE experts' per-expert names are not there)
     for layer in (n for n, roles in calibration.states.items() if "weight" in roles):
@@ -420,7 +422,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     compress(compressor, work)
     copied = []  # their modes stay: a private tokenizer file is not made readable
     with atomic_dir(path, overwrite=overwrite, inputs=[source],  # never the source
-                    keep_modes=copied) as tmp:
+                    keep_modes=copied, what=KIND) as tmp:
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
         _annotate(tmp, calibration, lossy.notes, source, work)

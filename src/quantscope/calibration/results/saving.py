@@ -35,9 +35,9 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
 
     Atomic: the files are written into a temporary folder beside ``path`` that is then
     renamed into place, so ``path`` holds either the complete new calibration or what it
-    held before (an existing ``path`` is replaced if quantscope wrote it, never another
-    folder, nor the working folder: :func:`~quantscope.exporters.atomic.check_writable_target`;
-    ``overwrite=False`` refuses it).
+    held before (an existing ``path`` is replaced only if it is an earlier calibration
+    quantscope wrote, never an export, a run or another folder, nor the working folder:
+    :func:`~quantscope.exporters.atomic.check_writable_target`; ``overwrite=False`` refuses it).
 
     Inside a process group of several processes only rank 0 writes (as the exporters and
     transformers' ``save_pretrained``); the others return ``path`` at once, with no collective.
@@ -67,7 +67,8 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
         tensors[f"{SMOOTH}{name}"] = s.detach().cpu().float().contiguous()
     meta = {"format": FORMAT, "version": VERSION, "label": calibration.label,
             "recipe": calibration.recipe.to_dict(), "info": calibration.info, "layers": layers}
-    with atomic_dir(path, overwrite=overwrite) as tmp:
+    # what="calibration": never over the export the calibration may have been read from
+    with atomic_dir(path, overwrite=overwrite, what="calibration") as tmp:
         save_file(tensors, os.path.join(tmp, TENSORS))
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(json_safe(meta), f, indent=1)

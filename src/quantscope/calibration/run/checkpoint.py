@@ -82,10 +82,12 @@ INDEX = "model.safetensors.index.json"
 class Checkpoint:
     """The tensors of a folder's ``*.safetensors`` files, read one at a time (mmap): those
     its ``model.safetensors.index.json`` names, as transformers reads them, else every file
-    (a tensor in two of them refused: which one the model is made of cannot be told)."""
+    (a tensor in two of them refused: which one the model is made of cannot be told). A
+    quantized checkpoint is refused (:func:`_refuse_quantized`)."""
 
     def __init__(self, path):
         path = Path(path)
+        _refuse_quantized(path)
         index = path / INDEX
         files = _indexed(index) if index.is_file() else {
             f: None for f in (sorted(path.glob("*.safetensors")) if path.is_dir() else [path])}
@@ -131,6 +133,25 @@ class Checkpoint:
         return out
 
 
+def _refuse_quantized(path: Path) -> None:
+    """Refuse the checkpoint of a quantized model (a ``quantization_config`` in the folder's
+    ``config.json``: a compressed-tensors export, GPTQ, FP8 ...): its weights are stored as
+    codes and scales that transformers decompresses on load; read here as they are, the
+    int8 / fp8 codes would be calibrated as float weights."""
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    try:
+        with open(config, encoding="utf-8") as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):  # none, or not a JSON object: not told
+        return
+    if qc:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise ValueError(f"calibrate: checkpoint {str(path)!r} is quantized ({config} has a "
+                         f"quantization_config, quant_method {method!r}): its weights are "
+                         f"stored as quantized codes and scales (compressed tensors), not float "
+                         f"weights; calibrate from the float (unquantized) checkpoint instead")
+
+
 def is_meta(module: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in module.parameters())
 
@@ -166,6 +187,11 @@ def load_params(model, names: set[str], ckpt: Checkpoint | None,
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"calibrate: checkpoint tensor {keys[0]!r} gives shape "
                                  f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
+            if p.is_floating_point() and (not t.is_floating_point() or t.element_size() == 1):
+                # int8 / fp8 codes of a quantized checkpoint that has no config beside it
+                raise ValueError(f"calibrate: checkpoint tensor {keys[0]!r} holds {t.dtype} "
+                                 f"(quantized codes?), the model's parameter is {p.dtype}; "
+                                 f"calibrate from the float (unquantized) checkpoint")
             done[id(p)] = p, nn.Parameter(t.to(device=device, dtype=p.dtype),
                                           requires_grad=False)
     replaced = {}
