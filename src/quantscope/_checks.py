@@ -16,7 +16,7 @@ import torch
 from .spec import QuantSpec
 
 __all__ = ["check_float32_range", "check_int", "check_number", "check_per_unit", "check_real",
-           "check_spec", "outside_quantscope"]
+           "check_spec", "dtensor_error", "is_dtensor", "outside_quantscope"]
 
 
 def check_spec(who: str, spec) -> None:
@@ -88,3 +88,22 @@ def outside_quantscope() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 / tensor-parallel
+    weight). Runs per forward, so a plain tensor (an activation) costs one type test;
+    never imports the DTensor module (none can exist before it is imported)."""
+    if type(x) is torch.Tensor:
+        return False
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(x, cls)
+
+
+def dtensor_error(who: str, x) -> TypeError:
+    """What an observer named ``who`` raises for a DTensor ``x``: its ops see one rank's
+    shard, so the statistics would be that shard's, or fail deep inside with no name."""
+    return TypeError(f"{who}: got a DTensor (placements {tuple(x.placements)}), which holds "
+                     f"this rank's shard of a distributed tensor; pass x.full_tensor() to "
+                     f"observe the whole tensor (on every rank) or x.to_local() to observe "
+                     f"this rank's part knowingly")

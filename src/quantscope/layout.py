@@ -30,9 +30,11 @@ values alone).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -111,11 +113,13 @@ class Layout:
         """Whether ``other`` cuts a tensor of ``shape`` into this layout's units, in this order
         (``"group:4:1"`` does ``"group:4"``'s on a 2-D tensor; ``"group:4:0"`` does not, though
         its qparam shape is the same on a square one). Runs along an axis (groups, blocks,
-        tiles) must agree in size and axis: their qparam shape hides the axis."""
+        tiles) must agree in size and axis: their qparam shape hides the axis; groups in
+        column order (``g_idx``, which equality ignores: :attr:`Group.order`)."""
         shape = tuple(shape)
         if self.qparam_shape(shape) != other.qparam_shape(shape):
             return False
-        return _runs(self, len(shape)) == _runs(other, len(shape))
+        return _runs(self, len(shape)) == _runs(other, len(shape)) and \
+            getattr(self, "order", None) == getattr(other, "order", None)
 
     def check(self, shape) -> None:
         """Raise ``ValueError`` naming layout and shape if the tensor cannot take this layout."""
@@ -125,6 +129,10 @@ class Layout:
     def pads(self) -> bool:
         """Whether units may carry zero padding beyond the tensor's values."""
         return False
+
+    def pads_at(self, shape) -> bool:
+        """Whether the units of a tensor of ``shape`` carry padding (from the shape alone)."""
+        return self.pads
 
     def padded_parts(self, units: torch.Tensor, shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The units of ``units = to_units(x)`` (``x.shape == shape``) that carry padding, in
@@ -266,6 +274,10 @@ class _Segments(Layout):
     def pads(self):
         return self._pad
 
+    def pads_at(self, shape):
+        _, n, count = self._geometry(shape)
+        return self._pad and count * self.size != n
+
     def padded_parts(self, units, shape):
         _, n, count = self._geometry(shape)
         real = n - (count - 1) * self.size  # the last segment of every line holds the padding
@@ -310,6 +322,15 @@ class Group(_Segments):
             object.__setattr__(self, "g_idx", g)
             object.__setattr__(self, "_perm", perm)
             object.__setattr__(self, "_inverse", torch.argsort(perm))
+
+    @cached_property
+    def order(self) -> str | None:
+        """A short digest of the column order ``g_idx`` gives (``None``: column order, no
+        ``g_idx`` or one that moves no column), which tells act-order groups apart in
+        :meth:`~Layout.same_units` and saved observer states without storing ``g_idx``."""
+        if self.g_idx is None or torch.equal(self._perm.cpu(), torch.arange(len(self._perm))):
+            return None
+        return hashlib.sha256(self._perm.cpu().numpy().tobytes()).hexdigest()[:16]
 
     def _geometry(self, shape):
         geometry = super()._geometry(shape)
@@ -390,6 +411,10 @@ class Tile(Layout):
     @property
     def pads(self):
         return True
+
+    def pads_at(self, shape):
+        r, c, rt, ct = self._geometry(shape)
+        return (rt * self.rows, ct * self.cols) != (r, c)
 
     def padded_parts(self, units, shape):
         r, c, rt, ct = self._geometry(shape)

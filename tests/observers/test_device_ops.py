@@ -67,9 +67,12 @@ def test_minmax_observers_read_bf16_through_the_op(name, layout):
     obs(x)  # the first call sizes the state
     with OpNames() as seen:
         obs(x)
-    if obs.accumulates:
+    padded = layout.endswith("-padded")  # forward takes the padding out before the update
+    if obs.accumulates and not padded:
         assert "quantscope.minmax_observe" in seen.names
         assert not seen.names & {"quantscope.unit_minmax", "quantscope.minmax_update"}
+    elif obs.accumulates:
+        assert {"quantscope.unit_minmax", "quantscope.minmax_update"} <= seen.names
     else:
         assert {"quantscope.unit_minmax", "quantscope.record_non_finite"} <= seen.names
     # no float32 copy of the input, and the non-finite check and state update are one op each

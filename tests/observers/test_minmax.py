@@ -86,11 +86,10 @@ def ref_units_minmax(x, layout):
         n = m.shape[-1]
         nb = math.ceil(n / layout.size)
         lo, hi = [], []
-        for b in range(nb):  # a reference may loop: blocks that end early include zero padding
+        for b in range(nb):  # a reference may loop: blocks that end early, real values only
             blk = m[..., b * layout.size:(b + 1) * layout.size]
-            pad = blk.shape[-1] < layout.size
-            lo.append(blk.amin(-1).clamp(max=0) if pad else blk.amin(-1))
-            hi.append(blk.amax(-1).clamp(min=0) if pad else blk.amax(-1))
+            lo.append(blk.amin(-1))
+            hi.append(blk.amax(-1))
         return torch.stack(lo, -1).reshape(-1), torch.stack(hi, -1).reshape(-1)
     if isinstance(layout, Tile):
         R, C = x.shape[-2:]
@@ -99,10 +98,9 @@ def ref_units_minmax(x, layout):
         for t in lead:
             for i in range(0, R, layout.rows):
                 for j in range(0, C, layout.cols):
-                    blk = t[i:i + layout.rows, j:j + layout.cols]
-                    pad = blk.shape != (layout.rows, layout.cols)
-                    lo.append(blk.min().clamp(max=0) if pad else blk.min())
-                    hi.append(blk.max().clamp(min=0) if pad else blk.max())
+                    blk = t[i:i + layout.rows, j:j + layout.cols]  # edge tiles: real values
+                    lo.append(blk.min())
+                    hi.append(blk.max())
         return torch.stack(lo), torch.stack(hi)
     raise AssertionError(layout)
 

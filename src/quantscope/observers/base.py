@@ -24,7 +24,6 @@ Rules every subclass keeps:
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import ClassVar
 
@@ -32,11 +31,17 @@ import torch
 from torch import nn
 
 from .. import kernels
-from .._checks import check_float32_range, check_spec
+from .._checks import check_float32_range, check_spec, dtensor_error, is_dtensor
 from .._numerics import upload
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
-from ..stats.minmax import MINMAX_DTYPES, layout_minmax, record_non_finite, unit_minmax
+from ..stats.minmax import (
+    MINMAX_DTYPES,
+    layout_minmax,
+    record_non_finite,
+    unit_minmax,
+    unpad_minmax_,
+)
 from . import record
 from .sync import loaded_mark, step_sync, sync_observers, synced_record
 
@@ -53,25 +58,6 @@ def only_observes(forward):
     ``forward``, never grouped: :attr:`Observer.takes_minmax`."""
     forward.only_observes = True
     return forward
-
-
-def is_dtensor(x) -> bool:
-    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 / tensor-parallel
-    weight). Runs per forward, so a plain tensor (an activation) costs one type test;
-    never imports the DTensor module (none can exist before it is imported)."""
-    if type(x) is torch.Tensor:
-        return False
-    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return cls is not None and isinstance(x, cls)
-
-
-def dtensor_error(who: str, x) -> TypeError:
-    """What an observer named ``who`` raises for a DTensor ``x``: its ops see one rank's
-    shard, so the statistics would be that shard's, or fail deep inside with no name."""
-    return TypeError(f"{who}: got a DTensor (placements {tuple(x.placements)}), which holds "
-                     f"this rank's shard of a distributed tensor; pass x.full_tensor() to "
-                     f"observe the whole tensor (on every rank) or x.to_local() to observe "
-                     f"this rank's part knowingly")
 
 
 def tokens_of(x: torch.Tensor) -> int:
@@ -105,6 +91,10 @@ class Observer(nn.Module):
     #: (the min-max family's units are in the input's dtype on every device: only the
     #: per-unit min / max read them)
     units_in_input_dtype: bool = False
+    #: whether forward gives a unit with Block / Tile zero padding its real values' ``lo`` /
+    #: ``hi`` (padding is no data: it moves no range, nor average); histograms do it themselves
+    unpads: bool = True
+    _padded_call: bool = False  # this call's units carry it (no state update fused then)
 
     def __init__(self, spec: QuantSpec | None = None, *, non_finite: str = "error"):
         super().__init__()
@@ -125,11 +115,15 @@ class Observer(nn.Module):
     # ------------------------------------------------------------------ observing
     @only_observes
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.leave_inference_mode()
         if not self.check_input(x):
             if self.sync_every_step:  # still take part in the step's collectives
                 self.step_empty()
             return x
         layout = self.spec.layout
+        padded = self.unpads and layout.pads_at(x.shape)
+        if padded != self._padded_call:  # (nn.Module's setattr only when it changes)
+            self._padded_call = padded
         minmax_only = not self.needs_units and self.non_finite == "error"
         # bf16 / fp16 read as they are where only the per-unit min / max read the data (the
         # C kernel, the ops) or the class's own code takes them (units_in_input_dtype).
@@ -137,7 +131,7 @@ class Observer(nn.Module):
         as_is = x.dtype in MINMAX_DTYPES and (minmax_only or self.units_in_input_dtype)
         x_read = x.detach() if as_is else x.detach().float()
         fast = None
-        if minmax_only:
+        if minmax_only and not padded:
             fast = layout_minmax(x_read, layout)  # min / max straight from x, no units copy
         units = None if fast is not None else layout.to_units(x_read)
         count = units.shape[0] if fast is None else fast[0].shape[0]
@@ -151,6 +145,8 @@ class Observer(nn.Module):
             # the C kernels find them in their pass; off the CPU one op checks lo / hi after
             ends = torch.empty(2, dtype=torch.float32) if units.device.type == "cpu" else None
             lo, hi = self._unit_minmax(units, count, ends)
+            if padded:
+                unpad_minmax_(layout, units, x.shape, lo, hi)
         else:
             lo, hi = fast
         if self.sync_every_step:  # exchange the step's statistic with the other ranks
@@ -226,6 +222,7 @@ class Observer(nn.Module):
                              f"shape {tuple(x.shape)} under {self.spec.layout}, got "
                              f"{tuple(lo.shape)} and {tuple(hi.shape)}")
         self._check_unit_count(count, x.shape)
+        self.leave_inference_mode()
         self._record_non_finite(lo, hi)
         self._observe(None, lo, hi)
         self.count_batch(x)
@@ -252,6 +249,15 @@ class Observer(nn.Module):
         (reused memory is much faster than fresh pages); None: new tensors. Only for
         classes that do not keep references to an earlier call's ``lo`` / ``hi``."""
         return None
+
+    def leave_inference_mode(self) -> None:
+        """Outside ``torch.inference_mode()``, buffers made under it (``quantscope.calibrate``
+        observes there) become normal clones: torch refuses in-place updates of inference
+        tensors there, where torch.ao's observers go on. Before every update; no host sync."""
+        if not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()):
+            for name, buf in self._buffers.items():
+                if buf is not None and buf.is_inference():
+                    self._buffers[name] = buf.clone()
 
     def _record_non_finite(self, lo: torch.Tensor, hi: torch.Tensor,
                            ends: torch.Tensor | None = None) -> None:
@@ -336,6 +342,7 @@ class Observer(nn.Module):
 
     def reset(self) -> None:
         """Forget everything observed (buffers that hold settings are kept)."""
+        self.leave_inference_mode()
         keep = self._setting_buffers()
         for name, buf in self.named_buffers(recurse=False):
             if name in keep:
@@ -381,6 +388,7 @@ class Observer(nn.Module):
 
     def step_empty(self, group=None) -> None:
         """Take part in this step's exchange without data (``sync_every_step`` mode)."""
+        self.leave_inference_mode()
         out = step_sync(self, None, None, None, group or self.sync_group)
         if out is not None:
             units, lo, hi = out
@@ -423,8 +431,11 @@ class Observer(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        self._check_loaded_units(state_dict, prefix)
-        record.check(state_dict, prefix, self._state_record(), self.spec.layout, self.describe())
+        self.leave_inference_mode()  # the load copies into the buffers
+        sized = self._sized_buffers()
+        record.check_units(state_dict, prefix, self.spec.layout,
+                           [n for n in ("min_vals", "max_vals") if n in sized], self.describe())
+        record.check(state_dict, prefix, self._state_record(), self.describe())
         # sized buffers take the saved shape before the copy, so a fresh observer loads any state
         for name in (*self._sized_buffers(), *self._setting_buffers(), "observed_shape"):
             key = prefix + name
@@ -442,32 +453,14 @@ class Observer(nn.Module):
         if tokens is not None and shape is not None and not tokens.is_meta and not shape.is_meta:
             self._last_shape = tuple(shape.tolist()) if int(tokens) > 0 else None
 
-    def _check_loaded_units(self, state_dict, prefix) -> None:
-        """Raise ``ValueError`` naming this observer unless the saved per-unit range fits this
-        layout for the saved shape (else ``qparams()`` fails later with a bare reshape)."""
-        shape = record.saved_shape(state_dict, prefix)
-        if shape is None:
-            return
-        try:
-            units = self.spec.layout.num_units(shape)
-        except ValueError as e:
-            raise ValueError(f"{self.describe()}: cannot load a state observed with shape "
-                             f"{shape}: {e}") from None
-        for name in ("min_vals", "max_vals"):
-            t = state_dict.get(prefix + name)
-            if name in self._sized_buffers() and t is not None and not t.is_meta \
-                    and t.numel() not in (0, units):
-                raise ValueError(
-                    f"{self.describe()}: cannot load a state whose {name} has {t.numel()} "
-                    f"units; shape {shape} under {self.spec.layout} has {units} (the state "
-                    f"was saved by an observer of another layout)")
-
     def _state_record(self) -> dict:
         """What the state means (layout; histograms: of ``|x|``?), saved with it; a subclass
         adds entries it takes back in ``set_extra_state``."""
         absolute = getattr(self, "_absolute", None)  # histogram observers set it
+        order = getattr(self.spec.layout, "order", None)  # act-order groups' column order
         return {"layout": self.spec.layout.spec_name(), **synced_record(self),
-                **({} if absolute is None else {"absolute": bool(absolute)})}
+                **({} if absolute is None else {"absolute": bool(absolute)}),
+                **({} if order is None else {"order": order})}
 
     def get_extra_state(self) -> torch.Tensor:
         return record.encode(self._state_record())

@@ -53,7 +53,7 @@ from ..qparams import amax_of_range
 from ..stats import hist_kernel
 from ..stats import histogram as H
 from ..stats.histogram_sync import HistogramSync
-from ..stats.minmax import padded_minmax_
+from ..stats.minmax import unpad_minmax_
 from .base import Observer
 from .histogram_ema import WINDOW, IntervalAverage
 from .registry import register
@@ -83,6 +83,7 @@ class HistogramObserverBase(IntervalAverage, Observer):
     """
 
     family = "histogram"
+    unpads = False  # _unit_minmax takes the padding out (_padding): the histogram needs it too
 
     #: histogram of |x| rather than x (None: |x| for symmetric specs)
     absolute: bool | None = None
@@ -198,9 +199,7 @@ class HistogramObserverBase(IntervalAverage, Observer):
     def _padding(self, units, lo, hi):
         """The padded parts of ``units`` (``Layout.padded_parts``); a padded unit's ``lo`` /
         ``hi`` become its real values' (the padding zeros are no data), in place."""
-        shape, layout = self._pass[1], self.spec.layout
-        parts = layout.padded_parts(units, shape) if layout.pads and shape is not None else []
-        return padded_minmax_(parts, lo, hi)
+        return unpad_minmax_(self.spec.layout, units, self._pass[1], lo, hi)
 
     def _observe(self, units, lo, hi):
         fused, parts = None, []

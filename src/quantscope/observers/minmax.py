@@ -60,7 +60,8 @@ class MinMaxStateObserver(Observer):
         if torch.compiler.is_compiling():  # Inductor gave a cached scratch and the state
             return _pair(count, dev)  # one buffer
         scratch = getattr(self, "_scratch", None)
-        if scratch is None or scratch[0].shape != (count,) or scratch[0].device != dev:
+        if scratch is None or scratch[0].shape != (count,) or scratch[0].device != dev or (
+                scratch[0].is_inference() and not torch.is_inference_mode_enabled()):
             scratch = self._scratch = _pair(count, dev)
         return scratch
 
@@ -77,7 +78,7 @@ class MinMaxStateObserver(Observer):
 
     def _unit_minmax(self, units, count, ends):
         kind = self.state_update
-        if (kind is None or not self.accumulates or self.sync_every_step
+        if (kind is None or not self.accumulates or self.sync_every_step or self._padded_call
                 or self.min_vals.shape != (count,)
                 or self.min_vals.device != units.device):
             return super()._unit_minmax(units, count, ends)
@@ -88,6 +89,7 @@ class MinMaxStateObserver(Observer):
 
     @only_observes  # the op minmax_observe: forward's own steps in one launch
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.leave_inference_mode()
         units = self._one_op_units(x)
         if units is None:
             return super().forward(x)
@@ -113,6 +115,8 @@ class MinMaxStateObserver(Observer):
         try:
             self.spec.layout.check(x.shape)
         except ValueError:
+            return None
+        if self.spec.layout.pads_at(x.shape):  # forward takes the padding out of lo / hi
             return None
         units = op_units(x.detach(), self.spec.layout)
         return units if units is not None and op_unit_count(units) == state.numel() else None
@@ -162,7 +166,7 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
         # (getattr: other classes call this method on themselves, as Quark's per-group one)
         e = getattr(self, "_pending_ends", None)
         self._pending_ends = self._state_ends = None
-        if e is not None and e[1] is lo and e[2] is hi:  # these lo / hi (not a step sync's)
+        if e is not None and e[0] is not None and e[1] is lo and e[2] is hi:  # (not a step sync's)
             try:
                 self._state_ends = (e[0], weakref.ref(lo), lo._version, weakref.ref(hi),
                                     hi._version)
@@ -197,7 +201,8 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
 
     ``state += averaging_constant * (batch - state)``, as two rounded float32 ops
     (torch.ao's expression, so its EMA observers agree bitwise); the first batch
-    initialises. The zero that qparams add to the range is not averaged in.
+    initialises. The zero that qparams add to the range is not averaged in, nor the zero
+    padding of a Block / Tile unit (its real values' min / max are).
     """
 
     def __init__(self, spec=None, *, averaging_constant: float = 0.01, **kwargs):

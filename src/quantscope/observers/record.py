@@ -1,7 +1,7 @@
 """What a saved observer state means, saved with it as ``_extra_state``: the layout its units
-follow and, for histograms, whether they bin ``|x|`` (a subclass adds its own entries). A
-state of another meaning is a ``ValueError`` naming both, not silently wrong qparams; a state
-saved before the record loads as then. The record is JSON in a uint8 tensor, so a state stays
+follow (act-order groups: their column ``order`` too) and, for histograms, whether they bin
+``|x|`` (a subclass adds its own entries). A state of another meaning is a ``ValueError``
+naming both, not silently wrong qparams; a state saved before the record loads as then. The record is JSON in a uint8 tensor, so a state stays
 all tensors (safetensors and ``torch.load(weights_only=True)`` read it) and is parsed, never
 unpickled."""
 
@@ -13,7 +13,7 @@ import torch
 
 from ..layout import Layout, parse_layout
 
-__all__ = ["RECORD", "check", "decode", "encode", "saved_shape"]
+__all__ = ["RECORD", "check", "check_units", "decode", "encode", "saved_shape"]
 
 RECORD = "_extra_state"  # torch's key of get_extra_state's value
 
@@ -31,7 +31,8 @@ def decode(state, who: str) -> dict | None:
     except (ValueError, TypeError):
         record = {"layout": None}  # unreadable: refused below, as a damaged entry
     if isinstance(record.get("layout", ""), str) and \
-            isinstance(record.get("absolute", False), bool):
+            isinstance(record.get("absolute", False), bool) and \
+            isinstance(record.get("order", ""), str):
         return record
     raise ValueError(f"{who}: the state's {RECORD} is no record")
 
@@ -44,19 +45,48 @@ def saved_shape(state_dict, prefix) -> tuple[int, ...] | None:
     return tuple(shape.tolist())
 
 
-def check(state_dict, prefix, mine: dict, layout: Layout, who: str) -> None:
+def check_units(state_dict, prefix, layout: Layout, ranges, who: str) -> None:
+    """``ValueError`` naming ``who`` unless the saved per-unit ``ranges`` (``min_vals`` /
+    ``max_vals``, those the observer sizes) fit ``layout`` for the saved shape (else
+    ``qparams()`` fails later with a bare reshape)."""
+    shape = saved_shape(state_dict, prefix)
+    if shape is None:
+        return
+    try:
+        units = layout.num_units(shape)
+    except ValueError as e:
+        raise ValueError(f"{who}: cannot load a state observed with shape {shape}: {e}") \
+            from None
+    for name in ranges:
+        t = state_dict.get(prefix + name)
+        if t is not None and not t.is_meta and t.numel() not in (0, units):
+            raise ValueError(
+                f"{who}: cannot load a state whose {name} has {t.numel()} units; shape "
+                f"{shape} under {layout} has {units} (the state was saved by an observer "
+                f"of another layout)")
+
+
+def check(state_dict, prefix, mine: dict, who: str) -> None:
     """``ValueError`` naming both for a state saved under a layout of other units for the
-    saved shape, or binning ``|x|`` where this one (``mine``, ``layout``) bins ``x``, or the
-    reverse."""
+    saved shape (act-order groups: another column order, recorded as ``order``; a state
+    without one was saved in column order), or binning ``|x|`` where this one (``mine``)
+    bins ``x``, or the reverse."""
     saved = decode(state_dict.get(prefix + RECORD), who)
     if saved is None:
         return
     other, shape = saved.get("layout", mine["layout"]), saved_shape(state_dict, prefix)
-    if other != mine["layout"] and shape is not None and \
-            not parse_layout(other).same_units(layout, shape):
-        raise ValueError(f"{who}: cannot load a state saved under layout {other!r}; this "
-                         f"observer's layout is {mine['layout']!r}")
+    if saved.get("order") != mine.get("order") or (
+            other != mine["layout"] and shape is not None and
+            not parse_layout(other).same_units(parse_layout(mine["layout"]), shape)):
+        raise ValueError(f"{who}: cannot load a state saved under layout "
+                         f"{_described(other, saved)}; this observer's layout is "
+                         f"{_described(mine['layout'], mine)}")
     if "absolute" in mine and saved.get("absolute", mine["absolute"]) != mine["absolute"]:
         what = ("x (asymmetric)", "|x| (symmetric)")
         raise ValueError(f"{who}: cannot load a histogram of {what[saved['absolute']]} into "
                          f"this one's, of {what[mine['absolute']]}")
+
+
+def _described(layout: str, record: dict) -> str:
+    order = record.get("order")
+    return repr(layout) + (f" (g_idx column order {order})" if order else "")

@@ -28,8 +28,8 @@ from ..kernels import ops
 from ..kernels import triton as _triton
 
 __all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "column_minmax", "ema_", "layout_minmax",
-           "minmax_observe", "minmax_update", "op_unit_count", "op_units", "padded_minmax_",
-           "record_non_finite", "torch_unit_minmax", "unit_minmax"]
+           "minmax_observe", "minmax_update", "op_unit_count", "op_units",
+           "record_non_finite", "torch_unit_minmax", "unit_minmax", "unpad_minmax_"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -300,12 +300,13 @@ def _transposed_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Ten
     return column_minmax(m) if layout.axis % 2 == 0 else unit_minmax(m)
 
 
-def padded_minmax_(parts, lo: torch.Tensor, hi: torch.Tensor) -> list:
-    """Set the per-unit ``lo`` / ``hi`` of the padded units in ``parts`` (in place; see
-    :meth:`quantscope.layout.Layout.padded_parts`) to their real values' min / max, for
-    statistics to which the padding zeros are no data; returns ``parts``."""
+def unpad_minmax_(layout, units: torch.Tensor, shape, lo: torch.Tensor, hi: torch.Tensor) -> list:
+    """The padded units of ``units = layout.to_units(x)`` (``x.shape == shape``; see
+    :meth:`quantscope.layout.Layout.padded_parts`), whose per-unit ``lo`` / ``hi`` become
+    their real values' min / max in place: the padding zeros are no data. Returns the parts."""
+    parts = layout.padded_parts(units, shape) if shape is not None else []
     for idx, vals in parts:
-        real_lo, real_hi = torch.aminmax(vals, dim=1)
+        real_lo, real_hi = unit_minmax(vals)  # float32 for half units too (no copy of them)
         lo.index_copy_(0, idx, real_lo.to(lo.dtype))
         hi.index_copy_(0, idx, real_hi.to(hi.dtype))
     return parts

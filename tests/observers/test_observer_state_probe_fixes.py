@@ -1,0 +1,147 @@
+"""Observer state across batches: Block / Tile padding in moving averages and running ranges,
+state made under ``torch.inference_mode()`` observed outside it."""
+
+import pytest
+import torch
+
+import quantscope
+from quantscope import Block, QuantSpec, Tile
+
+# ---- padding is no data: a padded unit's range (and its average) is its real values' ----
+
+B1, B2 = torch.tensor([-4.0, 1.0, 1.0]), torch.tensor([0.5, 1.0, 1.0])  # B2 all positive
+PADDED = [(Block(4), (3,)), (Tile(2, 4), (1, 3))]  # one unit: 3 values, the rest zeros
+
+
+@pytest.mark.parametrize("name", ["minmax", "mse", "static_minmax", "memoryless_minmax",
+                                  "memoryless_mse"])
+@pytest.mark.parametrize("layout, shape", PADDED, ids=["block", "tile"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_padded_unit_state_is_that_of_its_real_values(name, layout, shape, symmetric):
+    kw = {"averaging_constant": 0.5} if name in ("minmax", "mse") else {}
+    pad = quantscope.get_observer(name, QuantSpec("int8", layout, symmetric=symmetric), **kw)
+    ref = quantscope.get_observer(name, QuantSpec("int8", symmetric=symmetric), **kw)
+    for b in (B1, B2):
+        pad(b.reshape(shape))
+        ref(b.reshape(shape))
+    assert torch.equal(pad.min_vals.flatten(), ref.min_vals.flatten())
+    assert torch.equal(pad.max_vals.flatten(), ref.max_vals.flatten())
+    qp, qr = pad.calculate_qparams(), ref.calculate_qparams()
+    assert torch.equal(qp.scale.flatten(), qr.scale.flatten())
+    assert torch.equal(qp.zero_point.flatten(), qr.zero_point.flatten())
+
+
+def test_ema_formula_on_the_real_values():
+    """The probe's numbers: min = -4 + 0.5 * (0.5 - -4) = -1.75, scale 1.75 / 127.5."""
+    for name in ("minmax", "mse"):
+        obs = quantscope.get_observer(name, QuantSpec("int8", Block(4)), averaging_constant=0.5)
+        obs(B1)
+        obs(B2)
+        assert obs.min_vals.item() == -1.75
+        assert obs.calculate_qparams().scale.item() == pytest.approx(1.75 / 127.5)
+
+
+def real_ranges(x, layout):
+    """Each unit's real min / max, sliced from ``x`` itself, in the layout's unit order."""
+    if isinstance(layout, Block):
+        lines = x.reshape(-1, x.shape[-1])
+        parts = [line[s:s + layout.size] for line in lines
+                 for s in range(0, x.shape[-1], layout.size)]
+    else:
+        R, C = x.shape[-2:]
+        parts = [m[r:r + layout.rows, c:c + layout.cols] for m in x.reshape(-1, R, C)
+                 for r in range(0, R, layout.rows) for c in range(0, C, layout.cols)]
+    return (torch.stack([p.min() for p in parts]), torch.stack([p.max() for p in parts]))
+
+
+@pytest.mark.parametrize("layout, shape", [(Block(256), (256, 300)), (Tile(64, 64), (130, 300))],
+                         ids=["block", "tile"])
+@pytest.mark.parametrize("name", ["minmax", "static_minmax", "memoryless_minmax"])
+def test_large_padded_batches(name, layout, shape):
+    """Large enough for the C kernel, which fuses the state update into its pass where the
+    units carry no padding: never the padded units' raw min / max."""
+    c = 0.25
+    obs = quantscope.get_observer(name, QuantSpec("int8", layout),
+                                  **({"averaging_constant": c} if name == "minmax" else {}))
+    gen = torch.Generator().manual_seed(0)
+    lo = hi = None
+    for _ in range(3):
+        x = torch.rand(shape, generator=gen) + 0.5  # all positive: the padding would be the min
+        obs(x)
+        blo, bhi = real_ranges(x, layout)
+        if lo is None or name == "memoryless_minmax":
+            lo, hi = blo, bhi
+        elif name == "static_minmax":
+            lo, hi = torch.minimum(lo, blo), torch.maximum(hi, bhi)
+        else:  # torch.ao's expression
+            lo, hi = lo + c * (blo - lo), hi + c * (bhi - hi)
+    assert bool((obs.min_vals > 0).all())
+    torch.testing.assert_close(obs.min_vals, lo, rtol=0, atol=1e-6)
+    torch.testing.assert_close(obs.max_vals, hi, rtol=0, atol=1e-6)
+
+
+# ---- state made under torch.inference_mode(), observed outside it --------------------------
+
+STATEFUL = ["static_minmax", "minmax", "memoryless_minmax", "mse", "memoryless_mse",
+            "percentile", "histogram", "imatrix_mse"]
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 64, generator=gen) * s for s in (1.0, 2.0, 0.5)]
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_inference_mode_state_continues_outside(name):
+    spec = QuantSpec("int8", "channel:0")
+    xs = _batches()
+    obs, ref = quantscope.get_observer(name, spec), quantscope.get_observer(name, spec)
+    with torch.inference_mode():
+        obs(xs[0])
+    ref(xs[0])
+    for x in xs[1:]:
+        obs(x)
+        ref(x)
+    assert not any(b.is_inference() for b in obs.buffers())
+    assert torch.equal(obs.calculate_qparams().scale, ref.calculate_qparams().scale)
+    assert int(obs.observed_tokens) == int(ref.observed_tokens)
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_reset_after_inference_mode_is_a_fresh_observer(name):
+    spec = QuantSpec("int8", "channel:0")
+    xs = _batches()
+    obs, fresh = quantscope.get_observer(name, spec), quantscope.get_observer(name, spec)
+    with torch.inference_mode():
+        obs(xs[0])
+        obs(xs[1])
+    obs.reset()
+    obs(xs[2])
+    fresh(xs[2])
+    assert torch.equal(obs.calculate_qparams().scale, fresh.calculate_qparams().scale)
+    assert int(obs.observed_tokens) == int(fresh.observed_tokens)
+
+
+def test_load_after_inference_mode():
+    spec = QuantSpec("int8", "channel:0")
+    xs = _batches()
+    src, obs = quantscope.get_observer("minmax", spec), quantscope.get_observer("minmax", spec)
+    src(xs[0])
+    with torch.inference_mode():
+        obs(xs[1])
+    obs.load_state_dict(src.state_dict())
+    assert torch.equal(obs.min_vals, src.min_vals)
+    obs(xs[2])
+    src(xs[2])
+    assert torch.equal(obs.max_vals, src.max_vals)
+
+
+def test_observing_inside_inference_mode_is_unchanged():
+    """Inside inference mode nothing is cloned: the state stays the tensors it updates."""
+    obs = quantscope.get_observer("minmax", QuantSpec("int8", "channel:0"))
+    xs = _batches()
+    with torch.inference_mode():
+        obs(xs[0])
+        before = obs.min_vals
+        obs(xs[1])
+        assert obs.min_vals is before
