@@ -19,17 +19,16 @@ pytest.importorskip("quark.torch.quantization.observer.observer")
 with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import quark.torch.quantization.observer.observer as qo
-    from quark.torch.quantization.config.config import QTensorConfig
-    from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType
+
+from quark_twins import quark_config
 
 from quantscope.compat import quark
 
 
 def _pair(name: str, dtype: str, symmetric: bool, **kw):
-    """Quark's observer ``name`` and quantscope's, of one per-tensor config."""
-    c = QTensorConfig(dtype=Dtype(dtype), qscheme=QSchemeType.per_tensor, symmetric=symmetric,
-                      round_method=RoundType.half_even, scale_type=ScaleType.float,
-                      is_dynamic=False, observer_cls=getattr(qo, name))
+    """Quark's observer ``name`` and quantscope's, of one per-tensor config (``kw``: the
+    constructors')."""
+    c = quark_config(name, dtype=dtype, symmetric=symmetric)
     return getattr(qo, name)(c, None, **kw), getattr(quark, name)(c, None, **kw)
 
 

@@ -18,33 +18,15 @@ pytest.importorskip("quark.torch.quantization.observer.observer")
 with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import quark.torch.quantization.observer.observer as qo
-    from quark.torch.quantization.config.config import QTensorConfig
     from quark.torch.quantization.config.type import (
-        Dtype,
-        QSchemeType,
-        RoundType,
-        ScaleType,
         ZeroPointType,
     )
+
+from quark_twins import quark_config, quark_twins
 
 from quantscope.compat import quark
 
 HISTOGRAMS = ["PerTensorPercentileObserver", "PerTensorMSEObserver", "PerTensorHistogramObserver"]
-
-
-def _cfg(name: str, **kw) -> QTensorConfig:
-    kw = {"qscheme": "per_tensor", "round_method": "half_even", "scale_type": "float",
-          "is_dynamic": False, **kw}
-    kw["dtype"], kw["qscheme"] = Dtype(kw["dtype"]), QSchemeType(kw["qscheme"])
-    kw["round_method"] = RoundType[kw["round_method"]]
-    kw["scale_type"] = ScaleType(kw["scale_type"])
-    return QTensorConfig(observer_cls=getattr(qo, name), **kw)
-
-
-def _pair(name: str, **kw):
-    """Quark's observer ``name`` and quantscope's, of one config."""
-    c = _cfg(name, **kw)
-    return getattr(qo, name)(c), getattr(quark, name)(c)
 
 
 def _qparams(obs):
@@ -67,7 +49,7 @@ def _int16_ranges(n: int = 20000):
 @pytest.mark.parametrize("scale_type", ["float", "float16", "float32"])
 def test_int16_asymmetric_zero_points_as_quark(scale_type):
     # Quark: qmin - round(min / scale); round(qmin - min / scale) is a code off on some
-    theirs, ours = _pair("PerTensorMinMaxObserver", dtype="int16", symmetric=False,
+    theirs, ours = quark_twins("PerTensorMinMaxObserver", dtype="int16", symmetric=False,
                          scale_type=scale_type, is_dynamic=True)
     lo, hi = _int16_ranges()
     _assert_same(ours.calculate_int_quant_params(lo, hi),
@@ -78,13 +60,13 @@ def test_int16_asymmetric_zero_point_of_observed_data_as_quark():
     from quantscope.qparams import qparams_from_range
 
     lo, hi = _int16_ranges()
-    theirs = qo.PerTensorMinMaxObserver(_cfg("PerTensorMinMaxObserver", dtype="int16",
+    theirs = qo.PerTensorMinMaxObserver(quark_config("PerTensorMinMaxObserver", dtype="int16",
                                              symmetric=False, is_dynamic=True))
     want = theirs.calculate_int_quant_params(lo, hi)[1]
     native = qparams_from_range(lo, hi, quark.quark_spec({"dtype": "int16", "symmetric": False}))
     k = int((native.zero_point != want).nonzero()[0])  # a range the native rule sets a code off
     x = torch.stack([lo[k], hi[k]]).reshape(1, 2)
-    theirs, ours = _pair("PerTensorMinMaxObserver", dtype="int16", symmetric=False)
+    theirs, ours = quark_twins("PerTensorMinMaxObserver", dtype="int16", symmetric=False)
     theirs(x)
     ours(x)
     _assert_same(_qparams(ours), _qparams(theirs))
@@ -95,7 +77,7 @@ def test_int16_asymmetric_zero_point_of_observed_data_as_quark():
 @pytest.mark.parametrize("magnitude", [1e-6, 1e-9])
 def test_histogram_fp8_small_scales_are_not_clamped_to_eps(name, dtype, magnitude):
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2)) * magnitude
-    theirs, ours = _pair(name, dtype=dtype, symmetric=True)
+    theirs, ours = quark_twins(name, dtype=dtype, symmetric=True)
     theirs(x)
     ours(x)
     want = _qparams(theirs)
@@ -113,7 +95,7 @@ def test_histogram_fp8_half_scale_type_as_quark(name, dtype, scale_type):
     g = torch.Generator().manual_seed(5)
     for seed in range(12):
         x = torch.randn(16, 64, generator=g) * (1 + seed)
-        theirs, ours = _pair(name, dtype=dtype, symmetric=True, scale_type=scale_type)
+        theirs, ours = quark_twins(name, dtype=dtype, symmetric=True, scale_type=scale_type)
         theirs(x)
         ours(x)
         _assert_same(_qparams(ours), _qparams(theirs))
@@ -121,7 +103,7 @@ def test_histogram_fp8_half_scale_type_as_quark(name, dtype, scale_type):
 
 def test_histogram_fp4_float32_small_scales_as_quark():
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2)) * 1e-7
-    theirs, ours = _pair("PerTensorPercentileObserver", dtype="fp4", scale_format="float32",
+    theirs, ours = quark_twins("PerTensorPercentileObserver", dtype="fp4", scale_format="float32",
                          symmetric=True)
     theirs(x)
     ours(x)
@@ -132,7 +114,7 @@ def test_histogram_fp4_float32_small_scales_as_quark():
 @pytest.mark.parametrize("shift", [0.0, 0.5])
 def test_histogram_fp8_asymmetric_bins_min_to_max_as_quark(name, shift):
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(5)) + shift
-    theirs, ours = _pair(name, dtype="fp8_e4m3", symmetric=False)
+    theirs, ours = quark_twins(name, dtype="fp8_e4m3", symmetric=False)
     theirs(x)
     ours(x)
     want = _qparams(theirs)
@@ -147,7 +129,7 @@ def test_histogram_fp8_asymmetric_bins_min_to_max_as_quark(name, shift):
                                            (torch.bfloat16, torch.float16),
                                            (torch.bfloat16, torch.bfloat16)])
 def test_static_mx_amax_dtype_promotes_across_batches_as_quark(scale_format, first, second):
-    theirs, ours = _pair("PerBlockMXObserver", dtype="fp4", qscheme="per_group", ch_axis=-1,
+    theirs, ours = quark_twins("PerBlockMXObserver", dtype="fp4", qscheme="per_group", ch_axis=-1,
                          group_size=32, scale_format=scale_format)
     g = torch.Generator().manual_seed(1)
     for dtype in (first, second):
@@ -166,7 +148,7 @@ def test_static_mx_amax_dtype_promotes_across_batches_as_quark(scale_format, fir
     torch.randn(2, 3, 8),
 ], ids=["zero-rows", "some-zero-rows", "1d", "3d"])
 def test_num_observed_tokens_as_quark(x):
-    theirs, ours = _pair("PerTensorMinMaxObserver", dtype="int8", symmetric=True)
+    theirs, ours = quark_twins("PerTensorMinMaxObserver", dtype="int8", symmetric=True)
     for obs in (theirs, ours):
         for _ in range(2):
             obs.record_observed_tokens(x)
@@ -182,16 +164,16 @@ def test_num_observed_tokens_as_quark(x):
     ("PerTensorPercentileObserver", {}),
 ])
 def test_zero_point_type_float32_raises(name, kw):
-    c = _cfg(name, dtype="uint4", symmetric=False, zero_point_type=ZeroPointType.float32, **kw)
+    c = quark_config(name, dtype="uint4", symmetric=False, zero_point_type=ZeroPointType.float32, **kw)
     with pytest.raises(ValueError, match="zero_point_type"):
         getattr(quark, name)(c)
 
 
 def test_zero_point_type_float32_accepted_where_quark_ignores_it():
     # symmetric ranges and torch.ao's Pro never read it in Quark
-    c = _cfg("PerTensorMinMaxObserver", dtype="int8", symmetric=True,
+    c = quark_config("PerTensorMinMaxObserver", dtype="int8", symmetric=True,
              zero_point_type=ZeroPointType.float32)
     quark.PerTensorMinMaxObserver(c)
-    c = _cfg("PerTensorHistogramObserverPro", dtype="uint8", symmetric=False,
+    c = quark_config("PerTensorHistogramObserverPro", dtype="uint8", symmetric=False,
              zero_point_type=ZeroPointType.float32)
     quark.PerTensorHistogramObserverPro(c)

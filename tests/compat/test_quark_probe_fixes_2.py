@@ -19,7 +19,9 @@ with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import quark.torch.quantization.observer.observer as qo
     from quark.torch.quantization.config.config import QTensorConfig
-    from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType
+    from quark.torch.quantization.config.type import Dtype, QSchemeType
+
+from quark_twins import quark_config, quark_twins
 
 from quantscope.compat import quark
 from quantscope.layout import Block
@@ -27,19 +29,12 @@ from quantscope.qparams import qparams_from_range
 from quantscope.spec import QuantSpec
 
 
-def _cfg(name: str, **kw) -> QTensorConfig:
-    kw = {"qscheme": "per_tensor", "round_method": "half_even", "scale_type": "float",
-          "is_dynamic": False, "symmetric": True, **kw}
-    kw["dtype"], kw["qscheme"] = Dtype(kw["dtype"]), QSchemeType(kw["qscheme"])
-    kw["round_method"] = RoundType[kw["round_method"]]
-    kw["scale_type"] = ScaleType(kw["scale_type"])
-    return QTensorConfig(observer_cls=getattr(qo, name), **kw)
+def _cfg(name: str, **kw):
+    return quark_config(name, **{"symmetric": True, **kw})
 
 
 def _pair(name: str, **kw):
-    """Quark's observer ``name`` and quantscope's, of one config."""
-    c = _cfg(name, **kw)
-    return getattr(qo, name)(c), getattr(quark, name)(c)
+    return quark_twins(name, **{"symmetric": True, **kw})
 
 
 def _quiet(fn, *args):

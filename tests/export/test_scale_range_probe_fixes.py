@@ -16,10 +16,11 @@ import math
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 from safetensors.torch import load_file, save_file
+from tiny_models import llama
 
 from quantscope.calibration import Calibration, calibrate, load
 from quantscope.scales import ScaleEncoding, not_encoded
@@ -29,19 +30,9 @@ torch.set_num_threads(1)
 Q = "model.layers.0.self_attn.q_proj"
 
 
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   vocab_size=50)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed)
-    return model, [{"input_ids": torch.randint(0, 50, (1, 8), generator=g)} for _ in range(2)]
-
-
 @pytest.fixture(scope="module")
 def calibrated():
-    model, batches = tiny_llama()
+    model, batches = llama()
     return model, {r: calibrate(model, batches, r, progress=False) for r in ("mxfp4", "nvfp4")}
 
 
