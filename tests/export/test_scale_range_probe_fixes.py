@@ -126,28 +126,27 @@ def test_export_refuses_a_block_scale_it_would_write_as_another(calibrated, tmp_
     assert not out.exists()
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_read_refuses_an_nvfp4_global_scale_whose_amax_is_inf(calibrated, tmp_path):
+def _nvfp4_export_with_input_global_scale(calibrated, out, value: float) -> str:
+    """The NVFP4 export with q_proj's ``input_global_scale`` edited to ``value``; its key."""
     model, cals = calibrated
-    out = tmp_path / "ct"
     cals["nvfp4"].export(model, out)
     key = f"{Q}.input_global_scale"
     (f,) = out.glob("*.safetensors")
     t = load_file(f)
-    t[key] = torch.full_like(t[key], 1e-38)
+    t[key] = torch.full_like(t[key], value)
     save_file(t, f, metadata={"format": "pt"})
+    return key
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_read_refuses_an_nvfp4_global_scale_whose_amax_is_inf(calibrated, tmp_path):
+    key = _nvfp4_export_with_input_global_scale(calibrated, tmp_path / "ct", 1e-38)
     with pytest.raises(ValueError, match=rf"{key} = 9\.99\d*e-39 gives an amax of inf"):
-        Calibration.from_compressed_tensors(out)
+        Calibration.from_compressed_tensors(tmp_path / "ct")
 
 
 def test_read_keeps_the_smallest_global_scale_with_a_finite_amax(calibrated, tmp_path):
-    model, cals = calibrated
-    out = tmp_path / "ct"
-    cals["nvfp4"].export(model, out)
-    key = f"{Q}.input_global_scale"
-    (f,) = out.glob("*.safetensors")
-    t = load_file(f)
-    t[key] = torch.full_like(t[key], 448 * 6 / torch.finfo(torch.float32).max)
-    save_file(t, f, metadata={"format": "pt"})
-    amax = Calibration.from_compressed_tensors(out).states[Q]["input"].global_amax
+    _nvfp4_export_with_input_global_scale(calibrated, tmp_path / "ct",
+                                          448 * 6 / torch.finfo(torch.float32).max)
+    amax = Calibration.from_compressed_tensors(tmp_path / "ct").states[Q]["input"].global_amax
     assert math.isfinite(float(amax))
