@@ -91,35 +91,27 @@ def _batches():
     return [torch.randn(8, 64, generator=gen) * s for s in (1.0, 2.0, 0.5)]
 
 
+@pytest.mark.parametrize("reset", [False, True], ids=["continues", "reset"])
 @pytest.mark.parametrize("name", STATEFUL)
-def test_inference_mode_state_continues_outside(name):
+def test_state_made_in_inference_mode_goes_on_outside(name, reset):
+    """Observed under inference_mode, then outside it: the state continues as if observed
+    outside all along, and reset() gives a fresh observer."""
     spec = QuantSpec("int8", "channel:0")
     xs = _batches()
     obs, ref = quantscope.get_observer(name, spec), quantscope.get_observer(name, spec)
     with torch.inference_mode():
         obs(xs[0])
-    ref(xs[0])
-    for x in xs[1:]:
-        obs(x)
-        ref(x)
+        obs(xs[1])
+    if reset:
+        obs.reset()
+    else:
+        ref(xs[0])
+        ref(xs[1])
+    obs(xs[2])
+    ref(xs[2])
     assert not any(b.is_inference() for b in obs.buffers())
     assert torch.equal(obs.calculate_qparams().scale, ref.calculate_qparams().scale)
     assert int(obs.observed_tokens) == int(ref.observed_tokens)
-
-
-@pytest.mark.parametrize("name", STATEFUL)
-def test_reset_after_inference_mode_is_a_fresh_observer(name):
-    spec = QuantSpec("int8", "channel:0")
-    xs = _batches()
-    obs, fresh = quantscope.get_observer(name, spec), quantscope.get_observer(name, spec)
-    with torch.inference_mode():
-        obs(xs[0])
-        obs(xs[1])
-    obs.reset()
-    obs(xs[2])
-    fresh(xs[2])
-    assert torch.equal(obs.calculate_qparams().scale, fresh.calculate_qparams().scale)
-    assert int(obs.observed_tokens) == int(fresh.observed_tokens)
 
 
 def test_load_after_inference_mode():

@@ -277,9 +277,9 @@ def _check_replaceable(path: str, overwrite: bool, kind: str, what: str | None =
                          f"({', '.join(extra[:3])}{more}): replacing it would delete that; "
                          f"move it out of the folder or choose another output")
     if not written_by_quantscope(path):
-        what = ("an ONNX file quantscope exported" if kind == "file" else
+        ours = ("an ONNX file quantscope exported" if kind == "file" else
                 f"a folder quantscope wrote (it has no {MARKER} file)")
-        raise ValueError(f"output {path!r} exists and is not {what}: overwrite replaces only "
+        raise ValueError(f"output {path!r} exists and is not {ours}: overwrite replaces only "
                          f"quantscope's own earlier outputs; choose another output or remove "
                          f"it yourself")
     held = output_kind(path) if kind == "folder" and what is not None else None

@@ -166,7 +166,8 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
         # (getattr: other classes call this method on themselves, as Quark's per-group one)
         e = getattr(self, "_pending_ends", None)
         self._pending_ends = self._state_ends = None
-        if e is not None and e[0] is not None and e[1] is lo and e[2] is hi:  # (not a step sync's)
+        # these lo / hi (not a step sync's), with the ends their pass found (CPU; None off it)
+        if e is not None and e[0] is not None and e[1] is lo and e[2] is hi:
             try:
                 self._state_ends = (e[0], weakref.ref(lo), lo._version, weakref.ref(hi),
                                     hi._version)
