@@ -17,11 +17,12 @@ which is all ``torch.compile``'s functionalization reads.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["define"]
+__all__ = ["define", "never_traced"]
 
 #: the registrations' library (``allow_override``: torch before 2.12 refuses, by default, a
 #: second function for an op and dispatch key, which a re-imported module registers)
@@ -51,3 +52,27 @@ def define(schema: str, impl: Callable, *, fake: Callable, cuda: Callable | None
         _LIB.impl(name, cuda, "CUDA", allow_override=True)
     torch.library.register_fake(qualname, fake, allow_override=True)
     return getattr(torch.ops.quantscope, name).default
+
+
+def never_traced(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)``, built at the first call rather than at import.
+
+    Built only while dynamo traces (an eager call runs ``fn``, as the disabled function
+    would), so that ``torch._dynamo`` is not imported by quantscope: that import takes about
+    a second, and it imports ``torch.distributed.nn``, whose functions take ``group.WORLD``
+    as a default argument; imported after ``init_process_group``, that keeps the group
+    alive past ``destroy_process_group``, and the process may then abort at exit
+    ("terminate called without an active exception"; torch 2.13, gloo, about 1 run in 50).
+    Traced, the call builds it and graph-breaks there as the decorator does."""
+    built = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal built
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if built is None:
+            built = torch.compiler.disable(fn)
+        return built(*args, **kwargs)
+
+    return call

@@ -57,6 +57,7 @@ from torch.ao.quantization import observer as _ao
 from torch.ao.quantization.utils import calculate_qmin_qmax
 
 from .. import kernels
+from .._oplib import never_traced
 from ..estimators.l2 import l2_range
 from ..layout import Channel, Tensor
 from ..observers.base import dtensor_error, is_dtensor
@@ -403,8 +404,7 @@ def _search(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tenso
     return new_lo.reshape(()).clone(), new_hi.reshape(()).clone()
 
 
-#: the search as the observer runs it eagerly: never traced (see ``_forward_eager``)
-_eager_search = torch.compiler.disable(_search)
+_eager_search = never_traced(_search)  # the search run eagerly (see ``_forward_eager``)
 
 
 @torch.library.custom_op("quantscope::ao_histogram_search", mutates_args=())
@@ -476,7 +476,7 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
 
     # never traced, as dynamo skips torch.ao's own observers: compiled, its re-binning's
     # linspace rounds otherwise and the histogram stops being torch.ao's
-    @torch.compiler.disable
+    @never_traced
     def _forward_eager(self, x_orig):
         if is_dtensor(x_orig):  # the kernels read its local shard's memory as the whole
             raise dtensor_error("HistogramObserver", x_orig)
