@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed and Linux's /proc/self/task (thread names)")
 
 SCRIPT = textwrap.dedent("""
-    import datetime, gc, os, sys, tempfile
+    import datetime, gc, os, sys, tempfile, time
     import torch
     import torch.distributed as dist
     import quantscope
@@ -40,7 +40,9 @@ SCRIPT = textwrap.dedent("""
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
                                 world_size=1, timeout=datetime.timedelta(seconds=60))
-        during = gloo_threads()
+        deadline = time.monotonic() + 30  # the loop thread names itself once it runs
+        while not (during := gloo_threads()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         # the registry loads every observer module, compat ones included
         quantscope.get_observer("histogram_mse", quantscope.QuantSpec())(torch.randn(64))
         torch_ao.HistogramObserver()(torch.randn(64))  # its never-traced eager path
