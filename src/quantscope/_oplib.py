@@ -4,6 +4,7 @@ Each op is one schema with an implementation for every device (the torch path, o
 kernel on the CPU), optionally a CUDA one (the Triton kernel), and a fake one (output
 shapes, and the argument checks) that the ``meta`` device, ``FakeTensor``, ``torch.compile``
 and ``torch.export`` run. :func:`define` returns the op itself (an ``OpOverload``: call it).
+:func:`never_traced` marks the few Python functions that ``torch.compile`` must leave eager.
 
 They are registered with ``torch.library.define`` and a ``Library``'s ``impl`` rather than
 the ``torch.library.custom_op`` decorator, because of the host's time per call: the decorator
@@ -55,14 +56,14 @@ def define(schema: str, impl: Callable, *, fake: Callable, cuda: Callable | None
 
 
 def never_traced(fn: Callable) -> Callable:
-    """``torch.compiler.disable(fn)``, built at the first call rather than at import.
+    """``torch.compiler.disable(fn)``, built at its first traced call rather than at import.
 
     Built only while dynamo traces (an eager call runs ``fn``, as the disabled function
     would), so that ``torch._dynamo`` is not imported by quantscope: that import takes about
     a second, and it imports ``torch.distributed.nn``, whose functions take ``group.WORLD``
     as a default argument; imported after ``init_process_group``, that keeps the group
     alive past ``destroy_process_group``, and the process may then abort at exit
-    ("terminate called without an active exception"; torch 2.13, gloo, about 1 run in 50).
+    ("terminate called without an active exception"; torch 2.13, gloo: 2-25 % of runs here).
     Traced, the call builds it and graph-breaks there as the decorator does."""
     built = None
 
