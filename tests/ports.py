@@ -9,10 +9,9 @@ import time
 import pytest
 import torch
 
-# loaded before any process group, in every spawned rank (they import this module first):
-# its functions keep group.WORLD as a default argument, so loaded after init_process_group
-# (by torch._dynamo, say) it keeps the group past destroy_process_group, and about 1 rank
-# in 50 then aborts at exit. quantscope itself loads neither: test_group_released.py
+# loaded in every spawned rank before its process group (the ranks import this module
+# first): loaded after it, by a third party's torch._dynamo say, it pins the group and the
+# rank may abort at exit (why: quantscope._oplib.never_traced; test_group_released.py)
 import torch.distributed.nn
 import torch.multiprocessing as mp
 

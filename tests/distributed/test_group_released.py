@@ -1,11 +1,8 @@
 """A process group that quantscope has used is released by ``destroy_process_group``.
 
-quantscope used to import ``torch._dynamo`` when its observer registry loaded (a
-``torch.compiler.disable`` at import), and that imports ``torch.distributed.nn``, whose
-functions keep ``group.WORLD`` as a default argument. Loaded after ``init_process_group``,
-the group outlived ``destroy_process_group``; its gloo threads then died with the interpreter
-and about 1 spawned rank in 50 aborted at exit ("terminate called without an active
-exception"), which failed CI.
+quantscope used to import ``torch._dynamo`` (and with it ``torch.distributed.nn``) when its
+observer registry loaded; after ``init_process_group`` that pinned the group, and about 1
+spawned rank in 50 aborted at exit, which failed CI (why: ``quantscope._oplib.never_traced``).
 
 The check runs in a fresh interpreter: a pytest worker may have imported those modules
 already (and then nothing here pins the group).
