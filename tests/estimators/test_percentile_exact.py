@@ -2,6 +2,7 @@
 reference: ``p`` is the decimal the user wrote (``Fraction(repr(p))``), not the float just
 above or below it (99.9 is above the decimal 99.9: ``99.9 * 41000`` rounds up past 40959)."""
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -79,3 +80,26 @@ def test_the_probe_case_and_a_list_of_percents():
     assert percentile_value(counts, torch.zeros(1), torch.ones(1), 99.9, "lower").item() == 10
     _, amax = percentile_range(h, [99.9, 99.99, 50.0], symmetric=True, convention="lower")
     assert amax[0].tolist() == [10.0, 120.0, 10.0]
+
+
+@pytest.mark.parametrize("p", [99.9999, 99.99, 50.0, 99.9999999])
+def test_totals_past_2_to_53_over_the_denominator_stay_exact(p):
+    """Totals up to 2 ** 60 (billions of batches of activations): the count just below
+    ``p`` percent of the total, the one at it and the one above, in bin 0, the rest in bin 1.
+    A float64 test of ``count * 100 den >= num * total`` rounds both products past 2 ** 53
+    (about 9e9 counts for 99.9999) and took bin 0 for a count below the share."""
+    g = torch.Generator().manual_seed(int(p * 1e7) % 2**31)
+    share, rows = Fraction(repr(p)), []
+    for e in range(33, 61, 3):
+        total = 2**e + int(torch.randint(0, 2**30, (1,), generator=g))
+        at = share * total / 100
+        for k in (math.floor(at) - 1, math.floor(at), math.ceil(at), math.ceil(at) + 1):
+            rows.append([k, total - k, 0, 0])
+    counts = torch.tensor(rows, dtype=torch.int64)
+    want = [_exact_bin(row, share) for row in counts]
+    assert 0 in want and 1 in want
+    U = counts.shape[0]
+    got = percentile_value(counts, torch.zeros(U), torch.ones(U), p, "lower")
+    assert got.long().tolist() == want
+    h = Hist(counts, torch.zeros(U), torch.full((U,), 4.0), absolute=True)
+    assert percentile_range(h, p, symmetric=True, convention="lower")[1].long().tolist() == want

@@ -3,14 +3,14 @@
 The bin ``i`` that holds the percentile ``p`` is the first whose cumulative count reaches
 ``p`` percent of the total. ``p`` is read as the decimal it prints as (``repr``: the
 shortest decimal of the float, what the user wrote), ``num / den``, and the test is
-``count * (100 * den) >= num * total`` in float64 on int64 counts: exact while both
-products stay below ``2 ** 53`` (totals up to about ``9e9`` for the percentiles 99.9 ..
-99.9999, ``den = 10 ** 4``), so where ``p`` percent of the total is a whole count (99.9 %
-of 41000 is 40959) it is reached at the bin that reaches that count. The float itself would
-miss it: ``99.9`` is above the decimal 99.9, and ``99.9 * 41000`` rounds to
-``4095900.0000000005``. Past ``2 ** 53`` (or for a decimal of more digits than that
-allows) the test is the float one, ``100 * count >= p * total`` (one rounding), as for
-percents given as tensors (:func:`percentile_value`). The value reported for it differs
+``count * (100 * den) >= num * total`` in integers: the least count that passes,
+``ceil(num * total / (100 * den))``, is computed per unit in int64 without overflow (for
+any total an int64 count holds, and ``100 * den < 2 ** 31``: decimals of up to seven
+places), so where ``p`` percent of the total is a whole count (99.9 % of 41000 is 40959)
+it is reached at the bin that reaches that count. The float itself would miss it: ``99.9``
+is above the decimal 99.9, and ``99.9 * 41000`` rounds to ``4095900.0000000005``. For a
+decimal of more places the test is the float one, ``100 * count >= p * total`` in float64,
+as for percents given as tensors (:func:`percentile_value`). The value reported for it differs
 between the references; ``convention`` selects it:
 
 =================  ====================================  ==========================
@@ -79,12 +79,10 @@ def percentile_value(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor
     off = _offset(convention)
     if isinstance(percent, torch.Tensor):
         pct = percent.to(dtype=torch.float64, device=counts.device)
-        squeeze, den = pct.dim() == 0, 1
-    else:
-        nums, den = _scaled([_decimal(percent)], [float(percent)])
-        pct, squeeze = torch.tensor(nums, dtype=torch.float64, device=counts.device), True
-    v = _values(counts, lo, width, pct.reshape(1, 1) if squeeze else pct, den, off)
-    return v[:, 0] if squeeze else v
+        v = _values(counts, lo, width, pct.reshape(1, 1) if pct.dim() == 0 else pct, 1, off)
+        return v[:, 0] if pct.dim() == 0 else v
+    pct, den = _scaled([_decimal(percent)], [float(percent)], counts.device)
+    return _values(counts, lo, width, pct, den, off)[:, 0]
 
 
 def _decimal(p: float) -> Fraction:
@@ -92,21 +90,31 @@ def _decimal(p: float) -> Fraction:
     return Fraction(repr(float(p)))
 
 
-def _scaled(fracs: list[Fraction], floats: list[float]) -> tuple[list[float], int]:
-    """``(nums, den)``, ``nums[k] / den == fracs[k]`` with every number exact in float64 and
-    ``100 * den`` too; where that cannot be, ``(floats, 1)`` (the float test)."""
+def _scaled(fracs: list[Fraction], floats: list[float], device) -> tuple[torch.Tensor, int]:
+    """``(nums, den)``, ``nums`` a ``[1, K]`` tensor: int64 with ``nums[k] / den == fracs[k]``
+    where ``100 * den < 2 ** 31`` (the exact test), else ``floats`` in float64 and ``den = 1``
+    (the float test)."""
     den = math.lcm(*(f.denominator for f in fracs))
+    if 100 * den >= 2**31:
+        return torch.tensor([floats], dtype=torch.float64, device=device), 1
     nums = [f.numerator * (den // f.denominator) for f in fracs]
-    if 100 * den >= 2**53 or max(nums) >= 2**53:
-        return list(floats), 1
-    return [float(n) for n in nums], den
+    return torch.tensor([nums], dtype=torch.int64, device=device), den
 
 
 def _values(counts, lo, width, num, den, off):
-    # [U, K] values of the bins reaching num / den percent (num: [U, K] or [1, K], float64)
-    # of the total: count * 100 den >= num * total, exact below 2 ** 53 (the module doc)
-    cum = counts.cumsum(-1).double()
-    i = torch.searchsorted(cum * (100 * den), num * cum[:, -1:], right=False)
+    # [U, K] values of the bins reaching num / den percent of the total (the module doc);
+    # num: int64 from _scaled (the exact test) or float64, [U, K] or [1, K] (the float test)
+    cum = counts.cumsum(-1)
+    if num.dtype == torch.int64:
+        # the least count c with c D >= n total, D = 100 den: with total = q D + r it is
+        # n q + ceil(n r / D), every product below 2 ** 62 (n <= D, r < D < 2 ** 31)
+        cum, D = cum.long(), 100 * den
+        q, r = cum[:, -1:].div(D, rounding_mode="floor"), cum[:, -1:].remainder(D)
+        need = num * q + (num * r + (D - 1)).div(D, rounding_mode="floor")
+    else:
+        cum = cum.double()
+        cum, need = cum * (100 * den), num * cum[:, -1:]
+    i = torch.searchsorted(cum, need, right=False)
     i = i.clamp_(max=counts.shape[-1] - 1).float()
     return lo[:, None] + (i + off) * width[:, None]
 
@@ -124,15 +132,13 @@ def percentile_range(hist: Hist, percentile: float = 99.99, *, symmetric: bool =
     dec = [_decimal(v) for v in ps]  # the decimals the user wrote (module doc)
     if symmetric:
         h = fold_abs(hist)
-        nums, den = _scaled(dec, ps)
-        pct = torch.tensor([nums], dtype=torch.float64, device=dev)
+        pct, den = _scaled(dec, ps, dev)
         amax = _values(h.counts, h.lo, h.width, pct, den, off)
         amax = amax[:, 0] if p.dim() == 0 else amax
         return -amax, amax
     # both tails in one pass, each at (100 + p) / 2 percent from its own end: the upper on the
     # counts, the lower on the reversed counts (from -hi, negated back)
-    nums, den = _scaled([(100 + f) / 2 for f in dec], [(100 + v) / 2 for v in ps])
-    pct = torch.tensor([nums], dtype=torch.float64, device=dev)
+    pct, den = _scaled([(100 + f) / 2 for f in dec], [(100 + v) / 2 for v in ps], dev)
     U, w = hist.counts.shape[0], hist.width
     v = _values(torch.cat([hist.counts, hist.counts.flip(-1)]), torch.cat([hist.lo, -hist.hi]),
                 torch.cat([w, w]), pct, den, off)
