@@ -227,7 +227,8 @@ class _QuarkHistogram(QuarkObserver):
     @property
     def calib_hist(self) -> torch.Tensor:
         """Counts as Quark holds them (float32; ``[bins]`` per tensor, ``[units, bins]`` else;
-        more bins once a batch widened the range, as Quark's)."""
+        more bins once a batch widened the range, as Quark's). On the first grid they are the
+        exact counts, where Quark's float32 sums round once a bin passes ``2 ** 24``."""
         return self._calib(0).float()
 
     @property
