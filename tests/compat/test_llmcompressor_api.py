@@ -510,3 +510,22 @@ def test_an_attached_observer_is_no_target_of_compressed_tensors_matching():
     model[0].register_module("weight_observer", _obs("memoryless_minmax", "weight"))
     assert isinstance(model[0].weight_observer, ct.InternalModule)
     assert [n for n, _ in match_named_modules(model, ["re:.*"])] == ["", "0"]
+
+
+@pytest.mark.parametrize("name", ["memoryless_minmax", "static_minmax", "minmax",
+                                  "memoryless_mse", "mse", "nvfp4_expanded_mse", "imatrix_mse"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_refused_weight_leaves_no_statistics(name, bad):
+    # forward judges a weight by the statistics it made (NaN / inf reach every class's), not
+    # by a read of the whole weight, and forgets them when it refuses: the fixed weight is
+    # then observed as by a fresh observer, not skipped as "observed once"
+    w = torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
+    bad_w = w.clone()
+    bad_w[4, 7] = bad
+    obs = _obs(name, "weight", strategy="channel")
+    with pytest.raises(ValueError, match=r"\('weight'\): observed NaN or inf values"):
+        obs(bad_w)
+    assert not obs.has_statistics
+    got, want = obs(w).get_qparams(), _obs(name, "weight", strategy="channel")(w).get_qparams()
+    assert torch.equal(got["scale"], want["scale"])
+    assert torch.equal(got["zero_point"], want["zero_point"])

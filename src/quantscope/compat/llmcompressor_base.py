@@ -260,10 +260,15 @@ class Observer(_internal_module()):
         if observed.numel() == 0 or (self.is_weight_obs and self.has_statistics):
             return self
         self._check_float32_range(observed)
-        if self.is_weight_obs:  # a weight, once: its searches would pass NaN over silently
-            check_finite_statistics(self, observed)
         self.update_statistics_from_observed(
             flatten_for_calibration(observed, self.base_name, self.args))
+        if self.is_weight_obs:  # a weight, once: refused here, not at get_qparams
+            try:  # NaN / inf reach every class's statistics (each starts from the units'
+                # min / max): two small reads, where the weight's isfinite costs ten of its
+                check_finite_statistics(self, self.min_vals, self.max_vals)
+            except ValueError:
+                del self.min_vals, self.max_vals  # the update's: none, as before the call
+                raise
         self.fusion_handler.get_fused_statistics()
         return self
 
