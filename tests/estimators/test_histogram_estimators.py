@@ -545,3 +545,21 @@ def test_polish_never_raises_the_histogram_error_and_stays_in_bounds():
     after = histogram_error(h, plo[:, None], phi[:, None], spec, points=4)
     assert bool((after <= before).all())
     assert bool((plo >= b[0]).all() and (phi <= b[1]).all())
+
+
+@pytest.mark.parametrize("polish", [0, 256])
+@pytest.mark.parametrize("k", [-60, -40, 44, 50])
+def test_histogram_search_is_scale_free_where_torch_ao_norms_overflow(k, polish):
+    # torch.ao's float32 error model cubes bin offsets: at |x| ~ 2 ** 44 they overflow to inf
+    # (2 ** -40: underflow to 0), no norm rises and its walk clips the range to a bin or two
+    # (uint8 at 2 ** 50: all positive values cut); the search on the histogram scaled by a
+    # power of two is the same walk as at |x| ~ 1, so the scales scale by 2 ** k exactly
+    x = torch.randn(6, 48, generator=torch.Generator().manual_seed(9))
+    for spec in (qs.QuantSpec("uint8", symmetric=False, eps=1e-44),
+                 qs.QuantSpec("int8", "channel:0", symmetric=False, eps=1e-44)):
+        got, want = (qs.get_observer("histogram", spec, polish=polish) for _ in range(2))
+        got(x * 2.0**k)
+        want(x)
+        g, w = got.calculate_qparams(), want.calculate_qparams()
+        assert torch.equal(g.scale, w.scale * 2.0**k)
+        assert torch.equal(g.zero_point, w.zero_point)

@@ -360,7 +360,7 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     never has more histogram error than torch.ao's choice.
     """
     if not radius:
-        return l2_range(hist, dst_nbins)
+        return _l2_range_normalized(hist, dst_nbins)
     clo, chi = l2_finalists(hist, spec, dst_nbins, radius, bounds)
     k = HistogramScorer(hist, spec, points=4)(clo, chi).argmin(1, keepdim=True)  # first minimum: the search's range on ties
     return clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
@@ -370,7 +370,7 @@ def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, boun
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ranges ``(lo, hi)`` ``[U, 3]`` :func:`l2_polished_range` picks from: the search's
     (clipped to ``bounds``), then with ``lo`` moved, then with ``hi`` moved too."""
-    lo, hi = l2_range(hist, dst_nbins)
+    lo, hi = _l2_range_normalized(hist, dst_nbins)
     if bounds is not None:
         lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
     two = HistogramScorer(hist, spec, points=2)
@@ -380,6 +380,20 @@ def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, boun
         los.append(lo)
         his.append(hi)
     return torch.stack(los, 1), torch.stack(his, 1)
+
+
+def _l2_range_normalized(hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`l2_range` on each unit's histogram scaled by a power of two to ``max(|lo|,
+    |hi|)`` in ``[0.5, 1)``, the range scaled back: the same result bit for bit where torch.ao's
+    float32 norms (cubes of bin offsets) stay normal, and the search also where they would
+    overflow or underflow (``|x|`` past about ``4e13``, or small: torch.ao then clips the range
+    to a bin or two, as its observer does)."""
+    e = torch.frexp(torch.maximum(hist.lo.abs(), hist.hi.abs())).exponent
+    f, back = torch.ldexp(torch.ones_like(hist.lo), -e), torch.ldexp(torch.ones_like(hist.lo), e)
+    step = None if hist.step is None else hist.step * f
+    lo, hi = l2_range(Hist(hist.counts, hist.lo * f, hist.hi * f, hist.absolute, step),
+                      dst_nbins)
+    return lo * back, hi * back
 
 
 def _move_end(scorer, hist: Hist, lo, hi, side: int, radius: int, steps: int, coarse: int,
