@@ -573,3 +573,22 @@ def test_running_state_under_inductor_equals_eager(name):
         step(x * (i + 1))
     assert torch.equal(compiled.min_vals, eager.min_vals)
     assert torch.equal(compiled.max_vals, eager.max_vals)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_any_non_finite_and_extreme_ends_agree_with_isfinite(dtype):
+    # the per-call check (x - x is NaN exactly at NaN / inf) against torch's isfinite, on the
+    # extremes of each dtype: its max (max - max = 0), subnormals, -0.0, and each bad value
+    fi = torch.finfo(dtype)
+    values = [0.0, -0.0, fi.max, -fi.max, fi.tiny, fi.tiny / 4, 1.5]
+    for bad in (None, float("nan"), float("inf"), -float("inf")):
+        for n in (1, 3):  # one unit (cat) and several (amin / amax)
+            lo = torch.tensor(values[:n], dtype=dtype)
+            hi = torch.tensor(values[-n:], dtype=dtype)
+            if bad is not None:
+                (lo if bad != float("inf") else hi)[n - 1] = bad
+            ends = stats.extreme_ends(lo, hi)
+            assert ends.shape == (2,)
+            want = bool(~torch.isfinite(torch.cat((lo, hi))).all())
+            assert bool(stats.any_non_finite(ends)) == want
+            assert bool(stats.any_non_finite(torch.cat((lo, hi)))) == want

@@ -37,6 +37,8 @@ from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import (
     MINMAX_DTYPES,
+    any_non_finite,
+    extreme_ends,
     layout_minmax,
     record_non_finite,
     unit_minmax,
@@ -269,8 +271,8 @@ class Observer(nn.Module):
             record_non_finite(lo, hi, self.seen_non_finite)  # one launch where torch takes ten
             return
         if ends is None:
-            ends = torch.stack((lo.amin(), hi.amax()))
-        self.seen_non_finite |= ~torch.isfinite(ends).all()
+            ends = extreme_ends(lo, hi)
+        self.seen_non_finite |= any_non_finite(ends)
 
     def set_shape(self, shape):
         """Record the shape of the last observed tensor (the sync sets the agreed one)."""

@@ -27,9 +27,10 @@ from .._oplib import define
 from ..kernels import ops
 from ..kernels import triton as _triton
 
-__all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "column_minmax", "ema_", "layout_minmax",
-           "minmax_observe", "minmax_update", "op_unit_count", "op_units",
-           "record_non_finite", "torch_unit_minmax", "unit_minmax", "unpad_minmax_"]
+__all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "column_minmax", "ema_",
+           "extreme_ends", "layout_minmax", "minmax_observe", "minmax_update", "op_unit_count",
+           "op_units", "record_non_finite", "torch_unit_minmax", "unit_minmax",
+           "unpad_minmax_"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -146,6 +147,20 @@ def ema_(kind: str, c: float, state: torch.Tensor, batch: torch.Tensor) -> None:
         raise ValueError(f"ema_: unknown kind {kind!r}; expected 'ema' or 'ema_lerp'")
 
 
+def extreme_ends(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``(2,)``: the smallest of the per-unit mins ``lo`` and the largest of the maxes ``hi``
+    (NaN propagates), which hold any NaN / inf the units held; one op for one unit."""
+    if lo.numel() == 1:
+        return torch.cat((lo.reshape(1), hi.reshape(1)))
+    return torch.stack((lo.amin(), hi.amax()))
+
+
+def any_non_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool, no host read: ``t`` holds a NaN or an inf. ``x - x`` is NaN exactly there:
+    three small ops where ``~isfinite(t).all()`` takes eight (per observer call)."""
+    return t.sub(t).isnan().any()
+
+
 def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ends: torch.Tensor | None = None, update: tuple | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +190,7 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
         lo, hi = _torch_minmax_f32(units, out) if units.device.type == "cpu" else \
             ops.unit_minmax(units)
         if ends is not None:
-            ends.copy_(torch.stack((lo.amin(), hi.amax())))
+            ends.copy_(extreme_ends(lo, hi))
         if update is not None:
             update_state(update[0], update[1], update[2], update[3], lo, hi)
         return lo, hi
@@ -412,7 +427,7 @@ def _check_record(lo, hi, seen) -> None:
 def _torch_record_non_finite(lo, hi, seen) -> None:
     _check_record(lo, hi, seen)
     if lo.numel():  # no units: nothing to record (amin of nothing is an error)
-        seen |= ~torch.isfinite(torch.stack((lo.amin(), hi.amax()))).all()
+        seen |= any_non_finite(extreme_ends(lo, hi))
 
 
 def _cuda_record_non_finite(lo, hi, seen) -> None:
