@@ -21,10 +21,12 @@ boundaries ``ceil(g i / nq)``). Work is ``units x candidates x nq``, chunked.
 
 On CPU a C kernel (:mod:`quantscope.kernels`) evaluates the same closed form: every
 group's ``G log(G / n)`` depends only on its first bin and its size (at most
-``ceil(B / nq)``), so it tabulates those once per unit (at most ``B x ceil(B / nq)``
-logs: only groups ending by the unit's last candidate) and each candidate's cross term
-is ``nq`` table reads (none for a candidate that is infinite anyway: its last bin
-empty with counts beyond it), threads over units. Same
+``ceil(B / nq)``), so where that is fewer logs than ``candidates x nq`` it tabulates
+those once per unit (at most ``B x ceil(B / nq)`` logs: only groups ending by the unit's
+last candidate) and each candidate's cross term is ``nq`` table reads; else (few groups:
+int2 / int4, or many bins per group) it computes each candidate's ``nq`` terms directly,
+the same values in the same order, in O(B) memory. No terms at all for a candidate that is infinite
+anyway (its last bin empty with counts beyond it); threads over units. Same
 float64 terms, summed in another order (tested against the torch form to 1e-12
 and against the literal loop). Note: TensorRT's groups are ``np.digitize`` on
 ``linspace(0, i, nq + 1)`` -- sizes ``floor`` or ``ceil(i / nq)`` spread over
