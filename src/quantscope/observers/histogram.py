@@ -220,7 +220,10 @@ class HistogramObserverBase(IntervalAverage, Observer):
         if fused is None and self._linear:
             self._observe_linear(units, lo, hi, zeros)
         else:  # fused: the update already ran in _unit_minmax
-            self._set_state(fused or H.update(self._state(), units, lo, hi, self._absolute))
+            # in place: the buffers are given up for the new state (a batch inside the grid then
+            # costs its values, not a fresh units x bins)
+            self._set_state(fused or H.update(self._state(), units, lo, hi, self._absolute,
+                                              inplace=True))
             self._drop_zeros(units, zeros)
         if self.averaging_constant is not None:
             self._interval_batch(lo, hi)
@@ -233,7 +236,8 @@ class HistogramObserverBase(IntervalAverage, Observer):
             self.hist_lo, self.hist_hi = lo.clone(), hi.clone()
         elif bool(((lo < self.hist_lo) | (hi > self.hist_hi)).any()):
             self._leave_linear(lo, hi)
-            self._set_state(H.update(self._state(), units, lo, hi, self._absolute))
+            self._set_state(H.update(self._state(), units, lo, hi, self._absolute,
+                                     inplace=True))
             self._drop_zeros(units, zeros)
             return
         self.hist_counts += H.linear_counts(units, self.hist_lo, self.hist_hi, self.bins)

@@ -518,20 +518,52 @@ int64_t qs_hist_bin(const float *x, int64_t U, int64_t E, int64_t B, int64_t *co
 
 /* ---------------------------------------------------------------- regrid */
 
+/* Each unit's counts moved onto its new grid, into ncounts (which may be counts itself: in
+   place, through row, a scratch of B counts). A unit whose grid stays (the same exp and
+   first: rebin is the identity) is copied, or left as it is in place, so a batch inside the
+   grid costs O(U), not O(U * B); only the units whose grid changes are re-binned. */
+static void move_rows(int64_t U, int64_t B, const int64_t *counts, const int64_t *exp,
+                      const int64_t *first, const int64_t *nexp, const int64_t *nfirst,
+                      int64_t *ncounts, int64_t *row) {
+    size_t bytes = (size_t)B * sizeof(int64_t);
+    for (int64_t u = 0; u < U; ++u) {
+        const int64_t *c = counts + u * B;
+        int64_t *out = ncounts + u * B;
+        if (nexp[u] == exp[u] && nfirst[u] == first[u]) {
+            if (out != c) memcpy(out, c, bytes);
+            continue;
+        }
+        if (out == c) c = (const int64_t *)memcpy(row, c, bytes);
+        memset(out, 0, bytes);
+        rebin_add(c, B, first[u], exp[u], nexp[u], nfirst[u], B, out);
+    }
+}
+
 /* update()'s grid change for every unit: lo / hi the batch's per-unit min / max; the state
-   (counts, exp, first, slo, shi) read, the new one written to the n* arrays (ncounts zero
-   on entry). 1 (nothing written): some unit needs the torch path (NaN / inf). */
+   (counts, exp, first, slo, shi) read, the new one written to the n* arrays: the state's own
+   (in place), or others (ncounts: any contents on entry). 1 (nothing written): some unit
+   needs the torch path (NaN / inf), or no memory. The new grid goes to scratch first: in
+   place, the state stays whole until every unit has one. */
 int64_t qs_hist_regrid(int64_t U, int64_t B, int absolute, const float *lo, const float *hi,
                        const int64_t *counts, const int64_t *exp, const int64_t *first,
                        const float *slo, const float *shi, int64_t *ncounts, int64_t *nexp,
                        int64_t *nfirst, float *nlo, float *nhi) {
-    for (int64_t u = 0; u < U; ++u)
-        if (grid_unit(lo[u], hi[u], absolute, B, slo[u], shi[u], exp[u], nlo + u, nhi + u,
-                      nexp + u, nfirst + u))
-            return 1;
-    for (int64_t u = 0; u < U; ++u)
-        rebin_add(counts + u * B, B, first[u], exp[u], nexp[u], nfirst[u], B, ncounts + u * B);
-    return 0;
+    int64_t *ge = (int64_t *)malloc((size_t)(2 * U + B) * sizeof(int64_t));  /* exp, first, row */
+    float *gl = (float *)malloc((size_t)(2 * U) * sizeof(float));          /* lo, hi */
+    int bad = !ge || !gl;
+    for (int64_t u = 0; u < U && !bad; ++u)
+        bad = grid_unit(lo[u], hi[u], absolute, B, slo[u], shi[u], exp[u], gl + u, gl + U + u,
+                        ge + u, ge + U + u);
+    if (!bad) {
+        move_rows(U, B, counts, exp, first, ge, ge + U, ncounts, ge + 2 * U);
+        memcpy(nexp, ge, (size_t)U * sizeof(int64_t));
+        memcpy(nfirst, ge + U, (size_t)U * sizeof(int64_t));
+        memcpy(nlo, gl, (size_t)U * sizeof(float));
+        memcpy(nhi, gl + U, (size_t)U * sizeof(float));
+    }
+    free(ge);
+    free(gl);
+    return bad;
 }
 
 /* ---------------------------------------------------------------- fused, one unit */
