@@ -18,7 +18,7 @@ from op_names import OpNames
 import quantscope
 from quantscope import QuantSpec, presets
 from quantscope.layout import Block, Channel, Group, Tensor, Tile, Token
-from quantscope.stats import minmax
+from quantscope.stats import minmax, minmax_layouts
 
 MINMAX = ["minmax", "memoryless_minmax", "moving_average_minmax"]
 LAYOUTS = {
@@ -49,7 +49,7 @@ def test_op_layout_minmax_is_the_units_minmax(layout, dtype):
     of the float32 units."""
     spec, shape = LAYOUTS[layout]
     x = _x(shape, dtype)
-    lo, hi = minmax._op_layout_minmax(x, spec.layout)
+    lo, hi = minmax_layouts._op_layout_minmax(x, spec.layout)
     ref_lo, ref_hi = torch.aminmax(spec.layout.to_units(x.float()), dim=1)
     assert lo.dtype == torch.float32
     assert torch.equal(lo, ref_lo) and torch.equal(hi, ref_hi)
@@ -148,9 +148,9 @@ def test_device_path_qparams_equal_the_cpu_observer(layout, monkeypatch):
     x = _x(shape, torch.bfloat16, seed=3)
     cpu = quantscope.get_observer("minmax", spec)
     cpu(x)
-    monkeypatch.setattr(minmax, "layout_minmax", lambda t, lay: minmax._op_layout_minmax(t, lay))
-    monkeypatch.setattr(quantscope.observers.base, "layout_minmax",
-                        lambda t, lay: minmax._op_layout_minmax(t, lay))
+    off_cpu = lambda t, lay: minmax_layouts._op_layout_minmax(t, lay)
+    monkeypatch.setattr(minmax_layouts, "layout_minmax", off_cpu)
+    monkeypatch.setattr(quantscope.observers.base, "layout_minmax", off_cpu)
     dev = quantscope.get_observer("minmax", spec)
     dev(x)
     a, b = cpu.calculate_qparams(), dev.calculate_qparams()

@@ -13,6 +13,7 @@ import quantscope
 from quantscope import Block, Channel, Group, QParams, QuantSpec, Tensor, Tile, Token, presets
 from quantscope.qparams import qparams_from_range
 from quantscope.stats import minmax as stats
+from quantscope.stats import minmax_layouts
 
 FAMILIES = {"memoryless_minmax": {}, "static_minmax": {}, "minmax": {"averaging_constant": 0.25}}
 
@@ -358,7 +359,7 @@ def _kernel_equals_torch(U, E, seed, specials):
     rlo, rhi = stats.torch_unit_minmax(u)
     assert torch.allclose(lo, rlo, equal_nan=True, atol=0, rtol=0)
     assert torch.allclose(hi, rhi, equal_nan=True, atol=0, rtol=0)
-    clo, chi = stats.column_minmax(u.t().contiguous())  # the vertical kernel, same answer
+    clo, chi = minmax_layouts.column_minmax(u.t().contiguous())  # the vertical kernel, same answer
     assert torch.allclose(clo, rlo, equal_nan=True, atol=0, rtol=0)
     assert torch.allclose(chi, rhi, equal_nan=True, atol=0, rtol=0)
 
@@ -431,7 +432,7 @@ def test_kernel_threads_split_units(U, E, monkeypatch):
     torch.set_num_threads(3)
     try:
         lo, hi = stats.unit_minmax(u, ends=ends)
-        clo, chi = stats.column_minmax(u.t().contiguous())
+        clo, chi = minmax_layouts.column_minmax(u.t().contiguous())
     finally:
         torch.set_num_threads(before)
     rlo, rhi = stats.torch_unit_minmax(u)
@@ -471,7 +472,7 @@ def test_layout_minmax_equals_the_units_path(layout, shape):
     x.view(-1)[999] = float("inf")
     if stats._kernel() is None:
         pytest.skip("no compiled kernel")
-    fast = stats.layout_minmax(x, layout)
+    fast = minmax_layouts.layout_minmax(x, layout)
     assert fast is not None  # read in place, not from a copy of the units
     ref = stats.torch_unit_minmax(layout.to_units(x))
     for a, b in zip(fast, ref):
@@ -486,7 +487,7 @@ def test_a_transposed_matrix_reads_its_channels_in_place(axis):
     w = rand(300, 400, seed=3)
     w[7, 11] = float("nan")
     x = w.t()
-    fast = stats.layout_minmax(x, Channel(axis))
+    fast = minmax_layouts.layout_minmax(x, Channel(axis))
     if stats._kernel() is None:
         pytest.skip("no compiled kernel")
     assert fast is not None

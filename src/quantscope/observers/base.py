@@ -39,11 +39,10 @@ from ..stats.minmax import (
     MINMAX_DTYPES,
     any_non_finite,
     extreme_ends,
-    layout_minmax,
     record_non_finite,
     unit_minmax,
-    unpad_minmax_,
 )
+from ..stats.minmax_layouts import layout_minmax, unpad_minmax_
 from . import record
 from .sync import loaded_mark, step_sync, sync_observers, synced_record
 
@@ -287,7 +286,7 @@ class Observer(nn.Module):
         input's dtype, unread) and its per-unit ``lo``, ``hi`` (float32).
 
         ``units`` is None when the class sets ``needs_units = False`` and the layout has a
-        direct min / max path (:func:`~quantscope.stats.minmax.layout_minmax`).
+        direct min / max path (:func:`~quantscope.stats.minmax_layouts.layout_minmax`).
         """
         raise NotImplementedError
 

@@ -53,7 +53,7 @@ from ..qparams import amax_of_range
 from ..stats import hist_kernel
 from ..stats import histogram as H
 from ..stats.histogram_sync import HistogramSync
-from ..stats.minmax import unpad_minmax_
+from ..stats.minmax_layouts import unpad_minmax_
 from .base import Observer
 from .histogram_ema import WINDOW, IntervalAverage
 from .registry import register

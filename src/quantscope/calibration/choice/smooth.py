@@ -56,7 +56,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ... import comm as qd
-from ...stats.minmax import column_minmax
+from ...stats.minmax_layouts import column_minmax
 from ..run.batches import eval_mode, forward_batch, input_name, module_input
 
 __all__ = ["MAPPINGS", "MIN_SCALE", "Mapping", "channel_ranges", "check", "find_mappings",
