@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from peak_memory import extra_peak_mb
 
 from quantscope.compat import horizon as hz
 
@@ -90,6 +91,17 @@ def test_kl_observer_is_horizons_compute_amax_entropy(seed, bins):
     o(x)
     want = float(kl_observer_amax(x, bins)) / 127.5
     assert float(o.calculate_qparams()[0]) == pytest.approx(want, rel=1e-6)
+
+
+def test_kl_search_temporaries_stay_small():
+    # the search over every candidate held [c, bins] float64 temporaries of 4M elements each
+    # (+235 MB at 2048 bins for a 16 KB histogram); chunks of 64K elements: ~15 MB with the
+    # batch's histogram (the search runs at the end of each update interval: here the batch)
+    o = hz.KLObserver(bins=2048)
+    with extra_peak_mb() as extra:
+        o(heavy(5))
+        o.calculate_qparams()
+    assert extra() < 64
 
 
 def test_kl_ema_of_per_interval_thresholds():

@@ -5,12 +5,11 @@ of thousands of bins at int8), which keeps memory O(bins) per thread. Both paths
 torch form's and the literal loop's values, and the same bits for the same threshold.
 """
 
-import re
-
 import numpy as np
 import pytest
 import torch
 from oracles import tensorrt_entropy_loop
+from peak_memory import extra_peak_mb
 
 from quantscope import kernels
 from quantscope.estimators.entropy import entropy_divergences
@@ -88,22 +87,17 @@ def test_the_paths_agree_bit_for_bit_on_a_shared_threshold(threads):
     assert torch.equal(pick, torch.where(torch.isfinite(a).any(-1), want, -1))
 
 
-def _peak_kb():
-    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
-
-
 @pytest.mark.parametrize("bits,bins", [(4, 16384), (8, 32768)])
 def test_direct_terms_keep_memory_linear_in_bins(bits, bins):
     # the table held ~bins^2 / nq float64 (int4, 16384 bins: ~140 MB; int8, 32768: ~65 MB)
     counts = _counts(1, bins)
     assert not _takes_table(bins, bits, bins)
     entropy_divergences(counts[:, :256], num_bits=bits, backend="kernel")  # built and loaded
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident size
-    except OSError:
-        pytest.skip("no /proc/self/clear_refs to reset the peak resident size")
-    before = _peak_kb()
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    entropy_divergences(counts, num_bits=bits, backend="kernel")
-    assert _peak_kb() - before < 16 * 1024  # a few [bins] arrays and the [C] output
+    try:
+        with extra_peak_mb() as extra:
+            entropy_divergences(counts, num_bits=bits, backend="kernel")
+    finally:
+        torch.set_num_threads(threads)
+    assert extra() < 16  # MB: a few [bins] arrays and the [C] output

@@ -362,6 +362,12 @@ def horizon_entropy_amax(hist: Hist, *, num_bits: int = 8, start_bin: int = 128,
     return h.lo + (j * stride + start_bin + smooth // 2) * h.width
 
 
+#: elements of each ``[U, c, B]`` temporary of :func:`_horizon_divergences` (about seven are
+#: alive at once): cache-sized chunks were the fastest too (one 2048-bin histogram: 216 ms and
+#: +230 MB with chunks of 4M elements, 82 ms and +8 MB with these)
+_HORIZON_CHUNK = 1 << 16
+
+
 def _horizon_divergences(counts: torch.Tensor, nq: int, cand: torch.Tensor) -> torch.Tensor:
     """Horizon's ``_entropy_torch(P, Q)`` of every candidate ``[U, C]``, dense (float64)."""
     U, B = counts.shape
@@ -371,7 +377,7 @@ def _horizon_divergences(counts: torch.Tensor, nq: int, cand: torch.Tensor) -> t
     k = torch.arange(B, device=b.device)
     total = b.sum(1, keepdim=True)
     out = []
-    step = max(1, _BUDGET * 16 // max(1, U * (B + nq)))
+    step = max(1, _HORIZON_CHUNK // max(1, U * (B + nq)))
     for c in cand.split(step):  # chunks of candidates bound the [U, c, B] work
         inside = k[None, :] < c[:, None]  # [c, B]
         grp = torch.where(inside, k[None, :] * nq // c[:, None], 0)  # np.digitize's group
