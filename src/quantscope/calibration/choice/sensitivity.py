@@ -347,12 +347,12 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
                          f"{earlier['mode']!r}; a second one must too, got mode={mode!r}")
     static = set(_static_activations(calibration))
     together = _shared_inputs(calibration)
-    picks: list[tuple[tuple[str, str], ...]] = []
+    picks: dict[tuple[tuple[str, str], ...], None] = {}  # in ranking order, O(1) lookups
     for r in sens.rows:
         key = (r["layer"], r["role"])
         unit = together.get(key, (key,))
         if key in static and unit not in picks and len(picks) < n:
-            picks.append(unit)
+            picks[unit] = None
     if len(picks) < n:  # fewer than asked: say so, not a silent smaller fallback
         warnings.warn(f"keep_float: {n} activations asked for, {len(picks)} kept float: the "
                       f"ranking holds only {len(picks)} of the calibration's static "
