@@ -103,3 +103,25 @@ def test_totals_past_2_to_53_over_the_denominator_stay_exact(p):
     assert got.long().tolist() == want
     h = Hist(counts, torch.zeros(U), torch.full((U,), 4.0), absolute=True)
     assert percentile_range(h, p, symmetric=True, convention="lower")[1].long().tolist() == want
+
+
+def test_each_percent_of_a_list_keeps_its_own_exact_test():
+    # a list shared one denominator: one eight-place decimal (past the exact test's reach)
+    # sent 99.9 to the float test too, which misses the whole count 40959 of 41000
+    counts = torch.zeros(1, 128, dtype=torch.int64)
+    counts[0, 10], counts[0, 120] = 40959, 41
+    h = Hist(counts, torch.zeros(1), torch.full((1,), 128.0), absolute=True)
+    _, amax = percentile_range(h, [99.9, 99.99999999], symmetric=True, convention="lower")
+    assert amax[0].tolist() == [10.0, 120.0]
+
+
+def test_counts_in_a_float_dtype_take_the_float_test():
+    # fractional counts (a weighted histogram): no whole counts to reach exactly; they were
+    # truncated to int64 (half of 10 x 0.3 reached at bin 3, where 1.2 < 1.5)
+    counts = torch.full((1, 10), 0.3, dtype=torch.float64)
+    for p in (50.0, 99.9, 12.5):
+        got = percentile_value(counts, torch.zeros(1), torch.ones(1), p, "lower")
+        cum = counts.cumsum(-1)
+        want = int((cum * 100 >= p * cum[:, -1:]).long().argmax())  # the float test
+        assert got.item() == want
+    assert percentile_value(counts, torch.zeros(1), torch.ones(1), 50.0, "lower").item() == 4

@@ -2,15 +2,16 @@
 
 The bin ``i`` that holds the percentile ``p`` is the first whose cumulative count reaches
 ``p`` percent of the total. ``p`` is read as the decimal it prints as (``repr``: the
-shortest decimal of the float, what the user wrote), ``num / den``, and the test is
-``count * (100 * den) >= num * total`` in integers: the least count that passes,
-``ceil(num * total / (100 * den))``, is computed per unit in int64 without overflow (for
-any total an int64 count holds, and ``100 * den < 2 ** 31``: decimals of up to seven
-places), so where ``p`` percent of the total is a whole count (99.9 % of 41000 is 40959)
-it is reached at the bin that reaches that count. The float itself would miss it: ``99.9``
-is above the decimal 99.9, and ``99.9 * 41000`` rounds to ``4095900.0000000005``. For a
-decimal of more places the test is the float one, ``100 * count >= p * total`` in float64,
-as for percents given as tensors (:func:`percentile_value`). The value reported for it differs
+shortest decimal of the float, what the user wrote), and its share of the total ``p / 100``
+as the fraction ``num / den``; the test is ``count * den >= num * total`` in integers: the
+least count that passes, ``ceil(num * total / den)``, is computed per unit in int64 without
+overflow (for any total an int64 count holds, and ``den < 2 ** 31``: decimals of up to seven
+places), so where ``p`` percent of the total is a whole count (99.9 % of 41000 is 40959) it
+is reached at the bin that reaches that count. The float itself would miss it: ``99.9`` is
+above the decimal 99.9, and ``99.9 * 41000`` rounds to ``4095900.0000000005``. A percent of
+more places (each of a list on its own), percents given as tensors
+(:func:`percentile_value`) and counts in a float dtype take the float test,
+``100 * count >= p * total`` in float64. The value reported for it differs
 between the references; ``convention`` selects it:
 
 =================  ====================================  ==========================
@@ -32,9 +33,10 @@ asymmetric option intends).
 
 from __future__ import annotations
 
-import math
+import functools
 import numbers
 from fractions import Fraction
+from typing import NamedTuple
 
 import torch
 
@@ -79,10 +81,11 @@ def percentile_value(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor
     off = _offset(convention)
     if isinstance(percent, torch.Tensor):
         pct = percent.to(dtype=torch.float64, device=counts.device)
-        v = _values(counts, lo, width, pct.reshape(1, 1) if pct.dim() == 0 else pct, 1, off)
+        v = _values(counts, lo, width, _Percents(pct.reshape(1, 1) if pct.dim() == 0 else pct),
+                    off)
         return v[:, 0] if pct.dim() == 0 else v
-    pct, den = _scaled([_decimal(percent)], [float(percent)], counts.device)
-    return _values(counts, lo, width, pct, den, off)[:, 0]
+    pct = _percents([_decimal(percent)], [float(percent)], counts.device)
+    return _values(counts, lo, width, pct, off)[:, 0]
 
 
 def _decimal(p: float) -> Fraction:
@@ -90,31 +93,48 @@ def _decimal(p: float) -> Fraction:
     return Fraction(repr(float(p)))
 
 
-def _scaled(fracs: list[Fraction], floats: list[float], device) -> tuple[torch.Tensor, int]:
-    """``(nums, den)``, ``nums`` a ``[1, K]`` tensor: int64 with ``nums[k] / den == fracs[k]``
-    where ``100 * den < 2 ** 31`` (the exact test), else ``floats`` in float64 and ``den = 1``
-    (the float test)."""
-    den = math.lcm(*(f.denominator for f in fracs))
-    if 100 * den >= 2**31:
-        return torch.tensor([floats], dtype=torch.float64, device=device), 1
-    nums = [f.numerator * (den // f.denominator) for f in fracs]
-    return torch.tensor([nums], dtype=torch.int64, device=device), den
+class _Percents(NamedTuple):
+    """``[1, K]`` percents (``[U, K]`` for tensors given): ``floats`` (float64) for the float
+    test; where exact, ``num / den`` their fraction of the total (int64, ``den < 2 ** 31``)."""
+
+    floats: torch.Tensor
+    num: torch.Tensor | None = None
+    den: torch.Tensor | None = None
+    exact: torch.Tensor | None = None  # [1, K] bool
+    some_exact: bool = False
+    all_exact: bool = False
 
 
-def _values(counts, lo, width, num, den, off):
-    # [U, K] values of the bins reaching num / den percent of the total (the module doc);
-    # num: int64 from _scaled (the exact test) or float64, [U, K] or [1, K] (the float test)
+def _percents(decimals: list[Fraction], floats: list[float], device) -> _Percents:
+    """Each percent's exact test where its fraction of the total ``p / 100`` has a
+    denominator below ``2 ** 31`` (every decimal of up to seven places), else its float test."""
+    fracs = [d / 100 for d in decimals]
+    exact = [f.denominator < 2**31 for f in fracs]
+    nums = [f.numerator if e else 0 for f, e in zip(fracs, exact, strict=True)]
+    dens = [f.denominator if e else 1 for f, e in zip(fracs, exact, strict=True)]
+    row = functools.partial(torch.tensor, device=device)
+    return _Percents(row([floats], dtype=torch.float64), row([nums], dtype=torch.int64),
+                     row([dens], dtype=torch.int64), row([exact], dtype=torch.bool),
+                     any(exact), all(exact))
+
+
+def _values(counts, lo, width, pct: _Percents, off):
+    # [U, K] values of the bins reaching each percent of the total (the module doc); counts
+    # in a float dtype (not the int64 of a Hist) take the float test throughout
     cum = counts.cumsum(-1)
-    if num.dtype == torch.int64:
-        # the least count c with c D >= n total, D = 100 den: with total = q D + r it is
-        # n q + ceil(n r / D), every product below 2 ** 62 (n <= D, r < D < 2 ** 31)
-        cum, D = cum.long(), 100 * den
-        q, r = cum[:, -1:].div(D, rounding_mode="floor"), cum[:, -1:].remainder(D)
-        need = num * q + (num * r + (D - 1)).div(D, rounding_mode="floor")
-    else:
-        cum = cum.double()
-        cum, need = cum * (100 * den), num * cum[:, -1:]
-    i = torch.searchsorted(cum, need, right=False)
+    exact = pct.some_exact and not counts.is_floating_point()
+    i = None
+    if not (exact and pct.all_exact):  # the float test: 100 count >= p total
+        f = cum.double()
+        i = torch.searchsorted(f * 100, pct.floats * f[:, -1:], right=False)
+    if exact:
+        # the least count c with c den >= num total: with total = q den + r it is
+        # num q + ceil(num r / den), every product below 2 ** 62 (num <= den < 2 ** 31)
+        total = cum[:, -1:]
+        q, r = total.div(pct.den, rounding_mode="floor"), total.remainder(pct.den)
+        need = pct.num * q + (pct.num * r + (pct.den - 1)).div(pct.den, rounding_mode="floor")
+        reach = torch.searchsorted(cum, need, right=False)
+        i = reach if i is None else torch.where(pct.exact, reach, i)
     i = i.clamp_(max=counts.shape[-1] - 1).float()
     return lo[:, None] + (i + off) * width[:, None]
 
@@ -132,15 +152,14 @@ def percentile_range(hist: Hist, percentile: float = 99.99, *, symmetric: bool =
     dec = [_decimal(v) for v in ps]  # the decimals the user wrote (module doc)
     if symmetric:
         h = fold_abs(hist)
-        pct, den = _scaled(dec, ps, dev)
-        amax = _values(h.counts, h.lo, h.width, pct, den, off)
+        amax = _values(h.counts, h.lo, h.width, _percents(dec, ps, dev), off)
         amax = amax[:, 0] if p.dim() == 0 else amax
         return -amax, amax
     # both tails in one pass, each at (100 + p) / 2 percent from its own end: the upper on the
     # counts, the lower on the reversed counts (from -hi, negated back)
-    pct, den = _scaled([(100 + f) / 2 for f in dec], [(100 + v) / 2 for v in ps], dev)
+    pct = _percents([(100 + f) / 2 for f in dec], [(100 + v) / 2 for v in ps], dev)
     U, w = hist.counts.shape[0], hist.width
     v = _values(torch.cat([hist.counts, hist.counts.flip(-1)]), torch.cat([hist.lo, -hist.hi]),
-                torch.cat([w, w]), pct, den, off)
+                torch.cat([w, w]), pct, off)
     v = v[:, 0] if p.dim() == 0 else v
     return -v[U:], v[:U]
