@@ -563,3 +563,17 @@ def test_histogram_search_is_scale_free_where_torch_ao_norms_overflow(k, polish)
         g, w = got.calculate_qparams(), want.calculate_qparams()
         assert torch.equal(g.scale, w.scale * 2.0**k)
         assert torch.equal(g.zero_point, w.zero_point)
+
+
+@pytest.mark.parametrize("end", [1e-39, 2.0**127])
+def test_histogram_search_scaling_stays_finite_at_float32s_ends(end):
+    # the power-of-two factors were float32 2 ** -e / 2 ** e: inf for subnormal ends (a NaN
+    # range) and for ends at 2 ** 127 (an inf range); they stay normal, the range finite
+    from quantscope.estimators.l2 import l2_polished_range
+
+    counts = torch.randint(1, 50, (1, 128), generator=torch.Generator().manual_seed(0))
+    h = Hist(counts, torch.tensor([-end]), torch.tensor([end]))
+    for radius in (0, 256):
+        lo, hi = l2_polished_range(h, qs.QuantSpec("int8"), 256, radius)
+        assert bool(torch.isfinite(lo).all() and torch.isfinite(hi).all())
+        assert -end <= lo.item() < 0 < hi.item() <= end

@@ -388,7 +388,8 @@ def _l2_range_normalized(hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, torc
     float32 norms (cubes of bin offsets) stay normal, and the search also where they would
     overflow or underflow (``|x|`` past about ``4e13``, or small: torch.ao then clips the range
     to a bin or two, as its observer does)."""
-    e = torch.frexp(torch.maximum(hist.lo.abs(), hist.hi.abs())).exponent
+    # both factors normal float32 (subnormal ends are scaled up exactly, only not to ~1)
+    e = torch.frexp(torch.maximum(hist.lo.abs(), hist.hi.abs())).exponent.clamp(-126, 126)
     f, back = torch.ldexp(torch.ones_like(hist.lo), -e), torch.ldexp(torch.ones_like(hist.lo), e)
     step = None if hist.step is None else hist.step * f
     lo, hi = l2_range(Hist(hist.counts, hist.lo * f, hist.hi * f, hist.absolute, step),
