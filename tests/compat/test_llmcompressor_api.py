@@ -5,6 +5,7 @@ in test_llmcompressor_peers.py."""
 
 from __future__ import annotations
 
+import warnings
 from unittest import mock
 
 import pytest
@@ -529,3 +530,21 @@ def test_a_refused_weight_leaves_no_statistics(name, bad):
     got, want = obs(w).get_qparams(), _obs(name, "weight", strategy="channel")(w).get_qparams()
     assert torch.equal(got["scale"], want["scale"])
     assert torch.equal(got["zero_point"], want["zero_point"])
+
+
+@pytest.mark.parametrize("name", ["imatrix_mse", "nvfp4_expanded_imatrix"])
+@pytest.mark.parametrize("strict", [False, True])
+def test_imatrix_refuses_a_non_finite_weight_before_judging_its_importance(name, strict):
+    # refused after the search, the weight first got the no-importance fallback's warning
+    # (strict: its error instead of the NaN one)
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(4))
+    w[5, 7] = float("nan")
+    fmt = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16} \
+        if name.startswith("nvfp4") else {**INT8, "strategy": "channel"}
+    obs = lc.Observer.load_from_registry(name, base_name="weight", args={
+        **fmt, "observer_kwargs": {"strict": strict}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning on the way
+        with pytest.raises(ValueError, match=r"\('weight'\): observed NaN or inf values"):
+            obs(w)
+    assert not obs.has_statistics

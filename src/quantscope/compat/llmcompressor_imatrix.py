@@ -44,6 +44,7 @@ from . import enum_name, field
 from .llmcompressor_base import (
     HALF_SCALES,
     check_expanded_range,
+    check_finite_statistics,
     statistics_dtype,
     statistics_units,
 )
@@ -157,6 +158,9 @@ class IMatrixMixin:
     def imatrix_range(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The searched ``(min_vals, max_vals)`` of ``(observations, *qparam_shape, elements)``:
         importance-weighted, or :meth:`uniform_range` where the importance is refused."""
+        # a NaN / inf weight is refused before its importance is judged (whose fallback
+        # warns, or raises when strict): one read, small beside the search
+        check_finite_statistics(self, *torch.aminmax(observed))
         importance = self._importance(observed)
         if importance is None:
             return self.uniform_range(observed)
