@@ -132,11 +132,10 @@ def _new_state(counts):
 
 def regrid(state, lo: torch.Tensor, hi: torch.Tensor, absolute: bool, inplace: bool = False):
     """``update``'s grid change in C: the new ``(counts, exp, first, lo, hi)`` for batch
-    min / max ``lo``, ``hi``; None: the torch path decides (no kernel, NaN / inf, other dtypes
-    or devices), and nothing is modified. Fresh tensors, ``state`` not modified; or, with
-    ``inplace``, ``state``'s own tensors updated in place (the caller gives ``state`` up), where
-    a unit whose grid stays costs O(1), not O(bins): a batch inside the grid leaves the
-    counts alone."""
+    min / max ``lo``, ``hi``, in fresh tensors (``state`` not modified) or, with ``inplace``,
+    in ``state``'s own (the caller gives ``state`` up; a unit whose grid stays then costs
+    O(1), not O(bins)). None: the torch path decides (no kernel, NaN / inf, other dtypes or
+    devices), and nothing was modified."""
     lib = _kernel()
     U, B = state[0].shape
     if (lib is None or B < 1 or not _state_ok(state, U, B) or lo.shape != (U,)
