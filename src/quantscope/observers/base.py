@@ -267,7 +267,7 @@ class Observer(nn.Module):
         # two values to test (``ends``, when unit_minmax already found them)
         if ends is None and lo.device.type != "cpu" and lo.dim() == 1 \
                 and lo.dtype == hi.dtype == torch.float32:
-            record_non_finite(lo, hi, self.seen_non_finite)  # one launch where torch takes ten
+            record_non_finite(lo, hi, self.seen_non_finite)  # one launch where torch takes seven
             return
         if ends is None:
             ends = extreme_ends(lo, hi)

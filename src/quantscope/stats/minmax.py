@@ -312,7 +312,7 @@ def _cuda_record_non_finite(lo, hi, seen) -> None:
 
 #: ``seen`` (one bool) set where per-unit ``lo`` / ``hi`` hold NaN or an infinity (the
 #: observers' non-finite check: their smallest min or largest max is not finite), in place,
-#: with no host read: one Triton launch on CUDA where the torch ops take ten.
+#: with no host read: one Triton launch on CUDA where the torch ops take seven.
 record_non_finite = define(
     "record_non_finite(Tensor lo, Tensor hi, Tensor(a!) seen) -> ()", _torch_record_non_finite,
     cuda=_cuda_record_non_finite, fake=_check_record)
