@@ -366,3 +366,20 @@ def test_any_valid_spec_quantizes_consistently(case):
     assert (out[x == 0] == 0).all()  # zero is exact
     ref, _ = reference_fake_quant(x, q, spec)  # the broadcast reference
     assert torch.equal(out, ref)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=4),
+       st.lists(st.integers(0, 3), min_size=0, max_size=5))
+def test_in_place_broadcast_check_is_torchs(t_shape, o_shape):
+    # qdq's hand check of "other broadcasts into t without growing it" against torch's rule
+    from quantscope.qdq import _fits
+
+    t, o = torch.empty(t_shape), torch.empty(o_shape)
+    try:
+        want = torch.broadcast_shapes(t.shape, o.shape) == t.shape
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            _fits(t, o)
+        return
+    assert _fits(t, o) == want

@@ -184,7 +184,8 @@ class Observer(nn.Module):
             raise ValueError(f"{self.describe()}: {e}") from None
         # read as float32: a finite float64 past its range would turn inf, then read as
         # NaN / inf input (non_finite='ignore' would drop it as such)
-        check_float32_range(self.describe(), x)
+        if x.dtype == torch.float64:  # (describe() is not free: only where it can be needed)
+            check_float32_range(self.describe(), x)
         return True
 
     def _check_unit_count(self, count: int, shape) -> None:
@@ -271,7 +272,7 @@ class Observer(nn.Module):
             return
         if ends is None:
             ends = extreme_ends(lo, hi)
-        self.seen_non_finite |= any_non_finite(ends)
+        self.seen_non_finite.bitwise_or_(any_non_finite(ends))  # (|= would setattr it back)
 
     def set_shape(self, shape):
         """Record the shape of the last observed tensor (the sync sets the agreed one)."""

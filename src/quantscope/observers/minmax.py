@@ -83,7 +83,9 @@ class MinMaxStateObserver(Observer):
                 or self.min_vals.device != units.device):
             return super()._unit_minmax(units, count, ends)
         c = getattr(self, "averaging_constant", 0.0)
-        self._fused = True  # _observe: the state is already updated
+        # _observe: the state is already updated (a plain bool, set per call: without
+        # nn.Module.__setattr__'s checks for parameters, buffers and modules)
+        object.__setattr__(self, "_fused", True)
         return unit_minmax(units, self._minmax_out(count), ends,
                            (kind, c, self.min_vals, self.max_vals))
 
@@ -123,7 +125,7 @@ class MinMaxStateObserver(Observer):
 
     def _observe(self, units, lo, hi):
         if self._fused:
-            self._fused = False
+            object.__setattr__(self, "_fused", False)
         elif self.min_vals.shape != lo.shape:  # first call (shape, not value: no host sync)
             self.min_vals = lo.clone()
             self.max_vals = hi.clone()

@@ -46,8 +46,8 @@ def torch_unit_minmax(units: torch.Tensor, out=None) -> tuple[torch.Tensor, torc
         lo, hi = torch.aminmax(units)
         if out is None:
             return lo.reshape(1), hi.reshape(1)
-        out[0].copy_(lo.reshape(1))
-        out[1].copy_(hi.reshape(1))
+        out[0].copy_(lo)  # (0-dim into [1]: a broadcast, no reshape)
+        out[1].copy_(hi)
         return out
     if units.device.type == "cpu" and not units.is_contiguous():
         # strided units (a slice, a transposed view): amin and amax vectorize along the
@@ -150,7 +150,7 @@ def extreme_ends(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """``(2,)``: the smallest of the per-unit mins ``lo`` and the largest of the maxes ``hi``
     (NaN propagates), which hold any NaN / inf the units held; one op for one unit."""
     if lo.numel() == 1:
-        return torch.cat((lo.reshape(1), hi.reshape(1)))
+        return torch.cat((lo, hi) if lo.dim() == 1 else (lo.reshape(1), hi.reshape(1)))
     return torch.stack((lo.amin(), hi.amax()))
 
 

@@ -12,6 +12,8 @@ import torch
 
 from .. import kernels
 from ..kernels import ops
+from ..layout import Block, Channel, Group, Tile
+from ..layout import Tensor as TensorLayout
 from .minmax import (
     KERNEL_DTYPES,
     _kernel,
@@ -66,8 +68,8 @@ def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] 
     """
     if x.device.type != "cpu":
         return _op_layout_minmax(x, layout)
-    from ..layout import Block, Channel, Group, Tile
-
+    if isinstance(layout, TensorLayout):  # one unit: a row view already
+        return None
     if not _use_kernel(x) or _kernel() is None:
         return _transposed_minmax(x, layout)
     shape = x.shape
@@ -126,8 +128,6 @@ def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor
 def _transposed_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per-channel ranges of a transposed matrix (``w.t()``) read from the memory it views:
     its channels are the columns or the rows of that contiguous matrix."""
-    from ..layout import Channel
-
     if not (isinstance(layout, Channel) and x.dim() == 2 and -2 <= layout.axis < 2
             and _use_kernel(x.t()) and _kernel() is not None):
         return None  # (an axis out of range: the units path says so)
