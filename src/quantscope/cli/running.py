@@ -142,6 +142,9 @@ def check_text_config(path, task: str) -> None:
     """:func:`_check_text_class` from the folder's config and the class ``task`` loads, before
     anything else of the folder is read; a config transformers maps to no class of that task
     is checked once the model is loaded."""
+    from .._versions import require
+
+    require("transformers", "--model")  # before its import: the error names what to install
     from transformers.models.auto import modeling_auto
 
     from ..calibration.run.hf_loader import load_config

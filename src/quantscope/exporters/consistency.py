@@ -61,7 +61,10 @@ _FLOAT8 = {"F8_E4M3", "F8_E5M2"}
 
 def _read(entries, name) -> torch.Tensor:
     """The scales tensor ``name`` stands for, as float32 (E8M0 codes decoded)."""
-    from safetensors import SafetensorError, safe_open
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise ImportError("check needs safetensors: pip install 'quantscope[model]'") from None
 
     try:
         with safe_open(str(entries[name][0]), framework="pt") as f:

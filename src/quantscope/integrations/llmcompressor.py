@@ -69,12 +69,18 @@ import math
 from typing import ClassVar
 
 import torch
-from compressed_tensors.quantization import QuantizationStrategy
-from compressed_tensors.quantization.utils import generate_gparam, should_generate_mx_scales
-from compressed_tensors.registry.registry import standardize_lookup_name
-from llmcompressor.observers import Observer
-from llmcompressor.observers.helpers import flatten_for_calibration
 from torch import distributed as dist
+
+try:
+    from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.quantization.utils import generate_gparam, should_generate_mx_scales
+    from compressed_tensors.registry.registry import standardize_lookup_name
+    from llmcompressor.observers import Observer
+    from llmcompressor.observers.helpers import flatten_for_calibration
+except ImportError as e:
+    raise ImportError(f"quantscope.integrations.llmcompressor registers quantscope's observers "
+                      f"in llm-compressor and needs it (with its compressed-tensors): pip install "
+                      f"llmcompressor ({e})") from None
 
 from .._checks import check_number
 from ..compat.llmcompressor_base import (

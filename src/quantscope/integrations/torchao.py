@@ -17,7 +17,12 @@ pt2e passes the spec's ``dtype``, ``quant_min``, ``quant_max``, ``qscheme``, ``i
 
 from __future__ import annotations
 
-from torchao.quantization.pt2e import ObserverBase as _PT2EObserverBase
+try:
+    from torchao.quantization.pt2e import ObserverBase as _PT2EObserverBase
+except ImportError as e:
+    raise ImportError(f"quantscope.integrations.torchao plugs quantscope's observers into "
+                      f"torchao's pt2e flow and needs torchao: pip install 'quantscope[peers]' "
+                      f"({e})") from None
 
 from ..compat.torch_ao import (
     HistogramObserver,

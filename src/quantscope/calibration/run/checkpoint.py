@@ -36,12 +36,11 @@ def empty_model(path, task: str | None = None) -> nn.Module:
     tables) computed by the model's ``_init_weights``, as transformers' loader does.
     ``task`` (default :func:`model_task`) picks the class as ``load_model`` does; a demo
     model's folder is ``quantscope.demo.models.resolve_model_path(name)``."""
-    import transformers
-
     from ..._versions import require
     from .hf_loader import load_config, parameter_budget
 
     require("transformers", "empty_model")  # older ones leave the rotary tables unset
+    import transformers
 
     path = Path(path)
     if not (path / "config.json").is_file():
