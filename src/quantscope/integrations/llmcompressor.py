@@ -77,10 +77,11 @@ try:
     from compressed_tensors.registry.registry import standardize_lookup_name
     from llmcompressor.observers import Observer
     from llmcompressor.observers.helpers import flatten_for_calibration
-except ImportError as e:
-    raise ImportError(f"quantscope.integrations.llmcompressor registers quantscope's observers "
-                      f"in llm-compressor and needs it (with its compressed-tensors): pip install "
-                      f"llmcompressor ({e})") from None
+except ModuleNotFoundError as e:  # the same error, saying what to install
+    raise ModuleNotFoundError(
+        f"quantscope.integrations.llmcompressor registers quantscope's observers in "
+        f"llm-compressor and needs it (with its compressed-tensors): pip install llmcompressor "
+        f"({e})", name=e.name) from None
 
 from .._checks import check_number
 from ..compat.llmcompressor_base import (

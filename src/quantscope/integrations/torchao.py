@@ -19,10 +19,10 @@ from __future__ import annotations
 
 try:
     from torchao.quantization.pt2e import ObserverBase as _PT2EObserverBase
-except ImportError as e:
-    raise ImportError(f"quantscope.integrations.torchao plugs quantscope's observers into "
-                      f"torchao's pt2e flow and needs torchao: pip install 'quantscope[peers]' "
-                      f"({e})") from None
+except ModuleNotFoundError as e:  # the same error, saying what to install
+    raise ModuleNotFoundError(
+        f"quantscope.integrations.torchao plugs quantscope's observers into torchao's pt2e "
+        f"flow and needs torchao: pip install 'quantscope[peers]' ({e})", name=e.name) from None
 
 from ..compat.torch_ao import (
     HistogramObserver,
