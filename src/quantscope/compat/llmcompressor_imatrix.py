@@ -172,7 +172,7 @@ class IMatrixMixin:
         return self._search(observed, None)
 
     def _search(self, observed, importance):
-        check_expanded_range(self, observed.amin(), observed.amax(), self.expand)
+        check_expanded_range(self, *torch.aminmax(observed), self.expand)  # one read, not two
         spec = search_spec(self.args, self.base_name)  # tensor_group's scale_dtype dropped
         spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
                             else spec.scale)
