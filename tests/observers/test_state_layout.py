@@ -70,6 +70,23 @@ def test_histogram_of_abs_x_into_one_of_x_is_a_value_error(name, saved_symmetric
         into.load_state_dict(saved.state_dict())
 
 
+@pytest.mark.parametrize("name, kwargs", [("percentile", {}), ("percentile", {"grid": "first"}),
+                                          ("horizon:KLObserver", {})])
+def test_histogram_of_other_bins_is_a_value_error(name, kwargs):
+    """The bins are the constructor's: a state of other bins loaded silently went on with the
+    saved bins (or crashed on the next batch, on the linear grid)."""
+    spec = {} if name.startswith("horizon") else {"spec": QuantSpec("int8")}
+    saved = get_observer(name, bins=512, **spec, **kwargs)
+    saved(_matrix())
+    into = get_observer(name, bins=1024, **spec, **kwargs)
+    with pytest.raises(ValueError, match=r"histogram of 512 bins into one of bins=1024"):
+        into.load_state_dict(saved.state_dict())
+    fresh = get_observer(name, bins=1024, **spec, **kwargs)
+    _same_state(into.state_dict(), fresh.state_dict())  # refused before anything changed
+    unobserved = get_observer(name, bins=512, **spec, **kwargs)
+    into.load_state_dict(unobserved.state_dict())  # an empty state has no bins to disagree
+
+
 @pytest.mark.parametrize("name", ["entropy", "l2_histogram"])
 def test_histogram_of_one_kind_whatever_the_symmetry_loads(name):
     """entropy bins |x| and l2_histogram x for either symmetry: a state of the other loads."""

@@ -165,6 +165,14 @@ class HistogramObserverBase(IntervalAverage, Observer):
                 f"of histograms (limit {self.max_hist_bytes / 2**30:.1f} GiB: max_hist_bytes); "
                 f"use a coarser layout or fewer bins")
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        counts = state_dict.get(prefix + "hist_counts")  # [U, bins] once observed
+        if counts is not None and counts.dim() == 2 and counts.shape[1] != self.bins:
+            raise ValueError(f"{self.describe()}: cannot load a histogram of {counts.shape[1]} "
+                             f"bins into one of bins={self.bins}; construct the observer with "
+                             f"bins={counts.shape[1]}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, x):
         self._pass[1] = getattr(x, "shape", None)  # which units are padded (_padding)
         return super().forward(x)
