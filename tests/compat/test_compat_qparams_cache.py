@@ -1,6 +1,8 @@
 """compat.llmcompressor: forward's qparams are reused by get_qparams only while the state and
 the tensors handed out are unchanged (a write into them is never seen by the next call)."""
 
+import pickle
+
 import torch
 
 import quantscope as qs
@@ -66,3 +68,14 @@ def test_get_qparams_after_forward_hands_out_forward_s_tensors():
     assert all(again[k] is qp[k] for k in qp)
     o.args["zp_dtype"] = torch.float16  # another zero-point dtype: computed again
     assert o.get_qparams()["zero_point"].dtype == torch.float16
+
+
+def test_an_observed_observer_pickles_without_its_cache():
+    """The cache held float8 zero points, which torch's pickle writes but cannot read back."""
+    for name in ("memoryless_minmax", "static_minmax"):
+        o = _obs(name)
+        w = torch.randn(16, 64)
+        o(w)
+        back = pickle.loads(pickle.dumps(o))
+        assert back._qp_cache == [None] and o._qp_cache[0] is not None
+        assert torch.equal(back.get_qparams()["scale"], o.get_qparams()["scale"])

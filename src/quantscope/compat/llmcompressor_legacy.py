@@ -88,6 +88,10 @@ class Observer:
         # list, not a module attribute
         self._qp_cache = [None]
 
+    def __getstate__(self):
+        # the cache is derived, and its float8 zero points do not unpickle (torch 2.13)
+        return {**super().__getstate__(), "_qp_cache": [None]}
+
     @classmethod
     def load_from_registry(cls, name: str, **kwargs):
         """The class registered as ``"llmcompressor:" + name``, constructed with ``kwargs``."""
