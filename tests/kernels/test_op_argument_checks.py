@@ -177,10 +177,14 @@ def test_fake_quant_int_refuses_bad_bounds(device, qmin, qmax, name, forbid_host
 # probing: fractional bounds were taken, and gave codes that are not integers (3.5, 7.25)
 FRACTIONAL = [(-3.5, 3.5, "qmin must be an integer code"), (-8.0, 7.25, "qmax must be an integer"),
               (-8.0, 7.0 + 2**-40, "qmax must be an integer")]
+# probing: whole numbers past float32's range failed inside torch.clamp on the CPU and turned
+# inf in the Triton kernels
+PAST_FLOAT32 = [(-8.0, 1e39, "qmax must be a finite number in"),
+                (-1e39, 7.0, "qmin must be a finite number in")]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("qmin", "qmax", "name"), FRACTIONAL)
+@pytest.mark.parametrize(("qmin", "qmax", "name"), [*FRACTIONAL, *PAST_FLOAT32])
 def test_fake_quant_int_refuses_fractional_bounds(device, qmin, qmax, name, forbid_host_sync):
     units = torch.randn(4, 8).to(device)
     scale, zp = torch.ones(4, device=device), torch.zeros(4, device=device)
@@ -190,7 +194,8 @@ def test_fake_quant_int_refuses_fractional_bounds(device, qmin, qmax, name, forb
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("qmin", "qmax", "name"),
-                         [*FRACTIONAL, (-INF, 7.0, "qmin must be a finite"), (-8.0, NAN, "qmax")])
+                         [*FRACTIONAL, *PAST_FLOAT32, (-INF, 7.0, "qmin must be a finite"),
+                          (-8.0, NAN, "qmax")])
 def test_mse_price_int_refuses_bad_bounds(device, qmin, qmax, name, forbid_host_sync):
     units = torch.randn(4, 8).to(device)
     scale = torch.ones(2, 4, device=device)

@@ -114,9 +114,10 @@ def _check_price(who: str, units: Tensor, scale: Tensor, zero_point: Tensor | No
 def _check_code_range(who: str, qmin, qmax) -> None:
     """The integer ops' code range (``fake_quant_int``, ``mse_price_int``): whole numbers,
     taken as floats by the schema, with ``qmin < qmax``; a fractional bound would make
-    codes that are not integers."""
+    codes that are not integers, one past float32's range an inf code on the Triton path."""
+    big = torch.finfo(torch.float32).max
     for name, v in (("qmin", qmin), ("qmax", qmax)):
-        if not check_number(f"quantscope::{who}", name, v, -math.inf).is_integer():
+        if not check_number(f"quantscope::{who}", name, v, -big, big).is_integer():
             raise ValueError(f"quantscope::{who}: {name} must be an integer code (a whole "
                              f"number), got {v!r}")
     if not qmin < qmax:
