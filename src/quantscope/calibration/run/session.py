@@ -360,8 +360,8 @@ def calibrate(model: nn.Module, batches, recipe="w8a8", *, observer: str | None 
               progress: bool = True, **keywords) -> Calibration:
     """Calibrate ``model`` on ``batches`` with ``recipe``; returns a :class:`Calibration`.
 
-    ``recipe`` is a preset name (``w8a8``, ``w8a8-dynamic``, ``w4a16``, ``w4a8``,
-    ``fp8``, ``mxfp4``, ``nvfp4``) or a :class:`Recipe`; ``observer`` (a registry
+    ``recipe`` is a preset name (``w8a8``, ``w4a16``, ``nvfp4``, ...: every name of
+    :data:`~quantscope.calibration.recipe.PRESETS`) or a :class:`Recipe`; ``observer`` (a registry
     name or ``"auto"``) replaces the recipe's observers. The options (``sampling=``,
     ``auto=``, ``moe=``, ``outliers=``, ``sequential=``, ``runtime=``: the objects of
     :mod:`.options`) and ``progress`` as :func:`calibrate_many`, whose deprecated flat
