@@ -12,7 +12,7 @@ CALIBRATION = ROOT / "src" / "quantscope" / "calibration"
 
 def _table_modules(page: str) -> dict[str, set[str]]:
     """``{"run": {"session", ...}, ...}`` from the rows ``| `run/` | job | `a`, `b` |``."""
-    rows = re.findall(r"^\| `(\w+)/` \| [^|]+ \| ([^|]+) \|$", page, flags=re.M)
+    rows = re.findall(r"^\| `(\w+)/` \| [^|]+ \| ([^|]+) \|$", page, flags=re.MULTILINE)
     return {pkg: set(re.findall(r"`(\w+)`", names)) for pkg, names in rows}
 
 

@@ -72,21 +72,38 @@ def test_block_runs(where, code, tmp_path, monkeypatch):
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def heading_anchors(page: pathlib.Path) -> set[str]:
+    """The anchors mkdocs gives ``page``'s headings: Python-Markdown's toc slug of their text
+    (code spans and links read as their text; fenced code holds no headings)."""
+    from markdown.extensions.toc import slugify
+
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    plain = (re.sub(r"\[([^]]*)\]\([^)]*\)|[`*]", r"\1", h)
+             for h in re.findall(r"^#{1,6} (.+?)\s*$", text, flags=re.MULTILINE))
+    return {slugify(h, "-") for h in plain}
+
+
 def broken_links(page: pathlib.Path) -> list[str]:
-    """The relative links of ``page`` (Markdown ``[text](target)``) whose file does not exist;
-    anchors are mkdocs' to check (``make docs``) for the pages it builds."""
+    """The relative links of ``page`` (Markdown ``[text](target)``) whose file does not
+    exist, or whose anchor is no heading of a Markdown target (the README's: mkdocs checks
+    the anchors of the pages it builds, ``make docs``)."""
     out = []
     for target in LINK.findall(page.read_text()):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             continue  # a URL, or an anchor of the same page
-        path = target.split("#", 1)[0]
-        if not (page.parent / path).exists():
+        path, _, anchor = target.partition("#")
+        file = page.parent / path
+        if not file.exists() or (anchor and file.suffix == ".md"
+                                 and anchor not in heading_anchors(file)):
             out.append(target)
     return out
 
 
-def test_readme_links_point_at_files_that_exist(tmp_path):
+def test_readme_links_point_at_files_and_headings_that_exist(tmp_path):
+    pytest.importorskip("markdown")
     assert broken_links(ROOT / "README.md") == []
     page = tmp_path / "p.md"
-    page.write_text("[a](missing.md#x) [b](p.md) [c](https://example.org) [d](#here)")
-    assert broken_links(page) == ["missing.md#x"]
+    page.write_text("# A `b` [c](p.md)\n```\n# not a heading\n```\n"
+                    "[a](missing.md#x) [b](p.md) [c](https://example.org) [d](#here) "
+                    "[e](p.md#a-b-c) [f](p.md#not-a-heading)")
+    assert broken_links(page) == ["missing.md#x", "p.md#not-a-heading"]
