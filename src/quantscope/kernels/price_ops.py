@@ -152,8 +152,9 @@ def _c_price(entry: str, units: Tensor, scale: Tensor, zero_point: Tensor, *fmt,
              weights: Tensor | None = None, norm: float = 2.0) -> Tensor | None:
     """The C kernel's prices (``entry``: ``qs_mse_price_w`` or ``qs_mse_price_fp_w``, with
     ``weights`` or without), or None where it does not run (not built, ``units`` no
-    contiguous CPU tensor, or a norm other than 2)."""
+    CPU tensor, or a norm other than 2)."""
     K, U = scale.shape
+    units = units.contiguous()  # a strided view prices as its values do (as _torch_price)
     lib = _c_lib("mse_search") if _plain(units) and U and K and norm == 2.0 else None
     if lib is None:
         return None
@@ -177,7 +178,9 @@ def price_sums(d: Tensor, weights: Tensor | None = None, norm: float = 2.0) -> T
 def _torch_price(units: Tensor, scale: Tensor, zero_point: Tensor, bounds,
                  weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
     """:func:`price_sums` of each candidate's fake-quant errors, one candidate at a time
-    (one ``[U, E]`` temporary)."""
+    (one ``[U, E]`` temporary). Contiguous rows: torch's row sums add in an order that
+    follows the strides, and a price must not depend on the layout of its units."""
+    units = units.contiguous()
     out = torch.empty(tuple(scale.shape), dtype=torch.float64, device=units.device)
     for k in range(scale.shape[0]):
         d = fake_quantize_units(units, scale[k, :, None], zero_point[k, :, None].float(),
