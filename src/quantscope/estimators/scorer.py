@@ -8,12 +8,13 @@ score: ``error = sum_i count_i * (fake_quant(c_i) - c_i) ** 2``. The scale of a
 candidate comes from :func:`quantscope.qparams_from_range` (so scale encodings
 and zero points are those that run).
 
-For integer formats on CPU a small C kernel (:mod:`quantscope.kernels`) scores the
-candidates: the same float32 operations per point as :func:`fake_quantize_units`
-(divide, add the zero point, round half to even, clamp, subtract, multiply), so the
-same quantized values; only the float64 sum runs in another order (tests compare it
-with the torch path to 1e-12). With fp32 scales the kernel also derives each
-candidate's scale and zero point itself (``kernels/csrc/qs_qparams.h``, bitwise
+On CPU a small C kernel (:mod:`quantscope.kernels`) scores the candidates: the same
+float32 operations per point as :func:`fake_quantize_units` (integer formats: divide, add
+the zero point, round half to even, clamp, subtract, multiply; float element formats, MX
+and NVFP4 blocks included: divide, ``FloatFormat.round``'s steps, multiply, subtract), so
+the same quantized values; only the float64 sum runs in another order (tests compare it
+with the torch path to 1e-12). With fp32 scales (integer formats) the kernel also derives
+each candidate's scale and zero point itself (``kernels/csrc/qs_qparams.h``, bitwise
 ``qparams_from_range``), and a search along a :class:`Line` builds only the candidates
 it visits: one C call per line instead of some thirty small torch ops. The torch path
 stays the reference and the fallback.
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .. import kernels
-from ..formats import IntFormat
+from ..formats import FloatFormat, IntFormat
 from ..qdq import fake_quantize_units
 from ..qparams import qparams_from_range
 from ..spec import QuantSpec
@@ -52,9 +53,10 @@ class HistogramScorer:
     def __init__(self, hist: Hist, spec: QuantSpec, *, centers: torch.Tensor | None = None,
                  points: int = 1, backend: str | None = None):
         self.spec, self.units = spec, hist.counts.shape[0]
-        applies = hist.counts.device.type == "cpu" and isinstance(spec.format, IntFormat)
+        applies = (hist.counts.device.type == "cpu"
+                   and isinstance(spec.format, (IntFormat, FloatFormat)))
         self.kernel = kernels.choose(backend, "hist_error", "HistogramScorer", applies) is not None
-        self._derive, self._q = _kernel_consts(spec)
+        self._derive, self._q, self._fmt = _kernel_consts(spec)
         counts = hist.counts
         width = hist.width
         off = _offsets(points, counts.device)  # sub-points at (i + (k + 0.5) / points) w
@@ -106,8 +108,8 @@ class HistogramScorer:
             s, z = self._qparams(lo, hi)
             out = torch.empty(U, C, dtype=torch.float64)
             _kernel().qs_hist_error(x.data_ptr(), w.data_ptr(), lo.data_ptr(), hi.data_ptr(),
-                                    _ptr(s), _ptr(z), self._q.data_ptr(), out.data_ptr(), U, C,
-                                    x.shape[1], kernels.threads())
+                                    _ptr(s), _ptr(z), self._q.data_ptr(), _ptr(self._fmt),
+                                    out.data_ptr(), U, C, x.shape[1], kernels.threads())
             return out
         return self._torch(*self._qparams(lo, hi, torch_only=True))
 
@@ -170,8 +172,9 @@ class HistogramScorer:
             blo, bhi = kernels.buffer(2, U).unbind(0)
             lvt = _as_tensor(lv)
             _kernel().qs_line_search(x.data_ptr(), w.data_ptr(), *map(_ptr, f), _ptr(s),
-                                     _ptr(z), self._q.data_ptr(), idx.data_ptr(), err.data_ptr(),
-                                     blo.data_ptr(), bhi.data_ptr(), U, x.shape[1], line.kind,
+                                     _ptr(z), self._q.data_ptr(), _ptr(self._fmt),
+                                     idx.data_ptr(), err.data_ptr(), blo.data_ptr(),
+                                     bhi.data_ptr(), U, x.shape[1], line.kind,
                                      n, line.mul, line.add, line.div, mid, lvt.data_ptr(),
                                      len(lv), int(first), kernels.threads())
             return LineBest(blo, bhi, idx, err)
@@ -288,12 +291,16 @@ def _as_tensor(levels: tuple[int, ...]) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel_consts(spec: QuantSpec) -> tuple[bool, torch.Tensor]:
-    """Whether the kernel derives ``spec``'s scales itself, and its constants (float64):
-    :func:`kernels.qparams_consts`, else just ``qmin, qmax``."""
+def _kernel_consts(spec: QuantSpec) -> tuple[bool, torch.Tensor, torch.Tensor | None]:
+    """Whether the kernel derives ``spec``'s scales itself, its constants (float64):
+    :func:`kernels.qparams_consts`, else just ``qmin, qmax``, and a float element format's
+    ``max, min_exp, mbits`` (None for an integer format; float scales are always given)."""
     consts = kernels.qparams_consts(spec)
+    fmt = spec.format
+    ffmt = (torch.tensor([float(fmt.max), float(fmt.min_exp), float(fmt.mbits)],
+                         dtype=torch.float64) if isinstance(fmt, FloatFormat) else None)
     return consts is not None, torch.tensor(consts or [float(spec.qmin), float(spec.qmax)],
-                                            dtype=torch.float64)
+                                            dtype=torch.float64), ffmt
 
 
 @functools.lru_cache(maxsize=8)

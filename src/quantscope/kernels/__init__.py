@@ -95,8 +95,8 @@ SIGNATURES: dict[str, dict[str, list]] = {
     },
     "hist_error": {
         "qs_points": [_P] * 6 + [_I] * 3,
-        "qs_hist_error": [_P] * 8 + [_I] * 4,
-        "qs_line_search": [_P] * 14 + [_I] * 8 + [_P] + [_I] * 3,
+        "qs_hist_error": [_P] * 9 + [_I] * 4,
+        "qs_line_search": [_P] * 15 + [_I] * 8 + [_P] + [_I] * 3,
     },
     "l2_walk": {
         "qs_l2_init": [_P, _P, _I, _I],

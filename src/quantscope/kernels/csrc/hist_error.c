@@ -3,28 +3,75 @@
 #include "qs_threads.h"
 #include "qs_fakequant.h"
 #include "qs_qparams.h"
-/* sum_p w[p] * d[p]^2 with d the fake-quant error of x[p] under (s, z) (qs_fakequant.h's
-   float32 steps), each d widened to float64 */
-static double score(const float *x, const double *w, int64_t P, float s, float z, float lo,
-                    float hi) {
+/* The element format: integer codes in [qmin, qmax] (dq1), or a float format (fp: fq1 with
+   f; its zero point is 0) */
+typedef struct { float qmin, qmax; int fp; qs_ffmt f; } fmt_t;
+
+/* q: qparams_consts (qmin, qmax first); fmt: NULL for an integer format, else a float
+   format's {max, min_exp, mbits} */
+static fmt_t fmt_of(const double *q, const double *fmt) {
+    fmt_t m = {(float)q[0], (float)q[1], fmt != NULL, {0, 0, 0.0f}};
+    if (fmt) m.f = qs_ffmt_of((int64_t)fmt[1], (int64_t)fmt[2], fmt[0]);
+    return m;
+}
+
+/* sum_p w[p] * d[p]^2 with d[p] = DQ(x[p]) (VDQ: VW lanes), each d widened to float64 */
+#ifdef VW
+#define SUM_SIMD(VDQ)                                                                         \
+    do {                                                                                      \
+        vd a0 = DZERO(), a1 = DZERO();                                                        \
+        for (; p + VW <= P; p += VW) {                                                        \
+            vf d = VDQ(VLOAD(x + p));                                                         \
+            vd d0 = DLO(d), d1 = DHI(d);                                                      \
+            a0 = DADD(a0, DMUL(DMUL(d0, d0), DLOAD(w + p)));                                  \
+            a1 = DADD(a1, DMUL(DMUL(d1, d1), DLOAD(w + p + VW / 2)));                         \
+        }                                                                                     \
+        acc = DSUM(DADD(a0, a1));                                                             \
+    } while (0)
+#endif
+#define SUM_TAIL(DQ)                                                                          \
+    for (; p < P; ++p) {                                                                      \
+        double d = (double)DQ(x[p]);                                                          \
+        acc += d * d * w[p];                                                                  \
+    }
+
+/* the sum under (s, z) of an integer format (qs_fakequant.h's float32 steps) */
+static double score_int(const float *x, const double *w, int64_t P, float s, float z,
+                        float lo, float hi) {
     int64_t p = 0;
     double acc = 0.0;
 #ifdef VW
     const vf vs = VSET1(s), vz = VSET1(z), vlo = VSET1(lo), vhi = VSET1(hi);
-    vd a0 = DZERO(), a1 = DZERO();
-    for (; p + VW <= P; p += VW) {
-        vf d = dqv(VLOAD(x + p), vs, vz, vlo, vhi, 0);
-        vd d0 = DLO(d), d1 = DHI(d);
-        a0 = DADD(a0, DMUL(DMUL(d0, d0), DLOAD(w + p)));
-        a1 = DADD(a1, DMUL(DMUL(d1, d1), DLOAD(w + p + VW / 2)));
-    }
-    acc = DSUM(DADD(a0, a1));
+#define VDQ(v) dqv(v, vs, vz, vlo, vhi, 0)
+    SUM_SIMD(VDQ);
+#undef VDQ
 #endif
-    for (; p < P; ++p) {
-        double d = (double)dq1(x[p], s, z, lo, hi);
-        acc += d * d * w[p];
-    }
+#define SDQ(v) dq1(v, s, z, lo, hi)
+    SUM_TAIL(SDQ)
+#undef SDQ
     return acc;
+}
+
+/* the sum under scale s of a float format (FloatFormat.round's float32 steps: fq1, fqv) */
+static double score_fp(const float *x, const double *w, int64_t P, float s, qs_ffmt f) {
+    int64_t p = 0;
+    double acc = 0.0;
+#ifdef VW
+    const vf vs = VSET1(s), top = VSET1(f.fmax), bottom = VSET1(-f.fmax);
+    const vi mf = VISET1(f.min_field), sh = VISET1(f.shift);
+#define VDQ(v) fqv(v, vs, mf, sh, top, bottom)
+    SUM_SIMD(VDQ);
+#undef VDQ
+#endif
+#define SDQ(v) fq1(v, s, f)
+    SUM_TAIL(SDQ)
+#undef SDQ
+    return acc;
+}
+
+static inline double score(const float *x, const double *w, int64_t P, float s, float z,
+                           const fmt_t *m) {
+    return m->fp ? score_fp(x, w, P, s, m->f) : score_int(x, w, P, s, z, m->qmin, m->qmax);
 }
 
 /* (s, z) of candidate k of unit u: given [U, C] (s != NULL), else from its range by
@@ -37,27 +84,27 @@ static inline void qp_of(const float *s, const float *z, const double *q, int64_
 
 typedef struct {
     const float *x; const double *w; const float *lo, *hi, *s, *z; const double *q; double *out;
-    int64_t C, P, j0, j1;
+    int64_t C, P, j0, j1; fmt_t m;
 } job_t;
 
 static void *run(void *arg) {
     job_t *j = (job_t *)arg;
-    const float qmin = (float)j->q[0], qmax = (float)j->q[1];
     for (int64_t k = j->j0; k < j->j1; ++k) {
         int64_t u = k / j->C;
         float sk, zk;
         qp_of(j->s, j->z, j->q, k, j->lo[k], j->hi[k], &sk, &zk);
-        j->out[k] = score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, qmin, qmax);
+        j->out[k] = score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, &j->m);
     }
     return NULL;
 }
 
 /* out[u, c]: the error of range (lo, hi) [U, C] on points x [U, P] (float32) with weights
-   w [U, P] (float64); (s, z) [U, C] given or NULL (from the ranges); q: qparams_consts.
-   Threads split the U * C scores. */
+   w [U, P] (float64); (s, z) [U, C] given or NULL (from the ranges); q: qparams_consts;
+   fmt: NULL, or a float format (fmt_of: its scales are always given). Threads split the
+   U * C scores. */
 int64_t qs_hist_error(const float *x, const double *w, const float *lo, const float *hi,
-                      const float *s, const float *z, const double *q, double *out, int64_t U,
-                      int64_t C, int64_t P, int64_t threads) {
+                      const float *s, const float *z, const double *q, const double *fmt,
+                      double *out, int64_t U, int64_t C, int64_t P, int64_t threads) {
     int64_t n = U * C;
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads > n) threads = n;
@@ -65,7 +112,7 @@ int64_t qs_hist_error(const float *x, const double *w, const float *lo, const fl
     job_t jobs[QS_MAXT];
     for (int64_t t = 0; t < threads; ++t)
         jobs[t] = (job_t){x, w, lo, hi, s, z, q, out, C, P, n * t / threads,
-                          n * (t + 1) / threads};
+                          n * (t + 1) / threads, fmt_of(q, fmt)};
     qs_run_jobs(run, jobs, sizeof jobs[0], (int)threads);
     return 0;
 }
@@ -97,7 +144,7 @@ static inline void line_range(const line_t *L, int64_t u, int64_t k, float *x, f
 typedef struct {
     const float *x; const double *w; line_t line; const float *s, *z; const double *q;
     int64_t *idx; double *err; float *olo, *ohi;
-    const int64_t *lv; int64_t nlv, n, P, mid, first, u0, u1;
+    const int64_t *lv; int64_t nlv, n, P, mid, first, u0, u1; fmt_t m;
 } ljob_t;
 
 /* the last priced (s, z) of a unit and its error: a candidate with the same qparams (the
@@ -112,8 +159,7 @@ static inline double line_score(const ljob_t *j, int64_t u, int64_t k, memo_t *m
     if (sk == m->s && zk == m->z) return m->e;
     m->s = sk;
     m->z = zk;
-    m->e = score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, (float)j->q[0],
-                 (float)j->q[1]);
+    m->e = score(j->x + u * j->P, j->w + u * j->P, j->P, sk, zk, &j->m);
     return m->e;
 }
 
@@ -148,7 +194,8 @@ static void *line_run(void *arg) {
 
 int64_t qs_line_search(const float *x, const double *w, const float *lo0, const float *hi0,
                        const float *wd, const float *blo, const float *bhi, const float *s,
-                       const float *z, const double *q, int64_t *idx, double *err, float *olo,
+                       const float *z, const double *q, const double *fmt, int64_t *idx,
+                       double *err, float *olo,
                        float *ohi, int64_t U, int64_t P, int64_t kind, int64_t n, int64_t mul,
                        int64_t add, int64_t div, int64_t mid, const int64_t *lv, int64_t nlv,
                        int64_t first, int64_t threads) {
@@ -159,7 +206,7 @@ int64_t qs_line_search(const float *x, const double *w, const float *lo0, const 
     ljob_t jobs[QS_MAXT];
     for (int64_t t = 0; t < threads; ++t)
         jobs[t] = (ljob_t){x, w, line, s, z, q, idx, err, olo, ohi, lv, nlv, n, P, mid, first,
-                           U * t / threads, U * (t + 1) / threads};
+                           U * t / threads, U * (t + 1) / threads, fmt_of(q, fmt)};
     qs_run_jobs(line_run, jobs, sizeof jobs[0], (int)threads);
     return 0;
 }
