@@ -7,6 +7,8 @@
 * KL over a 2048-bin ``|x|`` histogram: quantscope's closed form against a straightforward
   loop of TensorRT's steps (the loop of ``_compute_amax_entropy``, numpy);
 * per-channel KL over 4096 channels, int8 and int4 (no reference has it);
+* the histogram searches on float element formats (fp8 per channel, NVFP4 blocks): the C
+  kernel against the torch path it is tested against;
 * quality: MSE of fake-quant (quint8 affine, torch.ao's default) against the observed data
   with each estimator's range and with torch.ao's, on the synthetic batches and on real
   activations (inputs of every Linear of all-MiniLM-L6-v2 on the Lee corpus). Goals:
@@ -119,6 +121,38 @@ def kl_speed(batches):
     return tm
 
 
+def float_search_speed():
+    """The histogram searches on float element formats: the C kernel against the torch path
+    it is tested against (the same qparams), qparams time per tensor."""
+    t = Table("histogram searches on float formats (qparams, s; ratio = torch path / kernel)",
+              ["observer", "spec", "units", "torch path", "kernel", "ratio"])
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(1024, 512, generator=g) * torch.rand(1024, 1, generator=g)
+    for name in ("histogram_mse", "histogram"):
+        for spec, x in ((qs.QuantSpec("fp8_e4m3", "channel:0"), w), (qs.presets.NVFP4, w[:64])):
+            o = qs.get_observer(name, spec)
+            o(x)
+            tm = compare({"torch": lambda o=o: _without_kernels(o.calculate_range),
+                          "kernel": lambda o=o: o.calculate_range()}, repeat=3, warmup=1)
+            t.add(name, str(spec), str(o.hist_counts.shape[0]), f"{tm['torch']:.2f}",
+                  f"{tm['kernel']:.2f}", f"{tm['torch'] / tm['kernel']:.1f}x")
+    t.print()
+
+
+def _without_kernels(call):
+    """``call()`` on the torch path: the built libraries set aside for it (the kernels are
+    cached per process, so QUANTSCOPE_NO_KERNEL set now would not reach them)."""
+    from quantscope import kernels
+
+    saved = dict(kernels._libs)
+    kernels._libs.update(dict.fromkeys(kernels.SIGNATURES))
+    try:
+        return call()
+    finally:
+        kernels._libs.clear()
+        kernels._libs.update(saved)
+
+
 def _mse(x, lo, hi):
     qp = qs.qparams_from_range(lo.reshape(1), hi.reshape(1), SPEC)
     return float(((qs.fake_quantize(x, qp, SPEC) - x).double() ** 2).mean())
@@ -187,6 +221,7 @@ def _main():
     batches = synthetic_batches()
     speed(batches)
     kl_speed(batches)
+    float_search_speed()
     quality([("synthetic 8x64x128x384", batches)], "quality, synthetic activations")
     try:
         acts = minilm_activations()
