@@ -143,6 +143,19 @@ def test_no_compiler_is_said_once(fresh, monkeypatch):
     assert "no C compiler" in str(record[0].message)
 
 
+def test_a_cc_that_does_not_split_is_said_once(fresh, monkeypatch):
+    # shlex's "No closing quotation" escaped to the caller: calibrate failed naming a layer
+    monkeypatch.setenv("CC", 'gcc "-O2')
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert kernels.lib("unit_minmax") is None
+    assert len(record) == 1 and issubclass(record[0].category, kernels.KernelWarning)
+    assert "$CC='gcc \"-O2' is no command line" in str(record[0].message)
+    x = torch.randn(4, 1 << 16)  # and the callers run their torch path
+    lo, hi = minmax.unit_minmax(x)
+    assert torch.equal(lo, x.amin(1)) and torch.equal(hi, x.amax(1))
+
+
 def test_no_kernel_switch_is_silent(fresh, monkeypatch):
     monkeypatch.setenv("QUANTSCOPE_NO_KERNEL", "1")
     monkeypatch.setenv("CC", "/nonexistent/bin/cc")

@@ -156,10 +156,14 @@ def disabled() -> bool:
 
 def compiler() -> list[str] | None:
     """The compiler command as an argument list: ``$CC`` split like a shell would split it
-    (``"ccache gcc -m64"``), else ``cc`` or ``gcc`` on the PATH; None when there is none."""
+    (``"ccache gcc -m64"``), else ``cc`` or ``gcc`` on the PATH; None when there is none.
+    ``FileNotFoundError`` for a ``$CC`` that does not split (an unbalanced quote)."""
     cc = os.environ.get("CC", "").strip()
     if cc:
-        argv = shlex.split(cc)
+        try:
+            argv = shlex.split(cc)
+        except ValueError as e:  # lib() warns and takes the torch path, as for no compiler
+            raise FileNotFoundError(f"$CC={cc!r} is no command line ({e})") from None
         exe = shutil.which(argv[0])
         return [exe, *argv[1:]] if exe else None
     exe = shutil.which("cc") or shutil.which("gcc")

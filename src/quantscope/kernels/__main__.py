@@ -10,8 +10,12 @@ if __name__ == "__main__":
         print("QUANTSCOPE_NO_KERNEL is set: every kernel is off (torch path)")
         sys.exit(0)
     built = build_all()
-    cc = compiler()
-    print(f"compiler: {' '.join(cc) if cc else 'none'}; cache: {cache_dir()}")
+    try:
+        cc = compiler()
+        found = " ".join(cc) if cc else "none"
+    except FileNotFoundError as e:
+        found = f"none: {e}"
+    print(f"compiler: {found}; cache: {cache_dir()}")
     for name, ok in built.items():
         print(f"  {name:12s} {'built' if ok else 'NOT built (torch path)'}")
     sys.exit(0 if all(built.values()) else 1)
