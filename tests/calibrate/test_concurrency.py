@@ -145,3 +145,41 @@ def test_calibrate_of_another_model_inside_a_calibration_runs():
     quantscope.calibrate(model, _batches(), "w8a8", progress=False)
     alone = quantscope.calibrate(_tiny(3), _batches(), "w8a8", progress=False)
     assert got["inner"].quantizes_like(alone)
+
+
+@pytest.mark.parametrize("grad_mode", [torch.inference_mode, torch.no_grad])
+def test_a_forward_from_another_thread_during_calibrate_runs_unobserved(grad_mode):
+    # the observers recorded that batch (inference mode: a range 100x too wide, silently) or
+    # failed in it (no_grad: torch refused the in-place update of an inference tensor)
+    model = _tiny()
+    batches = _batches(3)
+    ref = quantscope.calibrate(model, batches, "w8a8", observer="static_minmax",
+                               progress=False)
+    holding, resume, out, foreign = threading.Event(), threading.Event(), {}, {}
+
+    def slow():
+        for i, b in enumerate(batches):
+            if i == 1:  # the hooks are in place
+                holding.set()
+                resume.wait(30)
+            yield b
+
+    def run():
+        out["c"] = quantscope.calibrate(model, slow(), "w8a8", observer="static_minmax",
+                                        progress=False)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert holding.wait(30)
+        x = 100 * torch.randn(4, 16)
+        with grad_mode():
+            foreign["y"] = model(x)
+        with torch.no_grad():
+            assert torch.equal(foreign["y"], model(x))  # a plain forward
+    finally:
+        resume.set()
+        t.join(60)
+    for layer in ("0", "2"):
+        got, want = (c.states[layer]["input"].qparams.scale for c in (out["c"], ref))
+        assert torch.equal(got, want)

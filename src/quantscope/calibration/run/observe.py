@@ -274,7 +274,9 @@ def make_plan(model, recipes, candidates, owns=None):
 
 def _hook(slots: list[Slot], input_key: str | None = None):
     def observe(x):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        # only the pass's own forwards: another thread's forward of the model runs plain
+        # (a fresh thread's context does not hold the pass's flag)
+        if not _IN_PASS.get() or not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         for slot in slots:
             slot.calls += 1
