@@ -43,7 +43,11 @@ def runtime_qparams(x: torch.Tensor, state) -> QParams:
 def qdq_tensor(x: torch.Tensor, state) -> torch.Tensor:
     """``x`` fake-quantized as ``state`` says, in ``x``'s dtype. An empty tensor (an MoE
     expert that no token was routed to) has nothing to quantize and passes through, under
-    every mode (a run-time observer would have seen no value to take a range from)."""
+    every mode (a run-time observer would have seen no value to take a range from). Under
+    autograd (``x`` requires grad, grad enabled) the result carries the straight-through
+    gradient (``fake_quantize(ste=True)``): without it, every layer before a quantized
+    activation would get no gradient, silently."""
     if x.numel() == 0:
         return x
-    return fake_quantize(x, runtime_qparams(x, state), state.spec, check=False)
+    ste = x.requires_grad and torch.is_grad_enabled()
+    return fake_quantize(x, runtime_qparams(x, state), state.spec, ste=ste, check=False)
