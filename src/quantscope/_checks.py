@@ -16,7 +16,15 @@ import torch
 from .spec import QuantSpec
 
 __all__ = ["check_float32_range", "check_int", "check_number", "check_per_unit", "check_real",
-           "check_spec", "dtensor_error", "is_dtensor", "outside_quantscope"]
+           "check_spec", "dtensor_error", "env_flag", "is_dtensor", "outside_quantscope"]
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on / off environment variable: unset or empty gives ``default``; ``0``, ``false``,
+    ``no``, ``off`` (any case) False; any other value True (``QUANTSCOPE_NO_KERNEL=false``
+    turned the kernels off)."""
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value not in ("0", "false", "no", "off")
 
 
 def check_spec(who: str, spec) -> None:

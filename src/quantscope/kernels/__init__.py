@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch.autograd.graph import increment_version
 
+from .._checks import env_flag
 from .._locks import ForkSafeLock
 from ..formats import IntFormat
 
@@ -151,7 +152,7 @@ def cache_dir() -> Path:
 
 def disabled() -> bool:
     """Whether ``QUANTSCOPE_NO_KERNEL`` turns every kernel off."""
-    return os.environ.get("QUANTSCOPE_NO_KERNEL", "") not in ("", "0")
+    return env_flag("QUANTSCOPE_NO_KERNEL", False)
 
 
 def compiler() -> list[str] | None:

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
 from ... import kernels
+from ..._checks import env_flag
 
 __all__ = ["MMAP_THRESHOLD", "prepare", "trim"]
 
@@ -51,7 +51,7 @@ def _glibc():
 
 
 def _on() -> bool:
-    return os.environ.get("QUANTSCOPE_HEAP", "1") != "0"
+    return env_flag("QUANTSCOPE_HEAP", True)
 
 
 def prepare() -> bool:
