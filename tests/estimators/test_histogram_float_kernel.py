@@ -38,8 +38,7 @@ def _observed(name, spec, x, **kw):
 
 def _candidates(o):
     """Two sets of ranges [U, C]: from far inside the data (most values saturate) to just
-    past it, and far past it (most round in the subnormal range, even fp8_e5m2's). Apart,
-    as NVFP4's global scale follows the largest range of a call."""
+    past it, and far past it (most round in the subnormal range, even fp8_e5m2's)."""
     f = torch.cat([torch.logspace(-4, 0, 24), torch.tensor([1.0, 1.5, 3.0])])
     g = torch.tensor([1e3, 1e5, 1e7])
     return [(o.min_vals[:, None] * f, o.max_vals[:, None] * f.flip(0)),
@@ -62,9 +61,10 @@ def test_float_scores_equal_the_torch_path(spec, points):
     o = _observed("histogram_mse", spec, _weight(), bins=256)
     h = o.current_histogram()
     assert bool((h.counts == 0).any())  # empty bins among the points
-    sc = HistogramScorer(h, spec, points=points)
+    ga = o.global_amax()  # NVFP4's, None for the others
+    sc = HistogramScorer(h, spec, points=points, global_amax=ga)
     assert sc.kernel  # float formats score in C (the torch path before)
-    t = HistogramScorer(h, spec, points=points, backend="torch")
+    t = HistogramScorer(h, spec, points=points, backend="torch", global_amax=ga)
     assert not t.kernel
     covered = torch.zeros(2, dtype=torch.bool)
     for lo, hi in _candidates(o):
@@ -80,7 +80,7 @@ def test_float_scores_equal_the_torch_path(spec, points):
 def test_float_line_search_picks_as_the_torch_path(spec):
     o = _observed("histogram_mse", spec, _weight(1), bins=512)
     h = o.current_histogram()
-    sc = HistogramScorer(h, spec, points=2)
+    sc = HistogramScorer(h, spec, points=2, global_amax=o.global_amax())
     assert sc.kernel
     lo, hi, w = o.min_vals * 0.3, o.max_vals * 0.7, h.width
     bounds = (o.min_vals, o.max_vals)
@@ -126,7 +126,8 @@ def test_float_observer_qparams_equal_without_the_kernel(name, spec, monkeypatch
     with monkeypatch.context() as m:  # QUANTSCOPE_NO_KERNEL, as the library first loads
         m.setenv("QUANTSCOPE_NO_KERNEL", "1")
         m.delitem(kernels._libs, "hist_error")
-        assert not HistogramScorer(o.current_histogram(), spec).kernel
+        assert not HistogramScorer(o.current_histogram(), spec,
+                                   global_amax=o.global_amax()).kernel
         qp = o.calculate_qparams()
     assert torch.equal(qp.scale, ref.scale) and torch.equal(qp.zero_point, ref.zero_point)
     if qp.global_scale is not None or ref.global_scale is not None:

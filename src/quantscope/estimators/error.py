@@ -28,13 +28,15 @@ __all__ = ["histogram_error"]
 
 def histogram_error(hist: Hist, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                     centers: torch.Tensor | None = None, points: int = 1,
-                    backend: str | None = None) -> torch.Tensor:
+                    backend: str | None = None, global_amax: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Squared error ``[U, C]`` of quantizing each unit's histogram with each candidate
     range ``(lo[u, c], hi[u, c])``, computed in chunks of candidates. ``centers [U, B]``
     overrides the bin centres (a reference's own float rounding of its edges). ``points > 1``
     spreads each bin's count evenly over that many points inside it (uniform density in
     the bin, as torch.ao's L2 model assumes) instead of its centre. ``backend``: see
     :data:`quantscope.kernels.BACKENDS` (``"torch"``: the reference the kernel is tested
-    against)."""
-    return HistogramScorer(hist, spec, centers=centers, points=points, backend=backend)(
-        lo, hi)
+    against). ``global_amax``: a global-scale spec's (NVFP4) tensor-wide ``max |x|``, which
+    every candidate is scored under (required there)."""
+    return HistogramScorer(hist, spec, centers=centers, points=points, backend=backend,
+                           global_amax=global_amax)(lo, hi)

@@ -23,7 +23,7 @@ import torch
 from ..qparams import amax_of_range
 from ..spec import QuantSpec
 from ..stats.histogram import Hist, fold_abs
-from .scorer import HistogramScorer, Line
+from .scorer import HistogramScorer, Line, tensor_amax
 
 __all__ = ["histogram_mse_range", "occupied_range"]
 
@@ -39,7 +39,8 @@ def occupied_range(hist: Hist) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, stride: int = 1,
-                        refine: int | None = 16, bounds=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        refine: int | None = 16, bounds=None, global_amax=None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-unit ``(lo, hi)`` minimising the histogram's quantization error.
 
     ``refine=k`` (default 16) scores every ``k``-th candidate, then every candidate within
@@ -51,7 +52,8 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     ``bounds``: ``(lo, hi)`` ``[U]`` that candidates are clipped to before they are scored
     (symmetric specs: to ``+-max(-lo, hi)``; default: the occupied bins' edges,
     :func:`occupied_range`; observers pass the data's min / max, which they clip the result
-    to anyway, so the range scored is the range that runs). One
+    to anyway, so the range scored is the range that runs). ``global_amax``: a global-scale
+    spec's tensor-wide ``max |x|`` (default: the bounds'). One
     :meth:`~quantscope.estimators.scorer.HistogramScorer.line_argmin` call (the kernel
     scores only the candidates it visits).
     """
@@ -70,6 +72,8 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     coarse = 1 if refine is None or refine == 1 or n <= 4 * refine else refine
     if bounds is None:
         bounds = occupied_range(h)
+    if global_amax is None:
+        global_amax = tensor_amax(spec, *bounds)
     if spec.symmetric:  # the power-of-two grid runs up to twice max |x|: score no clip past it
         amax = amax_of_range(*bounds)
         bounds = (-amax, amax)
@@ -77,5 +81,6 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     line = Line.centres(h.width, start, stride, n, bounds)
     # every coarse-th candidate, then those within coarse of the best; first minimum in
     # bin order, as argmin (approximate: see refine above)
-    best = HistogramScorer(h, spec).line_argmin(line, 0, coarse, first=True)
+    best = HistogramScorer(h, spec, global_amax=global_amax).line_argmin(line, 0, coarse,
+                                                                         first=True)
     return best.lo, best.hi

@@ -46,7 +46,8 @@ from .. import kernels
 from .._checks import check_int
 from ..formats import IntFormat
 from ..stats.histogram import Hist
-from .scorer import HistogramScorer, Line
+from .histogram_mse import occupied_range
+from .scorer import HistogramScorer, Line, tensor_amax
 
 __all__ = ["default_dst_nbins", "l2_finalists", "l2_norms", "l2_path", "l2_polished_range",
            "l2_range"]
@@ -346,8 +347,8 @@ def default_dst_nbins(spec) -> int:
     return 2 ** fmt.bits if isinstance(fmt, IntFormat) else 256
 
 
-def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None,
+                      global_amax=None) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.ao's search (:func:`l2_range`), then a polish of both ends on the histogram's
     quantization error: the native ``histogram`` estimator.
 
@@ -357,23 +358,28 @@ def l2_polished_range(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256,
     :meth:`~quantscope.estimators.scorer.HistogramScorer.line_argmin` call each). Then the
     search's own range and the two moves are scored with 4 points per bin and the least
     error wins (ties: the search's range), so the polish
-    never has more histogram error than torch.ao's choice.
+    never has more histogram error than torch.ao's choice. ``global_amax``: a global-scale
+    spec's tensor-wide ``max |x|`` the candidates are scored under (default: the data's,
+    from ``bounds`` or the occupied bins).
     """
     if not radius:
         return _l2_range_normalized(hist, dst_nbins)
-    clo, chi = l2_finalists(hist, spec, dst_nbins, radius, bounds)
-    k = HistogramScorer(hist, spec, points=4)(clo, chi).argmin(1, keepdim=True)  # first minimum: the search's range on ties
+    global_amax = _global_amax(hist, spec, bounds, global_amax)
+    clo, chi = l2_finalists(hist, spec, dst_nbins, radius, bounds, global_amax)
+    four = HistogramScorer(hist, spec, points=4, global_amax=global_amax)
+    k = four(clo, chi).argmin(1, keepdim=True)  # first minimum: the search's range on ties
     return clo.gather(1, k)[:, 0], chi.gather(1, k)[:, 0]
 
 
-def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def l2_finalists(hist: Hist, spec, dst_nbins: int = 256, radius: int = 256, bounds=None,
+                 global_amax=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ranges ``(lo, hi)`` ``[U, 3]`` :func:`l2_polished_range` picks from: the search's
     (clipped to ``bounds``), then with ``lo`` moved, then with ``hi`` moved too."""
+    global_amax = _global_amax(hist, spec, bounds, global_amax)
     lo, hi = _l2_range_normalized(hist, dst_nbins)
     if bounds is not None:
         lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
-    two = HistogramScorer(hist, spec, points=2)
+    two = HistogramScorer(hist, spec, points=2, global_amax=global_amax)
     los, his = [lo], [hi]
     for side in (0, 1):
         lo, hi = _move_end(two, hist, lo, hi, side, radius, 1, 16, bounds)
@@ -395,6 +401,14 @@ def _l2_range_normalized(hist: Hist, dst_nbins: int) -> tuple[torch.Tensor, torc
     lo, hi = l2_range(Hist(hist.counts, hist.lo * f, hist.hi * f, hist.absolute, step),
                       dst_nbins)
     return lo * back, hi * back
+
+
+def _global_amax(hist: Hist, spec, bounds, global_amax):
+    """``global_amax``, else a global-scale spec's from the data: ``bounds``, else the
+    histogram's occupied bins."""
+    if global_amax is not None or not spec.scale.has_global_scale:
+        return global_amax
+    return tensor_amax(spec, *(occupied_range(hist) if bounds is None else bounds))
 
 
 def _move_end(scorer, hist: Hist, lo, hi, side: int, radius: int, steps: int, coarse: int,

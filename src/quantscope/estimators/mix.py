@@ -21,7 +21,7 @@ from .entropy import entropy_range, spec_bits
 from .histogram_mse import histogram_mse_range, occupied_range
 from .l2 import default_dst_nbins, l2_finalists
 from .percentile import check_convention, check_percentile, percentile_range
-from .scorer import HistogramScorer
+from .scorer import HistogramScorer, tensor_amax
 
 __all__ = ["MIX_CANDIDATES", "MIX_PERCENTILES", "check_options", "mix_range"]
 
@@ -54,14 +54,18 @@ def check_options(who: str = "mix", *, candidates=MIX_CANDIDATES, percentiles=MI
 def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
               hi: torch.Tensor | None = None, percentiles=MIX_PERCENTILES,
               candidates=MIX_CANDIDATES, convention: str = "center",
-              start_bin: int = 128, return_choice: bool = False):
+              start_bin: int = 128, return_choice: bool = False, global_amax=None):
     """Per-unit ``(lo, hi)`` of the best candidate; ``lo``, ``hi`` are the data's min / max
     (default: the occupied bins' edges). With ``return_choice`` also the index ``[U]``
-    of the winner in the candidate list (percentiles first, then the others in order)."""
+    of the winner in the candidate list (percentiles first, then the others in order).
+    ``global_amax``: a global-scale spec's tensor-wide ``max |x|`` the candidates are scored
+    under (default: ``lo``, ``hi``'s)."""
     candidates, percentiles = check_options(candidates=candidates, percentiles=percentiles,
                                             convention=convention)
     if lo is None or hi is None:
         lo, hi = occupied_range(hist)
+    if global_amax is None:
+        global_amax = tensor_amax(spec, lo, hi)
     los, his = [], []
     # fold once for every |x| estimator (a folded histogram folds to itself)
     habs = fold_abs(hist) if spec.symmetric or "entropy" in candidates else hist
@@ -71,12 +75,13 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
                                     convention=convention)
         los.append(plo)
         his.append(phi)
-    four = HistogramScorer(hist, spec, points=4)  # values spread in their bins
+    four = HistogramScorer(hist, spec, points=4, global_amax=global_amax)  # values spread in bins
     one = []
     if "minmax" in candidates:
         one.append((lo, hi))
     if "mse" in candidates:
-        one.append(histogram_mse_range(own, spec, start_bin=start_bin, bounds=(lo, hi)))
+        one.append(histogram_mse_range(own, spec, start_bin=start_bin, bounds=(lo, hi),
+                                       global_amax=global_amax))
     if "entropy" in candidates:
         bits, unsigned = spec_bits(spec)  # the entropy observer's KL for this spec
         one.append(entropy_range(habs, num_bits=bits, unsigned=unsigned, start_bin=start_bin))
@@ -85,7 +90,8 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
         his.append(b[:, None])
     n = sum(t.shape[1] for t in los)
     if "l2" in candidates:  # l2_polished_range's finalists
-        a, b = l2_finalists(hist, spec, default_dst_nbins(spec), bounds=(lo, hi))
+        a, b = l2_finalists(hist, spec, default_dst_nbins(spec), bounds=(lo, hi),
+                            global_amax=global_amax)
         los.append(a)
         his.append(b)
     clo = torch.maximum(torch.cat(los, 1), lo[:, None])

@@ -31,12 +31,12 @@ import torch
 from .. import kernels
 from ..formats import FloatFormat, IntFormat
 from ..qdq import fake_quantize_units
-from ..qparams import qparams_from_range
+from ..qparams import amax_of_range, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.histogram import Hist
 
 __all__ = ["ELEMENT_BUDGET", "MOVE_HI", "MOVE_LO", "SYMMETRIC", "HistogramScorer", "Line",
-           "LineBest"]
+           "LineBest", "tensor_amax"]
 
 #: elements of one chunk of the ``[units, candidates, bins]`` work (bounded memory)
 ELEMENT_BUDGET = 1 << 18
@@ -46,13 +46,26 @@ def _kernel():
     return kernels.lib("hist_error")
 
 
+def tensor_amax(spec: QuantSpec, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
+    """A global-scale spec's (NVFP4) tensor-wide ``max |x|`` from the data's per-unit
+    ``lo``, ``hi`` ``[U]``: the global amax its candidates are scored, and its qparams run,
+    under (None for other specs)."""
+    return amax_of_range(lo.amin(), hi.amax()) if spec.scale.has_global_scale else None
+
+
 class HistogramScorer:
     """:func:`~quantscope.estimators.error.histogram_error` of one histogram for many candidate sets: the occupied bins'
-    points and weights are prepared once (searches score several rounds of candidates)."""
+    points and weights are prepared once (searches score several rounds of candidates).
+    ``global_amax``: a global-scale spec's (NVFP4) tensor-wide ``max |x|``, required there."""
 
     def __init__(self, hist: Hist, spec: QuantSpec, *, centers: torch.Tensor | None = None,
-                 points: int = 1, backend: str | None = None):
+                 points: int = 1, backend: str | None = None,
+                 global_amax: torch.Tensor | None = None):
+        if spec.scale.has_global_scale and global_amax is None:
+            raise ValueError(f"HistogramScorer: {spec} has a global scale: pass global_amax "
+                             f"(the tensor's max |x|), the one its qparams run under")
         self.spec, self.units = spec, hist.counts.shape[0]
+        self.global_amax = global_amax
         applies = (hist.counts.device.type == "cpu"
                    and isinstance(spec.format, (IntFormat, FloatFormat)))
         self.kernel = kernels.choose(backend, "hist_error", "HistogramScorer", applies) is not None
@@ -124,7 +137,10 @@ class HistogramScorer:
         kernel derives them itself (kernels/csrc/qs_qparams.h)."""
         if self._derive and not torch_only:
             return None, None
-        qp = qparams_from_range(lo, hi, self.spec, check_finite=False)
+        # one global amax for every candidate: derived from them all, a candidate's score
+        # would depend on the others', and differ from the qparams that run
+        qp = qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax,
+                                check_finite=False)
         U, C = lo.shape
         return (qp.effective_scale.float().expand(U, C).contiguous(),
                 qp.zero_point.float().expand(U, C).contiguous())

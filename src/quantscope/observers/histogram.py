@@ -49,6 +49,7 @@ from ..estimators.l2 import check_dst_nbins, default_dst_nbins, l2_polished_rang
 from ..estimators.mix import MIX_CANDIDATES, MIX_PERCENTILES, mix_range
 from ..estimators.mix import check_options as check_mix_options
 from ..estimators.percentile import check_convention, check_percentile, percentile_range
+from ..estimators.scorer import tensor_amax
 from ..qparams import amax_of_range
 from ..stats import hist_kernel
 from ..stats import histogram as H
@@ -287,6 +288,12 @@ class HistogramObserverBase(IntervalAverage, Observer):
             return -amax, amax
         return lo, hi
 
+    def _data_amax(self) -> torch.Tensor | None:  # NVFP4's, candidates are scored under it
+        return tensor_amax(self.spec, *self._data_range())  # (the interval's in the EMA mode)
+
+    def global_amax(self):  # the EMA mode's averaged ranges derive their own
+        return self._data_amax() if self.averaging_constant is None else None
+
     def _clip(self, lo, hi):
         # both ends into [blo, bhi] and in order: a tail estimate inside one bin (constant
         # data, or the lower convention's left edge of the bin holding both percentiles) may
@@ -394,7 +401,8 @@ class HistogramMSEObserver(HistogramObserverBase):
     def _estimate(self, hist):
         # bounds: the range _clip keeps, so the range scored is the range that runs
         return histogram_mse_range(hist, self.spec, start_bin=self.start_bin, stride=self.stride,
-                                   refine=self.refine, bounds=self._bounds())
+                                   refine=self.refine, bounds=self._bounds(),
+                                   global_amax=self._data_amax())
 
 
 @register("entropy", "kl")
@@ -453,7 +461,8 @@ class L2HistogramObserver(HistogramObserverBase):
         self.polish = polish
 
     def _estimate(self, hist):
-        return l2_polished_range(hist, self.spec, self.dst_nbins, self.polish, self._bounds())
+        return l2_polished_range(hist, self.spec, self.dst_nbins, self.polish, self._bounds(),
+                                 self._data_amax())
 
     def _bounds(self):
         if self.grid == "first":  # torch.ao does not clip (its range ends at the data anyway)
@@ -486,4 +495,5 @@ class MixObserver(HistogramObserverBase):
         lo, hi = self._data_range()  # the interval's in the EMA mode
         return mix_range(hist, self.spec, lo=lo, hi=hi,
                          percentiles=self.percentiles, candidates=self.candidates,
-                         convention=self.convention, start_bin=self.start_bin)
+                         convention=self.convention, start_bin=self.start_bin,
+                         global_amax=self._data_amax())
