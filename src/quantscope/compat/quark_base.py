@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from ..layout import Block, Channel, Group, Tensor
-from ..qparams import amax_of_range, qparams_from_range
+from ..qparams import _block_qparams_kernel, _check_finite, amax_of_range, qparams_from_range
 from ..scales import e8m0_scale
 from ..spec import QuantSpec
 from . import enum_name, field
@@ -21,6 +21,9 @@ from .quark_scales import (
     UnsupportedElementError,
     _quark_int_default,
     _quark_int_scale_dtype,
+    _quark_layout,
+    _quark_rows,
+    _quark_token_count,
     quark_e8m0_scale,
     quark_float_scale,
 )
@@ -106,23 +109,6 @@ def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False,
     return QuantSpec(fmt, layout, symmetric=symmetric if dtype in _INT else True)
 
 
-def _quark_layout(qscheme: str, ch_axis, group_size, pad_blocks: bool):
-    """The layout of a float32-scaled qscheme (quark_spec's)."""
-    if qscheme == "per_tensor":
-        return Tensor()
-    if qscheme == "per_channel":
-        if ch_axis is None:  # Quark's observer raises this at its first batch
-            raise ValueError("quark: qscheme per_channel needs a ch_axis (Quark's observer: "
-                             "'ch_axis cannot be None')")
-        return Channel(ch_axis)
-    if qscheme == "per_group":
-        if not group_size:
-            raise ValueError("quark: qscheme per_group needs a group_size")
-        return (Block if pad_blocks else Group)(group_size, -1 if ch_axis is None else ch_axis)
-    raise ValueError(f"quark: qscheme must be per_tensor, per_channel or per_group, got "
-                     f"{qscheme!r}")
-
-
 def quark_qmin_qmax(dtype) -> tuple[int | float | None, int | float | None]:
     """Quark's ``calculate_qmin_qmax(dtype)`` (its observers' ``quant_min`` / ``quant_max``):
     ints for the integer and fp8 e4m3 / e5m2 dtypes, floats for the others (unsigned E5M3
@@ -139,16 +125,6 @@ def quark_qmin_qmax(dtype) -> tuple[int | float | None, int | float | None]:
     if name in _INT or name in ("fp8_e4m3", "fp8_e5m2"):
         return int(fmt.qmin), int(fmt.qmax)
     return float(fmt.qmin), float(fmt.qmax)
-
-
-def _quark_rows(t: torch.Tensor, shape, axis: int) -> torch.Tensor:
-    """Per-group values shaped ``(dims but axis..., groups)`` as Quark's ``(rows, groups)``:
-    Quark swaps ``axis`` with the last dim before it flattens the rows, so for a 3-D or
-    wider tensor grouped along an inner axis its rows come in another order."""
-    n, a = len(shape), axis % len(shape)
-    ours = [d for d in range(n) if d != a]
-    theirs = [n - 1 if d == a else d for d in range(n - 1)]
-    return t.permute(*[ours.index(d) for d in theirs], n - 1).reshape(-1, t.shape[-1])
 
 
 class QuarkObserver:
@@ -266,11 +242,12 @@ class QuarkObserver:
         return f"dtype={self.dtype}" if self._quark_base is None else super().extra_repr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._keeps_input_dtype:  # Quark's range takes each batch's dtype
+        if self._keeps_input_dtype and x.dtype != self._input_dtype:  # Quark's: each batch's
             self._input_dtype = x.dtype
         out = super().forward(x)
         if x.dim() >= 2 and x.numel():  # Quark's count (MoE): rows with a non-zero; no reset
-            self._quark_tokens = self._quark_tokens + x.ne(0).any(-1).sum()
+            object.__setattr__(self, "_quark_tokens",  # (skips nn.Module's setattr checks)
+                               self._quark_tokens + _quark_token_count(x))
         return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -322,16 +299,32 @@ class QuarkObserver:
         return _quark_rows(t.reshape(self.spec.layout.qparam_shape(self.shape)), self.shape,
                            self.spec.layout.axis)
 
+    def _state_qparams(self):
+        """``range_and_qparams()``'s ``(lo, qparams)``; E8M0 block scales by the C kernel at any
+        block count (bitwise the native path, whose threshold spares forward its host read;
+        the kernel refuses NaN / inf itself, the order is checked as the native path does)."""
+        if self.spec.scale.kind != "e8m0":
+            return self.range_and_qparams()[::2]
+        self.check_ready()
+        lo, hi = self.calculate_range()
+        qp = (_block_qparams_kernel(lo, hi, self.spec, None)
+              if lo.dtype == hi.dtype == torch.float32 else None)
+        if qp is None:  # no kernel, another device: the native path
+            qp = qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax())
+        else:
+            _check_finite(lo, hi, None, finite=False)
+        return lo, qp.reshape(self.spec.layout.qparam_shape(self.shape))
+
     def _calculate_qparams(self):
-        lo, _, qp = self.range_and_qparams()
-        scale, zp = self._quark_shape(qp.effective_scale), self._quark_shape(qp.zero_point)
+        lo, qp = self._state_qparams()
+        scale = self._quark_shape(qp.effective_scale)
         if self.spec.scale.is_block:  # float32 (Quark's even_round): the class casts it
             return scale, torch.zeros_like(scale)
         if self.spec.is_float:  # Quark divides in scale_type's dtype
             scale = scale.to(self._scale_dtype)
             return scale, torch.zeros_like(scale)
         if self.spec.symmetric:  # Quark: zero points 0 when symmetric, unsigned too
-            zp = torch.zeros_like(zp)
+            zp = torch.zeros_like(scale, dtype=qp.zero_point.dtype)
         else:
             zp = self._quark_zero_point(self._quark_shape(lo.reshape(qp.scale.shape)), scale)
         # Quark computes in the range's dtype, then casts to scale_type's (or promotes it)

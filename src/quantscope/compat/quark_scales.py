@@ -1,11 +1,12 @@
-"""AMD Quark's scale formulas and its error types (part of :mod:`quantscope.compat.quark`,
-which re-exports the public names)."""
+"""AMD Quark's scale formulas, layouts and shapes, token count and error types (part of
+:mod:`quantscope.compat.quark`, which re-exports the public names)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..formats import FloatFormat
+from ..layout import Block, Channel, Group, Tensor
 
 __all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "UnsupportedElementError",
            "quark_e8m0_scale", "quark_float_scale"]
@@ -14,6 +15,10 @@ __all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "Unsupported
 #: top code is not a number): the scale format of AMD's FP4 and of its second-level scales
 FP8_E5M3 = FloatFormat("fp8_e5m3", 5, 3, 114688.0)
 _F32_EPS = torch.finfo(torch.float32).eps
+#: from this many elements the token count takes the rows' max and min (vectorized float
+#: reductions), below it ``x.any(-1)`` (one op); both skip the bool copy of ``x != 0``
+_AMAX_ROWS_FROM = 1 << 14
+_COUNTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class QuarkAssertionError(ValueError, AssertionError):
@@ -73,6 +78,19 @@ def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *
                      f"native MX rule), got {scale_format!r}")
 
 
+def _quark_token_count(x: torch.Tensor) -> torch.Tensor:
+    """Quark's ``record_observed_tokens`` count of ``x`` (2-D+, not empty): its rows along
+    the last axis that hold a value ``!= 0`` (NaN counts, -0.0 does not), int64 0-dim; the
+    same count as Quark's ``(x != 0).any(-1)``, in a fraction of its time (no copy of x)."""
+    x = x.detach()
+    if x.dtype not in _COUNTED_DTYPES:  # (float8: Quark's own expression)
+        return x.ne(0).any(-1).sum()
+    if x.numel() < _AMAX_ROWS_FROM:
+        return x.any(-1).sum()
+    # a row is all zeros exactly where its max and min are (NaN propagates: counted)
+    return x.amax(-1).ne(0).logical_or_(x.amin(-1).ne(0)).sum()
+
+
 def _quark_int_default() -> tuple[torch.Tensor, torch.Tensor]:
     # Quark's answer for a range never observed (it warns and returns these)
     return torch.tensor([1.0]), torch.tensor([0])
@@ -87,3 +105,32 @@ def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor,
     dtype = torch.result_type(min_val, max_val)
     dtype = dtype if dtype.is_floating_point else torch.float32
     return dtype if min_val.dim() or max_val.dim() else torch.promote_types(dtype, eps_dtype)
+
+
+def _quark_rows(t: torch.Tensor, shape, axis: int) -> torch.Tensor:
+    """Per-group values shaped ``(dims but axis..., groups)`` as Quark's ``(rows, groups)``:
+    Quark swaps ``axis`` with the last dim before it flattens the rows, so for a 3-D or
+    wider tensor grouped along an inner axis its rows come in another order."""
+    n, a = len(shape), axis % len(shape)
+    if a == n - 1:  # the last axis: the rows are in order (no permute to dispatch)
+        return t.reshape(-1, t.shape[-1])
+    ours = [d for d in range(n) if d != a]
+    theirs = [n - 1 if d == a else d for d in range(n - 1)]
+    return t.permute(*[ours.index(d) for d in theirs], n - 1).reshape(-1, t.shape[-1])
+
+
+def _quark_layout(qscheme: str, ch_axis, group_size, pad_blocks: bool):
+    """The layout of a float32-scaled qscheme (quark_spec's)."""
+    if qscheme == "per_tensor":
+        return Tensor()
+    if qscheme == "per_channel":
+        if ch_axis is None:  # Quark's observer raises this at its first batch
+            raise ValueError("quark: qscheme per_channel needs a ch_axis (Quark's observer: "
+                             "'ch_axis cannot be None')")
+        return Channel(ch_axis)
+    if qscheme == "per_group":
+        if not group_size:
+            raise ValueError("quark: qscheme per_group needs a group_size")
+        return (Block if pad_blocks else Group)(group_size, -1 if ch_axis is None else ch_axis)
+    raise ValueError(f"quark: qscheme must be per_tensor, per_channel or per_group, got "
+                     f"{qscheme!r}")
