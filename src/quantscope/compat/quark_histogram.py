@@ -369,9 +369,10 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
         if bool((amax < 0).any()):
             raise ValueError(
                 f"{self.describe()}: with symmetric=False Quark's MSE search prices ranges "
-                f"(0, centre) of the top bins of [min, max], and a centre is negative "
-                f"({amax.min().item():.6g}): the data is (nearly) all negative; use a "
-                f"symmetric qspec or PerTensorMinMaxObserver")
+                f"(0, centre) of the bins of [min, max] from its start_bin on, and a centre "
+                f"is negative ({amax.min().item():.6g}): the data is (nearly) all negative, "
+                f"or its grid grew wider than start_bin bins below zero; use a symmetric "
+                f"qspec or PerTensorMinMaxObserver")
 
     def _mse_priced(self, amax: torch.Tensor):
         """The top ends and spec under which quantscope's pricing of ``(0, amax)`` is
