@@ -49,3 +49,20 @@ def test_a_global_scale_spec_needs_the_global_amax():
     o(_weight(0))
     with pytest.raises(ValueError, match="pass global_amax"):
         histogram_error(o.current_histogram(), o.min_vals[:, None], o.max_vals[:, None], NVFP4)
+
+
+@pytest.mark.parametrize("name", ["histogram_mse", "histogram", "mix"])
+def test_the_ema_mode_with_c_1_is_a_fresh_observer(name):
+    """Its averaged qparams run under the interval's data amax too (the review found them
+    under one derived from the averaged ranges: c = 1 no longer a fresh observer)."""
+    x = _weight(0)
+    plain, ema = qs.get_observer(name, NVFP4), qs.get_observer(name, NVFP4, averaging_constant=1.0)
+    plain(x)
+    ema(x)
+    a, b = plain.calculate_qparams(), ema.calculate_qparams()
+    assert torch.equal(a.global_scale, b.global_scale) and torch.equal(a.scale, b.scale)
+
+
+@pytest.mark.parametrize("name", ["percentile", "entropy", "histogram_mse", "histogram", "mix"])
+def test_an_unobserved_observer_has_no_global_amax(name):
+    assert qs.get_observer(name, NVFP4).global_amax() is None  # (was torch's amin error)

@@ -49,8 +49,10 @@ def _kernel():
 def tensor_amax(spec: QuantSpec, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
     """A global-scale spec's (NVFP4) tensor-wide ``max |x|`` from the data's per-unit
     ``lo``, ``hi`` ``[U]``: the global amax its candidates are scored, and its qparams run,
-    under (None for other specs)."""
-    return amax_of_range(lo.amin(), hi.amax()) if spec.scale.has_global_scale else None
+    under (None for other specs, or no data)."""
+    if not spec.scale.has_global_scale or not lo.numel():
+        return None
+    return amax_of_range(lo.amin(), hi.amax())
 
 
 class HistogramScorer:

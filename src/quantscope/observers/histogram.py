@@ -291,8 +291,8 @@ class HistogramObserverBase(IntervalAverage, Observer):
     def _data_amax(self) -> torch.Tensor | None:  # NVFP4's, candidates are scored under it
         return tensor_amax(self.spec, *self._data_range())  # (the interval's in the EMA mode)
 
-    def global_amax(self):  # the EMA mode's averaged ranges derive their own
-        return self._data_amax() if self.averaging_constant is None else None
+    def global_amax(self):  # the qparams run under the amax the ranges were scored under
+        return self._data_amax()
 
     def _clip(self, lo, hi):
         # both ends into [blo, bhi] and in order: a tail estimate inside one bin (constant
