@@ -245,8 +245,9 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     if not ste:
         return out
     inside = spec.layout.to_shape(inside_range(u, scale, zp, spec), x.shape)
-    # where, not a product: at x = +-inf, (x - x) * 0 is NaN
-    return out + torch.where(inside, x - x.detach(), 0)
+    # where, not a product: at x = +-inf, (x - x) * 0 is NaN; minus a +0.0, not plus one,
+    # keeps a -0.0 result's sign (the forward's bits as without ste)
+    return out - torch.where(inside, x.detach() - x, 0)
 
 
 def inside_range(u: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,

@@ -182,6 +182,19 @@ def test_qdq_of_a_non_float32_input_runs_in_its_own_copy(spec, dtype):
     assert torch.equal(out, fake_quantize(x.float(), q, spec).to(dtype))
 
 
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), presets.FP8_PER_CHANNEL, presets.MXFP4],
+                         ids=str)
+def test_ste_forward_keeps_the_bits_of_the_plain_forward(spec):
+    """-0.0 included: out + (x - x.detach()) made a -0.0 result +0.0 (a review found it)."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
+    x[:, :8] = torch.tensor([-0.0, -1e-6, -1e-30, 0.0, 1e-6, -0.0, 2.0, -3.0])
+    q = observe(x, spec)
+    plain = fake_quantize(x, q, spec)
+    ste = fake_quantize(x.clone().requires_grad_(), q, spec, ste=True).detach()
+    assert plain.signbit()[:, 1].all() and not plain[:, 1].any()  # the case: -0.0 results
+    assert torch.equal(ste.view(torch.int32), plain.view(torch.int32))
+
+
 @pytest.mark.parametrize("spec", [QuantSpec("int8", symmetric=False), QuantSpec("int4", Group(8)),
                                   presets.FP8_PER_CHANNEL, presets.MXFP4], ids=str)
 def test_ste_gradient_is_one_inside_and_zero_where_clipped(spec):
