@@ -183,3 +183,14 @@ def test_a_forward_from_another_thread_during_calibrate_runs_unobserved(grad_mod
     for layer in ("0", "2"):
         got, want = (c.states[layer]["input"].qparams.scale for c in (out["c"], ref))
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_data_parallel_model_is_refused(nested):
+    # its replicas run in worker threads, which the observers do not record (a review found
+    # that the thread gate would have left them unobserved without a word)
+    inner = nn.DataParallel(_tiny())
+    model = nn.Sequential(inner) if nested else inner
+    where = "'0'" if nested else "the model"
+    with pytest.raises(ValueError, match=f"calibrate: {where} is an nn.DataParallel.*module"):
+        quantscope.calibrate(model, _batches(), "w8a8", progress=False)

@@ -236,6 +236,11 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_compiled(model, "calibrate")  # its hooks would see no activation
+    parallel = [n for n, m in model.named_modules() if isinstance(m, nn.DataParallel)]
+    if parallel:  # the observers record the pass's own thread, not the replicas' threads
+        raise ValueError(f"calibrate: {'the model' if not parallel[0] else repr(parallel[0])} "
+                         f"is an nn.DataParallel, whose replicas run in threads the "
+                         f"observers do not record; pass the module it wraps (.module)")
     seq = opts.sequential
     check_placement(model, "calibrate", calibrating=True, skeleton=seq is not None)
     refuse_applied(model, "calibrate")  # its observers would see the QDQ values
