@@ -27,8 +27,7 @@ HEADER_KEYS = ("date", "command", "machine", "load", "threads", "versions")
 #: these headings stay. A name not listed (a new bench) follows them, headed by its name.
 SECTIONS = {"minmax": "minmax", "mse": "mse", "imatrix": "imatrix", "histogram": "histogram",
             "quark": "quark", "fakequant": "fakequant", "distributed": "distributed",
-            "onnx": "onnx",
-            "fusion_moe": "fusion and MoE", "memory": "memory", "goals": "goals",
+            "onnx": "onnx", "fusion_moe": "fusion and MoE", "memory": "memory", "goals": "goals",
             "gpu": "gpu", "sass": "sass", "cuda": "cuda", "auto": "auto"}
 
 
