@@ -8,6 +8,7 @@ import torch
 
 import quantscope as qs
 from quantscope.estimators import histogram_error
+from quantscope.estimators.histogram_mse import histogram_mse_range
 
 NVFP4 = qs.presets.NVFP4
 
@@ -66,3 +67,29 @@ def test_the_ema_mode_with_c_1_is_a_fresh_observer(name):
 @pytest.mark.parametrize("name", ["percentile", "entropy", "histogram_mse", "histogram", "mix"])
 def test_an_unobserved_observer_has_no_global_amax(name):
     assert qs.get_observer(name, NVFP4).global_amax() is None  # (was torch's amin error)
+
+
+@pytest.mark.parametrize("name", ["histogram_mse", "histogram", "mix", "percentile"])
+def test_the_ema_mode_runs_under_every_batch_s_amax(name):
+    """One global scale per tensor over the calibration, as a static min-max's."""
+    ema = qs.get_observer(name, NVFP4, averaging_constant=1.0)
+    static = qs.get_observer("static_minmax", NVFP4)
+    for x in (_weight(0) * 1000, _weight(1)):
+        ema(x)
+        static(x)
+    assert torch.equal(ema.calculate_qparams().global_scale, static.qparams().global_scale)
+
+
+def test_the_ema_mode_scores_under_the_amax_its_qparams_run_under():
+    """A probe found the candidates scored under the last interval's amax, the qparams run
+    under all batches' (c = 1: the last interval's histogram, scored under the latter)."""
+    ema = qs.get_observer("histogram_mse", NVFP4, averaging_constant=1.0)
+    ema(_weight(0) * 1000)
+    ema(_weight(1))
+    plain = qs.get_observer("histogram_mse", NVFP4)
+    plain(_weight(1))  # the same histogram as ema's last interval
+    want = plain._clip(*histogram_mse_range(
+        plain.current_histogram(), NVFP4, start_bin=plain.start_bin, refine=plain.refine,
+        bounds=plain._bounds(), global_amax=ema.global_amax()))
+    got = ema.calculate_range()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -288,8 +288,8 @@ class HistogramObserverBase(IntervalAverage, Observer):
             return -amax, amax
         return lo, hi
 
-    def _data_amax(self) -> torch.Tensor | None:  # NVFP4's, candidates are scored under it
-        return tensor_amax(self.spec, *self._data_range())  # (the interval's in the EMA mode)
+    def _data_amax(self) -> torch.Tensor | None:  # NVFP4's, candidates are scored under it:
+        return tensor_amax(self.spec, self.min_vals, self.max_vals)  # all batches' (EMA too)
 
     def global_amax(self):  # the qparams run under the amax the ranges were scored under
         return self._data_amax()
