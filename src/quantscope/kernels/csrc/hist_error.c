@@ -57,8 +57,7 @@ static double score_fp(const float *x, const double *w, int64_t P, float s, qs_f
     int64_t p = 0;
     double acc = 0.0;
 #ifdef VW
-    const vf vs = VSET1(s), top = VSET1(f.fmax), bottom = VSET1(-f.fmax);
-    const vi mf = VISET1(f.min_field), sh = VISET1(f.shift);
+    QS_FQV_CONSTS(s, f);
 #define VDQ(v) fqv(v, vs, mf, sh, top, bottom)
     SUM_SIMD(VDQ);
 #undef VDQ

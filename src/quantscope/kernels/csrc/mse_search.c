@@ -88,8 +88,7 @@ static double price_fp(const float *x, const float *w, int64_t E, float s, qs_ff
     int64_t j = 0;
     double acc = 0.0;
 #ifdef VW
-    const vf vs = VSET1(s), top = VSET1(f.fmax), bottom = VSET1(-f.fmax);
-    const vi mf = VISET1(f.min_field), sh = VISET1(f.shift);
+    QS_FQV_CONSTS(s, f);
 #define VDQ(v) fqv(v, vs, mf, sh, top, bottom)
     SUM_SIMD(VDQ);
 #undef VDQ
@@ -146,8 +145,7 @@ int64_t qs_mse_dq_fp(const float *x, int64_t E, double s_, double fmax, int64_t 
     const qs_ffmt f = qs_ffmt_of(min_exp, mbits, fmax);
     int64_t j = 0;
 #ifdef VW
-    const vf vs = VSET1(s), top = VSET1(f.fmax), bottom = VSET1(-f.fmax);
-    const vi mf = VISET1(f.min_field), sh = VISET1(f.shift);
+    QS_FQV_CONSTS(s, f);
     for (; j + VW <= E; j += VW) VSTORE(out + j, fqv(VLOAD(x + j), vs, mf, sh, top, bottom));
 #endif
     for (; j < E; ++j) out[j] = fq1(x[j], s, f);

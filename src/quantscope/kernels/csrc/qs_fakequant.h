@@ -149,4 +149,12 @@ static inline double DSUM(vd a) {
 }
 #endif
 
+#ifdef VW
+/* fqv's operands for scale s and float format f (a qs_ffmt), declared where a loop calls
+   fqv(v, vs, mf, sh, top, bottom) */
+#define QS_FQV_CONSTS(s, f)                                                                   \
+    const vf vs = VSET1(s), top = VSET1((f).fmax), bottom = VSET1(-(f).fmax);                 \
+    const vi mf = VISET1((f).min_field), sh = VISET1((f).shift)
+#endif
+
 #endif /* QS_FAKEQUANT_H */
