@@ -288,11 +288,8 @@ class HistogramObserverBase(IntervalAverage, Observer):
             return -amax, amax
         return lo, hi
 
-    def _data_amax(self) -> torch.Tensor | None:  # NVFP4's, candidates are scored under it:
-        return tensor_amax(self.spec, self.min_vals, self.max_vals)  # all batches' (EMA too)
-
-    def global_amax(self):  # the qparams run under the amax the ranges were scored under
-        return self._data_amax()
+    def global_amax(self):  # NVFP4's: all batches' max |x| (EMA too); scored under it too
+        return tensor_amax(self.spec, self.min_vals, self.max_vals)
 
     def _clip(self, lo, hi):
         # both ends into [blo, bhi] and in order: a tail estimate inside one bin (constant
@@ -402,7 +399,7 @@ class HistogramMSEObserver(HistogramObserverBase):
         # bounds: the range _clip keeps, so the range scored is the range that runs
         return histogram_mse_range(hist, self.spec, start_bin=self.start_bin, stride=self.stride,
                                    refine=self.refine, bounds=self._bounds(),
-                                   global_amax=self._data_amax())
+                                   global_amax=self.global_amax())
 
 
 @register("entropy", "kl")
@@ -462,7 +459,7 @@ class L2HistogramObserver(HistogramObserverBase):
 
     def _estimate(self, hist):
         return l2_polished_range(hist, self.spec, self.dst_nbins, self.polish, self._bounds(),
-                                 self._data_amax())
+                                 self.global_amax())
 
     def _bounds(self):
         if self.grid == "first":  # torch.ao does not clip (its range ends at the data anyway)
@@ -496,4 +493,4 @@ class MixObserver(HistogramObserverBase):
         return mix_range(hist, self.spec, lo=lo, hi=hi,
                          percentiles=self.percentiles, candidates=self.candidates,
                          convention=self.convention, start_bin=self.start_bin,
-                         global_amax=self._data_amax())
+                         global_amax=self.global_amax())
