@@ -105,9 +105,11 @@ class QParams:
         return iter((self.scale, self.zero_point))
 
 
-#: units from which the block branches (MX, NVFP4) run in C (kernels/csrc/block_qparams.c):
-#: they read a NaN / inf flag and the global scale back, which an observer's forward must
-#: not, so they serve the many blocks of a weight (the integer branch has no threshold)
+#: units from which the block branches (MX, NVFP4) run in C (kernels/csrc/block_qparams.c)
+#: in a call that reads nothing back (``check_finite=False``: an observer's forward); they
+#: read a NaN / inf flag and the global scale back, so they serve the many blocks of a
+#: weight there. A checked call reads back anyway: C at any count (the integer branch has
+#: no threshold)
 KERNEL_MIN_UNITS = 1 << 14
 
 
@@ -231,7 +233,7 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     # the integer branch in C for any CPU ranges: one call costs less than the torch
     # branch's dozen small ops at every count (one unit: 12 against 44-55 us)
     qp = _int_qparams_kernel(lo, hi, spec) if lo.numel() else None
-    if qp is None and lo.numel() >= KERNEL_MIN_UNITS:
+    if qp is None and (check_finite or lo.numel() >= KERNEL_MIN_UNITS):
         qp = _block_qparams_kernel(lo, hi, spec, global_amax)
     if check_finite:  # after the C kernels, which refuse NaN / inf themselves
         _check_finite(lo, hi, global_amax, finite=qp is None)

@@ -1,16 +1,15 @@
 """compat.quark's per-call shortcuts hold the results of the paths they replace, bit for bit:
 the token count's reductions (Quark's ``(x != 0).any(-1)``), E8M0 block scales by the C
-kernel at any block count (the native ``range_and_qparams``), the min-max classes' qparams
-without ``qparams_from_range``'s second finiteness check. No Quark needed (dict qspecs)."""
+kernel at any block count (a checked qparams call: the torch branch's values). No Quark
+needed (dict qspecs)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quantscope import kernels
+from quantscope import kernels, qparams
 from quantscope.compat import quark
-from quantscope.compat import quark_base as qb
 from quantscope.compat.quark_scales import _AMAX_ROWS_FROM, _quark_token_count
 
 SHAPES = [(8, 64), (6, 3, 40), (64, 256), (4, 8, 1024)]
@@ -49,9 +48,11 @@ def test_forward_counts_quarks_tokens():
     assert obs._num_observed_tokens == sum(int(x.ne(0).any(-1).sum()) for x in batches)
 
 
-def _native_qparams(obs):
-    """The path before the shortcut: range_and_qparams, in Quark's shape."""
-    qp = obs.range_and_qparams()[2]
+def _torch_branch_qparams(obs, monkeypatch):
+    """The qparams with the block kernel off (the torch branch), in Quark's shape."""
+    with monkeypatch.context() as m:
+        m.setattr(qparams, "_block_qparams_kernel", lambda *a: None)
+        qp = obs.range_and_qparams()[2]
     return obs._quark_shape(qp.effective_scale), qp
 
 
@@ -64,8 +65,9 @@ MX = [({"dtype": "fp4", "group_size": 32}, (8, 64)), ({"dtype": "fp4", "group_si
 @pytest.mark.parametrize(("qspec", "shape"), MX)
 def test_mx_kernel_scales_are_native(qspec, shape, monkeypatch):
     calls = []
-    kernel = qb._block_qparams_kernel
-    monkeypatch.setattr(qb, "_block_qparams_kernel", lambda *a: calls.append(1) or kernel(*a))
+    kernel = qparams._block_qparams_kernel
+    monkeypatch.setattr(qparams, "_block_qparams_kernel",
+                        lambda *a: calls.append(1) or kernel(*a))
     obs = quark.PerBlockMXObserver({"qscheme": "per_group", "ch_axis": -1,
                                     "scale_format": "e8m0", **qspec})
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 3
@@ -73,19 +75,19 @@ def test_mx_kernel_scales_are_native(qspec, shape, monkeypatch):
     x.reshape(-1)[-7:] = 2.0 ** -130  # subnormal amax
     obs(x)
     scale, zp = obs._calculate_qparams()
-    want, _ = _native_qparams(obs)
+    assert calls == ([1] if kernels.available("block_qparams") else [])  # a few blocks: in C
+    want, _ = _torch_branch_qparams(obs, monkeypatch)
     assert torch.equal(scale, want) and scale.dtype == torch.float32
     assert torch.equal(zp, torch.zeros_like(want))
-    assert calls == ([1] if kernels.available("block_qparams") else [])
 
 
-def test_bfp_kernel_scales_are_native():
+def test_bfp_kernel_scales_are_native(monkeypatch):
     obs = quark.PerBlockBFPObserver({"dtype": "bfp16", "ch_axis": -1, "group_size": 8})
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)) * 100
     x[0, :8] = 0.0
     obs(x)
-    qp = obs._state_qparams()[1]
-    want = _native_qparams(obs)[1]
+    qp = obs.range_and_qparams()[2]
+    want = _torch_branch_qparams(obs, monkeypatch)[1]
     assert torch.equal(qp.scale, want.scale) and torch.equal(qp.zero_point, want.zero_point)
 
 

@@ -121,3 +121,24 @@ def test_non_finite_ranges_still_raise(spec, at, bad):
 def test_the_kernel_runs_on_many_blocks(spec):
     lo, hi = _ranges(2, KERNEL_MIN_UNITS)
     assert qparams._block_qparams_kernel(lo, hi, spec, None) is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_a_checked_call_takes_the_kernel_at_any_count(spec, monkeypatch):
+    """A checked call reads back anyway: its few blocks run in C too (bitwise the torch
+    branch); an unchecked one (an observer's forward) reads nothing back below the
+    threshold, so it keeps the torch branch there."""
+    calls, kernel = [], qparams._block_qparams_kernel
+    monkeypatch.setattr(qparams, "_block_qparams_kernel",
+                        lambda *a: calls.append(1) or kernel(*a))
+    lo, hi = _ranges(3, 200)  # far below KERNEL_MIN_UNITS
+    lo, hi = torch.minimum(lo, hi), torch.maximum(lo, hi)  # ordered: the checked call's input
+    got = qparams_from_range(lo, hi, spec)
+    assert calls == [1]
+    want = _torch_branch(monkeypatch, lo, hi, spec)
+    assert torch.equal(got.scale, want.scale) and torch.equal(got.zero_point, want.zero_point)
+    if got.global_scale is not None:
+        assert torch.equal(got.global_scale, want.global_scale)
+    qparams_from_range(lo, hi, spec, check_finite=False)
+    assert calls == [1]

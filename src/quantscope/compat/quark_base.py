@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from ..layout import Block, Channel, Group, Tensor
-from ..qparams import _block_qparams_kernel, _check_finite, amax_of_range, qparams_from_range
+from ..qparams import amax_of_range, qparams_from_range
 from ..scales import e8m0_scale
 from ..spec import QuantSpec
 from . import enum_name, field
@@ -299,24 +299,8 @@ class QuarkObserver:
         return _quark_rows(t.reshape(self.spec.layout.qparam_shape(self.shape)), self.shape,
                            self.spec.layout.axis)
 
-    def _state_qparams(self):
-        """``range_and_qparams()``'s ``(lo, qparams)``; E8M0 block scales by the C kernel at any
-        block count (bitwise the native path, whose threshold spares forward its host read;
-        the kernel refuses NaN / inf itself, the order is checked as the native path does)."""
-        if self.spec.scale.kind != "e8m0":
-            return self.range_and_qparams()[::2]
-        self.check_ready()
-        lo, hi = self.calculate_range()
-        qp = (_block_qparams_kernel(lo, hi, self.spec, None)
-              if lo.dtype == hi.dtype == torch.float32 else None)
-        if qp is None:  # no kernel, another device: the native path
-            qp = qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax())
-        else:
-            _check_finite(lo, hi, None, finite=False)
-        return lo, qp.reshape(self.spec.layout.qparam_shape(self.shape))
-
     def _calculate_qparams(self):
-        lo, qp = self._state_qparams()
+        lo, _, qp = self.range_and_qparams()
         scale = self._quark_shape(qp.effective_scale)
         if self.spec.scale.is_block:  # float32 (Quark's even_round): the class casts it
             return scale, torch.zeros_like(scale)
