@@ -152,9 +152,8 @@ def _c_price(entry: str, units: Tensor, scale: Tensor, zero_point: Tensor, *fmt,
              weights: Tensor | None = None, norm: float = 2.0) -> Tensor | None:
     """The C kernel's prices (``entry``: ``qs_mse_price_w`` or ``qs_mse_price_fp_w``, with
     ``weights`` or without), or None where it does not run (not built, ``units`` no
-    CPU tensor, or a norm other than 2)."""
+    contiguous CPU tensor, or a norm other than 2)."""
     K, U = scale.shape
-    units = units.contiguous()  # a strided view prices as its values do (as _torch_price)
     lib = _c_lib("mse_search") if _plain(units) and U and K and norm == 2.0 else None
     if lib is None:
         return None
@@ -178,9 +177,7 @@ def price_sums(d: Tensor, weights: Tensor | None = None, norm: float = 2.0) -> T
 def _torch_price(units: Tensor, scale: Tensor, zero_point: Tensor, bounds,
                  weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
     """:func:`price_sums` of each candidate's fake-quant errors, one candidate at a time
-    (one ``[U, E]`` temporary). Contiguous rows: torch's row sums add in an order that
-    follows the strides, and a price must not depend on the layout of its units."""
-    units = units.contiguous()
+    (one ``[U, E]`` temporary)."""
     out = torch.empty(tuple(scale.shape), dtype=torch.float64, device=units.device)
     for k in range(scale.shape[0]):
         d = fake_quantize_units(units, scale[k, :, None], zero_point[k, :, None].float(),
@@ -195,6 +192,7 @@ def _torch_mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin:
                          qmax: float, weights: Tensor | None = None,
                          norm: float = 2.0) -> Tensor:
     _check_price_int(units, scale, zero_point, qmin, qmax, weights, norm)
+    units = units.contiguous()  # torch's row sums add in an order that follows the strides
     out = _c_price("qs_mse_price_w", units, scale, zero_point, float(qmin), float(qmax),
                    weights=weights, norm=norm)
     return out if out is not None else _torch_price(
@@ -231,6 +229,7 @@ mse_price_int = define(
 def _torch_mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int,
                         mbits: int, weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
     _check_price_fp(units, scale, fmax, min_exp, mbits, weights, norm)
+    units = units.contiguous()  # torch's row sums add in an order that follows the strides
     # zero points: the C kernel's argument, which float formats ignore (as the torch path)
     zero = torch.zeros(tuple(scale.shape), dtype=torch.int32, device=units.device)
     fmt = (float(fmax), int(min_exp), int(mbits))
