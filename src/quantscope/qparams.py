@@ -106,10 +106,8 @@ class QParams:
 
 
 #: units from which the block branches (MX, NVFP4) run in C (kernels/csrc/block_qparams.c)
-#: in a call that reads nothing back (``check_finite=False``: an observer's forward); they
-#: read a NaN / inf flag and the global scale back, so they serve the many blocks of a
-#: weight there. A checked call reads back anyway: C at any count (the integer branch has
-#: no threshold)
+#: in an unchecked call (an observer's forward: they read a flag back); a checked call reads
+#: back anyway and runs them at any count (the integer branch has no threshold)
 KERNEL_MIN_UNITS = 1 << 14
 
 
