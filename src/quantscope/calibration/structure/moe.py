@@ -88,12 +88,29 @@ def is_gated(module: nn.Module) -> bool:
 _MARK = "_quantscope_expert"
 
 
-def _view_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """An ``nn.Linear`` whose weight (and bias) share storage with ``weight`` / ``bias``."""
-    lin = nn.Linear(1, 1, bias=False, device="meta")
+class _ExpertLinear(nn.Linear):
+    """One expert's Linear: ``weight`` (and ``bias``) are frozen views of the 3-D parameters'
+    slices, what observers and the report read; the forward takes the slices from the experts
+    module's parameters as it holds them now, so autograd reaches them (training under
+    ``apply``) and a cast of the model (``model.to``) is what runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, *self._live())
+
+
+def _view_linear(parent: nn.Module, name: str, e: int) -> nn.Linear:
+    """Expert ``e``'s Linear over the slice ``e`` of ``parent``'s 3-D parameter ``name`` (and of
+    its bias, where the module has one)."""
+    has_bias = getattr(parent, "has_bias", False)
+    bias = getattr(parent, f"{name}_bias", None) if has_bias else None
+    weight = expert_weight(parent, name, e)
+    lin = _ExpertLinear(1, 1, bias=False, device="meta")
     lin.weight = nn.Parameter(weight, requires_grad=False)
     lin.in_features, lin.out_features = weight.shape[1], weight.shape[0]
-    lin.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    lin.bias = None if bias is None else nn.Parameter(bias.data[e], requires_grad=False)
+    # a plain attribute, not a submodule: the parent holds the child
+    lin._live = lambda: (expert_weight(parent, name, e, live=True),
+                         None if bias is None else getattr(parent, f"{name}_bias")[e])
     setattr(lin, _MARK, True)
     return lin
 
@@ -104,11 +121,7 @@ class _Expert(nn.Module):
     def __init__(self, parent: nn.Module, e: int):
         super().__init__()
         for child in ("gate_up_proj", "down_proj"):
-            name = _source(parent, child)
-            b = getattr(parent, f"{name}_bias", None) if getattr(parent, "has_bias", False) \
-                else None
-            self.add_module(child, _view_linear(expert_weight(parent, name, e),
-                                                None if b is None else b.data[e]))
+            self.add_module(child, _view_linear(parent, _source(parent, child), e))
         self.gated = is_gated(parent)
 
 
@@ -119,10 +132,10 @@ def _source(parent: nn.Module, child: str) -> str:
     return child
 
 
-def expert_weight(parent: nn.Module, name: str, e: int) -> torch.Tensor:
+def expert_weight(parent: nn.Module, name: str, e: int, live: bool = False) -> torch.Tensor:
     """Expert ``e``'s ``[out, in]`` weight: a view of the slice of ``parent``'s 3-D parameter
-    ``name``, as it holds it now."""
-    w = getattr(parent, name).data[e]
+    ``name``, as it holds it now (``live``: through autograd; else of its ``.data``)."""
+    w = getattr(parent, name)[e] if live else getattr(parent, name).data[e]
     return w.t() if getattr(parent, "is_transposed", False) else w
 
 
