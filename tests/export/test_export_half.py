@@ -48,3 +48,32 @@ def test_half_model_checkpoint_codes_are_quantscopes_qdq(scheme, dtype, tmp_path
         qdq = quantscope.fake_quantize(w, state.qparams, state.spec)
         differ += int((qdq != deployed.get_submodule(layer).weight.detach()).sum())
     assert differ == 0
+
+
+def test_fp16_model_mxfp4_tiny_and_zero_blocks_keep_their_e8m0_scales(tmp_path):
+    """An E8M0 scale below float16's range (2**-127 of an all-zero block, ~2**-25 of a tiny
+    one) was cast to the float16 parameter compressed-tensors registers: flushed to 0,
+    written as code 127 (scale 1.0), the tiny block decompressed to +-6 (found by probing);
+    a zero block refused the exact export."""
+    from quantscope import presets
+    from quantscope.calibration import Recipe, Role, Rule
+
+    model, batches = _model(torch.float16)
+    layer = "model.layers.0.self_attn.q_proj"
+    w = model.get_submodule(layer).weight
+    with torch.no_grad():
+        w[0, :32] = 0.0
+        w[1, :32] = 2.0 ** -24 * torch.tensor([-1.0, 2.0, 1.0, -3.0] * 8)
+    recipe = Recipe(Rule(["Linear"], weight=Role(presets.MXFP4, "memoryless_minmax")),
+                    ignore=["lm_head"])
+    cal = calibrate(model, batches, recipe, progress=False)
+    path = quantscope.export(cal, model, tmp_path / "ct")  # exact: no allow_lossy needed
+    stored = safetensors.load_file(f"{path}/model.safetensors")[f"{layer}.weight_scale"]
+    assert stored[0, 0] == 0 and stored[1, 0] == 127 - 25  # 2**-127; 3 * 2**-24 -> 2**-25
+    deployed = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    deployed.hf_quantizer.compressor.decompress_model(deployed)
+    state = cal.states[layer]["weight"]
+    qdq = quantscope.fake_quantize(w.detach(), state.qparams, state.spec)
+    assert torch.equal(deployed.get_submodule(layer).weight.detach(), qdq)
+    back = Calibration.from_compressed_tensors(path).states[layer]["weight"]
+    assert torch.equal(back.qparams.scale, state.qparams.scale.float())

@@ -233,10 +233,15 @@ def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> Non
             raise ValueError(f"export compressed-tensors: layer {layer!r} {base}_{field}: "
                              f"{value.numel()} values for a parameter of shape "
                              f"{tuple(param.shape)}")
-        cast = value.reshape(param.shape).to(param.dtype).clone()  # shards own their copy
+        dtype = param.dtype
+        if field == "scale" and state.spec.scale.kind == "e8m0":
+            # compressed-tensors writes E8M0 bytes from it: float32 holds all 2**-127 ..
+            # 2**127; a float16 model's dtype flushed 2**-127 to 0, written as 1.0
+            dtype = torch.float32
+        cast = value.reshape(param.shape).to(dtype).clone()  # shards own their copy
         if not torch.equal(cast.to(value.dtype), value.reshape(param.shape)):
-            lossy(layer, base, f"{field} not exact in {param.dtype} (the model's dtype)",
-                  f"round it to {param.dtype}")
+            lossy(layer, base, f"{field} not exact in {dtype} (the model's dtype)",
+                  f"round it to {dtype}")
         with torch.no_grad():
             param.data = cast
 
