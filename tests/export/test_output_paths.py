@@ -503,3 +503,19 @@ def test_a_new_target_created_meanwhile_is_a_clear_error_without_overwrite(tmp_p
         _calibration().save(target)  # another writer wins the name first
     assert json.loads((target / "quantscope.json").read_text())["format"]
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "onnx"])
+def test_export_names_a_wrong_calibration_or_path(tmp_path, fmt):
+    """Found by probing: a calibration of another type gave "'NoneType' object has no
+    attribute 'states'", a path of another type pathlib's bare TypeError."""
+    import quantscope
+
+    cal = _calibration()
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    for calibration, path, what in [(None, tmp_path / "a", "calibration must be a Calibration"),
+                                    (model, tmp_path / "b", "got Sequential"),
+                                    (cal, None, "path must be a str or os.PathLike")]:
+        with pytest.raises(TypeError, match=what):
+            quantscope.export(calibration, model, path, format=fmt)
+    assert not any(tmp_path.iterdir())

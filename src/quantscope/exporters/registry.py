@@ -45,22 +45,34 @@ def register(name: str):
     """Decorator: ``@register("onnx") def export_onnx(calibration, model, path, **options)``;
     the writer it returns (and registers) writes on rank 0 only (module doc)."""
     def deco(fn):
-        _writers[name] = _on_rank_zero(fn)
+        _writers[name] = _on_rank_zero(fn, name)
         return _writers[name]
     return deco
 
 
-def _on_rank_zero(write: Callable) -> Callable:
+def _on_rank_zero(write: Callable, name: str) -> Callable:
     """``write(calibration, model, path, **options)`` run on rank 0 (or outside a process
     group of several); another rank writes nothing and returns ``path`` as rank 0 does (its
     absolute path), at once: no collective, so a caller that exports on rank 0 alone does not
     hang, and ranks sharing one path do not race (a reader waits at a barrier)."""
     @functools.wraps(write)
     def writer(calibration, model, path, **options):
+        _check_arguments(name, calibration, path)
         if not comm.is_main():
             return os.path.abspath(os.fspath(path))
         return write(calibration, model, path, **options)
     return writer
+
+
+def _check_arguments(name: str, calibration, path) -> None:
+    from ..calibration.results.result import Calibration
+
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"export {name}: calibration must be a Calibration (what calibrate() "
+                        f"returns), got {type(calibration).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"export {name}: path must be a str or os.PathLike, got "
+                        f"{type(path).__name__}")
 
 
 def register_reader(name: str):
