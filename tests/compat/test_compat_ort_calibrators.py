@@ -25,6 +25,7 @@ def _tiny_graph(path):
         [helper.make_tensor_value_info("z", TensorProto.FLOAT, [None, 4])],
         [numpy_helper.from_array(w, "w")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10  # opset 21's; onnx's newest would refuse an older onnxruntime (Python 3.10's)
     onnx.save(onnx.shape_inference.infer_shapes(m), str(path))  # value_info for y
     return w
 

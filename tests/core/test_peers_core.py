@@ -89,8 +89,16 @@ CT_CASES = [
 ]
 
 
+def _ct_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("compressed-tensors").split(".")[:2])
+
+
 @pytest.mark.parametrize("name,kwargs,spec", CT_CASES, ids=[c[0] for c in CT_CASES])
 def test_compressed_tensors_qparams_and_fake_quantize(name, kwargs, spec):
+    if name.startswith("fp6") and _ct_version() < (0, 20):
+        pytest.skip("compressed-tensors 0.19 (the oldest supported) has no fp6")
     args = QuantizationArgs(**kwargs)
     x = weights((200, 384) if args.strategy == "block" else (64, 512))
     ct_scale, ct_zp = calculate_qparams(*ct_range(x, args), args)

@@ -286,8 +286,16 @@ def test_weight_only_matmulnbits_equals_fake_quant_to_float_rounding(tmp_path, r
     calib = calibrate(model, batches, rule, progress=False)
     test = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(7))
     got, ref, counts = _run_mlp(model, calib, tmp_path / "m.onnx", test)
-    assert counts.get("MatMulNBits") == 2, counts
+    fused = counts.get("MatMulNBits") == 2
+    # onnxruntime 1.23 (Python 3.10's newest) fuses only 4-bit weights; 1.32 (CI's) 8-bit too
+    assert fused or (recipe == "w8a16" and _ort_version() < (1, 32)), counts
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got - ref).max()
+
+
+def _ort_version() -> tuple[int, ...]:
+    import onnxruntime
+
+    return tuple(int(p) for p in onnxruntime.__version__.split(".")[:2])
 
 
 def _tiny_llama():
