@@ -77,3 +77,51 @@ def test_fp16_model_mxfp4_tiny_and_zero_blocks_keep_their_e8m0_scales(tmp_path):
     assert torch.equal(deployed.get_submodule(layer).weight.detach(), qdq)
     back = Calibration.from_compressed_tensors(path).states[layer]["weight"]
     assert torch.equal(back.qparams.scale, state.qparams.scale.float())
+
+
+@pytest.mark.parametrize("role", ["weight", "input"])
+def test_a_scale_the_half_dtype_flushes_to_zero_is_refused_even_when_lossy(role, tmp_path):
+    """A spec eps below float16's 2**-24 gave an all-zero row (or input) a scale of 1e-12,
+    written as 0 with only a rounding note under allow_lossy (found by probing): a folder
+    its own reader refuses."""
+    from quantscope.calibration import Recipe, Role, Rule
+    from quantscope.layout import Channel, Tensor
+    from quantscope.spec import QuantSpec
+
+    model, batches = _model(torch.float16)
+    if role == "weight":
+        with torch.no_grad():
+            model.get_submodule("model.layers.0.mlp.down_proj").weight[0] = 0
+        rule = Rule(["Linear"], weight=Role(QuantSpec("int8", Channel(0), eps=1e-12), "minmax"))
+    else:
+        model.model.layers[0].input_layernorm.weight.data.zero_()  # q/k/v see zeros
+        rule = Rule(["Linear"], weight=Role(QuantSpec("int8", Channel(0)), "minmax"),
+                    input=Role(QuantSpec("int8", Tensor(), eps=1e-12), "minmax"))
+    cal = calibrate(model, batches, Recipe(rule, ignore=["lm_head"]), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"scale holds 9\.99.*e-13, which is 0\.0 in "
+                                             r"torch\.float16"):
+            quantscope.export(cal, model, tmp_path / "ct", allow_lossy=True)
+    assert not (tmp_path / "ct").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_lossy_note_of_a_pow2_encoding_names_the_dtype_written(dtype, tmp_path):
+    import json
+
+    from quantscope.calibration import Recipe, Role, Rule
+    from quantscope.layout import Channel
+    from quantscope.spec import QuantSpec
+
+    model, batches = _model(dtype)
+    spec = QuantSpec("int8", Channel(0), scale="pow2")
+    cal = calibrate(model, batches, Recipe(Rule(["Linear"], weight=Role(spec, "minmax")),
+                                           ignore=["lm_head"]), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = quantscope.export(cal, model, tmp_path / "ct", allow_lossy=True)
+    notes = json.loads((tmp_path / "ct" / "config.json").read_text())["quantscope"]["lossy"]
+    assert notes and all("in the model's dtype" in n and "fp32" not in n for n in notes)
+    stored = safetensors.load_file(f"{path}/model.safetensors")
+    assert stored["model.layers.0.mlp.down_proj.weight_scale"].dtype == dtype

@@ -81,8 +81,8 @@ def quant_args(state, layer: str, role: str, lossy: _Lossy | None = None):
 
     Raises ``ValueError`` naming ``layer``, ``role`` and the feature when the spec has no
     equivalent (unsigned, narrow or custom-range integers; fp8 e5m2 / fp6; power-of-two or
-    fp16 scales, unless ``lossy`` allows writing their values as fp32; layouts other than
-    tensor, channel of a weight's rows, groups along the last axis without ``g_idx``, token,
+    fp16 scales, unless ``lossy`` allows writing their values as plain scales; layouts other
+    than tensor, channel of a weight's rows, groups along the last axis without ``g_idx``, token,
     NVFP4 / MX blocks, weight tiles).
     """
     _ct()
@@ -152,7 +152,8 @@ def _strategy_args(state, layer: str, role: str, lossy: _Lossy) -> dict:
                                         f"scales of blocks of 32)")
     if enc.kind != "fp32":
         lossy(layer, role, f"{enc} scale encoding",
-              "store the same scale values as fp32 (the encoding is not recorded)")
+              "store the same scale values as plain float scales, in the model's dtype (the "
+              "encoding is not recorded)")
     return _layout_args(state, layer, role)
 
 
@@ -239,11 +240,25 @@ def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> Non
             # 2**127; a float16 model's dtype flushed 2**-127 to 0, written as 1.0
             dtype = torch.float32
         cast = value.reshape(param.shape).to(dtype).clone()  # shards own their copy
+        _refuse_lost(value.reshape(param.shape), cast, f"layer {layer!r} {base}_{field}")
         if not torch.equal(cast.to(value.dtype), value.reshape(param.shape)):
             lossy(layer, base, f"{field} not exact in {dtype} (the model's dtype)",
                   f"round it to {dtype}")
         with torch.no_grad():
             param.data = cast
+
+
+def _refuse_lost(value: torch.Tensor, cast: torch.Tensor, what: str) -> None:
+    """A qparam that the model's dtype turns into 0 or inf is no rounding ``allow_lossy`` may
+    write (a scale below float16's 2**-24, from a spec's small ``eps``): the checkpoint
+    would hold a scale no runtime can divide by, which the reader refuses."""
+    lost = ((cast == 0) & (value != 0)) | (cast.isinf() & value.isfinite())
+    if bool(lost.any()):
+        v = float(value[lost].reshape(-1)[0])
+        raise ValueError(f"export compressed-tensors: {what} holds {v!r}, which is "
+                         f"{float(cast[lost].reshape(-1)[0])} in {cast.dtype} (the model's "
+                         f"dtype); export the model in float32, or calibrate with a spec eps "
+                         f"that {cast.dtype} holds")
 
 
 def _check_encoded(scale: torch.Tensor, encoding, layer: str, base: str) -> None:
