@@ -311,7 +311,7 @@ def test_allow_lossy_writes_and_says_what_changed(bert, tmp_path):
     with pytest.warns(UserWarning, match="pow2:round scale encoding"):
         out = quantscope.export(cal, model, tmp_path / "ct", allow_lossy=True)
     notes = _config(out)["quantscope"]["lossy"]
-    assert len(notes) == len(cal.states) and "fp32" in notes[0]
+    assert len(notes) == len(cal.states) and "plain float scales, in the model's dtype" in notes[0]
     # power-of-two values are exact in fp32: the checkpoint still runs as the QDQ model
     ref = _applied(cal, model, batches[0])
     with torch.inference_mode():
