@@ -28,7 +28,7 @@ from .. import presets
 from ..layout import Tensor
 from ..spec import QuantSpec
 from .recipe_dict import fields_from, matches, own_options, patterns, role_options
-from .role_observers import AUTO, observed, weight_observer
+from .role_observers import AUTO, check_taken, observed, weight_observer
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
            "Role", "Rule", "preset", "scheme", "weight_observer"]
@@ -117,6 +117,10 @@ class Rule:
 
     def __post_init__(self):
         object.__setattr__(self, "targets", patterns("Rule.targets", self.targets))
+        for r in ROLES:  # a QuantSpec there would fail only deep inside calibration
+            if not isinstance(getattr(self, r), (Role, type(None))):
+                raise TypeError(f"Rule.{r} must be a Role (Role(spec, observer)) or None, got "
+                                f"{type(getattr(self, r)).__name__}")
         if not self.targets:
             raise ValueError("Rule.targets must name at least one module type or name pattern")
         if self.weight is None and self.input is None and self.output is None:
@@ -245,12 +249,14 @@ class Recipe:
 
     def with_observer(self, observer: str, **options) -> Recipe:
         """A copy whose calibrated roles (not dynamic) run ``observer`` (weights: its
-        :func:`weight_observer`) with ``options`` and those of their own it takes."""
+        :func:`weight_observer`) with ``options`` and their own it takes; one none keeps raises."""
         rules = tuple(replace(r, **{k: observed(getattr(r, k), k, observer, options)
                                     for k in ROLES}) for r in self.rules)
         # the KV cache takes a named observer: auto leaves it as it is
         kv = self.kv_cache if observer == AUTO else observed(self.kv_cache, "key", observer,
                                                              options)
+        runs = [(k, observer) for r in self.rules for k, v in r.roles().items() if v.needs_data]
+        check_taken(f"recipe {self.name!r}", runs + [("key", observer)] * (kv is not None), options)
         return replace(self, rules=rules, name=self.name, kv_cache=kv)
 
     @property
@@ -369,18 +375,19 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
     targets = ("Linear",) if targets is None else targets
     if key not in RECIPES:
         raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(RECIPES)}")
-    # Rule and Recipe read targets / ignore (a string is one pattern, None no ignore list)
-    recipe = Recipe((replace(RECIPES[key](observer), targets=targets),), ignore, key)
+    kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
+    if named_kv := isinstance(kv_cache, str):  # a format name: observed as activations are
+        kv_cache = replace(kv_cache_role(kv_cache), options=options,
+                           observer="minmax" if observer == AUTO else observer)
+    # Rule and Recipe read targets / ignore (a string is one pattern, None no ignore list);
+    # a named KV cache keeps the options too, so with_observer checks none is dropped
+    recipe = Recipe((replace(RECIPES[key](observer), targets=targets),), ignore, key,
+                    kv_cache=kv_cache if named_kv else None)
     (rule,) = recipe.with_observer(observer, **options).rules
     if own_input:  # the observer llm-compressor's scheme gives these inputs
         own_options(f"preset {key!r}", "input", own_input, options)
         rule = replace(rule, input=observed(rule.input, "input", own_input, options))
-    recipe = replace(recipe, rules=(rule,))
-    kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
-    if isinstance(kv_cache, str):  # a format name: observed as the activations are
-        kv_cache = replace(kv_cache_role(kv_cache), options=options,
-                           observer="minmax" if observer == AUTO else observer)
-    return replace(recipe, kv_cache=kv_cache)
+    return replace(recipe, rules=(rule,), kv_cache=kv_cache)
 
 
 def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignore=(),
@@ -415,7 +422,7 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
                          f"{sorted(k for k, v in PRESET_SCHEMES.items() if v)}")
     targets = patterns("targets", targets)
     s = QuantizationScheme(targets=list(targets), **PRESET_SCHEMES[key])
-    roles = {}
+    roles, runs = {}, []
     for role, args in (("weight", s.weights), ("input", s.input_activations),
                        ("output", s.output_activations)):
         if args is None:
@@ -429,6 +436,8 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
             own_options(f"scheme {key!r}", role, own, options)
         roles[role] = observed(Role(llmcompressor_spec(args, role), own, dynamic), role, own,
                                options)
+        runs.append((role, own))
+    check_taken(f"scheme {key!r}", runs, options)  # as Recipe.with_observer: none dropped
     return Recipe((Rule(targets, **roles),), ignore, key)
 
 

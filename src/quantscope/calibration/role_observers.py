@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import replace
 
-__all__ = ["AUTO", "observed", "unknown_options", "weight_observer"]
+__all__ = ["AUTO", "check_taken", "observed", "unknown_options", "weight_observer"]
 
 AUTO = "auto"
 
@@ -59,13 +59,35 @@ def unknown_options(observer: str, options: dict) -> list[str]:
     return sorted(set(options) - set(_accepted(observer, observer, options)))
 
 
+def _kept(kind: str, observer: str, options: dict) -> tuple[str, dict]:
+    """The observer a role of ``kind`` runs for ``observer`` (weights: its
+    :func:`weight_observer`) and the ``options`` it keeps."""
+    name = weight_observer(observer) if kind == "weight" else observer
+    return name, (options if name == observer else _accepted(name, observer, options))
+
+
 def observed(role, kind: str, observer: str, options: dict):
     """``role`` (of ``kind``: weight, input ...) running ``observer`` (weights: its
     :func:`weight_observer`) with ``options`` and those of its own it takes; a dynamic role
     (nothing observed) or None as it is."""
     if role is None or role.dynamic is True:
         return role
-    name = weight_observer(observer) if kind == "weight" else observer
-    kept = options if name == observer else _accepted(name, observer, options)
+    name, kept = _kept(kind, observer, options)
     own = dict(role.options) if name == AUTO else _accepted(name, name, dict(role.options))
     return replace(role, observer=name, options={**own, **kept})
+
+
+def check_taken(where: str, runs, options: dict) -> None:
+    """Raise ``ValueError`` for an option of ``options`` that no calibrated role keeps:
+    ``runs`` holds the ``(kind, observer)`` :func:`observed` gets for each. A role that
+    keeps one takes it (its observer raises at calibration if it does not); a weight's
+    memoryless variant keeps only those it takes, so an option no other role keeps (a typo,
+    or a weight-only recipe's) would otherwise be dropped silently."""
+    ran = [(kind, *_kept(kind, observer, options)) for kind, observer in runs]
+    taken = {k for _, _, kept in ran for k in kept}
+    extra = sorted(set(options) - taken)
+    if extra:
+        names = sorted({f"{kind} observer {name!r}" for kind, name, _ in ran})
+        raise ValueError(f"{where}: option {extra[0]!r} is not one any observer of the recipe "
+                         f"takes ({', '.join(names) or 'none is calibrated'}); it would be "
+                         f"dropped")

@@ -336,6 +336,11 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     included, is the calibration's. On a calibration with a fallback already, this one adds
     to it, in the same ``mode`` (``info["keep_float"]`` then counts and lists both).
     """
+    for arg, value, kind in (("calibration", calibration, Calibration),
+                             ("sens", sens, Sensitivity)):  # not an AttributeError inside
+        if not isinstance(value, kind):
+            raise TypeError(f"keep_float: {arg} must be a {kind.__name__}, got "
+                            f"{type(value).__name__}")
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:  # numpy's too
         raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
     n = operator.index(n)

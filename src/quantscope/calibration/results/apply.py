@@ -20,6 +20,7 @@ import copy
 import sys
 import warnings
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -33,7 +34,7 @@ from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
 from ..run.batches import input_name, module_input
 from ..structure import kv_cache, moe
-from ..structure.placement import check_placement, held_weight, plain
+from ..structure.placement import check_module, check_placement, held_weight, plain
 from ..structure.tied import tied_weights
 from .role_state import RoleState
 
@@ -168,6 +169,11 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
     wrapper; nothing is left applied then. A shared weight is fake-quantized once; the
     modules sharing it without a state are named in a warning.
     """
+    check_module(model, "apply")
+    if not isinstance(states, Mapping):  # apply(model, calibration): its .states, or its apply
+        raise TypeError(f"apply: states must be a {{layer: {{role: RoleState}}}} mapping (a "
+                        f"Calibration's .states; or call calibration.apply(model)), got "
+                        f"{type(states).__name__}")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("apply: this model already has quantscope QDQ applied; call remove() "
                          "on the handle first")

@@ -42,6 +42,10 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
     Inside a process group of several processes only rank 0 writes (as the exporters and
     transformers' ``save_pretrained``); the others return ``path`` at once, with no collective.
     """
+    # by its fields: .result imports this module (save(model, path): say so, not .label)
+    if not all(hasattr(calibration, f) for f in ("states", "recipe", "label", "smoothing")):
+        raise TypeError(f"save: calibration must be a Calibration (what calibrate returns), "
+                        f"got {type(calibration).__name__}")
     if not isinstance(calibration.label, str):  # load() reads back a str: refuse, not write
         raise TypeError(f"save: the calibration's label must be a str, got "
                         f"{calibration.label!r}; set calibration.label to one")

@@ -19,19 +19,28 @@ from torch import nn
 
 from ...observers.base import is_dtensor
 
-__all__ = ["check_placement", "held_weight", "plain"]
+__all__ = ["check_module", "check_placement", "held_weight", "plain"]
 
 _SEQUENTIAL = ("calibrate it block by block from its checkpoint: calibrate(empty_model(folder), "
                "..., sequential=Sequential(checkpoint=folder))")
+
+
+def check_module(model, who: str) -> None:
+    """Raise ``TypeError`` naming ``who`` where ``model`` is no ``torch.nn.Module`` (None, a
+    Calibration: an AttributeError deep inside otherwise)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
                     skeleton: bool = False) -> None:
     """Raise ``ValueError`` naming the first parameter or buffer of ``model`` that is a
     DTensor or lies on the meta device, or the first parameter that is no dense tensor
-    (:func:`plain`) (``calibrating``: the error suggests a sequential calibration). ``skeleton``: meta tensors are expected (a sequential calibration loads
-    them), but not under accelerate's offload hooks, which would move the loaded weights
-    back to the meta device after each forward."""
+    (:func:`plain`) (``calibrating``: the error suggests a sequential calibration), and
+    ``TypeError`` where ``model`` is no module. ``skeleton``: meta tensors are expected (a
+    sequential calibration loads them), but not under accelerate's offload hooks, which would
+    move the loaded weights back to the meta device after each forward."""
+    check_module(model, who)
     also = f", or {_SEQUENTIAL}" if calibrating or skeleton else ""
     for prefix, module in model.named_modules():
         offloaded = hasattr(module, "_hf_hook")  # accelerate's hook on a dispatched model
