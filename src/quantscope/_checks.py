@@ -15,8 +15,9 @@ import torch
 
 from .spec import QuantSpec
 
-__all__ = ["check_float32_range", "check_int", "check_number", "check_per_unit", "check_real",
-           "check_spec", "dtensor_error", "env_flag", "is_dtensor", "outside_quantscope"]
+__all__ = ["check_bool", "check_float32_range", "check_global_amax", "check_int", "check_not_meta",
+           "check_number", "check_per_unit", "check_range_args", "check_real", "check_spec",
+           "dtensor_error", "env_flag", "is_dtensor", "outside_quantscope"]
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -51,6 +52,15 @@ def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int
     return int(value)
 
 
+def check_bool(who: str, name: str, value) -> bool:
+    """``value`` unless it is not a ``bool`` (``bool("no")`` is True: a string, 0 / 1 or None
+    would be read silently)."""
+    if not isinstance(value, bool):
+        raise ValueError(  # noqa: TRY004 (as QuantSpec.symmetric and copy_zero_bin: one kind)
+            f"{who}: {name} must be True or False, got {value!r}")
+    return value
+
+
 def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,
                  lo_open: bool = False) -> float:
     """``value`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
@@ -70,6 +80,42 @@ def check_per_unit(who: str, name: str, t: torch.Tensor, units: int, device) -> 
     if t.shape != (units,) or t.dtype != torch.float32 or t.device != device:
         raise ValueError(f"{who}: {name} must be a float32 tensor of shape ({units},) on "
                          f"{device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def check_not_meta(who: str, then: str, *tensors) -> None:
+    """``ValueError`` if one of ``tensors`` is on the meta device, where a check must read
+    values back; ``then``: the way out (the call's option that skips the check)."""
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        raise ValueError(f"{who}: got a tensor on the meta device; meta tensors hold no data, "
+                         f"so the values cannot be checked ({then})")
+
+
+def check_global_amax(who: str, global_amax) -> None:
+    """A global amax: None, or one real value (a number, or a tensor of one value)."""
+    if global_amax is None:
+        return
+    try:
+        g = torch.as_tensor(global_amax)
+    except (TypeError, ValueError, RuntimeError):
+        g = None
+    if g is None or g.dtype == torch.bool or g.is_complex():
+        raise TypeError(f"{who}: global_amax must be a real number or tensor, got "
+                        f"{type(global_amax).__name__} {global_amax!r}")
+    if g.numel() != 1:
+        raise ValueError(f"{who}: global_amax must be one value (the whole tensor's absolute "
+                         f"maximum), got shape {tuple(g.shape)}")
+
+
+def check_range_args(who: str, spec, lo, hi, global_amax, values: bool) -> None:
+    """A range's arguments (:func:`~quantscope.qparams_from_range`'s): the spec, real ``lo`` /
+    ``hi``, one real global amax (or None); with ``values`` (the checked mode, which hot paths
+    skip) no meta tensor (its values are read back) and float64 within float32's range."""
+    check_spec(who, spec)
+    check_real(who, lo=lo, hi=hi)
+    check_global_amax(who, global_amax)
+    if values:
+        check_not_meta(who, "pass check_finite=False", lo, hi, global_amax)
+        check_float32_range(who, *(t for t in (lo, hi) if isinstance(t, torch.Tensor)))
 
 
 def check_float32_range(who: str, *values: torch.Tensor) -> None:

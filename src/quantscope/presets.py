@@ -64,6 +64,9 @@ PRESETS = SPECS
 
 def get(name: str) -> QuantSpec:
     """A spec by name (see :data:`SPECS`)."""
+    if not isinstance(name, str):
+        raise TypeError(f"preset: name must be a str (one of {sorted(SPECS)}), got "
+                        f"{type(name).__name__}")
     try:
         return SPECS[name.lower()]
     except KeyError:

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ._checks import check_real, check_spec
+from ._checks import check_bool, check_not_meta, check_real, check_spec
 from .qparams import QParams
 from .scales import not_encoded
 from .spec import QuantSpec
@@ -36,13 +36,22 @@ __all__ = [
 ]
 
 
-def _per_unit(qparams: QParams, spec: QuantSpec, shape, who: str = "qparams"
+def _per_unit(qparams: QParams, spec: QuantSpec, shape, who: str = "qparams", device=None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[units, 1]`` float32 scale and zero point, after the checks that read nothing back
-    (so ``check=False`` keeps them): the types, and each tensor shaped
-    ``layout.qparam_shape(shape)`` or flat ``(units,)`` (what ``qparams_from_range`` gives on
-    flat ranges); a count alone would take another layout's qparams in another order."""
+    (so ``check=False`` keeps them): the types, the device (``device``: the input's), and each
+    tensor shaped ``layout.qparam_shape(shape)`` or flat ``(units,)`` (what
+    ``qparams_from_range`` gives on flat ranges); a count alone would take another layout's
+    qparams in another order."""
     _check_fields(qparams, spec, who)
+    if device is not None and device != qparams.scale.device or (
+            qparams.zero_point.device != qparams.scale.device):
+        sd, zd = qparams.scale.device, qparams.zero_point.device
+        on = sd if sd == zd else f"{sd} (scale) and {zd} (zero_point)"
+        arg = "q" if who == "dequantize" else "x"
+        meta = "; meta tensors hold no data" if "meta" in (sd.type, zd.type, str(device)) else ""
+        raise ValueError(f"{who}: {arg} is on {device} but qparams on {on}: move them to one "
+                         f"device, e.g. qparams.to({arg}.device){meta}")
     qshape = tuple(spec.layout.qparam_shape(shape))
     units = math.prod(qshape)
     scale = qparams.effective_scale
@@ -85,12 +94,14 @@ def _check_fields(qparams: QParams, spec: QuantSpec, who: str) -> None:
                          f"shape {tuple(gs.shape)}")
 
 
-def _check_qparams(qparams: QParams, spec: QuantSpec, who: str) -> None:
+def _check_qparams(qparams: QParams, spec: QuantSpec, who: str, data=None) -> None:
     """Raise unless ``qparams`` can run: finite positive scales (and global scale), integer
     zero points in the code range (0 for float formats), as torch's fake-quantize demands.
     One host read; the library's own callers, whose qparams come from the formulas, skip
     it (``check=False``: no read, so a CUDA graph can hold the call). After
-    :func:`_per_unit`, which checks the types and shapes."""
+    :func:`_per_unit`, which checks the types, shapes and devices. ``data``: ``(flag, error)``,
+    a bool tensor read in the same read (True: raise ``error``), for the input's check."""
+    check_not_meta(who, "pass check=False", qparams.scale)  # the input is on its device
     if (qparams.global_scale is None) == spec.scale.has_global_scale:
         # QDQ divides the block scales by a global scale: without one NVFP4's run 1 / gs off
         raise ValueError(f"{who}: qparams.global_scale must be "
@@ -111,13 +122,21 @@ def _check_qparams(qparams: QParams, spec: QuantSpec, who: str) -> None:
         tests["zero_point"] = ~((mn >= lo) & (mx <= hi))
         if zp.is_floating_point():  # between integers
             tests["zero_point"] |= (zp != torch.round(zp)).any()
+    if data is not None:
+        tests["data"] = data[0]
     bad = torch.stack(list(tests.values())).tolist() if tests else []
     for name, b in zip(tests, bad):
+        if b and name == "data":
+            raise ValueError(f"{who}: {data[1]}")
         if b:
             want = {"zero_point": f"integers in the code range [{lo}, {hi}] of {spec}",
                     "scale": f"finite, > 0 and values its {spec.scale} encoding stores"
                     }.get(name, "finite and > 0")
             raise ValueError(f"{who}: qparams.{name} must be {want}")
+
+
+_NAN_INPUT = ("x holds NaN (non-finite input), which has no code (+-inf saturate to the range's "
+              "ends); fix the input, or pass check=False to get NaN codes")
 
 
 def _fits(t: torch.Tensor, other: torch.Tensor) -> bool:
@@ -192,31 +211,44 @@ def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
 
     Integer formats give integer-valued codes in ``[qmin, qmax]``; float formats
     give their representable values (cast them with ``.to(torch.float8_e4m3fn)``
-    to store fp8). ``check``: raise ``ValueError`` on qparams that cannot run (a scale
-    not finite and positive, a zero point off the code range); one host read.
+    to store fp8); +-inf saturate to the range's ends. ``check``: raise ``ValueError`` on
+    qparams that cannot run (a scale not finite and positive, a zero point off the code
+    range) and on NaN in ``x``, which has no code; one host read (``check=False``: none,
+    and NaN gives NaN codes).
     """
     _check_input(x, "quantize")
-    scale, zp = _per_unit(qparams, spec, x.shape, "quantize")
-    if check:
-        _check_qparams(qparams, spec, "quantize")
+    check_bool("quantize", "check", check)
+    scale, zp = _per_unit(qparams, spec, x.shape, "quantize", x.device)
     u = spec.layout.to_units(x.float())
+    if check:  # one reduction, read with the qparams' flags
+        _check_qparams(qparams, spec, "quantize", (u.isnan().any(), _NAN_INPUT))
     return spec.layout.to_shape(quantize_units(u, scale, zp, spec), x.shape)
 
 
 def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
                dtype: torch.dtype = torch.float32, *, check: bool = True) -> torch.Tensor:
     """Values of codes ``q`` (as returned by :func:`quantize`, or stored integer codes), in
-    the floating-point ``dtype``; ``check`` as in :func:`quantize`."""
+    the floating-point ``dtype``. ``check``: raise ``ValueError`` on qparams that cannot run
+    (as :func:`quantize`) and on ``q`` holding NaN, a value outside ``[qmin, qmax]`` or, for
+    integer formats, a non-integer; one host read (``check=False``: none)."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"dequantize: q must be a torch.Tensor, got {type(q).__name__}")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dequantize: dtype must be a floating-point torch.dtype (the values "
                         f"are not codes), got {dtype!r}")
     check_real("dequantize", q=q)
-    scale, zp = _per_unit(qparams, spec, q.shape, "dequantize")
-    if check:
-        _check_qparams(qparams, spec, "dequantize")
+    check_bool("dequantize", "check", check)
+    scale, zp = _per_unit(qparams, spec, q.shape, "dequantize", q.device)
     u = spec.layout.to_units(q.float())
+    if check:  # an integer code is its own rounding (NaN is not): one pass, one read
+        # with the qparams'; float formats: the range only (a value between their codes
+        # dequantizes as the value it is)
+        rounded = spec.format.round if not spec.is_float else torch.clamp
+        off = (rounded(u, spec.qmin, spec.qmax) != u).any()
+        kind = "values" if spec.is_float else "integers"
+        _check_qparams(qparams, spec, "dequantize", (off, (
+            f"q must hold codes of {spec}: {kind} in [{spec.qmin}, {spec.qmax}] (got NaN or "
+            f"a value outside them); pass check=False to skip this check")))
     out = _saturate(dequantize_units(u, scale, zp), dtype)
     return spec.layout.to_shape(out, q.shape).to(dtype)
 
@@ -234,7 +266,9 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     :func:`quantize`.
     """
     _check_input(x, "fake_quantize")
-    scale, zp = _per_unit(qparams, spec, x.shape, "fake_quantize")
+    check_bool("fake_quantize", "ste", ste)
+    check_bool("fake_quantize", "check", check)
+    scale, zp = _per_unit(qparams, spec, x.shape, "fake_quantize", x.device)
     if check:
         _check_qparams(qparams, spec, "fake_quantize")
     u = spec.layout.to_units(x.detach().float())

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from ._checks import check_float32_range, check_number, check_real, check_spec
+from ._checks import check_number, check_range_args
 from ._numerics import _F32_MAX, true_div, upload
 from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format
@@ -205,29 +205,22 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                        check_finite: bool = True) -> QParams:
     """Scale and zero point for per-unit ranges ``[lo, hi]`` under ``spec``.
 
-    ``global_amax`` is NVFP4's whole-tensor absolute maximum; by default the
-    largest ``max(|lo|, |hi|)`` over the units given (all blocks of one tensor).
+    ``global_amax`` is NVFP4's whole-tensor absolute maximum (other specs ignore it); by
+    default the largest ``max(|lo|, |hi|)`` over the units given (all blocks of one tensor).
 
     A NaN / inf range, or ``lo > hi``, raises ``ValueError``. That check reads a flag back;
     code on a hot path whose ranges come from data already checked upstream (a search in an
     observer's forward, which records non-finite input itself; run-time dynamic
-    quantization) passes ``check_finite=False``, which also skips the
-    refusal of float64 values past float32's range (they would turn inf below).
+    quantization) passes ``check_finite=False``, which also skips the refusals of float64
+    values past float32's range (they would turn inf below) and of meta tensors.
     """
-    check_spec("qparams_from_range", spec)
-    check_real("qparams_from_range", lo=lo, hi=hi)
-    if check_finite:
-        check_float32_range("qparams_from_range",
-                            *(t for t in (lo, hi) if isinstance(t, torch.Tensor)))
+    # check_finite reads values back: not on meta (check_finite=False: shapes only)
+    check_range_args("qparams_from_range", spec, lo, hi, global_amax, check_finite)
     lo = torch.as_tensor(lo, dtype=torch.float32)
     hi = torch.as_tensor(hi, dtype=torch.float32, device=lo.device)
     if lo.shape != hi.shape:
         raise ValueError(f"qparams_from_range: lo and hi must have one shape, got "
                          f"{tuple(lo.shape)} and {tuple(hi.shape)}")
-    if global_amax is not None and torch.as_tensor(global_amax).numel() != 1:
-        raise ValueError(f"qparams_from_range: global_amax must be one value (the whole "
-                         f"tensor's absolute maximum), got shape "
-                         f"{tuple(torch.as_tensor(global_amax).shape)}")
     # the integer branch in C for any CPU ranges: one call costs less than the torch
     # branch's dozen small ops at every count (one unit: 12 against 44-55 us)
     qp = _int_qparams_kernel(lo, hi, spec) if lo.numel() else None

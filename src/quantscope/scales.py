@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from ._numerics import as_float32
-from .formats import FP8_E4M3, FloatFormat, Format
+from .formats import FP8_E4M3, FloatFormat, Format, IntFormat, get_format
 
 __all__ = [
     "E8M0_EXPONENTS",
@@ -116,6 +116,14 @@ class ScaleEncoding:
         return cls(kind, mode or None)
 
 
+def _parsed(who: str, name: str, value, parse, want: str, *kinds: type):
+    """``value`` (a str, or one of ``kinds``) as ``parse`` reads it: QuantSpec's reading of its
+    fields' names; ``TypeError`` naming the argument for anything else (None)."""
+    if not isinstance(value, (str, *kinds)):
+        raise TypeError(f"{who}: {name} must be {want}, got {type(value).__name__}")
+    return parse(value)
+
+
 def _exp2(k: torch.Tensor) -> torch.Tensor:
     """Exact ``2 ** k`` for integer-valued ``k`` (float32 result)."""
     return torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.to(torch.int32))
@@ -143,14 +151,18 @@ def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
 _SQRT2_F32 = 1.41421353816986083984375  # float32(sqrt 2) < sqrt 2 < its float32 successor
 
 
-def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
+def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding | str) -> torch.Tensor:
     """Round positive float32 scales to what ``encoding`` stores (fp32 / fp16 / bf16 / pow2 / fp8).
 
     Positive finite scales stay positive and finite: fp16 / bf16 / pow2 saturate
     at their largest value and stop at their smallest positive one instead of
     overflowing to inf or flushing to 0. E8M0 needs the block amax and the
-    element format: use :func:`e8m0_scale`.
+    element format: use :func:`e8m0_scale`. ``encoding``: a :class:`ScaleEncoding` or its
+    name, read as :class:`~quantscope.QuantSpec` reads it (``"fp16"``, ``"pow2:floor"``).
     """
+    if not isinstance(encoding, ScaleEncoding):
+        encoding = _parsed("encode_scale", "encoding", encoding, ScaleEncoding.parse,
+                           "a ScaleEncoding or its name ('fp16', 'pow2:floor')")
     kind = encoding.kind
     if kind in _DTYPES:
         info = torch.finfo(_DTYPES[kind])
@@ -217,13 +229,17 @@ def _floor_log2_rounded(x: torch.Tensor, mbits: int) -> torch.Tensor:
     return e - 1 + carry.to(e.dtype)
 
 
-def e8m0_scale(amax: torch.Tensor, fmt: Format, mode: str = "floor") -> torch.Tensor:
+def e8m0_scale(amax: torch.Tensor, fmt: Format | str, mode: str = "floor") -> torch.Tensor:
     """The E8M0 shared scale ``2 ** k`` of blocks with absolute maximum ``amax``.
 
     An all-zero block (``amax == 0``) gets the smallest scale, ``2 ** -127``; an inf amax
     is read as ``2 ** 128`` (the scale saturates high) and a NaN one gets a NaN scale
-    (E8M0's NaN, 0xFF), as torchao's ``to_mx``.
+    (E8M0's NaN, 0xFF), as torchao's ``to_mx``. ``fmt``: the element format or its name, read
+    as :class:`~quantscope.QuantSpec` reads it (``"fp4_e2m1"``).
     """
+    if not isinstance(fmt, (IntFormat, FloatFormat)):
+        fmt = _parsed("e8m0_scale", "fmt", fmt, get_format,
+                      "a format (IntFormat / FloatFormat) or its name ('fp4_e2m1')", dict)
     amax = amax.float()
     tiny = amax <= 0
     safe = torch.where(tiny, torch.ones_like(amax), amax)

@@ -228,7 +228,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
     units, lo, hi = _check(units, lo, hi, spec, norm)
     if compat == "llmcompressor":
         patience = compat_patience(patience)
-    _check_options(compat, tie, patience, expand, backend, chunk_elems,
+    _check_options(compat, tie, patience, expand, backend, chunk_elems, global_grid,
                    per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
                    independent_ends=independent_ends, incumbent=incumbent)
     exact = compat == "llmcompressor"
@@ -299,12 +299,15 @@ def _check_chunk(who, chunk_elems):
         check_int(who, "chunk_elems", chunk_elems, 1)
 
 
-def _check_options(compat, tie, patience, expand, backend, chunk_elems=None, **flags):
+def _check_options(compat, tie, patience, expand, backend, chunk_elems=None, global_grid=None,
+                   **flags):
     for name, value in flags.items():  # a string such as "no" would be silently truthy
         if not isinstance(value, bool):
             raise TypeError(f"mse_search: {name} must be a bool, got {type(value).__name__} "
                             f"{value!r}")
     _check_chunk("mse_search", chunk_elems)
+    if global_grid is not None:  # int() would cut 1.5 to 1 and read True as 1
+        check_int("mse_search", "global_grid", global_grid, 1)
     if compat not in (None, "llmcompressor"):
         raise ValueError(f"mse_search: compat must be None or 'llmcompressor', got {compat!r}")
     if tie not in ("first", "last"):
@@ -346,9 +349,7 @@ def _global_amaxes(ga0, spec, encoding_aware, global_grid):
     """NVFP4's global amaxes to search under (``[None]`` without a global scale, or blind)."""
     if ga0 is None or (spec.scale.has_global_scale and not encoding_aware):
         return [None]
-    g = 4 if global_grid is None else int(global_grid)
-    if g < 1:
-        raise ValueError(f"mse_search: global_grid must be >= 1, got {global_grid!r}")
+    g = 4 if global_grid is None else global_grid  # an integer >= 1 (_check_options)
     return [ga0 * 2 ** (k / g) for k in range(g)]
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_int
+from .._checks import check_bool, check_int
 from ..comm import AVG, MAX, MIN
 from ..estimators.entropy import check_options as check_entropy_options
 from ..estimators.entropy import entropy_range, spec_bits
@@ -96,12 +96,9 @@ class HistogramObserverBase(IntervalAverage, Observer):
                  update_interval: int = 1, grid: str = "pow2", skip_zeros: bool = False,
                  **kwargs):
         super().__init__(spec, **kwargs)
-        if not isinstance(bins, int) or bins < 16:
-            raise ValueError(f"{type(self).__name__}: bins must be an integer >= 16, got {bins!r}")
+        check_int(type(self).__name__, "bins", bins, 16)
         averaging_constant = self._averaging_constant(averaging_constant, optional=True)
-        if not isinstance(update_interval, int) or update_interval < 1:
-            raise ValueError(f"{type(self).__name__}: update_interval must be a positive "
-                             f"integer, got {update_interval!r}")
+        check_int(type(self).__name__, "update_interval", update_interval, 1)  # True is no int
         if grid not in ("pow2", "first"):
             raise ValueError(f"{type(self).__name__}: grid must be 'pow2' or 'first', got "
                              f"{grid!r}")
@@ -109,7 +106,8 @@ class HistogramObserverBase(IntervalAverage, Observer):
         self.averaging_constant = averaging_constant
         self.update_interval = update_interval
         self.grid = grid
-        self.skip_zeros = bool(skip_zeros)
+        # bool("no") is True: a string would turn skipping on silently
+        self.skip_zeros = check_bool(type(self).__name__, "skip_zeros", skip_zeros)
         self._absolute = self.spec.symmetric if self.absolute is None else self.absolute
         for name, dtype in (("hist_counts", torch.int64), ("hist_exp", torch.int64),
                             ("hist_first", torch.int64), ("hist_lo", torch.float32),

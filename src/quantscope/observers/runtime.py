@@ -14,6 +14,7 @@ import torch
 
 from ..qdq import fake_quantize
 from ..qparams import QParams, qparams_from_range
+from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 from .registry import get_observer
 
@@ -47,6 +48,11 @@ def qdq_tensor(x: torch.Tensor, state) -> torch.Tensor:
     autograd (``x`` requires grad, grad enabled) the result carries the straight-through
     gradient (``fake_quantize(ste=True)``): without it, every layer before a quantized
     activation would get no gradient, silently."""
+    if not isinstance(getattr(state, "spec", None), QuantSpec):  # one test per forward
+        raise TypeError(f"qdq_tensor: state must be a RoleState (or an object with its fields: "
+                        f"spec, dynamic, qparams, ...), got {type(state).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"qdq_tensor: x must be a torch.Tensor, got {type(x).__name__}")
     if x.numel() == 0:
         return x
     ste = x.requires_grad and torch.is_grad_enabled()
