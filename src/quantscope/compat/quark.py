@@ -139,6 +139,7 @@ from .quark_base import (
     QuarkAssertionError,
     QuarkObserver,
     UnsupportedElementError,
+    UnsupportedInputError,
     quark_e8m0_scale,
     quark_float_scale,
     quark_spec,
@@ -149,6 +150,7 @@ from .quark_histogram import (
     PerTensorMSEObserver,
     PerTensorPercentileObserver,
 )
+from .quark_scales import quark_work_dtype
 
 __all__ = [
     "FP8_E5M3",
@@ -167,6 +169,7 @@ __all__ = [
     "QuarkObserver",
     "UniformScalingObserver",
     "UnsupportedElementError",
+    "UnsupportedInputError",
     "quark_e8m0_scale",
     "quark_float_scale",
     "quark_spec",
@@ -263,7 +266,7 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
         if self.spec.is_float:  # Quark's float rules (quant_max_first_level, eps fill)
             self.check_ready()  # NaN / inf raise here too, as on the native path
             scale, zp = self._calculate_float_qparams(
-                self.min_vals.to(self._input_dtype), self.max_vals.to(self._input_dtype))
+                self.min_vals.to(self._range_dtype), self.max_vals.to(self._range_dtype))
             return self._quark_shape(scale), self._quark_shape(zp)
         return super()._calculate_qparams()
 
@@ -358,14 +361,18 @@ class _BlockAmax(_DynamicOrStatic):
     _quark_base = "block"
     _quark_qscheme = "per_group"
     _quark_int_priced = ()  # Quark's block classes price their own dtypes
+    _quark_fails_on = (torch.bool,)  # Quark's forward takes abs() of the blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Quark's static amax is torch.max(running amax, batch's): the dtypes promote
+        # Quark's static amax is torch.max(running amax, batch's): the dtypes promote (a
+        # float32 amax for integer data: its first max is with a float32 zero)
         keeps = self.accumulates and self.has_observed and not self._starts_over(x)
-        running = self._input_dtype
+        running = quark_work_dtype(self._input_dtype)
         out = super().forward(x)
-        if keeps and self._input_dtype.is_floating_point:
-            self._input_dtype = torch.promote_types(running, self._input_dtype)
+        new = self._input_dtype
+        if keeps:
+            self._input_dtype = (torch.promote_types(running, new) if new.is_floating_point
+                                 else running)
         return out
 
     @property
@@ -375,7 +382,7 @@ class _BlockAmax(_DynamicOrStatic):
         if not self.has_observed:
             return torch.tensor(0.0)
         # abs: a zero block's +0.0, as Quark's abs().max() (max(-0., 0.) can be -0.0)
-        amax = amax_of_range(self.min_vals, self.max_vals).abs().to(self._input_dtype)
+        amax = amax_of_range(self.min_vals, self.max_vals).abs().to(self._range_dtype)
         return self._quark_shape(amax)
 
     @amax.deleter

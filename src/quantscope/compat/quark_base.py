@@ -19,6 +19,7 @@ from .quark_scales import (
     InvertedRangeError,
     QuarkAssertionError,
     UnsupportedElementError,
+    UnsupportedInputError,
     _quark_int_default,
     _quark_int_scale_dtype,
     _quark_layout,
@@ -26,11 +27,12 @@ from .quark_scales import (
     _quark_token_count,
     quark_e8m0_scale,
     quark_float_scale,
+    quark_work_dtype,
 )
 
 __all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "QuarkObserver",
-           "UnsupportedElementError", "quark_e8m0_scale", "quark_float_scale", "quark_qmin_qmax",
-           "quark_spec"]
+           "UnsupportedElementError", "UnsupportedInputError", "quark_e8m0_scale",
+           "quark_float_scale", "quark_qmin_qmax", "quark_spec"]
 
 _INT = {"int2", "int3", "int4", "int8", "int16", "uint4", "uint8"}
 _FLOAT = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp6_e3m2": "fp6_e3m2",
@@ -161,6 +163,9 @@ class QuarkObserver:
     _quark_qscheme: ClassVar[str | None] = None
     #: True: fp4 per tensor / channel takes a block scale_format (Quark's min-max classes)
     _fp4_scale_formats: ClassVar[bool] = False
+    #: the non-float input dtypes Quark's forward fails on (its other integer / bool input
+    #: is observed, as float32 here: Quark's min-max classes keep the dtype in min_val)
+    _quark_fails_on: ClassVar[tuple[torch.dtype, ...]] = ()
 
     def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
                  **native):
@@ -242,13 +247,20 @@ class QuarkObserver:
         return f"dtype={self.dtype}" if self._quark_base is None else super().extra_repr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        data = x
+        if isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()):
+            if x.dtype in self._quark_fails_on:
+                raise UnsupportedInputError(f"{type(self).__name__}: Quark's class fails on "
+                                            f"{x.dtype} input (NotImplementedError); pass "
+                                            f"x.float()")
+            data = x.to(quark_work_dtype(x.dtype))  # integer / bool data: exact to 2 ** 24
         if self._keeps_input_dtype and x.dtype != self._input_dtype:  # Quark's: each batch's
             self._input_dtype = x.dtype
-        out = super().forward(x)
-        if x.dim() >= 2 and x.numel():  # Quark's count (MoE): rows with a non-zero; no reset
-            object.__setattr__(self, "_quark_tokens",  # (skips nn.Module's setattr checks)
-                               self._quark_tokens + _quark_token_count(x))
-        return out
+        out = super().forward(data)
+        if data.dim() >= 2 and data.numel():  # Quark's count (MoE): rows with a non-zero
+            object.__setattr__(self, "_quark_tokens",  # (no reset; skips nn.Module's checks)
+                               self._quark_tokens + _quark_token_count(data))
+        return x if out is data else out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # Quark registers its statistics (and eps) non-persistent: its state_dict is empty
@@ -282,7 +294,14 @@ class QuarkObserver:
 
     @property
     def _scale_dtype(self) -> torch.dtype:
-        return self.scale_torch_dtype or self._input_dtype
+        return self.scale_torch_dtype or quark_work_dtype(self._input_dtype)
+
+    @property
+    def _range_dtype(self) -> torch.dtype:
+        """The dtype Quark's formulas see the range in: float32 for integer input (bool kept:
+        Quark's float scales take its abs, which fails)."""
+        return self._input_dtype if self._input_dtype == torch.bool else quark_work_dtype(
+            self._input_dtype)
 
     @property
     def _num_observed_tokens(self) -> int:
@@ -312,7 +331,7 @@ class QuarkObserver:
         else:
             zp = self._quark_zero_point(self._quark_shape(lo.reshape(qp.scale.shape)), scale)
         # Quark computes in the range's dtype, then casts to scale_type's (or promotes it)
-        scale = scale.to(self._input_dtype)
+        scale = scale.to(quark_work_dtype(self._input_dtype))
         return scale.to(self.scale_torch_dtype or self._int_scale_dtype(scale, scale)), zp
 
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
@@ -329,6 +348,10 @@ class QuarkObserver:
 
     def _calculate_float_qparams(self, min_val: torch.Tensor, max_val: torch.Tensor):
         # Quark's dispatch: fp4 by get_scale(scale_format), the other float dtypes by fp8's
+        if torch.bool in (min_val.dtype, max_val.dtype):  # Quark's amax: abs of the range
+            raise UnsupportedInputError(f"{type(self).__name__}: Quark's {enum_name(self.dtype)}"
+                                        f" scales take abs() of a bool range, which torch "
+                                        f"does not implement (NotImplementedError)")
         if enum_name(self.dtype) == "fp4":
             return self.calculate_fp4_quant_parameters(min_val, max_val)
         return self.calculate_fp8_quant_parameters(min_val, max_val)
@@ -367,8 +390,7 @@ class QuarkObserver:
               else self._quark_zero_point(min_val.float(), qp.scale))
         # the value in the range's dtype (Quark computes there; float32 for an integer
         # range, whose division promotes), then Quark's promotion
-        work = torch.result_type(min_val, max_val)
-        scale = qp.scale.to(work if work.is_floating_point else torch.float32)
+        scale = qp.scale.to(quark_work_dtype(torch.result_type(min_val, max_val)))
         return scale.to(self.scale_torch_dtype or self._int_scale_dtype(min_val, max_val)), zp
 
     def _quark_zero_point(self, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

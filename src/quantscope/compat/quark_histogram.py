@@ -425,6 +425,9 @@ class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
     _saves_state = True
     _keeps_input_dtype = False  # torch.ao's state: float32, or a module cast's dtype
     _reads_zero_point_type = False
+    #: torch.ao's histc / linspace refuse integer and bool input (Quark's does not cast it)
+    _quark_fails_on = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                       torch.int64)
 
     def __init__(self, qspec, device: torch.device | None = None, bins: int = 256,
                  reduce_range: bool = False, upsample_rate: int = 384, **native):

@@ -9,7 +9,7 @@ from ..formats import FloatFormat
 from ..layout import Block, Channel, Group, Tensor
 
 __all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "UnsupportedElementError",
-           "quark_e8m0_scale", "quark_float_scale"]
+           "UnsupportedInputError", "quark_e8m0_scale", "quark_float_scale"]
 
 #: Quark's unsigned E5M3 (bias 15, subnormals down to 2 ** -17, largest 1.75 * 2 ** 16: the
 #: top code is not a number): the scale format of AMD's FP4 and of its second-level scales
@@ -30,6 +30,12 @@ class UnsupportedElementError(QuarkAssertionError):
     """An element dtype a Quark observer refuses (an integer one in ``PerBlockMXObserver``, a
     float one Quark prices with its integer formula): an ``AssertionError`` as Quark's, and a
     ``ValueError`` as quantscope's bad-argument errors."""
+
+
+class UnsupportedInputError(TypeError, NotImplementedError):
+    """An input dtype whose torch ops fail in Quark's observer (``abs`` of a bool tensor,
+    torch.ao's histogram of an integer one): a ``NotImplementedError`` as Quark's, and a
+    ``TypeError`` as quantscope's bad-input errors."""
 
 
 class InvertedRangeError(ValueError, AssertionError, RuntimeError):
@@ -96,14 +102,20 @@ def _quark_int_default() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([1.0]), torch.tensor([0])
 
 
+def quark_work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype Quark's formulas compute in for a range (or input) of ``dtype``: its own, or
+    float32 for integer / bool data (Quark divides it by Python floats), as compat.llmcompressor
+    observes integer data in float32."""
+    return dtype if dtype.is_floating_point else torch.float32
+
+
 def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor,
                            eps_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype of Quark's integer scale of a range (no ``scale_type``): the range's (float32
     for an integer one), promoted with its eps buffer's dtype (float32 unless a module cast
     changed it) when the range is 0-dim, as Quark's clamp by that 0-dim buffer promotes it
     (a 1-dim+ range keeps its dtype)."""
-    dtype = torch.result_type(min_val, max_val)
-    dtype = dtype if dtype.is_floating_point else torch.float32
+    dtype = quark_work_dtype(torch.result_type(min_val, max_val))
     return dtype if min_val.dim() or max_val.dim() else torch.promote_types(dtype, eps_dtype)
 
 
