@@ -16,8 +16,8 @@ import torch
 from .spec import QuantSpec
 
 __all__ = ["check_bool", "check_float32_range", "check_global_amax", "check_int", "check_not_meta",
-           "check_number", "check_per_unit", "check_range_args", "check_real", "check_spec",
-           "dtensor_error", "env_flag", "is_dtensor", "outside_quantscope"]
+           "check_number", "check_path", "check_per_unit", "check_range_args", "check_real",
+           "check_spec", "dtensor_error", "env_flag", "is_dtensor", "outside_quantscope"]
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -50,6 +50,14 @@ def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int
         want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{who}: {name} must be an integer {want}, got {value!r}")
     return int(value)
+
+
+def check_path(who: str, path, name: str = "path") -> str:
+    """``path`` as a str; ``TypeError`` naming ``name`` for anything but a str, bytes or
+    ``os.PathLike`` (None: pathlib's own message names neither the call nor the argument)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{who}: {name} must be a str or os.PathLike, got {type(path).__name__}")
+    return os.fsdecode(os.fspath(path))
 
 
 def check_bool(who: str, name: str, value) -> bool:

@@ -519,3 +519,21 @@ def test_export_names_a_wrong_calibration_or_path(tmp_path, fmt):
         with pytest.raises(TypeError, match=what):
             quantscope.export(calibration, model, path, format=fmt)
     assert not any(tmp_path.iterdir())
+
+
+def test_every_path_argument_names_its_call_when_it_is_no_path():
+    """Found by probing: None / an int gave pathlib's bare "expected str, bytes or
+    os.PathLike object", naming neither the call nor the argument."""
+    import quantscope
+    from quantscope import exporters
+    from quantscope.calibration import Calibration, save
+
+    cal = _calibration()
+    for who, call in [("save", lambda p: save(cal, p)), ("load", load),
+                      ("from_compressed_tensors", Calibration.from_compressed_tensors),
+                      ("check", exporters.check),
+                      ("export compressed-tensors", lambda p: quantscope.export(cal, None, p))]:
+        for bad in (None, 5):
+            with pytest.raises(TypeError, match=f"^{who}: path must be a str or os.PathLike, "
+                                                f"got {type(bad).__name__}$"):
+                call(bad)

@@ -41,6 +41,8 @@ import os
 import shutil
 import tempfile
 
+from .._checks import check_path
+
 __all__ = ["EXPORT_EXTRAS", "MARKER", "atomic_dir", "atomic_file", "check_writable_target",
            "output_kind", "written_by_quantscope"]
 
@@ -301,7 +303,7 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
     refused for (None: not checked here). Returns the absolute path."""
     if kind not in ("folder", "file", "report"):
         raise ValueError(f"kind must be 'folder', 'file' or 'report', got {kind!r}")
-    given = os.fsdecode(os.fspath(path))
+    given = check_path("output", path)
     if kind != "folder" and (given.endswith(tuple(filter(None, (os.sep, os.altsep))))
                              or os.path.basename(given) in (".", "..")):
         raise ValueError(f"output {given!r} is a folder path; expected a file path")

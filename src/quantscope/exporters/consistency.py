@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .._checks import check_path
 from .read_checks import (
     SCALE_LEAVES,
     parse_quant_config,
@@ -152,7 +153,7 @@ def check(path) -> list[dict]:
     ``{"group": experts module, "experts": "w13" or the down shard, ...}`` for experts that
     disagree on an input scale the fused MoE layer holds once.
     """
-    folder = Path(path)
+    folder = Path(check_path("check", path))
     if not folder.is_dir():
         raise FileNotFoundError(f"check: {str(path)!r} is not a directory")
     cfg_file, _, qc = read_quant_config(folder, "check")

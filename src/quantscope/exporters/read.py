@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from .._checks import check_path
 from .._versions import require
 from ..compat.llmcompressor_spec import llmcompressor_spec
 from ..qparams import QParams
@@ -453,7 +454,7 @@ def read_compressed_tensors(path):
 
     for dist in ("compressed-tensors", "transformers"):
         require(dist, "from_compressed_tensors")
-    path = os.fspath(path)
+    path = check_path("from_compressed_tensors", path)
     cfg_path, config, qc = read_quant_config(path, "from_compressed_tensors")
     qconfig = parse_quant_config(cfg_path, qc, "from_compressed_tensors")
     tensors = _load_tensors(path)

@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable
 
 from .. import comm
+from .._checks import check_path
 
 __all__ = ["FORMATS", "READERS", "exporter", "reader", "register", "register_reader"]
 
@@ -69,9 +70,7 @@ def _check_arguments(name: str, calibration, path) -> None:
     if not isinstance(getattr(calibration, "states", None), dict):
         raise TypeError(f"export {name}: calibration must be a Calibration (what calibrate() "
                         f"returns), got {type(calibration).__name__}")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"export {name}: path must be a str or os.PathLike, got "
-                        f"{type(path).__name__}")
+    check_path(f"export {name}", path)
 
 
 def register_reader(name: str):

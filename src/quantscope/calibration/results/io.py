@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from ..._checks import check_path
 from ...layout import Tensor
 from ...qparams import QParams, qparams_from_range
 from ...scales import not_encoded
@@ -56,6 +57,7 @@ def load(path, device="cpu") -> Calibration:
     damaged or edited folder raises ``ValueError`` naming the file and the key; an edit that
     stays a valid value (an int8 scale doubled) is not detected.
     """
+    path = check_path("load", path)
     _, load_file = safetensors()
     SafetensorError = _safetensor_error()
     device = _load_device(device)

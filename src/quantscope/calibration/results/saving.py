@@ -8,6 +8,7 @@ import json
 import os
 
 from ... import comm
+from ..._checks import check_path
 from ...exporters.atomic import atomic_dir
 from .report import json_safe
 
@@ -49,8 +50,9 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
     if not isinstance(calibration.label, str):  # load() reads back a str: refuse, not write
         raise TypeError(f"save: the calibration's label must be a str, got "
                         f"{calibration.label!r}; set calibration.label to one")
+    path = check_path("save", path)
     if not comm.is_main():
-        return str(path)
+        return path
     save_file, _ = safetensors()
     tensors, layers = {}, {}
     for layer, roles in calibration.states.items():
