@@ -134,3 +134,17 @@ def test_keep_float_names_the_argument_of_the_wrong_kind(calibrated):
                                         "Calibration"):
         keep_float(sens=cal, calibration=cal, n=1)
     assert keep_float(cal, sens, 1).info["keep_float"]["n"] == 1
+
+
+def test_one_tensor_as_batches_is_refused_as_one_dict_is():
+    """Found by probing: calibrate(model, x) iterated x's rows, each run as a batch without
+    its batch dimension (an unbatched forward), silently."""
+    from quantscope.calibration import calibrate, sensitivity
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    for call in (lambda: calibrate(model, x, "w8a8", progress=False),
+                 lambda: sensitivity(model, x)):
+        with pytest.raises(TypeError, match=r"got one Tensor .*\[batch\] \(or list\(t\.unbind"):
+            call()
+    assert calibrate(model, [x], "w8a8", progress=False).states  # the list runs

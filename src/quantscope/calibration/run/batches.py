@@ -39,11 +39,13 @@ def forward_batch(model, batch):
 
 def check_batches(batches, who: str = "calibrate") -> None:
     """Raise unless ``batches`` is an iterable of batches: one dict (a tokenizer's output)
-    would be iterated over its key strings, each fed to the model as a batch."""
-    if isinstance(batches, dict) or hasattr(batches, "keys"):
+    would be iterated over its key strings, each fed to the model as a batch, and one tensor
+    over its rows, each a batch without the batch dimension."""
+    if isinstance(batches, (dict, torch.Tensor)) or hasattr(batches, "keys"):
+        split = " (or list(t.unbind(0)): one batch per row)" if torch.is_tensor(batches) else ""
         raise TypeError(f"{who}: batches must be an iterable of batches, got one "
                         f"{type(batches).__name__} (a single batch); wrap it in a list: "
-                        f"[batch]")
+                        f"[batch]{split}")
 
 
 def batch_count(batches) -> int | None:
