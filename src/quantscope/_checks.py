@@ -8,9 +8,11 @@ C, a hang or a silently different result).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 
+import numpy as np
 import torch
 
 from .spec import QuantSpec
@@ -44,8 +46,9 @@ def check_real(who: str, **values) -> None:
 
 
 def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int in ``[lo, hi]`` (``bool`` is not an integer here)."""
-    ok = isinstance(value, int) and not isinstance(value, bool)
+    """``value`` as an int in ``[lo, hi]``: a Python or numpy integer (``bool`` is not an
+    integer here)."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
     if not ok or value < lo or (hi is not None and value > hi):
         want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{who}: {name} must be an integer {want}, got {value!r}")
@@ -61,12 +64,12 @@ def check_path(who: str, path, name: str = "path") -> str:
 
 
 def check_bool(who: str, name: str, value) -> bool:
-    """``value`` unless it is not a ``bool`` (``bool("no")`` is True: a string, 0 / 1 or None
-    would be read silently)."""
-    if not isinstance(value, bool):
+    """``value`` as a bool: a Python or numpy bool only (``bool("no")`` is True: a string,
+    0 / 1 or None would be read silently)."""
+    if not isinstance(value, (bool, np.bool_)):
         raise ValueError(  # noqa: TRY004 (as QuantSpec.symmetric and copy_zero_bin: one kind)
             f"{who}: {name} must be True or False, got {value!r}")
-    return value
+    return bool(value)
 
 
 def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,

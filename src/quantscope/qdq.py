@@ -262,8 +262,9 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     quantizer's range and 0 where it was clipped (:func:`inside_range`). For integers that
     is ``torch.ao``'s FakeQuantize rule on quantscope's own rounding, which divides by the
     scale where torch.ao multiplies by its reciprocal (so where ``x / scale`` lands on a
-    rounding tie the two masks can differ at the range's ends). ``check`` as in
-    :func:`quantize`.
+    rounding tie the two masks can differ at the range's ends). ``check``: raise
+    ``ValueError`` on qparams that cannot run, as :func:`quantize`; NaN in ``x`` stays NaN
+    (documented QDQ behaviour: it has values, not codes, to give).
     """
     _check_input(x, "fake_quantize")
     check_bool("fake_quantize", "ste", ste)

@@ -179,3 +179,20 @@ def test_qdq_tensor_names_its_state():
     for state in (None, INT8, "int8"):
         with pytest.raises(TypeError, match=r"qdq_tensor: state must be a RoleState"):
             qdq_tensor(torch.randn(2, 2), state)
+
+
+def test_numpy_bools_and_integers_are_options_as_python_ones():
+    """The review found the new checks refusing numpy scalars the old code took."""
+    import numpy as np
+
+    from quantscope._checks import check_bool, check_int
+
+    assert check_bool("f", "flag", np.True_) is True and check_bool("f", "flag", False) is False
+    assert check_int("f", "n", np.int64(4), 1) == 4
+    assert type(check_int("f", "n", np.int32(4), 1)) is int
+    for bad in ("no", 1, None, torch.tensor(True)):
+        with pytest.raises(ValueError, match="flag must be True or False"):
+            check_bool("f", "flag", bad)
+    for bad in (True, np.True_, 1.5, np.float64(4.0)):
+        with pytest.raises(ValueError, match="n must be an integer >= 1"):
+            check_int("f", "n", bad, 1)
