@@ -41,8 +41,8 @@ from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import not_encoded, nvfp4_global_scale
 from .atomic import EXPORT_EXTRAS, atomic_dir, check_writable_target
-from .ct_compress import compress, ct_compressor
-from .experts import checkpoint_names, unfuse_experts
+from .ct_compress import annotate, compress, ct_compressor
+from .experts import unfuse_experts
 from .registry import register
 
 __all__ = ["export_compressed_tensors", "quant_args"]
@@ -445,7 +445,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
                     keep_modes=copied, what=KIND) as tmp:
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
-        _annotate(tmp, calibration, lossy.notes, source, work)
+        annotate(tmp, calibration, lossy.notes, source, work)
         if source is not None:
             copied += _copy_extras(source, tmp)
     return path
@@ -477,23 +477,3 @@ def _attach_kv_scales(work: nn.Module, kv) -> None:
         for role, st in roles.items():
             scale = st.qparams.scale.detach().reshape(1).to(torch.float32).clone()
             module.register_parameter(_KV_SCALE[role], nn.Parameter(scale, requires_grad=False))
-
-
-def _annotate(folder: str, calibration, notes: list[str], source, work) -> None:
-    """quantscope's own record beside ``quantization_config`` (recipe, observers, changes);
-    the config's layer names as the tensors on disk have them."""
-    cfg_path = os.path.join(folder, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    qc = cfg["quantization_config"]
-    lists = [g["targets"] for g in qc.get("config_groups", {}).values()] + [qc.get("ignore", [])]
-    # module names only (not class names such as "Linear", nor "re:" patterns)
-    modules = dict(work.named_modules())
-    disk = checkpoint_names(work, {n for names in lists for n in names if n in modules})
-    for names in lists:
-        names[:] = [disk.get(n, n) for n in names]
-    cfg["quantscope"] = {"recipe": calibration.recipe.name, "label": calibration.label,
-                         "lossy": notes, "model": source,
-                         "smoothed": bool(calibration.smoothing)}
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)

@@ -1,14 +1,20 @@
 """compressed-tensors' compression of an export's working copy: which ``ModelCompressor``, in
-one process, its codes computed in float32."""
+one process, its codes computed in float32; and the config it writes, naming exactly the
+layers quantscope quantized, as the checkpoint names them."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import re
 
 import torch
 from torch import nn
 
-__all__ = ["compress", "ct_compressor"]
+from .experts import checkpoint_names
+
+__all__ = ["annotate", "compress", "ct_compressor"]
 
 _HALVES = (torch.bfloat16, torch.float16)
 
@@ -24,6 +30,8 @@ def ct_compressor(work: nn.Module, kv_args):
 
     with _module_names(work):
         compressor = ModelCompressor.from_pretrained_model(work)
+    if compressor.quantization_config is not None:
+        _complete_ignore(compressor.quantization_config, work)
     if kv_args is None:
         return compressor
     if compressor.quantization_config is None:
@@ -93,3 +101,48 @@ def _float32_qparams(work: nn.Module):
             p = getattr(module, name, None)  # (compression may have replaced it)
             if isinstance(p, torch.Tensor) and p.dtype == torch.float32:
                 p.data = p.data.to(dtype)
+
+
+def annotate(folder: str, calibration, notes: list[str], source, work) -> None:
+    """quantscope's own record beside ``quantization_config`` (recipe, observers, changes);
+    the config's layer names as the tensors on disk have them."""
+    cfg_path = os.path.join(folder, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    qc = cfg["quantization_config"]
+    lists = [g["targets"] for g in qc.get("config_groups", {}).values()] + [qc.get("ignore", [])]
+    # module names only (not class names such as "Linear", nor "re:" patterns)
+    modules = dict(work.named_modules())
+    disk = checkpoint_names(work, {n for names in lists for n in names if n in modules})
+    classes = {c.__name__ for m in modules.values() for c in type(m).__mro__}
+    for names in lists:
+        names[:] = [_exact(disk.get(n, n)) if n in modules and (n.startswith("re:") or n in classes)
+                    else disk.get(n, n) for n in names]
+    cfg["quantscope"] = {"recipe": calibration.recipe.name, "label": calibration.label,
+                         "lossy": notes, "model": source,
+                         "smoothed": bool(calibration.smoothing)}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def _exact(name: str) -> str:
+    """A layer name compressed-tensors and vLLM would read as something else (a regex after
+    ``re:``, a class name such as ``Embedding``), as the regex that matches it alone."""
+    return "re:" + re.escape(name) + "$"
+
+
+def _complete_ignore(config, work: nn.Module) -> None:
+    """List every module the config groups' targets select that has no scheme (was left in
+    float). compressed-tensors lists one only where its class is a quantized layer's exact
+    class, while its matching (and vLLM's) takes a target class's subclasses too: with
+    targets ``Linear`` beside Falcon's ``FalconLinear`` layers, the plain ``lm_head`` left in
+    float went unlisted and loaded as quantized, its scales uninitialised."""
+    from compressed_tensors.utils.match import is_match
+
+    targets = [t for group in config.config_groups.values() for t in group.targets]
+    ignore = list(config.ignore or [])
+    for name, module in work.named_modules():
+        if (name and name not in ignore and getattr(module, "quantization_scheme", None) is None
+                and is_match(name, module, targets)):
+            ignore.append(name)
+    config.ignore = ignore
