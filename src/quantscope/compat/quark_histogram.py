@@ -27,7 +27,6 @@ __all__ = [
 ]
 
 
-_F32_TRUE_MIN = 2.0 ** -149  # float32's smallest subnormal: the least eps QuantSpec takes
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: the dtypes Quark's MSE search prices (its integer and fp8 fake-quantizers)
 _MSE_DTYPES = {"int4", "uint4", "int8", "uint8", *_FP8_DTYPES}
@@ -329,12 +328,10 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
     def get_min_max_by_mse(self, calib_hist: torch.Tensor, calib_bin_edges: torch.Tensor,
                            stride: int = 1, start_bin: int = 2045
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quark's function, vectorized over candidates (and rows): the first centre with the
-        least ``sum((q(c) - c) ** 2 * count)``; returns ``(0, amax)``. Quark's dtypes only:
-        int4, uint4, int8, uint8, fp8_e4m3, fp8_e5m2 (others: ValueError, as Quark's)."""
-        from ..estimators.error import histogram_error
-        from ..stats.histogram import Hist
-
+        """Quark's function (``[B]`` / ``[B + 1]``, or row by row ``[U, B]`` / ``[U, B + 1]``):
+        the first centre with the least float32 ``mean((q(centres) - centres) ** 2 *
+        counts)``; returns ``(0, amax)``. Quark's dtypes only: int4, uint4, int8, uint8,
+        fp8_e4m3, fp8_e5m2 (others: ValueError, as Quark's)."""
         if enum_name(self.dtype) not in _MSE_DTYPES:
             raise ValueError(f"{type(self).__name__}: Quark's MSE search prices dtypes "
                              f"{sorted(_MSE_DTYPES)}, got {enum_name(self.dtype)!r}: use "
@@ -348,22 +345,30 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
                 f"{calib_bin_edges.shape[-1]} edges (a widening batch's arange gave an edge more "
                 f"or less than its bin count); Quark's MSE search fails here too")
         one = calib_hist.dim() == 1
-        counts = calib_hist.reshape(-1, calib_hist.shape[-1])
+        counts = calib_hist.float().reshape(-1, calib_hist.shape[-1])
         edges = calib_bin_edges.float().reshape(-1, calib_bin_edges.shape[-1])
-        centers = (edges[:, 1:] + edges[:, :-1]) / 2
-        n = centers.shape[-1]
-        start = min(start_bin, max(0, n - 1))
-        idx = torch.arange(start, n, stride, device=centers.device)
-        amax = centers[:, idx]
-        if not self.spec.is_float:  # Quark's int pricing asserts 0 <= centre
-            self._refuse_negative(amax)
-        h = Hist(counts.round().long(), edges[:, 0], edges[:, -1], self._absolute)
-        err = histogram_error(h, torch.zeros_like(amax), *self._mse_priced(amax),
-                              centers=centers)
-        best = amax.gather(1, err.argmin(-1, keepdim=True))[:, 0]
+        best = torch.stack([self._mse_row(c, e, stride, start_bin)
+                            for c, e in zip(counts, edges, strict=True)])
         self._refuse_negative(best)  # fp8: Quark's scale of (0, best < 0) is 0
         mn = torch.zeros_like(best)
         return (mn[0], best[0]) if one else (mn, best)
+
+    def _mse_row(self, counts: torch.Tensor, edges: torch.Tensor, stride: int,
+                 start_bin: int) -> torch.Tensor:
+        """One row's best centre, priced as Quark's loop: one candidate at a time, its
+        fake-quantizer and float32 ``mean`` over all bins (empty ones too: they place the
+        others in the sum's order). Many candidates tie within float32's rounding (the
+        clipped negative bins of an asymmetric grid weigh the same in all), so an exact
+        error picks another centre than Quark's rounded one."""
+        centers = (edges[1:] + edges[:-1]) / 2
+        amax = centers[min(start_bin, max(0, centers.numel() - 1))::stride]
+        if not self.spec.is_float:  # Quark's int pricing asserts 0 <= centre
+            self._refuse_negative(amax)
+        zero = _quark_zero(centers)
+        mses = [((self.scaling_fp8(centers, a) if self.spec.is_float else
+                  self.int_fake_tensor_quant(centers, zero, a)) - centers).pow(2)
+                .mul(counts).mean().cpu() for a in amax]
+        return amax[int(torch.argmin(torch.stack(mses)))]
 
     def _refuse_negative(self, amax: torch.Tensor) -> None:
         if bool((amax < 0).any()):
@@ -373,20 +378,6 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
                 f"is negative ({amax.min().item():.6g}): the data is (nearly) all negative, "
                 f"or its grid grew wider than start_bin bins below zero; use a symmetric "
                 f"qspec or PerTensorMinMaxObserver")
-
-    def _mse_priced(self, amax: torch.Tensor):
-        """The top ends and spec under which quantscope's pricing of ``(0, amax)`` is
-        Quark's. fp8: ``scaling_fp8`` divides by ``amax / qmax`` unclamped (no eps), and a
-        negative ``amax`` (asymmetric bins below 0) prices as ``|amax|``: the signs cancel
-        exactly. A symmetric unsigned int: zero point 0 and scale ``amax / ((qmax - qmin) /
-        2)`` over ``[qmin, qmax]``, the asymmetric grid of ``(0, 2 amax)`` (``2 amax`` exact,
-        so the quotient rounds the same)."""
-        spec = self.spec
-        if spec.is_float:
-            return amax.abs(), dataclasses.replace(spec, eps=_F32_TRUE_MIN)
-        if spec.symmetric and self.quant_min == 0:
-            return 2 * amax, dataclasses.replace(spec, symmetric=False)
-        return amax, spec
 
     def int_fake_tensor_quant(self, X: torch.Tensor, min_value: torch.Tensor,
                               max_value: torch.Tensor) -> torch.Tensor:
