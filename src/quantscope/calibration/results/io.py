@@ -107,8 +107,10 @@ def load(path, device="cpu") -> Calibration:
                 d, tensors, f"{layer}/{role}", lambda k, m, w=where: bad(meta_path, f"{w}.{k}", m),
                 lambda k, m: bad(tensor_path, k, m), used)
     _refuse_stray(tensors, used, states, lambda k, m: bad(tensor_path, k, m))
+    # a key the roles read is a layer's, one named "#smooth" (save refuses a smoothing key
+    # a role could read)
     smoothing = {k[len(SMOOTH):]: _smoothing_scale(t, k, lambda k, m: bad(tensor_path, k, m))
-                 for k, t in tensors.items() if k.startswith(SMOOTH)}
+                 for k, t in tensors.items() if k.startswith(SMOOTH) and k not in used}
     return Calibration(recipe, states, meta.get("label", ""), info=meta.get("info", {}),
                        smoothing=smoothing)
 
@@ -116,7 +118,8 @@ def load(path, device="cpu") -> Calibration:
 def _refuse_stray(tensors, used, states, bad_tensor) -> None:
     """Refuse a tensor no role read: one of a layer or role deleted from the JSON (that layer
     would run in float without a word), a field its mode does not store, or a key added.
-    Besides the roles, save writes only SmoothQuant's ``#smooth/`` scales."""
+    Besides the roles, save writes only SmoothQuant's ``#smooth/`` scales (the ``#smooth/``
+    keys no role reads)."""
     for k in tensors:
         if k in used or k.startswith(SMOOTH):
             continue

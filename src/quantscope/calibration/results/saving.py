@@ -18,8 +18,11 @@ TENSORS = "qparams.safetensors"
 META = "quantscope.json"
 FORMAT = "quantscope-calibration"
 VERSION = 1
-#: key prefix of SmoothQuant's per-channel scales in the tensors file (``Calibration.smoothing``)
+#: key prefix of SmoothQuant's per-channel scales in the tensors file (``Calibration.smoothing``);
+#: a layer may be named ``#smooth`` too: load reads the roles' keys first (:func:`_check_smooth`)
 SMOOTH = "#smooth/"
+#: the ``{layer}/{role}/{field}`` tensors a role may store
+FIELDS = ("lo", "hi", "global_amax", "scale", "zero_point", "global_scale")
 
 
 def safetensors():
@@ -29,6 +32,19 @@ def safetensors():
         raise ImportError("save / load need safetensors: pip install 'quantscope[model]'") from None
     return save_file, load_file
 
+
+def _check_smooth(key: str, states) -> str:
+    """``key``, refused where a role could read it: a layer named ``#smooth`` stores
+    ``#smooth/{role}/{field}`` tensors, which load reads as that role's before it takes the
+    other ``#smooth/`` keys as SmoothQuant scales (a smoothed module named ``input/scale``
+    beside it would be read as the role's scale)."""
+    owner, _, field = key.rpartition("/")
+    layer, _, role = owner.rpartition("/")
+    if field in FIELDS and role in states.get(layer, {}):
+        raise ValueError(f"save: the SmoothQuant scale of {key[len(SMOOTH):]!r} would be "
+                         f"stored as {key!r}, the key of layer {layer!r}'s {role} {field}; "
+                         f"rename one of the two modules")
+    return key
 
 
 def save(calibration, path, *, overwrite: bool = True) -> str:
@@ -70,7 +86,8 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
                 "dynamic": st.dynamic, "options": dict(st.options),
                 "shape": None if st.shape is None else list(st.shape)}
     for name, s in calibration.smoothing.items():
-        tensors[f"{SMOOTH}{name}"] = s.detach().cpu().float().contiguous()
+        tensors[_check_smooth(f"{SMOOTH}{name}", calibration.states)] = \
+            s.detach().cpu().float().contiguous()
     meta = {"format": FORMAT, "version": VERSION, "label": calibration.label,
             "recipe": calibration.recipe.to_dict(), "info": calibration.info, "layers": layers}
     # what="calibration": never over the export the calibration may have been read from
