@@ -162,14 +162,15 @@ def _plain_gemm(node) -> bool:
         k not in attrs or attrs[k].f == 1.0 for k in ("alpha", "beta"))
 
 
-def _as_matmul(node) -> list:
+def _as_matmul(node, product: str) -> list:
     """``node`` (a plain Gemm whose weight input is already the ``[in, out]`` DQ output) as
-    ``MatMul`` then ``Add`` of its bias, under its name scopes."""
+    ``MatMul`` then ``Add`` of its bias (the MatMul's output then named ``product``), under
+    its name scopes."""
     from onnx import helper
 
     bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
     out = node.output[0]
-    mm = helper.make_node("MatMul", list(node.input[:2]), [f"{out}_matmul" if bias else out],
+    mm = helper.make_node("MatMul", list(node.input[:2]), [product if bias else out],
                           name=node.name)
     nodes = [mm] if bias is None else [
         mm, helper.make_node("Add", [mm.output[0], bias], [out], name=f"{node.name}/bias")]
@@ -178,20 +179,44 @@ def _as_matmul(node) -> list:
     return nodes
 
 
+#: the tensors :func:`_input_qdq` and :func:`_weight_dq` name ``prefix + suffix``
+_SUFFIXES = (".input_scale", ".input_zero_point", ".input_q", ".input_dq", ".weight_q",
+             ".weight_scale", ".weight_zero_point", ".weight_dq")
+
+
+def _graph_names(graph) -> set[str]:
+    """Every tensor name of ``graph``: initializers, inputs, outputs, what nodes read and
+    write."""
+    return {*(t.name for t in graph.initializer), *(v.name for v in graph.input),
+            *(v.name for v in graph.output), *(v.name for v in graph.value_info),
+            *(o for n in graph.node for o in (*n.input, *n.output))}
+
+
+def _alias_names(model, states) -> dict[str, str]:
+    """Every name a calibrated module is registered under -> its name in ``states``: the
+    exporter records the attribute the forward called (``self.alias = self.b`` called as
+    ``self.alias`` is scoped ``alias``), while calibrate names the module once."""
+    owner = {id(model.get_submodule(layer)): layer for layer in reversed(list(states))}
+    return {name: owner[id(m)] for name, m in model.named_modules(remove_duplicate=False)
+            if id(m) in owner}
+
+
 class _Rewrite:
     """The new node list and initializers of :func:`insert_qdq`."""
 
     def __init__(self, onnx, graph, model, states, shift: bool):
         self.onnx, self.model, self.states, self.shift = onnx, model, states, shift
         self.inits = {t.name: t for t in graph.initializer}
+        self.names = _alias_names(model, states)
+        self.taken = _graph_names(graph)  # the new names must not reuse the model's own
         self.calls: dict[str, int] = {}  # layer -> its MatMul / Gemm nodes rewritten so far
         self.weights: dict[tuple[str, bool], object] = {}  # (layer, transposed) -> first DQ
         self.nodes: list = []
         self.new_inits: list = []
 
     def node(self, node) -> None:
-        layer = next((s for s in reversed(_scopes(node)) if s in self.states), None) \
-            if node.op_type in ("MatMul", "Gemm") else None
+        layer = next((self.names[s] for s in reversed(_scopes(node)) if s in self.names),
+                     None) if node.op_type in ("MatMul", "Gemm") else None
         if layer is None or len(node.input) < 2 or node.input[1] not in self.inits:
             self.nodes.append(node)
             return
@@ -206,7 +231,7 @@ class _Rewrite:
         if matmul:  # the weight DQ is written [in, out] for the MatMul
             transposed = True
         k = self.calls[layer] = self.calls.get(layer, -1) + 1
-        prefix = layer if k == 0 else f"{layer}.call{k}"
+        prefix = self._free(layer if k == 0 else f"{layer}.call{k}", _SUFFIXES)
         if "input" in roles:
             i, qdq, out = _input_qdq(layer, roles["input"], node.input[0], prefix, self.shift)
             self.new_inits += i
@@ -214,7 +239,20 @@ class _Rewrite:
             node.input[0] = out
         if "weight" in roles:
             node.input[1] = self._weight(layer, roles["weight"], weight, transposed, prefix)
-        self.nodes += _as_matmul(node) if matmul else [node]
+        self.nodes += _as_matmul(node, self._free(f"{node.output[0]}_matmul")) \
+            if matmul else [node]
+
+    def _free(self, base: str, suffixes=("",)) -> str:
+        """``base``, or ``base_1``, ``base_2``... the first whose names ``+ suffix`` no tensor
+        of the graph has yet (then taken): a Linear's own buffer ``input_scale`` is the model's
+        tensor ``layer.input_scale``, a name the rewrite's ``prefix.input_scale`` would reuse
+        (onnx refuses an initializer name twice)."""
+        name, n = base, 0
+        while any(name + s in self.taken for s in suffixes):
+            n += 1
+            name = f"{base}_{n}"
+        self.taken.update(name + s for s in suffixes)
+        return name
 
     def _weight(self, layer, state, weight, transposed: bool, prefix: str) -> str:
         """The output of a new weight DequantizeLinear; a layer's later calls read the
@@ -239,17 +277,17 @@ def insert_qdq(onnx, graph, model, states, shift: bool) -> None:
         rewrite.node(node)
     missing = sorted(set(states) - set(rewrite.calls))
     if missing:
-        _missing_error(graph, missing)
+        _missing_error(graph, missing, rewrite.names)
     del graph.node[:]
     graph.node.extend(rewrite.nodes)
     graph.initializer.extend(rewrite.new_inits)
     drop_unused_initializers(graph)
 
 
-def _missing_error(graph, missing: list[str]) -> None:
+def _missing_error(graph, missing: list[str], names: dict[str, str]) -> None:
     """Why a calibrated Linear has no MatMul / Gemm: never called as a module (nothing is
     recorded under its name), or called without multiplying by its weight initializer."""
-    seen = {s for n in graph.node for s in _scopes(n)}
+    seen = {names.get(s, s) for n in graph.node for s in _scopes(n)}
     never = [m for m in missing if m not in seen]
     if never:
         raise ValueError(
