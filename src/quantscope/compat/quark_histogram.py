@@ -50,12 +50,12 @@ class _QuarkGrid:
     edges: torch.Tensor
     bins: int
 
-    def grow(self, x: torch.Tensor, x_min: float, x_max: float) -> None:
+    def grow(self, x: torch.Tensor, x_min: float, x_max: float) -> bool:
         """Quark's step for a batch ``x`` (float32, zeros dropped if skipped) with ends
         ``[x_min, x_max]`` (Python floats, compared and subtracted in the edges' float32):
         bins of the current width appended below / above, then the batch binned over all
         bins and the old counts added to the first ones (also where the range grew below:
-        Quark's order)."""
+        Quark's order). True where bins were appended (Quark's new float32 edges)."""
         edges = self.edges
         if x_min < edges[0]:
             width = (edges[1] - edges[0]).item()
@@ -68,7 +68,9 @@ class _QuarkGrid:
         counts = torch.histc(x.to(edges.device), bins=self.bins, min=edges[0].item(),
                              max=edges[-1].item())
         counts[:self.counts.numel()] += self.counts
+        widened = edges is not self.edges
         self.counts, self.edges = counts, edges
+        return widened
 
 
 def _nonzero_ends(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
@@ -80,6 +82,11 @@ def _nonzero_ends(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
     nz_lo = torch.where(nonzero, units, inf).amin(1).where(some, 0).to(lo.dtype)
     nz_hi = torch.where(nonzero, units, -inf).amax(1).where(some, 0).to(hi.dtype)
     return nz_lo, nz_hi
+
+
+def _quark_float(t: torch.Tensor) -> torch.Tensor:
+    """Quark's searches compute in their arguments' dtype: float32 for integer counts."""
+    return t if t.is_floating_point() else t.float()
 
 
 def _quark_zero(like: torch.Tensor) -> torch.Tensor:
@@ -114,34 +121,56 @@ class _QuarkHistogram(QuarkObserver):
                 f"{field(qspec, 'qscheme')!r}")
         self._priced: tuple[torch.Tensor, torch.Tensor] | None = None
         self._grids: list[_QuarkGrid] | None = None  # Quark's grid once a batch widened
+        self._counts_dtype = torch.float32  # Quark's calib_hist: a batch's, or a later cast's
 
     def _observe(self, units, lo, hi):
         if self.skip_zeros:  # Quark drops the zeros before it takes the batch's min / max
             lo, hi = _nonzero_ends(units, lo, hi)
+        if self.min_vals.shape[0] != units.shape[0]:  # the first batch: new float32 edges
+            self._input_dtype = torch.float32
+        self._counts_dtype = torch.float32  # Quark's histc of x.float() (plus the old counts)
         super()._observe(units, lo, hi)
         if self._linear:  # still (or again, after an EMA step) the first grid
             self._grids = None
         elif self._grids is not None:  # None: native from the start (grid="pow2")
             x_min, x_max = self._quark_ends(lo, hi)
             rows = units.float().abs() if self._absolute else units.float()
-            for grid, row, a, b in zip(self._grids, rows, x_min.tolist(), x_max.tolist(),
-                                       strict=True):
-                grid.grow(row[row != 0] if self.skip_zeros else row, a, b)
+            widened = [grid.grow(row[row != 0] if self.skip_zeros else row, a, b)
+                       for grid, row, a, b in zip(self._grids, rows, x_min.tolist(),
+                                                  x_max.tolist(), strict=True)]
+            if any(widened):  # Quark's arange: float32 edges again
+                self._input_dtype = torch.float32
+
+    def _apply(self, fn, recurse=True):
+        # Quark's cast converts its bin edges and counts only once a batch made them: the
+        # first batch bins in new float32 ones (the eps buffer keeps the cast's dtype)
+        super()._apply(fn, recurse)
+        if not self.has_observed:
+            self._input_dtype = torch.float32
+        else:
+            counts = fn(torch.empty((), dtype=self._counts_dtype)).dtype
+            self._counts_dtype = counts if counts.is_floating_point else self._counts_dtype
+        return self
 
     def _leave_linear(self, lo, hi):
         # Quark's grid so far, the first batch's: _observe grows it by this batch
         hist = self.current_histogram()
         self._grids = [_QuarkGrid(c.float(), e, self.bins)
                        for c, e in zip(hist.counts, _quark_edges(hist), strict=True)]
+        self._input_dtype = torch.float32  # the batch widens Quark's grid: float32 edges
         super()._leave_linear(lo, hi)
 
     def _quark_rows(self, hist) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Quark's ``(calib_hist, calib_bin_edges)``: all rows ``[U, B]`` / ``[U, B + 1]`` on
-        the first grid, one pair ``[1, B']`` / ``[1, B' + 1]`` per row once widened."""
+        the first grid, one pair ``[1, B']`` / ``[1, B' + 1]`` per row once widened; float32,
+        or the dtype of a module cast since the batch that made them (Quark's search runs in
+        it; Quark's counts turn float32 again with each batch, its edges with a widening one)."""
+        counts, edges = self._counts_dtype, self._input_dtype
         if self._grids is None:
-            return [(hist.counts, _quark_edges(hist))]
+            return [(hist.counts.to(counts), _quark_edges(hist).to(edges))]
         device = hist.lo.device  # the module may have moved since (a Python list)
-        return [(g.counts.to(device)[None], g.edges.to(device)[None]) for g in self._grids]
+        return [(g.counts.to(device, counts)[None], g.edges.to(device, edges)[None])
+                for g in self._grids]
 
     def _estimate(self, hist):
         ends = [self._search(c, e) for c, e in self._quark_rows(hist)]
@@ -225,10 +254,11 @@ class _QuarkHistogram(QuarkObserver):
 
     @property
     def calib_hist(self) -> torch.Tensor:
-        """Counts as Quark holds them (float32; ``[bins]`` per tensor, ``[units, bins]`` else;
-        more bins once a batch widened the range, as Quark's). On the first grid they are the
-        exact counts, where Quark's float32 sums round once a bin passes ``2 ** 24``."""
-        return self._calib(0).float()
+        """Counts as Quark holds them (float32, or a module cast's dtype since the last batch;
+        ``[bins]`` per tensor, ``[units, bins]`` else; more bins once a batch widened the range,
+        as Quark's). On the first grid they are the exact counts, where Quark's float32 sums
+        round once a bin passes ``2 ** 24``."""
+        return self._calib(0)
 
     @property
     def calib_bin_edges(self) -> torch.Tensor:
@@ -288,8 +318,8 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
         if percentile < 0 or percentile > 100:
             raise ValueError("Percentile value must be between 0 and 100.")
         one = histogram.dim() == 1
-        h = histogram.float().reshape(-1, histogram.shape[-1])
-        edges = bin_edges.float().reshape(-1, bin_edges.shape[-1])
+        h = _quark_float(histogram).reshape(-1, histogram.shape[-1])
+        edges = _quark_float(bin_edges).reshape(-1, bin_edges.shape[-1])
         total = h.sum(-1, keepdim=True)
         cdf = torch.cumsum(h / total, dim=-1)
         B = h.shape[-1]
@@ -300,12 +330,13 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
 
         if not self._absolute:  # Quark's symmetric=False branch (fp8 too: its [min, max] bins)
             side = (100.0 - percentile) / 200.0
-            up = first(cdf >= torch.tensor(side).float(), B - 1)
-            low = first(cdf <= torch.tensor(1 - side).float(), 0)
+            # Quark compares with Python floats: rounded to the cdf's dtype
+            up = first(cdf >= torch.tensor(side, dtype=cdf.dtype), B - 1)
+            low = first(cdf <= torch.tensor(1 - side, dtype=cdf.dtype), 0)
             mx, mn = edges.gather(1, up[:, None])[:, 0], edges.gather(1, low[:, None])[:, 0]
         else:
             target = torch.minimum(torch.tensor(percentile / 100.0, dtype=torch.float64),
-                                   cdf[:, -1].double()).float()
+                                   cdf[:, -1].double()).to(cdf.dtype)
             up = first(cdf >= target[:, None], B - 1)
             mx = edges.gather(1, up[:, None])[:, 0]
             mn = torch.zeros_like(mx)
@@ -345,8 +376,8 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
                 f"{calib_bin_edges.shape[-1]} edges (a widening batch's arange gave an edge more "
                 f"or less than its bin count); Quark's MSE search fails here too")
         one = calib_hist.dim() == 1
-        counts = calib_hist.float().reshape(-1, calib_hist.shape[-1])
-        edges = calib_bin_edges.float().reshape(-1, calib_bin_edges.shape[-1])
+        counts = _quark_float(calib_hist).reshape(-1, calib_hist.shape[-1])
+        edges = _quark_float(calib_bin_edges).reshape(-1, calib_bin_edges.shape[-1])
         best = torch.stack([self._mse_row(c, e, stride, start_bin)
                             for c, e in zip(counts, edges, strict=True)])
         self._refuse_negative(best)  # fp8: Quark's scale of (0, best < 0) is 0
