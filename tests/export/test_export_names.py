@@ -79,3 +79,30 @@ def test_layer_names_read_as_patterns_are_written_as_exact_regexes(tmp_path):
     assert selected.keys() == cal.states.keys()
     assert all(len(groups) == 1 for groups in selected.values())
     assert selected["body.0"] != selected["re:b"] == selected["Embedding"] == selected["body.1"]
+
+
+def test_a_layer_saved_under_two_names_is_refused_and_ignoring_it_reads_back(tmp_path):
+    """PhiMoE's router (an nn.Linear subclass, so the Linear presets take it): transformers
+    saves ``router.weight`` as ``gate.weight`` but leaves the scales compressed-tensors adds
+    under ``router``; the folder did not read back (found by probing)."""
+    from quantscope.calibration.recipe import preset
+
+    torch.manual_seed(0)
+    cfg = transformers.PhimoeConfig(vocab_size=100, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=64,
+                                    num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.PhimoeForCausalLM(cfg).eval()
+    batches = [torch.randint(2, 100, (2, 12), generator=torch.Generator().manual_seed(i))
+               for i in range(2)]
+    cal = calibrate(model, batches, "w8a8", progress=False)
+    with pytest.raises(ValueError, match=r"layer 'model\.layers\.0\.mlp\.router': transformers "
+                                         r"saves it under two names .*block_sparse_moe\.gate"):
+        quantscope.export(cal, model, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    cal = calibrate(model, batches, preset("w8a8", ignore=["lm_head", "re:.*router"]),
+                    progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantscope.export(cal, model, tmp_path / "b")
+    assert set(Calibration.from_compressed_tensors(tmp_path / "b").states) == set(cal.states)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .._versions import require
+from ..calibration.run.disk_names import split_names
 from ..calibration.structure.kv_cache import attention_modules
 from ..calibration.structure.placement import check_placement, held_weight
 from ..calibration.structure.tied import tied_weights
@@ -206,6 +207,17 @@ def _tied(model: nn.Module, layers) -> None:
     for layer, others in tied_weights(model, layers).items():
         raise _unsupported(layer, "weight", f"a weight tied with {others} "
                                             f"(leave it in float: ignore it in the recipe)")
+
+
+def _split_on_disk(work: nn.Module, states) -> None:
+    """A layer whose weight transformers renames on saving by a rule its other tensors miss
+    would be written under two names (PhiMoE's router: ``gate.weight`` beside
+    ``router.weight_scale``), a checkpoint no loader reads: refuse it."""
+    for layer, (weight, other) in split_names(work, states).items():
+        raise ValueError(f"export compressed-tensors: layer {layer!r}: transformers saves it "
+                         f"under two names (its weight as {weight!r}, its scales as "
+                         f"{other!r}), a checkpoint no loader reads; leave it in float (ignore "
+                         f"it in the recipe)")
 
 
 def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> None:
@@ -428,6 +440,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     for layer, roles in states.items():
         _check_module(work, layer, roles)
     _tied(work, [layer for layer, roles in states.items() if "weight" in roles])
+    _split_on_disk(work, states)
     groups = _groups(states, lossy)
     source = _source_dir(calibration, model, model_path)
 

@@ -13,7 +13,7 @@ import re
 
 from torch import nn
 
-__all__ = ["checkpoint_names", "expert_names"]
+__all__ = ["checkpoint_names", "expert_names", "split_names"]
 
 
 def expert_names(model: nn.Module) -> tuple[str, str, str] | None:
@@ -49,7 +49,27 @@ def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
     renamings (Mixtral's ``mlp`` is ``block_sparse_moe`` on disk), so that a checkpoint's
     ``targets`` / ``ignore`` name the modules of a loader that reads the disk names (vLLM).
     Without a mapping (or an older transformers) every name maps to itself."""
-    names = list(names)
+    renamings = _renamings(model)
+    return {n: _renamed(f"{n}.weight", renamings).removesuffix(".weight") for n in names}
+
+
+def split_names(model: nn.Module, names) -> dict[str, tuple[str, str]]:
+    """The modules of ``names`` whose weight transformers renames on disk by a rule its other
+    tensors miss (PhiMoE's router: ``router.weight`` is ``gate.weight``, ``router.weight_scale``
+    stays): ``{module: (the weight's disk name, the other tensors')}``."""
+    renamings = _renamings(model)
+    out = {}
+    for n in names:
+        weight = _renamed(f"{n}.weight", renamings).removesuffix(".weight")
+        other = _renamed(f"{n}.weight_scale", renamings).removesuffix(".weight_scale")
+        if weight != other:
+            out[n] = (weight, other)
+    return out
+
+
+def _renamings(model: nn.Module) -> list:
+    """transformers' reverse renamings of ``model``'s keys, in save_pretrained's order (none
+    without a mapping or with an older transformers)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange, WeightRenaming
@@ -58,11 +78,10 @@ def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
         if convs is None:  # as save_pretrained does for a model not from from_pretrained
             convs = [c for c in get_model_conversion_mapping(model, add_legacy=False)
                      if not isinstance(c, PrefixChange)]
-        renamings = [r for r in (c.reverse_transform() for c in convs[::-1])
-                     if isinstance(r, WeightRenaming)]
+        return [r for r in (c.reverse_transform() for c in convs[::-1])
+                if isinstance(r, WeightRenaming)]
     except (ImportError, AttributeError, KeyError, TypeError):  # older transformers
-        return {n: n for n in names}
-    return {n: _renamed(f"{n}.weight", renamings).removesuffix(".weight") for n in names}
+        return []
 
 
 def _renamed(key: str, renamings) -> str:
