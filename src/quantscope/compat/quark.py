@@ -24,9 +24,10 @@ to 8). fp4 per tensor / per channel takes these scale formats too, on the min-ma
 as Quark's ``calculate_fp4_quant_parameters`` (a zero left: float32 eps). Integer ranges take
 the native scale, which matches Quark's ``calculate_int_quant_params`` bit for bit on
 float32 input (an integer-typed range is priced in float32, as Quark's division promotes
-it), and Quark's asymmetric zero point
-``qmin - round(min / scale)`` (the native ``round(qmin - min / scale)`` is a code off on some
-int16 ranges); as there, a symmetric range has
+it) and on bfloat16 / float16 ranges as Quark's ops there (asymmetric: ``max - min``
+rounded to that dtype before it is divided, the zero point divided there), and Quark's
+asymmetric zero point ``qmin - round(min / scale)`` (the native ``round(qmin - min /
+scale)`` is a code off on some int16 ranges); as there, a symmetric range has
 zero point 0, unsigned formats too, and ``scale_format`` is not read (e8m0 / e4m3 give the
 plain scales; so on an fp8 per-tensor / per-channel range). The histogram classes price an fp8
 (and float32-scaled fp4) estimate with the min-max classes' rule, Quark's
@@ -82,12 +83,13 @@ float and MX formats.
 
 Known differences: ``round_method`` other than half_even is not supported; the histogram MSE
 search prices candidates in float64 (Quark's float32 mean can tie two candidates and take the
-first); integer scales of a bfloat16 / float16 / float64 input are computed in float32 and
-then cast to its dtype, then to ``scale_type``'s as Quark's (Quark computes float64 ranges,
-and asymmetric half ones, in the input's dtype, which can differ in the last bits), and so
-are the scales after a module cast (``.half()``, ``.double()``: the dtypes are Quark's, eps,
-``min_val`` / ``max_val`` and scales in the cast's dtype; a histogram observer keeps that
-dtype where Quark's returns to float32 once a batch widens its bins); ``reset_state`` forgets
+first); integer scales of a float64 input are computed in float32 and then cast to float64,
+then to ``scale_type``'s as Quark's (Quark computes them in float64: the last bits can
+differ), and so are those after a ``.double()`` (after a module cast the dtypes are Quark's,
+eps, ``min_val`` / ``max_val`` and scales in the cast's dtype; a histogram observer keeps that
+dtype where Quark's returns to float32 once a batch widens its bins); an asymmetric float16
+range wider than 65504 takes the native finite scale where Quark's ``max - min`` overflows
+(an inf scale); ``reset_state`` forgets
 the histogram and the BFP16 amax (Quark's keeps them and merges the next batch);
 ``PerTensorHistogramObserverPro`` saves the native state
 (Quark's saves torch.ao's ``histogram.*``, a grid quantscope's does not keep; the other

@@ -27,6 +27,7 @@ from .quark_scales import (
     _quark_token_count,
     quark_e8m0_scale,
     quark_float_scale,
+    quark_half_width,
     quark_work_dtype,
 )
 
@@ -319,20 +320,17 @@ class QuarkObserver:
                            self.spec.layout.axis)
 
     def _calculate_qparams(self):
-        lo, _, qp = self.range_and_qparams()
+        lo, hi, qp = self.range_and_qparams()
         scale = self._quark_shape(qp.effective_scale)
         if self.spec.scale.is_block:  # float32 (Quark's even_round): the class casts it
             return scale, torch.zeros_like(scale)
         if self.spec.is_float:  # Quark divides in scale_type's dtype
             scale = scale.to(self._scale_dtype)
             return scale, torch.zeros_like(scale)
-        if self.spec.symmetric:  # Quark: zero points 0 when symmetric, unsigned too
-            zp = torch.zeros_like(scale, dtype=qp.zero_point.dtype)
-        else:
-            zp = self._quark_zero_point(self._quark_shape(lo.reshape(qp.scale.shape)), scale)
-        # Quark computes in the range's dtype, then casts to scale_type's (or promotes it)
-        scale = scale.to(quark_work_dtype(self._input_dtype))
-        return scale.to(self.scale_torch_dtype or self._int_scale_dtype(scale, scale)), zp
+        # Quark's range is in the input's dtype (float32 for integer input)
+        lo, hi = (self._quark_shape(t.reshape(qp.scale.shape)).to(
+            quark_work_dtype(self._input_dtype)) for t in (lo, hi))
+        return self._quark_int_qparams(lo, hi, scale)
 
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
                           max_val: torch.Tensor | None = None):
@@ -385,23 +383,26 @@ class QuarkObserver:
             if bool((min_val > max_val).any()) and not bool(min_val.isnan().any()):
                 raise InvertedRangeError(*e.args) from None
             raise
-        # symmetric: Quark's zeros (the native rule: uint8's mid code 128)
-        zp = (torch.zeros_like(qp.zero_point, dtype=torch.int32) if self.spec.symmetric
-              else self._quark_zero_point(min_val.float(), qp.scale))
-        # the value in the range's dtype (Quark computes there; float32 for an integer
-        # range, whose division promotes), then Quark's promotion
-        scale = qp.scale.to(quark_work_dtype(torch.result_type(min_val, max_val)))
-        return scale.to(self.scale_torch_dtype or self._int_scale_dtype(min_val, max_val)), zp
+        return self._quark_int_qparams(min_val, max_val, qp.scale)
 
-    def _quark_zero_point(self, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Quark's ``qmin - round(min(lo, 0) / scale)``, clamped, int32 (the native rounds
-        ``qmin - lo / scale`` whole: a code off where float32 rounds that sum, int16)."""
-        qmin, qmax = int(self.spec.qmin), int(self.spec.qmax)
-        return (qmin - torch.round(lo.clamp(max=0) / scale).to(torch.int32)).clamp(qmin, qmax)
-
-    def _int_scale_dtype(self, min_val: torch.Tensor, max_val: torch.Tensor) -> torch.dtype:
+    def _quark_int_qparams(self, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor):
+        """Quark's integer ``(scale, zero_point)`` of its range from the native float32
+        ``scale``, in the dtypes of Quark's ops: the range's, promoted by the clamp to eps; the
+        zero point Quark's ``qmin - round(min(lo, 0) / scale)`` (the native rounds ``qmin - lo
+        / scale`` whole: a code off where float32 rounds that sum, int16)."""
+        width = None if self.spec.symmetric else quark_half_width(lo, hi)
+        if width is not None:  # the native formula over [0, Quark's rounded width]
+            scale = qparams_from_range(torch.zeros_like(width), width, self.spec,
+                                       check_finite=False).scale
+        # the range's dtype (torch's half division rounds the float32 quotient, as this cast)
+        scale = scale.to(quark_work_dtype(torch.result_type(lo, hi)))
         eps = self.eps.dtype if isinstance(self.eps, torch.Tensor) else torch.float32
-        return _quark_int_scale_dtype(min_val, max_val, eps)
+        scale = scale.to(_quark_int_scale_dtype(lo, hi, eps))
+        qmin, qmax = int(self.spec.qmin), int(self.spec.qmax)
+        # symmetric: Quark's zeros (the native rule: uint8's mid code 128)
+        zp = (torch.zeros_like(scale, dtype=torch.int32) if self.spec.symmetric else
+              (qmin - torch.round(lo.clamp(max=0) / scale).to(torch.int32)).clamp(qmin, qmax))
+        return scale.to(self.scale_torch_dtype or scale.dtype), zp
 
     def _quark_before_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What Quark's uniform classes return before any data (their range is ``(inf,

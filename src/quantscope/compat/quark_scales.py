@@ -109,6 +109,17 @@ def quark_work_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.float32
 
 
+def quark_half_width(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
+    """Quark's asymmetric integer width ``max(hi, 0) - min(lo, 0)`` (float32) where it rounds
+    it to a float16 / bfloat16 range's dtype before it divides; None on a float32+ range, or
+    where it overflows (float16: Quark's scale is inf, quantscope keeps the native finite)."""
+    work = quark_work_dtype(torch.result_type(lo, hi))
+    if torch.finfo(work).bits >= 32:
+        return None
+    width = (hi.clamp(min=0).to(work) - lo.clamp(max=0).to(work)).float()
+    return width if bool(width.isfinite().all()) else None
+
+
 def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor,
                            eps_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype of Quark's integer scale of a range (no ``scale_type``): the range's (float32
