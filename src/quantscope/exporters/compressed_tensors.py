@@ -212,8 +212,10 @@ def _tied(model: nn.Module, layers) -> None:
 def _split_on_disk(work: nn.Module, states) -> None:
     """A layer whose weight transformers renames on saving by a rule its other tensors miss
     would be written under two names (PhiMoE's router: ``gate.weight`` beside
-    ``router.weight_scale``), a checkpoint no loader reads: refuse it."""
-    for layer, (weight, other) in split_names(work, states).items():
+    ``router.input_scale``), a checkpoint no loader reads: refuse it."""
+    written = {layer: {r for r, st in roles.items() if st.dynamic is not True}  # no tensors
+               for layer, roles in states.items()}
+    for layer, (weight, other) in split_names(work, written).items():
         raise ValueError(f"export compressed-tensors: layer {layer!r}: transformers saves it "
                          f"under two names (its weight as {weight!r}, its scales as "
                          f"{other!r}), a checkpoint no loader reads; leave it in float (ignore "

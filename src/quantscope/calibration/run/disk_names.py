@@ -13,7 +13,7 @@ import re
 
 from torch import nn
 
-__all__ = ["checkpoint_names", "expert_names", "split_names"]
+__all__ = ["QPARAM_TENSORS", "checkpoint_names", "expert_names", "split_names"]
 
 
 def expert_names(model: nn.Module) -> tuple[str, str, str] | None:
@@ -53,17 +53,27 @@ def checkpoint_names(model: nn.Module, names) -> dict[str, str]:
     return {n: _renamed(f"{n}.weight", renamings).removesuffix(".weight") for n in names}
 
 
-def split_names(model: nn.Module, names) -> dict[str, tuple[str, str]]:
-    """The modules of ``names`` whose weight transformers renames on disk by a rule its other
-    tensors miss (PhiMoE's router: ``router.weight`` is ``gate.weight``, ``router.weight_scale``
-    stays): ``{module: (the weight's disk name, the other tensors')}``."""
+#: the tensors a compressed-tensors checkpoint stores beside a layer's weight
+QPARAM_TENSORS = ("weight_scale", "weight_zero_point", "weight_global_scale", "weight_packed",
+                  "weight_shape", "weight_g_idx", "input_scale", "input_zero_point",
+                  "input_global_scale")
+
+
+def split_names(model: nn.Module, roles) -> dict[str, tuple[str, str]]:
+    """The modules of ``roles`` (``{module: its quantized roles}``) whose weight transformers
+    renames on disk by a rule some tensor of their roles misses (PhiMoE's router:
+    ``router.weight`` is ``gate.weight``, while ``router.input_scale``, or with transformers
+    5.24 ``router.weight_scale`` too, stays): ``{module: (the weight's disk name, that
+    tensor's)}``."""
     renamings = _renamings(model)
     out = {}
-    for n in names:
+    for n, quantized in roles.items():
         weight = _renamed(f"{n}.weight", renamings).removesuffix(".weight")
-        other = _renamed(f"{n}.weight_scale", renamings).removesuffix(".weight_scale")
-        if weight != other:
-            out[n] = (weight, other)
+        for t in QPARAM_TENSORS:
+            other = _renamed(f"{n}.{t}", renamings).removesuffix(f".{t}")
+            if t.split("_")[0] in quantized and other != weight:
+                out[n] = (weight, other)
+                break
     return out
 
 
