@@ -398,8 +398,8 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
         zero = _quark_zero(centers)
         mses = [((self.scaling_fp8(centers, a) if self.spec.is_float else
                   self.int_fake_tensor_quant(centers, zero, a)) - centers).pow(2)
-                .mul(counts).mean().cpu() for a in amax]
-        return amax[int(torch.argmin(torch.stack(mses)))]
+                .mul(counts).mean() for a in amax]
+        return amax[torch.stack(mses).argmin()]  # on the device: no read per candidate
 
     def _refuse_negative(self, amax: torch.Tensor) -> None:
         if bool((amax < 0).any()):
