@@ -104,10 +104,12 @@ class FloatFormat:
 
     ``max`` is the largest finite value (it encodes the format's NaN / inf
     convention: e4m3fn has no inf and gives up one mantissa code to NaN, so its
-    max is 448 rather than 480). Below ``2 ** min_exp`` values are subnormal:
-    spaced ``2 ** (min_exp - mbits)`` apart down to zero. :meth:`round` builds that step as
-    a normal float32, so a format needs ``min_exp - mbits >= -126`` (ebits up to 7; 8 with
-    mbits 0 only): a bfloat16-like e8m7 raises ``ValueError``.
+    max is 448 rather than 480). It must be one of the format's values, at most the top
+    code ``2 ** (bias + 1) * (2 - 2 ** -mbits)``, else ``ValueError``. Below
+    ``2 ** min_exp`` values are subnormal: spaced ``2 ** (min_exp - mbits)`` apart down to
+    zero. :meth:`round` builds that step as a normal float32, so a format needs
+    ``min_exp - mbits >= -126`` (ebits up to 7; 8 with mbits 0 only): a bfloat16-like e8m7
+    raises ``ValueError``.
     """
 
     name: str
@@ -140,6 +142,25 @@ class FloatFormat:
                 or not 0 < self.max <= torch.finfo(torch.float32).max:
             raise ValueError(f"FloatFormat.max must be a positive finite number float32 holds "
                              f"(the largest finite value), got {self.max!r}")
+        self._check_max_on_grid()
+
+    def _check_max_on_grid(self):
+        """``max`` must be a value of the encoding, else round's clamp returns values (``max``
+        itself, or past the top exponent) that no (ebits, mbits) code holds. A value below the
+        top code stays allowed: reserved NaN / inf codes (e4m3fn 448 < 480, e5m2)."""
+        fmt = f"e{self.ebits}m{self.mbits} (bias {self.bias})"
+        # every code finite; float32's exponents end at 127 (e8m0's 2 ** 128 is no float32)
+        top = 2.0 ** min(self.bias + 1, 127) * (2 - 2.0 ** -self.mbits)
+        if self.max > top:
+            raise ValueError(f"FloatFormat {self.name!r}: max={self.max!r} is past the largest "
+                             f"finite value {fmt} can hold, {top!r}")
+        # spacing 2 ** (e - mbits) at max's exponent e (min_exp for subnormals); exact
+        step = 2.0 ** (max(math.frexp(self.max)[1] - 1, self.min_exp) - self.mbits)
+        if not (self.max / step).is_integer():
+            lo = math.floor(self.max / step) * step
+            raise ValueError(f"FloatFormat {self.name!r}: max={self.max!r} is not a value of "
+                             f"{fmt}: its neighbours are {lo!r} and {lo + step!r}; max must "
+                             f"be one of its values, at most {top!r}")
 
     @property
     def bias(self) -> int:

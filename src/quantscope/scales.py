@@ -266,6 +266,11 @@ def nvfp4_global_scale(amax: torch.Tensor, fmt: Format, block_format: FloatForma
     """NVFP4's fp32 global scale ``block_max * format_max / amax`` (1 where amax is 0 or NaN;
     an amax above float32's max counts as that max).
 
+    It is also 1 where that quotient overflows float32: an amax below ``block_max *
+    format_max`` over float32's max (NVFP4: ``448 * 6 / 3.4e38``, about ``7.9e-36``). The
+    tensor's values, all below that amax, then quantize to 0, as compressed-tensors'
+    ``generate_gparam`` (which vLLM reads) does.
+
     It maps the tensor's absolute maximum onto the largest block scale times the
     largest element, so block scales ``amax_block / format_max * global`` fill
     the fp8 range.

@@ -28,13 +28,13 @@ from quantscope.kernels import triton as qs_triton
 from quantscope.kernels.price_ops import _FloatBounds, _torch_price
 
 F32_MAX = torch.finfo(torch.float32).max
-#: mbits 0 reaches the top binade with 8 exponent bits (the most FloatFormat allows it);
-#: mbits 1 .. 3 with 7; max up to float32's, so the top binade's codes are finite
-FORMATS = [FloatFormat("e8m0", 8, 0, 2.0 ** 127), FloatFormat("e8m0_max", 8, 0, F32_MAX),
-           *(FloatFormat(f"e7m{m}", 7, m, F32_MAX) for m in (1, 2, 3))]
-#: min_exp 127 (mse_price_fp's largest): every finite t's step is 2 ** (127 - mbits)
-BOUNDS = [_FloatBounds(f.max, f.min_exp, f.mbits) for f in FORMATS] + \
-    [_FloatBounds(F32_MAX, 127, m) for m in range(4)]
+#: e8m0 (mbits 0 reaches the top binade with 8 exponent bits, the most FloatFormat allows),
+#: and the bounds of e8m0 / e7m1 .. e7m3 grids with max raised to float32's (no FloatFormat
+#: holds that max: the pricers take any bounds), so the top binade's codes are finite
+BOUNDS = [_FloatBounds(2.0 ** 127, -126, 0), _FloatBounds(F32_MAX, -126, 0),
+          *(_FloatBounds(F32_MAX, -62, m) for m in (1, 2, 3))] + \
+    [_FloatBounds(F32_MAX, 127, m) for m in range(4)]  # min_exp 127 (mse_price_fp's largest):
+# every finite t's step is 2 ** (127 - mbits)
 IDS = [f"max{b.max:.3g}_minexp{b.min_exp}_m{b.mbits}" for b in BOUNDS]
 SCALES = (1.0, 2.0 ** -100, 3.0, 0.7)
 
