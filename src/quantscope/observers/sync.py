@@ -40,6 +40,11 @@ _COUNTERS = ("observed_tokens", "non_finite_count")  # the base's counters: alwa
 # an observer's state since its last sync on this rank (the header carries it)
 _FRESH, _SYNCED, _OBSERVED_SINCE = 0, 1, 2
 _FAILED = 1 << 32  # in the plan check: the local part failed here (above any crc32)
+# the tagged exchanges (:func:`_tagged_max`): what a rank is in, so that a peer in another
+# (sync_every_step set on some ranks only) raises on both, where it paired them and hung
+_PLANS, _STEP_RANGE, _STEP_UNITS = 1, 2, 3
+_IN = {_PLANS: "syncs observers (sync())", _STEP_RANGE: "exchanges a min-max step",
+       _STEP_UNITS: "exchanges a step's units"}
 
 
 def _identity(op: Op, dtype: torch.dtype):
@@ -120,25 +125,48 @@ def _signature(observers, plans) -> str:
                   [item(it) for it in p]) for o, p in zip(observers, plans)])
 
 
+def _tagged_max(tag: int, values: list[int], dev, group, obs=None) -> list[int]:
+    """MAX all_reduce of ``[tag, -tag, *values]``: 4 values in every tagged exchange (gloo
+    aborts on other lengths); a peer in another exchange raises on every rank (``obs``: the
+    step-synced observer here; None: this rank syncs)."""
+    t = torch.tensor([tag, -tag, *values], dtype=torch.int64, device=dev)
+    all_reduce(t, dist.ReduceOp.MAX, group)
+    top, low, *out = t.tolist()
+    if top != -low:
+        here = "this rank" if obs is None else obs.describe()
+        what = (f"{here} {_IN[tag]} while another rank "
+                f"{_IN[-low if top == tag else top]}")
+        if -low == _PLANS:
+            raise ValueError(f"sync: sync_every_step set on some ranks only: {what}; set it "
+                             f"alike on every rank")
+        raise ValueError(f"sync: the ranks step different observers: {what}; every rank must "
+                         f"call the same step-synced observers in the same order")
+    return out
+
+
 def _check_same_plans(observers, plans, local: LocalError, dev, group) -> None:
     """One tiny all_reduce: every rank must sync the same observers with the same plans
     (else the header all_gather would mismatch); a difference raises on every rank. It also
     carries whether the local part (``local``: plans, header) failed on a rank: then every
     rank raises that error (:func:`~quantscope.comm.raise_on_all`), no rank waits."""
     failed = local.error is not None
-    sig = _FAILED if failed else zlib.crc32(_signature(observers, plans).encode())
-    t = torch.tensor([len(observers), -len(observers), sig, -sig], dtype=torch.int64,
-                     device=dev)
-    all_reduce(t, dist.ReduceOp.MAX, group)
-    raise_on_all(local.error, int(t[2]) >= _FAILED, "sync", group, same_type=True)
-    if int(t[0]) != -int(t[1]):
-        raise ValueError(f"sync: the ranks sync different observers ({len(observers)} here, "
-                         f"between {-int(t[1])} and {int(t[0])} on the ranks); every rank must "
+    sigs = [] if failed else [zlib.crc32(_signature([o], [p]).encode())
+                              for o, p in zip(observers, plans)]
+    sig = _FAILED if failed else zlib.crc32(repr(sigs).encode())
+    n = len(observers)
+    most, least, top, low = _tagged_max(_PLANS, [n, -n, sig, -sig], dev, group)
+    raise_on_all(local.error, top >= _FAILED, "sync", group, same_type=True)
+    if most != -least:
+        raise ValueError(f"sync: the ranks sync different observers ({n} here, "
+                         f"between {-least} and {most} on the ranks); every rank must "
                          f"pass the same observers in the same order")
-    if int(t[2]) != -int(t[3]):
-        raise ValueError("sync: the ranks sync different observers (their classes, specs, bins "
-                         "or sync plans differ); every rank must pass the same observers, "
-                         "configured alike, in the same order")
+    if top != -low:  # every rank is here: one more exchange names the first that differs
+        got = all_gather(torch.tensor(sigs, dtype=torch.int64, device=dev), group)
+        i = int((got != got[0]).any(0).nonzero()[0])
+        raise ValueError(f"sync: the ranks sync different observers: the first that differs, "
+                         f"#{i} of {n} ({observers[i].describe()} here), has another class, "
+                         f"spec, bins or sync plan on some rank; every rank must pass the same "
+                         f"observers, configured alike, in the same order")
 
 
 # ------------------------------------------------------------------------ full sync
@@ -402,10 +430,8 @@ def step_sync(obs, units, lo, hi, group=None):
     if getattr(obs, "step_sync_range_only", False):
         # the largest and (negated) smallest unit count of the ranks with data: vectors of
         # other lengths would abort the backend's reduction (gloo: SIGABRT), not raise
-        h = torch.tensor([U, -U if has else -(1 << 62), int(has), int(bad)], dtype=torch.int64,
-                         device=dev)
-        all_reduce(h, dist.ReduceOp.MAX, group)
-        U, least, any_has, any_bad = (int(v) for v in h)
+        U, least, any_has, any_bad = _tagged_max(
+            _STEP_RANGE, [U, -U if has else -(1 << 62), int(has), int(bad)], dev, group, obs)
         if not any_has:
             return None
         _same_units(obs, U, -least)
@@ -423,25 +449,31 @@ def _gather_step(obs, units, lo, hi, sizes, dev, group):
     """:func:`step_sync` of observers that read the units: gathers every rank's units,
     concatenated along the elements in rank order, and the step's per-unit lo / hi."""
     U, E, has = sizes
-    h = all_gather(torch.tensor([U, E, int(has)], dtype=torch.int64, device=dev), group).cpu()
-    if not bool(h[:, 2].any()):
+    U, least, any_has, Emax = _tagged_max(
+        _STEP_UNITS, [U, -U if has else -(1 << 62), int(has), E], dev, group, obs)
+    if not any_has:
         return None
-    Us = h[:, 0][h[:, 2].bool()]
-    _same_units(obs, int(Us.max()), int(Us.min()))
-    U, Emax = int(Us[0]), int(h[:, 1].max())
+    _same_units(obs, U, -least)
     # each rank's lo / hi and padding-zero count go with its units: only the rank knows its
     # padding (from its shape), and an observer to which padding is no data (histograms:
-    # ``_step_zeros``) took it out of lo / hi already; the gathered units cannot tell
-    pad = torch.zeros(U, 3 + Emax, device=dev)
+    # ``_step_zeros``) took it out of lo / hi already; the gathered units cannot tell.
+    # The tail: whether it has data and its E (24 bits a slot: exact), to cut its padding
+    W = 3 + Emax
+    flat = torch.zeros(U * W + 3, device=dev)
     if has:
         zeros = getattr(obs, "_step_zeros", None)
+        pad = flat[:-3].view(U, W)
         pad[:, 0], pad[:, 1] = lo.to(dev), hi.to(dev)
         pad[:, 2] = 0 if zeros is None else zeros.to(dev)
         pad[:, 3:3 + E] = units.to(dev)
+        flat[-3:] = torch.tensor([1, E >> 24, E & 0xFFFFFF])
     ref = units if has else obs.observed_tokens
-    fed = [r for r in range(len(h)) if int(h[r, 2])]  # from the host header: no device read
-    allu = all_gather(pad, group)[fed].to(ref.device)
-    g = torch.cat([allu[i, :, 3:3 + int(h[r, 1])] for i, r in enumerate(fed)], dim=1)
+    allf = all_gather(flat, group)
+    tails = [[int(v) for v in t] for t in allf[:, -3:].tolist()]  # one device read
+    fed = [r for r, t in enumerate(tails) if t[0]]
+    allu = allf[fed, :-3].reshape(len(fed), U, W).to(ref.device)
+    g = torch.cat([allu[i, :, 3:3 + (tails[r][1] << 24) + tails[r][2]]
+                   for i, r in enumerate(fed)], dim=1)
     if hasattr(obs, "_step_zeros"):  # every rank's padding zeros, for the histogram to drop
         obs._step_zeros = allu[:, :, 2].sum(0).to(torch.int64)
     return g, allu[:, :, 0].amin(0), allu[:, :, 1].amax(0)
