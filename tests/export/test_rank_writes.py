@@ -52,7 +52,8 @@ def _scenarios(r, out):
     register("test-marker")(_marker)
     out["marker"] = quantscope.export(calibration, model, f"{d}/marker_r{r}", "test-marker")
     if r == 1:
-        out["onnx"] = quantscope.export(calibration, model, f"{d}/alone.onnx", "onnx")
+        out["onnx"] = quantscope.export(calibration, model, f"{d}/alone.onnx", "onnx",
+                                        example_inputs=torch.zeros(2, 4, dtype=torch.long))
     dist.barrier()  # as the guide says: before a rank reads what rank 0 wrote
     out["ct_seen"] = sorted(os.listdir(f"{d}/ct"))
 

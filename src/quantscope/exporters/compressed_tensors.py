@@ -399,7 +399,18 @@ def _copy_extras(src: str, dst: str) -> list[str]:
     return copied
 
 
-@register(KIND)
+def _check_call(calibration, model: nn.Module, **_) -> None:
+    """The arguments' checks that need neither the disk nor a collective (every rank)."""
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"export compressed-tensors: model must be a transformers "
+                        f"PreTrainedModel (it writes a Hugging Face folder), got "
+                        f"{type(model).__name__}")
+    if not calibration.states:
+        raise ValueError("export compressed-tensors: the calibration quantizes no layer")
+    check_placement(model, "export compressed-tensors")
+
+
+@register(KIND, check=_check_call)
 def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite: bool = False,
                               allow_lossy: bool = False, model_path=None,
                               max_shard_size="5GB") -> str:
@@ -420,14 +431,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     Returns the path. Raises ``ValueError`` naming the layer and the feature for anything the
     format cannot express, before anything is written.
     """
-    _ct()
-    if not hasattr(model, "save_pretrained"):
-        raise TypeError(f"export compressed-tensors: model must be a transformers "
-                        f"PreTrainedModel (it writes a Hugging Face folder), got "
-                        f"{type(model).__name__}")
-    if not calibration.states:
-        raise ValueError("export compressed-tensors: the calibration quantizes no layer")
-    check_placement(model, "export compressed-tensors")
+    _ct()  # (its arguments were checked on every rank: _check_call)
     path = check_writable_target(path, overwrite=overwrite, what=KIND)  # before the work
     lossy = _Lossy(allow_lossy)
     modules = dict(model.named_modules())  # (MoE experts' per-expert names are not there)

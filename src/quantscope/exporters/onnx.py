@@ -178,7 +178,25 @@ def _warn_specialized(example_inputs) -> None:
                       f"(batch, sequence)", UserWarning, stacklevel=4)
 
 
-@register("onnx")
+def _check_call(calibration, model, example_inputs, opset, options, **_) -> None:
+    """The arguments' checks that need neither the disk nor a collective (every rank), all
+    before the (slow) export."""
+    if options:
+        raise ValueError(f"onnx export: unknown options {sorted(options)}")
+    if example_inputs is None:
+        raise ValueError("onnx export: example_inputs is required (what the model is called "
+                         "with, e.g. a tokenizer's output dict)")
+    if not isinstance(opset, int) or opset < 21:
+        raise ValueError(f"onnx export: opset must be an integer >= 21 (int4 and block_size), "
+                         f"got {opset!r}")
+    states = calibration.states
+    check_placement(model, "onnx export")
+    _check_exportable(states)
+    _check_linear(model, states)
+    _check_untied(model, states)
+
+
+@register("onnx", check=_check_call)
 def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 21,
                 overwrite: bool = False, uint8: bool = False, **options):
     """Write ``model`` with ``calibration``'s qparams as an ONNX QDQ graph at ``path``.
@@ -194,23 +212,11 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     Run it with :func:`session` (ONNX Runtime with the options that keep its results equal
     to quantscope's fake-quant).
     """
-    onnx = _onnx()
-    if options:
-        raise ValueError(f"onnx export: unknown options {sorted(options)}")
-    if example_inputs is None:
-        raise ValueError("onnx export: example_inputs is required (what the model is called "
-                         "with, e.g. a tokenizer's output dict)")
-    if not isinstance(opset, int) or opset < 21:
-        raise ValueError(f"onnx export: opset must be an integer >= 21 (int4 and block_size), "
-                         f"got {opset!r}")
+    onnx = _onnx()  # (its arguments were checked on every rank: _check_call)
     # the model's folder is an input; overwrite replaces only an ONNX file quantscope wrote
     inputs = _model_folders(calibration, model)
     path = check_writable_target(path, overwrite=overwrite, kind="file", inputs=inputs)
-    states = calibration.states if hasattr(calibration, "states") else calibration
-    check_placement(model, "onnx export")
-    _check_exportable(states)  # before the (slow) export
-    _check_linear(model, states)
-    _check_untied(model, states)
+    states = calibration.states
     given, (model, example_inputs) = model, float32_model(model, example_inputs)
     proto = _export_float(model, example_inputs, opset)
     if model is not given:  # a bf16 / fp16 model made float32: its forward's casts too

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 
@@ -42,23 +43,34 @@ _writers: dict[str, Callable] = {}
 _readers: dict[str, Callable] = {}
 
 
-def register(name: str):
+def register(name: str, check: Callable | None = None):
     """Decorator: ``@register("onnx") def export_onnx(calibration, model, path, **options)``;
-    the writer it returns (and registers) writes on rank 0 only (module doc)."""
+    the writer it returns (and registers) writes on rank 0 only (module doc). ``check``: the
+    writer's checks of its arguments that need neither the disk nor a collective (the model's
+    type, the options), run on every rank with the writer's arguments by name (defaults
+    applied; ``**options`` as one dict)."""
     def deco(fn):
-        _writers[name] = _on_rank_zero(fn, name)
+        _writers[name] = _on_rank_zero(fn, name, check)
         return _writers[name]
     return deco
 
 
-def _on_rank_zero(write: Callable, name: str) -> Callable:
+def _on_rank_zero(write: Callable, name: str, check: Callable | None) -> Callable:
     """``write(calibration, model, path, **options)`` run on rank 0 (or outside a process
     group of several); another rank writes nothing and returns ``path`` as rank 0 does (its
     absolute path), at once: no collective, so a caller that exports on rank 0 alone does not
-    hang, and ranks sharing one path do not race (a reader waits at a barrier)."""
+    hang, and ranks sharing one path do not race (a reader waits at a barrier). Every rank
+    checks the arguments first: a wrong one raises everywhere, not on rank 0 alone."""
     @functools.wraps(write)
     def writer(calibration, model, path, **options):
         _check_arguments(name, calibration, path)
+        try:  # an option the writer does not take, as the call itself would say
+            bound = inspect.signature(write).bind(calibration, model, path, **options)
+        except TypeError as e:
+            raise TypeError(f"{write.__name__}() {e}") from None
+        if check is not None:
+            bound.apply_defaults()
+            check(**bound.arguments)
         if not comm.is_main():
             return os.path.abspath(os.fspath(path))
         return write(calibration, model, path, **options)
