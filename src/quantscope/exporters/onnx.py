@@ -52,7 +52,7 @@ from ..calibration.structure.tied import tied_weights
 from .atomic import atomic_file, check_writable_target
 from .onnx_graph import insert_qdq
 from .onnx_graph import storage as _storage
-from .onnx_tensors import check_float32_quantize, float32_graph, float32_model
+from .onnx_tensors import check_float32_quantize, float32_graph, float32_model, unshared_codes
 from .registry import register
 
 __all__ = ["DISABLED_OPTIMIZERS", "FLOAT_MATMULNBITS", "PRECISE_U8U8", "export_onnx", "int8_dot_product",
@@ -342,7 +342,8 @@ def session(path, threads: int | None = None, optimized_model_path: str | None =
     """An ``onnxruntime.InferenceSession`` on the CPU whose results equal quantscope's
     fake-quant to float rounding (:data:`DISABLED_OPTIMIZERS` off)."""
     import onnxruntime as ort
-    return ort.InferenceSession(str(path), session_options(threads, optimized_model_path),
+    model = str(path) if int8_dot_product() else unshared_codes(path)
+    return ort.InferenceSession(model, session_options(threads, optimized_model_path),
                                 providers=["CPUExecutionProvider"],
                                 disabled_optimizers=list(DISABLED_OPTIMIZERS))
 

@@ -122,3 +122,38 @@ def check_float32_quantize(proto) -> None:
                 f"kernels take float32 only; export a float32 model (model.float()), or where "
                 f"the forward casts to a fixed dtype, cast to the layer's own "
                 f"(x.to(layer.weight.dtype))")
+
+
+def unshared_codes(path):
+    """What ONNX Runtime loads from ``path`` under :data:`.onnx.PRECISE_U8U8`: the path, or,
+    where several ``DequantizeLinear`` nodes read one int8 initializer (a Linear called more
+    than once: each call's DQ reads the codes the first wrote), the model's bytes with a
+    copy of those codes and their zero point per further node. ORT 1.32's s8 -> u8 weight
+    conversion, which that option turns on, adds a uint8 copy per node under one name and
+    refuses the second ("Attempt to replace the existing tensor"); the file keeps one copy
+    of each weight."""
+    import onnx
+    from onnx import TensorProto
+
+    proto = onnx.load(str(path))
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    taken = set(inits) | {o for n in graph.node for o in n.output}
+    seen, copied = set(), False
+    for node in graph.node:
+        codes = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if codes is None or codes.data_type != TensorProto.INT8:
+            continue
+        if codes.name in seen:  # the weight and its zero point (the scale stays shared)
+            for i in (0, 2) if len(node.input) > 2 and node.input[2] in inits else (0,):
+                copy = TensorProto()
+                copy.CopyFrom(inits[node.input[i]])
+                copy.name = f"{node.output[0]}/{node.input[i]}"
+                while copy.name in taken:
+                    copy.name += "_"
+                taken.add(copy.name)
+                graph.initializer.append(copy)
+                node.input[i] = copy.name
+            copied = True
+        seen.add(codes.name)
+    return proto.SerializeToString() if copied else str(path)
