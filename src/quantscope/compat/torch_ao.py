@@ -30,18 +30,18 @@ scripted observer saved with ``torch.jit.save`` needs ``import quantscope.compat
 before ``torch.jit.load``. Outside TorchScript ``forward`` calls the same functions directly.
 
 Non-finite input as torch.ao: the min-max classes record it (their :meth:`qparams` then
-raises ``ValueError``); :class:`HistogramObserver` drops ``inf`` values with a warning and
-raises on NaN in ``forward`` (:class:`NonFiniteBatchError`, a ``RuntimeError`` as torch's
-``histc`` error; torch.ao has already written NaN into ``min_val`` / ``max_val`` by then,
-quantscope leaves the state as it was, as after any batch it refuses: no bins, an integer
-dtype, and a range that rounds to ``inf`` in the state's dtype (a float64 batch past a
-float32 state, 65520 in a ``.half()`` one: a range that rounds to its max is stored as max,
-as torch.ao's), a ``ValueError`` where torch.ao stores ``inf`` and later returns a NaN
-scale). The C path hands such a batch to the tensor path. Known differences of
-:class:`HistogramObserver` beyond these: ``bins`` set after construction takes effect
-before the first batch, eager or scripted, as torch.ao's (after it, torch.ao's
-raises on the size mismatch, quantscope's keeps its bins); a zero ``min_val`` / ``max_val``
-may differ from torch.ao's in its sign (equal qparams).
+raises ``ValueError``); :class:`HistogramObserver` drops ``inf`` with a warning. A batch it
+refuses leaves its state as it was, with a ``ValueError`` that is a ``RuntimeError`` as
+torch.ao's: NaN (:class:`NonFiniteBatchError`; torch.ao's ``histc`` raises after writing NaN
+into its state), no bins (:class:`NoBinsError`), a range rounding to ``inf`` in the state's
+dtype (:class:`StateOverflowError`: float64 past float32, 65520 in ``.half()``; torch.ao
+raises its overflow ``RuntimeError`` or stores ``inf``, a NaN scale later; one rounding to
+max is stored as max, as torch.ao's). Scripted, these reach the caller as TorchScript's plain
+``RuntimeError`` (no ``ValueError``), as torch.ao's do. The C path hands such a batch to the
+tensor path. Known differences of :class:`HistogramObserver` beyond these: ``bins`` set
+after construction takes effect before the first batch, eager or scripted, as torch.ao's
+(after it, torch.ao's raises on the size mismatch, quantscope's keeps its bins); a zero
+``min_val`` / ``max_val`` may differ from torch.ao's in its sign (equal qparams).
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ __all__ = [
     "NoBinsError",
     "NonFiniteBatchError",
     "PerChannelMinMaxObserver",
+    "StateOverflowError",
     "TorchAOObserver",
     "UnsupportedDtypeError",
     "torch_ao_spec",
@@ -143,11 +144,8 @@ class _Constructor(_ao._PartialWrapper):
         return self.p.func.__name__
 
     def with_args(self, **kwargs) -> _Constructor:
-        # torch.ao wraps the whole constructor, so a later value outranks an earlier
-        # callable one of the same name (never called then): the last mention wins
-        out = _Constructor(functools.partial(self.p, **kwargs))
-        out.callable_args = {k: f for k, f in self.callable_args.items() if k not in kwargs}
-        return out
+        # nested as torch.ao's (its qconfig_equals compares the outer keywords only)
+        return _Constructor(functools.partial(self, **kwargs))
 
     def with_callable_args(self, **kwargs) -> _Constructor:
         out = _Constructor(self.p)
@@ -288,10 +286,14 @@ class NonFiniteBatchError(ValueError, RuntimeError):
     (``torch.histc``'s), and a ``ValueError`` as quantscope's bad-input errors."""
 
 
+class StateOverflowError(ValueError, RuntimeError):
+    """A batch range overflowing :class:`HistogramObserver`'s state dtype: a ``RuntimeError``
+    as torch.ao's ("cannot be converted ... without overflow"), and a ``ValueError``."""
+
+
 class NoBinsError(ValueError, RuntimeError):
-    """``HistogramObserver(bins=0)`` observing a batch: a ``RuntimeError`` as torch.ao's
-    (``torch.histc``'s; its constructor takes 0), and a ``ValueError`` as quantscope's
-    bad-argument errors."""
+    """``HistogramObserver(bins=0)`` (torch.ao's constructor takes it) observing a batch: a
+    ``RuntimeError`` as torch.ao's ``torch.histc``'s, and a ``ValueError`` (a bad argument)."""
 
 
 def _check_bins(hist: torch.Tensor) -> None:
@@ -351,9 +353,10 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
     first = old_lo == math.inf or old_hi == -math.inf
     top = torch.finfo(lo.dtype).max  # past it: rounded to it, or to inf (torch.ao stores inf)
     if max(-x_lo, x_hi) > top and ao_histogram.rounds_to_inf(max(-x_lo, x_hi), lo.dtype):
-        raise ValueError(f"HistogramObserver: the batch's range [{x_lo:.6g}, {x_hi:.6g}] "
-                         f"exceeds the observer's {lo.dtype} state (rounds to inf past its "
-                         f"max {top:.6g}); the observer's state is left as it was")
+        raise StateOverflowError(
+            f"HistogramObserver: the batch's range [{x_lo:.6g}, {x_hi:.6g}] exceeds the "
+            f"observer's {lo.dtype} state (rounds to inf past its max {top:.6g}); the "
+            f"observer's state is left as it was")
     new, new_lo, new_hi = ao_histogram.update(None if first else hist,
                                               None if first else (old_lo, old_hi), x,
                                               (x_lo, x_hi), hist.numel(), rate=rate,
@@ -441,13 +444,10 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     ``new_min`` / ``new_max``) and re-bins a widened range in it (as here); there the search
     is torch.ao's own code, so those equal too, at torch.ao's speed.
 
-    One deliberate difference: a bfloat16 or float16 batch is binned as its float32 values.
-    torch.ao bins it in its own dtype (``torch.histc`` computes the bin positions and the
-    counts in bfloat16 / float16): positions land on a few hundred of 2048 bins, and a bin's
-    count stops growing near 256 (bfloat16) or 2048 (float16) values (90 % of 4 M bfloat16
-    values lost in ``tests/compat/test_torch_ao_exact.py``), on CUDA in an order its
-    atomics decide. Here such a batch counts as ``x.float()`` does in torch.ao: every
-    value, once.
+    One deliberate difference: a bfloat16 or float16 batch is binned as its float32 values,
+    every value once. torch.ao's ``torch.histc`` bins it in its own dtype: positions land on a
+    few hundred of 2048 bins and a bin stops counting near 256 (bfloat16) or 2048 (float16)
+    values (90 % of 4 M bfloat16 values lost in ``tests/compat/test_torch_ao_exact.py``).
     """
 
     per_channel = False
