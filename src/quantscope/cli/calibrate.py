@@ -58,7 +58,7 @@ def cmd_calibrate(args) -> int:
     check_recipe_args(args)
     check_model_arg(args.model)
     check_calib_file(args)
-    check_out(args.out, command_inputs(args))
+    check_out(args.out, command_inputs(args), what="calibrate-run")
     if args.recipe_file:  # read now (its Recipe imports torch), before the model loads
         read_recipe_file(args.recipe_file)
     from ..calibration import calibrate

@@ -133,13 +133,15 @@ def check_model_arg(path) -> None:
                          f"JSON object")
 
 
-def check_out(path, inputs=()) -> None:
+def check_out(path, inputs=(), what: str | None = None) -> None:
     """``--out`` against the one output-path guard: never an input, the working folder, or a
-    folder quantscope did not write (``inputs``: the paths the command reads)."""
+    folder quantscope did not write (``inputs``: the paths the command reads); ``what``: the
+    kind of output the command writes (``"calibrate-run"``), so a folder of another kind (an
+    export) is refused now, not at saving, after the model was calibrated and evaluated."""
     from ..exporters.atomic import check_writable_target
 
     try:
-        check_writable_target(path, overwrite=True, inputs=inputs)
+        check_writable_target(path, overwrite=True, inputs=inputs, what=what)
     except (OSError, ValueError) as e:
         raise UsageError(f"--out: {e}") from None
 

@@ -179,7 +179,7 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
                          f"{args.score_tokens}")
     check_model_arg(args.model)
     check_calib_file(args)
-    check_out(args.out, command_inputs(args))
+    check_out(args.out, command_inputs(args), what="compare-run")
     return recipes, observers
 
 

@@ -27,8 +27,10 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
         rec = R.preset(name, observer, **kw)
     else:
         rec = R.scheme(name or args.scheme, observer, **kw)
-    if args.group_size is not None and not (groups_optional and not R.has_groups(rec)):
+    if args.group_size is not None and R.has_groups(rec):
         rec = R.with_group_size(rec, args.group_size)
+    elif args.group_size is not None and not groups_optional:
+        raise UsageError(no_groups(rec, args.group_size))
     if getattr(args, "kv_cache", None):
         rec = replace(rec, kv_cache=replace(R.kv_cache_role(args.kv_cache), observer=(
             "minmax" if observer in (None, R.AUTO) else observer)))
@@ -42,6 +44,19 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
     except ValueError as e:
         raise UsageError(str(e)) from None
     return rec
+
+
+def no_groups(rec, size: int) -> str:
+    """Why ``--group-size`` cannot apply to ``rec``: the layouts its roles have instead. A
+    block (NVFP4's 16, MX's 32) is not a group: its size is the number format's own."""
+    from ..layout import Block
+
+    roles = [(k, role.spec.layout) for r in rec.rules for k, role in r.roles().items()]
+    has = ", ".join(dict.fromkeys(f"{k} {layout.spec_name()}" for k, layout in roles))
+    why = ("; blocks are not groups: their size is fixed by the number format"
+           if any(isinstance(layout, Block) for _, layout in roles) else "")
+    return (f"--group-size {size}: recipe {rec.name!r} has no grouped weights to change "
+            f"({has}){why}; --group-size sets the groups of grouped recipes (W4A16, w4a8 ...)")
 
 
 def ignored(args, model) -> tuple[str, ...]:
