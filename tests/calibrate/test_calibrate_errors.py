@@ -372,7 +372,10 @@ def test_a_dynamic_role_passes_nan_through_at_run_time(recipe):
     x[0, 0] = float("nan")
     with torch.no_grad(), c.apply(model):
         y, clean = model(x), model(x[1:])
-    assert y[0].isnan().all() and torch.equal(y[1:], clean)
+    assert y[0].isnan().all()
+    # (3 rows or 4: the Linears' sums may run in another order on some CPUs, AVX2; a code
+    # off in the quantized rows is ~1e-2)
+    torch.testing.assert_close(y[1:], clean, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8-dynamic"])

@@ -79,7 +79,9 @@ def test_routed_forward_applies_post_expert_norm(all_experts):
         ref = model(x).last_hidden_state
         with moe.attach(model, all_experts=all_experts):
             got = model(x).last_hidden_state
-    assert torch.equal(got, ref)
+    # all_experts multiplies every token by every expert: other matrix shapes than the routed
+    # forward's, summed in another order on some CPUs (AVX2); a missing norm is order 1
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 class _Expert(nn.Module):
