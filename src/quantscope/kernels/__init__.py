@@ -369,6 +369,12 @@ def plain(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     return t.is_cpu and t.dtype == dtype and t.is_contiguous()
 
 
+def readable(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`read` / :func:`write` may take ``t`` here: :func:`plain`, and no
+    compiler tracing (its tensors are fakes, with no memory)."""
+    return not torch.compiler.is_compiling() and plain(t, dtype)
+
+
 def contiguous(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``t`` as a contiguous tensor of ``dtype``: ``t`` itself when it is one (no op, no
     copy: this runs in hot paths, where even a no-op ``.float()`` is a dispatch)."""

@@ -36,9 +36,10 @@ from .._numerics import upload
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import (
+    KERNEL_MIN_NUMEL,
     MINMAX_DTYPES,
-    any_non_finite,
     extreme_ends,
+    record_ends,
     record_non_finite,
     unit_minmax,
 )
@@ -131,10 +132,15 @@ class Observer(nn.Module):
         # Everything else reads a float32 copy.
         as_is = x.dtype in MINMAX_DTYPES and (minmax_only or self.units_in_input_dtype)
         x_read = x.detach() if as_is else x.detach().float()
+        # a small CPU tensor: its units (contiguous: a cheap copy at most) in one C pass that
+        # also finds the ends and updates the state, where torch takes a dozen small ops
+        small = x_read.is_cpu and x_read.numel() < KERNEL_MIN_NUMEL
         fast = None
-        if minmax_only and not padded:
+        if minmax_only and not padded and not small:
             fast = layout_minmax(x_read, layout)  # min / max straight from x, no units copy
         units = None if fast is not None else layout.to_units(x_read)
+        if small:
+            units = units.contiguous()
         count = units.shape[0] if fast is None else fast[0].shape[0]
         self._check_unit_count(count, x.shape)
         if self.non_finite == "ignore":
@@ -156,7 +162,7 @@ class Observer(nn.Module):
         if self.non_finite == "error":
             self._record_non_finite(lo, hi, ends)
         self._observe(units, lo, hi)
-        self.count_batch(x)
+        self.count_batch(x, direct=True)
         return x
 
     def check_input(self, x: torch.Tensor) -> bool:
@@ -236,7 +242,7 @@ class Observer(nn.Module):
         streamed a batch through the caches in C."""
         tokens = tokens_of(x)
         count = self.observed_tokens
-        if direct and kernels.plain(count, torch.int64):
+        if direct and kernels.readable(count, torch.int64):
             kernels.write(count, kernels.read(count)[0] + tokens)
         else:  # add_, not +=, which would also run nn.Module.__setattr__
             count.add_(tokens)
@@ -270,9 +276,7 @@ class Observer(nn.Module):
                 and lo.dtype == hi.dtype == torch.float32:
             record_non_finite(lo, hi, self.seen_non_finite)  # one launch where torch takes seven
             return
-        if ends is None:
-            ends = extreme_ends(lo, hi)
-        self.seen_non_finite.bitwise_or_(any_non_finite(ends))  # (|= would setattr it back)
+        record_ends(extreme_ends(lo, hi) if ends is None else ends, self.seen_non_finite)
 
     def set_shape(self, shape):
         """Record the shape of the last observed tensor (the sync sets the agreed one)."""

@@ -91,10 +91,10 @@ class MinMaxStateObserver(Observer):
 
     @only_observes  # the op minmax_observe: forward's own steps in one launch
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.leave_inference_mode()
         units = self._one_op_units(x)
         if units is None:
             return super().forward(x)
+        self.leave_inference_mode()
         minmax_observe(units, self.min_vals, self.max_vals, self.seen_non_finite,
                        self.observed_tokens, UPDATES[self.state_update],
                        getattr(self, "averaging_constant", 0.0), tokens_of(x))

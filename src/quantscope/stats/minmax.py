@@ -6,13 +6,15 @@ per-row reductions are slower: ``torch.aminmax(u, dim=1)`` is not vectorized
 On CPU, for large contiguous float32, bf16 or fp16 units, :func:`unit_minmax` therefore
 runs a small C kernel (one read, both extremes, NaN propagated, threads over units; bf16 /
 fp16 widened exactly as they are read, never copied to float32), compiled on first use by
-:mod:`quantscope.kernels`. Without a compiler, for small inputs,
-or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give identical results
-(tests compare them bitwise), up to the sign of a zero extreme: where -0.0 and +0.0 tie
-for a unit's min or max, which comes back depends on the vector width (torch's too; they
-compare equal and give the same qparams). Off the CPU it calls the op ``quantscope::unit_minmax``
-(:mod:`quantscope.kernels.ops`: one Triton read on CUDA, bf16 / fp16 read as they are, and
-the layouts whose units are no row view read in place: :mod:`.minmax_layouts`).
+:mod:`quantscope.kernels`; for small inputs too where an observer's step also wants their
+ends or a state update (its one pass stands for a dozen small torch ops). Without a
+compiler, for other small inputs, or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give
+identical results (tests compare them bitwise), up to the sign of a zero extreme: where -0.0
+and +0.0 tie for a unit's min or max, which comes back depends on the vector width (torch's
+too; they compare equal and give the same qparams). Off the CPU it calls the op
+``quantscope::unit_minmax`` (:mod:`quantscope.kernels.ops`: one Triton read on CUDA, bf16 /
+fp16 read as they are, and the layouts whose units are no row view read in place:
+:mod:`.minmax_layouts`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .. import kernels
 from .._checks import check_number
@@ -28,8 +31,8 @@ from ..kernels import ops
 from ..kernels import triton as _triton
 
 __all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "ema_", "extreme_ends",
-           "minmax_observe", "minmax_update", "op_unit_count", "op_units", "record_non_finite",
-           "torch_unit_minmax", "unit_minmax"]
+           "minmax_observe", "minmax_update", "op_unit_count", "op_units",
+           "record_ends", "record_non_finite", "torch_unit_minmax", "unit_minmax"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -80,6 +83,19 @@ MINMAX_DTYPES = tuple(KERNEL_DTYPES)
 def _use_kernel(x: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.is_contiguous()
             and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad)
+
+
+def _kernel_reads(units: torch.Tensor, step: bool) -> bool:
+    """Whether :func:`unit_minmax` reads ``units [U, E]`` with the C kernel: many units of
+    many elements (torch's per-row reduction is the slower there), and every small input of
+    an observer's ``step`` (ends or a state update wanted: the kernel's one pass stands for
+    a dozen small torch ops, whose dispatch outweighs the data). Not one large unit: torch's
+    whole-tensor reduction reads it on all its threads."""
+    if not (units.device.type == "cpu" and units.dtype in KERNEL_DTYPES
+            and units.is_contiguous() and not units.requires_grad):
+        return False
+    small = units.numel() < KERNEL_MIN_NUMEL
+    return step and small if units.shape[0] == 1 else step or not small
 
 
 def _result_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -160,6 +176,17 @@ def any_non_finite(t: torch.Tensor) -> torch.Tensor:
     return t.sub(t).isnan().any()
 
 
+def record_ends(ends: torch.Tensor, seen: torch.Tensor) -> None:
+    """``seen |= `` the ``(2,)`` float32 ``ends`` (:func:`extreme_ends`) hold a NaN or an
+    infinity: read from the host where they can be (an eager CPU tensor: no tensor op, and
+    the usual answer is no), else by :func:`any_non_finite` (no host read)."""
+    if kernels.readable(ends):
+        if not all(map(math.isfinite, kernels.read(ends, 2))):
+            seen.fill_(True)
+    else:
+        seen.bitwise_or_(any_non_finite(ends))  # (|= on a buffer would setattr it back)
+
+
 def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ends: torch.Tensor | None = None, update: tuple | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +206,7 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
                                    and o.device == units.device and o.is_contiguous()
                                    for o in out):
         out = None
-    lib = _kernel() if U >= 2 and _use_kernel(units) else None
+    lib = _kernel() if _kernel_reads(units, ends is not None or update is not None) else None
     fusable = update is None or all(t.shape == (U,) and t.dtype == torch.float32 and
                                     t.device.type == "cpu" and t.is_contiguous()
                                     for t in update[2:])
@@ -201,6 +228,8 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), scratch.data_ptr(),
                        threads, mode, c, slo, shi, int(kernels.streaming()),
                        KERNEL_DTYPES[units.dtype])
+    for t in (lo, hi, *(() if update is None else update[2:])):
+        increment_version(t)  # written by the C, as in-place torch ops would
     return lo, hi
 
 
