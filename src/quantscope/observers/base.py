@@ -237,9 +237,9 @@ class Observer(nn.Module):
 
     def count_batch(self, x: torch.Tensor, direct: bool = False) -> None:
         """Count ``x``'s tokens into ``observed_tokens`` and record its shape (the end of
-        every ``forward``). ``direct``: a CPU counter is added through its memory
-        (:func:`quantscope.kernels.write`), not by a tensor op, for a path that has just
-        streamed a batch through the caches in C."""
+        every ``forward``). ``direct``: an eager CPU counter is added through its memory
+        (:func:`quantscope.kernels.write`), not by a tensor op (``forward``'s own count: a
+        dispatch costs more than a small batch's whole C pass)."""
         tokens = tokens_of(x)
         count = self.observed_tokens
         if direct and kernels.readable(count, torch.int64):
