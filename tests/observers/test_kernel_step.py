@@ -1,8 +1,9 @@
-"""An accumulating min-max observer's forward on a small CPU tensor as one call of the C kernel
-(``MinMaxStateObserver._kernel_step``), where it took a dozen torch ops (their dispatch cost
-more than the data: Quark's classes 2-5x slower per call than Quark's own, found by
-benchmarking). The state, the non-finite flag, the token count and the qparams must equal the
-general path's for every update kind, layout and input dtype, NaN and infinities included."""
+"""An observer's step on a small CPU tensor (below 64K elements) as one pass of the C kernel:
+the per-unit min / max, their ends (the non-finite check) and the state update, where torch
+took a dozen small ops (their dispatch cost more than the data: Quark's classes 2-5x slower
+per call than Quark's own, found by benchmarking). The state, the non-finite flag, the token
+count and the qparams must equal the torch path's for every update kind (memoryless too),
+layout and input dtype, NaN and infinities included."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import torch
 
 from quantscope import Block, Channel, Group, QuantSpec, Tensor, Tile, Token
 from quantscope.compat import quark
-from quantscope.observers import MovingAverageMinMaxObserver, StaticMinMaxObserver
+from quantscope.observers import (
+    MemorylessMinMaxObserver,
+    MovingAverageMinMaxObserver,
+    StaticMinMaxObserver,
+)
 from quantscope.stats import minmax as stats
 
 pytestmark = pytest.mark.skipif(stats._kernel() is None, reason="no compiled kernel")
@@ -26,8 +31,8 @@ class LerpObserver(MovingAverageMinMaxObserver):
 
 def native(layout, kind):
     spec = QuantSpec("int8", layout)
-    if kind == "min":
-        return StaticMinMaxObserver(spec)
+    if kind in ("min", "memoryless"):
+        return (StaticMinMaxObserver if kind == "min" else MemorylessMinMaxObserver)(spec)
     cls = LerpObserver if kind == "lerp" else MovingAverageMinMaxObserver
     return cls(spec, averaging_constant={"ema": 0.3, "ema1": 1.0, "lerp": 0.25}[kind])
 
@@ -85,7 +90,7 @@ def run_pair(monkeypatch, make, xs):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-@pytest.mark.parametrize("kind", ["min", "ema", "ema1", "lerp"])
+@pytest.mark.parametrize("kind", ["min", "memoryless", "ema", "ema1", "lerp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("specials", [False, True], ids=["finite", "nonfinite"])
 def test_native_kernel_step_equals_general_path(monkeypatch, layout, kind, dtype, specials):
