@@ -18,8 +18,12 @@ returns the default ``(1.0, 0)`` with a warning; such a rank takes no part in th
 all-reduce, so the other ranks wait for it in theirs: read once every rank has ends.
 ``calculate_qparams()`` returns ``(scale, zero_point)``: float32 scale and int64 zero point
 of shape ``(1,)`` per tensor, ``(C,)`` per channel.
-Known differences: a KL interval whose later batches exceed its first batch's range is
-re-binned once, approximately (Horizon appends bins of the same width); MSE with
+A KL interval whose later batches exceed its first batch's ``[0, max |x|]`` grid appends
+bins of the same width, as Horizon (the histogram holds more than ``bins`` until the
+interval ends, at most ``KLObserver.GROW_LIMIT x bins``: the search costs the square of the
+bins).
+Known differences: a KL interval that would grow past that bound is re-binned once,
+approximately, onto quantscope's power-of-two grid instead (Horizon appends on); MSE with
 ``stride > 1`` uses the factor ``1 - 0.01 * i * stride`` of the candidate it prices (Horizon's
 default path multiplies the candidate's position in the strided list by 0.01, its parallel
 path by the right factor); Mix ranks its percentile candidates by the error on its
@@ -43,6 +47,7 @@ from ..observers.histogram import PercentileObserver as _NativePercentile
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
 from ..observers.mse import LinearMSEObserver as _NativeLinearMSE
 from ..observers.registry import register
+from ..qparams import amax_of_range
 from ..spec import QuantSpec
 
 __all__ = [
@@ -115,6 +120,9 @@ class HorizonObserver:
     def __init__(self, *, ch_axis=-1, dtype="qint8", qscheme=torch.per_tensor_symmetric,
                  quant_min=None, quant_max=None, is_sync_quantize=False, factory_kwargs=None,
                  **native):
+        if "spec" in native:  # else "got multiple values for argument 'spec'"
+            raise TypeError(f"horizon {type(self).__name__}: takes Horizon's keywords (dtype, "
+                            f"qscheme, ch_axis, quant_min, quant_max), not a quantscope spec")
         spec = horizon_spec(dtype, qscheme, ch_axis, quant_min, quant_max)
         # Horizon's histogram classes (KL, Percentile, Mix) assert per_tensor_symmetric
         if isinstance(self, HistogramObserverBase) and qscheme != torch.per_tensor_symmetric:
@@ -177,12 +185,17 @@ class MinMaxObserver(HorizonObserver, _NativeEMA):
 
 @register("horizon:MovingAverageMinMaxObserver")
 class MovingAverageMinMaxObserver(HorizonObserver, _NativeEMA):
-    """Horizon's per-tensor EMA min / max observer."""
+    """Horizon's per-tensor EMA min / max observer (``ch_axis``: a negative one only)."""
 
     def __init__(self, averaging_constant=0.01, dtype="qint8",
                  qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
-                 is_sync_quantize=False, factory_kwargs=None, **kwargs):
-        super().__init__(ch_axis=-1, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
+                 is_sync_quantize=False, factory_kwargs=None, *, ch_axis=-1,
+                 **kwargs):
+        if ch_axis is not None and ch_axis >= 0:
+            raise HorizonArgumentError(f"horizon MovingAverageMinMaxObserver: per tensor only, "
+                                       f"ch_axis must be negative, got ch_axis={ch_axis!r}; "
+                                       f"use MovingAveragePerChannelMinMaxObserver per channel")
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
                          quant_max=quant_max, is_sync_quantize=is_sync_quantize,
                          factory_kwargs=factory_kwargs, averaging_constant=averaging_constant,
                          **kwargs)
@@ -206,7 +219,11 @@ class MovingAveragePerChannelMinMaxObserver(HorizonObserver, _NativeEMA):
 class KLObserver(HorizonObserver, EntropyObserver):
     """Horizon's KLObserver: a ``bins``-bin ``|x|`` histogram accumulated over
     ``update_interval`` batches, KL threshold (start bin 128, divergences smoothed over 9
-    candidates), then an EMA of the thresholds."""
+    candidates), then an EMA of the thresholds. A batch past the interval's first
+    ``[0, max |x|]`` grid appends bins of its width (Horizon's), up to ``GROW_LIMIT x bins``
+    (and ``max_hist_bytes``); past that the counts move once to the native grid, approximately."""
+
+    GROW_LIMIT = 16  # the KL search costs the square of the bins
 
     def __init__(self, bins=512, update_interval=1, averaging_constant=0.01, ch_axis=-1,
                  dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
@@ -222,6 +239,36 @@ class KLObserver(HorizonObserver, EntropyObserver):
                          factory_kwargs=factory_kwargs, bins=bins,
                          update_interval=update_interval,
                          averaging_constant=averaging_constant, **kwargs)
+
+    def _first_width(self):  # in float64, as a Python histc(x, nb, 0, nb * w) reference
+        return self.hist_hi.double() / self.bins
+
+    def _linear_top(self):  # float32, as histc's max
+        nb = self.hist_counts.shape[-1]
+        return self.hist_hi if nb == self.bins else (self._first_width() * nb).float()
+
+    def _append_bins(self, hi) -> bool:
+        # zero bins of the first width until the grid holds hi; False (the re-bin): a first
+        # top of 0, non-finite data, or past the bound
+        need = torch.ceil(hi.double() / self._first_width()).max()
+        old = self.hist_counts.shape[1]
+        limit = min(self.GROW_LIMIT * self.bins, self.max_hist_bytes // (8 * hi.numel()))
+        if not bool(need.isfinite()) or int(need) > limit:
+            return False
+        pad = max(int(need), old + 1) - old  # hi is past the float32 top: a bin at least
+        self._store(("hist_counts",), (torch.nn.functional.pad(self.hist_counts, (0, pad)),))
+        return True
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        nb = self.hist_counts.shape[-1]
+        # more than bins: a grown first grid, whose data passed its first top (else a state
+        # of other bins, whose top hist_hi / bins * nb would be misread)
+        if nb > self.bins and not self.hist_hi.is_meta and not (self._linear and bool(
+                (amax_of_range(*self._data_range()) > self.hist_hi).all())):
+            self.reset()
+            raise ValueError(f"{self.describe()}: cannot load a histogram of {nb} bins into "
+                             f"one of bins={self.bins}; construct the observer with bins={nb}")
 
     def _estimate(self, hist):
         amax = horizon_entropy_amax(hist, num_bits=self.num_bits, start_bin=self.start_bin,

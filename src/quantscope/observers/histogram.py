@@ -26,8 +26,9 @@ the data (a bin edge past min or max: many per-tensor results, by up to a bin).
 ``grid="first"`` is for the compat classes: the first batch is binned as torch.ao /
 Quark bin it (``torch.histc`` over its min / max, or ``[0, max |x|]``); later batches
 inside that range are added on the same grid, so results equal the reference's.
-The first batch that leaves the range moves the counts once to the native grid
-(each old bin to the bin of its centre: the only approximate step) and the
+The first batch that leaves the range moves the counts once to the native grid (each
+old bin to the bin of its centre: the only approximate step; Horizon's KL appends bins of
+the first width instead, up to ``GROW_LIMIT x bins``: ``_append_bins``) and the
 histogram is exact from then on. This mode reads the range on the host.
 
 On CPU the native grid's update runs in C (:mod:`quantscope.stats.hist_kernel`,
@@ -91,6 +92,7 @@ class HistogramObserverBase(IntervalAverage, Observer):
     #: sync_every_step: the step's padding zeros per unit (None: none), this rank's, then
     #: every rank's (step_sync sums them; the gathered units no longer tell)
     _step_zeros: torch.Tensor | None = None
+    GROW_LIMIT = 1  #: a first grid grows to at most GROW_LIMIT x bins (_append_bins; 1: never)
 
     def __init__(self, spec=None, *, bins: int = 2048, averaging_constant: float | None = None,
                  update_interval: int = 1, grid: str = "pow2", skip_zeros: bool = False,
@@ -100,20 +102,14 @@ class HistogramObserverBase(IntervalAverage, Observer):
         averaging_constant = self._averaging_constant(averaging_constant, optional=True)
         check_int(type(self).__name__, "update_interval", update_interval, 1)  # True is no int
         if grid not in ("pow2", "first"):
-            raise ValueError(f"{type(self).__name__}: grid must be 'pow2' or 'first', got "
-                             f"{grid!r}")
-        self.bins = bins
-        self.averaging_constant = averaging_constant
-        self.update_interval = update_interval
-        self.grid = grid
+            raise ValueError(f"{type(self).__name__}: grid must be 'pow2' or 'first', got {grid!r}")
+        self.bins, self.averaging_constant = bins, averaging_constant
+        self.update_interval, self.grid = update_interval, grid
         # bool("no") is True: a string would turn skipping on silently
         self.skip_zeros = check_bool(type(self).__name__, "skip_zeros", skip_zeros)
         self._absolute = self.spec.symmetric if self.absolute is None else self.absolute
-        for name, dtype in (("hist_counts", torch.int64), ("hist_exp", torch.int64),
-                            ("hist_first", torch.int64), ("hist_lo", torch.float32),
-                            ("hist_hi", torch.float32), ("min_vals", torch.float32),
-                            ("max_vals", torch.float32), ("ema_lo", torch.float32),
-                            ("ema_hi", torch.float32)):
+        for name in (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi"):
+            dtype = torch.int64 if name in _STATE[:3] else torch.float32
             self.register_buffer(name, torch.zeros(0, dtype=dtype))
         self.register_buffer("linear_grid", torch.zeros((), dtype=torch.bool))
         self.register_buffer("pending", torch.zeros((), dtype=torch.int64))
@@ -149,8 +145,11 @@ class HistogramObserverBase(IntervalAverage, Observer):
     def current_histogram(self) -> H.Hist:
         """The histogram observed so far (since the last estimate in the EMA mode)."""
         if self._linear:
-            return H.Hist(self.hist_counts, self.hist_lo, self.hist_hi, self._absolute)
+            return H.Hist(self.hist_counts, self.hist_lo, self._linear_top(), self._absolute)
         return H.view(self._state(), self._absolute)
+
+    def _linear_top(self) -> torch.Tensor:  # the first grid's last edge (past any appended)
+        return self.hist_hi
 
     #: the most memory one observer's histograms may take (``units x bins`` int64); more is
     #: an error naming the layout, not an allocation that takes the machine down
@@ -166,7 +165,8 @@ class HistogramObserverBase(IntervalAverage, Observer):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         counts = state_dict.get(prefix + "hist_counts")  # [U, bins] once observed
-        if counts is not None and counts.dim() == 2 and counts.shape[1] != self.bins:
+        if counts is not None and counts.dim() == 2 and \
+                not self.bins <= counts.shape[1] <= self.bins * self.GROW_LIMIT:
             raise ValueError(f"{self.describe()}: cannot load a histogram of {counts.shape[1]} "
                              f"bins into one of bins={self.bins}; construct the observer with "
                              f"bins={counts.shape[1]}")
@@ -241,14 +241,19 @@ class HistogramObserverBase(IntervalAverage, Observer):
             units = units.abs()
         if bool(torch.isinf(self.hist_lo).all()):  # first batch: its own min / max
             self.hist_lo, self.hist_hi = lo.clone(), hi.clone()
-        elif bool(((lo < self.hist_lo) | (hi > self.hist_hi)).any()):
+        elif bool(((lo < self.hist_lo) | (hi > self._linear_top())).any()) and \
+                not self._append_bins(hi):
             self._leave_linear(lo, hi)
             self._set_state(H.update(self._state(), units, lo, hi, self._absolute,
                                      inplace=True))
             self._drop_zeros(units, zeros)
             return
-        self.hist_counts += H.linear_counts(units, self.hist_lo, self.hist_hi, self.bins)
+        self.hist_counts += H.linear_counts(units, self.hist_lo, self._linear_top(),
+                                            self.hist_counts.shape[1])
         self._drop_zeros(units, zeros, linear=True)
+
+    def _append_bins(self, hi) -> bool:  # True: the first grid grown to hold hi, not left
+        return False
 
     def _leave_linear(self, lo, hi):
         # one approximate step: each first-grid bin moves to the native bin of its centre
@@ -258,7 +263,8 @@ class HistogramObserverBase(IntervalAverage, Observer):
         e = H.grid_exponent(glo, ghi, self.bins)
         first = H.grid_first(glo, e, self._absolute)
         idx = torch.floor(h.centers() * H.pow2(-e)[:, None]).long() - first[:, None]
-        counts = torch.zeros_like(h.counts).scatter_add_(1, idx.clamp(0, self.bins - 1), h.counts)
+        counts = h.counts.new_zeros(h.counts.shape[0], self.bins)  # a grown grid's too
+        counts.scatter_add_(1, idx.clamp(0, self.bins - 1), h.counts)
         self._set_state(H.HistState(counts, e, first, glo, ghi))
         self.linear_grid.fill_(False)
 
