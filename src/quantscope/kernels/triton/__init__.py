@@ -3,13 +3,14 @@
 :mod:`quantscope.stats.hist_ops`, ``record_non_finite`` and ``minmax_update`` in
 :mod:`quantscope.stats.minmax`, the block scales in :mod:`quantscope.qparams`).
 
-Each module here (``minmax``, ``fakequant``, ``block_qparams``, ``mse``, ``nvfp4``,
-``histogram``) holds ``triton.jit`` kernels and the plain Python launchers that size their grids; the ops
-call the launchers with CUDA tensors. Under Triton's interpreter (``TRITON_INTERPRET=1`` in the environment
-before triton is first imported: triton decides the mode as it decorates each function,
-its own library's included) the same launchers run on CPU tensors, with numpy: how the
-tests prove every kernel bitwise against the torch path without a GPU
-(tests/conftest.py sets it where no GPU is present).
+Each module here (``minmax``, ``fakequant``, ``block_qparams``, ``block_search``, ``mse``,
+``histogram``) holds ``triton.jit`` kernels and the plain Python launchers that size their
+grids; the ops call the launchers with CUDA tensors. Under Triton's interpreter
+(``TRITON_INTERPRET=1`` in the environment before triton is first imported: triton decides
+the mode as it decorates each function, its own library's included) the same launchers run
+on CPU tensors, with numpy: how the tests prove every kernel bitwise against the torch path
+without a GPU (tests/conftest.py sets it where no GPU is present; ``_jit.widen`` reads a
+bfloat16 by its bits there, as the interpreter's own conversion gets subnormals wrong).
 
 The bitwise contract of the C kernels holds here too: every float32 division is
 ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on NVIDIA GPUs), rounding to

@@ -51,7 +51,8 @@ def _code(q, MIN_EXP: tl.constexpr, MBITS: tl.constexpr, SUB_STEPS: tl.constexpr
     exactly) among the format's values in increasing order: 0 for 0, then the subnormals,
     then the normals (``SUB_STEPS = 2 ** (MBITS - MIN_EXP)``, subnormals per unit)."""
     bits = q.to(tl.int32, bitcast=True)
-    normal = (((bits >> 23) - 126 - MIN_EXP) << MBITS) | ((bits >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    mantissa = (bits >> (23 - MBITS)) & ((1 << MBITS) - 1)
+    normal = (((bits >> 23) - 126 - MIN_EXP) << MBITS) | mantissa
     return tl.where(q < 1.0 / SUB_STEPS * (1 << MBITS), (q * SUB_STEPS).to(tl.int32), normal)
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, fake_quant
+from ._jit import LAUNCH, fake_quant, widen
 
 __all__ = ["fake_quant_int"]
 
@@ -27,7 +27,7 @@ def _fake_quant_kernel(x_ptr, s_ptr, z_ptr, out_ptr, U, E, stride_u, stride_e, q
     cols = (tl.program_id(0) % col_blocks) * BLOCK_E + tl.arange(0, BLOCK_E)
     mask = (rows[:, None] < U) & (cols[None, :] < E)
     r64, c64 = rows[:, None].to(tl.int64), cols[None, :].to(tl.int64)
-    x = tl.load(x_ptr + r64 * stride_u + c64 * stride_e, mask=mask, other=0.0).to(tl.float32)
+    x = widen(tl.load(x_ptr + r64 * stride_u + c64 * stride_e, mask=mask, other=0.0))
     s = tl.load(s_ptr + rows, mask=rows < U, other=1.0)[:, None]
     z = tl.load(z_ptr + rows, mask=rows < U, other=0.0)[:, None]
     tl.store(out_ptr + r64 * E + c64, fake_quant(x, s, z, qmin, qmax, ZERO_SIGN=True),

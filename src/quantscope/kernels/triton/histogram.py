@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..._numerics import as_float32
-from ._jit import LAUNCH
+from ._jit import LAUNCH, widen
 
 __all__ = ["MAX_BINS", "float32_ends", "hist_add", "histc", "regrid"]
 
@@ -40,7 +40,7 @@ def _hist_kernel(x_ptr, counts_ptr, exp_ptr, first_ptr, E, stride_u, chunk, B,
         cols = start + within
         mask = (cols < E) & (within < chunk)
         x = tl.load(x_ptr + u.to(tl.int64) * stride_u + cols, mask=mask, other=0.0)
-        t = x.to(tl.float32) * inv
+        t = widen(x) * inv
         if ABSOLUTE:
             t = tl.abs(t)
         t = tl.floor(t) - first
@@ -94,7 +94,7 @@ def _histc_kernel(x_ptr, counts_ptr, n, lo, hi, span, B, chunk, NB: tl.constexpr
         within = e0 + tl.arange(0, BLOCK)
         offs = start + within
         mask = (offs < n) & (within < chunk)
-        v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = widen(tl.load(x_ptr + offs, mask=mask, other=0.0))
         inside = mask & (v >= lo) & (v <= hi)  # NaN: outside
         t = tl.math.div_rn((v - lo) * b_f, span)
         b = tl.minimum(tl.where(inside, t, 0.0).to(tl.int32), B - 1)  # the last bin: ]..., hi]

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..._numerics import upload
-from ._jit import LAUNCH
+from ._jit import LAUNCH, widen
 
 __all__ = ["grouped_descriptors", "grouped_unit_minmax", "unit_minmax", "update_state"]
 
@@ -50,7 +50,7 @@ def _minmax_kernel(x_ptr, lo_ptr, hi_ptr, U, E, U2, E2, su1, su2, se1, se2, chun
         else:
             col_off = cols.to(tl.int64) * se2
         x = tl.load(x_ptr + row_off[:, None] + col_off[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        x = widen(x)
         lo = tl.minimum(lo, tl.where(mask, x, float("inf")))
         hi = tl.maximum(hi, tl.where(mask, x, float("-inf")))
         nan = nan | (x != x).to(tl.int32)  # noqa: PLR0124 (the NaN test)
@@ -134,7 +134,7 @@ def _grouped_minmax_kernel(desc_ptr, DTYPE: tl.constexpr, BLOCK_U: tl.constexpr,
         cols = e0 + tl.arange(0, BLOCK_E)
         mask = (rows[:, None] < U) & (cols[None, :] < E)
         x = tl.load(base + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        x = widen(x)
         lo = tl.minimum(lo, tl.where(mask, x, float("inf")))
         hi = tl.maximum(hi, tl.where(mask, x, float("-inf")))
         nan = nan | (x != x).to(tl.int32)  # noqa: PLR0124 (the NaN test)
