@@ -154,11 +154,21 @@ def _importance(units: torch.Tensor) -> torch.Tensor:
     return w.masked_fill_(torch.rand(units.shape, generator=g) < 0.1, 0.0)
 
 
+def _programs_of(args, block_u):
+    """The case's first 4 programs' units when a program holds ``block_u`` units (16 rows for
+    4: the special rows 3 - 7 span two programs, the global rule all four) at a third of the
+    interpreter's time of every row; the factors and global amax unchanged."""
+    if block_u is None:
+        return args
+    rows = 4 * block_u
+    return tuple(a if i in (3, 6) else a[:rows] for i, a in enumerate(args))
+
+
 def _check_nvfp4_mse(device, kind, rules, block_u, weighted=False):
     from quantscope.kernels import block_ops, ops
     from quantscope.kernels.triton import block_search
 
-    args = _nvfp4_search_case(kind)
+    args = _programs_of(_nvfp4_search_case(kind), block_u)
     w = _importance(args[0]) if weighted else None
     ext, patience, per_unit, use_global, tie_last = NVFP4_RULES[rules]
     ext = min(ext, args[3].shape[0])
@@ -398,7 +408,7 @@ def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor",
     from quantscope.kernels import block_ops, ops
     from quantscope.kernels.triton import block_search
 
-    args = _mx_case(kind)
+    args = _programs_of(_mx_case(kind), block_u)
     w = _importance(args[0]) if weighted else None
     ext, patience, per_unit, use_global, tie_last = NVFP4_RULES[rules]
     ext = min(ext, args[3].shape[0])
