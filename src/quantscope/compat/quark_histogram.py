@@ -4,8 +4,7 @@ Quark's recorder, percentile, histogram-MSE and torch.ao-backed ("Pro") observer
 native histogram observers, with Quark's ``(qspec, device=None)`` signature and qparams.
 As Quark's: a constant batch's top bin edge is nudged (``x_min == x_max``), the estimate is
 priced unclipped, and ``min_val`` / ``max_val`` hold the range the last qparams priced
-(``inf`` / ``-inf`` before; never set on ``PerTensorHistogramObserverPro``).
-"""
+(``inf`` / ``-inf`` before; never set on ``PerTensorHistogramObserverPro``)."""
 
 from __future__ import annotations
 
@@ -19,12 +18,8 @@ from ..observers.registry import register
 from . import enum_name, field
 from .quark_base import _F32_EPS, QuarkObserver
 
-__all__ = [
-    "PerTensorHistogramObserver",
-    "PerTensorHistogramObserverPro",
-    "PerTensorMSEObserver",
-    "PerTensorPercentileObserver",
-]
+__all__ = ["PerTensorHistogramObserver", "PerTensorHistogramObserverPro", "PerTensorMSEObserver",
+           "PerTensorPercentileObserver"]
 
 
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -116,9 +111,8 @@ class _QuarkHistogram(QuarkObserver):
         super().__init__(qspec, device, **native)
         if not isinstance(self.spec.layout, Tensor):  # else a reshape error at qparams time
             raise ValueError(  # noqa: TRY004 (a value of qspec's qscheme, not a type)
-                f"{type(self).__name__}: Quark's histogram observers are per tensor (its "
-                f"config refuses them per channel / group), got qscheme "
-                f"{field(qspec, 'qscheme')!r}")
+                f"{type(self).__name__}: Quark's histogram observers are per tensor (its config "
+                f"refuses them per channel / group), got qscheme {field(qspec, 'qscheme')!r}")
         self._priced: tuple[torch.Tensor, torch.Tensor] | None = None
         self._grids: list[_QuarkGrid] | None = None  # Quark's grid once a batch widened
         self._counts_dtype = torch.float32  # Quark's calib_hist: a batch's, or a later cast's
@@ -428,28 +422,44 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
         return clamped.to(fp8).to(X.dtype) * scale
 
 
+class _TorchAOBatch:  # the Pro's batch as its torch.ao child takes it (see the class)
+    def forward(self, x):
+        ends = (torch.stack(torch.aminmax(x.detach())).tolist()  # NaN: at both ends
+                if self.non_finite == "error" and self.check_input(x) else (0.0, 0.0))
+        if -torch.inf < ends[0] and ends[1] < torch.inf:  # (0, 0): "ignore" (read as 0), empty
+            return super().forward(x)
+        if ends[0] != ends[0]:  # NaN
+            from .torch_ao import NonFiniteBatchError  # (not loaded with compat.quark)
+            raise NonFiniteBatchError(f"{self.describe()}: NaN in the batch (range not finite)")
+        from ..stats.ao_histogram import drop_inf  # (torch.ao's ops: not loaded with Quark's)
+        kept = drop_inf(x.detach(), stacklevel=2)
+        super().forward(kept)  # empty (inf alone): nothing observed, as torch.ao's
+        if kept.numel():  # the batch's shape and tokens, less kept's one (1-D)
+            self.count_batch(x)
+            self.observed_tokens.sub_(1)
+        return x
+
+
 @register("quark:PerTensorHistogramObserverPro")
-class PerTensorHistogramObserverPro(QuarkObserver, L2HistogramObserver):
+class PerTensorHistogramObserverPro(QuarkObserver, _TorchAOBatch, L2HistogramObserver):
     """Quark's wrapper of torch.ao's HistogramObserver (256 bins, non-linear L2 search).
 
     ``upsample_rate`` is accepted and unused (torch >= 2.5 dropped it too); ``reduce_range``
-    halves the code range, as torch.ao halves the custom range Quark gives it (the search's
-    256 destination bins stay). Its
-    state_dict is the native observer's (Quark's holds its torch.ao child's ``histogram.*``,
-    a state quantscope's grid cannot hold: a widening batch re-bins approximately there).
-    A deliberate difference, as in :class:`quantscope.compat.torch_ao.HistogramObserver`: a
-    bfloat16 / float16 batch is binned as its float32 values, so the qparams are Quark's for
-    the batch's float32 copy. Quark's hands the half batch to torch.ao, which bins it in that
-    dtype (``torch.histc`` rounds the bin positions and the counts there: its bins stop
-    counting near 256 values in bfloat16, 2048 in float16).
-    """
+    halves the code range, as torch.ao halves the custom range Quark gives it (the search's 256
+    destination bins stay). Its state_dict is the native observer's (Quark's holds its torch.ao
+    child's ``histogram.*``, a state quantscope's grid cannot hold: a widening batch re-bins
+    approximately there). Non-finite input as torch.ao's: +-inf dropped with its warning, NaN a
+    ``NonFiniteBatchError`` (a ``RuntimeError``) in ``forward``. A deliberate difference, as in
+    :class:`quantscope.compat.torch_ao.HistogramObserver`: a bfloat16 / float16 batch is binned as
+    its float32 values, so the qparams are Quark's for the batch's float32 copy. Quark's hands the
+    half batch to torch.ao, which bins it in that dtype (``torch.histc`` rounds the bin positions
+    and the counts there: its bins stop counting near 256 values in bfloat16, 2048 in float16)."""
 
     _saves_state = True
     _keeps_input_dtype = False  # torch.ao's state: float32, or a module cast's dtype
     _reads_zero_point_type = False
     #: torch.ao's histc / linspace refuse integer and bool input (Quark's does not cast it)
-    _quark_fails_on = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
-                       torch.int64)
+    _quark_fails_on = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
     def __init__(self, qspec, device: torch.device | None = None, bins: int = 256,
                  reduce_range: bool = False, upsample_rate: int = 384, **native):

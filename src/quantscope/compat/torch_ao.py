@@ -49,7 +49,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import warnings
 from typing import ClassVar
 
 import torch
@@ -340,8 +339,7 @@ def _observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
     (``x`` detached: :func:`_binned`'s; ``rate``: the observer's ``upsample_rate``)."""
     x_lo, x_hi, old_lo, old_hi = ao_histogram.ends(x, lo, hi)
     if x_lo == -math.inf or x_hi == math.inf:  # (NaN: aminmax gives NaN at both ends)
-        warnings.warn("torch.inf detected in input tensor, ignoring input", stacklevel=3)
-        x = x[x.abs() != math.inf]
+        x = ao_histogram.drop_inf(x, stacklevel=3)
         if x.numel() == 0:
             return
         x_lo, x_hi, _, _ = ao_histogram.ends(x, lo, hi)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import warnings
 
 import torch
 from torch.autograd.graph import increment_version
@@ -174,6 +175,14 @@ def ends(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> list[float]:
     as torch.ao compares them in float64)."""
     wide = torch.float64 if torch.float64 in (x.dtype, lo.dtype, hi.dtype) else torch.float32
     return torch.stack([t.reshape(()).to(wide) for t in (*torch.aminmax(x), lo, hi)]).tolist()
+
+
+def drop_inf(x: torch.Tensor, stacklevel: int) -> torch.Tensor:
+    """torch.ao's answer to a batch holding +-inf: the batch without them, with its warning
+    (``stacklevel``: the user's call, seen from the caller)."""
+    warnings.warn("torch.inf detected in input tensor, ignoring input",
+                  stacklevel=stacklevel + 1)
+    return x[x.abs() != math.inf]
 
 
 def rounds_to_inf(value: float, dtype: torch.dtype) -> bool:

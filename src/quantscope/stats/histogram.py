@@ -327,8 +327,10 @@ def linear_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     hi = torch.where(same, hi + 1, hi)
     # a range that the +-1 does not widen (|lo| >= 2 ** 24: a constant -1e9 mask) or that
     # overflows float32 gives 0 / 0 or inf / inf: those values go to the first bin
-    # (torch.ao's qparams then come from min / max alone), never a NaN index
-    pos = ((units - lo[:, None]) * bins / (hi - lo)[:, None]).trunc_().nan_to_num_(0.0)
+    # (torch.ao's qparams then come from min / max alone), never a NaN index. A value whose
+    # (x - lo) * bins overflows (|x| past ~3.4e38 / bins) has position +inf, which histc
+    # counts in bin 0 (ATen's int64 cast of inf, on x86-64), so here too; -inf needs x < lo
+    pos = ((units - lo[:, None]) * bins / (hi - lo)[:, None]).trunc_().nan_to_num_(0.0, posinf=0.0)
     inside = (units >= lo[:, None]) & (units <= hi[:, None])
     pos = pos.clamp_(0, bins - 1).long()
     pos = torch.where(inside, pos + torch.arange(U, device=units.device)[:, None] * bins,
