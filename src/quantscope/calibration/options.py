@@ -217,7 +217,10 @@ class Outliers:
     fallback: str = "dynamic"
 
     def __post_init__(self):
-        _set(self, "smooth", _check_alpha(self.smooth))
+        try:
+            _set(self, "smooth", _check_alpha(self.smooth))
+        except ValueError as e:  # named as the other fields are
+            raise ValueError(f"calibrate: Outliers.{e}") from None
         k = _integer(self.keep_float)
         if k is None or k < 0:
             raise ValueError(f"calibrate: Outliers.keep_float must be a non-negative integer, "

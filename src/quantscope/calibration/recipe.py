@@ -370,7 +370,8 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
                              f"and its options apply to one (change it with dataclasses.replace)")
         return name if observer is None else name.with_observer(observer, **options)
     key = str(name).lower()
-    own_input = INPUT_OBSERVERS.get(key) if observer is None else None
+    if own_input := (INPUT_OBSERVERS.get(key) if observer is None else None):  # its own observer:
+        own_options(f"preset {key!r}", "input", own_input, options)  # with_observer checks minmax
     observer = "minmax" if observer is None else observer
     targets = ("Linear",) if targets is None else targets
     if key not in RECIPES:
@@ -385,7 +386,6 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
                     kv_cache=kv_cache if named_kv else None)
     (rule,) = recipe.with_observer(observer, **options).rules
     if own_input:  # the observer llm-compressor's scheme gives these inputs
-        own_options(f"preset {key!r}", "input", own_input, options)
         rule = replace(rule, input=observed(rule.input, "input", own_input, options))
     return replace(recipe, rules=(rule,), kv_cache=kv_cache)
 

@@ -77,17 +77,30 @@ def observed(role, kind: str, observer: str, options: dict):
     return replace(role, observer=name, options={**own, **kept})
 
 
+def _taken(name: str, kept: dict) -> dict:
+    """Of the options a role running ``name`` keeps, those its observer takes: all for auto
+    (its candidates take them, checked at calibration) and a toolkit's class (its own
+    keywords, as the CLI's recipe-file check leaves them)."""
+    return kept if name == AUTO or ":" in name else _accepted(name, name, kept)
+
+
 def check_taken(where: str, runs, options: dict) -> None:
-    """Raise ``ValueError`` for an option of ``options`` that no calibrated role keeps:
-    ``runs`` holds the ``(kind, observer)`` :func:`observed` gets for each. A role that
-    keeps one takes it (its observer raises at calibration if it does not); a weight's
-    memoryless variant keeps only those it takes, so an option no other role keeps (a typo,
-    or a weight-only recipe's) would otherwise be dropped silently."""
+    """Raise ``ValueError`` for an option of ``options`` that no calibrated role takes, or
+    that a role keeps but its observer does not take: ``runs`` holds the ``(kind, observer)``
+    :func:`observed` gets for each. A weight's memoryless variant keeps only those it takes,
+    the other roles all: a typo would otherwise be dropped silently, or fail only at
+    calibration (the observer's ``__init__``)."""
     ran = [(kind, *_kept(kind, observer, options)) for kind, observer in runs]
-    taken = {k for _, _, kept in ran for k in kept}
+    taken = {k for _, name, kept in ran for k in _taken(name, kept)}
     extra = sorted(set(options) - taken)
     if extra:
         names = sorted({f"{kind} observer {name!r}" for kind, name, _ in ran})
+        held = any(extra[0] in kept for *_, kept in ran)
         raise ValueError(f"{where}: option {extra[0]!r} is not one any observer of the recipe "
-                         f"takes ({', '.join(names) or 'none is calibrated'}); it would be "
-                         f"dropped")
+                         f"takes ({', '.join(names) or 'none is calibrated'}); "
+                         f"{'calibrate would fail on it' if held else 'it would be dropped'}")
+    for kind, name, kept in ran:  # another role takes it, this one would fail on it
+        bad = sorted(set(kept) - set(_taken(name, kept)))
+        if bad:
+            raise ValueError(f"{where}: option {bad[0]!r} is not one the {kind} observer "
+                             f"{name!r} takes; calibrate would fail on it")
