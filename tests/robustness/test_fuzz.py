@@ -144,8 +144,8 @@ def test_compat_observers(name, data, batches):
     finite_in = bool(torch.isfinite(x.float()).all())
     try:
         obs = _compat_observer(name)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             for i in range(batches):
                 obs(x * (i + 1) if finite_in and special != "huge" else x)
             qp = obs.qparams()
@@ -154,7 +154,9 @@ def test_compat_observers(name, data, batches):
         assert _clear(e), f"unclear {type(e).__name__}: {e!r}"
         _count("compat_observers", "clear_errors")
         return
-    assert finite_in or getattr(obs, "non_finite", "error") == "ignore", \
+    # torch.ao's rule (its HistogramObserver, Quark's Pro over it): inf dropped with a warning
+    dropped = any("torch.inf detected" in str(w.message) for w in caught)
+    assert finite_in or dropped or getattr(obs, "non_finite", "error") == "ignore", \
         f"{special} input was not reported"
     _check_qparams(qp, obs.spec)
     assert _finite(torch.as_tensor(scale)) and _finite(torch.as_tensor(zp).float())

@@ -7,7 +7,9 @@ by ONE function per toolkit, a mixin class per toolkit turns the native
 :class:`~quantscope.QParams` into the toolkit's return values, and each class is
 ``class Name(ToolkitMixin, NativeObserver)``. They register with a prefix
 (``"llmcompressor:minmax"``, ``"quark:PerBlockMXObserver"``,
-``"horizon:MinMaxObserver"``, ``"torch.ao:PerChannelMinMaxObserver"``).
+``"horizon:MinMaxObserver"``, ``"torch.ao:PerChannelMinMaxObserver"``,
+``"modelopt:HistogramCalibrator"``; ModelOpt's calibrators add its ``collect`` /
+``compute_amax`` API).
 
 ==========================  ===============================  ==========================
 module                      translation function             mixin / base
@@ -17,6 +19,7 @@ module                      translation function             mixin / base
 ``quark``                   ``quark_spec(qspec)``            ``QuarkObserver``
 ``horizon``                 ``horizon_spec(**kwargs)``       ``HorizonObserver``
 ``torch_ao``                ``torch_ao_spec(**kwargs)``      ``TorchAOObserver``
+``modelopt``                ``modelopt_spec(num_bits, ..)``  ``ModelOptCalibrator``
 ==========================  ===============================  ==========================
 
 A new compat class for another native observer (MSE, histogram ...) is::

@@ -51,6 +51,7 @@ from ..qparams import amax_of_range
 from ..spec import QuantSpec
 
 __all__ = [
+    "AppendingFirstGrid",
     "HorizonArgumentError",
     "HorizonObserver",
     "KLObserver",
@@ -215,30 +216,12 @@ class MovingAveragePerChannelMinMaxObserver(HorizonObserver, _NativeEMA):
 
 
 # ----------------------------------------------------------------------------- histograms
-@register("horizon:KLObserver")
-class KLObserver(HorizonObserver, EntropyObserver):
-    """Horizon's KLObserver: a ``bins``-bin ``|x|`` histogram accumulated over
-    ``update_interval`` batches, KL threshold (start bin 128, divergences smoothed over 9
-    candidates), then an EMA of the thresholds. A batch past the interval's first
-    ``[0, max |x|]`` grid appends bins of its width (Horizon's), up to ``GROW_LIMIT x bins``
-    (and ``max_hist_bytes``); past that the counts move once to the native grid, approximately."""
-
-    GROW_LIMIT = 16  # the KL search costs the square of the bins
-
-    def __init__(self, bins=512, update_interval=1, averaging_constant=0.01, ch_axis=-1,
-                 dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
-                 quant_max=None, is_sync_quantize=False, factory_kwargs=None, **kwargs):
-        if not isinstance(bins, int) or bins < 256:  # Horizon asserts bins >= 256
-            raise HorizonArgumentError(f"horizon KLObserver: bins must be an integer >= 256 "
-                                       f"(Horizon's minimum; the search starts at start_bin "
-                                       f"128), got {bins!r}")
-        kwargs.setdefault("smooth", 9)
-        kwargs.setdefault("grid", "first")  # Horizon's [0, max |x|] grid of the first batch
-        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
-                         quant_max=quant_max, is_sync_quantize=is_sync_quantize,
-                         factory_kwargs=factory_kwargs, bins=bins,
-                         update_interval=update_interval,
-                         averaging_constant=averaging_constant, **kwargs)
+class AppendingFirstGrid:
+    """Mixin (before the native histogram class, ``grid="first"``, an ``|x|`` histogram): a
+    batch past the first batch's ``[0, max |x|]`` grid appends zero bins of its width, as
+    Horizon's KL histogram and ModelOpt's ``HistogramCalibrator`` grow, up to the class's
+    ``GROW_LIMIT x bins`` (and ``max_hist_bytes``); past that, a first top of 0 or non-finite
+    data, the counts move once to the native grid, approximately."""
 
     def _first_width(self):  # in float64, as a Python histc(x, nb, 0, nb * w) reference
         return self.hist_hi.double() / self.bins
@@ -269,6 +252,31 @@ class KLObserver(HorizonObserver, EntropyObserver):
             self.reset()
             raise ValueError(f"{self.describe()}: cannot load a histogram of {nb} bins into "
                              f"one of bins={self.bins}; construct the observer with bins={nb}")
+
+
+@register("horizon:KLObserver")
+class KLObserver(HorizonObserver, AppendingFirstGrid, EntropyObserver):
+    """Horizon's KLObserver: a ``bins``-bin ``|x|`` histogram accumulated over
+    ``update_interval`` batches, KL threshold (start bin 128, divergences smoothed over 9
+    candidates), then an EMA of the thresholds; the interval's histogram grows as Horizon's
+    (:class:`AppendingFirstGrid`)."""
+
+    GROW_LIMIT = 16  # the KL search costs the square of the bins
+
+    def __init__(self, bins=512, update_interval=1, averaging_constant=0.01, ch_axis=-1,
+                 dtype="qint8", qscheme=torch.per_tensor_symmetric, quant_min=None,
+                 quant_max=None, is_sync_quantize=False, factory_kwargs=None, **kwargs):
+        if not isinstance(bins, int) or bins < 256:  # Horizon asserts bins >= 256
+            raise HorizonArgumentError(f"horizon KLObserver: bins must be an integer >= 256 "
+                                       f"(Horizon's minimum; the search starts at start_bin "
+                                       f"128), got {bins!r}")
+        kwargs.setdefault("smooth", 9)
+        kwargs.setdefault("grid", "first")  # Horizon's [0, max |x|] grid of the first batch
+        super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, quant_min=quant_min,
+                         quant_max=quant_max, is_sync_quantize=is_sync_quantize,
+                         factory_kwargs=factory_kwargs, bins=bins,
+                         update_interval=update_interval,
+                         averaging_constant=averaging_constant, **kwargs)
 
     def _estimate(self, hist):
         amax = horizon_entropy_amax(hist, num_bits=self.num_bits, start_bin=self.start_bin,

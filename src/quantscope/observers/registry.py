@@ -24,6 +24,7 @@ OBSERVER_MODULES = (
     "quantscope.compat.quark",
     "quantscope.compat.horizon",
     "quantscope.compat.torch_ao",
+    "quantscope.compat.modelopt",
 )
 # the native families, imported by name before those: the registry does not import its own
 # package (quantscope.observers imports the registry), so no import circle
