@@ -275,8 +275,8 @@ class HistogramObserverBase(IntervalAverage, Observer):
         if n is None:
             return
         if linear:  # the bin histc counted a zero in, if any (0 may lie outside the grid)
-            hit = H.linear_counts(units.new_zeros(units.shape[0], 1), self.hist_lo,
-                                  self.hist_hi, self.bins)
+            hit = H.linear_counts(units.new_zeros(units.shape[0], 1), self.hist_lo,  # (grown)
+                                  self._linear_top(), self.hist_counts.shape[1])
             n, zero_bin = n * hit.sum(1), hit.argmax(1)
         else:
             zero_bin = -self.hist_first  # floor(0 * 2 ** -e) - first
