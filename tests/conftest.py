@@ -18,6 +18,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # torchao while tests are collected), so the setting goes here, before any test module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import patch_language_once
+
+    patch_language_once()
 
 
 _SYNCS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")

@@ -186,10 +186,11 @@ def _check_nvfp4_mse(device, kind, rules, block_u, weighted=False):
     got = [block_search.block_mse(*dev_args, fmt.max, fmt.min_exp, fmt.mbits,
                                   block_search.NVFP4, 2.0 ** -9, ext,
                                   None if patience < 0 else patience, per_unit, use_global,
-                                  tie_last, stop, weights=dev_w, block_u=block_u),
-           # the op's CUDA implementation (the launcher's arguments from the formats)
-           block_ops._cuda_nvfp4_mse(*dev_args, "fp4_e2m1", 2.0 ** -9, ext, patience,
-                                     per_unit, use_global, tie_last, dev_w)]
+                                  tie_last, stop, weights=dev_w, block_u=block_u)]
+    if block_u is None or weighted:  # the op's CUDA implementation (the launcher's
+        # arguments from the formats), once per case and weighting: its programs the default
+        got.append(block_ops._cuda_nvfp4_mse(*dev_args, "fp4_e2m1", 2.0 ** -9, ext, patience,
+                                             per_unit, use_global, tie_last, dev_w))
     for idx, best in got:
         assert torch.equal(idx.cpu(), want_idx)
         torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
@@ -428,10 +429,11 @@ def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor",
                                   0 if ints else fmt.mbits, enc, 0.0, ext,
                                   None if patience < 0 else patience, per_unit, use_global,
                                   tie_last, stop, qmin=float(fmt.qmin) if ints else None,
-                                  weights=dev_w, block_u=block_u),
-           # the op's CUDA implementation (the launcher's arguments from the format, mode)
-           block_ops._cuda_mx_mse(*dev_args, name, mode, ext, patience, per_unit, use_global,
-                                  tie_last, dev_w)]
+                                  weights=dev_w, block_u=block_u)]
+    if block_u is None or weighted:  # the op's CUDA implementation (the launcher's
+        # arguments from the format, mode), once per case and weighting: its programs the default
+        got.append(block_ops._cuda_mx_mse(*dev_args, name, mode, ext, patience, per_unit,
+                                          use_global, tie_last, dev_w))
     for idx, best in got:
         assert torch.equal(idx.cpu(), want_idx)
         torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0, equal_nan=True)
