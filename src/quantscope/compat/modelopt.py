@@ -5,20 +5,32 @@ signatures and ``collect`` / ``compute_amax`` / ``reset`` API.
 ``max |x|``; ``axis`` names the axes KEPT (an int or a tuple, negative ones counted from the
 end; ``None`` or ``()``: per tensor), and ``compute_amax()`` returns ModelOpt's value, dtype
 and shape (the kept axes' sizes, the others 1; a 0-d tensor when it holds one value; None
-before data). A batch whose amax shape changes is a ``RuntimeError``, NaN / inf an
-:class:`ModelOptArgumentError` (an ``AssertionError``, as ModelOpt asserts).
+before data; ``_calib_amax`` reads the same). A batch whose amax shape changes is a
+``RuntimeError``, NaN / inf an :class:`ModelOptArgumentError` (an ``AssertionError``, as
+ModelOpt asserts). Integer tensors are taken (their amax in their dtype, as ModelOpt's). A
+meta tensor gives a meta amax of that shape and dtype (ModelOpt's initialization branch: it
+replaces what was collected; a real batch after it is a ``RuntimeError``, as ModelOpt's).
 
 ``HistogramCalibrator(num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None,
 skip_zeros=False, torch_hist=True)``: per tensor only (``axis`` is ModelOpt's
-``NotImplementedError``); a ``num_bins`` histogram of ``|x|`` over the first batch's
-``[0, max |x|]`` (``torch.histc``'s bins), later batches past it append bins of the same
-width (the native ``grid="first"`` histogram, grown as Horizon's KL histogram grows).
+``NotImplementedError``); a ``num_bins`` histogram of ``|x|`` (integer tensors: of their
+float32 values) over the first batch's ``[0, max |x|]`` (``torch.histc``'s bins), later
+batches past it append bins of the same width (the native ``grid="first"`` histogram, grown as
+Horizon's KL histogram grows); ``_calib_hist`` / ``_calib_bin_edges`` read it as ModelOpt's
+(float32 counts, edges). A batch with NaN / inf is refused at ``collect``: a first one with
+ModelOpt's ``RuntimeError``, a later inf with its ``OverflowError``.
 ``compute_amax(method, *, stride=1, start_bin=128, percentile=99.99)`` runs quantscope's
 estimators on it: ``"entropy"`` (:func:`~quantscope.estimators.entropy.entropy_amax`),
-``"percentile"`` (the left edge of the bin reaching it, ModelOpt's ``edges[searchsorted]``),
-``"mse"`` (:func:`~quantscope.estimators.histogram_mse.histogram_mse_range`); a float32
-0-d tensor on the CPU, as ModelOpt's; an unknown method is ModelOpt's ``TypeError``.
-``grow_method`` is ignored, as ModelOpt (deprecated there).
+``"percentile"`` (``0 <= percentile <= 100``; the left edge of the bin reaching it, ModelOpt's
+``edges[searchsorted]``), ``"mse"``
+(:func:`~quantscope.estimators.histogram_mse.histogram_mse_range`); ``start_bin`` / ``stride``
+are entropy's and mse's; a float32 0-d tensor on the CPU, as ModelOpt's; an unknown method is
+ModelOpt's ``TypeError``. ``grow_method`` is ignored, as ModelOpt (deprecated there).
+
+``_num_bits``, ``_axis`` and ``_unsigned`` may be set after construction, as ModelOpt's
+``TensorQuantizer`` does: the spec follows, and a new axis starts from no data (the state is
+per unit of the old one; ModelOpt keeps its amax, and a next batch of another amax shape is
+its ``RuntimeError``). ``unsigned`` takes True / False and 1 / 0.
 
 Both are observers too: ``forward`` / ``qparams()`` run the native observer (the histogram's
 estimate is the entropy amax); they register as ``"modelopt:MaxCalibrator"`` and
@@ -29,21 +41,30 @@ unsigned)`` whose third parameter is now ``bias``, so it returns its first candi
 whatever the data; quantscope scores the candidates as documented (all bin centres from
 ``start_bin``, the first minimum). ``"entropy"`` where a candidate has no counts below it:
 ModelOpt picks that NaN divergence, quantscope scores it infinite
-(:mod:`~quantscope.estimators.entropy`). ``"percentile"`` where ``p`` percent of the total
+(:mod:`~quantscope.estimators.entropy`); where every candidate's divergence is infinite,
+ModelOpt keeps its last candidate, quantscope the right edge of the last non-empty bin.
+``"percentile"`` where ``p`` percent of the total
 is a whole count: quantscope's test is exact, ModelOpt's float64 ``cumsum(hist / total)``
 can fall short of it and take the next non-empty bin. The state is float32: float64 amaxes
-and integer ones past ``2 ** 24`` are those rounded to float32. ``track_amax`` keeps bf16 amaxes as
+and integer ones past ``2 ** 24`` are those rounded to float32 (an integer amax rounded past
+its dtype's top is the top). A signed integer minimum (int8's -128) is refused by
+``MaxCalibrator`` (ModelOpt's ``abs`` keeps it negative and its amax ignores it) and counted
+as ``|x|`` by ``HistogramCalibrator`` (ModelOpt drops it). A later histogram batch with NaN is
+refused (ModelOpt's ``histc`` drops the NaN silently). ``track_amax`` keeps bf16 amaxes as
 float32 arrays (numpy has no bf16: ModelOpt fails). An axis out of range is a
 ``ValueError`` (ModelOpt reduces every axis). ``reset()`` restores ``num_bins`` (ModelOpt
 keeps the grown count for the next first batch). A first histogram of only zeros, later
 grown, and one growing past ``GROW_LIMIT x num_bins``, move once to quantscope's
-power-of-two grid, approximately (ModelOpt: ``OverflowError``; appends on).
+power-of-two grid of ``num_bins`` bins, approximately (ModelOpt: ``OverflowError``; appends
+on); ``_calib_hist`` / ``_calib_bin_edges`` then read that grid.
+``num_bins`` is at least 2 (ModelOpt: any; that grid needs two bins).
 ``torch_hist=False`` (ModelOpt's numpy path, a ``[min |x|, max |x|]`` grid) is not
 supported; nor is ``num_bits=(4, 3)``.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -52,7 +73,7 @@ from .._checks import check_int
 from ..estimators.entropy import check_options as check_entropy_options
 from ..estimators.entropy import entropy_amax
 from ..estimators.histogram_mse import histogram_mse_range
-from ..estimators.percentile import check_percentile, percentile_range
+from ..estimators.percentile import percentile_range
 from ..layout import Channel, Tensor
 from ..observers.histogram import HistogramObserverBase
 from ..observers.minmax import StaticMinMaxObserver
@@ -92,28 +113,72 @@ def _axes(axis) -> tuple[int, ...] | None:
 def modelopt_spec(num_bits=8, axis=None, unsigned=False) -> QuantSpec:
     """The :class:`QuantSpec` of ModelOpt calibrator arguments (the one translation):
     ``int{num_bits}_narrow`` symmetric (ModelOpt's ``amax / (2 ** (b - 1) - 1)``, codes +-127 for 8
-    bits), or ``uint{num_bits}`` from 0 (``unsigned``), per tensor, or
+    bits), or ``uint{num_bits}`` from 0 (``unsigned``: True / False or 1 / 0), per tensor, or
     per index of ``axis`` when it keeps one axis (several: ``Channel(0)`` of the kept axes
     flattened, :meth:`MaxCalibrator.collect`)."""
     check_int("modelopt", "num_bits", num_bits, 2, 16)  # (4, 3) (fp8) is not supported
-    if not isinstance(unsigned, bool):
-        raise TypeError(f"modelopt: unsigned must be True or False, got {unsigned!r}")
+    # ModelOpt takes any truthy value; 1 / 0 as well as bools (a bool is an Integral)
+    if not isinstance(unsigned, numbers.Integral) or unsigned not in (0, 1):
+        raise TypeError(f"modelopt: unsigned must be True / False (or 1 / 0), got {unsigned!r}")
     axes = _axes(axis)
     layout = Tensor() if not axes else Channel(axes[0] if len(axes) == 1 else 0)
     fmt = f"uint{num_bits}" if unsigned else f"int{num_bits}_narrow"  # amax / (2 ** (b-1) - 1)
     return QuantSpec(fmt, layout, symmetric=not unsigned)
 
 
+def _is_integer(x) -> bool:
+    return isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()
+                                                or x.dtype == torch.bool)
+
+
+def _float_values(x):
+    """``x`` as the native observer reads it: an integer tensor as its float32 values (ModelOpt
+    takes them); anything else as it is (the native checks name what is wrong)."""
+    return x.float() if _is_integer(x) else x
+
+
+def _squeezed(shape: tuple) -> tuple:
+    """ModelOpt's amax shape: a single value is 0-d (``reduce_amax``'s ``squeeze_``)."""
+    return () if math.prod(shape) == 1 else tuple(shape)
+
+
+def _as_dtype(amax: torch.Tensor, dtype) -> torch.Tensor:
+    """The float32 amax in the input's dtype; an integer one that float32 rounded past the
+    dtype's top (int32's ``2 ** 31 - 1`` reads ``2 ** 31``) is the top, not a wrapped value."""
+    if dtype.is_floating_point:
+        return amax.to(dtype)
+    below = math.nextafter(torch.iinfo(dtype).max + 1.0, 0.0)  # truncates to the top
+    return amax.double().clamp(max=below).to(dtype)
+
+
 class ModelOptCalibrator:
     """Mixin (put it before the native class): ModelOpt's arguments in, ``_num_bits``,
-    ``_axis`` and ``_unsigned`` kept as ModelOpt's ``_Calibrator`` keeps them."""
+    ``_axis`` and ``_unsigned`` kept as ModelOpt's ``_Calibrator`` keeps them, and settable
+    after construction as its ``TensorQuantizer`` sets them (:meth:`_configure`)."""
 
     def __init__(self, num_bits=8, axis=None, unsigned=False, **native):
         if "spec" in native:
             raise TypeError(f"modelopt {type(self).__name__}: takes ModelOpt's arguments "
                             f"(num_bits, axis, unsigned), not a quantscope spec")
         super().__init__(modelopt_spec(num_bits, axis, unsigned), **native)
-        self._num_bits, self._axis, self._unsigned = num_bits, axis, unsigned
+        self._config = (num_bits, axis, bool(unsigned))
+
+    def _configure(self, i: int, value) -> None:
+        """Set ``(num_bits, axis, unsigned)[i]``: the spec is rebuilt (checked first); a new
+        axis starts from no data (the state is per unit of the old layout), the same axis
+        (``0`` or ``(0,)``, as the block-quant path sets it every batch) keeps it."""
+        config = list(self._config)
+        config[i] = value
+        self.spec = modelopt_spec(*config)
+        before, self._config = self._config, (config[0], config[1], bool(config[2]))
+        if i == 1 and _axes(before[1]) != _axes(value):
+            self.reset()
+
+    _num_bits = property(lambda self: self._config[0],
+                         lambda self, value: self._configure(0, value))
+    _axis = property(lambda self: self._config[1], lambda self, value: self._configure(1, value))
+    _unsigned = property(lambda self: self._config[2],
+                         lambda self, value: self._configure(2, value))
 
 
 @register("modelopt:MaxCalibrator")
@@ -125,7 +190,8 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         self._track_amax = bool(track_amax)
         if self._track_amax:
             self._amaxs = []
-        self._amax_shape = None  # the kept axes' shape of the first batch
+        self._amax_shape = None  # ModelOpt's amax shape of the first batch
+        self._meta_amax = None  # a meta batch's amax (ModelOpt's initialization branch)
 
     @property
     def amaxs(self) -> list:
@@ -133,6 +199,11 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         if not self._track_amax:
             raise AttributeError("modelopt MaxCalibrator: amaxs are kept with track_amax=True")
         return self._amaxs
+
+    @property
+    def _calib_amax(self) -> torch.Tensor | None:
+        """ModelOpt's attribute: the amax so far (:meth:`compute_amax`), read only."""
+        return self.compute_amax()
 
     def _view(self, x: torch.Tensor):
         """``(x as the layout's input, amax shape)``: several kept axes are moved to the front
@@ -145,7 +216,10 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
                                  f"for a tensor of {nd} dims")
         kept = sorted({a % nd for a in axes or ()})
         if not kept or len(kept) == nd:
-            return x.reshape(1, -1) if axes else x, ()
+            if not axes:
+                return x, ()
+            # one unit on the layout's channel axis: Channel(-1) only for axis=-1 on 1-D
+            return (x.reshape(-1, 1) if axes == (-1,) else x.reshape(1, -1)), ()
         shape = tuple(n if i in kept else 1 for i, n in enumerate(x.shape))
         if len(kept) == 1:
             return x, shape
@@ -153,15 +227,31 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         k = torch.Size(x.shape[i] for i in kept).numel()
         return x.permute(*kept, *rest).reshape(k, x.numel() // max(k, 1)), shape
 
-    @torch.no_grad()
-    def collect(self, x: torch.Tensor) -> None:
-        """Take ``x``'s ``max |x|`` over the axes not kept into the running max."""
-        view, shape = self._view(x)
-        if self._amax_shape is not None and shape != self._amax_shape:
-            raise RuntimeError("amax shape changed!")  # ModelOpt's words
+    def _check_values(self, x: torch.Tensor) -> None:
+        """ModelOpt's asserts (NaN / inf); a signed integer minimum, whose ``|x|`` the dtype
+        cannot hold (ModelOpt's amax ignores it), is refused too."""
         if x.is_floating_point() and not bool(torch.isfinite(x).all()):
             raise ModelOptArgumentError(f"modelopt MaxCalibrator: detected NaN or inf values "
                                         f"in the tensor (NaN: {bool(torch.isnan(x).any())})")
+        if _is_integer(x) and x.numel():
+            low = torch.iinfo(x.dtype).min
+            if low < 0 and bool((x == low).any()):
+                raise ValueError(f"modelopt MaxCalibrator: x holds {low}, whose |x| does not "
+                                 f"fit its dtype {x.dtype} (ModelOpt's amax ignores it)")
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        """Take ``x``'s ``max |x|`` over the axes not kept into the running max."""
+        if isinstance(x, torch.Tensor) and x.is_meta:
+            return self._collect_meta(x)
+        if self._meta_amax is not None:  # ModelOpt: its meta amax and the batch's clash
+            raise RuntimeError("modelopt MaxCalibrator: a meta tensor was collected (ModelOpt's "
+                               "initialization); reset() before collecting data")
+        view, shape = self._view(_float_values(x))
+        self._check_values(x)
+        shape = _squeezed(shape)
+        if self._amax_shape is not None and shape != self._amax_shape:
+            raise RuntimeError("amax shape changed!")  # ModelOpt's words
         self(view)
         self._amax_shape = shape
         if self._track_amax:
@@ -171,21 +261,48 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
             self._amaxs.append(amax.float().cpu().numpy() if amax.dtype == torch.bfloat16
                                else amax.cpu().numpy())
         self._dtype = x.dtype
+        return None
+
+    def _collect_meta(self, x: torch.Tensor) -> None:
+        # ModelOpt keeps the meta amax in place of any (no data, no host read)
+        shape = _squeezed(self._view(x)[1])
+        self.reset()
+        self._meta_amax = torch.empty(shape, dtype=x.dtype, device="meta")
 
     def _shaped(self, amax: torch.Tensor, dtype) -> torch.Tensor:
-        amax = amax.to(dtype)
-        return amax.reshape(self._amax_shape) if amax.numel() > 1 else amax.reshape(())
+        # abs: all-zero data reads max(-0, 0) = -0; ModelOpt's max |x| is +0
+        return _as_dtype(amax.abs(), dtype).reshape(self._amax_shape)
 
     def compute_amax(self) -> torch.Tensor | None:
         """The ``max |x|`` of every tensor collected (ModelOpt's dtype and shape), None before
-        any."""
+        any (a meta one after a meta batch)."""
+        if self._meta_amax is not None:
+            return self._meta_amax
         if self._amax_shape is None:
             return None
         return self._shaped(amax_of_range(self.min_vals, self.max_vals), self._dtype)
 
     def reset(self) -> None:
         super().reset()
-        self._amax_shape = None
+        self._amax_shape = self._meta_amax = None
+
+
+def _check_percentile(who: str, value) -> float:
+    """ModelOpt's range, ``0 <= percentile <= 100`` (its message says "range")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{who}: percentile must be a number in range 0 <= percentile <= 100, "
+                        f"got {type(value).__name__} {value!r}")
+    if not 0 <= value <= 100:  # NaN too
+        raise ValueError(f"{who}: invalid percentile {value!r}; percentile must be in range "
+                         f"0 <= percentile <= 100")
+    return float(value)
+
+
+def _per_tensor(axis) -> None:
+    if axis is not None:
+        raise NotImplementedError("Calibrator histogram collection only supports per "
+                                  f"tensor scaling (modelopt HistogramCalibrator: axis must "
+                                  f"be None, got {axis!r})")
 
 
 @register("modelopt:HistogramCalibrator")
@@ -198,22 +315,87 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
 
     def __init__(self, num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None,
                  skip_zeros=False, torch_hist=True, **kwargs):
-        if axis is not None:
-            raise NotImplementedError("Calibrator histogram collection only supports per "
-                                      f"tensor scaling (modelopt HistogramCalibrator: axis must "
-                                      f"be None, got {axis!r})")
+        _per_tensor(axis)
         if torch_hist is not True:
             raise ValueError(f"modelopt HistogramCalibrator: only torch_hist=True (torch.histc "
                              f"bins) is supported, got torch_hist={torch_hist!r}")
-        check_int("modelopt HistogramCalibrator", "num_bins", num_bins, 16)
+        # 2: the power-of-two grid a histogram may move to spans (bins - 1) widths
+        check_int("modelopt HistogramCalibrator", "num_bins", num_bins, 2)
         self.grow_method = grow_method  # deprecated in ModelOpt, and ignored there
-        super().__init__(num_bits, axis, unsigned, bins=num_bins, grid="first",
+        # the native class asks bins >= 16 (a default of sense, no need): its grids and
+        # estimators take 2 and up, as ModelOpt's tests (19, 32 bins); sized at the first batch
+        super().__init__(num_bits, axis, unsigned, bins=max(num_bins, 16), grid="first",
                          skip_zeros=skip_zeros, **kwargs)
+        self.bins = num_bins
+        self._grown_top = None  # max |x| of the batch that last grew the grid
+
+    def _configure(self, i, value):
+        if i == 1:
+            _per_tensor(value)
+        super()._configure(i, value)
 
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Add ``|x|`` to the histogram (bins of the same width appended past its end)."""
+        x = _float_values(x)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() and \
+                not bool(torch.isfinite(x).all()):
+            self._refuse_non_finite(x)
         self(x)
+
+    def _refuse_non_finite(self, x: torch.Tensor) -> None:
+        nan = bool(torch.isnan(x).any())
+        what = f"modelopt HistogramCalibrator: collect(x): x holds {'NaN' if nan else 'inf'}"
+        if not self.has_observed:  # ModelOpt: histc's range [0, nan / inf] is not finite
+            raise RuntimeError(f"{what}; the histogram's range would not be finite")
+        if not nan:  # ModelOpt: int(inf / width) bins
+            raise OverflowError(f"{what}; the grid cannot grow to it")
+        raise ValueError(f"{what}; refused (ModelOpt's histc drops a later batch's NaN "
+                         f"silently)")
+
+    @property
+    def _calib_hist(self) -> torch.Tensor | None:
+        """ModelOpt's attribute: the counts as float32 ``[bins]`` (grown ones too), read
+        only; None before data."""
+        if not self.has_observed:
+            return None
+        return self.current_histogram().counts[0].float()
+
+    @property
+    def _calib_bin_edges(self) -> torch.Tensor | None:
+        """ModelOpt's attribute: its edges (:meth:`_modelopt_edges`; on the CPU until grown,
+        as ModelOpt's), read only; None before data."""
+        if not self.has_observed:
+            return None
+        if not self._linear:  # moved to the native grid (module doc)
+            return self.current_histogram().edges()[0]
+        edges = self._modelopt_edges()
+        return edges if edges.numel() == self.bins + 1 else edges.to(self.hist_counts.device)
+
+    def _modelopt_edges(self) -> torch.Tensor:
+        """ModelOpt's edges of the first grid (CPU float32): ``linspace(0, max |x|, num_bins +
+        1)`` of the first batch; grown, ``arange(0, top + w, w)`` to the growing batch's max
+        ``|x|`` (one edge more than the bins where float32 rounds so)."""
+        edges = torch.linspace(0, float(self.hist_hi[0]), self.bins + 1)
+        bins = self.hist_counts.shape[-1]
+        if bins == self.bins:
+            return edges
+        w = edges[1] - edges[0]
+        if self._grown_top is None:  # a loaded state: arange's values, one per bin edge
+            return torch.arange(bins + 1, dtype=torch.float32) * w
+        return torch.arange(0, self._grown_top + w, w)
+
+    def _linear_top(self):
+        # histc's max on a grown grid: ModelOpt's last edge (float32 steps, not float64's)
+        if self.hist_counts.shape[-1] == self.bins:
+            return self.hist_hi
+        return self._modelopt_edges()[-1:].to(self.hist_hi.device)
+
+    def _append_bins(self, hi) -> bool:
+        grown = super()._append_bins(hi)
+        if grown:  # ModelOpt's edges run to this batch's max |x| (hi: per tensor)
+            self._grown_top = hi.reshape(()).float().cpu()
+        return grown
 
     def compute_amax(self, method: str, *, stride: int = 1, start_bin: int = 128,
                      percentile: float = 99.99) -> torch.Tensor | None:
@@ -223,26 +405,37 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         if method not in METHODS:
             raise TypeError(f"Unknown calibration method {method!r} ({who}: method must be "
                             f"one of {list(METHODS)})")
-        if method == "percentile":
-            check_percentile(who, "percentile", percentile)
-        check_entropy_options(who, num_bits=self._num_bits, start_bin=start_bin, stride=stride)
+        if method == "percentile":  # start_bin / stride are the entropy / mse candidates'
+            percentile = _check_percentile(who, percentile)
+        else:
+            check_entropy_options(who, num_bits=self._num_bits, start_bin=start_bin,
+                                  stride=stride)
         if not self.has_observed:
             return None
         self.check_ready()
         with torch.inference_mode():
             hist = self.current_histogram()
-            if start_bin > hist.counts.shape[1]:
+            if method != "percentile" and start_bin > hist.counts.shape[1]:
                 raise ValueError(f"{who}: start_bin={start_bin} leaves no candidate in a "
                                  f"histogram of {hist.counts.shape[1]} bins")
-            if method == "entropy":
-                amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned,
-                                    start_bin=start_bin, stride=stride, trim=False)
-            elif method == "mse":
-                amax = histogram_mse_range(hist, self.spec, start_bin=start_bin, stride=stride,
-                                           refine=None)[1]
-            else:
-                amax = percentile_range(hist, percentile, convention="lower")[1]
-        return amax.reshape(()).float().cpu().clone()
+            amax = self._method_amax(hist, method, stride, start_bin, percentile)
+        # abs: all-zero data reads -0 there; ModelOpt's is +0
+        return amax.reshape(()).float().abs().cpu().clone()
+
+    def _method_amax(self, hist, method, stride, start_bin, percentile) -> torch.Tensor:
+        if method == "entropy":
+            return entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned,
+                                start_bin=start_bin, stride=stride, trim=False)
+        if method == "mse":
+            return histogram_mse_range(hist, self.spec, start_bin=start_bin, stride=stride,
+                                       refine=None)[1]
+        if percentile == 0:  # ModelOpt's edges[searchsorted(cdf, 0)]: the first edge
+            return hist.lo
+        return percentile_range(hist, percentile, convention="lower")[1]
+
+    def reset(self) -> None:
+        super().reset()
+        self._grown_top = None
 
     def _estimate(self, hist):  # forward / qparams: ModelOpt's default method, entropy
         amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned, trim=False)
