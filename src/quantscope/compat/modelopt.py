@@ -312,6 +312,9 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
 
     absolute = True  # |x| from 0, signed or unsigned
     GROW_LIMIT = 64  # ModelOpt appends without bound; the estimators' cost grows with bins
+    # ModelOpt takes any count (its tests: 19, 32); 2: the power-of-two grid a histogram may
+    # move to spans (bins - 1) widths
+    MIN_BINS = 2
 
     def __init__(self, num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None,
                  skip_zeros=False, torch_hist=True, **kwargs):
@@ -319,14 +322,10 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         if torch_hist is not True:
             raise ValueError(f"modelopt HistogramCalibrator: only torch_hist=True (torch.histc "
                              f"bins) is supported, got torch_hist={torch_hist!r}")
-        # 2: the power-of-two grid a histogram may move to spans (bins - 1) widths
-        check_int("modelopt HistogramCalibrator", "num_bins", num_bins, 2)
+        check_int("modelopt HistogramCalibrator", "num_bins", num_bins, self.MIN_BINS)
         self.grow_method = grow_method  # deprecated in ModelOpt, and ignored there
-        # the native class asks bins >= 16 (a default of sense, no need): its grids and
-        # estimators take 2 and up, as ModelOpt's tests (19, 32 bins); sized at the first batch
-        super().__init__(num_bits, axis, unsigned, bins=max(num_bins, 16), grid="first",
+        super().__init__(num_bits, axis, unsigned, bins=num_bins, grid="first",
                          skip_zeros=skip_zeros, **kwargs)
-        self.bins = num_bins
         self._grown_top = None  # max |x| of the batch that last grew the grid
 
     def _configure(self, i, value):

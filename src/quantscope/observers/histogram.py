@@ -93,12 +93,13 @@ class HistogramObserverBase(IntervalAverage, Observer):
     #: every rank's (step_sync sums them; the gathered units no longer tell)
     _step_zeros: torch.Tensor | None = None
     GROW_LIMIT = 1  #: a first grid grows to at most GROW_LIMIT x bins (_append_bins; 1: never)
+    MIN_BINS = 16  #: the fewest ``bins`` taken (a toolkit's class whose grids take fewer lowers it)
 
     def __init__(self, spec=None, *, bins: int = 2048, averaging_constant: float | None = None,
                  update_interval: int = 1, grid: str = "pow2", skip_zeros: bool = False,
                  **kwargs):
         super().__init__(spec, **kwargs)
-        check_int(type(self).__name__, "bins", bins, 16)
+        check_int(type(self).__name__, "bins", bins, self.MIN_BINS)
         averaging_constant = self._averaging_constant(averaging_constant, optional=True)
         check_int(type(self).__name__, "update_interval", update_interval, 1)  # True is no int
         if grid not in ("pow2", "first"):
