@@ -87,8 +87,7 @@ class HistogramObserverBase(IntervalAverage, Observer):
     family = "histogram"
     unpads = False  # _unit_minmax takes the padding out (_padding): the histogram needs it too
 
-    #: histogram of |x| rather than x (None: |x| for symmetric specs)
-    absolute: bool | None = None
+    absolute: bool | None = None  #: histogram of |x| rather than x (None: |x| if symmetric)
     #: sync_every_step: the step's padding zeros per unit (None: none), this rank's, then
     #: every rank's (step_sync sums them; the gathered units no longer tell)
     _step_zeros: torch.Tensor | None = None
