@@ -256,3 +256,22 @@ def test_errors_equal_modelopts():
         assert float(cal.compute_amax("percentile", percentile=0)) == 0.0
     with pytest.raises(NotImplementedError):
         mo.HistogramCalibrator(axis=0)
+
+
+def test_a_loaded_grown_grid_replaces_the_cached_one():
+    """A grown grid's last edge is kept between batches: loading another grown state must
+    count the next batch on the loaded grid, as a fresh calibrator loading it does."""
+    g = torch.Generator().manual_seed(11)
+    grown = []
+    for scale in (3.0, 7.0):
+        c = HistogramCalibrator(num_bins=64)
+        c.collect(torch.randn(500, generator=g))
+        c.collect(scale * torch.randn(500, generator=g))  # grows the grid
+        grown.append(c)
+    fresh = HistogramCalibrator(num_bins=64)
+    fresh.load_state_dict(grown[0].state_dict())
+    grown[1].load_state_dict(grown[0].state_dict())
+    x = 2.5 * torch.randn(500, generator=g)  # within the loaded grid
+    fresh.collect(x)
+    grown[1].collect(x)
+    assert torch.equal(fresh._calib_hist, grown[1]._calib_hist)

@@ -327,6 +327,7 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         super().__init__(num_bits, axis, unsigned, bins=num_bins, grid="first",
                          skip_zeros=skip_zeros, **kwargs)
         self._grown_top = None  # max |x| of the batch that last grew the grid
+        self._grown_edge = None  # the grown grid's last edge (_linear_top)
 
     def _configure(self, i, value):
         if i == 1:
@@ -385,15 +386,19 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         return torch.arange(0, self._grown_top + w, w)
 
     def _linear_top(self):
-        # histc's max on a grown grid: ModelOpt's last edge (float32 steps, not float64's)
+        # histc's max on a grown grid: ModelOpt's last edge (float32 steps, not float64's),
+        # kept when the grid grows (read 2-3 times a batch; a loaded state's computed once)
         if self.hist_counts.shape[-1] == self.bins:
             return self.hist_hi
-        return self._modelopt_edges()[-1:].to(self.hist_hi.device)
+        if self._grown_edge is None:
+            self._grown_edge = self._modelopt_edges()[-1:].to(self.hist_hi.device)
+        return self._grown_edge
 
     def _append_bins(self, hi) -> bool:
         grown = super()._append_bins(hi)
         if grown:  # ModelOpt's edges run to this batch's max |x| (hi: per tensor)
             self._grown_top = hi.reshape(()).float().cpu()
+            self._grown_edge = None
         return grown
 
     def compute_amax(self, method: str, *, stride: int = 1, start_bin: int = 128,
@@ -434,7 +439,11 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
 
     def reset(self) -> None:
         super().reset()
-        self._grown_top = None
+        self._grown_top = self._grown_edge = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._grown_top = self._grown_edge = None  # the loaded grid's, not this one's
 
     def _estimate(self, hist):  # forward / qparams: ModelOpt's default method, entropy
         amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned, trim=False)
