@@ -41,7 +41,7 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/calibrate/test_scheme_observers.py \
 	tests/bench/test_gpu_rows_peers.py
 
-.PHONY: venv peers test test-memory fuzz demo demo-quick demo-readme bench bench-docs lint kernels kernels-check docs sizes
+.PHONY: venv peers test test-extended test-memory fuzz demo demo-quick demo-readme bench bench-docs lint kernels kernels-check docs sizes
 
 venv: $(VENV)/.stamp
 
@@ -80,15 +80,24 @@ $(PEERS)/.stamp: Makefile
 	touch $@
 
 # the tests that import the peers run first, in the peers' venv; then the suite, whose
-# llm-compressor subprocess tests use the same venv.
+# llm-compressor subprocess tests use the same venv. `make test` is the loop before each
+# commit (under 10 minutes on 2 cores); `make test-extended` the cases marked `extended`
+# (tests/tiers.py: more combinations of the same paths, compiler targets, process groups,
+# real models end to end). CI runs both.
 # pytest exits 5 when it collects no test: a failure, unless ALLOW_NO_TESTS=1
 ALLOW_NO_TESTS ?= 0
+TIER ?= not extended
 test: venv peers
-	PYTHONPATH=src $(PEERS_PY) -m pytest -p no:cacheprovider -n 2 -m peers $(PEER_TESTS)
-	@rc=0; QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) -m pytest -n 2 -m "not peers and not memory" || rc=$$?; \
+	PYTHONPATH=src $(PEERS_PY) -m pytest -p no:cacheprovider -n 2 -m "peers and ($(TIER))" \
+		$(PEER_TESTS)
+	@rc=0; QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) -m pytest -n 2 \
+		-m "not peers and not memory and ($(TIER))" || rc=$$?; \
 	if [ $$rc -eq 5 ] && [ "$(ALLOW_NO_TESTS)" = 1 ]; then \
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
 	exit $$rc
+
+test-extended:
+	$(MAKE) test TIER=extended
 
 # sequential calibration of a random Llama twice the memory its process may use (writes
 # ~1060 MB under the temp folder, a few minutes): tests/calibrate/test_sequential_memory.py
@@ -97,7 +106,8 @@ test-memory: venv
 
 # the property tests of tests/robustness/test_fuzz*.py (formats and observers, read-back of damaged
 # checkpoints, ONNX export, sequential calibration) with the long randomized profile (make test runs
-# them with the small derandomized "ci" profile); counts per test in runs/fuzz-stats.jsonl
+# them with the small derandomized "ci" profile, the ONNX and sequential ones make test-extended);
+# counts per test in runs/fuzz-stats.jsonl
 fuzz: venv
 	mkdir -p runs && rm -f runs/fuzz-stats.jsonl
 	# 8 GB of address space a worker: a case that would exhaust the host's memory fails as a

@@ -15,7 +15,7 @@ except FileNotFoundError:
     pytest.skip("gensim's test data (the Lee corpus) is not installed", allow_module_level=True)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a real model
 def test_minilm_w8a8_lee(tmp_path):
     model, tok = models.load_model()
     lee, pairs = data.lee_documents(), data.lee_pairs()

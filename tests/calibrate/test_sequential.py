@@ -56,7 +56,8 @@ def saved(request, tmp_path_factory):
     return model, path
 
 
-@pytest.mark.parametrize("budget", [0, 64])
+# batches kept in memory (a 64 MB cache) in the extended tier; make test spills every one
+@pytest.mark.parametrize("budget", [0, pytest.param(64, marks=pytest.mark.extended)])
 def test_equals_whole_model_pass_from_checkpoint(saved, budget, tmp_path):
     model, path = saved
     whole = calibrate(model, _batches(), "w8a8", progress=False)

@@ -35,6 +35,7 @@ def _cli(*args):
                           text=True, env=env, check=False)
 
 
+@pytest.mark.extended  # two interpreters end to end; the commands run in process below
 def test_calibrate_then_evaluate_a_causal_lm(llama_dir, tmp_path):
     run = str(tmp_path / "run")
     r = _cli("calibrate", "--model", llama_dir, "--scheme", "W4A16", "--group-size", "32",

@@ -309,6 +309,7 @@ def _sync_scenarios(rank, out):
 
 
 @pytest.mark.dist
+@pytest.mark.extended  # spawns its own process group
 def test_is_sync_quantize_reduces_each_ranks_averaged_ends_at_read():
     got = spawn_ranks(_sync_scenarios, 2, 30)
     for cls in SYNCED:

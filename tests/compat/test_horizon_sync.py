@@ -20,7 +20,7 @@ from test_horizon_exact import kl_observer_amax, mse_ends, percentile_ends
 
 from quantscope.compat import horizon as hz
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process group
 
 TIMEOUT = 30  # seconds a collective waits for a peer
 W, C = 2, 0.3

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiers import each_value
 
 import quantscope
 from quantscope.compat.modelopt import HistogramCalibrator, MaxCalibrator, ModelOptArgumentError
@@ -160,9 +161,9 @@ def test_max_equals_modelopt(axis, dtype):
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize("kind", ["normal", "heavy", "relu", "grow", "zeros"])
-@pytest.mark.parametrize("skip_zeros", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("dtype", "skip_zeros", "kind"),
+                         each_value([torch.float32, torch.bfloat16, torch.float16],
+                                    [False, True], ["normal", "heavy", "relu", "grow", "zeros"]))
 def test_histogram_equals_modelopt(kind, skip_zeros, dtype):
     mo = _mo()
     # ModelOpt's entropy is a Python loop over every candidate (O(bins^2)): the default 2048

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from tiers import each_value
 
 from quantscope.compat import quark
 from quantscope.compat.quark import FP8_E5M3, quark_float_scale
@@ -1002,9 +1003,10 @@ def widening_batches(seed, factor):
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize("name", ["PerTensorMSEObserver", "PerTensorPercentileObserver"])
-@pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False), ("int8", False)])
-@pytest.mark.parametrize("factor", [1.001, 1.5, 3.0])
+@pytest.mark.parametrize(("factor", "dtype", "symmetric", "name"),
+                         each_value([1.001, 1.5, 3.0],
+                                    [("int8", True), ("uint8", False), ("int8", False)],
+                                    ["PerTensorMSEObserver", "PerTensorPercentileObserver"]))
 def test_widening_batch_searches_quarks_candidates(name, dtype, symmetric, factor):
     """A batch that widens the range: Quark appends bins of the first width and bins the
     batch over all of them; quantscope keeps that grid, so counts, edges and qparams are

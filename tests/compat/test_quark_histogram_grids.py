@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from tiers import each_value
 
 pytestmark = pytest.mark.peers
 
@@ -75,8 +76,9 @@ def test_percentile_several_batches_bitwise(dtype, case):
         _assert_same_run(*_pair("PerTensorPercentileObserver", dtype, symmetric), _batches(case))
 
 
-@pytest.mark.parametrize("case", ["grow", "relu", "neg", "shrink"])
-@pytest.mark.parametrize("dtype", ["int4", "uint4", "int8", "uint8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(("dtype", "case"),
+                         each_value(["int4", "uint4", "int8", "uint8", "fp8_e4m3", "fp8_e5m2"],
+                                    ["grow", "relu", "neg", "shrink"]))
 def test_mse_symmetric_several_batches_bitwise(dtype, case):
     # symmetric unsigned: Quark prices (0, c) with zero point 0 over [0, qmax], not mid-range
     _assert_same_run(*_pair("PerTensorMSEObserver", dtype, True), _batches(case))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiers import each_value
 
 from quantscope.compat import quark
 
@@ -65,9 +66,9 @@ def test_asymmetric_int_scales_are_quarks_on_near_ties(dtype, kind, seed, shape)
     assert_same_qparams(*twins(dtype, False), batches(kind, seed, shape))
 
 
-@pytest.mark.parametrize("dtype", ["int4", "uint4", "int8", "uint8", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("kind", ["integers", "randn", "skew", "grow"])
+@pytest.mark.parametrize(("kind", "symmetric", "dtype"),
+                         each_value(["integers", "randn", "skew", "grow"], [True, False],
+                                    ["int4", "uint4", "int8", "uint8", "fp8_e4m3", "fp8_e5m2"]))
 def test_family_scales_are_quarks(dtype, symmetric, kind):
     """Both sides agree, or both raise (Quark's asymmetric grid can put every candidate below
     0, or give its arange an edge more than its bins)."""

@@ -21,7 +21,7 @@ from quantscope.calibration import Auto, Runtime, Sequential, preset
 from quantscope.calibration.choice.auto import OutputDivergence, choose
 from quantscope.calibration.run.gather import share_pieces
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process group
 
 TIMEOUT = 15  # seconds a collective waits for a peer; the spawn gets a few times that
 DIST = Runtime(distributed=True)

@@ -692,7 +692,7 @@ def test_calibrate_distributed_same_on_every_rank(results):
         assert res[r]["calib_auto"]["observers"] == res[0]["calib_auto"]["observers"]
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # spawns its own process group (torchrun)
 def test_torchrun_cli_matches_one_process(tmp_path):
     """``torchrun --nproc-per-node 2 -m quantscope calibrate`` on a tiny BERT (MiniLM's
     tokenizer): rank 0 alone writes, and the qparams equal those of one process."""

@@ -21,7 +21,7 @@ from quantscope import comm
 from quantscope.calibration import Auto, Runtime
 from quantscope.calibration.recipe import preset
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process group
 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 

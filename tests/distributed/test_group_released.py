@@ -18,9 +18,10 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not dist.is_available() or not os.path.isdir("/proc/self/task"),
-    reason="needs torch.distributed and Linux's /proc/self/task (thread names)")
+    reason="needs torch.distributed and Linux's /proc/self/task (thread names)"),
+    pytest.mark.extended]  # spawns its own process group
 
 SCRIPT = textwrap.dedent("""
     import datetime, gc, os, sys, tempfile, time

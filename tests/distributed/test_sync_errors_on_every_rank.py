@@ -19,7 +19,7 @@ from quantscope.observers import sync as qsync
 from quantscope.observers.histogram import PercentileObserver
 from quantscope.spec import QuantSpec
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process group
 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 

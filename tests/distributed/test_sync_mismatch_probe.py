@@ -22,7 +22,7 @@ from quantscope import QuantSpec
 from quantscope import distributed as qd
 from quantscope.calibration import Runtime
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process group
 
 TIMEOUT = 10  # seconds a collective waits for a peer; the spawn gets a few times that
 

@@ -22,7 +22,7 @@ from quantscope.compat import torch_ao
 from quantscope.layout import Block, Channel
 from quantscope.presets import MXFP8
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process group
 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 

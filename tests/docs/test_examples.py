@@ -60,7 +60,11 @@ def test_missing_modules_names_only_absent_packages():
     assert missing_modules("import torch\nfrom no_such_pkg_qs import x\n") == ["no_such_pkg_qs"]
 
 
-@pytest.mark.parametrize("where, code", BLOCKS, ids=[w for w, _ in BLOCKS])
+# a block that loads a real model (SmolLM2-135M, ~25 s) runs in the extended tier
+@pytest.mark.parametrize("where, code", [
+    pytest.param(where, code, id=where,
+                 marks=[pytest.mark.extended] if "load_model(" in code else [])
+    for where, code in BLOCKS])
 def test_block_runs(where, code, tmp_path, monkeypatch):
     missing = missing_modules(code)
     if missing:

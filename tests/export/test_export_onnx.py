@@ -86,6 +86,7 @@ def test_what_onnx_cannot_express_is_an_error_naming_the_layer(bert, tmp_path):
         assert not (tmp_path / "m.onnx").exists()
 
 
+@pytest.mark.extended  # two interpreters end to end
 def test_cli_export_onnx_of_a_calibrate_run(tmp_path):
     """`quantscope calibrate ... --out RUN && quantscope export RUN --format onnx --out m.onnx`:
     the run's recorded model and tokenizer give the example batch; ORT runs the file and

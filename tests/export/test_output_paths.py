@@ -322,6 +322,7 @@ def umask_022():
     os.umask(old)
 
 
+@pytest.mark.extended  # four ONNX exports; the overwrite rules run above in make test
 def test_cli_export_onnx_overwrite_replaces_the_file(run_of_tiny_bert, tmp_path, capsys,
                                                      umask_022):
     pytest.importorskip("onnx")
@@ -465,6 +466,7 @@ def _can_exchange(folder: Path) -> bool:
         shutil.rmtree(folder / "b")
 
 
+@pytest.mark.extended  # concurrent processes
 def test_concurrent_saves_keep_the_target_whole(tmp_path):
     if not _can_exchange(tmp_path):
         pytest.skip("no atomic exchange of two names here: writers take turns on a lock, and "

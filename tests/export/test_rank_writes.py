@@ -69,6 +69,7 @@ def written(tmp_path_factory):
 
 
 @pytest.mark.dist
+@pytest.mark.extended  # spawns its own process group
 def test_rank_1_writes_nothing_and_returns_the_path(written):
     d, ranks = written
     for key, path in (("ct", "ct"), ("ct_mine", "ct_r1"), ("marker", "marker_r1")):
@@ -80,6 +81,7 @@ def test_rank_1_writes_nothing_and_returns_the_path(written):
 
 
 @pytest.mark.dist
+@pytest.mark.extended  # the same process group
 def test_rank_0_writes_whole_folders(written):
     d, ranks = written
     assert rank_results(ranks, "ct")[0] == str(d / "ct")

@@ -89,6 +89,7 @@ def test_bad_scale_is_refused_naming_file_tensor_and_value(exported, tmp_path, k
     assert [p["tensor"] for p in problems] == [key]
 
 
+@pytest.mark.extended  # an interpreter end to end
 def test_cli_check_exits_1_naming_a_nan_per_channel_scale(exported, tmp_path):
     folder = _copy(exported, tmp_path / "bad")
     _edit_tensor(folder, _W, lambda t: t.fill_(float("nan")))

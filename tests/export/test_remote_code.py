@@ -81,6 +81,7 @@ def test_known_model_type_with_auto_map_loads_transformers_own_config(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.extended  # an interpreter end to end
 def test_cli_refuses_even_when_stdin_says_yes(tmp_path):
     folder, marker = _evil_folder(tmp_path)
     for cmd, says in ((["calibrate", "--model", str(folder), "--out", str(tmp_path / "run")],
@@ -94,6 +95,7 @@ def test_cli_refuses_even_when_stdin_says_yes(tmp_path):
         assert not marker.exists(), cmd
 
 
+@pytest.mark.extended  # interpreters end to end
 def test_positive_control_transformers_trusting_the_folder_runs_it(tmp_path):
     folder, marker = _evil_folder(tmp_path)
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}

@@ -414,6 +414,7 @@ def _ddp_worker(rank, port, out):
         raise
 
 
+@pytest.mark.extended  # spawns its own process group
 def test_ddp_statistics_reduce_exactly(tmp_path):
     import torch.multiprocessing as mp
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import each_value
 from triton_interpreter import fresh_interpreter_test
 
 from quantscope.formats import get_format
@@ -212,9 +213,9 @@ def test_nvfp4_mse_is_price_then_select(device, kind):
         assert (idx >= 0).any() and (idx < 0).any()
 
 
-@pytest.mark.parametrize("rules", list(NVFP4_RULES))
-@pytest.mark.parametrize("kind", ["native", "coarse", "nan", "exact"])
-@pytest.mark.parametrize("block_u", [None, 4])
+@pytest.mark.parametrize(("block_u", "kind", "rules"),
+                         each_value([None, 4], ["native", "coarse", "nan", "exact"],
+                                    list(NVFP4_RULES)))
 def test_nvfp4_mse_rules(device, kind, rules, block_u):
     """Every rule set of ``mse_select`` (per-unit patience over plateaus, the global rule
     from every program's flags, ties kept last, none) on codes and on candidates, over
@@ -276,8 +277,7 @@ def test_nvfp4_flags_carry_a_nan_error_as_torch_cummin(device):
     assert torch.equal(seen[0], want)
 
 
-@pytest.mark.parametrize("kind", NVFP4_CASES)
-@pytest.mark.parametrize("block_u", [None, 4])
+@pytest.mark.parametrize(("block_u", "kind"), each_value([None, 4], NVFP4_CASES))
 def test_nvfp4_search_is_price_then_select(device, kind, block_u):
     """The fused search (each distinct block scale priced once where a unit's candidates
     fall through consecutive codes; every candidate elsewhere) chooses what pricing every
@@ -314,8 +314,8 @@ def _check_nvfp4_search(device, kind, block_u, weighted):
         assert (want_idx >= 0).any() and (want_idx < 0).any()  # both outcomes exercised
 
 
-@pytest.mark.parametrize("rules", ["native", "global-rule"])
-@pytest.mark.parametrize("kind", ["native", "coarse"])
+@pytest.mark.parametrize(("kind", "rules"),
+                         each_value(["native", "coarse"], ["native", "global-rule"]))
 def test_weighted_nvfp4_mse_rules(device, kind, rules):
     """The weighted search under every rule set, on codes and on candidates, over programs
     of 4 units (the global rule's flags from the weighted errors)."""
@@ -454,27 +454,28 @@ def test_mx_mse_is_price_then_select(device, kind):
         assert (idx >= 0).any() and (idx < 0).any()
 
 
-@pytest.mark.parametrize("mode", E8M0_MODES)
-@pytest.mark.parametrize("name", ["fp4_e2m1", "fp8_e4m3"])
-@pytest.mark.parametrize("kind", ["mx-wide", "mx-exact"])
+@pytest.mark.parametrize(("kind", "name", "mode"),
+                         each_value(["mx-wide", "mx-exact"], ["fp4_e2m1", "fp8_e4m3"],
+                                    E8M0_MODES))
 def test_mx_mse_modes_and_formats(device, mode, name, kind):
     """Every E8M0 rounding mode on MX element formats (the scale's exponent from the
     format's emax, its mantissa bits for ``even``, its max for ``rceil``)."""
     _check_mx_mse(device, kind, "native", None, name, mode)
 
 
-@pytest.mark.parametrize("rules", list(NVFP4_RULES))
-@pytest.mark.parametrize("kind", ["mx-wide", "mx-coarse", "mx-exact", "nan"])
-@pytest.mark.parametrize("block_u", [None, 4])
+@pytest.mark.parametrize(("block_u", "kind", "rules"),
+                         each_value([None, 4], ["mx-wide", "mx-coarse", "mx-exact", "nan"],
+                                    list(NVFP4_RULES)))
 def test_mx_mse_rules(device, kind, rules, block_u):
     """Every rule set of ``mse_select`` on codes and on candidates, over programs of 4 units
     too (the global rule then spans programs)."""
     _check_mx_mse(device, kind, rules, block_u)
 
 
-@pytest.mark.parametrize(("name", "mode"), [("int8_narrow", "even"), ("int8", "floor")])
-@pytest.mark.parametrize("kind", ["mx-wide", "nan", "mx-overflow"])
-def test_mx_mse_integer_elements(device, name, mode, kind):
+@pytest.mark.parametrize(("kind", "name", "mode"),
+                         each_value(["mx-wide", "nan", "mx-overflow"],
+                                    [("int8_narrow", "even"), ("int8", "floor")]))
+def test_mx_mse_integer_elements(device, kind, name, mode):
     """E8M0 scales over signed integer elements (BFP16's ``int8_narrow`` under ``even``;
     ``int8``, whose qmin -128 is not -qmax): the codes priced as ``mse_price_int`` prices
     them, zero point 0."""

@@ -40,7 +40,8 @@ def _key_state(name):
     return STATE["imatrix_mse" if name == "imatrix_mse" else "histogram"]
 
 
-@pytest.mark.parametrize("strict", [False, True])
+# strict export (torch.export's other tracer) in the extended tier
+@pytest.mark.parametrize("strict", [False, pytest.param(True, marks=pytest.mark.extended)])
 @pytest.mark.parametrize("name,spec", CASES)
 def test_exported_warmed_observer_keeps_updating_as_eager(name, spec, strict):
     torch.manual_seed(0)

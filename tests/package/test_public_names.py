@@ -9,6 +9,8 @@ import subprocess
 import sys
 import types
 
+import pytest
+
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "quantscope"
 
 
@@ -65,6 +67,7 @@ def test_public_functions_keep_their_documented_attributes():
         assert set(module.__all__) <= set(vars(function)), name
 
 
+@pytest.mark.extended  # an interpreter importing every module
 def test_no_module_swaps_its_class_after_every_module_loads():
     # every module of the package imported, then each is a plain module and the public
     # functions are still functions (a submodule import cannot shadow them: distinct names)

@@ -63,6 +63,7 @@ def _recipe(name):
     return preset(name, "minmax")
 
 
+@pytest.mark.extended  # a fuzzer (make fuzz runs it long)
 @CASES
 @given(model=models(), name=st.sampled_from(PRESETS),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),

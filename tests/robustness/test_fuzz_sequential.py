@@ -22,6 +22,7 @@ import os
 import tempfile
 import warnings
 
+import pytest
 import torch
 from fuzzing import DOCUMENTED, FUZZ, count, start
 from hypothesis import given, settings
@@ -184,6 +185,7 @@ def _skeleton_from_checkpoint(model, spec, folder):
     return skeleton
 
 
+@pytest.mark.extended  # a fuzzer (make fuzz runs it long)
 @CASES
 @given(spec=specs(), preset=st.sampled_from(PRESETS), observer=st.sampled_from(["minmax", "mse"]),
        seeds=st.lists(st.integers(0, 2**16), min_size=1, max_size=3),

@@ -1,0 +1,30 @@
+"""make test's tier and the extended one.
+
+``make test`` (the loop before each commit, under 10 minutes on a 2-core machine) runs every
+behaviour; ``make test-extended`` runs the cases marked ``extended``: more combinations of a
+path ``make test`` already runs, more compiler targets, more spawned process groups, real
+models end to end. CI (``.ci/run``) runs both.
+"""
+
+import itertools
+
+import pytest
+
+extended = pytest.mark.extended
+
+
+def each_value(*axes):
+    """The product of ``axes`` as ``pytest.param`` s, the combinations beyond the few that
+    show every value of every axis marked ``extended``: combination ``i`` of those takes
+    each axis's value ``i`` (modulo its length), so ``make test`` runs as many as the
+    longest axis has values, and ``make test-extended`` the rest of the product. A tuple
+    value fills as many arguments as it holds, as a row of ``parametrize`` does."""
+    covered = {tuple(i % len(axis) for axis in axes) for i in range(max(map(len, axes)))}
+    params = []
+    for index in itertools.product(*(range(len(axis)) for axis in axes)):
+        values = [v for axis, i in zip(axes, index)
+                  for v in (axis[i] if isinstance(axis[i], tuple) else (axis[i],))]
+        plain = all(v is None or isinstance(v, (str, int, float)) for v in values)
+        params.append(pytest.param(*values, id="-".join(map(str, values)) if plain else None,
+                                   marks=() if index in covered else (extended,)))
+    return params
