@@ -9,6 +9,7 @@ models end to end. CI (``.ci/run``) runs both.
 import itertools
 
 import pytest
+import torch
 
 extended = pytest.mark.extended
 
@@ -24,7 +25,15 @@ def each_value(*axes):
     for index in itertools.product(*(range(len(axis)) for axis in axes)):
         values = [v for axis, i in zip(axes, index)
                   for v in (axis[i] if isinstance(axis[i], tuple) else (axis[i],))]
-        plain = all(v is None or isinstance(v, (str, int, float)) for v in values)
-        params.append(pytest.param(*values, id="-".join(map(str, values)) if plain else None,
+        names = [_name(v) for v in values]
+        params.append(pytest.param(*values, id=None if None in names else "-".join(names),
                                    marks=() if index in covered else (extended,)))
     return params
+
+
+def _name(value) -> str | None:
+    """A value's part of the case's id (``float16`` for ``torch.float16``); None where pytest
+    should name the case itself."""
+    if value is None or isinstance(value, (str, int, float)):
+        return str(value)
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None

@@ -5,6 +5,7 @@ Horizon's smoothing against its definition, the registry names."""
 import numpy as np
 import pytest
 import torch
+from tiers import each_value
 
 import quantscope as qs
 from quantscope.compat import horizon as hz
@@ -192,8 +193,9 @@ def test_against_quark_histogram_observers(name, symmetric):
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize("seed,ties", [(0, False), (1, False), (2, True)])
-@pytest.mark.parametrize("num_bits,unsigned,stride", [(8, False, 1), (8, True, 1), (4, False, 3)])
+@pytest.mark.parametrize(("num_bits", "unsigned", "stride", "seed", "ties"),
+                         each_value([(8, False, 1), (8, True, 1), (4, False, 3)],
+                                    [(0, False), (1, False), (2, True)]))
 def test_against_modelopt_entropy_and_percentile(seed, ties, num_bits, unsigned, stride):
     # ModelOpt's HistogramCalibrator (TensorRT's steps: collect |x| on [0, amax], then
     # compute_amax) against quantscope's estimators on its histogram: the same threshold bin

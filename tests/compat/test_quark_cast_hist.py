@@ -6,10 +6,12 @@ the peers' venv."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
 import torch
+from tiers import each_value
 
 pytestmark = pytest.mark.peers
 
@@ -53,11 +55,12 @@ def calibrate(name, dtype, symmetric, cast, when, x_dtype, widen):
     return theirs, ours
 
 
-@pytest.mark.parametrize("widen", [False, True])
-@pytest.mark.parametrize("x_dtype", INPUTS)
-@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
-@pytest.mark.parametrize(("dtype", "symmetric"), QSPECS)
-@pytest.mark.parametrize("name", ESTIMATORS)
+# every cast with every input dtype in make test, the rest of the product extended
+@pytest.mark.parametrize(("name", "dtype", "symmetric", "cast", "x_dtype", "widen"),
+                         each_value(ESTIMATORS, QSPECS,
+                                    list(itertools.product(["half", "bfloat16", "double"],
+                                                           INPUTS)),
+                                    [False, True]))
 def test_cast_before_data_keeps_float32_grid(name, dtype, symmetric, cast, x_dtype, widen):
     """The reported case (``obs.half()`` then float16 batches): Quark's scale is float32
     (its float32 search, clamped by the cast eps), not the cast's dtype; after ``.double()``

@@ -3,6 +3,7 @@
 import itertools
 
 import pytest
+import torch
 from tiers import each_value
 
 
@@ -29,4 +30,5 @@ def test_a_tuple_value_fills_several_arguments_and_ids_name_the_values():
                                                                      "floor")]
     assert [p.id for p in params] == ["None-int8-even", "None-int8_narrow-floor",
                                       "4-int8-even", "4-int8_narrow-floor"]
+    assert each_value([torch.bfloat16], [1.5])[0].id == "bfloat16-1.5"
     assert each_value([object()])[0].id is None  # pytest's own id for a value not plain
