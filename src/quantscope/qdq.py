@@ -62,8 +62,9 @@ def _per_unit(qparams: QParams, spec: QuantSpec, shape, who: str = "qparams", de
             f"{tuple(shape)} has {units} units")
     for name in ("scale", "zero_point"):
         got = tuple(getattr(qparams, name).shape)
-        # leading 1s aside: a [B, T, C] activation's (1, 1, C) scales run on its [N, C] rows
-        if units > 1 and _lstrip_ones(got) not in (_lstrip_ones(qshape), (units,)):
+        # leading 1s aside: a [B, T, C] activation's (1, 1, C) scales run on its [N, C] rows;
+        # the flat form exactly (a (1, N) is another layout's row of scales, not flat)
+        if units > 1 and got != (units,) and _lstrip_ones(got) != _lstrip_ones(qshape):
             raise ValueError(f"{who}: qparams.{name} must have shape {qshape} ({spec.layout} "
                              f"on a tensor of shape {tuple(shape)}) or ({units},), got {got}")
     return scale.reshape(units, 1).float(), qparams.zero_point.reshape(units, 1).float()

@@ -52,6 +52,24 @@ def test_qparams_of_another_layout_are_refused(check):
         dequantize(x, QParams(q.scale, q.zero_point.reshape(2, 4)), g, check=check)
 
 
+@pytest.mark.parametrize(("theirs", "ours"), [("channel:1", "channel:0"), ("channel:-1", "token")])
+@pytest.mark.parametrize("check", [True, False])
+def test_a_row_of_scales_is_not_taken_as_the_flat_form(theirs, ours, check):
+    """Probe s23/layouts: on a square tensor (1, 4) scales (one a column) passed for a layout
+    of (4, 1) were taken as the flat (4,) form and applied per row."""
+    x = torch.randn(4, 4)
+    q = _observed(QuantSpec("int8", theirs), x)
+    assert tuple(q.scale.shape) == (1, 4)
+    with pytest.raises(ValueError, match=r"qparams.scale must have shape \(4, 1\).*got \(1, 4\)"):
+        fake_quantize(x, q, QuantSpec("int8", ours), check=check)
+    # an activation's (1, 1, C) scales still run on its [B, T, C] rows
+    a = torch.randn(2, 3, 4)
+    per_channel = QuantSpec("int8", "channel:-1")
+    q = _observed(per_channel, a)
+    lifted = QParams(q.scale.reshape(1, 1, 4), q.zero_point.reshape(1, 1, 4))
+    assert torch.equal(fake_quantize(a, lifted, per_channel), fake_quantize(a, q, per_channel))
+
+
 def test_layout_and_flat_qparams_still_run():
     g = QuantSpec("int4", "group:4")
     x = torch.randn(4, 8)
