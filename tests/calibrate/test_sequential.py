@@ -48,7 +48,9 @@ def _assert_same(a, b, layers=None):
         assert torch.equal(qa[k].zero_point, qb[k].zero_point), k
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+# untied embeddings in the extended tier: the other sequential tests' models are untied
+@pytest.fixture(scope="module", ids=["tied", "untied"],
+                params=[True, pytest.param(False, marks=pytest.mark.extended)])
 def saved(request, tmp_path_factory):
     model = _model(tied=request.param)
     path = tmp_path_factory.mktemp("llama")

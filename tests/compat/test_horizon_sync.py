@@ -20,7 +20,8 @@ from test_horizon_exact import kl_observer_amax, mse_ends, percentile_ends
 
 from quantscope.compat import horizon as hz
 
-pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process group
+# the tests of the spawned ranks are extended (they spawn their own process group)
+pytestmark = pytest.mark.dist
 
 TIMEOUT = 30  # seconds a collective waits for a peer
 W, C = 2, 0.3
@@ -134,6 +135,7 @@ def ranks():
     return spawn_ranks(_scenarios, W, TIMEOUT)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", list(CASES))
 def test_sync_is_the_min_max_of_each_ranks_averaged_ends_at_read(ranks, name):
     _, ends_of, batches, interval, reads = CASES[name]
@@ -160,6 +162,7 @@ def test_the_rule_tells_the_per_rank_average_from_an_average_of_the_merged_ends(
     assert abs(max(-lo, hi) / 127.5 - want) > 1e-3 * want
 
 
+@pytest.mark.extended
 def test_kl_before_its_first_interval_returns_the_default_with_a_warning(ranks):
     # read 0 of "kl" came before any interval finished: no ends on any rank, no all-reduce
     for got, warned in zip(rank_results(ranks, "kl"), rank_results(ranks, "kl/warned")):

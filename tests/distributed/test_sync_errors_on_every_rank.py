@@ -19,7 +19,8 @@ from quantscope.observers import sync as qsync
 from quantscope.observers.histogram import PercentileObserver
 from quantscope.spec import QuantSpec
 
-pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process group
+# the tests of the spawned ranks are extended (they spawn their own process group)
+pytestmark = pytest.mark.dist
 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 
@@ -120,6 +121,7 @@ def ranks():
                   "|x| up to 1e+38")),
     ("calibrate", "ValueError: sync: state of 9 dims; at most 8 are supported"),
 ])
+@pytest.mark.extended
 def test_an_error_on_one_rank_raises_the_same_error_on_every_rank(ranks, key, message):
     # rank 0 raises its own error; rank 1, which would wait in a collective, the same type
     # and message, naming the failing rank
@@ -128,12 +130,14 @@ def test_an_error_on_one_rank_raises_the_same_error_on_every_rank(ranks, key, me
     assert got[1] == f"{got[0]} (sync failed on rank(s) [0])"
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("key", ["9d", "ema_huge", "mismatch", "calibrate"])
 def test_the_ranks_stay_in_step_after_the_error(ranks, key):
     # rank r observed [r, -2r]: the global range is the same on both ranks
     assert rank_results(ranks, f"{key}/after") == [(-2.0, 1.0)] * 2
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("key", ["sym_vs_asym", "int8_vs_fp8", "absolute", "bins"])
 def test_observers_configured_differently_raise_on_every_rank(ranks, key):
     for got in rank_results(ranks, key):
@@ -141,6 +145,7 @@ def test_observers_configured_differently_raise_on_every_rank(ranks, key):
             "ValueError: sync: the ranks sync different observers"), got
 
 
+@pytest.mark.extended
 def test_the_observers_own_reason_is_kept(ranks):
     for got in rank_results(ranks, "grid_first"):
         assert got.startswith("NotImplementedError: ") and "grid='first' histograms" in got, got

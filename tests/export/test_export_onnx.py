@@ -49,7 +49,8 @@ def _ort_vs_fake_quant(model, batches, calib, path):
     return got, ref, qonnx.integer_kernel_counts(opt)
 
 
-@pytest.mark.parametrize("recipe", ["w8a8", "w4a8"])
+# int4 weights: test_4_and_16_bit_weights_equal_fake_quant in make test
+@pytest.mark.parametrize("recipe", ["w8a8", pytest.param("w4a8", marks=pytest.mark.extended)])
 def test_static_activations_equal_fake_quant_and_integer_kernels(bert, tmp_path, recipe):
     model, batches = bert
     calib = calibrate(model, batches, preset(recipe, "minmax", ignore=["*pooler*"]),
