@@ -275,3 +275,18 @@ def test_a_loaded_grown_grid_replaces_the_cached_one():
     fresh.collect(x)
     grown[1].collect(x)
     assert torch.equal(fresh._calib_hist, grown[1]._calib_hist)
+
+
+def test_the_cached_grown_edge_follows_the_module_to_another_device():
+    """Second reading: the kept last edge is a plain attribute, which ``Module.to`` does not
+    move; the grown grid's top must be on the histogram's device after a move."""
+    g = torch.Generator().manual_seed(12)
+    c = HistogramCalibrator(num_bins=64)
+    c.collect(torch.randn(500, generator=g))
+    c.collect(5.0 * torch.randn(500, generator=g))  # grows the grid
+    assert c._calib_hist.shape[0] > 64
+    before = c._linear_top().clone()
+    c.to("meta")
+    top = c._linear_top()
+    assert top.device == c.hist_hi.device == torch.device("meta")
+    assert top.shape == before.shape

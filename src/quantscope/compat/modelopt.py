@@ -391,7 +391,9 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         if self.hist_counts.shape[-1] == self.bins:
             return self.hist_hi
         if self._grown_edge is None:
-            self._grown_edge = self._modelopt_edges()[-1:].to(self.hist_hi.device)
+            self._grown_edge = self._modelopt_edges()[-1:]
+        if self._grown_edge.device != self.hist_hi.device:  # Module.to moves no plain attribute
+            self._grown_edge = self._grown_edge.to(self.hist_hi.device)
         return self._grown_edge
 
     def _append_bins(self, hi) -> bool:
