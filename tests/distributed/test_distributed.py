@@ -116,6 +116,31 @@ class _HistObserver(quantscope.Observer):
 
 
 # --------------------------------------------------------------------------- worker
+class _LlamaShaped(torch.nn.Module):
+    """One decoder layer with Llama's module names (what SmoothQuant's mappings match), in
+    plain torch: importing transformers costs each spawned rank ~8 s."""
+
+    def __init__(self, width=16, hidden=32, vocab=32):
+        super().__init__()
+        lin = torch.nn.Linear
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.input_layernorm = torch.nn.RMSNorm(width)
+        self.self_attn = torch.nn.ModuleDict({n: lin(width, width, bias=False)
+                                              for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        self.post_attention_layernorm = torch.nn.RMSNorm(width)
+        self.mlp = torch.nn.ModuleDict({"gate_proj": lin(width, hidden, bias=False),
+                                        "up_proj": lin(width, hidden, bias=False),
+                                        "down_proj": lin(hidden, width, bias=False)})
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        h, a = self.input_layernorm(x), self.self_attn
+        attn = torch.softmax(a.q_proj(h) @ a.k_proj(h).transpose(-1, -2), -1) @ a.v_proj(h)
+        x = x + a.o_proj(attn)
+        h, m = self.post_attention_layernorm(x), self.mlp
+        return x + m.down_proj(torch.nn.functional.silu(m.gate_proj(h)) * m.up_proj(h))
+
+
 def _scenarios(r, w, group=None):
     out = {}
     fams = _families()
@@ -397,15 +422,11 @@ def _scenarios(r, w, group=None):
                       "ref": {k: v.scale for k, v in ref.items()}, "owner": owner}
 
     # SmoothQuant's channel ranges: each rank its shard, one collective for all mappings
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from quantscope import comm
     from quantscope.calibration.choice import smooth as sm
 
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2,
-                                         num_key_value_heads=1, vocab_size=32)).eval()
+    llama = _LlamaShaped().eval()
     g = torch.Generator().manual_seed(5)
     ids = [torch.randint(0, 32, (1, 6), generator=g) for _ in range(2 * w)]
     maps = sm.find_mappings(llama)
