@@ -24,6 +24,35 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_language_once()
 
 
+def _share_torchlib_ops():
+    """Every ``torch.onnx.export`` rebuilds its op registry from onnxscript's torchlib,
+    parsing the source of ~500 functions (1.6 s of a 2-3 s export of a small model). The
+    list depends only on the installed onnxscript, so the suite's exports share one: cached
+    at the first export (private names: where they moved, exports just run uncached)."""
+    import functools
+    import importlib
+
+    import torch.onnx
+
+    export = torch.onnx.export
+
+    @functools.wraps(export)
+    def first_export(*args, **kwargs):
+        torch.onnx.export = export
+        try:
+            from torch.onnx._internal import _lazy_import
+
+            apis = importlib.import_module(_lazy_import.onnxscript_apis._name)
+            apis.get_torchlib_ops = functools.cache(apis.get_torchlib_ops)
+        except (ImportError, AttributeError):
+            pass
+        return export(*args, **kwargs)
+
+    torch.onnx.export = first_export
+
+
+_share_torchlib_ops()
+
 _SYNCS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 

@@ -37,8 +37,21 @@ def bert():
     return model, batches
 
 
-def _ort_vs_fake_quant(model, batches, calib, path):
+@pytest.fixture(scope="module")
+def bert_w8a8(bert, tmp_path_factory):
+    """``bert`` calibrated w8a8 and exported once (an export costs seconds): the tests that
+    read the same file share it. ``(calib, path)``."""
+    model, batches = bert
+    calib = calibrate(model, batches, preset("w8a8", "minmax", ignore=["*pooler*"]),
+                      progress=False)
+    path = tmp_path_factory.mktemp("bert_w8a8") / "m.onnx"
     export.export(calib, model, path, format="onnx", example_inputs=batches[0])
+    return calib, path
+
+
+def _ort_vs_fake_quant(model, calib, path):
+    """ORT's output of the exported ``path`` and fake-quant's on a batch of another shape,
+    and the integer kernels ORT's optimized graph runs."""
     opt = str(path) + ".opt.onnx"
     sess = qonnx.session(path, threads=1, optimized_model_path=opt)
     test = {"input_ids": torch.randint(0, 200, (3, 11), generator=torch.Generator().manual_seed(5)),
@@ -51,11 +64,17 @@ def _ort_vs_fake_quant(model, batches, calib, path):
 
 # int4 weights: test_4_and_16_bit_weights_equal_fake_quant in make test
 @pytest.mark.parametrize("recipe", ["w8a8", pytest.param("w4a8", marks=pytest.mark.extended)])
-def test_static_activations_equal_fake_quant_and_integer_kernels(bert, tmp_path, recipe):
+def test_static_activations_equal_fake_quant_and_integer_kernels(bert, tmp_path, recipe,
+                                                                 request):
     model, batches = bert
-    calib = calibrate(model, batches, preset(recipe, "minmax", ignore=["*pooler*"]),
-                      progress=False)
-    got, ref, counts = _ort_vs_fake_quant(model, batches, calib, tmp_path / "m.onnx")
+    if recipe == "w8a8":
+        calib, path = request.getfixturevalue("bert_w8a8")
+    else:
+        calib = calibrate(model, batches, preset(recipe, "minmax", ignore=["*pooler*"]),
+                          progress=False)
+        path = tmp_path / "m.onnx"
+        export.export(calib, model, path, format="onnx", example_inputs=batches[0])
+    got, ref, counts = _ort_vs_fake_quant(model, calib, path)
     assert got.shape == ref.shape
     err = np.abs(got - ref).max()
     assert err <= 1e-3 * np.abs(ref).max(), err
@@ -71,7 +90,8 @@ def test_weight_only_equal_fake_quant(bert, tmp_path):
     w8a16 = Recipe(Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, "minmax")),
                    ignore=("*pooler*",))
     calib = calibrate(model, batches, w8a16, progress=False)
-    got, ref, _ = _ort_vs_fake_quant(model, batches, calib, tmp_path / "m.onnx")
+    export.export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=batches[0])
+    got, ref, _ = _ort_vs_fake_quant(model, calib, tmp_path / "m.onnx")
     assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
@@ -117,7 +137,7 @@ def test_cli_export_onnx_of_a_calibrate_run(tmp_path):
     assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
-def test_every_quantized_linear_input_equals_fake_quant_codes(bert, tmp_path):
+def test_every_quantized_linear_input_equals_fake_quant_codes(bert, bert_w8a8):
     """Layer by layer, the DequantizeLinear output feeding each Linear in ONNX Runtime's
     reference execution (no graph optimizations) equals the input Calibration.apply hands
     that Linear in torch: exactly, not to a tolerance. Rounding mode, zero point (and its
@@ -125,10 +145,7 @@ def test_every_quantized_linear_input_equals_fake_quant_codes(bert, tmp_path):
     final-output tolerance could hide it; on MiniLM the only differences are isolated one-code
     flips where float rounding in attention (1e-6) crosses a rounding boundary (docs)."""
     model, batches = bert
-    calib = calibrate(model, batches, preset("w8a8", "minmax", ignore=["*pooler*"]),
-                      progress=False)
-    path = tmp_path / "m.onnx"
-    export.export(calib, model, path, format="onnx", example_inputs=batches[0])
+    calib, path = bert_w8a8
     proto = onnx.load(str(path))
     for layer in calib.states:
         proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(f"{layer}.input_dq"))
@@ -153,12 +170,11 @@ def test_every_quantized_linear_input_equals_fake_quant_codes(bert, tmp_path):
         np.testing.assert_array_equal(outs[f"{layer}.input_dq"], x.numpy(), err_msg=layer)
 
 
-def test_uint8_storage_equals_fake_quant_too(bert, tmp_path):
+def test_uint8_storage_equals_fake_quant_too(bert, bert_w8a8, tmp_path):
     """``uint8=True`` (codes and zero points + 128, ORT's u8u8 kernel in any session) runs the
     same values as the default int8 storage."""
     model, batches = bert
-    calib = calibrate(model, batches, preset("w8a8", "minmax", ignore=["*pooler*"]),
-                      progress=False)
+    calib, _ = bert_w8a8
     path = tmp_path / "u8.onnx"
     export.export(calib, model, path, format="onnx", example_inputs=batches[0], uint8=True)
     w = [t for t in onnx.load(str(path)).graph.initializer if t.name.endswith(".weight_q")]
