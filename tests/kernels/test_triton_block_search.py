@@ -165,7 +165,9 @@ def _programs_of(args, block_u):
     return tuple(a if i in (3, 6) else a[:rows] for i, a in enumerate(args))
 
 
-def _check_nvfp4_mse(device, kind, rules, block_u, weighted=False):
+def _check_nvfp4_mse(device, kind, rules, block_u, weighted=False, op=True):
+    """The kernel's choices on ``kind``'s case under ``rules`` equal the torch path's; with
+    ``op`` also the op's CUDA implementation's (the same kernel: its launcher's arguments)."""
     from quantscope.kernels import block_ops, ops
     from quantscope.kernels.triton import block_search
 
@@ -188,8 +190,8 @@ def _check_nvfp4_mse(device, kind, rules, block_u, weighted=False):
                                   block_search.NVFP4, 2.0 ** -9, ext,
                                   None if patience < 0 else patience, per_unit, use_global,
                                   tie_last, stop, weights=dev_w, block_u=block_u)]
-    if block_u is None or weighted:  # the op's CUDA implementation (the launcher's
-        # arguments from the formats), once per case and weighting: its programs the default
+    if op and (block_u is None or weighted):  # the op's CUDA implementation (the launcher's
+        # arguments from the formats), once per rule set and weighting: its programs the default
         got.append(block_ops._cuda_nvfp4_mse(*dev_args, "fp4_e2m1", 2.0 ** -9, ext, patience,
                                              per_unit, use_global, tie_last, dev_w))
     for idx, best in got:
@@ -208,7 +210,7 @@ def test_nvfp4_mse_is_price_then_select(device, kind):
     the global rule's flags per program; the candidates then walked in order, each error
     read from its code's row) chooses what pricing every candidate (``nvfp4_price``) and
     ``mse_select`` choose."""
-    idx = _check_nvfp4_mse(device, kind, "native", None)
+    idx = _check_nvfp4_mse(device, kind, "native", None, op=kind == "native")
     if kind == "native":  # both outcomes exercised
         assert (idx >= 0).any() and (idx < 0).any()
 
@@ -405,7 +407,8 @@ MX_CASES = ["native", "mx-wide", "coarse", "rising", "nan", "e12", "one", "negat
 
 
 def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor",
-                  weighted=False):
+                  weighted=False, op=True):
+    """As ``_check_nvfp4_mse``, on MX's E8M0 scales of element format ``name``."""
     from quantscope.kernels import block_ops, ops
     from quantscope.kernels.triton import block_search
 
@@ -430,8 +433,8 @@ def _check_mx_mse(device, kind, rules, block_u, name="fp4_e2m1", mode="floor",
                                   None if patience < 0 else patience, per_unit, use_global,
                                   tie_last, stop, qmin=float(fmt.qmin) if ints else None,
                                   weights=dev_w, block_u=block_u)]
-    if block_u is None or weighted:  # the op's CUDA implementation (the launcher's
-        # arguments from the format, mode), once per case and weighting: its programs the default
+    if op and (block_u is None or weighted):  # the op's CUDA implementation (the launcher's
+        # arguments from the format, mode), once per rule set, format, mode and weighting
         got.append(block_ops._cuda_mx_mse(*dev_args, name, mode, ext, patience, per_unit,
                                           use_global, tie_last, dev_w))
     for idx, best in got:
@@ -449,7 +452,7 @@ def test_mx_mse_is_price_then_select(device, kind):
     candidates fall through consecutive codes, every candidate elsewhere; then walked under
     ``mse_select``'s rules) chooses what pricing every candidate (``mx_price``) and
     ``mse_select`` choose."""
-    idx = _check_mx_mse(device, kind, "native", None)
+    idx = _check_mx_mse(device, kind, "native", None, op=kind == "native")
     if kind in ("mx-wide", "coarse", "mx-coarse"):  # both outcomes exercised
         assert (idx >= 0).any() and (idx < 0).any()
 

@@ -802,7 +802,7 @@ def _assert_same_state(got, want) -> None:
         assert bool(same.all()), (name, a, b)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(U=st.sampled_from([1, 5]), bins=st.sampled_from([2, 16, 128, 2048]),
        absolute=st.booleans(), block=st.sampled_from([64, 1024]), data=st.data())
 def test_hist_regrid_is_update_grid(device, U, bins, absolute, block, data):
