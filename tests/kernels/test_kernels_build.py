@@ -105,21 +105,32 @@ def test_cc_with_arguments_builds(fresh, monkeypatch):
 
 
 @needs_cc
-def test_corrupt_cached_library_is_rebuilt(fresh, monkeypatch):
-    """A damaged cache entry (a crash mid-copy, a full disk) is built again, silently; in a
-    new process, as this one keeps the library it loaded (dlopen reuses it by path)."""
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_damaged_cached_library_is_rebuilt(fresh, monkeypatch, damage):
+    """A damaged cache entry (a crash mid-copy, a full disk: bytes that are no library, or
+    a library cut short) is built again, silently, not mapped: ctypes loads a truncated file
+    and the process dies (SIGBUS) when it runs the missing code. Checked in a new process,
+    as this one keeps the library it loaded (dlopen reuses it by path), and a crash there
+    fails the test, not pytest."""
     monkeypatch.setenv("CC", CC)
     _minmax_works()
     (built,) = fresh.glob("unit_minmax-*.so")
+    good = built.read_bytes()
     built.unlink()  # a new file under the name: this process still maps the old one
-    built.write_bytes(b"not a shared object")
-    code = ("import warnings; from quantscope import kernels; "
-            "warnings.simplefilter('error'); print(kernels.lib('unit_minmax') is not None)")
+    built.write_bytes(b"not a shared object" if damage == "corrupt" else good[:len(good) // 2])
+    code = ("import warnings, torch; from quantscope import kernels; "
+            "warnings.simplefilter('error'); lib = kernels.lib('unit_minmax'); "
+            "x = torch.randn(4, 64); lo, hi, ends = torch.empty(4), torch.empty(4), "
+            "torch.empty(2); lib.qs_unit_minmax(x.data_ptr(), 4, 64, lo.data_ptr(), "
+            "hi.data_ptr(), ends.data_ptr(), 1, 0, 0.0, None, None, 0, 0); "
+            "ref = torch.aminmax(x, dim=1); "
+            "print(torch.equal(lo, ref.min) and torch.equal(hi, ref.max))")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        check=False, timeout=300)
-    assert r.stdout.strip() == "True", r.stderr
-    assert built.read_bytes()[:4] == b"\x7fELF"
+    assert (r.returncode, r.stdout.strip()) == (0, "True"), r.stderr
+    rebuilt = built.read_bytes()
+    assert rebuilt[:4] == b"\x7fELF" and len(rebuilt) == len(good)
 
 
 @needs_cc
@@ -179,35 +190,6 @@ def test_cache_key_has_no_host_name(fresh, monkeypatch):
     monkeypatch.setattr(kernels, "_libs", {})
     kernels.lib("entropy")
     assert {p.name for p in fresh.glob("entropy-*.so")} == first
-
-
-@needs_cc
-def test_truncated_cached_library_is_rebuilt(tmp_path):
-    """A library cut short in the cache (a full disk, an interrupted copy) is rebuilt, not
-    mapped: ctypes loads a truncated file and the process dies (SIGBUS) when it runs the
-    missing code. Both steps run in child processes: a crash fails the test, not pytest."""
-    env = {k: v for k, v in os.environ.items() if k != "QUANTSCOPE_NO_KERNEL"}
-    env.update(QUANTSCOPE_CACHE=str(tmp_path), CC=CC, PYTHONPATH=str(ROOT / "src"))
-    code = ("import torch; from quantscope import kernels; lib = kernels.lib('unit_minmax'); "
-            "x = torch.randn(4, 64); lo, hi, ends = torch.empty(4), torch.empty(4), "
-            "torch.empty(2); lib.qs_unit_minmax(x.data_ptr(), 4, 64, lo.data_ptr(), "
-            "hi.data_ptr(), ends.data_ptr(), 1, 0, 0.0, None, None, 0, 0); "
-            "ref = torch.aminmax(x, dim=1); "
-            "print(torch.equal(lo, ref.min) and torch.equal(hi, ref.max))")
-
-    def run():
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env=env, check=False, timeout=300)
-
-    first = run()
-    assert (first.returncode, first.stdout.strip()) == (0, "True"), first.stderr
-    (built,) = tmp_path.glob("unit_minmax-*.so")
-    size = built.stat().st_size
-    with open(built, "r+b") as f:
-        f.truncate(size // 2)
-    second = run()
-    assert (second.returncode, second.stdout.strip()) == (0, "True"), second.stderr
-    assert built.stat().st_size == size
 
 
 def _unwritable_cache(kind, tmp_path):
