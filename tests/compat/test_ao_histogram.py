@@ -40,7 +40,7 @@ _KWARGS = [{}, {"bins": 256}, {"bins": 64}, {"qscheme": torch.per_tensor_symmetr
            {"reduce_range": True}, {"quant_min": 0, "quant_max": 15}, {"bins": 100}]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 7),
        scales=st.lists(st.floats(0.01, 50.0), min_size=1, max_size=7),
        shifts=st.lists(st.floats(-5.0, 5.0), min_size=1, max_size=3),

@@ -6,8 +6,6 @@ as torch.ao's does, and ``l2_range`` refuses a histogram without bins."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -186,19 +184,12 @@ def test_non_dense_batch_fails_as_torch_ao(layout, scripted):
 
 
 def test_jagged_batch_fails_as_torch_ao():
-    """In a child process: before the fix the C path read the jagged tensor's memory and
-    crashed the interpreter."""
-    code = ("import torch, warnings; warnings.simplefilter('ignore')\n"
-            "from quantscope.compat import torch_ao as qa\n"
-            "x = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], "
-            "layout=torch.jagged)\n"
-            "try:\n    qa.HistogramObserver()(x)\n"
-            "except NotImplementedError as e:\n    print('refused:', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, check=False)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "refused: HistogramObserver: x must be a dense" in out.stdout
-    assert isinstance(_error(ao.HistogramObserver(), _jagged()), NotImplementedError)
+    """Before the fix the C path read the jagged tensor's memory and crashed the interpreter
+    (under make test's workers a crash still fails the test: pytest-xdist reports it)."""
+    ours, theirs = _error(qa.HistogramObserver(), _jagged()), _error(ao.HistogramObserver(),
+                                                                     _jagged())
+    assert isinstance(ours, NotImplementedError) and isinstance(theirs, NotImplementedError)
+    assert "HistogramObserver: x must be a dense" in str(ours)
 
 
 # ------------------------------------------------------------------ 5: l2_range
