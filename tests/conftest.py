@@ -26,9 +26,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 def _share_torchlib_ops():
     """Every ``torch.onnx.export`` rebuilds its op registry from onnxscript's torchlib,
-    parsing the source of ~500 functions (1.6 s of a 2-3 s export of a small model). The
-    list depends only on the installed onnxscript, so the suite's exports share one: cached
-    at the first export (private names: where they moved, exports just run uncached)."""
+    parsing the source of ~500 functions (~0.7 s of a small model's 1.5-2 s export). The
+    list depends only on the installed onnxscript, so the suite's exports share one, cached
+    at the first export (private names: where they have moved, exports run uncached)."""
     import functools
     import importlib
 
