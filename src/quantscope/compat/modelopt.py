@@ -429,15 +429,27 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         return amax.reshape(()).float().abs().cpu().clone()
 
     def _method_amax(self, hist, method, stride, start_bin, percentile) -> torch.Tensor:
-        if method == "entropy":
-            return entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned,
-                                start_bin=start_bin, stride=stride, trim=False)
-        if method == "mse":
+        if method == "mse":  # bin centres (ModelOpt's; module doc)
             return histogram_mse_range(hist, self.spec, start_bin=start_bin, stride=stride,
                                        refine=None)[1]
-        if percentile == 0:  # ModelOpt's edges[searchsorted(cdf, 0)]: the first edge
+        if method == "entropy":
+            amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned,
+                                start_bin=start_bin, stride=stride, trim=False)
+        elif percentile == 0:  # ModelOpt's edges[searchsorted(cdf, 0)]: the first edge
             return hist.lo
-        return percentile_range(hist, percentile, convention="lower")[1]
+        else:
+            amax = percentile_range(hist, percentile, convention="lower")[1]
+        return self._modelopt_edge(amax, hist)
+
+    def _modelopt_edge(self, amax: torch.Tensor, hist) -> torch.Tensor:
+        """``amax``, an edge ``lo + i * width`` of the grid, as ModelOpt returns it: its own
+        ``_calib_bin_edges[i]`` (linspace's, or arange's float32 steps on a grown grid, which
+        differ from ``lo + i * width`` in the last bit)."""
+        if not self._linear:
+            return amax
+        edges = self._modelopt_edges().to(amax.device)
+        i = ((amax.double() - hist.lo.double()) / hist.width.double()).round().long()
+        return edges[i.clamp(0, edges.numel() - 1)].reshape(amax.shape)
 
     def reset(self) -> None:
         super().reset()
