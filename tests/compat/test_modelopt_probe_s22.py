@@ -258,23 +258,34 @@ def test_errors_equal_modelopts():
         mo.HistogramCalibrator(axis=0)
 
 
-def test_a_loaded_grown_grid_replaces_the_cached_one():
-    """A grown grid's last edge is kept between batches: loading another grown state must
-    count the next batch on the loaded grid, as a fresh calibrator loading it does."""
-    g = torch.Generator().manual_seed(11)
-    grown = []
-    for scale in (3.0, 7.0):
-        c = HistogramCalibrator(num_bins=64)
-        c.collect(torch.randn(500, generator=g))
-        c.collect(scale * torch.randn(500, generator=g))  # grows the grid
-        grown.append(c)
-    fresh = HistogramCalibrator(num_bins=64)
-    fresh.load_state_dict(grown[0].state_dict())
-    grown[1].load_state_dict(grown[0].state_dict())
-    x = 2.5 * torch.randn(500, generator=g)  # within the loaded grid
-    fresh.collect(x)
-    grown[1].collect(x)
-    assert torch.equal(fresh._calib_hist, grown[1]._calib_hist)
+def test_a_tensor_quantizer_with_our_calibrator_has_modelopt_state_keys():
+    """Probe s24: ModelOpt's calibrators are plain objects, so a TensorQuantizer saves only
+    its own keys; ours, a module, added ``_calibrator.*`` and strict loads failed both ways."""
+    cfg = pytest.importorskip("modelopt.torch.quantization.config")
+    qnn = pytest.importorskip("modelopt.torch.quantization.nn")
+    theirs = qnn.TensorQuantizer(cfg.QuantizerAttributeConfig(num_bits=8, calibrator="max"))
+    ours = qnn.TensorQuantizer(cfg.QuantizerAttributeConfig(
+        num_bits=8, calibrator=(MaxCalibrator, (8, None, False), {})))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(13))
+    for q in (theirs, ours):
+        q.disable_quant()
+        q.enable_calib()
+        q(x)
+        q.load_calib_amax()
+        q.enable_quant()
+        q.disable_calib()
+    assert isinstance(ours._calibrator, MaxCalibrator)
+    assert sorted(ours.state_dict()) == sorted(theirs.state_dict()) == ["_amax"]
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    assert torch.equal(ours._amax, theirs._amax)
+    for cal in (MaxCalibrator(), HistogramCalibrator()):  # alone: no state, as ModelOpt's
+        cal.collect(x)
+        assert cal.state_dict() == {}
+        with pytest.raises(RuntimeError, match="Unexpected key"):
+            cal.load_state_dict({"max_vals": torch.ones(1)})
+        cal.load_state_dict({})  # nothing to load: the collected state stays
+        assert cal.has_observed
 
 
 def test_the_cached_grown_edge_follows_the_module_to_another_device():

@@ -34,7 +34,9 @@ its ``RuntimeError``). ``unsigned`` takes True / False and 1 / 0.
 
 Both are observers too: ``forward`` / ``qparams()`` run the native observer (the histogram's
 estimate is the entropy amax); they register as ``"modelopt:MaxCalibrator"`` and
-``"modelopt:HistogramCalibrator"``.
+``"modelopt:HistogramCalibrator"``. As ModelOpt's calibrators (plain objects), they save and
+load no state: a ``TensorQuantizer`` built with one (its config takes a calibrator class) has
+ModelOpt's state_dict keys, and loads ModelOpt's strictly.
 
 Known differences: ModelOpt's ``"mse"`` calls ``fake_tensor_quant(centers, amax, num_bits,
 unsigned)`` whose third parameter is now ``bias``, so it returns its first candidate
@@ -155,6 +157,10 @@ class ModelOptCalibrator:
     """Mixin (put it before the native class): ModelOpt's arguments in, ``_num_bits``,
     ``_axis`` and ``_unsigned`` kept as ModelOpt's ``_Calibrator`` keeps them, and settable
     after construction as its ``TensorQuantizer`` sets them (:meth:`_configure`)."""
+
+    #: ModelOpt's calibrators are plain objects: a TensorQuantizer holding ours (its config
+    #: takes a calibrator class) saves and loads only its own keys, as with ModelOpt's
+    _saves_state = False
 
     def __init__(self, num_bits=8, axis=None, unsigned=False, **native):
         if "spec" in native:
@@ -381,13 +387,11 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         if bins == self.bins:
             return edges
         w = edges[1] - edges[0]
-        if self._grown_top is None:  # a loaded state: arange's values, one per bin edge
-            return torch.arange(bins + 1, dtype=torch.float32) * w
         return torch.arange(0, self._grown_top + w, w)
 
     def _linear_top(self):
         # histc's max on a grown grid: ModelOpt's last edge (float32 steps, not float64's),
-        # kept when the grid grows (read 2-3 times a batch; a loaded state's computed once)
+        # kept when the grid grows (read 2-3 times a batch)
         if self.hist_counts.shape[-1] == self.bins:
             return self.hist_hi
         if self._grown_edge is None:
@@ -454,10 +458,6 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
     def reset(self) -> None:
         super().reset()
         self._grown_top = self._grown_edge = None
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self._grown_top = self._grown_edge = None  # the loaded grid's, not this one's
 
     def _estimate(self, hist):  # forward / qparams: ModelOpt's default method, entropy
         amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned, trim=False)

@@ -139,8 +139,9 @@ class QuarkObserver:
     #: Quark keeps min / max in the input's dtype (its histograms bin ``x.float()`` instead:
     #: float32, or the dtype of a module cast, which converts their bin edges)
     _keeps_input_dtype = True
-    #: False: Quark's state_dict has no key of this class (its buffers are non-persistent);
-    #: True: the native state is saved (Pro, whose torch.ao child Quark saves)
+    #: False: Quark's state_dict has no key of this class (its buffers are non-persistent;
+    #: a strict load of Quark's empty state leaves this one as it is); True: the native state
+    #: is saved (Pro, whose torch.ao child Quark saves)
     _saves_state: ClassVar[bool] = False
     #: Quark's per-group min_val / max_val are flat ``(rows * groups,)``, in its row order
     _flat_stats = False
@@ -262,22 +263,6 @@ class QuarkObserver:
             object.__setattr__(self, "_quark_tokens",  # (no reset; skips nn.Module's checks)
                                self._quark_tokens + _quark_token_count(data))
         return x if out is data else out
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # Quark registers its statistics (and eps) non-persistent: its state_dict is empty
-        if self._saves_state:
-            super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        """Quark's: nothing of its own to load (so Quark's empty state loads strictly and
-        leaves the state as it is); ``strict`` flags any key under this prefix, as torch."""
-        if self._saves_state:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                          missing_keys, unexpected_keys, error_msgs)
-        elif strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix)
-                                   and k[len(prefix):].split(".", 1)[0] not in self._modules)
 
     def _apply(self, fn, recurse=True):
         """A floating-point module cast (``.half()``, ``.double()``, ``.to(dtype)``) converts
