@@ -210,3 +210,21 @@ def test_quark_e8m0_scale_message_names_what_it_takes(mode):
         quark.quark_e8m0_scale(torch.tensor([1.0]), 2, mode)
     message = str(info.value)
     assert "expected even" not in message and "'floor' or 'ceil'" in message
+
+
+# probe s24: Quark's statistics are buffers a caller may assign; ours say they are not
+@pytest.mark.parametrize(("name", "kw", "stats"), [
+    ("PerTensorMinMaxObserver", {"dtype": "int8", "qscheme": "per_tensor"},
+     ("min_val", "max_val")),
+    ("PerBlockMXObserver", {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1,
+                            "group_size": 32, "scale_format": "e8m0"}, ("amax",))])
+def test_assigned_statistics_are_refused_naming_them(name, kw, stats):
+    theirs, ours = _pair(name, **kw)
+    for m in (theirs, ours):
+        m(_X)
+    before = ours._calculate_qparams()
+    for stat in stats:
+        setattr(theirs, stat, getattr(theirs, stat) * 2)  # Quark takes it
+        with pytest.raises(AttributeError, match=f"{stat} cannot be assigned"):
+            setattr(ours, stat, getattr(ours, stat) * 2)
+    _assert_same(ours._calculate_qparams(), before)  # the observed state stays

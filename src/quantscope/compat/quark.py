@@ -387,6 +387,10 @@ class _BlockAmax(_DynamicOrStatic):
         amax = amax_of_range(self.min_vals, self.max_vals).abs().to(self._range_dtype)
         return self._quark_shape(amax)
 
+    @amax.setter
+    def amax(self, value) -> None:
+        self._refuse_assignment("amax")
+
     @amax.deleter
     def amax(self) -> None:
         self._delete("amax")

@@ -452,14 +452,21 @@ class QuarkObserver:
     def _delete(self, name: str) -> None:
         self._deleted.add(name)
 
+    def _refuse_assignment(self, name: str) -> None:
+        """Quark's statistics are buffers a caller may assign; ours are read from the
+        native state (a known difference, docs/guide/pipelines.md)."""
+        raise AttributeError(f"quark {type(self).__name__}: {name} cannot be assigned here "
+                             f"(Quark's buffer can): its state comes from observing batches")
+
     @staticmethod
     def ends(getter: str, what: str) -> tuple[property, property]:
         """Quark's ``min_val`` / ``max_val`` (deletable, as Quark's attributes):
         ``self.<getter>(name, empty)``, ``tensor(+-inf)`` before data; ``what`` their doc."""
         def end(name: str, empty: float) -> property:
             return property(lambda self: getattr(self, getter)(name, empty),
-                            doc=f"{what}; ``tensor({empty})`` before.",
-                            fdel=lambda self: self._delete(name))
+                            lambda self, value: self._refuse_assignment(name),
+                            lambda self: self._delete(name),
+                            doc=f"{what}; ``tensor({empty})`` before.")
         return end("min_val", float("inf")), end("max_val", float("-inf"))
 
     def _check_present(self, name: str) -> None:
