@@ -281,11 +281,14 @@ def test_a_tensor_quantizer_with_our_calibrator_has_modelopt_state_keys():
     assert torch.equal(ours._amax, theirs._amax)
     for cal in (MaxCalibrator(), HistogramCalibrator()):  # alone: no state, as ModelOpt's
         cal.collect(x)
+        state = {n: b.clone() for n, b in cal.named_buffers()}
         assert cal.state_dict() == {}
         with pytest.raises(RuntimeError, match="Unexpected key"):
             cal.load_state_dict({"max_vals": torch.ones(1)})
-        cal.load_state_dict({})  # nothing to load: the collected state stays
-        assert cal.has_observed
+        cal.load_state_dict({})  # nothing to load: the collected state stays, every buffer
+        after = dict(cal.named_buffers())
+        assert after.keys() == state.keys()
+        assert all(torch.equal(after[n], b) for n, b in state.items())
 
 
 def test_the_cached_grown_edge_follows_the_module_to_another_device():

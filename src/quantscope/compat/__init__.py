@@ -43,8 +43,9 @@ histogram's step and search run quantscope's code.
 from __future__ import annotations
 
 import enum
+from typing import ClassVar
 
-__all__ = ["enum_name", "field"]
+__all__ = ["SavesNoState", "enum_name", "field"]
 
 
 def field(config, name: str, default=None):
@@ -61,3 +62,26 @@ def enum_name(value) -> str | None:
     if isinstance(value, enum.Enum):
         value = value.value if isinstance(value.value, str) else value.name
     return str(value).lower()
+
+
+class SavesNoState:
+    """Mixin, first in a compat class's bases: the toolkit's object keeps no state in a
+    state_dict (Quark's non-persistent buffers, ModelOpt's calibrators, plain objects), so
+    this one saves and loads nothing (before any load step of the native class), and a strict
+    load flags any key under its prefix, as torch. ``_saves_state = True`` on a subclass
+    saves the native state after all."""
+
+    _saves_state: ClassVar[bool] = False
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self._saves_state:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self._saves_state:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        elif strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix)
+                                   and k[len(prefix):].split(".", 1)[0] not in self._modules)

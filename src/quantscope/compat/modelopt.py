@@ -83,6 +83,7 @@ from ..observers.registry import register
 from ..qparams import amax_of_range
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
+from . import SavesNoState
 from .horizon import AppendingFirstGrid
 
 __all__ = [
@@ -153,14 +154,13 @@ def _as_dtype(amax: torch.Tensor, dtype) -> torch.Tensor:
     return amax.double().clamp(max=below).to(dtype)
 
 
-class ModelOptCalibrator:
+class ModelOptCalibrator(SavesNoState):
     """Mixin (put it before the native class): ModelOpt's arguments in, ``_num_bits``,
     ``_axis`` and ``_unsigned`` kept as ModelOpt's ``_Calibrator`` keeps them, and settable
     after construction as its ``TensorQuantizer`` sets them (:meth:`_configure`)."""
 
-    #: ModelOpt's calibrators are plain objects: a TensorQuantizer holding ours (its config
-    #: takes a calibrator class) saves and loads only its own keys, as with ModelOpt's
-    _saves_state = False
+    # SavesNoState: ModelOpt's calibrators are plain objects, so a TensorQuantizer holding
+    # ours (its config takes a calibrator class) saves and loads only its own keys
 
     def __init__(self, num_bits=8, axis=None, unsigned=False, **native):
         if "spec" in native:

@@ -12,7 +12,7 @@ from ..layout import Block, Channel, Group, Tensor
 from ..qparams import amax_of_range, qparams_from_range
 from ..scales import e8m0_scale
 from ..spec import QuantSpec
-from . import enum_name, field
+from . import SavesNoState, enum_name, field
 from .quark_scales import (
     _F32_EPS,
     FP8_E5M3,
@@ -130,7 +130,7 @@ def quark_qmin_qmax(dtype) -> tuple[int | float | None, int | float | None]:
     return float(fmt.qmin), float(fmt.qmax)
 
 
-class QuarkObserver:
+class QuarkObserver(SavesNoState):
     """Mixin (put it before the native class): a Quark qspec in, Quark's qparams out.
 
     Keywords after ``device`` go to the native observer's constructor.

@@ -80,10 +80,6 @@ class Observer(nn.Module):
     family: ClassVar[str] = ""
     #: True when the state is the last call's only (weights are observed once with these)
     memoryless: ClassVar[bool] = False
-    #: False for compat classes whose toolkit keeps no state in a state_dict (Quark's
-    #: non-persistent buffers, ModelOpt's calibrators, plain objects): nothing is saved or
-    #: loaded, and a strict load flags any key under the prefix, as torch does
-    _saves_state: ClassVar[bool] = True
 
     #: registry name of the class (set by :func:`~quantscope.observers.registry.register`)
     name: str = "observer"
@@ -439,17 +435,8 @@ class Observer(nn.Module):
         else:  # a first batch, a new unit count
             self._buffers.update(zip(names, values))  # not __setattr__: microseconds each
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        if self._saves_state:
-            super()._save_to_state_dict(destination, prefix, keep_vars)
-
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        if not self._saves_state:
-            if strict:
-                unexpected_keys.extend(k for k in state_dict if k.startswith(prefix)
-                                       and k[len(prefix):].split(".", 1)[0] not in self._modules)
-            return
         self.leave_inference_mode()  # the load copies into the buffers
         sized = self._sized_buffers()
         record.check_units(state_dict, prefix, self.spec.layout,
