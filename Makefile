@@ -84,9 +84,8 @@ $(PEERS)/.stamp: Makefile
 
 # the tests that import the peers run first, in the peers' venv; then the suite. `make test`
 # is the loop before each commit (under 10 minutes on 2 cores); `make test-extended` the
-# cases marked `extended`
-# (tests/tiers.py: more combinations of the same paths, compiler targets, process groups,
-# real models end to end). CI runs both.
+# cases marked `extended` (tests/tiers.py: more combinations of the same paths, compiler
+# targets, process groups, real models end to end). CI runs both.
 # pytest exits 5 when it collects no test: a failure, unless ALLOW_NO_TESTS=1
 ALLOW_NO_TESTS ?= 0
 TIER ?= not extended

@@ -8,7 +8,6 @@ A case: ``{"observer": "memoryless_mse", "num_bits": 4, "type": "int", "symmetri
 "observer_kwargs": {}}``.
 """
 
-
 import torch
 
 

@@ -131,7 +131,8 @@ def quark_qmin_qmax(dtype) -> tuple[int | float | None, int | float | None]:
 
 
 class QuarkObserver(SavesNoState):
-    """Mixin (put it before the native class): a Quark qspec in, Quark's qparams out.
+    """Mixin (put it before the native class): a Quark qspec in, Quark's qparams out; no key
+    in a state_dict, as Quark's (its buffers are non-persistent: :class:`SavesNoState`).
 
     Keywords after ``device`` go to the native observer's constructor.
     """
@@ -139,10 +140,6 @@ class QuarkObserver(SavesNoState):
     #: Quark keeps min / max in the input's dtype (its histograms bin ``x.float()`` instead:
     #: float32, or the dtype of a module cast, which converts their bin edges)
     _keeps_input_dtype = True
-    #: False: Quark's state_dict has no key of this class (its buffers are non-persistent;
-    #: a strict load of Quark's empty state leaves this one as it is); True: the native state
-    #: is saved (Pro, whose torch.ao child Quark saves)
-    _saves_state: ClassVar[bool] = False
     #: Quark's per-group min_val / max_val are flat ``(rows * groups,)``, in its row order
     _flat_stats = False
     #: Quark's block observers pad the last block of an axis the group size does not divide

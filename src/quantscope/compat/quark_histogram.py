@@ -455,7 +455,7 @@ class PerTensorHistogramObserverPro(QuarkObserver, _TorchAOBatch, L2HistogramObs
     half batch to torch.ao, which bins it in that dtype (``torch.histc`` rounds the bin positions
     and the counts there: its bins stop counting near 256 values in bfloat16, 2048 in float16)."""
 
-    _saves_state = True
+    _saves_state = True  # the native state, where Quark saves its torch.ao child's
     _keeps_input_dtype = False  # torch.ao's state: float32, or a module cast's dtype
     _reads_zero_point_type = False
     #: torch.ao's histc / linspace refuse integer and bool input (Quark's does not cast it)
