@@ -26,11 +26,15 @@ def runtime_qparams(x: torch.Tensor, state) -> QParams:
     spec = state.spec
     if state.dynamic is False:
         return state.qparams
-    if state.dynamic == "local":
+    local = state.dynamic == "local"
+    if local or (state.observer == "memoryless_minmax" and not state.options):
+        # the per-unit min / max of x: a memoryless min-max observer's range (bit for bit, its
+        # zero padding included: qparams take zero into every range), without building its
+        # state module per call, so that a compiled model traces every preset's run-time
+        # role in its graph. On every forward: no read-back (NaN input stays NaN output).
         lo, hi = unit_minmax(spec.layout.to_units(x.detach().float()))
-        # run-time quantization on every forward: no read-back (NaN input stays NaN output)
-        qp = qparams_from_range(lo, hi, spec, global_amax=state.global_amax.to(x.device),
-                                check_finite=False)
+        global_amax = state.global_amax.to(x.device) if local else None
+        qp = qparams_from_range(lo, hi, spec, global_amax=global_amax, check_finite=False)
         return qp.reshape(spec.layout.qparam_shape(x.shape))
     obs = get_observer(state.observer, spec, **dict(state.options)).to(x.device)
     obs(x.detach())
