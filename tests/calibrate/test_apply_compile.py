@@ -13,18 +13,21 @@ from quantscope.calibration.recipe import RECIPES
 from quantscope.calibration.results.role_state import RoleState
 from quantscope.observers.registry import get_observer
 from quantscope.observers.runtime import runtime_qparams
-from quantscope.qparams import qparams_from_range
+from quantscope.qparams import QParams, qparams_from_range
 
 DYNAMIC = ("w8a8-dynamic", "fp8-dynamic", "mxfp4")
 
 
 def _observed(x, spec):
     """The qparams of a memoryless min-max observer run on ``x`` (the path the run-time role
-    took before, kept as the reference)."""
+    took before, kept as the reference), under the run-time rule for non-finite units."""
     obs = get_observer("memoryless_minmax", spec)
     obs(x)
     lo, hi = obs.calculate_range()
     qp = qparams_from_range(lo, hi, spec, global_amax=obs.global_amax(), check_finite=False)
+    if not spec.scale.is_block:  # the run-time rule: a unit holding NaN / inf scales by NaN
+        bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        qp = QParams(qp.scale.masked_fill(bad, float("nan")), qp.zero_point, qp.global_scale)
     return qp.reshape(spec.layout.qparam_shape(x.shape))
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from quantscope.calibration import calibrate, calibrate_many, preset
+from quantscope.calibration import calibrate, calibrate_many, preset, qdq_tensor
 
 
 def _mlp(width_in=16, hidden=32):
@@ -305,7 +305,6 @@ def test_load_takes_a_per_tensor_scale_stored_as_a_scalar(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from quantscope.calibration import load
-    from quantscope.calibration.results.apply import qdq_tensor
 
     model = _mlp()
     cal = calibrate(model, [torch.randn(4, 16) for _ in range(2)], "w8a8", progress=False)
@@ -376,6 +375,34 @@ def test_a_dynamic_role_passes_nan_through_at_run_time(recipe):
     # (3 rows or 4: the Linears' sums may run in another order on some CPUs, AVX2; a code
     # off in the quantized rows is ~1e-2)
     torch.testing.assert_close(y[1:], clean, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe, kind", [("w8a8-dynamic", "int"), ("fp8-dynamic", "float")])
+def test_a_dynamic_token_holding_inf_is_nan_as_compressed_tensors_gives(recipe, kind):
+    """A token holding +-inf at run time: its per-token scale is inf in the serving runtime
+    (compressed-tensors' run-time QDQ gives NaN for the token); the applied model gave finite
+    values ~6e37 instead (the inf range clamped to a finite scale), hiding the overflow. The
+    other tokens are quantized as without it."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_qdq
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    model = _mlp(32)
+    c = calibrate(model, [torch.randn(2, 4, 32)], recipe, progress=False)
+    x = torch.randn(2, 3, 32)
+    x[0, 1, 5], x[1, 2, 0] = float("inf"), -float("inf")
+    args = QuantizationArgs(num_bits=8, type=kind, strategy="token", dynamic=True)
+    scale, zp = compute_dynamic_scales_and_zp(x, args, module=model[0])
+    want = ct_qdq(x, scale, zp, args)
+    got = qdq_tensor(x, c.states["0"]["input"])
+    assert got[0, 1].isnan().all() and got[1, 2].isnan().all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    with torch.no_grad(), c.apply(model):
+        y, clean = model(x), model(x.nan_to_num(posinf=0.0, neginf=0.0))
+    assert y[0, 1].isnan().all() and y[1, 2].isnan().all()
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    keep[0, 1] = keep[1, 2] = False
+    torch.testing.assert_close(y[keep], clean[keep], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8-dynamic"])

@@ -10,6 +10,8 @@ object with its fields (``spec``, ``dynamic``, ``qparams``, ``global_amax``, ``o
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..qdq import fake_quantize
@@ -22,7 +24,11 @@ __all__ = ["qdq_tensor", "runtime_qparams"]
 
 
 def runtime_qparams(x: torch.Tensor, state) -> QParams:
-    """The qparams ``state`` quantizes ``x`` with."""
+    """The qparams ``state`` quantizes ``x`` with. Computed on every forward for a run-time
+    role, with no read-back: a unit (a token, say) holding NaN or +-inf gets a NaN scale, so
+    its output is NaN, as the serving runtime's (compressed-tensors' and vLLM's per-token
+    scale is then inf or NaN); block formats keep their scale rules (an MX block holding inf
+    saturates, as torchao's ``to_mx``)."""
     spec = state.spec
     if state.dynamic is False:
         return state.qparams
@@ -31,17 +37,19 @@ def runtime_qparams(x: torch.Tensor, state) -> QParams:
         # the per-unit min / max of x: a memoryless min-max observer's range (bit for bit, its
         # zero padding included: qparams take zero into every range), without building its
         # state module per call, so that a compiled model traces every preset's run-time
-        # role in its graph. On every forward: no read-back (NaN input stays NaN output).
+        # role in its graph
         lo, hi = unit_minmax(spec.layout.to_units(x.detach().float()))
         global_amax = state.global_amax.to(x.device) if local else None
-        qp = qparams_from_range(lo, hi, spec, global_amax=global_amax, check_finite=False)
-        return qp.reshape(spec.layout.qparam_shape(x.shape))
-    obs = get_observer(state.observer, spec, **dict(state.options)).to(x.device)
-    obs(x.detach())
-    # the observer's range, without its check_ready (a read-back per forward that raises on
-    # NaN / inf): NaN input stays NaN output, as in the float model and the branch above
-    lo, hi = obs.calculate_range()
-    qp = qparams_from_range(lo, hi, spec, global_amax=obs.global_amax(), check_finite=False)
+    else:
+        obs = get_observer(state.observer, spec, **dict(state.options)).to(x.device)
+        obs(x.detach())
+        # the observer's range, without its check_ready (a read-back that raises on NaN / inf)
+        lo, hi = obs.calculate_range()
+        global_amax = obs.global_amax()
+    qp = qparams_from_range(lo, hi, spec, global_amax=global_amax, check_finite=False)
+    if not spec.scale.is_block:  # (qparams_from_range clamps an inf range to a finite scale)
+        finite = (lo.abs() < math.inf) & (hi.abs() < math.inf)  # NaN fails too
+        qp = QParams(torch.where(finite, qp.scale, math.nan), qp.zero_point, qp.global_scale)
     return qp.reshape(spec.layout.qparam_shape(x.shape))
 
 
