@@ -178,3 +178,38 @@ def test_grouped_convtranspose_per_channel_weight_refused():
     with pytest.raises(ValueError, match=r"layer '0' \(ConvTranspose2d, groups=2\) weight: "
                                          r"per-channel .* needs groups == 1"):
         quantscope.calibrate(model, [torch.randn(1, 4, 4, 4)], _weight_only(), progress=False)
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d(64, 32, 1), nn.Conv2d(64, 32, 3),
+                                  nn.Conv1d(64, 32, 5), nn.ConvTranspose2d(64, 32, 3)],
+                         ids=["1x1", "3x3", "conv1d", "transpose"])
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4", "w4a16", "tile"])
+def test_units_along_a_conv_kernel_are_refused(conv, recipe):
+    """Groups, blocks and tiles run along the last dim, on a conv weight the kernel's width:
+    probing found MXFP4 / NVFP4 taken silently as blocks of 1 or 3 values (a 1x1 conv's scale
+    per weight) and a tile padding each 3x3 kernel to 128x128 (1,800x the weight's memory)."""
+    rule = (preset(recipe, targets=[type(conv).__name__]) if recipe != "tile" else
+            Recipe([Rule((type(conv).__name__,),
+                         weight=Role(QuantSpec("fp8_e4m3", "tile:128x128"), "minmax"))]))
+    x = torch.randn(2, 64, *(8,) * (conv.weight.dim() - 2))
+    with pytest.raises(ValueError, match=rf"layer '0' \({type(conv).__name__}\) weight of shape "
+                                         rf".* along the kernel dims .* along a channel axis"):
+        quantscope.calibrate(nn.Sequential(conv), [x], rule, progress=False)
+
+
+def test_blocks_along_a_conv_input_channels_calibrate():
+    """The refusal's way out: blocks along axis 1 (a Conv's input channels) calibrate, apply
+    and give the weight's QDQ as a standalone observer's qparams do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(64, 32, 3, padding=1))
+    spec = QuantSpec("fp4_e2m1", "block:32:1", scale="e8m0")
+    calib = quantscope.calibrate(model, [torch.randn(2, 64, 8, 8)],
+                                 Recipe([Rule(("Conv2d",), weight=Role(spec, "minmax"))]),
+                                 progress=False)
+    w = model[0].weight.detach().clone()
+    obs = quantscope.get_observer("memoryless_minmax", spec)
+    obs(w)
+    scale = calib.states["0"]["weight"].qparams.scale
+    assert scale.numel() == 32 * 2 * 3 * 3  # one scale per 32 input channels of each tap
+    with calib.apply(model):
+        assert torch.equal(model[0].weight, quantscope.fake_quantize(w, obs.qparams(), spec))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 
-from ...layout import Channel, Tensor
+from ...layout import Block, Channel, Group, Tensor, Tile
 from ...observers.grouped import observe_many
 from ...observers.registry import get_observer, observer_class
 from ...spec import QuantSpec
@@ -204,6 +204,14 @@ def module_role(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
     return replace(cfg, spec=replace(cfg.spec, layout=Channel(1)))
 
 
+def _along_kernel(layout, ndim: int) -> bool:
+    """Whether ``layout``'s units run along a conv weight's kernel dims (2 and up): a tile's
+    two last dims always do, groups and blocks where their axis does."""
+    if isinstance(layout, Tile):
+        return True
+    return isinstance(layout, (Group, Block)) and layout.axis % ndim >= 2
+
+
 def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
     """The role as the module takes it (:func:`module_role`). Raise ``ValueError`` naming
     the layer, role and sizes unless its spec can take the module's weight (or its
@@ -212,6 +220,13 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Rol
     spec = cfg.spec
     if role == "weight":
         shape = tuple(module.weight.shape)
+        if isinstance(module, _ConvNd) and _along_kernel(spec.layout, len(shape)):
+            raise ValueError(
+                f"calibrate: layer {layer!r} ({type(module).__name__}) weight of shape {shape} "
+                f"cannot take {spec}: its units would run along the kernel dims {shape[2:]} "
+                f"of [channels, channels / groups, *kernel]; give the conv a per-tensor or "
+                f"per-channel weight, or groups / blocks along a channel axis (axis 0 or 1, "
+                f"as 'block:32:1')")
         try:
             spec.layout.check(shape)
         except ValueError as e:
