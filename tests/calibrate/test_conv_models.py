@@ -213,3 +213,42 @@ def test_blocks_along_a_conv_input_channels_calibrate():
     assert scale.numel() == 32 * 2 * 3 * 3  # one scale per 32 input channels of each tap
     with calib.apply(model):
         assert torch.equal(model[0].weight, quantscope.fake_quantize(w, obs.qparams(), spec))
+
+
+def test_cli_group_size_check_leaves_a_conv_kernel_to_the_refusal():
+    """The command line's indivisible-width check read an nn.Conv1d's kernel width (4) as its
+    width: it offered --group-size / --on-indivisible float (which left the conv in float)
+    where no group size fits; it now leaves such a conv to calibrate's refusal, and its
+    sizes hint reads the Linears alone."""
+    from quantscope.cli.recipes import _indivisible
+    from quantscope.cli.checks import UsageError
+
+    model = nn.Sequential(nn.Conv1d(128, 128, 4, groups=128), nn.Linear(96, 64))
+    rec = preset("w4a16", targets=["Conv1d", "Linear"])
+    with pytest.raises(UsageError, match=r"layer '1' has width 96, which group size 128 does "
+                                         r"not divide \(1 such layers\); --group-size 16 / 32 "
+                                         r"/ 96 would"):
+        _indivisible(rec, model, "error")
+    assert _indivisible(rec, model, "float").ignore == ("1",)
+    with pytest.raises(ValueError, match=r"layer '0' \(Conv1d\) .* along the kernel dims \(4,\)"):
+        quantscope.calibrate(model, [torch.randn(2, 128, 8)], preset(
+            "w4a16", targets=["Conv1d"]), progress=False)
+
+
+@pytest.mark.parametrize("layout", ["block:32", "group:4", "tile:4x4", "block:32:1"])
+def test_run_time_activation_units_along_a_conv_image_are_refused(layout):
+    """A conv input's blocks along the last dim run along the image's width (8 pixels of one
+    channel, padded to 32), which probing found taken silently; along the channels (axis 1)
+    they calibrate and apply."""
+    spec = (QuantSpec("fp4_e2m1", layout, scale="e8m0") if layout.startswith("block") else
+            QuantSpec("int8", layout))
+    rule = Recipe(Rule(("Conv2d",), weight=Role(QuantSpec("int8", "channel:0"), "minmax"),
+                       input=Role(spec, "memoryless_minmax", True)))
+    model, x = nn.Sequential(nn.Conv2d(64, 32, 3, padding=1)), torch.randn(2, 64, 8, 8)
+    if layout == "block:32:1":
+        with quantscope.calibrate(model, [x], rule, progress=False).apply(model):
+            assert torch.isfinite(model(x)).all()
+        return
+    with pytest.raises(ValueError, match=r"layer '0' \(Conv2d\) input cannot take .* along the "
+                                         r"spatial dims of \[batch, channels, \*spatial\]"):
+        quantscope.calibrate(model, [x], rule, progress=False)

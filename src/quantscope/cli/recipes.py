@@ -205,13 +205,15 @@ def _indivisible(rec, model, policy: str):
     sizes that would divide it, or (``policy == "float"``) those layers added to ``ignore``."""
     from dataclasses import replace
 
-    from ..calibration.run.observe import module_role
+    from ..calibration.run.observe import along_kernel, module_role
     from ..layout import Group
 
     bad, widths = {}, set()
     for layer, (module, roles) in rec.match(model).items():
         role = roles.get("weight")
         if role is None or not isinstance(role.spec.layout, Group):
+            continue
+        if along_kernel(module, role.spec.layout):  # no group size fits: calibrate refuses it
             continue
         lay = module_role(layer, "weight", role, module).spec.layout  # a Conv1D's transposed
         width = module.weight.shape[lay.axis]

@@ -204,12 +204,16 @@ def module_role(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
     return replace(cfg, spec=replace(cfg.spec, layout=Channel(1)))
 
 
-def _along_kernel(layout, ndim: int) -> bool:
-    """Whether ``layout``'s units run along a conv weight's kernel dims (2 and up): a tile's
-    two last dims always do, groups and blocks where their axis does."""
+def along_kernel(module: nn.Module, layout) -> bool:
+    """Whether ``layout``'s units would run along a convolution's spatial dims (2 and up):
+    the kernel's of its weight ``[channels, channels / groups, *kernel]``, or its
+    activations' ``[batch, channels, *spatial]``. A tile's two last dims always do, groups and
+    blocks where their axis does (:func:`check_role_shape` refuses them)."""
+    if not isinstance(module, _ConvNd):
+        return False
     if isinstance(layout, Tile):
         return True
-    return isinstance(layout, (Group, Block)) and layout.axis % ndim >= 2
+    return isinstance(layout, (Group, Block)) and layout.axis % module.weight.dim() >= 2
 
 
 def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
@@ -220,7 +224,7 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Rol
     spec = cfg.spec
     if role == "weight":
         shape = tuple(module.weight.shape)
-        if isinstance(module, _ConvNd) and _along_kernel(spec.layout, len(shape)):
+        if along_kernel(module, spec.layout):
             raise ValueError(
                 f"calibrate: layer {layer!r} ({type(module).__name__}) weight of shape {shape} "
                 f"cannot take {spec}: its units would run along the kernel dims {shape[2:]} "
@@ -235,6 +239,12 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Rol
         return cfg
     if cfg.dynamic is False:
         _check_static_layout(layer, role, spec)
+    if along_kernel(module, spec.layout):
+        raise ValueError(
+            f"calibrate: layer {layer!r} ({type(module).__name__}) {role} cannot take {spec}: "
+            f"its units would run along the spatial dims of [batch, channels, *spatial]; give "
+            f"the conv's activations a per-tensor layout, or blocks along the channels (axis "
+            f"1, as 'block:32:1')")
     width = _activation_width(module, role)
     if width is not None:
         try:
