@@ -205,7 +205,7 @@ def _indivisible(rec, model, policy: str):
     sizes that would divide it, or (``policy == "float"``) those layers added to ``ignore``."""
     from dataclasses import replace
 
-    from ..calibration.run.observe import along_kernel, module_role
+    from ..calibration.run.observe import along_spatial, module_role
     from ..layout import Group
 
     bad, widths = {}, set()
@@ -213,7 +213,7 @@ def _indivisible(rec, model, policy: str):
         role = roles.get("weight")
         if role is None or not isinstance(role.spec.layout, Group):
             continue
-        if along_kernel(module, role.spec.layout):  # no group size fits: calibrate refuses it
+        if along_spatial(module, role.spec.layout):  # a conv kernel: calibrate refuses it
             continue
         lay = module_role(layer, "weight", role, module).spec.layout  # a Conv1D's transposed
         width = module.weight.shape[lay.axis]

@@ -204,7 +204,7 @@ def module_role(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
     return replace(cfg, spec=replace(cfg.spec, layout=Channel(1)))
 
 
-def along_kernel(module: nn.Module, layout) -> bool:
+def along_spatial(module: nn.Module, layout) -> bool:
     """Whether ``layout``'s units would run along a convolution's spatial dims (2 and up):
     the kernel's of its weight ``[channels, channels / groups, *kernel]``, or its
     activations' ``[batch, channels, *spatial]``. A tile's two last dims always do, groups and
@@ -224,7 +224,7 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Rol
     spec = cfg.spec
     if role == "weight":
         shape = tuple(module.weight.shape)
-        if along_kernel(module, spec.layout):
+        if along_spatial(module, spec.layout):
             raise ValueError(
                 f"calibrate: layer {layer!r} ({type(module).__name__}) weight of shape {shape} "
                 f"cannot take {spec}: its units would run along the kernel dims {shape[2:]} "
@@ -239,7 +239,7 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Rol
         return cfg
     if cfg.dynamic is False:
         _check_static_layout(layer, role, spec)
-    if along_kernel(module, spec.layout):
+    if along_spatial(module, spec.layout):
         raise ValueError(
             f"calibrate: layer {layer!r} ({type(module).__name__}) {role} cannot take {spec}: "
             f"its units would run along the spatial dims of [batch, channels, *spatial]; give "
