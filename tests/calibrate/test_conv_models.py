@@ -220,8 +220,8 @@ def test_cli_group_size_check_leaves_a_conv_kernel_to_the_refusal():
     width: it offered --group-size / --on-indivisible float (which left the conv in float)
     where no group size fits; it now leaves such a conv to calibrate's refusal, and its
     sizes hint reads the Linears alone."""
-    from quantscope.cli.recipes import _indivisible
     from quantscope.cli.checks import UsageError
+    from quantscope.cli.recipes import _indivisible
 
     model = nn.Sequential(nn.Conv1d(128, 128, 4, groups=128), nn.Linear(96, 64))
     rec = preset("w4a16", targets=["Conv1d", "Linear"])

@@ -37,7 +37,7 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
     for role in ("weight", "input"):
         rec = _role_observer(rec, role, getattr(args, f"{role}_observer", None))
     rec = _indivisible(rec, model, args.on_indivisible)
-    from ..calibration.run.observe import check_shapes
+    from ..calibration.run.module_roles import check_shapes
 
     try:  # what calibrate checks first, here before the float model is evaluated
         check_shapes(model, [rec])
@@ -205,7 +205,7 @@ def _indivisible(rec, model, policy: str):
     sizes that would divide it, or (``policy == "float"``) those layers added to ``ignore``."""
     from dataclasses import replace
 
-    from ..calibration.run.observe import along_spatial, module_role
+    from ..calibration.run.module_roles import along_spatial, module_role
     from ..layout import Group
 
     bad, widths = {}, set()

@@ -12,22 +12,23 @@ from __future__ import annotations
 
 import contextvars
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
+from torch.nn.modules.conv import _ConvNd
 
-from ...layout import Block, Channel, Group, Tensor, Tile
+from ...layout import Tensor
 from ...observers.grouped import observe_many
 from ...observers.registry import get_observer, observer_class
 from ...spec import QuantSpec
 from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
 from ..structure import fusion, kv_cache
-from ..structure.conv1d import is_conv1d, transposed_layout
+from ..structure.conv1d import is_conv1d
 from . import heap
 from .batches import batch_count, eval_mode, forward_batch, input_name, module_input
+from .module_roles import activation_width, check_role_shape
 from .samples import RowSample, capacities, generator_for
 
 # the activation rows kept for auto and the report, all layers together (see docs/memory.md)
@@ -87,22 +88,6 @@ def candidates_for(role: str, candidates) -> list[str]:
         raise ValueError(f"calibrate: observer 'auto' has no candidate observers for {role} "
                          f"(asked for {names})")
     return list(dict.fromkeys(out))
-
-
-def _check_static_layout(layer: str, role: str, spec) -> None:
-    lay = spec.layout
-    if isinstance(lay, Tensor) or (isinstance(lay, Channel) and lay.axis == -1):
-        return
-    raise ValueError(
-        f"calibrate: layer {layer!r} {role}: static activation qparams need a layout whose "
-        f"units do not depend on the batch (tensor, or channel:-1), got {spec}; use "
-        f"dynamic=True for per-token or block activations")
-
-
-def _activation_width(module: nn.Module, role: str):
-    if is_conv1d(module):  # no in_ / out_features: its weight is [in, out]
-        return module.weight.shape[0 if role == "input" else 1]
-    return getattr(module, "in_features" if role == "input" else "out_features", None)
 
 
 def observer_key(name, role_cfg: Role, module=None):
@@ -182,91 +167,6 @@ def observer_seconds(slots, *plans) -> float:
     used = {(id(slots[lr]), observer_key(n, cfg, slots[lr].module)): slots[lr]
             for plan in plans for lr, (cfg, names) in plan.items() for n in names}
     return sum(slot.seconds.get(key, 0.0) for (_, key), slot in used.items())
-
-
-def module_role(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
-    """``cfg`` as ``module`` takes it. A Conv1D weight (Linear's transposed) takes the layout
-    transposed; a ConvTranspose weight ``[in, out / groups, *k]`` per-channel (``Channel(0)``)
-    on axis 1 (torchao's pt2e axis), refused with groups > 1, where an output channel is no
-    index of one axis (as torch.ao refuses per-channel observers there)."""
-    lay = cfg.spec.layout
-    if role == "weight" and is_conv1d(module):
-        return replace(cfg, spec=replace(cfg.spec, layout=transposed_layout(lay)))
-    if (role != "weight" or not isinstance(module, _ConvTransposeNd)
-            or not isinstance(lay, Channel) or lay.axis % module.weight.dim() != 0):
-        return cfg
-    if module.groups != 1:
-        raise ValueError(
-            f"calibrate: layer {layer!r} ({type(module).__name__}, groups={module.groups}) "
-            f"weight: per-channel {cfg.spec} needs groups == 1 (a grouped ConvTranspose "
-            f"weight [in, out / groups, *k] has no axis of output channels); use a "
-            f"per-tensor weight layout or ignore the layer")
-    return replace(cfg, spec=replace(cfg.spec, layout=Channel(1)))
-
-
-def along_spatial(module: nn.Module, layout) -> bool:
-    """Whether ``layout``'s units would run along a convolution's spatial dims (2 and up):
-    the kernel's of its weight ``[channels, channels / groups, *kernel]``, or its
-    activations' ``[batch, channels, *spatial]``. A tile's two last dims always do, groups and
-    blocks where their axis does (:func:`check_role_shape` refuses them)."""
-    if not isinstance(module, _ConvNd):
-        return False
-    if isinstance(layout, Tile):
-        return True
-    return isinstance(layout, (Group, Block)) and layout.axis % module.weight.dim() >= 2
-
-
-def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
-    """The role as the module takes it (:func:`module_role`). Raise ``ValueError`` naming
-    the layer, role and sizes unless its spec can take the module's weight (or its
-    activations' width): known from the module alone."""
-    cfg = module_role(layer, role, cfg, module)
-    spec = cfg.spec
-    if role == "weight":
-        shape = tuple(module.weight.shape)
-        if along_spatial(module, spec.layout):
-            raise ValueError(
-                f"calibrate: layer {layer!r} ({type(module).__name__}) weight of shape {shape} "
-                f"cannot take {spec}: its units would run along the kernel dims {shape[2:]} "
-                f"of [channels, channels / groups, *kernel]; give the conv a per-tensor or "
-                f"per-channel weight, or groups / blocks along a channel axis (axis 0 or 1, "
-                f"as 'block:32:1')")
-        try:
-            spec.layout.check(shape)
-        except ValueError as e:
-            raise ValueError(f"calibrate: layer {layer!r} weight of shape {shape} "
-                             f"cannot take {spec}: {e}") from None
-        return cfg
-    if cfg.dynamic is False:
-        _check_static_layout(layer, role, spec)
-    if along_spatial(module, spec.layout):
-        raise ValueError(
-            f"calibrate: layer {layer!r} ({type(module).__name__}) {role} cannot take {spec}: "
-            f"its units would run along the spatial dims of [batch, channels, *spatial]; give "
-            f"the conv's activations a per-tensor layout, or blocks along the channels (axis "
-            f"1, as 'block:32:1')")
-    width = _activation_width(module, role)
-    if width is not None:
-        try:
-            spec.layout.check((1, width))
-        except ValueError as e:
-            raise ValueError(f"calibrate: layer {layer!r} {role} of width {width} "
-                             f"cannot take {spec}: {e}") from None
-    return cfg
-
-
-def check_shapes(model: nn.Module, recipes) -> None:
-    """Every targeted module's shapes against what each recipe asks of them, before any
-    forward: a group size that does not divide a width is known once the model (even its
-    skeleton on the meta device) exists, not after a pass over the data."""
-    for recipe in recipes:
-        try:
-            matched = recipe.match(model)
-        except ValueError:  # nothing matches yet (MoE experts match once made Linear views):
-            continue        # the plan says so, after moe.attach
-        for layer, (module, roles) in matched.items():
-            for role, cfg in roles.items():
-                check_role_shape(layer, role, cfg, module)
 
 
 def make_plan(model, recipes, candidates, owns=None):
@@ -474,7 +374,7 @@ def _sample_axis(slot: Slot) -> int:
 def _sample_width(slot: Slot, axis: int):
     if axis != -1:
         return slot.module.in_channels if slot.role == "input" else slot.module.out_channels
-    return _activation_width(slot.module, slot.role)
+    return activation_width(slot.module, slot.role)
 
 
 def sample_budget(budget_mb) -> float:

@@ -52,9 +52,9 @@ from .batches import check_batches
 from .dist_pass import calibrate_distributed
 from .exclusive import calibrating
 from .finish import build_states
+from .module_roles import check_shapes
 from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
-    check_shapes,
     make_plan,
     observe_batches,
     observer_seconds,
