@@ -746,6 +746,25 @@ def test_bfp_amax_and_int32_zero_point_as_quark():
 
 
 @pytest.mark.peers
+@pytest.mark.parametrize("steps", [127.4, 127.5, 127.58, 127.9])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_bfp_overflow_only_at_a_positive_code_of_128_as_quark(steps, sign):
+    """Quark's forward bumps a BFP block's scale where a code reaches 128: its positive end
+    at 127.5 steps or more; a negative end rounds to -128 at most, which int8 holds (probing
+    found ours bumping there too, as the native 'even' rule does on either end)."""
+    pytest.importorskip("quark.torch.quantization.observer.observer")
+    theirs, ours = twins("PerBlockBFPObserver", dtype="bfp16", qscheme="per_group", ch_axis=-1,
+                         group_size=8)
+    x = torch.tensor([[0.25, -0.5, 1.0, 0.75, -1.25, 0.125, sign * steps / 64, 1.5]] * 2)
+    x[1] = -x[1]  # the other sign in the second row
+    theirs(x)
+    ours(x)
+    for a, b in zip(ours._calculate_qparams(), theirs._calculate_qparams(), strict=True):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        same(a, b)
+
+
+@pytest.mark.peers
 @pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False), ("fp8_e4m3", True)])
 def test_percentile_on_all_zero_data_as_quark(dtype, symmetric):
     """Quark's zero-mass histogram gives the range ``zeros(1)``: qparams of shape ``(1,)``."""

@@ -472,10 +472,14 @@ class PerBlockBFPObserver(_BlockAmax):
         emax = self.spec.format.emax
         floor = quark_e8m0_scale(amax, emax, "floor", eps=0.0)  # eps=0: finds the zeros
         flushed = floor.to(self.scale_torch_dtype or floor.dtype) == 0
-        # Quark's overflow: codes of 128 (``native``, the 'even' rule, bumped), or a scale
-        # that scale_type's dtype flushes to 0 (float16 below 2 ** -24), whose codes Quark's
-        # forward finds overflowing, on a block its fake-quantization does not round to 0
-        bumped = (floor > 0) & ((native == 2 * floor) | (flushed & (amax > 2.0 ** -127)))
+        # Quark's overflow: a code of 128, the block's positive end at 127.5 steps or more
+        # (its negative end rounds to -128 at most, which int8 holds, where the native 'even'
+        # rule bumps on either end: not there), or a scale that scale_type's dtype flushes
+        # to 0 (float16 below 2 ** -24), whose codes Quark's forward finds overflowing, on a
+        # block its fake-quantization does not round to 0
+        over = self._quark_shape(self.max_vals).to(amax.dtype) >= 127.5 * floor
+        native = torch.where((native == 2 * floor) & ~over, floor, native)
+        bumped = (floor > 0) & (over | (flushed & (amax > 2.0 ** -127)))
         floor = quark_e8m0_scale(torch.where(bumped, 2 * amax, amax), emax, "floor", eps=0.0)
         floor = torch.where(torch.isinf(floor), native, floor)  # never an infinite scale
         return torch.maximum(native, floor).masked_fill(floor == 0, self.eps)
