@@ -449,8 +449,9 @@ class PerBlockMXObserver(_BlockAmax):
 
 @register("quark:PerBlockBFPObserver")
 class PerBlockBFPObserver(_BlockAmax):
-    """BFP16: blocks of 8, shared exponent with the overflow check ('even' E8M0, int8 codes);
-    ``amax`` the per-block absmax (Quark's doubles where a block overflows), int32 zeros."""
+    """BFP16: blocks of 8, shared exponent with Quark's overflow check (a code of +128 bumps
+    it; the native 'even' rule bumps on either end); ``amax`` the per-block absmax (Quark's
+    doubles where a block overflows), int32 zeros."""
 
     _eps_argument = "used"
 
@@ -477,7 +478,8 @@ class PerBlockBFPObserver(_BlockAmax):
         # rule bumps on either end: not there), or a scale that scale_type's dtype flushes
         # to 0 (float16 below 2 ** -24), whose codes Quark's forward finds overflowing, on a
         # block its fake-quantization does not round to 0
-        over = self._quark_shape(self.max_vals).to(amax.dtype) >= 127.5 * floor
+        top = self.spec.format.qmax + 0.5  # the largest code's rounding edge: 127.5
+        over = self._quark_shape(self.max_vals).to(amax.dtype) >= top * floor
         native = torch.where((native == 2 * floor) & ~over, floor, native)
         bumped = (floor > 0) & (over | (flushed & (amax > 2.0 ** -127)))
         floor = quark_e8m0_scale(torch.where(bumped, 2 * amax, amax), emax, "floor", eps=0.0)
