@@ -62,3 +62,20 @@ def test_compare_with_plots_names_them(llama_dir, tmp_path, capsys):
     assert rc == 0, err
     assert "and plots (hist.png, sqnr.png)" in got, got
     assert "KV cache" not in got  # no configuration quantizes it: no column
+
+
+def test_compare_verbose_prints_each_configurations_layers(llama_dir, tmp_path, capsys):
+    """--verbose (shared with calibrate: 'also print the per-layer table') printed nothing
+    more in compare: each configuration's layer table comes before the comparison."""
+    args = ["compare", "--model", llama_dir, "--recipes", "w8a8", "--observers",
+            "minmax,mse", "--no-plots", *FAST]
+    rc, plain, err = _run(capsys, *args, "--out", str(tmp_path / "a"))
+    assert rc == 0, err
+    rc, verbose, err = _run(capsys, *args, "--out", str(tmp_path / "b"), "--verbose")
+    assert rc == 0, err
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    for label, run in report["runs"].items():
+        assert f"{label}: layers" in verbose and f"{label}: layers" not in plain
+        for row in run["layers"]:
+            assert row["layer"] in verbose
+    assert verbose.index("w8a8/mse: layers") < verbose.index("quantscope compare:")

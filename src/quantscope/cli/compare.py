@@ -129,7 +129,7 @@ def cmd_compare(args) -> int:
         return 0
     calib_seconds = time.perf_counter() - t
     t = time.perf_counter()
-    runs = _evaluate_all(calibs, ev, phases)
+    runs, reports = _evaluate_all(calibs, ev, phases)
     histograms = _histograms(calibs)
     eval_seconds = time.perf_counter() - t
     report = {"setup": setup, "fp32": fp, "candidates": candidates,
@@ -142,6 +142,9 @@ def cmd_compare(args) -> int:
     drawn = _write_report(args, report, headers, rows, title, calib_seconds, eval_seconds)
     from ..calibration.results.report import print_table
 
+    if args.verbose:  # each configuration's layers (also in report.json), then the comparison
+        for rep in reports:
+            rep.print()
     print_table(headers, rows, title)
     plotted = f" and plots ({', '.join(drawn)})" if drawn else ""
     print(f"calibration {calib_seconds:.1f} s (one pass), evaluation {eval_seconds:.1f} s; "
@@ -214,11 +217,11 @@ def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
     return {label: calibs[label] for label in plan}
 
 
-def _evaluate_all(calibs: dict, ev, phases) -> dict:
-    """Each calibration's report (as a dict) with its metrics, its recipe and its observer.
-    A configuration that quantizes the model exactly as one already evaluated (``auto``
+def _evaluate_all(calibs: dict, ev, phases) -> tuple[dict, list]:
+    """Each calibration's report with its metrics: as dicts with its recipe and its observer,
+    and as the :class:`Report` objects (for ``--verbose``). A configuration that quantizes the model exactly as one already evaluated (``auto``
     keeping one candidate's qparams) takes its metrics instead of a second evaluation."""
-    runs, done = {}, []
+    runs, reports, done = {}, [], []
     for k, (label, calib) in enumerate(calibs.items()):
         same = next((d for d in done if d[1].quantizes_like(calib)), None)
         if same is not None:
@@ -229,10 +232,12 @@ def _evaluate_all(calibs: dict, ev, phases) -> dict:
             phases.say(f"evaluating {label} ({k + 1}/{len(calibs)})")
             metrics = ev.quantized(calib)
             done.append((label, calib, metrics))
-        d = calib.report(dict(metrics)).to_dict()
+        calib.label = label  # the report's title: recipe and observer
+        reports.append(calib.report(dict(metrics)))
+        d = reports[-1].to_dict()
         d["recipe"], d["observer"] = label.split("/", 1)
         runs[label] = d
-    return runs
+    return runs, reports
 
 
 def _title(setup: dict) -> str:
