@@ -251,6 +251,9 @@ def test_missing_policy(missing):  # deliverable 2: an MoE expert no token reach
     assert ("1" in c.states) == (missing == "skip")
     if missing == "skip":
         assert list(c.states["1"]) == ["weight"]  # its weight-only scheme
+    # the report says so (its input row was absent without a word)
+    runs = "float layer" if missing == "float" else "input not quantized"
+    assert f"| 1 | input | 0 | {runs} |" in c.report().to_markdown()
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8-dynamic", "fp8-dynamic", "mxfp4"])

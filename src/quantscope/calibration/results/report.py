@@ -285,8 +285,8 @@ class Report:
 
     def _sections(self):
         """Extra tables: from ``info`` fusion groups and MoE experts, the KV cache, from
-        ``info`` again the activations ``keep_float`` took out of static quantization and
-        unreachable weights."""
+        ``info`` again the activations ``keep_float`` took out of static quantization, the
+        roles that saw no tokens and unreachable weights."""
         out = []
         if self.info.get("fusion_groups"):
             out.append(("Fusion groups", ["layers", "weight", "input"],
@@ -303,6 +303,10 @@ class Report:
             runs = {"float": "float", "dynamic": "dynamic (scales from each call)"}
             out.append(("Fallback (keep_float)", ["tensor", "runs"],
                         [[t, runs.get(kept["mode"], kept["mode"])] for t in kept["tensors"]]))
+        if self.info.get("missing"):  # roles that saw no tokens: their fallback
+            out.append(("Not observed (saw no tokens)", ["layer", "role", "calls", "runs"],
+                        [[m["layer"], m["role"], str(m["calls"]), m["fallback"]]
+                         for m in self.info["missing"]]))
         if self.info.get("unreached"):
             out.append(("Not quantized (unreachable)", ["weight", "why"],
                         [[u["name"], u["why"]] for u in self.info["unreached"]]))
