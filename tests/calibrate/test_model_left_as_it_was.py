@@ -170,6 +170,24 @@ def test_one_dict_as_batches_is_refused_naming_batches():
         quantscope.sensitivity(model, batches[0], "w8a8")
 
 
+@pytest.mark.parametrize("bad", ["a prompt", b"bytes", 8], ids=["str", "bytes", "int"])
+def test_batches_that_are_no_iterable_of_batches_are_refused_naming_batches(bad):
+    """A string was iterated character by character into the model, an int failed in
+    Python's iter(): neither named the argument."""
+    model = nn.Sequential(nn.Linear(8, 4))
+    for entry in (quantscope.calibrate, quantscope.sensitivity):
+        with pytest.raises(TypeError, match=f"{entry.__name__}: batches must be an iterable "
+                                            f"of batches .*got {type(bad).__name__}"):
+            entry(model, bad, "w8a8")
+
+
+def test_sensitivity_on_no_batches_names_itself():
+    model = nn.Sequential(nn.Linear(8, 4))
+    calib = quantscope.calibrate(model, [torch.randn(4, 8)], "w8a8", progress=False)
+    with pytest.raises(ValueError, match="sensitivity: batches is empty"):
+        quantscope.sensitivity(model, [], calibration=calib)
+
+
 def test_preset_options_reach_the_memoryless_weight_observer():
     r = preset("w8a8", "mse", maxshrink=0.5, grid=10.0, averaging_constant=0.1)
     weight, inp = r.rules[0].weight, r.rules[0].input

@@ -46,6 +46,20 @@ def check_batches(batches, who: str = "calibrate") -> None:
         raise TypeError(f"{who}: batches must be an iterable of batches, got one "
                         f"{type(batches).__name__} (a single batch); wrap it in a list: "
                         f"[batch]{split}")
+    try:  # iter() consumes nothing (a generator is its own iterator)
+        iter(batches)
+        iterable = not isinstance(batches, (str, bytes))  # not one character per batch
+    except TypeError:
+        iterable = False
+    if not iterable:
+        raise TypeError(f"{who}: batches must be an iterable of batches (tensors, tuples or "
+                        f"dicts, e.g. a tokenizer's output per batch), got "
+                        f"{type(batches).__name__} {_short(batches)}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def batch_count(batches) -> int | None:

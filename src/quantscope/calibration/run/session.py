@@ -401,6 +401,9 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
     refuse_applied(model, "sensitivity")
     check_placement(model, "sensitivity")
     batches = list(batches)  # a generator: read by the calibration, then by the measure
+    if not batches:
+        raise ValueError("sensitivity: batches is empty: the divergence is measured on "
+                         "held-out batches, at least one")
     if calibration is None:
         calibration = calibrate(model, batches if calib_batches is None else calib_batches,
                                 recipe, observer=observer, progress=progress)
