@@ -1,6 +1,7 @@
 """A QDQ handle over the model's life: cast after apply, deepcopied, calibrated again."""
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -135,13 +136,38 @@ def test_a_deepcopy_of_a_dense_applied_model_has_its_own_handle():
     assert same(model, float_snap)
 
 
+def _saved_and_loaded(model):
+    f = io.BytesIO()
+    torch.save(model, f)
+    f.seek(0)
+    return torch.load(f, weights_only=False)
+
+
+def test_an_applied_model_saved_whole_loads_applied_with_its_own_handle():
+    """torch.save of a model with activation QDQ failed on a hook closure ("Can't pickle
+    local object"); a weight-only one loaded with a handle not tracked as applied, so
+    apply() over its weights was not refused."""
+    model, x = dense(), batches()[0]
+    calib = calibrate(model, batches(), "w8a8", progress=False)
+    float_snap, y_float = snapshot(model), model(x)
+    with calib.apply(model):
+        y_q = model(x)
+        loaded = _saved_and_loaded(model)
+    assert torch.equal(loaded(x), y_q)  # QDQ'd weights and the input hooks
+    outer = calibrate(nn.Sequential(dense()), batches(), "w8a8", progress=False)
+    with pytest.raises(ValueError, match=r"0\.0\.weight is already fake-quantized by another"):
+        outer.apply(nn.Sequential(loaded))
+    loaded._quantscope_qdq.remove()
+    assert same(loaded, float_snap) and torch.equal(loaded(x), y_float)
+
+
 def test_a_deepcopy_of_an_applied_moe_model_is_refused(moe_calib):
     calib, data = moe_calib
     model, _ = mixtral()
     snap = snapshot(model)
     with calib.apply(model), torch.no_grad():
         y_q = model(data[0]).logits
-        with pytest.raises(TypeError, match=r"MoE experts.*deepcopy the model before apply\(\) "
+        with pytest.raises(TypeError, match=r"deepcopy: .*MoE experts.*copy the model before apply\(\) "
                                             r"or after remove\(\)"):
             copy.deepcopy(model)
         assert torch.equal(model(data[0]).logits, y_q)  # the original still applied
@@ -159,6 +185,8 @@ def test_a_deepcopy_of_a_model_with_kv_cache_qdq_is_refused():
             with pytest.raises(TypeError, match=r"KV cache.*then apply the calibration to the "
                                                 r"copy"):
                 copy.deepcopy(model)
+            with pytest.raises(TypeError, match=r"pickle \(torch.save\): .*KV cache"):
+                _saved_and_loaded(model)
             assert torch.equal(model(data[0]).logits, y_q)
         assert not torch.equal(y_q, y_float)  # the KV QDQ did something
         assert torch.equal(model(data[0]).logits, y_float)

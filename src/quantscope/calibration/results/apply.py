@@ -119,20 +119,35 @@ class QDQHandle:
         self.active = False
 
     def __deepcopy__(self, memo):
-        """A deepcopy of the applied model gets its own handle, over its own weights; refused
-        where QDQ is wired to the model's modules by identity (MoE expert views and their
-        routed forward, the KV-cache routing): the copy would run or undo the original's."""
-        if self._wired:
-            raise TypeError(
-                f"deepcopy: the model has quantscope QDQ applied through {self._wired[0]}, "
-                f"which a copy cannot carry (it would stay wired to the original); deepcopy "
-                f"the model before apply() or after remove(), then apply the calibration to "
-                f"the copy")
+        """A deepcopy of the applied model gets its own handle, over its own weights."""
+        self._refuse_wired("deepcopy")
         new = memo[id(self)] = type(self).__new__(type(self))
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         if new.active:
             _track(new, True)  # the nested-apply refusal covers the copy's weights too
         return new
+
+    def __getstate__(self):
+        self._refuse_wired("pickle (torch.save)")
+        return self.__dict__
+
+    def __setstate__(self, state):
+        """A loaded applied model (torch.load) is applied as its original was: remove()
+        restores its float weights, and apply() over its weights is refused."""
+        self.__dict__.update(state)
+        if self.active:
+            _track(self, True)
+
+    def _refuse_wired(self, how: str) -> None:
+        """Refused where QDQ is wired to the model's modules by identity (MoE expert views
+        and their routed forward, the KV-cache routing): a copy would run or undo the
+        original's."""
+        if self._wired:
+            raise TypeError(
+                f"{how}: the model has quantscope QDQ applied through {self._wired[0]}, "
+                f"which a copy cannot carry (it would stay wired to the original); copy "
+                f"the model before apply() or after remove(), then apply the calibration to "
+                f"the copy")
 
     def __enter__(self):
         return self
@@ -141,23 +156,32 @@ class QDQHandle:
         self.remove()
 
 
-def _input_hook(state, name):
-    def hook(module, args, kwargs):
-        x = module_input(args, kwargs, name)
+class _InputQDQ:
+    """The forward pre-hook fake-quantizing a module's input (an object, not a closure, so
+    that an applied model pickles)."""
+
+    def __init__(self, state: RoleState, name: str):
+        self.state, self.name = state, name
+
+    def __call__(self, module, args, kwargs):
+        x = module_input(args, kwargs, self.name)
         if not isinstance(x, torch.Tensor):
             return None
         if args:
-            return (qdq_tensor(x, state), *args[1:]), kwargs
-        return args, {**kwargs, name: qdq_tensor(x, state)}
-    return hook
+            return (qdq_tensor(x, self.state), *args[1:]), kwargs
+        return args, {**kwargs, self.name: qdq_tensor(x, self.state)}
 
 
-def _output_hook(state):
-    def hook(module, args, output):
+class _OutputQDQ:
+    """The forward hook fake-quantizing a module's output."""
+
+    def __init__(self, state: RoleState):
+        self.state = state
+
+    def __call__(self, module, args, output):
         if isinstance(output, torch.Tensor):
-            return qdq_tensor(output, state)
+            return qdq_tensor(output, self.state)
         return None
-    return hook
 
 
 def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandle:
@@ -198,11 +222,11 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                     same[2].append((name, state.to(w.device)))
                 elif role == "input":
                     handle._hooks.append(module.register_forward_pre_hook(
-                        _input_hook(state.to(_device(module)), input_name(module)),
+                        _InputQDQ(state.to(_device(module)), input_name(module)),
                         with_kwargs=True))
                 elif role == "output":
                     handle._hooks.append(module.register_forward_hook(
-                        _output_hook(state.to(_device(module)))))
+                        _OutputQDQ(state.to(_device(module)))))
                 elif role in kv_cache.ROLES:
                     kv.setdefault(name, {})[role] = state.to(_device(module))
                 else:
