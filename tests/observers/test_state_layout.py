@@ -146,3 +146,22 @@ def test_a_damaged_record_is_a_value_error_naming_the_observer(name, record):
     into = get_observer(name, QuantSpec("int8"))
     with pytest.raises(ValueError, match=type(into).__name__ + r".*_extra_state is no record"):
         into.load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", ["static_minmax", "mse", "percentile", "entropy"])
+def test_a_partial_state_of_an_observed_tensor_is_refused_even_not_strict(name):
+    """strict=False loaded the rest and left a sized buffer empty: the observer then failed
+    in torch (IndexError, amax of an empty tensor) naming neither it nor the buffer."""
+    saved = _state(_observed(name, QuantSpec("int8", "channel:0"), _matrix()))
+    sized = get_observer(name, QuantSpec("int8", "channel:0"))._sized_buffers()
+    assert sized
+    for lost in sized:
+        fresh = get_observer(name, QuantSpec("int8", "channel:0"))
+        with pytest.raises(RuntimeError, match=rf"a partial state: it observed data but lacks "
+                                               rf"{lost}; load a whole state_dict"):
+            fresh.load_state_dict({k: v for k, v in saved.items() if k != lost}, strict=False)
+    unobserved = _state(get_observer(name, QuantSpec("int8", "channel:0")))
+    fresh = get_observer(name, QuantSpec("int8", "channel:0"))
+    fresh.load_state_dict({k: v for k, v in unobserved.items() if k not in sized},
+                          strict=False)  # nothing observed: nothing lost
+    assert not fresh.has_observed

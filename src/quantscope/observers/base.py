@@ -404,9 +404,8 @@ class Observer(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     def _apply(self, fn, recurse=True):
-        # a module cast (model.to(torch.bfloat16) with the observer attached, .half()) moves
-        # the state but keeps its dtypes: float32 statistics rounded to bf16 would clip
-        # ranges inward and go on accumulating in bf16
+        # a module cast (model.to(torch.bfloat16), .half()) moves the state, keeps its dtypes:
+        # float32 statistics rounded to bf16 would clip ranges inward and accumulate in bf16
         before = {n: b for n, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
         for n, old in before.items():
@@ -442,6 +441,9 @@ class Observer(nn.Module):
         record.check_units(state_dict, prefix, self.spec.layout,
                            [n for n in ("min_vals", "max_vals") if n in sized], self.describe())
         record.check(state_dict, prefix, self._state_record(), self.describe())
+        partial = record.partial(state_dict, prefix, self._sized_buffers(), self.describe())
+        if partial:  # as a size mismatch is: an error under strict=False too
+            error_msgs.append(partial)
         # sized buffers take the saved shape before the copy, so a fresh observer loads any state
         for name in (*self._sized_buffers(), *self._setting_buffers(), "observed_shape"):
             key = prefix + name
@@ -453,8 +455,8 @@ class Observer(nn.Module):
                                       unexpected_keys, error_msgs)
         missing_keys[:] = [k for k in missing_keys if k != prefix + record.RECORD]  # older state
         self._synced = loaded_mark(self, state_dict, prefix)  # None: this rank's own state
-        # the Python mirror of the shape comes from the saved tensors (readable even when
-        # this observer lives on the meta device); a state without them leaves it alone
+        # the Python mirror of the shape comes from the saved tensors (readable on the meta
+        # device too); a state without them leaves it alone
         tokens, shape = (state_dict.get(prefix + k) for k in ("observed_tokens", "observed_shape"))
         if tokens is not None and shape is not None and not tokens.is_meta and not shape.is_meta:
             self._last_shape = tuple(shape.tolist()) if int(tokens) > 0 else None

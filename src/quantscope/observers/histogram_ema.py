@@ -83,12 +83,11 @@ class IntervalAverage:
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               *args, **kwargs):
         keys = [prefix + n for n in WINDOW]
-        old = not any(k in state_dict for k in keys)
+        if not any(k in state_dict for k in keys):  # saved before the window was state:
+            empty = self.window_lo.new_zeros(0)  # empty (the data's min / max stand in)
+            state_dict = {**state_dict, **dict.fromkeys(keys, empty)}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       *args, **kwargs)
-        if old:  # saved before the window was state: empty (the data's min / max stand in)
-            self.window_lo, self.window_hi = (self.window_lo.new_zeros(0) for _ in WINDOW)
-            missing_keys[:] = [k for k in missing_keys if k not in keys]
         pending = state_dict.get(prefix + "pending")
         if pending is not None and not pending.is_meta:
             self._pending = int(pending)

@@ -13,7 +13,7 @@ import torch
 
 from ..layout import Layout, parse_layout
 
-__all__ = ["RECORD", "check", "check_units", "decode", "encode", "saved_shape"]
+__all__ = ["RECORD", "check", "check_units", "decode", "encode", "partial", "saved_shape"]
 
 RECORD = "_extra_state"  # torch's key of get_extra_state's value
 
@@ -43,6 +43,17 @@ def saved_shape(state_dict, prefix) -> tuple[int, ...] | None:
     if tokens is None or shape is None or tokens.is_meta or shape.is_meta or not int(tokens):
         return None
     return tuple(shape.tolist())
+
+
+def partial(state_dict, prefix, sized, who: str) -> str | None:
+    """The error of a state that observed data but lacks one of the ``sized`` statistics
+    (``load_state_dict(strict=False)`` would load the rest and leave it empty: the observer
+    then fails in torch, naming neither itself nor the buffer); None for a whole state."""
+    lost = [prefix + n for n in sized if prefix + n not in state_dict]
+    if lost and saved_shape(state_dict, prefix) is not None:
+        return f"{who}: a partial state: it observed data but lacks {', '.join(lost)}; " \
+               f"load a whole state_dict"
+    return None
 
 
 def check_units(state_dict, prefix, layout: Layout, ranges, who: str) -> None:
