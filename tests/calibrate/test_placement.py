@@ -121,3 +121,42 @@ def test_dtensor_weights_refused(one_rank_group):
     mesh = init_device_mesh("cpu", (1,))
     model[2].weight = nn.Parameter(distribute_tensor(model[2].weight.detach(), mesh, [Shard(0)]))
     _refused(model, "2", r"is a DTensor sharded across ranks \(\(Shard\(dim=0\),\)")
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=50,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_export_of_a_dispatched_model_without_offload_is_the_plain_models(tmp_path):
+    """accelerate's hooks (a device_map over devices, force_hooks) wrap each forward in a
+    partial: compressed-tensors failed on it ('functools.partial' object has no attribute
+    '__func__') deep in the export, naming nothing."""
+    from safetensors.torch import load_file
+
+    model = _tiny_llama()
+    calibration = quantscope.calibrate(model, [torch.randint(0, 50, (1, 6))], "fp8",
+                                       progress=False)
+    quantscope.export(calibration, model, tmp_path / "plain")
+    accelerate.dispatch_model(model, device_map={"model": "cpu", "lm_head": "cpu"},
+                              force_hooks=True)
+    quantscope.export(calibration, model, tmp_path / "hooked")
+    want, got = (load_file(tmp_path / d / "model.safetensors") for d in ("plain", "hooked"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert hasattr(model.model.layers[0].mlp.up_proj, "_hf_hook")  # the model keeps its hooks
+
+
+def test_a_skeleton_with_meta_buffers_is_refused_naming_the_buffer(tmp_path):
+    """Its blocks load parameters, not buffers: the rotary table stayed on the meta device
+    and transformers' forward failed ('Cannot copy out of meta tensor')."""
+    _tiny_llama().save_pretrained(tmp_path)
+    with torch.device("meta"):
+        skeleton = _tiny_llama()
+    with pytest.raises(ValueError, match=r"calibrate: the buffer 'model\.rotary_emb\.inv_freq' "
+                                         r"is on the meta device.*empty_model\(folder\)"):
+        quantscope.calibrate(skeleton, [torch.randint(0, 50, (1, 6))], "w8a8", progress=False,
+                             sequential=Sequential(checkpoint=tmp_path))

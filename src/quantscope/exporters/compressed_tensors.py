@@ -36,7 +36,7 @@ from torch import nn
 from .._versions import require
 from ..calibration.run.disk_names import split_names
 from ..calibration.structure.kv_cache import attention_modules
-from ..calibration.structure.placement import check_placement, held_weight
+from ..calibration.structure.placement import check_placement, held_weight, unhooked
 from ..calibration.structure.tied import tied_weights
 from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
@@ -438,7 +438,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     for layer in (n for n, roles in calibration.states.items() if "weight" in roles):
         if layer in modules:  # before the deepcopy, which a pruned weight fails
             held_weight("export compressed-tensors", layer, modules[layer])
-    work = copy.deepcopy(model).cpu()
+    work = unhooked(copy.deepcopy(model)).cpu()
     # MoE experts under the checkpoint's per-expert names (vLLM's loader reads those)
     states, kv = _split_kv(unfuse_experts(work, calibration.states))
     kv_args = _kv_args(kv, lossy)

@@ -19,7 +19,7 @@ from torch import nn
 
 from ...observers.base import is_dtensor
 
-__all__ = ["check_module", "check_placement", "held_weight", "plain"]
+__all__ = ["check_module", "check_placement", "held_weight", "plain", "unhooked"]
 
 _SEQUENTIAL = ("calibrate it block by block from its checkpoint: calibrate(empty_model(folder), "
                "..., sequential=Sequential(checkpoint=folder))")
@@ -37,9 +37,10 @@ def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
     """Raise ``ValueError`` naming the first parameter or buffer of ``model`` that is a
     DTensor or lies on the meta device, or the first parameter that is no dense tensor
     (:func:`plain`) (``calibrating``: the error suggests a sequential calibration), and
-    ``TypeError`` where ``model`` is no module. ``skeleton``: meta tensors are expected (a
-    sequential calibration loads them), but not under accelerate's offload hooks, which would
-    move the loaded weights back to the meta device after each forward."""
+    ``TypeError`` where ``model`` is no module. ``skeleton``: meta parameters are expected (a
+    sequential calibration loads them), but not meta buffers (it loads none), nor under
+    accelerate's offload hooks, which would move the loaded weights back to the meta device
+    after each forward."""
     check_module(model, who)
     also = f", or {_SEQUENTIAL}" if calibrating or skeleton else ""
     for prefix, module in model.named_modules():
@@ -59,8 +60,16 @@ def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
                     f"a dense one (a torchao-quantized or sparse weight): quantscope reads float "
                     f"values; give the layer a dense float weight (e.g. its dequantize()) or "
                     f"ignore it")
-            if t.device.type != "meta" or (skeleton and not offloaded):
+            buffer = name in module._buffers
+            if t.device.type != "meta" or (skeleton and not offloaded and not buffer):
                 continue
+            if skeleton and not offloaded:  # its blocks load parameters, not buffers
+                raise ValueError(
+                    f"{who}: the buffer {full!r} is on the meta device: a sequential "
+                    f"calibration loads the parameters from the checkpoint, not buffers (rotary "
+                    f"tables are computed); build the skeleton with "
+                    f"quantscope.calibration.empty_model(folder) (or accelerate's "
+                    f"init_empty_weights() without include_buffers)")
             if offloaded:
                 raise ValueError(
                     f"{who}: {full!r} is offloaded by accelerate (device_map with CPU / disk "
@@ -68,6 +77,18 @@ def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
                     f"model without offload{also}")
             raise ValueError(f"{who}: {full!r} is on the meta device (no data); load the "
                              f"weights{also}")
+
+
+def unhooked(work: nn.Module) -> nn.Module:
+    """``work`` (a copy quantscope exports) without accelerate's dispatch hooks (a
+    ``device_map``, ``force_hooks``): they wrap each module's forward in a partial, which
+    compressed-tensors wraps again as a method, and move tensors between devices, which a
+    copy whose weights are whole (:func:`check_placement`) and on one device needs not."""
+    if any(hasattr(m, "_hf_hook") for m in work.modules()):
+        from accelerate.hooks import remove_hook_from_module
+
+        remove_hook_from_module(work, recurse=True)
+    return work
 
 
 def plain(t: torch.Tensor) -> bool:
