@@ -10,7 +10,9 @@ float or fake-quantized twice without a word.
 * distinct Parameters over one memory (``load_state_dict(..., assign=True)`` of an applied
   model's weights; two layers given one tensor): one weight, QDQ'd once, held once (apply
   accepted the second model and saved its fake-quantized values as float; two layers with
-  different qparams compounded both QDQs)."""
+  different qparams compounded both QDQs).
+* Parameters over overlapping slices of one tensor: refused by apply (the shared values were
+  QDQ'd twice); slices that only interleave (a split of columns) quantize as copies would."""
 
 from __future__ import annotations
 
@@ -122,3 +124,33 @@ def test_two_layers_over_one_memory_are_one_weight():
     handle.remove()
     assert torch.equal(model[0].weight, float_w.double())
     assert torch.equal(model[2].weight, float_w.double())
+
+
+def _sliced(base, first, second):
+    model = _mlp()
+    model[0].weight, model[2].weight = nn.Parameter(base[:, first]), nn.Parameter(base[:, second])
+    return model
+
+
+def test_overlapping_slices_of_one_tensor_are_refused():
+    base = torch.randn(128, 192)
+    model = _sliced(base, slice(0, 128), slice(64, 192))  # 64 columns in both
+    calibration = quantscope.calibrate(model, BATCHES, "w8a8", progress=False)
+    before = base.clone()
+    with pytest.raises(ValueError, match=r"apply: 0\.weight and 2\.weight share some of their "
+                                         r"values .*\.clone\(\)"):
+        calibration.apply(model)
+    assert torch.equal(base, before) and not model[0]._forward_pre_hooks
+
+
+def test_interleaved_slices_of_one_tensor_quantize_as_their_copies():
+    base = torch.randn(128, 256)
+    model = _sliced(base, slice(0, 256, 2), slice(1, 256, 2))  # even / odd columns
+    copies = _mlp()
+    copies[0].weight = nn.Parameter(base[:, 0::2].clone())
+    copies[2].weight = nn.Parameter(base[:, 1::2].clone())
+    calibration = quantscope.calibrate(model, BATCHES, "w8a8", progress=False)
+    with calibration.apply(model), calibration.apply(copies):
+        assert torch.equal(model[0].weight, copies[0].weight)
+        assert torch.equal(model[2].weight, copies[2].weight)
+    assert torch.equal(model[0].weight, base[:, 0::2])

@@ -333,6 +333,7 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
                     f"recipe, or untie the weights")
     _warn_tied(model, [owners[0][0] for _, _, owners in weights],
                {name for _, _, owners in weights for name, _ in owners})
+    _refuse_overlaps([(w, owners[0][0]) for w, _, owners in weights])
     holders = _holders(model)
     with torch.no_grad():
         for w, (owner, name, expert), ((_, state), *_) in weights:
@@ -341,6 +342,36 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
                 _memory(w), [(owner, name)])
             handle._weights.append(_Saved(places, expert, w.detach().clone()))
             w.copy_(qdq_tensor(w.detach(), state))
+
+
+def _refuse_overlaps(weights: list[tuple[torch.Tensor, str]]) -> None:
+    """Raise naming both where two weights (distinct memories: :func:`_memory`) share some
+    elements (Parameters over overlapping slices of one tensor): QDQ in place would quantize
+    the shared values twice. Slices of one tensor that only interleave (a split of columns)
+    are told apart element by element, where their spans of the storage meet."""
+    spans: dict = {}
+    for w, layer in weights:
+        if w.numel() and plain(w) and all(s >= 0 for s in w.stride()):
+            end = w.storage_offset() + sum((n - 1) * s for n, s in zip(w.shape, w.stride()))
+            spans.setdefault((w.untyped_storage().data_ptr(), w.element_size()), []).append(
+                (w.storage_offset(), end, w, layer))
+    for views in spans.values():
+        views.sort(key=lambda v: v[0])
+        if all(a[1] < b[0] for a, b in zip(views, views[1:])):
+            continue  # disjoint spans (q / k / v rows of one tensor)
+        owner = torch.zeros(max(v[1] for v in views) + 1, dtype=torch.int32,
+                            device=views[0][2].device)
+        for k, (start, _, w, layer) in enumerate(views):
+            mine = owner.as_strided(w.shape, w.stride(), start)
+            taken = mine[mine != 0]
+            if taken.numel():
+                other = views[int(taken[0]) - 1][3]
+                raise ValueError(
+                    f"apply: {other}.weight and {layer}.weight share some of their values "
+                    f"(Parameters over overlapping slices of one tensor): fake-quantizing one "
+                    f"in place would change the other; give each layer a weight of its own "
+                    f"(.clone())")
+            mine.fill_(k + 1)
 
 
 def _holders(model: nn.Module) -> dict:
