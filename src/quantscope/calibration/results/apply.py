@@ -17,6 +17,7 @@ all go through it.
 from __future__ import annotations
 
 import copy
+import itertools
 import sys
 import warnings
 import weakref
@@ -357,7 +358,7 @@ def _refuse_overlaps(weights: list[tuple[torch.Tensor, str]]) -> None:
                 (w.storage_offset(), end, w, layer))
     for views in spans.values():
         views.sort(key=lambda v: v[0])
-        if all(a[1] < b[0] for a, b in zip(views, views[1:])):
+        if all(a[1] < b[0] for a, b in itertools.pairwise(views)):
             continue  # disjoint spans (q / k / v rows of one tensor)
         owner = torch.zeros(max(v[1] for v in views) + 1, dtype=torch.int32,
                             device=views[0][2].device)
