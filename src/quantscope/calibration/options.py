@@ -227,6 +227,10 @@ class Outliers:
                              f"got {self.keep_float!r}")
         _set(self, "keep_float", k)
         _one_of("Outliers", "fallback", self.fallback, FALLBACK_MODES)
+        if self.fallback != "dynamic" and not k:  # nothing falls back: say so, not ignore it
+            raise ValueError(f"calibrate: Outliers.fallback ({self.fallback!r}) is what the "
+                             f"keep_float activations get; keep_float=0 keeps none, so it would "
+                             f"be ignored (give keep_float=, or drop fallback=)")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from torch import nn
 from .. import presets
 from ..layout import Tensor
 from ..spec import QuantSpec
-from .recipe_dict import fields_from, matches, own_options, patterns, role_options
+from .recipe_dict import built, fields_from, matches, own_options, patterns, role_options
 from .role_observers import AUTO, check_taken, observed, weight_observer
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
@@ -90,7 +90,7 @@ class Role:
     def from_dict(cls, d: dict, where: str = "Role") -> Role:
         """The role :meth:`to_dict` wrote (``observer``, ``dynamic`` and ``options`` may be
         left out: the defaults); ``where`` names it in errors."""
-        return cls(**fields_from(cls, d, where, spec=_spec_from))
+        return built(cls, fields_from(cls, d, where, spec=_spec_from), where)
 
 
 def _spec_from(d, where: str) -> QuantSpec:
@@ -136,7 +136,8 @@ class Rule:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "Rule") -> Rule:
-        return cls(**fields_from(cls, d, where, **dict.fromkeys(ROLES, _optional_role)))
+        return built(cls, fields_from(cls, d, where, **dict.fromkeys(ROLES, _optional_role)),
+                     where)
 
 
 def _rules(rules, where: str) -> tuple[Rule, ...]:
@@ -348,7 +349,6 @@ KV_PRESETS = {"fp8-kv": "fp8"}
 #: presets whose inputs run their own observer when none is given: llm-compressor's NVFP4
 #: scheme calibrates the input global scale on the running max of all batches
 INPUT_OBSERVERS = {"nvfp4": "static_minmax"}
-
 
 #: the earlier name of :data:`RECIPES`
 PRESETS = RECIPES

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from functools import lru_cache
 
-__all__ = ["fields_from", "matches", "own_options", "patterns", "role_options"]
+__all__ = ["built", "fields_from", "matches", "own_options", "patterns", "role_options"]
 
 
 def fields_from(cls, d, where: str, **read) -> dict:
@@ -31,6 +31,17 @@ def fields_from(cls, d, where: str, **read) -> dict:
         if f.name not in d and f.default is MISSING and f.default_factory is MISSING:
             raise ValueError(f"{where}: missing key {f.name!r}; the known keys are {known}")
     return {k: read[k](v, f"{where}.{k}") if k in read else v for k, v in d.items()}
+
+
+def built(cls, kwargs: dict, where: str):
+    """``cls(**kwargs)`` (the keys :func:`fields_from` read), its checks' ``ValueError`` /
+    ``TypeError`` led by ``where``: a recipe file with several rules names the rule and role
+    whose value is bad, as it names a bad key."""
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        kind = ValueError if isinstance(e, ValueError) else TypeError
+        raise kind(f"{where}: {e}") from None
 
 
 def role_options(options) -> tuple:

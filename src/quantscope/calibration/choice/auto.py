@@ -28,13 +28,14 @@ from torch import nn
 from ..recipe import AUTO, Recipe
 from ..results.apply import apply
 from ..results.result import Calibration
+from ..role_observers import observed
 from ..run.batches import eval_mode, forward_batch, tensors_in
 from ..run.gather import share_pieces
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
 
-__all__ = ["OutputDivergence", "calibrate_end_to_end", "choose", "choose_roles",
-           "score_pieces"]
+__all__ = ["OutputDivergence", "calibrate_end_to_end", "check_options", "choose",
+           "choose_roles", "score_pieces"]
 
 #: ``auto_metric="model"`` scores each configuration piece by piece (the first piece this
 #: share of the scoring documents), dropping after each piece the candidates this many times
@@ -394,9 +395,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     expanded = {label: r for label, r in recipes.items() if label not in autos}
     names = list(dict.fromkeys(_candidates("input", candidates)))
     for label in autos:
-        for n in names:
+        for n in names:  # (their options checked with the session's: check_options)
             expanded[(label, n)] = recipes[label].with_observer(n)
-        _check_options(recipes[label], label, [expanded[(label, n)] for n in names], names)
     # each auto recipe's time so far: the pass with every candidate's observers, once each
     groups = {label: [(label, n) for n in names] for label in autos}
     plan = score_plan(batches, score_tokens) if autos else []
@@ -476,16 +476,19 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
     return Calibration(recipe, states, label, stats, chosen.histograms, info)
 
 
-def _roles(recipe: Recipe):
-    return [r for rule in recipe.rules for r in rule.roles().values()] + [recipe.kv_cache]
-
-
-def _check_options(recipe: Recipe, label, candidates: list[Recipe], names) -> None:
-    """Raise ``ValueError`` for an option of ``recipe``'s roles that no candidate observer
-    takes (a misspelt name would otherwise be dropped without a word)."""
-    given = {k for r in _roles(recipe) if r is not None and r.dynamic is not True
-             for k, _ in r.options}
-    taken = {k for c in candidates for r in _roles(c) if r is not None for k, _ in r.options}
+def check_options(recipe: Recipe, label, names, every_role: bool) -> None:
+    """Raise ``ValueError`` for an option of ``recipe``'s roles that run ``auto``'s candidate
+    observers ``names`` that none of them takes (a misspelt name would otherwise be dropped
+    without a word): of every calibrated role (and the KV cache's) where ``every_role``
+    (``metric="model"`` runs :meth:`Recipe.with_observer` of each candidate), else of its
+    ``auto`` roles (the per-layer metrics: :func:`.observe.candidate_options`)."""
+    runs = [(kind, r) for rule in recipe.rules for kind, r in rule.roles().items()
+            if r.dynamic is not True and (every_role or r.observer == AUTO)]
+    if every_role and recipe.kv_cache is not None:
+        runs.append(("key", recipe.kv_cache))
+    given = {k for _, r in runs for k, _ in r.options}
+    # the rule Recipe.with_observer gives each candidate's roles their options by
+    taken = {k for kind, r in runs for n in names for k, _ in observed(r, kind, n, {}).options}
     if given - taken:
         raise ValueError(f"calibrate: recipe {label!r}: observer 'auto' option(s) "
                          f"{sorted(given - taken)} taken by none of its candidate observers "

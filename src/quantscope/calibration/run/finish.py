@@ -77,7 +77,7 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
         best = None
         for n in names:
             try:
-                obs = get_observer(n, cfg.spec, **dict(cfg.options)).to(w.device)
+                obs = get_observer(n, cfg.spec, **dict(observer_key(n, cfg)[2])).to(w.device)
                 obs(w)
             except (ValueError, TypeError):
                 if len(names) == 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
@@ -24,6 +25,7 @@ from ...observers.grouped import observe_many
 from ...observers.registry import get_observer, observer_class
 from ...spec import QuantSpec
 from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
+from ..role_observers import observed
 from ..structure import fusion, kv_cache
 from ..structure.conv1d import is_conv1d
 from . import heap
@@ -91,7 +93,23 @@ def candidates_for(role: str, candidates) -> list[str]:
 
 
 def observer_key(name, role_cfg: Role, module=None):
-    return (name, _observed_spec(role_cfg), role_cfg.options)
+    return (name, _observed_spec(role_cfg), candidate_options(name, role_cfg))
+
+
+def candidate_options(name: str, role_cfg: Role) -> tuple:
+    """The options observer ``name`` runs with on ``role_cfg``'s tensor: the role's own, or
+    for an ``auto`` role those of them the candidate ``name`` takes, as ``Auto(metric=
+    "model")``'s candidate recipes keep them (:func:`.role_observers.observed`); the others
+    are another candidate's (:func:`.auto.check_options` refuses one no candidate takes)."""
+    if role_cfg.observer != AUTO or not role_cfg.options:
+        return role_cfg.options
+    return _taken_options(name, role_cfg)
+
+
+@lru_cache(maxsize=4096)  # per layer, role and candidate, several times: one signature read
+def _taken_options(name: str, role_cfg: Role) -> tuple:
+    # ``name`` is the observer itself (a weight's memoryless variant already): not mapped again
+    return observed(role_cfg, "input", name, {}).options
 
 
 def _observed_spec(role_cfg: Role):

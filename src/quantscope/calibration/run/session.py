@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ from .finish import build_states
 from .module_roles import check_shapes
 from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
+    candidates_for,
     make_plan,
     observe_batches,
     observer_seconds,
@@ -139,12 +140,13 @@ def _options(sampling, auto, moe, outliers, sequential, runtime, progress, keywo
 def calibrate_with(model: nn.Module, batches, recipes, opts: Options) -> dict[str, Calibration]:
     """:func:`calibrate_many` with its options as one :class:`~.options.Options` value."""
     with calibrating(model):
-        return _calibrate_with(model, batches, recipes, opts)
+        return _calibrate_with(model, batches, recipes, opts, top=True)
 
 
-def _calibrate_with(model, batches, recipes, opts: Options) -> dict[str, Calibration]:
+def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[str, Calibration]:
     """:func:`calibrate_with` inside its guard: the sequential pieces and auto's end-to-end
-    candidates calibrate through here, on the model (or a block of it) the call holds."""
+    candidates calibrate through here, on the model (or a block of it) the call holds;
+    ``top``: the user's own call (the options checked against its recipes)."""
     t0 = time.perf_counter()
     if batches is None:
         batches = []
@@ -152,7 +154,7 @@ def _calibrate_with(model, batches, recipes, opts: Options) -> dict[str, Calibra
     # here, not with the others waiting in the planning's collectives
     with (qd.all_or_none("calibrate's checks", opts.runtime.group, same_type=True)
           if opts.runtime.distributed else contextlib.nullcontext()):
-        recipes = _checked(model, recipes, opts)
+        recipes = _checked(model, recipes, opts, top)
         check_batches(batches)
         if opts.auto.metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
             batches = list(batches)  # read twice: calibrated on, then scored on
@@ -229,7 +231,7 @@ def _around(model, batches, run, outliers: Outliers, runtime: Runtime):
     return out
 
 
-def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
+def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
     """:func:`calibrate_many`'s ``{label: Recipe}``; raises naming the argument where the
     model, the recipes or the options together do not fit (each option object checked its
     own fields when made), before any hook is attached or batch run."""
@@ -245,6 +247,8 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
     check_placement(model, "calibrate", calibrating=True, skeleton=seq is not None)
     refuse_applied(model, "calibrate")  # its observers would see the QDQ values
     recipes = _as_recipes(recipes)
+    if top:  # not a piece's or auto's inner pass (auto's candidates: no auto role)
+        _check_auto(recipes, opts.auto)
     if seq is not None:
         if opts.outliers.keep_float:
             check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)
@@ -261,6 +265,23 @@ def _checked(model, recipes, opts: Options) -> dict[str, Recipe]:
                              f"which is not a recipe label; the labels are {list(recipes)}")
     return recipes
 
+
+def _check_auto(recipes, auto: Auto) -> None:
+    """Where a recipe has ``observer="auto"``: every option of its roles is taken by one of
+    its candidates (:func:`.auto.check_options`, for every metric). Where none has, ``auto``
+    must be left at its defaults: a field set would change nothing, so say so rather than
+    ignore it (a field at its default counts as not set, as in ``from_keywords``)."""
+    autos = {label: r for label, r in recipes.items() if _auto._has_auto(r)}
+    names = candidates_for("input", auto.candidates) if autos else ()
+    for label, r in autos.items():
+        _auto.check_options(r, label, names, every_role=auto.metric == "model")
+    changed = [f.name for f in fields(Auto) if getattr(auto, f.name) != f.default]
+    if changed and not autos:
+        name = changed[0]
+        raise ValueError(f"calibrate: Auto.{name} is set ({name}={getattr(auto, name)!r}), "
+                         f"but Auto says how observer='auto' chooses and no recipe here has an "
+                         f"'auto' role; it would be ignored (drop auto=, or calibrate with "
+                         f"observer='auto')")
 
 
 def _as_recipes(recipes) -> dict[str, Recipe]:
