@@ -337,3 +337,19 @@ def test_calib_docs_are_taken_evenly_from_the_whole_text(n, expect):
 
     # floor(i * 10 / n): --calib-docs 6 of 10 reaches the last documents (it took the first 6)
     assert spread(list(range(10)), n) == expect
+
+
+@pytest.mark.parametrize("args,said", [
+    (["compare", "--recipes", "w8a8", "--observers", "minmax", "--auto-metric", "tensor"],
+     "--auto-metric / --score-tokens say how the 'auto' observer chooses: add auto"),
+    (["compare", "--recipes", "w8a8", "--observers", "minmax", "--score-tokens", "64"],
+     "--auto-metric / --score-tokens say how the 'auto' observer chooses: add auto"),
+    (["calibrate", "--recipe", "w8a8", "--fallback", "float"],
+     "--fallback float says what --keep-float's activations become: give --keep-float N")])
+def test_flags_that_would_do_nothing_are_refused_before_the_model_loads(tmp_path, capsys,
+                                                                        args, said):
+    """calibrate refuses the option objects they build (Auto without an auto role, Outliers'
+    fallback without keep_float): said here first, naming the flag, with no model loaded."""
+    rc, _, err = _run(capsys, *args, "--model", str(tmp_path / "absent"), "--out",
+                      str(tmp_path / "out"))
+    assert rc == 2 and f"error: {said}" in err, err

@@ -176,6 +176,9 @@ def check_activation_args(args) -> None:
     if smooth is not None and getattr(args, "sequential", None):
         raise UsageError("--smooth measures the activations with a forward of the whole "
                          "model: not with --sequential")
+    if args.fallback != "dynamic" and not args.keep_float:
+        raise UsageError(f"--fallback {args.fallback} says what --keep-float's activations "
+                         f"become: give --keep-float N too")
     if args.keep_float and getattr(args, "sequential", None):
         raise UsageError("--keep-float ranks the activations with a forward of the whole "
                          "model: not with --sequential")

@@ -122,7 +122,9 @@ def cmd_compare(args) -> int:
         args, phases, lambda m: _plan(args, m, recipes, observers))
     if args.smooth is not None:
         setup["smooth"] = args.smooth
-    candidates = [o for o in observers if o != "auto"] or None
+    # auto's candidates: the other observers, where auto is one (else Auto(candidates=) would
+    # be refused: no recipe has an auto role)
+    candidates = ([o for o in observers if o != "auto"] or None) if "auto" in observers else None
     t = time.perf_counter()
     calibs = _calibrate_all(args, phases, model, batches, plan, candidates)
     if getattr(args, "rank", 0) != 0:  # torchrun: rank 0 evaluates, writes and prints
@@ -180,6 +182,9 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     if args.score_tokens < 1:
         raise UsageError(f"--score-tokens must be a positive number of tokens, got "
                          f"{args.score_tokens}")
+    if "auto" not in observers and (args.auto_metric != "model" or args.score_tokens != 1024):
+        raise UsageError("--auto-metric / --score-tokens say how the 'auto' observer chooses: "
+                         "add auto to --observers")
     check_model_arg(args.model)
     check_calib_file(args)
     check_out(args.out, command_inputs(args), what="compare-run")
