@@ -388,8 +388,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     """
     from ..run.observe import candidates_for as _candidates  # the one list of auto's candidates
 
-    candidates, score_tokens, loss = (opts.auto.candidates, opts.auto.score_tokens,
-                                      opts.auto.loss)
+    candidates, score_tokens, loss = opts.auto.candidates, opts.auto.score_tokens, opts.auto.loss
     batches = list(batches)  # not empty where a recipe has auto (calibrate's checks)
     autos = [label for label, r in recipes.items() if _has_auto(r)]
     expanded = {label: r for label, r in recipes.items() if label not in autos}
@@ -427,7 +426,9 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     finally:
         if importance is not None:
             importance.remove()
+    built = score.forwards  # the references' forwards, which every recipe's scoring needs
     for label in autos:
+        score.forwards = built  # each recipe counts its own scoring's forwards, as alone
         out[label] = _decide(model, score, recipes[label], label,
                              {n: calibs[(label, n)] for n in names}, means,
                              calibs[(label, names[0])].info["group_seconds"][label])

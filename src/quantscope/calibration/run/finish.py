@@ -241,7 +241,7 @@ class _States:
             if (layer, role) in self.non_finite:
                 raise _non_finite_error((layer, role), state)
             return state, self.stats_of((layer, role), (layer, role, "dynamic", cfg), state)
-        best = self.best_candidate(layer, role, slot, cfg, names, shape)
+        best = self.best_candidate(plan, layer, role, slot, cfg, names, shape)
         if best is None and shape is not None and 0 in shape:  # observers skip empty tensors
             raise ValueError(f"calibrate: layer {layer!r} weight: its weight {list(shape)} is "
                              f"empty (0 elements: nothing to quantize); leave the layer out of "
@@ -253,7 +253,7 @@ class _States:
                              f"could take {cfg.spec}: {slot.failed}")
         return best[0], best[1]
 
-    def best_candidate(self, layer, role, slot, cfg, names, shape):
+    def best_candidate(self, plan, layer, role, slot, cfg, names, shape):
         """``(state, stats, error)`` of the candidate with the least ``auto`` error (the one
         candidate where there is one), or None where none observed data."""
         best = None
@@ -267,7 +267,8 @@ class _States:
             skey = (layer, role, okey, cfg.dynamic)
             cand = self.state_of(obs, cfg, skey, shape)
             st = self.stats_of((layer, role), skey, cand)
-            err = self.auto_error(layer, role, skey, cand, st) if len(names) > 1 else None
+            err = (self.auto_error(plan, layer, role, skey, cand, st) if len(names) > 1
+                   else None)
             if best is None or (err is not None and (best[2] is None or err < best[2])):
                 best = (cand, st, err)
         return best
@@ -288,16 +289,20 @@ class _States:
             self.slots[skey[:2]].spent(skey[2], t0)  # the qparams: the observer's time
         return replace(self.made[skey], requested=cfg.observer)
 
-    def auto_error(self, layer, role, skey, state, st):
+    def auto_error(self, plan, layer, role, skey, state, st):
         """What ``auto`` minimises: the squared error this role's quantization causes in the
         layer's output ``x W^T`` (metric "output", for 2-D weights with an input sample), or
-        in the tensor itself (metric "tensor", and the fallback)."""
-        if skey in self.errors:
-            return self.errors[skey]
+        in the tensor itself (metric "tensor", and the fallback). Only ``plan``'s own samples
+        count: a weight-only plan's weights by their tensor error, as calibrated alone (another
+        recipe's input sample would change its choice)."""
+        own = (layer, "input") in plan
+        ekey = skey if own else (*skey, "tensor")  # a weight's two errors, cached apart
+        if ekey in self.errors:
+            return self.errors[ekey]
         err = None if st is None else st["noise"]
         module = self.slots[(layer, role)].module
         w = getattr(module, "weight", None)
-        x = self.data.get((layer, "input"))
+        x = self.data.get((layer, "input")) if own else None
         t = is_conv1d(module)  # its weight is [in, out]
         if (self.auto_metric == "output" and role in ("weight", "input") and w is not None
                 and w.dim() == 2 and x is not None and x.shape[-1] == w.shape[0 if t else 1]):
@@ -307,7 +312,7 @@ class _States:
             else:
                 e = linear_output(x, qdq_tensor(w, state).float() - w, t)
             err = float(e.square().sum())
-        self.errors[skey] = err
+        self.errors[ekey] = err
         return err
 
     def joint_errors(self, plan) -> dict:

@@ -246,7 +246,7 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
     seq = opts.sequential
     check_placement(model, "calibrate", calibrating=True, skeleton=seq is not None)
     refuse_applied(model, "calibrate")  # its observers would see the QDQ values
-    recipes = _as_recipes(recipes)
+    recipes = _as_recipes(recipes, inner=not top)
     if top:  # not a piece's or auto's inner pass (auto's candidates: no auto role)
         _check_auto(recipes, opts.auto)
     if seq is not None:
@@ -284,9 +284,11 @@ def _check_auto(recipes, auto: Auto) -> None:
                          f"observer='auto')")
 
 
-def _as_recipes(recipes) -> dict[str, Recipe]:
+def _as_recipes(recipes, inner=False) -> dict[str, Recipe]:
     """``{label: Recipe}`` of a recipe, a list of recipes (labelled by name) or a dict; preset
-    names become their recipes."""
+    names become their recipes. ``inner``: auto's or a piece's pass, which may take the
+    ``(label, observer)`` labels auto gives its candidates (the user's call may not: one
+    would replace a candidate, or be replaced)."""
     if isinstance(recipes, (str, Recipe)):
         recipes = [recipes]
     if not isinstance(recipes, dict):
@@ -300,8 +302,8 @@ def _as_recipes(recipes) -> dict[str, Recipe]:
     else:
         # a label is saved with the calibration, and load() reads back a str; auto labels
         # the candidates it expands a recipe into (label, observer), never returned
-        bad = [k for k in recipes if not isinstance(k, str) and not (
-            isinstance(k, tuple) and len(k) == 2 and all(isinstance(x, str) for x in k))]
+        bad = [k for k in recipes if not isinstance(k, str) and not (inner and isinstance(
+            k, tuple) and len(k) == 2 and all(isinstance(x, str) for x in k))]
         if bad:
             raise TypeError(f"calibrate: a recipe label must be a str, got {bad[0]!r} "
                             f"({type(bad[0]).__name__}); label it {str(bad[0])!r}")
