@@ -261,7 +261,9 @@ def _check_finite(lo: torch.Tensor, hi: torch.Tensor, global_amax, finite: bool 
 
 def _is_amax(global_amax) -> bool:
     """Whether ``global_amax`` is finite and not negative (NaN compares false)."""
-    g = torch.as_tensor(global_amax)
+    # a number checked in float64: in the default dtype (float16) a large one would be inf
+    g = global_amax if isinstance(global_amax, torch.Tensor) else torch.as_tensor(
+        global_amax, dtype=torch.float64)
     return bool(((g >= 0) & (g < math.inf)).all())
 
 

@@ -96,7 +96,7 @@ class QuantSpec:
         if self.eps is not None and scale.kind in ("fp16", "bf16", "pow2"):
             # every scale is at least eps: the encoding must store one (its largest is what
             # it stores for float32's max)
-            top = float(encode_scale(torch.tensor([_F32_MAX]), scale))
+            top = float(encode_scale(torch.tensor([_F32_MAX], dtype=torch.float32), scale))
             if as_float32(self.eps) > top:
                 raise ValueError(f"QuantSpec.eps: {self.eps!r} is above the largest {scale} "
                                  f"scale ({top:.8g}); no stored scale would be at least eps")

@@ -350,5 +350,5 @@ class MSEObserver(HorizonObserver, _NativeLinearMSE):
         if res.index is None:
             return res
         # Horizon scales the signed ends by the chosen factor: best_min = min * (1 - 0.01 i)
-        f = 1.0 - res.index * (0.01 * self.stride)
+        f = 1.0 - res.index.float() * (0.01 * self.stride)  # float32 whatever torch's default
         return SearchResult(lo * f, hi * f, index=res.index)

@@ -193,7 +193,8 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
         st = _State(best_lo, best_hi, err[0], (sc[0].clone(), zp[0].clone()))
     else:  # llm-compressor: the first candidate always wins
         st = _State(lo * f_lo[0], hi * f_hi[0],
-                    torch.full((n_units,), torch.finfo(torch.float32).max, device=dev), None)
+                    torch.full((n_units,), torch.finfo(torch.float32).max, dtype=torch.float32,
+                               device=dev), None)
     # native per-unit patience never stops a unit before llm-compressor's global rule would
     use_global = patience is not None and (not per_unit or not exact)
     rule = {"patience": patience, "per_unit": per_unit, "tie": tie, "use_global": use_global}

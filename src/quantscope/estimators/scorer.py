@@ -68,7 +68,7 @@ class HistogramScorer:
                              f"(the tensor's max |x|), the one its qparams run under")
         self.spec, self.units = spec, hist.counts.shape[0]
         self.global_amax = global_amax
-        applies = (hist.counts.device.type == "cpu"
+        applies = (hist.counts.device.type == "cpu" and hist.counts.dtype == torch.int64
                    and isinstance(spec.format, (IntFormat, FloatFormat)))
         self.kernel = kernels.choose(backend, "hist_error", "HistogramScorer", applies) is not None
         self._derive, self._q, self._fmt = _kernel_consts(spec)
@@ -77,7 +77,8 @@ class HistogramScorer:
         off = _offsets(points, counts.device)  # sub-points at (i + (k + 0.5) / points) w
         if self.kernel and centers is None:  # the same points and weights, in one C call
             U, B = counts.shape
-            cc, lo, wd = counts.contiguous(), hist.lo.float().contiguous(), width.contiguous()
+            # the kernel reads float32 ends and widths (a Hist of float64 ends is public API)
+            cc, lo, wd = counts.contiguous(), kernels.contiguous(hist.lo), kernels.contiguous(width)
             args = cc.data_ptr(), lo.data_ptr(), wd.data_ptr(), off.data_ptr()
             # room for every bin when that is small, else a first call counts the occupied
             n = B if U * B * points <= ELEMENT_BUDGET else \
@@ -131,7 +132,8 @@ class HistogramScorer:
     def _points(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The points and weights ``[U, P]`` (contiguous), as the kernel takes them."""
         if self._flat is None:
-            self._flat = (self.centers[:, 0].contiguous(), self.counts[:, 0].contiguous())
+            self._flat = (kernels.contiguous(self.centers[:, 0]),
+                          kernels.contiguous(self.counts[:, 0], torch.float64))
         return self._flat
 
     def _qparams(self, lo, hi, torch_only: bool = False):
@@ -324,7 +326,7 @@ def _kernel_consts(spec: QuantSpec) -> tuple[bool, torch.Tensor, torch.Tensor | 
 @functools.lru_cache(maxsize=8)
 def _offsets(points: int, device) -> torch.Tensor:
     """Offsets ``(k + 0.5) / points - 0.5`` of a bin's points, in bin widths (float32)."""
-    return (torch.arange(points, device=device) + 0.5) / points - 0.5
+    return (torch.arange(points, dtype=torch.float32, device=device) + 0.5) / points - 0.5
 
 
 

@@ -239,7 +239,7 @@ def importance_units(importance: torch.Tensor | None, shape, spec: QuantSpec,
     values were validated already (:func:`check_importance`), so no read-back here."""
     shape = tuple(shape)
     if importance is None:
-        return spec.layout.to_units(torch.ones(shape, device=device))
+        return spec.layout.to_units(torch.ones(shape, dtype=torch.float32, device=device))
     importance = importance.detach().float().to(device).flatten()
     if importance.numel() != shape[-1]:
         raise ValueError(f"imatrix_range: importance must have one value per input channel "

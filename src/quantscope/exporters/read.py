@@ -52,9 +52,10 @@ def _global_amax(gs: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
     ulps where float32 does not round-trip). A scale that no float32 amax gives (a bf16
     model's: llm-compressor computes it in bf16) reads as the nearest one, with a warning."""
     gs = gs.float().reshape(())
-    amax = (nvfp4_global_scale(torch.ones(()), spec.format) / gs).reshape(())
+    one, top = torch.tensor([1.0, torch.finfo(torch.float32).max], dtype=torch.float32)
+    amax = (nvfp4_global_scale(one, spec.format) / gs).reshape(())
     if not bool(torch.isfinite(amax)):  # a tiny scale: save() would write an amax load refuses
-        least = nvfp4_global_scale(torch.tensor(torch.finfo(torch.float32).max), spec.format)
+        least = nvfp4_global_scale(top, spec.format)
         raise ValueError(f"from_compressed_tensors: {where} = {float(gs)!r} gives an amax of "
                          f"inf (below {float(least)!r}, the global scale of float32's "
                          f"largest amax)")
@@ -245,7 +246,9 @@ def _decompress(name, stored, fmt, scheme, spec, wshape) -> dict:
         return compressor(fmt, "format").decompress(_ct_unpackable(stored), scheme)
     except ValueError as e:
         qshape = spec.layout.qparam_shape(wshape)
-        neutral = {"weight_scale": torch.ones(qshape), "weight_global_scale": torch.ones(1),
+        f32 = {"dtype": torch.float32}
+        neutral = {"weight_scale": torch.ones(qshape, **f32),
+                   "weight_global_scale": torch.ones(1, **f32),
                    "weight_zero_point": torch.zeros(qshape, dtype=torch.int8)}
         probe = {k: v for k, v in neutral.items() if k in stored}
         why = storage_problem(stored, probe, fmt, scheme, spec, wshape) or (

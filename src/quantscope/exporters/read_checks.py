@@ -185,7 +185,7 @@ def storage_problem(stored: dict, decompressed: dict, fmt, scheme, spec,
     if "weight_zero_point" in probe:  # as compressed-tensors holds it (``zp_dtype``): the
         # one it writes is that, or that packed; a float one would pass through unchecked
         probe["weight_zero_point"] = probe["weight_zero_point"].to(scheme.weights.zp_dtype)
-    probe["weight"] = torch.zeros(weight_shape)
+    probe["weight"] = torch.zeros(weight_shape, dtype=torch.float32)
     try:
         expected = decoder.compress(probe, scheme)
     except Exception as e:  # noqa: BLE001 -- compressed-tensors raises many types

@@ -33,7 +33,7 @@ class IntervalAverage:
 
     def _register_window(self) -> None:
         for name in WINDOW:
-            self.register_buffer(name, torch.zeros(0))
+            self.register_buffer(name, torch.zeros(0, dtype=torch.float32))
 
     def _interval_batch(self, lo, hi) -> None:
         """After a batch in the EMA mode: its min / max join the interval's; the interval's

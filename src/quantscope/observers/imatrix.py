@@ -55,10 +55,12 @@ class IMatrixMSEObserver(Observer):
         if importance is not None:  # a constant: checked here once, not in every forward
             importance = torch.as_tensor(importance, dtype=torch.float32).flatten()
             check_importance(self.describe(), importance)
-        self.register_buffer("importance", torch.zeros(0) if importance is None else importance)
-        self.register_buffer("min_vals", torch.zeros(0))
-        self.register_buffer("max_vals", torch.zeros(0))
-        self.register_buffer("global_amax_val", torch.zeros(0))
+        else:
+            importance = torch.zeros(0, dtype=torch.float32)
+        self.register_buffer("importance", importance)
+        self.register_buffer("min_vals", torch.zeros(0, dtype=torch.float32))
+        self.register_buffer("max_vals", torch.zeros(0, dtype=torch.float32))
+        self.register_buffer("global_amax_val", torch.zeros(0, dtype=torch.float32))
         self._shape = None
         self._local_weights = None  # sync_every_step: this step's, until gathered
 

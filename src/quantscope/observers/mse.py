@@ -107,9 +107,9 @@ class MemorylessMSEObserver(Observer):
             self._search(torch.zeros(1, 1), torch.zeros(1), torch.zeros(1))
             if len(_VALIDATED) < 4096:
                 _VALIDATED.add(key)
-        self.register_buffer("min_vals", torch.zeros(0))
-        self.register_buffer("max_vals", torch.zeros(0))
-        self.register_buffer("global_amax_val", torch.zeros(0))
+        self.register_buffer("min_vals", torch.zeros(0, dtype=torch.float32))
+        self.register_buffer("max_vals", torch.zeros(0, dtype=torch.float32))
+        self.register_buffer("global_amax_val", torch.zeros(0, dtype=torch.float32))
 
     def _sized_buffers(self):
         return ("min_vals", "max_vals", "global_amax_val")

@@ -435,7 +435,8 @@ def step_sync(obs, units, lo, hi, group=None):
         if not any_has:
             return None
         _same_units(obs, U, -least)
-        v = (torch.cat([-lo, hi]) if has else torch.full((2 * U,), float("-inf"))).to(dev)
+        none = torch.full((2 * U,), float("-inf"), dtype=torch.float32)  # as the others' lo / hi
+        v = (torch.cat([-lo, hi]) if has else none).to(dev)
         all_reduce(v, dist.ReduceOp.MAX, group)
         ref = lo if has else obs.observed_tokens
         glo, ghi = (-v[:U]).to(ref.device), v[U:].to(ref.device)
@@ -459,7 +460,7 @@ def _gather_step(obs, units, lo, hi, sizes, dev, group):
     # ``_step_zeros``) took it out of lo / hi already; the gathered units cannot tell.
     # The tail: whether it has data and its E (24 bits a slot: exact), to cut its padding
     W = 3 + Emax
-    flat = torch.zeros(U * W + 3, device=dev)
+    flat = torch.zeros(U * W + 3, dtype=torch.float32, device=dev)  # 24-bit slots: exact
     if has:
         zeros = getattr(obs, "_step_zeros", None)
         pad = flat[:-3].view(U, W)

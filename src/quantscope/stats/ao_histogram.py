@@ -309,11 +309,12 @@ def observe(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Ten
     if movable:  # the old bins moved and the batch binned in one call
         lin = torch.linspace(old_lo, old_hi, pieces) if lin is None else lin
         bounds = torch.linspace(new_lo, new_hi, bins + 1)
-        if not lib.qs_ao_widen(hist.data_ptr(), bins, rate, lin.data_ptr(), old_lo,
-                               old_hi, bounds.data_ptr(), x.data_ptr(), n, new_lo, new_hi,
-                               hist.data_ptr(), kernels.threads(threads)):
+        # the edges are torch.ao's, of torch's default dtype; the kernel reads float32
+        if lin.dtype == bounds.dtype == torch.float32 and not lib.qs_ao_widen(
+                hist.data_ptr(), bins, rate, lin.data_ptr(), old_lo, old_hi, bounds.data_ptr(),
+                x.data_ptr(), n, new_lo, new_hi, hist.data_ptr(), kernels.threads(threads)):
             return done(new_lo, new_hi)
-    # rare: a one-value or an infinite range
+    # rare: a one-value or an infinite range, or another default dtype (torch.ao's linspace)
     moved, new_lo, new_hi = update(hist.view(bins), (old_lo, old_hi), x, (x_lo, x_hi), bins,
                                    rate=rate)
     hist.view(bins).copy_(moved)

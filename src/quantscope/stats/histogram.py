@@ -237,8 +237,8 @@ def empty_state(units: int, bins: int, device=None) -> HistState:
     z = torch.zeros(units, dtype=torch.int64, device=device)
     return HistState(torch.zeros(units, bins, dtype=torch.int64, device=device),
                      torch.full_like(z, E_MIN), z.clone(),
-                     torch.full((units,), float("inf"), device=device),
-                     torch.full((units,), float("-inf"), device=device))
+                     torch.full((units,), float("inf"), dtype=torch.float32, device=device),
+                     torch.full((units,), float("-inf"), dtype=torch.float32, device=device))
 
 
 def _regrid(state: HistState, lo, hi, bins, absolute, exp=None) -> HistState:

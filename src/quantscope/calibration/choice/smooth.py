@@ -45,6 +45,7 @@ smooths a freshly loaded copy of the float model alike, as ``quantscope evaluate
 
 from __future__ import annotations
 
+import math
 import numbers
 import weakref
 from collections import OrderedDict
@@ -165,10 +166,10 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distribut
         # (and, with flow, 1 where the data flow fits, 0 where it does not)
         widths = [modules[m.balance[0]].in_features for m in mappings]
         flat = torch.cat([t for m, w in zip(mappings, widths) for t in (
-            lo.get(m.previous, torch.full((w,), float("inf"))).cpu(),
-            -hi.get(m.previous, torch.full((w,), float("-inf"))).cpu())]
-            + ([torch.tensor([float(m.previous not in why) for m in mappings])]
-               if tracer is not None else []))
+            lo.get(m.previous, torch.full((w,), math.inf, dtype=torch.float32)).cpu(),
+            -hi.get(m.previous, torch.full((w,), -math.inf, dtype=torch.float32)).cpu())]
+            + ([torch.tensor([float(m.previous not in why) for m in mappings],
+                             dtype=torch.float32)] if tracer is not None else []))
         flat = flat.to(qd.group_device(group))
         qd.all_reduce(flat, torch.distributed.ReduceOp.MIN, group)
         parts = flat.cpu().split([w for w in widths for _ in (0, 1)]
