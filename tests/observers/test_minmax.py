@@ -336,6 +336,19 @@ def test_placeholder_has_unit_scales():
         quantscope.get_observer("placeholder").calculate_qparams()
 
 
+def test_placeholder_qparams_of_an_nvfp4_spec_fake_quantize():
+    """They lacked the global scale NVFP4 needs: fake_quantize refused them."""
+    x = rand(4, 32)
+    obs = quantscope.get_observer("placeholder", presets.NVFP4)
+    obs(x)
+    qp = obs.calculate_qparams()
+    assert torch.equal(qp.global_scale, torch.ones(1)) and torch.equal(qp.effective_scale,
+                                                                        torch.ones(4, 2))
+    want = quantscope.fake_quantize(x, QParams(torch.ones(4, 2), torch.zeros(4, 2,
+                                               dtype=torch.int32), torch.ones(1)), presets.NVFP4)
+    assert torch.equal(quantscope.fake_quantize(x, qp, presets.NVFP4), want)
+
+
 # ------------------------------------------------------------- the min / max kernel
 @given(st.integers(2, 300), st.one_of(st.integers(1, 700), st.sampled_from([8, 16, 24, 32, 64])),
        st.integers(0, 2 ** 16), st.booleans())

@@ -48,8 +48,8 @@ class MinMaxStateObserver(Observer):
 
     def __init__(self, spec=None, **kwargs):
         super().__init__(spec, **kwargs)
-        self.register_buffer("min_vals", torch.zeros(0))
-        self.register_buffer("max_vals", torch.zeros(0))
+        self.register_buffer("min_vals", torch.zeros(0, dtype=torch.float32))
+        self.register_buffer("max_vals", torch.zeros(0, dtype=torch.float32))
 
     def _sized_buffers(self):
         return ("min_vals", "max_vals")
@@ -240,11 +240,15 @@ class PlaceholderObserver(Observer):
     def calculate_range(self):
         n = self.spec.layout.num_units(self.shape)
         dev = self.observed_tokens.device
-        return torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        return (torch.zeros(n, dtype=torch.float32, device=dev),
+                torch.zeros(n, dtype=torch.float32, device=dev))
 
     def qparams(self):
         self.check_ready()
         shape = self.spec.layout.qparam_shape(self.shape)
         dev = self.observed_tokens.device
-        return QParams(torch.ones(shape, device=dev),
-                       torch.zeros(shape, dtype=torch.int32, device=dev))
+        # NVFP4: a global scale of 1 too (fake_quantize needs one), scale 1 / 1 as for the rest
+        gs = (torch.ones(1, dtype=torch.float32, device=dev)
+              if self.spec.scale.has_global_scale else None)
+        return QParams(torch.ones(shape, dtype=torch.float32, device=dev),
+                       torch.zeros(shape, dtype=torch.int32, device=dev), gs)
