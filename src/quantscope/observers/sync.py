@@ -435,8 +435,8 @@ def step_sync(obs, units, lo, hi, group=None):
         if not any_has:
             return None
         _same_units(obs, U, -least)
-        none = torch.full((2 * U,), float("-inf"), dtype=torch.float32)  # as the others' lo / hi
-        v = (torch.cat([-lo, hi]) if has else none).to(dev)
+        v = (torch.cat([-lo, hi]) if has else  # no data: float32, as the others' lo / hi
+             torch.full((2 * U,), float("-inf"), dtype=torch.float32)).to(dev)
         all_reduce(v, dist.ReduceOp.MAX, group)
         ref = lo if has else obs.observed_tokens
         glo, ghi = (-v[:U]).to(ref.device), v[U:].to(ref.device)
