@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from contextlib import contextmanager
 
 import torch
@@ -46,12 +46,10 @@ def check_batches(batches, who: str = "calibrate") -> None:
         raise TypeError(f"{who}: batches must be an iterable of batches, got one "
                         f"{type(batches).__name__} (a single batch); wrap it in a list: "
                         f"[batch]{split}")
-    try:  # iter() consumes nothing (a generator is its own iterator)
-        iter(batches)
-        iterable = not isinstance(batches, (str, bytes))  # not one character per batch
-    except TypeError:
-        iterable = False
-    if not iterable:
+    # not iter(batches): a DataLoader's would start its workers; nor a str, read one
+    # character per batch
+    iterable = isinstance(batches, Iterable) or hasattr(batches, "__getitem__")
+    if not iterable or isinstance(batches, (str, bytes)):
         raise TypeError(f"{who}: batches must be an iterable of batches (tensors, tuples or "
                         f"dicts, e.g. a tokenizer's output per batch), got "
                         f"{type(batches).__name__} {_short(batches)}")
