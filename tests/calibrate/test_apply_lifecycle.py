@@ -167,8 +167,8 @@ def test_a_deepcopy_of_an_applied_moe_model_is_refused(moe_calib):
     snap = snapshot(model)
     with calib.apply(model), torch.no_grad():
         y_q = model(data[0]).logits
-        with pytest.raises(TypeError, match=r"deepcopy: .*MoE experts.*copy the model before apply\(\) "
-                                            r"or after remove\(\)"):
+        with pytest.raises(TypeError, match=r"deepcopy: .*MoE experts.*copy the model before "
+                                            r"apply\(\) or after remove\(\)"):
             copy.deepcopy(model)
         assert torch.equal(model(data[0]).logits, y_q)  # the original still applied
     assert same(model, snap)

@@ -224,8 +224,9 @@ def _calibrate_all(args, phases, model, batches, plan, candidates) -> dict:
 
 def _evaluate_all(calibs: dict, ev, phases) -> tuple[dict, list]:
     """Each calibration's report with its metrics: as dicts with its recipe and its observer,
-    and as the :class:`Report` objects (for ``--verbose``). A configuration that quantizes the model exactly as one already evaluated (``auto``
-    keeping one candidate's qparams) takes its metrics instead of a second evaluation."""
+    and as the :class:`Report` objects (for ``--verbose``). A configuration that quantizes
+    the model exactly as one already evaluated (``auto`` keeping one candidate's qparams)
+    takes its metrics instead of a second evaluation."""
     runs, reports, done = {}, [], []
     for k, (label, calib) in enumerate(calibs.items()):
         same = next((d for d in done if d[1].quantizes_like(calib)), None)

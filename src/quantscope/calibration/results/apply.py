@@ -352,7 +352,7 @@ def _refuse_overlaps(weights: list[tuple[torch.Tensor, str]]) -> None:
     are told apart element by element, where their spans of the storage meet."""
     spans: dict = {}
     for w, layer in weights:
-        if w.numel() and plain(w) and all(s >= 0 for s in w.stride()):
+        if w.numel() and plain(w):
             end = w.storage_offset() + sum((n - 1) * s for n, s in zip(w.shape, w.stride()))
             spans.setdefault((w.untyped_storage().data_ptr(), w.element_size()), []).append(
                 (w.storage_offset(), end, w, layer))
