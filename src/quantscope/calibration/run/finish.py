@@ -23,7 +23,7 @@ from ..results.report import tensor_stats
 from ..results.result import RoleState
 from ..structure import fusion, moe
 from ..structure.conv1d import is_conv1d, linear_output
-from .observe import observer_key
+from .observe import candidate_options, observer_key
 
 
 def _share_inputs(states, plan, slots, groups, made, errors) -> None:
@@ -77,7 +77,7 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
         best = None
         for n in names:
             try:
-                obs = get_observer(n, cfg.spec, **dict(observer_key(n, cfg)[2])).to(w.device)
+                obs = get_observer(n, cfg.spec, **dict(candidate_options(n, cfg))).to(w.device)
                 obs(w)
             except (ValueError, TypeError):
                 if len(names) == 1:
