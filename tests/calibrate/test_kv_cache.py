@@ -130,7 +130,7 @@ def test_fp8_kv_preset_and_bad_options():
         preset("w8a8", kv_cache=Role(KV_CACHE["fp8"], "minmax", dynamic=True))
     recipe = preset("w8a8", kv_cache="fp8")
     assert Recipe.from_dict(json.loads(json.dumps(recipe.to_dict()))) == recipe
-    with pytest.raises(ValueError, match="no attention module with k_proj / v_proj"):
+    with pytest.raises(ValueError, match="no attention module with k_proj, v_proj or qkv_proj"):
         calibrate(torch.nn.Sequential(torch.nn.Linear(4, 4)), [torch.randn(2, 4)], recipe,
                   progress=False)
 
@@ -231,3 +231,42 @@ def test_encoder_attention_is_not_the_kv_cache():
     with pytest.raises(ValueError, match="sets kv_cache but the model has no attention module"):
         calibrate(siglip, [{"pixel_values": torch.randn(1, 3, 28, 28)}],
                   preset("fp8-kv"), progress=False)
+
+
+def tiny_gemma4_k_eq_v():
+    """Gemma 4 whose full-attention layer has no ``v_proj``: its values are ``k_proj``'s output
+    (after ``v_norm``), cached as any other layer's."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma4TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, head_dim=16, global_head_dim=16,
+        sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=100, attention_k_eq_v=True,
+        num_global_key_value_heads=1, attn_implementation="sdpa")
+    return transformers.Gemma4ForCausalLM(cfg).eval()
+
+
+def tiny_phi3():  # q / k / v fused in one qkv_proj
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.Phi3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("build", [tiny_gemma4_k_eq_v, tiny_phi3])
+def test_every_cached_layer_gets_the_scales_of_its_cache(build):
+    """A cached attention without a ``v_proj`` (Gemma 4's ``attention_k_eq_v``) or with a fused
+    ``qkv_proj`` (Phi-3) gets its roles: the scales are the range of what the cache holds."""
+    model = build()
+    batch = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = model(batch, use_cache=True).past_key_values
+    kv = Role(KV_CACHE["fp8"], "static_minmax")
+    calib = calibrate(model, [batch], Recipe((), kv_cache=kv), progress=False)
+    assert sorted(n for n, r in calib.states.items() if "key" in r) == [
+        f"model.layers.{i}.self_attn" for i in range(len(cache.layers))]
+    for i, layer in enumerate(cache.layers):
+        states = calib.states[f"model.layers.{i}.self_attn"]
+        assert torch.equal(states["key"].qparams.scale, amax_scale([layer.keys]).scale)
+        assert torch.equal(states["value"].qparams.scale, amax_scale([layer.values]).scale)

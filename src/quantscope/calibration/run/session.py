@@ -84,7 +84,7 @@ def _check_kv_cache(model, recipes) -> None:
     asked = [r.name for r in recipes.values() if r.kv_cache is not None]
     if asked and not kv_cache.attention_modules(model):
         raise ValueError(f"calibrate: recipe {asked[0]!r} sets kv_cache but the model has no "
-                         f"attention module with k_proj / v_proj (transformers')")
+                         f"attention module with k_proj, v_proj or qkv_proj (transformers')")
 
 
 def calibrate_many(model: nn.Module, batches, recipes, *, sampling: Sampling | None = None,

@@ -11,9 +11,10 @@ configs at it until the returned undo is called. Calibration observes through th
 callback (roles ``"key"`` / ``"value"`` of the attention module); ``apply()``
 fake-quantizes through it.
 
-Attention modules are found as transformers builds them: a module with ``k_proj`` and
-``v_proj`` children and a ``config`` carrying ``_attn_implementation``, whose keys and values
-a cache holds: causal (``is_causal`` not False) and taking the cache in its ``forward``
+Attention modules are found as transformers builds them: a module with a ``k_proj``,
+``v_proj`` or ``qkv_proj`` child (one is enough: Gemma 4's ``attention_k_eq_v`` layers have
+no ``v_proj`` and cache ``k_proj``'s output as values too; Phi-3 fuses all three) and a
+``config`` carrying ``_attn_implementation``, whose keys and values a cache holds: causal (``is_causal`` not False) and taking the cache in its ``forward``
 (compressed-tensors' ``is_cached_attention_module`` rule, with transformers 5.24's ``cache``
 name). An encoder's attention (a VLM's SigLIP vision tower, an encoder-decoder's encoder and
 its cross-attention) gets no KV-cache roles: no runtime caches it.
@@ -37,6 +38,9 @@ ROLES = ("key", "value")
 _PREFIX = "quantscope_kv_"
 #: the forward argument that hands an attention module the cache, by transformers version
 _CACHE_ARGS = ("past_key_value", "past_key_values", "cache")
+#: the projections that mark an attention module (compressed-tensors' rule, less DeepSeek's
+#: ``kv_b_proj``: MLA caches the compressed latent, which no attention function sees)
+_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj")
 #: attention module -> callback(role, tensor) -> tensor, while attached; weak, as apply()'s
 #: registry: a model dropped with its QDQ handle never removed takes its entries with it
 #: (the callbacks hold role states, never the module)
@@ -47,8 +51,7 @@ _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Callable[[str, torch.Tensor], torc
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` of the attention modules whose keys and values a cache holds."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(getattr(m, "k_proj", None), nn.Module)
-            and isinstance(getattr(m, "v_proj", None), nn.Module)
+            if any(isinstance(getattr(m, p, None), nn.Module) for p in _PROJECTIONS)
             and hasattr(getattr(m, "config", None), "_attn_implementation") and _cached(m)}
 
 
@@ -103,8 +106,8 @@ def attach(model: nn.Module,
     modules = attention_modules(model)
     missing = sorted(set(callbacks) - set(modules))
     if missing:
-        raise ValueError(f"kv cache: {missing} are not attention modules with k_proj / v_proj "
-                         f"run through transformers' attention interface")
+        raise ValueError(f"kv cache: {missing} are not attention modules with k_proj, v_proj "
+                         f"or qkv_proj run through transformers' attention interface")
     configs = {id(modules[n].config): modules[n].config for n in callbacks}
     undo: list[Callable[[], None]] = []
 
