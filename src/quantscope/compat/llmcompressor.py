@@ -41,8 +41,7 @@ Where the results differ from llm-compressor's, by choice:
   the imatrix search prices each candidate as it is emitted (:mod:`.llmcompressor_imatrix`).
 * NaN / inf input raises ``ValueError`` ("observed NaN or inf values", naming the observer)
   in ``forward``, as quantscope's native observers refuse it; llm-compressor's give NaN /
-  inf scales.
-  float32 statistics: bit for bit (tiny scales kept, only 0 ones made their eps).
+  inf scales. float32 statistics: bit for bit (tiny scales kept, only 0 ones made their eps).
 * float64 statistics: the scales are float64 (their dtype and eps) but computed in float32
   (quantscope's formulas are float32): within float32's rounding; finite values beyond
   float32's range raise ``ValueError`` naming the observer.
@@ -51,7 +50,14 @@ Where the results differ from llm-compressor's, by choice:
   so a block whose amax has a mantissa in ``[1.5, 1.9375)`` gets half their scale.
 * asymmetric fp8 (``type="float", symmetric=False``) is refused: a float format has no
   zero point in quantscope; so is an integer ``scale_dtype`` outside MX (compressed-tensors
-  rounds such scales to integers, a scale encoding quantscope does not have).
+  rounds such scales to integers, a scale encoding quantscope does not have), and a float
+  ``zp_dtype`` for an asymmetric integer format (compressed-tensors keeps those zero points
+  unrounded, NaN for an all-zero range; quantscope's zero point is a code).
+* NVFP4 with fp8 block scales on float16 statistics whose amax is below 2688 / 65504
+  (about 0.041): llm-compressor's global scale, computed in float16, overflows and falls
+  back to 1, which puts the block scales in fp8's subnormals; quantscope's is the float32
+  ``2688 / amax`` (without a ``scale_dtype``, where compressed-tensors multiplies float
+  scales by it, the fallback is theirs: the scales follow it).
 * integer tensors under the MSE searches: llm-compressor casts each fake-quantized
   candidate back to the integer dtype (truncating) before pricing it; quantscope prices
   the float32 fake-quantized values, so the chosen range can differ.

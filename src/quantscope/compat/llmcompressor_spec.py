@@ -117,6 +117,12 @@ def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.d
     if scale == "fp32" and sdtype is not None:
         _check_scale_dtype(sdtype, strategy)
         scale = _SCALE_DTYPES.get(sdtype, "fp32")
+    zp = field(args, "zp_dtype")
+    if kind == "int" and not symmetric and isinstance(zp, torch.dtype) and zp.is_floating_point:
+        # compressed-tensors keeps such zero points unrounded (NaN for an all-zero range)
+        raise ValueError(f"llmcompressor: zp_dtype {zp} (fractional zero points) has no "
+                         f"quantscope encoding: an integer format's zero point is a code; use "
+                         f"an integer zp_dtype (int8 by default)")
     return QuantSpec(fmt, layout, symmetric=symmetric, scale=scale)
 
 
