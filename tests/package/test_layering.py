@@ -20,7 +20,8 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "quantscope"
 
 LAYERS = [
     ("core", ["_checks", "_numerics", "_oplib", "_versions", "_locks", "formats", "scales", "layout", "spec", "qparams", "qdq",
-              "presets", "comm", "kernels", "exporters.atomic", "exporters.registry"]),
+              "presets", "comm", "kernels", "exporters.atomic", "exporters.registry",
+              "exporters.moe_slots"]),
     ("stats", ["stats"]),
     ("estimators", ["estimators"]),
     ("observers", ["observers"]),

@@ -13,9 +13,9 @@ layer also keeps one input scale for all its experts' ``w13`` and one for their 
 
 :func:`check` reads ``config.json`` (its ``quantization_config``) and the safetensors
 files of any compressed-tensors checkpoint -- quantscope's or another toolkit's -- and
-returns the fused groups whose shards disagree (in a shared scale's value, or in holding it
-at all: shards of different schemes), plus any scale that is NaN, inf or <= 0 (per-channel and group scales too).
-Only the scale tensors are read.
+returns the fused groups (and experts modules) whose shards disagree (in a shared scale's
+value, or in holding it at all: shards of different schemes), plus any scale that is NaN,
+inf or <= 0 (per-channel and group scales too). Only the scale tensors are read.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .._checks import check_path
+from .moe_slots import expert_slot
 from .read_checks import (
     SCALE_LEAVES,
     parse_quant_config,
@@ -49,10 +50,6 @@ FUSED: dict[str, tuple[str, ...]] = {
 
 #: input scales a fused MoE layer holds once for all its experts (per w13, per w2)
 EXPERT_SHARED = ("input_scale", "input_global_scale")
-#: ``<experts module>.<expert>.<shard>``: the per-expert layers vLLM's loader stacks
-_EXPERT = re.compile(r"^(.*experts)\.(\d+)\.([^.]+)$")
-#: an expert's shards whose inputs the fused ``w13`` reads (the others: ``w2``)
-_W13 = frozenset(FUSED["gate_up_proj"] + FUSED["w13"])
 
 #: per-tensor scales a fused layer holds once; weight_scale only where the runtime
 #: re-quantizes shards to one scale (float8 weights: vLLM's FP8 path), not int8 (widened)
@@ -124,22 +121,28 @@ def _held_once(leaf: str, layers, entries, strategy) -> bool:
 
 def _expert_problems(entries) -> list[dict]:
     """The experts modules whose experts disagree on an input scale the fused MoE layer
-    holds once (:data:`EXPERT_SHARED`), one problem per module, slot and scale."""
-    slots: dict[tuple[str, str, str], list[str]] = {}  # (module, w13 / shard, leaf) -> layers
+    holds once (:data:`EXPERT_SHARED`), one problem per module, slot and scale: some experts
+    hold it and others not (``held_by``: their schemes differ), or its values differ."""
+    slots: dict[tuple[str, str], set[str]] = {}  # (module, w13 / down shard) -> its layers
     for name in entries:
-        layer, _, leaf = name.rpartition(".")
-        hit = _EXPERT.match(layer) if leaf in EXPERT_SHARED else None
-        if hit and math.prod(entries[name][2] or [1]) == 1:
-            slot = "w13" if hit.group(3) in _W13 else hit.group(3)
-            slots.setdefault((hit.group(1), slot, leaf), []).append(layer)
+        slot = expert_slot(name.rpartition(".")[0])
+        if slot is not None:
+            slots.setdefault(slot, set()).add(name.rpartition(".")[0])
     problems = []
-    for (module, slot, leaf), layers in sorted(slots.items()):
-        vals = {layer: float(_read(entries, f"{layer}.{leaf}").reshape(-1)[0])
-                for layer in sorted(layers)}
-        finite = [v for v in vals.values() if math.isfinite(v)]
-        if len(set(finite)) > 1:
-            problems.append({"group": module, "layers": list(vals), "tensor": leaf,
-                             "values": vals, "experts": slot})
+    for (module, slot), members in sorted(slots.items()):
+        layers = sorted(members)
+        for leaf in EXPERT_SHARED:
+            held = [layer for layer in layers if f"{layer}.{leaf}" in entries]
+            if held and len(held) < len(layers):  # static on some, dynamic / float on others
+                problems.append({"group": module, "layers": layers, "tensor": leaf,
+                                 "values": {}, "held_by": held, "experts": slot})
+            vals = {layer: float(_read(entries, f"{layer}.{leaf}").reshape(-1)[0])
+                    for layer in held
+                    if math.prod(entries[f"{layer}.{leaf}"][2] or [1]) == 1}
+            finite = [v for v in vals.values() if math.isfinite(v)]
+            if len(set(finite)) > 1:
+                problems.append({"group": module, "layers": list(vals), "tensor": leaf,
+                                 "values": vals, "experts": slot})
     return problems
 
 
@@ -151,7 +154,8 @@ def check(path) -> list[dict]:
     [layers]`` where only some shards hold the scale: their schemes differ), or
     ``{"tensor": name, "values": {...}, "non_finite": True}`` for a NaN / inf scale, and
     ``{"group": experts module, "experts": "w13" or the down shard, ...}`` for experts that
-    disagree on an input scale the fused MoE layer holds once.
+    disagree on an input scale the fused MoE layer holds once (``"held_by"`` where only some
+    experts hold it).
     """
     folder = Path(check_path("check", path))
     if not folder.is_dir():
@@ -210,7 +214,15 @@ def format_problems(problems: list[dict]) -> str:
     lines = []
     for p in problems:
         vals = ", ".join(f"{k}={v:.9g}" for k, v in p["values"].items())
-        if p.get("held_by") is not None:
+        if p.get("held_by") is not None and p.get("experts"):
+            cut = len(p["group"]) + 1  # the experts' layers, relative to their module
+            held, others = ([layer[cut:] for layer in p["layers"] if (layer in p["held_by"]) == h]
+                            for h in (True, False))
+            lines.append(f"{p['group']}: {p['tensor']} of the experts' {p['experts']} inputs "
+                         f"is held by {', '.join(held)} but not by {', '.join(others)}: the "
+                         f"experts' schemes differ (static input on some, dynamic or float on "
+                         f"others), and the fused MoE layer runs one scheme")
+        elif p.get("held_by") is not None:
             others = [layer for layer in p["layers"] if layer not in p["held_by"]]
             lines.append(f"{p['group']}: {p['tensor']} is held by {', '.join(p['held_by'])} "
                          f"but not by {', '.join(others)}: the fused shards' schemes differ, "

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from ...exporters.moe_slots import expert_slot
 from ...layout import Token
 from ..results.report import write_text
 from ..results.result import Calibration, RoleState
@@ -331,7 +332,8 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     format (``"dynamic"``; a block-scale format such as NVFP4 keeps its blocks, its global
     scale then from each call too). Weights are kept. A fused group's shared input (q / k / v,
     gate / up: one input of the runtime's fused layer) counts once and falls back whole: a
-    fused layer runs one scheme (``info["keep_float"]["tensors"]`` lists every member).
+    fused layer runs one scheme (``info["keep_float"]["tensors"]`` lists every member); so do
+    the gate / up (w13) inputs, and the down (w2) inputs, of all experts of one MoE module.
     Their report rows and histograms go (the report lists them apart); the rest, smoothing
     included, is the calibration's. On a calibration with a fallback already, this one adds
     to it, in the same ``mode`` (``info["keep_float"]`` then counts and lists both).
@@ -385,13 +387,21 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
 
 
 def _shared_inputs(calibration: Calibration) -> dict[tuple[str, str], tuple]:
-    """``(layer, "input") -> every member's (layer, "input")`` of the fused groups that share
-    their input (``info["fusion_groups"]``)."""
-    out = {}
-    for g in calibration.info.get("fusion_groups", ()):
-        if g.get("input") == "shared":
-            unit = tuple((layer, "input") for layer in g["layers"])
-            out.update(dict.fromkeys(unit, unit))
+    """``(layer, "input") -> every member's (layer, "input")`` of the inputs the runtime holds
+    once: a fused group's shared input (``info["fusion_groups"]``), and the gate / up (w13)
+    or the down (w2) inputs of all the experts of one experts module (vLLM's fused MoE: one
+    input scale per slot, one scheme: :func:`~quantscope.exporters.moe_slots.expert_slot`)."""
+    units = [[(layer, "input") for layer in g["layers"]]
+             for g in calibration.info.get("fusion_groups", ()) if g.get("input") == "shared"]
+    slots: dict[tuple[str, str], list] = {}
+    for layer, roles in calibration.states.items():
+        slot = expert_slot(layer)
+        if slot is not None and "input" in roles:
+            slots.setdefault(slot, []).append((layer, "input"))
+    out: dict[tuple[str, str], tuple] = {}
+    for members in units + list(slots.values()):  # an expert's gate / up group joins its slot
+        unit = tuple(dict.fromkeys(m for key in members for m in out.get(key, (key,))))
+        out.update(dict.fromkeys(unit, unit))
     return out
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from ...exporters.moe_slots import proj_slot
 from ...layout import Tensor
 from ...qparams import qparams_from_range
 from ..run.batches import input_name, module_input
@@ -369,10 +370,6 @@ def shrink(states: dict, experts: Experts, min_tokens: int) -> list[dict]:
     return report
 
 
-#: an expert's layers whose inputs the runtime's fused ``w13`` reads (the rest: ``w2``)
-_W13 = frozenset({"gate_up_proj", "gate_proj", "up_proj", "w1", "w3"})
-
-
 def _held_once(state) -> bool:
     """Whether the runtime's fused experts hold one value of this activation role per module:
     a static per-tensor scale (vLLM's FP8 MoE keeps ``input_scale.max()``) or an NVFP4 input
@@ -390,8 +387,7 @@ def share_inputs(states: dict, by_key: dict) -> None:
     their ``down`` inputs another. ``by_key``: ``(module, layer, role) -> {expert: layer}``."""
     slots: dict[tuple[str, str, str], list[str]] = {}
     for (mod, proj, role), members in by_key.items():
-        slot = "w13" if proj in _W13 else proj
-        slots.setdefault((mod, slot, role), []).extend(members.values())
+        slots.setdefault((mod, proj_slot(proj), role), []).extend(members.values())
     for (_, _, role), layers in slots.items():
         members = [states[layer][role] for layer in layers]
         if not all(_held_once(s) and s.spec == members[0].spec for s in members):
