@@ -16,8 +16,8 @@ strategy        layout
 ==============  =================================================================
 tensor          ``Tensor()``
 channel         ``Channel(0)`` for weights (rows), ``Channel(-1)`` for activations
-group           ``Group(group_size, g_idx)`` (g_idx from the call or ``module.weight_g_idx``);
-                MX when float, group 32 and ``scale_dtype`` uint8 (E8M0 'even')
+group           ``Group(group_size)``; MX when float, group 32 and ``scale_dtype`` uint8
+                (E8M0 'even')
 tensor_group    ``Block(group_size)`` with fp8 block scales under a global scale (NVFP4:
                 fp4 elements, ``scale_dtype`` float8_e4m3fn or unset); ``Group(group_size)``
                 otherwise (integers, fp8 / fp6 elements, a float16 / bfloat16 ``scale_dtype``)
@@ -25,6 +25,12 @@ block           ``Tile(*block_structure)``
 token           ``Token()``
 attn_head       ``Channel(1)`` of ``[batch, heads, seq, head_dim]``
 ==============  =================================================================
+
+``g_idx`` (the call's, else ``module.<base_name>_g_idx`` read at construction; -1s: column
+order) groups the columns of group and tensor_group strategies, MX and NVFP4 blocks too, as
+the seed did (``argsort(g_idx)``); the other strategies ignore it, as the seed's did.
+Running observers (static, moving average) merge each group index's statistics across calls
+whatever ``g_idx`` each call gave, as the seed's kept them per group index.
 
 Calling an observer observes the tensor and returns ``(scale, zero_point)`` as
 llm-compressor's observers did, and so does ``get_qparams(observed=...)``, as in that
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Group
+from ..layout import Block, Group
 from ..observers.minmax import MemorylessMinMaxObserver as _NativeMemoryless
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
 from ..observers.minmax import StaticMinMaxObserver as _NativeStatic
@@ -77,11 +83,15 @@ class Observer:
         kwargs = dict(field(args, "observer_kwargs") or {})
         kwargs.update(observer_kwargs)
         g_idx = None
-        if module is not None and enum_name(field(args, "strategy")) == "group":
-            g_idx = getattr(module, f"{base_name}_g_idx", None)
-        spec = llmcompressor_spec(args, base_name, g_idx)
+        if module is not None and enum_name(field(args, "strategy")) in ("group", "tensor_group"):
+            g_idx = filled_g_idx(getattr(module, f"{base_name}_g_idx", None))
+        spec = llmcompressor_spec(args, base_name)
+        order = _act_order(spec.layout, g_idx)  # checks g_idx as Group does
+        if isinstance(spec.layout, Group) and order is not None:
+            spec = spec.replace(layout=order)
         super().__init__(spec, **{k: kwargs[k] for k in self.native_options if k in kwargs})
         self.base_name, self.args, self.observer_kwargs = base_name, args, kwargs
+        self._g_idx = g_idx  # the default grouping: forward(x) without g_idx
         self.module = None if module is None else [module]  # not a submodule
         # [(state key, zp dtype, get_qparams' dict, its tensors' versions)]: forward returns
         # qparams, then callers ask get_qparams for the same ones (llm-compressor's flow); a
@@ -104,14 +114,12 @@ class Observer:
     @torch.no_grad()
     def forward(self, observed: torch.Tensor, g_idx: torch.Tensor | None = None,
                 global_scale: torch.Tensor | None = None):
-        """Observe ``observed`` and return ``(scale, zero_point)`` for it."""
-        if g_idx is not None and isinstance(self.spec.layout, Group):  # -1s: column order
-            self.spec = self.spec.replace(layout=Group(self.spec.layout.size, -1,
-                                                       filled_g_idx(g_idx)))
+        """Observe ``observed`` and return ``(scale, zero_point)`` for it, its columns grouped
+        by ``g_idx`` (-1s: column order; None: the module's ``{base_name}_g_idx``, if any)."""
         if global_scale is not None:
             raise NotImplementedError("llmcompressor: pass NVFP4 tensors whole; the global "
                                       "scale is derived from the observed absmax")
-        super().forward(observed)
+        self._observe_grouped(observed, g_idx)
         if not self.has_observed:  # empty tensor
             return None
         qp = self.get_qparams()
@@ -154,6 +162,20 @@ class Observer:
             key, dtype, out, [(t, t._version) for t in out.values() if t is not None])
         return dict(out)
 
+    def _observe_grouped(self, observed, g_idx) -> None:
+        """The native forward on ``observed`` grouped by ``g_idx`` (None: the default), as the
+        seed's group and tensor_group strategies did: Group layouts carry it; Block ones
+        (NVFP4, MX) observe the columns in its group order; other layouts ignore it."""
+        g_idx = self._g_idx if g_idx is None else filled_g_idx(g_idx)
+        lay = self.spec.layout
+        if isinstance(lay, Group):
+            if lay.g_idx is not g_idx:
+                self.spec = self.spec.replace(layout=Group(lay.size, lay.axis, g_idx))
+        elif (order := _act_order(lay, g_idx)) is not None and isinstance(observed, torch.Tensor):
+            order._geometry(observed.shape)  # g_idx's length: the columns'
+            observed = order._columns(observed)
+        super().forward(observed)
+
     def _state_key(self):
         """What the qparams depend on: the spec and every buffer, by identity and in-place
         version (any update, reset, load or sync replaces a buffer or bumps its version);
@@ -178,15 +200,24 @@ class Observer:
         return []
 
     def get_global_scale(self, observed: torch.Tensor | None = None) -> torch.Tensor | None:
-        """NVFP4's global scale (observing ``observed`` first if given); None for other strategies."""
+        """NVFP4's global scale (observing ``observed`` first if given); None for other
+        strategies."""
         if observed is not None:
-            super().forward(observed)
+            self._observe_grouped(observed, None)
         if not self.spec.scale.has_global_scale:
             return None
         return self.qparams().global_scale
 
 
 LLMCompressorObserver = Observer
+
+
+def _act_order(layout, g_idx: torch.Tensor | None) -> Group | None:
+    """``Group(size, -1, g_idx)`` for a group or NVFP4 / MX block layout (its checks run
+    here); None for column order and for the layouts the seed applied no g_idx to."""
+    if g_idx is None or not isinstance(layout, (Group, Block)):
+        return None
+    return Group(layout.size, -1, g_idx)
 
 
 def _same_key(a, b) -> bool:

@@ -83,8 +83,8 @@ def quant_args(state, layer: str, role: str, lossy: _Lossy | None = None):
     Raises ``ValueError`` naming ``layer``, ``role`` and the feature when the spec has no
     equivalent (unsigned, narrow or custom-range integers; fp8 e5m2 / fp6; power-of-two or
     fp16 scales, unless ``lossy`` allows writing their values as plain scales; layouts other
-    than tensor, channel of a weight's rows, groups along the last axis without ``g_idx``, token,
-    NVFP4 / MX blocks, weight tiles).
+    than tensor, channel of a weight's rows, groups along the last axis in column order (no
+    ``g_idx`` that moves columns), token, NVFP4 / MX blocks, weight tiles).
     """
     _ct()
     from compressed_tensors.quantization import QuantizationArgs
@@ -175,7 +175,7 @@ def _layout_args(state, layer: str, role: str) -> dict:
     if isinstance(lay, Channel) and role == "weight" and shape is not None \
             and len(shape) == 2 and lay.axis % 2 == 0:  # rows: axis 0 or -2
         return {"strategy": "channel"}
-    if isinstance(lay, Group) and lay.g_idx is None and lay.axis in (-1, 1):
+    if isinstance(lay, Group) and lay.order is None and lay.axis in (-1, 1):  # g_idx moves none
         return {"strategy": "group", "group_size": lay.size}
     if isinstance(lay, Token) and state.dynamic is True:
         return {"strategy": "token"}

@@ -97,7 +97,7 @@ def _weight_dq(layer, state, weight: torch.Tensor, transposed: bool, prefix: str
     elif isinstance(layout, Channel) and layout.axis % 2 == 0:
         scale, zp = scale.reshape(out_f), zp.reshape(out_f)
         attrs["axis"] = 1 if transposed else 0
-    elif isinstance(layout, Group) and layout.axis % 2 == 1 and layout.g_idx is None:
+    elif isinstance(layout, Group) and layout.axis % 2 == 1 and layout.order is None:
         scale = scale.reshape(out_f, in_f // layout.size)
         zp = zp.reshape(out_f, in_f // layout.size)
         if transposed:
@@ -107,7 +107,7 @@ def _weight_dq(layer, state, weight: torch.Tensor, transposed: bool, prefix: str
     else:
         raise ValueError(f"onnx export: {layer}.weight: layout {layout} has no DequantizeLinear "
                          f"form (expected per-tensor, per-output-channel or per-group along "
-                         f"the input features without g_idx)")
+                         f"the input features in column order: no g_idx that moves columns)")
     if transposed:
         codes = codes.T
     dtype, codes, zp = unsigned(dtype, codes, zp, shift)

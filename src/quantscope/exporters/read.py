@@ -22,7 +22,8 @@ import torch
 
 from .._checks import check_path
 from .._versions import require
-from ..compat.llmcompressor_spec import llmcompressor_spec
+from ..compat.llmcompressor_spec import filled_g_idx, llmcompressor_spec
+from ..layout import Block, Group
 from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
@@ -310,6 +311,19 @@ def _unexpected_qparam(stored: dict, roles: dict, specs: dict, keep) -> str | No
     return None
 
 
+def _moved_columns(stored: dict, specs: dict) -> str | None:
+    """Why a stored ``<role>_g_idx`` is refused (-1s and column order read as plain groups)."""
+    for leaf, g in stored.items():
+        lay = getattr(specs.get(leaf.removesuffix("_g_idx")), "layout", None)
+        try:
+            if leaf.endswith("_g_idx") and filled_g_idx(g) is not None and not (
+                    isinstance(lay, (Group, Block)) and Group(lay.size, -1, g).order is None):
+                return (f"{leaf} moves columns (activation order) of {lay}: quantscope reads "
+                        f"column-order groups only (compressed-tensors 0.20 reads no g_idx)")
+        except ValueError as e:
+            return f"{leaf} gives no column a group of {lay} ({e})"
+
+
 def _read_module(name, wshape, stored, roles, specs, observers, fmt, scheme) -> dict:
     """One module's role states from its ``stored`` tensors (local names); the weight's are
     decoded by compressed-tensors' compressor after checking they are what it writes."""
@@ -361,7 +375,7 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
             {n for n, _ in module.named_buffers(recurse=False)} | \
             (set(_KV_SCALE) if qconfig.kv_cache_scheme is not None else set())
         try:
-            why = _unexpected_qparam(local, roles, specs, keep)
+            why = _unexpected_qparam(local, roles, specs, keep) or _moved_columns(local, specs)
             if why:
                 raise ValueError(f"from_compressed_tensors: {name}: {why}")
             states[name] = _read_module(name, tuple(module.weight.shape), local, roles, specs,

@@ -256,7 +256,7 @@ def splittable(spec) -> bool:
     if isinstance(lay, Channel):
         return lay.axis in (0, -2)
     if isinstance(lay, (Group, Block)):
-        return lay.axis in (-1, 1) and getattr(lay, "g_idx", None) is None
+        return lay.axis in (-1, 1) and getattr(lay, "order", None) is None  # Block: no order
     return False
 
 
