@@ -74,6 +74,20 @@ def test_evaluate_checks_device_before_loading(tmp_path, capsys, device):
     assert "loading" not in err, err
 
 
+def test_evaluate_takes_threads(tmp_path, capsys, monkeypatch):
+    """evaluate runs the model twice (float, quantized): the one thread setting applies."""
+    (tmp_path / "run" / "qparams").mkdir(parents=True)
+    (tmp_path / "run" / "qparams" / "quantscope.json").write_text("{}")
+    rc = cli.main(["evaluate", str(tmp_path / "run"), "--threads", "-1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: --threads" in err and "loading" not in err, err
+    asked = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    cli.main(["evaluate", str(tmp_path / "run"), "--threads", "1", "--device", "cpu",
+              "--no-progress"])  # the empty run then fails to load: the threads come first
+    assert asked == [1]
+
+
 def test_device_is_checked_against_the_devices_torch_sees(monkeypatch):
     from quantscope.cli.checks import UsageError
     from quantscope.cli.running import resolve_device

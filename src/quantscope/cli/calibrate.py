@@ -17,7 +17,7 @@ from .checks import (
     run_qparams,
 )
 from .names import TASKS
-from .options import add_common, add_recipe_args
+from .options import add_common, add_recipe_args, add_threads_arg
 from .recipes import build_recipe, float_note, observer_label, read_recipe_file
 from .running import (
     Evaluator,
@@ -28,6 +28,7 @@ from .running import (
     load_setup,
     metric_line,
     resolve_device,
+    set_threads,
 )
 
 
@@ -50,6 +51,7 @@ def add_evaluate_parser(sub) -> None:
     p.add_argument("--task", choices=TASKS, default=None, help="default: the run's")
     p.add_argument("--device", default="auto")
     p.add_argument("--eval-max-length", type=int, default=None, help="default: the run's")
+    add_threads_arg(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON line")
 
@@ -130,6 +132,7 @@ def cmd_evaluate(args) -> int:
     qdir = run_qparams(args.run)
     check_model_arg(args.model)
     device = resolve_device(args.device)  # before the qparams and the model load
+    set_threads(args)
     from ..calibration import load
     from ..demo import models
 

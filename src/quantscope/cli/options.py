@@ -55,10 +55,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="calibrate one block (decoder layer) at a time on cached inputs; "
                         "'quantized': each block fake-quantized before it feeds the next "
                         "(default when given: float, the whole-model pass's qparams)")
-    g.add_argument("--threads", type=int, default=0, metavar="N",
+    add_threads_arg(g)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_threads_arg(p) -> None:
+    """``--threads``: of every command that runs the model (calibrate, compare, evaluate)."""
+    p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads (default: torch's choice). On a busy machine 1 is "
                         "often fastest")
-    g.add_argument("--seed", type=int, default=0)
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:

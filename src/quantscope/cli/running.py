@@ -96,16 +96,21 @@ def spread(docs: list, n: int) -> list:
     return [docs[i * len(docs) // n] for i in range(n)]
 
 
+def set_threads(args) -> None:
+    """torch's CPU threads as ``--threads`` says (0: torch's choice)."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def load_setup(args, phases: Phases, prepare=None):
     """Model, calibration batches, evaluator, the float model's metrics, the run's settings
     and ``prepare(model)``: run once the model is loaded, before any forward (the recipe and
     its check against the model's shapes: a mistake costs seconds, not an evaluation)."""
     from ..demo import data, models
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     device = resolve_device(args.device)
     path = models.resolve_model_path(args.model)
     task = args.task or models.model_task(path)
