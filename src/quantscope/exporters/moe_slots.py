@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["EXPERT", "expert_slot", "proj_slot"]
+__all__ = ["EXPERT", "expert_index", "expert_slot", "proj_slot"]
 
 #: an expert's layers whose inputs the runtime's fused ``w13`` reads (the rest: ``w2``)
 _W13 = frozenset({"gate_up_proj", "gate_proj", "up_proj", "w1", "w3"})
+#: an expert's item in its experts module: ``<e>`` (a 3-D module's view, a ModuleList item) or
+#: ``expert_<e>`` (transformers' ModuleDict experts: SwitchTransformers, NLLB-MoE)
+_ITEM = r"(?:expert_)?(\d+)"
 #: ``<experts module>.<expert>.<layer>``: an expert's layer (a 3-D module's view, a
-#: ModuleList item's Linear) or a checkpoint's per-expert tensors, which vLLM's loader stacks
-EXPERT = re.compile(r"^(.*experts)\.(\d+)\.([^.]+)$")
+#: ModuleList / ModuleDict item's Linear) or a checkpoint's per-expert tensors, which vLLM's
+#: loader stacks
+EXPERT = re.compile(rf"^(.*experts)\.{_ITEM}\.([^.]+)$")
+
+
+def expert_index(key: str) -> int | None:
+    """The expert number of an experts module's item named ``key`` (``3``, ``expert_3``);
+    None for a key of no expert (NLLB-MoE's ``token_dropout``)."""
+    hit = re.fullmatch(_ITEM, key)
+    return None if hit is None else int(hit.group(1))
 
 
 def proj_slot(proj: str) -> str:

@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ...exporters.moe_slots import expert_index
 from ...layout import Block, Channel, Group, Tensor
 from ..recipe_dict import matches
 from ..results.result import RoleState
@@ -45,7 +46,7 @@ from ..run.batches import (
     map_tensors,
     module_input,
 )
-from .moe import is_expert_list
+from .moe import expert_items, is_expert_list
 
 __all__ = ["find_groups", "join_weights", "peek", "shares_weight_scale", "split_state"]
 
@@ -171,20 +172,22 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
 
 
 def _expert_of(model: nn.Module, name: str) -> str | None:
-    """The item of a ``ModuleList`` of experts (``...experts.<e>``) that holds ``name``."""
+    """The item of a ``ModuleList`` / ``ModuleDict`` of experts (``...experts.<e>``,
+    ``...experts.expert_<e>``) that holds ``name``."""
     parts = name.split(".")
     for k in range(len(parts) - 1, 0, -1):
         owner = ".".join(parts[:k - 1])
-        if parts[k - 1].isdigit() and k > 1 and is_expert_list(owner, model.get_submodule(owner)):
+        if (k > 1 and expert_index(parts[k - 1]) is not None
+                and is_expert_list(owner, model.get_submodule(owner))):
             return ".".join(parts[:k])
     return None
 
 
 def _sibling_groups(model: nn.Module, groups, names) -> list[tuple[str, ...]]:
-    """The groups found in one expert of a ``ModuleList`` of experts, given (by relative
-    name) to its siblings that have those layers and no group of theirs: the detection
-    forward runs only the experts the first batch routes tokens to, and the runtime fuses
-    every expert's ``w1`` / ``w3`` alike."""
+    """The groups found in one expert of a ``ModuleList`` / ``ModuleDict`` of experts, given
+    (by relative name) to its siblings that have those layers and no group of theirs: the
+    detection forward runs only the experts the first batch routes tokens to, and the runtime
+    fuses every expert's ``w1`` / ``w3`` alike."""
     names, taken, out = set(names), {m for g in groups for m in g}, []
     for group in groups:
         item = _expert_of(model, group[0])
@@ -192,8 +195,8 @@ def _sibling_groups(model: nn.Module, groups, names) -> list[tuple[str, ...]]:
             continue
         owner = item.rpartition(".")[0]
         rel = [m[len(item):] for m in group]
-        for e in range(len(model.get_submodule(owner))):
-            sib = tuple(f"{owner}.{e}{r}" for r in rel)
+        for _, key, _ in expert_items(model.get_submodule(owner)):
+            sib = tuple(f"{owner}.{key}{r}" for r in rel)
             if all(m in names and m not in taken for m in sib):
                 out.append(sib)
                 taken.update(sib)

@@ -12,8 +12,9 @@ which vLLM fuses as ``w13``, so they share one state), and replaces the module's
 forward by the eager routing loop over those children; :meth:`Experts.detach` removes
 both, leaving the module as it was (nothing is copied: the views are the parameters).
 
-**ModuleList experts** (older checkpoints: ``experts[e].w1`` ... as ``nn.Linear``) are
-already visible; only their token counts are taken here.
+**ModuleList experts** (older checkpoints: ``experts[e].w1`` ... as ``nn.Linear``) and
+transformers' **ModuleDict experts** (SwitchTransformers, NLLB-MoE: ``experts.expert_<e>.wi``)
+are already visible; only their token counts are taken here.
 
 **Tokens.** Routed mode (default): each expert observes the tokens routed to it. An
 expert that saw ``n < min_tokens`` tokens gets its activation ranges shrunk toward the
@@ -37,13 +38,13 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from ...exporters.moe_slots import proj_slot
+from ...exporters.moe_slots import expert_index, proj_slot
 from ...layout import Tensor
 from ...qparams import qparams_from_range
 from ..run.batches import input_name, module_input
 
-__all__ = ["Experts", "attach", "expert_weight", "has_experts_3d", "is_expert_list", "is_routed",
-           "share_inputs", "shrink", "unreached"]
+__all__ = ["Experts", "attach", "expert_items", "expert_weight", "has_experts_3d", "is_expert_list",
+           "is_routed", "share_inputs", "shrink", "unreached"]
 
 #: ``n`` below which an expert's activation range is shrunk toward the pooled one
 #: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
@@ -61,9 +62,24 @@ def is_experts_3d(module: nn.Module) -> bool:
 
 
 def is_expert_list(name: str, module: nn.Module) -> bool:
-    """An older checkpoint's experts: a ``ModuleList`` named ``...experts`` (its items'
-    Linears are already visible; :func:`attach` counts their tokens)."""
-    return isinstance(module, nn.ModuleList) and name.endswith("experts")
+    """Experts held as modules named ``...experts``: an older checkpoint's ``ModuleList``, or
+    transformers' ``ModuleDict`` whose items are ``expert_0`` ... ``expert_<n-1>`` (other keys,
+    NLLB-MoE's ``token_dropout``, are no expert). Their items' Linears are already visible;
+    :func:`attach` counts their tokens."""
+    if not name.endswith("experts"):
+        return False
+    if isinstance(module, nn.ModuleList):
+        return True
+    if not isinstance(module, nn.ModuleDict):
+        return False
+    found = sorted(e for e, _, _ in expert_items(module))
+    return bool(found) and found == list(range(len(found)))  # one count per expert 0 .. n-1
+
+
+def expert_items(module: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """``(expert, key, item)`` of the experts of a :func:`is_expert_list` module."""
+    return [(e, key, item) for key, item in module._modules.items()
+            if item is not None and (e := expert_index(key)) is not None]
 
 
 def is_routed(module: nn.Module) -> bool:
@@ -233,24 +249,26 @@ class Experts:
         if self.all_experts:
             raise ValueError(f"calibrate: moe=MoE(all_experts=True) needs a transformers-5 experts "
                              f"module (3-D parameters); "
-                             f"{name!r} is a ModuleList of experts, whose block routes them itself")
-        counts = [0] * len(module)
-        for layer, e in _list_layers(name, module):
+                             f"{name!r} holds its experts as modules, whose block routes them "
+                             f"itself")
+        items = expert_items(module)
+        counts = [0] * len(items)
+        for layer, e in _list_layers(name, items):
             self.layers[layer] = (name, e)
             lin = self.model.get_submodule(layer)
             setattr(lin, _MARK, True)
             self._undo.append(lambda lin=lin: lin.__dict__.pop(_MARK, None))
 
-        def counter(e):
-            key = input_name(module[e])  # the input calibration observes
+        def counter(e, item):
+            key = input_name(item)  # the input calibration observes
 
             def pre(mod, args, kwargs):
                 x = module_input(args, kwargs, key)
                 if isinstance(x, torch.Tensor) and x.dim():
                     counts[e] += x.numel() // x.shape[-1]
             return pre
-        handles = [item.register_forward_pre_hook(counter(e), with_kwargs=True)
-                   for e, item in enumerate(module)]
+        handles = [item.register_forward_pre_hook(counter(e, item), with_kwargs=True)
+                   for e, _, item in items]
         self._undo.append(lambda: [h.remove() for h in handles])
         self.counts[name] = counts
 
@@ -315,11 +333,11 @@ def _drop_views(n: int):
     return hook
 
 
-def _list_layers(name: str, module: nn.ModuleList):
-    for e, item in enumerate(module):
+def _list_layers(name: str, items):
+    for e, key, item in items:
         for sub, lin in item.named_modules():
             if isinstance(lin, nn.Linear):
-                yield f"{name}.{e}.{sub}" if sub else f"{name}.{e}", e
+                yield f"{name}.{key}.{sub}" if sub else f"{name}.{key}", e
 
 
 
