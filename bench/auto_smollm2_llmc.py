@@ -16,8 +16,9 @@ quantscope venv)::
 Default pairs: ``memoryless_minmax:static_minmax``, ``memoryless_minmax:minmax`` (their
 default EMA), ``memoryless_mse:mse``. A pair ending in ``@ALPHA`` runs llm-compressor's
 ``SmoothQuantModifier(smoothing_strength=ALPHA)`` first, with its own default mappings for
-the architecture; ``@ALPHA+down`` adds ``up_proj -> down_proj``, which makes them
-quantscope's ``--smooth`` mappings. Times are CPU
+the architecture; ``@ALPHA+down`` adds ``up_proj -> down_proj``, quantscope's ``--smooth``
+mappings by name (llm-compressor takes that mapping's ranges from ``up_proj``'s output,
+quantscope from ``down_proj``'s input: not the same scales). Times are CPU
 seconds of this one-threaded process (``oneshot`` only, model load and evaluation excluded).
 """
 

@@ -219,3 +219,21 @@ def test_an_applied_moe_state_dict_loads_strictly_into_a_fresh_model(moe_calib):
         assert same(fresh, sd)
         view = model.model.layers[0].mlp.experts._modules["1"].gate_up_proj.weight
         assert torch.equal(fresh.model.layers[0].mlp.experts.gate_up_proj[1], view)  # QDQ'd
+
+
+def test_apply_and_remove_inside_autocast_see_the_weights_they_wrote():
+    """Autocast caches its casts of the weights a forward read: apply() and remove() write
+    the weights in place, so the forwards after each, in the same region, must see them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 16))
+    x = torch.randn(4, 128)
+    calib = calibrate(model, [x], "w4a16", progress=False)  # weights only: groups of 128
+    with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+        before = model(x)
+        with calib.apply(model):
+            quantized = model(x)
+            fresh = copy.deepcopy(model)(x)  # its own weights: no cast cached
+        after = model(x)
+        float_again = copy.deepcopy(model)(x)
+    assert torch.equal(quantized, fresh) and not torch.equal(quantized, before)
+    assert torch.equal(after, float_again)

@@ -284,3 +284,19 @@ def test_a_probe_that_cannot_run_is_named_not_called_a_change():
     assert info["skipped"] == ["mlp.up_proj"]
     assert info["why"]["mlp.up_proj"].startswith(
         "the probe could not run mlp on one [8, 8] tensor (TypeError: ")
+
+
+def test_smoothing_inside_autocast_sees_the_new_weights():
+    """Autocast caches its casts of the weights the ranges forward read: smoothing changes
+    them in place, so the probe, and every later forward of the region, must see the new
+    ones (the up_proj -> down_proj probe saw the old weights and was skipped as a change)."""
+    model, batches = _llama()
+    plain = smooth(_llama()[0], batches[:1], 0.8)
+    with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+        info = smooth(model, batches[:1], 0.8)
+        after = model(**batches[0]).logits.float()
+    assert info["skipped"] == [] and info["smoothed"] == plain["smoothed"]
+    reference, _ = _llama()
+    with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+        before = reference(**batches[0]).logits.float()
+    assert float((after - before).norm() / before.norm()) < 0.05  # bf16 rounding only

@@ -421,3 +421,6 @@ def _write(modules: dict[str, nn.Module], new: dict[str, torch.Tensor]) -> None:
     for k, v in new.items():
         owner, _, pname = k.rpartition(".")
         getattr(modules[owner], pname).copy_(v)
+    # inside torch.autocast, the ranges forward cached casts of the old weights, which the
+    # probe and every later forward of the region would read
+    torch.clear_autocast_cache()

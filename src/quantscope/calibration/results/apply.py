@@ -112,6 +112,7 @@ class QDQHandle:
             for saved in reversed(self._weights):
                 for t in saved.targets():
                     t.copy_(saved.original)  # casts, as model.to(dtype) did
+        torch.clear_autocast_cache()  # an autocast region's casts of the QDQ'd weights
         self._weights.clear()
         self._wired.clear()
         _track(self, False)
@@ -343,6 +344,7 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
                 _memory(w), [(owner, name)])
             handle._weights.append(_Saved(places, expert, w.detach().clone()))
             w.copy_(qdq_tensor(w.detach(), state))
+    torch.clear_autocast_cache()  # an autocast region's casts of the float weights
 
 
 def _refuse_overlaps(weights: list[tuple[torch.Tensor, str]]) -> None:
