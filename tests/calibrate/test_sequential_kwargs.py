@@ -176,14 +176,15 @@ def test_a_tensor_in_two_unindexed_files_is_refused(tmp_path):
 
 def test_base_model_from_a_task_models_checkpoint(tmp_path):
     """A saved BertForSequenceClassification (``bert.embeddings...``) read as BertModel
-    (``embeddings...``), as ``AutoModel.from_pretrained`` reads it: the prefix is removed."""
+    (``embeddings...``, ``task="embedding"``), as ``AutoModel.from_pretrained`` reads it: the
+    prefix is removed."""
     torch.manual_seed(0)
     cfg = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=2, vocab_size=100)
     transformers.BertForSequenceClassification(cfg).eval().save_pretrained(tmp_path)
     whole = calibrate(transformers.AutoModel.from_pretrained(tmp_path).eval(),
                       _ids(tokens=8), "w8a8", progress=False)
-    skeleton = empty_model(tmp_path)
+    skeleton = empty_model(tmp_path, task="embedding")
     assert type(skeleton).__name__ == "BertModel"
     seq = calibrate(skeleton, _ids(tokens=8), "w8a8", progress=False,
                     sequential=Sequential(checkpoint=tmp_path))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibration.run.checkpoint import model_task
+from ..calibration.run.checkpoint import TASKS, model_task
 from ..calibration.run.hf_loader import check_no_remote_code, load_tokenizer, pretrained
 
 __all__ = [
@@ -49,9 +49,6 @@ __all__ = [
     "resolve_model_path",
     "token_batches",
 ]
-
-#: what ``--task`` takes: the model class and metric follow it
-TASKS = ("causal-lm", "embedding")
 
 
 def default_model_path() -> Path:

@@ -16,8 +16,12 @@ from ..._checks import outside_quantscope
 from ..structure.moe import is_experts_3d, is_gated
 from .disk_names import checkpoint_names, expert_names
 
-__all__ = ["Checkpoint", "empty_model", "is_meta", "load_params", "model_task", "unload_params",
-           "warn_unused"]
+__all__ = ["TASKS", "Checkpoint", "empty_model", "is_meta", "load_params", "model_task",
+           "unload_params", "warn_unused"]
+
+#: what ``--task`` takes, the model class and metric following it (:func:`model_task` tells
+#: them apart by architecture)
+TASKS = ("causal-lm", "embedding")
 
 
 def model_task(path) -> str:
@@ -32,46 +36,137 @@ def model_task(path) -> str:
 def empty_model(path, task: str | None = None) -> nn.Module:
     """The model of a Hugging Face folder with every parameter on the meta device (no
     weights in memory): the skeleton :func:`~.sequential.calibrate_sequential` loads block by block.
-    Buffers are real: read from the checkpoint, or (non-persistent ones such as rotary
-    tables) computed by the model's ``_init_weights``, as transformers' loader does.
-    ``task`` (default :func:`model_task`) picks the class as ``load_model`` does; a demo
-    model's folder is ``quantscope.demo.models.resolve_model_path(name)``."""
+    Its class is the one the folder's ``config.json`` ``architectures`` names (as its
+    ``from_pretrained`` builds it: ``BartForConditionalGeneration`` with its ``lm_head``), else
+    (no architectures, or ``task`` given: ``"causal-lm"`` or ``"embedding"``) the one
+    ``load_model`` builds for that task. Buffers are those ``from_pretrained`` gives
+    (:func:`_real_buffers`). A demo model's folder is
+    ``quantscope.demo.models.resolve_model_path(name)``."""
     from ..._versions import require
     from .hf_loader import load_config, parameter_budget
 
     require("transformers", "empty_model")  # older ones leave the rotary tables unset
-    import transformers
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"empty_model: {str(path)!r} is not a Hugging Face model "
                                 f"folder (no config.json)")
+    _check_task(task)
     config = load_config(path, "empty_model")  # never runs the folder's code
-    task = task or model_task(path)
-    auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
-            else transformers.AutoModel)
+    build = _skeleton_builder(path, config, task)
     ckpt = Checkpoint(path)
     # nothing allocated, not even transiently (RLIMIT_DATA); no model far larger than the
     # checkpoint holds tensors for (a damaged num_hidden_layers)
     with parameter_budget(len(ckpt.where), f"empty_model: {path / 'config.json'}"), \
             torch.device("meta"):
-        model = auto.from_config(config, trust_remote_code=False)
-    for module in model.modules():  # buffers are small: from the checkpoint, or computed
-        meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
-        for n in meta:
-            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
-        if meta:
-            init = getattr(model, "_init_weights", None)
-            if init is None:
-                raise ValueError(f"calibrate: cannot compute the buffers {meta} of "
-                                 f"{type(module).__name__} built on the meta device")
-            init(module)  # transformers' own initializer (rotary tables ...)
-    for name, b in model.named_buffers():
-        key = _key(model, name, ckpt)
-        if key is not None:
-            b.copy_(ckpt.get(key))
+        model = build()
+    _real_buffers(model, ckpt, f"empty_model: {str(path)!r}")
     model.eval()
     return model
+
+
+def _check_task(task) -> None:
+    if task is not None and task not in TASKS:
+        raise ValueError(f"empty_model: task must be one of {TASKS} (or None: the class "
+                         f"config.json's architectures names), got {task!r}")
+
+
+def _skeleton_builder(path: Path, config, task):
+    """What builds the model ``from_pretrained`` would: the first transformers model class
+    ``config.architectures`` names, else ``task``'s (default :func:`model_task`) Auto class,
+    as ``load_model`` builds it."""
+    import transformers
+
+    from .hf_loader import model_class
+
+    archs = getattr(config, "architectures", None)
+    if task is None and archs:
+        where = f"empty_model: {path / 'config.json'}"
+        try:
+            cls = model_class(archs, where)
+        except ValueError as e:
+            raise ValueError(f"{e}; pass task= (one of {TASKS})") from None
+        if not isinstance(config, cls.config_class):
+            raise ValueError(f"{where}: architectures names {cls.__name__}, whose config is "
+                             f"{cls.config_class.__name__}, not the folder's "
+                             f"{type(config).__name__}; pass task= (one of {TASKS})")
+        return lambda: cls._from_config(config)
+    task = task or model_task(path)
+    auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
+            else transformers.AutoModel)
+    return lambda: auto.from_config(config, trust_remote_code=False)
+
+
+def _real_buffers(model, ckpt: Checkpoint, who: str) -> None:
+    """Replace the model's meta buffers by those transformers' ``from_pretrained`` gives: a
+    persistent one the checkpoint holds read from it, any other computed by the initializer
+    of the model, or sub-model, it belongs to (``initialize_weights``: a VLM's vision tower
+    has its own) with the parameters marked loaded, as the loader marks them. The
+    initializer runs twice, on buffers filled with 0 then 1: one that keeps its fill (left
+    unset: uninitialised memory in ``from_pretrained``) is refused, naming it."""
+    persistent = set(model.state_dict(keep_vars=True))
+    # {id(meta buffer): [it, (module, attr) ...]}, {id: its first full name}
+    holders, todo = {}, {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for attr, b in module._buffers.items():
+            if b is not None and b.device.type == "meta":
+                holders.setdefault(id(b), [b]).append((module, attr))
+                todo.setdefault(id(b), f"{mname}.{attr}".lstrip("."))
+    loaded = {}
+    for i, name in list(todo.items()):
+        key = _key(model, name, ckpt) if name in persistent else None
+        if key is not None:
+            b, t = holders[i][0], ckpt.get(key)
+            if tuple(t.shape) != tuple(b.shape):
+                raise ValueError(f"{who}: checkpoint tensor {key!r} gives shape "
+                                 f"{tuple(t.shape)}, the model's buffer {tuple(b.shape)}")
+            loaded[i] = torch.empty_like(b, device="cpu").copy_(t)
+            del todo[i]
+    for i, t in loaded.items():
+        _put_buffer(holders[i], t)
+    if not todo:
+        return
+    runs = [_initialized(model, {i: holders[i] for i in todo}, fill) for fill in (0, 1)]
+    unset = [todo[i] for i in todo if not _same(runs[0][i], runs[1][i])]
+    if unset:
+        raise ValueError(f"{who}: transformers' initializer of {type(model).__name__} leaves "
+                         f"the buffers {unset} unset (from_pretrained would hold uninitialised "
+                         f"memory there); load the model whole instead")
+
+
+def _put_buffer(holder: list, value: torch.Tensor) -> None:
+    """``holder``: ``[meta buffer, (module, attr) ...]``, every place one buffer is in."""
+    for module, attr in holder[1:]:
+        module._buffers[attr] = value
+
+
+def _initialized(model, holders: dict, fill) -> dict:
+    """``{id: buffer}``: ``holders``' buffers filled with ``fill``, then run through the
+    model's ``initialize_weights`` with every other tensor marked initialized (left as it is),
+    the random state as it was before (both runs draw the same numbers)."""
+    made = {i: torch.full_like(h[0], fill, device="cpu") for i, h in holders.items()}
+    for i, t in made.items():
+        _put_buffer(holders[i], t)
+    fresh = {id(t) for t in made.values()}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in fresh:
+            t._is_hf_initialized = True
+    for m in model.modules():  # the previous run's marks: every module initialized again
+        m.__dict__.pop("_is_hf_initialized", None)
+    with torch.random.fork_rng(devices=[]):
+        model.initialize_weights()
+    for p in model.parameters():  # the skeleton's parameters as from_config made them
+        p.__dict__.pop("_is_hf_initialized", None)
+    return {i: h[1][0]._buffers[h[1][1]] for i, h in holders.items()}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where both hold one (an initializer's own NaN is no unset value)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    same = a == b
+    if a.is_floating_point() or a.is_complex():
+        same |= a.isnan() & b.isnan()
+    return bool(same.all())
 
 
 #: a sharded checkpoint's map of tensor names to files, as transformers writes it
@@ -191,8 +286,9 @@ def load_params(model, names: set[str], ckpt: Checkpoint | None,
                 raise ValueError(f"calibrate: checkpoint tensor {keys[0]!r} holds {t.dtype} "
                                  f"(quantized codes?), the model's parameter is {p.dtype}; "
                                  f"calibrate from the float (unquantized) checkpoint")
+            # the skeleton's requires_grad: torch picks MultiheadAttention's kernel by it
             done[id(p)] = p, nn.Parameter(t.to(device=device, dtype=p.dtype),
-                                          requires_grad=False)
+                                          requires_grad=p.requires_grad)
     replaced = {}
     for key, (p, loaded) in done.items():
         for alias in aliases[key]:  # tied names stay one tensor
