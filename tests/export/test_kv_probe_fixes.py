@@ -72,6 +72,20 @@ def test_a_dynamic_kv_cache_scheme_is_refused(kv_only, tmp_path, keep):
         Calibration.from_compressed_tensors(folder)
 
 
+def test_a_per_head_kv_cache_scheme_is_refused_naming_the_strategy(kv_only, tmp_path):
+    # llm-compressor's attn_head KV cache ([heads, 1, 1] scales): the read named a misshapen
+    # tensor, as if the folder were damaged
+    def per_head(t):
+        for k in [k for k in t if k.endswith(("k_scale", "v_scale"))]:
+            t[k] = t[k].reshape(1, 1, 1).expand(2, 1, 1).clone()
+
+    folder = _edited(kv_only, tmp_path / "head", per_head,
+                     lambda qc: qc["kv_cache_scheme"].__setitem__("strategy", "attn_head"))
+    with pytest.raises(ValueError, match=r"kv_cache_scheme\.strategy is 'attn_head': "
+                                         r"quantscope's KV cache has one scale per tensor"):
+        Calibration.from_compressed_tensors(folder)
+
+
 _MLP = "model.layers.0.mlp"
 
 

@@ -231,3 +231,33 @@ def test_experts_under_other_names_are_named_in_the_error(tmp_path):
                                          r"\.block_sparse_moe\.experts\.\d\.(gate|up|down)_proj"
                                          r"\.\w+' names no module"):
         Calibration.from_compressed_tensors(tmp_path / "ct")
+
+
+
+def test_experts_of_one_block_read_back_their_block_scales(tmp_path):
+    """An FP8_BLOCK checkpoint (llm-compressor's) whose expert weights are one 128 x 128 block
+    each: the gate and up halves' block scales hold one value each, a row of blocks that is
+    joined, not a per-tensor scale to reconcile (the read was refused as "different
+    per-tensor weight scales"). Made here from an FP8 per-tensor export of weights of one
+    block: the same numbers under the block strategy."""
+    model, batches = _qwen2_moe()
+    calib = calibrate(model, batches, scheme("FP8", ignore=IGNORE), progress=False)
+    calib.export(model, tmp_path / "ct")
+
+    def as_blocks(tensors):
+        for key in [k for k in tensors if k.endswith(".weight_scale")]:
+            tensors[key] = tensors[key].reshape(1, 1)
+    _rewrite(tmp_path / "ct", as_blocks)
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    (group,) = config["quantization_config"]["config_groups"].values()
+    group["weights"].update(strategy="block", block_structure=[128, 128])
+    (tmp_path / "ct" / "config.json").write_text(json.dumps(config))
+    back = Calibration.from_compressed_tensors(tmp_path / "ct")
+    joined = back.states["model.layers.0.mlp.experts.0.gate_up_proj"]["weight"]
+    assert joined.qparams.scale.shape == (2, 1)  # gate's block row, then up's
+    with torch.inference_mode():
+        with calib.apply(model):
+            want = model(batches[0]).logits
+        with back.apply(model):
+            got = model(batches[0]).logits
+    assert torch.equal(got, want)

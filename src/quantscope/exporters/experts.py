@@ -34,6 +34,7 @@ from torch import nn
 from ..calibration.run.disk_names import checkpoint_names, expert_names
 from ..calibration.structure import fusion
 from ..calibration.structure.moe import is_gated, is_routed
+from ..layout import Tensor
 
 __all__ = ["checkpoint_names", "disk_to_module", "expert_names", "fuse_expert_states",
            "unfuse_experts", "unfuse_for_reading"]
@@ -166,7 +167,7 @@ def _widens(spec) -> bool:
 
 def _join_rows(gate, up, layer: str, widened: list):
     """The ``gate_up_proj`` weight state from its gate and up halves: per-row values
-    concatenated (:func:`fusion.split_state` inverted), one-value ones shared (differing
+    concatenated (:func:`fusion.split_state` inverted), per-tensor ones shared (differing
     float8 per-tensor scales: the larger, noted in ``widened`` as ``(layer, gate, up)``)."""
     from dataclasses import replace
 
@@ -175,12 +176,12 @@ def _join_rows(gate, up, layer: str, widened: list):
         _same(gate, up, f"{layer}: gate and up weights are quantized differently")
         return gate
 
-    def join(a, b, what, widen=False):
+    def join(a, b, what, shared, widen=False):
         if a is None and b is None:
             return None
         if a is None or b is None or (a.numel() == 1) != (b.numel() == 1):
             raise ValueError(f"{layer}: gate and up hold {what} of different layouts")
-        if a.numel() == 1:
+        if shared:  # one value for the whole weight (a lone block's is per row: joined)
             if torch.equal(a, b):
                 return a.clone()
             if not widen:
@@ -193,9 +194,10 @@ def _join_rows(gate, up, layer: str, widened: list):
 
     if gate.spec != up.spec or gate.dynamic != up.dynamic:
         raise ValueError(f"{layer}: gate and up weights are quantized differently")
-    qp = type(qg)(join(qg.scale, qu.scale, "weight scales", _widens(gate.spec)),
-                  join(qg.zero_point, qu.zero_point, "zero points"),
-                  join(qg.global_scale, qu.global_scale, "global scales"))
+    per_tensor = isinstance(gate.spec.layout, Tensor)
+    qp = type(qg)(join(qg.scale, qu.scale, "weight scales", per_tensor, _widens(gate.spec)),
+                  join(qg.zero_point, qu.zero_point, "zero points", per_tensor),
+                  join(qg.global_scale, qu.global_scale, "global scales", True))
     shape = None if gate.shape is None or up.shape is None else \
         (gate.shape[0] + up.shape[0], *gate.shape[1:])
     return replace(gate, qparams=qp, shape=shape)

@@ -87,14 +87,19 @@ def parse_quant_config(cfg_file, qc: dict, who: str):
 
 
 def check_kv_scheme(args, who: str) -> None:
-    """Refuse a ``kv_cache_scheme`` quantscope cannot run: its KV cache takes static scales
-    only (``Recipe.kv_cache`` refuses dynamic ones). Read as static, a dynamic scheme's
+    """Refuse a ``kv_cache_scheme`` quantscope cannot run: its KV cache takes static
+    per-tensor scales only (``Recipe.kv_cache`` refuses dynamic ones). Read as static, a dynamic scheme's
     stored scales would pass for calibrated ones, or, with none, ``apply()`` would leave the
     cache in float without a word."""
     if args is not None and args.dynamic is not False:
         raise ValueError(f"{who}: quantization_config.kv_cache_scheme.dynamic is "
                          f"{args.dynamic!r}: quantscope's KV cache supports static scales "
                          f"only (k_scale / v_scale calibrated once, dynamic: false)")
+    strategy = None if args is None else getattr(args.strategy, "value", args.strategy)
+    if args is not None and strategy != "tensor":  # per head: one scale per KV head
+        raise ValueError(f"{who}: quantization_config.kv_cache_scheme.strategy is "
+                         f"{strategy!r}: quantscope's KV cache has one scale per tensor "
+                         f"(strategy: tensor)")
 
 
 def kv_scale_layer(key: str, modules: dict, attention: dict, who: str) -> str:
