@@ -581,7 +581,7 @@ def test_scale_dtype_as_quark(name, kw, dtype):
 
 
 STATE_CLASSES = [
-    *INT_CLASSES[:-1],  # Pro: its own state (quantscope's grid is not torch.ao's)
+    *INT_CLASSES[:-1],  # Pro: the native state beside Quark's histogram.* (its own test)
     ("PerTensorMinMaxObserver", {"dtype": "fp8_e4m3"}),
     ("PerTensorHistogramObserver", {}),
     ("PerBlockBFPObserver", {"dtype": "bfp16", "qscheme": "per_group", "ch_axis": -1,

@@ -20,8 +20,9 @@ MX rule (bitwise Quark's ``even_round`` for float elements, the only ones Quark'
 ``PerBlockMXObserver`` takes: an integer element raises :class:`UnsupportedElementError`, an
 ``AssertionError`` as Quark's; for int8 elements quantscope's rule rounds the block max to the
 element's 6 fraction bits, OCP MXINT8's 1.6 layout, where Quark's ``fake_quantize_mx`` rounds
-to 8). fp4 per tensor / per channel takes these scale formats too, on the min-max classes,
-as Quark's ``calculate_fp4_quant_parameters`` (a zero left: float32 eps). Integer ranges take
+to 8). fp4 per tensor / per channel takes these scale formats too, on the min-max and
+histogram classes, as Quark's ``calculate_fp4_quant_parameters`` (a zero left: float32 eps);
+fp6 there takes them unread, as Quark's integer formula. Integer ranges take
 the native scale, which matches Quark's ``calculate_int_quant_params`` bit for bit on
 float32 input (an integer-typed range is priced in float32, as Quark's division promotes
 it) and on bfloat16 / float16 ranges as Quark's ops there (asymmetric: ``max - min``
@@ -29,10 +30,10 @@ rounded to that dtype before it is divided, the zero point divided there), and Q
 asymmetric zero point ``qmin - round(min / scale)`` (the native ``round(qmin - min /
 scale)`` is a code off on some int16 ranges); as there, a symmetric range has
 zero point 0, unsigned formats too, and ``scale_format`` is not read (e8m0 / e4m3 give the
-plain scales; so on an fp8 per-tensor / per-channel range). The histogram classes price an fp8
-(and float32-scaled fp4) estimate with the min-max classes' rule, Quark's
-``calculate_fp8_quant_parameters`` (only an exact 0 becomes eps; a half ``scale_type`` casts
-the amax before dividing), and with ``symmetric=False`` bin fp8 over ``[min, max]`` and take
+plain scales; so on an fp8 per-tensor / per-channel range). The histogram classes price a
+float estimate with the min-max classes' rules (fp8: Quark's ``calculate_fp8_quant_parameters``,
+only an exact 0 becomes eps, a half ``scale_type`` casts the amax before dividing; fp4 by its
+``scale_format``), and with ``symmetric=False`` bin fp8 over ``[min, max]`` and take
 Quark's asymmetric estimate, as Quark's. ``_num_observed_tokens`` is Quark's count (the rows
 with a non-zero of each 2-D+ batch: its api warns of MoE experts that saw none), counted by
 ``forward``, never reset; a static ``PerBlockMXObserver`` / ``PerBlockBFPObserver``'s amax
@@ -42,7 +43,8 @@ a ``ValueError`` on the per-tensor / per-channel min-max and the histogram class
 too), as Quark's ``get_scale``; the fp6 dtypes on those classes (and fp4 on
 ``PerGroupMinMaxObserver``), which Quark prices with that integer formula, raise
 :class:`UnsupportedElementError` (an ``AssertionError`` as Quark's) on a given range and once
-data is seen (before, the min-max classes give Quark's ``([1.], [0])``).
+data is seen (before, the min-max classes and the histogram recorder give Quark's
+``([1.], [0])``).
 ``PerTensorMSEObserver``'s search, as Quark's, prices int4 / uint4 / int8 / uint8 / fp8_e4m3 /
 fp8_e5m2 only: another dtype raises ``ValueError`` at ``calculate_qparams()`` once data is
 seen. Before any data the min-max classes and the histogram recorder return Quark's answers in
@@ -64,13 +66,16 @@ Quark's ``arange`` gives an edge more or less than its bin count the MSE search 
 ``ValueError`` (Quark's fails on the sizes). The percentile class takes a batch's range from
 its non-zero values, as Quark's; the MSE class prices a symmetric unsigned candidate with
 zero point 0 and an asymmetric fp8 one below 0 as its magnitude, as Quark's;
-``PerTensorHistogramObserverPro`` gives torch.ao's qparams of the custom code range Quark
-hands it (``reduce_range`` halves it; a symmetric uint8's zero point its lower midpoint, 127).
+``PerTensorHistogramObserverPro`` holds Quark's torch.ao child (``histogram``: torch.ao's
+bitwise twin :class:`quantscope.compat.torch_ao.HistogramObserver`) and returns its qparams, of
+Quark's custom code range (``reduce_range`` halves it), so widening batches and module casts
+are Quark's too.
 ``PerBlockMXObserver`` zero-pads the last block of an axis the group size does not divide,
 ``PerGroupMinMaxObserver`` refuses it (``ValueError``, block scale formats too), as Quark's; a
 static ``PerChannelMinMaxObserver`` / ``PerBlockMXObserver`` starts over when the channel count
-/ Quark's ``(rows, blocks)`` change, as Quark's (the other static classes raise ``ValueError``
-when their unit count changes).
+/ Quark's ``(rows, blocks)`` change, as Quark's; a static ``PerBlockBFPObserver`` raises
+:class:`StateShapeError` there (a ``RuntimeError`` as Quark's ``torch.max`` of the two amax, and
+a ``ValueError``), the other static classes ``ValueError`` when their unit count changes.
 
 ``(scale, zero_point)`` come in Quark's shapes: 0-dim per tensor (``min_val`` / ``max_val``
 too; ``PerTensorHistogramObserverPro``: torch.ao's ``(1,)``), ``(C,)`` per channel,
@@ -91,10 +96,10 @@ dtype where Quark's returns to float32 once a batch widens its bins); an asymmet
 range wider than 65504 takes the native finite scale where Quark's ``max - min`` overflows
 (an inf scale); ``reset_state`` forgets
 the histogram and the BFP16 amax (Quark's keeps them and merges the next batch);
-``PerTensorHistogramObserverPro`` saves the native state
-(Quark's saves torch.ao's ``histogram.*``, a grid quantscope's does not keep; the other
-classes save nothing, as Quark's); ``zero_point_type`` float32 raises ``ValueError`` where Quark's would give float zero points
-(an asymmetric integer dtype; Pro ignores it, as Quark's); a module cast (``.half()``) after
+``PerTensorHistogramObserverPro`` saves the native state beside its child's ``histogram.*``
+(Quark's saves these only; the other classes save nothing, as Quark's); ``zero_point_type``
+float32 raises ``ValueError`` where Quark's would give float zero points (an asymmetric
+integer dtype; Pro ignores it, as Quark's); a module cast (``.half()``) after
 a float32 batch keeps the exact float32 ``min_val`` / ``max_val`` where Quark's rounds its
 buffers through the cast's dtype (so does a float32 batch after a bfloat16 one there, copied
 into that buffer), so a later ``.float()`` or batch prices the unrounded range; the histogram
@@ -102,13 +107,11 @@ MSE search's float64 error can take a candidate Quark's float32 mean orders with
 rounding behind another; Quark's percentile observer skips zeros, and an all-zero *first*
 batch starts no grid in quantscope's (the first batch with data does) where Quark's starts
 one at ``[0, 4200 eps]`` and grows it in steps of that width (asymmetric: it fails on the
-next batch); BFP16 takes Quark's ``2 ** (floor(log2 amax) - 6)`` in the input's dtype (a bfloat16 /
-float16 log2 can round up to the next power, as Quark's; eps where it is 0 there) of the amax
-doubled where the native 'even' E8M0 rule bumps the exponent, when the block's largest
-magnitude rounds to 128 on either sign (Quark checks positive overflow only, and keeps doubling
-its running amax across calls), and its smallest scale is the native ``2 ** -127`` (Quark's
-formula goes subnormal for blocks below ``2 ** -120``, and infinite where the doubled amax
-overflows, a float16 block near 65504; a zero block gets eps in both);
+next batch); BFP16's scale is Quark's (``quark_scales.quark_bfp16_scale``) but never subnormal or
+infinite (the native one there), its ``amax`` the block absmax (Quark's doubles it on each
+overflowing call), and where one amax has a single row / block Quark's broadcasts it over a
+batch's, a state quantscope's refuses (:class:`StateShapeError`); dtype ``int32`` raises
+``ValueError`` (quantscope's integer formats stop at 16 bits; Quark's takes it);
 an all-zero tensor with ``scale_format`` e4m3 (NVFP4's two levels) gets the native NVFP4 answer
 (global scale 1, each block the smallest e4m3 scale: ``0.125``, or ``eps`` when given) where
 Quark's divides by its zero global amax and returns NaN scales; ``calculate_qparams(min_val,
@@ -136,10 +139,12 @@ from ..observers.registry import register
 from ..qparams import amax_of_range
 from . import enum_name, field
 from .quark_base import (
+    _INT,
     FP8_E5M3,
     InvertedRangeError,
     QuarkAssertionError,
     QuarkObserver,
+    StateShapeError,
     UnsupportedElementError,
     UnsupportedInputError,
     quark_e8m0_scale,
@@ -152,7 +157,7 @@ from .quark_histogram import (
     PerTensorMSEObserver,
     PerTensorPercentileObserver,
 )
-from .quark_scales import quark_work_dtype
+from .quark_scales import quark_bfp16_scale, quark_work_dtype
 
 __all__ = [
     "FP8_E5M3",
@@ -169,6 +174,7 @@ __all__ = [
     "PlaceholderObserver",
     "QuarkAssertionError",
     "QuarkObserver",
+    "StateShapeError",
     "UniformScalingObserver",
     "UnsupportedElementError",
     "UnsupportedInputError",
@@ -377,6 +383,10 @@ class _BlockAmax(_DynamicOrStatic):
                                  else running)
         return out
 
+    def _quark_state_key(self, shape):
+        n = shape[self.spec.layout.axis]  # Quark's amax: (rows, blocks), the last padded
+        return math.prod(shape) // n, -(-n // self.spec.layout.size)
+
     @property
     def amax(self) -> torch.Tensor:
         """Per-block absolute maximum, ``(rows, blocks)``; ``tensor(0.)`` before data."""
@@ -417,13 +427,16 @@ class PerBlockMXObserver(_BlockAmax):
         if field(qspec, "ch_axis") is None:  # Quark asserts it (the axis of its blocks)
             raise QuarkAssertionError(f"{type(self).__name__}: the qspec needs a ch_axis (the "
                                       f"axis of the blocks), as Quark's asserts")
-        super().__init__(qspec, device, eps, **native)
-        if not self.spec.is_float:  # Quark asserts fp4 / fp6 / fp8 elements
-            raise UnsupportedElementError(
+        dtype = enum_name(field(qspec, "dtype"))
+        element = {"mx": enum_name(field(qspec, "mx_element_dtype")), "bfp16": "int8"}.get(
+            dtype, dtype)
+        if element in _INT:  # Quark asserts fp4 / fp6 / fp8 (checked before the spec, whose
+            raise UnsupportedElementError(  # refusals of some of their scales are ValueErrors)
                 f"{type(self).__name__}: Quark's PerBlockMXObserver takes float elements only "
-                f"(fp4, fp6_e2m3, fp6_e3m2, fp8_e4m3, fp8_e5m2), got {self.spec.format.name} "
-                f"(dtype {enum_name(self.dtype)!r}); MXINT8 runs natively "
+                f"(fp4, fp6_e2m3, fp6_e3m2, fp8_e4m3, fp8_e5m2), got {element} elements "
+                f"(dtype {dtype!r}); MXINT8 runs natively "
                 f"(quantscope.presets.MXINT8), BFP16 as PerBlockBFPObserver")
+        super().__init__(qspec, device, eps, **native)
 
     def _calculate_qparams(self):
         # no scale_format: the rule quark_spec read (E8M0 for the legacy dtype 'mx', else float32)
@@ -438,10 +451,6 @@ class PerBlockMXObserver(_BlockAmax):
         scale = self.get_scale(self.amax, self.eps, fmt)
         return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
 
-    def _quark_state_key(self, shape):
-        n = shape[self.spec.layout.axis]  # Quark's amax: (rows, blocks), the last padded
-        return math.prod(shape) // n, -(-n // self.spec.layout.size)
-
     def reset_min_max_vals(self) -> None:
         self._require("amax")
         super().reset_min_max_vals()
@@ -455,36 +464,25 @@ class PerBlockBFPObserver(_BlockAmax):
 
     _eps_argument = "used"
 
+    def _starts_over(self, x) -> bool:
+        if super()._starts_over(x):  # Quark's torch.max(amax, the batch's) fails there
+            raise StateShapeError(
+                f"{self.describe()}: the static amax holds (rows, blocks) "
+                f"{self._quark_state_key(self.shape)}, a batch of shape {tuple(x.shape)} gives "
+                f"{self._quark_state_key(tuple(x.shape))}: Quark's torch.max of the two raises "
+                f"RuntimeError (or broadcasts a single row / block over the other); "
+                f"reset_state() first")
+        return False
+
     def _calculate_qparams(self):
         if not self.has_observed:  # Quark's formula on its amax tensor(0.): eps
             return (torch.tensor(self.eps).to(self.scale_torch_dtype),
                     torch.tensor(0, dtype=torch.int32))
         native, zp = super()._calculate_qparams()  # float32, with the overflow bump
         amax = self.amax
-        scale = self._quark_floor(amax, native.to(amax.dtype))
+        scale = quark_bfp16_scale(amax, native.to(amax.dtype), self._quark_shape(self.max_vals),
+                                  self.spec.format, self.scale_torch_dtype, self.eps)
         return scale.to(self.scale_torch_dtype), zp.to(torch.int32)
-
-    def _quark_floor(self, amax: torch.Tensor, native: torch.Tensor) -> torch.Tensor:
-        """Quark's ``2 ** (floor(log2 amax) - 6)`` in ``amax``'s dtype (a half log2 can round
-        up to the next integer: a scale that never overflows), of the amax doubled where its
-        forward finds the block overflowing; eps where it is 0 there. Where it is subnormal
-        (float32 / bfloat16 blocks below ``2 ** -120``), or infinite (the doubled amax of a
-        float16 block near 65504 overflows: Quark's scale is inf), the native scale."""
-        emax = self.spec.format.emax
-        floor = quark_e8m0_scale(amax, emax, "floor", eps=0.0)  # eps=0: finds the zeros
-        flushed = floor.to(self.scale_torch_dtype or floor.dtype) == 0
-        # Quark's overflow: a code of 128, the block's positive end at 127.5 steps or more
-        # (its negative end rounds to -128 at most, which int8 holds, where the native 'even'
-        # rule bumps on either end: not there), or a scale that scale_type's dtype flushes
-        # to 0 (float16 below 2 ** -24), whose codes Quark's forward finds overflowing, on a
-        # block its fake-quantization does not round to 0
-        top = self.spec.format.qmax + 0.5  # the largest code's rounding edge: 127.5
-        over = self._quark_shape(self.max_vals).to(amax.dtype) >= top * floor
-        native = torch.where((native == 2 * floor) & ~over, floor, native)
-        bumped = (floor > 0) & (over | (flushed & (amax > 2.0 ** -127)))
-        floor = quark_e8m0_scale(torch.where(bumped, 2 * amax, amax), emax, "floor", eps=0.0)
-        floor = torch.where(torch.isinf(floor), native, floor)  # never an infinite scale
-        return torch.maximum(native, floor).masked_fill(floor == 0, self.eps)
 
 
 if _QUARK_OBSERVERS in sys.modules:  # Quark came first: join it now

@@ -18,6 +18,7 @@ from .quark_scales import (
     FP8_E5M3,
     InvertedRangeError,
     QuarkAssertionError,
+    StateShapeError,
     UnsupportedElementError,
     UnsupportedInputError,
     _quark_int_default,
@@ -32,10 +33,10 @@ from .quark_scales import (
 )
 
 __all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "QuarkObserver",
-           "UnsupportedElementError", "UnsupportedInputError", "quark_e8m0_scale",
-           "quark_float_scale", "quark_qmin_qmax", "quark_spec"]
+           "StateShapeError", "UnsupportedElementError", "UnsupportedInputError",
+           "quark_e8m0_scale", "quark_float_scale", "quark_qmin_qmax", "quark_spec"]
 
-_INT = {"int2", "int3", "int4", "int8", "int16", "uint4", "uint8"}
+_INT = {"int2", "int3", "int4", "int8", "int16", "uint2", "uint4", "uint8"}
 _FLOAT = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp6_e3m2": "fp6_e3m2",
           "fp6_e2m3": "fp6_e2m3", "fp4": "fp4_e2m1", "fp8_e5m3": FP8_E5M3}
 _CAST = {"float16", "bfloat16"}
@@ -54,9 +55,9 @@ def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False,
     uniform-scaling observers, whose ``calculate_int_quant_params`` (and fp8 formula on a
     per-tensor / per-channel range) never reads ``scale_format``: an integer dtype, and fp8
     there, take float32 scales whatever it says. ``qscheme``: the one of a qspec without one
-    (the class's granularity; else per_tensor). ``fp4_scale_formats``: fp4 per tensor / per
-    channel takes an e8m0 / e4m3 / e5m3 ``scale_format`` (a float32-scaled spec: the observer
-    prices it with Quark's ``get_scale``), as Quark's min-max classes.
+    (the class's granularity; else per_tensor). ``fp4_scale_formats``: fp4 / fp6 per tensor /
+    channel take an e8m0 / e4m3 / e5m3 ``scale_format`` (a float32-scaled spec: the observer
+    prices fp4 with Quark's ``get_scale``, fp6 never reads it), as Quark's uniform classes.
     """
     dtype = enum_name(field(qspec, "dtype"))
     qscheme = enum_name(field(qspec, "qscheme")) or qscheme or "per_tensor"
@@ -91,12 +92,17 @@ def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False,
         fmt = _FLOAT[dtype]
     elif dtype in _INT:
         fmt = dtype
+    elif dtype == "int32":  # Quark's calculate_qmin_qmax has it
+        raise ValueError("quark: dtype 'int32' is not supported: quantscope's integer formats "
+                         "stop at 16 bits (float32 qparams cannot hold a 32-bit code range "
+                         "exactly: 2 ** 31 - 1 rounds to 2 ** 31)")
     else:
         raise ValueError(f"quark: dtype {dtype!r} is not supported; expected one of "
                          f"{sorted(_INT | set(_FLOAT) | _CAST | {'mx', 'bfp16'})}")
-    if (scale_format in ("e8m0", "e4m3", "e5m3") and fp4_scale_formats and dtype == "fp4"
+    if (scale_format in ("e8m0", "e4m3", "e5m3") and fp4_scale_formats
+            and dtype in ("fp4", "fp6_e2m3", "fp6_e3m2")
             and qscheme in ("per_tensor", "per_channel")):
-        scale_format = "float32"  # the observer prices it with Quark's get_scale
+        scale_format = "float32"  # priced with Quark's get_scale (fp6: its integer formula)
     if scale_format in ("e8m0", "e4m3", "e5m3"):  # block scales: MX, NVFP4, AMD FP4
         if qscheme != "per_group" or not group_size:
             raise ValueError(f"quark: scale_format {scale_format!r} needs qscheme per_group "
@@ -253,9 +259,10 @@ class QuarkObserver(SavesNoState):
                                             f"{x.dtype} input (NotImplementedError); pass "
                                             f"x.float()")
             data = x.to(quark_work_dtype(x.dtype))  # integer / bool data: exact to 2 ** 24
-        if self._keeps_input_dtype and x.dtype != self._input_dtype:  # Quark's: each batch's
-            self._input_dtype = x.dtype
         out = super().forward(data)
+        # Quark's: each batch's, once taken (a batch the checks refuse leaves the dtype)
+        if self._keeps_input_dtype and x.dtype != self._input_dtype:
+            self._input_dtype = x.dtype
         if data.dim() >= 2 and data.numel():  # Quark's count (MoE): rows with a non-zero
             object.__setattr__(self, "_quark_tokens",  # (no reset; skips nn.Module's checks)
                                self._quark_tokens + _quark_token_count(data))
@@ -389,8 +396,9 @@ class QuarkObserver(SavesNoState):
     def _quark_before_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What Quark's uniform classes return before any data (their range is ``(inf,
         -inf)``), in its shapes: ``(1, 1)`` per group / block."""
+        floats = self.spec.is_float and enum_name(self.dtype) not in self._quark_int_priced
         scale, zp = (self._calculate_float_qparams(self.min_val, self.max_val)
-                     if self.spec.is_float else _quark_int_default())
+                     if floats else _quark_int_default())  # (fp6: Quark's integer default)
         grouped = isinstance(self.spec.layout, Group | Block)
         return (scale.reshape(1, 1), zp.reshape(1, 1)) if grouped else (scale, zp)
 

@@ -17,6 +17,7 @@ from ..observers.histogram import HistogramObserverBase, L2HistogramObserver
 from ..observers.registry import register
 from . import enum_name, field
 from .quark_base import _F32_EPS, QuarkObserver
+from .quark_scales import _quark_edges, _QuarkGrid
 
 __all__ = ["PerTensorHistogramObserver", "PerTensorHistogramObserverPro", "PerTensorMSEObserver",
            "PerTensorPercentileObserver"]
@@ -25,47 +26,6 @@ __all__ = ["PerTensorHistogramObserver", "PerTensorHistogramObserverPro", "PerTe
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: the dtypes Quark's MSE search prices (its integer and fp8 fake-quantizers)
 _MSE_DTYPES = {"int4", "uint4", "int8", "uint8", *_FP8_DTYPES}
-
-
-def _quark_edges(hist) -> torch.Tensor:
-    """Quark's bin edges ``torch.linspace(lo, hi, bins + 1)`` per row ``[U, B + 1]``: torch's
-    linspace counts its upper half down from ``hi``, so ``lo + i * width`` differs in the last
-    bits (and with it the percentile / MSE thresholds, which are edges or centres)."""
-    return torch.stack([torch.linspace(lo, hi, hist.bins + 1, device=hist.lo.device)
-                        for lo, hi in zip(hist.lo.tolist(), hist.hi.tolist(), strict=True)])
-
-
-@dataclasses.dataclass
-class _QuarkGrid:
-    """Quark's histogram of one row once a batch left its first range: its counts
-    (``calib_hist``, float32), edges (``calib_bin_edges``) and ``_num_bins``, which Quark
-    keeps apart from the edges (its ``arange`` may give one edge more or less)."""
-
-    counts: torch.Tensor
-    edges: torch.Tensor
-    bins: int
-
-    def grow(self, x: torch.Tensor, x_min: float, x_max: float) -> bool:
-        """Quark's step for a batch ``x`` (float32, zeros dropped if skipped) with ends
-        ``[x_min, x_max]`` (Python floats, compared and subtracted in the edges' float32):
-        bins of the current width appended below / above, then the batch binned over all
-        bins and the old counts added to the first ones (also where the range grew below:
-        Quark's order). True where bins were appended (Quark's new float32 edges)."""
-        edges = self.edges
-        if x_min < edges[0]:
-            width = (edges[1] - edges[0]).item()
-            self.bins += int(((edges[0] - x_min) / width).ceil().item())
-            edges = torch.arange(x_min - width, edges[-1].item(), width, device=edges.device)
-        if x_max > edges[-1]:
-            width = (edges[1] - edges[0]).item()
-            self.bins += int(((x_max - edges[-1]) / width).ceil().item())
-            edges = torch.arange(edges[0].item(), x_max + width, width, device=edges.device)
-        counts = torch.histc(x.to(edges.device), bins=self.bins, min=edges[0].item(),
-                             max=edges[-1].item())
-        counts[:self.counts.numel()] += self.counts
-        widened = edges is not self.edges
-        self.counts, self.edges = counts, edges
-        return widened
 
 
 def _nonzero_ends(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
@@ -100,6 +60,7 @@ class _QuarkHistogram(QuarkObserver):
     _num_bins = 2048
     _skip_zeros = False
     _keeps_input_dtype = False  # Quark bins x.float(): float32 edges, unless a module cast
+    _fp4_scale_formats = True  # Quark prices an fp4 estimate with get_scale(scale_format)
 
     def __init__(self, qspec, device: torch.device | None = None, **native):
         native.setdefault("grid", "first")
@@ -183,8 +144,8 @@ class _QuarkHistogram(QuarkObserver):
         if enum_name(self.dtype) in self._quark_int_priced:
             self.calculate_int_quant_params(*self._priced)  # raises, as Quark's assert
         self._check_fp4_scale_format()
-        if self.spec.is_float:  # Quark's float rule on the range it priced (as min-max's)
-            return self.calculate_fp8_quant_parameters(*self._priced)
+        if self.spec.is_float:  # Quark's float rules on the range it priced (as min-max's)
+            return self._calculate_float_qparams(*self._priced)
         return qparams
 
     def _observe_linear(self, units, lo, hi, *rest):
@@ -446,9 +407,11 @@ class PerTensorHistogramObserverPro(QuarkObserver, _TorchAOBatch, L2HistogramObs
 
     ``upsample_rate`` is accepted and unused (torch >= 2.5 dropped it too); ``reduce_range``
     halves the code range, as torch.ao halves the custom range Quark gives it (the search's 256
-    destination bins stay). Its state_dict is the native observer's (Quark's holds its torch.ao
-    child's ``histogram.*``, a state quantscope's grid cannot hold: a widening batch re-bins
-    approximately there). Non-finite input as torch.ao's: +-inf dropped with its warning, NaN a
+    destination bins stay). As Quark's, a torch.ao child (``histogram``: quantscope's bitwise
+    twin, :class:`quantscope.compat.torch_ao.HistogramObserver`) holds the histogram the search
+    reads and prices its range, so a widening batch merges and a module cast searches as
+    torch.ao's; the state_dict saves it beside the native state (Quark's: ``histogram.*``
+    only). Non-finite input as torch.ao's: +-inf dropped with its warning, NaN a
     ``NonFiniteBatchError`` (a ``RuntimeError``) in ``forward``. A deliberate difference, as in
     :class:`quantscope.compat.torch_ao.HistogramObserver`: a bfloat16 / float16 batch is binned as
     its float32 values, so the qparams are Quark's for the batch's float32 copy. Quark's hands the
@@ -476,6 +439,25 @@ class PerTensorHistogramObserverPro(QuarkObserver, _TorchAOBatch, L2HistogramObs
         half = 2 if reduce_range else 1
         self.spec = dataclasses.replace(self.spec, quant_min=self.quant_min // half,
                                         quant_max=self.quant_max // half)
+        from .torch_ao import HistogramObserver  # (not loaded with compat.quark)
+        ao_dtype = {"uint4": torch.quint4x2, "int8": torch.qint8, "uint8": torch.quint8}
+        self.histogram = HistogramObserver(  # Quark's child, with Quark's arguments
+            bins=bins, dtype=ao_dtype[enum_name(self.dtype)], reduce_range=reduce_range,
+            qscheme=torch.per_tensor_symmetric if self.spec.symmetric else torch.per_tensor_affine,
+            quant_min=self.quant_min, quant_max=self.quant_max).to(self.eps.device)
+
+    def _observe(self, units, lo, hi):
+        super()._observe(units, lo, hi)
+        self.histogram(units)  # torch.ao's step (its merge of a widening batch)
+
+    def _estimate(self, hist):
+        lo, hi = self.histogram._non_linear_param_search()  # torch.ao's search of its state
+        return lo.reshape(1), hi.reshape(1)
+
+    def reset(self) -> None:
+        super().reset()
+        if "histogram" in self._modules:  # (the native constructor resets before it exists)
+            self.histogram.reset()
 
     min_val, max_val = QuarkObserver.ends(
         "_never_set", "Never set by Quark's wrapper (torch.ao's observer holds the range)")
@@ -485,15 +467,8 @@ class PerTensorHistogramObserverPro(QuarkObserver, _TorchAOBatch, L2HistogramObs
         return torch.tensor(value, dtype=self._input_dtype, device=self.observed_tokens.device)
 
     def _calculate_qparams(self):
-        """As torch.ao's ``_calculate_qparams`` returns them to Quark's wrapper: shape
-        ``(1,)``, the zero point int64 when symmetric (torch.ao's zeros, or for uint8 the
-        lower midpoint of the code range), else int32. Before data ``ValueError`` (Quark's
-        wrapper returns a NaN scale there)."""
-        qp = self.qparams()  # torch.ao's: float32 scale, mid-code zero point if symmetric
-        if self.spec.symmetric:  # torch.ao's of a custom range: quint8's lower midpoint, else 0
-            mid = (self.spec.quant_min + self.spec.quant_max) // 2
-            zp = qp.zero_point.new_full((1,), mid if enum_name(self.dtype) == "uint8" else 0,
-                                        dtype=torch.int64)
-        else:
-            zp = qp.zero_point.reshape(1).to(torch.int32)
-        return qp.effective_scale.to(self._input_dtype).reshape(1), zp
+        """Quark's: torch.ao's ``_calculate_qparams`` of its search (shape ``(1,)``, the zero
+        point int64 when symmetric, else int32). Before data ``ValueError`` (Quark's wrapper
+        returns a NaN scale there)."""
+        self.check_ready()
+        return self.histogram._calculate_qparams(*self.histogram._non_linear_param_search())

@@ -1,15 +1,18 @@
-"""AMD Quark's scale formulas, layouts and shapes, token count and error types (part of
-:mod:`quantscope.compat.quark`, which re-exports the public names)."""
+"""AMD Quark's scale formulas, layouts and shapes, token count, error types and histogram
+grids (part of :mod:`quantscope.compat.quark`, which re-exports the public names)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..formats import FloatFormat
 from ..layout import Block, Channel, Group, Tensor
 
-__all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "UnsupportedElementError",
-           "UnsupportedInputError", "quark_e8m0_scale", "quark_float_scale"]
+__all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "StateShapeError",
+           "UnsupportedElementError", "UnsupportedInputError", "quark_e8m0_scale",
+           "quark_float_scale"]
 
 #: Quark's unsigned E5M3 (bias 15, subnormals down to 2 ** -17, largest 1.75 * 2 ** 16: the
 #: top code is not a number): the scale format of AMD's FP4 and of its second-level scales
@@ -38,6 +41,12 @@ class UnsupportedInputError(TypeError, NotImplementedError):
     ``TypeError`` as quantscope's bad-input errors."""
 
 
+class StateShapeError(ValueError, RuntimeError):
+    """A batch whose Quark ``(rows, blocks)`` differ from a static ``PerBlockBFPObserver``'s
+    state: a ``RuntimeError`` as Quark's (its ``torch.max`` of the two amax cannot broadcast),
+    and a ``ValueError`` as quantscope's bad-input errors."""
+
+
 class InvertedRangeError(ValueError, AssertionError, RuntimeError):
     """``min_val > max_val`` given to ``calculate_qparams``: Quark asserts (``AssertionError``
     on a 0-dim range, ``RuntimeError`` from ``torch._assert_async`` on a wider one); a
@@ -55,6 +64,31 @@ def quark_e8m0_scale(amax: torch.Tensor, emax: int, mode: str, *, eps=_F32_EPS) 
     rounding = torch.floor if mode == "floor" else torch.ceil
     scale = torch.pow(2, rounding(torch.log2(amax)) - emax)
     return scale.masked_fill(scale == 0.0, eps)
+
+
+def quark_bfp16_scale(amax: torch.Tensor, native: torch.Tensor, max_vals: torch.Tensor, fmt,
+                      scale_dtype: torch.dtype | None, eps: float) -> torch.Tensor:
+    """Quark's BFP16 scale ``2 ** (floor(log2 amax) - 6)`` in ``amax``'s dtype (a half log2
+    can round up to the next integer: a scale that never overflows), of the amax doubled where
+    its forward finds the block overflowing; eps where it is 0 there. Where it is subnormal
+    (float32 / bfloat16 blocks below ``2 ** -120``), or infinite (the doubled amax of a
+    float16 block near 65504 overflows: Quark's scale is inf), the ``native`` scale (the
+    'even' E8M0 rule's, in ``amax``'s dtype). ``max_vals``: the blocks' positive ends, in
+    ``amax``'s shape; ``fmt``: the element format (int8); ``scale_dtype``: ``scale_type``'s."""
+    floor = quark_e8m0_scale(amax, fmt.emax, "floor", eps=0.0)  # eps=0: finds the zeros
+    flushed = floor.to(scale_dtype or floor.dtype) == 0
+    # Quark's overflow: a code of 128, the block's positive end at 127.5 steps or more
+    # (its negative end rounds to -128 at most, which int8 holds, where the native 'even'
+    # rule bumps on either end: not there), or a scale that scale_type's dtype flushes
+    # to 0 (float16 below 2 ** -24), whose codes Quark's forward finds overflowing, on a
+    # block its fake-quantization does not round to 0
+    top = fmt.qmax + 0.5  # the largest code's rounding edge: 127.5
+    over = max_vals.to(amax.dtype) >= top * floor
+    native = torch.where((native == 2 * floor) & ~over, floor, native)
+    bumped = (floor > 0) & (over | (flushed & (amax > 2.0 ** -127)))
+    floor = quark_e8m0_scale(torch.where(bumped, 2 * amax, amax), fmt.emax, "floor", eps=0.0)
+    floor = torch.where(torch.isinf(floor), native, floor)  # never an infinite scale
+    return torch.maximum(native, floor).masked_fill(floor == 0, eps)
 
 
 def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *,
@@ -157,3 +191,44 @@ def _quark_layout(qscheme: str, ch_axis, group_size, pad_blocks: bool):
         return (Block if pad_blocks else Group)(group_size, -1 if ch_axis is None else ch_axis)
     raise ValueError(f"quark: qscheme must be per_tensor, per_channel or per_group, got "
                      f"{qscheme!r}")
+
+
+def _quark_edges(hist) -> torch.Tensor:
+    """Quark's bin edges ``torch.linspace(lo, hi, bins + 1)`` per row ``[U, B + 1]``: torch's
+    linspace counts its upper half down from ``hi``, so ``lo + i * width`` differs in the last
+    bits (and with it the percentile / MSE thresholds, which are edges or centres)."""
+    return torch.stack([torch.linspace(lo, hi, hist.bins + 1, device=hist.lo.device)
+                        for lo, hi in zip(hist.lo.tolist(), hist.hi.tolist(), strict=True)])
+
+
+@dataclasses.dataclass
+class _QuarkGrid:
+    """Quark's histogram of one row once a batch left its first range: its counts
+    (``calib_hist``, float32), edges (``calib_bin_edges``) and ``_num_bins``, which Quark
+    keeps apart from the edges (its ``arange`` may give one edge more or less)."""
+
+    counts: torch.Tensor
+    edges: torch.Tensor
+    bins: int
+
+    def grow(self, x: torch.Tensor, x_min: float, x_max: float) -> bool:
+        """Quark's step for a batch ``x`` (float32, zeros dropped if skipped) with ends
+        ``[x_min, x_max]`` (Python floats, compared and subtracted in the edges' float32):
+        bins of the current width appended below / above, then the batch binned over all
+        bins and the old counts added to the first ones (also where the range grew below:
+        Quark's order). True where bins were appended (Quark's new float32 edges)."""
+        edges = self.edges
+        if x_min < edges[0]:
+            width = (edges[1] - edges[0]).item()
+            self.bins += int(((edges[0] - x_min) / width).ceil().item())
+            edges = torch.arange(x_min - width, edges[-1].item(), width, device=edges.device)
+        if x_max > edges[-1]:
+            width = (edges[1] - edges[0]).item()
+            self.bins += int(((x_max - edges[-1]) / width).ceil().item())
+            edges = torch.arange(edges[0].item(), x_max + width, width, device=edges.device)
+        counts = torch.histc(x.to(edges.device), bins=self.bins, min=edges[0].item(),
+                             max=edges[-1].item())
+        counts[:self.counts.numel()] += self.counts
+        widened = edges is not self.edges
+        self.counts, self.edges = counts, edges
+        return widened
