@@ -88,9 +88,9 @@ def parse_quant_config(cfg_file, qc: dict, who: str):
 
 def check_kv_scheme(args, who: str) -> None:
     """Refuse a ``kv_cache_scheme`` quantscope cannot run: its KV cache takes static
-    per-tensor scales only (``Recipe.kv_cache`` refuses dynamic ones). Read as static, a dynamic scheme's
-    stored scales would pass for calibrated ones, or, with none, ``apply()`` would leave the
-    cache in float without a word."""
+    per-tensor scales only (``Recipe.kv_cache`` refuses dynamic ones). Read as static, a
+    dynamic scheme's stored scales would pass for calibrated ones, or, with none,
+    ``apply()`` would leave the cache in float without a word."""
     if args is not None and args.dynamic is not False:
         raise ValueError(f"{who}: quantization_config.kv_cache_scheme.dynamic is "
                          f"{args.dynamic!r}: quantscope's KV cache supports static scales "

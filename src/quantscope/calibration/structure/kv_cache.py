@@ -14,10 +14,11 @@ fake-quantizes through it.
 Attention modules are found as transformers builds them: a module with a ``k_proj``,
 ``v_proj`` or ``qkv_proj`` child (one is enough: Gemma 4's ``attention_k_eq_v`` layers have
 no ``v_proj`` and cache ``k_proj``'s output as values too; Phi-3 fuses all three) and a
-``config`` carrying ``_attn_implementation``, whose keys and values a cache holds: causal (``is_causal`` not False) and taking the cache in its ``forward``
-(compressed-tensors' ``is_cached_attention_module`` rule, with transformers 5.24's ``cache``
-name). An encoder's attention (a VLM's SigLIP vision tower, an encoder-decoder's encoder and
-its cross-attention) gets no KV-cache roles: no runtime caches it.
+``config`` carrying ``_attn_implementation``, whose keys and values a cache holds: causal
+(``is_causal`` not False) and taking the cache in its ``forward`` (compressed-tensors'
+``is_cached_attention_module`` rule, with transformers 5.24's ``cache`` name). An
+encoder's attention (a VLM's SigLIP vision tower, an encoder-decoder's encoder and its
+cross-attention) gets no KV-cache roles: no runtime caches it.
 """
 
 from __future__ import annotations
