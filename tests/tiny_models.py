@@ -133,3 +133,19 @@ def qwen2_moe(seed=0):
     batches = [torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(i))
                for i in range(3)]
     return model, batches
+
+
+def qwen3_moe(seed=0, layers=2, n_batches=3):
+    """A Qwen3-MoE (4 experts of width 32, top-2, transformers 5's 3-D experts); 16-token
+    batches."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, head_dim=16)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i))
+               for i in range(n_batches)]
+    return model, batches

@@ -8,7 +8,6 @@ import warnings
 from dataclasses import replace
 
 import pytest
-import torch
 
 import quantscope
 from quantscope.calibration import Outliers
@@ -16,19 +15,9 @@ from quantscope.calibration.choice.sensitivity import Sensitivity, keep_float
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import qwen3_moe
+
 EXPERTS = "model.layers.{}.mlp.experts"
-
-
-def _qwen3_moe():
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=100, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, head_dim=16)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i))
-               for i in range(3)]
-    return model, batches
 
 
 def _modes(calib) -> dict:
@@ -45,7 +34,7 @@ def _modes(calib) -> dict:
 
 @pytest.fixture(scope="module")
 def qwen():
-    return _qwen3_moe()
+    return qwen3_moe()
 
 
 @pytest.fixture(scope="module")

@@ -63,15 +63,10 @@ def test_experts_holding_the_input_scale_in_part_are_flagged(tmp_path, capsys, l
 
 
 def test_export_of_a_split_experts_module_is_flagged(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(
-        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=100, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, head_dim=16)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i))
-               for i in range(2)]
+    pytest.importorskip("transformers")
+    from tiny_models import qwen3_moe
+
+    model, batches = qwen3_moe(layers=1, n_batches=2)
     calib = quantscope.calibrate(model, batches, "fp8", progress=False)
     # what keep_float made before it took experts modules out whole: expert 2's gate / up
     # input float, the others' static

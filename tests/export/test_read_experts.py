@@ -32,6 +32,16 @@ def _qwen2_moe():
 MODELS = {"mixtral": mixtral, "qwen2_moe": _qwen2_moe}
 
 
+def _same_logits(model, batch, calib, back):
+    """``back`` applied gives the logits ``calib`` applied gives, bit for bit."""
+    with torch.inference_mode():
+        with calib.apply(model):
+            want = model(batch).logits
+        with back.apply(model):
+            got = model(batch).logits
+    assert torch.equal(got, want)
+
+
 def _same_state(want, got, spec_format):
     """Equal qparams; a local input's amax may differ by ulps where the global scale it
     gives (what the checkpoint stores and the runtime uses) is the same."""
@@ -61,12 +71,7 @@ def test_moe_export_reads_back_as_exported(name, preset, tmp_path):
             assert _same_state(state, got, state.spec.format), (layer, role)
             if role == "weight" and state.shape is not None:
                 assert tuple(got.shape) == tuple(state.shape), layer
-    with torch.inference_mode():
-        with calib.apply(model):
-            want = model(batches[0]).logits
-        with back.apply(model):
-            got = model(batches[0]).logits
-    assert torch.equal(got, want)
+    _same_logits(model, batches[0], calib, back)
 
 
 def _rewrite(folder, fn):
@@ -255,9 +260,4 @@ def test_experts_of_one_block_read_back_their_block_scales(tmp_path):
     back = Calibration.from_compressed_tensors(tmp_path / "ct")
     joined = back.states["model.layers.0.mlp.experts.0.gate_up_proj"]["weight"]
     assert joined.qparams.scale.shape == (2, 1)  # gate's block row, then up's
-    with torch.inference_mode():
-        with calib.apply(model):
-            want = model(batches[0]).logits
-        with back.apply(model):
-            got = model(batches[0]).logits
-    assert torch.equal(got, want)
+    _same_logits(model, batches[0], calib, back)
