@@ -92,6 +92,9 @@ class Observer:
         super().__init__(spec, **{k: kwargs[k] for k in self.native_options if k in kwargs})
         self.base_name, self.args, self.observer_kwargs = base_name, args, kwargs
         self._g_idx = g_idx  # the default grouping: forward(x) without g_idx
+        # [g_idx, its Group] of a Block layout's last call: Group's checks read g_idx on the
+        # host, once per g_idx tensor rather than per forward
+        self._block_order = [None, None]
         self.module = None if module is None else [module]  # not a submodule
         # [(state key, zp dtype, get_qparams' dict, its tensors' versions)]: forward returns
         # qparams, then callers ask get_qparams for the same ones (llm-compressor's flow); a
@@ -171,7 +174,10 @@ class Observer:
         if isinstance(lay, Group):
             if lay.g_idx is not g_idx:
                 self.spec = self.spec.replace(layout=Group(lay.size, lay.axis, g_idx))
-        elif (order := _act_order(lay, g_idx)) is not None and isinstance(observed, torch.Tensor):
+        elif isinstance(lay, Block) and g_idx is not None and isinstance(observed, torch.Tensor):
+            if self._block_order[0] is not g_idx:
+                self._block_order = [g_idx, _act_order(lay, g_idx)]
+            order = self._block_order[1]
             order._geometry(observed.shape)  # g_idx's length: the columns'
             observed = order._columns(observed)
         super().forward(observed)
