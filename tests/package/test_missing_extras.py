@@ -52,3 +52,67 @@ def test_the_integrations_name_their_peer(without, monkeypatch, module, hidden, 
     monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(ImportError, match=says):
         importlib.import_module(module)
+
+
+def _calibrated_mlp():
+    import torch
+
+    from quantscope import calibrate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 16)
+    return calibrate(model, [x], "w8a8", progress=False), model, x
+
+
+ONNX_EXTRA = r"needs the onnx extra .*pip install 'quantscope\[onnx\]'"
+
+
+@pytest.mark.parametrize("hidden", [("onnx", "onnxruntime", "onnxscript"), ("onnxscript",)])
+def test_onnx_export_names_the_onnx_extra(without, tmp_path, hidden):
+    """The checks of the export read onnx's types, and torch.onnx's exporter needs
+    onnxscript: either missing is the extra's message, not a bare ModuleNotFoundError nor
+    torch.onnx's failure blamed on the model."""
+    from quantscope import export
+
+    if "onnx" not in hidden:
+        pytest.importorskip("onnx")
+    calib, model, x = _calibrated_mlp()
+    without(*hidden)
+    with pytest.raises(ImportError, match=ONNX_EXTRA):
+        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_onnx_session_names_the_onnx_extra(without, tmp_path):
+    from quantscope.exporters import onnx as qonnx
+
+    without("onnxruntime")
+    for run in (lambda: qonnx.session(tmp_path / "m.onnx"), qonnx.session_options):
+        with pytest.raises(ImportError, match=ONNX_EXTRA):
+            run()
+
+
+def test_sequential_checkpoint_names_the_model_extra(without, tmp_path):
+    """A checkpoint read block by block without safetensors: save / load's message."""
+    import torch
+
+    from quantscope import calibrate
+    from quantscope.calibration import Sequential
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(2)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    without("safetensors", "safetensors.torch")
+    with pytest.raises(ImportError, match=r"need safetensors: pip install 'quantscope\[model\]'"):
+        calibrate(Blocks(), [torch.randn(4, 16)], "w8a8", progress=False,
+                  sequential=Sequential(checkpoint=tmp_path, blocks="layers"))

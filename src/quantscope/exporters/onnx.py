@@ -40,6 +40,7 @@ beside an 8-bit static input (ORT has no kernel for the pair it fuses them into)
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import warnings
@@ -87,13 +88,14 @@ INTEGER_KERNELS = ("MatMulIntegerToFloat", "QLinearMatMul", "DynamicQuantizeMatM
                    "MatMulInteger", "MatMulNBits", "QGemm")
 
 
-def _onnx():
+def _onnx(module: str = "onnx"):
+    """``module`` of the onnx extra (onnx, onnxruntime, onnxscript), or an ImportError naming
+    the extra (not a bare ``No module named`` from deep in the export)."""
     try:
-        import onnx
-    except ImportError as e:  # pragma: no cover - the onnx extra
-        raise ImportError("ONNX export needs the onnx extra: pip install 'quantscope[onnx]'") \
-            from e
-    return onnx
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"ONNX export needs the onnx extra ({module} is missing): "
+                          f"pip install 'quantscope[onnx]'") from e
 
 
 class _NoCache:
@@ -135,7 +137,8 @@ def _export_float(model, example_inputs, opset: int):
         with torch.no_grad(), _NoCache(model):
             program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True,
                                         opset_version=opset, dynamic_shapes=dynamic,
-                                        optimize=True, verbose=False)
+                                        optimize=False, verbose=False)
+            _optimize(program)
     except Exception as e:  # torch's exporter raises many types, each pages long
         raise ValueError(
             f"onnx export: torch.onnx could not export {type(model).__name__} "
@@ -143,6 +146,32 @@ def _export_float(model, example_inputs, opset: int):
             f"whose forward returns tensors (a transformers model exports without its KV "
             f"cache: a causal LM's output is its logits)") from e
     return program.model_proto
+
+
+#: the domain a BatchNormalization is moved to while torch.onnx optimizes: no rule matches it
+_HELD = "quantscope.held"
+
+
+def _optimize(program) -> None:
+    """torch.onnx's ``optimize=True`` (``program.optimize()``), with each ``Gemm ->
+    BatchNormalization`` kept apart: onnxscript folds the BatchNorm into the Gemm's weight
+    (``W * gamma / std``, the node then scoped under the BatchNorm), so a Linear before an
+    eval BatchNorm1d had no node of its own to quantize, and ``apply()`` computes
+    ``BN(Q(W) x)``, not ``Q(W * gamma / std) x``. A Conv's BatchNorm still folds (no Conv is
+    quantized)."""
+    model = program.model
+    held = [n for n in model.graph if n.op_type == "BatchNormalization" and not n.domain
+            and n.inputs[0] is not None and n.inputs[0].producer() is not None
+            and n.inputs[0].producer().op_type == "Gemm"]
+    for n in held:
+        n.domain = _HELD
+    model.opset_imports[_HELD] = 1
+    try:
+        program.optimize()
+    finally:
+        for n in held:
+            n.domain = ""
+        model.opset_imports.pop(_HELD, None)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -189,6 +218,8 @@ def _check_call(calibration, model, example_inputs, opset, options, **_) -> None
     if not isinstance(opset, int) or opset < 21:
         raise ValueError(f"onnx export: opset must be an integer >= 21 (int4 and block_size), "
                          f"got {opset!r}")
+    for module in ("onnx", "onnxscript"):  # what the export and torch.onnx's exporter import
+        _onnx(module)
     states = calibration.states
     check_placement(model, "onnx export")
     _check_exportable(states)
@@ -308,7 +339,7 @@ def session_options(threads: int | None = None, optimized_model_path: str | None
     (:func:`int8_dot_product`), ``threads`` intra-op threads if given, and the optimized
     graph saved to ``optimized_model_path`` if given. Pass :data:`DISABLED_OPTIMIZERS` as
     ``disabled_optimizers`` too (:func:`session` does)."""
-    import onnxruntime as ort
+    ort = _onnx("onnxruntime")
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry(*FLOAT_MATMULNBITS)
@@ -341,7 +372,7 @@ def int8_dot_product(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def session(path, threads: int | None = None, optimized_model_path: str | None = None):
     """An ``onnxruntime.InferenceSession`` on the CPU whose results equal quantscope's
     fake-quant to float rounding (:data:`DISABLED_OPTIMIZERS` off)."""
-    import onnxruntime as ort
+    ort = _onnx("onnxruntime")
     model = str(path) if int8_dot_product() else unshared_codes(path)
     return ort.InferenceSession(model, session_options(threads, optimized_model_path),
                                 providers=["CPUExecutionProvider"],

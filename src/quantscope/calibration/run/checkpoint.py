@@ -189,7 +189,13 @@ class Checkpoint:
             raise ValueError(f"calibrate: checkpoint {str(path)!r} has no .safetensors files"
                              if not files or not index.is_file() else f"calibrate: {index} names "
                              f"{sorted(str(f) for f in files if not f.is_file())}, not files")
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            from ..results.saving import safetensors
+
+            safetensors()  # save / load's ImportError naming the [model] extra
+            raise
 
         self._open = safe_open
         self.where = {}
