@@ -87,13 +87,13 @@ def test_wav2vec2_raw_audio_of_two_lengths():
 
 
 def test_last_dim_layout_leaves_other_widths_out_of_the_sample():
-    """A per-token (last dim) layout on a Conv1d: a batch of another length than the first
-    is left out of the report's sample, without an error."""
+    """A run-time layout sampled along the last dim (``channel:1`` on a Conv1d): a batch of
+    another length than the first is left out of the report's sample, without an error."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv1d(1, 4, 5)).eval()
     batches = [torch.randn(2, 1, 40), torch.randn(2, 1, 30)]
-    token = Role(QuantSpec("int8", "token"), "minmax", dynamic=True)
-    rec = Recipe(Rule(("Conv1d",), input=token))
+    per_channel = Role(QuantSpec("int8", "channel:1"), "minmax", dynamic=True)
+    rec = Recipe(Rule(("Conv1d",), input=per_channel))
     c = quantscope.calibrate(model, batches, rec, sampling=ALL_ROWS, progress=False)
     assert _row(c, "0", "input")["numel"] == batches[0].numel()
 

@@ -307,11 +307,13 @@ def _expert_views(model: nn.Module):
     return moe.attach(model, count=False)
 
 
-def _fallback_state(st: RoleState, mode: str) -> RoleState | None:
+def _fallback_state(st: RoleState, mode: str, weight: RoleState | None) -> RoleState | None:
     """The state a fallen-back activation runs: none (float), or its format with scales
     from each call: per token, or, for a block-scale spec (NVFP4), its own blocks with the
-    global scale of each call too (a block scale needs its Block layout)."""
-    if mode == "float":
+    global scale of each call too (a block scale needs its Block layout). A conv's (its
+    ``weight`` [out, in / groups, *k]) ``[N, C, *spatial]`` has no tokens: float."""
+    if mode == "float" or (not st.spec.scale.is_block and len(getattr(weight, "shape", None)
+                                                                or ()) > 2):
         return None
     spec = st.spec if st.spec.scale.is_block else replace(st.spec, layout=Token())
     return RoleState(spec, "memoryless_minmax", st.requested, True, ())
@@ -330,7 +332,8 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     roles, ranked by ``sens``; those already dynamic do not count) are not statically
     quantized: left in float (``mode="float"``) or quantized per token at run time in the same
     format (``"dynamic"``; a block-scale format such as NVFP4 keeps its blocks, its global
-    scale then from each call too). Weights are kept. A fused group's shared input (q / k / v,
+    scale then from each call too; a convolution's, with no tokens, float and a warning).
+    Weights are kept. A fused group's shared input (q / k / v,
     gate / up: one input of the runtime's fused layer) counts once and falls back whole: a
     fused layer runs one scheme (``info["keep_float"]["tensors"]`` lists every member); so do
     the gate / up (w13) inputs, and the down (w2) inputs, of all experts of one MoE module.
@@ -367,7 +370,11 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     chosen = [key for unit in picks for key in unit if key in static]
     states = {layer: dict(roles) for layer, roles in calibration.states.items()}
     for layer, role in chosen:
-        new = _fallback_state(states[layer][role], mode)
+        new = _fallback_state(states[layer][role], mode, states[layer].get("weight"))
+        if new is None and mode == "dynamic":  # calibrate refuses per token on a conv
+            warnings.warn(f"keep_float: layer {layer!r} {role} is a convolution's, whose "
+                          f"[N, C, *spatial] has no tokens to quantize per token: kept in "
+                          f"float (mode='dynamic')", stacklevel=2)
         if new is None:
             del states[layer][role]
         else:

@@ -2,7 +2,7 @@
 holds its weight (a transformers Conv1D's transposed, a ConvTranspose's per-channel axis), and
 what each role asks of the module's shapes (a group size that divides the width, units that
 do not run along a convolution's kernel or image, static activation layouts that do not
-depend on the batch), each refusal naming the layer.
+depend on the batch, shapes a lazy module has yet to get), each refusal naming the layer.
 """
 
 from __future__ import annotations
@@ -11,22 +11,52 @@ from dataclasses import replace
 
 from torch import nn
 from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
+from torch.nn.parameter import is_lazy
 
-from ...layout import Block, Channel, Group, Tensor, Tile
+from ...layout import Block, Channel, Group, Tensor, Tile, Token
 from ..recipe import Role
 from ..structure.conv1d import is_conv1d, transposed_layout
 
 __all__ = ["activation_width", "along_spatial", "check_role_shape", "check_shapes", "module_role"]
 
 
-def _check_static_layout(layer: str, role: str, spec) -> None:
-    lay = spec.layout
-    if isinstance(lay, Tensor) or (isinstance(lay, Channel) and lay.axis == -1):
+def _check_static_layout(layer: str, role: str, spec, module: nn.Module) -> None:
+    lay, conv = spec.layout, isinstance(module, _ConvNd)
+    if isinstance(lay, Tensor) or (isinstance(lay, Channel) and lay.axis == -1 and not conv):
         return
+    if conv:  # its channels are fixed, but the report's and auto's sampled rows (the last
+        raise ValueError(  # dim's) do not fit a static per-channel scale
+            f"calibrate: layer {layer!r} ({type(module).__name__}) {role}: static "
+            f"activation qparams on a convolution take a per-tensor layout, got {spec}; use "
+            f"'tensor', or dynamic=True for per-channel ('channel:1') or block activations")
     raise ValueError(
         f"calibrate: layer {layer!r} {role}: static activation qparams need a layout whose "
         f"units do not depend on the batch (tensor, or channel:-1), got {spec}; use "
         f"dynamic=True for per-token or block activations")
+
+
+def _check_lazy(layer: str, module: nn.Module) -> None:
+    """A lazy module (``nn.LazyConv2d``, ``nn.LazyLinear``) has no shapes until its first
+    forward: torch's own error on them names neither the layer nor the cure."""
+    if any(is_lazy(p) for p in module.parameters(recurse=False)):
+        raise ValueError(
+            f"calibrate: layer {layer!r} ({type(module).__name__}) has uninitialized lazy "
+            f"parameters; run one forward of the model first (model(batch)) to initialize "
+            f"them, then calibrate")
+
+
+def _spatial_activation(module: nn.Module, layout) -> bool:
+    """Whether ``layout``'s units on a conv's activations ``[N, C, *spatial]`` run along the
+    spatial dims: a channel axis past the channels' (``channel:-1`` is the image width),
+    per token (rows of the last dim), or as :func:`along_spatial` says."""
+    if not isinstance(module, _ConvNd):
+        return False
+    if isinstance(layout, Token):
+        return True
+    ndim = module.weight.dim()  # [N, C, *spatial] has as many dims as the weight
+    if isinstance(layout, Channel) and layout.axis % ndim >= 2:
+        return True
+    return along_spatial(module, layout)
 
 
 def activation_width(module: nn.Module, role: str):
@@ -72,6 +102,7 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Rol
     """The role as the module takes it (:func:`module_role`). Raise ``ValueError`` naming
     the layer, role and sizes unless its spec can take the module's weight (or its
     activations' width): known from the module alone."""
+    _check_lazy(layer, module)
     cfg = module_role(layer, role, cfg, module)
     spec = cfg.spec
     if role == "weight":
@@ -89,14 +120,15 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Rol
             raise ValueError(f"calibrate: layer {layer!r} weight of shape {shape} "
                              f"cannot take {spec}: {e}") from None
         return cfg
-    if cfg.dynamic is False:
-        _check_static_layout(layer, role, spec)
-    if along_spatial(module, spec.layout):
+    if _spatial_activation(module, spec.layout):
         raise ValueError(
             f"calibrate: layer {layer!r} ({type(module).__name__}) {role} cannot take {spec}: "
-            f"its units would run along the spatial dims of [batch, channels, *spatial]; give "
-            f"the conv's activations a per-tensor layout, or blocks along the channels (axis "
-            f"1, as 'block:32:1')")
+            f"its units would run along the spatial dims of [batch, channels, *spatial] (the "
+            f"last dim, the image's width, for channel:-1 or per token); give "
+            f"the conv's activations a per-tensor layout, or, with dynamic=True, one per "
+            f"channel ('channel:1') or blocks along the channels (axis 1, as 'block:32:1')")
+    if cfg.dynamic is False:
+        _check_static_layout(layer, role, spec, module)
     width = activation_width(module, role)
     if width is not None:
         try:
