@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd import forward_ad
 
 from ..qdq import fake_quantize
 from ..qparams import QParams, qparams_from_range
@@ -57,9 +58,10 @@ def qdq_tensor(x: torch.Tensor, state) -> torch.Tensor:
     """``x`` fake-quantized as ``state`` says, in ``x``'s dtype. An empty tensor (an MoE
     expert that no token was routed to) has nothing to quantize and passes through, under
     every mode (a run-time observer would have seen no value to take a range from). Under
-    autograd (``x`` requires grad, grad enabled) the result carries the straight-through
-    gradient (``fake_quantize(ste=True)``): without it, every layer before a quantized
-    activation would get no gradient, silently."""
+    autograd (``x`` requires grad, grad enabled, or ``x`` carries a forward-mode tangent:
+    ``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) the result carries the
+    straight-through gradient (``fake_quantize(ste=True)``): without it, every layer before a
+    quantized activation would get no gradient (or a zero tangent), silently."""
     if not isinstance(getattr(state, "spec", None), QuantSpec):  # one test per forward
         raise TypeError(f"qdq_tensor: state must be a RoleState (or an object with its fields: "
                         f"spec, dynamic, qparams, ...), got {type(state).__name__}")
@@ -67,5 +69,13 @@ def qdq_tensor(x: torch.Tensor, state) -> torch.Tensor:
         raise TypeError(f"qdq_tensor: x must be a torch.Tensor, got {type(x).__name__}")
     if x.numel() == 0:
         return x
-    ste = x.requires_grad and torch.is_grad_enabled()
+    ste = (x.requires_grad and torch.is_grad_enabled()) or _has_tangent(x)
     return fake_quantize(x, runtime_qparams(x, state), state.spec, ste=ste, check=False)
+
+
+def _has_tangent(x: torch.Tensor) -> bool:
+    """Whether ``x`` carries a forward-mode AD tangent (which ``requires_grad`` does not show,
+    and no_grad does not stop). torch.func's jvp enters a forward_ad level too; without an
+    open level (every plain forward) this is one global read."""
+    level = forward_ad._current_level
+    return level >= 0 and forward_ad.unpack_dual(x, level=level).tangent is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from types import SimpleNamespace
@@ -252,6 +253,35 @@ def _hook(slots: list[Slot], input_key: str | None = None):
     return pre, post
 
 
+def _only_for(owner: nn.Module, hook, name: str):
+    """``hook``, to register in ``owner``'s hooks ``name``, run for ``owner`` only (held by
+    weakref: no cycle keeps it alive): a copy of it (``copy.deepcopy`` of the model mid-pass
+    copies its hooks) runs as the float model, its copied hooks removed."""
+    ref = weakref.ref(owner)
+
+    def owned(module, *args):
+        if module is not ref():
+            return _unhook_copy(module, ref(), name)
+        return hook(module, *args)
+    owned._quantscope_owner = ref  # a mark, not a closure over itself (a cycle)
+    return owned
+
+
+def _unhook_copy(module: nn.Module, owner: nn.Module | None, name: str) -> None:
+    """Remove from ``module`` (a copy of ``owner``) the observing hooks of ``name`` made for
+    another module; never from dicts it shares with ``owner`` (``copy.copy``'s)."""
+    hooks = getattr(module, name)
+    if owner is not None and hooks is getattr(owner, name):
+        return
+    for hid, hook in list(hooks.items()):
+        mark = getattr(hook, "_quantscope_owner", None)
+        if mark is not None and mark() is not module:
+            del hooks[hid]  # torch iterates a tuple of the hooks: safe while they run
+            getattr(module, name + "_with_kwargs", {}).pop(hid, None)
+            if name == "_forward_hooks":
+                module._forward_hooks_always_called.pop(hid, None)
+
+
 def _count_bad_call(slot: Slot, key, obs) -> None:
     seen = getattr(obs, "seen_non_finite", None)
     if seen is None or getattr(obs, "non_finite", None) != "error":
@@ -307,9 +337,11 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
             module = entry["module"]
             if entry["input"]:
                 pre, _ = _hook(entry["input"], input_name(module))
+                pre = _only_for(module, pre, "_forward_pre_hooks")
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             if entry["output"]:
                 _, post = _hook(entry["output"])
+                post = _only_for(module, post, "_forward_hooks")
                 handles.append(module.register_forward_hook(post))
         if kv:
             handles.append(SimpleNamespace(remove=kv_cache.attach(

@@ -56,7 +56,9 @@ class RowSample:
     ``[..., features]``, or a conv's channel axis (``-3`` for ``[N, C, H, W]``), whose size
     is fixed where H and W vary by batch. A batch of another width than the first one's
     raises ``ValueError``, or, with ``skip_other_widths``, is left out (its share passes to
-    the next)."""
+    the next). A batch of another dtype (a layer fed float32, then bfloat16) promotes the
+    buffer (``torch.promote_types``, exact between float dtypes): every row is kept as it
+    came, and :meth:`rows` (what ``auto`` and the report score) has the promoted dtype."""
 
     def __init__(self, capacity: int, batches: int | None, generator: torch.Generator,
                  axis: int = -1, skip_other_widths: bool = False):
@@ -94,11 +96,15 @@ class RowSample:
                 return
             raise ValueError(f"sample: rows of width {width} after rows of width "
                              f"{self.buffer.shape[1]}")
+        elif self.buffer.dtype != rows.dtype:
+            wide = torch.promote_types(self.buffer.dtype, rows.dtype)
+            if wide != self.buffer.dtype:  # once per wider dtype: the rows so far, exactly
+                self.buffer = self.buffer.to(wide)
         idx = upload(torch.randperm(n, generator=self.generator)[:take], rows.device)
         out = self.buffer[self.count:self.count + take]
-        if rows.is_contiguous():  # a view as [n, width]: no copy of the batch
+        if rows.is_contiguous() and rows.dtype == out.dtype:  # a view: no copy of the batch
             torch.index_select(rows.reshape(n, width), 0, idx, out=out)
-        else:  # a conv's channel rows of NCHW: only the rows taken are gathered
+        else:  # a conv's channel rows of NCHW, or narrower rows: only the rows taken, cast
             out.copy_(rows[torch.unravel_index(idx, rows.shape[:-1])])
         self.count += take
 
