@@ -26,6 +26,7 @@ __all__ = ["PerTensorHistogramObserver", "PerTensorHistogramObserverPro", "PerTe
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: the dtypes Quark's MSE search prices (its integer and fp8 fake-quantizers)
 _MSE_DTYPES = {"int4", "uint4", "int8", "uint8", *_FP8_DTYPES}
+_WIDE = {torch.float32, torch.float64}  # a module cast to these keeps a float32 state finite
 
 
 def _nonzero_ends(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
@@ -42,6 +43,18 @@ def _nonzero_ends(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
 def _quark_float(t: torch.Tensor) -> torch.Tensor:
     """Quark's searches compute in their arguments' dtype: float32 for integer counts."""
     return t if t.is_floating_point() else t.float()
+
+
+def _refuse_overflow(observer, state) -> None:
+    """Raise where a module cast (``.half()``) turned Quark's ``state`` (tensors) inf."""
+    bad = [t.dtype for t in state if bool(t.isinf().any())]
+    if bad:
+        from .torch_ao import StateOverflowError  # (not loaded with compat.quark)
+        to = "" if bad[0] in _WIDE else f" to {bad[0]} (max {torch.finfo(bad[0]).max:.6g})"
+        raise StateOverflowError(
+            f"{observer.describe()}: a module cast{to} overflowed its state, or Quark's search "
+            f"in its dtype (inf: Quark's class fails or prices inf there too); keep the "
+            f"observer in float32 or bfloat16, or reset() it")
 
 
 def _quark_zero(like: torch.Tensor) -> torch.Tensor:
@@ -79,6 +92,7 @@ class _QuarkHistogram(QuarkObserver):
         self._counts_dtype = torch.float32  # Quark's calib_hist: a batch's, or a later cast's
 
     def _observe(self, units, lo, hi):
+        self._refuse_overflow()  # (before any change) Quark's histc fails on a cast's inf
         if self.skip_zeros:  # Quark drops the zeros before it takes the batch's min / max
             lo, hi = _nonzero_ends(units, lo, hi)
         if self.min_vals.shape[0] != units.shape[0]:  # the first batch: new float32 edges
@@ -95,6 +109,10 @@ class _QuarkHistogram(QuarkObserver):
                                                   x_max.tolist(), strict=True)]
             if any(widened):  # Quark's arange: float32 edges again
                 self._input_dtype = torch.float32
+
+    def _refuse_overflow(self) -> None:  # Quark's counts and edges in a cast's dtype
+        if self.has_observed and {self._input_dtype, self._counts_dtype} - _WIDE:
+            _refuse_overflow(self, sum(self._quark_rows(self.current_histogram()), ()))
 
     def _apply(self, fn, recurse=True):
         # Quark's cast converts its bin edges and counts only once a batch made them: the
@@ -128,6 +146,7 @@ class _QuarkHistogram(QuarkObserver):
                 for g in self._grids]
 
     def _estimate(self, hist):
+        self._refuse_overflow()
         ends = [self._search(c, e) for c, e in self._quark_rows(hist)]
         return torch.cat([lo for lo, _ in ends]), torch.cat([hi for _, hi in ends])
 
@@ -347,6 +366,7 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
         clipped negative bins of an asymmetric grid weigh the same in all), so an exact
         error picks another centre than Quark's rounded one."""
         centers = (edges[1:] + edges[:-1]) / 2
+        _refuse_overflow(self, [centers])  # float16 edges past 32752: Quark's scale is inf
         amax = centers[min(start_bin, max(0, centers.numel() - 1))::stride]
         if not self.spec.is_float:  # Quark's int pricing asserts 0 <= centre
             self._refuse_negative(amax)
@@ -447,6 +467,7 @@ class PerTensorHistogramObserverPro(QuarkObserver, _TorchAOBatch, L2HistogramObs
             quant_min=self.quant_min, quant_max=self.quant_max).to(self.eps.device)
 
     def _observe(self, units, lo, hi):
+        self._refuse_overflow()  # (before any change) Quark's histc fails on a cast's inf
         super()._observe(units, lo, hi)
         self.histogram(units)  # torch.ao's step (its merge of a widening batch)
 
@@ -471,4 +492,9 @@ class PerTensorHistogramObserverPro(QuarkObserver, _TorchAOBatch, L2HistogramObs
         point int64 when symmetric, else int32). Before data ``ValueError`` (Quark's wrapper
         returns a NaN scale there)."""
         self.check_ready()
+        self._refuse_overflow()
         return self.histogram._calculate_qparams(*self.histogram._non_linear_param_search())
+
+    def _refuse_overflow(self) -> None:  # the torch.ao child's range, counts in a cast's dtype
+        ao = self.histogram  # (+inf / -inf before data: min_val / max_val)
+        _refuse_overflow(self, (ao.min_val.clamp(max=0), ao.max_val.clamp(min=0), ao.histogram))
