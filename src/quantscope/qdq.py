@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from . import kernels
 from ._checks import check_bool, check_not_meta, check_real, check_spec
 from .qparams import QParams
 from .scales import not_encoded
@@ -108,6 +109,12 @@ def _check_qparams(qparams: QParams, spec: QuantSpec, who: str, data=None) -> No
         raise ValueError(f"{who}: qparams.global_scale must be "
                          f"{'given' if spec.scale.has_global_scale else 'None'} for {spec}")
     zp = qparams.zero_point
+    held = (qparams.scale, zp, *(() if data is None else data[:1]),
+            *(() if qparams.global_scale is None else (qparams.global_scale,)))
+    if not (torch.compiler.is_compiling() or kernels.real(*held)):
+        # fakes, vmap tensors, a trace: no values to read (shapes and dtypes were checked);
+        # under torch.compile the read breaks the graph and runs on real tensors
+        return
     lo, hi = (0, 0) if spec.is_float else (spec.qmin, spec.qmax)
     # one aminmax pass per tensor (NaN propagates and fails every comparison): the check
     # costs 1-2 % of a fake-quantize even with one scale per 16 elements (NVFP4)

@@ -16,7 +16,11 @@ declaration of every exported function).
 
 No kernel (the callers use their torch path): ``QUANTSCOPE_NO_KERNEL=1``, Windows, no
 compiler, an unwritable cache folder, or a failed build. These are said once per process
-(a :class:`KernelWarning`). A cached library that does not load (truncated, corrupt, another
+(a :class:`KernelWarning`). Nor, silently, on a tensor with no memory of its values, or
+while a trace would miss the C call (:func:`real`: FakeTensors, vmap / grad, meta,
+``torch.compile``, ``torch.jit.trace``, make_fx), where the torch path works.
+
+A cached library that does not load (truncated, corrupt, another
 architecture) is rebuilt, once: each build records its size and SHA-256 next to it
 (``<library>.so.sha256``), and a library that does not match that record is rebuilt before
 it is loaded, since ctypes maps a truncated file without complaint and the process dies
@@ -42,16 +46,20 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch._C import _are_functorch_transforms_active as _transforming
+from torch._C import _get_dispatch_mode, _len_torch_dispatch_stack, _TorchDispatchModeKey
+from torch._C import _is_tracing as _jit_tracing
+from torch._C._functorch import is_functorch_wrapped_tensor as _wrapped
 from torch.autograd.graph import increment_version
 
 from .._checks import env_flag
 from .._locks import ForkSafeLock
 from ..formats import IntFormat
 
-__all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "available", "buffer",
-           "build_all",
-           "cache_dir", "choose", "compiler", "contiguous", "disabled", "lib", "load", "plain",
-           "qparams_consts", "read", "set_streaming", "streaming", "threads", "write"]
+__all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "available",
+           "buffer", "build_all", "cache_dir", "choose", "compiler", "contiguous", "disabled",
+           "lib", "load", "plain", "qparams_consts", "read", "readable", "real", "set_streaming",
+           "streaming", "threads", "write"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -299,9 +307,10 @@ def load(name: str, argtypes: dict[str, list], source: Path | None = None,
 
 def lib(name: str) -> ctypes.CDLL | None:
     """The shipped library ``name`` (a key of :data:`SIGNATURES`), or None (torch path): also
-    while ``torch.compile`` traces, since Dynamo frees a tensor passed only as ``data_ptr()``
-    before the ctypes call after its graph break runs (the torch path is bitwise the same)."""
-    if torch.compiler.is_compiling():
+    where the context is not :func:`real` (``torch.compile``: Dynamo frees a tensor passed
+    only as ``data_ptr()`` before the ctypes call after its graph break runs; the torch path
+    is bitwise the same), for the callers that check only their inputs' device."""
+    if not real():
         return None
     return load(name, SIGNATURES[name])
 
@@ -330,7 +339,9 @@ def choose(backend: str | None, name: str, where: str, applies: bool = True
     found = lib(name) if applies else None
     if found is None and backend == "kernel":
         why = ("does not take these inputs (CPU tensors of the kernel's dtype)" if not applies
-               else "is not built (QUANTSCOPE_NO_KERNEL, no C compiler, or a failed build)")
+               else "cannot run while tracing (torch.compile, jit.trace, vmap, fake tensors)"
+               if not real() else
+               "is not built (QUANTSCOPE_NO_KERNEL, no C compiler, or a failed build)")
         raise ValueError(f"{where}: backend='kernel', but the C kernel {name!r} {why}")
     return found
 
@@ -363,16 +374,41 @@ def buffer(*shape: int, zero: bool = False) -> torch.Tensor:
     return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device="cpu")
 
 
+#: the tensor types whose memory is their values: no subclass (a FakeTensor has none)
+_REAL_TYPES = (torch.Tensor, torch.nn.Parameter)
+_FAKE, _PROXY = _TorchDispatchModeKey.FAKE, _TorchDispatchModeKey.PROXY
+# bound once (a hot path): Dynamo knows the function object, whatever its name
+_compiling = torch.compiler.is_compiling
+
+
+def real(*tensors: torch.Tensor) -> bool:
+    """Whether the memory of each of ``tensors`` holds its values here, for a C kernel or a
+    host read: a plain ``torch.Tensor`` / ``Parameter`` (not a FakeTensor or other subclass),
+    not meta, not functorch-wrapped (a vmap BatchedTensor, a grad / jvp wrapper); and no
+    ``torch.compile`` / ``torch.jit.trace`` tracing (a trace records a kernel's outputs as
+    constants), functorch transform (vmap, grad, jvp) or fake / proxy dispatch mode
+    (FakeTensorMode, make_fx: a fresh ``torch.empty`` is a fake there) active. The one rule
+    every kernel call site relies on (most through :func:`plain`); ``real()``: the context
+    alone; several tensors test it once (hot paths)."""
+    # compiling first: Dynamo must not trace the C calls after it (it folds this to True)
+    if (_compiling() or _jit_tracing() or _transforming()
+            or (_len_torch_dispatch_stack() and (_get_dispatch_mode(_FAKE) is not None
+                                                 or _get_dispatch_mode(_PROXY) is not None))):
+        return False
+    for t in tensors:  # the type first: the cheapest test, and the one a FakeTensor fails
+        if type(t) not in _REAL_TYPES or t.is_meta or _wrapped(t):
+            return False
+    return True
+
+
 def plain(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether a kernel can read ``t``'s memory as it is: a contiguous CPU tensor of
-    ``dtype``."""
-    return t.is_cpu and t.dtype == dtype and t.is_contiguous()
+    """Whether a kernel can read and write ``t``'s memory as it is: a contiguous CPU tensor
+    of ``dtype`` that is :func:`real`."""
+    return t.is_cpu and t.dtype == dtype and t.is_contiguous() and real(t)
 
 
-def readable(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether :func:`read` / :func:`write` may take ``t`` here: :func:`plain`, and no
-    compiler tracing (its tensors are fakes, with no memory)."""
-    return not torch.compiler.is_compiling() and plain(t, dtype)
+#: :func:`read` / :func:`write`'s test (the earlier name of :func:`plain`, the same rule)
+readable = plain
 
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -386,19 +422,26 @@ def contiguous(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
 _CTYPES = {torch.float32: ctypes.c_float, torch.int64: ctypes.c_int64}
 
 
-def _values(t: torch.Tensor, count: int):
+def _values(t: torch.Tensor, count: int, strict: bool = True):
+    """``t``'s first ``count`` values as a ctypes array over its memory; where ``t`` is not
+    :func:`plain` (or too short), a ``ValueError``, or None when not ``strict``."""
     if not (t.dtype in _CTYPES and plain(t, t.dtype) and t.numel() >= count):
+        if not strict:
+            return None
         raise ValueError(f"kernels.read / write: a contiguous CPU float32 or int64 tensor of at "
-                         f"least {count} values, got {t.dtype} {tuple(t.shape)} on {t.device}")
+                         f"least {count} values, not tracing (kernels.plain), got {t.dtype} "
+                         f"{type(t).__name__} {tuple(t.shape)} on {t.device}")
     return (_CTYPES[t.dtype] * count).from_address(t.data_ptr())
 
 
-def read(t: torch.Tensor, count: int = 1) -> list:
+def read(t: torch.Tensor, count: int = 1, strict: bool = True) -> list | None:
     """The first ``count`` values of a plain float32 / int64 CPU tensor (:func:`plain`) as
     Python numbers, read from its memory: no tensor op (``.item()`` is a dispatch, and right
     after a C pass has streamed a batch through the caches and the TLB one costs ten times
-    its few microseconds)."""
-    return _values(t, count)[:]
+    its few microseconds). Another ``t``: a ``ValueError``, or None when not ``strict`` (one
+    check where a caller would test :func:`readable` first)."""
+    values = _values(t, count, strict)
+    return None if values is None else values[:]
 
 
 def write(t: torch.Tensor, *values) -> None:
@@ -407,6 +450,18 @@ def write(t: torch.Tensor, *values) -> None:
     in-place torch op would (``torch.autograd.graph.increment_version``)."""
     _values(t, len(values))[:] = values
     increment_version(t)
+
+
+def add(t: torch.Tensor, value: int) -> bool:
+    """Add the integer ``value`` to the first element of an int64 counter ``t`` through its
+    memory, as :func:`write` of :func:`read` plus ``value`` (one check, one view: an
+    observer's token count on each call); False, nothing done, where ``t`` is not a
+    :func:`plain` int64 tensor (the caller adds with a torch op)."""
+    if not (plain(t, torch.int64) and t.numel()):
+        return False
+    ctypes.c_int64.from_address(t.data_ptr()).value += value
+    increment_version(t)
+    return True
 
 
 def threads(requested: int | None = None) -> int:

@@ -173,6 +173,9 @@ class Observer(nn.Module):
             raise TypeError(f"{self.describe()}: expected a torch.Tensor, got {type(x).__name__}")
         if is_dtensor(x):
             raise dtensor_error(self.describe(), x)
+        if type(x) is not torch.Tensor and getattr(x, "fake_mode", None) and kernels.real():
+            raise ValueError(f"{self.describe()}: a FakeTensor outside its FakeTensorMode has no "
+                             f"memory to read; observe it inside `with x.fake_mode:`")
         if x.layout != torch.strided:
             raise TypeError(f"{self.describe()}: expected a dense tensor, got {x.layout}; "
                             f"pass x.to_dense()")
@@ -238,14 +241,11 @@ class Observer(nn.Module):
     def count_batch(self, x: torch.Tensor, direct: bool = False) -> None:
         """Count ``x``'s tokens into ``observed_tokens`` and record its shape (the end of
         every ``forward``). ``direct``: an eager CPU counter is added through its memory
-        (:func:`quantscope.kernels.write`), not by a tensor op (``forward``'s own count: a
+        (:func:`quantscope.kernels.add`), not by a tensor op (``forward``'s own count: a
         dispatch costs more than a small batch's whole C pass)."""
         tokens = tokens_of(x)
-        count = self.observed_tokens
-        if direct and kernels.readable(count, torch.int64):
-            kernels.write(count, kernels.read(count)[0] + tokens)
-        else:  # add_, not +=, which would also run nn.Module.__setattr__
-            count.add_(tokens)
+        if not (direct and kernels.add(self.observed_tokens, tokens)):
+            self.observed_tokens.add_(tokens)  # add_, not +=: no nn.Module.__setattr__
         self.set_shape(x.shape)
 
     def _unit_minmax(self, units: torch.Tensor, count: int, ends: torch.Tensor):
@@ -338,12 +338,13 @@ class Observer(nn.Module):
         if not self.has_observed:
             raise ValueError(f"{self.describe()}: calculate_qparams() called before any tensor was "
                              f"observed; call the observer on calibration data first")
+        if self.seen_non_finite.is_meta:  # (bool() would raise torch's bare .item() error)
+            raise ValueError(f"{self.describe()}: its state is on the meta device, which holds "
+                             f"no statistics to compute qparams from; observe on a real device")
         if bool(self.seen_non_finite):
-            raise ValueError(
-                f"{self.describe()}: observed NaN or inf values; fix the input or construct the "
-                f"observer with non_finite='ignore' to skip them")
-        count = int(self.non_finite_count)
-        if count:
+            raise ValueError(f"{self.describe()}: observed NaN or inf values; fix the input or "
+                             f"construct the observer with non_finite='ignore' to skip them")
+        if count := int(self.non_finite_count):
             warnings.warn(f"{self.describe()}: ignored {count} NaN / inf values", stacklevel=3)
 
     def reset(self) -> None:

@@ -81,8 +81,8 @@ MINMAX_DTYPES = tuple(KERNEL_DTYPES)
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.is_contiguous()
-            and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad)
+    return (x.dtype in KERNEL_DTYPES and x.numel() >= KERNEL_MIN_NUMEL and not x.requires_grad
+            and kernels.plain(x, x.dtype))
 
 
 def _kernel_reads(units: torch.Tensor, step: bool) -> bool:
@@ -180,8 +180,8 @@ def record_ends(ends: torch.Tensor, seen: torch.Tensor) -> None:
     """``seen |= `` the ``(2,)`` float32 ``ends`` (:func:`extreme_ends`) hold a NaN or an
     infinity: read from the host where they can be (an eager CPU tensor: no tensor op, and
     the usual answer is no), else by :func:`any_non_finite` (no host read)."""
-    if kernels.readable(ends):
-        if not all(map(math.isfinite, kernels.read(ends, 2))):
+    if (values := kernels.read(ends, 2, strict=False)) is not None:
+        if not all(map(math.isfinite, values)):
             seen.fill_(True)
     else:
         seen.bitwise_or_(any_non_finite(ends))  # (|= on a buffer would setattr it back)
@@ -206,7 +206,11 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
                                    and o.device == units.device and o.is_contiguous()
                                    for o in out):
         out = None
-    lib = _kernel() if _kernel_reads(units, ends is not None or update is not None) else None
+    # units and what the kernel writes must have memory (not a fake, a vmap tensor or a
+    # trace: kernels.real), tested at once (the context once: a hot path)
+    writes = (*(out or ()), *(update[2:] if update else ()), *(() if ends is None else (ends,)))
+    lib = _kernel() if _kernel_reads(units, ends is not None or update is not None) \
+        and kernels.real(units, *writes) else None
     fusable = update is None or all(t.shape == (U,) and t.dtype == torch.float32 and
                                     t.device.type == "cpu" and t.is_contiguous()
                                     for t in update[2:])
