@@ -117,7 +117,7 @@ def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> 
     branch then raises or computes). Bitwise the torch branch (tests/kernels/test_native.py)."""
     consts = kernels.qparams_consts(spec)
     if (consts is None or lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
-            or (lib := kernels.lib("int_qparams")) is None):
+            or not kernels.real(lo, hi) or (lib := kernels.lib("int_qparams")) is None):
         return None
     lo, hi = lo.contiguous(), hi.contiguous()
     scale = torch.empty(lo.shape, dtype=torch.float32)
@@ -144,7 +144,8 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
     branch then raises or computes). Bitwise the torch branch (tests/kernels/test_block_qparams.py)."""
     enc, fmt = spec.scale, spec.format
     if (not _block_kernel_applies(spec) or lo.device.type != "cpu" or lo.requires_grad
-            or hi.requires_grad or (lib := kernels.lib("block_qparams")) is None):
+            or hi.requires_grad or not kernels.real(lo, hi)
+            or (lib := kernels.lib("block_qparams")) is None):
         return None
     lo, hi = lo.contiguous(), hi.contiguous()
     scale = torch.empty(lo.shape, dtype=torch.float32)

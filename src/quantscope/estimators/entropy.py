@@ -167,7 +167,7 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     elif stop is not _LAST:
         stop = torch.as_tensor(stop, dtype=torch.int64, device=dev)
     applies = dev.type == "cpu" and U > 0 and counts.dtype == torch.int64
-    lib = kernels.choose(backend, "entropy", "entropy_divergences", applies)
+    lib = kernels.choose(backend, "entropy", "entropy_divergences", applies, (counts,))
     if lib is not None:
         kl = _kernel_divergences(lib, counts, nq, start_bin, stride, stop, copy_zero_bin, pick,
                                  fallback)

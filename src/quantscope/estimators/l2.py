@@ -278,7 +278,8 @@ def l2_range(hist: Hist, dst_nbins: int = 256, *, backend: str | None = None
         raise ValueError(f"l2_range: the histogram needs at least one bin, got counts of "
                          f"shape {tuple(hist.counts.shape)}")
     dev = hist.counts.device
-    lib = kernels.choose(backend, "l2_walk", "l2_range", dev.type == "cpu" and U > 0)
+    lib = kernels.choose(backend, "l2_walk", "l2_range", dev.type == "cpu" and U > 0,
+                         (hist.counts, hist.lo, hist.hi))
     if lib is not None:
         return _l2_range_kernel(lib, hist, dst_nbins)
     start, end, valid = l2_path(hist.counts)

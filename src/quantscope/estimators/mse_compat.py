@@ -105,7 +105,7 @@ def applies(units, spec, norm, total, chunk_elems, chunk_candidates) -> bool:
     """Whether this engine reproduces the torch path here (module doc)."""
     if not (isinstance(spec.format, IntFormat) and spec.scale.kind == "fp32"
             and units.device.type == "cpu" and units.dtype == torch.float32
-            and not units.requires_grad and float(norm) in RHO):
+            and not units.requires_grad and float(norm) in RHO and kernels.real(units)):
         return False
     n_units, n_elems = units.shape
     if n_units == 0 or not 0 < n_elems < _GRAIN or n_elems > chunk_elems:

@@ -68,7 +68,7 @@ def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
              or isinstance(fmt, FloatFormat))
             and float(norm) == 2.0 and units.device.type == "cpu"
             and units.dtype == torch.float32 and not units.requires_grad
-            and kernels.available("mse_search"))
+            and kernels.real(units) and kernels.available("mse_search"))
 
 
 def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,

@@ -70,7 +70,8 @@ class HistogramScorer:
         self.global_amax = global_amax
         applies = (hist.counts.device.type == "cpu" and hist.counts.dtype == torch.int64
                    and isinstance(spec.format, (IntFormat, FloatFormat)))
-        self.kernel = kernels.choose(backend, "hist_error", "HistogramScorer", applies) is not None
+        self.kernel = kernels.choose(backend, "hist_error", "HistogramScorer", applies,
+                                     (hist.counts, hist.lo, hist.hi)) is not None
         self._derive, self._q, self._fmt = _kernel_consts(spec)
         counts = hist.counts
         width = hist.width
@@ -118,7 +119,7 @@ class HistogramScorer:
             raise ValueError(f"histogram_error: lo and hi must be [units, candidates] with "
                              f"{U} units, got {tuple(lo.shape)} and {tuple(hi.shape)}")
         C = lo.shape[1]
-        if self.kernel and not torch_only:
+        if self.kernel and not torch_only and kernels.real(lo, hi):
             x, w = self._points()
             lo, hi = lo.float().contiguous(), hi.float().contiguous()
             s, z = self._qparams(lo, hi)
@@ -181,7 +182,7 @@ class HistogramScorer:
                              f"(one per unit) and 0 <= mid < {n}, got shapes "
                              f"{[None if t is None else tuple(t.shape) for t in per_unit]} "
                              f"and mid={mid}")
-        if self.kernel and not torch_only:
+        if self.kernel and not torch_only and kernels.real(*(t for t in per_unit if t is not None)):
             x, w = self._points()
             f = [None if t is None else t.float().contiguous() for t in per_unit]
             s = z = None

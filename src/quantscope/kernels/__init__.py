@@ -327,20 +327,21 @@ def available(name: str) -> bool:
     return lib(name) is not None
 
 
-def choose(backend: str | None, name: str, where: str, applies: bool = True
-           ) -> ctypes.CDLL | None:
+def choose(backend: str | None, name: str, where: str, applies: bool = True,
+           reads: tuple[torch.Tensor, ...] = ()) -> ctypes.CDLL | None:
     """The library ``name`` to run under ``backend`` (see :data:`BACKENDS`), or None for the
     torch path. ``applies``: whether the kernel takes these inputs (device, dtype, layout:
-    the caller decides); ``where`` names the caller in errors."""
+    the caller decides); ``reads``: the tensors it reads, which must be :func:`real`;
+    ``where`` names the caller in errors."""
     if backend not in BACKENDS:
         raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return None
-    found = lib(name) if applies else None
+    found = lib(name) if applies and real(*reads) else None
     if found is None and backend == "kernel":
         why = ("does not take these inputs (CPU tensors of the kernel's dtype)" if not applies
                else "cannot run while tracing (torch.compile, jit.trace, vmap, fake tensors)"
-               if not real() else
+               if not real(*reads) else
                "is not built (QUANTSCOPE_NO_KERNEL, no C compiler, or a failed build)")
         raise ValueError(f"{where}: backend='kernel', but the C kernel {name!r} {why}")
     return found

@@ -1,0 +1,60 @@
+"""The estimators' and qparams' own C paths read only tensors with memory (kernels.real):
+fakes passed to them directly (outside any mode) take the torch path, where torch's own
+fake-tensor rules answer with a Python error, never a crash of the process. Each case runs
+in a child process: the old code died of SIGSEGV reading a fake's null data pointer."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from quantscope import estimators, kernels
+from quantscope.stats.histogram import Hist
+
+_CHILD = textwrap.dedent("""
+    import sys, torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from quantscope import estimators, presets
+    from quantscope.qparams import qparams_from_range
+    from quantscope.stats.histogram import Hist
+    fake = FakeTensorMode().from_tensor
+    g = torch.Generator().manual_seed(0)
+    lo, hi = -torch.rand(64, generator=g), torch.rand(64, generator=g)
+    counts = torch.randint(0, 100, (64, 2048), generator=g)
+    hist = Hist(fake(counts), fake(lo), fake(hi))
+    case, spec = sys.argv[1], presets.get(sys.argv[2])
+    calls = {
+        "qparams": lambda: qparams_from_range(fake(lo), fake(hi), spec, check_finite=False),
+        "l2": lambda: estimators.l2_range(hist),
+        "error": lambda: estimators.histogram_error(hist, fake(lo[:, None]), fake(hi[:, None]),
+                                                    spec),
+        "entropy": lambda: estimators.entropy_range(hist),
+    }
+    try:
+        calls[case]()
+    except (AssertionError, RuntimeError, ValueError) as e:  # torch's fake-tensor rules
+        print(type(e).__name__)
+""")
+
+
+@pytest.mark.skipif(not kernels.available("int_qparams"), reason="no C kernels")
+@pytest.mark.parametrize("case,spec", [("qparams", "int8"), ("qparams", "mxfp4"),
+                                       ("qparams", "nvfp4"), ("l2", "int8"),
+                                       ("error", "int8"), ("entropy", "int8")])
+def test_fakes_given_directly_never_crash_the_process(case, spec):
+    run = subprocess.run([sys.executable, "-c", _CHILD, case, spec], capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_choose_refuses_a_forced_kernel_on_fakes_and_says_why():
+    fake = FakeTensorMode().from_tensor(torch.zeros(4, 8, dtype=torch.int64))
+    hist = Hist(fake, torch.zeros(4), torch.ones(4))
+    with pytest.raises(ValueError, match="cannot run while tracing"):
+        estimators.l2_range(hist, backend="kernel")
+    assert kernels.choose(None, "l2_walk", "test", True, (torch.zeros(2),)) is not None \
+        or not kernels.available("l2_walk")
+    assert kernels.choose(None, "l2_walk", "test", True, (fake,)) is None
