@@ -155,3 +155,39 @@ def test_a_recipe_file_may_leave_out_a_roles_observer_dynamic_and_options(tmp_pa
     got = read_recipe_file(_recipe_file(tmp_path, {"name": "short", "rules": [
         {"targets": ["Linear"], "input": {"spec": spec}}]}))
     assert got == Recipe(Rule(("Linear",), input=Role(QuantSpec.from_dict(spec))), name="short")
+
+
+_DUPLICATES = {
+    "top.yaml": "name: mine\nignore: [lm_head]\nrules: []\nignore: []\n",
+    "spec.yaml": ("name: mine\nrules:\n- targets: [Linear]\n  weight:\n    spec: {format: int4, "
+                  "layout: 'group:32', format: int8}\n"),
+    "top.json": '{"name": "mine", "ignore": ["lm_head"], "rules": [], "ignore": []}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DUPLICATES))
+def test_a_key_given_twice_is_refused_not_the_last_kept(tmp_path, name):
+    """JSON and YAML parsers keep the last of a repeated key: an ignore list or a format the
+    author wrote first was silently replaced."""
+    from quantscope.cli.checks import UsageError
+    from quantscope.cli.recipes import read_recipe_file
+
+    path = tmp_path / name
+    path.write_text(_DUPLICATES[name])
+    key = "format" if name.startswith("spec") else "ignore"
+    with pytest.raises(UsageError, match=f"key '{key}' given twice"):
+        read_recipe_file(str(path))
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    """Nested aliases grow 10x a level: a 400-byte file took 24 s and 840 MB to expand."""
+    from quantscope.cli.checks import UsageError
+    from quantscope.cli.recipes import read_recipe_file
+
+    levels = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]'] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 8)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(levels) + "\nname: mine\nrules: []\noptions: *a7\n")
+    with pytest.raises(UsageError, match="aliases") as e:
+        read_recipe_file(str(path))
+    assert len(str(e.value)) < 400

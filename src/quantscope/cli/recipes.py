@@ -3,8 +3,10 @@ group size, KV cache and observers, checked against the model's layers."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Hashable
 
 from .checks import UsageError, check_name
 from .names import DEFAULT_IGNORE, DEFAULT_TARGETS, OBSERVER_NAMES, RECIPE_NAMES
@@ -137,15 +139,55 @@ def observer_label(rec) -> str:
                                   if role.dynamic is not True)) or "none (all dynamic)"
 
 
+def _unique(path: str, pairs: list) -> dict:
+    """A JSON object whose keys are unique (``json`` keeps the last of a repeated key)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        key = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise UsageError(f"--recipe-file {path!r}: key {key!r} given twice in one object")
+    return d
+
+
+@functools.cache
+def _yaml_loader():
+    """PyYAML's SafeLoader (plain data, no objects) that also refuses a key given twice in
+    one mapping (PyYAML keeps the last) and aliases (``*name``: a recipe needs none, and
+    nested ones expand a short file exponentially)."""
+    import yaml
+
+    class RecipeLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(
+                    None, None, "aliases (*name) are not allowed in a recipe file",
+                    self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, Hashable):
+                    continue  # (SafeLoader's own error names it below)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice in one mapping",
+                        key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return RecipeLoader
+
+
 def _recipe_text(path: str):
-    """The data of a recipe file: JSON, else YAML (safe_load: plain data, no objects)."""
+    """The data of a recipe file: JSON, else YAML (plain data, no objects; each key once)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--recipe-file {path!r}: cannot read it as UTF-8 text ({e})") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=functools.partial(_unique, path))
     except json.JSONDecodeError as e:
         json_error = e
     try:
@@ -154,7 +196,7 @@ def _recipe_text(path: str):
         raise UsageError(f"--recipe-file {path!r} is not JSON ({json_error}), and YAML needs "
                          f"pyyaml") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader (above)
     except yaml.YAMLError as e:
         if path.lower().endswith(".json"):  # YAML's message would describe another syntax
             raise UsageError(f"--recipe-file {path!r} is not valid JSON: {json_error}") from None
