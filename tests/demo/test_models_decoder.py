@@ -62,6 +62,27 @@ def test_perplexity_equals_the_direct_computation(llama_dir):
         models.perplexity(model, tok, ["cat"])
 
 
+def test_documents_without_a_next_token_count_nothing_at_any_batch_size(llama_dir):
+    """An empty document alone in a batch reached the model as zero tokens (a reshape error
+    inside its attention); it predicts nothing, as a one-token document."""
+    model, tok = models.load_model(llama_dir)
+    docs = ["the cat sat on the mat", "a dog ran"]
+    ref = models.perplexity(model, tok, docs, batch_size=2)
+    for bs in (1, 2, 4):
+        assert models.perplexity(model, tok, ["", *docs, ""], batch_size=bs) == \
+            pytest.approx(ref, 1e-6)
+        lp = models.next_token_logprobs(model, tok, ["", *docs], batch_size=bs)
+        assert sum(t.shape[0] for t in lp) == sum(t.shape[0] for t in
+                                                 models.next_token_logprobs(model, tok, docs))
+
+
+def test_a_perplexity_past_float64_is_inf_not_an_overflow_error(llama_dir):
+    model, tok = models.load_model(llama_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e6)  # mean NLL far past log(float64 max) ~ 709.8 nats
+    assert models.perplexity(model, tok, ["the cat sat on the mat"]) == math.inf
+
+
 def test_resolve_model_path_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         models.resolve_model_path(tmp_path / "missing")

@@ -280,9 +280,14 @@ def lee_correlation(embeddings: torch.Tensor, pairs) -> float:
 
 
 def _lm_batches(tokenizer, docs, max_length, batch_size, device, progress=None):
+    """Padded batches of the documents with a next token to predict (2+ tokens): one with
+    fewer predicts nothing, and a model refuses a batch of zero tokens (an empty document)."""
     for s in _steps(len(docs), batch_size, progress):
-        yield tokenizer(docs[s:s + batch_size], padding=True, truncation=True,
-                        max_length=max_length, return_tensors="pt").to(device)
+        enc = tokenizer(docs[s:s + batch_size], padding=True, truncation=True,
+                        max_length=max_length, return_tensors="pt")
+        keep = enc["attention_mask"].sum(1) >= 2
+        if bool(keep.any()):
+            yield {key: t[keep].to(device) for key, t in enc.items()}
 
 
 def next_token_logprobs(model, tokenizer, docs: list[str], max_length: int = 256,
@@ -316,4 +321,7 @@ def perplexity(model, tokenizer, docs: list[str], max_length: int = 256,
             count += int(keep.sum())
     if count == 0:
         raise ValueError("perplexity: the documents hold no token to predict (each needs 2+)")
-    return math.exp(nll / count)
+    try:
+        return math.exp(nll / count)
+    except OverflowError:  # a mean NLL past ~709 nats (a broken model): past float64's max
+        return math.inf
