@@ -1,33 +1,15 @@
 """Safe writes: one guard for every output path, then build under a temporary name and swap.
 
-Every folder or file quantscope writes (calibration folders, run folders, exports) goes
-through here:
-
-- :func:`check_writable_target`, the one output-path guard: an output may not be, or lie
-  above, an input of the command (the model, the run, the calibration file) or the current
-  working folder; an existing non-empty output is replaced only with ``overwrite`` and only
-  when quantscope wrote it (its :data:`MARKER` file; in a folder written before the marker
-  existed, the metadata file of a format quantscope writes, with nothing beside what that
-  format consists of; an ONNX file's ``quantscope`` metadata entry), so ``--overwrite`` can
-  never delete a model, its weights file or a user's folder. The marker lists what
-  quantscope wrote there: a folder holding anything else (a user's notes) is refused, not
-  replaced. A folder is replaced only by an output of the same kind (:func:`output_kind`,
-  recorded in the marker: a calibration never replaces an export, nor an export a run), so
-  saving onto the export a calibration was read from never deletes the model. An output
-  folder or exported file that is a symbolic link is written through:
-  its target (which passes the same guard) is replaced, the link kept; a report's or plot's
-  link is replaced itself, so a link planted in a run folder never leads a plot over a
-  user's file. A file path ending in a separator (a folder meant) is refused. Reports and plots
-  (``kind="report"``, what :func:`atomic_file` writes by default) are replaced as
-  ``open(path, "w")`` replaces them.
-- :func:`atomic_dir` / :func:`atomic_file` write under a temporary name in the target's own
-  directory (a rename within one file system is atomic; the name starts with ``.`` so
-  listings and globs pass it over) and swap it into place. Where the system can exchange two
-  names in one step (Linux ``renameat2``), the target always exists, whatever other
-  processes write to it at once; elsewhere writers take a lock on the parent folder.
-- What is written gets the modes of any file the user writes (their umask), not the private
-  0700 / 0600 of :mod:`tempfile`: a server running as another user can read an export. Files
-  copied in from elsewhere (an export's tokenizer) keep their own modes: never widened.
+Every folder or file quantscope writes goes through here; docs/SECURITY.md ("What it
+writes") states the rules. :func:`check_writable_target`, the one output-path guard: never
+an input of the command or the working folder, nor above one; an existing output replaced
+only with ``overwrite``, only when quantscope wrote it (its :data:`MARKER`, listing what it
+wrote there), only by an output of its kind (:func:`output_kind`), holding no output of
+another kind (:data:`_NESTS`) and nothing this process could not delete; a name that fits
+NAME_MAX. :func:`atomic_dir` / :func:`atomic_file` build under a temporary name beside the
+target (``.NAME.XXXXXXXX.tmp``, NAME cut to fit) and swap it in: one ``renameat2`` exchange
+on Linux, else under a lock on the parent. What is written gets the user's umask modes, not
+tempfile's private ones; files copied in from elsewhere keep their own.
 """
 
 from __future__ import annotations
@@ -36,10 +18,12 @@ import contextlib
 import ctypes
 import errno
 import fnmatch
+import itertools
 import json
 import os
 import shutil
 import tempfile
+import warnings
 
 from .._checks import check_path
 
@@ -58,12 +42,12 @@ EXPORT_EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
 #: the weight files the export copied from the source folder before EXPORT_EXTRAS: none
 _OLD_UNCOPIED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
 _RETRIES = 100  # swaps lost to other writers before giving up (each loss is another's win)
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2's flags
 
 
 def written_by_quantscope(path) -> bool:
-    """Whether the existing ``path`` is an earlier output of quantscope (see :data:`MARKER`):
-    the marker, or an older output's metadata file in a folder holding nothing else than
-    that kind of output consists of."""
+    """Whether the existing ``path`` is an earlier output of quantscope (:data:`MARKER`), or
+    an older output's metadata file in a folder holding only what that kind consists of."""
     path = os.fspath(path)
     if os.path.isfile(path):  # an ONNX export, whatever its name: by its metadata entry
         return _onnx_written_by_quantscope(path)
@@ -74,9 +58,8 @@ def written_by_quantscope(path) -> bool:
 
 
 def _old_export_file(rel: str, is_dir: bool) -> bool:
-    """A file an older compressed-tensors export wrote: the model's ``save_pretrained``
-    (config, safetensors, sharded or not), or a top-level file it copied from the source
-    folder, as it copied them then: any but hidden ones and weights (a README.md too)."""
+    """A file an older compressed-tensors export wrote: the model's ``save_pretrained``, or
+    a top-level file it copied then from the source: any but hidden ones and weights."""
     if fnmatch.fnmatchcase(rel, "model-*-of-*.safetensors") or rel in (
             "model.safetensors", "model.safetensors.index.json"):
         return True
@@ -85,10 +68,9 @@ def _old_export_file(rel: str, is_dir: bool) -> bool:
 
 
 _CALIBRATION = ("quantscope.json", "qparams.safetensors", MARKER)  # Calibration.save
-#: outputs written before the marker existed: (kind, metadata file, its key, the files that kind
-#: of output consists of, as its writer wrote them: patterns relative to the folder, or a
-#: test of a relative path). The metadata file alone is no proof: a model folder with a
-#: calibration saved inside it at ``qparams/`` holds ``qparams/quantscope.json`` too.
+#: outputs written before the marker: (kind, metadata file, its key, the files that kind is
+#: made of: patterns relative to the folder, or a test of a relative path). The metadata file
+#: alone is no proof: a model folder with a calibration saved in ``qparams/`` holds one too.
 _LEGACY_KINDS = (
     ("calibration", "quantscope.json", "format", _CALIBRATION),
     # a `quantscope calibrate --out` run: its calibration in qparams/ and the report
@@ -101,21 +83,24 @@ _LEGACY_KINDS = (
 #: an export's config.json is a model's too), and what messages call them
 _KINDS = (*((kind, name, key) for kind, name, key, _ in _LEGACY_KINDS),
           ("model", "config.json", None))
+#: the outputs saved into a folder later that replacing it may delete, by its kind: what its
+#: writer makes (a calibration in a calibrate run; in a folder of no told kind, one of none).
+#: Any other (an export saved inside a run) is refused, never deleted with the folder.
+_NESTS = {"calibrate-run": ("calibration",), None: (None,)}
 _KIND_NAMES = {"calibration": "a calibration", "calibrate-run": "a `quantscope calibrate` run",
                "compressed-tensors": "a compressed-tensors export",
-               "compare-run": "a `quantscope compare` run", "model": "a model folder"}
+               "compare-run": "a `quantscope compare` run", "model": "a model folder",
+               "onnx": "an ONNX export"}
 
 
 def output_kind(folder) -> str | None:
     """What kind of output ``folder`` is (a key of :data:`_KIND_NAMES`): the kind its
-    :data:`MARKER` records, else (a marker written before kinds were recorded, or none) the
-    kind its metadata file tells; None where neither tells."""
+    :data:`MARKER` records, else (an older marker, or none) its metadata file's; else None."""
     folder = os.fspath(folder)
     kind = _marker_data(folder).get("kind")
     if isinstance(kind, str):
         return kind
-    return next((k for k, name, key in _KINDS if _json_has(os.path.join(folder, name), key)),
-                None)
+    return next((k for k, n, key in _KINDS if _json_has(os.path.join(folder, n), key)), None)
 
 
 def _entries(top: str, enter=None):
@@ -130,8 +115,7 @@ def _entries(top: str, enter=None):
 
 
 def _holds_only(top: str, allowed) -> bool:
-    """Whether every file and folder under ``top`` is ``allowed``: one of its patterns, or
-    ``allowed(relative path, is_dir)``."""
+    """Whether all under ``top`` is ``allowed``: a pattern, or ``allowed(rel path, is_dir)``."""
     return all(allowed(rel, is_dir) if callable(allowed)
                else any(fnmatch.fnmatchcase(rel, p) for p in allowed)
                for rel, is_dir in _entries(top))
@@ -156,23 +140,26 @@ def _listed(folder: str):
 def _unlisted(folder: str) -> list[str]:
     """What ``folder`` holds beyond the names its marker lists (a file the user added):
     replacing the folder would delete it. An unlisted folder that is itself a whole output
-    of quantscope (a calibration saved into a run) is quantscope's, not the user's."""
+    of quantscope counts as the folder's only where :data:`_NESTS` says so."""
     listed = _listed(folder)
     if listed is None:
         return []
     listed.add(MARKER)
-    extra = []
-    for rel, is_dir in _entries(folder, enter=listed.__contains__):
-        full = os.path.join(folder, rel)
-        if rel not in listed and not (is_dir and not os.path.islink(full) and os.path.isfile(
-                os.path.join(full, MARKER)) and written_by_quantscope(full)):
-            extra.append(rel + "/" * is_dir)
-    return extra
+    nests = _NESTS.get(output_kind(folder), ())
+    return [rel + "/" * is_dir for rel, is_dir in _entries(folder, enter=listed.__contains__)
+            if rel not in listed and not (is_dir and output_kind(os.path.join(folder, rel))
+                                          in nests and _whole_output(os.path.join(folder, rel)))]
+
+
+def _whole_output(path: str) -> bool:
+    """Whether ``path`` (in a folder quantscope wrote) is a whole output of its own."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        return os.path.isfile(os.path.join(path, MARKER)) and written_by_quantscope(path)
+    return os.path.isfile(path) and _onnx_written_by_quantscope(path)
 
 
 def _write_marker(folder: str, names, kind: str | None = None) -> None:
-    """The :data:`MARKER` of ``folder``, listing ``names`` (and recording ``kind``, the
-    :func:`output_kind`, where given): replaced in one step."""
+    """The :data:`MARKER` of ``folder``, listing ``names`` (and ``kind``, where given)."""
     data = {"written_by": "quantscope", "version": _version(), **_marker_data(folder),
             **({"kind": kind} if kind else {}), "files": sorted(set(names) - {MARKER})}
     fd, tmp = tempfile.mkstemp(prefix=f".{MARKER}.", suffix=".tmp", dir=folder)
@@ -199,10 +186,8 @@ def _json_has(path: str, key: str) -> bool:
             data = json.load(f)
     except (OSError, ValueError):
         return False
-    if not isinstance(data, dict):
-        return False
-    if key is None:  # any JSON object (a model's config.json)
-        return True
+    if key is None or not isinstance(data, dict):  # None: any object (a model's config.json)
+        return isinstance(data, dict)
     if key == "format":
         return data.get("format") == "quantscope-calibration"
     if key == "runs":  # compare's report: its setup and one entry per recipe / observer
@@ -212,9 +197,8 @@ def _json_has(path: str, key: str) -> bool:
 
 def _onnx_written_by_quantscope(path: str) -> bool:
     """Whether ``path`` is an ONNX model with quantscope's ``quantscope`` metadata entry. Only
-    a file that can be one is parsed: under protobuf's 2 GiB and starting as ``onnx.save``
-    starts a model (``ir_version``, field 1, varint: byte 0x08), so a weights file is not
-    read whole."""
+    a file that can be one is parsed (under protobuf's 2 GiB, starting as ``onnx.save``
+    starts one: ``ir_version``, field 1, varint, byte 0x08): a weights file is not read."""
     try:
         if os.path.getsize(path) >= 2**31:
             return False
@@ -232,27 +216,21 @@ def _onnx_written_by_quantscope(path: str) -> bool:
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
+    with contextlib.suppress(PackageNotFoundError):
         return version("quantscope")
-    except PackageNotFoundError:
-        return "unknown"
+    return "unknown"
 
 
 def _real(path) -> str:
     return os.path.realpath(os.path.abspath(os.fspath(path)))
 
 
-def _at_or_above(out: str, inp: str) -> bool:
-    return inp == out or inp.startswith(out.rstrip(os.sep) + os.sep)
-
-
 def _check_not_an_input(path: str, inputs) -> None:
-    """Refuse an output that is, or lies above, an input or the working folder: replacing
-    it would delete what the command reads, or the folder the user stands in."""
+    """Refuse an output that is, or lies above, an input or the working folder."""
     out = _real(path)
     for what, inp in [("the current working folder", os.getcwd())] + [
             ("an input", p) for p in inputs if p is not None]:
-        if _at_or_above(out, _real(inp)):
+        if _real(inp) == out or _real(inp).startswith(out.rstrip(os.sep) + os.sep):
             kind = what if what != "an input" else f"the input {os.fspath(inp)!r}"
             where = "is" if _real(inp) == out else "contains"
             raise ValueError(f"output {path!r} {where} {kind}: writing it would replace it; "
@@ -271,8 +249,14 @@ def _check_replaceable(path: str, overwrite: bool, kind: str, what: str | None =
         raise ValueError(f"output {path!r} {state}; pass overwrite=True "
                          f"(--overwrite) to replace it")
     if kind == "report":
-        return  # a report, a plot: replaced as open(path, "w") replaces it
+        return  # a report, a plot: replaced whatever its mode, as its owner's open(path, "w")
     extra = _unlisted(path) if kind == "folder" else []
+    nested = [e for e in extra if _whole_output(os.path.join(path, e))]
+    if nested:  # an export saved inside a run: quantscope's, but not this folder's to delete
+        held = output_kind(os.path.join(path, nested[0])) if nested[0].endswith("/") else "onnx"
+        raise ValueError(f"output {path!r} holds {_KIND_NAMES.get(held, 'an output')} quantscope"
+                         f" wrote, {os.path.join(path, nested[0])!r}: replacing the folder would"
+                         f" delete it; move it out of the folder or remove it yourself")
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
         raise ValueError(f"output {path!r} holds what quantscope did not write there "
@@ -290,17 +274,29 @@ def _check_replaceable(path: str, overwrite: bool, kind: str, what: str | None =
                          f"wrote, not {_KIND_NAMES.get(what, what)}: overwrite replaces only "
                          f"an earlier output of the same kind; choose another output or "
                          f"remove it yourself")
+    if kind == "folder":
+        _check_removable(path)
+
+
+def _check_removable(path: str) -> None:
+    """Refuse a folder that this process could not empty once swapped out (a read-only
+    folder in it, ``chmod 555``): its old files would stay behind under a hidden name."""
+    below = (os.path.join(root, d) for root, dirs, _ in os.walk(path) for d in dirs)
+    for folder in itertools.chain([path], below):
+        if not os.path.islink(folder) and not os.access(folder, os.R_OK | os.W_OK | os.X_OK):
+            raise PermissionError(f"output {path!r} cannot be replaced: {folder!r} is read-only"
+                                  f" to this process (mode {os.stat(folder).st_mode & 0o7777:o}):"
+                                  f" its old files could not be deleted; make it writable "
+                                  f"(chmod -R u+w) or choose another output")
 
 
 def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder",
                           inputs=(), what: str | None = None) -> str:
     """The one output-path guard (module doc): refuse early what would fail late or destroy
-    something. ``kind``: ``"folder"``; ``"file"``, a file quantscope exports (an ONNX
-    model: replaced only when it carries quantscope's metadata, never another file such as
-    the model's own weights); or ``"report"``, a report or plot (replaced like
-    ``open(path, "w")``); ``inputs``: the paths the command reads; ``what``: the kind of
-    folder to be written (:func:`output_kind`), which an existing folder of another kind is
-    refused for (None: not checked here). Returns the absolute path."""
+    something. ``kind``: ``"folder"``, ``"file"`` (an exported ONNX model: replaces only
+    quantscope's, never the model's weights) or ``"report"`` (a report or plot: replaces
+    any file); ``inputs``: the paths the command reads; ``what``: the kind of folder
+    written (:func:`output_kind`; None: not checked). Returns the absolute path."""
     if kind not in ("folder", "file", "report"):
         raise ValueError(f"kind must be 'folder', 'file' or 'report', got {kind!r}")
     given = check_path("output", path)
@@ -317,6 +313,10 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise ValueError(f"output {path!r}: {probe!r} is a file, not a folder")
+    size = max(len(os.fsencode(name)) for name in target.split(os.sep))
+    if size > _name_max(probe):  # now, not as an OSError on a temporary's name after the work
+        raise ValueError(f"output {path!r}: a name in it is {size} bytes long; the file "
+                         f"system takes names of at most {_name_max(probe)} bytes")
     try:  # create a file there: os.access says yes to root even on read-only file systems
         fd, name = tempfile.mkstemp(prefix=".quantscope-probe.", dir=probe)
         os.close(fd)
@@ -327,10 +327,26 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
     return path
 
 
+def _name_max(folder: str) -> int:  # the longest name (bytes) its file system takes
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):  # no pathconf (Windows), or no limit told
+        return 255
+
+
+def _temp_prefix(path: str) -> str:
+    """``.NAME.``: NAME cut (at a UTF-8 character's start) so that with tempfile's 8
+    characters and a 4-character suffix it fits NAME_MAX, however long the legal name."""
+    name = os.fsencode(os.path.basename(path))
+    cut = max(0, _name_max(os.path.dirname(path)) - 14)
+    while 0 < cut < len(name) and name[cut] & 0xC0 == 0x80:  # a continuation byte
+        cut -= 1
+    return f".{os.fsdecode(name[:cut])}."
+
+
 def _through_link(path: str, kind: str) -> str:
-    """Where writing ``path`` lands: for a folder or an exported file, a symbolic link's
-    target (``--out runs/latest``: replacing the link would lose it and leave the run it
-    points at stale; the target passes the guard); else ``path``, a report's link replaced."""
+    """Where writing ``path`` lands: a folder's or exported file's symbolic link's target
+    (``--out runs/latest``: the link kept, the target guarded); a report's link is replaced."""
     return os.path.realpath(path) if kind != "report" and os.path.islink(path) else path
 
 
@@ -349,8 +365,7 @@ def _umask() -> int:
 
 def _public_modes(top: str, keep=()) -> None:
     """The modes any file the user writes gets (tempfile's are private: 0700 / 0600); the
-    files named in ``keep`` (relative to ``top``: copied from elsewhere) keep their own, so
-    a private file copied in stays private."""
+    files named in ``keep`` (relative: copied from elsewhere) keep theirs, private or not."""
     mask = _umask()
     if os.path.isfile(top):
         os.chmod(top, 0o666 & ~mask)
@@ -362,9 +377,6 @@ def _public_modes(top: str, keep=()) -> None:
             p = os.path.join(root, name)
             if not os.path.islink(p) and p not in kept:  # never what a link points at
                 os.chmod(p, mode & ~mask)
-
-
-_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 
 
 def _renameat2(src: str, dst: str, flags: int) -> bool:
@@ -424,7 +436,7 @@ def _swap_locked(tmp: str, path: str, overwrite: bool, kind: str, what: str | No
             os.rename(tmp, path)
             return
         _check_replaceable(path, overwrite, kind, what)
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
+        old = tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".old", dir=parent)
         os.rename(path, os.path.join(old, "x"))
         os.rename(tmp, path)
         os.rename(os.path.join(old, "x"), tmp)
@@ -434,6 +446,10 @@ def _swap_locked(tmp: str, path: str, overwrite: bool, kind: str, what: str | No
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):  # never a hidden copy left without a word
+            warnings.warn(f"quantscope could not remove its temporary folder {path!r} (the "
+                          f"replaced or unfinished output): remove it yourself",
+                          RuntimeWarning, stacklevel=3)
     else:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
@@ -442,19 +458,15 @@ def _remove(path: str) -> None:
 @contextlib.contextmanager
 def atomic_dir(path, *, overwrite: bool = False, inputs=(), keep_modes=(), what=None):
     """Yield a fresh temporary folder; on success it replaces ``path``, on error it is removed.
-
-    ``with atomic_dir(out) as tmp: write files into tmp``. ``path`` passes
-    :func:`check_writable_target` (with ``inputs``) first, and gets the :data:`MARKER`.
-    ``keep_modes``: the names (relative to the folder; a list may be filled inside the
-    block) of files copied from elsewhere, which keep their modes instead of the umask's.
-    ``what``: the kind of output written (:func:`output_kind`; default: told from what the
-    block wrote), recorded in the marker: an existing folder of another kind is refused.
-    """
+    ``path`` passes :func:`check_writable_target` (with ``inputs``) first, and gets the
+    :data:`MARKER`. ``keep_modes``: the names (relative; a list may be filled in the block)
+    of files copied from elsewhere, which keep their modes. ``what``: the kind written
+    (:func:`output_kind`; default: told from the files), recorded in the marker."""
     path = _through_link(check_writable_target(path, overwrite=overwrite, inputs=inputs,
                                                what=what), "folder")
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent)
     try:
         yield tmp
         what = what or output_kind(tmp)
@@ -467,21 +479,21 @@ def atomic_dir(path, *, overwrite: bool = False, inputs=(), keep_modes=(), what=
 
 @contextlib.contextmanager
 def atomic_file(path, *, overwrite: bool = True, inputs=(), kind: str = "report"):
-    """Yield a temporary file path beside ``path``; on success it replaces ``path``.
-    ``kind``: ``"report"`` (a report, a plot) or ``"file"`` (an export: see
-    :func:`check_writable_target`)."""
+    """Yield a temporary file path beside ``path``; on success it replaces ``path``. ``kind``:
+    ``"report"`` (a report, a plot) or ``"file"`` (an export: :func:`check_writable_target`)."""
     path = _through_link(check_writable_target(path, overwrite=overwrite, kind=kind,
                                                inputs=inputs), kind)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent)
     os.close(fd)
     try:
         yield tmp
         _public_modes(tmp)
         os.replace(tmp, path)  # a file: one atomic step, the target always exists
-        with contextlib.suppress(OSError):  # unlisted, the folder is refused, never lost
-            _record(path)
+        if kind == "report":  # an export is no part of the folder: unlisted, it is kept
+            with contextlib.suppress(OSError):  # unlisted, the folder is refused, never lost
+                _record(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
