@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .._checks import outside_quantscope
+from .choice.candidates import check_candidates
 from .choice.sensitivity import FALLBACK_MODES
 from .choice.smooth import check as _check_alpha
 from .run.finish import MISSING_POLICIES
@@ -157,8 +158,7 @@ class Auto:
 
     def __post_init__(self):
         c = self.candidates
-        if c is not None:
-            # a tuple first: checking a generator would consume it
+        if c is not None:  # a tuple first: checking a generator would consume it
             names = tuple(c) if not isinstance(c, str) and hasattr(c, "__iter__") else None
             if names is None or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"calibrate: Auto.candidates must be a list of observer "
@@ -166,6 +166,7 @@ class Auto:
             if not names:  # else it fails once calibration starts, naming no field
                 raise ValueError("calibrate: Auto.candidates is empty; give at least one "
                                  "observer name, or None for the default candidates")
+            check_candidates(names)  # a name auto cannot run: refused now, not dropped later
             _set(self, "candidates", names)
         _one_of("Auto", "metric (auto_metric)", self.metric, AUTO_METRICS)
         if self.loss is not None and not callable(self.loss):

@@ -25,12 +25,13 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..recipe import AUTO, Recipe
+from ..recipe import AUTO, Recipe, weight_observer
 from ..results.apply import apply
 from ..results.result import Calibration
-from ..role_observers import observed
 from ..run.batches import eval_mode, forward_batch, tensors_in
 from ..run.gather import share_pieces
+from .candidates import check_options, expand, ignores_non_finite
+from .candidates import has_auto as _has_auto
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
 
@@ -96,7 +97,9 @@ def _divergence(kind, q, ref):
     float64, each position's at least 0 as its true value is (float32's rounding left a
     near-zero KL as likely negative as positive, float64's still does below 1e-15)."""
     if kind != "kl":
-        return float((1 - (q * ref).sum(-1)).clamp_(min=0).mean())
+        d = (1 - (q * ref).sum(-1)).clamp_(min=0)
+        # a zero row has no direction: two agree (0); against a nonzero row, already 1
+        return float(d.masked_fill_(~(q.any(-1) | ref.any(-1)), 0.0).mean())
     total = torch.zeros((), dtype=torch.float64, device=q.device)
     step = max(1, KL_CHUNK // max(q.shape[-1], 1))
     for i in range(0, q.shape[0], step):
@@ -161,6 +164,22 @@ class OutputDivergence:
                               f"that batch (or what makes the model produce them)")
         return ValueError(f"{self.who}: the output divergence on batch {k} (counting from 0) "
                           f"is {d}: the quantized model's output is not finite there")
+
+    def drop_non_finite(self) -> int:
+        """Leave out the batches that bring NaN / inf (or whose float output does); returns
+        how many. Raises where none is left to score on."""
+        keep = [k for k, (b, r) in enumerate(zip(self.batches, self.references))
+                if _finite(b) and _finite(r, logits=True)]
+        if not keep:
+            raise ValueError(f"{self.who}: every scoring batch ({len(self.batches)}) brought "
+                             f"NaN or inf values (or made the float model's output so), which "
+                             f"non_finite='ignore' leaves out of the scoring: none is left to "
+                             f"compare the model's outputs on; give finite batches")
+        left_out = len(self.batches) - len(keep)
+        self.batches = [self.batches[k] for k in keep]
+        self.references = [self.references[k] for k in keep]
+        self.pieces = len(keep)
+        return left_out
 
     def __call__(self) -> float:
         """The mean divergence of the model as it is now (e.g. under QDQ) over the batches."""
@@ -391,16 +410,13 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     candidates, score_tokens, loss = opts.auto.candidates, opts.auto.score_tokens, opts.auto.loss
     batches = list(batches)  # not empty where a recipe has auto (calibrate's checks)
     autos = [label for label, r in recipes.items() if _has_auto(r)]
-    expanded = {label: r for label, r in recipes.items() if label not in autos}
-    names = list(dict.fromkeys(_candidates("input", candidates)))
-    for label in autos:
-        for n in names:  # (their options checked with the session's: check_options)
-            expanded[(label, n)] = recipes[label].with_observer(n)
+    expanded, names, refused = expand(model, recipes, autos, list(dict.fromkeys(
+        _candidates("input", candidates))))
     # each auto recipe's time so far: the pass with every candidate's observers, once each
-    groups = {label: [(label, n) for n in names] for label in autos}
+    groups = {label: [(label, n) for n in names[label]] for label in autos}
     plan = score_plan(batches, score_tokens) if autos else []
     caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
-    weighted = autos and len(set(_candidates("weight", candidates))) > 1
+    weighted = any(len({weight_observer(n) for n in names[label]}) > 1 for label in autos)
     importance = InputImportance(model, sorted(
         {layer for label in autos for layer, (_, roles) in recipes[label].match(model).items()
          if "weight" in roles})) if weighted else None
@@ -419,6 +435,9 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         with (importance.counting() if importance is not None and not importance.seen()
               else contextlib.nullcontext()):
             score = OutputDivergence(model, pieces, loss, refs)
+        # non_finite="ignore" (the observers read NaN / inf as 0): not scored on those batches
+        ignore = all(ignores_non_finite(recipes[label]) for label in autos)
+        left_out = score.drop_non_finite() if ignore else 0
         if opts.runtime.distributed:  # ranks scoring their own batches: the same choice
             share_pieces(score, opts.runtime.group)
         means = {} if importance is None else importance.means(
@@ -430,13 +449,17 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     for label in autos:
         score.forwards = built  # each recipe counts its own scoring's forwards, as alone
         out[label] = _decide(model, score, recipes[label], label,
-                             {n: calibs[(label, n)] for n in names}, means,
-                             calibs[(label, names[0])].info["group_seconds"][label])
+                             {n: calibs[(label, n)] for n in names[label]}, means,
+                             calibs[(label, names[label][0])].info["group_seconds"][label])
     spent = time.perf_counter() - t0
     for label in autos:
-        out[label].info["calibration_seconds"] = round(
-            out[label].info["calibration_seconds"] + spent, 3)
-        out[label].info["auto"]["score_seconds"] = round(spent, 3)
+        info = out[label].info
+        info["calibration_seconds"] = round(info["calibration_seconds"] + spent, 3)
+        info["auto"]["score_seconds"] = round(spent, 3)
+        if refused[label]:
+            info["auto"]["refused"] = refused[label]
+        if left_out:
+            info["auto"]["non_finite_pieces"] = left_out
     return out
 
 
@@ -475,26 +498,3 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
         row for n, c in configs.items() for row in c.stats
         if roles.get(row["role"], best) == n)]
     return Calibration(recipe, states, label, stats, chosen.histograms, info)
-
-
-def check_options(recipe: Recipe, label, names, every_role: bool) -> None:
-    """Raise ``ValueError`` for an option of ``recipe``'s roles that run ``auto``'s candidate
-    observers ``names`` that none of them takes (a misspelt name would otherwise be dropped
-    without a word): of every calibrated role (and the KV cache's) where ``every_role``
-    (``metric="model"`` runs :meth:`Recipe.with_observer` of each candidate), else of its
-    ``auto`` roles (the per-layer metrics: :func:`.observe.candidate_options`)."""
-    runs = [(kind, r) for rule in recipe.rules for kind, r in rule.roles().items()
-            if r.dynamic is not True and (every_role or r.observer == AUTO)]
-    if every_role and recipe.kv_cache is not None:
-        runs.append(("key", recipe.kv_cache))
-    given = {k for _, r in runs for k, _ in r.options}
-    # the rule Recipe.with_observer gives each candidate's roles their options by
-    taken = {k for kind, r in runs for n in names for k, _ in observed(r, kind, n, {}).options}
-    if given - taken:
-        raise ValueError(f"calibrate: recipe {label!r}: observer 'auto' option(s) "
-                         f"{sorted(given - taken)} taken by none of its candidate observers "
-                         f"{names} (nor their weight variants)")
-
-
-def _has_auto(recipe: Recipe) -> bool:
-    return any(role.observer == AUTO for rule in recipe.rules for role in rule.roles().values())

@@ -16,11 +16,14 @@ The session's finish step calls :func:`layer_pick` per layer; the model-level de
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from dataclasses import replace
 
 import torch
 from torch import nn
 
+from ..._checks import outside_quantscope
 from ...estimators.weighted import imatrix_qparams
 from ...layout import Tile
 from ..results.apply import qdq_tensor
@@ -183,32 +186,33 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
     """For the session: the ``{"weight": state, "input": state}`` :func:`joint_choice` picks
     among ``layer``'s candidate observers (plus the ``imatrix`` weight search), with
     ``"input_errors"``: ``{state key: error}`` of every input candidate under the picked
-    weight (a fusion group's one input is the least total over its members); None where the
-    layer has no static input, 2-D weight and input sample."""
-    from ..run.observe import observer_key as _observer_key
-
-    if (layer, "weight") not in plan or (layer, "input") not in plan:
+    weight (a fusion group's one input is the least total over its members). A run-time
+    input (``dynamic=True``: per token) has no candidates: the weight alone is chosen, priced
+    against the input's run-time QDQ (``"input"`` None). None where the layer has no static
+    2-D weight and input sample: a weight-only recipe samples no input, so its weights fall
+    back to their own error (metric ``"tensor"``), said once per calibration."""
+    if (layer, "weight") not in plan:
         return None
-    (wcfg, wnames), (xcfg, xnames) = plan[(layer, "weight")], plan[(layer, "input")]
+    wcfg, wnames = plan[(layer, "weight")]
     w = slots[(layer, "weight")].module.weight.detach()
     conv1d = is_conv1d(slots[(layer, "weight")].module)  # w: [in, out]
-    x = data.get((layer, "input"))
-    if (wcfg.dynamic is not False or xcfg.dynamic is not False or w.dim() != 2 or x is None
-            or x.shape[-1] != w.shape[0 if conv1d else 1]):
+    x = data.get((layer, "input")) if (layer, "input") in plan else None
+    if wcfg.dynamic is not False or w.dim() != 2:
         return None
-
-    def states(role, cfg, names, shape):
-        """``[(state key, state)]``, min-max first: the descent starts from it, ties keep it"""
-        slot, out = slots[(layer, role)], []
-        for n in names:
-            okey = _observer_key(n, cfg)
-            if okey in slot.observers:
-                skey = (layer, role, okey, cfg.dynamic)
-                out.append((skey, state_of(slot.observers[okey], cfg, skey, shape)))
-        return sorted(out, key=lambda ks: not ks[1].observer.endswith("minmax"))
-
-    ws = [st for _, st in states("weight", wcfg, wnames, tuple(w.shape))]
-    keyed = states("input", xcfg, xnames, None)
+    if x is None:
+        if len(wnames) > 1:
+            _say_fallback(slots, "joint" if fisher is None else "fisher", layer, plan)
+        return None
+    if x.shape[-1] != w.shape[0 if conv1d else 1]:
+        return None
+    xcfg, xnames = plan[(layer, "input")]
+    ws = [st for _, st in _states(layer, slots, state_of, "weight", wcfg, wnames,
+                                  tuple(w.shape))]
+    if xcfg.dynamic is True:  # its one run-time state, as apply() runs it (no key: no choice)
+        keyed = [(None, RoleState(xcfg.spec, xcfg.observer, xcfg.observer, True,
+                                  xcfg.options))]
+    else:
+        keyed = _states(layer, slots, state_of, "input", xcfg, xnames, None)
     xkeys, xs = [k for k, _ in keyed], [st for _, st in keyed]
     if not ws or not xs:
         return None
@@ -219,5 +223,38 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
             pass
     c = None if fisher is None else fisher.get(layer)
     i, j, err = _descent(x[:JOINT_ROWS], w, ws, xs, c, 1, conv1d)
-    return {"weight": ws[i], "input": xs[j],
-            "input_errors": {k: err(i, b) for b, k in enumerate(xkeys)}}
+    return {"weight": ws[i], "input": None if xcfg.dynamic is True else xs[j],
+            "input_errors": {k: err(i, b) for b, k in enumerate(xkeys) if k is not None}}
+
+
+def _states(layer, slots, state_of, role, cfg, names, shape):
+    """``[(state key, state)]`` of ``layer``'s ``role`` candidates, min-max first: the
+    descent starts from it, ties keep it."""
+    from ..run.observe import observer_key as _observer_key
+
+    slot, out = slots[(layer, role)], []
+    for n in names:
+        okey = _observer_key(n, cfg)
+        if okey in slot.observers:
+            skey = (layer, role, okey, cfg.dynamic)
+            out.append((skey, state_of(slot.observers[okey], cfg, skey, shape)))
+    return sorted(out, key=lambda ks: not ks[1].observer.endswith("minmax"))
+
+
+#: per calibration (its first slot, alive while it runs), whether the fallback was said
+_SAID = weakref.WeakValueDictionary()
+
+
+def _say_fallback(slots, metric: str, layer: str, plan) -> None:
+    """Warn, once per calibration, that ``metric`` chose ``layer``'s weight (and the other
+    layers without an input sample) by the weight's own error."""
+    first = next(iter(slots.values()))
+    if _SAID.get(id(first)) is first:
+        return
+    _SAID[id(first)] = first
+    why = ("the recipe quantizes no input of it (weight-only): no input is sampled"
+           if (layer, "input") not in plan else "its input saw no tokens")
+    warnings.warn(f"calibrate: auto metric {metric!r} prices a weight by the layer's output "
+                  f"error on sampled inputs; layer {layer!r} has none ({why}), so its weight "
+                  f"(and any other such layer's) is chosen by its own error, as metric "
+                  f"'tensor' does", stacklevel=outside_quantscope())

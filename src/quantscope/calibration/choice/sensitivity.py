@@ -461,20 +461,22 @@ def fallback_curve(model: nn.Module, calibration: Calibration, sens: Sensitivity
                    ns=(0, 1, 2, 4, 8, 16), *, mode: str = "float") -> list[dict]:
     """Quality over the fallback budget: for each ``n``, ``evaluate(model)`` (higher or lower
     is better, as you define it) with :func:`keep_float` of ``n`` applied, and the share of the
-    quantized layers' multiply-adds (weight elements) whose activations left static int.
-
-    Returns rows ``{"n", "quality", "float_macs_pct", "tensors"}``.
-    """
+    quantized layers' multiply-adds (weight elements) whose activations left static int (a
+    layer counted once; an earlier fallback's too). Rows ``{"n", "quality", "float_macs_pct",
+    "tensors"}``."""
+    of = lambda tensors: {t.rsplit(" ", 1)[0] for t in tensors}  # "layer role" -> layer
+    earlier = of((calibration.info.get("keep_float") or {}).get("tensors", ()))
+    layers = {layer for layer, _ in _static_activations(calibration)} | earlier
     with _expert_views(model):  # MoE experts' layers are their views; apply() attaches its own
-        macs = {layer: _macs(model, layer) for layer, _ in _static_activations(calibration)}
-    total = sum(macs[layer] for layer, _ in _static_activations(calibration)) or 1
+        macs = {layer: _macs(model, layer) for layer in layers}
+    total = sum(macs.values()) or 1
     out = []
     for n in ns:
         c = keep_float(calibration, sens, n, mode=mode)
         with c.apply(model):
             q = float(evaluate(model))
         kept = c.info["keep_float"]["tensors"]
-        fell = sum(macs[t.rsplit(" ", 1)[0]] for t in kept)
+        fell = sum(macs[layer] for layer in of(kept))
         out.append({"n": n, "quality": q, "float_macs_pct": round(100 * fell / total, 2),
                     "tensors": kept})
     return out
