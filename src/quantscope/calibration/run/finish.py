@@ -116,10 +116,14 @@ def _state_from(obs, cfg: Role, shape) -> RoleState:
 MISSING_POLICIES = ("skip", "float", "error")
 
 
-def _missing(layer, role, slot, names, cfg, policy, experts=None):
+def _missing(layer, role, slot, names, cfg, policy, experts=None, forwarded=True):
     """None if the role observed data (or is an MoE expert's: :func:`moe.shrink` gives it its
-    layer's pooled statistics); else the record of the fallback (or the error)."""
-    if cfg.dynamic is True or role == "weight":
+    layer's pooled statistics); else the record of the fallback (or the error). A run-time
+    (dynamic) role needs no data, only its module called: one never called (``nn.
+    MultiheadAttention`` reads its ``out_proj.weight`` itself) never reaches ``apply``'s
+    input hook either. A call with 0 rows does, and no batch at all (``forwarded`` False,
+    the one case with no calls to count) proves nothing: both keep the role."""
+    if role == "weight" or (cfg.dynamic is True and (slot.calls or not forwarded)):
         return None
     if experts is not None and layer in experts.layers:
         return None
@@ -137,13 +141,14 @@ def _missing(layer, role, slot, names, cfg, policy, experts=None):
 
 
 def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None,
-            missing="skip", fisher=None, non_finite=frozenset()):
+            missing="skip", fisher=None, non_finite=frozenset(), batches=1):
     """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
     ``auto_metric`` "joint" / "fisher", by :func:`.layer_choice.joint_choice`).
     ``non_finite``: the slot keys whose rows brought NaN / inf on some process (distributed:
-    a rank may hold none of those rows, or none at all), checked as its own sample is."""
+    a rank may hold none of those rows, or none at all), checked as its own sample is.
+    ``batches``: how many the pass forwarded (over every process)."""
     built = _States(slots, auto_metric, fisher, _ignoring(slots, plans), non_finite)
-    results = {label: built.recipe(plan, groups, experts, missing)
+    results = {label: built.recipe(plan, groups, experts, missing, batches > 0)
                for label, plan in plans.items()}
     hists = {key: _histogram(x) for key, x in built.data.items() if key[1] != "weight"}
     return results, hists
@@ -184,12 +189,13 @@ class _States:
         self.errors = {}  # what auto minimises, per state
         self.joint = {}  # the joint (weight, input) choice per layer and configuration
 
-    def recipe(self, plan, groups, experts, missing):
+    def recipe(self, plan, groups, experts, missing, forwarded=True):
         """``(states, rows, fusion groups, per-expert ranges, roles that saw no data)`` of one
-        recipe's plan."""
+        recipe's plan (``forwarded``: whether the pass forwarded any batch)."""
         states, rows, absent = {}, [], []
         for (layer, role), (cfg, names) in plan.items():
-            gap = _missing(layer, role, self.slots[(layer, role)], names, cfg, missing, experts)
+            gap = _missing(layer, role, self.slots[(layer, role)], names, cfg, missing, experts,
+                           forwarded)
             if gap is not None:
                 absent.append(gap)
                 continue

@@ -2,7 +2,8 @@
 holds its weight (a transformers Conv1D's transposed, a ConvTranspose's per-channel axis), and
 what each role asks of the module's shapes (a group size that divides the width, units that
 do not run along a convolution's kernel or image, static activation layouts that do not
-depend on the batch, shapes a lazy module has yet to get), each refusal naming the layer.
+depend on the batch, shapes a lazy module has yet to get, no input role on a layer of two
+inputs), each refusal naming the layer.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ def _check_lazy(layer: str, module: nn.Module) -> None:
             f"calibrate: layer {layer!r} ({type(module).__name__}) has uninitialized lazy "
             f"parameters; run one forward of the model first (model(batch)) to initialize "
             f"them, then calibrate")
+
+
+def _check_two_inputs(layer: str, role: str, module: nn.Module) -> None:
+    """``nn.Bilinear`` takes two tensors, ``x1^T W x2``; an input role's hooks (observing and
+    ``apply``'s) read the first alone, so the second would run in float under a state that
+    says the layer's input is quantized."""
+    if role == "input" and isinstance(module, nn.Bilinear):
+        raise ValueError(
+            f"calibrate: layer {layer!r} (Bilinear) input: a Bilinear takes two input tensors "
+            f"and quantscope quantizes one input per layer; give it a weight-only scheme "
+            f"('w4a16', or a Rule with a weight role alone) or ignore it (ignore=[{layer!r}])")
 
 
 def _spatial_activation(module: nn.Module, layout) -> bool:
@@ -120,6 +132,7 @@ def check_role_shape(layer: str, role: str, cfg: Role, module: nn.Module) -> Rol
             raise ValueError(f"calibrate: layer {layer!r} weight of shape {shape} "
                              f"cannot take {spec}: {e}") from None
         return cfg
+    _check_two_inputs(layer, role, module)
     if _spatial_activation(module, spec.layout):
         raise ValueError(
             f"calibrate: layer {layer!r} ({type(module).__name__}) {role} cannot take {spec}: "

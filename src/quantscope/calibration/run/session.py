@@ -344,7 +344,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
         results, hists = build_states(slots, plans, recipes, opts.auto.metric, groups, experts,
-                                      opts.runtime.missing, fisher, non_finite)
+                                      opts.runtime.missing, fisher, non_finite, n)
     seconds = time.perf_counter() - t0
     # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
     common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())
