@@ -323,9 +323,9 @@ def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_
     """The configuration (``{name: states}``) with the least mean divergence, scored piece by
     piece (``div.pieces``): after each piece, a candidate whose mean so far exceeds
     ``drop`` times the best mean so far (``best + (drop - 1) |best|``: the best always stays)
-    is dropped, unscored on the later pieces (an early
-    choice: such a candidate cannot catch up unless the pieces disagree by that factor).
-    Ties keep ``first`` (min-max). Returns ``(best, {name: (mean, pieces scored)})``;
+    is dropped, unscored on the later pieces (an early choice: such a candidate cannot catch
+    up unless the pieces disagree by that factor). Ties keep ``first`` (the first candidate
+    listed: min-max by default). Returns ``(best, {name: (mean, pieces scored)})``;
     ``pieces`` (a dict) receives each candidate's divergence piece by piece."""
     totals, seen = dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0)
     pieces = {} if pieces is None else pieces
