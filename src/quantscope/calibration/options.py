@@ -101,9 +101,11 @@ class Sampling:
 
     Attributes:
         tokens: rows kept per sampled tensor, at most (was ``sample_tokens=``).
-        budget_mb: the memory of all those rows together (float32, every layer and role);
+        budget_mb: the memory of all those rows together (every layer and role, counted
+            at 4 bytes a value: a float64 model keeps half the rows, bf16 the same rows);
             when ``tokens`` rows each would not fit, every sampled tensor keeps the same
-            smaller number of rows (at least one). None: 64 MB (was ``sample_budget_mb=``).
+            smaller number of rows (at least one; a width known only at the first batch:
+            its part of the bytes). None: 64 MB (was ``sample_budget_mb=``).
         seed: seeds the choice of sampled rows.
     """
 

@@ -108,10 +108,9 @@ def mark(x: torch.Tensor):
     A weak reference to ``x``'s storage, not to ``x``: members given fresh views of one
     tensor (``q(x.view(..))``, ``k(x.view(..))``) free the first view before the next runs,
     while the storage lives on with ``x``; and memory cannot be reused while its storage
-    lives, so a live storage with the same :func:`_where` is the same data (as detection's
-    strong references make sure). A strong reference would keep every group's input alive
-    until its next call, in the next batch. An empty input (observing it changes nothing)
-    is never marked."""
+    lives, so a live storage with the same :func:`_where` is the same data. A strong
+    reference would keep every group's input alive until its next call, in the next batch.
+    An empty input (observing it changes nothing) is never marked."""
     if x.numel() == 0:
         return None
     return weakref.ref(x.untyped_storage()), _where(x)
@@ -123,13 +122,27 @@ def seen(last, x: torch.Tensor) -> bool:
             and last[1] == _where(x))
 
 
+def _recall(x: torch.Tensor) -> tuple:
+    """What :func:`_recalls` compares with a later input, holding no reference to ``x``'s
+    memory: a weak reference to ``x`` itself (an empty tensor is only itself) and
+    :func:`mark`'s (its storage's, and :func:`_where`)."""
+    return weakref.ref(x), mark(x)
+
+
+def _recalls(ref: tuple, x: torch.Tensor) -> bool:
+    """Whether ``x`` is the tensor :func:`_recall` made ``ref`` from, by :func:`_same`'s
+    rule (a freed input is never recalled: nothing can pass it again)."""
+    return ref[0]() is x or seen(ref[1], x)
+
+
 def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
     """Groups (2+ members, in call order) of the modules ``names`` of one parent module whose
     forward input is the same tensor in one forward of ``batch``."""
     names = list(names)
     if batch is None or len(names) < 2:
         return []
-    recent: list[tuple[torch.Tensor, list[str]]] = []  # strong refs: no address reuse
+    # weak references (:func:`_recall`): strong ones would keep WINDOW activations alive
+    recent: list[tuple[tuple, list[str]]] = []
     order: list[list[str]] = []
 
     def hook_for(name):
@@ -139,15 +152,15 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
             x = module_input(args, kwargs, key)
             if not isinstance(x, torch.Tensor):
                 return
-            for t, members in recent:
-                if _same(t, x):
+            for ref, members in recent:
+                if _recalls(ref, x):
                     if name not in members:
                         members.append(name)
                     return
             members = [name]
             order.append(members)
-            recent.append((x, members))
-            del recent[:-WINDOW]
+            recent.append((_recall(x), members))
+            del recent[:-WINDOW]  # a freed input keeps its place: the window is as it was
         return pre
 
     handles = []
@@ -163,10 +176,10 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
         for h in handles:
             h.remove()
         recent.clear()
-    seen, groups = set(), []
+    grouped, groups = set(), []
     for members in order:  # a module called twice keeps its first group
-        members = [m for m in members if m not in seen]
-        seen.update(members)
+        members = [m for m in members if m not in grouped]
+        grouped.update(members)
         groups += _by_parent(members)
     return groups + _sibling_groups(model, groups, names)
 
