@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 import sys
 
 import numpy as np
@@ -19,7 +20,8 @@ from .spec import QuantSpec
 
 __all__ = ["check_bool", "check_float32_range", "check_global_amax", "check_int", "check_not_meta",
            "check_number", "check_path", "check_per_unit", "check_range_args", "check_real",
-           "check_spec", "dtensor_error", "env_flag", "is_dtensor", "outside_quantscope"]
+           "check_spec", "dtensor_error", "env_flag", "is_dtensor", "outside_quantscope",
+           "regex_problem"]
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -172,3 +174,68 @@ def dtensor_error(who: str, x) -> TypeError:
                      f"this rank's shard of a distributed tensor; pass x.full_tensor() to "
                      f"observe the whole tensor (on every rank) or x.to_local() to observe "
                      f"this rank's part knowingly")
+
+
+#: a ``re:`` target of a file someone else wrote: at most this long, and at most this many
+#: repeats (``*``, ``+``, ``{m,n}``): k of them in a row cost ~len(name)**k steps on a name
+#: they fail on (7 ``.*``: 5 s for one 67-character module name)
+PATTERN_MAX, PATTERN_REPEATS = 512, 3
+
+
+def _sre():
+    """``re``'s own parser and its constants (``re._parser`` since 3.11, ``sre_parse``
+    before)."""
+    try:
+        from re import _constants, _parser
+    except ImportError:  # Python 3.10
+        import sre_constants as _constants
+        import sre_parse as _parser
+    return _constants, _parser
+
+
+def _regex_nodes(tree):
+    """Every ``(op, argument)`` node of a parsed regular expression, nested ones included."""
+    c, _ = _sre()
+    for op, av in tree:
+        yield op, av
+        if op in (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", None)):
+            subs = [av[2]]
+        elif op in (c.SUBPATTERN, c.ASSERT, c.ASSERT_NOT):
+            subs = [av[-1]]
+        elif op is c.BRANCH:
+            subs = av[1]
+        elif op is c.GROUPREF_EXISTS:
+            subs = [s for s in av[1:] if s is not None]
+        elif op is getattr(c, "ATOMIC_GROUP", None):
+            subs = [av]
+        else:
+            subs = []
+        for sub in subs:
+            yield from _regex_nodes(sub)
+
+
+def regex_problem(pattern: str) -> str | None:
+    """Why the regular expression ``pattern`` (a ``re:`` target, without ``re:``) of an
+    untrusted file could make ``re.match`` run for hours, or None. Python's ``re`` has no
+    time limit: a repeat holding another repeat or alternatives (``(a+)+``, ``(.|.)*``)
+    backtracks exponentially on a name it fails on, many repeats in a row polynomially. A
+    pattern that does not compile is None here (the matcher's own error names it)."""
+    c, parser = _sre()
+    if len(pattern) > PATTERN_MAX:
+        return f"is {len(pattern)} characters long (at most {PATTERN_MAX})"
+    repeat_ops = {c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", None)}
+    try:
+        nodes = list(_regex_nodes(parser.parse(pattern)))
+        repeats = [av for op, av in nodes if op in repeat_ops and av[1] > 1]
+        nested = next((av for av in repeats if any(
+            op in repeat_ops or op is c.BRANCH for op, _ in _regex_nodes(av[2]))), None)
+    except (re.error, OverflowError):
+        return None
+    except RecursionError:
+        return "nests its groups too deeply"
+    if nested is not None:
+        return ("repeats a part that itself holds a repeat or alternatives (nested "
+                "quantifiers: exponential backtracking)")
+    if len(repeats) > PATTERN_REPEATS:
+        return f"has {len(repeats)} repeats (at most {PATTERN_REPEATS})"
+    return None

@@ -4,10 +4,10 @@ a :class:`UsageError` (one line on stderr, exit code 2), with the closest names 
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 
+from .._jsonfile import read_json
 from .names import DEMO_MODELS, OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 
 
@@ -124,10 +124,9 @@ def check_model_arg(path) -> None:
     if not os.path.isfile(config):
         raise UsageError(f"--model {path!r} is not a Hugging Face model folder (no config.json)")
     try:  # read here, so a damaged file is named (transformers' errors do not name it)
-        with open(config, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"--model {path!r}: {config} is not valid JSON ({e})") from None
+        data = read_json(config, f"--model {path!r}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if not isinstance(data, dict):
         raise UsageError(f"--model {path!r}: {config} holds a {type(data).__name__}, not a "
                          f"JSON object")

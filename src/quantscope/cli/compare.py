@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from .._jsonfile import read_json
 from .checks import (
     UsageError,
     check_activation_args,
@@ -306,10 +307,9 @@ def _read_report(run: str) -> tuple[str, dict]:
         raise UsageError(f"plot: {run!r} is not a compare run directory or report.json "
                          f"(no {path})")
     try:
-        with open(path, encoding="utf-8") as f:
-            report = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # else a bare parser message
-        raise UsageError(f"plot: {path} is not valid JSON ({e})") from None
+        report = read_json(path, "plot")
+    except ValueError as e:  # else a bare parser message
+        raise UsageError(str(e)) from None
     if not isinstance(report, dict) or "runs" not in report:
         raise UsageError(f"plot: {path} is not a compare report (no 'runs')")
     return path, report

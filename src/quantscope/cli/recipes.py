@@ -4,10 +4,10 @@ group size, KV cache and observers, checked against the model's layers."""
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Hashable
 
+from .._jsonfile import PARSER_LIMITS, NotJSON, parse_json, parser_limit
 from .checks import UsageError, check_name
 from .names import DEFAULT_IGNORE, DEFAULT_TARGETS, OBSERVER_NAMES, RECIPE_NAMES
 
@@ -186,10 +186,13 @@ def _recipe_text(path: str):
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--recipe-file {path!r}: cannot read it as UTF-8 text ({e})") from None
+    where = f"--recipe-file {path!r}"
     try:
-        return json.loads(text, object_pairs_hook=functools.partial(_unique, path))
-    except json.JSONDecodeError as e:
-        json_error = e
+        return parse_json(text, where, object_pairs_hook=functools.partial(_unique, path))
+    except NotJSON as e:
+        json_error = e.error
+    except ValueError as e:  # JSON nested too deeply: no YAML either
+        raise UsageError(str(e)) from None
     try:
         import yaml
     except ImportError:
@@ -197,6 +200,8 @@ def _recipe_text(path: str):
                          f"pyyaml") from None
     try:
         return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader (above)
+    except PARSER_LIMITS as e:
+        raise UsageError(str(parser_limit(where, e))) from None
     except yaml.YAMLError as e:
         if path.lower().endswith(".json"):  # YAML's message would describe another syntax
             raise UsageError(f"--recipe-file {path!r} is not valid JSON: {json_error}") from None

@@ -34,6 +34,7 @@ from .read_checks import (
     compressor,
     fmt_name,
     kv_scale_layer,
+    neutral_qparams,
     parse_quant_config,
     read_quant_config,
     rewriting_modifiers,
@@ -246,12 +247,7 @@ def _decompress(name, stored, fmt, scheme, spec, wshape) -> dict:
     try:
         return compressor(fmt, "format").decompress(_ct_unpackable(stored), scheme)
     except ValueError as e:
-        qshape = spec.layout.qparam_shape(wshape)
-        f32 = {"dtype": torch.float32}
-        neutral = {"weight_scale": torch.ones(qshape, **f32),
-                   "weight_global_scale": torch.ones(1, **f32),
-                   "weight_zero_point": torch.zeros(qshape, dtype=torch.int8)}
-        probe = {k: v for k, v in neutral.items() if k in stored}
+        probe = neutral_qparams(stored, spec, wshape)
         why = storage_problem(stored, probe, fmt, scheme, spec, wshape) or (
             "its tensors are not what the format stores")
         raise ValueError(f"from_compressed_tensors: {name}: {why} (compressed-tensors: "
@@ -332,7 +328,11 @@ def _read_module(name, wshape, stored, roles, specs, observers, fmt, scheme) -> 
         raise ValueError(f"from_compressed_tensors: {name}: its group quantizes the weight, but "
                          f"no weight_scale is stored (only {sorted(stored)}): a layer kept in "
                          f"float that the config's ignore does not name?")
-    if "weight" in roles:
+    if "weight" in roles:  # the shapes first: nothing allocated of the size config.json says
+        spec, probe = specs["weight"], neutral_qparams(stored, specs["weight"], wshape, "meta")
+        why = storage_problem(stored, probe, fmt, scheme, spec, wshape, meta=True)
+        if why:
+            raise ValueError(f"from_compressed_tensors: {name}: {why}")
         local = _decompress(name, stored, fmt, scheme, specs["weight"], wshape)
         why = storage_problem(stored, local, fmt, scheme, specs["weight"], wshape) or \
             _decoded_scale_problem(local)

@@ -9,14 +9,16 @@ carried into ``apply()``.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
+from .._checks import regex_problem
+from .._jsonfile import parse_json, read_json
+
 __all__ = ["SCALE_LEAVES", "check_kv_scheme", "compressor", "fmt_name", "kv_scale_layer",
-           "parse_quant_config", "read_quant_config", "rewriting_modifiers",
+           "neutral_qparams", "parse_quant_config", "read_quant_config", "rewriting_modifiers",
            "safetensors_headers", "scale_problem", "scale_values", "storage_problem"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
@@ -32,10 +34,7 @@ def read_quant_config(path, who: str) -> tuple[Path, dict, dict]:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{who}: {cfg_file} does not exist")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{who}: {cfg_file} is not readable JSON ({e})") from None
+    config = read_json(cfg_file, who)
     if not isinstance(config, dict):
         raise ValueError(f"{who}: {cfg_file} holds a {type(config).__name__}, not an object")  # noqa: TRY004
     qc = config.get("quantization_config")
@@ -43,7 +42,26 @@ def read_quant_config(path, who: str) -> tuple[Path, dict, dict]:
     if method != "compressed-tensors":
         raise ValueError(f"{who}: {cfg_file} has no compressed-tensors quantization_config "
                          f"(quant_method {method!r})")
+    _check_patterns(cfg_file, qc, who)
     return cfg_file, config, qc
+
+
+def _check_patterns(cfg_file, qc: dict, who: str) -> None:
+    """Refuse a ``re:`` target or ignore entry that could backtrack for hours (nested
+    quantifiers, :func:`~quantscope._checks.regex_problem`), before anything matches it
+    (compressed-tensors' matcher, ``check``'s strategies): a regex has no time limit."""
+    groups = qc.get("config_groups")
+    fields = [(f"config_groups.{g}.targets", s.get("targets"))
+              for g, s in (groups.items() if isinstance(groups, dict) else ())
+              if isinstance(s, dict)] + [("ignore", qc.get("ignore"))]
+    for field, value in fields:
+        for i, t in enumerate([value] if isinstance(value, str) else
+                              value if isinstance(value, list) else ()):
+            why = regex_problem(t[3:]) if isinstance(t, str) and t.startswith("re:") else None
+            if why:
+                raise ValueError(f"{who}: {cfg_file}: quantization_config.{field}[{i}]: "
+                                 f"{t[:80]!r}{' ...' if len(t) > 80 else ''} {why}; such a "
+                                 f"pattern can take hours to match a module name")
 
 
 def fmt_name(fmt) -> str:
@@ -130,9 +148,10 @@ def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int
             if not 0 < n <= min(_HEADER_MAX, os.path.getsize(f) - 8):
                 raise ValueError(f"{who}: {f}: header length {n} does not fit the file")
             try:
-                header = json.loads(fh.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{who}: {f}: header is not JSON ({e})") from None
+                text = fh.read(n).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{who}: {f}: header is not UTF-8 JSON ({e})") from None
+            header = parse_json(text, f"{who}: {f}: header")
         if not isinstance(header, dict):
             raise ValueError(f"{who}: {f}: header is not a JSON object")  # noqa: TRY004
         for name, meta in header.items():
@@ -170,13 +189,34 @@ def scale_problem(name: str, tensor: torch.Tensor) -> str | None:
     return None
 
 
+#: the tensors that hold a module's weight (codes, packed codes, the unpacked shape)
+_WEIGHT_KEYS = ("weight", "weight_packed", "weight_shape")
+
+
+def neutral_qparams(stored: dict, spec, weight_shape, device=None) -> dict:
+    """Scales of 1 and zero points of 0 in ``spec``'s shapes, for the quantization tensors
+    of ``stored``: qparams on which compressed-tensors' compressor tells what it stores."""
+    qshape = spec.layout.qparam_shape(weight_shape)
+    f32 = {"dtype": torch.float32, "device": device}
+    neutral = {"weight_scale": lambda: torch.ones(qshape, **f32),
+               "weight_global_scale": lambda: torch.ones(1, **f32),
+               "weight_zero_point": lambda: torch.zeros(qshape, dtype=torch.int8,
+                                                        device=device)}
+    return {k: make() for k, make in neutral.items() if k in stored}
+
+
 def storage_problem(stored: dict, decompressed: dict, fmt, scheme, spec,
-                    weight_shape) -> str | None:
+                    weight_shape, meta: bool = False) -> str | None:
     """Why a module's stored weight tensors are not what compressed-tensors writes for the
     config's ``weights`` args (a config edited to other ``num_bits`` / ``type`` than the
     data), or None. compressed-tensors' own compressor, run on a zero weight of the module's
     shape with the read scales, gives the names, dtypes and shapes it writes; int codes
-    stored unpacked must lie in the format's range."""
+    stored unpacked must lie in the format's range. ``meta``: the stored weight's shape
+    only, against the one compressed-tensors gives on the meta device (``decompressed``:
+    :func:`neutral_qparams` there): nothing of the size ``config.json`` claims for the
+    module is allocated, so a config claiming a 32768 x 32768 layer beside a 32 x 32 one
+    costs no 4 GiB of zeros. Run first, it bounds what the full check and the decoding
+    allocate by the bytes on disk."""
     from compressed_tensors.quantization import QuantizationArgs
 
     # the format's own rule for the weights args it stores (an NVFP4 packer decodes fp4
@@ -190,20 +230,21 @@ def storage_problem(stored: dict, decompressed: dict, fmt, scheme, spec,
     if "weight_zero_point" in probe:  # as compressed-tensors holds it (``zp_dtype``): the
         # one it writes is that, or that packed; a float one would pass through unchecked
         probe["weight_zero_point"] = probe["weight_zero_point"].to(scheme.weights.zp_dtype)
-    probe["weight"] = torch.zeros(weight_shape, dtype=torch.float32)
+    probe["weight"] = torch.zeros(weight_shape, dtype=torch.float32,
+                                  device="meta" if meta else None)
     try:
         expected = decoder.compress(probe, scheme)
     except Exception as e:  # noqa: BLE001 -- compressed-tensors raises many types
         return f"compressed-tensors cannot store its weights as the config says ({e})"
     for key, want in expected.items():
         got = stored.get(key)
-        if got is None:
-            continue
+        if got is None or meta and (key not in _WEIGHT_KEYS or got.shape == want.shape):
+            continue  # meta: the weight's shape only (the rest is checked as read)
         if got.dtype != want.dtype or got.shape != want.shape or (
                 key == "weight_shape" and not torch.equal(got, want)):
             return (f"{key} is {got.dtype} {list(got.shape)}, but the config's weights "
                     f"({spec}) are stored as {want.dtype} {list(want.shape)}")
-    codes = stored.get("weight")
+    codes = None if meta else stored.get("weight")
     if codes is not None and codes.is_floating_point():  # float8 codes: NaN codes exist
         bad = ~torch.isfinite(codes.float())
         if bool(bad.any()):

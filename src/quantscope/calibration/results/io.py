@@ -15,13 +15,13 @@ float model first with :func:`~quantscope.calibration.choice.smooth.reapply` (as
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 
 import torch
 
-from ..._checks import check_path
+from ..._checks import check_path, regex_problem
+from ..._jsonfile import read_json
 from ...layout import Tensor
 from ...qparams import QParams, qparams_from_range
 from ...scales import not_encoded
@@ -71,10 +71,9 @@ def load(path, device="cpu") -> Calibration:
         return _Damaged(f"load: {where}: {key}: {msg}")
 
     try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _Damaged(f"load: {meta_path}: not valid JSON ({e})") from None
+        meta = read_json(meta_path, "load")
+    except ValueError as e:
+        raise _Damaged(str(e)) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise _Damaged(f"load: {meta_path} is not a quantscope calibration (format {got!r})")
@@ -92,6 +91,7 @@ def load(path, device="cpu") -> Calibration:
         recipe = Recipe.from_dict(meta["recipe"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise bad(meta_path, "recipe", f"{type(e).__name__}: {e}") from None
+    _check_patterns(recipe, meta_path, bad)
     try:
         tensors = load_file(tensor_path, device=str(device))
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:  # no path in theirs
@@ -113,6 +113,19 @@ def load(path, device="cpu") -> Calibration:
                  for k, t in tensors.items() if k.startswith(SMOOTH) and k not in used}
     return Calibration(recipe, states, meta.get("label", ""), info=meta.get("info", {}),
                        smoothing=smoothing)
+
+
+def _check_patterns(recipe: Recipe, meta_path, bad) -> None:
+    """Refuse a ``re:`` target or ignore entry of a file someone else may have written that
+    could backtrack for hours at ``apply()`` (:func:`~quantscope._checks.regex_problem`); a
+    recipe built in Python is the author's own, and not checked so."""
+    fields = [(f"recipe.rules[{i}].targets", r.targets) for i, r in enumerate(recipe.rules)]
+    for field, values in [*fields, ("recipe.ignore", recipe.ignore)]:
+        for p in values:
+            why = regex_problem(p[3:]) if p.startswith("re:") else None
+            if why:
+                raise bad(meta_path, field, f"{p[:80]!r} {why}; such a pattern can take "
+                                            f"hours to match a module name")
 
 
 def _refuse_stray(tensors, used, states, bad_tensor) -> None:

@@ -4,7 +4,7 @@ safetensors read a few tensors at a time (memory-mapped), for sequential calibra
 
 from __future__ import annotations
 
-import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..._checks import outside_quantscope
+from ..._jsonfile import read_json
 from ..structure.moe import is_experts_3d, is_gated
 from .disk_names import checkpoint_names, expert_names
 
@@ -26,9 +27,8 @@ TASKS = ("causal-lm", "embedding")
 
 def model_task(path) -> str:
     """``"causal-lm"`` or ``"embedding"``, from the folder's ``config.json`` architectures."""
-    with open(Path(path) / "config.json") as f:
-        config = json.load(f)
-    archs = config.get("architectures") or []
+    config = read_json(Path(path) / "config.json", "model_task")
+    archs = (config.get("architectures") if isinstance(config, dict) else None) or []
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
     return "causal-lm" if causal else "embedding"
 
@@ -239,11 +239,10 @@ def _refuse_quantized(path: Path) -> None:
     codes and scales that transformers decompresses on load; read here as they are, the
     int8 / fp8 codes would be calibrated as float weights."""
     config = (path if path.is_dir() else path.parent) / "config.json"
-    try:
-        with open(config, encoding="utf-8") as f:
-            qc = json.load(f).get("quantization_config")
-    except (OSError, ValueError, AttributeError):  # none, or not a JSON object: not told
+    if not config.is_file():  # a folder of safetensors alone: not told
         return
+    data = read_json(config, "calibrate")  # one that cannot be read tells nothing: refused
+    qc = data.get("quantization_config") if isinstance(data, dict) else None
     if qc:
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         raise ValueError(f"calibrate: checkpoint {str(path)!r} is quantized ({config} has a "
@@ -308,18 +307,20 @@ def _first(tensors):
 
 
 def _indexed(index: Path) -> dict:
-    """``{file: [its tensor names]}`` from a sharded checkpoint's index (its ``weight_map``)."""
-    try:
-        with open(index, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"calibrate: {index} is not valid JSON ({e})") from e
+    """``{file: [its tensor names]}`` from a sharded checkpoint's index (its ``weight_map``).
+    A shard is a plain file name of the folder, as transformers writes it: a path (absolute,
+    with a separator or ``..``) would read a file outside the folder given."""
+    data = read_json(index, "calibrate")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise ValueError(f"calibrate: {index} has no weight_map of tensor names to files")
     files = {}
     for k, v in weight_map.items():
+        if v in ("", ".", "..") or "\\" in v or os.path.basename(v) != v:
+            raise ValueError(f"calibrate: {index}: weight_map[{k!r}] is {v!r}, not a shard "
+                             f"file name of the folder (a path, which could name a file "
+                             f"outside it)")
         files.setdefault(index.parent / v, []).append(k)
     return files
 

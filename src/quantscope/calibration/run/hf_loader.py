@@ -10,8 +10,9 @@ needs its own code is refused before transformers sees it, with an error naming 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+
+from ..._jsonfile import read_json
 
 __all__ = ["ConfigTooLarge", "RemoteCodeRefused", "check_no_remote_code", "load_config",
            "load_tokenizer", "model_class", "parameter_budget", "pretrained"]
@@ -52,11 +53,7 @@ def parameter_budget(tensors: int, where: str):
 
 
 def _read_json(path: str, who: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{who}: {path} is not a readable JSON file ({e})") from None
+    data = read_json(path, who)
     if not isinstance(data, dict):
         raise ValueError(f"{who}: {path} holds a {type(data).__name__}, not a JSON object")  # noqa: TRY004
     return data
