@@ -56,8 +56,9 @@ def tensor_amax(spec: QuantSpec, lo: torch.Tensor, hi: torch.Tensor) -> torch.Te
 
 
 class HistogramScorer:
-    """:func:`~quantscope.estimators.error.histogram_error` of one histogram for many candidate sets: the occupied bins'
-    points and weights are prepared once (searches score several rounds of candidates).
+    """:func:`~quantscope.estimators.error.histogram_error` of one histogram for many
+    candidate sets: the occupied bins' points and weights are prepared once (searches score
+    several rounds of candidates).
     ``global_amax``: a global-scale spec's (NVFP4) tensor-wide ``max |x|``, required there."""
 
     def __init__(self, hist: Hist, spec: QuantSpec, *, centers: torch.Tensor | None = None,
@@ -74,12 +75,12 @@ class HistogramScorer:
                                      (hist.counts, hist.lo, hist.hi)) is not None
         self._derive, self._q, self._fmt = _kernel_consts(spec)
         counts = hist.counts
-        width = hist.width
+        width = hist.width.float()  # both paths: float32 ends and widths, as the kernel reads
         off = _offsets(points, counts.device)  # sub-points at (i + (k + 0.5) / points) w
         if self.kernel and centers is None:  # the same points and weights, in one C call
             U, B = counts.shape
             # the kernel reads float32 ends and widths (a Hist of float64 ends is public API)
-            cc, lo, wd = counts.contiguous(), kernels.contiguous(hist.lo), kernels.contiguous(width)
+            cc, lo, wd = counts.contiguous(), kernels.contiguous(hist.lo), width.contiguous()
             args = cc.data_ptr(), lo.data_ptr(), wd.data_ptr(), off.data_ptr()
             # room for every bin when that is small, else a first call counts the occupied
             n = B if U * B * points <= ELEMENT_BUDGET else \
@@ -92,7 +93,8 @@ class HistogramScorer:
             self.centers = self.counts = None  # [U, 1, P] views when the torch path asks
             return
         nz = counts > 0
-        centers = hist.centers() if centers is None else centers.float()
+        centers = (Hist(counts, hist.lo.float(), hist.hi.float(), step=width).centers()
+                   if centers is None else centers.float())
         if counts.shape[0] == 1:  # one unit: index the occupied bins directly
             keep = nz[0].nonzero()[:, 0]
             if keep.numel() < counts.shape[1]:
