@@ -8,20 +8,43 @@ C, a hang or a silently different result).
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import re
 import sys
+from collections.abc import Mapping
 
-import numpy as np
 import torch
 
+from .formats import as_bool, as_int, as_number
 from .spec import QuantSpec
 
-__all__ = ["check_bool", "check_float32_range", "check_global_amax", "check_int", "check_not_meta",
-           "check_number", "check_path", "check_per_unit", "check_range_args", "check_real",
-           "check_spec", "dtensor_error", "env_flag", "is_dtensor", "outside_quantscope",
-           "regex_problem"]
+__all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_float32_range",
+           "check_global_amax", "check_int", "check_not_meta", "check_number", "check_path",
+           "check_per_unit", "check_range_args", "check_real", "check_spec", "dtensor_error",
+           "env_flag", "is_dtensor", "outside_quantscope", "regex_problem"]
+
+
+class FrozenDict(Mapping):
+    """A read-only dict that hashes: a frozen dataclass's mapping field (its generated
+    ``__hash__`` hashes every field). Equal to a dict of the same items."""
+
+    def __init__(self, items=()):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+    def __hash__(self):  # of the items as a set: equal mappings in any order hash alike
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self):
+        return repr(self._items)
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -50,11 +73,11 @@ def check_real(who: str, **values) -> None:
 def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int:
     """``value`` as an int in ``[lo, hi]``: a Python or numpy integer (``bool`` is not an
     integer here)."""
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-    if not ok or value < lo or (hi is not None and value > hi):
+    n = as_int(value)
+    if n is None or n < lo or (hi is not None and n > hi):
         want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{who}: {name} must be an integer {want}, got {value!r}")
-    return int(value)
+    return n
 
 
 def check_path(who: str, path, name: str = "path") -> str:
@@ -68,24 +91,26 @@ def check_path(who: str, path, name: str = "path") -> str:
 def check_bool(who: str, name: str, value) -> bool:
     """``value`` as a bool: a Python or numpy bool only (``bool("no")`` is True: a string,
     0 / 1 or None would be read silently)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(  # noqa: TRY004 (as QuantSpec.symmetric and copy_zero_bin: one kind)
+    if as_bool(value) is None:
+        raise ValueError(
             f"{who}: {name} must be True or False, got {value!r}")
     return bool(value)
 
 
 def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,
                  lo_open: bool = False) -> float:
-    """``value`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    """``value`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``): a Python
+    or numpy real number (not a bool)."""
+    n = as_number(value)
+    ok = n is not None
     if ok:
-        v = float(value)
+        v = float(n)
         ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
     if not ok:
         left, right = "(" if lo_open else "[", ")" if hi == math.inf else "]"
         raise ValueError(f"{who}: {name} must be a finite number in {left}{lo}, {hi}{right}, "
                          f"got {value!r}")
-    return float(value)
+    return v
 
 
 def check_per_unit(who: str, name: str, t: torch.Tensor, units: int, device) -> None:

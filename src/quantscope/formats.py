@@ -16,8 +16,10 @@ values (quantization *codes* for integers, values for floats).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -42,6 +44,31 @@ __all__ = [
 ]
 
 
+# the Python values of numpy-or-Python scalars: formats, layouts and specs are below
+# _checks (which imports spec), so they live here and _checks reuses them
+def as_int(value) -> int | None:
+    """``value`` as a Python int if it is an integer (numpy's too; not a bool, which would
+    read as 0 / 1), else None. Constructors (formats, layouts, specs) keep the Python value:
+    numpy's would leak into ``to_dict`` (JSON) and ``repr``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def as_number(value) -> int | float | None:
+    """``value`` as a Python int or float if it is a real number (numpy's too; not a bool),
+    else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return as_int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def as_bool(value) -> bool | None:
+    """``value`` as a Python bool if it is a Python or numpy bool, else None (``bool("no")``
+    is True: a string, 0 / 1 or None would be read silently)."""
+    return bool(value) if isinstance(value, (bool, np.bool_)) else None
+
+
 @dataclass(frozen=True)
 class IntFormat:
     """A ``bits``-wide integer; ``narrow`` drops the most negative code (``qmin = -qmax``)."""
@@ -53,6 +80,12 @@ class IntFormat:
     def __post_init__(self):
         if not isinstance(self.bits, int) or not 2 <= self.bits <= 16:
             raise ValueError(f"IntFormat.bits must be an integer from 2 to 16, got {self.bits!r}")
+        for name in ("signed", "narrow"):  # None or "no" would pass here and break in str / to_dict
+            flag = as_bool(getattr(self, name))
+            if flag is None:
+                raise ValueError(f"IntFormat.{name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
+            object.__setattr__(self, name, flag)
         if self.narrow and not self.signed:
             raise ValueError("IntFormat.narrow applies to signed formats only (got signed=False)")
 
@@ -122,6 +155,12 @@ class FloatFormat:
     signed = True
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:  # it names the format in str / JSON
+            raise ValueError(
+                f"FloatFormat.name must be a non-empty string, got {self.name!r}")
+        if self.torch_dtype is not None and not isinstance(self.torch_dtype, torch.dtype):
+            raise ValueError(
+                f"FloatFormat.torch_dtype must be a torch.dtype or None, got {self.torch_dtype!r}")
         for name in ("ebits", "mbits"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):

@@ -39,6 +39,8 @@ from typing import ClassVar
 
 import torch
 
+from .formats import as_int
+
 __all__ = ["Block", "Channel", "Group", "Layout", "Tensor", "Tile", "Token", "parse_layout"]
 
 
@@ -231,8 +233,10 @@ class _Segments(Layout):
     _name: str = ""
 
     def __post_init__(self):
-        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
+        size = as_int(self.size)  # numpy's too (as axis), kept as a Python int
+        if size is None or size <= 0:
             raise ValueError(f"{self._name}: size must be a positive integer, got {self.size!r}")
+        object.__setattr__(self, "size", size)
         _int_axis(self, self._name)
 
     def _geometry(self, shape):
@@ -380,8 +384,10 @@ class Tile(Layout):
     def __post_init__(self):
         for name in ("rows", "cols"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:  # True is no size
+            n = as_int(v)  # True is no size; numpy's integers are, kept as Python ints
+            if n is None or n <= 0:
                 raise ValueError(f"Tile: {name} must be a positive integer, got {v!r}")
+            object.__setattr__(self, name, n)
 
     def _geometry(self, shape):
         if len(shape) < 2:

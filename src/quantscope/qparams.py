@@ -66,7 +66,7 @@ def amax_of_range(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return torch.maximum(-lo, hi)
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: ``==`` is identity (as Calibration's)
 class QParams:
     """Scale, zero point and optional global scale, shaped per the spec's layout.
 

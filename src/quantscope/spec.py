@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._numerics import _F32_MAX, as_float32
-from .formats import FloatFormat, Format, IntFormat, format_to_json, get_format
+from .formats import FloatFormat, Format, IntFormat, as_int, as_number, format_to_json, get_format
 from .layout import Block, Layout, parse_layout
 from .scales import ScaleEncoding, encode_scale
 
@@ -81,11 +81,12 @@ class QuantSpec:
             raise ValueError(
                 f"QuantSpec.format: fp8 block scales with a global scale (NVFP4) take a float "
                 f"element format, got {fmt.name}")
-        if self.eps is not None and not (isinstance(self.eps, (int, float))
-                                         and not isinstance(self.eps, bool)
-                                         and 0 < as_float32(self.eps) < math.inf):
-            raise ValueError(f"QuantSpec.eps must be a positive number that float32 holds "
-                             f"(scales are float32: 1e-45 to 3.4e38), got {self.eps!r}")
+        if self.eps is not None:  # numpy's numbers too, kept as Python ones (to_dict: JSON)
+            eps = as_number(self.eps)
+            if eps is None or not 0 < as_float32(eps) < math.inf:
+                raise ValueError(f"QuantSpec.eps must be a positive number that float32 holds "
+                                 f"(scales are float32: 1e-45 to 3.4e38), got {self.eps!r}")
+            object.__setattr__(self, "eps", eps)
         if self.eps is not None and scale.kind == "e8m0":
             raise ValueError(f"QuantSpec.eps: E8M0 block scales ({scale}) take no eps (an all-"
                              f"zero block gets 2**-127); leave it None, got {self.eps!r}")
@@ -107,9 +108,11 @@ class QuantSpec:
         holds 0, and narrower only without a block scale (its exponent comes from emax)."""
         for name in ("quant_min", "quant_max"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            n = None if v is None else as_int(v)  # numpy's too, kept as a Python int
+            if v is not None and n is None:
                 raise ValueError(f"QuantSpec.quant_min/quant_max: need integers or None, got "
                                  f"{name}={v!r}")
+            object.__setattr__(self, name, n)
         if self.quant_min is None and self.quant_max is None:
             return
         if not isinstance(fmt, IntFormat):
@@ -158,6 +161,8 @@ class QuantSpec:
             parts.append(f"scale={self.scale}")
         if self.quant_min is not None or self.quant_max is not None:
             parts.append(f"range=[{self.qmin},{self.qmax}]")
+        if self.eps is not None:  # the smallest scale: another eps quantizes differently
+            parts.append(f"eps={self.eps!r}")
         return " ".join(parts)
 
     def to_dict(self) -> dict:

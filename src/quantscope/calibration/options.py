@@ -21,17 +21,15 @@ A new capability adds a field to one of them. The keywords of the flat signature
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
-from .._checks import outside_quantscope
+from .._checks import FrozenDict, as_int, as_number, outside_quantscope
 from .choice.candidates import check_candidates
 from .choice.sensitivity import FALLBACK_MODES
 from .choice.smooth import check as _check_alpha
@@ -52,22 +50,6 @@ LOSS_METRICS = ("model", "fisher")
 SEED_RANGE = (-0x8000_0000_0000_0000, 0xFFFF_FFFF_FFFF_FFFF)
 
 
-def _integer(value) -> int | None:
-    """``value`` as a Python int if it is an integer (numpy's too; not a bool, which would
-    read as 0 / 1), else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return None
-    return operator.index(value)
-
-
-def _number(value) -> int | float | None:
-    """``value`` as a Python int or float if it is a real number (numpy's too; not a bool),
-    else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    return _integer(value) if isinstance(value, numbers.Integral) else float(value)
-
-
 def _set(obj, name: str, value) -> None:
     """Stores a checked field's plain Python value (a frozen dataclass)."""
     object.__setattr__(obj, name, value)
@@ -76,7 +58,7 @@ def _set(obj, name: str, value) -> None:
 def _positive_int(obj, name: str, shown: str | None = None) -> None:
     """Checks ``obj.name`` and stores it as a Python int; ``shown``: the field in messages."""
     value = getattr(obj, name)
-    n = _integer(value)
+    n = as_int(value)
     if n is None or n < 1:
         raise ValueError(f"calibrate: {type(obj).__name__}.{shown or name} must be a positive "
                          f"integer, got {value!r}")
@@ -117,12 +99,12 @@ class Sampling:
         _positive_int(self, "tokens")
         b = self.budget_mb
         if b is not None:
-            mb = _number(b)
+            mb = as_number(b)
             if mb is None or not math.isfinite(mb) or mb <= 0:
                 raise ValueError(f"calibrate: Sampling.budget_mb (sample_budget_mb) must be a "
                                  f"positive number of MB, got {b!r}")
             _set(self, "budget_mb", mb)
-        seed = _integer(self.seed)
+        seed = as_int(self.seed)
         if seed is None:
             raise TypeError(f"calibrate: Sampling.seed must be an integer, got {self.seed!r}")
         low, high = SEED_RANGE
@@ -224,7 +206,7 @@ class Outliers:
             _set(self, "smooth", _check_alpha(self.smooth))
         except ValueError as e:  # named as the other fields are
             raise ValueError(f"calibrate: Outliers.{e}") from None
-        k = _integer(self.keep_float)
+        k = as_int(self.keep_float)
         if k is None or k < 0:
             raise ValueError(f"calibrate: Outliers.keep_float must be a non-negative integer, "
                              f"got {self.keep_float!r}")
@@ -267,7 +249,7 @@ class Sequential:
         _one_of("Sequential", "mode", self.mode, MODES)
         b = self.cache_budget_mb
         if b is not None:  # inf / NaN have no byte count
-            mb = _number(b)
+            mb = as_number(b)
             if mb is None or not math.isfinite(mb) or mb < 0:
                 raise ValueError(f"calibrate: Sequential.cache_budget_mb must be a finite "
                                  f"number of MB >= 0, got {b!r}")
@@ -315,7 +297,8 @@ class Runtime:
             ``"skip"`` leaves that role unquantized, ``"float"`` the whole layer, ``"error"``
             raises; a fallback is listed in ``calibration.info["missing"]`` and warned about.
         time_groups: ``{name: [labels]}``: also time each group of recipes as one, in each
-            member's ``info["group_seconds"][name]`` (``auto`` times its candidates so).
+            member's ``info["group_seconds"][name]`` (``auto`` times its candidates so);
+            kept read-only (a hashable mapping, each group a tuple).
     """
 
     distributed: bool = False
@@ -329,10 +312,12 @@ class Runtime:
         _one_of("Runtime", "missing", self.missing, MISSING_POLICIES)
         groups = self.time_groups
         # each group a list of labels, read twice (a string would be its letters)
-        if groups is not None and (not isinstance(groups, dict) or not all(
+        if groups is not None and (not isinstance(groups, Mapping) or not all(
                 isinstance(labels, (list, tuple, set, frozenset)) for labels in groups.values())):
             raise ValueError(f"calibrate: Runtime.time_groups must be a dict of label lists "
                              f"({{'name': ['label', ...]}}), got {groups!r}")
+        if groups is not None:  # read-only and hashable: the frozen dataclass hashes it
+            _set(self, "time_groups", FrozenDict((k, tuple(v)) for k, v in groups.items()))
 
 
 def _check_group(group) -> None:

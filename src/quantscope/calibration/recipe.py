@@ -19,7 +19,7 @@ histogram observers' weights min-max (:func:`weight_observer`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -173,9 +173,10 @@ class Recipe:
     kv_cache: Role | None = None
 
     def __post_init__(self):
-        if isinstance(self.rules, Rule):
-            object.__setattr__(self, "rules", (self.rules,))
-        object.__setattr__(self, "rules", tuple(self.rules))
+        rules = (self.rules,) if isinstance(self.rules, Rule) else self.rules
+        if isinstance(rules, (str, Mapping)) or not isinstance(rules, Iterable):  # None, 5
+            raise TypeError(f"Recipe.rules must be a Rule or a list of Rules, got {rules!r}")
+        object.__setattr__(self, "rules", tuple(rules))
         if not isinstance(self.name, str):  # it labels reports and names the saved recipe
             raise TypeError(f"Recipe.name must be a string, got {self.name!r}")
         object.__setattr__(self, "ignore", patterns("Recipe.ignore", self.ignore))
@@ -191,9 +192,8 @@ class Recipe:
         object.__setattr__(self, "kv_cache", kv_cache_role(self.kv_cache))
         if not self.rules and self.kv_cache is None:  # a KV-cache-only recipe has none
             raise ValueError("Recipe.rules: a recipe needs at least one rule or a kv_cache")
-        for r in self.rules:
-            if not isinstance(r, Rule):
-                raise TypeError(f"Recipe.rules must hold Rule objects, got {type(r).__name__}")
+        if bad := [r for r in self.rules if not isinstance(r, Rule)]:
+            raise TypeError(f"Recipe.rules must hold Rule objects, got {type(bad[0]).__name__}")
 
     def match(self, model: nn.Module) -> dict[str, tuple[nn.Module, dict[str, Role]]]:
         """``{module name: (module, {role: Role})}`` for every module a rule takes.

@@ -14,7 +14,7 @@ from ...spec import QuantSpec
 __all__ = ["RoleState"]
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: ``==`` is identity, quantizes_like compares
 class RoleState:
     """The calibrated quantizer of one tensor (a layer's weight, input or output).
 
@@ -46,7 +46,10 @@ class RoleState:
             return ((None, None, None) if qp is None else (qp.scale, qp.zero_point,
                                                            qp.global_scale)) + (
                 None if amax is None else nvfp4_global_scale(amax, st.spec.format),)
-        return (self.spec == other.spec and self.dynamic == other.dynamic
+        # spec equality ignores an act-order group's g_idx: its column order must match too
+        order = [getattr(st.spec.layout, "order", None) for st in (self, other)]
+        return (self.spec == other.spec and order[0] == order[1]
+                and self.dynamic == other.dynamic
                 and (self.dynamic is not True or (self.observer == other.observer and
                                                   dict(self.options) == dict(other.options)))
                 and all(a is b or (a is not None and b is not None and a.shape == b.shape
