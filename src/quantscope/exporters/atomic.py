@@ -7,25 +7,28 @@ only with ``overwrite``, only when quantscope wrote it (its :data:`MARKER`, list
 wrote there), only by an output of its kind (:func:`output_kind`), holding no output of
 another kind (:data:`_NESTS`) and nothing this process could not delete; a name that fits
 NAME_MAX. :func:`atomic_dir` / :func:`atomic_file` build under a temporary name beside the
-target (``.NAME.XXXXXXXX.tmp``, NAME cut to fit) and swap it in: one ``renameat2`` exchange
-on Linux, else under a lock on the parent. What is written gets the user's umask modes, not
-tempfile's private ones; files copied in from elsewhere keep their own.
+target (``.NAME.XXXXXXXX.tmp``, NAME cut to fit) and swap it in (:mod:`.atomic_swap`): one
+``renameat2`` exchange on Linux, else under a lock on the parent. What is written gets the
+user's umask modes, not tempfile's private ones; files copied in from elsewhere keep their own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import fnmatch
 import itertools
 import json
 import os
-import shutil
 import tempfile
-import warnings
 
 from .._checks import check_path
+from .atomic_swap import (
+    _RENAME_EXCHANGE,  # noqa: F401 (importable here, as before the split)
+    _parent_lock,  # noqa: F401 (importable here, as before the split)
+    _remove,
+    _renameat2,
+    swap_in,
+)
 
 __all__ = ["EXPORT_EXTRAS", "MARKER", "atomic_dir", "atomic_file", "check_writable_target",
            "output_kind", "written_by_quantscope"]
@@ -41,8 +44,6 @@ EXPORT_EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "*.spm", "chat_template.jinja", "chat_template.json", "generation_config.json")
 #: the weight files the export copied from the source folder before EXPORT_EXTRAS: none
 _OLD_UNCOPIED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
-_RETRIES = 100  # swaps lost to other writers before giving up (each loss is another's win)
-_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2's flags
 
 
 def written_by_quantscope(path) -> bool:
@@ -379,80 +380,11 @@ def _public_modes(top: str, keep=()) -> None:
                 os.chmod(p, mode & ~mask)
 
 
-def _renameat2(src: str, dst: str, flags: int) -> bool:
-    """``renameat2(src, dst, flags)``; False where the system or file system lacks it."""
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if fn is None:
-        return False
-    at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), dst)
-
-
-@contextlib.contextmanager
-def _parent_lock(parent: str):
-    """An exclusive lock on the parent folder, for the swap where no atomic exchange exists."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock (its rename refuses an existing target anyway)
-        yield
-        return
-    fd = os.open(parent, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def _swap_in(tmp: str, path: str, overwrite: bool, kind: str, what: str | None) -> None:
-    """Put ``tmp`` at ``path``; the old ``path`` ends at ``tmp`` (removed by the caller)."""
-    for _ in range(_RETRIES):
-        try:
-            if not os.path.lexists(path):
-                if _renameat2(tmp, path, _RENAME_NOREPLACE):
-                    return
-                return _swap_locked(tmp, path, overwrite, kind, what)
-            _check_replaceable(path, overwrite, kind, what)  # another writer's may have come
-            if _renameat2(tmp, path, _RENAME_EXCHANGE):
-                return
-            return _swap_locked(tmp, path, overwrite, kind, what)
-        except FileExistsError:
-            continue  # another writer created it meanwhile: it is there now, exchange
-        except FileNotFoundError:
-            continue  # another writer (without the exchange) moved it aside: create it
-    raise RuntimeError(f"output {path!r}: other processes replaced it {_RETRIES} times while "
-                       f"this one tried to; write one output from one process at a time")
-
-
-def _swap_locked(tmp: str, path: str, overwrite: bool, kind: str, what: str | None) -> None:
-    parent = os.path.dirname(path)
-    with _parent_lock(parent):
-        if not os.path.lexists(path):
-            os.rename(tmp, path)
-            return
-        _check_replaceable(path, overwrite, kind, what)
-        old = tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".old", dir=parent)
-        os.rename(path, os.path.join(old, "x"))
-        os.rename(tmp, path)
-        os.rename(os.path.join(old, "x"), tmp)
-        os.rmdir(old)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-        if os.path.lexists(path):  # never a hidden copy left without a word
-            warnings.warn(f"quantscope could not remove its temporary folder {path!r} (the "
-                          f"replaced or unfinished output): remove it yourself",
-                          RuntimeWarning, stacklevel=3)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+    """Put ``tmp`` at ``path`` (:func:`~.atomic_swap.swap_in`; the old output ends at ``tmp``),
+    re-checking an existing ``path``: another writer's may have come meanwhile."""
+    swap_in(tmp, path, lambda: _check_replaceable(path, overwrite, kind, what),
+            _temp_prefix(path), _renameat2)  # looked up here: tests replace atomic._renameat2
 
 
 @contextlib.contextmanager

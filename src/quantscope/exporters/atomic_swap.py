@@ -1,0 +1,126 @@
+"""The swap of :mod:`quantscope.exporters.atomic`: a complete temporary folder put at the
+output path, the old output left at the temporary's name for the caller to remove.
+
+On Linux one ``renameat2`` call exchanges the two names (the output never absent). Where
+it is missing (another system, a file system without it) the old output is moved aside
+into ``.NAME.XXXXXXXX.old/x``, the new one renamed in, the old one moved to the
+temporary's name, under an exclusive lock on the parent folder (none without ``fcntl``:
+Windows, whose rename refuses an existing target). A swap that fails or is interrupted
+between those renames puts the old output back (or, superseded, deletes it): never lost,
+never left hidden. Only a kill at that instant (nothing can run) leaves it in the ``.old``
+folder (docs/SECURITY.md names the recovery).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import shutil
+import tempfile
+import warnings
+
+__all__ = ["swap_in"]
+
+_RETRIES = 100  # swaps lost to other writers before giving up (each loss is another's win)
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2's flags
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; False where the system or file system lacks it."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+@contextlib.contextmanager
+def _parent_lock(parent: str):
+    """An exclusive lock on the parent folder, for the swap where no atomic exchange exists."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock (its rename refuses an existing target anyway)
+        yield
+        return
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def swap_in(tmp: str, path: str, check, prefix: str, renameat2=_renameat2) -> None:
+    """Put ``tmp`` at ``path``; the old ``path`` ends at ``tmp`` (removed by the caller).
+    ``check()`` refuses an existing ``path`` that may not be replaced (another writer's may
+    have come meanwhile); ``prefix``: the ``.old`` folder's; ``renameat2``: as
+    :func:`_renameat2` (the caller passes its own name for it, which tests replace)."""
+    for _ in range(_RETRIES):
+        try:
+            if not os.path.lexists(path):
+                if renameat2(tmp, path, _RENAME_NOREPLACE):
+                    return
+                return _swap_locked(tmp, path, check, prefix)
+            check()
+            if renameat2(tmp, path, _RENAME_EXCHANGE):
+                return
+            return _swap_locked(tmp, path, check, prefix)
+        except FileExistsError:
+            continue  # another writer created it meanwhile: it is there now, exchange
+        except FileNotFoundError:
+            continue  # another writer (without the exchange) moved it aside: create it
+    raise RuntimeError(f"output {path!r}: other processes replaced it {_RETRIES} times while "
+                       f"this one tried to; write one output from one process at a time")
+
+
+def _swap_locked(tmp: str, path: str, check, prefix: str) -> None:
+    parent = os.path.dirname(path)
+    with _parent_lock(parent):
+        if not os.path.lexists(path):
+            os.rename(tmp, path)
+            return
+        check()
+        old = tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=parent)
+        try:
+            os.rename(path, os.path.join(old, "x"))
+            os.rename(tmp, path)
+            os.rename(os.path.join(old, "x"), tmp)
+            os.rmdir(old)
+        except BaseException:  # Ctrl-C, an OSError, another writer's output (no lock)
+            _undo(old, path)
+            raise
+
+
+def _undo(old: str, path: str) -> None:
+    """After a failed or interrupted swap: the old output moved aside into ``old`` goes back
+    to ``path`` where that is free (the new one never arrived); else it is superseded (the
+    new output, or another writer's, is there) and deleted, as a whole swap would have."""
+    aside = os.path.join(old, "x")
+    if os.path.lexists(aside) and not os.path.lexists(path):
+        try:
+            os.rename(aside, path)
+        except OSError as e:
+            warnings.warn(f"quantscope could not put the previous output back at {path!r} "
+                          f"({e.strerror}): it is at {aside!r}; rename it back yourself",
+                          RuntimeWarning, stacklevel=4)
+            return
+    _remove(old)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):  # never a hidden copy left without a word
+            warnings.warn(f"quantscope could not remove its temporary folder {path!r} (the "
+                          f"replaced or unfinished output): remove it yourself",
+                          RuntimeWarning, stacklevel=3)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
