@@ -36,7 +36,8 @@ def read_quant_config(path, who: str) -> tuple[Path, dict, dict]:
         raise FileNotFoundError(f"{who}: {cfg_file} does not exist")
     config = read_json(cfg_file, who)
     if not isinstance(config, dict):
-        raise ValueError(f"{who}: {cfg_file} holds a {type(config).__name__}, not an object")  # noqa: TRY004
+        raise ValueError(  # noqa: TRY004 (a bad file is a ValueError naming it)
+            f"{who}: {cfg_file} holds a {type(config).__name__}, not an object")
     qc = config.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method != "compressed-tensors":

@@ -55,7 +55,8 @@ def parameter_budget(tensors: int, where: str):
 def _read_json(path: str, who: str) -> dict:
     data = read_json(path, who)
     if not isinstance(data, dict):
-        raise ValueError(f"{who}: {path} holds a {type(data).__name__}, not a JSON object")  # noqa: TRY004
+        raise ValueError(  # noqa: TRY004 (a bad file is a ValueError naming it)
+            f"{who}: {path} holds a {type(data).__name__}, not a JSON object")
     return data
 
 
