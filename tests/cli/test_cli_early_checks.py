@@ -85,7 +85,25 @@ def test_evaluate_takes_threads(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", asked.append)
     cli.main(["evaluate", str(tmp_path / "run"), "--threads", "1", "--device", "cpu",
               "--no-progress"])  # the empty run then fails to load: the threads come first
-    assert asked == [1]
+    assert asked == [1, torch.get_num_threads()]  # and the caller's count is put back
+
+
+def test_main_puts_the_callers_thread_count_back(tmp_path):
+    """--threads set torch's count for the rest of an in-process caller's life."""
+    (tmp_path / "run" / "qparams").mkdir(parents=True)
+    (tmp_path / "run" / "qparams" / "quantscope.json").write_text("{}")
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    cli.main(["evaluate", str(tmp_path / "run"), "--threads", str(want), "--device", "cpu",
+              "--no-progress"])
+    assert torch.get_num_threads() == before
+
+
+def test_compare_help_names_only_its_own_recipe_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["compare", "--help"])
+    out = capsys.readouterr().out
+    assert "recipes and observers" in out and "one of --recipe, --scheme" not in out
 
 
 def test_device_is_checked_against_the_devices_torch_sees(monkeypatch):

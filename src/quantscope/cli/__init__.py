@@ -127,7 +127,13 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     with _quiet_third_parties():
-        return _run(args)
+        try:
+            return _run(args)
+        finally:  # --threads: the caller's process keeps its own count
+            if getattr(args, "threads_before", None):
+                import torch
+
+                torch.set_num_threads(args.threads_before)
 
 
 def _run(args) -> int:

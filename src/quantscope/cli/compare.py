@@ -55,7 +55,8 @@ def add_plot_parser(sub) -> None:
     p.add_argument("run", metavar="RUN", help="a compare output directory or its report.json")
     p.add_argument("--layer", default=None,
                    help="layer for the histogram (default: where observers differ most)")
-    p.add_argument("--role", default="input", choices=["input", "output"])
+    p.add_argument("--role", default="input", choices=["input", "output"],
+                   help="the activation role plotted (default: input)")
     p.add_argument("--recipe", default=None, help="only this recipe's clipping ranges")
     p.add_argument("--out", default=None, metavar="DIR", help="default: the run directory")
 

@@ -56,7 +56,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "'quantized': each block fake-quantized before it feeds the next "
                         "(default when given: float, the whole-model pass's qparams)")
     add_threads_arg(g)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds the order of the calibration batches and the activation "
+                        "rows sampled (default: 0)")
 
 
 def add_threads_arg(p) -> None:
@@ -141,7 +143,7 @@ def add_activation_args(g) -> None:
 
 def add_recipes_args(p: argparse.ArgumentParser) -> None:
     """Several recipes, each calibrated with each observer."""
-    g = p.add_argument_group("recipe (one of --recipe, --scheme, --recipe-file)")
+    g = p.add_argument_group("recipes and observers (each recipe with each observer)")
     g.add_argument("--recipes", default="w8a8,w4a8",
                    help=f"comma-separated quantscope presets, lower case "
                         f"({', '.join(RECIPE_NAMES)}), or compressed-tensors scheme names as "

@@ -97,10 +97,12 @@ def spread(docs: list, n: int) -> list:
 
 
 def set_threads(args) -> None:
-    """torch's CPU threads as ``--threads`` says (0: torch's choice)."""
+    """torch's CPU threads as ``--threads`` says (0: torch's choice); the caller's count is
+    kept in ``args.threads_before`` for ``main`` to put back."""
     if args.threads:
         import torch
 
+        args.threads_before = torch.get_num_threads()
         torch.set_num_threads(args.threads)
 
 
