@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -57,6 +58,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ... import comm as qd
+from ..._checks import outside_quantscope
 from ...stats.minmax_layouts import column_minmax
 from ..run.batches import eval_mode, forward_batch, input_name, module_input
 
@@ -359,6 +361,11 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
     parameter before it is changed, for :func:`restore`."""
     alpha = check(alpha)
     mappings = find_mappings(model)
+    if not mappings:  # an option set in vain: said, as keep_float says its own
+        warnings.warn("smooth: the model has no pair SmoothQuant smooths (MAPPINGS: a decoder "
+                      "layer's input_layernorm into q/k/v_proj, post_attention_layernorm into "
+                      "gate/up_proj, up_proj into down_proj, by name); nothing was smoothed",
+                      stacklevel=outside_quantscope())
     flow: dict[str, str] = {}
     ranges = (channel_ranges(model, batches, mappings, distributed, group, flow=flow)
               if mappings else {})

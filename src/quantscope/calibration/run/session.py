@@ -257,6 +257,11 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
             raise ValueError("calibrate: sequential and distributed calibration do not combine")
         if opts.runtime.time_groups:
             raise ValueError("calibrate: Runtime.time_groups is not available with sequential")
+        if opts.auto.metric == "fisher" and any(map(_auto._has_auto, recipes.values())):
+            raise ValueError("calibrate: Auto(metric='fisher') weighs errors by the model "
+                             "loss's gradients, which need the whole model's forward; "
+                             "sequential calibration runs one block at a time: use metric "
+                             "'joint' (the same error, unweighted) or calibrate the whole model")
         seq.check_here()
     for name, labels in (opts.runtime.time_groups or {}).items():
         unknown = [label for label in labels if label not in recipes]
