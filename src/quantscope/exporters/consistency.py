@@ -119,6 +119,26 @@ def _held_once(leaf: str, layers, entries, strategy) -> bool:
     return all(math.prod(entries[f"{layer}.{leaf}"][2] or [1]) == 1 for layer in layers)
 
 
+def _quantized(entries, layer: str) -> bool:
+    """Whether the checkpoint holds ``layer`` quantized: any scale or packed weight of it (a
+    float layer, one of the ignore list, holds its weight alone)."""
+    return any(f"{layer}.{leaf}" in entries for leaf in ("weight_packed", *SCALE_LEAVES))
+
+
+def _fused_groups(entries) -> dict[tuple[str, str], dict[str, str]]:
+    """``(parent, fused name) -> {shard: layer}`` of every fused shard the checkpoint
+    holds, float ones too (a layer of the ignore list, without scales): vLLM fuses it all
+    the same."""
+    shard_of = {s: fused for fused, shards in FUSED.items() for s in shards}
+    groups: dict[tuple[str, str], dict[str, str]] = {}
+    for name in entries:
+        layer, _, leaf = name.rpartition(".")
+        parent, _, shard = layer.rpartition(".")
+        if shard in shard_of and leaf in ("weight", "weight_packed", *SHARED):
+            groups.setdefault((parent, shard_of[shard]), {})[shard] = layer
+    return groups
+
+
 def _expert_problems(entries) -> list[dict]:
     """The experts modules whose experts disagree on an input scale the fused MoE layer
     holds once (:data:`EXPERT_SHARED`), one problem per module, slot and scale: some experts
@@ -155,7 +175,9 @@ def check(path) -> list[dict]:
     ``{"tensor": name, "values": {...}, "non_finite": True}`` for a NaN / inf scale, and
     ``{"group": experts module, "experts": "w13" or the down shard, ...}`` for experts that
     disagree on an input scale the fused MoE layer holds once (``"held_by"`` where only some
-    experts hold it).
+    experts hold it), and ``{"group": ..., "layers": [shards], "tensor": "weight", "float":
+    [layers]}`` for a fused layer whose shards are partly quantized (an ignore list that holds
+    some of them).
     """
     folder = Path(check_path("check", path))
     if not folder.is_dir():
@@ -170,8 +192,6 @@ def check(path) -> list[dict]:
         raise ValueError(f"check: the .safetensors files of {str(path)!r} hold no tensor")
     strategy = _weight_strategies(qc)
     problems = []
-    shard_of = {s: (fused, s) for fused, shards in FUSED.items() for s in shards}
-    groups: dict[tuple[str, str], dict[str, str]] = {}  # (parent, fused) -> {shard: layer}
     for name in entries:
         layer, _, leaf = name.rpartition(".")
         if leaf in SCALE_LEAVES:  # every scale, per-channel ones too: finite and > 0
@@ -181,13 +201,13 @@ def check(path) -> list[dict]:
                 problems.append({"tensor": name, "values": {layer: float(
                     values[~torch.isfinite(values) | (values <= 0)].reshape(-1)[0])},
                     "non_finite": True, "why": why})
-        if leaf not in SHARED:
-            continue
-        parent, _, shard = layer.rpartition(".")
-        if shard in shard_of:
-            groups.setdefault((parent, shard_of[shard][0]), {})[shard] = layer
-    for (parent, fused), shards in sorted(groups.items()):
-        layers = [shards[s] for s in FUSED[fused] if s in shards]
+    for (parent, fused), shards in sorted(_fused_groups(entries).items()):
+        group = f"{parent}.{fused}" if parent else fused
+        every = [shards[s] for s in FUSED[fused] if s in shards]
+        layers = [layer for layer in every if _quantized(entries, layer)]
+        if layers and len(layers) < len(every):  # the ignore list split the group
+            problems.append({"group": group, "layers": every, "tensor": "weight",
+                             "values": {}, "float": [x for x in every if x not in layers]})
         if len(layers) < 2:
             continue
         for leaf in SHARED:
@@ -195,17 +215,16 @@ def check(path) -> list[dict]:
             held = [layer for layer, n in zip(layers, names) if n in entries]
             if held and len(held) < len(layers):  # the shards' schemes differ (static input
                 # on some, dynamic or none on others): the fused layer serves one of them
-                problems.append({"group": f"{parent}.{fused}" if parent else fused,
-                                 "layers": layers, "tensor": leaf, "values": {},
-                                 "held_by": held})
+                problems.append({"group": group, "layers": layers, "tensor": leaf,
+                                 "values": {}, "held_by": held})
             if len(held) < len(layers) or not _held_once(leaf, layers, entries, strategy):
                 continue
             vals = {layer: float(_read(entries, n).reshape(-1)[0])
                     for layer, n in zip(layers, names)}
             finite = [v for v in vals.values() if math.isfinite(v)]
             if len(set(vals.values())) > 1 and finite:
-                problems.append({"group": f"{parent}.{fused}" if parent else fused,
-                                 "layers": layers, "tensor": leaf, "values": vals})
+                problems.append({"group": group, "layers": layers, "tensor": leaf,
+                                 "values": vals})
     return problems + _expert_problems(entries)
 
 
@@ -214,7 +233,13 @@ def format_problems(problems: list[dict]) -> str:
     lines = []
     for p in problems:
         vals = ", ".join(f"{k}={v:.9g}" for k, v in p["values"].items())
-        if p.get("held_by") is not None and p.get("experts"):
+        if p.get("float"):
+            quantized = [layer for layer in p["layers"] if layer not in p["float"]]
+            lines.append(f"{p['group']}: {', '.join(quantized)} quantized but "
+                         f"{', '.join(p['float'])} float: the runtime fuses them into one "
+                         f"layer of one scheme (vLLM refuses the checkpoint); quantize all of "
+                         f"the group's shards or none")
+        elif p.get("held_by") is not None and p.get("experts"):
             cut = len(p["group"]) + 1  # the experts' layers, relative to their module
             held, others = ([layer[cut:] for layer in p["layers"] if (layer in p["held_by"]) == h]
                             for h in (True, False))
