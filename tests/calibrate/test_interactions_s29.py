@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import quantscope
-from quantscope.calibration import Auto, Outliers, Sequential, preset
+from quantscope.calibration import Auto, MoE, Outliers, Sequential, preset
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,3 +47,15 @@ def test_smoothing_a_model_with_nothing_to_smooth_says_so():
         quantscope.calibrate(_llama(), [{"input_ids": torch.randint(0, 256, (2, 16))}],
                              "w8a8", outliers=Outliers(smooth=0.5), progress=False)
     assert not [w for w in seen if "SmoothQuant smooths" in str(w.message)]
+
+
+def test_moe_options_on_a_dense_model_say_they_change_nothing():
+    model = nn.Sequential(nn.Linear(8, 8))
+    batches = [torch.randn(4, 8)]
+    with pytest.warns(UserWarning, match=r"MoE\(all_experts=False, min_tokens=4\) changes "
+                                         r"nothing"):
+        quantscope.calibrate(model, batches, "w8a8", moe=MoE(min_tokens=4), progress=False)
+    with warnings.catch_warnings(record=True) as seen:  # the defaults: nothing to say
+        warnings.simplefilter("always")
+        quantscope.calibrate(model, batches, "w8a8", progress=False)
+    assert not [w for w in seen if "MoE(" in str(w.message)]

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ... import comm as qd
+from ..._checks import outside_quantscope
 from ..choice import auto as _auto
 from ..choice import layer_choice
 from ..choice import smooth as _smooth
@@ -195,6 +196,10 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
         # MoE experts become Linear views for the whole calibration (moe.py); restored after
         with _moe.attach(model, opts.moe.all_experts, recipes=recipes.values()) as experts:
             experts.min_tokens = opts.moe.min_tokens
+            if top and opts.moe != MoE() and not experts.layers:  # a field set in vain: said
+                warnings.warn(f"calibrate: {opts.moe} changes nothing: the model has no "
+                              f"mixture-of-experts layer quantscope knows (moe.py)",
+                              stacklevel=outside_quantscope())
             if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
                 return calibrate_distributed(model, batches, recipes, opts, t0, experts,
                                              _conclude)
