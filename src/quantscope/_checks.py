@@ -21,7 +21,7 @@ from .spec import QuantSpec
 __all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_float32_range",
            "check_global_amax", "check_int", "check_not_meta", "check_number", "check_path",
            "check_per_unit", "check_range_args", "check_real", "check_spec", "dtensor_error",
-           "env_flag", "is_dtensor", "outside_quantscope", "regex_problem"]
+           "env_flag", "is_dtensor", "outside_quantscope", "pattern_refusal", "regex_problem"]
 
 
 class FrozenDict(Mapping):
@@ -237,6 +237,17 @@ def _regex_nodes(tree):
             subs = []
         for sub in subs:
             yield from _regex_nodes(sub)
+
+
+def pattern_refusal(target) -> str | None:
+    """Why a ``re:`` target / ignore entry of an untrusted file is refused
+    (:func:`regex_problem`), as a message's tail naming it; None for one that may run."""
+    if not (isinstance(target, str) and target.startswith("re:")):
+        return None
+    why = regex_problem(target[3:])
+    return None if why is None else (f"{target[:80]!r}{' ...' if len(target) > 80 else ''} "
+                                     f"{why}; such a pattern can take hours to match a "
+                                     f"module name")
 
 
 def regex_problem(pattern: str) -> str | None:

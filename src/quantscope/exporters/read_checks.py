@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .._checks import regex_problem
+from .._checks import pattern_refusal
 from .._jsonfile import parse_json, read_json
 
 __all__ = ["SCALE_LEAVES", "check_kv_scheme", "compressor", "fmt_name", "kv_scale_layer",
@@ -58,11 +58,9 @@ def _check_patterns(cfg_file, qc: dict, who: str) -> None:
     for field, value in fields:
         for i, t in enumerate([value] if isinstance(value, str) else
                               value if isinstance(value, list) else ()):
-            why = regex_problem(t[3:]) if isinstance(t, str) and t.startswith("re:") else None
+            why = pattern_refusal(t)
             if why:
-                raise ValueError(f"{who}: {cfg_file}: quantization_config.{field}[{i}]: "
-                                 f"{t[:80]!r}{' ...' if len(t) > 80 else ''} {why}; such a "
-                                 f"pattern can take hours to match a module name")
+                raise ValueError(f"{who}: {cfg_file}: quantization_config.{field}[{i}]: {why}")
 
 
 def fmt_name(fmt) -> str:

@@ -30,8 +30,7 @@ from ..results.apply import apply
 from ..results.result import Calibration
 from ..run.batches import eval_mode, forward_batch, tensors_in
 from ..run.gather import share_pieces
-from .candidates import check_options, expand, ignores_non_finite
-from .candidates import has_auto as _has_auto
+from .candidates import check_options, expand, has_auto, ignores_non_finite
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
 
@@ -409,7 +408,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
 
     candidates, score_tokens, loss = opts.auto.candidates, opts.auto.score_tokens, opts.auto.loss
     batches = list(batches)  # not empty where a recipe has auto (calibrate's checks)
-    autos = [label for label, r in recipes.items() if _has_auto(r)]
+    autos = [label for label, r in recipes.items() if has_auto(r)]
     expanded, names, refused = expand(model, recipes, autos, list(dict.fromkeys(
         _candidates("input", candidates))))
     # each auto recipe's time so far: the pass with every candidate's observers, once each

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from ..._checks import check_path, regex_problem
+from ..._checks import check_path, pattern_refusal
 from ..._jsonfile import read_json
 from ...layout import Tensor
 from ...qparams import QParams, qparams_from_range
@@ -122,10 +122,9 @@ def _check_patterns(recipe: Recipe, meta_path, bad) -> None:
     fields = [(f"recipe.rules[{i}].targets", r.targets) for i, r in enumerate(recipe.rules)]
     for field, values in [*fields, ("recipe.ignore", recipe.ignore)]:
         for p in values:
-            why = regex_problem(p[3:]) if p.startswith("re:") else None
+            why = pattern_refusal(p)
             if why:
-                raise bad(meta_path, field, f"{p[:80]!r} {why}; such a pattern can take "
-                                            f"hours to match a module name")
+                raise bad(meta_path, field, why)
 
 
 def _refuse_stray(tensors, used, states, bad_tensor) -> None:

@@ -411,9 +411,9 @@ def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hi
 
 
 def _has_auto(recipe) -> bool:
-    from ..choice import auto
+    from ..choice.candidates import has_auto  # (choice imports run: not at the top)
 
-    return auto._has_auto(recipe)
+    return has_auto(recipe)
 
 
 def _without_blocks(model, name):

@@ -29,6 +29,7 @@ from ..._checks import outside_quantscope
 from ..choice import auto as _auto
 from ..choice import layer_choice
 from ..choice import smooth as _smooth
+from ..choice.candidates import has_auto
 from ..choice.sensitivity import Sensitivity, check_fallback, fall_back, measure
 from ..options import (
     AUTO_METRICS,
@@ -157,7 +158,7 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
           if opts.runtime.distributed else contextlib.nullcontext()):
         recipes = _checked(model, recipes, opts, top)
         check_batches(batches)
-        if opts.auto.metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
+        if opts.auto.metric == "model" and any(has_auto(r) for r in recipes.values()):
             batches = list(batches)  # read twice: calibrated on, then scored on
             if not batches:
                 raise ValueError("calibrate: batches is empty: observer='auto' scores its "
@@ -184,7 +185,7 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
             return _sequential.calibrate_sequential(
                 piece, model, batches, recipes, progress=opts.progress,
                 **opts.sequential.keywords())
-        if opts.auto.metric == "model" and any(_auto._has_auto(r) for r in recipes.values()):
+        if opts.auto.metric == "model" and any(has_auto(r) for r in recipes.values()):
             # the outliers' steps go around the whole choice (_around), not each pass
             return _auto.calibrate_end_to_end(_calibrate_with, model, batches, recipes,
                                               opts.but(outliers=Outliers(),
@@ -262,7 +263,7 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
             raise ValueError("calibrate: sequential and distributed calibration do not combine")
         if opts.runtime.time_groups:
             raise ValueError("calibrate: Runtime.time_groups is not available with sequential")
-        if opts.auto.metric == "fisher" and any(map(_auto._has_auto, recipes.values())):
+        if opts.auto.metric == "fisher" and any(map(has_auto, recipes.values())):
             raise ValueError("calibrate: Auto(metric='fisher') weighs errors by the model "
                              "loss's gradients, which need the whole model's forward; "
                              "sequential calibration runs one block at a time: use metric "
@@ -281,7 +282,7 @@ def _check_auto(recipes, auto: Auto) -> None:
     its candidates (:func:`.auto.check_options`, for every metric). Where none has, ``auto``
     must be left at its defaults: a field set would change nothing, so say so rather than
     ignore it (a field at its default counts as not set, as in ``from_keywords``)."""
-    autos = {label: r for label, r in recipes.items() if _auto._has_auto(r)}
+    autos = {label: r for label, r in recipes.items() if has_auto(r)}
     names = candidates_for("input", auto.candidates) if autos else ()
     for label, r in autos.items():
         _auto.check_options(r, label, names, every_role=auto.metric == "model")
@@ -326,7 +327,7 @@ def _as_recipes(recipes, inner=False) -> dict[str, Recipe]:
 def _fisher_weights(model, batches, recipes, auto: Auto):
     """The loss's ``g^2`` per output feature of every weight an ``auto`` recipe quantizes
     (``auto_metric="fisher"``), from backward passes over the first ``score_tokens`` tokens."""
-    layers = {layer for r in recipes.values() if _auto._has_auto(r)
+    layers = {layer for r in recipes.values() if has_auto(r)
               for layer, (_, roles) in r.match(model).items() if "weight" in roles}
     return layer_choice.fisher_weights(model, _auto.score_batches(batches, auto.score_tokens),
                                        sorted(layers), auto.loss)
