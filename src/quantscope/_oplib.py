@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["define", "never_traced"]
+__all__ = ["define", "never_traced", "on_tensors_device"]
 
 #: the registrations' library (``allow_override``: torch before 2.12 refuses, by default, a
 #: second function for an op and dispatch key, which a re-imported module registers)
@@ -50,9 +50,30 @@ def define(schema: str, impl: Callable, *, fake: Callable, cuda: Callable | None
         torch.library.define(qualname, schema[len(name):])
     _LIB.impl(name, impl, "CompositeExplicitAutograd", allow_override=True)
     if cuda is not None:
-        _LIB.impl(name, cuda, "CUDA", allow_override=True)
+        _LIB.impl(name, on_tensors_device(cuda), "CUDA", allow_override=True)
     torch.library.register_fake(qualname, fake, allow_override=True)
     return getattr(torch.ops.quantscope, name).default
+
+
+def on_tensors_device(cuda: Callable) -> Callable:
+    """``cuda`` run with its first tensor's device current (in a tensor list too).
+
+    Triton launches on the current device and its stream, and the dispatcher gives a Python
+    kernel no device guard: observers on ``cuda:1`` while ``cuda:0`` is current (a model
+    split over GPUs, ``--device cuda:1``) would launch on the wrong device."""
+
+    @functools.wraps(cuda)
+    def call(*args, **kwargs):
+        for a in args:
+            t = a[0] if isinstance(a, (list, tuple)) and a else a
+            if isinstance(t, torch.Tensor):
+                if t.device.index in (None, torch.cuda.current_device()):
+                    break  # (the common case: no device switch, its microseconds saved)
+                with torch.cuda.device(t.device):
+                    return cuda(*args, **kwargs)
+        return cuda(*args, **kwargs)
+
+    return call
 
 
 def never_traced(fn: Callable) -> Callable:
