@@ -78,9 +78,11 @@ class HistogramObserverBase(IntervalAverage, Observer):
     Args:
         spec: the quantization scheme (any layout).
         bins: bins per unit (fixed memory: ``units x bins`` int64).
-        averaging_constant: None (accumulate, default) or Horizon's EMA of ranges.
+        averaging_constant: None (accumulate, default) or Horizon's EMA of ranges (its
+            estimate runs in ``forward``: it reads back, and no CUDA graph captures it).
         update_interval: batches per estimate in the EMA mode.
-        grid: ``"pow2"`` (native, exact) or ``"first"`` (reference binning of the first batch).
+        grid: ``"pow2"`` (native, exact) or ``"first"`` (reference binning of the first batch;
+            each batch is tested against it on the host).
         skip_zeros: do not count exact zeros (Quark's percentile observer).
     """
 
