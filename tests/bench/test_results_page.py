@@ -197,3 +197,14 @@ def test_run_rejects_an_unknown_bench_name():
                          capture_output=True, text=True, check=False)
     assert out.returncode != 0
     assert "no bench named ['no_such_bench']" in out.stderr
+
+
+def test_committed_page_is_what_bench_docs_writes():
+    """docs/benchmarks.md is the generator's output of the committed results: a hand edit of
+    the page alone (not of its results file or notes.md) is undone by the next
+    `make bench-docs`, so it fails here."""
+    results = BENCH / "results"
+    committed = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    regenerated = page.render(page.kept_head(committed, "docs/benchmarks.md"), results,
+                              (results / "notes.md").read_text())
+    assert regenerated == committed, "edit bench/results/*, then run `make bench-docs`"
