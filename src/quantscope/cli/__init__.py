@@ -30,6 +30,7 @@ import os
 import sys
 import warnings
 
+from .. import __version__
 from . import calibrate, compare, export, formats
 from .checks import UsageError, check_positive, check_resource_args
 from .compare import compare_rows
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  quantscope compare --recipes w8a8,w4a8 --observers minmax,mse,auto\n"
                "  quantscope plot runs/compare --layer encoder.layer.5.output.dense")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("--version", action="version", version=f"quantscope {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add_parser, _ in COMMANDS.values():
         add_parser(sub)

@@ -215,11 +215,9 @@ def _onnx_written_by_quantscope(path: str) -> bool:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from .. import __version__
 
-    with contextlib.suppress(PackageNotFoundError):
-        return version("quantscope")
-    return "unknown"
+    return __version__
 
 
 def _real(path) -> str:
