@@ -5,6 +5,7 @@ tensors (compiled on CUDA where a GPU is present)."""
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import given, settings
 from triton_interpreter import fresh_interpreter_test
@@ -46,3 +47,27 @@ def test_triton_step_is_the_cpu_op(device, shape, kind, dtype, c, seed, bad):
     for a, b in zip(ref, got):
         b = b.cpu()
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("lo,hi,seen", [
+    ([INF, 1.0], [2.0, 3.0], True),     # a caller's lo > hi holding +inf in lo
+    ([1.0, 0.0], [-INF, 3.0], True),    # ... and -inf in hi
+    ([0.0, -1.0], [1.0, 2.0], False),
+    ([0.0, float("nan")], [1.0, 2.0], True),
+    ([-INF, 0.0], [1.0, 2.0], True),
+    ([0.0, 1.0], [2.0, INF], True),
+])
+def test_record_non_finite_is_the_same_test_on_both_paths(device, lo, hi, seen):
+    """``seen`` is set where any ``lo`` / ``hi`` is NaN or infinite, on the CPU as by the
+    Triton kernel (the CPU once tested only the smallest min and the largest max, which
+    misses a +inf min of a unit whose lo > hi)."""
+    lo, hi = torch.tensor(lo), torch.tensor(hi)
+    cpu = torch.zeros((), dtype=torch.bool)
+    minmax.record_non_finite(lo, hi, cpu)
+    got = torch.zeros((), dtype=torch.bool, device=device)
+    qs_triton.launchers("minmax", got).update_state(lo.to(device), hi.to(device), None, None,
+                                                    got, 0, 0.0)
+    assert bool(cpu) == bool(got.cpu()) == seen

@@ -163,11 +163,13 @@ def ema_(kind: str, c: float, state: torch.Tensor, batch: torch.Tensor) -> None:
 
 
 def extreme_ends(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``(2,)``: the smallest of the per-unit mins ``lo`` and the largest of the maxes ``hi``
-    (NaN propagates), which hold any NaN / inf the units held; one op for one unit."""
+    """``(2,)``: the smallest and the largest of the per-unit mins ``lo`` and maxes ``hi``
+    together (NaN propagates): the smallest min and largest max where each ``lo <= hi``, and
+    not finite exactly where some ``lo`` / ``hi`` is, as the Triton ``record_non_finite``
+    tests them (a ``lo`` of +inf a caller's ``lo > hi`` holds too); one op for one unit."""
     if lo.numel() == 1:
         return torch.cat((lo, hi) if lo.dim() == 1 else (lo.reshape(1), hi.reshape(1)))
-    return torch.stack((lo.amin(), hi.amax()))
+    return torch.stack(torch.cat((lo.reshape(-1), hi.reshape(-1))).aminmax())
 
 
 def any_non_finite(t: torch.Tensor) -> torch.Tensor:
