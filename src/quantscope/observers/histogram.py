@@ -78,11 +78,10 @@ class HistogramObserverBase(IntervalAverage, Observer):
     Args:
         spec: the quantization scheme (any layout).
         bins: bins per unit (fixed memory: ``units x bins`` int64).
-        averaging_constant: None (accumulate, default) or Horizon's EMA of ranges (its
-            estimate runs in ``forward``: it reads back, and no CUDA graph captures it).
+        averaging_constant: None (accumulate, default) or Horizon's EMA of ranges.
         update_interval: batches per estimate in the EMA mode.
-        grid: ``"pow2"`` (native, exact) or ``"first"`` (reference binning of the first batch;
-            each batch is tested against it on the host).
+        grid: ``"pow2"`` (native, exact) or ``"first"`` (reference binning of the first batch).
+            It and the EMA mode read back in ``forward`` (no CUDA graph captures them).
         skip_zeros: do not count exact zeros (Quark's percentile observer).
     """
 
