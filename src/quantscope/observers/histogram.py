@@ -78,10 +78,9 @@ class HistogramObserverBase(IntervalAverage, Observer):
     Args:
         spec: the quantization scheme (any layout).
         bins: bins per unit (fixed memory: ``units x bins`` int64).
-        averaging_constant: None (accumulate, default) or Horizon's EMA of ranges.
+        averaging_constant: None (accumulate) or Horizon's EMA of ranges (reads back, as "first").
         update_interval: batches per estimate in the EMA mode.
         grid: ``"pow2"`` (native, exact) or ``"first"`` (reference binning of the first batch).
-            It and the EMA mode read back in ``forward`` (no CUDA graph captures them).
         skip_zeros: do not count exact zeros (Quark's percentile observer).
     """
 
