@@ -1,5 +1,5 @@
 """``quantscope export`` (a saved run as a checkpoint runtimes load) and ``quantscope
-check`` (a compressed-tensors checkpoint's fused layers agree)."""
+check`` (a compressed-tensors checkpoint's scales, fused layers and schemes hold)."""
 
 from __future__ import annotations
 
@@ -31,10 +31,13 @@ def add_export_parser(sub) -> None:
 
 
 def add_check_parser(sub) -> None:
-    p = sub.add_parser("check", help="check a compressed-tensors checkpoint's fused layers",
+    p = sub.add_parser("check", help="check a compressed-tensors checkpoint's scales, fused "
+                                     "layers and schemes",
                        description="List the fused layers (q/k/v, gate/up, w1/w3, MLA q_a/kv_a) "
-                                   "whose shards disagree on a scale the runtime keeps once; "
-                                   "exit 1 if any do.")
+                                   "whose shards disagree on a scale the runtime keeps once or "
+                                   "on their scheme, the scales that are not finite and > 0, "
+                                   "and the config groups vLLM has no scheme for; exit 1 if "
+                                   "any.")
     p.add_argument("path", metavar="DIR", help="a compressed-tensors checkpoint folder")
 
 
@@ -70,7 +73,7 @@ def cmd_check(args) -> int:
     if problems:
         print(format_problems(problems))
         return 1
-    print(f"{args.path}: the fused layers' shards agree")
+    print(f"{args.path}: the scales, the fused layers' shards and the schemes agree")
     return 0
 
 

@@ -45,6 +45,7 @@ from .atomic import EXPORT_EXTRAS, atomic_dir, check_writable_target
 from .ct_compress import annotate, compress, ct_compressor
 from .experts import unfuse_experts
 from .registry import register
+from .serving import warn_unservable
 
 __all__ = ["export_compressed_tensors", "quant_args"]
 
@@ -465,6 +466,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
         annotate(tmp, calibration, lossy.notes, source, work)
+        warn_unservable(tmp)  # vLLM has no scheme for it: written (transformers loads it)
         if source is not None:
             copied += _copy_extras(source, tmp)
     return path

@@ -15,12 +15,15 @@ layer also keeps one input scale for all its experts' ``w13`` and one for their 
 files of any compressed-tensors checkpoint -- quantscope's or another toolkit's -- and
 returns the fused groups (and experts modules) whose shards disagree (in a shared scale's
 value, or in holding it at all: shards of different schemes), plus any scale that is NaN,
-inf or <= 0 (per-channel and group scales too). Only the scale tensors are read.
+inf or <= 0 (per-channel and group scales too), the fused groups whose shards are in config
+groups of different schemes (vLLM gives the fused layer one scheme, its first shard's), and
+the config groups vLLM has no scheme for (:mod:`.serving`). Only the scale tensors are read.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 from pathlib import Path
@@ -37,6 +40,7 @@ from .read_checks import (
     scale_problem,
     scale_values,
 )
+from .serving import describe, unservable
 
 __all__ = ["FUSED", "check", "format_problems"]
 
@@ -79,29 +83,72 @@ def _matches(pattern: str, name: str) -> bool:
         return False
 
 
-def _weight_strategies(qc: dict):
-    """``layer -> strategy`` of the weights of the config group that quantizes the layer,
-    matched as compressed-tensors matches targets (exact names, then ``re:`` patterns, then
-    class names: a target without a dot); None where the config cannot tell."""
-    groups = qc.get("config_groups")
-    rows = []
-    for group in (groups.values() if isinstance(groups, dict) else ()):
-        weights = group.get("weights") if isinstance(group, dict) else None
-        targets = group.get("targets") if isinstance(group, dict) else None
-        if isinstance(weights, dict) and isinstance(targets, list):
-            # no strategy: compressed-tensors infers one (tensor, or group with a group size)
-            strategy = weights.get("strategy")
-            rows += [(str(t), str(strategy).lower() if strategy else None) for t in targets]
-
-    def of(layer: str) -> str | None:
+def _resolver(rows):
+    """``layer -> {value}`` of the ``(target, value)`` rows whose target selects the layer,
+    as compressed-tensors (and vLLM's ``find_matched_target``) match targets: exact names,
+    then ``re:`` patterns, then class names (a target without a dot); empty where none."""
+    def of(layer: str) -> set:
         for hit in (lambda t: t == layer,
                     lambda t: t.startswith("re:") and _matches(t[3:], layer),
                     lambda t: not t.startswith("re:") and "." not in t):
-            found = {s for t, s in rows if hit(t)}
+            found = {v for t, v in rows if hit(t)}
             if found:
-                return found.pop() if len(found) == 1 else None
-        return None
+                return found
+        return set()
     return of
+
+
+def _group_rows(qc: dict):
+    """``(name, group)`` of each config group with a list of targets."""
+    groups = qc.get("config_groups")
+    return [(str(name), group) for name, group in
+            (groups.items() if isinstance(groups, dict) else ())
+            if isinstance(group, dict) and isinstance(group.get("targets"), list)]
+
+
+def _weight_strategies(qc: dict):
+    """``layer -> strategy`` of the weights of the config group that quantizes the layer
+    (:func:`_resolver`); None where the config cannot tell."""
+    rows = []
+    for _, group in _group_rows(qc):
+        weights = group.get("weights")
+        if isinstance(weights, dict):
+            # no strategy: compressed-tensors infers one (tensor, or group with a group size)
+            strategy = weights.get("strategy")
+            rows += [(str(t), str(strategy).lower() if strategy else None)
+                     for t in group["targets"]]
+    resolve = _resolver(rows)
+
+    def of(layer: str) -> str | None:
+        found = resolve(layer)
+        return found.pop() if len(found) == 1 else None
+    return of
+
+
+def _schemes(qc: dict):
+    """``layer -> (scheme, config group)``: the args vLLM picks a layer's scheme from (weights,
+    input activations, format) of the group that selects it; None where none or several do."""
+    key = {name: json.dumps([group.get("weights"), group.get("input_activations"),
+                             group.get("format") or qc.get("format")], sort_keys=True)
+           for name, group in _group_rows(qc)}
+    resolve = _resolver([(str(t), name) for name, group in _group_rows(qc)
+                         for t in group["targets"]])
+
+    def of(layer: str):
+        names = sorted(resolve(layer))
+        return (key[names[0]], names[0]) if len({key[n] for n in names}) == 1 else None
+    return of
+
+
+def _scheme_problem(group: str, layers: list[str], scheme) -> dict | None:
+    """The fused ``group`` whose shards resolve to config groups of different schemes: vLLM
+    gives the fused layer one scheme, the first shard's target's (``_match_fused_layer``
+    in its compressed_tensors/utils.py), and the other shards' tensors do not load into it."""
+    found = {layer: scheme(layer) for layer in layers}
+    if None in found.values() or len({k for k, _ in found.values()}) < 2:
+        return None
+    return {"group": group, "layers": layers, "tensor": "scheme", "values": {},
+            "schemes": {layer: name for layer, (_, name) in found.items()}}
 
 
 def _held_once(leaf: str, layers, entries, strategy) -> bool:
@@ -166,6 +213,21 @@ def _expert_problems(entries) -> list[dict]:
     return problems
 
 
+def _scale_problems(entries) -> list[dict]:
+    """Every scale, per-channel ones too, that is not finite and > 0."""
+    problems = []
+    for name in entries:
+        layer, _, leaf = name.rpartition(".")
+        if leaf in SCALE_LEAVES:
+            values = _read(entries, name)
+            why = scale_problem(name, values)
+            if why:
+                problems.append({"tensor": name, "values": {layer: float(
+                    values[~torch.isfinite(values) | (values <= 0)].reshape(-1)[0])},
+                    "non_finite": True, "why": why})
+    return problems
+
+
 def check(path) -> list[dict]:
     """The problems of the compressed-tensors checkpoint at ``path`` (empty: consistent).
 
@@ -177,7 +239,12 @@ def check(path) -> list[dict]:
     disagree on an input scale the fused MoE layer holds once (``"held_by"`` where only some
     experts hold it), and ``{"group": ..., "layers": [shards], "tensor": "weight", "float":
     [layers]}`` for a fused layer whose shards are partly quantized (an ignore list that holds
-    some of them).
+    some of them), and ``{"group": ..., "layers": [shards], "tensor": "scheme", "schemes":
+    {layer: config group}}`` for a fused layer whose shards are in config groups of different
+    schemes (weights, input activations or format: vLLM serves the fused layer with the first
+    shard's), and ``{"group": config group, "layers": [its targets], "tensor": "config",
+    "vllm": why}`` for a config group vLLM has no scheme for
+    (:func:`~quantscope.exporters.serving.vllm_refusal`).
     """
     folder = Path(check_path("check", path))
     if not folder.is_dir():
@@ -190,17 +257,10 @@ def check(path) -> list[dict]:
         raise FileNotFoundError(f"check: {str(path)!r} holds no .safetensors files")
     if not entries:
         raise ValueError(f"check: the .safetensors files of {str(path)!r} hold no tensor")
-    strategy = _weight_strategies(qc)
-    problems = []
-    for name in entries:
-        layer, _, leaf = name.rpartition(".")
-        if leaf in SCALE_LEAVES:  # every scale, per-channel ones too: finite and > 0
-            values = _read(entries, name)
-            why = scale_problem(name, values)
-            if why:
-                problems.append({"tensor": name, "values": {layer: float(
-                    values[~torch.isfinite(values) | (values <= 0)].reshape(-1)[0])},
-                    "non_finite": True, "why": why})
+    strategy, scheme = _weight_strategies(qc), _schemes(qc)
+    problems = [{"group": name, "layers": targets, "tensor": "config", "values": {},
+                 "vllm": why} for name, targets, why in unservable(qc)]
+    problems += _scale_problems(entries)
     for (parent, fused), shards in sorted(_fused_groups(entries).items()):
         group = f"{parent}.{fused}" if parent else fused
         every = [shards[s] for s in FUSED[fused] if s in shards]
@@ -210,6 +270,8 @@ def check(path) -> list[dict]:
                              "values": {}, "float": [x for x in every if x not in layers]})
         if len(layers) < 2:
             continue
+        if mixed := _scheme_problem(group, layers, scheme):
+            problems.append(mixed)
         for leaf in SHARED:
             names = [f"{layer}.{leaf}" for layer in layers]
             held = [layer for layer, n in zip(layers, names) if n in entries]
@@ -233,7 +295,15 @@ def format_problems(problems: list[dict]) -> str:
     lines = []
     for p in problems:
         vals = ", ".join(f"{k}={v:.9g}" for k, v in p["values"].items())
-        if p.get("float"):
+        if p.get("vllm"):
+            lines.append(f"{describe(p['group'], p['layers'])}: {p['vllm']}")
+        elif p.get("schemes"):
+            shards = ", ".join(f"{k} in {v!r}" for k, v in p["schemes"].items())
+            lines.append(f"{p['group']}: the fused shards are in config groups of different "
+                         f"schemes ({shards}): vLLM serves the fused layer with one scheme "
+                         f"(the first shard's) and cannot load the others; put the shards in "
+                         f"one config group")
+        elif p.get("float"):
             quantized = [layer for layer in p["layers"] if layer not in p["float"]]
             lines.append(f"{p['group']}: {', '.join(quantized)} quantized but "
                          f"{', '.join(p['float'])} float: the runtime fuses them into one "
