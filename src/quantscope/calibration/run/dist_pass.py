@@ -13,8 +13,15 @@ import torch.distributed as dist
 from ... import comm as qd
 from ...observers.sync import sync_observers
 from ..recipe import AUTO
-from . import gather
-from .observe import make_plan, observe_batches, sample_budget, share_group_inputs, unique_slots
+from . import gather, imatrix_roles
+from .observe import (
+    make_plan,
+    observe_batches,
+    sample_budget,
+    share_group_inputs,
+    unique_slots,
+    waits_for_importance,
+)
 from .samples import RowSample
 
 __all__ = ["calibrate_distributed"]
@@ -35,13 +42,29 @@ def _plan(model, batches, recipes, opts, group):
     gather.check_same_slots(slots, group)  # the exchanges below pair the slots by key
     weights = {k: s for k, s in slots.items() if s.role == "weight"}
     gather.check_same_weights({k[0]: s.module.weight for k, s in weights.items()}, group)
-    failed = gather.gather_failures({k: s.failed for k, s in weights.items()}, group)
-    for k, f in failed.items():  # a candidate that failed on its owner is dropped everywhere
-        slots[k].failed.update(f)
-        for key in f:
-            slots[k].observers.pop(key, None)
-    sync_observers([o for s in weights.values() for o in s.observers.values()], group)
+    _drop_failed(weights, group)
+    sync_observers([o for s in weights.values() for k, o in s.observers.items()
+                    if not waits_for_importance(k)], group)  # those: after the pass
     return slots, plans, batches, groups
+
+
+def _drop_failed(weights, group) -> None:
+    """A weight candidate that failed on its owner is dropped on every rank."""
+    failed = gather.gather_failures({k: s.failed for k, s in weights.items()}, group)
+    for k, f in failed.items():
+        weights[k].failed.update(f)
+        for key in f:
+            weights[k].observers.pop(key, None)
+
+
+def _observe_imatrix(slots, importance, group) -> None:
+    """The ``imatrix_mse`` weights, on their owners, with every rank's input importance
+    (:mod:`.imatrix_roles`), then their states shared."""
+    means = importance.means(distributed=True, group=group)  # a collective, outside the guard
+    with qd.all_or_none("imatrix_mse weights", group):
+        imatrix_roles.observe_waiting(slots, means)
+    _drop_failed({k: s for k, s in slots.items() if s.role == "weight"}, group)
+    sync_observers(imatrix_roles.held(slots), group)
 
 
 def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
@@ -67,14 +90,21 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
     # otherwise the sample only feeds the report, which rank 0 makes from its own rows
     auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())
     n, bad = 0, set()
-    if needs_data:
+    importance = imatrix_roles.gather(model, slots)  # imatrix_mse weights: their inputs' x^2
+    if needs_data or importance is not None:
         # same_type: a batch's NaN in a static role is the one-process ValueError everywhere
         with qd.all_or_none("calibration", group, same_type=True):
-            n = observe_batches(model, qd.shard(batches, group), slots,
-                     -(-sample_tokens // world) if auto else sample_tokens,
-                     opts.progress and qd.is_main(group), seed + me,
-                     sample_budget(sampling.budget_mb) / world if auto else sampling.budget_mb,
-                     batch_index=lambda i: i * world + me)  # qd.shard's round robin
+            try:
+                n = observe_batches(
+                    model, qd.shard(batches, group), slots,
+                    -(-sample_tokens // world) if auto else sample_tokens,
+                    opts.progress and qd.is_main(group), seed + me,
+                    sample_budget(sampling.budget_mb) / world if auto else sampling.budget_mb,
+                    batch_index=lambda i: i * world + me,  # qd.shard's round robin
+                    forward=importance is not None)
+            finally:
+                if importance is not None:
+                    importance.remove()
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
         n, bad = _global_counts(n, acts, group)
         sync_observers([o for s in unique_slots(acts.values()) for o in s.observers.values()],
@@ -88,6 +118,8 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
         elif not qd.is_main(group):  # no report rows here: the qparams are all that matter
             for s in acts.values():
                 s.sample = None
+    if importance is not None:
+        _observe_imatrix(slots, importance, group)
     for counts in experts.counts.values():  # every rank reports the global counts
         counts[:] = [qd.all_sum(c, group) for c in counts]
     return conclude(slots, plans, recipes, n, needs_data, t0, opts, world, groups, experts,

@@ -49,6 +49,18 @@ def _share_inputs(states, plan, slots, groups, made, errors) -> None:
                                              requested=cfg.observer)
 
 
+def _joined_options(name: str, cfg: Role, slot) -> dict:
+    """Observer ``name``'s options on a fusion group's joined weight: an ``imatrix_mse``
+    member's gathered importance too (the members share one input: .imatrix_roles)."""
+    options = dict(candidate_options(name, cfg))
+    held = slot.observers.get(observer_key(name, cfg))
+    importance = getattr(held, "importance", None)
+    if "importance" not in options and isinstance(importance, torch.Tensor) \
+            and importance.numel():
+        options["importance"] = importance
+    return options
+
+
 def _share_weights(states, plan, slots, groups) -> list[dict]:
     """Each group's weights, where the runtime shares a weight scale, observed concatenated
     by one observer (``auto``: the candidate with the least total error) and split back per
@@ -77,7 +89,8 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
         best = None
         for n in names:
             try:
-                obs = get_observer(n, cfg.spec, **dict(candidate_options(n, cfg))).to(w.device)
+                obs = get_observer(n, cfg.spec, **_joined_options(n, cfg, slots[(
+                    members[0], "weight")])).to(w.device)
                 obs(w)
             except (ValueError, TypeError):
                 if len(names) == 1:

@@ -67,6 +67,10 @@ class Slot:
     batch_of_call: list = field(default_factory=list)
     calls_since_bad: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)  # time in each observer: observing, qparams
+    # a weight's imatrix_mse observations held for its input importance (.imatrix_roles),
+    # and why an observer of them searched unweighted (key -> reason)
+    waiting: list = field(default_factory=list)
+    unweighted: dict = field(default_factory=dict)
 
     def spent(self, key, since: float) -> None:
         """Count the time from ``since`` (``time.perf_counter()``) to the observer ``key``."""
@@ -188,7 +192,15 @@ def observer_seconds(slots, *plans) -> float:
     return sum(slot.seconds.get(key, 0.0) for (_, key), slot in used.items())
 
 
+def waits_for_importance(key) -> bool:
+    """Whether observer ``key`` is the native ``imatrix_mse`` without the user's
+    ``importance``: a weight's is observed after the pass, given its layer's input's."""
+    return key[0] == "imatrix_mse" and "importance" not in dict(key[2])
+
+
 def make_plan(model, recipes, candidates, owns=None):
+    """``(slots, plans)``: every recipe's observers, the weights (those ``owns`` selects)
+    observed now, but a :func:`waits_for_importance` observer's (in ``slot.waiting``)."""
     slots: dict[tuple[str, str], Slot] = {}
     plans = {}
     weights = []  # observed together at the end (observe_weights)
@@ -212,7 +224,10 @@ def make_plan(model, recipes, candidates, owns=None):
                                   owns, weights)
                 plan[(layer, role)] = (cfg, names)
         plans[label] = plan
-    observe_weights(weights)
+    now = []
+    for p in weights:
+        (p[0].waiting if waits_for_importance(p[1]) else now).append(p)
+    observe_weights(now)
     return slots, plans
 
 
@@ -311,10 +326,11 @@ def check_finite(slots) -> None:
 
 
 def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=None,
-                    batch_index=None):
+                    batch_index=None, forward=False):
     """Forward every batch with observing hooks; returns the number of batches.
     ``batch_index(i)``: the number the user knows the ``i``-th batch by, in errors (a rank's
-    shard of the batches: its place among all of them)."""
+    shard of the batches: its place among all of them). ``forward``: forward the batches
+    even where no slot observes them (statistics gathered beside: :func:`in_pass`)."""
     by_module: dict[int, dict[str, list[Slot]]] = {}
     kv: dict[str, dict[str, list[Slot]]] = {}  # attention layer -> key / value slots
     for slot in unique_slots(slots.values()):
@@ -326,7 +342,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
         for module in (slot.module, *slot.also):
             by_module.setdefault(id(module), {"module": module, "input": [], "output": []})
             by_module[id(module)][slot.role].append(slot)
-    if not by_module and not kv:
+    if not by_module and not kv and not forward:
         return 0
     total = batch_count(batches)
     _make_samples(unique_slots(slots.values()), sample_tokens, sample_budget_mb, total, seed)

@@ -437,7 +437,7 @@ def _merge(Calibration, recipe, label, parts, n, seconds, sequential):
         states.update(c.states)
         rows.extend(c.stats)
         hists.update(c.histograms)
-        for k in ("missing", "unreached", "fusion_groups", "experts"):
+        for k in ("missing", "unreached", "fusion_groups", "experts", "imatrix_unweighted"):
             if k in c.info:
                 info.setdefault(k, []).extend(c.info[k])
         if "expert_min_tokens" in c.info:

@@ -49,6 +49,7 @@ from ..structure import kv_cache
 from ..structure import moe as _moe
 from ..structure.fusion import peek
 from ..structure.placement import check_placement
+from . import imatrix_roles
 from . import sequential as _sequential
 from .batches import check_batches
 from .dist_pass import calibrate_distributed
@@ -342,8 +343,15 @@ def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher
     experts.reset_counts()
     needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
                      for s in slots.values())
-    n = (observe_batches(model, batches, slots, sampling.tokens, opts.progress, sampling.seed,
-                         sampling.budget_mb) if needs_data else 0)
+    importance = imatrix_roles.gather(model, slots)  # imatrix_mse weights: their inputs' x^2
+    try:
+        n = (observe_batches(model, batches, slots, sampling.tokens, opts.progress,
+                             sampling.seed, sampling.budget_mb, forward=importance is not None)
+             if needs_data or importance is not None else 0)
+    finally:
+        if importance is not None:
+            importance.remove()
+    imatrix_roles.observe_waiting(slots, importance and importance.means())
     return _conclude(slots, plans, recipes, n, needs_data, t0, opts, groups=groups,
                      experts=experts, model=model, fisher=fisher)
 
@@ -387,6 +395,14 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
             info["unreached"] = missed
             warnings.warn(f"calibrate: recipe {recipe.name!r} targets weights quantscope cannot "
                           f"reach; left in float: {[u['name'] for u in missed]}", stacklevel=3)
+        flat = imatrix_roles.unweighted(slots, plans[label])
+        if flat:
+            info["imatrix_unweighted"] = flat
+            warnings.warn(f"calibrate: {len(flat)} imatrix_mse weights searched unweighted, "
+                          f"without input importance: {[f['layer'] for f in flat]} "
+                          f"({flat[0]['layer']!r}: {flat[0]['reason']}; all in "
+                          f"calibration.info['imatrix_unweighted'])",
+                          stacklevel=outside_quantscope())
         if processes > 1:
             info["processes"] = processes
         out[label] = Calibration(recipe, states, label, rows, hists, info)

@@ -1,0 +1,93 @@
+"""``imatrix_mse`` weight roles: their layers' input importance, gathered in the pass.
+
+llm-compressor's ``imatrix_mse`` weighs each input channel's error in a weight's range search
+by that channel's mean ``x^2`` over the calibration activations. A weight is observed before
+any activation, so :func:`~.observe.make_plan` holds back the observations of the native
+``imatrix_mse`` observers given no ``importance`` of the user's (``slot.waiting``);
+:func:`gather` hooks their layers (:class:`~..choice.importance.InputImportance`: one sum of
+``x^2`` and a row count per layer, no rows kept) for the pass, and :func:`observe_waiting`
+observes them after it with their layer's mean. A layer whose input the pass never saw, or
+whose weight the observer cannot weigh by input channel (a Conv1D's ``[in, out]``, a conv),
+is searched unweighted: :func:`unweighted` lists those of a recipe for its info and warning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..choice.importance import InputImportance
+from ..recipe import AUTO
+from ..structure.conv1d import is_conv1d
+from .observe import observe_weights, observer_key, unique_slots, waits_for_importance
+
+__all__ = ["gather", "held", "observe_waiting", "unweighted"]
+
+def _imatrix_slots(slots) -> list:
+    """The weight slots with an observer that waits for importance, on every rank (a rank
+    observes only the weights it owns: ``slot.waiting`` is empty elsewhere)."""
+    return [s for s in unique_slots(slots.values()) if s.role == "weight"
+            and any(waits_for_importance(k) for k in s.observers)]
+
+
+def held(slots) -> list:
+    """The observers that wait for importance, in slot order: every rank's same list (what
+    the distributed pass syncs once they observed)."""
+    return [o for s in _imatrix_slots(slots) for k, o in s.observers.items()
+            if waits_for_importance(k)]
+
+
+def gather(model, slots) -> InputImportance | None:
+    """The importance hooks of the layers whose weights wait for it (None where none waits);
+    they count the pass's forwards (:func:`~.observe.in_pass`) until :func:`observe_waiting`."""
+    layers = sorted({s.layer for s in _imatrix_slots(slots)})
+    return InputImportance(model, layers) if layers else None
+
+
+def _why_unweighted(slot, imp) -> str | None:
+    w = slot.module.weight
+    if is_conv1d(slot.module):  # the observer weighs the last dim: here the outputs
+        return "a Conv1D weight ([in, out]): the observer weighs its last dim"
+    if imp is None:
+        return "its input was never seen in the pass: not called, no rows, or not Linear-like"
+    if imp.numel() != w.shape[-1]:
+        return f"its input has {imp.numel()} channels, its weight's last dim {w.shape[-1]}"
+    if not bool(torch.isfinite(imp).all()):
+        return "its input brought NaN or inf"
+    return None
+
+
+def observe_waiting(slots, means: dict | None) -> None:
+    """Observe every waiting weight with its layer's mean ``x^2`` (``means``:
+    :meth:`InputImportance.means`, every rank's in a distributed pass); the observers of a
+    layer without one search unweighted, the reason in ``slot.unweighted`` (on every rank)."""
+    targets = _imatrix_slots(slots)
+    if means is None or not targets:
+        return
+    for slot in targets:
+        why = _why_unweighted(slot, means.get(slot.layer))
+        if why is not None:
+            slot.unweighted.update({k: why for k in slot.observers if waits_for_importance(k)})
+            continue
+        for _, _, obs, _, _ in slot.waiting:
+            obs.importance = means[slot.layer].to(slot.module.weight.device, torch.float32)
+    observe_weights([p for s in targets for p in s.waiting])
+    for slot in targets:
+        slot.waiting = []
+
+
+def unweighted(slots, plan) -> list[dict]:
+    """``[{"layer", "reason"}]``: the weight roles of ``plan`` naming ``imatrix_mse`` (not
+    through ``auto``) whose search ran without input importance."""
+    out = []
+    for (layer, role), (cfg, names) in plan.items():
+        if role != "weight" or cfg.observer == AUTO or cfg.dynamic is True:
+            continue
+        slot = slots[(layer, role)]
+        for n in names:
+            key = observer_key(n, cfg, slot.module)
+            if not waits_for_importance(key) or key not in slot.observers:
+                continue
+            why = slot.unweighted.get(key)
+            if why is not None:
+                out.append({"layer": layer, "reason": why})
+    return out
