@@ -102,19 +102,26 @@ def oneshot_call(scheme: dict):
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from torch.utils.data import DataLoader
 
-    def call(model, batches):
+    def call(copied, batches):
         modifier = QuantizationModifier(
             config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
             ignore=IGNORE)
         loader = DataLoader(batches, batch_size=None)  # our batches as they are
+        oneshot(model=copied, dataset=loader, recipe=modifier, processor=_stand_in_tokenizer(),
+                num_calibration_samples=sum(len(b["input_ids"]) for b in batches))
+
+    @contextlib.contextmanager
+    def prepare(model):
+        """A copy for oneshot to modify, made outside the timed region (quantscope's
+        calibrate leaves the model as it is: it needs none)."""
         copied = copy.deepcopy(model)
         with tempfile.TemporaryDirectory() as d:
             # oneshot reads the model's config back from its name_or_path: a folder here
             copied.config.save_pretrained(d)
             copied.config.name_or_path = d
-            oneshot(model=copied, dataset=loader, recipe=modifier,
-                    processor=_stand_in_tokenizer(),
-                    num_calibration_samples=sum(len(b["input_ids"]) for b in batches))
+            yield copied
+
+    call.prepare = prepare
     return call
 
 
@@ -171,14 +178,18 @@ def observation_pass(device):
 
 
 def timed(call, model, batches, device) -> float | str:
-    sync(device)
-    t0 = time.perf_counter()
+    """Seconds of ``call(model, batches)``; a call's ``prepare(model)`` (a context giving the
+    model it runs on) is made and undone outside the timed region."""
+    prepare = getattr(call, "prepare", contextlib.nullcontext)
     try:
-        call(model, batches)
+        with prepare(model) as target:
+            sync(device)
+            t0 = time.perf_counter()
+            call(target, batches)
+            sync(device)
+            return time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 (a contender that fails: its row says why)
         return failure(e)
-    sync(device)
-    return time.perf_counter() - t0
 
 
 def bench_model(hidden, device, sequences, length):
