@@ -36,9 +36,9 @@ Where the results differ from llm-compressor's, by choice:
   scale, computed in the dtype, as theirs). Zero points come, as theirs, from the scale
   rounded to the dtype; for formats of up to 8 bits they differ by at most two codes
   (bfloat16) or one (float16), more for wider formats and for float16 scales below 2 ** -14
-  (subnormal: one step of theirs is then a large part of the scale). The MSE search
-  may stop at another candidate (their bfloat16 error sums cannot tell near ones apart);
-  the imatrix search prices each candidate as it is emitted (:mod:`.llmcompressor_imatrix`).
+  (subnormal: one step of theirs is then a large part of the scale). The MSE and imatrix
+  searches price each candidate as theirs, in the dtype (the MSE's error sums too), so
+  their ranges are theirs bit for bit (:func:`~.llmcompressor_imatrix.half_search`).
 * NaN / inf input raises ``ValueError`` ("observed NaN or inf values", naming the observer)
   in ``forward``, as quantscope's native observers refuse it; llm-compressor's give NaN /
   inf scales. float32 statistics: bit for bit (tiny scales kept, only 0 ones made their eps).
@@ -71,18 +71,19 @@ from typing import ClassVar
 import torch
 from torch.distributed import ReduceOp
 
-from ..estimators.mse import mse_search
+from ..estimators.mse import compat_patience, mse_search
 from ..layout import Block, Channel
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
 from .llmcompressor_base import (
+    HALF_SCALES,
     Observer,
     check_expanded_range,
     lerp,
     statistics_dtype,
     statistics_units,
 )
-from .llmcompressor_imatrix import IMatrixMixin
+from .llmcompressor_imatrix import IMatrixMixin, half_search, prices_in_dtype
 from .llmcompressor_parts import (
     FUSED_LAYER_NAMES,
     FusionHandler,
@@ -191,16 +192,25 @@ class MemorylessMSEObserver(Observer):
         if self.expand < 1.0:
             raise ValueError(f"expand value must be at least 1.0, got {self.expand}")
         spec = search_spec(self.args, self.base_name)  # tensor_group's scale_dtype dropped
+        strategy = enum_name(field(self.args, "strategy"))
+        #: the half-precision dtypes whose candidates are priced as llm-compressor's are
+        self._in_dtype = {dt for dt in HALF_SCALES if prices_in_dtype(spec, dt, strategy)}
         block = spec.scale.is_block and self.is_weight_obs
         self._search_spec = spec.replace(
             layout=Block(spec.layout.size) if block else Channel(0),
             scale=spec.scale if block or not spec.scale.is_block else "fp32")
 
     def _search(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        units, shape = statistics_units(observed)
-        units = units.float()
+        observed_units, shape = statistics_units(observed)
+        units = observed_units.float()
         lo, hi = unit_minmax(units)
         check_expanded_range(self, lo, hi, self.expand)
+        if observed.dtype in self._in_dtype:  # their steps p = 1 - i / grid, i < maxshrink * grid
+            factors = [1 - i / self.grid for i in range(1, int(self.maxshrink * self.grid))]
+            lo, hi = half_search(observed_units, None, self._search_spec, factors,
+                                 norm=self.norm, expand=self.expand,
+                                 patience=compat_patience(self.patience), dtype_sums=True)
+            return lo.reshape(shape), hi.reshape(shape)
         res = mse_search(units, lo, hi, self._search_spec, maxshrink=self.maxshrink,
                          grid=self.grid, norm=self.norm, patience=self.patience,
                          expand=self.expand, per_unit_patience=False,
