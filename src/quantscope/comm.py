@@ -78,17 +78,21 @@ class CustomSync:
     names: tuple[str, ...] = ()
 
     def empty(self, obs, shapes: dict) -> None:
+        """On a rank that saw nothing: give ``obs`` the empty state of the agreed ``shapes``."""
         raise NotImplementedError
 
     def grid(self, obs) -> torch.Tensor:
+        """``float64 [G]`` parameters all ranks must agree on, reduced with MAX (empty: -inf)."""
         raise NotImplementedError
 
     def rebin(self, obs, grid: torch.Tensor) -> dict[str, Op]:
+        """Move ``obs``'s state exactly onto the agreed ``grid``; ``{buffer: Op}`` to reduce."""
         raise NotImplementedError
 
     # Batching: customs with equal ``batch_key`` (the same on every rank) are handled by
     # one ``grid_many`` / ``rebin_many`` call; the defaults loop over the items.
     def batch_key(self, obs):
+        """Equal for customs one ``grid_many`` / ``rebin_many`` call takes (``id``: alone)."""
         return id(self)
 
     @classmethod

@@ -93,12 +93,14 @@ class IntFormat:
 
     @property
     def qmin(self) -> int:
+        """The smallest code: ``-2 ** (bits - 1)`` (one more if ``narrow``), 0 if unsigned."""
         if not self.signed:
             return 0
         return -(2 ** (self.bits - 1)) + (1 if self.narrow else 0)
 
     @property
     def qmax(self) -> int:
+        """The largest code: ``2 ** (bits - 1) - 1``, or ``2 ** bits - 1`` if unsigned."""
         return 2 ** (self.bits - 1) - 1 if self.signed else 2**self.bits - 1
 
     @property
@@ -118,6 +120,7 @@ class IntFormat:
 
     @property
     def name(self) -> str:
+        """``"int8"``, ``"uint4"``, ``"int8_narrow"`` ...: the name :func:`get_format` reads."""
         return f"{'' if self.signed else 'u'}int{self.bits}{'_narrow' if self.narrow else ''}"
 
     def round(self, x: torch.Tensor, qmin: float | None = None, qmax: float | None = None, *,
@@ -203,6 +206,7 @@ class FloatFormat:
 
     @property
     def bias(self) -> int:
+        """The exponent bias, ``2 ** (ebits - 1) - 1`` (7 for e4m3, 1 for e2m1)."""
         return 2 ** (self.ebits - 1) - 1
 
     @property
@@ -212,14 +216,18 @@ class FloatFormat:
 
     @property
     def emax(self) -> int:
+        """Exponent of the largest power of two at most ``max``, ``floor(log2(max))`` (8 for e4m3,
+        2 for e2m1): the MX shared-exponent rule's."""
         return math.floor(math.log2(self.max))
 
     @property
     def qmin(self) -> float:
+        """``-max``: float formats are symmetric, their range is ``[-max, max]``."""
         return -self.max
 
     @property
     def qmax(self) -> float:
+        """``max``, the largest finite value (what the scale formulas divide by)."""
         return self.max
 
     def round(self, x: torch.Tensor, qmin: float | None = None, qmax: float | None = None, *,

@@ -100,15 +100,22 @@ class Layout:
         return self.kind
 
     def to_units(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as ``[units, elements]``, ``x``'s dtype: one row per set of values sharing a
+        scale, rows in the order of ``qparam_shape(x.shape)`` (Block / Tile rows zero-padded)."""
         raise NotImplementedError
 
     def to_shape(self, units: torch.Tensor, shape) -> torch.Tensor:
+        """The inverse of :meth:`to_units`: ``units`` back to a tensor of ``shape``, padding
+        dropped, so that ``to_shape(to_units(x), x.shape)`` equals ``x``."""
         raise NotImplementedError
 
     def qparam_shape(self, shape) -> tuple[int, ...]:
+        """Shape of the scale / zero point of a tensor of ``shape``: one entry per unit, in
+        :meth:`to_units`' row order; ``ValueError`` where the tensor cannot take this layout."""
         raise NotImplementedError
 
     def num_units(self, shape) -> int:
+        """The number of units (rows of :meth:`to_units`): the product of :meth:`qparam_shape`."""
         return math.prod(self.qparam_shape(shape))
 
     def same_units(self, other: Layout, shape) -> bool:

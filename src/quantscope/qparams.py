@@ -89,15 +89,18 @@ class QParams:
 
     @property
     def effective_scale(self) -> torch.Tensor:
+        """The scale a code is multiplied by: ``scale``, or ``scale / global_scale`` (NVFP4)."""
         if self.global_scale is None:
             return self.scale
         return self.scale / self.global_scale
 
     def to(self, *args, **kwargs) -> QParams:
+        """A copy with each tensor's ``.to(*args, **kwargs)`` (a dtype casts all three)."""
         gs = None if self.global_scale is None else self.global_scale.to(*args, **kwargs)
         return QParams(self.scale.to(*args, **kwargs), self.zero_point.to(*args, **kwargs), gs)
 
     def reshape(self, *shape) -> QParams:
+        """A copy with ``scale`` and ``zero_point`` reshaped to ``shape``; ``global_scale`` kept."""
         return QParams(self.scale.reshape(*shape), self.zero_point.reshape(*shape),
                        self.global_scale)
 

@@ -95,6 +95,7 @@ class ScaleEncoding:
 
     @property
     def has_global_scale(self) -> bool:
+        """Whether scales sit under a per-tensor fp32 global scale (fp8 block scales: NVFP4)."""
         return self.kind == "fp8_e4m3"
 
     @property

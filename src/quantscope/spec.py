@@ -136,18 +136,23 @@ class QuantSpec:
 
     @property
     def qmin(self) -> float:
+        """The smallest code (float formats: ``-max``): ``quant_min`` if set, else the format's."""
         return self.format.qmin if self.quant_min is None else self.quant_min
 
     @property
     def qmax(self) -> float:
+        """The largest code (float formats: ``max``): ``quant_max`` if set, else the format's."""
         return self.format.qmax if self.quant_max is None else self.quant_max
 
     @property
     def min_scale(self) -> float:
+        """The smallest scale: ``eps`` if given, else the encoding's ``default_eps`` (float32's
+        eps; for fp8 block scales fp8's, 0.125)."""
         return self.scale.default_eps if self.eps is None else float(self.eps)
 
     @property
     def is_float(self) -> bool:
+        """Whether the element format is a float one (fp8 / fp6 / fp4), not an integer one."""
         return self.format.is_float
 
     def replace(self, **changes) -> QuantSpec:

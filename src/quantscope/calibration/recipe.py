@@ -1,20 +1,18 @@
 """Recipes: which modules get which spec and observer, for each role.
 
-A :class:`Recipe` is a list of :class:`Rule` s. A rule names its modules by
-``targets`` (a module class name such as ``"Linear"``, a glob on the module's
-name such as ``"encoder.layer.*.attention.*"``, or a regular expression on the
-name prefixed ``"re:"``, matched from the name's start as compressed-tensors matches
-llm-compressor's: ``re.match``, not ``re.fullmatch``) and gives a
-:class:`Role` for each tensor it quantizes: ``weight``, ``input`` (the
-activation entering the module) and ``output`` (the one leaving it). The first
-rule that matches a module wins; ``ignore`` (same syntax) removes modules.
+A :class:`Recipe` is a list of :class:`Rule` s. A rule names its modules by ``targets`` (a
+module class name such as ``"Linear"``, a glob on the module's name such as
+``"encoder.layer.*.attention.*"``, or a regular expression on the name prefixed ``"re:"``,
+matched from the name's start as compressed-tensors matches llm-compressor's: ``re.match``, not
+``re.fullmatch``) and gives a :class:`Role` for each tensor it quantizes: ``weight``, ``input``
+(the activation entering the module) and ``output`` (the one leaving it). The first rule that
+matches a module wins; ``ignore`` (same syntax) removes modules.
 
-Observer names are registry names (:func:`quantscope.list_observers`) or
-``"auto"``: per layer, the candidate whose range gives the lowest quantization
-error on that layer's data. Weights are observed once, so a recipe built from an
-observer name gives weights its memoryless variant (``minmax`` ->
-``memoryless_minmax``, ``mse`` -> ``memoryless_mse``, as llm-compressor does) and
-histogram observers' weights min-max (:func:`weight_observer`).
+Observer names are registry names (:func:`quantscope.list_observers`) or ``"auto"``: per layer,
+the candidate whose range gives the lowest quantization error on that layer's data. Weights are
+observed once, so a recipe built from an observer name gives weights its memoryless variant
+(``minmax`` -> ``memoryless_minmax``, ``mse`` -> ``memoryless_mse``, as llm-compressor does)
+and histogram observers' weights min-max (:func:`weight_observer`).
 """
 
 from __future__ import annotations
@@ -48,11 +46,10 @@ class Role:
     Args:
         spec: the quantization scheme.
         observer: a registry name or ``"auto"``.
-        dynamic: False (static qparams from calibration), True (qparams computed
-            from each tensor at run time, as llm-compressor's ``dynamic=True``:
-            no calibration) or ``"local"`` (NVFP4 activations: the global scale is
-            calibrated, block scales are computed at run time; a spec with no global scale
-            raises).
+        dynamic: False (static qparams from calibration), True (qparams computed from each tensor at
+            run time, as llm-compressor's ``dynamic=True``: no calibration) or ``"local"`` (NVFP4
+            activations: the global scale is calibrated, block scales are computed at run time; a
+            spec with no global scale raises).
         options: keyword options for the observer (``{"averaging_constant": 0.1}``, or
             its ``(name, value)`` pairs); kept as a sorted tuple of pairs (hashable).
     """
@@ -83,6 +80,7 @@ class Role:
         return self.dynamic is not True
 
     def to_dict(self) -> dict:
+        """JSON-able ``{"spec", "observer", "dynamic", "options"}``; :meth:`from_dict` reads it."""
         return {"spec": self.spec.to_dict(), "observer": self.observer, "dynamic": self.dynamic,
                 "options": dict(self.options)}
 
@@ -127,9 +125,11 @@ class Rule:
             raise ValueError(f"Rule {self.targets}: give at least one of weight, input, output")
 
     def roles(self) -> dict[str, Role]:
+        """``{role: Role}`` of the roles given (not None), in ``weight, input, output`` order."""
         return {r: getattr(self, r) for r in ROLES if getattr(self, r) is not None}
 
     def to_dict(self) -> dict:
+        """JSON-able ``{"targets", "weight", "input", "output"}`` (roles: :meth:`Role.to_dict`)."""
         return {"targets": list(self.targets),
                 **{r: (None if v is None else v.to_dict())
                    for r, v in ((r, getattr(self, r)) for r in ROLES)}}
@@ -196,10 +196,8 @@ class Recipe:
             raise TypeError(f"Recipe.rules must hold Rule objects, got {type(bad[0]).__name__}")
 
     def match(self, model: nn.Module) -> dict[str, tuple[nn.Module, dict[str, Role]]]:
-        """``{module name: (module, {role: Role})}`` for every module a rule takes.
-
-        Raises ``ValueError`` naming the targets if nothing matches.
-        """
+        """``{module name: (module, {role: Role})}`` for every module a rule takes; raises
+        ``ValueError`` naming the targets if nothing matches."""
         found = {}
         for name, module in model.named_modules():
             rule = self.rule_for(name, module)
@@ -262,10 +260,12 @@ class Recipe:
 
     @property
     def needs_data(self) -> bool:
+        """Whether calibration needs batches: a KV cache or a non-``dynamic=True`` activation."""
         return self.kv_cache is not None or any(
             role.needs_data for r in self.rules for k, role in r.roles().items() if k != "weight")
 
     def to_dict(self) -> dict:
+        """All fields, JSON-able (rules, kv_cache by their ``to_dict``), for :meth:`from_dict`."""
         return {"name": self.name, "ignore": list(self.ignore),
                 "rules": [r.to_dict() for r in self.rules], "fusion": self.fusion,
                 "fuse": [list(p) for p in self.fuse], "split": list(self.split),

@@ -308,8 +308,7 @@ class Observer(nn.Module):
         """Scale and zero point (and NVFP4 global scale) shaped for the last observed tensor.
 
         Compat classes override this to return their toolkit's values; :meth:`qparams`
-        always returns the native :class:`~quantscope.QParams`.
-        """
+        always returns the native :class:`~quantscope.QParams`."""
         return self.qparams()
 
     def qparams(self) -> QParams:
@@ -331,6 +330,7 @@ class Observer(nn.Module):
 
     @property
     def has_observed(self) -> bool:
+        """Whether a non-empty tensor was observed (or such a state loaded) since :meth:`reset`."""
         return self._last_shape is not None
 
     def check_ready(self) -> None:

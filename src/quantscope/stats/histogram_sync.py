@@ -39,16 +39,20 @@ class HistogramSync(CustomSync):
             setattr(obs, n, v)
 
     def empty(self, obs, shapes):
+        """The five buffers as :func:`~.histogram.empty_state` of counts' ``[units, bins]``."""
         units, bins = shapes[self.names[0]]
         self._set(obs, empty_state(units, bins, device=getattr(obs, self.names[0]).device))
 
     def grid(self, obs):
+        """``float64 [3 * units]``, ``[-lo, hi, exp]``: MAX gives the union range, top exponent."""
         return self.grid_many([(obs, self)])[0]
 
     def rebin(self, obs, grid):
+        """Re-bin counts exactly onto the agreed grid, set all five buffers; ``{counts: SUM}``."""
         return self.rebin_many([(obs, self)], [grid])[0]
 
     def batch_key(self, obs):
+        """Histograms with equal bin count, ``absolute``, device and dtype sync in one batch."""
         c = getattr(obs, self.names[0])
         return (HistogramSync, c.shape[1], self.absolute, c.device, c.dtype)
 

@@ -49,8 +49,7 @@ class Sensitivity:
     """Per (layer, role), the output divergence when only that tensor is quantized.
 
     ``rows`` are sorted most sensitive first, each ``{"rank", "layer", "role", "observer",
-    "divergence"}``; ``info`` says the metric, forwards and seconds spent.
-    """
+    "divergence"}``; ``info`` says the metric, forwards and seconds spent."""
 
     rows: list[dict]
     info: dict = field(default_factory=dict)
@@ -61,6 +60,7 @@ class Sensitivity:
                 if role is None or r["role"] == role][:n]
 
     def to_markdown(self, path=None) -> str:
+        """A metric / forwards / seconds line and the rows' markdown table; to ``path`` if given."""
         from ..results.report import markdown_table
 
         text = markdown_table(["rank", "layer", "role", "observer", "divergence"],
@@ -73,9 +73,11 @@ class Sensitivity:
         return text
 
     def to_dict(self) -> dict:
+        """``{"info": info, "rows": rows}``: what :meth:`to_json` writes."""
         return {"info": self.info, "rows": self.rows}
 
     def to_json(self, path=None) -> str:
+        """:meth:`to_dict` as JSON text (indent 1); also written to ``path`` if given."""
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
             write_text(path, text)
@@ -339,8 +341,7 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     the gate / up (w13) inputs, and the down (w2) inputs, of all experts of one MoE module.
     Their report rows and histograms go (the report lists them apart); the rest, smoothing
     included, is the calibration's. On a calibration with a fallback already, this one adds
-    to it, in the same ``mode`` (``info["keep_float"]`` then counts and lists both).
-    """
+    to it, in the same ``mode`` (``info["keep_float"]`` then counts and lists both)."""
     for arg, value, kind in (("calibration", calibration, Calibration),
                              ("sens", sens, Sensitivity)):  # not an AttributeError inside
         if not isinstance(value, kind):
@@ -425,9 +426,8 @@ def check_fallback(n, mode, sequential: bool = False) -> None:
 
 def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
               mode: str) -> Calibration:
-    """:func:`keep_float` of ``n`` with the ranking of :func:`layer_sensitivity` on ``batch``
-    (what ``calibrate(..., outliers=Outliers(keep_float=n, fallback=mode))`` does after
-    calibrating)."""
+    """:func:`keep_float` of ``n`` with the ranking of :func:`layer_sensitivity` on ``batch`` (what
+    ``calibrate(..., outliers=Outliers(keep_float=n, fallback=mode))`` does after calibrating)."""
     if batch is None:
         raise ValueError("calibrate: keep_float needs a batch to rank the activations on, "
                          "and batches is empty")

@@ -235,20 +235,26 @@ class Report:
 
     @property
     def summary(self) -> dict:
+        """:func:`summarize` of ``rows``: per role, the layer count, mean / min SQNR in dB and
+        the worst layer, the mean clipped fraction and ``{observer: layers}``."""
         return summarize(self.rows)
 
     def to_dict(self) -> dict:
+        """Label, recipe, metrics, info, summary, ``layers`` (the rows), kv_cache and notes,
+        strict-JSON safe (:func:`json_safe`: non-finite floats as None)."""
         return json_safe({"label": self.label, "recipe": self.recipe, "metrics": self.metrics,
                            "info": self.info, "summary": self.summary, "layers": self.rows,
                            "kv_cache": self.kv_cache, "notes": self.notes})
 
     def to_json(self, path=None) -> str:
+        """:meth:`to_dict` as JSON text (indent 1); also written to ``path`` if given."""
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
             write_text(path, text + "\n")
         return text
 
     def summary_rows(self):
+        """:attr:`summary` as table cells, one row per role, in ``SUMMARY_HEADERS`` order."""
         return [[role, s["layers"], s["mean_sqnr_db"], s["min_sqnr_db"], s["worst_layer"],
                  100 * s["mean_clipped"],
                  ", ".join(f"{k} {v}" for k, v in sorted(s["observers"].items()))]
@@ -258,6 +264,8 @@ class Report:
                        "clipped %", "observers"]
 
     def to_markdown(self, path=None) -> str:
+        """Notes, metrics, summary, layers and the extra tables (fusion groups, KV cache,
+        fallback ...) as markdown; also written to ``path`` if given."""
         parts = [f"# quantscope report: {self.label}", ""]
         parts += [f"Note: {n}\n" for n in self.notes]
         if self.metrics:
@@ -272,6 +280,8 @@ class Report:
         return text
 
     def print(self, layers: bool = True, file=None) -> None:
+        """Print the layer table (if ``layers``), summary, metrics, extra tables and notes to
+        ``file`` (stdout by default), with rich where installed."""
         if layers:
             print_table(LAYER_HEADERS, _layer_rows(self.rows), f"{self.label}: layers", file)
         print_table(self.SUMMARY_HEADERS, self.summary_rows(), f"{self.label}: summary", file)

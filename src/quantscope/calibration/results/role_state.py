@@ -57,6 +57,7 @@ class RoleState:
                         for a, b in zip(tensors(self), tensors(other))))
 
     def to(self, device) -> RoleState:
+        """A copy with qparams, ``global_amax``, ``lo`` and ``hi`` moved to ``device``."""
         mv = (lambda t: None if t is None else t.to(device))
         return replace(self, qparams=None if self.qparams is None else self.qparams.to(device),
                        global_amax=mv(self.global_amax), lo=mv(self.lo), hi=mv(self.hi))
