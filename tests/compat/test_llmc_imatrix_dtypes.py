@@ -3,9 +3,9 @@ compat class and the registry's ``quantscope_imatrix_mse`` keep the weight's dty
 ``min_vals`` / ``max_vals`` and so in the scales, as llm-compressor's imatrix_mse (and
 quantscope's MSE compat) do (docs/guide/pipelines.md: "same dtypes"). Values: float64 within
 float32's rounding (quantscope searches in float32); half precision bit for bit (each
-candidate priced in the dtype, as theirs), but for the asymmetric qparams ``get_qparams``
-emits from the range in float32. The MSE classes on half precision too. Runs in the peers'
-venv."""
+candidate priced in the dtype, as theirs, and the qparams of the range computed in it, the
+asymmetric ones too). The MSE and min-max classes on half precision too, weights and
+activations. Runs in the peers' venv."""
 
 from __future__ import annotations
 
@@ -117,19 +117,11 @@ def _half_case(name, fields, dtype, seed, kind):
 
 
 def _assert_half_equal(theirs, ours, fields, dtype):
-    """The searched ranges bit for bit; the qparams too, but asymmetric ones: those
-    ``get_qparams`` emits from the range in float32 (docs/guide/pipelines.md), their scale
-    within one unit in the last place of the dtype and zero point within two codes."""
+    """The searched ranges and the qparams, asymmetric ones too, bit for bit."""
     assert torch.equal(theirs[0], ours[0]) and torch.equal(theirs[1], ours[1])
     for key, want in theirs[2].items():
         got = ours[2][key]
-        if want is None or fields["symmetric"] or key == "global_scale":
-            assert (got is None) if want is None else torch.equal(got, want), key
-        elif key == "scale":
-            ulp = torch.finfo(dtype).eps * want.float().abs()
-            assert bool(((got.float() - want.float()).abs() <= ulp).all()), key
-        else:
-            assert int((got.int() - want.int()).abs().max()) <= 2, key
+        assert (got is None) if want is None else torch.equal(got, want), key
 
 
 @pytest.mark.parametrize("kind", ["none", "rand", "some_zeros", "one_huge"])
@@ -152,3 +144,66 @@ def test_half_mse_search_is_llmcompressors(dtype, name, fields):
     for seed in range(3):
         theirs, ours = _half_case(name, fields, dtype, seed, "none")
         _assert_half_equal(theirs, ours, fields, dtype)
+
+
+#: asymmetric integer formats: compressed-tensors computes their scale ``(max - min) / range``
+#: and zero point ``qmin - min / scale`` in the statistics' dtype, each operation rounded to it
+ASYM_FIELDS = {
+    "int4_g16": {"num_bits": 4, "symmetric": False, "strategy": "group", "group_size": 16},
+    "int8_ch": {"num_bits": 8, "symmetric": False, "strategy": "channel"},
+    "int8_tensor": {"num_bits": 8, "symmetric": False, "strategy": "tensor"},
+    "int4_tg16": {"num_bits": 4, "symmetric": False, "strategy": "tensor_group",
+                  "group_size": 16},
+}
+WEIGHT_CLASSES = ["memoryless_minmax", "static_minmax", "minmax", "memoryless_mse", "mse",
+                  "imatrix_mse"]
+
+
+def _qparams(name, base_name, fields, values):
+    """Each implementation's ``get_qparams()`` after observing ``values`` in turn."""
+    out = []
+    for impl in (TheirObserver, lc.Observer):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obs = impl.load_from_registry(name, base_name=base_name,
+                                          args=QuantizationArgs(**fields))
+            for value in values:
+                obs(value)
+            out.append(obs.get_qparams())
+    return out
+
+
+def _assert_qparams_equal(theirs, ours):
+    for key, want in theirs.items():
+        got = ours[key]
+        if want is None:
+            assert got is None, key
+            continue
+        assert got.dtype == want.dtype and got.shape == want.shape, key
+        assert torch.equal(got, want), (key, (got != want).sum().item())
+
+
+@pytest.mark.parametrize("fields", list(ASYM_FIELDS.values()), ids=list(ASYM_FIELDS))
+@pytest.mark.parametrize("name", WEIGHT_CLASSES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_asymmetric_weight_qparams_are_llmcompressors(dtype, name, fields):
+    """The scale and zero point of an asymmetric range in the weight's dtype, bit for bit."""
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(32, 64, generator=g) * 0.05 + 0.01).to(dtype)
+        _assert_qparams_equal(*_qparams(name, "weight", fields, [w]))
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
+@pytest.mark.parametrize("strategy,dynamic", [("token", True), ("tensor", False),
+                                              ("tensor", True)])
+@pytest.mark.parametrize("name", ["memoryless_minmax", "static_minmax", "minmax"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_activation_qparams_are_llmcompressors(dtype, name, strategy, dynamic, symmetric):
+    """Input observers over three batches (running statistics in the dtype), bit for bit."""
+    fields = {"num_bits": 8, "symmetric": symmetric, "strategy": strategy, "dynamic": dynamic}
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        xs = [(torch.randn(2, 8, 64, generator=g) * (0.3 * i + 0.3) + 0.2).to(dtype)
+              for i in range(3)]
+        _assert_qparams_equal(*_qparams(name, "input", fields, xs))

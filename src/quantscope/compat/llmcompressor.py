@@ -28,17 +28,16 @@ per-group patience) is kept, not followed: the rules do not depend on the device
 Where the results differ from llm-compressor's, by choice:
 
 * bfloat16 / float16 statistics: compressed-tensors computes qparams in that dtype (a
-  rounding after each operation) and llm-compressor's MSE search prices candidates in it;
-  quantscope computes in float32 and rounds once. The dtypes are theirs; min-max scales
-  differ by at most one unit in the last place of the dtype (NVFP4's block scales by one
-  fp8 step, its float32 global scale from theirs, computed in the dtype, by one unit of
-  the dtype); symmetric integer scales are equal (``tensor_group``: with their global
-  scale, computed in the dtype, as theirs). Zero points come, as theirs, from the scale
-  rounded to the dtype; for formats of up to 8 bits they differ by at most two codes
-  (bfloat16) or one (float16), more for wider formats and for float16 scales below 2 ** -14
-  (subnormal: one step of theirs is then a large part of the scale). The MSE and imatrix
-  searches price each candidate as theirs, in the dtype (the MSE's error sums too), so
-  their ranges are theirs bit for bit (:func:`~.llmcompressor_imatrix.half_search`).
+  rounding after each operation) and llm-compressor's MSE search prices candidates in it.
+  Asymmetric integer scales and zero points are computed so too
+  (:func:`~.llmcompressor_base.half_qparams`: ``max - min`` rounded to the dtype before the
+  division, the zero point from that scale in it): theirs bit for bit. Symmetric integer
+  scales, computed in float32 and rounded once, are equal (one correctly rounded quotient;
+  ``tensor_group``: with their global scale, computed in the dtype, as theirs); NVFP4's
+  block scales differ by at most one fp8 step, its float32 global scale from theirs,
+  computed in the dtype, by one unit of the dtype. The MSE and imatrix searches price each
+  candidate as theirs, in the dtype (the MSE's error sums too), so their ranges are theirs
+  bit for bit (:func:`~.llmcompressor_imatrix.half_search`).
 * NaN / inf input raises ``ValueError`` ("observed NaN or inf values", naming the observer)
   in ``forward``, as quantscope's native observers refuse it; llm-compressor's give NaN /
   inf scales. float32 statistics: bit for bit (tiny scales kept, only 0 ones made their eps).

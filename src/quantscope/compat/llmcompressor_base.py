@@ -35,8 +35,8 @@ from .llmcompressor_parts import FusionHandler, flatten_for_calibration
 from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_global_scale, zp_dtype
 
 __all__ = ["HALF_SCALES", "Observer", "check_expanded_range", "check_finite_statistics",
-           "fused_amax", "global_scale_of", "lerp", "qparams_of_statistics", "statistics_dtype",
-           "statistics_units"]
+           "fused_amax", "global_scale_of", "half_qparams", "lerp", "qparams_of_statistics",
+           "statistics_dtype", "statistics_units"]
 
 _NO_STATISTICS = "No statistics available. Call observer(value) first."
 #: per class that registers (compressed-tensors keys its registry by the class ``register``
@@ -386,15 +386,39 @@ def _ct_spec(args, base_name: str) -> QuantSpec:
     return spec.replace(scale="fp32", eps=_ZERO_STAND_IN)
 
 
-def _zero_points(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, dtype: torch.dtype,
-                 qp) -> torch.Tensor:
-    """The zero points of the scales in the statistics' ``dtype``, as compressed-tensors' (it
-    computes them in that dtype, before any ``scale_dtype`` rounding): from the scale rounded
-    to bfloat16 / float16 for half-precision statistics, else ``qp``'s own."""
-    encoding = HALF_SCALES.get(dtype)
-    if encoding is None or spec.symmetric or spec.scale.is_block:
-        return qp.zero_point
-    return qparams_from_range(lo, hi, spec.replace(scale=encoding)).zero_point
+def half_qparams(lo: torch.Tensor, hi: torch.Tensor, spec, *, eps: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' ``calculate_qparams`` (no ``scale_dtype``, no global scale) on a
+    bfloat16 / float16 range, each operation rounded to its dtype as theirs: ``(scale,
+    zero_point)``, both in the dtype (the zero point a whole number of codes). ``eps``: a
+    zero scale becomes the dtype's eps, theirs without a ``scale_dtype``; else it stays 0
+    (the zero point then ``qmax``, or NaN where ``lo`` is 0)."""
+    dtype = lo.dtype
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    span = torch.tensor(spec.qmax - spec.qmin, dtype=dtype)  # their bit_range.to(dtype)
+    if spec.symmetric:
+        scale = torch.maximum(lo.abs(), hi.abs()) / (span / 2)
+        zp = torch.zeros_like(scale)
+    else:
+        scale = (hi - lo) / span
+        zp = (spec.qmin - lo / scale).clamp(spec.qmin, spec.qmax).round()
+    if not eps:
+        return scale, zp
+    return torch.where(scale == 0, torch.tensor(torch.finfo(dtype).eps, dtype=dtype), scale), zp
+
+
+def _local_qparams(min_vals: torch.Tensor, max_vals: torch.Tensor, spec: QuantSpec,
+                   global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat scales (before a global scale, zeros kept) and zero points, as
+    compressed-tensors computes them: asymmetric ones of bfloat16 / float16 statistics by
+    :func:`half_qparams`, in the dtype (theirs rounds ``max - min`` to it before dividing:
+    float32 then cast gave other scales and zero points), the others by quantscope's float32
+    formulas (a symmetric scale cast to the dtype is theirs: one correctly rounded quotient)."""
+    if min_vals.dtype in HALF_SCALES and not spec.symmetric and not spec.scale.is_block:
+        return half_qparams(min_vals.reshape(-1), max_vals.reshape(-1), spec, eps=False)
+    lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
+    qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)
+    return qp.scale, qp.zero_point
 
 
 def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, base_name: str,
@@ -416,25 +440,24 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
         dtype = torch.promote_types(min_vals.dtype, torch.float32)
     else:
         dtype = statistics_dtype(min_vals)
-    lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
-    if scales_times_global_scale(args):
-        qp = qparams_from_range(lo, hi, spec)
-        # theirs: the scale in the half-precision statistics' dtype, times the float32 global
-        local = qp.scale.to(min_vals.dtype) if min_vals.dtype in HALF_SCALES else qp.scale
-        scale = local.float() * global_scale_of(global_amax, min_vals.dtype)
+    times_global = scales_times_global_scale(args)
+    local, zero = _local_qparams(min_vals, max_vals, spec, None if times_global else global_amax)
+    if times_global:  # theirs: the scale in the half-precision statistics' dtype, times the
+        # float32 global
+        half = local.to(min_vals.dtype) if min_vals.dtype in HALF_SCALES else local
+        scale = half.float() * global_scale_of(global_amax, min_vals.dtype)
     else:
-        qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)
-        scale = qp.scale
+        scale = local
     if (sd := scale_dtype(args)) is not None and sd.is_floating_point:
         info = torch.finfo(sd)  # their round_to_quantized_type_dtype
         scale = scale.clamp(info.min, info.max).to(sd)
-    zero_scale = (qp.scale <= _ZERO_STAND_IN).reshape(shape)
+    zero_scale = (local <= _ZERO_STAND_IN).reshape(shape)
     scale = scale.reshape(shape).to(dtype)
     if global_amax is not None:  # their product with the [1] global scale
         scale = scale.reshape(torch.broadcast_shapes(shape, (1,)))
     zero_scale = zero_scale | (scale == 0)  # 0 also where a dtype rounds a scale to it
     scale = torch.where(zero_scale, torch.tensor(_ct_eps(args, dtype), dtype=dtype), scale)
-    zero = _zero_points(lo, hi, spec, min_vals.dtype, qp).reshape(shape)
+    zero = zero.reshape(shape)
     if not spec.symmetric:
         at_zero = torch.where(min_vals >= 0, 0, int(spec.qmax))
         zero = torch.where(zero_scale.reshape(shape), at_zero, zero)

@@ -49,6 +49,7 @@ from .llmcompressor_base import (
     HALF_SCALES,
     check_expanded_range,
     check_finite_statistics,
+    half_qparams,
     statistics_dtype,
     statistics_units,
 )
@@ -253,23 +254,6 @@ def prices_in_dtype(spec, dtype: torch.dtype, strategy: str | None) -> bool:
     ``scale_dtype``, or the dtype; ``tensor_group`` drops its own to search)."""
     return dtype in HALF_SCALES and (strategy == "tensor_group"
                                      or spec.scale.kind in ("fp32", HALF_SCALES[dtype]))
-
-
-def half_qparams(lo: torch.Tensor, hi: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """compressed-tensors' ``calculate_qparams`` (no ``scale_dtype``, no global scale) on a
-    bfloat16 / float16 range, each operation rounded to its dtype as theirs: ``(scale,
-    zero_point)``, both in the dtype (the zero point a whole number of codes)."""
-    dtype = lo.dtype
-    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-    span = torch.tensor(spec.qmax - spec.qmin, dtype=dtype)  # their bit_range.to(dtype)
-    if spec.symmetric:
-        scale = torch.maximum(lo.abs(), hi.abs()) / (span / 2)
-        zp = torch.zeros_like(scale)
-    else:
-        scale = (hi - lo) / span
-        zp = (spec.qmin - lo / scale).clamp(spec.qmin, spec.qmax).round()
-    eps = torch.tensor(torch.finfo(dtype).eps, dtype=dtype)  # their scale for 0
-    return torch.where(scale == 0, eps, scale), zp
 
 
 def half_fake_quantize(units: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec
