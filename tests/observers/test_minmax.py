@@ -606,3 +606,15 @@ def test_any_non_finite_and_extreme_ends_agree_with_isfinite(dtype):
             want = bool(~torch.isfinite(torch.cat((lo, hi))).all())
             assert bool(stats.any_non_finite(ends)) == want
             assert bool(stats.any_non_finite(torch.cat((lo, hi)))) == want
+
+
+@pytest.mark.parametrize("shape", [(5, 10), (7, 10), (4, 9)])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_padded_tiles_of_positive_data_keep_their_own_min(name, shape):
+    # the padding of the edge tiles (two tile rows, a partial column) is not data: an
+    # all-positive tensor's tile minimums are its values', never the padding's 0
+    x = rand(*shape, seed=3).abs() + 1.0
+    obs = observe(name, QuantSpec("int8", Tile(3, 4), symmetric=False), [x])
+    lo, hi = ref_units_minmax(x, Tile(3, 4))
+    assert bool((obs.min_vals >= 1.0).all())
+    assert torch.equal(obs.min_vals, lo) and torch.equal(obs.max_vals, hi)
