@@ -131,14 +131,19 @@ def test_quark_kernel_step_equals_general_path(monkeypatch, qscheme):
         assert torch.equal(a, b)
 
 
-def test_large_single_units_keep_torch(monkeypatch):
-    """One unit of 2 ** 16+ elements: torch's whole-tensor reduction (its threads); many
-    units of many elements: the kernel, as before."""
+def test_one_unit_takes_torch_only_where_its_thread_pool_wins(monkeypatch):
+    """One float32 unit: the kernel's one pass (one thread) below ``THREAD_MIN_NUMEL``, and
+    split over its threads from twice that; between, torch's pool where it has threads."""
     spy = Spy(stats._kernel())
     monkeypatch.setattr(stats, "_kernel", lambda: spy)
     obs = StaticMinMaxObserver(QuantSpec("int8", Tensor()))
     obs(torch.randn(256, 256))
-    obs(torch.randn(256, 256))
-    assert spy.calls == 0
-    obs(torch.randn(8, 32))  # a small one: one pass
     assert spy.calls == 1
+    monkeypatch.setattr(stats.kernels, "threads", lambda requested=None: 2)
+    obs(torch.randn(stats.THREAD_MIN_NUMEL // 1024, 1024))
+    assert spy.calls == 1  # torch's two threads
+    monkeypatch.setattr(stats.kernels, "threads", lambda requested=None: 1)
+    obs(torch.randn(stats.THREAD_MIN_NUMEL // 1024, 1024))
+    assert spy.calls == 2
+
+

@@ -56,10 +56,10 @@ class MinMaxStateObserver(Observer):
 
     def _minmax_out(self, count):
         # a scratch pair reused across calls: the state is updated from it, never aliases it
-        dev = self.min_vals.device
+        dev = self._buffers["min_vals"].device
         if torch.compiler.is_compiling():  # Inductor gave a cached scratch and the state
             return _pair(count, dev)  # one buffer
-        scratch = getattr(self, "_scratch", None)
+        scratch = self.__dict__.get("_scratch")
         if scratch is None or scratch[0].shape != (count,) or scratch[0].device != dev or (
                 scratch[0].is_inference() and not torch.is_inference_mode_enabled()):
             scratch = self._scratch = _pair(count, dev)
@@ -78,16 +78,17 @@ class MinMaxStateObserver(Observer):
 
     def _unit_minmax(self, units, count, ends):
         kind = self.state_update
+        # the buffers from _buffers: nn.Module.__getattr__ costs a microsecond a lookup here
+        state_lo, state_hi = self._buffers["min_vals"], self._buffers["max_vals"]
         if (kind is None or not self.accumulates or self.sync_every_step or self._padded_call
-                or self.min_vals.shape != (count,)
-                or self.min_vals.device != units.device):
+                or state_lo.shape != (count,)
+                or not (state_lo.is_cpu and units.is_cpu or state_lo.device == units.device)):
             return super()._unit_minmax(units, count, ends)
         c = getattr(self, "averaging_constant", 0.0)
         # _observe: the state is already updated (a plain bool, set per call: without
         # nn.Module.__setattr__'s checks for parameters, buffers and modules)
         object.__setattr__(self, "_fused", True)
-        return unit_minmax(units, self._minmax_out(count), ends,
-                           (kind, c, self.min_vals, self.max_vals))
+        return unit_minmax(units, self._minmax_out(count), ends, (kind, c, state_lo, state_hi))
 
     @only_observes  # the op minmax_observe: forward's own steps in one launch
     def forward(self, x: torch.Tensor) -> torch.Tensor:

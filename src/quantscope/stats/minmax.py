@@ -4,14 +4,15 @@ torch reduces a whole tensor (``torch.aminmax(x)``) in one vectorized read, but
 per-row reductions are slower: ``torch.aminmax(u, dim=1)`` is not vectorized
 (6-9x the whole-tensor time on CPU) and ``amin`` + ``amax`` read the data twice.
 On CPU, for large contiguous float32, bf16 or fp16 units, :func:`unit_minmax` therefore
-runs a small C kernel (one read, both extremes, NaN propagated, threads over units; bf16 /
-fp16 widened exactly as they are read, never copied to float32), compiled on first use by
-:mod:`quantscope.kernels`; for small inputs too where an observer's step also wants their
-ends or a state update (its one pass stands for a dozen small torch ops). Without a
-compiler, for other small inputs, or with ``QUANTSCOPE_NO_KERNEL=1`` it uses torch; both give
-identical results (tests compare them bitwise), up to the sign of a zero extreme: where -0.0
-and +0.0 tie for a unit's min or max, which comes back depends on the vector width (torch's
-too; they compare equal and give the same qparams). Off the CPU it calls the op
+runs a small C kernel (one read, both extremes, NaN propagated, threads over units or over
+one unit's elements; bf16 / fp16 widened exactly as they are read, never copied to float32),
+compiled on first use by :mod:`quantscope.kernels`; for small inputs too where an observer's
+step also wants their ends or a state update (its one pass stands for a dozen small torch
+ops). Without a compiler, for other small inputs, or with ``QUANTSCOPE_NO_KERNEL=1`` it uses
+torch; both give identical results (tests compare them bitwise), up to the sign of a zero
+extreme: where -0.0 and +0.0 tie for a unit's min or max, which comes back depends on the
+vector width and the thread split (torch's too; they compare equal and give the same
+qparams). Off the CPU it calls the op
 ``quantscope::unit_minmax`` (:mod:`quantscope.kernels.ops`: one Triton read on CUDA, bf16 /
 fp16 read as they are, and the layouts whose units are no row view read in place:
 :mod:`.minmax_layouts`).
@@ -28,6 +29,7 @@ from .. import kernels
 from .._checks import check_number
 from .._oplib import define
 from ..kernels import ops
+from ..kernels import streaming as _streaming
 from ..kernels import triton as _triton
 
 __all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "ema_", "extreme_ends",
@@ -69,6 +71,8 @@ THREAD_MIN_NUMEL = 1 << 22
 
 
 def _threads(numel: int, rows: int) -> int:
+    if numel < 2 * THREAD_MIN_NUMEL:  # one thread (the common call: no torch query)
+        return 1
     return max(1, min(kernels.threads(), rows, numel // THREAD_MIN_NUMEL))
 
 
@@ -89,13 +93,20 @@ def _kernel_reads(units: torch.Tensor, step: bool) -> bool:
     """Whether :func:`unit_minmax` reads ``units [U, E]`` with the C kernel: many units of
     many elements (torch's per-row reduction is the slower there), and every small input of
     an observer's ``step`` (ends or a state update wanted: the kernel's one pass stands for
-    a dozen small torch ops, whose dispatch outweighs the data). Not one large unit: torch's
-    whole-tensor reduction reads it on all its threads."""
-    if not (units.device.type == "cpu" and units.dtype in KERNEL_DTYPES
-            and units.is_contiguous() and not units.requires_grad):
+    a dozen small torch ops, whose dispatch outweighs the data). One large float32 unit
+    too: its one pass takes half of ``torch.aminmax``'s time on one thread (measured on an
+    EPYC), and splits the unit's elements over its threads from ``2 * THREAD_MIN_NUMEL``;
+    between, where the kernel's one thread meets torch's pool of several, torch."""
+    if not (units.is_cpu and units.dtype in KERNEL_DTYPES and units.is_contiguous()
+            and not units.requires_grad):
         return False
-    small = units.numel() < KERNEL_MIN_NUMEL
-    return step and small if units.shape[0] == 1 else step or not small
+    numel = units.numel()
+    small = numel < KERNEL_MIN_NUMEL
+    if units.shape[0] == 1 and not small:
+        if units.dtype != torch.float32:
+            return False  # one large half unit: torch's whole-tensor read is as fast
+        return not THREAD_MIN_NUMEL <= numel < 2 * THREAD_MIN_NUMEL or kernels.threads() == 1
+    return step or not small
 
 
 def _result_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -189,6 +200,23 @@ def record_ends(ends: torch.Tensor, seen: torch.Tensor) -> None:
         seen.bitwise_or_(any_non_finite(ends))  # (|= on a buffer would setattr it back)
 
 
+def _takes_out(out, U: int, units: torch.Tensor) -> bool:
+    """Whether ``out`` can take :func:`unit_minmax`'s results for ``U`` units."""
+    lo, hi = out
+    dtype = _result_dtype(units.dtype)
+    if lo.shape != (U,) or hi.shape != (U,) or lo.dtype != dtype or hi.dtype != dtype:
+        return False
+    if units.is_cpu:  # (is_cpu: a device object per test costs a microsecond here)
+        return lo.is_cpu and hi.is_cpu and lo.is_contiguous() and hi.is_contiguous()
+    device = units.device
+    return lo.device == device == hi.device and lo.is_contiguous() and hi.is_contiguous()
+
+
+def _plain_f32(t: torch.Tensor, n: int) -> bool:
+    """Whether the kernel can write ``t`` as ``n`` float32 values: contiguous ``[n]`` CPU."""
+    return t.shape == (n,) and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+
+
 def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ends: torch.Tensor | None = None, update: tuple | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,23 +232,21 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     on the kernel path; the returned ``lo`` / ``hi`` are then scratch.
     """
     U, E = units.shape
-    if out is not None and not all(o.shape == (U,) and o.dtype == _result_dtype(units.dtype)
-                                   and o.device == units.device and o.is_contiguous()
-                                   for o in out):
+    if out is not None and not _takes_out(out, U, units):
         out = None
-    # units and what the kernel writes must have memory (not a fake, a vmap tensor or a
-    # trace: kernels.real), tested at once (the context once: a hot path)
-    writes = (*(out or ()), *(update[2:] if update else ()), *(() if ends is None else (ends,)))
-    lib = _kernel() if _kernel_reads(units, ends is not None or update is not None) \
-        and kernels.real(units, *writes) else None
-    fusable = update is None or all(t.shape == (U,) and t.dtype == torch.float32 and
-                                    t.device.type == "cpu" and t.is_contiguous()
-                                    for t in update[2:])
-    if lib is None or not fusable or (ends is not None and (
-            ends.shape != (2,) or ends.dtype != torch.float32 or ends.device.type != "cpu")):
+    step = ends is not None or update is not None
+    lib = None
+    # (the cheap tests first: a hot path) the kernel's inputs and outputs must be plain CPU
+    # float32 of its shapes, and have memory (not a fake, a vmap tensor or a trace:
+    # kernels.real), tested at once
+    if _kernel_reads(units, step) and (ends is None or _plain_f32(ends, 2)) and (
+            update is None or (_plain_f32(update[2], U) and _plain_f32(update[3], U))) and \
+            kernels.real(units, *(out or ()), *(() if update is None else update[2:]),
+                         *(() if ends is None else (ends,))):
+        lib = _kernel()
+    if lib is None:
         # on the CPU torch itself: the op's dispatch (~11 us) outweighs a small reduction
-        lo, hi = _torch_minmax_f32(units, out) if units.device.type == "cpu" else \
-            ops.unit_minmax(units)
+        lo, hi = _torch_minmax_f32(units, out) if units.is_cpu else ops.unit_minmax(units)
         if ends is not None:
             ends.copy_(extreme_ends(lo, hi))
         if update is not None:
@@ -228,14 +254,17 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
         return lo, hi
     lo, hi = out if out is not None else (kernels.buffer(U), kernels.buffer(U))
     scratch = ends if ends is not None else kernels.buffer(2)
-    threads = _threads(U * E, U)
-    mode, c, slo, shi = (0, 0.0, 0, 0) if update is None else (
-        UPDATES[update[0]], float(update[1]), update[2].data_ptr(), update[3].data_ptr())
+    # one unit: the C splits its elements over the threads
+    threads = _threads(U * E, U if U > 1 else E)
+    if update is None:
+        mode, c, slo, shi, written = 0, 0.0, None, None, (lo, hi)
+    else:
+        kind, c, slo, shi = update
+        mode, c, written = UPDATES[kind], float(c), (lo, hi, slo, shi)
+        slo, shi = slo.data_ptr(), shi.data_ptr()
     lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), scratch.data_ptr(),
-                       threads, mode, c, slo, shi, int(kernels.streaming()),
-                       KERNEL_DTYPES[units.dtype])
-    for t in (lo, hi, *(() if update is None else update[2:])):
-        increment_version(t)  # written by the C, as in-place torch ops would
+                       threads, mode, c, slo, shi, int(_streaming()), KERNEL_DTYPES[units.dtype])
+    increment_version(written)  # written by the C, as in-place torch ops would (one call)
     return lo, hi
 
 

@@ -372,11 +372,44 @@ static void *run(void *p) {
     return NULL;
 }
 
+/* One unit on several threads (a per-tensor range): each takes a contiguous share of its
+   elements, and the shares' ends combine as the threads' ends of many units do (min / max
+   are exact, so the unit's are the same values; NaN in any share makes both NaN). */
+static void one_unit(const void *x, int64_t E, float *lo, float *hi, float *ends, int threads,
+                     int mode, float c, float omc, float *slo, float *shi, int dt) {
+    job_t jobs[QS_MAXT];
+    float plo[QS_MAXT], phi[QS_MAXT];
+    const int64_t size = dt == QS_F32 ? 4 : 2;
+    for (int t = 0; t < threads; ++t) {
+        const int64_t e0 = E * t / threads, e1 = E * (t + 1) / threads;
+        jobs[t] = (job_t){(const char *)x + e0 * size, dt, e1 - e0, 0, 1, plo + t, phi + t,
+                          {0, 0}, 0, 0.0f, 1.0f, NULL, NULL, 0};
+    }
+    qs_run_jobs(run, jobs, sizeof jobs[0], threads);
+    float l = plo[0], h = phi[0];
+    int bad = 0;
+    for (int t = 0; t < threads; ++t) {
+        l = plo[t] < l ? plo[t] : l;
+        h = phi[t] > h ? phi[t] : h;
+        bad |= plo[t] != plo[t];  /* a share's row() made both of its ends NaN */
+    }
+    lo[0] = ends[0] = bad ? NAN : l;
+    hi[0] = ends[1] = bad ? NAN : h;
+    if (mode) {  /* the state update run() does, after the whole unit's min / max */
+        slo[0] = upd(mode, slo[0], lo[0], c, omc, 1);
+        shi[0] = upd(mode, shi[0], hi[0], c, omc, 0);
+    }
+}
+
 void qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi, float *ends,
                     int threads, int mode, double c, float *slo, float *shi, int streaming,
                     int dt) {
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
+    if (U == 1 && threads > 1 && E >= threads) {
+        one_unit(x, E, lo, hi, ends, threads, mode, (float)c, (float)(1.0 - c), slo, shi, dt);
+        return;
+    }
     job_t jobs[QS_MAXT];
     for (int t = 0; t < threads; ++t)
         jobs[t] = (job_t){x, dt, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0},
