@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernel_step import Spy  # the kernel library, counting its calls
 
 from quantscope import QuantSpec, Tensor
 from quantscope.observers import (
@@ -17,21 +18,6 @@ from quantscope.observers import (
 from quantscope.stats import minmax as stats
 
 pytestmark = pytest.mark.skipif(stats._kernel() is None, reason="no compiled kernel")
-
-
-class Spy:
-    """The kernel library, counting its calls."""
-
-    def __init__(self, lib):
-        self.lib, self.calls = lib, 0
-
-    def __getattr__(self, name):
-        fn = getattr(self.lib, name)
-
-        def call(*args):
-            self.calls += 1
-            return fn(*args)
-        return call
 
 
 def data(n: int, seed: int, special: float | None = None, at: int = 0) -> torch.Tensor:
