@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
+from tiny_models import mixtral, qwen2_moe
 
 import quantscope
 from quantscope import QuantSpec, Tensor, Tile, Token
@@ -21,7 +22,7 @@ from quantscope import presets as P
 from quantscope.calibration import Recipe, Role, Rule, calibrate, preset
 from quantscope.cli import main
 from quantscope.exporters.consistency import check, format_problems
-from quantscope.exporters.serving import vllm_refusal
+from quantscope.exporters.serving import vllm_moe_refusal, vllm_refusal
 
 torch.set_num_threads(1)
 
@@ -189,3 +190,94 @@ def test_check_resolves_a_shard_by_name_or_pattern_before_class(tmp_path, k_targ
     same = {"group_0": dict(mixed["group_0"]), "group_1": dict(mixed["group_0"],
                                                                targets=[k_target])}
     assert check(_checkpoint(tmp_path / "same", same)) == []
+
+
+# vLLM's fused MoE layer: CompressedTensorsMoEMethod.get_moe_method (compressed_tensors_moe.py)
+# and the __init__ checks of the MoE method it reaches. (weights, input, format, the method or
+# None where vLLM raises / asserts)
+NV_IN = dict(NV, dynamic="local")
+VLLM_MOE = {
+    "w8a8-dynamic": (I8_CH, I8_TOK, "int-quantized", "W8A8Int8MoE"),
+    "w8a8 (static input)": (I8_CH, I8_T, "int-quantized", None),  # Unsupported FusedMoe
+    "int8 tensor weights, dynamic input": (I8_T, I8_TOK, "int-quantized", None),  # per_channel
+    "fp8 tensor / tensor": (F8_T, F8_T, "float-quantized", "W8A8Fp8MoE per_tensor"),
+    "fp8-dynamic": (F8_CH, F8_TOK, "float-quantized", "W8A8Fp8MoE per_channel"),
+    "fp8 block, dynamic input": (F8_BLOCK, F8_TOK, "float-quantized", "W8A8Fp8MoE block"),
+    "fp8 (channel, static tensor input)": (F8_CH, F8_T, "float-quantized", None),  # == BLOCK
+    "fp8 tensor weights, token input": (F8_T, F8_TOK, "float-quantized", None),
+    "w4a16": (I4_G, None, "pack-quantized", "WNA16 Marlin MoE"),
+    "int4 channel weight-only": (_args("int", 4, "channel"), None, "pack-quantized",
+                                 "WNA16 Marlin MoE"),
+    "int8 weight-only": (I8_CH, None, "pack-quantized", "WNA16 Marlin MoE"),
+    "w4a16, int-quantized format": (I4_G, None, "int-quantized", None),
+    "int3 weight-only": (_args("int", 3, "channel"), None, "pack-quantized", None),
+    "nvfp4": (NV, NV_IN, "nvfp4-pack-quantized", "W4A4Nvfp4MoE"),
+    "nvfp4a16": (NV, None, "nvfp4-pack-quantized", "W4A4Nvfp4MoE use_a16"),
+    "nvfp4 weights, fp8 input": (NV, F8_TOK, "nvfp4-pack-quantized", None),
+    "mxfp4": (MX, dict(MX, dynamic=True), "mxfp4-pack-quantized", "W4A4Mxfp4MoE"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VLLM_MOE))
+def test_vllm_moe_refusal_follows_vllms_fused_moe_method_choice(name):
+    weights, inputs, fmt, method = VLLM_MOE[name]
+    why = vllm_moe_refusal(weights, inputs, fmt)
+    assert (why is None) == (method is not None), (name, why)
+    assert vllm_moe_refusal(None, None, fmt) is None  # ignored experts: unquantized
+
+
+def _moe_export(make, preset_name, path):
+    model, batches = make()
+    calib = calibrate(model, batches, preset_name, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantscope.export(calib, model, path)
+    return [str(w.message) for w in caught if "vLLM" in str(w.message)]
+
+
+#: (tiny model, preset) -> what vLLM refuses of its export: "experts" (the fused MoE method),
+#: "gate" (a quantized shared_expert_gate)
+MOE_EXPORTS = {
+    ("mixtral", "w8a8"): {"experts"},
+    ("mixtral", "fp8"): {"experts"},
+    ("qwen2_moe", "fp8"): {"experts", "gate"},
+    ("qwen2_moe", "fp8-dynamic"): {"gate"},
+    ("mixtral", "w8a8-dynamic"): set(),
+    ("mixtral", "fp8-dynamic"): set(),
+    ("mixtral", "nvfp4"): set(),
+    ("mixtral", "w4a16"): set(),  # group 128: the tiny Mixtral's widths are 128
+}
+
+
+@pytest.mark.parametrize("model_name, preset_name", sorted(MOE_EXPORTS))
+def test_export_warns_and_check_reports_what_vllms_moe_refuses(tmp_path, capsys, model_name,
+                                                               preset_name):
+    expected = MOE_EXPORTS[model_name, preset_name]
+    out = str(tmp_path / "out")
+    warned = _moe_export({"mixtral": mixtral, "qwen2_moe": qwen2_moe}[model_name], preset_name, out)
+    problems = check(out)
+    assert len(warned) == len(problems) == len(expected), (warned, problems)
+    assert [(p["group"], p["tensor"], p["layers"]) for p in problems] == [
+        ("group_0", "config", ["Linear"])] * len(expected)
+    for why, warning in zip((p["vllm"] for p in problems), warned):
+        assert why in warning and "config group 'group_0'" in warning
+    text = format_problems(problems)
+    if "experts" in expected:
+        assert "MoE" in text and ".experts.0." in text and "dynamic" in text
+    if "gate" in expected:
+        assert "'model.layers.0.mlp.shared_expert_gate' and 1 more" in text
+        assert "ignore=('re:.*shared_expert_gate$',)" in text
+    assert main(["check", out]) == (1 if expected else 0)
+    capsys.readouterr()
+
+
+def test_shared_expert_gate_in_ignore_is_served(tmp_path):
+    model, batches = qwen2_moe()
+    calib = calibrate(model, batches, preset("fp8-dynamic", ignore=(
+        "lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$")), progress=False)
+    out = str(tmp_path / "out")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantscope.export(calib, model, out)
+    assert [str(w.message) for w in caught if "vLLM" in str(w.message)] == []
+    assert check(out) == []

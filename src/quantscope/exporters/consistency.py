@@ -17,7 +17,8 @@ returns the fused groups (and experts modules) whose shards disagree (in a share
 value, or in holding it at all: shards of different schemes), plus any scale that is NaN,
 inf or <= 0 (per-channel and group scales too), the fused groups whose shards are in config
 groups of different schemes (vLLM gives the fused layer one scheme, its first shard's), and
-the config groups vLLM has no scheme for (:mod:`.serving`). Only the scale tensors are read.
+the config groups vLLM has no scheme for, whose experts its fused MoE layer refuses, or that
+quantize a ``shared_expert_gate`` (:mod:`.serving`). Only the scale tensors are read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import re
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ from .read_checks import (
     scale_problem,
     scale_values,
 )
-from .serving import describe, unservable
+from .serving import describe, quantized, resolver, unservable
 
 __all__ = ["FUSED", "check", "format_problems"]
 
@@ -76,28 +76,6 @@ def _read(entries, name) -> torch.Tensor:
                          f"({e})") from None
 
 
-def _matches(pattern: str, name: str) -> bool:
-    try:
-        return re.match(pattern, name) is not None
-    except re.error:  # a pattern compressed-tensors would refuse matches nothing here
-        return False
-
-
-def _resolver(rows):
-    """``layer -> {value}`` of the ``(target, value)`` rows whose target selects the layer,
-    as compressed-tensors (and vLLM's ``find_matched_target``) match targets: exact names,
-    then ``re:`` patterns, then class names (a target without a dot); empty where none."""
-    def of(layer: str) -> set:
-        for hit in (lambda t: t == layer,
-                    lambda t: t.startswith("re:") and _matches(t[3:], layer),
-                    lambda t: not t.startswith("re:") and "." not in t):
-            found = {v for t, v in rows if hit(t)}
-            if found:
-                return found
-        return set()
-    return of
-
-
 def _group_rows(qc: dict):
     """``(name, group)`` of each config group with a list of targets."""
     groups = qc.get("config_groups")
@@ -108,7 +86,7 @@ def _group_rows(qc: dict):
 
 def _weight_strategies(qc: dict):
     """``layer -> strategy`` of the weights of the config group that quantizes the layer
-    (:func:`_resolver`); None where the config cannot tell."""
+    (:func:`.serving.resolver`); None where the config cannot tell."""
     rows = []
     for _, group in _group_rows(qc):
         weights = group.get("weights")
@@ -117,7 +95,7 @@ def _weight_strategies(qc: dict):
             strategy = weights.get("strategy")
             rows += [(str(t), str(strategy).lower() if strategy else None)
                      for t in group["targets"]]
-    resolve = _resolver(rows)
+    resolve = resolver(rows)
 
     def of(layer: str) -> str | None:
         found = resolve(layer)
@@ -131,7 +109,7 @@ def _schemes(qc: dict):
     key = {name: json.dumps([group.get("weights"), group.get("input_activations"),
                              group.get("format") or qc.get("format")], sort_keys=True)
            for name, group in _group_rows(qc)}
-    resolve = _resolver([(str(t), name) for name, group in _group_rows(qc)
+    resolve = resolver([(str(t), name) for name, group in _group_rows(qc)
                          for t in group["targets"]])
 
     def of(layer: str):
@@ -164,12 +142,6 @@ def _held_once(leaf: str, layers, entries, strategy) -> bool:
         if None not in known:  # the config says; else the scale's size tells
             return known == {"tensor"}
     return all(math.prod(entries[f"{layer}.{leaf}"][2] or [1]) == 1 for layer in layers)
-
-
-def _quantized(entries, layer: str) -> bool:
-    """Whether the checkpoint holds ``layer`` quantized: any scale or packed weight of it (a
-    float layer, one of the ignore list, holds its weight alone)."""
-    return any(f"{layer}.{leaf}" in entries for leaf in ("weight_packed", *SCALE_LEAVES))
 
 
 def _fused_groups(entries) -> dict[tuple[str, str], dict[str, str]]:
@@ -244,7 +216,9 @@ def check(path) -> list[dict]:
     schemes (weights, input activations or format: vLLM serves the fused layer with the first
     shard's), and ``{"group": config group, "layers": [its targets], "tensor": "config",
     "vllm": why}`` for a config group vLLM has no scheme for
-    (:func:`~quantscope.exporters.serving.vllm_refusal`).
+    (:func:`~quantscope.exporters.serving.vllm_refusal`), whose experts its fused MoE layer
+    refuses (``vllm_moe_refusal``) or that quantizes a ``shared_expert_gate`` (``why`` names
+    the layers).
     """
     folder = Path(check_path("check", path))
     if not folder.is_dir():
@@ -259,12 +233,12 @@ def check(path) -> list[dict]:
         raise ValueError(f"check: the .safetensors files of {str(path)!r} hold no tensor")
     strategy, scheme = _weight_strategies(qc), _schemes(qc)
     problems = [{"group": name, "layers": targets, "tensor": "config", "values": {},
-                 "vllm": why} for name, targets, why in unservable(qc)]
+                 "vllm": why} for name, targets, why in unservable(qc, entries)]
     problems += _scale_problems(entries)
     for (parent, fused), shards in sorted(_fused_groups(entries).items()):
         group = f"{parent}.{fused}" if parent else fused
         every = [shards[s] for s in FUSED[fused] if s in shards]
-        layers = [layer for layer in every if _quantized(entries, layer)]
+        layers = [layer for layer in every if quantized(entries, layer)]
         if layers and len(layers) < len(every):  # the ignore list split the group
             problems.append({"group": group, "layers": every, "tensor": "weight",
                              "values": {}, "float": [x for x in every if x not in layers]})

@@ -4,18 +4,27 @@ vLLM picks one scheme per layer from its config group's ``weights`` / ``input_ac
 ``format`` (``CompressedTensorsConfig._get_scheme_from_parts`` in
 vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py) and raises
 ``NotImplementedError("No compressed-tensors compatible scheme was found")`` where none fits.
-transformers and compressed-tensors load such a checkpoint all the same, so the export warns
-and ``quantscope check`` reports; neither refuses. Only rules read in vLLM's source are here:
-a config group no rule covers (fp4, mixed int / float) counts as served.
+A fused MoE layer takes its method from the group of its experts
+(``CompressedTensorsMoEMethod.get_moe_method`` in compressed_tensors_moe.py), under rules of
+its own (:func:`vllm_moe_refusal`), and Qwen2-MoE / Qwen3-Next build ``shared_expert_gate`` as a
+plain unquantized ``torch.nn.Linear``. transformers and compressed-tensors load such a
+checkpoint all the same, so the export warns and ``quantscope check`` reports; neither refuses.
+Only rules read in vLLM's source are here: a config group no rule covers (mxfp4, mixed
+int / float) counts as served.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
-__all__ = ["describe", "unservable", "vllm_refusal", "warn_unservable"]
+from .moe_slots import expert_slot
+from .read_checks import SCALE_LEAVES, safetensors_headers
+
+__all__ = ["describe", "quantized", "resolver", "unservable", "vllm_moe_refusal", "vllm_refusal",
+           "warn_unservable"]
 
 _WEIGHT_ONLY_BITS = (4, 8)  # vLLM's WNA16_SUPPORTED_BITS
 
@@ -95,21 +104,153 @@ def _int(w: dict, a: dict | None, fmt: str | None, out: dict | None) -> str | No
             "with a static per-tensor or dynamic per-token input (its W8A8 scheme)")
 
 
-def unservable(qc: dict) -> list[tuple[str, list[str], str]]:
+def _nvfp4(args: dict | None) -> bool:
+    """vLLM's ``_is_nvfp4_format``: float 4 bits, ``tensor_group`` of 16, symmetric."""
+    return (isinstance(args, dict) and _on(args, "type") == "float"
+            and _on(args, "num_bits") == 4 and _on(args, "strategy") == "tensor_group"
+            and args.get("group_size") == 16 and bool(args.get("symmetric")))
+
+
+def vllm_moe_refusal(weights: dict | None, inputs: dict | None = None,
+                     fmt: str | None = None) -> str | None:
+    """None where vLLM's fused MoE layer serves experts of a config group with these
+    ``weights`` / ``input_activations`` and format ``fmt``; else one line naming what it needs.
+    The branches of ``CompressedTensorsMoEMethod.get_moe_method``, in its order, and the checks
+    of the MoE method each reaches."""
+    if not isinstance(weights, dict):
+        return None  # ignored experts: UnquantizedFusedMoEMethod
+    a = inputs if isinstance(inputs, dict) else None
+    kind, bits, strategy = _on(weights, "type"), _on(weights, "num_bits"), _on(weights, "strategy")
+    fmt = fmt.lower() if isinstance(fmt, str) else None
+    if kind == "float" and bits == 4 and strategy == "group" and weights.get("group_size") == 32:
+        return None  # _is_mxfp4: CompressedTensorsW4A4Mxfp4MoEMethod
+    if a is None and strategy in ("channel", "group") and not weights.get("dynamic"):
+        # _is_wNa16_group_channel (any type): the WNA16 MoE methods; their Marlin and Triton
+        # kernels assert symmetric weights
+        if bits in _WEIGHT_ONLY_BITS and fmt == "pack-quantized" and weights.get("symmetric"):
+            return None
+        return (f"vLLM serves weight-only experts only as its WNA16 MoE: int 4 or 8 bits, "
+                f"symmetric, per channel or group, format pack-quantized (got {kind}{bits}, "
+                f"{strategy}, {fmt}) -- use w4a16")
+    if _nvfp4(weights):  # CompressedTensorsW4A4Nvfp4MoEMethod (use_a16 without an input)
+        return None if a is None or _nvfp4(a) else (
+            "vLLM serves nvfp4 experts only with an nvfp4 input or none (its NVFP4 MoE)")
+    if a is not None and kind == "float" == _on(a, "type") and bits == 8:
+        return _moe_fp8(weights, a)
+    if a is not None and kind == "int" == _on(a, "type"):
+        return _moe_int(weights, a)
+    return None
+
+
+def _moe_fp8(w: dict, a: dict) -> str | None:
+    """``_is_fp8_w8a8`` reaches CompressedTensorsW8A8Fp8MoEMethod, whose ``__init__`` takes
+    tensor weights with a tensor input, channel weights with a dynamic per-token input, else
+    asserts block weights."""
+    strategy, a_strategy = _on(w, "strategy"), _on(a, "strategy")
+    if not w.get("symmetric") or w.get("dynamic") or strategy not in ("tensor", "channel",
+                                                                       "block"):
+        return None  # not _is_fp8_w8a8: no rule here
+    if not a.get("dynamic") and not (a.get("symmetric") and a_strategy == "tensor"):
+        return None  # not _is_fp8_w8a8 either
+    if strategy == "block" or (strategy == a_strategy == "tensor") or (
+            strategy == "channel" and a_strategy == "token" and a.get("dynamic")):
+        return None
+    return (f"vLLM's fp8 MoE takes {strategy} weights only with "
+            f"{'a per-tensor input' if strategy == 'tensor' else 'a dynamic per-token input'}"
+            f" (tensor weights + tensor input, channel weights + dynamic per-token input, or "
+            f"block weights) -- use fp8-dynamic or fp8 per-tensor weights")
+
+
+def _moe_int(w: dict, a: dict) -> str | None:
+    """``_is_dynamic_token_w8a8`` reaches CompressedTensorsW8A8Int8MoEMethod, which needs
+    channel weights; ``_is_dynamic_token_w4a8_int`` the W4A8 int MoE; anything else raises
+    "Unsupported FusedMoe scheme"."""
+    bits, strategy, a_bits = _on(w, "num_bits"), _on(w, "strategy"), _on(a, "num_bits")
+    token = _on(a, "strategy") == "token" and a.get("dynamic") and w.get("symmetric") \
+        and not w.get("dynamic")
+    if token and bits == a_bits == 8 and strategy == "channel":
+        return None
+    if token and bits == 4 and a_bits == 8 and strategy in ("channel", "group"):
+        return None
+    return ("vLLM's int8 MoE takes only channel int8 weights with a dynamic per-token int8 "
+            "input (no fused-MoE method for a static input) -- use w8a8-dynamic")
+
+
+def _matches(pattern: str, name: str) -> bool:
+    try:
+        return re.match(pattern, name) is not None
+    except re.error:  # a pattern compressed-tensors would refuse matches nothing here
+        return False
+
+
+def resolver(rows):
+    """``layer -> {value}`` of the ``(target, value)`` rows whose target selects the layer,
+    as compressed-tensors (and vLLM's ``find_matched_target``) match targets: exact names,
+    then ``re:`` patterns, then class names (a target without a dot); empty where none."""
+    def of(layer: str) -> set:
+        for hit in (lambda t: t == layer,
+                    lambda t: t.startswith("re:") and _matches(t[3:], layer),
+                    lambda t: not t.startswith("re:") and "." not in t):
+            found = {v for t, v in rows if hit(t)}
+            if found:
+                return found
+        return set()
+    return of
+
+
+def quantized(names, layer: str) -> bool:
+    """Whether the checkpoint's tensor ``names`` hold ``layer`` quantized: any scale or packed
+    weight of it (a float layer, one of the ignore list, holds its weight alone)."""
+    return any(f"{layer}.{leaf}" in names for leaf in ("weight_packed", *SCALE_LEAVES))
+
+
+def _selected(groups: dict, names) -> tuple[dict, dict]:
+    """``({config group: [expert layers]}, {config group: [shared_expert_gate layers]})`` of
+    the layers the checkpoint's tensor ``names`` hold quantized, by the config group that
+    selects each (:func:`resolver`)."""
+    resolve = resolver([(str(t), str(n)) for n, g in groups.items() if isinstance(g, dict)
+                        and isinstance(g.get("targets"), list) for t in g["targets"]])
+    experts: dict[str, list[str]] = {}
+    gates: dict[str, list[str]] = {}
+    for layer in sorted({n.rpartition(".")[0] for n in names}):
+        found = experts if expert_slot(layer) else gates if layer.endswith(
+            "shared_expert_gate") else None
+        if found is not None and quantized(names, layer):
+            for group in resolve(layer):
+                found.setdefault(group, []).append(layer)
+    return experts, gates
+
+
+def _first(layers: list[str]) -> str:
+    return f"{layers[0]!r}" + (f" and {len(layers) - 1} more" if len(layers) > 1 else "")
+
+
+def unservable(qc: dict, names=()) -> list[tuple[str, list[str], str]]:
     """``(config group, its targets, why)`` of each group of the ``quantization_config``
-    ``qc`` that vLLM has no scheme for (:func:`vllm_refusal`)."""
+    ``qc`` that vLLM has no scheme for (:func:`vllm_refusal`), and, from the checkpoint's
+    tensor ``names``, of each group that selects experts vLLM's fused MoE layer refuses
+    (:func:`vllm_moe_refusal`) or quantizes a ``shared_expert_gate``."""
     groups = qc.get("config_groups") if isinstance(qc, dict) else None
+    groups = groups if isinstance(groups, dict) else {}
+    experts, gates = _selected(groups, names)
     found = []
-    for name, group in (groups.items() if isinstance(groups, dict) else ()):
+    for name, group in groups.items():
         if not isinstance(group, dict):
             continue
-        why = vllm_refusal(group.get("weights"), group.get("input_activations"),
-                           group.get("format") or qc.get("format"),
-                           group.get("output_activations"))
-        if why:
-            targets = group.get("targets")
-            found.append((str(name), [str(t) for t in targets]
-                          if isinstance(targets, list) else [], why))
+        args = (group.get("weights"), group.get("input_activations"),
+                group.get("format") or qc.get("format"))
+        targets = group.get("targets")
+        targets = [str(t) for t in targets] if isinstance(targets, list) else []
+        name = str(name)
+        if why := vllm_refusal(*args, group.get("output_activations")):
+            found.append((name, targets, why))
+        if name in experts and (why := vllm_moe_refusal(*args)):
+            found.append((name, targets, f"{why}; its experts: {_first(experts[name])}"))
+        if name in gates:  # Qwen2MoeSparseMoeBlock: torch.nn.Linear(hidden_size, 1)
+            found.append((name, targets, (
+                f"it quantizes {_first(gates[name])}, which vLLM builds unquantized (a "
+                f"plain torch.nn.Linear in its Qwen2-MoE): loading its scales fails -- ignore "
+                f"it, e.g. ignore=('re:.*shared_expert_gate$',)")))
     return found
 
 
@@ -120,11 +261,13 @@ def describe(name: str, targets: list[str]) -> str:
 
 
 def warn_unservable(folder) -> None:
-    """One warning per config group of ``folder``'s ``config.json`` that vLLM cannot serve
-    (the export writes it: transformers and compressed-tensors load it)."""
+    """One warning per problem of :func:`unservable` in ``folder``'s ``config.json`` and
+    tensor names (read from the safetensors headers; the export writes the folder all the
+    same: transformers and compressed-tensors load it)."""
     with open(os.path.join(folder, "config.json")) as f:
         qc = json.load(f).get("quantization_config") or {}
-    for name, targets, why in unservable(qc):
+    names = safetensors_headers(folder, "export compressed-tensors")
+    for name, targets, why in unservable(qc, names):
         warnings.warn(f"export compressed-tensors: {describe(name, targets)}: {why}; "
                       f"transformers and compressed-tensors load it, vLLM refuses it",
                       stacklevel=3)
