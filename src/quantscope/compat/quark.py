@@ -252,7 +252,8 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
 
     def _starts_over(self, x) -> bool:
         if not (self.accumulates and self.has_observed and isinstance(x, torch.Tensor)
-                and x.numel() and self._quark_state_key(self.shape) is not None):
+                and x.numel() and x.shape != self.shape  # (one shape, one key: the usual call)
+                and self._quark_state_key(self.shape) is not None):
             return False
         try:
             return self._quark_state_key(tuple(x.shape)) != self._quark_state_key(self.shape)

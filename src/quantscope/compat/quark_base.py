@@ -25,10 +25,10 @@ from .quark_scales import (
     _quark_int_scale_dtype,
     _quark_layout,
     _quark_rows,
-    _quark_token_count,
     quark_e8m0_scale,
     quark_float_scale,
     quark_half_width,
+    quark_token_count,
     quark_work_dtype,
 )
 
@@ -265,7 +265,7 @@ class QuarkObserver(SavesNoState):
             self._input_dtype = x.dtype
         if data.dim() >= 2 and data.numel():  # Quark's count (MoE): rows with a non-zero
             object.__setattr__(self, "_quark_tokens",  # (no reset; skips nn.Module's checks)
-                               self._quark_tokens + _quark_token_count(data))
+                               self._quark_tokens + quark_token_count(data))
         return x if out is data else out
 
     def _apply(self, fn, recurse=True):

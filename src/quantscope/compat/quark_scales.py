@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
+from .. import kernels
 from ..formats import FloatFormat
 from ..layout import Block, Channel, Group, Tensor
 
@@ -22,6 +24,10 @@ _F32_EPS = torch.finfo(torch.float32).eps
 #: reductions), below it ``x.any(-1)`` (one op); both skip the bool copy of ``x != 0``
 _AMAX_ROWS_FROM = 1 << 14
 _COUNTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: numpy counts a CPU batch of these dtypes below this many elements in a fraction of torch's
+#: time (float16: numpy's compare is emulated, slower from 4K elements); float32 / float64 at
+#: any size on one torch thread (above these torch's reductions split over the threads)
+_HOST_COUNT_BELOW = {torch.float32: 1 << 17, torch.float64: 1 << 17, torch.float16: 1 << 12}
 
 
 class QuarkAssertionError(ValueError, AssertionError):
@@ -116,6 +122,19 @@ def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *
         return scale if dtype is None else scale.to(dtype)
     raise ValueError(f"quark: scale_format must be float32, e4m3 or e5m3 here (e8m0 is the "
                      f"native MX rule), got {scale_format!r}")
+
+
+def quark_token_count(x: torch.Tensor) -> int | torch.Tensor:
+    """Quark's token count of ``x`` (2-D+, not empty), as :func:`_quark_token_count`: a
+    Python int where numpy reads a CPU float32 / float64 / float16 batch (no tensor op, no
+    tensor to add the count with), else that function's 0-dim tensor (no host sync)."""
+    limit = _HOST_COUNT_BELOW.get(x.dtype)
+    if (limit is None or not x.is_cpu or x.is_neg() or (
+            x.numel() >= limit and (x.dtype == torch.float16 or torch.get_num_threads() > 1))
+            or not kernels.real(x)):  # (numpy: memory with values, no lazy negation)
+        return _quark_token_count(x)
+    # numpy's any: a value != 0 (NaN counts, -0.0 does not), as torch's; any strides
+    return int(np.count_nonzero((x.detach() if x.requires_grad else x).numpy().any(-1)))
 
 
 def _quark_token_count(x: torch.Tensor) -> torch.Tensor:

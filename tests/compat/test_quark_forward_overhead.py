@@ -1,0 +1,121 @@
+"""compat.quark's forward adds no tensor op to the native observer's on a small CPU batch (the
+token count is read by numpy, Quark's ``(x != 0).any(-1)`` row for row) and takes no state key
+on a repeated shape. No Quark needed (dict qspecs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from quantscope.compat import quark
+from quantscope.compat.quark_scales import _HOST_COUNT_BELOW, quark_token_count
+from quantscope.observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
+
+
+def _rows(shape, dtype) -> torch.Tensor:
+    """Random rows with the edge rows: all zeros, all -0.0, a NaN, an inf, a subnormal."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    flat = x.view(-1, shape[-1])
+    flat[0], flat[1] = 0.0, -0.0
+    flat[2], flat[2, 1] = 0.0, float("nan")
+    flat[3], flat[3, -1] = 0.0, float("-inf")
+    flat[4], flat[4, 0] = -0.0, torch.finfo(dtype).smallest_normal / 4
+    return x
+
+
+def _quarks(x: torch.Tensor) -> int:
+    return int(x.ne(0).any(-1).sum())  # Quark's record_observed_tokens expression
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 64), (6, 3, 40), (64, 256), (300, 512)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_token_count_is_quarks(shape, dtype, threads):
+    x, before = _rows(shape, dtype), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = quark_token_count(x)
+    finally:
+        torch.set_num_threads(before)
+    assert int(got) == _quarks(x)
+    host = x.numel() < _HOST_COUNT_BELOW.get(dtype, 0) or (
+        threads == 1 and dtype in (torch.float32, torch.float64))
+    assert isinstance(got, int) == host  # else a 0-dim int64 tensor (no host sync off the CPU)
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: x.t(),  # strided
+    lambda x: x[:1].expand(5, -1),  # zero strides
+    lambda x: torch.nn.Parameter(x),  # requires grad
+    lambda x: torch._neg_view(x),  # lazy negation: numpy cannot read it (torch counts)
+])
+def test_token_count_of_views(make):
+    x = make(_rows((8, 64), torch.float32))
+    assert int(quark_token_count(x)) == _quarks(x.detach())
+
+
+def test_token_count_of_inference_tensor():
+    with torch.inference_mode():
+        x = _rows((8, 64), torch.float32)
+    assert quark_token_count(x) == _quarks(x)
+
+
+def test_token_count_with_denormals_flushed():
+    x = _rows((8, 64), torch.float32)
+    torch.set_flush_denormal(True)
+    try:
+        got, want = quark_token_count(x), _quarks(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert got == want
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of(obs, x) -> list:
+    with _Ops() as mode:
+        obs(x)
+    # (x.numpy() detaches its view first: no kernel, no memory read)
+    return [op for op in mode.ops if op is not torch.ops.aten.detach.default]
+
+
+CASES = [("PerTensorMinMaxObserver", {"dtype": "int8"}),
+         ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0}),
+         ("PerGroupMinMaxObserver", {"dtype": "int4", "qscheme": "per_group", "ch_axis": -1,
+                                     "group_size": 32}),
+         ("PerBlockMXObserver", {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1,
+                                 "group_size": 32, "scale_format": "e8m0", "is_dynamic": True})]
+
+
+@pytest.mark.parametrize(("name", "qspec"), CASES)
+def test_forward_adds_no_op_to_the_natives(name, qspec):
+    obs = getattr(quark, name)(qspec)
+    native = (StaticMinMaxObserver if obs.accumulates else MemorylessMinMaxObserver)(obs.spec)
+    x = _rows((8, 64), torch.float32).nan_to_num()
+    for o in (obs, native):
+        o(x)  # the first call sizes the state
+    assert _ops_of(obs, x) == _ops_of(native, x)
+    assert obs._num_observed_tokens == 2 * _quarks(x)  # two calls
+
+
+def test_repeated_shape_takes_no_state_key(monkeypatch):
+    obs = quark.PerChannelMinMaxObserver({"dtype": "int8", "qscheme": "per_channel",
+                                          "ch_axis": 1})
+    obs(torch.randn(4, 6))
+    keys = []
+    key = type(obs)._quark_state_key
+    monkeypatch.setattr(type(obs), "_quark_state_key", lambda s, shape: keys.append(shape)
+                        or key(s, shape))
+    obs(torch.randn(4, 6))
+    assert keys == []
+    obs(torch.ones(2, 3))  # another channel count: Quark's starts over
+    assert keys and obs.min_val.shape == (3,) and bool((obs.min_val == 1).all())
