@@ -6,22 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_quark_overhead import _rows  # the edge rows: zeros, -0.0, NaN, inf, a subnormal
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from quantscope.compat import quark
 from quantscope.compat.quark_scales import _HOST_COUNT_BELOW, quark_token_count
 from quantscope.observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
-
-
-def _rows(shape, dtype) -> torch.Tensor:
-    """Random rows with the edge rows: all zeros, all -0.0, a NaN, an inf, a subnormal."""
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    flat = x.view(-1, shape[-1])
-    flat[0], flat[1] = 0.0, -0.0
-    flat[2], flat[2, 1] = 0.0, float("nan")
-    flat[3], flat[3, -1] = 0.0, float("-inf")
-    flat[4], flat[4, 0] = -0.0, torch.finfo(dtype).smallest_normal / 4
-    return x
 
 
 def _quarks(x: torch.Tensor) -> int:

@@ -16,13 +16,13 @@ SHAPES = [(8, 64), (6, 3, 40), (64, 256), (4, 8, 1024)]
 
 
 def _rows(shape, dtype) -> torch.Tensor:
-    """Random rows with the edge rows: all zeros, all -0.0, one NaN, one inf, one -0.0."""
+    """Random rows with the edge rows: all zeros, all -0.0, a NaN, an inf, a subnormal."""
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     flat = x.reshape(-1, shape[-1])
     flat[0], flat[1] = 0.0, -0.0
     flat[2], flat[2, 1] = 0.0, float("nan")
     flat[3], flat[3, -1] = 0.0, float("-inf")
-    flat[4], flat[4, 0] = -0.0, 1e-30
+    flat[4], flat[4, 0] = -0.0, torch.finfo(dtype).smallest_normal / 4
     return x
 
 
