@@ -347,25 +347,48 @@ typedef struct {
 /* The state updates of the accumulating min-max observers, fused into the same pass, each
    rounded as the torch ops of quantscope.stats.minmax.update_state round (no contraction:
    built with -ffp-contract=off). 1: running min / max (NaN kept, as torch.minimum);
-   2: s + c * (b - s) (torch.ao); 3: s * (1 - c) + b * c (llm-compressor's lerp). */
-static float upd(int mode, float s, float b, float c, float omc, int is_min) {
+   2: s + c * (b - s) (torch.ao); 3: s * (1 - c) + b * c (llm-compressor's lerp). Over n
+   units, one loop per mode: branch-free selects, so they vectorize. */
+static void update(int mode, float *slo, float *shi, const float *lo,
+                   const float *hi, int64_t n, float c, float omc) {
     if (mode == 1) {
-        if (s != s || b != b) return s != s ? s : b;
-        return is_min ? (b < s ? b : s) : (b > s ? b : s);
+        for (int64_t u = 0; u < n; ++u) {
+            const float s = slo[u], b = lo[u], t = shi[u], g = hi[u];
+            slo[u] = s != s ? s : b != b ? b : b < s ? b : s;
+            shi[u] = t != t ? t : g != g ? g : g > t ? g : t;
+        }
+    } else if (mode == 2) {
+        for (int64_t u = 0; u < n; ++u) {
+            float d = lo[u] - slo[u], f = hi[u] - shi[u];
+            d = d * c;
+            f = f * c;
+            slo[u] = slo[u] + d;
+            shi[u] = shi[u] + f;
+        }
+    } else {
+        for (int64_t u = 0; u < n; ++u) {
+            float a = slo[u] * omc, t = lo[u] * c, k = shi[u] * omc, m = hi[u] * c;
+            slo[u] = a + t;
+            shi[u] = k + m;
+        }
     }
-    if (mode == 2) { float d = b - s; d = d * c; return s + d; }
-    { float a = s * omc; float t = b * c; return a + t; }
 }
+
+/* Units per block of a fused state update: the block's min / max are still in the cache
+   when the update reads them (after the whole share, 1 M NVFP4 units' came back from memory:
+   the update doubled the pass). */
+#define UPDATE_ROWS ((int64_t)1 << 12)
 
 static void *run(void *p) {
     job_t *j = (job_t *)p;
     ends_t e = {INFINITY, -INFINITY, 0};
-    rows_of(j->x, j->dt, j->E, j->u0, j->u1, j->lo, j->hi, &e, j->streaming);
-    if (j->mode)
-        for (int64_t u = j->u0; u < j->u1; ++u) {
-            j->slo[u] = upd(j->mode, j->slo[u], j->lo[u], j->c, j->omc, 1);
-            j->shi[u] = upd(j->mode, j->shi[u], j->hi[u], j->c, j->omc, 0);
-        }
+    if (!j->mode)
+        rows_of(j->x, j->dt, j->E, j->u0, j->u1, j->lo, j->hi, &e, j->streaming);
+    for (int64_t b = j->u0; j->mode && b < j->u1; b += UPDATE_ROWS) {
+        const int64_t b1 = j->u1 - b < UPDATE_ROWS ? j->u1 : b + UPDATE_ROWS;
+        rows_of(j->x, j->dt, j->E, b, b1, j->lo, j->hi, &e, 0);  /* read next: no streaming */
+        update(j->mode, j->slo + b, j->shi + b, j->lo + b, j->hi + b, b1 - b, j->c, j->omc);
+    }
     /* the smallest min and largest max of this share, NaN kept (the non-finite check) */
     j->ends[0] = e.nan ? NAN : e.lo;
     j->ends[1] = e.nan ? NAN : e.hi;
@@ -396,8 +419,7 @@ static void one_unit(const void *x, int64_t E, float *lo, float *hi, float *ends
     lo[0] = ends[0] = bad ? NAN : l;
     hi[0] = ends[1] = bad ? NAN : h;
     if (mode) {  /* the state update run() does, after the whole unit's min / max */
-        slo[0] = upd(mode, slo[0], lo[0], c, omc, 1);
-        shi[0] = upd(mode, shi[0], hi[0], c, omc, 0);
+        update(mode, slo, shi, lo, hi, 1, c, omc);
     }
 }
 
