@@ -70,7 +70,7 @@ from typing import ClassVar
 import torch
 from torch.distributed import ReduceOp
 
-from ..estimators.mse import compat_patience, mse_search
+from ..estimators.mse import compat_patience, mse_search, shrink_factors
 from ..layout import Block, Channel
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
@@ -205,7 +205,7 @@ class MemorylessMSEObserver(Observer):
         lo, hi = unit_minmax(units)
         check_expanded_range(self, lo, hi, self.expand)
         if observed.dtype in self._in_dtype:  # their steps p = 1 - i / grid, i < maxshrink * grid
-            factors = [1 - i / self.grid for i in range(1, int(self.maxshrink * self.grid))]
+            factors = shrink_factors(self.maxshrink, self.grid)[1:]  # p = 1: the incumbent
             lo, hi = half_search(observed_units, None, self._search_spec, factors,
                                  norm=self.norm, expand=self.expand,
                                  patience=compat_patience(self.patience), dtype_sums=True)

@@ -206,10 +206,9 @@ def _takes_out(out, U: int, units: torch.Tensor) -> bool:
     dtype = _result_dtype(units.dtype)
     if lo.shape != (U,) or hi.shape != (U,) or lo.dtype != dtype or hi.dtype != dtype:
         return False
-    if units.is_cpu:  # (is_cpu: a device object per test costs a microsecond here)
-        return lo.is_cpu and hi.is_cpu and lo.is_contiguous() and hi.is_contiguous()
-    device = units.device
-    return lo.device == device == hi.device and lo.is_contiguous() and hi.is_contiguous()
+    # (is_cpu: a device object per test costs a microsecond here)
+    same = lo.is_cpu and hi.is_cpu if units.is_cpu else lo.device == units.device == hi.device
+    return same and lo.is_contiguous() and hi.is_contiguous()
 
 
 def _plain_f32(t: torch.Tensor, n: int) -> bool:
