@@ -39,6 +39,7 @@ import hashlib
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -65,10 +66,11 @@ __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "a
 CSRC = Path(__file__).resolve().with_name("csrc")
 
 #: IEEE results as torch computes them: no contraction into FMA (-ffp-contract=off), no
-#: fast-math; -fno-trapping-math only lets loops with selects vectorize (no kernel reads
-#: FP exception flags, and no value changes).
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-pthread",
-         "-shared", "-fPIC", "-std=gnu99"]
+#: fast-math (-fno-fast-math undoes a ``$CC`` of ``-Ofast`` / ``-ffast-math``: its words come
+#: first); -fno-trapping-math only lets loops with selects vectorize (no kernel reads FP
+#: exception flags, and no value changes).
+FLAGS = ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math",
+         "-pthread", "-shared", "-fPIC", "-std=gnu99"]
 
 _P, _I, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
 
@@ -223,12 +225,47 @@ def _intact(target: Path) -> bool:
         return False
 
 
+def _others_write(st: os.stat_result) -> bool:
+    """Whether someone other than the owner can write: anyone, or a group other than the
+    user's own private group (a umask of 002 makes every file group-writable)."""
+    if st.st_mode & 0o002:
+        return True
+    if not st.st_mode & 0o020:
+        return False
+    import grp
+
+    try:
+        return st.st_gid != os.getgid() or bool(grp.getgrgid(st.st_gid).gr_mem)
+    except KeyError:
+        return True
+
+
+def _check_private(path: Path) -> None:
+    """A :class:`_CacheError` unless ``path`` (not a link) is the user's and no one else can
+    write it: whoever can write the cache can make this process load their code."""
+    st = os.lstat(path)
+    if st.st_uid != os.getuid() or _others_write(st) or stat.S_ISLNK(st.st_mode):
+        raise _CacheError(f"will not load kernels from {str(path)!r}: it is not yours alone "
+                          f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); set "
+                          "QUANTSCOPE_CACHE to a folder only you can write")
+
+
+def _cache_folder(folder: Path) -> Path:
+    """The cache ``folder``, made (0700) if missing; a :class:`_CacheError` naming it if it
+    cannot be made or others can write it."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise _CacheError(f"cannot write its kernel cache folder {str(folder)!r} ({e}); "
+                          "set QUANTSCOPE_CACHE to a writable folder") from e
+    _check_private(folder)
+    return folder
+
+
 def _scratch(folder: Path) -> tempfile.TemporaryDirectory:
     """A temporary folder inside the cache ``folder`` (the same file system, so that
-    ``os.replace`` from it is atomic); a :class:`_CacheError` naming ``folder`` if it cannot
-    be made or written."""
+    ``os.replace`` from it is atomic); a :class:`_CacheError` if it cannot be written."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
         return tempfile.TemporaryDirectory(dir=folder)
     except OSError as e:
         raise _CacheError(f"cannot write its kernel cache folder {str(folder)!r} ({e}); "
@@ -239,13 +276,15 @@ def _build(name: str, source: Path, cc: list[str], include: Path) -> Path:
     """The cached library built from ``source`` (built now unless cached and intact)."""
     texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(include.glob("*.h"))]
     key = hashlib.sha256(b"\0".join([*texts, "\0".join([*FLAGS, *cc, _cpu_id()]).encode()]))
-    target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    target = _cache_folder(cache_dir()) / f"{name}-{key.hexdigest()[:16]}.so"
     if _intact(target):
+        _check_private(target)
         return target
     with _scratch(target.parent) as tmp:
         out, seal = Path(tmp) / target.name, Path(tmp) / _seal(target).name
         subprocess.run([*cc, *FLAGS, f"-I{include}", str(source), "-o", str(out), "-lm"],
                        check=True, capture_output=True, text=True, timeout=300)
+        out.chmod(0o700)  # the user's alone, whatever the umask
         seal.write_text(_digest(out))
         os.replace(out, target)  # atomic: concurrent builders agree
         # the record last: a reader never trusts a library its record does not match (two

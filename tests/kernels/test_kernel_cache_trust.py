@@ -1,0 +1,95 @@
+"""The kernel cache runs only what the user built: a folder or library others can write is
+refused (the torch path runs), built libraries are private whatever the umask, and a
+``$CC`` asking for fast-math cannot take IEEE NaN handling away from the kernels."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from quantscope import kernels
+from quantscope.stats import minmax
+
+CC = shutil.which("cc") or shutil.which("gcc")
+needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty private cache and a loader that has loaded nothing and warned about nothing."""
+    monkeypatch.setenv("QUANTSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", CC or "cc")
+    monkeypatch.delenv("QUANTSCOPE_NO_KERNEL", raising=False)
+    monkeypatch.setattr(kernels, "_libs", {})
+    monkeypatch.setattr(kernels, "_warned", False)
+    return tmp_path / "cache"
+
+
+def _nan_range_reported() -> bool:
+    """``qs_int_qparams`` on a range holding NaN says so (returns 1)."""
+    lib = kernels.lib("int_qparams")
+    assert lib is not None
+    lo, hi = torch.tensor([float("nan")]), torch.tensor([1.0])
+    consts = torch.tensor([-128.0, 127.0, 1e-8, 0.0, 0.0], dtype=torch.float64)
+    scale, zp = torch.empty(1), torch.empty(1, dtype=torch.int32)
+    return lib.qs_int_qparams(lo.data_ptr(), hi.data_ptr(), 1, consts.data_ptr(),
+                              scale.data_ptr(), zp.data_ptr()) == 1
+
+
+@needs_cc
+@pytest.mark.parametrize("flag", ["-ffast-math", "-Ofast", "-ffinite-math-only"])
+def test_fast_math_in_cc_keeps_nan_checks(fresh, monkeypatch, flag):
+    monkeypatch.setenv("CC", f"{CC} {flag}")
+    assert _nan_range_reported()
+
+
+def _refused(folder):
+    x = torch.randn(4, 64)
+    with pytest.warns(kernels.KernelWarning, match="it is not yours alone"):
+        assert kernels.lib("unit_minmax") is None
+    lo, hi = minmax.unit_minmax(x)  # the torch path
+    assert torch.equal(lo, x.amin(1)) and torch.equal(hi, x.amax(1))
+
+
+@needs_cc
+def test_world_writable_cache_folder_is_refused(fresh):
+    fresh.mkdir()
+    fresh.chmod(0o777)  # a shared folder: anyone could plant a library under the key's name
+    _refused(fresh)
+    assert not list(fresh.glob("*.so"))
+
+
+@needs_cc
+def test_cached_library_others_can_write_is_not_loaded(fresh, monkeypatch):
+    assert kernels.lib("unit_minmax") is not None
+    (built,) = fresh.glob("unit_minmax-*.so")
+    built.chmod(0o666)
+    monkeypatch.setattr(kernels, "_libs", {})
+    _refused(fresh)
+
+
+@needs_cc
+def test_built_libraries_are_private_whatever_the_umask(fresh):
+    old = os.umask(0o000)
+    try:
+        assert kernels.lib("unit_minmax") is not None
+    finally:
+        os.umask(old)
+    (built,) = fresh.glob("unit_minmax-*.so")
+    assert fresh.stat().st_mode & 0o077 == 0
+    assert built.stat().st_mode & 0o077 == 0
+
+
+def test_others_write_allows_only_the_users_private_group(tmp_path):
+    path = tmp_path / "f"
+    path.write_text("")
+    path.chmod(0o600)
+    assert not kernels._others_write(path.stat())
+    path.chmod(0o602)
+    assert kernels._others_write(path.stat())
+    path.chmod(0o620)
+    import grp
+
+    own = path.stat().st_gid == os.getgid() and not grp.getgrgid(os.getgid()).gr_mem
+    assert kernels._others_write(path.stat()) is not own
