@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from quantscope import kernels
+from quantscope.kernels import cache
 from quantscope.stats import minmax
 
 CC = shutil.which("cc") or shutil.which("gcc")
@@ -85,11 +86,11 @@ def test_others_write_allows_only_the_users_private_group(tmp_path):
     path = tmp_path / "f"
     path.write_text("")
     path.chmod(0o600)
-    assert not kernels._others_write(path.stat())
+    assert not cache.others_write(path.stat())
     path.chmod(0o602)
-    assert kernels._others_write(path.stat())
+    assert cache.others_write(path.stat())
     path.chmod(0o620)
     import grp
 
     own = path.stat().st_gid == os.getgid() and not grp.getgrgid(os.getgid()).gr_mem
-    assert kernels._others_write(path.stat()) is not own
+    assert cache.others_write(path.stat()) is not own

@@ -1,0 +1,154 @@
+"""Building a kernel library into the per-user cache: the compile flags, the compiler, the
+cache key, and what the cache must be (complete, and the user's alone) before a library in
+it is loaded. :func:`quantscope.kernels.load` loads what :func:`build` returns."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["FLAGS", "CacheError", "build", "cache_dir", "compiler"]
+
+#: IEEE results as torch computes them: no contraction into FMA (-ffp-contract=off), no
+#: fast-math (-fno-fast-math undoes a ``$CC`` of ``-Ofast`` / ``-ffast-math``: its words come
+#: first); -fno-trapping-math only lets loops with selects vectorize (no kernel reads FP
+#: exception flags, and no value changes).
+FLAGS = ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math",
+         "-pthread", "-shared", "-fPIC", "-std=gnu99"]
+
+
+class CacheError(OSError):
+    """The cache folder cannot be made or written (not a compiler or build problem)."""
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept (per user)."""
+    root = os.environ.get("QUANTSCOPE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "quantscope")
+    return Path(root)
+
+
+def compiler() -> list[str] | None:
+    """The compiler command as an argument list: ``$CC`` split like a shell would split it
+    (``"ccache gcc -m64"``), else ``cc`` or ``gcc`` on the PATH; None when there is none.
+    ``FileNotFoundError`` for a ``$CC`` that does not split (an unbalanced quote)."""
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        try:
+            argv = shlex.split(cc)
+        except ValueError as e:  # lib() warns and takes the torch path, as for no compiler
+            raise FileNotFoundError(f"$CC={cc!r} is no command line ({e})") from None
+        exe = shutil.which(argv[0])
+        return [exe, *argv[1:]] if exe else None
+    exe = shutil.which("cc") or shutil.which("gcc")
+    return [exe] if exe else None
+
+
+def _cpu_id() -> str:
+    """The CPU model and feature flags (what ``-march=native`` compiles for)."""
+    import platform
+
+    ident = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    ident.append(line.strip())
+                if len(ident) >= 3 and line.strip() == "":
+                    break  # the first CPU is enough
+    except OSError:
+        pass
+    return "\n".join(ident)
+
+
+def _seal(target: Path) -> Path:
+    """Where the build of ``target`` records its size and SHA-256."""
+    return target.with_name(target.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    data = path.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def _intact(target: Path) -> bool:
+    """Whether ``target`` is the complete file its build recorded (a missing record, as
+    left by an older quantscope or a crash between the two renames, is not)."""
+    try:
+        return _seal(target).read_text() == _digest(target)
+    except OSError:
+        return False
+
+
+def others_write(st: os.stat_result) -> bool:
+    """Whether someone other than the owner can write: anyone, or a group other than the
+    user's own private group (a umask of 002 makes every file group-writable)."""
+    if st.st_mode & 0o002:
+        return True
+    if not st.st_mode & 0o020:
+        return False
+    import grp
+
+    try:
+        return st.st_gid != os.getgid() or bool(grp.getgrgid(st.st_gid).gr_mem)
+    except KeyError:
+        return True
+
+
+def _check_private(path: Path) -> None:
+    """A :class:`CacheError` unless ``path`` (not a link) is the user's and no one else can
+    write it: whoever can write the cache can make this process load their code."""
+    st = os.lstat(path)
+    if st.st_uid != os.getuid() or others_write(st) or stat.S_ISLNK(st.st_mode):
+        raise CacheError(f"will not load kernels from {str(path)!r}: it is not yours alone "
+                          f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); set "
+                          "QUANTSCOPE_CACHE to a folder only you can write")
+
+
+def _cache_folder(folder: Path) -> Path:
+    """The cache ``folder``, made (0700) if missing; a :class:`CacheError` naming it if it
+    cannot be made or others can write it."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise CacheError(f"cannot write its kernel cache folder {str(folder)!r} ({e}); "
+                          "set QUANTSCOPE_CACHE to a writable folder") from e
+    _check_private(folder)
+    return folder
+
+
+def _scratch(folder: Path) -> tempfile.TemporaryDirectory:
+    """A temporary folder inside the cache ``folder`` (the same file system, so that
+    ``os.replace`` from it is atomic); a :class:`CacheError` if it cannot be written."""
+    try:
+        return tempfile.TemporaryDirectory(dir=folder)
+    except OSError as e:
+        raise CacheError(f"cannot write its kernel cache folder {str(folder)!r} ({e}); "
+                          "set QUANTSCOPE_CACHE to a writable folder") from e
+
+
+def build(name: str, source: Path, cc: list[str], include: Path) -> Path:
+    """The cached library built from ``source`` (built now unless cached and intact)."""
+    texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(include.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([*texts, "\0".join([*FLAGS, *cc, _cpu_id()]).encode()]))
+    target = _cache_folder(cache_dir()) / f"{name}-{key.hexdigest()[:16]}.so"
+    if _intact(target):
+        _check_private(target)
+        return target
+    with _scratch(target.parent) as tmp:
+        out, seal = Path(tmp) / target.name, Path(tmp) / _seal(target).name
+        subprocess.run([*cc, *FLAGS, f"-I{include}", str(source), "-o", str(out), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=300)
+        out.chmod(0o700)  # the user's alone, whatever the umask
+        seal.write_text(_digest(out))
+        os.replace(out, target)  # atomic: concurrent builders agree
+        # the record last: a reader never trusts a library its record does not match (two
+        # builders racing leave at worst a mismatch, which the next process rebuilds)
+        os.replace(seal, _seal(target))
+    return target
