@@ -20,6 +20,7 @@ from ..estimators.weighted import (
     incumbent_global_amax,
     weighted_search,
 )
+from ..formats import as_int
 from .base import Observer
 from .registry import register
 from .sync import step_sync
@@ -38,6 +39,8 @@ class IMatrixMSEObserver(Observer):
     Args:
         spec: the weight's quantizer (per channel or per group along the input dim).
         importance: ``[in]`` mean ``x^2`` per input channel (None: unweighted).
+        input_dim: the weight's dim of input channels, the one ``importance`` weighs: ``-1``
+            for a Linear's ``[out, in]``, ``0`` for a transformers Conv1D's ``[in, out]``.
         maxshrink, grid: the candidate factors ``1 - i / grid``, ``i < maxshrink * grid``.
         norm: error exponent (default 2).
     """
@@ -48,8 +51,13 @@ class IMatrixMSEObserver(Observer):
     accumulates = False
 
     def __init__(self, spec=None, *, importance: torch.Tensor | None = None,
-                 maxshrink: float = 0.2, grid: float = 100, norm: float = 2.0, **kwargs):
+                 maxshrink: float = 0.2, grid: float = 100, norm: float = 2.0,
+                 input_dim: int = -1, **kwargs):
         super().__init__(spec, **kwargs)
+        self.input_dim = as_int(input_dim)  # checked against the weight in forward
+        if self.input_dim is None:
+            raise ValueError(f"IMatrixMSEObserver: input_dim must be an integer (the weight's "
+                             f"dim of input channels), got {input_dim!r}")
         self.factors = shrink_factors(maxshrink, grid)
         self.norm = check_number("IMatrixMSEObserver", "norm", norm, 0.0, lo_open=True)
         if importance is not None:  # a constant: checked here once, not in every forward
@@ -80,17 +88,29 @@ class IMatrixMSEObserver(Observer):
         return {"min_vals": AVG, "max_vals": AVG, "global_amax_val": AVG}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.importance.numel()
-        if isinstance(x, torch.Tensor) and n and (x.dim() < 1 or x.shape[-1] != n):
-            raise ValueError(f"{self.describe()}: importance has {n} values, the tensor's last "
-                             f"dim is {x.shape[-1] if x.dim() else 0}")
+        n, d = self.importance.numel(), self.input_dim
+        if isinstance(x, torch.Tensor) and n:
+            if not -x.dim() <= d < x.dim():
+                raise ValueError(f"{self.describe()}: input_dim {d} is no dim of the tensor "
+                                 f"of shape {tuple(x.shape)}")
+            if x.shape[d] != n:
+                where = "last dim" if d == -1 else f"input_dim {d} (its input channels)"
+                raise ValueError(f"{self.describe()}: importance has {n} values, the "
+                                 f"tensor's {where} is {x.shape[d]}")
         self._shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
         self._local_weights = None
         return super().forward(x)
 
     def _weights(self, device):
         imp = self.importance if self.importance.numel() else None
-        return importance_units(imp, self._shape, self.spec, device, checked=True)
+        shape, d = self._shape, self.input_dim
+        if imp is None or d % len(shape) == len(shape) - 1:
+            return importance_units(imp, shape, self.spec, device, checked=True)
+        # input channels on another dim (a Conv1D's 0): the importance broadcast along it,
+        # so each element keeps its input channel's weight in any layout's units
+        along = [n if i == d % len(shape) else 1 for i, n in enumerate(shape)]
+        full = imp.to(device).reshape(along).expand(shape).contiguous()
+        return self.spec.layout.to_units(full)
 
     def _unit_minmax(self, units, count, ends):
         if self.sync_every_step:  # this rank's own: only it knows its shape

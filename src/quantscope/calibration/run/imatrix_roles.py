@@ -6,9 +6,10 @@ any activation, so :func:`~.observe.make_plan` holds back the observations of th
 ``imatrix_mse`` observers given no ``importance`` of the user's (``slot.waiting``);
 :func:`gather` hooks their layers (:class:`~..choice.importance.InputImportance`: one sum of
 ``x^2`` and a row count per layer, no rows kept) for the pass, and :func:`observe_waiting`
-observes them after it with their layer's mean. A layer whose input the pass never saw, or
-whose weight the observer cannot weigh by input channel (a Conv1D's ``[in, out]``, a conv),
-is searched unweighted: :func:`unweighted` lists those of a recipe for its info and warning.
+observes them after it with their layer's mean, along the weight's input-channel dim (a
+Conv1D's ``[in, out]``: dim 0). A layer whose input the pass never saw (not called, or not
+Linear-like: a conv) is searched unweighted: :func:`unweighted` lists those of a recipe
+(an ``auto`` role's ``imatrix_mse`` candidate too) for its info and warning.
 """
 
 from __future__ import annotations
@@ -43,14 +44,17 @@ def gather(model, slots) -> InputImportance | None:
     return InputImportance(model, layers) if layers else None
 
 
+def _input_dim(module) -> int:
+    """The weight's dim of input channels: -1 of a Linear's ``[out, in]``, 0 of a Conv1D's."""
+    return 0 if is_conv1d(module) else -1
+
+
 def _why_unweighted(slot, imp) -> str | None:
-    w = slot.module.weight
-    if is_conv1d(slot.module):  # the observer weighs the last dim: here the outputs
-        return "a Conv1D weight ([in, out]): the observer weighs its last dim"
+    w, d = slot.module.weight, _input_dim(slot.module)
     if imp is None:
         return "its input was never seen in the pass: not called, no rows, or not Linear-like"
-    if imp.numel() != w.shape[-1]:
-        return f"its input has {imp.numel()} channels, its weight's last dim {w.shape[-1]}"
+    if imp.numel() != w.shape[d]:
+        return f"its input has {imp.numel()} channels, its weight's input dim {w.shape[d]}"
     if not bool(torch.isfinite(imp).all()):
         return "its input brought NaN or inf"
     return None
@@ -70,17 +74,19 @@ def observe_waiting(slots, means: dict | None) -> None:
             continue
         for _, _, obs, _, _ in slot.waiting:
             obs.importance = means[slot.layer].to(slot.module.weight.device, torch.float32)
+            obs.input_dim = _input_dim(slot.module)
     observe_weights([p for s in targets for p in s.waiting])
     for slot in targets:
         slot.waiting = []
 
 
 def unweighted(slots, plan) -> list[dict]:
-    """``[{"layer", "reason"}]``: the weight roles of ``plan`` naming ``imatrix_mse`` (not
-    through ``auto``) whose search ran without input importance."""
+    """``[{"layer", "reason"}]``: the weight roles of ``plan`` whose ``imatrix_mse`` search
+    ran without input importance: the role's observer, or a candidate of its ``auto``
+    (``names``: :func:`~.observe.candidates_for`), which then competed unweighted."""
     out = []
     for (layer, role), (cfg, names) in plan.items():
-        if role != "weight" or cfg.observer == AUTO or cfg.dynamic is True:
+        if role != "weight" or cfg.dynamic is True:
             continue
         slot = slots[(layer, role)]
         for n in names:
@@ -89,5 +95,6 @@ def unweighted(slots, plan) -> list[dict]:
                 continue
             why = slot.unweighted.get(key)
             if why is not None:
-                out.append({"layer": layer, "reason": why})
+                out.append({"layer": layer, "reason": f"auto's candidate {n}: {why}"
+                            if cfg.observer == AUTO else why})
     return out
