@@ -9,6 +9,8 @@ A fused MoE layer takes its method from the group of its experts
 its own (:func:`vllm_moe_refusal`), and Qwen2-MoE / Qwen3-Next build ``shared_expert_gate`` as a
 plain unquantized ``torch.nn.Linear``. transformers and compressed-tensors load such a
 checkpoint all the same, so the export warns and ``quantscope check`` reports; neither refuses.
+A scheme vLLM runs on one platform only (W4A8 int experts: CPU) is reported as well, its line
+naming the platform: vLLM is served from GPUs.
 Only rules read in vLLM's source are here: a config group no rule covers (mxfp4, mixed
 int / float) counts as served.
 """
@@ -135,9 +137,16 @@ def vllm_moe_refusal(weights: dict | None, inputs: dict | None = None,
     if _nvfp4(weights):  # CompressedTensorsW4A4Nvfp4MoEMethod (use_a16 without an input)
         return None if a is None or _nvfp4(a) else (
             "vLLM serves nvfp4 experts only with an nvfp4 input or none (its NVFP4 MoE)")
-    if a is not None and kind == "float" == _on(a, "type") and bits == 8:
+    if a is None:
+        # No W8A16 branch (no _is_fp8_w8a16 here, unlike a dense Linear): the _is_fp8_w8a8
+        # checks need an input, and _is_dynamic_token_w8a8 then reads input_quant.num_bits of
+        # None (an AttributeError at load, whatever the GPU)
+        return (f"vLLM's fused MoE has no method for weight-only {kind}{bits} {strategy} "
+                f"experts (no W8A16 fp8 MoE; weight-only experts are WNA16 int per channel or "
+                f"group, nvfp4a16 or mxfp4) -- use fp8-dynamic, or w4a16")
+    if kind == "float" == _on(a, "type") and bits == 8:
         return _moe_fp8(weights, a)
-    if a is not None and kind == "int" == _on(a, "type"):
+    if kind == "int" == _on(a, "type"):
         return _moe_int(weights, a)
     return None
 
@@ -161,17 +170,30 @@ def _moe_fp8(w: dict, a: dict) -> str | None:
             f"block weights) -- use fp8-dynamic or fp8 per-tensor weights")
 
 
+#: CompressedTensorsW4A8Int8MoEMethod's backend (select_w4a8_int8_moe_backend in
+#: fused_moe/oracle/w4a8_int8.py) is CPU_INT4 alone, offered where ``current_platform.is_cpu()``;
+#: elsewhere it raises NotImplementedError("W4A8 Int8 MoE is only supported on CPU platforms")
+#: at load (older vLLM: the method's ``__init__`` raised "... is CPU-only"). On capability 9.0
+#: the ``_is_fp8_w4a8_sm90`` branch, which reads no type, comes first for group weights with a
+#: symmetric input: CompressedTensorsW4A8Fp8MoEMethod (fp8 activations, packed int32 weights).
+_W4A8_CPU_ONLY = (
+    "vLLM runs W4A8 int experts (int4 weights, dynamic per-token int8 input) on CPU only (its "
+    "W4A8 Int8 MoE): on a GPU its MoE raises at load (\"only supported on CPU platforms\"; a "
+    "capability-9.0 GPU takes group weights with a symmetric input to its W4A8 fp8 MoE, fp8 "
+    "activations and packed int32 weights, instead) -- use w4a16 to serve them on a GPU")
+
+
 def _moe_int(w: dict, a: dict) -> str | None:
     """``_is_dynamic_token_w8a8`` reaches CompressedTensorsW8A8Int8MoEMethod, which needs
-    channel weights; ``_is_dynamic_token_w4a8_int`` the W4A8 int MoE; anything else raises
-    "Unsupported FusedMoe scheme"."""
+    channel weights; ``_is_dynamic_token_w4a8_int`` CompressedTensorsW4A8Int8MoEMethod, CPU
+    only (:data:`_W4A8_CPU_ONLY`); anything else raises "Unsupported FusedMoe scheme"."""
     bits, strategy, a_bits = _on(w, "num_bits"), _on(w, "strategy"), _on(a, "num_bits")
     token = _on(a, "strategy") == "token" and a.get("dynamic") and w.get("symmetric") \
         and not w.get("dynamic")
     if token and bits == a_bits == 8 and strategy == "channel":
         return None
     if token and bits == 4 and a_bits == 8 and strategy in ("channel", "group"):
-        return None
+        return _W4A8_CPU_ONLY
     return ("vLLM's int8 MoE takes only channel int8 weights with a dynamic per-token int8 "
             "input (no fused-MoE method for a static input) -- use w8a8-dynamic")
 
@@ -269,5 +291,4 @@ def warn_unservable(folder) -> None:
     names = safetensors_headers(folder, "export compressed-tensors")
     for name, targets, why in unservable(qc, names):
         warnings.warn(f"export compressed-tensors: {describe(name, targets)}: {why}; "
-                      f"transformers and compressed-tensors load it, vLLM refuses it",
-                      stacklevel=3)
+                      f"transformers and compressed-tensors load it", stacklevel=3)
