@@ -33,7 +33,7 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/compat/test_quark_probe_fixes_2.py tests/compat/test_quark_int_input.py \
 	tests/compat/test_quark_mse_asym.py tests/compat/test_quark_cast_hist.py \
 	tests/compat/test_quark_half_asym.py tests/compat/test_quark_probe_s21.py \
-	tests/compat/test_quark_probe_fixes_s27.py \
+	tests/compat/test_quark_probe_fixes_s27.py tests/compat/test_quark_qparams_s31.py \
 	tests/compat/test_modelopt_compat.py tests/compat/test_modelopt_probe_s22.py \
 	tests/compat/test_llmc_scale_dtype.py tests/compat/test_llmc_probe_fixes.py \
 	tests/compat/test_llmc_imatrix_probe_fixes.py \

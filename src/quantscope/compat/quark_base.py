@@ -21,6 +21,7 @@ from .quark_scales import (
     StateShapeError,
     UnsupportedElementError,
     UnsupportedInputError,
+    _cast,
     _quark_int_default,
     _quark_int_scale_dtype,
     _quark_layout,
@@ -316,10 +317,11 @@ class QuarkObserver(SavesNoState):
         if self.spec.is_float:  # Quark divides in scale_type's dtype
             scale = scale.to(self._scale_dtype)
             return scale, torch.zeros_like(scale)
-        # Quark's range is in the input's dtype (float32 for integer input)
-        lo, hi = (self._quark_shape(t.reshape(qp.scale.shape)).to(
-            quark_work_dtype(self._input_dtype)) for t in (lo, hi))
-        return self._quark_int_qparams(lo, hi, scale)
+        # Quark's range: the input's dtype (int: float32); symmetric read where that rounds it
+        work = quark_work_dtype(self._input_dtype)
+        if not self.spec.symmetric or torch.finfo(work).bits < 32:
+            lo, hi = (_cast(self._quark_shape(t), work) for t in (lo, hi))
+        return self._quark_int_qparams(lo, hi, scale, work)
 
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
                           max_val: torch.Tensor | None = None):
@@ -374,24 +376,25 @@ class QuarkObserver(SavesNoState):
             raise
         return self._quark_int_qparams(min_val, max_val, qp.scale)
 
-    def _quark_int_qparams(self, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor):
-        """Quark's integer ``(scale, zero_point)`` of its range from the native float32
-        ``scale``, in the dtypes of Quark's ops: the range's, promoted by the clamp to eps; the
-        zero point Quark's ``qmin - round(min(lo, 0) / scale)`` (the native rounds ``qmin - lo
-        / scale`` whole: a code off where float32 rounds that sum, int16)."""
-        width = None if self.spec.symmetric else quark_half_width(lo, hi)
-        if width is not None:  # the native formula over [0, Quark's rounded width]
-            scale = qparams_from_range(torch.zeros_like(width), width, self.spec,
-                                       check_finite=False).scale
+    def _quark_int_qparams(self, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor,
+                           work: torch.dtype | None = None):
+        """Quark's integer ``(scale, zero_point)`` of its range from the native float32 ``scale``
+        (its shape), in the dtypes of Quark's ops: the range's (``work``), promoted by the clamp
+        to eps; the zero point Quark's ``qmin - round(min(lo, 0) / scale)`` (the native rounds
+        ``qmin - lo / scale`` whole: a code off where float32 rounds that sum, int16)."""
+        work = work or quark_work_dtype(torch.result_type(lo, hi))
+        width = quark_half_width(lo, hi, work, sym := self.spec.symmetric)
+        if width is not None:  # the native formula over Quark's rounded range
+            lo0 = -width if sym else torch.zeros_like(width)
+            scale = qparams_from_range(lo0, width, self.spec, check_finite=False).scale
+        eps = getattr(self.eps, "dtype", torch.float32)  # a buffer's, or a float's
         # the range's dtype (torch's half division rounds the float32 quotient, as this cast)
-        scale = scale.to(quark_work_dtype(torch.result_type(lo, hi)))
-        eps = self.eps.dtype if isinstance(self.eps, torch.Tensor) else torch.float32
-        scale = scale.to(_quark_int_scale_dtype(lo, hi, eps))
+        scale = _cast(_cast(scale, work), _quark_int_scale_dtype(work, scale.dim() == 0, eps))
         qmin, qmax = int(self.spec.qmin), int(self.spec.qmax)
         # symmetric: Quark's zeros (the native rule: uint8's mid code 128)
-        zp = (torch.zeros_like(scale, dtype=torch.int32) if self.spec.symmetric else
+        zp = (torch.zeros_like(scale, dtype=torch.int32) if sym else
               (qmin - torch.round(lo.clamp(max=0) / scale).to(torch.int32)).clamp(qmin, qmax))
-        return scale.to(self.scale_torch_dtype or scale.dtype), zp
+        return _cast(scale, self.scale_torch_dtype or scale.dtype), zp
 
     def _quark_before_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What Quark's uniform classes return before any data (their range is ``(inf,

@@ -150,6 +150,11 @@ def _quark_token_count(x: torch.Tensor) -> torch.Tensor:
     return x.amax(-1).ne(0).logical_or_(x.amin(-1).ne(0)).sum()
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the call where ``t`` has that dtype (a hot path's no-op)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _quark_int_default() -> tuple[torch.Tensor, torch.Tensor]:
     # Quark's answer for a range never observed (it warns and returns these)
     return torch.tensor([1.0]), torch.tensor([0])
@@ -162,25 +167,28 @@ def quark_work_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.float32
 
 
-def quark_half_width(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
-    """Quark's asymmetric integer width ``max(hi, 0) - min(lo, 0)`` (float32) where it rounds
-    it to a float16 / bfloat16 range's dtype before it divides; None on a float32+ range, or
-    where it overflows (float16: Quark's scale is inf, quantscope keeps the native finite)."""
-    work = quark_work_dtype(torch.result_type(lo, hi))
+def quark_half_width(lo: torch.Tensor, hi: torch.Tensor, work: torch.dtype | None = None,
+                     symmetric: bool = False) -> torch.Tensor | None:
+    """Quark's integer range width (float32) where it rounds it to a float16 / bfloat16 range's
+    dtype before it divides: asymmetric ``max(hi, 0) - min(lo, 0)``, ``symmetric`` the amax
+    ``max(-min(lo, 0), max(hi, 0))``. None on a float32+ range, or where it overflows (float16:
+    Quark's scale is inf, quantscope keeps the native finite). ``work``: the range's
+    :func:`quark_work_dtype` where the caller knows it."""
+    work = work or quark_work_dtype(torch.result_type(lo, hi))
     if torch.finfo(work).bits >= 32:
         return None
-    width = (hi.clamp(min=0).to(work) - lo.clamp(max=0).to(work)).float()
+    neg, pos = lo.clamp(max=0).to(work), hi.clamp(min=0).to(work)
+    width = (torch.maximum(-neg, pos) if symmetric else pos - neg).float()
     return width if bool(width.isfinite().all()) else None
 
 
-def _quark_int_scale_dtype(min_val: torch.Tensor, max_val: torch.Tensor,
+def _quark_int_scale_dtype(work: torch.dtype, zero_dim: bool,
                            eps_dtype: torch.dtype = torch.float32) -> torch.dtype:
-    """The dtype of Quark's integer scale of a range (no ``scale_type``): the range's (float32
-    for an integer one), promoted with its eps buffer's dtype (float32 unless a module cast
-    changed it) when the range is 0-dim, as Quark's clamp by that 0-dim buffer promotes it
-    (a 1-dim+ range keeps its dtype)."""
-    dtype = quark_work_dtype(torch.result_type(min_val, max_val))
-    return dtype if min_val.dim() or max_val.dim() else torch.promote_types(dtype, eps_dtype)
+    """The dtype of Quark's integer scale of a range (no ``scale_type``): the range's ``work``
+    dtype (:func:`quark_work_dtype`), promoted with its eps buffer's dtype (float32 unless a
+    module cast changed it) when the range is 0-dim (``zero_dim``), as Quark's clamp by that
+    0-dim buffer promotes it (a 1-dim+ range keeps its dtype)."""
+    return torch.promote_types(work, eps_dtype) if zero_dim else work
 
 
 def _quark_rows(t: torch.Tensor, shape, axis: int) -> torch.Tensor:
