@@ -7,7 +7,8 @@ package data; :func:`lib` builds one with the system C compiler on first use (``
 parsed like a shell word list, so ``CC="ccache gcc"`` works; else ``cc`` / ``gcc``) into a
 per-user cache (``$QUANTSCOPE_CACHE``, else ``$XDG_CACHE_HOME/quantscope``), keyed by a hash
 of the sources, the flags, the compiler command and the CPU (model and feature flags:
-``-march=native`` code is only reused on the same kind of CPU), and loads it with ctypes.
+``-march=native`` code is only reused on the same kind of CPU; :mod:`.cache` builds), and
+loads it with ctypes.
 
 Who decides what: ``stats/`` and ``estimators/`` choose whether a kernel applies (device,
 dtype, size) and keep the torch reference it must equal bit for bit (the tests compare
@@ -15,7 +16,7 @@ them); this package only builds, loads and types the libraries (:data:`SIGNATURE
 declaration of every exported function).
 
 No kernel (the callers use their torch path): ``QUANTSCOPE_NO_KERNEL=1``, Windows, no
-compiler, an unwritable cache folder, or a failed build. These are said once per process
+compiler, a cache folder that is unwritable or that others can write, or a failed build. These are said once per process
 (a :class:`KernelWarning`). Nor, silently, on a tensor with no memory of its values, or
 while a trace would miss the C call (:func:`real`: FakeTensors, vmap / grad, meta,
 ``torch.compile``, ``torch.jit.trace``, make_fx), where the torch path works.
