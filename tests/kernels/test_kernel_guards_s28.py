@@ -29,7 +29,7 @@ def _dynamic_model(seed: int = 0):
 
 def test_the_rule_tells_tensors_with_memory_from_those_without():
     t, p = torch.zeros(4), torch.nn.Parameter(torch.zeros(4))
-    assert kernels.real(t, p) and kernels.plain(t) and kernels.readable(p) and kernels.real()
+    assert kernels.real(t, p) and kernels.plain(t) and kernels.plain(p) and kernels.real()
     assert not kernels.real(torch.empty(4, device="meta"))
     with FakeTensorMode() as fm:
         fake = fm.from_tensor(t)
@@ -149,3 +149,29 @@ def test_eager_cpu_tensors_still_take_the_kernels():
     count = torch.zeros((), dtype=torch.int64)
     assert kernels.add(count, 5) and int(count) == 5 and count._version == 1
     assert not kernels.add(torch.zeros(1), 1)  # float32: the caller adds with a torch op
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_minmax_kernels_return_zero_as_declared(threads):
+    """qs_unit_minmax / qs_col_minmax are typed as every kernel is (int64 return,
+    kernels.SIGNATURES): they return 0, not whatever the return register held (they were
+    void), and their ranges are torch.aminmax's."""
+    lib = kernels.lib("unit_minmax")
+    torch.manual_seed(0)
+    for U in (1, 5):  # one unit: its elements split over the threads
+        x = torch.randn(U, 4099) * 1e3
+        lo, hi, ends = torch.empty(U), torch.empty(U), torch.empty(2)
+        rc = lib.qs_unit_minmax(x.data_ptr(), U, x.shape[1], lo.data_ptr(), hi.data_ptr(),
+                                ends.data_ptr(), threads, 0, 0.0, None, None, 0, 0)
+        ref = torch.aminmax(x, dim=1)
+        assert rc == 0
+        assert torch.equal(lo, ref.min) and torch.equal(hi, ref.max)
+        assert ends.tolist() == [ref.min.min().item(), ref.max.max().item()]
+    m = torch.randn(257, 33)
+    lo, hi, work = torch.empty(33), torch.empty(33), torch.empty(threads * 3 * 33)
+    rc = lib.qs_col_minmax(m.data_ptr(), 257, 33, lo.data_ptr(), hi.data_ptr(), work.data_ptr(),
+                           threads, 0)
+    ref = torch.aminmax(m, dim=0)
+    assert rc == 0
+    assert torch.equal(lo, ref.min) and torch.equal(hi, ref.max)

@@ -83,15 +83,16 @@ def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
     zp = kernels.contiguous(zero_point.expand(k, n), torch.int32)
     sub = None if sub is None else sub.to(torch.int64).contiguous()
     out = torch.empty((k, n), dtype=torch.float64)
-    args = (units.data_ptr(), units.shape[1], None if sub is None else sub.data_ptr(), n,
+    # the weighted entry points with no weights (NULL): the unweighted sums
+    args = (units.data_ptr(), None, units.shape[1], None if sub is None else sub.data_ptr(), n,
             sc.data_ptr(), zp.data_ptr(), k)
     if spec.is_float:
         fmt = spec.format
-        _lib().qs_mse_price_fp(*args, fmt.max, fmt.min_exp, fmt.mbits, out.data_ptr(),
-                               kernels.threads())
+        _lib().qs_mse_price_fp_w(*args, fmt.max, fmt.min_exp, fmt.mbits, out.data_ptr(),
+                                 kernels.threads())
     else:
-        _lib().qs_mse_price(*args, float(spec.qmin), float(spec.qmax), out.data_ptr(),
-                            kernels.threads())
+        _lib().qs_mse_price_w(*args, float(spec.qmin), float(spec.qmax), out.data_ptr(),
+                              kernels.threads())
     return out
 
 

@@ -16,10 +16,11 @@ them); this package only builds, loads and types the libraries (:data:`SIGNATURE
 declaration of every exported function).
 
 No kernel (the callers use their torch path): ``QUANTSCOPE_NO_KERNEL=1``, Windows, no
-compiler, a cache folder that is unwritable or that others can write, or a failed build. These are said once per process
-(a :class:`KernelWarning`). Nor, silently, on a tensor with no memory of its values, or
-while a trace would miss the C call (:func:`real`: FakeTensors, vmap / grad, meta,
-``torch.compile``, ``torch.jit.trace``, make_fx), where the torch path works.
+compiler, a cache folder that is unwritable or that others can write, or a failed build.
+These are said once per process (a :class:`KernelWarning`). Nor, silently, on a tensor with
+no memory of its values, or while a trace would miss the C call (:func:`real`: FakeTensors,
+vmap / grad, meta, ``torch.compile``, ``torch.jit.trace``, make_fx), where the torch path
+works.
 
 A cached library that does not load (truncated, corrupt, another
 architecture) is rebuilt, once: each build records its size and SHA-256 next to it
@@ -55,8 +56,8 @@ from .cache import FLAGS, CacheError, build, cache_dir, compiler
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "available",
            "buffer", "build_all", "cache_dir", "choose", "compiler", "contiguous", "disabled",
-           "lib", "load", "plain", "qparams_consts", "read", "readable", "real", "set_streaming",
-           "streaming", "threads", "write"]
+           "lib", "load", "plain", "qparams_consts", "read", "real", "set_streaming", "streaming",
+           "threads", "write"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -77,12 +78,10 @@ SIGNATURES: dict[str, dict[str, list]] = {
     },
     "mse_search": {
         "qs_mse_dq": [_P, _I, _D, _D, _D, _D, _P],
-        "qs_mse_price": [_P, _I, _P, _I, _P, _P, _I, _D, _D, _P, _INT],
         "qs_mse_step": [_P, _I, _P, _I, _P, _P, _I, _I, _INT, _D, _D, _I, _INT, _INT, _INT]
         + [_P] * 8 + [_I, _P, _INT],
         "qs_mse_gstop": [_P, _I, _I, _P],
         "qs_mse_dq_fp": [_P, _I, _D, _D, _I, _I, _P],
-        "qs_mse_price_fp": [_P, _I, _P, _I, _P, _P, _I, _D, _I, _I, _P, _INT],
         "qs_mse_price_w": [_P, _P, _I, _P, _I, _P, _P, _I, _D, _D, _P, _INT],
         "qs_mse_price_fp_w": [_P, _P, _I, _P, _I, _P, _P, _I, _D, _I, _I, _P, _INT],
         "qs_mse_step_fp": [_P, _I, _P, _I, _P, _P, _I, _I, _INT, _D, _D, _I, _INT, _INT, _INT]
@@ -305,10 +304,6 @@ def plain(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     return t.is_cpu and t.dtype == dtype and t.is_contiguous() and real(t)
 
 
-#: :func:`read` / :func:`write`'s test (the earlier name of :func:`plain`, the same rule)
-readable = plain
-
-
 def contiguous(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``t`` as a contiguous tensor of ``dtype``: ``t`` itself when it is one (no op, no
     copy: this runs in hot paths, where even a no-op ``.float()`` is a dispatch)."""
@@ -337,7 +332,7 @@ def read(t: torch.Tensor, count: int = 1, strict: bool = True) -> list | None:
     Python numbers, read from its memory: no tensor op (``.item()`` is a dispatch, and right
     after a C pass has streamed a batch through the caches and the TLB one costs ten times
     its few microseconds). Another ``t``: a ``ValueError``, or None when not ``strict`` (one
-    check where a caller would test :func:`readable` first)."""
+    check where a caller would test :func:`plain` first)."""
     values = _values(t, count, strict)
     return None if values is None else values[:]
 

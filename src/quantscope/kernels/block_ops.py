@@ -145,6 +145,18 @@ def _launch_rules(ext_start, patience, per_unit, use_global, tie_last):
             lambda improved: stop_after(improved, patience))
 
 
+def _contiguous(*tensors):
+    """``tensors``, each contiguous (what the launchers read)."""
+    return tuple(t.contiguous() for t in tensors)
+
+
+def _nvfp4_args(kernel, units, lo, hi, factors, inc_lo, inc_hi, global_amax, fmt, min_scale):
+    """The NVFP4 launchers' leading arguments (``block_mse``'s and ``nvfp4_search``'s): the
+    ranges contiguous, the global amax as one value, the element format, the scale encoding."""
+    return (units, *_contiguous(lo, hi, factors, inc_lo, inc_hi), global_amax.reshape(1),
+            fmt.max, fmt.min_exp, fmt.mbits, kernel.NVFP4, min_scale)
+
+
 def _fake_block_search(units):
     return (units.new_empty(units.shape[0], dtype=torch.int64),
             units.new_empty(units.shape[0], dtype=torch.float64))
@@ -170,10 +182,9 @@ def _cuda_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                                 min_scale, *rules, weights)
     fmt = _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
                        format, min_scale, ext_start, weights)
-    return kernel.block_mse(
-        units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
-        inc_hi.contiguous(), global_amax.reshape(1), fmt.max, fmt.min_exp, fmt.mbits,
-        kernel.NVFP4, min_scale, *_launch_rules(*rules), weights=weights)
+    return kernel.block_mse(*_nvfp4_args(kernel, units, lo, hi, factors, inc_lo, inc_hi,
+                                         global_amax, fmt, min_scale),
+                            *_launch_rules(*rules), weights=weights)
 
 
 def _fake_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
@@ -208,10 +219,8 @@ def _cuda_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, form
                                    min_scale, weights)
     fmt = _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
                        format, min_scale, weights=weights)
-    return kernel.nvfp4_search(
-        units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
-        inc_hi.contiguous(), global_amax.reshape(1), fmt.max, fmt.min_exp, fmt.mbits,
-        kernel.NVFP4, min_scale, weights=weights)
+    return kernel.nvfp4_search(*_nvfp4_args(kernel, units, lo, hi, factors, inc_lo, inc_hi,
+                                            global_amax, fmt, min_scale), weights=weights)
 
 
 def _fake_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
@@ -251,9 +260,8 @@ def _cuda_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start
     # integer elements: [qmin, qmax], qmax their max (signed: E8M0 needs codes around 0)
     ints = isinstance(fmt, IntFormat)
     return kernel.block_mse(
-        units, lo.contiguous(), hi.contiguous(), factors.contiguous(), inc_lo.contiguous(),
-        inc_hi.contiguous(), None, fmt.max, 0 if ints else fmt.min_exp,
-        0 if ints else fmt.mbits, enc, 0.0, *_launch_rules(*rules),
+        units, *_contiguous(lo, hi, factors, inc_lo, inc_hi), None, fmt.max,
+        0 if ints else fmt.min_exp, 0 if ints else fmt.mbits, enc, 0.0, *_launch_rules(*rules),
         qmin=float(fmt.qmin) if ints else None, weights=weights)
 
 

@@ -1,8 +1,10 @@
 """quantscope's hot loops as ``torch.library`` custom ops (namespace ``quantscope``).
 
-Each op has a CPU implementation (the torch path: the reference the C kernels equal bit for
-bit), a CUDA one (the Triton kernel of :mod:`quantscope.kernels.triton`; the same torch path
-where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA graphs and
+Each op has a CPU implementation (the torch path, the reference the C kernels equal bit for
+bit; ``mse_price_int`` / ``mse_price_fp``, the block searches that price through them, and
+``hist_add`` / ``hist_regrid`` run the C kernel there where it is built and applies), a CUDA
+one (the Triton kernel of :mod:`quantscope.kernels.triton`; the same torch path where triton
+is not installed) and a fake (meta) one, so ``torch.compile``, CUDA graphs and
 ``torch.export`` see one op with known output shapes, and callers write no branch per device.
 
 * ``unit_minmax(units) -> (lo, hi)``: per-row min / max of ``units [U, E]`` (bf16 / fp16 /
@@ -35,10 +37,10 @@ where triton is not installed) and a fake (meta) one, so ``torch.compile``, CUDA
   NVFP4 MSE search: candidate ``k``'s block scales are ``nvfp4_qparams`` of ``(lo *
   factors[k], hi * factors[k])`` under ``global_amax``, priced on ``units`` as
   ``mse_price_fp`` prices them, ``weights`` included (the incumbent: ``(inc_lo, inc_hi)``;
-  :func:`nvfp4_price`), then ``mse_select``'s rules (the rest of the arguments are its). On CUDA (:mod:`.triton.block_search`) each distinct
-  block scale is priced once (a unit's candidates fall through consecutive e4m3 codes: ~9
-  scales where the native grid has 50 factors) and no ``[candidates, units]`` tensor of
-  errors or qparams is made.
+  :func:`nvfp4_price`), then ``mse_select``'s rules (the rest of the arguments are its). On
+  CUDA (:mod:`.triton.block_search`) each distinct block scale is priced once (a unit's
+  candidates fall through consecutive e4m3 codes: ~9 scales where the native grid has 50
+  factors) and no ``[candidates, units]`` tensor of errors or qparams is made.
 * ``mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, patience,
   per_unit, use_global, tie_last, weights=None) -> (idx, best)``: the same for MX: block scales
   ``e8m0_block_scales`` in ``mode`` (:func:`mx_price`) over float or signed integer elements
@@ -83,7 +85,7 @@ from ..qparams import int_qparams_op as int_qparams
 from ..qparams import nvfp4_qparams_op as nvfp4_qparams
 from . import triton as _triton
 from .block_ops import mx_mse, mx_price, nvfp4_mse, nvfp4_price, nvfp4_search
-from .price_ops import _check_code_range, _IntBounds, mse_price_fp, mse_price_int
+from .price_ops import _check_code_range, _IntBounds, _rows, mse_price_fp, mse_price_int
 from .select_ops import improved_rows, mse_select, stop_after
 
 __all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "improved_rows",
@@ -173,8 +175,7 @@ def _cuda_grouped_unit_minmax(units):
         # replay that copy from a host buffer reused since; one launch per tensor there
         pairs = [_cuda_unit_minmax(t) for t in units]
         return [p[0] for p in pairs], [p[1] for p in pairs]
-    return kernel.grouped_unit_minmax([t if t.stride(1) == 1 else t.contiguous()
-                                       for t in units])
+    return kernel.grouped_unit_minmax([_rows(t) for t in units])
 
 
 def _fake_grouped_unit_minmax(units):

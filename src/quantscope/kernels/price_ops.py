@@ -25,11 +25,12 @@ implementation, a CUDA one, a fake one; bad input raises ``ValueError`` naming t
   torch's CUDA ``pow`` calls), an ulp or so apart, so prices agree across devices to about
   1e-7 for those norms.
 
-CPU: the C kernel (``csrc/mse_search.c``: ``qs_mse_price`` / ``qs_mse_price_fp``, as
-``estimators.mse_kernel.price`` calls it) where it is built, ``units`` is a contiguous CPU
-tensor and ``norm`` is 2, else the torch path (``qdq.fake_quantize_units`` one candidate at
-a time, then :func:`price_sums`). CUDA: the Triton kernel (:mod:`.triton.mse`, the same terms);
-the torch path where triton is not installed.
+CPU: the C kernel (``csrc/mse_search.c``: ``qs_mse_price_w`` / ``qs_mse_price_fp_w``,
+``weights`` or a null pointer, the sums ``estimators.mse_kernel.price`` gets) where it is
+built, ``units`` is a contiguous CPU tensor and ``norm`` is 2, else the torch path
+(``qdq.fake_quantize_units`` one candidate at a time, then :func:`price_sums`). CUDA: the
+Triton kernel (:mod:`.triton.mse`, the same terms); the torch path where triton is not
+installed.
 
 It lives beside :mod:`.ops` rather than in it for the size rule (500 lines a module).
 """

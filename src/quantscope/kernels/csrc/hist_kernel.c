@@ -160,6 +160,54 @@ static void hot_flush(const __m512i *acc, int64_t *hot) {
 }
 #endif
 
+/* Count the ns copy indices of buf into cp (8 increments per step: independent stores) */
+static inline __attribute__((always_inline)) void count_indices(int32_t *cp, const int32_t *buf,
+                                                                int ns) {
+    int j = 0;
+    for (; j + 8 <= ns; j += 8) {
+        cp[buf[j]]++; cp[buf[j + 1]]++; cp[buf[j + 2]]++; cp[buf[j + 3]]++;
+        cp[buf[j + 4]]++; cp[buf[j + 5]]++; cp[buf[j + 6]]++; cp[buf[j + 7]]++;
+    }
+    for (; j < ns; ++j) cp[buf[j]]++;
+}
+
+/* Add the COPIES copies of each of the W bins of cp into out, and zero them */
+static inline __attribute__((always_inline)) void flush_copies(int32_t *cp, int32_t W,
+                                                               int64_t *out) {
+    for (int32_t k = 0; k < W; ++k) {
+        int32_t *c = cp + (int64_t)k * COPIES;
+        int64_t t = 0;
+        for (int q = 0; q < COPIES; ++q) { t += c[q]; c[q] = 0; }
+        out[k] += t;
+    }
+}
+
+#if defined(__AVX512F__)
+/* Fold the 16 lanes of the tracked min / max / largest negative value into lo / hi / neg */
+static inline __attribute__((always_inline)) void fold_ends(__m512 vlo, __m512 vhi, __m512 vneg,
+                                                            float *lo, float *hi, float *neg) {
+    float t[16];
+    _mm512_storeu_ps(t, vlo);
+    for (int q = 0; q < 16; ++q) *lo = t[q] < *lo ? t[q] : *lo;
+    _mm512_storeu_ps(t, vhi);
+    for (int q = 0; q < 16; ++q) *hi = t[q] > *hi ? t[q] : *hi;
+    _mm512_storeu_ps(t, vneg);
+    for (int q = 0; q < 16; ++q) *neg = t[q] > *neg ? t[q] : *neg;
+}
+#elif defined(__AVX2__)
+/* Fold the 8 lanes of the tracked min / max / largest negative value into lo / hi / neg */
+static inline __attribute__((always_inline)) void fold_ends(__m256 vlo, __m256 vhi, __m256 vneg,
+                                                            float *lo, float *hi, float *neg) {
+    float t[8];
+    _mm256_storeu_ps(t, vlo);
+    for (int q = 0; q < 8; ++q) *lo = t[q] < *lo ? t[q] : *lo;
+    _mm256_storeu_ps(t, vhi);
+    for (int q = 0; q < 8; ++q) *hi = t[q] > *hi ? t[q] : *hi;
+    _mm256_storeu_ps(t, vneg);
+    for (int q = 0; q < 8; ++q) *neg = t[q] > *neg ? t[q] : *neg;
+}
+#endif
+
 /* Bins x[0, n) into out through COPIES interleaved int32 copies (cp[bin * COPIES + copy],
    zero on entry and on return; value j goes to copy j % COPIES, so a run of values in one
    bin is not one chain of dependent increments). Per block of BUF values, the indices are
@@ -296,24 +344,14 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
             }
             buf[ns++] = bin1(xv, inv, ff, wm1, absolute, &miss) * COPIES + (j & (COPIES - 1));
         }
-        j = 0;
-        for (; j + 8 <= ns; j += 8) {
-            cp[buf[j]]++; cp[buf[j + 1]]++; cp[buf[j + 2]]++; cp[buf[j + 3]]++;
-            cp[buf[j + 4]]++; cp[buf[j + 5]]++; cp[buf[j + 6]]++; cp[buf[j + 7]]++;
-        }
-        for (; j < ns; ++j) cp[buf[j]]++;
+        count_indices(cp, buf, ns);
         since += m;
         if (hot) {
             cold += ns;
             stop = b >= 16 * BUF && 2 * cold > b + m;
         }
-        if (since >= BLOCK || b + m >= n || stop) {  /* flush */
-            for (int32_t k = 0; k < W; ++k) {
-                int32_t *c = cp + (int64_t)k * COPIES;
-                int64_t t = 0;
-                for (int q = 0; q < COPIES; ++q) { t += c[q]; c[q] = 0; }
-                s->out[k] += t;
-            }
+        if (since >= BLOCK || b + m >= n || stop) {
+            flush_copies(cp, W, s->out);
             since = 0;
         }
     }
@@ -325,22 +363,10 @@ bin_span_(span_t *s, int32_t *cp, const int absolute, const int track, const int
 #endif
     if (track) {
 #if defined(__AVX512F__)
-        float t[16];
-        _mm512_storeu_ps(t, vlo);
-        for (int q = 0; q < 16; ++q) lo = t[q] < lo ? t[q] : lo;
-        _mm512_storeu_ps(t, vhi);
-        for (int q = 0; q < 16; ++q) hi = t[q] > hi ? t[q] : hi;
-        _mm512_storeu_ps(t, vneg);
-        for (int q = 0; q < 16; ++q) neg = t[q] > neg ? t[q] : neg;
+        fold_ends(vlo, vhi, vneg, &lo, &hi, &neg);
         miss |= vout != 0;
 #elif defined(__AVX2__)
-        float t[8];
-        _mm256_storeu_ps(t, vlo);
-        for (int q = 0; q < 8; ++q) lo = t[q] < lo ? t[q] : lo;
-        _mm256_storeu_ps(t, vhi);
-        for (int q = 0; q < 8; ++q) hi = t[q] > hi ? t[q] : hi;
-        _mm256_storeu_ps(t, vneg);
-        for (int q = 0; q < 8; ++q) neg = t[q] > neg ? t[q] : neg;
+        fold_ends(vlo, vhi, vneg, &lo, &hi, &neg);
         miss |= _mm256_movemask_ps(vout) != 0;
 #endif
     }

@@ -177,29 +177,17 @@ static int64_t mse_price(const float *x, const float *w, int64_t E, const int64_
     return 0;
 }
 
-int64_t qs_mse_price(const float *x, int64_t E, const int64_t *sub, int64_t n,
-                     const float *sc, const int32_t *zp, int64_t k, double qmin, double qmax,
-                     double *out, int threads) {
-    return mse_price(x, NULL, E, sub, n, sc, zp, k, int_fmt(qmin, qmax), out, threads);
-}
-
-/* qs_mse_price with each element's squared error weighted by w [U, E] (float32, the rows
-   of x's units; NULL: unweighted): sum (double)w * (double)(d * d) */
+/* The unit errors: out[j, i] = price1 of candidate j on unit sub[i] (or i), each element's
+   squared error weighted by w [U, E] (float32, the rows of x's units; NULL: unweighted, the
+   same loop: SUM_SIMD / SUM_TAIL test w once per unit and candidate): sum (double)w *
+   (double)(d * d) */
 int64_t qs_mse_price_w(const float *x, const float *w, int64_t E, const int64_t *sub, int64_t n,
                        const float *sc, const int32_t *zp, int64_t k, double qmin, double qmax,
                        double *out, int threads) {
     return mse_price(x, w, E, sub, n, sc, zp, k, int_fmt(qmin, qmax), out, threads);
 }
 
-/* qs_mse_price for a float format: fmax, min_exp, mbits (the zero points are 0) */
-int64_t qs_mse_price_fp(const float *x, int64_t E, const int64_t *sub, int64_t n,
-                        const float *sc, const int32_t *zp, int64_t k, double fmax,
-                        int64_t min_exp, int64_t mbits, double *out, int threads) {
-    return mse_price(x, NULL, E, sub, n, sc, zp, k, float_fmt(fmax, min_exp, mbits), out,
-                     threads);
-}
-
-/* qs_mse_price_fp weighted by w (as qs_mse_price_w) */
+/* qs_mse_price_w for a float format: fmax, min_exp, mbits (the zero points are 0) */
 int64_t qs_mse_price_fp_w(const float *x, const float *w, int64_t E, const int64_t *sub,
                           int64_t n, const float *sc, const int32_t *zp, int64_t k, double fmax,
                           int64_t min_exp, int64_t mbits, double *out, int threads) {

@@ -312,9 +312,9 @@ static void *crun(void *p) {
 }
 
 /* Per-column min / max of [R, C] of element type dt; work (threads x 3C floats) is scratch
-   from the caller. */
-void qs_col_minmax(const void *x, int64_t R, int64_t C, float *lo, float *hi, float *work,
-                   int threads, int dt) {
+   from the caller. Returns 0 (every exported kernel returns int64: kernels.SIGNATURES). */
+int64_t qs_col_minmax(const void *x, int64_t R, int64_t C, float *lo, float *hi,
+                      float *work, int threads, int dt) {
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
     cjob_t jobs[QS_MAXT];
@@ -337,6 +337,7 @@ void qs_col_minmax(const void *x, int64_t R, int64_t C, float *lo, float *hi, fl
         lo[c] = bad ? NAN : l;
         hi[c] = bad ? NAN : h;
     }
+    return 0;
 }
 
 typedef struct {
@@ -423,14 +424,16 @@ static void one_unit(const void *x, int64_t E, float *lo, float *hi, float *ends
     }
 }
 
-void qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi, float *ends,
-                    int threads, int mode, double c, float *slo, float *shi, int streaming,
-                    int dt) {
+/* Per-unit min / max of [U, E] of element type dt, the ends of all units in ends[2], and
+   the state update of mode (see update()); returns 0, as qs_col_minmax. */
+int64_t qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi,
+                       float *ends, int threads, int mode, double c, float *slo, float *shi,
+                       int streaming, int dt) {
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
     if (U == 1 && threads > 1 && E >= threads) {
         one_unit(x, E, lo, hi, ends, threads, mode, (float)c, (float)(1.0 - c), slo, shi, dt);
-        return;
+        return 0;
     }
     job_t jobs[QS_MAXT];
     for (int t = 0; t < threads; ++t)
@@ -446,4 +449,5 @@ void qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi, f
     }
     ends[0] = l;
     ends[1] = h;
+    return 0;
 }

@@ -7,7 +7,7 @@ under per-unit effective scales, MX and NVFP4 blocks; zero point 0). One kernel 
 ``err[k, u] = sum_e float64(d * d)``, ``d = fake_quant(x, scale[k, u], zp[k, u]) - x`` in
 float32 rounded as ``qdq.fake_quantize_units`` (``_jit.fake_quant``, ``_jit.fake_quant_fp``),
 its square rounded to float32 and summed in float64: the terms of the C kernel
-(``csrc/mse_search.c``, ``qs_mse_price`` / ``qs_mse_price_fp``) and of the torch path
+(``csrc/mse_search.c``, ``qs_mse_price_w`` / ``qs_mse_price_fp_w``) and of the torch path
 (``mse_tiles._tile_error``), so the three agree up to the order of the float64 sum (tests:
 1e-12). With ``weights`` ``w [U, E]`` (a ``WEIGHTED`` constexpr of the same kernel):
 ``sum_e float64(w) * float64(d * d)``, the C kernel's weighted terms. Another ``norm`` (a
