@@ -56,9 +56,11 @@ from torch.ao.quantization import observer as _ao
 from torch.ao.quantization.utils import calculate_qmin_qmax
 
 from .._oplib import never_traced
+from ..comm import MAX, MIN
 from ..layout import Channel, Tensor
 from ..observers.base import dtensor_error, is_dtensor
 from ..observers.registry import register
+from ..observers.sync import sync_observers
 from ..qparams import QParams
 from ..spec import QuantSpec
 from .torch_ao_steps import (
@@ -254,6 +256,64 @@ class TorchAOObserver:
         lo, hi = self.min_val, self.max_val
         return lo.numel() > 0 and bool((lo != math.inf).any() | (hi != -math.inf).any())
 
+    #: why the class's state cannot sync exactly (None: it syncs, :class:`_SyncView`)
+    sync_refusal: ClassVar[str | None] = None
+
+    def sync(self, group=None):
+        """Make ``min_val`` / ``max_val`` the same on every rank of ``group``: MIN / MAX of
+        the ranks' (NaN where any rank's is), what one process that observed every rank's
+        batches gets, bitwise; a no-op outside ``torch.distributed``. The moving averages
+        and :class:`HistogramObserver` raise ``NotImplementedError``: nothing syncs them
+        exactly. Many at once: :func:`quantscope.distributed.sync_observers`."""
+        sync_observers([self], group)
+        return self
+
+    def _sync_view(self) -> _SyncView:
+        """What :func:`~quantscope.observers.sync.sync_observers` syncs for this observer."""
+        if self.sync_refusal is not None:
+            raise NotImplementedError(f"{type(self).__name__}: the observer does not declare "
+                                      f"how its state syncs across processes: "
+                                      f"{self.sync_refusal}")
+        return _SyncView(self)
+
+
+class _SyncView:
+    """A torch.ao min-max observer as :mod:`quantscope.observers.sync` reads an observer:
+    ``min_val`` MIN, ``max_val`` MAX (torch.ao's buffers; NaN, which no reduction carries
+    alike on every backend, goes as a per-unit flag, MAX), no counters of its own;
+    :meth:`write_back` puts the synced values into the observer's buffers, in place. Every
+    sync is a fresh one (MIN / MAX are idempotent: syncing again is exact)."""
+
+    seen_non_finite = torch.tensor(False)  # inf reduces as a value, NaN as ``nan_units``
+    sync_every_step, _synced = False, None
+
+    def __init__(self, ao: TorchAOObserver):
+        self.ao, lo, hi = ao, ao.min_val.detach(), ao.max_val.detach()
+        self.nan_units = lo.isnan() | hi.isnan()
+        self.min_val = lo.masked_fill(self.nan_units, math.inf)
+        self.max_val = hi.masked_fill(self.nan_units, -math.inf)
+        self.has_observed, self.shape = ao.has_observed, tuple(lo.shape)
+        self.observed_tokens = torch.tensor(int(self.has_observed))
+        self.non_finite_count = torch.tensor(0)
+        # what every rank must agree on (sync's signature reads ``spec`` as a string)
+        self.spec = (f"{type(ao).__name__}({ao.dtype}, {ao.qscheme}, {ao.quant_min}, "
+                     f"{ao.quant_max}, ch_axis={getattr(ao, 'ch_axis', None)}, {lo.dtype})")
+
+    def sync_plan(self) -> dict:
+        return {"min_val": MIN, "max_val": MAX, "nan_units": MAX}
+
+    def set_shape(self, shape) -> None:
+        self.shape = shape
+
+    def describe(self) -> str:
+        return f"torch.ao:{self.spec}"
+
+    def write_back(self) -> None:
+        for name in ("min_val", "max_val"):
+            buf = getattr(self.ao, name)
+            v = getattr(self, name).masked_fill(self.nan_units, math.nan)
+            buf.resize_(v.shape).copy_(v)  # per channel: empty before its first batch
+
 
 @register("torch.ao:MinMaxObserver")
 class MinMaxObserver(TorchAOObserver, _ao.MinMaxObserver):
@@ -262,11 +322,19 @@ class MinMaxObserver(TorchAOObserver, _ao.MinMaxObserver):
     per_channel, per_channel_class = False, "PerChannelMinMaxObserver"
 
 
+#: an EMA's value depends on the order of the batches; the ranks' EMAs hold no more
+_EMA_REFUSAL = ("torch.ao's moving average of min / max is not the average of the ranks' "
+                "averages, nor any reduction of them (it weighs each batch by its position "
+                "in one sequence); observe every batch on one rank, or use quantscope's "
+                "'minmax' observer (sync_every_step=True syncs its average exactly)")
+
+
 @register("torch.ao:MovingAverageMinMaxObserver")
 class MovingAverageMinMaxObserver(TorchAOObserver, _ao.MovingAverageMinMaxObserver):
     """EMA of the per-tensor min / max (c = 0.01): torch.ao's MovingAverageMinMaxObserver."""
 
     per_channel, per_channel_class = False, "MovingAveragePerChannelMinMaxObserver"
+    sync_refusal = _EMA_REFUSAL
 
 
 @register("torch.ao:PerChannelMinMaxObserver")
@@ -282,6 +350,7 @@ class MovingAveragePerChannelMinMaxObserver(TorchAOObserver,
     """EMA of the per-channel min / max: torch.ao's MovingAveragePerChannelMinMaxObserver."""
 
     per_channel = True
+    sync_refusal = _EMA_REFUSAL
 
 
 # ------------------------------------------------------------------ HistogramObserver
@@ -308,6 +377,11 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     """
 
     per_channel = False
+    sync_refusal = ("torch.ao's histogram bins depend on the order in which its range grew "
+                    "(each widening re-bins the counts approximately), so the ranks' "
+                    "histograms do not merge into the one of all batches; observe every "
+                    "batch on one rank, or use quantscope's histogram observers "
+                    "('percentile', 'entropy', 'l2_histogram'), which sync exactly")
     #: torch.ao drops ``inf`` values with a warning (NaN raises :class:`NonFiniteBatchError`)
     non_finite = "ignore"
 

@@ -72,8 +72,8 @@ def _plan(obs) -> list:
             f"{type(obs).__name__}: the observer does not declare how its state syncs "
             f"across processes; implement sync_plan() (formerly _sync_plan) returning "
             f"{{buffer: MIN|MAX|SUM|AVG}}"
-            + ("" if declared is not None else " (it is no quantscope Observer: observers "
-               "of quantscope.get_observer sync)")
+            + ("" if declared is not None else " (it is no quantscope Observer: those and "
+               "torch.ao's min-max ones of quantscope.compat.torch_ao sync)")
         ) from None
     items = list(plan.items()) if isinstance(plan, dict) else list(plan)
     for it in items:
@@ -194,6 +194,7 @@ def sync_observers(observers: Iterable, group=None) -> None:
     dev = group_device(group)
     plans = header = None
     with LocalError() as local:  # local steps: an error on one rank raises on every rank
+        observers = [o._sync_view() if hasattr(o, "_sync_view") else o for o in observers]
         plans = [_plan(o) for o in observers]
         header = _header(observers, plans, dev)
     # even with no observers here: a peer that has some waits in this check
@@ -207,6 +208,7 @@ def sync_observers(observers: Iterable, group=None) -> None:
     _reduce_buckets(_buckets(work, extra, me), dev, group)
     for obs, *_ in work:
         _mark_synced(obs)
+        getattr(obs, "write_back", lambda: None)()  # a torch.ao observer's view: into its buffers
 
 
 def _mark_synced(obs) -> None:
