@@ -233,10 +233,10 @@ def test_sequential_does_not_combine_with_outliers_or_distributed():
 def test_the_cli_builds_the_objects():
     args = argparse.Namespace(sample_tokens=32, sample_budget_mb=None, seed=2, smooth=0.5,
                               keep_float=1, fallback="float", sequential=None,
-                              no_progress=True, auto_metric="tensor", score_tokens=16)
+                              no_progress=True, auto_metric="fisher", score_tokens=16)
     got = calibration_options(args, ["minmax"])
     assert got["sampling"] == Sampling(32, None, 2)
-    assert got["auto"] == Auto(("minmax",), "tensor", score_tokens=16)
+    assert got["auto"] == Auto(("minmax",), "fisher", score_tokens=16)
     assert got["outliers"] == Outliers(0.5, 1, "float")
     assert got["runtime"] == Runtime() and got["progress"] is False
 

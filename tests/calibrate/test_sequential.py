@@ -202,9 +202,9 @@ def test_spill_files_are_read_without_unpickling_code(tmp_path):
     without running it."""
     import pickle
 
-    from quantscope.calibration.run.sequential import _Cache
+    from quantscope.calibration.run.seq_cache import Cache
 
-    cache = _Cache([0], str(tmp_path), "t")  # budget 0: every value goes to a file
+    cache = Cache([0], str(tmp_path), "t")  # budget 0: every value goes to a file
     value = (torch.randn(2, 3), {"mask": torch.ones(2, dtype=torch.bool), "n": 3, "x": None})
     cache.put(0, value)
     assert cache.spilled == 1

@@ -344,6 +344,9 @@ def test_calib_docs_are_taken_evenly_from_the_whole_text(n, expect):
      "--auto-metric / --score-tokens say how the 'auto' observer chooses: add auto"),
     (["compare", "--recipes", "w8a8", "--observers", "minmax", "--score-tokens", "64"],
      "--auto-metric / --score-tokens say how the 'auto' observer chooses: add auto"),
+    (["compare", "--recipes", "w8a8", "--observers", "auto", "--auto-metric", "tensor",
+      "--score-tokens", "64"],
+     "--score-tokens is read only by --auto-metric model or fisher; --auto-metric tensor"),
     (["calibrate", "--recipe", "w8a8", "--fallback", "float"],
      "--fallback float says what --keep-float's activations become: give --keep-float N")])
 def test_flags_that_would_do_nothing_are_refused_before_the_model_loads(tmp_path, capsys,

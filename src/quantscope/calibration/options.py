@@ -132,7 +132,8 @@ class Auto:
             replacing the default divergence; for ``"fisher"``,
             ``callable(output, batch) -> scalar tensor`` (default: the model's own loss);
             the other metrics call none, so refuse one.
-        score_tokens: calibration tokens the ``"model"`` and ``"fisher"`` metrics run on.
+        score_tokens: calibration tokens the ``"model"`` and ``"fisher"`` metrics run on;
+            the other metrics read none, so refuse one set.
     """
 
     candidates: tuple[str, ...] | None = None
@@ -160,6 +161,12 @@ class Auto:
                              f"{' or '.join(map(repr, LOSS_METRICS))}; metric={self.metric!r} "
                              f"would ignore it (drop loss=, or choose one of those metrics)")
         _positive_int(self, "score_tokens")
+        # the default counts as not set (as in from_keywords): a CLI run passes it always
+        if self.score_tokens != Auto.score_tokens and self.metric not in LOSS_METRICS:
+            raise ValueError(f"calibrate: Auto.score_tokens ({self.score_tokens}) is read only "
+                             f"by metric {' or '.join(map(repr, LOSS_METRICS))}; "
+                             f"metric={self.metric!r} would ignore it (drop score_tokens=, or "
+                             f"choose one of those metrics)")
 
 
 @dataclass(frozen=True)
@@ -170,7 +177,8 @@ class MoE:
         all_experts: every expert observes every token, while the block's output stays the
             routed one; default: each expert its routed tokens.
         min_tokens: in routed mode, an expert that saw fewer tokens has its activation
-            ranges shrunk toward its layer's pooled range (was ``expert_min_tokens=``).
+            ranges shrunk toward its layer's pooled range (was ``expert_min_tokens=``); with
+            ``all_experts`` refused (every expert sees every token).
     """
 
     all_experts: bool = False
@@ -179,6 +187,11 @@ class MoE:
     def __post_init__(self):
         _bool("MoE", "all_experts", self.all_experts)
         _positive_int(self, "min_tokens", "min_tokens (expert_min_tokens)")
+        if self.all_experts and self.min_tokens != MIN_TOKENS:  # routed mode only: never read
+            raise ValueError(f"calibrate: MoE.min_tokens ({self.min_tokens}) shrinks the ranges "
+                             f"of experts few tokens were routed to; with all_experts=True "
+                             f"every expert sees every token, so it would be ignored (drop "
+                             f"min_tokens=, or all_experts=True)")
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,9 @@ def add_compare_parser(sub) -> None:
                         "weighted by the loss's g^2 (fisher); the quantized tensor's own error "
                         "(tensor), or one role's error in x W^T (output)")
     p.add_argument("--score-tokens", type=int, default=1024, metavar="N",
-                   help="calibration tokens 'auto' scores the configurations on (default: "
-                        "1024; more decides closer calls at one forward of them per candidate)")
+                   help="calibration tokens 'auto' scores on, with --auto-metric model or "
+                        "fisher (default: 1024; more decides closer calls at one forward of "
+                        "them per candidate)")
     p.add_argument("--plot-layer", default=None, metavar="NAME",
                    help="layer of the histogram plot (default: where observers differ most)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -187,6 +188,9 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     if "auto" not in observers and (args.auto_metric != "model" or args.score_tokens != 1024):
         raise UsageError("--auto-metric / --score-tokens say how the 'auto' observer chooses: "
                          "add auto to --observers")
+    if args.score_tokens != 1024 and args.auto_metric not in ("model", "fisher"):  # Auto's rule
+        raise UsageError(f"--score-tokens is read only by --auto-metric model or fisher; "
+                         f"--auto-metric {args.auto_metric} scores no tokens")
     check_model_arg(args.model)
     check_calib_file(args)
     check_out(args.out, command_inputs(args), what="compare-run")

@@ -411,8 +411,6 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     autos = [label for label, r in recipes.items() if has_auto(r)]
     expanded, names, refused = expand(model, recipes, autos, list(dict.fromkeys(
         _candidates("input", candidates))))
-    # each auto recipe's time so far: the pass with every candidate's observers, once each
-    groups = {label: [(label, n) for n in names[label]] for label in autos}
     plan = score_plan(batches, score_tokens) if autos else []
     caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
     weighted = any(len({weight_observer(n) for n in names[label]}) > 1 for label in autos)
@@ -421,8 +419,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
          if "weight" in roles})) if weighted else None
     try:
         try:
-            calibs = calibrate_with(model, batches, expanded, opts.but(
-                auto__metric="tensor", auto__loss=None, runtime__time_groups=groups))
+            calibs = calibrate_with(model, batches, expanded,  # the scoring's options: below
+                                    opts.but(auto=type(opts.auto)(candidates, "tensor")))
         finally:
             refs = caught.references() if caught is not None else None
         out = {label: c for label, c in calibs.items() if label in recipes}
@@ -448,8 +446,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     for label in autos:
         score.forwards = built  # each recipe counts its own scoring's forwards, as alone
         out[label] = _decide(model, score, recipes[label], label,
-                             {n: calibs[(label, n)] for n in names[label]}, means,
-                             calibs[(label, names[label][0])].info["group_seconds"][label])
+                             {n: calibs[(label, n)] for n in names[label]}, means)
     spent = time.perf_counter() - t0
     for label in autos:
         info = out[label].info
@@ -462,12 +459,12 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     return out
 
 
-def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict, means: dict,
-            seconds: float) -> Calibration:
+def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict,
+            means: dict) -> Calibration:
     """One auto recipe's result from its candidates' calibrations ``configs`` (min-max
     first): the best whole configuration (:func:`choose`), then each role re-chosen
     (:func:`choose_roles`, the imatrix weights among the weight trials where ``means``, the
-    input importance, is known). ``seconds``: its calibration time so far (all candidates)."""
+    input importance, is known)."""
     names, per_piece = list(configs), {}
     best, scores = choose(score, {n: c.states for n, c in configs.items()}, names[0],
                           pieces=per_piece)
@@ -483,8 +480,12 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
     states = {layer: {role: replace(supplier.get(role, chosen).states[layer][role],
                                     requested=AUTO) for role in rs}
               for layer, rs in chosen.states.items()}
-    info = dict(chosen.info, calibration_seconds=seconds)
-    info.pop("group_seconds", None)  # the candidates' shared time: now auto's own
+    # its time so far: its candidates' group, timed by the session's pass (_time_groups)
+    info, groups = dict(chosen.info), dict(chosen.info["group_seconds"])
+    info["calibration_seconds"] = groups.pop((AUTO, label))
+    info.pop("group_seconds")
+    if groups:  # the user's (Runtime.time_groups): its scoring added by the session
+        info["group_seconds"] = groups
     info["auto"] = {"metric": "model", "chose": best, "roles": roles,
                     "scores": {k: float(f"{v:.6g}") for k, (v, _) in scores.items()},
                     "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},

@@ -31,6 +31,7 @@ from ...exporters.moe_slots import expert_slot
 from ...layout import Token
 from ..results.report import write_text
 from ..results.result import Calibration, RoleState
+from ..run.observe import with_progress
 from ..structure import moe
 from ..structure.conv1d import is_conv1d, linear_output
 from .auto import OutputDivergence
@@ -128,13 +129,7 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
             for role, st in rs.items() if role in roles]
     if not todo:
         raise ValueError(f"sensitivity: the calibration quantizes no tensor of roles {roles}")
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-
-            todo = tqdm(todo, desc="sensitivity", unit="tensor", leave=False)
-        except ImportError:
-            pass
+    todo = with_progress(todo, progress, "sensitivity", desc="sensitivity", unit="tensor")
     rows = [{"layer": layer, "role": role, "observer": st.observer,
              "divergence": div.of({layer: {role: st}})} for layer, role, st in todo]
     rows.sort(key=lambda r: -r["divergence"])

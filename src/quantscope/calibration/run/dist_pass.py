@@ -15,6 +15,7 @@ from ...observers.sync import sync_observers
 from ..recipe import AUTO
 from . import gather, imatrix_roles
 from .observe import (
+    fed,
     make_plan,
     observe_batches,
     sample_budget,
@@ -84,8 +85,7 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
     world, me = qd.world_size(group), qd.rank(group)
     slots, plans, batches, groups = _plan(model, batches, recipes, opts, group)
     experts.reset_counts()
-    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
-                     for s in slots.values())
+    needs_data = any(map(fed, slots.values()))
     # 'auto' decides on the sampled rows, so every rank needs the same sample: gather it;
     # otherwise the sample only feeds the report, which rank 0 makes from its own rows
     auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import contextvars
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
+from ..._checks import outside_quantscope
 from ...layout import Tensor
 from ...observers.grouped import observe_many
 from ...observers.registry import get_observer, observer_class
@@ -333,9 +335,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
     even where no slot observes them (statistics gathered beside: :func:`in_pass`)."""
     by_module: dict[int, dict[str, list[Slot]]] = {}
     kv: dict[str, dict[str, list[Slot]]] = {}  # attention layer -> key / value slots
-    for slot in unique_slots(slots.values()):
-        if slot.role == "weight" or not (slot.observers or slot.needs_sample):
-            continue
+    for slot in filter(fed, unique_slots(slots.values())):
         if slot.role in kv_cache.ROLES:
             kv.setdefault(slot.layer, {}).setdefault(slot.role, []).append(slot)
             continue
@@ -346,8 +346,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
         return 0
     total = batch_count(batches)
     _make_samples(unique_slots(slots.values()), sample_tokens, sample_budget_mb, total, seed)
-    handles = []
-    n = 0
+    handles, n = [], 0
     try:
         for entry in by_module.values():
             module = entry["module"]
@@ -373,19 +372,37 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
     return n
 
 
+def fed(slot: Slot) -> bool:
+    """Whether the batches feed ``slot``: an activation observed or sampled."""
+    return slot.role != "weight" and bool(slot.observers or slot.needs_sample)
+
+
+def with_progress(items, progress: bool, who: str, **bar):
+    """``items`` in a tqdm progress bar (``bar``: its keywords) where ``progress``; without
+    tqdm (an optional dependency), ``items`` as they are and a warning (:func:`_no_tqdm`)."""
+    if not progress:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        _no_tqdm(who)
+        return items
+    return tqdm(items, leave=False, **bar)
+
+
+@cache  # once a process (each entry point)
+def _no_tqdm(who: str) -> None:
+    warnings.warn(f"{who}: progress=True shows a tqdm progress bar, but tqdm is not installed: "
+                  f"running without one (pip install tqdm, or the extra quantscope[model]; "
+                  f"progress=False says nothing)", stacklevel=outside_quantscope())
+
+
 def _forward_all(model, batches, total, progress, batch_index) -> int:
     """Forward every batch (the hooks observe), each under its number for errors."""
     heap.prepare()  # large tensors mmapped, freed to the system (heap.py)
-    it = batches
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-
-            it = tqdm(batches, total=total, desc="calibrating", unit="batch", leave=False)
-        except ImportError:
-            pass
-    n = 0
-    passing, numbering = _IN_PASS.set(True), _BATCH.set(None)
+    it = with_progress(batches, progress, "calibrate", total=total, desc="calibrating",
+                       unit="batch")
+    n, passing, numbering = 0, _IN_PASS.set(True), _BATCH.set(None)
     try:
         with torch.inference_mode():
             for batch in it:

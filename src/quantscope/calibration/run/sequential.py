@@ -47,8 +47,6 @@ from .block_order import NotAChain, check_disjoint, free_zeros, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, unload_params, warn_unused
 from .seq_cache import Cache, Contexts
 
-_Cache = Cache  # its name before it moved (tests import it)
-
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "find_blocks"]
 
 #: what ``sequential=`` accepts (True means "float")

@@ -9,9 +9,9 @@ whose model output is closest to the float model's (:mod:`.auto`); per layer, th
 candidates with the least error in the layer's output (``"joint"``, ``"fisher"``,
 ``"output"``) or in the tensor itself (``"tensor"``).
 
-Hooks are removed in a ``finally``, whatever happens; each module's own train / eval
-mode is restored, and a SmoothQuant that ran is undone if the call raises; forwards run under
-``torch.inference_mode``.
+Hooks are removed in a ``finally``; each module's train / eval mode is restored, and a
+SmoothQuant that ran is undone if the call raises. Forwards run under ``inference_mode``
+but SmoothQuant's range pass (``no_grad``) and ``Auto(metric="fisher")``'s (a backward).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from ..options import (
     as_sequential,
     from_keywords,
 )
-from ..recipe import Recipe, preset
+from ..recipe import AUTO, Recipe, preset
 from ..results.apply import refuse_applied, refuse_compiled
 from ..results.result import Calibration
 from ..structure import kv_cache
@@ -59,6 +59,7 @@ from .module_roles import check_shapes
 from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
     candidates_for,
+    fed,
     make_plan,
     observe_batches,
     observer_seconds,
@@ -180,17 +181,14 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
                 # read the wrong batch's; there it chooses by its layers' output error
                 auto = inner.auto
                 if replayed and auto.metric in ("model", "fisher"):  # "output" calls no loss
-                    auto = replace(auto, metric="output", loss=None)
+                    auto = Auto(auto.candidates, "output")  # (nor reads score_tokens)
                 return _calibrate_with(m, b, r, inner.but(progress=progress, auto=auto))
 
             return _sequential.calibrate_sequential(
                 piece, model, batches, recipes, progress=opts.progress,
                 **opts.sequential.keywords())
         if opts.auto.metric == "model" and any(has_auto(r) for r in recipes.values()):
-            # the outliers' steps go around the whole choice (_around), not each pass
-            return _auto.calibrate_end_to_end(_calibrate_with, model, batches, recipes,
-                                              opts.but(outliers=Outliers(),
-                                                       runtime__time_groups=None))
+            return _end_to_end(model, batches, recipes, opts)
         fisher = None
         if opts.auto.metric == "fisher":
             batches = list(batches)
@@ -208,6 +206,19 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
             return _calibrate_local(model, batches, recipes, opts, t0, experts, fisher)
 
     return _around(model, batches, run, opts.outliers, opts.runtime)
+
+
+def _end_to_end(model, batches, recipes, opts: Options) -> dict[str, Calibration]:
+    """``Auto(metric="model")`` (:func:`.auto.calibrate_end_to_end`; the outliers' steps go
+    around it: :func:`_around`); a time group with an auto recipe counts its scoring too."""
+    out = _auto.calibrate_end_to_end(_calibrate_with, model, batches, recipes,
+                                     opts.but(outliers=Outliers()))
+    for name, labels in (opts.runtime.time_groups or {}).items():
+        scored = [out[k].info["auto"]["score_seconds"] for k in labels if has_auto(recipes[k])]
+        for k in labels if scored else ():
+            seconds = out[k].info["group_seconds"]
+            seconds[name] = round(seconds[name] + scored[0], 3)
+    return out
 
 
 def _around(model, batches, run, outliers: Outliers, runtime: Runtime):
@@ -256,6 +267,7 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
     recipes = _as_recipes(recipes, inner=not top)
     if top:  # not a piece's or auto's inner pass (auto's candidates: no auto role)
         _check_auto(recipes, opts.auto)
+        _check_sampling(recipes, opts.sampling)
     if seq is not None:
         if opts.outliers.keep_float:
             check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)
@@ -270,7 +282,7 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
                              "sequential calibration runs one block at a time: use metric "
                              "'joint' (the same error, unweighted) or calibrate the whole model")
         seq.check_here()
-    for name, labels in (opts.runtime.time_groups or {}).items():
+    for name, labels in (top and opts.runtime.time_groups or {}).items():  # inner: auto's labels
         unknown = [label for label in labels if label not in recipes]
         if unknown:
             raise ValueError(f"calibrate: Runtime.time_groups[{name!r}] names {unknown[0]!r}, "
@@ -294,6 +306,16 @@ def _check_auto(recipes, auto: Auto) -> None:
                          f"but Auto says how observer='auto' chooses and no recipe here has an "
                          f"'auto' role; it would be ignored (drop auto=, or calibrate with "
                          f"observer='auto')")
+
+
+def _check_sampling(recipes, sampling: Sampling) -> None:
+    """Warns of ``sampling``'s rows set where no recipe has an activation role (the only ones
+    sampled); a seed alone is harmless (the command line always passes one)."""
+    if (sampling.tokens, sampling.budget_mb) != (Sampling.tokens, None) and not any(r.input or r.output for rec in recipes.values()
+                                          for r in rec.rules):
+        warnings.warn(f"calibrate: {sampling} changes nothing: it keeps activation rows (for "
+                      f"auto and the report) and no recipe here quantizes an activation "
+                      f"(weight-only)", stacklevel=outside_quantscope())
 
 
 def _as_recipes(recipes, inner=False) -> dict[str, Recipe]:
@@ -341,8 +363,7 @@ def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher
     slots, plans = make_plan(model, recipes, opts.auto.candidates)
     batches, groups = share_group_inputs(model, batches, recipes, slots)
     experts.reset_counts()
-    needs_data = any(s.role != "weight" and (s.observers or s.needs_sample)
-                     for s in slots.values())
+    needs_data = any(map(fed, slots.values()))
     importance = imatrix_roles.gather(model, slots)  # imatrix_mse weights: their inputs' x^2
     try:
         n = (observe_batches(model, batches, slots, sampling.tokens, opts.progress,
@@ -368,7 +389,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
     # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
     common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())
     group_seconds = {label: {} for label in recipes}
-    for name, labels in (opts.runtime.time_groups or {}).items():
+    for name, labels in _time_groups(recipes, opts.runtime.time_groups).items():
         s = round(common + observer_seconds(slots, *(plans[k] for k in labels)), 3)
         for label in labels:
             group_seconds[label][name] = s
@@ -384,7 +405,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
             warnings.warn(f"calibrate: {len(absent)} activation roles saw no tokens and fall "
                           f"back ({absent[0]['layer']!r} {absent[0]['role']}: "
                           f"{absent[0]['fallback']}; all in calibration.info['missing'])",
-                          stacklevel=3)
+                          stacklevel=outside_quantscope())
         if shared:
             info["fusion_groups"] = shared
         if per_expert:
@@ -394,7 +415,8 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
         if missed:
             info["unreached"] = missed
             warnings.warn(f"calibrate: recipe {recipe.name!r} targets weights quantscope cannot "
-                          f"reach; left in float: {[u['name'] for u in missed]}", stacklevel=3)
+                          f"reach; left in float: {[u['name'] for u in missed]}",
+                          stacklevel=outside_quantscope())
         flat = imatrix_roles.unweighted(slots, plans[label])
         if flat:
             info["imatrix_unweighted"] = flat
@@ -406,6 +428,18 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
         if processes > 1:
             info["processes"] = processes
         out[label] = Calibration(recipe, states, label, rows, hists, info)
+    return out
+
+
+def _time_groups(recipes, groups) -> dict:
+    """``Runtime.time_groups`` over this pass's labels: in auto's pass, a recipe expanded into
+    its candidates (``(label, observer)``) stands for them all, also a group of their own
+    keyed ``(AUTO, label)`` (no user's group name: that recipe's time)."""
+    tuples = [k for k in recipes if isinstance(k, tuple)]
+    expanded = {k[0]: [t for t in tuples if t[0] == k[0]] for k in tuples}
+    out = {(AUTO, label): members for label, members in expanded.items()}
+    for name, labels in (groups or {}).items():
+        out[name] = [k for label in labels for k in expanded.get(label, [label])]
     return out
 
 
@@ -438,7 +472,7 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
         batches: held-out batches (dicts, tuples or tensors as :func:`calibrate` takes).
         recipe: the recipe whose tensors are measured (ignored if ``calibration`` given).
         calibration: a :class:`Calibration` to measure (default: ``recipe`` calibrated with
-            ``observer`` on ``calib_batches``).
+            ``observer`` on ``calib_batches``, which are refused with it: unused).
         observer: as :func:`calibrate`'s: None keeps a :class:`Recipe`'s observers (min-max
             for a preset name).
         calib_batches: calibration batches (default: ``batches``).
@@ -446,6 +480,12 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
             divergence.
         roles: which roles to measure.
     """
+    unused = [k for k, v in (("observer=", observer), ("calib_batches=", calib_batches))
+              if v is not None]
+    if calibration is not None and unused:  # how to calibrate: nothing is calibrated here
+        raise ValueError(f"sensitivity: calibration= is measured as given, so "
+                         f"{' and '.join(unused)} (how `recipe` is calibrated without it) "
+                         f"would be ignored; give one or the other")
     check_batches(batches, "sensitivity")
     refuse_compiled(model, "sensitivity")
     refuse_applied(model, "sensitivity")
