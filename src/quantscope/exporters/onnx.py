@@ -2,9 +2,11 @@
 as QuantizeLinear / DequantizeLinear (:mod:`.onnx_graph`), shaped so ONNX Runtime
 (:func:`session`) runs a quantized Linear on an integer kernel where it has one:
 8-bit per-tensor / per-channel weights with an 8-bit static input as ``MatMulIntegerToFloat``,
-weight-only Linears and 16-bit inputs as ``MatMulNBits``. ORT has no kernel for 4-bit
-weights with an 8-bit input: those run as a float ``MatMul`` on the dequantized weight
-(values equal; :func:`integer_kernel_counts` reports such float fallbacks).
+weight-only Linears and 16-bit inputs as ``MatMulNBits`` (2- to 8-bit weights per channel or
+in groups of a power-of-two size >= 16). ORT has no kernel for 4-bit weights with an 8-bit
+input, nor fuses other weight-only ones (per tensor, 16-bit, other group sizes): those run as
+a float ``MatMul`` on the dequantized weight (values equal; :func:`integer_kernel_counts`
+reports such float fallbacks).
 
 For each calibrated Linear (found through the module name the dynamo exporter records on
 each node, ``pkg.torch.onnx.name_scopes``, and checked against the weight's values; a Linear
@@ -252,7 +254,7 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     proto = _export_float(model, example_inputs, opset)
     if model is not given:  # a bf16 / fp16 model made float32: its forward's casts too
         float32_graph(proto.graph)
-    insert_qdq(onnx, proto.graph, model, states, uint8)
+    insert_qdq(onnx, proto.graph, model, states, uint8, opset)
     mark = proto.metadata_props.add()  # what lets overwrite=True replace this file later
     mark.key, mark.value = "quantscope", "onnx export"
     onnx.checker.check_model(proto)

@@ -269,9 +269,16 @@ class _Rewrite:
         return dq.output[0]
 
 
-def insert_qdq(onnx, graph, model, states, shift: bool) -> None:
+def insert_qdq(onnx, graph, model, states, shift: bool, opset: int) -> None:
     """Each calibrated layer's MatMul / Gemm nodes (one per call) get their input QDQ and
     weight DQ nodes; a layer with none is a ``ValueError`` naming it."""
+    if states and not any(_scopes(n) for n in graph.node):
+        # torch.onnx converts an opset its exporter does not reach (26+ with torch 2.13)
+        # with onnx's C API, which drops every node's metadata: no layer could be found
+        raise ValueError(f"onnx export: torch.onnx's graph at opset {opset} records no module "
+                         f"names ({_SCOPES}), which the export finds each Linear's nodes by "
+                         f"(its converter to opsets above its own drops them): export with "
+                         f"an opset torch.onnx writes itself (21 to 25 with torch 2.13)")
     rewrite = _Rewrite(onnx, graph, model, states, shift)
     for node in graph.node:
         rewrite.node(node)
