@@ -115,3 +115,25 @@ def test_expand_of_the_wrong_type_is_named(expand):
     with pytest.raises(ValueError, match=r"quantscope_mse: observer_kwargs\['expand'\] must "
                                          r"be a finite number in \[1\.0, inf\)"):
         _observer("quantscope_mse", args)
+
+
+@pytest.mark.parametrize("name", ["quantscope_static_minmax", "quantscope_histogram",
+                                  "quantscope_mse", "quantscope_imatrix_mse"])
+def test_a_complex_tensor_is_refused_not_read_as_its_real_part(name):
+    # probe s32: the cast to float32 dropped the imaginary part and a scale came back
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor")
+    x = torch.complex(torch.randn(4, 16), 10 * torch.randn(4, 16))
+    with pytest.raises(TypeError, match="expected a real tensor .* got torch.complex64"):
+        Observer.load_from_registry(name, base_name="input", args=args.model_copy())(x)
+
+
+def test_the_compat_mse_refuses_a_complex_tensor_as_llm_compressors():
+    # it searched the real part; llm-compressor's min / max of complex data raise
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor")
+    x = torch.complex(torch.randn(4, 16), torch.randn(4, 16))
+    for make in (lambda: Observer.load_from_registry("memoryless_mse", base_name="input",
+                                                     args=args.model_copy()),
+                 lambda: quantscope.compat.llmcompressor.MemorylessMSEObserver(
+                     base_name="input", args=args.model_copy())):
+        with pytest.raises(NotImplementedError):
+            make()(x)

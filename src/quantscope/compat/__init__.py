@@ -45,7 +45,7 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
-__all__ = ["SavesNoState", "enum_name", "field"]
+__all__ = ["SavesNoState", "UnsupportedInputError", "enum_name", "field"]
 
 
 def field(config, name: str, default=None):
@@ -62,6 +62,12 @@ def enum_name(value) -> str | None:
     if isinstance(value, enum.Enum):
         value = value.value if isinstance(value.value, str) else value.name
     return str(value).lower()
+
+
+class UnsupportedInputError(TypeError, NotImplementedError):
+    """An input dtype whose torch ops fail in the toolkit's observer (complex data in
+    llm-compressor's, ``abs`` of a bool tensor in Quark's): a ``NotImplementedError`` as the
+    toolkit's, and a ``TypeError`` as quantscope's bad-input errors."""
 
 
 class SavesNoState:

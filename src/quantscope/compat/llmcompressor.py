@@ -200,6 +200,7 @@ class MemorylessMSEObserver(Observer):
             scale=spec.scale if block or not spec.scale.is_block else "fp32")
 
     def _search(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = statistics_dtype(observed)  # first: it refuses complex data
         observed_units, shape = statistics_units(observed)
         units = observed_units.float()
         lo, hi = unit_minmax(units)
@@ -214,7 +215,6 @@ class MemorylessMSEObserver(Observer):
                          grid=self.grid, norm=self.norm, patience=self.patience,
                          expand=self.expand, per_unit_patience=False,
                          compat="llmcompressor")
-        dtype = statistics_dtype(observed)
         return res.lo.reshape(shape).to(dtype), res.hi.reshape(shape).to(dtype)
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ from ..qparams import amax_of_range, qparams_from_range
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
 from ..stats.minmax import ema_
-from . import enum_name, field
+from . import UnsupportedInputError, enum_name, field
 from .llmcompressor_parts import FusionHandler, flatten_for_calibration
 from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_global_scale, zp_dtype
 
@@ -316,7 +316,12 @@ def check_expanded_range(observer, lo: torch.Tensor, hi: torch.Tensor, expand: f
 
 def statistics_dtype(observed: torch.Tensor) -> torch.dtype:
     """The dtype of llm-compressor's ``min_vals`` / ``max_vals`` for ``observed``: its own,
-    float32 for integer data (compressed-tensors then computes the scales in it)."""
+    float32 for integer (and bool) data (compressed-tensors then computes the scales in it);
+    complex data, whose cast to float would drop the imaginary part, an
+    :class:`~quantscope.compat.UnsupportedInputError` (llm-compressor's min / max of it raise)."""
+    if observed.is_complex():
+        raise UnsupportedInputError(f"llm-compressor observer: expected a real tensor (floating "
+                                    f"point, integer or bool), got {observed.dtype}")
     return observed.dtype if observed.is_floating_point() else torch.float32
 
 

@@ -11,6 +11,7 @@ import torch
 from .. import kernels
 from ..formats import FloatFormat
 from ..layout import Block, Channel, Group, Tensor
+from . import UnsupportedInputError
 
 __all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "StateShapeError",
            "UnsupportedElementError", "UnsupportedInputError", "quark_e8m0_scale",
@@ -39,12 +40,6 @@ class UnsupportedElementError(QuarkAssertionError):
     """An element dtype a Quark observer refuses (an integer one in ``PerBlockMXObserver``, a
     float one Quark prices with its integer formula): an ``AssertionError`` as Quark's, and a
     ``ValueError`` as quantscope's bad-argument errors."""
-
-
-class UnsupportedInputError(TypeError, NotImplementedError):
-    """An input dtype whose torch ops fail in Quark's observer (``abs`` of a bool tensor,
-    torch.ao's histogram of an integer one): a ``NotImplementedError`` as Quark's, and a
-    ``TypeError`` as quantscope's bad-input errors."""
 
 
 class StateShapeError(ValueError, RuntimeError):
