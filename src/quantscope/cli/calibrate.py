@@ -14,6 +14,7 @@ from .checks import (
     check_model_arg,
     check_out,
     check_recipe_args,
+    run_model_path,
     run_qparams,
 )
 from .names import TASKS
@@ -139,10 +140,7 @@ def cmd_evaluate(args) -> int:
     phases = Phases(quiet=args.json)
     calib = load(qdir)
     info = calib.info
-    source = args.model or info.get("model")
-    if source is None:
-        raise UsageError(f"evaluate: {qdir} does not record its model; pass --model")
-    path = models.resolve_model_path(source)
+    path = run_model_path("evaluate", qdir, args.model, info.get("model"))
     task = args.task or info.get("task") or models.model_task(path)
     max_length = args.eval_max_length or info.get("eval_max_length", 256)
     model, tok = phases.run(f"loading {models.model_name(path)} ({task})", lambda: (

@@ -206,3 +206,20 @@ def run_qparams(run: str) -> str:
             return cand
     raise UsageError(f"{run!r} is not a `quantscope calibrate` run (no qparams/quantscope.json "
                      f"in it)")
+
+
+def run_model_path(command: str, run, given=None, recorded=None):
+    """The model folder of a run: ``given`` (--model), else the one the run ``recorded`` (its
+    ``info["model"]``); a :class:`UsageError` naming --model where none is recorded or the
+    recorded folder has gone (moved or deleted since the run)."""
+    from ..demo import models
+
+    if given:
+        return models.resolve_model_path(given)
+    if not recorded:
+        raise UsageError(f"{command}: {run} does not record its model; pass --model")
+    try:
+        return models.resolve_model_path(recorded)
+    except FileNotFoundError as e:
+        raise UsageError(f"{command}: {run} records its model as {str(recorded)!r}, which is "
+                         f"not there now ({e}); pass --model PATH") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .checks import UsageError, check_model_arg, check_name, run_qparams
+from .checks import UsageError, check_model_arg, check_name, run_model_path, run_qparams
 from .running import Phases
 
 #: what each format writes, where it is not a folder
@@ -26,8 +26,8 @@ def add_export_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing DIR (or file) that quantscope wrote earlier")
     p.add_argument("--allow-lossy", action="store_true",
-                   help="write what the format cannot express exactly in its nearest form "
-                        "(says what changed) instead of refusing")
+                   help="compressed-tensors: write what the format cannot express exactly "
+                        "in its nearest form (says what changed) instead of refusing")
 
 
 def add_check_parser(sub) -> None:
@@ -50,6 +50,9 @@ def cmd_export(args) -> int:
     from ..exporters.atomic import check_writable_target
 
     args.format = check_name(args.format, sorted(FORMATS), "format")  # any case, as names
+    if args.allow_lossy and args.format != "compressed-tensors":  # else it would do nothing
+        raise UsageError(f"--allow-lossy applies to --format compressed-tensors only (its "
+                         f"packed formats), not {args.format}")
     try:  # the run and the model are inputs: --out may never replace them
         kind = OUTPUT_KIND.get(args.format, "folder")
         check_writable_target(args.out, overwrite=args.overwrite, kind=kind, inputs=[
@@ -95,10 +98,7 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
     qdir = os.path.join(run_dir, "qparams")
     qdir = qdir if os.path.isdir(qdir) else run_dir
     calibration = load(qdir)
-    source = model or calibration.info.get("model")
-    if not source:
-        raise ValueError(f"export: {run_dir} does not record its model; pass model= (--model)")
-    path = models.resolve_model_path(source)
+    path = run_model_path("export", run_dir, model, calibration.info.get("model"))
     # before the (slow) load: the run and the model are inputs, never to be replaced
     kind = OUTPUT_KIND.get(format, "folder")
     check_writable_target(out, overwrite=overwrite, kind=kind, inputs=[run_dir, qdir, path],

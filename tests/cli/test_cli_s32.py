@@ -1,0 +1,37 @@
+"""Command-line fixes of probe s32: ``export --allow-lossy`` with a format it does nothing
+for is refused before anything loads, and a run whose recorded model folder has gone says so
+and names ``--model`` (``evaluate`` and ``export``)."""
+
+import shutil
+
+from cli_helpers import run_cli as _run
+
+FAST = ["--calib-docs", "2", "--max-length", "8", "--batch-size", "2", "--eval-max-length",
+        "8", "--device", "cpu", "--threads", "1", "--no-progress"]
+
+
+def test_allow_lossy_with_onnx_is_refused_naming_the_format(tmp_path, capsys):
+    run = tmp_path / "run" / "qparams"
+    run.mkdir(parents=True)
+    (run / "quantscope.json").write_text("{}")  # a run as far as the checks before loading go
+    rc, _, err = _run(capsys, "export", str(tmp_path / "run"), "--format", "onnx",
+                      "--allow-lossy", "--out", str(tmp_path / "m.onnx"))
+    assert rc == 2
+    assert "--allow-lossy applies to --format compressed-tensors only" in err, err
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_run_whose_model_has_moved_names_model_flag(llama_dir, tmp_path, capsys,
+                                                       monkeypatch):
+    shutil.copytree(llama_dir, tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _run(capsys, "calibrate", "--model", "llama", "--recipe", "w8a8",
+                      "--out", "run", *FAST)
+    assert rc == 0, err
+    shutil.move(tmp_path / "llama", tmp_path / "llama-moved")
+    for argv in (["evaluate", "run", "--no-progress"], ["export", "run", "--out", "ct"]):
+        rc, _, err = _run(capsys, *argv)
+        assert rc == 2
+        assert "records its model as" in err and "pass --model PATH" in err, err
+    rc, _, err = _run(capsys, "export", "run", "--out", "ct", "--model", "llama-moved")
+    assert rc == 0, err
