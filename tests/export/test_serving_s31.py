@@ -14,15 +14,14 @@ compressed_tensors_moe.py) and the predicates of compressed_tensors.py it calls.
   CPU only; the report says so, naming the platform.
 """
 
-import warnings
 
 import pytest
+from test_serving_s30 import _moe_export
 from tiny_models import mixtral
 
-import quantscope
 from quantscope import QuantSpec, Tensor, Token
 from quantscope import presets as P
-from quantscope.calibration import Recipe, Role, Rule, calibrate
+from quantscope.calibration import Recipe, Role, Rule
 from quantscope.cli import main
 from quantscope.exporters.consistency import check, format_problems
 from quantscope.exporters.serving import vllm_moe_refusal, vllm_refusal
@@ -81,15 +80,6 @@ def test_moe_rules_leave_the_dense_verdicts_alone():
     assert vllm_refusal(I4_G, I8_TOK, "int-quantized") is None
 
 
-def _export(recipe, path):
-    model, batches = mixtral()
-    calib = calibrate(model, batches, recipe, progress=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        quantscope.export(calib, model, path)
-    return [str(w.message) for w in caught if "vLLM" in str(w.message)]
-
-
 _W4A8_DYNAMIC = (Role(P.INT4_GROUP128, "minmax"),
                  Role(P.INT8_PER_TOKEN, "memoryless_minmax", True))
 #: recipe name -> (weight role, input role or None, words the experts' report holds); block fp8
@@ -106,7 +96,7 @@ def test_export_warns_and_check_reports_the_experts(tmp_path, capsys, name):
     weight, inp, words = MOE_EXPORTS[name]
     recipe = Recipe((Rule(("Linear",), weight=weight, input=inp),), ("lm_head",), name)
     out = str(tmp_path / "out")
-    warned = _export(recipe, out)
+    warned = _moe_export(mixtral, recipe, out)
     problems = check(out)
     # the dense Linears of the group are served: the one problem is the experts'
     assert len(warned) == len(problems) == 1, (warned, problems)
@@ -125,5 +115,5 @@ def test_fp8_dynamic_experts_stay_served(tmp_path):
                           input=Role(QuantSpec("fp8_e4m3", Token()), "memoryless_minmax",
                                      True)),), ("lm_head",), "fp8-dyn")
     out = str(tmp_path / "out")
-    assert _export(recipe, out) == []
+    assert _moe_export(mixtral, recipe, out) == []
     assert check(out) == []
