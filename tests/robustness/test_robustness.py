@@ -2,12 +2,11 @@
 argument, empty and absent inputs pass through, nothing turns finite input into NaN / inf.
 (Row numbers are the issue's table.)"""
 
-import json
 import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from saved_edits import edit_saved
 from torch import nn
 
 from quantscope import QuantSpec, presets
@@ -313,21 +312,6 @@ def saved(tmp_path):
     return path
 
 
-def _edit(path, meta=None, tensors=None):
-    if meta is not None:
-        p = os.path.join(path, "quantscope.json")
-        with open(p) as f:
-            d = json.load(f)
-        meta(d)
-        with open(p, "w") as f:
-            json.dump(d, f)
-    if tensors is not None:
-        p = os.path.join(path, "qparams.safetensors")
-        t = load_file(p)
-        tensors(t)
-        save_file(t, p)
-
-
 @pytest.mark.parametrize(("meta", "tensors", "where"), [
     (lambda d: d.update(version=99), None, "version"),                         # 7
     (lambda d: d.update(version="abc"), None, "version"),
@@ -356,7 +340,7 @@ def _edit(path, meta=None, tensors=None):
     (None, lambda t: t.update({"#smooth/norm": torch.ones(2, 2)}), "#smooth/norm: expected a 1-D"),
 ])
 def test_damaged_calibration_named(saved, meta, tensors, where):
-    _edit(saved, meta, tensors)
+    edit_saved(saved, meta, tensors)
     with pytest.raises(ValueError, match=where) as e:
         load(saved)
     assert saved in str(e.value)  # the file is named

@@ -1,7 +1,8 @@
 """Save and load calibrated qparams: safetensors for the tensors, JSON for the rest.
 
 ``path/qparams.safetensors`` holds ``"{layer}/{role}/{field}"`` tensors (scale,
-zero_point, global_scale, global_amax, lo, hi); ``path/quantscope.json`` the
+zero_point, global_scale, global_amax, lo, hi, and an act-order group's int64 ``g_idx``,
+which the spec's JSON does not hold); ``path/quantscope.json`` the
 recipe and, per layer and role, the spec, the observer used and the dynamic
 mode, and the format's name and ``version`` (checked on load). Written atomically
 (:func:`~quantscope.exporters.atomic.atomic_dir`). :func:`load` gives back a
@@ -22,17 +23,22 @@ import torch
 
 from ..._checks import check_path, pattern_refusal
 from ..._jsonfile import read_json
-from ...layout import Tensor
+from ...layout import Group, Tensor
+from ...observers.registry import get_observer
 from ...qparams import QParams, qparams_from_range
 from ...scales import not_encoded
 from ...spec import QuantSpec
-from ..recipe import Recipe
+from ..recipe import ROLES, Recipe, Role
 from ..recipe_dict import role_options
+from ..structure import kv_cache
 from .result import Calibration
 from .role_state import RoleState
 from .saving import FORMAT, META, SMOOTH, TENSORS, VERSION, safetensors, save
 
 __all__ = ["META", "TENSORS", "load", "save"]
+
+#: the role names ``apply`` knows: a module's and the KV cache's
+_ROLE_NAMES = (*ROLES, *kv_cache.ROLES)
 
 
 def _safetensor_error() -> type:
@@ -53,7 +59,12 @@ def load(path, device="cpu") -> Calibration:
     calibrated weight shape), finiteness and range (scales > 0 and held by their encoding:
     powers of two for pow2, within 2**-127..2**127 for E8M0, e4m3 values up to 448 for
     NVFP4's block scales; lo <= hi, zero points inside the code range, a symmetric spec's
-    fixed one), and that each tensor belongs to a role of the JSON and its mode. A
+    fixed one, an act-order ``g_idx`` a column order of its groups), and that each tensor
+    belongs to a role of the JSON and its mode. Each role is one ``apply`` knows (a name of
+    :data:`~quantscope.calibration.recipe.ROLES` or the KV cache's), a valid
+    :class:`~quantscope.calibration.recipe.Role` (``"local"`` only under NVFP4's scales), a
+    static weight records its shape, and a run-time role's observer is built as the forward
+    builds it (a registered name taking its options). A
     damaged or edited folder raises ``ValueError`` naming the file and the key; an edit that
     stays a valid value (an int8 scale doubled) is not detected.
     """
@@ -103,9 +114,12 @@ def load(path, device="cpu") -> Calibration:
             raise bad(meta_path, f"layers.{layer}", "expected a dict of roles")
         for role, d in roles.items():
             where = f"layers.{layer}.{role}"
+            if role not in _ROLE_NAMES:  # a run-time role stores no tensor to refuse as stray
+                raise bad(meta_path, where, f"unknown role {role!r} (expected one of "
+                                            f"{', '.join(_ROLE_NAMES)})")
             states.setdefault(layer, {})[role] = _role_state(
                 d, tensors, f"{layer}/{role}", lambda k, m, w=where: bad(meta_path, f"{w}.{k}", m),
-                lambda k, m: bad(tensor_path, k, m), used)
+                lambda k, m: bad(tensor_path, k, m), used, role)
     _refuse_stray(tensors, used, states, lambda k, m: bad(tensor_path, k, m))
     # a key the roles read is a layer's, one named "#smooth" (save refuses a smoothing key
     # a role could read)
@@ -165,9 +179,11 @@ def _smoothing_scale(t: torch.Tensor, key: str, bad_tensor) -> torch.Tensor:
 _RANGE = torch.float32
 
 
-def _role_state(d, tensors, key, bad_meta, bad_tensor, used) -> RoleState:
-    spec, dyn, options, shape = _role_meta(d, bad_meta)
+def _role_state(d, tensors, key, bad_meta, bad_tensor, used, role) -> RoleState:
+    spec, dyn, options, shape = _role_meta(d, bad_meta, role)
     get = _tensor_reader(tensors, key, dyn, bad_tensor, used)
+    spec = _act_order(get, key, spec, shape, bad_tensor)
+    _check_role(d, spec, dyn, options, bad_meta)
     # each mode reads only what save writes for it: run-time roles store no qparams, and
     # "local" ones only the whole-tensor amax (a stray scale is then refused, not applied)
     qp = _role_qparams(get, key, spec, shape, bad_tensor) if dyn is False else None
@@ -196,7 +212,45 @@ def _role_range(get, key, qp, bad_tensor):
     return lo, hi
 
 
-def _role_meta(d, bad_meta):
+def _act_order(get, key, spec, shape, bad_tensor) -> QuantSpec:
+    """``spec`` with its act-order column order: a Group's saved ``g_idx``, checked by
+    ``Group`` itself (1-D integers, ``size`` columns in each group ``0..groups-1``) and
+    against the calibrated shape (one entry per column). Only a Group reads one: elsewhere
+    it is refused as a stray tensor; a folder without one loads column-order groups."""
+    lay = spec.layout
+    g = get("g_idx", torch.int64) if isinstance(lay, Group) else None
+    if g is None:
+        return spec
+    try:
+        spec = spec.replace(layout=Group(lay.size, lay.axis, g_idx=g))
+        if shape is not None:
+            spec.layout.check(shape)
+    except ValueError as e:
+        raise bad_tensor(f"{key}/g_idx", f"not a column order of {lay} ({e})") from None
+    return spec
+
+
+def _check_role(d, spec, dyn, options, bad_meta) -> None:
+    """The role as :class:`Role` takes it (``"local"`` needs NVFP4's global scale) and, for a
+    run-time role, its observer as the forward builds it
+    (:func:`~quantscope.observers.runtime.runtime_qparams`): else ``apply`` fails only at the
+    first call, naming no file."""
+    try:
+        Role(spec, d["observer"], dyn, options)
+    except ValueError as e:  # Role's message starts with the field it refuses
+        msg = str(e)
+        raise bad_meta(next((k for k in ("observer", "options") if msg.startswith(f"Role.{k}")),
+                            "dynamic"), msg) from None
+    if dyn is True:
+        try:
+            get_observer(d["observer"], spec, **dict(options))
+        except (TypeError, ValueError) as e:  # an unknown name; an option it does not take
+            raise bad_meta("observer", f"the run-time observer {d['observer']!r} with options "
+                                       f"{dict(options)} cannot be built for {spec}: "
+                                       f"{e}") from None
+
+
+def _role_meta(d, bad_meta, role):
     """The JSON half of a role, checked: ``(spec, dynamic, options, shape)``."""
     if not isinstance(d, dict):
         raise bad_meta("", f"expected a dict, got {type(d).__name__}")
@@ -225,6 +279,10 @@ def _role_meta(d, bad_meta):
             type(n) is int and n >= 0 for n in shape)):
         raise bad_meta("shape", f"expected null or a list of sizes, got {shape!r}")
     shape = None if shape is None else tuple(shape)
+    if shape is None and role == "weight" and dyn is False:
+        # calibration records it: without it the scales' shape would go unchecked
+        raise bad_meta("shape", "null, but a static weight role records the calibrated "
+                                "weight shape (a list of sizes) its scales are checked against")
     if shape is not None:
         try:
             spec.layout.check(shape)

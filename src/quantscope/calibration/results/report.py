@@ -7,7 +7,10 @@ observer's range and the observer used. Rows describe what ``apply`` runs: activ
 ``keep_float`` took out of static quantization have none (a "Fallback" table lists them);
 the KV cache, which the pass does not sample, has a table of its own (spec, scale, range).
 A summary averages over layers; tables print with ``rich`` when it is installed, else as
-plain text, and save as markdown and JSON.
+plain text, and save as markdown and JSON. A tensor QDQ leaves unchanged (all zero, or
+every value exactly representable) has no quantization error: SQNR inf, which JSON cannot
+hold (``sqnr_db`` null there, as every non-finite float), so its row says
+``"sqnr_exact": true`` and a note lists those rows (:func:`exact_note`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ...qdq import _per_unit, clip_edges, fake_quantize, inside_range
 
 __all__ = [
     "Report",
+    "exact_note",
     "format_table",
     "json_safe",
     "kv_cache_rows",
@@ -97,12 +101,28 @@ def summarize(rows: list[dict]) -> dict:
         chosen = {}
         for r in rr:
             chosen[r["observer"]] = chosen.get(r["observer"], 0) + 1
-        out[role] = {"layers": len(rr),
+        out[role] = {"layers": len(rr), "exact_layers": sum(_exact(r) for r in rr),
                      "mean_sqnr_db": sum(finite) / len(finite) if finite else math.inf,
                      "min_sqnr_db": worst["sqnr_db"], "worst_layer": worst["layer"],
                      "mean_clipped": sum(r["clipped"] for r in rr) / len(rr),
                      "observers": chosen}
     return out
+
+
+def _exact(row: dict) -> bool:
+    """Whether ``row``'s tensor has no quantization error at all (SQNR inf)."""
+    return row["sqnr_db"] == math.inf
+
+
+def exact_note(rows: list[dict]) -> str | None:
+    """The note on the rows with no quantization error (SQNR inf: an all-zero tensor, or one
+    whose every value the format holds exactly), listing them; None if there are none."""
+    exact = [f"{r['layer']} {r['role']}" for r in rows if _exact(r)]
+    if not exact:
+        return None
+    more = f" ... ({len(exact)} in all)" if len(exact) > 8 else ""
+    return (f"SQNR inf (JSON: sqnr_db null, sqnr_exact true) means no quantization error: "
+            f"zero or exactly representable: {', '.join(exact[:8])}{more}")
 
 
 def _num(v, digits=2):
@@ -240,10 +260,12 @@ class Report:
         return summarize(self.rows)
 
     def to_dict(self) -> dict:
-        """Label, recipe, metrics, info, summary, ``layers`` (the rows), kv_cache and notes,
+        """Label, recipe, metrics, info, summary, ``layers`` (the rows, each with
+        ``sqnr_exact``: true where SQNR is inf, no quantization error), kv_cache and notes,
         strict-JSON safe (:func:`json_safe`: non-finite floats as None)."""
+        rows = [{**r, "sqnr_exact": _exact(r)} for r in self.rows]
         return json_safe({"label": self.label, "recipe": self.recipe, "metrics": self.metrics,
-                           "info": self.info, "summary": self.summary, "layers": self.rows,
+                           "info": self.info, "summary": self.summary, "layers": rows,
                            "kv_cache": self.kv_cache, "notes": self.notes})
 
     def to_json(self, path=None) -> str:

@@ -9,7 +9,7 @@ import torch
 from ...exporters.registry import exporter, reader
 from ..structure import kv_cache
 from .apply import apply as _apply
-from .report import Report, kv_cache_rows
+from .report import Report, exact_note, kv_cache_rows
 from .role_state import RoleState
 from .saving import save as _save
 
@@ -65,6 +65,9 @@ class Calibration:
             notes.append("no layer statistics (SQNR, clipped): they are computed on the "
                          "calibration's samples, which a saved calibration does not keep "
                          "(calibrate again for them)")
+        exact = exact_note(self.stats)  # SQNR inf: say why, JSON holds no inf
+        if exact:
+            notes.append(exact)
         return Report(self.label or self.recipe.name, self.recipe.name, self.stats,
                       dict(metrics or {}), self.info, kv_cache_rows(self.states), notes)
 

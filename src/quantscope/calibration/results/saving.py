@@ -22,7 +22,7 @@ VERSION = 1
 #: a layer may be named ``#smooth`` too: load reads the roles' keys first (:func:`_check_smooth`)
 SMOOTH = "#smooth/"
 #: the ``{layer}/{role}/{field}`` tensors a role may store
-FIELDS = ("lo", "hi", "global_amax", "scale", "zero_point", "global_scale")
+FIELDS = ("lo", "hi", "global_amax", "scale", "zero_point", "global_scale", "g_idx")
 
 
 def safetensors():
@@ -74,7 +74,10 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
     for layer, roles in calibration.states.items():
         for role, st in roles.items():
             key = f"{layer}/{role}"
-            fields = {"lo": st.lo, "hi": st.hi, "global_amax": st.global_amax}
+            # an act-order group's column order: the spec's JSON keeps only "group:N"
+            g_idx = getattr(st.spec.layout, "g_idx", None)
+            fields = {"lo": st.lo, "hi": st.hi, "global_amax": st.global_amax,
+                      "g_idx": None if g_idx is None else g_idx.long()}
             if st.qparams is not None:
                 fields.update(scale=st.qparams.scale, zero_point=st.qparams.zero_point,
                               global_scale=st.qparams.global_scale)
