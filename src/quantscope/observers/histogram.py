@@ -29,7 +29,9 @@ inside that range are added on the same grid, so results equal the reference's.
 The first batch that leaves the range moves the counts once to the native grid (each
 old bin to the bin of its centre: the only approximate step; Horizon's KL appends bins of
 the first width instead, up to ``GROW_LIMIT x bins``: ``_append_bins``) and the
-histogram is exact from then on. This mode reads the range on the host.
+histogram is exact from then on. This mode reads the range on the host. With several units
+(the toolkits' classes are per tensor) they leave together: the first batch past any unit's
+range moves every unit, so a unit's result can differ a little from that unit observed alone.
 
 On CPU the native grid's update runs in C (:mod:`quantscope.stats.hist_kernel`,
 bitwise equal to the torch path): a one-unit (per-tensor) histogram takes the

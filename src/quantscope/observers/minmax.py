@@ -244,6 +244,10 @@ class PlaceholderObserver(Observer):
         return (torch.zeros(n, dtype=torch.float32, device=dev),
                 torch.zeros(n, dtype=torch.float32, device=dev))
 
+    def range_and_qparams(self):  # calibrate reads this: its fixed qparams, not the range's
+        qp = self.qparams()
+        return (*self.calculate_range(), qp)
+
     def qparams(self):
         self.check_ready()
         shape = self.spec.layout.qparam_shape(self.shape)
