@@ -17,7 +17,12 @@ unfinished one wait), and before there are any (no data, or no KL interval finis
 returns the default ``(1.0, 0)`` with a warning; such a rank takes no part in the
 all-reduce, so the other ranks wait for it in theirs: read once every rank has ends.
 ``calculate_qparams()`` returns ``(scale, zero_point)``: float32 scale and int64 zero point
-of shape ``(1,)`` per tensor, ``(C,)`` per channel.
+of shape ``(1,)`` per tensor, ``(C,)`` per channel. Ends a clip crossed (a constant or narrow
+one-signed batch: ``max(min, -clip) > min(max, clip)``) stay as Horizon's, and the scale is
+Horizon's ``max(-min_val, max_val)`` clamped at 0 (``calculate_range`` orders them).
+``with_args`` is Horizon's (torch.ao's partial constructor); ``min_val`` / ``max_val`` / ``eps``
+read as Horizon's; ``state_dict`` keeps quantscope's keys (the whole state), and a Horizon
+state ``{min_val, max_val, eps}`` loads (its ends; ``eps`` is float32's here).
 A KL interval whose later batches exceed its first batch's ``[0, max |x|]`` grid appends
 bins of the same width, as Horizon (the histogram holds more than ``bins`` until the
 interval ends, at most ``KLObserver.GROW_LIMIT x bins``: the search costs the square of the
@@ -32,6 +37,7 @@ histogram (Horizon: the exact L2 error on the batch).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -49,6 +55,7 @@ from ..observers.mse import LinearMSEObserver as _NativeLinearMSE
 from ..observers.registry import register
 from ..qparams import amax_of_range
 from ..spec import QuantSpec
+from .torch_ao import _Constructor
 
 __all__ = [
     "AppendingFirstGrid",
@@ -65,6 +72,8 @@ __all__ = [
 ]
 
 _FORMATS = {"qint8": "int8", "qint16": "int16", "qint4": "int4", "qint32": None}
+#: the state_dict keys Horizon's observers save (its ``eps``: float32's, as here)
+_HORIZON_KEYS = ("min_val", "max_val", "eps")
 _SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
 
 
@@ -138,6 +147,27 @@ class HorizonObserver:
         if device is not None:
             self.to(device)
 
+    @classmethod
+    def with_args(cls, **kwargs) -> _Constructor:
+        """A constructor with ``kwargs`` bound, as Horizon's (torch.ao's ``_with_args``)."""
+        return _Constructor(functools.partial(cls, **kwargs))
+
+    @property
+    def min_val(self) -> torch.Tensor:
+        """Horizon's ``min_val``: the averaged min (empty before the first finished interval;
+        above ``max_val`` where a clip inside one-signed data crossed the ends)."""
+        return self._ends()[0]
+
+    @property
+    def max_val(self) -> torch.Tensor:
+        """Horizon's ``max_val``: the averaged max."""
+        return self._ends()[1]
+
+    @property
+    def eps(self) -> torch.Tensor:
+        """Horizon's ``eps`` buffer: float32's eps, the least scale."""
+        return torch.tensor([torch.finfo(torch.float32).eps], device=self.min_val.device)
+
     def _ends(self):
         return tuple(getattr(self, n) for n in self.end_names)
 
@@ -162,13 +192,47 @@ class HorizonObserver:
         """The averaged ends of the finished intervals, as Horizon's ``min_val`` / ``max_val``
         (the batches of an unfinished KL interval wait for it to finish)."""
         lo, hi = self._ends()
-        if not lo.numel():
-            return super().calculate_range()  # the native error
-        self.check_ready()  # NaN / inf seen: quantscope's clear error, not a NaN scale
-        return lo, hi
+        if not lo.numel():  # the native error, or an unfinished first interval's estimate
+            lo, hi = super().calculate_range()
+        else:
+            self.check_ready()  # NaN / inf seen: quantscope's clear error, not a NaN scale
+        # ordered for qparams_from_range, with Horizon's max(-lo, hi) clamped at 0: ends a
+        # clip crossed (a constant batch: max(min, -clip) > min(max, clip)) meet at the one
+        # nearer 0, the one Horizon scales; ordered ends stay as they are
+        return torch.minimum(lo, hi.clamp(min=0)), torch.maximum(hi, lo.clamp(max=0))
 
     def reset_min_max_vals(self) -> None:
         self.reset()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "min_val" in state_dict and prefix + self.end_names[0] not in state_dict:
+            state_dict = self._from_horizon_state(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _from_horizon_state(self, state_dict, prefix):
+        """A state Horizon saved (``min_val``, ``max_val``, ``eps``) as this class's: a new
+        observer's state with those averaged ends. Horizon keeps no shape nor token count:
+        the ends' units stand for the shape (``C`` along ``ch_axis``), one token."""
+        horizon = {k: state_dict.get(prefix + k) for k in _HORIZON_KEYS}
+        theirs = {prefix + k for k in _HORIZON_KEYS}
+        rest = {k: v for k, v in state_dict.items() if k not in theirs}
+        if horizon["max_val"] is None:  # not Horizon's either: the strict load names the keys
+            return state_dict
+        lo, hi = (horizon[k].detach().to(torch.float32).reshape(-1) for k in _HORIZON_KEYS[:2])
+        self.reset()
+        own = {}
+        self._save_to_state_dict(own, prefix, keep_vars=False)
+        if lo.numel():
+            ends = dict(zip(self.end_names, (lo, hi)))
+            if isinstance(self, HistogramObserverBase):  # as after an interval's end, the
+                # ends standing for the data's range
+                ends.update(min_vals=torch.minimum(lo, hi), max_vals=torch.maximum(lo, hi),
+                            linear_grid=torch.tensor(self.grid == "first"))
+            axis = self.ch_axis if self.qscheme == torch.per_channel_symmetric else 0
+            shape = [1] * axis + [lo.numel()]
+            ends.update(observed_tokens=torch.tensor(1), observed_shape=torch.tensor(shape))
+            own.update({prefix + k: v for k, v in ends.items()})
+        return {**rest, **own}
 
 
 @register("horizon:MinMaxObserver")
@@ -292,9 +356,11 @@ class _SignedEnds:
     signed_ends = True
 
     def _clip(self, lo, hi):
-        lo, hi = super()._clip(lo, hi)  # into +-max |x|
+        # each end on its own side, as Horizon: the native clip's reordering would move ends
+        # that cross (a clip inside one-signed data) off Horizon's (calculate_range orders)
+        blo, bhi = self._bounds()  # +-max |x|
         wlo, whi = self._data_range()
-        return torch.maximum(lo, wlo), torch.minimum(hi, whi)
+        return lo.clamp(blo, bhi).maximum(wlo), hi.clamp(blo, bhi).minimum(whi)
 
 
 @register("horizon:PercentileObserver")

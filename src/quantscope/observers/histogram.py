@@ -23,15 +23,13 @@ centre; ``histogram``'s signed range: constant -3.0 gives ``(-2.998, -2.969)``).
 to the signed min / max there would move ``histogram``'s ranges wherever an end lies past
 the data (a bin edge past min or max: many per-tensor results, by up to a bin).
 
-``grid="first"`` is for the compat classes: the first batch is binned as torch.ao /
-Quark bin it (``torch.histc`` over its min / max, or ``[0, max |x|]``); later batches
-inside that range are added on the same grid, so results equal the reference's.
-The first batch that leaves the range moves the counts once to the native grid (each
-old bin to the bin of its centre: the only approximate step; Horizon's KL appends bins of
-the first width instead, up to ``GROW_LIMIT x bins``: ``_append_bins``) and the
-histogram is exact from then on. This mode reads the range on the host. With several units
-(the toolkits' classes are per tensor) they leave together: the first batch past any unit's
-range moves every unit, so a unit's result can differ a little from that unit observed alone.
+``grid="first"`` is for the compat classes: the first batch is binned as torch.ao / Quark
+bin it (``torch.histc`` over its min / max, or ``[0, max |x|]``); later batches inside that
+range are added on the same grid, so results equal the reference's.
+The first batch that leaves the range moves the counts once to the native grid (each old
+bin to the bin of its centre: the only approximate step; Horizon's KL appends bins of the
+first width instead, up to ``GROW_LIMIT x bins``: ``_append_bins``); exact from then on
+(host reads). All units leave together, so one can differ a little from itself observed alone.
 
 On CPU the native grid's update runs in C (:mod:`quantscope.stats.hist_kernel`,
 bitwise equal to the torch path): a one-unit (per-tensor) histogram takes the
