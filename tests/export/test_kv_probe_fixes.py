@@ -119,3 +119,19 @@ def test_a_folder_with_kv_scales_on_some_attention_layers_only_is_refused(kv_onl
     with pytest.raises(ValueError, match=r"attention modules \['model\.layers\.1\.self_attn'\] "
                                          r"have no k_scale / v_scale"):
         Calibration.from_compressed_tensors(folder)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_an_integer_kv_cache_is_refused(tmp_path, fmt):
+    # probe s32: it was written as an int kv_cache_scheme; vLLM's cache is fp8 (int4 refused
+    # at load, int8 run as fp8 on int8's amax / 127.5 scales, not what apply() simulated)
+    from quantscope import QuantSpec
+    from quantscope.calibration import Role
+    from quantscope.layout import Tensor
+
+    model, batches = llama()
+    calib = calibrate(model, batches, Recipe((), kv_cache=Role(QuantSpec(fmt, Tensor()),
+                                                                 "minmax")), progress=False)
+    with pytest.raises(ValueError, match=f"key: {fmt} tensor sym .* fp8 KV cache scale"):
+        calib.export(model, tmp_path / "kv")
+    assert not (tmp_path / "kv").exists()

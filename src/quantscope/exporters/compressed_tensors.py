@@ -1,18 +1,17 @@
 """Export a calibration as a compressed-tensors checkpoint (what vLLM and transformers load).
 
 The translation, layer by layer: each :class:`~quantscope.calibration.RoleState` becomes a
-compressed-tensors ``QuantizationArgs`` (:func:`quant_args`; anything the format cannot
-express is a ``ValueError`` naming the layer and the feature, raised before anything is
-written), the layer gets compressed-tensors' own qparam parameters
-(``initialize_module_for_quantization``) holding quantscope's scales as they are, and
-compressed-tensors' ``ModelCompressor`` packs the weights (int8 ``int-quantized``, int4
-``pack-quantized``, fp8 ``float-quantized``, ``nvfp4-pack-quantized``,
-``mxfp4-pack-quantized``): no bit is packed here. The model's own ``save_pretrained``
-writes the (sharded) safetensors and ``ModelCompressor.update_config`` the
+compressed-tensors ``QuantizationArgs`` (:func:`quant_args`; anything the format cannot express
+is a ``ValueError`` naming the layer and the feature, raised before anything is written), the
+layer gets compressed-tensors' own qparam parameters (``initialize_module_for_quantization``)
+holding quantscope's scales as they are, and compressed-tensors' ``ModelCompressor`` packs the
+weights (int8 ``int-quantized``, int4 ``pack-quantized``, fp8 ``float-quantized``,
+``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``): no bit is packed here. The model's own
+``save_pretrained`` writes the (sharded) safetensors and ``ModelCompressor.update_config`` the
 ``quantization_config``; the source model folder's tokenizer, generation config and chat
-template (``EXPORT_EXTRAS``, nothing else) are copied beside them. All of it happens on a
-deep copy of the model inside :func:`~quantscope.exporters.atomic.atomic_dir`, so the caller's
-model is untouched and a failure leaves nothing behind.
+template (``EXPORT_EXTRAS``, nothing else) are copied beside them. All of it happens on a deep
+copy of the model inside :func:`~quantscope.exporters.atomic.atomic_dir`: the caller's model is
+untouched and a failure leaves nothing behind.
 
 Conventions (the same numbers on both sides, checked in tests/export/test_export_compressed_tensors.py):
 an int or fp8 scale is the scale that multiplies a code; NVFP4's ``weight_scale`` is the e4m3
@@ -305,17 +304,18 @@ def _split_kv(states):
 
 
 def _kv_args(kv, lossy):
-    """The one ``kv_cache_scheme`` of every layer's key and value (compressed-tensors has one
-    per checkpoint), or None without a KV cache role."""
+    """The one ``kv_cache_scheme`` of every layer's key and value (one per checkpoint; fp8, as
+    vLLM's cache: it would run an int8 scheme on int8's scales), or None without a KV role."""
     args = {}
     for layer, roles in kv.items():
         if set(roles) != set(_KV_SCALE):
             raise _unsupported(layer, "kv cache", f"roles {sorted(roles)} (key and value both)")
         for role, st in roles.items():
             a = quant_args(st, layer, role, lossy)
-            if a.strategy != "tensor" or a.dynamic is not False or not a.symmetric:
-                raise _unsupported(layer, role, f"{st.spec} (a static symmetric per-tensor KV "
-                                                f"cache scale: vLLM's k_scale / v_scale)")
+            if (a.strategy, a.dynamic, a.symmetric, a.type, a.num_bits) != (
+                    "tensor", False, True, "float", 8):
+                raise _unsupported(layer, role, f"{st.spec} (a static symmetric per-tensor fp8 "
+                                                f"KV cache scale: vLLM's k_scale / v_scale)")
             args.setdefault(json.dumps(a.model_dump(mode="json"), sort_keys=True), a)
     if len(args) > 1:
         raise ValueError(f"export compressed-tensors: the KV cache roles differ in scheme "
