@@ -64,6 +64,7 @@ def _on_rank_zero(write: Callable, name: str, check: Callable | None) -> Callabl
     @functools.wraps(write)
     def writer(calibration, model, path, **options):
         _check_arguments(name, calibration, path)
+        calibration.check_model(model, "export")  # its model (SmoothQuant: smoothed once)
         try:  # an option the writer does not take, as the call itself would say
             bound = inspect.signature(write).bind(calibration, model, path, **options)
         except TypeError as e:

@@ -39,10 +39,17 @@ class Calibration:
         """Fake-quantize ``model`` (QDQ); returns a handle whose ``remove()`` undoes it. A
         calibration with ``smoothing`` belongs to the smoothed weights: a model whose
         weights are recognisably not smoothed (a freshly loaded float model: smooth it first
-        with :func:`.smooth.reapply`) is refused, unchanged."""
-        if self.smoothing:
-            _check_smoothed(model, self)
+        with :func:`.smooth.reapply`), or smoothed twice, is refused, unchanged."""
+        self.check_model(model, "apply")
         return _apply(model, self.states)
+
+    def check_model(self, model, who: str = "apply") -> None:
+        """Raises ``ValueError`` (naming ``who``, the call) if ``model`` is recognisably not
+        the one this calibration belongs to: with ``smoothing``, a model not smoothed, or
+        smoothed twice. ``apply`` and every export (:mod:`quantscope.exporters.registry`)
+        call it."""
+        if self.smoothing:
+            _check_smoothed(model, self, who)
 
     def quantizes_like(self, other: Calibration) -> bool:
         """Whether applying ``other`` quantizes a model exactly as applying this does: the
@@ -94,13 +101,14 @@ class Calibration:
                 f"{n} quantized tensors)")
 
 
-def _check_smoothed(model, calibration: Calibration) -> None:
+def _check_smoothed(model, calibration: Calibration, who: str) -> None:
     """Raises if ``model``'s weights are not the smoothed ones ``calibration`` was made on.
     No forward: each smoothed mapping's first balanced Linear (only that mapping changes its
     columns) has its weight's range per calibrated unit (``lo`` / ``hi``, the spec's layout)
-    compared with the model's weight as it is and times the scales (as
-    :func:`.smooth.reapply` would make it); a model closer to the latter is not smoothed.
-    Mappings the model lacks, or weights without a range to compare, are not checked."""
+    compared with the model's weight as it is, times the scales (as :func:`.smooth.reapply`
+    would make it) and divided by them; a model closer to the second is not smoothed, one
+    closer to the third smoothed twice. Mappings the model lacks, or weights without a range
+    to compare, are not checked."""
     from ..choice.smooth import find_mappings
 
     for m in find_mappings(model):
@@ -113,14 +121,21 @@ def _check_smoothed(model, calibration: Calibration) -> None:
             continue
         with torch.no_grad():
             r = torch.maximum(st.lo.abs(), st.hi.abs()).to(w.device, torch.float32).reshape(-1)
-            w = w.detach().float()
-            if _off(w * s.to(w.device, torch.float32), r, st) < 0.5 * _off(w, r, st):
+            w, s = w.detach().float(), s.to(w.device, torch.float32)
+            off = _off(w, r, st)
+            if _off(w * s, r, st) < 0.5 * off:
                 raise ValueError(
-                    f"apply: the calibration was made on SmoothQuant-smoothed weights "
+                    f"{who}: the calibration was made on SmoothQuant-smoothed weights "
                     f"(calibration.smoothing), but this model's {m.balance[0]}.weight is not "
                     f"smoothed (a freshly loaded float model?); smooth it first with "
                     f"quantscope.calibration.choice.smooth.reapply(model, calibration) (it "
                     f"changes the parameters in place), as quantscope evaluate / export do")
+            if _off(w / s, r, st) < 0.5 * off:
+                raise ValueError(
+                    f"{who}: this model's {m.balance[0]}.weight looks smoothed twice (reapply "
+                    f"on a model calibrate had smoothed in place already?): calibration."
+                    f"smoothing belongs to weights smoothed once; load the float model again "
+                    f"and reapply once")
 
 
 def _off(w: torch.Tensor, r: torch.Tensor, st: RoleState) -> float:
