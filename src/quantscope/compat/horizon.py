@@ -37,7 +37,6 @@ histogram (Horizon: the exact L2 error on the batch).
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -55,7 +54,7 @@ from ..observers.mse import LinearMSEObserver as _NativeLinearMSE
 from ..observers.registry import register
 from ..qparams import amax_of_range
 from ..spec import QuantSpec
-from .torch_ao import _Constructor
+from .torch_ao import with_args
 
 __all__ = [
     "AppendingFirstGrid",
@@ -147,10 +146,7 @@ class HorizonObserver:
         if device is not None:
             self.to(device)
 
-    @classmethod
-    def with_args(cls, **kwargs) -> _Constructor:
-        """A constructor with ``kwargs`` bound, as Horizon's (torch.ao's ``_with_args``)."""
-        return _Constructor(functools.partial(cls, **kwargs))
+    with_args = classmethod(with_args)  # Horizon's is torch.ao's _with_args
 
     @property
     def min_val(self) -> torch.Tensor:

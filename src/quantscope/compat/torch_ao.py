@@ -159,6 +159,12 @@ class _Constructor(_ao._PartialWrapper):
         return out
 
 
+def with_args(cls, **kwargs) -> _Constructor:
+    """A constructor of ``cls`` with ``kwargs`` bound, as torch.ao's ``with_args`` (the
+    classmethod of this module's observers, and of Horizon's, which take torch.ao's)."""
+    return _Constructor(functools.partial(cls, **kwargs))
+
+
 class _ScriptName:
     """The TorchScript name of this module's classes: ``__torch__.quantscope.compat.torch_ao.
     quantization.observer.<Class>``. torch.ao finds observers inside a scripted model by the
@@ -198,10 +204,7 @@ class TorchAOObserver:
             raise UnsupportedDtypeError(f"{type(self).__name__}: dtype must be one of "
                                         f"{list(_ALLOWED_DTYPES)}, got {dtype!r}") from e
 
-    @classmethod
-    def with_args(cls, **kwargs) -> _Constructor:
-        """A constructor with ``kwargs`` bound, as torch.ao's ``with_args``."""
-        return _Constructor(functools.partial(cls, **kwargs))
+    with_args = classmethod(with_args)
 
     @classmethod
     def with_callable_args(cls, **kwargs) -> _Constructor:
