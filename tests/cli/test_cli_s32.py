@@ -35,3 +35,33 @@ def test_a_run_whose_model_has_moved_names_model_flag(llama_dir, tmp_path, capsy
         assert "records its model as" in err and "pass --model PATH" in err, err
     rc, _, err = _run(capsys, "export", "run", "--out", "ct", "--model", "llama-moved")
     assert rc == 0, err
+
+
+def test_onnx_export_of_a_float_format_run_is_refused_before_the_model_loads(
+        llama_dir, tmp_path, capsys, monkeypatch):
+    """Session 33: an fp8 run was refused only after the model (the slow part) loaded."""
+    from quantscope.demo import models
+
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _run(capsys, "calibrate", "--model", str(llama_dir), "--recipe", "fp8",
+                      "--out", "run", *FAST)
+    assert rc == 0, err
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the calibration was checked")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    rc, _, err = _run(capsys, "export", "run", "--format", "onnx", "--out", "m.onnx")
+    assert rc != 0
+    assert "fp8_e4m3" in err and "integer formats only" in err, err
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_an_out_folder_with_a_trailing_slash_is_printed_once(llama_dir, tmp_path, capsys,
+                                                             monkeypatch):
+    """Session 33: ``--out run/`` printed ``run//report.md``."""
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _run(capsys, "calibrate", "--model", str(llama_dir), "--recipe", "w8a8",
+                        "--out", "run/", *FAST)
+    assert rc == 0, err
+    assert "report: run/report.md" in out and "//" not in out, out

@@ -109,7 +109,7 @@ def cmd_calibrate(args) -> int:
     print(f"  calibration {calib.info.get('calibration_seconds', 0):.1f} s, total "
           f"{time.perf_counter() - t0:.1f} s")
     run = shlex.quote(args.out)  # the commands shown run as pasted into a shell
-    print(f"  report: {args.out}/report.md   next: quantscope evaluate {run} | "
+    print(f"  report: {os.path.join(args.out, 'report.md')}   next: quantscope evaluate {run} | "
           f"quantscope export {run} --out DIR")
     return 0
 

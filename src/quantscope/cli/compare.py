@@ -153,7 +153,7 @@ def cmd_compare(args) -> int:
     print_table(headers, rows, title)
     plotted = f" and plots ({', '.join(drawn)})" if drawn else ""
     print(f"calibration {calib_seconds:.1f} s (one pass), evaluation {eval_seconds:.1f} s; "
-          f"wrote {args.out}/report.md, report.json{plotted}")
+          f"wrote {os.path.join(args.out, 'report.md')}, report.json{plotted}")
     return 0
 
 
@@ -363,5 +363,5 @@ def cmd_plot(args) -> int:
 
     plots.plot_histogram(report, layer, hist, args.role, args.recipe, inputs=[path])
     plots.plot_sqnr(report, sqnr, inputs=[path])
-    print(f"wrote {out}/hist.png ({layer} {args.role}) and {out}/sqnr.png")
+    print(f"wrote {hist} ({layer} {args.role}) and {sqnr}")
     return 0

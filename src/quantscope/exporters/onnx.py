@@ -224,7 +224,7 @@ def _check_call(calibration, model, example_inputs, opset, options, **_) -> None
         _onnx(module)
     states = calibration.states
     check_placement(model, "onnx export")
-    _check_exportable(states)
+    check_exportable(states)
     _check_linear(model, states)
     _check_untied(model, states)
 
@@ -303,7 +303,7 @@ def _check_linear(model, states) -> None:
                              f"float")
 
 
-def _check_exportable(states) -> None:
+def check_exportable(states) -> None:
     """Refuse what ONNX cannot express: roles other than weight and input, formats without
     an ONNX storage type, activation scales computed at run time."""
     for layer, roles in states.items():
@@ -329,10 +329,11 @@ def _check_ort_runs(layer, roles) -> None:
     if weight is None or inp is None or not isinstance(weight.spec.layout, Group):
         return
     if _storage(weight.spec, layer, "weight")[1] == 8 == _storage(inp.spec, layer, "input")[1]:
-        raise ValueError(f"onnx export: {layer}: 8-bit per-group weights with an 8-bit "
-                         f"static input: ONNX Runtime fuses the pair into "
-                         f"MatMulIntegerToFloat, which has no per-group scales, and fails at "
-                         f"run time; use per-channel weights, 4-bit groups or a 16-bit input")
+        raise ValueError(f"onnx export: {layer}: per-group weights ({weight.spec}) and a "
+                         f"static input ({inp.spec}) are both stored in 8 bits: ONNX Runtime "
+                         f"fuses the pair into MatMulIntegerToFloat, which has no per-group "
+                         f"scales, and fails at run time; use per-channel weights, weights of "
+                         f"<= 4 bits in groups or a 16-bit input")
 
 
 def session_options(threads: int | None = None, optimized_model_path: str | None = None):

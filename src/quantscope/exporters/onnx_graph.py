@@ -28,8 +28,8 @@ def storage(spec, layer: str, role: str):
     from onnx import TensorProto as TP
 
     if spec.is_float:
-        raise ValueError(f"onnx export: {layer}.{role} uses {spec.format}; this exporter writes "
-                         f"integer formats only (float formats: fp8 / fp4 / MX / NVFP4 are not "
+        raise ValueError(f"onnx export: {layer}.{role} is {spec}; this exporter writes integer "
+                         f"formats only (float formats: fp8 / fp6 / fp4 / MX / NVFP4 are not "
                          f"supported)")
     lo, hi = int(spec.qmin), int(spec.qmax)
     for bits, signed_t, unsigned_t in ((4, TP.INT4, TP.UINT4), (8, TP.INT8, TP.UINT8),
