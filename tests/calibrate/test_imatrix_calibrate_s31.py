@@ -117,21 +117,30 @@ def test_observer_weighs_the_input_dim():
     assert torch.equal(got, _linear_search(w.T, spec, imp))
 
 
-def test_users_importance_on_a_conv1d_with_input_dim():
-    """A role's own ``importance`` on a Conv1D weighs dim 0 given ``input_dim=0`` (without
-    it, the observer refuses the mismatched width rather than weighing the outputs)."""
-    model, batches = _conv(), _batches()
+@pytest.mark.parametrize("width", [NF, NX])  # NX: a square weight (GPT-2's c_proj)
+def test_users_importance_on_a_conv1d_weighs_dim_0(width):
+    """A role's own ``importance`` on a Conv1D weighs dim 0, its input channels, with or
+    without ``input_dim=0`` (session 33: without it the observer weighed the last dim, the
+    outputs: refused where the widths differ, silently wrong on a square weight); an
+    explicit ``input_dim=-1`` is the user's and refused for its width."""
+    torch.manual_seed(0)
+    model, batches = nn.Sequential(Conv1D(width, NX)).eval(), _batches()
     spec = QuantSpec("int4", Group(32))
     mine = tuple(float(v) for v in torch.linspace(5.0, 0.1, NX))
-    opts = {"importance": mine, "input_dim": 0}
-    c = calibrate(model, batches, Recipe((Rule(("Conv1D",), weight=Role(
-        spec, "imatrix_mse", options=opts)),)), progress=False)
-    st, w = c.states["0"]["weight"], model[0].weight.detach()
-    got = _per_element(st.qparams.scale, st.spec.layout, tuple(w.shape)).T
-    assert torch.equal(got, _linear_search(w.T, spec, torch.tensor(mine)))
-    with pytest.raises(ValueError, match="importance has 64 values, the tensor's last dim"):
-        calibrate(model, batches, Recipe((Rule(("Conv1D",), weight=Role(
-            spec, "imatrix_mse", options={"importance": mine})),)), progress=False)
+    w = model[0].weight.detach()
+    want = _linear_search(w.T, spec, torch.tensor(mine))
+    for opts in ({"importance": mine, "input_dim": 0}, {"importance": mine}):
+        c = calibrate(model, batches, Recipe((Rule(("Conv1D",), weight=Role(
+            spec, "imatrix_mse", options=opts)),)), progress=False)
+        st = c.states["0"]["weight"]
+        assert torch.equal(_per_element(st.qparams.scale, st.spec.layout, tuple(w.shape)).T,
+                           want)
+    assert not torch.equal(want, _linear_search(w.T, spec, None))
+    if width != NX:
+        with pytest.raises(ValueError, match="importance has 64 values, the tensor's last dim"):
+            calibrate(model, batches, Recipe((Rule(("Conv1D",), weight=Role(
+                spec, "imatrix_mse", options={"importance": mine, "input_dim": -1})),)),
+                progress=False)
 
 
 def test_observer_refuses_an_input_dim_it_cannot_read():

@@ -140,7 +140,10 @@ def make_observer(slot: Slot, key, for_auto: bool, owns=None, weights=None):
     t0 = time.perf_counter()
     pending = []
     try:
-        obs = get_observer(name, spec, **dict(options))
+        kwargs = dict(options)
+        if name == "imatrix_mse" and slot.role == "weight" and is_conv1d(slot.module):
+            kwargs.setdefault("input_dim", 0)  # a Conv1D's weight is [in, out]
+        obs = get_observer(name, spec, **kwargs)
         # distributed: only the owner rank observes a weight (the others get its state)
         if slot.role == "weight" and (owns is None or owns(slot.layer)):
             w = slot.module.weight.detach()
