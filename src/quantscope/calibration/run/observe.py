@@ -30,7 +30,7 @@ from ...spec import QuantSpec
 from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
 from ..role_observers import observed
 from ..structure import fusion, kv_cache
-from ..structure.conv1d import is_conv1d
+from ..structure.conv1d import is_conv1d, observer_options
 from . import heap
 from .batches import batch_count, eval_mode, forward_batch, input_name, module_input
 from .module_roles import activation_width, check_role_shape
@@ -140,10 +140,7 @@ def make_observer(slot: Slot, key, for_auto: bool, owns=None, weights=None):
     t0 = time.perf_counter()
     pending = []
     try:
-        kwargs = dict(options)
-        if name == "imatrix_mse" and slot.role == "weight" and is_conv1d(slot.module):
-            kwargs.setdefault("input_dim", 0)  # a Conv1D's weight is [in, out]
-        obs = get_observer(name, spec, **kwargs)
+        obs = get_observer(name, spec, **observer_options(name, slot.module, slot.role, options))
         # distributed: only the owner rank observes a weight (the others get its state)
         if slot.role == "weight" and (owns is None or owns(slot.layer)):
             w = slot.module.weight.detach()

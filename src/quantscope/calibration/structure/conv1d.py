@@ -12,7 +12,7 @@ from torch import nn
 
 from ...layout import Block, Channel, Group, Tile
 
-__all__ = ["is_conv1d", "linear_output", "transposed_layout"]
+__all__ = ["is_conv1d", "linear_output", "observer_options", "transposed_layout"]
 
 
 def is_conv1d(module: nn.Module | None) -> bool:
@@ -27,6 +27,16 @@ def transposed_layout(lay):
     if isinstance(lay, (Channel, Group, Block)) and -2 <= lay.axis < 2:
         return replace(lay, axis=1 - lay.axis % 2)
     return Tile(lay.cols, lay.rows) if isinstance(lay, Tile) else lay
+
+
+def observer_options(name: str, module: nn.Module, role: str, options) -> dict:
+    """Observer ``name``'s keywords on ``module``'s ``role``: ``options``, and on a Conv1D's
+    weight what its ``[in, out]`` orientation needs said (``imatrix_mse``'s input channels
+    are its dim 0, where the user gave no ``input_dim``)."""
+    options = dict(options)
+    if name == "imatrix_mse" and role == "weight" and is_conv1d(module):
+        options.setdefault("input_dim", 0)
+    return options
 
 
 def linear_output(x: torch.Tensor, w: torch.Tensor, conv1d: bool) -> torch.Tensor:
