@@ -126,6 +126,10 @@ def vllm_moe_refusal(weights: dict | None, inputs: dict | None = None,
     fmt = fmt.lower() if isinstance(fmt, str) else None
     if kind == "float" and bits == 4 and strategy == "group" and weights.get("group_size") == 32:
         return None  # _is_mxfp4: CompressedTensorsW4A4Mxfp4MoEMethod
+    if kind == "float" and bits == 8 and strategy == "group" and weights.get("group_size") == 32:
+        # _is_mxfp8: CompressedTensorsW8A8Mxfp8MoEMethod, whatever the input (it quantizes
+        # activations to MXFP8 at run time), so weight-only mxfp8 experts load too
+        return None
     if a is None and strategy in ("channel", "group") and not weights.get("dynamic"):
         # _is_wNa16_group_channel (any type): the WNA16 MoE methods; their Marlin and Triton
         # kernels assert symmetric weights
@@ -143,7 +147,7 @@ def vllm_moe_refusal(weights: dict | None, inputs: dict | None = None,
         # None (an AttributeError at load, whatever the GPU)
         return (f"vLLM's fused MoE has no method for weight-only {kind}{bits} {strategy} "
                 f"experts (no W8A16 fp8 MoE; weight-only experts are WNA16 int per channel or "
-                f"group, nvfp4a16 or mxfp4) -- use fp8-dynamic, or w4a16")
+                f"group, nvfp4a16, mxfp4 or mxfp8) -- use fp8-dynamic, or w4a16")
     if kind == "float" == _on(a, "type") and bits == 8:
         return _moe_fp8(weights, a)
     if kind == "int" == _on(a, "type"):
