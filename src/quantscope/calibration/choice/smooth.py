@@ -21,7 +21,8 @@ that column is all zero).
 
 What may be smoothed (:data:`MAPPINGS`): a decoder layer's ``input_layernorm`` into its
 ``q_proj`` / ``k_proj`` / ``v_proj``, its ``post_attention_layernorm`` into ``gate_proj`` /
-``up_proj`` (llm-compressor's default mappings), and a gated MLP's ``up_proj`` into its
+``up_proj`` (llm-compressor's default mappings; its per-architecture ones under the names
+Phi-3, BLOOM, DeepSeek-V2/3, Whisper and OPT use), and a gated MLP's ``up_proj`` into its
 ``down_proj`` (``down(act(gate(x)) * up(x))`` is linear in ``up``'s output; the mapping
 AWQ uses, and the one SmolLM2 needs most). Names match by suffix only, so each mapping
 found is checked twice before the model is touched. Its data flow, by hooks in the forward
@@ -65,10 +66,21 @@ from ..run.batches import eval_mode, forward_batch, input_name, module_input
 __all__ = ["MAPPINGS", "MIN_SCALE", "Mapping", "channel_ranges", "check", "find_mappings",
            "reapply", "restore", "smooth", "smoothing_scales"]
 
-#: ``(previous module, balanced Linears)`` as name suffixes within one decoder layer
+#: ``(previous module, balanced Linears)`` as name suffixes within one decoder layer: the
+#: pairs of llm-compressor's SmoothQuant mappings (its ``MAPPINGS_REGISTRY``) that balance a
+#: norm's whole output, matched by the names each architecture uses, then AWQ's up -> down.
+#: A model holds at most one of a norm's alternatives (each needs all its Linears).
 MAPPINGS = (
     ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("input_layernorm", ("self_attn.qkv_proj",)),  # Phi-3
+    ("input_layernorm", ("self_attention.query_key_value",)),  # BLOOM
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.kv_a_proj_with_mqa")),  # DeepSeek-V2/3
+    ("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
+    ("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("post_attention_layernorm", ("mlp.gate_up_proj",)),  # Phi-3
+    ("post_attention_layernorm", ("mlp.dense_h_to_4h",)),  # BLOOM
+    ("final_layer_norm", ("fc1",)),  # Whisper, OPT (self_attn_layer_norm above too)
     ("mlp.up_proj", ("mlp.down_proj",)),
 )
 
