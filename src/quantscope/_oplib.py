@@ -12,8 +12,9 @@ wraps every call in Python autograd and in-place-view layers, about 10 us per ca
 the dispatcher alone takes under 2 (measured on the CPU with an empty op, inference mode
 or not). An observer call off the CPU is one to four ops, and on a GPU the host's time is
 what it costs the model. Nothing needs those layers: no op is differentiable (observers
-watch detached tensors), and the schemas' ``(a!)`` annotations say what each op writes,
-which is all ``torch.compile``'s functionalization reads.
+watch detached tensors; :func:`define` refuses an input that requires grad), and the
+schemas' ``(a!)`` annotations say what each op writes, which is all ``torch.compile``'s
+functionalization reads.
 """
 
 from __future__ import annotations
@@ -48,11 +49,38 @@ def define(schema: str, impl: Callable, *, fake: Callable, cuda: Callable | None
     # sys.modules was cleared, or reloaded) registers its functions over the earlier ones
     if not _defined(name):
         torch.library.define(qualname, schema[len(name):])
-    _LIB.impl(name, impl, "CompositeExplicitAutograd", allow_override=True)
+    _LIB.impl(name, _not_differentiable(name, impl), "CompositeExplicitAutograd",
+              allow_override=True)
     if cuda is not None:
-        _LIB.impl(name, on_tensors_device(cuda), "CUDA", allow_override=True)
+        _LIB.impl(name, _not_differentiable(name, on_tensors_device(cuda)), "CUDA",
+                  allow_override=True)
     torch.library.register_fake(qualname, fake, allow_override=True)
     return getattr(torch.ops.quantscope, name).default
+
+
+def _not_differentiable(name: str, kernel: Callable) -> Callable:
+    """``kernel``, refusing an input that requires grad while grad mode is on. The ops have
+    no autograd formula (none is registered, for the time per call: see above), and torch's
+    fallback for such an op gives its output a gradient of zero, with a warning at most."""
+
+    @functools.wraps(kernel)
+    def call(*args, **kwargs):
+        if torch.is_grad_enabled() and any(_wants_grad(a) for a in args):
+            raise RuntimeError(
+                f"quantscope::{name} is not differentiable and an input requires grad: call "
+                f"it on detached tensors (or under torch.no_grad()); for a straight-through "
+                f"gradient through fake-quantization use quantscope.fake_quantize(..., "
+                f"ste=True)")
+        return kernel(*args, **kwargs)
+
+    return call
+
+
+def _wants_grad(arg) -> bool:
+    if isinstance(arg, torch.Tensor):
+        return arg.requires_grad
+    return isinstance(arg, (list, tuple)) and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in arg)
 
 
 def on_tensors_device(cuda: Callable) -> Callable:
