@@ -11,6 +11,10 @@ activation's scales apply to its 2-D rows) or flat ``(units,)`` (any one value f
 unit), with a global scale of one value or None; another shape (another
 layout's, in another order), a spec that is not a :class:`QuantSpec` or a complex tensor
 raises ``ValueError`` / ``TypeError``, with ``check=False`` too (no host read).
+
+``check=True`` (the default) reads the qparams back once. Traced by ``torch.compile`` or
+``torch.export``, the same checks are asserts in the graph instead (no read, no graph break:
+``fullgraph=True`` takes them), raising ``RuntimeError`` when the graph runs on bad values.
 """
 
 from __future__ import annotations
@@ -68,7 +72,10 @@ def _per_unit(qparams: QParams, spec: QuantSpec, shape, who: str = "qparams", de
         if units > 1 and got != (units,) and _lstrip_ones(got) != _lstrip_ones(qshape):
             raise ValueError(f"{who}: qparams.{name} must have shape {qshape} ({spec.layout} "
                              f"on a tensor of shape {tuple(shape)}) or ({units},), got {got}")
-    return scale.reshape(units, 1).float(), qparams.zero_point.reshape(units, 1).float()
+    zp = qparams.zero_point
+    if scale.requires_grad or zp.requires_grad:  # constants, as torch's fake-quantize takes
+        scale, zp = scale.detach(), zp.detach()  # them: no gradient flows to them
+    return scale.reshape(units, 1).float(), zp.reshape(units, 1).float()
 
 
 def _lstrip_ones(shape: tuple) -> tuple:
@@ -102,7 +109,8 @@ def _check_qparams(qparams: QParams, spec: QuantSpec, who: str, data=None) -> No
     One host read; the library's own callers, whose qparams come from the formulas, skip
     it (``check=False``: no read, so a CUDA graph can hold the call). After
     :func:`_per_unit`, which checks the types, shapes and devices. ``data``: ``(flag, error)``,
-    a bool tensor read in the same read (True: raise ``error``), for the input's check."""
+    a bool tensor read in the same read (True: raise ``error``), for the input's check (and
+    an error of constants alone for a traced call, if ``error`` formats more)."""
     check_not_meta(who, "pass check=False", qparams.scale)  # the input is on its device
     if (qparams.global_scale is None) == spec.scale.has_global_scale:
         # QDQ divides the block scales by a global scale: without one NVFP4's run 1 / gs off
@@ -113,7 +121,7 @@ def _check_qparams(qparams: QParams, spec: QuantSpec, who: str, data=None) -> No
             *(() if qparams.global_scale is None else (qparams.global_scale,)))
     if not (torch.compiler.is_compiling() or kernels.real(*held)):
         # fakes, vmap tensors, a trace: no values to read (shapes and dtypes were checked);
-        # under torch.compile the read breaks the graph and runs on real tensors
+        # torch.compile and torch.export get the checks as asserts in the graph (below)
         return
     lo, hi = (0, 0) if spec.is_float else (spec.qmin, spec.qmax)
     # one aminmax pass per tensor (NaN propagates and fails every comparison): the check
@@ -132,15 +140,25 @@ def _check_qparams(qparams: QParams, spec: QuantSpec, who: str, data=None) -> No
             tests["zero_point"] |= (zp != torch.round(zp)).any()
     if data is not None:
         tests["data"] = data[0]
+
+    def error(name: str, traced: bool = False) -> str:
+        if name == "data":  # (its message, and one of constants alone if it has two)
+            return f"{who}: {data[-1] if traced else data[1]}"
+        # (a traced message holds only constants: the tracers cannot format the spec)
+        of = "" if traced else f" of {spec}"
+        stored = "" if traced else f" and values its {spec.scale} encoding stores"
+        want = {"zero_point": f"integers in the code range [{lo}, {hi}]{of}",
+                "scale": f"finite, > 0{stored}"}.get(name, "finite and > 0")
+        return f"{who}: qparams.{name} must be {want}"
+
+    if torch.compiler.is_compiling():  # asserts in the graph: no read, no graph break (so
+        for name, b in tests.items():  # fullgraph=True and torch.export take the check)
+            torch._assert_async(~b, error(name, traced=True))
+        return
     bad = torch.stack(list(tests.values())).tolist() if tests else []
     for name, b in zip(tests, bad):
-        if b and name == "data":
-            raise ValueError(f"{who}: {data[1]}")
         if b:
-            want = {"zero_point": f"integers in the code range [{lo}, {hi}] of {spec}",
-                    "scale": f"finite, > 0 and values its {spec.scale} encoding stores"
-                    }.get(name, "finite and > 0")
-            raise ValueError(f"{who}: qparams.{name} must be {want}")
+            raise ValueError(error(name))
 
 
 _NAN_INPUT = ("x holds NaN (non-finite input), which has no code (+-inf saturate to the range's "
@@ -254,9 +272,10 @@ def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
         rounded = spec.format.round if not spec.is_float else torch.clamp
         off = (rounded(u, spec.qmin, spec.qmax) != u).any()
         kind = "values" if spec.is_float else "integers"
-        _check_qparams(qparams, spec, "dequantize", (off, (
-            f"q must hold codes of {spec}: {kind} in [{spec.qmin}, {spec.qmax}] (got NaN or "
-            f"a value outside them); pass check=False to skip this check")))
+        codes = f"{kind} in [{spec.qmin}, {spec.qmax}] (got NaN or a value outside them)"
+        _check_qparams(qparams, spec, "dequantize", (
+            off, f"q must hold codes of {spec}: {codes}; pass check=False to skip this check",
+            f"q must hold codes: {codes}"))  # (traced: no spec in it)
     out = _saturate(dequantize_units(u, scale, zp), dtype)
     return spec.layout.to_shape(out, q.shape).to(dtype)
 
@@ -270,9 +289,10 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     quantizer's range and 0 where it was clipped (:func:`inside_range`). For integers that
     is ``torch.ao``'s FakeQuantize rule on quantscope's own rounding, which divides by the
     scale where torch.ao multiplies by its reciprocal (so where ``x / scale`` lands on a
-    rounding tie the two masks can differ at the range's ends). ``check``: raise
-    ``ValueError`` on qparams that cannot run, as :func:`quantize`; NaN in ``x`` stays NaN
-    (documented QDQ behaviour: it has values, not codes, to give).
+    rounding tie the two masks can differ at the range's ends). No gradient flows to the
+    qparams: they are constants, as torch's ``fake_quantize_per_tensor_affine`` takes them.
+    ``check``: raise ``ValueError`` on qparams that cannot run, as :func:`quantize`; NaN in
+    ``x`` stays NaN (documented QDQ behaviour: it has values, not codes, to give).
     """
     _check_input(x, "fake_quantize")
     check_bool("fake_quantize", "ste", ste)
