@@ -22,13 +22,13 @@ _EXPORTS = {
     "keep_float": "calibration.choice.sensitivity", "sensitivity": "calibration.run.session",
     "calibrate": "calibration",  # the function; its attributes: quantscope.calibrate.load ...
     "export": "exporters",  # the function; its attributes: quantscope.export.register ...
-    "formats": None, "layout": None, "presets": None, "scales": None,
+    "distributed": None, "formats": None, "layout": None, "presets": None, "scales": None,
 }
 
 __all__ = [
     "Block", "Channel", "FloatFormat", "Group", "IntFormat", "Observer", "QParams", "QuantSpec",
-    "ScaleEncoding", "Tensor", "Tile", "Token", "calibrate", "dequantize", "export",
-    "fake_quantize", "formats", "get_format", "get_observer", "keep_float", "layout",
+    "ScaleEncoding", "Tensor", "Tile", "Token", "calibrate", "dequantize", "distributed",
+    "export", "fake_quantize", "formats", "get_format", "get_observer", "keep_float", "layout",
     "list_observers", "presets", "qparams_from_range", "quantize", "scales", "sensitivity",
 ]
 

@@ -67,6 +67,16 @@ def test_public_functions_keep_their_documented_attributes():
         assert set(module.__all__) <= set(vars(function)), name
 
 
+def test_the_documented_module_attributes_load_on_first_use():
+    """distributed.md writes ``quantscope.distributed.sync_observers(...)`` after a plain
+    ``import quantscope``: that raised AttributeError (session 33)."""
+    r = _run("import quantscope\n"
+             "assert callable(quantscope.distributed.sync_observers)\n"
+             "assert callable(quantscope.distributed.gather_samples)\n"
+             "assert quantscope.presets.NVFP4 is not None and quantscope.scales.ScaleEncoding\n")
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.extended  # an interpreter importing every module
 def test_no_module_swaps_its_class_after_every_module_loads():
     # every module of the package imported, then each is a plain module and the public
