@@ -23,11 +23,13 @@ class Cache:
     def __init__(self, budget: list, folder: str, tag: str):
         self.budget, self.folder, self.tag = budget, folder, tag
         self.mem, self.size, self.spilled = {}, {}, 0
+        self.held: set[int] = set()  # the batches it holds, in memory or in files
 
     def put(self, i: int, value) -> None:
         self.drop(i)
         value = map_tensors(torch.Tensor.detach, value)
         nbytes = _nbytes(value)
+        self.held.add(i)
         if nbytes <= self.budget[0]:
             self.mem[i], self.size[i] = value, nbytes
             self.budget[0] -= nbytes
@@ -45,6 +47,7 @@ class Cache:
         return torch.load(os.path.join(self.folder, f"{self.tag}-{i}.pt"), weights_only=True)
 
     def drop(self, i: int) -> None:
+        self.held.discard(i)
         if i in self.mem:
             del self.mem[i]
             self.budget[0] += self.size.pop(i)
@@ -56,6 +59,7 @@ class Cache:
             self.drop(i)
         for f in Path(self.folder).glob(f"{self.tag}-*.pt"):
             f.unlink()
+        self.held.clear()
 
 
 class Contexts:

@@ -370,7 +370,9 @@ def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, contex
     piece.copy_inputs = False
     for k, c in got.items():
         run.parts[k].append((full, c))
-    if piece.outputs is None or not todo:  # the outputs, by their own pass
+    # the outputs by their own pass: wanted quantized, or the calibration's forwards did not
+    # give them all (none ran: nothing in the block takes an activation, or no recipe at all)
+    if piece.outputs is None or len(nxt.held) < len(batches.items):
         handle = got[next(iter(todo))].apply(piece) if todo and mode == "quantized" else None
         piece.outputs = nxt
         try:
