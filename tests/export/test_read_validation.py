@@ -350,7 +350,8 @@ def test_decoded_scales_are_checked_too(exported_schemes, tmp_path, monkeypatch)
     folder = _copy(exported_schemes / "MXFP4A16", tmp_path / "bad")
     _edit_tensor(folder, _W, lambda t: t.index_put_((torch.tensor(0), torch.tensor(0)),
                                                     torch.tensor(255, dtype=torch.uint8)))
-    monkeypatch.setattr(read, "_load_tensors", lambda p: load_file(Path(p, "model.safetensors")))
+    monkeypatch.setattr(read, "load_checked_tensors",
+                        lambda p, who: load_file(Path(p, "model.safetensors")))
     with pytest.raises(ValueError, match=r"self_attn.q_proj: weight_scale holds NaN or inf"):
         Calibration.from_compressed_tensors(folder)
 

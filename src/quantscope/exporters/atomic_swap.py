@@ -9,6 +9,9 @@ Windows, whose rename refuses an existing target). A swap that fails or is inter
 between those renames puts the old output back (or, superseded, deletes it): never lost,
 never left hidden. Only a kill at that instant (nothing can run) leaves it in the ``.old``
 folder (docs/SECURITY.md names the recovery).
+
+A reader of such a folder reads it with :func:`read_unchanged`, so a swap while it reads
+cannot give it files of two versions.
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import os
 import shutil
 import tempfile
 import warnings
 
-__all__ = ["swap_in"]
+__all__ = ["read_unchanged", "swap_in"]
 
 _RETRIES = 100  # swaps lost to other writers before giving up (each loss is another's win)
+_READ_RETRIES = 5  # versions replaced under a reader (read_unchanged) before it gives up
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2's flags
 
 
@@ -124,3 +129,36 @@ def _remove(path: str) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
+
+
+
+
+
+def read_unchanged(folder: str, who: str, read):
+    """``read()`` (which reads files of ``folder`` by path), from one version of the folder.
+
+    A writer's :func:`swap_in` puts a new folder (another inode) at the path: a ``read``
+    during which the path's folder stayed the same read one version, not some files of each.
+    One during which it changed runs again (an error it raised too, which files of two
+    versions may cause), up to :data:`_READ_RETRIES` times."""
+    for attempt in itertools.count(1):
+        before = _identity(folder)
+        try:
+            result = read()
+        except Exception:
+            if _identity(folder) == before:
+                raise
+        else:
+            if _identity(folder) == before:
+                return result
+        if attempt == _READ_RETRIES:
+            raise RuntimeError(f"{who}: {folder} was replaced {attempt} times while this "
+                               f"process read it; read it when no process writes it")
+
+
+def _identity(folder: str):
+    try:
+        st = os.stat(folder)
+    except FileNotFoundError:  # between the renames of a swap without renameat2
+        return None
+    return st.st_dev, st.st_ino

@@ -27,6 +27,7 @@ from ..layout import Block, Group
 from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
+from .atomic_swap import read_unchanged
 from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
 from .read_checks import (
     SCALE_LEAVES,
@@ -34,11 +35,11 @@ from .read_checks import (
     compressor,
     fmt_name,
     kv_scale_layer,
+    load_checked_tensors,
     neutral_qparams,
     parse_quant_config,
     read_quant_config,
     rewriting_modifiers,
-    safetensors_headers,
     scale_problem,
     storage_problem,
 )
@@ -74,32 +75,6 @@ def _global_amax(gs: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
                   f"nearest quantscope's formula gives: a few run-time block scales may round "
                   f"otherwise than the runtime's", stacklevel=2)
     return near[0]
-
-
-def _load_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder; a scale that is NaN, inf or <= 0 is refused here, naming
-    its file (``apply()`` would otherwise turn it into NaN logits)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"from_compressed_tensors: {path} holds no .safetensors file")
-    safetensors_headers(path, "from_compressed_tensors")  # lying headers: a clear error
-    tensors = {}
-    for f in files:
-        file = os.path.join(path, f)
-        try:
-            loaded = load_file(file)
-        except (SafetensorError, RuntimeError, OSError) as e:
-            raise ValueError(f"from_compressed_tensors: {file}: not a readable safetensors "
-                             f"file ({e})") from None
-        for name, t in loaded.items():
-            why = scale_problem(name, t) if name.rpartition(".")[2] in SCALE_LEAVES else None
-            if why:
-                raise ValueError(f"from_compressed_tensors: {file}: {why}")
-        tensors.update(loaded)
-    return tensors
 
 
 def _meta_model(path: str, config: dict, tensors: int):
@@ -256,7 +231,7 @@ def _decompress(name, stored, fmt, scheme, spec, wshape) -> dict:
 
 def _decoded_scale_problem(local: dict) -> str | None:
     """Why a decoded scale cannot be used: the stored ones were checked as stored
-    (:func:`_load_tensors`), these as compressed-tensors decodes them (E8M0 to float)."""
+    (:func:`.read_checks.load_checked_tensors`), these as compressed-tensors decodes them (E8M0 to float)."""
     for key, value in local.items():
         why = scale_problem(key, value) if key in SCALE_LEAVES else None
         if why:
@@ -472,9 +447,11 @@ def read_compressed_tensors(path):
     for dist in ("compressed-tensors", "transformers"):
         require(dist, "from_compressed_tensors")
     path = check_path("from_compressed_tensors", path)
-    cfg_path, config, qc = read_quant_config(path, "from_compressed_tensors")
+    # the config and the tensors of one version of the folder, though another process
+    # exports over it meanwhile
+    cfg_path, config, qc, tensors = read_unchanged(path, "from_compressed_tensors", lambda: (
+        *read_quant_config(path, "from_compressed_tensors"), load_checked_tensors(path, "from_compressed_tensors")))
     qconfig = parse_quant_config(cfg_path, qc, "from_compressed_tensors")
-    tensors = _load_tensors(path)
     model, experts = _meta_model(path, config, len(tensors))
     tensors = _module_names(model, tensors, qconfig)
     states = {}

@@ -18,7 +18,7 @@ from .._checks import pattern_refusal
 from .._jsonfile import parse_json, read_json
 
 __all__ = ["SCALE_LEAVES", "check_kv_scheme", "compressor", "fmt_name", "kv_scale_layer",
-           "neutral_qparams", "parse_quant_config", "read_quant_config", "rewriting_modifiers",
+           "load_checked_tensors", "neutral_qparams", "parse_quant_config", "read_quant_config", "rewriting_modifiers",
            "safetensors_headers", "scale_problem", "scale_values", "storage_problem"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
@@ -134,6 +134,32 @@ def kv_scale_layer(key: str, modules: dict, attention: dict, who: str) -> str:
                          f"module: k_scale / v_scale belong to attention modules "
                          f"(e.g. {sorted(attention)[:2] or 'none in this model'})")
     return layer
+
+
+def load_checked_tensors(path, who: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files, read by ``who``; a lying header or a
+    scale that is NaN, inf or <= 0 is refused here, naming its file (``apply()`` would
+    otherwise turn it into NaN logits)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{who}: {path} holds no .safetensors file")
+    safetensors_headers(path, who)
+    tensors = {}
+    for f in files:
+        file = os.path.join(path, f)
+        try:
+            loaded = load_file(file)
+        except (SafetensorError, RuntimeError, OSError) as e:
+            raise ValueError(f"{who}: {file}: not a readable safetensors file ({e})") from None
+        for name, t in loaded.items():
+            why = scale_problem(name, t) if name.rpartition(".")[2] in SCALE_LEAVES else None
+            if why:
+                raise ValueError(f"{who}: {file}: {why}")
+        tensors.update(loaded)
+    return tensors
 
 
 def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int]]]:

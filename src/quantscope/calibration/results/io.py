@@ -23,6 +23,7 @@ import torch
 
 from ..._checks import check_path, pattern_refusal
 from ..._jsonfile import read_json
+from ...exporters.atomic_swap import read_unchanged
 from ...layout import Group, Tensor
 from ...observers.registry import get_observer
 from ...qparams import QParams, qparams_from_range
@@ -51,6 +52,30 @@ class _Damaged(ValueError):
     """A calibration folder that does not hold what :func:`save` writes."""
 
 
+def _read_folder(path: str, meta_path: str, tensor_path: str, device) -> tuple[object, dict]:
+    """The JSON data and the tensors, both of one version of the folder
+    (:func:`read_unchanged`), though another process saves over it meanwhile."""
+    _, load_file = safetensors()
+    SafetensorError = _safetensor_error()
+    for p in (meta_path, tensor_path):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"load: {p} does not exist (expected a directory written "
+                                    f"by quantscope's save)")
+
+    def read():
+        try:
+            meta = read_json(meta_path, "load")
+        except ValueError as e:
+            raise _Damaged(str(e)) from None
+        try:
+            return meta, load_file(tensor_path, device=str(device))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:  # no path in theirs
+            raise _Damaged(f"load: {tensor_path}: not a readable safetensors file "
+                           f"({type(e).__name__}: {e})") from None
+
+    return read_unchanged(path, "load", read)
+
+
 def load(path, device="cpu") -> Calibration:
     """Read a calibration written by :func:`save`; ``calibration.apply(model)`` applies it.
 
@@ -69,22 +94,13 @@ def load(path, device="cpu") -> Calibration:
     stays a valid value (an int8 scale doubled) is not detected.
     """
     path = check_path("load", path)
-    _, load_file = safetensors()
-    SafetensorError = _safetensor_error()
     device = _load_device(device)
     meta_path, tensor_path = os.path.join(path, META), os.path.join(path, TENSORS)
-    for p in (meta_path, tensor_path):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"load: {p} does not exist (expected a directory written "
-                                    f"by quantscope's save)")
+    meta, tensors = _read_folder(path, meta_path, tensor_path, device)
 
     def bad(where, key, msg):
         return _Damaged(f"load: {where}: {key}: {msg}")
 
-    try:
-        meta = read_json(meta_path, "load")
-    except ValueError as e:
-        raise _Damaged(str(e)) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise _Damaged(f"load: {meta_path} is not a quantscope calibration (format {got!r})")
@@ -103,11 +119,6 @@ def load(path, device="cpu") -> Calibration:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise bad(meta_path, "recipe", f"{type(e).__name__}: {e}") from None
     _check_patterns(recipe, meta_path, bad)
-    try:
-        tensors = load_file(tensor_path, device=str(device))
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:  # no path in theirs
-        raise _Damaged(f"load: {tensor_path}: not a readable safetensors file "
-                       f"({type(e).__name__}: {e})") from None
     states, used = {}, set()
     for layer, roles in meta["layers"].items():
         if not isinstance(roles, dict):
