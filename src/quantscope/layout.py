@@ -318,7 +318,8 @@ class Group(_Segments):
         super().__post_init__()
         if self.g_idx is not None:
             g = torch.as_tensor(self.g_idx)
-            if g.dim() != 1 or g.dtype.is_floating_point or g.is_complex():
+            if g.dim() != 1 or g.dtype.is_floating_point or g.is_complex() or (
+                    g.dtype == torch.bool):
                 raise ValueError(f"Group: g_idx must be a 1-D integer tensor, got {g.dtype} "
                                  f"of shape {tuple(g.shape)}")
             if g.numel() and int(g.min()) < 0:
@@ -333,6 +334,13 @@ class Group(_Segments):
             object.__setattr__(self, "g_idx", g)
             object.__setattr__(self, "_perm", perm)
             object.__setattr__(self, "_inverse", torch.argsort(perm))
+
+    def __repr__(self) -> str:
+        # g_idx summarized (a message naming the layout printed every column's group)
+        g = self.g_idx
+        act = "" if g is None else (f", g_idx=<{g.numel()} columns, " + (
+            f"order {self.order}>" if self.order else "column order>"))
+        return f"Group(size={self.size}, axis={self.axis}{act})"
 
     @cached_property
     def order(self) -> str | None:
