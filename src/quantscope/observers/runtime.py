@@ -21,7 +21,7 @@ from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 from .registry import get_observer
 
-__all__ = ["qdq_tensor", "runtime_qparams"]
+__all__ = ["nested_rows", "qdq_tensor", "runtime_qparams"]
 
 
 def runtime_qparams(x: torch.Tensor, state) -> QParams:
@@ -67,10 +67,22 @@ def qdq_tensor(x: torch.Tensor, state) -> torch.Tensor:
                         f"spec, dynamic, qparams, ...), got {type(state).__name__}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"qdq_tensor: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_nested:  # its rows, quantized as one tensor (as calibrate observed them), put back
+        parts = x.unbind()
+        rows = qdq_tensor(nested_rows(x), state).split([t.numel() // t.shape[-1] for t in parts])
+        return torch.nested.as_nested_tensor([r.reshape(t.shape) for r, t in zip(rows, parts)],
+                                             layout=x.layout)
     if x.numel() == 0:
         return x
     ste = (x.requires_grad and torch.is_grad_enabled()) or _has_tangent(x)
     return fake_quantize(x, runtime_qparams(x, state), state.spec, ste=ste, check=False)
+
+
+def nested_rows(x: torch.Tensor) -> torch.Tensor:
+    """A nested tensor's rows (its components' ``[..., C]`` rows, concatenated): what an
+    activation role sees of it. ``nn.TransformerEncoder`` in eval mode feeds its layers a
+    batch with a padding mask as one, each sequence without its padding."""
+    return torch.cat([t.reshape(-1, t.shape[-1]) for t in x.unbind()])
 
 
 def _has_tangent(x: torch.Tensor) -> bool:

@@ -166,7 +166,7 @@ class _InputQDQ:
         self.state, self.name = state, name
 
     def __call__(self, module, args, kwargs):
-        x = module_input(args, kwargs, self.name)
+        x = module_input(args, kwargs, self.name, rows=False)  # (a nested one: qdq_tensor's)
         if not isinstance(x, torch.Tensor):
             return None
         if args:

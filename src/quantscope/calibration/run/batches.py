@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ...observers.runtime import nested_rows
+
 __all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "map_tensors",
            "module_input", "tensors_in"]
 
@@ -114,8 +116,9 @@ def input_name(module: torch.nn.Module) -> str | None:
     return None
 
 
-def module_input(args: tuple, kwargs: dict, name: str | None):
-    """A module call's input: the first positional argument, else the keyword ``name``."""
-    if args:
-        return args[0]
-    return kwargs.get(name) if name is not None else None
+def module_input(args: tuple, kwargs: dict, name: str | None, rows: bool = True):
+    """A module call's input: the first positional argument, else the keyword ``name``; a
+    nested tensor as its rows (:func:`~quantscope.observers.runtime.nested_rows`: what
+    observers see of it) unless ``rows=False``."""
+    x = args[0] if args else kwargs.get(name) if name is not None else None
+    return nested_rows(x) if rows and isinstance(x, torch.Tensor) and x.is_nested else x
