@@ -290,16 +290,25 @@ class AppendingFirstGrid:
         nb = self.hist_counts.shape[-1]
         return self.hist_hi if nb == self.bins else (self._first_width() * nb).float()
 
+    #: the bins a batch past the top appends at least (hi is past the float32 top: one)
+    MIN_APPEND = 1
+
+    def _bins_needed(self, hi) -> torch.Tensor:
+        # the grid's bins to hold hi: ceil(hi / w) in float64 (ModelOpt's class: float32)
+        return torch.ceil(hi.double() / self._first_width()).max()
+
     def _append_bins(self, hi) -> bool:
         # zero bins of the first width until the grid holds hi; False (the re-bin): a first
         # top of 0, non-finite data, or past the bound
-        need = torch.ceil(hi.double() / self._first_width()).max()
+        need = self._bins_needed(hi)
         old = self.hist_counts.shape[1]
         limit = min(self.GROW_LIMIT * self.bins, self.max_hist_bytes // (8 * hi.numel()))
         if not bool(need.isfinite()) or int(need) > limit:
             return False
-        pad = max(int(need), old + 1) - old  # hi is past the float32 top: a bin at least
-        self._store(("hist_counts",), (torch.nn.functional.pad(self.hist_counts, (0, pad)),))
+        pad = max(int(need), old + self.MIN_APPEND) - old
+        if pad:
+            self._store(("hist_counts",),
+                        (torch.nn.functional.pad(self.hist_counts, (0, pad)),))
         return True
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -7,16 +7,20 @@ end; ``None`` or ``()``: per tensor), and ``compute_amax()`` returns ModelOpt's 
 and shape (the kept axes' sizes, the others 1; a 0-d tensor when it holds one value; None
 before data; ``_calib_amax`` reads the same). A batch whose amax shape changes is a
 ``RuntimeError``, NaN / inf an :class:`ModelOptArgumentError` (an ``AssertionError``, as
-ModelOpt asserts). Integer tensors are taken (their amax in their dtype, as ModelOpt's). A
-meta tensor gives a meta amax of that shape and dtype (ModelOpt's initialization branch: it
-replaces what was collected; a real batch after it is a ``RuntimeError``, as ModelOpt's).
+ModelOpt asserts). Integer tensors are taken (their amax in their dtype, as ModelOpt's),
+fp8 ones read as float32 (ModelOpt's upcast); batches of several dtypes give an amax in their
+promoted dtype (ModelOpt's ``torch.max``: float32 then fp16 is float32). An axis named twice
+(``(1, 1)``, or ``(1, -1)`` on 2-D) is kept once. A meta tensor gives a meta amax of that
+shape and dtype (ModelOpt's initialization branch: it replaces what was collected; a real
+batch after it is a ``RuntimeError``, as ModelOpt's).
 
 ``HistogramCalibrator(num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None,
 skip_zeros=False, torch_hist=True)``: per tensor only (``axis`` is ModelOpt's
 ``NotImplementedError``); a ``num_bins`` histogram of ``|x|`` (integer tensors: of their
 float32 values) over the first batch's ``[0, max |x|]`` (``torch.histc``'s bins), later
-batches past it append bins of the same width (the native ``grid="first"`` histogram, grown as
-Horizon's KL histogram grows); ``_calib_hist`` / ``_calib_bin_edges`` read it as ModelOpt's
+batches past it append bins of the same width, ``ceil(max |x| / w)`` in all as ModelOpt
+counts them in float32 (the native ``grid="first"`` histogram, grown as Horizon's KL
+histogram grows); ``_calib_hist`` / ``_calib_bin_edges`` read it as ModelOpt's
 (float32 counts, edges). A batch with NaN / inf is refused at ``collect``: a first one with
 ModelOpt's ``RuntimeError``, a later inf with its ``OverflowError``.
 ``compute_amax(method, *, stride=1, start_bin=128, percentile=99.99)`` runs quantscope's
@@ -54,7 +58,9 @@ its dtype's top is the top). A signed integer minimum (int8's -128) is refused b
 as ``|x|`` by ``HistogramCalibrator`` (ModelOpt drops it). A later histogram batch with NaN is
 refused (ModelOpt's ``histc`` drops the NaN silently). ``track_amax`` keeps bf16 amaxes as
 float32 arrays (numpy has no bf16: ModelOpt fails). An axis out of range is a
-``ValueError`` (ModelOpt reduces every axis). ``reset()`` restores ``num_bins`` (ModelOpt
+``ValueError`` (ModelOpt reduces every axis), and so is an empty batch at
+``MaxCalibrator.collect`` (ModelOpt's torch ``RuntimeError`` / ``IndexError``; it keeps an
+empty amax for a ``(0, n)`` batch with ``axis=0``). ``reset()`` restores ``num_bins`` (ModelOpt
 keeps the grown count for the next first batch). A first histogram of only zeros, later
 grown, and one growing past ``GROW_LIMIT x num_bins``, move once to quantscope's
 power-of-two grid of ``num_bins`` bins, approximately (ModelOpt: ``OverflowError``; appends
@@ -95,6 +101,7 @@ __all__ = [
 ]
 
 METHODS = ("entropy", "mse", "percentile")
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # no abs / max kernels: read as float32
 
 
 class ModelOptArgumentError(ValueError, AssertionError):
@@ -110,7 +117,8 @@ def _axes(axis) -> tuple[int, ...] | None:
         if isinstance(a, bool) or not isinstance(a, numbers.Integral):
             raise TypeError(f"modelopt: axis must be None, an int or a tuple of ints (the "
                              f"axes kept), got {axis!r}")
-    return tuple(int(a) for a in axes)
+    # an axis named twice is kept once, as ModelOpt's ((1, -1) on 2-D: _view knows the dims)
+    return tuple(dict.fromkeys(int(a) for a in axes))
 
 
 def modelopt_spec(num_bits=8, axis=None, unsigned=False) -> QuantSpec:
@@ -197,6 +205,7 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         if self._track_amax:
             self._amaxs = []
         self._amax_shape = None  # ModelOpt's amax shape of the first batch
+        self._dtype = None  # the batches' dtypes promoted (ModelOpt's torch.max of the amaxes)
         self._meta_amax = None  # a meta batch's amax (ModelOpt's initialization branch)
 
     @property
@@ -212,9 +221,10 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         return self.compute_amax()
 
     def _view(self, x: torch.Tensor):
-        """``(x as the layout's input, amax shape)``: several kept axes are moved to the front
-        and flattened into one (``Channel(0)``); none kept (or all: torch's ``amax`` over no
-        dim reduces every one, as ModelOpt's) is per tensor."""
+        """``(x as the layout's input, amax shape)``: several axes named (the spec's
+        ``Channel(0)``; one kept too, as ``(1, -1)`` on 2-D) are moved to the front and
+        flattened into one; none kept (or all: torch's ``amax`` over no dim reduces every
+        one, as ModelOpt's) is per tensor."""
         axes, nd = _axes(self._axis), x.dim()
         for a in axes or ():
             if not -nd <= a < nd:
@@ -227,15 +237,20 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
             # one unit on the layout's channel axis: Channel(-1) only for axis=-1 on 1-D
             return (x.reshape(-1, 1) if axes == (-1,) else x.reshape(1, -1)), ()
         shape = tuple(n if i in kept else 1 for i, n in enumerate(x.shape))
-        if len(kept) == 1:
+        if len(axes) == 1:  # the spec's Channel(axis): x as it is
             return x, shape
         rest = [i for i in range(nd) if i not in kept]
         k = torch.Size(x.shape[i] for i in kept).numel()
         return x.permute(*kept, *rest).reshape(k, x.numel() // max(k, 1)), shape
 
     def _check_values(self, x: torch.Tensor) -> None:
-        """ModelOpt's asserts (NaN / inf); a signed integer minimum, whose ``|x|`` the dtype
-        cannot hold (ModelOpt's amax ignores it), is refused too."""
+        """ModelOpt's asserts (NaN / inf); an empty batch (ModelOpt's amax of no elements
+        fails) and a signed integer minimum, whose ``|x|`` the dtype cannot hold (ModelOpt's
+        amax ignores it), are refused too."""
+        if not x.numel():
+            raise ValueError(f"modelopt MaxCalibrator: collect(x): x has no elements (shape "
+                             f"{tuple(x.shape)}); expected a tensor with data, whose max |x| "
+                             f"is an amax")
         if x.is_floating_point() and not bool(torch.isfinite(x).all()):
             raise ModelOptArgumentError(f"modelopt MaxCalibrator: detected NaN or inf values "
                                         f"in the tensor (NaN: {bool(torch.isnan(x).any())})")
@@ -253,21 +268,29 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         if self._meta_amax is not None:  # ModelOpt: its meta amax and the batch's clash
             raise RuntimeError("modelopt MaxCalibrator: a meta tensor was collected (ModelOpt's "
                                "initialization); reset() before collecting data")
+        if getattr(x, "dtype", None) in FP8:  # as ModelOpt's reduce_amax (float32 holds them)
+            x = x.float()
         view, shape = self._view(_float_values(x))
         self._check_values(x)
         shape = _squeezed(shape)
         if self._amax_shape is not None and shape != self._amax_shape:
             raise RuntimeError("amax shape changed!")  # ModelOpt's words
+        # every check before the state changes: a refused batch leaves it as it was
+        tracked = self._batch_amax(view, shape, x.dtype) if self._track_amax else None
         self(view)
         self._amax_shape = shape
-        if self._track_amax:
-            lo, hi = unit_minmax(self.spec.layout.to_units(view))
-            amax = self._shaped(amax_of_range(lo, hi), x.dtype)
-            # numpy has no bf16 (ModelOpt fails there): its float32 value
-            self._amaxs.append(amax.float().cpu().numpy() if amax.dtype == torch.bfloat16
-                               else amax.cpu().numpy())
-        self._dtype = x.dtype
+        # ModelOpt's torch.max(amax, batch amax) promotes: float32 then fp16 stays float32
+        self._dtype = torch.promote_types(self._dtype or x.dtype, x.dtype)
+        if tracked is not None:
+            self._amaxs.append(tracked)
         return None
+
+    def _batch_amax(self, view: torch.Tensor, shape: tuple, dtype):
+        # as ModelOpt's amaxs: numpy in the batch's dtype (bf16, which numpy lacks: float32)
+        self.check_input(view)  # the native refusals first (bool, complex, device)
+        lo, hi = unit_minmax(self.spec.layout.to_units(view))
+        amax = self._shaped(amax_of_range(lo, hi), dtype, shape)
+        return (amax.float() if amax.dtype == torch.bfloat16 else amax).cpu().numpy()
 
     def _collect_meta(self, x: torch.Tensor) -> None:
         # ModelOpt keeps the meta amax in place of any (no data, no host read)
@@ -275,9 +298,9 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         self.reset()
         self._meta_amax = torch.empty(shape, dtype=x.dtype, device="meta")
 
-    def _shaped(self, amax: torch.Tensor, dtype) -> torch.Tensor:
+    def _shaped(self, amax: torch.Tensor, dtype, shape: tuple) -> torch.Tensor:
         # abs: all-zero data reads max(-0, 0) = -0; ModelOpt's max |x| is +0
-        return _as_dtype(amax.abs(), dtype).reshape(self._amax_shape)
+        return _as_dtype(amax.abs(), dtype).reshape(shape)
 
     def compute_amax(self) -> torch.Tensor | None:
         """The ``max |x|`` of every tensor collected (ModelOpt's dtype and shape), None before
@@ -286,11 +309,12 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
             return self._meta_amax
         if self._amax_shape is None:
             return None
-        return self._shaped(amax_of_range(self.min_vals, self.max_vals), self._dtype)
+        return self._shaped(amax_of_range(self.min_vals, self.max_vals), self._dtype,
+                            self._amax_shape)
 
     def reset(self) -> None:
         super().reset()
-        self._amax_shape = self._meta_amax = None
+        self._amax_shape = self._meta_amax = self._dtype = None
 
 
 def _check_percentile(who: str, value) -> float:
@@ -321,6 +345,7 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
     # ModelOpt takes any count (its tests: 19, 32); 2: the power-of-two grid a histogram may
     # move to spans (bins - 1) widths
     MIN_BINS = 2
+    MIN_APPEND = 0  # ModelOpt's ceil(x_max / w) may be the bins it has (its top moves on)
 
     def __init__(self, num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None,
                  skip_zeros=False, torch_hist=True, **kwargs):
@@ -376,23 +401,34 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         if not self._linear:  # moved to the native grid (module doc)
             return self.current_histogram().edges()[0]
         edges = self._modelopt_edges()
-        return edges if edges.numel() == self.bins + 1 else edges.to(self.hist_counts.device)
+        # ModelOpt's arange runs on the batch's device, its linspace on the CPU
+        return edges if self._grown_top is None else edges.to(self.hist_counts.device)
+
+    def _first_edges(self) -> torch.Tensor:
+        # ModelOpt's linspace(0, max |x|, num_bins + 1) of the first batch (CPU float32)
+        return torch.linspace(0, float(self.hist_hi[0]), self.bins + 1)
 
     def _modelopt_edges(self) -> torch.Tensor:
         """ModelOpt's edges of the first grid (CPU float32): ``linspace(0, max |x|, num_bins +
         1)`` of the first batch; grown, ``arange(0, top + w, w)`` to the growing batch's max
         ``|x|`` (one edge more than the bins where float32 rounds so)."""
-        edges = torch.linspace(0, float(self.hist_hi[0]), self.bins + 1)
-        bins = self.hist_counts.shape[-1]
-        if bins == self.bins:
+        edges = self._first_edges()
+        if self._grown_top is None:
             return edges
         w = edges[1] - edges[0]
         return torch.arange(0, self._grown_top + w, w)
 
+    def _bins_needed(self, hi) -> torch.Tensor:
+        # ModelOpt's count: ceil(x_max / w) in float32, w = edges[1] - edges[0] of its
+        # float32 linspace (not Horizon's float64 quotient, which can count a bin more)
+        edges = self._first_edges()
+        w = (edges[1] - edges[0]).to(hi.device)
+        return torch.ceil(hi.float() / w).max()
+
     def _linear_top(self):
         # histc's max on a grown grid: ModelOpt's last edge (float32 steps, not float64's),
         # kept when the grid grows (read 2-3 times a batch)
-        if self.hist_counts.shape[-1] == self.bins:
+        if self._grown_top is None:
             return self.hist_hi
         if self._grown_edge is None:
             self._grown_edge = self._modelopt_edges()[-1:]
