@@ -207,3 +207,25 @@ def test_half_activation_qparams_are_llmcompressors(dtype, name, strategy, dynam
         xs = [(torch.randn(2, 8, 64, generator=g) * (0.3 * i + 0.3) + 0.2).to(dtype)
               for i in range(3)]
         _assert_qparams_equal(*_qparams(name, "input", fields, xs))
+
+
+#: compressed-tensors' NVFP4 preset: fp8 block scales (``scale_dtype``) under the global scale
+NVFP4_PRESET = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+                "group_size": 16, "scale_dtype": torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("name", WEIGHT_CLASSES + ["nvfp4_expanded_mse"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_nvfp4_preset_qparams_are_llmcompressors(dtype, name):
+    """Session 33: with the preset's fp8 ``scale_dtype`` the global scale was float32's
+    ``2688 / amax`` (theirs: in the statistics' dtype, 13107.2 against 13120.0 on a bf16
+    weight) and so were the block scales (theirs: the half amax / 6, times it): 19 of 512
+    differed. Weights and three input batches, bit for bit."""
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(64, 128, generator=g) * 0.05 * (seed + 1)).to(dtype)
+        _assert_qparams_equal(*_qparams(name, "weight", NVFP4_PRESET, [w]))
+        if name in ("memoryless_minmax", "static_minmax", "minmax"):
+            xs = [(torch.randn(2, 8, 64, generator=g) * (0.5 * i + 0.2)).to(dtype)
+                  for i in range(3)]
+            _assert_qparams_equal(*_qparams(name, "input", NVFP4_PRESET, xs))

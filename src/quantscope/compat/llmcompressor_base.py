@@ -228,13 +228,10 @@ class Observer(_internal_module()):
         return self._fused_global_scale(self.fusion_handler.get_fused_statistics())
 
     def _fused_global_scale(self, statistics: list[dict]) -> torch.Tensor:
-        """The global scale of a fusion group's statistics; scales that compressed-tensors
-        multiplies by it (:func:`scales_times_global_scale`) see it computed, as theirs, in
-        the statistics' (promoted) dtype: the ranges', not imatrix's float32 / int64 sums."""
-        dtype = None
-        if scales_times_global_scale(self.args):
-            dtype = functools.reduce(torch.promote_types, [
-                s[name].dtype for s in statistics for name in ("min_vals", "max_vals")])
+        """The global scale of a fusion group's statistics, computed as theirs in the
+        statistics' (promoted) dtype: the ranges', not imatrix's float32 / int64 sums."""
+        dtype = functools.reduce(torch.promote_types, [
+            s[name].dtype for s in statistics for name in ("min_vals", "max_vals")])
         return global_scale_of(fused_amax(statistics), dtype)
 
     @torch.no_grad()
@@ -380,11 +377,11 @@ def _ct_eps(args, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps if dtype.is_floating_point else 1.0
 
 
-def _ct_spec(args, base_name: str) -> QuantSpec:
+def _ct_spec(args, base_name: str, times_global: bool) -> QuantSpec:
     """The spec whose float32 scales compressed-tensors computes before it rounds them to a
     float ``scale_dtype`` (NVFP4's fp8 and MX's E8M0 block scales are encoded in the spec)."""
     spec = llmcompressor_spec(args, base_name)
-    if scales_times_global_scale(args):  # float32 scales, then times the global scale
+    if times_global:  # float32 scales, then times the global scale
         spec = spec.replace(layout=Channel(0), scale="fp32")
     if spec.scale.is_block:  # their own eps: never 0
         return spec
@@ -439,13 +436,16 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
     theirs (to 0 below its range); a scale that is 0 becomes their eps of ``scale_dtype`` or
     the scale's dtype, and its zero point their ``qmin - lo / 0`` cast to an integer: 0
     where ``lo`` is 0 (NaN), else ``qmax``."""
-    spec = _ct_spec(args, base_name)
+    # (NVFP4's spec computes the block scales of float32 ranges as theirs; of half ones,
+    # theirs is the half-precision amax / 6 times the global scale, as below)
+    times_global = scales_times_global_scale(args) or (
+        global_amax is not None and min_vals.dtype in HALF_SCALES)
+    spec = _ct_spec(args, base_name, times_global)
     shape = tuple(min_vals.shape)
     if global_amax is not None:
         dtype = torch.promote_types(min_vals.dtype, torch.float32)
     else:
         dtype = statistics_dtype(min_vals)
-    times_global = scales_times_global_scale(args)
     local, zero = _local_qparams(min_vals, max_vals, spec, None if times_global else global_amax)
     if times_global:  # theirs: the scale in the half-precision statistics' dtype, times the
         # float32 global
