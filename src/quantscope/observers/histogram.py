@@ -170,6 +170,12 @@ class HistogramObserverBase(IntervalAverage, Observer):
             raise ValueError(f"{self.describe()}: cannot load a histogram of {counts.shape[1]} "
                              f"bins into one of bins={self.bins}; construct the observer with "
                              f"bins={counts.shape[1]}")
+        exp = state_dict.get(prefix + "hist_exp")  # 2**e and 2**-e normal: what bins read
+        if isinstance(exp, torch.Tensor) and exp.numel() and not bool(
+                ((exp >= H.E_MIN) & (exp <= H.E_MAX)).all()):
+            raise ValueError(f"{self.describe()}: cannot load {prefix}hist_exp: its grid "
+                             f"exponents must lie in [{H.E_MIN}, {H.E_MAX}], got "
+                             f"[{int(exp.min())}, {int(exp.max())}]")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x):

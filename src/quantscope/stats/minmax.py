@@ -231,6 +231,9 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     on the kernel path; the returned ``lo`` / ``hi`` are then scratch.
     """
     U, E = units.shape
+    if E == 0:  # (the C kernels divide their rows by E; torch raises an IndexError)
+        raise ValueError(f"unit_minmax: units must have elements (a min / max of each row of "
+                         f"[units, elements]), got shape {tuple(units.shape)}")
     if out is not None and not _takes_out(out, U, units):
         out = None
     step = ends is not None or update is not None

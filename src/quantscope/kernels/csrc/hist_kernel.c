@@ -610,6 +610,9 @@ int64_t qs_hist_fused(const float *x, int64_t n, int64_t B, int absolute,
     int32_t h0 = -1;
     if (n < 1 || e < E_MIN || e > E_MAX) return 1;
     if (slo[0] <= shi[0]) {
+        /* a first bin past the float32-exact window (a grid recorded from an infinite
+           value): a miss, before first[0] - B could overflow */
+        if (first[0] < -((int64_t)1 << 24) || first[0] > ((int64_t)1 << 24)) return 1;
         wb = absolute ? 0 : first[0] - B;
         W = absolute ? 2 * B : 3 * B;
         if (wb < -((int64_t)1 << 24) || wb + W > ((int64_t)1 << 24)) return 1;  /* f32 exact */

@@ -315,6 +315,7 @@ static void *crun(void *p) {
    from the caller. Returns 0 (every exported kernel returns int64: kernels.SIGNATURES). */
 int64_t qs_col_minmax(const void *x, int64_t R, int64_t C, float *lo, float *hi,
                       float *work, int threads, int dt) {
+    if (C < 1) return -1;  /* no columns: nothing to reduce (the caller sends none) */
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
     cjob_t jobs[QS_MAXT];
@@ -429,6 +430,7 @@ static void one_unit(const void *x, int64_t E, float *lo, float *hi, float *ends
 int64_t qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi,
                        float *ends, int threads, int mode, double c, float *slo, float *shi,
                        int streaming, int dt) {
+    if (E < 1) return -1;  /* rows of no elements: no min / max (the caller refuses them) */
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
     if (U == 1 && threads > 1 && E >= threads) {
