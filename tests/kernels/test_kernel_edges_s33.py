@@ -58,7 +58,7 @@ def test_a_state_with_grid_exponents_out_of_range_is_refused():
 _CASES = r'''
 import torch; torch.set_num_threads(2)
 from quantscope import kernels
-from quantscope.layout import Channel
+from quantscope.layout import Channel, Tensor
 from quantscope.observers.histogram import L2HistogramObserver, PercentileObserver
 from quantscope.spec import QuantSpec
 from quantscope.stats.minmax import unit_minmax
