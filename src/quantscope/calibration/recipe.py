@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from .. import presets
-from ..layout import Tensor
+from ..layout import Group, Tensor
 from ..spec import QuantSpec
 from .recipe_dict import built, fields_from, matches, own_options, patterns, role_options
 from .role_observers import AUTO, check_taken, observed, weight_observer
@@ -100,10 +100,6 @@ def _spec_from(d, where: str) -> QuantSpec:
         raise ValueError(f"{where}: {e}") from None
 
 
-def _optional_role(d, where: str) -> Role | None:
-    return None if d is None else Role.from_dict(d, where)
-
-
 @dataclass(frozen=True)
 class Rule:
     """Modules matched by ``targets`` and the roles they quantize (None: left in float)."""
@@ -136,8 +132,8 @@ class Rule:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "Rule") -> Rule:
-        return built(cls, fields_from(cls, d, where, **dict.fromkeys(ROLES, _optional_role)),
-                     where)
+        role = lambda v, at: None if v is None else Role.from_dict(v, at)  # a role or None
+        return built(cls, fields_from(cls, d, where, **dict.fromkeys(ROLES, role)), where)
 
 
 def _rules(rules, where: str) -> tuple[Rule, ...]:
@@ -196,23 +192,16 @@ class Recipe:
             raise TypeError(f"Recipe.rules must hold Rule objects, got {type(bad[0]).__name__}")
 
     def match(self, model: nn.Module) -> dict[str, tuple[nn.Module, dict[str, Role]]]:
-        """``{module name: (module, {role: Role})}`` for every module a rule takes; raises
-        ``ValueError`` naming the targets if nothing matches."""
-        found = {}
+        """``{module name: (module, {role: Role})}`` for every module a rule takes
+        (:func:`taken_roles`); raises ``ValueError`` naming the targets if nothing matches."""
+        found, dropped = {}, {}
         for name, module in model.named_modules():
             rule = self.rule_for(name, module)
-            if rule is None:
-                continue
-            roles = rule.roles()
-            if isinstance(module, _INDEXED):  # its input is token ids: no activation there
-                roles.pop("input", None)
-            if "weight" in roles and not isinstance(getattr(module, "weight", None),
-                                                    nn.Parameter):
-                raise ValueError(
-                    f"recipe {self.name!r}: module {name!r} ({type(module).__name__}) "
-                    f"matches {rule.targets} with a weight role but has no weight parameter")
+            roles, why = taken_roles(name, module, rule, self.name) if rule else ({}, None)
             if roles:
                 found[name] = (module, roles)
+            elif why:  # one module of each kind and reason, for the error
+                dropped.setdefault((type(module).__name__, why), name)
         if self.kv_cache is not None:
             from .structure.kv_cache import attention_modules
 
@@ -223,19 +212,21 @@ class Recipe:
                                 "value": self.kv_cache})
         if not found:
             targets = [t for r in self.rules for t in r.targets]
+            if dropped:  # modules match, but none takes a role of its rule: say which and why
+                said = "; ".join(f"{n!r} ({kind}) {why}" for (kind, why), n in dropped.items())
+                raise ValueError(f"recipe {self.name!r}: modules match targets {targets}, but "
+                                 f"none takes a role of its rule: {said}")
             named = [(n, m) for n, m in model.named_modules() if n]  # ignored ones too
             if (any(matches(t, "", model) for t in targets)
                     and not any(matches(t, n, m) for n, m in named for t in targets)):
-                raise ValueError(
-                    f"recipe {self.name!r}: only the model itself ({type(model).__name__}) "
-                    f"matches targets {targets}, and the root module is never quantized (a "
-                    f"layer is named by its path in the model): wrap it, e.g. "
-                    f"nn.Sequential(model)")
+                raise ValueError(f"recipe {self.name!r}: only the model itself "
+                                 f"({type(model).__name__}) matches targets {targets}, and the "
+                                 f"root module is never quantized (a layer is named by its path "
+                                 f"in the model): wrap it, e.g. nn.Sequential(model)")
             kinds = sorted({type(m).__name__ for _, m in model.named_modules()})
-            raise ValueError(
-                f"recipe {self.name!r}: no module matches targets {targets}"
-                f"{f' (ignore {list(self.ignore)})' if self.ignore else ''}; the model's module "
-                f"types are {kinds}")
+            raise ValueError(f"recipe {self.name!r}: no module matches targets {targets}"
+                             f"{f' (ignore {list(self.ignore)})' if self.ignore else ''}; the "
+                             f"model's module types are {kinds}")
         return found
 
     def rule_for(self, name: str, module: nn.Module) -> Rule | None:
@@ -279,6 +270,26 @@ class Recipe:
         return cls(**fields_from(cls, d, "Recipe", rules=_rules, kv_cache=kv))
 
 
+def taken_roles(name: str, module: nn.Module, rule: Rule, recipe: str = "custom"):
+    """``(roles, why)``: the roles of ``rule`` that ``module`` takes, and why none. A weight
+    role takes a weight Parameter of 2 dims or more, with the rule's other roles, as
+    compressed-tensors quantizes the Linear / Embedding layers a target matches, not the
+    modules holding them nor norms (a computed weight raises); an Embedding no input role."""
+    roles = rule.roles()
+    weight = getattr(module, "weight", None) if "weight" in roles else None  # a parametrized
+    if weight is not None and not isinstance(weight, nn.Parameter):  # one is computed if read
+        raise ValueError(f"recipe {recipe!r}: module {name!r} ({type(module).__name__}) "
+                         f"matches {rule.targets} with a weight role but has no weight parameter")
+    if "weight" in roles and (weight is None or not isinstance(  # a lazy one: refused later
+            weight, nn.parameter.UninitializedParameter) and weight.dim() < 2):
+        return {}, ("holds no weight for the weight role (the layers in it do)" if weight is None
+                    else f"has a {weight.dim()}-D weight (a norm's scale), no layer's")
+    if isinstance(module, _INDEXED):  # its input is token ids: no activation there
+        roles.pop("input", None)
+    return roles, None if roles else ("takes no input role (Embedding / EmbeddingBag: its "
+                                      "input is token ids); give a weight role")
+
+
 #: ``kv_cache=`` names: the KV cache format vLLM's ``kv_cache_dtype`` takes
 KV_CACHE = {"fp8": QuantSpec("fp8_e4m3", Tensor())}
 
@@ -308,16 +319,12 @@ _FP8_ACT = QuantSpec("fp8_e4m3", Tensor())
 _FP8_TOKEN = QuantSpec("fp8_e4m3", presets.INT8_PER_TOKEN.layout)
 
 
-def _w8a8(obs):
-    return Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, obs),
-                input=Role(_INT8_ACT, obs))
-
-
 #: recipe name -> function of the observer name giving the Rule for Linear layers (the
 #: "recipes"; specs are :data:`quantscope.presets.SPECS`)
 RECIPES = {
     # int8 per-channel weights, static int8 per-tensor activations
-    "w8a8": _w8a8,
+    "w8a8": lambda obs: Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, obs),
+                             input=Role(_INT8_ACT, obs)),
     # int8 per-channel weights, int8 per-token activations computed at run time
     "w8a8-dynamic": lambda obs: Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, obs),
                                      input=Role(_INT8_TOKEN, "memoryless_minmax", True)),
@@ -458,16 +465,13 @@ def _own_observer(key: str, role: str, name: str | None) -> str:
 
 def with_group_size(recipe: Recipe, size: int) -> Recipe:
     """A copy of ``recipe`` whose grouped roles (``Group`` layouts) use groups of ``size``."""
-    from ..layout import Group
-
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:  # True is no size
         raise ValueError(f"group size must be a positive integer, got {size!r}")
 
     def regroup(role):
         if role is None or not isinstance(role.spec.layout, Group):
             return role
-        layout = replace(role.spec.layout, size=size)
-        return replace(role, spec=replace(role.spec, layout=layout))
+        return replace(role, spec=replace(role.spec, layout=replace(role.spec.layout, size=size)))
     if not has_groups(recipe):
         raise ValueError(f"recipe {recipe.name!r} has no grouped role for a group size to change")
     rules = tuple(replace(r, **{k: regroup(getattr(r, k)) for k in ROLES}) for r in recipe.rules)
@@ -476,8 +480,6 @@ def with_group_size(recipe: Recipe, size: int) -> Recipe:
 
 def has_groups(recipe: Recipe) -> bool:
     """Whether a role of ``recipe`` has a ``Group`` layout (a size ``with_group_size`` sets)."""
-    from ..layout import Group
-
     return any(isinstance(role.spec.layout, Group) for r in recipe.rules
                for role in r.roles().values())
 
@@ -493,8 +495,6 @@ def with_role_observer(recipe: Recipe, role: str, observer: str) -> Recipe:
                          f"dynamic {role}s, quantized at run time: none is calibrated"))
 
     def swap(r):
-        if r is None or r.dynamic is True:
-            return r
-        return replace(r, observer=observer, options=())
+        return r if r is None or r.dynamic is True else replace(r, observer=observer, options=())
     rules = tuple(replace(r, **{role: swap(getattr(r, role))}) for r in recipe.rules)
     return replace(recipe, rules=rules)

@@ -3,7 +3,8 @@
 Whoever wrote it (quantscope's exporter, llm-compressor), the folder's
 ``quantization_config`` says which modules carry which ``QuantizationArgs``; the modules are
 matched by compressed-tensors' own ``match_named_modules`` on the model built from
-``config.json`` on the meta device (no weights allocated), and each module's tensors are
+``config.json`` on the meta device (no weights allocated), a module several groups match
+read in the one group compressed-tensors gives it (:func:`_precedence`), and its tensors are
 decoded by compressed-tensors' own compressor (``decompress``: fp8 and E8M0 scales to
 float, packed zero points to integers). The args become quantscope specs
 (:func:`~quantscope.compat.llmcompressor.llmcompressor_spec`, the one translation: MX is
@@ -31,8 +32,10 @@ from .atomic_swap import read_unchanged
 from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
 from .read_checks import (
     SCALE_LEAVES,
+    ZERO_POINTS,
     check_kv_scheme,
     compressor,
+    exact_pattern,
     fmt_name,
     kv_scale_layer,
     load_checked_tensors,
@@ -42,6 +45,7 @@ from .read_checks import (
     rewriting_modifiers,
     scale_problem,
     storage_problem,
+    unexpected_qparam,
 )
 from .registry import register_reader
 
@@ -231,54 +235,12 @@ def _decompress(name, stored, fmt, scheme, spec, wshape) -> dict:
 
 def _decoded_scale_problem(local: dict) -> str | None:
     """Why a decoded scale cannot be used: the stored ones were checked as stored
-    (:func:`.read_checks.load_checked_tensors`), these as compressed-tensors decodes them (E8M0 to float)."""
+    (:func:`.read_checks.load_checked_tensors`), these as compressed-tensors decodes them
+    (E8M0 to float)."""
     for key, value in local.items():
         why = scale_problem(key, value) if key in SCALE_LEAVES else None
         if why:
             return why
-    return None
-
-
-_QPARAM_ENDS = ("_scale", "_zero_point")
-_ZERO_POINTS = ("weight_zero_point", "input_zero_point", "output_zero_point")
-
-
-def _qparam_leaves(roles: dict, specs: dict) -> set[str]:
-    """The quantization tensors compressed-tensors writes for a layer of ``roles`` (name ->
-    args): a static role's scale, its zero point only where asymmetric (its compressors drop
-    a symmetric one), a global scale only where the format has one (NVFP4), none for a
-    dynamic role (NVFP4's ``local`` one: its global scale)."""
-    out = set()
-    for role, args in roles.items():
-        if args.dynamic is True:
-            continue
-        if specs[role].scale.has_global_scale:
-            out.add(f"{role}_global_scale")
-        if args.dynamic is False:
-            out.add(f"{role}_scale")
-            if not args.symmetric:
-                out.add(f"{role}_zero_point")
-    return out
-
-
-def _unexpected_qparam(stored: dict, roles: dict, specs: dict, keep) -> str | None:
-    """Why a quantization tensor of a read layer is none its scheme has (a zero point on a
-    symmetric role, a global scale off NVFP4, a scale of no role), or None: compressed-tensors
-    never writes one and its runtime ignores it, so reading it would run otherwise. ``keep``:
-    the leaves read elsewhere (the layer's own parameters, KV-cache scales)."""
-    want = _qparam_leaves(roles, specs)
-    for leaf in stored:
-        if not leaf.endswith(_QPARAM_ENDS) or leaf in want or leaf in keep:
-            continue
-        role = leaf.partition("_")[0]
-        if role in roles and leaf.endswith("_zero_point") and roles[role].symmetric:
-            why = f"the config's {role} ({specs[role]}) is symmetric: it has no zero point"
-        elif role in roles and leaf.endswith("_global_scale"):
-            why = f"the config's {role} ({specs[role]}) has no global scale"
-        else:
-            why = f"the config's scheme has no such tensor (its roles: {', '.join(roles)})"
-        return (f"{leaf} is stored, but {why}; compressed-tensors writes only "
-                f"{sorted(want)} for this layer's quantization")
     return None
 
 
@@ -317,10 +279,9 @@ def _read_module(name, wshape, stored, roles, specs, observers, fmt, scheme) -> 
                       specs[r], observers[r], wshape) for r in roles}
 
 
-def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
-    """The Rule of one config group; its modules' states go into ``states``."""
-    from compressed_tensors.utils.match import match_named_modules
-
+def _group(gname, scheme, qconfig, cfg_path):
+    """One config group checked: ``(rule, roles, specs, observers, fmt)``, the rule with the
+    group's roles (its targets as written: :func:`_precedence` orders them)."""
     from ..calibration.recipe import Role, Rule
 
     where = f"from_compressed_tensors: {cfg_path}: config_groups.{gname}"
@@ -336,35 +297,85 @@ def _read_group(gname, scheme, qconfig, model, tensors, states, cfg_path):
         raise ValueError(f"{where}: {e}") from None
     fmt = scheme.format or qconfig.format
     compressor(fmt, f"{where}.format")  # a known format, or an error naming the field
-    matched = list(match_named_modules(model, scheme.targets, qconfig.ignore))
-    if not matched:
-        raise ValueError(f"{where}.targets: {scheme.targets} match no layer of the model")
-    for name, module in matched:
-        prefix = f"{name}."
-        local = {k[len(prefix):]: v for k, v in tensors.items()
-                 if k.startswith(prefix) and "." not in k[len(prefix):]}
-        if not local:
-            raise ValueError(f"{where}: layer {name} has no tensor in the folder"
-                             f"{_stray(tensors, model)}")
-        keep = {n for n, _ in module.named_parameters(recurse=False)} | \
-            {n for n, _ in module.named_buffers(recurse=False)} | \
-            (set(_KV_SCALE) if qconfig.kv_cache_scheme is not None else set())
-        try:
-            why = _unexpected_qparam(local, roles, specs, keep) or _moved_columns(local, specs)
-            if why:
-                raise ValueError(f"from_compressed_tensors: {name}: {why}")
-            states[name] = _read_module(name, tuple(module.weight.shape), local, roles, specs,
-                                        observers, fmt, scheme)
-        except ValueError as e:  # a missing or misshapen tensor: name the files it is not in
-            tensor_files = os.path.join(os.path.dirname(cfg_path), "*.safetensors")
-            msg = str(e).removeprefix("from_compressed_tensors: ")
-            raise ValueError(f"from_compressed_tensors: {tensor_files}: {msg}") from None
-        # compressed-tensors checks its inputs with assert (a missing zero point)
-        except (KeyError, AttributeError, RuntimeError, TypeError, IndexError,
-                AssertionError) as e:
-            raise ValueError(f"{where}: layer {name}: its tensors do not fit the group's "
-                             f"scheme ({type(e).__name__}: {e})") from None
-    return rule
+    return rule, roles, specs, observers, fmt
+
+
+def _precedence(qconfig, groups: dict, model) -> tuple[list, list]:
+    """``(rules, their groups)``: the groups' rules split by target in the order
+    compressed-tensors picks the one scheme of a module several groups match
+    (``match_targets``): a target naming it exactly, then a ``re:`` one, then a class name,
+    each kind sorted as it sorts them; a target two groups name is the later one's. A
+    quantscope recipe takes a module's first matching rule, so it resolves them alike."""
+    from dataclasses import replace
+
+    owner = {t: g for g, s in qconfig.config_groups.items() for t in s.targets}
+    names = {n for n, _ in model.named_modules()}
+    classes = {c.__name__ for m in model.modules() for c in type(m).__mro__}
+    ordered = sorted(owner, key=lambda t: ("re:" in t, t))
+    by_name = [(exact_pattern(t, classes), owner[t]) for t in ordered
+               if t.startswith("re:") or t in names]
+    by_class = [(t, owner[t]) for t in ordered if not t.startswith("re:")
+                and t.isidentifier() and (t not in names or t in classes)]
+    rules, of = [], []
+    for t, g in by_name + by_class:  # a run of one group's targets is one rule
+        if of and of[-1] == g:
+            rules[-1] = replace(rules[-1], targets=(*rules[-1].targets, t))
+        else:
+            rules.append(replace(groups[g][0], targets=(t,)))
+            of.append(g)
+    return rules, of
+
+
+def _winners(qconfig, rules, ignore, of, model):
+    """``(name, module, group)`` of each module the config quantizes, in its one group:
+    compressed-tensors' ``match_named_modules`` on all the groups' targets, each module in
+    the group of the recipe's rule for it (:func:`_precedence`); a module it takes no role
+    of (one holding the matched Linears, a norm) is left out, as compressed-tensors
+    quantizes only the Linear / Embedding layers a target matches."""
+    from compressed_tensors.utils.match import match_named_modules
+
+    from ..calibration.recipe import Recipe, taken_roles
+
+    if not rules:  # a KV cache alone
+        return
+    recipe = Recipe(tuple(rules), ignore, "compressed-tensors")
+    targets = [t for s in qconfig.config_groups.values() for t in s.targets]
+    for name, module in match_named_modules(model, targets, qconfig.ignore):
+        rule = recipe.rule_for(name, module)
+        if rule is not None and taken_roles(name, module, rule, recipe.name)[0]:
+            yield name, module, of[next(i for i, r in enumerate(recipe.rules) if r is rule)]
+
+
+def _read_layer(name, module, gname, part, qconfig, tensors, model, cfg_path):
+    """The role states of the layer ``name``, read as its group ``gname`` (``part``:
+    :func:`_group`)."""
+    where = f"from_compressed_tensors: {cfg_path}: config_groups.{gname}"
+    _, roles, specs, observers, fmt = part
+    scheme = qconfig.config_groups[gname]
+    prefix = f"{name}."
+    local = {k[len(prefix):]: v for k, v in tensors.items()
+             if k.startswith(prefix) and "." not in k[len(prefix):]}
+    if not local:
+        raise ValueError(f"{where}: layer {name} has no tensor in the folder"
+                         f"{_stray(tensors, model)}")
+    keep = {n for n, _ in module.named_parameters(recurse=False)} | \
+        {n for n, _ in module.named_buffers(recurse=False)} | \
+        (set(_KV_SCALE) if qconfig.kv_cache_scheme is not None else set())
+    try:
+        why = unexpected_qparam(local, roles, specs, keep) or _moved_columns(local, specs)
+        if why:
+            raise ValueError(f"from_compressed_tensors: {name}: {why}")
+        return _read_module(name, tuple(module.weight.shape), local, roles, specs,
+                            observers, fmt, scheme)
+    except ValueError as e:  # a missing or misshapen tensor: name the files it is not in
+        tensor_files = os.path.join(os.path.dirname(cfg_path), "*.safetensors")
+        msg = str(e).removeprefix("from_compressed_tensors: ")
+        raise ValueError(f"from_compressed_tensors: {tensor_files}: {msg}") from None
+    # compressed-tensors checks its inputs with assert (a missing zero point)
+    except (KeyError, AttributeError, RuntimeError, TypeError, IndexError,
+            AssertionError) as e:
+        raise ValueError(f"{where}: layer {name}: its tensors do not fit the group's "
+                         f"scheme ({type(e).__name__}: {e})") from None
 
 
 def _stray(tensors, model) -> str:
@@ -389,7 +400,7 @@ def _refuse_unread(tensors, grouped, kv_cache, path):
         if leaf in _KV_SCALE:
             raise ValueError(f"from_compressed_tensors: {path}: tensor {key!r} is a KV-cache "
                              f"scale, but quantization_config has no kv_cache_scheme")
-        if leaf in SCALE_LEAVES or leaf in _ZERO_POINTS:
+        if leaf in SCALE_LEAVES or leaf in ZERO_POINTS:
             raise ValueError(
                 f"from_compressed_tensors: {path}: tensor {key!r} belongs to no layer of the "
                 f"model built from config.json that the config groups' targets match")
@@ -441,6 +452,8 @@ def read_compressed_tensors(path):
     the modifier, quantscope's record says ``smoothed``): their qparams are read all the
     same, with a warning, and ``info["model"]`` is ``path``.
     """
+    from compressed_tensors.utils.match import match_named_modules
+
     from ..calibration.recipe import Recipe
     from ..calibration.results.result import Calibration
 
@@ -450,13 +463,21 @@ def read_compressed_tensors(path):
     # the config and the tensors of one version of the folder, though another process
     # exports over it meanwhile
     cfg_path, config, qc, tensors = read_unchanged(path, "from_compressed_tensors", lambda: (
-        *read_quant_config(path, "from_compressed_tensors"), load_checked_tensors(path, "from_compressed_tensors")))
+        *read_quant_config(path, "from_compressed_tensors"),
+        load_checked_tensors(path, "from_compressed_tensors")))
     qconfig = parse_quant_config(cfg_path, qc, "from_compressed_tensors")
     model, experts = _meta_model(path, config, len(tensors))
     tensors = _module_names(model, tensors, qconfig)
-    states = {}
-    rules = [_read_group(g, scheme, qconfig, model, tensors, states, cfg_path)
-             for g, scheme in qconfig.config_groups.items()]
+    groups = {g: _group(g, s, qconfig, cfg_path) for g, s in qconfig.config_groups.items()}
+    for g, s in qconfig.config_groups.items():
+        if next(match_named_modules(model, s.targets, qconfig.ignore), None) is None:
+            raise ValueError(f"from_compressed_tensors: {cfg_path}: config_groups.{g}.targets: "
+                             f"{s.targets} match no layer of the model")
+    rules, of = _precedence(qconfig, groups, model)
+    # the config's names are exact, quantscope's plain patterns globs: "[", "*", "?" escaped
+    ignore = tuple(exact_pattern(n) for n in qconfig.ignore or ())
+    states = {name: _read_layer(name, module, g, groups[g], qconfig, tensors, model, cfg_path)
+              for name, module, g in _winners(qconfig, rules, ignore, of, model)}
     grouped = set(states)
     kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states, model)
     if not states:
@@ -465,8 +486,7 @@ def read_compressed_tensors(path):
     _refuse_unread(tensors, grouped, kv_cache, path)
     # the per-expert states back onto the model's 3-D experts, as calibrate named them
     states = fuse_expert_states(experts, states, f"from_compressed_tensors: {path}")
-    recipe = Recipe(tuple(rules), tuple(qconfig.ignore or ()), "compressed-tensors",
-                    kv_cache=kv_cache)
+    recipe = Recipe(tuple(rules), ignore, "compressed-tensors", kv_cache=kv_cache)
     record = config.get("quantscope")
     source = record.get("model") if isinstance(record, dict) else None
     if _rewritten(path, record):

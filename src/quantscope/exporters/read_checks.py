@@ -10,6 +10,7 @@ carried into ``apply()``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -17,9 +18,11 @@ import torch
 from .._checks import pattern_refusal
 from .._jsonfile import parse_json, read_json
 
-__all__ = ["SCALE_LEAVES", "check_kv_scheme", "compressor", "fmt_name", "kv_scale_layer",
-           "load_checked_tensors", "neutral_qparams", "parse_quant_config", "read_quant_config", "rewriting_modifiers",
-           "safetensors_headers", "scale_problem", "scale_values", "storage_problem"]
+__all__ = ["SCALE_LEAVES", "ZERO_POINTS", "check_kv_scheme", "compressor", "exact_pattern",
+           "fmt_name", "kv_scale_layer", "load_checked_tensors", "neutral_qparams",
+           "parse_quant_config", "read_quant_config", "rewriting_modifiers",
+           "safetensors_headers", "scale_problem", "scale_values", "storage_problem",
+           "unexpected_qparam"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
 #: flips signs at run time)
@@ -303,3 +306,56 @@ def rewriting_modifiers(path) -> list[str]:
         return []
     names = re.findall(r"^\s*(\w+Modifier)\s*:", text, flags=re.MULTILINE)
     return sorted({n for n in names if n not in _QPARAMS_ONLY})
+
+
+def exact_pattern(name: str, classes=()) -> str:
+    """A compressed-tensors target or ignore entry as a quantscope pattern that matches what
+    it matches: a ``re:`` one as it is; a module's exact name as itself, but as the regex of
+    itself where quantscope would read more (a glob: ``[``, ``*``, ``?``; a name among
+    ``classes``, which quantscope also matches by class)."""
+    if name.startswith("re:") or not (set(name) & set("[*?") or name in classes):
+        return name
+    return "re:" + re.escape(name) + "$"
+
+
+_QPARAM_ENDS = ("_scale", "_zero_point")
+ZERO_POINTS = ("weight_zero_point", "input_zero_point", "output_zero_point")
+
+
+def _qparam_leaves(roles: dict, specs: dict) -> set[str]:
+    """The quantization tensors compressed-tensors writes for a layer of ``roles`` (name ->
+    args): a static role's scale, its zero point only where asymmetric (its compressors drop
+    a symmetric one), a global scale only where the format has one (NVFP4), none for a
+    dynamic role (NVFP4's ``local`` one: its global scale)."""
+    out = set()
+    for role, args in roles.items():
+        if args.dynamic is True:
+            continue
+        if specs[role].scale.has_global_scale:
+            out.add(f"{role}_global_scale")
+        if args.dynamic is False:
+            out.add(f"{role}_scale")
+            if not args.symmetric:
+                out.add(f"{role}_zero_point")
+    return out
+
+
+def unexpected_qparam(stored: dict, roles: dict, specs: dict, keep) -> str | None:
+    """Why a quantization tensor of a read layer is none its scheme has (a zero point on a
+    symmetric role, a global scale off NVFP4, a scale of no role), or None: compressed-tensors
+    never writes one and its runtime ignores it, so reading it would run otherwise. ``keep``:
+    the leaves read elsewhere (the layer's own parameters, KV-cache scales)."""
+    want = _qparam_leaves(roles, specs)
+    for leaf in stored:
+        if not leaf.endswith(_QPARAM_ENDS) or leaf in want or leaf in keep:
+            continue
+        role = leaf.partition("_")[0]
+        if role in roles and leaf.endswith("_zero_point") and roles[role].symmetric:
+            why = f"the config's {role} ({specs[role]}) is symmetric: it has no zero point"
+        elif role in roles and leaf.endswith("_global_scale"):
+            why = f"the config's {role} ({specs[role]}) has no global scale"
+        else:
+            why = f"the config's scheme has no such tensor (its roles: {', '.join(roles)})"
+        return (f"{leaf} is stored, but {why}; compressed-tensors writes only "
+                f"{sorted(want)} for this layer's quantization")
+    return None
