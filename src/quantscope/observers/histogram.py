@@ -164,18 +164,7 @@ class HistogramObserverBase(IntervalAverage, Observer):
                 f"use a coarser layout or fewer bins")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        counts = state_dict.get(prefix + "hist_counts")  # [U, bins] once observed
-        if counts is not None and counts.dim() == 2 and \
-                not self.bins <= counts.shape[1] <= self.bins * self.GROW_LIMIT:
-            raise ValueError(f"{self.describe()}: cannot load a histogram of {counts.shape[1]} "
-                             f"bins into one of bins={self.bins}; construct the observer with "
-                             f"bins={counts.shape[1]}")
-        exp = state_dict.get(prefix + "hist_exp")  # 2**e and 2**-e normal: what bins read
-        if isinstance(exp, torch.Tensor) and exp.numel() and not bool(
-                ((exp >= H.E_MIN) & (exp <= H.E_MAX)).all()):
-            raise ValueError(f"{self.describe()}: cannot load {prefix}hist_exp: its grid "
-                             f"exponents must lie in [{H.E_MIN}, {H.E_MAX}], got "
-                             f"[{int(exp.min())}, {int(exp.max())}]")
+        H.check_state(self.describe(), state_dict, prefix, self.bins, self.GROW_LIMIT)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x):

@@ -46,6 +46,7 @@ __all__ = [
     "Hist",
     "HistState",
     "add_values",
+    "check_state",
     "empty_state",
     "fold_abs",
     "grid_exponent",
@@ -355,3 +356,19 @@ def fold_abs(hist: Hist) -> Hist:
     counts = torch.zeros_like(hist.counts).scatter_add_(1, idx, hist.counts)
     hi = w * B
     return Hist(counts, torch.zeros_like(hist.lo), hi, True, hi / B)  # (hi - 0) / B
+
+
+def check_state(who: str, state_dict, prefix: str, bins: int, grow_limit: int) -> None:
+    """Refuse a saved histogram state (``{prefix}hist_counts`` / ``hist_exp``) an observer of
+    ``bins`` bins cannot take: another bin count (up to ``grow_limit`` times as many: grown),
+    or grid exponents outside ``[E_MIN, E_MAX]`` (binning needs 2**e and 2**-e normal)."""
+    counts = state_dict.get(prefix + "hist_counts")  # [U, bins] once observed
+    if counts is not None and counts.dim() == 2 and \
+            not bins <= counts.shape[1] <= bins * grow_limit:
+        raise ValueError(f"{who}: cannot load a histogram of {counts.shape[1]} bins into one "
+                         f"of bins={bins}; construct the observer with bins={counts.shape[1]}")
+    exp = state_dict.get(prefix + "hist_exp")
+    if isinstance(exp, torch.Tensor) and exp.numel() and not bool(
+            ((exp >= E_MIN) & (exp <= E_MAX)).all()):
+        raise ValueError(f"{who}: cannot load {prefix}hist_exp: its grid exponents must lie "
+                         f"in [{E_MIN}, {E_MAX}], got [{int(exp.min())}, {int(exp.max())}]")
