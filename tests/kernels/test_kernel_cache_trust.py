@@ -94,3 +94,21 @@ def test_others_write_allows_only_the_users_private_group(tmp_path):
 
     own = path.stat().st_gid == os.getgid() and not grp.getgrgid(os.getgid()).gr_mem
     assert cache.others_write(path.stat()) is not own
+
+
+@needs_cc
+def test_a_build_removes_the_scratch_folders_killed_builds_left(fresh):
+    fresh.mkdir(mode=0o700)
+    old = 2 * cache._BUILD_TIMEOUT + 60  # seconds: older than any build can run
+    dead, running = fresh / f"{cache._SCRATCH}dead", fresh / f"{cache._SCRATCH}running"
+    others = [fresh / "tmpkeep", fresh / "notes"]  # not a build's: never touched
+    for folder in (dead, running, others[0]):
+        folder.mkdir()
+        (folder / "half.so").write_bytes(b"\0")
+    others[1].mkdir()
+    for folder in (dead, others[0], others[1]):
+        os.utime(folder, (os.path.getmtime(folder) - old,) * 2)
+    assert kernels.lib("unit_minmax") is not None  # builds into the cache
+    assert not dead.exists()
+    assert running.exists() and all(p.exists() for p in others)
+    assert not [p for p in fresh.glob(f"{cache._SCRATCH}*") if p not in (running,)]

@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["FLAGS", "CacheError", "build", "cache_dir", "compiler"]
@@ -123,11 +124,28 @@ def _cache_folder(folder: Path) -> Path:
     return folder
 
 
+#: A build's scratch folder; one a killed build left is removed once older than any build
+#: can run (the compiler's timeout twice), never one a build still uses.
+_SCRATCH, _BUILD_TIMEOUT = "quantscope-build-", 300
+
+
+def _sweep(folder: Path) -> None:
+    """Remove the scratch folders killed builds left in the cache ``folder``."""
+    stale = time.time() - 2 * _BUILD_TIMEOUT
+    for old in folder.glob(_SCRATCH + "*"):
+        try:
+            if not old.is_symlink() and old.is_dir() and old.stat().st_mtime < stale:
+                shutil.rmtree(old)
+        except OSError:  # another process swept it first, or it is not ours to remove
+            pass
+
+
 def _scratch(folder: Path) -> tempfile.TemporaryDirectory:
     """A temporary folder inside the cache ``folder`` (the same file system, so that
     ``os.replace`` from it is atomic); a :class:`CacheError` if it cannot be written."""
+    _sweep(folder)
     try:
-        return tempfile.TemporaryDirectory(dir=folder)
+        return tempfile.TemporaryDirectory(dir=folder, prefix=_SCRATCH)
     except OSError as e:
         raise CacheError(f"cannot write its kernel cache folder {str(folder)!r} ({e}); "
                           "set QUANTSCOPE_CACHE to a writable folder") from e
@@ -144,7 +162,7 @@ def build(name: str, source: Path, cc: list[str], include: Path) -> Path:
     with _scratch(target.parent) as tmp:
         out, seal = Path(tmp) / target.name, Path(tmp) / _seal(target).name
         subprocess.run([*cc, *FLAGS, f"-I{include}", str(source), "-o", str(out), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=300)
+                       check=True, capture_output=True, text=True, timeout=_BUILD_TIMEOUT)
         out.chmod(0o700)  # the user's alone, whatever the umask
         seal.write_text(_digest(out))
         os.replace(out, target)  # atomic: concurrent builders agree
