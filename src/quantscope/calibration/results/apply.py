@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 # the quantizer of a role lives below calibration/ (report and apply both use it): re-exported
 from ..._checks import outside_quantscope
@@ -43,6 +44,10 @@ __all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "refuse_applied",
            "runtime_qparams"]
 
 _ATTR = "_quantscope_qdq"
+#: set on every module whose weight or activations apply() fake-quantized, and cleared by
+#: remove(): a copy of one such module (copy.deepcopy, torch.save) carries its QDQ'd
+#: weight and hooks without the handle, which calibrate() and apply() must refuse
+_PART = "_quantscope_qdq_part"
 #: the active handles: another apply() reaching one of their weights (through a model nested
 #: in the first, or holding it) would save its QDQ values as the float ones (:func:`_held`).
 #: A handle dropped without remove() leaves the set with it (weak).
@@ -78,7 +83,7 @@ class _Saved:
         holds)."""
         now = {}
         for module, name in self.holders:
-            t = getattr(module, name)
+            t = _stored(module, name)
             now.setdefault(id(t), t)
         return list(now.values())
 
@@ -101,10 +106,13 @@ class QDQHandle:
         self._hooks: list = []
         self._weights: list[_Saved] = []
         self._wired: list[str] = []  # what a deepcopy of the model cannot carry (__deepcopy__)
+        self._parts: list[nn.Module] = []  # the modules marked _PART
         self.active = True
 
     def remove(self) -> None:
         """Remove the activation hooks and restore the float weights (idempotent)."""
+        for saved in self._weights:  # before any change: remove() is all or nothing
+            _refuse_inverted(saved, self.model)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -115,6 +123,9 @@ class QDQHandle:
         torch.clear_autocast_cache()  # an autocast region's casts of the QDQ'd weights
         self._weights.clear()
         self._wired.clear()
+        for module in self._parts:
+            module.__dict__.pop(_PART, None)
+        self._parts.clear()
         _track(self, False)
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
@@ -150,6 +161,11 @@ class QDQHandle:
                 f"which a copy cannot carry (it would stay wired to the original); copy "
                 f"the model before apply() or after remove(), then apply the calibration to "
                 f"the copy")
+
+    def _mark(self, module: nn.Module) -> None:
+        if not module.__dict__.get(_PART):
+            setattr(module, _PART, True)
+            self._parts.append(module)
 
     def __enter__(self):
         return self
@@ -223,16 +239,19 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
                     same = weights.setdefault(_memory(w), (w, _where(name, module, experts), []))
                     same[2].append((name, state.to(w.device)))
                 elif role == "input":
+                    handle._mark(module)
                     handle._hooks.append(module.register_forward_pre_hook(
                         _InputQDQ(state.to(_device(module)), input_name(module)),
                         with_kwargs=True))
                 elif role == "output":
+                    handle._mark(module)
                     handle._hooks.append(module.register_forward_hook(
                         _OutputQDQ(state.to(_device(module)))))
                 elif role in kv_cache.ROLES:
                     kv.setdefault(name, {})[role] = state.to(_device(module))
                 else:
                     raise ValueError(f"apply: unknown role {role!r} for {name!r}")
+        _refuse_parts(model, "apply", handle)  # (weights another apply holds: named above)
         _qdq_weights(model, weights.values(), handle)
         if kv:
             handle._hooks.append(SimpleNamespace(remove=kv_cache.attach(
@@ -255,6 +274,21 @@ def refuse_applied(model: nn.Module, who: str) -> None:
         raise ValueError(f"{who}: the model has quantscope QDQ applied (calibration.apply); "
                          f"remove() the handle first: calibrating a fake-quantized model gives "
                          f"ranges of the quantized values")
+    _refuse_parts(model, who)
+
+
+def _refuse_parts(model: nn.Module, who: str, handle: QDQHandle | None = None) -> None:
+    """Refuse a model holding a module another apply() fake-quantized (marked ``_PART`` and
+    not by ``handle``): one nested in an applied model, or a copy of one, whose weights are
+    the QDQ'd values and whose hooks no handle removes."""
+    for name, module in model.named_modules():
+        if module.__dict__.get(_PART) and (handle is None or module not in handle._parts):
+            raise ValueError(
+                f"{who}: module {name or 'model'!r} ({type(module).__name__}) has quantscope "
+                f"QDQ applied by another apply(), or is a copy (copy.deepcopy, torch.save) of "
+                f"a module of an applied model, whose fake-quantized weights and hooks it "
+                f"carries without their handle: remove() that handle first, or copy the "
+                f"module before apply() or after remove()")
 
 
 def _held() -> set:
@@ -343,8 +377,35 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
             places = [(owner, name)] if expert is not None else holders.get(
                 _memory(w), [(owner, name)])
             handle._weights.append(_Saved(places, expert, w.detach().clone()))
+            for module, _ in places:
+                handle._mark(module)
             w.copy_(qdq_tensor(w.detach(), state))
     torch.clear_autocast_cache()  # an autocast region's casts of the float weights
+
+
+def _stored(module: nn.Module, name: str) -> torch.Tensor:
+    """The tensor ``module`` stores as ``name``: a weight parametrized after apply()
+    (``torch.nn.utils.parametrize``) is stored as its parametrization's ``original``, which
+    holds the QDQ'd values as they were (where no ``right_inverse`` changed them:
+    :func:`_refuse_inverted`); ``module.weight`` is then a value computed from it."""
+    if parametrize.is_parametrized(module, name):
+        return module.parametrizations[name].original
+    return getattr(module, name)
+
+
+def _refuse_inverted(saved: _Saved, model: nn.Module) -> None:
+    """Raise naming the layer where a parametrization registered after apply() stores the
+    weight through a ``right_inverse`` (or as several tensors): the float values have no
+    place to go back to."""
+    for module, name in saved.holders:
+        if parametrize.is_parametrized(module, name) and any(
+                hasattr(p, "right_inverse") for p in module.parametrizations[name]):
+            where = next((n for n, m in model.named_modules() if m is module), "?")
+            raise ValueError(
+                f"remove: {where}.{name} was parametrized after apply() through a "
+                f"right_inverse, which stores other values than the fake-quantized weight: "
+                f"the float weight has no place to go back to; remove the parametrization "
+                f"first (torch.nn.utils.parametrize.remove_parametrizations)")
 
 
 def _refuse_overlaps(weights: list[tuple[torch.Tensor, str]]) -> None:
