@@ -10,7 +10,8 @@ float16 / bfloat16 cast dtype only on ``PlaceholderObserver``, per-channel needs
 ``ch_axis`` and ``PerBlockMXObserver`` one too (:class:`QuarkAssertionError`, an
 ``AssertionError`` as Quark's). These classes join Quark's observer sets
 (``OBSERVER_CLASSES``, ``PER_TENSOR_OBSERVERS`` ...) when Quark is loaded, before or after this
-module, so a ``QTensorConfig(observer_cls=...)`` accepts them (:func:`register_with_quark`).
+module, so a ``QTensorConfig(observer_cls=...)`` accepts them (:func:`register_with_quark`),
+except for a float16 / bfloat16 cast, where Quark tests for its own ``PlaceholderObserver``.
 
 Scales follow Quark's ``get_scale``: float32 divides by ``quant_max_first_level * quant_max``
 when the first level is set (the second stage of a two-level scheme), e4m3 is Quark's two-level

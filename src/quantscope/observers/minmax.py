@@ -13,6 +13,7 @@ from ..stats.minmax import (
     minmax_observe,
     op_unit_count,
     op_units,
+    ordered,
     unit_minmax,
     update_state,
 )
@@ -216,6 +217,9 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
     #: ``state += c * (batch - state)``, torch.ao's rounding (compat classes may pick another)
     state_update = "ema"
 
+    def calculate_range(self):
+        return ordered(self.min_vals, self.max_vals)  # (the EMA's rounding can cross them)
+
     def sync_plan(self):
         # approximate unless sync_every_step (then exact): see quantscope.distributed
         return {"min_vals": AVG, "max_vals": AVG}
@@ -239,6 +243,7 @@ class PlaceholderObserver(Observer):
         return {}
 
     def calculate_range(self):
+        self.check_ready()  # (no shape to give units to before a tensor was seen)
         n = self.spec.layout.num_units(self.shape)
         dev = self.observed_tokens.device
         return (torch.zeros(n, dtype=torch.float32, device=dev),

@@ -34,7 +34,7 @@ from ..kernels import triton as _triton
 
 __all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "ema_", "extreme_ends",
            "minmax_observe", "minmax_update", "op_unit_count", "op_units",
-           "record_ends", "record_non_finite", "torch_unit_minmax", "unit_minmax"]
+           "ordered", "record_ends", "record_non_finite", "torch_unit_minmax", "unit_minmax"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -171,6 +171,13 @@ def ema_(kind: str, c: float, state: torch.Tensor, batch: torch.Tensor) -> None:
         state.mul_(1.0 - c).add_(batch.mul_(c))
     else:
         raise ValueError(f"ema_: unknown kind {kind!r}; expected 'ema' or 'ema_lerp'")
+
+
+def ordered(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each unit's ends in order. The ``"ema"`` step ``s + c * (b - s)`` is not monotonic in
+    ``s``: two ends a rounding step apart can cross by that step (torch.ao's own observer then
+    fails an assert), though the exact averages are ordered; in order, they bound it."""
+    return torch.minimum(lo, hi), torch.maximum(lo, hi)
 
 
 def extreme_ends(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
