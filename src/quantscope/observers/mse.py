@@ -31,7 +31,7 @@ import torch
 from .._checks import check_int
 from ..comm import AVG
 from ..estimators.mse import MAX_SPAN, linear_search, mse_search, pow2_search
-from ..stats.minmax import ema_
+from ..stats.minmax import ema_, ordered
 from .base import Observer
 from .registry import register
 
@@ -165,6 +165,9 @@ class MovingAverageMSEObserver(MemorylessMSEObserver):
         self._ema_(self.max_vals, hi)
         if ga is not None and self.global_amax_val.shape == ga.shape:
             self._ema_(self.global_amax_val, ga)
+
+    def calculate_range(self):
+        return ordered(self.min_vals, self.max_vals)  # (the EMA's rounding can cross them)
 
     def _ema_(self, state: torch.Tensor, batch: torch.Tensor) -> None:
         # llm-compressor's lerp in compat mode, else the min-max family's rounding (torch.ao's)
