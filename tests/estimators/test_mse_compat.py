@@ -351,6 +351,19 @@ def test_error_is_computed_on_first_access():
         _ = late.error
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_units_made_under_inference_mode_search_as_others(norm):
+    """An inference tensor keeps no version counter: reading it for the stale-units guard
+    raised 'Inference tensors do not track version counter' (llm-compressor's own observer
+    takes such a weight)."""
+    u, lo, hi, spec = _units("int8", (8, 128), 3)
+    with torch.inference_mode():
+        frozen = u.clone()
+    ref = mse_search(u, lo, hi, spec, compat="llmcompressor", norm=norm, backend="torch")
+    got = mse_search(frozen, lo, hi, spec, compat="llmcompressor", norm=norm)
+    assert _same(got, ref)
+
+
 @pytest.mark.parametrize(("numel", "threads"), ((98368, 3), (131072, 3), (65664, 2),
                                                 (131072, 4), (196608, 2)))
 def test_vector_only_is_where_torch_pow_has_no_scalar_tail(numel, threads):

@@ -257,10 +257,11 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
     idx = _winners(b, tie, _stop(b, tie, patience, total))
     STATS.update(pairs=b.known.numel(), recomputed=int(b.known.sum()), units=units.shape[0],
                  units_recomputed=int(b.known.any(0).sum()))
-    version = units._version
+    # an inference tensor (torch.inference_mode) keeps no version counter: no guard there
+    version = None if units.is_inference() else units._version
 
     def error():  # torch's T of the chosen candidates, on first access (one torch pass)
-        if units._version != version:
+        if version is not None and units._version != version:
             raise RuntimeError("mse_search: the units changed in place since the search; "
                                "its error (computed on first access) is gone")
         return b.exact(idx, torch.arange(units.shape[0]))
