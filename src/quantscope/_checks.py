@@ -15,13 +15,14 @@ from collections.abc import Mapping
 
 import torch
 
-from .formats import as_bool, as_int, as_number
+from .formats import as_bool, as_int, as_number, tensor_arg
 from .spec import QuantSpec
 
 __all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_float32_range",
            "check_global_amax", "check_int", "check_not_meta", "check_number", "check_path",
            "check_per_unit", "check_range_args", "check_real", "check_spec", "dtensor_error",
-           "env_flag", "is_dtensor", "outside_quantscope", "pattern_refusal", "regex_problem"]
+           "env_flag", "is_dtensor", "outside_quantscope", "pattern_refusal", "regex_problem",
+           "tensor_arg"]
 
 
 class FrozenDict(Mapping):
@@ -149,6 +150,9 @@ def check_range_args(who: str, spec, lo, hi, global_amax, values: bool) -> None:
     ``hi``, one real global amax (or None); with ``values`` (the checked mode, which hot paths
     skip) no meta tensor (its values are read back) and float64 within float32's range."""
     check_spec(who, spec)
+    for name, value in (("lo", lo), ("hi", hi)):  # a tensor converts (the hot paths pass one)
+        if not isinstance(value, torch.Tensor):
+            tensor_arg(who, name, value, "a tensor or a real number", dtype=torch.float32)
     check_real(who, lo=lo, hi=hi)
     check_global_amax(who, global_amax)
     if values:

@@ -69,6 +69,18 @@ def as_bool(value) -> bool | None:
     return bool(value) if isinstance(value, (bool, np.bool_)) else None
 
 
+def tensor_arg(who: str, name: str, value, expected: str, **kwargs) -> torch.Tensor:
+    """``torch.as_tensor(value, **kwargs)``, but ``TypeError`` naming ``who``, ``name`` and
+    what was ``expected`` where torch cannot convert ``value`` (a str, None: its own message,
+    ``new(): invalid data type 'str'``, names neither the call nor the argument). Here, not
+    in _checks: layout's ``Group(g_idx=)`` uses it too."""
+    try:
+        return torch.as_tensor(value, **kwargs)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{who}: {name} must be {expected}, got {type(value).__name__} "
+                        f"{value!r:.80}") from None
+
+
 @dataclass(frozen=True)
 class IntFormat:
     """A ``bits``-wide integer; ``narrow`` drops the most negative code (``qmin = -qmax``)."""
@@ -78,8 +90,10 @@ class IntFormat:
     narrow: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.bits, int) or not 2 <= self.bits <= 16:
+        bits = as_int(self.bits)  # numpy's too, kept as the Python int
+        if bits is None or not 2 <= bits <= 16:
             raise ValueError(f"IntFormat.bits must be an integer from 2 to 16, got {self.bits!r}")
+        object.__setattr__(self, "bits", bits)
         for name in ("signed", "narrow"):  # None or "no" would pass here and break in str / to_dict
             flag = as_bool(getattr(self, name))
             if flag is None:
@@ -164,11 +178,12 @@ class FloatFormat:
         if self.torch_dtype is not None and not isinstance(self.torch_dtype, torch.dtype):
             raise ValueError(
                 f"FloatFormat.torch_dtype must be a torch.dtype or None, got {self.torch_dtype!r}")
-        for name in ("ebits", "mbits"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(  # noqa: TRY004 (every invalid field is a ValueError)
-                    f"FloatFormat.{name} must be an integer, got {v!r}")
+        for name in ("ebits", "mbits"):  # numpy's integers too, kept as Python ints
+            v = as_int(getattr(self, name))
+            if v is None:
+                raise ValueError(f"FloatFormat.{name} must be an integer, got "
+                                 f"{getattr(self, name)!r}")
+            object.__setattr__(self, name, v)
         if self.ebits < 1 or self.mbits < 0:
             raise ValueError(f"FloatFormat: need ebits >= 1 and mbits >= 0, got ebits="
                              f"{self.ebits}, mbits={self.mbits}")
@@ -180,10 +195,11 @@ class FloatFormat:
                 f"must be a normal float32 (at least 2 ** -126), as round and the C kernels "
                 f"build it: use fewer ebits or mbits")
         # round clamps float32 values at max: it must be a finite float32 itself
-        if isinstance(self.max, bool) or not isinstance(self.max, (int, float)) \
-                or not 0 < self.max <= torch.finfo(torch.float32).max:
+        top = as_number(self.max)  # numpy's too, kept as the Python number
+        if top is None or not 0 < top <= torch.finfo(torch.float32).max:
             raise ValueError(f"FloatFormat.max must be a positive finite number float32 holds "
                              f"(the largest finite value), got {self.max!r}")
+        object.__setattr__(self, "max", top)
         self._check_max_on_grid()
 
     def _check_max_on_grid(self):

@@ -39,7 +39,7 @@ from typing import ClassVar
 
 import torch
 
-from .formats import as_int
+from .formats import as_int, tensor_arg
 
 __all__ = ["Block", "Channel", "Group", "Layout", "Tensor", "Tile", "Token", "parse_layout"]
 
@@ -317,7 +317,7 @@ class Group(_Segments):
     def __post_init__(self):
         super().__post_init__()
         if self.g_idx is not None:
-            g = torch.as_tensor(self.g_idx)
+            g = tensor_arg("Group", "g_idx", self.g_idx, "a 1-D integer tensor")
             if g.dim() != 1 or g.dtype.is_floating_point or g.is_complex() or (
                     g.dtype == torch.bool):
                 raise ValueError(f"Group: g_idx must be a 1-D integer tensor, got {g.dtype} "

@@ -4,6 +4,7 @@ one range; the defaults (no expand, no patience) are what the native imatrix sea
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,10 +90,11 @@ def test_zero_factor_is_a_candidate():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"expand": 0}, "expand must be a finite positive number"),
-    ({"expand": float("inf")}, "expand must be a finite positive number"),
-    ({"patience": 0}, "patience must be a positive integer or None"),
-    ({"patience": 1.5}, "patience must be a positive integer or None"),
+    ({"expand": 0}, r"expand must be a finite number in \(0.0, inf\)"),
+    ({"expand": float("inf")}, r"expand must be a finite number in \(0.0, inf\)"),
+    ({"patience": 0}, r"patience \(or None\) must be an integer >= 1"),
+    ({"patience": 1.5}, r"patience \(or None\) must be an integer >= 1"),
+    ({"patience": True}, r"patience \(or None\) must be an integer >= 1"),
     ({"factors": [1.1]}, r"factors must be in \[0, 1\]"),
     ({"factors": [-0.5]}, r"factors must be in \[0, 1\]"),
     ({"norm": 0}, r"norm must be a finite number in \(0.0, inf\)"),
@@ -100,6 +102,13 @@ def test_zero_factor_is_a_candidate():
 def test_bad_options_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         weighted_search(_units(), None, INT4, **kwargs)
+
+
+def test_numpy_options_search_as_python_numbers():
+    u = _units()
+    want = weighted_search(u, None, INT4, expand=1.5, patience=3)
+    got = weighted_search(u, None, INT4, expand=np.float32(1.5), patience=np.int64(3))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 ENGINE_SPECS = {"nvfp4": presets.NVFP4, "mxfp4": presets.MXFP4, "mxint8": presets.MXINT8,

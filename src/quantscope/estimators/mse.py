@@ -49,7 +49,7 @@ import math
 
 import torch
 
-from .._checks import check_int, check_number, check_spec
+from .._checks import as_number, check_int, check_number, check_spec
 from ..qdq import fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
 from ..spec import QuantSpec
@@ -132,11 +132,12 @@ def shrink_factors(maxshrink: float = 0.2, grid: float = 100, expand: float = 1.
 def compat_patience(patience):
     """llm-compressor's patience as an integer: it stops once ``no_improve >= patience``,
     a count from 1, so any number up to 1 acts as 1 and 4.5 as 5; inf or NaN never stop."""
-    if patience is None or isinstance(patience, bool) or not isinstance(patience, (int, float)):
+    number = as_number(patience)  # numpy's too; not a bool
+    if number is None:
         return patience  # None: try all; other values: refused by _check_options
-    if math.isnan(patience) or patience == math.inf:
+    if math.isnan(number) or number == math.inf:
         return None
-    return max(1, math.ceil(patience))
+    return max(1, math.ceil(number))
 
 
 def _check(units, lo, hi, spec, norm):
@@ -228,9 +229,10 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
     units, lo, hi = _check(units, lo, hi, spec, norm)
     if compat == "llmcompressor":
         patience = compat_patience(patience)
-    _check_options(compat, tie, patience, expand, backend, chunk_elems, global_grid,
-                   per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
-                   independent_ends=independent_ends, incumbent=incumbent)
+    patience, expand = _check_options(
+        compat, tie, patience, expand, backend, chunk_elems, global_grid,
+        per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
+        independent_ends=independent_ends, incumbent=incumbent)
     exact = compat == "llmcompressor"
     search = _engine(units, spec, norm, exact, backend, incumbent)
     if exact:  # their search: global patience, their grid; NVFP4's block scales in float32
@@ -300,7 +302,8 @@ def _check_chunk(who, chunk_elems):
 
 
 def _check_options(compat, tie, patience, expand, backend, chunk_elems=None, global_grid=None,
-                   **flags):
+                   **flags) -> tuple[int | None, float]:
+    """Refuse a wrong option; ``(patience, expand)`` as Python numbers (numpy's accepted)."""
     for name, value in flags.items():  # a string such as "no" would be silently truthy
         if not isinstance(value, bool):
             raise TypeError(f"mse_search: {name} must be a bool, got {type(value).__name__} "
@@ -312,13 +315,11 @@ def _check_options(compat, tie, patience, expand, backend, chunk_elems=None, glo
         raise ValueError(f"mse_search: compat must be None or 'llmcompressor', got {compat!r}")
     if tie not in ("first", "last"):
         raise ValueError(f"mse_search: tie must be 'first' or 'last', got {tie!r}")
-    if patience is not None and (not isinstance(patience, int) or patience < 1):
-        raise ValueError(f"mse_search: patience must be a positive integer or None, "
-                         f"got {patience!r}")
-    if not (isinstance(expand, (int, float)) and expand >= 1.0):
-        raise ValueError(f"mse_search: expand must be a number >= 1.0, got {expand!r}")
     if backend not in BACKENDS:
         raise ValueError(f"mse_search: backend must be one of {BACKENDS}, got {backend!r}")
+    if patience is not None:  # check_int refuses a bool (True would read as patience 1)
+        patience = check_int("mse_search", "patience (or None)", patience, 1)
+    return patience, check_number("mse_search", "expand", expand, 1.0)
 
 
 def _candidates(factors, maxshrink, grid, expand, extend_to, per_unit, patience, two_ends,
@@ -436,8 +437,7 @@ def linear_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor
 
     Symmetric ranges ``(-c, c)`` around zero, L2 error, the last minimum wins.
     """
-    if not isinstance(stride, int) or not 1 <= stride <= 94:
-        raise ValueError(f"linear_search: stride must be an integer in 1..94, got {stride!r}")
+    stride = check_int("linear_search", "stride", stride, 1, 94)  # not a bool
     units, lo, hi = _check(units, lo, hi, spec, norm)
     amax = amax_of_range(lo, hi).clamp(min=0)
     return mse_search(units, -amax, amax, spec, factors=[1 - 0.01 * i for i in range(0, 95, stride)],

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .._checks import check_number, check_spec
+from .._checks import check_int, check_number, check_spec
 from ..kernels import ops
 from ..qdq import fake_quantize, fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
@@ -64,7 +64,7 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
     (:func:`_engine_search`): the same prices and choices, in one op where the format has
     block scales (on CUDA each distinct block scale of a unit priced once).
     """
-    _check_options(norm, expand, patience)
+    expand, patience = _check_options(norm, expand, patience)
     factors = shrink_factors() if factors is None else list(factors)
     if not factors or any(not (0 <= f <= 1) for f in factors):
         raise ValueError(f"imatrix_range: factors must be in [0, 1], got {factors!r}")
@@ -212,16 +212,13 @@ def _global_stop(err, best, patience, stale):
     return stale, len(improved)
 
 
-def _check_options(norm, expand, patience) -> None:
+def _check_options(norm, expand, patience) -> tuple[float, int | None]:
+    """``(expand, patience)`` as Python numbers (numpy's accepted, a bool refused)."""
     check_number("imatrix_range", "norm", norm, 0.0, lo_open=True)
-    if isinstance(expand, bool) or not isinstance(expand, (int, float)) \
-            or not 0 < expand < float("inf"):
-        raise ValueError(f"imatrix_range: expand must be a finite positive number, "
-                         f"got {expand!r}")
-    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int)
-                                 or patience < 1):
-        raise ValueError(f"imatrix_range: patience must be a positive integer or None, "
-                         f"got {patience!r}")
+    expand = check_number("imatrix_range", "expand", expand, 0.0, lo_open=True)
+    if patience is not None:
+        patience = check_int("imatrix_range", "patience (or None)", patience, 1)
+    return expand, patience
 
 
 def check_importance(who: str, importance: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 
-from .._checks import check_path
+from .._checks import check_bool, check_path
 from .atomic_swap import (
     _RENAME_EXCHANGE,  # noqa: F401 (importable here, as before the split)
     _parent_lock,  # noqa: F401 (importable here, as before the split)
@@ -298,6 +298,8 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
     written (:func:`output_kind`; None: not checked). Returns the absolute path."""
     if kind not in ("folder", "file", "report"):
         raise ValueError(f"kind must be 'folder', 'file' or 'report', got {kind!r}")
+    # before anything is written: bool("no") is True, and would replace the output
+    check_bool("output", "overwrite", overwrite)
     given = check_path("output", path)
     if kind != "folder" and (given.endswith(tuple(filter(None, (os.sep, os.altsep))))
                              or os.path.basename(given) in (".", "..")):

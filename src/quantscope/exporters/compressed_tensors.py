@@ -28,10 +28,12 @@ import fnmatch
 import json
 import os
 import shutil
+import warnings
 
 import torch
 from torch import nn
 
+from .._checks import check_bool
 from .._versions import require
 from ..calibration.run.disk_names import split_names
 from ..calibration.structure.kv_cache import attention_modules
@@ -349,9 +351,8 @@ def _groups(states, lossy):
 
 
 def _source_dir(calibration, model, model_path):
-    """The model folder (one with a config.json) whose ``EXPORT_EXTRAS`` the export
-    copies: ``model_path``, else the folder the model was loaded from, else the
-    calibration's record."""
+    """The model folder (one with a config.json) whose ``EXPORT_EXTRAS`` the export copies:
+    ``model_path``, else the folder the model was loaded from, else the calibration's record."""
     if model_path:
         if not _is_model_folder(model_path):
             raise ValueError(f"export: model_path {model_path!r} is not a model folder (a "
@@ -385,9 +386,8 @@ def _own_file(src: str, p: str) -> bool:
 
 
 def _copy_extras(src: str, dst: str) -> list[str]:
-    """The ``EXPORT_EXTRAS`` of the source folder (tokenizer, generation config, chat
-    template), with their own modes; only the folder's own files (:func:`_own_file`), never
-    what ``dst`` has."""
+    """The ``EXPORT_EXTRAS`` of the source folder (tokenizer, generation config, chat template),
+    with their own modes; only the folder's own files (:func:`_own_file`), never ``dst``'s."""
     copied = []
     for name in sorted(os.listdir(src)):
         p = os.path.join(src, name)
@@ -400,8 +400,10 @@ def _copy_extras(src: str, dst: str) -> list[str]:
     return copied
 
 
-def _check_call(calibration, model: nn.Module, **_) -> None:
+def _check_call(calibration, model: nn.Module, overwrite, allow_lossy, **_) -> None:
     """The arguments' checks that need neither the disk nor a collective (every rank)."""
+    for name, flag in (("overwrite", overwrite), ("allow_lossy", allow_lossy)):  # "no": True
+        check_bool("export compressed-tensors", name, flag)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"export compressed-tensors: model must be a transformers "
                         f"PreTrainedModel (it writes a Hugging Face folder), got "
@@ -453,8 +455,6 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
 
     _attach_schemes(work, groups, states, lossy)
     if lossy.notes:
-        import warnings
-
         warnings.warn("export compressed-tensors (allow_lossy): " + "; ".join(lossy.notes),
                       stacklevel=2)
     _attach_kv_scales(work, kv)

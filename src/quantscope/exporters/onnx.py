@@ -49,6 +49,7 @@ import warnings
 
 import torch
 
+from .._checks import check_bool
 from ..calibration.structure.conv1d import is_conv1d
 from ..calibration.structure.placement import check_placement
 from ..calibration.structure.tied import tied_weights
@@ -209,11 +210,14 @@ def _warn_specialized(example_inputs) -> None:
                       f"(batch, sequence)", UserWarning, stacklevel=4)
 
 
-def _check_call(calibration, model, example_inputs, opset, options, **_) -> None:
+def _check_call(calibration, model, example_inputs, opset, overwrite, uint8, options,
+                **_) -> None:
     """The arguments' checks that need neither the disk nor a collective (every rank), all
     before the (slow) export."""
     if options:
         raise ValueError(f"onnx export: unknown options {sorted(options)}")
+    for name, flag in (("overwrite", overwrite), ("uint8", uint8)):  # bool("no") is True
+        check_bool("onnx export", name, flag)
     if example_inputs is None:
         raise ValueError("onnx export: example_inputs is required (what the model is called "
                          "with, e.g. a tokenizer's output dict)")

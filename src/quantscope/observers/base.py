@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from .._checks import check_float32_range, check_spec, dtensor_error, is_dtensor
+from .._checks import check_float32_range, check_number, check_spec, dtensor_error, is_dtensor
 from .._numerics import upload
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
@@ -481,11 +481,9 @@ class Observer(nn.Module):
         """Validate an EMA constant (``None`` allowed where the moving average is optional)."""
         if c is None and optional:
             return None
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
-            allowed = "None or in (0, 1]" if optional else "in (0, 1]"
-            raise ValueError(f"{type(self).__name__}: averaging_constant must be {allowed}, "
-                             f"got {c!r}")
-        return float(c)
+        name = "averaging_constant (or None)" if optional else "averaging_constant"
+        # numpy's numbers too, kept as the Python float
+        return check_number(type(self).__name__, name, c, 0, 1, lo_open=True)
 
     def describe(self) -> str:
         """``Class(name, spec)``: how errors name this observer."""

@@ -98,9 +98,10 @@ class HistogramObserverBase(IntervalAverage, Observer):
                  update_interval: int = 1, grid: str = "pow2", skip_zeros: bool = False,
                  **kwargs):
         super().__init__(spec, **kwargs)
-        check_int(type(self).__name__, "bins", bins, self.MIN_BINS)
+        # the checked Python ints kept: numpy's would leak into repr and saved records
+        bins = check_int(type(self).__name__, "bins", bins, self.MIN_BINS)
         averaging_constant = self._averaging_constant(averaging_constant, optional=True)
-        check_int(type(self).__name__, "update_interval", update_interval, 1)  # True is no int
+        update_interval = check_int(type(self).__name__, "update_interval", update_interval, 1)
         if grid not in ("pow2", "first"):
             raise ValueError(f"{type(self).__name__}: grid must be 'pow2' or 'first', got {grid!r}")
         self.bins, self.averaging_constant = bins, averaging_constant

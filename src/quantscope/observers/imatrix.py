@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_number
+from .._checks import check_number, tensor_arg
 from ..comm import AVG
 from ..estimators.mse import shrink_factors
 from ..estimators.weighted import (
@@ -61,7 +61,9 @@ class IMatrixMSEObserver(Observer):
         self.factors = shrink_factors(maxshrink, grid)
         self.norm = check_number("IMatrixMSEObserver", "norm", norm, 0.0, lo_open=True)
         if importance is not None:  # a constant: checked here once, not in every forward
-            importance = torch.as_tensor(importance, dtype=torch.float32).flatten()
+            importance = tensor_arg(self.describe(), "importance", importance,
+                                    "a tensor (one value per input channel) or None",
+                                    dtype=torch.float32).flatten()
             check_importance(self.describe(), importance)
         else:
             importance = torch.zeros(0, dtype=torch.float32)

@@ -101,8 +101,9 @@ class MemorylessMSEObserver(Observer):
             "chunk_elems": chunk_elems}
         # validate now, on a one-element tensor, rather than at the first forward; once per
         # configuration (observers are made per layer, and a search costs ~0.1 ms)
+        # by repr: stride=True equals 1 (and hashes alike), so it would skip the check
         key = (type(self), repr(self.spec), repr(sorted(self.options.items())),
-               getattr(self, "stride", None), getattr(self, "span", None))
+               repr(getattr(self, "stride", None)), repr(getattr(self, "span", None)))
         if key not in _VALIDATED:
             self._search(torch.zeros(1, 1), torch.zeros(1), torch.zeros(1))
             if len(_VALIDATED) < 4096:

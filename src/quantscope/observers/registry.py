@@ -104,6 +104,9 @@ def get_observer(name: str, spec=None, **options):
 
 def list_observers(prefix: str | None = None) -> list[str]:
     """All registered names as registered, sorted; ``prefix="torch.ao"`` keeps one toolkit's."""
+    if prefix is not None and not isinstance(prefix, str):  # (.lower() would fail unnamed)
+        raise TypeError(f"list_observers: prefix must be a str (a toolkit such as 'torch.ao') "
+                        f"or None, got {type(prefix).__name__} {prefix!r}")
     _load_all()
     keys = sorted(_REGISTRY)
     if prefix is not None:

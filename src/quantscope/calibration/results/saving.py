@@ -8,7 +8,7 @@ import json
 import os
 
 from ... import comm
-from ..._checks import check_path
+from ..._checks import check_bool, check_path
 from ...exporters.atomic import atomic_dir
 from .report import json_safe
 
@@ -67,6 +67,7 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
         raise TypeError(f"save: the calibration's label must be a str, got "
                         f"{calibration.label!r}; set calibration.label to one")
     path = check_path("save", path)
+    check_bool("save", "overwrite", overwrite)  # on every rank; bool("no") is True
     if not comm.is_main():
         return path
     save_file, _ = safetensors()
