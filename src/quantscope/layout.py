@@ -314,6 +314,12 @@ class Group(_Segments):
     _name = "Group"
     kind: ClassVar[str] = "group"
 
+    @classmethod
+    def from_arg(cls, arg):
+        if not arg.partition(":")[0]:  # no default: checkpoints use 32, 64, 128 alike
+            raise ValueError("a group needs its size: 'group:SIZE' (as 'group:128')")
+        return super().from_arg(arg)
+
     def __post_init__(self):
         super().__post_init__()
         if self.g_idx is not None:

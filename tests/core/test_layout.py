@@ -181,7 +181,8 @@ def test_parse_layout():
     layout = Channel(1)
     assert parse_layout(layout) is layout
     for bad, match in (("rows", "layout: unknown"), ("group:x", "layout: cannot read"),
-                       ("group:0", "Group: size")):
+                       ("group:0", "Group: size"), ("group", "a group needs its size"),
+                       ("group::0", "a group needs its size")):  # (Group has no default)
         with pytest.raises(ValueError, match=match):
             parse_layout(bad)
 
