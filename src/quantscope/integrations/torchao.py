@@ -4,7 +4,8 @@ The classes of :mod:`quantscope.compat.torch_ao` (``MinMaxObserver``,
 ``PerChannelMinMaxObserver``, ``HistogramObserver`` ...) are torch.ao observers already.
 torchao keeps its own copy of the observer base class, and ``prepare_pt2e`` /
 ``convert_pt2e`` find observers by ``isinstance`` of it; importing this module registers
-the quantscope classes there (as a virtual subclass, nothing is patched), so::
+the quantscope classes there (as a virtual subclass, nothing is patched; the moving averages
+as torchao's namesakes too, which pt2e QAT's ``FusedMovingAvgObsFakeQuantize`` requires), so::
 
     from quantscope.integrations.torchao import HistogramObserver
     QuantizationSpec(dtype=torch.int8, quant_min=-128, quant_max=127,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 try:
     from torchao.quantization.pt2e import ObserverBase as _PT2EObserverBase
+    from torchao.quantization.pt2e import observer as _pt2e_observers
 except ModuleNotFoundError as e:  # the same error, saying what to install
     raise ModuleNotFoundError(
         f"quantscope.integrations.torchao plugs quantscope's observers into torchao's pt2e "
@@ -43,3 +45,9 @@ __all__ = [
 ]
 
 _PT2EObserverBase.register(TorchAOObserver)
+# torchao's FusedMovingAvgObsFakeQuantize (pt2e QAT) takes only its own moving averages, by
+# isinstance; the compat ones subclass torch.ao's namesakes already, so they join torchao's
+_PT2E_TWINS = {"MovingAverageMinMaxObserver": MovingAverageMinMaxObserver,
+               "MovingAveragePerChannelMinMaxObserver": MovingAveragePerChannelMinMaxObserver}
+for _name, _cls in _PT2E_TWINS.items():
+    getattr(_pt2e_observers, _name).register(_cls)
