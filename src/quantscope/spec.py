@@ -162,6 +162,8 @@ class QuantSpec:
     def __str__(self) -> str:
         parts = [self.format.name, self.layout.spec_name(),
                  "sym" if self.symmetric else "asym"]
+        if getattr(self.layout, "order", None) is not None:  # g_idx moves columns
+            parts.insert(2, "act-order")
         if self.scale.kind != "fp32":
             parts.append(f"scale={self.scale}")
         if self.quant_min is not None or self.quant_max is not None:

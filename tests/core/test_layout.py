@@ -195,3 +195,13 @@ def test_layout_kind_registers_and_names_round_trip():
     for lay in (Tensor(), Channel(1), Token(), Group(64), Group(8, 0), Block(16), Tile(64, 32)):
         assert parse_layout(lay.spec_name()) == lay
     assert Group(128).spec_name() == "group:128" and Tile().spec_name() == "tile:128x128"
+
+
+def test_a_specs_string_marks_act_order_groups():
+    """Refusals and report rows print str(spec): act-order groups read as plain ones."""
+    from quantscope import QuantSpec
+
+    moved, kept = torch.tensor([1, 0, 1, 0]), torch.tensor([0, 0, 1, 1])  # kept: no move
+    assert str(QuantSpec("int4", Group(2, g_idx=moved))) == "int4 group:2 act-order sym"
+    assert str(QuantSpec("int4", Group(2, g_idx=kept))) == str(QuantSpec("int4", Group(2)))
+    assert str(QuantSpec("int4", Group(2))) == "int4 group:2 sym"
