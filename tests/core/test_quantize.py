@@ -396,3 +396,22 @@ def test_in_place_broadcast_check_is_torchs(t_shape, o_shape):
             _fits(t, o)
         return
     assert _fits(t, o) == want
+
+
+@pytest.mark.parametrize("ste", [False, True])
+@pytest.mark.parametrize("dims", [4, 5])
+@pytest.mark.parametrize("layout", [Tensor(), Channel(0), Channel(1), Token()])
+def test_fake_quantize_keeps_a_channels_last_input_channels_last(layout, dims, ste):
+    """As torch's fake_quantize_per_tensor / per_channel_affine do: a conv net run
+    channels-last would otherwise convert every QDQ'd activation back."""
+    fmt = torch.channels_last if dims == 4 else torch.channels_last_3d
+    x = torch.randn(2, 8, *([5] * (dims - 2)), generator=torch.Generator().manual_seed(0))
+    x = x.to(memory_format=fmt)
+    spec = QuantSpec("int8", layout)
+    qp = qparams_from_range(*spec.layout.to_units(x).aminmax(dim=1), spec)
+    got = fake_quantize(x, qp, spec, ste=ste)
+    torchs = torch.fake_quantize_per_tensor_affine(x, 0.1, 0, -128, 127)
+    assert got.stride() == torchs.stride() and got.is_contiguous(memory_format=fmt)
+    # the values of the contiguous input's (torch's can differ at a tie: it multiplies by the
+    # scale's reciprocal, quantscope divides)
+    assert torch.equal(got, fake_quantize(x.contiguous(), qp, spec))
