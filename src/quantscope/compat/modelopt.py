@@ -67,7 +67,8 @@ power-of-two grid of ``num_bins`` bins, approximately (ModelOpt: ``OverflowError
 on); ``_calib_hist`` / ``_calib_bin_edges`` then read that grid.
 ``num_bins`` is at least 2 (ModelOpt: any; that grid needs two bins).
 ``torch_hist=False`` (ModelOpt's numpy path, a ``[min |x|, max |x|]`` grid) is not
-supported; nor is ``num_bits=(4, 3)``.
+supported. ``num_bits=(E, M)`` (ModelOpt's fp8 / fp4 configs) takes that float format: the
+amax is the same max, the entropy method (integer codes) refuses it.
 """
 
 from __future__ import annotations
@@ -82,15 +83,14 @@ from ..estimators.entropy import check_options as check_entropy_options
 from ..estimators.entropy import entropy_amax
 from ..estimators.histogram_mse import histogram_mse_range
 from ..estimators.percentile import percentile_range
-from ..layout import Channel, Tensor
 from ..observers.histogram import HistogramObserverBase
 from ..observers.minmax import StaticMinMaxObserver
 from ..observers.registry import register
 from ..qparams import amax_of_range
-from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 from . import SavesNoState
 from .horizon import AppendingFirstGrid
+from .modelopt_spec import _axes, modelopt_spec
 
 __all__ = [
     "HistogramCalibrator",
@@ -107,34 +107,6 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # no abs / max kernels: read as 
 class ModelOptArgumentError(ValueError, AssertionError):
     """What ModelOpt asserts against: an ``AssertionError`` as ModelOpt's, and a
     ``ValueError`` as quantscope's bad-argument errors."""
-
-
-def _axes(axis) -> tuple[int, ...] | None:
-    if axis is None:
-        return None
-    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-    for a in axes:
-        if isinstance(a, bool) or not isinstance(a, numbers.Integral):
-            raise TypeError(f"modelopt: axis must be None, an int or a tuple of ints (the "
-                             f"axes kept), got {axis!r}")
-    # an axis named twice is kept once, as ModelOpt's ((1, -1) on 2-D: _view knows the dims)
-    return tuple(dict.fromkeys(int(a) for a in axes))
-
-
-def modelopt_spec(num_bits=8, axis=None, unsigned=False) -> QuantSpec:
-    """The :class:`QuantSpec` of ModelOpt calibrator arguments (the one translation):
-    ``int{num_bits}_narrow`` symmetric (ModelOpt's ``amax / (2 ** (b - 1) - 1)``, codes +-127 for 8
-    bits), or ``uint{num_bits}`` from 0 (``unsigned``: True / False or 1 / 0), per tensor, or
-    per index of ``axis`` when it keeps one axis (several: ``Channel(0)`` of the kept axes
-    flattened, :meth:`MaxCalibrator.collect`)."""
-    check_int("modelopt", "num_bits", num_bits, 2, 16)  # (4, 3) (fp8) is not supported
-    # ModelOpt takes any truthy value; 1 / 0 as well as bools (a bool is an Integral)
-    if not isinstance(unsigned, numbers.Integral) or unsigned not in (0, 1):
-        raise TypeError(f"modelopt: unsigned must be True / False (or 1 / 0), got {unsigned!r}")
-    axes = _axes(axis)
-    layout = Tensor() if not axes else Channel(axes[0] if len(axes) == 1 else 0)
-    fmt = f"uint{num_bits}" if unsigned else f"int{num_bits}_narrow"  # amax / (2 ** (b-1) - 1)
-    return QuantSpec(fmt, layout, symmetric=not unsigned)
 
 
 def _is_integer(x) -> bool:
@@ -453,9 +425,9 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
                             f"one of {list(METHODS)})")
         if method == "percentile":  # start_bin / stride are the entropy / mse candidates'
             percentile = _check_percentile(who, percentile)
-        else:
-            check_entropy_options(who, num_bits=self._num_bits, start_bin=start_bin,
-                                  stride=stride)
+        else:  # integer codes for entropy; mse prices the spec's format, (E, M) bits too
+            bits = 8 if method == "mse" and isinstance(self._num_bits, tuple) else self._num_bits
+            check_entropy_options(who, num_bits=bits, start_bin=start_bin, stride=stride)
         if not self.has_observed:
             return None
         self.check_ready()

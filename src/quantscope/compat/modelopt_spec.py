@@ -1,0 +1,49 @@
+"""ModelOpt's calibrator arguments ``(num_bits, axis, unsigned)`` as a :class:`QuantSpec`:
+the one translation :mod:`quantscope.compat.modelopt` builds its observers' specs by."""
+
+from __future__ import annotations
+
+import numbers
+
+from .._checks import check_int
+from ..layout import Channel, Tensor
+from ..spec import QuantSpec
+
+__all__ = ["modelopt_spec"]
+
+
+def _axes(axis) -> tuple[int, ...] | None:
+    if axis is None:
+        return None
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    for a in axes:
+        if isinstance(a, bool) or not isinstance(a, numbers.Integral):
+            raise TypeError(f"modelopt: axis must be None, an int or a tuple of ints (the "
+                             f"axes kept), got {axis!r}")
+    # an axis named twice is kept once, as ModelOpt's ((1, -1) on 2-D: _view knows the dims)
+    return tuple(dict.fromkeys(int(a) for a in axes))
+
+
+_FLOATS = {(4, 3): "fp8_e4m3", (5, 2): "fp8_e5m2", (2, 1): "fp4_e2m1"}  # ModelOpt's float bits
+
+
+def modelopt_spec(num_bits=8, axis=None, unsigned=False) -> QuantSpec:
+    """The :class:`QuantSpec` of ModelOpt calibrator arguments (the one translation):
+    ``int{num_bits}_narrow`` symmetric (ModelOpt's ``amax / (2 ** (b - 1) - 1)``, codes +-127 for 8
+    bits), ``uint{num_bits}`` from 0 (``unsigned``: True / False or 1 / 0), or the float format
+    of ``(E, M)`` bits (fp8 e4m3 / e5m2, fp4 e2m1), per tensor, or
+    per index of ``axis`` when it keeps one axis (several: ``Channel(0)`` of the kept axes
+    flattened, :meth:`MaxCalibrator.collect`)."""
+    # ModelOpt takes any truthy value; 1 / 0 as well as bools (a bool is an Integral)
+    if not isinstance(unsigned, numbers.Integral) or unsigned not in (0, 1):
+        raise TypeError(f"modelopt: unsigned must be True / False (or 1 / 0), got {unsigned!r}")
+    axes = _axes(axis)
+    layout = Tensor() if not axes else Channel(axes[0] if len(axes) == 1 else 0)
+    if isinstance(num_bits, tuple) and not unsigned:  # (exponent, mantissa) bits: a float
+        if num_bits not in _FLOATS:
+            raise ValueError(f"modelopt: num_bits must be an integer in [2, 16] or one of "
+                             f"{list(_FLOATS)} (exponent, mantissa bits), got {num_bits!r}")
+        return QuantSpec(_FLOATS[num_bits], layout)
+    check_int("modelopt", "num_bits", num_bits, 2, 16)
+    fmt = f"uint{num_bits}" if unsigned else f"int{num_bits}_narrow"  # amax / (2 ** (b-1) - 1)
+    return QuantSpec(fmt, layout, symmetric=not unsigned)
