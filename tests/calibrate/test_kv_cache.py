@@ -104,6 +104,24 @@ def test_apply_fake_quantizes_the_cache_as_its_scales_say(monkeypatch):
         assert not torch.equal(model(x).logits, got)  # the cache quantization did something
 
 
+def test_an_attention_implementation_chosen_while_applied_is_routed_too(monkeypatch):
+    """transformers' set_attn_implementation while applied dropped the cache's QDQ without a
+    word (the config no longer named the routed function), and remove() then put back the
+    implementation of apply time over the user's choice."""
+    model, batches = tiny_llama("sdpa")
+    calib = calibrate(model, batches, preset("w8a8", kv_cache="fp8"), progress=False)
+    x = batches[0]
+    with torch.inference_mode():
+        with calib.apply(model):
+            model.set_attn_implementation("eager")
+            got = model(x).logits
+        assert model.config._attn_implementation == "eager"  # the user's choice kept
+        with calib.apply(model):  # applied on eager from the start: the reference
+            want = model(x).logits
+        floats = model(x).logits
+    assert torch.equal(got, want) and not torch.equal(got, floats)
+
+
 def test_any_observer_and_round_trips(tmp_path):
     model, batches = tiny_llama()
     recipe = preset("w8a8", "mse", kv_cache="fp8")

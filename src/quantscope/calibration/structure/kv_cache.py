@@ -110,6 +110,7 @@ def attach(model: nn.Module,
         raise ValueError(f"kv cache: {missing} are not attention modules with k_proj, v_proj "
                          f"or qkv_proj run through transformers' attention interface")
     configs = {id(modules[n].config): modules[n].config for n in callbacks}
+    chosen: dict[int, str | None] = {}  # config -> the implementation the user chose (last)
     undo: list[Callable[[], None]] = []
 
     def detach():
@@ -117,18 +118,47 @@ def attach(model: nn.Module,
             undo.pop()()
     try:
         for cfg in configs.values():
-            was = cfg._attn_implementation
-            impl = was or "eager"
+            impl = cfg._attn_implementation or "eager"
             if impl.startswith(_PREFIX):
                 raise ValueError("kv cache: the model's attention is already routed through "
                                  "quantscope (QDQ still applied?)")
-            cfg._attn_implementation = _register(impl)
-            undo.append(lambda cfg=cfg, was=was: setattr(cfg, "_attn_implementation", was))
+            _route(cfg, chosen)
+            undo.append(lambda cfg=cfg: _unroute(cfg, chosen))
         for name, callback in callbacks.items():
             module = modules[name]
             _ACTIVE[module] = callback
             undo.append(lambda module=module: _ACTIVE.pop(module, None))
+            # the user may choose another implementation while routed (transformers'
+            # set_attn_implementation): route that one too, before the module runs
+            undo.append(module.register_forward_pre_hook(_Reroute(chosen)).remove)
     except BaseException:
         detach()
         raise
     return detach
+
+
+class _Reroute:
+    """The pre-hook that routes an implementation chosen while attached (an object, not a
+    closure: pickling an applied model must reach apply()'s refusal, not fail on it)."""
+
+    def __init__(self, chosen: dict):
+        self.chosen = chosen
+
+    def __call__(self, module, args):
+        _route(module.config, self.chosen)
+
+
+def _route(cfg, chosen: dict) -> None:
+    """Point ``cfg`` at the routed twin of its implementation, unless it names one already,
+    remembering the user's choice for :func:`_unroute`."""
+    impl = cfg._attn_implementation
+    if not (impl or "").startswith(_PREFIX):
+        chosen[id(cfg)] = impl
+        cfg._attn_implementation = _register(impl or "eager")
+
+
+def _unroute(cfg, chosen: dict) -> None:
+    """The user's last choice back, where ``cfg`` is still routed (a choice made since the
+    last forward is the user's already)."""
+    if (cfg._attn_implementation or "").startswith(_PREFIX):
+        cfg._attn_implementation = chosen[id(cfg)]
