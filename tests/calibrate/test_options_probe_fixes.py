@@ -72,20 +72,23 @@ def test_options_but_revalidates_the_loss():
         opts.but(auto__metric="tensor")
 
 
-def test_sequential_head_drops_the_loss_it_does_not_call():
-    """The sequential head chooses by metric "output" (it runs on replayed outputs): the
-    user's "model" loss is for the blocks, not a reason to refuse the head."""
+def test_sequential_refuses_the_model_loss_up_front():
+    """Auto.loss is called with the model's output, which no piece of a sequential
+    calibration has (a block gives its hidden states; the head, on replayed outputs, chooses
+    by metric "output"): refused before any forward (probe s34: the blocks called it with
+    their output tensors, failing inside the user's code)."""
     from tiny_models import llama
 
     (model, batches), calls = llama(), []
 
     def loss(out, ref, batch):
         calls.append(1)
-        return float((out - ref).square().mean())  # the logits
+        return float((out.logits - ref.logits).square().mean())
 
-    c = calibrate(model, batches, "w8a8", observer="auto", progress=False, sequential=True,
+    with pytest.raises(ValueError, match=r"Auto\.loss.*sequential"):
+        calibrate(model, batches, "w8a8", observer="auto", progress=False, sequential=True,
                   auto=Auto(candidates=["minmax", "mse"], loss=loss))
-    assert calls and "lm_head" in c.states
+    assert not calls
 
 
 def test_model_metric_still_calls_its_loss():

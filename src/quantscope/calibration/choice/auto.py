@@ -30,27 +30,22 @@ from ..results.apply import apply
 from ..results.result import Calibration
 from ..run.batches import eval_mode, forward_batch, tensors_in
 from ..run.gather import share_pieces
+from ..run.sequential import batch_source
 from .candidates import check_options, expand, has_auto, ignores_non_finite
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
+from .score_set import mask_of, piece_of, score_batches, score_pieces, score_plan, tokens_of
 
 __all__ = ["OutputDivergence", "calibrate_end_to_end", "check_options", "choose",
-           "choose_roles", "score_pieces"]
+           "choose_roles", "score_batches", "score_pieces"]  # (those two: .score_set's)
 
-#: ``auto_metric="model"`` scores each configuration piece by piece (the first piece this
-#: share of the scoring documents), dropping after each piece the candidates this many times
-#: worse than the best so far (:func:`choose`)
-FIRST_PIECE = 0.25
+#: ``auto_metric="model"`` scores each configuration piece by piece (the first piece
+#: :data:`.score_set.FIRST_PIECE` of the scoring documents), dropping after each piece the
+#: candidates this many times worse than the best so far (:func:`choose`)
 DROP_FACTOR = 1.5
 
 
 # ----------------------------------------------------------------------------- model output
-
-
-def _mask(batch):
-    if isinstance(batch, dict) or hasattr(batch, "keys"):
-        return batch.get("attention_mask")
-    return None
 
 
 def _summary(out, batch):
@@ -62,7 +57,7 @@ def _summary(out, batch):
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, dict):
         logits = out.get("logits")
-    mask = _mask(batch)
+    mask = mask_of(batch)
     if logits is not None and logits.shape[-1] > 1:  # one logit (a regression head): no KL
         rows = logits.reshape(-1, logits.shape[-1])
         if mask is not None and logits.dim() == 3 and mask.shape == logits.shape[:2]:
@@ -203,74 +198,6 @@ def _finite(value, logits: bool = False) -> bool:
                if t.is_floating_point() or t.is_complex())
 
 
-def _rows(batch) -> int | None:
-    mask = _mask(batch)
-    return None if mask is None or mask.dim() != 2 else mask.shape[0]
-
-
-def _take_rows(batch, start: int, stop: int):
-    """Rows ``start:stop`` of a dict batch (every tensor whose first dimension is the rows)."""
-    n = _rows(batch)
-    return {k: (v[start:stop] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n
-                else v) for k, v in batch.items()}
-
-
-def _tokens(b) -> int:
-    mask = _mask(b)
-    if mask is not None:
-        return int(mask.sum())
-    t = b if isinstance(b, torch.Tensor) else (b[0] if isinstance(b, (tuple, list)) else None)
-    if not isinstance(t, torch.Tensor):
-        return 1
-    if not (t.is_floating_point() or t.is_complex()):  # token ids: every entry is a token
-        return max(t.numel(), 1)
-    return t.shape[:-1].numel() if t.dim() > 1 else 1  # features: one token per row
-
-
-def score_batches(batches, tokens: int):
-    """The first calibration batches holding at least ``tokens`` real tokens (at least one);
-    the last one cut to the rows (documents) needed where it is a dict with a mask."""
-    out, n = [], 0
-    for b in batches:
-        need = tokens - n
-        rows = _rows(b)
-        if rows is not None and rows > 1 and _tokens(b) > need:
-            per_row = _mask(b).sum(-1).tolist()
-            k = next(i for i in range(1, rows + 1) if sum(per_row[:i]) >= need)
-            b = _take_rows(b, 0, k)
-        out.append(b)
-        n += _tokens(b)
-        if n >= tokens:
-            break
-    return out
-
-
-def score_plan(batches, tokens: int, first: float = FIRST_PIECE):
-    """Where the scoring pieces come from: ``[(batch index, rows start, rows stop)]``. The
-    scoring set is the first calibration documents holding ``tokens`` real tokens
-    (:func:`score_batches`); its first dict batch is cut by rows in two pieces, the first
-    ``first`` of its rows (at least one), so that the early round that drops the far-off
-    candidates (:func:`choose`) is cheap; any further batch is one more piece."""
-    out = score_batches(batches, tokens)
-    plan = [(i, 0, _rows(b)) for i, b in enumerate(out)]
-    rows = _rows(out[0])
-    if rows is None or rows < 2:
-        return plan
-    cut = min(rows - 1, max(1, round(rows * first)))
-    return [(0, 0, cut), (0, cut, rows), *plan[1:]]
-
-
-def score_pieces(batches, tokens: int, first: float = FIRST_PIECE):
-    """The scoring pieces themselves (:func:`score_plan`)."""
-    batches = list(batches)
-    return [_piece(batches[i], a, b) for i, a, b in score_plan(batches, tokens, first)]
-
-
-def _piece(batch, start, stop):
-    return batch if stop is None or (start == 0 and stop == _rows(batch)) else _take_rows(
-        batch, start, stop)
-
-
 class _FloatOutputs:
     """Catches, during the calibration pass (a float forward of every batch), the summaries
     :class:`OutputDivergence` compares for the scoring pieces: their float references need
@@ -303,7 +230,8 @@ class _FloatOutputs:
                 t = getattr(out, name, None)
                 if isinstance(t, torch.Tensor):
                     cut = types.SimpleNamespace(**{name: t if b is None else t[a:b]})
-                    self.got.setdefault(i, {})[k] = _summary(cut, _piece(self.batches[i], a, b))
+                    piece = piece_of(self.batches[i], a, b)
+                    self.got.setdefault(i, {})[k] = _summary(cut, piece)
                     break
         self.got.setdefault(i, {})
 
@@ -411,7 +339,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     autos = [label for label, r in recipes.items() if has_auto(r)]
     expanded, names, refused = expand(model, recipes, autos, list(dict.fromkeys(
         _candidates("input", candidates))))
-    plan = score_plan(batches, score_tokens) if autos else []
+    source = batch_source(model)  # a sequential block runs on these batches' numbers
+    plan = score_plan(batches if source is None else source, score_tokens) if autos else []
     caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
     weighted = any(len({weight_observer(n) for n in names[label]}) > 1 for label in autos)
     importance = InputImportance(model, sorted(
@@ -427,7 +356,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         if not autos:
             return out
         t0 = time.perf_counter()
-        pieces = [_piece(batches[i], a, b) for i, a, b in plan]
+        pieces = [piece_of(batches[i], a, b) if source is None else (batches[i], a, b)
+                  for i, a, b in plan]
         # a pass without forwards (weight-only recipes): the scoring pieces' float forwards
         with (importance.counting() if importance is not None and not importance.seen()
               else contextlib.nullcontext()):
@@ -443,10 +373,13 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         if importance is not None:
             importance.remove()
     built = score.forwards  # the references' forwards, which every recipe's scoring needs
+    # the tokens scored; a block's pieces (number, rows start, stop) counted on the user's
+    tokens = sum(tokens_of(p if source is None else piece_of(source[p[0]], *p[1:]))
+                 for p in score.batches)
     for label in autos:
         score.forwards = built  # each recipe counts its own scoring's forwards, as alone
         out[label] = _decide(model, score, recipes[label], label,
-                             {n: calibs[(label, n)] for n in names[label]}, means)
+                             {n: calibs[(label, n)] for n in names[label]}, means, tokens)
     spent = time.perf_counter() - t0
     for label in autos:
         info = out[label].info
@@ -460,7 +393,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
 
 
 def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict,
-            means: dict) -> Calibration:
+            means: dict, tokens: int) -> Calibration:
     """One auto recipe's result from its candidates' calibrations ``configs`` (min-max
     first): the best whole configuration (:func:`choose`), then each role re-chosen
     (:func:`choose_roles`, the imatrix weights among the weight trials where ``means``, the
@@ -492,7 +425,7 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
                     "role_pieces": {k: p for k, (_, p) in trials.items()},
                     "pieces_scored": {k: p for k, (_, p) in scores.items()},
                     "score_pieces": score.pieces,
-                    "score_tokens": sum(_tokens(b) for b in score.batches),
+                    "score_tokens": tokens,
                     "score_forwards": score.forwards}
     stats = [dict(r, requested=AUTO) for r in (
         row for n, c in configs.items() for row in c.stats

@@ -47,7 +47,8 @@ from .block_order import NotAChain, check_disjoint, free_zeros, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, unload_params, warn_unused
 from .seq_cache import Cache, Contexts
 
-__all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "calibrate_sequential", "find_blocks"]
+__all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "batch_source", "calibrate_sequential",
+           "find_blocks"]
 
 #: what ``sequential=`` accepts (True means "float")
 MODES = ("float", "quantized")
@@ -89,10 +90,10 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
 class _Indexed:
     """``items`` read in order, the index of the one now out in ``i``; its length only where
     ``known`` (the whole-model pass on a generator spreads its row samples as over a stream
-    of unknown length: the pieces must too)."""
+    of unknown length: the pieces must too); ``source``: the user's batches, by number."""
 
-    def __init__(self, items, known: bool):
-        self.items, self.known, self.i = items, known, 0
+    def __init__(self, items, known: bool, source=None):
+        self.items, self.known, self.i, self.source = items, known, 0, source
 
     def __iter__(self):
         for i, item in enumerate(self.items):
@@ -123,10 +124,11 @@ class _Replay(nn.Module):
 
 class _Piece(nn.Module):
     """One block under its full name (``model.layers.3``), so recipes match it as in the
-    whole model; ``forward(i)`` runs the block on batch ``i``'s cached inputs;
-    ``context(i)``: its other arguments."""
+    whole model; ``forward(i)`` runs the block on batch ``i``'s cached inputs (``forward(i,
+    start, stop)``: its output's rows ``start:stop``, an auto scoring piece of the batch's
+    documents, :func:`batch_source`); ``context(i)``: its other arguments."""
 
-    def __init__(self, name: str, block: nn.Module, inputs: Cache, context):
+    def __init__(self, name: str, block: nn.Module, inputs: Cache, context, source=None):
         super().__init__()
         *path, last = name.split(".")
         holder = self
@@ -139,8 +141,9 @@ class _Piece(nn.Module):
         self.copy_inputs = False
         # batch -> the other items of a tuple output (None: not a tuple), for the replay
         self.rest: dict = {}
+        self.source = source  # the user's batches, which the numbers ``i`` stand for
 
-    def forward(self, i):
+    def forward(self, i, start=0, stop=None):
         args, kwargs = self.context(i)
         h = self.inputs.get(i)
         out = self.block(h.clone() if self.copy_inputs else h, *args, **kwargs)
@@ -153,7 +156,16 @@ class _Piece(nn.Module):
         h = out[0] if tup else out
         if self.outputs is not None:
             self.outputs.put(i, h)
-        return h
+        # the whole batch run (its cached arguments are not cut), the rows kept: the
+        # outputs of a decoder block are [rows, positions, hidden], as its input
+        return h if stop is None else h[start:stop]
+
+
+def batch_source(model):
+    """The user's batches (a list) whose numbers a sequential block (:class:`_Piece`) is
+    calibrated on, None for any other model: auto's scoring plan is made on them, as the
+    whole-model pass's, each piece forwarded as ``(number, rows start, rows stop)``."""
+    return model.source if isinstance(model, _Piece) else None
 
 
 def _matches(recipe, module) -> bool:
@@ -289,8 +301,8 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
             full, block = f"{name}.{j}", originals[j]
             nxt, rest = _calibrate_block(
                 run, full, block, {p for p in params if p.startswith(full + ".")}, hidden,
-                functools.partial(context.get, j), _Indexed(range(n), known), recipes, mode,
-                calibrate_many, options)
+                functools.partial(context.get, j), _Indexed(range(n), known, batches),
+                recipes, mode, calibrate_many, options)
             spilled += hidden.spilled
             hidden.clear()
             hidden = nxt
@@ -355,7 +367,7 @@ def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, contex
     load = is_meta(block)
     if load:
         loaded = run.load(mine)
-    piece = _Piece(full, block, hidden, context)
+    piece = _Piece(full, block, hidden, context, batches.source)
     nxt = run.cache("b" if hidden.tag == "a" else "a")
     todo = {k: _for_piece(r, piece) for k, r in recipes.items() if _matches(r, piece)}
     auto = any(_has_auto(r) for r in todo.values())

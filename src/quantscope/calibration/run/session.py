@@ -83,8 +83,7 @@ def _as_recipe(recipe, observer) -> Recipe:
 
 
 def _check_kv_cache(model, recipes) -> None:
-    """A recipe that asks for the KV cache on a model without attention modules is an error
-    (one piece of a sequential calibration may have none; the whole model must)."""
+    """kv_cache needs an attention module in the model (a sequential piece may have none)."""
     asked = [r.name for r in recipes.values() if r.kv_cache is not None]
     if asked and not kv_cache.attention_modules(model):
         raise ValueError(f"calibrate: recipe {asked[0]!r} sets kv_cache but the model has no "
@@ -152,8 +151,7 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
     candidates calibrate through here, on the model (or a block of it) the call holds;
     ``top``: the user's own call (the options checked against its recipes)."""
     t0 = time.perf_counter()
-    if batches is None:
-        batches = []
+    batches = [] if batches is None else batches
     # distributed: a check failing on one rank (its recipe, its batches) raises on every rank
     # here, not with the others waiting in the planning's collectives
     with (qd.all_or_none("calibrate's checks", opts.runtime.group, same_type=True)
@@ -179,9 +177,8 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
                 # the head runs on the blocks' replayed outputs, fed by batch order: auto's
                 # whole-model metrics forward it again (all batches, row pieces) and would
                 # read the wrong batch's; there it chooses by its layers' output error
-                auto = inner.auto
-                if replayed and auto.metric in ("model", "fisher"):  # "output" calls no loss
-                    auto = Auto(auto.candidates, "output")  # (nor reads score_tokens)
+                auto = (Auto(inner.auto.candidates, "output")  # (reads no score_tokens)
+                        if replayed and inner.auto.metric == "model" else inner.auto)
                 return _calibrate_with(m, b, r, inner.but(progress=progress, auto=auto))
 
             return _sequential.calibrate_sequential(
@@ -276,15 +273,18 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
             raise ValueError("calibrate: sequential and distributed calibration do not combine")
         if opts.runtime.time_groups:
             raise ValueError("calibrate: Runtime.time_groups is not available with sequential")
-        if opts.auto.metric == "fisher" and any(map(has_auto, recipes.values())):
-            raise ValueError("calibrate: Auto(metric='fisher') weighs errors by the model "
-                             "loss's gradients, which need the whole model's forward; "
-                             "sequential calibration runs one block at a time: use metric "
-                             "'joint' (the same error, unweighted) or calibrate the whole model")
+        fisher = opts.auto.metric == "fisher"  # else a loss is "model"'s: needs the model output
+        if (fisher or opts.auto.loss is not None) and any(map(has_auto, recipes.values())):
+            what, fix = (("Auto(metric='fisher') weighs errors by the model loss's gradients",
+                          "use metric 'joint' (the same error, unweighted)") if fisher else
+                         ("Auto.loss is called with the model's output",
+                          "drop loss= (each block is then scored by its output's 1 - cosine)"))
+            raise ValueError(f"calibrate: {what}, which needs the whole model's forward; "
+                             f"sequential calibration runs one block at a time: {fix} or "
+                             f"calibrate the whole model")
         seq.check_here()
     for name, labels in (top and opts.runtime.time_groups or {}).items():  # inner: auto's labels
-        unknown = [label for label in labels if label not in recipes]
-        if unknown:
+        if unknown := [label for label in labels if label not in recipes]:
             raise ValueError(f"calibrate: Runtime.time_groups[{name!r}] names {unknown[0]!r}, "
                              f"which is not a recipe label; the labels are {list(recipes)}")
     return recipes
@@ -311,8 +311,8 @@ def _check_auto(recipes, auto: Auto) -> None:
 def _check_sampling(recipes, sampling: Sampling) -> None:
     """Warns of ``sampling``'s rows set where no recipe has an activation role (the only ones
     sampled); a seed alone is harmless (the command line always passes one)."""
-    if (sampling.tokens, sampling.budget_mb) != (Sampling.tokens, None) and not any(r.input or r.output for rec in recipes.values()
-                                          for r in rec.rules):
+    rows = (sampling.tokens, sampling.budget_mb) != (Sampling.tokens, None)
+    if rows and not any(r.input or r.output for rec in recipes.values() for r in rec.rules):
         warnings.warn(f"calibrate: {sampling} changes nothing: it keeps activation rows (for "
                       f"auto and the report) and no recipe here quantizes an activation "
                       f"(weight-only)", stacklevel=outside_quantscope())

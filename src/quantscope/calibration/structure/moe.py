@@ -19,7 +19,8 @@ are already visible; only their token counts are taken here.
 **Tokens.** Routed mode (default): each expert observes the tokens routed to it. An
 expert that saw ``n < min_tokens`` tokens gets its activation ranges shrunk toward the
 pooled range of its layer's experts (the min / max merge of their ranges):
-``range = w * own + (1 - w) * pooled`` with ``w = n / min_tokens``, so none (``n = 0``)
+``range = w * own + (1 - w) * pooled`` with ``w = n / min_tokens`` (computed as
+``pooled + w * (own - pooled)``: exact where own is pooled), so none (``n = 0``)
 gets the pooled range. ``MoE(all_experts=True)`` makes every expert observe every token while
 the block's output stays the routed one (llm-compressor's ``calibrate_all_experts``).
 
@@ -431,7 +432,9 @@ def _blend(state, pooled, w: float):
     """``state`` with its range moved to ``w * own + (1 - w) * pooled``; qparams remade
     by the one formula."""
     plo, phi, pgam = pooled
-    mix = (lambda own, pool: pool.clone() if w == 0.0 else w * own + (1 - w) * pool)
+    # as pool + w (own - pool): exactly pool where own == pool (the widest expert), which
+    # w own + (1 - w) pool missed by an ulp, widening the shared range (share_inputs)
+    mix = (lambda own, pool: pool.clone() if w == 0.0 else pool + w * (own - pool))
     lo = None if state.lo is None else mix(state.lo, plo)
     hi = None if state.hi is None else mix(state.hi, phi)
     if state.dynamic == "local":

@@ -1,0 +1,114 @@
+"""Which calibration documents ``auto``'s model-level scoring runs on (:mod:`.auto`): the
+first ``score_tokens`` real tokens of the calibration batches (:func:`score_batches`), cut in
+pieces scored one after the other (:func:`score_plan`).
+
+A batch's real tokens: a dict's attention mask's ones, else the entries of its
+``input_ids`` (or first tensor) as of a bare tensor: every entry of token ids, every row of
+features (one token each). Only dict batches are cut, by rows (documents).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..run.batches import tensors_in
+
+__all__ = ["FIRST_PIECE", "mask_of", "piece_of", "rows_of", "score_batches", "score_pieces",
+           "score_plan", "take_rows", "tokens_of"]
+
+#: the first scoring piece: this share of the first batch's rows (an early, cheap round
+#: that drops the candidates far behind, :func:`.auto.choose`)
+FIRST_PIECE = 0.25
+
+
+def mask_of(batch):
+    """A dict batch's ``attention_mask``, None for another batch or none."""
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        return batch.get("attention_mask")
+    return None
+
+
+def _counted(b):
+    """``(tensor, whether a mask)`` a batch's tokens are counted on: a dict's attention mask,
+    else its ``input_ids`` (else its first tensor); a tuple's first item; a tensor itself."""
+    if (mask := mask_of(b)) is not None:
+        return mask, True
+    if isinstance(b, dict) or hasattr(b, "keys"):  # (without a mask, every id is real)
+        t = b.get("input_ids")
+        return (t if isinstance(t, torch.Tensor) else next(tensors_in(b), None)), False
+    return (b[0] if isinstance(b, (tuple, list)) and b else b), False
+
+
+def rows_of(batch) -> int | None:
+    """A dict batch's rows (documents, which a scoring piece cuts), None for other batches."""
+    t, mask = _counted(batch) if isinstance(batch, dict) or hasattr(batch, "keys") else (None, 0)
+    ok = isinstance(t, torch.Tensor) and (t.dim() == 2 if mask else t.dim() > 1)
+    return t.shape[0] if ok else None
+
+
+def take_rows(batch, start: int, stop: int):
+    """Rows ``start:stop`` of a dict batch (every tensor whose first dimension is the rows)."""
+    n = rows_of(batch)
+    return {k: (v[start:stop] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n
+                else v) for k, v in batch.items()}
+
+
+def tokens_of(b, per_row: bool = False):
+    """A batch's real tokens: a mask's ones, token ids' entries, features' rows (one token
+    each); ``per_row``: a list, one count per row of a dict batch (:func:`rows_of`)."""
+    t, mask = _counted(b)
+    if mask:
+        return t.sum(-1).tolist() if per_row else int(t.sum())
+    if per_row:  # without a mask every row holds as many
+        return [tokens_of(t[0])] * t.shape[0]
+    if not isinstance(t, torch.Tensor):
+        return 1
+    if not (t.is_floating_point() or t.is_complex()):  # token ids: every entry is a token
+        return max(t.numel(), 1)
+    return t.shape[:-1].numel() if t.dim() > 1 else 1  # features: one token per row
+
+
+def score_batches(batches, tokens: int):
+    """The first calibration batches holding at least ``tokens`` real tokens (at least one);
+    the last one cut to the rows (documents) needed where it is a dict batch."""
+    out, n = [], 0
+    for b in batches:
+        need = tokens - n
+        rows = rows_of(b)
+        if rows is not None and rows > 1 and tokens_of(b) > need:
+            per_row = tokens_of(b, per_row=True)
+            k = next(i for i in range(1, rows + 1) if sum(per_row[:i]) >= need)
+            b = take_rows(b, 0, k)
+        out.append(b)
+        n += tokens_of(b)
+        if n >= tokens:
+            break
+    return out
+
+
+def score_plan(batches, tokens: int, first: float = FIRST_PIECE):
+    """Where the scoring pieces come from: ``[(batch index, rows start, rows stop)]``. The
+    scoring set is the first calibration documents holding ``tokens`` real tokens
+    (:func:`score_batches`); its first dict batch is cut by rows in two pieces, the first
+    ``first`` of its rows (at least one), so that the early round that drops the far-off
+    candidates (:func:`.auto.choose`) is cheap; any further batch is one more piece."""
+    out = score_batches(batches, tokens)
+    plan = [(i, 0, rows_of(b)) for i, b in enumerate(out)]
+    rows = rows_of(out[0])
+    if rows is None or rows < 2:
+        return plan
+    cut = min(rows - 1, max(1, round(rows * first)))
+    return [(0, 0, cut), (0, cut, rows), *plan[1:]]
+
+
+def score_pieces(batches, tokens: int, first: float = FIRST_PIECE):
+    """The scoring pieces themselves (:func:`score_plan`)."""
+    batches = list(batches)
+    return [piece_of(batches[i], a, b) for i, a, b in score_plan(batches, tokens, first)]
+
+
+def piece_of(batch, start, stop):
+    """A scoring piece of ``batch``: its rows ``start:stop`` (the whole where ``stop`` is
+    None or all its rows)."""
+    return batch if stop is None or (start == 0 and stop == rows_of(batch)) else take_rows(
+        batch, start, stop)
