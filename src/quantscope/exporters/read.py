@@ -39,6 +39,7 @@ from .read_checks import (
     fmt_name,
     kv_scale_layer,
     load_checked_tensors,
+    missing_zero_point,
     neutral_qparams,
     parse_quant_config,
     read_quant_config,
@@ -220,27 +221,26 @@ def _ct_unpackable(stored: dict) -> dict:
 
 
 def _decompress(name, stored, fmt, scheme, spec, wshape) -> dict:
-    """compressed-tensors' decoding of a module's weight tensors. Its refusals name no layer
-    nor tensor ("Expected torch.int32 but got torch.int8"): the stored tensor that is not
-    what it writes is found by :func:`storage_problem` on neutral qparams of the spec's shapes."""
+    """compressed-tensors' decoding of a module's weight tensors. Its refusals name no tensor
+    ("Expected torch.int32 but got torch.int8", a RuntimeError on a packed zero point of other
+    rows): the tensor unlike what it writes is found on neutral qparams (storage_problem)."""
     try:
         return compressor(fmt, "format").decompress(_ct_unpackable(stored), scheme)
-    except ValueError as e:
+    except (ValueError, RuntimeError, AssertionError) as e:
         probe = neutral_qparams(stored, spec, wshape)
-        why = storage_problem(stored, probe, fmt, scheme, spec, wshape) or (
-            "its tensors are not what the format stores")
-        raise ValueError(f"from_compressed_tensors: {name}: {why} (compressed-tensors: "
-                         f"{e})") from None
+        why = storage_problem(name, stored, probe, fmt, scheme, spec, wshape) or (
+            f"{name}: its tensors are not what the format stores")
+        raise ValueError(f"from_compressed_tensors: {why} (compressed-tensors: {e})") from None
 
 
-def _decoded_scale_problem(local: dict) -> str | None:
-    """Why a decoded scale cannot be used: the stored ones were checked as stored
+def _decoded_scale_problem(name: str, local: dict) -> str | None:
+    """Why a decoded scale of ``name`` cannot be used: the stored ones were checked as stored
     (:func:`.read_checks.load_checked_tensors`), these as compressed-tensors decodes them
     (E8M0 to float)."""
     for key, value in local.items():
         why = scale_problem(key, value) if key in SCALE_LEAVES else None
         if why:
-            return why
+            return f"{name}: {why}"
     return None
 
 
@@ -265,16 +265,19 @@ def _read_module(name, wshape, stored, roles, specs, observers, fmt, scheme) -> 
         raise ValueError(f"from_compressed_tensors: {name}: its group quantizes the weight, but "
                          f"no weight_scale is stored (only {sorted(stored)}): a layer kept in "
                          f"float that the config's ignore does not name?")
+    why = missing_zero_point(name, stored, roles, specs)
+    if why:
+        raise ValueError(f"from_compressed_tensors: {why}")
     if "weight" in roles:  # the shapes first: nothing allocated of the size config.json says
         spec, probe = specs["weight"], neutral_qparams(stored, specs["weight"], wshape, "meta")
-        why = storage_problem(stored, probe, fmt, scheme, spec, wshape, meta=True)
+        why = storage_problem(name, stored, probe, fmt, scheme, spec, wshape, meta=True)
         if why:
-            raise ValueError(f"from_compressed_tensors: {name}: {why}")
-        local = _decompress(name, stored, fmt, scheme, specs["weight"], wshape)
-        why = storage_problem(stored, local, fmt, scheme, specs["weight"], wshape) or \
-            _decoded_scale_problem(local)
+            raise ValueError(f"from_compressed_tensors: {why}")
+        local = _decompress(name, stored, fmt, scheme, spec, wshape)
+        why = storage_problem(name, stored, local, fmt, scheme, spec, wshape) or \
+            _decoded_scale_problem(name, local)
         if why:
-            raise ValueError(f"from_compressed_tensors: {name}: {why}")
+            raise ValueError(f"from_compressed_tensors: {why}")
     return {r: _state(local, r, name, wshape[-1] if r == "input" else wshape[0], roles[r],
                       specs[r], observers[r], wshape) for r in roles}
 

@@ -19,8 +19,8 @@ from .._checks import pattern_refusal
 from .._jsonfile import parse_json, read_json
 
 __all__ = ["SCALE_LEAVES", "ZERO_POINTS", "check_kv_scheme", "compressor", "exact_pattern",
-           "fmt_name", "kv_scale_layer", "load_checked_tensors", "neutral_qparams",
-           "parse_quant_config", "read_quant_config", "rewriting_modifiers",
+           "fmt_name", "kv_scale_layer", "load_checked_tensors", "missing_zero_point",
+           "neutral_qparams", "parse_quant_config", "read_quant_config", "rewriting_modifiers",
            "safetensors_headers", "scale_problem", "scale_values", "storage_problem",
            "unexpected_qparam"]
 
@@ -233,18 +233,10 @@ def neutral_qparams(stored: dict, spec, weight_shape, device=None) -> dict:
     return {k: make() for k, make in neutral.items() if k in stored}
 
 
-def storage_problem(stored: dict, decompressed: dict, fmt, scheme, spec,
-                    weight_shape, meta: bool = False) -> str | None:
-    """Why a module's stored weight tensors are not what compressed-tensors writes for the
-    config's ``weights`` args (a config edited to other ``num_bits`` / ``type`` than the
-    data), or None. compressed-tensors' own compressor, run on a zero weight of the module's
-    shape with the read scales, gives the names, dtypes and shapes it writes; int codes
-    stored unpacked must lie in the format's range. ``meta``: the stored weight's shape
-    only, against the one compressed-tensors gives on the meta device (``decompressed``:
-    :func:`neutral_qparams` there): nothing of the size ``config.json`` claims for the
-    module is allocated, so a config claiming a 32768 x 32768 layer beside a 32 x 32 one
-    costs no 4 GiB of zeros. Run first, it bounds what the full check and the decoding
-    allocate by the bytes on disk."""
+def _written(decompressed: dict, fmt, scheme, spec, weight_shape, meta: bool) -> dict | str:
+    """What compressed-tensors' compressor writes for a zero weight of ``weight_shape`` with
+    the qparams of ``decompressed`` (name -> tensor; on the meta device with ``meta``), or
+    why it writes nothing of the config's ``weights`` args."""
     from compressed_tensors.quantization import QuantizationArgs
 
     # the format's own rule for the weights args it stores (an NVFP4 packer decodes fp4
@@ -261,18 +253,70 @@ def storage_problem(stored: dict, decompressed: dict, fmt, scheme, spec,
     probe["weight"] = torch.zeros(weight_shape, dtype=torch.float32,
                                   device="meta" if meta else None)
     try:
-        expected = decoder.compress(probe, scheme)
+        return decoder.compress(probe, scheme)
     except Exception as e:  # noqa: BLE001 -- compressed-tensors raises many types
         return f"compressed-tensors cannot store its weights as the config says ({e})"
-    for key, want in expected.items():
-        got = stored.get(key)
-        if got is None or meta and (key not in _WEIGHT_KEYS or got.shape == want.shape):
-            continue  # meta: the weight's shape only (the rest is checked as read)
-        if got.dtype != want.dtype or got.shape != want.shape or (
-                key == "weight_shape" and not torch.equal(got, want)):
-            return (f"{key} is {got.dtype} {list(got.shape)}, but the config's weights "
-                    f"({spec}) are stored as {want.dtype} {list(want.shape)}")
-    codes = None if meta else stored.get("weight")
+
+
+def storage_problem(layer: str, stored: dict, decompressed: dict, fmt, scheme, spec,
+                    weight_shape, meta: bool = False) -> str | None:
+    """Why the module ``layer``'s stored tensors are not what compressed-tensors writes for
+    the config's ``weights`` args (a config edited to other ``num_bits`` / ``type`` than the
+    data, a scale of another layer's rows), or None. compressed-tensors' own compressor, run
+    on a zero weight of the module's shape with the read scales (:func:`_written`), gives the
+    names, dtypes and shapes it writes: every shape is compared before any dtype, the
+    weight's tensors first; int codes stored unpacked must lie in the format's range.
+    ``meta``: the shapes only, against those compressed-tensors gives on the meta device
+    (``decompressed``: :func:`neutral_qparams` there): nothing of the size ``config.json``
+    claims for the module is allocated, so a config claiming a 32768 x 32768 layer beside a
+    32 x 32 one costs no 4 GiB of zeros. Run first, it bounds what the full check and the
+    decoding allocate by the bytes on disk, and names a misshapen scale that the decoder
+    would broadcast into an error naming no tensor ("The size of tensor a (128) must match
+    the size of tensor b (64)")."""
+    written = _written(decompressed, fmt, scheme, spec, weight_shape, meta)
+    if isinstance(written, str):
+        return f"{layer}: {written}"
+    keys = sorted(written, key=lambda k: k not in _WEIGHT_KEYS)  # stable: the weight's first
+    for mismatch in (_shape_mismatch,) if meta else (_shape_mismatch, _dtype_mismatch):
+        for key in keys:
+            got = stored.get(key)
+            why = None if got is None else mismatch(layer, key, got, written[key], spec, meta)
+            if why:
+                return why
+    why = None if meta else _code_problem(stored.get("weight"), spec)
+    return why and f"{layer}: {why}"
+
+
+def _dtype_mismatch(layer: str, key: str, got, want, spec, meta: bool = False) -> str | None:
+    """Why the stored ``key`` is not of the dtype and shape compressed-tensors writes."""
+    if got.dtype == want.dtype and got.shape == want.shape:
+        return None
+    return (f"{layer}: {key} is {got.dtype} {list(got.shape)}, but the config's weights "
+            f"({spec}) are stored as {want.dtype} {list(want.shape)}")
+
+
+def _shape_mismatch(layer: str, key: str, got, want, spec, meta: bool) -> str | None:
+    """Why the stored ``key`` is not of the shape compressed-tensors writes (``weight_shape``:
+    not the values it writes, the layer's shape in the model ``config.json`` describes)."""
+    if key == "weight_shape" and want.device.type != "meta" and (
+            got.shape != want.shape or got.tolist() != want.tolist()):
+        held = got.tolist() if got.numel() <= 8 else f"{got.numel()} values"
+        return (f"{layer}.weight_shape holds {held}, but the layer's weight is "
+                f"{want.tolist()} in the model built from config.json")
+    if key in _WEIGHT_KEYS:
+        return None if got.shape == want.shape else _dtype_mismatch(layer, key, got, want, spec)
+    if meta and key == "weight_zero_point":  # compressed-tensors packs it (pack-quantized)
+        return None  # off the meta device only: the full check compares it
+    if got.shape == want.shape or got.numel() == 1 == want.numel():  # one value: any shape,
+        return None  # as a per-tensor qparam is read (``_qparam``)
+    if key in ZERO_POINTS and got.dtype != want.dtype:  # the scheme's dtype (a scale's is the
+        # probe's): a zero point stored unpacked where it is packed says so
+        return _dtype_mismatch(layer, key, got, want, spec)
+    return f"{layer}.{key} has shape {list(got.shape)}, expected {list(want.shape)}"
+
+
+def _code_problem(codes, spec) -> str | None:
+    """Why the stored int or float8 codes ``weight`` cannot run (None: no unpacked codes)."""
     if codes is not None and codes.is_floating_point():  # float8 codes: NaN codes exist
         bad = ~torch.isfinite(codes.float())
         if bool(bad.any()):
@@ -358,4 +402,20 @@ def unexpected_qparam(stored: dict, roles: dict, specs: dict, keep) -> str | Non
             why = f"the config's scheme has no such tensor (its roles: {', '.join(roles)})"
         return (f"{leaf} is stored, but {why}; compressed-tensors writes only "
                 f"{sorted(want)} for this layer's quantization")
+    return None
+
+
+_ROLE_NAMES = {"weight": "weights", "input": "input activations",
+               "output": "output activations"}
+
+
+def missing_zero_point(layer: str, stored: dict, roles: dict, specs: dict) -> str | None:
+    """Why a zero point compressed-tensors writes for the layer ``layer`` (a static
+    asymmetric role's) is not stored, or None: its decoder asserts on the weight's ("Asymmetric
+    quant requires zero-point values"), and an activation's would read as 0."""
+    want = _qparam_leaves(roles, specs)
+    for role in roles:
+        if f"{role}_zero_point" in want and f"{role}_zero_point" not in stored:
+            return (f"asymmetric {_ROLE_NAMES[role]} need {layer}.{role}_zero_point "
+                    f"({specs[role]}), which is not stored")
     return None
