@@ -27,6 +27,7 @@ from ..layout import Group, Tensor
 from ..spec import QuantSpec
 from .recipe_dict import built, fields_from, matches, own_options, patterns, role_options
 from .role_observers import AUTO, check_taken, observed, weight_observer
+from .structure.tied import no_weight_role
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
            "Role", "Rule", "preset", "scheme", "weight_observer"]
@@ -282,8 +283,7 @@ def taken_roles(name: str, module: nn.Module, rule: Rule, recipe: str = "custom"
                          f"matches {rule.targets} with a weight role but has no weight parameter")
     if "weight" in roles and (weight is None or not isinstance(  # a lazy one: refused later
             weight, nn.parameter.UninitializedParameter) and weight.dim() < 2):
-        return {}, ("holds no weight for the weight role (the layers in it do)" if weight is None
-                    else f"has a {weight.dim()}-D weight (a norm's scale), no layer's")
+        return {}, no_weight_role(module)
     if isinstance(module, _INDEXED):  # its input is token ids: no activation there
         roles.pop("input", None)
     return roles, None if roles else ("takes no input role (Embedding / EmbeddingBag: its "

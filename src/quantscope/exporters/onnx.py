@@ -52,7 +52,7 @@ import torch
 from .._checks import check_bool
 from ..calibration.structure.conv1d import is_conv1d
 from ..calibration.structure.placement import check_placement
-from ..calibration.structure.tied import tied_weights
+from ..calibration.structure.tied import is_block, tied_weights
 from .atomic import atomic_file, check_writable_target
 from .onnx_graph import insert_qdq
 from .onnx_graph import storage as _storage
@@ -286,21 +286,28 @@ def _check_untied(model, states) -> None:
 
 
 def _check_linear(model, states) -> None:
-    """Every calibrated layer is a module of ``model`` with a 2-D weight (a Linear), not a
-    container (an input role on a block) nor another model's name; transformers' Conv1D
-    (GPT-2's) exports as a MatMul by its ``[in, out]`` weight as is, with its per-channel
-    scales on axis 1, a layout this Linear writer has no form for."""
+    """Every calibrated layer is a module of ``model`` with a 2-D weight it multiplies by (a
+    Linear), before anything is traced: not a container (an input role on a block), another
+    layer (a convolution, an LSTM, an Embedding, whose 2-D weight is indexed, not
+    multiplied), nor another model's name; transformers' Conv1D (GPT-2's) exports as a
+    MatMul by its ``[in, out]`` weight as is, with its per-channel scales on axis 1, a
+    layout this Linear writer has no form for."""
     modules = dict(model.named_modules())
     for n in states:
         module = modules.get(n)
         if module is None:
             raise ValueError(f"onnx export: layer {n!r} of the calibration is not a module of "
                              f"this {type(model).__name__} (a calibration of another model?)")
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ValueError(f"onnx export: layer {n!r} is a {type(module).__name__} without a "
-                             f"2-D weight: only Linear layers export (quantize the Linears "
-                             f"inside a block, not the block)")
+        weight, kind = getattr(module, "weight", None), type(module).__name__
+        if is_block(module):
+            raise ValueError(f"onnx export: layer {n!r} is a {kind} without a 2-D weight: "
+                             f"only Linear layers export (quantize the Linears inside a "
+                             f"block, not the block)")
+        if (not isinstance(weight, torch.Tensor) or weight.dim() != 2
+                or isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))):
+            raise ValueError(f"onnx export: layer {n!r} ({kind}): only Linear layers export "
+                             f"to ONNX; ignore {n!r} in the recipe (ignore=[{n!r}]) to leave "
+                             f"it in float")
         if is_conv1d(module):
             raise ValueError(f"onnx export: layer {n!r} is a transformers Conv1D (weight "
                              f"[in, out]), which this exporter does not write; leave it in "

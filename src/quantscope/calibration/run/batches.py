@@ -105,14 +105,17 @@ def map_tensors(fn, value):
 
 def input_name(module: torch.nn.Module) -> str | None:
     """The name of ``module.forward``'s first parameter (``input`` for ``nn.Linear``): where
-    its input is when a caller passes it as a keyword (``lin(input=x)``)."""
+    its input is when a caller passes it as a keyword (``lin(input=x)``); without a
+    positional one, its first keyword-only one (``forward(self, *, x)``)."""
     try:
-        params = inspect.signature(module.forward).parameters.values()
+        params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return None
-    for p in params:
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            return p.name
+    for kinds in ((inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                  (inspect.Parameter.KEYWORD_ONLY,)):
+        name = next((p.name for p in params if p.kind in kinds), None)
+        if name is not None:
+            return name
     return None
 
 

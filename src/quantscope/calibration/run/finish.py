@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import replace
 
 import torch
 
+from ..._checks import outside_quantscope
 from ...observers.registry import get_observer
 from ...qparams import amax_of_range
 from ..choice import layer_choice
@@ -135,22 +137,45 @@ def _missing(layer, role, slot, names, cfg, policy, experts=None, forwarded=True
     (dynamic) role needs no data, only its module called: one never called (``nn.
     MultiheadAttention`` reads its ``out_proj.weight`` itself) never reaches ``apply``'s
     input hook either. A call with 0 rows does, and no batch at all (``forwarded`` False,
-    the one case with no calls to count) proves nothing: both keep the role."""
-    if role == "weight" or (cfg.dynamic is True and (slot.calls or not forwarded)):
+    the one case with no calls to count) proves nothing: both keep the role. A call that
+    brought no floating-point tensor (a tuple output, integer ids) feeds no observer and
+    ``apply`` passes it by: such a role is missing, named by what came."""
+    if role == "weight" or (cfg.dynamic is True and slot.odd is None
+                            and (slot.calls or not forwarded)):
         return None
     if experts is not None and layer in experts.layers:
         return None
     if any(slot.observers[k].has_observed for k in (observer_key(n, cfg) for n in names)
            if k in slot.observers):
         return None
-    what = (f"was called {slot.calls} times but saw no tokens (0 rows)" if slot.calls else
-            "was never called during calibration (is the module used by the model's forward?)")
+    got = None if slot.odd is None else _odd_value(slot.odd)
+    if got:
+        came = f"returned {got}" if role == "output" else f"was given {got} as its {role}"
+        what = (f"was called {slot.calls} times but {came}; the {role} role needs a "
+                f"floating-point tensor")
+    else:
+        what = (f"was called {slot.calls} times but saw no tokens (0 rows)" if slot.calls else
+                "was never called during calibration (is the module used by the model's "
+                "forward?)")
     if policy == "error":
         raise ValueError(f"calibrate: layer {layer!r} {role} {what}; pass "
                          f"runtime=Runtime(missing='skip') or Runtime(missing='float') to "
                          f"calibrate the rest without it")
     fallback = "float layer" if policy == "float" else f"{role} not quantized"
-    return {"layer": layer, "role": role, "calls": slot.calls, "fallback": fallback}
+    gap = {"layer": layer, "role": role, "calls": slot.calls, "fallback": fallback}
+    if got:  # the summary warning of the roles that saw no tokens does not say what came
+        gap["got"] = got
+        warnings.warn(f"calibrate: layer {layer!r} {role} {what}; it falls back ({fallback}, "
+                      f"in calibration.info['missing'])",
+                      stacklevel=outside_quantscope())
+    return gap
+
+
+def _odd_value(odd) -> str:
+    """What :attr:`.observe.Slot.odd` holds, in words: ``a tuple``, ``a tensor of int64``."""
+    if isinstance(odd, torch.dtype):
+        return f"a tensor of {str(odd).removeprefix('torch.')}"
+    return "None" if odd is type(None) else f"a {odd.__name__}"
 
 
 def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None,

@@ -64,6 +64,7 @@ class Slot:
     also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
     last: object = None  # fusion.mark of the input last observed: a group's counts once
     calls: int = 0  # forwards that reached the hook, empty ones included
+    odd: object = None  # a call's value that is no float tensor: its dtype or type (missing=)
     # which batch fed each call that reached the observers, and per observer how many of
     # those calls came after (or at) its first NaN / inf: that batch, named without a sync
     batch_of_call: list = field(default_factory=list)
@@ -215,12 +216,8 @@ def make_plan(model, recipes, candidates, owns=None):
                 if role in ("input", "output"):  # the KV cache is not sampled
                     slot.needs_sample = True
                     slot.per_tensor &= isinstance(cfg.spec.layout, Tensor)
-                names = []
-                if cfg.dynamic is not True:
-                    if cfg.observer == AUTO:
-                        names = candidates_for(role, candidates)
-                    else:
-                        names = [cfg.observer]
+                names = ([] if cfg.dynamic is True else candidates_for(role, candidates)
+                         if cfg.observer == AUTO else [cfg.observer])
                 for n in names:
                     make_observer(slot, observer_key(n, cfg, module), cfg.observer == AUTO,
                                   owns, weights)
@@ -235,12 +232,15 @@ def make_plan(model, recipes, candidates, owns=None):
 
 def _hook(slots: list[Slot], input_key: str | None = None):
     def observe(x):
-        # only the pass's own forwards: another thread's forward of the model runs plain
-        # (a fresh thread's context does not hold the pass's flag)
-        if not _IN_PASS.get() or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        # only the pass's own forwards: another thread's (its fresh context) runs plain
+        if not _IN_PASS.get():
             return
+        odd = not isinstance(x, torch.Tensor) or not x.is_floating_point()
         for slot in slots:
             slot.calls += 1
+            if odd:  # a call all the same (a tuple output, integer ids): missing= names it
+                slot.odd = x.dtype if isinstance(x, torch.Tensor) else type(x)
+                continue
             if slot.also:  # a fusion group's slot: q, k and v read one tensor, observe it once
                 if fusion.seen(slot.last, x):  # detection's rule: a fresh view is the same
                     continue
@@ -417,8 +417,7 @@ def _forward_all(model, batches, total, progress, batch_index) -> int:
 
 
 def _kv_observer(roles: dict[str, list[Slot]]):
-    """The :func:`kv_cache.attach` callback that observes one attention layer's key and
-    value states (and passes them on unchanged)."""
+    """The :func:`kv_cache.attach` callback observing one attention's key and value states."""
     observers = {role: _hook(slots)[1] for role, slots in roles.items()}
 
     def callback(role, x):
