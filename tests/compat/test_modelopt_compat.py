@@ -56,7 +56,7 @@ def test_max_dtypes_track_amax_and_errors():
     with pytest.raises(ValueError, match="axis"):
         MaxCalibrator(axis=3).collect(x)
     with pytest.raises(ValueError, match="num_bits"):
-        MaxCalibrator(num_bits=(4, 3))
+        MaxCalibrator(num_bits=(3, 3))  # (4, 3) is fp8 e4m3: test_modelopt_flows_s34
 
 
 def _ref_hist(batches, bins=2048):
