@@ -27,7 +27,7 @@ from ..layout import Group, Tensor
 from ..spec import QuantSpec
 from .recipe_dict import built, fields_from, matches, own_options, patterns, role_options
 from .role_observers import AUTO, check_taken, observed, weight_observer
-from .structure.tied import no_weight_role
+from .structure.placement import no_weight_role
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
            "Role", "Rule", "preset", "scheme", "weight_observer"]

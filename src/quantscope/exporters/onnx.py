@@ -51,8 +51,8 @@ import torch
 
 from .._checks import check_bool
 from ..calibration.structure.conv1d import is_conv1d
-from ..calibration.structure.placement import check_placement
-from ..calibration.structure.tied import is_block, tied_weights
+from ..calibration.structure.placement import check_placement, is_block
+from ..calibration.structure.tied import tied_weights
 from .atomic import atomic_file, check_writable_target
 from .onnx_graph import insert_qdq
 from .onnx_graph import storage as _storage

@@ -10,16 +10,21 @@ held in memory; two placements hold less, and are refused up front, naming the p
   there is no data to observe or quantize. A skeleton calibrates block by block from its
   checkpoint (``sequential=Sequential(checkpoint=folder)``, which loads each block itself);
   an offloaded model is loaded without offload, or calibrated the same way from its folder.
+
+A module's own weights (:func:`own_weights`) are what the refusals of a module quantscope does
+not quantize name: an LSTM's ``weight_ih_l0``, none of a block's (its layers hold them).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ...observers.base import is_dtensor
 
-__all__ = ["check_module", "check_placement", "held_weight", "plain", "unhooked"]
+__all__ = ["check_module", "check_placement", "held_weight", "is_block", "no_weight_role",
+           "own_weights", "plain", "unhooked"]
 
 _SEQUENTIAL = ("calibrate it block by block from its checkpoint: calibrate(empty_model(folder), "
                "..., sequential=Sequential(checkpoint=folder))")
@@ -118,3 +123,36 @@ def held_weight(who: str, layer: str, module: nn.Module):
                          f"tensor, stride {tuple(w.stride())}): no value of it can be "
                          f"quantized alone; give the layer a weight of its own (.clone())")
     return w
+
+
+def own_weights(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own Parameters of 2 dims or more, its submodules' left out: a
+    Linear's ``weight``, an LSTM's ``weight_ih_l0`` / ``weight_hh_l0``, none of a block's."""
+    return [n for n, p in module.named_parameters(recurse=False)
+            if not is_lazy(p) and p.dim() >= 2]
+
+
+def is_block(module: nn.Module) -> bool:
+    """Whether ``module`` holds no weight of its own and the layers in it hold theirs (a
+    Sequential, a transformer block): a target for the Linears in it, not for itself."""
+    return (getattr(module, "weight", None) is None and not own_weights(module)
+            and any(own_weights(m) for m in module.modules() if m is not module))
+
+
+def no_weight_role(module: nn.Module) -> str:
+    """Why ``module`` takes no weight role: its ``weight`` has under 2 dims (a norm's scale),
+    or it has none: the layers in it hold theirs, or its own weights are Parameters of other
+    names (an LSTM's), or it has no weights."""
+    weight = getattr(module, "weight", None)
+    if weight is not None:
+        return f"has a {weight.dim()}-D weight (a norm's scale), no layer's"
+    if is_block(module):
+        return "holds no weight for the weight role (the layers in it do)"
+    own = own_weights(module)
+    if not own:
+        return "holds no weight for the weight role"
+    names = ", ".join(own[:4]) + (", ..." if len(own) > 4 else "")
+    return (f"holds no `weight` for the weight role: its weights are the Parameters {names}, "
+            f"which quantscope does not quantize (it quantizes a layer's `weight`: a "
+            f"Linear's, a convolution's, an Embedding's); give it a rule with an input role "
+            f"alone, or rules on the Linear layers around it")
