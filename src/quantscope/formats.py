@@ -74,11 +74,13 @@ def tensor_arg(who: str, name: str, value, expected: str, **kwargs) -> torch.Ten
     what was ``expected`` where torch cannot convert ``value`` (a str, None: its own message,
     ``new(): invalid data type 'str'``, names neither the call nor the argument). Here, not
     in _checks: layout's ``Group(g_idx=)`` uses it too."""
+    if isinstance(value, np.ndarray):  # a reversed view: torch refuses negative strides
+        value = np.ascontiguousarray(value)
     try:
         return torch.as_tensor(value, **kwargs)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError) as e:  # (None: a RuntimeError)
         raise TypeError(f"{who}: {name} must be {expected}, got {type(value).__name__} "
-                        f"{value!r:.80}") from None
+                        f"{value!r:.80} ({e})") from None
 
 
 @dataclass(frozen=True)

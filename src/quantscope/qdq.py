@@ -280,13 +280,15 @@ def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
     return spec.layout.to_shape(out, q.shape).to(dtype)
 
 
-def _keep_format(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``out`` in ``x``'s channels-last memory format where ``x`` is in one, as torch's
-    ``fake_quantize_per_*`` keep it (a conv net run channels-last would convert back)."""
+def _as_input(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out`` in ``x``'s dtype, and in its channels-last memory format where ``x`` is in one
+    (one copy), as torch's ``fake_quantize_per_*`` keep it (a conv net run channels-last would
+    convert back)."""
     if x.is_contiguous() or x.dim() not in (4, 5):
-        return out
+        return out.to(x.dtype)
     fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-    return out.contiguous(memory_format=fmt) if x.is_contiguous(memory_format=fmt) else out
+    return out.to(x.dtype, memory_format=fmt if x.is_contiguous(memory_format=fmt)
+                  else torch.preserve_format)
 
 
 def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
@@ -313,7 +315,7 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     # a half x's float32 copy is this call's own: QDQ runs in it (one fresh tensor fewer)
     own = x.dtype != torch.float32 and not ste
     out = _saturate(fake_quantize_units(u, scale, zp, spec, u if own else None), x.dtype)
-    out = _keep_format(spec.layout.to_shape(out, x.shape).to(x.dtype), x)
+    out = _as_input(spec.layout.to_shape(out, x.shape), x)
     if not ste:
         return out
     inside = spec.layout.to_shape(inside_range(u, scale, zp, spec), x.shape)

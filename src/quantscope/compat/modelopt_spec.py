@@ -39,11 +39,14 @@ def modelopt_spec(num_bits=8, axis=None, unsigned=False) -> QuantSpec:
         raise TypeError(f"modelopt: unsigned must be True / False (or 1 / 0), got {unsigned!r}")
     axes = _axes(axis)
     layout = Tensor() if not axes else Channel(axes[0] if len(axes) == 1 else 0)
-    if isinstance(num_bits, tuple) and not unsigned:  # (exponent, mantissa) bits: a float
-        if num_bits not in _FLOATS:
+    if isinstance(num_bits, (tuple, list)):  # (exponent, mantissa) bits: a float format
+        if tuple(num_bits) not in _FLOATS:
             raise ValueError(f"modelopt: num_bits must be an integer in [2, 16] or one of "
                              f"{list(_FLOATS)} (exponent, mantissa bits), got {num_bits!r}")
-        return QuantSpec(_FLOATS[num_bits], layout)
+        if unsigned:
+            raise ValueError(f"modelopt: num_bits={num_bits!r} is a float format, which takes "
+                             f"no unsigned=True (it is signed)")
+        return QuantSpec(_FLOATS[tuple(num_bits)], layout)
     check_int("modelopt", "num_bits", num_bits, 2, 16)
     fmt = f"uint{num_bits}" if unsigned else f"int{num_bits}_narrow"  # amax / (2 ** (b-1) - 1)
     return QuantSpec(fmt, layout, symmetric=not unsigned)

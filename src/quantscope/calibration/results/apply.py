@@ -44,9 +44,9 @@ __all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "refuse_applied",
            "runtime_qparams"]
 
 _ATTR = "_quantscope_qdq"
-#: set on every module whose weight or activations apply() fake-quantized, and cleared by
-#: remove(): a copy of one such module (copy.deepcopy, torch.save) carries its QDQ'd
-#: weight and hooks without the handle, which calibrate() and apply() must refuse
+#: the handle's token on every module apply() fake-quantized, cleared by remove(): a copy of
+#: one (deepcopy, torch.save) carries its QDQ'd weight and hooks and a token no live handle
+#: holds, refused (a whole model's copy copies its handle, and the token with it)
 _PART = "_quantscope_qdq_part"
 #: the active handles: another apply() reaching one of their weights (through a model nested
 #: in the first, or holding it) would save its QDQ values as the float ones (:func:`_held`).
@@ -106,7 +106,8 @@ class QDQHandle:
         self._hooks: list = []
         self._weights: list[_Saved] = []
         self._wired: list[str] = []  # what a deepcopy of the model cannot carry (__deepcopy__)
-        self._parts: list[nn.Module] = []  # the modules marked _PART
+        self._parts: list[nn.Module] = []  # the modules marked _PART, with self._token
+        self._token = object()
         self.active = True
 
     def remove(self) -> None:
@@ -163,8 +164,8 @@ class QDQHandle:
                 f"the copy")
 
     def _mark(self, module: nn.Module) -> None:
-        if not module.__dict__.get(_PART):
-            setattr(module, _PART, True)
+        if module.__dict__.get(_PART) is None:
+            setattr(module, _PART, self._token)
             self._parts.append(module)
 
     def __enter__(self):
@@ -278,11 +279,16 @@ def refuse_applied(model: nn.Module, who: str) -> None:
 
 
 def _refuse_parts(model: nn.Module, who: str, handle: QDQHandle | None = None) -> None:
-    """Refuse a model holding a module another apply() fake-quantized (marked ``_PART`` and
-    not by ``handle``): one nested in an applied model, or a copy of one, whose weights are
-    the QDQ'd values and whose hooks no handle removes."""
+    """Refuse a model holding a module apply() fake-quantized (marked ``_PART``): any for
+    calibrate (``handle`` None); for ``handle``'s apply only a copy's, whose mark no live
+    handle holds (its weights are the QDQ'd values, its hooks no handle removes; a live
+    handle's weights are :func:`_held`'s to refuse, where this apply reaches them)."""
+    with _APPLIED_LOCK:
+        live = {getattr(h, "_token", None) for h in _APPLIED}
     for name, module in model.named_modules():
-        if module.__dict__.get(_PART) and (handle is None or module not in handle._parts):
+        mark = module.__dict__.get(_PART)
+        if mark is not None and (handle is None or mark is not handle._token
+                                 and mark not in live):
             raise ValueError(
                 f"{who}: module {name or 'model'!r} ({type(module).__name__}) has quantscope "
                 f"QDQ applied by another apply(), or is a copy (copy.deepcopy, torch.save) of "

@@ -140,8 +140,8 @@ def _missing(layer, role, slot, names, cfg, policy, experts=None, forwarded=True
     the one case with no calls to count) proves nothing: both keep the role. A call that
     brought no floating-point tensor (a tuple output, integer ids) feeds no observer and
     ``apply`` passes it by: such a role is missing, named by what came."""
-    if role == "weight" or (cfg.dynamic is True and slot.odd is None
-                            and (slot.calls or not forwarded)):
+    if role == "weight" or (cfg.dynamic is True  # a float call: apply() quantizes those
+                            and (slot.calls > slot.odd_calls or not forwarded)):
         return None
     if experts is not None and layer in experts.layers:
         return None

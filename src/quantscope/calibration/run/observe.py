@@ -65,13 +65,13 @@ class Slot:
     last: object = None  # fusion.mark of the input last observed: a group's counts once
     calls: int = 0  # forwards that reached the hook, empty ones included
     odd: object = None  # a call's value that is no float tensor: its dtype or type (missing=)
+    odd_calls: int = 0  # how many calls brought such a value
     # which batch fed each call that reached the observers, and per observer how many of
     # those calls came after (or at) its first NaN / inf: that batch, named without a sync
     batch_of_call: list = field(default_factory=list)
     calls_since_bad: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)  # time in each observer: observing, qparams
-    # a weight's imatrix_mse observations held for its input importance (.imatrix_roles),
-    # and why an observer of them searched unweighted (key -> reason)
+    # imatrix_mse weights held for their inputs' importance (.imatrix_roles); key -> why unweighted
     waiting: list = field(default_factory=list)
     unweighted: dict = field(default_factory=dict)
 
@@ -240,6 +240,7 @@ def _hook(slots: list[Slot], input_key: str | None = None):
             slot.calls += 1
             if odd:  # a call all the same (a tuple output, integer ids): missing= names it
                 slot.odd = x.dtype if isinstance(x, torch.Tensor) else type(x)
+                slot.odd_calls += 1
                 continue
             if slot.also:  # a fusion group's slot: q, k and v read one tensor, observe it once
                 if fusion.seen(slot.last, x):  # detection's rule: a fresh view is the same
