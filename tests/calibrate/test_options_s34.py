@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from tiny_models import llama
 
 import quantscope
 from quantscope.calibration import Auto, MoE
@@ -16,23 +17,15 @@ from quantscope.calibration.choice.auto import score_batches
 
 transformers = pytest.importorskip("transformers")
 
-ROWS, POSITIONS = 2, 16  # each batch: 2 documents of 16 tokens, no padding
+ROWS, POSITIONS, VOCAB = 2, 16, 100  # each batch: 2 documents of 16 tokens, no padding
 #: the first documents holding 40 tokens: batch 0 (32 tokens) and one row of batch 1 (16),
 #: in 3 scoring pieces (batch 0 cut in two by rows, then batch 1's row)
 ASKED, WANT_TOKENS, WANT_PIECES = 40, 32 + 16, 3
 
 
-def _llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   vocab_size=128, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 def _batches(mask: bool, n: int = 4):
     g = torch.Generator().manual_seed(1)
-    ids = [torch.randint(0, 128, (ROWS, POSITIONS), generator=g) for _ in range(n)]
+    ids = [torch.randint(0, VOCAB, (ROWS, POSITIONS), generator=g) for _ in range(n)]
     return [{"input_ids": i, **({"attention_mask": torch.ones_like(i)} if mask else {})}
             for i in ids]
 
@@ -67,7 +60,7 @@ def _auto(model, batches, **kw):
 @pytest.mark.parametrize("key", ["input_ids", "inputs_embeds"])
 def test_score_batches_counts_a_dict_without_mask_by_its_tensor(key):
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 128, (ROWS, POSITIONS), generator=g)
+    ids = torch.randint(0, VOCAB, (ROWS, POSITIONS), generator=g)
     value = ids if key == "input_ids" else torch.randn(ROWS, POSITIONS, 8, generator=g)
     # ids: every entry a token; features [rows, positions, width]: every position a token
     out = score_batches([{key: value}] * 4, ASKED)
@@ -75,7 +68,7 @@ def test_score_batches_counts_a_dict_without_mask_by_its_tensor(key):
 
 
 def test_score_tokens_on_dicts_without_mask_count_their_ids(scored):
-    model = _llama()
+    model = llama()[0]
     calib = _auto(copy.deepcopy(model), _batches(mask=False))
     assert _tokens(scored) == WANT_TOKENS
     assert len(scored) == WANT_PIECES
@@ -89,7 +82,7 @@ def test_score_tokens_on_dicts_without_mask_count_their_ids(scored):
 
 @pytest.mark.parametrize("mask", [True, False])
 def test_sequential_scores_the_tokens_the_whole_model_run_scores(scored, mask):
-    model = _llama()
+    model = llama()[0]
     whole = _auto(copy.deepcopy(model), _batches(mask))
     whole_tokens = _tokens(scored)
     assert whole_tokens == WANT_TOKENS
@@ -113,12 +106,12 @@ def test_sequential_refuses_auto_loss_naming_both():
         return float((out.logits - ref.logits).pow(2).mean())
 
     with pytest.raises(ValueError, match=r"Auto\.loss.*sequential.*drop loss="):
-        quantscope.calibrate(_llama(), _batches(mask=False), "w8a8", observer="auto",
+        quantscope.calibrate(llama()[0], _batches(mask=False), "w8a8", observer="auto",
                              auto=Auto(candidates=("minmax", "mse"), loss=loss),
                              sequential=True, progress=False)
     assert calls == []  # refused before any forward reached it
     # the whole model takes it, with the model's output
-    quantscope.calibrate(_llama(), _batches(mask=False, n=2), "w8a8", observer="auto",
+    quantscope.calibrate(llama()[0], _batches(mask=False, n=2), "w8a8", observer="auto",
                          auto=Auto(candidates=("minmax", "mse"), loss=loss), progress=False)
     assert calls and set(calls) == {"CausalLMOutputWithPast"}
 
