@@ -9,6 +9,8 @@ features (one token each). Only dict batches are cut, by rows (documents).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..run.batches import tensors_in
@@ -77,7 +79,8 @@ def score_batches(batches, tokens: int):
         rows = rows_of(b)
         if rows is not None and rows > 1 and tokens_of(b) > need:
             per_row = tokens_of(b, per_row=True)
-            k = next(i for i in range(1, rows + 1) if sum(per_row[:i]) >= need)
+            k = next(i for i, n_i in enumerate(itertools.accumulate(per_row), 1)
+                     if n_i >= need)
             b = take_rows(b, 0, k)
         out.append(b)
         n += tokens_of(b)
