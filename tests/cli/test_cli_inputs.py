@@ -249,9 +249,11 @@ def test_plot_functions_replace_a_symlink_for_library_callers(tmp_path):
     (tmp_path / "s.png").symlink_to(victim)
     assert plots.plot_sqnr(REPORT, str(tmp_path / "s.png")) == str(tmp_path / "s.png")
     assert victim.read_text() == "keep" and not (tmp_path / "s.png").is_symlink()
+    read = tmp_path / "read.png"  # (a .txt is refused by its extension first)
+    read.write_text("keep")
     with pytest.raises(ValueError, match="is the input"):
-        plots.plot_sqnr(REPORT, str(victim), inputs=[str(victim)])
-    assert victim.read_text() == "keep"
+        plots.plot_sqnr(REPORT, str(read), inputs=[str(read)])
+    assert read.read_text() == "keep"
 
 
 def test_plot_refuses_to_write_over_its_own_input(tmp_path, capsys):

@@ -86,11 +86,11 @@ class Sensitivity:
 
     def plot(self, path, top: int = 40) -> None:
         """A horizontal bar chart of the ``top`` most sensitive tensors (log scale)."""
-        from ..results.plots import _plt
+        from ..results.plots import figure
 
-        plt = _plt()
         rows = self.rows[:top][::-1]
-        fig, ax = plt.subplots(figsize=(8, 0.22 * len(rows) + 1.2))
+        fig = figure(figsize=(8, 0.22 * len(rows) + 1.2))
+        ax = fig.subplots()
         colors = {"weight": "tab:blue", "input": "tab:orange", "output": "tab:green"}
         ax.barh(range(len(rows)), [max(r["divergence"], 1e-12) for r in rows],
                 color=[colors.get(r["role"], "gray") for r in rows])
@@ -99,15 +99,13 @@ class Sensitivity:
         ax.set_xlabel(f"output divergence ({self.info.get('metric', '')}), only this tensor "
                       f"quantized")
         _save(fig, path)
-        plt.close(fig)
 
 
 def _save(fig, path) -> None:
-    from ...exporters.atomic import atomic_file
+    from ..results.plots import save_figure
 
     fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+    save_figure(fig, path, dpi=120)
 
 
 def _metric_name(div: OutputDivergence) -> str:
@@ -480,10 +478,10 @@ def fallback_curve(model: nn.Module, calibration: Calibration, sens: Sensitivity
 def plot_fallback(rows: list[dict], path, quality_label: str = "quality") -> None:
     """The Pareto curve of :func:`fallback_curve`: quality against the share of multiply-adds
     with float (or dynamic) activations."""
-    from ..results.plots import _plt
+    from ..results.plots import figure
 
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig = figure(figsize=(5, 3.5))
+    ax = fig.subplots()
     xs = [r["float_macs_pct"] for r in rows]
     ax.plot(xs, [r["quality"] for r in rows], "o-")
     for r in rows:
@@ -492,4 +490,3 @@ def plot_fallback(rows: list[dict], path, quality_label: str = "quality") -> Non
     ax.set_xlabel("multiply-adds with float activations (%)")
     ax.set_ylabel(quality_label)
     _save(fig, path)
-    plt.close(fig)

@@ -1,4 +1,5 @@
-"""Plots (matplotlib, the optional ``plot`` extra), written as PNG.
+"""Plots (matplotlib, the optional ``plot`` extra), in the format the file's extension names
+(PNG where it names none).
 
 * :func:`plot_histogram`: one layer's activation histogram on a log scale, with
   each observer's clipping range (the smallest and largest values its quantizer
@@ -13,32 +14,36 @@ redraws them without the model, and write through :func:`quantscope.exporters.at
 from __future__ import annotations
 
 import math
+import os
 
-__all__ = ["histogram_layers", "pick_layer", "plot_histogram", "plot_sqnr", "report_recipes"]
+__all__ = ["figure", "histogram_layers", "pick_layer", "plot_histogram", "plot_sqnr",
+           "report_recipes", "save_figure"]
 
 
-def _plt():
+def figure(**kwargs):
+    """A matplotlib ``Figure`` of its own (``figsize``, ``dpi``): drawn without pyplot, so a
+    plot changes neither the caller's backend nor pyplot's list of open figures."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("plots need matplotlib: pip install 'quantscope[plot]'") from None
-    return plt
+    return Figure(**kwargs)
 
 
-def _save(plt, fig, path, inputs=()) -> str:
-    """``fig`` as PNG at ``path``: drawn into a temporary file that then replaces ``path``, so
+def save_figure(fig, path, inputs=(), dpi=None) -> str:
+    """``fig`` at ``path``, in the format its extension names (``.png``, ``.svg``, ``.pdf``
+    ...; PNG where it has none): drawn into a temporary file that then replaces ``path``, so
     a symlink there is replaced rather than written through, and ``path`` is never one of
     ``inputs`` (:func:`~quantscope.exporters.atomic.check_writable_target`)."""
     from ...exporters.atomic import atomic_file
 
-    try:
-        with atomic_file(path, inputs=inputs) as tmp:
-            fig.savefig(tmp, format="png")
-    finally:
-        plt.close(fig)
+    ext = os.path.splitext(os.fspath(path))[1].lower().lstrip(".") or "png"
+    formats = fig.canvas.get_supported_filetypes()
+    if ext not in formats:
+        raise ValueError(f"plot: cannot write {os.fspath(path)!r}: its extension names no "
+                         f"format matplotlib writes; expected one of {sorted(formats)}")
+    with atomic_file(path, inputs=inputs) as tmp:
+        fig.savefig(tmp, format=ext, dpi=dpi if dpi is not None else "figure")
     return path
 
 
@@ -92,7 +97,7 @@ def _drawn_recipe(report: dict, recipe: str | None) -> str | None:
 
 def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
                    recipe: str | None = None, *, inputs=()) -> str:
-    """Histogram of ``layer``'s ``role`` activations with each run's clipping range; PNG."""
+    """Histogram of ``layer``'s ``role`` activations with each run's clipping range."""
     hist = report.get("histograms", {}).get(f"{layer}/{role}")
     if hist is None:
         raise ValueError(f"plot: no {role} histogram for layer {layer!r}; layers with one: "
@@ -100,15 +105,17 @@ def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
     if recipe is not None and recipe not in report_recipes(report):  # else: no range drawn
         raise ValueError(f"plot: no run of recipe {recipe!r}; the report's recipes: "
                          f"{report_recipes(report)}")
-    plt = _plt()
+    import matplotlib
+
     counts = hist["counts"]
     n = len(counts)
     width = (hist["hi"] - hist["lo"]) / n
     centers = [hist["lo"] + (k + 0.5) * width for k in range(n)]
-    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=100)
+    fig = figure(figsize=(8, 4.2), dpi=100)
+    ax = fig.subplots()
     ax.bar(centers, [max(c, 0.8) if c else 0 for c in counts], width=width, color="0.55",
            log=True, label="activations (sample)")
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     recipe = _drawn_recipe(report, recipe)
     xs = [hist["lo"], hist["hi"]]
     # observers whose ranges coincide share one pair of lines and one legend entry, and every
@@ -140,13 +147,14 @@ def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
                  fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    return _save(plt, fig, path, inputs)
+    return save_figure(fig, path, inputs)
 
 
 def plot_sqnr(report: dict, path: str, *, inputs=()) -> str:
     """SQNR per layer for each observer: one panel per (recipe, role), each with its legend;
-    observers whose SQNR coincides on every layer (weights that all take min-max) share one
-    line labelled ``a = b``; PNG."""
+    a point sits at its layer's name (an observer without a row for a layer, e.g. one whose
+    ``keep_float`` dropped it, leaves a gap there); observers whose SQNR coincides on every
+    layer (weights that all take min-max) share one line labelled ``a = b``."""
     panels = {}
     for label, run in report["runs"].items():
         for r in run["layers"]:
@@ -154,20 +162,21 @@ def plot_sqnr(report: dict, path: str, *, inputs=()) -> str:
                 run.get("observer", label), []).append(r)
     if not panels:  # e.g. a KV-cache-only recipe: its tensors are not sampled, no SQNR
         raise ValueError("plot: no run of the report has a layer row (an SQNR) to plot")
-    plt = _plt()
     order = list(dict.fromkeys(k[0] for k in panels))  # recipes in the report's order
     keys = sorted(panels, key=lambda k: (order.index(k[0]), {"weight": 0, "input": 1}.get(k[1], 2)))
     cols = len({k[1] for k in keys})
     rows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.2 * rows), dpi=100,
-                             squeeze=False)
+    fig = figure(figsize=(5.5 * cols, 3.2 * rows), dpi=100)
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        layers = None
+        layers = _merged_layers(panels[key].values())
+        at = {name: k for k, name in enumerate(layers)}
         lines = {}  # observers with the same SQNR on every layer share one line and its label
         for obs, rr in panels[key].items():
-            layers = [r["layer"] for r in rr]
-            ys = tuple(r["sqnr_db"] if r["sqnr_db"] is not None else float("nan") for r in rr)
-            lines.setdefault(ys, []).append(obs)
+            ys = [_GAP] * len(layers)
+            for r in rr:
+                ys[at[r["layer"]]] = r["sqnr_db"] if r["sqnr_db"] is not None else _GAP
+            lines.setdefault(tuple(ys), []).append(obs)
         for ys, names in lines.items():
             ax.plot(range(len(ys)), ys, marker=".", lw=1, label=" = ".join(names))
         ax.legend(fontsize=7)
@@ -181,4 +190,22 @@ def plot_sqnr(report: dict, path: str, *, inputs=()) -> str:
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     fig.tight_layout()
-    return _save(plt, fig, path, inputs)
+    return save_figure(fig, path, inputs)
+
+
+#: a point not drawn; one object, so that equal lines (tuples holding it) are equal dict keys
+_GAP = float("nan")
+
+
+def _merged_layers(runs) -> list[str]:
+    """The layers of every run's rows, each run's order kept: a layer the runs before lacked
+    goes just before the next of its run's layers already placed (at the end if none)."""
+    layers = []
+    for rows in runs:
+        at = len(layers)
+        for r in reversed(rows):
+            if r["layer"] in layers:
+                at = layers.index(r["layer"])
+            else:
+                layers.insert(at, r["layer"])
+    return layers

@@ -159,27 +159,29 @@ def format_table(headers: list[str], rows: list[list], title: str | None = None)
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     cells = [[_num(c) if not isinstance(c, str) else c for c in r] for r in rows]
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in cells]
+    row = lambda r: "| " + " | ".join(c.replace("|", "\\|") for c in r) + " |"  # a name's own |
+    out = [row(headers), "|" + "|".join("---" for _ in headers) + "|"] + [row(r) for r in cells]
     return "\n".join(out)
 
 
 def print_table(headers: list[str], rows: list[list], title: str | None = None, file=None):
-    """Print with rich if it is installed, else as plain text."""
+    """Print with rich if it is installed, else as plain text. Every string is rich ``Text``,
+    never markup: a layer named ``proj[red]`` prints as named."""
     try:
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
     except ImportError:
         print(format_table(headers, rows, title), file=file)
         return
     cells = [[_num(c) if not isinstance(c, str) else c for c in r] for r in rows]
     width = sum(max([len(h)] + [len(r[k]) for r in cells]) + 3 for k, h in enumerate(headers))
-    table = Table(title=title)
+    table = Table(title=None if title is None else Text(title))
     for h in headers:
-        table.add_column(h, justify="left" if h in ("layer", "role", "observer", "recipe",
+        table.add_column(Text(h), justify="left" if h in ("layer", "role", "observer", "recipe",
                                                     "spec") else "right")
     for r in cells:
-        table.add_row(*r)
+        table.add_row(*map(Text, r))
     Console(file=file, width=max(80, width + 1)).print(table)
 
 
@@ -311,7 +313,7 @@ class Report:
             print_table(list(self.metrics), [self._metric_cells()], f"{self.label}: metrics",
                         file)
         for title, headers, rows in self._sections():
-            print_table(headers, rows, f"{self.label}: {title.lower()}", file)
+            print_table(headers, rows, f"{self.label}: {title}", file)
         for n in self.notes:
             print(f"{self.label}: note: {n}", file=file)
 
