@@ -70,9 +70,8 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
     done = []
     for group in groups:
         members = [m for m in group if (m, "weight") in plan]
-        entry = {"layers": list(group), "weight": "per layer", "input": "shared"
-                 if len({id(slots[(m, "input")]) for m in group if (m, "input") in slots}) == 1
-                 and any((m, "input") in slots for m in group) else "none"}
+        entry = {"layers": list(group), "weight": "per layer",
+                 "input": _input_sharing(group, plan, slots)}
         done.append(entry)
         if len(members) < 2:
             continue
@@ -108,6 +107,18 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
             states[m]["weight"] = st
         entry["weight"] = f"shared ({best[0].observer})"
     return done
+
+
+def _input_sharing(group, plan, slots) -> str:
+    """What a group's input scale is: one slot merges the members' inputs, but each
+    (observer, spec) it holds is an observer of its own, so members whose input roles
+    differ keep scales of their own."""
+    held = [m for m in group if (m, "input") in slots]
+    if not held or len({id(slots[(m, "input")]) for m in held}) > 1:
+        return "none"
+    if len({plan[(m, "input")][0] for m in held if (m, "input") in plan}) > 1:
+        return "per layer (the members' input roles differ)"
+    return "shared"
 
 
 def _state_from(obs, cfg: Role, shape) -> RoleState:

@@ -50,6 +50,11 @@ from .moe import expert_items, is_expert_list
 
 __all__ = ["find_groups", "join_weights", "peek", "shares_weight_scale", "split_state"]
 
+#: shards that read one tensor but that the runtime runs apart: DeepSeek's MLA without a query
+#: LoRA (``q_lora_rank=None``), where vLLM splits ``q_proj`` across tensor-parallel ranks and
+#: replicates ``kv_a_proj_with_mqa`` (it fuses only ``q_a_proj`` with it)
+APART = (frozenset({"q_proj", "kv_a_proj_with_mqa"}),)
+
 #: how many distinct recent inputs a layer's input is compared with (DeepSeek's
 #: ``kv_a_proj_with_mqa`` reads the hidden state after ``q_a_proj`` -> ``q_b_proj`` ran)
 WINDOW = 8
@@ -221,11 +226,13 @@ def _by_parent(members: list[str]) -> list[tuple[str, ...]]:
     fuses the shards of one module (one attention's q / k / v, one MLP's or one expert's
     gate / up), never layers of two modules that read one tensor (every expert under
     ``MoE(all_experts=True)``, T5's cross-attention k / v of every decoder block reading the
-    encoder's output, Falcon's parallel attention and MLP, a router beside its experts)."""
+    encoder's output, Falcon's parallel attention and MLP, a router beside its experts); nor
+    the pairs of :data:`APART`."""
     parts: dict = {}
     for m in members:
         parts.setdefault(_parent(m), []).append(m)
-    return [tuple(p) for p in parts.values() if len(p) > 1]
+    return [tuple(p) for p in parts.values()
+            if len(p) > 1 and frozenset(m.rpartition(".")[2] for m in p) not in APART]
 
 
 def _parent(name: str) -> str:
