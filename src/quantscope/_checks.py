@@ -18,7 +18,8 @@ import torch
 from .formats import as_bool, as_int, as_number, tensor_arg
 from .spec import QuantSpec
 
-__all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_float32_range",
+__all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_code",
+           "check_code_range", "check_float32_range",
            "check_global_amax", "check_int", "check_not_meta", "check_number", "check_path",
            "check_per_unit", "check_range_args", "check_real", "check_spec", "dtensor_error",
            "env_flag", "is_dtensor", "outside_quantscope", "pattern_refusal", "regex_problem",
@@ -112,6 +113,25 @@ def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,
         raise ValueError(f"{who}: {name} must be a finite number in {left}{lo}, {hi}{right}, "
                          f"got {value!r}")
     return v
+
+
+def check_code(who: str, name: str, value, lo: float, hi: float) -> float:
+    """An integer code taken as a float by an op's schema: a whole number in ``[lo, hi]``
+    (a fractional one would make codes that are not integers)."""
+    v = check_number(who, name, value, lo, hi)
+    if not v.is_integer():
+        raise ValueError(f"{who}: {name} must be an integer code (a whole number), got {value!r}")
+    return v
+
+
+def check_code_range(who: str, qmin, qmax, limit: float = float(torch.finfo().max)) -> None:
+    """An integer format's code range ``qmin < qmax``, whole numbers in ``[-limit, limit]``
+    (float32's range by default: past it a code is inf on the Triton path; int32's where the
+    op returns int32 zero points)."""
+    check_code(who, "qmin", qmin, -limit, limit)
+    check_code(who, "qmax", qmax, -limit, limit)
+    if not qmin < qmax:
+        raise ValueError(f"{who}: qmin must be below qmax, got {qmin} and {qmax}")
 
 
 def check_per_unit(who: str, name: str, t: torch.Tensor, units: int, device) -> None:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from ._checks import check_number, check_range_args
+from ._checks import check_code, check_number, check_range_args
 from ._numerics import _F32_MAX, true_div, upload
 from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format
@@ -392,11 +392,12 @@ def _check_int(lo: Tensor, hi: Tensor, consts: list[float]) -> None:
                          f"[qmin, qmax, min_scale, symmetric, zero point], got {consts}")
     qmin, qmax, min_scale, _, zsym = consts
     who = "quantscope::int_qparams"  # (Python floats: checked with no device read)
-    check_number(who, "consts[0] (qmin)", qmin, -math.inf)
-    check_number(who, "consts[1] (qmax)", qmax, -math.inf)
+    i32 = float(2**31 - 1)  # the zero points are int32
+    check_code(who, "consts[0] (qmin)", qmin, -i32, i32)
+    check_code(who, "consts[1] (qmax)", qmax, -i32, i32)
     # QuantSpec.eps's rule: positive and float32 (0 would divide the zero point by 0)
     check_number(who, "consts[2] (min_scale)", min_scale, 0.0, _F32_MAX, lo_open=True)
-    check_number(who, "consts[4] (the symmetric zero point)", zsym, qmin, qmax)
+    check_code(who, "consts[4] (the symmetric zero point)", zsym, qmin, qmax)
 
 
 def _torch_int_qparams(lo: Tensor, hi: Tensor, consts: list[float]) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from quantscope import kernels
 from quantscope import qparams as Q
 from quantscope.kernels import ops
 from quantscope.stats import ao_histogram as A
@@ -91,6 +92,26 @@ def test_hist_add_with_one_bin_still_counts():
     assert counts.tolist() == [[5], [5], [5]]
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_hist_add_refuses_inference_counts_outside_inference_mode(kernel, monkeypatch):
+    """Found by probing: the C kernel wrote through ``data_ptr()`` into counts made under
+    ``torch.inference_mode``, where the torch path (and torch) refuse the in-place update."""
+    if kernel and not kernels.available("hist_kernel"):
+        pytest.skip("no C kernel")
+    if not kernel:
+        monkeypatch.setattr(hist_kernel, "_kernel", lambda: None)
+    with torch.inference_mode():
+        counts = torch.zeros(3, 8, dtype=torch.int64)
+    exp, first = torch.full((3,), -3), torch.full((3,), -8)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        hist_ops.hist_add(counts, torch.randn(3, 5), exp, first, False)
+    # (torch, too, raises after its in-place op wrote: counts are not asserted untouched)
+    with torch.inference_mode():  # inside it, the write is the caller's to make
+        before = counts.sum()
+        hist_ops.hist_add(counts, torch.randn(3, 5), exp, first, False)
+        assert counts.sum() == before + 15
+
+
 # ---- int_qparams / nvfp4_qparams ---------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -98,7 +119,11 @@ def test_hist_add_with_one_bin_still_counts():
     (2, NAN, "min_scale"), (2, -1.0, "min_scale"), (2, 0.0, "min_scale"), (2, INF, "min_scale"),
     (2, 1e39, "min_scale"), (1, INF, "qmax"), (0, -INF, "qmin"),
     (4, NAN, "the symmetric zero point"),
-    (4, 100.0, "the symmetric zero point")])
+    (4, 100.0, "the symmetric zero point"),
+    # found by probing: fractional codes, codes past int32 (every zero point came back
+    # INT32_MIN) or past float32 (a RuntimeError, or a Triton dtype error) were taken
+    (0, -8.5, "qmin"), (1, 7.5, "qmax"), (0, -3e9, "qmin"), (1, 3e9, "qmax"),
+    (0, -1e39, "qmin"), (4, 0.5, "the symmetric zero point")])
 def test_int_qparams_refuses_bad_consts(device, i, value, name, forbid_host_sync):
     lo, hi = -torch.ones(4, device=device), torch.ones(4, device=device)
     _raises(lambda: Q.int_qparams_op(lo, hi, _consts(i, value)), "int_qparams",

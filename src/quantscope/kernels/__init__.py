@@ -57,7 +57,7 @@ from .cache import FLAGS, CacheError, build, cache_dir, compiler
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "available",
            "buffer", "build_all", "cache_dir", "choose", "compiler", "contiguous", "disabled",
            "lib", "load", "plain", "qparams_consts", "read", "real", "set_streaming", "streaming",
-           "threads", "write"]
+           "threads", "writable", "write"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -302,6 +302,13 @@ def plain(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     """Whether a kernel can read and write ``t``'s memory as it is: a contiguous CPU tensor
     of ``dtype`` that is :func:`real`."""
     return t.is_cpu and t.dtype == dtype and t.is_contiguous() and real(t)
+
+
+def writable(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a kernel may write ``t`` in place: :func:`plain`, and not a tensor made under
+    ``torch.inference_mode`` written outside it (torch refuses that write; a kernel writing
+    through ``data_ptr()`` must leave it to the torch path, which raises torch's error)."""
+    return plain(t, dtype) and not (t.is_inference() and not torch.is_inference_mode_enabled())
 
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

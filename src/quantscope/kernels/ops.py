@@ -77,7 +77,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_per_unit
+from .._checks import check_code_range, check_per_unit
 from .._oplib import define
 from ..qdq import fake_quantize_units
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
@@ -85,7 +85,7 @@ from ..qparams import int_qparams_op as int_qparams
 from ..qparams import nvfp4_qparams_op as nvfp4_qparams
 from . import triton as _triton
 from .block_ops import mx_mse, mx_price, nvfp4_mse, nvfp4_price, nvfp4_search
-from .price_ops import _check_code_range, _IntBounds, _rows, mse_price_fp, mse_price_int
+from .price_ops import _IntBounds, _rows, mse_price_fp, mse_price_int
 from .select_ops import improved_rows, mse_select, stop_after
 
 __all__ = ["e8m0_block_scales", "fake_quant_int", "grouped_unit_minmax", "improved_rows",
@@ -199,7 +199,7 @@ def _check_fake_quant(units, scale, zero_point, qmin, qmax) -> None:
     # scale's values (NaN, 0) go unchecked: reading them would sync the host with the device
     check_per_unit(f"quantscope::{who}", "scale", scale, units.shape[0], units.device)
     check_per_unit(f"quantscope::{who}", "zero_point", zero_point, units.shape[0], units.device)
-    _check_code_range(who, qmin, qmax)
+    check_code_range(f"quantscope::{who}", qmin, qmax)
 
 
 def _torch_fake_quant_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,

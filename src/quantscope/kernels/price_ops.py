@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import check_number
+from .._checks import check_code_range, check_number
 from .._oplib import define
 from ..formats import INT8, FloatFormat
 from ..qdq import fake_quantize_units
@@ -112,24 +112,11 @@ def _check_price(who: str, units: Tensor, scale: Tensor, zero_point: Tensor | No
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-def _check_code_range(who: str, qmin, qmax) -> None:
-    """The integer ops' code range (``fake_quant_int``, ``mse_price_int``): whole numbers,
-    taken as floats by the schema, with ``qmin < qmax``; a fractional bound would make
-    codes that are not integers, one past float32's range an inf code on the Triton path."""
-    big = torch.finfo(torch.float32).max
-    for name, v in (("qmin", qmin), ("qmax", qmax)):
-        if not check_number(f"quantscope::{who}", name, v, -big, big).is_integer():
-            raise ValueError(f"quantscope::{who}: {name} must be an integer code (a whole "
-                             f"number), got {v!r}")
-    if not qmin < qmax:
-        raise ValueError(f"quantscope::{who}: qmin must be below qmax, got {qmin} and {qmax}")
-
-
 def _check_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0) -> None:
     _check_price("mse_price_int", units, scale, zero_point)
     _check_weights("mse_price_int", units, weights)
     check_number("quantscope::mse_price_int", "norm", norm, 0.0, lo_open=True)
-    _check_code_range("mse_price_int", qmin, qmax)
+    check_code_range("quantscope::mse_price_int", qmin, qmax)
 
 
 def _check_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0) -> None:

@@ -78,7 +78,7 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     lib = _kernel()
     U, B = counts.shape
     if (lib is None or units.requires_grad or not units.is_cpu or units.dtype not in MINMAX_DTYPES
-            or units.dim() != 2 or units.shape[0] != U or not kernels.plain(counts, torch.int64)
+            or units.dim() != 2 or units.shape[0] != U or not kernels.writable(counts, torch.int64)
             or not kernels.plain(exp, torch.int64) or not kernels.plain(first, torch.int64)
             or exp.shape != (U,) or first.shape != (U,) or not 1 <= B <= MAX_BINS
             or not kernels.real(units)):  # (a fake or vmap batch: no memory to read)
