@@ -27,7 +27,6 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 # the quantizer of a role lives below calibration/ (report and apply both use it): re-exported
 from ..._checks import outside_quantscope
@@ -36,7 +35,14 @@ from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
 from ..run.batches import input_name, module_input
 from ..structure import kv_cache, moe
-from ..structure.placement import check_module, check_placement, held_weight, plain
+from ..structure.placement import (
+    check_module,
+    check_placement,
+    held_weight,
+    plain,
+    restore_problem,
+    stored,
+)
 from ..structure.tied import tied_weights
 from .role_state import RoleState
 
@@ -83,7 +89,7 @@ class _Saved:
         holds)."""
         now = {}
         for module, name in self.holders:
-            t = _stored(module, name)
+            t = stored(module, name)
             now.setdefault(id(t), t)
         return list(now.values())
 
@@ -389,29 +395,16 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
     torch.clear_autocast_cache()  # an autocast region's casts of the float weights
 
 
-def _stored(module: nn.Module, name: str) -> torch.Tensor:
-    """The tensor ``module`` stores as ``name``: a weight parametrized after apply()
-    (``torch.nn.utils.parametrize``) is stored as its parametrization's ``original``, which
-    holds the QDQ'd values as they were (where no ``right_inverse`` changed them:
-    :func:`_refuse_inverted`); ``module.weight`` is then a value computed from it."""
-    if parametrize.is_parametrized(module, name):
-        return module.parametrizations[name].original
-    return getattr(module, name)
-
-
 def _refuse_inverted(saved: _Saved, model: nn.Module) -> None:
-    """Raise naming the layer where a parametrization registered after apply() stores the
-    weight through a ``right_inverse`` (or as several tensors): the float values have no
-    place to go back to."""
+    """Raise naming the layer where the float values have no place to go back to
+    (:func:`~..structure.placement.restore_problem`)."""
     for module, name in saved.holders:
-        if parametrize.is_parametrized(module, name) and any(
-                hasattr(p, "right_inverse") for p in module.parametrizations[name]):
+        found = restore_problem(module, name)
+        if found is not None:
+            problem, fix = found
             where = next((n for n, m in model.named_modules() if m is module), "?")
-            raise ValueError(
-                f"remove: {where}.{name} was parametrized after apply() through a "
-                f"right_inverse, which stores other values than the fake-quantized weight: "
-                f"the float weight has no place to go back to; remove the parametrization "
-                f"first (torch.nn.utils.parametrize.remove_parametrizations)")
+            raise ValueError(f"remove: {where}.{name} {problem}: the float weight has no "
+                             f"place to go back to; {fix}")
 
 
 def _refuse_overlaps(weights: list[tuple[torch.Tensor, str]]) -> None:

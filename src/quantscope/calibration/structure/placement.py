@@ -6,7 +6,8 @@ held in memory; two placements hold less, and are refused up front, naming the p
   would be one rank's. Calibrate the whole model on each rank with
   ``Runtime(distributed=True)`` instead (batches, not tensors, are split).
 * the **meta device** (a skeleton, or accelerate's offload: ``device_map`` with CPU / disk
-  offload, ``cpu_offload``, where a weight is loaded only inside its module's forward):
+  offload, ``cpu_offload``, where a weight is loaded only inside its module's forward), and
+  compressed-tensors' offload (llm-compressor's), where each read of a weight is a copy:
   there is no data to observe or quantize. A skeleton calibrates block by block from its
   checkpoint (``sequential=Sequential(checkpoint=folder)``, which loads each block itself);
   an offloaded model is loaded without offload, or calibrated the same way from its folder.
@@ -20,11 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 
 from ...observers.base import is_dtensor
 
-__all__ = ["check_module", "check_placement", "held_weight", "is_block", "no_weight_role",
-           "own_weights", "plain", "unhooked"]
+__all__ = ["check_module", "check_placement", "held_weight", "is_block", "loaded_copies",
+           "no_weight_role", "own_weights", "plain", "restore_problem", "stored", "unhooked"]
 
 _SEQUENTIAL = ("calibrate it block by block from its checkpoint: calibrate(empty_model(folder), "
                "..., sequential=Sequential(checkpoint=folder))")
@@ -49,6 +51,12 @@ def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
     check_module(model, who)
     also = f", or {_SEQUENTIAL}" if calibrating or skeleton else ""
     for prefix, module in model.named_modules():
+        copies = loaded_copies(module)
+        if copies is not None:
+            raise ValueError(
+                f"{who}: the parameters of {prefix or 'the model'!r} are offloaded by "
+                f"compressed-tensors ({copies}: each read loads a copy, so values written "
+                f"into it are lost); load the model without offload{also}")
         offloaded = hasattr(module, "_hf_hook")  # accelerate's hook on a dispatched model
         for name, t in [*module.named_parameters(recurse=False),
                         *module.named_buffers(recurse=False)]:
@@ -82,6 +90,52 @@ def check_placement(model: nn.Module, who: str, *, calibrating: bool = False,
                     f"model without offload{also}")
             raise ValueError(f"{who}: {full!r} is on the meta device (no data); load the "
                              f"weights{also}")
+
+
+def loaded_copies(module: nn.Module) -> str | None:
+    """What offloads ``module``'s parameters where each read of one is a fresh copy (its
+    ``_parameters`` is compressed-tensors' ``OffloadCache``, llm-compressor's offloading, from
+    disk or another device): a write into the copy is lost. None where reads are the tensors
+    held (a plain dict, or a cache that onloads to where it offloads)."""
+    store = module._parameters
+    if type(store) is dict or not store:
+        return None
+    off, on = getattr(store, "offload_device", None), getattr(store, "onload_device", None)
+    if off is not None and on is not None:
+        copies = off == "disk" or torch.device(off) != torch.device(on)
+    else:
+        key = next(iter(store))
+        copies = store[key] is not store[key]
+    return f"{type(store).__name__} offloading to {off or 'elsewhere'}" if copies else None
+
+
+def stored(module: nn.Module, name: str) -> torch.Tensor:
+    """The tensor ``module`` stores as ``name``: a weight parametrized after apply()
+    (``torch.nn.utils.parametrize``) is stored as its parametrization's ``original``, which
+    holds the QDQ'd values as they were (where no ``right_inverse`` changed them:
+    :func:`restore_problem`); ``module.weight`` is then a value computed from it."""
+    if parametrize.is_parametrized(module, name):
+        return module.parametrizations[name].original
+    return getattr(module, name)
+
+
+def restore_problem(module: nn.Module, name: str) -> tuple[str, str] | None:
+    """Why values written into ``module``'s ``name`` now would not be its weight, and the way
+    out; None where they would. A parametrization registered after apply() through a
+    ``right_inverse`` stores other values; a model offloaded after apply() holds the
+    quantized values in the offload's store (accelerate's: the module a meta tensor;
+    compressed-tensors': a copy at each read)."""
+    if parametrize.is_parametrized(module, name) and any(
+            hasattr(p, "right_inverse") for p in module.parametrizations[name]):
+        why = "was parametrized after apply() through a right_inverse"
+        return (f"{why}, which stores other values than the fake-quantized weight",
+                "remove the parametrization first (parametrize.remove_parametrizations)")
+    copies = loaded_copies(module)
+    if copies is not None or stored(module, name).is_meta:
+        why = f"was offloaded after apply() ({copies or 'accelerate: on the meta device'})"
+        return (f"{why}, whose store now holds the fake-quantized values",
+                "call remove() before offloading the model")
+    return None
 
 
 def unhooked(work: nn.Module) -> nn.Module:
