@@ -35,7 +35,7 @@ from torch import nn
 
 from .._checks import check_bool
 from .._versions import require
-from ..calibration.run.disk_names import split_names
+from ..calibration.run.disk_names import checkpoint_names, split_names
 from ..calibration.structure.kv_cache import attention_modules
 from ..calibration.structure.placement import check_placement, held_weight, unhooked
 from ..calibration.structure.tied import tied_weights
@@ -46,7 +46,7 @@ from .atomic import EXPORT_EXTRAS, atomic_dir, check_writable_target
 from .ct_compress import annotate, compress, ct_compressor
 from .experts import unfuse_experts
 from .registry import register
-from .serving import warn_unservable
+from .serving import embedding_layers, warn_unservable
 
 __all__ = ["export_compressed_tensors", "quant_args"]
 
@@ -466,7 +466,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
         annotate(tmp, calibration, lossy.notes, source, work)
-        warn_unservable(tmp)  # vLLM has no scheme for it: written (transformers loads it)
+        warn_unservable(tmp, checkpoint_names(work, embedding_layers(work)).values())
         if source is not None:
             copied += _copy_extras(source, tmp)
     return path

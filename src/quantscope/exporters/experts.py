@@ -56,9 +56,11 @@ def _gate_and_up(state, shape, layer: str) -> list:
     ``shape``: the fusion code's split (a run-time state has no qparams to split)."""
     if state.qparams is None:
         return [state, state]
-    if not fusion.splittable(state.spec):
+    if not fusion.splittable(state.spec, [shape, shape]):
         raise ValueError(f"export compressed-tensors: expert layer {layer!r}: {state.spec} "
-                         f"has units spanning rows, so gate and up cannot be written apart")
+                         f"has units spanning rows of both gate and up ({shape[0]} rows "
+                         f"each), so they cannot be written apart; expected a layout whose "
+                         f"units hold rows of one half (tile or row-run rows dividing {shape[0]})")
     return fusion.split_state(state, [shape, shape])
 
 

@@ -25,8 +25,8 @@ import warnings
 from .moe_slots import expert_slot
 from .read_checks import SCALE_LEAVES, safetensors_headers
 
-__all__ = ["describe", "quantized", "resolver", "unservable", "vllm_moe_refusal", "vllm_refusal",
-           "warn_unservable"]
+__all__ = ["describe", "embedding_layers", "quantized", "resolver", "unservable",
+           "vllm_embedding_refusal", "vllm_moe_refusal", "vllm_refusal", "warn_unservable"]
 
 _WEIGHT_ONLY_BITS = (4, 8)  # vLLM's WNA16_SUPPORTED_BITS
 
@@ -92,16 +92,45 @@ def _int(w: dict, a: dict | None, fmt: str | None, out: dict | None) -> str | No
             and a_strategy == "token" and a_dynamic and not w.get("dynamic"):
         return None  # W4A8 int
     if grouped and fmt == "pack-quantized" and a.get("symmetric") and a_dynamic \
-            and a_strategy in ("token", "group"):
-        return None  # WNA8 int (dynamic symmetric per token / group input, packed weights)
+            and a_strategy in ("token", "group") and a_bits in (4, 8):
+        return None  # WNA8 / WNA4 int (dynamic symmetric per token / group input, packed)
     out_int8 = isinstance(out, dict) and _on(out, "type") == "int" and _on(out, "num_bits") == 8 \
         and _on(out, "strategy") == "tensor" and not out.get("dynamic")
     if grouped and fmt in ("pack-quantized", "int-quantized") and out_int8 \
             and a_bits == 8 and a_strategy == "tensor" and not a_dynamic:
         return None  # WNA8O8 int: static int8 input and output
+    return _int_need(w, a, fmt)
+
+
+def _described(args: dict) -> str:
+    """An input as a message names it (``"static asymmetric per-tensor int8"``)."""
+    return (f"{'dynamic' if args.get('dynamic') else 'static'} "
+            f"{'symmetric' if args.get('symmetric') else 'asymmetric'} "
+            f"per-{_on(args, 'strategy')} int{_on(args, 'num_bits')}")
+
+
+def _int_need(w: dict, a: dict, fmt: str | None) -> str:
+    """What vLLM needs of int weights with an int input that :func:`_int` found no scheme
+    for: the input's bits first (8, or 4 packed), then the weight bits that input takes."""
+    bits, strategy, a_bits = _on(w, "num_bits"), _on(w, "strategy"), _on(a, "num_bits")
+    got = f"got {strategy} weights, format {fmt}, a {_described(a)} input"
+    packed = ("in format pack-quantized, per channel or group, with a dynamic symmetric "
+              "per-token or per-group input")
+    if a_bits not in (4, 8):
+        return (f"vLLM serves int weights with an int input of 8 bits only, or of 4 bits "
+                f"{packed} (its WNA4 scheme) ({got}) -- use an int8 input or w4a16")
+    if a_bits == 4:
+        return (f"vLLM serves int weights with an int4 input only {packed} (its WNA4 scheme; "
+                f"{got}); its other int schemes take an int8 input -- use a dynamic per-token "
+                f"int8 input or w4a16")
+    if bits == 4:
+        return (f"vLLM serves int4 weights with an int8 input only per channel or group, "
+                f"symmetric, with the input dynamic per token (its W4A8 scheme), or {packed} "
+                f"(its WNA8 scheme) ({got}) -- use a dynamic per-token input or w4a16")
     if bits != 8:
-        return (f"vLLM serves int{bits} weights with an int8 input only when the input is "
-                f"dynamic per token (its W4A8 scheme) -- use a dynamic input or w4a16")
+        return (f"vLLM serves int{bits} weights with an int8 input only {packed} (its WNA8 "
+                f"scheme; {got}); its other int8-input schemes take int4 or int8 weights "
+                f"(W4A8, W8A8) -- use int4 or int8 weights, or w4a16")
     return ("vLLM serves int8 weights with an int8 input only per tensor or channel, symmetric, "
             "with a static per-tensor or dynamic per-token input (its W8A8 scheme)")
 
@@ -202,6 +231,45 @@ def _moe_int(w: dict, a: dict) -> str | None:
             "input (no fused-MoE method for a static input) -- use w8a8-dynamic")
 
 
+def vllm_embedding_refusal(weights: dict | None, inputs: dict | None = None,
+                           fmt: str | None = None) -> str | None:
+    """What vLLM does with a quantized embedding (its ``VocabParallelEmbedding``): None for
+    unquantized weights, else one line. ``CompressedTensorsConfig.get_quant_method`` gives an
+    embedding no method in vLLM releases before ``CompressedTensorsEmbeddingWNA16Int`` (only
+    ``LinearBase``, ``Attention`` and ``FusedMoE``): built unquantized, its loader finds no
+    parameter for ``weight_packed``. Recent vLLM gives one to weight-only int per channel or
+    group weights (``_is_wNa16_group_channel``, packed int32: format pack-quantized; its
+    kernel reads no zero point) and raises for any other scheme; and only where the model's
+    vLLM code passes ``quant_config`` to its embedding, which not every model's does."""
+    if not isinstance(weights, dict):
+        return None
+    kind, bits, strategy = _on(weights, "type"), _on(weights, "num_bits"), _on(weights, "strategy")
+    fmt = fmt.lower() if isinstance(fmt, str) else None
+    older = ("older vLLM builds every embedding unquantized and finds no parameter for its "
+             "weight_packed")
+    if (kind == "int" and strategy in ("channel", "group") and not weights.get("dynamic")
+            and weights.get("symmetric") and fmt == "pack-quantized"
+            and not isinstance(inputs, dict)):
+        return (f"vLLM loads a quantized embedding only with its "
+                f"CompressedTensorsEmbeddingWNA16Int (recent releases; {older}) and only in "
+                f"models whose vLLM code passes quant_config to the embedding -- check that "
+                f"the vLLM you serve with loads it, or leave it in float (ignore it)")
+    return (f"vLLM serves a quantized embedding only as weight-only symmetric int per channel "
+            f"or group in format pack-quantized (its CompressedTensorsEmbeddingWNA16Int, "
+            f"recent releases; got {kind}{bits} {strategy}, {fmt}"
+            f"{', an input quantized' if isinstance(inputs, dict) else ''}); {older} -- "
+            f"leave it in float (ignore it)")
+
+
+def embedding_layers(model) -> list[str]:
+    """The names of ``model``'s embeddings (``nn.Embedding`` / ``nn.EmbeddingBag`` and their
+    subclasses), whatever their names: vLLM builds those as ``VocabParallelEmbedding``."""
+    from torch import nn
+
+    return [n for n, m in model.named_modules()
+            if n and isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+
+
 def _matches(pattern: str, name: str) -> bool:
     try:
         return re.match(pattern, name) is not None
@@ -230,35 +298,39 @@ def quantized(names, layer: str) -> bool:
     return any(f"{layer}.{leaf}" in names for leaf in ("weight_packed", *SCALE_LEAVES))
 
 
-def _selected(groups: dict, names) -> tuple[dict, dict]:
-    """``({config group: [expert layers]}, {config group: [shared_expert_gate layers]})`` of
-    the layers the checkpoint's tensor ``names`` hold quantized, by the config group that
-    selects each (:func:`resolver`)."""
+def _selected(groups: dict, names, embeddings=()) -> tuple[dict, dict, dict]:
+    """``({config group: [expert layers]}, {config group: [shared_expert_gate layers]},
+    {config group: [embeddings]})`` of the layers the checkpoint's tensor ``names`` hold
+    quantized, by the config group that selects each (:func:`resolver`); ``embeddings``: the
+    embedding layers' names (:func:`embedding_layers`)."""
     resolve = resolver([(str(t), str(n)) for n, g in groups.items() if isinstance(g, dict)
                         and isinstance(g.get("targets"), list) for t in g["targets"]])
     experts: dict[str, list[str]] = {}
     gates: dict[str, list[str]] = {}
+    embeds: dict[str, list[str]] = {}
     for layer in sorted({n.rpartition(".")[0] for n in names}):
         found = experts if expert_slot(layer) else gates if layer.endswith(
-            "shared_expert_gate") else None
+            "shared_expert_gate") else embeds if layer in embeddings else None
         if found is not None and quantized(names, layer):
             for group in resolve(layer):
                 found.setdefault(group, []).append(layer)
-    return experts, gates
+    return experts, gates, embeds
 
 
 def _first(layers: list[str]) -> str:
     return f"{layers[0]!r}" + (f" and {len(layers) - 1} more" if len(layers) > 1 else "")
 
 
-def unservable(qc: dict, names=()) -> list[tuple[str, list[str], str]]:
+def unservable(qc: dict, names=(), embeddings=()) -> list[tuple[str, list[str], str]]:
     """``(config group, its targets, why)`` of each group of the ``quantization_config``
     ``qc`` that vLLM has no scheme for (:func:`vllm_refusal`), and, from the checkpoint's
     tensor ``names``, of each group that selects experts vLLM's fused MoE layer refuses
-    (:func:`vllm_moe_refusal`) or quantizes a ``shared_expert_gate``."""
+    (:func:`vllm_moe_refusal`), quantizes a ``shared_expert_gate``, or quantizes one of the
+    ``embeddings`` (layer names, judged by module class: :func:`embedding_layers`; a folder
+    alone does not tell them, :func:`vllm_embedding_refusal`)."""
     groups = qc.get("config_groups") if isinstance(qc, dict) else None
     groups = groups if isinstance(groups, dict) else {}
-    experts, gates = _selected(groups, names)
+    experts, gates, embeds = _selected(groups, names, set(embeddings))
     found = []
     for name, group in groups.items():
         if not isinstance(group, dict):
@@ -272,6 +344,9 @@ def unservable(qc: dict, names=()) -> list[tuple[str, list[str], str]]:
             found.append((name, targets, why))
         if name in experts and (why := vllm_moe_refusal(*args)):
             found.append((name, targets, f"{why}; its experts: {_first(experts[name])}"))
+        if name in embeds and (why := vllm_embedding_refusal(*args)):
+            layers = ", ".join(map(repr, embeds[name]))
+            found.append((name, targets, f"it quantizes the embeddings {layers}: {why}"))
         if name in gates:  # Qwen2MoeSparseMoeBlock: torch.nn.Linear(hidden_size, 1)
             found.append((name, targets, (
                 f"it quantizes {_first(gates[name])}, which vLLM builds unquantized (a "
@@ -286,13 +361,14 @@ def describe(name: str, targets: list[str]) -> str:
     return f"config group {name!r} ({len(targets)} target{'s' * (len(targets) != 1)}{first})"
 
 
-def warn_unservable(folder) -> None:
+def warn_unservable(folder, embeddings=()) -> None:
     """One warning per problem of :func:`unservable` in ``folder``'s ``config.json`` and
     tensor names (read from the safetensors headers; the export writes the folder all the
-    same: transformers and compressed-tensors load it)."""
+    same: transformers and compressed-tensors load it); ``embeddings``: the names on disk of
+    the model's embeddings (:func:`embedding_layers`)."""
     with open(os.path.join(folder, "config.json")) as f:
         qc = json.load(f).get("quantization_config") or {}
     names = safetensors_headers(folder, "export compressed-tensors")
-    for name, targets, why in unservable(qc, names):
+    for name, targets, why in unservable(qc, names, embeddings):
         warnings.warn(f"export compressed-tensors: {describe(name, targets)}: {why}; "
                       f"transformers and compressed-tensors load it", stacklevel=3)

@@ -82,10 +82,12 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
             continue
         if cfg.dynamic is True or not fusion.shares_weight_scale(cfg.spec):
             continue
-        if not fusion.splittable(cfg.spec):
-            entry["weight"] = f"per layer ({cfg.spec.layout} does not split by rows)"
-            continue
         mods = [slots[(m, "weight")].module for m in members]
+        shapes = [tuple(m.weight.shape) for m in mods]
+        if not fusion.splittable(cfg.spec, shapes):
+            entry["weight"] = (f"per layer ({cfg.spec.layout} does not split into "
+                               f"rows {[s[0] for s in shapes]})")
+            continue
         w = fusion.join_weights(mods)
         best = None
         for n in names:
@@ -102,7 +104,7 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
                    if len(names) > 1 else 0.0)
             if best is None or err < best[1]:
                 best = (state, err)
-        parts = fusion.split_state(best[0], [tuple(m.weight.shape) for m in mods])
+        parts = fusion.split_state(best[0], shapes)
         for m, st in zip(members, parts):
             states[m]["weight"] = st
         entry["weight"] = f"shared ({best[0].observer})"

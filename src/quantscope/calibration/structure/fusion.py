@@ -28,6 +28,7 @@ tensor holds, and search observers then minimise the group's total error.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import replace
 
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from ...exporters.moe_slots import expert_index
-from ...layout import Block, Channel, Group, Tensor
+from ...layout import Block, Channel, Group, Tensor, Tile
 from ..recipe_dict import matches
 from ..results.result import RoleState
 from ..run.batches import (
@@ -270,17 +271,47 @@ def shares_weight_scale(spec) -> bool:
     return isinstance(spec.layout, Tensor) and spec.format.is_float
 
 
-def splittable(spec) -> bool:
-    """Whether the layout's units never span two rows of a weight, so the qparams of the
-    concatenated weights split back into the members' rows."""
+def _row_units(layout, ndim: int) -> tuple[int, int] | None:
+    """``(qparam axis, rows)``: the axis of the qparam grid that runs along the weight's
+    rows (dim 0, the dim a fused layer concatenates) and how many rows one unit spans;
+    ``None`` where one unit spans every row (a channel of another axis) or the units'
+    column order is the member's own (act-order groups: spec equality ignores ``g_idx``)."""
+    if isinstance(layout, Channel):
+        return (0, 1) if layout.axis % ndim == 0 else None
+    if isinstance(layout, (Group, Block)):
+        if getattr(layout, "order", None) is not None:
+            return None
+        return (-1, layout.size) if layout.axis % ndim == 0 else (0, 1)  # (*rest, runs)
+    if isinstance(layout, Tile):
+        return (-2, layout.rows) if ndim == 2 else (0, 1)  # leading dims: tiles of their own
+    return None
+
+
+def _joined(shapes) -> tuple[int, ...]:
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def splittable(spec, shapes=None) -> bool:
+    """Whether the qparams of the members' weights concatenated (their ``shapes``) split
+    back exactly into each member's: no unit holds rows of two members, so every member
+    but the last ends on a unit boundary (a tile's or a row-run's rows divide its rows; the
+    last one's padding is its own) and each member takes the layout alone. Without
+    ``shapes``: whether that holds for any split of 2-D weights (units of one row)."""
     lay = spec.layout
     if isinstance(lay, Tensor):
         return True
-    if isinstance(lay, Channel):
-        return lay.axis in (0, -2)
-    if isinstance(lay, (Group, Block)):
-        return lay.axis in (-1, 1) and getattr(lay, "order", None) is None  # Block: no order
-    return False
+    ndim = 2 if shapes is None else len(shapes[0])
+    unit = _row_units(lay, ndim)
+    if unit is None or shapes is None:
+        return unit is not None and unit[1] == 1
+    if any(s[0] % unit[1] for s in shapes[:-1]):
+        return False
+    try:  # a Group of rows does not pad: each member's rows must be whole groups
+        for s in (*shapes, _joined(shapes)):
+            lay.qparam_shape(tuple(s))
+    except ValueError:
+        return False
+    return True
 
 
 def join_weights(modules: list[nn.Module]) -> torch.Tensor:
@@ -288,26 +319,36 @@ def join_weights(modules: list[nn.Module]) -> torch.Tensor:
     return torch.cat([m.weight.detach() for m in modules], dim=0)
 
 
-def _split(t: torch.Tensor | None, rows: list[int]) -> list:
-    """``t`` (per-unit values of the concatenated rows, unit-major) cut into the members'
-    rows; a one-value (per-tensor) ``t`` is every member's."""
+def _split(t: torch.Tensor | None, grid: tuple[int, ...], axis: int, counts: list[int]
+           ) -> list:
+    """``t`` (per-unit values of the concatenated weights: the qparam ``grid`` itself, or its
+    values flat, unit-major) cut along the grid's ``axis`` into the members' ``counts`` of
+    units, each in ``t``'s form; a one-value (per-tensor) ``t`` is every member's."""
     if t is None:
-        return [None] * len(rows)
-    total = sum(rows)
-    if t.numel() == 1:
-        return [t.clone() for _ in rows]
-    if t.dim() and t.shape[0] == total:
-        return [p.clone() for p in t.split(rows, 0)]
-    return [p.reshape(-1).clone() for p in t.reshape(total, -1).split(rows)]
+        return [None] * len(counts)
+    if t.numel() == 1 or math.prod(grid) == 1:
+        return [t.clone() for _ in counts]
+    parts = t.reshape(grid).split(counts, axis)
+    return [p.clone() if tuple(t.shape) == grid else p.reshape(-1).clone() for p in parts]
 
 
 def split_state(state: RoleState, shapes: list[tuple[int, ...]]) -> list[RoleState]:
-    """The state of the concatenated weights split into one state per member (its rows)."""
-    rows = [s[0] for s in shapes]
-    qp = state.qparams
-    scales = _split(qp.scale, rows)
-    zps = _split(qp.zero_point, rows)
-    los, his = _split(state.lo, rows), _split(state.hi, rows)
+    """The state of the concatenated weights split into one state per member (its rows):
+    per-unit values cut along the qparam grid's row axis (a tile grid by tile rows, a
+    row-run grid along its last axis), per-tensor ones shared. ``shapes`` must be
+    :func:`splittable`."""
+    lay, qp = state.spec.layout, state.qparams
+    if not splittable(state.spec, shapes):
+        raise ValueError(f"split_state: {lay} units span rows of two members of shapes "
+                         f"{[tuple(s) for s in shapes]}; expected shapes it splits by rows")
+    grid = tuple(lay.qparam_shape(_joined(shapes)))
+    axis = 0 if isinstance(lay, Tensor) else _row_units(lay, len(shapes[0]))[0]
+    counts = [lay.qparam_shape(tuple(s))[axis] for s in shapes]
+
+    def cut(t):
+        return _split(t, grid, axis, counts)
+
+    scales, zps, los, his = cut(qp.scale), cut(qp.zero_point), cut(state.lo), cut(state.hi)
     out = []
     for i, shape in enumerate(shapes):
         gs = None if qp.global_scale is None else qp.global_scale.clone()
