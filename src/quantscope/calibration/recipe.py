@@ -19,14 +19,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from torch import nn
 
 from .. import presets
 from ..layout import Group, Tensor
 from ..spec import QuantSpec
-from .recipe_dict import built, fields_from, matches, own_options, patterns, role_options
-from .role_observers import AUTO, check_taken, observed, weight_observer
+from .recipe_dict import (
+    FirstMatch,
+    built,
+    fields_from,
+    matches,
+    own_options,
+    patterns,
+    role_options,
+)
+from .role_observers import AUTO, check_taken, ct_observer, observed, weight_observer
 from .structure.placement import no_weight_role
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
@@ -156,10 +165,9 @@ class Recipe:
     patterns out of their groups.
 
     ``kv_cache`` (a :class:`Role`, or ``"fp8"``: static fp8 e4m3 per tensor, min-max) gives
-    every attention module not ignored the roles ``key`` and ``value``: its key and value
-    states as the KV cache holds them, after the rotary embedding (see
-    :mod:`~quantscope.calibration.structure.kv_cache`), written as vLLM's ``k_scale`` / ``v_scale``.
-    """
+    every attention module not ignored the roles ``key`` and ``value``: its key and value states
+    as the KV cache holds them, after the rotary embedding (see :mod:`.structure.kv_cache`),
+    written as vLLM's ``k_scale`` / ``v_scale``."""
 
     rules: tuple[Rule, ...]
     ignore: tuple[str, ...] = ()
@@ -207,7 +215,7 @@ class Recipe:
             from .structure.kv_cache import attention_modules
 
             attention = {n: m for n, m in attention_modules(model).items()
-                         if not any(matches(p, n, m) for p in self.ignore)}
+                         if self._lookups[0](n, m) is None}
             for n, m in attention.items():  # (none at all: calibrate_many says so)
                 found[n] = (m, {**found.get(n, (m, {}))[1], "key": self.kv_cache,
                                 "value": self.kv_cache})
@@ -233,10 +241,13 @@ class Recipe:
     def rule_for(self, name: str, module: nn.Module) -> Rule | None:
         """The rule that takes the module ``name``: the first whose targets match it, None
         where the ignore list holds it or no rule does (the root module: never)."""
-        if not name or any(matches(p, name, module) for p in self.ignore):
-            return None
-        return next((r for r in self.rules if any(matches(t, name, module)
-                                                   for t in r.targets)), None)
+        ignored, first = self._lookups
+        i = first(name, module) if name and ignored(name, module) is None else None
+        return None if i is None else self.rules[i]
+
+    @cached_property  # built once: a mixed-precision recipe names every layer, each a rule
+    def _lookups(self) -> tuple[FirstMatch, FirstMatch]:
+        return FirstMatch([self.ignore]), FirstMatch(r.targets for r in self.rules)
 
     def with_observer(self, observer: str, **options) -> Recipe:
         """A copy whose calibrated roles (not dynamic) run ``observer`` (weights: its
@@ -265,8 +276,7 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, d: dict) -> Recipe:
-        # patterns as written: Recipe reads a string as one pattern, as when made in Python,
-        # and a kv_cache format name ("fp8") as kv_cache_role does
+        # patterns as written (a string is one pattern) and a kv_cache name ("fp8") as Recipe()
         kv = lambda v, at: Role.from_dict(v, at) if isinstance(v, Mapping) else v
         return cls(**fields_from(cls, d, "Recipe", rules=_rules, kv_cache=kv))
 
@@ -438,7 +448,7 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
         if dynamic is True:  # computed at run time: nothing to observe
             roles[role] = Role(llmcompressor_spec(args, role), "memoryless_minmax", True)
             continue
-        own = _own_observer(key, role, args.observer) if observer is None else observer
+        own = ct_observer(key, role, args.observer) if observer is None else observer
         if observer is None and role != "weight":
             own_options(f"scheme {key!r}", role, own, options)
         roles[role] = observed(Role(llmcompressor_spec(args, role), own, dynamic), role, own,
@@ -446,21 +456,6 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
         runs.append((role, own))
     check_taken(f"scheme {key!r}", runs, options)  # as Recipe.with_observer: none dropped
     return Recipe((Rule(targets, **roles),), ignore, key)
-
-
-def _own_observer(key: str, role: str, name: str | None) -> str:
-    """quantscope's observer for the one compressed-tensors names (``minmax`` where it names
-    none: llm-compressor's default); a ValueError where quantscope registers no such name."""
-    from ..observers.registry import observer_class
-
-    if name is None:
-        return "minmax"
-    try:
-        observer_class(name)
-    except ValueError:
-        raise ValueError(f"scheme {key!r}: its {role} observer {name!r} is not one quantscope "
-                         f"registers; pass observer= to choose one") from None
-    return name
 
 
 def with_group_size(recipe: Recipe, size: int) -> Recipe:

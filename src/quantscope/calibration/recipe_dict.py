@@ -9,9 +9,10 @@ import fnmatch
 import re
 from collections.abc import Mapping
 from dataclasses import MISSING, fields
-from functools import lru_cache
+from functools import cache
 
-__all__ = ["built", "fields_from", "matches", "own_options", "patterns", "role_options"]
+__all__ = ["FirstMatch", "built", "fields_from", "matches", "own_options", "patterns",
+           "role_options"]
 
 
 def fields_from(cls, d, where: str, **read) -> dict:
@@ -90,7 +91,9 @@ def own_options(where: str, role: str, observer: str, options: dict) -> None:
                          f"given); name the observer it is for (observer='minmax', ...)")
 
 
-@lru_cache(maxsize=1024)
+# unbounded: a bounded one (as re's own, 512) thrashes once recipes hold more patterns, each
+# then compiled again for every module; the patterns are the recipes' own, bounded
+@cache
 def _regex(expr: str) -> re.Pattern:
     return re.compile(expr)  # once per pattern: matched against every module name
 
@@ -130,3 +133,39 @@ def matches(pattern: str, name: str, module) -> bool:
            for c in type(module).__mro__):  # as compressed-tensors matches (FalconLinear)
         return True
     return fnmatch.fnmatchcase(name, pattern)
+
+
+_WILD = frozenset("*?[")  # fnmatch's wildcards: a pattern without them matches itself only
+
+
+class FirstMatch:
+    """``next((i for i, ps in enumerate(lists) if any(matches(p, name, module) for p in ps)),
+    None)``, the index of the first pattern list that takes a module, in time independent of
+    how many plain patterns the lists hold (a mixed-precision recipe names every layer: a
+    scan per module is quadratic in layers). A plain pattern (no ``re:``, no glob character)
+    takes a module only by being its name (a glob without wildcards) or a class's name, so
+    it is looked up; only the lists holding a ``re:`` or glob pattern are tested, in order,
+    by :func:`matches` itself."""
+
+    def __init__(self, lists):
+        self._lists = [tuple(ps) for ps in lists]
+        self._plain = {}  # pattern -> the first list holding it
+        self._other = []  # the lists holding a re: or glob pattern, in order
+        for i, ps in enumerate(self._lists):
+            for p in ps:
+                if p.startswith("re:") or not _WILD.isdisjoint(p):
+                    if not self._other or self._other[-1] != i:
+                        self._other.append(i)
+                else:
+                    self._plain.setdefault(p, i)
+
+    def __call__(self, name: str, module) -> int | None:
+        keys = [name, *(k for c in type(module).__mro__  # the keys matches() compares whole
+                        for k in (c.__name__, f"{c.__module__}.{c.__qualname__}"))]
+        hit = min((self._plain[k] for k in keys if k in self._plain), default=None)
+        for i in self._other:
+            if hit is not None and i >= hit:
+                break
+            if any(matches(p, name, module) for p in self._lists[i]):
+                return i
+        return hit

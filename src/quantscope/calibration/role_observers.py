@@ -8,7 +8,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import replace
 
-__all__ = ["AUTO", "check_taken", "observed", "unknown_options", "weight_observer"]
+__all__ = ["AUTO", "check_taken", "ct_observer", "observed", "unknown_options",
+           "weight_observer"]
 
 AUTO = "auto"
 
@@ -104,3 +105,18 @@ def check_taken(where: str, runs, options: dict) -> None:
         if bad:
             raise ValueError(f"{where}: option {bad[0]!r} is not one the {kind} observer "
                              f"{name!r} takes; calibrate would fail on it")
+
+
+def ct_observer(key: str, role: str, name: str | None) -> str:
+    """quantscope's observer for the one compressed-tensors names (``minmax`` where it names
+    none: llm-compressor's default); a ValueError where quantscope registers no such name."""
+    from ..observers.registry import observer_class
+
+    if name is None:
+        return "minmax"
+    try:
+        observer_class(name)
+    except ValueError:
+        raise ValueError(f"scheme {key!r}: its {role} observer {name!r} is not one quantscope "
+                         f"registers; pass observer= to choose one") from None
+    return name

@@ -12,6 +12,7 @@ import re
 import torch
 from torch import nn
 
+from .ct_match import Targets
 from .experts import checkpoint_names
 
 __all__ = ["annotate", "compress", "ct_compressor"]
@@ -136,13 +137,15 @@ def _complete_ignore(config, work: nn.Module) -> None:
     float). compressed-tensors lists one only where its class is a quantized layer's exact
     class, while its matching (and vLLM's) takes a target class's subclasses too: with
     targets ``Linear`` beside Falcon's ``FalconLinear`` layers, the plain ``lm_head`` left in
-    float went unlisted and loaded as quantized, its scales uninitialised."""
-    from compressed_tensors.utils.match import is_match
-
-    targets = [t for group in config.config_groups.values() for t in group.targets]
+    float went unlisted and loaded as quantized, its scales uninitialised. (Its ``is_match``
+    of each module against every target, and a list's ``in``, were quadratic in layers where
+    a mixed-precision config names them all: :class:`.ct_match.Targets` looks names up.)"""
+    targeted = Targets([t for group in config.config_groups.values() for t in group.targets])
     ignore = list(config.ignore or [])
+    listed = set(ignore)
     for name, module in work.named_modules():
-        if (name and name not in ignore and getattr(module, "quantization_scheme", None) is None
-                and is_match(name, module, targets)):
+        if (name and name not in listed and getattr(module, "quantization_scheme", None) is None
+                and targeted(name, module)):
             ignore.append(name)
+            listed.add(name)
     config.ignore = ignore

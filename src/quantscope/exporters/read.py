@@ -2,11 +2,12 @@
 
 Whoever wrote it (quantscope's exporter, llm-compressor), the folder's
 ``quantization_config`` says which modules carry which ``QuantizationArgs``; the modules are
-matched by compressed-tensors' own ``match_named_modules`` on the model built from
-``config.json`` on the meta device (no weights allocated), a module several groups match
-read in the one group compressed-tensors gives it (:func:`_precedence`), and its tensors are
-decoded by compressed-tensors' own compressor (``decompress``: fp8 and E8M0 scales to
-float, packed zero points to integers). The args become quantscope specs
+matched as compressed-tensors' ``match_named_modules`` matches them (:mod:`.ct_match`) on
+the model built from ``config.json`` on the meta device (no weights allocated), a module
+several groups match read in the one group compressed-tensors gives it
+(:func:`.ct_match.precedence`), and its tensors are decoded by compressed-tensors' own
+compressor (``decompress``: fp8 and E8M0 scales to float, packed zero points to integers).
+The args become quantscope specs
 (:func:`~quantscope.compat.llmcompressor.llmcompressor_spec`, the one translation: MX is
 E8M0 ``even``, compressed-tensors' run-time rule), the tensors
 :class:`~quantscope.qparams.QParams`, so ``calibration.apply(float_model)`` runs the model as
@@ -29,6 +30,7 @@ from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
 from .atomic_swap import read_unchanged
+from .ct_match import match_named, precedence, winners
 from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
 from .read_checks import (
     SCALE_LEAVES,
@@ -284,7 +286,7 @@ def _read_module(name, wshape, stored, roles, specs, observers, fmt, scheme) -> 
 
 def _group(gname, scheme, qconfig, cfg_path):
     """One config group checked: ``(rule, roles, specs, observers, fmt)``, the rule with the
-    group's roles (its targets as written: :func:`_precedence` orders them)."""
+    group's roles (its targets as written: :func:`.ct_match.precedence` orders them)."""
     from ..calibration.recipe import Role, Rule
 
     where = f"from_compressed_tensors: {cfg_path}: config_groups.{gname}"
@@ -303,64 +305,16 @@ def _group(gname, scheme, qconfig, cfg_path):
     return rule, roles, specs, observers, fmt
 
 
-def _precedence(qconfig, groups: dict, model) -> tuple[list, list]:
-    """``(rules, their groups)``: the groups' rules split by target in the order
-    compressed-tensors picks the one scheme of a module several groups match
-    (``match_targets``): a target naming it exactly, then a ``re:`` one, then a class name,
-    each kind sorted as it sorts them; a target two groups name is the later one's. A
-    quantscope recipe takes a module's first matching rule, so it resolves them alike."""
-    from dataclasses import replace
-
-    owner = {t: g for g, s in qconfig.config_groups.items() for t in s.targets}
-    names = {n for n, _ in model.named_modules()}
-    classes = {c.__name__ for m in model.modules() for c in type(m).__mro__}
-    ordered = sorted(owner, key=lambda t: ("re:" in t, t))
-    by_name = [(exact_pattern(t, classes), owner[t]) for t in ordered
-               if t.startswith("re:") or t in names]
-    by_class = [(t, owner[t]) for t in ordered if not t.startswith("re:")
-                and t.isidentifier() and (t not in names or t in classes)]
-    rules, of = [], []
-    for t, g in by_name + by_class:  # a run of one group's targets is one rule
-        if of and of[-1] == g:
-            rules[-1] = replace(rules[-1], targets=(*rules[-1].targets, t))
-        else:
-            rules.append(replace(groups[g][0], targets=(t,)))
-            of.append(g)
-    return rules, of
-
-
-def _winners(qconfig, rules, ignore, of, model):
-    """``(name, module, group)`` of each module the config quantizes, in its one group:
-    compressed-tensors' ``match_named_modules`` on all the groups' targets, each module in
-    the group of the recipe's rule for it (:func:`_precedence`); a module it takes no role
-    of (one holding the matched Linears, a norm) is left out, as compressed-tensors
-    quantizes only the Linear / Embedding layers a target matches."""
-    from compressed_tensors.utils.match import match_named_modules
-
-    from ..calibration.recipe import Recipe, taken_roles
-
-    if not rules:  # a KV cache alone
-        return
-    recipe = Recipe(tuple(rules), ignore, "compressed-tensors")
-    targets = [t for s in qconfig.config_groups.values() for t in s.targets]
-    for name, module in match_named_modules(model, targets, qconfig.ignore):
-        rule = recipe.rule_for(name, module)
-        if rule is not None and taken_roles(name, module, rule, recipe.name)[0]:
-            yield name, module, of[next(i for i, r in enumerate(recipe.rules) if r is rule)]
-
-
-def _read_layer(name, module, gname, part, qconfig, tensors, model, cfg_path):
+def _read_layer(name, module, gname, part, qconfig, layers, model, cfg_path):
     """The role states of the layer ``name``, read as its group ``gname`` (``part``:
-    :func:`_group`)."""
+    :func:`_group`) from its tensors in ``layers`` (:func:`_by_layer`)."""
     where = f"from_compressed_tensors: {cfg_path}: config_groups.{gname}"
     _, roles, specs, observers, fmt = part
     scheme = qconfig.config_groups[gname]
-    prefix = f"{name}."
-    local = {k[len(prefix):]: v for k, v in tensors.items()
-             if k.startswith(prefix) and "." not in k[len(prefix):]}
+    local = dict(layers.get(name, {}))
     if not local:
         raise ValueError(f"{where}: layer {name} has no tensor in the folder"
-                         f"{_stray(tensors, model)}")
+                         f"{_stray(layers, model)}")
     keep = {n for n, _ in module.named_parameters(recurse=False)} | \
         {n for n, _ in module.named_buffers(recurse=False)} | \
         (set(_KV_SCALE) if qconfig.kv_cache_scheme is not None else set())
@@ -381,11 +335,23 @@ def _read_layer(name, module, gname, part, qconfig, tensors, model, cfg_path):
                          f"scheme ({type(e).__name__}: {e})") from None
 
 
-def _stray(tensors, model) -> str:
-    """A note naming a tensor of the folder that no module of ``model`` holds, if any: the
-    folder names its layers otherwise than the model built from config.json does."""
+def _by_layer(tensors: dict) -> dict:
+    """``{layer: {leaf: tensor}}``: the folder's tensors ``<layer>.<leaf>`` by layer, once
+    (a scan of them all per layer is quadratic in layers)."""
+    layers = {}
+    for key, value in tensors.items():
+        layer, _, leaf = key.rpartition(".")
+        layers.setdefault(layer, {})[leaf] = value
+    return layers
+
+
+def _stray(layers, model) -> str:
+    """A note naming a tensor of the folder (``layers``: :func:`_by_layer`) that no module of
+    ``model`` holds, if any: the folder names its layers otherwise than the model built from
+    config.json does."""
     modules = dict(model.named_modules())
-    stray = next((k for k in tensors if k.rpartition(".")[0] not in modules), None)
+    stray = next((f"{layer}.{next(iter(leaves))}" for layer, leaves in layers.items()
+                  if layer not in modules), None)
     return "" if stray is None else (
         f"; the folder's {stray!r} names no module of the model built from config.json "
         f"(another toolkit's layer names?)")
@@ -455,8 +421,6 @@ def read_compressed_tensors(path):
     the modifier, quantscope's record says ``smoothed``): their qparams are read all the
     same, with a warning, and ``info["model"]`` is ``path``.
     """
-    from compressed_tensors.utils.match import match_named_modules
-
     from ..calibration.recipe import Recipe
     from ..calibration.results.result import Calibration
 
@@ -473,14 +437,15 @@ def read_compressed_tensors(path):
     tensors = _module_names(model, tensors, qconfig)
     groups = {g: _group(g, s, qconfig, cfg_path) for g, s in qconfig.config_groups.items()}
     for g, s in qconfig.config_groups.items():
-        if next(match_named_modules(model, s.targets, qconfig.ignore), None) is None:
+        if next(match_named(model, s.targets, qconfig.ignore), None) is None:
             raise ValueError(f"from_compressed_tensors: {cfg_path}: config_groups.{g}.targets: "
                              f"{s.targets} match no layer of the model")
-    rules, of = _precedence(qconfig, groups, model)
+    rules, of = precedence(qconfig, groups, model)
     # the config's names are exact, quantscope's plain patterns globs: "[", "*", "?" escaped
     ignore = tuple(exact_pattern(n) for n in qconfig.ignore or ())
-    states = {name: _read_layer(name, module, g, groups[g], qconfig, tensors, model, cfg_path)
-              for name, module, g in _winners(qconfig, rules, ignore, of, model)}
+    layers = _by_layer(tensors)
+    states = {name: _read_layer(name, module, g, groups[g], qconfig, layers, model, cfg_path)
+              for name, module, g in winners(qconfig, rules, ignore, of, model)}
     grouped = set(states)
     kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states, model)
     if not states:
