@@ -58,13 +58,20 @@ def test_an_interrupted_swap_puts_the_old_output_back(tmp_path, monkeypatch, fal
     assert atomic.written_by_quantscope(out)  # still replaceable: the marker came back too
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt("Ctrl-C"), OSError(5, "I/O error")])
 def test_a_swap_failing_after_the_new_output_is_in_deletes_the_old(tmp_path, monkeypatch,
-                                                                   fallback):
+                                                                   fallback, error):
+    """Once the new output is renamed in the write has taken effect: a failure to move the
+    old one aside is no failed write (it raised, saying the save failed; session 35), and a
+    Ctrl-C stops the program with the new output in place."""
     out = tmp_path / "out"
     _write(out, "OLD")
-    _renames(monkeypatch, fail_at={3: OSError(5, "I/O error")})  # 3: .old/x -> tmp
-    with pytest.raises(OSError, match="I/O error"):
+    _renames(monkeypatch, fail_at={3: error})  # 3: .old/x -> tmp
+    if isinstance(error, OSError):
         _write(out, "NEW", overwrite=True)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            _write(out, "NEW", overwrite=True)
     monkeypatch.undo()
     assert (out / "a.txt").read_text() == "NEW"  # the new one is whole in place
     assert os.listdir(tmp_path) == ["out"]  # the superseded old one deleted, not hidden

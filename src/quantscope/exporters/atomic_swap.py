@@ -96,11 +96,16 @@ def _swap_locked(tmp: str, path: str, check, prefix: str) -> None:
         try:
             os.rename(path, os.path.join(old, "x"))
             os.rename(tmp, path)
-            os.rename(os.path.join(old, "x"), tmp)
-            os.rmdir(old)
         except BaseException:  # Ctrl-C, an OSError, another writer's output (no lock)
             _undo(old, path)
             raise
+        try:  # done: the old output goes to tmp, which the caller removes outside the lock
+            os.rename(os.path.join(old, "x"), tmp)
+            os.rmdir(old)
+        except BaseException as e:  # (a failure here is no failed write: removed here)
+            _remove(old)
+            if not isinstance(e, OSError):
+                raise  # Ctrl-C: stop, the new output in place
 
 
 def _undo(old: str, path: str) -> None:

@@ -264,11 +264,11 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
             handle._hooks.append(SimpleNamespace(remove=kv_cache.attach(
                 model, {name: _kv_qdq(roles) for name, roles in kv.items()})))
             handle._wired.append("the KV cache (attention routed by module identity)")
+        _track(handle, True)
+        setattr(model, _ATTR, handle)
     except BaseException:
         handle.remove()
         raise
-    _track(handle, True)
-    setattr(model, _ATTR, handle)
     return handle
 
 

@@ -114,8 +114,9 @@ def attach(model: nn.Module,
     undo: list[Callable[[], None]] = []
 
     def detach():
-        while undo:
-            undo.pop()()
+        while undo:  # a step that raises stays, for remove() to run again
+            undo[-1]()
+            undo.pop()
     try:
         for cfg in configs.values():
             impl = cfg._attn_implementation or "eager"
