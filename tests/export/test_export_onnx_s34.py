@@ -77,3 +77,21 @@ def test_a_block_keeps_the_block_hint(tmp_path, no_trace):
                                          r"only Linear layers export \(quantize the Linears "
                                          r"inside a block, not the block\)"):
         export(cal, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+
+
+@pytest.mark.parametrize("error", [MemoryError("out of memory"), OSError(28, "No space left")])
+def test_the_machines_errors_are_not_wrapped_as_the_models(tmp_path, monkeypatch, error):
+    """Found by fault injection (s35): a MemoryError or a disk-full OSError while torch.onnx
+    ran was raised as a ValueError saying the model could not be traced."""
+    torch.manual_seed(0)
+    model = _Wrap(nn.Linear(8, 8)).eval()
+    x = torch.randn(3, 8)
+    cal = calibrate(model, [x], Recipe((Rule(("Linear",), weight=W8, input=A8),)),
+                    progress=False)
+
+    def fails(*a, **k):
+        raise error
+    monkeypatch.setattr(torch.onnx, "export", fails)
+    with pytest.raises(type(error)):
+        export(cal, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    assert not (tmp_path / "m.onnx").exists()

@@ -142,6 +142,8 @@ def _export_float(model, example_inputs, opset: int):
                                         opset_version=opset, dynamic_shapes=dynamic,
                                         optimize=False, verbose=False)
             _optimize(program)
+    except (MemoryError, OSError):
+        raise  # the machine's (memory, disk), not the model's: as they came
     except Exception as e:  # torch's exporter raises many types, each pages long
         raise ValueError(
             f"onnx export: torch.onnx could not export {type(model).__name__} "
