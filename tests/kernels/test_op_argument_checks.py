@@ -272,3 +272,16 @@ def test_nvfp4_searches_refuse_bad_min_scale(device, op, min_scale, forbid_host_
     call = (lambda: ops.nvfp4_mse(*args, 3, -1, False, False, False)) if op == "nvfp4_mse" \
         else (lambda: ops.nvfp4_search(*args))
     _raises(call, op, "min_scale", forbid_host_sync)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dst_nbins", [0, 1, -3])
+def test_ao_histogram_search_refuses_bad_dst_nbins(device, dst_nbins, forbid_host_sync):
+    """Found by probing (s35): the fake took 0 bins (tracing passed), the real op raised
+    under l2_range's name."""
+    from quantscope.compat import torch_ao_steps  # noqa: F401 (registers the op)
+
+    hist = torch.ones(8, device=device)
+    lo, hi = torch.tensor(-1.0, device=device), torch.tensor(1.0, device=device)
+    _raises(lambda: torch.ops.quantscope.ao_histogram_search(hist, lo, hi, dst_nbins),
+            "ao_histogram_search", "dst_nbins", forbid_host_sync)

@@ -14,7 +14,7 @@ from torch.ao.quantization import observer as _ao
 
 from .. import kernels
 from .._oplib import never_traced
-from ..estimators.l2 import l2_range
+from ..estimators.l2 import check_dst_nbins, l2_range
 from ..stats import ao_histogram
 from ..stats.histogram import Hist
 
@@ -147,6 +147,7 @@ def _search(histogram: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tenso
     """torch.ao's ``_non_linear_param_search`` (0-dim ``new_min``, ``new_max``), vectorized;
     a state not all float32 (after ``.double()``, ``.half()``, ``.bfloat16()``) runs
     torch.ao's own loop: it compares and prices in the state's dtype there."""
+    check_dst_nbins("quantscope::ao_histogram_search", dst_nbins)
     _refuse_cast_overflow(float(min_val), float(max_val), min_val.dtype)
     if any(t.dtype != torch.float32 for t in (histogram, min_val, max_val)):
         ao = _AOSearch(histogram, min_val, max_val, dst_nbins)
@@ -175,5 +176,6 @@ def _(x, histogram, min_val, max_val, upsample_rate=16):
 
 @_search_op.register_fake
 def _(histogram, min_val, max_val, dst_nbins):
+    check_dst_nbins("quantscope::ao_histogram_search", dst_nbins)
     dtype = torch.promote_types(min_val.dtype, max_val.dtype)  # new_min = min_val + width * bin
     return min_val.new_empty((), dtype=dtype), max_val.new_empty((), dtype=dtype)
