@@ -124,7 +124,8 @@ def check_code(who: str, name: str, value, lo: float, hi: float) -> float:
     return v
 
 
-def check_code_range(who: str, qmin, qmax, limit: float = float(torch.finfo().max)) -> None:
+def check_code_range(who: str, qmin, qmax,
+                     limit: float = float(torch.finfo(torch.float32).max)) -> None:
     """An integer format's code range ``qmin < qmax``, whole numbers in ``[-limit, limit]``
     (float32's range by default: past it a code is inf on the Triton path; int32's where the
     op returns int32 zero points)."""

@@ -81,3 +81,33 @@ def test_compressed_tensors_offload_where_reads_are_the_tensors_calibrates_as_pl
     with calib.apply(m):
         pass
     assert torch.equal(m.get_parameter(WEIGHT), model.get_parameter(WEIGHT))
+
+
+class _Store(dict):
+    """A module's ``_parameters`` of another type, as an offload cache is."""
+
+    def __init__(self, items, on=None, off=None, copies=False):
+        super().__init__(items)
+        if on is not None:
+            self.onload_device, self.offload_device = on, off
+        self.copies = copies
+
+    def __getitem__(self, key):
+        v = super().__getitem__(key)
+        return v.clone() if self.copies and v is not None else v
+
+
+@pytest.mark.parametrize("store, copies", [
+    (_Store({"weight": torch.ones(2)}, "cuda", "cuda:0"), False),  # found by review: refused
+    (_Store({"weight": torch.ones(2)}, "cuda:1", "cuda:0"), True),
+    (_Store({"weight": torch.ones(2)}, "cuda", "cpu"), True),
+    (_Store({"weight": torch.ones(2)}, "cpu", "disk"), True),
+    (_Store({"bias": None, "weight": torch.ones(2)}, copies=True), True),  # None read first
+    (_Store({"bias": None, "weight": torch.ones(2)}), False),
+])
+def test_loaded_copies_tells_a_store_that_copies(store, copies):
+    from quantscope.calibration.structure.placement import loaded_copies
+
+    module = torch.nn.Module()
+    module._parameters = store
+    assert (loaded_copies(module) is not None) == copies

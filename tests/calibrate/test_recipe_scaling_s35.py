@@ -69,3 +69,35 @@ def test_first_match_of_every_single_pattern_and_of_none():
     for (name, module), p in itertools.product(_modules(), _PATTERNS):
         assert (FirstMatch([[p]])(name, module) == 0) == matches(p, name, module), (name, p)
         assert FirstMatch([])(name, module) is None
+
+
+def _ignoring_recipe(n):
+    """A model of n blocks of two Linears, and a recipe naming each layer: one rule per
+    ``fc`` and every ``proj`` ignored (a recipe read back from a mixed checkpoint)."""
+    spec = QuantSpec("int8", "channel")
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(n)])
+    rules = [Rule((f"{i}.0",), weight=Role(spec, "minmax")) for i in range(n)]
+    return model, Recipe(tuple(rules), tuple(f"{i}.1" for i in range(n)))
+
+
+def test_the_ignore_list_is_looked_up_by_every_pass_over_the_modules(monkeypatch):
+    """Found by review (s35): the unreached-weights check of every calibrate and the
+    command line's 'left in float' note tested each module against every ignore entry
+    (quadratic in layers), after rule_for had stopped doing so."""
+    from quantscope.calibration import recipe_dict
+    from quantscope.calibration.structure import moe
+    from quantscope.cli.recipes import float_note
+
+    calls = []
+    real = recipe_dict.matches
+    monkeypatch.setattr(recipe_dict, "matches", lambda *a: calls.append(a) or real(*a))
+    counts = []
+    for n in (40, 80):
+        model, recipe = _ignoring_recipe(n)
+        calls.clear()
+        assert moe.unreached(model, recipe) == []
+        note = float_note(recipe, model)
+        recipe.match(model)
+        counts.append(len(calls))
+    assert note.startswith("left in float: 0.1, 1.1, 2.1, 3.1 and 76 more")
+    assert counts[1] <= 2.2 * counts[0], counts  # old: about 4x

@@ -285,3 +285,17 @@ def test_ao_histogram_search_refuses_bad_dst_nbins(device, dst_nbins, forbid_hos
     lo, hi = torch.tensor(-1.0, device=device), torch.tensor(1.0, device=device)
     _raises(lambda: torch.ops.quantscope.ao_histogram_search(hist, lo, hi, dst_nbins),
             "ao_histogram_search", "dst_nbins", forbid_host_sync)
+
+
+def test_the_code_range_limit_is_float32s_whatever_the_default_dtype():
+    """Found by review (s35): the limit was torch.finfo() of the default dtype when
+    quantscope was imported, so under float64 codes past float32's range passed."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_default_dtype(torch.float64)\n"
+            "from quantscope._checks import check_code_range\n"
+            "try:\n    check_code_range('w', -1e300, 1e300)\nexcept ValueError:\n    print('refused')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "refused"

@@ -215,7 +215,7 @@ class Recipe:
             from .structure.kv_cache import attention_modules
 
             attention = {n: m for n, m in attention_modules(model).items()
-                         if self._lookups[0](n, m) is None}
+                         if not self.ignored(n, m)}
             for n, m in attention.items():  # (none at all: calibrate_many says so)
                 found[n] = (m, {**found.get(n, (m, {}))[1], "key": self.kv_cache,
                                 "value": self.kv_cache})
@@ -241,9 +241,12 @@ class Recipe:
     def rule_for(self, name: str, module: nn.Module) -> Rule | None:
         """The rule that takes the module ``name``: the first whose targets match it, None
         where the ignore list holds it or no rule does (the root module: never)."""
-        ignored, first = self._lookups
-        i = first(name, module) if name and ignored(name, module) is None else None
+        i = self._lookups[1](name, module) if name and not self.ignored(name, module) else None
         return None if i is None else self.rules[i]
+
+    def ignored(self, name: str, module: nn.Module) -> bool:
+        """Whether the ignore list holds the module ``name``."""
+        return self._lookups[0](name, module) is not None
 
     @cached_property  # built once: a mixed-precision recipe names every layer, each a rule
     def _lookups(self) -> tuple[FirstMatch, FirstMatch]:

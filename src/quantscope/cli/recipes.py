@@ -113,14 +113,14 @@ def _narrow(rec, model, targets):
 
     from ..calibration.recipe_dict import matches
 
-    taken = [[] for _ in rec.rules]
+    taken, at = [[] for _ in rec.rules], {id(r): i for i, r in enumerate(rec.rules)}
     for name, module in model.named_modules():
         rule = rec.rule_for(name, module)
         if rule is not None and any(matches(t, name, module) for t in targets):
             # a name with glob characters is matched as a regex of itself, exactly
             exact = name if not set(name) & set("*?[") and not name.startswith("re:") \
                 else "re:" + re.escape(name) + r"\Z"  # re.match: the end anchored too
-            taken[rec.rules.index(rule)].append(exact)
+            taken[at[id(rule)]].append(exact)
     rules = tuple(replace(r, targets=tuple(t)) for r, t in zip(rec.rules, taken) if t)
     if not rules:
         file_targets = [t for r in rec.rules for t in r.targets]
@@ -289,11 +289,10 @@ def _indivisible(rec, model, policy: str):
 
 def float_note(rec, model) -> str:
     """Which modules the ignore list left in float (a short list)."""
-    from ..calibration.recipe_dict import matches
-
-    names = [n for n, m in model.named_modules()
-             if n and any(matches(p, n, m) for p in rec.ignore)]
-    top = [n for n in names if not any(n.startswith(m + ".") for m in names)]
+    top = []  # the ignored modules not inside another (named_modules: parents first)
+    for n, m in model.named_modules():
+        if n and rec.ignored(n, m) and not (top and n.startswith(top[-1] + ".")):
+            top.append(n)
     if not top:
         return ""
     shown = ", ".join(top[:4]) + (f" and {len(top) - 4} more" if len(top) > 4 else "")

@@ -175,7 +175,8 @@ def plot_sqnr(report: dict, path: str, *, inputs=()) -> str:
         for obs, rr in panels[key].items():
             ys = [_GAP] * len(layers)
             for r in rr:
-                ys[at[r["layer"]]] = r["sqnr_db"] if r["sqnr_db"] is not None else _GAP
+                v = r["sqnr_db"]
+                ys[at[r["layer"]]] = _GAP if v is None or math.isnan(v) else v
             lines.setdefault(tuple(ys), []).append(obs)
         for ys, names in lines.items():
             ax.plot(range(len(ys)), ys, marker=".", lw=1, label=" = ".join(names))

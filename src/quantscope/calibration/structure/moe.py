@@ -455,7 +455,7 @@ def unreached(model: nn.Module, recipe) -> list[dict]:
     out = []
     for name, module in model.named_modules():
         if (is_routed(module) or type(module).__module__.startswith("torch.nn")
-                or any(matches(p, name, module) for p in recipe.ignore)):
+                or recipe.ignored(name, module)):
             continue  # torch's own layers (Conv3d ...) are not what a Linear target covers
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() < 3 or p.shape[0] == 1:  # experts stack several (ViT's cls_token: one)

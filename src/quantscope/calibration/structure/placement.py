@@ -102,11 +102,16 @@ def loaded_copies(module: nn.Module) -> str | None:
         return None
     off, on = getattr(store, "offload_device", None), getattr(store, "onload_device", None)
     if off is not None and on is not None:
-        copies = off == "disk" or torch.device(off) != torch.device(on)
-    else:
-        key = next(iter(store))
-        copies = store[key] is not store[key]
+        copies = off == "disk" or not _same_device(torch.device(off), torch.device(on))
+    else:  # another Mapping: two reads of one tensor (not a None, which is never copied)
+        key = next((k for k in store if store[k] is not None), None)
+        copies = key is not None and store[key] is not store[key]
     return f"{type(store).__name__} offloading to {off or 'elsewhere'}" if copies else None
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` alike where one names no index (the current device)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def stored(module: nn.Module, name: str) -> torch.Tensor:
