@@ -51,7 +51,7 @@ import numbers
 import warnings
 import weakref
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -165,17 +165,22 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distribut
         hook(m.previous, input_name(modules[m.balance[0]])), with_kwargs=True)
         for m in mappings]
     handles += tracer.hooks() if tracer is not None else []
-    try:
-        with eval_mode(model):  # as the calibration pass (dropout: random ranges)
-            for batch in batches:
-                if tracer is not None:
-                    tracer.reset()
-                forward_batch(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
+    # a forward failing on one rank (a bad first batch) raises on all, never leaving the
+    # others waiting in the reduction below
+    shared = distributed and qd.is_distributed(group)
+    with (qd.all_or_none("SmoothQuant's ranges", group, same_type=True) if shared
+          else nullcontext()):
+        try:
+            with eval_mode(model):  # as the calibration pass (dropout: random ranges)
+                for batch in batches:
+                    if tracer is not None:
+                        tracer.reset()
+                    forward_batch(model, batch)
+        finally:
+            for h in handles:
+                h.remove()
     why = tracer.why if tracer is not None else {}
-    if distributed and qd.is_distributed(group):  # every rank must smooth alike
+    if shared:  # every rank must smooth alike
         # one collective for every mapping: the mins and the negated maxes, reduced by MIN
         # (and, with flow, 1 where the data flow fits, 0 where it does not)
         widths = [modules[m.balance[0]].in_features for m in mappings]

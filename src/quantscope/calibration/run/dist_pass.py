@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ... import comm as qd
 from ...observers.sync import sync_observers
 from ..recipe import AUTO
+from ..structure import fusion
 from . import gather, imatrix_roles
 from .observe import (
     fed,
@@ -39,7 +40,9 @@ def _plan(model, batches, recipes, opts, group):
     with qd.all_or_none("planning", group):
         slots, plans = make_plan(model, recipes, opts.auto.candidates,
                                  owns=lambda l: owners.get(l, me) == me)
-        batches, groups = share_group_inputs(model, batches, recipes, slots)
+        batches, found = fusion.detect(model, batches, recipes, slots)
+    batches, groups = share_group_inputs(model, batches, recipes, slots,
+                                         _agreed_groups(found, group))
     gather.check_same_slots(slots, group)  # the exchanges below pair the slots by key
     weights = {k: s for k, s in slots.items() if s.role == "weight"}
     gather.check_same_weights({k[0]: s.module.weight for k, s in weights.items()}, group)
@@ -47,6 +50,15 @@ def _plan(model, batches, recipes, opts, group):
     sync_observers([o for s in weights.values() for k, o in s.observers.items()
                     if not waits_for_importance(k)], group)  # those: after the pass
     return slots, plans, batches, groups
+
+
+def _agreed_groups(found: list, group) -> list:
+    """The fusion groups of the lowest rank that found any, on every rank: each rank detects
+    on the first batch of its own list, and one passed none (or other batches) would merge
+    other input slots than the rest, which the exchanges pair one by one."""
+    every: list = [None] * qd.world_size(group)
+    dist.all_gather_object(every, found, group=group)
+    return next((g for g in every if g), [])
 
 
 def _drop_failed(weights, group) -> None:

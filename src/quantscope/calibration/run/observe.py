@@ -30,7 +30,7 @@ from ...spec import QuantSpec
 from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
 from ..role_observers import observed
 from ..structure import fusion, kv_cache
-from ..structure.conv1d import is_conv1d, observer_options
+from ..structure.conv1d import observer_options
 from . import heap
 from .batches import batch_count, eval_mode, forward_batch, input_name, module_input
 from .module_roles import activation_width, check_role_shape
@@ -469,23 +469,12 @@ def unique_slots(slots):
     return list({id(s): s for s in slots}.values())
 
 
-def share_group_inputs(model, batches, recipes, slots):
-    """Find the fusion groups (one detection forward of the first batch) and give each
-    group one input slot; returns ``(batches, groups)``, batches unconsumed."""
-    opts = {(r.fusion, r.fuse, r.split) for r in recipes.values()}
-    if len(opts) > 1:
-        raise ValueError(f"calibrate_many: the recipes' fusion options (fusion, fuse, split) "
-                         f"differ: {sorted(map(str, opts))}; calibrate them separately")
-    on, fuse, split = opts.pop()
-    if not on:
-        return batches, []
-    modules = dict(model.named_modules())
-    names = [n for n in modules if (n, "weight") in slots or (n, "input") in slots]
-    names = [n for n in names if getattr(modules[n], "weight", None) is not None  # Linear's
-             and modules[n].weight.dim() == 2 and not is_conv1d(modules[n])]  # [out, in]
-    first, batches = fusion.peek(batches)
-    found = fusion.find_groups(model, first, names)
-    groups = fusion.edit_groups(found, names, modules, fuse, split)
+def share_group_inputs(model, batches, recipes, slots, groups=None):
+    """Give each fusion group one input slot; the groups found by one detection forward of
+    the first batch (:func:`~..structure.fusion.detect`) unless given. Returns ``(batches,
+    groups)``, batches unconsumed."""
+    if groups is None:
+        batches, groups = fusion.detect(model, batches, recipes, slots)
     for group in groups:
         keys = [(m, "input") for m in group if (m, "input") in slots]
         lead = slots[keys[0]] if keys else None

@@ -47,9 +47,11 @@ from ..run.batches import (
     map_tensors,
     module_input,
 )
+from .conv1d import is_conv1d
 from .moe import expert_items, is_expert_list
 
-__all__ = ["find_groups", "join_weights", "peek", "shares_weight_scale", "split_state"]
+__all__ = ["detect", "find_groups", "join_weights", "peek", "shares_weight_scale",
+           "split_state"]
 
 #: shards that read one tensor but that the runtime runs apart: DeepSeek's MLA without a query
 #: LoRA (``q_lora_rank=None``), where vLLM splits ``q_proj`` across tensor-parallel ranks and
@@ -188,6 +190,26 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
         grouped.update(members)
         groups += _by_parent(members)
     return groups + _sibling_groups(model, groups, names)
+
+
+def detect(model: nn.Module, batches, recipes: dict, slots) -> tuple:
+    """``(batches, groups)``: the fusion groups of the layers with a weight or input slot
+    (``(layer, role)`` keys), found by one forward of the first batch (:func:`find_groups`)
+    and edited by the recipes' ``fuse`` / ``split``, which every recipe must share; batches
+    unconsumed."""
+    opts = {(r.fusion, r.fuse, r.split) for r in recipes.values()}
+    if len(opts) > 1:
+        raise ValueError(f"calibrate_many: the recipes' fusion options (fusion, fuse, split) "
+                         f"differ: {sorted(map(str, opts))}; calibrate them separately")
+    on, fuse, split = opts.pop()
+    if not on:
+        return batches, []
+    modules = dict(model.named_modules())
+    names = [n for n in modules if (n, "weight") in slots or (n, "input") in slots]
+    names = [n for n in names if getattr(modules[n], "weight", None) is not None  # Linear's
+             and modules[n].weight.dim() == 2 and not is_conv1d(modules[n])]  # [out, in]
+    first, batches = peek(batches)
+    return batches, edit_groups(find_groups(model, first, names), names, modules, fuse, split)
 
 
 def _expert_of(model: nn.Module, name: str) -> str | None:
