@@ -259,7 +259,9 @@ class Observer(_internal_module()):
         self._check_float32_range(observed)
         self.update_statistics_from_observed(
             flatten_for_calibration(observed, self.base_name, self.args))
-        if self.is_weight_obs:  # a weight, once: refused here, not at get_qparams
+        # a weight, once: refused here, not at get_qparams (which refuses them all the same
+        # in a traced forward: torch.compile / torch.export take no host read)
+        if self.is_weight_obs and not torch.compiler.is_compiling():
             try:  # NaN / inf reach every class's statistics (each starts from the units'
                 # min / max): two small reads, where isfinite over the whole weight took 10x
                 # llm-compressor's whole call

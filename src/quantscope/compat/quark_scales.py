@@ -122,9 +122,10 @@ def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *
 def quark_token_count(x: torch.Tensor) -> int | torch.Tensor:
     """Quark's token count of ``x`` (2-D+, not empty), as :func:`_quark_token_count`: a
     Python int where numpy reads a CPU float32 / float64 / float16 batch (no tensor op, no
-    tensor to add the count with), else that function's 0-dim tensor (no host sync)."""
+    tensor to add the count with), else that function's 0-dim tensor (no host sync; traced
+    by torch.compile / torch.export, which cannot trace numpy)."""
     limit = _HOST_COUNT_BELOW.get(x.dtype)
-    if (limit is None or not x.is_cpu or x.is_neg() or (
+    if (torch.compiler.is_compiling() or limit is None or not x.is_cpu or x.is_neg() or (
             x.numel() >= limit and (x.dtype == torch.float16 or torch.get_num_threads() > 1))
             or not kernels.real(x)):  # (numpy: memory with values, no lazy negation)
         return _quark_token_count(x)
