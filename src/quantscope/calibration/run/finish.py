@@ -68,9 +68,12 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
     by one observer (``auto``: the candidate with the least total error) and split back per
     member; returns what was done per group (for the report)."""
     done = []
-    for group in groups:
+    for group in groups:  # (the pass's groups: narrowed to this recipe's layers)
+        group = [m for m in group if (m, "weight") in plan or (m, "input") in plan]
+        if len(group) < 2:
+            continue
         members = [m for m in group if (m, "weight") in plan]
-        entry = {"layers": list(group), "weight": "per layer",
+        entry = {"layers": group, "weight": "per layer",
                  "input": _input_sharing(group, plan, slots)}
         done.append(entry)
         if len(members) < 2:
@@ -115,7 +118,7 @@ def _input_sharing(group, plan, slots) -> str:
     """What a group's input scale is: one slot merges the members' inputs, but each
     (observer, spec) it holds is an observer of its own, so members whose input roles
     differ keep scales of their own."""
-    held = [m for m in group if (m, "input") in slots]
+    held = [m for m in group if (m, "input") in plan]  # (slots: every recipe's)
     if not held or len({id(slots[(m, "input")]) for m in held}) > 1:
         return "none"
     if len({plan[(m, "input")][0] for m in held if (m, "input") in plan}) > 1:

@@ -47,7 +47,7 @@ from ..results.apply import refuse_applied, refuse_compiled
 from ..results.result import Calibration
 from ..structure import kv_cache
 from ..structure import moe as _moe
-from ..structure.fusion import peek
+from ..structure.fusion import one_fusion, peek
 from ..structure.placement import check_placement
 from . import imatrix_roles
 from . import sequential as _sequential
@@ -261,7 +261,7 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
     seq = opts.sequential
     check_placement(model, "calibrate", calibrating=True, skeleton=seq is not None)
     refuse_applied(model, "calibrate")  # its observers would see the QDQ values
-    recipes = _as_recipes(recipes, inner=not top)
+    recipes = one_fusion(_as_recipes(recipes, inner=not top))  # one set of groups for all
     if top:  # not a piece's or auto's inner pass (auto's candidates: no auto role)
         _check_auto(recipes, opts.auto)
         _check_sampling(recipes, opts.sampling)

@@ -50,7 +50,7 @@ from ..run.batches import (
 from .conv1d import is_conv1d
 from .moe import expert_items, is_expert_list
 
-__all__ = ["detect", "find_groups", "join_weights", "peek", "shares_weight_scale",
+__all__ = ["detect", "find_groups", "join_weights", "one_fusion", "peek", "shares_weight_scale",
            "split_state"]
 
 #: shards that read one tensor but that the runtime runs apart: DeepSeek's MLA without a query
@@ -192,16 +192,23 @@ def find_groups(model: nn.Module, batch, names) -> list[tuple[str, ...]]:
     return groups + _sibling_groups(model, groups, names)
 
 
+def one_fusion(recipes: dict) -> dict:
+    """``recipes`` (``{label: Recipe}``), refused unless they share their fusion options: the
+    pass finds one set of groups for them all (checked before any forward)."""
+    opts = {(r.fusion, r.fuse, r.split) for r in recipes.values()}
+    if len(opts) > 1:
+        raise ValueError(f"calibrate_many: the recipes' fusion options (fusion, fuse, split) "
+                         f"differ: {sorted(map(str, opts))}; calibrate them separately")
+    return recipes
+
+
 def detect(model: nn.Module, batches, recipes: dict, slots) -> tuple:
     """``(batches, groups)``: the fusion groups of the layers with a weight or input slot
     (``(layer, role)`` keys), found by one forward of the first batch (:func:`find_groups`)
     and edited by the recipes' ``fuse`` / ``split``, which every recipe must share; batches
     unconsumed."""
-    opts = {(r.fusion, r.fuse, r.split) for r in recipes.values()}
-    if len(opts) > 1:
-        raise ValueError(f"calibrate_many: the recipes' fusion options (fusion, fuse, split) "
-                         f"differ: {sorted(map(str, opts))}; calibrate them separately")
-    on, fuse, split = opts.pop()
+    first = next(iter(one_fusion(recipes).values()))
+    on, fuse, split = first.fusion, first.fuse, first.split
     if not on:
         return batches, []
     modules = dict(model.named_modules())
