@@ -5,11 +5,11 @@ import warnings
 from dataclasses import replace
 
 import pytest
+from tiny_models import llama
 
 from quantscope import calibrate
 from quantscope.calibration import Outliers, calibrate_many, preset
 from quantscope.calibration.recipe import with_group_size
-from tiny_models import llama
 
 
 def _many(model, batches, recipes):

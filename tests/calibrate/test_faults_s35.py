@@ -4,12 +4,12 @@ import copy
 
 import pytest
 import torch
+from tiny_models import llama
 
 from quantscope import calibrate
 from quantscope.calibration import preset
 from quantscope.calibration.results import apply as apply_module
 from quantscope.calibration.structure import kv_cache
-from tiny_models import llama
 
 
 def _hooks(model):

@@ -2,11 +2,11 @@
 
 import torch
 import transformers
+from tiny_models import llama
 
 from quantscope import calibrate
 from quantscope.calibration import Recipe, Role, Rule
 from quantscope.calibration.recipe import scheme
-from tiny_models import llama
 
 
 def test_mla_without_a_query_lora_keeps_q_proj_apart():

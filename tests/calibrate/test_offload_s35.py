@@ -5,10 +5,10 @@ import copy
 
 import pytest
 import torch
+from tiny_models import llama
 
 import quantscope
 from quantscope.calibration.options import Outliers
-from tiny_models import llama
 
 WEIGHT = "model.layers.0.self_attn.q_proj.weight"
 
@@ -23,7 +23,7 @@ def test_remove_refuses_a_model_offloaded_by_accelerate_after_apply(calibrated):
     """remove() copied the float values into meta tensors (a no-op) and returned: the
     offload's store kept the fake-quantized weights for good."""
     accelerate = pytest.importorskip("accelerate")
-    model, batches, calib = calibrated
+    model, _, calib = calibrated
     m = copy.deepcopy(model)
     handle = calib.apply(m)
     accelerate.cpu_offload(m, execution_device="cpu")

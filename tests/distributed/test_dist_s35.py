@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from ports import error_text, rank_results, spawn_ranks
+from tiny_models import llama
 
 import quantscope
 from quantscope.calibration import Outliers, Runtime
-from tiny_models import llama
 
 pytestmark = pytest.mark.dist  # spawns its own process group
 
