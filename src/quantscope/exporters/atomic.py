@@ -397,16 +397,20 @@ def atomic_dir(path, *, overwrite: bool = False, inputs=(), keep_modes=(), what=
     path = _through_link(check_writable_target(path, overwrite=overwrite, inputs=inputs,
                                                what=what), "folder")
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent)
+    made = _made_parents(parent)
     try:
-        yield tmp
-        what = what or output_kind(tmp)
-        _write_marker(tmp, [rel for rel, _ in _entries(tmp)], what)  # complete: what is ours
-        _public_modes(tmp, keep_modes)
-        _swap_in(tmp, path, overwrite, "folder", what)
-    finally:
-        _remove(tmp)  # the failed build, or the replaced folder
+        tmp = tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent)
+        try:
+            yield tmp
+            what = what or output_kind(tmp)
+            _write_marker(tmp, [rel for rel, _ in _entries(tmp)], what)  # complete: ours
+            _public_modes(tmp, keep_modes)
+            _swap_in(tmp, path, overwrite, "folder", what)
+        finally:
+            _remove(tmp)  # the failed build, or the replaced folder
+    except BaseException:
+        _unmake(made)
+        raise
 
 
 @contextlib.contextmanager
@@ -416,10 +420,11 @@ def atomic_file(path, *, overwrite: bool = True, inputs=(), kind: str = "report"
     path = _through_link(check_writable_target(path, overwrite=overwrite, kind=kind,
                                                inputs=inputs), kind)
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent)
-    os.close(fd)
+    made = _made_parents(parent)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent)
+        os.close(fd)
         yield tmp
         _public_modes(tmp)
         os.replace(tmp, path)  # a file: one atomic step, the target always exists
@@ -427,6 +432,29 @@ def atomic_file(path, *, overwrite: bool = True, inputs=(), kind: str = "report"
             with contextlib.suppress(OSError):  # unlisted, the folder is refused, never lost
                 _record(path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        _unmake(made)
         raise
+
+
+def _made_parents(parent: str) -> list[str]:
+    """Make ``parent`` and the missing folders above it; returns those made, innermost
+    first, for :func:`_unmake` (a failed first write leaves no empty folders behind)."""
+    made, p = [], os.path.abspath(parent)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        made.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(parent, exist_ok=True)
+    return made
+
+
+def _unmake(made: list[str]) -> None:
+    """Remove the folders :func:`_made_parents` made, innermost first, where still empty
+    (another writer's output in one keeps it and those above)."""
+    for p in made:
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
