@@ -165,11 +165,9 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distribut
         hook(m.previous, input_name(modules[m.balance[0]])), with_kwargs=True)
         for m in mappings]
     handles += tracer.hooks() if tracer is not None else []
-    # a forward failing on one rank (a bad first batch) raises on all, never leaving the
-    # others waiting in the reduction below
     shared = distributed and qd.is_distributed(group)
-    with (qd.all_or_none("SmoothQuant's ranges", group, same_type=True) if shared
-          else nullcontext()):
+    local = qd.LocalError()  # shared: a failed forward is raised on every rank, after the
+    with local if shared else nullcontext():  # reduction (not left waiting in it)
         try:
             with eval_mode(model):  # as the calibration pass (dropout: random ranges)
                 for batch in batches:
@@ -182,20 +180,23 @@ def channel_ranges(model: nn.Module, batches, mappings: list[Mapping], distribut
     why = tracer.why if tracer is not None else {}
     if shared:  # every rank must smooth alike
         # one collective for every mapping: the mins and the negated maxes, reduced by MIN
-        # (and, with flow, 1 where the data flow fits, 0 where it does not)
+        # (with flow, 1 where the data flow fits, 0 where it does not; last, -1: one failed)
         widths = [modules[m.balance[0]].in_features for m in mappings]
+        fits = [torch.tensor([float(m.previous not in why) for m in mappings])] \
+            if tracer is not None else []
         flat = torch.cat([t for m, w in zip(mappings, widths) for t in (
             lo.get(m.previous, torch.full((w,), math.inf, dtype=torch.float32)).cpu(),
             -hi.get(m.previous, torch.full((w,), -math.inf, dtype=torch.float32)).cpu())]
-            + ([torch.tensor([float(m.previous not in why) for m in mappings],
-                             dtype=torch.float32)] if tracer is not None else []))
+            + fits + [torch.tensor([0.0 if local.error is None else -1.0])])
         flat = flat.to(qd.group_device(group))
         qd.all_reduce(flat, torch.distributed.ReduceOp.MIN, group)
-        parts = flat.cpu().split([w for w in widths for _ in (0, 1)]
-                                 + ([len(mappings)] if tracer is not None else []))
+        *parts, failed = flat.cpu().split([w for w in widths for _ in (0, 1)]
+                                          + [len(mappings)] * len(fits) + [1])
+        qd.raise_on_all(local.error, bool(failed < 0), "SmoothQuant's ranges", group,
+                        same_type=True)
         for k, m in enumerate(mappings):
             lo[m.previous], hi[m.previous] = parts[2 * k], -parts[2 * k + 1]
-            if tracer is not None and not parts[-1][k] and m.previous not in why:
+            if fits and not parts[-1][k] and m.previous not in why:
                 why[m.previous] = "its data flow does not fit on another rank"
     if flow is not None:
         flow.update(why)
