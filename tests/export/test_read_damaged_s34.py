@@ -4,7 +4,6 @@ missing asymmetric zero point. Each is a ValueError naming the safetensors files
 tensor, what it holds and what compressed-tensors writes there (docs/guide/deploy.md "The
 folder"), never compressed-tensors' broadcasting error filed under config.json."""
 
-import shutil
 
 import pytest
 import torch
@@ -12,7 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from safetensors.torch import load_file, save_file
+from ct_damage import damaged, refusal
+from safetensors.torch import load_file
 
 from quantscope import Channel, Group, QuantSpec, Tensor
 from quantscope.calibration import Calibration, calibrate
@@ -56,23 +56,8 @@ def exports(tmp_path_factory):
     return out
 
 
-def _damaged(src, dst, edit):
-    """A copy of the folder ``src`` whose tensors ``edit`` changed; returns (folder, the
-    undamaged tensors)."""
-    folder = shutil.copytree(src, dst)
-    (f,) = folder.glob("*.safetensors")
-    tensors = load_file(f)
-    damaged = dict(tensors)
-    edit(damaged)
-    save_file(damaged, f, metadata={"format": "pt"})
-    return folder, tensors
-
-
 def _refusal(folder) -> str:
-    with pytest.raises(ValueError) as e:
-        Calibration.from_compressed_tensors(folder)
-    msg = str(e.value)
-    assert f"{folder}/*.safetensors" in msg, msg  # the tensor files, not config.json
+    msg = refusal(folder)  # the tensor files, not config.json
     assert "config.json: config_groups" not in msg, msg
     return msg
 
@@ -88,7 +73,7 @@ def test_a_lying_weight_shape_names_what_it_holds_and_the_layer(exports, tmp_pat
     # the message said "weight_shape is torch.int64 [2], but ... stored as torch.int64 [2]"
     def edit(t):
         t[f"{L}.weight_shape"] = torch.tensor(lie)
-    folder, tensors = _damaged(exports["int4_g16"], tmp_path / "ck", edit)
+    folder, tensors = damaged(exports["int4_g16"], tmp_path / "ck", edit)
     written = tensors[f"{L}.weight_shape"].tolist()
     assert written == [HIDDEN, HIDDEN]  # what the exporter wrote: the layer's shape
     msg = _refusal(folder)
@@ -116,7 +101,7 @@ def test_a_qparam_of_other_rows_names_the_tensor_and_the_written_shape(exports, 
                                                                        export, leaf, edit):
     # compressed-tensors' decoder refused these with "The size of tensor a (32) must match
     # the size of tensor b (16)", filed under config.json
-    folder, tensors = _damaged(exports[export], tmp_path / "ck", edit)
+    folder, tensors = damaged(exports[export], tmp_path / "ck", edit)
     got = list(load_file(next(folder.glob("*.safetensors")))[f"{L}.{leaf}"].shape)
     want = list(tensors[f"{L}.{leaf}"].shape)  # as the exporter (compressed-tensors) wrote it
     assert got != want
@@ -130,7 +115,7 @@ def test_a_qparam_of_other_rows_names_the_tensor_and_the_written_shape(exports, 
     ("int8_asym", "input_zero_point", "input activations"),  # was read as 0 without a word
 ])
 def test_a_missing_asymmetric_zero_point_is_named(exports, tmp_path, export, leaf, role):
-    folder, tensors = _damaged(exports[export], tmp_path / "ck",
+    folder, tensors = damaged(exports[export], tmp_path / "ck",
                                lambda t: t.pop(f"{L}.{leaf}"))
     assert bool(tensors[f"{L}.{leaf}"].ne(0).any())  # a zero point that matters was dropped
     msg = _refusal(folder)

@@ -3,7 +3,6 @@ back: a per-tensor scale stored with another shape of one value reads as the sam
 several damaged tensors the weight's is named first; an unpacked zero point where a packed
 one is written is named with its dtype."""
 
-import shutil
 
 import pytest
 import torch
@@ -11,7 +10,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from safetensors.torch import load_file, save_file
+from ct_damage import damaged, refusal
+from safetensors.torch import load_file
 
 from quantscope import Group, QuantSpec, Tensor
 from quantscope.calibration import Calibration, calibrate
@@ -48,26 +48,6 @@ def exports(tmp_path_factory):
     return out
 
 
-def _damaged(src, dst, edit):
-    """A copy of the folder ``src`` whose tensors ``edit`` changed; returns (folder, the
-    undamaged tensors)."""
-    folder = shutil.copytree(src, dst)
-    (f,) = folder.glob("*.safetensors")
-    tensors = load_file(f)
-    damaged = dict(tensors)
-    edit(damaged)
-    save_file(damaged, f, metadata={"format": "pt"})
-    return folder, tensors
-
-
-def _refusal(folder) -> str:
-    with pytest.raises(ValueError) as e:
-        Calibration.from_compressed_tensors(folder)
-    msg = str(e.value)
-    assert f"{folder}/*.safetensors" in msg, msg
-    return msg
-
-
 @pytest.mark.parametrize("shape", [(), (1, 1)])
 def test_a_per_tensor_scale_stored_0d_or_1x1_reads_as_the_same(exports, tmp_path,
                                                                          shape):
@@ -75,7 +55,7 @@ def test_a_per_tensor_scale_stored_0d_or_1x1_reads_as_the_same(exports, tmp_path
     # qparam (compressed-tensors' own decoder broadcasts these onto the 2-D weight)
     def edit(t):
         t[f"{L}.weight_scale"] = t[f"{L}.weight_scale"].reshape(shape).clone()
-    folder, tensors = _damaged(exports["fp8_tensor"], tmp_path / "ck", edit)
+    folder, tensors = damaged(exports["fp8_tensor"], tmp_path / "ck", edit)
     assert list(tensors[f"{L}.weight_scale"].shape) == [1]  # as the exporter wrote it
     assert list(load_file(next(folder.glob("*.safetensors")))[f"{L}.weight_scale"].shape) == \
         list(shape)
@@ -90,10 +70,10 @@ def test_of_several_damaged_tensors_the_weights_is_named_first(exports, tmp_path
     def edit(t):  # both of other rows: the packed codes and the group scales
         for leaf in ("weight_scale", "weight_packed"):  # (the scale first in the file's dict)
             t[f"{L}.{leaf}"] = t[f"{L}.{leaf}"][:HIDDEN // 2].clone()
-    folder, tensors = _damaged(exports["int4_g16_asym"], tmp_path / "ck", edit)
+    folder, tensors = damaged(exports["int4_g16_asym"], tmp_path / "ck", edit)
     packed = list(tensors[f"{L}.weight_packed"].shape)
     assert packed == [HIDDEN, HIDDEN // 8]  # eight int4 codes an int32
-    msg = _refusal(folder)
+    msg = refusal(folder)
     assert f"{L}: weight_packed is torch.int32 [{HIDDEN // 2}, {HIDDEN // 8}]" in msg, msg
     assert f"stored as torch.int32 {packed}" in msg, msg
     assert "weight_scale" not in msg, msg
@@ -106,10 +86,10 @@ def test_an_unpacked_zero_point_is_named_with_its_dtype(exports, tmp_path):
 
     def edit(t):
         t[f"{L}.weight_zero_point"] = unpacked
-    folder, tensors = _damaged(folder, tmp_path / "ck", edit)
+    folder, tensors = damaged(folder, tmp_path / "ck", edit)
     packed = tensors[f"{L}.weight_zero_point"]
     assert packed.dtype == torch.int32 and list(packed.shape) == [HIDDEN // 8, HIDDEN // 16]
-    msg = _refusal(folder)
+    msg = refusal(folder)
     assert (f"{L}: weight_zero_point is torch.int8 [{HIDDEN}, {HIDDEN // 16}], but the "
             f"config's weights") in msg, msg
     assert f"stored as torch.int32 {list(packed.shape)}" in msg, msg
