@@ -42,6 +42,7 @@ from ..stats.minmax import (
     record_ends,
     record_non_finite,
     unit_minmax,
+    zero_non_finite,
 )
 from ..stats.minmax_layouts import layout_minmax, unpad_minmax_
 from . import record
@@ -144,9 +145,8 @@ class Observer(nn.Module):
         count = units.shape[0] if fast is None else fast[0].shape[0]
         self._check_unit_count(count, x.shape)
         if self.non_finite == "ignore":
-            bad = ~torch.isfinite(units)
-            self.non_finite_count += bad.sum()
-            units = units.masked_fill(bad, 0.0)
+            units, bad = zero_non_finite(units)
+            self.non_finite_count += bad
         ends = None  # smallest min and largest max, for the non-finite check
         if fast is None:
             # the C kernels find them in their pass; off the CPU one op checks lo / hi after

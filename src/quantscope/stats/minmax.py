@@ -34,7 +34,8 @@ from ..kernels import triton as _triton
 
 __all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "ema_", "extreme_ends",
            "minmax_observe", "minmax_update", "op_unit_count", "op_units",
-           "ordered", "record_ends", "record_non_finite", "torch_unit_minmax", "unit_minmax"]
+           "ordered", "record_ends", "record_non_finite", "torch_unit_minmax", "unit_minmax",
+           "zero_non_finite"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -194,6 +195,14 @@ def any_non_finite(t: torch.Tensor) -> torch.Tensor:
     """0-dim bool, no host read: ``t`` holds a NaN or an inf. ``x - x`` is NaN exactly there:
     three small ops where ``~isfinite(t).all()`` takes eight (per observer call)."""
     return t.sub(t).isnan().any()
+
+
+def zero_non_finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t with NaN / inf read as 0, how many: 0-dim)``, no host read: what
+    ``non_finite="ignore"`` reads (zero lies inside every range), for the observers and for
+    what is gathered beside them (``auto``'s input importance)."""
+    bad = ~torch.isfinite(t)
+    return t.masked_fill(bad, 0.0), bad.sum()
 
 
 def record_ends(ends: torch.Tensor, seen: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import time
 import types
 from dataclasses import replace
@@ -31,7 +32,7 @@ from ..results.result import Calibration
 from ..run.batches import eval_mode, forward_batch, tensors_in
 from ..run.gather import share_pieces
 from ..run.sequential import batch_source
-from .candidates import check_options, expand, has_auto, ignores_non_finite
+from .candidates import check_options, expand, has_auto, ignores_non_finite, reads_as_zero
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
 from .score_set import mask_of, piece_of, score_batches, score_pieces, score_plan, tokens_of
@@ -141,21 +142,26 @@ class OutputDivergence:
         """The divergence of the model as it is now on batch ``k`` alone (one forward)."""
         batch, ref = self.batches[k], self.references[k]
         out = self._run(batch)
-        d = (float(self.loss(out, ref, batch)) if self.loss is not None
-             else _divergence(out[0], out[1], ref[1]))
+        d = (scalar(self.who, "loss", self.loss(out, ref, batch), f" on batch {k}")
+             if self.loss is not None else _divergence(out[0], out[1], ref[1]))
         if not math.isfinite(d):
-            raise self._non_finite(k, d)
+            raise self._non_finite(k, d, out)
         self.forwards += 1
         return d
 
-    def _non_finite(self, k: int, d: float) -> ValueError:
+    def _non_finite(self, k: int, d: float, out) -> ValueError:
         """The error of a non-finite divergence on batch ``k``: the batch's (NaN / inf in it,
         or in the float model's output on it, as calibrate says of a calibration batch),
-        else the quantized model's."""
+        a custom ``loss``'s where the quantized output ``out`` is finite too, else the
+        quantized model's."""
         if not (_finite(self.batches[k]) and _finite(self.references[k], logits=True)):
             return ValueError(f"{self.who}: batch {k} (counting from 0) brought NaN or inf "
                               f"values (the float model's output on it is not finite); fix "
                               f"that batch (or what makes the model produce them)")
+        if self.loss is not None and _finite(out, logits=True):
+            return ValueError(f"{self.who}: loss returned {d} on batch {k} (counting from 0), "
+                              f"where the quantized and the float outputs are finite; loss "
+                              f"must return a finite scalar")
         return ValueError(f"{self.who}: the output divergence on batch {k} (counting from 0) "
                           f"is {d}: the quantized model's output is not finite there")
 
@@ -187,6 +193,20 @@ class OutputDivergence:
                 return self() if k is None else self.on(k)
         return here() if self.ranks is None or k is None else self.ranks.piece(
             here if k < len(self.batches) else None)
+
+
+def scalar(who: str, what: str, value, where: str = "") -> float:
+    """``value``, what the user's callable ``what`` returned, as a float: a real number or a
+    one-element tensor; else ``TypeError`` naming ``who``'s ``what`` (a vector or None:
+    not Python's bare ``float()`` error). ``where``: said after it (" on batch 3")."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else type(value).__name__)
+        raise TypeError(f"{who}: {what} must return a finite scalar (a number or a "
+                        f"one-element tensor), got {got}{where}")
+    return float(value)
 
 
 def _finite(value, logits: bool = False) -> bool:
@@ -343,9 +363,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     plan = score_plan(batches if source is None else source, score_tokens) if autos else []
     caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
     weighted = any(len({weight_observer(n) for n in names[label]}) > 1 for label in autos)
-    importance = InputImportance(model, sorted(
-        {layer for label in autos for layer, (_, roles) in recipes[label].match(model).items()
-         if "weight" in roles})) if weighted else None
+    importance = _importance(model, recipes, autos) if weighted else None
     try:
         try:
             calibs = calibrate_with(model, batches, expanded,  # the scoring's options: below
@@ -390,6 +408,20 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         if left_out:
             info["auto"]["non_finite_pieces"] = left_out
     return out
+
+
+def _importance(model, recipes, autos) -> InputImportance:
+    """The input importance of the auto recipes' weighted layers; a layer one of whose roles
+    reads NaN / inf as zero (``non_finite="ignore"``) reads them so in its sums too (one inf
+    would make its importance, and so its imatrix weight candidate, unusable)."""
+    layers, ignore = set(), set()
+    for label in autos:
+        for layer, (_, roles) in recipes[label].match(model).items():
+            if "weight" in roles:
+                layers.add(layer)
+                if reads_as_zero(roles.values()):
+                    ignore.add(layer)
+    return InputImportance(model, sorted(layers), ignore)
 
 
 def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict,

@@ -17,7 +17,7 @@ from ..recipe import AUTO, Recipe, weight_observer
 from ..role_observers import observed
 
 __all__ = ["check_candidates", "check_options", "expand", "has_auto", "ignores_non_finite",
-           "refusals", "refused_by_model"]
+           "reads_as_zero", "refusals", "refused_by_model"]
 
 
 def check_candidates(names) -> None:
@@ -102,8 +102,12 @@ def expand(model, recipes, autos, names):
 
 def ignores_non_finite(recipe: Recipe) -> bool:
     """Whether a role of ``recipe`` reads NaN / inf as zero (``non_finite="ignore"``)."""
-    return any(dict(r.options).get("non_finite") == "ignore" for rule in recipe.rules
-               for r in rule.roles().values())
+    return reads_as_zero(r for rule in recipe.rules for r in rule.roles().values())
+
+
+def reads_as_zero(roles) -> bool:
+    """Whether one of ``roles`` (:class:`~.recipe.Role`) reads NaN / inf as zero."""
+    return any(dict(r.options).get("non_finite") == "ignore" for r in roles)
 
 
 def check_options(recipe: Recipe, label, names, every_role: bool) -> None:

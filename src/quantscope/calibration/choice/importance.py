@@ -15,11 +15,15 @@ float, and the one with the best Lee r (docs/benchmarks.md).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
 
 from ... import comm as qd
+from ..._checks import outside_quantscope
+from ...estimators.weighted import check_importance
+from ...stats.minmax import zero_non_finite
 from ..results.report import tensor_stats
 from ..results.result import Calibration
 from ..run.batches import input_name, module_input
@@ -38,11 +42,14 @@ class InputImportance:
     forward pre-hooks (from construction to :meth:`remove`) over the floating-point rows of
     the calibration pass's forwards (:func:`.observe.in_pass`), and of those run inside
     :meth:`counting`. Other modules get none (as llm-compressor's imatrix skips modules
-    without ``in_features``): an Embedding's input is token ids, whose square weighs nothing."""
+    without ``in_features``): an Embedding's input is token ids, whose square weighs nothing.
+    The layers of ``ignore`` read NaN / inf as zero, as their observers do with
+    ``non_finite="ignore"`` (elsewhere one inf makes the layer's importance unusable)."""
 
-    def __init__(self, model: nn.Module, layers):
+    def __init__(self, model: nn.Module, layers, ignore=()):
         modules = dict(model.named_modules())
         self.sums, self.rows, self.handles, self.live = {}, {}, [], False
+        self.ignore = frozenset(ignore)
         for name in layers:
             w = getattr(modules.get(name), "weight", None)
             width = _in_width(modules.get(name), w)
@@ -59,10 +66,12 @@ class InputImportance:
                     or not x.is_floating_point() or x.shape[-1] != self.sums[name].numel()
                     or x.numel() == 0):  # nothing to count (reshape(-1, 0) cannot size it)
                 return
-            x = x.detach().reshape(-1, x.shape[-1])
+            x = x.detach().reshape(-1, x.shape[-1]).float()
+            if name in self.ignore:  # the observers' rule (their warning counts them)
+                x = zero_non_finite(x)[0]
             if self.sums[name].device != x.device:  # once: sums stay where the inputs are,
                 self.sums[name] = self.sums[name].to(x.device)  # no host sync per forward
-            self.sums[name] += x.float().square().sum(0, dtype=torch.float64)
+            self.sums[name] += x.square().sum(0, dtype=torch.float64)
             self.rows[name] += x.shape[0]
         return hook
 
@@ -133,6 +142,12 @@ def imatrix_config(model: nn.Module, base: Calibration, importance: dict) -> Cal
         if (st is None or imp is None or st.dynamic or st.qparams is None
                 or not isinstance(w, torch.Tensor) or w.dim() != 2
                 or shares_weight_scale(st.spec)):
+            continue
+        try:  # NaN / inf inputs not ignored, or an x^2 past float32: not a layout, said
+            check_importance(f"auto: layer {layer!r} (its inputs' mean x^2)", imp)
+        except ValueError as e:
+            warnings.warn(f"{e}: no imatrix weight candidate for this layer",
+                          stacklevel=outside_quantscope())
             continue
         try:
             new = imatrix_state(w.detach(), imp, st, is_conv1d(modules[layer]))

@@ -17,24 +17,25 @@ cost trade-off over ``n`` (a table and a Pareto plot).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import numbers
-import operator
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 
+from ..._checks import outside_quantscope
 from ...exporters.moe_slots import expert_slot
 from ...layout import Token
-from ..results.report import write_text
 from ..results.result import Calibration, RoleState
+from ..run.batches import check_batches
 from ..run.observe import with_progress
 from ..structure import moe
 from ..structure.conv1d import is_conv1d, linear_output
-from .auto import OutputDivergence
+from .auto import OutputDivergence, scalar
+from .ranking import Sensitivity, count_arg
+from .ranking import save as _save
 
 __all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "layer_sensitivity",
            "measure", "plot_fallback"]
@@ -43,69 +44,6 @@ __all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "lay
 LAYER_ROWS = 256
 
 FALLBACK_MODES = ("float", "dynamic")
-
-
-@dataclass
-class Sensitivity:
-    """Per (layer, role), the output divergence when only that tensor is quantized.
-
-    ``rows`` are sorted most sensitive first, each ``{"rank", "layer", "role", "observer",
-    "divergence"}``; ``info`` says the metric, forwards and seconds spent."""
-
-    rows: list[dict]
-    info: dict = field(default_factory=dict)
-
-    def top(self, n: int, role: str | None = None) -> list[tuple[str, str]]:
-        """The ``n`` most sensitive ``(layer, role)`` (of ``role`` only, if given)."""
-        return [(r["layer"], r["role"]) for r in self.rows
-                if role is None or r["role"] == role][:n]
-
-    def to_markdown(self, path=None) -> str:
-        """A metric / forwards / seconds line and the rows' markdown table; to ``path`` if given."""
-        from ..results.report import markdown_table
-
-        text = markdown_table(["rank", "layer", "role", "observer", "divergence"],
-                              [[str(r["rank"]), r["layer"], r["role"], r["observer"],
-                                f"{r['divergence']:.4g}"] for r in self.rows])
-        text = (f"Sensitivity ({self.info.get('metric', '')}; {self.info.get('forwards', '?')} "
-                f"forwards, {self.info.get('seconds', 0):.1f} s)\n\n{text}\n")
-        if path is not None:
-            write_text(path, text)
-        return text
-
-    def to_dict(self) -> dict:
-        """``{"info": info, "rows": rows}``: what :meth:`to_json` writes."""
-        return {"info": self.info, "rows": self.rows}
-
-    def to_json(self, path=None) -> str:
-        """:meth:`to_dict` as JSON text (indent 1); also written to ``path`` if given."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            write_text(path, text)
-        return text
-
-    def plot(self, path, top: int = 40) -> None:
-        """A horizontal bar chart of the ``top`` most sensitive tensors (log scale)."""
-        from ..results.plots import figure
-
-        rows = self.rows[:top][::-1]
-        fig = figure(figsize=(8, 0.22 * len(rows) + 1.2))
-        ax = fig.subplots()
-        colors = {"weight": "tab:blue", "input": "tab:orange", "output": "tab:green"}
-        ax.barh(range(len(rows)), [max(r["divergence"], 1e-12) for r in rows],
-                color=[colors.get(r["role"], "gray") for r in rows])
-        ax.set_yticks(range(len(rows)), [f"{r['layer']} {r['role']}" for r in rows], fontsize=6)
-        ax.set_xscale("log")
-        ax.set_xlabel(f"output divergence ({self.info.get('metric', '')}), only this tensor "
-                      f"quantized")
-        _save(fig, path)
-
-
-def _save(fig, path) -> None:
-    from ..results.plots import save_figure
-
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
 
 
 def _metric_name(div: OutputDivergence) -> str:
@@ -118,9 +56,7 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
             roles=("weight", "input"), progress: bool = False) -> Sensitivity:
     """:func:`~.session.sensitivity` of a given ``calibration``: each of its tensors of
     ``roles`` quantized alone, the model's output divergence on ``batches``."""
-    if not isinstance(calibration, Calibration):
-        raise TypeError(f"sensitivity: calibration must be a Calibration, got "
-                        f"{type(calibration).__name__}")
+    _check_call("sensitivity", batches, calibration)
     t0 = time.perf_counter()
     div = OutputDivergence(model, batches, loss, who="sensitivity")
     todo = [(layer, role, st) for layer, rs in calibration.states.items()
@@ -133,9 +69,29 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
     rows.sort(key=lambda r: -r["divergence"])
     for k, r in enumerate(rows, 1):
         r["rank"] = k
+    modules = dict(model.named_modules())  # (an MoE expert's view is no convolution)
     return Sensitivity(rows, {"metric": _metric_name(div), "forwards": div.forwards,
                               "batches": len(div.batches),
-                              "seconds": round(time.perf_counter() - t0, 2)})
+                              "seconds": round(time.perf_counter() - t0, 2),
+                              "convolutions": _convolutions(
+                                  {r["layer"]: modules.get(r["layer"]) for r in rows})})
+
+
+def _check_call(who: str, batches, calibration) -> None:
+    """:func:`measure`'s and :func:`layer_sensitivity`'s checks before any forward: batches
+    as ``quantscope.sensitivity`` takes them (one tensor would be read row by row, one dict
+    key by key), and a Calibration."""
+    check_batches(batches, who)
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"{who}: calibration must be a Calibration, got "
+                        f"{type(calibration).__name__}")
+
+
+def _convolutions(modules: dict) -> list[str]:
+    """The names of ``{name: module}``'s convolutions: their activations ``[N, C, *spatial]``
+    have no tokens (calibrate refuses a per-token one there: ``_ConvNd``, as it does), which
+    :func:`keep_float` reads from the ranking's ``info["convolutions"]``."""
+    return sorted(name for name, m in modules.items() if isinstance(m, _ConvNd))
 
 
 def _is_conv(module) -> bool:
@@ -145,8 +101,9 @@ def _is_conv(module) -> bool:
 
 
 def _sample(x):
-    """Up to :data:`LAYER_ROWS` of ``x``'s rows (its first dimension), spread over it."""
-    return x[:: max(1, x.shape[0] // LAYER_ROWS)][:LAYER_ROWS]
+    """Up to :data:`LAYER_ROWS` of ``x``'s rows (its first dimension), evenly spread over it:
+    every ``ceil(N / LAYER_ROWS)``-th (``N // LAYER_ROWS`` took the first 256 of 257..511)."""
+    return x[::max(1, -(-x.shape[0] // LAYER_ROWS))]
 
 
 def _outputs(mod, x, states):
@@ -239,17 +196,21 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     (docs/benchmarks.md). Layers with a 2-D weight and convolutions (``Conv1d`` / ``2d`` /
     ``3d``: their output without bias, ``conv(X, W)``, on up to as many samples; a transposed
     one is not ranked); an Embedding's output is its lookup,
-    ``||Q(W)[ids] - W[ids]||^2 / ||W[ids]||^2`` (its input, the token ids, is not ranked)."""
+    ``||Q(W)[ids] - W[ids]||^2 / ||W[ids]||^2`` (its input, the token ids, is not ranked).
 
-    if not isinstance(calibration, Calibration):
-        raise TypeError(f"layer_sensitivity: calibration must be a Calibration, got "
-                        f"{type(calibration).__name__}")
+    A layer whose own forward never runs on ``batches`` has no row, with a warning naming its
+    tensors: ``nn.MultiheadAttention``'s ``out_proj`` (the attention reads its weight without
+    calling it), an MoE expert no token was routed to. :func:`measure`
+    (``quantscope.sensitivity``), by the whole model's output, ranks them."""
+    _check_call("layer_sensitivity", batches, calibration)
     t0 = time.perf_counter()
     with _expert_views(model):  # the calibration names MoE experts by their views
         todo = _ranked(model, calibration, roles)
         err, ref, n = _layer_errors(model, batches, todo)
     if n == 0:
         raise ValueError("layer_sensitivity: batches is empty")
+    _say_unmeasured([(layer, role) for layer, (_, st) in todo.items() for role in st
+                     if (layer, role) not in err])
     rows = [{"layer": layer, "role": role, "observer": todo[layer][1][role].observer,
              "divergence": e / max(ref.get(layer, 0.0), 1e-30)}
             for (layer, role), e in err.items()]
@@ -257,7 +218,22 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     for k, r in enumerate(rows, 1):
         r["rank"] = k
     return Sensitivity(rows, {"metric": "relative layer output error", "forwards": n,
-                              "batches": n, "seconds": round(time.perf_counter() - t0, 2)})
+                              "batches": n, "seconds": round(time.perf_counter() - t0, 2),
+                              "convolutions": _convolutions(
+                                  {layer: m for layer, (m, _) in todo.items()})})
+
+
+def _say_unmeasured(missed: list[tuple[str, str]]) -> None:
+    """Warn of the calibrated tensors :func:`layer_sensitivity` has no error of: an error is
+    not made up, and a ranking silently without them would never let keep_float pick them."""
+    if missed:
+        names = ", ".join(f"{layer!r} {role}" for layer, role in missed[:8])
+        more = f" and {len(missed) - 8} more" if len(missed) > 8 else ""
+        warnings.warn(f"layer_sensitivity: {len(missed)} calibrated tensor(s) not ranked: "
+                      f"their layer's forward never ran on batches (e.g. MultiheadAttention's "
+                      f"out_proj, whose weight it reads without calling it; an MoE expert no "
+                      f"token was routed to): {names}{more}. quantscope.sensitivity (measure) "
+                      f"ranks them by the model's output", stacklevel=outside_quantscope())
 
 
 def _ranked(model: nn.Module, calibration: Calibration, roles) -> dict:
@@ -302,23 +278,34 @@ def _expert_views(model: nn.Module):
     return moe.attach(model, count=False)
 
 
-def _fallback_state(st: RoleState, mode: str, weight: RoleState | None) -> RoleState | None:
+def _fallback_state(st: RoleState, mode: str, conv: bool) -> RoleState | None:
     """The state a fallen-back activation runs: none (float), or its format with scales
     from each call: per token, or, for a block-scale spec (NVFP4), its own blocks with the
-    global scale of each call too (a block scale needs its Block layout). A conv's (its
-    ``weight`` [out, in / groups, *k]) ``[N, C, *spatial]`` has no tokens: float."""
-    if mode == "float" or (not st.spec.scale.is_block and len(getattr(weight, "shape", None)
-                                                                or ()) > 2):
+    global scale of each call too (a block scale needs its Block layout). A convolution's
+    (``conv``) ``[N, C, *spatial]`` has no tokens: float."""
+    if mode == "float" or (not st.spec.scale.is_block and conv):
         return None
     spec = st.spec if st.spec.scale.is_block else replace(st.spec, layout=Token())
     return RoleState(spec, "memoryless_minmax", st.requested, True, ())
 
 
 def _static_activations(calibration: Calibration) -> list[tuple[str, str]]:
-    """The ``(layer, role)`` of activations quantized with calibrated ranges: what a
-    fallback can take out (not weights, not those already quantized per token)."""
+    """The ``(layer, role)`` of layer inputs / outputs quantized with calibrated ranges: what
+    a fallback can take out (not weights, not those already quantized per token, not a KV
+    cache's key / value: a runtime quantizes both or neither, and a pair split in two
+    exports nowhere; to leave the cache in float, calibrate without ``kv_cache``)."""
     return [(layer, r) for layer, rs in calibration.states.items() for r, st in rs.items()
-            if r != "weight" and st is not None and st.dynamic is not True]
+            if r in ("input", "output") and st is not None and st.dynamic is not True]
+
+
+def _convolutions_of(sens: Sensitivity, calibration: Calibration) -> set[str]:
+    """The layers whose activations have no tokens: the convolutions the ranking recorded
+    from the model (:func:`measure`, :func:`layer_sensitivity`); for a ranking without that
+    record (one built by hand), the layers whose weight state is more than 2-D."""
+    if "convolutions" in sens.info:
+        return set(sens.info["convolutions"])
+    return {layer for layer, rs in calibration.states.items()
+            if len(getattr(rs.get("weight"), "shape", None) or ()) > 2}
 
 
 def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
@@ -327,10 +314,13 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     roles, ranked by ``sens``; those already dynamic do not count) are not statically
     quantized: left in float (``mode="float"``) or quantized per token at run time in the same
     format (``"dynamic"``; a block-scale format such as NVFP4 keeps its blocks, its global
-    scale then from each call too; a convolution's, with no tokens, float and a warning).
-    Weights are kept. A fused group's shared input (q / k / v,
-    gate / up: one input of the runtime's fused layer) counts once and falls back whole: a
-    fused layer runs one scheme (``info["keep_float"]["tensors"]`` lists every member); so do
+    scale then from each call too; a convolution's, with no tokens, float and a warning: a
+    convolution as ``sens.info["convolutions"]`` names them, which :func:`measure` and
+    :func:`layer_sensitivity` read from the model; a ranking without it, by a weight state
+    of more than 2 dims). Weights are kept, and so is a KV cache's key / value (a runtime
+    quantizes the pair or none; a ranking's key / value rows are passed over). A fused
+    group's shared input (q / k / v, gate / up: one input of the runtime's fused layer)
+    counts once and falls back whole: a fused layer runs one scheme (``info["keep_float"]["tensors"]`` lists every member); so do
     the gate / up (w13) inputs, and the down (w2) inputs, of all experts of one MoE module.
     Their report rows and histograms go (the report lists them apart); the rest, smoothing
     included, is the calibration's. On a calibration with a fallback already, this one adds
@@ -340,9 +330,7 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
         if not isinstance(value, kind):
             raise TypeError(f"keep_float: {arg} must be a {kind.__name__}, got "
                             f"{type(value).__name__}")
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:  # numpy's too
-        raise ValueError(f"keep_float: n must be a non-negative integer, got {n!r}")
-    n = operator.index(n)
+    n = count_arg("keep_float", n)
     if mode not in FALLBACK_MODES:
         raise ValueError(f"keep_float: mode must be one of {FALLBACK_MODES}, got {mode!r}")
     earlier = calibration.info.get("keep_float") or {"n": 0, "mode": mode, "tensors": []}
@@ -360,11 +348,13 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     if len(picks) < n:  # fewer than asked: say so, not a silent smaller fallback
         warnings.warn(f"keep_float: {n} activations asked for, {len(picks)} kept float: the "
                       f"ranking holds only {len(picks)} of the calibration's static "
-                      f"activations (a ranking of weights only has none)", stacklevel=2)
+                      f"activations (a ranking of weights only, or of a KV cache's key / "
+                      f"value, has none)", stacklevel=2)
     chosen = [key for unit in picks for key in unit if key in static]
     states = {layer: dict(roles) for layer, roles in calibration.states.items()}
+    convs = _convolutions_of(sens, calibration)
     for layer, role in chosen:
-        new = _fallback_state(states[layer][role], mode, states[layer].get("weight"))
+        new = _fallback_state(states[layer][role], mode, layer in convs)
         if new is None and mode == "dynamic":  # calibrate refuses per token on a conv
             warnings.warn(f"keep_float: layer {layer!r} {role} is a convolution's, whose "
                           f"[N, C, *spatial] has no tokens to quantize per token: kept in "
@@ -456,7 +446,8 @@ def fallback_curve(model: nn.Module, calibration: Calibration, sens: Sensitivity
     is better, as you define it) with :func:`keep_float` of ``n`` applied, and the share of the
     quantized layers' multiply-adds (weight elements) whose activations left static int (a
     layer counted once; an earlier fallback's too). Rows ``{"n", "quality", "float_macs_pct",
-    "tensors"}``."""
+    "tensors"}``. ``evaluate`` returns a number (or a one-element tensor); a NaN or inf is
+    kept in its row with a warning (the rows' JSON then is not strict JSON)."""
     of = lambda tensors: {t.rsplit(" ", 1)[0] for t in tensors}  # "layer role" -> layer
     earlier = of((calibration.info.get("keep_float") or {}).get("tensors", ()))
     layers = {layer for layer, _ in _static_activations(calibration)} | earlier
@@ -467,7 +458,11 @@ def fallback_curve(model: nn.Module, calibration: Calibration, sens: Sensitivity
     for n in ns:
         c = keep_float(calibration, sens, n, mode=mode)
         with c.apply(model):
-            q = float(evaluate(model))
+            q = scalar("fallback_curve", "evaluate", evaluate(model), f" for n={n}")
+        if not math.isfinite(q):  # a broken model's inf perplexity can be a fair answer
+            warnings.warn(f"fallback_curve: evaluate returned {q} for n={n}; the row keeps it "
+                          f"(its JSON is not strict: NaN / Infinity)",
+                          stacklevel=outside_quantscope())
         kept = c.info["keep_float"]["tensors"]
         fell = sum(macs[layer] for layer in of(kept))
         out.append({"n": n, "quality": q, "float_macs_pct": round(100 * fell / total, 2),

@@ -159,9 +159,15 @@ def format_table(headers: list[str], rows: list[list], title: str | None = None)
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     cells = [[_num(c) if not isinstance(c, str) else c for c in r] for r in rows]
-    row = lambda r: "| " + " | ".join(c.replace("|", "\\|") for c in r) + " |"  # a name's own |
+    row = lambda r: "| " + " | ".join(_md_cell(c) for c in r) + " |"
     out = [row(headers), "|" + "|".join("---" for _ in headers) + "|"] + [row(r) for r in cells]
     return "\n".join(out)
+
+
+def _md_cell(text: str) -> str:
+    """``text`` in one table cell: a name's own ``|`` escaped, its line breaks written as
+    ``\\n`` (a raw one would end the row)."""
+    return text.replace("|", "\\|").replace("\r", "\\r").replace("\n", "\\n")
 
 
 def print_table(headers: list[str], rows: list[list], title: str | None = None, file=None):
