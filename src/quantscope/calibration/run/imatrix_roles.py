@@ -41,7 +41,13 @@ def gather(model, slots) -> InputImportance | None:
     """The importance hooks of the layers whose weights wait for it (None where none waits);
     they count the pass's forwards (:func:`~.observe.in_pass`) until :func:`observe_waiting`."""
     layers = sorted({s.layer for s in _imatrix_slots(slots)})
-    return InputImportance(model, layers) if layers else None
+    if not layers:
+        return None
+    # a layer one of whose observers reads NaN / inf as zero reads them so in its sums too
+    # (else one inf makes its importance unusable and its weight searched unweighted)
+    ignore = {s.layer for s in unique_slots(slots.values()) if s.layer in layers
+              and any(getattr(o, "non_finite", None) == "ignore" for o in s.observers.values())}
+    return InputImportance(model, layers, ignore)
 
 
 def _input_dim(module) -> int:
