@@ -1,5 +1,6 @@
-"""The order in which a model's forward calls its blocks, traced before sequential
-calibration (:mod:`.sequential`) relies on it.
+"""The order in which a model's forward calls its blocks (the ``nn.ModuleList`` that
+:func:`find_blocks` finds), traced before sequential calibration (:mod:`.sequential`)
+relies on it.
 
 Sequential calibration feeds block ``k``'s cached outputs to the next block and the last
 block's outputs to the rest of the model: that equals the whole-model pass only when the
@@ -10,10 +11,11 @@ call's input is recognized by identity, ``is``) and notes which block was called
 output; a torch-function mode notes every other use of a block's output. Where passing the
 input through cannot work (blocks that change its shape, or return tuples) a second trace
 gives zeros shaped as each block's output, found by running the block on the meta device.
-A chain in any order is followed; anything else is refused with an error naming the block,
-as is a weighted module shared by two blocks (:func:`check_disjoint`), a tuple output
-whose other items are read (T5's ``position_bias``: the replay gives hidden states only) and
-a batch carrying a KV cache that holds a prefix (the replay runs without the cache).
+A chain in any order is followed; anything else is refused with an error naming the block
+(:class:`NotAChain`), as is a weighted module shared by two blocks (:func:`check_disjoint`),
+a tuple output whose other items are read (T5's ``position_bias``: the replay gives hidden
+states only) and a batch carrying a KV cache that holds a prefix (the replay runs without
+the cache).
 Each call's other arguments are kept (:func:`split_contexts`): blocks of one model may take
 different ones (Gemma's sliding-window and full-attention layers each their own mask).
 Weighted modules outside the blocks compute as usual until every block has been called
@@ -33,13 +35,42 @@ from torch.overrides import TorchFunctionMode
 
 from .batches import forward_batch, map_tensors, tensors_in
 
-__all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "fill", "free_zeros", "recorders",
-           "refuse", "split_contexts", "trace_batches"]
+__all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "fill", "find_blocks",
+           "free_zeros", "recorders", "refuse", "split_contexts", "trace_batches"]
 
 #: reading these tells nothing of a tensor's values: not a use of a block's output
 _METADATA = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_meta",
              "requires_grad", "size", "dim", "numel", "is_floating_point", "is_contiguous",
              "stride", "element_size", "get_device"}
+
+
+def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.ModuleList]:
+    """``(name, module list)`` of the model's repeated blocks: ``blocks`` if given, else of
+    the outermost ``nn.ModuleList`` s whose children are all of one class, the one with the
+    most children (ties: the most parameters); not a list inside a block (an MoE layer's
+    experts, more than the layers in a small model)."""
+    modules = dict(model.named_modules())
+    if blocks is not None:
+        found = modules.get(blocks)
+        if not isinstance(found, nn.ModuleList) or not len(found):
+            lists = [n for n, m in modules.items() if isinstance(m, nn.ModuleList)]
+            raise ValueError(f"calibrate: blocks={blocks!r} is not a non-empty nn.ModuleList "
+                             f"of the model; its module lists are {lists}")
+        return blocks, found
+    lists = [n for n, m in modules.items()
+             if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
+    best, key = None, None
+    for name in lists:
+        if any(name.startswith(f"{outer}.") for outer in lists):
+            continue  # inside a block of another list
+        m = modules[name]
+        k = (len(m), sum(p.numel() for p in m.parameters()))
+        if key is None or k > key:
+            best, key = name, k
+    if best is None:
+        raise ValueError("calibrate: sequential=True found no nn.ModuleList of repeated blocks "
+                         "in the model; name them with blocks='...'")
+    return best, modules[best]
 
 
 @dataclasses.dataclass
@@ -52,7 +83,9 @@ class Trace:
     replay gives the hidden states only), with where. A plain trace
     passes each input through; a ``shaped`` one gives zeros shaped as the block's output
     (its tuple too), from a run of the block on the meta device: for blocks that change the
-    shape of their input or return tuples."""
+    shape of their input or return tuples. ``faithful``: each shaped output is one tensor of
+    its (contiguous) input's shape and dtype, so the plain trace's pass-through stood for
+    every block as it is (a forward failing with it fails without the trace too)."""
 
     shaped: bool = False
     calls: list = dataclasses.field(default_factory=list)
@@ -65,6 +98,7 @@ class Trace:
     count: int = 0  # the blocks: the rest of the model runs shape only once all were called
     first: object = None  # a copy of the first call's input, as it was then
     inside: bool = False  # a recorder is running: its own ops are no use
+    faithful: bool = True
 
     def call(self, j: int, block: nn.Module, args: tuple, kwargs: dict, name: str):
         h = args[0] if args else kwargs.get("hidden_states")
@@ -87,6 +121,8 @@ class Trace:
             out = _shaped_output(block, args, kwargs, h.device) if self.shaped else h.view_as(h)
         finally:
             self.inside = False
+        self.faithful &= (isinstance(out, torch.Tensor) and out.shape == h.shape
+                          and out.dtype == h.dtype and h.is_contiguous())
         self.outputs.append(out[0] if isinstance(out, tuple) else out)
         self.extras.append(list(tensors_in(out[1:])) if isinstance(out, tuple) else [])
         return out
@@ -308,11 +344,15 @@ def recorders(layers: nn.ModuleList, name: str, trace: Trace, model: nn.Module |
 
 class NotAChain(ValueError):
     """The blocks traced do not form a chain; ``trace``: the forward that showed it;
-    ``no_shape``: a shaped trace could not run a block on the meta device."""
+    ``no_shape``: a shaped trace could not run a block on the meta device; ``batch``: the
+    number of the batch whose forward raised with the blocks stood in by recorders (its
+    error the ``__cause__``), None where the trace itself refused them. Such a failure may
+    be the model's own: :mod:`.sequential` runs that batch without the trace to tell."""
 
-    def __init__(self, message: str, trace: Trace, no_shape: bool = False):
+    def __init__(self, message: str, trace: Trace, no_shape: bool = False,
+                 batch: int | None = None):
         super().__init__(message)
-        self.trace, self.no_shape = trace, no_shape
+        self.trace, self.no_shape, self.batch = trace, no_shape, batch
 
 
 def refuse(name: str, detail: str, trace: Trace) -> NotAChain:
@@ -385,6 +425,7 @@ def trace_batches(model, batches, name: str, layers, shaped: bool, keep) -> tupl
                                    f"block {name}.{trace.calls[-1][0]} ({type(e).__name__}: "
                                    f"{e})", trace)
                 err.no_shape = isinstance(e, _NoShape)
+                err.batch = None if err.no_shape else n
                 raise err from e
         if not trace.calls:
             raise ValueError(f"calibrate: the model's forward never reached its blocks "

@@ -18,7 +18,7 @@ from ..structure.moe import is_experts_3d, is_gated
 from .disk_names import checkpoint_names, expert_names
 
 __all__ = ["TASKS", "Checkpoint", "empty_model", "is_meta", "load_params", "model_task",
-           "unload_params", "warn_unused"]
+           "open_checkpoint", "unload_params", "warn_unused"]
 
 #: what ``--task`` takes, the model class and metric following it (:func:`model_task` tells
 #: them apart by architecture)
@@ -418,6 +418,28 @@ def warn_unused(model, ckpt: Checkpoint, path) -> None:
                       f"by the model ({', '.join(unused[:5])}"
                       f"{', ...' if len(unused) > 5 else ''}): is it this model's checkpoint?",
                       stacklevel=outside_quantscope())
+
+
+def open_checkpoint(model, path, device=None) -> Checkpoint | None:
+    """The :class:`Checkpoint` at ``path`` (None for None) that ``model``'s parameters on the
+    meta device load from, its tensors the model reads none of warned about
+    (:func:`warn_unused`). A model with none on the meta device reads nothing from it (its
+    files are checked all the same): say so rather than ignore it (and ``device``, where
+    loaded weights go), and None."""
+    if path is None:
+        return None
+    ckpt = Checkpoint(path)
+    if not is_meta(model):
+        moved = (f"; device={device} moves nothing either (it is where weights loaded from "
+                 f"the checkpoint go)" if device is not None else "")
+        warnings.warn(f"calibrate: checkpoint={str(path)!r} is not read: every parameter of "
+                      f"the model is already in memory (none on the meta device), and those "
+                      f"weights are calibrated{moved}. To calibrate the checkpoint's weights "
+                      f"one block at a time, pass empty_model({str(path)!r}) as the model; "
+                      f"else drop checkpoint=", stacklevel=outside_quantscope())
+        return None
+    warn_unused(model, ckpt, path)
+    return ckpt
 
 
 def _set_param(model, name, value) -> None:

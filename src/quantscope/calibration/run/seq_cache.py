@@ -35,7 +35,7 @@ class Cache:
             self.budget[0] -= nbytes
             return
         path = os.path.join(self.folder, f"{self.tag}-{i}.pt")
-        torch.save(value, path + ".tmp")
+        torch.save(map_tensors(_compact, value), path + ".tmp")
         os.replace(path + ".tmp", path)  # a file is whole or absent
         self.spilled += 1
 
@@ -88,3 +88,13 @@ class Contexts:
 
 def _nbytes(value) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_in(value))
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it alone where it is a view of a larger storage: ``torch.save``
+    writes a view's whole storage (a slice of a rotary table: the table, in every file),
+    while the budget counts the view's bytes (:func:`_nbytes`). Not for a storage smaller
+    than the view (zeros expanded: :func:`.block_order.free_zeros`), saved as it is."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t

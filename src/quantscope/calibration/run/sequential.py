@@ -23,7 +23,10 @@ quantized model will see (errors that compound are seen); ``mode="float"`` (``Tr
 gives the qparams of the whole-model pass.
 
 Cached activations are kept in memory up to ``cache_budget_mb`` and spilled to a
-temporary folder beyond it (removed at the end, whatever happens).
+temporary folder beyond it, made once the checkpoint is opened and its warnings given, and
+removed at the end, on an error or an interrupt (Ctrl-C) too; not where the process is
+killed (SIGKILL, the out-of-memory killer): then ``cache_dir`` keeps a ``quantscope-seq-*``
+folder to delete.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ import torch
 from torch import nn
 
 from . import heap
-from .batches import batch_count, eval_mode, map_tensors
-from .block_order import NotAChain, check_disjoint, free_zeros, trace_batches
-from .checkpoint import Checkpoint, is_meta, load_params, unload_params, warn_unused
+from .batches import batch_count, eval_mode, forward_batch, map_tensors
+from .block_order import NotAChain, check_disjoint, find_blocks, free_zeros, trace_batches
+from .checkpoint import Checkpoint, is_meta, load_params, open_checkpoint, unload_params
 from .seq_cache import Cache, Contexts
 
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "batch_source", "calibrate_sequential",
@@ -54,36 +57,6 @@ __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "batch_source", "calibrate_sequen
 MODES = ("float", "quantized")
 #: cached block inputs / outputs kept in memory, all batches together; the rest on disk
 DEFAULT_CACHE_BUDGET_MB = 512
-
-
-# ---------------------------------------------------------------- finding the blocks
-def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.ModuleList]:
-    """``(name, module list)`` of the model's repeated blocks: ``blocks`` if given, else of
-    the outermost ``nn.ModuleList`` s whose children are all of one class, the one with the
-    most children (ties: the most parameters); not a list inside a block (an MoE layer's
-    experts, more than the layers in a small model)."""
-    modules = dict(model.named_modules())
-    if blocks is not None:
-        found = modules.get(blocks)
-        if not isinstance(found, nn.ModuleList) or not len(found):
-            lists = [n for n, m in modules.items() if isinstance(m, nn.ModuleList)]
-            raise ValueError(f"calibrate: blocks={blocks!r} is not a non-empty nn.ModuleList "
-                             f"of the model; its module lists are {lists}")
-        return blocks, found
-    lists = [n for n, m in modules.items()
-             if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
-    best, key = None, None
-    for name in lists:
-        if any(name.startswith(f"{outer}.") for outer in lists):
-            continue  # inside a block of another list
-        m = modules[name]
-        k = (len(m), sum(p.numel() for p in m.parameters()))
-        if key is None or k > key:
-            best, key = name, k
-    if best is None:
-        raise ValueError("calibrate: sequential=True found no nn.ModuleList of repeated blocks "
-                         "in the model; name them with blocks='...'")
-    return best, modules[best]
 
 
 # ---------------------------------------------------------------- the pieces
@@ -109,7 +82,7 @@ class _Indexed:
 class _Replay(nn.Module):
     """Stands in for every block: returns the last block's cached output of the batch
     ``batches`` (an :class:`_Indexed`) has out now; where the block returned a tuple, a
-    tuple as long, its other items from ``rest`` (:meth:`_Piece.forward`)."""
+    tuple as long, its other items from ``rest`` (:meth:`_Feed.forward`)."""
 
     def __init__(self, outputs: Cache, batches: _Indexed, rest: dict):
         super().__init__()
@@ -122,20 +95,14 @@ class _Replay(nn.Module):
         return h if rest is None else (h, *rest)
 
 
-class _Piece(nn.Module):
-    """One block under its full name (``model.layers.3``), so recipes match it as in the
-    whole model; ``forward(i)`` runs the block on batch ``i``'s cached inputs (``forward(i,
-    start, stop)``: its output's rows ``start:stop``, an auto scoring piece of the batch's
-    documents, :func:`batch_source`); ``context(i)``: its other arguments."""
+class _Feed:
+    """What a :class:`_Piece` runs: ``forward(i)`` runs the block on batch ``i``'s cached
+    ``inputs`` (``forward(i, start, stop)``: its output's rows ``start:stop``, an auto scoring
+    piece of the batch's documents, :func:`batch_source`); ``context(i)``: its other
+    arguments. A plain object, not the piece's attributes: those are the model's module names
+    (blocks under ``block``, ``inputs``, ``source`` ... as any other)."""
 
-    def __init__(self, name: str, block: nn.Module, inputs: Cache, context, source=None):
-        super().__init__()
-        *path, last = name.split(".")
-        holder = self
-        for part in path:
-            holder.add_module(part, nn.Module())
-            holder = getattr(holder, part)
-        holder.add_module(last, block)
+    def __init__(self, block: nn.Module, inputs: Cache, context, source=None):
         self.block, self.inputs, self.context = block, inputs, context
         self.outputs: Cache | None = None  # where forward records its outputs, if set
         self.copy_inputs = False
@@ -161,11 +128,28 @@ class _Piece(nn.Module):
         return h if stop is None else h[start:stop]
 
 
+class _Piece(nn.Module):
+    """One block under its full name (``model.layers.3``), so recipes match it as in the
+    whole model, run by ``feed`` (a :class:`_Feed`). Its only attribute of its own is
+    ``forward``, which no module can be named (nn.Module has one): every name of the model's
+    modules is free for its path."""
+
+    def __init__(self, name: str, feed: _Feed):
+        super().__init__()
+        *path, last = name.split(".")
+        holder = self
+        for part in path:
+            holder.add_module(part, nn.Module())
+            holder = holder._modules[part]
+        holder.add_module(last, feed.block)
+        self.forward = feed.forward
+
+
 def batch_source(model):
     """The user's batches (a list) whose numbers a sequential block (:class:`_Piece`) is
     calibrated on, None for any other model: auto's scoring plan is made on them, as the
     whole-model pass's, each piece forwarded as ``(number, rows start, rows stop)``."""
-    return model.source if isinstance(model, _Piece) else None
+    return model.forward.__self__.source if isinstance(model, _Piece) else None
 
 
 def _matches(recipe, module) -> bool:
@@ -207,14 +191,15 @@ def _no_kv_cache(model):
 class _Run:
     """What one sequential calibration holds while it runs: the model and where its weights
     come from, the parameters it loaded (unloaded at the end), the activation caches'
-    shared budget and folder, and each recipe's calibrated pieces (``(name, Calibration)``)."""
+    shared budget and folder (made by :func:`_restoring`), and each recipe's calibrated
+    pieces (``(name, Calibration)``)."""
 
     model: nn.Module
     ckpt: Checkpoint | None
     device: object
     budget: list
-    folder: str
     parts: dict
+    folder: str | None = None
     loaded: list = dataclasses.field(default_factory=list)
 
     def load(self, names: set[str]) -> dict:
@@ -256,17 +241,19 @@ def _check_mode(mode, recipes, options, cache_budget_mb):
 
 
 @contextlib.contextmanager
-def _restoring(run, layers, originals):
-    """Whatever happens inside: the model's own blocks back in ``layers``, the loaded
-    weights unloaded, the spill folder removed."""
+def _restoring(run, layers, originals, cache_dir):
+    """``run``'s spill folder made (in ``cache_dir``), and whatever happens inside: the
+    model's own blocks back in ``layers``, the loaded weights unloaded, the folder removed."""
     try:
+        run.folder = tempfile.mkdtemp(prefix="quantscope-seq-", dir=cache_dir)
         yield
     finally:
         for j, block in enumerate(originals):
             layers[j] = block
         for names in list(run.loaded):
             run.unload(names)
-        shutil.rmtree(run.folder, ignore_errors=True)
+        if run.folder is not None:
+            shutil.rmtree(run.folder, ignore_errors=True)
 
 
 def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float",
@@ -287,14 +274,11 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
     check_disjoint(model, name, layers)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     outside = {n for n in params if not n.startswith(name + ".")}
-    run = _Run(model, Checkpoint(checkpoint) if checkpoint is not None else None, device,
-               [int(cache_budget_mb * 2**20)], tempfile.mkdtemp(prefix="quantscope-seq-",
-                                                               dir=cache_dir),
-               {label: [] for label in recipes})
-    if run.ckpt is not None:
-        warn_unused(model, run.ckpt, checkpoint)
+    # the checkpoint read (its warnings, maybe errors) before the spill folder is made
+    run = _Run(model, open_checkpoint(model, checkpoint, device), device,
+               [int(cache_budget_mb * 2**20)], {label: [] for label in recipes})
     originals = list(layers)
-    with eval_mode(model), _restoring(run, layers, originals):
+    with eval_mode(model), _restoring(run, layers, originals, cache_dir):
         hidden, context, n, order = _first_inputs(run, batches, name, layers, outside)
         spilled, rest = 0, {}
         for k, j in enumerate(order):
@@ -328,65 +312,99 @@ def _first_inputs(run: _Run, batches, name: str, layers, outside: set[str]):
     """``(hidden, context, n, order)``: the first block's inputs for each of the ``n``
     batches, every block's other positional / keyword arguments
     (:class:`.seq_cache.Contexts`), and the order in which the forward calls the blocks
-    (:mod:`.block_order`: a chain, or refused)."""
+    (:mod:`.block_order`: a chain, or refused; a forward that fails with the blocks traced
+    raises the model's own error where the model fails so without the trace too)."""
     model = run.model
     with _no_kv_cache(model), torch.inference_mode():
         outer = run.load(outside)
         try:
-            first = None
+            first = err = None
             # blocks that change their input's shape or return tuples break a pass-through
             # trace: then a shaped one (each block run on the meta device) decides
             for shaped in (False, True):
                 hidden, context = run.cache("a"), Contexts(run.cache("ctx"))
                 try:
                     order, n = trace_batches(model, batches, name, layers, shaped,
-                                             functools.partial(_keep, hidden, context))
+                                             functools.partial(_keep, hidden, context, first))
                     break
                 except NotAChain as e:
                     hidden.clear()
                     context.clear()
-                    if shaped:
-                        raise first if e.no_shape else e
-                    first = e
+                    first = e if first is None else first
+                    err = first if e.no_shape else e
+            else:  # neither trace passed (here, not in the except: the model's own error
+                # is not shown as raised while handling the refusal)
+                if err.batch is not None:
+                    _run_whole(run, batches[err.batch], name, layers)
+                raise err
         finally:
             run.unload(outer)
     return hidden, context, n, order
 
 
-def _keep(hidden, context, i: int, trace) -> None:
-    """Batch ``i``'s first block input and every block's other arguments into the caches."""
+def _keep(hidden, context, failed, i: int, trace) -> None:
+    """Batch ``i``'s first block input and every block's other arguments into the caches.
+    ``failed``: the pass-through trace's failure; where it was this batch's forward and the
+    shaped trace shows the pass-through stood for every block as it is, that forward's
+    error was the model's own (raised once: the trace ran it a second time): raised."""
+    if failed is not None and failed.batch == i and trace.faithful:
+        raise failed.__cause__
     hidden.put(i, trace.first)
     context.put(i, trace)
+
+
+def _run_whole(run: _Run, batch, name: str, layers) -> None:
+    """The model's forward on ``batch`` without the trace, each block's weights loaded for
+    its call where on the meta device: an error there is the model's own (sequential=False
+    meets it too) and propagates; the trace's failure was otherwise about the chain."""
+    params = [n for n, _ in run.model.named_parameters(remove_duplicate=False)]
+    loaded = {}
+
+    def load(j, *_):
+        loaded[j] = run.load({p for p in params if p.startswith(f"{name}.{j}.")})
+
+    def unload(j, *_):
+        run.unload(loaded.pop(j))
+
+    hooks = [h for j, b in enumerate(layers) for h in (
+        b.register_forward_pre_hook(functools.partial(load, j)),
+        b.register_forward_hook(functools.partial(unload, j)))]
+    try:
+        forward_batch(run.model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, context, batches,
                      recipes, mode, calibrate_many, options):
     """Load, calibrate (each recipe that takes something in it) and unload one block on
     ``batches`` (:class:`_Indexed` batch numbers); returns ``(its outputs' cache, the other
-    items of its tuple outputs by batch)`` (:attr:`_Piece.rest`)."""
+    items of its tuple outputs by batch)`` (:attr:`_Feed.rest`)."""
     load = is_meta(block)
     if load:
         loaded = run.load(mine)
-    piece = _Piece(full, block, hidden, context, batches.source)
+    feed = _Feed(block, hidden, context, batches.source)
+    piece = _Piece(full, feed)
     nxt = run.cache("b" if hidden.tag == "a" else "a")
     todo = {k: _for_piece(r, piece) for k, r in recipes.items() if _matches(r, piece)}
     auto = any(_has_auto(r) for r in todo.values())
     # the outputs come with the calibration's own forwards, unless those are not the
     # block's plain forwards (auto's scoring, or the quantized block's outputs wanted)
-    piece.outputs = nxt if mode == "float" and not auto else None
+    feed.outputs = nxt if mode == "float" and not auto else None
     # a block may change its input in place (h += ...): the calibration's forwards get a
     # copy, as it may run a batch twice (the fusion groups' detection forward of the first
     # batch, auto's scoring) and a second pass may follow; that pass, the last, gets none
-    piece.copy_inputs = True
+    feed.copy_inputs = True
     got = calibrate_many(piece, batches, todo, progress=False, **options) if todo else {}
-    piece.copy_inputs = False
+    feed.copy_inputs = False
     for k, c in got.items():
         run.parts[k].append((full, c))
     # the outputs by their own pass: wanted quantized, or the calibration's forwards did not
     # give them all (none ran: nothing in the block takes an activation, or no recipe at all)
-    if piece.outputs is None or len(nxt.held) < len(batches.items):
+    if feed.outputs is None or len(nxt.held) < len(batches.items):
         handle = got[next(iter(todo))].apply(piece) if todo and mode == "quantized" else None
-        piece.outputs = nxt
+        feed.outputs = nxt
         try:
             with torch.inference_mode():
                 for i in range(len(batches.items)):
@@ -401,13 +419,13 @@ def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, contex
         # the unloaded blocks' mappings accumulate (a block in memory has none to release)
         gc.collect()
     heap.trim()  # the block's activations' heap pages back to the system
-    return nxt, piece.rest
+    return nxt, feed.rest
 
 
 def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hidden,
                     extras: dict, recipes, calibrate_many, options) -> None:
     """The parts outside the blocks (final norm, head ...), on the last block's cached
-    outputs: every block replaced by a replay of them (``extras``: :attr:`_Piece.rest`)."""
+    outputs: every block replaced by a replay of them (``extras``: :attr:`_Feed.rest`)."""
     model = run.model
     rest = _without_blocks(model, name)
     todo = {k: _for_piece(r, rest) for k, r in recipes.items() if _matches(r, rest)}
