@@ -204,8 +204,8 @@ def _check_module(model: nn.Module, layer: str, roles: dict) -> nn.Module:
 
 
 def _tied(model: nn.Module, layers) -> None:
-    """A quantized weight shared with another module would be written compressed for one and
-    float for the other: refuse it (e.g. a tied lm_head: ignore it, or untie)."""
+    """A quantized weight another module shares (one Parameter or memory; on the model: a copy's
+    .cpu() splits one GPU memory) would be written quantized for one, float for the other."""
     for layer, others in tied_weights(model, layers).items():
         raise _unsupported(layer, "weight", f"a weight tied with {others} "
                                             f"(leave it in float: ignore it in the recipe)")
@@ -448,7 +448,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     _kv_everywhere(work, kv)
     for layer, roles in states.items():
         _check_module(work, layer, roles)
-    _tied(work, [layer for layer, roles in states.items() if "weight" in roles])
+    _tied(model, [layer for layer, roles in states.items() if "weight" in roles])
     _split_on_disk(work, states)
     groups = _groups(states, lossy)
     source = _source_dir(calibration, model, model_path)

@@ -80,6 +80,10 @@ class IntervalAverage:
         self.pending.zero_()
         self._pending = 0
 
+    def _state_record(self) -> dict:
+        # the mode is part of what the state means (record.check refuses the other mode's)
+        return {**super()._state_record(), "ema": self.averaging_constant is not None}
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               *args, **kwargs):
         keys = [prefix + n for n in WINDOW]

@@ -1,8 +1,11 @@
 """What a saved observer state means, saved with it as ``_extra_state``: the layout its units
 follow (act-order groups: their column ``order`` too) and, for histograms, whether they bin
-``|x|`` (a subclass adds its own entries). A state of another meaning is a ``ValueError``
-naming both, not silently wrong qparams; a state saved before the record loads as then. The record is JSON in a uint8 tensor, so a state stays
-all tensors (safetensors and ``torch.load(weights_only=True)`` read it) and is parsed, never
+``|x|`` and whether they are in the EMA mode (``ema``: a range averaged over intervals, the
+histogram the batches since the last estimate; a subclass adds its own entries). A state of
+another meaning is a ``ValueError`` naming both, not silently wrong qparams; a state saved
+before the record (or before its ``ema`` entry) loads as then, its EMA mode read from its
+buffers where they tell it. The record is JSON in a uint8 tensor, so a state stays all
+tensors (safetensors and ``torch.load(weights_only=True)`` read it) and is parsed, never
 unpickled."""
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def decode(state, who: str) -> dict | None:
         record = {"layout": None}  # unreadable: refused below, as a damaged entry
     if isinstance(record.get("layout", ""), str) and \
             isinstance(record.get("absolute", False), bool) and \
+            isinstance(record.get("ema", False), bool) and \
             isinstance(record.get("order", ""), str):
         return record
     raise ValueError(f"{who}: the state's {RECORD} is no record")
@@ -81,8 +85,11 @@ def check(state_dict, prefix, mine: dict, who: str) -> None:
     """``ValueError`` naming both for a state saved under a layout of other units for the
     saved shape (act-order groups: another column order, recorded as ``order``; a state
     without one was saved in column order), or binning ``|x|`` where this one (``mine``)
-    bins ``x``, or the reverse."""
+    bins ``x``, or the reverse; or of the EMA mode where this one accumulates, or the
+    reverse."""
     saved = decode(state_dict.get(prefix + RECORD), who)
+    if "ema" in mine:  # a state saved before the record tells it too (its buffers)
+        _check_ema(state_dict, prefix, saved or {}, mine["ema"], who)
     if saved is None:
         return
     other, shape = saved.get("layout", mine["layout"]), saved_shape(state_dict, prefix)
@@ -96,6 +103,26 @@ def check(state_dict, prefix, mine: dict, who: str) -> None:
         what = ("x (asymmetric)", "|x| (symmetric)")
         raise ValueError(f"{who}: cannot load a histogram of {what[saved['absolute']]} into "
                          f"this one's, of {what[mine['absolute']]}")
+
+
+def _check_ema(state_dict, prefix, saved: dict, mine: bool, who: str) -> None:
+    """An EMA state's histogram holds only the batches since the last estimate (none right
+    after one: a range of ~0 read as a whole histogram), a plain one's all of them, which
+    the EMA mode would read as one interval: refuse either in the other."""
+    ema = saved.get("ema")
+    if ema is None:  # saved before the entry: an EMA state averaged (ema_lo) or has an
+        # interval pending; a plain one that observed data has neither
+        lo, pending = state_dict.get(prefix + "ema_lo"), state_dict.get(prefix + "pending")
+        if lo is None or lo.is_meta or (pending is not None and pending.is_meta):
+            return
+        ema = bool(lo.numel()) or (pending is not None and int(pending) > 0)
+        if not ema and saved_shape(state_dict, prefix) is None:
+            return  # nothing observed: either mode's empty state
+    if ema != mine:
+        what = ("accumulating (averaging_constant=None)",
+                "in the EMA mode (averaging_constant set: a range averaged over intervals)")
+        raise ValueError(f"{who}: cannot load a histogram state {what[ema]} into this one, "
+                         f"{what[mine]}; load it into an observer of the same mode")
 
 
 def _described(layout: str, record: dict) -> str:

@@ -43,7 +43,7 @@ from ..structure.placement import (
     restore_problem,
     stored,
 )
-from ..structure.tied import tied_weights
+from ..structure.tied import memory, tied_weights
 from .role_state import RoleState
 
 __all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "refuse_applied",
@@ -230,7 +230,7 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
     check_placement(model, "apply")
     handle = QDQHandle(model)
     kv: dict[str, dict[str, RoleState]] = {}  # attention layer -> key / value states
-    weights: dict = {}  # _memory(w) -> (w, where, [(layer, st)])
+    weights: dict = {}  # memory(w) -> (w, where, [(layer, st)])
     held = _held()
     try:
         experts = _attach_experts(model, states, handle)
@@ -243,7 +243,7 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
             for role, state in roles.items():
                 if role == "weight":
                     w = _checked_weight(name, module, state, held)
-                    same = weights.setdefault(_memory(w), (w, _where(name, module, experts), []))
+                    same = weights.setdefault(memory(w), (w, _where(name, module, experts), []))
                     same[2].append((name, state.to(w.device)))
                 elif role == "input":
                     handle._mark(module)
@@ -277,7 +277,7 @@ def refuse_applied(model: nn.Module, who: str) -> None:
     it): calibrating it would observe the fake-quantized weights and activations."""
     held = _held()
     if (any(getattr(m, _ATTR, None) is not None for m in model.modules())
-            or (held and any(_memory(p) in held for p in model.parameters()))):
+            or (held and any(memory(p) in held for p in model.parameters()))):
         raise ValueError(f"{who}: the model has quantscope QDQ applied (calibration.apply); "
                          f"remove() the handle first: calibrating a fake-quantized model gives "
                          f"ranges of the quantized values")
@@ -306,20 +306,10 @@ def _refuse_parts(model: nn.Module, who: str, handle: QDQHandle | None = None) -
 def _held() -> set:
     """The weights (and 3-D expert parameters) the active handles fake-quantized, as the
     models hold them now (looked up, so valid while the models hold them), by
-    :func:`_memory`."""
+    :func:`~..structure.tied.memory`."""
     with _APPLIED_LOCK:
         handles = list(_APPLIED)
-    return {_memory(p) for h in handles for s in h._weights for p in s.params()}
-
-
-def _memory(t: torch.Tensor):
-    """Which values ``t`` is: distinct Parameters over the same memory (another model's
-    weights loaded with ``load_state_dict(..., assign=True)``) are one weight to quantize
-    once and restore once."""
-    if not t.numel() or not plain(t):  # (no memory to tell apart; none to read)
-        return id(t)
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-            tuple(t.stride()))
+    return {memory(p) for h in handles for s in h._weights for p in s.params()}
 
 
 def _where(name: str, module: nn.Module, experts) -> tuple:
@@ -359,7 +349,7 @@ def _checked_weight(name: str, module: nn.Module, state: RoleState, held) -> tor
     if state.shape is not None and tuple(w.shape) != tuple(state.shape):
         raise ValueError(f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
                          f"calibrated with shape {tuple(state.shape)}")
-    if _memory(w) in held:
+    if memory(w) in held:
         raise ValueError(f"apply: {name}.weight is already fake-quantized by another apply() "
                          f"(on a model holding this module, held by it, or sharing its "
                          f"memory); remove() that one first")
@@ -387,7 +377,7 @@ def _qdq_weights(model: nn.Module, weights, handle: QDQHandle) -> None:
         for w, (owner, name, expert), ((_, state), *_) in weights:
             # a module's weight: every module holding its memory (a cast may split the tie)
             places = [(owner, name)] if expert is not None else holders.get(
-                _memory(w), [(owner, name)])
+                memory(w), [(owner, name)])
             handle._weights.append(_Saved(places, expert, w.detach().clone()))
             for module, _ in places:
                 handle._mark(module)
@@ -408,10 +398,11 @@ def _refuse_inverted(saved: _Saved, model: nn.Module) -> None:
 
 
 def _refuse_overlaps(weights: list[tuple[torch.Tensor, str]]) -> None:
-    """Raise naming both where two weights (distinct memories: :func:`_memory`) share some
-    elements (Parameters over overlapping slices of one tensor): QDQ in place would quantize
-    the shared values twice. Slices of one tensor that only interleave (a split of columns)
-    are told apart element by element, where their spans of the storage meet."""
+    """Raise naming both where two weights (distinct memories:
+    :func:`~..structure.tied.memory`) share some elements (Parameters over overlapping slices
+    of one tensor): QDQ in place would quantize the shared values twice. Slices of one tensor
+    that only interleave (a split of columns) are told apart element by element, where their
+    spans of the storage meet."""
     spans: dict = {}
     for w, layer in weights:
         if w.numel() and plain(w):
@@ -438,13 +429,13 @@ def _refuse_overlaps(weights: list[tuple[torch.Tensor, str]]) -> None:
 
 
 def _holders(model: nn.Module) -> dict:
-    """``{_memory(parameter): [(module, attribute), ...]}``: every place ``model`` holds each
+    """``{memory(parameter): [(module, attribute), ...]}``: every place ``model`` holds each
     weight (a tied one, or distinct Parameters over its memory: several)."""
     out: dict = {}
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
-                out.setdefault(_memory(p), []).append((module, name))
+                out.setdefault(memory(p), []).append((module, name))
     return out
 
 

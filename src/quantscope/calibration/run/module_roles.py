@@ -82,12 +82,16 @@ def module_role(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
     """``cfg`` as ``module`` takes it. A Conv1D weight (Linear's transposed) takes the layout
     transposed; a ConvTranspose weight ``[in, out / groups, *k]`` per-channel (``Channel(0)``)
     on axis 1 (torchao's pt2e axis), refused with groups > 1, where an output channel is no
-    index of one axis (as torch.ao refuses per-channel observers there)."""
+    index of one axis (as torch.ao refuses per-channel observers there): on either channel
+    axis, however spelled (axis 1 would share a scale between ``groups`` output channels)."""
     lay = cfg.spec.layout
     if role == "weight" and is_conv1d(module):
         return replace(cfg, spec=replace(cfg.spec, layout=transposed_layout(lay)))
     if (role != "weight" or not isinstance(module, _ConvTransposeNd)
-            or not isinstance(lay, Channel) or lay.axis % module.weight.dim() != 0):
+            or not isinstance(lay, Channel)):
+        return cfg
+    axis = lay.axis % module.weight.dim()
+    if axis > 1:  # a kernel dim: not per output channel, left to the layout's own checks
         return cfg
     if module.groups != 1:
         raise ValueError(
@@ -95,7 +99,7 @@ def module_role(layer: str, role: str, cfg: Role, module: nn.Module) -> Role:
             f"weight: per-channel {cfg.spec} needs groups == 1 (a grouped ConvTranspose "
             f"weight [in, out / groups, *k] has no axis of output channels); use a "
             f"per-tensor weight layout or ignore the layer")
-    return replace(cfg, spec=replace(cfg.spec, layout=Channel(1)))
+    return cfg if axis == 1 else replace(cfg, spec=replace(cfg.spec, layout=Channel(1)))
 
 
 def along_spatial(module: nn.Module, layout) -> bool:
