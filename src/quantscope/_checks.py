@@ -15,7 +15,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .formats import as_bool, as_int, as_number, tensor_arg
+from ._plainchecks import check_bool, check_path
+from .formats import as_int, as_number, tensor_arg
 from .spec import QuantSpec
 
 __all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_code",
@@ -80,23 +81,6 @@ def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int
         want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{who}: {name} must be an integer {want}, got {value!r}")
     return n
-
-
-def check_path(who: str, path, name: str = "path") -> str:
-    """``path`` as a str; ``TypeError`` naming ``name`` for anything but a str, bytes or
-    ``os.PathLike`` (None: pathlib's own message names neither the call nor the argument)."""
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        raise TypeError(f"{who}: {name} must be a str or os.PathLike, got {type(path).__name__}")
-    return os.fsdecode(os.fspath(path))
-
-
-def check_bool(who: str, name: str, value) -> bool:
-    """``value`` as a bool: a Python or numpy bool only (``bool("no")`` is True: a string,
-    0 / 1 or None would be read silently)."""
-    if as_bool(value) is None:
-        raise ValueError(
-            f"{who}: {name} must be True or False, got {value!r}")
-    return bool(value)
 
 
 def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._plainchecks import as_bool
+
 __all__ = [
     "FORMATS",
     "FP4_E2M1",
@@ -61,12 +63,6 @@ def as_number(value) -> int | float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     return as_int(value) if isinstance(value, numbers.Integral) else float(value)
-
-
-def as_bool(value) -> bool | None:
-    """``value`` as a Python bool if it is a Python or numpy bool, else None (``bool("no")``
-    is True: a string, 0 / 1 or None would be read silently)."""
-    return bool(value) if isinstance(value, (bool, np.bool_)) else None
 
 
 def tensor_arg(who: str, name: str, value, expected: str, **kwargs) -> torch.Tensor:

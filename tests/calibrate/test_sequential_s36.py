@@ -309,3 +309,36 @@ def test_a_skeleton_reads_its_checkpoint_without_that_warning(tmp_path):
                         sequential=Sequential(checkpoint=path))
     assert not [w for w in ws if "is not read" in str(w.message)]
     _same(calibrate(model, _batches(), "w8a8", progress=False), seq)
+
+
+# ---------------------------------------------------------------- KV cache beside partial rules
+def test_kv_cache_of_blocks_the_rules_leave_out_is_calibrated_as_whole():
+    """Rules that take one block only: every block's KV cache is still calibrated, bitwise
+    the whole-model pass (a block whose rules take nothing runs the KV cache alone)."""
+    from tiny_models import llama
+
+    from quantscope.calibration import preset
+
+    recipe = preset("w8a8", targets=["re:model.layers.0.*"], kv_cache="fp8")
+    runs = []
+    for seq in (None, True):
+        model, batches = llama()
+        runs.append(calibrate(model, batches, recipe, progress=False, sequential=seq))
+    whole, seq = runs
+    assert sorted(whole.states) == sorted(seq.states)
+    kv = [n for n, roles in whole.states.items() if "key" in roles]
+    assert kv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for layer, roles in whole.states.items():
+        for role, st in roles.items():
+            assert torch.equal(st.qparams.scale, seq.states[layer][role].qparams.scale)
+
+
+def test_a_misspelt_target_with_a_kv_cache_is_refused_sequentially_too():
+    from tiny_models import llama
+
+    from quantscope.calibration import preset
+
+    model, batches = llama()
+    with pytest.raises(ValueError, match=r"no module matches targets \['Lineer'\]"):
+        calibrate(model, batches, preset("w8a8", targets=["Lineer"], kv_cache="fp8"),
+                  progress=False, sequential=True)

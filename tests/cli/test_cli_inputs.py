@@ -233,7 +233,11 @@ def test_plot_replaces_a_planted_symlink_instead_of_writing_through_it(tmp_path,
     victim.write_text("precious user data\n")
     (run / "hist.png").symlink_to(victim)
     (run / "sqnr.png").symlink_to(victim)
+    # not plots quantscope wrote there (no .quantscope-output lists them): refused as they are
     rc, _, err = _run(capsys, "plot", str(run))
+    assert rc == 2 and "--overwrite" in err, err
+    assert (run / "hist.png").is_symlink() and victim.read_text() == "precious user data\n"
+    rc, _, err = _run(capsys, "plot", str(run), "--overwrite")
     assert rc == 0, err
     assert victim.read_text() == "precious user data\n"
     for name in ("hist.png", "sqnr.png"):
@@ -326,7 +330,8 @@ def test_export_format_takes_any_case_and_an_existing_file_is_said_to_exist(tmp_
     rc, _, err = _run(capsys, "export", str(tmp_path / "run"), "--format", "ONNX",
                       "--out", str(out))
     assert rc == 2
-    assert f"--out: output {str(out)!r} exists; pass overwrite=True" in err, err
+    assert f"--out: output {str(out)!r} exists and is not an ONNX file quantscope" in err, err
+    assert "--overwrite" not in err, err  # it would be refused: not offered
     rc, _, err = _run(capsys, "export", str(tmp_path / "run"), "--format", "onnxx",
                       "--out", str(out))
     assert rc == 2 and "unknown format 'onnxx'" in err and "'onnx'" in err, err

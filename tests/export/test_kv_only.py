@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from quantscope.calibration import Calibration, Recipe, Role, calibrate, preset
+from quantscope.calibration import Calibration, Recipe, Role, calibrate
 from quantscope.calibration.recipe import KV_CACHE
 from quantscope.qparams import qparams_from_range
 
@@ -30,9 +30,7 @@ def test_kv_cache_only_export_is_llm_compressors_layout_and_reads_back(tmp_path)
     from safetensors.torch import load_file
 
     model, batches = llama()
-    calib = calibrate(model, batches,
-                      preset("w8a8", targets=["nothing_matches_this"], kv_cache="fp8"),
-                      progress=False)
+    calib = calibrate(model, batches, Recipe((), kv_cache="fp8"), progress=False)
     assert all(set(r) == {"key", "value"} for r in calib.states.values())
     out = tmp_path / "ct"
     calib.export(model, out)

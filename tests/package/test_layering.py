@@ -19,7 +19,7 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "quantscope"
 
 LAYERS = [
-    ("core", ["_checks", "_jsonfile", "_numerics", "_oplib", "_versions", "_locks", "formats", "scales", "layout", "spec", "qparams", "qdq",
+    ("core", ["_checks", "_plainchecks", "_jsonfile", "_numerics", "_oplib", "_versions", "_locks", "formats", "scales", "layout", "spec", "qparams", "qdq",
               "presets", "comm", "kernels", "exporters.atomic", "exporters.atomic_swap",
               "exporters.registry",
               "exporters.moe_slots"]),

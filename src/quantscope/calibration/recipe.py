@@ -202,7 +202,8 @@ class Recipe:
 
     def match(self, model: nn.Module) -> dict[str, tuple[nn.Module, dict[str, Role]]]:
         """``{module name: (module, {role: Role})}`` for every module a rule takes
-        (:func:`taken_roles`); raises ``ValueError`` naming the targets if nothing matches."""
+        (:func:`taken_roles`) or the KV cache's roles take; raises ``ValueError`` naming the
+        targets if the rules take nothing (a KV-cache-only recipe has no rules)."""
         found, dropped = {}, {}
         for name, module in model.named_modules():
             rule = self.rule_for(name, module)
@@ -211,7 +212,8 @@ class Recipe:
                 found[name] = (module, roles)
             elif why:  # one module of each kind and reason, for the error
                 dropped.setdefault((type(module).__name__, why), name)
-        if self.kv_cache is not None:
+        # rules that take nothing are an error with a KV cache too (a misspelt target)
+        if self.kv_cache is not None and (found or not self.rules):
             from .structure.kv_cache import attention_modules
 
             attention = {n: m for n, m in attention_modules(model).items()

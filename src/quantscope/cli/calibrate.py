@@ -11,6 +11,7 @@ import time
 from .checks import (
     UsageError,
     check_calib_file,
+    check_library_args,
     check_model_arg,
     check_out,
     check_recipe_args,
@@ -62,6 +63,7 @@ def cmd_calibrate(args) -> int:
     check_model_arg(args.model)
     check_calib_file(args)
     check_out(args.out, command_inputs(args), what="calibrate-run")
+    check_library_args(args)  # imports torch: after the checks above, which need none
     if args.recipe_file:  # read now (its Recipe imports torch), before the model loads
         read_recipe_file(args.recipe_file)
     from ..calibration import calibrate

@@ -181,13 +181,37 @@ def check_activation_args(args) -> None:
     if args.keep_float and getattr(args, "sequential", None):
         raise UsageError("--keep-float ranks the activations with a forward of the whole "
                          "model: not with --sequential")
-    check_seed(args)  # calibrate and compare both come here, after every name
+
+
+def check_library_args(args) -> None:
+    """The values the library's own rules decide, named by their flags before the model
+    loads: ``--seed``'s range and the ``--targets`` / ``--ignore`` patterns. These import
+    torch (the calibration package): calibrate and compare call this after every check that
+    needs nothing heavy (names, --model, --out), so a typo there still fails at once."""
+    check_seed(args)
+    check_patterns(args)
+
+
+def check_patterns(args) -> None:
+    """``--targets`` / ``--ignore`` as the recipe will read them (a ``re:`` pattern that does
+    not compile), named by the flag: the recipe's own error names ``Rule.targets``. A
+    ``--targets`` with no pattern (no layer) says what it is for: ``--kv-cache`` alone."""
+    from ..calibration.recipe_dict import patterns
+
+    if getattr(args, "targets", None) == [] and not getattr(args, "kv_cache", None):
+        raise UsageError("--targets with no pattern quantizes no layer: add --kv-cache to "
+                         "calibrate the KV cache alone")
+    for flag in ("targets", "ignore"):
+        try:
+            patterns(f"--{flag}", getattr(args, flag, None))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
 
 def check_seed(args) -> None:
     """``--seed`` in the range ``Sampling(seed=)`` takes (torch's), before the model loads:
     torch's own overflow comes after it and names no flag. Imports torch: call it after the
-    checks that need none."""
+    checks that need none (:func:`check_library_args`)."""
     seed = getattr(args, "seed", None)
     if seed is None:
         return

@@ -14,6 +14,7 @@ from .checks import (
     check_activation_args,
     check_calib_file,
     check_distinct,
+    check_library_args,
     check_model_arg,
     check_name,
     check_out,
@@ -59,7 +60,13 @@ def add_plot_parser(sub) -> None:
     p.add_argument("--role", default="input", choices=["input", "output"],
                    help="the activation role plotted (default: input)")
     p.add_argument("--recipe", default=None, help="only this recipe's clipping ranges")
-    p.add_argument("--out", default=None, metavar="DIR", help="default: the run directory")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where hist.png and sqnr.png go (default: the run directory); an "
+                        "existing one is replaced only where quantscope wrote it into its "
+                        "output folder (a compare run), another only with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing hist.png / sqnr.png in --out quantscope did not "
+                        "write there (your own file of that name)")
 
 
 def _short_obs(name: str) -> str:
@@ -182,6 +189,13 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     check_distinct("--recipes", recipes)
     check_distinct("--observers", observers)
     check_activation_args(args)
+    configurations = len(recipes) * len(observers)
+    if getattr(args, "sequential", None) == "quantized" and configurations > 1:
+        # calibrate_many's own refusal comes after the model loads and names no flag
+        raise UsageError(f"--sequential quantized calibrates each block on the earlier "
+                         f"blocks quantized with one configuration's qparams: give one recipe "
+                         f"in --recipes and one observer in --observers (got {configurations} "
+                         f"configurations), or use --sequential float")
     if args.score_tokens < 1:
         raise UsageError(f"--score-tokens must be a positive number of tokens, got "
                          f"{args.score_tokens}")
@@ -194,6 +208,7 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     check_model_arg(args.model)
     check_calib_file(args)
     check_out(args.out, command_inputs(args), what="compare-run")
+    check_library_args(args)  # imports torch: after the checks above, which need none
     return recipes, observers
 
 
@@ -341,13 +356,15 @@ def _plot_layer(args, report: dict) -> str:
 
 def _plot_targets(args, out: str, report_path: str) -> tuple[str, str]:
     """hist.png and sqnr.png in ``out``, both checked before either is drawn (neither may be
-    the report read, nor a folder), so a refused one never leaves the other rewritten."""
+    the report read, nor a folder, nor without --overwrite a file quantscope did not write
+    into its output folder), so a refused one never leaves the other rewritten."""
     from ..exporters.atomic import check_writable_target
 
     targets = tuple(os.path.join(out, name) for name in ("hist.png", "sqnr.png"))
     try:
         for target in targets:
-            check_writable_target(target, overwrite=True, kind="report", inputs=[report_path])
+            check_writable_target(target, overwrite=args.overwrite, kind="report",
+                                  inputs=[report_path])
     except ValueError as e:
         where = "--out" if args.out else "--out (default: the report's folder)"
         raise UsageError(f"{where}: {e}") from None

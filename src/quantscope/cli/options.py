@@ -72,10 +72,12 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     """Which modules are quantized, and how the recipe adapts to them."""
     r = p.add_argument_group("what is quantized")
     # None: not given (a recipe file's rules keep their own targets)
-    r.add_argument("--targets", nargs="+", default=None, metavar="PATTERN",
+    r.add_argument("--targets", nargs="*", default=None, metavar="PATTERN",
                    help=f"modules quantized: class names, name globs or re:regex (default: "
                         f"{' '.join(DEFAULT_TARGETS)}; with --recipe-file, the modules its "
-                        f"rules take, which --targets narrows)")
+                        f"rules take, which --targets narrows; no pattern: no layer, only "
+                        f"--kv-cache's KV cache). Targets that match no module are an error, "
+                        f"with --kv-cache too")
     r.add_argument("--ignore", nargs="*", default=DEFAULT_IGNORE, metavar="PATTERN",
                    help=f"modules left in float (default: {' '.join(DEFAULT_IGNORE)}: the output "
                         f"head and pooler stay float, as the peers' recipes leave them; with "

@@ -29,13 +29,15 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
         rec = R.preset(name, observer, **kw)
     else:
         rec = R.scheme(name or args.scheme, observer, **kw)
+    if getattr(args, "kv_cache", None):
+        rec = replace(rec, kv_cache=replace(R.kv_cache_role(args.kv_cache), observer=(
+            "minmax" if observer in (None, R.AUTO) else observer)))
+        if args.targets == []:  # `--targets` and no pattern: no layer, the KV cache alone
+            rec = replace(rec, rules=())
     if args.group_size is not None and R.has_groups(rec):
         rec = R.with_group_size(rec, args.group_size)
     elif args.group_size is not None and not groups_optional:
         raise UsageError(no_groups(rec, args.group_size))
-    if getattr(args, "kv_cache", None):
-        rec = replace(rec, kv_cache=replace(R.kv_cache_role(args.kv_cache), observer=(
-            "minmax" if observer in (None, R.AUTO) else observer)))
     for role in ("weight", "input"):
         rec = _role_observer(rec, role, getattr(args, f"{role}_observer", None))
     rec = _indivisible(rec, model, args.on_indivisible)

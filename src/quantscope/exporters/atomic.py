@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 
-from .._checks import check_bool, check_path
+from .._plainchecks import check_bool, check_path
 from .atomic_swap import (
     _RENAME_EXCHANGE,  # noqa: F401 (importable here, as before the split)
     _parent_lock,  # noqa: F401 (importable here, as before the split)
@@ -243,12 +243,34 @@ def _check_replaceable(path: str, overwrite: bool, kind: str, what: str | None =
         raise ValueError(f"output {path!r} is a folder; expected a file path")
     if os.path.isdir(path) and not os.listdir(path):
         return  # an empty folder holds nothing to lose
+    if kind == "report":  # a report, a plot: replaced whatever its mode, as open(path, "w")
+        if not (overwrite or _listed_in_folder(path)):  # (quantscope's own: no flag needed)
+            raise ValueError(f"output {path!r} exists and its folder's {MARKER} file does "
+                             f"not list it as quantscope's; pass overwrite=True (--overwrite) "
+                             f"to replace it")
+        return
+    # first: overwrite is offered only where it would replace the output
+    _check_ours(path, kind, what)
+    if kind == "folder":
+        _check_removable(path)
     if not overwrite:
         state = "exists and is not empty" if os.path.isdir(path) else "exists"  # a file
         raise ValueError(f"output {path!r} {state}; pass overwrite=True "
                          f"(--overwrite) to replace it")
-    if kind == "report":
-        return  # a report, a plot: replaced whatever its mode, as its owner's open(path, "w")
+
+
+def _listed_in_folder(path: str) -> bool:
+    """Whether the file ``path`` is one quantscope wrote into its folder: its marker lists
+    it (a plot redrawn into a compare run too: :func:`_record`), or the folder is an older
+    output of quantscope (a marker listing nothing, or none) holding it."""
+    folder, name = os.path.split(path)
+    listed = _listed(folder)
+    return name in listed if listed is not None else written_by_quantscope(folder)
+
+
+def _check_ours(path: str, kind: str, what: str | None) -> None:
+    """Refuse an existing output ``overwrite`` may not replace: not quantscope's, holding
+    what it did not write or another output, or of another kind than ``what``."""
     extra = _unlisted(path) if kind == "folder" else []
     nested = [e for e in extra if _whole_output(os.path.join(path, e))]
     if nested:  # an export saved inside a run: quantscope's, but not this folder's to delete
@@ -273,8 +295,6 @@ def _check_replaceable(path: str, overwrite: bool, kind: str, what: str | None =
                          f"wrote, not {_KIND_NAMES.get(what, what)}: overwrite replaces only "
                          f"an earlier output of the same kind; choose another output or "
                          f"remove it yourself")
-    if kind == "folder":
-        _check_removable(path)
 
 
 def _check_removable(path: str) -> None:
@@ -294,8 +314,9 @@ def check_writable_target(path, *, overwrite: bool = False, kind: str = "folder"
     """The one output-path guard (module doc): refuse early what would fail late or destroy
     something. ``kind``: ``"folder"``, ``"file"`` (an exported ONNX model: replaces only
     quantscope's, never the model's weights) or ``"report"`` (a report or plot: replaces
-    any file); ``inputs``: the paths the command reads; ``what``: the kind of folder
-    written (:func:`output_kind`; None: not checked). Returns the absolute path."""
+    any file, and without ``overwrite`` one its folder lists as quantscope's); ``inputs``:
+    the paths the command reads; ``what``: the kind of folder written (:func:`output_kind`;
+    None: not checked). Returns the absolute path."""
     if kind not in ("folder", "file", "report"):
         raise ValueError(f"kind must be 'folder', 'file' or 'report', got {kind!r}")
     # before anything is written: bool("no") is True, and would replace the output

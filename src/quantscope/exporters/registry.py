@@ -24,8 +24,7 @@ import inspect
 import os
 from collections.abc import Callable
 
-from .. import comm
-from .._checks import check_path
+from .._plainchecks import check_path
 
 __all__ = ["FORMATS", "READERS", "exporter", "reader", "register", "register_reader"]
 
@@ -72,6 +71,8 @@ def _on_rank_zero(write: Callable, name: str, check: Callable | None) -> Callabl
         if check is not None:
             bound.apply_defaults()
             check(**bound.arguments)
+        from .. import comm  # here: importing the exporters (their atomic writes) needs no torch
+
         if not comm.is_main():
             return os.path.abspath(os.fspath(path))
         return write(calibration, model, path, **options)

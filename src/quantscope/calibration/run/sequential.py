@@ -44,6 +44,7 @@ import time
 import torch
 from torch import nn
 
+from ..recipe import ROLES
 from . import heap
 from .batches import batch_count, eval_mode, forward_batch, map_tensors
 from .block_order import NotAChain, check_disjoint, find_blocks, free_zeros, trace_batches
@@ -164,13 +165,33 @@ def _matches(recipe, module) -> bool:
 
 
 def _for_piece(recipe, piece):
-    """``recipe`` for one piece: without its KV-cache roles where the piece has no attention
-    module (the embeddings, the head; calibrate_many checks the whole model has some)."""
+    """``recipe`` as one piece takes it, None where it takes nothing there: without its
+    KV-cache roles where the piece has no attention module (the embeddings, the head;
+    calibrate_many checks the whole model has some); its KV cache alone where its rules take
+    nothing in a piece with attention (a block the targets leave out: whether they take
+    anything at all is the whole model's question, :func:`_took_rules`)."""
     from ..structure.kv_cache import attention_modules
 
-    if recipe.kv_cache is None or attention_modules(piece):
+    if recipe.kv_cache is not None and not attention_modules(piece):
+        if not recipe.rules:  # the KV cache alone: nothing here
+            return None
+        recipe = dataclasses.replace(recipe, kv_cache=None)
+    if _matches(recipe, piece):
         return recipe
-    return dataclasses.replace(recipe, kv_cache=None)
+    if recipe.kv_cache is None:
+        return None
+    kv_only = dataclasses.replace(recipe, rules=())
+    return kv_only if _matches(kv_only, piece) else None
+
+
+def _pieces_todo(recipes: dict, piece) -> dict:
+    """``{label: recipe as piece takes it}`` of the recipes that take something in it."""
+    return {k: r for k, r in ((k, _for_piece(r, piece)) for k, r in recipes.items()) if r}
+
+
+def _took_rules(parts) -> bool:
+    """Whether a rule took a role in a recipe's ``parts`` (else a misspelt target)."""
+    return any(role in ROLES for _, c in parts for roles in c.states.values() for role in roles)
 
 
 @contextlib.contextmanager
@@ -300,7 +321,7 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
     seconds = round(time.perf_counter() - t0, 3)
     out = {}
     for label, recipe in recipes.items():
-        if not run.parts[label]:
+        if not _took_rules(run.parts[label]):
             recipe.match(model)  # raises the whole-model error: nothing matches
         out[label] = _merge(Calibration, recipe, label, run.parts[label], n, seconds,
                             {"blocks": name, "count": len(originals), "order": order, "mode": mode,
@@ -387,7 +408,7 @@ def _calibrate_block(run: _Run, full: str, block, mine: set[str], hidden, contex
     feed = _Feed(block, hidden, context, batches.source)
     piece = _Piece(full, feed)
     nxt = run.cache("b" if hidden.tag == "a" else "a")
-    todo = {k: _for_piece(r, piece) for k, r in recipes.items() if _matches(r, piece)}
+    todo = _pieces_todo(recipes, piece)
     auto = any(_has_auto(r) for r in todo.values())
     # the outputs come with the calibration's own forwards, unless those are not the
     # block's plain forwards (auto's scoring, or the quantized block's outputs wanted)
@@ -428,7 +449,7 @@ def _calibrate_rest(run: _Run, batches, name: str, layers, outside: set[str], hi
     outputs: every block replaced by a replay of them (``extras``: :attr:`_Feed.rest`)."""
     model = run.model
     rest = _without_blocks(model, name)
-    todo = {k: _for_piece(r, rest) for k, r in recipes.items() if _matches(r, rest)}
+    todo = _pieces_todo(recipes, rest)
     if not todo:
         return
     run.load(outside)

@@ -1,0 +1,34 @@
+"""The argument checks that import no torch (numpy at most): the output-path guard
+(:mod:`quantscope.exporters.atomic`) uses them, and the command line runs that guard on
+``--out`` before torch is imported. :mod:`._checks` re-exports them with the others."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+__all__ = ["as_bool", "check_bool", "check_path"]
+
+
+def as_bool(value) -> bool | None:
+    """``value`` as a Python bool if it is a Python or numpy bool, else None (``bool("no")``
+    is True: a string, 0 / 1 or None would be read silently)."""
+    return bool(value) if isinstance(value, (bool, np.bool_)) else None
+
+
+def check_path(who: str, path, name: str = "path") -> str:
+    """``path`` as a str; ``TypeError`` naming ``name`` for anything but a str, bytes or
+    ``os.PathLike`` (None: pathlib's own message names neither the call nor the argument)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{who}: {name} must be a str or os.PathLike, got {type(path).__name__}")
+    return os.fsdecode(os.fspath(path))
+
+
+def check_bool(who: str, name: str, value) -> bool:
+    """``value`` as a bool: a Python or numpy bool only (``bool("no")`` is True: a string,
+    0 / 1 or None would be read silently)."""
+    if as_bool(value) is None:
+        raise ValueError(
+            f"{who}: {name} must be True or False, got {value!r}")
+    return bool(value)
