@@ -342,3 +342,28 @@ def test_a_misspelt_target_with_a_kv_cache_is_refused_sequentially_too():
     with pytest.raises(ValueError, match=r"no module matches targets \['Lineer'\]"):
         calibrate(model, batches, preset("w8a8", targets=["Lineer"], kv_cache="fp8"),
                   progress=False, sequential=True)
+
+
+@pytest.mark.parametrize("kv", [None, "fp8"])
+@pytest.mark.parametrize("ignore", [(), ("re:.*self_attn.*", r"re:.*mlp\.gate$")])
+def test_packed_moe_experts_a_block_holds_are_calibrated_as_whole(kv, ignore):
+    """A block whose rules take only packed (3-D) experts: they match once calibrate makes
+    their Linear views, so the block is calibrated, bitwise the whole-model pass (it was
+    skipped, or with a KV cache run on its KV cache alone)."""
+    from tiny_models import mixtral
+
+    from quantscope.calibration import preset
+
+    recipe = preset("w8a8", targets=["re:.*experts.*", "lm_head"], kv_cache=kv,
+                    ignore=list(ignore))
+    runs = []
+    for seq in (None, True):
+        model, batches = mixtral()
+        runs.append(calibrate(model, batches, recipe, progress=False, sequential=seq))
+    whole, seq = runs
+    assert sum("experts" in layer for layer in whole.states) == 16
+    assert sorted(whole.states) == sorted(seq.states)
+    for layer, roles in whole.states.items():
+        assert sorted(roles) == sorted(seq.states[layer])
+        for role, st in roles.items():
+            assert torch.equal(st.qparams.scale, seq.states[layer][role].qparams.scale)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..recipe import ROLES
+from ..structure import kv_cache, moe
 from . import heap
 from .batches import batch_count, eval_mode, forward_batch, map_tensors
 from .block_order import NotAChain, check_disjoint, find_blocks, free_zeros, trace_batches
@@ -154,9 +155,10 @@ def batch_source(model):
 
 
 def _matches(recipe, module) -> bool:
-    """Whether ``recipe`` takes any module of this piece (its other errors propagate)."""
+    """Whether ``recipe`` takes a module of this piece (packed MoE experts: their views)."""
     try:
-        recipe.match(module)
+        with moe.attach(module, count=False):
+            recipe.match(module)
     except ValueError as e:
         if "no module matches" in str(e) or "none takes a role of its rule" in str(e):
             return False  # (the piece's matches take no role: an Embedding's input)
@@ -170,9 +172,7 @@ def _for_piece(recipe, piece):
     calibrate_many checks the whole model has some); its KV cache alone where its rules take
     nothing in a piece with attention (a block the targets leave out: whether they take
     anything at all is the whole model's question, :func:`_took_rules`)."""
-    from ..structure.kv_cache import attention_modules
-
-    if recipe.kv_cache is not None and not attention_modules(piece):
+    if recipe.kv_cache is not None and not kv_cache.attention_modules(piece):
         if not recipe.rules:  # the KV cache alone: nothing here
             return None
         recipe = dataclasses.replace(recipe, kv_cache=None)
