@@ -130,6 +130,23 @@ def test_targets_with_no_pattern_is_the_kv_cache_alone(tmp_path, capsys):
         assert set(rec.match(model)) == {f"model.layers.{i}.self_attn" for i in range(2)}
 
 
+@pytest.mark.parametrize(("flags", "observer"), [((), "minmax"), (("--observer", "mse"), "mse")])
+def test_a_kv_cache_only_run_is_labelled_by_its_kv_observer(flags, observer):
+    """The summary, report and saved label name the KV cache's observer, not 'none (all
+    dynamic)', and the float note says no layer was quantized."""
+    pytest.importorskip("transformers")
+    from tiny_models import llama
+
+    from quantscope.cli.recipes import build_recipe, float_note, observer_label
+
+    model, _ = llama()
+    args = cli.build_parser().parse_args(["calibrate", "--targets", "--kv-cache", "fp8", *flags])
+    args.recipe = "w8a8"
+    rec = build_recipe(args, model)
+    assert observer_label(rec) == f"{observer} (KV cache only)"
+    assert float_note(rec, model).startswith("left in float: every layer")
+
+
 # ---------------------------------------------------------------- D4
 def _compare_run(tmp_path):
     """A compare run folder as quantscope writes it (its marker lists hist.png, sqnr.png)."""

@@ -135,7 +135,10 @@ def _narrow(rec, model, targets):
 def observer_label(rec) -> str:
     """The observers the summary and the saved label name: those the built recipe's
     calibrated roles run (weight/input/output, as the recipe holds them: ``--observer mse``
-    runs ``memoryless_mse`` on weights), never a flag's that no role took."""
+    runs ``memoryless_mse`` on weights), never a flag's that no role took; with no rule, the
+    KV cache's (``--targets`` with no pattern: the KV cache alone)."""
+    if not rec.rules and rec.kv_cache is not None:
+        return f"{rec.kv_cache.observer} (KV cache only)"
     return "/".join(dict.fromkeys(role.observer for r in rec.rules
                                   for role in r.roles().values()
                                   if role.dynamic is not True)) or "none (all dynamic)"
@@ -290,7 +293,9 @@ def _indivisible(rec, model, policy: str):
 
 
 def float_note(rec, model) -> str:
-    """Which modules the ignore list left in float (a short list)."""
+    """Which modules the ignore list left in float (a short list); with no rule, every layer."""
+    if not rec.rules:
+        return "left in float: every layer (the KV cache alone: --targets with no pattern)"
     top = []  # the ignored modules not inside another (named_modules: parents first)
     for n, m in model.named_modules():
         if n and rec.ignored(n, m) and not (top and n.startswith(top[-1] + ".")):
