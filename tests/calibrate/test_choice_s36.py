@@ -193,6 +193,17 @@ def test_top_checks_n_and_role():
     assert sens.top(5, "output") == [] and len(sens.top(5)) == 2 and sens.top(0) == []
 
 
+def test_plot_checks_top(tmp_path):
+    """plot(top=-1) silently dropped the least sensitive row, as top(-1) did."""
+    pytest.importorskip("matplotlib")
+    model, xs, calib = _linear()
+    sens = measure(model, xs, calib)
+    for top in (-1, 2.0):
+        with pytest.raises(ValueError, match=r"Sensitivity.plot: top must be a non-negative"):
+            sens.plot(tmp_path / "s.png", top=top)
+    assert not (tmp_path / "s.png").exists()
+
+
 # ------------------------------------------------------------- D7: the KV cache's roles
 
 

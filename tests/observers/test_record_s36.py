@@ -101,3 +101,18 @@ def test_a_damaged_ema_entry_is_no_record():
     state[RECORD] = torch.tensor(list(json.dumps(rec).encode()), dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"PercentileObserver.*_extra_state is no record"):
         get_observer("percentile", SPEC, bins=256).load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", ["percentile", "histogram_mse"])
+def test_an_empty_state_loads_in_either_mode(name):
+    """A state that observed nothing is either mode's empty state, with the record's ema
+    entry too (the EMA mode is no meaning without data)."""
+    for src_c, dst_c in ((0.5, None), (None, 0.5)):
+        src = get_observer(name, averaging_constant=src_c)
+        dst = get_observer(name, averaging_constant=dst_c)
+        dst.load_state_dict(src.state_dict())
+        x = torch.randn(64)
+        fresh = get_observer(name, averaging_constant=dst_c)
+        dst(x)
+        fresh(x)
+        assert torch.equal(dst.calculate_qparams().scale, fresh.calculate_qparams().scale)

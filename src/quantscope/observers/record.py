@@ -109,16 +109,15 @@ def _check_ema(state_dict, prefix, saved: dict, mine: bool, who: str) -> None:
     """An EMA state's histogram holds only the batches since the last estimate (none right
     after one: a range of ~0 read as a whole histogram), a plain one's all of them, which
     the EMA mode would read as one interval: refuse either in the other."""
-    ema = saved.get("ema")
-    if ema is None:  # saved before the entry: an EMA state averaged (ema_lo) or has an
-        # interval pending; a plain one that observed data has neither
-        lo, pending = state_dict.get(prefix + "ema_lo"), state_dict.get(prefix + "pending")
-        if lo is None or lo.is_meta or (pending is not None and pending.is_meta):
-            return
-        ema = bool(lo.numel()) or (pending is not None and int(pending) > 0)
-        if not ema and saved_shape(state_dict, prefix) is None:
-            return  # nothing observed: either mode's empty state
-    if ema != mine:
+    lo, pending = state_dict.get(prefix + "ema_lo"), state_dict.get(prefix + "pending")
+    if any(t is not None and t.is_meta for t in (lo, pending)):
+        return
+    # an EMA state averaged (ema_lo) or has an interval pending; a plain one neither
+    averaged = (lo is not None and bool(lo.numel())) or (pending is not None and int(pending) > 0)
+    if not averaged and saved_shape(state_dict, prefix) is None:
+        return  # nothing observed: either mode's empty state
+    ema = saved.get("ema", None if lo is None else averaged)  # before the entry: the buffers
+    if ema is not None and ema != mine:
         what = ("accumulating (averaging_constant=None)",
                 "in the EMA mode (averaging_constant set: a range averaged over intervals)")
         raise ValueError(f"{who}: cannot load a histogram state {what[ema]} into this one, "

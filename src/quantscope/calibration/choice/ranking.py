@@ -22,11 +22,11 @@ __all__ = ["Sensitivity", "count_arg"]
 KNOWN_ROLES = ROLES + KV_ROLES
 
 
-def count_arg(who: str, n) -> int:
-    """``n`` as an int, or ``ValueError`` naming ``who``'s ``n`` unless a non-negative integer
-    (numpy's too; not a bool, nor a float, whose slice would fail in Python's words)."""
+def count_arg(who: str, n, name: str = "n") -> int:
+    """``n`` as an int, or ``ValueError`` naming ``who``'s ``name`` unless a non-negative
+    integer (numpy's too; not a bool, nor a float, whose slice would fail in Python's words)."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"{who}: n must be a non-negative integer, got {n!r}")
+        raise ValueError(f"{who}: {name} must be a non-negative integer, got {n!r}")
     return operator.index(n)
 
 
@@ -81,7 +81,7 @@ class Sensitivity:
         """A horizontal bar chart of the ``top`` most sensitive tensors (log scale)."""
         from ..results.plots import figure
 
-        rows = self.rows[:top][::-1]
+        rows = self.rows[:count_arg("Sensitivity.plot", top, "top")][::-1]
         fig = figure(figsize=(8, 0.22 * len(rows) + 1.2))
         ax = fig.subplots()
         colors = {"weight": "tab:blue", "input": "tab:orange", "output": "tab:green"}
