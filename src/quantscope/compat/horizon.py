@@ -32,7 +32,10 @@ approximately, onto quantscope's power-of-two grid instead (Horizon appends on);
 ``stride > 1`` uses the factor ``1 - 0.01 * i * stride`` of the candidate it prices (Horizon's
 default path multiplies the candidate's position in the strided list by 0.01, its parallel
 path by the right factor); Mix ranks its percentile candidates by the error on its
-histogram (Horizon: the exact L2 error on the batch).
+histogram (Horizon: the exact L2 error on the batch). Data that is all subnormal (the first
+grid's float32 width ``max |x| / bins`` underflows) is estimated on the histogram scaled by a
+power of two, the range scaled back (:mod:`quantscope.observers.histogram_estimate`;
+Horizon's width reads 0 there: its percentile clips to 0, its KL reads linspace's edges).
 """
 
 from __future__ import annotations

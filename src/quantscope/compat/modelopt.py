@@ -16,20 +16,23 @@ batch after it is a ``RuntimeError``, as ModelOpt's).
 
 ``HistogramCalibrator(num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None,
 skip_zeros=False, torch_hist=True)``: per tensor only (``axis`` is ModelOpt's
-``NotImplementedError``); a ``num_bins`` histogram of ``|x|`` (integer tensors: of their
-float32 values) over the first batch's ``[0, max |x|]`` (``torch.histc``'s bins), later
-batches past it append bins of the same width, ``ceil(max |x| / w)`` in all as ModelOpt
-counts them in float32 (the native ``grid="first"`` histogram, grown as Horizon's KL
-histogram grows); ``_calib_hist`` / ``_calib_bin_edges`` read it as ModelOpt's
-(float32 counts, edges). A batch with NaN / inf is refused at ``collect``: a first one with
-ModelOpt's ``RuntimeError``, a later inf with its ``OverflowError``.
+``NotImplementedError``); a ``num_bins`` histogram of ``|x|`` (integer and fp8 tensors: of
+their float32 values, fp8 upcast as ``MaxCalibrator`` upcasts it) over the first batch's
+``[0, max |x|]`` (``torch.histc``'s bins), later batches past it append bins of the same width,
+``ceil(max |x| / w)`` in all as ModelOpt counts them in float32 (the native ``grid="first"``
+histogram, grown as Horizon's KL histogram grows); ``_calib_hist`` / ``_calib_bin_edges`` read
+it as ModelOpt's (float32 counts, edges). A batch with NaN / inf is refused at ``collect``: a
+first one with ModelOpt's ``RuntimeError``, a later inf with its ``OverflowError``.
 ``compute_amax(method, *, stride=1, start_bin=128, percentile=99.99)`` runs quantscope's
 estimators on it: ``"entropy"`` (:func:`~quantscope.estimators.entropy.entropy_amax`),
 ``"percentile"`` (``0 <= percentile <= 100``; the left edge of the bin reaching it, ModelOpt's
 ``edges[searchsorted]``), ``"mse"``
-(:func:`~quantscope.estimators.histogram_mse.histogram_mse_range`); ``start_bin`` / ``stride``
-are entropy's and mse's; a float32 0-d tensor on the CPU, as ModelOpt's; an unknown method is
-ModelOpt's ``TypeError``. ``grow_method`` is ignored, as ModelOpt (deprecated there).
+(:func:`~quantscope.estimators.histogram_mse.histogram_mse_range`: every bin centre from
+``start_bin`` scored, unclipped as ModelOpt's; the centre is ModelOpt's float32
+``(edges[i] + edges[i + 1]) / 2``); the amaxes are ModelOpt's edges' bits (its linspace's,
+then its arange's float32 steps). ``start_bin`` / ``stride`` are entropy's and mse's; the
+amax is a float32 0-d tensor on the CPU, as ModelOpt's; an unknown method is ModelOpt's
+``TypeError``. ``grow_method`` is ignored, as ModelOpt (deprecated there).
 
 ``_num_bits``, ``_axis`` and ``_unsigned`` may be set after construction, as ModelOpt's
 ``TensorQuantizer`` does: the spec follows, and a new axis starts from no data (the state is
@@ -40,7 +43,17 @@ Both are observers too: ``forward`` / ``qparams()`` run the native observer (the
 estimate is the entropy amax); they register as ``"modelopt:MaxCalibrator"`` and
 ``"modelopt:HistogramCalibrator"``. As ModelOpt's calibrators (plain objects), they save and
 load no state: a ``TensorQuantizer`` built with one (its config takes a calibrator class) has
-ModelOpt's state_dict keys, and loads ModelOpt's strictly.
+ModelOpt's state_dict keys, and loads ModelOpt's strictly. Saved whole (``torch.save``), they
+load with ``torch.load(weights_only=True)``, as ModelOpt's: both classes are torch safe
+globals (these two only), and their pickles hold ModelOpt's arguments (the spec is rebuilt
+from them), no other quantscope class.
+
+Data that is all subnormal (a first grid whose float32 width ``max |x| / num_bins``
+underflows) is estimated on that histogram scaled by a power of two
+(:mod:`quantscope.observers.histogram_estimate`): the bin found is that of the data scaled
+into the normal range, its value ModelOpt's edge. ModelOpt's ``linspace`` step underflows
+there too, so its edges read 0 below the middle of the grid and ``max |x|`` above it: an
+amax in the lower half is ModelOpt's 0, with a warning that says so.
 
 Known differences: ModelOpt's ``"mse"`` calls ``fake_tensor_quant(centers, amax, num_bits,
 unsigned)`` whose third parameter is now ``bias``, so it returns its first candidate
@@ -67,8 +80,9 @@ power-of-two grid of ``num_bins`` bins, approximately (ModelOpt: ``OverflowError
 on); ``_calib_hist`` / ``_calib_bin_edges`` then read that grid.
 ``num_bins`` is at least 2 (ModelOpt: any; that grid needs two bins).
 ``torch_hist=False`` (ModelOpt's numpy path, a ``[min |x|, max |x|]`` grid) is not
-supported. ``num_bits=(E, M)`` (ModelOpt's fp8 / fp4 configs) takes that float format: the
-amax is the same max, the entropy method (integer codes) refuses it.
+supported. fp8 histogram batches are taken (ModelOpt's ``histc`` fails on them: torch's
+``"min_all" not implemented``). ``num_bits=(E, M)`` (ModelOpt's fp8 / fp4 configs) takes that
+float format: the amax is the same max, the entropy method (integer codes) refuses it.
 """
 
 from __future__ import annotations
@@ -87,9 +101,11 @@ from ..observers.histogram import HistogramObserverBase
 from ..observers.minmax import StaticMinMaxObserver
 from ..observers.registry import register
 from ..qparams import amax_of_range
+from ..stats import histogram as H
 from ..stats.minmax import unit_minmax
 from . import SavesNoState
 from .horizon import AppendingFirstGrid
+from .modelopt_grid import ModelOptGrid
 from .modelopt_spec import _axes, modelopt_spec
 
 __all__ = [
@@ -112,6 +128,12 @@ class ModelOptArgumentError(ValueError, AssertionError):
 def _is_integer(x) -> bool:
     return isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()
                                                 or x.dtype == torch.bool)
+
+
+def _upcast(x):
+    """An fp8 batch as float32, as ModelOpt's ``reduce_amax`` reads it (fp8 has no abs / max /
+    isfinite kernels): both calibrators' ``collect`` take it so."""
+    return x.float() if getattr(x, "dtype", None) in FP8 else x
 
 
 def _float_values(x):
@@ -159,6 +181,15 @@ class ModelOptCalibrator(SavesNoState):
         before, self._config = self._config, (config[0], config[1], bool(config[2]))
         if i == 1 and _axes(before[1]) != _axes(value):
             self.reset()
+
+    # pickled without the spec, rebuilt from ModelOpt's arguments: a saved calibrator holds no
+    # quantscope class but its own (a safe global: torch.load(weights_only=True), as ModelOpt's)
+    def __getstate__(self):
+        return {k: v for k, v in super().__getstate__().items() if k != "spec"}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.spec = modelopt_spec(*self._config)
 
     _num_bits = property(lambda self: self._config[0],
                          lambda self, value: self._configure(0, value))
@@ -240,8 +271,7 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         if self._meta_amax is not None:  # ModelOpt: its meta amax and the batch's clash
             raise RuntimeError("modelopt MaxCalibrator: a meta tensor was collected (ModelOpt's "
                                "initialization); reset() before collecting data")
-        if getattr(x, "dtype", None) in FP8:  # as ModelOpt's reduce_amax (float32 holds them)
-            x = x.float()
+        x = _upcast(x)
         view, shape = self._view(_float_values(x))
         self._check_values(x)
         shape = _squeezed(shape)
@@ -308,11 +338,13 @@ def _per_tensor(axis) -> None:
 
 
 @register("modelopt:HistogramCalibrator")
-class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObserverBase):
+class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
+                          HistogramObserverBase):
     """ModelOpt's HistogramCalibrator: one ``|x|`` histogram from 0, bins of the first
     batch's width appended past it; ``compute_amax`` by entropy, MSE or percentile."""
 
     absolute = True  # |x| from 0, signed or unsigned
+    scales_subnormal = True  # forward / qparams' entropy (observers.histogram_estimate)
     GROW_LIMIT = 64  # ModelOpt appends without bound; the estimators' cost grows with bins
     # ModelOpt takes any count (its tests: 19, 32); 2: the power-of-two grid a histogram may
     # move to spans (bins - 1) widths
@@ -329,8 +361,6 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         self.grow_method = grow_method  # deprecated in ModelOpt, and ignored there
         super().__init__(num_bits, axis, unsigned, bins=num_bins, grid="first",
                          skip_zeros=skip_zeros, **kwargs)
-        self._grown_top = None  # max |x| of the batch that last grew the grid
-        self._grown_edge = None  # the grown grid's last edge (_linear_top)
 
     def _configure(self, i, value):
         if i == 1:
@@ -340,7 +370,7 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Add ``|x|`` to the histogram (bins of the same width appended past its end)."""
-        x = _float_values(x)
+        x = _float_values(_upcast(x))
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() and \
                 not bool(torch.isfinite(x).all()):
             self._refuse_non_finite(x)
@@ -355,65 +385,6 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
             raise OverflowError(f"{what}; the grid cannot grow to it")
         raise ValueError(f"{what}; refused (ModelOpt's histc drops a later batch's NaN "
                          f"silently)")
-
-    @property
-    def _calib_hist(self) -> torch.Tensor | None:
-        """ModelOpt's attribute: the counts as float32 ``[bins]`` (grown ones too), read
-        only; None before data."""
-        if not self.has_observed:
-            return None
-        return self.current_histogram().counts[0].float()
-
-    @property
-    def _calib_bin_edges(self) -> torch.Tensor | None:
-        """ModelOpt's attribute: its edges (:meth:`_modelopt_edges`; on the CPU until grown,
-        as ModelOpt's), read only; None before data."""
-        if not self.has_observed:
-            return None
-        if not self._linear:  # moved to the native grid (module doc)
-            return self.current_histogram().edges()[0]
-        edges = self._modelopt_edges()
-        # ModelOpt's arange runs on the batch's device, its linspace on the CPU
-        return edges if self._grown_top is None else edges.to(self.hist_counts.device)
-
-    def _first_edges(self) -> torch.Tensor:
-        # ModelOpt's linspace(0, max |x|, num_bins + 1) of the first batch (CPU float32)
-        return torch.linspace(0, float(self.hist_hi[0]), self.bins + 1)
-
-    def _modelopt_edges(self) -> torch.Tensor:
-        """ModelOpt's edges of the first grid (CPU float32): ``linspace(0, max |x|, num_bins +
-        1)`` of the first batch; grown, ``arange(0, top + w, w)`` to the growing batch's max
-        ``|x|`` (one edge more than the bins where float32 rounds so)."""
-        edges = self._first_edges()
-        if self._grown_top is None:
-            return edges
-        w = edges[1] - edges[0]
-        return torch.arange(0, self._grown_top + w, w)
-
-    def _bins_needed(self, hi) -> torch.Tensor:
-        # ModelOpt's count: ceil(x_max / w) in float32, w = edges[1] - edges[0] of its
-        # float32 linspace (not Horizon's float64 quotient, which can count a bin more)
-        edges = self._first_edges()
-        w = (edges[1] - edges[0]).to(hi.device)
-        return torch.ceil(hi.float() / w).max()
-
-    def _linear_top(self):
-        # histc's max on a grown grid: ModelOpt's last edge (float32 steps, not float64's),
-        # kept when the grid grows (read 2-3 times a batch)
-        if self._grown_top is None:
-            return self.hist_hi
-        if self._grown_edge is None:
-            self._grown_edge = self._modelopt_edges()[-1:]
-        if self._grown_edge.device != self.hist_hi.device:  # Module.to moves no plain attribute
-            self._grown_edge = self._grown_edge.to(self.hist_hi.device)
-        return self._grown_edge
-
-    def _append_bins(self, hi) -> bool:
-        grown = super()._append_bins(hi)
-        if grown:  # ModelOpt's edges run to this batch's max |x| (hi: per tensor)
-            self._grown_top = hi.reshape(()).float().cpu()
-            self._grown_edge = None
-        return grown
 
     def compute_amax(self, method: str, *, stride: int = 1, start_bin: int = 128,
                      percentile: float = 99.99) -> torch.Tensor | None:
@@ -441,32 +412,28 @@ class HistogramCalibrator(ModelOptCalibrator, AppendingFirstGrid, HistogramObser
         return amax.reshape(()).float().abs().cpu().clone()
 
     def _method_amax(self, hist, method, stride, start_bin, percentile) -> torch.Tensor:
-        if method == "mse":  # bin centres (ModelOpt's; module doc)
-            return histogram_mse_range(hist, self.spec, start_bin=start_bin, stride=stride,
-                                       refine=None)[1]
-        if method == "entropy":
+        if method == "percentile" and percentile == 0:  # ModelOpt's edges[searchsorted(cdf,
+            return hist.lo  # 0)]: the first edge
+        # a first grid over subnormal-only data: its width underflows float32, so estimated
+        # on it scaled by a power of two (the bin found is the same); the values are
+        # ModelOpt's edges (_modelopt_value), and the native grid's widths are normal
+        hist = H.normal_width(hist)[0]
+        if method == "mse":  # bin centres, every one scored unclipped as ModelOpt's (module doc)
+            inf = torch.full_like(hist.hi, math.inf)
+            amax = histogram_mse_range(hist, self.spec, start_bin=start_bin, stride=stride,
+                                       refine=None, bounds=(hist.lo, inf))[1]
+        elif method == "entropy":
             amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned,
                                 start_bin=start_bin, stride=stride, trim=False)
-        elif percentile == 0:  # ModelOpt's edges[searchsorted(cdf, 0)]: the first edge
-            return hist.lo
         else:
             amax = percentile_range(hist, percentile, convention="lower")[1]
-        return self._modelopt_edge(amax, hist)
-
-    def _modelopt_edge(self, amax: torch.Tensor, hist) -> torch.Tensor:
-        """``amax``, an edge ``lo + i * width`` of the grid, as ModelOpt returns it: its own
-        ``_calib_bin_edges[i]`` (linspace's, or arange's float32 steps on a grown grid, which
-        differ from ``lo + i * width`` in the last bit)."""
-        if not self._linear:
-            return amax
-        edges = self._modelopt_edges().to(amax.device)
-        i = ((amax.double() - hist.lo.double()) / hist.width.double()).round().long()
-        return edges[i.clamp(0, edges.numel() - 1)].reshape(amax.shape)
-
-    def reset(self) -> None:
-        super().reset()
-        self._grown_top = self._grown_edge = None
+        return self._modelopt_value(amax, hist, centre=method == "mse")
 
     def _estimate(self, hist):  # forward / qparams: ModelOpt's default method, entropy
         amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned, trim=False)
         return (torch.zeros_like(amax) if self._unsigned else -amax), amax
+
+
+# as ModelOpt's _Calibrator.__init_subclass__: these two only (their pickles name no other
+# quantscope class: ModelOptCalibrator.__getstate__)
+torch.serialization.add_safe_globals([MaxCalibrator, HistogramCalibrator])

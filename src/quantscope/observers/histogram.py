@@ -58,6 +58,7 @@ from ..stats.histogram_sync import HistogramSync
 from ..stats.minmax_layouts import unpad_minmax_
 from .base import Observer
 from .histogram_ema import WINDOW, IntervalAverage
+from .histogram_estimate import ScaledEstimate
 from .registry import register
 
 __all__ = [
@@ -72,7 +73,7 @@ __all__ = [
 _STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
 
 
-class HistogramObserverBase(IntervalAverage, Observer):
+class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
     """Base of the histogram observers: keeps the histogram, asks :meth:`_estimate` for ranges.
 
     Args:
@@ -310,17 +311,7 @@ class HistogramObserverBase(IntervalAverage, Observer):
         return self.ema_lo, self.ema_hi
 
     def _estimate(self, hist: H.Hist) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def _estimated(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_estimate` of the current histogram, clipped (:meth:`_clip`). The view and
-        the estimators are pure functions of the state, so they run under
-        ``torch.inference_mode``: their ~20-200 small torch ops skip autograd's bookkeeping
-        (5-7 % of a qparams call); the clip runs outside it and hands back ordinary tensors."""
-        self._check_magnitude()
-        with torch.inference_mode():
-            lo, hi = self._estimate(self.current_histogram())
-        return self._clip(lo, hi)
+        raise NotImplementedError  # (_estimated: ScaledEstimate's)
 
     #: the largest ``|x|`` a histogram takes: the power-of-two grid's last edge (up to twice
     #: the data's max) and the estimators' scores must stay finite in float32
@@ -368,6 +359,8 @@ class PercentileObserver(HistogramObserverBase):
     ``"upper"``; see :mod:`quantscope.estimators.percentile`.
     """
 
+    scales_subnormal = True  # (ScaledEstimate; the MSE, entropy and mix observers too)
+
     def __init__(self, spec=None, *, percentile: float = 99.99, convention: str = "center",
                  **kwargs):
         super().__init__(spec, **kwargs)
@@ -387,6 +380,8 @@ class HistogramMSEObserver(HistogramObserverBase):
     ``refine``: 16 (default) searches coarse-to-fine, None scores every candidate (the exact
     argmin; see :func:`~quantscope.estimators.histogram_mse.histogram_mse_range`)."""
 
+    scales_subnormal = True
+
     def __init__(self, spec=None, *, start_bin: int = 128, stride: int = 1,
                  refine: int | None = 16, **kwargs):
         super().__init__(spec, **kwargs)
@@ -397,9 +392,9 @@ class HistogramMSEObserver(HistogramObserverBase):
 
     def _estimate(self, hist):
         # bounds: the range _clip keeps, so the range scored is the range that runs
+        lo, hi, amax = self._estimate_units(*self._bounds(), self.global_amax())
         return histogram_mse_range(hist, self.spec, start_bin=self.start_bin, stride=self.stride,
-                                   refine=self.refine, bounds=self._bounds(),
-                                   global_amax=self.global_amax())
+                                   refine=self.refine, bounds=(lo, hi), global_amax=amax)
 
 
 @register("entropy", "kl")
@@ -416,6 +411,7 @@ class EntropyObserver(HistogramObserverBase):
     """
 
     absolute = True
+    scales_subnormal = True
 
     def __init__(self, spec=None, *, start_bin: int = 128, stride: int = 1, smooth: int = 1,
                  num_bits: int | None = None, copy_zero_bin: bool = True, **kwargs):
@@ -477,6 +473,8 @@ class MixObserver(HistogramObserverBase):
     """Per unit, the best of percentiles 99.9 .. 99.9999, min / max, histogram MSE and
     entropy by quantization error on the histogram (Horizon's MixObserver, extended)."""
 
+    scales_subnormal = True
+
     def __init__(self, spec=None, *, percentiles=MIX_PERCENTILES, candidates=MIX_CANDIDATES,
                  convention: str = "center", start_bin: int = 128, **kwargs):
         super().__init__(spec, **kwargs)
@@ -489,8 +487,8 @@ class MixObserver(HistogramObserverBase):
             check_entropy_options(who, start_bin=self.start_bin, bins=self.bins)
 
     def _estimate(self, hist):
-        lo, hi = self._data_range()  # the interval's in the EMA mode
+        # the interval's in the EMA mode
+        lo, hi, amax = self._estimate_units(*self._data_range(), self.global_amax())
         return mix_range(hist, self.spec, lo=lo, hi=hi,
                          percentiles=self.percentiles, candidates=self.candidates,
-                         convention=self.convention, start_bin=self.start_bin,
-                         global_amax=self.global_amax())
+                         convention=self.convention, start_bin=self.start_bin, global_amax=amax)

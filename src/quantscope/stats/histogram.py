@@ -53,9 +53,11 @@ __all__ = [
     "grid_first",
     "linear_counts",
     "merge",
+    "normal_width",
     "padding_zeros",
     "pow2",
     "rebin",
+    "scaled",
     "update",
     "view",
 ]
@@ -337,6 +339,36 @@ def linear_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     pos = torch.where(inside, pos + torch.arange(U, device=units.device)[:, None] * bins,
                       U * bins)
     return torch.bincount(pos.reshape(-1), minlength=U * bins + 1)[:-1].reshape(U, bins)
+
+
+def normal_width(hist: Hist, common: bool = False) -> tuple[Hist, torch.Tensor | None]:
+    """``hist`` on a grid whose bin width is a normal float32, and the float64 factors
+    ``[U]`` that take its values back (:func:`scaled`); ``(hist, None)`` where every width is.
+
+    A first grid over subnormal-only data (``bins`` bins over ``[lo, hi]``, as torch.histc)
+    has a width ``(hi - lo) / bins`` that float32 rounds coarsely, or to 0, where every edge
+    and candidate reads ``lo``. Such a unit is scaled by a power of two (exactly) to
+    ``max(|lo|, |hi|)`` in ``[0.5, 1)``, where the estimators' arithmetic is that of normal
+    data (they are scale-equivariant: the estimate scaled back is that of the data scaled up,
+    rounded once). ``common``: every unit scaled by the largest one's factor (a global scale's
+    ratios kept). The power-of-two grid's widths (at least ``2 ** E_MIN``) are normal."""
+    under = (hist.width < torch.finfo(torch.float32).tiny) & (hist.hi > hist.lo)
+    if not bool(under.any()):
+        return hist, None
+    top = torch.maximum(hist.lo.abs(), hist.hi.abs())
+    e = torch.frexp(top.amax().expand_as(top) if common else top).exponent
+    back = torch.ldexp(torch.ones_like(top, dtype=torch.float64), torch.where(
+        under | common, e, 0))  # 2 ** 148 is past float32: the factors in float64
+    lo, hi = scaled(hist.lo, 1 / back), scaled(hist.hi, 1 / back)
+    return Hist(hist.counts, lo, hi, hist.absolute), back
+
+
+def scaled(values: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``values [U]`` (or ``[U, ...]``) times the float64 ``factor [U]``, rounded once to
+    float32 (:func:`normal_width`'s factors: exact unless the result is subnormal); a 0-d
+    value (tensor-wide: a global amax) takes the first factor (``common`` ones are all one)."""
+    f = factor.reshape(-1, *([1] * (values.dim() - 1))) if values.dim() else factor[0]
+    return (values.double() * f).float()
 
 
 def fold_abs(hist: Hist) -> Hist:
