@@ -184,6 +184,7 @@ def test_plot_replaces_its_own_plots_but_not_a_users_file(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "plot", str(run), "--out", str(mine))
     assert rc == 2
     assert "--out: output" in err and "hist.png" in err and "--overwrite" in err, err
+    assert "is not one quantscope wrote" in err, err
     assert (mine / "hist.png").read_text() == "my own figure"
     assert not (mine / "sqnr.png").exists()
     # --overwrite says to replace it

@@ -245,9 +245,9 @@ def _check_replaceable(path: str, overwrite: bool, kind: str, what: str | None =
         return  # an empty folder holds nothing to lose
     if kind == "report":  # a report, a plot: replaced whatever its mode, as open(path, "w")
         if not (overwrite or _listed_in_folder(path)):  # (quantscope's own: no flag needed)
-            raise ValueError(f"output {path!r} exists and its folder's {MARKER} file does "
-                             f"not list it as quantscope's; pass overwrite=True (--overwrite) "
-                             f"to replace it")
+            raise ValueError(f"output {path!r} exists and is not one quantscope wrote into "
+                             f"an output folder of its own (no {MARKER} file there lists it); "
+                             f"pass overwrite=True (--overwrite) to replace it")
         return
     # first: overwrite is offered only where it would replace the output
     _check_ours(path, kind, what)
