@@ -5,22 +5,13 @@ folder as transformers does (its shard index; the base model's prefix added or r
 import pytest
 import torch
 import transformers
+from calib_checks import assert_same_qparams
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from quantscope.calibration import Sequential, calibrate, empty_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _same(a, b):
-    assert a.states.keys() == b.states.keys() and a.states
-    for layer, roles in a.states.items():
-        assert roles.keys() == b.states[layer].keys(), layer
-        for role, st in roles.items():
-            qa, qb = st.qparams, b.states[layer][role].qparams
-            assert torch.equal(qa.scale, qb.scale), (layer, role)
-            assert torch.equal(qa.zero_point, qb.zero_point), (layer, role)
 
 
 def _ids(n=2, tokens=12):
@@ -59,7 +50,7 @@ def test_alternating_attention_layers_get_their_own_masks(kind, budget):
     whole = calibrate(model, _ids(), "w8a8", progress=False)
     seq = calibrate(model, _ids(), "w8a8", progress=False,
                     sequential=Sequential(cache_budget_mb=budget))
-    _same(seq, whole)
+    assert_same_qparams(seq, whole)
 
 
 class _Opts:
@@ -103,7 +94,7 @@ def test_each_block_gets_its_own_positional_and_keyword_arguments(budget):
     whole = calibrate(model, batches, "w8a8", progress=False)
     seq = calibrate(model, batches, "w8a8", progress=False,
                     sequential=Sequential(cache_budget_mb=budget))
-    _same(seq, whole)
+    assert_same_qparams(seq, whole)
 
 
 def test_a_block_output_passed_as_an_argument_is_refused():
@@ -139,9 +130,9 @@ def test_the_kv_cache_is_not_replayed(how):
     model = _llama()
     plain = [{"input_ids": x} for x in _ids(tokens=8)]
     cached = [{"input_ids": x, "use_cache": True} for x in _ids(tokens=8)]
-    _same(calibrate(model, cached, "w8a8", progress=False),
+    assert_same_qparams(calibrate(model, cached, "w8a8", progress=False),
           calibrate(model, plain, "w8a8", progress=False))
-    _same(calibrate(model, cached, "w8a8", progress=False, **how),
+    assert_same_qparams(calibrate(model, cached, "w8a8", progress=False, **how),
           calibrate(model, plain, "w8a8", progress=False, **how))
 
 
@@ -159,7 +150,7 @@ def test_the_shard_index_says_which_files_hold_the_model(tmp_path):
                       _ids(tokens=8), "w8a8", progress=False)
     seq = calibrate(empty_model(tmp_path), _ids(tokens=8), "w8a8", progress=False,
                     sequential=Sequential(checkpoint=tmp_path))
-    _same(seq, whole)
+    assert_same_qparams(seq, whole)
 
 
 def test_a_tensor_in_two_unindexed_files_is_refused(tmp_path):
@@ -188,7 +179,7 @@ def test_base_model_from_a_task_models_checkpoint(tmp_path):
     assert type(skeleton).__name__ == "BertModel"
     seq = calibrate(skeleton, _ids(tokens=8), "w8a8", progress=False,
                     sequential=Sequential(checkpoint=tmp_path))
-    _same(seq, whole)
+    assert_same_qparams(seq, whole)
 
 
 def test_task_model_from_a_base_models_checkpoint(tmp_path):
@@ -199,4 +190,4 @@ def test_task_model_from_a_base_models_checkpoint(tmp_path):
                       _ids(tokens=8), "w8a8", progress=False)
     seq = calibrate(empty_model(tmp_path, task="causal-lm"), _ids(tokens=8), "w8a8",
                     progress=False, sequential=Sequential(checkpoint=tmp_path))
-    _same(seq, whole)
+    assert_same_qparams(seq, whole)

@@ -5,6 +5,7 @@ output read twice is refused with a ValueError naming the block and the way out.
 
 import pytest
 import torch
+from calib_checks import assert_same_qparams
 from safetensors.torch import save_file
 from torch import nn
 
@@ -53,15 +54,6 @@ def _batches():
     return [torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
 
 
-def _same(a, b):
-    assert a.states.keys() == b.states.keys()
-    for layer, roles in a.states.items():
-        for role, st in roles.items():
-            qa, qb = st.qparams, b.states[layer][role].qparams
-            assert torch.equal(qa.scale, qb.scale), (layer, role)
-            assert torch.equal(qa.zero_point, qb.zero_point), (layer, role)
-
-
 def _net(**kw):
     torch.manual_seed(0)
     return Net(**kw).eval()
@@ -72,7 +64,7 @@ def test_blocks_out_of_list_order_follow_the_call_order(order):
     model = _net(order=order)
     whole = calibrate(model, _batches(), "w8a8", progress=False)
     seq = calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
-    _same(whole, seq)
+    assert_same_qparams(whole, seq)
     assert seq.info["sequential"]["order"] == list(order)
 
 
@@ -81,7 +73,7 @@ def test_blocks_returning_tuples_and_keyword_arguments():
     batches = [(x, torch.tensor(0.5)) for x in _batches()]
     whole = calibrate(model, batches, "w8a8", progress=False)
     seq = calibrate(model, batches, "w8a8", progress=False, sequential=True)
-    _same(whole, seq)
+    assert_same_qparams(whole, seq)
 
 
 def test_out_of_order_from_a_checkpoint_on_the_meta_device(tmp_path):
@@ -93,7 +85,7 @@ def test_out_of_order_from_a_checkpoint_on_the_meta_device(tmp_path):
     whole = calibrate(model, _batches(), "w8a8", progress=False)
     seq = calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
                     checkpoint=tmp_path)
-    _same(whole, seq)
+    assert_same_qparams(whole, seq)
     assert all(p.device.type == "meta" for p in skeleton.parameters())
 
 
@@ -137,7 +129,7 @@ def test_blocks_names_a_chain_inside_a_model_that_is_not_one():
         calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
     whole = calibrate(model, _batches(), "w8a8", progress=False)
     seq = calibrate(model, _batches(), "w8a8", progress=False, sequential=True, blocks="trunk")
-    _same(whole, seq)
+    assert_same_qparams(whole, seq)
 
 
 class Widen(nn.Module):
@@ -159,11 +151,11 @@ class Widen(nn.Module):
 def test_blocks_that_change_the_width_are_traced_shaped(tmp_path):
     model = Widen().eval()
     whole = calibrate(model, _batches(), "w8a8", progress=False)
-    _same(whole, calibrate(model, _batches(), "w8a8", progress=False, sequential=True))
+    assert_same_qparams(whole, calibrate(model, _batches(), "w8a8", progress=False, sequential=True))
     save_file(dict(model.state_dict()), tmp_path / "model.safetensors")
     with torch.device("meta"):
         skeleton = Widen().eval()
-    _same(whole, calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
+    assert_same_qparams(whole, calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
                            checkpoint=tmp_path))
 
 
@@ -225,13 +217,13 @@ def test_weights_tied_between_blocks_are_not_shared_modules(tmp_path):
 
     model = tie(_net(order=(1, 2, 0)))
     whole = calibrate(model, _batches(), "w8a8", progress=False)
-    _same(whole, calibrate(model, _batches(), "w8a8", progress=False, sequential=True))
+    assert_same_qparams(whole, calibrate(model, _batches(), "w8a8", progress=False, sequential=True))
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()
                if k != "layers.2.fc.weight"}
     save_file(tensors, tmp_path / "model.safetensors")
     with torch.device("meta"):
         skeleton = tie(Net(order=(1, 2, 0)).eval())
-    _same(whole, calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
+    assert_same_qparams(whole, calibrate(skeleton, _batches(), "w8a8", progress=False, sequential=True,
                            checkpoint=tmp_path))
     assert skeleton.layers[2].fc.weight is skeleton.layers[0].fc.weight
 
@@ -249,7 +241,7 @@ def test_the_trace_computes_no_head():
     real_whole = calls.count("real")
     calls.clear()
     seq = calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
-    _same(whole, seq)
+    assert_same_qparams(whole, seq)
     assert calls.count("real") == real_whole
     assert calls.count("shape") == calls.count("meta") == len(_batches())   # the trace
     assert "forward" not in model.head.__dict__                              # put back

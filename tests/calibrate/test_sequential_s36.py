@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from calib_checks import assert_same_qparams
 from safetensors.torch import save_file
 from torch import nn
 
@@ -62,15 +63,6 @@ def _batches(n=3):
     return [torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
-def _same(a, b):
-    assert a.states.keys() == b.states.keys()
-    for layer, roles in a.states.items():
-        for role, st in roles.items():
-            qa, qb = st.qparams, b.states[layer][role].qparams
-            assert torch.equal(qa.scale, qb.scale), (layer, role)
-            assert torch.equal(qa.zero_point, qb.zero_point), (layer, role)
-
-
 def _save(model, folder):
     os.makedirs(folder, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()},
@@ -86,7 +78,7 @@ def test_blocks_under_any_list_name_calibrate_as_the_whole_model(attr):
     whole = calibrate(model, _batches(), "w8a8", progress=False)
     seq = calibrate(model, _batches(), "w8a8", progress=False, sequential=True)
     assert f"{attr}.2.fc" in seq.states and f"{attr}.fc" not in seq.states
-    _same(whole, seq)
+    assert_same_qparams(whole, seq)
     x = _batches(1)[0]
     with torch.no_grad():
         handle = seq.apply(model)
@@ -207,7 +199,7 @@ def test_spilled_table_slices_stay_small_and_calibrate_as_the_whole_model(monkey
                     sequential=Sequential(cache_budget_mb=0))
     monkeypatch.undo()
     assert sizes and max(sizes) < 16384
-    _same(calibrate(model, batches, "w8a8", progress=False), seq)
+    assert_same_qparams(calibrate(model, batches, "w8a8", progress=False), seq)
 
 
 # ---------------------------------------------------------------- 4. the model's own error
@@ -294,7 +286,7 @@ def test_a_checkpoint_with_the_weights_in_memory_is_warned_about(tmp_path, devic
     said = [str(w.message) for w in ws if "is not read" in str(w.message)]
     assert len(said) == 1 and "empty_model(" in said[0]
     assert ("device=cpu moves nothing" in said[0]) == (device is not None)
-    _same(calibrate(model, _batches(), "w8a8", progress=False), seq)  # its own weights
+    assert_same_qparams(calibrate(model, _batches(), "w8a8", progress=False), seq)  # its own weights
 
 
 def test_a_skeleton_reads_its_checkpoint_without_that_warning(tmp_path):
@@ -308,7 +300,7 @@ def test_a_skeleton_reads_its_checkpoint_without_that_warning(tmp_path):
         seq = calibrate(skeleton, _batches(), "w8a8", progress=False,
                         sequential=Sequential(checkpoint=path))
     assert not [w for w in ws if "is not read" in str(w.message)]
-    _same(calibrate(model, _batches(), "w8a8", progress=False), seq)
+    assert_same_qparams(calibrate(model, _batches(), "w8a8", progress=False), seq)
 
 
 # ---------------------------------------------------------------- KV cache beside partial rules
@@ -325,12 +317,9 @@ def test_kv_cache_of_blocks_the_rules_leave_out_is_calibrated_as_whole():
         model, batches = llama()
         runs.append(calibrate(model, batches, recipe, progress=False, sequential=seq))
     whole, seq = runs
-    assert sorted(whole.states) == sorted(seq.states)
     kv = [n for n, roles in whole.states.items() if "key" in roles]
     assert kv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    for layer, roles in whole.states.items():
-        for role, st in roles.items():
-            assert torch.equal(st.qparams.scale, seq.states[layer][role].qparams.scale)
+    assert_same_qparams(whole, seq)
 
 
 def test_a_misspelt_target_with_a_kv_cache_is_refused_sequentially_too():
@@ -362,8 +351,4 @@ def test_packed_moe_experts_a_block_holds_are_calibrated_as_whole(kv, ignore):
         runs.append(calibrate(model, batches, recipe, progress=False, sequential=seq))
     whole, seq = runs
     assert sum("experts" in layer for layer in whole.states) == 16
-    assert sorted(whole.states) == sorted(seq.states)
-    for layer, roles in whole.states.items():
-        assert sorted(roles) == sorted(seq.states[layer])
-        for role, st in roles.items():
-            assert torch.equal(st.qparams.scale, seq.states[layer][role].qparams.scale)
+    assert_same_qparams(whole, seq)

@@ -132,6 +132,15 @@ def _scaled_back(t, k):
     return (t.double() * 2.0 ** -k).float()
 
 
+def _assert_scaled_back(tiny, normal, k=140):
+    """``tiny``'s range (of subnormal data) is ``normal``'s (of that data times ``2 ** k``)
+    scaled back, rounded once, and not the old silent 0."""
+    got, want = tiny.calculate_range(), normal.calculate_range()
+    assert bool((got[1] > 0).all())
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, _scaled_back(w, k))
+
+
 @pytest.mark.parametrize("make", [
     lambda: PercentileObserver(grid="first", bins=256),
     lambda: PercentileObserver(QuantSpec("int8", symmetric=False), grid="first", bins=256),
@@ -158,10 +167,7 @@ def test_native_first_grid_of_subnormal_data_is_the_scaled_estimate(make, case):
     for b in batches[:1] if tiny.averaging_constant is not None else batches:
         tiny(b)
         normal((b.double() * 2.0 ** 140).float())
-    got, want = tiny.calculate_range(), normal.calculate_range()
-    assert bool((got[1] > 0).all())
-    for g, w in zip(got, want, strict=True):
-        assert torch.equal(g, _scaled_back(w, 140))
+    _assert_scaled_back(tiny, normal)
 
 
 @pytest.mark.parametrize("cls", [HistogramMSEObserver, MixObserver])
@@ -173,10 +179,7 @@ def test_global_scale_first_grid_of_subnormal_data_is_scaled_by_one_factor(cls):
         cls(presets.get("nvfp4"), grid="first", bins=256)
     tiny(t)
     normal((t.double() * 2.0 ** 140).float())
-    got, want = tiny.calculate_range(), normal.calculate_range()
-    assert bool((got[1] > 0).all())
-    for g, w in zip(got, want, strict=True):
-        assert torch.equal(g, _scaled_back(w, 140))
+    _assert_scaled_back(tiny, normal)
 
 
 def test_per_channel_first_grid_scales_only_its_subnormal_units():
