@@ -155,10 +155,9 @@ def batch_source(model):
 
 
 def _matches(recipe, module) -> bool:
-    """Whether ``recipe`` takes a module of this piece (packed MoE experts: their views)."""
+    """Whether ``recipe`` takes a module of this piece (its experts' views attached)."""
     try:
-        with moe.attach(module, count=False):
-            recipe.match(module)
+        recipe.match(module)
     except ValueError as e:
         if "no module matches" in str(e) or "none takes a role of its rule" in str(e):
             return False  # (the piece's matches take no role: an Embedding's input)
@@ -185,8 +184,9 @@ def _for_piece(recipe, piece):
 
 
 def _pieces_todo(recipes: dict, piece) -> dict:
-    """``{label: recipe as piece takes it}`` of the recipes that take something in it."""
-    return {k: r for k, r in ((k, _for_piece(r, piece)) for k, r in recipes.items()) if r}
+    """``{label: recipe as piece takes it}`` of those taking some module (MoE experts: views)."""
+    with moe.attach(piece, count=False):
+        return {k: r for k, r in ((k, _for_piece(r, piece)) for k, r in recipes.items()) if r}
 
 
 def _took_rules(parts) -> bool:
