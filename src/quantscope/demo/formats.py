@@ -27,13 +27,15 @@ import torch
 
 from .. import presets
 from ..calibration.results.report import sqnr_db
+from ..formats import as_int
 from ..layout import Block, Channel, Group, Tile
 from ..qdq import fake_quantize
 from ..qparams import qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import unit_minmax
 
-__all__ = ["SCHEMES", "demo_tensors", "format_table", "main", "scheme_error"]
+__all__ = ["COL_MULTIPLE", "SCHEMES", "check_size", "demo_tensors", "format_table", "main",
+           "scheme_error"]
 
 ROWS, COLS = 512, 1024
 
@@ -63,6 +65,44 @@ SCHEMES: list[tuple[str, QuantSpec]] = [
     ("nvfp4", presets.NVFP4),
     ("bfp16", presets.BFP16),
 ]
+
+#: the group sizes of the table's schemes: each must divide the column count (blocks and
+#: tiles pad their tail, groups do not); the columns must be a multiple of all of them
+_GROUPS = sorted({s.layout.size for _, s in SCHEMES if isinstance(s.layout, Group)})
+COL_MULTIPLE = math.lcm(*_GROUPS)
+
+
+def _size_problem(name: str, value) -> str | None:
+    """What is wrong with ``value`` as the table's ``name`` ("rows" / "cols"), or None."""
+    multiple, n = (COL_MULTIPLE if name == "cols" else 1), as_int(value)
+    if n is not None and n > 0 and n % multiple == 0:
+        return None
+    allowed = ("a positive integer" if multiple == 1 else f"a positive multiple of {multiple} "
+               f"(the group sizes {', '.join(map(str, _GROUPS))} must divide it)")
+    return f"must be {allowed}, got {value!r}"
+
+
+def check_size(name: str, value: int) -> int:
+    """``value`` as the table's ``name`` ("rows" / "cols"), as a Python int; a
+    ``ValueError`` naming it and what it may be unless it is one."""
+    problem = _size_problem(name, value)
+    if problem:
+        raise ValueError(f"format_table: {name} {problem}")
+    return int(value)
+
+
+def _size_arg(name: str):
+    """The argparse ``type`` of ``--rows`` / ``--cols`` (argparse names the option)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = text
+        problem = _size_problem(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+    return parse
 
 
 def demo_tensors(seed: int = 0, rows: int = ROWS, cols: int = COLS) -> dict[str, torch.Tensor]:
@@ -99,7 +139,21 @@ def bits_per_element(spec: QuantSpec, shape) -> float:
 
 
 def format_table(seed: int = 0, rows: int = ROWS, cols: int = COLS) -> str:
-    """The table as text: one line per scheme, SQNR dB and MSE per tensor."""
+    """The table as text: one line per scheme, SQNR dB and MSE per tensor; computed on one
+    thread, the caller's count put back after (``quantscope formats`` runs in its caller's
+    process)."""
+    rows, cols = check_size("rows", rows), check_size("cols", cols)
+    # the tensors are small: one thread is as fast, and immune to a busy machine's
+    # oversubscription (OpenMP spinning made this table 10x slower on a shared 2-core box)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _table(seed, rows, cols)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _table(seed: int, rows: int, cols: int) -> str:
     tensors = demo_tensors(seed, rows, cols)
     names = list(tensors)
     head = ["scheme", "bits/elem"] + [f"{n} {c}" for n in names for c in ("SQNR", "MSE")]
@@ -127,12 +181,12 @@ def main(argv=None) -> int:
     p.add_argument("--formats", action="store_true",
                    help="print the synthetic format table (the only part for now)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rows", type=int, default=ROWS)
-    p.add_argument("--cols", type=int, default=COLS)
+    p.add_argument("--rows", type=_size_arg("rows"), default=ROWS,
+                   help=f"rows of each tensor, positive (default {ROWS})")
+    p.add_argument("--cols", type=_size_arg("cols"), default=COLS,
+                   help=f"columns of each tensor, a positive multiple of {COL_MULTIPLE} "
+                   f"(default {COLS})")
     args = p.parse_args(argv)
-    # the tensors are small: one thread is as fast, and immune to a busy machine's
-    # oversubscription (OpenMP spinning made this table 10x slower on a shared 2-core box)
-    torch.set_num_threads(1)
     t0 = time.perf_counter()
     print(format_table(args.seed, args.rows, args.cols))
     print(f"\n{len(SCHEMES)} schemes x 3 tensors in {time.perf_counter() - t0:.1f} s")

@@ -4,11 +4,12 @@ A few inner loops (per-row min / max, histogram binning, quantization-error sums
 search, the L2 and entropy searches) are much faster as a plain C loop over the data than
 as a chain of torch ops, which reads and writes the data once per op. Their sources ship as
 package data; :func:`lib` builds one with the system C compiler on first use (``$CC``,
-parsed like a shell word list, so ``CC="ccache gcc"`` works; else ``cc`` / ``gcc``) into a
-per-user cache (``$QUANTSCOPE_CACHE``, else ``$XDG_CACHE_HOME/quantscope``), keyed by a hash
-of the sources, the flags, the compiler command and the CPU (model and feature flags:
-``-march=native`` code is only reused on the same kind of CPU; :mod:`.cache` builds), and
-loads it with ctypes.
+parsed like a shell word list, so ``CC="ccache gcc"`` works, and never replaced by another
+when its program is missing; else ``cc`` / ``gcc``) into a per-user cache
+(``$QUANTSCOPE_CACHE``, else ``$XDG_CACHE_HOME/quantscope``; a link is followed to the
+folder it leads to, which must be the user's alone), keyed by a hash of the sources, the
+flags, the compiler command and the CPU (model and feature flags: ``-march=native`` code is
+only reused on the same kind of CPU; :mod:`.cache` builds), and loads it with ctypes.
 
 Who decides what: ``stats/`` and ``estimators/`` choose whether a kernel applies (device,
 dtype, size) and keep the torch reference it must equal bit for bit (the tests compare
@@ -16,11 +17,11 @@ them); this package only builds, loads and types the libraries (:data:`SIGNATURE
 declaration of every exported function).
 
 No kernel (the callers use their torch path): ``QUANTSCOPE_NO_KERNEL=1``, Windows, no
-compiler, a cache folder that is unwritable or that others can write, or a failed build.
-These are said once per process (a :class:`KernelWarning`). Nor, silently, on a tensor with
-no memory of its values, or while a trace would miss the C call (:func:`real`: FakeTensors,
-vmap / grad, meta, ``torch.compile``, ``torch.jit.trace``, make_fx), where the torch path
-works.
+compiler (or a ``$CC`` naming none), a cache folder that is unwritable or that others can
+write, or a failed build (a compiler error, or no library written). These are said once per
+process (a :class:`KernelWarning`). Nor, silently, on a tensor with no memory of its
+values, or while a trace would miss the C call (:func:`real`: FakeTensors, vmap / grad,
+meta, ``torch.compile``, ``torch.jit.trace``, make_fx), where the torch path works.
 
 A cached library that does not load (truncated, corrupt, another
 architecture) is rebuilt, once: each build records its size and SHA-256 next to it
@@ -52,7 +53,7 @@ from torch.autograd.graph import increment_version
 from .._checks import env_flag
 from .._locks import ForkSafeLock
 from ..formats import IntFormat
-from .cache import FLAGS, CacheError, build, cache_dir, compiler
+from .cache import FLAGS, BuildError, CacheError, NoCompiler, build, cache_dir, compiler
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "available",
            "buffer", "build_all", "cache_dir", "choose", "compiler", "contiguous", "disabled",
@@ -155,7 +156,7 @@ def _open(name: str, source: Path, argtypes: dict[str, list], include: Path) -> 
     function is removed and built again, once."""
     cc = compiler()
     if cc is None:
-        raise FileNotFoundError("no C compiler found ($CC, cc, gcc)")
+        raise NoCompiler("$CC is unset, and neither cc nor gcc is on the PATH")
     for attempt in (0, 1):
         target = build(name, source, cc, include)
         try:
@@ -192,7 +193,9 @@ def load(name: str, argtypes: dict[str, list], source: Path | None = None,
                                + " | ".join(tail) + ")")
                 except CacheError as e:
                     _warn_once(f"quantscope {e}")
-                except FileNotFoundError as e:
+                except BuildError as e:
+                    _warn_once(f"quantscope could not build its C kernel {name!r} ({e})")
+                except NoCompiler as e:  # not any FileNotFoundError: a missing file is not
                     _warn_once(f"quantscope found no C compiler for its kernels ({e})")
                 except (OSError, AttributeError, subprocess.SubprocessError) as e:
                     _warn_once(f"quantscope could not build or load its C kernel {name!r} "

@@ -1,14 +1,22 @@
 """``python -m quantscope.kernels``: build every C kernel now (into the per-user cache) and
 say which are in use; exit status 1 if any could not be built."""
 
+import argparse
 import sys
 
 from . import build_all, cache_dir, compiler, disabled
 
-if __name__ == "__main__":
+
+def main(argv=None) -> int:
+    # no options: the parser gives --help, and refuses arguments rather than ignore them
+    argparse.ArgumentParser(
+        prog="python -m quantscope.kernels",
+        description="Build every C kernel now, into the per-user cache ($QUANTSCOPE_CACHE, "
+        "else $XDG_CACHE_HOME/quantscope), with $CC (else cc or gcc), and say which are in "
+        "use; exit status 1 if any could not be built.").parse_args(argv)
     if disabled():
         print("QUANTSCOPE_NO_KERNEL is set: every kernel is off (torch path)")
-        sys.exit(0)
+        return 0
     built = build_all()
     try:
         cc = compiler()
@@ -18,4 +26,8 @@ if __name__ == "__main__":
     print(f"compiler: {found}; cache: {cache_dir()}")
     for name, ok in built.items():
         print(f"  {name:12s} {'built' if ok else 'NOT built (torch path)'}")
-    sys.exit(0 if all(built.values()) else 1)
+    return 0 if all(built.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

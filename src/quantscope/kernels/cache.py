@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["FLAGS", "CacheError", "build", "cache_dir", "compiler"]
+__all__ = ["FLAGS", "BuildError", "CacheError", "NoCompiler", "build", "cache_dir", "compiler"]
 
 #: IEEE results as torch computes them: no contraction into FMA (-ffp-contract=off), no
 #: fast-math (-fno-fast-math undoes a ``$CC`` of ``-Ofast`` / ``-ffast-math``: its words come
@@ -28,6 +28,14 @@ class CacheError(OSError):
     """The cache folder cannot be made or written (not a compiler or build problem)."""
 
 
+class NoCompiler(FileNotFoundError):
+    """No C compiler to build with: none on the PATH, or ``$CC`` names none."""
+
+
+class BuildError(OSError):
+    """The compiler ran, exited 0, and yet wrote no library."""
+
+
 def cache_dir() -> Path:
     """Where built kernels are kept (per user)."""
     root = os.environ.get("QUANTSCOPE_CACHE") or os.path.join(
@@ -37,16 +45,22 @@ def cache_dir() -> Path:
 
 def compiler() -> list[str] | None:
     """The compiler command as an argument list: ``$CC`` split like a shell would split it
-    (``"ccache gcc -m64"``), else ``cc`` or ``gcc`` on the PATH; None when there is none.
-    ``FileNotFoundError`` for a ``$CC`` that does not split (an unbalanced quote)."""
+    (``"ccache gcc -m64"``), else ``cc`` or ``gcc`` on the PATH; None when ``$CC`` is unset
+    and neither is there. :class:`NoCompiler` for a ``$CC`` that does not split (an
+    unbalanced quote) or whose program is not there: the user chose that compiler, so
+    another one is not quietly used instead (lib() warns and takes the torch path)."""
     cc = os.environ.get("CC", "").strip()
     if cc:
         try:
             argv = shlex.split(cc)
-        except ValueError as e:  # lib() warns and takes the torch path, as for no compiler
-            raise FileNotFoundError(f"$CC={cc!r} is no command line ({e})") from None
+        except ValueError as e:
+            raise NoCompiler(f"$CC={cc!r} is no command line ({e})") from None
         exe = shutil.which(argv[0])
-        return [exe, *argv[1:]] if exe else None
+        if exe is None:
+            where = "no executable file" if os.sep in argv[0] else "not found on the PATH"
+            raise NoCompiler(f"$CC={cc!r}: {argv[0]!r} is {where}; $CC is used when set, "
+                             "never cc or gcc in its place: fix or unset CC")
+        return [exe, *argv[1:]]
     exe = shutil.which("cc") or shutil.which("gcc")
     return [exe] if exe else None
 
@@ -102,26 +116,32 @@ def others_write(st: os.stat_result) -> bool:
         return True
 
 
-def _check_private(path: Path) -> None:
+def _check_private(path: Path, named: Path | None = None) -> None:
     """A :class:`CacheError` unless ``path`` (not a link) is the user's and no one else can
-    write it: whoever can write the cache can make this process load their code."""
+    write it: whoever can write the cache can make this process load their code. ``named``:
+    the link that led to ``path``, named in the error too."""
     st = os.lstat(path)
     if st.st_uid != os.getuid() or others_write(st) or stat.S_ISLNK(st.st_mode):
-        raise CacheError(f"will not load kernels from {str(path)!r}: it is not yours alone "
+        linked = named is not None and Path(os.path.abspath(named)) != path
+        via = f" (where {str(named)!r} leads)" if linked else ""
+        raise CacheError(f"will not load kernels from {str(path)!r}{via}: it is not yours alone "
                           f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); set "
                           "QUANTSCOPE_CACHE to a folder only you can write")
 
 
 def _cache_folder(folder: Path) -> Path:
-    """The cache ``folder``, made (0700) if missing; a :class:`CacheError` naming it if it
-    cannot be made or others can write it."""
+    """The real path of the cache ``folder`` (made 0700 if missing); a :class:`CacheError`
+    naming it if it cannot be made or others can write it. A link to a folder (anywhere in
+    the path) is followed and the folder it leads to checked; the build writes and loads
+    through that real path, so a link changed after the check is not followed."""
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
         raise CacheError(f"cannot write its kernel cache folder {str(folder)!r} ({e}); "
                           "set QUANTSCOPE_CACHE to a writable folder") from e
-    _check_private(folder)
-    return folder
+    real = Path(os.path.realpath(folder))
+    _check_private(real, folder)
+    return real
 
 
 #: A build's scratch folder; one a killed build left is removed once older than any build
@@ -163,6 +183,9 @@ def build(name: str, source: Path, cc: list[str], include: Path) -> Path:
         out, seal = Path(tmp) / target.name, Path(tmp) / _seal(target).name
         subprocess.run([*cc, *FLAGS, f"-I{include}", str(source), "-o", str(out), "-lm"],
                        check=True, capture_output=True, text=True, timeout=_BUILD_TIMEOUT)
+        if not out.is_file():  # exit 0 and no output: `CC="gcc -fsyntax-only"`, `CC=true`
+            raise BuildError(f"the compiler wrote no library: {shlex.join(cc)} exited 0 "
+                             f"without writing {out.name}")
         out.chmod(0o700)  # the user's alone, whatever the umask
         seal.write_text(_digest(out))
         os.replace(out, target)  # atomic: concurrent builders agree
