@@ -431,6 +431,27 @@ def test_export_copies_a_hugging_face_snapshots_linked_tokenizer(tmp_path):
     assert "special_tokens_map.json" not in os.listdir(out)
 
 
+@pytest.mark.parametrize("repo", ["models--org--tiny", "runs"])
+def test_export_takes_no_link_out_of_a_folder_that_only_looks_like_a_snapshot(tmp_path, repo):
+    """Only a cache's ``models--*/blobs/`` are a snapshot's own: a link from ``snapshots/m1``
+    to its repository's other folders, or from a folder that merely sits in a folder named
+    ``snapshots``, is a link out of the folder (not copied)."""
+    from tiny_models import llama_folder
+
+    from quantscope import export
+
+    snapshot = llama_folder(tmp_path / repo / "snapshots" / "m1")
+    for name, where in (("tokenizer.json", "private"), ("tokenizer_config.json", "blobs")):
+        target = tmp_path / repo / where / name
+        target.parent.mkdir(exist_ok=True)
+        os.replace(snapshot / name, target)
+        (snapshot / name).symlink_to(target)
+    model, cal = _llama(snapshot)
+    out = Path(export(cal, model, tmp_path / "ct"))
+    assert "tokenizer.json" not in os.listdir(out)  # <repo>/private: never the folder's own
+    assert ("tokenizer_config.json" in os.listdir(out)) == repo.startswith("models--")
+
+
 # --- row 18: writers racing on one folder ---
 
 _WRITER = textwrap.dedent("""

@@ -375,14 +375,13 @@ def _own_file(src: str, p: str) -> bool:
     """Whether ``p``, a name in the model folder ``src``, is the folder's own file: a plain
     file, or a link into the folder's own tree (a Hugging Face cache snapshot links every
     file into its repository's ``blobs/``), never a link elsewhere (a key, a user's notes)."""
-    if not os.path.isfile(p):
-        return False
-    if not os.path.islink(p):
-        return True
+    if not os.path.isfile(p) or not os.path.islink(p):
+        return os.path.isfile(p)
     root = os.path.realpath(src)
-    if os.path.basename(os.path.dirname(root)) == "snapshots":  # models--org--name/snapshots/rev
-        root = os.path.dirname(os.path.dirname(root))
-    return os.path.realpath(p).startswith(root + os.sep)
+    repo, parent = os.path.split(os.path.dirname(root))  # models--org--name/snapshots/rev
+    cache = parent == "snapshots" and os.path.basename(repo).startswith("models--")
+    own = (root, os.path.join(repo, "blobs")) if cache else (root,)  # not all of the parent
+    return os.path.realpath(p).startswith(tuple(d + os.sep for d in own))
 
 
 def _copy_extras(src: str, dst: str) -> list[str]:
