@@ -391,16 +391,35 @@ def fold_abs(hist: Hist) -> Hist:
 
 
 def check_state(who: str, state_dict, prefix: str, bins: int, grow_limit: int) -> None:
-    """Refuse a saved histogram state (``{prefix}hist_counts`` / ``hist_exp``) an observer of
-    ``bins`` bins cannot take: another bin count (up to ``grow_limit`` times as many: grown),
-    or grid exponents outside ``[E_MIN, E_MAX]`` (binning needs 2**e and 2**-e normal)."""
-    counts = state_dict.get(prefix + "hist_counts")  # [U, bins] once observed
+    """Refuse a saved histogram state (``{prefix}hist_counts`` / ``hist_exp`` / ``hist_first``)
+    an observer of ``bins`` bins cannot take: another bin count (up to ``grow_limit`` times as
+    many: grown), negative counts or a unit's total past 2**62, grid exponents outside
+    ``[E_MIN, E_MAX]`` (binning needs 2**e and 2**-e normal), or a native grid that does not
+    start where :func:`grid_first` puts it: each would estimate a wrong range without a word."""
+    counts, exp, first, lo, linear = (state_dict.get(prefix + k) for k in (
+        "hist_counts", "hist_exp", "hist_first", "hist_lo", "linear_grid"))
     if counts is not None and counts.dim() == 2 and \
             not bins <= counts.shape[1] <= bins * grow_limit:
         raise ValueError(f"{who}: cannot load a histogram of {counts.shape[1]} bins into one "
                          f"of bins={bins}; construct the observer with bins={counts.shape[1]}")
-    exp = state_dict.get(prefix + "hist_exp")
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in (counts, exp, first, lo)):
+        return  # a skeleton's state (assign=True): no values to check
+    if isinstance(counts, torch.Tensor) and counts.numel() and not (
+            bool((counts >= 0).all()) and float(counts.double().sum(-1).max()) < 2.0 ** 62):
+        raise ValueError(f"{who}: cannot load {prefix}hist_counts: counts must be >= 0 and "
+                         f"total under 2**62 per unit")
     if isinstance(exp, torch.Tensor) and exp.numel() and not bool(
             ((exp >= E_MIN) & (exp <= E_MAX)).all()):
         raise ValueError(f"{who}: cannot load {prefix}hist_exp: its grid exponents must lie "
                          f"in [{E_MIN}, {E_MAX}], got [{int(exp.min())}, {int(exp.max())}]")
+    native = linear is None or not bool(linear)  # a first grid keeps no bin index
+    whole = all(isinstance(t, torch.Tensor) for t in (first, exp, lo))  # else: "partial"
+    if native and whole and first.numel() and first.shape == exp.shape == lo.shape:
+        seen = lo.isfinite()  # an empty unit keeps first = 0
+        # 0 throughout (|x|) or the bin of hist_lo throughout (x); the record tells which the
+        # observer takes, with its own message
+        if not (bool((first[seen] == 0).all())
+                or bool((first == grid_first(lo, exp, False))[seen].all())):
+            raise ValueError(f"{who}: cannot load {prefix}hist_first: a native grid starts "
+                             f"at 0 (|x|) or at the bin of hist_lo (x); the state is not one "
+                             f"an observer wrote")
