@@ -14,6 +14,7 @@ import json
 
 import torch
 
+from .._jsonfile import PARSER_LIMITS
 from ..layout import Layout, parse_layout
 
 __all__ = ["RECORD", "check", "check_units", "decode", "encode", "partial", "saved_shape"]
@@ -31,12 +32,17 @@ def decode(state, who: str) -> dict | None:
         return None  # no record (saved before it: loads as then), or one on meta
     try:
         record = dict(json.loads(bytes(state.reshape(-1).tolist())))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, *PARSER_LIMITS):  # nested past the parser's depth too
         record = {"layout": None}  # unreadable: refused below, as a damaged entry
     if isinstance(record.get("layout", ""), str) and \
             isinstance(record.get("absolute", False), bool) and \
             isinstance(record.get("ema", False), bool) and \
             isinstance(record.get("order", ""), str):
+        try:
+            if "layout" in record:
+                parse_layout(record["layout"])
+        except ValueError as e:
+            raise ValueError(f"{who}: the state's {RECORD} holds no layout: {e}") from None
         return record
     raise ValueError(f"{who}: the state's {RECORD} is no record")
 
