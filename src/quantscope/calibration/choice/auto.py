@@ -32,7 +32,14 @@ from ..results.result import Calibration
 from ..run.batches import eval_mode, forward_batch, tensors_in
 from ..run.gather import share_pieces
 from ..run.sequential import batch_source
-from .candidates import check_options, expand, has_auto, ignores_non_finite, reads_as_zero
+from .candidates import (
+    auto_keys,
+    check_options,
+    expand,
+    has_auto,
+    ignores_non_finite,
+    reads_as_zero,
+)
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
 from .score_set import mask_of, piece_of, score_batches, score_pieces, score_plan, tokens_of
@@ -49,20 +56,20 @@ DROP_FACTOR = 1.5
 # ----------------------------------------------------------------------------- model output
 
 
-def _summary(out, batch):
+def _summary(out, mask):
     """What a divergence compares, from a model output: the next-token logits of the real
-    positions (causal LM; float32, their log-probabilities taken in float64 where compared),
-    mean-pooled normalised embeddings (encoder, float64: ``[rows, hidden]``), or the tensor;
-    an output of one value per row (a regression head, HF's ``num_labels=1`` logits too) as
-    one vector over the batch."""
+    positions (``mask``: the batch's attention mask, None where all are; causal LM; float32,
+    their log-probabilities taken in float64 where compared), mean-pooled normalised
+    embeddings (encoder, float64: ``[rows, hidden]``), or the tensor; an output of one value
+    per row (a regression head, HF's ``num_labels=1`` logits too) as one vector over the
+    batch."""
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, dict):
         logits = out.get("logits")
-    mask = mask_of(batch)
     if logits is not None and logits.shape[-1] > 1:  # one logit (a regression head): no KL
         rows = logits.reshape(-1, logits.shape[-1])
         if mask is not None and logits.dim() == 3 and mask.shape == logits.shape[:2]:
-            rows = logits[mask.bool()]
+            rows = logits[mask.to(logits.device).bool()]  # (a block's: the user's batch's)
         # a copy: a stored reference keeps no view of the whole output alive
         return ("kl", rows.to(torch.float32, copy=True))
     hidden = logits if logits is not None else getattr(out, "last_hidden_state", None)
@@ -74,7 +81,7 @@ def _summary(out, batch):
     hidden = hidden.double()
     if hidden.dim() == 3:
         m = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None
-             else mask).to(hidden.dtype)
+             else mask).to(hidden.device, hidden.dtype)
         hidden = (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
     rows = hidden.reshape(hidden.shape[0], -1)
     if rows.shape[1] == 1:  # one value a row has no direction: the batch's column is the vector
@@ -113,10 +120,13 @@ class OutputDivergence:
     batch) -> float`` replaces the default: KL divergence of the next-token distributions
     for a model with ``logits`` (causal LM), ``1 - cosine`` of the mean-pooled embeddings
     otherwise. Each call runs one forward per batch (under ``inference_mode``). ``who``:
-    the function named in errors (``auto``'s scoring, ``sensitivity``).
+    the function named in errors (``auto``'s scoring, ``sensitivity``). ``real``: the user's
+    batches that ``batches`` stand for where they are not those (a sequential block's
+    pieces, ``(number, start, stop)``): their attention masks say which positions count.
     """
 
-    def __init__(self, model: nn.Module, batches, loss=None, references=None, who="auto"):
+    def __init__(self, model: nn.Module, batches, loss=None, references=None, who="auto",
+                 real=None):
         self.who = who
         if not isinstance(model, nn.Module):
             raise TypeError(f"OutputDivergence: model must be an nn.Module, got "
@@ -128,20 +138,21 @@ class OutputDivergence:
         if loss is not None and not callable(loss):
             raise TypeError("OutputDivergence: loss must be callable(output, reference, batch)")
         # float outputs already at hand (e.g. caught in the calibration pass) are not recomputed
+        self.real = self.batches if real is None else list(real)
         known = list(references or [None] * len(self.batches))
-        self.references = [self._run(b) if r is None else r for b, r in zip(self.batches, known)]
+        self.references = [self._run(k) if r is None else r for k, r in enumerate(known)]
         self.forwards = sum(r is None for r in known)
         self.pieces, self.ranks = len(self.batches), None  # across ranks: share_pieces
 
-    def _run(self, batch):
+    def _run(self, k):
         with eval_mode(self.model), torch.inference_mode():
-            out = forward_batch(self.model, batch)
-        return out if self.loss is not None else _summary(out, batch)
+            out = forward_batch(self.model, self.batches[k])
+        return out if self.loss is not None else _summary(out, mask_of(self.real[k]))
 
     def on(self, k: int) -> float:
         """The divergence of the model as it is now on batch ``k`` alone (one forward)."""
         batch, ref = self.batches[k], self.references[k]
-        out = self._run(batch)
+        out = self._run(k)
         d = (scalar(self.who, "loss", self.loss(out, ref, batch), f" on batch {k}")
              if self.loss is not None else _divergence(out[0], out[1], ref[1]))
         if not math.isfinite(d):
@@ -176,7 +187,7 @@ class OutputDivergence:
                              f"non_finite='ignore' leaves out of the scoring: none is left to "
                              f"compare the model's outputs on; give finite batches")
         left_out = len(self.batches) - len(keep)
-        self.batches = [self.batches[k] for k in keep]
+        self.batches, self.real = [self.batches[k] for k in keep], [self.real[k] for k in keep]
         self.references = [self.references[k] for k in keep]
         self.pieces = len(keep)
         return left_out
@@ -251,7 +262,7 @@ class _FloatOutputs:
                 if isinstance(t, torch.Tensor):
                     cut = types.SimpleNamespace(**{name: t if b is None else t[a:b]})
                     piece = piece_of(self.batches[i], a, b)
-                    self.got.setdefault(i, {})[k] = _summary(cut, piece)
+                    self.got.setdefault(i, {})[k] = _summary(cut, mask_of(piece))
                     break
         self.got.setdefault(i, {})
 
@@ -340,7 +351,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     calibration tokens, keep the best. ``calibrate_with(model, batches, recipes, opts)`` is
     the session's pass; ``opts`` its :class:`~.options.Options`.
 
-    Each auto recipe ``R`` is expanded to ``R`` with every candidate observer; they share
+    Each auto recipe ``R`` is expanded to ``R`` with its ``auto`` roles running each
+    candidate observer (:func:`.candidates.as_candidate`: the others as named); they share
     observers with each other (and with the other recipes) in the session's
     single pass, whose float forwards also give the scoring pieces' references. The scoring
     documents are cut in pieces scored one after the other (:func:`score_plan`,
@@ -374,12 +386,14 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         if not autos:
             return out
         t0 = time.perf_counter()
-        pieces = [piece_of(batches[i], a, b) if source is None else (batches[i], a, b)
-                  for i, a, b in plan]
+        # a sequential block's pieces are its batch numbers and rows; the user's batches'
+        # rows (``real``) say which of their positions are real tokens
+        real = [piece_of(batches[i] if source is None else source[i], a, b) for i, a, b in plan]
+        pieces = real if source is None else [(batches[i], a, b) for i, a, b in plan]
         # a pass without forwards (weight-only recipes): the scoring pieces' float forwards
         with (importance.counting() if importance is not None and not importance.seen()
               else contextlib.nullcontext()):
-            score = OutputDivergence(model, pieces, loss, refs)
+            score = OutputDivergence(model, pieces, loss, refs, real=real)
         # non_finite="ignore" (the observers read NaN / inf as 0): not scored on those batches
         ignore = all(ignores_non_finite(recipes[label]) for label in autos)
         left_out = score.drop_non_finite() if ignore else 0
@@ -391,9 +405,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         if importance is not None:
             importance.remove()
     built = score.forwards  # the references' forwards, which every recipe's scoring needs
-    # the tokens scored; a block's pieces (number, rows start, stop) counted on the user's
-    tokens = sum(tokens_of(p if source is None else piece_of(source[p[0]], *p[1:]))
-                 for p in score.batches)
+    tokens = sum(tokens_of(p) for p in score.real)  # the tokens scored
     for label in autos:
         score.forwards = built  # each recipe counts its own scoring's forwards, as alone
         out[label] = _decide(model, score, recipes[label], label,
@@ -411,13 +423,14 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
 
 
 def _importance(model, recipes, autos) -> InputImportance:
-    """The input importance of the auto recipes' weighted layers; a layer one of whose roles
+    """The input importance of the auto recipes' layers with ``auto`` weights (the imatrix
+    weight candidate replaces no weight observer the user named); a layer one of whose roles
     reads NaN / inf as zero (``non_finite="ignore"``) reads them so in its sums too (one inf
     would make its importance, and so its imatrix weight candidate, unusable)."""
     layers, ignore = set(), set()
     for label in autos:
         for layer, (_, roles) in recipes[label].match(model).items():
-            if "weight" in roles:
+            if "weight" in roles and roles["weight"].observer == AUTO:  # not a named one
                 layers.add(layer)
                 if reads_as_zero(roles.values()):
                     ignore.add(layer)
@@ -440,10 +453,10 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
     roles, trials = choose_roles(score, configs, best, per_piece[best], alive)
     if roles.get("weight") == IMATRIX:  # its report rows, made for the kept weights only
         extra.stats = imatrix_rows(model, extra, configs[names[0]])
-    chosen = configs[best]
+    chosen, asked = configs[best], auto_keys(model, recipe)  # (the others: as named)
     supplier = {role: configs[n] for role, n in roles.items()}
-    states = {layer: {role: replace(supplier.get(role, chosen).states[layer][role],
-                                    requested=AUTO) for role in rs}
+    states = {layer: {role: _requested(supplier.get(role, chosen).states[layer][role],
+                                       (layer, role) in asked) for role in rs}
               for layer, rs in chosen.states.items()}
     # its time so far: its candidates' group, timed by the session's pass (_time_groups)
     info, groups = dict(chosen.info), dict(chosen.info["group_seconds"])
@@ -451,6 +464,7 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
     info.pop("group_seconds")
     if groups:  # the user's (Runtime.time_groups): its scoring added by the session
         info["group_seconds"] = groups
+    roles = {k: n for k, n in roles.items() if any(k == r for _, r in asked)}
     info["auto"] = {"metric": "model", "chose": best, "roles": roles,
                     "scores": {k: float(f"{v:.6g}") for k, (v, _) in scores.items()},
                     "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},
@@ -459,7 +473,16 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
                     "score_pieces": score.pieces,
                     "score_tokens": tokens,
                     "score_forwards": score.forwards}
-    stats = [dict(r, requested=AUTO) for r in (
-        row for n, c in configs.items() for row in c.stats
-        if roles.get(row["role"], best) == n)]
+    stats = [_requested(row, (row["layer"], row["role"]) in asked)
+             for n, c in configs.items() for row in c.stats if supplier.get(
+                 row["role"], chosen) is c]
     return Calibration(recipe, states, label, stats, chosen.histograms, info)
+
+
+def _requested(state, auto: bool):
+    """A role's state (or report row) as ``auto`` served it: requested ``"auto"`` where the
+    recipe asked for it; a role naming its observer keeps its name."""
+    if not auto:
+        return state
+    return dict(state, requested=AUTO) if isinstance(state, dict) else replace(
+        state, requested=AUTO)

@@ -3,21 +3,24 @@
 A candidate observer may refuse a role's spec (``linear_mse`` searches symmetric ranges
 only). The per-layer metrics drop it where it refuses (``observe._observer_failed``);
 :func:`refused_by_model` lets ``Auto(metric="model")``, whose candidates are whole
-configurations, drop one that some role refuses, and :func:`check_options` says when a
-candidate is refused by every ``auto`` role (it would vanish without a word).
+configurations (:func:`as_candidate`), drop one that some role refuses, and
+:func:`check_options` says when a candidate is refused by every ``auto`` role (it would
+vanish without a word).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from dataclasses import replace
 
 from ..._checks import outside_quantscope
 from ...observers.registry import get_observer
 from ..recipe import AUTO, Recipe, weight_observer
 from ..role_observers import observed
 
-__all__ = ["check_candidates", "check_options", "expand", "has_auto", "ignores_non_finite",
-           "reads_as_zero", "refusals", "refused_by_model"]
+__all__ = ["as_candidate", "auto_keys", "check_candidates", "check_options", "expand", "has_auto",
+           "ignores_non_finite", "reads_as_zero", "refusals", "refused_by_model"]
 
 
 def check_candidates(names) -> None:
@@ -59,19 +62,38 @@ def refusals(pairs) -> dict[str, str]:
     return out
 
 
+def _candidate_role(role, kind: str, name: str):
+    """``role`` (of ``kind``) in candidate ``name``'s configuration: an ``auto`` role runs
+    ``name`` (weights: its :func:`weight_observer`), with the options of its own ``name``
+    takes; a role naming its observer (by hand, or the KV cache's: never ``auto``) keeps it."""
+    return observed(role, kind, name, {}) if role is not None and role.observer == AUTO else role
+
+
+def as_candidate(recipe: Recipe, name: str) -> Recipe:
+    """``recipe`` as ``Auto(metric="model")``'s candidate ``name`` runs it: its ``auto`` roles
+    running ``name`` (:func:`_candidate_role`), the others and the KV cache as they are (not
+    :meth:`Recipe.with_observer`, which would replace the observers the user named)."""
+    return replace(recipe, rules=tuple(
+        replace(r, **{k: _candidate_role(v, k, name) for k, v in r.roles().items()})
+        for r in recipe.rules))
+
+
 def refused_by_model(model, recipe: Recipe, names) -> dict[str, str]:
-    """``{candidate: reason}`` of ``names`` whose whole configuration
-    (:meth:`Recipe.with_observer`) some role of ``model`` refuses, keyed as the pass's
-    :func:`~.observe.make_plan` makes the observers."""
+    """``{candidate: reason}`` of ``names`` whose whole configuration (:func:`as_candidate`)
+    some ``auto`` role of ``model`` refuses (the others run the same observer in every
+    candidate), keyed as the pass's :func:`~.observe.make_plan` makes the observers."""
     from ..run.module_roles import check_role_shape
     from ..run.observe import observer_key
 
+    matched = recipe.match(model)
+
     def pairs():
         for n in names:
-            for layer, (module, roles) in recipe.with_observer(n).match(model).items():
+            for layer, (module, roles) in matched.items():
                 for role, cfg in roles.items():
-                    if cfg.dynamic is not True:
-                        cfg = check_role_shape(layer, role, cfg, module)
+                    if cfg.observer == AUTO and cfg.dynamic is not True:
+                        cfg = check_role_shape(layer, role, _candidate_role(cfg, role, n),
+                                               module)
                         yield n, observer_key(cfg.observer, cfg, module)
     return refusals(pairs())
 
@@ -96,7 +118,7 @@ def expand(model, recipes, autos, names):
                           f"calibration.info['auto']['refused'] says why)",
                           stacklevel=outside_quantscope())
         for n in kept[label]:  # (their options checked with the session's: check_options)
-            expanded[(label, n)] = recipes[label].with_observer(n)
+            expanded[(label, n)] = as_candidate(recipes[label], n)
     return expanded, kept, refused
 
 
@@ -110,25 +132,24 @@ def reads_as_zero(roles) -> bool:
     return any(dict(r.options).get("non_finite") == "ignore" for r in roles)
 
 
-def check_options(recipe: Recipe, label, names, every_role: bool) -> None:
-    """Raise ``ValueError`` for an option of ``recipe``'s roles that run ``auto``'s candidate
-    observers ``names`` that none of them takes (a misspelt name would otherwise be dropped
-    without a word): of every calibrated role (and the KV cache's) where ``every_role``
-    (``metric="model"`` runs :meth:`Recipe.with_observer` of each candidate), else of its
-    ``auto`` roles (the per-layer metrics: :func:`.observe.candidate_options`). There, warn
-    once of a candidate every ``auto`` role refuses (it would vanish from every layer)."""
+def check_options(recipe: Recipe, label, names, per_layer: bool) -> None:
+    """Raise ``ValueError`` for an option of ``recipe``'s ``auto`` roles that none of
+    ``auto``'s candidate observers ``names`` takes (a misspelt name would otherwise be dropped
+    without a word); the roles naming their observer keep it, and their options, under every
+    metric (:func:`as_candidate`, :func:`.observe.candidate_options`). Where ``per_layer``
+    (not ``metric="model"``), warn once of a candidate every ``auto`` role refuses (it would
+    vanish from every layer)."""
     runs = [(kind, r) for rule in recipe.rules for kind, r in rule.roles().items()
-            if r.dynamic is not True and (every_role or r.observer == AUTO)]
-    if every_role and recipe.kv_cache is not None:
-        runs.append(("key", recipe.kv_cache))
+            if r.dynamic is not True and r.observer == AUTO]
     given = {k for _, r in runs for k, _ in r.options}
-    # the rule Recipe.with_observer gives each candidate's roles their options by
-    taken = {k for kind, r in runs for n in names for k, _ in observed(r, kind, n, {}).options}
+    # the rule a candidate's roles take their options by (as_candidate's)
+    taken = {k for kind, r in runs for n in names
+             for k, _ in _candidate_role(r, kind, n).options}
     if given - taken:
         raise ValueError(f"calibrate: recipe {label!r}: observer 'auto' option(s) "
                          f"{sorted(given - taken)} taken by none of its candidate observers "
                          f"{names} (nor their weight variants)")
-    if not every_role and runs:  # metric "model" drops and records them itself
+    if per_layer and runs:  # metric "model" drops and records them itself
         _warn_refused_everywhere(label, names, runs)
 
 
@@ -144,6 +165,18 @@ def _warn_refused_everywhere(label, names, runs) -> None:
         warnings.warn(f"calibrate: recipe {label!r}: auto candidate(s) {sorted(every)} cannot "
                       f"run on any of its 'auto' roles and take no part in the choice "
                       f"({next(iter(every.values()))})", stacklevel=outside_quantscope())
+
+
+def auto_keys(model, recipe: Recipe) -> set[tuple[str, str]]:
+    """The ``(layer, role)`` of ``recipe``'s ``auto`` roles in ``model``, MoE experts held as
+    3-D parameters by the per-expert names the pass gives them (their views attached
+    meanwhile, as :mod:`.sensitivity` does)."""
+    from ..structure import moe
+
+    with (moe.attach(model, count=False) if moe.has_experts_3d(model)
+          else contextlib.nullcontext()):
+        return {(layer, role) for layer, (_, roles) in recipe.match(model).items()
+                for role, r in roles.items() if r.observer == AUTO}
 
 
 def has_auto(recipe: Recipe) -> bool:

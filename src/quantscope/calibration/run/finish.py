@@ -360,7 +360,7 @@ class _States:
         if ekey in self.errors:
             return self.errors[ekey]
         err = None if st is None else st["noise"]
-        module = self.slots[(layer, role)].module
+        module = self.slots[(layer, role)].module_of(layer)  # a fused member: its own weight
         w = getattr(module, "weight", None)
         x = self.data.get((layer, "input")) if own else None
         t = is_conv1d(module)  # its weight is [in, out]

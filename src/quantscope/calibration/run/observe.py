@@ -61,7 +61,7 @@ class Slot:
     needs_sample: bool = False
     per_tensor: bool = True  # every role on it has a per-tensor layout (a conv: channel rows)
     failed: dict = field(default_factory=dict)
-    also: list = field(default_factory=list)  # a fusion group's other layers (shared input)
+    also: dict = field(default_factory=dict)  # a fusion group's other layers by name (shared input)
     last: object = None  # fusion.mark of the input last observed: a group's counts once
     calls: int = 0  # forwards that reached the hook, empty ones included
     odd: object = None  # a call's value that is no float tensor: its dtype or type (missing=)
@@ -74,6 +74,11 @@ class Slot:
     # imatrix_mse weights held for their inputs' importance (.imatrix_roles); key -> why unweighted
     waiting: list = field(default_factory=list)
     unweighted: dict = field(default_factory=dict)
+
+    def module_of(self, layer: str) -> nn.Module:
+        """The module of ``layer``: this slot's, or (a fusion group's shared input slot, held
+        by its lead) the member's own, whose weight its output error is priced with."""
+        return self.also.get(layer, self.module)
 
     def spent(self, key, since: float) -> None:
         """Count the time from ``since`` (``time.perf_counter()``) to the observer ``key``."""
@@ -340,7 +345,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
         if slot.role in kv_cache.ROLES:
             kv.setdefault(slot.layer, {}).setdefault(slot.role, []).append(slot)
             continue
-        for module in (slot.module, *slot.also):
+        for module in (slot.module, *slot.also.values()):
             by_module.setdefault(id(module), {"module": module, "input": [], "output": []})
             by_module[id(module)][slot.role].append(slot)
     if not by_module and not kv and not forward:
@@ -484,6 +489,6 @@ def share_group_inputs(model, batches, recipes, slots, groups=None):
                 lead.observers.setdefault(okey, obs)
             lead.failed.update(member.failed)
             lead.needs_sample |= member.needs_sample
-            lead.also.append(member.module)
+            lead.also[k[0]] = member.module
             slots[k] = lead
     return batches, groups

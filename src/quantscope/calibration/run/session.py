@@ -291,14 +291,14 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
 
 
 def _check_auto(recipes, auto: Auto) -> None:
-    """Where a recipe has ``observer="auto"``: every option of its roles is taken by one of
+    """Where a recipe has ``observer="auto"``: every option of its auto roles is taken by one of
     its candidates (:func:`.auto.check_options`, for every metric). Where none has, ``auto``
     must be left at its defaults: a field set would change nothing, so say so rather than
     ignore it (a field at its default counts as not set, as in ``from_keywords``)."""
     autos = {label: r for label, r in recipes.items() if has_auto(r)}
     names = candidates_for("input", auto.candidates) if autos else ()
     for label, r in autos.items():
-        _auto.check_options(r, label, names, every_role=auto.metric == "model")
+        _auto.check_options(r, label, names, per_layer=auto.metric != "model")
     changed = [f.name for f in fields(Auto) if getattr(auto, f.name) != f.default]
     if changed and not autos:
         name = changed[0]
