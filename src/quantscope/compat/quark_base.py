@@ -444,7 +444,8 @@ class QuarkObserver(SavesNoState):
         smallest): Quark's two levels divide by its zero global amax (NaN scales)."""
         spec = QuantSpec(self.spec.format, Block(1, -1), scale="fp8_e4m3", eps=self.spec.eps)
         zeros = torch.zeros(amax.numel(), 1, device=amax.device)
-        return qparams_from_range(zeros, zeros, spec).effective_scale.reshape(amax.shape)
+        scale = qparams_from_range(zeros, zeros, spec).effective_scale.reshape(amax.shape)
+        return scale.to(self.scale_torch_dtype or scale.dtype)  # scale_type's, as on data
 
     def record_observed_tokens(self, batch_tensor: torch.Tensor) -> None:
         """Quark's FakeQuantize calls this; ``forward`` counts the tokens by Quark's rule."""
