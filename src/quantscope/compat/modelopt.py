@@ -77,7 +77,8 @@ empty amax for a ``(0, n)`` batch with ``axis=0``). ``reset()`` restores ``num_b
 keeps the grown count for the next first batch). A first histogram of only zeros, later
 grown, and one growing past ``GROW_LIMIT x num_bins``, move once to quantscope's
 power-of-two grid of ``num_bins`` bins, approximately (ModelOpt: ``OverflowError``; appends
-on); ``_calib_hist`` / ``_calib_bin_edges`` then read that grid.
+on); ``_calib_hist`` / ``_calib_bin_edges`` then read that grid, and the mse method's
+candidates stop at its top occupied bin, as ModelOpt's grid ends at the data's max.
 ``num_bins`` is at least 2 (ModelOpt: any; that grid needs two bins).
 ``torch_hist=False`` (ModelOpt's numpy path, a ``[min |x|, max |x|]`` grid) is not
 supported. fp8 histogram batches are taken (ModelOpt's ``histc`` fails on them: torch's
@@ -95,7 +96,7 @@ import torch
 from .._checks import check_int
 from ..estimators.entropy import check_options as check_entropy_options
 from ..estimators.entropy import entropy_amax
-from ..estimators.histogram_mse import histogram_mse_range
+from ..estimators.histogram_mse import histogram_mse_range, occupied_range
 from ..estimators.percentile import percentile_range
 from ..observers.histogram import HistogramObserverBase
 from ..observers.minmax import StaticMinMaxObserver
@@ -418,10 +419,13 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
         # on it scaled by a power of two (the bin found is the same); the values are
         # ModelOpt's edges (_modelopt_value), and the native grid's widths are normal
         hist = H.normal_width(hist)[0]
-        if method == "mse":  # bin centres, every one scored unclipped as ModelOpt's (module doc)
-            inf = torch.full_like(hist.hi, math.inf)
+        if method == "mse":  # bin centres, every one scored unclipped as ModelOpt's (module
+            # doc), whose grid ends at the bin of the data's max; the power-of-two grid a
+            # histogram moved to runs on past it: its empty top bins are no candidates there
+            top = (torch.full_like(hist.hi, math.inf) if bool(self.linear_grid)
+                   else occupied_range(hist)[1])
             amax = histogram_mse_range(hist, self.spec, start_bin=start_bin, stride=stride,
-                                       refine=None, bounds=(hist.lo, inf))[1]
+                                       refine=None, bounds=(hist.lo, top))[1]
         elif method == "entropy":
             amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned,
                                 start_bin=start_bin, stride=stride, trim=False)
