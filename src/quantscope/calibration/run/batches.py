@@ -13,7 +13,7 @@ import torch
 from ...observers.runtime import nested_rows
 
 __all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "map_tensors",
-           "module_input", "tensors_in"]
+           "module_input", "nan_parameter", "tensors_in"]
 
 
 @contextmanager
@@ -125,3 +125,12 @@ def module_input(args: tuple, kwargs: dict, name: str | None, rows: bool = True)
     observers see of it) unless ``rows=False``."""
     x = args[0] if args else kwargs.get(name) if name is not None else None
     return nested_rows(x) if rows and isinstance(x, torch.Tensor) and x.is_nested else x
+
+
+def nan_parameter(model) -> str | None:
+    """The name of the first parameter of ``model`` holding NaN or inf (None: none; meta and
+    offloaded ones are not read): a calibration batch's NaN is as often the model's own."""
+    for name, p in model.named_parameters() if model is not None else ():
+        if p.is_floating_point() and not p.is_meta and not bool(torch.isfinite(p).all()):
+            return name
+    return None

@@ -32,7 +32,7 @@ from ..role_observers import observed
 from ..structure import fusion, kv_cache
 from ..structure.conv1d import observer_options
 from . import heap
-from .batches import batch_count, eval_mode, forward_batch, input_name, module_input
+from .batches import batch_count, eval_mode, forward_batch, input_name, module_input, nan_parameter
 from .module_roles import activation_width, check_role_shape
 from .samples import RowSample, capacities, generator_for
 
@@ -316,9 +316,10 @@ def _count_bad_call(slot: Slot, key, obs) -> None:
         count.add_(seen)  # a tensor op, no host sync: read once, after the pass
 
 
-def check_finite(slots) -> None:
+def check_finite(slots, model=None) -> None:
     """Raise ``ValueError`` naming the layer, role and batch where an observer (in mode
-    ``non_finite="error"``) first saw NaN or inf; one read per observer, after the pass."""
+    ``non_finite="error"``) first saw NaN or inf, and a parameter of ``model`` that holds
+    them, the likelier cause; one read per observer, after the pass."""
     for slot in unique_slots(slots):
         for key, count in slot.calls_since_bad.items():
             bad = int(count)
@@ -327,10 +328,11 @@ def check_finite(slots) -> None:
             first = len(slot.batch_of_call) - bad
             batch = slot.batch_of_call[first] if 0 <= first < len(slot.batch_of_call) else None
             where = "a calibration batch" if batch is None else f"calibration batch {batch}"
-            raise ValueError(
-                f"calibrate: layer {slot.layer!r} {slot.role}: {where} (counting from 0) "
-                f"brought NaN or inf values (observer {key[0]!r}); fix that batch (or what "
-                f"makes the model produce them)")
+            own = nan_parameter(model)
+            cause = (f"the model's own parameter {own!r} holds NaN or inf: fix it" if own
+                     else "fix that batch (or what makes the model produce them)")
+            raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: {where} (counting "
+                             f"from 0) brought NaN or inf values (observer {key[0]!r}); {cause}")
 
 
 def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=None,
@@ -369,7 +371,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
                 model, {layer: _kv_observer(roles) for layer, roles in kv.items()})))
         with eval_mode(model):
             n = _forward_all(model, batches, total, progress, batch_index)
-        check_finite(slots.values())
+        check_finite(slots.values(), model)
     finally:
         for h in handles:
             h.remove()
