@@ -120,8 +120,15 @@ def load_tokenizer(path, who: str = "load", trust_remote_code: bool = False, **k
     import transformers
 
     check_no_remote_code(path, who, trust_remote_code, ("tokenizer_config.json",))
-    return transformers.AutoTokenizer.from_pretrained(
-        os.fspath(path), trust_remote_code=trust_remote_code, **kwargs)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(
+            os.fspath(path), trust_remote_code=trust_remote_code, **kwargs)
+    except OSError:  # a missing file: transformers names it
+        raise
+    except Exception as e:  # noqa: BLE001 -- a damaged tokenizer.json fails in the tokenizers
+        # library ("expected , or } at line 1 column 888"), naming no file
+        raise ValueError(f"{who}: the tokenizer of {os.fspath(path)!r} cannot be read "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def pretrained(auto_cls, path, who: str = "load", trust_remote_code: bool = False, **kwargs):
