@@ -92,8 +92,29 @@ def test_others_write_allows_only_the_users_private_group(tmp_path):
     path.chmod(0o620)
     import grp
 
-    own = path.stat().st_gid == os.getgid() and not grp.getgrgid(os.getgid()).gr_mem
+    import pwd
+
+    group = grp.getgrgid(os.getgid())
+    own = path.stat().st_gid == os.getgid() and not group.gr_mem and (
+        group.gr_name == pwd.getpwuid(os.getuid()).pw_name)
     assert cache.others_write(path.stat()) is not own
+
+
+def test_a_shared_primary_group_without_members_is_not_private(tmp_path, monkeypatch):
+    """``nogroup`` lists no members, yet is the primary group of several accounts: only a
+    group named as the user (a user private group) counts as the user's own."""
+    import grp
+    import pwd
+
+    path = tmp_path / "f"
+    path.write_text("")
+    path.chmod(0o620)
+    gid = path.stat().st_gid
+    monkeypatch.setattr(os, "getgid", lambda: gid)
+    for name, shared in (("nogroup", True), (pwd.getpwuid(os.getuid()).pw_name, False)):
+        monkeypatch.setattr(grp, "getgrgid", lambda g, n=name: grp.struct_group(
+            (n, "x", g, [])))
+        assert cache.others_write(path.stat()) is shared
 
 
 @needs_cc

@@ -103,17 +103,21 @@ def _intact(target: Path) -> bool:
 
 def others_write(st: os.stat_result) -> bool:
     """Whether someone other than the owner can write: anyone, or a group other than the
-    user's own private group (a umask of 002 makes every file group-writable)."""
+    user's own private group (a umask of 002 makes every file group-writable): the user's
+    gid, named as the user, with no members (accounts whose primary group it is are not
+    listed as members: a shared primary group such as ``nogroup`` is told apart by name)."""
     if st.st_mode & 0o002:
         return True
     if not st.st_mode & 0o020:
         return False
     import grp
+    import pwd
 
     try:
-        return st.st_gid != os.getgid() or bool(grp.getgrgid(st.st_gid).gr_mem)
+        group, me = grp.getgrgid(st.st_gid), pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
         return True
+    return st.st_gid != os.getgid() or bool(group.gr_mem) or group.gr_name != me
 
 
 def _check_private(path: Path, named: Path | None = None) -> None:
