@@ -91,7 +91,6 @@ def test_others_write_allows_only_the_users_private_group(tmp_path):
     assert cache.others_write(path.stat())
     path.chmod(0o620)
     import grp
-
     import pwd
 
     group = grp.getgrgid(os.getgid())
