@@ -282,10 +282,12 @@ def lee_correlation(embeddings: torch.Tensor, pairs) -> float:
 
 def _lm_batches(tokenizer, docs, max_length, batch_size, device, progress=None):
     """Padded batches of the documents with a next token to predict (2+ tokens): one with
-    fewer predicts nothing, and a model refuses a batch of zero tokens (an empty document)."""
+    fewer predicts nothing, and a model refuses a batch of zero tokens (an empty document).
+    Padded on the right whatever the tokenizer's side: left padding would shift a document's
+    positions by its batch's padding, and so its score by the batch it is in."""
     for s in _steps(len(docs), batch_size, progress):
         enc = tokenizer(docs[s:s + batch_size], padding=True, truncation=True,
-                        max_length=max_length, return_tensors="pt")
+                        max_length=max_length, return_tensors="pt", padding_side="right")
         keep = enc["attention_mask"].sum(1) >= 2
         if bool(keep.any()):
             yield {key: t[keep].to(device) for key, t in enc.items()}
