@@ -36,8 +36,8 @@ def test_a_grid_not_at_its_datas_bin_is_refused(name, symmetric):
         get_observer(name, spec).load_state_dict({**saved, "hist_first": saved["hist_first"] + 7})
 
 
-@pytest.mark.parametrize("name,symmetric,ema,grid", itertools.product(
-    NAMES, (True, False), (None, 0.1), ("pow2", "first")))
+@pytest.mark.parametrize("name,symmetric,ema,grid", list(itertools.product(
+    NAMES, (True, False), (None, 0.1), ("pow2", "first"))))
 def test_every_state_an_observer_writes_loads_and_gives_its_qparams(name, symmetric, ema, grid):
     spec, obs, saved = _saved(name, symmetric, averaging_constant=ema, grid=grid)
     back = get_observer(name, spec, averaging_constant=ema, grid=grid)

@@ -62,8 +62,7 @@ def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False,
     """
     dtype = enum_name(field(qspec, "dtype"))
     qscheme = enum_name(field(qspec, "qscheme")) or qscheme or "per_tensor"
-    ch_axis = field(qspec, "ch_axis")
-    group_size = field(qspec, "group_size")
+    ch_axis, group_size = field(qspec, "ch_axis"), field(qspec, "group_size")
     symmetric = field(qspec, "symmetric")
     symmetric = True if symmetric is None else bool(symmetric)
     scale_format = enum_name(field(qspec, "scale_format")) or "float32"
@@ -444,8 +443,8 @@ class QuarkObserver(SavesNoState):
         smallest): Quark's two levels divide by its zero global amax (NaN scales)."""
         spec = QuantSpec(self.spec.format, Block(1, -1), scale="fp8_e4m3", eps=self.spec.eps)
         zeros = torch.zeros(amax.numel(), 1, device=amax.device)
-        scale = qparams_from_range(zeros, zeros, spec).effective_scale.reshape(amax.shape)
-        return scale.to(self.scale_torch_dtype or scale.dtype)  # scale_type's, as on data
+        scale = qparams_from_range(zeros, zeros, spec).effective_scale  # in scale_type's
+        return scale.reshape(amax.shape).to(self.scale_torch_dtype or scale.dtype)  # as on data
 
     def record_observed_tokens(self, batch_tensor: torch.Tensor) -> None:
         """Quark's FakeQuantize calls this; ``forward`` counts the tokens by Quark's rule."""

@@ -4,6 +4,7 @@ grids (part of :mod:`quantscope.compat.quark`, which re-exports the public names
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 import torch
@@ -214,9 +215,11 @@ def _quark_layout(qscheme: str, ch_axis, group_size, pad_blocks: bool):
         if group_size == -1:  # Quark sizes it by the first batch; a layout's size is fixed
             raise ValueError("quark: group_size=-1 (Quark: one group the whole ch_axis long) "
                              "is not taken: give the axis's length, which gives Quark's values")
-        if not isinstance(group_size, int) or group_size < 1:
+        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or \
+                group_size < 1:  # (numpy's integers taken, as Python's)
             raise ValueError(f"quark: group_size must be a positive integer, got {group_size!r}")
-        return (Block if pad_blocks else Group)(group_size, -1 if ch_axis is None else ch_axis)
+        return (Block if pad_blocks else Group)(int(group_size),
+                                                -1 if ch_axis is None else ch_axis)
     raise ValueError(f"quark: qscheme must be per_tensor, per_channel or per_group, got "
                      f"{qscheme!r}")
 
