@@ -152,3 +152,42 @@ def test_sequential_scoring_leaves_padded_positions_out():
         per = [_masked_cos(out[i][a:b], ref[i][a:b], batches[i]["attention_mask"][a:b])
                for i, a, b in plan][:info["pieces_scored"][n]]
         assert info["scores"][n] == pytest.approx(sum(per) / len(per), rel=1e-4), n
+
+
+def test_imatrix_weights_are_tried_only_where_this_recipes_weights_are_auto(monkeypatch):
+    """The input importance is gathered once for every auto recipe of a run: a recipe whose
+    weights are named got an imatrix weight trial over them where another recipe's were
+    auto, and kept it when it won (observer 'imatrix', requested 'memoryless_mse')."""
+    from quantscope.calibration.choice import auto as auto_mod
+
+    real = auto_mod.choose_roles
+
+    def spy(div, configs, best, best_pieces, alive):
+        if auto_mod.IMATRIX in configs:  # make the weighted search win where it is tried
+            pick, trials = real(div, configs, best, best_pieces, alive)
+            return {**pick, "weight": auto_mod.IMATRIX}, trials
+        return real(div, configs, best, best_pieces, alive)
+
+    monkeypatch.setattr(auto_mod, "choose_roles", spy)
+    model, batches = llama()
+    hand = Recipe(Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, "memoryless_mse"),
+                       input=Role(QuantSpec("int8", Tensor()), "auto")), name="hand")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = calibrate_many(model, batches, {"hand": hand, "auto": preset("w8a8", "auto")},
+                             auto=Auto(candidates=("minmax", "mse")), progress=False)
+    weights = {(rs["weight"].observer, rs["weight"].requested)
+               for rs in out["hand"].states.values() if "weight" in rs}
+    assert weights == {("memoryless_mse", "memoryless_mse")}
+    assert {rs["weight"].observer for rs in out["auto"].states.values()} == {"imatrix"}
+
+
+def test_a_mask_of_another_length_than_the_output_pools_every_position():
+    """A block's output may be longer than the user's mask (a prefix, memory tokens): its
+    positions are pooled unmasked, as the logits' path does, not a shape error."""
+    from quantscope.calibration.choice.auto import _summary
+
+    hidden = torch.randn(2, 5, 4)
+    kind, rows = _summary(hidden, torch.ones(2, 3, dtype=torch.long))
+    assert kind == "cos"
+    torch.testing.assert_close(rows, nn.functional.normalize(hidden.double().mean(1), dim=-1))

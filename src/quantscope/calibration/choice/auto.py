@@ -81,7 +81,7 @@ def _summary(out, mask):
     hidden = hidden.double()
     if hidden.dim() == 3:
         m = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None
-             else mask).to(hidden.device, hidden.dtype)
+             or mask.shape != hidden.shape[:2] else mask).to(hidden.device, hidden.dtype)
         hidden = (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
     rows = hidden.reshape(hidden.shape[0], -1)
     if rows.shape[1] == 1:  # one value a row has no direction: the batch's column is the vector
@@ -447,13 +447,15 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
     best, scores = choose(score, {n: c.states for n, c in configs.items()}, names[0],
                           pieces=per_piece)
     alive = [n for n in names if scores[n][1] == score.pieces]
+    asked = auto_keys(model, recipe)  # this recipe's auto roles (the others: as named)
+    means = {layer: m for layer, m in means.items() if (layer, "weight") in asked}
     extra = imatrix_config(model, configs[names[0]], means) if means else None
     if extra is not None:  # the weighted weight search: a weight candidate of the role step
         configs = {**configs, IMATRIX: extra}
     roles, trials = choose_roles(score, configs, best, per_piece[best], alive)
     if roles.get("weight") == IMATRIX:  # its report rows, made for the kept weights only
         extra.stats = imatrix_rows(model, extra, configs[names[0]])
-    chosen, asked = configs[best], auto_keys(model, recipe)  # (the others: as named)
+    chosen = configs[best]
     supplier = {role: configs[n] for role, n in roles.items()}
     states = {layer: {role: _requested(supplier.get(role, chosen).states[layer][role],
                                        (layer, role) in asked) for role in rs}
