@@ -42,7 +42,7 @@ def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch, 
 
     monkeypatch.setattr(torch, "tensor", tensor)
 
-    def end_of_pass(slots):
+    def end_of_pass(slots, model=None):
         reached.append(len(list(slots)))
         raise _PassEnded
 

@@ -75,7 +75,7 @@ class _PassEnded(Exception):
 
 def test_calibrate_takes_the_grouped_path(monkeypatch, meta_as_device):
     """The whole calibration on the meta device: its weight pass is one grouped launch."""
-    def end_of_pass(slots):
+    def end_of_pass(slots, model=None):
         raise _PassEnded
 
     monkeypatch.setattr(observe, "check_finite", end_of_pass)
