@@ -24,3 +24,22 @@ def test_kv_cache_without_targets_quantizes_the_layers_too():
     found = rec.match(model)
     assert "model.layers.0.mlp.down_proj" in found
     assert {f"model.layers.{i}.self_attn" for i in range(2)} <= set(found)
+
+
+def test_compare_table_credits_auto_only_with_the_tensors_it_chose_for():
+    """The "auto chose" column counted every tensor's observer: a scheme's dynamic inputs
+    (memoryless_minmax, requested as such) showed as auto's choice; a role auto did not
+    choose for is "-"."""
+    from quantscope.cli.compare import compare_rows
+
+    rows = [{"role": "weight", "observer": "memoryless_mse", "requested": "auto"}] * 2 + [
+        {"role": "weight", "observer": "imatrix", "requested": "auto"},
+        {"role": "input", "observer": "memoryless_minmax", "requested": "memoryless_minmax"}]
+    report = {"fp32": {"perplexity": 12.5}, "runs": {"W8A8/auto": {
+        "recipe": "W8A8", "observer": "auto", "metrics": {"perplexity": 13.0}, "info": {},
+        "layers": rows, "summary": {"weight": {"observers": {"memoryless_mse": 2,
+                                                             "imatrix": 1}},
+                                    "input": {"observers": {"memoryless_minmax": 1},
+                                              "mean_clipped": 0.0}}}}}
+    _, table = compare_rows(report)
+    assert table[1][-1] == "mse 2, imatrix 1; -"

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 
 from .._jsonfile import read_json
 from .checks import (
@@ -95,9 +96,10 @@ def compare_rows(report: dict) -> tuple[list[str], list[list]]:
         m, s = run["metrics"], run["summary"]
         w, i = s.get("weight", {}), s.get("input", {})
         chose = ""
-        if run["observer"] == "auto":
-            chose = "; ".join(", ".join(f"{_short_obs(k)} {v}" for k, v in sorted(
-                s.get(role, {}).get("observers", {}).items(), key=lambda kv: -kv[1]))
+        if run["observer"] == "auto":  # the tensors auto chose for (not dynamic or named ones)
+            asked = [r for r in run.get("layers", ()) if r.get("requested") == "auto"]
+            chose = "; ".join(", ".join(f"{_short_obs(k)} {v}" for k, v in Counter(
+                r["observer"] for r in asked if r["role"] == role).most_common()) or "-"
                 for role in ("weight", "input"))
         tail = [f(run.get("info", {}).get("calibration_seconds"), 1),
                 f(w.get("mean_sqnr_db"), 1), f(i.get("mean_sqnr_db"), 1),
