@@ -82,8 +82,10 @@ def _auto_own_batches(r) -> dict:
     c = quantscope.calibrate(_mlp(), mine, "w8a8", observer="auto", progress=False,
                              auto=Auto(candidates=("static_minmax", "percentile",
                                                    "histogram_mse")), runtime=DIST)
+    said = {k: c.info["auto"][k] for k in ("score_pieces", "score_tokens")}
     return {"auto/calibrate": (c.info["auto"]["roles"], c.info["auto"]["scores"],
-                               c.states["0"]["input"].qparams.scale)}
+                               c.states["0"]["input"].qparams.scale, said,
+                               comm.all_sum(sum(b.shape[0] for b in mine)))}
 
 
 def _auto_scores_union(r) -> dict:
@@ -159,8 +161,11 @@ def test_ranks_holding_different_weights_or_dtypes_raise_naming_the_layer(ranks)
 
 
 def test_auto_chooses_the_same_on_every_rank_from_their_own_batches(ranks):
-    (roles0, scores0, s0), (roles1, scores1, s1) = rank_results(ranks, "auto/calibrate")
+    (roles0, scores0, s0, said0, rows), (roles1, scores1, s1, said1, _) = rank_results(
+        ranks, "auto/calibrate")
     assert roles0 == roles1 and scores0 == scores1 and torch.equal(s0, s1)
+    # the pieces and tokens scored are every rank's (each counted its own before)
+    assert said0 == said1 and said0["score_tokens"] == rows, (said0, said1, rows)
 
 
 def test_auto_scores_are_the_mean_over_every_ranks_pieces(ranks):

@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ...comm import all_sum
 from ..recipe import AUTO, Recipe, weight_observer
 from ..results.apply import apply
 from ..results.result import Calibration
@@ -405,7 +406,9 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         if importance is not None:
             importance.remove()
     built = score.forwards  # the references' forwards, which every recipe's scoring needs
-    tokens = sum(tokens_of(p) for p in score.real)  # the tokens scored
+    tokens = sum(tokens_of(p) for p in score.real)  # the tokens scored (every rank's)
+    if score.ranks is not None:  # each rank scored its own pieces: the count is of them all
+        tokens = all_sum(tokens, score.ranks.group)
     for label in autos:
         score.forwards = built  # each recipe counts its own scoring's forwards, as alone
         out[label] = _decide(model, score, recipes[label], label,
@@ -472,7 +475,7 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
                     "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},
                     "role_pieces": {k: p for k, (_, p) in trials.items()},
                     "pieces_scored": {k: p for k, (_, p) in scores.items()},
-                    "score_pieces": score.pieces,
+                    "score_pieces": score.pieces if score.ranks is None else score.ranks.total,
                     "score_tokens": tokens,
                     "score_forwards": score.forwards}
     stats = [_requested(row, (row["layer"], row["role"]) in asked)

@@ -229,8 +229,8 @@ class RankPieces:
     gets the same value, so every rank chooses the same."""
 
     def __init__(self, counts: list[int], group=None):
-        self.group, self.count = group, max(counts)
-        self.scale = self.count / sum(counts)
+        self.group, self.count, self.total = group, max(counts), sum(counts)
+        self.scale = self.count / self.total
 
     def piece(self, score) -> float:
         """This rank's ``score()`` (None: no piece here) with every other rank's, in one
