@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from calib_checks import padded_batches
 from tiny_models import llama
 from torch import nn
 
@@ -103,18 +104,6 @@ def test_output_metric_prices_a_fused_input_under_each_members_weight():
     assert calib.states["0.a"]["input"].observer == calib.states["0.b"]["input"].observer == own
 
 
-def _padded():
-    g = torch.Generator().manual_seed(5)
-    batches = []
-    for n in (20, 24):
-        mask = torch.zeros(4, n, dtype=torch.long)
-        for r in range(4):
-            mask[r, :int(torch.randint(2, 5, (1,), generator=g))] = 1
-        batches.append({"input_ids": torch.randint(0, 100, (4, n), generator=g),
-                        "attention_mask": mask})
-    return batches
-
-
 def _block_out(model, block, batches, states):
     got = []
     hook = dict(model.named_modules())[block].register_forward_hook(
@@ -138,7 +127,7 @@ def _masked_cos(q, ref, mask):
 
 def test_sequential_scoring_leaves_padded_positions_out():
     model, _ = llama()
-    batches = _padded()  # most positions padding
+    batches = padded_batches()  # most positions padding
     calib = _calibrate(model, batches, "w8a8", observer="auto", sequential=True, auto=TWO)
     singles = calibrate_many(model, batches, {n: preset("w8a8", n) for n in TWO.candidates},
                              **KW)
