@@ -21,16 +21,6 @@ needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
 MISSING = "qs-no-such-cc-s37"  # a $CC program on no PATH
 
 
-@pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """An empty cache and a loader that has loaded nothing and warned about nothing."""
-    monkeypatch.setenv("QUANTSCOPE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CC", CC or "cc")
-    monkeypatch.delenv("QUANTSCOPE_NO_KERNEL", raising=False)
-    monkeypatch.setattr(kernels, "_libs", {})
-    monkeypatch.setattr(kernels, "_warned", False)
-    return tmp_path / "cache"
-
 
 def _said(name="int_qparams", **kw) -> str:
     """The one warning that loading ``name`` gives (it must give one, and no library)."""

@@ -16,16 +16,6 @@ CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
 
 
-@pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """An empty private cache and a loader that has loaded nothing and warned about nothing."""
-    monkeypatch.setenv("QUANTSCOPE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CC", CC or "cc")
-    monkeypatch.delenv("QUANTSCOPE_NO_KERNEL", raising=False)
-    monkeypatch.setattr(kernels, "_libs", {})
-    monkeypatch.setattr(kernels, "_warned", False)
-    return tmp_path / "cache"
-
 
 def _nan_range_reported() -> bool:
     """``qs_int_qparams`` on a range holding NaN says so (returns 1)."""
