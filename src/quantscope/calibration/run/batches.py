@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from ...observers.runtime import nested_rows
+from ...stats.minmax import any_non_finite
 
 __all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "map_tensors",
            "module_input", "nan_parameter", "tensors_in"]
@@ -131,6 +132,6 @@ def nan_parameter(model) -> str | None:
     """The name of the first parameter of ``model`` holding NaN or inf (None: none; meta and
     offloaded ones are not read): a calibration batch's NaN is as often the model's own."""
     for name, p in model.named_parameters() if model is not None else ():
-        if p.is_floating_point() and not p.is_meta and not bool(torch.isfinite(p).all()):
+        if p.is_floating_point() and not p.is_meta and bool(any_non_finite(p.detach())):
             return name
     return None
