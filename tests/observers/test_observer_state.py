@@ -61,6 +61,26 @@ def test_load_state_of_another_layout_is_a_value_error():
     assert torch.equal(c.qparams().scale, a.qparams().scale)
 
 
+@pytest.mark.parametrize("name,key,rows", [
+    ("percentile", "hist_lo", 2),  # every per-unit buffer, not only min / max
+    ("percentile", "hist_counts", 3),
+    ("histogram", "hist_exp", 2),
+    ("memoryless_mse", "global_amax_val", 2),  # one value for the tensor
+])
+def test_load_refuses_any_sized_buffer_of_other_units(name, key, rows):
+    spec = QuantSpec("int8", "tensor", symmetric=False)
+    a = get_observer(name, spec)
+    a(torch.randn(64, 16) - 2)
+    sd = dict(a.state_dict())
+    if key == "global_amax_val":  # the int search keeps none: give it one too many
+        sd[key] = torch.ones(rows)
+    else:
+        sd[key] = sd[key].repeat(rows, *[1] * (sd[key].dim() - 1))
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=rf"cannot load a state whose {key} has {rows} "):
+            get_observer(name, spec).load_state_dict(sd, strict=strict)
+
+
 @pytest.mark.parametrize("chunk_elems", [0, -5])
 @pytest.mark.parametrize("backend", [None, "torch"])
 def test_mse_search_rejects_non_positive_chunk_elems(chunk_elems, backend):

@@ -438,9 +438,8 @@ class Observer(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         self.leave_inference_mode()  # the load copies into the buffers
-        sized = self._sized_buffers()
-        record.check_units(state_dict, prefix, self.spec.layout,
-                           [n for n in ("min_vals", "max_vals") if n in sized], self.describe())
+        record.check_units(state_dict, prefix, self.spec.layout, self._sized_buffers(),
+                           self.describe())
         record.check(state_dict, prefix, self._state_record(), self.describe())
         partial = record.partial(state_dict, prefix, self._sized_buffers(), self.describe())
         if partial:  # as a size mismatch is: an error under strict=False too

@@ -17,9 +17,11 @@ import torch
 from .._jsonfile import PARSER_LIMITS
 from ..layout import Layout, parse_layout
 
-__all__ = ["RECORD", "check", "check_units", "decode", "encode", "partial", "saved_shape"]
+__all__ = ["GLOBAL", "RECORD", "check", "check_units", "decode", "encode", "partial", "saved_shape"]
 
 RECORD = "_extra_state"  # torch's key of get_extra_state's value
+#: sized buffers that hold one value for the whole tensor (NVFP4's global amax), not one per unit
+GLOBAL = ("global_amax_val",)
 
 
 def encode(record: dict) -> torch.Tensor:
@@ -66,10 +68,11 @@ def partial(state_dict, prefix, sized, who: str) -> str | None:
     return None
 
 
-def check_units(state_dict, prefix, layout: Layout, ranges, who: str) -> None:
-    """``ValueError`` naming ``who`` unless the saved per-unit ``ranges`` (``min_vals`` /
-    ``max_vals``, those the observer sizes) fit ``layout`` for the saved shape (else
-    ``qparams()`` fails later with a bare reshape)."""
+def check_units(state_dict, prefix, layout: Layout, sized, who: str) -> None:
+    """``ValueError`` naming ``who`` unless each saved ``sized`` buffer fits ``layout`` for the
+    saved shape: one entry per unit along its first dimension (a histogram's counts are units
+    x bins), one for a :data:`GLOBAL` value, or none (else ``qparams()`` fails later with a
+    bare reshape, or reads another unit's entry without a word)."""
     shape = saved_shape(state_dict, prefix)
     if shape is None:
         return
@@ -78,13 +81,18 @@ def check_units(state_dict, prefix, layout: Layout, ranges, who: str) -> None:
     except ValueError as e:
         raise ValueError(f"{who}: cannot load a state observed with shape {shape}: {e}") \
             from None
-    for name in ranges:
+    for name in sized:
         t = state_dict.get(prefix + name)
-        if t is not None and not t.is_meta and t.numel() not in (0, units):
+        if t is None or t.is_meta:
+            continue
+        one = name in GLOBAL
+        want, got = 1 if one else units, len(t) if t.dim() else 1
+        if got not in (0, want):
             raise ValueError(
-                f"{who}: cannot load a state whose {name} has {t.numel()} units; shape "
-                f"{shape} under {layout} has {units} (the state was saved by an observer "
-                f"of another layout)")
+                f"{who}: cannot load a state whose {name} has {got} "
+                f"{'values' if one else 'units'}; " + ("it holds one value for the tensor"
+                if one else f"shape {shape} under {layout} has {units} (the state was "
+                f"saved by an observer of another layout)"))
 
 
 def check(state_dict, prefix, mine: dict, who: str) -> None:
