@@ -328,9 +328,12 @@ def test_a_misspelt_target_with_a_kv_cache_is_refused_sequentially_too():
     from quantscope.calibration import preset
 
     model, batches = llama()
+    forwards = []  # refused before any block runs (it was after the whole pass)
+    model.model.embed_tokens.register_forward_hook(lambda *_: forwards.append(1))
     with pytest.raises(ValueError, match=r"no module matches targets \['Lineer'\]"):
         calibrate(model, batches, preset("w8a8", targets=["Lineer"], kv_cache="fp8"),
                   progress=False, sequential=True)
+    assert forwards == []
 
 
 @pytest.mark.parametrize("kv", [None, "fp8"])

@@ -44,7 +44,6 @@ import time
 import torch
 from torch import nn
 
-from ..recipe import ROLES
 from ..structure import kv_cache, moe
 from . import heap
 from .batches import batch_count, eval_mode, forward_batch, map_tensors
@@ -170,7 +169,7 @@ def _for_piece(recipe, piece):
     KV-cache roles where the piece has no attention module (the embeddings, the head;
     calibrate_many checks the whole model has some); its KV cache alone where its rules take
     nothing in a piece with attention (a block the targets leave out: whether they take
-    anything at all is the whole model's question, :func:`_took_rules`)."""
+    anything at all is the whole model's question, asked before the first block)."""
     if recipe.kv_cache is not None and not kv_cache.attention_modules(piece):
         if not recipe.rules:  # the KV cache alone: nothing here
             return None
@@ -187,11 +186,6 @@ def _pieces_todo(recipes: dict, piece) -> dict:
     """``{label: recipe as piece takes it}`` of those taking some module (MoE experts: views)."""
     with moe.attach(piece, count=False):
         return {k: r for k, r in ((k, _for_piece(r, piece)) for k, r in recipes.items()) if r}
-
-
-def _took_rules(parts) -> bool:
-    """Whether a rule took a role in a recipe's ``parts`` (else a misspelt target)."""
-    return any(role in ROLES for _, c in parts for roles in c.states.values() for role in roles)
 
 
 @contextlib.contextmanager
@@ -293,6 +287,9 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
         batches = list(batches)  # head): a DataLoader's second pass would shuffle again
     name, layers = find_blocks(model, blocks)
     check_disjoint(model, name, layers)
+    with moe.attach(model, count=False):  # a misspelt target, before any block runs (a KV
+        for recipe in recipes.values():  # cache's attention matches in a block; experts as
+            recipe.match(model)         # Linear views)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     outside = {n for n in params if not n.startswith(name + ".")}
     # the checkpoint read (its warnings, maybe errors) before the spill folder is made
@@ -321,8 +318,6 @@ def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float
     seconds = round(time.perf_counter() - t0, 3)
     out = {}
     for label, recipe in recipes.items():
-        if not _took_rules(run.parts[label]):
-            recipe.match(model)  # raises the whole-model error: nothing matches
         out[label] = _merge(Calibration, recipe, label, run.parts[label], n, seconds,
                             {"blocks": name, "count": len(originals), "order": order, "mode": mode,
                              "cache_budget_mb": cache_budget_mb, "spilled_batches": spilled})
