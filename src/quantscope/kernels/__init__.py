@@ -284,7 +284,8 @@ _compiling = torch.compiler.is_compiling
 def real(*tensors: torch.Tensor) -> bool:
     """Whether the memory of each of ``tensors`` holds its values here, for a C kernel or a
     host read: a plain ``torch.Tensor`` / ``Parameter`` (not a FakeTensor or other subclass),
-    not meta, not functorch-wrapped (a vmap BatchedTensor, a grad / jvp wrapper); and no
+    not meta, not functorch-wrapped (a vmap BatchedTensor, a grad / jvp wrapper), not a
+    negative view (``x.conj().imag``, ``torch._neg_view``: its memory holds ``-x``); and no
     ``torch.compile`` / ``torch.jit.trace`` tracing (a trace records a kernel's outputs as
     constants), functorch transform (vmap, grad, jvp) or fake / proxy dispatch mode
     (FakeTensorMode, make_fx: a fresh ``torch.empty`` is a fake there) active. The one rule
@@ -296,7 +297,7 @@ def real(*tensors: torch.Tensor) -> bool:
                                                  or _get_dispatch_mode(_PROXY) is not None))):
         return False
     for t in tensors:  # the type first: the cheapest test, and the one a FakeTensor fails
-        if type(t) not in _REAL_TYPES or t.is_meta or _wrapped(t):
+        if type(t) not in _REAL_TYPES or t.is_meta or t.is_neg() or _wrapped(t):
             return False
     return True
 
