@@ -112,6 +112,9 @@ def _spec(dtype, qscheme, qmin, qmax, eps, ch_axis) -> QuantSpec:
     if dtype not in _FORMATS:
         raise ValueError(f"torch_ao_spec: dtype must be one of {list(_FORMATS)} (quantscope's "
                          f"integer formats stop at 16 bits), got {dtype!r}")
+    if qscheme not in (torch.per_tensor_affine, *_SYMMETRIC, *_PER_CHANNEL):  # a typo too
+        raise ValueError(f"torch_ao_spec: qscheme must be a torch.qscheme (torch.per_tensor_"
+                         f"affine, torch.per_channel_symmetric, ...), got {qscheme!r}")
     layout = Channel(ch_axis) if qscheme in _PER_CHANNEL else Tensor()
     return QuantSpec(_FORMATS[dtype], layout, symmetric=qscheme in _SYMMETRIC, eps=float(eps),
                      quant_min=int(qmin), quant_max=int(qmax))

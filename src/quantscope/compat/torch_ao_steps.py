@@ -66,18 +66,26 @@ def observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: torc
         return None  # the tensor path raises, as torch.ao's in-place update does
     old_lo, old_hi = kernels.read(lo)[0], kernels.read(hi)[0]
     first = old_lo == math.inf or old_hi == -math.inf  # torch.ao's is_uninitialized
+    if not first:
+        _refuse_cast_overflow(old_lo, old_hi, lo.dtype)  # a loaded inf end
     got = ao_histogram.observe(hist, lo, hi, kernels.contiguous(x), first, one_read=one_read,
                                rate=rate)
     return None if got is None or got is ao_histogram.NON_FINITE else got
 
 
 def _refuse_cast_overflow(lo: float, hi: float, dtype: torch.dtype) -> None:
-    """Raise where a module cast (``.half()``) turned an observed state's ends inf (torch.ao's
-    ``histc`` raises at the next batch; its qparams come out NaN)."""
-    if math.isinf(hi - lo):
-        raise StateOverflowError(f"HistogramObserver: a module cast to {dtype} overflowed its "
-                                 f"state (max {torch.finfo(dtype).max:.6g}); keep the observer "
-                                 f"in float32 or reset() it")
+    """Raise where a module cast (``.half()``) turned an observed state's ends inf, or a
+    float32 one was loaded so (torch.ao's ``histc`` raises at the next batch; its qparams
+    come out NaN)."""
+    if not math.isinf(hi - lo):
+        return
+    if dtype in (torch.float32, torch.float64):  # no cast makes these inf: a loaded state
+        raise StateOverflowError(f"HistogramObserver: its state's range [{lo}, {hi}] is not "
+                                 f"finite (a loaded min_val / max_val); load a finite state "
+                                 f"or reset() it")
+    raise StateOverflowError(f"HistogramObserver: a module cast to {dtype} overflowed its "
+                             f"state (max {torch.finfo(dtype).max:.6g}); keep the observer "
+                             f"in float32 or reset() it")
 
 
 def observe_tensors(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor,
