@@ -45,9 +45,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .._plainchecks import check_bool
 from ..comm import all_reduce, is_distributed
 from ..estimators.entropy import horizon_entropy_amax
 from ..estimators.mse import SearchResult
+from ..formats import as_int
 from ..layout import Channel, Tensor
 from ..observers.histogram import EntropyObserver, HistogramObserverBase
 from ..observers.histogram import MixObserver as _NativeMix
@@ -104,7 +106,7 @@ def horizon_spec(dtype="qint8", qscheme=torch.per_tensor_symmetric, ch_axis=-1, 
         raise ValueError(f"horizon: give both quant_min and quant_max, got {quant_min!r} and "
                          f"{quant_max!r}")
     per_channel = qscheme == torch.per_channel_symmetric
-    axis = -1 if ch_axis is None else ch_axis
+    axis = _axis(ch_axis)
     if per_channel != (axis >= 0):  # Horizon's ObserverBase asserts the pair
         want = "non-negative" if per_channel else "negative"
         raise HorizonArgumentError(f"horizon: ch_axis should be {want} with qscheme={qscheme}, "
@@ -112,6 +114,16 @@ def horizon_spec(dtype="qint8", qscheme=torch.per_tensor_symmetric, ch_axis=-1, 
     layout = Channel(axis) if per_channel else Tensor()
     return QuantSpec(_FORMATS[name], layout, symmetric=True, quant_min=quant_min,
                      quant_max=quant_max)
+
+
+def _axis(ch_axis) -> int:
+    """``ch_axis`` as an int (None: -1, per tensor); a string or list is refused here, not
+    in a bare comparison."""
+    axis = -1 if ch_axis is None else as_int(ch_axis)
+    if axis is None:
+        raise HorizonArgumentError(f"horizon: ch_axis must be an integer (or None), got "
+                                   f"{ch_axis!r}")
+    return axis
 
 
 class HorizonObserver:
@@ -136,6 +148,10 @@ class HorizonObserver:
             raise TypeError(f"horizon {type(self).__name__}: takes Horizon's keywords (dtype, "
                             f"qscheme, ch_axis, quant_min, quant_max), not a quantscope spec")
         spec = horizon_spec(dtype, qscheme, ch_axis, quant_min, quant_max)
+        if "averaging_constant" in native and native["averaging_constant"] is None:
+            # Horizon always averages (the native histogram classes take None as "do not")
+            raise HorizonArgumentError(f"horizon {type(self).__name__}: averaging_constant "
+                                       f"must be a number in (0, 1], got None")
         # Horizon's histogram classes (KL, Percentile, Mix) assert per_tensor_symmetric
         if isinstance(self, HistogramObserverBase) and qscheme != torch.per_tensor_symmetric:
             raise HorizonArgumentError(f"horizon {type(self).__name__}: only "
@@ -144,7 +160,8 @@ class HorizonObserver:
         super().__init__(spec, **native)
         self.ch_axis, self.dtype, self.qscheme = ch_axis, dtype, qscheme
         self.quant_min, self.quant_max = int(spec.qmin), int(spec.qmax)
-        self.is_sync_quantize = bool(is_sync_quantize)
+        self.is_sync_quantize = check_bool(f"horizon {type(self).__name__}", "is_sync_quantize",
+                                           is_sync_quantize)
         device = (factory_kwargs or {}).get("device")
         if device is not None:
             self.to(device)
@@ -218,6 +235,11 @@ class HorizonObserver:
         if horizon["max_val"] is None:  # not Horizon's either: the strict load names the keys
             return state_dict
         lo, hi = (horizon[k].detach().to(torch.float32).reshape(-1) for k in _HORIZON_KEYS[:2])
+        bad = 0 if lo.is_meta else int((~lo.isfinite()).sum() + (~hi.isfinite()).sum())
+        if bad:  # else qparams() fails later naming neither the observer nor the state
+            raise ValueError(f"{self.describe()}: cannot load Horizon's min_val / max_val: "
+                             f"they must be finite (or empty: no data yet), got {bad} NaN / "
+                             f"inf values")
         self.reset()
         own = {}
         self._save_to_state_dict(own, prefix, keep_vars=False)
@@ -255,7 +277,7 @@ class MovingAverageMinMaxObserver(HorizonObserver, _NativeEMA):
                  qscheme=torch.per_tensor_symmetric, quant_min=None, quant_max=None,
                  is_sync_quantize=False, factory_kwargs=None, *, ch_axis=-1,
                  **kwargs):
-        if ch_axis is not None and ch_axis >= 0:
+        if _axis(ch_axis) >= 0:
             raise HorizonArgumentError(f"horizon MovingAverageMinMaxObserver: per tensor only, "
                                        f"ch_axis must be negative, got ch_axis={ch_axis!r}; "
                                        f"use MovingAveragePerChannelMinMaxObserver per channel")
@@ -423,6 +445,7 @@ class MSEObserver(HorizonObserver, _NativeLinearMSE):
         res = super()._search(units, lo, hi)
         if res.index is None:
             return res
-        # Horizon scales the signed ends by the chosen factor: best_min = min * (1 - 0.01 i)
-        f = 1.0 - res.index.float() * (0.01 * self.stride)  # float32 whatever torch's default
+        # Horizon scales the signed ends by the chosen factor: best_min = min * (1 - 0.01 i);
+        # index -1: the search kept the min-max incumbent (every candidate priced inf), f = 1
+        f = 1.0 - res.index.clamp(min=0).float() * (0.01 * self.stride)  # float32 always
         return SearchResult(lo * f, hi * f, index=res.index)
