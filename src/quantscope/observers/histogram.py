@@ -237,7 +237,7 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
             lo, hi = torch.zeros_like(hi), torch.maximum(lo.abs(), hi.abs())
             units = units.abs()
         if bool(torch.isinf(self.hist_lo).all()):  # first batch: its own min / max
-            self.hist_lo, self.hist_hi = lo.clone(), hi.clone()
+            self._store(("hist_lo", "hist_hi"), (lo.clone(), hi.clone()))
         elif bool(((lo < self.hist_lo) | (hi > self._linear_top())).any()) and \
                 not self._append_bins(hi):
             self._leave_linear(lo, hi)

@@ -39,7 +39,7 @@ class IntervalAverage:
         """After a batch in the EMA mode: its min / max join the interval's; the interval's
         last batch runs the estimate."""
         if self.window_lo.shape != lo.shape:  # the interval's first batch (no host sync)
-            self.window_lo, self.window_hi = lo.clone(), hi.clone()
+            self._store(WINDOW, (lo.clone(), hi.clone()))  # (the buffers' objects kept)
         else:
             torch.minimum(self.window_lo, lo, out=self.window_lo)
             torch.maximum(self.window_hi, hi, out=self.window_hi)
@@ -73,10 +73,10 @@ class IntervalAverage:
         return self.ema_lo.lerp(lo, c), self.ema_hi.lerp(hi, c)
 
     def _ema_step(self):
-        self.ema_lo, self.ema_hi = self._averaged()
+        self._store(("ema_lo", "ema_hi"), self._averaged())
         self._set_state(H.empty_state(self.ema_lo.shape[0], self.bins, self.ema_lo.device))
         self.linear_grid.fill_(self.grid == "first")
-        self.window_lo, self.window_hi = (self.ema_lo.new_zeros(0) for _ in WINDOW)
+        self._store(WINDOW, [self.ema_lo.new_zeros(0) for _ in WINDOW])
         self.pending.zero_()
         self._pending = 0
 
