@@ -66,3 +66,16 @@ def test_a_horizon_state_with_non_finite_ends_is_refused_at_load(cls, lo, hi):
                                          r"be finite"):
         o.load_state_dict({"min_val": torch.tensor([lo]), "max_val": torch.tensor([hi]),
                            "eps": eps})
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_ignored_values_are_said_once_per_qparams_read(cls):
+    import warnings
+
+    o = cls(non_finite="ignore")
+    o(torch.tensor([1.0, float("nan"), -2.0]))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        o.calculate_qparams()
+    said = [x for x in w if "ignored 1 NaN / inf values" in str(x.message)]
+    assert len(said) == 1, [str(x.message) for x in w]

@@ -210,8 +210,8 @@ class HorizonObserver:
         lo, hi = self._ends()
         if not lo.numel():  # the native error, or an unfinished first interval's estimate
             lo, hi = super().calculate_range()
-        else:
-            self.check_ready()  # NaN / inf seen: quantscope's clear error, not a NaN scale
+        else:  # NaN / inf seen: quantscope's clear error, not a NaN scale (the count's
+            self.check_ready(warn=False)  # warning: once, by the qparams read)
         # ordered for qparams_from_range, with Horizon's max(-lo, hi) clamped at 0: ends a
         # clip crossed (a constant batch: max(min, -clip) > min(max, clip)) meet at the one
         # nearer 0, the one Horizon scales; ordered ends stay as they are

@@ -333,8 +333,9 @@ class Observer(nn.Module):
         """Whether a non-empty tensor was observed (or such a state loaded) since :meth:`reset`."""
         return self._last_shape is not None
 
-    def check_ready(self) -> None:
-        """Raise ``ValueError`` if nothing was observed or NaN / inf was seen (mode ``error``)."""
+    def check_ready(self, warn: bool = True) -> None:
+        """Raise ``ValueError`` if nothing was observed or NaN / inf was seen (mode ``error``);
+        ``warn``: say how many were ignored (mode ``ignore``; once per qparams read)."""
         if not self.has_observed:
             raise ValueError(f"{self.describe()}: calculate_qparams() called before any tensor was "
                              f"observed; call the observer on calibration data first")
@@ -344,7 +345,7 @@ class Observer(nn.Module):
         if bool(self.seen_non_finite):
             raise ValueError(f"{self.describe()}: observed NaN or inf values; fix the input or "
                              f"construct the observer with non_finite='ignore' to skip them")
-        if count := int(self.non_finite_count):
+        if warn and (count := int(self.non_finite_count)):
             warnings.warn(f"{self.describe()}: ignored {count} NaN / inf values", stacklevel=3)
 
     def reset(self) -> None:
