@@ -32,12 +32,20 @@ Where the results differ from llm-compressor's, by choice:
   Asymmetric integer scales and zero points are computed so too
   (:func:`~.llmcompressor_base.half_qparams`: ``max - min`` rounded to the dtype before the
   division, the zero point from that scale in it): theirs bit for bit. Symmetric integer
-  scales, computed in float32 and rounded once, are equal (one correctly rounded quotient;
-  ``tensor_group``: with their global scale, computed in the dtype, as theirs); NVFP4's
-  block scales differ by at most one fp8 step, its float32 global scale from theirs,
-  computed in the dtype, by one unit of the dtype. The MSE and imatrix searches price each
-  candidate as theirs, in the dtype (the MSE's error sums too), so their ranges are theirs
-  bit for bit (:func:`~.llmcompressor_imatrix.half_search`).
+  scales, computed in float32 and rounded once to the dtype (before a ``scale_dtype``, as
+  theirs), are equal (one correctly rounded quotient; ``tensor_group``: with their global
+  scale, computed in the dtype, as theirs); NVFP4's block scales differ by at most one fp8
+  step, its float32 global scale from theirs, computed in the dtype, by one unit of the
+  dtype. The MSE and imatrix searches price each candidate as theirs, in the dtype (the
+  MSE's error sums too; a float ``scale_dtype`` and MX's E8M0 scales rounded from the
+  dtype's scale), so their ranges are theirs bit for bit
+  (:func:`~.llmcompressor_imatrix.half_search`). A ``scale_dtype`` wider than the
+  statistics' dtype (float32 on bfloat16 / float16, bfloat16 on float16), where their clamp
+  to its range raises, gives their formula's scales without the clamp (it changes no value
+  there), symmetric and asymmetric alike.
+* a ``group_size`` that does not divide the observed columns raises
+  :class:`~.llmcompressor_parts.GroupSizeError` naming both (a ``ValueError``, and a
+  ``RuntimeError`` as theirs, torch's bare ``unflatten`` error).
 * NaN / inf input raises ``ValueError`` ("observed NaN or inf values", naming the observer)
   in ``forward``, as quantscope's native observers refuse it; llm-compressor's give NaN /
   inf scales. float32 statistics: bit for bit (tiny scales kept, only 0 ones made their eps).
@@ -71,7 +79,6 @@ import torch
 from torch.distributed import ReduceOp
 
 from ..estimators.mse import compat_patience, mse_search, shrink_factors
-from ..layout import Block, Channel
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
 from .llmcompressor_base import (
@@ -89,7 +96,7 @@ from .llmcompressor_parts import (
     flatten_for_calibration,
     fuse_weight_observers,
 )
-from .llmcompressor_spec import llmcompressor_spec, search_spec
+from .llmcompressor_spec import llmcompressor_spec, search_spec, unit_search_spec
 
 __all__ = [
     "FUSED_LAYER_NAMES",
@@ -194,10 +201,7 @@ class MemorylessMSEObserver(Observer):
         strategy = enum_name(field(self.args, "strategy"))
         #: the half-precision dtypes whose candidates are priced as llm-compressor's are
         self._in_dtype = {dt for dt in HALF_SCALES if prices_in_dtype(spec, dt, strategy)}
-        block = spec.scale.is_block and self.is_weight_obs
-        self._search_spec = spec.replace(
-            layout=Block(spec.layout.size) if block else Channel(0),
-            scale=spec.scale if block or not spec.scale.is_block else "fp32")
+        self._search_spec = unit_search_spec(spec, self.is_weight_obs)
 
     def _search(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = statistics_dtype(observed)  # first: it refuses complex data

@@ -36,7 +36,7 @@ from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_gl
 
 __all__ = ["HALF_SCALES", "Observer", "check_expanded_range", "check_finite_statistics",
            "fused_amax", "global_scale_of", "half_qparams", "lerp", "qparams_of_statistics",
-           "statistics_dtype", "statistics_units"]
+           "round_to_scale_dtype", "statistics_dtype", "statistics_units"]
 
 _NO_STATISTICS = "No statistics available. Call observer(value) first."
 #: per class that registers (compressed-tensors keys its registry by the class ``register``
@@ -411,6 +411,19 @@ def half_qparams(lo: torch.Tensor, hi: torch.Tensor, spec, *, eps: bool = True
     return torch.where(scale == 0, torch.tensor(torch.finfo(dtype).eps, dtype=dtype), scale), zp
 
 
+def round_to_scale_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """compressed-tensors' ``round_to_quantized_type_dtype`` of float ``scale`` to a float
+    ``scale_dtype``: clamped to ``dtype``'s finite range (the bounds converted to the scale's
+    dtype, as theirs), then cast to ``dtype``. Where ``dtype``'s range is wider than the
+    scale's (a float32 ``scale_dtype`` on bfloat16 / float16 scales, bfloat16 on float16)
+    their bounds do not fit the scale's dtype and theirs raises; that clamp changes no value
+    there, so it is skipped: the cast alone, as the symmetric scales' float32 path gives."""
+    info = torch.finfo(dtype)
+    if info.max <= torch.finfo(scale.dtype).max:
+        scale = scale.clamp(info.min, info.max)
+    return scale.to(dtype)
+
+
 def _local_qparams(min_vals: torch.Tensor, max_vals: torch.Tensor, spec: QuantSpec,
                    global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat scales (before a global scale, zeros kept) and zero points, as
@@ -449,15 +462,14 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
     else:
         dtype = statistics_dtype(min_vals)
     local, zero = _local_qparams(min_vals, max_vals, spec, None if times_global else global_amax)
-    if times_global:  # theirs: the scale in the half-precision statistics' dtype, times the
-        # float32 global
-        half = local.to(min_vals.dtype) if min_vals.dtype in HALF_SCALES else local
-        scale = half.float() * global_scale_of(global_amax, min_vals.dtype)
-    else:
-        scale = local
+    # theirs: the scale in the half-precision statistics' dtype, then (times the float32
+    # global and) rounded to a scale_dtype: a float32 scale rounded to the scale_dtype alone
+    # rounds twice differently (fp16 on bfloat16: 675 of 10240 symmetric scales)
+    half = local.to(min_vals.dtype) if min_vals.dtype in HALF_SCALES else local
+    scale = half.float() * global_scale_of(global_amax, min_vals.dtype) if times_global \
+        else half
     if (sd := scale_dtype(args)) is not None and sd.is_floating_point:
-        info = torch.finfo(sd)  # their round_to_quantized_type_dtype
-        scale = scale.clamp(info.min, info.max).to(sd)
+        scale = round_to_scale_dtype(scale, sd)
     zero_scale = (local <= _ZERO_STAND_IN).reshape(shape)
     scale = scale.reshape(shape).to(dtype)
     if global_amax is not None:  # their product with the [1] global scale

@@ -16,8 +16,9 @@ takes it and returns meaningless ranges) is refused when the observer is made, a
 
 :func:`imatrix_search` is the search: candidates ``p * expand * [min, max]`` for
 ``p = 1 - i / grid``, ``i = 0 .. max(1, int(maxshrink * grid))``, scored by
-``sum(importance * |fake_quant(x) - x| ** norm)`` per unit with fp32 scales (the global
-scale cancels), llm-compressor's global patience: quantscope's
+``sum(importance * |fake_quant(x) - x| ** norm)`` per unit with the ``scale_dtype``'s scales
+(MX's E8M0 too; ``tensor_group``: fp32, the global scale cancels), llm-compressor's global
+patience: quantscope's
 :func:`~quantscope.estimators.weighted.weighted_search` with its ``expand`` and ``patience``.
 The range comes back in the observed dtype (float32 for integer data), as llm-compressor's
 and the MSE compat's do, so the scales keep the weight's dtype. On bfloat16 / float16
@@ -25,9 +26,9 @@ weights (:func:`prices_in_dtype`) each candidate is priced as llm-compressor pri
 :func:`half_search`: compressed-tensors' ``calculate_qparams`` and ``fake_quantize`` run in
 the weight's dtype (each operation rounded to it), so the ranges are theirs bit for bit
 (pricing the dtype's qparams in float32 chose other ranges in 157 of 576 cases, up to 0.75
-relative, 120 of them with more error under the bfloat16 fake-quant that runs); with a
-``scale_dtype`` other than the weight's dtype, each candidate as it is emitted (its range
-rounded to the dtype, the scale in it, the zero point from that scale).
+relative, 120 of them with more error under the bfloat16 fake-quant that runs), a
+``scale_dtype`` other than the weight's dtype and MX's E8M0 scales included
+(:func:`candidate_qparams`: the scale in the dtype, rounded through the ``scale_dtype``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from typing import ClassVar
 import torch
 
 from ..estimators.mse import compat_patience
-from ..estimators.weighted import float32_errors, select_candidates, weighted_search
+from ..estimators.weighted import select_candidates, weighted_search
 from ..layout import Channel
 from ..qdq import quantize_units
+from ..scales import e8m0_scale
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
 from .llmcompressor_base import (
@@ -50,14 +52,15 @@ from .llmcompressor_base import (
     check_expanded_range,
     check_finite_statistics,
     half_qparams,
+    round_to_scale_dtype,
     statistics_dtype,
     statistics_units,
 )
 from .llmcompressor_parts import flatten_for_calibration
-from .llmcompressor_spec import search_spec
+from .llmcompressor_spec import search_spec, unit_search_spec
 
-__all__ = ["IMatrixMixin", "half_fake_quantize", "half_qparams", "half_search", "imatrix_search",
-           "prices_in_dtype"]
+__all__ = ["IMatrixMixin", "candidate_qparams", "half_fake_quantize", "half_qparams",
+           "half_search", "imatrix_search", "prices_in_dtype"]
 
 _DEFAULTS = {"maxshrink": 0.95, "patience": 5, "grid": 20, "norm": 3.0, "strict": False,
              "expand": 1.0}
@@ -182,13 +185,13 @@ class IMatrixMixin:
         spec = search_spec(self.args, self.base_name)  # tensor_group's scale_dtype dropped
         strategy = enum_name(field(self.args, "strategy"))
         in_dtype = prices_in_dtype(spec, observed.dtype, strategy)
-        spec = spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block
-                            else spec.scale)
-        # tensor_group scales are emitted times a global scale: not priced as emitted
+        # tensor_group: theirs prices float32 scales (the global scale cancels). Others keep
+        # their scale encoding, MX's E8M0 block scales too (theirs prices with its scale_dtype)
+        spec = spec.replace(layout=Channel(0), scale="fp32") if strategy == "tensor_group" \
+            else unit_search_spec(spec, self.base_name == "weight")
         return imatrix_search(observed, importance, spec,
                               maxshrink=self.maxshrink, patience=self._search_patience,
                               grid=self.grid, norm=self.norm, expand=self.expand,
-                              emitted=None if strategy == "tensor_group" else observed.dtype,
                               in_dtype=in_dtype)
 
 
@@ -201,12 +204,11 @@ def _check_positive(name: str, value) -> None:
 
 def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec, *,
                    maxshrink: float, patience: int | None, grid: float, norm: float,
-                   expand: float = 1.0, emitted: torch.dtype | None = None,
-                   in_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   expand: float = 1.0, in_dtype: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm-compressor 0.14's importance-weighted grid search (see the module docstring), run
     by :func:`~quantscope.estimators.weighted.weighted_search`: its incumbent is their first
-    candidate (``p = 1``, the range times ``expand``), the factors their others. ``emitted``:
-    the dtype the range is emitted in; bfloat16 / float16 price each candidate so.
+    candidate (``p = 1``, the range times ``expand``), the factors their others.
     ``in_dtype``: price as llm-compressor does on the observed bfloat16 / float16 data
     (:func:`half_search`; :func:`prices_in_dtype` says where)."""
     units, shape = statistics_units(observed)
@@ -219,41 +221,44 @@ def imatrix_search(observed: torch.Tensor, importance: torch.Tensor | None, spec
         lo, hi = half_search(units, weights, spec, factors, norm=norm, expand=expand,
                              patience=patience, dtype_sums=False)
         return lo.reshape(shape), hi.reshape(shape)
-    units = units.float()
-    if emitted in HALF_SCALES:
-        lo, hi = _emitted_search(units, weights, spec, factors, norm, expand, patience, emitted)
-    else:
-        lo, hi = weighted_search(units, weights, spec, factors=factors, norm=norm,
-                                 expand=expand, patience=patience, float32_sums=True)
+    lo, hi = weighted_search(units.float(), weights, spec, factors=factors, norm=norm,
+                             expand=expand, patience=patience, float32_sums=True)
     dtype = statistics_dtype(observed)
     return lo.reshape(shape).to(dtype), hi.reshape(shape).to(dtype)
 
 
-def _emitted_search(units, weights, spec, factors, norm, expand, patience, dtype):
-    """``weighted_search(..., float32_sums=True)`` pricing each candidate as ``get_qparams``
-    emits it for ``dtype`` statistics: the range rounded to ``dtype``, its scale encoded in
-    ``dtype`` (a ``scale_dtype``'s encoding kept) and the zero point from that scale. The
-    path of a ``scale_dtype`` other than the dtype (:func:`prices_in_dtype` false)."""
-    if spec.scale.kind == "fp32":
-        spec = spec.replace(scale=HALF_SCALES[dtype])
-    lo0, hi0 = unit_minmax(units)
-    if expand != 1.0:
-        lo0, hi0 = lo0 * expand, hi0 * expand
-    factors = [1.0, *factors]  # the incumbent first, as weighted_search
-
-    def errors():
-        for f in factors:  # select_candidates' float32 products, then rounded
-            lo, hi = ((t * f).to(dtype).float() for t in (lo0, hi0))
-            yield from float32_errors(units, weights, spec, lo, hi, [1.0], norm)
-    return select_candidates(errors(), lo0, hi0, factors, patience)
-
-
 def prices_in_dtype(spec, dtype: torch.dtype, strategy: str | None) -> bool:
     """Whether llm-compressor prices a search's candidates on ``dtype`` data as
-    :func:`half_search` does: bfloat16 / float16 data and scales in that dtype (no
-    ``scale_dtype``, or the dtype; ``tensor_group`` drops its own to search)."""
+    :func:`half_search` does: bfloat16 / float16 data and scales it encodes as theirs
+    (:func:`candidate_qparams`: none, a float ``scale_dtype``, MX's E8M0; ``tensor_group``
+    drops its own to search)."""
     return dtype in HALF_SCALES and (strategy == "tensor_group"
-                                     or spec.scale.kind in ("fp32", HALF_SCALES[dtype]))
+                                     or spec.scale.kind in ("fp32", "fp16", "bf16", "e8m0"))
+
+
+#: the float ``scale_dtype`` of a half-precision scale encoding
+_HALF_DTYPES = {kind: dtype for dtype, kind in HALF_SCALES.items()}
+
+
+def candidate_qparams(lo: torch.Tensor, hi: torch.Tensor, spec
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' ``calculate_qparams`` of a bfloat16 / float16 candidate range with
+    the ``scale_dtype`` ``spec.scale`` encodes, as their searches price it: the scale in the
+    dtype (:func:`half_qparams`; MX: the E8M0 scale of the dtype's amax), then rounded through
+    the ``scale_dtype`` and back to the dtype (:func:`round_to_scale_dtype`), the zero point
+    from the scale before that rounding, a zero scale the ``scale_dtype``'s eps (E8M0's uint8:
+    1), else the dtype's."""
+    dtype = lo.dtype
+    if spec.scale.kind == "e8m0":  # their generate_mx_scales; the exponent read in the dtype
+        amax = torch.maximum(lo.clamp(max=0).abs(), hi.clamp(min=0)).float()
+        scale = e8m0_scale(amax, spec.format, spec.scale.mode).to(dtype)
+        zp, eps = torch.zeros_like(scale), 1.0
+    else:
+        scale, zp = half_qparams(lo, hi, spec, eps=False)
+        eps = torch.finfo(dtype).eps
+        if (sd := _HALF_DTYPES.get(spec.scale.kind)) is not None:
+            scale, eps = round_to_scale_dtype(scale, sd).to(dtype), torch.finfo(sd).eps
+    return torch.where(scale == 0, torch.tensor(eps, dtype=dtype), scale), zp
 
 
 def half_fake_quantize(units: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec
@@ -274,7 +279,7 @@ def half_search(units: torch.Tensor, weights: torch.Tensor | None, spec, factors
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm-compressor's search on bfloat16 / float16 ``units [U, E]`` as it runs it: the
     range ``amin * expand``, ``amax * expand`` and each candidate ``p * range`` rounded to the
-    dtype, priced by :func:`half_qparams` and :func:`half_fake_quantize`; the error
+    dtype, priced by :func:`candidate_qparams` and :func:`half_fake_quantize`; the error
     ``sum w * |fq - x| ** norm`` in float32 (imatrix), or, ``dtype_sums``, unweighted in the
     dtype (memoryless_mse's: ``(fq - x).abs().pow(norm).sum()``). The incumbent is ``p = 1``,
     ``factors`` the other ``p``; :func:`select_candidates`' rules. Returns the chosen
@@ -285,7 +290,7 @@ def half_search(units: torch.Tensor, weights: torch.Tensor | None, spec, factors
 
     def errors():
         for lo, hi in cands:
-            scale, zp = half_qparams(lo.reshape(-1, 1), hi.reshape(-1, 1), spec)
+            scale, zp = candidate_qparams(lo.reshape(-1, 1), hi.reshape(-1, 1), spec)
             fq = half_fake_quantize(units, scale, zp, spec)
             if dtype_sums:  # exact in float32: the dtype's comparisons kept
                 yield (fq - units).abs().pow(norm).sum(1).float()[None]

@@ -16,8 +16,14 @@ import torch.nn.functional as F
 
 from . import enum_name, field
 
-__all__ = ["FUSED_LAYER_NAMES", "FusionHandler", "flatten_for_calibration",
+__all__ = ["FUSED_LAYER_NAMES", "FusionHandler", "GroupSizeError", "flatten_for_calibration",
            "fuse_weight_observers"]
+
+
+class GroupSizeError(ValueError, RuntimeError):
+    """A ``group_size`` that does not divide the observed value's columns: a
+    ``RuntimeError`` as llm-compressor's (torch's ``unflatten``), and a ``ValueError`` as
+    quantscope's bad-argument errors."""
 
 
 def flatten_for_calibration(value: torch.Tensor, base_name: str, args) -> torch.Tensor:
@@ -51,7 +57,7 @@ def _weight_view(value, strategy, args):
     if strategy == "channel":
         return value.unsqueeze(-2).unsqueeze(0)
     if strategy in ("group", "tensor_group"):
-        return value.unflatten(-1, (-1, field(args, "group_size"))).unsqueeze(0)
+        return _groups(value, args).unsqueeze(0)
     if strategy == "block":
         height, width = field(args, "block_structure")
         rows, cols = value.shape
@@ -67,8 +73,20 @@ def _activation_view(value, strategy, args):
     if strategy == "token":
         return value
     if strategy in ("group", "tensor_group"):
-        return value.flatten(0, 1).unflatten(-1, (-1, field(args, "group_size")))
+        return _groups(value, args).flatten(0, 1)
     return None
+
+
+def _groups(value, args):
+    """``value [..., cols]`` as ``[..., cols / group_size, group_size]``; a group size that
+    does not divide ``cols`` is a :class:`GroupSizeError` (torch's ``unflatten`` names
+    neither)."""
+    size, cols = field(args, "group_size"), value.shape[-1]
+    if not isinstance(size, int) or size < 1 or cols % size:
+        raise GroupSizeError(f"llm-compressor observer: group_size must be a positive divisor "
+                             f"of the observed value's {cols} columns (shape "
+                             f"{tuple(value.shape)}), got group_size={size!r}")
+    return value.unflatten(-1, (-1, size))
 
 
 def _attention_view(value, strategy, args):

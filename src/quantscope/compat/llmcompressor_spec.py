@@ -18,7 +18,7 @@ from ..spec import QuantSpec
 from . import enum_name, field
 
 __all__ = ["llmcompressor_spec", "scale_dtype", "scales_times_global_scale", "search_spec",
-           "zp_dtype"]
+           "unit_search_spec", "zp_dtype"]
 
 _FLOATS = {8: "fp8_e4m3", 6: "fp6_e2m3", 4: "fp4_e2m1"}
 _SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -64,6 +64,17 @@ def search_spec(args, base_name: str = "weight") -> QuantSpec:
     and imatrix.py: float32 candidate scales)."""
     tensor_group = enum_name(field(args, "strategy")) == "tensor_group"
     return _translate(args, base_name, None, None if tensor_group else scale_dtype(args))
+
+
+def unit_search_spec(spec: QuantSpec, weight: bool) -> QuantSpec:
+    """``spec`` (a :func:`search_spec`) for pricing a search's units ``[U, E]``, one qparam
+    per unit. A weight's unit is one block, so its block scales (MX's E8M0, NVFP4's fp8) are
+    priced as encoded, on a ``Block`` of the unit (llm-compressor's candidates get their
+    ``scale_dtype``); an activation's unit spans many tokens' blocks: per unit, a block
+    scale as float32 (quantscope has no block scale outside a ``Block`` layout)."""
+    block = spec.scale.is_block and weight
+    return spec.replace(layout=Block(spec.layout.size) if block else Channel(0),
+                        scale=spec.scale if block or not spec.scale.is_block else "fp32")
 
 
 def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.dtype | None
