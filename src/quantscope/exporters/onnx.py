@@ -36,8 +36,10 @@ What the graph cannot express is a ``ValueError`` naming the layer before anythi
 written: float formats (fp8 / fp4 / MX / NVFP4), run-time (dynamic) activation scales,
 per-token or per-channel activations, clipped activation ranges (``quant_min`` /
 ``quant_max`` narrower than the storage type: ``QuantizeLinear`` saturates to the type),
-output roles, a calibrated module without a 2-D weight (a block), and 8-bit per-group weights
-beside an 8-bit static input (ORT has no kernel for the pair it fuses them into).
+output roles, a calibrated module without a 2-D weight (a block), 8-bit per-group weights
+beside an 8-bit static input (ORT has no kernel for the pair it fuses them into), a weight the
+forward also reads outside its Linear (after the trace), and a model over protobuf's 2 GiB
+(:data:`PROTOBUF_LIMIT`: no external data is written).
 """
 
 from __future__ import annotations
@@ -54,13 +56,14 @@ from ..calibration.structure.conv1d import is_conv1d
 from ..calibration.structure.placement import check_placement, is_block
 from ..calibration.structure.tied import tied_weights
 from .atomic import atomic_file, check_writable_target
-from .onnx_graph import insert_qdq
+from .onnx_graph import check_spec, insert_qdq, opset_error, outside_reads
 from .onnx_graph import storage as _storage
 from .onnx_tensors import check_float32_quantize, float32_graph, float32_model, unshared_codes
 from .registry import register
 
-__all__ = ["DISABLED_OPTIMIZERS", "FLOAT_MATMULNBITS", "PRECISE_U8U8", "export_onnx", "int8_dot_product",
-           "integer_kernel_counts", "session", "session_options"]
+__all__ = ["DISABLED_OPTIMIZERS", "FLOAT_MATMULNBITS", "PRECISE_U8U8", "PROTOBUF_LIMIT",
+           "export_onnx", "int8_dot_product", "integer_kernel_counts", "session",
+           "session_options"]
 
 #: ORT fusions :func:`session` turns off. MatMulScaleFusion folds a Mul by a constant into the
 #: MatMul's float alpha, which reorders the float products (issue 15 saw MiniLM W8A8 results
@@ -85,6 +88,11 @@ PRECISE_U8U8 = ("session.x64quantprecision", "1")
 #: fake-quant); level 1 keeps the fused kernel and its packed weights but multiplies in float32,
 #: equal to fake-quant to float rounding.
 FLOAT_MATMULNBITS = ("session.qdq_matmulnbits_accuracy_level", "1")
+
+#: the most bytes one protobuf message holds (2 GiB): onnx.checker, shape inference and
+#: ``onnx.save`` serialize the whole model, and fail past it ("Failed to serialize proto").
+#: The export writes no external data, so a larger model is refused (:func:`_check_size`).
+PROTOBUF_LIMIT = 2 ** 31 - 1
 
 #: the ops ORT runs a quantized MatMul as
 INTEGER_KERNELS = ("MatMulIntegerToFloat", "QLinearMatMul", "DynamicQuantizeMatMul",
@@ -118,9 +126,10 @@ class _NoCache:
             self.config.use_cache = self.saved
 
 
-def _export_float(model, example_inputs, opset: int):
+def _export_float(model, example_inputs, opset: int, states=None):
     """The float model as an ``onnx.ModelProto`` (torch's dynamo exporter; every dimension
-    of every input tensor dynamic; a transformers model without its KV cache)."""
+    of every input tensor dynamic; a transformers model without its KV cache); a calibrated
+    layer of ``states`` whose weight is read outside the layer is a ``ValueError``."""
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)
     elif isinstance(example_inputs, torch.Tensor):
@@ -141,6 +150,7 @@ def _export_float(model, example_inputs, opset: int):
             program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True,
                                         opset_version=opset, dynamic_shapes=dynamic,
                                         optimize=False, verbose=False)
+            reads = outside_reads(program.model.graph, model, states or {})  # before folding
             _optimize(program)
     except (MemoryError, OSError):
         raise  # the machine's (memory, disk), not the model's: as they came
@@ -150,6 +160,12 @@ def _export_float(model, example_inputs, opset: int):
             f"({_root_cause(e)}); supported: models torch.export can trace "
             f"whose forward returns tensors (a transformers model exports without its KV "
             f"cache: a causal LM's output is its logits)") from e
+    for layer, reader in reads.items():
+        raise ValueError(f"onnx export: {layer}.weight is also read outside {layer} (by "
+                         f"{reader}): the graph quantizes it for {layer}'s MatMul alone, so "
+                         f"that read would see the float weight, unlike apply(); leave "
+                         f"{layer} in float (ignore it in the recipe) or read the weight "
+                         f"through the layer")
     return program.model_proto
 
 
@@ -228,11 +244,47 @@ def _check_call(calibration, model, example_inputs, opset, overwrite, uint8, opt
                          f"got {opset!r}")
     for module in ("onnx", "onnxscript"):  # what the export and torch.onnx's exporter import
         _onnx(module)
+    if opset > _native_opset():  # (insert_qdq tells it from the graph, after the trace)
+        raise opset_error(opset)
     states = calibration.states
     check_placement(model, "onnx export")
     check_exportable(states)
     _check_linear(model, states)
     _check_untied(model, states)
+    _check_size(_estimated_bytes(model, states), "estimated from its parameters and buffers")
+
+
+def _native_opset() -> int:
+    """The highest opset torch.onnx writes with onnxscript's converter, which keeps each
+    node's metadata (above it, onnx's C converter drops it); unbounded where onnxscript does
+    not say."""
+    try:
+        from onnxscript.version_converter import _version_converter
+    except ImportError:
+        return 2 ** 31
+    return getattr(_version_converter, "SUPPORTED_MAX_ONNX_OPSET", 2 ** 31)
+
+
+def _estimated_bytes(model, states) -> int:
+    """What ``model``'s tensors take in the graph: float ones as float32 (a bf16 model is
+    exported from a float32 copy), a calibrated weight as its codes."""
+    bits = {id(model.get_submodule(n).weight): _storage(r["weight"].spec, n, "weight")[1]
+            for n, r in states.items() if "weight" in r}
+    seen = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * bits[i] // 8 if i in bits else
+               t.numel() * max(t.element_size(), 4 if t.is_floating_point() else 1)
+               for i, t in seen.items())
+
+
+def _check_size(nbytes: int, how: str) -> None:
+    """Refuse a graph over :data:`PROTOBUF_LIMIT` before onnx fails to serialize it."""
+    if nbytes > PROTOBUF_LIMIT:
+        raise ValueError(f"onnx export: the model's tensors take {nbytes} bytes "
+                         f"({nbytes / 2 ** 30:.2f} GiB, {how}), over protobuf's 2 GiB limit "
+                         f"on an ONNX file (PROTOBUF_LIMIT = {PROTOBUF_LIMIT} bytes); this "
+                         f"exporter writes no external data: export a smaller model (or the "
+                         f"float model with torch.onnx and quantize it with onnxruntime's "
+                         f"tools)")
 
 
 @register("onnx", check=_check_call)
@@ -257,10 +309,12 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     path = check_writable_target(path, overwrite=overwrite, kind="file", inputs=inputs)
     states = calibration.states
     given, (model, example_inputs) = model, float32_model(model, example_inputs)
-    proto = _export_float(model, example_inputs, opset)
+    proto = _export_float(model, example_inputs, opset, states)
     if model is not given:  # a bf16 / fp16 model made float32: its forward's casts too
         float32_graph(proto.graph)
     insert_qdq(onnx, proto.graph, model, states, uint8, opset)
+    _check_size(sum(t.ByteSize() for t in (*proto.graph.initializer, *proto.graph.node)),
+                "in the graph")  # the whole proto's ByteSize() fails past the limit
     mark = proto.metadata_props.add()  # what lets overwrite=True replace this file later
     mark.key, mark.value = "quantscope", "onnx export"
     onnx.checker.check_model(proto)
@@ -318,17 +372,19 @@ def _check_linear(model, states) -> None:
 
 def check_exportable(states) -> None:
     """Refuse what ONNX cannot express: roles other than weight and input, formats without
-    an ONNX storage type, activation scales computed at run time."""
+    an ONNX storage type, activation scales computed at run time, layouts and input ranges
+    without a Q/DQ form (:func:`.onnx_graph.check_spec`)."""
     for layer, roles in states.items():
         for role, state in roles.items():
             if role not in ("weight", "input"):
                 raise ValueError(f"onnx export: {layer}.{role}: only weight and input roles "
                                  f"export (got {role!r})")
-            _storage(state.spec, layer, role)
             if role == "input" and state.dynamic is not False:
+                _storage(state.spec, layer, role)  # a float format is told as such first
                 raise ValueError(f"onnx export: {layer}.input is quantized at run time "
                                  f"(dynamic={state.dynamic!r}); this exporter writes static "
                                  f"activation scales only")
+            check_spec(state.spec, layer, role)  # the rules the graph is written by
         _check_ort_runs(layer, roles)
 
 

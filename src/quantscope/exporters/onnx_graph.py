@@ -5,10 +5,12 @@ DequantizeLinear`` (see :mod:`.onnx` for the forms and what ORT runs them as).
 A Linear's nodes are found through the module name the dynamo exporter records on each node
 (``pkg.torch.onnx.name_scopes``) and checked against the weight's values. A Linear called
 more than once has one ``MatMul`` / ``Gemm`` per call: each gets its own input Q/DQ pair and
-its own weight ``DequantizeLinear``, all reading the layer's one set of weight codes, as
-``apply()`` quantizes every call with the layer's qparams. A ``Gemm`` (a Linear on a 2-D
-input) is written as ``MatMul`` (+ ``Add`` for the bias): ONNX Runtime fuses the QDQ
-``MatMul`` into its integer kernels and leaves a QDQ ``Gemm`` with a float bias in float.
+its own weight ``DequantizeLinear`` with the layer's qparams, as ``apply()`` quantizes
+every call; beside an 8-bit input all read the layer's one set of weight codes, else each
+call's reads a copy of its own (ORT fuses no shared one into ``MatMulNBits``). A ``Gemm``
+(a Linear on a 2-D input) is written as ``MatMul`` (+ ``Add`` for the bias): ONNX Runtime
+fuses the QDQ ``MatMul`` into its integer kernels and leaves a QDQ ``Gemm`` with a float
+bias in float.
 """
 
 from __future__ import annotations
@@ -39,6 +41,50 @@ def storage(spec, layer: str, role: str):
         if lo >= 0 and hi <= 2 ** bits - 1:
             return unsigned_t, bits, False
     raise ValueError(f"onnx export: {layer}.{role}: codes [{lo}, {hi}] fit no ONNX integer type")
+
+
+def check_spec(spec, layer: str, role: str):
+    """The ONNX storage type of ``layer.role``'s codes (see :func:`storage`), or the
+    ``ValueError`` :func:`_weight_dq` / :func:`_input_qdq` would raise for its spec: the same
+    rules, run by the export's up-front check before the (slow) trace."""
+    if role == "weight":
+        _weight_form(spec.layout, layer)
+        return storage(spec, layer, role)
+    return _input_storage(spec, layer)
+
+
+def _weight_form(layout, layer: str) -> str:
+    """Which ``DequantizeLinear`` form holds a weight's ``layout``: ``tensor``, ``channel``
+    (``axis``) or ``group`` (``block_size``, opset 21)."""
+    from ..layout import Channel, Group, Tensor
+
+    if isinstance(layout, Tensor):
+        return "tensor"
+    if isinstance(layout, Channel) and layout.axis % 2 == 0:
+        return "channel"
+    if isinstance(layout, Group) and layout.axis % 2 == 1 and layout.order is None:
+        return "group"
+    raise ValueError(f"onnx export: {layer}.weight: layout {layout} has no DequantizeLinear "
+                     f"form (expected per-tensor, per-output-channel or per-group along "
+                     f"the input features in column order: no g_idx that moves columns)")
+
+
+def _input_storage(spec, layer: str):
+    """The storage type of a static input's codes: per tensor, a full int8 / uint8 / int16
+    range (``QuantizeLinear`` saturates to its type: a narrower range has no form)."""
+    from ..layout import Tensor
+
+    if not isinstance(spec.layout, Tensor):  # a spec the graph cannot express, not a bad type
+        raise ValueError(  # noqa: TRY004
+            f"onnx export: {layer}.input: layout {spec.layout} is not per-tensor; "
+            f"static activations export per tensor only")
+    dtype, bits, signed = storage(spec, layer, "input")
+    full = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
+    if bits == 4 or (int(spec.qmin), int(spec.qmax)) != full:
+        raise ValueError(f"onnx export: {layer}.input: codes [{int(spec.qmin)}, "
+                         f"{int(spec.qmax)}] are not a full int8 / uint8 / int16 range, which "
+                         f"QuantizeLinear saturates to")
+    return dtype
 
 
 def _scopes(node) -> list[str]:
@@ -77,7 +123,6 @@ def _weight_dq(layer, state, weight: torch.Tensor, transposed: bool, prefix: str
     """Initializers (codes, scale, zero point) and the DequantizeLinear node of one weight."""
     from onnx import helper, numpy_helper
 
-    from ..layout import Channel, Group, Tensor
     from ..qdq import quantize
 
     spec = state.spec
@@ -92,22 +137,19 @@ def _weight_dq(layer, state, weight: torch.Tensor, transposed: bool, prefix: str
     layout = spec.layout
     out_f, in_f = weight.shape
     attrs = {}
-    if isinstance(layout, Tensor):
+    kind = _weight_form(layout, layer)
+    if kind == "tensor":
         scale, zp = scale.reshape(()), zp.reshape(())
-    elif isinstance(layout, Channel) and layout.axis % 2 == 0:
+    elif kind == "channel":
         scale, zp = scale.reshape(out_f), zp.reshape(out_f)
         attrs["axis"] = 1 if transposed else 0
-    elif isinstance(layout, Group) and layout.axis % 2 == 1 and layout.order is None:
+    else:
         scale = scale.reshape(out_f, in_f // layout.size)
         zp = zp.reshape(out_f, in_f // layout.size)
         if transposed:
             scale, zp = scale.T, zp.T
         attrs["axis"] = 0 if transposed else 1
         attrs["block_size"] = layout.size
-    else:
-        raise ValueError(f"onnx export: {layer}.weight: layout {layout} has no DequantizeLinear "
-                         f"form (expected per-tensor, per-output-channel or per-group along "
-                         f"the input features in column order: no g_idx that moves columns)")
     if transposed:
         codes = codes.T
     dtype, codes, zp = unsigned(dtype, codes, zp, shift)
@@ -125,23 +167,11 @@ def _input_qdq(layer, state, source: str, prefix: str, shift: bool):
     """Initializers and the QuantizeLinear -> DequantizeLinear pair of one static input."""
     from onnx import helper, numpy_helper
 
-    from ..layout import Tensor
-
-    spec = state.spec
     if state.dynamic is not False or state.qparams is None:
         raise ValueError(f"onnx export: {layer}.input is quantized at run time "
                          f"(dynamic={state.dynamic!r}); this exporter writes static activation "
                          f"scales only")
-    if not isinstance(spec.layout, Tensor):  # a spec the graph cannot express, not a bad type
-        raise ValueError(  # noqa: TRY004
-            f"onnx export: {layer}.input: layout {spec.layout} is not per-tensor; "
-            f"static activations export per tensor only")
-    dtype, bits, signed = storage(spec, layer, "input")
-    full = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
-    if bits == 4 or (int(spec.qmin), int(spec.qmax)) != full:
-        raise ValueError(f"onnx export: {layer}.input: codes [{int(spec.qmin)}, "
-                         f"{int(spec.qmax)}] are not a full int8 / uint8 / int16 range, which "
-                         f"QuantizeLinear saturates to")
+    dtype = _input_storage(state.spec, layer)
     qp = state.qparams
     dtype, _, zp = unsigned(dtype, None, qp.zero_point.reshape(()).to(torch.int32), shift)
     names = [f"{prefix}.input_scale", f"{prefix}.input_zero_point"]
@@ -201,6 +231,30 @@ def _alias_names(model, states) -> dict[str, str]:
             if id(m) in owner}
 
 
+def outside_reads(graph, model, states) -> dict[str, str]:
+    """Calibrated layer -> the first node outside it that reads its weight, in torch.onnx's
+    graph (an ``onnx_ir`` graph) before its optimizer folds such reads into constants
+    (``self.a.weight.sum(1)`` becomes a float tensor): the rewrite quantizes the weight for
+    the layer's MatMul alone, so such a read would see the float weight, unlike ``apply()``."""
+    names = _alias_names(model, states)
+    params = {}  # id(weight) -> the names torch.onnx may give its initializer
+    for name, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), []).append(name)
+    found = {}
+    for layer, roles in states.items():
+        weight = getattr(model.get_submodule(layer), "weight", None)
+        values = [graph.initializers.get(n) for n in params.get(id(weight), ())] \
+            if "weight" in roles else []
+        for node, _ in (use for v in values if v is not None for use in v.uses()):
+            scopes = ast.literal_eval(node.metadata_props.get(_SCOPES, "[]"))
+            if not any(names.get(s) == layer for s in scopes):
+                where = scopes[-2] if len(scopes) > 1 else ""
+                found[layer] = f"a {node.op_type} in " + (
+                    f"module {where!r}" if where else "the model's own forward")
+                break
+    return found
+
+
 class _Rewrite:
     """The new node list and initializers of :func:`insert_qdq`."""
 
@@ -238,7 +292,7 @@ class _Rewrite:
             self.nodes += qdq
             node.input[0] = out
         if "weight" in roles:
-            node.input[1] = self._weight(layer, roles["weight"], weight, transposed, prefix)
+            node.input[1] = self._weight(layer, roles, weight, transposed, prefix)
         self.nodes += _as_matmul(node, self._free(f"{node.output[0]}_matmul")) \
             if matmul else [node]
 
@@ -254,14 +308,21 @@ class _Rewrite:
         self.taken.update(name + s for s in suffixes)
         return name
 
-    def _weight(self, layer, state, weight, transposed: bool, prefix: str) -> str:
-        """The output of a new weight DequantizeLinear; a layer's later calls read the
-        codes its first one wrote (one DQ node per call: ORT fuses each with its MatMul)."""
-        first = self.weights.get((layer, transposed))
+    def _weight(self, layer, roles, weight, transposed: bool, prefix: str) -> str:
+        """The output of a new weight DequantizeLinear, one per call (ORT fuses each with its
+        MatMul). Beside an 8-bit input the later calls read the codes, scale and zero point
+        the first call wrote (``MatMulIntegerToFloat`` takes shared ones: the file holds the
+        weight once); else each call writes its own, as ORT (1.32) fuses a DQ into
+        ``MatMulNBits`` only where no other node reads its initializers."""
+        key = (layer, transposed)
+        first = self.weights.get(key) if _int8_input(roles, layer) else None
         if first is None:
-            i, first, _ = _weight_dq(layer, state, weight, transposed, prefix, self.shift)
+            i, first, out = _weight_dq(layer, roles["weight"], weight, transposed, prefix,
+                                       self.shift)
             self.new_inits += i
-            self.weights[(layer, transposed)] = first
+            self.weights[key] = first
+            self.nodes.append(first)
+            return out
         dq = self.onnx.helper.make_node("DequantizeLinear", list(first.input),
                                         [f"{prefix}.weight_dq"], name=f"{prefix}/weight_dq")
         dq.attribute.extend(first.attribute)
@@ -269,16 +330,27 @@ class _Rewrite:
         return dq.output[0]
 
 
+def _int8_input(roles, layer: str) -> bool:
+    """Whether ``layer`` has a static input stored in 8 bits (what ORT fuses with its weight
+    into ``MatMulIntegerToFloat``)."""
+    return "input" in roles and storage(roles["input"].spec, layer, "input")[1] == 8
+
+
+def opset_error(opset: int) -> ValueError:
+    """The refusal of an opset torch.onnx does not write itself."""
+    # torch.onnx converts an opset its exporter does not reach (26+ with torch 2.13) with
+    # onnx's C API, which drops every node's metadata: no layer could be found
+    return ValueError(f"onnx export: torch.onnx's graph at opset {opset} records no module "
+                      f"names ({_SCOPES}), which the export finds each Linear's nodes by "
+                      f"(its converter to opsets above its own drops them): export with "
+                      f"an opset torch.onnx writes itself (21 to 25 with torch 2.13)")
+
+
 def insert_qdq(onnx, graph, model, states, shift: bool, opset: int) -> None:
     """Each calibrated layer's MatMul / Gemm nodes (one per call) get their input QDQ and
     weight DQ nodes; a layer with none is a ``ValueError`` naming it."""
     if states and not any(_scopes(n) for n in graph.node):
-        # torch.onnx converts an opset its exporter does not reach (26+ with torch 2.13)
-        # with onnx's C API, which drops every node's metadata: no layer could be found
-        raise ValueError(f"onnx export: torch.onnx's graph at opset {opset} records no module "
-                         f"names ({_SCOPES}), which the export finds each Linear's nodes by "
-                         f"(its converter to opsets above its own drops them): export with "
-                         f"an opset torch.onnx writes itself (21 to 25 with torch 2.13)")
+        raise opset_error(opset)
     rewrite = _Rewrite(onnx, graph, model, states, shift)
     for node in graph.node:
         rewrite.node(node)

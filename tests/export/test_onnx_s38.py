@@ -1,0 +1,147 @@
+"""ONNX export (probe s38): a weight-only Linear called twice ran as float MatMul (each call's
+DQ read the first call's codes, and ORT fuses no shared DQ into MatMulNBits); a model over
+protobuf's 2 GiB failed to serialize after the whole export; a calibrated weight also read
+outside its Linear exported silently with the float weight there; and some spec refusals
+came only after the (slow) trace. Each call now writes its own codes, the size and the specs
+are refused up front (the size again, exactly, before serializing), and an outside read is
+refused naming the layer."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from quantscope import Block, Channel, Group, QuantSpec, Tensor, calibrate, export
+from quantscope.calibration.recipe import Recipe, Role, Rule
+from quantscope.exporters import onnx as qonnx
+
+
+def _recipe(w=None, i=None):
+    roles = {}
+    if w is not None:
+        roles["weight"] = Role(w, "minmax")
+    if i is not None:
+        roles["input"] = Role(i, "minmax")
+    return Recipe(Rule(("Linear",), **roles))
+
+
+def _ref(model, calib, x):
+    with torch.no_grad(), calib.apply(model):
+        return model(x).numpy()
+
+
+class _Calls(nn.Module):
+    def __init__(self, calls=2):
+        super().__init__()
+        self.a, self.calls = nn.Linear(64, 64), calls
+
+    def forward(self, x):
+        for _ in range(self.calls):
+            x = self.a(x)
+        return x
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int4", Group(32)), QuantSpec("int8", Channel(0))],
+                         ids=["int4_group32", "int8_channel"])
+def test_a_weight_only_linear_called_twice_runs_as_matmulnbits_at_both(tmp_path, spec):
+    torch.manual_seed(0)
+    model, x = _Calls().eval(), torch.randn(2, 4, 64)
+    calib = calibrate(model, [x], _recipe(spec), progress=False)
+    path = export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    opt = tmp_path / "m.opt.onnx"
+    sess = qonnx.session(path, threads=1, optimized_model_path=str(opt))
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    ref = _ref(model, calib, x)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert qonnx.integer_kernel_counts(opt) == {"MatMulNBits": 2}
+
+
+@pytest.fixture
+def no_trace(monkeypatch):
+    def traced(*a, **k):
+        raise AssertionError("the model was traced before the refusal")
+    monkeypatch.setattr(qonnx, "_export_float", traced)
+
+
+def test_a_model_over_the_protobuf_limit_is_refused_before_the_trace(tmp_path, monkeypatch,
+                                                                     no_trace):
+    model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 8)).eval()
+    x = torch.randint(0, 1000, (2, 5))
+    calib = calibrate(model, [x], _recipe(QuantSpec("int8", Channel(0))), progress=False)
+    # 1000 x 64 float32 embedding + 64 x 8 int8 codes + 8 float32 biases
+    monkeypatch.setattr(qonnx, "PROTOBUF_LIMIT", 256_000, raising=False)
+    with pytest.raises(ValueError, match=r"take 256544 bytes \(0\.00 GiB, estimated") as e:
+        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    assert "protobuf's 2 GiB limit" in str(e.value) and "external data" in str(e.value)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_the_graphs_own_size_is_checked_before_it_is_serialized(tmp_path, monkeypatch):
+    """A weight-only Linear called four times holds its codes four times: over a limit its
+    parameters alone are under."""
+    torch.manual_seed(0)
+    model, x = _Calls(4).eval(), torch.randn(2, 4, 64)
+    calib = calibrate(model, [x], _recipe(QuantSpec("int8", Channel(0))), progress=False)
+    # parameters: 4096 codes + 256 bias bytes; the graph: 4 x 4096 codes
+    monkeypatch.setattr(qonnx, "PROTOBUF_LIMIT", 8000, raising=False)
+    with pytest.raises(ValueError, match=r"GiB, in the graph\), over protobuf's 2 GiB limit"):
+        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+class _Sum(nn.Module):  # a read torch.onnx folds into a float constant
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.a(x) + self.a.weight.sum(1)
+
+
+class _Gate(nn.Module):  # a read that stays a node of the graph
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 8)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(self.b(x)) * (x @ self.a.weight.T)
+
+
+@pytest.mark.parametrize("make", [_Sum, _Gate])
+def test_a_weight_read_outside_its_linear_is_refused_naming_it(tmp_path, make):
+    torch.manual_seed(0)
+    model, x = make().eval(), torch.randn(4, 3, 16)
+    calib = calibrate(model, [x], _recipe(QuantSpec("int4", Tensor())), progress=False)
+    with pytest.raises(ValueError, match=r"a\.weight is also read outside a \(by a \w+ in "
+                                         r"the model's own forward\).*float weight.*ignore"):
+        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+_REFUSED = {
+    "block_weight": (QuantSpec("int8", Block(32)), None, {}, r"0\.weight: layout Block"),
+    "g_idx_weight": (QuantSpec("int4", Group(16, g_idx=torch.arange(64).flip(0) // 16)), None,
+                     {}, r"0\.weight: layout Group.*no g_idx"),
+    "channel1_weight": (QuantSpec("int8", Channel(1)), None, {}, r"0\.weight: layout Channel"),
+    "channel_input": (None, QuantSpec("int8", Channel(-1)), {}, r"0\.input: layout Channel"),
+    "int4_input": (None, QuantSpec("int4", Tensor()), {}, r"0\.input: codes \[-8, 7\]"),
+    "narrow_input": (None, QuantSpec("int8", Tensor(), quant_min=-127, quant_max=127), {},
+                     r"0\.input: codes \[-127, 127\]"),
+    "opset26": (QuantSpec("int8", Channel(0)), None, {"opset": 26}, r"at opset 26 records no"),
+}
+
+
+@pytest.mark.parametrize("case", list(_REFUSED))
+def test_specs_the_graph_cannot_hold_are_refused_before_the_trace(tmp_path, no_trace, case):
+    w, i, kw, msg = _REFUSED[case]
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 32)).eval(), torch.randn(4, 3, 64)
+    calib = calibrate(model, [x], _recipe(w, i), progress=False)
+    with pytest.raises(ValueError, match=msg):
+        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x, **kw)
+    assert not (tmp_path / "m.onnx").exists()
