@@ -30,14 +30,21 @@ estimators on it: ``"entropy"`` (:func:`~quantscope.estimators.entropy.entropy_a
 (:func:`~quantscope.estimators.histogram_mse.histogram_mse_range`: every bin centre from
 ``start_bin`` scored, unclipped as ModelOpt's; the centre is ModelOpt's float32
 ``(edges[i] + edges[i + 1]) / 2``); the amaxes are ModelOpt's edges' bits (its linspace's,
-then its arange's float32 steps). ``start_bin`` / ``stride`` are entropy's and mse's; the
+then its arange's float32 steps). ``start_bin`` / ``stride`` are entropy's and mse's; a
+``start_bin`` that leaves no candidate (entropy: past the bins; mse: at or past them) is a
+``ValueError`` (ModelOpt's numpy ``argmin`` of nothing), as is ``qparams()`` on fewer than 128
+bins (its entropy starts there, as ModelOpt's default; percentile and mse take any). The
 amax is a float32 0-d tensor on the CPU, as ModelOpt's; an unknown method is ModelOpt's
 ``TypeError``. ``grow_method`` is ignored, as ModelOpt (deprecated there).
 
 ``_num_bits``, ``_axis`` and ``_unsigned`` may be set after construction, as ModelOpt's
 ``TensorQuantizer`` does: the spec follows, and a new axis starts from no data (the state is
 per unit of the old one; ModelOpt keeps its amax, and a next batch of another amax shape is
-its ``RuntimeError``). ``unsigned`` takes True / False and 1 / 0.
+its ``RuntimeError``); the same axis, however spelled for the data's dims (``-1`` and ``1`` on
+2-D), keeps it (one axis named as several, ``(1, -1)`` for ``1``, or ``-1`` for ``0`` on
+1-D data, views it otherwise: a new axis). ``unsigned`` takes True / False and 1 / 0. An
+unpickled state is checked as ``load_state_dict`` checks one: its buffers and amax shape
+must fit its arguments (else a ``ValueError`` naming the field).
 
 Both are observers too: ``forward`` / ``qparams()`` run the native observer (the histogram's
 estimate is the entropy amax); they register as ``"modelopt:MaxCalibrator"`` and
@@ -89,7 +96,6 @@ float format: the amax is the same max, the entropy method (integer codes) refus
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
@@ -98,6 +104,7 @@ from ..estimators.entropy import check_options as check_entropy_options
 from ..estimators.entropy import entropy_amax
 from ..estimators.histogram_mse import histogram_mse_range, occupied_range
 from ..estimators.percentile import percentile_range
+from ..observers import record
 from ..observers.histogram import HistogramObserverBase
 from ..observers.minmax import StaticMinMaxObserver
 from ..observers.registry import register
@@ -107,7 +114,7 @@ from ..stats.minmax import unit_minmax
 from . import SavesNoState
 from .horizon import AppendingFirstGrid
 from .modelopt_grid import ModelOptGrid
-from .modelopt_spec import _axes, modelopt_spec
+from .modelopt_spec import _axes, _check_percentile, _per_tensor, _plan, modelopt_spec
 
 __all__ = [
     "HistogramCalibrator",
@@ -118,6 +125,7 @@ __all__ = [
 ]
 
 METHODS = ("entropy", "mse", "percentile")
+START_BIN = 128  # ModelOpt's first candidate bin by default (compute_amax's; qparams' entropy)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # no abs / max kernels: read as float32
 
 
@@ -180,8 +188,12 @@ class ModelOptCalibrator(SavesNoState):
         config[i] = value
         self.spec = modelopt_spec(*config)
         before, self._config = self._config, (config[0], config[1], bool(config[2]))
-        if i == 1 and _axes(before[1]) != _axes(value):
+        if i == 1 and not self._same_axis(before[1], value):
             self.reset()
+
+    def _same_axis(self, before, after) -> bool:
+        """Whether ``after`` keeps the units ``before`` did (the state is kept then)."""
+        return _axes(before) == _axes(after)
 
     # pickled without the spec, rebuilt from ModelOpt's arguments: a saved calibrator holds no
     # quantscope class but its own (a safe global: torch.load(weights_only=True), as ModelOpt's)
@@ -189,8 +201,23 @@ class ModelOptCalibrator(SavesNoState):
         return {k: v for k, v in super().__getstate__().items() if k != "spec"}
 
     def __setstate__(self, state):
+        who = f"modelopt {type(self).__name__}: cannot unpickle a state"
+        lost = [f for f in self._pickled_fields(state) if f not in state]
+        if lost:
+            raise ValueError(f"{who} without {', '.join(lost)} (pickled by another version, "
+                             f"or edited); pickle a whole calibrator")
+        config = state["_config"]
+        if not (isinstance(config, tuple) and len(config) == 3):
+            raise ValueError(f"{who} whose _config is {config!r}; expected ModelOpt's arguments "
+                             f"(num_bits, axis, unsigned)")
         super().__setstate__(state)
-        self.spec = modelopt_spec(*self._config)
+        self.spec = modelopt_spec(*config)
+        # load_state_dict checks a state's buffers against the layout; unpickling skips it
+        record.check_units(self._buffers, "", self.spec.layout, self._sized_buffers(),
+                           f"{self.describe()}: unpickling")
+
+    def _pickled_fields(self, state) -> tuple[str, ...]:
+        return ("_config",)  # what __setstate__ needs a state to hold (a subclass adds its own)
 
     _num_bits = property(lambda self: self._config[0],
                          lambda self, value: self._configure(0, value))
@@ -212,6 +239,17 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         self._dtype = None  # the batches' dtypes promoted (ModelOpt's torch.max of the amaxes)
         self._meta_amax = None  # a meta batch's amax (ModelOpt's initialization branch)
 
+    _ndim: int | None = None  # the batches' dims (_same_axis); a class default: older pickles
+
+    def _same_axis(self, before, after) -> bool:
+        # read for the data's dims: -1 and 1 on 2-D are one axis (ModelOpt keeps its amax)
+        if self._ndim is None:  # no data: nothing to keep
+            return super()._same_axis(before, after)
+        try:
+            return _plan(before, self._ndim) == _plan(after, self._ndim)
+        except ValueError:  # out of range for the data: a new axis (its next batch says so)
+            return False
+
     @property
     def amaxs(self) -> list:
         """Each batch's amax as a numpy array (``track_amax=True`` only, as ModelOpt)."""
@@ -225,23 +263,18 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         return self.compute_amax()
 
     def _view(self, x: torch.Tensor):
-        """``(x as the layout's input, amax shape)``: several axes named (the spec's
-        ``Channel(0)``; one kept too, as ``(1, -1)`` on 2-D) are moved to the front and
+        """``(x as the layout's input, amax shape)`` by :func:`_plan`: several axes named (the
+        spec's ``Channel(0)``; one kept too, as ``(1, -1)`` on 2-D) are moved to the front and
         flattened into one; none kept (or all: torch's ``amax`` over no dim reduces every
         one, as ModelOpt's) is per tensor."""
-        axes, nd = _axes(self._axis), x.dim()
-        for a in axes or ():
-            if not -nd <= a < nd:
-                raise ValueError(f"modelopt MaxCalibrator: axis {self._axis!r} is out of range "
-                                 f"for a tensor of {nd} dims")
-        kept = sorted({a % nd for a in axes or ()})
-        if not kept or len(kept) == nd:
-            if not axes:
-                return x, ()
-            # one unit on the layout's channel axis: Channel(-1) only for axis=-1 on 1-D
-            return (x.reshape(-1, 1) if axes == (-1,) else x.reshape(1, -1)), ()
+        nd = x.dim()
+        kept, how = _plan(self._axis, nd)
+        if how == "tensor":
+            return x, ()
+        if how in ("row", "column"):  # one unit on the layout's channel axis (-1: a column)
+            return (x.reshape(-1, 1) if how == "column" else x.reshape(1, -1)), ()
         shape = tuple(n if i in kept else 1 for i, n in enumerate(x.shape))
-        if len(axes) == 1:  # the spec's Channel(axis): x as it is
+        if how == "as is":  # the spec's Channel(axis): x as it is
             return x, shape
         rest = [i for i in range(nd) if i not in kept]
         k = torch.Size(x.shape[i] for i in kept).numel()
@@ -267,7 +300,9 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Take ``x``'s ``max |x|`` over the axes not kept into the running max."""
-        if isinstance(x, torch.Tensor) and x.is_meta:
+        if not isinstance(x, torch.Tensor):
+            self.check_input(x)  # its TypeError names what x is (before _view reads x.dim())
+        if x.is_meta:
             return self._collect_meta(x)
         if self._meta_amax is not None:  # ModelOpt: its meta amax and the batch's clash
             raise RuntimeError("modelopt MaxCalibrator: a meta tensor was collected (ModelOpt's "
@@ -281,7 +316,7 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         # every check before the state changes: a refused batch leaves it as it was
         tracked = self._batch_amax(view, shape, x.dtype) if self._track_amax else None
         self(view)
-        self._amax_shape = shape
+        self._amax_shape, self._ndim = shape, x.dim()
         # ModelOpt's torch.max(amax, batch amax) promotes: float32 then fp16 stays float32
         self._dtype = torch.promote_types(self._dtype or x.dtype, x.dtype)
         if tracked is not None:
@@ -300,6 +335,7 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         shape = _squeezed(self._view(x)[1])
         self.reset()
         self._meta_amax = torch.empty(shape, dtype=x.dtype, device="meta")
+        self._ndim = x.dim()
 
     def _shaped(self, amax: torch.Tensor, dtype, shape: tuple) -> torch.Tensor:
         # abs: all-zero data reads max(-0, 0) = -0; ModelOpt's max |x| is +0
@@ -317,25 +353,36 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
 
     def reset(self) -> None:
         super().reset()
-        self._amax_shape = self._meta_amax = self._dtype = None
+        self._amax_shape = self._meta_amax = self._dtype = self._ndim = None
 
+    def _pickled_fields(self, state) -> tuple[str, ...]:
+        return (*super()._pickled_fields(state), "_track_amax", "_amax_shape", "_dtype",
+                "_meta_amax", *(("_amaxs",) if state.get("_track_amax") else ()))
 
-def _check_percentile(who: str, value) -> float:
-    """ModelOpt's range, ``0 <= percentile <= 100`` (its message says "range")."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{who}: percentile must be a number in range 0 <= percentile <= 100, "
-                        f"got {type(value).__name__} {value!r}")
-    if not 0 <= value <= 100:  # NaN too
-        raise ValueError(f"{who}: invalid percentile {value!r}; percentile must be in range "
-                         f"0 <= percentile <= 100")
-    return float(value)
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._check_amax_shape()
 
-
-def _per_tensor(axis) -> None:
-    if axis is not None:
-        raise NotImplementedError("Calibrator histogram collection only supports per "
-                                  f"tensor scaling (modelopt HistogramCalibrator: axis must "
-                                  f"be None, got {axis!r})")
+    def _check_amax_shape(self) -> None:
+        # unpickled: compute_amax reshapes the state to _amax_shape, so it is None exactly
+        # before data, else ModelOpt's squeezed shape of one value per unit, 1 off the axes kept
+        shape, units = self._amax_shape, self.min_vals.numel()
+        if shape is None and not self.has_observed:
+            return
+        try:
+            ok = self.has_observed and shape == _squeezed(shape) and math.prod(shape) == units \
+                and all(type(n) is int and n > 0 for n in shape)
+            if ok and shape:  # (its axis out of range for those dims: _plan's ValueError)
+                kept = _plan(self._axis, len(shape))[0]
+                ok = self._ndim in (None, len(shape)) and \
+                    all(n == 1 for i, n in enumerate(shape) if i not in kept)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{self.describe()}: cannot unpickle a state whose _amax_shape is "
+                             f"{shape!r}; expected None before data, else one value per unit "
+                             f"({units}) on the axes kept by axis={self._axis!r} (1 on the "
+                             f"others, () for one value)")
 
 
 @register("modelopt:HistogramCalibrator")
@@ -387,7 +434,7 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
         raise ValueError(f"{what}; refused (ModelOpt's histc drops a later batch's NaN "
                          f"silently)")
 
-    def compute_amax(self, method: str, *, stride: int = 1, start_bin: int = 128,
+    def compute_amax(self, method: str, *, stride: int = 1, start_bin: int = START_BIN,
                      percentile: float = 99.99) -> torch.Tensor | None:
         """ModelOpt's amax of the histogram by ``method`` (a float32 0-d CPU tensor), None
         before data."""
@@ -405,9 +452,9 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
         self.check_ready()
         with torch.inference_mode():
             hist = self.current_histogram()
-            if method != "percentile" and start_bin > hist.counts.shape[1]:
-                raise ValueError(f"{who}: start_bin={start_bin} leaves no candidate in a "
-                                 f"histogram of {hist.counts.shape[1]} bins")
+            if method != "percentile":
+                self._check_start_bin(method, start_bin, hist.bins, f"compute_amax({method!r})",
+                                      "use a smaller start_bin")
             amax = self._method_amax(hist, method, stride, start_bin, percentile)
         # abs: all-zero data reads -0 there; ModelOpt's is +0
         return amax.reshape(()).float().abs().cpu().clone()
@@ -434,7 +481,12 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
         return self._modelopt_value(amax, hist, centre=method == "mse")
 
     def _estimate(self, hist):  # forward / qparams: ModelOpt's default method, entropy
-        amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned, trim=False)
+        self._check_start_bin("entropy", START_BIN, hist.bins, "qparams(): the entropy amax, "
+                              "as ModelOpt's default", "construct it with num_bins >= "
+                              f"{START_BIN}, or call compute_amax('entropy', start_bin=...), "
+                              "'percentile' or 'mse' (any num_bins)")
+        amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned,
+                            start_bin=START_BIN, trim=False)
         return (torch.zeros_like(amax) if self._unsigned else -amax), amax
 
 

@@ -1,7 +1,8 @@
 """ModelOpt's histogram grid, a mixin of :class:`~quantscope.compat.modelopt.HistogramCalibrator`:
 its edges, ``linspace(0, max |x|, num_bins + 1)`` of the first batch, grown as its ``arange``
-of that width, its ``_calib_hist`` / ``_calib_bin_edges``, and the amaxes read as its values
-(an edge, or a bin centre ``(edges[i] + edges[i + 1]) / 2``, in its float32 bits)."""
+of that width, its ``_calib_hist`` / ``_calib_bin_edges``, the amaxes read as its values
+(an edge, or a bin centre ``(edges[i] + edges[i + 1]) / 2``, in its float32 bits), and the
+methods' candidates on it (:meth:`ModelOptGrid._check_start_bin`)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,16 @@ class ModelOptGrid:
                           f"bin {int(i.reshape(-1)[0])}: its step underflows float32 on "
                           f"subnormal-only data; returning its amax, 0", stacklevel=4)
         return value
+
+    def _check_start_bin(self, method, start_bin, bins, call, fix) -> None:
+        """ModelOpt's ``argmin`` of no candidate fails (numpy's ``ValueError``): entropy's
+        thresholds are ``range(start_bin, bins + 1)``, mse's centres ``range(start_bin,
+        bins)``; said here naming the call, ``start_bin`` and ``num_bins``."""
+        if start_bin > (bins if method == "entropy" else bins - 1):
+            grown = f", grown to {bins}" if bins != self.bins else ""
+            raise ValueError(f"{self.describe()}: {call}: start_bin={start_bin} leaves no "
+                             f"{method} candidate in a histogram of {bins} bins (num_bins="
+                             f"{self.bins}{grown}); {fix}")
 
     def reset(self) -> None:
         super().reset()

@@ -1,5 +1,7 @@
 """ModelOpt's calibrator arguments ``(num_bits, axis, unsigned)`` as a :class:`QuantSpec`:
-the one translation :mod:`quantscope.compat.modelopt` builds its observers' specs by."""
+the one translation :mod:`quantscope.compat.modelopt` builds its observers' specs by; what an
+``axis`` keeps on data of some dims (:func:`_plan`), and the calibrators' other argument
+checks."""
 
 from __future__ import annotations
 
@@ -22,6 +24,26 @@ def _axes(axis) -> tuple[int, ...] | None:
                              f"axes kept), got {axis!r}")
     # an axis named twice is kept once, as ModelOpt's ((1, -1) on 2-D: _view knows the dims)
     return tuple(dict.fromkeys(int(a) for a in axes))
+
+
+def _plan(axis, nd: int) -> tuple[tuple[int, ...], str]:
+    """How :meth:`MaxCalibrator._view` lays out a tensor of ``nd`` dims for ``axis``: the axes
+    kept (sorted, from 0: ``-1`` is ``nd - 1``) and the view: ``"tensor"`` (none kept),
+    ``"row"`` / ``"column"`` (all kept, or none for torch's ``amax``: one unit on the spec's
+    channel axis; the column for ``-1`` on 1-D), ``"as is"`` (one axis: the spec's
+    ``Channel(axis)``), ``"flat"`` (several, moved to the front and flattened: ``Channel(0)``).
+    Spellings of one plan view the data alike: ``_axis`` set from one to another keeps it."""
+    axes = _axes(axis)
+    for a in axes or ():
+        if not -nd <= a < nd:
+            raise ValueError(f"modelopt MaxCalibrator: axis {axis!r} is out of range for a "
+                             f"tensor of {nd} dims")
+    kept = tuple(sorted({a % nd for a in axes or ()}))
+    if not kept:
+        return kept, "tensor"
+    if len(kept) == nd:
+        return kept, "column" if axes == (-1,) else "row"
+    return kept, "as is" if len(axes) == 1 else "flat"
 
 
 _FLOATS = {(4, 3): "fp8_e4m3", (5, 2): "fp8_e5m2", (2, 1): "fp4_e2m1"}  # ModelOpt's float bits
@@ -50,3 +72,21 @@ def modelopt_spec(num_bits=8, axis=None, unsigned=False) -> QuantSpec:
     check_int("modelopt", "num_bits", num_bits, 2, 16)
     fmt = f"uint{num_bits}" if unsigned else f"int{num_bits}_narrow"  # amax / (2 ** (b-1) - 1)
     return QuantSpec(fmt, layout, symmetric=not unsigned)
+
+
+def _check_percentile(who: str, value) -> float:
+    """ModelOpt's range, ``0 <= percentile <= 100`` (its message says "range")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{who}: percentile must be a number in range 0 <= percentile <= 100, "
+                        f"got {type(value).__name__} {value!r}")
+    if not 0 <= value <= 100:  # NaN too
+        raise ValueError(f"{who}: invalid percentile {value!r}; percentile must be in range "
+                         f"0 <= percentile <= 100")
+    return float(value)
+
+
+def _per_tensor(axis) -> None:
+    if axis is not None:
+        raise NotImplementedError("Calibrator histogram collection only supports per "
+                                  f"tensor scaling (modelopt HistogramCalibrator: axis must "
+                                  f"be None, got {axis!r})")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_int
 from ..qparams import amax_of_range
 from ..spec import QuantSpec
 from ..stats.histogram import Hist, fold_abs
@@ -57,14 +58,11 @@ def histogram_mse_range(hist: Hist, spec: QuantSpec, *, start_bin: int = 128, st
     :meth:`~quantscope.estimators.scorer.HistogramScorer.line_argmin` call (the kernel
     scores only the candidates it visits).
     """
-    if not isinstance(stride, int) or stride < 1:
-        raise ValueError(f"histogram_mse: stride must be a positive integer, got {stride!r}")
-    if not isinstance(start_bin, int) or start_bin < 0:
-        raise ValueError(f"histogram_mse: start_bin must be a non-negative integer, got "
-                         f"{start_bin!r}")
-    if refine is not None and (not isinstance(refine, int) or refine < 1):
-        raise ValueError(f"histogram_mse: refine must be None or a positive integer, got "
-                         f"{refine!r}")
+    # numpy integers too (ModelOpt's compute_amax takes them), never a bool
+    stride = check_int("histogram_mse", "stride", stride, 1)
+    start_bin = check_int("histogram_mse", "start_bin", start_bin, 0)
+    if refine is not None:
+        refine = check_int("histogram_mse", "refine", refine, 1)  # or None
     h = fold_abs(hist) if spec.symmetric else hist
     B = h.bins
     start = min(start_bin, B - 1)  # as Quark: at least one candidate on a small histogram
