@@ -123,6 +123,19 @@ def test_a_weight_read_outside_its_linear_is_refused_naming_it(tmp_path, make):
     assert not (tmp_path / "m.onnx").exists()
 
 
+def test_a_fault_of_the_read_check_is_not_called_an_exporter_failure(tmp_path, monkeypatch):
+    # the check ran inside the trace's error handler: its own bug read "torch.onnx could not
+    # export", hiding where it came from
+    def broken(*_):
+        raise KeyError("outside_reads")
+
+    monkeypatch.setattr(qonnx, "outside_reads", broken)
+    model, x = _Sum().eval(), torch.randn(4, 16)
+    calib = calibrate(model, [x], _recipe(QuantSpec("int8", Channel(0))), progress=False)
+    with pytest.raises(KeyError, match="outside_reads"):
+        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+
+
 _REFUSED = {
     "block_weight": (QuantSpec("int8", Block(32)), None, {}, r"0\.weight: layout Block"),
     "g_idx_weight": (QuantSpec("int4", Group(16, g_idx=torch.arange(64).flip(0) // 16)), None,

@@ -44,6 +44,7 @@ forward also reads outside its Linear (after the trace), and a model over protob
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -145,32 +146,40 @@ def _export_float(model, example_inputs, opset: int, states=None):
     dynamic = torch.utils._pytree.tree_map(
         lambda v: {d: auto for d in range(v.dim())} if isinstance(v, torch.Tensor) else None,
         kwargs if kwargs else args)
-    try:
-        with torch.no_grad(), _NoCache(model):
-            program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True,
-                                        opset_version=opset, dynamic_shapes=dynamic,
-                                        optimize=False, verbose=False)
-            reads = outside_reads(program.model.graph, model, states or {})  # before folding
-            _optimize(program)
-    except (MemoryError, OSError):
-        raise  # the machine's (memory, disk), not the model's: as they came
-    except Exception as e:  # torch's exporter raises many types, each pages long
-        raise ValueError(
-            f"onnx export: torch.onnx could not export {type(model).__name__} "
-            f"({_root_cause(e)}); supported: models torch.export can trace "
-            f"whose forward returns tensors (a transformers model exports without its KV "
-            f"cache: a causal LM's output is its logits)") from e
-    for layer, reader in reads.items():
+    with _exporter_errors(model), torch.no_grad(), _NoCache(model):
+        program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True,
+                                    opset_version=opset, dynamic_shapes=dynamic,
+                                    optimize=False, verbose=False)
+    # before the optimizer folds such reads into constants; not an exporter error
+    for layer, reader in outside_reads(program.model.graph, model, states or {}).items():
         raise ValueError(f"onnx export: {layer}.weight is also read outside {layer} (by "
                          f"{reader}): the graph quantizes it for {layer}'s MatMul alone, so "
                          f"that read would see the float weight, unlike apply(); leave "
                          f"{layer} in float (ignore it in the recipe) or read the weight "
                          f"through the layer")
+    with _exporter_errors(model):
+        _optimize(program)
     return program.model_proto
 
 
 #: the domain a BatchNormalization is moved to while torch.onnx optimizes: no rule matches it
 _HELD = "quantscope.held"
+
+
+@contextlib.contextmanager
+def _exporter_errors(model):
+    """torch.onnx's errors (many types, each pages long) as one ``ValueError``; the
+    machine's (memory, disk) as they came."""
+    try:
+        yield
+    except (MemoryError, OSError):
+        raise
+    except Exception as e:
+        raise ValueError(
+            f"onnx export: torch.onnx could not export {type(model).__name__} "
+            f"({_root_cause(e)}); supported: models torch.export can trace "
+            f"whose forward returns tensors (a transformers model exports without its KV "
+            f"cache: a causal LM's output is its logits)") from e
 
 
 def _optimize(program) -> None:
@@ -248,9 +257,9 @@ def _check_call(calibration, model, example_inputs, opset, overwrite, uint8, opt
         raise opset_error(opset)
     states = calibration.states
     check_placement(model, "onnx export")
-    check_exportable(states)
-    _check_linear(model, states)
+    _check_linear(model, states)  # what a layer is before what its specs ask
     _check_untied(model, states)
+    check_exportable(states)
     _check_size(_estimated_bytes(model, states), "estimated from its parameters and buffers")
 
 
