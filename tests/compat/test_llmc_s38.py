@@ -24,6 +24,29 @@ def test_group_size_not_dividing_columns_is_a_clear_error(name, base_name, shape
     assert not obs.has_statistics
 
 
+def test_a_2d_activation_is_grouped_whole_as_theirs():
+    # llm-compressor flattens an activation's leading dims first: a 2-D [tokens, 40] value is
+    # one row of 240 values, 15 groups of 16 (only a 3-D value's columns must divide)
+    from quantscope.compat.llmcompressor_parts import flatten_for_calibration
+
+    x = torch.randn(6, 40)
+    got = flatten_for_calibration(x, "input", dict(G16))
+    assert torch.equal(got, x.reshape(15, 16))
+
+
+@pytest.mark.parametrize("size, ok", [(pytest.importorskip("numpy").int64(16), True),
+                                      (True, False), (16.0, False)])
+def test_group_size_takes_integers_only(size, ok):
+    from quantscope.compat.llmcompressor_parts import GroupSizeError, _groups
+
+    x = torch.randn(4, 32)
+    if ok:
+        assert _groups(x, {"group_size": size}).shape == (4, 2, 16)
+    else:
+        with pytest.raises(GroupSizeError, match=r"got group_size="):
+            _groups(x, {"group_size": size})
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("sd, dtype", [(torch.float32, torch.bfloat16),
                                        (torch.float32, torch.float16),

@@ -14,6 +14,7 @@ from weakref import ref
 import torch
 import torch.nn.functional as F
 
+from ..formats import as_int
 from . import enum_name, field
 
 __all__ = ["FUSED_LAYER_NAMES", "FusionHandler", "GroupSizeError", "flatten_for_calibration",
@@ -73,7 +74,9 @@ def _activation_view(value, strategy, args):
     if strategy == "token":
         return value
     if strategy in ("group", "tensor_group"):
-        return _groups(value, args).flatten(0, 1)
+        # theirs flattens first: a 2-D [tokens, cols] value is grouped as one row, so only
+        # its total need divide (a 3-D value's columns)
+        return _groups(value.flatten(0, 1), args)
     return None
 
 
@@ -81,11 +84,12 @@ def _groups(value, args):
     """``value [..., cols]`` as ``[..., cols / group_size, group_size]``; a group size that
     does not divide ``cols`` is a :class:`GroupSizeError` (torch's ``unflatten`` names
     neither)."""
-    size, cols = field(args, "group_size"), value.shape[-1]
-    if not isinstance(size, int) or size < 1 or cols % size:
+    size, cols = as_int(field(args, "group_size")), value.shape[-1]
+    if size is None or size < 1 or cols % size:
         raise GroupSizeError(f"llm-compressor observer: group_size must be a positive divisor "
                              f"of the observed value's {cols} columns (shape "
-                             f"{tuple(value.shape)}), got group_size={size!r}")
+                             f"{tuple(value.shape)}), got "
+                             f"group_size={field(args, 'group_size')!r}")
     return value.unflatten(-1, (-1, size))
 
 
