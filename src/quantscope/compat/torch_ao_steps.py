@@ -79,10 +79,11 @@ def _refuse_cast_overflow(lo: float, hi: float, dtype: torch.dtype) -> None:
     come out NaN)."""
     if not math.isinf(hi - lo):
         return
-    if dtype in (torch.float32, torch.float64):  # no cast makes these inf: a loaded state
+    if dtype in (torch.float32, torch.float64):  # a loaded state, or a cast there and back
         raise StateOverflowError(f"HistogramObserver: its state's range [{lo}, {hi}] is not "
-                                 f"finite (a loaded min_val / max_val); load a finite state "
-                                 f"or reset() it")
+                                 f"finite: a loaded min_val / max_val held inf, or a module "
+                                 f"cast (.half()) overflowed it before a cast back; load a "
+                                 f"finite state or reset() it")
     raise StateOverflowError(f"HistogramObserver: a module cast to {dtype} overflowed its "
                              f"state (max {torch.finfo(dtype).max:.6g}); keep the observer "
                              f"in float32 or reset() it")
