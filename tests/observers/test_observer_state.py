@@ -81,6 +81,36 @@ def test_load_refuses_any_sized_buffer_of_other_units(name, key, rows):
             get_observer(name, spec).load_state_dict(sd, strict=strict)
 
 
+def test_load_checks_many_units_and_their_one_global_value():
+    # NVFP4: one global amax beside many block units, both of their right sizes
+    a = get_observer("memoryless_mse", presets.NVFP4)
+    a(torch.randn(8, 64))
+    sd = a.state_dict()
+    assert sd["min_vals"].numel() > 1 and sd["global_amax_val"].numel() == 1
+    b = get_observer("memoryless_mse", presets.NVFP4)
+    b.load_state_dict(sd)
+    assert torch.equal(b.qparams().scale, a.qparams().scale)
+
+
+def test_a_0d_range_for_several_units_is_refused():
+    spec = QuantSpec("int8", "channel")
+    a = get_observer("static_minmax", spec)
+    a(torch.randn(4, 16))
+    sd = {**a.state_dict(), "min_vals": torch.tensor(-1.0), "max_vals": torch.tensor(1.0)}
+    with pytest.raises(ValueError, match=r"min_vals has 1 units; shape \(4, 16\)"):
+        get_observer("static_minmax", spec).load_state_dict(sd)
+
+
+def test_meta_ranges_of_other_units_are_refused_too():
+    spec = QuantSpec("int8", "channel")
+    a = get_observer("static_minmax", spec)
+    a(torch.randn(4, 16))
+    sd = {k: v.to("meta") if v.is_floating_point() else v for k, v in a.state_dict().items()}
+    sd["min_vals"], sd["max_vals"] = torch.empty(3, device="meta"), torch.empty(3, device="meta")
+    with pytest.raises(ValueError, match=r"min_vals has 3 units"):
+        get_observer("static_minmax", spec).to("meta").load_state_dict(sd, assign=True)
+
+
 @pytest.mark.parametrize("chunk_elems", [0, -5])
 @pytest.mark.parametrize("backend", [None, "torch"])
 def test_mse_search_rejects_non_positive_chunk_elems(chunk_elems, backend):

@@ -83,7 +83,7 @@ def check_units(state_dict, prefix, layout: Layout, sized, who: str) -> None:
             from None
     for name in sized:
         t = state_dict.get(prefix + name)
-        if t is None or t.is_meta:
+        if t is None:  # (a meta tensor's shape is known too)
             continue
         one = name in GLOBAL
         want, got = 1 if one else units, len(t) if t.dim() else 1
