@@ -79,3 +79,16 @@ def test_ignored_values_are_said_once_per_qparams_read(cls):
         o.calculate_qparams()
     said = [x for x in w if "ignored 1 NaN / inf values" in str(x.message)]
     assert len(said) == 1, [str(x.message) for x in w]
+
+
+def test_the_per_tensor_ema_class_refuses_axis_0():
+    with pytest.raises(hz.HorizonArgumentError, match=r"per tensor only, ch_axis must be "
+                                                      r"negative, got ch_axis=0"):
+        hz.MovingAverageMinMaxObserver(qscheme=torch.per_channel_symmetric, ch_axis=0)
+
+
+def test_mse_keeps_min_max_exactly_where_every_candidate_prices_inf():
+    x = torch.tensor([3.39e38, -3.39e38, 1.0])
+    o = hz.MSEObserver()
+    o(x)
+    assert float(o.min_val) == float(x.min()) and float(o.max_val) == float(x.max())

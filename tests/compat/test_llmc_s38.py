@@ -62,3 +62,20 @@ def test_scale_dtype_wider_than_the_statistics(sd, dtype, symmetric):
     assert got["scale"].dtype == dtype and bool(torch.isfinite(got["scale"]).all())
     assert torch.equal(got["scale"], plain["scale"].to(sd).to(dtype))
     assert torch.equal(got["zero_point"], plain["zero_point"])
+
+
+@pytest.mark.parametrize("size", [0, -16])
+def test_a_group_size_under_1_is_a_group_size_error(size):
+    from quantscope.compat.llmcompressor_parts import GroupSizeError, flatten_for_calibration
+
+    with pytest.raises(GroupSizeError, match=rf"got group_size={size}"):
+        flatten_for_calibration(torch.randn(4, 16), "weight", dict(G16, group_size=size))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_scale_dtype_as_wide_as_the_scale_still_clamps(dtype):
+    # their clamp to the scale_dtype's range runs where the bounds fit (equal dtypes too)
+    from quantscope.compat.llmcompressor_base import round_to_scale_dtype
+
+    got = round_to_scale_dtype(torch.tensor([float("inf"), 1.0], dtype=dtype), dtype)
+    assert got.tolist() == [torch.finfo(dtype).max, 1.0]
