@@ -355,3 +355,20 @@ def test_packed_moe_experts_a_block_holds_are_calibrated_as_whole(kv, ignore):
     whole, seq = runs
     assert sum("experts" in layer for layer in whole.states) == 16
     assert_same_qparams(whole, seq)
+
+
+def test_targets_only_moe_experts_match_as_views_before_the_first_block():
+    """The up-front match sees the experts as Linear views (moe.attach): a recipe taking only
+    experts is not a misspelt target."""
+    from tiny_models import mixtral
+
+    from quantscope.calibration import preset
+
+    recipe = preset("w8a8", targets=["re:.*experts.*"])
+    runs = []
+    for seq in (None, True):
+        model, batches = mixtral()
+        runs.append(calibrate(model, batches, recipe, progress=False, sequential=seq))
+    whole, seq = runs
+    assert whole.states and all("experts" in n for n in whole.states)
+    assert_same_qparams(whole, seq)
