@@ -84,6 +84,8 @@ class Observer(nn.Module):
 
     #: registry name of the class (set by :func:`~quantscope.observers.registry.register`)
     name: str = "observer"
+    #: sized buffers of one value for the whole tensor (NVFP4's global amax), not one per unit
+    _one_value_buffers: ClassVar[tuple[str, ...]] = ()
     #: whether the per-unit state accumulates over calls (then the unit count must not change)
     accumulates: bool = True
     #: whether :meth:`_observe` reads ``units``; False (min-max family) lets forward take the
@@ -440,7 +442,7 @@ class Observer(nn.Module):
                               unexpected_keys, error_msgs):
         self.leave_inference_mode()  # the load copies into the buffers
         record.check_units(state_dict, prefix, self.spec.layout, self._sized_buffers(),
-                           self.describe())
+                           self.describe(), self._one_value_buffers)
         record.check(state_dict, prefix, self._state_record(), self.describe())
         partial = record.partial(state_dict, prefix, self._sized_buffers(), self.describe())
         if partial:  # as a size mismatch is: an error under strict=False too

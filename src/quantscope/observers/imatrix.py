@@ -74,6 +74,8 @@ class IMatrixMSEObserver(Observer):
         self._shape = None
         self._local_weights = None  # sync_every_step: this step's, until gathered
 
+    _one_value_buffers = ("global_amax_val",)
+
     def _sized_buffers(self):
         return ("min_vals", "max_vals", "global_amax_val")
 

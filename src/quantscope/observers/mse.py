@@ -112,6 +112,8 @@ class MemorylessMSEObserver(Observer):
         self.register_buffer("max_vals", torch.zeros(0, dtype=torch.float32))
         self.register_buffer("global_amax_val", torch.zeros(0, dtype=torch.float32))
 
+    _one_value_buffers = ("global_amax_val",)
+
     def _sized_buffers(self):
         return ("min_vals", "max_vals", "global_amax_val")
 

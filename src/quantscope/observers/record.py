@@ -17,11 +17,9 @@ import torch
 from .._jsonfile import PARSER_LIMITS
 from ..layout import Layout, parse_layout
 
-__all__ = ["GLOBAL", "RECORD", "check", "check_units", "decode", "encode", "partial", "saved_shape"]
+__all__ = ["RECORD", "check", "check_units", "decode", "encode", "partial", "saved_shape"]
 
 RECORD = "_extra_state"  # torch's key of get_extra_state's value
-#: sized buffers that hold one value for the whole tensor (NVFP4's global amax), not one per unit
-GLOBAL = ("global_amax_val",)
 
 
 def encode(record: dict) -> torch.Tensor:
@@ -68,10 +66,10 @@ def partial(state_dict, prefix, sized, who: str) -> str | None:
     return None
 
 
-def check_units(state_dict, prefix, layout: Layout, sized, who: str) -> None:
+def check_units(state_dict, prefix, layout: Layout, sized, who: str, one_value=()) -> None:
     """``ValueError`` naming ``who`` unless each saved ``sized`` buffer fits ``layout`` for the
     saved shape: one entry per unit along its first dimension (a histogram's counts are units
-    x bins), one for a :data:`GLOBAL` value, or none (else ``qparams()`` fails later with a
+    x bins), one for those of ``one_value`` (NVFP4's global amax), or none (else ``qparams()`` fails later with a
     bare reshape, or reads another unit's entry without a word)."""
     shape = saved_shape(state_dict, prefix)
     if shape is None:
@@ -85,7 +83,7 @@ def check_units(state_dict, prefix, layout: Layout, sized, who: str) -> None:
         t = state_dict.get(prefix + name)
         if t is None:  # (a meta tensor's shape is known too)
             continue
-        one = name in GLOBAL
+        one = name in one_value
         want, got = 1 if one else units, len(t) if t.dim() else 1
         if got not in (0, want):
             raise ValueError(
