@@ -50,10 +50,15 @@ def test_numpy_axes_are_integers():
     assert o.calculate_qparams()[0].shape == (3,)
 
 
-@pytest.mark.parametrize("value", ["no", 1, None])
+@pytest.mark.parametrize("value", ["no", 2, None, 1.0])
 def test_is_sync_quantize_takes_a_bool_only(value):
-    with pytest.raises(ValueError, match=r"is_sync_quantize must be True or False"):
+    with pytest.raises(ValueError, match=r"is_sync_quantize must be True / False \(or 1 / 0\)"):
         hz.MinMaxObserver(is_sync_quantize=value)
+
+
+@pytest.mark.parametrize("value", [0, 1, True, False])
+def test_is_sync_quantize_takes_1_and_0_as_horizon_code_passes_them(value):
+    assert hz.MinMaxObserver(is_sync_quantize=value).is_sync_quantize is bool(value)
 
 
 @pytest.mark.parametrize("cls", [hz.MinMaxObserver, hz.PercentileObserver, hz.KLObserver])

@@ -45,7 +45,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .._plainchecks import check_bool
+from .._plainchecks import as_bool
 from ..comm import all_reduce, is_distributed
 from ..estimators.entropy import horizon_entropy_amax
 from ..estimators.mse import SearchResult
@@ -160,8 +160,10 @@ class HorizonObserver:
         super().__init__(spec, **native)
         self.ch_axis, self.dtype, self.qscheme = ch_axis, dtype, qscheme
         self.quant_min, self.quant_max = int(spec.qmin), int(spec.qmax)
-        self.is_sync_quantize = check_bool(f"horizon {type(self).__name__}", "is_sync_quantize",
-                                           is_sync_quantize)
+        if as_bool(is_sync_quantize) is None and as_int(is_sync_quantize) not in (0, 1):
+            raise ValueError(f"horizon {type(self).__name__}: is_sync_quantize must be True / "
+                             f"False (or 1 / 0), got {is_sync_quantize!r}")  # bool("no") is True
+        self.is_sync_quantize = bool(is_sync_quantize)
         device = (factory_kwargs or {}).get("device")
         if device is not None:
             self.to(device)
