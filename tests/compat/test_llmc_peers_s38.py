@@ -112,3 +112,28 @@ def test_scale_dtype_wider_than_statistics_is_their_formula(sd, dtype, symmetric
                     w.to(dtype), x)[2]
     assert torch.equal(ours["scale"], theirs["scale"].to(sd).to(dtype))
     assert torch.equal(ours["zero_point"], theirs["zero_point"])
+
+
+MXFP8 = {**MXFP4, "num_bits": 8}
+
+
+def _observe_input(impl, name, fields, x):
+    obs = impl.load_from_registry(name, base_name="input", args=QuantizationArgs(**fields))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        obs(x)
+    return obs.min_vals, obs.max_vals
+
+
+@pytest.mark.parametrize("fields", [MXFP4, MXFP8], ids=["mxfp4", "mxfp8"])
+@pytest.mark.parametrize("name", ["memoryless_mse", "mse", "nvfp4_expanded_mse"])
+def test_mx_activation_searches_price_e8m0_scales(name, fields):
+    """An activation's one range per unit spans many tokens' blocks: theirs prices its
+    candidates with the E8M0 scale too (float32 ones chose other ranges, most seeds)."""
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, 64, generator=g) * torch.rand(16, 1, generator=g) * 5
+        for dtype in (torch.float32, torch.bfloat16):
+            theirs, ours = (_observe_input(impl, name, fields, x.to(dtype))
+                            for impl in (TheirObserver, lc.Observer))
+            assert torch.equal(theirs[0], ours[0]) and torch.equal(theirs[1], ours[1]), seed

@@ -155,3 +155,33 @@ def test_whole_states_still_round_trip(axis, shape):
     h.collect(_x(100))
     assert torch.equal(pickle.loads(pickle.dumps(h)).compute_amax("mse", start_bin=4),
                        h.compute_amax("mse", start_bin=4))
+
+
+# 7: an axis one past the last dim is ModelOpt's own range error, not the layout's later
+def test_max_collect_with_an_axis_at_the_dims_is_out_of_range():
+    with pytest.raises(ValueError, match=r"modelopt MaxCalibrator: axis 2 is out of range for "
+                                         r"a tensor of 2 dims"):
+        MaxCalibrator(axis=2).collect(_x(4, 8))
+
+
+# 8: meta data sets the dims too: the same axis spelled otherwise keeps the meta amax
+def test_meta_collect_keeps_its_amax_when_the_axis_is_respelled():
+    c = MaxCalibrator(axis=1)
+    c.collect(torch.empty(4, 8, device="meta"))
+    assert c._meta_amax is not None
+    c._axis = -1
+    assert c._meta_amax is not None and c._meta_amax.shape == (1, 8)
+
+
+# 9: each clause of the unpickled _amax_shape check: units, int sizes, the dims collected
+@pytest.mark.parametrize("override", [
+    {"_amax_shape": (8, 1)},  # 8 values for 4 units
+    {"_amax_shape": (4.0, 1)},  # a float size
+    {"_ndim": 3},  # (4, 1) from 2-D data labelled 3-D
+])
+def test_an_amax_shape_failing_one_clause_is_refused(override):
+    c = _collected(0, (4, 8))
+    assert c._amax_shape == (4, 1) and c._ndim == 2
+    with pytest.raises(ValueError, match=r"MaxCalibrator.*cannot unpickle a state whose "
+                                         r"_amax_shape"):
+        _load(c, **override)

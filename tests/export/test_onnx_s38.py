@@ -158,3 +158,48 @@ def test_specs_the_graph_cannot_hold_are_refused_before_the_trace(tmp_path, no_t
     with pytest.raises(ValueError, match=msg):
         export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x, **kw)
     assert not (tmp_path / "m.onnx").exists()
+
+
+# a 4-bit weight beside a 16-bit input: no MatMulIntegerToFloat to share the codes with, so
+# each call writes its own (an int16 input is not an 8-bit one)
+@pytest.mark.parametrize("w", [QuantSpec("int4", Group(32)), QuantSpec("int4", Channel(0))],
+                         ids=["int4_group32", "int4_channel"])
+def test_a_linear_called_twice_beside_an_int16_input_writes_its_codes_per_call(tmp_path, w):
+    import onnx
+
+    torch.manual_seed(0)
+    model, x = _Calls().eval(), torch.randn(2, 4, 64)
+    calib = calibrate(model, [x], _recipe(w, QuantSpec("int16", Tensor())), progress=False)
+    path = export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    dqs = [n for n in onnx.load(str(path)).graph.node
+           if n.op_type == "DequantizeLinear" and n.output[0].endswith("weight_dq")]
+    assert len(dqs) == 2 and len({n.input[0] for n in dqs}) == 2
+    sess = qonnx.session(path, threads=1)
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    ref = _ref(model, calib, x)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+# the outside-read check is about a calibrated weight: an input-only layer's weight may be read
+@pytest.mark.parametrize("make", [_Sum, _Gate])
+def test_a_weight_read_outside_an_input_only_linear_exports(tmp_path, make):
+    torch.manual_seed(0)
+    model, x = make().eval(), torch.randn(4, 3, 16)
+    calib = calibrate(model, [x], _recipe(i=QuantSpec("int8", Tensor())), progress=False)
+    path = export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    sess = qonnx.session(path, threads=1)
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    ref = _ref(model, calib, x)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_the_size_estimate_counts_a_bf16_models_float_tensors_as_float32():
+    # a bf16 model is exported from a float32 copy: its float tensors take 4 bytes a value
+    model = nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    model = model.to(torch.bfloat16).eval()
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    calib = calibrate(model, [x], _recipe(QuantSpec("int8", Channel(0))), progress=False)
+    assert sorted(calib.states) == ["0", "2"]
+    codes = 16 * 8 + 8 * 4  # the two weights, one byte a value
+    floats = 8 + 8 + 8 + 4  # the biases and the LayerNorm's weight and bias
+    assert qonnx._estimated_bytes(model, calib.states) == codes + floats * 4

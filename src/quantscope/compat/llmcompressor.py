@@ -201,7 +201,7 @@ class MemorylessMSEObserver(Observer):
         strategy = enum_name(field(self.args, "strategy"))
         #: the half-precision dtypes whose candidates are priced as llm-compressor's are
         self._in_dtype = {dt for dt in HALF_SCALES if prices_in_dtype(spec, dt, strategy)}
-        self._search_spec = unit_search_spec(spec, self.is_weight_obs)
+        self._search_spec = unit_search_spec(spec)
 
     def _search(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = statistics_dtype(observed)  # first: it refuses complex data

@@ -188,7 +188,7 @@ class IMatrixMixin:
         # tensor_group: theirs prices float32 scales (the global scale cancels). Others keep
         # their scale encoding, MX's E8M0 block scales too (theirs prices with its scale_dtype)
         spec = spec.replace(layout=Channel(0), scale="fp32") if strategy == "tensor_group" \
-            else unit_search_spec(spec, self.base_name == "weight")
+            else unit_search_spec(spec)
         return imatrix_search(observed, importance, spec,
                               maxshrink=self.maxshrink, patience=self._search_patience,
                               grid=self.grid, norm=self.norm, expand=self.expand,

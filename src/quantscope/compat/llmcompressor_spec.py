@@ -66,15 +66,13 @@ def search_spec(args, base_name: str = "weight") -> QuantSpec:
     return _translate(args, base_name, None, None if tensor_group else scale_dtype(args))
 
 
-def unit_search_spec(spec: QuantSpec, weight: bool) -> QuantSpec:
+def unit_search_spec(spec: QuantSpec) -> QuantSpec:
     """``spec`` (a :func:`search_spec`) for pricing a search's units ``[U, E]``, one qparam
-    per unit. A weight's unit is one block, so its block scales (MX's E8M0, NVFP4's fp8) are
-    priced as encoded, on a ``Block`` of the unit (llm-compressor's candidates get their
-    ``scale_dtype``); an activation's unit spans many tokens' blocks: per unit, a block
-    scale as float32 (quantscope has no block scale outside a ``Block`` layout)."""
-    block = spec.scale.is_block and weight
-    return spec.replace(layout=Block(spec.layout.size) if block else Channel(0),
-                        scale=spec.scale if block or not spec.scale.is_block else "fp32")
+    per unit. Block scales (MX's E8M0, NVFP4's fp8) are priced as encoded, on a ``Block`` of
+    the unit (llm-compressor's candidates get their ``scale_dtype``): a weight's unit is one
+    block; an activation's spans many tokens' blocks, one candidate range and so one encoded
+    scale for all (theirs bit for bit; float32 scales chose other MX activation ranges)."""
+    return spec.replace(layout=Block(spec.layout.size) if spec.scale.is_block else Channel(0))
 
 
 def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.dtype | None
