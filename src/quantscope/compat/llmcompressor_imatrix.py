@@ -44,6 +44,7 @@ from ..estimators.mse import compat_patience
 from ..estimators.weighted import select_candidates, weighted_search
 from ..layout import Channel
 from ..qdq import quantize_units
+from ..qparams import amax_of_range
 from ..scales import e8m0_scale
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
@@ -250,8 +251,7 @@ def candidate_qparams(lo: torch.Tensor, hi: torch.Tensor, spec
     1), else the dtype's."""
     dtype = lo.dtype
     if spec.scale.kind == "e8m0":  # their generate_mx_scales; the exponent read in the dtype
-        amax = torch.maximum(lo.clamp(max=0).abs(), hi.clamp(min=0)).float()
-        scale = e8m0_scale(amax, spec.format, spec.scale.mode).to(dtype)
+        scale = e8m0_scale(amax_of_range(lo, hi).float(), spec.format, spec.scale.mode).to(dtype)
         zp, eps = torch.zeros_like(scale), 1.0
     else:
         scale, zp = half_qparams(lo, hi, spec, eps=False)
