@@ -88,11 +88,14 @@ def _input_storage(spec, layer: str):
 
 
 def _scopes(node) -> list[str]:
-    """The module names the exporter recorded ``node`` under, root first, its op's last."""
-    for p in node.metadata_props:
-        if p.key == _SCOPES:
-            return list(ast.literal_eval(p.value))
-    return []
+    """The module names the exporter recorded ``node`` (an ``onnx`` NodeProto) under, root
+    first, its op's last."""
+    return _scope_list(next((p.value for p in node.metadata_props if p.key == _SCOPES), "[]"))
+
+
+def _scope_list(text: str) -> list[str]:
+    """The exporter's record of a node's module names (a Python list's text) as a list."""
+    return list(ast.literal_eval(text))
 
 
 def _weight_view(init_array: np.ndarray, weight: np.ndarray, node) -> bool | None:
@@ -246,7 +249,7 @@ def outside_reads(graph, model, states) -> dict[str, str]:
         values = [graph.initializers.get(n) for n in params.get(id(weight), ())] \
             if "weight" in roles else []
         for node, _ in (use for v in values if v is not None for use in v.uses()):
-            scopes = ast.literal_eval(node.metadata_props.get(_SCOPES, "[]"))
+            scopes = _scope_list(node.metadata_props.get(_SCOPES, "[]"))  # (an onnx_ir node)
             if not any(names.get(s) == layer for s in scopes):
                 where = scopes[-2] if len(scopes) > 1 else ""
                 found[layer] = f"a {node.op_type} in " + (
