@@ -159,7 +159,8 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     ``pick`` (if given), where no divergence is finite -1, or with ``fallback`` one past the
     unit's last non-empty bin."""
     U, B = counts.shape
-    check_options(num_bits=num_bits, start_bin=start_bin, stride=stride, bins=B)
+    check_options(num_bits=num_bits, start_bin=start_bin, stride=stride, bins=B,
+                  copy_zero_bin=copy_zero_bin)
     dev = counts.device
     nq = 1 << (num_bits - 1 + int(unsigned))
     if stop is None:

@@ -231,7 +231,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         patience = compat_patience(patience)
     patience, expand = _check_options(
         compat, tie, patience, expand, backend, chunk_elems, global_grid,
-        per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
+        chunk_candidates=chunk_candidates, ends_grid=ends_grid, per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
         independent_ends=independent_ends, incumbent=incumbent)
     exact = compat == "llmcompressor"
     search = _engine(units, spec, norm, exact, backend, incumbent)
@@ -302,15 +302,18 @@ def _check_chunk(who, chunk_elems):
 
 
 def _check_options(compat, tie, patience, expand, backend, chunk_elems=None, global_grid=None,
-                   **flags) -> tuple[int | None, float]:
+                   chunk_candidates=None, ends_grid=None, **flags) -> tuple[int | None, float]:
     """Refuse a wrong option; ``(patience, expand)`` as Python numbers (numpy's accepted)."""
+    counts = {"global_grid": global_grid, "chunk_candidates": chunk_candidates,
+              "ends_grid": ends_grid}
     for name, value in flags.items():  # a string such as "no" would be silently truthy
         if not isinstance(value, bool):
             raise TypeError(f"mse_search: {name} must be a bool, got {type(value).__name__} "
                             f"{value!r}")
     _check_chunk("mse_search", chunk_elems)
-    if global_grid is not None:  # int() would cut 1.5 to 1 and read True as 1
-        check_int("mse_search", "global_grid", global_grid, 1)
+    for name, value in counts.items():  # int() would cut 1.5 to 1 and read True as 1; a
+        if value is not None:  # chunk of 0 or fewer candidates prices none (min-max returned)
+            check_int("mse_search", name, value, 1)
     if compat not in (None, "llmcompressor"):
         raise ValueError(f"mse_search: compat must be None or 'llmcompressor', got {compat!r}")
     if tie not in ("first", "last"):
@@ -338,8 +341,9 @@ def _candidates(factors, maxshrink, grid, expand, extend_to, per_unit, patience,
             extend = [1 - i / grid for i in range(len(factors), int(extend_to * grid))]
     else:
         factors = [float(f) for f in factors]
-        if not factors or min(factors) <= 0:
-            raise ValueError(f"mse_search: factors must be positive numbers, got {factors!r}")
+        if not factors or not all(0 < f < math.inf for f in factors):  # NaN fails too
+            raise ValueError(f"mse_search: factors must be positive finite numbers, "
+                             f"got {factors!r}")
     if two_ends:  # every (f_lo, f_hi) pair: a 2-D grid has no order to be patient along
         ends = factors if ends_grid is None else factors[:: max(1, len(factors) // ends_grid)]
         return [a for a in ends for _ in ends], [b for _ in ends for b in ends], None, []

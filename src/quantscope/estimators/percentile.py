@@ -81,10 +81,13 @@ def percentile_value(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor
     off = _offset(convention)
     if isinstance(percent, torch.Tensor):
         pct = percent.to(dtype=torch.float64, device=counts.device)
+        if not bool(((pct > 0) & (pct <= 100)).all()):  # NaN too: else the first / last bin
+            raise ValueError(f"percentile_value: percent must be in (0, 100], got {percent}")
         v = _values(counts, lo, width, _Percents(pct.reshape(1, 1) if pct.dim() == 0 else pct),
                     off)
         return v[:, 0] if pct.dim() == 0 else v
-    pct = _percents([_decimal(percent)], [float(percent)], counts.device)
+    percent = check_percentile("percentile_value", "percent", percent)
+    pct = _percents([_decimal(percent)], [percent], counts.device)
     return _values(counts, lo, width, pct, off)[:, 0]
 
 
@@ -142,6 +145,9 @@ def _values(counts, lo, width, pct: _Percents, off):
 def percentile_range(hist: Hist, percentile: float = 99.99, *, symmetric: bool = True,
                      convention: str = "center") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-unit ``(lo, hi)`` at ``percentile`` (a float, or a ``[K]`` list: then ``[U, K]``)."""
+    for v in percentile if isinstance(percentile, (list, tuple)) else [percentile]:
+        if not isinstance(v, torch.Tensor):  # named here: as_tensor fails bare on "99"
+            check_percentile("percentile", "percentile", v)
     p = torch.as_tensor(percentile, dtype=torch.float64)
     ps = p.tolist()  # the fractions in Python floats: the same float64 steps, no tensor ops
     ps = [ps] if p.dim() == 0 else ps

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .. import kernels
+from .._checks import check_int
 from ..formats import FloatFormat, IntFormat
 from ..qdq import fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
@@ -67,6 +68,7 @@ class HistogramScorer:
         if spec.scale.has_global_scale and global_amax is None:
             raise ValueError(f"HistogramScorer: {spec} has a global scale: pass global_amax "
                              f"(the tensor's max |x|), the one its qparams run under")
+        points = check_int("HistogramScorer", "points", points, 1)
         self.spec, self.units = spec, hist.counts.shape[0]
         self.global_amax = global_amax
         applies = (hist.counts.device.type == "cpu" and hist.counts.dtype == torch.int64
