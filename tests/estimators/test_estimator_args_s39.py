@@ -83,3 +83,22 @@ def test_percentile_value_range(percent):
 def test_percentile_range_names_a_string(percentile):
     with pytest.raises(TypeError, match="percentile must be a number"):
         percentile_range(_hist(), percentile)
+
+
+def test_entropy_numpy_integers_read_as_python_ints():
+    # check_int accepts numpy integers; a numpy num_bits has no bit_length (the kernel's call)
+    np = pytest.importorskip("numpy")
+    from quantscope.observers import EntropyObserver
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    spec = QuantSpec("int8", "tensor")
+    kw = {"start_bin": 128, "stride": 1, "num_bits": 8, "smooth": 1}
+    ref, obs = EntropyObserver(spec, **kw), EntropyObserver(
+        spec, **{k: np.int64(v) for k, v in kw.items()})
+    assert all(type(getattr(obs, k)) is int for k in kw)
+    ref(x), obs(x)
+    assert torch.equal(ref.qparams().scale, obs.qparams().scale)
+    c = torch.zeros(1, 256, dtype=torch.int64)
+    c[0, 0], c[0, 130:200] = 10000, 5
+    h = Hist(c, torch.zeros(1), torch.tensor([256.0]), True)
+    assert torch.equal(entropy_amax(h, num_bits=np.int64(8), start_bin=np.int64(128)),
+                       entropy_amax(h))

@@ -117,8 +117,10 @@ def spec_bits(spec) -> tuple[int, bool]:
 
 def check_options(who: str = "entropy", *, num_bits: int = 8, start_bin: int = 128,
                   stride: int = 1, smooth: int = 1, bins: int | None = None,
-                  copy_zero_bin: bool = True) -> None:
-    """Raise ``ValueError`` naming the option unless every one is in range (the C kernel
+                  copy_zero_bin: bool = True) -> tuple[int, int, int, int]:
+    """``(num_bits, start_bin, stride, smooth)`` as Python ints (numpy's accepted: a numpy
+    ``num_bits`` has no ``bit_length``). Raise ``ValueError`` naming the option unless every
+    one is in range (the C kernel
     indexes with them: a negative ``start_bin`` would read outside the histogram), and,
     given ``bins``, unless ``start_bin <= bins`` (TensorRT / ModelOpt fail there too: no
     candidate threshold, ``argmin`` of nothing); ``copy_zero_bin`` is True or False (a
@@ -127,14 +129,15 @@ def check_options(who: str = "entropy", *, num_bits: int = 8, start_bin: int = 1
         # a ValueError, as check_int's for the other options
         raise ValueError(  # noqa: TRY004
             f"{who}: copy_zero_bin must be True or False, got {copy_zero_bin!r}")
-    check_int(who, "num_bits", num_bits, 2, MAX_BITS)
-    check_int(who, "start_bin", start_bin, 0)
-    check_int(who, "stride", stride, 1)
-    check_int(who, "smooth", smooth, 1)
+    num_bits = check_int(who, "num_bits", num_bits, 2, MAX_BITS)
+    start_bin = check_int(who, "start_bin", start_bin, 0)
+    stride = check_int(who, "stride", stride, 1)
+    smooth = check_int(who, "smooth", smooth, 1)
     if bins is not None and start_bin > bins:
         raise ValueError(f"{who}: start_bin={start_bin} leaves no candidate threshold in a "
                          f"histogram of bins={bins}; use bins >= start_bin or a smaller "
                          f"start_bin")
+    return num_bits, start_bin, stride, smooth
 
 
 def _candidates(start_bin: int, bins: int, stride: int, device) -> torch.Tensor:
@@ -159,8 +162,8 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     ``pick`` (if given), where no divergence is finite -1, or with ``fallback`` one past the
     unit's last non-empty bin."""
     U, B = counts.shape
-    check_options(num_bits=num_bits, start_bin=start_bin, stride=stride, bins=B,
-                  copy_zero_bin=copy_zero_bin)
+    num_bits, start_bin, stride, _ = check_options(
+        num_bits=num_bits, start_bin=start_bin, stride=stride, bins=B, copy_zero_bin=copy_zero_bin)
     dev = counts.device
     nq = 1 << (num_bits - 1 + int(unsigned))
     if stop is None:
@@ -312,7 +315,8 @@ def entropy_amax(hist: Hist, *, num_bits: int = 8, unsigned: bool = False, start
     a histogram of fewer than ``start_bin`` bins is a ``ValueError`` (no candidate at all,
     as in TensorRT / ModelOpt: observers refuse it at construction).
     """
-    check_options(smooth=smooth)
+    num_bits, start_bin, stride, smooth = check_options(
+        num_bits=num_bits, start_bin=start_bin, stride=stride, smooth=smooth)
     h = fold_abs(hist)
     U, B = h.counts.shape
     # one pass: the kernel trims, picks the last argmin and falls back to the last bin itself
@@ -347,8 +351,8 @@ def horizon_entropy_amax(hist: Hist, *, num_bits: int = 8, start_bin: int = 128,
     summed only where full (``range(len(div) - smooth - 1)``), the last minimum wins and
     ``amax = edges[j * stride + start_bin + smooth // 2]``.
     """
-    check_options("horizon_entropy", num_bits=num_bits, start_bin=start_bin, stride=stride,
-                  smooth=smooth)
+    num_bits, start_bin, stride, smooth = check_options(
+        "horizon_entropy", num_bits=num_bits, start_bin=start_bin, stride=stride, smooth=smooth)
     h = fold_abs(hist)
     B = h.counts.shape[1]
     cand = _candidates(start_bin, B, stride, h.counts.device)

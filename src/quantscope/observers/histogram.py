@@ -417,11 +417,10 @@ class EntropyObserver(HistogramObserverBase):
                  num_bits: int | None = None, copy_zero_bin: bool = True, **kwargs):
         super().__init__(spec, **kwargs)
         bits, self.unsigned = spec_bits(self.spec)
-        self.num_bits = bits if num_bits is None else num_bits
-        check_entropy_options(type(self).__name__, num_bits=self.num_bits, start_bin=start_bin,
-                              stride=stride, smooth=smooth, bins=self.bins,
-                              copy_zero_bin=copy_zero_bin)
-        self.start_bin, self.stride, self.smooth = start_bin, stride, smooth
+        self.num_bits, self.start_bin, self.stride, self.smooth = check_entropy_options(
+            type(self).__name__, num_bits=bits if num_bits is None else num_bits,
+            start_bin=start_bin, stride=stride, smooth=smooth, bins=self.bins,
+            copy_zero_bin=copy_zero_bin)
         self.copy_zero_bin = copy_zero_bin
 
     def _estimate(self, hist):
