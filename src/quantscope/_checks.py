@@ -23,7 +23,7 @@ __all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_code",
            "check_code_range", "check_float32_range",
            "check_global_amax", "check_int", "check_not_meta", "check_number", "check_path",
            "check_per_unit", "check_range_args", "check_real", "check_spec", "dtensor_error",
-           "env_flag", "is_dtensor", "outside_quantscope", "pattern_refusal", "regex_problem",
+           "env_flag", "is_dtensor", "is_finite", "outside_quantscope", "pattern_refusal", "regex_problem",
            "tensor_arg"]
 
 
@@ -83,15 +83,24 @@ def check_int(who: str, name: str, value, lo: int, hi: int | None = None) -> int
     return n
 
 
+def is_finite(n) -> bool:
+    """``math.isfinite`` of a real number, False for an int beyond float's range (where
+    ``math.isfinite`` raises ``OverflowError``, naming no argument)."""
+    try:
+        return math.isfinite(n)
+    except OverflowError:
+        return False
+
+
 def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,
                  lo_open: bool = False) -> float:
     """``value`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``): a Python
     or numpy real number (not a bool)."""
     n = as_number(value)
-    ok = n is not None
+    ok = n is not None and is_finite(n)
     if ok:
         v = float(n)
-        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+        ok =  (v > lo if lo_open else v >= lo) and v <= hi
     if not ok:
         left, right = "(" if lo_open else "[", ")" if hi == math.inf else "]"
         raise ValueError(f"{who}: {name} must be a finite number in {left}{lo}, {hi}{right}, "

@@ -145,7 +145,7 @@ def test_find_blocks_skips_lists_inside_blocks():
 
 def test_errors(saved):
     model, path = saved
-    with pytest.raises(ValueError, match="pass checkpoint="):
+    with pytest.raises(ValueError, match=r"pass sequential=Sequential\(checkpoint="):
         calibrate(empty_model(path), _batches(), "w8a8", progress=False, sequential=True)
     with pytest.raises(ValueError, match="batches is empty"):
         calibrate(model, [], "w8a8", progress=False, sequential=True)

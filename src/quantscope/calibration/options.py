@@ -20,7 +20,6 @@ A new capability adds a field to one of them. The keywords of the flat signature
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -29,10 +28,11 @@ from typing import Any
 
 import torch
 
-from .._checks import FrozenDict, as_int, as_number, outside_quantscope
+from .._checks import FrozenDict, as_int, as_number, is_finite, outside_quantscope
 from .choice.candidates import check_candidates
 from .choice.sensitivity import FALLBACK_MODES
 from .choice.smooth import check as _check_alpha
+from .run.dist_pass import check_group
 from .run.finish import MISSING_POLICIES
 from .run.sequential import MODES
 from .structure.moe import MIN_TOKENS
@@ -100,7 +100,7 @@ class Sampling:
         b = self.budget_mb
         if b is not None:
             mb = as_number(b)
-            if mb is None or not math.isfinite(mb) or mb <= 0:
+            if mb is None or not is_finite(mb) or mb <= 0:
                 raise ValueError(f"calibrate: Sampling.budget_mb (sample_budget_mb) must be a "
                                  f"positive number of MB, got {b!r}")
             _set(self, "budget_mb", mb)
@@ -263,7 +263,7 @@ class Sequential:
         b = self.cache_budget_mb
         if b is not None:  # inf / NaN have no byte count
             mb = as_number(b)
-            if mb is None or not math.isfinite(mb) or mb < 0:
+            if mb is None or not is_finite(mb) or mb < 0:
                 raise ValueError(f"calibrate: Sequential.cache_budget_mb must be a finite "
                                  f"number of MB >= 0, got {b!r}")
             _set(self, "cache_budget_mb", mb)
@@ -321,27 +321,22 @@ class Runtime:
 
     def __post_init__(self):
         _bool("Runtime", "distributed", self.distributed)
-        _check_group(self.group)
+        check_group(self.group, self.distributed)
         _one_of("Runtime", "missing", self.missing, MISSING_POLICIES)
-        groups = self.time_groups
-        # each group a list of labels, read twice (a string would be its letters)
-        if groups is not None and (not isinstance(groups, Mapping) or not all(
-                isinstance(labels, (list, tuple, set, frozenset)) for labels in groups.values())):
-            raise ValueError(f"calibrate: Runtime.time_groups must be a dict of label lists "
-                             f"({{'name': ['label', ...]}}), got {groups!r}")
-        if groups is not None:  # read-only and hashable: the frozen dataclass hashes it
-            _set(self, "time_groups", FrozenDict((k, tuple(v)) for k, v in groups.items()))
+        if self.time_groups is not None:  # read-only and hashable: the frozen dataclass hashes it
+            _set(self, "time_groups", _time_groups(self.time_groups))
 
 
-def _check_group(group) -> None:
-    """``Runtime.group``: None or a ``torch.distributed`` process group (else the pass fails
-    inside torch.distributed, naming no field)."""
-    if group is None:
-        return
-    dist = torch.distributed
-    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(f"calibrate: Runtime.group must be a torch.distributed ProcessGroup "
-                        f"or None (the default group), got {type(group).__name__} {group!r}")
+def _time_groups(groups) -> FrozenDict:
+    # str names (info["group_seconds"] is saved as JSON) of lists of str labels, read twice
+    # (a string would be its letters)
+    if not (isinstance(groups, Mapping) and all(
+            isinstance(name, str) and isinstance(labels, (list, tuple, set, frozenset))
+            and all(isinstance(label, str) for label in labels)
+            for name, labels in groups.items())):
+        raise ValueError(f"calibrate: Runtime.time_groups must be a dict of str label lists "
+                         f"({{'name': ['label', ...]}}), got {groups!r}")
+    return FrozenDict((k, tuple(v)) for k, v in groups.items())
 
 
 _KINDS = {"sampling": Sampling, "auto": Auto, "moe": MoE, "outliers": Outliers,

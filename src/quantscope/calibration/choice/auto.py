@@ -422,7 +422,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
             info["auto"]["refused"] = refused[label]
         if left_out:
             info["auto"]["non_finite_pieces"] = left_out
-    return out
+    return {label: out[label] for label in recipes}  # the caller's order, as other metrics
 
 
 def _importance(model, recipes, autos) -> InputImportance:

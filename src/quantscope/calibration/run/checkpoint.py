@@ -271,7 +271,8 @@ def load_params(model, names: set[str], ckpt: Checkpoint | None,
             if n in names and p.device.type == "meta"]
     if todo and ckpt is None:
         raise ValueError(f"calibrate: parameter {todo[0][0]!r} is on the meta device; pass "
-                         f"checkpoint= (the model's safetensors folder)")
+                         f"sequential=Sequential(checkpoint=...) (the model's safetensors "
+                         f"folder)")
     source, disk = {}, {}
     for n, p in todo:
         if id(p) not in source:

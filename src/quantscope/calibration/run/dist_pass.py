@@ -156,3 +156,17 @@ def _global_counts(n, acts, group):
         s.calls = calls
     bad = {id(s) for s, f in zip(own, t[1 + len(own):]) if f}
     return t[0], {k for k, s in acts.items() if id(s) in bad}
+
+
+def check_group(group, distributed: bool) -> None:
+    """``Runtime.group``: None or a ``torch.distributed`` process group (else the pass fails
+    inside torch.distributed, naming no field), and only with ``distributed`` (else it is
+    never read: each rank would calibrate alone without a word)."""
+    if group is None:
+        return
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"calibrate: Runtime.group must be a torch.distributed ProcessGroup "
+                        f"or None (the default group), got {type(group).__name__} {group!r}")
+    if not distributed:
+        raise ValueError("calibrate: Runtime.group is read only with distributed=True; pass "
+                         "Runtime(distributed=True, group=...) or drop group")

@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import gc
 import json
-import math
 import shutil
 import tempfile
 import time
@@ -44,6 +43,7 @@ import time
 import torch
 from torch import nn
 
+from ..._checks import is_finite
 from ..structure import kv_cache, moe
 from . import heap
 from .batches import batch_count, eval_mode, forward_batch, map_tensors
@@ -249,7 +249,7 @@ def _check_mode(mode, recipes, options, cache_budget_mb):
         cache_budget_mb = DEFAULT_CACHE_BUDGET_MB
     # bool is an int to Python (True would be 1 MB); inf / NaN have no byte count
     if (isinstance(cache_budget_mb, bool) or not isinstance(cache_budget_mb, (int, float))
-            or not math.isfinite(cache_budget_mb) or cache_budget_mb < 0):
+            or not is_finite(cache_budget_mb) or cache_budget_mb < 0):
         raise ValueError(f"calibrate: cache_budget_mb must be a finite number of MB >= 0, got "
                          f"{cache_budget_mb!r}")
     return mode, cache_budget_mb

@@ -66,6 +66,7 @@ from .observe import (
     share_group_inputs,
     unique_slots,
 )
+from .unused_options import warn_unused_activation_options, warn_unused_moe
 
 __all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many",
            "calibrate_with", "sensitivity"]
@@ -193,10 +194,8 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
         # MoE experts become Linear views for the whole calibration (moe.py); restored after
         with _moe.attach(model, opts.moe.all_experts, recipes=recipes.values()) as experts:
             experts.min_tokens = opts.moe.min_tokens
-            if top and opts.moe != MoE() and not experts.layers:  # a field set in vain: said
-                warnings.warn(f"calibrate: {opts.moe} changes nothing: the model has no "
-                              f"mixture-of-experts layer quantscope knows (moe.py)",
-                              stacklevel=outside_quantscope())
+            if top:
+                warn_unused_moe(recipes, opts.moe, experts)
             if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
                 return calibrate_distributed(model, batches, recipes, opts, t0, experts,
                                              _conclude)
@@ -264,7 +263,7 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
     recipes = one_fusion(_as_recipes(recipes, inner=not top))  # one set of groups for all
     if top:  # not a piece's or auto's inner pass (auto's candidates: no auto role)
         _check_auto(recipes, opts.auto)
-        _check_sampling(recipes, opts.sampling)
+        warn_unused_activation_options(recipes, opts)
     if seq is not None:
         if opts.outliers.keep_float:
             check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)
@@ -306,16 +305,6 @@ def _check_auto(recipes, auto: Auto) -> None:
                          f"but Auto says how observer='auto' chooses and no recipe here has an "
                          f"'auto' role; it would be ignored (drop auto=, or calibrate with "
                          f"observer='auto')")
-
-
-def _check_sampling(recipes, sampling: Sampling) -> None:
-    """Warns of ``sampling``'s rows set where no recipe has an activation role (the only ones
-    sampled); a seed alone is harmless (the command line always passes one)."""
-    rows = (sampling.tokens, sampling.budget_mb) != (Sampling.tokens, None)
-    if rows and not any(r.input or r.output for rec in recipes.values() for r in rec.rules):
-        warnings.warn(f"calibrate: {sampling} changes nothing: it keeps activation rows (for "
-                      f"auto and the report) and no recipe here quantizes an activation "
-                      f"(weight-only)", stacklevel=outside_quantscope())
 
 
 def _as_recipes(recipes, inner=False) -> dict[str, Recipe]:

@@ -1,0 +1,50 @@
+"""Options set where they would change nothing: warned about, not silently ignored (a
+field at its default counts as not set, as in :func:`~..options.from_keywords`).
+
+Each applies to some roles only: sampled rows and the ``missing`` policy to activation
+roles, ``MoE.min_tokens`` to the static activation ranges of experts
+(:func:`~..structure.moe.shrink`). A recipe without such a role takes the option in vain.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..._checks import outside_quantscope
+from ..options import MoE, Options, Runtime, Sampling
+
+__all__ = ["warn_unused_activation_options", "warn_unused_moe"]
+
+
+def _roles(recipes):
+    """The activation roles' configs of every rule of ``recipes``."""
+    return [cfg for rec in recipes.values() for r in rec.rules for cfg in (r.input, r.output)
+            if cfg]
+
+
+def warn_unused_activation_options(recipes, opts: Options) -> None:
+    """Sampling's rows (for auto and the report) and ``Runtime.missing`` set where no recipe
+    quantizes an activation (weight-only); a seed alone is harmless (the command line always
+    passes one)."""
+    if _roles(recipes):
+        return
+    s, missing = opts.sampling, opts.runtime.missing
+    unused = [str(s)] if (s.tokens, s.budget_mb) != (Sampling.tokens, None) else []
+    unused += [f"Runtime(missing={missing!r})"] if missing != Runtime.missing else []
+    for what in unused:
+        warnings.warn(f"calibrate: {what} changes nothing: it acts on activation roles and no "
+                      f"recipe here quantizes an activation (weight-only)",
+                      stacklevel=outside_quantscope())
+
+
+def warn_unused_moe(recipes, moe: MoE, experts) -> None:
+    """``moe`` set where the model has no MoE layer quantscope knows, or ``min_tokens`` where
+    no recipe has a static activation role (dynamic ones have no range to shrink)."""
+    if moe != MoE() and not experts.layers:
+        warnings.warn(f"calibrate: {moe} changes nothing: the model has no mixture-of-experts "
+                      f"layer quantscope knows (moe.py)", stacklevel=outside_quantscope())
+    elif moe.min_tokens != MoE.min_tokens and not any(
+            cfg.dynamic is not True for cfg in _roles(recipes)):
+        warnings.warn(f"calibrate: {moe} changes nothing: min_tokens shrinks experts' static "
+                      f"activation ranges and no recipe here has one (weight-only or "
+                      f"dynamic)", stacklevel=outside_quantscope())

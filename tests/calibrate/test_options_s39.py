@@ -1,0 +1,114 @@
+"""Option fields that were taken in vain or failed naming no field (session 39's probe):
+Runtime.group without distributed, Runtime.missing and MoE.min_tokens where no role reads
+them, time_groups' labels, budgets beyond float's range; and calibrate_many's order under
+Auto(metric='model')."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from quantscope.calibration import (
+    Auto,
+    MoE,
+    Runtime,
+    Sampling,
+    Sequential,
+    calibrate,
+    calibrate_many,
+    preset,
+)
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch without torch.distributed")
+def test_runtime_group_without_distributed_is_refused(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        group = dist.new_group([0])
+        with pytest.raises(ValueError, match=r"Runtime\.group is read only with "
+                                             r"distributed=True"):
+            Runtime(group=group)
+        assert Runtime(distributed=True, group=group).group is group
+    finally:
+        dist.destroy_process_group()
+
+
+def _linear():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 16)).eval(), [torch.randn(4, 128) for _ in range(2)]
+
+
+def _said(run):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out = run()
+    return out, [str(w.message) for w in said if "changes nothing" in str(w.message)]
+
+
+@pytest.mark.parametrize("missing", ["float", "error"])
+def test_missing_on_a_weight_only_recipe_warns(missing):
+    model, batches = _linear()
+    ref = calibrate(model, batches, "w4a16", progress=False)
+    got, said = _said(lambda: calibrate(model, batches, "w4a16", progress=False,
+                                        runtime=Runtime(missing=missing)))
+    assert got.quantizes_like(ref)  # it changes nothing: said so
+    assert len(said) == 1 and f"Runtime(missing={missing!r})" in said[0], said
+
+
+def test_missing_with_an_activation_role_is_quiet():
+    model, batches = _linear()
+    _, said = _said(lambda: calibrate(model, batches, "w8a8-dynamic", progress=False,
+                                      runtime=Runtime(missing="float")))
+    assert not said, said
+
+
+def _mixtral():
+    tm = pytest.importorskip("tiny_models")
+    pytest.importorskip("transformers")
+    return tm.mixtral()
+
+
+@pytest.mark.parametrize("recipe", ["w8a8-dynamic", "w4a16"])
+def test_min_tokens_without_a_static_activation_warns(recipe):
+    model, batches = _mixtral()
+    _, said = _said(lambda: calibrate(model, batches, recipe, progress=False,
+                                      moe=MoE(min_tokens=3)))
+    assert len(said) == 1 and "min_tokens" in said[0], said
+
+
+def test_min_tokens_with_a_static_activation_is_quiet():
+    model, batches = _mixtral()
+    got, said = _said(lambda: calibrate(model, batches, "w8a8", progress=False,
+                                        moe=MoE(min_tokens=10 ** 6)))
+    assert not said, said
+    assert got.info["expert_min_tokens"] == 10 ** 6
+
+
+@pytest.mark.parametrize("groups", [{"g": [["w8a8"]]}, {7: ["w8a8"]}, {"g": [1]}])
+def test_time_groups_names_and_labels_are_strings(groups):
+    with pytest.raises(ValueError, match=r"Runtime\.time_groups must be a dict of str label"):
+        Runtime(time_groups=groups)
+
+
+@pytest.mark.parametrize("make", [lambda: Sampling(budget_mb=10 ** 400),
+                                  lambda: Sequential(cache_budget_mb=10 ** 400)])
+def test_budgets_beyond_float_are_refused_by_name(make):
+    with pytest.raises(ValueError, match="budget_mb"):
+        make()
+
+
+def test_calibrate_many_keeps_the_callers_order_under_the_model_metric():
+    tm = pytest.importorskip("tiny_models")
+    pytest.importorskip("transformers")
+    model, batches = tm.llama()
+    recipes = {"a": preset("w8a8", "auto"), "m": preset("w8a8", "minmax")}
+    out = calibrate_many(model, batches, recipes, progress=False,
+                         auto=Auto(candidates=["minmax", "mse"], metric="model"))
+    assert list(out) == ["a", "m"]
