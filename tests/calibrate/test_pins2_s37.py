@@ -19,7 +19,7 @@ from quantscope import QuantSpec, get_observer
 from quantscope.calibration import Auto
 from quantscope.calibration.choice.auto import OutputDivergence, _summary
 from quantscope.calibration.run.batches import nan_parameter
-from quantscope.exporters.compressed_tensors import _own_file
+from quantscope.exporters.source_folder import own_file as _own_file
 
 TWO = Auto(candidates=("minmax", "percentile"))
 

@@ -24,10 +24,7 @@ activation amax; MX scales are powers of two, stored as E8M0 exponents.
 from __future__ import annotations
 
 import copy
-import fnmatch
 import json
-import os
-import shutil
 import warnings
 
 import torch
@@ -42,11 +39,12 @@ from ..calibration.structure.tied import tied_weights
 from ..formats import FloatFormat, IntFormat
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import not_encoded, nvfp4_global_scale
-from .atomic import EXPORT_EXTRAS, atomic_dir, check_writable_target
+from .atomic import atomic_dir, check_writable_target
 from .ct_compress import annotate, compress, ct_compressor
 from .experts import unfuse_experts
 from .registry import register
 from .serving import embedding_layers, warn_unservable
+from .source_folder import copy_extras, loaded_from, source_dir
 
 __all__ = ["export_compressed_tensors", "quant_args"]
 
@@ -350,55 +348,6 @@ def _groups(states, lossy):
     return list(groups.values())
 
 
-def _source_dir(calibration, model, model_path):
-    """The model folder (one with a config.json) whose ``EXPORT_EXTRAS`` the export copies:
-    ``model_path``, else the folder the model was loaded from, else the calibration's record."""
-    if model_path:
-        if not _is_model_folder(model_path):
-            raise ValueError(f"export: model_path {model_path!r} is not a model folder (a "
-                             f"folder with a config.json)")
-        return os.fspath(model_path)
-    # the live model's own folder first: it is the model being exported; the calibration's
-    # record is only a file's say (another machine's path, or anyone's edit of the file)
-    for path in (getattr(getattr(model, "config", None), "_name_or_path", None),
-                 calibration.info.get("model")):
-        if isinstance(path, (str, os.PathLike)) and path and _is_model_folder(path):
-            return os.fspath(path)
-    return None
-
-
-def _is_model_folder(path) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-
-
-def _own_file(src: str, p: str) -> bool:
-    """Whether ``p``, a name in the model folder ``src``, is the folder's own file: a plain
-    file, or a link into the folder's own tree (a Hugging Face cache snapshot links every
-    file into its repository's ``blobs/``), never a link elsewhere (a key, a user's notes)."""
-    if not os.path.isfile(p) or not os.path.islink(p):
-        return os.path.isfile(p)
-    root = os.path.realpath(src)
-    repo, parent = os.path.split(os.path.dirname(root))  # models--org--name/snapshots/rev
-    cache = parent == "snapshots" and os.path.basename(repo).startswith("models--")
-    own = (root, os.path.join(repo, "blobs")) if cache else (root,)  # not all of the parent
-    return os.path.realpath(p).startswith(tuple(d + os.sep for d in own))
-
-
-def _copy_extras(src: str, dst: str) -> list[str]:
-    """The ``EXPORT_EXTRAS`` of the source folder (tokenizer, generation config, chat template),
-    with their own modes; only the folder's own files (:func:`_own_file`), never ``dst``'s."""
-    copied = []
-    for name in sorted(os.listdir(src)):
-        p = os.path.join(src, name)
-        if not any(fnmatch.fnmatchcase(name, pat) for pat in EXPORT_EXTRAS) \
-                or not _own_file(src, p):
-            continue
-        if not os.path.exists(os.path.join(dst, name)):
-            shutil.copy2(p, os.path.join(dst, name))
-            copied.append(name)
-    return copied
-
-
 def _check_call(calibration, model: nn.Module, overwrite, allow_lossy, **_) -> None:
     """The arguments' checks that need neither the disk nor a collective (every rank)."""
     for name, flag in (("overwrite", overwrite), ("allow_lossy", allow_lossy)):  # "no": True
@@ -450,7 +399,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     _tied(model, [layer for layer, roles in states.items() if "weight" in roles])
     _split_on_disk(work, states)
     groups = _groups(states, lossy)
-    source = _source_dir(calibration, model, model_path)
+    source = source_dir(calibration, model, model_path)
 
     _attach_schemes(work, groups, states, lossy)
     if lossy.notes:
@@ -460,14 +409,15 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     compressor = ct_compressor(work, kv_args)
     compress(compressor, work)
     copied = []  # their modes stay: a private tokenizer file is not made readable
-    with atomic_dir(path, overwrite=overwrite, inputs=[source],  # never the source
+    with atomic_dir(path, overwrite=overwrite,  # never the source, nor the model's folder
+                    inputs=[source, *loaded_from(calibration, model)],
                     keep_modes=copied, what=KIND) as tmp:
         work.save_pretrained(tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
         annotate(tmp, calibration, lossy.notes, source, work)
         warn_unservable(tmp, checkpoint_names(work, embedding_layers(work)).values())
         if source is not None:
-            copied += _copy_extras(source, tmp)
+            copied += copy_extras(source, tmp)
     return path
 
 

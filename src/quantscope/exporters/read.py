@@ -9,7 +9,9 @@ several groups match read in the one group compressed-tensors gives it
 compressor (``decompress``: fp8 and E8M0 scales to float, packed zero points to integers).
 The args become quantscope specs
 (:func:`~quantscope.compat.llmcompressor.llmcompressor_spec`, the one translation: MX is
-E8M0 ``even``, compressed-tensors' run-time rule), the tensors
+E8M0 ``even``, compressed-tensors' run-time rule for MXFP4 and MXFP6 E2M3; for MXFP8 it
+rounds the block amax with fp4's mantissa where quantscope uses e4m3's, said in a warning
+where an MXFP8 role computes its scales at run time), the tensors
 :class:`~quantscope.qparams.QParams`, so ``calibration.apply(float_model)`` runs the model as
 the checkpoint does, and the report and compare tools work on it.
 """
@@ -45,6 +47,7 @@ from .read_checks import (
     neutral_qparams,
     parse_quant_config,
     read_quant_config,
+    refuse_not_run,
     rewriting_modifiers,
     scale_problem,
     storage_problem,
@@ -171,7 +174,11 @@ def _qparam(t: torch.Tensor, qshape, module: str, key: str, spec) -> torch.Tenso
     if not t.is_floating_point():
         raise ValueError(f"from_compressed_tensors: {module}.{key} is {t.dtype}, not a "
                          f"floating-point scale")
-    return t.float().reshape(qshape)
+    f = t.float()  # quantscope's scales are float32: a wider scale must fit exactly
+    if t.itemsize > 4 and not torch.equal(f.to(t.dtype), t):
+        raise ValueError(f"from_compressed_tensors: {module}.{key} is {t.dtype} with values "
+                         f"float32 cannot hold exactly; quantscope's scales are float32")
+    return f.reshape(qshape)
 
 
 def _state(st, role, module, local, args, spec, observer, weight_shape):
@@ -392,6 +399,22 @@ def _module_names(model, tensors: dict, qconfig) -> dict:
     return out
 
 
+def _warn_run_time_mx(states, path) -> None:
+    """Warn where an MX role computes its E8M0 scales at run time with a rounding other than
+    compressed-tensors' (0.20 ``generate_mx_scales``: the block amax rounded to fp4's 1-bit
+    mantissa, E2M3's 3 bits for 6-bit elements; quantscope's ``even`` uses the element's)."""
+    odd = sorted({f.name for roles in states.values() for st in roles.values()
+                  if st.dynamic is True and st.spec.scale.kind == "e8m0"
+                  and getattr(f := st.spec.format, "mbits", 1)
+                  != (3 if f.ebits + f.mbits == 5 else 1)})  # 6-bit: sign + 5
+    if odd:
+        warnings.warn(f"from_compressed_tensors: {path}: {', '.join(odd)} MX roles compute "
+                      f"their scales at run time; compressed-tensors rounds each block's amax "
+                      f"to fp4's mantissa first (E2M3's for 6-bit elements), quantscope's "
+                      f"apply() to the element's own: where they differ, a block's scale is "
+                      f"twice theirs", stacklevel=3)
+
+
 def _rewritten(path: str, record) -> bool:
     """Whether the checkpoint's weights were changed before they were rounded (its
     ``recipe.yaml`` names GPTQ, AWQ, SmoothQuant ...; quantscope's record says smoothed),
@@ -413,8 +436,10 @@ def read_compressed_tensors(path):
     """The :class:`~quantscope.calibration.Calibration` a compressed-tensors folder holds.
 
     ``calibration.apply(model)`` on the float model runs it as the checkpoint does where the
-    checkpoint's weights are the float ones rounded with these qparams (quantscope's exports,
-    llm-compressor's ``QuantizationModifier``): ``info["model"]`` is the source model the
+    checkpoint's weights are the float ones rounded with these qparams in float32
+    (quantscope's exports, llm-compressor's ``QuantizationModifier`` on a float32 model; on a
+    bfloat16 / float16 one it divides in that dtype, and some codes differ by one: apply
+    them to the checkpoint loaded decompressed instead): ``info["model"]`` is the source model the
     exporter recorded, else ``path`` (transformers loads it decompressed given
     ``quantization_config=CompressedTensorsConfig(run_compressed=False)``). GPTQ, AWQ or
     SmoothQuant change the weights before rounding them (the folder's ``recipe.yaml`` names
@@ -433,6 +458,7 @@ def read_compressed_tensors(path):
         *read_quant_config(path, "from_compressed_tensors"),
         load_checked_tensors(path, "from_compressed_tensors")))
     qconfig = parse_quant_config(cfg_path, qc, "from_compressed_tensors")
+    refuse_not_run(cfg_path, qc, "from_compressed_tensors")
     model, experts = _meta_model(path, config, len(tensors))
     tensors = _module_names(model, tensors, qconfig)
     groups = {g: _group(g, s, qconfig, cfg_path) for g, s in qconfig.config_groups.items()}
@@ -452,6 +478,7 @@ def read_compressed_tensors(path):
         raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
                          f"groups' targets")
     _refuse_unread(tensors, grouped, kv_cache, path)
+    _warn_run_time_mx(states, path)
     # the per-expert states back onto the model's 3-D experts, as calibrate named them
     states = fuse_expert_states(experts, states, f"from_compressed_tensors: {path}")
     recipe = Recipe(tuple(rules), ignore, "compressed-tensors", kv_cache=kv_cache)

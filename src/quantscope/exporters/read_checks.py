@@ -20,9 +20,9 @@ from .._jsonfile import parse_json, read_json
 
 __all__ = ["SCALE_LEAVES", "ZERO_POINTS", "check_kv_scheme", "compressor", "exact_pattern",
            "fmt_name", "kv_scale_layer", "load_checked_tensors", "missing_zero_point",
-           "neutral_qparams", "parse_quant_config", "read_quant_config", "rewriting_modifiers",
-           "safetensors_headers", "scale_problem", "scale_values", "storage_problem",
-           "unexpected_qparam"]
+           "neutral_qparams", "parse_quant_config", "read_quant_config", "refuse_not_run",
+           "rewriting_modifiers", "safetensors_headers", "scale_problem", "scale_values",
+           "storage_problem", "unexpected_qparam"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
 #: flips signs at run time)
@@ -104,6 +104,32 @@ def parse_quant_config(cfg_file, qc: dict, who: str):
         if scheme.format is not None:
             compressor(scheme.format, f"{where}.config_groups.{name}")
     return qconfig
+
+
+#: quantization_config's sections that change what the stored tensors mean, which quantscope
+#: does not run: read without them, the scales would be applied to other tensors
+_NOT_RUN = {
+    "transform_config": "transforms (rotations such as QuIP's or SpinQuant's Hadamards, some "
+                        "applied online by the runtime): the scales are of the rotated "
+                        "weights and activations",
+    "moe_sparsity_config": "pruned or merged MoE experts (stored left-shifted): the experts "
+                           "of config.json's model are not the checkpoint's",
+    "sparsity_config": "sparse-compressed weights",
+}
+
+
+def refuse_not_run(cfg_file, qc: dict, who: str) -> None:
+    """Refuse a folder whose ``quantization_config`` holds a section in :data:`_NOT_RUN`
+    (compressed-tensors' own model validation ignores unknown keys; a ``sparsity_config``
+    of the ``dense`` format stores the weights as they are, and is read)."""
+    for key, what in _NOT_RUN.items():
+        value = qc.get(key)
+        if key == "sparsity_config" and isinstance(value, dict) \
+                and value.get("format") in (None, "dense"):
+            continue
+        if value:
+            raise ValueError(f"{who}: {cfg_file}: quantization_config.{key} is set: the "
+                             f"checkpoint holds {what}, which quantscope does not run")
 
 
 def check_kv_scheme(args, who: str) -> None:
