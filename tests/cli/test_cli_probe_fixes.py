@@ -61,7 +61,8 @@ def test_a_recipe_file_with_known_observers_and_options_passes(tmp_path):
 
     path = _recipe_file(tmp_path, lambda d: (
         d["rules"][0]["input"].update(observer="MSE", options={"averaging_constant": 0.1})))
-    assert read_recipe_file(path).rules[0].input.observer == "MSE"
+    # read as the registry spells it (any case accepted): "Auto" must become auto (s39)
+    assert read_recipe_file(path).rules[0].input.observer == "mse"
 
 
 def test_recipe_name_must_be_a_string():

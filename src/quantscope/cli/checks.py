@@ -36,6 +36,22 @@ def check_name(name: str, names, what: str, fold=str.lower) -> str:
     return by[fold(name)]
 
 
+#: the observers a recipe runs: quantscope's native ones and auto (a compat class,
+#: ``torch.ao:MinMaxObserver``, is configured by its toolkit's own arguments: no spec)
+RECIPE_OBSERVERS = tuple(n for n in OBSERVER_NAMES if ":" not in n)
+
+
+def check_observer_name(name: str, what: str, fold=str) -> str:
+    """An observer a recipe's role runs (:data:`RECIPE_OBSERVERS`), as the registry spells it;
+    a compat class's name is refused as such (calibrate would refuse it only after the model
+    loads, in the Python API's words)."""
+    if ":" in name and fold(name) in map(fold, OBSERVER_NAMES):
+        raise UsageError(f"{what} {name!r} is a compat class, configured by its toolkit's own "
+                         f"arguments (no spec); a recipe runs quantscope's native observers: "
+                         f"{', '.join(RECIPE_OBSERVERS)}")
+    return check_name(name, RECIPE_OBSERVERS, what, fold)
+
+
 def check_recipe_name(name: str, kind: str | None = None) -> str:
     """A recipe name as its registry spells it: a quantscope preset (``kind="preset"``,
     ``--recipe``: lower case, any case accepted), a compressed-tensors scheme (``"scheme"``,
@@ -161,8 +177,8 @@ def check_recipe_args(args) -> None:
         args.recipe = "w8a8"
     for flag in ("observer", "weight_observer", "input_observer"):
         if getattr(args, flag):
-            setattr(args, flag, check_name(getattr(args, flag), OBSERVER_NAMES,
-                                           f"observer (--{flag.replace('_', '-')})", str))
+            setattr(args, flag, check_observer_name(
+                getattr(args, flag), f"observer (--{flag.replace('_', '-')})"))
     check_activation_args(args)
 
 

@@ -17,12 +17,11 @@ from .checks import (
     check_distinct,
     check_library_args,
     check_model_arg,
-    check_name,
+    check_observer_name,
     check_out,
     check_recipe_name,
     suggest,
 )
-from .names import OBSERVER_NAMES
 from .options import add_common, add_recipes_args
 from .recipes import build_recipe
 from .running import Phases, calibration_options, command_inputs, load_setup
@@ -187,7 +186,7 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     # spelt exactly, as calibrate's --recipe / --scheme spell them: w8a8 is the quantscope
     # preset (static inputs), W8A8 compressed-tensors' scheme (dynamic inputs)
     recipes = [check_recipe_name(r) for r in recipes]
-    observers = [check_name(o, OBSERVER_NAMES, "observer", str) for o in observers]
+    observers = [check_observer_name(o, "observer") for o in observers]
     check_distinct("--recipes", recipes)
     check_distinct("--observers", observers)
     check_activation_args(args)

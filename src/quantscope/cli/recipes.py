@@ -8,8 +8,8 @@ import re
 from collections.abc import Hashable
 
 from .._jsonfile import PARSER_LIMITS, NotJSON, parse_json, parser_limit
-from .checks import UsageError, check_name
-from .names import DEFAULT_IGNORE, DEFAULT_TARGETS, OBSERVER_NAMES, RECIPE_NAMES
+from .checks import UsageError, check_observer_name
+from .names import DEFAULT_IGNORE, DEFAULT_TARGETS, RECIPE_NAMES
 
 
 def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=False):
@@ -227,29 +227,34 @@ def read_recipe_file(path: str):
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UsageError(f"--recipe-file {path!r}: not a recipe ({type(e).__name__}: {e}); "
                          f"expected the structure of Recipe.to_dict()") from None
-    _check_observers(rec, path)
-    return rec
+    return _check_observers(rec, path)
 
 
-def _check_observers(rec, path: str) -> None:
-    """The observers a recipe file's roles run, and their options, checked as ``--observer``
-    is (closest names), before the model loads: calibrate would only meet them after it."""
+def _check_observers(rec, path: str):
+    """``rec`` with each role's observer as the registry spells it (``Auto`` is auto),
+    checked as ``--observer`` is (closest names, compat classes refused), and its options,
+    before the model loads: calibrate would only meet them after it. A dynamic role's
+    observer computes its qparams at run time: checked too."""
+    from dataclasses import replace
+
     from ..calibration.role_observers import AUTO, unknown_options
 
-    roles = [(f"rules[{i}].{k}", role) for i, r in enumerate(rec.rules)
-             for k, role in r.roles().items()] + [("kv_cache", rec.kv_cache)]
-    for where, role in roles:
-        if role is None or role.dynamic is True:  # quantized at run time: no observer runs
-            continue
-        name = check_name(role.observer, OBSERVER_NAMES,  # any case, as the registry's
-                          f"observer (--recipe-file {path!r}, {where})")
-        if name == AUTO or ":" in name:  # auto's candidates and a toolkit's own keywords
-            continue
-        unknown = unknown_options(name, dict(role.options))
-        if unknown:
+    def checked(role, where):
+        if role is None:
+            return None
+        name = check_observer_name(role.observer, f"observer (--recipe-file {path!r}, "
+                                                  f"{where})", str.lower)  # any case
+        unknown = unknown_options(name, dict(role.options)) if name != AUTO else ()
+        if unknown:  # auto's candidates check theirs
             raise UsageError(f"--recipe-file {path!r}, {where}: observer {name!r} takes no "
                              f"option {', '.join(map(repr, unknown))} (its options are "
                              f"its class's keyword-only arguments)")
+        return replace(role, observer=name)
+
+    rules = tuple(replace(r, **{k: checked(role, f"rules[{i}].{k}")
+                                for k, role in r.roles().items()})
+                  for i, r in enumerate(rec.rules))
+    return replace(rec, rules=rules, kv_cache=checked(rec.kv_cache, "kv_cache"))
 
 
 def _indivisible(rec, model, policy: str):

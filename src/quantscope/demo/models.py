@@ -205,17 +205,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _tokenizer(path: Path, trust_remote_code: bool):
-    """The folder's tokenizer; a folder with no tokenizer files says so (transformers' error
-    would name the converters it tried, sentencepiece, tiktoken)."""
-    try:
-        return load_tokenizer(path, "load_model", trust_remote_code, local_files_only=True)
-    except Exception:  # whatever transformers raises for a missing tokenizer
-        if any((path / f).is_file() for f in _TOKENIZER_FILES):
-            raise
+    """The folder's tokenizer; a folder with no tokenizer files is refused before loading:
+    transformers may build one from config.json alone (BERT's: five special tokens, every
+    word ``[UNK]``), or fail naming the converters it tried (sentencepiece, tiktoken)."""
+    if not any(f.is_file() and (f.name in _TOKENIZER_FILES or f.name.startswith("tokenizer")
+                                or f.suffix == ".tiktoken") for f in path.iterdir()):
         raise ValueError(f"model {str(path)!r} has no tokenizer files (expected one of "
                          f"{', '.join(_TOKENIZER_FILES)}, as the tokenizer's save_pretrained "
-                         f"writes them): save the model's tokenizer into the folder"
-                         ) from None
+                         f"writes them): save the model's tokenizer into the folder")
+    return load_tokenizer(path, "load_model", trust_remote_code, local_files_only=True)
 
 
 def token_batches(tokenizer, docs: list[str], max_length: int, batch_size: int = 1,
