@@ -17,7 +17,9 @@ Scales follow Quark's ``get_scale``: float32 divides by ``quant_max_first_level 
 when the first level is set (the second stage of a two-level scheme), e4m3 is Quark's two-level
 NVFP4 rounding, e5m3 rounds to Quark's unsigned E5M3 (:data:`FP8_E5M3`), e8m0 'floor' / 'ceil'
 are Quark's formulas (:func:`quark_e8m0_scale`: eps for a zero block), e8m0 'even' the native
-MX rule (bitwise Quark's ``even_round`` for float elements, the only ones Quark's
+MX rule (bitwise Quark's ``even_round`` for float elements below float32's top binade, where
+Quark's rounded amax overflows to inf and its exponent clamps to 127, a binade above the
+rule's; float elements are the only ones Quark's
 ``PerBlockMXObserver`` takes: an integer element raises :class:`UnsupportedElementError`, an
 ``AssertionError`` as Quark's; for int8 elements quantscope's rule rounds the block max to the
 element's 6 fraction bits, OCP MXINT8's 1.6 layout, where Quark's ``fake_quantize_mx`` rounds
@@ -55,10 +57,12 @@ percentile, MSE and Pro classes raise a ``ValueError`` (Quark's raise an ``Attri
 and Pro's returns a NaN scale). ``PerBlockMXObserver`` with no ``scale_format`` gives float32
 scales (E8M0 for the dtype ``mx``), as :func:`quark_spec` reads it (Quark's untested branch
 returns integer exponents). NaN / inf raise a ``ValueError`` naming the observer at
-``calculate_qparams()`` on every scale rule; so does an asymmetric ``PerTensorMSEObserver``
-with a negative integer candidate or a negative fp8 choice (all-negative data: Quark asserts
-on integers; on fp8 Quark's gives a zero scale). Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one nudged
-for a constant batch as Quark's; once a batch widens the range the percentile and MSE classes
+``calculate_qparams()`` on every scale rule, and in a range given to
+``calculate_qparams(min_val, max_val)`` (Quark's float path returns NaN / inf scales); so
+does an asymmetric ``PerTensorMSEObserver`` with a negative integer candidate or a negative
+fp8 choice (all-negative data: Quark asserts on integers; on fp8 Quark's gives a zero
+scale). Histogram edges are Quark's ``torch.linspace(lo, hi, bins + 1)``, the top one
+nudged for a constant batch as Quark's; once a batch widens the range the percentile and MSE classes
 keep Quark's own grid beside the native one (bins of the first width appended, every later
 batch binned over all of them, each batch's ends read to the host as Quark's Python floats
 are), so counts, edges and scales are Quark's bit for bit, its quirks included: a batch that
@@ -71,12 +75,15 @@ zero point 0 and an asymmetric fp8 one below 0 as its magnitude, as Quark's;
 bitwise twin :class:`quantscope.compat.torch_ao.HistogramObserver`) and returns its qparams, of
 Quark's custom code range (``reduce_range`` halves it), so widening batches and module casts
 are Quark's too.
+``PerBlockBFPObserver`` is BFP16 whatever the qspec's dtype (Quark's never reads it).
 ``PerBlockMXObserver`` zero-pads the last block of an axis the group size does not divide,
 ``PerGroupMinMaxObserver`` refuses it (``ValueError``, block scale formats too), as Quark's; a
 static ``PerChannelMinMaxObserver`` / ``PerBlockMXObserver`` starts over when the channel count
-/ Quark's ``(rows, blocks)`` change, as Quark's; a static ``PerBlockBFPObserver`` raises
-:class:`StateShapeError` there (a ``RuntimeError`` as Quark's ``torch.max`` of the two amax, and
-a ``ValueError``), the other static classes ``ValueError`` when their unit count changes.
+/ Quark's ``(rows, blocks)`` change, as Quark's (a batch of another shape with the same
+``(rows, blocks)`` is merged row by row in Quark's row order, as Quark's); a static
+``PerBlockBFPObserver`` raises :class:`StateShapeError` there (a ``RuntimeError`` as
+Quark's ``torch.max`` of the two amax, and a ``ValueError``), the other static classes
+``ValueError`` when their unit count changes.
 
 ``(scale, zero_point)`` come in Quark's shapes: 0-dim per tensor (``min_val`` / ``max_val``
 too; ``PerTensorHistogramObserverPro``: torch.ao's ``(1,)``), ``(C,)`` per channel,
@@ -114,7 +121,7 @@ overflowing call), and where one amax has a single row / block Quark's broadcast
 batch's, a state quantscope's refuses (:class:`StateShapeError`); dtype ``int32`` raises
 ``ValueError`` (quantscope's integer formats stop at 16 bits; Quark's takes it);
 an all-zero tensor with ``scale_format`` e4m3 (NVFP4's two levels) gets the native NVFP4 answer
-(global scale 1, each block the smallest e4m3 scale: ``0.125``, or ``eps`` when given) where
+(global scale 1, each block the smallest e4m3 scale ``0.125``, whatever ``eps``) where
 Quark's divides by its zero global amax and returns NaN scales; ``calculate_qparams(min_val,
 max_val)`` with ``min_val > max_val`` raises quantscope's ``ValueError`` message as
 :class:`InvertedRangeError`, also an ``AssertionError`` and a ``RuntimeError`` (Quark's types
@@ -128,19 +135,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
-import math
 import sys
 
 import torch
 
 from ..layout import Block
-from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
 from ..observers.minmax import PlaceholderObserver as _NativePlaceholder
 from ..observers.registry import register
-from ..qparams import amax_of_range
-from . import enum_name, field
+from . import field
 from .quark_base import (
-    _INT,
     FP8_E5M3,
     InvertedRangeError,
     QuarkAssertionError,
@@ -148,17 +151,18 @@ from .quark_base import (
     StateShapeError,
     UnsupportedElementError,
     UnsupportedInputError,
+    _DynamicOrStatic,
     quark_e8m0_scale,
     quark_float_scale,
     quark_spec,
 )
+from .quark_block import PerBlockBFPObserver, PerBlockMXObserver
 from .quark_histogram import (
     PerTensorHistogramObserver,
     PerTensorHistogramObserverPro,
     PerTensorMSEObserver,
     PerTensorPercentileObserver,
 )
-from .quark_scales import quark_bfp16_scale, quark_work_dtype
 
 __all__ = [
     "FP8_E5M3",
@@ -226,61 +230,6 @@ class _JoinQuarkOnImport:
 
             spec.loader.exec_module = exec_module
         return spec
-
-
-class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
-    """Running min / max, or the last call's with ``is_dynamic`` (Quark keeps both in one class)."""
-
-    #: Quark's per-group observer overwrites on every call, dynamic or not
-    always_memoryless = False
-    _fp4_scale_formats = True
-
-    @property
-    def accumulates(self):
-        return not (self.is_dynamic or self.always_memoryless)
-
-    def _quark_state_key(self, shape: tuple[int, ...]):
-        """What Quark's static state is shaped by for a tensor of ``shape``: a class that
-        returns one starts over when it changes, as Quark's; None (the default): Quark keeps
-        the state, and a changed unit count raises."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._starts_over(x):
-            tokens = self.observed_tokens.clone()  # Quark counts tokens apart from the state
-            self.reset()
-            self.observed_tokens.copy_(tokens)
-        return super().forward(x)
-
-    def _starts_over(self, x) -> bool:
-        if not (self.accumulates and self.has_observed and isinstance(x, torch.Tensor)
-                and x.numel() and x.shape != self.shape  # (one shape, one key: the usual call)
-                and self._quark_state_key(self.shape) is not None):
-            return False
-        try:
-            return self._quark_state_key(tuple(x.shape)) != self._quark_state_key(self.shape)
-        except (ValueError, IndexError):  # forward says what is wrong with x
-            return False
-
-    def _observe(self, units, lo, hi):
-        if not self.accumulates:
-            MemorylessMinMaxObserver._observe(self, units, lo, hi)
-        else:
-            StaticMinMaxObserver._observe(self, units, lo, hi)
-
-    def _calculate_qparams(self):
-        if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert
-            return self.calculate_qparams(self.min_val, self.max_val)
-        self._check_fp4_scale_format()
-        if not self.has_observed:
-            return self._quark_before_data()
-        if self.spec.is_float:  # Quark's float rules (quant_max_first_level, eps fill)
-            self.check_ready()  # NaN / inf raise here too, as on the native path
-            scale, zp = self._calculate_float_qparams(
-                self.min_vals.to(self._range_dtype), self.max_vals.to(self._range_dtype))
-            return self._quark_shape(scale), self._quark_shape(zp)
-        return super()._calculate_qparams()
-
-    min_val, max_val = QuarkObserver.ends("_stat", "Running (or last) minimum / maximum")
 
 
 @register("quark:PlaceholderObserver")
@@ -363,128 +312,6 @@ class PerGroupMinMaxObserver(_DynamicOrStatic):
         if min_val is None and max_val is None:
             return out
         return tuple(t.reshape(-1, self.group_count) for t in out)
-
-
-class _BlockAmax(_DynamicOrStatic):
-    """Quark's block observers' ``amax`` (and attributes: block_size, axis, eps a float)."""
-
-    _quark_base = "block"
-    _quark_qscheme = "per_group"
-    _quark_int_priced = ()  # Quark's block classes price their own dtypes
-    _quark_fails_on = (torch.bool,)  # Quark's forward takes abs() of the blocks
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Quark's static amax is torch.max(running amax, batch's): the dtypes promote (a
-        # float32 amax for integer data: its first max is with a float32 zero)
-        keeps = self.accumulates and self.has_observed and not self._starts_over(x)
-        running = quark_work_dtype(self._input_dtype)
-        out = super().forward(x)
-        new = self._input_dtype
-        if keeps:
-            self._input_dtype = (torch.promote_types(running, new) if new.is_floating_point
-                                 else running)
-        return out
-
-    def _quark_state_key(self, shape):
-        n = shape[self.spec.layout.axis]  # Quark's amax: (rows, blocks), the last padded
-        return math.prod(shape) // n, -(-n // self.spec.layout.size)
-
-    @property
-    def amax(self) -> torch.Tensor:
-        """Per-block absolute maximum, ``(rows, blocks)``; ``tensor(0.)`` before data."""
-        self._check_present("amax")
-        if not self.has_observed:
-            return torch.tensor(0.0)
-        # abs: a zero block's +0.0, as Quark's abs().max() (max(-0., 0.) can be -0.0)
-        amax = amax_of_range(self.min_vals, self.max_vals).abs().to(self._range_dtype)
-        return self._quark_shape(amax)
-
-    @amax.setter
-    def amax(self, value) -> None:
-        self._refuse_assignment("amax")
-
-    @amax.deleter
-    def amax(self) -> None:
-        self._delete("amax")
-
-
-@register("quark:PerBlockMXObserver")
-class PerBlockMXObserver(_BlockAmax):
-    """Per-block absmax (``amax``, ``(rows, blocks)``); the scale by ``scale_format``: E8M0
-    by ``scale_calculation_mode`` (MX, the native rule), else Quark's float32 / e4m3 / e5m3.
-    Float elements only, as Quark's: an integer one (MXINT8) raises
-    :class:`UnsupportedElementError`, an ``AssertionError`` as Quark's. The last block of an
-    axis the group size does not divide is padded with zeros, and a static one starts over
-    when its ``(rows, blocks)`` change, as Quark's."""
-
-    _eps_argument = "used"
-    _pads_blocks = True
-
-    def _quark_attributes(self, qspec) -> dict:
-        return {**super()._quark_attributes(qspec),
-                "mx_element_dtype": field(qspec, "mx_element_dtype")}
-
-    def __init__(self, qspec, device: torch.device | None = None, eps: float | None = None,
-                 **native):
-        if field(qspec, "ch_axis") is None:  # Quark asserts it (the axis of its blocks)
-            raise QuarkAssertionError(f"{type(self).__name__}: the qspec needs a ch_axis (the "
-                                      f"axis of the blocks), as Quark's asserts")
-        dtype = enum_name(field(qspec, "dtype"))
-        element = {"mx": enum_name(field(qspec, "mx_element_dtype")), "bfp16": "int8"}.get(
-            dtype, dtype)
-        if element in _INT:  # Quark asserts fp4 / fp6 / fp8 (checked before the spec, whose
-            raise UnsupportedElementError(  # refusals of some of their scales are ValueErrors)
-                f"{type(self).__name__}: Quark's PerBlockMXObserver takes float elements only "
-                f"(fp4, fp6_e2m3, fp6_e3m2, fp8_e4m3, fp8_e5m2), got {element} elements "
-                f"(dtype {dtype!r}); MXINT8 runs natively "
-                f"(quantscope.presets.MXINT8), BFP16 as PerBlockBFPObserver")
-        super().__init__(qspec, device, eps, **native)
-
-    def _calculate_qparams(self):
-        # no scale_format: the rule quark_spec read (E8M0 for the legacy dtype 'mx', else float32)
-        fmt = self.scale_format or ("e8m0" if self.spec.scale.is_block else "float32")
-        even = fmt == "e8m0" and (self.scale_calculation_mode or "even") == "even"
-        if even and self.has_observed:
-            # the native MX path (one pass over the state); Quark's even_round gives float32
-            scale, zp = QuarkObserver._calculate_qparams(self)
-            return scale.float().to(self.scale_torch_dtype), zp.float()
-        if self.has_observed:
-            self.check_ready()  # NaN / inf raise here too, as on the native path
-        scale = self.get_scale(self.amax, self.eps, fmt)
-        return scale.to(self.scale_torch_dtype), torch.zeros_like(scale)
-
-    def reset_min_max_vals(self) -> None:
-        self._require("amax")
-        super().reset_min_max_vals()
-
-
-@register("quark:PerBlockBFPObserver")
-class PerBlockBFPObserver(_BlockAmax):
-    """BFP16: blocks of 8, shared exponent with Quark's overflow check (a code of +128 bumps
-    it; the native 'even' rule bumps on either end); ``amax`` the per-block absmax (Quark's
-    doubles where a block overflows), int32 zeros."""
-
-    _eps_argument = "used"
-
-    def _starts_over(self, x) -> bool:
-        if super()._starts_over(x):  # Quark's torch.max(amax, the batch's) fails there
-            raise StateShapeError(
-                f"{self.describe()}: the static amax holds (rows, blocks) "
-                f"{self._quark_state_key(self.shape)}, a batch of shape {tuple(x.shape)} gives "
-                f"{self._quark_state_key(tuple(x.shape))}: Quark's torch.max of the two raises "
-                f"RuntimeError (or broadcasts a single row / block over the other); "
-                f"reset_state() first")
-        return False
-
-    def _calculate_qparams(self):
-        if not self.has_observed:  # Quark's formula on its amax tensor(0.): eps
-            return (torch.tensor(self.eps).to(self.scale_torch_dtype),
-                    torch.tensor(0, dtype=torch.int32))
-        native, zp = super()._calculate_qparams()  # float32, with the overflow bump
-        amax = self.amax
-        scale = quark_bfp16_scale(amax, native.to(amax.dtype), self._quark_shape(self.max_vals),
-                                  self.spec.format, self.scale_torch_dtype, self.eps)
-        return scale.to(self.scale_torch_dtype), zp.to(torch.int32)
 
 
 if _QUARK_OBSERVERS in sys.modules:  # Quark came first: join it now

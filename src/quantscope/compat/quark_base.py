@@ -1,5 +1,6 @@
-"""AMD Quark's qspec translation, scale rules and observer mixin (the core of
-:mod:`quantscope.compat.quark`, which re-exports every name here)."""
+"""AMD Quark's observer mixin, with the qspec translation (:mod:`.quark_spec`) and scale
+rules (:mod:`.quark_scales`) it runs: the core of :mod:`quantscope.compat.quark`, which
+re-exports every name here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import ClassVar
 import torch
 
 from ..layout import Block, Channel, Group, Tensor
+from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
 from ..qparams import amax_of_range, qparams_from_range
 from ..scales import e8m0_scale
 from ..spec import QuantSpec
@@ -24,7 +26,6 @@ from .quark_scales import (
     _cast,
     _quark_int_default,
     _quark_int_scale_dtype,
-    _quark_layout,
     _quark_rows,
     quark_e8m0_scale,
     quark_float_scale,
@@ -32,109 +33,11 @@ from .quark_scales import (
     quark_token_count,
     quark_work_dtype,
 )
+from .quark_spec import _CAST, _SCALE_DTYPES, quark_qmin_qmax, quark_spec
 
 __all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "QuarkObserver",
            "StateShapeError", "UnsupportedElementError", "UnsupportedInputError",
            "quark_e8m0_scale", "quark_float_scale", "quark_qmin_qmax", "quark_spec"]
-
-_INT = {"int2", "int3", "int4", "int8", "int16", "uint2", "uint4", "uint8"}
-_FLOAT = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp6_e3m2": "fp6_e3m2",
-          "fp6_e2m3": "fp6_e2m3", "fp4": "fp4_e2m1", "fp8_e5m3": FP8_E5M3}
-_CAST = {"float16", "bfloat16"}
-_SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False,
-               qscheme: str | None = None, fp4_scale_formats: bool = False) -> QuantSpec:
-    """The :class:`QuantSpec` of a Quark ``QTensorConfig`` (object or dict; the one translation).
-
-    Casts (float16 / bfloat16) give a placeholder int8 per-tensor spec that nothing prices:
-    Quark takes them with ``PlaceholderObserver`` only (its other observers refuse them).
-    ``pad_blocks``: a float32-scaled per_group qspec takes the padding :class:`Block` layout
-    (Quark's block observers pad the last block), not :class:`Group` (its per-group one
-    refuses a group size that does not divide the axis). ``uniform``: the spec of Quark's
-    uniform-scaling observers, whose ``calculate_int_quant_params`` (and fp8 formula on a
-    per-tensor / per-channel range) never reads ``scale_format``: an integer dtype, and fp8
-    there, take float32 scales whatever it says. ``qscheme``: the one of a qspec without one
-    (the class's granularity; else per_tensor). ``fp4_scale_formats``: fp4 / fp6 per tensor /
-    channel take an e8m0 / e4m3 / e5m3 ``scale_format`` (a float32-scaled spec: the observer
-    prices fp4 with Quark's ``get_scale``, fp6 never reads it), as Quark's uniform classes.
-    """
-    dtype = enum_name(field(qspec, "dtype"))
-    qscheme = enum_name(field(qspec, "qscheme")) or qscheme or "per_tensor"
-    ch_axis, group_size = field(qspec, "ch_axis"), field(qspec, "group_size")
-    symmetric = field(qspec, "symmetric")
-    symmetric = True if symmetric is None else bool(symmetric)
-    scale_format = enum_name(field(qspec, "scale_format")) or "float32"
-    if uniform and (dtype in _INT or (dtype.startswith("fp8") and qscheme != "per_group")):
-        # Quark's integer formula, and its fp8 one on a per-tensor / per-channel range,
-        # never read scale_format: plain amax-based scales
-        scale_format = "float32"
-    mode = enum_name(field(qspec, "scale_calculation_mode")) or "even"
-    round_method = enum_name(field(qspec, "round_method"))
-    if round_method not in (None, "half_even", "8"):
-        raise ValueError(f"quark: round_method {round_method!r} is not supported; "
-                         f"quantscope rounds half to even")
-    if dtype in _CAST:
-        return QuantSpec("int8", Tensor())
-    if dtype == "bfp16":
-        return QuantSpec("int8_narrow", Block(group_size or 8, -1 if ch_axis is None else ch_axis),
-                         scale="e8m0:even")
-    if dtype == "mx":
-        element = enum_name(field(qspec, "mx_element_dtype"))
-        if element not in _FLOAT and element != "int8":
-            raise ValueError(f"quark: mx_element_dtype must be one of {[*_FLOAT, 'int8']}, "
-                             f"got {element!r}")
-        fmt = "int8_narrow" if element == "int8" else _FLOAT[element]
-        return QuantSpec(fmt, Block(group_size or 32, -1 if ch_axis is None else ch_axis),
-                         scale=f"e8m0:{mode}")
-    if dtype in _FLOAT:
-        fmt = _FLOAT[dtype]
-    elif dtype in _INT:
-        fmt = dtype
-    elif dtype == "int32":  # Quark's calculate_qmin_qmax has it
-        raise ValueError("quark: dtype 'int32' is not supported: quantscope's integer formats "
-                         "stop at 16 bits (float32 qparams cannot hold a 32-bit code range "
-                         "exactly: 2 ** 31 - 1 rounds to 2 ** 31)")
-    else:
-        raise ValueError(f"quark: dtype {dtype!r} is not supported; expected one of "
-                         f"{sorted(_INT | set(_FLOAT) | _CAST | {'mx', 'bfp16'})}")
-    if (scale_format in ("e8m0", "e4m3", "e5m3") and fp4_scale_formats
-            and dtype in ("fp4", "fp6_e2m3", "fp6_e3m2")
-            and qscheme in ("per_tensor", "per_channel")):
-        scale_format = "float32"  # priced with Quark's get_scale (fp6: its integer formula)
-    if scale_format in ("e8m0", "e4m3", "e5m3"):  # block scales: MX, NVFP4, AMD FP4
-        if qscheme != "per_group" or not group_size:
-            raise ValueError(f"quark: scale_format {scale_format!r} needs qscheme per_group "
-                             f"with a group_size, got {qscheme!r}, group_size={group_size!r}")
-        # e5m3 has no native scale encoding: fp32 here, rounded by quark_float_scale
-        scale = {"e8m0": f"e8m0:{mode}", "e4m3": "fp8_e4m3", "e5m3": "fp32"}[scale_format]
-        return QuantSpec(fmt, Block(group_size, -1 if ch_axis is None else ch_axis),
-                         scale=scale)
-    if scale_format != "float32":
-        raise ValueError(f"quark: scale_format must be float32, e8m0, e4m3 or e5m3, got "
-                         f"{scale_format!r}")
-    layout = _quark_layout(qscheme, ch_axis, group_size, pad_blocks)
-    return QuantSpec(fmt, layout, symmetric=symmetric if dtype in _INT else True)
-
-
-def quark_qmin_qmax(dtype) -> tuple[int | float | None, int | float | None]:
-    """Quark's ``calculate_qmin_qmax(dtype)`` (its observers' ``quant_min`` / ``quant_max``):
-    ints for the integer and fp8 e4m3 / e5m2 dtypes, floats for the others (unsigned E5M3
-    from 0); ``(None, None)`` where Quark defines none (mx, bfp16: its function raises)."""
-    name = enum_name(dtype)
-    if name in _CAST:
-        info = torch.finfo(getattr(torch, name))
-        return info.min, info.max
-    if name == "fp8_e5m3":
-        return 0.0, FP8_E5M3.max
-    if name not in _INT and name not in _FLOAT:
-        return None, None
-    fmt = quark_spec({"dtype": name}).format
-    if name in _INT or name in ("fp8_e4m3", "fp8_e5m2"):
-        return int(fmt.qmin), int(fmt.qmax)
-    return float(fmt.qmin), float(fmt.qmax)
-
 
 class QuarkObserver(SavesNoState):
     """Mixin (put it before the native class): a Quark qspec in, Quark's qparams out; no key
@@ -166,6 +69,8 @@ class QuarkObserver(SavesNoState):
     _reads_zero_point_type: ClassVar[bool] = True
     #: the granularity Quark's class fixes (its config refuses another qscheme); None: any
     _quark_qscheme: ClassVar[str | None] = None
+    #: the dtype Quark's class prices whatever the qspec's is (BFP: bfp16); None: the qspec's
+    _quark_dtype: ClassVar[str | None] = None
     #: True: fp4 per tensor / channel takes a block scale_format (Quark's min-max classes)
     _fp4_scale_formats: ClassVar[bool] = False
     #: the non-float input dtypes Quark's forward fails on (its other integer / bool input
@@ -177,12 +82,13 @@ class QuarkObserver(SavesNoState):
         self._check_qspec(qspec)
         spec = quark_spec(qspec, pad_blocks=self._pads_blocks, qscheme=self._quark_qscheme,
                           uniform=self._quark_base == "uniform",
-                          fp4_scale_formats=self._fp4_scale_formats)
+                          fp4_scale_formats=self._fp4_scale_formats, dtype=self._quark_dtype)
         if eps is not None and self._eps_argument == "refused":
             raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword "
                             f"argument 'eps'")
         used = eps is not None and self._eps_argument == "used"
-        if used and spec.scale.kind != "e8m0":  # the smallest int / float32 scale
+        if used and not spec.scale.is_block:  # the smallest int / float32 scale (Quark's
+            # e8m0 / e4m3 block scales never read it: its e4m3 path overwrites its eps fill)
             spec = dataclasses.replace(spec, eps=eps)
         zero_point_type = enum_name(field(qspec, "zero_point_type"))  # float32: Quark's
         if (zero_point_type not in (None, "int32") and self._reads_zero_point_type  # -min/scale
@@ -330,6 +236,11 @@ class QuarkObserver(SavesNoState):
         if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert
             return self.calculate_int_quant_params(min_val, max_val)
         self._check_fp4_scale_format()
+        for name, t in (("min_val", min_val), ("max_val", max_val)):  # (Quark's float path
+            if isinstance(t, torch.Tensor) and t.is_floating_point() \
+                    and not bool(torch.isfinite(t).all()):  # returns NaN / inf scales)
+                raise ValueError(f"{type(self).__name__}.calculate_qparams: {name} holds NaN "
+                                 f"or inf, of which no scale is finite")
         if self.spec.is_float:
             return self._calculate_float_qparams(min_val, max_val)
         return self.calculate_int_quant_params(min_val, max_val)
@@ -498,3 +409,58 @@ class QuarkObserver(SavesNoState):
         self._deleted.clear()
         if self._keeps_input_dtype:  # Quark's reset puts float32 inf / -inf back
             self._input_dtype = torch.float32
+
+
+class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
+    """Running min / max, or the last call's with ``is_dynamic`` (Quark keeps both in one class)."""
+
+    #: Quark's per-group observer overwrites on every call, dynamic or not
+    always_memoryless = False
+    _fp4_scale_formats = True
+
+    @property
+    def accumulates(self):
+        return not (self.is_dynamic or self.always_memoryless)
+
+    def _quark_state_key(self, shape: tuple[int, ...]):
+        """What Quark's static state is shaped by for a tensor of ``shape``: a class that
+        returns one starts over when it changes, as Quark's; None (the default): Quark keeps
+        the state, and a changed unit count raises."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._starts_over(x):
+            tokens = self.observed_tokens.clone()  # Quark counts tokens apart from the state
+            self.reset()
+            self.observed_tokens.copy_(tokens)
+        return super().forward(x)
+
+    def _starts_over(self, x) -> bool:
+        if not (self.accumulates and self.has_observed and isinstance(x, torch.Tensor)
+                and x.numel() and x.shape != self.shape  # (one shape, one key: the usual call)
+                and self._quark_state_key(self.shape) is not None):
+            return False
+        try:
+            return self._quark_state_key(tuple(x.shape)) != self._quark_state_key(self.shape)
+        except (ValueError, IndexError):  # forward says what is wrong with x
+            return False
+
+    def _observe(self, units, lo, hi):
+        if not self.accumulates:
+            MemorylessMinMaxObserver._observe(self, units, lo, hi)
+        else:
+            StaticMinMaxObserver._observe(self, units, lo, hi)
+
+    def _calculate_qparams(self):
+        if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert
+            return self.calculate_qparams(self.min_val, self.max_val)
+        self._check_fp4_scale_format()
+        if not self.has_observed:
+            return self._quark_before_data()
+        if self.spec.is_float:  # Quark's float rules (quant_max_first_level, eps fill)
+            self.check_ready()  # NaN / inf raise here too, as on the native path
+            scale, zp = self._calculate_float_qparams(
+                self.min_vals.to(self._range_dtype), self.max_vals.to(self._range_dtype))
+            return self._quark_shape(scale), self._quark_shape(zp)
+        return super()._calculate_qparams()
+
+    min_val, max_val = QuarkObserver.ends("_stat", "Running (or last) minimum / maximum")
