@@ -65,7 +65,7 @@ def _torch_hist_add(counts: Tensor, units: Tensor, exp: Tensor, first: Tensor,
 
 def _cuda_hist_add(counts, units, exp, first, absolute):
     _check(counts, units, exp, first)
-    kernel = _triton.launchers("histogram", units)
+    kernel = _triton.launchers("histogram", units, writes=(counts,))
     if kernel is None or counts.shape[1] + 1 > kernel.MAX_BINS:
         return _torch_hist_add(counts, units, exp, first, absolute)
     units = units if units.stride(1) == 1 else units.contiguous()

@@ -355,7 +355,7 @@ def _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c) -> None:
 
 
 def _cuda_minmax_update(lo, hi, state_lo, state_hi, kind, c) -> None:
-    kernel = _triton.launchers("minmax", lo)
+    kernel = _triton.launchers("minmax", lo, writes=(state_lo, state_hi))
     if kernel is None:
         return _torch_minmax_update(lo, hi, state_lo, state_hi, kind, c)
     _check_update(lo, hi, state_lo, state_hi, kind, c)
@@ -384,7 +384,7 @@ def _torch_record_non_finite(lo, hi, seen) -> None:
 
 
 def _cuda_record_non_finite(lo, hi, seen) -> None:
-    kernel = _triton.launchers("minmax", lo)
+    kernel = _triton.launchers("minmax", lo, writes=(seen,))
     if kernel is None:
         return _torch_record_non_finite(lo, hi, seen)
     _check_record(lo, hi, seen)
@@ -446,7 +446,7 @@ def triton_minmax_observe(kernel, units, state_lo, state_hi, seen, tokens, kind,
 
 
 def _cuda_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count) -> None:
-    kernel = _triton.launchers("minmax", units)
+    kernel = _triton.launchers("minmax", units, writes=(state_lo, state_hi, seen, tokens))
     if kernel is None:
         return _torch_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count)
     _check_observe(units, state_lo, state_hi, seen, tokens, kind, c, count)

@@ -54,10 +54,21 @@ def runs_on(device) -> bool:
     return device.type == ("cpu" if interpreted() else "cuda")
 
 
-def launchers(name: str, t):
+def launchers(name: str, t, writes=()):
     """The launchers of this package's module ``name`` when they run on tensor ``t``'s device
-    here, else None (the op then takes its torch path)."""
+    here, else None (the op then takes its torch path). ``writes``: the tensors the launch
+    writes in place; None where one was made under ``torch.inference_mode`` and is written
+    outside it: torch refuses that write, which a launch through its pointer would make
+    (the torch path raises torch's error, as the C kernels' ``kernels.writable`` rule)."""
+    if writes and any(w.is_inference() for w in writes) and not _inference_mode():
+        return None
     return _launchers(name, t.device.type)
+
+
+def _inference_mode() -> bool:
+    import torch
+
+    return torch.is_inference_mode_enabled()
 
 
 @functools.cache
