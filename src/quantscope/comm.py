@@ -41,7 +41,9 @@ __all__ = [
     "init_from_env",
     "is_distributed",
     "is_main",
+    "is_writer",
     "last_stats",
+    "main_global_rank",
     "raise_on_all",
     "rank",
     "reset_stats",
@@ -177,6 +179,20 @@ def init_from_env(backend: str | None = None) -> bool:
 def is_main(group=None) -> bool:
     """True on the rank that writes files and prints (rank 0, or no process group)."""
     return rank(group) == 0
+
+
+def main_global_rank(group=None) -> int:
+    """The global rank of ``group``'s rank 0 (0 outside a process group): the process that
+    writes what a calibration in ``group`` saves and exports."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_global_rank(group, 0)
+
+
+def is_writer(global_rank: int = 0) -> bool:
+    """Whether this process writes a calibration's files: global rank ``global_rank`` (its
+    :attr:`~quantscope.calibration.Calibration.writer_rank`), or no process group."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == global_rank
 
 
 def all_sum(value: int, group=None) -> int:

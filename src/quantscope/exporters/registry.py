@@ -73,7 +73,7 @@ def _on_rank_zero(write: Callable, name: str, check: Callable | None) -> Callabl
             check(**bound.arguments)
         from .. import comm  # here: importing the exporters (their atomic writes) needs no torch
 
-        if not comm.is_main():
+        if not comm.is_writer(getattr(calibration, "writer_rank", 0)):
             return os.path.abspath(os.fspath(path))
         return write(calibration, model, path, **options)
     return writer

@@ -25,6 +25,8 @@ class Calibration:
     ``histograms[(layer, role)]`` activation histograms for plots. ``smoothing``: where
     the model was smoothed before calibrating (``smooth=``), SmoothQuant's per-channel
     scales by smoothed module (:func:`.smooth.reapply` smooths a fresh copy alike).
+    ``writer_rank``: the global rank that writes what :meth:`save` and ``export`` write, rank
+    0 of the process group it was calibrated in (``Runtime.group``; not saved).
     """
 
     recipe: object
@@ -34,6 +36,7 @@ class Calibration:
     histograms: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     smoothing: dict[str, torch.Tensor] = field(default_factory=dict)
+    writer_rank: int = 0
 
     def apply(self, model):
         """Fake-quantize ``model`` (QDQ); returns a handle whose ``remove()`` undoes it. A

@@ -68,7 +68,7 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
                         f"{calibration.label!r}; set calibration.label to one")
     path = check_path("save", path)
     check_bool("save", "overwrite", overwrite)  # on every rank; bool("no") is True
-    if not comm.is_main():
+    if not comm.is_writer(getattr(calibration, "writer_rank", 0)):
         return path
     save_file, _ = safetensors()
     tensors, layers = {}, {}

@@ -82,7 +82,9 @@ def gather_samples(samples: dict, limit: int, group=None) -> dict:
     """``{key: [row tensors]}`` of every rank, merged on every rank: per key, the rows of
     rank 0, then rank 1 ..., cut to ``limit`` rows, in the dtype of the first rank that has
     rows (a rank without rows of its own casts them alike, so every rank scores the same
-    values). Every rank passes the same keys.
+    values). Every rank passes the same keys (in any order), each key's rows of one width
+    on every rank; else a ``ValueError`` on every rank (before the payload's exchange, whose
+    sizes would differ: gloo aborts the process there).
 
     Two tensor all_gathers (row counts, widths and dtypes, then one flat payload per rank),
     not pickled objects: activation samples are tens of MB and pickling them dominates. The
@@ -93,11 +95,8 @@ def gather_samples(samples: dict, limit: int, group=None) -> dict:
     if not is_distributed(group):
         return samples
     dev = group_device(group)
-    keys = list(samples)
-    local = [torch.cat(samples[k]) if samples[k] else None for k in keys]
-    head = torch.tensor([[0, 0, 0] if t is None else [t.shape[0], t[0].numel(), _dtype_code(t)]
-                         for t in local], dtype=torch.int64, device=dev).reshape(-1)
-    heads = all_gather(head, group).cpu().reshape(-1, len(keys), 3).tolist()  # [W, K, 3]
+    keys = sorted(samples, key=repr)  # one order on every rank, whatever each dict's
+    heads, local = _sample_heads(samples, keys, dev, group)
     sizes = [sum(n * w for n, w, _ in h) for h in heads]
     wide = any(_DTYPES[c] == torch.float64 for h in heads for n, _, c in h if n)
     kind = torch.float64 if wide else torch.float32  # the same on every rank (from heads)
@@ -124,7 +123,36 @@ def gather_samples(samples: dict, limit: int, group=None) -> dict:
             merged[k] = [rows.clone()]
         else:
             merged[k] = []
-    return merged
+    return {k: merged[k] for k in samples}
+
+
+def _sample_heads(samples: dict, keys: list, dev, group) -> tuple[list, list]:
+    """Every rank's ``[K, 3]`` rows, widths and dtype codes of ``samples`` (``keys`` in one
+    order), and this rank's rows of each key in one tensor (or None), after one exchange of
+    each rank's key count and fingerprint: different keys, or a key whose rows differ in
+    width here or across the ranks, raise on every rank."""
+    widths = [{math.prod(t.shape[1:]) for t in samples[k]} for k in keys]
+    mine = [len(keys), zlib.crc32(repr(keys).encode()), int(any(len(w) > 1 for w in widths))]
+    marks = all_gather(torch.tensor(mine, dtype=torch.int64, device=dev), group)
+    marks = marks.cpu().reshape(-1, 3).tolist()
+    if any(m[:2] != marks[0][:2] for m in marks):
+        raise ValueError(f"gather_samples: the ranks pass different keys ({[m[0] for m in marks]} "
+                         f"keys by rank); every rank must pass the same keys")
+    if any(m[2] for m in marks):
+        raise ValueError(f"gather_samples: rank(s) {[r for r, m in enumerate(marks) if m[2]]} "
+                         f"hold rows of different widths under one key; a key's rows must be "
+                         f"of one width")
+    local = [torch.cat(samples[k]) if samples[k] else None for k in keys]
+    head = torch.tensor([[0, 0, 0] if t is None or not t.shape[0] else
+                         [t.shape[0], t[0].numel(), _dtype_code(t)] for t in local],
+                        dtype=torch.int64, device=dev).reshape(-1)
+    heads = all_gather(head, group).cpu().reshape(-1, len(keys), 3).tolist()  # [W, K, 3]
+    for i, k in enumerate(keys):
+        across = sorted({h[i][1] for h in heads if h[i][0]})
+        if len(across) > 1:
+            raise ValueError(f"gather_samples: key {k!r} holds rows of widths {across} on "
+                             f"different ranks; a key's rows must be of one width")
+    return heads, local
 
 
 def gather_failures(local: dict, group=None) -> dict:

@@ -1,0 +1,97 @@
+"""Distributed defects of probe s39: a calibration on a subgroup without global rank 0 was
+never saved nor exported (save and export asked the default group's rank 0); and
+``gather_samples`` matched keys by their position in each rank's dict (rows went to the
+wrong key, the ranks ended apart), and a rank with another key count aborted every process
+in gloo (a size mismatch) where it should raise on every rank.
+
+One spawn of 3 gloo processes; the group's timeout is short, so a rank left waiting fails
+in seconds."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from ports import error_text, rank_results, spawn_ranks
+
+import quantscope
+from quantscope.calibration import Runtime
+from quantscope.distributed import gather_samples
+
+pytestmark = pytest.mark.dist  # spawns its own process group
+
+TIMEOUT = 20
+WORLD = 3
+
+
+def _subgroup_writes(r, out, group, tmp):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    if r != 0:  # ranks 1 and 2 calibrate together; rank 1 is the group's rank 0
+        cal = quantscope.calibrate(model, batches, "w8a8", progress=False,
+                                   runtime=Runtime(distributed=True, group=group))
+        out["writer"] = cal.writer_rank
+        cal.save(os.path.join(tmp, f"cal{r}"))
+        quantscope.export(cal, model, os.path.join(tmp, f"exp{r}.onnx"), format="onnx",
+                          example_inputs=batches[0])
+    dist.barrier()
+    out["written"] = sorted(os.listdir(tmp))
+    dist.barrier()
+    if r == 0:
+        shutil.rmtree(tmp)
+
+
+def _gathers(r, out):
+    a, b = torch.full((1, 2), float(r)), torch.full((1, 2), 10.0 + r)
+    samples = {"a": [a], "b": [b]} if r % 2 == 0 else {"b": [b], "a": [a]}
+    got = gather_samples(samples, limit=10)
+    out["order"] = {k: v[0][:, 0].tolist() for k, v in got.items()}
+    out["count"] = error_text(gather_samples, {"a": [a], **({"c": [b]} if r == 1 else {})}, 10)
+    wide = torch.zeros(1, 3) if r == 2 else a
+    out["width"] = error_text(gather_samples, {"a": [wide]}, 10)
+    out["width_here"] = error_text(gather_samples, {"a": [a, torch.zeros(1, 3)] if r == 0
+                                                    else [a]}, 10)
+    out["after"] = gather_samples({"a": [a]}, 10)["a"][0][:, 0].tolist()  # still in step
+
+
+def _scenarios(r, out):
+    import tempfile
+
+    group = dist.new_group([1, 2])  # every rank calls new_group
+    tmp = os.path.join(tempfile.gettempdir(), f"qs_s39_{os.getppid()}")
+    if r == 0:
+        os.makedirs(tmp, exist_ok=True)
+    dist.barrier()
+    _subgroup_writes(r, out, group, tmp)
+    _gathers(r, out)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn_ranks(_scenarios, WORLD, TIMEOUT)
+
+
+def test_a_subgroup_without_rank_0_writes_on_its_own_rank_0(ranks):
+    assert [out.get("writer") for out in ranks] == [None, 1, 1]
+    assert rank_results(ranks, "written")[0] == ["cal1", "exp1.onnx"]
+
+
+def test_gather_samples_matches_keys_by_name(ranks):
+    for got in rank_results(ranks, "order"):
+        assert got == {"a": [0.0, 1.0, 2.0], "b": [10.0, 11.0, 12.0]}, got
+        assert list(got) in (["a", "b"], ["b", "a"])
+
+
+@pytest.mark.parametrize("key,said", [
+    ("count", "gather_samples: the ranks pass different keys ([1, 2, 1] keys by rank)"),
+    ("width", "gather_samples: key 'a' holds rows of widths [2, 3] on different ranks"),
+    ("width_here", "gather_samples: rank(s) [0] hold rows of different widths under one key"),
+])
+def test_gather_samples_refuses_on_every_rank(ranks, key, said):
+    for got in rank_results(ranks, key):
+        assert got is not None and got.startswith(f"ValueError: {said}"), got
+    assert rank_results(ranks, "after") == [[0.0, 1.0, 2.0]] * WORLD
