@@ -116,7 +116,8 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                    help="a recipe as JSON or YAML, the structure of Recipe.to_dict()")
     # None: not given (a recipe file's roles keep their own observers)
     g.add_argument("--observer", default=None,
-                   help="observer of every calibrated role: a registry name or 'auto' "
+                   help="observer of every calibrated role: a native registry name or "
+                        "'auto' "
                         "(default: the preset's or scheme's own, minmax unless it names "
                         "another; with --recipe-file, the file's observers)")
     g.add_argument("--weight-observer", default=None, help="observer of the weights only")
