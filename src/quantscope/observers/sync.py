@@ -100,11 +100,11 @@ def _names(plan) -> list[str]:
     return out
 
 
-def _encode_shape(shape, what: str) -> list[int]:
+def _encode_shape(shape, obs, what: str) -> list[int]:
     shape = tuple(shape)
     if len(shape) > _MAXD:
-        raise ValueError(f"sync: {what} has {len(shape)} dims; distributed sync takes at most "
-                         f"{_MAXD}")
+        raise ValueError(f"sync: {obs.describe()}: {what} has {len(shape)} dims; distributed "
+                         f"sync takes at most {_MAXD}")
     return [len(shape), *shape, *([0] * (_MAXD - len(shape)))]
 
 
@@ -138,9 +138,8 @@ def _tagged_max(tag: int, values: list[int], dev, group, obs=None) -> list[int]:
         what = (f"{here} {_IN[tag]} while another rank "
                 f"{_IN[-low if top == tag else top]}")
         if -low == _PLANS:
-            raise ValueError(f"sync: sync_every_step set on some ranks only, or stepped a "
-                             f"different number of times: {what}; set it alike on every rank "
-                             f"and step it alike")
+            raise ValueError(f"sync: sync_every_step set on some ranks only, or stepped apart: "
+                             f"{what}; set it and step it alike on every rank")
         raise ValueError(f"sync: the ranks step different observers: {what}; every rank must "
                          f"call the same step-synced observers in the same order")
     return out
@@ -252,11 +251,9 @@ def _header(observers, plans, dev) -> torch.Tensor:
             at.append(len(rows) + 3)
             since.append(obs.observed_tokens.ne(obs._synced["observed_tokens"]).to(dev))
         rows += [int(seen), int(bool(obs.seen_non_finite)), int(obs.sync_every_step), _FRESH]
-        rows += _encode_shape(obs.shape if seen else (),
-                              f"the tensor {obs.describe()} observed last")
+        rows += _encode_shape(obs.shape if seen else (), obs, "the tensor observed last")
         for name in _names(plan):
-            rows += _encode_shape(getattr(obs, name).shape if seen else (),
-                                  f"{obs.describe()}'s state {name!r}")
+            rows += _encode_shape(getattr(obs, name).shape if seen else (), obs, repr(name))
     header = torch.tensor(rows, dtype=torch.int64, device=dev)
     if at:
         header[at] = torch.stack(since).to(torch.int64) + _SYNCED
