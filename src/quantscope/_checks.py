@@ -164,6 +164,7 @@ def check_range_args(who: str, spec, lo, hi, global_amax, values: bool) -> None:
     ``hi``, one real global amax (or None); with ``values`` (the checked mode, which hot paths
     skip) no meta tensor (its values are read back) and float64 within float32's range."""
     check_spec(who, spec)
+    check_bool(who, "check_finite", values)  # 0 / None would turn the check off silently
     for name, value in (("lo", lo), ("hi", hi)):  # a tensor converts (the hot paths pass one)
         if not isinstance(value, torch.Tensor):
             tensor_arg(who, name, value, "a tensor or a real number", dtype=torch.float32)

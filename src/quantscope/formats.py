@@ -72,9 +72,9 @@ def tensor_arg(who: str, name: str, value, expected: str, **kwargs) -> torch.Ten
     in _checks: layout's ``Group(g_idx=)`` uses it too."""
     if isinstance(value, np.ndarray):  # a reversed view: torch refuses negative strides
         value = np.ascontiguousarray(value)
-    try:
+    try:  # None fails with a RuntimeError, an int past int64 and float an OverflowError
         return torch.as_tensor(value, **kwargs)
-    except (TypeError, ValueError, RuntimeError) as e:  # (None: a RuntimeError)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise TypeError(f"{who}: {name} must be {expected}, got {type(value).__name__} "
                         f"{value!r:.80} ({e})") from None
 

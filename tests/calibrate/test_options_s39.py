@@ -112,3 +112,22 @@ def test_calibrate_many_keeps_the_callers_order_under_the_model_metric():
     out = calibrate_many(model, batches, recipes, progress=False,
                          auto=Auto(candidates=["minmax", "mse"], metric="model"))
     assert list(out) == ["a", "m"]
+
+
+def test_numpy_role_options_save_and_load(tmp_path):
+    # probe s39: np.int64 / np.float32 options calibrated, then save() failed in json.dump
+    # ("int64 is not JSON serializable"), the work lost
+    np = pytest.importorskip("numpy")
+    from quantscope import presets
+    from quantscope.calibration import Recipe, Role, Rule, load
+
+    model, batches = _linear()
+    for obs, options in (("histogram_mse", {"bins": np.int64(1024)}),
+                         ("minmax", {"averaging_constant": np.float32(0.25)})):
+        role = Role(presets.INT8_PER_TENSOR, obs, options=options)
+        assert all(type(v) in (int, float) for _, v in role.options)
+        recipe = Recipe((Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, "minmax"),
+                              input=role),))
+        cal = calibrate(model, batches, recipe, progress=False)
+        path = cal.save(tmp_path / obs)
+        assert load(path).quantizes_like(cal)

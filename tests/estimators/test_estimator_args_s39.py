@@ -102,3 +102,86 @@ def test_entropy_numpy_integers_read_as_python_ints():
     h = Hist(c, torch.zeros(1), torch.tensor([256.0]), True)
     assert torch.equal(entropy_amax(h, num_bits=np.int64(8), start_bin=np.int64(128)),
                        entropy_amax(h))
+
+
+# ---- probe s39 (argument types): counts past their range, truthy strings, numpy options
+def _h256():
+    c = torch.zeros(1, 256, dtype=torch.int64)
+    c[0, 0], c[0, 130:200] = 10000, 5
+    return Hist(c, torch.zeros(1), torch.tensor([256.0]), True)
+
+
+@pytest.mark.parametrize("name", ["stride", "smooth", "start_bin"])
+def test_entropy_counts_past_int32_are_refused(name):
+    # stride 2 ** 64 wrapped to 0 in the kernel's int64: a SIGFPE killed the process
+    from quantscope.observers import EntropyObserver
+
+    with pytest.raises(ValueError, match=rf"{name} must be an integer in \[\d+, 2147483647\]"):
+        EntropyObserver(QuantSpec("int8", "tensor"), **{name: 2**64})
+    with pytest.raises(ValueError, match=rf"{name} must be an integer in"):
+        entropy_amax(_h256(), **{name: 2**64})
+
+
+@pytest.mark.parametrize("call", [
+    lambda: entropy_amax(_h256(), trim="no"),
+    lambda: entropy_amax(_h256(), unsigned="no"),
+    lambda: entropy_amax(_h256(), unsigned=None),
+    lambda: percentile_range(_hist(), 99.0, symmetric="no"),
+])
+def test_truthy_strings_are_not_flags(call):
+    with pytest.raises(ValueError, match="must be True or False"):
+        call()
+
+
+def test_mse_search_and_mix_flags_are_bools():
+    from quantscope.estimators import mix_range
+
+    x = _units()
+    with pytest.raises(ValueError, match="early_stop must be True or False"):
+        mse_search(x, x.amin(-1), x.amax(-1), QuantSpec("int4", "channel"), early_stop="no")
+    with pytest.raises(ValueError, match="return_choice must be True or False"):
+        mix_range(_hist(), QuantSpec("int8", "tensor"), return_choice="no")
+
+
+@pytest.mark.parametrize("kw,said", [({"candidates": True}, "candidates must be an integer"),
+                                     ({"candidates": 10**400}, "candidates must be an integer"),
+                                     ({"min_factor": None}, "min_factor must be a finite"),
+                                     ({"min_factor": 1.0}, r"min_factor must be in \[0, 1\)")])
+def test_dense_search_options(kw, said):
+    from quantscope.estimators import dense_search
+
+    x = _units()
+    with pytest.raises(ValueError, match=said):
+        dense_search(x, x.amin(-1), x.amax(-1), QuantSpec("int4", "channel"), **kw)
+
+
+def test_polish_and_bins_counts():
+    np = pytest.importorskip("numpy")
+    from quantscope.observers import EntropyObserver, L2HistogramObserver
+
+    spec = QuantSpec("int8", "channel")
+    with pytest.raises(ValueError, match="polish must be an integer >= 0, got True"):
+        L2HistogramObserver(spec, polish=True)
+    assert type(L2HistogramObserver(spec, polish=np.int64(3)).polish) is int
+    with pytest.raises(ValueError, match=r"bins must be an integer in \[16, 2147483647\]"):
+        EntropyObserver(spec, bins=10**400)
+
+
+def test_qparams_from_range_check_finite_and_huge_ends():
+    from quantscope.qparams import qparams_from_range
+
+    spec = QuantSpec("int8", "tensor")
+    for off in (0, None):
+        with pytest.raises(ValueError, match="check_finite must be True or False"):
+            qparams_from_range(math.nan, 1.0, spec, check_finite=off)
+    with pytest.raises(TypeError, match="lo must be a tensor or a real number"):
+        qparams_from_range(-10**400, 1.0, spec)
+
+
+def test_global_grid_is_bounded():
+    # 2 ** 64 global amaxes were listed in memory before any search (the process was killed)
+    from quantscope.observers import get_observer
+    from quantscope.presets import NVFP4
+
+    with pytest.raises(ValueError, match=r"global_grid must be an integer in \[1, 65536\]"):
+        get_observer("nvfp4_expanded_mse", NVFP4, global_grid=2**64)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from functools import cache
 
+import numpy as np
+
 __all__ = ["FirstMatch", "built", "fields_from", "matches", "own_options", "patterns",
            "role_options"]
 
@@ -71,10 +73,11 @@ def role_options(options) -> tuple:
 
 def _frozen(value):
     """``value`` with its lists as tuples, nested ones too (``to_dict`` -> JSON -> ``from_dict``
-    gives back the tuple it wrote)."""
+    gives back the tuple it wrote), and numpy scalars as Python numbers (JSON, which saving a
+    calibration writes, takes no ``np.int64``)."""
     if isinstance(value, list) or type(value) is tuple:
         return tuple(_frozen(v) for v in value)
-    return value
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def own_options(where: str, role: str, observer: str, options: dict) -> None:

@@ -60,7 +60,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .._checks import check_int
+from .._checks import check_bool, check_int
 from ..formats import IntFormat
 from ..stats.histogram import Hist, fold_abs
 
@@ -115,6 +115,10 @@ def spec_bits(spec) -> tuple[int, bool]:
     return 8, False
 
 
+#: the most bins an option may count (the histograms' bins are int32-indexed)
+_MAX_BINS = 2**31 - 1
+
+
 def check_options(who: str = "entropy", *, num_bits: int = 8, start_bin: int = 128,
                   stride: int = 1, smooth: int = 1, bins: int | None = None,
                   copy_zero_bin: bool = True) -> tuple[int, int, int, int]:
@@ -130,9 +134,10 @@ def check_options(who: str = "entropy", *, num_bits: int = 8, start_bin: int = 1
         raise ValueError(  # noqa: TRY004
             f"{who}: copy_zero_bin must be True or False, got {copy_zero_bin!r}")
     num_bits = check_int(who, "num_bits", num_bits, 2, MAX_BITS)
-    start_bin = check_int(who, "start_bin", start_bin, 0)
-    stride = check_int(who, "stride", stride, 1)
-    smooth = check_int(who, "smooth", smooth, 1)
+    # bin counts: a histogram holds far fewer (2 ** 64 wrapped to 0 in the kernel's int64)
+    start_bin = check_int(who, "start_bin", start_bin, 0, _MAX_BINS)
+    stride = check_int(who, "stride", stride, 1, _MAX_BINS)
+    smooth = check_int(who, "smooth", smooth, 1, _MAX_BINS)
     if bins is not None and start_bin > bins:
         raise ValueError(f"{who}: start_bin={start_bin} leaves no candidate threshold in a "
                          f"histogram of bins={bins}; use bins >= start_bin or a smaller "
@@ -162,6 +167,7 @@ def _divergences(counts, num_bits, unsigned, start_bin, stride, stop, copy_zero_
     ``pick`` (if given), where no divergence is finite -1, or with ``fallback`` one past the
     unit's last non-empty bin."""
     U, B = counts.shape
+    unsigned = check_bool("entropy", "unsigned", unsigned)  # int("no") fails naming nothing
     num_bits, start_bin, stride, _ = check_options(
         num_bits=num_bits, start_bin=start_bin, stride=stride, bins=B, copy_zero_bin=copy_zero_bin)
     dev = counts.device
@@ -317,6 +323,7 @@ def entropy_amax(hist: Hist, *, num_bits: int = 8, unsigned: bool = False, start
     """
     num_bits, start_bin, stride, smooth = check_options(
         num_bits=num_bits, start_bin=start_bin, stride=stride, smooth=smooth)
+    trim = check_bool("entropy", "trim", trim)  # "no" would trim
     h = fold_abs(hist)
     U, B = h.counts.shape
     # one pass: the kernel trims, picks the last argmin and falls back to the last bin itself

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_bool
 from ..spec import QuantSpec
 from ..stats.histogram import Hist, fold_abs
 from .entropy import entropy_range, spec_bits
@@ -62,6 +63,7 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
     under (default: ``lo``, ``hi``'s)."""
     candidates, percentiles = check_options(candidates=candidates, percentiles=percentiles,
                                             convention=convention)
+    return_choice = check_bool("mix", "return_choice", return_choice)
     if lo is None or hi is None:
         lo, hi = occupied_range(hist)
     if global_amax is None:

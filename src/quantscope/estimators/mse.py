@@ -49,7 +49,7 @@ import math
 
 import torch
 
-from .._checks import as_number, check_int, check_number, check_spec
+from .._checks import as_number, check_bool, check_int, check_number, check_spec
 from ..qdq import fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
 from ..spec import QuantSpec
@@ -193,7 +193,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
             2-D grid (``ends_grid`` factors per end, default all of the 1-D grid).
         global_amax: NVFP4's whole-tensor amax (default: from ``lo``, ``hi``).
         global_grid: NVFP4: also try global amax ``* 2 ** (k / global_grid)`` for
-            ``k < global_grid`` and keep the best total (default 4 native, 1 compat).
+            ``k < global_grid`` and keep the best total (default 4 native, 1 compat; at most
+            :data:`MAX_GLOBAL_GRID`).
         tie: ``"first"`` or ``"last"`` best candidate.
         extend_to: with per-unit patience, units still improving at the end of the grid
             go on along it (``p = 1 - i / grid``) down to ``p = 1 - extend_to`` until they
@@ -254,6 +255,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         chunk_elems = min(DEFAULT_CHUNK_ELEMS, max(units.numel() // 2, _MIN_CHUNK_ELEMS))
     if early_stop is None:
         early_stop = units.device.type == "cpu"
+    early_stop = check_bool("mse_search", "early_stop", early_stop)
     ga0 = _default_global_amax(base_lo, base_hi, spec, global_amax)
     gas = _global_amaxes(ga0, spec, encoding_aware, global_grid)
     kw = {"norm": float(norm), "patience": patience_used, "per_unit": per_unit_patience,
@@ -301,6 +303,10 @@ def _check_chunk(who, chunk_elems):
         check_int(who, "chunk_elems", chunk_elems, 1)
 
 
+#: the most global amaxes an NVFP4 search tries (``global_grid``; default 4)
+MAX_GLOBAL_GRID = 1 << 16
+
+
 def _check_options(compat, tie, patience, expand, backend, chunk_elems=None, global_grid=None,
                    chunk_candidates=None, ends_grid=None, **flags) -> tuple[int | None, float]:
     """Refuse a wrong option; ``(patience, expand)`` as Python numbers (numpy's accepted)."""
@@ -313,7 +319,10 @@ def _check_options(compat, tie, patience, expand, backend, chunk_elems=None, glo
     _check_chunk("mse_search", chunk_elems)
     for name, value in counts.items():  # int() would cut 1.5 to 1 and read True as 1; a
         if value is not None:  # chunk of 0 or fewer candidates prices none (min-max returned)
-            check_int("mse_search", name, value, 1)
+            # (the global amaxes are a Python list, each a whole search: 2 ** 64 ran out of
+            # memory listing them)
+            check_int("mse_search", name, value, 1, MAX_GLOBAL_GRID if name == "global_grid"
+                      else None)
     if compat not in (None, "llmcompressor"):
         raise ValueError(f"mse_search: compat must be None or 'llmcompressor', got {compat!r}")
     if tie not in ("first", "last"):
@@ -423,9 +432,10 @@ def dense_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor 
     range down to nearly zero (the min-max range included), scored as the spec
     runs; benchmarks and tests report other searches' error relative to it.
     """
-    if not isinstance(candidates, int) or candidates < 1:
-        raise ValueError(f"dense_search: candidates must be a positive integer, got {candidates!r}")
-    if not 0 <= min_factor < 1:
+    # a Python list of the factors: bounded (True is no count; numpy's integers are)
+    candidates = check_int("dense_search", "candidates", candidates, 1, 1 << 24)
+    min_factor = check_number("dense_search", "min_factor", min_factor, 0.0, 1.0)
+    if min_factor == 1:
         raise ValueError(f"dense_search: min_factor must be in [0, 1), got {min_factor!r}")
     span = 1 - min_factor
     return mse_search(units, lo, hi, spec,

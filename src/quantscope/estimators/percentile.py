@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._checks import check_bool
 from ..stats.histogram import Hist, fold_abs
 
 __all__ = ["CONVENTIONS", "check_convention", "check_percentile", "percentile_range",
@@ -156,7 +157,7 @@ def percentile_range(hist: Hist, percentile: float = 99.99, *, symmetric: bool =
     off = _offset(convention)
     dev = hist.counts.device
     dec = [_decimal(v) for v in ps]  # the decimals the user wrote (module doc)
-    if symmetric:
+    if check_bool("percentile", "symmetric", symmetric):  # "no" would be symmetric
         h = fold_abs(hist)
         amax = _values(h.counts, h.lo, h.width, _percents(dec, ps, dev), off)
         amax = amax[:, 0] if p.dim() == 0 else amax

@@ -99,8 +99,9 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
                  update_interval: int = 1, grid: str = "pow2", skip_zeros: bool = False,
                  **kwargs):
         super().__init__(spec, **kwargs)
-        # the checked Python ints kept: numpy's would leak into repr and saved records
-        bins = check_int(type(self).__name__, "bins", bins, self.MIN_BINS)
+        # the checked Python ints kept: numpy's would leak into repr and saved records; more
+        # than 2 ** 31 bins would take 16 GiB a unit (a count past float's range: no message)
+        bins = check_int(type(self).__name__, "bins", bins, self.MIN_BINS, 2**31 - 1)
         averaging_constant = self._averaging_constant(averaging_constant, optional=True)
         update_interval = check_int(type(self).__name__, "update_interval", update_interval, 1)
         if grid not in ("pow2", "first"):
@@ -447,10 +448,8 @@ class L2HistogramObserver(HistogramObserverBase):
         super().__init__(spec, **kwargs)
         self.dst_nbins = (default_dst_nbins(self.spec) if dst_nbins is None else
                           check_dst_nbins(type(self).__name__, dst_nbins))
-        if not isinstance(polish, int) or polish < 0:
-            raise ValueError(f"{type(self).__name__}: polish must be a non-negative integer, "
-                             f"got {polish!r}")
-        self.polish = polish
+        # (True is no count of bins; numpy's integers are)
+        self.polish = check_int(type(self).__name__, "polish", polish, 0)
 
     def _estimate(self, hist):
         return l2_polished_range(hist, self.spec, self.dst_nbins, self.polish, self._bounds(),
