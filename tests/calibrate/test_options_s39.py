@@ -131,3 +131,29 @@ def test_numpy_role_options_save_and_load(tmp_path):
         cal = calibrate(model, batches, recipe, progress=False)
         path = cal.save(tmp_path / obs)
         assert load(path).quantizes_like(cal)
+
+
+# ---- pins of the mutation round (s39)
+def test_sampling_budget_alone_on_a_weight_only_recipe_warns():
+    model, batches = _linear()
+    _, said = _said(lambda: calibrate(model, batches, "w4a16", progress=False,
+                                      sampling=Sampling(budget_mb=5)))
+    assert len(said) == 1 and "Sampling(" in said[0], said
+
+
+def test_moe_options_on_a_model_without_moe_warn_once():
+    model, batches = _linear()
+    _, said = _said(lambda: calibrate(model, batches, "w4a16", progress=False,
+                                      moe=MoE(min_tokens=3)))
+    assert len(said) == 1 and "no mixture-of-experts layer" in said[0], said
+
+
+def test_missing_with_an_output_role_only_is_quiet():
+    from quantscope import presets
+    from quantscope.calibration import Recipe, Role, Rule
+
+    model, batches = _linear()
+    recipe = Recipe((Rule(("Linear",), output=Role(presets.INT8_PER_TENSOR, "minmax")),))
+    _, said = _said(lambda: calibrate(model, batches, recipe, progress=False,
+                                      runtime=Runtime(missing="float")))
+    assert not said, said

@@ -78,3 +78,49 @@ def test_a_bert_folder_without_tokenizer_files_is_refused(tmp_path):
         intermediate_size=64, max_position_embeddings=32)).save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match="has no tokenizer files"):
         models.load_model(tmp_path / "m")
+
+
+def _kv_recipe_file(tmp_path, kv_observer) -> str:
+    weight = {"spec": {"format": "int8", "layout": "channel:0"}, "observer": "minmax",
+              "dynamic": False}
+    kv = {"spec": {"format": "fp8_e4m3", "layout": "tensor"}, "observer": kv_observer,
+          "dynamic": False}
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({"name": "kv", "kv_cache": kv, "rules": [
+        {"targets": ["Linear"], "weight": weight}]}))
+    return str(path)
+
+
+def test_a_recipe_files_kv_cache_observer_is_checked_and_canonical(llama_dir, tmp_path):
+    from quantscope.cli.checks import UsageError
+
+    assert _built(llama_dir, _kv_recipe_file(tmp_path, "MinMax")).kv_cache.observer == "minmax"
+    with pytest.raises(UsageError, match="is a compat class"):
+        _built(llama_dir, _kv_recipe_file(tmp_path, "torch.ao:MinMaxObserver"))
+
+
+def test_a_dynamic_roles_options_are_checked(llama_dir, tmp_path):
+    from quantscope.cli.checks import UsageError
+
+    role = {"spec": {"format": "int8", "layout": "token"}, "observer": "memoryless_minmax",
+            "dynamic": True, "options": {"no_such_option": 1}}
+    with pytest.raises(UsageError, match="takes no option 'no_such_option'"):
+        _built(llama_dir, _recipe_file(tmp_path, role))
+
+
+@pytest.mark.parametrize("files,ok", [(["tokenizer.model.v3"], True), (["x.tiktoken"], True),
+                                      ([], False)])
+def test_what_counts_as_tokenizer_files(tmp_path, files, ok):
+    from quantscope.demo import models
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer.json").mkdir()  # a folder of that name is no file
+    for f in files:
+        (folder / f).write_text("")
+    try:  # past the check, transformers' own loading fails on these empty files
+        models._tokenizer(folder, False)
+        said = ""
+    except Exception as e:  # noqa: BLE001
+        said = str(e)
+    assert ("has no tokenizer files" in said) is not ok, said

@@ -90,3 +90,11 @@ def test_a_given_non_finite_range_is_refused_by_name(name, qspec, bad):
     hi[1, 2] = bad
     with pytest.raises(ValueError, match=rf"{name}.calculate_qparams: max_val holds NaN or inf"):
         obs.calculate_qparams(lo, hi)
+
+
+def test_a_given_non_finite_min_val_is_refused_by_name():
+    obs = quark.PerTensorMinMaxObserver({"dtype": "fp8_e4m3", "symmetric": True})
+    lo, hi = -torch.ones(2, 4), torch.ones(2, 4)
+    lo[0, 1] = math.nan
+    with pytest.raises(ValueError, match="calculate_qparams: min_val holds NaN or inf"):
+        obs.calculate_qparams(lo, hi)

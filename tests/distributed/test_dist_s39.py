@@ -41,8 +41,6 @@ def _subgroup_writes(r, out, group, tmp):
     dist.barrier()
     out["written"] = sorted(os.listdir(tmp))
     dist.barrier()
-    if r == 0:
-        shutil.rmtree(tmp)
 
 
 def _gathers(r, out):
@@ -56,6 +54,35 @@ def _gathers(r, out):
     out["width_here"] = error_text(gather_samples, {"a": [a, torch.zeros(1, 3)] if r == 0
                                                     else [a]}, 10)
     out["after"] = gather_samples({"a": [a]}, 10)["a"][0][:, 0].tolist()  # still in step
+    same = {"a" if r else "c": [a]}  # one key each, named apart on rank 0
+    out["names"] = error_text(gather_samples, same, 10)
+    empty = gather_samples({"a": [a if r else torch.zeros(0, 2)], "b": [b]}, 10)
+    out["empty"] = {k: v[0][:, 0].tolist() for k, v in empty.items()}
+    out["width_there"] = error_text(gather_samples, {"a": [a, torch.zeros(1, 3)] if r == 2
+                                                     else [a]}, 10)
+
+
+def _hand_built_saves(r, out, tmp):
+    # a Calibration not made by a distributed pass (loaded, built) writes on global rank 0
+    from quantscope.calibration import Calibration, preset
+
+    Calibration(preset("w8a8"), {}, "x").save(os.path.join(tmp, f"built{r}"))
+    dist.barrier()
+    out["built"] = sorted(n for n in os.listdir(tmp) if n.startswith("built"))
+
+
+def _stepped_apart(r, out):
+    from quantscope import QuantSpec, get_observer
+
+    obs = get_observer("static_minmax", QuantSpec())
+    obs.sync_every_step = True
+
+    def steps():  # each step exchanges: rank 0's third meets the others' sync
+        for t in range(3 if r == 0 else 2):
+            obs(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * t + r)))
+        obs.sync()
+
+    out["stepped"] = error_text(steps)
 
 
 def _scenarios(r, out):
@@ -67,7 +94,12 @@ def _scenarios(r, out):
         os.makedirs(tmp, exist_ok=True)
     dist.barrier()
     _subgroup_writes(r, out, group, tmp)
+    _hand_built_saves(r, out, tmp)
+    dist.barrier()
+    if r == 0:
+        shutil.rmtree(tmp)
     _gathers(r, out)
+    _stepped_apart(r, out)  # last: the ranks may be out of step after it
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +113,28 @@ def test_a_subgroup_without_rank_0_writes_on_its_own_rank_0(ranks):
 
 
 def test_gather_samples_matches_keys_by_name(ranks):
-    for got in rank_results(ranks, "order"):
+    for r, got in enumerate(rank_results(ranks, "order")):
         assert got == {"a": [0.0, 1.0, 2.0], "b": [10.0, 11.0, 12.0]}, got
-        assert list(got) in (["a", "b"], ["b", "a"])
+        assert list(got) == (["a", "b"] if r % 2 == 0 else ["b", "a"])  # the caller's order
+    for got in rank_results(ranks, "empty"):  # a rank's zero rows add none
+        assert got == {"a": [1.0, 2.0], "b": [10.0, 11.0, 12.0]}, got
+
+
+def test_a_hand_built_calibration_saves_on_rank_0(ranks):
+    assert rank_results(ranks, "built")[0] == ["built0"]
+
+
+def test_observers_stepped_apart_are_told_so(ranks):
+    for got in rank_results(ranks, "stepped"):
+        assert got is not None and "or stepped apart" in got, got
 
 
 @pytest.mark.parametrize("key,said", [
     ("count", "gather_samples: the ranks pass different keys ([1, 2, 1] keys by rank)"),
     ("width", "gather_samples: key 'a' holds rows of widths [2, 3] on different ranks"),
     ("width_here", "gather_samples: rank(s) [0] hold rows of different widths under one key"),
+    ("width_there", "gather_samples: rank(s) [2] hold rows of different widths under one key"),
+    ("names", "gather_samples: the ranks pass different keys ([1, 1, 1] keys by rank)"),
 ])
 def test_gather_samples_refuses_on_every_rank(ranks, key, said):
     for got in rank_results(ranks, key):

@@ -185,3 +185,19 @@ def test_global_grid_is_bounded():
 
     with pytest.raises(ValueError, match=r"global_grid must be an integer in \[1, 65536\]"):
         get_observer("nvfp4_expanded_mse", NVFP4, global_grid=2**64)
+
+
+def test_percentile_value_refuses_a_zero_tensor_percent():
+    counts = torch.ones(1, 16, dtype=torch.int64)
+    with pytest.raises(ValueError, match="percent must be in"):
+        percentile_value(counts, torch.zeros(1), torch.ones(1), torch.tensor(0.0))
+
+
+def test_horizon_entropy_reads_numpy_integers():
+    np = pytest.importorskip("numpy")
+    from quantscope.estimators.entropy import horizon_entropy_amax
+
+    h = _h256()
+    assert torch.equal(horizon_entropy_amax(h, num_bits=np.int64(8), start_bin=np.int64(128),
+                                            stride=np.int64(1), smooth=np.int64(9)),
+                       horizon_entropy_amax(h))

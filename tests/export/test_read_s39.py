@@ -132,3 +132,43 @@ def test_export_never_replaces_the_folder_the_model_came_from(exports, tmp_path)
         with pytest.raises(ValueError, match="is the input"):
             cal.export(model, loaded, overwrite=True, **kw)
     assert (loaded / "model.safetensors").read_bytes() == before
+
+
+def test_a_sparsity_config_without_a_format_is_read(exports, tmp_path):
+    folder = _edited(exports["w8a8"], tmp_path / "x",
+                     lambda qc: qc.update(sparsity_config={"sparsity_structure": "unstructured"}))
+    Calibration.from_compressed_tensors(folder)
+
+
+@pytest.mark.parametrize("role", [
+    {**MXFP8_INPUT, "dynamic": False},  # stored scales read exactly: nothing to say
+    {**MXFP8_INPUT, "num_bits": 6, "type": "float"},  # E2M3: compressed-tensors' own rule
+])
+def test_only_run_time_mx_roles_of_another_rounding_warn(exports, tmp_path, role):
+    from quantscope.exporters.read import _warn_run_time_mx
+    from quantscope.calibration import RoleState
+    from quantscope.compat.llmcompressor_spec import llmcompressor_spec
+
+    spec = llmcompressor_spec(role, "input")
+    state = RoleState(spec, "minmax", "minmax", role["dynamic"])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _warn_run_time_mx({"l": {"input": state}}, "p")
+    assert not said, [str(w.message) for w in said]
+
+
+def test_the_extras_come_from_the_live_models_folder(tmp_path):
+    from quantscope.exporters.source_folder import source_dir
+
+    live, recorded = tmp_path / "live", tmp_path / "recorded"
+    for d in (live, recorded):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+
+    class Cal:
+        info = {"model": str(recorded)}
+
+    class Model:
+        config = type("C", (), {"_name_or_path": str(live)})()
+
+    assert source_dir(Cal(), Model(), None) == str(live)

@@ -57,3 +57,15 @@ def test_inference_state_written_outside_inference_mode_raises(device, name):
         before = [t.clone() for t in written]
         call(op, written)
     assert any(not torch.equal(a, b) for a, b in zip(before, written, strict=True))
+
+
+@pytest.mark.parametrize("name,which", [("minmax_update", 0), ("minmax_observe", 2),
+                                        ("minmax_observe", 3)])
+def test_one_inference_tensor_among_the_written_raises(device, name, which):
+    # any written tensor made under inference mode leaves the call to the torch path
+    op, make, call = _calls(device)[name]
+    written = list(make())
+    with torch.inference_mode():
+        written[which] = written[which].clone()
+    with pytest.raises(RuntimeError, match=INFERENCE):
+        call(op, tuple(written))
