@@ -145,9 +145,9 @@ def test_a_sparsity_config_without_a_format_is_read(exports, tmp_path):
     {**MXFP8_INPUT, "num_bits": 6, "type": "float"},  # E2M3: compressed-tensors' own rule
 ])
 def test_only_run_time_mx_roles_of_another_rounding_warn(exports, tmp_path, role):
-    from quantscope.exporters.read import _warn_run_time_mx
     from quantscope.calibration import RoleState
     from quantscope.compat.llmcompressor_spec import llmcompressor_spec
+    from quantscope.exporters.read import _warn_run_time_mx
 
     spec = llmcompressor_spec(role, "input")
     state = RoleState(spec, "minmax", "minmax", role["dynamic"])
@@ -165,10 +165,8 @@ def test_the_extras_come_from_the_live_models_folder(tmp_path):
         d.mkdir()
         (d / "config.json").write_text("{}")
 
-    class Cal:
-        info = {"model": str(recorded)}
+    from types import SimpleNamespace
 
-    class Model:
-        config = type("C", (), {"_name_or_path": str(live)})()
-
-    assert source_dir(Cal(), Model(), None) == str(live)
+    cal = SimpleNamespace(info={"model": str(recorded)})
+    model = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(live)))
+    assert source_dir(cal, model, None) == str(live)
