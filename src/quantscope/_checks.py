@@ -23,8 +23,8 @@ __all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_code",
            "check_code_range", "check_float32_range",
            "check_global_amax", "check_int", "check_not_meta", "check_number", "check_path",
            "check_per_unit", "check_range_args", "check_real", "check_spec", "dtensor_error",
-           "env_flag", "is_dtensor", "is_finite", "outside_quantscope", "pattern_refusal", "regex_problem",
-           "tensor_arg"]
+           "env_flag", "is_dtensor", "is_finite", "outside_quantscope", "pattern_refusal",
+           "regex_problem", "tensor_arg"]
 
 
 class FrozenDict(Mapping):
@@ -100,7 +100,7 @@ def check_number(who: str, name: str, value, lo: float, hi: float = math.inf, *,
     ok = n is not None and is_finite(n)
     if ok:
         v = float(n)
-        ok =  (v > lo if lo_open else v >= lo) and v <= hi
+        ok = (v > lo if lo_open else v >= lo) and v <= hi
     if not ok:
         left, right = "(" if lo_open else "[", ")" if hi == math.inf else "]"
         raise ValueError(f"{who}: {name} must be a finite number in {left}{lo}, {hi}{right}, "

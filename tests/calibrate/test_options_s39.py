@@ -157,3 +157,16 @@ def test_missing_with_an_output_role_only_is_quiet():
     _, said = _said(lambda: calibrate(model, batches, recipe, progress=False,
                                       runtime=Runtime(missing="float")))
     assert not said, said
+
+
+def test_missing_with_a_kv_cache_role_is_quiet():
+    # (reviewer) the KV cache's key / value roles take the missing policy too
+    tm = pytest.importorskip("tiny_models")
+    pytest.importorskip("transformers")
+    from quantscope.calibration.recipe import with_group_size
+
+    model, batches = tm.llama()
+    recipe = with_group_size(preset("w4a16", kv_cache="fp8"), 32)
+    _, said = _said(lambda: calibrate(model, batches, recipe, progress=False,
+                                      runtime=Runtime(missing="float")))
+    assert not said, said

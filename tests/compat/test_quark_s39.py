@@ -98,3 +98,15 @@ def test_a_given_non_finite_min_val_is_refused_by_name():
     lo[0, 1] = math.nan
     with pytest.raises(ValueError, match="calculate_qparams: min_val holds NaN or inf"):
         obs.calculate_qparams(lo, hi)
+
+
+def test_a_refused_batch_of_another_shape_leaves_the_state():
+    # (reviewer) the rows were laid out for the new shape before the batch was refused
+    obs = quark.PerBlockMXObserver({"dtype": "fp4", "scale_format": "e8m0", "group_size": 8,
+                                    "ch_axis": 0, "qscheme": "per_group", "is_dynamic": False,
+                                    "symmetric": True})
+    obs(torch.randn(64, 4, generator=torch.Generator().manual_seed(2)) * 8)
+    before = obs.amax.clone()
+    with pytest.raises(quark.UnsupportedInputError):
+        obs(torch.zeros(64, 2, 2, dtype=torch.bool))
+    assert torch.equal(obs.amax, before) and obs.shape == (64, 4)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ports import error_text, rank_results, spawn_ranks
 
 import quantscope
-from quantscope.calibration import Runtime
+from quantscope.calibration import Auto, Runtime
 from quantscope.distributed import gather_samples
 
 pytestmark = pytest.mark.dist  # spawns its own process group
@@ -35,6 +35,10 @@ def _subgroup_writes(r, out, group, tmp):
         cal = quantscope.calibrate(model, batches, "w8a8", progress=False,
                                    runtime=Runtime(distributed=True, group=group))
         out["writer"] = cal.writer_rank
+        auto = quantscope.calibrate(model, batches, "w8a8", observer="auto", progress=False,
+                                    auto=Auto(candidates=["minmax", "mse"], metric="model"),
+                                    runtime=Runtime(distributed=True, group=group))
+        out["auto_writer"] = auto.writer_rank  # (reviewer: auto's model metric dropped it)
         cal.save(os.path.join(tmp, f"cal{r}"))
         quantscope.export(cal, model, os.path.join(tmp, f"exp{r}.onnx"), format="onnx",
                           example_inputs=batches[0])
@@ -89,6 +93,11 @@ def _scenarios(r, out):
     import tempfile
 
     group = dist.new_group([1, 2])  # every rank calls new_group
+    alone = dist.new_group([1])
+    if r == 1:  # a group of one process: its rank 0 is global rank 1 (reviewer)
+        out["alone_writer"] = quantscope.calibrate(
+            torch.nn.Sequential(torch.nn.Linear(8, 4)), [torch.randn(2, 8)], "w8a8",
+            progress=False, runtime=Runtime(distributed=True, group=alone)).writer_rank
     tmp = os.path.join(tempfile.gettempdir(), f"qs_s39_{os.getppid()}")
     if r == 0:
         os.makedirs(tmp, exist_ok=True)
@@ -109,6 +118,8 @@ def ranks():
 
 def test_a_subgroup_without_rank_0_writes_on_its_own_rank_0(ranks):
     assert [out.get("writer") for out in ranks] == [None, 1, 1]
+    assert [out.get("auto_writer") for out in ranks] == [None, 1, 1]
+    assert ranks[1]["alone_writer"] == 1
     assert rank_results(ranks, "written")[0] == ["cal1", "exp1.onnx"]
 
 

@@ -49,7 +49,8 @@ def _units():
 def test_mse_search_counts(name, value):
     x = _units()
     with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
-        mse_search(x, x.amin(-1), x.amax(-1), QuantSpec("int4", "channel", symmetric=False), independent_ends=True,
+        mse_search(x, x.amin(-1), x.amax(-1), QuantSpec("int4", "channel", symmetric=False),
+                   independent_ends=True,
                    **{name: value})
 
 
@@ -67,7 +68,8 @@ def test_mse_search_chunk_candidates_one_prices_every_candidate():
 def test_mse_search_factors_finite(factors, incumbent):
     x = _units()
     with pytest.raises(ValueError, match="factors must be positive finite numbers"):
-        mse_search(x, x.amin(-1), x.amax(-1), QuantSpec("int4", "channel", symmetric=False), factors=factors,
+        mse_search(x, x.amin(-1), x.amax(-1), QuantSpec("int4", "channel", symmetric=False),
+                   factors=factors,
                    incumbent=incumbent)
 
 
@@ -145,8 +147,8 @@ def test_mse_search_and_mix_flags_are_bools():
 
 @pytest.mark.parametrize("kw,said", [({"candidates": True}, "candidates must be an integer"),
                                      ({"candidates": 10**400}, "candidates must be an integer"),
-                                     ({"min_factor": None}, "min_factor must be a finite"),
-                                     ({"min_factor": 1.0}, r"min_factor must be in \[0, 1\)")])
+                                     ({"min_factor": None}, r"min_factor must be a number in"),
+                                     ({"min_factor": 1.0}, r"min_factor must be a number in")])
 def test_dense_search_options(kw, said):
     from quantscope.estimators import dense_search
 
@@ -201,3 +203,11 @@ def test_horizon_entropy_reads_numpy_integers():
     assert torch.equal(horizon_entropy_amax(h, num_bits=np.int64(8), start_bin=np.int64(128),
                                             stride=np.int64(1), smooth=np.int64(9)),
                        horizon_entropy_amax(h))
+
+
+def test_percentile_range_takes_numpy_percentiles():
+    # (reviewer) the string check refused an ndarray torch.as_tensor had taken
+    np = pytest.importorskip("numpy")
+    want = percentile_range(_hist(), [99.0, 99.9])
+    got = percentile_range(_hist(), np.array([99.0, 99.9]))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

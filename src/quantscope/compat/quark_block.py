@@ -38,9 +38,17 @@ class _BlockAmax(_DynamicOrStatic):
         # float32 amax for integer data: its first max is with a float32 zero)
         keeps = self.accumulates and self.has_observed and not self._starts_over(x)
         running = quark_work_dtype(self._input_dtype)
+        kept = None
         if keeps and isinstance(x, torch.Tensor) and tuple(x.shape) != self.shape:
+            kept = (self.min_vals.clone(), self.max_vals.clone(), self.shape)
             self._rows_as_in(tuple(x.shape))
-        out = super().forward(x)
+        try:
+            out = super().forward(x)
+        except Exception:  # a refused batch leaves the state as it was, as Quark's
+            if kept is not None and self.shape == kept[2]:
+                self.min_vals.copy_(kept[0])
+                self.max_vals.copy_(kept[1])
+            raise
         new = self._input_dtype
         if keeps:
             self._input_dtype = (torch.promote_types(running, new) if new.is_floating_point

@@ -232,7 +232,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         patience = compat_patience(patience)
     patience, expand = _check_options(
         compat, tie, patience, expand, backend, chunk_elems, global_grid,
-        chunk_candidates=chunk_candidates, ends_grid=ends_grid, per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
+        chunk_candidates=chunk_candidates, ends_grid=ends_grid,
+        per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
         independent_ends=independent_ends, incumbent=incumbent)
     exact = compat == "llmcompressor"
     search = _engine(units, spec, norm, exact, backend, incumbent)
@@ -434,9 +435,9 @@ def dense_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor 
     """
     # a Python list of the factors: bounded (True is no count; numpy's integers are)
     candidates = check_int("dense_search", "candidates", candidates, 1, 1 << 24)
-    min_factor = check_number("dense_search", "min_factor", min_factor, 0.0, 1.0)
-    if min_factor == 1:
-        raise ValueError(f"dense_search: min_factor must be in [0, 1), got {min_factor!r}")
+    given, min_factor = min_factor, as_number(min_factor)
+    if min_factor is None or not 0 <= min_factor < 1:  # NaN too
+        raise ValueError(f"dense_search: min_factor must be a number in [0, 1), got {given!r}")
     span = 1 - min_factor
     return mse_search(units, lo, hi, spec,
                       factors=[1 - span * i / candidates for i in range(candidates)],

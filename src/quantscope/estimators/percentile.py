@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from .._checks import check_bool
+from ..formats import tensor_arg
 from ..stats.histogram import Hist, fold_abs
 
 __all__ = ["CONVENTIONS", "check_convention", "check_percentile", "percentile_range",
@@ -146,10 +147,8 @@ def _values(counts, lo, width, pct: _Percents, off):
 def percentile_range(hist: Hist, percentile: float = 99.99, *, symmetric: bool = True,
                      convention: str = "center") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-unit ``(lo, hi)`` at ``percentile`` (a float, or a ``[K]`` list: then ``[U, K]``)."""
-    for v in percentile if isinstance(percentile, (list, tuple)) else [percentile]:
-        if not isinstance(v, torch.Tensor):  # named here: as_tensor fails bare on "99"
-            check_percentile("percentile", "percentile", v)
-    p = torch.as_tensor(percentile, dtype=torch.float64)
+    p = tensor_arg("percentile", "percentile", percentile,  # as_tensor fails bare on "99"
+                   "a number in (0, 100] or a list of them", dtype=torch.float64)
     ps = p.tolist()  # the fractions in Python floats: the same float64 steps, no tensor ops
     ps = [ps] if p.dim() == 0 else ps
     for v in ps:

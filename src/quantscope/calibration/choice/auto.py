@@ -481,7 +481,8 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
     stats = [_requested(row, (row["layer"], row["role"]) in asked)
              for n, c in configs.items() for row in c.stats if supplier.get(
                  row["role"], chosen) is c]
-    return Calibration(recipe, states, label, stats, chosen.histograms, info)
+    return Calibration(recipe, states, label, stats, chosen.histograms, info,
+                       writer_rank=chosen.writer_rank)
 
 
 def _requested(state, auto: bool):

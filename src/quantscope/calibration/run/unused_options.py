@@ -2,7 +2,7 @@
 field at its default counts as not set, as in :func:`~..options.from_keywords`).
 
 Each applies to some roles only: sampled rows and the ``missing`` policy to activation
-roles, ``MoE.min_tokens`` to the static activation ranges of experts
+roles (the KV cache's too), ``MoE.min_tokens`` to the static activation ranges of experts
 (:func:`~..structure.moe.shrink`). A recipe without such a role takes the option in vain.
 """
 
@@ -17,8 +17,9 @@ __all__ = ["warn_unused_activation_options", "warn_unused_moe"]
 
 
 def _roles(recipes):
-    """The activation roles' configs of every rule of ``recipes``."""
-    return [cfg for rec in recipes.values() for r in rec.rules for cfg in (r.input, r.output)
+    """The activation roles' configs of ``recipes``: every rule's, and the KV cache's."""
+    return [cfg for rec in recipes.values()
+            for cfg in (*(c for r in rec.rules for c in (r.input, r.output)), rec.kv_cache)
             if cfg]
 
 
