@@ -41,6 +41,10 @@ def test_runtime_group_takes_a_real_process_group(tmp_path):
     try:
         group = dist.new_group([0])
         assert Runtime(distributed=True, group=group).group is group
+        # probe s39: without distributed the group was never read (each rank alone)
+        with pytest.raises(ValueError, match=r"Runtime\.group is read only with "
+                                             r"distributed=True"):
+            Runtime(group=group)
     finally:
         dist.destroy_process_group()
     assert Runtime(distributed=True).group is None

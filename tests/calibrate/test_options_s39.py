@@ -1,13 +1,12 @@
 """Option fields that were taken in vain or failed naming no field (session 39's probe):
-Runtime.group without distributed, Runtime.missing and MoE.min_tokens where no role reads
-them, time_groups' labels, budgets beyond float's range; and calibrate_many's order under
-Auto(metric='model')."""
+Runtime.missing and MoE.min_tokens where no role reads them, time_groups' labels, budgets
+beyond float's range, numpy options saved; and calibrate_many's order under
+Auto(metric='model'). (Runtime.group without distributed: test_options_probe_fixes.py.)"""
 
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from quantscope.calibration import (
@@ -22,22 +21,6 @@ from quantscope.calibration import (
 )
 
 torch.set_num_threads(1)
-
-
-@pytest.mark.skipif(not dist.is_available(), reason="torch without torch.distributed")
-def test_runtime_group_without_distributed_is_refused(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        group = dist.new_group([0])
-        with pytest.raises(ValueError, match=r"Runtime\.group is read only with "
-                                             r"distributed=True"):
-            Runtime(group=group)
-        assert Runtime(distributed=True, group=group).group is group
-    finally:
-        dist.destroy_process_group()
 
 
 def _linear():
