@@ -132,6 +132,15 @@ def test_a_plot_layer_typo_stops_before_the_float_evaluation(llama_dir, tmp_path
     assert not (tmp_path / "cmp").exists()
 
 
+def test_a_plot_layer_with_no_plots_is_refused(llama_dir, tmp_path, capsys):
+    # --no-plots draws none, so the layer would be read by nothing (not even checked)
+    rc, _, err = _run(capsys, "compare", "--model", llama_dir, "--recipes", "w8a8",
+                      "--observers", "minmax", "--plot-layer", "model.layers.0.mlp.dwon_proj",
+                      "--no-plots", "--out", str(tmp_path / "cmp"), *FAST)
+    assert rc == 2 and "error: --plot-layer chooses the layer" in err and "--no-plots" in err
+    assert "evaluating float" not in err and not (tmp_path / "cmp").exists()
+
+
 def test_a_failing_plot_never_loses_the_report(llama_dir, tmp_path, capsys, monkeypatch):
     from quantscope.calibration.results import plots
 

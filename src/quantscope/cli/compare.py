@@ -206,6 +206,9 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     if args.score_tokens != 1024 and args.auto_metric not in ("model", "fisher"):  # Auto's rule
         raise UsageError(f"--score-tokens is read only by --auto-metric model or fisher; "
                          f"--auto-metric {args.auto_metric} scores no tokens")
+    if args.plot_layer is not None and args.no_plots:
+        raise UsageError("--plot-layer chooses the layer of the histogram plot: not with "
+                         "--no-plots, which draws none")
     check_model_arg(args.model)
     check_calib_file(args)
     check_out(args.out, command_inputs(args), what="compare-run")
@@ -224,7 +227,7 @@ def _plan(args, model, recipes, observers) -> dict:
     if args.group_size is not None and not any(map(has_groups, plan.values())):
         raise UsageError(f"--group-size {args.group_size}: none of --recipes "
                          f"{', '.join(recipes)} has grouped weights to change")
-    if args.plot_layer is not None and not args.no_plots:
+    if args.plot_layer is not None:
         layers = list(dict.fromkeys(name for rec in plan.values()
                                     for name, (_, roles) in rec.match(model).items()
                                     if "input" in roles))
