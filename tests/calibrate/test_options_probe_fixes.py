@@ -33,6 +33,14 @@ def test_runtime_group_must_be_a_process_group(group):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch without torch.distributed")
+def test_a_rank_outside_the_group_is_told_so():
+    # new_group gives a rank outside the group this sentinel (an int): it was told only that
+    # Runtime.group must be a ProcessGroup, got int -100
+    with pytest.raises(ValueError, match=r"this process is not in Runtime\.group"):
+        Runtime(distributed=True, group=dist.GroupMember.NON_GROUP_MEMBER)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch without torch.distributed")
 def test_runtime_group_takes_a_real_process_group(tmp_path):
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")

@@ -164,6 +164,10 @@ def check_group(group, distributed: bool) -> None:
     never read: each rank would calibrate alone without a word)."""
     if group is None:
         return
+    if dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:  # new_group's answer
+        raise ValueError("calibrate: this process is not in Runtime.group (new_group gave it "
+                         "GroupMember.NON_GROUP_MEMBER): call calibrate only on the group's "
+                         "ranks")
     if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise TypeError(f"calibrate: Runtime.group must be a torch.distributed ProcessGroup "
                         f"or None (the default group), got {type(group).__name__} {group!r}")
