@@ -237,3 +237,33 @@ def test_apply_and_remove_inside_autocast_see_the_weights_they_wrote():
         float_again = copy.deepcopy(model)(x)
     assert torch.equal(quantized, fresh) and not torch.equal(quantized, before)
     assert torch.equal(after, float_again)
+
+
+def _marked(model):
+    return [n for n, m in model.named_modules() if "_quantscope_qdq_part" in m.__dict__]
+
+
+def test_inference_tensor_weights_are_written_only_in_inference_mode():
+    # probe s40: apply() outside inference mode raised torch's error naming no layer, and its
+    # cleanup failed too, leaving the modules marked: calibrate() and apply() then refused the
+    # model for good ("QDQ applied by another apply()"); remove() outside inference mode took
+    # the hooks off and then failed, leaving the weights fake-quantized
+    with torch.inference_mode():
+        model = dense()
+    data, float_model = batches(), snapshot(model)
+    calib = calibrate(model, data, "w8a8", progress=False)
+    with pytest.raises(ValueError, match=r"apply: 0\.weight is an inference tensor .* call "
+                                         r"apply\(\) inside torch\.inference_mode\(\)"):
+        calib.apply(model)
+    assert same(model, float_model) and not _marked(model)
+    calibrate(model, data, "w8a8", progress=False)  # not refused
+    with torch.inference_mode():
+        handle = calib.apply(model)
+        quantized = model(data[0])
+    with pytest.raises(ValueError, match=r"remove: 0\.weight is an inference tensor .* call "
+                                         r"remove\(\) inside torch\.inference_mode\(\)"):
+        handle.remove()
+    with torch.inference_mode():  # all or nothing: still applied, so still quantizing
+        assert handle.active and torch.equal(model(data[0]), quantized)
+        handle.remove()
+    assert same(model, float_model) and not _marked(model)

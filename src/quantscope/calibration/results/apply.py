@@ -349,6 +349,10 @@ def _checked_weight(name: str, module: nn.Module, state: RoleState, held) -> tor
     if state.shape is not None and tuple(w.shape) != tuple(state.shape):
         raise ValueError(f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
                          f"calibrated with shape {tuple(state.shape)}")
+    if w.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"apply: {name}.weight is an inference tensor (made under "
+                         f"torch.inference_mode()), which torch writes only inside it: call "
+                         f"apply() inside torch.inference_mode(), or build the model outside it")
     if memory(w) in held:
         raise ValueError(f"apply: {name}.weight is already fake-quantized by another apply() "
                          f"(on a model holding this module, held by it, or sharing its "

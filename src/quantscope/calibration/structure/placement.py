@@ -125,8 +125,9 @@ def stored(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def restore_problem(module: nn.Module, name: str) -> tuple[str, str] | None:
-    """Why values written into ``module``'s ``name`` now would not be its weight, and the way
-    out; None where they would. A parametrization registered after apply() through a
+    """Why values written into ``module``'s ``name`` now would not be its weight (or cannot be
+    written: an inference tensor outside inference mode), and the way out; None where they
+    would. A parametrization registered after apply() through a
     ``right_inverse`` stores other values; a model offloaded after apply() holds the
     quantized values in the offload's store (accelerate's: the module a meta tensor;
     compressed-tensors': a copy at each read)."""
@@ -135,6 +136,9 @@ def restore_problem(module: nn.Module, name: str) -> tuple[str, str] | None:
         why = "was parametrized after apply() through a right_inverse"
         return (f"{why}, which stores other values than the fake-quantized weight",
                 "remove the parametrization first (parametrize.remove_parametrizations)")
+    if stored(module, name).is_inference() and not torch.is_inference_mode_enabled():
+        return ("is an inference tensor (made under torch.inference_mode()), which torch "
+                "writes only inside it", "call remove() inside torch.inference_mode()")
     copies = loaded_copies(module)
     if copies is not None or stored(module, name).is_meta:
         why = f"was offloaded after apply() ({copies or 'accelerate: on the meta device'})"
