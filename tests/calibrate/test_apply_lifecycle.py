@@ -261,7 +261,7 @@ def test_inference_tensor_weights_are_written_only_in_inference_mode():
         handle = calib.apply(model)
         quantized = model(data[0])
     with pytest.raises(ValueError, match=r"remove: 0\.weight is an inference tensor .* call "
-                                         r"remove\(\) inside it"):
+                                         r"remove\(\) in inference mode"):
         handle.remove()
     with torch.inference_mode():  # all or nothing: still applied, so still quantizing
         assert handle.active and torch.equal(model(data[0]), quantized)

@@ -138,7 +138,7 @@ def restore_problem(module: nn.Module, name: str) -> tuple[str, str] | None:
                 "remove the parametrization first (parametrize.remove_parametrizations)")
     if stored(module, name).is_inference() and not torch.is_inference_mode_enabled():
         why = "is an inference tensor (made under torch.inference_mode())"
-        return f"{why}, which torch writes only inside it", "call remove() inside it"
+        return f"{why}, which torch writes only inside it", "call remove() in inference mode"
     copies = loaded_copies(module)
     if copies is not None or stored(module, name).is_meta:
         why = f"was offloaded after apply() ({copies or 'accelerate: on the meta device'})"
