@@ -58,3 +58,35 @@ def test_a_group_whose_input_roles_differ_is_not_reported_shared():
     assert _qkv_entry(calib)["input"] == "per layer (the members' input roles differ)"
     q, k, v = _input_scales(calib)
     assert torch.equal(q, v) and not torch.equal(q, k)
+
+
+class _TwoTables(torch.nn.Module):
+    """Two embeddings looking up the same ids (Gemma-3n's embed_tokens and
+    embed_tokens_per_layer), then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Embedding(64, 32), torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, 4)
+        with torch.no_grad():
+            self.b.weight.mul_(10)
+
+    def forward(self, ids):
+        return self.head(self.a(ids) + self.b(ids))
+
+
+def test_embeddings_reading_the_same_ids_keep_their_own_scales():
+    # probe s40: two tables looking up one ids tensor were grouped as one GEMM's shards, and
+    # the smaller one took the larger one's fp8 per-tensor scale (8.6x too coarse)
+    from quantscope import QuantSpec
+    from quantscope.layout import Tensor
+
+    torch.manual_seed(0)
+    model = _TwoTables()
+    fp8 = Role(QuantSpec("fp8_e4m3", Tensor()), "memoryless_minmax")
+    calib = calibrate(model, [torch.randint(0, 64, (2, 5))],
+                      Recipe((Rule(("Embedding",), weight=fp8),)), progress=False)
+    assert calib.info.get("fusion_groups", []) == []
+    for name in "ab":
+        scale = calib.states[name]["weight"].qparams.scale
+        assert torch.equal(scale.reshape(()), getattr(model, name).weight.abs().max() / 448)

@@ -213,10 +213,17 @@ def detect(model: nn.Module, batches, recipes: dict, slots) -> tuple:
         return batches, []
     modules = dict(model.named_modules())
     names = [n for n in modules if (n, "weight") in slots or (n, "input") in slots]
-    names = [n for n in names if getattr(modules[n], "weight", None) is not None  # Linear's
-             and modules[n].weight.dim() == 2 and not is_conv1d(modules[n])]  # [out, in]
+    names = [n for n in names if _gemm(modules[n])]
     first, batches = peek(batches)
     return batches, edit_groups(find_groups(model, first, names), names, modules, fuse, split)
+
+
+def _gemm(module: nn.Module) -> bool:
+    """Whether ``module`` multiplies its input by a Linear's ``[out, in]`` weight: a runtime
+    fuses only those (not an embedding's lookup, whose ids other tables may read too)."""
+    w = getattr(module, "weight", None)
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and not is_conv1d(module)
+            and not isinstance(module, (nn.Embedding, nn.EmbeddingBag)))
 
 
 def _expert_of(model: nn.Module, name: str) -> str | None:
