@@ -36,14 +36,16 @@ def parser_limit(where: str, error: BaseException) -> ValueError:
 
 
 def parse_json(text: str, where: str, object_pairs_hook=None):
-    """``json.loads(text)``; a syntax error is :class:`NotJSON`, a parser limit a
-    ``ValueError``, each naming ``where``."""
+    """``json.loads(text)``; a syntax error is :class:`NotJSON`, a parser limit or an integer
+    too long for Python a ``ValueError``, each naming ``where``."""
     try:
         return json.loads(text, object_pairs_hook=object_pairs_hook)
     except json.JSONDecodeError as e:
         raise NotJSON(f"{where} is not valid JSON ({e})", e) from None
     except PARSER_LIMITS as e:
         raise parser_limit(where, e) from None
+    except ValueError as e:  # an integer past Python's digit limit (sys.set_int_max_str_digits)
+        raise ValueError(f"{where} cannot be read: {e}") from None
 
 
 def read_json(path, who: str, object_pairs_hook=None):

@@ -72,64 +72,64 @@ def _nest(path: Path, depth_text: str = DEEP) -> None:
 
 # -- (1) deeply nested JSON --------------------------------------------------------------
 
-def _deep_load(made, tmp):
+def _deep_load(made, tmp, text=DEEP):
     d = _copy(made, "calib", tmp)
-    _nest(d / "quantscope.json")
+    _nest(d / "quantscope.json", text)
     return lambda: load(str(d)), d / "quantscope.json"
 
 
-def _deep_ct(made, tmp):
+def _deep_ct(made, tmp, text=DEEP):
     d = _copy(made, "ct", tmp)
-    _nest(d / "config.json")
+    _nest(d / "config.json", text)
     return lambda: Calibration.from_compressed_tensors(str(d)), d / "config.json"
 
 
-def _deep_check(made, tmp):
+def _deep_check(made, tmp, text=DEEP):
     d = _copy(made, "ct", tmp)
-    _nest(d / "config.json")
+    _nest(d / "config.json", text)
     return lambda: check(str(d)), d / "config.json"
 
 
-def _deep_index(made, tmp):
+def _deep_index(made, tmp, text=DEEP):
     d = _copy(made, "float", tmp)
-    (d / "model.safetensors.index.json").write_text('{"weight_map": ' + DEEP + "}")
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ' + text + "}")
     return lambda: Checkpoint(d), d / "model.safetensors.index.json"
 
 
-def _deep_ckpt_config(made, tmp):
+def _deep_ckpt_config(made, tmp, text=DEEP):
     d = _copy(made, "float", tmp)
-    _nest(d / "config.json")
+    _nest(d / "config.json", text)
     return lambda: Checkpoint(d), d / "config.json"
 
 
-def _deep_empty_model(made, tmp):
+def _deep_empty_model(made, tmp, text=DEEP):
     d = _copy(made, "float", tmp)
-    _nest(d / "config.json")
+    _nest(d / "config.json", text)
     return lambda: empty_model(d), d / "config.json"
 
 
-def _deep_load_config(made, tmp):
+def _deep_load_config(made, tmp, text=DEEP):
     d = _copy(made, "float", tmp)
-    _nest(d / "config.json")
+    _nest(d / "config.json", text)
     return lambda: load_config(d), d / "config.json"
 
 
-def _deep_recipe_json(made, tmp):
+def _deep_recipe_json(made, tmp, text=DEEP):
     f = tmp / "recipe.json"
-    f.write_text('{"rules": ' + DEEP + "}")
+    f.write_text('{"rules": ' + text + "}")
     return lambda: read_recipe_file(str(f)), f
 
 
-def _deep_recipe_yaml(made, tmp):
+def _deep_recipe_yaml(made, tmp, text=DEEP):
     pytest.importorskip("yaml")
     f = tmp / "recipe.yaml"
-    f.write_text("rules: " + DEEP + "\n")
+    f.write_text("rules: " + text + "\n")
     return lambda: read_recipe_file(str(f)), f
 
 
-def _deep_report(made, tmp):
+def _deep_report(made, tmp, text=DEEP):
     f = tmp / "report.json"
-    f.write_text('{"runs": ' + DEEP + "}")
+    f.write_text('{"runs": ' + text + "}")
     return lambda: _read_report(str(tmp)), f
 
 
@@ -143,6 +143,20 @@ def test_deeply_nested_json_is_a_valueerror_naming_the_file(made, tmp_path, case
         call()
     assert str(file) in str(e.value) or repr(str(file)) in str(e.value)
     assert "nested too deeply to parse (RecursionError)" in str(e.value)
+
+
+@pytest.mark.parametrize("case", [
+    _deep_load, _deep_ct, _deep_check, _deep_index, _deep_ckpt_config, _deep_empty_model,
+    _deep_load_config, _deep_recipe_json, _deep_recipe_yaml, _deep_report])
+def test_an_integer_too_long_for_python_is_a_valueerror_naming_the_file(made, tmp_path, case):
+    # probe s40: Python's int() refuses over 4300 digits with a bare ValueError, which json
+    # and PyYAML pass on: it named neither the file nor the caller
+    call, file = case(made, tmp_path, "9" * 5000)
+    cli = case in (_deep_recipe_json, _deep_recipe_yaml, _deep_report)
+    with pytest.raises(UsageError if cli else ValueError) as e:
+        call()
+    assert str(file) in str(e.value) or repr(str(file)) in str(e.value)
+    assert "cannot be read: Exceeds the limit (4300 digits)" in str(e.value)
 
 
 def test_json_nested_a_few_levels_still_reads(made, tmp_path):

@@ -207,6 +207,8 @@ def _recipe_text(path: str):
         return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader (above)
     except PARSER_LIMITS as e:
         raise UsageError(str(parser_limit(where, e))) from None
+    except ValueError as e:  # an integer past Python's digit limit, as in parse_json
+        raise UsageError(f"{where} cannot be read: {e}") from None
     except yaml.YAMLError as e:
         if path.lower().endswith(".json"):  # YAML's message would describe another syntax
             raise UsageError(f"--recipe-file {path!r} is not valid JSON: {json_error}") from None
