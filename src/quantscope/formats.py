@@ -43,6 +43,7 @@ __all__ = [
     "IntFormat",
     "format_to_json",
     "get_format",
+    "named",
 ]
 
 
@@ -323,15 +324,22 @@ def get_format(name: str | Format | dict) -> Format:
 _FLOAT_FIELDS = ("name", "ebits", "mbits", "max")
 
 
+def named(fmt: Format) -> bool:
+    """Whether ``fmt``'s name reads back as ``fmt`` (:func:`get_format`): every integer and
+    built-in float format, not a custom float format (which may even bear a built-in one's
+    name). What takes a format by name (the ops, a file) can take only these."""
+    try:
+        return get_format(fmt.name) == fmt
+    except ValueError:  # a custom name
+        return False
+
+
 def format_to_json(fmt: Format) -> str | dict:
     """A JSON-able ``fmt`` that :func:`get_format` reads back as an equal format: its name
-    where the name reads back as ``fmt`` (every integer and built-in float format), else a
-    custom float format's fields (its torch dtype by name)."""
-    try:
-        if get_format(fmt.name) == fmt:
-            return fmt.name
-    except ValueError:
-        pass  # a custom name: its fields below
+    where it is :func:`named`, else a custom float format's fields (its torch dtype by
+    name)."""
+    if named(fmt):
+        return fmt.name
     dtype = None if fmt.torch_dtype is None else str(fmt.torch_dtype).removeprefix("torch.")
     return {**{k: getattr(fmt, k) for k in _FLOAT_FIELDS}, "torch_dtype": dtype}
 

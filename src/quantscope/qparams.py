@@ -44,7 +44,7 @@ from . import kernels
 from ._checks import check_code, check_number, check_range_args
 from ._numerics import _F32_MAX, true_div, upload
 from ._oplib import define
-from .formats import FP8_E4M3, FloatFormat, get_format
+from .formats import FP8_E4M3, FloatFormat, get_format, named
 from .kernels import triton as _triton
 from .scales import (
     E8M0_MODES,
@@ -191,8 +191,8 @@ def _block_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
     global amax to find); None where they do not apply. Bitwise the torch branch
     (tests/core/test_qparams_ops.py)."""
     enc, fmt = spec.scale, spec.format
-    if (not _block_kernel_applies(spec) or lo.requires_grad or hi.requires_grad
-            or lo.numel() == 0):
+    if (not _block_kernel_applies(spec) or not named(fmt)  # the ops take the format by name
+            or lo.requires_grad or hi.requires_grad or lo.numel() == 0):
         return None
     lo, hi = lo.float(), hi.float()
     zero = torch.zeros(lo.shape, dtype=torch.int32, device=lo.device)

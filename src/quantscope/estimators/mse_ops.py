@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from .._numerics import upload
-from ..formats import FloatFormat, IntFormat
+from ..formats import FloatFormat, IntFormat, named
 from ..kernels import ops
 from ..qparams import qparams_from_range
 from ..spec import QuantSpec
@@ -102,7 +102,8 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     one_factor = list(f_lo) == list(f_hi)  # (host lists) both ends scaled alike
     f_lo = upload(list(f_lo) + ext, dev, torch.float32)
     f_hi = upload(list(f_hi) + ext, dev, torch.float32)
-    blocks = incumbent is not None and float(norm) == 2.0  # what the block ops price
+    # what the block ops price; they take the element format by name
+    blocks = incumbent is not None and float(norm) == 2.0 and named(spec.format)
     if blocks and spec.scale.has_global_scale and global_amax is not None:
         idx, best = _nvfp4(units, lo, hi, f_lo, incumbent, global_amax, spec, patience,
                            per_unit, tie, len(ext), weights)

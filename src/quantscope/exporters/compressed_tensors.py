@@ -36,7 +36,7 @@ from ..calibration.run.disk_names import checkpoint_names, split_names
 from ..calibration.structure.kv_cache import attention_modules
 from ..calibration.structure.placement import check_placement, held_weight, unhooked
 from ..calibration.structure.tied import tied_weights
-from ..formats import FloatFormat, IntFormat
+from ..formats import FloatFormat, IntFormat, named
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import not_encoded, nvfp4_global_scale
 from .atomic import atomic_dir, check_writable_target
@@ -113,7 +113,7 @@ def _element_args(spec, layer: str, role: str) -> dict:
         if fmt.bits > 8:
             raise _unsupported(layer, role, f"{fmt.name} (at most 8 bits)")
         return {"num_bits": fmt.bits, "type": "int"}
-    if isinstance(fmt, FloatFormat) and fmt.name in ("fp8_e4m3", "fp4_e2m1"):
+    if isinstance(fmt, FloatFormat) and named(fmt) and fmt.name in ("fp8_e4m3", "fp4_e2m1"):
         return {"num_bits": 8 if fmt.name == "fp8_e4m3" else 4, "type": "float"}
     raise _unsupported(layer, role, f"element format {fmt.name}")
 
