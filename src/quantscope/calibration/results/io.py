@@ -32,6 +32,7 @@ from ...spec import QuantSpec
 from ..recipe import ROLES, Recipe, Role
 from ..recipe_dict import role_options
 from ..structure import kv_cache
+from .info_check import info_problem
 from .result import Calibration
 from .role_state import RoleState
 from .saving import FORMAT, META, SMOOTH, TENSORS, VERSION, safetensors, save
@@ -114,6 +115,9 @@ def load(path, device="cpu") -> Calibration:
         if key in meta and not isinstance(meta[key], kind):
             raise bad(meta_path, key, f"expected a {kind.__name__}, got "
                                       f"{type(meta[key]).__name__}")
+    found = info_problem(meta.get("info", {}))
+    if found is not None:
+        raise bad(meta_path, *found)
     try:
         recipe = Recipe.from_dict(meta["recipe"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
