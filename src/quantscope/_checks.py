@@ -196,9 +196,15 @@ def outside_quantscope() -> int:
     show it in ``__main__``."""
     root = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(root)
+                                 or frame.f_code.co_filename.endswith(_DECORATORS)):
         frame, level = frame.f_back, level + 1
     return level
+
+
+#: torch's wrapper of a function decorated with ``torch.no_grad()`` / ``inference_mode()``:
+#: a frame between quantscope's own, not the user's line
+_DECORATORS = (os.path.join("torch", "utils", "_contextlib.py"),)
 
 
 def is_dtensor(x) -> bool:

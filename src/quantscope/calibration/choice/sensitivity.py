@@ -349,7 +349,7 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
         warnings.warn(f"keep_float: {n} activations asked for, {len(picks)} kept float: the "
                       f"ranking holds only {len(picks)} of the calibration's static "
                       f"activations (a ranking of weights only, or of a KV cache's key / "
-                      f"value, has none)", stacklevel=2)
+                      f"value, has none)", stacklevel=outside_quantscope())
     chosen = [key for unit in picks for key in unit if key in static]
     states = {layer: dict(roles) for layer, roles in calibration.states.items()}
     convs = _convolutions_of(sens, calibration)
@@ -358,7 +358,7 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
         if new is None and mode == "dynamic":  # calibrate refuses per token on a conv
             warnings.warn(f"keep_float: layer {layer!r} {role} is a convolution's, whose "
                           f"[N, C, *spatial] has no tokens to quantize per token: kept in "
-                          f"float (mode='dynamic')", stacklevel=2)
+                          f"float (mode='dynamic')", stacklevel=outside_quantscope())
         if new is None:
             del states[layer][role]
         else:
@@ -418,10 +418,10 @@ def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
         # nothing the ranking sees (weight-only, dynamic or static-output schemes): no
         # forward, and no silent smaller fallback
         warnings.warn(f"calibrate: Outliers(keep_float={n}) ranks only static inputs, and the "
-                      f"calibration quantizes none (weight-only, dynamic, or static outputs): "
+                      f"calibration {calibration.label!r} quantizes none (weight-only, dynamic, or static outputs): "
                       f"no activation kept float. Rank the outputs yourself: "
                       f"quantscope.keep_float(calibration, quantscope.sensitivity(..., "
-                      f"roles=('output',)), n)", stacklevel=3)
+                      f"roles=('output',)), n)", stacklevel=outside_quantscope())
         return keep_float(calibration, Sensitivity([]), 0, mode=mode)
     # only the inputs are ranked: keep_float takes out activations, never weights
     try:

@@ -194,8 +194,6 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
         # MoE experts become Linear views for the whole calibration (moe.py); restored after
         with _moe.attach(model, opts.moe.all_experts, recipes=recipes.values()) as experts:
             experts.min_tokens = opts.moe.min_tokens
-            if top:
-                warn_unused_moe(recipes, opts.moe, experts)
             if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
                 return calibrate_distributed(model, batches, recipes, opts, t0, experts,
                                              _conclude)
@@ -264,6 +262,8 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
     if top:  # not a piece's or auto's inner pass (auto's candidates: no auto role)
         _check_auto(recipes, opts.auto)
         warn_unused_activation_options(recipes, opts)
+        # here, not in the pass: sequential pieces and auto's candidates are inner calls
+        warn_unused_moe(recipes, opts.moe, _moe.has_experts(model, recipes.values()))
     if seq is not None:
         if opts.outliers.keep_float:
             check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)

@@ -38,10 +38,11 @@ def warn_unused_activation_options(recipes, opts: Options) -> None:
                       stacklevel=outside_quantscope())
 
 
-def warn_unused_moe(recipes, moe: MoE, experts) -> None:
-    """``moe`` set where the model has no MoE layer quantscope knows, or ``min_tokens`` where
-    no recipe has a static activation role (dynamic ones have no range to shrink)."""
-    if moe != MoE() and not experts.layers:
+def warn_unused_moe(recipes, moe: MoE, has_experts: bool) -> None:
+    """``moe`` set where the model has no MoE layer quantscope knows (``has_experts``
+    false), or ``min_tokens`` where no recipe has a static activation role (dynamic ones have
+    no range to shrink)."""
+    if moe != MoE() and not has_experts:
         warnings.warn(f"calibrate: {moe} changes nothing: the model has no mixture-of-experts "
                       f"layer quantscope knows (moe.py)", stacklevel=outside_quantscope())
     elif moe.min_tokens != MoE.min_tokens and not any(

@@ -44,8 +44,8 @@ from ...layout import Tensor
 from ...qparams import qparams_from_range
 from ..run.batches import input_name, module_input
 
-__all__ = ["Experts", "attach", "expert_items", "expert_weight", "has_experts_3d", "is_expert_list",
-           "is_routed", "share_inputs", "shrink", "unreached"]
+__all__ = ["Experts", "attach", "expert_items", "expert_weight", "has_experts", "has_experts_3d",
+           "is_expert_list", "is_routed", "share_inputs", "shrink", "unreached"]
 
 #: ``n`` below which an expert's activation range is shrunk toward the pooled one
 #: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
@@ -287,19 +287,34 @@ def _ignored(name: str, module: nn.Module, recipes) -> bool:
                for e in range(n) for proj in ("gate_up_proj", "down_proj"))
 
 
+def _expert_modules(model: nn.Module, recipes=()):
+    """``(name, module, routed)`` of the MoE layers :func:`attach` takes: routed 3-D experts
+    (``routed``; where ``recipes`` are given, one some recipe quantizes) and expert lists."""
+    recipes = list(recipes)
+    for name, module in list(model.named_modules()):
+        if is_routed(module):
+            if not (recipes and _ignored(name, module, recipes)):
+                yield name, module, True
+        elif is_expert_list(name, module):
+            yield name, module, False
+
+
+def has_experts(model: nn.Module, recipes=()) -> bool:
+    """Whether :func:`attach` (with ``recipes``) finds an MoE layer in ``model``."""
+    return next(_expert_modules(model, recipes), None) is not None
+
+
 def attach(model: nn.Module, all_experts: bool = False, count: bool = True,
            recipes=()) -> Experts:
     """Make every expert of ``model`` visible as Linear layers (see the module docstring);
     ``count``: count each expert's tokens; ``recipes``: when given, a 3-D experts module none
     of them quantizes keeps its own forward. Undo with :meth:`Experts.detach`."""
     ex = Experts(model, all_experts)
-    recipes = list(recipes)
     try:
-        for name, module in list(model.named_modules()):
-            if is_routed(module):
-                if not (recipes and _ignored(name, module, recipes)):
-                    ex._attach_3d(name, module, count)
-            elif is_expert_list(name, module) and count:
+        for name, module, routed in _expert_modules(model, recipes):
+            if routed:
+                ex._attach_3d(name, module, count)
+            elif count:
                 ex._attach_list(name, module)
     except BaseException:
         ex.detach()

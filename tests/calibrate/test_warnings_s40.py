@@ -1,0 +1,57 @@
+"""Probe s40: option warnings through every path, at the caller's line. ``MoE(...)`` set in
+vain warned only in the plain pass (not with sequential, nor under Auto(metric='model'),
+whose passes are inner calls); keep_float's and SmoothQuant's warnings named a line of
+quantscope's, or torch's no_grad wrapper, instead of the caller's."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from quantscope import QuantSpec
+from quantscope.calibration import MoE, Outliers, Recipe, Role, Rule, calibrate, calibrate_many
+from quantscope.calibration.recipe import preset
+
+transformers = pytest.importorskip("transformers")
+
+from tiny_models import llama
+
+W4 = Recipe((Rule(("Linear",), weight=Role(QuantSpec("int4", "group:32"), "memoryless_minmax")),),
+            name="w4g32")
+
+
+def _caught(call):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [w for w in caught if not issubclass(w.category, DeprecationWarning)]
+
+
+@pytest.mark.parametrize("how", ["sequential", "auto"])
+def test_moe_set_in_vain_warns_through_every_pass(how):
+    model, data = llama()
+    recipe, kw = (("w8a8", {"sequential": True}) if how == "sequential"
+                  else (preset("w8a8", "auto"), {}))
+    caught = _caught(lambda: calibrate(model, data, recipe, progress=False,
+                                       moe=MoE(all_experts=True), **kw))
+    said = [w for w in caught if "MoE(all_experts=True, min_tokens=128) changes nothing" in
+            str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
+
+
+def test_keep_float_with_nothing_to_rank_warns_at_the_callers_line_naming_the_label():
+    model, data = llama()
+    caught = _caught(lambda: calibrate_many(model, data, {"w": W4, "x": "w8a8-dynamic"},
+                                            progress=False, outliers=Outliers(keep_float=1)))
+    said = [w for w in caught if "ranks only static inputs" in str(w.message)]
+    assert {w.filename for w in said} == {__file__}
+    assert sorted(str(w.message).split("calibration ")[1][:3] for w in said) == ["'w'", "'x'"]
+
+
+def test_smooth_with_no_pair_warns_at_the_callers_line():
+    torch.manual_seed(0)
+    caught = _caught(lambda: calibrate(nn.Sequential(nn.Linear(8, 8)), [torch.randn(4, 8)],
+                                       "w8a8", progress=False, outliers=Outliers(smooth=0.5)))
+    said = [w for w in caught if "no pair SmoothQuant smooths" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__
