@@ -81,6 +81,17 @@ def test_g_idx_does_not_stick_between_calls(args):
     assert torch.equal(obs(w)[0], _scale(args, w, g_idx=m))  # the module's
 
 
+@pytest.mark.parametrize("args", [INT4_G, NVFP4], ids=["int4-group", "nvfp4"])
+def test_a_g_idx_written_in_place_regroups(args):
+    """Probe s40: GPTQ fills ``weight_g_idx`` in place; the order was cached by the tensor's
+    identity, so the next call grouped by the old values (the last call's scales, stale)."""
+    w, g_idx = _weight(), _g_idx(16, 1)
+    obs = legacy.MemorylessMinMaxObserver("weight", args)
+    obs(w, g_idx=g_idx)
+    g_idx.copy_(_g_idx(16, 2))
+    assert torch.equal(obs(w, g_idx=g_idx)[0], _scale(args, w, g_idx=g_idx.clone()))
+
+
 def test_running_state_merges_per_group_index_across_g_idx():
     """Kept as the seed's: a static observer merges group k's range whatever g_idx gave it."""
     w, a, b = _weight(), _g_idx(16, 1), _g_idx(16, 2)

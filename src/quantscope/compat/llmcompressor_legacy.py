@@ -92,9 +92,11 @@ class Observer:
         super().__init__(spec, **{k: kwargs[k] for k in self.native_options if k in kwargs})
         self.base_name, self.args, self.observer_kwargs = base_name, args, kwargs
         self._g_idx = g_idx  # the default grouping: forward(x) without g_idx
-        # [g_idx, its Group] of a Block layout's last call: Group's checks read g_idx on the
-        # host, once per g_idx tensor rather than per forward
-        self._block_order = [None, None]
+        # (g_idx, its in-place version) the layout was last built for, and a Block layout's
+        # Group: Group's checks read g_idx on the host, once per g_idx (or in-place write,
+        # as GPTQ fills weight_g_idx) rather than per forward
+        self._order_of = (g_idx, _version(g_idx))
+        self._block_order = None
         self.module = None if module is None else [module]  # not a submodule
         # [(state key, zp dtype, get_qparams' dict, its tensors' versions)]: forward returns
         # qparams, then callers ask get_qparams for the same ones (llm-compressor's flow); a
@@ -170,16 +172,19 @@ class Observer:
         seed's group and tensor_group strategies did: Group layouts carry it; Block ones
         (NVFP4, MX) observe the columns in its group order; other layouts ignore it."""
         g_idx = self._g_idx if g_idx is None else filled_g_idx(g_idx)
+        seen = (g_idx, _version(g_idx))
+        changed = (seen[0] is not self._order_of[0] or seen[1] != self._order_of[1]
+                   or (g_idx is not None and seen[1] is None))  # an untracked one: rebuilt
         lay = self.spec.layout
         if isinstance(lay, Group):
-            if lay.g_idx is not g_idx:
+            if changed:
                 self.spec = self.spec.replace(layout=Group(lay.size, lay.axis, g_idx))
         elif isinstance(lay, Block) and g_idx is not None and isinstance(observed, torch.Tensor):
-            if self._block_order[0] is not g_idx:
-                self._block_order = [g_idx, _act_order(lay, g_idx)]
-            order = self._block_order[1]
-            order._geometry(observed.shape)  # g_idx's length: the columns'
-            observed = order._columns(observed)
+            if changed or self._block_order is None:
+                self._block_order = _act_order(lay, g_idx)
+            self._block_order._geometry(observed.shape)  # g_idx's length: the columns'
+            observed = self._block_order._columns(observed)
+        self._order_of = seen
         super().forward(observed)
 
     def _state_key(self):
@@ -216,6 +221,14 @@ class Observer:
 
 
 LLMCompressorObserver = Observer
+
+
+def _version(t: torch.Tensor | None) -> int | None:
+    """``t``'s in-place version (None for None, and for an inference tensor: untracked)."""
+    try:
+        return None if t is None else t._version
+    except RuntimeError:
+        return None
 
 
 def _act_order(layout, g_idx: torch.Tensor | None) -> Group | None:
