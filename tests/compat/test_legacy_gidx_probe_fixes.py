@@ -103,3 +103,17 @@ def test_running_state_merges_per_group_index_across_g_idx():
         return torch.stack([x[:, g == k].abs().amax(1) for k in range(4)], 1)
 
     torch.testing.assert_close(scale, torch.maximum(amax(w, a), amax(w * 0.5, b)) / 7.5)
+
+
+@pytest.mark.parametrize("bits", [8, 6])
+def test_fp8_and_fp6_tensor_group_take_plain_group_scales(bits):
+    """Probe s40: fp8 / fp6 tensor_group elements took NVFP4's fp8 block scales under a global
+    scale of their own max (the module table says plain group scales, as the seed's
+    compressed-tensors computed them: ``amax / element max``, no global scale)."""
+    args = {"num_bits": bits, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    w = _weight()
+    obs = legacy.MemorylessMinMaxObserver("weight", args)
+    scale, _ = obs(w)
+    fmax = {8: 448.0, 6: 7.5}[bits]
+    assert torch.equal(scale, (w.reshape(4, 4, 16).abs().amax(-1) / fmax))
+    assert obs.get_qparams()["global_scale"] is None
