@@ -137,3 +137,35 @@ def test_the_compat_mse_refuses_a_complex_tensor_as_llm_compressors():
                      base_name="input", args=args.model_copy())):
         with pytest.raises(NotImplementedError):
             make()(x)
+
+
+_SEQUENCES = {
+    "fp32->bf16": (torch.float32, torch.bfloat16), "bf16->fp32": (torch.bfloat16, torch.float32),
+    "fp16->bf16": (torch.float16, torch.bfloat16), "int->fp16": (torch.int64, torch.float16)}
+
+
+@pytest.mark.parametrize("sequence", list(_SEQUENCES))
+@pytest.mark.parametrize("args", [
+    {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor"},
+    {"num_bits": 8, "type": "float", "strategy": "tensor"},
+    {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+     "dynamic": "local"}], ids=["int8-asym", "fp8", "nvfp4"])
+def test_static_minmax_of_batches_in_mixed_dtypes_is_theirs(args, sequence):
+    # probe s40: the plugin kept the last batch's dtype, where theirs promotes the running
+    # range (torch.min / max): a float32 batch then a bfloat16 one gave bfloat16 scales
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, 4, 32, generator=g) * 3 if dt.is_floating_point
+               else torch.randint(-9, 9, (2, 4, 32), generator=g) for dt in _SEQUENCES[sequence]]
+    batches = [b.to(dt) for b, dt in zip(batches, _SEQUENCES[sequence])]
+    got = {}
+    for name in ("static_minmax", "quantscope_static_minmax"):
+        obs = Observer.load_from_registry(name, base_name="input", args=QuantizationArgs(**args))
+        for b in batches:
+            obs(b)
+        got[name] = obs.get_qparams()
+    theirs, ours = got["static_minmax"], got["quantscope_static_minmax"]
+    for key in ("scale", "zero_point", "global_scale"):
+        if theirs[key] is None:
+            assert ours[key] is None
+        else:
+            assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key])

@@ -123,7 +123,7 @@ class QuantscopeObserver(Observer):
             raise TypeError(f"observer {PREFIX}{self.quantscope_name}: observer_kwargs "
                             f"{self.args.observer_kwargs} do not fit {cls.__name__}: {e}") from None
         self._qparam_shape: tuple[int, ...] | None = None
-        self._dtype = torch.float32
+        self._dtype = self._merged = torch.float32  # the statistics', and the batches' merged
         self._range: tuple[torch.Tensor, torch.Tensor] | None = None
         #: statistics assigned by the caller (llm-compressor assigns min_vals / max_vals)
         self._assigned: dict[str, torch.Tensor] = {}
@@ -163,15 +163,20 @@ class QuantscopeObserver(Observer):
         """Feed ``(observations, *qparam_shape, elements)`` to quantscope as ``[units, elements]``."""
         shape = tuple(observed.shape[1:-1])
         units = observed.movedim(0, -2).reshape(math.prod(shape), -1)
-        # integer data (llm-compressor observes it) is calibrated on its float32 values
-        dtype = statistics_dtype(observed)
         if self.quantscope.seen_non_finite.device != units.device:
             # llm-compressor's observers keep no state before data: theirs goes where the
             # data is (a module placed after its observer was made, model_free_ptq's meta
             # pass), so ours follows it there
             self.quantscope.to(units.device)
-        self.quantscope(units.to(dtype))
-        self._qparam_shape, self._dtype, self._range = shape, dtype, None
+        merged = observed.dtype
+        if not self.quantscope.memoryless and self.quantscope.has_observed:
+            # a running range merges every batch's: its dtype theirs promoted (their torch.min
+            # / max and moving averages promote; an integer batch's int64 gives way to floats)
+            merged = torch.promote_types(self._merged, merged)
+        # integer data (llm-compressor observes it) is calibrated on its float32 values
+        self.quantscope(units.to(statistics_dtype(observed)))
+        self._qparam_shape, self._merged, self._range = shape, merged, None
+        self._dtype = merged if merged.is_floating_point else torch.float32
         self._assigned = {}
 
     # ------------------------------------------------------------- statistics
