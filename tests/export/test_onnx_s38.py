@@ -35,9 +35,9 @@ def _ref(model, calib, x):
 
 
 class _Calls(nn.Module):
-    def __init__(self, calls=2):
+    def __init__(self, calls=2, width=64):
         super().__init__()
-        self.a, self.calls = nn.Linear(64, 64), calls
+        self.a, self.calls = nn.Linear(width, width), calls
 
     def forward(self, x):
         for _ in range(self.calls):
@@ -58,6 +58,28 @@ def test_a_weight_only_linear_called_twice_runs_as_matmulnbits_at_both(tmp_path,
     ref = _ref(model, calib, x)
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
     assert qonnx.integer_kernel_counts(opt) == {"MatMulNBits": 2}
+
+
+@pytest.mark.parametrize("inputs", [None, QuantSpec("int8")], ids=["weight_only", "w8a8"])
+def test_a_linear_called_twice_with_a_weight_over_onnxscripts_fold_limit(tmp_path, inputs):
+    # probe s40: over 8192 elements onnxscript leaves the shared Transpose(a.weight) a node,
+    # and the MatMuls, reading no initializer, were refused as "no MatMul multiplying by the
+    # layer's weight"
+    import onnx
+
+    torch.manual_seed(0)
+    model, x = _Calls(width=128).eval(), torch.randn(2, 3, 128)
+    calib = calibrate(model, [x], _recipe(QuantSpec("int8", Channel(0)), inputs),
+                      progress=False)
+    path = export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    graph = onnx.load(path).graph
+    assert not [n for n in graph.node if n.op_type == "Transpose"]  # nor its float weight:
+    assert not [t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+                and list(t.dims) == [128, 128]]
+    sess = qonnx.session(path, threads=1)
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    ref = _ref(model, calib, x)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 @pytest.fixture

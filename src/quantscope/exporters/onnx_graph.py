@@ -109,6 +109,14 @@ def _weight_view(init_array: np.ndarray, weight: np.ndarray, node) -> bool | Non
         init_array, weight) else None
 
 
+def _swaps(node, inits: dict) -> bool:
+    """Whether ``node`` transposes a 2-D initializer (a weight left unfolded)."""
+    if node.op_type != "Transpose" or not node.input or node.input[0] not in inits:
+        return False
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+    return len(inits[node.input[0]].dims) == 2 and perm == [1, 0]
+
+
 def unsigned(dtype, codes: torch.Tensor | None, zp: torch.Tensor, shift: bool):
     """int8 codes and zero point moved by +128 to uint8 when ``shift``: the same values
     (``(q + 128) - (zp + 128) == q - zp``), the same saturation, but ONNX Runtime then runs
@@ -264,6 +272,10 @@ class _Rewrite:
     def __init__(self, onnx, graph, model, states, shift: bool):
         self.onnx, self.model, self.states, self.shift = onnx, model, states, shift
         self.inits = {t.name: t for t in graph.initializer}
+        # a weight read by several MatMuls (a layer called twice on 3-D inputs) may stay a
+        # Transpose of its initializer: onnxscript folds no constant over 8192 elements used
+        # twice. The weight is read through it; it goes once no node reads it (drop_dead)
+        self.transposes = {n.output[0]: n.input[0] for n in graph.node if _swaps(n, self.inits)}
         self.names = _alias_names(model, states)
         self.taken = _graph_names(graph)  # the new names must not reuse the model's own
         self.calls: dict[str, int] = {}  # layer -> its MatMul / Gemm nodes rewritten so far
@@ -274,13 +286,16 @@ class _Rewrite:
     def node(self, node) -> None:
         layer = next((self.names[s] for s in reversed(_scopes(node)) if s in self.names),
                      None) if node.op_type in ("MatMul", "Gemm") else None
-        if layer is None or len(node.input) < 2 or node.input[1] not in self.inits:
+        source = node.input[1] if len(node.input) > 1 else None
+        array = (self.onnx.numpy_helper.to_array(self.inits[source]) if source in self.inits
+                 else self.onnx.numpy_helper.to_array(self.inits[self.transposes[source]]).T
+                 if source in self.transposes else None)
+        if layer is None or array is None:
             self.nodes.append(node)
             return
         roles = self.states[layer]
         weight = self.model.get_submodule(layer).weight.detach().float()
-        transposed = _weight_view(self.onnx.numpy_helper.to_array(self.inits[node.input[1]]),
-                                  weight.numpy(), node)
+        transposed = _weight_view(array, weight.numpy(), node)
         if transposed is None:
             raise ValueError(f"onnx export: {layer}: the exported node {node.name!r} does not "
                              f"multiply by {layer}.weight")
@@ -298,6 +313,12 @@ class _Rewrite:
             node.input[1] = self._weight(layer, roles, weight, transposed, prefix)
         self.nodes += _as_matmul(node, self._free(f"{node.output[0]}_matmul")) \
             if matmul else [node]
+
+    def drop_dead(self, outputs: set[str]) -> None:
+        """The weight Transposes (above) that no node reads now the DQs replaced them."""
+        read = {i for n in self.nodes for i in n.input} | outputs
+        self.nodes = [n for n in self.nodes if n.output[0] not in self.transposes
+                      or n.output[0] in read]
 
     def _free(self, base: str, suffixes=("",)) -> str:
         """``base``, or ``base_1``, ``base_2``... the first whose names ``+ suffix`` no tensor
@@ -360,6 +381,7 @@ def insert_qdq(onnx, graph, model, states, shift: bool, opset: int) -> None:
     missing = sorted(set(states) - set(rewrite.calls))
     if missing:
         _missing_error(graph, missing, rewrite.names)
+    rewrite.drop_dead({o.name for o in graph.output})
     del graph.node[:]
     graph.node.extend(rewrite.nodes)
     graph.initializer.extend(rewrite.new_inits)
