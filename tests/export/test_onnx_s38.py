@@ -225,3 +225,47 @@ def test_the_size_estimate_counts_a_bf16_models_float_tensors_as_float32():
     codes = 16 * 8 + 8 * 4  # the two weights, one byte a value
     floats = 8 + 8 + 8 + 4  # the biases and the LayerNorm's weight and bias
     assert qonnx._estimated_bytes(model, calib.states) == codes + floats * 4
+
+
+class _Branch(nn.Module):
+    """``b`` always runs; ``a`` runs in a torch.cond branch (calibrated on the eager twin:
+    calibrate's hooks do not trace under dynamo's cond)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.cond = nn.Linear(16, 16), nn.Linear(16, 16), False
+
+    def forward(self, x):
+        y = self.b(x)
+        if not self.cond:
+            return self.a(y) if y.sum() > 0 else y * 2
+        return torch.cond(y.sum() > 0, lambda y: self.a(y), lambda y: y * 2, (y,))
+
+
+def _branch_calibration(target):
+    torch.manual_seed(0)
+    model, x = _Branch().eval(), torch.randn(4, 16) + 1
+    recipe = Recipe(Rule((target,), weight=Role(QuantSpec("int8", Channel(0)), "minmax")))
+    calib = calibrate(model, [x], recipe, progress=False)
+    model.cond = True
+    return model, x, calib
+
+
+def test_a_float_linear_in_a_cond_branch_keeps_its_weight(tmp_path):
+    # probe s40: the branch's weight was dropped as unread (only the main graph's nodes were
+    # looked at): onnx's checker failed on the file
+    model, x, calib = _branch_calibration("re:^b$")
+    path = export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    sess = qonnx.session(path, threads=1)
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    ref = _ref(model, calib, x)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_a_calibrated_linear_in_a_cond_branch_is_refused_for_what_it_is(tmp_path):
+    # probe s40: it was said to be read "outside a (by a Gemm in the model's own forward)"
+    model, x, calib = _branch_calibration("re:^a$")
+    with pytest.raises(ValueError, match=r"a\.weight is read by a Gemm in a control-flow "
+                                         r"branch \(torch\.cond"):
+        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    assert not (tmp_path / "m.onnx").exists()

@@ -151,12 +151,8 @@ def _export_float(model, example_inputs, opset: int, states=None):
                                     opset_version=opset, dynamic_shapes=dynamic,
                                     optimize=False, verbose=False)
     # before the optimizer folds such reads into constants; not an exporter error
-    for layer, reader in outside_reads(program.model.graph, model, states or {}).items():
-        raise ValueError(f"onnx export: {layer}.weight is also read outside {layer} (by "
-                         f"{reader}): the graph quantizes it for {layer}'s MatMul alone, so "
-                         f"that read would see the float weight, unlike apply(); leave "
-                         f"{layer} in float (ignore it in the recipe) or read the weight "
-                         f"through the layer")
+    for layer, why in outside_reads(program.model.graph, model, states or {}).items():
+        raise ValueError(f"onnx export: {layer}.weight {why}")
     with _exporter_errors(model):
         _optimize(program)
     return program.model_proto

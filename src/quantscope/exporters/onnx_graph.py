@@ -243,10 +243,12 @@ def _alias_names(model, states) -> dict[str, str]:
 
 
 def outside_reads(graph, model, states) -> dict[str, str]:
-    """Calibrated layer -> the first node outside it that reads its weight, in torch.onnx's
-    graph (an ``onnx_ir`` graph) before its optimizer folds such reads into constants
-    (``self.a.weight.sum(1)`` becomes a float tensor): the rewrite quantizes the weight for
-    the layer's MatMul alone, so such a read would see the float weight, unlike ``apply()``."""
+    """Calibrated layer -> why the export cannot quantize its weight (``"{layer}.weight"``
+    comes first): a node outside it reads the weight, in torch.onnx's graph (an ``onnx_ir``
+    graph) before its optimizer folds such reads into constants (``self.a.weight.sum(1)``
+    becomes a float tensor), or a control-flow branch does, whose nodes are not rewritten.
+    The rewrite quantizes the weight for the layer's own MatMuls alone: such a read would
+    see the float weight, unlike ``apply()``."""
     names = _alias_names(model, states)
     params = {}  # id(weight) -> the names torch.onnx may give its initializer
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -258,10 +260,21 @@ def outside_reads(graph, model, states) -> dict[str, str]:
             if "weight" in roles else []
         for node, _ in (use for v in values if v is not None for use in v.uses()):
             scopes = _scope_list(node.metadata_props.get(_SCOPES, "[]"))  # (an onnx_ir node)
+            if node.graph is not graph:  # a branch's nodes record no scopes; none is rewritten
+                found[layer] = (f"is read by a {node.op_type} in a control-flow branch "
+                                f"(torch.cond: an If / Loop subgraph), whose nodes the export "
+                                f"does not rewrite: leave {layer} in float (ignore it in the "
+                                f"recipe) or call it outside the branch")
+                break
             if not any(names.get(s) == layer for s in scopes):
                 where = scopes[-2] if len(scopes) > 1 else ""
-                found[layer] = f"a {node.op_type} in " + (
+                reader = f"a {node.op_type} in " + (
                     f"module {where!r}" if where else "the model's own forward")
+                found[layer] = (f"is also read outside {layer} (by {reader}): the graph "
+                                f"quantizes it for {layer}'s MatMul alone, so that read would "
+                                f"see the float weight, unlike apply(); leave {layer} in float "
+                                f"(ignore it in the recipe) or read the weight through the "
+                                f"layer")
                 break
     return found
 
@@ -316,7 +329,7 @@ class _Rewrite:
 
     def drop_dead(self, outputs: set[str]) -> None:
         """The weight Transposes (above) that no node reads now the DQs replaced them."""
-        read = {i for n in self.nodes for i in n.input} | outputs
+        read = _reads(self.nodes) | outputs
         self.nodes = [n for n in self.nodes if n.output[0] not in self.transposes
                       or n.output[0] in read]
 
@@ -403,9 +416,21 @@ def _missing_error(graph, missing: list[str], names: dict[str, str]) -> None:
                      f"multiplying by the layer's weight (a constant initializer)")
 
 
+def _reads(nodes) -> set[str]:
+    """The names ``nodes`` read, their control-flow branches' (If / Loop subgraphs) too."""
+    read = set()
+    for n in nodes:
+        read.update(n.input)
+        for a in n.attribute:
+            for sub in (*([a.g] if a.HasField("g") else []), *a.graphs):
+                read |= _reads(sub.node)
+    return read
+
+
 def drop_unused_initializers(graph) -> None:
-    """The float weights the DQ nodes replaced (an initializer no node reads, and no output)."""
-    used = {i for n in graph.node for i in n.input}
+    """The float weights the DQ nodes replaced (an initializer no node reads, not even in a
+    control-flow branch, and no output)."""
+    used = _reads(graph.node)
     keep = [t for t in graph.initializer if t.name in used or t.name in
             {o.name for o in graph.output}]
     del graph.initializer[:]
