@@ -269,3 +269,15 @@ def test_a_calibrated_linear_in_a_cond_branch_is_refused_for_what_it_is(tmp_path
                                          r"branch \(torch\.cond"):
         export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_another_models_calibration_is_refused_naming_the_shapes(tmp_path, no_trace):
+    # probe s40: same layer names, other shapes: the refusal came deep in the qparams check
+    # ("scale has 8 values ... has 16 units"), naming neither the layer nor the cause
+    torch.manual_seed(0)
+    calib = calibrate(nn.Sequential(nn.Linear(16, 8)), [torch.randn(2, 16)],
+                      _recipe(QuantSpec("int8", Channel(0))), progress=False)
+    other = nn.Sequential(nn.Linear(8, 16)).eval()
+    with pytest.raises(ValueError, match=r"0\.weight has shape \(16, 8\), but was calibrated "
+                                         r"with shape \(8, 16\)"):
+        export(calib, other, tmp_path / "m.onnx", format="onnx", example_inputs=torch.randn(2, 8))

@@ -352,7 +352,8 @@ def _check_linear(model, states) -> None:
     layer (a convolution, an LSTM, an Embedding, whose 2-D weight is indexed, not
     multiplied), nor another model's name; transformers' Conv1D (GPT-2's) exports as a
     MatMul by its ``[in, out]`` weight as is, with its per-channel scales on axis 1, a
-    layout this Linear writer has no form for."""
+    layout this Linear writer has no form for. A weight of another shape than calibrated is
+    another model's."""
     modules = dict(model.named_modules())
     for n in states:
         module = modules.get(n)
@@ -373,6 +374,12 @@ def _check_linear(model, states) -> None:
             raise ValueError(f"onnx export: layer {n!r} is a transformers Conv1D (weight "
                              f"[in, out]), which this exporter does not write; leave it in "
                              f"float")
+        state = states[n].get("weight")
+        if state is not None and state.shape is not None and tuple(weight.shape) != tuple(
+                state.shape):
+            raise ValueError(f"onnx export: {n}.weight has shape {tuple(weight.shape)}, but "
+                             f"was calibrated with shape {tuple(state.shape)} (a calibration "
+                             f"of another model?)")
 
 
 def check_exportable(states) -> None:
