@@ -264,9 +264,11 @@ class FloatFormat:
         works in place, so one path serves every format.
         """
         x = x.float()
-        # float32 exponent field, computed before x may be overwritten: 2 ** e
+        # float32 exponent field, computed before x may be overwritten: 2 ** e; an inf's (255)
+        # taken as the top binade's, so that its step is finite (mbits 0: 2 ** 127, not inf,
+        # whose inf / inf is NaN) and inf saturates as every format's
         field = x.view(torch.int32) & 0x7F800000
-        field.clamp_(min=(self.min_exp + 127) << 23).sub_(self.mbits << 23)
+        field.clamp_(min=(self.min_exp + 127) << 23, max=254 << 23).sub_(self.mbits << 23)
         step = field.view(torch.float32)  # 2 ** (e - mbits), a normal float32
         q = x.div_(step) if inplace else x / step
         q.round_().mul_(step)

@@ -91,6 +91,23 @@ def test_beyond_max_saturates_with_sign(f):
     assert torch.isnan(f.round(torch.tensor([float("nan")]))).all()
 
 
+@pytest.mark.parametrize("ebits", [3, 8])
+def test_inf_saturates_without_mantissa_bits_too(ebits):
+    # probe s40: with mbits 0, inf's step (its all-ones exponent field) was inf itself, and
+    # inf / inf made NaN, where the docs promise saturation; the C kernels and Triton agree
+    from quantscope.qdq import fake_quantize
+
+    f = FloatFormat(f"e{ebits}m0", ebits, 0, 2.0 ** (2 ** (ebits - 1) - 1))
+    x = torch.tensor([float("inf"), -float("inf"), 3e38, float("nan")])
+    got = f.round(x)
+    assert torch.equal(got[:3], torch.tensor([f.max, -f.max, f.max])) and got[3].isnan()
+    from quantscope import QParams, QuantSpec
+
+    qp = QParams(torch.tensor(1.0), torch.tensor(0))
+    fq = fake_quantize(x[:3], qp, QuantSpec(f, "tensor"))
+    assert torch.equal(fq, torch.tensor([f.max, -f.max, f.max]))
+
+
 def nearest_even(f: FloatFormat, x: torch.Tensor) -> torch.Tensor:
     """Brute force: the nearest table value (saturating), ties to the even mantissa, with sign."""
     values, even = value_table(f)

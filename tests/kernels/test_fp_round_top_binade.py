@@ -184,7 +184,7 @@ def _triton_fp(device, x: torch.Tensor, b, s: float | None = None) -> torch.Tens
 @pytest.mark.parametrize("b", BOUNDS, ids=IDS)
 def test_triton_fp_round_is_floatformat_round(device, b):
     """``_jit.fp_round`` and ``fake_quant_fp`` round as ``FloatFormat.round`` bit for bit
-    (NaN for inf at mbits 0, as ``inf / inf``)."""
+    (inf saturating at mbits 0 too: its step is the top binade's, not inf)."""
     t = _top_binades()
     _assert_bitwise(_triton_fp(device, t, b), FloatFormat.round(b, t), nan_bits=False)
     for s in SCALES:

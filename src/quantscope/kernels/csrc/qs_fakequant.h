@@ -38,13 +38,14 @@ static inline qs_ffmt qs_ffmt_of(int64_t min_exp, int64_t mbits, double fmax) {
 }
 
 /* d = round_f(v / s) * s - v with round_f FloatFormat.round: the step 2 ** (e - mbits) from
-   the exponent field of t (at least min_exp's), t / step rounded half to even, times the
-   step, clamped to +-fmax (NaN kept: torch's clamp_). */
+   the exponent field of t (at least min_exp's, at most the top binade's: inf's step is finite,
+   so inf saturates at mbits 0 too), t / step rounded half to even, times the step, clamped to
+   +-fmax (NaN kept: torch's clamp_). */
 static inline float fq1(float v, float s, qs_ffmt f) {
     float t = v / s;
     union { float x; int32_t i; } u = {t};
     int32_t field = u.i & 0x7F800000;
-    field = field < f.min_field ? f.min_field : field;
+    field = field < f.min_field ? f.min_field : (field > (254 << 23) ? (254 << 23) : field);
     union { int32_t i; float x; } st = {field - f.shift};
     float q = nearbyintf(t / st.x) * st.x;
     q = q < -f.fmax ? -f.fmax : (q > f.fmax ? f.fmax : q);
@@ -65,11 +66,10 @@ static inline __attribute__((always_inline)) vf dqv(vf v, vf s, vf z, vf lo, vf 
 /* fq1 of VW lanes (min / max with the operands in the order that keeps a NaN, as clamp_).
    It multiplies by 1 / step where fq1 divides by the step: a power of two whose inverse,
    field 254 - e_step, is a normal float32 for a step up to 2 ** 126 (the field is capped at
-   254 << 23, which changes the step only for an inf or NaN t, whose quotient it leaves inf
-   or NaN), so both are exact and the bits equal. A step of 2 ** 127 (mbits 0: t in the top
-   binade, inf or NaN, or min_exp 127) has a subnormal inverse, which that pattern makes 0:
-   those lanes divide by fq1's step (uncapped: inf / inf is NaN there, as in fq1), on a
-   branch that normal steps never take. */
+   254 << 23, as in fq1: it changes the step only for an inf or NaN t, whose quotient stays
+   inf or NaN), so both are exact and the bits equal. A step of 2 ** 127 (mbits 0: t in the
+   top binade, inf or NaN, or min_exp 127) has a subnormal inverse, which that pattern makes
+   0: those lanes divide by the step, on a branch that normal steps never take. */
 static inline __attribute__((always_inline)) vf fqv(vf v, vf s, __m512i mf, __m512i sh,
                                                     vf top, vf bottom) {
     vf t = _mm512_div_ps(v, s);
@@ -80,7 +80,7 @@ static inline __attribute__((always_inline)) vf fqv(vf v, vf s, __m512i mf, __m5
     vf rst = _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_set1_epi32(254 << 23), step));
     vf u = _mm512_mul_ps(t, rst);
     __mmask16 big = _mm512_cmpeq_epi32_mask(step, _mm512_set1_epi32(254 << 23));
-    if (big) u = _mm512_mask_div_ps(u, big, t, _mm512_castsi512_ps(_mm512_sub_epi32(field, sh)));
+    if (big) u = _mm512_mask_div_ps(u, big, t, st);
     vf q = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm512_min_ps(top, _mm512_max_ps(bottom, _mm512_mul_ps(q, st)));
     return _mm512_sub_ps(_mm512_mul_ps(q, s), v);
@@ -123,8 +123,7 @@ static inline __attribute__((always_inline)) vf fqv(vf v, vf s, __m256i mf, __m2
     vf u = _mm256_mul_ps(t, rst);
     __m256i big = _mm256_cmpeq_epi32(step, _mm256_set1_epi32(254 << 23));
     if (!_mm256_testz_si256(big, big))
-        u = _mm256_blendv_ps(u, _mm256_div_ps(t, _mm256_castsi256_ps(_mm256_sub_epi32(field, sh))),
-                             _mm256_castsi256_ps(big));
+        u = _mm256_blendv_ps(u, _mm256_div_ps(t, st), _mm256_castsi256_ps(big));
     vf q = _mm256_round_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm256_min_ps(top, _mm256_max_ps(bottom, _mm256_mul_ps(q, st)));
     return _mm256_sub_ps(_mm256_mul_ps(q, s), v);

@@ -82,26 +82,25 @@ def fake_quant(x, s, z, qmin, qmax, ZERO_SIGN: tl.constexpr = False):
 def fp_round(t, fmax, min_exp, mbits):
     """float32 ``t`` rounded to a float element format (``FloatFormat.round``): the step
     ``2 ** (e - mbits)`` is ``t``'s float32 exponent field masked in place (at least
-    ``min_exp``'s: subnormals), ``t / step`` is rounded half to even and multiplied back
-    (both exact), and the clamp saturates at ``+-fmax`` (inf included; NaN kept, as
-    ``torch.clamp``). NaN and inf read the all-ones field: the step torch divides by
-    (finite for ``mbits >= 1``, inf for ``mbits = 0``).
+    ``min_exp``'s: subnormals; at most the top binade's: NaN and inf, whose field is all
+    ones, take a finite step, so that inf saturates at ``mbits = 0`` too), ``t / step`` is
+    rounded half to even and multiplied back (both exact), and the clamp saturates at
+    ``+-fmax`` (inf included; NaN kept, as ``torch.clamp``).
 
     ``t / step`` is ``t * (1 / step)``: a power of two's reciprocal is one (its field
     ``254 - e_step``), and both round the same real ``t / step`` once, so the product is
     the quotient bit for bit without a division's ~10 instructions per element. That
     reciprocal is normal up to the step ``2 ** 126``; the step ``2 ** 127`` (``mbits = 0``
-    in float32's top binade or at ``min_exp = 127``; inf and NaN at ``mbits = 1``) takes
+    in float32's top binade, inf and NaN, or at ``min_exp = 127``) takes
     ``(t * 0.5) * 2 ** -126``: the halving is exact unless ``|t| < 2 ** -125``, where both
-    products are a zero. The step inf (inf and NaN at ``mbits = 0``) gives NaN as torch's
-    ``inf / inf`` does (``t - t``: the same NaN as the division, a NaN ``t`` kept)."""
-    field = tl.maximum(t.to(tl.int32, bitcast=True) & 0x7F800000, (min_exp + 127) << 23)
+    products are a zero."""
+    field = tl.minimum(tl.maximum(t.to(tl.int32, bitcast=True) & 0x7F800000,
+                                  (min_exp + 127) << 23), 254 << 23)
     step_bits = field - (mbits << 23)
     step = step_bits.to(tl.float32, bitcast=True)
-    big = step_bits > 0x7E800000  # 2 ** 127 or inf: the reciprocal is not normal
+    big = step_bits > 0x7E800000  # 2 ** 127: the reciprocal is not normal
     inv = (0x7F000000 - tl.minimum(step_bits, 0x7E800000)).to(tl.float32, bitcast=True)
-    u = tl.where(big, t * 0.5, t) * inv
-    q = rint(tl.where(step_bits == 0x7F800000, t - t, u)) * step
+    q = rint(tl.where(big, t * 0.5, t) * inv) * step
     return tl.minimum(tl.maximum(q, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
                       propagate_nan=tl.PropagateNan.ALL)
 
