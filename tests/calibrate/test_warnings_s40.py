@@ -55,3 +55,13 @@ def test_smooth_with_no_pair_warns_at_the_callers_line():
                                        "w8a8", progress=False, outliers=Outliers(smooth=0.5)))
     said = [w for w in caught if "no pair SmoothQuant smooths" in str(w.message)]
     assert len(said) == 1 and said[0].filename == __file__
+
+
+@pytest.mark.parametrize("name", ["W8A8", "FP8", "NVFP4"])
+def test_a_schemes_spelling_is_no_presets(name):
+    # probe s40: calibrate(model, batches, "W8A8") ran the static preset w8a8, where the
+    # scheme of that spelling has dynamic per-token inputs
+    with pytest.raises(ValueError, match=rf"recipe: '{name}' is a scheme's spelling "
+                                         rf"\(scheme\('{name}'\)\); presets are lower case"):
+        preset(name)
+    assert preset(name.capitalize()).name == name.lower()  # another case reads as before

@@ -89,9 +89,16 @@ def test_recipe_names_resolve_by_their_exact_spelling_in_compare():
 
     assert check_recipe_name("W8A8") == "W8A8" and check_recipe_name("w8a8") == "w8a8"
     assert check_recipe_name("FP8") == "FP8" and check_recipe_name("fp8") == "fp8"
-    # calibrate's flags say which registry: any case there
-    assert check_recipe_name("w8a8", "scheme") == "W8A8"
-    assert check_recipe_name("W8A8", "preset") == "w8a8"
+    # calibrate's flags say which registry: any case there, but the other one's exact
+    # spelling (probe s40: --recipe W8A8 ran the static preset w8a8 without a word)
+    assert check_recipe_name("w8A8", "scheme") == "W8A8"
+    assert check_recipe_name("W8a8", "preset") == "w8a8"
+    with pytest.raises(UsageError, match=r"--recipe 'W8A8' is a scheme's spelling \(give it "
+                                         r"to --scheme\)"):
+        check_recipe_name("W8A8", "preset")
+    with pytest.raises(UsageError, match=r"--scheme 'w8a8' is a preset's spelling \(give it "
+                                         r"to --recipe\)"):
+        check_recipe_name("w8a8", "scheme")
     with pytest.raises(UsageError, match="unknown recipe or scheme 'W8a8'; did you mean"):
         check_recipe_name("W8a8")
 

@@ -33,6 +33,7 @@ from .recipe_dict import (
     matches,
     own_options,
     patterns,
+    preset_key,
     role_options,
 )
 from .role_observers import AUTO, check_taken, ct_observer, observed, weight_observer
@@ -391,13 +392,11 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
             raise ValueError(f"preset: {given[0]} given with Recipe {name.name!r}: only observer= "
                              f"and its options apply to one (change it with dataclasses.replace)")
         return name if observer is None else name.with_observer(observer, **options)
-    key = str(name).lower()
+    key = preset_key(name, RECIPES)
     if own_input := (INPUT_OBSERVERS.get(key) if observer is None else None):  # its own observer:
         own_options(f"preset {key!r}", "input", own_input, options)  # with_observer checks minmax
     observer = "minmax" if observer is None else observer
     targets = ("Linear",) if targets is None else targets
-    if key not in RECIPES:
-        raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(RECIPES)}")
     kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
     if named_kv := isinstance(kv_cache, str):  # a format name: observed as activations are
         kv_cache = replace(kv_cache_role(kv_cache), options=options,

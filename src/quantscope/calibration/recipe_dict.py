@@ -14,7 +14,7 @@ from functools import cache
 import numpy as np
 
 __all__ = ["FirstMatch", "built", "fields_from", "matches", "own_options", "patterns",
-           "role_options"]
+           "preset_key", "role_options"]
 
 
 def fields_from(cls, d, where: str, **read) -> dict:
@@ -172,3 +172,16 @@ class FirstMatch:
             if any(matches(p, name, module) for p in self._lists[i]):
                 return i
         return hit
+
+
+def preset_key(name, presets) -> str:
+    """``name`` as the key of ``presets`` (lower case; any case is read), else ``ValueError``:
+    an unknown name, or a compressed-tensors scheme's spelling of a preset's (``W8A8``, whose
+    inputs are dynamic per token where ``w8a8``'s are static: ``scheme("W8A8")``)."""
+    key = str(name).lower()
+    if key not in presets:
+        raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(presets)}")
+    if str(name).isupper() and "-" not in key:
+        raise ValueError(f"recipe: {name!r} is a scheme's spelling (scheme({name!r})); presets "
+                         f"are lower case: {key!r} (w8a8's inputs are static, W8A8's per token)")
+    return key

@@ -54,11 +54,22 @@ def check_observer_name(name: str, what: str, fold=str) -> str:
 
 def check_recipe_name(name: str, kind: str | None = None) -> str:
     """A recipe name as its registry spells it: a quantscope preset (``kind="preset"``,
-    ``--recipe``: lower case, any case accepted), a compressed-tensors scheme (``"scheme"``,
-    ``--scheme``: upper case, any case accepted) or, where one flag takes both (``compare
+    ``--recipe``: lower case, any case accepted but a scheme's exact spelling), a
+    compressed-tensors scheme (``"scheme"``, ``--scheme``: upper case, any case accepted but
+    a preset's exact spelling) or, where one flag takes both (``compare
     --recipes``: ``kind=None``), either, told apart by the exact spelling: ``w8a8`` is the
     preset (static inputs), ``W8A8`` the scheme (dynamic per-token inputs). The spelling
     returned says which one :func:`.recipes.build_recipe` builds."""
+    if kind is not None:  # the other kind's exact spelling is that one, not this (W8A8)
+        mine, other = (RECIPE_NAMES, SCHEME_NAMES) if kind == "preset" else (
+            SCHEME_NAMES, RECIPE_NAMES)
+        if name in other and name not in mine:
+            flag, its, other_flag = (("--recipe", "a scheme's", "--scheme") if kind == "preset"
+                                     else ("--scheme", "a preset's", "--recipe"))
+            raise UsageError(f"{flag} {name!r} is {its} spelling (give it to {other_flag}): "
+                             f"presets are lower case (w8a8: static per-tensor inputs), "
+                             f"schemes as compressed-tensors spells them (W8A8: dynamic "
+                             f"per-token inputs)")
     if kind == "preset":
         return check_name(name, RECIPE_NAMES, "recipe")
     if kind == "scheme":
