@@ -418,8 +418,9 @@ def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
         # nothing the ranking sees (weight-only, dynamic or static-output schemes): no
         # forward, and no silent smaller fallback
         warnings.warn(f"calibrate: Outliers(keep_float={n}) ranks only static inputs, and the "
-                      f"calibration {calibration.label!r} quantizes none (weight-only, dynamic, or static outputs): "
-                      f"no activation kept float. Rank the outputs yourself: "
+                      f"calibration {calibration.label!r} quantizes none (weight-only, "
+                      f"dynamic, or static outputs): no activation kept float. Rank the "
+                      f"outputs yourself: "
                       f"quantscope.keep_float(calibration, quantscope.sensitivity(..., "
                       f"roles=('output',)), n)", stacklevel=outside_quantscope())
         return keep_float(calibration, Sensitivity([]), 0, mode=mode)
