@@ -140,8 +140,9 @@ class IntFormat:
               inplace: bool = False):
         """Round half-to-even and clamp to ``[qmin, qmax]`` (the format's range by default).
 
-        ``inplace=True`` overwrites ``x`` (a float tensor the caller owns) and returns it.
+        ``inplace=True`` overwrites ``x`` (a float32 tensor the caller owns) and returns it.
         """
+        x = x.float()  # a half x would round in its own dtype: bf16 30001.4 read 29952
         lo = self.qmin if qmin is None else qmin
         hi = self.qmax if qmax is None else qmax
         return (x.round_() if inplace else torch.round(x)).clamp_(lo, hi)

@@ -108,6 +108,15 @@ def test_inf_saturates_without_mantissa_bits_too(ebits):
     assert torch.equal(fq, torch.tensor([f.max, -f.max, f.max]))
 
 
+def test_int_rounding_is_float32_for_half_inputs_too():
+    # probe s40: INT16.round of a bfloat16 tensor worked in bfloat16, where the module
+    # promises float32 arithmetic and results: its clamp to 32767 gave 32768 (bf16's nearest)
+    from quantscope.formats import INT16
+
+    got = INT16.round(torch.tensor([40000.0, -40000.0, -2.5]).bfloat16())
+    assert got.dtype == torch.float32 and got.tolist() == [32767.0, -32768.0, -2.0]
+
+
 def nearest_even(f: FloatFormat, x: torch.Tensor) -> torch.Tensor:
     """Brute force: the nearest table value (saturating), ties to the even mantissa, with sign."""
     values, even = value_table(f)
