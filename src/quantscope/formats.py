@@ -254,7 +254,9 @@ class FloatFormat:
         values around ``x`` is ``2 ** (e - mbits)`` with ``e`` the exponent of ``x`` (at
         least ``min_exp``: subnormals). The step is the float32 exponent field of ``x``,
         masked in place; dividing and multiplying by it is exact, so the only rounding is
-        ``torch.round`` (half to even), which is what the IEEE default does. Rounding up may
+        ``torch.round`` (half to even), which is what the IEEE default does (with ``mbits`` 0
+        every value's mantissa is even: a tie goes to the larger magnitude, as torch's
+        ``float8_e8m0fnu`` cast rounds). Rounding up may
         carry into the next binade, which is representable; the clamp then saturates at
         ``max`` (inf included; NaN stays NaN). ``inplace=True`` overwrites ``x`` (a float32
         tensor the caller owns) and returns it.
