@@ -85,7 +85,7 @@ class Observer:
         g_idx = None
         if module is not None and enum_name(field(args, "strategy")) in ("group", "tensor_group"):
             g_idx = filled_g_idx(getattr(module, f"{base_name}_g_idx", None))
-        spec = llmcompressor_spec(args, base_name)
+        spec = _seed_spec(args, base_name)
         order = _act_order(spec.layout, g_idx)  # checks g_idx as Group does
         if isinstance(spec.layout, Group) and order is not None:
             spec = spec.replace(layout=order)
@@ -221,6 +221,18 @@ class Observer:
 
 
 LLMCompressorObserver = Observer
+
+
+def _seed_spec(args, base_name: str):
+    """:func:`llmcompressor_spec`, but for fp8 / fp6 ``tensor_group`` elements: the seed's
+    compressed-tensors gave them plain group scales (``amax / element max``; its block scales
+    under a global scale were NVFP4's alone), where the later one multiplies them by fp4's
+    global scale, which the translation's block scales express (the reader needs that)."""
+    spec = llmcompressor_spec(args, base_name)
+    if (enum_name(field(args, "strategy")) == "tensor_group" and spec.is_float
+            and int(field(args, "num_bits", 8)) != 4):
+        spec = spec.replace(layout=Group(spec.layout.size, -1), scale="fp32")
+    return spec
 
 
 def _version(t: torch.Tensor | None) -> int | None:

@@ -106,7 +106,7 @@ def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.d
                              f"got {group_size!r}")
         mx = kind == "float" and group_size == 32 and sdtype == torch.uint8 \
             and strategy == "group"
-        if strategy == "tensor_group" and not _fp8_block_scales(kind, bits, sdtype):
+        if strategy == "tensor_group" and not _fp8_block_scales(kind, sdtype):
             layout = Group(group_size, -1)  # the caller applies the global scale
         elif strategy == "tensor_group":
             layout, scale = Block(group_size), "fp8_e4m3"
@@ -152,13 +152,12 @@ def _check_scale_dtype(sdtype: torch.dtype, strategy: str) -> None:
                          f"scale_dtype torch.uint8); quantscope has no integer scale encoding")
 
 
-def _fp8_block_scales(kind: str, bits: int, sdtype: torch.dtype | None) -> bool:
+def _fp8_block_scales(kind: str, sdtype: torch.dtype | None) -> bool:
     """Whether a ``tensor_group`` spec encodes fp8 e4m3 block scales under the global scale
-    (NVFP4): fp4 elements whose ``scale_dtype`` is float8_e4m3fn (NVFP4's presets) or unset.
+    (NVFP4): float elements whose ``scale_dtype`` is float8_e4m3fn (NVFP4's presets) or unset.
     Another float ``scale_dtype`` (float16, bfloat16) is what compressed-tensors rounds the
-    float32 scales times the global scale to: no fp8 step in between; fp8 / fp6 elements
-    take plain group scales (compressed-tensors' global scale is fp4's, not theirs)."""
-    return kind == "float" and bits == 4 and sdtype in (None, torch.float8_e4m3fn)
+    float32 scales times the global scale to: no fp8 step in between."""
+    return kind == "float" and sdtype in (None, torch.float8_e4m3fn)
 
 
 def scales_times_global_scale(args) -> bool:
@@ -171,8 +170,8 @@ def scales_times_global_scale(args) -> bool:
     if enum_name(field(args, "strategy")) != "tensor_group":
         return False
     sdtype = scale_dtype(args)
-    nvfp4 = _fp8_block_scales(enum_name(field(args, "type")) or "int",
-                              int(field(args, "num_bits", 8)), sdtype)
+    nvfp4 = int(field(args, "num_bits", 8)) == 4 and \
+        _fp8_block_scales(enum_name(field(args, "type")) or "int", sdtype)
     return sdtype is None or not nvfp4
 
 
