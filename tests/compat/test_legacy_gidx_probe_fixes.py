@@ -90,6 +90,11 @@ def test_a_g_idx_written_in_place_regroups(args):
     obs(w, g_idx=g_idx)
     g_idx.copy_(_g_idx(16, 2))
     assert torch.equal(obs(w, g_idx=g_idx)[0], _scale(args, w, g_idx=g_idx.clone()))
+    with torch.inference_mode():  # an inference tensor has no version: regrouped every call
+        g_idx = _g_idx(16, 1)
+        obs(w, g_idx=g_idx)
+        g_idx.copy_(_g_idx(16, 3))
+        assert torch.equal(obs(w, g_idx=g_idx)[0], _scale(args, w, g_idx=_g_idx(16, 3)))
 
 
 def test_running_state_merges_per_group_index_across_g_idx():

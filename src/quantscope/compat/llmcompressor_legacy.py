@@ -163,8 +163,10 @@ class Observer:
         else:
             zp = qp.zero_point.to(dtype)
         out = {"scale": qp.scale, "zero_point": zp, "global_scale": qp.global_scale}
-        self._qp_cache[0] = None if key is None else (
-            key, dtype, out, [(t, t._version) for t in out.values() if t is not None])
+        versions = [(t, _version(t)) for t in out.values() if t is not None]
+        # not cached where a version is not tracked (made under inference mode)
+        self._qp_cache[0] = None if key is None or any(v is None for _, v in versions) else (
+            key, dtype, out, versions)
         return dict(out)
 
     def _observe_grouped(self, observed, g_idx) -> None:
