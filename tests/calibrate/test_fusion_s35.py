@@ -1,5 +1,6 @@
 """Fusion groups are what vLLM fuses, and the report says what a group shares."""
 
+import pytest
 import torch
 import transformers
 from tiny_models import llama
@@ -64,9 +65,9 @@ class _TwoTables(torch.nn.Module):
     """Two embeddings looking up the same ids (Gemma-3n's embed_tokens and
     embed_tokens_per_layer), then a Linear."""
 
-    def __init__(self):
+    def __init__(self, kind):
         super().__init__()
-        self.a, self.b = torch.nn.Embedding(64, 32), torch.nn.Embedding(64, 32)
+        self.a, self.b = kind(64, 32), kind(64, 32)
         self.head = torch.nn.Linear(32, 4)
         with torch.no_grad():
             self.b.weight.mul_(10)
@@ -75,17 +76,19 @@ class _TwoTables(torch.nn.Module):
         return self.head(self.a(ids) + self.b(ids))
 
 
-def test_embeddings_reading_the_same_ids_keep_their_own_scales():
+@pytest.mark.parametrize("kind", [torch.nn.Embedding, torch.nn.EmbeddingBag],
+                         ids=["Embedding", "EmbeddingBag"])
+def test_embeddings_reading_the_same_ids_keep_their_own_scales(kind):
     # probe s40: two tables looking up one ids tensor were grouped as one GEMM's shards, and
     # the smaller one took the larger one's fp8 per-tensor scale (8.6x too coarse)
     from quantscope import QuantSpec
     from quantscope.layout import Tensor
 
     torch.manual_seed(0)
-    model = _TwoTables()
+    model = _TwoTables(kind)
     fp8 = Role(QuantSpec("fp8_e4m3", Tensor()), "memoryless_minmax")
     calib = calibrate(model, [torch.randint(0, 64, (2, 5))],
-                      Recipe((Rule(("Embedding",), weight=fp8),)), progress=False)
+                      Recipe((Rule((kind.__name__,), weight=fp8),)), progress=False)
     assert calib.info.get("fusion_groups", []) == []
     for name in "ab":
         scale = calib.states[name]["weight"].qparams.scale

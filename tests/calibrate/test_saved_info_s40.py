@@ -57,6 +57,13 @@ def test_every_entry_as_written_loads_and_reports(saved):
     ("smooth", {"alpha": "half", "smoothed": [], "skipped": []}, "info.smooth.alpha",
      "expected int or float, got str"),
     ("model", 3, "info.model", "expected str, got int"),
+    ("task", 3, "info.task", "expected str, got int"),
+    ("eval_max_length", "256", "info.eval_max_length", "expected int, got str"),
+    ("calibration_seconds", "1s", "info.calibration_seconds", "expected int or float, got str"),
+    ("missing", [{"layer": "a", "role": "input", "calls": 0, "fallback": 1}],
+     "info.missing[0].fallback", "expected str, got int"),
+    ("smooth", {"alpha": 0.5, "smoothed": [], "skipped": 1}, "info.smooth.skipped",
+     "expected a list, got int"),
 ])
 def test_an_edited_entry_is_refused_naming_the_key(saved, tmp_path, key, value, where, what):
     _, path = saved
@@ -74,3 +81,12 @@ def test_entries_of_the_callers_own_stay_free(tmp_path):
     calib.info["mine"] = {"anything": [1, "x", None]}
     calib.save(str(tmp_path / "c"))
     assert load(str(tmp_path / "c")).info["mine"] == {"anything": [1, "x", None]}
+
+
+def test_an_expert_named_by_its_key_loads(saved, tmp_path):
+    _, path = saved
+    folder = tmp_path / "edited"
+    shutil.copytree(path, folder)
+    entry = [{"module": "m", "expert": "expert_0", "tokens": 3, "rule": "own"}]  # a ModuleDict's
+    edit_saved(folder, meta=lambda d: d["info"].__setitem__("experts", entry))
+    assert load(str(folder)).info["experts"] == entry

@@ -49,6 +49,30 @@ def test_keep_float_with_nothing_to_rank_warns_at_the_callers_line_naming_the_la
     assert sorted(str(w.message).split("calibration ")[1][:3] for w in said) == ["'w'", "'x'"]
 
 
+def test_keep_floats_other_warnings_are_at_the_callers_line_too():
+    torch.manual_seed(0)
+    caught = _caught(lambda: calibrate(nn.Sequential(nn.Linear(8, 8)), [torch.randn(4, 8)],
+                                       "w8a8", progress=False, outliers=Outliers(keep_float=3)))
+    said = [w for w in caught if "3 activations asked for, 1 kept float" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__
+    caught = _caught(lambda: calibrate(
+        nn.Sequential(nn.Conv2d(3, 4, 3)), [torch.randn(2, 3, 8, 8)],
+        preset("w8a8", targets=("Conv2d",)), progress=False,
+        outliers=Outliers(keep_float=1, fallback="dynamic")))
+    said = [w for w in caught if "no tokens to quantize per token" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__
+
+
+def test_moe_where_the_recipe_ignores_every_expert_warns():
+    from tiny_models import mixtral
+
+    model, data = mixtral()
+    caught = _caught(lambda: calibrate(model, data, preset("w8a8", ignore=["re:.*experts.*"]),
+                                       progress=False, moe=MoE(all_experts=True)))
+    assert any("changes nothing: the model has no mixture-of-experts" in str(w.message)
+               for w in caught)
+
+
 def test_smooth_with_no_pair_warns_at_the_callers_line():
     torch.manual_seed(0)
     caught = _caught(lambda: calibrate(nn.Sequential(nn.Linear(8, 8)), [torch.randn(4, 8)],
@@ -65,3 +89,4 @@ def test_a_schemes_spelling_is_no_presets(name):
                                          rf"\(scheme\('{name}'\)\); presets are lower case"):
         preset(name)
     assert preset(name.capitalize()).name == name.lower()  # another case reads as before
+    assert preset("W8A8-DYNAMIC").name == "w8a8-dynamic"  # no scheme is spelt so

@@ -82,6 +82,31 @@ def test_a_linear_called_twice_with_a_weight_over_onnxscripts_fold_limit(tmp_pat
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(128, 128), nn.Linear(128, 128)
+
+    def forward(self, x):
+        for _ in range(2):
+            x = self.b(self.a(x))
+        return x
+
+
+def test_an_uncalibrated_linear_called_twice_keeps_its_transpose(tmp_path):
+    # its unfolded Transpose is still read (by its float MatMuls): only the calibrated
+    # layer's goes
+    torch.manual_seed(0)
+    model, x = _Pair().eval(), torch.randn(2, 3, 128)
+    recipe = Recipe(Rule(("re:^a$",), weight=Role(QuantSpec("int8", Channel(0)), "minmax")))
+    calib = calibrate(model, [x], recipe, progress=False)
+    path = export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    sess = qonnx.session(path, threads=1)
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    ref = _ref(model, calib, x)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
 @pytest.fixture
 def no_trace(monkeypatch):
     def traced(*a, **k):

@@ -164,6 +164,25 @@ def test_static_minmax_of_batches_in_mixed_dtypes_is_theirs(args, sequence):
             obs(b)
         got[name] = obs.get_qparams()
     theirs, ours = got["static_minmax"], got["quantscope_static_minmax"]
+    _same_qparams(theirs, ours)
+
+
+@pytest.mark.parametrize("sequence", ["fp32->bf16", "bf16->fp32"])
+def test_memoryless_minmax_keeps_the_last_batchs_dtype(sequence):
+    # a memoryless range is the last batch's alone: its dtype too, as theirs
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 4, 32, generator=g) * 3).to(dt) for dt in _SEQUENCES[sequence]]
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="tensor")
+    got = {}
+    for name in ("memoryless_minmax", "quantscope_memoryless_minmax"):
+        obs = Observer.load_from_registry(name, base_name="input", args=args)
+        for b in batches:
+            obs(b)
+        got[name] = obs.get_qparams()
+    _same_qparams(got["memoryless_minmax"], got["quantscope_memoryless_minmax"])
+
+
+def _same_qparams(theirs, ours):
     for key in ("scale", "zero_point", "global_scale"):
         if theirs[key] is None:
             assert ours[key] is None
