@@ -182,6 +182,14 @@ def check_float32_range(who: str, *values: torch.Tensor) -> None:
     for value in values:
         if value.dtype != torch.float64:
             continue
+        # the range in one pass without temporaries: the common case ends here (NaN, inf or a
+        # value past float32's range take the exact check below)
+        if value.numel() == 0:
+            continue
+        top = torch.finfo(torch.float32).max
+        lo, hi = torch.aminmax(value)
+        if bool((lo >= -top) & (hi <= top)):
+            continue
         big = value.abs() > torch.finfo(torch.float32).max
         if bool((big & value.isfinite()).any()):
             raise ValueError(

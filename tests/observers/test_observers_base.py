@@ -222,6 +222,23 @@ def test_float64_values_past_float32_are_refused_not_read_as_inf(name, non_finit
     assert obs.has_observed
 
 
+@pytest.mark.parametrize("beside", [None, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("big", [1e300, -1e300, 3.5e38])
+def test_the_float64_range_check_sees_past_nan_and_inf(big, beside):
+    """The check's one-pass range (aminmax: NaN propagates) leaves NaN and inf to the exact
+    check, which still finds a finite value past float32's range beside them."""
+    from quantscope._checks import check_float32_range
+
+    x = torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[1, 2] = big
+    if beside is not None:
+        x[2, 5] = beside
+    with pytest.raises(ValueError, match=r"float64 values beyond float32's range"):
+        check_float32_range("t", x)
+    x[1, 2] = torch.finfo(torch.float32).max  # float32's own max is held
+    check_float32_range("t", x)
+
+
 # --------------------------------------------------------------- no host sync
 # the forbid_host_sync fixture lives in conftest.py (the MSE and histogram tests use it too)
 
