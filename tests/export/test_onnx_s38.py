@@ -306,3 +306,19 @@ def test_another_models_calibration_is_refused_naming_the_shapes(tmp_path, no_tr
     with pytest.raises(ValueError, match=r"0\.weight has shape \(16, 8\), but was calibrated "
                                          r"with shape \(8, 16\)"):
         export(calib, other, tmp_path / "m.onnx", format="onnx", example_inputs=torch.randn(2, 8))
+
+
+def test_a_float_layers_weight_is_never_decoded(tmp_path, monkeypatch):
+    # review s40: following Transposes decoded every MatMul's initializer, a float lm_head's
+    # too (a copy of each float weight during the export); only calibrated layers' now
+    import onnx.numpy_helper
+
+    decoded, to_array = [], onnx.numpy_helper.to_array
+    monkeypatch.setattr(onnx.numpy_helper, "to_array",
+                        lambda t, *a, **k: decoded.append(t.name) or to_array(t, *a, **k))
+    torch.manual_seed(0)
+    model, x = _Pair().eval(), torch.randn(2, 128)
+    recipe = Recipe(Rule(("re:^a$",), weight=Role(QuantSpec("int8", Channel(0)), "minmax")))
+    calib = calibrate(model, [x], recipe, progress=False)
+    export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    assert decoded and not any(name.startswith("b.") for name in decoded)

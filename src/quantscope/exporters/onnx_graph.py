@@ -300,12 +300,12 @@ class _Rewrite:
         layer = next((self.names[s] for s in reversed(_scopes(node)) if s in self.names),
                      None) if node.op_type in ("MatMul", "Gemm") else None
         source = node.input[1] if len(node.input) > 1 else None
-        array = (self.onnx.numpy_helper.to_array(self.inits[source]) if source in self.inits
-                 else self.onnx.numpy_helper.to_array(self.inits[self.transposes[source]]).T
-                 if source in self.transposes else None)
-        if layer is None or array is None:
+        held = source if source in self.inits else self.transposes.get(source)
+        if layer is None or held is None:  # (a float layer's weight is never decoded)
             self.nodes.append(node)
             return
+        array = self.onnx.numpy_helper.to_array(self.inits[held])
+        array = array if held == source else array.T
         roles = self.states[layer]
         weight = self.model.get_submodule(layer).weight.detach().float()
         transposed = _weight_view(array, weight.numpy(), node)
