@@ -90,3 +90,15 @@ def test_an_expert_named_by_its_key_loads(saved, tmp_path):
     entry = [{"module": "m", "expert": "expert_0", "tokens": 3, "rule": "own"}]  # a ModuleDict's
     edit_saved(folder, meta=lambda d: d["info"].__setitem__("experts", entry))
     assert load(str(folder)).info["experts"] == entry
+
+
+@pytest.mark.parametrize("key,value,where", [("model", None, "info.model"),
+                                             ("eval_max_length", None, "info.eval_max_length")])
+def test_save_refuses_an_entry_load_would_refuse(tmp_path, key, value, where):
+    # review s40: save wrote it, and load refused the folder it wrote
+    calib = calibrate(nn.Sequential(nn.Linear(8, 4)), [torch.randn(2, 8)], "w8a8",
+                      progress=False)
+    calib.info[key] = value
+    with pytest.raises(ValueError, match=rf"save: the calibration's {where}: expected"):
+        calib.save(str(tmp_path / "c"))
+    assert not (tmp_path / "c").exists()

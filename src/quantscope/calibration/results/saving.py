@@ -10,6 +10,7 @@ import os
 from ... import comm
 from ..._checks import check_bool, check_path
 from ...exporters.atomic import atomic_dir
+from .info_check import info_problem
 from .report import json_safe
 
 __all__ = ["FORMAT", "META", "SMOOTH", "TENSORS", "VERSION", "safetensors", "save"]
@@ -60,12 +61,16 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
     transformers' ``save_pretrained``); the others return ``path`` at once, with no collective.
     """
     # by its fields: .result imports this module (save(model, path): say so, not .label)
-    if not all(hasattr(calibration, f) for f in ("states", "recipe", "label", "smoothing")):
+    if not all(hasattr(calibration, f) for f in ("states", "recipe", "label", "smoothing",
+                                                 "info")):
         raise TypeError(f"save: calibration must be a Calibration (what calibrate returns), "
                         f"got {type(calibration).__name__}")
     if not isinstance(calibration.label, str):  # load() reads back a str: refuse, not write
         raise TypeError(f"save: the calibration's label must be a str, got "
                         f"{calibration.label!r}; set calibration.label to one")
+    if (found := info_problem(calibration.info)) is not None:  # load() would refuse it
+        raise ValueError(f"save: the calibration's {found[0]}: {found[1]} (quantscope reads "
+                         f"that entry back: calibration/results/info_check.py)")
     path = check_path("save", path)
     check_bool("save", "overwrite", overwrite)  # on every rank; bool("no") is True
     if not comm.is_writer(getattr(calibration, "writer_rank", 0)):
