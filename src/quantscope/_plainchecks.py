@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-__all__ = ["as_bool", "check_bool", "check_path"]
+__all__ = ["as_bool", "check_bool", "check_path", "spelt_as_scheme"]
 
 
 def as_bool(value) -> bool | None:
@@ -32,3 +32,11 @@ def check_bool(who: str, name: str, value) -> bool:
         raise ValueError(
             f"{who}: {name} must be True or False, got {value!r}")
     return bool(value)
+
+
+def spelt_as_scheme(name: str, presets) -> bool:
+    """Whether ``name`` is the upper-case spelling of one of ``presets`` (lower case), which
+    is compressed-tensors' spelling of its scheme of that name: ``W8A8`` (dynamic per-token
+    inputs) is not the preset ``w8a8`` (static ones). The library's ``preset()`` and the
+    command line's ``--recipe`` refuse it rather than read either one silently."""
+    return name.isupper() and name.lower() in presets and "-" not in name

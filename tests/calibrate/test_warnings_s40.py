@@ -85,8 +85,9 @@ def test_smooth_with_no_pair_warns_at_the_callers_line():
 def test_a_schemes_spelling_is_no_presets(name):
     # probe s40: calibrate(model, batches, "W8A8") ran the static preset w8a8, where the
     # scheme of that spelling has dynamic per-token inputs
-    with pytest.raises(ValueError, match=rf"recipe: '{name}' is a scheme's spelling "
-                                         rf"\(scheme\('{name}'\)\); presets are lower case"):
+    with pytest.raises(ValueError, match=rf"recipe: '{name}' is compressed-tensors' spelling "
+                                         rf"of its scheme \(scheme\('{name}'\)\); presets "
+                                         rf"are lower case"):
         preset(name)
     assert preset(name.capitalize()).name == name.lower()  # another case reads as before
     assert preset("W8A8-DYNAMIC").name == "w8a8-dynamic"  # no scheme is spelt so

@@ -13,6 +13,8 @@ from functools import cache
 
 import numpy as np
 
+from .._plainchecks import spelt_as_scheme
+
 __all__ = ["FirstMatch", "built", "fields_from", "matches", "own_options", "patterns",
            "preset_key", "role_options"]
 
@@ -176,12 +178,13 @@ class FirstMatch:
 
 def preset_key(name, presets) -> str:
     """``name`` as the key of ``presets`` (lower case; any case is read), else ``ValueError``:
-    an unknown name, or a compressed-tensors scheme's spelling of a preset's (``W8A8``, whose
-    inputs are dynamic per token where ``w8a8``'s are static: ``scheme("W8A8")``)."""
+    an unknown name, or a compressed-tensors scheme's spelling of a preset's
+    (:func:`~quantscope._plainchecks.spelt_as_scheme`)."""
     key = str(name).lower()
     if key not in presets:
         raise ValueError(f"recipe: unknown preset {name!r}; expected one of {sorted(presets)}")
-    if str(name).isupper() and "-" not in key:
-        raise ValueError(f"recipe: {name!r} is a scheme's spelling (scheme({name!r})); presets "
-                         f"are lower case: {key!r} (w8a8's inputs are static, W8A8's per token)")
+    if spelt_as_scheme(str(name), presets):
+        raise ValueError(f"recipe: {name!r} is compressed-tensors' spelling of its scheme "
+                         f"(scheme({name!r})); presets are lower case: {key!r} (the two may "
+                         f"differ: w8a8's inputs are static, W8A8's dynamic per token)")
     return key

@@ -8,6 +8,7 @@ import os
 import re
 
 from .._jsonfile import read_json
+from .._plainchecks import spelt_as_scheme
 from .names import DEMO_MODELS, OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 
 
@@ -60,16 +61,15 @@ def check_recipe_name(name: str, kind: str | None = None) -> str:
     --recipes``: ``kind=None``), either, told apart by the exact spelling: ``w8a8`` is the
     preset (static inputs), ``W8A8`` the scheme (dynamic per-token inputs). The spelling
     returned says which one :func:`.recipes.build_recipe` builds."""
-    if kind is not None:  # the other kind's exact spelling is that one, not this (W8A8)
-        mine, other = (RECIPE_NAMES, SCHEME_NAMES) if kind == "preset" else (
-            SCHEME_NAMES, RECIPE_NAMES)
-        if name in other and name not in mine:
-            flag, its, other_flag = (("--recipe", "a scheme's", "--scheme") if kind == "preset"
-                                     else ("--scheme", "a preset's", "--recipe"))
-            raise UsageError(f"{flag} {name!r} is {its} spelling (give it to {other_flag}): "
-                             f"presets are lower case (w8a8: static per-tensor inputs), "
-                             f"schemes as compressed-tensors spells them (W8A8: dynamic "
-                             f"per-token inputs)")
+    # the other kind's exact spelling names that one, not this (W8A8 is no w8a8)
+    if kind == "preset" and spelt_as_scheme(name, RECIPE_NAMES) or \
+            kind == "scheme" and spelt_as_scheme(name.upper(), RECIPE_NAMES) and name.islower():
+        flag, its, other_flag = (("--recipe", "a scheme's", "--scheme") if kind == "preset"
+                                 else ("--scheme", "a preset's", "--recipe"))
+        raise UsageError(f"{flag} {name!r} is {its} spelling (give it to {other_flag}): "
+                         f"presets are lower case, schemes as compressed-tensors spells them, "
+                         f"and the two may differ (w8a8: static per-tensor inputs, W8A8: "
+                         f"dynamic per-token ones)")
     if kind == "preset":
         return check_name(name, RECIPE_NAMES, "recipe")
     if kind == "scheme":
