@@ -142,7 +142,8 @@ class IntFormat:
 
         ``inplace=True`` overwrites ``x`` (a float32 tensor the caller owns) and returns it.
         """
-        x = x.float()  # a half x would round in its own dtype: bf16 30001.4 read 29952
+        if x.dtype in (torch.float16, torch.bfloat16):  # else its clamp to 32767 gave 32768
+            x = x.float()
         lo = self.qmin if qmin is None else qmin
         hi = self.qmax if qmax is None else qmax
         return (x.round_() if inplace else torch.round(x)).clamp_(lo, hi)
