@@ -168,6 +168,9 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
                                  "Auto(metric='tensor')")
         _check_kv_cache(model, recipes)
         check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
+        if top:  # once the checks pass; here, not in the pass: sequential pieces and auto's
+            # candidates calibrate through inner calls
+            warn_unused_moe(recipes, opts.moe, _moe.has_experts(model, recipes.values()))
 
     def run(batches):  # the calibration itself; keep_float's ranking follows it
         if opts.sequential is not None:
@@ -262,8 +265,6 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
     if top:  # not a piece's or auto's inner pass (auto's candidates: no auto role)
         _check_auto(recipes, opts.auto)
         warn_unused_activation_options(recipes, opts)
-        # here, not in the pass: sequential pieces and auto's candidates are inner calls
-        warn_unused_moe(recipes, opts.moe, _moe.has_experts(model, recipes.values()))
     if seq is not None:
         if opts.outliers.keep_float:
             check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)
