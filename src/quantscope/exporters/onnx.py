@@ -374,12 +374,8 @@ def _check_linear(model, states) -> None:
             raise ValueError(f"onnx export: layer {n!r} is a transformers Conv1D (weight "
                              f"[in, out]), which this exporter does not write; leave it in "
                              f"float")
-        state = states[n].get("weight")
-        if state is not None and state.shape is not None and tuple(weight.shape) != tuple(
-                state.shape):
-            raise ValueError(f"onnx export: {n}.weight has shape {tuple(weight.shape)}, but "
-                             f"was calibrated with shape {tuple(state.shape)} (a calibration "
-                             f"of another model?)")
+        if "weight" in states[n]:
+            states[n]["weight"].check_weight("onnx export", n, weight)
 
 
 def check_exportable(states) -> None:

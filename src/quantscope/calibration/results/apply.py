@@ -346,9 +346,7 @@ def _checked_weight(name: str, module: nn.Module, state: RoleState, held) -> tor
     if w is None:
         raise ValueError(f"apply: {name} ({type(module).__name__}) has no weight tensor to "
                          f"quantize (calibrated on another model?)")
-    if state.shape is not None and tuple(w.shape) != tuple(state.shape):
-        raise ValueError(f"apply: {name}.weight has shape {tuple(w.shape)}, but was "
-                         f"calibrated with shape {tuple(state.shape)}")
+    state.check_weight("apply", name, w)
     if w.is_inference() and not torch.is_inference_mode_enabled():
         raise ValueError(f"apply: {name}.weight is an inference tensor (made under "
                          f"torch.inference_mode()), which torch writes only inside it: call "

@@ -56,6 +56,14 @@ class RoleState:
                                    and a.dtype == b.dtype and torch.equal(a, b))
                         for a, b in zip(tensors(self), tensors(other))))
 
+    def check_weight(self, who: str, layer: str, weight: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming ``layer`` where ``weight`` has another shape than the
+        one calibrated (another model's layer of that name)."""
+        if self.shape is not None and tuple(weight.shape) != tuple(self.shape):
+            raise ValueError(f"{who}: {layer}.weight has shape {tuple(weight.shape)}, but was "
+                             f"calibrated with shape {tuple(self.shape)} (a calibration of "
+                             f"another model?)")
+
     def to(self, device) -> RoleState:
         """A copy with qparams, ``global_amax``, ``lo`` and ``hi`` moved to ``device``."""
         mv = (lambda t: None if t is None else t.to(device))
