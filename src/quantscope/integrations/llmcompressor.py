@@ -123,7 +123,7 @@ class QuantscopeObserver(Observer):
             raise TypeError(f"observer {PREFIX}{self.quantscope_name}: observer_kwargs "
                             f"{self.args.observer_kwargs} do not fit {cls.__name__}: {e}") from None
         self._qparam_shape: tuple[int, ...] | None = None
-        self._dtype = self._merged = torch.float32  # the statistics', and the batches' merged
+        self._merged = torch.float32  # the batches' dtypes merged (as theirs promote them)
         self._range: tuple[torch.Tensor, torch.Tensor] | None = None
         #: statistics assigned by the caller (llm-compressor assigns min_vals / max_vals)
         self._assigned: dict[str, torch.Tensor] = {}
@@ -176,10 +176,15 @@ class QuantscopeObserver(Observer):
         # integer data (llm-compressor observes it) is calibrated on its float32 values
         self.quantscope(units.to(statistics_dtype(observed)))
         self._qparam_shape, self._merged, self._range = shape, merged, None
-        self._dtype = merged if merged.is_floating_point else torch.float32
         self._assigned = {}
 
     # ------------------------------------------------------------- statistics
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The statistics' dtype: the batches' merged one, float32 for integer data
+        (:func:`statistics_dtype`'s rule)."""
+        return self._merged if self._merged.is_floating_point else torch.float32
+
     @property
     def has_statistics(self) -> bool:
         return self.quantscope.has_observed or all(
