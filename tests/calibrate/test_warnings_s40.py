@@ -28,16 +28,19 @@ def _caught(call):
     return [w for w in caught if not issubclass(w.category, DeprecationWarning)]
 
 
+def _warns_here_once(text, call):
+    """``call`` warns ``text`` once, at this file's line (the caller's)."""
+    said = [w for w in _caught(call) if text in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in said]
+
+
 @pytest.mark.parametrize("how", ["sequential", "auto"])
 def test_moe_set_in_vain_warns_through_every_pass(how):
     model, data = llama()
     recipe, kw = (("w8a8", {"sequential": True}) if how == "sequential"
                   else (preset("w8a8", "auto"), {}))
-    caught = _caught(lambda: calibrate(model, data, recipe, progress=False,
-                                       moe=MoE(all_experts=True), **kw))
-    said = [w for w in caught if "MoE(all_experts=True, min_tokens=128) changes nothing" in
-            str(w.message)]
-    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
+    _warns_here_once("MoE(all_experts=True, min_tokens=128) changes nothing", lambda: calibrate(
+        model, data, recipe, progress=False, moe=MoE(all_experts=True), **kw))
 
 
 def test_keep_float_with_nothing_to_rank_warns_at_the_callers_line_naming_the_label():
@@ -51,16 +54,13 @@ def test_keep_float_with_nothing_to_rank_warns_at_the_callers_line_naming_the_la
 
 def test_keep_floats_other_warnings_are_at_the_callers_line_too():
     torch.manual_seed(0)
-    caught = _caught(lambda: calibrate(nn.Sequential(nn.Linear(8, 8)), [torch.randn(4, 8)],
-                                       "w8a8", progress=False, outliers=Outliers(keep_float=3)))
-    said = [w for w in caught if "3 activations asked for, 1 kept float" in str(w.message)]
-    assert len(said) == 1 and said[0].filename == __file__
-    caught = _caught(lambda: calibrate(
+    _warns_here_once("3 activations asked for, 1 kept float", lambda: calibrate(
+        nn.Sequential(nn.Linear(8, 8)), [torch.randn(4, 8)], "w8a8", progress=False,
+        outliers=Outliers(keep_float=3)))
+    _warns_here_once("no tokens to quantize per token", lambda: calibrate(
         nn.Sequential(nn.Conv2d(3, 4, 3)), [torch.randn(2, 3, 8, 8)],
         preset("w8a8", targets=("Conv2d",)), progress=False,
         outliers=Outliers(keep_float=1, fallback="dynamic")))
-    said = [w for w in caught if "no tokens to quantize per token" in str(w.message)]
-    assert len(said) == 1 and said[0].filename == __file__
 
 
 def test_moe_where_the_recipe_ignores_every_expert_warns():
@@ -75,10 +75,9 @@ def test_moe_where_the_recipe_ignores_every_expert_warns():
 
 def test_smooth_with_no_pair_warns_at_the_callers_line():
     torch.manual_seed(0)
-    caught = _caught(lambda: calibrate(nn.Sequential(nn.Linear(8, 8)), [torch.randn(4, 8)],
-                                       "w8a8", progress=False, outliers=Outliers(smooth=0.5)))
-    said = [w for w in caught if "no pair SmoothQuant smooths" in str(w.message)]
-    assert len(said) == 1 and said[0].filename == __file__
+    _warns_here_once("no pair SmoothQuant smooths", lambda: calibrate(
+        nn.Sequential(nn.Linear(8, 8)), [torch.randn(4, 8)], "w8a8", progress=False,
+        outliers=Outliers(smooth=0.5)))
 
 
 @pytest.mark.parametrize("name", ["W8A8", "FP8", "NVFP4"])
