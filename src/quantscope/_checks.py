@@ -175,6 +175,13 @@ def check_range_args(who: str, spec, lo, hi, global_amax, values: bool) -> None:
         check_float32_range(who, *(t for t in (lo, hi) if isinstance(t, torch.Tensor)))
 
 
+def write_refused(t: torch.Tensor) -> bool:
+    """Whether torch refuses an in-place write of ``t`` here: a tensor made under
+    ``torch.inference_mode()``, written outside it (a kernel writing through ``data_ptr()``
+    would not be refused: its caller asks first)."""
+    return t.is_inference() and not torch.is_inference_mode_enabled()
+
+
 def check_float32_range(who: str, *values: torch.Tensor) -> None:
     """Refuse finite float64 values float32 cannot hold: statistics and qparams are float32,
     where they would turn inf (and read as NaN / inf input). One check, and host read, per

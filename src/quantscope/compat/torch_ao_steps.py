@@ -13,6 +13,7 @@ import torch
 from torch.ao.quantization import observer as _ao
 
 from .. import kernels
+from .._checks import write_refused
 from .._oplib import never_traced
 from ..estimators.l2 import check_dst_nbins, l2_range
 from ..stats import ao_histogram
@@ -62,7 +63,7 @@ def observe_fast(x: torch.Tensor, hist: torch.Tensor, lo: torch.Tensor, hi: torc
     if not (x.dtype == torch.float32 and x.is_cpu and hist.is_cpu and lo.dim() == 0
             and kernels.plain(lo) and kernels.plain(hi)):
         return None
-    if hist.is_inference() and not torch.is_inference_mode_enabled():
+    if write_refused(hist):
         return None  # the tensor path raises, as torch.ao's in-place update does
     old_lo, old_hi = kernels.read(lo)[0], kernels.read(hi)[0]
     first = old_lo == math.inf or old_hi == -math.inf  # torch.ao's is_uninitialized

@@ -50,7 +50,7 @@ from torch._C import _is_tracing as _jit_tracing
 from torch._C._functorch import is_functorch_wrapped_tensor as _wrapped
 from torch.autograd.graph import increment_version
 
-from .._checks import env_flag
+from .._checks import env_flag, write_refused
 from .._locks import ForkSafeLock
 from ..formats import IntFormat
 from .cache import FLAGS, BuildError, CacheError, NoCompiler, build, cache_dir, compiler
@@ -312,7 +312,7 @@ def writable(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     """Whether a kernel may write ``t`` in place: :func:`plain`, and not a tensor made under
     ``torch.inference_mode`` written outside it (torch refuses that write; a kernel writing
     through ``data_ptr()`` must leave it to the torch path, which raises torch's error)."""
-    return plain(t, dtype) and not (t.is_inference() and not torch.is_inference_mode_enabled())
+    return plain(t, dtype) and not write_refused(t)
 
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

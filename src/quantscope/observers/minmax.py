@@ -6,6 +6,7 @@ import weakref
 
 import torch
 
+from .._checks import write_refused
 from ..comm import AVG, MAX, MIN
 from ..qparams import QParams, amax_of_range
 from ..stats.minmax import (
@@ -62,7 +63,7 @@ class MinMaxStateObserver(Observer):
             return _pair(count, dev)  # one buffer
         scratch = self.__dict__.get("_scratch")
         if scratch is None or scratch[0].shape != (count,) or scratch[0].device != dev or (
-                scratch[0].is_inference() and not torch.is_inference_mode_enabled()):
+                write_refused(scratch[0])):
             scratch = self._scratch = _pair(count, dev)
         return scratch
 

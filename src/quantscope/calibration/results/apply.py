@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 # the quantizer of a role lives below calibration/ (report and apply both use it): re-exported
-from ..._checks import outside_quantscope
+from ..._checks import outside_quantscope, write_refused
 from ..._locks import ForkSafeLock
 from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
@@ -347,7 +347,7 @@ def _checked_weight(name: str, module: nn.Module, state: RoleState, held) -> tor
         raise ValueError(f"apply: {name} ({type(module).__name__}) has no weight tensor to "
                          f"quantize (calibrated on another model?)")
     state.check_weight("apply", name, w)
-    if w.is_inference() and not torch.is_inference_mode_enabled():
+    if write_refused(w):
         raise ValueError(f"apply: {name}.weight is an inference tensor (made under "
                          f"torch.inference_mode()), which torch writes only inside it: call "
                          f"apply() inside torch.inference_mode(), or build the model outside it")

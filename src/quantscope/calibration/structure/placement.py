@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
+from ..._checks import write_refused
 from ...observers.base import is_dtensor
 
 __all__ = ["check_module", "check_placement", "held_weight", "is_block", "loaded_copies",
@@ -136,7 +137,7 @@ def restore_problem(module: nn.Module, name: str) -> tuple[str, str] | None:
         why = "was parametrized after apply() through a right_inverse"
         return (f"{why}, which stores other values than the fake-quantized weight",
                 "remove the parametrization first (parametrize.remove_parametrizations)")
-    if stored(module, name).is_inference() and not torch.is_inference_mode_enabled():
+    if write_refused(stored(module, name)):
         why = "is an inference tensor (made under torch.inference_mode())"
         return f"{why}, which torch writes only inside it", "call remove() in inference mode"
     copies = loaded_copies(module)
