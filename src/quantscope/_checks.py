@@ -175,6 +175,12 @@ def check_range_args(who: str, spec, lo, hi, global_amax, values: bool) -> None:
         check_float32_range(who, *(t for t in (lo, hi) if isinstance(t, torch.Tensor)))
 
 
+def version_of(t: torch.Tensor | None) -> int | None:
+    """``t``'s in-place version counter; None for None and for a tensor made under
+    ``torch.inference_mode()``, which keeps none."""
+    return None if t is None or t.is_inference() else t._version
+
+
 def write_refused(t: torch.Tensor) -> bool:
     """Whether torch refuses an in-place write of ``t`` here: a tensor made under
     ``torch.inference_mode()``, written outside it (a kernel writing through ``data_ptr()``

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import version_of
 from ..layout import Block, Group
 from ..observers.minmax import MemorylessMinMaxObserver as _NativeMemoryless
 from ..observers.minmax import MovingAverageMinMaxObserver as _NativeEMA
@@ -95,7 +96,7 @@ class Observer:
         # (g_idx, its in-place version) the layout was last built for, and a Block layout's
         # Group: Group's checks read g_idx on the host, once per g_idx (or in-place write,
         # as GPTQ fills weight_g_idx) rather than per forward
-        self._order_of = (g_idx, _version(g_idx))
+        self._order_of = (g_idx, version_of(g_idx))
         self._block_order = None
         self.module = None if module is None else [module]  # not a submodule
         # [(state key, zp dtype, get_qparams' dict, its tensors' versions)]: forward returns
@@ -163,7 +164,7 @@ class Observer:
         else:
             zp = qp.zero_point.to(dtype)
         out = {"scale": qp.scale, "zero_point": zp, "global_scale": qp.global_scale}
-        versions = [(t, _version(t)) for t in out.values() if t is not None]
+        versions = [(t, version_of(t)) for t in out.values() if t is not None]
         # not cached where a version is not tracked (made under inference mode)
         self._qp_cache[0] = None if key is None or any(v is None for _, v in versions) else (
             key, dtype, out, versions)
@@ -174,7 +175,7 @@ class Observer:
         seed's group and tensor_group strategies did: Group layouts carry it; Block ones
         (NVFP4, MX) observe the columns in its group order; other layouts ignore it."""
         g_idx = self._g_idx if g_idx is None else filled_g_idx(g_idx)
-        seen = (g_idx, _version(g_idx))
+        seen = (g_idx, version_of(g_idx))
         changed = (seen[0] is not self._order_of[0] or seen[1] != self._order_of[1]
                    or (g_idx is not None and seen[1] is None))  # an untracked one: rebuilt
         lay = self.spec.layout
@@ -235,14 +236,6 @@ def _seed_spec(args, base_name: str):
             and int(field(args, "num_bits", 8)) != 4):
         spec = spec.replace(layout=Group(spec.layout.size, -1), scale="fp32")
     return spec
-
-
-def _version(t: torch.Tensor | None) -> int | None:
-    """``t``'s in-place version (None for None, and for an inference tensor: untracked)."""
-    try:
-        return None if t is None else t._version
-    except RuntimeError:
-        return None
 
 
 def _act_order(layout, g_idx: torch.Tensor | None) -> Group | None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from .._checks import version_of
 from ..formats import IntFormat
 from ..qparams import qparams_from_range
 from . import mse_tiles
@@ -258,7 +259,7 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
     STATS.update(pairs=b.known.numel(), recomputed=int(b.known.sum()), units=units.shape[0],
                  units_recomputed=int(b.known.any(0).sum()))
     # an inference tensor (torch.inference_mode) keeps no version counter: no guard there
-    version = None if units.is_inference() else units._version
+    version = version_of(units)
 
     def error():  # torch's T of the chosen candidates, on first access (one torch pass)
         if version is not None and units._version != version:

@@ -35,6 +35,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..._checks import version_of
 from ...exporters.moe_slots import expert_index
 from ...layout import Block, Channel, Group, Tensor, Tile
 from ..recipe_dict import matches
@@ -96,7 +97,7 @@ def _where(x: torch.Tensor) -> tuple:
     version (an in-place change between two calls makes a new input; inference tensors,
     what an inference-mode forward makes, keep no version)."""
     return (x.data_ptr(), x.shape, x.stride(), x.dtype,
-            None if x.is_inference() else x._version)
+            version_of(x))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
