@@ -18,7 +18,7 @@ from torch.ao.quantization import HistogramObserver
 
 from quantscope.compat import quark
 from quantscope.compat.torch_ao import NonFiniteBatchError
-from quantscope.stats.histogram import linear_counts
+from quantscope.stats.histogram import binned_counts, linear_counts
 
 INF = math.inf
 _X = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
@@ -167,7 +167,8 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
                                      "cast of inf (x86-64: bin 0; undefined elsewhere)")
 @pytest.mark.parametrize("bins", [1, 7, 256, 2048, 4200])
 @pytest.mark.parametrize("scale", [1e34, 1e35, 1e36, 1e37, 1e38, 3e38])
-def test_linear_counts_overflowing_positions_equal_torch_histc(bins, scale):
+@pytest.mark.parametrize("counts", [linear_counts, binned_counts])
+def test_linear_counts_overflowing_positions_equal_torch_histc(bins, scale, counts):
     g = torch.Generator().manual_seed(bins)
     x = torch.randn(4000, generator=g).mul_(scale).clamp_(-3.4e38, 3.4e38)
     # |x| from 0 (Quark's symmetric grid) and signed ranges whose width stays finite
@@ -175,17 +176,18 @@ def test_linear_counts_overflowing_positions_equal_torch_histc(bins, scale):
     for data, lo, hi in ((x.abs(), 0.0, float(x.abs().max())),
                          (signed, float(signed.min()), float(signed.max())),
                          (signed, float(signed.min()) / 2, float(signed.max()) / 3)):
-        got = linear_counts(data[None], torch.tensor([lo]), torch.tensor([hi]), bins)[0]
+        got = counts(data[None], torch.tensor([lo]), torch.tensor([hi]), bins)[0]
         assert torch.equal(got.float(), torch.histc(data, bins, lo, hi)), (lo, hi)
 
 
 @pytest.mark.parametrize("bins", [1, 7, 256, 2048, 4200])
-def test_linear_counts_ordinary_data_unchanged(bins):
+@pytest.mark.parametrize("binning", [linear_counts, binned_counts])
+def test_linear_counts_ordinary_data_unchanged(bins, binning):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5000, generator=g) * torch.tensor([[1e-3], [10.0], [1e30]])
     x[:, :500] = x[:, :500].round()  # values on edges
     lo, hi = x.amin(1), x.amax(1)
     for a, b in ((lo, hi), (lo / 2, hi / 2), (lo * 0, hi)):
-        got = linear_counts(x, a, b, bins)
+        got = binning(x, a, b, bins)
         for row, want_lo, want_hi, counts in zip(x, a.tolist(), b.tolist(), got, strict=True):
             assert torch.equal(counts.float(), torch.histc(row, bins, want_lo, want_hi))

@@ -608,6 +608,20 @@ def test_any_non_finite_and_extreme_ends_agree_with_isfinite(dtype):
             assert bool(stats.any_non_finite(torch.cat((lo, hi)))) == want
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_holds_non_finite_agrees_with_isfinite(dtype):
+    # one aminmax instead of isfinite(x).all(): a NaN or an inf anywhere, a dtype's max,
+    # subnormals and -0.0 (all finite), and an empty batch (nothing non-finite)
+    fi = torch.finfo(dtype)
+    finite = torch.tensor([0.0, -0.0, fi.max, -fi.max, fi.tiny, fi.tiny / 4, 1.5], dtype=dtype)
+    assert not stats.holds_non_finite(finite) and not stats.holds_non_finite(finite[:0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in range(len(finite)):
+            x = finite.clone()
+            x[at] = bad
+            assert stats.holds_non_finite(x.reshape(7, 1)), (bad, at)
+
+
 @pytest.mark.parametrize("shape", [(5, 10), (7, 10), (4, 9)])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_padded_tiles_of_positive_data_keep_their_own_min(name, shape):

@@ -84,19 +84,46 @@ def test_int64_counts_go_past_2_pow_24():
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31), bins=st.sampled_from([16, 100, 2048]),
-       n=st.sampled_from([1, 7, 1000]))
-def test_linear_counts_equal_torch_histc(seed, bins, n):
+       n=st.sampled_from([1, 7, 1000]), counts=st.sampled_from([H.linear_counts,
+                                                                 H.binned_counts]))
+def test_linear_counts_equal_torch_histc(seed, bins, n, counts):
+    # linear_counts hands one float32 row to torch.histc; binned_counts is the emulation
+    # every other case takes, held to histc here on the same rows
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * 10
     x[: n // 3] = torch.round(x[: n // 3])  # values on edges
     lo, hi = x.min(), x.max()
-    got = H.linear_counts(x[None], lo.reshape(1), hi.reshape(1), bins)[0]
+    got = counts(x[None], lo.reshape(1), hi.reshape(1), bins)[0]
     assert torch.equal(got.float(), torch.histc(x, bins, lo.item(), hi.item()))
     if lo == hi:  # histc then bins over the data's own range, which is this one
         return
     # a narrower grid drops values outside it, as histc does
-    got = H.linear_counts(x[None], (lo / 2).reshape(1), (hi / 2).reshape(1), bins)[0]
+    got = counts(x[None], (lo / 2).reshape(1), (hi / 2).reshape(1), bins)[0]
     assert torch.equal(got.float(), torch.histc(x, bins, (lo / 2).item(), (hi / 2).item()))
+
+
+def test_linear_counts_takes_either_path_with_the_same_counts():
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 3, H._HISTC_ROWS, H._HISTC_ROWS + 1):  # histc row by row, then bincount
+        x = torch.randn(rows, 999, generator=g) * torch.rand(rows, 1, generator=g) * 50
+        x[:, :300] = x[:, :300].round()
+        lo, hi = x.amin(1), x.amax(1)
+        lo[0] = hi[0] = 2.0  # an empty range: histc's +-1 widening, by the emulation
+        for a, b in ((lo, hi), (lo / 3, hi / 2)):
+            want = H.binned_counts(x, a, b, 100)
+            assert torch.equal(H.linear_counts(x, a, b, 100), want)
+            assert torch.equal(H.linear_counts(x.double(), a, b, 100), H.binned_counts(
+                x.double(), a, b, 100))
+
+
+def test_linear_counts_exact_past_float32_counts(monkeypatch):
+    # each histc chunk counts in float32, exact only up to 2 ** 24: chunks are summed in int64
+    monkeypatch.setattr(H, "_HISTC_CHUNK", 1000)
+    x = torch.full((1, 5000), 0.5)
+    x[0, 0], x[0, 1] = -1.0, 1.0
+    got = H.linear_counts(x, torch.tensor([-1.0]), torch.tensor([1.0]), 8)
+    assert torch.equal(got, H.binned_counts(x, torch.tensor([-1.0]), torch.tensor([1.0]), 8))
+    assert got.dtype == torch.int64 and int(got[0, 6]) == 4998
 
 
 def test_fold_abs_matches_an_abs_histogram_off_the_edges():

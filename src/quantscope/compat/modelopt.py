@@ -110,7 +110,7 @@ from ..observers.minmax import StaticMinMaxObserver
 from ..observers.registry import register
 from ..qparams import amax_of_range
 from ..stats import histogram as H
-from ..stats.minmax import unit_minmax
+from ..stats.minmax import holds_non_finite, unit_minmax
 from . import SavesNoState
 from .horizon import AppendingFirstGrid
 from .modelopt_grid import ModelOptGrid
@@ -288,7 +288,7 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
             raise ValueError(f"modelopt MaxCalibrator: collect(x): x has no elements (shape "
                              f"{tuple(x.shape)}); expected a tensor with data, whose max |x| "
                              f"is an amax")
-        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        if x.is_floating_point() and holds_non_finite(x):
             raise ModelOptArgumentError(f"modelopt MaxCalibrator: detected NaN or inf values "
                                         f"in the tensor (NaN: {bool(torch.isnan(x).any())})")
         if _is_integer(x) and x.numel():
@@ -419,8 +419,7 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
     def collect(self, x: torch.Tensor) -> None:
         """Add ``|x|`` to the histogram (bins of the same width appended past its end)."""
         x = _float_values(_upcast(x))
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() and \
-                not bool(torch.isfinite(x).all()):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and holds_non_finite(x):
             self._refuse_non_finite(x)
         self(x)
 

@@ -46,6 +46,7 @@ __all__ = [
     "Hist",
     "HistState",
     "add_values",
+    "binned_counts",
     "check_state",
     "empty_state",
     "fold_abs",
@@ -315,14 +316,36 @@ def view(state: HistState, absolute: bool = False) -> Hist:
     return Hist(state.counts, lo, hi, absolute, w)  # (hi - lo) / bins is w exactly
 
 
+_HISTC_ROWS = 64  # up to this many rows, torch.histc row by row beats one bincount (12x at 8M)
+_HISTC_CHUNK = 1 << 24  # float32 counts are exact up to 2 ** 24
+
+
 def linear_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                   bins: int) -> torch.Tensor:
-    """``torch.histc(u, bins, min=lo, max=hi)`` of every row, as int64 counts ``[U, bins]``.
+    """``torch.histc(u, bins, min=lo, max=hi)`` of every row, as int64 counts ``[U, bins]``
+    (int64: they do not saturate at ``2 ** 24``).
 
-    The same float32 arithmetic as ATen's histc kernel, ``trunc((x - lo) * bins / (hi - lo))``,
-    the right edge inclusive and values outside ``[lo, hi]`` dropped, so the bins
-    match torch's exactly; int64 counts do not saturate at ``2 ** 24``.
+    A few float32 rows on the CPU over finite, non-empty ranges go to ``torch.histc`` itself,
+    in chunks of ``2 ** 24`` values whose float32 counts are exact; every other case to
+    :func:`binned_counts`, its emulation.
     """
+    lo, hi = lo.float(), hi.float()
+    if units.device.type == "cpu" and units.dtype == torch.float32 and \
+            units.shape[0] <= _HISTC_ROWS and bool(((hi - lo) > 0).all() & (hi - lo).isfinite().all()):
+        counts = units.new_zeros(units.shape[0], bins, dtype=torch.int64)
+        for row, a, b, out in zip(units, lo.tolist(), hi.tolist(), counts, strict=True):
+            for part in row.split(_HISTC_CHUNK):
+                out += torch.histc(part, bins, a, b).long()
+        return counts
+    return binned_counts(units, lo, hi, bins)
+
+
+def binned_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  bins: int) -> torch.Tensor:
+    """:func:`linear_counts` for any rows, dtype and device: the same float32 arithmetic as
+    ATen's histc kernel, ``trunc((x - lo) * bins / (hi - lo))``, the right edge inclusive and
+    values outside ``[lo, hi]`` dropped, so the bins match torch's exactly, in one
+    ``bincount`` over every row."""
     U = units.shape[0]
     lo, hi = lo.float().clone(), hi.float().clone()
     same = lo == hi  # histc widens an empty range by one on each side
