@@ -25,7 +25,8 @@ Blocks and tiles are padded with zeros instead, as MX / NVFP4 and
 block-wise fp8 define: zero is always representable, so padding never moves a
 range or adds error. Statistics that count values take the padding back out
 (:meth:`Layout.padded_parts`: histogram observers see a padded unit as its real
-values alone).
+values alone). A tile longer than a whole dim is cut to it (its unit holds the
+tensor's rows, not a tile of padding): same scales, a fraction of the memory.
 """
 
 from __future__ import annotations
@@ -411,28 +412,33 @@ class Tile(Layout):
             object.__setattr__(self, name, n)
 
     def _geometry(self, shape):
+        """``(r, c, rt, ct, tr, tc)``: the last two dims, the tile grid, and a unit's rows and
+        columns: a tile, but never more than the tensor holds (a tile past a whole dim is that
+        dim), so a decode-shaped ``[B, 1, C]`` activation's units are its rows, not 128x their
+        size in padding zeros that every statistic takes back out."""
         if len(shape) < 2:
             raise ValueError(f"Tile: needs a tensor of at least 2 dims, got shape {tuple(shape)}")
         r, c = shape[-2:]
-        return r, c, -(-r // self.rows), -(-c // self.cols)
+        return (r, c, -(-r // self.rows), -(-c // self.cols),
+                min(self.rows, r) or self.rows, min(self.cols, c) or self.cols)
 
     def qparam_shape(self, shape):
-        _, _, rt, ct = self._geometry(shape)
+        _, _, rt, ct, _, _ = self._geometry(shape)
         return (*shape[:-2], rt, ct)
 
     def to_units(self, x):
-        r, c, rt, ct = self._geometry(x.shape)
-        pr, pc = rt * self.rows - r, ct * self.cols - c
+        r, c, rt, ct, tr, tc = self._geometry(x.shape)
+        pr, pc = rt * tr - r, ct * tc - c
         if pr or pc:
             x = torch.nn.functional.pad(x, (0, pc, 0, pr))
         lead = math.prod(x.shape[:-2])
-        x = x.reshape(lead, rt, self.rows, ct, self.cols).transpose(2, 3)
-        return x.reshape(lead * rt * ct, self.rows * self.cols)
+        x = x.reshape(lead, rt, tr, ct, tc).transpose(2, 3)
+        return x.reshape(lead * rt * ct, tr * tc)
 
     def to_shape(self, units, shape):
-        r, c, rt, ct = self._geometry(shape)
-        x = units.reshape(math.prod(shape[:-2]), rt, ct, self.rows, self.cols).transpose(2, 3)
-        x = x.reshape(*shape[:-2], rt * self.rows, ct * self.cols)
+        r, c, rt, ct, tr, tc = self._geometry(shape)
+        x = units.reshape(math.prod(shape[:-2]), rt, ct, tr, tc).transpose(2, 3)
+        x = x.reshape(*shape[:-2], rt * tr, ct * tc)
         return x[..., :r, :c]
 
     @property
@@ -440,20 +446,20 @@ class Tile(Layout):
         return True
 
     def pads_at(self, shape):
-        r, c, rt, ct = self._geometry(shape)
-        return (rt * self.rows, ct * self.cols) != (r, c)
+        r, c, rt, ct, tr, tc = self._geometry(shape)
+        return (rt * tr, ct * tc) != (r, c)
 
     def padded_parts(self, units, shape):
-        r, c, rt, ct = self._geometry(shape)
-        rv, cv = r - (rt - 1) * self.rows, c - (ct - 1) * self.cols  # the edge tiles' real sizes
-        if rv == self.rows and cv == self.cols:
+        r, c, rt, ct, tr, tc = self._geometry(shape)
+        rv, cv = r - (rt - 1) * tr, c - (ct - 1) * tc  # the edge tiles' real sizes
+        if rv == tr and cv == tc:
             return []
-        u = units.reshape(-1, rt, ct, self.rows, self.cols)
+        u = units.reshape(-1, rt, ct, tr, tc)
         tiles = torch.arange(units.shape[0], device=units.device).view(-1, rt, ct)
         parts = [(tiles[:, -1, -1], u[:, -1, -1, :rv, :cv])]  # the corner
-        if cv < self.cols and rt > 1:  # the last tile column above it
+        if cv < tc and rt > 1:  # the last tile column above it
             parts.append((tiles[:, :-1, -1], u[:, :-1, -1, :, :cv]))
-        if rv < self.rows and ct > 1:  # the last tile row left of it
+        if rv < tr and ct > 1:  # the last tile row left of it
             parts.append((tiles[:, -1, :-1], u[:, -1, :-1, :rv, :]))
         return [(i.reshape(-1), v.reshape(i.numel(), -1)) for i, v in parts]
 

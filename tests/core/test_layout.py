@@ -128,6 +128,21 @@ def test_block_and_tile_pad_with_zeros():
     assert Block(4).pads and Tile().pads and not Group(4).pads
 
 
+def test_a_tile_past_a_whole_dim_is_cut_to_it():
+    # a decode-shaped [B, 1, C] activation: one row per tile, not 128 rows of them padding
+    x = torch.arange(1.0, 1 + 3 * 300).reshape(3, 1, 300)
+    lay = Tile(128, 128)
+    u = lay.to_units(x)
+    assert u.shape == (3 * 3, 128) and lay.qparam_shape(x.shape) == (3, 1, 3)
+    assert u[:3].tolist() == [x[0, 0, :128].tolist(), x[0, 0, 128:256].tolist(),
+                              x[0, 0, 256:].tolist() + [0.0] * 84]  # the column edge pads
+    assert torch.equal(lay.to_shape(u, x.shape), x) and lay.pads_at(x.shape)
+    assert [p.shape for _, p in lay.padded_parts(u, x.shape)] == [(3, 44)]
+    small = torch.arange(1.0, 16.0).reshape(3, 5)  # smaller than one tile: one unit, no padding
+    assert lay.to_units(small).tolist() == [small.reshape(-1).tolist()]
+    assert not lay.pads_at(small.shape) and lay.padded_parts(lay.to_units(small), (3, 5)) == []
+
+
 @pytest.mark.parametrize("make,shape,match", [
     (lambda: Group(0), None, "Group: size"),
     (lambda: Group(-4), None, "Group: size"),

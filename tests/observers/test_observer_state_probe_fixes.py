@@ -137,3 +137,21 @@ def test_observing_inside_inference_mode_is_unchanged():
         before = obs.min_vals
         obs(xs[1])
         assert obs.min_vals is before
+
+
+
+@pytest.mark.parametrize("fmt, symmetric", [("int8", False), ("int4", True), ("fp8_e4m3", True)])
+@pytest.mark.parametrize("name", ["mse", "memoryless_mse", "static_minmax", "memoryless_minmax"])
+def test_tile_cut_to_a_short_dim_scores_the_rows_blocks(name, fmt, symmetric):
+    # a [B, 1, C] batch under Tile(128, 128): each unit is one row's 128 columns (the last
+    # one 44, padded), the units of Block(128) on the [B, C] rows, and scored as those
+    # (the MSE search's global patience reads every unit: the same units, the same result)
+    x = torch.randn(3, 1, 300, generator=torch.Generator().manual_seed(1)) * 3
+    got, want = (quantscope.get_observer(name, QuantSpec(fmt, lay, symmetric=symmetric))
+                 for lay in (Tile(128, 128), Block(128)))
+    got(x)
+    want(x.reshape(3, 300))
+    qp, ref = got.calculate_qparams(), want.calculate_qparams()
+    assert qp.scale.shape == (3, 1, 3)
+    assert torch.equal(qp.scale.reshape(-1), ref.scale.reshape(-1))
+    assert torch.equal(qp.zero_point.reshape(-1), ref.zero_point.reshape(-1))

@@ -34,6 +34,7 @@ LAYOUTS = [
     (Tile(64, 64), (2, 65, 100)),
     (Tile(16, 512), (3, 300)),
     (Block(4096), (1, 300)),
+    (Tile(128, 128), (3, 1, 300)),  # decode-shaped: a tile cut to the one row
 ]
 
 
