@@ -162,6 +162,9 @@ def test_a_tile_past_a_whole_dim_is_cut_to_it():
     (lambda: Channel(0), (), "Channel: a 0-d"),
     (lambda: Group(2, g_idx=torch.tensor([0, 0, 1])), None, "Group: g_idx"),
     (lambda: Group(2, g_idx=torch.tensor([0, 0, 0, 1])), None, "Group: g_idx must put exactly"),
+    # a damaged g_idx's huge id is refused before any count (bincount allocated 8 bytes per id)
+    (lambda: Group(2, g_idx=torch.tensor([0, 0, 1, 2**40])), None,
+     r"g_idx must put exactly size=2 columns in each group 0..1; got group index 1099511627776"),
     (lambda: Group(2, g_idx=torch.tensor([0.0, 0.0])), None, "Group: g_idx must be a 1-D integer"),
     (lambda: Group(2, g_idx=torch.tensor([0, 0, 1, 1])), (3, 8), "Group: g_idx has 4 entries"),
 ])
