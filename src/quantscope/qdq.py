@@ -248,7 +248,8 @@ def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     u = spec.layout.to_units(x.float())
     if check:  # one reduction, read with the qparams' flags
         _check_qparams(qparams, spec, "quantize", (u.isnan().any(), _NAN_INPUT))
-    return spec.layout.to_shape(quantize_units(u, scale, zp, spec), x.shape)
+    return _as_input(spec.layout.to_shape(quantize_units(u, scale, zp, spec), x.shape), x,
+                     torch.float32)
 
 
 def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
@@ -277,18 +278,21 @@ def dequantize(q: torch.Tensor, qparams: QParams, spec: QuantSpec,
             off, f"q must hold codes of {spec}: {codes}; pass check=False to skip this check",
             f"q must hold codes: {codes}"))  # (traced: no spec in it)
     out = _saturate(dequantize_units(u, scale, zp), dtype)
-    return spec.layout.to_shape(out, q.shape).to(dtype)
+    return _as_input(spec.layout.to_shape(out, q.shape), q, dtype)
 
 
-def _as_input(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``out`` in ``x``'s dtype, and in its channels-last memory format where ``x`` is in one
-    (one copy), as torch's ``fake_quantize_per_*`` keep it (a conv net run channels-last would
-    convert back)."""
-    if x.is_contiguous() or x.dim() not in (4, 5):
-        return out.to(x.dtype)
-    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-    return out.to(x.dtype, memory_format=fmt if x.is_contiguous(memory_format=fmt)
-                  else torch.preserve_format)
+def _as_input(out: torch.Tensor, x: torch.Tensor, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """``out`` in ``dtype`` (default ``x``'s) and in ``x``'s memory format: channels-last where
+    ``x`` is in one, as torch's ``fake_quantize_per_*`` keep it (a conv net run channels-last
+    would convert back), else contiguous. A layout's ``to_shape`` may give a view (a slice of
+    padded units, a moved axis): it is copied, so no result holds the padding's buffer or
+    strides of its own (``.to`` alone keeps a view whose suggested format already matches)."""
+    fmt = torch.contiguous_format
+    if x.dim() in (4, 5) and not x.is_contiguous():
+        last = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        fmt = last if x.is_contiguous(memory_format=last) else fmt
+    return out.to(x.dtype if dtype is None else dtype).contiguous(memory_format=fmt)
 
 
 def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,

@@ -415,3 +415,26 @@ def test_fake_quantize_keeps_a_channels_last_input_channels_last(layout, dims, s
     # the values of the contiguous input's (torch's can differ at a tie: it multiplies by the
     # scale's reciprocal, quantscope divides)
     assert torch.equal(got, fake_quantize(x.contiguous(), qp, spec))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, layout", [
+    ((3, 5), Tile(128, 128)), ((6, 6), Block(4)), ((6, 6), Group(3, axis=0)),
+    ((6, 6), Block(4, axis=0)), ((6, 6), Channel(1)), ((2, 6, 3, 3), Channel(1)),
+    ((2, 8, 4, 4), Block(4, axis=1))])
+def test_qdq_results_are_contiguous_like_torchs(shape, layout, dtype):
+    # a layout's to_shape gives a view (padding sliced off, an axis moved back): each result is
+    # copied out, contiguous as torch's fake_quantize_per_* give it, holding only its values
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    spec = QuantSpec("int8", layout)
+    qp = qparams_from_range(*spec.layout.to_units(x.float()).aminmax(dim=1), spec)
+    q = quantize(x, qp, spec)
+    for y in (fake_quantize(x, qp, spec), fake_quantize(x, qp, spec, ste=True), q,
+              dequantize(q, qp, spec, dtype)):
+        assert y.is_contiguous() and y.shape == x.shape
+        assert y.untyped_storage().nbytes() == y.numel() * y.element_size()
+    last = x.to(memory_format=torch.channels_last) if x.dim() == 4 else None
+    if last is not None:  # and a channels-last input's stays channels-last
+        got = fake_quantize(last, qp, spec)
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(got, fake_quantize(x, qp, spec))
