@@ -193,6 +193,43 @@ def check_same_slots(keys, group=None) -> None:
                      "calibrate: the ranks' recipes match different layers")
 
 
+#: the options that decide a distributed calibration's exchanges or its result, which every
+#: rank must give alike (the group, the device, progress and the sampling seed may differ)
+AGREED = ("sampling.tokens", "sampling.budget_mb", "auto.candidates", "auto.metric",
+          "auto.loss", "auto.score_tokens", "moe.all_experts", "moe.min_tokens",
+          "outliers.smooth", "outliers.keep_float", "outliers.fallback", "runtime.missing",
+          "runtime.time_groups")
+
+
+def check_same_options(opts, group=None) -> None:
+    """Raise the same ``ValueError`` on every rank unless every rank gives the same
+    :data:`AGREED` options (``opts``: the call's ``Options``): one rank scoring auto on the
+    model's output, or smoothing, runs exchanges the others do not (gloo then aborts or waits
+    out its timeout); keep_float or the sample size on one rank gives the ranks different
+    results. A loss counts by whether it is given. One tiny all_gather; names the first
+    option that differs, with each rank's value."""
+    if not is_distributed(group):
+        return
+    values = {}
+    for path in AGREED:
+        kind, name = path.split(".")
+        v = getattr(getattr(opts, kind), name)
+        values[f"{type(getattr(opts, kind)).__name__}.{name}"] = (
+            v is not None if name == "loss" else sorted(v.items()) if isinstance(v, dict) else v)
+    crc = zlib.crc32(repr(values).encode())
+    got = all_gather(torch.tensor([crc], dtype=torch.int64, device=group_device(group)),
+                     group).cpu()
+    if bool((got == got[0]).all()):
+        return
+    every: list = [None] * world_size(group)  # only on a mismatch: name the difference
+    dist.all_gather_object(every, values, group=group)
+    odd = next(k for k in values if any(e[k] != every[0][k] for e in every))
+    raise ValueError(f"calibrate: the ranks give different options: {odd} is "
+                     f"{', '.join(f'{e[odd]!r} on rank {r}' for r, e in enumerate(every))}; "
+                     f"every rank of a distributed calibration must give the same options "
+                     f"(they decide its exchanges and its result)")
+
+
 def check_same_weights(weights: dict, group=None) -> None:
     """Raise the same ``ValueError`` on every rank unless every rank holds the same weights
     (``{layer: tensor}``, the same layers everywhere: :func:`check_same_slots`): each weight

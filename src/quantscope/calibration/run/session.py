@@ -55,6 +55,7 @@ from .batches import check_batches
 from .dist_pass import calibrate_distributed
 from .exclusive import calibrating
 from .finish import build_states
+from .gather import check_same_options
 from .module_roles import check_shapes
 from .observe import (
     DEFAULT_SAMPLE_BUDGET_MB,
@@ -171,6 +172,8 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
         if top:  # once the checks pass; here, not in the pass: sequential pieces and auto's
             # candidates calibrate through inner calls
             warn_unused_moe(recipes, opts.moe, _moe.has_experts(model, recipes.values()))
+    if top and opts.runtime.distributed:  # every rank here: its checks passed on all
+        check_same_options(opts, opts.runtime.group)
 
     def run(batches):  # the calibration itself; keep_float's ranking follows it
         if opts.sequential is not None:

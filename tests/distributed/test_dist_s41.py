@@ -1,0 +1,63 @@
+"""Distributed defect of probe s41: options that differ between ranks. Auto's metric or
+smoothing on one rank ran exchanges the others did not (gloo aborted every process, or a
+rank waited out the timeout); keep_float or the sample size on one rank gave the ranks
+different calibrations, silently. Now every rank raises the same ValueError naming the
+option; the options that may differ (the sampling seed, progress) still may.
+
+One spawn of 2 gloo processes; the group's timeout is short, so a rank left waiting fails
+in seconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ports import error_text, rank_results, spawn_ranks
+
+import quantscope
+from quantscope.calibration import Auto, Outliers, Runtime, Sampling
+
+pytestmark = pytest.mark.dist  # spawns its own process group
+
+TIMEOUT = 20
+WORLD = 2
+
+
+def _calibrate(**options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    return quantscope.calibrate(model, batches, "w8a8", progress=False,
+                                runtime=Runtime(distributed=True), **options)
+
+
+def _scenarios(r, out):
+    out["metric"] = error_text(_calibrate, observer="auto", auto=Auto(
+        candidates=["minmax", "mse"], metric="model" if r == 0 else "tensor"))
+    out["keep_float"] = error_text(_calibrate, outliers=Outliers(keep_float=r))
+    out["tokens"] = error_text(_calibrate, observer="auto", sampling=Sampling(
+        tokens=4 if r else 64), auto=Auto(candidates=["minmax", "mse"], metric="tensor"))
+    # what may differ: the seed (the sample is gathered from every rank) and progress
+    cal = _calibrate(sampling=Sampling(seed=r))
+    out["scales"] = [s.qparams.scale.tolist() for roles in cal.states.values()
+                     for s in roles.values() if s.qparams is not None]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn_ranks(_scenarios, WORLD, TIMEOUT)
+
+
+@pytest.mark.parametrize("option, values", [
+    ("metric", "Auto.metric is 'model' on rank 0, 'tensor' on rank 1"),
+    ("keep_float", "Outliers.keep_float is 0 on rank 0, 1 on rank 1"),
+    ("tokens", "Sampling.tokens is 64 on rank 0, 4 on rank 1")])
+def test_an_option_differing_between_ranks_raises_on_every_rank(ranks, option, values):
+    got = rank_results(ranks, option)
+    assert got[0] == got[1] and got[0].startswith("ValueError: calibrate: the ranks give "
+                                                  "different options: "), got
+    assert values in got[0]
+
+
+def test_options_that_may_differ_still_calibrate_alike(ranks):
+    scales = rank_results(ranks, "scales")
+    assert scales[0] == scales[1] and scales[0]
