@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import quantscope
-from quantscope import Block, QuantSpec, Tile
+from quantscope import Block, Channel, QuantSpec, Tensor, Tile
 
 # ---- padding is no data: a padded unit's range (and its average) is its real values' ----
 
@@ -155,3 +155,37 @@ def test_tile_cut_to_a_short_dim_scores_the_rows_blocks(name, fmt, symmetric):
     assert qp.scale.shape == (3, 1, 3)
     assert torch.equal(qp.scale.reshape(-1), ref.scale.reshape(-1))
     assert torch.equal(qp.zero_point.reshape(-1), ref.zero_point.reshape(-1))
+
+
+# ---- probe s41: a first-batch grid's state read as a power-of-two one; load errors' key ----
+
+@pytest.mark.parametrize("name", ["percentile", "histogram_mse", "entropy", "histogram", "mix"])
+def test_a_first_grid_state_is_refused_by_a_native_grid_observer(name):
+    # its linear counts read as power-of-two bins gave every scale eps, without a word
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 8
+    first = quantscope.get_observer(name, QuantSpec("int8"), grid="first")
+    first(x)
+    native = quantscope.get_observer(name, QuantSpec("int8"))
+    with pytest.raises(ValueError, match=r"cannot load linear_grid: the state's histogram is on "
+                                         r"a first-batch grid \(grid='first'\)"):
+        native.load_state_dict(first.state_dict())
+    again = quantscope.get_observer(name, QuantSpec("int8"), grid="first")
+    again.load_state_dict(first.state_dict())  # into its own grid, as before
+    assert torch.equal(again.calculate_qparams().scale, first.calculate_qparams().scale)
+    native(x)  # and the other way: a native state loads into a first-grid observer
+    again.load_state_dict(native.state_dict())
+    assert torch.equal(again.hist_counts, native.hist_counts) and not bool(again.linear_grid)
+
+
+def test_a_load_error_names_the_submodule():
+    # as torch's size mismatches name the key: which of a model's observers refused its state
+    def parent(layout):
+        return torch.nn.ModuleDict({n: quantscope.get_observer(
+            "static_minmax", QuantSpec("int8", layout if n == "layer2" else Tensor()))
+            for n in ("layer1", "layer2")})
+    src = parent(Channel(0))
+    for obs in src.values():
+        obs(torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"StaticMinMaxObserver\('static_minmax', int8 tensor "
+                                         r"sym\) at 'layer2': cannot load a state whose min_vals"):
+        parent(Tensor()).load_state_dict(src.state_dict())

@@ -51,6 +51,7 @@ from ..estimators.entropy import horizon_entropy_amax
 from ..estimators.mse import SearchResult
 from ..formats import as_int
 from ..layout import Channel, Tensor
+from ..observers import record
 from ..observers.histogram import EntropyObserver, HistogramObserverBase
 from ..observers.histogram import MixObserver as _NativeMix
 from ..observers.histogram import PercentileObserver as _NativePercentile
@@ -346,8 +347,9 @@ class AppendingFirstGrid:
         if nb > self.bins and not self.hist_hi.is_meta and not (self._linear and bool(
                 (amax_of_range(*self._data_range()) > self.hist_hi).all())):
             self.reset()
-            raise ValueError(f"{self.describe()}: cannot load a histogram of {nb} bins into "
-                             f"one of bins={self.bins}; construct the observer with bins={nb}")
+            raise ValueError(f"{record.at(self.describe(), prefix)}: cannot load a histogram "
+                             f"of {nb} bins into one of bins={self.bins}; construct the "
+                             f"observer with bins={nb}")
 
 
 @register("horizon:KLObserver")

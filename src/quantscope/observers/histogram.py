@@ -56,6 +56,7 @@ from ..stats import hist_kernel
 from ..stats import histogram as H
 from ..stats.histogram_sync import HistogramSync
 from ..stats.minmax_layouts import unpad_minmax_
+from . import record
 from .base import Observer
 from .histogram_ema import WINDOW, IntervalAverage
 from .histogram_estimate import ScaledEstimate
@@ -167,7 +168,8 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
                 f"use a coarser layout or fewer bins")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        H.check_state(self.describe(), state_dict, prefix, self.bins, self.GROW_LIMIT)
+        H.check_state(record.at(self.describe(), prefix), state_dict, prefix, self.bins,
+                      self.GROW_LIMIT, self.grid == "first")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x):

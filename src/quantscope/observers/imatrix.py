@@ -21,6 +21,7 @@ from ..estimators.weighted import (
     weighted_search,
 )
 from ..formats import as_int
+from . import record
 from .base import Observer
 from .registry import register
 from .sync import step_sync
@@ -86,7 +87,7 @@ class IMatrixMSEObserver(Observer):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.importance.numel():  # a loaded setting: checked as the constructor's is
-            check_importance(self.describe(), self.importance)
+            check_importance(record.at(self.describe(), prefix), self.importance)
 
     def sync_plan(self):
         return {"min_vals": AVG, "max_vals": AVG, "global_amax_val": AVG}

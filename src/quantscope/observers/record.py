@@ -17,9 +17,15 @@ import torch
 from .._jsonfile import PARSER_LIMITS
 from ..layout import Layout, parse_layout
 
-__all__ = ["RECORD", "check", "check_units", "decode", "encode", "partial", "saved_shape"]
+__all__ = ["RECORD", "at", "check", "check_units", "decode", "encode", "partial", "saved_shape"]
 
 RECORD = "_extra_state"  # torch's key of get_extra_state's value
+
+
+def at(who: str, prefix: str) -> str:
+    """``who`` and the submodule a load is for (``prefix``: ``"layer2."``), as torch's own
+    load errors name the key."""
+    return f"{who} at {prefix[:-1]!r}" if prefix else who
 
 
 def encode(record: dict) -> torch.Tensor:
@@ -61,7 +67,7 @@ def partial(state_dict, prefix, sized, who: str) -> str | None:
     then fails in torch, naming neither itself nor the buffer); None for a whole state."""
     lost = [prefix + n for n in sized if prefix + n not in state_dict]
     if lost and saved_shape(state_dict, prefix) is not None:
-        return f"{who}: a partial state: it observed data but lacks {', '.join(lost)}; " \
+        return f"{at(who, prefix)}: a partial state: it observed data but lacks {', '.join(lost)}; " \
                f"load a whole state_dict"
     return None
 
@@ -71,7 +77,7 @@ def check_units(state_dict, prefix, layout: Layout, sized, who: str, one_value=(
     saved shape: one entry per unit along its first dimension (a histogram's counts are units
     x bins), one for those of ``one_value`` (NVFP4's global amax), or none (else ``qparams()`` fails later with a
     bare reshape, or reads another unit's entry without a word)."""
-    shape = saved_shape(state_dict, prefix)
+    who, shape = at(who, prefix), saved_shape(state_dict, prefix)
     if shape is None:
         return
     try:
@@ -99,6 +105,7 @@ def check(state_dict, prefix, mine: dict, who: str) -> None:
     without one was saved in column order), or binning ``|x|`` where this one (``mine``)
     bins ``x``, or the reverse; or of the EMA mode where this one accumulates, or the
     reverse."""
+    who = at(who, prefix)
     saved = decode(state_dict.get(prefix + RECORD), who)
     if "ema" in mine:  # a state saved before the record tells it too (its buffers)
         _check_ema(state_dict, prefix, saved or {}, mine["ema"], who)

@@ -413,14 +413,22 @@ def fold_abs(hist: Hist) -> Hist:
     return Hist(counts, torch.zeros_like(hist.lo), hi, True, hi / B)  # (hi - 0) / B
 
 
-def check_state(who: str, state_dict, prefix: str, bins: int, grow_limit: int) -> None:
+def check_state(who: str, state_dict, prefix: str, bins: int, grow_limit: int,
+                first_grid: bool = True) -> None:
     """Refuse a saved histogram state (``{prefix}hist_counts`` / ``hist_exp`` / ``hist_first``)
     an observer of ``bins`` bins cannot take: another bin count (up to ``grow_limit`` times as
-    many: grown), negative counts or a unit's total past 2**62, grid exponents outside
-    ``[E_MIN, E_MAX]`` (binning needs 2**e and 2**-e normal), or a native grid that does not
-    start where :func:`grid_first` puts it: each would estimate a wrong range without a word."""
+    many: grown), a first-batch grid's counts where the observer reads only the native grid
+    (``first_grid`` False: it would read them as power-of-two bins), negative counts or a
+    unit's total past 2**62, grid exponents outside ``[E_MIN, E_MAX]`` (binning needs 2**e
+    and 2**-e normal), or a native grid that does not start where :func:`grid_first` puts
+    it: each would estimate a wrong range without a word."""
     counts, exp, first, lo, linear = (state_dict.get(prefix + k) for k in (
         "hist_counts", "hist_exp", "hist_first", "hist_lo", "linear_grid"))
+    if not first_grid and isinstance(linear, torch.Tensor) and not linear.is_meta and \
+            bool(linear.any()):
+        raise ValueError(f"{who}: cannot load {prefix}linear_grid: the state's histogram is "
+                         f"on a first-batch grid (grid='first'), which this observer does not "
+                         f"read; construct it with grid='first'")
     if counts is not None and counts.dim() == 2 and \
             not bins <= counts.shape[1] <= bins * grow_limit:
         raise ValueError(f"{who}: cannot load a histogram of {counts.shape[1]} bins into one "
