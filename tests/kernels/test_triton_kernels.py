@@ -638,13 +638,16 @@ def test_mse_select_matches_the_search_state(device, per_unit, use_global, patie
 
 # ---- histogram binning ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("counted", [True, False], ids=["histc", "private"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("absolute", [False, True])
 @pytest.mark.parametrize(("U", "E", "bins", "chunk"), [(3, 500, 64, None), (2, 700, 50, 128),
-                                                       (1, 3000, 2048, 1024)])
-def test_hist_add_bitwise(device, dtype, absolute, U, E, bins, chunk):
+                                                       (1, 3000, 2048, 1024), (5, 40, 8, 90)])
+def test_hist_add_bitwise(device, dtype, absolute, U, E, bins, chunk, counted):
     """Counts after two batches, the second one widening the range (the grid coarsens and
-    the old counts move onto it: stats.histogram.update), equal the torch path's."""
+    the old counts move onto it: stats.histogram.update), equal the torch path's; by bins
+    counted with torch.histc (``chunk`` values a slice: columns of a row, or 2 rows of 40)
+    and by private histograms (``chunk`` values a program)."""
     from quantscope.kernels.triton import histogram as tri
     from quantscope.stats import histogram as H
 
@@ -659,7 +662,7 @@ def test_hist_add_bitwise(device, dtype, absolute, U, E, bins, chunk):
         got = H.HistState(*H._update_grid(got, lo, hi, absolute))
         counts = got.counts.to(device)
         tri.hist_add(counts, b.to(device), got.exp.to(device), got.first.to(device), absolute,
-                     chunk=chunk, block_e=256)
+                     chunk=chunk, block_e=256, counted=counted)
         got = got._replace(counts=counts.cpu())
     assert torch.equal(got.counts, want.counts) and int(want.counts.sum()) == 2 * U * E
 
@@ -692,6 +695,26 @@ def test_histc_is_torch_histc_of_the_float32_values(device, dtype, n, bins, chun
     assert ends == (0.1, 0.3) or (want[-1] > 0 and want[0] > 0)  # values on both ends
     got = ao_histogram._cuda_histc(x.to(device), bins, lo, hi)
     assert torch.equal(got.cpu(), want)
+
+
+def test_hist_add_counts_privately_while_deterministic(monkeypatch):
+    # histc's CUDA kernel is flagged nondeterministic: under deterministic algorithms (and
+    # while a CUDA graph is captured) the private histograms count
+    from quantscope.kernels.triton import histogram as tri
+
+    taken = []
+    monkeypatch.setattr(tri, "_counted_add", lambda *a: taken.append("histc"))
+    monkeypatch.setattr(tri, "_hist_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: lambda *a, **k: taken.append("private")})())
+    args = (torch.zeros(1, 8, dtype=torch.int64), torch.ones(1, 4), torch.zeros(1, dtype=
+            torch.int64), torch.zeros(1, dtype=torch.int64), False)
+    tri.hist_add(*args)
+    torch.use_deterministic_algorithms(True)
+    try:
+        tri.hist_add(*args)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert taken == ["histc", "private"]
 
 
 def test_histc_of_a_span_past_float32_is_torch_histc(device):

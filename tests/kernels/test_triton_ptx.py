@@ -143,6 +143,11 @@ CASES = {
          "E": "i32", "stride_u": "i32", "chunk": "i32", "B": "i32", "ABSOLUTE": "constexpr",
          "NB": "constexpr", "BLOCK_E": "constexpr"},
         {"ABSOLUTE": True, "NB": 4096, "BLOCK_E": 1024}),
+    "histogram._bin_kernel": (  # each value's bin, for torch.histc to count
+        {"x_ptr": "*bf16", "idx_ptr": "*fp64", "exp_ptr": "*i64", "first_ptr": "*i64",
+         "row0": "i32", "c0": "i32", "C": "i32", "stride_u": "i32", "B": "i32",
+         "ABSOLUTE": "constexpr", "BLOCK_E": "constexpr"},
+        {"ABSOLUTE": True, "BLOCK_E": 1024}),
     "histogram._regrid_kernel": (  # the grid change: float64 span / (B - 1), float32 fits
         {"blo_ptr": "*fp32", "bhi_ptr": "*fp32", "counts_ptr": "*i64", "exp_ptr": "*i64",
          "first_ptr": "*i64", "slo_ptr": "*fp32", "shi_ptr": "*fp32", "ncounts_ptr": "*i64",

@@ -3,10 +3,17 @@ and ``torch.histc``'s binning for the torch.ao compat histogram (:func:`histc`).
 
 A value ``x`` of unit ``u`` goes to bin ``clamp(floor(x * 2 ** -exp[u]) - first[u], 0, B - 1)``
 (``|x|`` for absolute histograms; NaN to bin 0), every step exact in float32 as in the torch
-reference. Each program bins one chunk of one unit into a private histogram
-(``tl.histogram``: one extra bin takes the padding of the last tile) and adds it to the
-unit's int64 counts with one atomic add per non-empty bin: counts are integers, so the
-order of the adds cannot change them, and the result equals the torch path bit for bit.
+reference. Two ways to count, equal bit for bit (counts are integers: the order of the
+adds cannot change them): each value's bin written (offset by its row's, as float64) and
+counted by ``torch.histc``, whose shared-memory histogram is the fast one (on an H200, a
+16 x 2048 x 4096 bf16 batch, 2048 bins: the private histograms 13.3 ms, bins written as int32
+then ``torch.bincount`` 1.2 ms, ``torch.histc`` of a float32 copy 1.2 ms; this float64 form,
+for histc's exact ``x * N / N`` and no host read, is not yet timed there:
+``bench/gpu_hist_variants.py``); or, while
+a CUDA graph is captured or deterministic algorithms are asked for (histc's CUDA kernel is
+flagged nondeterministic), each program's private ``tl.histogram`` of its chunk (one extra
+bin takes the padding of the last tile) added to the unit's counts with one atomic add per
+non-empty bin.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ __all__ = ["MAX_BINS", "float32_ends", "hist_add", "histc", "regrid"]
 MAX_BINS = 1 << 14
 #: elements a program bins at least (fewer programs per unit above)
 MIN_CHUNK = 1 << 13
+#: values whose bins one counted pass writes (float64: 128 MB), and the most bins it counts
+SLICE = 1 << 24
 
 
 @triton.jit
@@ -53,17 +62,67 @@ def _hist_kernel(x_ptr, counts_ptr, exp_ptr, first_ptr, E, stride_u, chunk, B,
                   mask=(bins < B) & (local > 0))
 
 
+@triton.jit
+def _bin_kernel(x_ptr, idx_ptr, exp_ptr, first_ptr, row0, c0, C, stride_u, B,
+                ABSOLUTE: tl.constexpr, BLOCK_E: tl.constexpr):
+    r = tl.program_id(0)  # a row of this slice: unit row0 + r, its columns c0 .. c0 + C
+    u = row0 + r
+    within = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask = within < C
+    e = tl.load(exp_ptr + u).to(tl.int32)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # exactly 2 ** -e
+    first = tl.load(first_ptr + u).to(tl.float32)
+    x = tl.load(x_ptr + u.to(tl.int64) * stride_u + c0 + within, mask=mask, other=0.0)
+    t = widen(x) * inv
+    if ABSOLUTE:
+        t = tl.abs(t)
+    t = tl.floor(t) - first
+    t = tl.minimum(tl.maximum(t, 0.0), B - 1.0)
+    t = tl.where(t != t, 0.0, t)  # noqa: PLR0124 (NaN to bin 0)
+    # (r * B + bin) < 2 ** 24: exact in float64, and histc's (x - 0) * N / N is x again
+    tl.store(idx_ptr + r.to(tl.int64) * C + within, (t + r * B).to(tl.float64), mask=mask)
+
+
+def _counted_add(counts, units, exp, first, absolute, per, block_e):
+    """:func:`hist_add` by bins written and counted by ``torch.histc``, a slice of at most
+    ``per`` values (whole rows where they fit, columns of one row else) and ``per`` bins at
+    a time."""
+    (U, E), B = units.shape, counts.shape[1]
+    C = min(E, per)
+    R = max(1, min(U, per // C, per // B)) if C == E else 1
+    idx = torch.empty(R * C, dtype=torch.float64, device=units.device)
+    for row0 in range(0, U, R):
+        rows = min(R, U - row0)
+        for c0 in range(0, E, C):
+            cols = min(C, E - c0)
+            out = idx[:rows * cols]
+            _bin_kernel[(rows, triton.cdiv(cols, block_e))](
+                units, out, exp, first, row0, c0, cols, units.stride(0), B,
+                ABSOLUTE=bool(absolute), BLOCK_E=block_e, **LAUNCH)
+            n = rows * B
+            counts[row0:row0 + rows] += torch.histc(out, n, 0, n).view(rows, B).long()
+
+
 def hist_add(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
              first: torch.Tensor, absolute: bool, *, chunk: int | None = None,
-             block_e: int = 1024) -> None:
+             block_e: int = 1024, counted: bool | None = None) -> None:
     """Add ``units [U, E]`` (rows contiguous; bf16 / fp16 / fp32) to ``counts [U, B]`` (int64,
-    contiguous, in place) on the grids ``exp``, ``first`` (int64 ``[U]``)."""
+    contiguous, in place) on the grids ``exp``, ``first`` (int64 ``[U]``). ``counted``: bins
+    written and counted by ``torch.histc`` (default: unless a CUDA graph is being captured or
+    deterministic algorithms are asked for), ``chunk`` values a slice; else private
+    histograms, ``chunk`` values a program."""
     U, E = units.shape
     B = counts.shape[1]
     if B + 1 > MAX_BINS:
         raise ValueError(f"kernels.triton.histogram: at most {MAX_BINS - 1} bins, got {B}")
     if not (U and E):
         return
+    if counted is None:
+        counted = not (torch.are_deterministic_algorithms_enabled() or (
+            units.is_cuda and torch.cuda.is_current_stream_capturing()))
+    if counted:
+        return _counted_add(counts, units, exp, first, absolute,
+                            min(SLICE, max(1, chunk or SLICE)), block_e)
     if chunk is None:  # enough programs to fill the GPU, each binning a fair share
         per_unit = max(1, min(triton.cdiv(E, MIN_CHUNK), triton.cdiv(1024, U)))
         chunk = triton.cdiv(triton.cdiv(E, per_unit), block_e) * block_e
