@@ -185,3 +185,21 @@ def test_an_amax_shape_failing_one_clause_is_refused(override):
     with pytest.raises(ValueError, match=r"MaxCalibrator.*cannot unpickle a state whose "
                                          r"_amax_shape"):
         _load(c, **override)
+
+
+# ---- probe s41: the mse candidates of small data scored with a clamped scale ----------------
+
+@pytest.mark.parametrize("num_bits", [8, (4, 3), (5, 2)])
+def test_mse_amax_is_the_same_at_any_magnitude(num_bits):
+    # ModelOpt's quantizer takes amax / bound unclamped; scored with float32's eps as the
+    # least scale, every candidate under bound * eps (e5m2: 6.8e-3) tied and the first bin
+    # (start_bin's, clipping ~94 %) won. The data scaled by a power of two: the amax scales
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(0))
+    amax = {}
+    for k in (0, 20, 30):
+        cal = HistogramCalibrator(num_bits, None, False)
+        cal.collect(x * 2.0 ** -k)
+        amax[k] = float(cal.compute_amax("mse")) * 2.0 ** k
+    assert amax[0] > 0.8 * float(x.abs().max()) / 2  # no clipping to a start bin
+    assert amax[20] == pytest.approx(amax[0], rel=1e-6)
+    assert amax[30] == pytest.approx(amax[0], rel=1e-6)

@@ -470,7 +470,10 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
             # histogram moved to runs on past it: its empty top bins are no candidates there
             top = (torch.full_like(hist.hi, math.inf) if bool(self.linear_grid)
                    else occupied_range(hist)[1])
-            amax = histogram_mse_range(hist, self.spec, start_bin=start_bin, stride=stride,
+            # ModelOpt's quantizer takes amax / bound unclamped: the spec's eps (float32's,
+            # 1.2e-7) made every candidate under bound * eps (e5m2: 6.8e-3) one tied scale
+            unclamped = self.spec.replace(eps=torch.finfo(torch.float32).tiny)
+            amax = histogram_mse_range(hist, unclamped, start_bin=start_bin, stride=stride,
                                        refine=None, bounds=(hist.lo, top))[1]
         elif method == "entropy":
             amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned,
