@@ -13,18 +13,18 @@
 # Logs go to $OUT (default /tmp/gpu-check); the benches' results, under bench/run.py's header, to
 # $OUT/results/{gpu,cuda}.txt: copy them into bench/results/, then `make bench-docs`.
 # Usage: bash bench/gpu_check.sh
-# STEPS picks the steps, in this order: bench35, triton (issue 35's, the default: about 3-6
-# minutes with the kernels' compiles; by estimate bench35 alone 2-4 minutes on an H200, the
-# NVFP4 and whole-model rows about half of it: BENCH35_TIMEOUT 360 s and TRITON_TIMEOUT 220 s,
-# so both steps fit one 600 s device call), cuda, bench19 (issue 19's: up to 7.5 more
-# minutes).
+# STEPS picks the steps, in this order: bench35, diag, triton (issue 35's, the default; on the
+# H200 of 2026-12-04 bench35 took 141 s, and diag (histogram binning variants and profiler
+# tables, bench/gpu_hist_variants.py and bench/gpu_profile.py) about 50 s; the triton tests
+# need more than the 180 s left them there: pass BENCH35_TIMEOUT 200, TRITON_TIMEOUT 300 to fit
+# one 600 s call), cuda, bench19 (issue 19's: up to 7.5 more minutes).
 # QUANTSCOPE_GPU_ROWS=nvfp4,model (say) reruns only those rows of bench35; imatrix (a row
 # outside the issue's table, run only when named) times the weighted NVFP4 search.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-steps=",${STEPS:-bench35,triton},"
+steps=",${STEPS:-bench35,diag,triton},"
 site=/tmp/gpu-check-site
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -45,6 +45,11 @@ for m in ('triton', 'llmcompressor', 'compressed_tensors'):
 if [[ $steps == *,bench35,* ]]; then
     timeout "${BENCH35_TIMEOUT:-360}" "$py" bench/run.py --results "$out/results" gpu 2>&1 \
         | tee "$out/gpu_triton.log"
+fi
+if [[ $steps == *,diag,* ]]; then  # where the slow rows' time goes (issue 35's next step)
+    timeout "${DIAG_TIMEOUT:-90}" "$py" bench/gpu_hist_variants.py "$out/results/hist_variants.md" \
+        2>&1 | tail -14
+    timeout "${DIAG_TIMEOUT:-90}" "$py" bench/gpu_profile.py "$out/prof" 2>&1 | tail -4
 fi
 if [[ $steps == *,triton,* ]]; then
     timeout "${TRITON_TIMEOUT:-220}" "$py" -m pytest -p no:cacheprovider -rs \
