@@ -49,8 +49,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
+    # a NaN's sign and payload are no value: compiled for CUDA, a kernel gives the canonical
+    # NaN where the CPU's arithmetic kept the input's (the lent H200 found it)
     assert got.dtype == torch.float32 and got.shape == want.shape
-    diff = (_bits(got) != _bits(want)).nonzero()
+    nan = got.cpu().isnan() & want.cpu().isnan()
+    diff = ((_bits(got) != _bits(want)) & ~nan).nonzero()
     assert diff.numel() == 0, f"{diff.shape[0]} values differ, first at {diff[0].tolist()}: " \
         f"{got.cpu().flatten()[0]} vs {want.cpu().flatten()[0]}"
 
@@ -393,10 +396,10 @@ def test_mse_price_int(device, spec, U, E, blocks):
 def test_mse_price_norms(device, spec, blocks, norm):
     """``|d| ** norm`` terms (llm-compressor's error: norm 2.4): torch's ``d.abs().pow(norm)``
     on the same device, summed in float64. Norms 1, 2 and 3 are exact arithmetic, so equal up
-    to the sum's order; on CUDA so are the others (sqrtf, and libdevice's powf without
-    flush-to-zero, the functions torch's CUDA pow calls). The interpreter's powf is float64
-    exp2 / log2 and torch's CPU pow and sqrt are not always correctly rounded: an ulp or two
-    a term."""
+    to the sum's order; on CUDA so is 0.5 (sqrtf). Libdevice's powf without flush-to-zero
+    came within an ulp a term of torch's CUDA pow on the lent H200, not equal; the
+    interpreter's powf is float64 exp2 / log2 and torch's CPU pow and sqrt are not always
+    correctly rounded: an ulp or two a term."""
     from quantscope.kernels.triton import mse
 
     g = torch.Generator().manual_seed(int(norm * 10))
@@ -414,8 +417,8 @@ def test_mse_price_norms(device, spec, blocks, norm):
     else:
         got = mse.mse_price_int(units, scale, zp, spec.qmin, spec.qmax, norm=norm, **blocks)
     # a Triton without enable_reflect_ftz flushes subnormals inside powf: an ulp or so off
-    cuda_powf = device.type == "cuda" and (norm == 0.5 or "enable_reflect_ftz" in LAUNCH)
-    exact = norm in (1.0, 2.0, 3.0) or cuda_powf
+    # on CUDA sqrtf is torch's; libdevice's powf is not quite (an ulp a term on the H200)
+    exact = norm in (1.0, 2.0, 3.0) or (device.type == "cuda" and norm == 0.5)
     torch.testing.assert_close(got, want, rtol=1e-12 if exact else 1e-6, atol=0)
 
 

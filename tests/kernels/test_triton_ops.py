@@ -147,7 +147,8 @@ def _flat(out) -> list:
 @pytest.mark.parametrize("name", list(_cases()))
 def test_cuda_op_equals_cpu_op(name):
     """The Triton kernels (the CUDA implementations) give the CPU's bits; the float64 error
-    sums (the same float32 squares) agree up to their order of summation."""
+    sums (the same float32 squares) agree up to their order of summation, a fractional
+    power's up to the devices' powf (an ulp a term: 1.4e-7 of a sum on an H200)."""
     op, args = _cases()[name]
     cuda_args = _cases("cuda")[name][1]
     want, got = op(*args), op(*cuda_args)
@@ -157,7 +158,8 @@ def test_cuda_op_equals_cpu_op(name):
         if w.dtype in (torch.int64, torch.bool):
             assert torch.equal(g.cpu(), w)
         elif w.dtype == torch.float64:
-            torch.testing.assert_close(g.cpu(), w, rtol=1e-12, atol=0)
+            rtol = 1e-6 if name == "mse_price_int_norm" else 1e-12  # its norm 2.4: powf
+            torch.testing.assert_close(g.cpu(), w, rtol=rtol, atol=0)
         else:
             assert torch.equal(g.cpu().view(torch.int32), w.view(torch.int32))
 
@@ -343,10 +345,11 @@ def test_mse_price_fp_cuda_equals_cpu(name):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("norm", [2.4, 1.5, 0.5, 3.0])
 def test_mse_price_norms_cuda_are_torchs_cuda_pow(norm):
-    """llm-compressor's error ``|d| ** norm`` priced on CUDA: each term is torch's CUDA
-    ``d.abs().pow(norm)`` (libdevice's powf without flush-to-zero, sqrtf for 0.5), so the
-    prices equal torch's float64 sums of them up to the order (1e-12), where the CPU's pow
-    differs by an ulp a term."""
+    """llm-compressor's error ``|d| ** norm`` priced on CUDA against torch's CUDA
+    ``d.abs().pow(norm)`` summed in float64: 0.5 (sqrtf) and 3 up to the order of the sums
+    (1e-12); 1.5 and 2.4 (libdevice's powf without flush-to-zero) up to an ulp a term, as
+    the lent H200 measured (Triton 3.6, torch 2.11: 5.9e-8 of a sum), where the kernel's
+    terms had been expected to be torch's own."""
     from quantscope.kernels.triton._jit import LAUNCH
 
     if norm not in (0.5, 3.0) and "enable_reflect_ftz" not in LAUNCH:
@@ -358,7 +361,7 @@ def test_mse_price_norms_cuda_are_torchs_cuda_pow(norm):
         (fake_quantize_units(u.cuda(), s.cuda()[:, None], torch.zeros(1, 1, device="cuda"),
                              QuantSpec("fp4_e2m1")) - u.cuda()).abs().pow(norm).double().sum(1)
         for s in scale])
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-12 if norm in (0.5, 3.0) else 1e-6, atol=0)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

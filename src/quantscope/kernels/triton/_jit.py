@@ -128,10 +128,11 @@ else:
 def norm_term(d, NORM: tl.constexpr):
     """``|d| ** NORM`` in float32 as torch's ``d.abs().pow(NORM)`` computes it on CUDA: the
     exponents torch special-cases (1: ``|d|``; 2: ``d * d``; 3: ``|d| * |d| * |d|``; 0.5:
-    the IEEE square root), any other by CUDA's ``powf`` (libdevice's ``__nv_powf``, which
-    torch's CUDA ``pow`` calls with the exponent rounded to float32). Under the interpreter,
-    which has no libdevice, that ``powf`` is float64 ``exp2(log2)`` rounded to float32
-    (within an ulp of it; tests hold the norms other than 1, 2, 3 to a tolerance)."""
+    the IEEE square root), any other by libdevice's ``__nv_powf``, which came within an ulp
+    a term of torch's CUDA ``pow``, not equal to it, on the lent H200 (Triton 3.6, torch
+    2.11). Under the interpreter, which has no libdevice, that ``powf`` is float64
+    ``exp2(log2)`` rounded to float32 (within an ulp of it; tests hold the norms other than
+    0.5, 1, 2, 3 to a tolerance)."""
     if NORM == 2.0:
         t = d * d
     elif NORM == 1.0:
