@@ -725,9 +725,11 @@ def test_histc_of_a_span_past_float32_is_torch_histc(device):
     # refused (an fp64 span); it is torch's degenerate case, run on the torch path
     from quantscope.stats import ao_histogram
 
-    x = torch.tensor([0.5, -1e38, 2e38])
+    # (torch's on the same device: CUDA's histc bins these cases its own way, the lent H200
+    # found, and torch.ao's observer on CUDA takes its result)
+    x = torch.tensor([0.5, -1e38, 2e38], device=device)
     want = torch.histc(x, 4, min=-3e38, max=3e38)
-    assert torch.equal(ao_histogram._cuda_histc(x.to(device), 4, -3e38, 3e38).cpu(), want)
+    assert torch.equal(ao_histogram._cuda_histc(x, 4, -3e38, 3e38), want)
 
 
 def test_histc_whose_bin_position_overflows_float32_is_torch_histc(device):
@@ -735,9 +737,9 @@ def test_histc_whose_bin_position_overflows_float32_is_torch_histc(device):
     infinite position lost 4 of 5 values (found by probing); torch's own result there."""
     from quantscope.stats import ao_histogram
 
-    x = torch.tensor([-3.0e38, -1.0e38, -1.0, -0.5, 0.0])
-    want = torch.histc(x, 3, min=-3.4e38, max=0.0)
-    assert torch.equal(ao_histogram._cuda_histc(x.to(device), 3, -3.4e38, 0.0).cpu(), want)
+    x = torch.tensor([-3.0e38, -1.0e38, -1.0, -0.5, 0.0], device=device)
+    want = torch.histc(x, 3, min=-3.4e38, max=0.0)  # (on the same device, as above)
+    assert torch.equal(ao_histogram._cuda_histc(x, 3, -3.4e38, 0.0), want)
 
 
 # ---- an observer's state step: the non-finite flag and the min / max state update ----------
