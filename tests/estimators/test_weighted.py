@@ -174,3 +174,21 @@ def test_cuda_weighted_search_is_the_cpu_search(name):
     cpu = weighted_search(units, w, spec)
     cuda = weighted_search(units.cuda(), w.cuda(), spec)
     assert (cuda[1].cpu() == cpu[1]).float().mean() > 0.95
+
+
+def test_importance_of_other_types():
+    # a list or numpy array reads as the tensor it holds (as the observer's constructor
+    # takes it); a complex one lost its imaginary part to .float(), a str raised an
+    # AttributeError naming nothing
+    spec = QuantSpec("int4", Channel(0))
+    want = importance_units(torch.tensor([1.0, 2.0, 3.0]), (2, 3), spec)
+    assert torch.equal(importance_units([1.0, 2.0, 3.0], (2, 3), spec), want)
+    assert torch.equal(importance_units(np.array([1.0, 2.0, 3.0]), (2, 3), spec), want)
+    with pytest.raises(TypeError, match="imatrix_range: importance must be real numbers, got "
+                                        "torch.complex64"):
+        importance_units(torch.tensor([1 + 1j, 2, 3]), (2, 3), spec)
+    with pytest.raises(TypeError, match="imatrix_range: importance must be a tensor of one "
+                                        "value per input channel, got str"):
+        importance_units("abc", (2, 3), spec)
+    with pytest.raises(ValueError, match="finite and non-negative in float32"):
+        importance_units(torch.tensor([1e300, 1.0, 1.0], dtype=torch.float64), (2, 3), spec)

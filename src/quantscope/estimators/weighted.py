@@ -21,6 +21,7 @@ import math
 import torch
 
 from .._checks import check_int, check_number, check_spec
+from ..formats import tensor_arg
 from ..kernels import ops
 from ..qdq import fake_quantize, fake_quantize_units
 from ..qparams import amax_of_range, qparams_from_range
@@ -226,7 +227,8 @@ def check_importance(who: str, importance: torch.Tensor) -> None:
     (reads the values back: once per importance, never per forward)."""
     if not importance.is_meta and (not bool(torch.isfinite(importance).all())
                                    or bool((importance < 0).any())):
-        raise ValueError(f"{who}: importance must be finite and non-negative")
+        raise ValueError(f"{who}: importance must be finite and non-negative in float32 "
+                         f"(at most 3.4e38)")
 
 
 def importance_units(importance: torch.Tensor | None, shape, spec: QuantSpec,
@@ -237,6 +239,11 @@ def importance_units(importance: torch.Tensor | None, shape, spec: QuantSpec,
     shape = tuple(shape)
     if importance is None:
         return spec.layout.to_units(torch.ones(shape, dtype=torch.float32, device=device))
+    importance = tensor_arg("imatrix_range", "importance", importance,
+                            "a tensor of one value per input channel")
+    if importance.is_complex() or importance.dtype == torch.bool:  # .float() dropped the
+        raise TypeError(f"imatrix_range: importance must be real numbers, got "  # imag part
+                        f"{importance.dtype}")
     importance = importance.detach().float().to(device).flatten()
     if importance.numel() != shape[-1]:
         raise ValueError(f"imatrix_range: importance must have one value per input channel "
