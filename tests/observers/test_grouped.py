@@ -286,3 +286,21 @@ def test_cuda_graph_replays_grouped_minmax_on_new_values():
     torch.cuda.synchronize()
     for x, lo, hi in zip(xs, los, his):
         assert torch.equal(lo, x.amin(1)) and torch.equal(hi, x.amax(1))
+
+
+@pytest.mark.parametrize("name", ["memoryless_minmax", "static_minmax"])
+def test_observe_minmax_takes_float32_ends_and_keeps_no_graph(name):
+    # int32 or float64 ends made an int32 / float64 state, and ends tracking gradients left
+    # an autograd graph in it (forward detaches; this did not)
+    x = torch.randn(4, 8)
+    obs = qs.get_observer(name, QuantSpec("int8", qs.Channel(0)))
+    lo, hi = x.aminmax(dim=1)
+    for bad in (lo.int(), lo.double()):
+        with pytest.raises(ValueError, match=f"lo and hi must be float32 of the 4 units of "
+                                             f"shape \\(4, 8\\) under Channel\\(axis=0\\), "
+                                             f"got {bad.dtype}"):
+            obs.observe_minmax(x, bad, hi)
+    obs.observe_minmax(x, lo.clone().requires_grad_(), hi.clone().requires_grad_())
+    assert obs.min_vals.grad_fn is None and not obs.min_vals.requires_grad
+    assert not obs.calculate_qparams().scale.requires_grad
+    assert torch.equal(obs.min_vals, lo) and obs.min_vals.dtype == torch.float32

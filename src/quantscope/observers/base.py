@@ -230,14 +230,14 @@ class Observer(nn.Module):
                             f"follows from the per-unit min / max (min-max family, "
                             f"non_finite='error', no sync_every_step); call it on the tensor")
         count = self.spec.layout.num_units(tuple(x.shape))
-        if lo.shape != (count,) or hi.shape != (count,):
-            raise ValueError(f"{self.describe()}: lo and hi must have the {count} units of "
-                             f"shape {tuple(x.shape)} under {self.spec.layout}, got "
-                             f"{tuple(lo.shape)} and {tuple(hi.shape)}")
+        if {(t.dtype, tuple(t.shape)) for t in (lo, hi)} != {(torch.float32, (count,))}:
+            raise ValueError(f"{self.describe()}: lo and hi must be float32 of the {count} "
+                             f"units of shape {tuple(x.shape)} under {self.spec.layout}, got "
+                             f"{lo.dtype} {tuple(lo.shape)} and {hi.dtype} {tuple(hi.shape)}")
         self._check_unit_count(count, x.shape)
         self.leave_inference_mode()
         self._record_non_finite(lo, hi)
-        self._observe(None, lo, hi)
+        self._observe(None, lo.detach(), hi.detach())  # statistics keep no autograd graph
         self.count_batch(x)
 
     def count_batch(self, x: torch.Tensor, direct: bool = False) -> None:
