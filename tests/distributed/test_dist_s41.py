@@ -14,7 +14,7 @@ import torch
 from ports import error_text, rank_results, spawn_ranks
 
 import quantscope
-from quantscope.calibration import Auto, Outliers, Runtime, Sampling
+from quantscope.calibration import Auto, Outliers, Runtime, Sampling, calibrate_many
 
 pytestmark = pytest.mark.dist  # spawns its own process group
 
@@ -36,6 +36,16 @@ def _scenarios(r, out):
     out["keep_float"] = error_text(_calibrate, outliers=Outliers(keep_float=r))
     out["tokens"] = error_text(_calibrate, observer="auto", sampling=Sampling(
         tokens=4 if r else 64), auto=Auto(candidates=["minmax", "mse"], metric="tensor"))
+    # the same options spelt apart: a set of labels (its order is each process's string
+    # hashing), a budget of 64 and of 64.0 (a reviewer found both refused, or a bare
+    # StopIteration)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    out["spelt"] = error_text(
+        calibrate_many, model, [torch.randn(4, 16)], {"a": "w8a8", "b": "w8a8"},
+        progress=False, sampling=Sampling(budget_mb=64 if r else 64.0),
+        runtime=Runtime(distributed=True, time_groups={"g": {"a", "b"}} if r else
+                        {"g": ["b", "a"]}))
     # what may differ: the seed (the sample is gathered from every rank) and progress
     cal = _calibrate(sampling=Sampling(seed=r))
     out["scales"] = [s.qparams.scale.tolist() for roles in cal.states.values()
@@ -61,3 +71,7 @@ def test_an_option_differing_between_ranks_raises_on_every_rank(ranks, option, v
 def test_options_that_may_differ_still_calibrate_alike(ranks):
     scales = rank_results(ranks, "scales")
     assert scales[0] == scales[1] and scales[0]
+
+
+def test_the_same_options_spelt_apart_agree(ranks):
+    assert rank_results(ranks, "spelt") == [None, None]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 import zlib
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -210,24 +211,43 @@ def check_same_options(opts, group=None) -> None:
     option that differs, with each rank's value."""
     if not is_distributed(group):
         return
-    values = {}
+    values, given = {}, {}  # compared; as given (the message)
     for path in AGREED:
         kind, name = path.split(".")
         v = getattr(getattr(opts, kind), name)
-        values[f"{type(getattr(opts, kind)).__name__}.{name}"] = (
-            v is not None if name == "loss" else sorted(v.items()) if isinstance(v, dict) else v)
+        key = f"{type(getattr(opts, kind)).__name__}.{name}"
+        values[key] = v is not None if name == "loss" else _canonical(v)
+        given[key] = values[key] if name == "loss" else v
     crc = zlib.crc32(repr(values).encode())
     got = all_gather(torch.tensor([crc], dtype=torch.int64, device=group_device(group)),
                      group).cpu()
     if bool((got == got[0]).all()):
         return
     every: list = [None] * world_size(group)  # only on a mismatch: name the difference
-    dist.all_gather_object(every, values, group=group)
-    odd = next(k for k in values if any(e[k] != every[0][k] for e in every))
+    dist.all_gather_object(every, (values, {k: repr(v) for k, v in given.items()}),
+                           group=group)
+    odd = next((k for k in values if any(e[0][k] != every[0][0][k] for e in every)), None)
+    if odd is None:  # (a value whose repr is not canonical: equal, let it pass)
+        return
     raise ValueError(f"calibrate: the ranks give different options: {odd} is "
-                     f"{', '.join(f'{e[odd]!r} on rank {r}' for r, e in enumerate(every))}; "
+                     f"{', '.join(f'{e[1][odd]} on rank {r}' for r, e in enumerate(every))}; "
                      f"every rank of a distributed calibration must give the same options "
                      f"(they decide its exchanges and its result)")
+
+
+def _canonical(v):
+    """``v`` in one form for equal values on every rank: a mapping's items sorted, and the
+    members of its collections (``time_groups``' labels, given as a set: string hashing, so
+    a set's order, differs between processes), sequences as tuples, numbers as floats (``64``
+    and ``64.0`` are the same budget)."""
+    if isinstance(v, Mapping):
+        return tuple(sorted((str(k), tuple(sorted(map(repr, x))) if isinstance(
+            x, (list, tuple, set, frozenset)) else _canonical(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(map(_canonical, v))
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return v
 
 
 def check_same_weights(weights: dict, group=None) -> None:
