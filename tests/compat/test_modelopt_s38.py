@@ -196,10 +196,13 @@ def test_mse_amax_is_the_same_at_any_magnitude(num_bits):
     # (start_bin's, clipping ~94 %) won. The data scaled by a power of two: the amax scales
     x = torch.randn(20000, generator=torch.Generator().manual_seed(0))
     amax = {}
-    for k in (0, 20, 30):
+    for k in (0, 12, 20, 30):
         cal = HistogramCalibrator(num_bits, None, False)
         cal.collect(x * 2.0 ** -k)
         amax[k] = float(cal.compute_amax("mse")) * 2.0 ** k
     assert amax[0] > 0.8 * float(x.abs().max()) / 2  # no clipping to a start bin
+    assert amax[12] == pytest.approx(amax[0], rel=1e-6)
     assert amax[20] == pytest.approx(amax[0], rel=1e-6)
-    assert amax[30] == pytest.approx(amax[0], rel=1e-6)
+    # but under amax 2**-24 ModelOpt's quantizer is one degenerate one (int: all zeros; fp8:
+    # amax 1): every candidate ties there, and the first (start_bin's) wins, as in ModelOpt
+    assert amax[30] < amax[0] / 4

@@ -470,10 +470,11 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
             # histogram moved to runs on past it: its empty top bins are no candidates there
             top = (torch.full_like(hist.hi, math.inf) if bool(self.linear_grid)
                    else occupied_range(hist)[1])
-            # ModelOpt's quantizer takes amax / bound unclamped: the spec's eps (float32's,
-            # 1.2e-7) made every candidate under bound * eps (e5m2: 6.8e-3) one tied scale
-            unclamped = self.spec.replace(eps=torch.finfo(torch.float32).tiny)
-            amax = histogram_mse_range(hist, unclamped, start_bin=start_bin, stride=stride,
+            # ModelOpt's quantizer takes amax / bound down to amax 2**-24 (below it, one
+            # degenerate quantizer: those candidates tie and the first wins); the spec's eps
+            # (float32's) had tied every candidate under bound * 1.2e-7 (e5m2: 6.8e-3)
+            theirs = self.spec.replace(eps=2.0 ** -24 / self.spec.qmax)
+            amax = histogram_mse_range(hist, theirs, start_bin=start_bin, stride=stride,
                                        refine=None, bounds=(hist.lo, top))[1]
         elif method == "entropy":
             amax = entropy_amax(hist, num_bits=self._num_bits, unsigned=self._unsigned,
