@@ -700,9 +700,10 @@ def test_histc_is_torch_histc_of_the_float32_values(device, dtype, n, bins, chun
     assert torch.equal(got.cpu(), want)
 
 
-def test_hist_add_counts_privately_while_deterministic(monkeypatch):
-    # histc's CUDA kernel is flagged nondeterministic: under deterministic algorithms (and
-    # while a CUDA graph is captured) the private histograms count
+def test_hist_add_counts_privately_past_shared_memory_or_deterministic(monkeypatch):
+    # histc counts fast in shared memory only (about 6,100 bins), and its CUDA kernel is
+    # flagged nondeterministic: past it, under deterministic algorithms (and while a CUDA
+    # graph is captured) the private histograms count (the kernel is not run here)
     from quantscope.kernels.triton import histogram as tri
 
     taken = []
@@ -712,12 +713,14 @@ def test_hist_add_counts_privately_while_deterministic(monkeypatch):
     args = (torch.zeros(1, 8, dtype=torch.int64), torch.ones(1, 4), torch.zeros(1, dtype=
             torch.int64), torch.zeros(1, dtype=torch.int64), False)
     tri.hist_add(*args)
+    many = torch.zeros(3, tri.SHARED_BINS // 2, dtype=torch.int64)  # past shared memory
+    tri.hist_add(many, torch.ones(3, 4), *args[2:])
     torch.use_deterministic_algorithms(True)
     try:
         tri.hist_add(*args)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert taken == ["histc", "private"]
+    assert taken == ["histc", "private", "private"]
 
 
 def test_histc_of_a_span_past_float32_is_torch_histc(device):

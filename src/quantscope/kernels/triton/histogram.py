@@ -9,11 +9,11 @@ counted by ``torch.histc``, whose shared-memory histogram is the fast one (on an
 16 x 2048 x 4096 bf16 batch, 2048 bins: the private histograms 13.3 ms, bins written as int32
 then ``torch.bincount`` 1.2 ms, ``torch.histc`` of a float32 copy 1.2 ms; this float64 form,
 for histc's exact ``x * N / N`` and no host read, is not yet timed there:
-``bench/gpu_hist_variants.py``); or, while
-a CUDA graph is captured or deterministic algorithms are asked for (histc's CUDA kernel is
-flagged nondeterministic), each program's private ``tl.histogram`` of its chunk (one extra
-bin takes the padding of the last tile) added to the unit's counts with one atomic add per
-non-empty bin.
+``bench/gpu_hist_variants.py``), where all units' bins fit its shared memory; or, past it,
+while a CUDA graph is captured or deterministic algorithms are asked for (histc's CUDA
+kernel is flagged nondeterministic), each program's private ``tl.histogram`` of its chunk
+(one extra bin takes the padding of the last tile) added to the unit's counts with one
+atomic add per non-empty bin.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ MAX_BINS = 1 << 14
 MIN_CHUNK = 1 << 13
 #: values whose bins one counted pass writes (float64: 128 MB), and the most bins it counts
 SLICE = 1 << 24
+#: the most bins (units x bins) counted by default: CUDA's histc counts in shared memory up
+#: to about 6,100 float64 bins (48 KB), beyond them with one global atomic a value
+SHARED_BINS = 6000
 
 
 @triton.jit
@@ -108,18 +111,20 @@ def hist_add(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
              block_e: int = 1024, counted: bool | None = None) -> None:
     """Add ``units [U, E]`` (rows contiguous; bf16 / fp16 / fp32) to ``counts [U, B]`` (int64,
     contiguous, in place) on the grids ``exp``, ``first`` (int64 ``[U]``). ``counted``: bins
-    written and counted by ``torch.histc`` (default: unless a CUDA graph is being captured or
-    deterministic algorithms are asked for), ``chunk`` values a slice; else private
-    histograms, ``chunk`` values a program."""
+    written and counted by ``torch.histc`` (default: where all units' bins fit its shared
+    memory, :data:`SHARED_BINS`, unless a CUDA graph is being captured or deterministic
+    algorithms are asked for), ``chunk`` values a slice; else private histograms, ``chunk``
+    values a program."""
     U, E = units.shape
     B = counts.shape[1]
     if B + 1 > MAX_BINS:
         raise ValueError(f"kernels.triton.histogram: at most {MAX_BINS - 1} bins, got {B}")
     if not (U and E):
         return
-    if counted is None:
-        counted = not (torch.are_deterministic_algorithms_enabled() or (
-            units.is_cuda and torch.cuda.is_current_stream_capturing()))
+    if counted is None:  # (measured: one 2048-bin histogram; many units not yet)
+        counted = U * B <= SHARED_BINS and not (torch.are_deterministic_algorithms_enabled()
+                                                or (units.is_cuda and
+                                                    torch.cuda.is_current_stream_capturing()))
     if counted:
         return _counted_add(counts, units, exp, first, absolute,
                             min(SLICE, max(1, chunk or SLICE)), block_e)
