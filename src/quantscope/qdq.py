@@ -292,7 +292,9 @@ def _as_input(out: torch.Tensor, x: torch.Tensor, dtype: torch.dtype | None = No
     if x.dim() in (4, 5) and not x.is_contiguous():
         last = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
         fmt = last if x.is_contiguous(memory_format=last) else fmt
-    return out.to(x.dtype if dtype is None else dtype).contiguous(memory_format=fmt)
+    dtype = x.dtype if dtype is None else dtype  # one copy at most
+    return out.to(dtype, memory_format=fmt) if out.dtype != dtype else \
+        out.contiguous(memory_format=fmt)
 
 
 def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
