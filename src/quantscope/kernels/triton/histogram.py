@@ -82,7 +82,7 @@ def _bin_kernel(x_ptr, idx_ptr, exp_ptr, first_ptr, row0, c0, C, stride_u, B,
     t = tl.floor(t) - first
     t = tl.minimum(tl.maximum(t, 0.0), B - 1.0)
     t = tl.where(t != t, 0.0, t)  # noqa: PLR0124 (NaN to bin 0)
-    # (r * B + bin) < 2 ** 24: exact in float64, and histc's (x - 0) * N / N is x again
+    # r * B + bin < 2 ** 24: exact in float32 and float64; histc's (x - 0) * N / N is x again
     tl.store(idx_ptr + r.to(tl.int64) * C + within, (t + r * B).to(tl.float64), mask=mask)
 
 
