@@ -17,18 +17,15 @@ import triton.language as tl
 import quantscope as qs
 from quantscope import QuantSpec
 from quantscope.kernels.triton import histogram as tri
+from quantscope.kernels.triton.histogram import _grid_bin, _unit_grid
 
 
 @triton.jit
 def _atomic_kernel(x_ptr, counts_ptr, exp_ptr, first_ptr, E, B, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < E
-    e = tl.load(exp_ptr).to(tl.int32)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    first = tl.load(first_ptr).to(tl.float32)
-    t = tl.floor(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv) - first
-    t = tl.minimum(tl.maximum(t, 0.0), B - 1.0)
-    t = tl.where(t != t, 0.0, t)  # noqa: PLR0124
+    inv, first = _unit_grid(exp_ptr, first_ptr, 0)  # hist_add's bins (one unit)
+    t = _grid_bin(tl.load(x_ptr + offs, mask=mask, other=0.0), inv, first, B, False)
     tl.atomic_add(counts_ptr + t.to(tl.int32), 1, mask=mask)
 
 
@@ -36,12 +33,8 @@ def _atomic_kernel(x_ptr, counts_ptr, exp_ptr, first_ptr, E, B, BLOCK: tl.conste
 def _index_kernel(x_ptr, idx_ptr, exp_ptr, first_ptr, E, B, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < E
-    e = tl.load(exp_ptr).to(tl.int32)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    first = tl.load(first_ptr).to(tl.float32)
-    t = tl.floor(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv) - first
-    t = tl.minimum(tl.maximum(t, 0.0), B - 1.0)
-    t = tl.where(t != t, 0.0, t)  # noqa: PLR0124
+    inv, first = _unit_grid(exp_ptr, first_ptr, 0)  # hist_add's bins (one unit)
+    t = _grid_bin(tl.load(x_ptr + offs, mask=mask, other=0.0), inv, first, B, False)
     tl.store(idx_ptr + offs, t.to(tl.int32), mask=mask)
 
 

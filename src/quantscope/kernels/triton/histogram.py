@@ -39,25 +39,41 @@ SHARED_BINS = 6000
 
 
 @triton.jit
+def _pow2(e):
+    """Exactly ``2.0 ** e`` as float32 for integer ``e`` in [-126, 127], from the bits."""
+    return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unit_grid(exp_ptr, first_ptr, u):
+    """Unit ``u``'s grid: ``2 ** -exp[u]`` (exact) and ``first[u]``, as float32."""
+    return _pow2(-tl.load(exp_ptr + u)), tl.load(first_ptr + u).to(tl.float32)
+
+
+@triton.jit
+def _grid_bin(x, inv, first, B, ABSOLUTE: tl.constexpr):
+    """The bin of each loaded ``x`` (float32 bin numbers): ``clamp(floor(x * inv) - first, 0,
+    B - 1)``, of ``|x|`` where ``ABSOLUTE``, NaN to bin 0, as the torch reference."""
+    t = widen(x) * inv
+    if ABSOLUTE:
+        t = tl.abs(t)
+    t = tl.minimum(tl.maximum(tl.floor(t) - first, 0.0), B - 1.0)
+    return tl.where(t != t, 0.0, t)  # noqa: PLR0124
+
+
+@triton.jit
 def _hist_kernel(x_ptr, counts_ptr, exp_ptr, first_ptr, E, stride_u, chunk, B,
                  ABSOLUTE: tl.constexpr, NB: tl.constexpr, BLOCK_E: tl.constexpr):
     u = tl.program_id(0)
     start = tl.program_id(1).to(tl.int64) * chunk  # a unit may pass 2 ** 31 elements
-    e = tl.load(exp_ptr + u).to(tl.int32)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # exactly 2 ** -e
-    first = tl.load(first_ptr + u).to(tl.float32)
+    inv, first = _unit_grid(exp_ptr, first_ptr, u)
     local = tl.zeros([NB], tl.int32)
     for e0 in range(0, chunk, BLOCK_E):
         within = e0 + tl.arange(0, BLOCK_E)
         cols = start + within
         mask = (cols < E) & (within < chunk)
         x = tl.load(x_ptr + u.to(tl.int64) * stride_u + cols, mask=mask, other=0.0)
-        t = widen(x) * inv
-        if ABSOLUTE:
-            t = tl.abs(t)
-        t = tl.floor(t) - first
-        t = tl.minimum(tl.maximum(t, 0.0), B - 1.0)
-        t = tl.where(t != t, 0.0, t)  # noqa: PLR0124 (NaN to bin 0)
+        t = _grid_bin(x, inv, first, B, ABSOLUTE)
         idx = tl.where(mask, t.to(tl.int32), B)  # the padding to the extra bin B
         local += tl.histogram(idx, NB)
     bins = tl.arange(0, NB)
@@ -72,16 +88,9 @@ def _bin_kernel(x_ptr, idx_ptr, exp_ptr, first_ptr, row0, c0, C, stride_u, B,
     u = row0 + r
     within = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     mask = within < C
-    e = tl.load(exp_ptr + u).to(tl.int32)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # exactly 2 ** -e
-    first = tl.load(first_ptr + u).to(tl.float32)
+    inv, first = _unit_grid(exp_ptr, first_ptr, u)
     x = tl.load(x_ptr + u.to(tl.int64) * stride_u + c0 + within, mask=mask, other=0.0)
-    t = widen(x) * inv
-    if ABSOLUTE:
-        t = tl.abs(t)
-    t = tl.floor(t) - first
-    t = tl.minimum(tl.maximum(t, 0.0), B - 1.0)
-    t = tl.where(t != t, 0.0, t)  # noqa: PLR0124 (NaN to bin 0)
+    t = _grid_bin(x, inv, first, B, ABSOLUTE)
     # r * B + bin < 2 ** 24: exact in float32 and float64; histc's (x - 0) * N / N is x again
     tl.store(idx_ptr + r.to(tl.int64) * C + within, (t + r * B).to(tl.float64), mask=mask)
 
@@ -194,12 +203,6 @@ def histc(counts: torch.Tensor, x: torch.Tensor, lo: float, hi: float, *,
 E_MIN, E_MAX, MAG_BITS = tl.constexpr(-126), tl.constexpr(126), tl.constexpr(22)
 #: bins a program moves per step of the rebin loops
 REGRID_BLOCK = 1024
-
-
-@triton.jit
-def _pow2(e):
-    """Exactly ``2.0 ** e`` as float32 for integer ``e`` in [-126, 127], from the bits."""
-    return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
