@@ -199,9 +199,10 @@ def any_non_finite(t: torch.Tensor) -> torch.Tensor:
 
 def holds_non_finite(t: torch.Tensor) -> bool:
     """``t`` (floating, not meta) holds a NaN or an inf, by one host read: its min and max
-    are finite exactly where every value is (NaN propagates through both). One read pass and
-    no temporary of ``t``'s size: 7x faster than ``isfinite(t).all()`` on a large batch."""
-    return t.numel() > 0 and not bool(torch.stack(torch.aminmax(t)).isfinite().all())
+    are finite exactly where every value is (NaN propagates through both), so
+    :func:`any_non_finite` of those two. One read pass and no temporary of ``t``'s size: 7x
+    faster than ``isfinite(t).all()`` on a large batch."""
+    return t.numel() > 0 and bool(any_non_finite(torch.stack(torch.aminmax(t))))
 
 
 def zero_non_finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
