@@ -351,7 +351,8 @@ def bench_histogram(size, device, repeat):
           "native histogram is quantscope's (aligned power-of-two grids, exact merges, its own "
           "range choice), not torch.ao's algorithm: its qparams are not torch.ao's. The compat "
           "class runs torch.ao's histogram step as torch.ao's own tensor ops off the CPU, "
-          "but its histc one Triton pass over the bf16 batch (quantscope::ao_histc) and its "
+          "but its histc over float32 copies of 2 ** 24 values at a time (quantscope::ao_histc) "
+          "and its "
           "decisions on the ends read back once a batch (torch.ao: 8 to 18 reads), and its "
           "L2 search vectorized (4 host reads; torch.ao's ~970).\n")
 

@@ -371,3 +371,36 @@ def test_batches_inside_the_range_take_the_one_read_path_and_still_equal_torch_a
             ours(x)
         _assert_same_state(ref, ours)
     _assert_same_qparams(ref, ours)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("n", "bins", "chunk"), [(5000, 2048, None), (3001, 100, 1024),
+                                                  (700, 7, 256)])
+@pytest.mark.parametrize("ends", [(-2.0, 2.5), (0.1, 0.3), (1.5, 1.5)])
+def test_ao_histc_on_cuda_is_torch_histc_of_the_float32_values(monkeypatch, device, dtype, n,
+                                                                 bins, chunk, ends):
+    """``quantscope::ao_histc``'s CUDA implementation (plain torch: run here on each device)
+    is ``torch.histc`` of the float32 values (the last bin holds ``hi``, values outside
+    ``[lo, hi]`` and NaN not counted; a degenerate span: the data's range, so the batch is
+    binned at once), also where the batch is binned in chunks (``chunk``: a small one forced)
+    whose counts are summed."""
+    if chunk is not None:
+        monkeypatch.setattr(ao_histogram, "_CHUNK", chunk)
+    g = torch.Generator().manual_seed(n + bins)
+    x = (torch.randn(n, generator=g) * 3).to(dtype)
+    x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), *ends[::-1], 1e-30])
+    lo, hi = ends  # a value on each end, values beyond both
+    edges = lo + torch.arange(bins + 1) * ((hi - lo) / bins)  # where rounding decides the bin
+    edges = torch.cat((edges, edges.nextafter(torch.tensor(-9.0)), edges.nextafter(
+        torch.tensor(9.0))))
+    x = torch.cat((x, edges.to(dtype))).to(device)
+    if lo == hi:  # torch.histc refuses non-finite data there
+        x = x[x.isfinite()]
+    want = torch.histc(x.float(), bins, min=lo, max=hi)
+    got = ao_histogram._cuda_histc(x.reshape(-1, 3) if x.numel() % 3 == 0 else x, bins, lo, hi)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert ends != (-2.0, 2.5) or (want[-1] > 0 and want[0] > 0)  # values on both ends

@@ -407,7 +407,7 @@ def test_low_precision_batches_lose_no_counts(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_histogram_on_cuda_equals_torch_on_cuda(dtype):
-    """On CUDA the histc is one Triton pass over the batch in its dtype
+    """On CUDA the histc is torch's of float32 copies of ``2 ** 24`` values at a time
     (``quantscope::ao_histc``): torch.ao's CUDA histogram of the float32 values, bitwise.
     The range is set by the first batch (a widening one would move the old bins with
     torch.bincount's float atomics, in an order neither side controls)."""

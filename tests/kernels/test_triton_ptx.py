@@ -134,10 +134,6 @@ CASES = {
          "seen_ptr": "*i1", "n": "i32", "c": "fp32", "one_minus_c": "fp32",
          "KIND": "constexpr", "RECORD": "constexpr", "BLOCK_N": "constexpr"},
         {"KIND": 3, "RECORD": False, "BLOCK_N": 1024}),
-    "histogram._histc_kernel": (  # torch.histc's formula: an IEEE division
-        {"x_ptr": "*bf16", "counts_ptr": "*i64", "n": "i32", "lo": "fp32", "hi": "fp32",
-         "span": "fp32", "B": "i32", "chunk": "i32", "NB": "constexpr", "BLOCK": "constexpr"},
-        {"NB": 4096, "BLOCK": 1024}),
     "histogram._hist_kernel": (
         {"x_ptr": "*bf16", "counts_ptr": "*i64", "exp_ptr": "*i64", "first_ptr": "*i64",
          "E": "i32", "stride_u": "i32", "chunk": "i32", "B": "i32", "ABSOLUTE": "constexpr",
@@ -208,8 +204,7 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     assert "div.rn.f32" in found["block_qparams._int_kernel"]
     for name in ("block_search._search_kernel", "block_search._price_kernel",
                  "block_search._select_kernel", "block_search._price_kernel:mx",
-                 "block_search._price_kernel:mx_int", "block_search._search_kernel:weighted",
-                 "histogram._histc_kernel"):
+                 "block_search._price_kernel:mx_int", "block_search._search_kernel:weighted"):
         assert "div.rn.f32" in found[name], name
     # E8M0 rceil divides nothing: ceil(log2(amax / fmax)) from both exponents and mantissas
     for name in ("block_search._select_kernel:mx", "block_qparams._e8m0_kernel"):

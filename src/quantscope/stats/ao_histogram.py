@@ -14,9 +14,9 @@ The torch path here is torch.ao's own sequence of ops (the reference, and the pa
 devices, dtypes, degenerate ranges and batches of ``2 ** 24`` values or more, where torch's
 float32 counts saturate), its decisions taken on the ends as Python floats (:func:`update`:
 torch.ao reads a flag back from the device for each), its ``histc`` of float32, bfloat16 and
-float16 batches the op ``quantscope::ao_histc`` (torch.histc of the float32 values; one
-Triton pass on CUDA). On CPU the C kernels (``csrc/ao_hist.c``) do the same float32
-arithmetic: the ``histc`` pass (``trunc((x - lo) * bins / (hi - lo))`` per value, counted in
+float16 batches the op ``quantscope::ao_histc`` (torch.histc of the float32 values; on CUDA
+of float32 copies of ``2 ** 24`` values at a time). On CPU the C kernels
+(``csrc/ao_hist.c``) do the same float32 arithmetic: the ``histc`` pass (``trunc((x - lo) * bins / (hi - lo))`` per value, counted in
 int32 and added as float32, the way ATen's kernel counts: exact below ``2 ** 24``; split
 over torch's threads, each counting its share into its own bins) and the re-binning (torch's
 binary search and torch.bincount's in-order float32 sums); ``torch.linspace`` still makes
@@ -45,7 +45,6 @@ from .. import kernels
 from .._checks import check_number
 from .._numerics import _F32_MAX, upload
 from .._oplib import define
-from ..kernels import triton as _triton
 
 __all__ = ["NON_FINITE", "UPSAMPLE_RATE", "ao_histc", "check_dense", "ends", "fused", "histc",
            "observe", "rounds_to_inf", "update", "upscale"]
@@ -80,17 +79,20 @@ def _torch_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tens
     return torch.histc(x.float(), bins, min=lo, max=hi)
 
 
+#: values a CUDA ``histc`` call bins at most: its float32 counts are exact below ``2 ** 24``
+_CHUNK = 1 << 24
+
+
 def _cuda_histc(x, bins, lo, hi):
     _check_histc(x, bins, lo, hi)
-    kernel = _triton.launchers("histogram", x)
-    span = kernel.float32_ends(lo, hi)[2] if kernel is not None else math.nan
-    # torch's degenerate ranges (where it widens them), and spans where (x - lo) * bins can
-    # overflow float32 (torch's bins then are its own): the torch path
-    if (not 0 < span < math.inf or span * bins > _F32_MAX or bins + 1 > kernel.MAX_BINS
-            or x.numel() >= 1 << 31):
-        return _torch_histc(x, bins, lo, hi)
+    # torch's own CUDA histc (the binning of torch.ao's on the device) of float32 copies of at
+    # most 2 ** 24 values, summed in int64: no copy of the whole batch, and no count saturated
+    # by float32 atomics. lo == hi: histc takes the range from the data, so all of it at once
+    if x.numel() <= _CHUNK or lo == hi:
+        return torch.histc(x.float(), bins, min=lo, max=hi)
     counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
-    kernel.histc(counts, x.contiguous(), lo, hi)
+    for part in x.reshape(-1).split(_CHUNK):
+        counts += torch.histc(part.float(), bins, min=lo, max=hi).long()
     return counts.float()
 
 
@@ -100,9 +102,9 @@ def _fake_histc(x, bins, lo, hi):
 
 
 #: ``ao_histc(x, bins, lo, hi) -> counts``: ``torch.histc`` of ``x``'s float32 values (fp32 /
-#: bf16 / fp16 ``x``; float32 ``[bins]`` counts). On CUDA one Triton pass reads ``x`` in its
-#: dtype (no float32 copy; ATen's formula, counted in int64: a bin holding ``2 ** 24`` values
-#: or more in one batch is rounded once, where ATen's float atomics round it in their order)
+#: bf16 / fp16 ``x``; float32 ``[bins]`` counts). On CUDA torch's histc of float32 copies of
+#: ``2 ** 24`` values at a time, summed in int64 (a bin holding ``2 ** 24`` values or more in
+#: one batch is rounded once, where ATen's float atomics would stop counting it at ``2 ** 24``)
 ao_histc = define("ao_histc(Tensor x, int bins, float lo, float hi) -> Tensor", _torch_histc,
                   cuda=_cuda_histc, fake=_fake_histc)
 

@@ -1,5 +1,4 @@
-"""Histogram binning on aligned power-of-two grids (Triton): ``stats.histogram.add_values``;
-and ``torch.histc``'s binning for the torch.ao compat histogram (:func:`histc`).
+"""Histogram binning on aligned power-of-two grids (Triton): ``stats.histogram.add_values``.
 
 A value ``x`` of unit ``u`` goes to bin ``clamp(floor(x * 2 ** -exp[u]) - first[u], 0, B - 1)``
 (``|x|`` for absolute histograms; NaN to bin 0), every step exact in float32 as in the torch
@@ -7,9 +6,9 @@ reference. Two ways to count, equal bit for bit (counts are integers: the order 
 adds cannot change them): each value's bin written (offset by its row's, as float64) and
 counted by ``torch.histc``, whose shared-memory histogram is the fast one (on an H200, a
 16 x 2048 x 4096 bf16 batch, 2048 bins: the private histograms 13.3 ms, bins written as int32
-then ``torch.bincount`` 1.2 ms, ``torch.histc`` of a float32 copy 1.2 ms; this float64 form,
-for histc's exact ``x * N / N`` and no host read, is not yet timed there:
-``bench/gpu_hist_variants.py``), where all units' bins fit its shared memory; or, past it,
+then ``torch.bincount`` 1.2 ms, ``torch.histc`` of a float32 copy 1.2 ms:
+``bench/gpu_hist_variants.py``; this float64 form, for histc's exact ``x * N / N`` and no host
+read, 1.4 ms), where all units' bins fit its shared memory; or, past it,
 while a CUDA graph is captured or deterministic algorithms are asked for (histc's CUDA
 kernel is flagged nondeterministic), each program's private ``tl.histogram`` of its chunk
 (one extra bin takes the padding of the last tile) added to the unit's counts with one
@@ -22,10 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._numerics import as_float32
 from ._jit import LAUNCH, widen
 
-__all__ = ["MAX_BINS", "float32_ends", "hist_add", "histc", "regrid"]
+__all__ = ["MAX_BINS", "hist_add", "regrid"]
 
 #: the most bins a program's private histogram holds (registers)
 MAX_BINS = 1 << 14
@@ -144,56 +142,6 @@ def hist_add(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
     _hist_kernel[(U, triton.cdiv(E, chunk))](
         units, counts, exp, first, E, units.stride(0), chunk, B, ABSOLUTE=bool(absolute),
         NB=triton.next_power_of_2(B + 1), BLOCK_E=block_e, **LAUNCH)
-
-
-# ---- torch.histc's binning (the torch.ao compat histogram) -------------------------------------
-
-def float32_ends(lo: float, hi: float) -> tuple[float, float, float]:
-    """``(lo, hi, hi - lo)`` as ATen's ``histc`` holds them for float32 values: each in
-    float32 (the span inf where it overflows). Computed here, not in the kernel: Triton's
-    interpreter keeps scalar arguments in float64."""
-    lo32, hi32 = as_float32(lo), as_float32(hi)
-    # float64 holds 53 >= 2 * 24 + 2 bits: its difference rounded to float32 is float32's own
-    return lo32, hi32, as_float32(hi32 - lo32)
-
-
-@triton.jit
-def _histc_kernel(x_ptr, counts_ptr, n, lo, hi, span, B, chunk, NB: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * chunk
-    b_f = tl.cast(B, tl.float32)
-    local = tl.zeros([NB], tl.int32)
-    for e0 in range(0, chunk, BLOCK):
-        within = e0 + tl.arange(0, BLOCK)
-        offs = start + within
-        mask = (offs < n) & (within < chunk)
-        v = widen(tl.load(x_ptr + offs, mask=mask, other=0.0))
-        inside = mask & (v >= lo) & (v <= hi)  # NaN: outside
-        t = tl.math.div_rn((v - lo) * b_f, span)
-        b = tl.minimum(tl.where(inside, t, 0.0).to(tl.int32), B - 1)  # the last bin: ]..., hi]
-        local += tl.histogram(tl.where(inside, b, B), NB)  # the rest to the extra bin B
-    bins = tl.arange(0, NB)
-    tl.atomic_add(counts_ptr + bins, local.to(tl.int64), mask=(bins < B) & (local > 0))
-
-
-def histc(counts: torch.Tensor, x: torch.Tensor, lo: float, hi: float, *,
-          chunk: int | None = None, block: int = 1024) -> None:
-    """Add ``torch.histc(x.float(), B, min=lo, max=hi)`` (``lo < hi`` and a finite
-    :func:`float32_ends` span) to
-    ``counts [B]`` (int64, in place): bin ``trunc((v - lo) * B / (hi - lo))`` of each value
-    ``v`` in ``[lo, hi]``, float32 steps with an IEEE division (ATen's ``histc`` formula), the
-    value ``hi`` in the last bin; ``x`` contiguous, bf16 / fp16 / fp32, any shape."""
-    B, n = counts.shape[0], x.numel()
-    if B + 1 > MAX_BINS:
-        raise ValueError(f"kernels.triton.histogram: at most {MAX_BINS - 1} bins, got {B}")
-    if not n:
-        return
-    if chunk is None:  # enough programs to fill the GPU, each binning a fair share
-        chunk = triton.cdiv(triton.cdiv(n, max(1, min(triton.cdiv(n, MIN_CHUNK), 2048))),
-                            block) * block
-    _histc_kernel[(triton.cdiv(n, chunk),)](x, counts, n, *float32_ends(lo, hi), B, chunk,
-                                            NB=triton.next_power_of_2(B + 1), BLOCK=block,
-                                            **LAUNCH)
 
 
 # ---- the grid change of ``stats.histogram.update`` ------------------------------------------
