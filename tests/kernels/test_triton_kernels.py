@@ -176,6 +176,21 @@ def test_grouped_descriptors_go_up_without_a_blocking_copy():
     assert desc.device.type == "meta" and desc.shape == host.shape
     assert uploads.found == []
 
+
+def test_grouped_launch_loads_16_bytes_only_where_every_tensor_allows():
+    """The grouped kernel's hint (``VEC``: 16-byte loads) only where every tensor's address,
+    row stride and row length are multiples of 16 bytes (it reads them from memory, so the
+    compiler cannot tell)."""
+    from quantscope.kernels.triton import minmax
+
+    full = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert minmax._vector_width([full, torch.zeros(3, 16)]) == 8  # by the first's dtype
+    assert minmax._vector_width([torch.zeros(3, 16), torch.zeros(2, 8)]) == 4
+    assert minmax._vector_width([full, full[:, :60]]) == 1  # rows of 120 bytes
+    assert minmax._vector_width([full, full[:, 1:]]) == 1  # an address off by 2 bytes
+    assert minmax._vector_width([torch.zeros(4, 72, dtype=torch.bfloat16)[:, :64]]) == 8
+    assert minmax._vector_width([torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64]]) == 1
+
 # ---- integer fake-quant --------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
