@@ -10,19 +10,23 @@
 # pytest and hypothesis (the device image has them); quantscope from this checkout, C kernels
 # built here. llm-compressor comes from the wheelhouse .whl/ when present (bench/gpu_wheels.sh
 # makes it here; the device tool carries it with carry=[".whl"]).
-# Logs go to $OUT (default /tmp/gpu-check); the benches' results, under bench/run.py's header, to
-# $OUT/results/{gpu,cuda}.txt: copy them into bench/results/, then `make bench-docs`.
+# Logs and results are written under $WORK (default /tmp/gpu-check) and packed after each step
+# into $OUT/check.tgz (the device tool brings back 8 files at most; one archive brings back
+# everything a step finished, even where a later step is cut): the benches' results, under
+# bench/run.py's header, are results/{gpu,cuda}.txt there: copy them into bench/results/, then
+# `make bench-docs`.
 # Usage: bash bench/gpu_check.sh
 # STEPS picks the steps, in this order: bench35, diag, triton (issue 35's, the default; on the
-# H200 of 2026-12-04 bench35 took 141 s, and diag (histogram binning variants and profiler
-# tables, bench/gpu_hist_variants.py and bench/gpu_profile.py) about 50 s; the triton tests
-# need more than the 180 s left them there: pass BENCH35_TIMEOUT 200, TRITON_TIMEOUT 300 to fit
-# one 600 s call), cuda, bench19 (issue 19's: up to 7.5 more minutes).
-# QUANTSCOPE_GPU_ROWS=nvfp4,model (say) reruns only those rows of bench35; imatrix (a row
-# outside the issue's table, run only when named) times the weighted NVFP4 search.
+# H200 of 2026-12-04 bench35 took 141 s; diag, where the host's and the device's time goes
+# (bench/gpu_profile.py: profiler tables; bench/gpu_host.py: the host's time per call of each
+# step of the min-max path, and profiles grouped by Python call site), about 90 s; the
+# triton tests run on 8 processes (pytest-xdist, in the device image)), hist (the histogram
+# binning variants of bench/gpu_hist_variants.py), cuda, bench19 (issue 19's: up to 7.5 more
+# minutes).
 set -uo pipefail
-out=${OUT:-/tmp/gpu-check}
-mkdir -p "$out"
+out=${WORK:-/tmp/gpu-check}
+mkdir -p "$out" "${OUT:=$out/packed}"
+pack() { tar -czf "$OUT/check.tgz" -C "$out" --exclude=packed . ; }
 py=${PYTHON:-python3}
 steps=",${STEPS:-bench35,diag,triton},"
 site=/tmp/gpu-check-site
@@ -46,13 +50,18 @@ if [[ $steps == *,bench35,* ]]; then
     timeout "${BENCH35_TIMEOUT:-360}" "$py" bench/run.py --results "$out/results" gpu 2>&1 \
         | tee "$out/gpu_triton.log"
 fi
+pack
 if [[ $steps == *,diag,* ]]; then  # where the slow rows' time goes (issue 35's next step)
+    timeout "${DIAG_TIMEOUT:-90}" "$py" bench/gpu_profile.py "$out/prof" 2>&1 | tail -4
+    timeout "${DIAG_TIMEOUT:-90}" "$py" bench/gpu_host.py "$out/host" 2>&1 | tail -16
+    pack
+fi
+if [[ $steps == *,hist,* ]]; then
     timeout "${DIAG_TIMEOUT:-90}" "$py" bench/gpu_hist_variants.py "$out/results/hist_variants.md" \
         2>&1 | tail -14
-    timeout "${DIAG_TIMEOUT:-90}" "$py" bench/gpu_profile.py "$out/prof" 2>&1 | tail -4
 fi
 if [[ $steps == *,triton,* ]]; then
-    timeout "${TRITON_TIMEOUT:-220}" "$py" -m pytest -p no:cacheprovider -rs \
+    timeout "${TRITON_TIMEOUT:-240}" "$py" -m pytest -p no:cacheprovider -rs -n "${JOBS:-8}" \
         tests/kernels/test_triton_kernels.py tests/kernels/test_triton_block_search.py \
         tests/kernels/test_triton_ops.py tests/kernels/test_triton_large.py \
         tests/kernels/test_triton_weighted.py tests/kernels/test_triton_minmax_observe.py \
@@ -61,6 +70,7 @@ if [[ $steps == *,triton,* ]]; then
         tests/calibrate/test_device_pass.py tests/compat/test_torch_ao_exact.py \
         tests/core/test_qparams_ops.py tests/estimators/test_weighted.py 2>&1 \
         | tee "$out/triton_tests.log" | tail -15
+    pack
 fi
 # test files that import a package absent there (the peers, the demo data) fail to collect:
 # the others still run
@@ -73,3 +83,4 @@ if [[ $steps == *,bench19,* ]]; then
     timeout "${BENCH_TIMEOUT:-150}" "$py" bench/run.py --results "$out/results" cuda 2>&1 \
         | tee "$out/bench_cuda.log"
 fi
+pack
