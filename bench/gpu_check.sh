@@ -16,19 +16,19 @@
 # bench/run.py's header, are results/{gpu,cuda}.txt there: copy them into bench/results/, then
 # `make bench-docs`.
 # Usage: bash bench/gpu_check.sh
-# STEPS picks the steps, in this order: bench35, diag, triton (issue 35's, the default; on the
-# H200 of 2026-12-04 bench35 took 141 s; diag, where the host's and the device's time goes
-# (bench/gpu_profile.py: profiler tables; bench/gpu_host.py: the host's time per call of each
-# step of the min-max path, and profiles grouped by Python call site), about 90 s; the
-# triton tests run on 8 processes (pytest-xdist, in the device image)), hist (the histogram
-# binning variants of bench/gpu_hist_variants.py), cuda, bench19 (issue 19's: up to 7.5 more
-# minutes).
+# STEPS picks the steps, in this order: bench35, diag, host, triton (issue 35's, the default;
+# on the H200 of 2026-12-04 bench35 took 141 s; diag and host, where the device's and the
+# host's time goes (bench/gpu_profile.py: profiler tables; bench/gpu_host.py: the host's time
+# per call of each step of the min-max path, and profiles by Python call site), about 40 s
+# each; the triton tests run on 8 processes (pytest-xdist, in the device image)), hist (the
+# histogram binning variants of bench/gpu_hist_variants.py), cuda, bench19 (issue 19's: up to
+# 7.5 more minutes).
 set -uo pipefail
 out=${WORK:-/tmp/gpu-check}
 mkdir -p "$out" "${OUT:=$out/packed}"
 pack() { tar -czf "$OUT/check.tgz" -C "$out" --exclude=packed . ; }
 py=${PYTHON:-python3}
-steps=",${STEPS:-bench35,diag,triton},"
+steps=",${STEPS:-bench35,diag,host,triton},"
 site=/tmp/gpu-check-site
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -53,6 +53,9 @@ fi
 pack
 if [[ $steps == *,diag,* ]]; then  # where the slow rows' time goes (issue 35's next step)
     timeout "${DIAG_TIMEOUT:-90}" "$py" bench/gpu_profile.py "$out/prof" 2>&1 | tail -4
+    pack
+fi
+if [[ $steps == *,host,* ]]; then
     timeout "${DIAG_TIMEOUT:-90}" "$py" bench/gpu_host.py "$out/host" 2>&1 | tail -16
     pack
 fi
@@ -68,7 +71,8 @@ if [[ $steps == *,triton,* ]]; then
         tests/kernels/test_mse_ops_engine.py tests/observers/test_device_ops.py \
         tests/observers/test_grouped.py tests/calibrate/test_grouped_weights.py \
         tests/calibrate/test_device_pass.py tests/compat/test_torch_ao_exact.py \
-        tests/core/test_qparams_ops.py tests/estimators/test_weighted.py 2>&1 \
+        tests/core/test_qparams_ops.py tests/estimators/test_weighted.py \
+        tests/compat/test_ao_histogram.py 2>&1 \
         | tee "$out/triton_tests.log" | tail -15
     pack
 fi
