@@ -172,8 +172,15 @@ def check_out(path, inputs=(), what: str | None = None) -> None:
         raise UsageError(f"--out: {e}") from None
 
 
+_OBSERVER_FLAGS = ("observer", "weight_observer", "input_observer")
+
+
 def check_recipe_args(args) -> None:
     """Every name, before anything heavy is imported: torch loads in seconds, a model in more."""
+    for name in ("recipe", "scheme", "recipe_file", *_OBSERVER_FLAGS):
+        if getattr(args, name) == "":  # (an unset shell variable) not "not given": the default
+            raise UsageError(f"--{name.replace('_', '-')}: empty value; give a name, or leave "
+                             f"the flag out")
     given = [a for a in ("recipe", "scheme", "recipe_file") if getattr(args, a)]
     if len(given) > 1:
         raise UsageError(f"give one of --recipe, --scheme, --recipe-file (got "
@@ -186,7 +193,7 @@ def check_recipe_args(args) -> None:
         check_input_file("--recipe-file", args.recipe_file)
     if not given:
         args.recipe = "w8a8"
-    for flag in ("observer", "weight_observer", "input_observer"):
+    for flag in _OBSERVER_FLAGS:
         if getattr(args, flag):
             setattr(args, flag, check_observer_name(
                 getattr(args, flag), f"observer (--{flag.replace('_', '-')})"))
