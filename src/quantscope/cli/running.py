@@ -128,6 +128,7 @@ def load_setup(args, phases: Phases, prepare=None):
     batches = models.token_batches(tok, calib, args.max_length, args.batch_size, device,
                                    args.seed)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    _check_token_ids(model, tok, batches, path)
     ev = Evaluator(task, model, tok, args.eval_max_length, not args.no_progress)
     fp = None
     if getattr(args, "rank", 0) == 0:  # only rank 0 evaluates (under torchrun)
@@ -180,6 +181,18 @@ def _check_text_class(cls, config, path) -> None:
         raise UsageError(f"model {str(path)!r} ({cls.__name__}) is {kind}; the command "
                          f"line calibrates causal LMs and text encoders on text: calibrate it "
                          f"from Python, quantscope.calibrate(model, batches, recipe)")
+
+
+def _check_token_ids(model, tok, batches, path) -> None:
+    """Refuse a tokenizer whose ids pass the model's embedding (another model's tokenizer in
+    the folder) before a forward fails with torch's bare IndexError."""
+    rows = model.get_input_embeddings().num_embeddings
+    top = max((int(b["input_ids"].max()) for b in batches if b["input_ids"].numel()), default=-1)
+    if top >= rows:
+        raise UsageError(f"model {str(path)!r}: its tokenizer gives token id {top} (it holds "
+                         f"{len(tok)} tokens) but the model's embedding has {rows} rows "
+                         f"(config vocab_size {getattr(model.config, 'vocab_size', None)}); "
+                         f"is the tokenizer another model's?")
 
 
 def positions(model) -> int | None:
