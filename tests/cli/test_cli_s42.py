@@ -44,3 +44,48 @@ def test_a_tokenizer_past_the_models_embedding_is_named(tmp_path, capsys):
     assert rc == 2, err
     assert "embedding has 128 rows" in err and "30522 tokens" in err, err
     assert "evaluating float" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def llama72(tmp_path_factory):
+    """A 1-layer Llama of hidden size 72: no multiple of NVFP4's 16 or MXFP4's 32."""
+    import shutil
+
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from quantscope.demo import models
+
+    d = tmp_path_factory.mktemp("llama72")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=72, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=30522, max_position_embeddings=64)).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "vocab.txt"):
+        shutil.copy(models.default_model_path() / f, d)
+    return d
+
+
+@pytest.mark.parametrize("recipe, size", [("nvfp4", 16), ("mxfp4", 32)])
+def test_a_width_the_formats_block_does_not_divide_stops_or_stays_float(llama72, tmp_path,
+                                                                       capsys, recipe, size):
+    """``--on-indivisible`` covered groups only: NVFP4 / MXFP4 calibrated partial last blocks
+    that no export could write (compressed-tensors packs whole blocks)."""
+    small = ["--model", str(llama72), "--recipe", recipe, "--calib-docs", "2",
+             "--max-length", "16", "--eval-max-length", "16", "--no-progress",
+             "--device", "cpu"]
+    rc = cli.main(["calibrate", *small, "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"width 72, which the format size {size} does not divide" in err, err
+    assert "--group-size" not in err and "evaluating float" not in err, err
+    rc = cli.main(["calibrate", *small, "--on-indivisible", "float",
+                   "--out", str(tmp_path / "kept")])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    import json
+
+    saved = json.loads((tmp_path / "kept" / "qparams" / "quantscope.json").read_text())
+    ignored = saved["recipe"]["ignore"]
+    # the layers that read the 72-wide hidden state stay in float; down_proj (128 wide) not
+    assert any("q_proj" in i for i in ignored) and not any("down_proj" in i for i in ignored)

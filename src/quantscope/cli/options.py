@@ -89,8 +89,9 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                         "static per tensor, with the recipe's observer): vLLM's "
                         "kv_cache_dtype, exported as k_scale / v_scale")
     r.add_argument("--on-indivisible", choices=("error", "float"), default="error",
-                   help="a layer whose width the group size does not divide: stop with an "
-                        "error naming the sizes that would (default), or leave it in float")
+                   help="a layer whose width the group size (or an MX / NVFP4 format's "
+                        "block) does not divide: stop with an error naming the sizes that "
+                        "would (default), or leave it in float")
 
 
 def add_output_args(p: argparse.ArgumentParser, out_default: str | None) -> None:

@@ -260,17 +260,19 @@ def _check_observers(rec, path: str):
 
 
 def _indivisible(rec, model, policy: str):
-    """Layers whose weight a grouped spec cannot take: an error naming the layer and the group
-    sizes that would divide it, or (``policy == "float"``) those layers added to ``ignore``."""
+    """Layers whose weight a grouped or block spec (MX, NVFP4) cannot take in whole segments
+    (compressed-tensors and vLLM load no partial last one): an error naming the layer and the
+    group sizes that would divide it, or (``policy == "float"``) those layers added to
+    ``ignore``."""
     from dataclasses import replace
 
     from ..calibration.run.module_roles import along_spatial, module_role
-    from ..layout import Group
+    from ..layout import Block, Group
 
-    bad, widths = {}, set()
+    bad, widths, blocks = {}, set(), False
     for layer, (module, roles) in rec.match(model).items():
         role = roles.get("weight")
-        if role is None or not isinstance(role.spec.layout, Group):
+        if role is None or not isinstance(role.spec.layout, (Group, Block)):
             continue
         if along_spatial(module, role.spec.layout):  # a conv kernel: calibrate refuses it
             continue
@@ -279,14 +281,17 @@ def _indivisible(rec, model, policy: str):
         widths.add(width)
         if width % lay.size:
             bad[layer] = (width, lay.size)
+            blocks = blocks or isinstance(lay, Block)
     if not bad:
         return rec
     layer, (width, size) = next(iter(bad.items()))
     # sizes that divide every grouped layer: one that fits only this one fails on the next
     divisors = [d for d in (16, 32, 64, 96, 128, 192, 256) if all(w % d == 0 for w in widths)]
-    said = (f"layer {layer!r} has width {width}, which group size {size} does not divide "
-            f"({len(bad)} such layers); --group-size "
-            f"{' / '.join(map(str, divisors)) or '(none of 16..256)'} would")
+    said = (f"layer {layer!r} has width {width}, which "
+            f"{'the format' if blocks else 'group'} size {size} does not divide "
+            f"({len(bad)} such layers)")
+    if not blocks:  # a format's block size is its own: no flag changes it
+        said += f"; --group-size {' / '.join(map(str, divisors)) or '(none of 16..256)'} would"
     if policy == "float":
         kept = replace(rec, ignore=rec.ignore + tuple(bad))
         try:
@@ -295,7 +300,8 @@ def _indivisible(rec, model, policy: str):
             raise UsageError(f"--on-indivisible float leaves every layer the recipe takes in "
                              f"float: {said}") from None
         return kept
-    raise UsageError(f"{said}, or --on-indivisible float leaves them in float")
+    raise UsageError(f"{said}{'; ' if blocks else ', or '}--on-indivisible float leaves them "
+                     f"in float")
 
 
 
