@@ -40,7 +40,7 @@ from .read_checks import (
     scale_problem,
     scale_values,
 )
-from .serving import describe, quantized, resolver, unservable
+from .serving import describe, quantized, resolver, scheme_args, unservable
 
 __all__ = ["FUSED", "check", "format_problems"]
 
@@ -104,9 +104,11 @@ def _weight_strategies(qc: dict):
 
 
 def _schemes(qc: dict):
-    """``layer -> (scheme, config group)``: the args vLLM picks a layer's scheme from (weights,
-    input activations, format) of the group that selects it; None where none or several do."""
-    key = {name: json.dumps([group.get("weights"), group.get("input_activations"),
+    """``layer -> (scheme, config group)``: the args vLLM picks a layer's scheme from (the
+    :data:`~.serving.SCHEME_FIELDS` of the weights and input activations, and the format) of
+    the group that selects it; None where none or several do."""
+    key = {name: json.dumps([scheme_args(group.get("weights")),
+                             scheme_args(group.get("input_activations")),
                              group.get("format") or qc.get("format")], sort_keys=True)
            for name, group in _group_rows(qc)}
     resolve = resolver([(str(t), name) for name, group in _group_rows(qc)
@@ -213,12 +215,12 @@ def check(path) -> list[dict]:
     [layers]}`` for a fused layer whose shards are partly quantized (an ignore list that holds
     some of them), and ``{"group": ..., "layers": [shards], "tensor": "scheme", "schemes":
     {layer: config group}}`` for a fused layer whose shards are in config groups of different
-    schemes (weights, input activations or format: vLLM serves the fused layer with the first
-    shard's), and ``{"group": config group, "layers": [its targets], "tensor": "config",
-    "vllm": why}`` for a config group vLLM has no scheme for
-    (:func:`~quantscope.exporters.serving.vllm_refusal`), whose experts its fused MoE layer
-    refuses (``vllm_moe_refusal``) or that quantizes a ``shared_expert_gate`` (``why`` names
-    the layers).
+    schemes (the weights' or input activations' fields vLLM reads, :data:`~.serving.
+    SCHEME_FIELDS`, or the format: vLLM serves the fused layer with the first shard's), and
+    ``{"group": config group, "layers": [its targets], "tensor": "config", "vllm": why}`` for
+    a config group vLLM has no scheme for (:func:`~quantscope.exporters.serving.vllm_refusal`),
+    whose experts its fused MoE layer refuses (``vllm_moe_refusal``) or that quantizes a
+    ``shared_expert_gate`` (``why`` names the layers).
     """
     folder = Path(check_path("check", path))
     if not folder.is_dir():

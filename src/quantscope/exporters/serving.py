@@ -25,10 +25,28 @@ import warnings
 from .moe_slots import expert_slot
 from .read_checks import SCALE_LEAVES, safetensors_headers
 
-__all__ = ["describe", "embedding_layers", "quantized", "resolver", "unservable",
-           "vllm_embedding_refusal", "vllm_moe_refusal", "vllm_refusal", "warn_unservable"]
+__all__ = ["SCHEME_FIELDS", "describe", "embedding_layers", "quantized", "resolver",
+           "scheme_args", "unservable", "vllm_embedding_refusal", "vllm_moe_refusal",
+           "vllm_refusal", "warn_unservable"]
 
 _WEIGHT_ONLY_BITS = (4, 8)  # vLLM's WNA16_SUPPORTED_BITS
+
+#: the QuantizationArgs fields vLLM's scheme choice reads: ``_get_scheme_from_parts``, its
+#: predicates, the schemes it builds (CompressedTensorsW8A8Fp8 takes ``block_structure``) and
+#: the config parsing (``actorder``). ``observer``, ``observer_kwargs`` and ``zp_dtype`` it
+#: never reads: groups that differ only there are one scheme to it
+SCHEME_FIELDS = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure",
+                 "dynamic", "actorder", "scale_dtype")
+#: compressed-tensors' QuantizationArgs defaults of those fields (the others default to None)
+_ARG_DEFAULTS = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
+
+
+def scheme_args(args: dict | None) -> dict | None:
+    """The :data:`SCHEME_FIELDS` of ``args`` (a ``weights`` / ``input_activations`` dict as
+    ``config.json`` holds it), an absent one as its default; None where there are no args."""
+    if not isinstance(args, dict):
+        return None
+    return {k: args.get(k, _ARG_DEFAULTS.get(k)) for k in SCHEME_FIELDS}
 
 
 def _on(args: dict | None, key: str):

@@ -1,0 +1,102 @@
+"""`quantscope check` compares fused shards' schemes by the fields vLLM's scheme choice reads.
+
+vLLM gives a fused layer (qkv_proj, gate_up_proj) the config group of its first shard
+(``_match_fused_layer``) and builds the scheme from ``_get_scheme_from_parts``
+(vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py), which reads
+num_bits, type, symmetric, strategy, group_size, block_structure, dynamic, actorder and
+scale_dtype of the weights and input activations, and the format -- never ``observer``,
+``observer_kwargs`` or ``zp_dtype``. Groups that differ only there are one scheme: the other
+shards load.
+"""
+
+import json
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+import quantscope
+from quantscope.calibration import preset
+from quantscope.cli import main
+from quantscope.exporters.consistency import check
+
+torch.set_num_threads(1)
+
+ATTN = "model.layers.0.self_attn."
+W8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
+      "observer": "minmax", "observer_kwargs": {}}
+A8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
+      "observer": None}
+
+
+def _checkpoint(folder, q_weights, q_inputs=A8):
+    """int8 q / k / v of one attention; q_proj in a config group of its own."""
+    folder.mkdir()
+    groups = {"group_0": {"targets": [ATTN + "q_proj"], "weights": q_weights,
+                          "input_activations": q_inputs},
+              "group_1": {"targets": [ATTN + "k_proj", ATTN + "v_proj"], "weights": W8,
+                          "input_activations": A8}}
+    cfg = {"model_type": "llama", "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "config_groups": groups}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = {}
+    for shard in ("q_proj", "k_proj", "v_proj"):
+        tensors[f"{ATTN}{shard}.weight"] = torch.ones(8, 4, dtype=torch.int8)
+        tensors[f"{ATTN}{shard}.weight_scale"] = torch.full((8, 1), 0.5)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+#: q_proj's weights / input -> whether vLLM's qkv_proj gets another scheme than k's and v's
+CASES = {
+    "observer": (dict(W8, observer="mse"), A8, False),
+    "observer_kwargs": (dict(W8, observer_kwargs={"maxshrink": 0.2}), A8, False),
+    "zp_dtype": (dict(W8, zp_dtype="torch.int8"), A8, False),
+    "input observer": (W8, dict(A8, observer="minmax"), False),
+    "dynamic left to its default": ({k: v for k, v in W8.items() if k != "dynamic"}, A8, False),
+    "num_bits": (dict(W8, num_bits=4), A8, True),
+    "strategy": (dict(W8, strategy="tensor"), A8, True),
+    "input symmetric": (W8, dict(A8, symmetric=False), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_check_compares_only_the_fields_vllm_reads(tmp_path, name):
+    weights, inputs, differs = CASES[name]
+    problems = check(_checkpoint(tmp_path / "ct", weights, inputs))
+    assert [p["tensor"] for p in problems] == (["scheme"] if differs else []), problems
+    if differs:
+        assert problems[0]["schemes"] == {ATTN + "q_proj": "group_0",
+                                          ATTN + "k_proj": "group_1",
+                                          ATTN + "v_proj": "group_1"}
+
+
+def test_export_of_groups_that_differ_in_the_observer_alone_checks_clean(tmp_path, capsys):
+    # the probe's case: q_proj's weights calibrated with memoryless_mse, k / v with
+    # memoryless_minmax, all else equal: two config groups, one scheme to vLLM
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=128, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    batches = [{"input_ids": torch.randint(0, 128, (2, 16))} for _ in range(2)]
+    base = preset("w8a8-dynamic", "minmax", ignore=["lm_head"])
+    q_rule = replace(base.rules[0], targets=("re:.*q_proj$",),
+                     weight=replace(base.rules[0].weight, observer="memoryless_mse"))
+    calib = quantscope.calibrate(model, batches, replace(base, rules=(q_rule, base.rules[0])),
+                                 progress=False)
+    out = str(tmp_path / "ct")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantscope.export(calib, model, out)
+    with open(f"{out}/config.json") as f:
+        groups = json.load(f)["quantization_config"]["config_groups"]
+    assert sorted(g["weights"]["observer"] for g in groups.values()) == [
+        "memoryless_minmax", "memoryless_mse"]
+    assert check(out) == []
+    assert main(["check", out]) == 0
+    assert "agree" in capsys.readouterr().out
