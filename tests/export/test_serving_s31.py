@@ -9,8 +9,9 @@ compressed_tensors_moe.py) and the predicates of compressed_tensors.py it calls.
   weights reach ``_is_wNa16_group_channel`` (which reads no type) and raise there (format
   float-quantized, not pack-quantized); tensor or block weights pass every branch to
   ``_is_dynamic_token_w8a8``, which reads ``input_quant.num_bits`` of None: no GPU loads them.
-- mxfp8 experts (fp8 groups of 32): ``_is_mxfp8`` reaches CompressedTensorsW8A8Mxfp8MoEMethod
-  before the WNA16 branch, with or without an input (it quantizes activations at run time).
+- mxfp8 experts (fp8 groups of 32, E8M0 scales): ``_is_mxfp8`` reaches
+  CompressedTensorsW8A8Mxfp8MoEMethod before the WNA16 branch, with or without an input (it
+  quantizes activations at run time).
 - W4A8 int experts (int4 weights, dynamic per-token int8 input): ``_is_dynamic_token_w4a8_int``
   reaches CompressedTensorsW4A8Int8MoEMethod, whose backend (select_w4a8_int8_moe_backend) is
   CPU only; the report says so, naming the platform.
@@ -40,7 +41,7 @@ F8_TOK = _args("float", 8, "token", dynamic=True)
 I4_G, I4_CH = _args("int", 4, "group", group_size=128), _args("int", 4, "channel")
 I8_CH = _args("int", 8, "channel")
 I8_TOK = _args("int", 8, "token", dynamic=True)
-MX8 = _args("float", 8, "group", group_size=32)
+MX8 = _args("float", 8, "group", group_size=32, scale_dtype="torch.uint8")
 
 #: (weights, input, format, what get_moe_method does on a GPU: the method, or how it fails)
 GPU_MOE = {
@@ -65,7 +66,11 @@ GPU_MOE = {
     # time (session 33: weight-only mxfp8 experts were reported as refused)
     "mxfp8 weight-only": (MX8, None, "mxfp8-quantized", "W8A8Mxfp8MoE"),
     "mxfp8 / mxfp8": (MX8, dict(MX8, dynamic=True), "mxfp8-quantized", "W8A8Mxfp8MoE"),
-    # fp8 groups of another size are no MX: the WNA16 branch refuses their format
+    # fp8 groups of another size, or with fp32 scales, are no MX (_is_mxfp8 reads
+    # scale_dtype): the WNA16 branch refuses their format
+    "fp8 group-32 fp32 scales weight-only": (
+        dict(MX8, scale_dtype=None), None, "float-quantized",
+        "ValueError (WNA16 branch: format)"),
     "fp8 group-128 weight-only": (_args("float", 8, "group", group_size=128), None,
                                   "float-quantized", "ValueError (WNA16 branch: format)"),
 }

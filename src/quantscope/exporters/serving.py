@@ -69,12 +69,29 @@ def vllm_refusal(weights: dict | None, inputs: dict | None = None, fmt: str | No
     return None
 
 
+def _mxfp8(args: dict | None) -> bool:
+    """vLLM's ``_is_mxfp8``: float 8 bits in symmetric groups of 32 with E8M0 scales
+    (``scale_dtype`` uint8, as compressed-tensors' MXFP8 schemes write ``"torch.uint8"``)."""
+    return (isinstance(args, dict) and _on(args, "type") == "float"
+            and _on(args, "num_bits") == 8 and _on(args, "strategy") == "group"
+            and args.get("group_size") == 32 and bool(args.get("symmetric"))
+            and str(args.get("scale_dtype")).removeprefix("torch.") == "uint8")
+
+
 def _fp8(w: dict, a: dict | None) -> str | None:
-    """``_is_fp8_w8a8`` / ``_is_fp8_w8a16``, and CompressedTensorsW8A8Fp8's
+    """``_is_mxfp8``, ``_is_fp8_w8a8`` / ``_is_fp8_w8a16``, and CompressedTensorsW8A8Fp8's
     ``assert not self.is_static_input_scheme`` where ``weight_block_size`` is set."""
     strategy = _on(w, "strategy")
+    if strategy == "group" and not _mxfp8(w):
+        # no scheme takes them: the fp8 ones read tensor / channel / block weights only, and
+        # no fp8 format is pack-quantized (WNA16)
+        return (f"vLLM serves fp8 weights in groups only as MXFP8 (its _is_mxfp8: groups of "
+                f"32, symmetric, E8M0 scales, scale_dtype uint8; got groups of "
+                f"{w.get('group_size')}, scale_dtype {w.get('scale_dtype')}); its other fp8 "
+                f"schemes take tensor, channel or block weights -- use per-channel "
+                f"(fp8-dynamic) or block (FP8_BLOCK) fp8 weights")
     if strategy not in ("tensor", "channel", "block"):
-        return None  # (MX blocks: not these schemes' rules)
+        return None  # (MXFP8, tensor_group ...: not these schemes' rules)
     if not w.get("symmetric") or w.get("dynamic"):
         return ("vLLM serves fp8 weights only static and symmetric (its W8A8 / W8A16 Fp8 "
                 "schemes)")
@@ -173,7 +190,7 @@ def vllm_moe_refusal(weights: dict | None, inputs: dict | None = None,
     fmt = fmt.lower() if isinstance(fmt, str) else None
     if kind == "float" and bits == 4 and strategy == "group" and weights.get("group_size") == 32:
         return None  # _is_mxfp4: CompressedTensorsW4A4Mxfp4MoEMethod
-    if kind == "float" and bits == 8 and strategy == "group" and weights.get("group_size") == 32:
+    if _mxfp8(weights):
         # _is_mxfp8: CompressedTensorsW8A8Mxfp8MoEMethod, whatever the input (it quantizes
         # activations to MXFP8 at run time), so weight-only mxfp8 experts load too
         return None
