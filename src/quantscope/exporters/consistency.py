@@ -17,8 +17,10 @@ returns the fused groups (and experts modules) whose shards disagree (in a share
 value, or in holding it at all: shards of different schemes), plus any scale that is NaN,
 inf or <= 0 (per-channel and group scales too), the fused groups whose shards are in config
 groups of different schemes (vLLM gives the fused layer one scheme, its first shard's), and
-the config groups vLLM has no scheme for, whose experts its fused MoE layer refuses, or that
-quantize a ``shared_expert_gate`` (:mod:`.serving`). Only the scale tensors are read.
+the fused layers whose fp8 weight blocks would straddle two shards (vLLM's fp8 block layer
+needs every shard but the last to hold whole blocks of rows), and the config groups vLLM has no
+scheme for, whose experts its fused MoE layer refuses, or that quantize a
+``shared_expert_gate`` (:mod:`.serving`). Only the scale tensors are read (and the headers).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,7 +45,7 @@ from .read_checks import (
 )
 from .serving import describe, quantized, resolver, scheme_args, unservable
 
-__all__ = ["FUSED", "check", "format_problems"]
+__all__ = ["FUSED", "block_problems", "check", "format_problems", "warn_block_problems"]
 
 #: the runtime's fused layers: fused name -> the shard names it concatenates
 FUSED: dict[str, tuple[str, ...]] = {
@@ -84,23 +87,31 @@ def _group_rows(qc: dict):
             if isinstance(group, dict) and isinstance(group.get("targets"), list)]
 
 
-def _weight_strategies(qc: dict):
-    """``layer -> strategy`` of the weights of the config group that quantizes the layer
+def _per_layer(qc: dict, pick):
+    """``layer -> pick(weights)`` of the config group that quantizes the layer
     (:func:`.serving.resolver`); None where the config cannot tell."""
-    rows = []
-    for _, group in _group_rows(qc):
-        weights = group.get("weights")
-        if isinstance(weights, dict):
-            # no strategy: compressed-tensors infers one (tensor, or group with a group size)
-            strategy = weights.get("strategy")
-            rows += [(str(t), str(strategy).lower() if strategy else None)
-                     for t in group["targets"]]
-    resolve = resolver(rows)
+    resolve = resolver([(str(t), pick(group["weights"])) for _, group in _group_rows(qc)
+                        if isinstance(group.get("weights"), dict) for t in group["targets"]])
 
-    def of(layer: str) -> str | None:
+    def of(layer: str):
         found = resolve(layer)
         return found.pop() if len(found) == 1 else None
     return of
+
+
+def _weight_strategies(qc: dict):
+    """``layer -> strategy`` of its weights (:func:`_per_layer`)."""
+    # no strategy: compressed-tensors infers one (tensor, or group with a group size)
+    return _per_layer(qc, lambda w: str(w["strategy"]).lower() if w.get("strategy") else None)
+
+
+def _block_n(weights: dict) -> int | None:
+    """The rows of a block-strategy weight's blocks (``block_structure[0]``), else None."""
+    shape = weights.get("block_structure")
+    if str(weights.get("strategy")).lower() != "block" or not isinstance(shape, list) \
+            or not shape or not isinstance(shape[0], int) or shape[0] <= 0:
+        return None
+    return shape[0]
 
 
 def _schemes(qc: dict):
@@ -131,6 +142,44 @@ def _scheme_problem(group: str, layers: list[str], scheme) -> dict | None:
             "schemes": {layer: name for layer, (_, name) in found.items()}}
 
 
+def _block_problem(group: str, layers: list[str], entries, block_rows) -> dict | None:
+    """The fused ``group`` whose shards but the last do not hold whole blocks of rows of the
+    fp8 block scheme vLLM serves it with (its first shard's). CompressedTensorsW8A8Fp8's
+    ``create_weights`` calls ``validate_fp8_block_shape`` (quantization/utils/fp8_utils.py),
+    which raises where a merged layer's output partition but the last is not a multiple of
+    ``block_n`` (at tensor parallelism 1; its fused MoE needs gate's and up's rows, which are
+    equal, to be too)."""
+    n = block_rows(layers[0])
+    shapes = {layer: entries.get(f"{layer}.weight", (None, None, None))[2]
+              for layer in layers[:-1]}
+    rows = {layer: shape[0] for layer, shape in shapes.items()
+            if n and isinstance(shape, list) and len(shape) == 2 and shape[0] % n}
+    if not rows:
+        return None
+    return {"group": group, "layers": layers, "tensor": "weight", "values": {},
+            "block_rows": n, "rows": rows}
+
+
+def block_problems(qc: dict, entries) -> list[dict]:
+    """:func:`_block_problem` of every fused layer of the checkpoint (its tensors' ``entries``,
+    :func:`~.read_checks.safetensors_headers`) whose shards are all quantized."""
+    rows = _per_layer(qc, _block_n)
+    return [p for group, every, layers in _fused(entries) if len(layers) == len(every) > 1
+            and (p := _block_problem(group, layers, entries, rows))]
+
+
+def warn_block_problems(folder) -> None:
+    """One warning (the first fused layer and how many more) for :func:`block_problems` in
+    ``folder``; the export writes the folder all the same (transformers and
+    compressed-tensors load it)."""
+    _, _, qc = read_quant_config(folder, "export compressed-tensors")
+    found = block_problems(qc, safetensors_headers(folder, "export compressed-tensors"))
+    if found:
+        more = f" (and {len(found) - 1} more fused layers)" if len(found) > 1 else ""
+        warnings.warn(f"export compressed-tensors: {format_problems(found[:1])}{more}; "
+                      f"transformers and compressed-tensors load it", stacklevel=3)
+
+
 def _held_once(leaf: str, layers, entries, strategy) -> bool:
     """Whether the fused layer holds one ``leaf`` for its shards. A weight scale only of
     float8 per-tensor weights (vLLM re-quantizes those shards to the largest; block and
@@ -144,6 +193,15 @@ def _held_once(leaf: str, layers, entries, strategy) -> bool:
         if None not in known:  # the config says; else the scale's size tells
             return known == {"tensor"}
     return all(math.prod(entries[f"{layer}.{leaf}"][2] or [1]) == 1 for layer in layers)
+
+
+def _fused(entries):
+    """``(fused layer, its shard layers in the runtime's order, those quantized)`` of every
+    fused layer of the checkpoint (:func:`_fused_groups`), by name."""
+    for (parent, fused), shards in sorted(_fused_groups(entries).items()):
+        every = [shards[s] for s in FUSED[fused] if s in shards]
+        yield (f"{parent}.{fused}" if parent else fused, every,
+               [layer for layer in every if quantized(entries, layer)])
 
 
 def _fused_groups(entries) -> dict[tuple[str, str], dict[str, str]]:
@@ -217,6 +275,9 @@ def check(path) -> list[dict]:
     {layer: config group}}`` for a fused layer whose shards are in config groups of different
     schemes (the weights' or input activations' fields vLLM reads, :data:`~.serving.
     SCHEME_FIELDS`, or the format: vLLM serves the fused layer with the first shard's), and
+    ``{"group": ..., "layers": [shards], "tensor": "weight", "block_rows": n, "rows": {layer:
+    rows}}`` for a fused layer of fp8 weight blocks of ``n`` rows whose shards but the last
+    (``rows``) are not multiples of ``n`` (:func:`_block_problem`), and
     ``{"group": config group, "layers": [its targets], "tensor": "config", "vllm": why}`` for
     a config group vLLM has no scheme for (:func:`~quantscope.exporters.serving.vllm_refusal`),
     whose experts its fused MoE layer refuses (``vllm_moe_refusal``) or that quantizes a
@@ -237,10 +298,8 @@ def check(path) -> list[dict]:
     problems = [{"group": name, "layers": targets, "tensor": "config", "values": {},
                  "vllm": why} for name, targets, why in unservable(qc, entries)]
     problems += _scale_problems(entries)
-    for (parent, fused), shards in sorted(_fused_groups(entries).items()):
-        group = f"{parent}.{fused}" if parent else fused
-        every = [shards[s] for s in FUSED[fused] if s in shards]
-        layers = [layer for layer in every if quantized(entries, layer)]
+    problems += block_problems(qc, entries)
+    for group, every, layers in _fused(entries):
         if layers and len(layers) < len(every):  # the ignore list split the group
             problems.append({"group": group, "layers": every, "tensor": "weight",
                              "values": {}, "float": [x for x in every if x not in layers]})
@@ -273,6 +332,13 @@ def format_problems(problems: list[dict]) -> str:
         vals = ", ".join(f"{k}={v:.9g}" for k, v in p["values"].items())
         if p.get("vllm"):
             lines.append(f"{describe(p['group'], p['layers'])}: {p['vllm']}")
+        elif p.get("block_rows"):
+            rows = ", ".join(f"{k} has {v}" for k, v in p["rows"].items())
+            lines.append(f"{p['group']}: fp8 weight blocks of {p['block_rows']} rows, but "
+                         f"{rows} output rows: vLLM's fp8 block layer needs every shard of a "
+                         f"fused layer but the last to hold whole blocks of rows "
+                         f"(validate_fp8_block_shape raises at load) -- use blocks whose rows "
+                         f"divide the shards', or per-channel fp8 weights (fp8-dynamic)")
         elif p.get("schemes"):
             shards = ", ".join(f"{k} in {v!r}" for k, v in p["schemes"].items())
             lines.append(f"{p['group']}: the fused shards are in config groups of different "
