@@ -250,17 +250,31 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
 def _check_finite(lo: torch.Tensor, hi: torch.Tensor, global_amax, finite: bool = True) -> None:
     """Raise ``ValueError`` on a NaN / inf range (unless ``finite=False``: known finite), on
     ``lo > hi``, or on a NaN / inf global amax (one read back each)."""
-    ordered = (lo <= hi).all()
-    if finite:  # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN fails
+    if finite and lo.numel() and _spans_ok(lo, hi):
+        pass  # the common case, in three ops where the checks below take eight
+    elif finite:  # which one failed
+        ordered = (lo <= hi).all()
+        # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN fails
         isfinite = (torch.stack((lo, hi)).abs() < math.inf).all()
         ordered, isfinite = torch.stack((ordered, isfinite)).tolist()  # one read for both
         if not isfinite:
             raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
-    if not ordered:
+        if not ordered:
+            raise ValueError("qparams_from_range: lo must be <= hi in every unit")
+    elif not bool((lo <= hi).all()):
         raise ValueError("qparams_from_range: lo must be <= hi in every unit")
     if global_amax is not None and not _is_amax(global_amax):
         raise ValueError(f"qparams_from_range: global_amax must be finite and >= 0 (an "
                          f"absolute maximum), got {global_amax!r}")
+
+
+def _spans_ok(lo: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Whether every ``hi - lo`` is finite and not negative (one read): then both ends are
+    finite and ordered. NaN fails both tests, an infinite end makes the span infinite or NaN,
+    and distinct finite ends never differ by a rounded zero. False also where finite ends'
+    span overflows: the full checks decide then."""
+    low, high = torch.stack(torch.aminmax(hi - lo)).tolist()
+    return low >= 0 and high < math.inf
 
 
 def _is_amax(global_amax) -> bool:
