@@ -359,7 +359,24 @@ def _check_call(calibration, model: nn.Module, overwrite, allow_lossy, **_) -> N
                         f"{type(model).__name__}")
     if not calibration.states:
         raise ValueError("export compressed-tensors: the calibration quantizes no layer")
+    _static_weights(calibration.states)
     check_placement(model, "export compressed-tensors")
+
+
+def _static_weights(states) -> None:
+    """A checkpoint stores each quantized weight as codes and the scales they were made with:
+    a weight whose scales are computed at each call (``dynamic=True``, or ``"local"`` block
+    scales) has none to store, and compressed-tensors fails on the missing scale naming no
+    layer (a Group layout: ``'NoneType' object has no attribute 'ndim'``). Every layout alike,
+    before any work."""
+    for layer, roles in states.items():
+        st = roles.get("weight")
+        if st is not None and st.dynamic is not False:
+            raise ValueError(f"export compressed-tensors: layer {layer!r} weight: "
+                             f"dynamic={st.dynamic!r} (a run-time weight scale, computed from "
+                             f"the weight at each call) has no compressed-tensors equivalent: "
+                             f"a checkpoint stores each weight's codes with calibrated scales; "
+                             f"calibrate the weight with dynamic=False")
 
 
 @register(KIND, check=_check_call)
