@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-__all__ = ["as_bool", "check_bool", "check_path", "spelt_as_scheme"]
+__all__ = ["as_bool", "check_bool", "check_path", "quant_method", "spelt_as_scheme"]
 
 
 def as_bool(value) -> bool | None:
@@ -40,3 +40,15 @@ def spelt_as_scheme(name: str, presets) -> bool:
     inputs) is not the preset ``w8a8`` (static ones). The library's ``preset()`` and the
     command line's ``--recipe`` refuse it rather than read either one silently."""
     return name.isupper() and name.lower() in presets and "-" not in name
+
+
+def quant_method(config) -> str | None:
+    """The ``quant_method`` of a model folder's ``config.json`` (``config``: its parsed JSON)
+    where it has a ``quantization_config`` (``"?"`` where that names none), else None. Such a
+    checkpoint (a compressed-tensors export, GPTQ, FP8 ...) stores its weights as codes and
+    scales, which transformers decompresses on load: not the float weights calibration
+    observes (``--model`` and sequential calibration's checkpoint refuse it)."""
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not qc:
+        return None
+    return str(qc.get("quant_method", "?")) if isinstance(qc, dict) else "?"

@@ -8,7 +8,7 @@ import os
 import re
 
 from .._jsonfile import read_json
-from .._plainchecks import spelt_as_scheme
+from .._plainchecks import quant_method, spelt_as_scheme
 from .names import DEMO_MODELS, OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 
 
@@ -157,6 +157,12 @@ def check_model_arg(path) -> None:
     if not isinstance(data, dict):
         raise UsageError(f"--model {path!r}: {config} holds a {type(data).__name__}, not a "
                          f"JSON object")
+    method = quant_method(data)
+    if method is not None:  # transformers would load it decompressed, in its storage dtype
+        raise UsageError(f"--model {path!r} is a quantized checkpoint ({config} has a "
+                         f"quantization_config, quant_method {method!r}): its weights are "
+                         f"stored as codes and scales, not float weights; give the float "
+                         f"(unquantized) model it was made from")
 
 
 def check_out(path, inputs=(), what: str | None = None) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..._checks import outside_quantscope
 from ..._jsonfile import read_json
+from ..._plainchecks import quant_method
 from ..structure.moe import is_experts_3d, is_gated
 from .disk_names import checkpoint_names, expert_names
 
@@ -241,10 +242,9 @@ def _refuse_quantized(path: Path) -> None:
     config = (path if path.is_dir() else path.parent) / "config.json"
     if not config.is_file():  # a folder of safetensors alone: not told
         return
-    data = read_json(config, "calibrate")  # one that cannot be read tells nothing: refused
-    qc = data.get("quantization_config") if isinstance(data, dict) else None
-    if qc:
-        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+    # one that cannot be read tells nothing: refused
+    method = quant_method(read_json(config, "calibrate"))
+    if method is not None:
         raise ValueError(f"calibrate: checkpoint {str(path)!r} is quantized ({config} has a "
                          f"quantization_config, quant_method {method!r}): its weights are "
                          f"stored as quantized codes and scales (compressed tensors), not float "
