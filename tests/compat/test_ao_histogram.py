@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch.ao.quantization import HistogramObserver as TorchHistogramObserver
 
 from quantscope.compat.torch_ao import HistogramObserver
-from quantscope.stats import ao_histogram
+from quantscope.stats import ao_histogram, histogram
 
 needs_kernel = pytest.mark.skipif(ao_histogram._kernel() is None, reason="no C kernel")
 
@@ -389,7 +389,7 @@ def test_ao_histc_on_cuda_is_torch_histc_of_the_float32_values(monkeypatch, devi
     binned at once), also where the batch is binned in chunks (``chunk``: a small one forced)
     whose counts are summed."""
     if chunk is not None:
-        monkeypatch.setattr(ao_histogram, "_CHUNK", chunk)
+        monkeypatch.setattr(histogram, "_HISTC_CHUNK", chunk)
     g = torch.Generator().manual_seed(n + bins)
     x = (torch.randn(n, generator=g) * 3).to(dtype)
     x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), *ends[::-1], 1e-30])

@@ -16,11 +16,12 @@ float32 counts saturate), its decisions taken on the ends as Python floats (:fun
 torch.ao reads a flag back from the device for each), its ``histc`` of float32, bfloat16 and
 float16 batches the op ``quantscope::ao_histc`` (torch.histc of the float32 values; on CUDA
 of float32 copies of ``2 ** 24`` values at a time). On CPU the C kernels
-(``csrc/ao_hist.c``) do the same float32 arithmetic: the ``histc`` pass (``trunc((x - lo) * bins / (hi - lo))`` per value, counted in
-int32 and added as float32, the way ATen's kernel counts: exact below ``2 ** 24``; split
-over torch's threads, each counting its share into its own bins) and the re-binning (torch's
-binary search and torch.bincount's in-order float32 sums); ``torch.linspace`` still makes
-the edges (a few microseconds, and its vectorized rounding is torch's alone).
+(``csrc/ao_hist.c``) do the same float32 arithmetic: the ``histc`` pass
+(``trunc((x - lo) * bins / (hi - lo))`` per value, counted in int32 and added as float32,
+the way ATen's kernel counts: exact below ``2 ** 24``; split over torch's threads, each
+counting its share into its own bins) and the re-binning (torch's binary search and
+torch.bincount's in-order float32 sums); ``torch.linspace`` still makes the edges (a few
+microseconds, and its vectorized rounding is torch's alone).
 :func:`observe` is the observer's whole step on that path, in place on its state (as
 torch.ao's ``copy_``): a batch inside the current range (the common case once the range has
 settled) takes one read instead of two (:func:`fused`: the min / max and the bins together;
@@ -45,6 +46,7 @@ from .. import kernels
 from .._checks import check_number
 from .._numerics import _F32_MAX, upload
 from .._oplib import define
+from . import histogram as _histogram
 
 __all__ = ["NON_FINITE", "UPSAMPLE_RATE", "ao_histc", "check_dense", "ends", "fused", "histc",
            "observe", "rounds_to_inf", "update", "upscale"]
@@ -79,21 +81,14 @@ def _torch_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tens
     return torch.histc(x.float(), bins, min=lo, max=hi)
 
 
-#: values a CUDA ``histc`` call bins at most: its float32 counts are exact below ``2 ** 24``
-_CHUNK = 1 << 24
-
-
 def _cuda_histc(x, bins, lo, hi):
     _check_histc(x, bins, lo, hi)
-    # torch's own CUDA histc (the binning of torch.ao's on the device) of float32 copies of at
-    # most 2 ** 24 values, summed in int64: no copy of the whole batch, and no count saturated
-    # by float32 atomics. lo == hi: histc takes the range from the data, so all of it at once
-    if x.numel() <= _CHUNK or lo == hi:
+    # torch's own CUDA histc (the binning of torch.ao's on the device) of float32 copies of
+    # 2 ** 24 values at a time: no copy of the whole batch, and no count saturated by float32
+    # atomics. lo == hi: histc takes the range from the data, so all of it at once
+    if x.numel() <= _histogram._HISTC_CHUNK or lo == hi:
         return torch.histc(x.float(), bins, min=lo, max=hi)
-    counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
-    for part in x.reshape(-1).split(_CHUNK):
-        counts += torch.histc(part.float(), bins, min=lo, max=hi).long()
-    return counts.float()
+    return _histogram.exact_histc(x, bins, lo, hi).float()
 
 
 def _fake_histc(x, bins, lo, hi):

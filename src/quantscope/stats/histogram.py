@@ -330,14 +330,23 @@ def linear_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     :func:`binned_counts`, its emulation.
     """
     lo, hi = lo.float(), hi.float()
+    span = hi - lo
     if units.device.type == "cpu" and units.dtype == torch.float32 and \
-            units.shape[0] <= _HISTC_ROWS and bool(((hi - lo) > 0).all() & (hi - lo).isfinite().all()):
-        counts = units.new_zeros(units.shape[0], bins, dtype=torch.int64)
-        for row, a, b, out in zip(units, lo.tolist(), hi.tolist(), counts, strict=True):
-            for part in row.split(_HISTC_CHUNK):
-                out += torch.histc(part, bins, a, b).long()
-        return counts
+            units.shape[0] <= _HISTC_ROWS and bool(((span > 0) & span.isfinite()).all()):
+        return torch.stack([exact_histc(row, bins, a, b)
+                            for row, a, b in zip(units, lo.tolist(), hi.tolist(), strict=True)])
     return binned_counts(units, lo, hi, bins)
+
+
+def exact_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
+    """``torch.histc`` of ``x``'s float32 values as int64 counts ``[bins]``: binned in chunks of
+    ``2 ** 24`` values, whose float32 counts are exact, and summed (one call's float32 counts
+    stop growing at ``2 ** 24``). Only for ``lo < hi``: on an empty range histc takes the
+    range from each chunk's data."""
+    counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
+    for part in x.reshape(-1).split(_HISTC_CHUNK):
+        counts += torch.histc(part.float(), bins, lo, hi).long()
+    return counts
 
 
 def binned_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
