@@ -708,6 +708,31 @@ def test_hist_add_counts_privately_past_shared_memory_or_deterministic(monkeypat
     assert taken == ["histc", "private", "private"]
 
 
+def test_bin_kernel_writes_its_rows_times_cols_and_nothing_past(device):
+    # the histc path's bin numbers, rows x cols of them from row0 / c0 on, each row's last
+    # block masked: a slot past them (the next row's first, or past the buffer: on a GPU a
+    # race and an out-of-bounds write) must keep its sentinel. Counts alone cannot tell, as
+    # histc reads only rows x cols of the buffer
+    from quantscope.kernels.triton import histogram as tri
+    from quantscope.stats import histogram as H
+
+    U, E, B, rows, C, row0, c0 = 4, 300, 16, 2, 100, 1, 50
+    x = torch.randn(U, E, generator=torch.Generator().manual_seed(6))
+    exp = torch.full((U,), -4, dtype=torch.int64)
+    first = torch.full((U,), -8, dtype=torch.int64)
+    idx = torch.full((rows * C + 4,), -7.0, dtype=torch.float64)
+    d = idx.to(device)
+    tri._bin_kernel[(rows, triton.cdiv(C, 64))](
+        x.to(device), d, exp.to(device), first.to(device), row0, c0, C, x.stride(0), B,
+        ABSOLUTE=False, BLOCK_E=64, **LAUNCH)
+    part = x[row0:row0 + rows, c0:c0 + C]
+    want = H._bin(part * H.pow2(-exp[0]), first[0].float(), B, False).double()
+    want += torch.arange(rows, dtype=torch.float64)[:, None] * B
+    idx = d.cpu()
+    assert torch.equal(idx[:rows * C], want.flatten())
+    assert idx[rows * C:].tolist() == [-7.0] * 4
+
+
 def test_histc_of_a_span_past_float32_is_torch_histc(device):
     # finite in float64, inf in float32: the op left it to the kernel, which the interpreter
     # refused (an fp64 span); it is torch's degenerate case, run on the torch path

@@ -126,6 +126,29 @@ def test_linear_counts_exact_past_float32_counts(monkeypatch):
     assert got.dtype == torch.int64 and int(got[0, 6]) == 4998
 
 
+def test_linear_counts_of_a_real_row_past_2_24_in_one_bin():
+    # the real chunk size and split: a float32 count stops at 2 ** 24 (2 ** 24 + 1 rounds
+    # back to it), so one histc over the row, or chunks of 2 ** 25, would lose the last 3
+    n = (1 << 24) + 3
+    x = torch.full((1, n), 0.5)
+    x[0, 0], x[0, 1] = -1.0, 1.0
+    got = H.linear_counts(x, torch.tensor([-1.0]), torch.tensor([1.0]), 8)
+    assert got.dtype == torch.int64
+    assert got[0].tolist() == [1, 0, 0, 0, 0, 0, n - 2, 1]
+
+
+def test_linear_counts_of_a_span_past_float32_take_the_emulation():
+    # an infinite end (torch.histc raises on it) or finite float32 ends whose span
+    # overflows (histc drops every value) go to binned_counts: each value inside the range
+    # (x - lo) * bins / inf = 0 (or inf / inf, NaN) counts in the first bin, none is lost
+    x = torch.tensor([[-3.0e38, -1.0e38, -1.0, 0.0, 0.5, 1.0e38, 3.0e38, 2.0]])
+    for lo, hi, inside in ((-1.0, float("inf"), 6), (-3.2e38, 3.2e38, 8)):
+        lo, hi = torch.tensor([lo]), torch.tensor([hi])
+        got = H.linear_counts(x, lo, hi, 4)
+        assert got.tolist() == [[inside, 0, 0, 0]]
+        assert torch.equal(got, H.binned_counts(x, lo, hi, 4))
+
+
 def test_fold_abs_matches_an_abs_histogram_off_the_edges():
     # seeded: a negative value exactly on a bin edge (~3 % of unseeded draws) folds one bin low
     u = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)) * 4 + 0.3
