@@ -50,6 +50,36 @@ def _scenarios(r, out):
     cal = _calibrate(sampling=Sampling(seed=r))
     out["scales"] = [s.qparams.scale.tolist() for roles in cal.states.values()
                      for s in roles.values() if s.qparams is not None]
+    _option_checks(r, out)
+
+
+def _loss(out, ref, batch):
+    return 0.0
+
+
+def _a_loss():
+    return lambda out, ref, batch: 0.0
+
+
+def _option_checks(r, out):
+    """check_same_options itself, per case (s42's mutants): a loss counts by whether it is
+    given (a lambda on each rank, their reprs apart by more than an address, agree; a loss
+    on one rank only does not); a mapping's keys in another order, and 0.0 against -0.0
+    (equal, their reprs not), agree."""
+    from quantscope.calibration.options import Options
+    from quantscope.calibration.run.gather import check_same_options
+
+    groups = {"g": ["a", "b"], "h": ["c"]}
+    cases = {
+        "loss_one": Options(auto=Auto(metric="model", loss=_loss if r == 0 else None)),
+        "loss_both": Options(auto=Auto(metric="model", loss=(
+            lambda out, ref, batch: 1.0) if r == 0 else _a_loss())),
+        "groups_order": Options(runtime=Runtime(time_groups=dict(
+            reversed(groups.items())) if r else groups)),
+        "smooth_zero": Options(outliers=Outliers(smooth=-0.0 if r else 0.0)),
+    }
+    for name, opts in cases.items():
+        out[name] = error_text(check_same_options, opts)
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +105,12 @@ def test_options_that_may_differ_still_calibrate_alike(ranks):
 
 def test_the_same_options_spelt_apart_agree(ranks):
     assert rank_results(ranks, "spelt") == [None, None]
+
+
+def test_options_check_compares_given_losses_and_canonical_values(ranks):
+    got = rank_results(ranks, "loss_one")
+    assert got[0] == got[1] and got[0].startswith("ValueError: calibrate: the ranks give "
+                                                  "different options: "), got
+    assert "Auto.loss is True on rank 0, False on rank 1" in got[0]
+    for case in ("loss_both", "groups_order", "smooth_zero"):
+        assert rank_results(ranks, case) == [None, None], case
