@@ -149,6 +149,19 @@ def test_low_precision_inputs_equal_float32_of_the_same_values(name, dtype):
     assert dequantize(quantize(x, q, spec), q, spec, dtype=dtype).dtype == dtype
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_codes_of_a_low_precision_input_are_float32(fmt, dtype):
+    # quantize's doc: codes as float32, whatever the input's dtype (int16's codes past 256
+    # have no bf16 value), and dequantize's values in the dtype asked for, not the codes'
+    spec = QuantSpec(fmt)
+    x = torch.linspace(-1, 1, 1001).to(dtype)
+    qp = qparams_from_range(x.float().min().reshape(1), x.float().max().reshape(1), spec)
+    q = quantize(x, qp, spec)
+    assert q.dtype == torch.float32 and torch.equal(q, quantize(x.float(), qp, spec))
+    assert dequantize(q, qp, spec, dtype).dtype == dtype
+
+
 @pytest.mark.parametrize("name", ["int8-channel", "int4-g128-asym", "fp8", "mxfp4", "nvfp4",
                                   "int8-token"])
 def test_float64_inputs_equal_float32_of_the_same_values(name):
@@ -438,3 +451,21 @@ def test_qdq_results_are_contiguous_like_torchs(shape, layout, dtype):
         got = fake_quantize(last, qp, spec)
         assert got.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(got, fake_quantize(x, qp, spec))
+
+
+@pytest.mark.parametrize("view", [lambda x: x[..., ::2], lambda x: x.transpose(-2, -1),
+                                  lambda x: x[:, :2]], ids=["step", "transposed", "sliced"])
+@pytest.mark.parametrize("dims", [4, 5])
+def test_a_strided_input_not_channels_last_gives_contiguous_results(view, dims):
+    # only an input in a channels-last format keeps it: any other view's results are
+    # contiguous (torch's fake_quantize_per_tensor_affine keeps a transposed input's strides;
+    # quantscope copies every result out of its layout's view, docs: _as_input)
+    base = torch.randn(2, 3, *([8] * (dims - 2)), generator=torch.Generator().manual_seed(1))
+    x = view(base)
+    last = torch.channels_last if dims == 4 else torch.channels_last_3d
+    assert not x.is_contiguous() and not x.is_contiguous(memory_format=last)
+    spec = QuantSpec("int8")
+    qp = qparams_from_range(x.min().reshape(1), x.max().reshape(1), spec)
+    codes = view(quantize(base, qp, spec))  # codes in the input's strides
+    for y in (fake_quantize(x, qp, spec), quantize(x, qp, spec), dequantize(codes, qp, spec)):
+        assert y.is_contiguous() and y.shape == x.shape

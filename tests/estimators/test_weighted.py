@@ -10,7 +10,12 @@ import torch
 
 from quantscope import presets
 from quantscope.estimators.mse import range_error
-from quantscope.estimators.weighted import _engine_search, importance_units, weighted_search
+from quantscope.estimators.weighted import (
+    _engine_search,
+    imatrix_range,
+    importance_units,
+    weighted_search,
+)
 from quantscope.layout import Channel, Group
 from quantscope.spec import QuantSpec
 
@@ -187,6 +192,12 @@ def test_importance_of_other_types():
     with pytest.raises(TypeError, match="imatrix_range: importance must be real numbers, got "
                                         "torch.complex64"):
         importance_units(torch.tensor([1 + 1j, 2, 3]), (2, 3), spec)
+    # a bool mask is no weight (True / False as 1 / 0 would silently drop channels)
+    for mask in (torch.tensor([True, False, True]), [True, False, True]):
+        with pytest.raises(TypeError, match="importance must be real numbers, got torch.bool"):
+            importance_units(mask, (2, 3), spec)
+    with pytest.raises(TypeError, match="importance must be real numbers, got torch.bool"):
+        imatrix_range(torch.randn(2, 3), torch.tensor([True, False, True]), spec)
     with pytest.raises(TypeError, match="imatrix_range: importance must be a tensor of one "
                                         "value per input channel, got str"):
         importance_units("abc", (2, 3), spec)
