@@ -189,3 +189,49 @@ def test_a_load_error_names_the_submodule():
     with pytest.raises(ValueError, match=r"StaticMinMaxObserver\('static_minmax', int8 tensor "
                                          r"sym\) at 'layer2': cannot load a state whose min_vals"):
         parent(Tensor()).load_state_dict(src.state_dict())
+
+
+def _layer2_refuses(make, make_layer2, alter=None):
+    """The error of loading a ModuleDict's state (layer1, layer2: ``make()``, fed a batch)
+    into one whose layer2 is ``make_layer2()``; ``alter`` edits the state first."""
+    src = torch.nn.ModuleDict({"layer1": make(), "layer2": make()})
+    for obs in src.values():
+        obs(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+    sd = src.state_dict()
+    if alter is not None:
+        alter(sd)
+    dst = torch.nn.ModuleDict({"layer1": make(), "layer2": make_layer2()})
+    with pytest.raises(ValueError) as err:
+        dst.load_state_dict(sd)
+    return str(err.value)
+
+
+def _obs(name, layout=None, **kw):
+    return lambda: quantscope.get_observer(name, QuantSpec("int8", layout or Tensor()), **kw)
+
+
+def _kl(bins):
+    from quantscope.compat.horizon import KLObserver
+
+    return lambda: KLObserver(bins=bins, update_interval=4)
+
+
+def _negated_importance(sd):
+    sd["layer2.importance"] = -sd["layer2.importance"]
+
+
+@pytest.mark.parametrize("make, layer2, alter, says", [
+    (_obs("static_minmax", Channel(0)), _obs("static_minmax", Channel(1)), None,
+     "cannot load a state saved under layout 'channel:0'"),
+    (_obs("percentile", bins=128), _obs("percentile", bins=256), None,
+     "cannot load a histogram of 128 bins into one of bins=256"),
+    (_kl(512), _kl(256), None,
+     "cannot load a histogram of 512 bins into one of bins=256"),
+    (_obs("imatrix_mse", Channel(0), importance=torch.ones(8)), None, _negated_importance,
+     "importance must be finite and non-negative"),
+], ids=["record", "histogram_bins", "horizon_bins", "imatrix_importance"])
+def test_every_load_check_names_the_submodule(make, layer2, alter, says):
+    # each check of a saved state, not only the sizes' (s42's mutants): which of a model's
+    # observers refused its state
+    got = _layer2_refuses(make, layer2 or make, alter)
+    assert f"at 'layer2': {says}" in got, got
