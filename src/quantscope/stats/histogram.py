@@ -25,7 +25,10 @@ all of them. ``absolute=True`` histograms ``|x|`` from zero (``first = 0``).
 0 and the right edge of the last bin per unit (bin width ``(hi - lo) / bins``).
 The same view describes a reference grid (torch.ao / Quark: ``bins`` bins
 between the first batch's min and max), so the estimators serve both;
-:func:`linear_counts` bins values exactly as ``torch.histc`` does.
+:func:`linear_counts` bins values exactly as ``torch.histc`` does, but for finite ends
+whose span overflows float32 (beyond ~1.7e38 each side): torch then counts nothing, here
+every value in the range goes to bin 0 (:func:`binned_counts`), so that the estimators read
+the data's min and max rather than an empty histogram.
 
 The torch code here is the reference; on CPU ``add_values`` and ``update``'s grid
 change run as C kernels that equal it bitwise (:mod:`.hist_kernel`, which says
