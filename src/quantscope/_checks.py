@@ -22,8 +22,8 @@ from .spec import QuantSpec
 __all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_code",
            "check_code_range", "check_float32_range",
            "check_global_amax", "check_int", "check_not_meta", "check_number", "check_path",
-           "check_per_unit", "check_range_args", "check_real", "check_spec", "dtensor_error",
-           "env_flag", "is_dtensor", "is_finite", "outside_quantscope", "pattern_refusal",
+           "check_per_unit", "check_range_args", "check_ranges", "check_real", "check_spec",
+           "dtensor_error", "env_flag", "is_amax", "is_dtensor", "is_finite", "outside_quantscope", "pattern_refusal",
            "regex_problem", "tensor_arg"]
 
 
@@ -173,6 +173,41 @@ def check_range_args(who: str, spec, lo, hi, global_amax, values: bool) -> None:
     if values:
         check_not_meta(who, "pass check_finite=False", lo, hi, global_amax)
         check_float32_range(who, *(t for t in (lo, hi) if isinstance(t, torch.Tensor)))
+
+
+def check_ranges(who: str, lo: torch.Tensor, hi: torch.Tensor, global_amax,
+                 finite: bool = True) -> None:
+    """Raise ``ValueError`` on a NaN / inf range (unless ``finite=False``: known finite), on
+    ``lo > hi``, or on a NaN / inf global amax (one read back each)."""
+    if not (finite and lo.numel() and _spans_ok(lo, hi)):  # (the common case: three ops)
+        ordered = (lo <= hi).all()
+        if finite:  # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN fails
+            isfinite = (torch.stack((lo, hi)).abs() < math.inf).all()
+            ordered, isfinite = torch.stack((ordered, isfinite)).tolist()  # one read for both
+            if not isfinite:
+                raise ValueError(f"{who}: lo and hi must be finite (got NaN or inf)")
+        if not ordered:
+            raise ValueError(f"{who}: lo must be <= hi in every unit")
+    if global_amax is not None and not is_amax(global_amax):
+        raise ValueError(f"{who}: global_amax must be finite and >= 0 (an "
+                         f"absolute maximum), got {global_amax!r}")
+
+
+def _spans_ok(lo: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Whether every ``hi - lo`` is finite and ``+0`` or more (one read): then both ends are
+    finite and ordered (NaN fails, an infinite end gives an infinite or NaN span). A ``-0``
+    span goes to the full checks: ``lo > hi`` a subnormal apart gives one where denormals
+    flush to zero (``torch.set_flush_denormal``), as does the range ``[+0, -0]``."""
+    low, high = torch.stack(torch.aminmax(hi - lo)).tolist()
+    return (low > 0 or (low == 0 and math.copysign(1.0, low) > 0)) and high < math.inf
+
+
+def is_amax(global_amax) -> bool:
+    """Whether ``global_amax`` is finite and not negative (NaN compares false)."""
+    # a number checked in float64: in the default dtype (float16) a large one would be inf
+    g = global_amax if isinstance(global_amax, torch.Tensor) else torch.as_tensor(
+        global_amax, dtype=torch.float64)
+    return bool(((g >= 0) & (g < math.inf)).all())
 
 
 def version_of(t: torch.Tensor | None) -> int | None:

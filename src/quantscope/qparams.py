@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from ._checks import check_code, check_number, check_range_args
+from ._checks import check_code, check_number, check_range_args, check_ranges, is_amax
 from ._numerics import _F32_MAX, true_div, upload
 from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format, named
@@ -164,7 +164,7 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
         if lib.qs_block_amax_max(lo.data_ptr(), hi.data_ptr(), lo.numel(), amax.data_ptr()):
             return None
         global_amax = amax
-    elif not _is_amax(global_amax):
+    elif not is_amax(global_amax):
         return None  # the torch branch says what is wrong
     gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
     if gs.numel() != 1 or lib.qs_nvfp4_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(),
@@ -231,7 +231,7 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     if qp is None and (check_finite or lo.numel() >= KERNEL_MIN_UNITS):
         qp = _block_qparams_kernel(lo, hi, spec, global_amax)
     if check_finite:  # after the C kernels, which refuse NaN / inf themselves
-        _check_finite(lo, hi, global_amax, finite=qp is None)
+        check_ranges("qparams_from_range", lo, hi, global_amax, finite=qp is None)
     if qp is not None:
         return qp
     if lo.device.type != "cpu":  # the ops (Triton on CUDA) where they apply
@@ -245,44 +245,6 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
     if spec.scale.is_block:
         return _block_qparams(amax_of_range(lo, hi), spec, global_amax)
     return _scale_qparams(lo, hi, spec)
-
-
-def _check_finite(lo: torch.Tensor, hi: torch.Tensor, global_amax, finite: bool = True) -> None:
-    """Raise ``ValueError`` on a NaN / inf range (unless ``finite=False``: known finite), on
-    ``lo > hi``, or on a NaN / inf global amax (one read back each)."""
-    if finite and lo.numel() and _spans_ok(lo, hi):
-        pass  # the common case, in three ops where the checks below take eight
-    elif finite:  # which one failed
-        ordered = (lo <= hi).all()
-        # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN fails
-        isfinite = (torch.stack((lo, hi)).abs() < math.inf).all()
-        ordered, isfinite = torch.stack((ordered, isfinite)).tolist()  # one read for both
-        if not isfinite:
-            raise ValueError("qparams_from_range: lo and hi must be finite (got NaN or inf)")
-        if not ordered:
-            raise ValueError("qparams_from_range: lo must be <= hi in every unit")
-    elif not bool((lo <= hi).all()):
-        raise ValueError("qparams_from_range: lo must be <= hi in every unit")
-    if global_amax is not None and not _is_amax(global_amax):
-        raise ValueError(f"qparams_from_range: global_amax must be finite and >= 0 (an "
-                         f"absolute maximum), got {global_amax!r}")
-
-
-def _spans_ok(lo: torch.Tensor, hi: torch.Tensor) -> bool:
-    """Whether every ``hi - lo`` is finite and not negative (one read): then both ends are
-    finite and ordered. NaN fails both tests, an infinite end makes the span infinite or NaN,
-    and distinct finite ends never differ by a rounded zero. False also where finite ends'
-    span overflows: the full checks decide then."""
-    low, high = torch.stack(torch.aminmax(hi - lo)).tolist()
-    return low >= 0 and high < math.inf
-
-
-def _is_amax(global_amax) -> bool:
-    """Whether ``global_amax`` is finite and not negative (NaN compares false)."""
-    # a number checked in float64: in the default dtype (float16) a large one would be inf
-    g = global_amax if isinstance(global_amax, torch.Tensor) else torch.as_tensor(
-        global_amax, dtype=torch.float64)
-    return bool(((g >= 0) & (g < math.inf)).all())
 
 
 def _block_qparams(amax: torch.Tensor, spec: QuantSpec, global_amax) -> QParams:

@@ -7,7 +7,11 @@ import math
 import pytest
 import torch
 
-from quantscope.qparams import _check_finite
+from quantscope._checks import check_ranges
+
+
+def _check_finite(lo, hi, global_amax, finite=True):
+    check_ranges("qparams_from_range", lo, hi, global_amax, finite)
 
 TINY = 1.401298464324817e-45  # float32's smallest subnormal
 FINITE = "lo and hi must be finite"
@@ -20,6 +24,7 @@ ORDER = "lo must be <= hi"
     ([-0.0, 5.0], [0.0, 5.0], None),  # equal ends
     ([-3e38], [3e38], None),  # finite ends whose span overflows float32: still a range
     ([TINY], [2 * TINY], None),
+    ([1.5e-38], [1.4e-38], ORDER),  # normal ends a subnormal apart (see the flushed case)
     ([2 * TINY], [TINY], ORDER),  # distinct ends a subnormal apart: never a rounded zero
     ([-1.0, 2.0], [1.0, 1.0], ORDER),
     ([math.nan, 0.0], [1.0, 1.0], FINITE),
@@ -57,3 +62,17 @@ def test_a_valid_range_takes_one_read_and_three_ops():
         _check_finite(lo, hi, None)
     # (tolist's read is no dispatched op on the CPU)
     assert seen.names == {"aten.sub", "aten.aminmax", "aten.stack"}, seen.calls
+
+
+def test_ends_a_subnormal_apart_are_refused_where_denormals_flush():
+    """With denormals flushed to zero, ``hi - lo`` of ``lo > hi`` a subnormal apart is
+    ``-0.0``: the one read must send it to the full checks, not pass it."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        lo, hi = torch.tensor([1.5e-38]), torch.tensor([1.4e-38])
+        assert float(hi - lo) == 0.0
+        with pytest.raises(ValueError, match=ORDER):
+            _check_finite(lo, hi, None)
+    finally:
+        torch.set_flush_denormal(False)
