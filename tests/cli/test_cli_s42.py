@@ -89,3 +89,26 @@ def test_a_width_the_formats_block_does_not_divide_stops_or_stays_float(llama72,
     ignored = saved["recipe"]["ignore"]
     # the layers that read the 72-wide hidden state stay in float; down_proj (128 wide) not
     assert any("q_proj" in i for i in ignored) and not any("down_proj" in i for i in ignored)
+
+
+def test_a_recipe_of_groups_and_blocks_is_told_about_its_first_layer():
+    """The wording follows the first layer that does not divide (a group: its --group-size
+    advice kept), and the group sizes offered divide the grouped layers only (a block's
+    width is the format's business: --group-size does not change it)."""
+    from torch import nn
+
+    from quantscope import QuantSpec
+    from quantscope.calibration.recipe import Recipe, Role, Rule
+    from quantscope.cli.checks import UsageError
+    from quantscope.cli.recipes import _indivisible
+    from quantscope.layout import Block, Group
+
+    mx = Role(QuantSpec("fp4_e2m1", layout=Block(32), scale="e8m0"), "minmax")
+    g128 = Role(QuantSpec("int4", layout=Group(128)), "minmax")
+    m = nn.Sequential()
+    m.add_module("a", nn.Linear(4800, 8))  # 4800 = 25 x 192
+    m.add_module("b", nn.Linear(48, 8))  # no multiple of 32 either
+    with pytest.raises(UsageError) as e:
+        _indivisible(Recipe((Rule(("a",), weight=g128), Rule(("b",), weight=mx))), m, "error")
+    assert "which group size 128 does not divide (2 such layers)" in str(e.value)
+    assert "--group-size 16 / 32 / 64 / 96 / 192 would, or --on-indivisible" in str(e.value)

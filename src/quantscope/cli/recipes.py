@@ -269,7 +269,7 @@ def _indivisible(rec, model, policy: str):
     from ..calibration.run.module_roles import along_spatial, module_role
     from ..layout import Block, Group
 
-    bad, widths, blocks = {}, set(), False
+    bad, group_widths = {}, set()
     for layer, (module, roles) in rec.match(model).items():
         role = roles.get("weight")
         if role is None or not isinstance(role.spec.layout, (Group, Block)):
@@ -278,19 +278,19 @@ def _indivisible(rec, model, policy: str):
             continue
         lay = module_role(layer, "weight", role, module).spec.layout  # a Conv1D's transposed
         width = module.weight.shape[lay.axis]
-        widths.add(width)
+        if isinstance(lay, Group):  # (a format's block size is its own: no flag changes it)
+            group_widths.add(width)
         if width % lay.size:
-            bad[layer] = (width, lay.size)
-            blocks = blocks or isinstance(lay, Block)
+            bad[layer] = (width, lay)
     if not bad:
         return rec
-    layer, (width, size) = next(iter(bad.items()))
-    # sizes that divide every grouped layer: one that fits only this one fails on the next
-    divisors = [d for d in (16, 32, 64, 96, 128, 192, 256) if all(w % d == 0 for w in widths)]
-    said = (f"layer {layer!r} has width {width}, which "
-            f"{'the format' if blocks else 'group'} size {size} does not divide "
-            f"({len(bad)} such layers)")
-    if not blocks:  # a format's block size is its own: no flag changes it
+    layer, (width, lay) = next(iter(bad.items()))
+    block = isinstance(lay, Block)
+    said = (f"layer {layer!r} has width {width}, which {'the format' if block else 'group'} "
+            f"size {lay.size} does not divide ({len(bad)} such layers)")
+    if not block:  # sizes that divide every grouped layer: one that fits only this one fails
+        divisors = [d for d in (16, 32, 64, 96, 128, 192, 256)
+                    if all(w % d == 0 for w in group_widths)]
         said += f"; --group-size {' / '.join(map(str, divisors)) or '(none of 16..256)'} would"
     if policy == "float":
         kept = replace(rec, ignore=rec.ignore + tuple(bad))
@@ -300,7 +300,7 @@ def _indivisible(rec, model, policy: str):
             raise UsageError(f"--on-indivisible float leaves every layer the recipe takes in "
                              f"float: {said}") from None
         return kept
-    raise UsageError(f"{said}{'; ' if blocks else ', or '}--on-indivisible float leaves them "
+    raise UsageError(f"{said}{'; ' if block else ', or '}--on-indivisible float leaves them "
                      f"in float")
 
 
