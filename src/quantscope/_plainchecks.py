@@ -8,7 +8,8 @@ import os
 
 import numpy as np
 
-__all__ = ["as_bool", "check_bool", "check_path", "quant_method", "spelt_as_scheme"]
+__all__ = ["as_bool", "block_structure", "check_bool", "check_path", "quant_method",
+           "spelt_as_scheme"]
 
 
 def as_bool(value) -> bool | None:
@@ -52,3 +53,16 @@ def quant_method(config) -> str | None:
     if not qc:
         return None
     return str(qc.get("quant_method", "?")) if isinstance(qc, dict) else "?"
+
+
+def block_structure(who: str, value) -> tuple[int, int]:
+    """A ``QuantizationArgs`` ``block_structure`` as ``(rows, cols)``: ``[rows, cols]``, or
+    older compressed-tensors' ``"128x128"`` (which it reads as that list); ValueError else."""
+    try:
+        if isinstance(value, str):
+            value = [int(v) for v in value.lower().split("x")]
+        rows, cols = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{who}: strategy block needs block_structure [rows, cols], got "
+                         f"{value!r}") from None
+    return rows, cols

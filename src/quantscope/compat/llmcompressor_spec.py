@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .._plainchecks import block_structure
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..spec import QuantSpec
 from . import enum_name, field
@@ -26,7 +27,8 @@ _SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "
 
 def scale_dtype(args) -> torch.dtype | None:
     """The args' ``scale_dtype`` as a torch dtype (a name such as ``"torch.float16"`` or
-    ``"uint8"`` too), None when not set: the one place it is parsed."""
+    ``"uint8"`` too), None when not set: the one place it is parsed as a dtype (the export's
+    serving checks, which import no torch, compare its name)."""
     value = field(args, "scale_dtype")
     if not isinstance(value, str):
         return value
@@ -35,15 +37,6 @@ def scale_dtype(args) -> torch.dtype | None:
         raise ValueError(  # noqa: TRY004
             f"llmcompressor: scale_dtype must name a torch dtype, got {value!r}")
     return dtype
-
-
-def _block_structure(value):
-    if isinstance(value, str):  # older compressed-tensors: "128x128"
-        value = [int(v) for v in value.lower().split("x")]
-    if value is None or len(value) != 2:
-        raise ValueError(f"llmcompressor: strategy block needs block_structure [rows, cols], "
-                         f"got {value!r}")
-    return int(value[0]), int(value[1])
 
 
 def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | None = None
@@ -115,7 +108,7 @@ def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.d
         else:
             layout = Group(group_size, -1, g_idx)
     elif strategy == "block":
-        layout = Tile(*_block_structure(field(args, "block_structure")))
+        layout = Tile(*block_structure("llmcompressor", field(args, "block_structure")))
     elif strategy == "token":
         layout = Token()
     elif strategy == "attn_head":

@@ -359,11 +359,11 @@ def _check_call(calibration, model: nn.Module, overwrite, allow_lossy, **_) -> N
                         f"{type(model).__name__}")
     if not calibration.states:
         raise ValueError("export compressed-tensors: the calibration quantizes no layer")
-    _static_weights(calibration.states)
+    _refuse_dynamic_weights(calibration.states)
     check_placement(model, "export compressed-tensors")
 
 
-def _static_weights(states) -> None:
+def _refuse_dynamic_weights(states) -> None:
     """A checkpoint stores each quantized weight as codes and the scales they were made with:
     a weight whose scales are computed at each call (``dynamic=True``, or ``"local"`` block
     scales) has none to store, and compressed-tensors fails on the missing scale naming no

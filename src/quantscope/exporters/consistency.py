@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .._checks import check_path
+from .._plainchecks import block_structure
 from .moe_slots import expert_slot
 from .read_checks import (
     SCALE_LEAVES,
@@ -105,13 +106,16 @@ def _weight_strategies(qc: dict):
     return _per_layer(qc, lambda w: str(w["strategy"]).lower() if w.get("strategy") else None)
 
 
-def _block_n(weights: dict) -> int | None:
-    """The rows of a block-strategy weight's blocks (``block_structure[0]``), else None."""
-    shape = weights.get("block_structure")
-    if str(weights.get("strategy")).lower() != "block" or not isinstance(shape, list) \
-            or not shape or not isinstance(shape[0], int) or shape[0] <= 0:
+def _block_rows(weights: dict) -> int | None:
+    """The rows of a block-strategy weight's blocks (its ``block_structure``, either form),
+    else None."""
+    if str(weights.get("strategy")).lower() != "block":
         return None
-    return shape[0]
+    try:
+        rows = block_structure("check", weights.get("block_structure"))[0]
+    except ValueError:
+        return None
+    return rows if rows > 0 else None
 
 
 def _schemes(qc: dict):
@@ -142,14 +146,14 @@ def _scheme_problem(group: str, layers: list[str], scheme) -> dict | None:
             "schemes": {layer: name for layer, (_, name) in found.items()}}
 
 
-def _block_problem(group: str, layers: list[str], entries, block_rows) -> dict | None:
+def _block_problem(group: str, layers: list[str], entries, block_rows_of) -> dict | None:
     """The fused ``group`` whose shards but the last do not hold whole blocks of rows of the
     fp8 block scheme vLLM serves it with (its first shard's). CompressedTensorsW8A8Fp8's
     ``create_weights`` calls ``validate_fp8_block_shape`` (quantization/utils/fp8_utils.py),
     which raises where a merged layer's output partition but the last is not a multiple of
     ``block_n`` (at tensor parallelism 1; its fused MoE needs gate's and up's rows, which are
     equal, to be too)."""
-    n = block_rows(layers[0])
+    n = block_rows_of(layers[0])
     shapes = {layer: entries.get(f"{layer}.weight", (None, None, None))[2]
               for layer in layers[:-1]}
     rows = {layer: shape[0] for layer, shape in shapes.items()
@@ -163,9 +167,9 @@ def _block_problem(group: str, layers: list[str], entries, block_rows) -> dict |
 def block_problems(qc: dict, entries) -> list[dict]:
     """:func:`_block_problem` of every fused layer of the checkpoint (its tensors' ``entries``,
     :func:`~.read_checks.safetensors_headers`) whose shards are all quantized."""
-    rows = _per_layer(qc, _block_n)
+    block_rows_of = _per_layer(qc, _block_rows)
     return [p for group, every, layers in _fused(entries) if len(layers) == len(every) > 1
-            and (p := _block_problem(group, layers, entries, rows))]
+            and (p := _block_problem(group, layers, entries, block_rows_of))]
 
 
 def warn_block_problems(folder) -> None:

@@ -22,6 +22,7 @@ import os
 import re
 import warnings
 
+from .._plainchecks import block_structure
 from .moe_slots import expert_slot
 from .read_checks import SCALE_LEAVES, safetensors_headers
 
@@ -43,10 +44,16 @@ _ARG_DEFAULTS = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": Fal
 
 def scheme_args(args: dict | None) -> dict | None:
     """The :data:`SCHEME_FIELDS` of ``args`` (a ``weights`` / ``input_activations`` dict as
-    ``config.json`` holds it), an absent one as its default; None where there are no args."""
+    ``config.json`` holds it), an absent one as its default, ``block_structure`` as a list
+    in either of its forms; None where there are no args."""
     if not isinstance(args, dict):
         return None
-    return {k: args.get(k, _ARG_DEFAULTS.get(k)) for k in SCHEME_FIELDS}
+    out = {k: args.get(k, _ARG_DEFAULTS.get(k)) for k in SCHEME_FIELDS}
+    try:
+        out["block_structure"] = list(block_structure("check", out["block_structure"]))
+    except ValueError:
+        pass  # none, or not one vLLM could read either: compared as it is
+    return out
 
 
 def _on(args: dict | None, key: str):
@@ -74,7 +81,7 @@ def _mxfp8(args: dict | None) -> bool:
     (``scale_dtype`` uint8, as compressed-tensors' MXFP8 schemes write ``"torch.uint8"``)."""
     return (isinstance(args, dict) and _on(args, "type") == "float"
             and _on(args, "num_bits") == 8 and _on(args, "strategy") == "group"
-            and args.get("group_size") == 32 and bool(args.get("symmetric"))
+            and args.get("group_size") == 32 and bool(args.get("symmetric", True))
             and str(args.get("scale_dtype")).removeprefix("torch.") == "uint8")
 
 
@@ -87,7 +94,8 @@ def _fp8(w: dict, a: dict | None) -> str | None:
         # no fp8 format is pack-quantized (WNA16)
         return (f"vLLM serves fp8 weights in groups only as MXFP8 (its _is_mxfp8: groups of "
                 f"32, symmetric, E8M0 scales, scale_dtype uint8; got groups of "
-                f"{w.get('group_size')}, scale_dtype {w.get('scale_dtype')}); its other fp8 "
+                f"{w.get('group_size')}, symmetric {w.get('symmetric', True)}, scale_dtype "
+                f"{w.get('scale_dtype')}); its other fp8 "
                 f"schemes take tensor, channel or block weights -- use per-channel "
                 f"(fp8-dynamic) or block (FP8_BLOCK) fp8 weights")
     if strategy not in ("tensor", "channel", "block"):
@@ -174,7 +182,7 @@ def _nvfp4(args: dict | None) -> bool:
     """vLLM's ``_is_nvfp4_format``: float 4 bits, ``tensor_group`` of 16, symmetric."""
     return (isinstance(args, dict) and _on(args, "type") == "float"
             and _on(args, "num_bits") == 4 and _on(args, "strategy") == "tensor_group"
-            and args.get("group_size") == 16 and bool(args.get("symmetric")))
+            and args.get("group_size") == 16 and bool(args.get("symmetric", True)))
 
 
 def vllm_moe_refusal(weights: dict | None, inputs: dict | None = None,
