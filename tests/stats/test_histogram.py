@@ -246,3 +246,36 @@ def test_numpy_reference_of_the_grid_exponent():
         ok = [k for k in range(-126, 127)
               if np.floor(hi / 2.0**k) - np.floor(lo / 2.0**k) + 1 <= bins and k >= floor_mag]
         assert e == ok[0]
+
+
+def test_exact_histc_of_an_empty_float32_range_is_binned_at_once(monkeypatch):
+    """Ends float32 cannot tell apart (1, 1 + 1e-12) are an empty range to histc, which then
+    takes the data's range: chunk by chunk that range would differ (chunks forced small)."""
+    monkeypatch.setattr(H, "_HISTC_CHUNK", 100)
+    x = torch.linspace(-3, 5, 1000)
+    want = torch.histc(x, 16, 1.0, 1.0 + 1e-12).long()
+    calls, histc = [], torch.histc
+    monkeypatch.setattr(torch, "histc", lambda *a, **k: calls.append(1) or histc(*a, **k))
+    got = H.exact_histc(x, 16, 1.0, 1.0 + 1e-12)
+    # (the CPU's histc compares the ends in float64, CUDA's in float32: one call either way)
+    assert torch.equal(got, want) and len(calls) == 1
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_exact_histc_in_chunks_or_where_histc_is_refused(monkeypatch, refused):
+    """In chunks (forced small), and by the emulation where torch.histc raises (CUDA under
+    deterministic algorithms: forced here), the counts are torch.histc's."""
+    monkeypatch.setattr(H, "_HISTC_CHUNK", 100)
+    monkeypatch.setattr(H, "_histc_refused", lambda x: refused)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(1000, generator=g) * 2).bfloat16()
+    x[:3] = torch.tensor([-1.5, 2.5, float("nan")])
+    got = H.exact_histc(x, 40, -1.5, 2.5)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.histc(x.float(), 40, -1.5, 2.5).long())
+
+
+def test_linear_counts_of_no_rows():
+    empty = torch.zeros(0, 8)
+    counts = H.linear_counts(empty, torch.zeros(0), torch.ones(0), 5)
+    assert counts.shape == (0, 5) and counts.dtype == torch.int64

@@ -35,9 +35,9 @@ def add_check_parser(sub) -> None:
                                      "layers and schemes",
                        description="List the fused layers (q/k/v, gate/up, w1/w3, MLA q_a/kv_a) "
                                    "whose shards disagree on a scale the runtime keeps once or "
-                                   "on their scheme, the scales that are not finite and > 0, "
-                                   "and the config groups vLLM has no scheme for; exit 1 if "
-                                   "any.")
+                                   "on their scheme, whose fp8 weight blocks straddle two "
+                                   "shards, the scales that are not finite and > 0, and the "
+                                   "config groups vLLM has no scheme for; exit 1 if any.")
     p.add_argument("path", metavar="DIR", help="a compressed-tensors checkpoint folder")
 
 

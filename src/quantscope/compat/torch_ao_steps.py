@@ -47,7 +47,8 @@ def binned(x: torch.Tensor) -> torch.Tensor:
     """The batch as the histogram bins it: bfloat16 / float16 as float32 (every value
     counted; torch.ao's ``histc`` in those dtypes loses counts: see ``HistogramObserver``).
     A float32 copy on the CPU (the C path's input); elsewhere the batch as it is, which
-    ``ao_histogram.histc`` bins as float32 in one pass (``quantscope::ao_histc``)."""
+    ``ao_histogram.histc`` bins as float32 (``quantscope::ao_histc``: on CUDA in copies of
+    ``2 ** 24`` values at a time)."""
     ao_histogram.check_dense("HistogramObserver", x)
     x = x.detach()  # as torch.ao: the state never joins the autograd graph
     low = x.dtype in (torch.bfloat16, torch.float16)

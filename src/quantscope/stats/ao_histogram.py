@@ -84,10 +84,7 @@ def _torch_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tens
 def _cuda_histc(x, bins, lo, hi):
     _check_histc(x, bins, lo, hi)
     # torch's own CUDA histc (the binning of torch.ao's on the device) of float32 copies of
-    # 2 ** 24 values at a time: no copy of the whole batch, and no count saturated by float32
-    # atomics. lo == hi: histc takes the range from the data, so all of it at once
-    if x.numel() <= _histogram._HISTC_CHUNK or lo == hi:
-        return torch.histc(x.float(), bins, min=lo, max=hi)
+    # 2 ** 24 values at a time: a bounded copy, and no count saturated by float32 atomics
     return _histogram.exact_histc(x, bins, lo, hi).float()
 
 

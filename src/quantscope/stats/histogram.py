@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._numerics import as_float32
 from . import hist_kernel
 
 __all__ = [
@@ -335,20 +336,33 @@ def linear_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     lo, hi = lo.float(), hi.float()
     span = hi - lo
     if units.device.type == "cpu" and units.dtype == torch.float32 and \
-            units.shape[0] <= _HISTC_ROWS and bool(((span > 0) & span.isfinite()).all()):
+            0 < units.shape[0] <= _HISTC_ROWS and bool(((span > 0) & span.isfinite()).all()):
         return torch.stack([exact_histc(row, bins, a, b)
                             for row, a, b in zip(units, lo.tolist(), hi.tolist(), strict=True)])
     return binned_counts(units, lo, hi, bins)
 
 
+def _histc_refused(x: torch.Tensor) -> bool:
+    """Whether torch.histc raises on ``x``: on CUDA under deterministic algorithms."""
+    return x.device.type == "cuda" and torch.are_deterministic_algorithms_enabled()
+
+
 def exact_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
     """``torch.histc`` of ``x``'s float32 values as int64 counts ``[bins]``: binned in chunks of
     ``2 ** 24`` values, whose float32 counts are exact, and summed (one call's float32 counts
-    stop growing at ``2 ** 24``). Only for ``lo < hi``: on an empty range histc takes the
-    range from each chunk's data."""
+    stop growing at ``2 ** 24``). An empty range (``lo == hi`` in float32), where histc takes
+    the range from the data, is binned at once. On CUDA under deterministic algorithms, where
+    torch.histc raises, :func:`binned_counts` bins each chunk."""
+    x = x.reshape(-1)
+    lo32, hi32 = as_float32(lo), as_float32(hi)
+    deterministic = _histc_refused(x)
+    if not deterministic and (x.numel() <= _HISTC_CHUNK or lo32 == hi32):
+        return torch.histc(x.float(), bins, lo, hi).long()
     counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
-    for part in x.reshape(-1).split(_HISTC_CHUNK):
-        counts += torch.histc(part.float(), bins, lo, hi).long()
+    ends = torch.tensor([[lo32], [hi32]], device=x.device)
+    for part in x.split(_HISTC_CHUNK):
+        counts += (binned_counts(part.float()[None], *ends, bins)[0] if deterministic
+                   else torch.histc(part.float(), bins, lo, hi).long())
     return counts
 
 
