@@ -132,18 +132,29 @@ def test_unit_minmax_four_d_views_are_the_layouts_units(device, dtype, shape, la
     _assert_bitwise(hi, want_hi)
 
 
+@pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_unit_minmax_one_launch_over_mixed_shapes(device, dtype):
+def test_grouped_unit_minmax_one_launch_over_mixed_shapes(device, dtype, aligned):
     """One launch over tensors of mixed shapes (a strided one among them): each tensor's
-    rows' min / max in its own lo / hi, NaN kept."""
+    rows' min / max in its own lo / hi, NaN kept; ``aligned``: rows of 16-byte multiples,
+    the launch that loads 16 bytes at once (a NaN in a last row: the tail rows masked)."""
     from quantscope.kernels.triton import minmax
 
     g = torch.Generator().manual_seed(4)
-    ts = [torch.randn(5, 37, generator=g), torch.randn(64, 8, generator=g),
-          torch.randn(1, 300, generator=g), torch.randn(9, 20, generator=g)[:, :13]]
+    if aligned:
+        ts = [torch.randn(5, 64, generator=g), torch.randn(7, 128, generator=g),
+              torch.randn(9, 96, generator=g)[:, :32]]
+        nan_at = (1, 6, 100)
+    else:
+        ts = [torch.randn(5, 37, generator=g), torch.randn(64, 8, generator=g),
+              torch.randn(1, 300, generator=g), torch.randn(9, 20, generator=g)[:, :13]]
+        nan_at = (1, 3, 2)
     ts = [t.to(dtype) for t in ts]
-    ts[1][3, 2] = float("nan")
-    los, his = minmax.grouped_unit_minmax([t.to(device) for t in ts], block_u=4, block_e=16)
+    ts[nan_at[0]][nan_at[1:]] = float("nan")
+    ts = [t.to(device) for t in ts]
+    assert (minmax._vector_width(ts) > 1) == aligned
+    los, his = minmax.grouped_unit_minmax(ts, block_u=4, block_e=16)
+    ts = [t.cpu() for t in ts]
     for t, lo, hi in zip(ts, los, his, strict=True):
         want_lo, want_hi = torch.aminmax(t.float(), dim=1)
         _assert_bitwise(lo, want_lo)
