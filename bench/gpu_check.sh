@@ -18,8 +18,8 @@
 # Usage: bash bench/gpu_check.sh
 # STEPS picks the steps, in this order: bench35, diag, host, triton (issue 35's, the default;
 # on the H200 of 2026-12-04 bench35 took 141 s; diag and host, where the device's and the
-# host's time goes (bench/gpu_profile.py: profiler tables; bench/gpu_host.py: the host's time
-# per call of each step of the min-max path, and profiles by Python call site), about 40 s
+# host's time goes (bench/gpu_profile.py: profiler tables, also by Python call site;
+# bench/gpu_host.py: the host's time per call of each step of the min-max path), about 40 s
 # each; the triton tests run on 8 processes (pytest-xdist, in the device image)), hist (the
 # histogram binning variants of bench/gpu_hist_variants.py), cuda, bench19 (issue 19's: up to
 # 7.5 more minutes).

@@ -1,9 +1,7 @@
 """Where the host's time goes on a GPU (issue 35's wall-time rows): the host's microseconds per
 call of each step of the min-max path, from a bare ``torch.aminmax`` and an empty Triton
-launch up to an observer's whole call, and a profile grouped by Python call site of the
-min-max observer and of ``calibrate``'s observation pass (which lines launch kernels and read
-values back). For a lent GPU: python bench/gpu_host.py OUTDIR (writes OUTDIR/host.md and
-OUTDIR/stacks_<case>.txt). The host time of a call is measured with no synchronization
+launch up to an observer's whole call (bench/gpu_profile.py: which lines launch kernels).
+For a lent GPU: python bench/gpu_host.py OUTDIR (writes OUTDIR/host.md). The host time of a call is measured with no synchronization
 between calls (the kernels are small: the queue never fills), so it is what the host spends
 before the device can start the next call's work."""
 
@@ -17,7 +15,6 @@ import traceback
 
 import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
 import quantscope as qs
 from quantscope import QuantSpec
@@ -138,39 +135,9 @@ def host_table(out):
         f.write(text + "\n")
 
 
-def stacks(out, name, fn, n=3):
-    """A profile of ``fn`` grouped by the Python call site (5 frames): which lines launch."""
-    try:
-        fn()
-        sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                     with_stack=True, record_shapes=False) as p:
-            for _ in range(n):
-                fn()
-            sync()
-        avg = p.key_averages(group_by_stack_n=5)
-        text = (avg.table(sort_by="self_cpu_time_total", row_limit=60, max_src_column_width=120)
-                + "\n\n" + avg.table(sort_by="count", row_limit=40, max_src_column_width=120))
-    except Exception:  # noqa: BLE001 -- the other cases still run
-        text = traceback.format_exc()
-    with open(os.path.join(out, f"stacks_{name}.txt"), "w") as f:
-        f.write(text)
-    print(name, "profiled", flush=True)
-
-
 def main(out):
     os.makedirs(out, exist_ok=True)
     host_table(out)
-    w = torch.randn(SIZE, SIZE, device=DEV).bfloat16()
-    obs = qs.get_observer("memoryless_minmax", QuantSpec("int8", Channel(0))).to(DEV)
-    stacks(out, "minmax_observer", lambda: (obs(w), obs.calculate_qparams()), n=10)
-    sys.path.insert(0, os.path.dirname(__file__))
-    from gpu_model import llama, token_batches
-
-    model = llama(2048 if DEV == "cuda" else 64, DEV, layers=4)
-    tokens = token_batches(model, DEV, 4, 512 if DEV == "cuda" else 16)
-    stacks(out, "calibrate_w8a8", lambda: qs.calibrate(model, tokens, "w8a8", progress=False),
-           n=1)
 
 
 if __name__ == "__main__":

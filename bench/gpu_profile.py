@@ -1,7 +1,8 @@
 """Where issue 35's GPU time goes: torch.profiler tables (self CPU time, self CUDA time) of
 the min-max observer on a 4096 x 4096 bf16 weight, the native histogram on 16 x 2048 x 4096
-bf16 batches, and calibrate's observation of a 4-layer random Llama (hidden 2048). For a
-lent GPU: python bench/gpu_profile.py OUTDIR (writes OUTDIR/<case>.txt)."""
+bf16 batches, and calibrate's observation of a 4-layer random Llama (hidden 2048), each also
+grouped by Python call site (which lines launch kernels and read values back). For a lent
+GPU: python bench/gpu_profile.py OUTDIR (writes OUTDIR/<case>.txt)."""
 
 import os
 import sys
@@ -19,13 +20,16 @@ def profiled(out, name, fn, n=3):
     try:
         fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     with_stack=True) as p:
             for _ in range(n):
                 fn()
             torch.cuda.synchronize()
         avg = p.key_averages()
         text = (avg.table(sort_by="self_cpu_time_total", row_limit=45) + "\n\n"
-                + avg.table(sort_by="self_cuda_time_total", row_limit=30))
+                + avg.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\n"
+                + p.key_averages(group_by_stack_n=5).table(
+                    sort_by="count", row_limit=40, max_src_column_width=120))
     except Exception:  # noqa: BLE001 -- the other cases still run
         text = traceback.format_exc()
     with open(os.path.join(out, f"{name}.txt"), "w") as f:
