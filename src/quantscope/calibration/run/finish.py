@@ -25,7 +25,7 @@ from ..results.report import tensor_stats
 from ..results.result import RoleState
 from ..structure import fusion, moe
 from ..structure.conv1d import is_conv1d, linear_output
-from .observe import candidate_options, observer_key
+from .observe import candidate_options, observed_spec, observer_key
 
 
 def _share_inputs(states, plan, slots, groups, made, errors) -> None:
@@ -66,7 +66,9 @@ def _joined_options(name: str, cfg: Role, slot) -> dict:
 def _share_weights(states, plan, slots, groups) -> list[dict]:
     """Each group's weights, where the runtime shares a weight scale, observed concatenated
     by one observer (``auto``: the candidate with the least total error) and split back per
-    member; returns what was done per group (for the report)."""
+    member; returns what was done per group (for the report). A ``"local"`` weight shares
+    its calibrated global scale (block scales are the runtime's, per call: nothing to split);
+    a ``dynamic=True`` one has nothing calibrated to share."""
     done = []
     for group in groups:  # (the pass's groups: narrowed to this recipe's layers)
         group = [m for m in group if (m, "weight") in plan or (m, "input") in plan]
@@ -87,31 +89,37 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
             continue
         mods = [slots[(m, "weight")].module for m in members]
         shapes = [tuple(m.weight.shape) for m in mods]
-        if not fusion.splittable(cfg.spec, shapes):
+        if cfg.dynamic is False and not fusion.splittable(cfg.spec, shapes):
             entry["weight"] = (f"per layer ({cfg.spec.layout} does not split into "
                                f"rows {[s[0] for s in shapes]})")
             continue
-        w = fusion.join_weights(mods)
-        best = None
-        for n in names:
-            try:
-                obs = get_observer(n, cfg.spec, **_joined_options(n, cfg, slots[(
-                    members[0], "weight")])).to(w.device)
-                obs(w)
-            except (ValueError, TypeError):
-                if len(names) == 1:
-                    raise
-                continue
-            state = replace(_state_from(obs, cfg, tuple(w.shape)), requested=cfg.observer)
-            err = (float((qdq_tensor(w, state).float() - w.float()).square().sum())
-                   if len(names) > 1 else 0.0)
-            if best is None or err < best[1]:
-                best = (state, err)
-        parts = fusion.split_state(best[0], shapes)
-        for m, st in zip(members, parts):
+        best = _joined_state(fusion.join_weights(mods), cfg, names, slots[(members[0], "weight")])
+        for m, st in zip(members, fusion.split_state(best, shapes)):
             states[m]["weight"] = st
-        entry["weight"] = f"shared ({best[0].observer})"
+        entry["weight"] = f"shared ({best.observer})"
     return done
+
+
+def _joined_state(w: torch.Tensor, cfg: Role, names, slot) -> RoleState:
+    """The state of a group's weights ``w`` (concatenated) under ``cfg``: each observer of
+    ``names`` watching the spec the members' own would (:func:`observed_spec`: a ``"local"``
+    weight's global amax per tensor), the one with the least QDQ error kept."""
+    best = None
+    for n in names:
+        try:
+            obs = get_observer(n, observed_spec(cfg), **_joined_options(n, cfg, slot)).to(
+                w.device)
+            obs(w)
+        except (ValueError, TypeError):
+            if len(names) == 1:
+                raise
+            continue
+        state = replace(_state_from(obs, cfg, tuple(w.shape)), requested=cfg.observer)
+        err = (float((qdq_tensor(w, state).float() - w.float()).square().sum())
+               if len(names) > 1 else 0.0)
+        if best is None or err < best[1]:
+            best = (state, err)
+    return best[0]
 
 
 def _input_sharing(group, plan, slots) -> str:

@@ -106,7 +106,7 @@ def candidates_for(role: str, candidates) -> list[str]:
 
 
 def observer_key(name, role_cfg: Role, module=None):
-    return (name, _observed_spec(role_cfg), candidate_options(name, role_cfg))
+    return (name, observed_spec(role_cfg), candidate_options(name, role_cfg))
 
 
 def candidate_options(name: str, role_cfg: Role) -> tuple:
@@ -125,11 +125,12 @@ def _taken_options(name: str, role_cfg: Role) -> tuple:
     return observed(role_cfg, "input", name, {}).options
 
 
-def _observed_spec(role_cfg: Role):
+def observed_spec(role_cfg: Role):
     """The spec a role's observer watches. ``dynamic="local"`` (NVFP4 activations) calibrates
     only the global amax, a whole-tensor statistic: its observer takes the element format
     per tensor, so batches of any token count (an MoE expert's vary by batch) accumulate
-    into one range (block units would change in number with the tokens)."""
+    into one range (block units would change in number with the tokens); a ``"local"``
+    weight's alike, alone or a fusion group's concatenated (``finish._joined_state``)."""
     if role_cfg.dynamic != "local":
         return role_cfg.spec
     return QuantSpec(role_cfg.spec.format, "tensor", symmetric=True)

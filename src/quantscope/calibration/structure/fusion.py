@@ -373,8 +373,11 @@ def split_state(state: RoleState, shapes: list[tuple[int, ...]]) -> list[RoleSta
     """The state of the concatenated weights split into one state per member (its rows):
     per-unit values cut along the qparam grid's row axis (a tile grid by tile rows, a
     row-run grid along its last axis), per-tensor ones shared. ``shapes`` must be
-    :func:`splittable`."""
+    :func:`splittable`. A state with no qparams (a run-time role: ``"local"`` block scales
+    under a calibrated global scale) holds per-tensor values only: every member's."""
     lay, qp = state.spec.layout, state.qparams
+    if qp is None:
+        return [_shared(state) for _ in shapes]
     if not splittable(state.spec, shapes):
         raise ValueError(f"split_state: {lay} units span rows of two members of shapes "
                          f"{[tuple(s) for s in shapes]}; expected shapes it splits by rows")
@@ -392,3 +395,13 @@ def split_state(state: RoleState, shapes: list[tuple[int, ...]]) -> list[RoleSta
         member_qp = type(qp)(scales[i].contiguous(), zps[i].contiguous(), gs)
         out.append(replace(state, qparams=member_qp, lo=los[i], hi=his[i], shape=tuple(shape)))
     return out
+
+
+def _shared(state: RoleState) -> RoleState:
+    """A member's copy of a run-time state's per-tensor values (its global amax, range)."""
+    held = {k: getattr(state, k) for k in ("global_amax", "lo", "hi")}
+    many = [k for k, t in held.items() if t is not None and t.numel() != 1]
+    if many:
+        raise ValueError(f"split_state: a run-time (dynamic={state.dynamic!r}) state holds "
+                         f"per-unit {many}; expected per-tensor values, which members share")
+    return replace(state, **{k: None if t is None else t.clone() for k, t in held.items()})
