@@ -275,6 +275,46 @@ def test_exact_histc_in_chunks_or_where_histc_is_refused(monkeypatch, refused):
     assert torch.equal(got, torch.histc(x.float(), 40, -1.5, 2.5).long())
 
 
+_NAN, _INF, _BIG = float("nan"), float("inf"), 3.4028234663852886e38
+_DATA = [-3.0, -1.0, 0.5, 2.0, 4.0, 7.0]
+
+
+@pytest.mark.parametrize("x, lo, hi", [
+    (_DATA, 0.0, 0.0), (_DATA, 3.0, 3.0), (_DATA, 0.5, 0.5), (_DATA, 1.0, 1.0 + 1e-12),
+    ([2.5] * 5, 0.0, 0.0), ([2.5] * 5, 2.5, 2.5), ([0.0] * 3, 0.0, 0.0), ([0.0, 1e-45], 0.0, 0.0),
+    # constants that +-1 does not move: histc widens them to their float32 neighbours
+    ([1e9] * 3, 0.0, 0.0), ([-1e9] * 3, -1e9, -1e9), ([2.0**24] * 2, 0.0, 0.0),
+    ([_BIG], 0.0, 0.0), ([-_BIG], 0.0, 0.0), ([], 0.0, 0.0), ([], 3.0, 3.0)])
+@pytest.mark.parametrize("bins", [1, 4, 7])
+def test_exact_histc_emulation_takes_histcs_range_where_lo_equals_hi(monkeypatch, x, lo, hi,
+                                                                     bins):
+    """Where torch.histc raises (CUDA under deterministic algorithms: forced here) an empty
+    range is histc's too: the data's min and max (the documented ``0, 0``), of all chunks
+    (forced small), widened where those are equal; each value in histc's bin."""
+    monkeypatch.setattr(H, "_HISTC_CHUNK", 2)
+    monkeypatch.setattr(H, "_histc_refused", lambda x: True)
+    x = torch.tensor(x, dtype=torch.float32)
+    # the ends compared in float32, as CUDA's histc compares them (the CPU's: in float64)
+    want = torch.histc(x, bins, *torch.tensor([lo, hi]).tolist()).long()
+    assert torch.equal(H.exact_histc(x, bins, lo, hi), want)
+    if x.numel() and len(set(x.tolist())) == 1:  # a constant row's own range: the same bins
+        assert torch.equal(H.binned_counts(x[None], x[:1], x[:1], bins)[0], want)
+
+
+@pytest.mark.parametrize("x", [[_NAN, 1.0, 2.0], [1.0, 2.0, _NAN], [_INF, 1.0], [-_INF, 1.0],
+                               [_INF], [_NAN]])
+def test_exact_histc_emulation_refuses_a_data_range_that_is_not_finite(monkeypatch, x):
+    # histc raises on NaN or an infinity in the data it takes the range from (lo == hi)
+    monkeypatch.setattr(H, "_histc_refused", lambda x: True)
+    x = torch.tensor(x)
+    with pytest.raises(RuntimeError, match="is not finite"):
+        torch.histc(x, 4, 0.0, 0.0)
+    with pytest.raises(RuntimeError, match="is not finite"):
+        H.exact_histc(x, 4, 0.0, 0.0)
+    # a range given: NaN dropped and infinities outside it, as histc does
+    assert torch.equal(H.exact_histc(x, 4, -1.0, 3.0), torch.histc(x, 4, -1.0, 3.0).long())
+
+
 def test_linear_counts_of_no_rows():
     empty = torch.zeros(0, 8)
     counts = H.linear_counts(empty, torch.zeros(0), torch.ones(0), 5)

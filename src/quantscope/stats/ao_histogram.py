@@ -68,8 +68,9 @@ def _check_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> None:
                          f"tensor, got {x.dtype}")
     if bins < 1:
         raise ValueError(f"quantscope::ao_histc: bins must be a positive integer, got {bins}")
-    # torch.histc's rule (a float32 range, lo == hi allowed: it widens it), here in the fake
-    # too, so that a traced call fails where the real one would; Python floats: no device read
+    # torch.histc's rule (a float32 range; lo == hi allowed: histc takes the data's), here in
+    # the fake too, so that a traced call fails where the real one would; Python floats: no
+    # device read
     who = "quantscope::ao_histc"
     check_number(who, "lo", lo, -_F32_MAX, _F32_MAX)
     check_number(who, "hi", hi, lo, _F32_MAX)
@@ -96,7 +97,8 @@ def _fake_histc(x, bins, lo, hi):
 #: ``ao_histc(x, bins, lo, hi) -> counts``: ``torch.histc`` of ``x``'s float32 values (fp32 /
 #: bf16 / fp16 ``x``; float32 ``[bins]`` counts). On CUDA torch's histc of float32 copies of
 #: ``2 ** 24`` values at a time, summed in int64 (a bin holding ``2 ** 24`` values or more in
-#: one batch is rounded once, where ATen's float atomics would stop counting it at ``2 ** 24``)
+#: one batch is rounded once, where ATen's float atomics would stop counting it at ``2 ** 24``;
+#: under deterministic algorithms, where it raises, its emulation, with histc's range rule)
 ao_histc = define("ao_histc(Tensor x, int bins, float lo, float hi) -> Tensor", _torch_histc,
                   cuda=_cuda_histc, fake=_fake_histc)
 

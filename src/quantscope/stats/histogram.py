@@ -352,33 +352,51 @@ def exact_histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tenso
     ``2 ** 24`` values, whose float32 counts are exact, and summed (one call's float32 counts
     stop growing at ``2 ** 24``). An empty range (``lo == hi`` in float32), where histc takes
     the range from the data, is binned at once. On CUDA under deterministic algorithms, where
-    torch.histc raises, :func:`binned_counts` bins each chunk."""
+    torch.histc raises, :func:`binned_counts` bins each chunk over :func:`histc_ends`."""
     x = x.reshape(-1)
-    lo32, hi32 = as_float32(lo), as_float32(hi)
     deterministic = _histc_refused(x)
-    if not deterministic and (x.numel() <= _HISTC_CHUNK or lo32 == hi32):
+    if not deterministic and (x.numel() <= _HISTC_CHUNK or as_float32(lo) == as_float32(hi)):
         return torch.histc(x.float(), bins, lo, hi).long()
     counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
-    ends = torch.tensor([[lo32], [hi32]], device=x.device)
+    ends = histc_ends(x, lo, hi) if deterministic else None
     for part in x.split(_HISTC_CHUNK):
         counts += (binned_counts(part.float()[None], *ends, bins)[0] if deterministic
                    else torch.histc(part.float(), bins, lo, hi).long())
     return counts
 
 
+def histc_ends(x: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 ends ``[1]`` torch.histc bins ``x`` between: ``lo`` and ``hi``, but where
+    float32 cannot tell them apart (as CUDA's histc compares them; the documented ``0, 0``)
+    the data's min and max, and an empty range widened (:func:`widen_empty`). Raises
+    RuntimeError, as histc, where they are not finite (NaN or an infinity in the data)."""
+    lo32, hi32 = as_float32(lo), as_float32(hi)
+    ends = (torch.stack(torch.aminmax(x.reshape(-1))).float() if lo32 == hi32 and x.numel()
+            else torch.tensor([lo32, hi32], dtype=torch.float32, device=x.device))
+    a, b = widen_empty(ends[:1], ends[1:])
+    if not bool(torch.cat([a, b]).isfinite().all()):  # a read back, as CUDA's histc's own
+        raise RuntimeError(f"torch.histc: range of [{float(a):g}, {float(b):g}] is not finite")
+    return a, b
+
+
+def widen_empty(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``lo``, ``hi`` with each empty range (``lo == hi``) widened as torch.histc does
+    once it has taken the data's range for it (:func:`histc_ends`): by one on each side, or
+    where that moves no end (``|x| >= 2 ** 24``) to the float32 neighbour (ATen's wider step)."""
+    big, same = torch.finfo(torch.float32).max, lo == hi
+    return (torch.where(same, torch.minimum(lo - 1, lo.nextafter(lo.new_tensor(-big))), lo),
+            torch.where(same, torch.maximum(hi + 1, hi.nextafter(hi.new_tensor(big))), hi))
+
+
 def binned_counts(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                   bins: int) -> torch.Tensor:
     """:func:`linear_counts` for any rows, dtype and device: the same float32 arithmetic as
-    ATen's histc kernel, ``trunc((x - lo) * bins / (hi - lo))``, the right edge inclusive and
-    values outside ``[lo, hi]`` dropped, so the bins match torch's exactly, in one
-    ``bincount`` over every row."""
+    ATen's histc kernel, ``trunc((x - lo) * bins / (hi - lo))``, the right edge inclusive,
+    values outside ``[lo, hi]`` dropped and an empty range widened (:func:`widen_empty`), so
+    the bins match torch's exactly, in one ``bincount`` over every row."""
     U = units.shape[0]
-    lo, hi = lo.float().clone(), hi.float().clone()
-    same = lo == hi  # histc widens an empty range by one on each side
-    lo = torch.where(same, lo - 1, lo)
-    hi = torch.where(same, hi + 1, hi)
-    # a range that the +-1 does not widen (|lo| >= 2 ** 24: a constant -1e9 mask) or that
-    # overflows float32 gives 0 / 0 or inf / inf: those values go to the first bin
+    lo, hi = widen_empty(lo.float(), hi.float())
+    # a range that overflows float32 gives inf / inf: those values go to the first bin
     # (torch.ao's qparams then come from min / max alone), never a NaN index. A value whose
     # (x - lo) * bins overflows (|x| past ~3.4e38 / bins) has position +inf, which histc
     # counts in bin 0 (ATen's int64 cast of inf, on x86-64), so here too; -inf needs x < lo
