@@ -492,3 +492,35 @@ def test_mx_mse_integer_elements(device, kind, name, mode):
 def test_weighted_mx_mse(device, name, mode, kind):
     """MX's search weighted, over float and integer elements, on codes and on candidates."""
     _check_mx_mse(device, kind, "native", None, name, mode, weighted=True)
+
+
+# ---- bad arguments: the definition's errors, on the Triton path too ------------------------
+
+#: a 1-D or 0-d ``units`` or ``weights`` (the launchers' selection reads their second dimension)
+_BAD_SHAPES = {"1-D units": lambda u, w: (u[0], None), "0-d units": lambda u, w: (u[0, 0], None),
+               "1-D weights": lambda u, w: (u, w[0]), "0-d weights": lambda u, w: (u, w[0, 0])}
+
+
+@pytest.mark.parametrize("op", ["nvfp4_mse", "nvfp4_search", "mx_mse"])
+@pytest.mark.parametrize("bad", list(_BAD_SHAPES))
+def test_bad_units_or_weights_raise_the_definitions_error(device, op, bad):
+    """The ValueError naming the argument, word for word the definition's (the CPU path's),
+    where the Triton path raised a bare IndexError: it read the second dimension first."""
+    from quantscope.kernels import block_ops
+
+    g = torch.Generator().manual_seed(0)
+    u, w = torch.randn(6, 40, generator=g).to(device), torch.rand(6, 40, generator=g).to(device)
+    lo, hi = u.aminmax(dim=1)
+    f, ga = torch.linspace(1.0, 0.91, 10, device=device), torch.tensor([3.0], device=device)
+    assert block_ops._block_kernel(u, w) is not None  # the Triton path, not its fallback
+    rules = (5, 2, True, True, False)
+    args = {"nvfp4_mse": (lo, hi, f, lo, hi, ga, "fp4_e2m1", 2.0 ** -9, *rules),
+            "nvfp4_search": (lo, hi, f, lo, hi, ga, "fp4_e2m1", 2.0 ** -9),
+            "mx_mse": (lo, hi, f, lo, hi, "fp4_e2m1", "floor", *rules)}[op]
+    units, weights = _BAD_SHAPES[bad](u, w)
+    errors = []
+    for impl in (f"_torch_{op}", f"_cuda_{op}"):
+        with pytest.raises(ValueError, match=rf"quantscope::{op}: {bad.split()[1]} must") as err:
+            getattr(block_ops, impl)(units, *args, weights)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]

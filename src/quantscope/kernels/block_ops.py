@@ -130,7 +130,8 @@ def mx_price(units, lo, hi, factors, inc_lo, inc_hi, format, mode, weights=None)
 
 def _block_kernel(units, weights):
     """``kernels.triton.block_search``'s launchers where they apply to ``units`` (else None:
-    no triton, rows longer than a tile or not contiguous, weights' rows not contiguous)."""
+    no triton, rows longer than a tile or not contiguous, weights' rows not contiguous). It
+    reads their second dimension: the op's checks come first (2-D, else an IndexError)."""
     kernel = _triton.launchers("block_search", units)
     if kernel is None or units.shape[1] > kernel.MAX_TILE or units.stride(1) != 1 \
             or weights is not None and weights.stride(1) != 1:
@@ -176,12 +177,12 @@ def _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format
 def _cuda_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
                     ext_start, patience, per_unit, use_global, tie_last, weights=None):
     rules = (ext_start, patience, per_unit, use_global, tie_last)
+    fmt = _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
+                       format, min_scale, ext_start, weights)
     kernel = _block_kernel(units, weights)
     if kernel is None:
         return _torch_nvfp4_mse(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                                 min_scale, *rules, weights)
-    fmt = _check_nvfp4("nvfp4_mse", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
-                       format, min_scale, ext_start, weights)
     return kernel.block_mse(*_nvfp4_args(kernel, units, lo, hi, factors, inc_lo, inc_hi,
                                          global_amax, fmt, min_scale),
                             *_launch_rules(*rules), weights=weights)
@@ -213,12 +214,12 @@ def _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, for
 
 def _cuda_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
                        weights=None):
+    fmt = _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
+                       format, min_scale, weights=weights)
     kernel = _block_kernel(units, weights)
     if kernel is None:
         return _torch_nvfp4_search(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format,
                                    min_scale, weights)
-    fmt = _check_nvfp4("nvfp4_search", units, lo, hi, factors, inc_lo, inc_hi, global_amax,
-                       format, min_scale, weights=weights)
     return kernel.nvfp4_search(*_nvfp4_args(kernel, units, lo, hi, factors, inc_lo, inc_hi,
                                             global_amax, fmt, min_scale), weights=weights)
 
@@ -250,12 +251,12 @@ def _torch_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_star
 def _cuda_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start, patience,
                  per_unit, use_global, tie_last, weights=None):
     rules = (ext_start, patience, per_unit, use_global, tie_last)
+    fmt = _check_mx("mx_mse", units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start,
+                    weights)
     kernel = _block_kernel(units, weights)
     if kernel is None:
         return _torch_mx_mse(units, lo, hi, factors, inc_lo, inc_hi, format, mode, *rules,
                              weights)
-    fmt = _check_mx("mx_mse", units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start,
-                    weights)
     enc = kernel.Encoding(E8M0_MODES.index(mode), emax=fmt.emax, mbits=fmt.mbits)
     # integer elements: [qmin, qmax], qmax their max (signed: E8M0 needs codes around 0)
     ints = isinstance(fmt, IntFormat)
