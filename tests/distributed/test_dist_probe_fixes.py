@@ -154,7 +154,7 @@ def test_a_check_failing_on_one_rank_raises_on_every_rank(ranks):
 
 def test_ranks_holding_different_weights_or_dtypes_raise_naming_the_layer(ranks):
     errs = _every_rank_raises(ranks, "weights/seed", "ValueError: calibrate: the ranks hold "
-                              "different weights: layer '0' is float32, sum")
+                              "different weights: layer '0' is float32:")
     assert errs[0] == errs[1]
     _every_rank_raises(ranks, "weights/dtype", "layer '0' is float32", "but bfloat16")
     assert rank_results(ranks, "weights/same") == [(None, 3), (None, 3)]

@@ -35,6 +35,7 @@ from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
 from ..run.batches import input_name, module_input
 from ..structure import kv_cache, moe
+from ..structure.fingerprint import layer_weight
 from ..structure.placement import (
     check_module,
     check_placement,
@@ -46,8 +47,8 @@ from ..structure.placement import (
 from ..structure.tied import memory, tied_weights
 from .role_state import RoleState
 
-__all__ = ["QDQHandle", "apply", "clip_edges", "qdq_tensor", "refuse_applied",
-           "runtime_qparams"]
+__all__ = ["QDQHandle", "apply", "clip_edges", "fake_quantized", "qdq_tensor",
+           "refuse_applied", "runtime_qparams"]
 
 _ATTR = "_quantscope_qdq"
 #: the handle's token on every module apply() fake-quantized, cleared by remove(): a copy of
@@ -303,13 +304,26 @@ def _refuse_parts(model: nn.Module, who: str, handle: QDQHandle | None = None) -
                 f"module before apply() or after remove()")
 
 
-def _held() -> set:
-    """The weights (and 3-D expert parameters) the active handles fake-quantized, as the
-    models hold them now (looked up, so valid while the models hold them), by
-    :func:`~..structure.tied.memory`."""
+def _held(slices: bool = False) -> set:
+    """The weights (3-D expert parameters; ``slices``: each expert's slice too) the active
+    handles fake-quantized, as the models hold them now, by :func:`~..structure.tied.memory`."""
     with _APPLIED_LOCK:
         handles = list(_APPLIED)
-    return {memory(p) for h in handles for s in h._weights for p in s.params()}
+    return {memory(t) for h in handles for s in h._weights
+            for t in (*s.params(), *(s.targets() if slices else ()))}
+
+
+def fake_quantized(model: nn.Module, layers) -> set[str]:
+    """Those of ``layers`` whose weight in ``model`` holds fake-quantized values (an active
+    handle's, or a marked copy's), not float ones: ``Calibration.check_model`` compares no
+    fingerprint of them, and leaves them to apply()'s own refusals, which say why."""
+    held, modules, out = _held(slices=True), dict(model.named_modules()), set()
+    for layer in layers:
+        w, module = layer_weight(model, layer), modules.get(layer)
+        if (module is not None and module.__dict__.get(_PART) is not None) or (
+                w is not None and memory(w) in held):
+            out.add(layer)
+    return out
 
 
 def _where(name: str, module: nn.Module, experts) -> tuple:

@@ -2,10 +2,10 @@
 
 ``path/qparams.safetensors`` holds ``"{layer}/{role}/{field}"`` tensors (scale,
 zero_point, global_scale, global_amax, lo, hi, and an act-order group's int64 ``g_idx``,
-which the spec's JSON does not hold); ``path/quantscope.json`` the
-recipe and, per layer and role, the spec, the observer used and the dynamic
-mode, and the format's name and ``version`` (checked on load). Written atomically
-(:func:`~quantscope.exporters.atomic.atomic_dir`). :func:`load` gives back a
+which the spec's JSON does not hold); ``path/quantscope.json`` the recipe and, per layer
+and role, the spec, the observer used and the dynamic mode (a static weight's shape and
+fingerprint too), and the format's name and ``version`` (checked on load). Written
+atomically (:func:`~quantscope.exporters.atomic.atomic_dir`). :func:`load` gives back a
 :class:`Calibration` whose ``apply(model)`` restores exactly the QDQ model that was saved,
 with no recalibration, on the weights it was calibrated on: a SmoothQuant calibration's
 (``smoothing``, saved beside the qparams) are the smoothed ones, so smooth a freshly loaded
@@ -32,6 +32,7 @@ from ...spec import QuantSpec
 from ..recipe import ROLES, Recipe, Role
 from ..recipe_dict import role_options
 from ..structure import kv_cache
+from ..structure.fingerprint import check_fingerprint_text
 from .info_check import info_problem
 from .result import Calibration
 from .role_state import RoleState
@@ -89,8 +90,9 @@ def load(path, device="cpu") -> Calibration:
     belongs to a role of the JSON and its mode. Each role is one ``apply`` knows (a name of
     :data:`~quantscope.calibration.recipe.ROLES` or the KV cache's), a valid
     :class:`~quantscope.calibration.recipe.Role` (``"local"`` only under NVFP4's scales), a
-    static weight records its shape, and a run-time role's observer is built as the forward
-    builds it (a registered name taking its options). A
+    static weight records its shape (and, where it has one, a fingerprint of the weight's
+    bits: none in a folder saved before they were recorded), and a run-time role's observer
+    is built as the forward builds it (a registered name taking its options). A
     damaged or edited folder raises ``ValueError`` naming the file and the key; an edit that
     stays a valid value (an int8 scale doubled) is not detected.
     """
@@ -207,7 +209,19 @@ def _role_state(d, tensors, key, bad_meta, bad_tensor, used, role) -> RoleState:
         raise bad_tensor(f"{key}/global_amax", f"expected one value, got {gam.numel()}")
     lo, hi = (None, None) if dyn is True else _role_range(get, key, qp, bad_tensor)
     return RoleState(spec, d["observer"], d["requested"], dyn,
-                     options, qp, gam, lo, hi, shape)
+                     options, qp, gam, lo, hi, shape, _fingerprint(d, role, dyn, bad_meta))
+
+
+def _fingerprint(d, role, dyn, bad_meta) -> str | None:
+    """A static weight's fingerprint, checked; absent (a calibration saved before they were
+    recorded: its model goes unchecked) reads as None."""
+    try:
+        text = check_fingerprint_text(d.get("fingerprint"))
+    except ValueError as e:
+        raise bad_meta("fingerprint", str(e)) from None
+    if text is not None and (role != "weight" or dyn is not False):
+        raise bad_meta("fingerprint", "only a static weight role records one")
+    return text
 
 
 def _role_range(get, key, qp, bad_tensor):

@@ -8,7 +8,9 @@ import torch
 
 from ...exporters.registry import exporter, reader
 from ..structure import kv_cache
+from ..structure.fingerprint import check_fingerprints
 from .apply import apply as _apply
+from .apply import fake_quantized
 from .report import Report, exact_note, kv_cache_rows
 from .role_state import RoleState
 from .saving import save as _save
@@ -49,10 +51,15 @@ class Calibration:
     def check_model(self, model, who: str = "apply") -> None:
         """Raises ``ValueError`` (naming ``who``, the call) if ``model`` is recognisably not
         the one this calibration belongs to: with ``smoothing``, a model not smoothed, or
-        smoothed twice. ``apply`` and every export (:mod:`quantscope.exporters.registry`)
-        call it."""
+        smoothed twice; a weight whose bits differ from those calibrated (their fingerprints,
+        :func:`~..structure.fingerprint.check_fingerprints`: another checkpoint of the same
+        shapes, or the recorded model folder re-saved since). ``apply`` and every export
+        (:mod:`quantscope.exporters.registry`) call it."""
         if self.smoothing:
             _check_smoothed(model, self, who)
+        if isinstance(model, torch.nn.Module):  # else apply's / the export's type check
+            check_fingerprints(model, self.states, who,
+                               skip=fake_quantized(model, self.states))
 
     def quantizes_like(self, other: Calibration) -> bool:
         """Whether applying ``other`` quantizes a model exactly as applying this does: the

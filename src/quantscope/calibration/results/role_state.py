@@ -21,7 +21,9 @@ class RoleState:
     ``qparams`` is None for ``dynamic=True`` (computed at run time);
     ``global_amax`` is set for ``dynamic="local"``. ``observer`` is the observer that
     made the range (for ``auto``, the one chosen; ``requested`` says ``"auto"``).
-    ``lo`` / ``hi`` are its per-unit range; ``shape`` the calibrated weight shape.
+    ``lo`` / ``hi`` are its per-unit range; ``shape`` the calibrated weight shape, and
+    ``fingerprint`` its bits' (a static weight's; :mod:`~..structure.fingerprint`: what
+    ``Calibration.check_model`` compares a model's weight with).
     """
 
     spec: QuantSpec
@@ -34,6 +36,7 @@ class RoleState:
     lo: torch.Tensor | None = None
     hi: torch.Tensor | None = None
     shape: tuple[int, ...] | None = None
+    fingerprint: str | None = None
 
     def quantizes_like(self, other: RoleState) -> bool:
         """Whether QDQ with ``other`` is the same as with this state: equal spec, mode,

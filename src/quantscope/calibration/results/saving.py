@@ -93,7 +93,8 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
             layers.setdefault(layer, {})[role] = {
                 "spec": st.spec.to_dict(), "observer": st.observer, "requested": st.requested,
                 "dynamic": st.dynamic, "options": dict(st.options),
-                "shape": None if st.shape is None else list(st.shape)}
+                "shape": None if st.shape is None else list(st.shape),
+                **({} if st.fingerprint is None else {"fingerprint": st.fingerprint})}
     for name, s in calibration.smoothing.items():
         tensors[_check_smooth(f"{SMOOTH}{name}", calibration.states)] = \
             s.detach().cpu().float().contiguous()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm import LocalError, all_gather, group_device, is_distributed, raise_on_all, world_size
+from ..structure.fingerprint import digest, fingerprint_text
 from .batches import tensors_in
 
 __all__ = ["RankPieces", "assign_by_size", "check_same_slots", "check_same_weights",
@@ -254,53 +255,42 @@ def check_same_weights(weights: dict, group=None) -> None:
     """Raise the same ``ValueError`` on every rank unless every rank holds the same weights
     (``{layer: tensor}``, the same layers everywhere: :func:`check_same_slots`): each weight
     is observed on its owner rank only (:func:`weight_owners`), so ranks holding different
-    checkpoints (or dtypes) would get a silent mix. One all_gather of each weight's sum and
-    norm (reduced where it lives, accumulated in float32, float64 weights in float64:
-    float64 accumulation of the others made it 16x slower on the CPU), size and dtype;
-    sums agree to rounding (1e-6 of their bound), size and dtype exactly. Names the first
-    differing layer. A rank whose own part fails raises there, the others the same error
-    naming it (no rank left waiting). Cost: docs/guide/distributed.md."""
+    checkpoints (or dtypes) would get a silent mix. One all_gather of each weight's exact
+    digest of its bits (:func:`~..structure.fingerprint.digest`, reduced where the weight
+    lives), size and dtype: the ranks must agree bit for bit. Names the first differing
+    layer. A rank whose own part fails raises there, the others the same error naming it
+    (no rank left waiting). Cost: docs/guide/distributed.md."""
     if not is_distributed(group) or not weights:
         return
     dev = group_device(group)
     names = sorted(weights)
-    got = torch.zeros(len(names), 5, dtype=torch.float64, device=dev)
+    got = torch.zeros(len(names), 5, dtype=torch.int64, device=dev)
     got[:, 4] = 1  # failed here, unless the local part below completes
     with LocalError() as local:
-        got = torch.cat([_fingerprints([weights[n].detach() for n in names], dev),
-                         torch.zeros(len(names), 1, dtype=torch.float64, device=dev)], 1)
+        got = torch.cat([_summaries([weights[n] for n in names], dev),
+                         torch.zeros(len(names), 1, dtype=torch.int64, device=dev)], 1)
     got = all_gather(got, group).cpu()  # [W, L, 5]
     raise_on_all(local.error, bool(got[:, :, 4].any()), "calibrate's weight check", group,
                  same_type=True)
-    ref = got[0]
-    scale = ref[:, 1] * ref[:, 2].sqrt()  # |sum| <= norm * sqrt(n)
-    bad = ((got[:, :, 2:4] != ref[:, 2:4]).any(-1) | ((got[:, :, 0] - ref[:, 0]).abs() >
-                                                       1e-6 * scale + math.ulp(0.0))
-           | ((got[:, :, 1] - ref[:, 1]).abs() > 1e-6 * ref[:, 1] + math.ulp(0.0)))
+    bad = (got[:, :, :4] != got[0, :, :4]).any(-1)
     if not bool(bad.any()):
         return
     i = int(bad.any(0).nonzero()[0])  # the first layer (by name) that differs, and where
     rank = int(bad[:, i].nonzero()[0])
     dtypes = ["other", *[str(d).removeprefix("torch.") for d in _DTYPES]]
-    say = [f"{dtypes[int(got[r, i, 3])]}, sum {float(got[r, i, 0]):.6g}" for r in (0, rank)]
+    say = [f"{fingerprint_text(dtypes[int(got[r, i, 3])], got[r, i, :2].tolist())} "
+           f"({int(got[r, i, 2])} values)" for r in (0, rank)]
     raise ValueError(f"calibrate: the ranks hold different weights: layer {names[i]!r} is "
                      f"{say[0]} on rank 0 but {say[1]} on rank {rank}; every rank must load "
                      f"the same checkpoint in the same dtype (each weight is observed on one "
                      f"rank only and shared)")
 
 
-def _fingerprints(ws: list[torch.Tensor], dev) -> torch.Tensor:
-    """``[L, 4]`` float64 on ``dev``: each weight's sum, norm, size and dtype code. Reduced
-    in float32, float64 weights in float64 (their own precision and range: float32 would
-    round or overflow them, and ``vector_norm`` cannot reduce in a narrower dtype)."""
-    def acc(v):
-        return torch.float64 if v.dtype == torch.float64 else torch.float32
-
-    sums = torch.stack([torch.stack([torch.sum(v, dtype=acc(v)), torch.linalg.vector_norm(
-        v, dtype=acc(v))]).to(dev, torch.float64)
-        for v in (w if w.dtype in _DTYPES else w.float() for w in ws)])  # fp8: a copy
+def _summaries(ws: list[torch.Tensor], dev) -> torch.Tensor:
+    """``[L, 4]`` int64 on ``dev``: each weight's digest (two sums), size and dtype code."""
+    sums = torch.stack([digest(w).to(dev) for w in ws])
     meta = torch.tensor([[w.numel(), _DTYPES.index(w.dtype) + 1 if w.dtype in _DTYPES else 0]
-                         for w in ws], dtype=torch.float64, device=dev)
+                         for w in ws], dtype=torch.int64, device=dev)
     return torch.cat([sums, meta], 1)
 
 

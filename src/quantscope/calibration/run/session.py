@@ -47,6 +47,7 @@ from ..results.apply import refuse_applied, refuse_compiled
 from ..results.result import Calibration
 from ..structure import kv_cache
 from ..structure import moe as _moe
+from ..structure.fingerprint import record_fingerprints
 from ..structure.fusion import one_fusion, peek
 from ..structure.placement import check_placement
 from . import imatrix_roles
@@ -378,6 +379,9 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
     with torch.no_grad():
         results, hists = build_states(slots, plans, recipes, opts.auto.metric, groups, experts,
                                       opts.runtime.missing, fisher, non_finite, n)
+        seen = {}  # what apply() and the exports compare the model's weights with
+        for states, *_ in (results.values() if model is not None else ()):
+            record_fingerprints(model, states, seen)
     seconds = time.perf_counter() - t0
     # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
     common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())

@@ -45,7 +45,7 @@ from ...qparams import qparams_from_range
 from ..run.batches import input_name, module_input
 
 __all__ = ["Experts", "attach", "expert_items", "expert_weight", "has_experts", "has_experts_3d",
-           "is_expert_list", "is_routed", "share_inputs", "shrink", "unreached"]
+           "is_expert_list", "is_routed", "share_inputs", "shrink", "unreached", "view_weight"]
 
 #: ``n`` below which an expert's activation range is shrunk toward the pooled one
 #: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
@@ -155,6 +155,21 @@ def expert_weight(parent: nn.Module, name: str, e: int, live: bool = False) -> t
     ``name``, as it holds it now (``live``: through autograd; else of its ``.data``)."""
     w = getattr(parent, name)[e] if live else getattr(parent, name).data[e]
     return w.t() if getattr(parent, "is_transposed", False) else w
+
+
+def view_weight(model: nn.Module, layer: str) -> torch.Tensor | None:
+    """The slice the expert Linear ``layer`` of :func:`attach` views (``<experts>.<e>.
+    gate_up_proj`` / ``down_proj``), read without attaching; None where there is none."""
+    owner, _, child = layer.rpartition(".")
+    name, _, e = owner.rpartition(".")
+    try:
+        parent = model.get_submodule(name)
+    except AttributeError:
+        return None
+    if child not in ("gate_up_proj", "down_proj") or not e.isdigit() \
+            or not is_experts_3d(parent) or int(e) >= parent.down_proj.shape[0]:
+        return None
+    return expert_weight(parent, _source(parent, child), int(e))
 
 
 def _activate(parent, expert: _Expert, h: torch.Tensor) -> torch.Tensor:
