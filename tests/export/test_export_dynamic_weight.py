@@ -44,3 +44,34 @@ def test_a_run_time_weight_scale_is_refused_naming_the_layer(tmp_path, monkeypat
                                          rf"calibrate the weight with dynamic=False$"):
         quantscope.export(cal, model, tmp_path / "ct")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_quantscope_export_refuses_it_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """``quantscope export RUN`` reads the run, then loads the model (the slow part): what the
+    calibration alone decides is checked between, as for ONNX."""
+    from tiny_models import llama_folder
+
+    from quantscope import cli
+    from quantscope.demo import models
+
+    model, batches = llama()
+    recipe = Recipe((Rule(("Linear",), weight=Role(QuantSpec("int4", Group(32)),
+                                                  "memoryless_minmax", dynamic=True)),),
+                    ("lm_head",), "dynamic-weight")
+    cal = calibrate(model, batches, recipe, progress=False)
+    cal.info.update(model=str(llama_folder(tmp_path / "model")), task="causal-lm")
+    cal.save(tmp_path / "run" / "qparams")
+
+    def no_load(*_, **__):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    rc = cli.main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "ct")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == (
+        "quantscope export: error: export compressed-tensors: layer "
+        "'model.layers.0.self_attn.q_proj' weight: dynamic=True (a run-time weight scale, "
+        "computed from the weight at each call) has no compressed-tensors equivalent: a "
+        "checkpoint stores each weight's codes with calibrated scales; calibrate the weight "
+        "with dynamic=False"), err
+    assert not (tmp_path / "ct").exists()

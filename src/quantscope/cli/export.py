@@ -99,10 +99,15 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
     qdir = qdir if os.path.isdir(qdir) else run_dir
     calibration = load(qdir)
     path = run_model_path("export", run_dir, model, calibration.info.get("model"))
-    if format == "onnx":  # what the calibration alone decides, before the (slow) load
+    # what the calibration alone decides, before the (slow) load
+    if format == "onnx":
         from ..exporters.onnx import check_exportable
 
         check_exportable(calibration.states)
+    elif format == "compressed-tensors":
+        from ..exporters.compressed_tensors import check_static_weights
+
+        check_static_weights(calibration.states)
     # before the (slow) load: the run and the model are inputs, never to be replaced
     kind = OUTPUT_KIND.get(format, "folder")
     check_writable_target(out, overwrite=overwrite, kind=kind, inputs=[run_dir, qdir, path],

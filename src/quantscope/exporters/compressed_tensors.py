@@ -47,7 +47,7 @@ from .registry import register
 from .serving import embedding_layers, warn_unservable
 from .source_folder import copy_extras, loaded_from, source_dir
 
-__all__ = ["export_compressed_tensors", "quant_args"]
+__all__ = ["check_static_weights", "export_compressed_tensors", "quant_args"]
 
 KIND = "compressed-tensors"  # the format name, and the kind of folder it writes (atomic)
 
@@ -359,16 +359,16 @@ def _check_call(calibration, model: nn.Module, overwrite, allow_lossy, **_) -> N
                         f"{type(model).__name__}")
     if not calibration.states:
         raise ValueError("export compressed-tensors: the calibration quantizes no layer")
-    _refuse_dynamic_weights(calibration.states)
+    check_static_weights(calibration.states)
     check_placement(model, "export compressed-tensors")
 
 
-def _refuse_dynamic_weights(states) -> None:
+def check_static_weights(states) -> None:
     """A checkpoint stores each quantized weight as codes and the scales they were made with:
     a weight whose scales are computed at each call (``dynamic=True``, or ``"local"`` block
     scales) has none to store, and compressed-tensors fails on the missing scale naming no
     layer (a Group layout: ``'NoneType' object has no attribute 'ndim'``). Every layout alike,
-    before any work."""
+    before any work (``quantscope export``: before the model loads)."""
     for layer, roles in states.items():
         st = roles.get("weight")
         if st is not None and st.dynamic is not False:
