@@ -27,28 +27,48 @@ from quantscope.calibration.structure.fingerprint import fingerprint
 
 torch.set_num_threads(1)
 
-_PERIOD = 8191
+_COLUMNS = 8192
 _MASK = (1 << 64) - 1
 
 
+def _splitmix64(i: int) -> int:
+    """splitmix64's output number ``i + 1`` from the seed 0 (Steele, Lea, Flood 2014)."""
+    z = (i + 1) * 0x9E3779B97F4A7C15 & _MASK
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+    return z ^ (z >> 31)
+
+
+_A = [(_splitmix64(c) >> 32) | 1 for c in range(_COLUMNS)]
+
+
 def _reference(t: torch.Tensor) -> str:
-    """The fingerprint from its definition, in Python integers."""
+    """The fingerprint from its definition, in Python integers: the bits as little-endian
+    signed 32-bit words (zero bytes padding the last), in rows of 8192; ``h_r`` each row's
+    words times the column keys, the two sums ``h_r`` times the row keys."""
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    size = 1 if t.element_size() == 1 else 2
-    words = struct.unpack(f"={len(raw) // size}{'b' if size == 1 else 'h'}", raw)
-    s0 = sum(words)
-    s1 = sum((1 + i % _PERIOD) * b for i, b in enumerate(words))
-    return f"{str(t.dtype).removeprefix('torch.')}:{s0 & _MASK:016x}{s1 & _MASK:016x}"
+    raw += bytes(-len(raw) % 4)
+    words = struct.unpack(f"<{len(raw) // 4}i", raw)
+    rows = -(-len(words) // _COLUMNS)
+    h = [0] * rows
+    for i, x in enumerate(words):
+        h[i // _COLUMNS] += _A[i % _COLUMNS] * x
+    sums = [sum(((_splitmix64((1 << 32) + 2 * r + j) | 1) * h[r]) for r in range(rows)) & _MASK
+            for j in (0, 1)]
+    return f"{str(t.dtype).removeprefix('torch.')}:{sums[0]:016x}{sums[1]:016x}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64,
                                    torch.float8_e4m3fn])
 def test_the_fingerprint_is_its_definition_on_every_layout_and_thread_count(dtype):
-    # 300 x 1000 float32: 600000 words, several chunks of 32 x 8191 and a partial row of 2057
-    w = (torch.randn(300, 1000, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    # 300 x 1001: several rows of 8192 words (a step of 64 rows past for float64) and a
+    # partial one; a float8 / bfloat16 weight of an odd size pads its last word
+    w = (torch.randn(300, 1001, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     want = _reference(w)
     assert fingerprint(w) == want
     assert fingerprint(w.t().contiguous().t()) == want  # strided, the same values
+    odd = w.view(-1)[1:3004]  # 3003 values from the second: no word boundary, a padded end
+    assert fingerprint(odd) == _reference(odd.clone())
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -60,13 +80,19 @@ def test_the_fingerprint_is_its_definition_on_every_layout_and_thread_count(dtyp
     assert fingerprint(w.to("meta")) is None
 
 
-def test_the_gpu_path_sums_the_columns_as_the_cpu_path():
-    """A GPU reduces the columns with torch, 1024 rows at a time: the same integers."""
+def test_the_gpu_path_hashes_the_rows_as_the_cpu_path():
+    """A GPU hashes the rows with torch's int64 (1024 rows at a time), the CPU with numpy's
+    uint64: the same integers, wrapping alike; the column keys are odd, distinct, < 2**32."""
     from quantscope.calibration.structure import fingerprint as fp
 
-    rows = torch.randint(-2**15, 2**15, (2500, 8191), dtype=torch.int16)
-    assert torch.equal(fp._torch_column_sums(rows), fp._column_sums(rows))
-    assert torch.equal(fp._torch_column_sums(rows, step=7), rows.long().sum(0))
+    words = torch.randint(-2**31, 2**31, (2500 * 8192 + 77,), dtype=torch.int32)
+    words[:8] = torch.tensor([-2**31, 2**31 - 1] * 4)  # the widest products
+    want = torch.from_numpy(fp._row_hashes(words.numpy()).view("int64"))
+    assert torch.equal(fp._torch_row_hashes(words), want)
+    assert torch.equal(fp._torch_row_hashes(words, step=7), want)
+    assert torch.equal(torch.from_numpy(fp._row_hashes(words.numpy(), step=5).view("int64")),
+                       want)
+    assert fp._column_keys().tolist() == _A and len(set(_A)) == 8192
 
 
 def test_the_fingerprint_tells_one_bit_swapped_rows_a_transpose_and_a_signed_zero():
@@ -79,6 +105,35 @@ def test_the_fingerprint_tells_one_bit_swapped_rows_a_transpose_and_a_signed_zer
     assert len({base, fingerprint(one_ulp), fingerprint(rows), fingerprint(w.t()),
                 fingerprint(w.bfloat16())}) == 5
     assert fingerprint(zero) != fingerprint(-zero)
+
+
+def _swapped(t: torch.Tensor, i: int, j: int) -> torch.Tensor:
+    out = t.clone()
+    out[[i, j]] = out[[j, i]]
+    return out
+
+
+def test_the_fingerprint_tells_changes_a_position_period_would_hide():
+    """A digest weighting the words by position modulo a period P missed values P words
+    apart swapped (rows P apart of a weight of P rows or more: gate_proj of 14336) and any
+    change whose word differences sum to 0 with a first moment of 0 (+1, -2, +1 ulp on
+    three neighbours); nor may two sign flips cancel (words mod 2**64: 2**63 + 2**63)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(8192, 16, generator=g)
+    b = torch.randn(8200, 64, generator=g).bfloat16()
+    ulps = b.clone()
+    ulps.view(torch.int16).view(-1)[100:103] += torch.tensor([1, -2, 1], dtype=torch.int16)
+    signs = w.clone()
+    signs.view(-1)[[1, 3]] *= -1  # the top bit of two 64-bit words
+    for other in (_swapped(w.view(-1), 0, 8191).view(8192, 16), _swapped(b, 0, 8191), ulps,
+                  _swapped(b.view(-1), 5, 5 + 4 * 8191).view(8200, 64), signs):
+        assert not torch.equal(other, w if other.dtype == w.dtype else b)
+        assert fingerprint(other) != fingerprint(w if other.dtype == w.dtype else b)
+    # any two values of a weight swapped, at random (rows and columns of all offsets)
+    flat = torch.randn(3000, 70, generator=g).view(-1)
+    base = fingerprint(flat)
+    pairs = torch.randint(0, flat.numel(), (200, 2), generator=g).tolist()
+    assert all(fingerprint(_swapped(flat, i, j)) != base for i, j in pairs if i != j)
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,22 @@
 """Weight fingerprints: whether a model holds, bit for bit, the weights a calibration was made
 on (or every rank of a process group the same ones).
 
-A weight's digest is two integer sums over its bits, read as signed 16-bit words (8-bit ones
-for a 1-byte dtype) in its logical order: their sum, and their sum weighted by ``1 + position
-mod 8191`` (a prime: rows of any length start on other weights, so swapped rows, or a
-transposed square matrix, change it). Integer sums are exact in any order, so weights
-identical bit for bit give the same digest on any device and thread count; one reduction
-over the weight computes it (the words summed per position class, in int64: no sum
-overflows below 2**35 words). It tells a model re-saved, fine-tuned or swapped for another of
-the same shapes from the one calibrated; it is no cryptographic hash.
+A weight's digest reads its bits in its logical order as signed 32-bit words (the last one
+padded with zero bytes), laid out in rows of 8192: each row's hash is ``h_r = sum_c a_c x_rc``
+and the digest's two sums ``sum_r b_r h_r`` and ``sum_r b'_r h_r``, all mod 2**64, with fixed
+pseudo-random keys (:func:`_keys`: odd, the column keys ``a_c`` below 2**32 and distinct, the
+row keys ``b_r``, ``b'_r`` 64-bit). Integer sums are exact in any order, so weights identical
+bit for bit give the same digest on any device and thread count. A change of one word (any
+one bit) always changes both sums (``a_c d`` is below 2**64 and not 0; the row keys are odd),
+and so do two words of a row swapped (``(a_c - a_e) d``) or both their sign bits flipped
+(``2**31 (a_c +- a_e)``, which cancel on 64-bit words: ``2**63 + 2**63``): the column keys
+are distinct. Any other change (values or rows swapped, a transpose, a fine-tuned or another
+model's weights) escapes by chance only, of the order of 2**-32 for each sum where a few
+words changed: there is no position period or low-degree pattern to line up with (a digest
+weighting words by position mod P missed values P words apart swapped). It is no
+cryptographic hash: a change made to collide can. One pass over the weight computes it (a
+matrix-vector product of its rows, in uint64: numpy's on the CPU, in chunks within the
+caches; torch's elsewhere).
 
 ``calibrate`` records each static weight's :func:`fingerprint` (``RoleState.fingerprint``,
 saved with the calibration); :func:`check_fingerprints` (``Calibration.check_model``: apply
@@ -18,6 +26,7 @@ and every export) compares the model's. The distributed weight check compares th
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from dataclasses import replace
@@ -33,48 +42,89 @@ from .placement import plain
 __all__ = ["check_fingerprint_text", "check_fingerprints", "digest", "fingerprint",
            "fingerprint_text", "layer_weight", "record_fingerprints"]
 
-#: the period of the position weights (a prime)
-_PERIOD = 8191
+#: the words of a row (module doc)
+_COLUMNS = 8192
+#: rows converted to int64 at a time: 4 MiB on the CPU (within the caches), 64 MiB elsewhere
+_CPU_STEP, _STEP = 64, 1024
 #: a digest's sums as 64-bit two's complement, in the text
 _MASK = (1 << 64) - 1
 _TEXT = re.compile(r"([a-z0-9_]+):([0-9a-f]{32})")
 
 
+def _mix(i: np.ndarray) -> np.ndarray:
+    """uint64: splitmix64's output number ``i + 1`` (its seed 0): fixed pseudo-random keys."""
+    with np.errstate(over="ignore"):
+        z = (i + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@functools.cache
+def _column_keys() -> np.ndarray:
+    """``[8192]`` uint64 ``a_c``: odd, below 2**32, distinct (a test checks)."""
+    return (_mix(np.arange(_COLUMNS, dtype=np.uint64)) >> np.uint64(32)) | np.uint64(1)
+
+
+def _keys(rows: int) -> np.ndarray:
+    """``[2, rows]`` uint64: the row keys ``b_r``, ``b'_r`` (odd), drawn after the columns'."""
+    i = np.arange(2 * rows, dtype=np.uint64).reshape(rows, 2).T
+    return _mix(i + np.uint64(1 << 32)) | np.uint64(1)
+
+
 def _words(w: torch.Tensor) -> torch.Tensor:
-    """``w``'s bits as signed words of at most 16 bits, in its logical order (a view where
-    ``w`` is contiguous)."""
+    """``w``'s bits as signed 32-bit words in its logical order, the last padded with zero
+    bytes (a view where ``w`` is contiguous and its bytes start on a word)."""
     flat = w.detach().contiguous().reshape(-1)
-    return flat.view(torch.int8 if flat.element_size() == 1 else torch.int16)
+    if flat.storage_offset() * flat.element_size() % 4:
+        flat = flat.clone()
+    b = flat.view(torch.uint8)
+    if b.numel() % 4:
+        b = torch.cat([b, b.new_zeros(-b.numel() % 4)])
+    return b.view(torch.int32)
 
 
 def digest(w: torch.Tensor) -> torch.Tensor:
-    """``[2]`` int64 on ``w``'s device: ``sum(b)`` and ``sum((1 + i mod 8191) * b)`` over the
-    words ``b`` of ``w``'s bits (module doc); no host synchronisation."""
-    b = _words(w)
-    n = b.numel()
-    whole = n - n % _PERIOD
-    acc = _column_sums(b[:whole].view(-1, _PERIOD))  # acc[k]: the words at positions k mod P
-    acc[:n - whole] += b[whole:]
-    weights = torch.arange(1, _PERIOD + 1, dtype=torch.int64, device=b.device)
-    return torch.stack([acc.sum(), (acc * weights).sum()])
+    """``[2]`` int64 on ``w``'s device: the two sums of the module doc (two's complement of
+    the uint64); no host synchronisation."""
+    x = _words(w)
+    rows = -(-x.numel() // _COLUMNS)
+    if x.device.type == "cpu":
+        with np.errstate(over="ignore"):
+            sums = (_keys(rows) * _row_hashes(x.numpy())).sum(1, dtype=np.uint64)
+        return torch.from_numpy(sums.view(np.int64))
+    keys = torch.from_numpy(_keys(rows).view(np.int64)).to(x.device)
+    return (keys * _torch_row_hashes(x)).sum(1)
 
 
-def _column_sums(rows: torch.Tensor) -> torch.Tensor:
-    """``[columns]`` int64: the sums of ``rows``' columns. On the CPU numpy's, which converts
-    in small buffers on the calling thread: torch converts a whole int16 input to int64
-    first, and in chunks small enough for the caches opens a parallel region per chunk, which
-    two busy cores made 10-40x slower. Elsewhere torch's (:func:`_torch_column_sums`)."""
-    if rows.device.type == "cpu":
-        return torch.from_numpy(rows.numpy().sum(axis=0, dtype=np.int64))
-    return _torch_column_sums(rows)
+def _row_hashes(x: np.ndarray, step: int = _CPU_STEP) -> np.ndarray:
+    """``[rows]`` uint64 ``h_r`` of int32 words ``x``: numpy's uint64 matrix-vector product
+    (wrapping by definition; torch's has no uint64 kernel), ``step`` rows converted at a time
+    into one buffer within the caches (a whole weight's int64 copy, or one allocated per chunk
+    as :func:`_torch_row_hashes` does, was 2-5x slower on two busy cores)."""
+    a, whole = _column_keys(), x.size - x.size % _COLUMNS
+    full = x[:whole].reshape(-1, _COLUMNS)
+    out = np.empty(-(-x.size // _COLUMNS), dtype=np.uint64)
+    buf = np.empty((min(step, len(full)), _COLUMNS), dtype=np.int64)
+    for r in range(0, len(full), step):
+        k = min(step, len(full) - r)
+        np.copyto(buf[:k], full[r:r + k])  # sign-extended: x mod 2**64
+        np.dot(buf[:k].view(np.uint64), a, out=out[r:r + k])
+    if whole < x.size:
+        out[-1] = x[whole:].astype(np.int64).view(np.uint64) @ a[:x.size - whole]
+    return out
 
 
-def _torch_column_sums(rows: torch.Tensor, step: int = 1024) -> torch.Tensor:
-    """:func:`_column_sums` on a GPU: ``step`` rows converted and summed at a time."""
-    acc = torch.zeros(rows.shape[1], dtype=torch.int64, device=rows.device)
-    for r in range(0, rows.shape[0], step):
-        acc += rows[r:r + step].sum(0, dtype=torch.int64)
-    return acc
+def _torch_row_hashes(x: torch.Tensor, step: int = _STEP) -> torch.Tensor:
+    """:func:`_row_hashes` with torch, on a GPU: int64 products (below 2**63: exact), sums
+    wrapping as uint64's do."""
+    a = torch.from_numpy(_column_keys().view(np.int64)).to(x.device)
+    whole = x.numel() - x.numel() % _COLUMNS
+    full = x[:whole].view(-1, _COLUMNS)
+    parts = [(full[r:r + step].long() * a).sum(1) for r in range(0, len(full), step)]
+    if whole < x.numel():
+        parts.append((x[whole:].long() * a[:x.numel() - whole]).sum().view(1))
+    return torch.cat(parts) if parts else a.new_zeros(0)
 
 
 def fingerprint_text(dtype: str, sums) -> str:
