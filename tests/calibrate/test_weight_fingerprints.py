@@ -23,6 +23,7 @@ from tiny_models import llama, qwen3_moe
 import quantscope
 from quantscope.calibration import Outliers, calibrate, load
 from quantscope.calibration.choice.smooth import reapply
+from quantscope.calibration.results.apply import apply
 from quantscope.calibration.structure.fingerprint import fingerprint
 
 torch.set_num_threads(1)
@@ -160,7 +161,7 @@ def test_other_weights_of_the_same_shapes_are_refused_naming_the_first_that_diff
     other.model.layers[1].mlp.down_proj.weight.data.view(torch.int32)[3, 7] += 1  # one ulp
     with pytest.raises(ValueError, match=r"^export: model\.layers\.1\.mlp\.down_proj\.weight "
                                          r"is not the weight calibrated .* the model is not the "
-                                         r"one this calibration was made on"):
+                                         r"one calibrated \(re-saved or fine-tuned since"):
         quantscope.export(cal, other, tmp_path / "ct")
     assert not (tmp_path / "ct").exists()
     scaled = llama(seed=1)[0]
@@ -169,6 +170,33 @@ def test_other_weights_of_the_same_shapes_are_refused_naming_the_first_that_diff
                                          r"is not the weight calibrated"):
         cal.apply(scaled)
     assert torch.equal(scaled.model.layers[0].self_attn.q_proj.weight, before)  # untouched
+
+
+def test_without_fingerprints_applies_and_exports_to_other_weights_knowingly(calibrated,
+                                                                           tmp_path):
+    """The override the refusal names: a copy that checks no weight (the original still
+    does), which applies the calibrated scales to the other weights as they are."""
+    _, batches, cal = calibrated
+    other = llama(seed=1)[0]
+    with pytest.raises(ValueError, match=r"is not the weight calibrated .* calibrate this one "
+                                         r"\(to use these scales all the same: "
+                                         r"calibration\.without_fingerprints\(\), "
+                                         r"--allow-other-weights on the command line\)$"):
+        cal.apply(other)
+    loose = cal.without_fingerprints()
+    assert cal.states["model.layers.0.self_attn.q_proj"]["weight"].fingerprint is not None
+    assert all(r.fingerprint is None for roles in loose.states.values() for r in roles.values())
+    assert loose.quantizes_like(cal) and loose.info == cal.info and loose.info is not cal.info
+    twin = copy.deepcopy(other)
+    with loose.apply(other), torch.no_grad():
+        got = other(batches[0]).logits
+    with apply(twin, cal.states), torch.no_grad():  # the unchecked function: the same QDQ
+        want = twin(batches[0]).logits
+    assert torch.equal(got, want)
+    assert (quantscope.export(loose, other, tmp_path / "ct") and
+            (tmp_path / "ct" / "config.json").is_file())
+    loose.save(tmp_path / "cal")
+    assert "fingerprint" not in (tmp_path / "cal" / "quantscope.json").read_text()
 
 
 def test_a_calibration_saved_without_fingerprints_loads_and_exports_unchecked(calibrated,

@@ -3,7 +3,8 @@ re-saved with other weights of the same shapes (fine-tuned in place, or ``--mode
 another checkpoint of the architecture) refuse it, naming the first weight that differs,
 instead of writing the old scales over the new weights (probe s42 f1: 35 % of the int8 codes
 saturated, exit 0); the model calibrated, SmoothQuant's reapplied weights among them, still
-exports."""
+exports, and --allow-other-weights exports / evaluates the new weights with the run's scales
+when that is what is wanted."""
 
 import shutil
 
@@ -38,7 +39,7 @@ def test_a_model_folder_resaved_with_other_weights_is_refused(llama_dir, tmp_pat
     assert rc == 0, err  # the model calibrated (smoothed again by export: the same bits)
     _resave_scaled(model, 3.0)
     said = ("is not the weight calibrated (its bits differ from the fingerprint calibrate "
-            "recorded): the model is not the one this calibration was made on")
+            "recorded): the model is not the one calibrated")
     rc, _, err = run_cli(capsys, "export", run, "--out", str(tmp_path / "ct2"))
     assert rc == 2 and err.strip().splitlines()[-1].startswith(
         "quantscope export: error: export: model.layers.0.self_attn.q_proj.weight "), err
@@ -50,3 +51,19 @@ def test_a_model_folder_resaved_with_other_weights_is_refused(llama_dir, tmp_pat
     rc, _, err = run_cli(capsys, "export", run, "--model", llama_dir, "--out",
                          str(tmp_path / "ct3"))
     assert rc == 0, err  # --model: the folder calibrated
+    assert said_next(capsys, run, tmp_path).endswith(  # whole: within the CLI's 500 characters
+        "(to use these scales all the same: calibration.without_fingerprints(), "
+        "--allow-other-weights on the command line)")
+    # the override the message names: the run's scales on the new weights, as asked
+    rc, _, err = run_cli(capsys, "export", run, "--allow-other-weights", "--out",
+                         str(tmp_path / "ct4"))
+    assert rc == 0 and (tmp_path / "ct4" / "config.json").is_file(), err
+    rc, out, err = run_cli(capsys, "evaluate", run, "--allow-other-weights", "--no-progress")
+    assert rc == 0 and "quantscope evaluate:" in out, err
+
+
+def said_next(capsys, run, tmp_path) -> str:
+    """What ``export RUN`` says of the re-saved folder (its last line)."""
+    rc, _, err = run_cli(capsys, "export", run, "--out", str(tmp_path / "ct5"))
+    assert rc == 2, err
+    return err.strip().splitlines()[-1]

@@ -19,7 +19,7 @@ from .checks import (
     run_qparams,
 )
 from .names import TASKS
-from .options import add_common, add_recipe_args, add_threads_arg
+from .options import add_common, add_other_weights_arg, add_recipe_args, add_threads_arg
 from .recipes import build_recipe, float_note, observer_label, read_recipe_file
 from .running import (
     Evaluator,
@@ -56,6 +56,7 @@ def add_evaluate_parser(sub) -> None:
     add_threads_arg(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON line")
+    add_other_weights_arg(p)
 
 
 def cmd_calibrate(args) -> int:
@@ -141,6 +142,8 @@ def cmd_evaluate(args) -> int:
 
     phases = Phases(quiet=args.json)
     calib = load(qdir)
+    if args.allow_other_weights:
+        calib = calib.without_fingerprints()
     info = calib.info
     path = run_model_path("evaluate", qdir, args.model, info.get("model"))
     task = args.task or info.get("task") or models.model_task(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from .checks import UsageError, check_model_arg, check_name, run_model_path, run_qparams
+from .options import add_other_weights_arg
 from .running import Phases
 
 #: what each format writes, where it is not a folder
@@ -28,6 +29,7 @@ def add_export_parser(sub) -> None:
     p.add_argument("--allow-lossy", action="store_true",
                    help="compressed-tensors: write what the format cannot express exactly "
                         "in its nearest form (says what changed) instead of refusing")
+    add_other_weights_arg(p)
 
 
 def add_check_parser(sub) -> None:
@@ -62,7 +64,7 @@ def cmd_export(args) -> int:
     phases = Phases()
     out = phases.run(f"exporting {args.run} as {args.format}", lambda: export_run(
         args.run, args.out, args.format, args.model, overwrite=args.overwrite,
-        allow_lossy=args.allow_lossy))
+        allow_lossy=args.allow_lossy, allow_other_weights=args.allow_other_weights))
     print(f"quantscope export: wrote {out} ({args.format})")
     return 0
 
@@ -81,12 +83,14 @@ def cmd_check(args) -> int:
 
 
 def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
-               overwrite: bool = False, allow_lossy: bool = False) -> str:
+               overwrite: bool = False, allow_lossy: bool = False,
+               allow_other_weights: bool = False) -> str:
     """Export a saved calibration (what ``quantscope export RUN_DIR`` runs); returns the path.
 
     ``run_dir`` is a ``quantscope calibrate --out RUN`` folder (its ``qparams/``) or a
     qparams folder itself; ``model`` the model folder or demo name (default: the one the
-    calibration recorded in ``info["model"]``).
+    calibration recorded in ``info["model"]``); ``allow_other_weights``: its weights go
+    unchecked (``Calibration.without_fingerprints``).
     """
     from ..calibration import load
     from ..calibration.choice.smooth import reapply
@@ -98,6 +102,8 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
     qdir = os.path.join(run_dir, "qparams")
     qdir = qdir if os.path.isdir(qdir) else run_dir
     calibration = load(qdir)
+    if allow_other_weights:
+        calibration = calibration.without_fingerprints()
     path = run_model_path("export", run_dir, model, calibration.info.get("model"))
     # what the calibration alone decides, before the (slow) load
     if format == "onnx":

@@ -68,6 +68,14 @@ def add_threads_arg(p) -> None:
                         "often fastest")
 
 
+def add_other_weights_arg(p) -> None:
+    """``--allow-other-weights``: of the commands that apply a saved run (evaluate, export)."""
+    p.add_argument("--allow-other-weights", action="store_true",
+                   help="apply the run's scales to a model whose weights differ from those "
+                        "calibrated (fine-tuned since), not refuse it: no fingerprint check; "
+                        "values past the calibrated ranges clip")
+
+
 def add_target_args(p: argparse.ArgumentParser) -> None:
     """Which modules are quantized, and how the recipe adapts to them."""
     r = p.add_argument_group("what is quantized")

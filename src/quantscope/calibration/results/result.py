@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -60,6 +60,16 @@ class Calibration:
         if isinstance(model, torch.nn.Module):  # else apply's / the export's type check
             check_fingerprints(model, self.states, who,
                                skip=fake_quantized(model, self.states))
+
+    def without_fingerprints(self) -> Calibration:
+        """A copy whose ``apply`` and exports take a model whose weights differ from those
+        calibrated, knowingly (fine-tuned a little since, and the old scales are wanted): its
+        weight states carry no fingerprint, as a calibration saved before they were
+        recorded. The scales stay the calibrated weights': values past their range clip.
+        ``quantscope export`` / ``evaluate --allow-other-weights`` apply it."""
+        states = {layer: {role: st if st.fingerprint is None else replace(st, fingerprint=None)
+                          for role, st in roles.items()} for layer, roles in self.states.items()}
+        return replace(self, states=states, info=dict(self.info))
 
     def quantizes_like(self, other: Calibration) -> bool:
         """Whether applying ``other`` quantizes a model exactly as applying this does: the

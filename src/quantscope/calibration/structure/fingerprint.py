@@ -230,10 +230,11 @@ def check_fingerprints(model: nn.Module, states: dict, who: str, skip=frozenset(
             continue
         raise ValueError(f"{who}: {layer}.weight is not the weight calibrated (its bits differ "
                          f"from the fingerprint calibrate recorded): the model is not the one "
-                         f"this calibration was made on (re-saved or fine-tuned since, or "
-                         f"another checkpoint of the same shapes), and the calibrated scales "
-                         f"would clip or waste its range; pass the model that was calibrated, "
-                         f"or calibrate this one")
+                         f"calibrated (re-saved or fine-tuned since, or another checkpoint of "
+                         f"the same shapes), whose scales would clip or waste its range; pass "
+                         f"the model calibrated, or calibrate this one (to use these scales all "
+                         f"the same: calibration.without_fingerprints(), --allow-other-weights "
+                         f"on the command line)")
     if narrower:
         layer, got, want = narrower[0]
         warnings.warn(f"{who}: {len(narrower)} weights (first {layer}.weight) are {got}, "
