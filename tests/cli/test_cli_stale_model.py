@@ -48,6 +48,7 @@ def test_a_model_folder_resaved_with_other_weights_is_refused(llama_dir, tmp_pat
     rc, _, err = run_cli(capsys, "evaluate", run, "--no-progress")
     assert rc == 2 and "error: apply: model.layers.0.self_attn.q_proj.weight " in err, err
     assert said in err, err
+    assert ("evaluating float" in err) == bool(smooth), err  # refused before, where it can be
     rc, _, err = run_cli(capsys, "export", run, "--model", llama_dir, "--out",
                          str(tmp_path / "ct3"))
     assert rc == 0, err  # --model: the folder calibrated

@@ -151,6 +151,8 @@ def cmd_evaluate(args) -> int:
     model, tok = phases.run(f"loading {models.model_name(path)} ({task})", lambda: (
         models.load_model(path, device, task=task)))
     max_length = fit_length(model, max_length, "--eval-max-length", phases)
+    if not calib.smoothing:  # other weights: refused before the float evaluation, not after
+        calib.check_model(model, "apply")  # (SmoothQuant's weights: once smoothed, below)
     ev = Evaluator(task, model, tok, max_length, not (args.no_progress or args.json))
     fp = phases.run("evaluating float", ev.reference)
     if calib.smoothing:  # calibrated on SmoothQuant's weights: the same function
