@@ -33,8 +33,11 @@ MLP's input (OLMo2's post-norm ``post_attention_layernorm``) is left alone. And 
 with the model's forward hooks set aside: a user's see only real batches): the balanced
 layers' outputs of a random input must stay the same (to float rounding) with the new
 parameters, so a norm that is not ``x * weight (+ bias)`` (Gemma's ``x * (1 + weight)``)
-or an MLP that is not gated is left alone, not broken. ``info["why"]`` says why each
-skipped mapping was.
+or an MLP that is not gated is left alone, not broken. And no parameter a mapping scales may
+share memory with another module's (a tied Parameter, one over the same memory, an
+overlapping slice): that module would change too, or, another mapping's, be scaled twice;
+the probe and the data flow see modules, not memory. ``info["why"]`` says why each skipped
+mapping was.
 
 :func:`smooth` changes the model's parameters in place, as llm-compressor does: calibrate,
 apply, evaluate and export that same model object. A calibration made with ``smooth=``
@@ -62,6 +65,7 @@ from ... import comm as qd
 from ..._checks import outside_quantscope
 from ...stats.minmax_layouts import column_minmax
 from ..run.batches import eval_mode, forward_batch, input_name, module_input
+from ..structure.tied import holders, memory, sharers
 
 __all__ = ["MAPPINGS", "MIN_SCALE", "Mapping", "channel_ranges", "check", "find_mappings",
            "reapply", "restore", "smooth", "smoothing_scales"]
@@ -278,20 +282,48 @@ def smoothing_scales(ranges: torch.Tensor, weights: list[torch.Tensor],
     return torch.where(w > 0, s, ranges.float()).clamp(min=MIN_SCALE)
 
 
+def _written(modules: dict[str, nn.Module], m: Mapping) -> list[tuple[str, str]]:
+    """``(module, parameter)`` names of every parameter the mapping scales: the previous
+    module's weight and bias (by row), each balanced Linear's weight (by column)."""
+    width = modules[m.balance[0]].in_features
+    rows = [(m.previous, n) for n, p in modules[m.previous].named_parameters(recurse=False)
+            if n in ("weight", "bias") and p.dim() and p.shape[0] == width]
+    return rows + [(b, "weight") for b in m.balance]
+
+
 def _new_params(modules: dict[str, nn.Module], m: Mapping,
                 s: torch.Tensor) -> dict[str, torch.Tensor]:
     """Fully qualified name -> smoothed value of every parameter the mapping changes
     (``modules``: the model's, by name)."""
-    prev = modules[m.previous]
     new = {}
-    for pname, p in prev.named_parameters(recurse=False):
-        if pname in ("weight", "bias") and p.shape[0] == s.shape[0]:
-            t = s.to(p)
-            new[f"{m.previous}.{pname}"] = p / (t if p.dim() == 1 else t[:, None])
-    for b in m.balance:
-        w = modules[b].weight
-        new[f"{b}.weight"] = w * s.to(w)[None, :]
+    for owner, pname in _written(modules, m):
+        p = getattr(modules[owner], pname)
+        t = s.to(p)
+        new[f"{owner}.{pname}"] = (p / (t if p.dim() == 1 else t[:, None])
+                                   if owner == m.previous else p * t[None, :])
     return new
+
+
+def _shared_why(modules: dict[str, nn.Module], m: Mapping, found: dict) -> str | None:
+    """Why the mapping cannot be written, None if it can: a parameter it scales shares memory
+    (:func:`~..structure.tied.sharers`; ``found``: the model's holders) with a place outside
+    it, whose function would change too (a tied Parameter of another layer or mapping), or
+    with another one of its own but for another value (written twice). Two balanced weights
+    over one memory (:func:`~..structure.tied.memory`) get one value; and the same module
+    under a second name is no other place."""
+    written = _written(modules, m)
+    mine = {f"{a}.{b}": getattr(modules[a], b) for a, b in written}
+    cols = {f"{a}.{b}" for a, b in written if a != m.previous}
+    for owner, pname in written:
+        k = f"{owner}.{pname}"
+        for other in sharers(found, modules[owner], pname):
+            if other not in mine:
+                return (f"{k} shares memory with {other} (tied), which is outside this "
+                        f"mapping: smoothing would change it too")
+            if not ({k, other} <= cols and memory(mine[other]) == memory(mine[k])):
+                return (f"{k} shares memory with {other}, which this mapping scales "
+                        f"otherwise: smoothing would write it twice")
+    return None
 
 
 def _probe_why(modules: dict[str, nn.Module], m: Mapping,
@@ -373,8 +405,9 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
     reduced over ``group``'s ranks, as :func:`~.session.calibrate_many` 's); returns
     ``{"alpha", "smoothed": [previous module names], "skipped": [names left as they were],
     "why": {skipped name: reason}, "scales": {name: [C] float32}}``. A mapping is skipped
-    when it never ran or saw NaN / inf, when its data flow does not fit (:class:`_Flow`) or
-    when the probe rejects it. ``alpha`` in ``[0, 1]``: 0 leaves the activations, 1 moves all
+    when it never ran or saw NaN / inf, when its data flow does not fit (:class:`_Flow`), when
+    a parameter it scales shares memory with another module's (:func:`_shared_why`) or when
+    the probe rejects it. ``alpha`` in ``[0, 1]``: 0 leaves the activations, 1 moves all
     of their range into the weights. ``originals``, a dict, receives a CPU copy of every
     parameter before it is changed, for :func:`restore`."""
     alpha = check(alpha)
@@ -387,15 +420,16 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
     flow: dict[str, str] = {}
     ranges = (channel_ranges(model, batches, mappings, distributed, group, flow=flow)
               if mappings else {})
-    modules = dict(model.named_modules())
+    modules, found = dict(model.named_modules()), holders(model)
     done, why, scales = [], {}, {}
     for m in mappings:
         r = ranges.get(m.previous)
         if r is None or not bool(torch.isfinite(r).all()):  # nothing to go by
             why[m.previous] = "never ran" if r is None else "saw NaN or inf"
             continue
-        if m.previous in flow:  # scaling it would change what other layers compute
-            why[m.previous] = flow[m.previous]
+        shared = flow.get(m.previous) or _shared_why(modules, m, found)
+        if shared is not None:  # scaling it would change what other layers compute
+            why[m.previous] = shared
             continue
         s = smoothing_scales(r, [modules[b].weight for b in m.balance], alpha)
         new = _new_params(modules, m, s)
@@ -416,7 +450,9 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
 @torch.no_grad()
 def reapply(model: nn.Module, calibration) -> None:
     """Smooth a fresh copy of the float model as :func:`smooth` smoothed the one
-    ``calibration`` was made on (its ``smoothing`` scales; nothing if it has none)."""
+    ``calibration`` was made on (its ``smoothing`` scales; nothing if it has none). Raises,
+    before any write, where a scale does not fit or its parameters share memory here
+    (:func:`_shared_why`)."""
     scales = calibration.smoothing
     mappings = find_mappings(model)  # in smooth's order (a saved dict's may differ)
     modules = dict(model.named_modules())
@@ -424,15 +460,19 @@ def reapply(model: nn.Module, calibration) -> None:
     if unknown:
         raise ValueError(f"smooth: the calibration smoothed {unknown[0]!r}, which this model "
                          f"does not have as a smoothable module")
-    for m in mappings:
-        if m.previous in scales:
-            s = torch.as_tensor(scales[m.previous])
-            channels = modules[m.balance[0]].weight.shape[1]
-            if s.shape != (channels,):
-                raise ValueError(f"smooth: the calibration's scale for {m.previous!r} has shape "
-                                 f"{tuple(s.shape)}; this model's {m.balance[0]} takes "
-                                 f"{channels} channels")
-            _write(modules, _new_params(modules, m, s))
+    todo, found = [m for m in mappings if m.previous in scales], holders(model)
+    for m in todo:  # every check before the first write: a refusal leaves the model as it was
+        shape = tuple(torch.as_tensor(scales[m.previous]).shape)
+        channels = modules[m.balance[0]].weight.shape[1]
+        if shape != (channels,):
+            raise ValueError(f"smooth: the calibration's scale for {m.previous!r} has shape "
+                             f"{shape}; this model's {m.balance[0]} takes {channels} channels")
+        shared = _shared_why(modules, m, found)
+        if shared is not None:
+            raise ValueError(f"smooth: the calibration smoothed {m.previous!r}, but in this "
+                             f"model {shared}; untie it (.clone()) or calibrate this model")
+    for m in todo:
+        _write(modules, _new_params(modules, m, torch.as_tensor(scales[m.previous])))
 
 
 @torch.no_grad()

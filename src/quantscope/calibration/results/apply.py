@@ -44,7 +44,7 @@ from ..structure.placement import (
     restore_problem,
     stored,
 )
-from ..structure.tied import memory, tied_weights
+from ..structure.tied import extent, memory, tied_weights
 from .role_state import RoleState
 
 __all__ = ["QDQHandle", "apply", "clip_edges", "fake_quantized", "qdq_tensor",
@@ -422,7 +422,7 @@ def _refuse_overlaps(weights: list[tuple[torch.Tensor, str]]) -> None:
     spans: dict = {}
     for w, layer in weights:
         if w.numel() and plain(w):
-            end = w.storage_offset() + sum((n - 1) * s for n, s in zip(w.shape, w.stride()))
+            end = extent(w)
             spans.setdefault((w.untyped_storage().data_ptr(), w.element_size()), []).append(
                 (w.storage_offset(), end, w, layer))
     for views in spans.values():
