@@ -142,7 +142,12 @@ def test_tied_weight_with_two_different_states_is_refused():
     the report; nothing is left applied."""
     m = Tied().eval()
     w = m.emb.weight.detach().clone()
-    calib = calibrate(m, _ids(), _two_rules("int8", "int4"), progress=False)
+    with pytest.raises(ValueError, match=r"calibrate: recipe 'tied': emb\.weight and lm_head\."
+                                         r"weight are one weight .* weight roles differ"):
+        calibrate(m, _ids(), _two_rules("int8", "int4"), progress=False)  # before any pass
+    untied = Tied().eval()  # states made apart reach apply only from a model untied
+    untied.lm_head.weight = nn.Parameter(untied.emb.weight.detach().clone())
+    calib = calibrate(untied, _ids(), _two_rules("int8", "int4"), progress=False)
     with pytest.raises(ValueError, match=r"apply: emb\.weight and lm_head\.weight are one weight "
                                          r"\(a tied Parameter.*different weight qparams .*untie"):
         calib.apply(m)
@@ -190,10 +195,10 @@ def test_tied_llama_embedding_and_lm_head_with_two_states_is_refused():
     m = LlamaForCausalLM(cfg).eval()
     assert m.lm_head.weight is m.model.embed_tokens.weight
     batches = [{"input_ids": ids} for ids in _ids()]
-    calib = calibrate(m, batches, _two_rules("int8", "int4"), progress=False)
-    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight and lm_head\.weight are "
-                                         r"one weight \(a tied Parameter"):
-        calib.apply(m)
+    with pytest.raises(ValueError, match=r"calibrate: recipe 'tied': model\.embed_tokens\.weight "
+                                         r"and lm_head\.weight are one weight \(a tied "
+                                         r"Parameter"):
+        calibrate(m, batches, _two_rules("int8", "int4"), progress=False)
 
 
 def test_one_module_under_two_names_is_not_tied():

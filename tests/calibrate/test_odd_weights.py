@@ -10,7 +10,7 @@ float or fake-quantized twice without a word.
 * distinct Parameters over one memory (``load_state_dict(..., assign=True)`` of an applied
   model's weights; two layers given one tensor): one weight, QDQ'd once, held once (apply
   accepted the second model and saved its fake-quantized values as float; two layers with
-  different qparams compounded both QDQs).
+  different qparams compounded both QDQs); calibrate refuses roles giving it two states.
 * Parameters over overlapping slices of one tensor: refused by apply (the shared values were
   QDQ'd twice); slices that only interleave (a split of columns) quantize as copies would."""
 
@@ -109,7 +109,12 @@ def test_two_layers_over_one_memory_are_one_weight():
                                               "memoryless_minmax")),
                     Rule(("2",), weight=Role(quantscope.QuantSpec("fp8_e4m3", "channel"),
                                              "memoryless_minmax"))))
-    calibration = quantscope.calibrate(model, BATCHES, mixed, progress=False)
+    # calibrate refuses them before the pass (it gave what apply refuses); apply still
+    # refuses such states, made on the model untied
+    with pytest.raises(ValueError, match=r"calibrate: recipe 'custom': 0\.weight and 2\.weight "
+                                         r"are one weight .* their weight roles differ"):
+        quantscope.calibrate(model, BATCHES, mixed, progress=False)
+    calibration = quantscope.calibrate(_mlp(), BATCHES, mixed, progress=False)
     with pytest.raises(ValueError, match=r"apply: 0\.weight and 2\.weight are one weight "
                                          r"\(a tied Parameter, or one memory\)"):
         calibration.apply(model)

@@ -25,6 +25,7 @@ from .observe import (
     waits_for_importance,
 )
 from .samples import RowSample
+from .tied_roles import check_groups
 
 __all__ = ["calibrate_distributed"]
 
@@ -43,6 +44,8 @@ def _plan(model, batches, recipes, opts, group):
         batches, found = fusion.detect(model, batches, recipes, slots)
     batches, groups = share_group_inputs(model, batches, recipes, slots,
                                          _agreed_groups(found, group))
+    with qd.all_or_none("the tied weights' check", group, same_type=True):
+        check_groups(plans, groups, slots)
     gather.check_same_slots(slots, group)  # the exchanges below pair the slots by key
     weights = {k: s for k, s in slots.items() if s.role == "weight"}
     gather.check_same_weights({k[0]: s.module.weight for k, s in weights.items()}, group)

@@ -74,25 +74,15 @@ def _share_weights(states, plan, slots, groups) -> list[dict]:
         group = [m for m in group if (m, "weight") in plan or (m, "input") in plan]
         if len(group) < 2:
             continue
-        members = [m for m in group if (m, "weight") in plan]
-        entry = {"layers": group, "weight": "per layer",
+        members, why = joined_weights(group, plan, slots)
+        entry = {"layers": group, "weight": why or "per layer",
                  "input": _input_sharing(group, plan, slots)}
         done.append(entry)
-        if len(members) < 2:
+        if not members:
             continue
-        cfgs = {plan[(m, "weight")][0] for m in members}
         cfg, names = plan[(members[0], "weight")]
-        if len(cfgs) != 1:
-            entry["weight"] = "per layer (the members' weight specs differ)"
-            continue
-        if cfg.dynamic is True or not fusion.shares_weight_scale(cfg.spec):
-            continue
         mods = [slots[(m, "weight")].module for m in members]
         shapes = [tuple(m.weight.shape) for m in mods]
-        if cfg.dynamic is False and not fusion.splittable(cfg.spec, shapes):
-            entry["weight"] = (f"per layer ({cfg.spec.layout} does not split into "
-                               f"rows {[s[0] for s in shapes]})")
-            continue
         best = _joined_state(fusion.join_weights(mods), cfg, names, slots[(members[0], "weight")])
         for m, st in zip(members, fusion.split_state(best, shapes)):
             states[m]["weight"] = st
@@ -120,6 +110,26 @@ def _joined_state(w: torch.Tensor, cfg: Role, names, slot) -> RoleState:
         if best is None or err < best[1]:
             best = (state, err)
     return best[0]
+
+
+def joined_weights(group, plan, slots) -> tuple[list[str], str | None]:
+    """``(members, why not)``: the members of fusion ``group`` (narrowed to ``plan``'s layers)
+    whose weights one observer sees joined (:func:`_share_weights`: the runtime shares their
+    weight scale), or ``[]`` and, for the report, why each keeps its own where that needs
+    saying (else None)."""
+    members = [m for m in group if (m, "weight") in plan]
+    if len(members) < 2:
+        return [], None
+    cfg = plan[(members[0], "weight")][0]
+    if len({plan[(m, "weight")][0] for m in members}) != 1:
+        return [], "per layer (the members' weight specs differ)"
+    if cfg.dynamic is True or not fusion.shares_weight_scale(cfg.spec):
+        return [], None
+    shapes = [tuple(slots[(m, "weight")].module.weight.shape) for m in members]
+    if cfg.dynamic is False and not fusion.splittable(cfg.spec, shapes):
+        return [], (f"per layer ({cfg.spec.layout} does not split into rows "
+                    f"{[s[0] for s in shapes]})")
+    return members, None
 
 
 def _input_sharing(group, plan, slots) -> str:

@@ -68,6 +68,7 @@ from .observe import (
     share_group_inputs,
     unique_slots,
 )
+from .tied_roles import check_groups, check_recipes, check_states
 from .unused_options import warn_unused_activation_options, warn_unused_moe
 
 __all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many",
@@ -110,8 +111,7 @@ def calibrate_many(model: nn.Module, batches, recipes, *, sampling: Sampling | N
             (:class:`~.options.Sampling`: ``tokens``, ``budget_mb``, ``seed``).
         auto: how ``observer="auto"`` chooses (:class:`~.options.Auto`: ``candidates``,
             ``metric``, ``loss``, ``score_tokens``).
-        moe: mixture-of-experts models (:class:`~.options.MoE`: ``all_experts``,
-            ``min_tokens``).
+        moe: mixture-of-experts models (:class:`~.options.MoE`: ``all_experts``, ``min_tokens``).
         outliers: SmoothQuant before, activations kept out of static quantization after
             (:class:`~.options.Outliers`: ``smooth``, ``keep_float``, ``fallback``).
         sequential: one block at a time, for models larger than memory
@@ -206,7 +206,8 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
                                              _conclude)
             return _calibrate_local(model, batches, recipes, opts, t0, experts, fisher)
 
-    return _around(model, batches, run, opts.outliers, opts.runtime)
+    checked = (lambda b: check_states(model, run(b))) if top else run  # tied: one state
+    return _around(model, batches, checked, opts.outliers, opts.runtime)
 
 
 def _end_to_end(model, batches, recipes, opts: Options) -> dict[str, Calibration]:
@@ -268,6 +269,7 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
     recipes = one_fusion(_as_recipes(recipes, inner=not top))  # one set of groups for all
     if top:  # not a piece's or auto's inner pass (auto's candidates: no auto role)
         _check_auto(recipes, opts.auto)
+        check_recipes(model, recipes)  # tied weights two roles would quantize apart
         warn_unused_activation_options(recipes, opts)
     if seq is not None:
         if opts.outliers.keep_float:
@@ -356,6 +358,7 @@ def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher
     sampling = opts.sampling
     slots, plans = make_plan(model, recipes, opts.auto.candidates)
     batches, groups = share_group_inputs(model, batches, recipes, slots)
+    check_groups(plans, groups, slots)  # before the pass
     experts.reset_counts()
     needs_data = any(map(fed, slots.values()))
     importance = imatrix_roles.gather(model, slots)  # imatrix_mse weights: their inputs' x^2
@@ -379,9 +382,8 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
     with torch.no_grad():
         results, hists = build_states(slots, plans, recipes, opts.auto.metric, groups, experts,
                                       opts.runtime.missing, fisher, non_finite, n)
-        seen = {}  # what apply() and the exports compare the model's weights with
-        for states, *_ in (results.values() if model is not None else ()):
-            record_fingerprints(model, states, seen)
+        if model is not None:  # what apply() and the exports compare the model's weights with
+            record_fingerprints(model, [states for states, *_ in results.values()])
     seconds = time.perf_counter() - t0
     # each recipe: the pass's shared time (forwards, planning, report) plus its own observers'
     common = seconds - sum(t for s in unique_slots(slots.values()) for t in s.seconds.values())

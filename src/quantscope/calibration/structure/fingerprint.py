@@ -174,19 +174,20 @@ def _lacks(model: nn.Module, layer: str) -> bool:
     return False
 
 
-def record_fingerprints(model: nn.Module, states: dict, seen: dict) -> None:
-    """Give each static weight state of ``states`` (``{layer: {role: RoleState}}``, changed
-    in place; each state replaced: other calibrations may hold it) the :func:`fingerprint`
-    of the weight ``model`` holds for it; ``seen``: ``{layer: fingerprint}`` already taken
-    (one pass per weight for all the recipes of a calibration)."""
-    for layer, roles in states.items():
-        st = roles.get("weight")
-        if st is None or st.dynamic is not False:  # a run-time scale follows the weight
-            continue
-        if layer not in seen:
-            w = layer_weight(model, layer)
-            seen[layer] = None if w is None else fingerprint(w)
-        roles["weight"] = replace(st, fingerprint=seen[layer])
+def record_fingerprints(model: nn.Module, calibrations) -> None:
+    """Give each static weight state of ``calibrations`` (states ``{layer: {role:
+    RoleState}}``, changed in place; each state replaced: other calibrations may hold it) the
+    :func:`fingerprint` of the weight ``model`` holds for it (one pass per weight for all)."""
+    seen = {}
+    for states in calibrations:
+        for layer, roles in states.items():
+            st = roles.get("weight")
+            if st is None or st.dynamic is not False:  # a run-time scale follows the weight
+                continue
+            if layer not in seen:
+                w = layer_weight(model, layer)
+                seen[layer] = None if w is None else fingerprint(w)
+            roles["weight"] = replace(st, fingerprint=seen[layer])
 
 
 def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
