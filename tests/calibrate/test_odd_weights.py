@@ -16,6 +16,8 @@ float or fake-quantized twice without a word.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -114,7 +116,9 @@ def test_two_layers_over_one_memory_are_one_weight():
     with pytest.raises(ValueError, match=r"calibrate: recipe 'custom': 0\.weight and 2\.weight "
                                          r"are one weight .* their weight roles differ"):
         quantscope.calibrate(model, BATCHES, mixed, progress=False)
-    calibration = quantscope.calibrate(_mlp(), BATCHES, mixed, progress=False)
+    untied = copy.deepcopy(model)  # the same weights, each its own memory
+    untied[2].weight = nn.Parameter(untied[0].weight.detach().clone())
+    calibration = quantscope.calibrate(untied, BATCHES, mixed, progress=False)
     with pytest.raises(ValueError, match=r"apply: 0\.weight and 2\.weight are one weight "
                                          r"\(a tied Parameter, or one memory\)"):
         calibration.apply(model)
