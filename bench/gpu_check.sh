@@ -19,10 +19,10 @@
 # STEPS picks the steps, in this order: bench35, diag, host, triton (issue 35's, the default;
 # on the H200 of 2026-12-04 bench35 took 141 s; diag and host, where the device's and the
 # host's time goes (bench/gpu_profile.py: profiler tables, also by Python call site;
-# bench/gpu_host.py: the host's time per call of each step of the min-max path), about 40 s
-# each; the triton tests run on 8 processes (pytest-xdist, in the device image)), hist (the
-# histogram binning variants of bench/gpu_hist_variants.py), cuda, bench19 (issue 19's: up to
-# 7.5 more minutes).
+# bench/gpu_host.py: the host's time per call of each step of the min-max path;
+# bench/host_ops.py: the ops each dispatches), about 40 s each; the triton tests run on 8
+# processes (pytest-xdist, in the device image)), hist (the histogram binning variants of
+# bench/gpu_hist_variants.py), cuda, bench19 (issue 19's: up to 7.5 more minutes).
 set -uo pipefail
 out=${WORK:-/tmp/gpu-check}
 mkdir -p "$out" "${OUT:=$out/packed}"
@@ -57,6 +57,9 @@ if [[ $steps == *,diag,* ]]; then  # where the slow rows' time goes (issue 35's 
 fi
 if [[ $steps == *,host,* ]]; then
     timeout "${DIAG_TIMEOUT:-90}" "$py" bench/gpu_host.py "$out/host" 2>&1 | tail -16
+    mkdir -p "$out/host"
+    timeout "${DIAG_TIMEOUT:-90}" "$py" bench/host_ops.py --device cuda > "$out/host/ops.md" 2>&1
+    tail -12 "$out/host/ops.md"
     pack
 fi
 if [[ $steps == *,hist,* ]]; then
