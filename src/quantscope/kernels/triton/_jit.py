@@ -28,6 +28,20 @@ def _launch_options() -> dict:
 LAUNCH = _launch_options()
 
 
+# The launchers' grid arithmetic in plain Python: since Triton 3.5 ``triton.cdiv`` and
+# ``triton.next_power_of_2`` are constexpr functions, whose host call imports and unwraps its
+# arguments each time (~5 us): the nine of one min / max launch took most of its Python.
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of integers, ``b > 0`` (``triton.cdiv``'s formula)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` for ``n >= 1``; 0 for 0 (``triton.next_power_of_2``)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 #: whether the kernels run under Triton's interpreter (a constexpr for :func:`widen`)
 INTERPRETED = tl.constexpr(interpreted())
 

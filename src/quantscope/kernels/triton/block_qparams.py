@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, fp_round, rint
+from ._jit import LAUNCH, cdiv, fp_round, rint
 
 __all__ = ["amax_of", "e8m0_block_scales", "e8m0_exponent", "e8m0_scale", "exp2i",
            "global_amax", "int_qparams", "nvfp4_block_code", "nvfp4_qparams"]
@@ -156,7 +156,7 @@ def global_amax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(1, dtype=torch.int32, device=lo.device)
     n = lo.numel()
     if n:
-        _global_amax_kernel[(triton.cdiv(n, BLOCK),)](lo, hi, out, n, BLOCK_N=BLOCK, **LAUNCH)
+        _global_amax_kernel[(cdiv(n, BLOCK),)](lo, hi, out, n, BLOCK_N=BLOCK, **LAUNCH)
     return out.view(torch.float32)
 
 
@@ -170,7 +170,7 @@ def nvfp4_qparams(lo: torch.Tensor, hi: torch.Tensor, global_amax: torch.Tensor,
     gs = torch.empty(1, dtype=torch.float32, device=lo.device)
     n = lo.numel()
     # one program at least: with no blocks it still stores the global scale of global_amax
-    _nvfp4_kernel[(max(1, triton.cdiv(n, BLOCK)),)](
+    _nvfp4_kernel[(max(1, cdiv(n, BLOCK)),)](
         lo, hi, global_amax, out, n, float(fmax), float(block_max), float(min_scale), gs,
         MIN_EXP=int(block_min_exp), MBITS=int(block_mbits), BLOCK_N=BLOCK, **LAUNCH)
     return out, gs
@@ -182,7 +182,7 @@ def e8m0_block_scales(lo: torch.Tensor, hi: torch.Tensor, mode: int, emax: int, 
     out = torch.empty_like(lo)
     n = lo.numel()
     if n:
-        _e8m0_kernel[(triton.cdiv(n, BLOCK),)](lo, hi, out, n, int(emax), float(fmax),
+        _e8m0_kernel[(cdiv(n, BLOCK),)](lo, hi, out, n, int(emax), float(fmax),
                                                MODE=int(mode), TOP=float(2 ** (mbits + 1)),
                                                BLOCK_N=BLOCK,
                                                **LAUNCH)
@@ -234,7 +234,7 @@ def int_qparams(lo: torch.Tensor, hi: torch.Tensor, qmin: float, qmax: float,
     zp = torch.empty_like(lo, dtype=torch.int32)
     n = lo.numel()
     if n:
-        _int_kernel[(triton.cdiv(n, BLOCK),)](lo, hi, scale, zp, n, float(qmin), float(qmax),
+        _int_kernel[(cdiv(n, BLOCK),)](lo, hi, scale, zp, n, float(qmin), float(qmax),
                                               float(min_scale), float(zsym),
                                               SYMMETRIC=bool(symmetric), BLOCK_N=BLOCK,
                                               **LAUNCH)

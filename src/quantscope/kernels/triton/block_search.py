@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ...formats import FP8_E4M3
-from ._jit import LAUNCH
+from ._jit import LAUNCH, cdiv, next_power_of_2
 from .block_qparams import _amax, _global_scale, amax_of, e8m0_scale, exp2i, nvfp4_block_code
 from .mse import MAX_TILE, _term, _weights, select_step
 
@@ -390,12 +390,12 @@ def _or(weights, units):
 def _consts(units, factors, enc: Encoding, block_u):
     """``(grid, constexprs)`` the launches share."""
     U, E = units.shape
-    be = triton.next_power_of_2(max(E, 1))
-    bu = block_u or max(1, min(triton.next_power_of_2(U), 2048 // be))
+    be = next_power_of_2(max(E, 1))
+    bu = block_u or max(1, min(next_power_of_2(U), 2048 // be))
     consts = enc.constexprs()
     # at least 64: fewer compiled variants (the factors' check is one vector op)
-    return (triton.cdiv(U, bu),), {
-        **consts, "BLOCK_K": max(64, triton.next_power_of_2(factors.shape[0])), "BLOCK_U": bu,
+    return (cdiv(U, bu),), {
+        **consts, "BLOCK_K": max(64, next_power_of_2(factors.shape[0])), "BLOCK_U": bu,
         **LAUNCH}
 
 
@@ -422,7 +422,7 @@ def nvfp4_search(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
             units.stride(0), w.stride(0), float(fmax),
             int(min_exp), int(mbits), float(enc.block_max), float(min_scale),
             WEIGHTED=weights is not None, STEPS=max(1, (K - 1).bit_length()) + 1,
-            BLOCK_E=triton.next_power_of_2(max(E, 1)), **consts)
+            BLOCK_E=next_power_of_2(max(E, 1)), **consts)
     return idx, best
 
 
@@ -461,7 +461,7 @@ def block_mse(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, factors: 
                         int(min_exp), int(mbits), *scales, 0.0 if qmin is None else float(qmin),
                         TIE_LAST=bool(tie_last), FLOAT=qmin is None,
                         WEIGHTED=weights is not None,
-                        BLOCK_E=triton.next_power_of_2(max(E, 1)), **consts)
+                        BLOCK_E=next_power_of_2(max(E, 1)), **consts)
     gstop = global_stop(flags[:, :G].any(0))
     _select_kernel[grid](lo, hi, factors, inc_lo, inc_hi, global_amax, inc, scratch, gstop, idx,
                          best, U, K, ext_start, 0 if patience is None else int(patience),

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, fake_quant, widen
+from ._jit import LAUNCH, cdiv, fake_quant, next_power_of_2, widen
 
 __all__ = ["fake_quant_int"]
 
@@ -41,9 +41,9 @@ def fake_quant_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     with float32 ``scale`` and ``zero_point`` of ``U`` contiguous values each."""
     U, E = units.shape
     out = torch.empty((U, E), dtype=torch.float32, device=units.device)
-    be = block_e or min(triton.next_power_of_2(max(E, 1)), 1024)
-    bu = block_u or max(1, min(triton.next_power_of_2(max(U, 1)), 4096 // be))
-    grid = (triton.cdiv(U, bu) * triton.cdiv(E, be),)
+    be = block_e or min(next_power_of_2(max(E, 1)), 1024)
+    bu = block_u or max(1, min(next_power_of_2(max(U, 1)), 4096 // be))
+    grid = (cdiv(U, bu) * cdiv(E, be),)
     if U and E:
         _fake_quant_kernel[grid](units, scale, zero_point, out, U, E, units.stride(0),
                                  units.stride(1), float(qmin), float(qmax),

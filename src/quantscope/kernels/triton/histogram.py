@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, widen
+from ._jit import LAUNCH, cdiv, next_power_of_2, widen
 
 __all__ = ["MAX_BINS", "hist_add", "regrid"]
 
@@ -106,7 +106,7 @@ def _counted_add(counts, units, exp, first, absolute, per, block_e):
         for c0 in range(0, E, C):
             cols = min(C, E - c0)
             out = idx[:rows * cols]
-            _bin_kernel[(rows, triton.cdiv(cols, block_e))](
+            _bin_kernel[(rows, cdiv(cols, block_e))](
                 units, out, exp, first, row0, c0, cols, units.stride(0), B,
                 ABSOLUTE=bool(absolute), BLOCK_E=block_e, **LAUNCH)
             n = rows * B
@@ -136,12 +136,12 @@ def hist_add(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
         return _counted_add(counts, units, exp, first, absolute,
                             min(SLICE, max(1, chunk or SLICE)), block_e)
     if chunk is None:  # enough programs to fill the GPU, each binning a fair share
-        per_unit = max(1, min(triton.cdiv(E, MIN_CHUNK), triton.cdiv(1024, U)))
-        chunk = triton.cdiv(triton.cdiv(E, per_unit), block_e) * block_e
+        per_unit = max(1, min(cdiv(E, MIN_CHUNK), cdiv(1024, U)))
+        chunk = cdiv(cdiv(E, per_unit), block_e) * block_e
     chunk = max(1, chunk)
-    _hist_kernel[(U, triton.cdiv(E, chunk))](
+    _hist_kernel[(U, cdiv(E, chunk))](
         units, counts, exp, first, E, units.stride(0), chunk, B, ABSOLUTE=bool(absolute),
-        NB=triton.next_power_of_2(B + 1), BLOCK_E=block_e, **LAUNCH)
+        NB=next_power_of_2(B + 1), BLOCK_E=block_e, **LAUNCH)
 
 
 # ---- the grid change of ``stats.histogram.update`` ------------------------------------------

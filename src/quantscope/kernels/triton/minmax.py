@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..._numerics import upload
-from ._jit import LAUNCH, widen
+from ._jit import LAUNCH, cdiv, next_power_of_2, widen
 
 __all__ = ["grouped_descriptors", "grouped_unit_minmax", "unit_minmax", "update_state"]
 
@@ -63,20 +63,20 @@ def _minmax_kernel(x_ptr, lo_ptr, hi_ptr, U, E, U2, E2, su1, su2, se1, se2, chun
 
 
 def _blocks(U: int, E: int, block_e: int | None, block_u: int | None) -> tuple[int, int]:
-    be = block_e or min(triton.next_power_of_2(E), 512)
-    bu = block_u or max(1, min(triton.next_power_of_2(U), 4096 // be))
+    be = block_e or min(next_power_of_2(E), 512)
+    bu = block_u or max(1, min(next_power_of_2(U), 4096 // be))
     return bu, be
 
 
 def _split(U: int, E: int, bu: int, be: int, splits: int | None) -> tuple[int, int]:
     """(chunk, splits): elements per program along a unit, and the number of chunks."""
     if splits is None:
-        programs = triton.cdiv(U, bu)
+        programs = cdiv(U, bu)
         splits = 1 if programs >= TARGET_PROGRAMS else min(
-            triton.cdiv(E, 4 * be), triton.cdiv(TARGET_PROGRAMS, programs))
+            cdiv(E, 4 * be), cdiv(TARGET_PROGRAMS, programs))
     splits = max(1, splits)
-    chunk = triton.cdiv(triton.cdiv(E, splits), be) * be
-    return chunk, triton.cdiv(E, chunk)
+    chunk = cdiv(cdiv(E, splits), be) * be
+    return chunk, cdiv(E, chunk)
 
 
 def unit_minmax(units: torch.Tensor, *, block_u: int | None = None, block_e: int | None = None,
@@ -100,7 +100,7 @@ def unit_minmax(units: torch.Tensor, *, block_u: int | None = None, block_e: int
     chunk, splits = _split(U, E, bu, be, splits)
     lo = torch.empty(U * splits, dtype=torch.float32, device=units.device)
     hi = torch.empty_like(lo)
-    grid = (triton.cdiv(U, bu), splits)
+    grid = (cdiv(U, bu), splits)
     _minmax_kernel[grid](units, lo, hi, U, E, U2, E2, su1, su2, se1, se2, chunk, splits,
                          BLOCK_U=bu, BLOCK_E=be, FOUR_D=units.dim() == 4, **LAUNCH)
     if splits == 1:
@@ -194,7 +194,7 @@ def grouped_unit_minmax(tensors: list[torch.Tensor], *, block_u: int | None = No
     his = [torch.empty_like(lo) for lo in los]
     if not sum(t.shape[0] for t in tensors):
         return los, his
-    be = block_e or min(triton.next_power_of_2(max(t.shape[1] for t in tensors)), 512)
+    be = block_e or min(next_power_of_2(max(t.shape[1] for t in tensors)), 512)
     bu = block_u or max(1, 4096 // be)
     desc = _upload(grouped_descriptors(tensors, los, his, bu), device)
     _grouped_minmax_kernel[(desc.shape[0],)](desc, DTYPE=_POINTEE[tensors[0].dtype],
@@ -254,7 +254,7 @@ def update_state(lo: torch.Tensor, hi: torch.Tensor, state_lo: torch.Tensor | No
     if n and (seen is not None or kind != NO_UPDATE):
         c32 = float(torch.tensor(c, dtype=torch.float32))
         one_minus_c32 = float(torch.tensor(1.0 - c, dtype=torch.float32))
-        _state_kernel[(triton.cdiv(n, 1024),)](
+        _state_kernel[(cdiv(n, 1024),)](
             lo, hi, lo if state_lo is None else state_lo, hi if state_hi is None else state_hi,
             lo if seen is None else seen, n, c32, one_minus_c32, KIND=int(kind),
             RECORD=seen is not None, BLOCK_N=1024, **LAUNCH)

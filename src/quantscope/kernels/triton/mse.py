@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import LAUNCH, fake_quant, fake_quant_fp, norm_term
+from ._jit import LAUNCH, cdiv, fake_quant, fake_quant_fp, next_power_of_2, norm_term
 
 __all__ = ["MAX_TILE", "mse_price_fp", "mse_price_int", "mse_select", "select_step"]
 
@@ -126,10 +126,10 @@ def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_
     if not (U and K):
         return out
     one_tile = block_e is None and E <= MAX_TILE
-    be = block_e or (triton.next_power_of_2(max(E, 1)) if one_tile else 1024)
-    bu = block_u or max(1, min(triton.next_power_of_2(U), 2048 // be))
+    be = block_e or (next_power_of_2(max(E, 1)) if one_tile else 1024)
+    bu = block_u or max(1, min(next_power_of_2(U), 2048 // be))
     is_float, weighted = zero_point is None, weights is not None
-    _price_kernel[(triton.cdiv(U, bu),)](
+    _price_kernel[(cdiv(U, bu),)](
         units, weights if weighted else units, scale, scale if is_float else zero_point, out,
         U, E, K, units.stride(0), weights.stride(0) if weighted else 0, float(qmin),
         float(qmax), int(min_exp), int(mbits), BLOCK_U=bu, BLOCK_E=be, ONE_TILE=one_tile,
@@ -226,7 +226,7 @@ def mse_select(err: torch.Tensor, same: torch.Tensor, incumbent: torch.Tensor,
     idx = torch.empty(U, dtype=torch.int64, device=err.device)
     best = torch.empty(U, dtype=err.dtype, device=err.device)
     if U:
-        _select_kernel[(triton.cdiv(U, block_u),)](
+        _select_kernel[(cdiv(U, block_u),)](
             err, same.view(torch.uint8), incumbent, gstop, idx, best, U, K, ext_start,
             0 if patience is None else int(patience), PER_UNIT=bool(per_unit),
             USE_GLOBAL=bool(use_global), HAS_PATIENCE=patience is not None,

@@ -1,0 +1,64 @@
+"""The launchers' host side (issue 35's wall time on a GPU is mostly the host's): the grid
+arithmetic in plain Python, not Triton's constexpr functions (~5 us a host call since Triton
+3.5: the nine of one min / max launch were most of its Python), with the values as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from triton_interpreter import fresh_interpreter_test
+
+from quantscope import QuantSpec, presets
+from quantscope.kernels import ops
+from quantscope.kernels.triton import _jit
+from quantscope.qparams import qparams_from_range
+from quantscope.stats import minmax as stats_minmax
+
+test_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
+
+
+def _fn(f):
+    return getattr(f, "fn", f)  # a constexpr function's Python function
+
+
+@pytest.mark.parametrize("a", [*range(70), 4095, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3])
+def test_grid_arithmetic_is_tritons(a):
+    assert _jit.next_power_of_2(a) == _fn(triton.next_power_of_2)(a)
+    for b in (1, 2, 3, 16, 512, 1024, 4096):
+        assert _jit.cdiv(a, b) == _fn(triton.cdiv)(a, b)
+
+
+@pytest.fixture
+def no_triton_grid_helpers(monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("a launcher called triton.cdiv / next_power_of_2 on the host")
+
+    monkeypatch.setattr(triton, "cdiv", refused)
+    monkeypatch.setattr(triton, "next_power_of_2", refused)
+
+
+def _units(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * 3
+
+
+@pytest.mark.parametrize("shape", [(1, 3000), (5, 33), (40, 16)])  # split, rows, blocks
+def test_minmax_path_launchers_use_no_triton_host_helpers(device, no_triton_grid_helpers,
+                                                          shape):
+    """The min-max path's launches (per-unit min / max, the non-finite record, the qparams
+    ops) size their grids without Triton's host helpers, with the torch path's values."""
+    units = _units(shape)
+    lo, hi = ops.unit_minmax(units.to(device))
+    ref_lo, ref_hi = torch.aminmax(units, dim=1)
+    assert torch.equal(lo.cpu(), ref_lo) and torch.equal(hi.cpu(), ref_hi)
+    seen = torch.zeros((), dtype=torch.bool, device=device)
+    stats_minmax.record_non_finite(lo, hi, seen)
+    assert not bool(seen)
+    los, his = ops.grouped_unit_minmax([units.to(device), units[:, :7].contiguous().to(device)])
+    assert torch.equal(los[0].cpu(), ref_lo)
+    assert torch.equal(his[1].cpu(), units[:, :7].amax(1))
+    for spec in (QuantSpec("int8"), presets.MXFP4, presets.NVFP4):  # the qparams ops
+        got = qparams_from_range(lo, hi, spec, check_finite=False)
+        want = qparams_from_range(ref_lo, ref_hi, spec, check_finite=False)
+        assert torch.equal(got.scale.cpu(), want.scale)
