@@ -1,17 +1,19 @@
 """The launchers' host side (issue 35's wall time on a GPU is mostly the host's): the grid
 arithmetic in plain Python, not Triton's constexpr functions (~5 us a host call since Triton
-3.5: the nine of one min / max launch were most of its Python), with the values as before."""
+3.5: the nine of one min / max launch were most of its Python), no tensor made for a Python
+constant, with the values as before."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import triton
+from op_names import OpNames
 from triton_interpreter import fresh_interpreter_test
 
 from quantscope import QuantSpec, presets
 from quantscope.kernels import ops
-from quantscope.kernels.triton import _jit
+from quantscope.kernels.triton import _jit, minmax
 from quantscope.qparams import qparams_from_range
 from quantscope.stats import minmax as stats_minmax
 
@@ -62,3 +64,23 @@ def test_minmax_path_launchers_use_no_triton_host_helpers(device, no_triton_grid
         got = qparams_from_range(lo, hi, spec, check_finite=False)
         want = qparams_from_range(ref_lo, ref_hi, spec, check_finite=False)
         assert torch.equal(got.scale.cpu(), want.scale)
+
+
+@pytest.mark.parametrize("kind", ["ema", "ema_lerp"])
+@pytest.mark.parametrize("c", [0.01, 1 / 3, 0.7, 1e-8, 1.0])
+def test_update_state_rounds_its_constants_without_tensors(device, no_triton_grid_helpers,
+                                                           kind, c):
+    """The fused state update takes ``c`` and ``1 - c`` rounded to float32 in Python (a
+    tensor each took six ops per observer call): each step rounded as the torch ops round
+    it, bit for bit."""
+    lo, hi = torch.aminmax(_units((9, 20)), dim=1)
+    state = [t.clone() - 1 for t in (lo, hi)]
+    want = [t.clone() for t in state]
+    stats_minmax._update_state(kind, c, *want, lo.clone(), hi.clone())
+    got = [t.to(device) for t in state]
+    seen = torch.zeros((), dtype=torch.bool, device=device)
+    with OpNames() as ops_seen:
+        minmax.update_state(lo.to(device), hi.to(device), *got, seen,
+                            stats_minmax.UPDATES[kind], c)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    assert not ops_seen.names & {"aten.lift_fresh", "aten._local_scalar_dense", "aten.item"}
