@@ -166,18 +166,20 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
         return lo, hi
 
     def _observe(self, units, lo, hi):
-        if lo is not self.min_vals:
-            self.min_vals, self.max_vals = lo, hi
+        # (the dicts, not nn.Module.__setattr__: its checks cost microseconds each, per call)
+        buffers = self._buffers
+        if lo is not buffers["min_vals"]:  # new tensors (off the CPU): the state takes them
+            buffers["min_vals"], buffers["max_vals"] = lo, hi
         # (getattr: other classes call this method on themselves, as Quark's per-group one)
         e = getattr(self, "_pending_ends", None)
-        self._pending_ends = self._state_ends = None
+        ends = None
         # these lo / hi (not a step sync's), with the ends their pass found (CPU; None off it)
         if e is not None and e[0] is not None and e[1] is lo and e[2] is hi:
             try:
-                self._state_ends = (e[0], weakref.ref(lo), lo._version, weakref.ref(hi),
-                                    hi._version)
+                ends = (e[0], weakref.ref(lo), lo._version, weakref.ref(hi), hi._version)
             except RuntimeError:  # inference tensors have no versions: derive it instead
                 pass
+        self.__dict__.update(_pending_ends=None, _state_ends=ends)
 
     def __getstate__(self):
         # weak references do not pickle; a copy or an unpickled observer derives its amax
