@@ -193,8 +193,10 @@ class Channel(Layout):
 
     def to_units(self, x):
         a = _axis(self.axis, x.shape, "Channel")
-        # explicit sizes, not -1: an empty tensor has no inferable dim
-        return x.movedim(a, 0).reshape(x.shape[a], math.prod(x.shape) // max(x.shape[a], 1))
+        # explicit sizes, not -1: an empty tensor has no inferable dim; no movedim where the
+        # axis is first already (a permute that changes nothing is still an op per call)
+        moved = x if a == 0 else x.movedim(a, 0)
+        return moved.reshape(x.shape[a], math.prod(x.shape) // max(x.shape[a], 1))
 
     def to_shape(self, units, shape):
         a = _axis(self.axis, shape, "Channel")
@@ -270,7 +272,7 @@ class _Segments(Layout):
 
     def to_units(self, x):
         a, n, count = self._geometry(x.shape)
-        x = self._columns(x.movedim(a, -1))
+        x = self._columns(x if a == x.dim() - 1 else x.movedim(a, -1))  # (as Channel's)
         pad = count * self.size - n
         if pad:
             x = torch.nn.functional.pad(x, (0, pad))

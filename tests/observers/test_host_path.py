@@ -4,8 +4,11 @@ state as before."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from op_names import OpNames
 from torch import nn
 
 import quantscope
@@ -59,3 +62,42 @@ def test_minmax_forward_off_the_cpu_sets_no_module_attribute(name, monkeypatch):
                         lambda self, k, v: (calls.append(k), setattr_(self, k, v)))
     obs(x)
     assert not calls
+
+
+@pytest.mark.parametrize("name", ["memoryless_minmax", "minmax"])
+@pytest.mark.parametrize("sid", ["int8-channel", "int4-g32"])
+def test_minmax_forward_dispatches_no_detach_or_identity_permute(name, sid):
+    """Off the CPU a min-max call on a tensor that needs no grad reads it as it is: no
+    ``detach`` and no permute that changes nothing (the channel axis first, groups along
+    the last), an op each per call; one that needs grad leaves no graph in the state."""
+    obs = quantscope.get_observer(name, SPECS[sid]).to("meta")
+    x = torch.empty(16, 64, device="meta")
+    obs(x)
+    with OpNames() as seen:
+        obs(x)
+    assert not seen.names & {"aten.detach", "aten.permute"}
+    cpu = quantscope.get_observer(name, SPECS[sid])
+    cpu(_x().requires_grad_())
+    assert not cpu.min_vals.requires_grad and cpu.min_vals.grad_fn is None
+    want = quantscope.get_observer(name, SPECS[sid])
+    want(_x())
+    assert torch.equal(cpu.min_vals, want.min_vals) and torch.equal(cpu.max_vals, want.max_vals)
+
+
+@pytest.mark.parametrize("layout, shape", [(Channel(0), (16, 4, 8)), (Channel(1), (4, 16, 8)),
+                                           (Group(8), (4, 32)), (Group(8, 0), (32, 4))])
+def test_units_move_an_axis_only_where_it_is_elsewhere(layout, shape):
+    """``to_units``: a channel axis already first, or groups along the last axis, take the
+    tensor as it is (a permute that changes nothing is an op per observer call), the same
+    units as moving the axis."""
+    x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    a = layout.axis % x.dim()
+    if isinstance(layout, Channel):
+        want = x.movedim(a, 0).reshape(shape[a], -1)
+    else:
+        want = x.movedim(a, -1).reshape(-1, layout.size)
+    with OpNames() as seen:
+        got = layout.to_units(x)
+    assert torch.equal(got, want)
+    moves = a != (0 if isinstance(layout, Channel) else x.dim() - 1)
+    assert ("aten.permute" in seen.names) == moves

@@ -131,10 +131,11 @@ class Observer(nn.Module):
             self._padded_call = padded
         minmax_only = not self.needs_units and self.non_finite == "error"
         # bf16 / fp16 read as they are where only the per-unit min / max read the data (the
-        # C kernel, the ops) or the class's own code takes them (units_in_input_dtype).
-        # Everything else reads a float32 copy.
+        # C kernel, the ops) or the class's own code takes them (units_in_input_dtype), else
+        # a float32 copy; detached only where needed (a detach is an op per call too)
         as_is = x.dtype in MINMAX_DTYPES and (minmax_only or self.units_in_input_dtype)
-        x_read = x.detach() if as_is else x.detach().float()
+        x_read = x.detach() if x.requires_grad else x
+        x_read = x_read if as_is else x_read.float()
         # a small CPU tensor: its units (contiguous: a cheap copy at most) in one C pass that
         # also finds the ends and updates the state, where torch takes a dozen small ops
         small = x_read.is_cpu and x_read.numel() < KERNEL_MIN_NUMEL
@@ -142,8 +143,7 @@ class Observer(nn.Module):
         if minmax_only and not padded and not small:
             fast = layout_minmax(x_read, layout)  # min / max straight from x, no units copy
         units = None if fast is not None else layout.to_units(x_read)
-        if small:
-            units = units.contiguous()
+        units = units.contiguous() if small else units
         count = units.shape[0] if fast is None else fast[0].shape[0]
         self._check_unit_count(count, x.shape)
         if self.non_finite == "ignore":

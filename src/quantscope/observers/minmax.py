@@ -123,7 +123,7 @@ class MinMaxStateObserver(Observer):
             return None
         if self.spec.layout.pads_at(x.shape):  # forward takes the padding out of lo / hi
             return None
-        units = op_units(x.detach(), self.spec.layout)
+        units = op_units(x.detach() if x.requires_grad else x, self.spec.layout)
         return units if units is not None and op_unit_count(units) == state.numel() else None
 
     def _observe(self, units, lo, hi):
