@@ -114,11 +114,22 @@ class QParams:
 KERNEL_MIN_UNITS = 1 << 14
 
 
+def _affine_consts(spec: QuantSpec) -> list[float] | None:
+    """The integer branch's constants (:func:`kernels.qparams_consts`) for ``spec``'s qparams,
+    float formats with fp32 scales included where their max is a whole number (fp8, fp6
+    e3m2, fp4: ``_affine_qparams``' symmetric formula, zero point 0); None elsewhere."""
+    fmt = spec.format
+    if isinstance(fmt, FloatFormat) and spec.scale.kind == "fp32" and float(
+            fmt.max).is_integer() and fmt.max < 2**31:  # (the ops' codes: whole int32 numbers)
+        return [float(spec.qmin), float(spec.qmax), float(spec.min_scale), 1.0, 0.0]
+    return kernels.qparams_consts(spec)
+
+
 def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams | None:
     """The integer branch with fp32 scales in one C pass over float32 CPU ranges; None where
     it does not apply (no kernel, other formats or devices, a NaN / inf range: the torch
     branch then raises or computes). Bitwise the torch branch (tests/kernels/test_native.py)."""
-    consts = kernels.qparams_consts(spec)
+    consts = _affine_consts(spec)
     if (consts is None or lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
             or not kernels.real(lo, hi) or (lib := kernels.lib("int_qparams")) is None):
         return None
@@ -177,7 +188,7 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
 def _int_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams | None:
     """The integer branch with fp32 scales as the op ``quantscope::int_qparams`` (below: one
     launch on CUDA, Triton); None where it does not apply."""
-    consts = kernels.qparams_consts(spec)
+    consts = _affine_consts(spec)
     if consts is None or lo.requires_grad or hi.requires_grad or lo.numel() == 0:
         return None
     scale, zp = int_qparams_op(lo.float(), hi.float(), consts)

@@ -97,8 +97,10 @@ def test_int_op_branch_is_the_torch_branch(name):
 
 
 @pytest.mark.parametrize("spec", [QuantSpec("int8", scale="bf16"), presets.MXFP4,
-                                  QuantSpec("fp8_e4m3")], ids=str)
-def test_int_op_is_for_integer_formats_with_fp32_scales(spec):
+                                  QuantSpec("fp6_e2m3")], ids=str)
+def test_int_op_is_for_fp32_scales_of_whole_codes(spec):
+    """Integer formats and float formats of a whole max (fp8: tests/kernels/
+    test_float_affine_qparams.py); not other encodings, block scales, nor e2m3's 7.5."""
     lo, hi = _ranges(8)
     assert qparams._int_qparams_op(lo, hi, spec) is None
 
