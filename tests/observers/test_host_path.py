@@ -101,3 +101,38 @@ def test_units_move_an_axis_only_where_it_is_elsewhere(layout, shape):
     assert torch.equal(got, want)
     moves = a != (0 if isinstance(layout, Channel) else x.dim() - 1)
     assert ("aten.permute" in seen.names) == moves
+
+
+class _OffCpu(torch.Tensor):
+    """A CPU tensor that says it is not on the CPU (the device branch, readable here)."""
+
+    @property
+    def is_cpu(self):
+        return False
+
+
+@pytest.mark.parametrize("seen, count", [(False, 0), (True, 0), (False, 3)])
+def test_ready_check_reads_its_flags_back_once_off_the_cpu(seen, count, monkeypatch):
+    """``calculate_qparams``' first check reads the non-finite flag and count back in one
+    read off the CPU (each read is a sync with the device), with the same error and
+    warning as the CPU's."""
+    obs = quantscope.get_observer("memoryless_minmax", SPECS["int8-channel"])
+    obs(_x())
+    obs.seen_non_finite.fill_(seen)
+    obs.non_finite_count.fill_(count)
+    for name in ("seen_non_finite", "non_finite_count"):
+        obs._buffers[name] = obs._buffers[name].as_subclass(_OffCpu)
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(_OffCpu, name,
+                            lambda self, *a, m=method, n=name: reads.append(n) or m(self, *a))
+    if seen:
+        with pytest.raises(ValueError, match="observed NaN or inf values"):
+            obs.check_ready()
+    elif count:
+        with pytest.warns(UserWarning, match="ignored 3 NaN / inf values"):
+            obs.check_ready()
+    else:
+        obs.check_ready()
+    assert len(reads) == 1, reads

@@ -91,10 +91,9 @@ class Observer(nn.Module):
     #: whether :meth:`_observe` reads ``units``; False (min-max family) lets forward take the
     #: per-unit min / max straight from the tensor and pass ``units=None``
     needs_units: bool = True
-    #: whether :meth:`_observe` takes ``units`` in the input's own float dtype (what it does
-    #: with them reads bf16 / fp16 exactly: the ops, the C kernels); False: a float32 copy
-    #: (the min-max family's units are in the input's dtype on every device: only the
-    #: per-unit min / max read them)
+    #: whether :meth:`_observe` takes ``units`` in the input's own float dtype (what it does with
+    #: them reads bf16 / fp16 exactly: the ops, the C kernels); False: a float32 copy (the
+    #: min-max family's units are in the input's dtype on every device: only its min / max read)
     units_in_input_dtype: bool = False
     #: whether forward gives a unit with Block / Tile zero padding its real values' ``lo`` /
     #: ``hi`` (padding is no data: it moves no range, nor average); histograms do it themselves
@@ -344,10 +343,12 @@ class Observer(nn.Module):
         if self.seen_non_finite.is_meta:  # (bool() would raise torch's bare .item() error)
             raise ValueError(f"{self.describe()}: its state is on the meta device, which holds "
                              f"no statistics to compute qparams from; observe on a real device")
-        if bool(self.seen_non_finite):
+        flags = (self.seen_non_finite, self.non_finite_count)  # one read off the CPU (a sync)
+        seen, count = flags if flags[0].is_cpu else torch.stack(flags).tolist()
+        if bool(seen):
             raise ValueError(f"{self.describe()}: observed NaN or inf values; fix the input or "
                              f"construct the observer with non_finite='ignore' to skip them")
-        if warn and (count := int(self.non_finite_count)):
+        if warn and (count := int(count)):
             warnings.warn(f"{self.describe()}: ignored {count} NaN / inf values", stacklevel=3)
 
     def reset(self) -> None:
@@ -484,8 +485,7 @@ class Observer(nn.Module):
         if c is None and optional:
             return None
         name = "averaging_constant (or None)" if optional else "averaging_constant"
-        # numpy's numbers too, kept as the Python float
-        return check_number(type(self).__name__, name, c, 0, 1, lo_open=True)
+        return check_number(type(self).__name__, name, c, 0, 1, lo_open=True)  # numpy's too
 
     def describe(self) -> str:
         """``Class(name, spec)``: how errors name this observer."""
