@@ -84,3 +84,34 @@ def test_update_state_rounds_its_constants_without_tensors(device, no_triton_gri
                             stats_minmax.UPDATES[kind], c)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
     assert not ops_seen.names & {"aten.lift_fresh", "aten._local_scalar_dense", "aten.item"}
+
+
+@pytest.mark.parametrize("kind", sorted(stats_minmax.UPDATES.values()))
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("shape", [(1, 60000), (3, 9000), (1, 3000)])  # 30, 5 and 2 chunks
+def test_accumulating_step_joins_its_chunks_in_the_state_launch(device, kind, bad, shape):
+    """An accumulating observer's step (``minmax_observe``) on few units, whose elements
+    the min / max launch splits into chunks: the state launch joins the chunks' extremes (no
+    amin / amax ops between the two launches, four dispatches each call), with the CPU op's
+    state and non-finite flag (a NaN / inf in a late chunk included)."""
+    x = _units(shape, seed=kind)
+    if bad is not None:
+        x[-1, -7] = bad
+    _, _, splits = minmax.partial_minmax(x.to(device))
+    assert splits > 1
+    g = torch.Generator().manual_seed(kind)
+    lo = torch.randn(shape[0], generator=g) - 1
+
+    def state(dev):
+        return (lo.clone().to(dev), (lo + 3).to(dev), torch.zeros((), dtype=torch.bool, device=dev),
+                torch.zeros((), dtype=torch.int64, device=dev))
+
+    want = state("cpu")
+    stats_minmax.minmax_observe(x, *want, kind, 0.25, 5)
+    got = state(device)
+    with OpNames() as ops_seen:
+        stats_minmax.triton_minmax_observe(minmax, x.to(device), *got, kind, 0.25, 5)
+    assert not ops_seen.names & {"aten.amin", "aten.amax", "aten.aminmax"}
+    for a, b in zip(got, want):
+        a = a.cpu()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

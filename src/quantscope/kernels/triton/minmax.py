@@ -20,7 +20,8 @@ import triton.language as tl
 from ..._numerics import as_float32, upload
 from ._jit import LAUNCH, cdiv, next_power_of_2, widen
 
-__all__ = ["grouped_descriptors", "grouped_unit_minmax", "unit_minmax", "update_state"]
+__all__ = ["grouped_descriptors", "grouped_unit_minmax", "partial_minmax", "unit_minmax",
+           "update_state"]
 
 #: programs below which the elements are split into chunks (a few per SM of an H100)
 TARGET_PROGRAMS = 512
@@ -86,6 +87,19 @@ def unit_minmax(units: torch.Tensor, *, block_u: int | None = None, block_e: int
     no row view: a channel axis in the middle, tiles; any strides; ``E >= 1``). The block sizes
     and the split count are chosen from the shape unless given (the tests force small ones
     to cover every loop)."""
+    lo, hi, splits = partial_minmax(units, block_u=block_u, block_e=block_e, splits=splits)
+    if splits == 1:
+        return lo, hi
+    U = lo.numel() // splits
+    return lo.view(U, splits).amin(1), hi.view(U, splits).amax(1)  # amin / amax keep NaN
+
+
+def partial_minmax(units: torch.Tensor, *, block_u: int | None = None,
+                   block_e: int | None = None, splits: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`unit_minmax` before the join of its chunks: ``(lo, hi, splits)``, float32
+    ``[U * splits]`` holding unit ``u``'s extremes over each of its ``splits`` chunks of
+    elements from ``u * splits`` on (:func:`update_state` joins them in its own launch)."""
     if units.dim() == 2:
         (U, E), (U2, E2) = units.shape, (1, units.shape[1])
         (su1, se2), su2, se1 = units.stride(), 0, 0
@@ -95,7 +109,7 @@ def unit_minmax(units: torch.Tensor, *, block_u: int | None = None, block_e: int
         su1, su2, se1, se2 = units.stride()
     if U == 0:  # no program to launch (and none to split the elements among)
         lo = torch.empty(0, dtype=torch.float32, device=units.device)
-        return lo, torch.empty_like(lo)
+        return lo, torch.empty_like(lo), 1
     bu, be = _blocks(U, E, block_e, block_u)
     chunk, splits = _split(U, E, bu, be, splits)
     lo = torch.empty(U * splits, dtype=torch.float32, device=units.device)
@@ -103,9 +117,7 @@ def unit_minmax(units: torch.Tensor, *, block_u: int | None = None, block_e: int
     grid = (cdiv(U, bu), splits)
     _minmax_kernel[grid](units, lo, hi, U, E, U2, E2, su1, su2, se1, se2, chunk, splits,
                          BLOCK_U=bu, BLOCK_E=be, FOUR_D=units.dim() == 4, **LAUNCH)
-    if splits == 1:
-        return lo, hi
-    return lo.view(U, splits).amin(1), hi.view(U, splits).amax(1)  # amin / amax keep NaN
+    return lo, hi, splits
 
 
 #: int64 entries per program in a grouped launch's descriptors (see the kernel)
@@ -223,12 +235,25 @@ def _update(s, b, c, one_minus_c, KIND: tl.constexpr, IS_LO: tl.constexpr):
 
 
 @triton.jit
-def _state_kernel(lo_ptr, hi_ptr, slo_ptr, shi_ptr, seen_ptr, n, c, one_minus_c,
+def _joined(ptr, offs, mask, splits, IS_LO: tl.constexpr):
+    """Each unit's extreme over its ``splits`` partial ones (``partial_minmax``), NaN kept."""
+    x = tl.load(ptr + offs * splits, mask=mask, other=0.0)
+    for s in range(1, splits):
+        y = tl.load(ptr + offs * splits + s, mask=mask, other=0.0)
+        if IS_LO:
+            x = tl.minimum(x, y, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            x = tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL)
+    return x
+
+
+@triton.jit
+def _state_kernel(lo_ptr, hi_ptr, slo_ptr, shi_ptr, seen_ptr, n, splits, c, one_minus_c,
                   KIND: tl.constexpr, RECORD: tl.constexpr, BLOCK_N: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < n
-    lo = tl.load(lo_ptr + offs, mask=mask, other=0.0)
-    hi = tl.load(hi_ptr + offs, mask=mask, other=0.0)
+    lo = _joined(lo_ptr, offs, mask, splits, True)
+    hi = _joined(hi_ptr, offs, mask, splits, False)
     if RECORD:
         # |x| < inf is false for NaN and +-inf; masked lanes read 0
         finite = (tl.abs(lo) < float("inf")) & (tl.abs(hi) < float("inf"))
@@ -244,17 +269,18 @@ def _state_kernel(lo_ptr, hi_ptr, slo_ptr, shi_ptr, seen_ptr, n, c, one_minus_c,
 
 def update_state(lo: torch.Tensor, hi: torch.Tensor, state_lo: torch.Tensor | None,
                  state_hi: torch.Tensor | None, seen: torch.Tensor | None, kind: int,
-                 c: float) -> None:
-    """In place, from per-unit ``lo`` / ``hi`` (contiguous float32 ``[n]``): ``seen`` (one
-    bool; None: not recorded) set where they hold NaN or an infinity, and the state
-    ``state_lo`` / ``state_hi`` updated (``kind``: the codes above, NO_UPDATE with no state;
-    ``c`` the moving average's constant: its float32, and that of ``1 - c``, as torch's ops
-    on a float32 tensor take the Python scalars)."""
-    n = lo.numel()
+                 c: float, splits: int = 1) -> None:
+    """In place, from per-unit ``lo`` / ``hi`` (contiguous float32 ``[n]``; or ``[n * splits]``,
+    :func:`partial_minmax`'s chunks, joined here: no amin / amax ops between the launches):
+    ``seen`` (one bool; None: not recorded) set where they hold NaN or an infinity, and the
+    state ``state_lo`` / ``state_hi`` updated (``kind``: the codes above, NO_UPDATE with no
+    state; ``c`` the moving average's constant: its float32, and that of ``1 - c``, as torch's
+    ops on a float32 tensor take the Python scalars)."""
+    n = lo.numel() // splits
     if n and (seen is not None or kind != NO_UPDATE):
         # rounded in Python: a float32 tensor per constant took six ops per observer call
         c32, one_minus_c32 = as_float32(c), as_float32(1.0 - c)
         _state_kernel[(cdiv(n, 1024),)](
             lo, hi, lo if state_lo is None else state_lo, hi if state_hi is None else state_hi,
-            lo if seen is None else seen, n, c32, one_minus_c32, KIND=int(kind),
+            lo if seen is None else seen, n, splits, c32, one_minus_c32, KIND=int(kind),
             RECORD=seen is not None, BLOCK_N=1024, **LAUNCH)
