@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .placement import plain
 
@@ -22,8 +23,8 @@ def memory(t: torch.Tensor):
     """Which values ``t`` is: distinct Parameters over the same memory (another model's
     weights loaded with ``load_state_dict(..., assign=True)``) are one weight, to quantize
     once, restore once, and export for every holder alike."""
-    # no memory to tell apart (empty; meta tensors all report address 0), none to read
-    if not t.numel() or not plain(t) or t.device.type == "meta":
+    # no memory to tell apart (empty, lazy; meta tensors all report address 0), none to read
+    if is_lazy(t) or not t.numel() or not plain(t) or t.device.type == "meta":
         return id(t)
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
             tuple(t.stride()))
