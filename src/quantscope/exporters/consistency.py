@@ -101,18 +101,19 @@ def _per_layer(qc: dict, pick):
 
 
 def _weight_strategies(qc: dict):
-    """``layer -> strategy`` of its weights (:func:`_per_layer`)."""
-    # no strategy: compressed-tensors infers one (tensor, or group with a group size)
-    return _per_layer(qc, lambda w: str(w["strategy"]).lower() if w.get("strategy") else None)
+    """``layer -> strategy`` of its weights, as compressed-tensors reads it (an absent one
+    inferred: :func:`.serving.scheme_args`; :func:`_per_layer`)."""
+    return _per_layer(qc, lambda w: scheme_args(w)["strategy"])
 
 
 def _block_rows(weights: dict) -> int | None:
     """The rows of a block-strategy weight's blocks (its ``block_structure``, either form),
     else None."""
-    if str(weights.get("strategy")).lower() != "block":
+    args = scheme_args(weights)
+    if args["strategy"] != "block":
         return None
     try:
-        rows = block_structure("check", weights.get("block_structure"))[0]
+        rows = block_structure("check", args["block_structure"])[0]
     except ValueError:
         return None
     return rows if rows > 0 else None

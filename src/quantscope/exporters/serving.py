@@ -44,11 +44,18 @@ _ARG_DEFAULTS = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": Fal
 
 def scheme_args(args: dict | None) -> dict | None:
     """The :data:`SCHEME_FIELDS` of ``args`` (a ``weights`` / ``input_activations`` dict as
-    ``config.json`` holds it), an absent one as its default, ``block_structure`` as a list
-    in either of its forms; None where there are no args."""
+    ``config.json`` holds it) as vLLM reads them from the ``QuantizationArgs`` it builds of it:
+    an absent field its default, an absent strategy as compressed-tensors infers it (no
+    ``group_size``: tensor; > 0: group; -1: channel), strings in lower case and
+    ``block_structure`` as a list in either of its forms; None where there are no args."""
     if not isinstance(args, dict):
         return None
     out = {k: args.get(k, _ARG_DEFAULTS.get(k)) for k in SCHEME_FIELDS}
+    out = {k: v.lower() if isinstance(v, str) else v for k, v in out.items()}
+    if out["strategy"] is None:
+        size = out["group_size"]
+        out["strategy"] = ("tensor" if size is None else "channel" if size == -1
+                           else "group" if isinstance(size, int) and size > 0 else None)
     try:
         out["block_structure"] = list(block_structure("check", out["block_structure"]))
     except ValueError:
@@ -57,8 +64,10 @@ def scheme_args(args: dict | None) -> dict | None:
 
 
 def _on(args: dict | None, key: str):
-    value = args.get(key) if isinstance(args, dict) else None
-    return value.lower() if isinstance(value, str) else value
+    """Field ``key`` (one of :data:`SCHEME_FIELDS`) of ``args`` as vLLM reads it
+    (:func:`scheme_args`); None where there are no args."""
+    read = scheme_args(args)
+    return None if read is None else read[key]
 
 
 def vllm_refusal(weights: dict | None, inputs: dict | None = None, fmt: str | None = None,
@@ -81,8 +90,8 @@ def _mxfp8(args: dict | None) -> bool:
     (``scale_dtype`` uint8, as compressed-tensors' MXFP8 schemes write ``"torch.uint8"``)."""
     return (isinstance(args, dict) and _on(args, "type") == "float"
             and _on(args, "num_bits") == 8 and _on(args, "strategy") == "group"
-            and args.get("group_size") == 32 and bool(args.get("symmetric", True))
-            and str(args.get("scale_dtype")).removeprefix("torch.") == "uint8")
+            and _on(args, "group_size") == 32 and bool(_on(args, "symmetric"))
+            and str(_on(args, "scale_dtype")).removeprefix("torch.") == "uint8")
 
 
 def _fp8(w: dict, a: dict | None) -> str | None:
@@ -94,17 +103,17 @@ def _fp8(w: dict, a: dict | None) -> str | None:
         # no fp8 format is pack-quantized (WNA16)
         return (f"vLLM serves fp8 weights in groups only as MXFP8 (its _is_mxfp8: groups of "
                 f"32, symmetric, E8M0 scales, scale_dtype uint8; got groups of "
-                f"{w.get('group_size')}, symmetric {w.get('symmetric', True)}, scale_dtype "
-                f"{w.get('scale_dtype')}); its other fp8 "
+                f"{_on(w, 'group_size')}, symmetric {_on(w, 'symmetric')}, scale_dtype "
+                f"{_on(w, 'scale_dtype')}); its other fp8 "
                 f"schemes take tensor, channel or block weights -- use per-channel "
                 f"(fp8-dynamic) or block (FP8_BLOCK) fp8 weights")
     if strategy not in ("tensor", "channel", "block"):
         return None  # (MXFP8, tensor_group ...: not these schemes' rules)
-    if not w.get("symmetric") or w.get("dynamic"):
+    if not _on(w, "symmetric") or _on(w, "dynamic"):
         return ("vLLM serves fp8 weights only static and symmetric (its W8A8 / W8A16 Fp8 "
                 "schemes)")
-    static_tensor_input = (a is not None and _on(a, "type") == "float" and not a.get("dynamic")
-                           and a.get("symmetric") and _on(a, "strategy") == "tensor")
+    static_tensor_input = (a is not None and _on(a, "type") == "float" and not _on(a, "dynamic")
+                           and _on(a, "symmetric") and _on(a, "strategy") == "tensor")
     if strategy == "block" and static_tensor_input:
         return ("vLLM serves fp8 block weights only with a dynamic input (its W8A8 Fp8 block "
                 "kernel quantizes activations at run time in 1 x block-columns groups) -- use "
@@ -116,7 +125,7 @@ def _int(w: dict, a: dict | None, fmt: str | None, out: dict | None) -> str | No
     """``_is_wNa16_group_channel``, ``_is_static_tensor_w8a8``, ``_is_dynamic_token_w8a8``,
     ``_is_dynamic_token_w4a8_int``, ``_is_wNaM_int`` and ``_is_wNa8o8_int``."""
     bits, strategy = _on(w, "num_bits"), _on(w, "strategy")
-    grouped = strategy in ("channel", "group") and not w.get("dynamic")
+    grouped = strategy in ("channel", "group") and not _on(w, "dynamic")
     fmt = fmt.lower() if isinstance(fmt, str) else None
     if a is None:
         if grouped and bits in _WEIGHT_ONLY_BITS and fmt in (None, "pack-quantized",
@@ -125,20 +134,21 @@ def _int(w: dict, a: dict | None, fmt: str | None, out: dict | None) -> str | No
         return (f"vLLM serves weight-only int weights as its WNA16 scheme only: "
                 f"{' or '.join(map(str, _WEIGHT_ONLY_BITS))} bits, per channel or group, "
                 f"format pack-quantized (got {bits} bits, {strategy}, {fmt})")
-    a_bits, a_strategy, a_dynamic = _on(a, "num_bits"), _on(a, "strategy"), bool(a.get("dynamic"))
-    w8 = bits == a_bits == 8 and strategy in ("tensor", "channel") and w.get("symmetric") \
-        and not w.get("dynamic")
+    a_bits, a_strategy = _on(a, "num_bits"), _on(a, "strategy")
+    a_dynamic = bool(_on(a, "dynamic"))
+    w8 = bits == a_bits == 8 and strategy in ("tensor", "channel") and _on(w, "symmetric") \
+        and not _on(w, "dynamic")
     if w8 and ((a_strategy == "tensor" and not a_dynamic) or (a_strategy == "token"
                                                               and a_dynamic)):
         return None  # W8A8 int8, static per tensor or dynamic per token
-    if bits == 4 and a_bits == 8 and strategy in ("group", "channel") and w.get("symmetric") \
-            and a_strategy == "token" and a_dynamic and not w.get("dynamic"):
+    if bits == 4 and a_bits == 8 and strategy in ("group", "channel") and _on(w, "symmetric") \
+            and a_strategy == "token" and a_dynamic and not _on(w, "dynamic"):
         return None  # W4A8 int
-    if grouped and fmt == "pack-quantized" and a.get("symmetric") and a_dynamic \
+    if grouped and fmt == "pack-quantized" and _on(a, "symmetric") and a_dynamic \
             and a_strategy in ("token", "group") and a_bits in (4, 8):
         return None  # WNA8 / WNA4 int (dynamic symmetric per token / group input, packed)
     out_int8 = isinstance(out, dict) and _on(out, "type") == "int" and _on(out, "num_bits") == 8 \
-        and _on(out, "strategy") == "tensor" and not out.get("dynamic")
+        and _on(out, "strategy") == "tensor" and not _on(out, "dynamic")
     if grouped and fmt in ("pack-quantized", "int-quantized") and out_int8 \
             and a_bits == 8 and a_strategy == "tensor" and not a_dynamic:
         return None  # WNA8O8 int: static int8 input and output
@@ -147,8 +157,8 @@ def _int(w: dict, a: dict | None, fmt: str | None, out: dict | None) -> str | No
 
 def _described(args: dict) -> str:
     """An input as a message names it (``"static asymmetric per-tensor int8"``)."""
-    return (f"{'dynamic' if args.get('dynamic') else 'static'} "
-            f"{'symmetric' if args.get('symmetric') else 'asymmetric'} "
+    return (f"{'dynamic' if _on(args, 'dynamic') else 'static'} "
+            f"{'symmetric' if _on(args, 'symmetric') else 'asymmetric'} "
             f"per-{_on(args, 'strategy')} int{_on(args, 'num_bits')}")
 
 
@@ -182,7 +192,7 @@ def _nvfp4(args: dict | None) -> bool:
     """vLLM's ``_is_nvfp4_format``: float 4 bits, ``tensor_group`` of 16, symmetric."""
     return (isinstance(args, dict) and _on(args, "type") == "float"
             and _on(args, "num_bits") == 4 and _on(args, "strategy") == "tensor_group"
-            and args.get("group_size") == 16 and bool(args.get("symmetric", True)))
+            and _on(args, "group_size") == 16 and bool(_on(args, "symmetric")))
 
 
 def vllm_moe_refusal(weights: dict | None, inputs: dict | None = None,
@@ -196,16 +206,16 @@ def vllm_moe_refusal(weights: dict | None, inputs: dict | None = None,
     a = inputs if isinstance(inputs, dict) else None
     kind, bits, strategy = _on(weights, "type"), _on(weights, "num_bits"), _on(weights, "strategy")
     fmt = fmt.lower() if isinstance(fmt, str) else None
-    if kind == "float" and bits == 4 and strategy == "group" and weights.get("group_size") == 32:
+    if kind == "float" and bits == 4 and strategy == "group" and _on(weights, "group_size") == 32:
         return None  # _is_mxfp4: CompressedTensorsW4A4Mxfp4MoEMethod
     if _mxfp8(weights):
         # _is_mxfp8: CompressedTensorsW8A8Mxfp8MoEMethod, whatever the input (it quantizes
         # activations to MXFP8 at run time), so weight-only mxfp8 experts load too
         return None
-    if a is None and strategy in ("channel", "group") and not weights.get("dynamic"):
+    if a is None and strategy in ("channel", "group") and not _on(weights, "dynamic"):
         # _is_wNa16_group_channel (any type): the WNA16 MoE methods; their Marlin and Triton
         # kernels assert symmetric weights
-        if bits in _WEIGHT_ONLY_BITS and fmt == "pack-quantized" and weights.get("symmetric"):
+        if bits in _WEIGHT_ONLY_BITS and fmt == "pack-quantized" and _on(weights, "symmetric"):
             return None
         return (f"vLLM serves weight-only experts only as its WNA16 MoE: int 4 or 8 bits, "
                 f"symmetric, per channel or group, format pack-quantized (got {kind}{bits}, "
@@ -232,13 +242,13 @@ def _moe_fp8(w: dict, a: dict) -> str | None:
     tensor weights with a tensor input, channel weights with a dynamic per-token input, else
     asserts block weights."""
     strategy, a_strategy = _on(w, "strategy"), _on(a, "strategy")
-    if not w.get("symmetric") or w.get("dynamic") or strategy not in ("tensor", "channel",
-                                                                       "block"):
+    if not _on(w, "symmetric") or _on(w, "dynamic") \
+            or strategy not in ("tensor", "channel", "block"):
         return None  # not _is_fp8_w8a8: no rule here
-    if not a.get("dynamic") and not (a.get("symmetric") and a_strategy == "tensor"):
+    if not _on(a, "dynamic") and not (_on(a, "symmetric") and a_strategy == "tensor"):
         return None  # not _is_fp8_w8a8 either
     if strategy == "block" or (strategy == a_strategy == "tensor") or (
-            strategy == "channel" and a_strategy == "token" and a.get("dynamic")):
+            strategy == "channel" and a_strategy == "token" and _on(a, "dynamic")):
         return None
     return (f"vLLM's fp8 MoE takes {strategy} weights only with "
             f"{'a per-tensor input' if strategy == 'tensor' else 'a dynamic per-token input'}"
@@ -264,8 +274,8 @@ def _moe_int(w: dict, a: dict) -> str | None:
     channel weights; ``_is_dynamic_token_w4a8_int`` CompressedTensorsW4A8Int8MoEMethod, CPU
     only (:data:`_W4A8_CPU_ONLY`); anything else raises "Unsupported FusedMoe scheme"."""
     bits, strategy, a_bits = _on(w, "num_bits"), _on(w, "strategy"), _on(a, "num_bits")
-    token = _on(a, "strategy") == "token" and a.get("dynamic") and w.get("symmetric") \
-        and not w.get("dynamic")
+    token = _on(a, "strategy") == "token" and _on(a, "dynamic") and _on(w, "symmetric") \
+        and not _on(w, "dynamic")
     if token and bits == a_bits == 8 and strategy == "channel":
         return None
     if token and bits == 4 and a_bits == 8 and strategy in ("channel", "group"):
@@ -290,8 +300,8 @@ def vllm_embedding_refusal(weights: dict | None, inputs: dict | None = None,
     fmt = fmt.lower() if isinstance(fmt, str) else None
     older = ("older vLLM builds every embedding unquantized and finds no parameter for its "
              "weight_packed")
-    if (kind == "int" and strategy in ("channel", "group") and not weights.get("dynamic")
-            and weights.get("symmetric") and fmt == "pack-quantized"
+    if (kind == "int" and strategy in ("channel", "group") and not _on(weights, "dynamic")
+            and _on(weights, "symmetric") and fmt == "pack-quantized"
             and not isinstance(inputs, dict)):
         return (f"vLLM loads a quantized embedding only with its "
                 f"CompressedTensorsEmbeddingWNA16Int (recent releases; {older}) and only in "
