@@ -33,9 +33,10 @@ __all__ = ["SCHEME_FIELDS", "describe", "embedding_layers", "quantized", "resolv
 _WEIGHT_ONLY_BITS = (4, 8)  # vLLM's WNA16_SUPPORTED_BITS
 
 #: the QuantizationArgs fields vLLM's scheme choice reads: ``_get_scheme_from_parts``, its
-#: predicates, the schemes it builds (CompressedTensorsW8A8Fp8 takes ``block_structure``) and
-#: the config parsing (``actorder``). ``observer``, ``observer_kwargs`` and ``zp_dtype`` it
-#: never reads: groups that differ only there are one scheme to it
+#: predicates, the schemes it builds (CompressedTensorsW8A8Fp8 takes ``block_structure``,
+#: CompressedTensorsWNA16 ``actorder``, read as group or not: :func:`_g_idx`).
+#: ``observer``, ``observer_kwargs`` and ``zp_dtype`` it never reads: groups that differ only
+#: there are one scheme to it
 SCHEME_FIELDS = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure",
                  "dynamic", "actorder", "scale_dtype")
 #: compressed-tensors' QuantizationArgs defaults of those fields (the others default to None)
@@ -46,8 +47,9 @@ def scheme_args(args: dict | None) -> dict | None:
     """The :data:`SCHEME_FIELDS` of ``args`` (a ``weights`` / ``input_activations`` dict as
     ``config.json`` holds it) as vLLM reads them from the ``QuantizationArgs`` it builds of it:
     an absent field its default, an absent strategy as compressed-tensors infers it (no
-    ``group_size``: tensor; > 0: group; -1: channel), strings in lower case and
-    ``block_structure`` as a list in either of its forms; None where there are no args."""
+    ``group_size``: tensor; > 0: group; -1: channel), strings in lower case,
+    ``block_structure`` as a list in either of its forms and ``actorder`` as ``"group"`` or
+    None (:func:`_g_idx`); None where there are no args."""
     if not isinstance(args, dict):
         return None
     out = {k: args.get(k, _ARG_DEFAULTS.get(k)) for k in SCHEME_FIELDS}
@@ -56,11 +58,21 @@ def scheme_args(args: dict | None) -> dict | None:
         size = out["group_size"]
         out["strategy"] = ("tensor" if size is None else "channel" if size == -1
                            else "group" if isinstance(size, int) and size > 0 else None)
+    out["actorder"] = "group" if _g_idx(out["actorder"]) else None
     try:
         out["block_structure"] = list(block_structure("check", out["block_structure"]))
     except ValueError:
         pass  # none, or not one vLLM could read either: compared as it is
     return out
+
+
+def _g_idx(actorder) -> bool:
+    """Whether vLLM gives a layer of this ``actorder`` a ``weight_g_idx``: its WNA16 schemes
+    read the field only as ``has_g_idx = actorder == ActivationOrdering.GROUP``, which
+    ``"dynamic"`` equals where compressed-tensors has it as an alias (and ``true``, which older
+    releases parse as group); so ``"weight"``, ``"static"`` and none are one scheme to it.
+    (Recent compressed-tensors and vLLM refuse group and dynamic in a config.)"""
+    return actorder is True or actorder in ("group", "dynamic")
 
 
 def _on(args: dict | None, key: str):
