@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -41,6 +40,7 @@ from ..structure.placement import (
     check_placement,
     held_weight,
     plain,
+    refuse_compiled,
     restore_problem,
     stored,
 )
@@ -273,15 +273,16 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
     return handle
 
 
-def refuse_applied(model: nn.Module, who: str) -> None:
+def refuse_applied(model: nn.Module, who: str, why: str = "calibrating a fake-quantized "
+                   "model gives ranges of the quantized values") -> None:
     """Refuse a model with quantscope QDQ applied (to it, a module of it, or a model holding
-    it): calibrating it would observe the fake-quantized weights and activations."""
+    it): calibrating it would observe the fake-quantized weights and activations, an export
+    would write them (``why``: the reason the message gives)."""
     held = _held()
     if (any(getattr(m, _ATTR, None) is not None for m in model.modules())
             or (held and any(memory(p) in held for p in model.parameters()))):
         raise ValueError(f"{who}: the model has quantscope QDQ applied (calibration.apply); "
-                         f"remove() the handle first: calibrating a fake-quantized model gives "
-                         f"ranges of the quantized values")
+                         f"remove() the handle first: {why}")
     _refuse_parts(model, who)
 
 
@@ -331,26 +332,6 @@ def _where(name: str, module: nn.Module, experts) -> tuple:
     if experts is not None and name in experts.layers:
         return experts.source(name)
     return module, "weight", None
-
-
-def refuse_compiled(model: nn.Module, who: str) -> None:
-    """Refuse a ``torch.compile(module)`` wrapper (``OptimizedModule``), as the model or one of
-    its submodules: once it ran, its cached graphs skip hooks added later (dynamo does not
-    guard on module hooks by default), so activations would go unobserved or unquantized
-    without a word. ``module.compile()`` in place keeps calling them: accepted."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing compiled
-    compiled = getattr(eval_frame, "OptimizedModule", None)
-    if compiled is None:
-        return
-    found = [name for name, module in model.named_modules() if isinstance(module, compiled)]
-    if found:
-        where, inner = ("model", "model._orig_mod") if not found[0] else (
-            f"submodule {found[0]!r}", f"{found[0]}._orig_mod")
-        raise ValueError(
-            f"{who}: the {where} is a torch.compile'd module (OptimizedModule): its compiled "
-            f"graphs do not run forward hooks added after it ran, so activations would be "
-            f"neither observed nor fake-quantized; pass the module it wraps ({inner}) and "
-            f"torch.compile after apply()")
 
 
 def _checked_weight(name: str, module: nn.Module, state: RoleState, held) -> torch.Tensor:

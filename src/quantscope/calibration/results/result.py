@@ -10,12 +10,16 @@ from ...exporters.registry import exporter, reader
 from ..structure import kv_cache
 from ..structure.fingerprint import check_fingerprints
 from .apply import apply as _apply
-from .apply import fake_quantized
+from .apply import fake_quantized, refuse_applied
 from .report import Report, exact_note, kv_cache_rows
 from .role_state import RoleState
 from .saving import save as _save
 
 __all__ = ["Calibration", "RoleState"]
+
+#: why an export refuses a model with QDQ applied (``with calibration.apply(model):``)
+_EXPORT_APPLIED = ("an export writes the weights the model holds, fake-quantized while "
+                   "applied: export outside the `with calibration.apply(model):` block")
 
 
 @dataclass(eq=False)  # tensors have no truth value: ``==`` is identity, quantizes_like compares
@@ -54,7 +58,10 @@ class Calibration:
         smoothed twice; a weight whose bits differ from those calibrated (their fingerprints,
         :func:`~..structure.fingerprint.check_fingerprints`: another checkpoint of the same
         shapes, or the recorded model folder re-saved since). ``apply`` and every export
-        (:mod:`quantscope.exporters.registry`) call it."""
+        (:mod:`quantscope.exporters.registry`) call it; any ``who`` but ``"apply"`` (an
+        export) also refuses a model with QDQ applied, whose weights are fake-quantized."""
+        if who != "apply" and isinstance(model, torch.nn.Module):
+            refuse_applied(model, who, _EXPORT_APPLIED)
         if self.smoothing:
             _check_smoothed(model, self, who)
         if isinstance(model, torch.nn.Module):  # else apply's / the export's type check

@@ -43,13 +43,13 @@ from ..options import (
     from_keywords,
 )
 from ..recipe import AUTO, Recipe, preset
-from ..results.apply import refuse_applied, refuse_compiled
+from ..results.apply import refuse_applied
 from ..results.result import Calibration
 from ..structure import kv_cache
 from ..structure import moe as _moe
 from ..structure.fingerprint import record_fingerprints
 from ..structure.fusion import one_fusion, peek
-from ..structure.placement import check_placement
+from ..structure.placement import check_placement, refuse_compiled
 from . import imatrix_roles
 from . import sequential as _sequential
 from .batches import check_batches

@@ -18,6 +18,8 @@ not quantize name: an LSTM's ``weight_ih_l0``, none of a block's (its layers hol
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
@@ -27,7 +29,8 @@ from ..._checks import write_refused
 from ...observers.base import is_dtensor
 
 __all__ = ["check_module", "check_placement", "held_weight", "is_block", "loaded_copies",
-           "no_weight_role", "own_weights", "plain", "restore_problem", "stored", "unhooked"]
+           "no_weight_role", "own_weights", "plain", "refuse_compiled", "restore_problem", "stored",
+           "unhooked"]
 
 _SEQUENTIAL = ("calibrate it block by block from its checkpoint: calibrate(empty_model(folder), "
                "..., sequential=Sequential(checkpoint=folder))")
@@ -220,3 +223,23 @@ def no_weight_role(module: nn.Module) -> str:
             f"which quantscope does not quantize (it quantizes a layer's `weight`: a "
             f"Linear's, a convolution's, an Embedding's); give it a rule with an input role "
             f"alone, or rules on the Linear layers around it")
+
+
+def refuse_compiled(model: nn.Module, who: str) -> None:
+    """Refuse a ``torch.compile(module)`` wrapper (``OptimizedModule``), as the model or one of
+    its submodules: once it ran, its cached graphs skip hooks added later (dynamo does not
+    guard on module hooks by default), so activations would go unobserved or unquantized
+    without a word. ``module.compile()`` in place keeps calling them: accepted."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing compiled
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    if compiled is None:
+        return
+    found = [name for name, module in model.named_modules() if isinstance(module, compiled)]
+    if found:
+        where, inner = ("model", "model._orig_mod") if not found[0] else (
+            f"submodule {found[0]!r}", f"{found[0]}._orig_mod")
+        raise ValueError(
+            f"{who}: the {where} is a torch.compile'd module (OptimizedModule): its compiled "
+            f"graphs do not run forward hooks added after it ran, so activations would be "
+            f"neither observed nor fake-quantized; pass the module it wraps ({inner}) and "
+            f"torch.compile after apply()")
