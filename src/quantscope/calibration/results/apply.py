@@ -94,6 +94,11 @@ class _Saved:
             now.setdefault(id(t), t)
         return list(now.values())
 
+    def present(self) -> bool:
+        """Whether the holders still hold a weight: a copy whose weights were taken away (an
+        exporter's, compressed; dropped, its handle left until gc collects it) holds none."""
+        return all(isinstance(getattr(m, n, None), torch.Tensor) for m, n in self.holders)
+
     def targets(self) -> list[torch.Tensor]:
         """The weight as the model holds it now (an expert's ``[out, in]`` slice)."""
         if self.expert is None:
@@ -310,7 +315,7 @@ def _held(slices: bool = False) -> set:
     handles fake-quantized, as the models hold them now, by :func:`~..structure.tied.memory`."""
     with _APPLIED_LOCK:
         handles = list(_APPLIED)
-    return {memory(t) for h in handles for s in h._weights
+    return {memory(t) for h in handles for s in h._weights if s.present()
             for t in (*s.params(), *(s.targets() if slices else ()))}
 
 
