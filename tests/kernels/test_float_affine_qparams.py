@@ -74,13 +74,38 @@ def test_off_the_cpu_fp8_qparams_are_one_op(spec):
     assert sum(seen.calls.values()) <= 2, seen.calls  # was 9 torch ops
 
 
+def _nan_ranges():
+    lo, hi = _ranges(40)
+    lo[5], hi[7] = float("nan"), float("nan")
+    return lo, hi
+
+
+def _assert_nan_equal(got, want):
+    assert torch.equal(got.scale.cpu().isnan(), want.scale.isnan())
+    assert got.scale.isnan().any()
+    assert torch.equal(got.scale.cpu().nan_to_num(), want.scale.nan_to_num())
+    assert torch.equal(got.zero_point.cpu(), want.zero_point)
+
+
 def test_nan_ranges_raise_and_unchecked_ones_propagate_as_before():
     spec = QuantSpec("fp8_e4m3")
-    lo, hi = _ranges(40)
-    lo[5] = float("nan")
+    lo, hi = _nan_ranges()
     with pytest.raises(ValueError, match="finite"):
         qparams.qparams_from_range(lo, hi, spec)
-    got = qparams.qparams_from_range(lo, hi, spec, check_finite=False)
     want = _torch_branch(lo, hi, spec)
-    assert torch.equal(got.scale.isnan(), want.scale.isnan())
-    assert torch.equal(got.scale.nan_to_num(), want.scale.nan_to_num())
+    # the C kernel declines a NaN range (the torch branch computes it), where it is built
+    if kernels.lib("int_qparams") is not None:
+        assert kernels.lib("int_qparams") and qparams._int_qparams_kernel(lo, hi, spec) is None
+        assert qparams._int_qparams_kernel(*_ranges(40), spec) is not None  # (finite: takes)
+    _assert_nan_equal(qparams.qparams_from_range(lo, hi, spec, check_finite=False), want)
+    _assert_nan_equal(qparams._int_qparams_op(lo, hi, spec), want)  # the op's CPU one
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("fp8_e4m3"), QuantSpec("fp4_e2m1")], ids=str)
+def test_triton_op_propagates_nan_ranges_as_the_torch_branch(device, spec):
+    from quantscope.kernels.triton import block_qparams
+
+    lo, hi = _nan_ranges()
+    scale, zp = block_qparams.int_qparams(lo.to(device), hi.to(device),
+                                          *qparams._affine_consts(spec))
+    _assert_nan_equal(qparams.QParams(scale, zp), _torch_branch(lo, hi, spec))
