@@ -3,8 +3,9 @@ export refuse a model whose weights differ (probe s42 f1: a run's model folder r
 other weights of the same shapes was exported with the old scales, 35 % of the int8 codes
 saturated, without a word: only shapes were compared).
 
-The digest is checked against a pure-Python computation of its definition (two integer sums
-over the bits read as 16-bit words, 8-bit for 1-byte dtypes), so weights identical bit for
+The digest is checked against a pure-Python computation of its definition (two sums mod
+2**64 over the bits read as signed 32-bit words in rows of 8192, weighted by fixed
+pseudo-random column and row keys: fingerprint.py's module doc), so weights identical bit for
 bit agree on any device, layout or thread count; a dtype change is compared in the dtype
 calibrated where that cast is exact both ways, and warned about where it is not."""
 
