@@ -161,8 +161,8 @@ def test_other_weights_of_the_same_shapes_are_refused_naming_the_first_that_diff
     other = copy.deepcopy(model)
     other.model.layers[1].mlp.down_proj.weight.data.view(torch.int32)[3, 7] += 1  # one ulp
     with pytest.raises(ValueError, match=r"^export: model\.layers\.1\.mlp\.down_proj\.weight "
-                                         r"is not the weight calibrated .* the model is not the "
-                                         r"one calibrated \(re-saved or fine-tuned since"):
+                                         r"is not the weight calibrated .* the model was "
+                                         r"re-saved, fine-tuned, or smoothed in place"):
         quantscope.export(cal, other, tmp_path / "ct")
     assert not (tmp_path / "ct").exists()
     scaled = llama(seed=1)[0]
@@ -180,9 +180,9 @@ def test_without_fingerprints_applies_and_exports_to_other_weights_knowingly(cal
     _, batches, cal = calibrated
     other = llama(seed=1)[0]
     with pytest.raises(ValueError, match=r"is not the weight calibrated .* calibrate this one "
-                                         r"\(to use these scales all the same: "
-                                         r"calibration\.without_fingerprints\(\), "
-                                         r"--allow-other-weights on the command line\)$"):
+                                         r"\(to use these scales all the same, on weights not "
+                                         r"smoothed since: calibration\.without_fingerprints"
+                                         r"\(\), --allow-other-weights\)$"):
         cal.apply(other)
     loose = cal.without_fingerprints()
     assert cal.states["model.layers.0.self_attn.q_proj"]["weight"].fingerprint is not None

@@ -39,7 +39,7 @@ def test_a_model_folder_resaved_with_other_weights_is_refused(llama_dir, tmp_pat
     assert rc == 0, err  # the model calibrated (smoothed again by export: the same bits)
     _resave_scaled(model, 3.0)
     said = ("is not the weight calibrated (its bits differ from the fingerprint calibrate "
-            "recorded): the model is not the one calibrated")
+            "recorded): the model was re-saved, fine-tuned, or smoothed in place")
     rc, _, err = run_cli(capsys, "export", run, "--out", str(tmp_path / "ct2"))
     assert rc == 2 and err.strip().splitlines()[-1].startswith(
         "quantscope export: error: export: model.layers.0.self_attn.q_proj.weight "), err
@@ -53,8 +53,8 @@ def test_a_model_folder_resaved_with_other_weights_is_refused(llama_dir, tmp_pat
                          str(tmp_path / "ct3"))
     assert rc == 0, err  # --model: the folder calibrated
     assert said_next(capsys, run, tmp_path).endswith(  # whole: within the CLI's 500 characters
-        "(to use these scales all the same: calibration.without_fingerprints(), "
-        "--allow-other-weights on the command line)")
+        "(to use these scales all the same, on weights not smoothed since: "
+        "calibration.without_fingerprints(), --allow-other-weights)")
     # the override the message names: the run's scales on the new weights, as asked
     rc, _, err = run_cli(capsys, "export", run, "--allow-other-weights", "--out",
                          str(tmp_path / "ct4"))

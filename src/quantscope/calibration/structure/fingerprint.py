@@ -230,12 +230,12 @@ def check_fingerprints(model: nn.Module, states: dict, who: str, skip=frozenset(
             narrower.append((layer, w.dtype, dtype))
             continue
         raise ValueError(f"{who}: {layer}.weight is not the weight calibrated (its bits differ "
-                         f"from the fingerprint calibrate recorded): the model is not the one "
-                         f"calibrated (re-saved or fine-tuned since, or another checkpoint of "
-                         f"the same shapes), whose scales would clip or waste its range; pass "
-                         f"the model calibrated, or calibrate this one (to use these scales all "
-                         f"the same: calibration.without_fingerprints(), --allow-other-weights "
-                         f"on the command line)")
+                         f"from the fingerprint calibrate recorded): the model was re-saved, "
+                         f"fine-tuned, or smoothed in place by a later calibrate(outliers="
+                         f"Outliers(smooth=...)) since, or is another checkpoint of the same "
+                         f"shapes; pass the model calibrated, or calibrate this one (to use "
+                         f"these scales all the same, on weights not smoothed since: "
+                         f"calibration.without_fingerprints(), --allow-other-weights)")
     if narrower:
         layer, got, want = narrower[0]
         warnings.warn(f"{who}: {len(narrower)} weights (first {layer}.weight) are {got}, "
