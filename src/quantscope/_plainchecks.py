@@ -50,7 +50,7 @@ def quant_method(config) -> str | None:
     scales, which transformers decompresses on load: not the float weights calibration
     observes (``--model`` and sequential calibration's checkpoint refuse it)."""
     qc = config.get("quantization_config") if isinstance(config, dict) else None
-    if not qc:
+    if qc is None:  # (an empty one, {}, transformers refuses: no quant_method)
         return None
     return str(qc.get("quant_method", "?")) if isinstance(qc, dict) else "?"
 
