@@ -6,7 +6,10 @@ vLLM gives a fused layer (qkv_proj, gate_up_proj) the config group of its first 
 num_bits, type, symmetric, strategy, group_size, block_structure, dynamic, actorder and
 scale_dtype of the weights and input activations, and the format -- never ``observer``,
 ``observer_kwargs`` or ``zp_dtype``. Groups that differ only there are one scheme: the other
-shards load.
+shards load. vLLM builds compressed-tensors' ``QuantizationArgs`` from config.json, so an omitted
+field is its default (num_bits 8, type int, symmetric True, dynamic False): leaving out a default
+is no mismatch, while the scale dtype (MXFP8 or not), the group size (the scales' shape), the
+type and dynamic weights are (a mutation round found no test pinning those).
 """
 
 import json
@@ -30,22 +33,31 @@ W8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "d
       "observer": "minmax", "observer_kwargs": {}}
 A8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
       "observer": None}
+W4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
+      "dynamic": False, "actorder": None}
+FP8G = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+        "group_size": 32, "dynamic": False}
+MX8 = dict(FP8G, scale_dtype="torch.uint8")
 
 
-def _checkpoint(folder, q_weights, q_inputs=A8):
+def _drop(d, *keys):
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+def _checkpoint(folder, q_weights, q_inputs=A8, kv_weights=W8, kv_inputs=A8,
+                fmt="int-quantized"):
     """int8 q / k / v of one attention; q_proj in a config group of its own."""
     folder.mkdir()
     groups = {"group_0": {"targets": [ATTN + "q_proj"], "weights": q_weights,
                           "input_activations": q_inputs},
-              "group_1": {"targets": [ATTN + "k_proj", ATTN + "v_proj"], "weights": W8,
-                          "input_activations": A8}}
+              "group_1": {"targets": [ATTN + "k_proj", ATTN + "v_proj"], "weights": kv_weights,
+                          "input_activations": kv_inputs}}
     cfg = {"model_type": "llama", "quantization_config": {
-        "quant_method": "compressed-tensors", "format": "int-quantized",
-        "config_groups": groups}}
+        "quant_method": "compressed-tensors", "format": fmt, "config_groups": groups}}
     (folder / "config.json").write_text(json.dumps(cfg))
     tensors = {}
     for shard in ("q_proj", "k_proj", "v_proj"):
-        tensors[f"{ATTN}{shard}.weight"] = torch.ones(8, 4, dtype=torch.int8)
+        tensors[f"{ATTN}{shard}.weight"] = torch.ones(8, 256, dtype=torch.int8)
         tensors[f"{ATTN}{shard}.weight_scale"] = torch.full((8, 1), 0.5)
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
@@ -73,6 +85,27 @@ def test_check_compares_only_the_fields_vllm_reads(tmp_path, name):
         assert problems[0]["schemes"] == {ATTN + "q_proj": "group_0",
                                           ATTN + "k_proj": "group_1",
                                           ATTN + "v_proj": "group_1"}
+
+
+#: name -> (q's weights, k / v's weights, both inputs, format, whether qkv_proj's shards differ)
+DEFAULT_CASES = {
+    "scale_dtype: MXFP8 q, fp32-scale k / v": (MX8, FP8G, None, "float-quantized", True),
+    "group_size": (dict(W4, group_size=64), W4, None, "pack-quantized", True),
+    "type float": (dict(W8, type="float"), W8, A8, "float-quantized", True),
+    "dynamic weights": (dict(W8, strategy="tensor", dynamic=True),
+                        dict(W8, strategy="tensor"), A8, "int-quantized", True),
+    "symmetric left to its default": (_drop(W8, "symmetric"), W8, A8, "int-quantized", False),
+    "num_bits and type left to their defaults": (_drop(W8, "num_bits", "type"), W8, A8,
+                                                 "int-quantized", False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_CASES))
+def test_fused_shards_differ_by_the_fields_vllm_reads_defaults_included(tmp_path, name):
+    q, kv, inputs, fmt, differs = DEFAULT_CASES[name]
+    found = [p for p in check(_checkpoint(tmp_path / "ct", q, inputs, kv, inputs, fmt))
+             if p["tensor"] == "scheme"]
+    assert [p["group"] for p in found] == ([ATTN + "qkv_proj"] if differs else []), found
 
 
 def test_export_of_groups_that_differ_in_the_observer_alone_checks_clean(tmp_path, capsys):
