@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Table", "compare", "median_time", "status_kb"]
+__all__ = ["Table", "compare", "host_us", "median_time", "status_kb"]
 
 
 def status_kb(*keys: str) -> list[int]:
@@ -30,6 +30,24 @@ def median_time(fn: Callable[[], object], repeat: int = 7, warmup: int = 2,
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def host_us(fn: Callable[[], object], calls: int = 200, runs: int = 5, warmup: int = 10,
+            sync: Callable[[], object] = lambda: None) -> float:
+    """Median host microseconds per call of ``fn`` over ``runs`` runs of ``calls // runs``
+    calls, nothing synchronized within a run (``sync``: after the warm-up and each run,
+    untimed: a GPU's queue drained between them)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    n, times = max(1, calls // runs), []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n)
+        sync()
+    return 1e6 * statistics.median(times)
 
 
 def compare(fns: dict[str, Callable[[], object]], repeat: int = 7, warmup: int = 2,

@@ -8,13 +8,12 @@ before the device can start the next call's work."""
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 import traceback
 
 import torch
 import triton
+from common import host_us
 
 import quantscope as qs
 from quantscope import QuantSpec
@@ -37,21 +36,6 @@ SIZE = 4096 if DEV == "cuda" else 256
 def sync():
     if DEV == "cuda":
         torch.cuda.synchronize()
-
-
-def host_us(fn, calls=200) -> float:
-    """Median host microseconds per call over five runs of ``calls // 5`` calls."""
-    for _ in range(10):
-        fn()
-    sync()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls // 5):
-            fn()
-        runs.append((time.perf_counter() - t0) / (calls // 5))
-        sync()
-    return 1e6 * statistics.median(runs)
 
 
 def _compiled_minmax(units):
@@ -78,7 +62,7 @@ def _compiled_minmax(units):
 
 def _measured(fn) -> float:
     try:
-        return host_us(fn)
+        return host_us(fn, sync=sync)
     except Exception:  # noqa: BLE001 -- a step this Triton cannot run: the others still do
         traceback.print_exc(limit=2)
         return float("nan")

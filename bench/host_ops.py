@@ -21,9 +21,7 @@ import argparse
 import contextlib
 import importlib
 import os
-import statistics
 import sys
-import time
 from collections import Counter
 
 import torch
@@ -31,6 +29,7 @@ import torch
 if not torch.cuda.is_available():  # the launchers run on CPU tensors: Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from common import host_us
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -318,19 +317,6 @@ def check_values(counts: dict, rows: int, cols: int) -> list[str]:
     return bad
 
 
-def host_us(fn, calls: int = 400) -> float:
-    """Median host microseconds per call over 20 runs of ``calls // 20`` calls."""
-    for _ in range(20):
-        fn()
-    runs = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        for _ in range(calls // 20):
-            fn()
-        runs.append((time.perf_counter() - t0) / (calls // 20))
-    return 1e6 * statistics.median(runs)
-
-
 def cpu_times(rows: int, cols: int) -> dict:
     """{(spec, path): host us} of the CPU path on tiny tensors."""
     out = {}
@@ -338,7 +324,7 @@ def cpu_times(rows: int, cols: int) -> dict:
         w = _weight(rows, cols)
         for pname, (setup, call) in paths(spec, w).items():
             state = setup()
-            out[sname, pname] = host_us(lambda: call(state))  # noqa: B023
+            out[sname, pname] = host_us(lambda: call(state), 400, runs=20, warmup=20)  # noqa: B023
     return out
 
 
@@ -375,7 +361,7 @@ def launcher_times(rows: int, cols: int, device: str) -> dict:
     """{name: host us} of :func:`launcher_calls`, every launch stubbed out."""
     calls = launcher_calls(rows, cols, device)
     with counting(False, stub=True, ops=False):
-        return {name: host_us(fn, 2000) for name, fn in calls.items()}
+        return {name: host_us(fn, 2000, runs=20, warmup=20) for name, fn in calls.items()}
 
 
 def launcher_counts(rows: int, cols: int, device: str) -> dict:
