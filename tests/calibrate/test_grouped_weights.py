@@ -19,6 +19,7 @@ from torch import nn
 import quantscope as qs
 from quantscope.calibration import preset
 from quantscope.calibration.run import observe
+from quantscope.calibration.run.non_finite import FirstBad
 from quantscope.kernels import triton as qs_triton
 from quantscope.observers import grouped
 
@@ -75,10 +76,10 @@ class _PassEnded(Exception):
 
 def test_calibrate_takes_the_grouped_path(monkeypatch, meta_as_device):
     """The whole calibration on the meta device: its weight pass is one grouped launch."""
-    def end_of_pass(slots, model=None):
+    def end_of_pass(bad, model=None):
         raise _PassEnded
 
-    monkeypatch.setattr(observe, "check_finite", end_of_pass)
+    monkeypatch.setattr(FirstBad, "check", end_of_pass)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
     rec = OpNames()

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from op_names import OpNames
 from torch import nn
 
 from quantscope.calibration import Sampling, calibrate
@@ -21,6 +22,25 @@ def test_row_sample_takes_the_same_rows_as_select_and_cat():
         n += take
     assert torch.equal(s.rows(), torch.cat(ref)) and s.count == 50 == n
     assert s.nbytes == 50 * 8 * 4  # one buffer, allocated once
+
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_call_dispatches_no_op_that_changes_nothing(grad):
+    """A Linear's rows (the last axis, the buffer's dtype, no grad) are taken as they are:
+    no detach, no movedim of the last axis onto itself, no dtype promotion (each an op per
+    observed call, which a GPU's host pays for); the same rows as the first call's."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(3, 10, 8, generator=g).requires_grad_(grad) for _ in range(2)]
+    s = RowSample(capacity=40, batches=2, generator=torch.Generator().manual_seed(0))
+    s.add(xs[0])
+    with OpNames() as seen:
+        s.add(xs[1])
+    assert not seen.names & {"aten.permute", "aten.promote_types"}
+    assert ("aten.detach" in seen.names) == grad
+    gen = torch.Generator().manual_seed(0)
+    want = [x.detach().reshape(-1, 8)[torch.randperm(30, generator=gen)[:20]] for x in xs]
+    assert torch.equal(s.rows(), torch.cat(want)) and not s.rows().requires_grad
 
 
 def test_row_sample_spreads_over_every_batch():

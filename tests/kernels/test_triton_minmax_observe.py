@@ -8,6 +8,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
+from op_names import OpNames
 from triton_interpreter import fresh_interpreter_test
 
 from quantscope.kernels import triton as qs_triton
@@ -71,3 +72,20 @@ def test_record_non_finite_is_the_same_test_on_both_paths(device, lo, hi, seen):
     qs_triton.launchers("minmax", got).update_state(lo.to(device), hi.to(device), None, None,
                                                     got, 0, 0.0)
     assert bool(cpu) == bool(got.cpu()) == seen
+
+
+@pytest.mark.parametrize("count", [0, 1, 16, 2**33 + 3])
+@pytest.mark.parametrize("shape", [(7, 33), (0, 33)])  # units to launch for, and none
+def test_the_state_launch_adds_the_token_count(device, count, shape):
+    """The state launch adds the call's tokens itself (no launch of their own), a count
+    past int32 included; with no unit (no launch) they are added all the same."""
+    units = torch.randn(shape)
+    ref = _state(units, 0)
+    minmax.minmax_observe(units, *ref, minmax.UPDATES["min"], 0.0, count)
+    got = [t.to(device) for t in _state(units, 0)]
+    units, kernel = units.to(device), qs_triton.launchers("minmax", got[0])
+    with OpNames() as seen:
+        minmax.triton_minmax_observe(kernel, units, *got, minmax.UPDATES["min"], 0.0, count)
+    assert ("aten.add_" in seen.names) == (not units.numel())
+    assert int(got[3]) == int(ref[3]) == 5 + count
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(ref[:3], got[:3]))

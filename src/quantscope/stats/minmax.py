@@ -447,10 +447,10 @@ def _torch_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, coun
 def triton_minmax_observe(kernel, units, state_lo, state_hi, seen, tokens, kind, c,
                           count) -> None:
     """:func:`minmax_observe` by the Triton launchers ``kernel``: one min / max pass, then one
-    launch that joins its chunks' extremes, records the non-finite flag and updates the state."""
+    launch that joins its chunks' extremes, records the non-finite flag, updates the state
+    and adds the token count."""
     lo, hi, splits = kernel.partial_minmax(units)
-    kernel.update_state(lo, hi, state_lo, state_hi, seen, kind, c, splits)
-    tokens.add_(count)
+    kernel.update_state(lo, hi, state_lo, state_hi, seen, kind, c, splits, tokens, count)
 
 
 def _cuda_minmax_observe(units, state_lo, state_hi, seen, tokens, kind, c, count) -> None:

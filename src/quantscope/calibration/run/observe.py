@@ -32,8 +32,9 @@ from ..role_observers import observed
 from ..structure import fusion, kv_cache
 from ..structure.conv1d import observer_options
 from . import heap
-from .batches import batch_count, eval_mode, forward_batch, input_name, module_input, nan_parameter
+from .batches import batch_count, eval_mode, forward_batch, input_name, module_input
 from .module_roles import activation_width, check_role_shape
+from .non_finite import FirstBad
 from .samples import RowSample, capacities, generator_for
 
 # the activation rows kept for auto and the report, all layers together (see docs/memory.md)
@@ -66,10 +67,6 @@ class Slot:
     calls: int = 0  # forwards that reached the hook, empty ones included
     odd: object = None  # a call's value that is no float tensor: its dtype or type (missing=)
     odd_calls: int = 0  # how many calls brought such a value
-    # which batch fed each call that reached the observers, and per observer how many of
-    # those calls came after (or at) its first NaN / inf: that batch, named without a sync
-    batch_of_call: list = field(default_factory=list)
-    calls_since_bad: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)  # time in each observer: observing, qparams
     # imatrix_mse weights held for their inputs' importance (.imatrix_roles); key -> why unweighted
     waiting: list = field(default_factory=list)
@@ -252,8 +249,6 @@ def _hook(slots: list[Slot], input_key: str | None = None):
                 if fusion.seen(slot.last, x):  # detection's rule: a fresh view is the same
                     continue
                 slot.last = fusion.mark(x)
-            if slot.observers:
-                slot.batch_of_call.append(_BATCH.get())
             for key, obs in slot.observers.items():
                 t0 = time.perf_counter()
                 if obs.observed_tokens.device != x.device:
@@ -263,7 +258,6 @@ def _hook(slots: list[Slot], input_key: str | None = None):
                 except ValueError as e:
                     raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer "
                                      f"{key[0]!r}: {e}") from None
-                _count_bad_call(slot, key, obs)
                 slot.spent(key, t0)
             if slot.sample is not None:
                 slot.sample.add(x, _BATCH.get())
@@ -306,36 +300,6 @@ def _unhook_copy(module: nn.Module, owner: nn.Module | None, name: str) -> None:
                 module._forward_hooks_always_called.pop(hid, None)
 
 
-def _count_bad_call(slot: Slot, key, obs) -> None:
-    seen = getattr(obs, "seen_non_finite", None)
-    if seen is None or getattr(obs, "non_finite", None) != "error":
-        return
-    count = slot.calls_since_bad.get(key)
-    if count is None:
-        slot.calls_since_bad[key] = seen.to(torch.int64)
-    else:
-        count.add_(seen)  # a tensor op, no host sync: read once, after the pass
-
-
-def check_finite(slots, model=None) -> None:
-    """Raise ``ValueError`` naming the layer, role and batch where an observer (in mode
-    ``non_finite="error"``) first saw NaN or inf, and a parameter of ``model`` that holds
-    them, the likelier cause; one read per observer, after the pass."""
-    for slot in unique_slots(slots):
-        for key, count in slot.calls_since_bad.items():
-            bad = int(count)
-            if not bad:
-                continue
-            first = len(slot.batch_of_call) - bad
-            batch = slot.batch_of_call[first] if 0 <= first < len(slot.batch_of_call) else None
-            where = "a calibration batch" if batch is None else f"calibration batch {batch}"
-            own = nan_parameter(model)
-            cause = (f"the model's own parameter {own!r} holds NaN or inf: fix it" if own
-                     else "fix that batch (or what makes the model produce them)")
-            raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: {where} (counting "
-                             f"from 0) brought NaN or inf values (observer {key[0]!r}); {cause}")
-
-
 def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=None,
                     batch_index=None, forward=False):
     """Forward every batch with observing hooks; returns the number of batches.
@@ -344,7 +308,11 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
     even where no slot observes them (statistics gathered beside: :func:`in_pass`)."""
     by_module: dict[int, dict[str, list[Slot]]] = {}
     kv: dict[str, dict[str, list[Slot]]] = {}  # attention layer -> key / value slots
+    watched = []  # the observers whose NaN / inf raise, as FirstBad names them
     for slot in filter(fed, unique_slots(slots.values())):
+        watched += [(slot.layer, slot.role, key[0], obs) for key, obs in slot.observers.items()
+                    if getattr(obs, "non_finite", None) == "error"
+                    and getattr(obs, "seen_non_finite", None) is not None]
         if slot.role in kv_cache.ROLES:
             kv.setdefault(slot.layer, {}).setdefault(slot.role, []).append(slot)
             continue
@@ -370,9 +338,10 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
         if kv:
             handles.append(SimpleNamespace(remove=kv_cache.attach(
                 model, {layer: _kv_observer(roles) for layer, roles in kv.items()})))
+        bad = FirstBad(watched)
         with eval_mode(model):
-            n = _forward_all(model, batches, total, progress, batch_index)
-        check_finite(slots.values(), model)
+            n = _forward_all(model, batches, total, progress, batch_index, bad.end_batch)
+        bad.check(model)
     finally:
         for h in handles:
             h.remove()
@@ -406,8 +375,9 @@ def _no_tqdm(who: str) -> None:
                   f"progress=False says nothing)", stacklevel=outside_quantscope())
 
 
-def _forward_all(model, batches, total, progress, batch_index) -> int:
-    """Forward every batch (the hooks observe), each under its number for errors."""
+def _forward_all(model, batches, total, progress, batch_index, end_batch) -> int:
+    """Forward every batch (the hooks observe), each under its number for errors, then
+    ``end_batch(number)``."""
     heap.prepare()  # large tensors mmapped, freed to the system (heap.py)
     it = with_progress(batches, progress, "calibrate", total=total, desc="calibrating",
                        unit="batch")
@@ -415,8 +385,10 @@ def _forward_all(model, batches, total, progress, batch_index) -> int:
     try:
         with torch.inference_mode():
             for batch in it:
-                _BATCH.set(n if batch_index is None else batch_index(n))
+                number = n if batch_index is None else batch_index(n)
+                _BATCH.set(number)
                 forward_batch(model, batch)
+                end_batch(number)
                 heap.trim()  # the fragmented heap's free pages back (heap.py)
                 n += 1
     finally:

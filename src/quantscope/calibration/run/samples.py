@@ -112,7 +112,7 @@ class RowSample:
         """Rows of ``x``, which batch ``batch`` (its number, or None) brought."""
         if self.count >= self.capacity:
             return
-        rows = self._rows(x.detach())
+        rows = self._rows(x.detach() if x.requires_grad else x)  # an op per call saved
         if self.buffer is None and x.numel():  # the first rows: their width and dtype known
             self._fit(rows.shape[-1], rows.element_size())
         share = self._share(batch)  # an empty batch counts too: later batches take its share
@@ -123,7 +123,8 @@ class RowSample:
         if take <= 0 or not self._buffer_for(rows):
             return
         take = min(take, self.capacity - self.count)  # a promoted buffer may keep fewer rows
-        idx = upload(torch.randperm(n, generator=self.generator)[:take], rows.device)
+        idx = torch.randperm(n, generator=self.generator)[:take]
+        idx = idx if rows.is_cpu else upload(idx, rows.device)
         out = self.buffer[self.count:self.count + take]
         if rows.is_contiguous() and rows.dtype == out.dtype:  # a view: no copy of the batch
             torch.index_select(rows.reshape(n, width), 0, idx, out=out)
@@ -153,7 +154,8 @@ class RowSample:
                 return False
             raise ValueError(f"sample: rows of width {width} after rows of width "
                              f"{self.buffer.shape[1]}")
-        wide = torch.promote_types(self.buffer.dtype, rows.dtype)
+        wide = self.buffer.dtype if rows.dtype == self.buffer.dtype else \
+            torch.promote_types(self.buffer.dtype, rows.dtype)
         if wide != self.buffer.dtype:  # once per wider dtype: the rows so far, exactly
             self._fit(width, wide.itemsize)
             self.count = min(self.count, self.capacity)
@@ -164,8 +166,8 @@ class RowSample:
         """A view of ``x`` as ``[..., width]``, the width along :attr:`axis` last."""
         if not x.dim():
             return x.reshape(1, 1)
-        if x.dim() < -self.axis:  # fewer dims than the axis needs: rows of the last dim
-            return x
+        if x.dim() < -self.axis or self.axis == -1:  # fewer dims than the axis needs, or
+            return x  # the rows along the last already (a movedim that moves nothing: an op)
         return x.movedim(self.axis, -1)
 
     @classmethod

@@ -247,9 +247,14 @@ def _joined(ptr, offs, mask, splits, IS_LO: tl.constexpr):
     return x
 
 
-@triton.jit
-def _state_kernel(lo_ptr, hi_ptr, slo_ptr, shi_ptr, seen_ptr, n, splits, c, one_minus_c,
-                  KIND: tl.constexpr, RECORD: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["count"])  # each batch's count: one compiled kernel
+def _state_kernel(lo_ptr, hi_ptr, slo_ptr, shi_ptr, seen_ptr, tokens_ptr, count, n, splits, c,
+                  one_minus_c, KIND: tl.constexpr, RECORD: tl.constexpr, COUNT: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    # the observer's token count, by the first program: no launch of its own
+    if COUNT:  # noqa: SIM102 (a compile-time test, then a run-time one)
+        if tl.program_id(0) == 0:
+            tl.store(tokens_ptr, tl.load(tokens_ptr) + count)
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < n
     lo = _joined(lo_ptr, offs, mask, splits, True)
@@ -269,18 +274,24 @@ def _state_kernel(lo_ptr, hi_ptr, slo_ptr, shi_ptr, seen_ptr, n, splits, c, one_
 
 def update_state(lo: torch.Tensor, hi: torch.Tensor, state_lo: torch.Tensor | None,
                  state_hi: torch.Tensor | None, seen: torch.Tensor | None, kind: int,
-                 c: float, splits: int = 1) -> None:
+                 c: float, splits: int = 1, tokens: torch.Tensor | None = None,
+                 count: int = 0) -> None:
     """In place, from per-unit ``lo`` / ``hi`` (contiguous float32 ``[n]``; or ``[n * splits]``,
     :func:`partial_minmax`'s chunks, joined here: no amin / amax ops between the launches):
     ``seen`` (one bool; None: not recorded) set where they hold NaN or an infinity, and the
     state ``state_lo`` / ``state_hi`` updated (``kind``: the codes above, NO_UPDATE with no
     state; ``c`` the moving average's constant: its float32, and that of ``1 - c``, as torch's
-    ops on a float32 tensor take the Python scalars)."""
+    ops on a float32 tensor take the Python scalars); ``count`` added to ``tokens`` (one
+    int64; None: no count)."""
     n = lo.numel() // splits
-    if n and (seen is not None or kind != NO_UPDATE):
-        # rounded in Python: a float32 tensor per constant took six ops per observer call
-        c32, one_minus_c32 = as_float32(c), as_float32(1.0 - c)
-        _state_kernel[(cdiv(n, 1024),)](
-            lo, hi, lo if state_lo is None else state_lo, hi if state_hi is None else state_hi,
-            lo if seen is None else seen, n, splits, c32, one_minus_c32, KIND=int(kind),
-            RECORD=seen is not None, BLOCK_N=1024, **LAUNCH)
+    if not n or (seen is None and kind == NO_UPDATE):  # no launch: the count alone
+        if tokens is not None:
+            tokens.add_(count)
+        return
+    # rounded in Python: a float32 tensor per constant took six ops per observer call
+    c32, one_minus_c32 = as_float32(c), as_float32(1.0 - c)
+    _state_kernel[(cdiv(n, 1024),)](
+        lo, hi, lo if state_lo is None else state_lo, hi if state_hi is None else state_hi,
+        lo if seen is None else seen, lo if tokens is None else tokens, count, n, splits, c32,
+        one_minus_c32, KIND=int(kind), RECORD=seen is not None, COUNT=tokens is not None,
+        BLOCK_N=1024, **LAUNCH)
