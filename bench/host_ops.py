@@ -35,6 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import quantscope as qs
 from quantscope import QuantSpec, presets
+from quantscope.calibration.run import observe
+from quantscope.calibration.run.samples import RowSample
 from quantscope.layout import Channel, Group
 from quantscope.qparams import qparams_from_range
 
@@ -104,6 +106,12 @@ class _OnCuda(torch.Tensor):
 
     def tolist(self):
         return self._read(lambda t: t.tolist())
+
+    def __getitem__(self, idx):  # a basic slice (the row sample's): torch's would set a guard
+        if isinstance(idx, slice) and idx.step in (None, 1):
+            stop = self.shape[0] if idx.stop is None else idx.stop
+            return torch.ops.aten.slice.Tensor(self, 0, idx.start or 0, stop)
+        return super().__getitem__(idx)
 
 
 #: the Counts modes entered (the innermost last)
@@ -268,7 +276,19 @@ def paths(spec: QuantSpec, w: torch.Tensor):
         obs(w)
         return obs
 
+    def hook():  # calibrate's input hook: a static min-max observer and the row sample
+        slot = observe.Slot("layer", "input", None, observers={("minmax",): running()})
+        slot.sample = RowSample(8 * w.shape[0], None, torch.Generator().manual_seed(0))
+        pre, _ = observe._hook([slot])
+        observe._IN_PASS.set(True)  # the hooks observe the pass's own forwards only
+        return slot, pre
+
+    def call_hook(hooked):
+        hooked[0].sample.count = 0  # every call samples as the pass's first batches do
+        hooked[1](None, (w,), {})
+
     return {
+        "calibrate hook": (hook, call_hook),
         "observer forward": (observer, lambda obs: obs(w)),
         "EMA observer forward": (running, lambda obs: obs(w)),
         "observer calculate_qparams": (observer, lambda obs: obs.calculate_qparams()),
