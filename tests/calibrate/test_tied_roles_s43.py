@@ -109,6 +109,28 @@ def test_roles_that_give_one_state_still_calibrate_and_apply():
         calib.apply(model).remove()
 
 
+
+def test_auto_by_the_weight_alone_calibrates_a_tied_weight_once(monkeypatch):
+    """``Auto(metric="tensor")`` chooses a weight's qparams by its own error: one weight, one
+    choice; the pre-check refused it (a false refusal, naming a per-layer choice it does not
+    make). With an importance-weighted candidate, or another metric, it is refused still."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 8))
+    model[2].weight = model[0].weight
+    batches = [torch.randn(16, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    recipe = quantscope.calibrate.preset("w8a8", "auto")
+    tensor = quantscope.calibration.Auto(metric="tensor")
+    st = quantscope.calibrate(model, batches, recipe, auto=tensor, progress=False).states
+    assert st["0"]["weight"].quantizes_like(st["2"]["weight"])
+    _no_pass(monkeypatch)
+    for auto in (quantscope.calibration.Auto(metric="tensor",
+                                             candidates=("minmax", "imatrix_mse")),
+                 quantscope.calibration.Auto(metric="output"), None):
+        with pytest.raises(ValueError, match=r"0\.weight and 2\.weight are one weight .* "
+                                             r"observer 'auto' chooses each layer's"):
+            quantscope.calibrate(model, batches, recipe, auto=auto, progress=False)
+
+
 def test_a_result_with_two_states_for_one_weight_is_refused(monkeypatch):
     # a cause the checks before the pass do not foresee (sequential calibration finds the
     # fusion groups block by block, each holder in its own): caught on the result

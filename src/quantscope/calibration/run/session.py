@@ -269,7 +269,7 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
     recipes = one_fusion(_as_recipes(recipes, inner=not top))  # one set of groups for all
     if top:  # not a piece's or auto's inner pass (auto's candidates: no auto role)
         _check_auto(recipes, opts.auto)
-        check_recipes(model, recipes)  # tied weights two roles would quantize apart
+        check_recipes(model, recipes, opts.auto)  # tied weights two roles would split
         warn_unused_activation_options(recipes, opts)
     if seq is not None:
         if opts.outliers.keep_float:

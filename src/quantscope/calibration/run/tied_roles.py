@@ -4,8 +4,9 @@ weight once, so it refuses holders whose states quantize it differently. ``calib
 sure it never returns such a calibration, refusing as early as the cause is known:
 
 - :func:`check_recipes`, before anything runs: the holders' weight roles differ, or their
-  observer reads more than the weight (``auto`` chooses per layer; ``imatrix_mse`` weighs by
-  each layer's own inputs);
+  observer reads more than the weight (``auto`` chooses per layer, but by the weight's own
+  error alone under ``Auto(metric="tensor")`` without an importance-weighted candidate;
+  ``imatrix_mse`` weighs by each layer's own inputs);
 - :func:`check_groups`, once the fusion groups are found, before the pass over the data:
   the runtime shares a weight scale within a group, and the holders are in different ones;
 - :func:`check_states`, on the result (a cause not foreseen, fusion groups found block by
@@ -24,7 +25,7 @@ from ..recipe import AUTO
 from ..structure.tied import memory, tied_weights
 from .finish import joined_weights
 from .module_roles import check_role_shape
-from .observe import observer_key, waits_for_importance
+from .observe import candidates_for, observer_key, waits_for_importance
 
 __all__ = ["check_groups", "check_recipes", "check_states"]
 
@@ -49,16 +50,17 @@ def _tied(weights: dict) -> list[list[str]]:
     return [list(by_module.values()) for by_module in found.values() if len(by_module) > 1]
 
 
-def _apart(a, b) -> str | None:
+def _apart(a, b, auto=None) -> str | None:
     """Why weight roles ``a`` and ``b`` of one weight may give it two states, None if they
-    give it one: the roles differ, or the observer reads the layer, not the weight alone."""
+    give it one: the roles differ, or the observer reads the layer, not the weight alone
+    (``auto``: the :class:`~..options.Auto` an ``auto`` role chooses by)."""
     try:
         same = a == b
     except RuntimeError:  # options holding tensors of several values (an importance)
         same = False
     if not same:
         return f"their weight roles differ ({a.spec} {a.observer!r} vs {b.spec} {b.observer!r})"
-    if a.observer == AUTO:
+    if a.observer == AUTO and not _by_weight_alone(a, auto):
         return ("observer 'auto' chooses each layer's qparams by that layer (its output error, "
                 "its inputs' importance)")
     if waits_for_importance(observer_key(a.observer, a)):
@@ -66,9 +68,18 @@ def _apart(a, b) -> str | None:
     return None
 
 
-def check_recipes(model: nn.Module, recipes: dict) -> None:
+def _by_weight_alone(role, auto) -> bool:
+    """Whether ``auto`` chooses a weight ``role``'s qparams by the weight alone: the metric
+    ``"tensor"`` (each candidate's error on the weight itself), no candidate weighing by the
+    layer's inputs."""
+    return auto is not None and auto.metric == "tensor" and not any(
+        waits_for_importance(observer_key(name, role))
+        for name in candidates_for("weight", auto.candidates))
+
+
+def check_recipes(model: nn.Module, recipes: dict, auto=None) -> None:
     """Refuse, before anything runs, tied weights that two layers of a recipe would give two
-    states by their roles (:func:`_apart`)."""
+    states by their roles (:func:`_apart`; ``auto``: the run's :class:`~..options.Auto`)."""
     for label, recipe in recipes.items():
         try:
             matched = recipe.match(model)
@@ -80,7 +91,7 @@ def check_recipes(model: nn.Module, recipes: dict) -> None:
             first, *others = [(n, check_role_shape(n, "weight", weights[n][1], weights[n][0]))
                               for n in tied]  # each as the pass will run it
             for other in others:
-                why = _apart(first[1], other[1])
+                why = _apart(first[1], other[1], auto)
                 if why is not None:
                     raise _error(label, first[0], other[0], why)
 
