@@ -133,3 +133,23 @@ def test_export_of_groups_that_differ_in_the_observer_alone_checks_clean(tmp_pat
     assert check(out) == []
     assert main(["check", out]) == 0
     assert "agree" in capsys.readouterr().out
+
+
+def test_a_target_two_groups_name_is_the_later_groups(tmp_path):
+    """vLLM maps each target to one scheme, the last config group's that names it
+    (``target_scheme_map[target] = ...``): k_proj named again by a later group of another
+    scheme splits the fused qkv_proj, which vLLM refuses; ``check`` read the doubly named
+    target as undecided and reported nothing."""
+    folder = _checkpoint(tmp_path / "ct", W8)
+    cfg = json.loads((folder / "config.json").read_text())
+    groups = cfg["quantization_config"]["config_groups"]
+    groups["group_0"]["targets"] = [ATTN + s for s in ("q_proj", "k_proj", "v_proj")]
+    groups["group_1"] = {"targets": [ATTN + "k_proj"], "weights": dict(W8, strategy="tensor"),
+                         "input_activations": A8}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (problem,) = check(folder)
+    assert problem["tensor"] == "scheme" and problem["schemes"] == {
+        ATTN + "q_proj": "group_0", ATTN + "k_proj": "group_1", ATTN + "v_proj": "group_0"}
+    groups["group_1"]["weights"] = W8  # the same scheme named twice: one scheme, no problem
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert check(folder) == []

@@ -345,7 +345,11 @@ def _matches(pattern: str, name: str) -> bool:
 def resolver(rows):
     """``layer -> {value}`` of the ``(target, value)`` rows whose target selects the layer,
     as compressed-tensors (and vLLM's ``find_matched_target``) match targets: exact names,
-    then ``re:`` patterns, then class names (a target without a dot); empty where none."""
+    then ``re:`` patterns, then class names (a target without a dot); empty where none. A
+    target two rows name is the later row's, as vLLM maps each target to one scheme (the
+    last config group naming it: ``target_scheme_map[target] = ...``)."""
+    rows = dict(rows).items()
+
     def of(layer: str) -> set:
         for hit in (lambda t: t == layer,
                     lambda t: t.startswith("re:") and _matches(t[3:], layer),
