@@ -283,6 +283,11 @@ def paths(spec: QuantSpec, w: torch.Tensor):
         observe._IN_PASS.set(True)  # the hooks observe the pass's own forwards only
         return slot, pre
 
+    def histogram():  # the w8a8-histogram preset's activation observer, a grid made
+        obs = qs.get_observer("histogram", spec).to(w.device)
+        obs(w)
+        return obs
+
     def call_hook(hooked):
         hooked[0].sample.count = 0  # every call samples as the pass's first batches do
         hooked[1](None, (w,), {})
@@ -290,6 +295,7 @@ def paths(spec: QuantSpec, w: torch.Tensor):
     return {
         "calibrate hook": (hook, call_hook),
         "observer forward": (observer, lambda obs: obs(w)),
+        "histogram observer forward": (histogram, lambda obs: obs(w)),
         "EMA observer forward": (running, lambda obs: obs(w)),
         "observer calculate_qparams": (observer, lambda obs: obs.calculate_qparams()),
         "qparams_from_range checked": (ranges, lambda r: qparams_from_range(*r, spec)),
