@@ -12,8 +12,10 @@ counted in the resident set and in the process's data size (which ``RLIMIT_DATA`
   threshold); it is what ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment does. It also
   turns the kernels' streaming stores off (:func:`quantscope.kernels.streaming`): they avoid
   reading a reused output line in, but a fresh page was just zeroed in the cache.
-- :func:`trim` (after each calibration batch and block) runs ``malloc_trim(0)``: free
-  pages inside the heap go back to the system. It changes no setting.
+- :func:`trim` (after each calibration batch of a model on the CPU, :func:`runs_on_host`,
+  and each sequential block) runs ``malloc_trim(0)``: free pages inside the heap go back to
+  the system. It changes no setting; it walks the whole heap (about 10 ms on a fragmented
+  GB), so a model on a GPU, whose activations never reach the host heap, skips it.
 
 ``QUANTSCOPE_HEAP=0`` in the environment turns both off.
 """
@@ -26,7 +28,7 @@ import ctypes.util
 from ... import kernels
 from ..._checks import env_flag
 
-__all__ = ["MMAP_THRESHOLD", "prepare", "trim"]
+__all__ = ["MMAP_THRESHOLD", "prepare", "runs_on_host", "trim"]
 
 #: allocations of at least this many bytes are mmapped once :func:`prepare` ran
 MMAP_THRESHOLD = 1 << 20
@@ -66,6 +68,13 @@ def prepare() -> bool:
         if _prepared:  # large outputs are fresh pages from now on: plain stores are faster
             kernels.set_streaming(False)
     return _prepared
+
+
+def runs_on_host(model) -> bool:
+    """Whether ``model``'s forward may put its activations on the host heap: a parameter or
+    buffer on the CPU, or none at all (a module of no state computes where its inputs are)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return not tensors or any(t.device.type == "cpu" for t in tensors)
 
 
 def trim() -> bool:

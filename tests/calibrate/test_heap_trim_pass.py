@@ -1,0 +1,53 @@
+"""The pass gives the host heap's free pages back after each batch only where the model runs
+on the CPU: ``malloc_trim`` walks the whole heap (8-12 ms a call on a fragmented GB), and a
+model on a GPU (the ``meta`` device stands in) keeps its activations off the host heap."""
+
+import pytest
+import torch
+from torch import nn
+
+import quantscope as qs
+from quantscope.calibration import preset
+from quantscope.calibration.run import heap, observe
+from quantscope.calibration.run.non_finite import FirstBad
+
+
+def _model(device):
+    with torch.device(device):
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def _trims(monkeypatch):
+    calls = []
+    monkeypatch.setattr(observe.heap, "trim", lambda: calls.append(1) or True)
+    return calls
+
+
+def test_a_cpu_model_trims_after_every_batch(monkeypatch):
+    calls = _trims(monkeypatch)
+    qs.calibrate(_model("cpu"), [torch.randn(4, 16) for _ in range(3)], "w8a8", progress=False)
+    assert len(calls) == 3
+
+
+class _PassEnded(Exception):
+    """Raised where the pass ends (the flags' check, the first host read on meta)."""
+
+
+def test_a_model_off_the_cpu_does_not_trim(monkeypatch, meta_as_device):
+    calls = _trims(monkeypatch)
+
+    def end(self, model=None):
+        raise _PassEnded
+    monkeypatch.setattr(FirstBad, "check", end)
+    with pytest.raises(_PassEnded):
+        qs.calibrate(_model("meta"), [torch.empty(4, 16, device="meta") for _ in range(3)],
+                     preset("w8a8"), progress=False)
+    assert calls == []
+
+
+def test_runs_on_host():
+    assert heap.runs_on_host(_model("cpu")) and heap.runs_on_host(nn.ReLU())
+    assert not heap.runs_on_host(_model("meta"))
+    mixed = _model("meta")
+    mixed.register_buffer("steps", torch.zeros(()))  # one tensor on the CPU: its heap
+    assert heap.runs_on_host(mixed)
