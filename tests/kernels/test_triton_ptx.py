@@ -126,14 +126,16 @@ CASES = {
         {"DTYPE": "tl.bfloat16", "BLOCK_U": 8, "BLOCK_E": 512, "VEC": 8}),
     "minmax._state_kernel": (  # the moving average: s + c * (b - s), no FMA
         {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "slo_ptr": "*fp32", "shi_ptr": "*fp32",
-         "seen_ptr": "*i1", "n": "i32", "splits": "i32", "c": "fp32", "one_minus_c": "fp32",
-         "KIND": "constexpr", "RECORD": "constexpr", "BLOCK_N": "constexpr"},
-        {"KIND": 2, "RECORD": True, "BLOCK_N": 1024}),
+         "seen_ptr": "*i1", "tokens_ptr": "*i64", "count": "i64", "n": "i32", "splits": "i32",
+         "c": "fp32", "one_minus_c": "fp32", "KIND": "constexpr", "RECORD": "constexpr",
+         "COUNT": "constexpr", "BLOCK_N": "constexpr"},
+        {"KIND": 2, "RECORD": True, "COUNT": True, "BLOCK_N": 1024}),
     "minmax._state_kernel:lerp": (  # s * (1 - c) + b * c
         {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "slo_ptr": "*fp32", "shi_ptr": "*fp32",
-         "seen_ptr": "*i1", "n": "i32", "splits": "i32", "c": "fp32", "one_minus_c": "fp32",
-         "KIND": "constexpr", "RECORD": "constexpr", "BLOCK_N": "constexpr"},
-        {"KIND": 3, "RECORD": False, "BLOCK_N": 1024}),
+         "seen_ptr": "*i1", "tokens_ptr": "*i64", "count": "i64", "n": "i32", "splits": "i32",
+         "c": "fp32", "one_minus_c": "fp32", "KIND": "constexpr", "RECORD": "constexpr",
+         "COUNT": "constexpr", "BLOCK_N": "constexpr"},
+        {"KIND": 3, "RECORD": False, "COUNT": False, "BLOCK_N": 1024}),
     "histogram._hist_kernel": (
         {"x_ptr": "*bf16", "counts_ptr": "*i64", "exp_ptr": "*i64", "first_ptr": "*i64",
          "E": "i32", "stride_u": "i32", "chunk": "i32", "B": "i32", "ABSOLUTE": "constexpr",
