@@ -1,7 +1,7 @@
 """Where issue 35's GPU time goes: torch.profiler tables (self CPU time, self CUDA time) of
 the min-max observer on a 4096 x 4096 bf16 weight, the native histogram on 16 x 2048 x 4096
-bf16 batches, and calibrate's observation of a 4-layer random Llama (hidden 2048), each also
-grouped by Python call site (which lines launch kernels and read values back). For a lent
+bf16 batches, and calibrate's observation of a 4-layer random Llama (hidden 2048; w8a8
+with min-max and with histogram activations), each also grouped by Python call site (which lines launch kernels and read values back). For a lent
 GPU: python bench/gpu_profile.py OUTDIR (writes OUTDIR/<case>.txt)."""
 
 import os
@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import quantscope as qs
 from quantscope import QuantSpec
+from quantscope.calibration import preset
 from quantscope.layout import Channel
 
 
@@ -62,6 +63,10 @@ def main(out):
     profiled(out, "forward", lambda: forward_all(model, tokens), n=1)
     profiled(out, "calibrate_w8a8_minmax",
              lambda: qs.calibrate(model, tokens, "w8a8", progress=False), n=1)
+    # the whole-model row's slowest observation pass (4.96x the forward on the H200)
+    histogram = preset("w8a8", "histogram")
+    profiled(out, "calibrate_w8a8_histogram",
+             lambda: qs.calibrate(model, tokens, histogram, progress=False), n=1)
 
 
 if __name__ == "__main__":
