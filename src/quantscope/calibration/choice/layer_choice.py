@@ -32,11 +32,12 @@ from ..run.batches import eval_mode, forward_batch, map_tensors, tensors_in
 from ..structure.conv1d import is_conv1d, linear_output, transposed_layout
 
 __all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
-           "joint_choice", "layer_pick"]
+           "joint_choice", "layer_pick", "spread_rows"]
 
 #: per-layer criteria computed in the session's finish step through :func:`layer_pick`
 LAYER_METRICS = ("joint", "fisher")
-#: sampled input rows the joint error uses per layer (its cost: a few matmuls of this many rows)
+#: sampled input rows the joint error uses per layer (its cost: a few matmuls of this many rows),
+#: evenly strided over the layer's whole row sample (:func:`spread_rows`)
 JOINT_ROWS = 256
 IMATRIX = "imatrix"
 
@@ -222,9 +223,19 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
         except ValueError:  # a layout the weighted search cannot take: not a candidate
             pass
     c = None if fisher is None else fisher.get(layer)
-    i, j, err = _descent(x[:JOINT_ROWS], w, ws, xs, c, 1, conv1d)
+    i, j, err = _descent(spread_rows(x, JOINT_ROWS), w, ws, xs, c, 1, conv1d)
     return {"weight": ws[i], "input": None if xcfg.dynamic is True else xs[j],
             "input_errors": {k: err(i, b) for b, k in enumerate(xkeys) if k is not None}}
+
+
+def spread_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` rows of the row sample ``x`` evenly strided over all of it (``x`` where it has no
+    more). The sample holds its batches' rows in batch order, each batch's a random draw of
+    its rows (:class:`~quantscope.calibration.run.samples.RowSample`): its first ``n`` rows
+    would be the first batch's alone; strided, every batch keeps its share. Deterministic."""
+    if x.shape[0] <= n:
+        return x
+    return x.index_select(0, torch.arange(n, device=x.device) * x.shape[0] // n)
 
 
 def _states(layer, slots, state_of, role, cfg, names, shape):
