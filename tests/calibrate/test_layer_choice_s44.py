@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import quantscope
 from quantscope.calibration import Auto, calibrate_many, preset
-from quantscope.calibration.choice.layer_choice import JOINT_ROWS
+from quantscope.calibration.choice import layer_choice
+from quantscope.calibration.choice.layer_choice import JOINT_ROWS, fisher_weights, joint_choice
 from quantscope.calibration.results.apply import qdq_tensor
+from quantscope.calibration.results.result import RoleState
+from quantscope.qparams import qparams_from_range
+from quantscope.spec import QuantSpec
 
 _CANDIDATES = ("minmax", "mse", "percentile", "mix")
 
@@ -45,3 +50,101 @@ def test_joint_prices_the_inputs_on_every_batch_not_the_first_alone():
     # priced on a strided half of the rows: near the best over all of them (minmax and mse,
     # batch 0's best, are ~200x worse here)
     assert error(c.states["0"]["input"]) <= 1.1 * min(errors.values()), errors
+
+
+def _mlp_batches():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)).eval()
+    batches = [torch.randn(8, 32) for _ in range(3)]
+    batches[1][:, 3] *= 40
+    return model, batches
+
+
+def _square_mean(out, batch):
+    return out.float().square().mean()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fisher_refuses_a_loss_that_is_not_finite_naming_it_and_the_batch(bad):
+    # probing (s44): NaN g^2 weights made every joint error NaN and min() kept min-max for
+    # every role, without a word
+    model, batches = _mlp_batches()
+    with pytest.raises(ValueError, match=rf"Auto.loss returned {bad} on batch 0 \(counting "
+                                         rf"from 0\), where the model's output is finite"):
+        quantscope.calibrate(model, batches, "w8a8", observer="auto", progress=False,
+                             auto=Auto(metric="fisher", loss=lambda o, b: _square_mean(o, b) * bad))
+
+
+def test_fisher_refuses_the_models_own_loss_when_not_finite():
+    # a batch without one labelled token: the model's mean next-token loss is 0 / 0
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=64)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.zeros_like(ids)
+    mask[:, 0] = 1  # one real token a row: nothing to predict
+    with pytest.raises(ValueError, match=r"the model's own loss \(the default: no Auto.loss\) "
+                                         r"returned nan on batch 0"):
+        quantscope.calibrate(model, [{"input_ids": ids, "attention_mask": mask}], "w8a8",
+                             observer="auto", auto=Auto(metric="fisher"), progress=False)
+
+
+def test_fisher_leaves_nan_batches_out_of_the_weights_under_ignore(monkeypatch):
+    model, batches = _mlp_batches()
+    bad = [b.clone() for b in batches]
+    bad[2][0, 3] = float("nan")
+    got = fisher_weights(model, bad, ["0", "2"], _square_mean, ignore_non_finite=True)
+    want = fisher_weights(model, batches[:2], ["0", "2"], _square_mean)
+    assert got.keys() == want.keys() == {"0", "2"}
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    recipe, auto = preset("w8a8", "auto", non_finite="ignore"), Auto(metric="fisher",
+                                                                     loss=_square_mean)
+    with pytest.warns(UserWarning, match="ignored"):
+        c = quantscope.calibrate(model, bad, recipe, auto=auto, progress=False)
+    # the same calibration given the finite batches' weights by hand picks the same states
+    monkeypatch.setattr(layer_choice, "fisher_weights", lambda *a, **k: want)
+    with pytest.warns(UserWarning, match="ignored"):
+        ref = quantscope.calibrate(model, bad, recipe, auto=auto, progress=False)
+    assert {(l, r): s.observer for l, rs in c.states.items() for r, s in rs.items()} == {
+        (l, r): s.observer for l, rs in ref.states.items() for r, s in rs.items()}
+    assert any(s.observer != "minmax" for rs in c.states.values() for s in rs.values())
+    for b in bad:
+        b[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"every scoring batch \(3\) brought NaN"):
+        fisher_weights(model, bad, ["0", "2"], _square_mean, ignore_non_finite=True)
+
+
+def test_fisher_refuses_a_nan_batch_and_a_nan_gradient_without_ignore():
+    model, batches = _mlp_batches()
+    bad = [b.clone() for b in batches]
+    bad[1][0, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"batch 1 \(counting from 0\) brought NaN or inf"):
+        fisher_weights(model, bad, ["0", "2"], _square_mean)
+    zero = nn.Sequential(nn.Linear(4, 3)).eval()
+    nn.init.zeros_(zero[0].weight)
+    nn.init.zeros_(zero[0].bias)  # outputs 0: d sqrt(|y|) / dy is NaN there, the loss 0
+    with pytest.raises(ValueError, match=r"gradient of the loss w.r.t. layer '0'.s output is "
+                                         r"not finite on batch 0"):
+        fisher_weights(zero, [torch.randn(2, 4)], ["0"], lambda o, b: o.abs().sqrt().sum())
+
+
+def test_joint_descent_refuses_a_nan_error_rather_than_keep_the_first_candidate():
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 8), torch.randn(4, 8)
+    spec = QuantSpec("int8")
+
+    def state(t, f):
+        lo, hi = t.min().reshape(1) * f, t.max().reshape(1) * f
+        return RoleState(spec, f"f{f}", "auto", qparams=qparams_from_range(lo, hi, spec),
+                         lo=lo, hi=hi)
+
+    ws, xs = [state(w, 1.0), state(w, 0.5)], [state(x, 1.0), state(x, 0.5)]
+    c = torch.ones(4)
+    assert joint_choice(x, w, ws, xs, c)[2] > 0
+    c[1] = float("nan")
+    with pytest.raises(ValueError, match=r"joint_choice: the output error of weight candidate "
+                                         r"'f1.0' with input candidate 'f1.0' is NaN"):
+        joint_choice(x, w, ws, xs, c)

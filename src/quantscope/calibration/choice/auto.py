@@ -43,6 +43,7 @@ from .candidates import (
 )
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
+from .loss_checks import batch_error, finite, loss_error, none_left_error
 from .score_set import mask_of, piece_of, score_batches, score_pieces, score_plan, tokens_of
 
 __all__ = ["OutputDivergence", "calibrate_end_to_end", "check_options", "choose",
@@ -166,14 +167,10 @@ class OutputDivergence:
         or in the float model's output on it, as calibrate says of a calibration batch),
         a custom ``loss``'s where the quantized output ``out`` is finite too, else the
         quantized model's."""
-        if not (_finite(self.batches[k]) and _finite(self.references[k], logits=True)):
-            return ValueError(f"{self.who}: batch {k} (counting from 0) brought NaN or inf "
-                              f"values (the float model's output on it is not finite); fix "
-                              f"that batch (or what makes the model produce them)")
-        if self.loss is not None and _finite(out, logits=True):
-            return ValueError(f"{self.who}: loss returned {d} on batch {k} (counting from 0), "
-                              f"where the quantized and the float outputs are finite; loss "
-                              f"must return a finite scalar")
+        if not (finite(self.batches[k]) and finite(self.references[k], logits=True)):
+            return batch_error(self.who, k)
+        if self.loss is not None and finite(out, logits=True):
+            return loss_error(self.who, "loss", k, d, "the quantized and the float outputs are")
         return ValueError(f"{self.who}: the output divergence on batch {k} (counting from 0) "
                           f"is {d}: the quantized model's output is not finite there")
 
@@ -181,12 +178,9 @@ class OutputDivergence:
         """Leave out the batches that bring NaN / inf (or whose float output does); returns
         how many. Raises where none is left to score on."""
         keep = [k for k, (b, r) in enumerate(zip(self.batches, self.references))
-                if _finite(b) and _finite(r, logits=True)]
+                if finite(b) and finite(r, logits=True)]
         if not keep:
-            raise ValueError(f"{self.who}: every scoring batch ({len(self.batches)}) brought "
-                             f"NaN or inf values (or made the float model's output so), which "
-                             f"non_finite='ignore' leaves out of the scoring: none is left to "
-                             f"compare the model's outputs on; give finite batches")
+            raise none_left_error(self.who, len(self.batches), "compare the model's outputs on")
         left_out = len(self.batches) - len(keep)
         self.batches, self.real = [self.batches[k] for k in keep], [self.real[k] for k in keep]
         self.references = [self.references[k] for k in keep]
@@ -219,15 +213,6 @@ def scalar(who: str, what: str, value, where: str = "") -> float:
         raise TypeError(f"{who}: {what} must return a finite scalar (a number or a "
                         f"one-element tensor), got {got}{where}")
     return float(value)
-
-
-def _finite(value, logits: bool = False) -> bool:
-    """Whether every floating tensor of ``value`` (a batch, an output) is finite; ``logits``:
-    -inf allowed (a banned token's logit: probability 0)."""
-    def ok(t):
-        return ~(t.isnan() | t.isposinf()) if logits else torch.isfinite(t)
-    return all(bool(ok(t).all()) for t in tensors_in(value)
-               if t.is_floating_point() or t.is_complex())
 
 
 class _FloatOutputs:

@@ -16,8 +16,10 @@ The session's finish step calls :func:`layer_pick` per layer; the model-level de
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -30,6 +32,7 @@ from ..results.apply import qdq_tensor
 from ..results.result import RoleState
 from ..run.batches import eval_mode, forward_batch, map_tensors, tensors_in
 from ..structure.conv1d import is_conv1d, linear_output, transposed_layout
+from .loss_checks import batch_error, finite, loss_error, none_left_error
 
 __all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
            "joint_choice", "layer_pick", "spread_rows"]
@@ -43,7 +46,12 @@ IMATRIX = "imatrix"
 
 
 # ----------------------------------------------------------------------------- fisher
-def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, torch.Tensor]:
+#: the errors of the ``"fisher"`` weights name the metric
+_FISHER = "auto (metric 'fisher')"
+
+
+def fisher_weights(model: nn.Module, batches, layers, loss=None,
+                   ignore_non_finite: bool = False) -> dict[str, torch.Tensor]:
     """Per layer, the mean squared gradient of the loss w.r.t. each output feature.
 
     ``loss(output, batch) -> scalar tensor``; by default the model's own loss on the batch's
@@ -51,6 +59,13 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
     positions ignored). The gradients are taken w.r.t. the layers' outputs only: no
     parameter's ``.grad`` is written, and on a frozen model (``requires_grad_(False)``) the
     layers' weights require grad for the call only, their flags restored after.
+
+    A loss value that is not finite raises ``ValueError`` naming the batch (NaN / inf in it or
+    in the model's output on it, else the loss), as does a gradient that is not: NaN weights
+    would make every error NaN. ``ignore_non_finite`` (the ``auto`` roles read NaN / inf as
+    zero, ``non_finite="ignore"``): a batch holding NaN / inf, or whose output does, is left
+    out of the sums instead, as the ``"model"`` metric leaves it out of its score (none left
+    raises).
     """
     mods = {name: model.get_submodule(name) for name in layers}
     sums = {name: None for name in mods}
@@ -67,21 +82,18 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
     frozen = [p for m in mods.values() for p in m.parameters(recurse=False)
               if not p.requires_grad and p.is_floating_point()]
     handles = [m.register_forward_hook(hook_for(name)) for name, m in mods.items()]
+    seen = used = 0
     try:
         for p in frozen:
             p.requires_grad_(True)
         # a graph needs normal mode: calibrate is often called under inference_mode
         with eval_mode(model), torch.inference_mode(False):
-            for batch in batches:
+            for seen, batch in enumerate(batches, 1):
                 caught.clear()
-                with torch.enable_grad():
-                    value = _loss_of(model, _saveable(batch), loss)
-                    grads = torch.autograd.grad(value, [o for _, o in caught],
-                                                allow_unused=True) if caught else ()
-                for (name, _), g in zip(caught, grads):
-                    if g is None:
-                        continue
-                    g = g.detach().float().reshape(-1, g.shape[-1]).square()
+                squares = _squared_grads(model, batch, seen - 1, loss, caught,
+                                         ignore_non_finite)
+                used += squares is not None
+                for name, g in squares or ():
                     sums[name] = g.sum(0) if sums[name] is None else sums[name] + g.sum(0)
                     counts[name] += g.shape[0]
     finally:
@@ -90,7 +102,55 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None) -> dict[str, to
             h.remove()
         for p in frozen:
             p.requires_grad_(False)
+    if seen and not used:
+        raise none_left_error(_FISHER, seen, "take the loss's gradients on")
     return {n: s / counts[n] for n, s in sums.items() if s is not None}
+
+
+def _squared_grads(model, batch, k, loss, caught, ignore_non_finite):
+    """``[(layer, g^2 rows)]`` of batch ``k`` (its forward fills ``caught`` with the layers'
+    outputs), or None where ``ignore_non_finite`` leaves the batch out (:func:`fisher_weights`
+    says which, and what raises)."""
+    with torch.enable_grad():
+        out, value = _loss_of(model, _saveable(batch), loss)
+        clean = finite(batch) and finite(_output_alone(out), logits=True)
+        if ignore_non_finite and not clean:
+            return None
+        if not bool(torch.isfinite(value.detach()).all()):
+            raise (batch_error(_FISHER, k) if not clean
+                   else _loss_error(k, float(value.detach().float().sum()), loss))
+        grads = torch.autograd.grad(value, [o for _, o in caught],
+                                    allow_unused=True) if caught else ()
+    out = []
+    for (name, _), g in zip(caught, grads):
+        if g is None:
+            continue
+        g = g.detach().float().reshape(-1, g.shape[-1]).square()
+        if not bool(torch.isfinite(g).all()):  # NaN weights: every error NaN
+            raise ValueError(f"{_FISHER}: the squared gradient of the loss w.r.t. layer "
+                             f"{name!r}'s output is not finite on batch {k} (counting from 0), "
+                             f"where the batch, the model's output and the loss are finite; "
+                             f"the loss cannot weigh that layer's errors")
+        out.append((name, g))
+    return out
+
+
+def _output_alone(out):
+    """The model output ``out`` without its ``loss`` (judged as the loss, not the output)."""
+    if isinstance(out, Mapping) and "loss" in out:
+        return [v for key, v in out.items() if key != "loss"]
+    return out
+
+
+def _loss_error(k: int, value: float, loss) -> ValueError:
+    """The error of a non-finite loss on batch ``k`` where the batch and the output are finite:
+    ``Auto.loss``'s, or the model's own (the default)."""
+    if loss is not None:
+        return loss_error(_FISHER, "Auto.loss", k, value, "the model's output is")
+    return ValueError(f"{_FISHER}: the model's own loss (the default: no Auto.loss) returned "
+                      f"{value} on batch {k} (counting from 0), where the model's output is "
+                      f"finite (a batch without one labelled token?); pass "
+                      f"Auto.loss=callable(output, batch) returning a finite scalar")
 
 
 def _saveable(batch):
@@ -102,17 +162,20 @@ def _saveable(batch):
 
 
 def _loss_of(model, batch, loss):
-    """The scalar loss :func:`fisher_weights` differentiates on ``batch``."""
+    """``(output, loss)``: the model's output on ``batch`` and the scalar loss
+    :func:`fisher_weights` differentiates."""
     if loss is not None:
-        return loss(forward_batch(model, batch), batch)
+        out = forward_batch(model, batch)
+        return out, loss(out, batch)
     if not (isinstance(batch, dict) or hasattr(batch, "keys")):
         raise ValueError("fisher_weights: the default loss needs dict batches "
                          "(input_ids); pass loss=callable(output, batch)")
-    value = getattr(model(**{**batch, "labels": _labels(batch)}), "loss", None)
+    out = model(**{**batch, "labels": _labels(batch)})
+    value = getattr(out, "loss", None)
     if value is None:
         raise ValueError("fisher_weights: the model returns no loss; pass "
                          "loss=callable(output, batch)")
-    return value
+    return out, value
 
 
 def _labels(batch) -> torch.Tensor:
@@ -154,10 +217,11 @@ def joint_choice(x: torch.Tensor, w: torch.Tensor, w_states: list[RoleState],
     return i, j, err(i, j)
 
 
-def _descent(x, w, w_states, x_states, out_weights, rounds, conv1d=False):
+def _descent(x, w, w_states, x_states, out_weights, rounds, conv1d=False, who="joint_choice"):
     """:func:`joint_choice`'s ``(i, j, err)``, ``err(a, b)`` the cached error of a pair (the
     last step priced every input under weight ``i``: a fusion group sums those). ``conv1d``:
-    ``w`` is a Conv1D's ``W^T`` (``[in, out]``), quantized as held, output ``x @ w``."""
+    ``w`` is a Conv1D's ``W^T`` (``[in, out]``), quantized as held, output ``x @ w``. A NaN
+    error raises ``ValueError`` (``who`` says whose): ``min`` would keep the first candidate."""
     x, w = x.float(), w.float()
     ref = linear_output(x, w, conv1d)
     wq = [None] * len(w_states)
@@ -174,6 +238,11 @@ def _descent(x, w, w_states, x_states, out_weights, rounds, conv1d=False):
             if out_weights is not None:
                 e = e * out_weights
             cache[(i, j)] = float(e.double().sum())
+            if math.isnan(cache[(i, j)]):
+                raise ValueError(f"{who}: the output error of weight candidate "
+                                 f"{w_states[i].observer!r} with input candidate "
+                                 f"{x_states[j].observer!r} is NaN: no candidate can be "
+                                 f"chosen by it")
         return cache[(i, j)]
 
     i, j = 0, 0
@@ -223,7 +292,9 @@ def layer_pick(layer, plan, slots, data, state_of, fisher=None):
         except ValueError:  # a layout the weighted search cannot take: not a candidate
             pass
     c = None if fisher is None else fisher.get(layer)
-    i, j, err = _descent(spread_rows(x, JOINT_ROWS), w, ws, xs, c, 1, conv1d)
+    metric = "joint" if fisher is None else "fisher"
+    i, j, err = _descent(spread_rows(x, JOINT_ROWS), w, ws, xs, c, 1, conv1d,
+                         f"calibrate: auto metric {metric!r}, layer {layer!r}")
     return {"weight": ws[i], "input": None if xcfg.dynamic is True else xs[j],
             "input_errors": {k: err(i, b) for b, k in enumerate(xkeys) if k is not None}}
 

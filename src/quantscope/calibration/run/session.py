@@ -29,7 +29,7 @@ from ..._checks import outside_quantscope
 from ..choice import auto as _auto
 from ..choice import layer_choice
 from ..choice import smooth as _smooth
-from ..choice.candidates import has_auto
+from ..choice.candidates import has_auto, ignores_non_finite
 from ..choice.sensitivity import Sensitivity, check_fallback, fall_back, measure
 from ..options import (
     AUTO_METRICS,
@@ -345,11 +345,11 @@ def _as_recipes(recipes, inner=False) -> dict[str, Recipe]:
 
 def _fisher_weights(model, batches, recipes, auto: Auto):
     """The loss's ``g^2`` per output feature of every weight an ``auto`` recipe quantizes
-    (``auto_metric="fisher"``), from backward passes over the first ``score_tokens`` tokens."""
-    layers = {layer for r in recipes.values() if has_auto(r)
-              for layer, (_, roles) in r.match(model).items() if "weight" in roles}
+    (``"fisher"``) on the first ``score_tokens`` tokens; ``non_finite="ignore"``: not NaN ones."""
+    autos = [r for r in recipes.values() if has_auto(r)]
+    layers = {layer for r in autos for layer, (_, rs) in r.match(model).items() if "weight" in rs}
     return layer_choice.fisher_weights(model, _auto.score_batches(batches, auto.score_tokens),
-                                       sorted(layers), auto.loss)
+                                       sorted(layers), auto.loss, all(map(ignores_non_finite, autos)))
 
 
 def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher):

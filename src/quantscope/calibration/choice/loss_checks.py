@@ -1,0 +1,43 @@
+"""Checks of what ``auto``'s scoring computes on a batch: a user's loss, the batch, the model's
+output. Shared by the ``"model"`` metric (:class:`.auto.OutputDivergence`) and ``"fisher"``
+(:func:`.layer_choice.fisher_weights`), so both say the same of the same mistake."""
+
+from __future__ import annotations
+
+import torch
+
+from ..run.batches import tensors_in
+
+__all__ = ["batch_error", "finite", "loss_error", "none_left_error"]
+
+
+def finite(value, logits: bool = False) -> bool:
+    """Whether every floating tensor of ``value`` (a batch, an output) is finite; ``logits``:
+    -inf allowed (a banned token's logit: probability 0)."""
+    def ok(t):
+        return ~(t.isnan() | t.isposinf()) if logits else torch.isfinite(t)
+    return all(bool(ok(t).all()) for t in tensors_in(value)
+               if t.is_floating_point() or t.is_complex())
+
+
+def batch_error(who: str, k: int) -> ValueError:
+    """The error of batch ``k`` bringing NaN / inf (in it, or in the float model's output on
+    it), as calibrate says of a calibration batch."""
+    return ValueError(f"{who}: batch {k} (counting from 0) brought NaN or inf values (the float "
+                      f"model's output on it is not finite); fix that batch (or what makes "
+                      f"the model produce them)")
+
+
+def loss_error(who: str, what: str, k: int, value: float, outputs: str) -> ValueError:
+    """The error of the user's loss ``what`` returning the non-finite ``value`` on batch ``k``
+    where the outputs it was given are finite (``outputs`` says which)."""
+    return ValueError(f"{who}: {what} returned {value} on batch {k} (counting from 0), where "
+                      f"{outputs} finite; {what} must return a finite scalar")
+
+
+def none_left_error(who: str, n: int, purpose: str) -> ValueError:
+    """The error of ``non_finite='ignore'`` leaving out all ``n`` scoring batches (each brought
+    NaN / inf, or made the float model's output so): none is left to ``purpose``."""
+    return ValueError(f"{who}: every scoring batch ({n}) brought NaN or inf values (or made the "
+                      f"float model's output so), which non_finite='ignore' leaves out of the "
+                      f"scoring: none is left to {purpose}; give finite batches")
