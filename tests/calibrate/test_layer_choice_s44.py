@@ -148,3 +148,41 @@ def test_joint_descent_refuses_a_nan_error_rather_than_keep_the_first_candidate(
     with pytest.raises(ValueError, match=r"joint_choice: the output error of weight candidate "
                                          r"'f1.0' with input candidate 'f1.0' is NaN"):
         joint_choice(x, w, ws, xs, c)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=64)).eval()
+
+
+def test_fisher_default_loss_without_input_ids_names_auto_loss():
+    # probing (s44): dict batches of inputs_embeds gave a bare KeyError: 'input_ids'
+    batches = [{"inputs_embeds": torch.randn(2, 8, 32)} for _ in range(2)]
+    with pytest.raises(ValueError, match=r"needs 'labels' or 'input_ids' in the batch; batch 0 "
+                                         r"\(counting from 0\) has \['inputs_embeds'\]; pass "
+                                         r"Auto.loss=callable\(output, batch\)"):
+        quantscope.calibrate(_tiny_llama(), batches, "w8a8", observer="auto", progress=False,
+                             auto=Auto(metric="fisher"))
+    with pytest.raises(ValueError, match=r"needs dict batches, got a Tensor as batch 0 .*"
+                                         r"Auto.loss=callable"):
+        fisher_weights(_mlp_batches()[0], [torch.randn(2, 32)], ["0"])
+
+
+@pytest.mark.parametrize(("loss", "got"), [
+    (lambda o, b: o.square().mean(0), r"a tensor of shape \(16,\)"),  # a vector per feature
+    (lambda o, b: float(o.square().mean()), "float"),  # a number: nothing to differentiate
+    (lambda o, b: o.detach().square().mean(), "a tensor that does not require grad"),
+], ids=["vector", "number", "no-graph"])
+def test_fisher_refuses_a_loss_that_is_not_a_differentiable_scalar_naming_auto_loss(loss, got):
+    # probing (s44): a vector loss gave torch's raw "grad can be implicitly created only for
+    # scalar outputs"
+    model, batches = _mlp_batches()
+    with pytest.raises(TypeError, match=r"auto \(metric 'fisher'\): Auto.loss must return a "
+                                        r"finite scalar \(a one-element tensor with a graph "
+                                        rf"back to the model's output\), got {got} on batch 0"):
+        quantscope.calibrate(model, batches, "w8a8", observer="auto", progress=False,
+                             auto=Auto(metric="fisher", loss=loss))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import time
 import types
 from dataclasses import replace
@@ -43,7 +42,7 @@ from .candidates import (
 )
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
-from .loss_checks import batch_error, finite, loss_error, none_left_error
+from .loss_checks import batch_error, finite, loss_error, none_left_error, scalar
 from .score_set import mask_of, piece_of, score_batches, score_pieces, score_plan, tokens_of
 
 __all__ = ["OutputDivergence", "calibrate_end_to_end", "check_options", "choose",
@@ -199,20 +198,6 @@ class OutputDivergence:
                 return self() if k is None else self.on(k)
         return here() if self.ranks is None or k is None else self.ranks.piece(
             here if k < len(self.batches) else None)
-
-
-def scalar(who: str, what: str, value, where: str = "") -> float:
-    """``value``, what the user's callable ``what`` returned, as a float: a real number or a
-    one-element tensor; else ``TypeError`` naming ``who``'s ``what`` (a vector or None:
-    not Python's bare ``float()`` error). ``where``: said after it (" on batch 3")."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-               else type(value).__name__)
-        raise TypeError(f"{who}: {what} must return a finite scalar (a number or a "
-                        f"one-element tensor), got {got}{where}")
-    return float(value)
 
 
 class _FloatOutputs:

@@ -32,7 +32,7 @@ from ..results.apply import qdq_tensor
 from ..results.result import RoleState
 from ..run.batches import eval_mode, forward_batch, map_tensors, tensors_in
 from ..structure.conv1d import is_conv1d, linear_output, transposed_layout
-from .loss_checks import batch_error, finite, loss_error, none_left_error
+from .loss_checks import batch_error, finite, loss_error, none_left_error, scalar
 
 __all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
            "joint_choice", "layer_pick", "spread_rows"]
@@ -112,13 +112,15 @@ def _squared_grads(model, batch, k, loss, caught, ignore_non_finite):
     outputs), or None where ``ignore_non_finite`` leaves the batch out (:func:`fisher_weights`
     says which, and what raises)."""
     with torch.enable_grad():
-        out, value = _loss_of(model, _saveable(batch), loss)
+        out, value = _loss_of(model, _saveable(batch), loss, k)
+        # a vector or a number: refused naming the loss, not autograd's bare error
+        d = scalar(_FISHER, "Auto.loss" if loss is not None else "the model's own loss",
+                   value, f" on batch {k} (counting from 0)", graph=True)
         clean = finite(batch) and finite(_output_alone(out), logits=True)
         if ignore_non_finite and not clean:
             return None
-        if not bool(torch.isfinite(value.detach()).all()):
-            raise (batch_error(_FISHER, k) if not clean
-                   else _loss_error(k, float(value.detach().float().sum()), loss))
+        if not math.isfinite(d):
+            raise batch_error(_FISHER, k) if not clean else _loss_error(k, d, loss)
         grads = torch.autograd.grad(value, [o for _, o in caught],
                                     allow_unused=True) if caught else ()
     out = []
@@ -161,20 +163,27 @@ def _saveable(batch):
     return map_tensors(lambda t: t.clone() if t.is_inference() else t, batch)
 
 
-def _loss_of(model, batch, loss):
-    """``(output, loss)``: the model's output on ``batch`` and the scalar loss
+def _loss_of(model, batch, loss, k):
+    """``(output, loss)``: the model's output on ``batch`` (batch ``k``) and the scalar loss
     :func:`fisher_weights` differentiates."""
     if loss is not None:
         out = forward_batch(model, batch)
         return out, loss(out, batch)
+    default = ("the default loss (no Auto.loss: the model's own, labelled by the batch's "
+               "'labels', else its 'input_ids')")
+    fix = "; pass Auto.loss=callable(output, batch) returning a scalar tensor"
     if not (isinstance(batch, dict) or hasattr(batch, "keys")):
-        raise ValueError("fisher_weights: the default loss needs dict batches "
-                         "(input_ids); pass loss=callable(output, batch)")
+        raise ValueError(f"{_FISHER}: {default} needs dict batches, got a "
+                         f"{type(batch).__name__} as batch {k} (counting from 0){fix}")
+    if "labels" not in batch and "input_ids" not in batch:
+        raise ValueError(f"{_FISHER}: {default} needs 'labels' or 'input_ids' in the batch; "
+                         f"batch {k} (counting from 0) has {sorted(map(str, batch.keys()))}"
+                         f"{fix}")
     out = model(**{**batch, "labels": _labels(batch)})
     value = getattr(out, "loss", None)
     if value is None:
-        raise ValueError("fisher_weights: the model returns no loss; pass "
-                         "loss=callable(output, batch)")
+        raise ValueError(f"{_FISHER}: the model returns no loss on batch {k} (counting from "
+                         f"0), which {default} takes{fix}")
     return out, value
 
 

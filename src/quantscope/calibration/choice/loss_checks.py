@@ -4,11 +4,35 @@ output. Shared by the ``"model"`` metric (:class:`.auto.OutputDivergence`) and `
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..run.batches import tensors_in
 
-__all__ = ["batch_error", "finite", "loss_error", "none_left_error"]
+__all__ = ["batch_error", "finite", "loss_error", "none_left_error", "scalar"]
+
+
+def scalar(who: str, what: str, value, where: str = "", graph: bool = False) -> float:
+    """``value``, what the user's callable ``what`` returned, as a float: a real number or a
+    one-element tensor; else ``TypeError`` naming ``who``'s ``what`` (a vector or None:
+    not Python's bare ``float()`` error). ``where``: said after it (" on batch 3").
+    ``graph``: a loss to differentiate, so only a one-element tensor that requires grad."""
+    need = ("a one-element tensor with a graph back to the model's output" if graph
+            else "a number or a one-element tensor")
+    got = None
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        if graph and not value.requires_grad:
+            got = "a tensor that does not require grad"
+        value = value.detach().item()
+    elif graph and not isinstance(value, torch.Tensor):  # a number: nothing to differentiate
+        got = type(value).__name__
+    if got is None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else type(value).__name__)
+    if got is not None:
+        raise TypeError(f"{who}: {what} must return a finite scalar ({need}), got {got}{where}")
+    return float(value)
 
 
 def finite(value, logits: bool = False) -> bool:

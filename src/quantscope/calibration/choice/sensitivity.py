@@ -33,7 +33,8 @@ from ..run.batches import check_batches
 from ..run.observe import with_progress
 from ..structure import moe
 from ..structure.conv1d import is_conv1d, linear_output
-from .auto import OutputDivergence, scalar
+from .auto import OutputDivergence
+from .loss_checks import scalar
 from .ranking import Sensitivity, count_arg
 from .ranking import save as _save
 
