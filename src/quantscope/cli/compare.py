@@ -306,23 +306,37 @@ def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: 
 
 def _plots(report: dict, out: str, layer: str | None, role: str = "input",
            recipe: str | None = None) -> list[tuple[str, str]]:
-    """The plots drawn, ``(file name, caption)``; where matplotlib is missing or a plot
-    fails, a warning and those drawn before: the report, computed already, is written all
-    the same."""
+    """The plots drawn, ``(file name, caption)``. Each plot that cannot be drawn is a warning
+    naming why, and the other is drawn all the same (sqnr.png depends on no layer: a
+    --plot-layer that --keep-float, choosing after calibration, took out of every
+    configuration loses only the histogram); the report, computed already, is written
+    whatever the plots do."""
     from ..calibration.results import plots
 
+    def hist(path):
+        chosen = layer or plots.pick_layer(report, role, recipe)
+        if chosen is None:
+            return None
+        plots.plot_histogram(report, chosen, path, role, recipe)
+        return f"{chosen} {role} histogram"
+
+    def sqnr(path):
+        plots.plot_sqnr(report, path)
+        return "SQNR per layer"
+
     drawn = []
-    try:
-        layer = layer or plots.pick_layer(report, role, recipe)
-        if layer is not None:
-            plots.plot_histogram(report, layer, os.path.join(out, "hist.png"), role, recipe)
-            drawn.append(("hist.png", f"{layer} {role} histogram"))
-        plots.plot_sqnr(report, os.path.join(out, "sqnr.png"))
-        drawn.append(("sqnr.png", "SQNR per layer"))
-        return drawn
-    except Exception as e:  # noqa: BLE001 -- whatever a plot raises, the report is kept
-        print(f"warning: no {'more ' if drawn else ''}plots: {e}", file=sys.stderr)
-        return drawn  # those drawn before
+    for name, draw in (("hist.png", hist), ("sqnr.png", sqnr)):
+        try:
+            caption = draw(os.path.join(out, name))
+        except ImportError as e:  # no matplotlib: no plot at all, said once
+            print(f"warning: no plots: {e}", file=sys.stderr)
+            return drawn
+        except Exception as e:  # noqa: BLE001 -- whatever a plot raises, the report is kept
+            print(f"warning: no {name}: {e}", file=sys.stderr)
+            continue
+        if caption is not None:
+            drawn.append((name, caption))
+    return drawn
 
 
 def _read_report(run: str) -> tuple[str, dict]:

@@ -95,12 +95,24 @@ def _drawn_recipe(report: dict, recipe: str | None) -> str | None:
     return recipe
 
 
+def _kept_out(report: dict, layer: str, role: str) -> str:
+    """Why ``layer``'s ``role`` has no histogram where keep_float is the cause (it chooses
+    after calibration, so a layer asked for up front may be gone): the runs that took it out
+    of static quantization, in parentheses; else ''."""
+    runs = [label for label, run in report["runs"].items()
+            if f"{layer} {role}" in ((run.get("info") or {}).get("keep_float") or {}).get(
+                "tensors", ())]
+    return (f" (keep_float took it out of static quantization: {', '.join(runs)})" if runs
+            else "")
+
+
 def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
                    recipe: str | None = None, *, inputs=()) -> str:
     """Histogram of ``layer``'s ``role`` activations with each run's clipping range."""
     hist = report.get("histograms", {}).get(f"{layer}/{role}")
     if hist is None:
-        raise ValueError(f"plot: no {role} histogram for layer {layer!r}; layers with one: "
+        raise ValueError(f"plot: no {role} histogram for layer {layer!r}"
+                         f"{_kept_out(report, layer, role)}; layers with one: "
                          f"{sorted(histogram_layers(report, role))}")
     if recipe is not None and recipe not in report_recipes(report):  # else: no range drawn
         raise ValueError(f"plot: no run of recipe {recipe!r}; the report's recipes: "
