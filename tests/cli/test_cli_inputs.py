@@ -301,7 +301,7 @@ def test_plot_writes_both_pngs_into_a_new_out_folder(tmp_path, capsys):
     assert rc == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["hist.png", "sqnr.png"]  # no temporaries
     assert all((out / n).read_bytes()[:8] == PNG for n in ("hist.png", "sqnr.png"))
-    assert f"wrote {out}/hist.png (l0 input)" in stdout
+    assert f"wrote {out}/hist.png (l0 input, w8a8's clipping ranges)" in stdout
 
 
 # ------------------------------------------------------------------ relative input paths

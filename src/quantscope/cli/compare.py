@@ -218,8 +218,8 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
 
 def _plan(args, model, recipes, observers) -> dict:
     """Every configuration's recipe, checked against the model's layers, and --plot-layer
-    against the layers whose input they quantize: once the model is loaded, not once every
-    configuration has been calibrated and evaluated."""
+    against the layers whose input they quantize statically: once the model is loaded, not
+    once every configuration has been calibrated and evaluated."""
     from ..calibration.recipe import has_groups
 
     plan = {f"{r}/{o}": build_recipe(args, model, o, r, groups_optional=True)
@@ -227,13 +227,18 @@ def _plan(args, model, recipes, observers) -> dict:
     if args.group_size is not None and not any(map(has_groups, plan.values())):
         raise UsageError(f"--group-size {args.group_size}: none of --recipes "
                          f"{', '.join(recipes)} has grouped weights to change")
-    if args.plot_layer is not None:
+    if args.plot_layer is not None:  # statically: a dynamic input has no range to draw
         layers = list(dict.fromkeys(name for rec in plan.values()
                                     for name, (_, roles) in rec.match(model).items()
-                                    if "input" in roles))
+                                    if "input" in roles and roles["input"].dynamic is not True))
+        if not layers:
+            raise UsageError(f"--plot-layer {args.plot_layer!r}: none of --recipes quantizes "
+                             f"an input statically (weight-only or dynamic inputs): no "
+                             f"histogram has a clipping range to draw; drop --plot-layer")
         if args.plot_layer not in layers:
             raise UsageError(f"--plot-layer {args.plot_layer!r} is not a layer whose input "
-                             f"the recipes quantize; {suggest(args.plot_layer, layers, 8)}")
+                             f"the recipes quantize statically (a dynamic one has no clipping "
+                             f"range to draw); {suggest(args.plot_layer, layers, 8)}")
     return plan
 
 
@@ -313,11 +318,9 @@ def _plots(report: dict, out: str, layer: str | None, role: str = "input",
     whatever the plots do."""
     from ..calibration.results import plots
 
-    def hist(path):
-        chosen = layer or plots.pick_layer(report, role, recipe)
-        if chosen is None:
-            return None
-        plots.plot_histogram(report, chosen, path, role, recipe)
+    def hist(path):  # the first recipe with static ranges there, not merely the first's
+        chosen, drawn = plots.histogram_choice(report, role, recipe, layer)
+        plots.plot_histogram(report, chosen, path, role, drawn)
         return f"{chosen} {role} histogram"
 
     def sqnr(path):
@@ -334,8 +337,7 @@ def _plots(report: dict, out: str, layer: str | None, role: str = "input",
         except Exception as e:  # noqa: BLE001 -- whatever a plot raises, the report is kept
             print(f"warning: no {name}: {e}", file=sys.stderr)
             continue
-        if caption is not None:
-            drawn.append((name, caption))
+        drawn.append((name, caption))
     return drawn
 
 
@@ -353,23 +355,24 @@ def _read_report(run: str) -> tuple[str, dict]:
     return path, report
 
 
-def _plot_layer(args, report: dict) -> str:
-    """--recipe and --layer checked against the report, before --out is made."""
+def _plot_layer(args, report: dict) -> tuple[str, str | None]:
+    """--recipe and --layer checked against the report, before --out is made; the layer and
+    the recipe whose clipping ranges the histogram draws (by default the first recipe with
+    static ones: a weight-only or dynamic-input recipe listed first has none)."""
     from ..calibration.results import plots
 
     recipes = plots.report_recipes(report)
     if args.recipe is not None and args.recipe not in recipes:
         raise UsageError(f"--recipe {args.recipe!r}: no run of the report has it; "
                          f"{suggest(args.recipe, recipes)}")
-    layer = args.layer or plots.pick_layer(report, args.role, args.recipe)
-    if layer is None:
-        raise UsageError(f"plot: the report has no static {args.role} activations with a "
-                         f"histogram")
     layers = plots.histogram_layers(report, args.role)
-    if layer not in layers:
-        raise UsageError(f"--layer {layer!r}: the report has no {args.role} histogram of it; "
-                         f"{suggest(layer, layers, 8)}")
-    return layer
+    if args.layer is not None and args.layer not in layers:
+        raise UsageError(f"--layer {args.layer!r}: the report has no {args.role} histogram of "
+                         f"it; {suggest(args.layer, layers, 8)}")
+    try:
+        return plots.histogram_choice(report, args.role, args.recipe, args.layer)
+    except ValueError as e:  # why none can be drawn (naming the recipe and layer asked for)
+        raise UsageError(str(e)) from None
 
 
 def _plot_targets(args, out: str, report_path: str) -> tuple[str, str]:
@@ -391,12 +394,13 @@ def _plot_targets(args, out: str, report_path: str) -> tuple[str, str]:
 
 def cmd_plot(args) -> int:
     path, report = _read_report(args.run)
-    layer = _plot_layer(args, report)
+    layer, recipe = _plot_layer(args, report)
     out = args.out or os.path.dirname(os.path.abspath(path))
     hist, sqnr = _plot_targets(args, out, path)
     from ..calibration.results import plots
 
-    plots.plot_histogram(report, layer, hist, args.role, args.recipe, inputs=[path])
+    plots.plot_histogram(report, layer, hist, args.role, recipe, inputs=[path])
     plots.plot_sqnr(report, sqnr, inputs=[path])
-    print(f"wrote {hist} ({layer} {args.role}) and {sqnr}")
+    ranges = f", {recipe}'s clipping ranges" if recipe else ""
+    print(f"wrote {hist} ({layer} {args.role}{ranges}) and {sqnr}")
     return 0

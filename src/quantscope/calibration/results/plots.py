@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import os
 
-__all__ = ["figure", "histogram_layers", "pick_layer", "plot_histogram", "plot_sqnr",
-           "report_recipes", "save_figure"]
+__all__ = ["drawable_recipes", "figure", "histogram_choice", "histogram_layers", "pick_layer",
+           "plot_histogram", "plot_sqnr", "report_recipes", "save_figure"]
 
 
 def figure(**kwargs):
@@ -64,35 +64,83 @@ def histogram_layers(report: dict, role: str = "input") -> list[str]:
             if k.rsplit("/", 1)[1] == role]
 
 
-def pick_layer(report: dict, role: str = "input", recipe: str | None = None) -> str | None:
-    """The layer whose SQNR differs most between the observers of ``recipe`` (the one
-    :func:`plot_histogram` draws: by default the first run's), where the choice matters most;
-    a gap between recipes (int8 against fp8) is not a choice of observer. Where the report
-    has histograms, only layers with a ``role`` one count (those :func:`plot_histogram` can
-    draw); None if there is no such layer."""
-    recipe = _drawn_recipe(report, recipe)
+def _drawable_rows(report: dict, role: str, recipe: str | None = None,
+                   layer: str | None = None):
+    """``(recipe, row)`` of each ``role`` row whose clipping range :func:`plot_histogram`
+    draws: static (nvfp4's calibrated 'local' inputs count), of a layer with a histogram
+    where the report has histograms; only ``recipe``'s and ``layer``'s where given."""
     drawable = set(histogram_layers(report, role)) if "histograms" in report else None
-    spread = {}
     for run in report["runs"].values():
         if recipe is not None and run.get("recipe") != recipe:
             continue
         for r in run["layers"]:
-            if (r["role"] == role and r["sqnr_db"] is not None and r["dynamic"] is not True
+            if (r["role"] == role and r["dynamic"] is not True
+                    and (layer is None or r["layer"] == layer)
                     and (drawable is None or r["layer"] in drawable)):
-                spread.setdefault(r["layer"], []).append(r["sqnr_db"])
+                yield run.get("recipe"), r
+
+
+def drawable_recipes(report: dict, role: str = "input", layer: str | None = None) -> list:
+    """The recipes with a static ``role`` clipping range to draw on a histogram (of ``layer``,
+    where given), in the report's order: not a weight-only or dynamic-input one."""
+    return list(dict.fromkeys(rec for rec, _ in _drawable_rows(report, role, layer=layer)))
+
+
+def pick_layer(report: dict, role: str = "input", recipe: str | None = None) -> str | None:
+    """The layer whose SQNR differs most between the observers of ``recipe`` (the one
+    :func:`plot_histogram` draws: by default the first with a static ``role`` range to draw),
+    where the choice matters most; a gap between recipes (int8 against fp8) is not a choice
+    of observer. Where the report has histograms, only layers with a ``role`` one count
+    (those :func:`plot_histogram` can draw); None if there is no such layer."""
+    recipe = _drawn_recipe(report, recipe, role)
+    spread = {}
+    for _, r in _drawable_rows(report, role, recipe):
+        if r["sqnr_db"] is not None:
+            spread.setdefault(r["layer"], []).append(r["sqnr_db"])
     if not spread:
         return None
     return max(spread, key=lambda k: max(spread[k]) - min(spread[k]))
 
 
-def _drawn_recipe(report: dict, recipe: str | None) -> str | None:
-    """``recipe``, else the first run's: recipes often share activation specs, so one
-    recipe's ranges suffice."""
+def _drawn_recipe(report: dict, recipe: str | None, role: str,
+                  layer: str | None = None) -> str | None:
+    """``recipe``, else the first in the report's order with a static ``role`` range to draw
+    (of ``layer``, where given), not merely the first run's (a weight-only or dynamic-input
+    recipe has none): recipes often share activation specs, so one recipe's ranges suffice."""
+    if not report["runs"]:  # (else nothing said)
+        raise ValueError("plot: the report has no runs: nothing to plot")
     if recipe is None:
-        if not report["runs"]:  # (else a bare StopIteration)
-            raise ValueError("plot: the report has no runs: nothing to plot")
-        recipe = next(iter(report["runs"].values())).get("recipe")
+        recipe = next(iter(drawable_recipes(report, role, layer)), None)
     return recipe
+
+
+def histogram_choice(report: dict, role: str = "input", recipe: str | None = None,
+                     layer: str | None = None) -> tuple[str, str | None]:
+    """The layer and the recipe :func:`plot_histogram` draws: ``layer``, else
+    :func:`pick_layer`'s; ``recipe``, else the first with a static ``role`` clipping range
+    there. A ValueError naming why where there is none (no histogram of ``layer``, a recipe
+    with no such range: weight-only, dynamic inputs, or all kept in float)."""
+    recipes = report_recipes(report)
+    if recipe is not None and recipe not in recipes:
+        raise ValueError(f"plot: no run of recipe {recipe!r}; the report's recipes: {recipes}")
+    if layer is not None and f"{layer}/{role}" not in report.get("histograms", {}):
+        raise ValueError(f"plot: no {role} histogram for layer {layer!r}"
+                         f"{_kept_out(report, layer, role)}; layers with one: "
+                         f"{sorted(histogram_layers(report, role))}")
+    have = drawable_recipes(report, role, layer)
+    drawn = _drawn_recipe(report, recipe, role, layer)
+    if drawn not in have:
+        whose = f"recipe {recipe!r} has no" if recipe is not None else (
+            f"none of the report's recipes ({', '.join(recipes)}) has a")
+        where = f"of layer {layer!r}" if layer is not None else "of a layer with a histogram"
+        raise ValueError(f"plot: {whose} static {role} clipping range {where} (weight-only, "
+                         f"dynamic {role}s or kept in float)"
+                         + (f"; recipes with one: {', '.join(have)}" if have else ""))
+    layer = layer or pick_layer(report, role, drawn)
+    if layer is None:  # a static row, but none with an SQNR to choose by
+        raise ValueError(f"plot: no {role} SQNR of recipe {drawn!r} to choose the layer by: "
+                         f"name one")
+    return layer, drawn
 
 
 def _kept_out(report: dict, layer: str, role: str) -> str:
@@ -108,15 +156,11 @@ def _kept_out(report: dict, layer: str, role: str) -> str:
 
 def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
                    recipe: str | None = None, *, inputs=()) -> str:
-    """Histogram of ``layer``'s ``role`` activations with each run's clipping range."""
-    hist = report.get("histograms", {}).get(f"{layer}/{role}")
-    if hist is None:
-        raise ValueError(f"plot: no {role} histogram for layer {layer!r}"
-                         f"{_kept_out(report, layer, role)}; layers with one: "
-                         f"{sorted(histogram_layers(report, role))}")
-    if recipe is not None and recipe not in report_recipes(report):  # else: no range drawn
-        raise ValueError(f"plot: no run of recipe {recipe!r}; the report's recipes: "
-                         f"{report_recipes(report)}")
+    """Histogram of ``layer``'s ``role`` activations with the clipping range of each run of
+    ``recipe`` (by default the first recipe with one: :func:`histogram_choice`, whose
+    ValueError says why none can be drawn)."""
+    _, recipe = histogram_choice(report, role, recipe, layer)
+    hist = report["histograms"][f"{layer}/{role}"]
     import matplotlib
 
     counts = hist["counts"]
@@ -128,7 +172,6 @@ def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
     ax.bar(centers, [max(c, 0.8) if c else 0 for c in counts], width=width, color="0.55",
            log=True, label="activations (sample)")
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
-    recipe = _drawn_recipe(report, recipe)
     xs = [hist["lo"], hist["hi"]]
     # observers whose ranges coincide share one pair of lines and one legend entry, and every
     # entry states its range: a line drawn exactly under another is never a lost legend entry
