@@ -3,7 +3,6 @@ evaluate`` (a saved run's qparams applied again)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import time
@@ -160,8 +159,10 @@ def cmd_evaluate(args) -> int:
 
         reapply(model, calib)
     q = phases.run("evaluating quantized", lambda: ev.quantized(calib))
-    if args.json:
-        print(json.dumps({**q, **{f"{k}_fp32": v for k, v in fp.items()}}))
+    if args.json:  # strict JSON, as report.json: a non-finite metric (inf perplexity) is null
+        from ..calibration.results.report import json_text
+
+        print(json_text({**q, **{f"{k}_fp32": v for k, v in fp.items()}}))
         return 0
     print(f"quantscope evaluate: {qdir} on {models.model_name(path)} ({task})")
     print(f"  {metric_line(ev.primary, fp[ev.primary], q[ev.primary])}")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -290,7 +289,7 @@ def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: 
     """report.json, report.md (the table, the timings, the plots) and the plots, written
     whole into ``--out`` or not at all; a plot that fails is a warning, never a lost report.
     Returns the names of the plots drawn."""
-    from ..calibration.results.report import json_safe, markdown_table
+    from ..calibration.results.report import json_text, markdown_table
     from ..exporters.atomic import atomic_dir
 
     md = [f"# {title}", "", markdown_table(headers, rows), "",
@@ -300,7 +299,7 @@ def _write_report(args, report: dict, headers, rows, title: str, calib_seconds: 
     with atomic_dir(args.out, overwrite=True, what="compare-run",
                     inputs=[report["setup"]["model"], *command_inputs(args)]) as tmp:
         with open(os.path.join(tmp, "report.json"), "w") as f:
-            json.dump(json_safe(report), f, indent=1, allow_nan=False)  # (fp32's metrics too)
+            f.write(json_text(report, indent=1))  # strict JSON (fp32's metrics too)
         if not args.no_plots:
             drawn = _plots(report, tmp, args.plot_layer)
             md += [f"![{alt}]({name})" for name, alt in drawn]

@@ -3,6 +3,7 @@ metric, and phase messages with their times."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -84,10 +85,16 @@ class Evaluator:
 
 
 def metric_line(primary: str, fp: float, q: float) -> str:
+    """The summary's metric, float then quantized, and the change; a change that is no number
+    (inf -> inf: both perplexities overflowed, a mean NLL over 709 nats; or a NaN metric) is
+    said to be undefined, not printed as +nan."""
+    name, d = ("perplexity", 2) if primary == "perplexity" else ("Lee r", 4)
+    line = f"{name}: float {fp:.{d}f} -> quantized {q:.{d}f}"
+    if math.isnan(q - fp):
+        return f"{line} (change undefined)"
     if primary == "perplexity":
-        return (f"perplexity: float {fp:.2f} -> quantized {q:.2f} ({q - fp:+.2f}, "
-                f"{100 * (q / fp - 1):+.1f} %)")
-    return f"Lee r: float {fp:.4f} -> quantized {q:.4f} ({q - fp:+.4f})"
+        return f"{line} ({q - fp:+.2f}, {100 * (q / fp - 1):+.1f} %)"
+    return f"{line} ({q - fp:+.4f})"
 
 
 def spread(docs: list, n: int) -> list:

@@ -30,6 +30,7 @@ __all__ = [
     "exact_note",
     "format_table",
     "json_safe",
+    "json_text",
     "kv_cache_rows",
     "markdown_table",
     "print_table",
@@ -144,6 +145,13 @@ def json_safe(obj):
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def json_text(obj, **kwargs) -> str:
+    """``obj`` as strict JSON text (RFC 8259 has no NaN / Infinity): :func:`json_safe`'s
+    None for a non-finite float, and ``allow_nan=False`` so one that slips past it (in a
+    type json_safe does not walk) is an error, never invalid JSON. ``kwargs``: json.dumps's."""
+    return json.dumps(json_safe(obj), allow_nan=False, **kwargs)
 
 
 def format_table(headers: list[str], rows: list[list], title: str | None = None) -> str:
@@ -278,7 +286,7 @@ class Report:
 
     def to_json(self, path=None) -> str:
         """:meth:`to_dict` as JSON text (indent 1); also written to ``path`` if given."""
-        text = json.dumps(self.to_dict(), indent=1)
+        text = json_text(self.to_dict(), indent=1)
         if path is not None:
             write_text(path, text + "\n")
         return text

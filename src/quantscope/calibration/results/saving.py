@@ -4,14 +4,13 @@ tensors, JSON for the rest (the format is described in :mod:`.io`). Below :mod:`
 
 from __future__ import annotations
 
-import json
 import os
 
 from ... import comm
 from ..._checks import check_bool, check_path
 from ...exporters.atomic import atomic_dir
 from .info_check import info_problem
-from .report import json_safe
+from .report import json_text
 
 __all__ = ["FORMAT", "META", "SMOOTH", "TENSORS", "VERSION", "safetensors", "save"]
 
@@ -104,5 +103,5 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
     with atomic_dir(path, overwrite=overwrite, what="calibration") as tmp:
         save_file(tensors, os.path.join(tmp, TENSORS))
         with open(os.path.join(tmp, META), "w") as f:
-            json.dump(json_safe(meta), f, indent=1)
+            f.write(json_text(meta, indent=1))
     return str(path)
