@@ -23,18 +23,15 @@ import warnings
 from dataclasses import replace
 
 from torch import nn
-from torch.nn.modules.conv import _ConvNd
 
 from ..._checks import outside_quantscope
 from ...exporters.moe_slots import expert_slot
 from ...layout import Token
 from ..results.result import Calibration, RoleState
-from ..run.batches import check_batches
-from ..run.observe import with_progress
 from ..structure import moe
 from ..structure.conv1d import is_conv1d, linear_output
-from .auto import OutputDivergence
 from .loss_checks import scalar
+from .output_sensitivity import check_call, convolutions, measure
 from .ranking import Sensitivity, count_arg
 from .ranking import save as _save
 
@@ -45,54 +42,6 @@ __all__ = ["FALLBACK_MODES", "Sensitivity", "fallback_curve", "keep_float", "lay
 LAYER_ROWS = 256
 
 FALLBACK_MODES = ("float", "dynamic")
-
-
-def _metric_name(div: OutputDivergence) -> str:
-    if div.loss is not None:
-        return "loss"
-    return {"kl": "KL(next token)", "cos": "1 - cosine"}[div.references[0][0]]
-
-
-def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
-            roles=("weight", "input"), progress: bool = False) -> Sensitivity:
-    """:func:`~.session.sensitivity` of a given ``calibration``: each of its tensors of
-    ``roles`` quantized alone, the model's output divergence on ``batches``."""
-    _check_call("sensitivity", batches, calibration)
-    t0 = time.perf_counter()
-    div = OutputDivergence(model, batches, loss, who="sensitivity")
-    todo = [(layer, role, st) for layer, rs in calibration.states.items()
-            for role, st in rs.items() if role in roles]
-    if not todo:
-        raise ValueError(f"sensitivity: the calibration quantizes no tensor of roles {roles}")
-    todo = with_progress(todo, progress, "sensitivity", desc="sensitivity", unit="tensor")
-    rows = [{"layer": layer, "role": role, "observer": st.observer,
-             "divergence": div.of({layer: {role: st}})} for layer, role, st in todo]
-    rows.sort(key=lambda r: -r["divergence"])
-    for k, r in enumerate(rows, 1):
-        r["rank"] = k
-    modules = dict(model.named_modules())  # (an MoE expert's view is no convolution)
-    return Sensitivity(rows, {"metric": _metric_name(div), "forwards": div.forwards,
-                              "batches": len(div.batches),
-                              "seconds": round(time.perf_counter() - t0, 2),
-                              "convolutions": _convolutions(
-                                  {r["layer"]: modules.get(r["layer"]) for r in rows})})
-
-
-def _check_call(who: str, batches, calibration) -> None:
-    """:func:`measure`'s and :func:`layer_sensitivity`'s checks before any forward: batches
-    as ``quantscope.sensitivity`` takes them (one tensor would be read row by row, one dict
-    key by key), and a Calibration."""
-    check_batches(batches, who)
-    if not isinstance(calibration, Calibration):
-        raise TypeError(f"{who}: calibration must be a Calibration, got "
-                        f"{type(calibration).__name__}")
-
-
-def _convolutions(modules: dict) -> list[str]:
-    """The names of ``{name: module}``'s convolutions: their activations ``[N, C, *spatial]``
-    have no tokens (calibrate refuses a per-token one there: ``_ConvNd``, as it does), which
-    :func:`keep_float` reads from the ranking's ``info["convolutions"]``."""
-    return sorted(name for name, m in modules.items() if isinstance(m, _ConvNd))
 
 
 def _is_conv(module) -> bool:
@@ -202,8 +151,16 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     A layer whose own forward never runs on ``batches`` has no row, with a warning naming its
     tensors: ``nn.MultiheadAttention``'s ``out_proj`` (the attention reads its weight without
     calling it), an MoE expert no token was routed to. :func:`measure`
-    (``quantscope.sensitivity``), by the whole model's output, ranks them."""
-    _check_call("layer_sensitivity", batches, calibration)
+    (``quantscope.sensitivity``), by the whole model's output, ranks them. ``model`` must be
+    the one calibrated, as ``calibration.apply`` checks (``Calibration.check_model``)."""
+    check_call("layer_sensitivity", model, batches, calibration)
+    return _layer_ranking(model, batches, calibration, roles)
+
+
+def _layer_ranking(model: nn.Module, batches, calibration: Calibration,
+                   roles) -> Sensitivity:
+    """:func:`layer_sensitivity` past its checks (calibrate's fallback: on the model it has
+    just calibrated, whose weights need no second fingerprint pass)."""
     t0 = time.perf_counter()
     with _expert_views(model):  # the calibration names MoE experts by their views
         todo = _ranked(model, calibration, roles)
@@ -220,7 +177,7 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
         r["rank"] = k
     return Sensitivity(rows, {"metric": "relative layer output error", "forwards": n,
                               "batches": n, "seconds": round(time.perf_counter() - t0, 2),
-                              "convolutions": _convolutions(
+                              "convolutions": convolutions(
                                   {layer: m for layer, (m, _) in todo.items()})})
 
 
@@ -427,7 +384,7 @@ def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
         return keep_float(calibration, Sensitivity([]), 0, mode=mode)
     # only the inputs are ranked: keep_float takes out activations, never weights
     try:
-        sens = layer_sensitivity(model, [batch], calibration, roles=("input",))
+        sens = _layer_ranking(model, [batch], calibration, ("input",))
     except _NothingRanked:
         raise ValueError(f"calibrate: Outliers(keep_float={n}) ranks the static inputs of "
                          f"Linear layers (a 2-D weight) and of Conv1d / 2d / 3d (not "

@@ -1,0 +1,78 @@
+"""The ranking by the model's output (:func:`measure`, what ``quantscope.sensitivity``
+returns), and the checks it shares with :func:`~.sensitivity.layer_sensitivity`.
+
+Kept apart from :mod:`.sensitivity` (the per-layer ranking and the float fallback), which
+re-exports :func:`measure`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+from torch.nn.modules.conv import _ConvNd
+
+from ..results.apply import refuse_applied
+from ..results.result import Calibration
+from ..run.batches import check_batches
+from ..run.observe import with_progress
+from ..structure.placement import check_module
+from .auto import OutputDivergence
+from .ranking import Sensitivity
+
+__all__ = ["measure"]
+
+
+def _metric_name(div: OutputDivergence) -> str:
+    if div.loss is not None:
+        return "loss"
+    return {"kl": "KL(next token)", "cos": "1 - cosine"}[div.references[0][0]]
+
+
+def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
+            roles=("weight", "input"), progress: bool = False) -> Sensitivity:
+    """:func:`~.session.sensitivity` of a given ``calibration``: each of its tensors of
+    ``roles`` quantized alone, the model's output divergence on ``batches``. ``model`` must
+    be the one calibrated, as ``calibration.apply`` checks (``Calibration.check_model``)."""
+    check_call("sensitivity", model, batches, calibration)
+    t0 = time.perf_counter()
+    div = OutputDivergence(model, batches, loss, who="sensitivity")
+    todo = [(layer, role, st) for layer, rs in calibration.states.items()
+            for role, st in rs.items() if role in roles]
+    if not todo:
+        raise ValueError(f"sensitivity: the calibration quantizes no tensor of roles {roles}")
+    todo = with_progress(todo, progress, "sensitivity", desc="sensitivity", unit="tensor")
+    rows = [{"layer": layer, "role": role, "observer": st.observer,
+             "divergence": div.of({layer: {role: st}})} for layer, role, st in todo]
+    rows.sort(key=lambda r: -r["divergence"])
+    for k, r in enumerate(rows, 1):
+        r["rank"] = k
+    modules = dict(model.named_modules())  # (an MoE expert's view is no convolution)
+    return Sensitivity(rows, {"metric": _metric_name(div), "forwards": div.forwards,
+                              "batches": len(div.batches),
+                              "seconds": round(time.perf_counter() - t0, 2),
+                              "convolutions": convolutions(
+                                  {r["layer"]: modules.get(r["layer"]) for r in rows})})
+
+
+def check_call(who: str, model, batches, calibration) -> None:
+    """:func:`measure`'s and :func:`~.sensitivity.layer_sensitivity`'s checks before any
+    forward: batches as ``quantscope.sensitivity`` takes them (one tensor would be read row
+    by row, one dict key by key), a Calibration, and ``model`` the float model it belongs
+    to, by apply()'s own rule (``Calibration.check_model``: the weight fingerprints
+    calibrate recorded, its SmoothQuant smoothing): a ranking of other weights ranks what
+    apply() refuses to run (``calibration.without_fingerprints()`` takes them knowingly)."""
+    check_batches(batches, who)
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"{who}: calibration must be a Calibration, got "
+                        f"{type(calibration).__name__}")
+    check_module(model, who)
+    refuse_applied(model, who, "its float reference would be the fake-quantized model")
+    calibration.check_model(model, who)
+
+
+def convolutions(modules: dict) -> list[str]:
+    """The names of ``{name: module}``'s convolutions: their activations ``[N, C, *spatial]``
+    have no tokens (calibrate refuses a per-token one there: ``_ConvNd``, as it does), which
+    :func:`~.sensitivity.keep_float` reads from the ranking's ``info["convolutions"]``."""
+    return sorted(name for name, m in modules.items() if isinstance(m, _ConvNd))
