@@ -17,6 +17,7 @@ from ..results.result import Calibration
 from ..run.batches import check_batches
 from ..run.observe import with_progress
 from ..structure.placement import check_module
+from ..structure.tied import tied_weights
 from .auto import OutputDivergence
 from .ranking import Sensitivity
 
@@ -33,7 +34,9 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
             roles=("weight", "input"), progress: bool = False) -> Sensitivity:
     """:func:`~.session.sensitivity` of a given ``calibration``: each of its tensors of
     ``roles`` quantized alone, the model's output divergence on ``batches``. ``model`` must
-    be the one calibrated, as ``calibration.apply`` checks (``Calibration.check_model``)."""
+    be the one calibrated, as ``calibration.apply`` checks (``Calibration.check_model``). A
+    weight several calibrated layers hold (tied) is one tensor: measured once, with all
+    their states, its rows share that divergence, and ``info["tied"]`` lists the holders."""
     check_call("sensitivity", model, batches, calibration)
     t0 = time.perf_counter()
     div = OutputDivergence(model, batches, loss, who="sensitivity")
@@ -41,9 +44,21 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
             for role, st in rs.items() if role in roles]
     if not todo:
         raise ValueError(f"sensitivity: the calibration quantizes no tensor of roles {roles}")
+    tied = _tied(model, calibration, [layer for layer, role, _ in todo if role == "weight"])
     todo = with_progress(todo, progress, "sensitivity", desc="sensitivity", unit="tensor")
+    once: dict[tuple[str, ...], float] = {}  # a tied tensor's divergence, measured once
+
+    def divergence(layer, role, st):
+        holders = tied.get(layer) if role == "weight" else None
+        if holders is None:
+            return div.of({layer: {role: st}})
+        if holders not in once:  # all its holders' states: what calibration.apply runs
+            once[holders] = div.of({h: {"weight": calibration.states[h]["weight"]}
+                                    for h in holders})
+        return once[holders]
+
     rows = [{"layer": layer, "role": role, "observer": st.observer,
-             "divergence": div.of({layer: {role: st}})} for layer, role, st in todo]
+             "divergence": divergence(layer, role, st)} for layer, role, st in todo]
     rows.sort(key=lambda r: -r["divergence"])
     for k, r in enumerate(rows, 1):
         r["rank"] = k
@@ -52,7 +67,24 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
                               "batches": len(div.batches),
                               "seconds": round(time.perf_counter() - t0, 2),
                               "convolutions": convolutions(
-                                  {r["layer"]: modules.get(r["layer"]) for r in rows})})
+                                  {r["layer"]: modules.get(r["layer"]) for r in rows}),
+                              "tied": [list(h) for h in sorted(set(tied.values()))]})
+
+
+def _tied(model: nn.Module, calibration: Calibration, layers) -> dict[str, tuple[str, ...]]:
+    """``{layer: every layer holding its weight, sorted}`` for those of ``layers`` whose
+    weight other layers with a weight state hold too (a tied embedding and lm_head:
+    :func:`~..structure.tied.tied_weights`' rule, apply()'s): one tensor, which apply()
+    fake-quantizes once for all its holders, so :func:`measure` quantizes it once with all
+    their states (one at a time, apply() warned that the others ran it quantized though not
+    covered) and gives each holder's row that divergence. A holder without a state is left
+    out: apply() names it, as ``calibration.apply`` does."""
+    out = {}
+    for layer, others in tied_weights(model, layers).items():
+        covered = [o for o in others if calibration.states.get(o, {}).get("weight") is not None]
+        if covered:
+            out[layer] = tuple(sorted({layer, *covered}))
+    return out
 
 
 def check_call(who: str, model, batches, calibration) -> None:

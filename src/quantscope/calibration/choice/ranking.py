@@ -37,7 +37,9 @@ class Sensitivity:
     ``rows`` are sorted most sensitive first, each ``{"rank", "layer", "role", "observer",
     "divergence"}``; ``info`` says the metric, forwards and seconds spent, and
     (``"convolutions"``) the layers ranked that are convolutions, whose activations
-    ``[N, C, *spatial]`` have no tokens (:func:`~.sensitivity.keep_float` reads it)."""
+    ``[N, C, *spatial]`` have no tokens (:func:`~.sensitivity.keep_float` reads it), and
+    (``"tied"``, :func:`~.output_sensitivity.measure`'s) the layers holding one weight: a
+    tied tensor, measured once with all of them quantized, their rows that one divergence."""
 
     rows: list[dict]
     info: dict = field(default_factory=dict)
@@ -60,8 +62,10 @@ class Sensitivity:
         text = markdown_table(["rank", "layer", "role", "observer", "divergence"],
                               [[str(r["rank"]), r["layer"], r["role"], r["observer"],
                                 f"{r['divergence']:.4g}"] for r in self.rows])
+        tied = "".join(f"\n{' = '.join(h)}: one tied weight, measured once (its rows are that "
+                       f"one divergence)" for h in self.info.get("tied", ()))
         text = (f"Sensitivity ({self.info.get('metric', '')}; {self.info.get('forwards', '?')} "
-                f"forwards, {self.info.get('seconds', 0):.1f} s)\n\n{text}\n")
+                f"forwards, {self.info.get('seconds', 0):.1f} s){tied}\n\n{text}\n")
         if path is not None:
             write_text(path, text)
         return text
