@@ -42,8 +42,24 @@ from .candidates import (
 )
 from .importance import InputImportance, imatrix_config, imatrix_rows
 from .layer_choice import IMATRIX
-from .loss_checks import batch_error, finite, loss_error, none_left_error, scalar
-from .score_set import mask_of, piece_of, score_batches, score_pieces, score_plan, tokens_of
+from .loss_checks import (
+    batch_error,
+    batch_name,
+    finite,
+    loss_error,
+    none_left_error,
+    scalar,
+)
+from .score_set import (
+    mask_of,
+    piece_names,
+    piece_of,
+    score_batches,
+    score_pieces,
+    score_plan,
+    tokens_of,
+    with_tokens,
+)
 
 __all__ = ["OutputDivergence", "calibrate_end_to_end", "check_options", "choose",
            "choose_roles", "score_batches", "score_pieces"]  # (those two: .score_set's)
@@ -123,11 +139,13 @@ class OutputDivergence:
     otherwise. Each call runs one forward per batch (under ``inference_mode``). ``who``:
     the function named in errors (``auto``'s scoring, ``sensitivity``). ``real``: the user's
     batches that ``batches`` stand for where they are not those (a sequential block's
-    pieces, ``(number, start, stop)``): their attention masks say which positions count.
+    pieces, ``(number, start, stop)``): their attention masks say which positions count; one
+    with none (a mask all 0) is left out, for every configuration alike. ``names``: what
+    errors call each batch (``auto``'s: its scoring pieces).
     """
 
     def __init__(self, model: nn.Module, batches, loss=None, references=None, who="auto",
-                 real=None):
+                 real=None, names=None):
         self.who = who
         if not isinstance(model, nn.Module):
             raise TypeError(f"OutputDivergence: model must be an nn.Module, got "
@@ -138,9 +156,13 @@ class OutputDivergence:
                              "compare the model's outputs on")
         if loss is not None and not callable(loss):
             raise TypeError("OutputDivergence: loss must be callable(output, reference, batch)")
-        # float outputs already at hand (e.g. caught in the calibration pass) are not recomputed
         self.real = self.batches if real is None else list(real)
+        # float outputs already at hand (e.g. caught in the calibration pass) are not recomputed
         known = list(references or [None] * len(self.batches))
+        self.names = list(names or map(batch_name, range(len(self.batches))))
+        keep = with_tokens(self.real, who)  # (a mask all 0: KL over no position is 0 / 0)
+        self.batches, self.real, self.names, known = (
+            [x[k] for k in keep] for x in (self.batches, self.real, self.names, known))
         self.references = [self._run(k) if r is None else r for k, r in enumerate(known)]
         self.forwards = sum(r is None for r in known)
         self.pieces, self.ranks = len(self.batches), None  # across ranks: share_pieces
@@ -154,7 +176,7 @@ class OutputDivergence:
         """The divergence of the model as it is now on batch ``k`` alone (one forward)."""
         batch, ref = self.batches[k], self.references[k]
         out = self._run(k)
-        d = (scalar(self.who, "loss", self.loss(out, ref, batch), f" on batch {k}")
+        d = (scalar(self.who, "loss", self.loss(out, ref, batch), f" on {self.names[k]}")
              if self.loss is not None else _divergence(out[0], out[1], ref[1]))
         if not math.isfinite(d):
             raise self._non_finite(k, d, out)
@@ -167,10 +189,11 @@ class OutputDivergence:
         a custom ``loss``'s where the quantized output ``out`` is finite too, else the
         quantized model's."""
         if not (finite(self.batches[k]) and finite(self.references[k], logits=True)):
-            return batch_error(self.who, k)
+            return batch_error(self.who, self.names[k])
         if self.loss is not None and finite(out, logits=True):
-            return loss_error(self.who, "loss", k, d, "the quantized and the float outputs are")
-        return ValueError(f"{self.who}: the output divergence on batch {k} (counting from 0) "
+            return loss_error(self.who, "loss", self.names[k], d,
+                              "the quantized and the float outputs are")
+        return ValueError(f"{self.who}: the output divergence on {self.names[k]} "
                           f"is {d}: the quantized model's output is not finite there")
 
     def drop_non_finite(self) -> int:
@@ -181,8 +204,8 @@ class OutputDivergence:
         if not keep:
             raise none_left_error(self.who, len(self.batches), "compare the model's outputs on")
         left_out = len(self.batches) - len(keep)
-        self.batches, self.real = [self.batches[k] for k in keep], [self.real[k] for k in keep]
-        self.references = [self.references[k] for k in keep]
+        self.batches, self.real, self.names, self.references = (
+            [x[k] for k in keep] for x in (self.batches, self.real, self.names, self.references))
         self.pieces = len(keep)
         return left_out
 
@@ -364,7 +387,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         # a pass without forwards (weight-only recipes): the scoring pieces' float forwards
         with (importance.counting() if importance is not None and not importance.seen()
               else contextlib.nullcontext()):
-            score = OutputDivergence(model, pieces, loss, refs, real=real)
+            score = OutputDivergence(model, pieces, loss, refs, real=real,
+                                     names=piece_names(plan))
         # non_finite="ignore" (the observers read NaN / inf as 0): not scored on those batches
         ignore = all(ignores_non_finite(recipes[label]) for label in autos)
         left_out = score.drop_non_finite() if ignore else 0

@@ -32,7 +32,7 @@ from ..results.apply import qdq_tensor
 from ..results.result import RoleState
 from ..run.batches import eval_mode, forward_batch, map_tensors, tensors_in
 from ..structure.conv1d import is_conv1d, linear_output, transposed_layout
-from .loss_checks import batch_error, finite, loss_error, none_left_error, scalar
+from .loss_checks import batch_error, batch_name, finite, loss_error, none_left_error, scalar
 
 __all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
            "joint_choice", "layer_pick", "spread_rows"]
@@ -120,7 +120,7 @@ def _squared_grads(model, batch, k, loss, caught, ignore_non_finite):
         if ignore_non_finite and not clean:
             return None
         if not math.isfinite(d):
-            raise batch_error(_FISHER, k) if not clean else _loss_error(k, d, loss)
+            raise batch_error(_FISHER, batch_name(k)) if not clean else _loss_error(k, d, loss)
         grads = torch.autograd.grad(value, [o for _, o in caught],
                                     allow_unused=True) if caught else ()
     out = []
@@ -148,7 +148,7 @@ def _loss_error(k: int, value: float, loss) -> ValueError:
     """The error of a non-finite loss on batch ``k`` where the batch and the output are finite:
     ``Auto.loss``'s, or the model's own (the default)."""
     if loss is not None:
-        return loss_error(_FISHER, "Auto.loss", k, value, "the model's output is")
+        return loss_error(_FISHER, "Auto.loss", batch_name(k), value, "the model's output is")
     return ValueError(f"{_FISHER}: the model's own loss (the default: no Auto.loss) returned "
                       f"{value} on batch {k} (counting from 0), where the model's output is "
                       f"finite (a batch without one labelled token?); pass "

@@ -10,7 +10,7 @@ import torch
 
 from ..run.batches import tensors_in
 
-__all__ = ["batch_error", "finite", "loss_error", "none_left_error", "scalar"]
+__all__ = ["batch_error", "batch_name", "finite", "loss_error", "none_left_error", "scalar"]
 
 
 def scalar(who: str, what: str, value, where: str = "", graph: bool = False) -> float:
@@ -44,19 +44,25 @@ def finite(value, logits: bool = False) -> bool:
                if t.is_floating_point() or t.is_complex())
 
 
-def batch_error(who: str, k: int) -> ValueError:
-    """The error of batch ``k`` bringing NaN / inf (in it, or in the float model's output on
-    it), as calibrate says of a calibration batch."""
-    return ValueError(f"{who}: batch {k} (counting from 0) brought NaN or inf values (the float "
-                      f"model's output on it is not finite); fix that batch (or what makes "
-                      f"the model produce them)")
+def batch_name(k: int) -> str:
+    """What the errors call the ``k``-th batch."""
+    return f"batch {k} (counting from 0)"
 
 
-def loss_error(who: str, what: str, k: int, value: float, outputs: str) -> ValueError:
-    """The error of the user's loss ``what`` returning the non-finite ``value`` on batch ``k``
-    where the outputs it was given are finite (``outputs`` says which)."""
-    return ValueError(f"{who}: {what} returned {value} on batch {k} (counting from 0), where "
-                      f"{outputs} finite; {what} must return a finite scalar")
+def batch_error(who: str, where: str) -> ValueError:
+    """The error of the batch ``where`` names (:func:`batch_name`, or auto's scoring piece)
+    bringing NaN / inf (in it, or in the float model's output on it), as calibrate says of a
+    calibration batch."""
+    return ValueError(f"{who}: {where} brought NaN or inf values (the float model's output on "
+                      f"it is not finite); fix that batch (or what makes the model produce "
+                      f"them)")
+
+
+def loss_error(who: str, what: str, where: str, value: float, outputs: str) -> ValueError:
+    """The error of the user's loss ``what`` returning the non-finite ``value`` on the batch
+    ``where`` names, where the outputs it was given are finite (``outputs`` says which)."""
+    return ValueError(f"{who}: {what} returned {value} on {where}, where {outputs} finite; "
+                      f"{what} must return a finite scalar")
 
 
 def none_left_error(who: str, n: int, purpose: str) -> ValueError:

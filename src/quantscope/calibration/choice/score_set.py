@@ -15,8 +15,8 @@ import torch
 
 from ..run.batches import tensors_in
 
-__all__ = ["FIRST_PIECE", "mask_of", "piece_of", "rows_of", "score_batches", "score_pieces",
-           "score_plan", "take_rows", "tokens_of"]
+__all__ = ["FIRST_PIECE", "mask_of", "piece_names", "piece_of", "rows_of", "score_batches", "score_pieces",
+           "score_plan", "take_rows", "tokens_of", "with_tokens"]
 
 #: the first scoring piece: this share of the first batch's rows (an early, cheap round
 #: that drops the candidates far behind, :func:`.auto.choose`)
@@ -70,6 +70,18 @@ def tokens_of(b, per_row: bool = False):
     return t.shape[:-1].numel() if t.dim() > 1 else 1  # features: one token per row
 
 
+def with_tokens(batches, who: str) -> list[int]:
+    """The indices of ``batches`` (or pieces) holding a real token (:func:`tokens_of`): one
+    whose attention mask is all 0 (documents of padding only) has no position to compare the
+    model's outputs on. Raises, naming ``who``, where none holds one."""
+    keep = [k for k, b in enumerate(batches) if tokens_of(b)]
+    if not keep:
+        raise ValueError(f"{who}: the documents compared hold no real token (every attention "
+                         f"mask is all 0): nothing to compare the model's outputs on; give "
+                         f"batches with real tokens")
+    return keep
+
+
 def score_batches(batches, tokens: int):
     """The first calibration batches holding at least ``tokens`` real tokens (at least one);
     the last one cut to the rows (documents) needed where it is a dict batch."""
@@ -115,3 +127,10 @@ def piece_of(batch, start, stop):
     None or all its rows)."""
     return batch if stop is None or (start == 0 and stop == rows_of(batch)) else take_rows(
         batch, start, stop)
+
+
+def piece_names(plan) -> list[str]:
+    """What errors call each scoring piece of ``plan`` (:func:`score_plan`): its number and
+    the calibration batch (and rows) it comes from."""
+    return [f"scoring piece {k} ({'' if b is None else f'rows {a}:{b} of '}calibration "
+            f"batch {i}, counting from 0)" for k, (i, a, b) in enumerate(plan)]
