@@ -36,7 +36,7 @@ from .recipe_dict import (
     preset_key,
     role_options,
 )
-from .role_observers import AUTO, check_taken, ct_observer, observed, weight_observer
+from .role_observers import AUTO, check_taken, ct_observer, kv_observed, observed, weight_observer
 from .structure.placement import no_weight_role
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
@@ -382,9 +382,10 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
     """A preset recipe by name (:data:`RECIPES`) with ``observer`` (by default ``minmax``, and
     for ``nvfp4``'s inputs ``static_minmax`` as in llm-compressor: :data:`INPUT_OBSERVERS`) for
     modules ``targets`` (``Linear``) minus ``ignore``; ``kv_cache="fp8"`` also calibrates the
-    KV cache with ``observer`` (min-max for ``auto``), or as a :class:`Role` says (``fp8-kv`` is
-    ``fp8`` with ``kv_cache="fp8"``). A :class:`Recipe` as ``name`` comes back as it is, or
-    :meth:`Recipe.with_observer` ``(observer, **options)``; the other arguments raise then."""
+    KV cache with ``observer`` (``auto``: min-max, with the options it takes), or as a
+    :class:`Role` says (``fp8-kv`` is ``fp8`` with ``kv_cache="fp8"``). A :class:`Recipe` as
+    ``name`` comes back as it is, or :meth:`Recipe.with_observer` ``(observer, **options)``;
+    the other arguments raise then."""
     if isinstance(name, Recipe):  # nothing given beside it is dropped silently
         given = [k for k, v in (("targets=", targets), ("ignore=", ignore), ("kv_cache=", kv_cache),
                                 ("options without observer=", observer is None and options)) if v]
@@ -399,8 +400,7 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
     targets = ("Linear",) if targets is None else targets
     kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
     if named_kv := isinstance(kv_cache, str):  # a format name: observed as activations are
-        kv_cache = replace(kv_cache_role(kv_cache), options=options,
-                           observer="minmax" if observer == AUTO else observer)
+        kv_cache = kv_observed(kv_cache_role(kv_cache), observer, options)
     # Rule and Recipe read targets / ignore (a string is one pattern, None no ignore list);
     # a named KV cache keeps the options too, so with_observer checks none is dropped
     recipe = Recipe((replace(RECIPES[key](observer), targets=targets),), ignore, key,

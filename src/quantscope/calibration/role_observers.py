@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import replace
 
-__all__ = ["AUTO", "check_taken", "ct_observer", "observed", "unknown_options",
+__all__ = ["AUTO", "check_taken", "ct_observer", "kv_observed", "observed", "unknown_options",
            "weight_observer"]
 
 AUTO = "auto"
@@ -76,6 +76,16 @@ def observed(role, kind: str, observer: str, options: dict):
     name, kept = _kept(kind, observer, options)
     own = dict(role.options) if name == AUTO else _accepted(name, name, dict(role.options))
     return replace(role, observer=name, options={**own, **kept})
+
+
+def kv_observed(role, observer: str, options: dict):
+    """A KV cache ``role`` (a preset's named one) running ``observer`` with ``options``; under
+    ``auto``, min-max (the KV cache takes no candidates: :meth:`Recipe.with_observer` leaves
+    it as it is) with those of ``options`` min-max takes, as each candidate gets those it
+    takes (``percentile`` goes to the percentile candidate alone)."""
+    if observer == AUTO:
+        return observed(role, "key", "minmax", _accepted("minmax", "minmax", options))
+    return observed(role, "key", observer, options)
 
 
 def _taken(name: str, kept: dict) -> dict:
