@@ -449,8 +449,9 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
         if args is None:
             continue
         dynamic = args.dynamic if isinstance(args.dynamic, bool) else "local"
-        if dynamic is True:  # computed at run time: nothing to observe
-            roles[role] = Role(llmcompressor_spec(args, role), "memoryless_minmax", True)
+        if dynamic is True:  # computed at run time: nothing to observe (non_finite reaches it)
+            roles[role] = observed(Role(llmcompressor_spec(args, role), "memoryless_minmax",
+                                        True), role, "memoryless_minmax", options)
             continue
         own = ct_observer(key, role, args.observer) if observer is None else observer
         if observer is None and role != "weight":

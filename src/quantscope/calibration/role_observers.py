@@ -69,10 +69,15 @@ def _kept(kind: str, observer: str, options: dict) -> tuple[str, dict]:
 
 def observed(role, kind: str, observer: str, options: dict):
     """``role`` (of ``kind``: weight, input ...) running ``observer`` (weights: its
-    :func:`weight_observer`) with ``options`` and those of its own it takes; a dynamic role
-    (nothing observed) or None as it is."""
-    if role is None or role.dynamic is True:
+    :func:`weight_observer`) with ``options`` and those of its own it takes; a run-time role
+    (``dynamic=True``: nothing observed) keeps its run-time observer, with those of
+    ``options`` it takes (``non_finite``: its sample and its run-time ranges read NaN / inf
+    as zero, as the calibrated roles do); None as it is."""
+    if role is None:
         return role
+    if role.dynamic is True:
+        taken = _accepted(role.observer, role.observer, options)
+        return replace(role, options={**dict(role.options), **taken}) if taken else role
     name, kept = _kept(kind, observer, options)
     own = dict(role.options) if name == AUTO else _accepted(name, name, dict(role.options))
     return replace(role, observer=name, options={**own, **kept})

@@ -1,0 +1,82 @@
+"""A preset's (or scheme's) ``non_finite`` option reaches its run-time input role
+(``dynamic=True``), whose run-time observer takes it: ``preset("w8a8-dynamic", "minmax",
+non_finite="ignore")`` gave it to the weights only, and a NaN batch then raised an error
+telling the user to give the role ``options={'non_finite': 'ignore'}``, what they had passed."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from quantscope.calibration import apply, calibrate, preset
+from quantscope.calibration.recipe import Recipe
+from quantscope.qdq import fake_quantize
+from quantscope.qparams import qparams_from_range
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)).eval()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    bs = [torch.randn(8, 32, generator=g) for _ in range(3)]
+    bs[1][0, 3] = float("nan")
+    return bs
+
+
+@pytest.mark.parametrize("observer", ["minmax", "auto", "mse"])
+def test_the_dynamic_input_role_takes_the_non_finite_option(observer):
+    r = preset("w8a8-dynamic", observer, non_finite="ignore")
+    rule = r.rules[0]
+    assert rule.input.dynamic is True and rule.input.observer == "memoryless_minmax"
+    assert dict(rule.input.options) == {"non_finite": "ignore"}
+    assert dict(rule.weight.options)["non_finite"] == "ignore"
+
+
+def test_an_option_the_run_time_observer_does_not_take_stays_off_it():
+    rule = preset("w8a8-dynamic", "mse", maxshrink=0.5).rules[0]
+    assert dict(rule.input.options) == {} and dict(rule.weight.options) == {"maxshrink": 0.5}
+    rule = Recipe(preset("w8a8-dynamic").rules).with_observer("mse", non_finite="ignore",
+                                                              maxshrink=0.5).rules[0]
+    assert dict(rule.input.options) == {"non_finite": "ignore"}
+
+
+@pytest.mark.parametrize("observer", ["minmax", "auto"])
+def test_a_nan_batch_calibrates_as_the_hand_built_role_does(observer):
+    model, bs = _mlp(), _batches()
+    got = calibrate(model, bs, preset("w8a8-dynamic", observer, non_finite="ignore"),
+                    progress=False)
+    base = preset("w8a8-dynamic", "minmax", non_finite="ignore")
+    rule = base.rules[0]
+    hand = replace(rule, input=replace(preset("w8a8-dynamic").rules[0].input,
+                                       options=(("non_finite", "ignore"),)))
+    want = calibrate(model, bs, replace(base, rules=(hand,)), progress=False)
+    st = got.states["0"]["input"]
+    assert st.dynamic is True and dict(st.options) == {"non_finite": "ignore"}
+    assert st.options == want.states["0"]["input"].options
+    # at run time the per-token scale reads the NaN as 0: each token's int8 range, by hand
+    x = bs[1]
+    with apply(model, {"0": {"input": st}}):
+        seen = []
+        h = model[0].register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+        model(x)
+        h.remove()
+    z = x.nan_to_num(0.0)
+    qp = qparams_from_range(z.min(-1, keepdim=True).values, z.max(-1, keepdim=True).values,
+                            st.spec)
+    ref = fake_quantize(x, qp, st.spec)
+    assert torch.equal(seen[0].isnan(), ref.isnan()) and torch.equal(
+        seen[0].nan_to_num(7.0), ref.nan_to_num(7.0))
+
+
+def test_a_scheme_gives_its_dynamic_role_the_option_too():
+    pytest.importorskip("compressed_tensors")
+    from quantscope.calibration.recipe import scheme
+
+    rule = scheme("FP8_DYNAMIC", "minmax", non_finite="ignore").rules[0]
+    assert rule.input.dynamic is True and dict(rule.input.options) == {"non_finite": "ignore"}
