@@ -1,8 +1,9 @@
 """Where issue 35's GPU time goes: torch.profiler tables (self CPU time, self CUDA time) of
 the min-max observer on a 4096 x 4096 bf16 weight, the native histogram on 16 x 2048 x 4096
 bf16 batches, and calibrate's observation of a 4-layer random Llama (hidden 2048; w8a8
-with min-max and with histogram activations), each also grouped by Python call site (which lines launch kernels and read values back). For a lent
-GPU: python bench/gpu_profile.py OUTDIR (writes OUTDIR/<case>.txt)."""
+with min-max and with histogram activations), each also grouped by Python call site (which
+lines launch kernels and read values back). For a lent GPU: python bench/gpu_profile.py
+OUTDIR (writes OUTDIR/<case>.txt)."""
 
 import os
 import sys

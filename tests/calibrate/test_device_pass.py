@@ -4,10 +4,11 @@ without waiting on the host).
 
 The ``meta`` device stands in for a GPU: any host read there fails in torch itself. The pass
 (every weight observed, every batch run through the model and its observers) must reach its
-end, the non-finite check that reads the observers' flags (stacked once a batch) once, before anything reads a
-device value. Nor does it upload anything blocking (a pageable host-to-device copy with
-``non_blocking=False`` makes the host wait for the GPU as a read does): batches of changing
-shapes, whose observers record each new shape, and the row samples kept for the report.
+end, the non-finite check that reads the observers' flags (stacked once a batch) once,
+before anything reads a device value. Nor does it upload anything blocking (a pageable
+host-to-device copy with ``non_blocking=False`` makes the host wait for the GPU as a read
+does): batches of changing shapes, whose observers record each new shape, and the row
+samples kept for the report.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch
 
 from ..run.batches import tensors_in
 
-__all__ = ["FIRST_PIECE", "mask_of", "piece_names", "piece_of", "rows_of", "score_batches", "score_pieces",
-           "score_plan", "take_rows", "tokens_of", "with_tokens"]
+__all__ = ["FIRST_PIECE", "mask_of", "piece_names", "piece_of", "rows_of", "score_batches",
+           "score_pieces", "score_plan", "take_rows", "tokens_of", "with_tokens"]
 
 #: the first scoring piece: this share of the first batch's rows (an early, cheap round
 #: that drops the candidates far behind, :func:`.auto.choose`)

@@ -344,12 +344,12 @@ def _as_recipes(recipes, inner=False) -> dict[str, Recipe]:
 
 
 def _fisher_weights(model, batches, recipes, auto: Auto):
-    """The loss's ``g^2`` per output feature of every weight an ``auto`` recipe quantizes
-    (``"fisher"``) on the first ``score_tokens`` tokens; ``non_finite="ignore"``: not NaN ones."""
+    """:func:`~.layer_choice.fisher_weights` of the ``auto`` recipes' weights ("fisher")."""
     autos = [r for r in recipes.values() if has_auto(r)]
     layers = {layer for r in autos for layer, (_, rs) in r.match(model).items() if "weight" in rs}
+    ignore = all(map(ignores_non_finite, autos))
     return layer_choice.fisher_weights(model, _auto.score_batches(batches, auto.score_tokens),
-                                       sorted(layers), auto.loss, all(map(ignores_non_finite, autos)))
+                                       sorted(layers), auto.loss, ignore)
 
 
 def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher):
