@@ -90,8 +90,9 @@ def load(path, device="cpu") -> Calibration:
     belongs to a role of the JSON and its mode. Each role is one ``apply`` knows (a name of
     :data:`~quantscope.calibration.recipe.ROLES` or the KV cache's), a valid
     :class:`~quantscope.calibration.recipe.Role` (``"local"`` only under NVFP4's scales), a
-    static weight records its shape (and, where it has one, a fingerprint of the weight's
-    bits: none in a folder saved before they were recorded), and a run-time role's observer
+    static weight records its shape (and a static or ``"local"`` one, where it has one, a
+    fingerprint of the weight's bits: none in a folder saved before they were recorded; a
+    ``"local"`` one saved then records no shape either), and a run-time role's observer
     is built as the forward builds it (a registered name taking its options). A
     damaged or edited folder raises ``ValueError`` naming the file and the key; an edit that
     stays a valid value (an int8 scale doubled) is not detected.
@@ -213,14 +214,15 @@ def _role_state(d, tensors, key, bad_meta, bad_tensor, used, role) -> RoleState:
 
 
 def _fingerprint(d, role, dyn, bad_meta) -> str | None:
-    """A static weight's fingerprint, checked; absent (a calibration saved before they were
-    recorded: its model goes unchecked) reads as None."""
+    """A calibrated (static or ``"local"``) weight's fingerprint, checked; absent (a
+    calibration saved before they were recorded: its model goes unchecked) reads as None."""
     try:
         text = check_fingerprint_text(d.get("fingerprint"))
     except ValueError as e:
         raise bad_meta("fingerprint", str(e)) from None
-    if text is not None and (role != "weight" or dyn is not False):
-        raise bad_meta("fingerprint", "only a static weight role records one")
+    if text is not None and (role != "weight" or dyn is True):
+        raise bad_meta("fingerprint", "only a calibrated (static or \"local\") weight role "
+                                      "records one")
     return text
 
 

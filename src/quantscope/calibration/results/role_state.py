@@ -22,8 +22,9 @@ class RoleState:
     ``global_amax`` is set for ``dynamic="local"``. ``observer`` is the observer that
     made the range (for ``auto``, the one chosen; ``requested`` says ``"auto"``).
     ``lo`` / ``hi`` are its per-unit range; ``shape`` the calibrated weight shape, and
-    ``fingerprint`` its bits' (a static weight's; :mod:`~..structure.fingerprint`: what
-    ``Calibration.check_model`` compares a model's weight with).
+    ``fingerprint`` its bits' (a static or ``"local"`` weight's;
+    :mod:`~..structure.fingerprint`: what ``Calibration.check_model`` compares a model's
+    weight with).
     """
 
     spec: QuantSpec

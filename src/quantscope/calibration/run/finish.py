@@ -153,7 +153,8 @@ def _state_from(obs, cfg: Role, shape) -> RoleState:
         if gam is None:
             gam = amax_of_range(lo.min().clamp(max=0), hi.max().clamp(min=0))
         return RoleState(cfg.spec, obs.name, cfg.observer, "local", cfg.options,
-                         global_amax=gam.detach().clone().reshape(()), lo=lo, hi=hi)
+                         global_amax=gam.detach().clone().reshape(()), lo=lo, hi=hi,
+                         shape=shape)
     qp.scale, qp.zero_point = qp.scale.clone(), qp.zero_point.clone()
     if qp.global_scale is not None:
         qp.global_scale = qp.global_scale.clone()

@@ -18,7 +18,8 @@ cryptographic hash: a change made to collide can. One pass over the weight compu
 matrix-vector product of its rows, in uint64: numpy's on the CPU, in chunks within the
 caches; torch's elsewhere).
 
-``calibrate`` records each static weight's :func:`fingerprint` (``RoleState.fingerprint``,
+``calibrate`` records the :func:`fingerprint` of each weight it calibrated values of (static,
+or ``"local"``: NVFP4's global scale, from the weight's amax) (``RoleState.fingerprint``,
 saved with the calibration); :func:`check_fingerprints` (``Calibration.check_model``: apply
 and every export) compares the model's. The distributed weight check compares the ranks'
 :func:`digest` s (:func:`~..run.gather.check_same_weights`).
@@ -175,14 +176,16 @@ def _lacks(model: nn.Module, layer: str) -> bool:
 
 
 def record_fingerprints(model: nn.Module, calibrations) -> None:
-    """Give each static weight state of ``calibrations`` (states ``{layer: {role:
+    """Give each calibrated weight state of ``calibrations`` (states ``{layer: {role:
     RoleState}}``, changed in place; each state replaced: other calibrations may hold it) the
-    :func:`fingerprint` of the weight ``model`` holds for it (one pass per weight for all)."""
+    :func:`fingerprint` of the weight ``model`` holds for it (one pass per weight for all):
+    static ones, and ``"local"`` ones, whose global scale the weight's amax set (another
+    weight's values would clip to it); a run-time (``dynamic=True``) scale follows the weight."""
     seen = {}
     for states in calibrations:
         for layer, roles in states.items():
             st = roles.get("weight")
-            if st is None or st.dynamic is not False:  # a run-time scale follows the weight
+            if st is None or st.dynamic is True:
                 continue
             if layer not in seen:
                 w = layer_weight(model, layer)

@@ -377,7 +377,7 @@ def split_state(state: RoleState, shapes: list[tuple[int, ...]]) -> list[RoleSta
     under a calibrated global scale) holds per-tensor values only: every member's."""
     lay, qp = state.spec.layout, state.qparams
     if qp is None:
-        return [_shared(state) for _ in shapes]
+        return [_shared(state, s) for s in shapes]
     if not splittable(state.spec, shapes):
         raise ValueError(f"split_state: {lay} units span rows of two members of shapes "
                          f"{[tuple(s) for s in shapes]}; expected shapes it splits by rows")
@@ -397,11 +397,13 @@ def split_state(state: RoleState, shapes: list[tuple[int, ...]]) -> list[RoleSta
     return out
 
 
-def _shared(state: RoleState) -> RoleState:
-    """A member's copy of a run-time state's per-tensor values (its global amax, range)."""
+def _shared(state: RoleState, shape) -> RoleState:
+    """A member's copy of a run-time state's per-tensor values (its global amax, range), with
+    the member's weight ``shape`` where the state records one (a ``"local"`` weight's)."""
     held = {k: getattr(state, k) for k in ("global_amax", "lo", "hi")}
     many = [k for k, t in held.items() if t is not None and t.numel() != 1]
     if many:
         raise ValueError(f"split_state: a run-time (dynamic={state.dynamic!r}) state holds "
                          f"per-unit {many}; expected per-tensor values, which members share")
-    return replace(state, **{k: None if t is None else t.clone() for k, t in held.items()})
+    return replace(state, **{k: None if t is None else t.clone() for k, t in held.items()},
+                   shape=None if state.shape is None else tuple(shape))
