@@ -237,7 +237,7 @@ def apply(model: nn.Module, states: dict[str, dict[str, RoleState]]) -> QDQHandl
     handle = QDQHandle(model)
     kv: dict[str, dict[str, RoleState]] = {}  # attention layer -> key / value states
     weights: dict = {}  # memory(w) -> (w, where, [(layer, st)])
-    held = _held()
+    held = _held(slices=True)  # an expert view's memory is its slice's, not the 3-D tensor's
     try:
         experts = _attach_experts(model, states, handle)
         for name, roles in states.items():
