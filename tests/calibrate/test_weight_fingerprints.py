@@ -82,6 +82,14 @@ def test_the_fingerprint_is_its_definition_on_every_layout_and_thread_count(dtyp
     assert fingerprint(w.to("meta")) is None
 
 
+def test_a_view_starting_off_a_word_boundary_is_its_definition():
+    """A bfloat16 view 2 bytes into its storage, of an even count (no padding to copy it):
+    its bytes cannot be read as 32-bit words in place, yet its fingerprint is its values'."""
+    base = torch.randn(64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for view in (base[1:9], base[3:35], base.view(8, 8)[:, 1:5].t()):
+        assert fingerprint(view) == _reference(view)
+
+
 def test_the_gpu_path_hashes_the_rows_as_the_cpu_path():
     """A GPU hashes the rows with torch's int64 (1024 rows at a time), the CPU with numpy's
     uint64: the same integers, wrapping alike; the column keys are odd, distinct, < 2**32."""
@@ -95,6 +103,18 @@ def test_the_gpu_path_hashes_the_rows_as_the_cpu_path():
     assert torch.equal(torch.from_numpy(fp._row_hashes(words.numpy(), step=5).view("int64")),
                        want)
     assert fp._column_keys().tolist() == _A and len(set(_A)) == 8192
+
+
+def test_the_gpu_path_hashes_whole_rows_into_as_many_hashes():
+    """Exactly 3 rows of 8192 words (a [4096, 4096] bfloat16 weight is 1024 of them): 3 row
+    hashes, as the CPU path's, and no empty fourth."""
+    from quantscope.calibration.structure import fingerprint as fp
+
+    words = torch.randint(-2**31, 2**31, (3 * 8192,), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(1))
+    want = torch.from_numpy(fp._row_hashes(words.numpy()).view("int64"))
+    got = fp._torch_row_hashes(words)
+    assert got.shape == (3,) and torch.equal(got, want)
 
 
 def test_the_fingerprint_tells_one_bit_swapped_rows_a_transpose_and_a_signed_zero():
@@ -223,6 +243,9 @@ def test_a_calibration_saved_without_fingerprints_loads_and_exports_unchecked(ca
 
 @pytest.mark.parametrize(("field", "value"), [("weight", "float32:1234"),
                                               ("weight", "float99:" + "0" * 32),
+                                              ("weight", "float32:" + "0" * 33),
+                                              ("weight", "float32:" + "0" * 32 + "\n"),
+                                              ("weight", "float32:" + "0" * 32 + " junk"),
                                               ("input", "float32:" + "0" * 32)])
 def test_a_damaged_fingerprint_is_refused_on_load(calibrated, tmp_path, field, value):
     _, _, cal = calibrated
@@ -234,6 +257,17 @@ def test_a_damaged_fingerprint_is_refused_on_load(calibrated, tmp_path, field, v
     with pytest.raises(ValueError, match=rf"layers\.model\.layers\.0\.self_attn\.q_proj\."
                                          rf"{field}\.fingerprint"):
         load(tmp_path / "cal")
+
+
+def test_a_model_lacking_a_calibrated_layer_is_left_to_apply_to_name(calibrated):
+    """Another model (other weights) lacking layer 1: no weight's bits are compared, so the
+    error apply raises names the missing module, which says more than a fingerprint."""
+    _, _, cal = calibrated
+    other = llama(seed=1)[0]
+    other.model.layers = other.model.layers[:1]
+    cal.check_model(other, "export")
+    with pytest.raises(ValueError, match=r"apply: the model has no module 'model\.layers\.1\."):
+        cal.apply(other)
 
 
 def test_a_dtype_change_is_compared_where_the_cast_is_exact(calibrated):
