@@ -9,10 +9,12 @@ import warnings
 
 import pytest
 import torch
+from tiny_models import qwen3_moe
 from torch import nn
 
 import quantscope
-from quantscope.calibration import Recipe, Role, Rule
+from quantscope.calibration import Recipe, Role, Rule, calibrate_many
+from quantscope.layout import Group
 
 
 def _llama(tied=True, share_q=False):
@@ -74,6 +76,39 @@ def test_two_specs_on_one_memory_are_refused_before_the_pass(monkeypatch):
         quantscope.calibrate(model, [torch.randn(4, 8)], mixed, progress=False)
 
 
+def test_imatrix_roles_with_different_importances_are_refused_before_the_pass(monkeypatch):
+    """Two imatrix_mse roles whose importance options differ (tensors of several values, which
+    ``==`` cannot compare to one bool) are two roles: one weight, two searches."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model[2].weight = model[0].weight
+    spec = quantscope.QuantSpec("int8", "channel")
+    recipe = Recipe(tuple(
+        Rule((layer,), weight=Role(spec, "imatrix_mse", options={"importance": importance}))
+        for layer, importance in (("0", torch.linspace(1, 2, 8)), ("2", torch.linspace(5, 1, 8)))
+    ), name="imp")
+    _no_pass(monkeypatch)
+    with pytest.raises(ValueError, match=r"0\.weight and 2\.weight are one weight .* but their "
+                                         r"weight roles differ"):
+        quantscope.calibrate(model, [torch.randn(4, 8)], recipe, progress=False)
+
+
+def test_a_conv1d_and_a_linear_over_one_weight_are_refused_before_the_pass(monkeypatch):
+    """One Role, but a Conv1D holds its weight [in, out]: per output channel is axis 1 there,
+    axis 0 on the Linear: two states for one square weight."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(8, 8), nn.ReLU(), nn.Linear(8, 8, bias=False))
+    model[2].weight = model[0].weight
+    recipe = Recipe((Rule(("0", "2"), weight=Role(quantscope.QuantSpec("int8", "channel"))),),
+                    name="mixed")
+    _no_pass(monkeypatch)
+    with pytest.raises(ValueError, match=r"0\.weight and 2\.weight are one weight .* but their "
+                                         r"weight roles differ \(int8 channel:1 .* vs int8 "
+                                         r"channel:0"):
+        quantscope.calibrate(model, [torch.randn(4, 8)], recipe, progress=False)
+
+
 def test_a_weight_tied_across_two_fusion_groups_is_refused_before_the_pass(monkeypatch):
     # NVFP4 fuses each layer's q / k / v under one global scale: layer 0's and layer 1's differ
     model, batches = _llama(tied=False, share_q=True)
@@ -88,6 +123,54 @@ def test_a_weight_tied_across_two_fusion_groups_is_refused_before_the_pass(monke
         f"memory), but the fusion groups whose weight scale the runtime shares differ ({g0} vs "
         f"{g1}), and apply() quantizes one weight once: {_FIX} the weights (.clone()), or "
         "split them out of their groups (Recipe.split)")
+
+
+def test_a_weight_in_no_fusion_group_tied_to_a_fused_one_is_refused_before_the_pass(
+        monkeypatch):
+    # layer 1's q_proj (fused with k / v under NVFP4's global scale) holds layer 0's o_proj
+    # weight (in no group): the first holder's group is none, the other's is not
+    model, batches = _llama(tied=False)
+    layers = model.model.layers
+    layers[1].self_attn.q_proj.weight = layers[0].self_attn.o_proj.weight
+    _no_pass(monkeypatch)
+    recipe = quantscope.calibrate.preset("nvfp4", ignore=["lm_head"])
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj\.weight and "
+                                         r"model\.layers\.1\.self_attn\.q_proj\.weight are one "
+                                         r"weight .* the fusion groups whose weight scale the "
+                                         r"runtime shares differ \(none vs"):
+        quantscope.calibrate(model, batches, recipe, progress=False)
+
+
+def test_a_later_recipe_is_checked_where_an_earlier_one_matches_nothing_yet(monkeypatch):
+    """calibrate_many: the first recipe names MoE expert views only, which match nothing
+    before the experts are attached; the second's tied-embedding refusal still comes first."""
+    model, batches = qwen3_moe(layers=1)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    experts = Recipe((Rule((r"re:.*experts\.\d+\.down_proj$",),
+                           weight=Role(quantscope.QuantSpec("int8", "channel"))),),
+                     name="experts")
+    with pytest.raises(ValueError):
+        experts.match(model)  # nothing to match yet
+    tied = Recipe((Rule(("Linear", "Embedding"), weight=Role(
+        quantscope.QuantSpec("int4", Group(32)), "imatrix_mse")),), name="w4a16")
+    _no_pass(monkeypatch)
+    with pytest.raises(ValueError, match=r"recipe 'w4a16': model\.embed_tokens\.weight and "
+                                         r"lm_head\.weight are one weight .* imatrix_mse"):
+        calibrate_many(model, batches, {"experts": experts, "w4a16": tied}, progress=False)
+
+
+def test_a_layer_quantizing_only_its_input_holds_no_quantized_weight():
+    # layer 1's o_proj holds layer 0's q_proj weight but quantizes only its input: the weight
+    # has one state (q_proj's, in the q / k / v group): nothing to refuse
+    model, batches = _llama(tied=False)
+    layers = model.model.layers
+    layers[1].self_attn.o_proj.weight = layers[0].self_attn.q_proj.weight
+    recipe = Recipe((Rule((r"re:model\.layers\.0\.self_attn\.[qkv]_proj$",),
+                          weight=Role(quantscope.presets.NVFP4)),
+                     Rule((r"re:model\.layers\.1\.self_attn\.o_proj$",),
+                          input=Role(quantscope.QuantSpec("int8", "tensor")))), name="mixed")
+    cal = quantscope.calibrate(model, batches, recipe, progress=False)
+    assert set(cal.states["model.layers.1.self_attn.o_proj"]) == {"input"}
 
 
 def test_roles_that_give_one_state_still_calibrate_and_apply():
