@@ -10,6 +10,8 @@
 * A grouped ConvTranspose weight ``[in, out / groups, *k]`` has no axis of output channels:
   per-channel is refused however spelled (``Channel(1)`` was taken, one scale shared by
   ``groups`` output channels, while ``Channel(0)`` was refused).
+* ``holders`` / ``sharers`` (structure/tied.py) tell shared memory by bytes: buffers count, a
+  single shared byte counts (in any dtype), an empty or meta tensor shares with nothing.
 """
 
 import os
@@ -22,7 +24,7 @@ from torch import nn
 import quantscope
 from quantscope import QuantSpec
 from quantscope.calibration import Recipe, Role, Rule, calibrate, preset, qdq_tensor
-from quantscope.calibration.structure.tied import tied_weights
+from quantscope.calibration.structure.tied import holders, sharers, tied_weights
 from quantscope.layout import Channel
 
 
@@ -62,6 +64,57 @@ def test_tied_weights_tells_a_tie_by_memory():
     m.mid.weight = nn.Parameter(m.emb.weight.data[:32])
     assert memory(m.mid.weight) != memory(m.emb.weight)
     assert tied_weights(m, ["mid"]) == {}
+
+
+class _Holder(nn.Module):
+    """A module holding ``t`` as a parameter or a buffer named ``name``."""
+
+    def __init__(self, name, t, buffer=False):
+        super().__init__()
+        if buffer:
+            self.register_buffer(name, t)
+        else:
+            setattr(self, name, nn.Parameter(t, requires_grad=t.is_floating_point()))
+
+
+def _holding(*parts):
+    return nn.ModuleDict({f"m{i}": p for i, p in enumerate(parts)})
+
+
+def test_a_buffer_over_a_parameters_memory_shares_it():
+    # a running copy of a norm weight, a cache over it: a buffer, the same bytes
+    w = torch.ones(8)
+    model = _holding(_Holder("weight", w), _Holder("copy", w[2:6], buffer=True))
+    assert sharers(holders(model), model["m0"], "weight") == ["m1.copy"]
+
+
+def test_one_byte_elements_sharing_one_element_share_memory():
+    # int8 views x[0:4] and x[3:8] share byte 3 (the last of one, the first of the other);
+    # x[4:8] shares none with x[0:4]
+    x = torch.zeros(8, dtype=torch.int8)
+    model = _holding(*(_Holder(n, x[i:j], buffer=True) for n, i, j in
+                       (("a", 0, 4), ("b", 3, 8), ("c", 4, 8))))
+    assert sharers(holders(model), model["m0"], "a") == ["m1.b"]
+
+
+def test_a_view_in_another_dtype_inside_the_last_element_shares_memory():
+    # a float32 weight of 32 values spans bytes 0..127, its last value 124..127; a bfloat16
+    # view of the same storage from its value 63 (byte 126) on holds half of that value
+    base = torch.zeros(64)
+    model = _holding(_Holder("weight", base[:32]),
+                     _Holder("tail", base.view(torch.bfloat16)[63:80], buffer=True))
+    found = holders(model)
+    assert sharers(found, model["m0"], "weight") == ["m1.tail"]
+    assert sharers(found, model["m1"], "tail") == ["m0.weight"]
+
+
+def test_empty_or_meta_tensors_share_nothing_with_each_other():
+    # no bytes to compare: each is only itself
+    model = _holding(_Holder("weight", torch.empty(0, 4)), _Holder("weight", torch.empty(0, 4)),
+                     _Holder("weight", torch.empty(4, 4, device="meta")))
+    found = holders(model)
+    assert sharers(found, model["m0"], "weight") == []
+    assert sharers(found, model["m2"], "weight") == []
 
 
 def test_apply_names_the_module_sharing_a_memory_without_a_state():
