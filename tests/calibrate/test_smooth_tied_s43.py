@@ -118,6 +118,33 @@ def test_reapply_refuses_scales_for_tied_weights_before_writing():
     assert all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items())
 
 
+def test_reapply_refusing_a_later_mapping_writes_nothing():
+    # every check comes before the first write: here the first mappings (the input norms)
+    # fit, and a later one (layer 0's post-attention norm: up_proj tied to layer 1's) does not
+    model, batches = _llama()
+    calib = calibrate(model, batches, "w8a8", observer="minmax", outliers=Outliers(smooth=0.8),
+                      progress=False)
+    fresh, _ = _llama()
+    mlp = [layer.mlp for layer in fresh.model.layers]
+    mlp[1].up_proj.weight = mlp[0].up_proj.weight
+    state = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"smooth: the calibration smoothed '{_L}\.0\."
+                                         rf"post_attention_layernorm', .*shares memory"):
+        reapply(fresh, calib)
+    assert all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items())
+
+
+def test_balanced_weights_over_shifted_memory_are_not_smoothed():
+    # layer 0's k_proj views q_proj's memory 16 values on (half a row): its column j is q's
+    # column j + 16, which another scale multiplies: the two writes would disagree
+    model, batches = _llama()
+    a = model.model.layers[0].self_attn
+    a.k_proj.weight = nn.Parameter(a.q_proj.weight.detach().view(-1)[16:16 + 16 * 32]
+                                   .view(16, 32))
+    info = _smooth_keeps_the_function(model, batches)
+    assert _NORMS[0] in info["skipped"] and "write it twice" in info["why"][_NORMS[0]]
+
+
 # memory shared where the rewrite stays exact: still smoothed, the function kept
 
 def test_a_whole_layer_under_two_names_is_smoothed():
