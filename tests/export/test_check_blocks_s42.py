@@ -68,6 +68,9 @@ CASES = {
                                      ATTN + "v_proj": 64}, _one_group(_fp8()), {}),
     "blocks of 64 rows": (QKV, _one_group(_fp8(block=(64, 128))), {}),
     "per-channel weights": (QKV, _one_group(_fp8("channel")), {}),
+    # compressed-tensors reads a strategy case-insensitively
+    "an upper-case BLOCK strategy": (QKV, _one_group(dict(_fp8(), strategy="BLOCK")),
+                                     {ATTN + "qkv_proj": {ATTN + "k_proj": 64}}),
     # vLLM takes the first shard's group: q_proj's blocks of 64 rows hold k's 64 whole
     "the first shard's block decides": (QKV, {
         "group_0": {"targets": [ATTN + "q_proj"], "weights": _fp8(block=(64, 128)),
