@@ -48,3 +48,24 @@ def test_a_copy_whose_weight_is_gone_leaves_other_models_alone():
     assert A.fake_quantized(dup, ["0", "2"]) == {"0", "2"}  # (the marked copies)
     dup._quantscope_qdq.active = False  # (no remove(): its weight has no place to go back)
     A._track(dup._quantscope_qdq, False)
+
+
+def test_a_copy_whose_tied_weight_one_holder_lost_leaves_other_models_alone():
+    # a weight is held only while every holder still holds it: a copy's tied weight taken
+    # from one of its two holders (the other keeps it) is none the handle holds either
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+    model[2].weight = model[0].weight
+    cal = quantscope.calibrate(model, X, "w8a8", progress=False)
+    with cal.apply(model):
+        dup = copy.deepcopy(model)
+    del dup[0].weight  # dup[2] still holds it
+    try:
+        other = _model(1)
+        other_cal = quantscope.calibrate(other, X, "w8a8", progress=False)
+        with other_cal.apply(other):
+            pass
+        other_cal.check_model(other, "export")
+    finally:
+        dup._quantscope_qdq.active = False
+        A._track(dup._quantscope_qdq, False)
