@@ -52,6 +52,19 @@ def test_onnx_export_of_an_applied_model_is_refused(tmp_path):
         cal.check_model(model, "apply")  # apply's own refusals say why (already applied)
 
 
+def test_check_model_refuses_an_applied_model_for_every_caller_but_apply():
+    # any exporter (a caller of the public check_model by its own name), not only "export"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    cal = calibrate(model, [torch.randn(4, 8)], "w8a8", progress=False)
+    with cal.apply(model):
+        for who in ("export", "onnx export", "my exporter"):
+            with pytest.raises(ValueError, match=rf"^{who}: the model has quantscope QDQ "
+                                                 rf"applied \(calibration.apply\)"):
+                cal.check_model(model, who)
+        cal.check_model(model, "apply")
+
+
 def test_a_model_holding_an_applied_one_is_refused_too(tmp_path):
     torch.manual_seed(0)
     inner = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
