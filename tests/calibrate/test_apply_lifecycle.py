@@ -175,6 +175,19 @@ def test_a_deepcopy_of_an_applied_moe_model_is_refused(moe_calib):
     copy.deepcopy(model)  # after remove(): a plain model
 
 
+def test_experts_an_applied_model_lends_another_are_not_fingerprinted(moe_calib):
+    """A second model holding the applied model's 3-D experts Parameters holds their
+    fake-quantized values: check_model compares no fingerprint of those slices (their bits
+    are the QDQ's, not another model's weights), as for the applied model's own."""
+    calib, _ = moe_calib
+    model, _ = mixtral()
+    twin, _ = mixtral()  # the same float weights
+    with calib.apply(model):
+        for mine, theirs in zip(model.model.layers, twin.model.layers):
+            theirs.mlp.experts.gate_up_proj = mine.mlp.experts.gate_up_proj
+        calib.check_model(twin, "apply")
+
+
 def test_a_deepcopy_of_a_model_with_kv_cache_qdq_is_refused():
     model, data = llama()
     calib = calibrate(model, data, Recipe((), kv_cache="fp8"), progress=False)
