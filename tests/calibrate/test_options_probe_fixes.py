@@ -63,6 +63,11 @@ def test_auto_candidates_must_not_be_empty():
     for empty in ([], (), iter(())):
         with pytest.raises(ValueError, match=r"Auto\.candidates is empty"):
             Auto(candidates=empty)
+    # "auto" among the candidates is ignored: alone, it names none (the pass said so late)
+    for only in (["auto"], ("auto", "auto")):
+        with pytest.raises(ValueError, match=r"Auto\.candidates is empty but for 'auto' itself"):
+            Auto(candidates=only)
+    assert Auto(candidates=["minmax", "auto"]).candidates == ("minmax", "auto")
 
 
 @pytest.mark.parametrize("metric", ["tensor", "joint", "output"])

@@ -86,9 +86,15 @@ def test_imatrix_roles_with_different_importances_are_refused_before_the_pass(mo
         Rule((layer,), weight=Role(spec, "imatrix_mse", options={"importance": importance}))
         for layer, importance in (("0", torch.linspace(1, 2, 8)), ("2", torch.linspace(5, 1, 8)))
     ), name="imp")
+    # one importance on both (equal tensors, which == cannot compare): one role, one search
+    same = Recipe(tuple(Rule((layer,), weight=Role(spec, "imatrix_mse", options={
+        "importance": torch.linspace(1, 2, 8)})) for layer in ("0", "2")), name="same")
+    st = quantscope.calibrate(model, [torch.randn(4, 8)], same, progress=False).states
+    assert st["0"]["weight"].quantizes_like(st["2"]["weight"])
     _no_pass(monkeypatch)
+    # the message names what differs: the options (the specs and observers print the same)
     with pytest.raises(ValueError, match=r"0\.weight and 2\.weight are one weight .* but their "
-                                         r"weight roles differ"):
+                                         r"weight roles' options differ \(importance\), and"):
         quantscope.calibrate(model, [torch.randn(4, 8)], recipe, progress=False)
 
 

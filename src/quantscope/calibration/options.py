@@ -148,9 +148,10 @@ class Auto:
             if names is None or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"calibrate: Auto.candidates must be a list of observer "
                                  f"names, got {c!r}")
-            if not names:  # else it fails once calibration starts, naming no field
-                raise ValueError("calibrate: Auto.candidates is empty; give at least one "
-                                 "observer name, or None for the default candidates")
+            if not set(names) - {"auto"}:  # else it fails once calibration starts
+                but = " but for 'auto' itself, which is ignored" if names else ""
+                raise ValueError(f"calibrate: Auto.candidates is empty{but}; give at least one "
+                                 f"observer name, or None for the default candidates")
             check_candidates(names)  # a name auto cannot run: refused now, not dropped later
             _set(self, "candidates", names)
         _one_of("Auto", "metric (auto_metric)", self.metric, AUTO_METRICS)

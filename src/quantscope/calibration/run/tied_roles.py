@@ -19,6 +19,7 @@ the rule ``apply()`` uses.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..recipe import AUTO
@@ -58,6 +59,12 @@ def _apart(a, b, auto=None) -> str | None:
         same = a == b
     except RuntimeError:  # options holding tensors of several values (an importance)
         same = False
+    keys = [] if same else sorted(k for k in {*dict(a.options), *dict(b.options)}
+                                  if not _equal(dict(a.options).get(k), dict(b.options).get(k)))
+    if (a.spec, a.observer, a.dynamic) == (b.spec, b.observer, b.dynamic) and not same:
+        if keys:  # (the roles print alike)
+            return f"their weight roles' options differ ({', '.join(keys)})"
+        same = True  # equal options ``==`` could not compare (equal tensors)
     if not same:
         return f"their weight roles differ ({a.spec} {a.observer!r} vs {b.spec} {b.observer!r})"
     if a.observer == AUTO and not _by_weight_alone(a, auto):
@@ -75,6 +82,15 @@ def _by_weight_alone(role, auto) -> bool:
     return auto is not None and auto.metric == "tensor" and not any(
         waits_for_importance(observer_key(name, role))
         for name in candidates_for("weight", auto.candidates))
+
+
+def _equal(x, y) -> bool:
+    """Whether two option values are equal (tensors: same shape and values)."""
+    try:
+        return bool(x == y) if not isinstance(x, torch.Tensor) else (
+            isinstance(y, torch.Tensor) and x.shape == y.shape and bool(torch.equal(x, y)))
+    except (RuntimeError, TypeError):
+        return False
 
 
 def check_recipes(model: nn.Module, recipes: dict, auto=None) -> None:
