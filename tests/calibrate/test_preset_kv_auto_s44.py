@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import llama
 
 from quantscope.calibration import calibrate, preset
 from quantscope.calibration.recipe import KV_CACHE
 from quantscope.qparams import qparams_from_range
 
-transformers = pytest.importorskip("transformers")
-
-
-def _llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    return model, [torch.randint(0, 64, (2, 12), generator=g) for _ in range(3)]
+pytest.importorskip("transformers")
 
 
 def _ema_value_scale(model, batches, c: float):
@@ -49,7 +41,7 @@ def test_auto_kv_cache_keeps_only_the_options_min_max_takes():
 
 
 def test_auto_with_an_option_the_kv_cache_does_not_take_calibrates():
-    model, batches = _llama()
+    model, batches = llama()
     auto = calibrate(model, batches, preset("w8a8", "auto", kv_cache="fp8", percentile=99.0),
                      progress=False)
     plain = calibrate(model, batches, preset("w8a8", "minmax", kv_cache="fp8"), progress=False)
@@ -63,7 +55,7 @@ def test_auto_with_an_option_the_kv_cache_does_not_take_calibrates():
 
 
 def test_auto_kv_cache_still_gets_an_option_min_max_takes():
-    model, batches = _llama()
+    model, batches = llama()
     auto = calibrate(model, batches, preset("w8a8", "auto", kv_cache="fp8",
                                             averaging_constant=0.5), progress=False)
     got = auto.states["model.layers.0.self_attn"]["value"]

@@ -103,35 +103,35 @@ def test_calibrate_reports_the_skip_and_keeps_the_float_model():
     torch.testing.assert_close(_logits(model, batches), before, rtol=1e-4, atol=1e-4)
 
 
-def test_reapply_refuses_scales_for_tied_weights_before_writing():
-    # a calibration made where the weights were untied, reapplied to a model that ties them
+def _reapply_refused(tie, match: str):
+    """A calibration made where the weights were untied, reapplied to a fresh model that
+    ``tie(model)`` ties: refused, matching ``match``, and nothing of the model written."""
     model, batches = _llama()
     calib = calibrate(model, batches, "w8a8", observer="minmax", outliers=Outliers(smooth=0.8),
                       progress=False)
     assert set(_NORMS) <= set(calib.smoothing)
     fresh, _ = _llama()
-    _tie_qkv(fresh, "same")
+    tie(fresh)
     state = {k: v.clone() for k, v in fresh.state_dict().items()}
-    with pytest.raises(ValueError, match=rf"smooth: the calibration smoothed '{_NORMS[0]}', "
-                                         rf"but in this model .*q_proj.weight shares memory"):
+    with pytest.raises(ValueError, match=match):
         reapply(fresh, calib)
     assert all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items())
+
+
+def test_reapply_refuses_scales_for_tied_weights_before_writing():
+    _reapply_refused(lambda m: _tie_qkv(m, "same"),
+                     rf"smooth: the calibration smoothed '{_NORMS[0]}', but in this model "
+                     rf".*q_proj.weight shares memory")
 
 
 def test_reapply_refusing_a_later_mapping_writes_nothing():
     # every check comes before the first write: here the first mappings (the input norms)
     # fit, and a later one (layer 0's post-attention norm: up_proj tied to layer 1's) does not
-    model, batches = _llama()
-    calib = calibrate(model, batches, "w8a8", observer="minmax", outliers=Outliers(smooth=0.8),
-                      progress=False)
-    fresh, _ = _llama()
-    mlp = [layer.mlp for layer in fresh.model.layers]
-    mlp[1].up_proj.weight = mlp[0].up_proj.weight
-    state = {k: v.clone() for k, v in fresh.state_dict().items()}
-    with pytest.raises(ValueError, match=rf"smooth: the calibration smoothed '{_L}\.0\."
-                                         rf"post_attention_layernorm', .*shares memory"):
-        reapply(fresh, calib)
-    assert all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items())
+    def tie_up(model):
+        mlp = [layer.mlp for layer in model.model.layers]
+        mlp[1].up_proj.weight = mlp[0].up_proj.weight
+    _reapply_refused(tie_up, rf"smooth: the calibration smoothed '{_L}\.0\."
+                             rf"post_attention_layernorm', .*shares memory")
 
 
 def test_balanced_weights_over_shifted_memory_are_not_smoothed():

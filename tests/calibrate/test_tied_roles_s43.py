@@ -34,6 +34,23 @@ def _llama(tied=True, share_q=False):
     return model, [{"input_ids": torch.randint(0, 128, (2, 12), generator=g)} for _ in range(2)]
 
 
+def _pair(first=None) -> nn.Sequential:
+    """Two 8-wide layers, the second holding the first's weight Parameter (``first``: the
+    first layer, a Linear by default)."""
+    model = nn.Sequential(first or nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8, bias=False))
+    model[2].weight = model[0].weight
+    return model
+
+
+def _refused_before_the_pass(monkeypatch, model, recipe, match: str, batches=None, **options):
+    """calibrate refuses ``recipe`` on ``model`` (an [4, 8] batch unless ``batches``), the
+    error matching ``match``, before the pass over the data starts."""
+    _no_pass(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        quantscope.calibrate(model, batches or [torch.randn(4, 8)], recipe, progress=False,
+                             **options)
+
+
 def _no_pass(monkeypatch):
     """Fail the test if the pass over the data starts."""
     def boom(*a, **k):
@@ -64,23 +81,21 @@ def test_a_tied_embedding_whose_observer_reads_the_layer_is_refused_before_the_p
 
 
 def test_two_specs_on_one_memory_are_refused_before_the_pass(monkeypatch):
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model = _pair()
     model[2].weight = nn.Parameter(model[0].weight.detach())  # another Parameter, one memory
     mixed = Recipe((Rule(("0",), weight=Role(quantscope.QuantSpec("int8", "channel"))),
                     Rule(("2",), weight=Role(quantscope.QuantSpec("fp8_e4m3", "channel")))),
                    name="mixed")
-    _no_pass(monkeypatch)
-    with pytest.raises(ValueError, match=r"calibrate: recipe 'mixed': 0\.weight and 2\.weight "
-                                         r"are one weight .* but their weight roles differ "
-                                         r"\(int8 channel:0 sym 'minmax' vs fp8_e4m3"):
-        quantscope.calibrate(model, [torch.randn(4, 8)], mixed, progress=False)
+    _refused_before_the_pass(monkeypatch, model, mixed,
+                             r"calibrate: recipe 'mixed': 0\.weight and 2\.weight are one weight "
+                             r".* but their weight roles differ \(int8 channel:0 sym 'minmax' "
+                             r"vs fp8_e4m3")
 
 
 def test_imatrix_roles_with_different_importances_are_refused_before_the_pass(monkeypatch):
     """Two imatrix_mse roles whose importance options differ (tensors of several values, which
     ``==`` cannot compare to one bool) are two roles: one weight, two searches."""
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    model[2].weight = model[0].weight
+    model = _pair()
     spec = quantscope.QuantSpec("int8", "channel")
     recipe = Recipe(tuple(
         Rule((layer,), weight=Role(spec, "imatrix_mse", options={"importance": importance}))
@@ -91,11 +106,10 @@ def test_imatrix_roles_with_different_importances_are_refused_before_the_pass(mo
         "importance": torch.linspace(1, 2, 8)})) for layer in ("0", "2")), name="same")
     st = quantscope.calibrate(model, [torch.randn(4, 8)], same, progress=False).states
     assert st["0"]["weight"].quantizes_like(st["2"]["weight"])
-    _no_pass(monkeypatch)
     # the message names what differs: the options (the specs and observers print the same)
-    with pytest.raises(ValueError, match=r"0\.weight and 2\.weight are one weight .* but their "
-                                         r"weight roles' options differ \(importance\), and"):
-        quantscope.calibrate(model, [torch.randn(4, 8)], recipe, progress=False)
+    _refused_before_the_pass(monkeypatch, model, recipe,
+                             r"0\.weight and 2\.weight are one weight .* but their weight "
+                             r"roles' options differ \(importance\), and")
 
 
 def test_a_conv1d_and_a_linear_over_one_weight_are_refused_before_the_pass(monkeypatch):
@@ -104,15 +118,12 @@ def test_a_conv1d_and_a_linear_over_one_weight_are_refused_before_the_pass(monke
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(0)
-    model = nn.Sequential(Conv1D(8, 8), nn.ReLU(), nn.Linear(8, 8, bias=False))
-    model[2].weight = model[0].weight
+    model = _pair(Conv1D(8, 8))
     recipe = Recipe((Rule(("0", "2"), weight=Role(quantscope.QuantSpec("int8", "channel"))),),
                     name="mixed")
-    _no_pass(monkeypatch)
-    with pytest.raises(ValueError, match=r"0\.weight and 2\.weight are one weight .* but their "
-                                         r"weight roles differ \(int8 channel:1 .* vs int8 "
-                                         r"channel:0"):
-        quantscope.calibrate(model, [torch.randn(4, 8)], recipe, progress=False)
+    _refused_before_the_pass(monkeypatch, model, recipe,
+                             r"0\.weight and 2\.weight are one weight .* but their weight roles "
+                             r"differ \(int8 channel:1 .* vs int8 channel:0")
 
 
 def test_a_weight_tied_across_two_fusion_groups_is_refused_before_the_pass(monkeypatch):
@@ -198,7 +209,6 @@ def test_roles_that_give_one_state_still_calibrate_and_apply():
         calib.apply(model).remove()
 
 
-
 def test_auto_by_the_weight_alone_calibrates_a_tied_weight_once(monkeypatch):
     """``Auto(metric="tensor")`` chooses a weight's qparams by its own error: one weight, one
     choice; the pre-check refused it (a false refusal, naming a per-layer choice it does not
@@ -211,13 +221,12 @@ def test_auto_by_the_weight_alone_calibrates_a_tied_weight_once(monkeypatch):
     tensor = quantscope.calibration.Auto(metric="tensor")
     st = quantscope.calibrate(model, batches, recipe, auto=tensor, progress=False).states
     assert st["0"]["weight"].quantizes_like(st["2"]["weight"])
-    _no_pass(monkeypatch)
     for auto in (quantscope.calibration.Auto(metric="tensor",
                                              candidates=("minmax", "imatrix_mse")),
                  quantscope.calibration.Auto(metric="output"), None):
-        with pytest.raises(ValueError, match=r"0\.weight and 2\.weight are one weight .* "
-                                             r"observer 'auto' chooses each layer's"):
-            quantscope.calibrate(model, batches, recipe, auto=auto, progress=False)
+        _refused_before_the_pass(monkeypatch, model, recipe, r"0\.weight and 2\.weight are one "
+                                 r"weight .* observer 'auto' chooses each layer's", batches,
+                                 auto=auto)
 
 
 def test_a_result_with_two_states_for_one_weight_is_refused(monkeypatch):
