@@ -55,18 +55,13 @@ def _apart(a, b, auto=None) -> str | None:
     """Why weight roles ``a`` and ``b`` of one weight may give it two states, None if they
     give it one: the roles differ, or the observer reads the layer, not the weight alone
     (``auto``: the :class:`~..options.Auto` an ``auto`` role chooses by)."""
-    try:
-        same = a == b
-    except RuntimeError:  # options holding tensors of several values (an importance)
-        same = False
-    keys = [] if same else sorted(k for k in {*dict(a.options), *dict(b.options)}
-                                  if not _equal(dict(a.options).get(k), dict(b.options).get(k)))
-    if (a.spec, a.observer, a.dynamic) == (b.spec, b.observer, b.dynamic) and not same:
-        if keys:  # (the roles print alike)
-            return f"their weight roles' options differ ({', '.join(keys)})"
-        same = True  # equal options ``==`` could not compare (equal tensors)
-    if not same:
+    if (a.spec, a.observer, a.dynamic) != (b.spec, b.observer, b.dynamic):
         return f"their weight roles differ ({a.spec} {a.observer!r} vs {b.spec} {b.observer!r})"
+    # option by option: Role's == cannot compare tensors of several values (an importance)
+    ao, bo = dict(a.options), dict(b.options)
+    keys = sorted(k for k in {*ao, *bo} if not _equal(ao.get(k), bo.get(k)))
+    if keys:  # (the roles print alike)
+        return f"their weight roles' options differ ({', '.join(keys)})"
     if a.observer == AUTO and not _by_weight_alone(a, auto):
         return ("observer 'auto' chooses each layer's qparams by that layer (its output error, "
                 "its inputs' importance)")
