@@ -73,8 +73,8 @@ def test_hist_add_refuses_counts_without_bins(device, forbid_host_sync, no_c_ker
 def test_hist_regrid_refuses_counts_without_bins(device, forbid_host_sync, no_c_kernel):
     counts, exp, first = _hist_args(device, 0)
     f32 = torch.zeros(3, device=device)
-    _raises(lambda: hist_ops.hist_regrid(counts, exp, first, f32, f32, f32, f32 + 1, False),
-            "hist_regrid", "counts", forbid_host_sync)
+    _raises(lambda: hist_ops.hist_regrid_(counts, exp, first, f32, f32, f32, f32 + 1, False),
+            "hist_regrid_", "counts", forbid_host_sync)
 
 
 def test_hist_kernel_does_not_apply_without_bins(no_c_kernel):

@@ -46,9 +46,8 @@ CASES = {
     # B == 1 (one bin): the JIT passes it as a constant
     "histogram._regrid_kernel, B=1": (
         histogram._regrid_kernel,
-        dict(blo_ptr=F32, bhi_ptr=F32, counts_ptr=I64, exp_ptr=I64, first_ptr=I64, slo_ptr=F32,
-             shi_ptr=F32, ncounts_ptr=I64, nexp_ptr=I64, nfirst_ptr=I64, nlo_ptr=F32,
-             nhi_ptr=F32),
+        dict(blo_ptr=F32, bhi_ptr=F32, counts_ptr=I64, exp_ptr=I64, first_ptr=I64, lo_ptr=F32,
+             hi_ptr=F32, scratch_ptr=I64),
         dict(B=1, ABSOLUTE=False, BLOCK=1024)),
     # the test's own kernel: its helpers come from the module's imports
     "test_triton_block_search._code_kernel": (

@@ -868,11 +868,40 @@ def test_hist_regrid_is_update_grid(device, U, bins, absolute, block, data):
     for step in range(data.draw(st.integers(1, 4), label="batches")):
         lo, hi = data.draw(_batches(U), label=f"batch {step}")
         want = H._update_grid(state, lo, hi, absolute)
-        got = tri.regrid(*(t.to(device) for t in (*state, lo, hi)), absolute, block=block)
+        got = [t.to(device, copy=True) for t in state]
+        tri.regrid_(*got, lo.to(device), hi.to(device), absolute, block=block)
         _assert_same_state(got, want)
         seed = data.draw(st.integers(0, 2 ** 31 - 1), label="counts")
         more = torch.randint(0, 1 << 40, (U, bins), generator=torch.Generator().manual_seed(seed))
         state = want._replace(counts=want.counts + more * (torch.rand(U, bins) < 0.5))
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_hist_regrid_in_place_moves_only_the_units_whose_grid_moves(device, absolute):
+    """In place, one launch: a unit whose grid stays (its batch inside the range, or a wider
+    top inside the grid's slack) keeps its counts as they are; one whose first bin moves at
+    the same width (a lower bottom: m = 0) and one whose width grows are re-binned, all as
+    ``_update_grid``, and the state's own tensors hold the result."""
+    from quantscope.kernels.triton import histogram as tri
+    from quantscope.stats import histogram as H
+
+    # 64 bins over [-1, 1]: width 2 ** -4, bins -16 .. 47 (room above 1, none below -1)
+    state = H._update_grid(H.empty_state(4, 64), -torch.ones(4), torch.ones(4), absolute)
+    state = state._replace(counts=torch.randint(1, 1000, (4, 64),
+                                                generator=torch.Generator().manual_seed(3)))
+    lo = torch.tensor([-0.5, -1.0, -1.5, -300.0])  # inside; inside; first moves; width grows
+    hi = torch.tensor([0.5, 1.5, 1.0, 1.0])
+    want = H._update_grid(state, lo, hi, absolute)
+    got = [t.to(device, copy=True) for t in state]
+    held = [t.data_ptr() for t in got]
+    tri.regrid_(*got, lo.to(device), hi.to(device), absolute, block=16)
+    _assert_same_state(got, want)
+    assert [t.data_ptr() for t in got] == held
+    stays = [0, 1] if not absolute else [0]  # |x|: the wider bottom is a wider top
+    assert torch.equal(want.counts[stays], state.counts[stays])
+    assert not torch.equal(want.counts[2:], state.counts[2:])
+    if not absolute:  # the first bin moved, the width did not
+        assert want.exp[2] == state.exp[2] and want.first[2] != state.first[2]
 
 
 def test_hist_regrid_constants_are_the_histograms():
@@ -895,6 +924,7 @@ def test_hist_regrid_collapses_many_bins_into_few(device, absolute):
     state = state._replace(counts=torch.randint(1, 1 << 50, (3, 2048)))
     lo, hi = torch.tensor([-2.0 ** 40, -3.0, -1e9]), torch.tensor([2.0 ** 41, 1e12, 5.0])
     want = H._update_grid(state, lo, hi, absolute)
-    got = tri.regrid(*(t.to(device) for t in (*state, lo, hi)), absolute)
+    got = [t.to(device, copy=True) for t in state]
+    tri.regrid_(*got, lo.to(device), hi.to(device), absolute)
     _assert_same_state(got, want)
     assert (want.counts > 0).sum(1).max() <= 3  # the case it claims: a few bins take all

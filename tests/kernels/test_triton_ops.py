@@ -13,7 +13,7 @@ from quantscope.qdq import fake_quantize_units
 from quantscope.qparams import qparams_from_range
 from quantscope.stats import histogram as H
 from quantscope.stats.ao_histogram import ao_histc
-from quantscope.stats.hist_ops import hist_add, hist_regrid
+from quantscope.stats.hist_ops import hist_add, hist_regrid_
 from quantscope.stats.minmax import record_non_finite
 
 CUDA = torch.cuda.is_available()
@@ -63,8 +63,8 @@ def _cases(device="cpu"):
         "hist_add": (hist_add, (torch.zeros(6, 64, dtype=torch.int64), u,
                                 torch.full((6,), -4, dtype=torch.int64),
                                 torch.full((6,), -40, dtype=torch.int64), False)),
-        "hist_regrid": (hist_regrid, (*_hist_state(lo, hi, g), lo, hi, False)),
-        "hist_regrid_abs": (hist_regrid, (*_hist_state(lo, hi, g), lo, hi, True)),
+        "hist_regrid_": (hist_regrid_, (*_hist_state(lo, hi, g), lo, hi, False)),
+        "hist_regrid_abs": (hist_regrid_, (*_hist_state(lo, hi, g), lo, hi, True)),
         "ao_histc": (ao_histc, (u, 64, -1.5, 2.0)),
         "ao_histc_bf16": (ao_histc, (u.bfloat16(), 100, -2.0, 1.0)),
         "int_qparams": (ops.int_qparams, (lo, hi, [-8.0, 7.0, 1e-8, 0.0, 0.0])),
@@ -217,13 +217,13 @@ def _int64s(n):
     (lambda: hist_add(torch.zeros(3, 8, dtype=torch.int64), torch.zeros(3, 4),
                       torch.zeros(3), torch.zeros(3, dtype=torch.int64), False),
      "exp must be an int64 tensor"),
-    (lambda: hist_regrid(torch.zeros(3, 8, dtype=torch.int64), *_int64s(2), torch.zeros(3),
-                         torch.zeros(3), torch.zeros(3), torch.zeros(4), False),
+    (lambda: hist_regrid_(torch.zeros(3, 8, dtype=torch.int64), *_int64s(2), torch.zeros(3),
+                          torch.zeros(3), torch.zeros(3), torch.zeros(4), False),
      r"batch_hi must be a torch.float32 tensor of shape \(3,\)"),
-    (lambda: hist_regrid(torch.zeros(3, 8, dtype=torch.int64), *_int64s(2),
-                         torch.zeros(3, dtype=torch.float64), torch.zeros(3), torch.zeros(3),
-                         torch.zeros(3), False), "lo must be a torch.float32 tensor"),
-    (lambda: hist_regrid(torch.zeros(3, 8), *_int64s(2), *(torch.zeros(3),) * 4, True),
+    (lambda: hist_regrid_(torch.zeros(3, 8, dtype=torch.int64), *_int64s(2),
+                          torch.zeros(3, dtype=torch.float64), torch.zeros(3), torch.zeros(3),
+                          torch.zeros(3), False), "lo must be a torch.float32 tensor"),
+    (lambda: hist_regrid_(torch.zeros(3, 8), *_int64s(2), *(torch.zeros(3),) * 4, True),
      "counts must be a contiguous int64"),
     (lambda: ops.e8m0_block_scales(torch.zeros(3), torch.zeros(4), "fp4_e2m1", "floor"),
      "lo and hi must be float32 tensors of one shape"),
@@ -387,15 +387,16 @@ def test_ops_replay_in_a_cuda_graph():
 
 @pytest.mark.parametrize("absolute", [False, True])
 def test_hist_regrid_cpu_is_update_grid(absolute):
-    """On the CPU the op is ``_update_grid`` (through the C kernel where it is built): the
-    same state, fresh tensors (the old state untouched)."""
+    """On the CPU the op is ``_update_grid`` (through the C kernel where it is built), in
+    the state's own tensors."""
     g = torch.Generator().manual_seed(5)
     lo, hi = torch.aminmax(torch.randn(4, 30, generator=g) * 7, dim=1)
     state = _hist_state(lo, hi, g)
     before = [t.clone() for t in state]
-    got = hist_regrid(*state, lo, hi, absolute)
     want = H._update_grid(state, lo, hi, absolute)
-    for a, b in zip(got, want, strict=True):
+    held = [t.data_ptr() for t in state]
+    assert hist_regrid_(*state, lo, hi, absolute) is None
+    for a, b in zip(state, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    assert all(torch.equal(a, b) for a, b in zip(state, before))
-    assert not torch.equal(got[0], state.counts)  # the grid did change
+    assert [t.data_ptr() for t in state] == held
+    assert not torch.equal(before[0], state.counts)  # the grid did change

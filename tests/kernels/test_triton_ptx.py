@@ -148,8 +148,7 @@ CASES = {
         {"ABSOLUTE": True, "BLOCK_E": 1024}),
     "histogram._regrid_kernel": (  # the grid change: float64 span / (B - 1), float32 fits
         {"blo_ptr": "*fp32", "bhi_ptr": "*fp32", "counts_ptr": "*i64", "exp_ptr": "*i64",
-         "first_ptr": "*i64", "slo_ptr": "*fp32", "shi_ptr": "*fp32", "ncounts_ptr": "*i64",
-         "nexp_ptr": "*i64", "nfirst_ptr": "*i64", "nlo_ptr": "*fp32", "nhi_ptr": "*fp32",
+         "first_ptr": "*i64", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "scratch_ptr": "*i64",
          "B": "i32", "ABSOLUTE": "constexpr", "BLOCK": "constexpr"},
         {"ABSOLUTE": False, "BLOCK": 1024}),
 }

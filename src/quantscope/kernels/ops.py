@@ -2,7 +2,7 @@
 
 Each op has a CPU implementation (the torch path, the reference the C kernels equal bit for
 bit; ``mse_price_int`` / ``mse_price_fp``, the block searches that price through them, and
-``hist_add`` / ``hist_regrid`` run the C kernel there where it is built and applies), a CUDA
+``hist_add`` / ``hist_regrid_`` run the C kernel there where it is built and applies), a CUDA
 one (the Triton kernel of :mod:`quantscope.kernels.triton`; the same torch path where triton
 is not installed) and a fake (meta) one, so ``torch.compile``, CUDA graphs and
 ``torch.export`` see one op with known output shapes, and callers write no branch per device.
@@ -64,7 +64,7 @@ is not installed) and a fake (meta) one, so ``torch.compile``, CUDA graphs and
   These three are defined in :mod:`quantscope.qparams`, beside their formulas, which call them
   off the CPU (this module builds on qparams, so it cannot be the other way round).
 
-Beside their torch references, in :mod:`quantscope.stats`: ``hist_add`` and ``hist_regrid``
+Beside their torch references, in :mod:`quantscope.stats`: ``hist_add`` and ``hist_regrid_``
 (histogram binning and grid change), ``record_non_finite`` and ``minmax_update`` (an observer's
 non-finite flag and min-max state update), and ``minmax_observe`` (an accumulating min-max
 observer's whole ``forward``: those steps after its min / max, one dispatch).

@@ -81,7 +81,6 @@ class Observer(nn.Module):
     family: ClassVar[str] = ""
     #: True when the state is the last call's only (weights are observed once with these)
     memoryless: ClassVar[bool] = False
-
     #: registry name of the class (set by :func:`~quantscope.observers.registry.register`)
     name: str = "observer"
     #: sized buffers of one value for the whole tensor (NVFP4's global amax), not one per unit
@@ -102,8 +101,7 @@ class Observer(nn.Module):
 
     def __init__(self, spec: QuantSpec | None = None, *, non_finite: str = "error"):
         super().__init__()
-        if spec is None:
-            spec = QuantSpec()
+        spec = QuantSpec() if spec is None else spec
         check_spec(type(self).__name__, spec)
         if non_finite not in NON_FINITE_MODES:
             raise ValueError(f"{type(self).__name__}: non_finite must be one of "
@@ -431,6 +429,8 @@ class Observer(nn.Module):
     def _store(self, names, values) -> None:
         """Buffers ``names`` take ``values`` as the same tensor objects (see the module doc)."""
         bufs = [self._buffers[n] for n in names]
+        if all(b is v for b, v in zip(bufs, values)):  # updated in place (an op's ``(a!)``)
+            return
         if bufs[0].is_cpu and not torch.compiler.is_compiling():  # eager: no copy, no checks
             for b, v in zip(bufs, values):
                 b.data = v

@@ -129,7 +129,7 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
 
     @property
     def units_in_input_dtype(self) -> bool:
-        # the native grid's ops (unit_minmax, hist_regrid, hist_add) read bf16 / fp16 units
+        # the native grid's ops (unit_minmax, hist_regrid_, hist_add) read bf16 / fp16 units
         # exactly; the linear first grid computes in the units' dtype, a step exchange
         # gathers float32 units
         return self.grid == "pow2" and not self.sync_every_step

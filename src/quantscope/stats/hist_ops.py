@@ -1,6 +1,6 @@
 """``quantscope::hist_add``: histogram binning (:func:`.histogram.add_values`), and
-``quantscope::hist_regrid``: the grid change before it (``histogram._update_grid``), as
-``torch.library`` custom ops, beside the ops of :mod:`quantscope.kernels.ops`.
+``quantscope::hist_regrid_``: the grid change before it (``histogram._update_grid``), in
+place, as ``torch.library`` custom ops, beside the ops of :mod:`quantscope.kernels.ops`.
 
 It lives here, not in ``kernels.ops``, because its CPU implementation is this package's
 ``histogram.bin_values`` (the C kernel, else the torch reference), which the kernels layer
@@ -8,12 +8,14 @@ may not import; ``histogram.add_values`` calls it off the CPU (``torch.ops``: im
 this package registers it). CUDA: the Triton kernel (:mod:`quantscope.kernels.triton.histogram`), the torch
 path where triton is not installed or the bins exceed its limit.
 
-``hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)``: the state
+``hist_regrid_(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)``: the state
 (``counts [U, B]`` int64, ``exp``, ``first`` int64 ``[U]``, ``lo``, ``hi`` float32 ``[U]``)
-after a batch of per-unit min / max ``batch_lo``, ``batch_hi`` (float32 ``[U]``) widened its
-range: fresh tensors, as ``_update_grid`` returns. ``histogram.update`` calls it off the
-CPU: one launch on CUDA (the Triton kernel) where the torch code is some hundred one-element
-ops. CPU: the C kernel (``hist_kernel.regrid``), else the torch code.
+updated in place for a batch of per-unit min / max ``batch_lo``, ``batch_hi`` (float32
+``[U]``) that may widen its range: the values ``_update_grid`` returns. ``histogram.update``
+calls it off the CPU: one launch on CUDA (the Triton kernel) where the torch code is some
+hundred one-element ops, and in place, where fresh tensors copied back into an observer's
+buffers cost six more ops a call (a unit whose grid stays costs no pass over its bins
+either). CPU: the C kernel (``hist_kernel.regrid``), else the torch code.
 
 ``hist_add(counts, units, exp, first, absolute)``: ``counts [U, B]`` int64 (contiguous,
 updated in place), ``units [U, E]`` float (bf16 / fp16 / fp32), ``exp``, ``first`` int64
@@ -30,7 +32,7 @@ from ..kernels import triton as _triton
 from . import hist_kernel, histogram
 from .minmax import MINMAX_DTYPES
 
-__all__ = ["hist_add", "hist_regrid"]
+__all__ = ["hist_add", "hist_regrid_"]
 
 def _check_counts(who: str, counts: Tensor) -> int:
     """The number of units of ``counts``, or the ``ValueError``: a contiguous int64
@@ -84,7 +86,7 @@ hist_add = define(
 
 def _check_regrid(counts: Tensor, exp: Tensor, first: Tensor, lo: Tensor, hi: Tensor,
                   batch_lo: Tensor, batch_hi: Tensor) -> None:
-    who = "quantscope::hist_regrid"
+    who = "quantscope::hist_regrid_"
     U = _check_counts(who, counts)
     for name, t, dtype in (("exp", exp, torch.int64), ("first", first, torch.int64),
                            ("lo", lo, torch.float32), ("hi", hi, torch.float32),
@@ -95,30 +97,32 @@ def _check_regrid(counts: Tensor, exp: Tensor, first: Tensor, lo: Tensor, hi: Te
                              f"{counts.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-def _torch_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
+def _torch_hist_regrid_(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
     _check_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi)
     state = histogram.HistState(counts, exp, first, lo, hi)
-    new = hist_kernel.regrid(state, batch_lo, batch_hi, absolute)
+    new = hist_kernel.regrid(state, batch_lo, batch_hi, absolute, inplace=True)
     if new is None:
         new = histogram._update_grid(state, batch_lo, batch_hi, absolute)
-    return tuple(new)
+    for old, value in zip(state, new):
+        if value is not old:
+            old.copy_(value)
 
 
-def _cuda_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
+def _cuda_hist_regrid_(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
     _check_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi)
-    kernel = _triton.launchers("histogram", counts)
-    if kernel is None:
-        return _torch_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)
-    state = (t.contiguous() for t in (counts, exp, first, lo, hi, batch_lo, batch_hi))
-    return kernel.regrid(*state, absolute)
+    kernel = _triton.launchers("histogram", counts, writes=(counts, exp, first, lo, hi))
+    if kernel is None or not all(t.is_contiguous() for t in (exp, first, lo, hi)):
+        return _torch_hist_regrid_(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)
+    kernel.regrid_(counts, exp, first, lo, hi, batch_lo.contiguous(), batch_hi.contiguous(),
+                   absolute)
+    return None
 
 
-def _fake_hist_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
+def _fake_hist_regrid_(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute):
     _check_regrid(counts, exp, first, lo, hi, batch_lo, batch_hi)
-    return tuple(torch.empty_like(t) for t in (counts, exp, first, lo, hi))
 
 
-hist_regrid = define(
-    "hist_regrid(Tensor counts, Tensor exp, Tensor first, Tensor lo, Tensor hi, Tensor batch_lo, "
-    "Tensor batch_hi, bool absolute) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    _torch_hist_regrid, cuda=_cuda_hist_regrid, fake=_fake_hist_regrid)
+hist_regrid_ = define(
+    "hist_regrid_(Tensor(a!) counts, Tensor(b!) exp, Tensor(c!) first, Tensor(d!) lo, "
+    "Tensor(e!) hi, Tensor batch_lo, Tensor batch_hi, bool absolute) -> ()",
+    _torch_hist_regrid_, cuda=_cuda_hist_regrid_, fake=_fake_hist_regrid_)

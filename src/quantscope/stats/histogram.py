@@ -271,15 +271,14 @@ def update(state: HistState, units: torch.Tensor, lo: torch.Tensor, hi: torch.Te
 
     No host synchronisation: the grid change is tensor math (on CPU a C kernel,
     :func:`.hist_kernel.regrid`: the same arithmetic without the fixed cost of some 60
-    one-element torch ops; off the CPU the op ``quantscope::hist_regrid``, :mod:`.hist_ops`:
+    one-element torch ops; off the CPU the op ``quantscope::hist_regrid_``, :mod:`.hist_ops`:
     one Triton launch on CUDA).
 
     ``state`` is not modified, unless ``inplace``: then its tensors may be updated in place
-    and returned (the caller gives ``state`` up), so that on CPU a batch inside the grid
-    costs O(values), not a fresh ``[U, B]`` (the same values either way).
-    """
+    and returned (the caller gives ``state`` up): a batch inside the grid costs O(values)."""
     if units.device.type != "cpu":
-        new = torch.ops.quantscope.hist_regrid(*state, lo.float(), hi.float(), absolute)
+        new = state if inplace else HistState(*(t.clone() for t in state))
+        torch.ops.quantscope.hist_regrid_(*new, lo.float(), hi.float(), absolute)
     else:
         new = hist_kernel.regrid(state, lo, hi, absolute, inplace)
     state = HistState(*new) if new is not None else _update_grid(state, lo, hi, absolute)

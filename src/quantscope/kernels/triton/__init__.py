@@ -1,5 +1,5 @@
 """Triton kernels: the CUDA implementations of the ops in :mod:`quantscope.kernels.ops`
-(and the ops defined beside their torch references: ``hist_add`` and ``hist_regrid`` in
+(and the ops defined beside their torch references: ``hist_add`` and ``hist_regrid_`` in
 :mod:`quantscope.stats.hist_ops`, ``record_non_finite`` and ``minmax_update`` in
 :mod:`quantscope.stats.minmax`, the block scales in :mod:`quantscope.qparams`).
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ._jit import LAUNCH, cdiv, next_power_of_2, widen
 
-__all__ = ["MAX_BINS", "hist_add", "regrid"]
+__all__ = ["MAX_BINS", "hist_add", "regrid_"]
 
 #: the most bins a program's private histogram holds (registers)
 MAX_BINS = 1 << 14
@@ -103,14 +103,16 @@ def _counted_add(counts, units, exp, first, absolute, per, block_e):
     idx = torch.empty(R * C, dtype=torch.float64, device=units.device)
     for row0 in range(0, U, R):
         rows = min(R, U - row0)
+        # whole tensors where the slice is all of them: a slice view is a host op per call
+        part = counts if rows == U else counts[row0:row0 + rows]
         for c0 in range(0, E, C):
             cols = min(C, E - c0)
-            out = idx[:rows * cols]
+            out = idx if rows * cols == idx.numel() else idx[:rows * cols]
             _bin_kernel[(rows, cdiv(cols, block_e))](
                 units, out, exp, first, row0, c0, cols, units.stride(0), B,
                 ABSOLUTE=bool(absolute), BLOCK_E=block_e, **LAUNCH)
             n = rows * B
-            counts[row0:row0 + rows] += torch.histc(out, n, 0, n).view(rows, B).long()
+            part.view(-1).add_(torch.histc(out, n, 0, n).long())
 
 
 def hist_add(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
@@ -221,50 +223,56 @@ def _joined_range(blo_ptr, bhi_ptr, slo_ptr, shi_ptr, u, ABSOLUTE: tl.constexpr)
 
 
 @triton.jit
-def _regrid_kernel(blo_ptr, bhi_ptr, counts_ptr, exp_ptr, first_ptr, slo_ptr, shi_ptr,
-                   ncounts_ptr, nexp_ptr, nfirst_ptr, nlo_ptr, nhi_ptr, B,
-                   ABSOLUTE: tl.constexpr, BLOCK: tl.constexpr):
+def _regrid_kernel(blo_ptr, bhi_ptr, counts_ptr, exp_ptr, first_ptr, lo_ptr, hi_ptr,
+                   scratch_ptr, B, ABSOLUTE: tl.constexpr, BLOCK: tl.constexpr):
     u = tl.program_id(0)
-    lo, hi = _joined_range(blo_ptr, bhi_ptr, slo_ptr, shi_ptr, u, ABSOLUTE)
+    lo, hi = _joined_range(blo_ptr, bhi_ptr, lo_ptr, hi_ptr, u, ABSOLUTE)
     old_e = tl.load(exp_ptr + u)
+    old_first = tl.load(first_ptr + u)
     e = tl.maximum(old_e, _grid_exponent(lo, hi, B).to(tl.int64))
     if ABSOLUTE:
         first = e * 0
     else:
         first = tl.floor(lo * _pow2(-e)).to(tl.int64)
-    tl.store(nlo_ptr + u, lo)
-    tl.store(nhi_ptr + u, hi)
-    tl.store(nexp_ptr + u, e)
-    tl.store(nfirst_ptr + u, first)
     # rebin: old bin i (absolute index old_first + i) goes whole into new bin
     # floor((old_first + i) / 2 ** m) - first (an arithmetic shift), clamped; integer adds,
-    # so the order of the atomics cannot change the counts
+    # so the order of the atomics cannot change the counts. A grid that stays (a batch
+    # inside the range: m = 0, the same first) moves nothing: no pass over the bins
     m = tl.minimum(tl.maximum(e - old_e, 0), 62)
-    old_first = tl.load(first_ptr + u)
     row = u.to(tl.int64) * B
-    for b0 in range(0, B, BLOCK):
-        i = b0 + tl.arange(0, BLOCK)
-        tl.store(ncounts_ptr + row + i, tl.zeros([BLOCK], tl.int64), mask=i < B)
-    tl.debug_barrier()  # the zeros stored (and visible to the block) before the first add
-    for b0 in range(0, B, BLOCK):
-        i = b0 + tl.arange(0, BLOCK)
-        c = tl.load(counts_ptr + row + i, mask=i < B, other=0)
-        k = ((old_first + i) >> m) - first
-        k = tl.minimum(tl.maximum(k, 0), B - 1)
-        tl.atomic_add(ncounts_ptr + row + k, c, mask=(i < B) & (c != 0), sem="relaxed")
+    if (m != 0) | (first != old_first):  # (uniform: every thread loaded the same unit)
+        for b0 in range(0, B, BLOCK):
+            i = b0 + tl.arange(0, BLOCK)
+            tl.store(scratch_ptr + row + i, tl.zeros([BLOCK], tl.int64), mask=i < B)
+        tl.debug_barrier()  # the zeros stored (and visible to the block) before the first add
+        for b0 in range(0, B, BLOCK):
+            i = b0 + tl.arange(0, BLOCK)
+            c = tl.load(counts_ptr + row + i, mask=i < B, other=0)
+            k = ((old_first + i) >> m) - first
+            k = tl.minimum(tl.maximum(k, 0), B - 1)
+            tl.atomic_add(scratch_ptr + row + k, c, mask=(i < B) & (c != 0), sem="relaxed")
+        tl.debug_barrier()  # every add done, every old count read, before the row is written
+        for b0 in range(0, B, BLOCK):
+            i = b0 + tl.arange(0, BLOCK)
+            c = tl.load(scratch_ptr + row + i, mask=i < B, other=0)
+            tl.store(counts_ptr + row + i, c, mask=i < B)
+    tl.debug_barrier()  # every thread read the unit's old grid before it is written over
+    tl.store(lo_ptr + u, lo)
+    tl.store(hi_ptr + u, hi)
+    tl.store(exp_ptr + u, e)
+    tl.store(first_ptr + u, first)
 
 
-def regrid(counts: torch.Tensor, exp: torch.Tensor, first: torch.Tensor, lo: torch.Tensor,
-           hi: torch.Tensor, batch_lo: torch.Tensor, batch_hi: torch.Tensor, absolute: bool,
-           *, block: int = REGRID_BLOCK):
-    """``stats.histogram._update_grid`` in one launch, one program per unit: the new
-    ``(counts, exp, first, lo, hi)`` (fresh tensors) of the state ``counts [U, B]`` int64,
-    ``exp``, ``first`` int64 ``[U]``, ``lo``, ``hi`` float32 ``[U]`` (all contiguous) after a
-    batch of per-unit min / max ``batch_lo``, ``batch_hi`` (float32 ``[U]``)."""
+def regrid_(counts: torch.Tensor, exp: torch.Tensor, first: torch.Tensor, lo: torch.Tensor,
+            hi: torch.Tensor, batch_lo: torch.Tensor, batch_hi: torch.Tensor, absolute: bool,
+            *, block: int = REGRID_BLOCK) -> None:
+    """``stats.histogram._update_grid`` in one launch, one program per unit, in place: the
+    state ``counts [U, B]`` int64, ``exp``, ``first`` int64 ``[U]``, ``lo``, ``hi`` float32
+    ``[U]`` (all contiguous) after a batch of per-unit min / max ``batch_lo``, ``batch_hi``
+    (float32 ``[U]``). A unit whose grid moves is re-binned through a scratch row; one whose
+    grid stays costs its four scalars, not a pass over its bins."""
     U, B = counts.shape
-    new = (torch.empty_like(counts), torch.empty_like(exp), torch.empty_like(first),
-           torch.empty_like(lo), torch.empty_like(hi))
     if U:
-        _regrid_kernel[(U,)](batch_lo, batch_hi, counts, exp, first, lo, hi, *new, B,
+        scratch = torch.empty_like(counts)
+        _regrid_kernel[(U,)](batch_lo, batch_hi, counts, exp, first, lo, hi, scratch, B,
                              ABSOLUTE=bool(absolute), BLOCK=block, **LAUNCH)
-    return new
