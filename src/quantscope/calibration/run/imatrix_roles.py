@@ -68,8 +68,9 @@ def _why_unweighted(slot, imp) -> str | None:
 
 def observe_waiting(slots, means: dict | None) -> None:
     """Observe every waiting weight with its layer's mean ``x^2`` (``means``:
-    :meth:`InputImportance.means`, every rank's in a distributed pass); the observers of a
-    layer without one search unweighted, the reason in ``slot.unweighted`` (on every rank)."""
+    :meth:`InputImportance.means`, every rank's in a distributed pass), which every rank's
+    observer of it holds, owner or not; the observers of a layer without one search
+    unweighted, the reason in ``slot.unweighted`` (on every rank)."""
     targets = _imatrix_slots(slots)
     if means is None or not targets:
         return
@@ -78,9 +79,13 @@ def observe_waiting(slots, means: dict | None) -> None:
         if why is not None:
             slot.unweighted.update({k: why for k in slot.observers if waits_for_importance(k)})
             continue
-        for _, _, obs, _, _ in slot.waiting:
-            obs.importance = means[slot.layer].to(slot.module.weight.device, torch.float32)
-            obs.input_dim = _input_dim(slot.module)
+        imp = means[slot.layer].to(slot.module.weight.device, torch.float32)
+        # every rank's observer, not the owner's alone (``slot.waiting``): a fusion group's
+        # joined search reads it on every rank (finish._joined_options), and the sync that
+        # shares the owner's state carries no setting
+        for key, obs in slot.observers.items():
+            if waits_for_importance(key):
+                obs.importance, obs.input_dim = imp, _input_dim(slot.module)
     observe_weights([p for s in targets for p in s.waiting])
     for slot in targets:
         slot.waiting = []
