@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import logging
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -49,6 +50,7 @@ __all__ = [
     "reset_stats",
     "shard",
     "world_size",
+    "writes_here",
 ]
 
 class Op(enum.Enum):
@@ -189,10 +191,25 @@ def main_global_rank(group=None) -> int:
     return dist.get_global_rank(group, 0)
 
 
-def is_writer(global_rank: int = 0) -> bool:
+def is_writer(global_rank: int | None = 0) -> bool:
     """Whether this process writes a calibration's files: global rank ``global_rank`` (its
-    :attr:`~quantscope.calibration.Calibration.writer_rank`), or no process group."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == global_rank
+    :attr:`~quantscope.calibration.Calibration.writer_rank`; None: the calibration is this
+    process's own, made here), or no process group."""
+    return (global_rank is None or not (dist.is_available() and dist.is_initialized())
+            or dist.get_rank() == global_rank)
+
+
+def writes_here(global_rank: int | None, who: str, path) -> bool:
+    """:func:`is_writer`, and where this process writes nothing, a record that says so
+    (logger ``quantscope``, level INFO: the other ranks of a distributed calibration do so
+    on every save, as documented, so not a warning)."""
+    if is_writer(global_rank):
+        return True
+    logging.getLogger("quantscope").info(
+        "%s: global rank %d writes nothing to %s: the calibration's writer_rank is global "
+        "rank %d, which writes it (docs/guide/distributed.md)", who, dist.get_rank(),
+        os.fspath(path), global_rank)
+    return False
 
 
 def all_sum(value: int, group=None) -> int:

@@ -1,8 +1,9 @@
 """Inside a process group of several processes, every registered export format and
-``Calibration.save`` write on rank 0 only, as transformers' ``save_pretrained``: another rank
-returns the path at once, having written nothing and joined no collective (before, rank 1
-renamed a folder holding only config.json into place, and ranks sharing one path raced).
-With one process in the group nothing changes.
+``Calibration.save`` write a calibration made across the group on rank 0 only, as
+transformers' ``save_pretrained`` on the main process: another rank returns the path at
+once, having written nothing and joined no collective (before, rank 1 renamed a folder
+holding only config.json into place, and ranks sharing one path raced). With one process in
+the group nothing changes. (A calibration a rank made alone is its own: test_dist_s45.py.)
 
 One spawn of 2 gloo processes runs every scenario; the parent looks at the folders."""
 
@@ -18,7 +19,7 @@ from ports import rank_results, spawn_ranks
 from tiny_models import llama
 
 import quantscope
-from quantscope.calibration import load
+from quantscope.calibration import Runtime, load
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("transformers")
@@ -27,10 +28,11 @@ TIMEOUT = 20  # seconds a collective waits for a peer: a rank left waiting fails
 OUT_ENV = "QUANTSCOPE_TEST_RANK_WRITES"  # the folder the spawned ranks write under
 
 
-def _calibration():
+def _calibration(distributed=False):
     model, batches = llama()
     preset = quantscope.calibrate.preset("w8a8", ignore=["lm_head"])
-    return model, quantscope.calibrate(model, batches, preset, progress=False)
+    return model, quantscope.calibrate(model, batches, preset, progress=False,
+                                       runtime=Runtime(distributed=distributed))
 
 
 def _marker(calibration, model, path, **options):
@@ -43,7 +45,8 @@ def _scenarios(r, out):
     from quantscope.exporters.registry import register
 
     d = os.environ[OUT_ENV]
-    model, calibration = _calibration()
+    model, calibration = _calibration(distributed=True)  # the group's: one writer
+    out["calibration"] = calibration
     out["ct"] = quantscope.export(calibration, model, f"{d}/ct")  # one shared path
     out["ct_mine"] = quantscope.export(calibration, model, f"{d}/ct_r{r}")
     out["cal"] = calibration.save(f"{d}/cal")
@@ -92,7 +95,7 @@ def test_rank_0_writes_whole_folders(written):
         assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     # every rank sees rank 0's whole folder after the barrier
     assert rank_results(ranks, "ct_seen")[0] == rank_results(ranks, "ct_seen")[1]
-    _, calibration = _calibration()
+    calibration = rank_results(ranks, "calibration")[0]
     for folder in ("cal", "cal_r0"):
         assert load(d / folder).quantizes_like(calibration)
     assert (d / "marker_r0").read_text() == "written"

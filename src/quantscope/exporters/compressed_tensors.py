@@ -41,7 +41,7 @@ from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import not_encoded, nvfp4_global_scale
 from .atomic import atomic_dir, check_writable_target
 from .consistency import warn_block_problems
-from .ct_compress import annotate, compress, ct_compressor
+from .ct_compress import annotate, compress, ct_compressor, save_here
 from .experts import unfuse_experts
 from .registry import register
 from .serving import embedding_layers, warn_unservable
@@ -430,7 +430,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     with atomic_dir(path, overwrite=overwrite,  # never the source, nor the model's folder
                     inputs=[source, *loaded_from(calibration, model)],
                     keep_modes=copied, what=KIND) as tmp:
-        work.save_pretrained(tmp, max_shard_size=max_shard_size)
+        save_here(work, tmp, max_shard_size=max_shard_size)
         compressor.update_config(tmp)
         annotate(tmp, calibration, lossy.notes, source, work)
         warn_unservable(tmp, checkpoint_names(work, embedding_layers(work)).values())

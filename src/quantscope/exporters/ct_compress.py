@@ -15,7 +15,7 @@ from torch import nn
 from .ct_match import Targets
 from .experts import checkpoint_names
 
-__all__ = ["annotate", "compress", "ct_compressor"]
+__all__ = ["annotate", "compress", "ct_compressor", "save_here"]
 
 _HALVES = (torch.bfloat16, torch.float16)
 
@@ -65,10 +65,23 @@ def compress(compressor, work: nn.Module) -> None:
         compressor.compress_model(work)
 
 
+def save_here(work: nn.Module, folder: str, **options) -> None:
+    """``work.save_pretrained(folder, **options)``, the weights written by this process:
+    inside a process group transformers writes them on global rank 0 only (its config on
+    every rank), but the registry already chose the rank that exports (a calibration's
+    ``writer_rank``: a subgroup's rank 0, or each rank its own calibration); elsewhere
+    the folder renamed into place would hold a config and no weights. ``work`` is the
+    export's own copy: the override goes with it."""
+    if hasattr(work, "should_save_on_this_rank"):  # transformers 5's check of the rank
+        work.should_save_on_this_rank = lambda is_main_process: is_main_process
+    work.save_pretrained(folder, **options)
+
+
 def _this_process_only():
     """compressed-tensors' ``compress_model`` shares its work among the ranks of an initialised
-    process group (a collective), but only rank 0 exports (the registry's rule): the others
-    are not in this call, so it would wait forever. Its context to compress in one process."""
+    process group (a collective), but one rank exports (the registry's rule: the
+    calibration's writer, or each rank its own calibration, when it will): the others are
+    not in this call, so it would wait forever. Its context to compress in one process."""
     try:
         from compressed_tensors.offload import as_single_threaded
     except ImportError:  # a version that never compresses in parallel

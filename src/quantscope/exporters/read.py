@@ -490,5 +490,7 @@ def read_compressed_tensors(path):
         source = None  # the float source runs otherwise: the checkpoint is the model
     info = {"model": source if isinstance(source, str) and os.path.isdir(source) else path,
             "checkpoint": path, "format": fmt_name(qconfig.format)}
-    return Calibration(recipe, states, os.path.basename(os.path.normpath(path)), info=info)
+    # writer_rank 0: in a process group every rank reads the checkpoint, global rank 0 writes
+    return Calibration(recipe, states, os.path.basename(os.path.normpath(path)), info=info,
+                       writer_rank=0)
 

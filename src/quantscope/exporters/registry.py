@@ -10,10 +10,12 @@ This module sits in the core layer (beside :mod:`.atomic`, and like
 ``Calibration.export`` and ``Calibration.from_compressed_tensors`` reach a format through
 it without importing the export layer.
 
-Inside a process group of more than one process, every registered writer writes on rank 0
-only, as transformers' ``save_pretrained`` (which writes no weights elsewhere): the other
-ranks return the path at once, with no collective (:func:`register` wraps the writer, so no
-format can forget it).
+Inside a process group of more than one process, every registered writer writes a
+calibration made across the group (or read from disk) on its ``writer_rank`` only, as
+transformers' ``save_pretrained`` on the main process: the other ranks return the path at
+once, with no collective, and log that they wrote nothing (:func:`register` wraps the
+writer, so no format can forget it). A calibration this process made alone (``writer_rank``
+None) is written where it is exported.
 """
 
 from __future__ import annotations
@@ -44,22 +46,24 @@ _readers: dict[str, Callable] = {}
 
 def register(name: str, check: Callable | None = None):
     """Decorator: ``@register("onnx") def export_onnx(calibration, model, path, **options)``;
-    the writer it returns (and registers) writes on rank 0 only (module doc). ``check``: the
+    the writer it returns (and registers) writes on the calibration's writer only (module
+    doc). ``check``: the
     writer's checks of its arguments that need neither the disk nor a collective (the model's
     type, the options), run on every rank with the writer's arguments by name (defaults
     applied; ``**options`` as one dict)."""
     def deco(fn):
-        _writers[name] = _on_rank_zero(fn, name, check)
+        _writers[name] = _on_writer(fn, name, check)
         return _writers[name]
     return deco
 
 
-def _on_rank_zero(write: Callable, name: str, check: Callable | None) -> Callable:
-    """``write(calibration, model, path, **options)`` run on rank 0 (or outside a process
-    group of several); another rank writes nothing and returns ``path`` as rank 0 does (its
-    absolute path), at once: no collective, so a caller that exports on rank 0 alone does not
-    hang, and ranks sharing one path do not race (a reader waits at a barrier). Every rank
-    checks the arguments first: a wrong one raises everywhere, not on rank 0 alone."""
+def _on_writer(write: Callable, name: str, check: Callable | None) -> Callable:
+    """``write(calibration, model, path, **options)`` run on the calibration's ``writer_rank``
+    (or outside a process group of several); another rank writes nothing and returns
+    ``path`` as the writer does (its absolute path), at once: no collective, so a caller
+    that exports on the writer alone does not hang, and ranks sharing one path do not race
+    (a reader waits at a barrier). Every rank checks the arguments first: a wrong one raises
+    everywhere, not on the writer alone."""
     @functools.wraps(write)
     def writer(calibration, model, path, **options):
         _check_arguments(name, calibration, path)
@@ -73,7 +77,8 @@ def _on_rank_zero(write: Callable, name: str, check: Callable | None) -> Callabl
             check(**bound.arguments)
         from .. import comm  # here: importing the exporters (their atomic writes) needs no torch
 
-        if not comm.is_writer(getattr(calibration, "writer_rank", 0)):
+        if not comm.writes_here(getattr(calibration, "writer_rank", None), f"export {name}",
+                                path):
             return os.path.abspath(os.fspath(path))
         return write(calibration, model, path, **options)
     return writer

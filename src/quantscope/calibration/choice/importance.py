@@ -154,7 +154,8 @@ def imatrix_config(model: nn.Module, base: Calibration, importance: dict) -> Cal
         except ValueError:  # a layout the weighted search cannot take
             continue
         states[layer]["weight"], changed = new, True
-    return Calibration(base.recipe, states, base.label) if changed else None
+    return (Calibration(base.recipe, states, base.label, writer_rank=base.writer_rank)
+            if changed else None)
 
 
 def imatrix_rows(model: nn.Module, config: Calibration, base: Calibration) -> list[dict]:

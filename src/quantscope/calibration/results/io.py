@@ -143,8 +143,9 @@ def load(path, device="cpu") -> Calibration:
     # a role could read)
     smoothing = {k[len(SMOOTH):]: _smoothing_scale(t, k, lambda k, m: bad(tensor_path, k, m))
                  for k, t in tensors.items() if k.startswith(SMOOTH) and k not in used}
+    # writer_rank 0: in a process group every rank reads the folder, global rank 0 writes
     return Calibration(recipe, states, meta.get("label", ""), info=meta.get("info", {}),
-                       smoothing=smoothing)
+                       smoothing=smoothing, writer_rank=0)
 
 
 def _check_patterns(recipe: Recipe, meta_path, bad) -> None:

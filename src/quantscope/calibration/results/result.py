@@ -31,8 +31,11 @@ class Calibration:
     ``histograms[(layer, role)]`` activation histograms for plots. ``smoothing``: where
     the model was smoothed before calibrating (``smooth=``), SmoothQuant's per-channel
     scales by smoothed module (:func:`.smooth.reapply` smooths a fresh copy alike).
-    ``writer_rank``: the global rank that writes what :meth:`save` and ``export`` write, rank
-    0 of the process group it was calibrated in (``Runtime.group``; not saved).
+    ``writer_rank``: the global rank that writes what :meth:`save` and ``export`` write in a
+    process group: rank 0 of the group it was calibrated across (``Runtime.group``), 0 for
+    one read from disk (``quantscope.load``, :meth:`from_compressed_tensors`: every rank reads
+    the same folder, one writes); None (made in this process alone, or built by hand): the
+    process holding it writes. Not saved.
     """
 
     recipe: object
@@ -42,7 +45,7 @@ class Calibration:
     histograms: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     smoothing: dict[str, torch.Tensor] = field(default_factory=dict)
-    writer_rank: int = 0
+    writer_rank: int | None = None
 
     def apply(self, model):
         """Fake-quantize ``model`` (QDQ); returns a handle whose ``remove()`` undoes it. A

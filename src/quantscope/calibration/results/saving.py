@@ -56,8 +56,11 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
     quantscope wrote, never an export, a run or another folder, nor the working folder:
     :func:`~quantscope.exporters.atomic.check_writable_target`; ``overwrite=False`` refuses it).
 
-    Inside a process group of several processes only rank 0 writes (as the exporters and
-    transformers' ``save_pretrained``); the others return ``path`` at once, with no collective.
+    Inside a process group of several processes, a calibration made across it
+    (``Runtime(distributed=True)``) or read from disk is written by one process, its
+    ``writer_rank`` (as the exporters); the others return ``path`` at once, with no
+    collective, and log that they wrote nothing (logger ``quantscope``, INFO). One made in
+    this process alone (``writer_rank`` None) is written here.
     """
     # by its fields: .result imports this module (save(model, path): say so, not .label)
     if not all(hasattr(calibration, f) for f in ("states", "recipe", "label", "smoothing",
@@ -72,7 +75,7 @@ def save(calibration, path, *, overwrite: bool = True) -> str:
                          f"that entry back: calibration/results/info_check.py)")
     path = check_path("save", path)
     check_bool("save", "overwrite", overwrite)  # on every rank; bool("no") is True
-    if not comm.is_writer(getattr(calibration, "writer_rank", 0)):
+    if not comm.writes_here(getattr(calibration, "writer_rank", None), "save", path):
         return path
     save_file, _ = safetensors()
     tensors, layers = {}, {}

@@ -427,7 +427,7 @@ def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes
         if processes > 1:
             info["processes"] = processes
         out[label] = Calibration(recipe, states, label, rows, hists, info, writer_rank=(
-            qd.main_global_rank(opts.runtime.group) if opts.runtime.distributed else 0))
+            qd.main_global_rank(opts.runtime.group) if opts.runtime.distributed else None))
     return out
 
 
