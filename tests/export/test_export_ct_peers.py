@@ -12,6 +12,7 @@ the peers' venv (``make test``: PEER_TESTS).
 import copy
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -194,3 +195,25 @@ def test_kv_cache_export_equals_llm_compressor_and_loads_quantized(llama, tmp_pa
         with cal.apply(model):
             ref = model(x).logits
     assert torch.equal(got, ref)
+
+
+def test_bf16_kv_cache_scales_load_as_written(llama, tmp_path):
+    """The peers' transformers (5.17, compressed-tensors 0.19) loads a bf16 model's k_scale /
+    v_scale into bf16 parameters (``initialize_attn_qparams``): the float32 values bf16 cannot
+    hold, which the export wrote without a word (found by probing), ran rounded. Now they are
+    refused, or under allow_lossy written rounded to bf16: what loads is what was written."""
+    model = copy.deepcopy(llama[0]).to(torch.bfloat16)
+    cal = calibrate(model, llama[1], Recipe((), kv_cache="fp8"), progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = quantscope.export(cal, model, tmp_path / "ct", allow_lossy=True)
+    stored = _tensors(path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path)
+    for layer, roles in cal.states.items():
+        for role, key in (("key", "k_scale"), ("value", "v_scale")):
+            got = getattr(loaded.get_submodule(layer), key).detach().reshape(1)
+            assert got.dtype == torch.bfloat16, (layer, key)
+            assert torch.equal(got.float(), stored[f"{layer}.{key}"].float()), (layer, key)
+            want = roles[role].qparams.scale.reshape(1).to(torch.bfloat16)
+            assert torch.equal(stored[f"{layer}.{key}"], want), (layer, key)
+    assert any("_scale not exact in torch.bfloat16" in str(w.message) for w in caught)

@@ -125,3 +125,31 @@ def test_lossy_note_of_a_pow2_encoding_names_the_dtype_written(dtype, tmp_path):
     assert notes and all("in the model's dtype" in n and "fp32" not in n for n in notes)
     stored = safetensors.load_file(f"{path}/model.safetensors")
     assert stored["model.layers.0.mlp.down_proj.weight_scale"].dtype == dtype
+
+
+def test_bf16_kv_cache_scales_are_refused_or_rounded_as_the_other_scales(tmp_path):
+    """A bf16 model's k_scale / v_scale were written as float32 values bf16 cannot hold,
+    without a word (found by probing): compressed-tensors loads them into bf16 parameters
+    (its ``initialize_attn_qparams`` takes the attention's dtype), so the checkpoint ran
+    another KV scale than apply(), where a weight or input scale of the model is refused."""
+    import json
+
+    from quantscope.calibration import Recipe
+
+    model, batches = _model(torch.bfloat16)
+    cal = calibrate(model, batches, Recipe((), kv_cache="fp8"), progress=False)
+    scales = {f"{layer}.{key}": cal.states[layer][role].qparams.scale.reshape(1)
+              for layer in cal.states for role, key in (("key", "k_scale"), ("value", "v_scale"))}
+    rounded = {k: v.to(torch.bfloat16) for k, v in scales.items()}
+    assert any(not torch.equal(rounded[k].float(), v) for k, v in scales.items())  # the case
+    with pytest.raises(ValueError, match=r"self_attn' (key|value): [kv]_scale not exact in "
+                                         r"torch\.bfloat16.*allow_lossy"):
+        quantscope.export(cal, model, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
+    with pytest.warns(UserWarning, match=r"[kv]_scale not exact in torch\.bfloat16"):
+        path = quantscope.export(cal, model, tmp_path / "ct", allow_lossy=True)
+    notes = json.loads((tmp_path / "ct" / "config.json").read_text())["quantscope"]["lossy"]
+    assert any("k_scale" in n or "v_scale" in n for n in notes)
+    stored = safetensors.load_file(f"{path}/model.safetensors")
+    for key, value in rounded.items():  # in the model's dtype, as compressed-tensors holds it
+        assert stored[key].dtype == torch.bfloat16 and torch.equal(stored[key], value), key

@@ -254,13 +254,22 @@ def _fill(module: nn.Module, base: str, state, lossy: _Lossy, layer: str) -> Non
             # compressed-tensors writes E8M0 bytes from it: float32 holds all 2**-127 ..
             # 2**127; a float16 model's dtype flushed 2**-127 to 0, written as 1.0
             dtype = torch.float32
-        cast = value.reshape(param.shape).to(dtype).clone()  # shards own their copy
-        _refuse_lost(value.reshape(param.shape), cast, f"layer {layer!r} {base}_{field}")
-        if not torch.equal(cast.to(value.dtype), value.reshape(param.shape)):
-            lossy(layer, base, f"{field} not exact in {dtype} (the model's dtype)",
-                  f"round it to {dtype}")
+        cast = _cast(value.reshape(param.shape), dtype, lossy, layer, base, f"{base}_{field}")
         with torch.no_grad():
             param.data = cast
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype, lossy: _Lossy, layer: str, role: str,
+          name: str) -> torch.Tensor:
+    """``value`` in ``dtype``, the dtype the checkpoint's loader holds it in: a value that
+    dtype rounds would run as another scale than apply()'s (refused, or under ``allow_lossy``
+    rounded with a note); one it turns into 0 or inf is refused even so."""
+    cast = value.to(dtype).clone()  # shards own their copy
+    _refuse_lost(value, cast, f"layer {layer!r} {name}")
+    if not torch.equal(cast.to(value.dtype), value):
+        lossy(layer, role, f"{name} not exact in {dtype} (the model's dtype)",
+              f"round it to {dtype}")
+    return cast
 
 
 def _refuse_lost(value: torch.Tensor, cast: torch.Tensor, what: str) -> None:
@@ -390,7 +399,8 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         model: the float model (a transformers ``PreTrainedModel``); it is not modified.
         path: the output folder; an existing non-empty one is refused unless ``overwrite``.
         allow_lossy: write what compressed-tensors cannot express exactly in its nearest form
-            (fp32 values of power-of-two scales, the runtime's MX rule) instead of raising;
+            (fp32 values of power-of-two scales, the runtime's MX rule, scales and KV-cache
+            scales rounded to a bf16 / fp16 model's dtype) instead of raising;
             what changed is in ``config.json``'s ``quantscope.lossy`` and a warning.
         model_path: the source model folder (with a config.json) whose tokenizer,
             generation config and chat template (``EXPORT_EXTRAS``) are copied (default: the
@@ -420,10 +430,10 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
     source = source_dir(calibration, model, model_path)
 
     _attach_schemes(work, groups, states, lossy)
+    _attach_kv_scales(work, kv, lossy)
     if lossy.notes:
         warnings.warn("export compressed-tensors (allow_lossy): " + "; ".join(lossy.notes),
                       stacklevel=2)
-    _attach_kv_scales(work, kv)
     compressor = ct_compressor(work, kv_args)
     compress(compressor, work)
     copied = []  # their modes stay: a private tokenizer file is not made readable
@@ -459,10 +469,21 @@ def _attach_schemes(work: nn.Module, groups, states, lossy: _Lossy) -> None:
                 _fill(module, role, st, lossy, layer)
 
 
-def _attach_kv_scales(work: nn.Module, kv) -> None:
-    """The KV cache's scales where vLLM reads them: ``<attention>.k_scale`` / ``v_scale``."""
+def _attach_kv_scales(work: nn.Module, kv, lossy: _Lossy) -> None:
+    """The KV cache's scales where vLLM reads them: ``<attention>.k_scale`` / ``v_scale``, in
+    the attention's parameter dtype: compressed-tensors loads them into parameters of that
+    dtype (``initialize_attn_qparams``), as it does a Linear's scales (vLLM into float32)."""
     for layer, roles in kv.items():
         module = work.get_submodule(layer)
+        dtype = _ct_scale_dtype(next(module.parameters()).dtype)
         for role, st in roles.items():
-            scale = st.qparams.scale.detach().reshape(1).to(torch.float32).clone()
-            module.register_parameter(_KV_SCALE[role], nn.Parameter(scale, requires_grad=False))
+            name = _KV_SCALE[role]
+            scale = _cast(st.qparams.scale.detach().reshape(1).float(), dtype, lossy, layer,
+                          role, name)
+            module.register_parameter(name, nn.Parameter(scale, requires_grad=False))
+
+
+def _ct_scale_dtype(observed: torch.dtype) -> torch.dtype:
+    """compressed-tensors' scale dtype for an observed dtype (``initialize_qparams``)."""
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    return observed if observed in floats else torch.float16
