@@ -36,10 +36,10 @@ What the graph cannot express is a ``ValueError`` naming the layer before anythi
 written: float formats (fp8 / fp4 / MX / NVFP4), run-time (dynamic) activation scales,
 per-token or per-channel activations, clipped activation ranges (``quant_min`` /
 ``quant_max`` narrower than the storage type: ``QuantizeLinear`` saturates to the type),
-output roles, a calibrated module without a 2-D weight (a block), 8-bit per-group weights
-beside an 8-bit static input (ORT has no kernel for the pair it fuses them into), a weight the
-forward also reads outside its Linear (after the trace), and a model over protobuf's 2 GiB
-(:data:`PROTOBUF_LIMIT`: no external data is written).
+output roles, 3-D MoE experts, a module without a 2-D weight (a block), 8-bit
+per-group weights beside an 8-bit static input (ORT has no kernel for the pair it fuses them
+into), a weight the forward also reads outside its Linear (after the trace), and a model over
+protobuf's 2 GiB (:data:`PROTOBUF_LIMIT`: no external data is written).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import torch
 
 from .._checks import check_bool
 from ..calibration.structure.conv1d import is_conv1d
+from ..calibration.structure.moe import view_weight
 from ..calibration.structure.placement import check_placement, is_block
 from ..calibration.structure.tied import tied_weights
 from .atomic import atomic_file, check_writable_target
@@ -357,6 +358,14 @@ def _check_linear(model, states) -> None:
     modules = dict(model.named_modules())
     for n in states:
         module = modules.get(n)
+        if module is None and view_weight(model, n) is not None:
+            raise ValueError(f"onnx export: layer {n!r} is an expert of a 3-D MoE experts "
+                             f"module (transformers 5's experts parameters, no Linear per "
+                             f"expert in the graph): the ONNX export does not write MoE "
+                             f"experts; export compressed-tensors, which writes every expert, "
+                             f"or keep the experts in float (ignore 're:.*experts' in the "
+                             f"recipe; torch.onnx traces float experts run as "
+                             f"model.set_experts_implementation('batched_mm'))")
         if module is None:
             raise ValueError(f"onnx export: layer {n!r} of the calibration is not a module of "
                              f"this {type(model).__name__} (a calibration of another model?)")
