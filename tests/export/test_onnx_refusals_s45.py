@@ -1,6 +1,8 @@
 """ONNX export refusals of probe s45, one rule for the Python API and the command line: a
-calibration of a model's 3-D MoE experts was blamed on "a calibration of another model?"; it
-now says what the ONNX export lacks and what to do instead."""
+calibration of a model's 3-D MoE experts was blamed on "a calibration of another model?",
+and a KV-cache calibration was told to "quantize the Linears inside a block" (Python) or that
+only weight and input roles export (CLI); each now says what the ONNX export lacks and what
+to do instead."""
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import tiny_models
 from cli_helpers import run_cli
 
 import quantscope
-from quantscope.calibration import calibrate, preset
+from quantscope.calibration import Recipe, calibrate, preset
 
 torch.set_num_threads(1)
 
@@ -45,3 +47,14 @@ def test_3d_moe_experts_are_refused_as_such(tmp_path, capsys):
     _both_refuse(capsys, tmp_path, model, cal, (torch.cat(batches),),
                  ["3-D MoE experts", "does not write MoE experts", "compressed-tensors",
                   "keep the experts in float", "ignore 're:.*experts'"])
+
+
+@pytest.mark.parametrize("recipe", ["kv only", "w8a8 with kv"])
+def test_a_kv_cache_calibration_is_refused_as_such(recipe, tmp_path, capsys):
+    model, batches = tiny_models.llama()
+    rec = Recipe((), kv_cache="fp8") if recipe == "kv only" else \
+        preset("w8a8", kv_cache="fp8", ignore=["lm_head"])
+    cal = calibrate(model, batches, rec, progress=False)
+    _both_refuse(capsys, tmp_path, model, cal, (torch.cat(batches[:2]),),
+                 ["model.layers.0.self_attn key", "KV cache", "no KV cache",
+                  "calibrate without kv_cache", "compressed-tensors"])

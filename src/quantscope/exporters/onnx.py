@@ -36,7 +36,7 @@ What the graph cannot express is a ``ValueError`` naming the layer before anythi
 written: float formats (fp8 / fp4 / MX / NVFP4), run-time (dynamic) activation scales,
 per-token or per-channel activations, clipped activation ranges (``quant_min`` /
 ``quant_max`` narrower than the storage type: ``QuantizeLinear`` saturates to the type),
-output roles, 3-D MoE experts, a module without a 2-D weight (a block), 8-bit
+output and KV-cache roles, 3-D MoE experts, a module without a 2-D weight (a block), 8-bit
 per-group weights beside an 8-bit static input (ORT has no kernel for the pair it fuses them
 into), a weight the forward also reads outside its Linear (after the trace), and a model over
 protobuf's 2 GiB (:data:`PROTOBUF_LIMIT`: no external data is written).
@@ -53,6 +53,7 @@ import warnings
 import torch
 
 from .._checks import check_bool
+from ..calibration.structure import kv_cache
 from ..calibration.structure.conv1d import is_conv1d
 from ..calibration.structure.moe import view_weight
 from ..calibration.structure.placement import check_placement, is_block
@@ -254,6 +255,7 @@ def _check_call(calibration, model, example_inputs, opset, overwrite, uint8, opt
         raise opset_error(opset)
     states = calibration.states
     check_placement(model, "onnx export")
+    _check_roles(states)  # a KV cache is told as such, not as a block without a weight
     _check_linear(model, states)  # what a layer is before what its specs ask
     _check_untied(model, states)
     check_exportable(states)
@@ -391,11 +393,9 @@ def check_exportable(states) -> None:
     """Refuse what ONNX cannot express: roles other than weight and input, formats without
     an ONNX storage type, activation scales computed at run time, layouts and input ranges
     without a Q/DQ form (:func:`.onnx_graph.check_spec`)."""
+    _check_roles(states)
     for layer, roles in states.items():
         for role, state in roles.items():
-            if role not in ("weight", "input"):
-                raise ValueError(f"onnx export: {layer}.{role}: only weight and input roles "
-                                 f"export (got {role!r})")
             if role == "input" and state.dynamic is not False:
                 _storage(state.spec, layer, role)  # a float format is told as such first
                 raise ValueError(f"onnx export: {layer}.input is quantized at run time "
@@ -403,6 +403,23 @@ def check_exportable(states) -> None:
                                  f"activation scales only")
             check_spec(state.spec, layer, role)  # the rules the graph is written by
         _check_ort_runs(layer, roles)
+
+
+def _check_roles(states) -> None:
+    """Only weight and input roles have a Q/DQ form here. A KV cache has none: the graph
+    holds no cache (a causal LM exports its logits alone), while apply() quantizes the keys
+    and values of every forward, so a graph without them would not run as apply() does."""
+    for layer, roles in states.items():
+        for role in roles:
+            if role in kv_cache.ROLES:
+                raise ValueError(f"onnx export: {layer} {role}: the calibration quantizes the "
+                                 f"KV cache (a recipe's kv_cache, --kv-cache), and the ONNX "
+                                 f"export has no KV cache: calibrate without kv_cache to "
+                                 f"export the Linears to ONNX, or export compressed-tensors "
+                                 f"(vLLM's fp8 KV cache)")
+            if role not in ("weight", "input"):
+                raise ValueError(f"onnx export: {layer}.{role}: only weight and input roles "
+                                 f"export (got {role!r})")
 
 
 def _check_ort_runs(layer, roles) -> None:
