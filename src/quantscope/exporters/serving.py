@@ -7,8 +7,9 @@ vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py
 A fused MoE layer takes its method from the group of its experts
 (``CompressedTensorsMoEMethod.get_moe_method`` in compressed_tensors_moe.py), under rules of
 its own (:func:`vllm_moe_refusal`), and Qwen2-MoE / Qwen3-Next build ``shared_expert_gate`` as a
-plain unquantized ``torch.nn.Linear``. transformers and compressed-tensors load such a
-checkpoint all the same, so the export warns and ``quantscope check`` reports; neither refuses.
+plain unquantized ``torch.nn.Linear``. transformers and compressed-tensors load such dense
+layers all the same (MoE experts of some schemes only: :data:`TRANSFORMERS_EXPERTS`), so the
+export warns and ``quantscope check`` reports; neither refuses.
 A scheme vLLM runs on one platform only (W4A8 int experts: CPU) is reported as well, its line
 naming the platform: vLLM is served from GPUs.
 Only rules read in vLLM's source are here: a config group no rule covers (mxfp4, mixed
@@ -26,9 +27,9 @@ from .._plainchecks import block_structure
 from .moe_slots import expert_slot
 from .read_checks import SCALE_LEAVES, safetensors_headers
 
-__all__ = ["SCHEME_FIELDS", "describe", "embedding_layers", "quantized", "resolver",
-           "scheme_args", "unservable", "vllm_embedding_refusal", "vllm_moe_refusal",
-           "vllm_refusal", "warn_unservable"]
+__all__ = ["SCHEME_FIELDS", "TRANSFORMERS_EXPERTS", "describe", "embedding_layers",
+           "quantized", "resolver", "scheme_args", "unservable", "vllm_embedding_refusal",
+           "vllm_moe_refusal", "vllm_refusal", "warn_unservable"]
 
 _WEIGHT_ONLY_BITS = (4, 8)  # vLLM's WNA16_SUPPORTED_BITS
 
@@ -386,6 +387,17 @@ def _selected(groups: dict, names, embeddings=()) -> tuple[dict, dict, dict]:
     return experts, gates, embeds
 
 
+#: the tail of a problem of MoE experts (:func:`unservable`)
+_EXPERTS = "; its experts: "
+#: what transformers does with a folder's compressed per-expert layers, which it merges into
+#: its 3-D experts (a tiny Qwen2-MoE, transformers 5.17 with compressed-tensors 0.19 and 5.25
+#: with 0.20.1; docs/guide/deploy.md, "KV cache and MoE experts")
+TRANSFORMERS_EXPERTS = (
+    "transformers 5.17 / 5.25 load compressed MoE experts only of some schemes: symmetric int4 "
+    "weight-only ones run as apply() does, fp8 ones as float weights without their input "
+    "quantization; asymmetric int4 and int8 experts fail to load, NVFP4 experts to run")
+
+
 def _first(layers: list[str]) -> str:
     return f"{layers[0]!r}" + (f" and {len(layers) - 1} more" if len(layers) > 1 else "")
 
@@ -412,7 +424,7 @@ def unservable(qc: dict, names=(), embeddings=()) -> list[tuple[str, list[str], 
         if why := vllm_refusal(*args, group.get("output_activations")):
             found.append((name, targets, why))
         if name in experts and (why := vllm_moe_refusal(*args)):
-            found.append((name, targets, f"{why}; its experts: {_first(experts[name])}"))
+            found.append((name, targets, f"{why}{_EXPERTS}{_first(experts[name])}"))
         if name in embeds and (why := vllm_embedding_refusal(*args)):
             layers = ", ".join(map(repr, embeds[name]))
             found.append((name, targets, f"it quantizes the embeddings {layers}: {why}"))
@@ -439,5 +451,7 @@ def warn_unservable(folder, embeddings=()) -> None:
         qc = json.load(f).get("quantization_config") or {}
     names = safetensors_headers(folder, "export compressed-tensors")
     for name, targets, why in unservable(qc, names, embeddings):
-        warnings.warn(f"export compressed-tensors: {describe(name, targets)}: {why}; "
-                      f"transformers and compressed-tensors load it", stacklevel=3)
+        loads = TRANSFORMERS_EXPERTS if _EXPERTS in why else \
+            "transformers and compressed-tensors load it"
+        warnings.warn(f"export compressed-tensors: {describe(name, targets)}: {why}; {loads}",
+                      stacklevel=3)
