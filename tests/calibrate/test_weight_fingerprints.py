@@ -168,7 +168,8 @@ def test_calibrate_records_each_static_weights_fingerprint(calibrated):
     model, _, cal = calibrated
     for layer, roles in cal.states.items():
         assert roles["weight"].fingerprint == _reference(model.get_submodule(layer).weight)
-        assert roles["input"].fingerprint is None
+        # the static input scale came through the same weight: its fingerprint (probe s45)
+        assert roles["input"].fingerprint == roles["weight"].fingerprint
     dyn = calibrate(model, calibrated[1], "w8a8-dynamic", progress=False)
     assert all(r["input"].fingerprint is None and r["weight"].fingerprint is not None
                for r in dyn.states.values())
@@ -229,8 +230,9 @@ def test_a_calibration_saved_without_fingerprints_loads_and_exports_unchecked(ca
     assert all(back.states[k]["weight"].fingerprint == cal.states[k]["weight"].fingerprint
                for k in cal.states)
     meta = json.loads(meta_path.read_text())
-    for roles in meta["layers"].values():
-        roles["weight"].pop("fingerprint")
+    for roles in meta["layers"].values():  # the weights' and the static inputs'
+        for d in roles.values():
+            d.pop("fingerprint")
     meta_path.write_text(json.dumps(meta))
     old = load(tmp_path / "cal")
     other = llama(seed=1)[0]
@@ -246,7 +248,7 @@ def test_a_calibration_saved_without_fingerprints_loads_and_exports_unchecked(ca
                                               ("weight", "float32:" + "0" * 33),
                                               ("weight", "float32:" + "0" * 32 + "\n"),
                                               ("weight", "float32:" + "0" * 32 + " junk"),
-                                              ("input", "float32:" + "0" * 32)])
+                                              ("input", "float32:1234")])
 def test_a_damaged_fingerprint_is_refused_on_load(calibrated, tmp_path, field, value):
     _, _, cal = calibrated
     cal.save(tmp_path / "cal")

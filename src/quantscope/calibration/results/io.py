@@ -3,14 +3,14 @@
 ``path/qparams.safetensors`` holds ``"{layer}/{role}/{field}"`` tensors (scale,
 zero_point, global_scale, global_amax, lo, hi, and an act-order group's int64 ``g_idx``,
 which the spec's JSON does not hold); ``path/quantscope.json`` the recipe and, per layer
-and role, the spec, the observer used and the dynamic mode (a static weight's shape and
-fingerprint too), and the format's name and ``version`` (checked on load). Written
-atomically (:func:`~quantscope.exporters.atomic.atomic_dir`). :func:`load` gives back a
-:class:`Calibration` whose ``apply(model)`` restores exactly the QDQ model that was saved,
-with no recalibration, on the weights it was calibrated on: a SmoothQuant calibration's
-(``smoothing``, saved beside the qparams) are the smoothed ones, so smooth a freshly loaded
-float model first with :func:`~quantscope.calibration.choice.smooth.reapply` (as
-``quantscope evaluate`` / ``export`` do); ``apply`` refuses a model it can tell is not.
+and role, the spec, the observer used and the dynamic mode (a static weight's shape, and
+each calibrated role's fingerprint, too), and the format's name and ``version`` (checked on
+load). Written atomically (:func:`~quantscope.exporters.atomic.atomic_dir`). :func:`load`
+gives back a :class:`Calibration` whose ``apply(model)`` restores exactly the QDQ model that
+was saved, with no recalibration, on the weights it was calibrated on: a SmoothQuant
+calibration's (``smoothing``, saved beside the qparams) are the smoothed ones, so smooth a
+freshly loaded float model first with :func:`~quantscope.calibration.choice.smooth.reapply`
+(as ``quantscope evaluate`` / ``export`` do); ``apply`` refuses a model it can tell is not.
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ def load(path, device="cpu") -> Calibration:
     :class:`~quantscope.calibration.recipe.Role` (``"local"`` only under NVFP4's scales), a
     static weight records its shape (and a static or ``"local"`` one, where it has one, a
     fingerprint of the weight's bits: none in a folder saved before they were recorded; a
-    ``"local"`` one saved then records no shape either), and a run-time role's observer
+    ``"local"`` one saved then records no shape either; a static or ``"local"`` input,
+    output or KV-cache role the fingerprint of the weight its values came through, none in
+    a folder saved before), and a run-time role's observer
     is built as the forward builds it (a registered name taking its options). A
     damaged or edited folder raises ``ValueError`` naming the file and the key; an edit that
     stays a valid value (an int8 scale doubled) is not detected.
@@ -211,19 +213,20 @@ def _role_state(d, tensors, key, bad_meta, bad_tensor, used, role) -> RoleState:
         raise bad_tensor(f"{key}/global_amax", f"expected one value, got {gam.numel()}")
     lo, hi = (None, None) if dyn is True else _role_range(get, key, qp, bad_tensor)
     return RoleState(spec, d["observer"], d["requested"], dyn,
-                     options, qp, gam, lo, hi, shape, _fingerprint(d, role, dyn, bad_meta))
+                     options, qp, gam, lo, hi, shape, _fingerprint(d, dyn, bad_meta))
 
 
-def _fingerprint(d, role, dyn, bad_meta) -> str | None:
-    """A calibrated (static or ``"local"``) weight's fingerprint, checked; absent (a
-    calibration saved before they were recorded: its model goes unchecked) reads as None."""
+def _fingerprint(d, dyn, bad_meta) -> str | None:
+    """A calibrated (static or ``"local"``) role's fingerprint, checked; absent (a
+    calibration saved before they were recorded, or before roles other than weights recorded
+    them: its model goes unchecked there) reads as None."""
     try:
         text = check_fingerprint_text(d.get("fingerprint"))
     except ValueError as e:
         raise bad_meta("fingerprint", str(e)) from None
-    if text is not None and (role != "weight" or dyn is True):
-        raise bad_meta("fingerprint", "only a calibrated (static or \"local\") weight role "
-                                      "records one")
+    if text is not None and dyn is True:
+        raise bad_meta("fingerprint", "only a calibrated (static or \"local\") role records "
+                                      "one, not a run-time one (dynamic: true)")
     return text
 
 

@@ -59,7 +59,8 @@ class Calibration:
         """Raises ``ValueError`` (naming ``who``, the call) if ``model`` is recognisably not
         the one this calibration belongs to: with ``smoothing``, a model not smoothed, or
         smoothed twice; a weight whose bits differ from those calibrated (their fingerprints,
-        :func:`~..structure.fingerprint.check_fingerprints`: another checkpoint of the same
+        :func:`~..structure.fingerprint.check_fingerprints`: a quantized weight, the layer
+        weight a static input or output scale came through; another checkpoint of the same
         shapes, or the recorded model folder re-saved since). ``apply`` and every export
         (:mod:`quantscope.exporters.registry`) call it; any ``who`` but ``"apply"`` (an
         export) also refuses a model with QDQ applied, whose weights are fake-quantized."""
@@ -74,8 +75,8 @@ class Calibration:
     def without_fingerprints(self) -> Calibration:
         """A copy whose ``apply`` and exports take a model whose weights differ from those
         calibrated, knowingly (fine-tuned a little since, and the old scales are wanted): its
-        weight states carry no fingerprint, as a calibration saved before they were
-        recorded. The scales stay the calibrated weights': values past their range clip.
+        states carry no fingerprint, as a calibration saved before they were recorded. The
+        scales stay the calibrated model's: values past their range clip.
         ``quantscope export`` / ``evaluate --allow-other-weights`` apply it."""
         states = {layer: {role: st if st.fingerprint is None else replace(st, fingerprint=None)
                           for role, st in roles.items()} for layer, roles in self.states.items()}

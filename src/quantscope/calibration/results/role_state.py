@@ -22,7 +22,8 @@ class RoleState:
     ``global_amax`` is set for ``dynamic="local"``. ``observer`` is the observer that
     made the range (for ``auto``, the one chosen; ``requested`` says ``"auto"``).
     ``lo`` / ``hi`` are its per-unit range; ``shape`` the calibrated weight shape, and
-    ``fingerprint`` its bits' (a static or ``"local"`` weight's;
+    ``fingerprint`` the bits' of the weight its values came through (a static or
+    ``"local"`` role's: a weight's own, an input's or output's layer weight;
     :mod:`~..structure.fingerprint`: what ``Calibration.check_model`` compares a model's
     weight with).
     """

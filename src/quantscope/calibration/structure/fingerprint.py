@@ -18,11 +18,15 @@ cryptographic hash: a change made to collide can. One pass over the weight compu
 matrix-vector product of its rows, in uint64: numpy's on the CPU, in chunks within the
 caches; torch's elsewhere).
 
-``calibrate`` records the :func:`fingerprint` of each weight it calibrated values of (static,
-or ``"local"``: NVFP4's global scale, from the weight's amax) (``RoleState.fingerprint``,
-saved with the calibration); :func:`check_fingerprints` (``Calibration.check_model``: apply
-and every export) compares the model's. The distributed weight check compares the ranks'
-:func:`digest` s (:func:`~..run.gather.check_same_weights`).
+``calibrate`` records, on each role it calibrated values of (static, or ``"local"``: NVFP4's
+global scale, from the amax seen), the :func:`fingerprint` of the weight those values came
+through (:func:`source`): a weight's own; an input's or output's, its layer's weight (``x``
+entering it, ``x W^T`` leaving it) (``RoleState.fingerprint``, saved with the calibration);
+:func:`check_fingerprints` (``Calibration.check_model``: apply and every export) compares the
+model's. An activation's range also depends on every weight before it (norms, embeddings,
+earlier layers): those are not fingerprinted (the guide's "Saving and loading" says why).
+The distributed weight check compares the ranks' :func:`digest` s
+(:func:`~..run.gather.check_same_weights`).
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ import torch
 from torch import nn
 
 from ..._checks import outside_quantscope
+from . import kv_cache
 from .moe import view_weight
 from .placement import plain
 
 __all__ = ["check_fingerprint_text", "check_fingerprints", "digest", "fingerprint",
-           "fingerprint_text", "layer_weight", "record_fingerprints"]
+           "fingerprint_text", "layer_weight", "record_fingerprints", "source"]
 
 #: the words of a row (module doc)
 _COLUMNS = 8192
@@ -175,22 +180,30 @@ def _lacks(model: nn.Module, layer: str) -> bool:
     return False
 
 
+def source(model: nn.Module, layer: str, role: str) -> str | None:
+    """The layer whose weight the values of ``layer``'s ``role`` came through: ``layer`` for
+    its weight, input or output; None for the KV cache's ``"key"`` / ``"value"``."""
+    return None if role in kv_cache.ROLES else layer
+
+
 def record_fingerprints(model: nn.Module, calibrations) -> None:
-    """Give each calibrated weight state of ``calibrations`` (states ``{layer: {role:
-    RoleState}}``, changed in place; each state replaced: other calibrations may hold it) the
-    :func:`fingerprint` of the weight ``model`` holds for it (one pass per weight for all):
-    static ones, and ``"local"`` ones, whose global scale the weight's amax set (another
-    weight's values would clip to it); a run-time (``dynamic=True``) scale follows the weight."""
+    """Give each calibrated state of ``calibrations`` (states ``{layer: {role: RoleState}}``,
+    changed in place; each state replaced: other calibrations may hold it) the
+    :func:`fingerprint` of the weight of ``model`` its values came through (:func:`source`;
+    one pass per weight for all): static ones, and ``"local"`` ones, whose global scale the
+    amax set (another weight's values would clip to it); a run-time (``dynamic=True``) scale
+    follows its tensor."""
     seen = {}
     for states in calibrations:
         for layer, roles in states.items():
-            st = roles.get("weight")
-            if st is None or st.dynamic is True:
-                continue
-            if layer not in seen:
-                w = layer_weight(model, layer)
-                seen[layer] = None if w is None else fingerprint(w)
-            roles["weight"] = replace(st, fingerprint=seen[layer])
+            for role, st in list(roles.items()):
+                if st.dynamic is True:
+                    continue
+                owner = source(model, layer, role)
+                if owner not in seen:
+                    w = None if owner is None else layer_weight(model, owner)
+                    seen[owner] = None if w is None else fingerprint(w)
+                roles[role] = replace(st, fingerprint=seen[owner])
 
 
 def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
@@ -205,38 +218,41 @@ def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
 
 
 def check_fingerprints(model: nn.Module, states: dict, who: str, skip=frozenset()) -> None:
-    """Raise ``ValueError`` naming the first weight of ``model`` that differs from the one its
-    state's fingerprint was taken of (another shape: :meth:`RoleState.check_weight`'s error).
-    A weight in another dtype is compared cast to the calibrated one: a wider copy of it (or
-    the original a narrower calibrated copy was rounded from) matches; a narrower copy cannot
-    be told from another model's and is not checked (one warning says so). States without a
-    fingerprint (a calibration saved before they were recorded, or read from a checkpoint)
-    and the layers in ``skip`` are not checked; nor is a model lacking a calibrated layer,
-    whose module apply and the exports name."""
-    found = []
+    """Raise ``ValueError`` naming the first weight of ``model`` that differs from the one a
+    state's fingerprint was taken of (:func:`source`; a weight of another shape:
+    :meth:`RoleState.check_weight`'s error). A weight in another dtype is compared cast to the
+    calibrated one: a wider copy of it (or the original a narrower calibrated copy was rounded
+    from) matches; a narrower copy cannot be told from another model's and is not checked
+    (one warning says so). States without a fingerprint (a calibration saved before they were
+    recorded, or read from a checkpoint) and the weights of the layers in ``skip`` are not
+    checked; nor is a model lacking a calibrated layer, whose module apply and the exports
+    name. Each weight is read once, however many states were calibrated through it."""
+    found = {}
     for layer, roles in states.items():
-        st = roles.get("weight")
-        if st is None or st.fingerprint is None or layer in skip:
-            continue
-        w = layer_weight(model, layer)
-        if w is None and _lacks(model, layer):
-            return
-        if w is not None and not w.is_meta:
-            st.check_weight(who, layer, w)  # another shape anywhere says more: first
-            found.append((layer, st, w))
+        for role, st in roles.items():
+            owner = None if st.fingerprint is None else source(model, layer, role)
+            if st.fingerprint is None or owner in skip:
+                continue
+            w = None if owner is None else layer_weight(model, owner)
+            if w is None and _lacks(model, layer):
+                return
+            if w is not None and not w.is_meta:
+                if role == "weight":
+                    st.check_weight(who, layer, w)  # another shape anywhere says more: first
+                found.setdefault((owner, st.fingerprint), (role, w))
     narrower = []
-    for layer, st, w in found:
-        dtype = getattr(torch, st.fingerprint.partition(":")[0])
-        if fingerprint(w.to(dtype)) == st.fingerprint:
+    for (owner, text), (role, w) in found.items():
+        dtype = getattr(torch, text.partition(":")[0])
+        if fingerprint(w.to(dtype)) == text:
             continue
         if not _holds(w.dtype, dtype):
-            narrower.append((layer, w.dtype, dtype))
+            narrower.append((owner, w.dtype, dtype))
             continue
-        raise ValueError(f"{who}: {layer}.weight is not the weight calibrated (its bits differ "
-                         f"from the fingerprint calibrate recorded): the model was re-saved, "
-                         f"fine-tuned, or smoothed in place by a later calibrate(outliers="
-                         f"Outliers(smooth=...)) since, or is another checkpoint of the same "
-                         f"shapes; pass the model calibrated, or calibrate this one (to use "
+        raise ValueError(f"{who}: {owner}.weight is not the weight calibrated (its bits differ "
+                         f"from the fingerprint calibrate recorded{_for(role)}): the model was "
+                         f"re-saved, fine-tuned, or smoothed in place by a later calibrate("
+                         f"outliers=Outliers(smooth=...)) since, or is another checkpoint of the "
+                         f"same shapes; pass the model calibrated, or calibrate this one (to use "
                          f"these scales all the same, on weights not smoothed since: "
                          f"calibration.without_fingerprints(), --allow-other-weights)")
     if narrower:
@@ -245,3 +261,8 @@ def check_fingerprints(model: nn.Module, states: dict, who: str, skip=frozenset(
                       f"narrower than the {want} calibrated: a rounded copy cannot be told "
                       f"from another model's by their fingerprints, so they were not checked",
                       stacklevel=outside_quantscope())
+
+
+def _for(role: str) -> str:
+    """Which scales a weight's fingerprint was recorded for, where not its own."""
+    return "" if role == "weight" else f" for its {role} scales"
