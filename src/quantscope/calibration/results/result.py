@@ -8,7 +8,7 @@ import torch
 
 from ...exporters.registry import exporter, reader
 from ..structure import kv_cache
-from ..structure.fingerprint import check_fingerprints
+from ..structure.fingerprint import check_fingerprints, sources
 from .apply import apply as _apply
 from .apply import fake_quantized, refuse_applied
 from .report import Report, exact_note, kv_cache_rows
@@ -60,8 +60,9 @@ class Calibration:
         the one this calibration belongs to: with ``smoothing``, a model not smoothed, or
         smoothed twice; a weight whose bits differ from those calibrated (their fingerprints,
         :func:`~..structure.fingerprint.check_fingerprints`: a quantized weight, the layer
-        weight a static input or output scale came through; another checkpoint of the same
-        shapes, or the recorded model folder re-saved since). ``apply`` and every export
+        weight a static input or output scale came through, the projection making the KV
+        cache's keys or values; another checkpoint of the same shapes, or the recorded model
+        folder re-saved since). ``apply`` and every export
         (:mod:`quantscope.exporters.registry`) call it; any ``who`` but ``"apply"`` (an
         export) also refuses a model with QDQ applied, whose weights are fake-quantized."""
         if who != "apply" and isinstance(model, torch.nn.Module):
@@ -70,7 +71,7 @@ class Calibration:
             _check_smoothed(model, self, who)
         if isinstance(model, torch.nn.Module):  # else apply's / the export's type check
             check_fingerprints(model, self.states, who,
-                               skip=fake_quantized(model, self.states))
+                               skip=fake_quantized(model, sources(model, self.states)))
 
     def without_fingerprints(self) -> Calibration:
         """A copy whose ``apply`` and exports take a model whose weights differ from those

@@ -23,7 +23,8 @@ class RoleState:
     made the range (for ``auto``, the one chosen; ``requested`` says ``"auto"``).
     ``lo`` / ``hi`` are its per-unit range; ``shape`` the calibrated weight shape, and
     ``fingerprint`` the bits' of the weight its values came through (a static or
-    ``"local"`` role's: a weight's own, an input's or output's layer weight;
+    ``"local"`` role's: a weight's own, an input's or output's layer weight, the KV cache's
+    projection;
     :mod:`~..structure.fingerprint`: what ``Calibration.check_model`` compares a model's
     weight with).
     """

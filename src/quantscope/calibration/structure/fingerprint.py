@@ -21,11 +21,12 @@ caches; torch's elsewhere).
 ``calibrate`` records, on each role it calibrated values of (static, or ``"local"``: NVFP4's
 global scale, from the amax seen), the :func:`fingerprint` of the weight those values came
 through (:func:`source`): a weight's own; an input's or output's, its layer's weight (``x``
-entering it, ``x W^T`` leaving it) (``RoleState.fingerprint``, saved with the calibration);
-:func:`check_fingerprints` (``Calibration.check_model``: apply and every export) compares the
-model's. An activation's range also depends on every weight before it (norms, embeddings,
-earlier layers): those are not fingerprinted (the guide's "Saving and loading" says why).
-The distributed weight check compares the ranks' :func:`digest` s
+entering it, ``x W^T`` leaving it); the KV cache's keys' and values', the projection that
+makes them (``k_proj`` / ``v_proj`` / ``qkv_proj``) (``RoleState.fingerprint``, saved with
+the calibration); :func:`check_fingerprints` (``Calibration.check_model``: apply and every
+export) compares the model's. An activation's range also depends on every weight before it
+(norms, embeddings, earlier layers): those are not fingerprinted (the guide's "Saving and
+loading" says why). The distributed weight check compares the ranks' :func:`digest` s
 (:func:`~..run.gather.check_same_weights`).
 """
 
@@ -46,7 +47,7 @@ from .moe import view_weight
 from .placement import plain
 
 __all__ = ["check_fingerprint_text", "check_fingerprints", "digest", "fingerprint",
-           "fingerprint_text", "layer_weight", "record_fingerprints", "source"]
+           "fingerprint_text", "layer_weight", "record_fingerprints", "source", "sources"]
 
 #: the words of a row (module doc)
 _COLUMNS = 8192
@@ -182,8 +183,22 @@ def _lacks(model: nn.Module, layer: str) -> bool:
 
 def source(model: nn.Module, layer: str, role: str) -> str | None:
     """The layer whose weight the values of ``layer``'s ``role`` came through: ``layer`` for
-    its weight, input or output; None for the KV cache's ``"key"`` / ``"value"``."""
-    return None if role in kv_cache.ROLES else layer
+    its weight, input or output; for the KV cache's ``"key"`` / ``"value"`` the attention's
+    projection making them (:func:`~.kv_cache.projection`); None where ``model`` has none."""
+    if role not in kv_cache.ROLES:
+        return layer
+    try:
+        attention = model.get_submodule(layer)
+    except AttributeError:
+        return None
+    child = kv_cache.projection(attention, role)
+    return None if child is None else f"{layer}.{child}"
+
+
+def sources(model: nn.Module, states: dict) -> set[str]:
+    """The layers whose weights the fingerprinted states of ``states`` were taken of."""
+    return {source(model, layer, role) for layer, roles in states.items()
+            for role, st in roles.items() if st.fingerprint is not None} - {None}
 
 
 def record_fingerprints(model: nn.Module, calibrations) -> None:
@@ -265,4 +280,7 @@ def check_fingerprints(model: nn.Module, states: dict, who: str, skip=frozenset(
 
 def _for(role: str) -> str:
     """Which scales a weight's fingerprint was recorded for, where not its own."""
-    return "" if role == "weight" else f" for its {role} scales"
+    if role == "weight":
+        return ""
+    return f" for the {role} cache's scales" if role in kv_cache.ROLES else \
+        f" for its {role} scales"

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..._versions import require
 
-__all__ = ["ROLES", "attach", "attention_modules"]
+__all__ = ["ROLES", "attach", "attention_modules", "projection"]
 
 ROLES = ("key", "value")
 _PREFIX = "quantscope_kv_"
@@ -54,6 +54,16 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules()
             if any(isinstance(getattr(m, p, None), nn.Module) for p in _PROJECTIONS)
             and hasattr(getattr(m, "config", None), "_attn_implementation") and _cached(m)}
+
+
+def projection(attention: nn.Module, role: str) -> str | None:
+    """The child of ``attention`` whose output it caches as its ``role`` (``"key"`` or
+    ``"value"``), the weight that role's scales were calibrated through: ``k_proj`` /
+    ``v_proj``, else a fused ``qkv_proj``, else ``k_proj`` (values without a ``v_proj``:
+    Gemma 4's ``attention_k_eq_v`` layers); None where it has none of them."""
+    own = "k_proj" if role == "key" else "v_proj"
+    return next((p for p in (own, "qkv_proj", "k_proj")
+                 if isinstance(getattr(attention, p, None), nn.Module)), None)
 
 
 def _cached(module: nn.Module) -> bool:
