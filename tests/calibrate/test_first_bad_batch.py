@@ -11,7 +11,7 @@ from torch import nn
 
 from quantscope.calibration import calibrate
 from quantscope.calibration.run import observe
-from quantscope.calibration.run.non_finite import FirstBad
+from quantscope.calibration.run.non_finite import NONE, FirstBad, exchanged, first_of
 
 
 def _watched(n):
@@ -76,3 +76,20 @@ def test_the_pass_tracks_non_finite_values_once_per_batch_not_per_call(monkeypat
     assert ends == [0, 1, 2]
     assert calls.calls["aten.stack"] == 3
     assert "aten.add_" not in calls.calls
+
+
+def test_first_of_the_ranks_answers_is_one_process_answer():
+    """Each rank's (row, batch) over its own batches: the least row wins, then the least batch
+    of it (rank 1's batch 1 brought NaN to a later row only: rank 0's batch 2 is named)."""
+    watched = [_watched(3) for _ in range(2)]  # each rank's own observers
+    ranks = [FirstBad(w) for w in watched]
+    for batch, rank, rows in ((0, 0, []), (1, 1, [2]), (2, 0, [0, 2]), (3, 1, [0])):
+        for i in rows:
+            watched[rank][i][3].seen_non_finite = torch.ones((), dtype=torch.bool)
+        ranks[rank].end_batch(batch)
+    answers = [exchanged(r.first()) for r in ranks]
+    assert answers == [[0, 2], [0, 3]]
+    assert first_of(answers) == (0, 2)
+    assert first_of([[NONE, NONE], [2, 1]]) == (2, 1)
+    assert first_of([exchanged(None)] * 2) is None
+    assert first_of([exchanged((1, None)), [NONE, NONE]]) == (1, None)

@@ -143,8 +143,7 @@ def test_a_loaded_synced_state_counts_once_in_a_later_sync(ranks):
 def test_a_static_roles_nan_raises_the_one_process_value_error_on_every_rank(ranks):
     one = rank_results(ranks, "nan/False")
     assert one[0].startswith("ValueError: calibrate: layer '0' input: calibration batch 1")
-    assert rank_results(ranks, "nan/True") == [one[0] + " (calibration failed on rank(s) [1])",
-                                               one[1]]
+    assert rank_results(ranks, "nan/True") == one  # word for word (probe s45)
     assert rank_results(ranks, "nan/after") == [3, 3]
 
 

@@ -14,7 +14,7 @@ from ... import comm as qd
 from ...observers.sync import sync_observers
 from ..recipe import AUTO
 from ..structure import fusion
-from . import gather, imatrix_roles
+from . import gather, imatrix_roles, non_finite
 from .observe import (
     fed,
     make_plan,
@@ -104,10 +104,10 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
     # 'auto' decides on the sampled rows, so every rank needs the same sample: gather it;
     # otherwise the sample only feeds the report, which rank 0 makes from its own rows
     auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())
-    n, bad = 0, set()
+    n, bad, held = 0, set(), []  # held: the pass's NaN / inf flags (FirstBad), checked below
     importance = imatrix_roles.gather(model, slots)  # imatrix_mse weights: their inputs' x^2
     if needs_data or importance is not None:
-        # same_type: a batch's NaN in a static role is the one-process ValueError everywhere
+        # same_type: an error of the pass is the failing rank's ValueError everywhere
         with qd.all_or_none("calibration", group, same_type=True):
             try:
                 n = observe_batches(
@@ -116,12 +116,14 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
                     opts.progress and qd.is_main(group), seed + me,
                     sample_budget(sampling.budget_mb) / world if auto else sampling.budget_mb,
                     batch_index=lambda i: i * world + me,  # qd.shard's round robin
-                    forward=importance is not None)
+                    forward=importance is not None, flags=held.append)
             finally:
                 if importance is not None:
                     importance.remove()
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
-        n, bad = _global_counts(n, acts, group)
+        n, bad, first = _global_counts(n, acts, held[0] if held else None, group)
+        if first is not None:  # the batch one process names, on every rank
+            raise held[0].error(*first, model)
         sync_observers([o for s in unique_slots(acts.values()) for o in s.observers.values()],
                           group)
         if auto:
@@ -141,24 +143,28 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
                     model, non_finite=bad)
 
 
-def _global_counts(n, acts, group):
-    """``(batches, slot keys whose rows brought NaN / inf)`` over every rank, each activation
-    slot's ``calls`` made the total over the ranks (what ``missing`` reports), in one SUM
-    all_reduce. The NaN flags are read from each rank's own rows before rank 0 alone keeps
-    them (no ``auto``), so that a dynamic role's NaN raises on every rank, not where it fell."""
+def _global_counts(n, acts, first_bad, group):
+    """``(batches, slot keys whose rows brought NaN / inf, first bad (row, batch))`` over every
+    rank, each activation slot's ``calls`` made the total over the ranks (what ``missing``
+    reports), in one all_gather. The first bad batch is one process's (:func:`.first_of`),
+    from each rank's :class:`.FirstBad` ``first_bad`` (None: none watched). The NaN flags are
+    read from each rank's own rows before rank 0 alone keeps them (no ``auto``), so that a
+    dynamic role's NaN raises on every rank, not where it fell."""
     dev = qd.group_device(group)
     own = unique_slots(acts.values())
     rows = [None if s.sample is None else s.sample.rows() for s in own]
     flags = [torch.zeros((), dtype=torch.int64, device=dev) if x is None  # read back below
              else (~torch.isfinite(x)).any().to(device=dev, dtype=torch.int64) for x in rows]
-    counts = torch.tensor([n] + [s.calls for s in own], dtype=torch.int64, device=dev)
+    first = non_finite.exchanged(None if first_bad is None else first_bad.first())
+    counts = torch.tensor([n, *first] + [s.calls for s in own], dtype=torch.int64, device=dev)
     t = torch.cat([counts, torch.stack(flags)]) if own else counts
-    qd.all_reduce(t, dist.ReduceOp.SUM, group)
-    t = t.tolist()
-    for s, calls in zip(own, t[1:1 + len(own)]):
+    every = qd.all_gather(t, group).tolist()  # [rank][n, first bad (2), calls..., flags...]
+    sums = [sum(col) for col in zip(*every)]
+    for s, calls in zip(own, sums[3:3 + len(own)]):
         s.calls = calls
-    bad = {id(s) for s, f in zip(own, t[1 + len(own):]) if f}
-    return t[0], {k for k, s in acts.items() if id(s) in bad}
+    bad = {id(s) for s, f in zip(own, sums[3 + len(own):]) if f}
+    return (sums[0], {k for k, s in acts.items() if id(s) in bad},
+            non_finite.first_of(r[1:3] for r in every))
 
 
 def check_group(group, distributed: bool) -> None:

@@ -3,7 +3,8 @@
 An observer in ``non_finite="error"`` mode keeps a flag (``seen_non_finite``) that its
 ``forward`` sets without reading anything back; the flag stays set. :class:`FirstBad` stacks
 every such flag once per batch, one op per device at the batch's end (not one per observer
-call: a GPU's host pays for each op), and reads them all once after the pass.
+call: a GPU's host pays for each op), and reads them all once after the pass. Ranks that
+forwarded their shares of the batches agree on one process's answer (:func:`first_of`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import torch
 
 from .batches import nan_parameter
 
-__all__ = ["FirstBad"]
+__all__ = ["NONE", "FirstBad", "exchanged", "first_of"]
+
+#: what :func:`exchanged` sends for no bad batch: above every row and batch number
+NONE = 2**63 - 1
 
 
 class FirstBad:
@@ -54,19 +58,42 @@ class FirstBad:
         return i, None
 
     def check(self, model=None) -> None:
-        """Raise ``ValueError`` naming the layer, role and batch where a watched observer first
-        saw NaN or inf, and a parameter of ``model`` that holds them, the likelier cause."""
+        """Raise :meth:`error` of :meth:`first`, if any."""
         found = self.first()
-        if found is None:
-            return
-        i, batch = found
+        if found is not None:
+            raise self.error(*found, model)
+
+    def error(self, i: int, batch, model=None) -> ValueError:
+        """The ``ValueError`` naming the layer, role and batch where watched observer ``i``
+        first saw NaN or inf, and a parameter of ``model`` that holds them, the likelier
+        cause."""
         layer, role, name, _ = self.watched[i]
         where = "a calibration batch" if batch is None else f"calibration batch {batch}"
         own = nan_parameter(model)
         cause = (f"the model's own parameter {own!r} holds NaN or inf: fix it" if own
                  else "fix that batch (or what makes the model produce them)")
-        raise ValueError(f"calibrate: layer {layer!r} {role}: {where} (counting from 0) "
-                         f"brought NaN or inf values (observer {name!r}); {cause}")
+        return ValueError(f"calibrate: layer {layer!r} {role}: {where} (counting from 0) "
+                          f"brought NaN or inf values (observer {name!r}); {cause}")
+
+
+def exchanged(found: tuple[int, object] | None) -> list[int]:
+    """:meth:`FirstBad.first`'s answer as two integers for a collective (:data:`NONE` where
+    there is none)."""
+    if found is None:
+        return [NONE, NONE]
+    return [found[0], NONE if found[1] is None else found[1]]
+
+
+def first_of(answers) -> tuple[int, object] | None:
+    """One process's :meth:`FirstBad.first` from each rank's :func:`exchanged` answer over
+    its own share of the batches (numbered as one process numbers them; the ranks watch the
+    same rows): the least row, then the least batch of that row. A rank's answer is its
+    least row and that row's first batch, and a rank whose least row is another never set
+    this one's flag, so the pair least in that order is one process's answer over them all."""
+    i, batch = min(map(tuple, answers))
+    if i == NONE:
+        return None
+    return i, None if batch == NONE else batch
 
 
 def _read(groups) -> dict[int, bool]:

@@ -301,11 +301,13 @@ def _unhook_copy(module: nn.Module, owner: nn.Module | None, name: str) -> None:
 
 
 def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample_budget_mb=None,
-                    batch_index=None, forward=False):
+                    batch_index=None, forward=False, flags=None):
     """Forward every batch with observing hooks; returns the number of batches.
     ``batch_index(i)``: the number the user knows the ``i``-th batch by, in errors (a rank's
     shard of the batches: its place among all of them). ``forward``: forward the batches
-    even where no slot observes them (statistics gathered beside: :func:`in_pass`)."""
+    even where no slot observes them (statistics gathered beside: :func:`in_pass`).
+    ``flags``: called with the pass's :class:`.FirstBad` for the caller to check (the ranks
+    agree on the first bad batch first); None: checked here, NaN / inf raising."""
     by_module: dict[int, dict[str, list[Slot]]] = {}
     kv: dict[str, dict[str, list[Slot]]] = {}  # attention layer -> key / value slots
     watched = []  # the observers whose NaN / inf raise, as FirstBad names them
@@ -341,7 +343,10 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
         bad = FirstBad(watched)
         with eval_mode(model):
             n = _forward_all(model, batches, total, progress, batch_index, bad.end_batch)
-        bad.check(model)
+        if flags is None:
+            bad.check(model)
+        else:
+            flags(bad)
     finally:
         for h in handles:
             h.remove()

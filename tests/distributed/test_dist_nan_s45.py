@@ -1,0 +1,76 @@
+"""Distributed NaN / inf of probe s45: batches bringing NaN on both ranks made each rank raise
+the error of its own first bad batch (rank 0 named batch 2, rank 1 batch 1), not the
+one-process error. Now the ranks agree on the batch one process would name (the first
+observer in the layers' order, then the first batch after which it saw them) and every rank
+raises that ValueError, word for word.
+
+One spawn of 2 gloo processes runs every scenario; each rank also calibrates in one process
+(``distributed=False``) for the error to compare with. The process group's timeout is short,
+so a rank left waiting fails in seconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ports import error_text, rank_results, spawn_ranks
+
+import quantscope
+from quantscope import comm
+from quantscope.calibration import Runtime
+
+pytestmark = pytest.mark.dist  # spawns its own process group
+
+TIMEOUT = 20
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight[0].fill_(1e36)  # a batch of 1000s overflows its output row 0 to inf
+    return model.eval()
+
+
+def _batches(kind: str) -> list[torch.Tensor]:
+    """Four batches (rank 0 forwards 0 and 2, rank 1 forwards 1 and 3): ``"both"``, NaN in
+    layer 0's input in batches 1 and 2; ``"later_layer"``, inf in layer 2's input alone in
+    batch 1 (layer 0's output overflows), NaN in layer 0's input in batch 2."""
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    if kind == "both":
+        batches[1][0, 0] = float("nan")
+    else:
+        batches[1] = torch.full((4, 16), 1000.0)
+    batches[2][0, 0] = float("nan")
+    return batches
+
+
+def _scenarios(r, out):
+    for kind in ("both", "later_layer"):
+        for d in (False, True):
+            out[f"{kind}/{d}"] = error_text(
+                quantscope.calibrate, _mlp(), _batches(kind), "w8a8", observer="static_minmax",
+                progress=False, runtime=Runtime(distributed=d))
+    out["after"] = comm.all_sum(comm.rank() + 1)  # the ranks are still in step
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn_ranks(_scenarios, 2, TIMEOUT)
+
+
+@pytest.mark.parametrize(("kind", "names"), [
+    ("both", "layer '0' input: calibration batch 1 "),
+    # layer 0's observer comes first in one process's order: its batch 2, not batch 1's
+    # inf, which only layer 2 saw
+    ("later_layer", "layer '0' input: calibration batch 2 "),
+])
+def test_nan_on_both_ranks_raises_the_one_process_error_on_every_rank(ranks, kind, names):
+    one = rank_results(ranks, f"{kind}/False")
+    assert one[0] == one[1]
+    assert one[0].startswith(f"ValueError: calibrate: {names}(counting from 0) brought NaN or "
+                             f"inf values (observer 'static_minmax')"), one[0]
+    assert rank_results(ranks, f"{kind}/True") == one
+
+
+def test_the_ranks_stay_in_step_after_the_nan(ranks):
+    assert rank_results(ranks, "after") == [1 + 2] * 2
